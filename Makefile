@@ -1,0 +1,88 @@
+# dsk - build, test, run.  `make run` trains the example model; `make test` runs every test.
+# CUDA=1 builds the CUDA paths (needs nvcc; default when nvcc is on PATH), CUDA=0 forces CPU.
+# A CUDA build still runs on a machine without a GPU: it detects that and uses the CPU.
+
+CC      ?= gcc
+CXX     ?= g++
+NVCC    ?= nvcc
+BUILD   ?= build
+CUDA_HOME ?= /usr/local/cuda
+CUDA    ?= $(if $(shell command -v $(NVCC) 2>/dev/null),1,0)
+ARCH    ?= -march=native
+OPT     ?= -O2
+SAN     ?=
+GENCODE ?= -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90
+
+WARN     = -Wall -Wextra -Werror
+CFLAGS  += -std=c11 $(OPT) $(ARCH) -g -fopenmp $(WARN) -D_GNU_SOURCE -I. $(SAN)
+CXXFLAGS+= -std=c++17 $(OPT) $(ARCH) -g -fopenmp $(WARN) -I. $(SAN)
+LDLIBS  += -lm -lpthread
+NVFLAGS ?= -O2 -std=c++17 $(GENCODE) -I. -Xcompiler -Wall,-Wextra,-Werror,-fPIC
+
+HEADERS  = $(wildcard dsk_*.h) kernels/dsk_kernels.h
+KSRC     = $(wildcard kernels/*.cu)
+KOBJ     = $(patsubst kernels/%.cu,$(BUILD)/kernels/%.o,$(KSRC))
+KLIB     = $(BUILD)/libdsk_kernels.a
+
+ifeq ($(CUDA),1)
+CFLAGS  += -DDSK_CUDA -I$(CUDA_HOME)/include
+CXXFLAGS+= -DDSK_CUDA -I$(CUDA_HOME)/include
+LDLIBS  := $(KLIB) -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcublasLt -lnccl -lcudart -lstdc++ $(LDLIBS)
+DEPS     = $(HEADERS) $(KLIB)
+else
+DEPS     = $(HEADERS)
+endif
+
+TESTS     = $(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/test_*.c))
+GPU_TESTS = $(patsubst tests/gpu/%.c,$(BUILD)/tests/gpu/%,$(wildcard tests/gpu/test_*.c))
+EXAMPLES  = $(patsubst examples/%.c,$(BUILD)/examples/%,$(wildcard examples/*.c))
+BENCH_SRC = $(wildcard bench/*.c)
+BENCHES   = $(patsubst bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
+
+.PHONY: all tests examples bench run test test-gpu sanitize fuzz clean
+all: tests examples
+
+tests: $(TESTS) $(GPU_TESTS)
+examples: $(EXAMPLES)
+bench: $(BENCHES)
+
+$(BUILD)/kernels/%.o: kernels/%.cu $(HEADERS)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVFLAGS) -c $< -o $@
+
+$(KLIB): $(KOBJ)
+	@mkdir -p $(dir $@)
+	rm -f $@ && ar rcs $@ $^
+
+$(BUILD)/tests/%: tests/%.c tests/dsk_test.h $(DEPS)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $< $(LDLIBS)
+
+$(BUILD)/examples/%: examples/%.c $(wildcard examples/*.h) $(DEPS)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $< $(LDLIBS)
+
+# Benchmarks link their peers (OpenBLAS, Open MPI) where they need them; see bench/*.c.
+BENCH_LIBS_bench_gemm = -lopenblas
+$(BUILD)/bench/%: bench/%.c $(DEPS)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $< $(BENCH_LIBS_$*) $(LDLIBS)
+
+run: $(BUILD)/examples/train_moe
+	$(BUILD)/examples/train_moe $(ARGS)
+
+test: tests examples
+	@BUILD=$(BUILD) bash scripts/run_tests.sh
+
+test-gpu: $(GPU_TESTS)
+	@BUILD=$(BUILD) bash scripts/run_tests.sh gpu
+
+# ASan + UBSan on the CPU build (CUDA's runtime does not run under ASan).
+sanitize:
+	$(MAKE) BUILD=build-san CUDA=0 OPT=-O1 SAN="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" test
+
+fuzz:
+	@bash scripts/fuzz.sh
+
+clean:
+	rm -rf build build-san build-fuzz

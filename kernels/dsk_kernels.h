@@ -1,0 +1,63 @@
+/* dsk_kernels.h - C prototypes of every CUDA launcher behind the dsk headers.
+   Built by nvcc from the kernels/ .cu files into the dsk kernel library; the headers call these
+   under DSK_CUDA after validating their arguments (shapes, dtypes, devices), so a launcher
+   may assume valid input. Each returns DSK_OK or DSK_ERR_CUDA with dsk_last_error() set,
+   checking every CUDA call and cudaGetLastError() after every launch. Work is enqueued
+   on ctx->stream; launchers do not synchronise unless their comment says so. */
+#ifndef DSK_KERNELS_H
+#define DSK_KERNELS_H
+#include "../dsk_tensor.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- runtime (kernels/tensor.cu) */
+dsk_status dsk_cuda_device_count(int *n);                 /* 0 devices (no driver) is DSK_OK with *n = 0 */
+dsk_status dsk_cuda_ctx_init(dsk_ctx *ctx, int index);    /* sets device, stream, cuBLAS handle, workspace */
+void dsk_cuda_ctx_free(dsk_ctx *ctx);                     /* releases what ctx_init made; safe on partial init */
+dsk_status dsk_cuda_sync(dsk_ctx *ctx);                   /* cudaStreamSynchronize(ctx->stream) */
+dsk_status dsk_cuda_malloc(dsk_ctx *ctx, size_t bytes, void **p); /* cudaMallocAsync on ctx->stream */
+void dsk_cuda_free(dsk_ctx *ctx, void *p);                /* cudaFreeAsync on ctx->stream (sync free if ctx NULL) */
+/* to_device = 1: host -> device, 0: device -> host; asynchronous on ctx->stream. */
+dsk_status dsk_cuda_memcpy(dsk_ctx *ctx, void *dst, const void *src, size_t bytes, int to_device);
+
+/* ---- tensor ops (kernels/tensor.cu): same contracts as the dsk_tensor.h function of the same name */
+dsk_status dsk_cuda_tensor_copy(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor *src); /* same device, any dtypes/strides */
+dsk_status dsk_cuda_tensor_fill(dsk_ctx *ctx, dsk_tensor *t, double value);
+dsk_status dsk_cuda_tensor_uniform(dsk_ctx *ctx, dsk_tensor *t, uint64_t seed, uint64_t offset, float lo, float hi);
+dsk_status dsk_cuda_tensor_normal(dsk_ctx *ctx, dsk_tensor *t, uint64_t seed, uint64_t offset, float mean, float std);
+dsk_status dsk_cuda_matmul(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, int trans_a, const dsk_tensor *B, int trans_b, float alpha, float beta);
+dsk_status dsk_cuda_add(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *a, const dsk_tensor *b);
+dsk_status dsk_cuda_mul(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *a, const dsk_tensor *b);
+dsk_status dsk_cuda_scale(dsk_ctx *ctx, dsk_tensor *t, float alpha);
+dsk_status dsk_cuda_axpy(dsk_ctx *ctx, dsk_tensor *y, float alpha, const dsk_tensor *x);
+dsk_status dsk_cuda_reduce(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *in, int axis, dsk_reduce_op op);
+dsk_status dsk_cuda_sum_squares(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *in);
+dsk_status dsk_cuda_softmax(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x);
+dsk_status dsk_cuda_softmax_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *y, const dsk_tensor *dy);
+dsk_status dsk_cuda_rmsnorm(dsk_ctx *ctx, dsk_tensor *y, dsk_tensor *rstd, const dsk_tensor *x, const dsk_tensor *w, float eps);
+dsk_status dsk_cuda_rmsnorm_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk_tensor *dw, const dsk_tensor *dy, const dsk_tensor *x, const dsk_tensor *w, const dsk_tensor *rstd);
+dsk_status dsk_cuda_silu(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x);
+dsk_status dsk_cuda_silu_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, const dsk_tensor *x);
+dsk_status dsk_cuda_swiglu(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *gate, const dsk_tensor *up);
+dsk_status dsk_cuda_swiglu_backward(dsk_ctx *ctx, dsk_tensor *dgate, dsk_tensor *dup, const dsk_tensor *dout, const dsk_tensor *gate, const dsk_tensor *up);
+dsk_status dsk_cuda_embedding(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *table, const dsk_tensor *ids);
+dsk_status dsk_cuda_embedding_backward(dsk_ctx *ctx, dsk_tensor *dtable, const dsk_tensor *dout, const dsk_tensor *ids);
+dsk_status dsk_cuda_cross_entropy(dsk_ctx *ctx, dsk_tensor *loss, dsk_tensor *dlogits, const dsk_tensor *logits, const dsk_tensor *targets, int32_t ignore_index, float grad_scale);
+dsk_status dsk_cuda_gather_rows(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *src, const dsk_tensor *idx);
+dsk_status dsk_cuda_scatter_add_rows(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor *src, const dsk_tensor *idx);
+dsk_status dsk_cuda_topk(dsk_ctx *ctx, dsk_tensor *values, dsk_tensor *indices, const dsk_tensor *x, int k);
+dsk_status dsk_cuda_rope(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, int64_t pos0, float theta);
+dsk_status dsk_cuda_rope_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, int64_t pos0, float theta);
+dsk_status dsk_cuda_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *probs, const dsk_tensor *q, const dsk_tensor *k, const dsk_tensor *v, float scale);
+dsk_status dsk_cuda_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tensor *dk, dsk_tensor *dv, const dsk_tensor *dout, const dsk_tensor *q, const dsk_tensor *k, const dsk_tensor *v, const dsk_tensor *probs, float scale);
+dsk_status dsk_cuda_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_tensor *grad, dsk_tensor *m, dsk_tensor *v, const dsk_adamw_opts *opts, int64_t step, float grad_mult, dsk_tensor *param_copy);
+
+/* ---- amp (kernels/amp.cu): prototypes added by dsk_amp.h's author */
+
+/* ---- moe (kernels/moe.cu): prototypes added by dsk_moe.h's author */
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DSK_KERNELS_H */

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Every dsk header compiles on its own, with its IMPLEMENTATION macro, as C11 and as C++17
+# under -Wall -Wextra -Werror, with and without DSK_CUDA (and with DSK_STATIC on the CPU).
+cd "$(dirname "$0")/.."
+passed=0 failed=0
+cuda_inc=${CUDA_HOME:-/usr/local/cuda}/include
+check() { # label, compiler..., reads the source from stdin
+  local label=$1; shift
+  local out
+  if out=$("$@" -fsyntax-only -Wall -Wextra -Werror -I. - 2>&1); then
+    echo "ok   $label"; passed=$((passed + 1))
+  else
+    echo "FAIL $label"; echo "$out" | head -20; failed=$((failed + 1))
+  fi
+}
+for h in dsk_*.h; do
+  impl=$(basename "$h" .h | tr 'a-z' 'A-Z')_IMPLEMENTATION
+  for lang in "gcc -std=c11 -x c" "g++ -std=c++17 -x c++"; do
+    std=${lang%% -x*}
+    src=$(printf '#define %s\n#include "%s"\n' "$impl" "$h")
+    check "$h alone ($std)" $lang <<<"$src"
+    check "$h alone, DSK_STATIC ($std)" $lang -DDSK_STATIC -Wno-unused-function <<<"$src"
+    check "$h alone, DSK_CUDA ($std)" $lang -DDSK_CUDA -I"$cuda_inc" <<<"$src"
+  done
+done
+echo "[test_headers] totals: $passed passed / $failed failed / 0 skipped"
+[ "$failed" -eq 0 ]
