@@ -40,35 +40,35 @@ typedef struct dsk_test_state {
 
 static dsk_test_state dsk_test_g;
 
-static double dsk_test_now(void) {
+static inline double dsk_test_now(void) {
     struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
+    timespec_get(&ts, TIME_UTC);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
 /* ---- random inputs (splitmix64; independent of the library's RNG on purpose) */
-static uint64_t dsk_test_rand_u64(void) {
+static inline uint64_t dsk_test_rand_u64(void) {
     uint64_t z = (dsk_test_g.rng += 0x9E3779B97F4A7C15ull);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return z ^ (z >> 31);
 }
 /* Uniform in [lo, hi). */
-static double dsk_test_rand(double lo, double hi) { return lo + (hi - lo) * (double)(dsk_test_rand_u64() >> 11) * (1.0 / 9007199254740992.0); }
+static inline double dsk_test_rand(double lo, double hi) { return lo + (hi - lo) * (double)(dsk_test_rand_u64() >> 11) * (1.0 / 9007199254740992.0); }
 /* Uniform integer in [0, n). */
-static int64_t dsk_test_rand_int(int64_t n) { return n <= 0 ? 0 : (int64_t)(dsk_test_rand_u64() % (uint64_t)n); }
-static double dsk_test_randn(void) {
+static inline int64_t dsk_test_rand_int(int64_t n) { return n <= 0 ? 0 : (int64_t)(dsk_test_rand_u64() % (uint64_t)n); }
+static inline double dsk_test_randn(void) {
     double u1 = dsk_test_rand(1e-300, 1.0), u2 = dsk_test_rand(0.0, 1.0);
     return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
 }
-static void dsk_test_fill_f32(float *p, int64_t n, double lo, double hi) { for (int64_t i = 0; i < n; i++) p[i] = (float)dsk_test_rand(lo, hi); }
-static void dsk_test_fill_f64(double *p, int64_t n, double lo, double hi) { for (int64_t i = 0; i < n; i++) p[i] = dsk_test_rand(lo, hi); }
+static inline void dsk_test_fill_f32(float *p, int64_t n, double lo, double hi) { for (int64_t i = 0; i < n; i++) p[i] = (float)dsk_test_rand(lo, hi); }
+static inline void dsk_test_fill_f64(double *p, int64_t n, double lo, double hi) { for (int64_t i = 0; i < n; i++) p[i] = dsk_test_rand(lo, hi); }
 /* NaN-fill an output before the call under test, so unwritten elements fail the check. */
-static void dsk_test_poison_f32(float *p, int64_t n) { for (int64_t i = 0; i < n; i++) p[i] = NAN; }
-static void dsk_test_poison_bytes(void *p, size_t n) { memset(p, 0xA5, n); }
+static inline void dsk_test_poison_f32(float *p, int64_t n) { for (int64_t i = 0; i < n; i++) p[i] = NAN; }
+static inline void dsk_test_poison_bytes(void *p, size_t n) { memset(p, 0xA5, n); }
 
 /* ---- cases */
-static void dsk_test_init(const char *program) {
+static inline void dsk_test_init(const char *program) {
     const char *s = getenv("DSK_TEST_SEED");
     memset(&dsk_test_g, 0, sizeof dsk_test_g);
     dsk_test_g.program = program;
@@ -78,13 +78,13 @@ static void dsk_test_init(const char *program) {
     fflush(stdout);
 }
 
-static void dsk_test_end(void);
-static void dsk_test_begin(const char *fmt, ...)
+static inline void dsk_test_end(void);
+static inline void dsk_test_begin(const char *fmt, ...)
 #if defined(__GNUC__)
     __attribute__((format(printf, 1, 2)))
 #endif
     ;
-static void dsk_test_begin(const char *fmt, ...) {
+static inline void dsk_test_begin(const char *fmt, ...) {
     va_list ap;
     if (dsk_test_g.in_case) dsk_test_end();
     va_start(ap, fmt);
@@ -96,7 +96,7 @@ static void dsk_test_begin(const char *fmt, ...) {
     dsk_test_g.case_start = dsk_test_now();
 }
 
-static void dsk_test_end(void) {
+static inline void dsk_test_end(void) {
     double ms = 1e3 * (dsk_test_now() - dsk_test_g.case_start);
     if (!dsk_test_g.in_case) return;
     dsk_test_g.in_case = 0;
@@ -114,7 +114,7 @@ static void dsk_test_end(void) {
 }
 
 /* Marks the current case skipped (unless something in it already failed). */
-static void dsk_test_skip(const char *fmt, ...) {
+static inline void dsk_test_skip(const char *fmt, ...) {
     va_list ap;
     char why[256];
     va_start(ap, fmt);
@@ -124,7 +124,7 @@ static void dsk_test_skip(const char *fmt, ...) {
     printf("     %s: skipped: %s\n", dsk_test_g.case_name, why);
 }
 
-static void dsk_test_fail_at(const char *file, int line, const char *fmt, ...) {
+static inline void dsk_test_fail_at(const char *file, int line, const char *fmt, ...) {
     va_list ap;
     dsk_test_g.case_failed = 1;
     dsk_test_g.checks_failed_total++;
@@ -139,7 +139,7 @@ static void dsk_test_fail_at(const char *file, int line, const char *fmt, ...) {
 #define DSK_TEST_RUN(fn) do { dsk_test_begin("%s", #fn); fn(); dsk_test_end(); } while (0)
 
 /* Prints the totals line and returns the exit status for main. */
-static int dsk_test_finish(void) {
+static inline int dsk_test_finish(void) {
     if (dsk_test_g.in_case) dsk_test_end();
     printf("[%s] totals: %d passed / %d failed / %d skipped\n", dsk_test_g.program, dsk_test_g.passed, dsk_test_g.failed,
            dsk_test_g.skipped);
@@ -154,7 +154,7 @@ static int dsk_test_finish(void) {
 /* Compares n floats with a float64 reference: |got - want| <= atol + rtol * |want|, and
    every got must be finite where want is (catches unwritten NaN-poisoned outputs).
    Reports the worst element by (error / allowed). Returns 1 on success. */
-static int dsk_test_close_at(const char *file, int line, const float *got, const double *want, int64_t n, double rtol,
+static inline int dsk_test_close_at(const char *file, int line, const float *got, const double *want, int64_t n, double rtol,
                              double atol, const char *what) {
     int64_t worst = -1, bad = 0;
     double worst_ratio = 0;
@@ -173,7 +173,7 @@ static int dsk_test_close_at(const char *file, int line, const float *got, const
 #define DSK_TEST_CLOSE(got, want, n, rtol, atol, what) dsk_test_close_at(__FILE__, __LINE__, got, want, n, rtol, atol, what)
 
 /* Same for a float64 `got`. */
-static int dsk_test_close64_at(const char *file, int line, const double *got, const double *want, int64_t n, double rtol,
+static inline int dsk_test_close64_at(const char *file, int line, const double *got, const double *want, int64_t n, double rtol,
                                double atol, const char *what) {
     int64_t worst = -1, bad = 0;
     double worst_ratio = 0;
@@ -191,7 +191,7 @@ static int dsk_test_close64_at(const char *file, int line, const double *got, co
 #define DSK_TEST_CLOSE64(got, want, n, rtol, atol, what) dsk_test_close64_at(__FILE__, __LINE__, got, want, n, rtol, atol, what)
 
 /* Bitwise equality of two buffers; reports the first differing byte. */
-static int dsk_test_same_bytes_at(const char *file, int line, const void *a, const void *b, size_t n, const char *what) {
+static inline int dsk_test_same_bytes_at(const char *file, int line, const void *a, const void *b, size_t n, const char *what) {
     const unsigned char *x = (const unsigned char *)a, *y = (const unsigned char *)b;
     for (size_t i = 0; i < n; i++)
         if (x[i] != y[i]) {
