@@ -291,10 +291,39 @@ DSK_API dsk_status dsk_tensor_uniform(dsk_ctx *ctx, dsk_tensor *t, uint64_t seed
 /* Element i <- mean + std * dsk_rng_normal_at(seed, offset, i). */
 DSK_API dsk_status dsk_tensor_normal(dsk_ctx *ctx, dsk_tensor *t, uint64_t seed, uint64_t offset, float mean, float std);
 
+/* ------------------------------------------------------------------ elementwise math
+   Shared by the CPU ops below and the CUDA kernels (kernels/tensor.cu), so both paths
+   run the same arithmetic. */
+
+static inline DSK_HD float dsk_sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+static inline DSK_HD float dsk_silu_f(float x) { return x * dsk_sigmoid_f(x); }
+/* d silu(x) / dx = s (1 + x (1 - s)), s = sigmoid(x). */
+static inline DSK_HD float dsk_silu_grad_f(float x) {
+    float s = dsk_sigmoid_f(x);
+    return s * (1.0f + x * (1.0f - s));
+}
+static inline DSK_HD float dsk_swiglu_f(float gate, float up) { return dsk_silu_f(gate) * up; }
+/* Gradients of out = silu(gate) * up given dout (to be accumulated by the caller). */
+static inline DSK_HD void dsk_swiglu_grad_f(float gate, float up, float dout, float *dgate, float *dup) {
+    *dgate = dout * up * dsk_silu_grad_f(gate);
+    *dup = dout * dsk_silu_f(gate);
+}
+/* RoPE angle of pair i (0 <= i < dh/2) at position pos: pos * theta^(-2i/dh). */
+static inline DSK_HD float dsk_rope_angle(int64_t pos, int64_t i, int64_t dh, float theta) {
+    return (float)pos * powf(theta, -2.0f * (float)i / (float)dh);
+}
+/* Rotates (x0, x1) by the angle with cosine c and sine s; backward passes -s. */
+static inline DSK_HD void dsk_rope_rotate(float x0, float x1, float c, float s, float *y0, float *y1) {
+    *y0 = x0 * c - x1 * s;
+    *y1 = x0 * s + x1 * c;
+}
+
 /* ------------------------------------------------------------------ ops
-   Unless a comment says otherwise: tensors are contiguous and on ctx's device; float
-   tensors are f32, bf16 or f16 with math in f32; index tensors are i32; outputs are
-   written, and backward outputs (dx, dw, ...) are accumulated. */
+   Unless a comment says otherwise: tensors are contiguous and on one device (CUDA tensors
+   need a ctx on that device; CPU ops accept ctx == NULL); float tensors are f32, bf16 or
+   f16 with math in f32, and the float tensors of one op share a dtype; index tensors are
+   i32; outputs are written, and backward outputs (dx, dw, ...) are accumulated. Index
+   ranges are checked on the CPU path only (a CUDA launcher may assume valid indices). */
 
 /* C = alpha * op(A) op(B) + beta * C, op(X) = X or X^T; A (M,K), B (K,N), C (M,N) after op.
    3-D operands (batch, rows, cols) form a strided batched product; a 2-D A or B is shared
@@ -314,18 +343,21 @@ DSK_API dsk_status dsk_scale(dsk_ctx *ctx, dsk_tensor *t, float alpha);         
 DSK_API dsk_status dsk_axpy(dsk_ctx *ctx, dsk_tensor *y, float alpha, const dsk_tensor *x);        /* y += alpha x */
 
 typedef enum dsk_reduce_op { DSK_REDUCE_SUM = 0, DSK_REDUCE_MEAN, DSK_REDUCE_MAX } dsk_reduce_op;
-/* out = reduce of `in` along `axis`; out has in's shape without that axis (or with it as 1). */
+/* out = reduce of `in` along `axis` (negative counts from the end); out has in's shape without
+   that axis (or with it as 1) and in's dtype. Sums in f64 on the CPU; max propagates NaN;
+   an empty axis gives sum 0, mean NaN, max -Inf. */
 DSK_API dsk_status dsk_reduce(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *in, int axis, dsk_reduce_op op);
-/* out (scalar f32) = sum of squares of all elements, accumulated in f64 on the CPU and in a
-   fixed-order f32 tree on the GPU. */
+/* out (scalar f32: one element) = sum of squares of all elements of `in` (any float dtype,
+   f32/bf16/f16), accumulated in f64 on the CPU and in a fixed-order f32 tree on the GPU. */
 DSK_API dsk_status dsk_sum_squares(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *in);
 
-/* Row softmax over the last dim: y (R, C). Backward: dx += y * (dy - sum(dy * y)). */
+/* Row softmax over the last dim: x, y (..., C). Backward: dx += y * (dy - sum(dy * y)). */
 DSK_API dsk_status dsk_softmax(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x);
 DSK_API dsk_status dsk_softmax_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *y, const dsk_tensor *dy);
 
 /* RMSNorm over the last dim: y = x * rstd * w, rstd = 1/sqrt(mean(x^2) + eps).
-   x, y (R, D); w (D); rstd (R) f32 saved for backward (may be NULL in forward). */
+   x, y (..., D); w (D); rstd f32 with x's shape without the last dim, saved for backward
+   (may be NULL in forward). Backward: dx and dw may each be NULL (not computed). */
 DSK_API dsk_status dsk_rmsnorm(dsk_ctx *ctx, dsk_tensor *y, dsk_tensor *rstd, const dsk_tensor *x, const dsk_tensor *w, float eps);
 DSK_API dsk_status dsk_rmsnorm_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk_tensor *dw, const dsk_tensor *dy,
                                         const dsk_tensor *x, const dsk_tensor *w, const dsk_tensor *rstd);
@@ -337,12 +369,12 @@ DSK_API dsk_status dsk_swiglu(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *g
 DSK_API dsk_status dsk_swiglu_backward(dsk_ctx *ctx, dsk_tensor *dgate, dsk_tensor *dup, const dsk_tensor *dout,
                                        const dsk_tensor *gate, const dsk_tensor *up);
 
-/* Embedding: out (T, D) = table (V, D) rows at ids (T) i32. Backward: dtable[ids[t]] += dout[t],
+/* Embedding: out (..., D) = table (V, D) rows at ids (...) i32. Backward: dtable[ids[t]] += dout[t],
    in token order (deterministic, no float atomics). Ids out of range are an error. */
 DSK_API dsk_status dsk_embedding(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *table, const dsk_tensor *ids);
 DSK_API dsk_status dsk_embedding_backward(dsk_ctx *ctx, dsk_tensor *dtable, const dsk_tensor *dout, const dsk_tensor *ids);
 
-/* Fused softmax cross-entropy from logits (T, V) and targets (T) i32. loss (scalar f32) =
+/* Fused softmax cross-entropy from logits (..., V) and targets (...) i32. loss (scalar f32) =
    mean over tokens whose target != ignore_index of -log softmax(logits)[target] (0 if none).
    dlogits (T, V) or NULL: WRITTEN (not accumulated) with grad_scale * (softmax - onehot) / count,
    zero rows for ignored tokens. Targets outside [0, V) other than ignore_index are an error. */
@@ -355,11 +387,12 @@ DSK_API dsk_status dsk_gather_rows(dsk_ctx *ctx, dsk_tensor *out, const dsk_tens
 DSK_API dsk_status dsk_scatter_add_rows(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor *src, const dsk_tensor *idx);
 
 /* Per-row top-k of x (R, C) f32: values (R, k) f32 descending, indices (R, k) i32; ties go
-   to the lower index; NaN ranks below every number. */
+   to the lower index; NaN ranks below every number; 1 <= k <= C. */
 DSK_API dsk_status dsk_topk(dsk_ctx *ctx, dsk_tensor *values, dsk_tensor *indices, const dsk_tensor *x, int k);
 
 /* Rotary position embedding on x (B, T, H, Dh), Dh even, pairs (2i, 2i+1) rotated by
-   angle (pos0 + t) * theta^(-2i/Dh). Backward rotates by the negative angle (dx += ...). */
+   angle (pos0 + t) * theta^(-2i/Dh) (dsk_rope_angle, dsk_rope_rotate); y may alias x.
+   Backward rotates dy by the negative angle and accumulates into dx. */
 DSK_API dsk_status dsk_rope(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, int64_t pos0, float theta);
 DSK_API dsk_status dsk_rope_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, int64_t pos0, float theta);
 
@@ -394,10 +427,16 @@ static inline DSK_HD void dsk_adamw_update(float *p, float *m, float *v, float g
     *m = mn; *v = vn; *p = pn;
 }
 
+/* Bias correction 1 - beta^step, computed in f64 and rounded to f32 (host and device). */
+static inline DSK_HD float dsk_adamw_bias_correction(float beta, int64_t step) {
+    return (float)(1.0 - pow((double)beta, (double)step));
+}
+
 /* One AdamW step at `step` (1-based) on f32 master weights `param` with f32 moments m, v
    (all the same shape) from `grad` (f32, bf16 or f16) times `grad_mult` (fuses loss
    unscaling and clipping). If `param_copy` is not NULL (bf16, f16 or f32, same shape) it
-   receives the updated weights rounded to nearest even. */
+   receives the updated weights rounded to nearest even. opts may be NULL (all defaults);
+   the CUDA launcher receives opts with the defaults already filled in. */
 DSK_API dsk_status dsk_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_tensor *grad, dsk_tensor *m, dsk_tensor *v,
                                   const dsk_adamw_opts *opts, int64_t step, float grad_mult, dsk_tensor *param_copy);
 
@@ -907,6 +946,1377 @@ DSK_API dsk_status dsk_tensor_normal(dsk_ctx *ctx, dsk_tensor *t, uint64_t seed,
 }
 
 /* ---------------------------------------------------------------- ops (CPU paths; CUDA dispatch) */
+
+#ifdef _OPENMP
+#define DSK__PRAGMA(x) _Pragma(#x)
+#define DSK__OMP(x) DSK__PRAGMA(omp x)
+#else
+#define DSK__OMP(x)
+#endif
+
+#define DSK__TRY(call)                              \
+    do {                                            \
+        dsk_status dsk__try_s_ = (call);            \
+        if (dsk__try_s_ != DSK_OK) return dsk__try_s_; \
+    } while (0)
+
+/* Below this many elements (or flops) an op runs on one thread. */
+#define DSK__PAR_MIN 16384
+
+static int dsk__thread_id(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+static int dsk__is_cfloat(dsk_dtype dt) { return dt == DSK_F32 || dt == DSK_BF16 || dt == DSK_F16; }
+
+/* Element i of an f32/bf16/f16 buffer as f32, and the reverse (round to nearest even). */
+static inline float dsk__ldf(const void *p, dsk_dtype dt, int64_t i) {
+    if (dt == DSK_F32) return ((const float *)p)[i];
+    if (dt == DSK_BF16) return dsk_bf16_to_f32(((const uint16_t *)p)[i]);
+    return dsk_f16_to_f32(((const uint16_t *)p)[i]);
+}
+static inline void dsk__stf(void *p, dsk_dtype dt, int64_t i, float x) {
+    if (dt == DSK_F32) ((float *)p)[i] = x;
+    else if (dt == DSK_BF16) ((uint16_t *)p)[i] = dsk_f32_to_bf16(x);
+    else ((uint16_t *)p)[i] = dsk_f32_to_f16(x);
+}
+
+/* ---- argument checks: each names the function, the argument and its shape/dtype */
+
+static dsk_status dsk__need_contig(const char *fn, const char *what, const dsk_tensor *t) {
+    char b[96];
+    DSK__TRY(dsk__need(fn, what, t));
+    if (!dsk_tensor_is_contiguous(t))
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s %s is not contiguous", fn, what, dsk_tensor_describe(t, b, sizeof b));
+    return DSK_OK;
+}
+
+/* Contiguous f32, bf16 or f16. */
+static dsk_status dsk__need_float(const char *fn, const char *what, const dsk_tensor *t) {
+    char b[96];
+    DSK__TRY(dsk__need_contig(fn, what, t));
+    if (!dsk__is_cfloat(t->dtype))
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s %s: dtype must be f32, bf16 or f16", fn, what, dsk_tensor_describe(t, b, sizeof b));
+    return DSK_OK;
+}
+
+/* Contiguous with dtype dt. */
+static dsk_status dsk__need_dtype(const char *fn, const char *what, const dsk_tensor *t, dsk_dtype dt) {
+    char b[96];
+    DSK__TRY(dsk__need_contig(fn, what, t));
+    if (t->dtype != dt)
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s %s: dtype must be %s", fn, what, dsk_tensor_describe(t, b, sizeof b), dsk_dtype_name(dt));
+    return DSK_OK;
+}
+
+static dsk_status dsk__need_ndim(const char *fn, const char *what, const dsk_tensor *t, int ndim) {
+    char b[96];
+    if (t->ndim != ndim)
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s %s must have %d dims", fn, what, dsk_tensor_describe(t, b, sizeof b), ndim);
+    return DSK_OK;
+}
+
+static dsk_status dsk__need_rows(const char *fn, const char *what, const dsk_tensor *t) {
+    char b[96];
+    if (t->ndim < 1)
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s %s must have at least 1 dim", fn, what, dsk_tensor_describe(t, b, sizeof b));
+    return DSK_OK;
+}
+
+static dsk_status dsk__need_same_shape(const char *fn, const char *what, const dsk_tensor *t, const char *rwhat, const dsk_tensor *r) {
+    char a[96], b[96];
+    if (!dsk_tensor_same_shape(t, r))
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s %s does not match the shape of %s %s", fn, what, dsk_tensor_describe(t, a, sizeof a),
+                             rwhat, dsk_tensor_describe(r, b, sizeof b));
+    return DSK_OK;
+}
+
+static dsk_status dsk__need_same_dtype(const char *fn, const char *what, const dsk_tensor *t, const char *rwhat, const dsk_tensor *r) {
+    char a[96], b[96];
+    if (t->dtype != r->dtype)
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s %s must have the dtype of %s %s", fn, what, dsk_tensor_describe(t, a, sizeof a), rwhat,
+                             dsk_tensor_describe(r, b, sizeof b));
+    return DSK_OK;
+}
+
+/* Same shape and same dtype as r. */
+static dsk_status dsk__need_like(const char *fn, const char *what, const dsk_tensor *t, const char *rwhat, const dsk_tensor *r) {
+    DSK__TRY(dsk__need_same_shape(fn, what, t, rwhat, r));
+    return dsk__need_same_dtype(fn, what, t, rwhat, r);
+}
+
+/* t has r's shape without r's last dim (r has at least one dim). */
+static dsk_status dsk__need_lead_shape(const char *fn, const char *what, const dsk_tensor *t, const char *rwhat, const dsk_tensor *r) {
+    char a[96], b[96];
+    int ok = t->ndim == r->ndim - 1;
+    for (int i = 0; ok && i < t->ndim; i++) ok = t->shape[i] == r->shape[i];
+    if (!ok)
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s %s must have the shape of %s %s without its last dim", fn, what,
+                             dsk_tensor_describe(t, a, sizeof a), rwhat, dsk_tensor_describe(r, b, sizeof b));
+    return DSK_OK;
+}
+
+/* One f32 element (any shape of numel 1). */
+static dsk_status dsk__need_scalar(const char *fn, const char *what, const dsk_tensor *t) {
+    char b[96];
+    DSK__TRY(dsk__need_dtype(fn, what, t, DSK_F32));
+    if (dsk_tensor_numel(t) != 1)
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s %s must hold exactly one element", fn, what, dsk_tensor_describe(t, b, sizeof b));
+    return DSK_OK;
+}
+
+/* All non-NULL tensors on the device of ts[0]; a CUDA device needs a ctx on it. Returns 1 in
+   *cuda when the op runs on CUDA. */
+static dsk_status dsk__need_devices(const char *fn, const dsk_ctx *ctx, int n, const dsk_tensor *const *ts, const char *const *names,
+                                    int *cuda) {
+    const dsk_tensor *t0 = ts[0];
+    *cuda = t0->device.type == DSK_DEV_CUDA;
+    for (int i = 1; i < n; i++) {
+        if (!ts[i]) continue;
+        if (ts[i]->device.type != t0->device.type || ts[i]->device.index != t0->device.index)
+            return dsk_set_error(DSK_ERR_ARG, "%s: %s is on %s:%d but %s is on %s:%d", fn, names[i],
+                                 ts[i]->device.type == DSK_DEV_CUDA ? "cuda" : "cpu", ts[i]->device.index, names[0],
+                                 t0->device.type == DSK_DEV_CUDA ? "cuda" : "cpu", t0->device.index);
+    }
+    if (*cuda && (!ctx || ctx->device.type != DSK_DEV_CUDA || ctx->device.index != t0->device.index))
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s is on cuda:%d but ctx is %s", fn, names[0], t0->device.index,
+                             !ctx ? "NULL" : ctx->device.type == DSK_DEV_CUDA ? "on another CUDA device" : "a CPU context");
+    return DSK_OK;
+}
+
+/* Every ids[i] in [0, limit); otherwise names the first offender. */
+static dsk_status dsk__need_indices(const char *fn, const char *what, const dsk_tensor *ids, int64_t limit, int allow_ignore,
+                                    int32_t ignore) {
+    const int32_t *p = (const int32_t *)ids->data;
+    for (int64_t i = 0, n = dsk_tensor_numel(ids); i < n; i++) {
+        if (allow_ignore && p[i] == ignore) continue;
+        if (p[i] < 0 || p[i] >= limit)
+            return dsk_set_error(DSK_ERR_ARG, "%s: %s[%lld] = %d outside [0, %lld)", fn, what, (long long)i, (int)p[i], (long long)limit);
+    }
+    return DSK_OK;
+}
+
+/* Number of rows (product of all dims but the last) and the last dim of t. */
+static void dsk__rows_cols(const dsk_tensor *t, int64_t *rows, int64_t *cols) {
+    *cols = t->ndim ? t->shape[t->ndim - 1] : 1;
+    *rows = 1;
+    for (int i = 0; i + 1 < t->ndim; i++) *rows *= t->shape[i];
+}
+
+/* ---------------------------------------------------------------- CPU GEMM
+   BLIS-style: C is cut into NC-wide column panels and K into KC-deep slices; each slice of
+   op(B) is packed (converted to f32) into NR-wide micro-panels shared by all threads, each
+   MC-tall block of op(A) into MR-tall micro-panels; a register-blocked MR x NR micro-kernel
+   runs over the tiles. Threads split the packing and the tiles, never the K loop, so every
+   element of C sums its products in the same order whatever the thread count. */
+
+#define DSK__MR 6
+#define DSK__NR 16
+#define DSK__KC 256
+#define DSK__MC 144
+#define DSK__NC 3072
+
+typedef struct dsk__gemm_args {
+    int64_t M, N, K;
+    float alpha, beta;
+    /* op(A)[i][p] = A[i * a_rs + p * a_cs]; op(B)[p][j] = B[p * b_rs + j * b_cs] */
+    const void *A; dsk_dtype a_dt; int64_t a_rs, a_cs;
+    const void *B; dsk_dtype b_dt; int64_t b_rs, b_cs;
+    float *C; int64_t ldc;
+} dsk__gemm_args;
+
+/* Packs rows [0, rows) x cols [0, kc) of X (X[i][p] = src[i * rs + p * cs]) into micro-panels
+   of width w: panel c holds dst[c * w * kc + p * w + r] = X[c * w + r][p], zero past `rows`.
+   Only panels [c0, c1) are written. */
+#define DSK__PACK_LOOP(T, LOAD)                                                                  \
+    do {                                                                                         \
+        const T *s_ = (const T *)src;                                                            \
+        for (int64_t c = c0; c < c1; c++) {                                                      \
+            float *d = dst + c * w * kc;                                                         \
+            int64_t r0 = c * w, nr = rows - r0 < w ? rows - r0 : w;                              \
+            if (cs == 1) {                                                                       \
+                for (int64_t r = 0; r < nr; r++)                                                 \
+                    for (int64_t p = 0; p < kc; p++) d[p * w + r] = LOAD(s_[(r0 + r) * rs + p]); \
+            } else {                                                                             \
+                for (int64_t p = 0; p < kc; p++)                                                 \
+                    for (int64_t r = 0; r < nr; r++) d[p * w + r] = LOAD(s_[(r0 + r) * rs + p * cs]); \
+            }                                                                                    \
+            for (int64_t p = 0; nr < w && p < kc; p++)                                           \
+                for (int64_t r = nr; r < w; r++) d[p * w + r] = 0.0f;                            \
+        }                                                                                        \
+    } while (0)
+#define DSK__LOAD_F32(x) (x)
+#define DSK__LOAD_BF16(x) dsk_bf16_to_f32(x)
+#define DSK__LOAD_F16(x) dsk_f16_to_f32(x)
+
+static void dsk__pack(float *dst, const void *src, dsk_dtype dt, int64_t rs, int64_t cs, int64_t rows, int64_t kc, int64_t w,
+                      int64_t c0, int64_t c1) {
+    if (dt == DSK_F32) DSK__PACK_LOOP(float, DSK__LOAD_F32);
+    else if (dt == DSK_BF16) DSK__PACK_LOOP(uint16_t, DSK__LOAD_BF16);
+    else DSK__PACK_LOOP(uint16_t, DSK__LOAD_F16);
+}
+
+/* Writes one tile: c = alpha * acc + beta * c (beta == 0: c is not read). */
+static void dsk__store_tile(const float *acc, float *c, int64_t ldc, int64_t m, int64_t n, float alpha, float beta) {
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t j = 0; j < n; j++) {
+            float v = alpha * acc[i * DSK__NR + j];
+            c[i * ldc + j] = beta == 0.0f ? v : v + beta * c[i * ldc + j];
+        }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* 6 x 16 micro-kernel: 12 accumulators, 2 B vectors, 1 broadcast of A. m, n <= 6, 16;
+   a full tile is updated in C directly, an edge tile through a buffer. */
+static void dsk__ukernel(int64_t kc, const float *a, const float *b, float *c, int64_t ldc, int64_t m, int64_t n, float alpha,
+                         float beta) {
+    __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
+    __m256 c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(), c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
+    __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
+    for (int64_t p = 0; p < kc; p++) {
+        __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8), av;
+        av = _mm256_broadcast_ss(a + 0); c00 = _mm256_fmadd_ps(av, b0, c00); c01 = _mm256_fmadd_ps(av, b1, c01);
+        av = _mm256_broadcast_ss(a + 1); c10 = _mm256_fmadd_ps(av, b0, c10); c11 = _mm256_fmadd_ps(av, b1, c11);
+        av = _mm256_broadcast_ss(a + 2); c20 = _mm256_fmadd_ps(av, b0, c20); c21 = _mm256_fmadd_ps(av, b1, c21);
+        av = _mm256_broadcast_ss(a + 3); c30 = _mm256_fmadd_ps(av, b0, c30); c31 = _mm256_fmadd_ps(av, b1, c31);
+        av = _mm256_broadcast_ss(a + 4); c40 = _mm256_fmadd_ps(av, b0, c40); c41 = _mm256_fmadd_ps(av, b1, c41);
+        av = _mm256_broadcast_ss(a + 5); c50 = _mm256_fmadd_ps(av, b0, c50); c51 = _mm256_fmadd_ps(av, b1, c51);
+        a += DSK__MR;
+        b += DSK__NR;
+    }
+    if (m == DSK__MR && n == DSK__NR) {
+        __m256 va = _mm256_set1_ps(alpha), vb = _mm256_set1_ps(beta);
+        __m256 acc[12] = {c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51};
+        for (int i = 0; i < DSK__MR; i++)
+            for (int h = 0; h < 2; h++) {
+                float *cp = c + i * ldc + 8 * h;
+                __m256 v = _mm256_mul_ps(va, acc[2 * i + h]);
+                if (beta != 0.0f) v = _mm256_add_ps(v, _mm256_mul_ps(vb, _mm256_loadu_ps(cp)));
+                _mm256_storeu_ps(cp, v);
+            }
+    } else {
+        float t[DSK__MR * DSK__NR];
+        _mm256_storeu_ps(t + 0, c00); _mm256_storeu_ps(t + 8, c01); _mm256_storeu_ps(t + 16, c10); _mm256_storeu_ps(t + 24, c11);
+        _mm256_storeu_ps(t + 32, c20); _mm256_storeu_ps(t + 40, c21); _mm256_storeu_ps(t + 48, c30); _mm256_storeu_ps(t + 56, c31);
+        _mm256_storeu_ps(t + 64, c40); _mm256_storeu_ps(t + 72, c41); _mm256_storeu_ps(t + 80, c50); _mm256_storeu_ps(t + 88, c51);
+        dsk__store_tile(t, c, ldc, m, n, alpha, beta);
+    }
+}
+#else
+/* Portable micro-kernel; the compiler vectorises the inner loop where it can. */
+static void dsk__ukernel(int64_t kc, const float *a, const float *b, float *c, int64_t ldc, int64_t m, int64_t n, float alpha,
+                         float beta) {
+    float t[DSK__MR * DSK__NR];
+    for (int i = 0; i < DSK__MR * DSK__NR; i++) t[i] = 0.0f;
+    for (int64_t p = 0; p < kc; p++, a += DSK__MR, b += DSK__NR)
+        for (int i = 0; i < DSK__MR; i++)
+            for (int j = 0; j < DSK__NR; j++) t[i * DSK__NR + j] += a[i] * b[j];
+    dsk__store_tile(t, c, ldc, m, n, alpha, beta);
+}
+#endif
+
+/* C = beta * C (beta == 0 writes zeros, NaN in C included). */
+static void dsk__scale_c(const dsk__gemm_args *g) {
+    for (int64_t i = 0; i < g->M; i++)
+        for (int64_t j = 0; j < g->N; j++) {
+            float *c = g->C + i * g->ldc + j;
+            *c = g->beta == 0.0f ? 0.0f : g->beta * *c;
+        }
+}
+
+static int64_t dsk__round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+static dsk_status dsk__gemm(const dsk__gemm_args *g, int n_threads) {
+    int64_t M = g->M, N = g->N, K = g->K;
+    int64_t kc_max, nc_max, mc_max;
+    float *bp, *ap;
+    if (M <= 0 || N <= 0) return DSK_OK;
+    if (K <= 0 || g->alpha == 0.0f) { dsk__scale_c(g); return DSK_OK; }
+    kc_max = K < DSK__KC ? K : DSK__KC;
+    nc_max = dsk__round_up(N < DSK__NC ? N : DSK__NC, DSK__NR);
+    mc_max = dsk__round_up(M < DSK__MC ? M : DSK__MC, DSK__MR);
+    bp = (float *)DSK_MALLOC((size_t)(kc_max * nc_max) * sizeof(float));
+    ap = (float *)DSK_MALLOC((size_t)(kc_max * mc_max) * sizeof(float));
+    if (!bp || !ap) {
+        if (bp) DSK_FREE(bp);
+        if (ap) DSK_FREE(ap);
+        return dsk_set_error(DSK_ERR_OOM, "dsk_matmul: out of host memory for GEMM packing buffers (%lld floats)",
+                             (long long)(kc_max * (nc_max + mc_max)));
+    }
+    (void)n_threads;
+    DSK__OMP(parallel num_threads(n_threads) if ((double)M * N * K > 262144.0))
+    {
+        for (int64_t jc = 0; jc < N; jc += DSK__NC) {
+            int64_t nc = N - jc < DSK__NC ? N - jc : DSK__NC, n_jr = (nc + DSK__NR - 1) / DSK__NR;
+            for (int64_t pc = 0; pc < K; pc += DSK__KC) {
+                int64_t kc = K - pc < DSK__KC ? K - pc : DSK__KC;
+                float beta = pc == 0 ? g->beta : 1.0f;
+                const char *bsrc = (const char *)g->B + (size_t)(pc * g->b_rs + jc * g->b_cs) * dsk_dtype_size(g->b_dt);
+                /* X[j][p] = op(B)[pc + p][jc + j]: panel rows stride b_cs, columns b_rs. */
+                DSK__OMP(for schedule(static))
+                for (int64_t c = 0; c < n_jr; c++) dsk__pack(bp, bsrc, g->b_dt, g->b_cs, g->b_rs, nc, kc, DSK__NR, c, c + 1);
+                for (int64_t ic = 0; ic < M; ic += DSK__MC) {
+                    int64_t mc = M - ic < DSK__MC ? M - ic : DSK__MC, n_ir = (mc + DSK__MR - 1) / DSK__MR;
+                    const char *asrc = (const char *)g->A + (size_t)(ic * g->a_rs + pc * g->a_cs) * dsk_dtype_size(g->a_dt);
+                    DSK__OMP(for schedule(static))
+                    for (int64_t c = 0; c < n_ir; c++) dsk__pack(ap, asrc, g->a_dt, g->a_rs, g->a_cs, mc, kc, DSK__MR, c, c + 1);
+                    DSK__OMP(for schedule(static))
+                    for (int64_t t = 0; t < n_jr * n_ir; t++) {
+                        int64_t jr = t / n_ir, ir = t % n_ir;
+                        int64_t i0 = ir * DSK__MR, j0 = jr * DSK__NR;
+                        int64_t m = mc - i0 < DSK__MR ? mc - i0 : DSK__MR, n = nc - j0 < DSK__NR ? nc - j0 : DSK__NR;
+                        dsk__ukernel(kc, ap + ir * DSK__MR * kc, bp + jr * DSK__NR * kc, g->C + (ic + i0) * g->ldc + jc + j0, g->ldc, m, n,
+                                     g->alpha, beta);
+                    }
+                }
+            }
+        }
+    }
+    DSK_FREE(bp);
+    DSK_FREE(ap);
+    return DSK_OK;
+}
+
+/* Used by dsk_sgemm_cpu only when the packing buffers cannot be allocated. */
+static void dsk__gemm_unpacked(const dsk__gemm_args *g) {
+    const float *A = (const float *)g->A, *B = (const float *)g->B;
+    for (int64_t i = 0; i < g->M; i++)
+        for (int64_t j = 0; j < g->N; j++) {
+            float acc = 0.0f, *c = g->C + i * g->ldc + j;
+            for (int64_t p = 0; p < g->K; p++) acc += A[i * g->a_rs + p * g->a_cs] * B[p * g->b_rs + j * g->b_cs];
+            *c = g->alpha * acc + (g->beta == 0.0f ? 0.0f : g->beta * *c);
+        }
+}
+
+DSK_API void dsk_sgemm_cpu(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+                           const float *B, int64_t ldb, float beta, float *C, int64_t ldc, int n_threads) {
+    dsk__gemm_args g;
+    g.M = M; g.N = N; g.K = K; g.alpha = alpha; g.beta = beta;
+    g.A = A; g.a_dt = DSK_F32; g.a_rs = trans_a ? 1 : lda; g.a_cs = trans_a ? lda : 1;
+    g.B = B; g.b_dt = DSK_F32; g.b_rs = trans_b ? 1 : ldb; g.b_cs = trans_b ? ldb : 1;
+    g.C = C; g.ldc = ldc;
+    if (dsk__gemm(&g, n_threads > 0 ? n_threads : dsk__default_threads()) != DSK_OK) dsk__gemm_unpacked(&g);
+}
+
+/* ---------------------------------------------------------------- matmul */
+
+/* A matmul operand: the rows x cols matrix of batch b is at data + b * bstride (elements). */
+typedef struct dsk__mat {
+    int64_t batch, rows, cols, ld, bstride;
+} dsk__mat;
+
+static dsk_status dsk__matmul_operand(const char *what, const dsk_tensor *t, dsk__mat *m) {
+    char b[96];
+    if (t->ndim != 2 && t->ndim != 3)
+        return dsk_set_error(DSK_ERR_ARG, "dsk_matmul: %s %s must have 2 or 3 dims", what, dsk_tensor_describe(t, b, sizeof b));
+    if (t->shape[t->ndim - 1] > 1 && t->stride[t->ndim - 1] != 1)
+        return dsk_set_error(DSK_ERR_ARG, "dsk_matmul: %s %s needs unit stride in its last dim (has %lld); pass a transpose flag instead",
+                             what, dsk_tensor_describe(t, b, sizeof b), (long long)t->stride[t->ndim - 1]);
+    m->batch = t->ndim == 3 ? t->shape[0] : 1;
+    m->bstride = t->ndim == 3 ? t->stride[0] : 0;
+    m->rows = t->shape[t->ndim - 2];
+    m->cols = t->shape[t->ndim - 1];
+    m->ld = t->stride[t->ndim - 2];
+    return DSK_OK;
+}
+
+static dsk_status dsk__matmul_check(const dsk_tensor *C, const dsk_tensor *A, int trans_a, const dsk_tensor *B, int trans_b,
+                                    dsk__mat *mc, dsk__mat *ma, dsk__mat *mb) {
+    const char *fn = "dsk_matmul";
+    char a[96], b[96], c[96];
+    int64_t M, N, Ka, Kb;
+    DSK__TRY(dsk__need(fn, "C", C));
+    DSK__TRY(dsk__need(fn, "A", A));
+    DSK__TRY(dsk__need(fn, "B", B));
+    if (!dsk__is_cfloat(A->dtype))
+        return dsk_set_error(DSK_ERR_ARG, "dsk_matmul: A %s: dtype must be f32, bf16 or f16", dsk_tensor_describe(A, a, sizeof a));
+    DSK__TRY(dsk__need_same_dtype(fn, "B", B, "A", A));
+    if (C->dtype != DSK_F32 && C->dtype != A->dtype)
+        return dsk_set_error(DSK_ERR_ARG, "dsk_matmul: C %s: dtype must be f32 or A's dtype %s", dsk_tensor_describe(C, c, sizeof c),
+                             dsk_dtype_name(A->dtype));
+    DSK__TRY(dsk__matmul_operand("A", A, ma));
+    DSK__TRY(dsk__matmul_operand("B", B, mb));
+    DSK__TRY(dsk__matmul_operand("C", C, mc));
+    M = trans_a ? ma->cols : ma->rows;
+    Ka = trans_a ? ma->rows : ma->cols;
+    Kb = trans_b ? mb->cols : mb->rows;
+    N = trans_b ? mb->rows : mb->cols;
+    if (Ka != Kb)
+        return dsk_set_error(DSK_ERR_ARG, "dsk_matmul: inner dims differ: op(A) of A %s%s has K = %lld, op(B) of B %s%s has K = %lld",
+                             dsk_tensor_describe(A, a, sizeof a), trans_a ? " (transposed)" : "", (long long)Ka,
+                             dsk_tensor_describe(B, b, sizeof b), trans_b ? " (transposed)" : "", (long long)Kb);
+    if (mc->rows != M || mc->cols != N)
+        return dsk_set_error(DSK_ERR_ARG, "dsk_matmul: C %s must be (%lld, %lld) for A %s%s and B %s%s", dsk_tensor_describe(C, c, sizeof c),
+                             (long long)M, (long long)N, dsk_tensor_describe(A, a, sizeof a), trans_a ? " (transposed)" : "",
+                             dsk_tensor_describe(B, b, sizeof b), trans_b ? " (transposed)" : "");
+    if (C->ndim != (A->ndim == 3 || B->ndim == 3 ? 3 : 2) || (A->ndim == 3 && ma->batch != mc->batch) ||
+        (B->ndim == 3 && mb->batch != mc->batch))
+        return dsk_set_error(DSK_ERR_ARG, "dsk_matmul: batch mismatch: C %s, A %s, B %s (3-D operands share the batch; C is 3-D iff one is)",
+                             dsk_tensor_describe(C, c, sizeof c), dsk_tensor_describe(A, a, sizeof a), dsk_tensor_describe(B, b, sizeof b));
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_matmul(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, int trans_a, const dsk_tensor *B, int trans_b,
+                              float alpha, float beta) {
+    dsk__mat mc, ma, mb;
+    dsk__gemm_args g;
+    float *tmp = NULL;
+    size_t ce = 0, ae, be;
+    int cuda;
+    const dsk_tensor *ts[3] = {C, A, B};
+    const char *names[3] = {"C", "A", "B"};
+    DSK__TRY(dsk__matmul_check(C, A, trans_a, B, trans_b, &mc, &ma, &mb));
+    DSK__TRY(dsk__need_devices("dsk_matmul", ctx, 3, ts, names, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_matmul(ctx, C, A, trans_a, B, trans_b, alpha, beta);
+#endif
+    (void)cuda;
+    if (C->dtype != DSK_F32 && mc.rows * mc.cols > 0) {
+        tmp = (float *)DSK_MALLOC((size_t)(mc.rows * mc.cols) * sizeof(float));
+        if (!tmp) return dsk_set_error(DSK_ERR_OOM, "dsk_matmul: out of host memory for an f32 copy of C (%lld elements)", (long long)(mc.rows * mc.cols));
+    }
+    ae = dsk_dtype_size(A->dtype);
+    be = dsk_dtype_size(B->dtype);
+    ce = dsk_dtype_size(C->dtype);
+    g.M = mc.rows; g.N = mc.cols; g.K = trans_a ? ma.rows : ma.cols;
+    g.alpha = alpha; g.beta = beta;
+    g.a_dt = A->dtype; g.a_rs = trans_a ? 1 : ma.ld; g.a_cs = trans_a ? ma.ld : 1;
+    g.b_dt = B->dtype; g.b_rs = trans_b ? 1 : mb.ld; g.b_cs = trans_b ? mb.ld : 1;
+    for (int64_t bi = 0; bi < mc.batch; bi++) {
+        dsk_status s;
+        char *cdata = (char *)C->data + (size_t)(bi * mc.bstride) * ce;
+        g.A = (const char *)A->data + (size_t)(bi * ma.bstride) * ae;
+        g.B = (const char *)B->data + (size_t)(bi * mb.bstride) * be;
+        if (tmp) {
+            g.C = tmp; g.ldc = mc.cols;
+            if (beta != 0.0f)
+                for (int64_t i = 0; i < mc.rows; i++)
+                    for (int64_t j = 0; j < mc.cols; j++) tmp[i * mc.cols + j] = dsk__ldf(cdata, C->dtype, i * mc.ld + j);
+        } else {
+            g.C = (float *)cdata; g.ldc = mc.ld;
+        }
+        s = dsk__gemm(&g, dsk__threads(ctx));
+        if (s != DSK_OK) { if (tmp) DSK_FREE(tmp); return s; }
+        if (tmp)
+            for (int64_t i = 0; i < mc.rows; i++)
+                for (int64_t j = 0; j < mc.cols; j++) dsk__stf(cdata, C->dtype, i * mc.ld + j, tmp[i * mc.cols + j]);
+    }
+    if (tmp) DSK_FREE(tmp);
+    return DSK_OK;
+}
+
+/* ---------------------------------------------------------------- elementwise */
+
+static dsk_status dsk__binary(const char *fn, dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *a, const dsk_tensor *b, int *cuda) {
+    const dsk_tensor *ts[3] = {out, a, b};
+    const char *names[3] = {"out", "a", "b"};
+    DSK__TRY(dsk__need_float(fn, "out", out));
+    DSK__TRY(dsk__need_float(fn, "a", a));
+    DSK__TRY(dsk__need_float(fn, "b", b));
+    DSK__TRY(dsk__need_like(fn, "a", a, "out", out));
+    DSK__TRY(dsk__need_like(fn, "b", b, "out", out));
+    return dsk__need_devices(fn, ctx, 3, ts, names, cuda);
+}
+
+DSK_API dsk_status dsk_add(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *a, const dsk_tensor *b) {
+    int cuda;
+    int64_t n;
+    DSK__TRY(dsk__binary("dsk_add", ctx, out, a, b, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_add(ctx, out, a, b);
+#endif
+    n = dsk_tensor_numel(out);
+    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
+    for (int64_t i = 0; i < n; i++) dsk__stf(out->data, out->dtype, i, dsk__ldf(a->data, a->dtype, i) + dsk__ldf(b->data, b->dtype, i));
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_mul(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *a, const dsk_tensor *b) {
+    int cuda;
+    int64_t n;
+    DSK__TRY(dsk__binary("dsk_mul", ctx, out, a, b, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_mul(ctx, out, a, b);
+#endif
+    n = dsk_tensor_numel(out);
+    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
+    for (int64_t i = 0; i < n; i++) dsk__stf(out->data, out->dtype, i, dsk__ldf(a->data, a->dtype, i) * dsk__ldf(b->data, b->dtype, i));
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_scale(dsk_ctx *ctx, dsk_tensor *t, float alpha) {
+    int cuda;
+    int64_t n;
+    const dsk_tensor *ts[1] = {t};
+    const char *names[1] = {"t"};
+    DSK__TRY(dsk__need_float("dsk_scale", "t", t));
+    DSK__TRY(dsk__need_devices("dsk_scale", ctx, 1, ts, names, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_scale(ctx, t, alpha);
+#endif
+    n = dsk_tensor_numel(t);
+    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
+    for (int64_t i = 0; i < n; i++) dsk__stf(t->data, t->dtype, i, alpha * dsk__ldf(t->data, t->dtype, i));
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_axpy(dsk_ctx *ctx, dsk_tensor *y, float alpha, const dsk_tensor *x) {
+    int cuda;
+    int64_t n;
+    const dsk_tensor *ts[2] = {y, x};
+    const char *names[2] = {"y", "x"};
+    DSK__TRY(dsk__need_float("dsk_axpy", "y", y));
+    DSK__TRY(dsk__need_float("dsk_axpy", "x", x));
+    DSK__TRY(dsk__need_like("dsk_axpy", "x", x, "y", y));
+    DSK__TRY(dsk__need_devices("dsk_axpy", ctx, 2, ts, names, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_axpy(ctx, y, alpha, x);
+#endif
+    n = dsk_tensor_numel(y);
+    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
+    for (int64_t i = 0; i < n; i++) dsk__stf(y->data, y->dtype, i, dsk__ldf(y->data, y->dtype, i) + alpha * dsk__ldf(x->data, x->dtype, i));
+    return DSK_OK;
+}
+
+/* ---------------------------------------------------------------- reductions */
+
+/* out's shape is in's without `axis`, or with it as 1. */
+static dsk_status dsk__need_reduced_shape(const dsk_tensor *out, const dsk_tensor *in, int axis) {
+    char a[96], b[96];
+    int ok = 1;
+    if (out->ndim == in->ndim - 1) {
+        for (int i = 0, j = 0; i < in->ndim; i++)
+            if (i != axis && out->shape[j++] != in->shape[i]) ok = 0;
+    } else if (out->ndim == in->ndim) {
+        for (int i = 0; i < in->ndim; i++)
+            if (out->shape[i] != (i == axis ? 1 : in->shape[i])) ok = 0;
+    } else {
+        ok = 0;
+    }
+    if (!ok)
+        return dsk_set_error(DSK_ERR_ARG, "dsk_reduce: out %s must be in %s without axis %d (or with it as 1)",
+                             dsk_tensor_describe(out, a, sizeof a), dsk_tensor_describe(in, b, sizeof b), axis);
+    return DSK_OK;
+}
+
+#define DSK__REDUCE_CHUNK 256
+
+DSK_API dsk_status dsk_reduce(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *in, int axis, dsk_reduce_op op) {
+    const char *fn = "dsk_reduce";
+    char b[96];
+    int cuda;
+    int64_t outer = 1, len, inner = 1, n_chunks;
+    const dsk_tensor *ts[2] = {out, in};
+    const char *names[2] = {"out", "in"};
+    DSK__TRY(dsk__need_float(fn, "out", out));
+    DSK__TRY(dsk__need_float(fn, "in", in));
+    DSK__TRY(dsk__need_same_dtype(fn, "out", out, "in", in));
+    if (axis < 0) axis += in->ndim;
+    if (axis < 0 || axis >= in->ndim)
+        return dsk_set_error(DSK_ERR_ARG, "dsk_reduce: axis %d outside in %s", axis < 0 ? axis - in->ndim : axis, dsk_tensor_describe(in, b, sizeof b));
+    if (op != DSK_REDUCE_SUM && op != DSK_REDUCE_MEAN && op != DSK_REDUCE_MAX)
+        return dsk_set_error(DSK_ERR_ARG, "dsk_reduce: unknown op %d", (int)op);
+    DSK__TRY(dsk__need_reduced_shape(out, in, axis));
+    DSK__TRY(dsk__need_devices(fn, ctx, 2, ts, names, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_reduce(ctx, out, in, axis, op);
+#endif
+    for (int i = 0; i < axis; i++) outer *= in->shape[i];
+    for (int i = axis + 1; i < in->ndim; i++) inner *= in->shape[i];
+    len = in->shape[axis];
+    n_chunks = (inner + DSK__REDUCE_CHUNK - 1) / DSK__REDUCE_CHUNK;
+    /* Each output sums its `len` inputs in index order, in f64: thread-count independent. */
+    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (outer * inner * len > DSK__PAR_MIN))
+    for (int64_t task = 0; task < outer * n_chunks; task++) {
+        double acc[DSK__REDUCE_CHUNK];
+        int64_t o = task / n_chunks, i0 = (task % n_chunks) * DSK__REDUCE_CHUNK;
+        int64_t ni = inner - i0 < DSK__REDUCE_CHUNK ? inner - i0 : DSK__REDUCE_CHUNK;
+        for (int64_t i = 0; i < ni; i++) acc[i] = op == DSK_REDUCE_MAX ? -INFINITY : 0.0;
+        for (int64_t r = 0; r < len; r++) {
+            int64_t base = (o * len + r) * inner + i0;
+            for (int64_t i = 0; i < ni; i++) {
+                double x = dsk__ldf(in->data, in->dtype, base + i);
+                if (op != DSK_REDUCE_MAX) acc[i] += x;
+                else if (acc[i] == acc[i] && (x != x || x > acc[i])) acc[i] = x; /* NaN sticks */
+            }
+        }
+        for (int64_t i = 0; i < ni; i++)
+            dsk__stf(out->data, out->dtype, o * inner + i0 + i, (float)(op == DSK_REDUCE_MEAN ? acc[i] / (double)len : acc[i]));
+    }
+    return DSK_OK;
+}
+
+#define DSK__SSQ_CHUNK 4096
+#define DSK__SSQ_GROUP 64
+
+DSK_API dsk_status dsk_sum_squares(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *in) {
+    int cuda;
+    int64_t n;
+    double total = 0.0;
+    const dsk_tensor *ts[2] = {out, in};
+    const char *names[2] = {"out", "in"};
+    DSK__TRY(dsk__need_scalar("dsk_sum_squares", "out", out));
+    DSK__TRY(dsk__need_float("dsk_sum_squares", "in", in));
+    DSK__TRY(dsk__need_devices("dsk_sum_squares", ctx, 2, ts, names, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_sum_squares(ctx, out, in);
+#endif
+    n = dsk_tensor_numel(in);
+    /* Fixed chunks with f64 partials, combined in chunk order: thread-count independent. */
+    for (int64_t g0 = 0; g0 < n; g0 += (int64_t)DSK__SSQ_CHUNK * DSK__SSQ_GROUP) {
+        double part[DSK__SSQ_GROUP];
+        DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n - g0 > DSK__PAR_MIN))
+        for (int c = 0; c < DSK__SSQ_GROUP; c++) {
+            int64_t lo = g0 + (int64_t)c * DSK__SSQ_CHUNK, hi = lo + DSK__SSQ_CHUNK < n ? lo + DSK__SSQ_CHUNK : n;
+            double s = 0.0;
+            for (int64_t i = lo; i < hi; i++) {
+                double x = dsk__ldf(in->data, in->dtype, i);
+                s += x * x;
+            }
+            part[c] = s;
+        }
+        for (int c = 0; c < DSK__SSQ_GROUP; c++) total += part[c];
+    }
+    *(float *)out->data = (float)total;
+    return DSK_OK;
+}
+
+/* ---------------------------------------------------------------- softmax, norms, activations */
+
+DSK_API dsk_status dsk_softmax(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x) {
+    const char *fn = "dsk_softmax";
+    int cuda;
+    int64_t R, C;
+    const dsk_tensor *ts[2] = {y, x};
+    const char *names[2] = {"y", "x"};
+    DSK__TRY(dsk__need_float(fn, "y", y));
+    DSK__TRY(dsk__need_float(fn, "x", x));
+    DSK__TRY(dsk__need_rows(fn, "x", x));
+    DSK__TRY(dsk__need_like(fn, "y", y, "x", x));
+    DSK__TRY(dsk__need_devices(fn, ctx, 2, ts, names, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_softmax(ctx, y, x);
+#endif
+    dsk__rows_cols(x, &R, &C);
+    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (R * C > DSK__PAR_MIN))
+    for (int64_t r = 0; r < R; r++) {
+        float mx = -INFINITY;
+        double sum = 0.0;
+        for (int64_t j = 0; j < C; j++) {
+            float v = dsk__ldf(x->data, x->dtype, r * C + j);
+            if (v > mx || v != v) mx = v;
+        }
+        for (int64_t j = 0; j < C; j++) sum += expf(dsk__ldf(x->data, x->dtype, r * C + j) - mx);
+        /* y may alias x: element j is read before it is written */
+        for (int64_t j = 0; j < C; j++) dsk__stf(y->data, y->dtype, r * C + j, (float)(expf(dsk__ldf(x->data, x->dtype, r * C + j) - mx) / sum));
+    }
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_softmax_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *y, const dsk_tensor *dy) {
+    const char *fn = "dsk_softmax_backward";
+    int cuda;
+    int64_t R, C;
+    const dsk_tensor *ts[3] = {dx, y, dy};
+    const char *names[3] = {"dx", "y", "dy"};
+    DSK__TRY(dsk__need_float(fn, "dx", dx));
+    DSK__TRY(dsk__need_float(fn, "y", y));
+    DSK__TRY(dsk__need_float(fn, "dy", dy));
+    DSK__TRY(dsk__need_rows(fn, "y", y));
+    DSK__TRY(dsk__need_like(fn, "dy", dy, "y", y));
+    DSK__TRY(dsk__need_like(fn, "dx", dx, "y", y));
+    DSK__TRY(dsk__need_devices(fn, ctx, 3, ts, names, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_softmax_backward(ctx, dx, y, dy);
+#endif
+    dsk__rows_cols(y, &R, &C);
+    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (R * C > DSK__PAR_MIN))
+    for (int64_t r = 0; r < R; r++) {
+        double dot = 0.0;
+        for (int64_t j = 0; j < C; j++) dot += (double)dsk__ldf(y->data, y->dtype, r * C + j) * dsk__ldf(dy->data, dy->dtype, r * C + j);
+        for (int64_t j = 0; j < C; j++) {
+            int64_t i = r * C + j;
+            float g = dsk__ldf(y->data, y->dtype, i) * (dsk__ldf(dy->data, dy->dtype, i) - (float)dot);
+            dsk__stf(dx->data, dx->dtype, i, dsk__ldf(dx->data, dx->dtype, i) + g);
+        }
+    }
+    return DSK_OK;
+}
+
+/* t is 1-D of length n (the last dim of r). */
+static dsk_status dsk__need_vec(const char *fn, const char *what, const dsk_tensor *t, int64_t n, const char *rwhat, const dsk_tensor *r) {
+    char a[96], b[96];
+    if (t->ndim != 1 || t->shape[0] != n)
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s %s must be (%lld), the last dim of %s %s", fn, what, dsk_tensor_describe(t, a, sizeof a),
+                             (long long)n, rwhat, dsk_tensor_describe(r, b, sizeof b));
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_rmsnorm(dsk_ctx *ctx, dsk_tensor *y, dsk_tensor *rstd, const dsk_tensor *x, const dsk_tensor *w, float eps) {
+    const char *fn = "dsk_rmsnorm";
+    int cuda;
+    int64_t R, D;
+    const dsk_tensor *ts[4] = {y, x, w, rstd};
+    const char *names[4] = {"y", "x", "w", "rstd"};
+    DSK__TRY(dsk__need_float(fn, "y", y));
+    DSK__TRY(dsk__need_float(fn, "x", x));
+    DSK__TRY(dsk__need_float(fn, "w", w));
+    DSK__TRY(dsk__need_rows(fn, "x", x));
+    DSK__TRY(dsk__need_like(fn, "y", y, "x", x));
+    DSK__TRY(dsk__need_same_dtype(fn, "w", w, "x", x));
+    dsk__rows_cols(x, &R, &D);
+    DSK__TRY(dsk__need_vec(fn, "w", w, D, "x", x));
+    if (rstd) {
+        DSK__TRY(dsk__need_dtype(fn, "rstd", rstd, DSK_F32));
+        DSK__TRY(dsk__need_lead_shape(fn, "rstd", rstd, "x", x));
+    }
+    if (!(eps >= 0.0f) || isinf(eps)) return dsk_set_error(DSK_ERR_ARG, "dsk_rmsnorm: eps %g must be finite and >= 0", (double)eps);
+    DSK__TRY(dsk__need_devices(fn, ctx, 4, ts, names, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_rmsnorm(ctx, y, rstd, x, w, eps);
+#endif
+    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (R * D > DSK__PAR_MIN))
+    for (int64_t r = 0; r < R; r++) {
+        double ss = 0.0;
+        float rs;
+        for (int64_t j = 0; j < D; j++) {
+            double v = dsk__ldf(x->data, x->dtype, r * D + j);
+            ss += v * v;
+        }
+        rs = (float)(1.0 / sqrt(ss / (double)D + (double)eps));
+        if (rstd) ((float *)rstd->data)[r] = rs;
+        for (int64_t j = 0; j < D; j++)
+            dsk__stf(y->data, y->dtype, r * D + j, dsk__ldf(x->data, x->dtype, r * D + j) * rs * dsk__ldf(w->data, w->dtype, j));
+    }
+    return DSK_OK;
+}
+
+#define DSK__COL_CHUNK 64
+
+DSK_API dsk_status dsk_rmsnorm_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk_tensor *dw, const dsk_tensor *dy, const dsk_tensor *x,
+                                        const dsk_tensor *w, const dsk_tensor *rstd) {
+    const char *fn = "dsk_rmsnorm_backward";
+    int cuda;
+    int64_t R, D, n_chunks;
+    const float *rs;
+    const dsk_tensor *ts[6] = {dy, x, w, rstd, dx, dw};
+    const char *names[6] = {"dy", "x", "w", "rstd", "dx", "dw"};
+    DSK__TRY(dsk__need_float(fn, "dy", dy));
+    DSK__TRY(dsk__need_float(fn, "x", x));
+    DSK__TRY(dsk__need_float(fn, "w", w));
+    DSK__TRY(dsk__need_rows(fn, "x", x));
+    DSK__TRY(dsk__need_like(fn, "dy", dy, "x", x));
+    DSK__TRY(dsk__need_same_dtype(fn, "w", w, "x", x));
+    dsk__rows_cols(x, &R, &D);
+    DSK__TRY(dsk__need_vec(fn, "w", w, D, "x", x));
+    DSK__TRY(dsk__need_dtype(fn, "rstd", rstd, DSK_F32));
+    DSK__TRY(dsk__need_lead_shape(fn, "rstd", rstd, "x", x));
+    if (dx) {
+        DSK__TRY(dsk__need_float(fn, "dx", dx));
+        DSK__TRY(dsk__need_like(fn, "dx", dx, "x", x));
+    }
+    if (dw) {
+        DSK__TRY(dsk__need_float(fn, "dw", dw));
+        DSK__TRY(dsk__need_like(fn, "dw", dw, "w", w));
+    }
+    DSK__TRY(dsk__need_devices(fn, ctx, 6, ts, names, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_rmsnorm_backward(ctx, dx, dw, dy, x, w, rstd);
+#endif
+    rs = (const float *)rstd->data;
+    if (dx) {
+        /* xh = x rstd, g = dy w: dx += rstd (g - xh mean(g xh)) */
+        DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (R * D > DSK__PAR_MIN))
+        for (int64_t r = 0; r < R; r++) {
+            double dot = 0.0;
+            float mean;
+            for (int64_t j = 0; j < D; j++)
+                dot += (double)dsk__ldf(dy->data, dy->dtype, r * D + j) * dsk__ldf(w->data, w->dtype, j) *
+                       dsk__ldf(x->data, x->dtype, r * D + j) * rs[r];
+            mean = (float)(dot / (double)D);
+            for (int64_t j = 0; j < D; j++) {
+                int64_t i = r * D + j;
+                float g = dsk__ldf(dy->data, dy->dtype, i) * dsk__ldf(w->data, w->dtype, j);
+                float xh = dsk__ldf(x->data, x->dtype, i) * rs[r];
+                dsk__stf(dx->data, dx->dtype, i, dsk__ldf(dx->data, dx->dtype, i) + rs[r] * (g - xh * mean));
+            }
+        }
+    }
+    if (dw) {
+        /* Columns split across threads; each column sums its rows in order, in f64. */
+        n_chunks = (D + DSK__COL_CHUNK - 1) / DSK__COL_CHUNK;
+        DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (R * D > DSK__PAR_MIN))
+        for (int64_t c = 0; c < n_chunks; c++) {
+            double acc[DSK__COL_CHUNK];
+            int64_t j0 = c * DSK__COL_CHUNK, nj = D - j0 < DSK__COL_CHUNK ? D - j0 : DSK__COL_CHUNK;
+            for (int64_t j = 0; j < nj; j++) acc[j] = 0.0;
+            for (int64_t r = 0; r < R; r++)
+                for (int64_t j = 0; j < nj; j++)
+                    acc[j] += (double)dsk__ldf(dy->data, dy->dtype, r * D + j0 + j) * (dsk__ldf(x->data, x->dtype, r * D + j0 + j) * rs[r]);
+            for (int64_t j = 0; j < nj; j++) dsk__stf(dw->data, dw->dtype, j0 + j, (float)(dsk__ldf(dw->data, dw->dtype, j0 + j) + acc[j]));
+        }
+    }
+    return DSK_OK;
+}
+
+/* Checks for the elementwise activations: every tensor like the first. */
+static dsk_status dsk__need_all_like(const char *fn, dsk_ctx *ctx, int n, const dsk_tensor *const *ts, const char *const *names, int *cuda) {
+    for (int i = 0; i < n; i++) DSK__TRY(dsk__need_float(fn, names[i], ts[i]));
+    for (int i = 1; i < n; i++) DSK__TRY(dsk__need_like(fn, names[i], ts[i], names[0], ts[0]));
+    return dsk__need_devices(fn, ctx, n, ts, names, cuda);
+}
+
+DSK_API dsk_status dsk_silu(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x) {
+    int cuda;
+    int64_t n;
+    const dsk_tensor *ts[2] = {y, x};
+    const char *names[2] = {"y", "x"};
+    DSK__TRY(dsk__need_all_like("dsk_silu", ctx, 2, ts, names, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_silu(ctx, y, x);
+#endif
+    n = dsk_tensor_numel(x);
+    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
+    for (int64_t i = 0; i < n; i++) dsk__stf(y->data, y->dtype, i, dsk_silu_f(dsk__ldf(x->data, x->dtype, i)));
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_silu_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, const dsk_tensor *x) {
+    int cuda;
+    int64_t n;
+    const dsk_tensor *ts[3] = {dx, dy, x};
+    const char *names[3] = {"dx", "dy", "x"};
+    DSK__TRY(dsk__need_all_like("dsk_silu_backward", ctx, 3, ts, names, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_silu_backward(ctx, dx, dy, x);
+#endif
+    n = dsk_tensor_numel(x);
+    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
+    for (int64_t i = 0; i < n; i++)
+        dsk__stf(dx->data, dx->dtype, i,
+                 dsk__ldf(dx->data, dx->dtype, i) + dsk__ldf(dy->data, dy->dtype, i) * dsk_silu_grad_f(dsk__ldf(x->data, x->dtype, i)));
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_swiglu(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *gate, const dsk_tensor *up) {
+    int cuda;
+    int64_t n;
+    const dsk_tensor *ts[3] = {out, gate, up};
+    const char *names[3] = {"out", "gate", "up"};
+    DSK__TRY(dsk__need_all_like("dsk_swiglu", ctx, 3, ts, names, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_swiglu(ctx, out, gate, up);
+#endif
+    n = dsk_tensor_numel(out);
+    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
+    for (int64_t i = 0; i < n; i++)
+        dsk__stf(out->data, out->dtype, i, dsk_swiglu_f(dsk__ldf(gate->data, gate->dtype, i), dsk__ldf(up->data, up->dtype, i)));
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_swiglu_backward(dsk_ctx *ctx, dsk_tensor *dgate, dsk_tensor *dup, const dsk_tensor *dout, const dsk_tensor *gate,
+                                       const dsk_tensor *up) {
+    int cuda;
+    int64_t n;
+    const dsk_tensor *ts[5] = {dgate, dup, dout, gate, up};
+    const char *names[5] = {"dgate", "dup", "dout", "gate", "up"};
+    DSK__TRY(dsk__need_all_like("dsk_swiglu_backward", ctx, 5, ts, names, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_swiglu_backward(ctx, dgate, dup, dout, gate, up);
+#endif
+    n = dsk_tensor_numel(gate);
+    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
+    for (int64_t i = 0; i < n; i++) {
+        float dg, du;
+        dsk_swiglu_grad_f(dsk__ldf(gate->data, gate->dtype, i), dsk__ldf(up->data, up->dtype, i), dsk__ldf(dout->data, dout->dtype, i), &dg, &du);
+        dsk__stf(dgate->data, dgate->dtype, i, dsk__ldf(dgate->data, dgate->dtype, i) + dg);
+        dsk__stf(dup->data, dup->dtype, i, dsk__ldf(dup->data, dup->dtype, i) + du);
+    }
+    return DSK_OK;
+}
+
+/* ---------------------------------------------------------------- rows by index */
+
+/* dst (R, D) row idx[i] += src (N, D) row i for i = 0..N-1 in order. Threads split the
+   columns, so each element accumulates in index order whatever the thread count. */
+static void dsk__scatter_add_cpu(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor *src, const int32_t *idx, int64_t N, int64_t D) {
+    (void)ctx; /* used by the OpenMP clause only */
+    int64_t n_chunks = (D + DSK__COL_CHUNK - 1) / DSK__COL_CHUNK;
+    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (N * D > DSK__PAR_MIN))
+    for (int64_t c = 0; c < n_chunks; c++) {
+        int64_t j0 = c * DSK__COL_CHUNK, j1 = j0 + DSK__COL_CHUNK < D ? j0 + DSK__COL_CHUNK : D;
+        for (int64_t i = 0; i < N; i++)
+            for (int64_t j = j0; j < j1; j++) {
+                int64_t o = (int64_t)idx[i] * D + j;
+                dsk__stf(dst->data, dst->dtype, o, dsk__ldf(dst->data, dst->dtype, o) + dsk__ldf(src->data, src->dtype, i * D + j));
+            }
+    }
+}
+
+/* out (N, D) row i = src (R, D) row idx[i]; same dtype. */
+static void dsk__gather_cpu(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *src, const int32_t *idx, int64_t N, int64_t D) {
+    (void)ctx; /* used by the OpenMP clause only */
+    size_t row = (size_t)D * dsk_dtype_size(src->dtype);
+    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (N * D > DSK__PAR_MIN))
+    for (int64_t i = 0; i < N; i++) memcpy((char *)out->data + (size_t)i * row, (const char *)src->data + (size_t)idx[i] * row, row);
+}
+
+/* table (V, D), ids (...) i32, rows (..., D) like table: the embedding argument checks. */
+static dsk_status dsk__embedding_check(const char *fn, dsk_ctx *ctx, const char *rows_name, const dsk_tensor *rows, const char *table_name,
+                                       const dsk_tensor *table, const dsk_tensor *ids, int *cuda) {
+    char a[96], b[96];
+    const dsk_tensor *ts[3] = {rows, table, ids};
+    const char *names[3] = {rows_name, table_name, "ids"};
+    DSK__TRY(dsk__need_float(fn, table_name, table));
+    DSK__TRY(dsk__need_ndim(fn, table_name, table, 2));
+    DSK__TRY(dsk__need_float(fn, rows_name, rows));
+    DSK__TRY(dsk__need_same_dtype(fn, rows_name, rows, table_name, table));
+    DSK__TRY(dsk__need_dtype(fn, "ids", ids, DSK_I32));
+    DSK__TRY(dsk__need_rows(fn, rows_name, rows));
+    DSK__TRY(dsk__need_lead_shape(fn, "ids", ids, rows_name, rows));
+    if (rows->shape[rows->ndim - 1] != table->shape[1])
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s %s must have the last dim of %s %s", fn, rows_name, dsk_tensor_describe(rows, a, sizeof a),
+                             table_name, dsk_tensor_describe(table, b, sizeof b));
+    return dsk__need_devices(fn, ctx, 3, ts, names, cuda);
+}
+
+DSK_API dsk_status dsk_embedding(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *table, const dsk_tensor *ids) {
+    int cuda;
+    DSK__TRY(dsk__embedding_check("dsk_embedding", ctx, "out", out, "table", table, ids, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_embedding(ctx, out, table, ids);
+#endif
+    DSK__TRY(dsk__need_indices("dsk_embedding", "ids", ids, table->shape[0], 0, 0));
+    dsk__gather_cpu(ctx, out, table, (const int32_t *)ids->data, dsk_tensor_numel(ids), table->shape[1]);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_embedding_backward(dsk_ctx *ctx, dsk_tensor *dtable, const dsk_tensor *dout, const dsk_tensor *ids) {
+    int cuda;
+    DSK__TRY(dsk__embedding_check("dsk_embedding_backward", ctx, "dout", dout, "dtable", dtable, ids, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_embedding_backward(ctx, dtable, dout, ids);
+#endif
+    DSK__TRY(dsk__need_indices("dsk_embedding_backward", "ids", ids, dtable->shape[0], 0, 0));
+    dsk__scatter_add_cpu(ctx, dtable, dout, (const int32_t *)ids->data, dsk_tensor_numel(ids), dtable->shape[1]);
+    return DSK_OK;
+}
+
+/* src/dst (R, D) `big`, idx (N) i32, rows (N, D) like big: gather/scatter argument checks. */
+static dsk_status dsk__rows_check(const char *fn, dsk_ctx *ctx, const char *big_name, const dsk_tensor *big, const char *rows_name,
+                                  const dsk_tensor *rows, const dsk_tensor *idx, int *cuda) {
+    char a[96], b[96], c[96];
+    const dsk_tensor *ts[3] = {big, rows, idx};
+    const char *names[3] = {big_name, rows_name, "idx"};
+    DSK__TRY(dsk__need_float(fn, big_name, big));
+    DSK__TRY(dsk__need_ndim(fn, big_name, big, 2));
+    DSK__TRY(dsk__need_float(fn, rows_name, rows));
+    DSK__TRY(dsk__need_ndim(fn, rows_name, rows, 2));
+    DSK__TRY(dsk__need_same_dtype(fn, rows_name, rows, big_name, big));
+    DSK__TRY(dsk__need_dtype(fn, "idx", idx, DSK_I32));
+    DSK__TRY(dsk__need_ndim(fn, "idx", idx, 1));
+    if (rows->shape[0] != idx->shape[0] || rows->shape[1] != big->shape[1])
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s %s must be (%lld, %lld) for idx %s and %s %s", fn, rows_name, dsk_tensor_describe(rows, a, sizeof a),
+                             (long long)idx->shape[0], (long long)big->shape[1], dsk_tensor_describe(idx, b, sizeof b), big_name,
+                             dsk_tensor_describe(big, c, sizeof c));
+    return dsk__need_devices(fn, ctx, 3, ts, names, cuda);
+}
+
+DSK_API dsk_status dsk_gather_rows(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *src, const dsk_tensor *idx) {
+    int cuda;
+    DSK__TRY(dsk__rows_check("dsk_gather_rows", ctx, "src", src, "out", out, idx, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_gather_rows(ctx, out, src, idx);
+#endif
+    DSK__TRY(dsk__need_indices("dsk_gather_rows", "idx", idx, src->shape[0], 0, 0));
+    dsk__gather_cpu(ctx, out, src, (const int32_t *)idx->data, idx->shape[0], src->shape[1]);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_scatter_add_rows(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor *src, const dsk_tensor *idx) {
+    int cuda;
+    DSK__TRY(dsk__rows_check("dsk_scatter_add_rows", ctx, "dst", dst, "src", src, idx, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_scatter_add_rows(ctx, dst, src, idx);
+#endif
+    DSK__TRY(dsk__need_indices("dsk_scatter_add_rows", "idx", idx, dst->shape[0], 0, 0));
+    dsk__scatter_add_cpu(ctx, dst, src, (const int32_t *)idx->data, idx->shape[0], dst->shape[1]);
+    return DSK_OK;
+}
+
+/* ---------------------------------------------------------------- loss */
+
+DSK_API dsk_status dsk_cross_entropy(dsk_ctx *ctx, dsk_tensor *loss, dsk_tensor *dlogits, const dsk_tensor *logits, const dsk_tensor *targets,
+                                     int32_t ignore_index, float grad_scale) {
+    const char *fn = "dsk_cross_entropy";
+    int cuda;
+    int64_t R, V, count = 0;
+    const int32_t *tg;
+    double *row_loss, total = 0.0;
+    const dsk_tensor *ts[4] = {logits, targets, loss, dlogits};
+    const char *names[4] = {"logits", "targets", "loss", "dlogits"};
+    DSK__TRY(dsk__need_float(fn, "logits", logits));
+    DSK__TRY(dsk__need_rows(fn, "logits", logits));
+    DSK__TRY(dsk__need_dtype(fn, "targets", targets, DSK_I32));
+    DSK__TRY(dsk__need_lead_shape(fn, "targets", targets, "logits", logits));
+    DSK__TRY(dsk__need_scalar(fn, "loss", loss));
+    if (dlogits) {
+        DSK__TRY(dsk__need_float(fn, "dlogits", dlogits));
+        DSK__TRY(dsk__need_like(fn, "dlogits", dlogits, "logits", logits));
+    }
+    DSK__TRY(dsk__need_devices(fn, ctx, 4, ts, names, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_cross_entropy(ctx, loss, dlogits, logits, targets, ignore_index, grad_scale);
+#endif
+    dsk__rows_cols(logits, &R, &V);
+    DSK__TRY(dsk__need_indices(fn, "targets", targets, V, 1, ignore_index));
+    tg = (const int32_t *)targets->data;
+    for (int64_t r = 0; r < R; r++) count += tg[r] != ignore_index;
+    row_loss = (double *)DSK_MALLOC((size_t)(R ? R : 1) * sizeof(double));
+    if (!row_loss) return dsk_set_error(DSK_ERR_OOM, "dsk_cross_entropy: out of host memory for %lld row losses", (long long)R);
+    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (R * V > DSK__PAR_MIN))
+    for (int64_t r = 0; r < R; r++) {
+        const void *x = logits->data;
+        float mx = -INFINITY;
+        double sum = 0.0, lse;
+        row_loss[r] = 0.0;
+        if (tg[r] == ignore_index) {
+            if (dlogits)
+                for (int64_t j = 0; j < V; j++) dsk__stf(dlogits->data, dlogits->dtype, r * V + j, 0.0f);
+            continue;
+        }
+        for (int64_t j = 0; j < V; j++) {
+            float v = dsk__ldf(x, logits->dtype, r * V + j);
+            if (v > mx || v != v) mx = v;
+        }
+        for (int64_t j = 0; j < V; j++) sum += exp((double)dsk__ldf(x, logits->dtype, r * V + j) - mx);
+        lse = mx + log(sum);
+        row_loss[r] = lse - dsk__ldf(x, logits->dtype, r * V + tg[r]);
+        if (dlogits)
+            for (int64_t j = 0; j < V; j++) {
+                double p = exp((double)dsk__ldf(x, logits->dtype, r * V + j) - lse) - (j == tg[r] ? 1.0 : 0.0);
+                dsk__stf(dlogits->data, dlogits->dtype, r * V + j, (float)((double)grad_scale * p / (double)count));
+            }
+    }
+    for (int64_t r = 0; r < R; r++) total += row_loss[r];
+    *(float *)loss->data = count ? (float)(total / (double)count) : 0.0f;
+    DSK_FREE(row_loss);
+    return DSK_OK;
+}
+
+/* ---------------------------------------------------------------- top-k */
+
+/* 1 if (a, ia) ranks above (b, ib): larger value first, NaN last, ties to the lower index. */
+static int dsk__ranks_above(float a, int64_t ia, float b, int64_t ib) {
+    if (a != a) return b != b && ia < ib;
+    if (b != b) return 1;
+    if (a != b) return a > b;
+    return ia < ib;
+}
+
+DSK_API dsk_status dsk_topk(dsk_ctx *ctx, dsk_tensor *values, dsk_tensor *indices, const dsk_tensor *x, int k) {
+    const char *fn = "dsk_topk";
+    char a[96], b[96];
+    int cuda;
+    int64_t R, C;
+    const dsk_tensor *ts[3] = {x, values, indices};
+    const char *names[3] = {"x", "values", "indices"};
+    DSK__TRY(dsk__need_dtype(fn, "x", x, DSK_F32));
+    DSK__TRY(dsk__need_ndim(fn, "x", x, 2));
+    DSK__TRY(dsk__need_dtype(fn, "values", values, DSK_F32));
+    DSK__TRY(dsk__need_dtype(fn, "indices", indices, DSK_I32));
+    R = x->shape[0];
+    C = x->shape[1];
+    if (k < 1 || k > C) return dsk_set_error(DSK_ERR_ARG, "dsk_topk: k = %d outside [1, %lld] for x %s", k, (long long)C, dsk_tensor_describe(x, a, sizeof a));
+    if (values->ndim != 2 || values->shape[0] != R || values->shape[1] != k)
+        return dsk_set_error(DSK_ERR_ARG, "dsk_topk: values %s must be (%lld, %d)", dsk_tensor_describe(values, a, sizeof a), (long long)R, k);
+    if (!dsk_tensor_same_shape(indices, values))
+        return dsk_set_error(DSK_ERR_ARG, "dsk_topk: indices %s must be (%lld, %d)", dsk_tensor_describe(indices, b, sizeof b), (long long)R, k);
+    DSK__TRY(dsk__need_devices(fn, ctx, 3, ts, names, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_topk(ctx, values, indices, x, k);
+#endif
+    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (R * C * k > DSK__PAR_MIN))
+    for (int64_t r = 0; r < R; r++) {
+        const float *xr = (const float *)x->data + r * C;
+        float *vr = (float *)values->data + r * k;
+        int32_t *ir = (int32_t *)indices->data + r * k;
+        int64_t cnt = 0;
+        /* insertion into the sorted list of the best k so far */
+        for (int64_t j = 0; j < C; j++) {
+            int64_t pos;
+            if (cnt == k && !dsk__ranks_above(xr[j], j, vr[k - 1], ir[k - 1])) continue;
+            pos = cnt < k ? cnt++ : k - 1;
+            while (pos > 0 && dsk__ranks_above(xr[j], j, vr[pos - 1], ir[pos - 1])) {
+                vr[pos] = vr[pos - 1];
+                ir[pos] = ir[pos - 1];
+                pos--;
+            }
+            vr[pos] = xr[j];
+            ir[pos] = (int32_t)j;
+        }
+    }
+    return DSK_OK;
+}
+
+/* ---------------------------------------------------------------- rope, attention */
+
+static dsk_status dsk__rope_check(const char *fn, dsk_ctx *ctx, const char *yn, const dsk_tensor *y, const char *xn, const dsk_tensor *x,
+                                  float theta, int *cuda) {
+    char b[96];
+    const dsk_tensor *ts[2] = {y, x};
+    const char *names[2] = {yn, xn};
+    DSK__TRY(dsk__need_float(fn, xn, x));
+    DSK__TRY(dsk__need_ndim(fn, xn, x, 4));
+    DSK__TRY(dsk__need_float(fn, yn, y));
+    DSK__TRY(dsk__need_like(fn, yn, y, xn, x));
+    if (x->shape[3] % 2)
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s %s: head dim %lld must be even", fn, xn, dsk_tensor_describe(x, b, sizeof b), (long long)x->shape[3]);
+    if (!(theta > 0.0f) || isinf(theta)) return dsk_set_error(DSK_ERR_ARG, "%s: theta %g must be finite and > 0", fn, (double)theta);
+    return dsk__need_devices(fn, ctx, 2, ts, names, cuda);
+}
+
+/* y (B,T,H,Dh) = rotate(x) by sign * angle; accumulate adds into y instead of writing. */
+static void dsk__rope_cpu(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, int64_t pos0, float theta, float sign, int accumulate) {
+    (void)ctx; /* used by the OpenMP clause only */
+    int64_t B = x->shape[0], T = x->shape[1], H = x->shape[2], Dh = x->shape[3];
+    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (B * T * H * Dh > DSK__PAR_MIN))
+    for (int64_t bt = 0; bt < B * T; bt++) {
+        int64_t t = bt % T;
+        for (int64_t i = 0; i < Dh / 2; i++) {
+            float ang = dsk_rope_angle(pos0 + t, i, Dh, theta), c = cosf(ang), s = sign * sinf(ang);
+            for (int64_t h = 0; h < H; h++) {
+                int64_t o = (bt * H + h) * Dh + 2 * i;
+                float y0, y1;
+                dsk_rope_rotate(dsk__ldf(x->data, x->dtype, o), dsk__ldf(x->data, x->dtype, o + 1), c, s, &y0, &y1);
+                if (accumulate) {
+                    y0 += dsk__ldf(y->data, y->dtype, o);
+                    y1 += dsk__ldf(y->data, y->dtype, o + 1);
+                }
+                dsk__stf(y->data, y->dtype, o, y0);
+                dsk__stf(y->data, y->dtype, o + 1, y1);
+            }
+        }
+    }
+}
+
+DSK_API dsk_status dsk_rope(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, int64_t pos0, float theta) {
+    int cuda;
+    DSK__TRY(dsk__rope_check("dsk_rope", ctx, "y", y, "x", x, theta, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_rope(ctx, y, x, pos0, theta);
+#endif
+    dsk__rope_cpu(ctx, y, x, pos0, theta, 1.0f, 0);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_rope_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, int64_t pos0, float theta) {
+    int cuda;
+    DSK__TRY(dsk__rope_check("dsk_rope_backward", ctx, "dx", dx, "dy", dy, theta, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_rope_backward(ctx, dx, dy, pos0, theta);
+#endif
+    dsk__rope_cpu(ctx, dx, dy, pos0, theta, -1.0f, 1);
+    return DSK_OK;
+}
+
+/* q, k, v (and `o`) (B, T, H, Dh) alike; probs (B, H, T, T) f32. */
+static dsk_status dsk__attention_check(const char *fn, const dsk_tensor *o, const char *on, const dsk_tensor *probs, const dsk_tensor *q,
+                                       const dsk_tensor *k, const dsk_tensor *v, float scale) {
+    char a[96];
+    DSK__TRY(dsk__need_float(fn, "q", q));
+    DSK__TRY(dsk__need_ndim(fn, "q", q, 4));
+    DSK__TRY(dsk__need_float(fn, "k", k));
+    DSK__TRY(dsk__need_like(fn, "k", k, "q", q));
+    DSK__TRY(dsk__need_float(fn, "v", v));
+    DSK__TRY(dsk__need_like(fn, "v", v, "q", q));
+    DSK__TRY(dsk__need_float(fn, on, o));
+    DSK__TRY(dsk__need_like(fn, on, o, "q", q));
+    DSK__TRY(dsk__need_dtype(fn, "probs", probs, DSK_F32));
+    if (probs->ndim != 4 || probs->shape[0] != q->shape[0] || probs->shape[1] != q->shape[2] || probs->shape[2] != q->shape[1] ||
+        probs->shape[3] != q->shape[1])
+        return dsk_set_error(DSK_ERR_ARG, "%s: probs %s must be (%lld, %lld, %lld, %lld) (B, H, T, T)", fn, dsk_tensor_describe(probs, a, sizeof a),
+                             (long long)q->shape[0], (long long)q->shape[2], (long long)q->shape[1], (long long)q->shape[1]);
+    if (!isfinite(scale)) return dsk_set_error(DSK_ERR_ARG, "%s: scale %g is not finite", fn, (double)scale);
+    return DSK_OK;
+}
+
+/* Per-thread f64 scratch for the attention loops: n_threads blocks of `per` doubles. */
+static double *dsk__scratch(const char *fn, dsk_ctx *ctx, int64_t per, dsk_status *s) {
+    double *p = (double *)DSK_MALLOC((size_t)(per * dsk__threads(ctx)) * sizeof(double) + 1);
+    *s = p ? DSK_OK : dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for %lld scratch doubles", fn, (long long)(per * dsk__threads(ctx)));
+    return p;
+}
+
+DSK_API dsk_status dsk_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *probs, const dsk_tensor *q, const dsk_tensor *k, const dsk_tensor *v,
+                                 float scale) {
+    const char *fn = "dsk_attention";
+    int cuda;
+    int64_t B, T, H, Dh;
+    double *scratch;
+    dsk_status s;
+    const dsk_tensor *ts[5] = {q, k, v, out, probs};
+    const char *names[5] = {"q", "k", "v", "out", "probs"};
+    DSK__TRY(dsk__attention_check(fn, out, "out", probs, q, k, v, scale));
+    DSK__TRY(dsk__need_devices(fn, ctx, 5, ts, names, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_attention(ctx, out, probs, q, k, v, scale);
+#endif
+    B = q->shape[0]; T = q->shape[1]; H = q->shape[2]; Dh = q->shape[3];
+    if (!(scratch = dsk__scratch(fn, ctx, T + Dh, &s))) return s;
+    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (B * H * T * T * Dh > DSK__PAR_MIN))
+    for (int64_t bh = 0; bh < B * H; bh++) {
+        int64_t b = bh / H, h = bh % H;
+        double *sc = scratch + (T + Dh) * dsk__thread_id(), *acc = sc + T;
+        for (int64_t i = 0; i < T; i++) {
+            float *prow = (float *)probs->data + (bh * T + i) * T;
+            int64_t qo = ((b * T + i) * H + h) * Dh;
+            double mx = -INFINITY, sum = 0.0;
+            for (int64_t j = 0; j <= i; j++) {
+                int64_t ko = ((b * T + j) * H + h) * Dh;
+                double dot = 0.0;
+                for (int64_t d = 0; d < Dh; d++) dot += (double)dsk__ldf(q->data, q->dtype, qo + d) * dsk__ldf(k->data, k->dtype, ko + d);
+                sc[j] = scale * dot;
+                if (sc[j] > mx) mx = sc[j];
+            }
+            for (int64_t j = 0; j <= i; j++) sum += (sc[j] = exp(sc[j] - mx));
+            for (int64_t d = 0; d < Dh; d++) acc[d] = 0.0;
+            for (int64_t j = 0; j < T; j++) {
+                int64_t vo = ((b * T + j) * H + h) * Dh;
+                double p = j <= i ? sc[j] / sum : 0.0;
+                prow[j] = (float)p;
+                for (int64_t d = 0; j <= i && d < Dh; d++) acc[d] += p * dsk__ldf(v->data, v->dtype, vo + d);
+            }
+            for (int64_t d = 0; d < Dh; d++) dsk__stf(out->data, out->dtype, qo + d, (float)acc[d]);
+        }
+    }
+    DSK_FREE(scratch);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tensor *dk, dsk_tensor *dv, const dsk_tensor *dout,
+                                          const dsk_tensor *q, const dsk_tensor *k, const dsk_tensor *v, const dsk_tensor *probs, float scale) {
+    const char *fn = "dsk_attention_backward";
+    int cuda;
+    int64_t B, T, H, Dh, per;
+    double *scratch;
+    dsk_status s;
+    const dsk_tensor *ts[8] = {q, k, v, dout, probs, dq, dk, dv};
+    const char *names[8] = {"q", "k", "v", "dout", "probs", "dq", "dk", "dv"};
+    DSK__TRY(dsk__attention_check(fn, dout, "dout", probs, q, k, v, scale));
+    DSK__TRY(dsk__need_float(fn, "dq", dq));
+    DSK__TRY(dsk__need_like(fn, "dq", dq, "q", q));
+    DSK__TRY(dsk__need_float(fn, "dk", dk));
+    DSK__TRY(dsk__need_like(fn, "dk", dk, "q", q));
+    DSK__TRY(dsk__need_float(fn, "dv", dv));
+    DSK__TRY(dsk__need_like(fn, "dv", dv, "q", q));
+    DSK__TRY(dsk__need_devices(fn, ctx, 8, ts, names, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_attention_backward(ctx, dq, dk, dv, dout, q, k, v, probs, scale);
+#endif
+    B = q->shape[0]; T = q->shape[1]; H = q->shape[2]; Dh = q->shape[3];
+    per = 3 * T * Dh + T;
+    if (!(scratch = dsk__scratch(fn, ctx, per, &s))) return s;
+    /* Each (b, h) owns its slices of dq, dk, dv: accumulate in f64, then add once. */
+    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (B * H * T * T * Dh > DSK__PAR_MIN))
+    for (int64_t bh = 0; bh < B * H; bh++) {
+        int64_t b = bh / H, h = bh % H;
+        double *gq = scratch + per * dsk__thread_id(), *gk = gq + T * Dh, *gv = gk + T * Dh, *dp = gv + T * Dh;
+        for (int64_t i = 0; i < 3 * T * Dh; i++) gq[i] = 0.0;
+        for (int64_t i = 0; i < T; i++) {
+            const float *prow = (const float *)probs->data + (bh * T + i) * T;
+            int64_t io = ((b * T + i) * H + h) * Dh;
+            double pdp = 0.0;
+            for (int64_t j = 0; j <= i; j++) {
+                int64_t jo = ((b * T + j) * H + h) * Dh;
+                double dot = 0.0;
+                for (int64_t d = 0; d < Dh; d++) dot += (double)dsk__ldf(dout->data, dout->dtype, io + d) * dsk__ldf(v->data, v->dtype, jo + d);
+                dp[j] = dot;
+                pdp += prow[j] * dot;
+            }
+            for (int64_t j = 0; j <= i; j++) {
+                int64_t jo = ((b * T + j) * H + h) * Dh;
+                double p = prow[j], ds = scale * p * (dp[j] - pdp);
+                for (int64_t d = 0; d < Dh; d++) {
+                    gq[i * Dh + d] += ds * dsk__ldf(k->data, k->dtype, jo + d);
+                    gk[j * Dh + d] += ds * dsk__ldf(q->data, q->dtype, io + d);
+                    gv[j * Dh + d] += p * dsk__ldf(dout->data, dout->dtype, io + d);
+                }
+            }
+        }
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t d = 0; d < Dh; d++) {
+                int64_t o = ((b * T + t) * H + h) * Dh + d;
+                dsk__stf(dq->data, dq->dtype, o, (float)(dsk__ldf(dq->data, dq->dtype, o) + gq[t * Dh + d]));
+                dsk__stf(dk->data, dk->dtype, o, (float)(dsk__ldf(dk->data, dk->dtype, o) + gk[t * Dh + d]));
+                dsk__stf(dv->data, dv->dtype, o, (float)(dsk__ldf(dv->data, dv->dtype, o) + gv[t * Dh + d]));
+            }
+    }
+    DSK_FREE(scratch);
+    return DSK_OK;
+}
+
+/* ---------------------------------------------------------------- AdamW */
+
+/* Fills zero fields with their defaults and checks the ranges. */
+static dsk_status dsk__adamw_resolve(const dsk_adamw_opts *in, dsk_adamw_opts *o) {
+    memset(o, 0, sizeof *o);
+    if (in) *o = *in;
+    if (o->lr == 0.0f) o->lr = 1e-3f;
+    if (o->beta1 == 0.0f) o->beta1 = 0.9f;
+    if (o->beta2 == 0.0f) o->beta2 = 0.999f;
+    if (o->eps == 0.0f) o->eps = 1e-8f;
+    if (!(o->lr > 0.0f) || isinf(o->lr)) return dsk_set_error(DSK_ERR_ARG, "dsk_adamw_step: lr %g must be finite and > 0", (double)o->lr);
+    if (!(o->beta1 > 0.0f && o->beta1 < 1.0f)) return dsk_set_error(DSK_ERR_ARG, "dsk_adamw_step: beta1 %g outside (0, 1)", (double)o->beta1);
+    if (!(o->beta2 > 0.0f && o->beta2 < 1.0f)) return dsk_set_error(DSK_ERR_ARG, "dsk_adamw_step: beta2 %g outside (0, 1)", (double)o->beta2);
+    if (!(o->eps > 0.0f) || isinf(o->eps)) return dsk_set_error(DSK_ERR_ARG, "dsk_adamw_step: eps %g must be finite and > 0", (double)o->eps);
+    if (!(o->weight_decay >= 0.0f) || isinf(o->weight_decay))
+        return dsk_set_error(DSK_ERR_ARG, "dsk_adamw_step: weight_decay %g must be finite and >= 0", (double)o->weight_decay);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_tensor *grad, dsk_tensor *m, dsk_tensor *v, const dsk_adamw_opts *opts,
+                                  int64_t step, float grad_mult, dsk_tensor *param_copy) {
+    const char *fn = "dsk_adamw_step";
+    dsk_adamw_opts o;
+    int cuda;
+    int64_t n;
+    float bc1, bc2, *p, *mm, *vv;
+    const dsk_tensor *ts[5] = {param, grad, m, v, param_copy};
+    const char *names[5] = {"param", "grad", "m", "v", "param_copy"};
+    DSK__TRY(dsk__need_dtype(fn, "param", param, DSK_F32));
+    DSK__TRY(dsk__need_float(fn, "grad", grad));
+    DSK__TRY(dsk__need_same_shape(fn, "grad", grad, "param", param));
+    DSK__TRY(dsk__need_dtype(fn, "m", m, DSK_F32));
+    DSK__TRY(dsk__need_same_shape(fn, "m", m, "param", param));
+    DSK__TRY(dsk__need_dtype(fn, "v", v, DSK_F32));
+    DSK__TRY(dsk__need_same_shape(fn, "v", v, "param", param));
+    if (param_copy) {
+        DSK__TRY(dsk__need_float(fn, "param_copy", param_copy));
+        DSK__TRY(dsk__need_same_shape(fn, "param_copy", param_copy, "param", param));
+    }
+    if (step < 1) return dsk_set_error(DSK_ERR_ARG, "dsk_adamw_step: step %lld must be >= 1", (long long)step);
+    DSK__TRY(dsk__adamw_resolve(opts, &o));
+    DSK__TRY(dsk__need_devices(fn, ctx, 5, ts, names, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_adamw_step(ctx, param, grad, m, v, &o, step, grad_mult, param_copy);
+#endif
+    bc1 = dsk_adamw_bias_correction(o.beta1, step);
+    bc2 = dsk_adamw_bias_correction(o.beta2, step);
+    n = dsk_tensor_numel(param);
+    p = (float *)param->data; mm = (float *)m->data; vv = (float *)v->data;
+    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
+    for (int64_t i = 0; i < n; i++) {
+        dsk_adamw_update(p + i, mm + i, vv + i, dsk__ldf(grad->data, grad->dtype, i) * grad_mult, o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, bc1, bc2);
+        if (param_copy) dsk__stf(param_copy->data, param_copy->dtype, i, p[i]);
+    }
+    return DSK_OK;
+}
 
 #endif /* DSK_TENSOR_IMPLEMENTATION_DONE */
 #endif /* DSK_TENSOR_IMPLEMENTATION */
