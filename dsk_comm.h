@@ -44,6 +44,10 @@
 #if defined(DSK_COMM_IMPLEMENTATION) && !defined(_GNU_SOURCE) && !defined(_POSIX_C_SOURCE)
 #define _POSIX_C_SOURCE 200809L
 #endif
+/* With DSK_STATIC every dsk function is static, so this file must also compile dsk_tensor.h's. */
+#if defined(DSK_STATIC) && defined(DSK_COMM_IMPLEMENTATION) && !defined(DSK_TENSOR_IMPLEMENTATION)
+#define DSK_TENSOR_IMPLEMENTATION
+#endif
 #ifndef DSK_COMM_H
 #define DSK_COMM_H
 #include "dsk_tensor.h"
@@ -188,13 +192,13 @@ typedef struct dsk_comm_bucket_opts {
     int sum_only;              /* [0]: average by world size; 1: plain sum */
 } dsk_comm_bucket_opts;
 
-typedef struct dsk__buckets_impl dsk__buckets_impl;
+typedef struct dsk__comm_buckets_impl dsk__comm_buckets_impl;
 typedef struct dsk_comm_buckets {
     int n_params, n_buckets;
     uint64_t bytes;      /* payload bytes all-reduced so far */
     double seconds;      /* time spent all-reducing (host: progress thread; nccl: comm stream) */
     int64_t reductions;  /* bucket all-reduces completed */
-    dsk__buckets_impl *impl;
+    dsk__comm_buckets_impl *impl;
 } dsk_comm_buckets;
 
 /* Collective over c (splits a private communicator). flat: counts summed elements of dt
@@ -219,3 +223,2379 @@ DSK_API const char *dsk_comm_op_name(dsk_comm_op op); /* "sum", "avg", "max", "m
 }
 #endif
 #endif /* DSK_COMM_H */
+
+/* ==================================================================== implementation */
+#ifdef DSK_COMM_IMPLEMENTATION
+#ifndef DSK_COMM_IMPLEMENTATION_DONE
+#define DSK_COMM_IMPLEMENTATION_DONE
+
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+#include <sys/wait.h>
+#ifdef DSK_CUDA
+#include <cuda_runtime.h>
+#include <nccl.h>
+#endif
+
+/* ---------------------------------------------------------------- small helpers */
+
+static void dsk__comm_sleep_s(double s) {
+    struct timespec ts;
+    ts.tv_sec = (time_t)s;
+    ts.tv_nsec = (long)((s - (double)ts.tv_sec) * 1e9);
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {}
+}
+
+static double dsk__comm_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Milliseconds left until `deadline` for poll(), at least 0, rounded up. */
+static int dsk__comm_ms_left(double deadline) {
+    double left = deadline - dsk__comm_now();
+    if (left <= 0) return 0;
+    return left > 86400.0 ? 86400000 : (int)(left * 1000.0) + 1;
+}
+
+DSK_API const char *dsk_comm_op_name(dsk_comm_op op) {
+    static const char *names[] = {"sum", "avg", "max", "min"};
+    return ((int)op >= 0 && (int)op < 4) ? names[op] : "invalid";
+}
+
+static int dsk__comm_dtype_ok(dsk_dtype dt) {
+    return dt == DSK_F32 || dt == DSK_F16 || dt == DSK_BF16 || dt == DSK_I32 || dt == DSK_I64 || dt == DSK_U8;
+}
+
+static void dsk__comm_set_nonblocking_cloexec(int fd) {
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    fcntl(fd, F_SETFD, fcntl(fd, F_GETFD) | FD_CLOEXEC);
+}
+
+static void dsk__comm_tune_socket(int fd) {
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    dsk__comm_set_nonblocking_cloexec(fd);
+}
+
+/* Resolves host:port (IPv4) into *sa. */
+static dsk_status dsk__comm_resolve(const char *fn, const char *host, int port, struct sockaddr_in *sa) {
+    struct addrinfo hints, *res = NULL;
+    int rc;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_INET;
+    hints.ai_socktype = SOCK_STREAM;
+    rc = getaddrinfo(host, NULL, &hints, &res);
+    if (rc != 0 || !res)
+        return dsk_set_error(DSK_ERR_ARG, "%s: cannot resolve address \"%s\": %s", fn, host, gai_strerror(rc));
+    memcpy(sa, res->ai_addr, sizeof *sa);
+    sa->sin_port = htons((uint16_t)port);
+    freeaddrinfo(res);
+    return DSK_OK;
+}
+
+/* A listening socket on addr:port (port 0: any); *port_out = the bound port. */
+static dsk_status dsk__comm_listen(const char *fn, const struct sockaddr_in *addr, int *fd_out, int *port_out) {
+    struct sockaddr_in sa = *addr;
+    socklen_t sl = sizeof sa;
+    int one = 1, fd = socket(AF_INET, SOCK_STREAM, 0);
+    char ip[64];
+    if (fd < 0) return dsk_set_error(DSK_ERR_IO, "%s: socket: %s", fn, strerror(errno));
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    inet_ntop(AF_INET, &sa.sin_addr, ip, sizeof ip);
+    if (bind(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
+        int e = errno;
+        close(fd);
+        if (e == EADDRINUSE)
+            return dsk_set_error(DSK_ERR_IO, "%s: port %d on %s is already in use (EADDRINUSE): pick another MASTER_PORT",
+                                 fn, (int)ntohs(sa.sin_port), ip);
+        return dsk_set_error(DSK_ERR_IO, "%s: bind %s:%d: %s", fn, ip, (int)ntohs(sa.sin_port), strerror(e));
+    }
+    if (listen(fd, SOMAXCONN) != 0 || getsockname(fd, (struct sockaddr *)&sa, &sl) != 0) {
+        int e = errno;
+        close(fd);
+        return dsk_set_error(DSK_ERR_IO, "%s: listen on %s: %s", fn, ip, strerror(e));
+    }
+    dsk__comm_set_nonblocking_cloexec(fd);
+    *fd_out = fd;
+    if (port_out) *port_out = (int)ntohs(sa.sin_port);
+    return DSK_OK;
+}
+
+/* Connects to sa, retrying refused connections until deadline (the peer may not listen yet). */
+static dsk_status dsk__comm_connect(const char *fn, const struct sockaddr_in *sa, double deadline, const char *who, int *fd_out) {
+    char ip[64];
+    const char *last = "no attempt";
+    double t0 = dsk__comm_now();
+    inet_ntop(AF_INET, &sa->sin_addr, ip, sizeof ip);
+    for (;;) {
+        int fd = socket(AF_INET, SOCK_STREAM, 0), err = 0;
+        if (fd < 0) return dsk_set_error(DSK_ERR_IO, "%s: socket: %s", fn, strerror(errno));
+        dsk__comm_set_nonblocking_cloexec(fd);
+        if (connect(fd, (const struct sockaddr *)sa, sizeof *sa) != 0) err = errno;
+        if (err == EINPROGRESS) {
+            struct pollfd p;
+            socklen_t el = sizeof err;
+            p.fd = fd;
+            p.events = POLLOUT;
+            p.revents = 0;
+            err = ETIMEDOUT;
+            if (poll(&p, 1, dsk__comm_ms_left(deadline)) == 1) getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el);
+        }
+        if (err == 0) {
+            dsk__comm_tune_socket(fd);
+            *fd_out = fd;
+            return DSK_OK;
+        }
+        close(fd);
+        last = strerror(err);
+        if (dsk__comm_now() >= deadline) break;
+        dsk__comm_sleep_s(0.02);
+        if (dsk__comm_now() >= deadline) break;
+    }
+    return dsk_set_error(DSK_ERR_TIMEOUT, "%s: no %s at %s:%d after %.2f s (last error: %s)", fn, who, ip,
+                         (int)ntohs(sa->sin_port), dsk__comm_now() - t0, last);
+}
+
+/* Blocking-style I/O on a nonblocking socket, bounded by deadline. `who` names the peer. */
+static dsk_status dsk__comm_write_full(const char *fn, int fd, const void *buf, size_t len, double deadline, const char *who) {
+    const char *p = (const char *)buf;
+    while (len > 0) {
+        ssize_t s = send(fd, p, len, MSG_NOSIGNAL);
+        if (s > 0) { p += s; len -= (size_t)s; continue; }
+        if (s < 0 && errno == EINTR) continue;
+        if (s < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            struct pollfd pf;
+            pf.fd = fd; pf.events = POLLOUT; pf.revents = 0;
+            if (poll(&pf, 1, dsk__comm_ms_left(deadline)) == 0)
+                return dsk_set_error(DSK_ERR_TIMEOUT, "%s: timed out sending to %s", fn, who);
+            continue;
+        }
+        return dsk_set_error(DSK_ERR_PEER, "%s: sending to %s failed: %s", fn, who, strerror(errno));
+    }
+    return DSK_OK;
+}
+
+static dsk_status dsk__comm_read_full(const char *fn, int fd, void *buf, size_t len, double deadline, const char *who) {
+    char *p = (char *)buf;
+    double t0 = dsk__comm_now();
+    while (len > 0) {
+        ssize_t r = recv(fd, p, len, 0);
+        if (r > 0) { p += r; len -= (size_t)r; continue; }
+        if (r == 0) return dsk_set_error(DSK_ERR_PEER, "%s: %s closed the connection", fn, who);
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) {
+            struct pollfd pf;
+            pf.fd = fd; pf.events = POLLIN; pf.revents = 0;
+            if (poll(&pf, 1, dsk__comm_ms_left(deadline)) == 0)
+                return dsk_set_error(DSK_ERR_TIMEOUT, "%s: timed out after %.2f s waiting for %s", fn,
+                                     dsk__comm_now() - t0, who);
+            continue;
+        }
+        return dsk_set_error(DSK_ERR_PEER, "%s: receiving from %s failed: %s", fn, who, strerror(errno));
+    }
+    return DSK_OK;
+}
+
+/* ---------------------------------------------------------------- the key-value store server
+   One thread on rank 0 of a world communicator. Requests: u32 cmd, u32 key length, u64
+   value length (SET) or delta (ADD), key, value. Replies: SET u64 0; GET u64 length + value
+   (held until the key exists); ADD i64 new value. */
+
+enum { DSK__COMM_STORE_SET = 1, DSK__COMM_STORE_GET = 2, DSK__COMM_STORE_ADD = 3 };
+#define DSK__COMM_STORE_MAX_KEY 4096u
+#define DSK__COMM_STORE_MAX_VAL (64u << 20)
+
+typedef struct dsk__comm_kv { char *key; char *val; uint64_t len; } dsk__comm_kv;
+typedef struct dsk__comm_store_client { int fd; char *buf; size_t len, cap; char *wait_key; } dsk__comm_store_client;
+typedef struct dsk__comm_store_server {
+    int listen_fd, wake[2];
+    pthread_t thread;
+    dsk__comm_kv *kv;
+    int nkv, capkv;
+    dsk__comm_store_client *cl;
+    int ncl, capcl;
+} dsk__comm_store_server;
+
+static dsk__comm_kv *dsk__comm_kv_find(dsk__comm_store_server *s, const char *key) {
+    for (int i = 0; i < s->nkv; i++)
+        if (strcmp(s->kv[i].key, key) == 0) return &s->kv[i];
+    return NULL;
+}
+
+/* Inserts or replaces key's value; NULL on allocation failure. */
+static dsk__comm_kv *dsk__comm_kv_put(dsk__comm_store_server *s, const char *key, const void *val, uint64_t len) {
+    dsk__comm_kv *e = dsk__comm_kv_find(s, key);
+    char *v = (char *)DSK_MALLOC(len ? (size_t)len : 1);
+    if (!v) return NULL;
+    if (len) memcpy(v, val, (size_t)len);
+    if (!e) {
+        if (s->nkv == s->capkv) {
+            int cap = s->capkv ? 2 * s->capkv : 64;
+            dsk__comm_kv *nk = (dsk__comm_kv *)DSK_MALLOC((size_t)cap * sizeof *nk);
+            if (!nk) { DSK_FREE(v); return NULL; }
+            if (s->nkv) memcpy(nk, s->kv, (size_t)s->nkv * sizeof *nk);
+            DSK_FREE(s->kv);
+            s->kv = nk;
+            s->capkv = cap;
+        }
+        e = &s->kv[s->nkv];
+        e->key = (char *)DSK_MALLOC(strlen(key) + 1);
+        if (!e->key) { DSK_FREE(v); return NULL; }
+        strcpy(e->key, key);
+        e->val = NULL;
+        s->nkv++;
+    }
+    DSK_FREE(e->val);
+    e->val = v;
+    e->len = len;
+    return e;
+}
+
+static void dsk__comm_store_drop(dsk__comm_store_server *s, int i) {
+    close(s->cl[i].fd);
+    DSK_FREE(s->cl[i].buf);
+    DSK_FREE(s->cl[i].wait_key);
+    s->cl[i] = s->cl[s->ncl - 1];
+    s->ncl--;
+}
+
+/* Sends a whole reply; replies are small, a client that does not read them is dropped. */
+static int dsk__comm_store_reply(int fd, const void *a, size_t na, const void *b, size_t nb) {
+    struct iovec iov[2];
+    struct msghdr mh;
+    size_t total = na + nb, sent = 0;
+    double deadline = dsk__comm_now() + 5.0;
+    while (sent < total) {
+        ssize_t r;
+        int k = 0;
+        memset(&mh, 0, sizeof mh);
+        if (sent < na) { iov[k].iov_base = (char *)a + sent; iov[k].iov_len = na - sent; k++; }
+        if (nb) { size_t off = sent > na ? sent - na : 0; iov[k].iov_base = (char *)b + off; iov[k].iov_len = nb - off; k++; }
+        mh.msg_iov = iov;
+        mh.msg_iovlen = (size_t)k;
+        r = sendmsg(fd, &mh, MSG_NOSIGNAL);
+        if (r > 0) { sent += (size_t)r; continue; }
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            struct pollfd pf;
+            pf.fd = fd; pf.events = POLLOUT; pf.revents = 0;
+            if (poll(&pf, 1, dsk__comm_ms_left(deadline)) > 0) continue;
+        }
+        return -1;
+    }
+    return 0;
+}
+
+static int dsk__comm_store_send_value(int fd, const dsk__comm_kv *e) {
+    uint64_t len = e->len;
+    return dsk__comm_store_reply(fd, &len, sizeof len, e->val, (size_t)e->len);
+}
+
+/* Answers every client waiting for e's key; drops those that cannot take the reply. */
+static void dsk__comm_store_wake_waiters(dsk__comm_store_server *s, const dsk__comm_kv *e) {
+    for (int i = 0; i < s->ncl; i++) {
+        if (!s->cl[i].wait_key || strcmp(s->cl[i].wait_key, e->key) != 0) continue;
+        DSK_FREE(s->cl[i].wait_key);
+        s->cl[i].wait_key = NULL;
+        if (dsk__comm_store_send_value(s->cl[i].fd, e) != 0) { dsk__comm_store_drop(s, i); i--; }
+    }
+}
+
+/* Handles the complete requests buffered for client i; returns -1 if it must be dropped. */
+static int dsk__comm_store_serve(dsk__comm_store_server *s, int i) {
+    for (;;) {
+        dsk__comm_store_client *c = &s->cl[i];
+        uint32_t cmd, klen;
+        uint64_t n;
+        size_t need;
+        char key[DSK__COMM_STORE_MAX_KEY + 1];
+        dsk__comm_kv *e;
+        if (c->len < 16) return 0;
+        memcpy(&cmd, c->buf, 4);
+        memcpy(&klen, c->buf + 4, 4);
+        memcpy(&n, c->buf + 8, 8);
+        if (klen == 0 || klen > DSK__COMM_STORE_MAX_KEY || cmd < DSK__COMM_STORE_SET || cmd > DSK__COMM_STORE_ADD ||
+            (cmd == DSK__COMM_STORE_SET && n > DSK__COMM_STORE_MAX_VAL) || c->wait_key)
+            return -1;
+        need = 16 + klen + (cmd == DSK__COMM_STORE_SET ? (size_t)n : 0);
+        if (c->len < need) return 0;
+        memcpy(key, c->buf + 16, klen);
+        key[klen] = 0;
+        if (cmd == DSK__COMM_STORE_SET) {
+            uint64_t zero = 0;
+            if (!(e = dsk__comm_kv_put(s, key, c->buf + 16 + klen, n)) || dsk__comm_store_reply(c->fd, &zero, 8, NULL, 0)) return -1;
+        } else if (cmd == DSK__COMM_STORE_ADD) {
+            int64_t v = 0;
+            e = dsk__comm_kv_find(s, key);
+            if (e && e->len == 8) memcpy(&v, e->val, 8);
+            v = (int64_t)((uint64_t)v + n);
+            if (!(e = dsk__comm_kv_put(s, key, &v, 8)) || dsk__comm_store_reply(c->fd, &v, 8, NULL, 0)) return -1;
+        } else if ((e = dsk__comm_kv_find(s, key)) != NULL) {
+            if (dsk__comm_store_send_value(c->fd, e)) return -1;
+            e = NULL;
+        } else {
+            c->wait_key = (char *)DSK_MALLOC(klen + 1);
+            if (!c->wait_key) return -1;
+            memcpy(c->wait_key, key, (size_t)klen + 1);
+        }
+        memmove(c->buf, c->buf + need, c->len - need);
+        c->len -= need;
+        if (e && cmd != DSK__COMM_STORE_GET) {
+            int fd = c->fd;
+            dsk__comm_store_wake_waiters(s, e);
+            /* waking may have dropped clients and moved this one: find it again */
+            for (i = 0; i < s->ncl && s->cl[i].fd != fd; i++) {}
+            if (i == s->ncl) return 0;
+        }
+    }
+}
+
+/* Reads what client i sent; -1: drop it. */
+static int dsk__comm_store_read(dsk__comm_store_server *s, int i) {
+    for (;;) {
+        dsk__comm_store_client *c = &s->cl[i];
+        ssize_t r;
+        if (c->cap - c->len < 65536) {
+            size_t cap = c->cap ? 2 * c->cap : 131072;
+            char *nb;
+            if (cap > 2 * (size_t)DSK__COMM_STORE_MAX_VAL) return -1;
+            nb = (char *)DSK_MALLOC(cap);
+            if (!nb) return -1;
+            if (c->len) memcpy(nb, c->buf, c->len);
+            DSK_FREE(c->buf);
+            c->buf = nb;
+            c->cap = cap;
+        }
+        r = recv(c->fd, c->buf + c->len, c->cap - c->len, 0);
+        if (r > 0) { c->len += (size_t)r; continue; }
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return dsk__comm_store_serve(s, i);
+        return -1;
+    }
+}
+
+static void *dsk__comm_store_thread(void *arg) {
+    dsk__comm_store_server *s = (dsk__comm_store_server *)arg;
+    struct pollfd *pf = NULL;
+    int cap = 0;
+    for (;;) {
+        int n = 2 + s->ncl, r;
+        if (n > cap) {
+            DSK_FREE(pf);
+            cap = 2 * n;
+            pf = (struct pollfd *)DSK_MALLOC((size_t)cap * sizeof *pf);
+            if (!pf) return NULL;
+        }
+        pf[0].fd = s->wake[0]; pf[0].events = POLLIN; pf[0].revents = 0;
+        pf[1].fd = s->listen_fd; pf[1].events = POLLIN; pf[1].revents = 0;
+        for (int i = 0; i < s->ncl; i++) { pf[2 + i].fd = s->cl[i].fd; pf[2 + i].events = POLLIN; pf[2 + i].revents = 0; }
+        r = poll(pf, (nfds_t)n, -1);
+        if (r < 0 && errno != EINTR) break;
+        if (r <= 0) continue;
+        if (pf[0].revents) break;
+        /* clients first, by fd: serving may reorder the array */
+        for (int j = 2; j < n; j++) {
+            int i;
+            if (!pf[j].revents) continue;
+            for (i = 0; i < s->ncl && s->cl[i].fd != pf[j].fd; i++) {}
+            if (i < s->ncl && dsk__comm_store_read(s, i) != 0) {
+                for (i = 0; i < s->ncl && s->cl[i].fd != pf[j].fd; i++) {}
+                if (i < s->ncl) dsk__comm_store_drop(s, i);
+            }
+        }
+        if (pf[1].revents) {
+            int fd = accept(s->listen_fd, NULL, NULL);
+            if (fd >= 0) {
+                if (s->ncl == s->capcl) {
+                    int nc = s->capcl ? 2 * s->capcl : 16;
+                    dsk__comm_store_client *ncl = (dsk__comm_store_client *)DSK_MALLOC((size_t)nc * sizeof *ncl);
+                    if (!ncl) { close(fd); continue; }
+                    if (s->ncl) memcpy(ncl, s->cl, (size_t)s->ncl * sizeof *ncl);
+                    DSK_FREE(s->cl);
+                    s->cl = ncl;
+                    s->capcl = nc;
+                }
+                dsk__comm_tune_socket(fd);
+                memset(&s->cl[s->ncl], 0, sizeof s->cl[s->ncl]);
+                s->cl[s->ncl].fd = fd;
+                s->ncl++;
+            }
+        }
+    }
+    DSK_FREE(pf);
+    return NULL;
+}
+
+static void dsk__comm_store_server_free(dsk__comm_store_server *s) {
+    if (!s) return;
+    if (s->wake[1] >= 0) {
+        char b = 1;
+        ssize_t w = write(s->wake[1], &b, 1);
+        (void)w;
+        pthread_join(s->thread, NULL);
+    }
+    while (s->ncl) dsk__comm_store_drop(s, s->ncl - 1);
+    for (int i = 0; i < s->nkv; i++) { DSK_FREE(s->kv[i].key); DSK_FREE(s->kv[i].val); }
+    DSK_FREE(s->kv);
+    DSK_FREE(s->cl);
+    if (s->listen_fd >= 0) close(s->listen_fd);
+    if (s->wake[0] >= 0) close(s->wake[0]);
+    if (s->wake[1] >= 0) close(s->wake[1]);
+    DSK_FREE(s);
+}
+
+static dsk_status dsk__comm_store_server_start(const char *fn, const struct sockaddr_in *addr, dsk__comm_store_server **out) {
+    dsk__comm_store_server *s = (dsk__comm_store_server *)DSK_MALLOC(sizeof *s);
+    dsk_status st;
+    if (!s) return dsk_set_error(DSK_ERR_OOM, "%s: store server", fn);
+    memset(s, 0, sizeof *s);
+    s->listen_fd = s->wake[0] = s->wake[1] = -1;
+    if ((st = dsk__comm_listen(fn, addr, &s->listen_fd, NULL)) != DSK_OK) { dsk__comm_store_server_free(s); return st; }
+    if (pipe(s->wake) != 0) {
+        s->wake[0] = s->wake[1] = -1;
+        dsk__comm_store_server_free(s);
+        return dsk_set_error(DSK_ERR_IO, "%s: pipe: %s", fn, strerror(errno));
+    }
+    dsk__comm_set_nonblocking_cloexec(s->wake[0]);
+    dsk__comm_set_nonblocking_cloexec(s->wake[1]);
+    if (pthread_create(&s->thread, NULL, dsk__comm_store_thread, s) != 0) {
+        close(s->wake[1]);
+        s->wake[1] = -1;
+        dsk__comm_store_server_free(s);
+        return dsk_set_error(DSK_ERR_IO, "%s: cannot start the store thread", fn);
+    }
+    *out = s;
+    return DSK_OK;
+}
+
+/* ---------------------------------------------------------------- communicator state */
+
+/* Header in front of every host-backend message: both sides check it before the payload. */
+typedef struct dsk__comm_wire {
+    uint32_t magic;
+    uint16_t kind;  /* dsk__comm_kind */
+    uint8_t dtype, op;
+    int32_t root;   /* broadcast root, else -1 */
+    uint32_t step;  /* round inside the call */
+    int64_t count;  /* the call's count (all_to_all_v, send: this message's count) */
+    uint64_t seq;   /* collective calls before this one (send/recv: messages to this peer) */
+} dsk__comm_wire;
+
+#define DSK__COMM_WIRE_MAGIC 0x6b736431u /* "1dsk" */
+enum { DSK__COMM_ALL_REDUCE = 1, DSK__COMM_REDUCE_SCATTER, DSK__COMM_ALL_GATHER, DSK__COMM_BROADCAST, DSK__COMM_ALL_TO_ALL, DSK__COMM_ALL_TO_ALL_V,
+       DSK__COMM_SEND, DSK__COMM_BARRIER, DSK__COMM_KIND_END };
+
+static const char *dsk__comm_kind_name(unsigned k) {
+    static const char *names[] = {"?", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all",
+                                  "all_to_all_v", "send/recv", "barrier"};
+    return k < DSK__COMM_KIND_END ? names[k] : "an unknown call";
+}
+
+struct dsk__comm_impl {
+    double timeout_s;
+    size_t small_bytes, piece_bytes;
+    char master_addr[256];
+    int master_port;
+    char ns[64];                 /* store key namespace of this communicator */
+    char my_ip[64];              /* where peers reach this rank */
+    uint64_t tag;                /* identifies the mesh in connection hellos */
+    int store_fd;                /* client connection to the store, -1 if none */
+    dsk__comm_store_server *server;   /* rank 0 of a world communicator */
+    uint64_t store_barriers, splits;
+    int *fds;                    /* [world] mesh sockets, -1 for this rank */
+    uint64_t seq;                /* collective calls so far */
+    uint64_t *p2p_sent, *p2p_recvd; /* [world] */
+    dsk_status broken;           /* DSK_OK, or the error that made the communicator unusable */
+    char broken_msg[600];
+    void *scratch;
+    size_t scratch_bytes;
+    struct pollfd *pfd;          /* io engine work arrays, [2 * world] */
+    int *pidx;
+    struct dsk__comm_io *ops;         /* [2 * world] */
+    const void **srcs;           /* [world] */
+    int64_t *off;                /* [world + 1] */
+#ifdef DSK_CUDA
+    ncclComm_t nccl;
+    void *nccl_flag;             /* one device float for barriers */
+#endif
+};
+
+static void *dsk__comm_scratch(dsk__comm_impl *m, size_t bytes) {
+    if (bytes > m->scratch_bytes) {
+        void *p = DSK_MALLOC(bytes);
+        if (!p) return NULL;
+        DSK_FREE(m->scratch);
+        m->scratch = p;
+        m->scratch_bytes = bytes;
+    }
+    return m->scratch ? m->scratch : (m->scratch = DSK_MALLOC(1));
+}
+
+/* Records the current error as fatal and half-closes the mesh so peers fail fast. */
+static dsk_status dsk__comm_break(dsk__comm_impl *m, int world, dsk_status st) {
+    if (m->broken) return st;
+    m->broken = st;
+    snprintf(m->broken_msg, sizeof m->broken_msg, "%s", dsk_last_error());
+    for (int r = 0; m->fds && r < world; r++)
+        if (m->fds[r] >= 0) shutdown(m->fds[r], SHUT_WR);
+#ifdef DSK_CUDA
+    if (m->nccl) { ncclCommAbort(m->nccl); m->nccl = NULL; }
+#endif
+    return st;
+}
+
+/* ---------------------------------------------------------------- store client */
+
+static dsk_status dsk__comm_store_call(dsk_comm *c, const char *fn, uint32_t cmd, const char *key, const void *val,
+                                  uint64_t n, double deadline) {
+    dsk__comm_impl *m = c->impl;
+    char who[320];
+    unsigned char h[16];
+    uint32_t klen = (uint32_t)strlen(key);
+    dsk_status st;
+    if (m->store_fd < 0) return dsk_set_error(DSK_ERR_STATE, "%s: this communicator has no store connection", fn);
+    if (klen == 0 || klen > DSK__COMM_STORE_MAX_KEY) return dsk_set_error(DSK_ERR_ARG, "%s: key length %u not in [1, %u]", fn, klen, DSK__COMM_STORE_MAX_KEY);
+    snprintf(who, sizeof who, "the key-value store at %s:%d", m->master_addr, m->master_port);
+    memcpy(h, &cmd, 4);
+    memcpy(h + 4, &klen, 4);
+    memcpy(h + 8, &n, 8);
+    if ((st = dsk__comm_write_full(fn, m->store_fd, h, 16, deadline, who)) != DSK_OK ||
+        (st = dsk__comm_write_full(fn, m->store_fd, key, klen, deadline, who)) != DSK_OK ||
+        (cmd == DSK__COMM_STORE_SET && (st = dsk__comm_write_full(fn, m->store_fd, val, (size_t)n, deadline, who)) != DSK_OK)) {
+        close(m->store_fd);
+        m->store_fd = -1;
+    }
+    return st;
+}
+
+/* A failed or timed-out request leaves the connection out of step: close it. */
+static dsk_status dsk__comm_store_fail(dsk__comm_impl *m, dsk_status st) {
+    if (m->store_fd >= 0) close(m->store_fd);
+    m->store_fd = -1;
+    return st;
+}
+
+static dsk_status dsk__comm_store_set(dsk_comm *c, const char *fn, const char *key, const void *val, size_t len) {
+    uint64_t ack;
+    dsk_status st;
+    double deadline = dsk__comm_now() + c->impl->timeout_s;
+    char who[320];
+    if (len > DSK__COMM_STORE_MAX_VAL) return dsk_set_error(DSK_ERR_ARG, "%s: value of %zu bytes for \"%s\" exceeds %u", fn, len, key, DSK__COMM_STORE_MAX_VAL);
+    if ((st = dsk__comm_store_call(c, fn, DSK__COMM_STORE_SET, key, val, len, deadline)) != DSK_OK) return st;
+    snprintf(who, sizeof who, "the key-value store at %s:%d", c->impl->master_addr, c->impl->master_port);
+    if ((st = dsk__comm_read_full(fn, c->impl->store_fd, &ack, 8, deadline, who)) != DSK_OK) return dsk__comm_store_fail(c->impl, st);
+    return DSK_OK;
+}
+
+static dsk_status dsk__comm_store_get(dsk_comm *c, const char *fn, const char *key, void *buf, size_t cap, size_t *len_out) {
+    dsk__comm_impl *m = c->impl;
+    uint64_t len;
+    dsk_status st;
+    double t0 = dsk__comm_now(), deadline = t0 + m->timeout_s;
+    char who[400];
+    if ((st = dsk__comm_store_call(c, fn, DSK__COMM_STORE_GET, key, NULL, 0, deadline)) != DSK_OK) return st;
+    snprintf(who, sizeof who, "key \"%s\" in the key-value store at %s:%d", key, m->master_addr, m->master_port);
+    if ((st = dsk__comm_read_full(fn, m->store_fd, &len, 8, deadline, who)) != DSK_OK) return dsk__comm_store_fail(m, st);
+    if (len > DSK__COMM_STORE_MAX_VAL) return dsk__comm_store_fail(m, dsk_set_error(DSK_ERR_CORRUPT, "%s: store reply of %llu bytes", fn, (unsigned long long)len));
+    {
+        char *tmp = (char *)DSK_MALLOC(len ? (size_t)len : 1);
+        if (!tmp) return dsk__comm_store_fail(m, dsk_set_error(DSK_ERR_OOM, "%s: %llu bytes", fn, (unsigned long long)len));
+        st = dsk__comm_read_full(fn, m->store_fd, tmp, (size_t)len, deadline, who);
+        if (st == DSK_OK && buf) memcpy(buf, tmp, (size_t)len < cap ? (size_t)len : cap);
+        DSK_FREE(tmp);
+        if (st != DSK_OK) return dsk__comm_store_fail(m, st);
+    }
+    if (len_out) *len_out = (size_t)len;
+    return DSK_OK;
+}
+
+static dsk_status dsk__comm_store_add(dsk_comm *c, const char *fn, const char *key, int64_t delta, int64_t *result) {
+    int64_t v;
+    dsk_status st;
+    double deadline = dsk__comm_now() + c->impl->timeout_s;
+    char who[320];
+    if ((st = dsk__comm_store_call(c, fn, DSK__COMM_STORE_ADD, key, NULL, (uint64_t)delta, deadline)) != DSK_OK) return st;
+    snprintf(who, sizeof who, "the key-value store at %s:%d", c->impl->master_addr, c->impl->master_port);
+    if ((st = dsk__comm_read_full(fn, c->impl->store_fd, &v, 8, deadline, who)) != DSK_OK) return dsk__comm_store_fail(c->impl, st);
+    if (result) *result = v;
+    return DSK_OK;
+}
+
+static dsk_status dsk__comm_store_barrier(dsk_comm *c, const char *fn) {
+    dsk__comm_impl *m = c->impl;
+    char key[160];
+    int64_t arrived;
+    dsk_status st;
+    snprintf(key, sizeof key, "dsk/%s/barrier/%llu", m->ns, (unsigned long long)++m->store_barriers);
+    if ((st = dsk__comm_store_add(c, fn, key, 1, &arrived)) != DSK_OK) return st;
+    strcat(key, "/done");
+    if (arrived == c->world_size && (st = dsk__comm_store_set(c, fn, key, "1", 1)) != DSK_OK) return st;
+    return dsk__comm_store_get(c, fn, key, NULL, 0, NULL);
+}
+
+static dsk_status dsk__comm_check(const dsk_comm *c, const char *fn) {
+    if (!c || !c->impl) return dsk_set_error(DSK_ERR_ARG, "%s: communicator is NULL or not initialised", fn);
+    if (c->impl->broken)
+        return dsk_set_error(DSK_ERR_STATE, "%s: communicator (rank %d of %d) is unusable after an earlier error: %s", fn,
+                             c->rank, c->world_size, c->impl->broken_msg);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_comm_store_set(dsk_comm *c, const char *key, const void *val, size_t len) {
+    dsk_status st = dsk__comm_check(c, "dsk_comm_store_set");
+    if (st) return st;
+    if (!key || (!val && len)) return dsk_set_error(DSK_ERR_ARG, "dsk_comm_store_set: key or value is NULL");
+    return dsk__comm_store_set(c, "dsk_comm_store_set", key, val, len);
+}
+
+DSK_API dsk_status dsk_comm_store_get(dsk_comm *c, const char *key, void *buf, size_t cap, size_t *len) {
+    dsk_status st = dsk__comm_check(c, "dsk_comm_store_get");
+    if (st) return st;
+    if (!key || (!buf && cap)) return dsk_set_error(DSK_ERR_ARG, "dsk_comm_store_get: key or buffer is NULL");
+    return dsk__comm_store_get(c, "dsk_comm_store_get", key, buf, cap, len);
+}
+
+DSK_API dsk_status dsk_comm_store_add(dsk_comm *c, const char *key, int64_t delta, int64_t *result) {
+    dsk_status st = dsk__comm_check(c, "dsk_comm_store_add");
+    if (st) return st;
+    if (!key) return dsk_set_error(DSK_ERR_ARG, "dsk_comm_store_add: key is NULL");
+    return dsk__comm_store_add(c, "dsk_comm_store_add", key, delta, result);
+}
+
+DSK_API dsk_status dsk_comm_store_barrier(dsk_comm *c) {
+    dsk_status st = dsk__comm_check(c, "dsk_comm_store_barrier");
+    return st ? st : dsk__comm_store_barrier(c, "dsk_comm_store_barrier");
+}
+
+/* ---------------------------------------------------------------- the host backend's I/O engine
+   A call posts one message per (peer, direction) and progresses them all at once with
+   poll(), so no order of sends and receives can deadlock. */
+
+typedef struct dsk__comm_io {
+    int peer, is_send;
+    dsk__comm_wire hdr;      /* sent, or expected */
+    dsk__comm_wire got;      /* received */
+    char *buf;
+    size_t len, done;   /* done counts header + payload bytes */
+} dsk__comm_io;
+
+static void dsk__comm_wire_describe(const dsk__comm_wire *h, char *buf, size_t n) {
+    char extra[64] = "";
+    if (h->kind == DSK__COMM_ALL_REDUCE || h->kind == DSK__COMM_REDUCE_SCATTER)
+        snprintf(extra, sizeof extra, ", %s", dsk_comm_op_name((dsk_comm_op)h->op));
+    if (h->kind == DSK__COMM_BROADCAST) snprintf(extra, sizeof extra, ", root %d", (int)h->root);
+    snprintf(buf, n, "%s(count %lld, %s%s) call #%llu step %u", dsk__comm_kind_name(h->kind), (long long)h->count,
+             dsk_dtype_name((dsk_dtype)h->dtype), extra, (unsigned long long)h->seq, (unsigned)h->step);
+}
+
+static int dsk__comm_io_finished(const dsk__comm_io *op) { return op->done == sizeof(dsk__comm_wire) + op->len; }
+
+/* Moves what the socket allows; 1 done, 0 would block, -1 error (*err and the message set). */
+static int dsk__comm_io_progress(dsk_comm *c, const char *fn, dsk__comm_io *op, dsk_status *err) {
+    int fd = c->impl->fds[op->peer];
+    const size_t H = sizeof(dsk__comm_wire);
+    while (!dsk__comm_io_finished(op)) {
+        ssize_t r;
+        if (op->is_send) {
+            struct iovec iov[2];
+            struct msghdr mh;
+            int k = 0;
+            memset(&mh, 0, sizeof mh);
+            if (op->done < H) { iov[k].iov_base = (char *)&op->hdr + op->done; iov[k].iov_len = H - op->done; k++; }
+            if (op->len) {
+                size_t off = op->done > H ? op->done - H : 0;
+                iov[k].iov_base = op->buf + off; iov[k].iov_len = op->len - off; k++;
+            }
+            mh.msg_iov = iov;
+            mh.msg_iovlen = (size_t)k;
+            r = sendmsg(fd, &mh, MSG_NOSIGNAL);
+            if (r > 0) { op->done += (size_t)r; c->stats.bytes_sent += (uint64_t)r; continue; }
+        } else if (op->done < H) {
+            r = recv(fd, (char *)&op->got + op->done, H - op->done, 0);
+            if (r > 0) {
+                op->done += (size_t)r;
+                if (op->done == H) {
+                    const dsk__comm_wire *g = &op->got, *w = &op->hdr;
+                    if (g->magic != DSK__COMM_WIRE_MAGIC)
+                        return *err = dsk_set_error(DSK_ERR_CORRUPT, "%s: rank %d sent a message without the dsk header "
+                                                    "(magic %08x)", fn, op->peer, (unsigned)g->magic), -1;
+                    if (g->kind != w->kind || g->dtype != w->dtype || g->op != w->op || g->root != w->root ||
+                        g->count != w->count || g->seq != w->seq || g->step != w->step) {
+                        char mine[160], theirs[160];
+                        dsk__comm_wire_describe(w, mine, sizeof mine);
+                        dsk__comm_wire_describe(g, theirs, sizeof theirs);
+                        return *err = dsk_set_error(DSK_ERR_PEER, "%s: mismatched calls: this rank (%d) expects %s but "
+                                                    "rank %d sent %s", fn, c->rank, mine, op->peer, theirs), -1;
+                    }
+                }
+                continue;
+            }
+        } else {
+            size_t off = op->done - H;
+            r = recv(fd, op->buf + off, op->len - off, 0);
+            if (r > 0) { op->done += (size_t)r; c->stats.bytes_received += (uint64_t)r; continue; }
+        }
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
+        {
+            char what[160];
+            dsk__comm_wire_describe(&op->hdr, what, sizeof what);
+            if (r == 0)
+                return *err = dsk_set_error(DSK_ERR_PEER, "%s: rank %d closed the connection during %s (it exited, "
+                                            "crashed or failed an earlier call)", fn, op->peer, what), -1;
+            return *err = dsk_set_error(DSK_ERR_PEER, "%s: connection to rank %d failed during %s: %s", fn, op->peer,
+                                        what, strerror(errno)), -1;
+        }
+    }
+    return 1;
+}
+
+/* Runs ops[0..n) to completion or to the deadline (t0 + timeout). Errors break the comm. */
+static dsk_status dsk__comm_io_run(dsk_comm *c, const char *fn, dsk__comm_io *ops, int n, double t0) {
+    dsk__comm_impl *m = c->impl;
+    double deadline = t0 + m->timeout_s;
+    for (;;) {
+        int k = 0, r;
+        for (int i = 0; i < n; i++) {
+            if (dsk__comm_io_finished(&ops[i])) continue;
+            m->pfd[k].fd = m->fds[ops[i].peer];
+            m->pfd[k].events = ops[i].is_send ? POLLOUT : POLLIN;
+            m->pfd[k].revents = 0;
+            m->pidx[k++] = i;
+        }
+        if (k == 0) return DSK_OK;
+        r = poll(m->pfd, (nfds_t)k, dsk__comm_ms_left(deadline));
+        if (r < 0 && errno != EINTR)
+            return dsk__comm_break(m, c->world_size, dsk_set_error(DSK_ERR_IO, "%s: poll: %s", fn, strerror(errno)));
+        if (r == 0 && dsk__comm_now() >= deadline) {
+            /* name the peer we wait for; prefer a receive: that peer has not sent */
+            int w = m->pidx[0];
+            char what[160];
+            for (int j = 0; j < k; j++)
+                if (!ops[m->pidx[j]].is_send) { w = m->pidx[j]; break; }
+            dsk__comm_wire_describe(&ops[w].hdr, what, sizeof what);
+            dsk_set_error(DSK_ERR_TIMEOUT, "%s: timed out after %.2f s waiting for rank %d to %s (%zu of %zu bytes) in %s; "
+                          "rank %d may be stopped, overloaded or in a different call", fn, dsk__comm_now() - t0,
+                          ops[w].peer, ops[w].is_send ? "accept data" : "send", ops[w].done,
+                          sizeof(dsk__comm_wire) + ops[w].len, what, ops[w].peer);
+            return dsk__comm_break(m, c->world_size, DSK_ERR_TIMEOUT);
+        }
+        for (int j = 0; j < k; j++) {
+            dsk_status err = DSK_OK;
+            if (m->pfd[j].revents && dsk__comm_io_progress(c, fn, &ops[m->pidx[j]], &err) < 0) return dsk__comm_break(m, c->world_size, err);
+        }
+    }
+}
+
+static void dsk__comm_io_post(dsk__comm_io *op, int peer, int is_send, const dsk__comm_wire *h, const void *buf, size_t len) {
+    op->peer = peer;
+    op->is_send = is_send;
+    op->hdr = *h;
+    memset(&op->got, 0, sizeof op->got);
+    op->buf = (char *)buf;
+    op->len = len;
+    op->done = 0;
+}
+
+/* ---------------------------------------------------------------- reductions (fixed rank order) */
+
+/* dst[0..len) = src[0] op src[1] op ... op src[n-1], left to right, in f32 for float dtypes
+   and int64 for integers; AVG divides by n at the end. acc holds len 8-byte slots. dst may
+   alias a source. */
+static void dsk__comm_fold(dsk_dtype dt, dsk_comm_op op, int n, const void *const *src, void *dst, int64_t len, void *acc) {
+    if (dsk_dtype_is_float(dt)) {
+        float *a = (float *)acc;
+        for (int r = 0; r < n; r++) {
+            const void *s = src[r];
+            for (int64_t i = 0; i < len; i++) {
+                float x = dt == DSK_F32 ? ((const float *)s)[i]
+                          : dt == DSK_BF16 ? dsk_bf16_to_f32(((const uint16_t *)s)[i])
+                                           : dsk_f16_to_f32(((const uint16_t *)s)[i]);
+                if (r == 0) a[i] = x;
+                else if (op == DSK_COMM_SUM || op == DSK_COMM_AVG) a[i] = a[i] + x;
+                else if (op == DSK_COMM_MAX) a[i] = (x > a[i] || x != x) ? x : a[i];
+                else a[i] = (x < a[i] || x != x) ? x : a[i];
+            }
+        }
+        for (int64_t i = 0; i < len; i++) {
+            float v = op == DSK_COMM_AVG ? a[i] / (float)n : a[i];
+            if (dt == DSK_F32) ((float *)dst)[i] = v;
+            else if (dt == DSK_BF16) ((uint16_t *)dst)[i] = dsk_f32_to_bf16(v);
+            else ((uint16_t *)dst)[i] = dsk_f32_to_f16(v);
+        }
+    } else {
+        int64_t *a = (int64_t *)acc;
+        for (int r = 0; r < n; r++) {
+            const void *s = src[r];
+            for (int64_t i = 0; i < len; i++) {
+                int64_t x = dt == DSK_I32 ? ((const int32_t *)s)[i] : dt == DSK_I64 ? ((const int64_t *)s)[i]
+                                                                                      : ((const uint8_t *)s)[i];
+                if (r == 0) a[i] = x;
+                else if (op == DSK_COMM_SUM || op == DSK_COMM_AVG) a[i] = (int64_t)((uint64_t)a[i] + (uint64_t)x);
+                else if (op == DSK_COMM_MAX) a[i] = x > a[i] ? x : a[i];
+                else a[i] = x < a[i] ? x : a[i];
+            }
+        }
+        for (int64_t i = 0; i < len; i++) {
+            int64_t v = op == DSK_COMM_AVG ? a[i] / n : a[i];
+            if (dt == DSK_I32) ((int32_t *)dst)[i] = (int32_t)(uint32_t)(uint64_t)v;
+            else if (dt == DSK_I64) ((int64_t *)dst)[i] = v;
+            else ((uint8_t *)dst)[i] = (uint8_t)(uint64_t)v;
+        }
+    }
+}
+
+static dsk__comm_wire dsk__comm_wire_make(dsk__comm_impl *m, int kind, dsk_dtype dt, int op, int root, int64_t count) {
+    dsk__comm_wire h;
+    memset(&h, 0, sizeof h);
+    h.magic = DSK__COMM_WIRE_MAGIC;
+    h.kind = (uint16_t)kind;
+    h.dtype = (uint8_t)dt;
+    h.op = (uint8_t)op;
+    h.root = root;
+    h.count = count;
+    h.seq = m->seq;
+    return h;
+}
+
+/* ---------------------------------------------------------------- host collectives */
+
+static int64_t dsk__comm_min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static int64_t dsk__comm_max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* Reduce-scatter by direct exchange. Rank p owns elements [off[p], off[p+1]); in round k each
+   rank sends every owner piece k (at most piece_bytes) of its part and folds the pieces it
+   receives for its own part in rank order into out. Every pair exchanges a header every
+   round, even when a piece is empty, so mismatched calls are always seen. */
+static dsk_status dsk__comm_rs_direct(dsk_comm *c, const char *fn, dsk__comm_wire h, const char *send, const int64_t *off,
+                                 dsk_dtype dt, dsk_comm_op op, char *out, double t0, uint32_t *step) {
+    dsk__comm_impl *m = c->impl;
+    int n = c->world_size, me = c->rank;
+    size_t esz = dsk_dtype_size(dt);
+    int64_t P = dsk__comm_max64(1, (int64_t)(m->piece_bytes / esz)), maxlen = 0, rounds;
+    size_t tmp_bytes;
+    char *tmp;
+    void *acc;
+    for (int p = 0; p < n; p++) maxlen = dsk__comm_max64(maxlen, off[p + 1] - off[p]);
+    rounds = maxlen ? (maxlen + P - 1) / P : 1;
+    P = dsk__comm_min64(P, dsk__comm_max64(maxlen, 1));
+    tmp_bytes = ((size_t)n * (size_t)P * esz + 7) & ~(size_t)7;
+    if (!(tmp = (char *)dsk__comm_scratch(m, tmp_bytes + (size_t)P * 8)))
+        return dsk_set_error(DSK_ERR_OOM, "%s: %zu bytes of scratch", fn, tmp_bytes + (size_t)P * 8);
+    acc = tmp + tmp_bytes;
+    for (int64_t k = 0; k < rounds; k++) {
+        int64_t mine_lo = off[me] + k * P, mine_len = dsk__comm_max64(0, dsk__comm_min64(P, off[me + 1] - mine_lo));
+        int no = 0;
+        dsk_status st;
+        h.step = (*step)++;
+        for (int p = 0; p < n; p++) {
+            int64_t lo = off[p] + k * P, len = dsk__comm_max64(0, dsk__comm_min64(P, off[p + 1] - lo));
+            if (p == me) continue;
+            dsk__comm_io_post(&m->ops[no++], p, 1, &h, send + (len ? lo * (int64_t)esz : 0), (size_t)len * esz);
+            dsk__comm_io_post(&m->ops[no++], p, 0, &h, tmp + (size_t)p * (size_t)P * esz, (size_t)mine_len * esz);
+        }
+        if ((st = dsk__comm_io_run(c, fn, m->ops, no, t0)) != DSK_OK) return st;
+        if (mine_len == 0) continue;
+        for (int p = 0; p < n; p++) m->srcs[p] = p == me ? send + mine_lo * (int64_t)esz : tmp + (size_t)p * (size_t)P * esz;
+        dsk__comm_fold(dt, op, n, m->srcs, out + k * P * (int64_t)esz, mine_len, acc);
+    }
+    return DSK_OK;
+}
+
+/* Every rank sends its part [off[me], off[me+1]) of buf to every other rank (to_all) or to
+   ranks != skip, and receives the others' parts in place. */
+static dsk_status dsk__comm_ag_direct(dsk_comm *c, const char *fn, dsk__comm_wire h, char *buf, const int64_t *off, size_t esz,
+                                 int skip, double t0) {
+    dsk__comm_impl *m = c->impl;
+    int n = c->world_size, me = c->rank, no = 0;
+    for (int p = 0; p < n; p++) {
+        if (p == me || p == skip) continue;
+        dsk__comm_io_post(&m->ops[no++], p, 1, &h, buf + off[me] * (int64_t)esz, (size_t)(off[me + 1] - off[me]) * esz);
+        if (me != skip)
+            dsk__comm_io_post(&m->ops[no++], p, 0, &h, buf + off[p] * (int64_t)esz, (size_t)(off[p + 1] - off[p]) * esz);
+    }
+    return dsk__comm_io_run(c, fn, m->ops, no, t0);
+}
+
+static void dsk__comm_partition(int64_t count, int n, int64_t *off) {
+    for (int p = 0; p <= n; p++) off[p] = count / n * p + dsk__comm_min64(p, count % n);
+}
+
+static dsk_status dsk__comm_host_all_reduce(dsk_comm *c, const char *fn, const char *send, char *recv, int64_t count,
+                                       dsk_dtype dt, dsk_comm_op op, double t0) {
+    dsk__comm_impl *m = c->impl;
+    int n = c->world_size, me = c->rank;
+    size_t esz = dsk_dtype_size(dt), bytes = (size_t)count * esz;
+    dsk__comm_wire h = dsk__comm_wire_make(m, DSK__COMM_ALL_REDUCE, dt, op, -1, count);
+    uint32_t step = 0;
+    dsk_status st;
+    if (bytes <= m->small_bytes || count < n) {
+        /* one round: every rank receives every buffer and folds them all */
+        size_t tb = ((size_t)n * bytes + 7) & ~(size_t)7;
+        char *tmp = (char *)dsk__comm_scratch(m, tb + (size_t)count * 8);
+        int no = 0;
+        if (!tmp) return dsk_set_error(DSK_ERR_OOM, "%s: %zu bytes of scratch", fn, tb + (size_t)count * 8);
+        for (int p = 0; p < n; p++) {
+            if (p == me) continue;
+            dsk__comm_io_post(&m->ops[no++], p, 1, &h, send, bytes);
+            dsk__comm_io_post(&m->ops[no++], p, 0, &h, tmp + (size_t)p * bytes, bytes);
+        }
+        if ((st = dsk__comm_io_run(c, fn, m->ops, no, t0)) != DSK_OK) return st;
+        for (int p = 0; p < n; p++) m->srcs[p] = p == me ? send : tmp + (size_t)p * bytes;
+        dsk__comm_fold(dt, op, n, m->srcs, recv, count, tmp + tb);
+        return DSK_OK;
+    }
+    dsk__comm_partition(count, n, m->off);
+    if ((st = dsk__comm_rs_direct(c, fn, h, send, m->off, dt, op, recv + m->off[me] * (int64_t)esz, t0, &step)) != DSK_OK)
+        return st;
+    h.step = step;
+    return dsk__comm_ag_direct(c, fn, h, recv, m->off, esz, -1, t0);
+}
+
+static dsk_status dsk__comm_host_reduce_scatter(dsk_comm *c, const char *fn, const char *send, char *recv, int64_t rcount,
+                                           dsk_dtype dt, dsk_comm_op op, double t0) {
+    dsk__comm_impl *m = c->impl;
+    uint32_t step = 0;
+    for (int p = 0; p <= c->world_size; p++) m->off[p] = rcount * p;
+    return dsk__comm_rs_direct(c, fn, dsk__comm_wire_make(m, DSK__COMM_REDUCE_SCATTER, dt, op, -1, rcount), send, m->off, dt, op, recv,
+                          t0, &step);
+}
+
+static dsk_status dsk__comm_host_all_gather(dsk_comm *c, const char *fn, const char *send, char *recv, int64_t scount,
+                                       dsk_dtype dt, double t0) {
+    dsk__comm_impl *m = c->impl;
+    size_t esz = dsk_dtype_size(dt);
+    char *mine = recv + (int64_t)c->rank * scount * (int64_t)esz;
+    if (mine != send && scount) memmove(mine, send, (size_t)scount * esz);
+    for (int p = 0; p <= c->world_size; p++) m->off[p] = scount * p;
+    return dsk__comm_ag_direct(c, fn, dsk__comm_wire_make(m, DSK__COMM_ALL_GATHER, dt, 0, -1, scount), recv, m->off, esz, -1, t0);
+}
+
+/* Small or two ranks: the root sends to every rank. Otherwise scatter + all-gather, so
+   the root sends 2(n-1)/n of the buffer instead of (n-1) times all of it. */
+static dsk_status dsk__comm_host_broadcast(dsk_comm *c, const char *fn, const char *send, char *recv, int64_t count,
+                                      dsk_dtype dt, int root, double t0) {
+    dsk__comm_impl *m = c->impl;
+    int n = c->world_size, me = c->rank, no = 0;
+    size_t esz = dsk_dtype_size(dt), bytes = (size_t)count * esz;
+    dsk__comm_wire h = dsk__comm_wire_make(m, DSK__COMM_BROADCAST, dt, 0, root, count);
+    dsk_status st;
+    if (me == root && send != recv && bytes) memmove(recv, send, bytes);
+    if (bytes <= m->small_bytes || n <= 2) {
+        for (int p = 0; p < n; p++)
+            if (me == root && p != me) dsk__comm_io_post(&m->ops[no++], p, 1, &h, recv, bytes);
+        if (me != root) dsk__comm_io_post(&m->ops[no++], root, 0, &h, recv, bytes);
+        return dsk__comm_io_run(c, fn, m->ops, no, t0);
+    }
+    dsk__comm_partition(count, n, m->off);
+    for (int p = 0; p < n; p++)
+        if (me == root && p != me)
+            dsk__comm_io_post(&m->ops[no++], p, 1, &h, recv + m->off[p] * (int64_t)esz, (size_t)(m->off[p + 1] - m->off[p]) * esz);
+    if (me != root)
+        dsk__comm_io_post(&m->ops[no++], root, 0, &h, recv + m->off[me] * (int64_t)esz, (size_t)(m->off[me + 1] - m->off[me]) * esz);
+    if ((st = dsk__comm_io_run(c, fn, m->ops, no, t0)) != DSK_OK) return st;
+    /* all-gather of the parts; nobody sends to the root, which has them all */
+    h.step = 1;
+    no = 0;
+    for (int p = 0; p < n; p++) {
+        if (p == me || p == root) continue;
+        dsk__comm_io_post(&m->ops[no++], p, 1, &h, recv + m->off[me] * (int64_t)esz, (size_t)(m->off[me + 1] - m->off[me]) * esz);
+    }
+    if (me != root)
+        for (int p = 0; p < n; p++)
+            if (p != me)
+                dsk__comm_io_post(&m->ops[no++], p, 0, &h, recv + m->off[p] * (int64_t)esz, (size_t)(m->off[p + 1] - m->off[p]) * esz);
+    return dsk__comm_io_run(c, fn, m->ops, no, t0);
+}
+
+/* Shared by all_to_all and all_to_all_v: message to p = scount[p] elements at send + sdis[p]. */
+static dsk_status dsk__comm_host_a2a(dsk_comm *c, const char *fn, int kind, const char *send, const int64_t *scount,
+                                const int64_t *sdis, char *recv, const int64_t *rcount, const int64_t *rdis, dsk_dtype dt,
+                                double t0) {
+    dsk__comm_impl *m = c->impl;
+    int n = c->world_size, me = c->rank, no = 0;
+    size_t esz = dsk_dtype_size(dt);
+    for (int p = 0; p < n; p++) {
+        dsk__comm_wire hs, hr;
+        if (p == me) {
+            if (scount[p]) memmove(recv + rdis[p] * (int64_t)esz, send + sdis[p] * (int64_t)esz, (size_t)scount[p] * esz);
+            continue;
+        }
+        hs = dsk__comm_wire_make(m, kind, dt, 0, -1, scount[p]);
+        hr = dsk__comm_wire_make(m, kind, dt, 0, -1, rcount[p]);
+        dsk__comm_io_post(&m->ops[no++], p, 1, &hs, send + sdis[p] * (int64_t)esz, (size_t)scount[p] * esz);
+        dsk__comm_io_post(&m->ops[no++], p, 0, &hr, recv + rdis[p] * (int64_t)esz, (size_t)rcount[p] * esz);
+    }
+    return dsk__comm_io_run(c, fn, m->ops, no, t0);
+}
+
+static dsk_status dsk__comm_host_barrier(dsk_comm *c, const char *fn, double t0) {
+    dsk__comm_impl *m = c->impl;
+    dsk__comm_wire h = dsk__comm_wire_make(m, DSK__COMM_BARRIER, DSK_U8, 0, -1, 0);
+    int no = 0;
+    for (int p = 0; p < c->world_size; p++) {
+        if (p == c->rank) continue;
+        dsk__comm_io_post(&m->ops[no++], p, 1, &h, NULL, 0);
+        dsk__comm_io_post(&m->ops[no++], p, 0, &h, NULL, 0);
+    }
+    return dsk__comm_io_run(c, fn, m->ops, no, t0);
+}
+
+/* ---------------------------------------------------------------- bootstrap and mesh */
+
+#define DSK__COMM_EP_LEN 64 /* "ip port" of a rank's mesh listener, zero padded */
+
+typedef struct dsk__comm_hello { uint32_t magic; int32_t rank; uint64_t tag; } dsk__comm_hello;
+
+static dsk_status dsk__comm_impl_alloc(dsk_comm *c, const char *fn, const dsk_comm_opts *o, const char *addr, int port) {
+    dsk__comm_impl *m = (dsk__comm_impl *)DSK_MALLOC(sizeof *m);
+    int n = c->world_size;
+    if (!m) return dsk_set_error(DSK_ERR_OOM, "%s: communicator state", fn);
+    memset(m, 0, sizeof *m);
+    c->impl = m;
+    m->store_fd = -1;
+    m->timeout_s = o && o->timeout_s > 0 ? o->timeout_s : 300.0;
+    m->small_bytes = o && o->small_bytes ? o->small_bytes : 65536;
+    m->piece_bytes = o && o->piece_bytes ? o->piece_bytes : ((size_t)4 << 20);
+    snprintf(m->master_addr, sizeof m->master_addr, "%s", addr);
+    m->master_port = port;
+    m->fds = (int *)DSK_MALLOC((size_t)n * sizeof(int));
+    m->p2p_sent = (uint64_t *)DSK_MALLOC((size_t)n * sizeof(uint64_t));
+    m->p2p_recvd = (uint64_t *)DSK_MALLOC((size_t)n * sizeof(uint64_t));
+    m->pfd = (struct pollfd *)DSK_MALLOC((size_t)2 * n * sizeof(struct pollfd));
+    m->pidx = (int *)DSK_MALLOC((size_t)2 * n * sizeof(int));
+    m->ops = (dsk__comm_io *)DSK_MALLOC((size_t)2 * n * sizeof(dsk__comm_io));
+    m->srcs = (const void **)DSK_MALLOC((size_t)n * sizeof(void *));
+    m->off = (int64_t *)DSK_MALLOC((size_t)(n + 1) * sizeof(int64_t));
+    if (!m->fds || !m->p2p_sent || !m->p2p_recvd || !m->pfd || !m->pidx || !m->ops || !m->srcs || !m->off)
+        return dsk_set_error(DSK_ERR_OOM, "%s: communicator arrays for %d ranks", fn, n);
+    for (int r = 0; r < n; r++) { m->fds[r] = -1; m->p2p_sent[r] = m->p2p_recvd[r] = 0; }
+    return DSK_OK;
+}
+
+static void dsk__comm_impl_free(dsk_comm *c) {
+    dsk__comm_impl *m = c->impl;
+    if (!m) return;
+#ifdef DSK_CUDA
+    if (m->nccl) {
+        if (m->broken) ncclCommAbort(m->nccl);
+        else {
+            /* finalize flushes outstanding work; bounded, then abort */
+            double deadline = dsk__comm_now() + m->timeout_s;
+            ncclResult_t state = ncclSuccess;
+            if (ncclCommFinalize(m->nccl) == ncclSuccess || ncclCommGetAsyncError(m->nccl, &state) == ncclSuccess) {
+                do { ncclCommGetAsyncError(m->nccl, &state); } while (state == ncclInProgress && dsk__comm_now() < deadline);
+            }
+            if (state == ncclSuccess) ncclCommDestroy(m->nccl);
+            else ncclCommAbort(m->nccl);
+        }
+    }
+    if (m->nccl_flag) cudaFree(m->nccl_flag);
+#endif
+    for (int r = 0; m->fds && r < c->world_size; r++)
+        if (m->fds[r] >= 0) close(m->fds[r]);
+    if (m->store_fd >= 0) close(m->store_fd);
+    dsk__comm_store_server_free(m->server);
+    DSK_FREE(m->fds); DSK_FREE(m->p2p_sent); DSK_FREE(m->p2p_recvd); DSK_FREE(m->pfd); DSK_FREE(m->pidx);
+    DSK_FREE(m->ops); DSK_FREE((void *)m->srcs); DSK_FREE(m->off); DSK_FREE(m->scratch);
+    DSK_FREE(m);
+    c->impl = NULL;
+}
+
+DSK_API void dsk_comm_free(dsk_comm *c) {
+    if (!c) return;
+    dsk__comm_impl_free(c);
+    memset(c, 0, sizeof *c);
+}
+
+/* A listener for this rank's mesh connections; ep = "ip port" where peers reach it. */
+static dsk_status dsk__comm_mesh_listen(dsk_comm *c, const char *fn, int *lfd, char *ep) {
+    struct sockaddr_in any;
+    int port;
+    dsk_status st;
+    memset(&any, 0, sizeof any);
+    any.sin_family = AF_INET;
+    any.sin_addr.s_addr = htonl(INADDR_ANY);
+    if ((st = dsk__comm_listen(fn, &any, lfd, &port)) != DSK_OK) return st;
+    memset(ep, 0, DSK__COMM_EP_LEN);
+    snprintf(ep, DSK__COMM_EP_LEN, "%s %d", c->impl->my_ip, port);
+    return DSK_OK;
+}
+
+/* Connects every pair: rank i connects to each j < i and accepts each j > i. eps[r] is
+   rank r's endpoint. Hellos carry (rank, tag) so stray connections are refused. */
+static dsk_status dsk__comm_mesh_connect(dsk_comm *c, const char *fn, int lfd, const char *eps, double deadline) {
+    dsk__comm_impl *m = c->impl;
+    int n = c->world_size, me = c->rank, pending = n - 1 - me;
+    dsk_status st;
+    for (int j = 0; j < me; j++) {
+        char ip[DSK__COMM_EP_LEN], who[96];
+        int port = 0;
+        struct sockaddr_in sa;
+        dsk__comm_hello hello;
+        if (sscanf(eps + (size_t)j * DSK__COMM_EP_LEN, "%63s %d", ip, &port) != 2)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: rank %d published a bad endpoint \"%.63s\"", fn, j, eps + (size_t)j * DSK__COMM_EP_LEN);
+        snprintf(who, sizeof who, "rank %d's mesh listener", j);
+        if ((st = dsk__comm_resolve(fn, ip, port, &sa)) != DSK_OK || (st = dsk__comm_connect(fn, &sa, deadline, who, &m->fds[j])) != DSK_OK)
+            return st;
+        hello.magic = DSK__COMM_WIRE_MAGIC;
+        hello.rank = me;
+        hello.tag = m->tag;
+        if ((st = dsk__comm_write_full(fn, m->fds[j], &hello, sizeof hello, deadline, who)) != DSK_OK) return st;
+    }
+    while (pending > 0) {
+        struct pollfd pf;
+        dsk__comm_hello hello;
+        int fd;
+        pf.fd = lfd; pf.events = POLLIN; pf.revents = 0;
+        if (poll(&pf, 1, dsk__comm_ms_left(deadline)) <= 0) {
+            int first = -1;
+            for (int j = n - 1; j > me; j--)
+                if (m->fds[j] < 0) first = j;
+            return dsk_set_error(DSK_ERR_TIMEOUT, "%s: timed out waiting for rank %d (and %d more) to connect to rank %d",
+                                 fn, first, pending - 1, me);
+        }
+        if ((fd = accept(lfd, NULL, NULL)) < 0) continue;
+        dsk__comm_tune_socket(fd);
+        if (dsk__comm_read_full(fn, fd, &hello, sizeof hello, deadline, "a connecting rank") != DSK_OK || hello.magic != DSK__COMM_WIRE_MAGIC ||
+            hello.tag != m->tag || hello.rank <= me || hello.rank >= n || m->fds[hello.rank] >= 0) {
+            close(fd); /* not one of ours */
+            continue;
+        }
+        m->fds[hello.rank] = fd;
+        pending--;
+    }
+    return DSK_OK;
+}
+
+static int dsk__comm_env_int(const char *name, int *out, int *present, char *why, size_t nwhy) {
+    const char *v = getenv(name);
+    char *end;
+    long x;
+    *present = v && *v;
+    if (!*present) return 1;
+    errno = 0;
+    x = strtol(v, &end, 10);
+    if (errno || *end || end == v || x < 0 || x > 1000000) {
+        snprintf(why, nwhy, "%s=\"%s\" is not a non-negative integer", name, v);
+        return 0;
+    }
+    *out = (int)x;
+    return 1;
+}
+
+#ifdef DSK_CUDA
+static dsk_status dsk__comm_nccl_check(dsk_comm *c, const char *fn, ncclResult_t r, const char *what) {
+    if (r == ncclSuccess || r == ncclInProgress) return DSK_OK;
+    return dsk_set_error(DSK_ERR_NCCL, "%s: %s failed on rank %d: %s (%s)", fn, what, c ? c->rank : -1, ncclGetErrorString(r),
+                         c && c->impl && c->impl->nccl ? ncclGetLastError(c->impl->nccl) : "");
+}
+
+/* Polls a nonblocking communicator until its last call left ncclInProgress; aborts at the deadline. */
+static dsk_status dsk__comm_nccl_settle(dsk_comm *c, const char *fn, ncclComm_t comm, double t0, const char *what) {
+    dsk__comm_impl *m = c->impl;
+    ncclResult_t state = ncclInProgress;
+    for (;;) {
+        ncclResult_t r = ncclCommGetAsyncError(comm, &state);
+        if (r != ncclSuccess) state = r;
+        if (state != ncclInProgress) break;
+        if (dsk__comm_now() - t0 > m->timeout_s) {
+            dsk_set_error(DSK_ERR_TIMEOUT, "%s: %s on rank %d still in progress after %.2f s; aborting the NCCL communicator",
+                          fn, what, c->rank, dsk__comm_now() - t0);
+            return dsk__comm_break(m, c->world_size, DSK_ERR_TIMEOUT);
+        }
+    }
+    if (state != ncclSuccess) {
+        dsk__comm_nccl_check(c, fn, state, what);
+        return dsk__comm_break(m, c->world_size, DSK_ERR_NCCL);
+    }
+    return DSK_OK;
+}
+
+static dsk_status dsk__comm_nccl_init(dsk_comm *c, const char *fn, double t0) {
+    dsk__comm_impl *m = c->impl;
+    ncclUniqueId id;
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    int ndev = 0;
+    size_t len = 0;
+    dsk_status st;
+    cudaError_t ce = cudaGetDeviceCount(&ndev);
+    char key[128];
+    if (ce != cudaSuccess || ndev == 0)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: the nccl backend needs a CUDA device (rank %d: %s)", fn, c->rank,
+                             ce != cudaSuccess ? cudaGetErrorString(ce) : "0 devices");
+    if ((ce = cudaSetDevice(c->local_rank % ndev)) != cudaSuccess)
+        return dsk_set_error(DSK_ERR_CUDA, "%s: cudaSetDevice(%d): %s", fn, c->local_rank % ndev, cudaGetErrorString(ce));
+    snprintf(key, sizeof key, "dsk/%s/nccl_id", m->ns);
+    if (c->rank == 0) {
+        ncclResult_t r = ncclGetUniqueId(&id);
+        if (r != ncclSuccess) return dsk__comm_nccl_check(c, fn, r, "ncclGetUniqueId");
+        if ((st = dsk__comm_store_set(c, fn, key, &id, sizeof id)) != DSK_OK) return st;
+    } else {
+        if ((st = dsk__comm_store_get(c, fn, key, &id, sizeof id, &len)) != DSK_OK) return st;
+        if (len != sizeof id) return dsk_set_error(DSK_ERR_CORRUPT, "%s: NCCL unique id of %zu bytes, want %zu", fn, len, sizeof id);
+    }
+    cfg.blocking = 0;
+    if ((st = dsk__comm_nccl_check(c, fn, ncclCommInitRankConfig(&m->nccl, c->world_size, id, c->rank, &cfg),
+                              "ncclCommInitRankConfig")) != DSK_OK)
+        return st;
+    if ((st = dsk__comm_nccl_settle(c, fn, m->nccl, t0, "ncclCommInitRankConfig")) != DSK_OK) return st;
+    if ((ce = cudaMalloc(&m->nccl_flag, sizeof(float))) != cudaSuccess) {
+        m->nccl_flag = NULL;
+        return dsk_set_error(DSK_ERR_CUDA, "%s: cudaMalloc(4): %s", fn, cudaGetErrorString(ce));
+    }
+    return DSK_OK;
+}
+#endif
+
+static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, int world, const dsk_comm_opts *o) {
+    dsk__comm_impl *m;
+    const char *addr = o && o->master_addr ? o->master_addr : (getenv("MASTER_ADDR") && *getenv("MASTER_ADDR") ? getenv("MASTER_ADDR") : "127.0.0.1");
+    int port = o && o->master_port ? o->master_port : 29500;
+    double t0 = dsk__comm_now(), deadline;
+    struct sockaddr_in store_sa, local;
+    socklen_t sl = sizeof local;
+    char key[160], ep[DSK__COMM_EP_LEN], *eps = NULL;
+    int lfd = -1, world_seen = 0;
+    int64_t claims = 0;
+    size_t len = 0;
+    dsk_status st;
+    dsk_comm_backend be = o ? o->backend : DSK_COMM_AUTO;
+
+    if (!o || !o->master_port) {
+        const char *p = getenv("MASTER_PORT");
+        if (p && *p) port = atoi(p);
+    }
+    if (port <= 0 || port > 65535) return dsk_set_error(DSK_ERR_ARG, "%s: master port %d not in [1, 65535]", fn, port);
+    if (be == DSK_COMM_AUTO) be = dsk_cuda_available() ? DSK_COMM_NCCL : DSK_COMM_HOST;
+#ifndef DSK_CUDA
+    if (be == DSK_COMM_NCCL) return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: the nccl backend needs a build with DSK_CUDA", fn);
+#endif
+    if (be != DSK_COMM_HOST && be != DSK_COMM_NCCL) return dsk_set_error(DSK_ERR_ARG, "%s: unknown backend %d", fn, (int)be);
+    if ((st = dsk__comm_resolve(fn, addr, port, &store_sa)) != DSK_OK) return st;
+    c->rank = rank;
+    c->world_size = world;
+    c->local_world_size = o && o->local_world_size > 0 ? o->local_world_size : world;
+    c->local_rank = o && o->local_world_size > 0 ? o->local_rank : rank;
+    c->backend = be;
+    if ((st = dsk__comm_impl_alloc(c, fn, o, addr, port)) != DSK_OK) return st;
+    m = c->impl;
+    snprintf(m->ns, sizeof m->ns, "w");
+    deadline = t0 + m->timeout_s;
+    if (rank == 0 && (st = dsk__comm_store_server_start(fn, &store_sa, &m->server)) != DSK_OK) return st;
+    if ((st = dsk__comm_connect(fn, &store_sa, deadline, "key-value store (served by rank 0)", &m->store_fd)) != DSK_OK) {
+        char msg[800];
+        snprintf(msg, sizeof msg, "%s (rank %d of %d; is rank 0 running and MASTER_ADDR:MASTER_PORT right?)", dsk_last_error(), rank, world);
+        return dsk_set_error(st, "%s", msg);
+    }
+    if (getsockname(m->store_fd, (struct sockaddr *)&local, &sl) != 0 || !inet_ntop(AF_INET, &local.sin_addr, m->my_ip, sizeof m->my_ip))
+        return dsk_set_error(DSK_ERR_IO, "%s: getsockname: %s", fn, strerror(errno));
+    /* the world size must agree, and each rank must be claimed once */
+    if (rank == 0 && (st = dsk__comm_store_set(c, fn, "dsk/w/world", &world, sizeof world)) != DSK_OK) return st;
+    if ((st = dsk__comm_store_get(c, fn, "dsk/w/world", &world_seen, sizeof world_seen, &len)) != DSK_OK) return st;
+    if (world_seen != world)
+        return dsk_set_error(DSK_ERR_ARG, "%s: this rank (%d) has WORLD_SIZE %d but rank 0 has %d", fn, rank, world, world_seen);
+    snprintf(key, sizeof key, "dsk/w/claim/%d", rank);
+    if ((st = dsk__comm_store_add(c, fn, key, 1, &claims)) != DSK_OK) return st;
+    if (claims != 1) return dsk_set_error(DSK_ERR_ARG, "%s: rank %d is claimed by %lld processes", fn, rank, (long long)claims);
+    if (rank == 0) {
+        uint64_t tag = ((uint64_t)getpid() << 32) ^ (uint64_t)(t0 * 1e9);
+        if ((st = dsk__comm_store_set(c, fn, "dsk/w/tag", &tag, sizeof tag)) != DSK_OK) return st;
+    }
+    if ((st = dsk__comm_store_get(c, fn, "dsk/w/tag", &m->tag, sizeof m->tag, &len)) != DSK_OK) return st;
+#ifdef DSK_CUDA
+    if (be == DSK_COMM_NCCL) return dsk__comm_nccl_init(c, fn, t0);
+#endif
+    /* host backend: publish this rank's endpoint, read everyone's, connect every pair */
+    if ((st = dsk__comm_mesh_listen(c, fn, &lfd, ep)) != DSK_OK) return st;
+    snprintf(key, sizeof key, "dsk/w/ep/%d", rank);
+    if ((st = dsk__comm_store_set(c, fn, key, ep, DSK__COMM_EP_LEN)) != DSK_OK) { close(lfd); return st; }
+    if (!(eps = (char *)DSK_MALLOC((size_t)world * DSK__COMM_EP_LEN))) { close(lfd); return dsk_set_error(DSK_ERR_OOM, "%s: endpoints", fn); }
+    for (int r = 0; r < world && st == DSK_OK; r++) {
+        snprintf(key, sizeof key, "dsk/w/ep/%d", r);
+        st = dsk__comm_store_get(c, fn, key, eps + (size_t)r * DSK__COMM_EP_LEN, DSK__COMM_EP_LEN, &len);
+        if (st == DSK_ERR_TIMEOUT)
+            dsk_set_error(st, "%s: timed out after %.2f s waiting for rank %d of %d to join (was it started, with the same "
+                          "MASTER_ADDR:MASTER_PORT?)", fn, dsk__comm_now() - t0, r, world);
+    }
+    if (st == DSK_OK) st = dsk__comm_mesh_connect(c, fn, lfd, eps, deadline);
+    close(lfd);
+    DSK_FREE(eps);
+    return st;
+}
+
+DSK_API dsk_status dsk_comm_init(dsk_comm *c, int rank, int world_size, const dsk_comm_opts *opts) {
+    const char *fn = "dsk_comm_init";
+    dsk_status st;
+    if (!c) return dsk_set_error(DSK_ERR_ARG, "%s: communicator is NULL", fn);
+    memset(c, 0, sizeof *c);
+    if (world_size < 1 || rank < 0 || rank >= world_size)
+        return dsk_set_error(DSK_ERR_ARG, "%s: rank %d is not in [0, world_size %d)", fn, rank, world_size);
+    if (opts && opts->local_world_size > 0 && (opts->local_rank < 0 || opts->local_rank >= opts->local_world_size))
+        return dsk_set_error(DSK_ERR_ARG, "%s: local_rank %d is not in [0, local_world_size %d)", fn, opts->local_rank,
+                             opts->local_world_size);
+    if (opts && (opts->timeout_s < 0 || opts->timeout_s != opts->timeout_s))
+        return dsk_set_error(DSK_ERR_ARG, "%s: timeout_s %g is negative or NaN", fn, opts->timeout_s);
+    st = dsk__comm_init_world(c, fn, rank, world_size, opts);
+    if (st != DSK_OK) {
+        dsk__comm_impl_free(c);
+        memset(c, 0, sizeof *c);
+    }
+    return st;
+}
+
+DSK_API dsk_status dsk_comm_init_env(dsk_comm *c, const dsk_comm_opts *opts) {
+    const char *fn = "dsk_comm_init_env";
+    static const char *sets[3][4] = {{"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
+                                     {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"},
+                                     {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"}};
+    int v[4] = {0, 0, 0, 0}, have[4] = {0, 0, 0, 0}, port = 0, s;
+    char why[256];
+    const char *addr = getenv("MASTER_ADDR"), *pstr = getenv("MASTER_PORT");
+    dsk_comm_opts o;
+    if (!c) return dsk_set_error(DSK_ERR_ARG, "%s: communicator is NULL", fn);
+    memset(c, 0, sizeof *c);
+    for (s = 0; s < 3; s++)
+        if (getenv(sets[s][0]) || getenv(sets[s][1])) break;
+    if (s == 3)
+        return dsk_set_error(DSK_ERR_ARG, "%s: no launcher environment: set RANK and WORLD_SIZE (as torchrun does), or start "
+                             "under srun or mpirun", fn);
+    for (int i = 0; i < 4; i++) {
+        if (s == 2 && i == 3) {
+            /* SLURM_NTASKS_PER_NODE looks like "4" or "4(x2)" */
+            const char *t = getenv(sets[s][i]);
+            if (t && *t && atoi(t) > 0) { v[i] = atoi(t); have[i] = 1; }
+            continue;
+        }
+        if (!dsk__comm_env_int(sets[s][i], &v[i], &have[i], why, sizeof why)) return dsk_set_error(DSK_ERR_ARG, "%s: %s", fn, why);
+    }
+    if (!have[0] || !have[1])
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s is set but %s is not", fn, have[0] ? sets[s][0] : sets[s][1],
+                             have[0] ? sets[s][1] : sets[s][0]);
+    if (v[1] < 1 || v[0] >= v[1])
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s=%d is not below %s=%d", fn, sets[s][0], v[0], sets[s][1], v[1]);
+    if (opts) o = *opts;
+    else memset(&o, 0, sizeof o);
+    if (addr && *addr) o.master_addr = addr;
+    if (!o.master_addr) {
+        if (v[1] > 1)
+            return dsk_set_error(DSK_ERR_ARG, "%s: MASTER_ADDR is not set: export the address of rank 0's host (rank %d of %d)",
+                                 fn, v[0], v[1]);
+        o.master_addr = "127.0.0.1";
+    }
+    if (pstr && *pstr) {
+        char *end;
+        long p = strtol(pstr, &end, 10);
+        if (*end || p < 1 || p > 65535) return dsk_set_error(DSK_ERR_ARG, "%s: MASTER_PORT=\"%s\" is not a port number", fn, pstr);
+        port = (int)p;
+    }
+    if (port) o.master_port = port;
+    if (have[3] && v[3] > 0) {
+        o.local_world_size = v[3];
+        o.local_rank = have[2] ? v[2] : v[0] % v[3];
+        if (o.local_rank >= o.local_world_size)
+            return dsk_set_error(DSK_ERR_ARG, "%s: %s=%d is not below %s=%d", fn, sets[s][2], o.local_rank, sets[s][3], v[3]);
+    } else {
+        o.local_world_size = 0;
+    }
+    return dsk_comm_init(c, v[0], v[1], &o);
+}
+
+/* Counts one finished call: its time and the sequence number the next call carries. */
+static dsk_status dsk__comm_done(dsk_comm *c, dsk_status st, double t0) {
+    c->impl->seq++;
+    c->stats.calls++;
+    c->stats.seconds += dsk__comm_now() - t0;
+    return st;
+}
+
+static dsk_status dsk__comm_coll_check(dsk_comm *c, const char *fn, const void *send, const void *recv, int64_t count, dsk_dtype dt) {
+    dsk_status st = dsk__comm_check(c, fn);
+    if (st) return st;
+    if (!dsk__comm_dtype_ok(dt))
+        return dsk_set_error(DSK_ERR_ARG, "%s: dtype %s is not supported (f32, f16, bf16, i32, i64, u8)", fn, dsk_dtype_name(dt));
+    if (count < 0) return dsk_set_error(DSK_ERR_ARG, "%s: count %lld is negative", fn, (long long)count);
+    if (count > 0 && (!send || !recv)) return dsk_set_error(DSK_ERR_ARG, "%s: NULL buffer for %lld elements", fn, (long long)count);
+    return DSK_OK;
+}
+
+static dsk_status dsk__comm_op_check(const char *fn, dsk_comm_op op) {
+    if ((int)op < 0 || (int)op > (int)DSK_COMM_MIN) return dsk_set_error(DSK_ERR_ARG, "%s: unknown reduction op %d", fn, (int)op);
+    return DSK_OK;
+}
+
+#ifdef DSK_CUDA
+static ncclDataType_t dsk__comm_nccl_dtype(dsk_dtype dt) {
+    switch (dt) {
+    case DSK_F16: return ncclFloat16;
+    case DSK_BF16: return ncclBfloat16;
+    case DSK_I32: return ncclInt32;
+    case DSK_I64: return ncclInt64;
+    case DSK_U8: return ncclUint8;
+    default: return ncclFloat32;
+    }
+}
+static ncclRedOp_t dsk__comm_nccl_op(dsk_comm_op op) {
+    return op == DSK_COMM_AVG ? ncclAvg : op == DSK_COMM_MAX ? ncclMax : op == DSK_COMM_MIN ? ncclMin : ncclSum;
+}
+static cudaStream_t dsk__comm_stream(dsk_ctx *ctx) { return ctx ? (cudaStream_t)ctx->stream : (cudaStream_t)0; }
+
+/* Checks an enqueue call's result, then waits for the nonblocking communicator to settle. */
+static dsk_status dsk__comm_nccl_done(dsk_comm *c, const char *fn, ncclResult_t r, const char *what, double t0) {
+    dsk_status st = dsk__comm_nccl_check(c, fn, r, what);
+    if (st) return dsk__comm_break(c->impl, c->world_size, st);
+    return dsk__comm_nccl_settle(c, fn, c->impl->nccl, t0, what);
+}
+#define DSK__COMM_NCCL(c) ((c)->backend == DSK_COMM_NCCL)
+#else
+#define DSK__COMM_NCCL(c) 0
+#endif
+
+DSK_API dsk_status dsk_comm_all_reduce(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t count,
+                                       dsk_dtype dt, dsk_comm_op op) {
+    const char *fn = "dsk_comm_all_reduce";
+    double t0 = dsk__comm_now();
+    dsk_status st = dsk__comm_coll_check(c, fn, send, recv, count, dt);
+    if (st || (st = dsk__comm_op_check(fn, op))) return st;
+    (void)ctx;
+#ifdef DSK_CUDA
+    if (DSK__COMM_NCCL(c)) {
+        if (op == DSK_COMM_AVG && !dsk_dtype_is_float(dt))
+            return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: avg of %s on the nccl backend", fn, dsk_dtype_name(dt));
+        return dsk__comm_done(c, dsk__comm_nccl_done(c, fn, ncclAllReduce(send, recv, (size_t)count, dsk__comm_nccl_dtype(dt), dsk__comm_nccl_op(op),
+                                                                c->impl->nccl, dsk__comm_stream(ctx)), "ncclAllReduce", t0), t0);
+    }
+#endif
+    if (c->world_size == 1) {
+        if (send != recv && count) memmove(recv, send, (size_t)count * dsk_dtype_size(dt));
+        return dsk__comm_done(c, DSK_OK, t0);
+    }
+    return dsk__comm_done(c, dsk__comm_host_all_reduce(c, fn, (const char *)send, (char *)recv, count, dt, op, t0), t0);
+}
+
+DSK_API dsk_status dsk_comm_reduce_scatter(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t recv_count,
+                                           dsk_dtype dt, dsk_comm_op op) {
+    const char *fn = "dsk_comm_reduce_scatter";
+    double t0 = dsk__comm_now();
+    dsk_status st = dsk__comm_coll_check(c, fn, send, recv, recv_count, dt);
+    if (st || (st = dsk__comm_op_check(fn, op))) return st;
+    (void)ctx;
+#ifdef DSK_CUDA
+    if (DSK__COMM_NCCL(c)) {
+        if (op == DSK_COMM_AVG && !dsk_dtype_is_float(dt))
+            return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: avg of %s on the nccl backend", fn, dsk_dtype_name(dt));
+        return dsk__comm_done(c, dsk__comm_nccl_done(c, fn, ncclReduceScatter(send, recv, (size_t)recv_count, dsk__comm_nccl_dtype(dt),
+                                                                    dsk__comm_nccl_op(op), c->impl->nccl, dsk__comm_stream(ctx)),
+                                           "ncclReduceScatter", t0), t0);
+    }
+#endif
+    if (c->world_size == 1) {
+        if (send != recv && recv_count) memmove(recv, send, (size_t)recv_count * dsk_dtype_size(dt));
+        return dsk__comm_done(c, DSK_OK, t0);
+    }
+    return dsk__comm_done(c, dsk__comm_host_reduce_scatter(c, fn, (const char *)send, (char *)recv, recv_count, dt, op, t0), t0);
+}
+
+DSK_API dsk_status dsk_comm_all_gather(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t send_count,
+                                       dsk_dtype dt) {
+    const char *fn = "dsk_comm_all_gather";
+    double t0 = dsk__comm_now();
+    dsk_status st = dsk__comm_coll_check(c, fn, send, recv, send_count, dt);
+    if (st) return st;
+    (void)ctx;
+#ifdef DSK_CUDA
+    if (DSK__COMM_NCCL(c))
+        return dsk__comm_done(c, dsk__comm_nccl_done(c, fn, ncclAllGather(send, recv, (size_t)send_count, dsk__comm_nccl_dtype(dt),
+                                                                c->impl->nccl, dsk__comm_stream(ctx)), "ncclAllGather", t0), t0);
+#endif
+    return dsk__comm_done(c, dsk__comm_host_all_gather(c, fn, (const char *)send, (char *)recv, send_count, dt, t0), t0);
+}
+
+DSK_API dsk_status dsk_comm_broadcast(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t count,
+                                      dsk_dtype dt, int root) {
+    const char *fn = "dsk_comm_broadcast";
+    double t0 = dsk__comm_now();
+    dsk_status st = dsk__comm_coll_check(c, fn, c && c->impl && c->rank == root ? send : recv, recv, count, dt);
+    if (st) return st;
+    if (root < 0 || root >= c->world_size)
+        return dsk_set_error(DSK_ERR_ARG, "%s: root %d is not in [0, world_size %d)", fn, root, c->world_size);
+    (void)ctx;
+#ifdef DSK_CUDA
+    if (DSK__COMM_NCCL(c))
+        return dsk__comm_done(c, dsk__comm_nccl_done(c, fn, ncclBroadcast(send, recv, (size_t)count, dsk__comm_nccl_dtype(dt), root,
+                                                                c->impl->nccl, dsk__comm_stream(ctx)), "ncclBroadcast", t0), t0);
+#endif
+    return dsk__comm_done(c, dsk__comm_host_broadcast(c, fn, (const char *)send, (char *)recv, count, dt, root, t0), t0);
+}
+
+#ifdef DSK_CUDA
+/* All-to-all(-v) on NCCL: one group of sends and receives. */
+static dsk_status dsk__comm_nccl_a2a(dsk_comm *c, const char *fn, const char *send, const int64_t *sc, const int64_t *sd,
+                                char *recv, const int64_t *rc, const int64_t *rd, dsk_dtype dt, dsk_ctx *ctx, double t0) {
+    size_t esz = dsk_dtype_size(dt);
+    ncclDataType_t nt = dsk__comm_nccl_dtype(dt);
+    ncclResult_t r = ncclGroupStart();
+    dsk_status st;
+    if ((st = dsk__comm_nccl_check(c, fn, r, "ncclGroupStart")) != DSK_OK) return dsk__comm_break(c->impl, c->world_size, st);
+    for (int p = 0; p < c->world_size && r == ncclSuccess; p++) {
+        if (sc[p]) r = ncclSend(send + sd[p] * (int64_t)esz, (size_t)sc[p], nt, p, c->impl->nccl, dsk__comm_stream(ctx));
+        if (r == ncclSuccess && rc[p]) r = ncclRecv(recv + rd[p] * (int64_t)esz, (size_t)rc[p], nt, p, c->impl->nccl, dsk__comm_stream(ctx));
+    }
+    if (r != ncclSuccess) {
+        st = dsk__comm_nccl_check(c, fn, r, "ncclSend/ncclRecv");
+        ncclGroupEnd();
+        return dsk__comm_break(c->impl, c->world_size, st);
+    }
+    return dsk__comm_nccl_done(c, fn, ncclGroupEnd(), "ncclGroupEnd (all-to-all)", t0);
+}
+#endif
+
+/* Packed displacements when none are given: exclusive prefix sums. */
+static void dsk__comm_prefix(const int64_t *counts, int n, int64_t *displs) {
+    int64_t s = 0;
+    for (int p = 0; p < n; p++) { displs[p] = s; s += counts[p]; }
+}
+
+DSK_API dsk_status dsk_comm_all_to_all(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t count,
+                                       dsk_dtype dt) {
+    const char *fn = "dsk_comm_all_to_all";
+    double t0 = dsk__comm_now();
+    dsk_status st = dsk__comm_coll_check(c, fn, send, recv, count, dt);
+    int64_t *v;
+    int n;
+    if (st) return st;
+    n = c->world_size;
+    if (!(v = (int64_t *)DSK_MALLOC((size_t)2 * n * sizeof(int64_t)))) return dsk_set_error(DSK_ERR_OOM, "%s: %d counts", fn, n);
+    for (int p = 0; p < n; p++) { v[p] = count; v[n + p] = count * p; }
+#ifdef DSK_CUDA
+    if (DSK__COMM_NCCL(c)) {
+        if (send == recv && count) st = dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: in place on the nccl backend", fn);
+        else st = dsk__comm_nccl_a2a(c, fn, (const char *)send, v, v + n, (char *)recv, v, v + n, dt, ctx, t0);
+        DSK_FREE(v);
+        return dsk__comm_done(c, st, t0);
+    }
+#endif
+    (void)ctx;
+    if (send == recv && count) {
+        size_t bytes = (size_t)count * (size_t)n * dsk_dtype_size(dt);
+        /* the host all-to-all uses no scratch, so the copy can live there */
+        void *tmp = dsk__comm_scratch(c->impl, bytes);
+        if (!tmp) st = dsk_set_error(DSK_ERR_OOM, "%s: %zu bytes for the in-place copy", fn, bytes);
+        else {
+            memcpy(tmp, send, bytes);
+            send = tmp;
+        }
+    }
+    if (st == DSK_OK)
+        st = dsk__comm_host_a2a(c, fn, DSK__COMM_ALL_TO_ALL, (const char *)send, v, v + n, (char *)recv, v, v + n, dt, t0);
+    DSK_FREE(v);
+    return dsk__comm_done(c, st, t0);
+}
+
+DSK_API dsk_status dsk_comm_all_to_all_v(dsk_comm *c, dsk_ctx *ctx, const void *send, const int64_t *send_counts,
+                                         const int64_t *send_displs, void *recv, const int64_t *recv_counts,
+                                         const int64_t *recv_displs, dsk_dtype dt) {
+    const char *fn = "dsk_comm_all_to_all_v";
+    double t0 = dsk__comm_now();
+    dsk_status st = dsk__comm_coll_check(c, fn, "", "", 0, dt);
+    int64_t *d;
+    int n, me;
+    if (st) return st;
+    n = c->world_size;
+    me = c->rank;
+    if (!send_counts || !recv_counts) return dsk_set_error(DSK_ERR_ARG, "%s: send_counts or recv_counts is NULL", fn);
+    for (int p = 0; p < n; p++) {
+        if (send_counts[p] < 0 || recv_counts[p] < 0 || (send_displs && send_displs[p] < 0) || (recv_displs && recv_displs[p] < 0))
+            return dsk_set_error(DSK_ERR_ARG, "%s: negative count or displacement for rank %d (send %lld at %lld, recv %lld at %lld)",
+                                 fn, p, (long long)send_counts[p], (long long)(send_displs ? send_displs[p] : 0),
+                                 (long long)recv_counts[p], (long long)(recv_displs ? recv_displs[p] : 0));
+        if ((send_counts[p] && !send) || (recv_counts[p] && !recv))
+            return dsk_set_error(DSK_ERR_ARG, "%s: NULL buffer with a nonzero count for rank %d", fn, p);
+    }
+    if (send_counts[me] != recv_counts[me])
+        return dsk_set_error(DSK_ERR_ARG, "%s: rank %d sends itself %lld elements but expects %lld", fn, me,
+                             (long long)send_counts[me], (long long)recv_counts[me]);
+    if (send && send == recv) return dsk_set_error(DSK_ERR_ARG, "%s: send and recv are the same buffer (not supported in place)", fn);
+    if (!(d = (int64_t *)DSK_MALLOC((size_t)2 * n * sizeof(int64_t)))) return dsk_set_error(DSK_ERR_OOM, "%s: %d displacements", fn, n);
+    if (send_displs) memcpy(d, send_displs, (size_t)n * sizeof *d);
+    else dsk__comm_prefix(send_counts, n, d);
+    if (recv_displs) memcpy(d + n, recv_displs, (size_t)n * sizeof *d);
+    else dsk__comm_prefix(recv_counts, n, d + n);
+    (void)ctx;
+#ifdef DSK_CUDA
+    if (DSK__COMM_NCCL(c))
+        st = dsk__comm_nccl_a2a(c, fn, (const char *)send, send_counts, d, (char *)recv, recv_counts, d + n, dt, ctx, t0);
+    else
+#endif
+        st = dsk__comm_host_a2a(c, fn, DSK__COMM_ALL_TO_ALL_V, (const char *)send, send_counts, d, (char *)recv, recv_counts, d + n, dt, t0);
+    DSK_FREE(d);
+    return dsk__comm_done(c, st, t0);
+}
+
+static dsk_status dsk__comm_p2p(dsk_comm *c, const char *fn, dsk_ctx *ctx, void *buf, int64_t count, dsk_dtype dt, int peer,
+                           int is_send) {
+    double t0 = dsk__comm_now();
+    dsk_status st = dsk__comm_coll_check(c, fn, buf, buf, count, dt);
+    dsk__comm_impl *m;
+    dsk__comm_wire h;
+    if (st) return st;
+    if (peer < 0 || peer >= c->world_size || peer == c->rank)
+        return dsk_set_error(DSK_ERR_ARG, "%s: peer %d is not another rank of [0, %d) (this is rank %d)", fn, peer,
+                             c->world_size, c->rank);
+    m = c->impl;
+    (void)ctx;
+#ifdef DSK_CUDA
+    if (DSK__COMM_NCCL(c)) {
+        ncclResult_t r = is_send ? ncclSend(buf, (size_t)count, dsk__comm_nccl_dtype(dt), peer, m->nccl, dsk__comm_stream(ctx))
+                                 : ncclRecv(buf, (size_t)count, dsk__comm_nccl_dtype(dt), peer, m->nccl, dsk__comm_stream(ctx));
+        st = dsk__comm_nccl_done(c, fn, r, is_send ? "ncclSend" : "ncclRecv", t0);
+        c->stats.calls++;
+        c->stats.seconds += dsk__comm_now() - t0;
+        return st;
+    }
+#endif
+    h = dsk__comm_wire_make(m, DSK__COMM_SEND, dt, 0, -1, count);
+    h.seq = is_send ? m->p2p_sent[peer]++ : m->p2p_recvd[peer]++;
+    dsk__comm_io_post(&m->ops[0], peer, is_send, &h, buf, (size_t)count * dsk_dtype_size(dt));
+    st = dsk__comm_io_run(c, fn, m->ops, 1, t0);
+    c->stats.calls++;
+    c->stats.seconds += dsk__comm_now() - t0;
+    return st;
+}
+
+DSK_API dsk_status dsk_comm_send(dsk_comm *c, dsk_ctx *ctx, const void *buf, int64_t count, dsk_dtype dt, int peer) {
+    return dsk__comm_p2p(c, "dsk_comm_send", ctx, (void *)buf, count, dt, peer, 1);
+}
+
+DSK_API dsk_status dsk_comm_recv(dsk_comm *c, dsk_ctx *ctx, void *buf, int64_t count, dsk_dtype dt, int peer) {
+    return dsk__comm_p2p(c, "dsk_comm_recv", ctx, buf, count, dt, peer, 0);
+}
+
+DSK_API dsk_status dsk_comm_sync(dsk_comm *c, dsk_ctx *ctx) {
+    const char *fn = "dsk_comm_sync";
+    dsk_status st = dsk__comm_check(c, fn);
+    if (st) return st;
+#ifdef DSK_CUDA
+    if (DSK__COMM_NCCL(c)) {
+        double t0 = dsk__comm_now();
+        for (;;) {
+            cudaError_t e = cudaStreamQuery(dsk__comm_stream(ctx));
+            ncclResult_t state = ncclSuccess;
+            if (e == cudaSuccess) return DSK_OK;
+            if (e != cudaErrorNotReady) {
+                dsk_set_error(DSK_ERR_CUDA, "%s: cudaStreamQuery: %s", fn, cudaGetErrorString(e));
+                return dsk__comm_break(c->impl, c->world_size, DSK_ERR_CUDA);
+            }
+            ncclCommGetAsyncError(c->impl->nccl, &state);
+            if (state != ncclSuccess && state != ncclInProgress) {
+                dsk__comm_nccl_check(c, fn, state, "an NCCL operation");
+                return dsk__comm_break(c->impl, c->world_size, DSK_ERR_NCCL);
+            }
+            if (dsk__comm_now() - t0 > c->impl->timeout_s) {
+                dsk_set_error(DSK_ERR_TIMEOUT, "%s: rank %d's stream still busy after %.2f s (a peer may have died or "
+                              "stopped); aborting the NCCL communicator", fn, c->rank, dsk__comm_now() - t0);
+                return dsk__comm_break(c->impl, c->world_size, DSK_ERR_TIMEOUT);
+            }
+            dsk__comm_sleep_s(1e-4);
+        }
+    }
+#endif
+    (void)ctx;
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_comm_barrier(dsk_comm *c, dsk_ctx *ctx) {
+    const char *fn = "dsk_comm_barrier";
+    double t0 = dsk__comm_now();
+    dsk_status st = dsk__comm_check(c, fn);
+    if (st) return st;
+#ifdef DSK_CUDA
+    if (DSK__COMM_NCCL(c)) {
+        st = dsk__comm_nccl_done(c, fn, ncclAllReduce(c->impl->nccl_flag, c->impl->nccl_flag, 1, ncclFloat32, ncclSum,
+                                                 c->impl->nccl, dsk__comm_stream(ctx)), "ncclAllReduce (barrier)", t0);
+        return dsk__comm_done(c, st ? st : dsk_comm_sync(c, ctx), t0);
+    }
+#endif
+    (void)ctx;
+    return dsk__comm_done(c, dsk__comm_host_barrier(c, fn, t0), t0);
+}
+
+/* ---------------------------------------------------------------- split */
+
+typedef struct dsk__comm_split_rec { int64_t color, key, rank; char ep[DSK__COMM_EP_LEN]; } dsk__comm_split_rec;
+
+#ifdef DSK_CUDA
+static dsk_status dsk__comm_nccl_split(dsk_comm *c, const char *fn, int color, int key, dsk_comm *sub, double t0) {
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    ncclComm_t nc = NULL;
+    dsk_status st;
+    int n = 0, r = 0;
+    cfg.blocking = 0;
+    if ((st = dsk__comm_nccl_check(c, fn, ncclCommSplit(c->impl->nccl, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &nc, &cfg),
+                              "ncclCommSplit")) != DSK_OK)
+        return dsk__comm_break(c->impl, c->world_size, st);
+    if ((st = dsk__comm_nccl_settle(c, fn, c->impl->nccl, t0, "ncclCommSplit")) != DSK_OK) return st;
+    if (color < 0 || !nc) return DSK_OK;
+    if ((st = dsk__comm_nccl_settle(c, fn, nc, t0, "ncclCommSplit (new communicator)")) != DSK_OK ||
+        (st = dsk__comm_nccl_check(c, fn, ncclCommCount(nc, &n), "ncclCommCount")) != DSK_OK ||
+        (st = dsk__comm_nccl_check(c, fn, ncclCommUserRank(nc, &r), "ncclCommUserRank")) != DSK_OK) {
+        ncclCommAbort(nc);
+        return st;
+    }
+    sub->rank = r;
+    sub->world_size = n;
+    if ((st = dsk__comm_impl_alloc(sub, fn, NULL, c->impl->master_addr, c->impl->master_port)) != DSK_OK) {
+        ncclCommAbort(nc);
+        return st;
+    }
+    sub->impl->nccl = nc;
+    sub->impl->timeout_s = c->impl->timeout_s;
+    if (cudaMalloc(&sub->impl->nccl_flag, sizeof(float)) != cudaSuccess) {
+        sub->impl->nccl_flag = NULL;
+        return dsk_set_error(DSK_ERR_CUDA, "%s: cudaMalloc(4) for the sub-group", fn);
+    }
+    return DSK_OK;
+}
+#endif
+
+static dsk_status dsk__comm_host_split(dsk_comm *c, const char *fn, int color, int key, dsk_comm *sub, double t0) {
+    dsk__comm_impl *pm = c->impl, *m;
+    int n = c->world_size, lfd = -1, cnt = 0, me = -1;
+    dsk__comm_split_rec mine, *all;
+    char *eps = NULL;
+    dsk_status st;
+    memset(&mine, 0, sizeof mine);
+    mine.color = color;
+    mine.key = key;
+    mine.rank = c->rank;
+    if (color >= 0 && (st = dsk__comm_mesh_listen(c, fn, &lfd, mine.ep)) != DSK_OK) return st;
+    if (!(all = (dsk__comm_split_rec *)DSK_MALLOC((size_t)n * sizeof *all))) {
+        if (lfd >= 0) close(lfd);
+        return dsk_set_error(DSK_ERR_OOM, "%s: %d split records", fn, n);
+    }
+    st = dsk__comm_host_all_gather(c, fn, (const char *)&mine, (char *)all, (int64_t)sizeof mine, DSK_U8, t0);
+    pm->seq++;
+    pm->splits++;
+    if (st != DSK_OK || color < 0) goto out;
+    /* members of my color in (key, rank) order: stable insertion sort of their indices */
+    {
+        int *order = (int *)DSK_MALLOC((size_t)n * sizeof(int));
+        if (!order) { st = dsk_set_error(DSK_ERR_OOM, "%s: split order", fn); goto out; }
+        for (int r = 0; r < n; r++) {
+            int j;
+            if (all[r].color != color) continue;
+            for (j = cnt; j > 0 && (all[order[j - 1]].key > all[r].key); j--) order[j] = order[j - 1];
+            order[j] = r;
+            cnt++;
+        }
+        eps = (char *)DSK_MALLOC((size_t)cnt * DSK__COMM_EP_LEN);
+        if (!eps) { DSK_FREE(order); st = dsk_set_error(DSK_ERR_OOM, "%s: endpoints", fn); goto out; }
+        for (int j = 0; j < cnt; j++) {
+            memcpy(eps + (size_t)j * DSK__COMM_EP_LEN, all[order[j]].ep, DSK__COMM_EP_LEN);
+            if (order[j] == c->rank) me = j;
+        }
+        DSK_FREE(order);
+    }
+    sub->rank = me;
+    sub->world_size = cnt;
+    sub->local_rank = c->local_rank;
+    sub->local_world_size = c->local_world_size;
+    sub->backend = DSK_COMM_HOST;
+    if ((st = dsk__comm_impl_alloc(sub, fn, NULL, pm->master_addr, pm->master_port)) != DSK_OK) goto out;
+    m = sub->impl;
+    m->timeout_s = pm->timeout_s;
+    m->small_bytes = pm->small_bytes;
+    m->piece_bytes = pm->piece_bytes;
+    memcpy(m->my_ip, pm->my_ip, sizeof m->my_ip);
+    snprintf(m->ns, sizeof m->ns, "%.40s/%llu.%d", pm->ns, (unsigned long long)pm->splits, color);
+    m->tag = pm->tag ^ (0x9E3779B97F4A7C15ull * (pm->splits * 65536u + (uint64_t)color + 1));
+    if ((st = dsk__comm_mesh_connect(sub, fn, lfd, eps, t0 + pm->timeout_s)) != DSK_OK) goto out;
+    if (pm->store_fd >= 0 || pm->server) {
+        struct sockaddr_in sa;
+        if ((st = dsk__comm_resolve(fn, pm->master_addr, pm->master_port, &sa)) == DSK_OK)
+            st = dsk__comm_connect(fn, &sa, t0 + pm->timeout_s, "key-value store (served by rank 0)", &m->store_fd);
+    }
+out:
+    if (lfd >= 0) close(lfd);
+    DSK_FREE(all);
+    DSK_FREE(eps);
+    return st;
+}
+
+DSK_API dsk_status dsk_comm_split(dsk_comm *c, int color, int key, dsk_comm *sub) {
+    const char *fn = "dsk_comm_split";
+    double t0 = dsk__comm_now();
+    dsk_status st = dsk__comm_check(c, fn);
+    if (st) return st;
+    if (!sub || sub == c) return dsk_set_error(DSK_ERR_ARG, "%s: sub is NULL or the parent itself", fn);
+    if (color < DSK_COMM_NO_COLOR)
+        return dsk_set_error(DSK_ERR_ARG, "%s: color %d is negative (use DSK_COMM_NO_COLOR to join no group)", fn, color);
+    memset(sub, 0, sizeof *sub);
+#ifdef DSK_CUDA
+    if (DSK__COMM_NCCL(c)) {
+        sub->backend = DSK_COMM_NCCL;
+        sub->local_rank = c->local_rank;
+        sub->local_world_size = c->local_world_size;
+        st = dsk__comm_nccl_split(c, fn, color, key, sub, t0);
+    } else
+#endif
+        st = dsk__comm_host_split(c, fn, color, key, sub, t0);
+    if (st != DSK_OK || color < 0) {
+        dsk__comm_impl_free(sub);
+        memset(sub, 0, sizeof *sub);
+    }
+    return st;
+}
+
+/* ---------------------------------------------------------------- tensor forms */
+
+static dsk_status dsk__comm_tensor_check(dsk_comm *c, const char *fn, const char *name, const dsk_tensor *t) {
+    char d[96];
+    dsk_device_type want;
+    if (!t) return dsk_set_error(DSK_ERR_ARG, "%s: tensor %s is NULL", fn, name);
+    if (!c || !c->impl) return dsk_set_error(DSK_ERR_ARG, "%s: communicator is NULL or not initialised", fn);
+    want = c->backend == DSK_COMM_NCCL ? DSK_DEV_CUDA : DSK_DEV_CPU;
+    if (!dsk_tensor_is_contiguous(t))
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor %s %s is not contiguous", fn, name, dsk_tensor_describe(t, d, sizeof d));
+    if (t->device.type != want)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: tensor %s %s is on the %s but the %s backend needs %s memory", fn, name,
+                             dsk_tensor_describe(t, d, sizeof d), t->device.type == DSK_DEV_CUDA ? "GPU" : "CPU",
+                             want == DSK_DEV_CUDA ? "nccl" : "host", want == DSK_DEV_CUDA ? "device" : "CPU");
+    return DSK_OK;
+}
+
+static dsk_status dsk__comm_tensor_pair(dsk_comm *c, const char *fn, const dsk_tensor *out, const dsk_tensor *in, int64_t out_per_in_num,
+                                   int64_t out_per_in_den) {
+    char a[96], b[96];
+    dsk_status st;
+    if ((st = dsk__comm_tensor_check(c, fn, "out", out)) || (st = dsk__comm_tensor_check(c, fn, "in", in))) return st;
+    if (out->dtype != in->dtype || dsk_tensor_numel(in) * out_per_in_num != dsk_tensor_numel(out) * out_per_in_den)
+        return dsk_set_error(DSK_ERR_ARG, "%s: out %s does not fit in %s for %d ranks", fn, dsk_tensor_describe(out, a, sizeof a),
+                             dsk_tensor_describe(in, b, sizeof b), c->world_size);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_comm_all_reduce_tensor(dsk_comm *c, dsk_ctx *ctx, dsk_tensor *t, dsk_comm_op op) {
+    dsk_status st = dsk__comm_tensor_check(c, "dsk_comm_all_reduce_tensor", "t", t);
+    return st ? st : dsk_comm_all_reduce(c, ctx, t->data, t->data, dsk_tensor_numel(t), t->dtype, op);
+}
+
+DSK_API dsk_status dsk_comm_reduce_scatter_tensor(dsk_comm *c, dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *in,
+                                                  dsk_comm_op op) {
+    dsk_status st = dsk__comm_tensor_pair(c, "dsk_comm_reduce_scatter_tensor", out, in, 1, c && c->impl ? c->world_size : 1);
+    return st ? st : dsk_comm_reduce_scatter(c, ctx, in->data, out->data, dsk_tensor_numel(out), out->dtype, op);
+}
+
+DSK_API dsk_status dsk_comm_all_gather_tensor(dsk_comm *c, dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *in) {
+    dsk_status st = dsk__comm_tensor_pair(c, "dsk_comm_all_gather_tensor", out, in, c && c->impl ? c->world_size : 1, 1);
+    return st ? st : dsk_comm_all_gather(c, ctx, in->data, out->data, dsk_tensor_numel(in), in->dtype);
+}
+
+DSK_API dsk_status dsk_comm_broadcast_tensor(dsk_comm *c, dsk_ctx *ctx, dsk_tensor *t, int root) {
+    dsk_status st = dsk__comm_tensor_check(c, "dsk_comm_broadcast_tensor", "t", t);
+    return st ? st : dsk_comm_broadcast(c, ctx, t->data, t->data, dsk_tensor_numel(t), t->dtype, root);
+}
+
+DSK_API dsk_status dsk_comm_all_to_all_tensor(dsk_comm *c, dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *in) {
+    const char *fn = "dsk_comm_all_to_all_tensor";
+    dsk_status st = dsk__comm_tensor_pair(c, fn, out, in, 1, 1);
+    char d[96];
+    if (st) return st;
+    if (dsk_tensor_numel(in) % c->world_size)
+        return dsk_set_error(DSK_ERR_ARG, "%s: in %s does not split into %d equal blocks", fn, dsk_tensor_describe(in, d, sizeof d),
+                             c->world_size);
+    return dsk_comm_all_to_all(c, ctx, in->data, out->data, dsk_tensor_numel(in) / c->world_size, in->dtype);
+}
+
+/* ---------------------------------------------------------------- local launcher */
+
+DSK_API dsk_status dsk_comm_free_port(const char *addr, int *port) {
+    const char *fn = "dsk_comm_free_port";
+    struct sockaddr_in sa;
+    int fd;
+    dsk_status st;
+    if (!port) return dsk_set_error(DSK_ERR_ARG, "%s: port is NULL", fn);
+    if ((st = dsk__comm_resolve(fn, addr ? addr : "127.0.0.1", 0, &sa)) != DSK_OK) return st;
+    if ((st = dsk__comm_listen(fn, &sa, &fd, port)) != DSK_OK) return st;
+    close(fd);
+    return DSK_OK;
+}
+
+static void dsk__comm_write_fd(int fd, const char *p, size_t n) {
+    while (n > 0) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return;
+        p += w;
+        n -= (size_t)w;
+    }
+}
+
+/* Writes the complete lines of buf[0..*len) with a rank prefix; keeps the rest (all of it at EOF). */
+static void dsk__comm_forward_lines(int out_fd, int rank, char *buf, size_t *len, int eof) {
+    char prefix[32];
+    size_t start = 0;
+    int np = snprintf(prefix, sizeof prefix, "[rank %d] ", rank);
+    for (size_t i = 0; i < *len; i++) {
+        if (buf[i] != '\n' && !(i + 1 == *len && (eof || *len == 4096))) continue;
+        dsk__comm_write_fd(out_fd, prefix, (size_t)np);
+        dsk__comm_write_fd(out_fd, buf + start, i + 1 - start);
+        if (buf[i] != '\n') dsk__comm_write_fd(out_fd, "\n", 1);
+        start = i + 1;
+    }
+    memmove(buf, buf + start, *len - start);
+    *len -= start;
+}
+
+static void dsk__comm_spawn_child(int rank, int n, int port, const char *addr, int out, char *const argv[]) {
+    char v[32];
+    dup2(out, 1);
+    dup2(out, 2);
+    if (out > 2) close(out);
+    snprintf(v, sizeof v, "%d", rank); setenv("RANK", v, 1); setenv("LOCAL_RANK", v, 1);
+    snprintf(v, sizeof v, "%d", n); setenv("WORLD_SIZE", v, 1); setenv("LOCAL_WORLD_SIZE", v, 1);
+    snprintf(v, sizeof v, "%d", port); setenv("MASTER_PORT", v, 1);
+    setenv("MASTER_ADDR", addr, 1);
+    signal(SIGPIPE, SIG_DFL);
+    execvp(argv[0], argv);
+    {
+        char msg[512];
+        int k = snprintf(msg, sizeof msg, "dsk_comm_spawn_local: cannot execute \"%s\": %s\n", argv[0], strerror(errno));
+        dsk__comm_write_fd(2, msg, (size_t)(k > 0 ? k : 0));
+    }
+    _exit(127);
+}
+
+DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_spawn_opts *opts, int *worst_exit) {
+    const char *fn = "dsk_comm_spawn_local";
+    const char *addr = opts && opts->master_addr ? opts->master_addr : "127.0.0.1";
+    int port = opts && opts->master_port ? opts->master_port : 0, out_fd = opts && opts->out_fd > 0 ? opts->out_fd : 1;
+    double deadline = opts && opts->timeout_s > 0 ? dsk__comm_now() + opts->timeout_s : 0;
+    pid_t *pids;
+    int *fds, open_fds = 0, worst = 0, killed = 0;
+    char *bufs;
+    size_t *lens;
+    struct pollfd *pf;
+    dsk_status st;
+    if (worst_exit) *worst_exit = 0;
+    if (n < 1 || n > 4096 || !argv || !argv[0]) return dsk_set_error(DSK_ERR_ARG, "%s: need 1 to 4096 ranks and a program (n = %d)", fn, n);
+    if (!port && (st = dsk_comm_free_port(addr, &port)) != DSK_OK) return st;
+    pids = (pid_t *)DSK_MALLOC((size_t)n * sizeof *pids);
+    fds = (int *)DSK_MALLOC((size_t)n * sizeof *fds);
+    bufs = (char *)DSK_MALLOC((size_t)n * 4096);
+    lens = (size_t *)DSK_MALLOC((size_t)n * sizeof *lens);
+    pf = (struct pollfd *)DSK_MALLOC((size_t)n * sizeof *pf);
+    if (!pids || !fds || !bufs || !lens || !pf) {
+        DSK_FREE(pids); DSK_FREE(fds); DSK_FREE(bufs); DSK_FREE(lens); DSK_FREE(pf);
+        return dsk_set_error(DSK_ERR_OOM, "%s: %d ranks", fn, n);
+    }
+    st = DSK_OK;
+    for (int r = 0; r < n; r++) {
+        int p[2];
+        pids[r] = -1;
+        fds[r] = -1;
+        lens[r] = 0;
+        if (st != DSK_OK) continue;
+        if (pipe(p) != 0) { st = dsk_set_error(DSK_ERR_IO, "%s: pipe: %s", fn, strerror(errno)); continue; }
+        fcntl(p[0], F_SETFD, FD_CLOEXEC);
+        pids[r] = fork();
+        if (pids[r] == 0) dsk__comm_spawn_child(r, n, port, addr, p[1], argv);
+        close(p[1]);
+        if (pids[r] < 0) { close(p[0]); st = dsk_set_error(DSK_ERR_IO, "%s: fork: %s", fn, strerror(errno)); continue; }
+        dsk__comm_set_nonblocking_cloexec(p[0]);
+        fds[r] = p[0];
+        open_fds++;
+    }
+    if (st != DSK_OK) /* a rank could not start: stop the others, they would wait for it */
+        for (int r = 0; r < n; r++)
+            if (pids[r] > 0) kill(pids[r], SIGKILL);
+    while (open_fds > 0) {
+        int k = 0, ms = 200;
+        if (deadline && !killed && dsk__comm_now() >= deadline) {
+            for (int r = 0; r < n; r++)
+                if (pids[r] > 0) kill(pids[r], SIGKILL);
+            killed = 1;
+        }
+        for (int r = 0; r < n; r++)
+            if (fds[r] >= 0) { pf[k].fd = fds[r]; pf[k].events = POLLIN; pf[k].revents = 0; k++; }
+        if (poll(pf, (nfds_t)k, ms) <= 0) continue;
+        for (int r = 0; r < n; r++) {
+            for (;;) {
+                ssize_t got;
+                if (fds[r] < 0) break;
+                got = read(fds[r], bufs + (size_t)r * 4096 + lens[r], 4096 - lens[r]);
+                if (got > 0) { lens[r] += (size_t)got; dsk__comm_forward_lines(out_fd, r, bufs + (size_t)r * 4096, &lens[r], 0); continue; }
+                if (got < 0 && errno == EINTR) continue;
+                if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+                dsk__comm_forward_lines(out_fd, r, bufs + (size_t)r * 4096, &lens[r], 1);
+                close(fds[r]);
+                fds[r] = -1;
+                open_fds--;
+            }
+        }
+    }
+    for (int r = 0; r < n; r++) {
+        int status = 0, code;
+        if (pids[r] <= 0) continue;
+        while (waitpid(pids[r], &status, 0) < 0 && errno == EINTR) {}
+        code = WIFEXITED(status) ? WEXITSTATUS(status) : WIFSIGNALED(status) ? 128 + WTERMSIG(status) : 255;
+        if (code > worst) worst = code;
+    }
+    if (worst_exit) *worst_exit = worst;
+    DSK_FREE(pids); DSK_FREE(fds); DSK_FREE(bufs); DSK_FREE(lens); DSK_FREE(pf);
+    if (st == DSK_OK && killed)
+        st = dsk_set_error(DSK_ERR_TIMEOUT, "%s: ranks still running after %.1f s were killed", fn, opts->timeout_s);
+    return st;
+}
+
+/* ---------------------------------------------------------------- gradient buckets */
+
+struct dsk__comm_buckets_impl {
+    dsk_comm comm;          /* private, split from the parent so buckets never interleave with its calls */
+    dsk_ctx *ctx;
+    char *flat;
+    dsk_dtype dt;
+    int sum_only;
+    int64_t *poff;          /* [n_params + 1] element offset of each parameter */
+    int *bucket_of;         /* [n_params] */
+    int *b_first, *b_count; /* [n_buckets] parameter ranges */
+    int *pending;           /* [n_buckets] parameters not marked yet in this pass */
+    unsigned char *marked;  /* [n_params] */
+    int in_pass, sync, next_launch;
+    /* host: the progress thread all-reduces buckets [done_upto, queued_upto) in order */
+    pthread_t thread;
+    int thread_started, stop, queued_upto, done_upto;
+    pthread_mutex_t mu;
+    pthread_cond_t cv_work, cv_done;
+    uint64_t bytes;
+    double seconds;
+    int64_t reductions;
+    dsk_status err;
+    char errmsg[700];
+#ifdef DSK_CUDA
+    cudaStream_t stream;
+    cudaEvent_t *ev;        /* [3 * n_buckets]: ready, start, done */
+#endif
+};
+
+static size_t dsk__comm_bucket_elems(const dsk__comm_buckets_impl *bi, int b) {
+    return (size_t)(bi->poff[bi->b_first[b] + bi->b_count[b]] - bi->poff[bi->b_first[b]]);
+}
+
+static void *dsk__comm_bucket_thread(void *arg) {
+    dsk__comm_buckets_impl *bi = (dsk__comm_buckets_impl *)arg;
+    size_t esz = dsk_dtype_size(bi->dt);
+    pthread_mutex_lock(&bi->mu);
+    for (;;) {
+        int b;
+        dsk_status st = DSK_OK;
+        double t0;
+        size_t cnt;
+        while (!bi->stop && bi->done_upto == bi->queued_upto) pthread_cond_wait(&bi->cv_work, &bi->mu);
+        if (bi->done_upto == bi->queued_upto) break;
+        b = bi->done_upto;
+        cnt = dsk__comm_bucket_elems(bi, b);
+        pthread_mutex_unlock(&bi->mu);
+        t0 = dsk__comm_now();
+        if (bi->err == DSK_OK) {
+            char *p = bi->flat + bi->poff[bi->b_first[b]] * (int64_t)esz;
+            st = dsk_comm_all_reduce(&bi->comm, NULL, p, p, (int64_t)cnt, bi->dt, bi->sum_only ? DSK_COMM_SUM : DSK_COMM_AVG);
+        }
+        pthread_mutex_lock(&bi->mu);
+        if (st != DSK_OK && bi->err == DSK_OK) {
+            bi->err = st;
+            snprintf(bi->errmsg, sizeof bi->errmsg, "%s", dsk_last_error());
+        }
+        if (st == DSK_OK && bi->err == DSK_OK) {
+            bi->bytes += cnt * esz;
+            bi->seconds += dsk__comm_now() - t0;
+            bi->reductions++;
+        }
+        bi->done_upto++;
+        pthread_cond_broadcast(&bi->cv_done);
+    }
+    pthread_mutex_unlock(&bi->mu);
+    return NULL;
+}
+
+DSK_API dsk_status dsk_comm_buckets_range(const dsk_comm_buckets *b, int i, int *first, int *count) {
+    if (!b || !b->impl || i < 0 || i >= b->n_buckets || !first || !count)
+        return dsk_set_error(DSK_ERR_ARG, "dsk_comm_buckets_range: bucket %d not in [0, %d) or NULL argument", i, b ? b->n_buckets : 0);
+    *first = b->impl->b_first[i];
+    *count = b->impl->b_count[i];
+    return DSK_OK;
+}
+
+/* Buckets in reverse parameter order, each up to its byte cap, never splitting a parameter. */
+static int dsk__comm_make_buckets(dsk__comm_buckets_impl *bi, int n_params, size_t esz, size_t first_cap, size_t cap) {
+    int nb = 0, hi = n_params; /* current bucket covers [i + 1, hi) */
+    size_t bytes = 0;
+    for (int i = n_params - 1; i >= 0; i--) {
+        size_t pb = (size_t)(bi->poff[i + 1] - bi->poff[i]) * esz;
+        if (hi - (i + 1) > 0 && bytes + pb > (nb == 0 ? first_cap : cap)) {
+            bi->b_first[nb] = i + 1;
+            bi->b_count[nb++] = hi - (i + 1);
+            hi = i + 1;
+            bytes = 0;
+        }
+        bytes += pb;
+        bi->bucket_of[i] = nb;
+    }
+    if (hi > 0) { bi->b_first[nb] = 0; bi->b_count[nb++] = hi; }
+    return nb;
+}
+
+DSK_API void dsk_comm_buckets_free(dsk_comm_buckets *b) {
+    dsk__comm_buckets_impl *bi;
+    if (!b || !b->impl) { if (b) memset(b, 0, sizeof *b); return; }
+    bi = b->impl;
+    if (bi->thread_started) {
+        pthread_mutex_lock(&bi->mu);
+        bi->stop = 1;
+        pthread_cond_broadcast(&bi->cv_work);
+        pthread_mutex_unlock(&bi->mu);
+        pthread_join(bi->thread, NULL);
+        pthread_mutex_destroy(&bi->mu);
+        pthread_cond_destroy(&bi->cv_work);
+        pthread_cond_destroy(&bi->cv_done);
+    }
+#ifdef DSK_CUDA
+    if (bi->ev) {
+        for (int i = 0; i < 3 * b->n_buckets; i++)
+            if (bi->ev[i]) cudaEventDestroy(bi->ev[i]);
+        DSK_FREE(bi->ev);
+    }
+    if (bi->stream) cudaStreamDestroy(bi->stream);
+#endif
+    dsk_comm_free(&bi->comm);
+    DSK_FREE(bi->poff); DSK_FREE(bi->bucket_of); DSK_FREE(bi->b_first); DSK_FREE(bi->b_count);
+    DSK_FREE(bi->pending); DSK_FREE(bi->marked);
+    DSK_FREE(bi);
+    memset(b, 0, sizeof *b);
+}
+
+DSK_API dsk_status dsk_comm_buckets_init(dsk_comm_buckets *b, dsk_comm *c, dsk_ctx *ctx, void *flat, dsk_dtype dt,
+                                         int n_params, const int64_t *counts, const dsk_comm_bucket_opts *opts) {
+    const char *fn = "dsk_comm_buckets_init";
+    dsk__comm_buckets_impl *bi;
+    dsk_status st;
+    size_t esz = dsk_dtype_size(dt);
+    if (!b) return dsk_set_error(DSK_ERR_ARG, "%s: buckets is NULL", fn);
+    memset(b, 0, sizeof *b);
+    if ((st = dsk__comm_check(c, fn)) != DSK_OK) return st;
+    if (dt != DSK_F32 && dt != DSK_BF16 && dt != DSK_F16)
+        return dsk_set_error(DSK_ERR_ARG, "%s: gradient dtype %s is not f32, bf16 or f16", fn, dsk_dtype_name(dt));
+    if (n_params < 1 || !counts || !flat) return dsk_set_error(DSK_ERR_ARG, "%s: need n_params >= 1 (got %d), counts and a flat buffer", fn, n_params);
+    if (!(bi = (dsk__comm_buckets_impl *)DSK_MALLOC(sizeof *bi))) return dsk_set_error(DSK_ERR_OOM, "%s: bucket state", fn);
+    memset(bi, 0, sizeof *bi);
+    b->impl = bi;
+    b->n_params = n_params;
+    bi->ctx = ctx;
+    bi->flat = (char *)flat;
+    bi->dt = dt;
+    bi->sum_only = opts ? opts->sum_only : 0;
+    bi->poff = (int64_t *)DSK_MALLOC((size_t)(n_params + 1) * sizeof(int64_t));
+    bi->bucket_of = (int *)DSK_MALLOC((size_t)n_params * sizeof(int));
+    bi->b_first = (int *)DSK_MALLOC((size_t)n_params * sizeof(int));
+    bi->b_count = (int *)DSK_MALLOC((size_t)n_params * sizeof(int));
+    bi->pending = (int *)DSK_MALLOC((size_t)n_params * sizeof(int));
+    bi->marked = (unsigned char *)DSK_MALLOC((size_t)n_params);
+    if (!bi->poff || !bi->bucket_of || !bi->b_first || !bi->b_count || !bi->pending || !bi->marked) {
+        dsk_comm_buckets_free(b);
+        return dsk_set_error(DSK_ERR_OOM, "%s: arrays for %d parameters", fn, n_params);
+    }
+    bi->poff[0] = 0;
+    for (int i = 0; i < n_params; i++) {
+        if (counts[i] < 0) {
+            dsk_comm_buckets_free(b);
+            return dsk_set_error(DSK_ERR_ARG, "%s: parameter %d has a negative count %lld", fn, i, (long long)counts[i]);
+        }
+        bi->poff[i + 1] = bi->poff[i] + counts[i];
+    }
+    b->n_buckets = dsk__comm_make_buckets(bi, n_params, esz, opts && opts->first_bucket_bytes ? opts->first_bucket_bytes : ((size_t)1 << 20),
+                                     opts && opts->bucket_bytes ? opts->bucket_bytes : ((size_t)25 << 20));
+    if ((st = dsk_comm_split(c, 0, c->rank, &bi->comm)) != DSK_OK) {
+        char msg[800];
+        snprintf(msg, sizeof msg, "%s: splitting the private communicator: %s", fn, dsk_last_error());
+        dsk_comm_buckets_free(b);
+        return dsk_set_error(st, "%s", msg);
+    }
+#ifdef DSK_CUDA
+    if (bi->comm.backend == DSK_COMM_NCCL) {
+        cudaError_t e = cudaStreamCreateWithFlags(&bi->stream, cudaStreamNonBlocking);
+        if (e == cudaSuccess && !(bi->ev = (cudaEvent_t *)DSK_MALLOC((size_t)3 * b->n_buckets * sizeof(cudaEvent_t))))
+            e = cudaErrorMemoryAllocation;
+        if (bi->ev) memset(bi->ev, 0, (size_t)3 * b->n_buckets * sizeof(cudaEvent_t));
+        for (int i = 0; e == cudaSuccess && i < 3 * b->n_buckets; i++)
+            e = cudaEventCreateWithFlags(&bi->ev[i], i % 3 == 0 ? cudaEventDisableTiming : cudaEventDefault);
+        if (e != cudaSuccess) {
+            dsk_comm_buckets_free(b);
+            return dsk_set_error(DSK_ERR_CUDA, "%s: communication stream and events: %s", fn, cudaGetErrorString(e));
+        }
+        return DSK_OK;
+    }
+#endif
+    pthread_mutex_init(&bi->mu, NULL);
+    pthread_cond_init(&bi->cv_work, NULL);
+    pthread_cond_init(&bi->cv_done, NULL);
+    if (pthread_create(&bi->thread, NULL, dsk__comm_bucket_thread, bi) != 0) {
+        pthread_mutex_destroy(&bi->mu);
+        pthread_cond_destroy(&bi->cv_work);
+        pthread_cond_destroy(&bi->cv_done);
+        dsk_comm_buckets_free(b);
+        return dsk_set_error(DSK_ERR_IO, "%s: cannot start the progress thread", fn);
+    }
+    bi->thread_started = 1;
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_comm_buckets_begin(dsk_comm_buckets *b, int sync) {
+    dsk__comm_buckets_impl *bi;
+    if (!b || !b->impl) return dsk_set_error(DSK_ERR_ARG, "dsk_comm_buckets_begin: buckets are NULL or not initialised");
+    bi = b->impl;
+    if (bi->in_pass && bi->next_launch > 0)
+        return dsk_set_error(DSK_ERR_STATE, "dsk_comm_buckets_begin: %d bucket all-reduces of the previous pass were not "
+                             "waited for (call dsk_comm_buckets_wait)", bi->next_launch);
+    for (int i = 0; i < b->n_buckets; i++) bi->pending[i] = bi->b_count[i];
+    memset(bi->marked, 0, (size_t)b->n_params);
+    bi->next_launch = 0;
+    bi->queued_upto = bi->done_upto = 0;
+    bi->in_pass = 1;
+    bi->sync = sync != 0;
+    return DSK_OK;
+}
+
+static dsk_status dsk__comm_bucket_launch(dsk_comm_buckets *b, int k) {
+    dsk__comm_buckets_impl *bi = b->impl;
+#ifdef DSK_CUDA
+    if (bi->comm.backend == DSK_COMM_NCCL) {
+        const char *fn = "dsk_comm_buckets_mark_ready";
+        size_t esz = dsk_dtype_size(bi->dt);
+        char *p = bi->flat + bi->poff[bi->b_first[k]] * (int64_t)esz;
+        cudaStream_t user = dsk__comm_stream(bi->ctx);
+        cudaError_t e;
+        double t0 = dsk__comm_now();
+        if ((e = cudaEventRecord(bi->ev[3 * k], user)) != cudaSuccess || (e = cudaStreamWaitEvent(bi->stream, bi->ev[3 * k], 0)) != cudaSuccess ||
+            (e = cudaEventRecord(bi->ev[3 * k + 1], bi->stream)) != cudaSuccess)
+            return dsk_set_error(DSK_ERR_CUDA, "%s: ordering bucket %d after backward: %s", fn, k, cudaGetErrorString(e));
+        {
+            dsk_status st = dsk__comm_nccl_done(&bi->comm, fn, ncclAllReduce(p, p, dsk__comm_bucket_elems(bi, k), dsk__comm_nccl_dtype(bi->dt),
+                                                                        bi->sum_only ? ncclSum : ncclAvg, bi->comm.impl->nccl,
+                                                                        bi->stream), "ncclAllReduce (bucket)", t0);
+            if (st) return st;
+        }
+        if ((e = cudaEventRecord(bi->ev[3 * k + 2], bi->stream)) != cudaSuccess)
+            return dsk_set_error(DSK_ERR_CUDA, "%s: cudaEventRecord after bucket %d: %s", fn, k, cudaGetErrorString(e));
+        return DSK_OK;
+    }
+#endif
+    pthread_mutex_lock(&bi->mu);
+    bi->queued_upto = k + 1;
+    pthread_cond_signal(&bi->cv_work);
+    pthread_mutex_unlock(&bi->mu);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_comm_buckets_mark_ready(dsk_comm_buckets *b, int param) {
+    const char *fn = "dsk_comm_buckets_mark_ready";
+    dsk__comm_buckets_impl *bi;
+    if (!b || !b->impl) return dsk_set_error(DSK_ERR_ARG, "%s: buckets are NULL or not initialised", fn);
+    bi = b->impl;
+    if (param < 0 || param >= b->n_params) return dsk_set_error(DSK_ERR_ARG, "%s: parameter %d not in [0, %d)", fn, param, b->n_params);
+    if (!bi->in_pass) return dsk_set_error(DSK_ERR_STATE, "%s: parameter %d marked outside a pass (call dsk_comm_buckets_begin)", fn, param);
+    if (bi->marked[param]) return dsk_set_error(DSK_ERR_STATE, "%s: parameter %d marked ready twice in one pass", fn, param);
+    bi->marked[param] = 1;
+    if (!bi->sync) return DSK_OK;
+    bi->pending[bi->bucket_of[param]]--;
+    while (bi->next_launch < b->n_buckets && bi->pending[bi->next_launch] == 0) {
+        dsk_status st = dsk__comm_bucket_launch(b, bi->next_launch);
+        if (st) return st;
+        bi->next_launch++;
+    }
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_comm_buckets_wait(dsk_comm_buckets *b) {
+    const char *fn = "dsk_comm_buckets_wait";
+    dsk__comm_buckets_impl *bi;
+    dsk_status st = DSK_OK;
+    int unmarked = -1;
+    if (!b || !b->impl) return dsk_set_error(DSK_ERR_ARG, "%s: buckets are NULL or not initialised", fn);
+    bi = b->impl;
+    if (!bi->in_pass) return DSK_OK;
+    for (int i = 0; bi->sync && i < b->n_params && unmarked < 0; i++)
+        if (!bi->marked[i]) unmarked = i;
+#ifdef DSK_CUDA
+    if (bi->comm.backend == DSK_COMM_NCCL) {
+        double t0 = dsk__comm_now();
+        for (int k = 0; k < bi->next_launch && st == DSK_OK; k++) {
+            cudaError_t e;
+            float ms = 0;
+            while ((e = cudaEventQuery(bi->ev[3 * k + 2])) == cudaErrorNotReady) {
+                ncclResult_t state = ncclSuccess;
+                ncclCommGetAsyncError(bi->comm.impl->nccl, &state);
+                if (state != ncclSuccess && state != ncclInProgress) {
+                    st = dsk__comm_nccl_check(&bi->comm, fn, state, "a bucket all-reduce");
+                    dsk__comm_break(bi->comm.impl, bi->comm.world_size, st);
+                    break;
+                }
+                if (dsk__comm_now() - t0 > bi->comm.impl->timeout_s) {
+                    st = dsk_set_error(DSK_ERR_TIMEOUT, "%s: bucket %d of %d still all-reducing after %.2f s (a peer may have "
+                                       "died or stopped); aborting its NCCL communicator", fn, k, b->n_buckets, dsk__comm_now() - t0);
+                    dsk__comm_break(bi->comm.impl, bi->comm.world_size, st);
+                    break;
+                }
+                dsk__comm_sleep_s(5e-5);
+            }
+            if (st == DSK_OK && e != cudaSuccess) st = dsk_set_error(DSK_ERR_CUDA, "%s: bucket %d: %s", fn, k, cudaGetErrorString(e));
+            if (st == DSK_OK && cudaEventElapsedTime(&ms, bi->ev[3 * k + 1], bi->ev[3 * k + 2]) == cudaSuccess) b->seconds += 1e-3 * ms;
+            if (st == DSK_OK) {
+                b->bytes += dsk__comm_bucket_elems(bi, k) * dsk_dtype_size(bi->dt);
+                b->reductions++;
+            }
+        }
+        if (st == DSK_OK && bi->next_launch > 0 &&
+            cudaStreamWaitEvent(dsk__comm_stream(bi->ctx), bi->ev[3 * (bi->next_launch - 1) + 2], 0) != cudaSuccess)
+            st = dsk_set_error(DSK_ERR_CUDA, "%s: cudaStreamWaitEvent", fn);
+    } else
+#endif
+    {
+        pthread_mutex_lock(&bi->mu);
+        while (bi->done_upto < bi->queued_upto) pthread_cond_wait(&bi->cv_done, &bi->mu);
+        b->bytes = bi->bytes;
+        b->seconds = bi->seconds;
+        b->reductions = bi->reductions;
+        if (bi->err) st = dsk_set_error(bi->err, "%s", bi->errmsg);
+        pthread_mutex_unlock(&bi->mu);
+    }
+    bi->in_pass = 0;
+    bi->next_launch = 0;
+    if (st == DSK_OK && unmarked >= 0)
+        st = dsk_set_error(DSK_ERR_STATE, "%s: parameter %d (bucket %d) was never marked ready in this pass; %d of %d buckets "
+                           "were all-reduced", fn, unmarked, bi->bucket_of[unmarked], bi->queued_upto, b->n_buckets);
+    return st;
+}
+
+#endif /* DSK_COMM_IMPLEMENTATION_DONE */
+#endif /* DSK_COMM_IMPLEMENTATION */
+
+/* MIT License. Copyright (c) 2026 the dsk authors. Permission is hereby granted, free of charge, to any
+   person obtaining a copy of this software, to deal in it without restriction, subject to including this
+   notice. THE SOFTWARE IS PROVIDED "AS IS", WITHOUT WARRANTY OF ANY KIND. */
