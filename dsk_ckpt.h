@@ -1,0 +1,2505 @@
+/* dsk_ckpt.h - sharded, atomic, verified checkpoints in the safetensors format; async save
+   and resume, including resume with a different world size.
+
+   Usage: #define DSK_CKPT_IMPLEMENTATION in exactly one .c file before including (after
+   DSK_TENSOR_IMPLEMENTATION's file, or in the same one). Needs POSIX (files, pthreads): build
+   with _GNU_SOURCE or _POSIX_C_SOURCE >= 200809L defined, or include this header first.
+   Options: DSK_STATIC, DSK_MALLOC/DSK_FREE, DSK_CUDA as in dsk_tensor.h; DSK_CKPT_NO_SSE42
+   forces the table-driven CRC32C even where SSE4.2 is present.
+
+   Layout of a checkpoint directory DIR (shared by every rank, e.g. a network file system):
+     DIR/step_00001000/rank_00000.safetensors   one file per rank (safetensors format)
+     DIR/step_00001000/manifest.json             written last by rank 0: marks completeness
+     DIR/latest                                   "step_00001000\n", updated after the manifest
+   Every file is written to a temporary name in its directory, fsynced, renamed into place,
+   then the directory is fsynced. A step directory without manifest.json is incomplete and is
+   never loaded. Each rank file's __metadata__ holds "dsk.format", "dsk.step", "dsk.rank",
+   "dsk.world_size", "dsk.crc32c.<tensor>" (CRC32C of the tensor's bytes, 8 hex digits),
+   "dsk.split.<tensor>" ("start:end/rows" for tensors split along dim 0) and the caller's
+   key/value pairs (trainer state: loss scale, RNG state, data position, ...).
+   The manifest lists each file (rank, name, size, CRC32C of the whole file), the step, the
+   world size and each tensor's dtype, global shape and the rows each rank holds.
+
+   Saving (every rank calls dsk_ckpt_save with the same step): a tensor is either replicated
+   (split = 0: written once, by rank 0) or split along dim 0 (split = 1: each rank writes its
+   rows [row0, row0 + shape[0]) of a tensor with global_rows rows). Ranks meet at three calls
+   of the barrier callback (prepare, files durable, manifest durable); every rank makes all
+   three calls even when its own part failed, so a failure anywhere leaves no manifest and
+   every rank sees an error. With dsk_ckpt_save_async the barrier runs on a background thread.
+   Loading reads any checkpoint into tensors of any split: a rank asks for rows of the global
+   tensor and the loader reads them from whichever rank files hold them (resharding 4 -> 2,
+   2 -> 4, ...), checking dtype, shape and every CRC32C on the way.
+
+   Example:
+     dsk_ckpt ck; dsk_ckpt_opts o = {0}; o.keep_last = 3;
+     dsk_ckpt_init(&ck, "runs/ckpt", &o);
+     dsk_ckpt_entry e[2] = {{"embed", &embed, 0, 0, 0}, {"moe.w1", &w1, 1, row0, n_experts}};
+     dsk_ckpt_kv kv[1] = {{"loss_scale", "65536"}};
+     dsk_ckpt_save_async(&ck, step, e, 2, kv, 1);   ... train on ... dsk_ckpt_wait(&ck);
+     int64_t last; dsk_ckpt_latest("runs/ckpt", &last);
+     if (last >= 0) dsk_ckpt_load(&ck, last, e, 2, &meta);
+   Byte order: little-endian hosts only (the format is little-endian).
+   License: MIT, see the end of the file. */
+#if defined(DSK_CKPT_IMPLEMENTATION) && !defined(_POSIX_C_SOURCE) && !defined(_GNU_SOURCE) && !defined(_XOPEN_SOURCE)
+#define _POSIX_C_SOURCE 200809L
+#endif
+/* With DSK_STATIC every dsk function is static, so this file must also compile dsk_tensor.h's. */
+#if defined(DSK_STATIC) && defined(DSK_CKPT_IMPLEMENTATION) && !defined(DSK_TENSOR_IMPLEMENTATION)
+#define DSK_TENSOR_IMPLEMENTATION
+#endif
+#ifndef DSK_CKPT_H
+#define DSK_CKPT_H
+#include "dsk_tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DSK_CKPT_FORMAT "dsk-ckpt"
+#define DSK_CKPT_VERSION 1
+#define DSK_CKPT_MAX_HEADER 100000000ull /* safetensors' own limit on the JSON header */
+
+/* One string key/value pair of trainer state. Keys starting with "dsk." are reserved. */
+typedef struct dsk_ckpt_kv {
+    const char *key;
+    const char *value;
+} dsk_ckpt_kv;
+
+/* One named tensor to save or to load into. */
+typedef struct dsk_ckpt_entry {
+    const char *name;     /* unique, non-empty UTF-8, not "__metadata__" */
+    dsk_tensor *tensor;   /* this rank's data: any device, dtype and strides */
+    int split;            /* 0: replicated (whole tensor); 1: rows of a tensor split along dim 0 */
+    int64_t row0;         /* split: first global row this rank holds */
+    int64_t global_rows;  /* split: rows of the whole tensor */
+} dsk_ckpt_entry;
+
+/* Blocks until every rank has called it (same count on every rank); DSK_OK or an error. */
+typedef dsk_status (*dsk_ckpt_barrier_fn)(void *user);
+
+/* Zero fields take the defaults in brackets. */
+typedef struct dsk_ckpt_opts {
+    int rank;                    /* [0] this process's rank */
+    int world_size;              /* [1] ranks saving together */
+    dsk_ckpt_barrier_fn barrier; /* required when world_size > 1 */
+    void *barrier_user;          /* passed to barrier */
+    int keep_last;               /* [0 = keep all] K > 0: after a save, rank 0 deletes complete
+                                    checkpoints older than the newest K; incomplete ones stay */
+    int allow_cast;              /* [0] load: convert a saved dtype to the tensor's dtype
+                                    instead of failing (floats round to nearest even) */
+    dsk_ctx *ctx;                /* [NULL] context for CUDA tensors */
+} dsk_ckpt_opts;
+
+/* A checkpointer for one directory. Caller-owned; fields are private. */
+typedef struct dsk_ckpt {
+    char *dir;
+    dsk_ckpt_opts opts;
+    void *stage;         /* host snapshot buffer, reused across async saves */
+    size_t stage_bytes;
+    void *job;           /* the pending async save, NULL when idle */
+} dsk_ckpt;
+
+/* Metadata of a loaded rank file (this rank's file if it exists in the checkpoint, else
+   rank 0's): the caller's pairs plus "dsk.format", "dsk.step", "dsk.rank", "dsk.world_size". */
+typedef struct dsk_ckpt_meta {
+    int64_t step;
+    int world_size;      /* world size the checkpoint was saved with */
+    int rank;            /* rank whose file the pairs come from */
+    int n;
+    char **keys;
+    char **values;
+} dsk_ckpt_meta;
+
+/* dir: the checkpoint root (rank 0 creates it at the first save; its parent must exist).
+   Checks the options; touches no file. */
+DSK_API dsk_status dsk_ckpt_init(dsk_ckpt *ck, const char *dir, const dsk_ckpt_opts *opts);
+/* Waits for a pending async save (its error is dropped: call dsk_ckpt_wait first to see it)
+   and releases everything. Zeroed or freed objects are fine. */
+DSK_API void dsk_ckpt_free(dsk_ckpt *ck);
+
+/* Saves DIR/step_<step>/ collectively (see the top of the file) and returns when it is
+   complete and durable on every rank. Waits first for a pending async save and returns its
+   error, if any, without saving. step >= 0. kv may be NULL when n_kv is 0. */
+DSK_API dsk_status dsk_ckpt_save(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n,
+                                 const dsk_ckpt_kv *kv, int n_kv);
+/* As dsk_ckpt_save, but returns once the tensors, names and pairs are copied to host memory
+   (device tensors through dsk_tensor_copy); a background thread writes. The caller may change
+   or free the tensors at once. dsk_ckpt_wait reports the outcome. */
+DSK_API dsk_status dsk_ckpt_save_async(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n,
+                                       const dsk_ckpt_kv *kv, int n_kv);
+/* Joins the pending async save, if any, and returns its status (its message in dsk_last_error). */
+DSK_API dsk_status dsk_ckpt_wait(dsk_ckpt *ck);
+
+/* Loads DIR/step_<step>/ (step < 0: the newest complete checkpoint) into `entries`: each
+   tensor is looked up by name and must match the saved dtype (or opts.allow_cast) and the
+   saved global shape; split entries receive rows [row0, row0 + shape[0]). Every byte read is
+   checked against its CRC32C and every file header against the manifest. meta (may be NULL)
+   receives the metadata; free it with dsk_ckpt_meta_free. On error the entries' contents are
+   unspecified. Safe to call concurrently on several ranks; no barrier. */
+DSK_API dsk_status dsk_ckpt_load(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n, dsk_ckpt_meta *meta);
+
+/* Step of the newest complete checkpoint under dir (its manifest parses), or -1 when there is
+   none (dir missing included). Errors only when dir cannot be read. */
+DSK_API dsk_status dsk_ckpt_latest(const char *dir, int64_t *step);
+/* Reads every file of DIR/step_<step>/ in full and checks sizes, headers and all CRC32Cs. */
+DSK_API dsk_status dsk_ckpt_verify(const char *dir, int64_t step);
+
+/* Value of key or NULL. */
+DSK_API const char *dsk_ckpt_meta_get(const dsk_ckpt_meta *m, const char *key);
+/* The value parsed as a whole decimal integer / as a double (strtod: "%.17g" and "%a" exact). */
+DSK_API dsk_status dsk_ckpt_meta_i64(const dsk_ckpt_meta *m, const char *key, int64_t *out);
+DSK_API dsk_status dsk_ckpt_meta_f64(const dsk_ckpt_meta *m, const char *key, double *out);
+DSK_API void dsk_ckpt_meta_free(dsk_ckpt_meta *m);
+
+/* ---------------------------------------------------------------- single safetensors files */
+
+/* A tensor described by a safetensors header. */
+typedef struct dsk_ckpt_tensor_info {
+    const char *name;
+    const char *dtype_name;       /* as in the file: "BF16", "F8_E4M3", "I16", ... */
+    int dtype;                    /* the dsk_dtype, or -1 when dsk has none (BOOL, I8, I16, U16, U32, U64, F8_E8M0) */
+    int ndim;
+    int64_t shape[DSK_MAX_DIMS];
+    uint64_t begin, end;          /* byte range in the data buffer (which starts at 8 + header_len) */
+    int has_crc;                  /* __metadata__ holds "dsk.crc32c.<name>" */
+    uint32_t crc32c;
+} dsk_ckpt_tensor_info;
+
+/* A parsed safetensors file: validated exactly as the reference implementation does
+   (header <= 100,000,000 bytes of UTF-8 JSON, offsets contiguous from 0 with no gap or
+   overlap, sizes matching shape and dtype, the last offset ending the file), and more
+   strictly (no duplicate names or keys, no unknown fields, at most 8 dims). */
+typedef struct dsk_ckpt_file {
+    char *path;                   /* NULL for a header parsed from memory */
+    int has_fd, fd;
+    uint64_t file_size, header_len;
+    uint32_t header_crc32c;       /* CRC32C of the first 8 + header_len bytes */
+    int n_tensors;
+    dsk_ckpt_tensor_info *tensors; /* sorted by name */
+    int n_meta;
+    const char **meta_keys;       /* __metadata__, sorted by key */
+    const char **meta_values;
+    void *mem;                    /* private: the decoded JSON */
+} dsk_ckpt_file;
+
+/* Opens and validates a file; reads only its header. */
+DSK_API dsk_status dsk_ckpt_file_open(dsk_ckpt_file *f, const char *path);
+/* Validates the header in bytes[0, n) of a file of file_size bytes (n >= 8 + header length);
+   the fuzzing entry point. dsk_ckpt_file_read is then not available. */
+DSK_API dsk_status dsk_ckpt_file_parse(dsk_ckpt_file *f, const void *bytes, size_t n, uint64_t file_size);
+/* Index of the tensor called name, or -1. */
+DSK_API int dsk_ckpt_file_find(const dsk_ckpt_file *f, const char *name);
+/* Value of a __metadata__ key or NULL. */
+DSK_API const char *dsk_ckpt_file_meta(const dsk_ckpt_file *f, const char *key);
+/* Reads tensor `name` into dst (any device and strides; same shape; same dtype unless
+   allow_cast), checking its CRC32C when the file records one. */
+DSK_API dsk_status dsk_ckpt_file_read(dsk_ckpt_file *f, dsk_ctx *ctx, const char *name, dsk_tensor *dst, int allow_cast);
+DSK_API void dsk_ckpt_file_close(dsk_ckpt_file *f); /* zeroed/closed ok */
+/* Writes one safetensors file atomically and durably, with "dsk.format", per-tensor
+   "dsk.crc32c.<name>" and the caller's pairs in __metadata__ (entries' split fields ignored). */
+DSK_API dsk_status dsk_ckpt_file_save(dsk_ctx *ctx, const char *path, const dsk_ckpt_entry *entries, int n,
+                                      const dsk_ckpt_kv *kv, int n_kv);
+
+/* CRC32C (Castagnoli, as iSCSI and ext4), chainable: crc = dsk_ckpt_crc32c(0, p, n) then
+   dsk_ckpt_crc32c(crc, q, m) = CRC of p||q. SSE4.2 when the CPU has it, else slicing-by-8. */
+DSK_API uint32_t dsk_ckpt_crc32c(uint32_t crc, const void *data, size_t n);
+/* CRC of A||B from crc(A), crc(B) and len(B). */
+DSK_API uint32_t dsk_ckpt_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DSK_CKPT_H */
+
+/* ==================================================================== implementation */
+#ifdef DSK_CKPT_IMPLEMENTATION
+#ifndef DSK_CKPT_IMPLEMENTATION_DONE
+#define DSK_CKPT_IMPLEMENTATION_DONE
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+#error "dsk_ckpt.h: safetensors is little-endian; big-endian hosts are not supported"
+#endif
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(DSK_CKPT_NO_SSE42)
+#define DSK__CK_CRC_HW 1
+#include <nmmintrin.h>
+#endif
+
+/* ---------------------------------------------------------------- CRC32C
+   Reflected polynomial 0x82F63B78. "Raw" functions update the register without the initial
+   and final inversion; the register is linear, so raw(s, A||B) = shift(raw(s, A), |B|) ^
+   raw(0, B), where shift multiplies by x^(8|B|) modulo the polynomial. */
+
+#define DSK__CK_POLY 0x82F63B78u
+
+static uint32_t dsk__ck_crc_table[8][256];
+static pthread_once_t dsk__ck_crc_once = PTHREAD_ONCE_INIT;
+
+static void dsk__ck_crc_init(void) {
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++) c = (c & 1u) ? (c >> 1) ^ DSK__CK_POLY : c >> 1;
+        dsk__ck_crc_table[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; i++)
+        for (int t = 1; t < 8; t++) {
+            uint32_t prev = dsk__ck_crc_table[t - 1][i];
+            dsk__ck_crc_table[t][i] = (prev >> 8) ^ dsk__ck_crc_table[0][prev & 0xffu];
+        }
+}
+
+/* Slicing-by-8: eight table lookups per 8 bytes. */
+static uint32_t dsk__ck_crc_sw(uint32_t s, const unsigned char *p, size_t n) {
+    pthread_once(&dsk__ck_crc_once, dsk__ck_crc_init);
+    while (n && ((uintptr_t)p & 7u)) { s = (s >> 8) ^ dsk__ck_crc_table[0][(s ^ *p++) & 0xffu]; n--; }
+    while (n >= 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        uint32_t lo = (uint32_t)w ^ s, hi = (uint32_t)(w >> 32);
+        s = dsk__ck_crc_table[7][lo & 0xffu] ^ dsk__ck_crc_table[6][(lo >> 8) & 0xffu] ^
+            dsk__ck_crc_table[5][(lo >> 16) & 0xffu] ^ dsk__ck_crc_table[4][lo >> 24] ^
+            dsk__ck_crc_table[3][hi & 0xffu] ^ dsk__ck_crc_table[2][(hi >> 8) & 0xffu] ^
+            dsk__ck_crc_table[1][(hi >> 16) & 0xffu] ^ dsk__ck_crc_table[0][hi >> 24];
+        p += 8; n -= 8;
+    }
+    while (n--) s = (s >> 8) ^ dsk__ck_crc_table[0][(s ^ *p++) & 0xffu];
+    return s;
+}
+
+/* a * b modulo the polynomial, both in reflected order (bit 31 = x^0). */
+static uint32_t dsk__ck_mulmod(uint32_t a, uint32_t b) {
+    uint32_t prod = 0;
+    for (uint32_t m = 1u << 31; m; m >>= 1) {
+        if (a & m) prod ^= b;
+        b = (b & 1u) ? (b >> 1) ^ DSK__CK_POLY : b >> 1;
+    }
+    return prod;
+}
+
+/* x^(8n) modulo the polynomial: the operator that appends n zero bytes. */
+static uint32_t dsk__ck_xpow8n(uint64_t n) {
+    uint32_t result = 1u << 31, sq = 1u << 23; /* x^0 and x^8 */
+    while (n) {
+        if (n & 1u) result = dsk__ck_mulmod(result, sq);
+        sq = dsk__ck_mulmod(sq, sq);
+        n >>= 1;
+    }
+    return result;
+}
+
+#ifdef DSK__CK_CRC_HW
+#define DSK__CK_HW_BLOCK 16384u
+__attribute__((target("sse4.2"))) static uint32_t dsk__ck_crc_hw_run(uint32_t s, const unsigned char *p, size_t n) {
+    uint64_t c = s;
+    for (; n >= 8; p += 8, n -= 8) { uint64_t w; memcpy(&w, p, 8); c = _mm_crc32_u64(c, w); }
+    s = (uint32_t)c;
+    for (; n; n--) s = _mm_crc32_u8(s, *p++);
+    return s;
+}
+/* Three independent CRC chains over adjacent blocks hide the instruction's latency; the
+   partial CRCs are then shifted into place. */
+__attribute__((target("sse4.2"))) static uint32_t dsk__ck_crc_hw(uint32_t s, const unsigned char *p, size_t n) {
+    const size_t B = DSK__CK_HW_BLOCK;
+    if (n >= 3 * B) {
+        uint32_t k1 = dsk__ck_xpow8n(B), k2 = dsk__ck_xpow8n(2 * B);
+        while (n >= 3 * B) {
+            uint64_t c0 = s, c1 = 0, c2 = 0;
+            for (size_t i = 0; i < B; i += 8) {
+                uint64_t w0, w1, w2;
+                memcpy(&w0, p + i, 8); memcpy(&w1, p + B + i, 8); memcpy(&w2, p + 2 * B + i, 8);
+                c0 = _mm_crc32_u64(c0, w0); c1 = _mm_crc32_u64(c1, w1); c2 = _mm_crc32_u64(c2, w2);
+            }
+            s = dsk__ck_mulmod(k2, (uint32_t)c0) ^ dsk__ck_mulmod(k1, (uint32_t)c1) ^ (uint32_t)c2;
+            p += 3 * B; n -= 3 * B;
+        }
+    }
+    return dsk__ck_crc_hw_run(s, p, n);
+}
+static int dsk__ck_have_sse42(void) { return __builtin_cpu_supports("sse4.2"); }
+#endif
+
+static uint32_t dsk__ck_crc_raw(uint32_t s, const unsigned char *p, size_t n) {
+#ifdef DSK__CK_CRC_HW
+    if (dsk__ck_have_sse42()) return dsk__ck_crc_hw(s, p, n);
+#endif
+    return dsk__ck_crc_sw(s, p, n);
+}
+
+DSK_API uint32_t dsk_ckpt_crc32c(uint32_t crc, const void *data, size_t n) {
+    if (!n) return crc;
+    return ~dsk__ck_crc_raw(~crc, (const unsigned char *)data, n);
+}
+
+DSK_API uint32_t dsk_ckpt_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+    return dsk__ck_mulmod(dsk__ck_xpow8n(len_b), crc_a) ^ crc_b;
+}
+
+/* ---------------------------------------------------------------- small helpers */
+
+/* Growable byte buffer; an allocation failure latches `oom` and later appends do nothing. */
+typedef struct dsk__ck_buf {
+    char *p;
+    size_t n, cap;
+    int oom;
+} dsk__ck_buf;
+
+static void dsk__ck_put(dsk__ck_buf *b, const char *s, size_t n) {
+    if (b->oom) return;
+    if (b->n + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap < b->n + n + 1) cap *= 2;
+        char *q = (char *)DSK_MALLOC(cap);
+        if (!q) { b->oom = 1; return; }
+        if (b->n) memcpy(q, b->p, b->n);
+        DSK_FREE(b->p);
+        b->p = q;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->n, s, n);
+    b->n += n;
+    b->p[b->n] = 0;
+}
+static void dsk__ck_puts(dsk__ck_buf *b, const char *s) { dsk__ck_put(b, s, strlen(s)); }
+static void dsk__ck_putf(dsk__ck_buf *b, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+static void dsk__ck_putf(dsk__ck_buf *b, const char *fmt, ...) {
+    char tmp[128];
+    va_list ap;
+    va_start(ap, fmt);
+    int k = vsnprintf(tmp, sizeof tmp, fmt, ap);
+    va_end(ap);
+    if (k < 0 || (size_t)k >= sizeof tmp) { b->oom = 1; return; }
+    dsk__ck_put(b, tmp, (size_t)k);
+}
+/* A JSON string literal: quotes, backslash and control characters escaped. */
+static void dsk__ck_put_jstr(dsk__ck_buf *b, const char *s) {
+    dsk__ck_put(b, "\"", 1);
+    for (const char *q = s; *q; q++) {
+        unsigned char c = (unsigned char)*q;
+        if (c == '"' || c == '\\') { char e[2] = {'\\', (char)c}; dsk__ck_put(b, e, 2); }
+        else if (c < 0x20) dsk__ck_putf(b, "\\u%04x", c);
+        else dsk__ck_put(b, q, 1);
+    }
+    dsk__ck_put(b, "\"", 1);
+}
+static void dsk__ck_buf_free(dsk__ck_buf *b) { DSK_FREE(b->p); memset(b, 0, sizeof *b); }
+
+static char *dsk__ck_strdup(const char *s) {
+    size_t n = strlen(s) + 1;
+    char *p = (char *)DSK_MALLOC(n);
+    if (p) memcpy(p, s, n);
+    return p;
+}
+
+/* "[8,256,128] bf16" for a shape and a dtype name. */
+static const char *dsk__ck_desc(char *buf, size_t n, int ndim, const int64_t *shape, const char *dtype) {
+    size_t k = (size_t)snprintf(buf, n, "[");
+    for (int i = 0; i < ndim && k < n; i++) k += (size_t)snprintf(buf + k, n - k, i ? ",%lld" : "%lld", (long long)shape[i]);
+    if (k < n) snprintf(buf + k, n - k, "] %s", dtype);
+    return buf;
+}
+
+/* Row-major element count with overflow check; -1 on overflow. */
+static int64_t dsk__ck_numel(int ndim, const int64_t *shape) {
+    uint64_t n = 1;
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] < 0) return -1;
+        if (shape[i] && n > (uint64_t)INT64_MAX / (uint64_t)shape[i]) return -1;
+        n *= (uint64_t)shape[i];
+    }
+    return (int64_t)n;
+}
+
+static int dsk__ck_valid_utf8(const unsigned char *s, size_t n) {
+    size_t i = 0;
+    while (i < n) {
+        unsigned char c = s[i];
+        size_t len;
+        uint32_t cp, min;
+        if (c < 0x80) { i++; continue; }
+        if ((c & 0xe0u) == 0xc0u) { len = 2; cp = c & 0x1fu; min = 0x80; }
+        else if ((c & 0xf0u) == 0xe0u) { len = 3; cp = c & 0x0fu; min = 0x800; }
+        else if ((c & 0xf8u) == 0xf0u) { len = 4; cp = c & 0x07u; min = 0x10000; }
+        else return 0;
+        if (n - i < len) return 0;
+        for (size_t k = 1; k < len; k++) {
+            if ((s[i + k] & 0xc0u) != 0x80u) return 0;
+            cp = (cp << 6) | (s[i + k] & 0x3fu);
+        }
+        if (cp < min || cp > 0x10ffffu || (cp >= 0xd800u && cp <= 0xdfffu)) return 0;
+        i += len;
+    }
+    return 1;
+}
+
+/* ---------------------------------------------------------------- POSIX I/O */
+
+static dsk_status dsk__ck_io_error(const char *fn, const char *what, const char *path) {
+    int e = errno;
+    return dsk_set_error(DSK_ERR_IO, "%s: %s \"%s\": %s (errno %d)", fn, what, path, strerror(e), e);
+}
+
+static dsk_status dsk__ck_write_all(const char *fn, int fd, const void *p, size_t n, const char *path) {
+    const char *q = (const char *)p;
+    while (n) {
+        ssize_t k = write(fd, q, n > ((size_t)1 << 30) ? ((size_t)1 << 30) : n);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) {
+            if (k == 0) errno = EIO;
+            return dsk__ck_io_error(fn, "write to", path);
+        }
+        q += k;
+        n -= (size_t)k;
+    }
+    return DSK_OK;
+}
+
+static dsk_status dsk__ck_pread_all(const char *fn, int fd, void *p, size_t n, uint64_t off, const char *path) {
+    char *q = (char *)p;
+    while (n) {
+        ssize_t k = pread(fd, q, n > ((size_t)1 << 30) ? ((size_t)1 << 30) : n, (off_t)off);
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0) return dsk__ck_io_error(fn, "read from", path);
+        if (k == 0)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" ends early: %zu bytes missing at offset %llu (file truncated?)", fn,
+                                 path, n, (unsigned long long)off);
+        q += k;
+        n -= (size_t)k;
+        off += (uint64_t)k;
+    }
+    return DSK_OK;
+}
+
+static dsk_status dsk__ck_fsync_dir(const char *fn, const char *dir) {
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return dsk__ck_io_error(fn, "open directory", dir);
+    while (fsync(fd) != 0) {
+        if (errno == EINTR) continue;
+        dsk_status s = dsk__ck_io_error(fn, "fsync directory", dir);
+        close(fd);
+        return s;
+    }
+    close(fd);
+    return DSK_OK;
+}
+
+/* dir + "/" + name, or NULL when out of memory. */
+static char *dsk__ck_join(const char *dir, const char *name) {
+    size_t a = strlen(dir), b = strlen(name);
+    char *p = (char *)DSK_MALLOC(a + b + 2);
+    if (!p) return NULL;
+    memcpy(p, dir, a);
+    p[a] = '/';
+    memcpy(p + a + 1, name, b + 1);
+    return p;
+}
+
+/* Splits path into its directory ("." when none) and base name, both allocated. */
+static dsk_status dsk__ck_split_path(const char *fn, const char *path, char **dir, char **base) {
+    const char *slash = strrchr(path, '/');
+    *dir = *base = NULL;
+    if (!*path || (slash && !slash[1])) return dsk_set_error(DSK_ERR_ARG, "%s: path \"%s\" names no file", fn, path);
+    if (!slash) { *dir = dsk__ck_strdup("."); *base = dsk__ck_strdup(path); }
+    else {
+        size_t k = slash == path ? 1 : (size_t)(slash - path);
+        *dir = (char *)DSK_MALLOC(k + 1);
+        if (*dir) { memcpy(*dir, path, k); (*dir)[k] = 0; }
+        *base = dsk__ck_strdup(slash + 1);
+    }
+    if (!*dir || !*base) {
+        DSK_FREE(*dir); DSK_FREE(*base); *dir = *base = NULL;
+        return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    }
+    return DSK_OK;
+}
+
+/* Opens "<dir>/.<base>.tmp" for writing, truncating what a killed writer left. */
+static dsk_status dsk__ck_open_tmp(const char *fn, const char *dir, const char *base, char **tmp_path, int *fd) {
+    size_t a = strlen(dir), b = strlen(base);
+    char *p = (char *)DSK_MALLOC(a + b + 8);
+    *tmp_path = NULL;
+    if (!p) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    snprintf(p, a + b + 8, "%s/.%s.tmp", dir, base);
+    *fd = open(p, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (*fd < 0) {
+        dsk_status s = dsk__ck_io_error(fn, "create", p);
+        DSK_FREE(p);
+        return s;
+    }
+    *tmp_path = p;
+    return DSK_OK;
+}
+
+/* fsync + close the temporary, rename it to dir/base, fsync dir. On failure the temporary
+   is removed. The fd is closed in every case. */
+static dsk_status dsk__ck_commit_tmp(const char *fn, int fd, char *tmp_path, const char *dir, const char *base) {
+    dsk_status s = DSK_OK;
+    char *final_path = dsk__ck_join(dir, base);
+    if (!final_path) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    while (s == DSK_OK && fsync(fd) != 0)
+        if (errno != EINTR) s = dsk__ck_io_error(fn, "fsync", tmp_path);
+    if (close(fd) != 0 && s == DSK_OK && errno != EINTR) s = dsk__ck_io_error(fn, "close", tmp_path);
+    if (s == DSK_OK && rename(tmp_path, final_path) != 0) s = dsk__ck_io_error(fn, "rename into place", final_path);
+    if (s == DSK_OK) s = dsk__ck_fsync_dir(fn, dir);
+    else unlink(tmp_path);
+    DSK_FREE(final_path);
+    DSK_FREE(tmp_path);
+    return s;
+}
+
+/* Writes bytes to dir/base atomically and durably. */
+static dsk_status dsk__ck_write_small(const char *fn, const char *dir, const char *base, const void *p, size_t n) {
+    char *tmp;
+    int fd;
+    dsk_status s = dsk__ck_open_tmp(fn, dir, base, &tmp, &fd);
+    if (s != DSK_OK) return s;
+    s = dsk__ck_write_all(fn, fd, p, n, tmp);
+    if (s != DSK_OK) {
+        close(fd);
+        unlink(tmp);
+        DSK_FREE(tmp);
+        return s;
+    }
+    return dsk__ck_commit_tmp(fn, fd, tmp, dir, base);
+}
+
+/* Reads a whole small file (at most max bytes) into a NUL-terminated buffer. */
+static dsk_status dsk__ck_read_small(const char *fn, const char *path, size_t max, char **out, size_t *len) {
+    struct stat st;
+    dsk_status s;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    *out = NULL;
+    if (fd < 0) return dsk__ck_io_error(fn, "open", path);
+    if (fstat(fd, &st) != 0) { s = dsk__ck_io_error(fn, "stat", path); close(fd); return s; }
+    if (!S_ISREG(st.st_mode) || (uint64_t)st.st_size > max) {
+        close(fd);
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" is not a regular file of at most %zu bytes", fn, path, max);
+    }
+    *out = (char *)DSK_MALLOC((size_t)st.st_size + 1);
+    if (!*out) { close(fd); return dsk_set_error(DSK_ERR_OOM, "%s: out of memory for \"%s\"", fn, path); }
+    s = dsk__ck_pread_all(fn, fd, *out, (size_t)st.st_size, 0, path);
+    close(fd);
+    if (s != DSK_OK) { DSK_FREE(*out); *out = NULL; return s; }
+    (*out)[st.st_size] = 0;
+    *len = (size_t)st.st_size;
+    return DSK_OK;
+}
+
+/* ---------------------------------------------------------------- strict JSON (RFC 8259)
+   Parses untrusted text into a flat node array: every read is bounds-checked, nesting is
+   limited, strings are decoded (escapes, surrogate pairs) into one pool, numbers keep their
+   text span and are converted on access. */
+
+enum { DSK__J_NULL, DSK__J_BOOL, DSK__J_NUM, DSK__J_STR, DSK__J_ARR, DSK__J_OBJ };
+#define DSK__J_MAX_DEPTH 32
+
+typedef struct dsk__ck_jnode {
+    int type;
+    int child, next;      /* first child and next sibling, -1 when none */
+    int count;            /* members of an object or array */
+    const char *s;        /* string: decoded, NUL-terminated; number: source span */
+    size_t len;
+    const char *key;      /* member key (decoded) when the parent is an object */
+    size_t klen;
+} dsk__ck_jnode;
+
+typedef struct dsk__ck_json {
+    dsk__ck_jnode *nodes;
+    int n, cap;
+    char *pool;           /* decoded strings */
+    size_t pool_used;
+    const char *src, *end, *p;
+    const char *fn, *what; /* error context: function and object */
+    dsk_status status;
+} dsk__ck_json;
+
+static void dsk__ck_json_free(dsk__ck_json *j) {
+    DSK_FREE(j->nodes);
+    DSK_FREE(j->pool);
+    memset(j, 0, sizeof *j);
+}
+
+static int dsk__ck_jfail(dsk__ck_json *j, const char *msg) {
+    if (j->status == DSK_OK)
+        j->status = dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: invalid JSON: %s at byte %lld", j->fn, j->what, msg,
+                                  (long long)(j->p - j->src));
+    return -1;
+}
+
+static void dsk__ck_jws(dsk__ck_json *j) {
+    while (j->p < j->end && (*j->p == ' ' || *j->p == '\t' || *j->p == '\n' || *j->p == '\r')) j->p++;
+}
+
+static int dsk__ck_jnew(dsk__ck_json *j, int type) {
+    if (j->n == j->cap) {
+        int cap = j->cap ? j->cap * 2 : 64;
+        dsk__ck_jnode *q;
+        if (cap > (1 << 28)) return dsk__ck_jfail(j, "too many values");
+        q = (dsk__ck_jnode *)DSK_MALLOC((size_t)cap * sizeof *q);
+        if (!q) {
+            if (j->status == DSK_OK) j->status = dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory parsing JSON", j->fn, j->what);
+            return -1;
+        }
+        if (j->n) memcpy(q, j->nodes, (size_t)j->n * sizeof *q);
+        DSK_FREE(j->nodes);
+        j->nodes = q;
+        j->cap = cap;
+    }
+    memset(&j->nodes[j->n], 0, sizeof j->nodes[0]);
+    j->nodes[j->n].type = type;
+    j->nodes[j->n].child = j->nodes[j->n].next = -1;
+    return j->n++;
+}
+
+static int dsk__ck_jhex4(dsk__ck_json *j, uint32_t *out) {
+    uint32_t v = 0;
+    if (j->end - j->p < 4) return dsk__ck_jfail(j, "short \\u escape");
+    for (int i = 0; i < 4; i++) {
+        char c = *j->p++;
+        v <<= 4;
+        if (c >= '0' && c <= '9') v |= (uint32_t)(c - '0');
+        else if (c >= 'a' && c <= 'f') v |= (uint32_t)(c - 'a' + 10);
+        else if (c >= 'A' && c <= 'F') v |= (uint32_t)(c - 'A' + 10);
+        else return dsk__ck_jfail(j, "bad hex digit in \\u escape");
+    }
+    *out = v;
+    return 0;
+}
+
+/* Decodes the string at j->p (on its opening quote) into the pool. */
+static int dsk__ck_jstring(dsk__ck_json *j, const char **out, size_t *len) {
+    char *dst = j->pool + j->pool_used, *start = dst;
+    j->p++; /* opening quote */
+    for (;;) {
+        unsigned char c;
+        if (j->p >= j->end) return dsk__ck_jfail(j, "unterminated string");
+        c = (unsigned char)*j->p++;
+        if (c == '"') break;
+        if (c < 0x20) return dsk__ck_jfail(j, "control character in string");
+        if (c != '\\') { *dst++ = (char)c; continue; }
+        if (j->p >= j->end) return dsk__ck_jfail(j, "unterminated escape");
+        c = (unsigned char)*j->p++;
+        switch (c) {
+        case '"': *dst++ = '"'; break;
+        case '\\': *dst++ = '\\'; break;
+        case '/': *dst++ = '/'; break;
+        case 'b': *dst++ = '\b'; break;
+        case 'f': *dst++ = '\f'; break;
+        case 'n': *dst++ = '\n'; break;
+        case 'r': *dst++ = '\r'; break;
+        case 't': *dst++ = '\t'; break;
+        case 'u': {
+            uint32_t cp, lo;
+            if (dsk__ck_jhex4(j, &cp)) return -1;
+            if (cp >= 0xdc00u && cp <= 0xdfffu) return dsk__ck_jfail(j, "lone low surrogate");
+            if (cp >= 0xd800u && cp <= 0xdbffu) {
+                if (j->end - j->p < 2 || j->p[0] != '\\' || j->p[1] != 'u') return dsk__ck_jfail(j, "lone high surrogate");
+                j->p += 2;
+                if (dsk__ck_jhex4(j, &lo)) return -1;
+                if (lo < 0xdc00u || lo > 0xdfffu) return dsk__ck_jfail(j, "bad low surrogate");
+                cp = 0x10000u + ((cp - 0xd800u) << 10) + (lo - 0xdc00u);
+            }
+            if (cp < 0x80u) *dst++ = (char)cp;
+            else if (cp < 0x800u) { *dst++ = (char)(0xc0u | (cp >> 6)); *dst++ = (char)(0x80u | (cp & 0x3fu)); }
+            else if (cp < 0x10000u) {
+                *dst++ = (char)(0xe0u | (cp >> 12)); *dst++ = (char)(0x80u | ((cp >> 6) & 0x3fu));
+                *dst++ = (char)(0x80u | (cp & 0x3fu));
+            } else {
+                *dst++ = (char)(0xf0u | (cp >> 18)); *dst++ = (char)(0x80u | ((cp >> 12) & 0x3fu));
+                *dst++ = (char)(0x80u | ((cp >> 6) & 0x3fu)); *dst++ = (char)(0x80u | (cp & 0x3fu));
+            }
+            break;
+        }
+        default: return dsk__ck_jfail(j, "unknown escape");
+        }
+    }
+    *dst = 0;
+    *out = start;
+    *len = (size_t)(dst - start);
+    j->pool_used += *len + 1;
+    return 0;
+}
+
+static int dsk__ck_jnumber(dsk__ck_json *j, int node) {
+    const char *s = j->p;
+    if (j->p < j->end && *j->p == '-') j->p++;
+    if (j->p >= j->end || *j->p < '0' || *j->p > '9') return dsk__ck_jfail(j, "bad number");
+    if (*j->p == '0') j->p++;
+    else while (j->p < j->end && *j->p >= '0' && *j->p <= '9') j->p++;
+    if (j->p < j->end && *j->p == '.') {
+        j->p++;
+        if (j->p >= j->end || *j->p < '0' || *j->p > '9') return dsk__ck_jfail(j, "bad fraction");
+        while (j->p < j->end && *j->p >= '0' && *j->p <= '9') j->p++;
+    }
+    if (j->p < j->end && (*j->p == 'e' || *j->p == 'E')) {
+        j->p++;
+        if (j->p < j->end && (*j->p == '+' || *j->p == '-')) j->p++;
+        if (j->p >= j->end || *j->p < '0' || *j->p > '9') return dsk__ck_jfail(j, "bad exponent");
+        while (j->p < j->end && *j->p >= '0' && *j->p <= '9') j->p++;
+    }
+    j->nodes[node].s = s;
+    j->nodes[node].len = (size_t)(j->p - s);
+    return 0;
+}
+
+static int dsk__ck_jliteral(dsk__ck_json *j, const char *word) {
+    size_t n = strlen(word);
+    if ((size_t)(j->end - j->p) < n || memcmp(j->p, word, n) != 0) return dsk__ck_jfail(j, "unexpected character");
+    j->p += n;
+    return 0;
+}
+
+static int dsk__ck_jvalue(dsk__ck_json *j, int depth);
+
+/* Array or object at j->p (on its bracket); children linked in order. */
+static int dsk__ck_jcontainer(dsk__ck_json *j, int depth, int is_obj) {
+    int node = dsk__ck_jnew(j, is_obj ? DSK__J_OBJ : DSK__J_ARR), last = -1;
+    char close = is_obj ? '}' : ']';
+    if (node < 0) return -1;
+    if (depth >= DSK__J_MAX_DEPTH) return dsk__ck_jfail(j, "nesting too deep");
+    j->p++;
+    dsk__ck_jws(j);
+    if (j->p < j->end && *j->p == close) { j->p++; return node; }
+    for (;;) {
+        const char *key = NULL;
+        size_t klen = 0;
+        int child;
+        if (is_obj) {
+            if (j->p >= j->end || *j->p != '"') return dsk__ck_jfail(j, "expected a string key");
+            if (dsk__ck_jstring(j, &key, &klen)) return -1;
+            dsk__ck_jws(j);
+            if (j->p >= j->end || *j->p != ':') return dsk__ck_jfail(j, "expected ':'");
+            j->p++;
+        }
+        child = dsk__ck_jvalue(j, depth + 1);
+        if (child < 0) return -1;
+        j->nodes[child].key = key;
+        j->nodes[child].klen = klen;
+        if (last < 0) j->nodes[node].child = child;
+        else j->nodes[last].next = child;
+        last = child;
+        j->nodes[node].count++;
+        dsk__ck_jws(j);
+        if (j->p < j->end && *j->p == ',') { j->p++; dsk__ck_jws(j); continue; }
+        if (j->p < j->end && *j->p == close) { j->p++; return node; }
+        return dsk__ck_jfail(j, is_obj ? "expected ',' or '}'" : "expected ',' or ']'");
+    }
+}
+
+static int dsk__ck_jvalue(dsk__ck_json *j, int depth) {
+    int node;
+    dsk__ck_jws(j);
+    if (j->p >= j->end) return dsk__ck_jfail(j, "unexpected end");
+    switch (*j->p) {
+    case '{': return dsk__ck_jcontainer(j, depth, 1);
+    case '[': return dsk__ck_jcontainer(j, depth, 0);
+    case '"':
+        if ((node = dsk__ck_jnew(j, DSK__J_STR)) < 0) return -1;
+        return dsk__ck_jstring(j, &j->nodes[node].s, &j->nodes[node].len) ? -1 : node;
+    case 't': case 'f': case 'n':
+        if ((node = dsk__ck_jnew(j, *j->p == 'n' ? DSK__J_NULL : DSK__J_BOOL)) < 0) return -1;
+        return dsk__ck_jliteral(j, *j->p == 't' ? "true" : *j->p == 'f' ? "false" : "null") ? -1 : node;
+    default:
+        if ((node = dsk__ck_jnew(j, DSK__J_NUM)) < 0) return -1;
+        return dsk__ck_jnumber(j, node) ? -1 : node;
+    }
+}
+
+/* Parses text[0, n) (valid UTF-8 required) whose top level must be an object: node 0. */
+static dsk_status dsk__ck_json_parse(dsk__ck_json *j, const char *text, size_t n, const char *fn, const char *what) {
+    memset(j, 0, sizeof *j);
+    j->src = j->p = text;
+    j->end = text + n;
+    j->fn = fn;
+    j->what = what;
+    if (!dsk__ck_valid_utf8((const unsigned char *)text, n))
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: header is not valid UTF-8", fn, what);
+    j->pool = (char *)DSK_MALLOC(n + 1);
+    if (!j->pool) return dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory for %zu bytes of JSON", fn, what, n);
+    dsk__ck_jws(j);
+    if (j->p >= j->end || *j->p != '{') dsk__ck_jfail(j, "expected '{'");
+    else if (dsk__ck_jvalue(j, 0) >= 0) {
+        dsk__ck_jws(j);
+        if (j->p != j->end) dsk__ck_jfail(j, "trailing characters");
+    }
+    if (j->status != DSK_OK) {
+        dsk_status s = j->status;
+        dsk__ck_json_free(j);
+        return s;
+    }
+    return DSK_OK;
+}
+
+/* Member `key` of object node obj, or -1. */
+static int dsk__ck_jget(const dsk__ck_json *j, int obj, const char *key) {
+    size_t k = strlen(key);
+    for (int c = j->nodes[obj].child; c >= 0; c = j->nodes[c].next)
+        if (j->nodes[c].klen == k && memcmp(j->nodes[c].key, key, k) == 0) return c;
+    return -1;
+}
+
+/* A plain integer (optional '-', digits, no fraction or exponent) within int64. */
+static int dsk__ck_jint(const dsk__ck_json *j, int node, int64_t *out) {
+    const dsk__ck_jnode *x = &j->nodes[node];
+    size_t i = 0;
+    int neg = 0;
+    uint64_t v = 0;
+    if (x->type != DSK__J_NUM) return 0;
+    if (x->s[0] == '-') { neg = 1; i = 1; }
+    if (i >= x->len) return 0;
+    for (; i < x->len; i++) {
+        if (x->s[i] < '0' || x->s[i] > '9') return 0;
+        if (v > (uint64_t)INT64_MAX / 10) return 0;
+        v = v * 10 + (uint64_t)(x->s[i] - '0');
+        if (v > (uint64_t)INT64_MAX) return 0;
+    }
+    *out = neg ? -(int64_t)v : (int64_t)v;
+    return 1;
+}
+
+/* Integer member `key` of object obj. */
+static int dsk__ck_jget_int(const dsk__ck_json *j, int obj, const char *key, int64_t *out) {
+    int c = dsk__ck_jget(j, obj, key);
+    return c >= 0 && dsk__ck_jint(j, c, out);
+}
+
+/* A string node without embedded NUL. */
+static const char *dsk__ck_jstr(const dsk__ck_json *j, int node) {
+    if (node < 0 || j->nodes[node].type != DSK__J_STR || strlen(j->nodes[node].s) != j->nodes[node].len) return NULL;
+    return j->nodes[node].s;
+}
+
+/* ---------------------------------------------------------------- safetensors files */
+
+typedef struct dsk__ck_stdtype {
+    const char *name;
+    int size;
+    int dsk; /* dsk_dtype or -1 */
+} dsk__ck_stdtype;
+
+static const dsk__ck_stdtype dsk__ck_stdtypes[] = {
+    {"BOOL", 1, -1},   {"U8", 1, DSK_U8},   {"I8", 1, -1},         {"F8_E5M2", 1, DSK_E5M2}, {"F8_E4M3", 1, DSK_E4M3},
+    {"F8_E8M0", 1, -1}, {"I16", 2, -1},     {"U16", 2, -1},        {"F16", 2, DSK_F16},      {"BF16", 2, DSK_BF16},
+    {"I32", 4, DSK_I32}, {"U32", 4, -1},    {"F32", 4, DSK_F32},   {"F64", 8, DSK_F64},      {"I64", 8, DSK_I64},
+    {"U64", 8, -1}};
+#define DSK__CK_N_STDTYPES ((int)(sizeof dsk__ck_stdtypes / sizeof dsk__ck_stdtypes[0]))
+
+static const dsk__ck_stdtype *dsk__ck_stdtype_by_name(const char *name) {
+    for (int i = 0; i < DSK__CK_N_STDTYPES; i++)
+        if (strcmp(dsk__ck_stdtypes[i].name, name) == 0) return &dsk__ck_stdtypes[i];
+    return NULL;
+}
+static const char *dsk__ck_stname(dsk_dtype dt) {
+    for (int i = 0; i < DSK__CK_N_STDTYPES; i++)
+        if (dsk__ck_stdtypes[i].dsk == (int)dt) return dsk__ck_stdtypes[i].name;
+    return "?";
+}
+
+static int dsk__ck_cmp_info_name(const void *a, const void *b) {
+    return strcmp(((const dsk_ckpt_tensor_info *)a)->name, ((const dsk_ckpt_tensor_info *)b)->name);
+}
+static int dsk__ck_cmp_info_off(const void *a, const void *b) {
+    const dsk_ckpt_tensor_info *x = *(const dsk_ckpt_tensor_info *const *)a, *y = *(const dsk_ckpt_tensor_info *const *)b;
+    if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
+    return x->end < y->end ? -1 : x->end > y->end;
+}
+
+typedef struct dsk__ck_kvidx {
+    const char *k, *v;
+} dsk__ck_kvidx;
+static int dsk__ck_cmp_kvidx(const void *a, const void *b) {
+    return strcmp(((const dsk__ck_kvidx *)a)->k, ((const dsk__ck_kvidx *)b)->k);
+}
+
+/* Parses 8 lowercase or uppercase hex digits exactly. */
+static int dsk__ck_parse_hex32(const char *s, uint32_t *out) {
+    uint32_t v = 0;
+    if (!s || strlen(s) != 8) return 0;
+    for (int i = 0; i < 8; i++) {
+        char c = s[i];
+        v <<= 4;
+        if (c >= '0' && c <= '9') v |= (uint32_t)(c - '0');
+        else if (c >= 'a' && c <= 'f') v |= (uint32_t)(c - 'a' + 10);
+        else if (c >= 'A' && c <= 'F') v |= (uint32_t)(c - 'A' + 10);
+        else return 0;
+    }
+    *out = v;
+    return 1;
+}
+
+/* Private storage behind dsk_ckpt_file.mem. */
+typedef struct dsk__ck_filemem {
+    dsk__ck_json json;
+    char *header;   /* the first 8 + header_len bytes when read from a file */
+} dsk__ck_filemem;
+
+DSK_API void dsk_ckpt_file_close(dsk_ckpt_file *f) {
+    if (!f) return;
+    if (f->has_fd) close(f->fd);
+    if (f->mem) {
+        dsk__ck_filemem *m = (dsk__ck_filemem *)f->mem;
+        dsk__ck_json_free(&m->json);
+        DSK_FREE(m->header);
+        DSK_FREE(m);
+    }
+    DSK_FREE(f->tensors);
+    DSK_FREE((void *)f->meta_keys);
+    DSK_FREE((void *)f->meta_values);
+    DSK_FREE(f->path);
+    memset(f, 0, sizeof *f);
+}
+
+/* One tensor entry {"dtype": .., "shape": [..], "data_offsets": [b, e]}. */
+static dsk_status dsk__ck_parse_entry(const char *fn, const char *where, const dsk__ck_json *j, int node, dsk_ckpt_tensor_info *t) {
+    int seen[3] = {0, 0, 0};
+    const dsk__ck_stdtype *dt = NULL;
+    if (j->nodes[node].type != DSK__J_OBJ)
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" is not an object", fn, where, t->name);
+    for (int c = j->nodes[node].child; c >= 0; c = j->nodes[c].next) {
+        const dsk__ck_jnode *x = &j->nodes[c];
+        int which = strcmp(x->key, "dtype") == 0 ? 0 : strcmp(x->key, "shape") == 0 ? 1 : strcmp(x->key, "data_offsets") == 0 ? 2 : -1;
+        if (which < 0 || strlen(x->key) != x->klen)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" has unknown field \"%s\"", fn, where, t->name, x->key);
+        if (seen[which]++)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" repeats field \"%s\"", fn, where, t->name, x->key);
+        if (which == 0) {
+            const char *name = dsk__ck_jstr(j, c);
+            if (!name) return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": dtype is not a string", fn, where, t->name);
+            if (!(dt = dsk__ck_stdtype_by_name(name)))
+                return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": unknown dtype \"%s\"", fn, where, t->name, name);
+        } else if (which == 1) {
+            if (x->type != DSK__J_ARR)
+                return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape is not an array", fn, where, t->name);
+            if (x->count > DSK_MAX_DIMS)
+                return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: %s: tensor \"%s\" has %d dims, dsk supports %d", fn, where, t->name,
+                                     x->count, DSK_MAX_DIMS);
+            t->ndim = 0;
+            for (int d = x->child; d >= 0; d = j->nodes[d].next) {
+                int64_t v;
+                if (!dsk__ck_jint(j, d, &v) || v < 0)
+                    return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape[%d] is not a non-negative integer", fn, where,
+                                         t->name, t->ndim);
+                t->shape[t->ndim++] = v;
+            }
+        } else {
+            int64_t v[2];
+            int d = x->child;
+            if (x->type != DSK__J_ARR || x->count != 2 || !dsk__ck_jint(j, d, &v[0]) || !dsk__ck_jint(j, j->nodes[d].next, &v[1]) ||
+                v[0] < 0 || v[1] < 0)
+                return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": data_offsets is not two non-negative integers", fn,
+                                     where, t->name);
+            t->begin = (uint64_t)v[0];
+            t->end = (uint64_t)v[1];
+        }
+    }
+    if (!seen[0] || !seen[1] || !seen[2])
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" lacks \"%s\"", fn, where, t->name,
+                             !seen[0] ? "dtype" : !seen[1] ? "shape" : "data_offsets");
+    t->dtype_name = dt->name;
+    t->dtype = dt->dsk;
+    {
+        int64_t numel = dsk__ck_numel(t->ndim, t->shape);
+        char b[160];
+        if (numel < 0 || (uint64_t)numel > UINT64_MAX / (uint64_t)dt->size)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape %s overflows", fn, where, t->name,
+                                 dsk__ck_desc(b, sizeof b, t->ndim, t->shape, dt->name));
+        if (t->end < t->begin || t->end - t->begin != (uint64_t)numel * (uint64_t)dt->size)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape %s needs %llu bytes, data_offsets [%llu, %llu] give %lld",
+                                 fn, where, t->name, dsk__ck_desc(b, sizeof b, t->ndim, t->shape, dt->name),
+                                 (unsigned long long)numel * (unsigned long long)dt->size, (unsigned long long)t->begin,
+                                 (unsigned long long)t->end, (long long)(t->end - t->begin));
+    }
+    return DSK_OK;
+}
+
+/* __metadata__: an object of string values. */
+static dsk_status dsk__ck_parse_meta(const char *fn, const char *where, const dsk__ck_json *j, int node, dsk_ckpt_file *f) {
+    const dsk__ck_jnode *m = &j->nodes[node];
+    dsk__ck_kvidx *kv;
+    int i = 0;
+    if (m->type != DSK__J_OBJ) return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ is not an object", fn, where);
+    kv = (dsk__ck_kvidx *)DSK_MALLOC(((size_t)m->count + 1) * sizeof *kv);
+    f->meta_keys = (const char **)DSK_MALLOC(((size_t)m->count + 1) * sizeof(char *));
+    f->meta_values = (const char **)DSK_MALLOC(((size_t)m->count + 1) * sizeof(char *));
+    if (!kv || !f->meta_keys || !f->meta_values) { DSK_FREE(kv); return dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory", fn, where); }
+    for (int c = m->child; c >= 0; c = j->nodes[c].next, i++) {
+        kv[i].k = j->nodes[c].key;
+        kv[i].v = dsk__ck_jstr(j, c);
+        if (!kv[i].v || strlen(kv[i].k) != j->nodes[c].klen) {
+            dsk_status s = dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ value of \"%s\" is not a string", fn, where, kv[i].k);
+            DSK_FREE(kv);
+            return s;
+        }
+    }
+    qsort(kv, (size_t)i, sizeof *kv, dsk__ck_cmp_kvidx);
+    for (int k = 0; k < i; k++) {
+        if (k && strcmp(kv[k].k, kv[k - 1].k) == 0) {
+            dsk_status s = dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ repeats key \"%s\"", fn, where, kv[k].k);
+            DSK_FREE(kv);
+            return s;
+        }
+        f->meta_keys[k] = kv[k].k;
+        f->meta_values[k] = kv[k].v;
+    }
+    f->n_meta = i;
+    DSK_FREE(kv);
+    return DSK_OK;
+}
+
+/* Offsets sorted must tile [0, data_len) exactly, and data_len must end the file. */
+static dsk_status dsk__ck_check_layout(const char *fn, const char *where, dsk_ckpt_file *f) {
+    dsk_ckpt_tensor_info **order = (dsk_ckpt_tensor_info **)DSK_MALLOC(((size_t)f->n_tensors + 1) * sizeof *order);
+    uint64_t pos = 0;
+    dsk_status s = DSK_OK;
+    if (!order) return dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory", fn, where);
+    for (int i = 0; i < f->n_tensors; i++) order[i] = &f->tensors[i];
+    qsort(order, (size_t)f->n_tensors, sizeof *order, dsk__ck_cmp_info_off);
+    for (int i = 0; i < f->n_tensors && s == DSK_OK; i++) {
+        if (order[i]->begin != pos)
+            s = dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" data_offsets [%llu, %llu] %s the previous tensor ending at %llu",
+                              fn, where, order[i]->name, (unsigned long long)order[i]->begin, (unsigned long long)order[i]->end,
+                              order[i]->begin > pos ? "leave a gap after" : "overlap", (unsigned long long)pos);
+        pos = order[i]->end;
+    }
+    if (s == DSK_OK && (f->file_size < 8 + f->header_len || pos != f->file_size - 8 - f->header_len))
+        s = dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensors end at data offset %llu but the file holds %llu data bytes (%s)", fn, where,
+                          (unsigned long long)pos, (unsigned long long)(f->file_size - 8 - f->header_len),
+                          pos > f->file_size - 8 - f->header_len ? "file truncated" : "trailing bytes");
+    DSK_FREE(order);
+    return s;
+}
+
+/* Per-tensor CRCs from "dsk.crc32c.<name>" when present. */
+static dsk_status dsk__ck_attach_crcs(const char *fn, const char *where, dsk_ckpt_file *f) {
+    for (int i = 0; i < f->n_meta; i++) {
+        int t;
+        if (strncmp(f->meta_keys[i], "dsk.crc32c.", 11) != 0) continue;
+        t = dsk_ckpt_file_find(f, f->meta_keys[i] + 11);
+        if (t < 0) return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ \"%s\" names no tensor", fn, where, f->meta_keys[i]);
+        if (!dsk__ck_parse_hex32(f->meta_values[i], &f->tensors[t].crc32c))
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ \"%s\" = \"%s\" is not 8 hex digits", fn, where, f->meta_keys[i],
+                                 f->meta_values[i]);
+        f->tensors[t].has_crc = 1;
+    }
+    return DSK_OK;
+}
+
+static dsk_status dsk__ck_parse(const char *fn, const char *where, dsk_ckpt_file *f, const unsigned char *bytes, size_t n,
+                                uint64_t file_size) {
+    dsk__ck_filemem *m = (dsk__ck_filemem *)f->mem;
+    dsk__ck_json *j = &m->json;
+    uint64_t hlen = 0;
+    dsk_status s;
+    int top, nt = 0, meta = -1;
+    if (n < 8 || file_size < 8)
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: %llu bytes is too short for a safetensors file", fn, where,
+                             (unsigned long long)(n < file_size ? n : file_size));
+    for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | bytes[i];
+    if (hlen > DSK_CKPT_MAX_HEADER)
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: header length %llu exceeds the limit of %llu", fn, where, (unsigned long long)hlen,
+                             (unsigned long long)DSK_CKPT_MAX_HEADER);
+    if (8 + hlen > file_size || 8 + hlen > n)
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: header length %llu runs beyond the file size %llu", fn, where,
+                             (unsigned long long)hlen, (unsigned long long)file_size);
+    f->header_len = hlen;
+    f->file_size = file_size;
+    f->header_crc32c = dsk_ckpt_crc32c(0, bytes, (size_t)(8 + hlen));
+    if ((s = dsk__ck_json_parse(j, (const char *)bytes + 8, (size_t)hlen, fn, where)) != DSK_OK) return s;
+    top = 0;
+    f->tensors = (dsk_ckpt_tensor_info *)DSK_MALLOC(((size_t)j->nodes[top].count + 1) * sizeof *f->tensors);
+    if (!f->tensors) return dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory", fn, where);
+    for (int c = j->nodes[top].child; c >= 0; c = j->nodes[c].next) {
+        dsk_ckpt_tensor_info *t = &f->tensors[nt];
+        if (strlen(j->nodes[c].key) != j->nodes[c].klen)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: a tensor name contains a NUL character", fn, where);
+        if (strcmp(j->nodes[c].key, "__metadata__") == 0) {
+            if (meta >= 0) return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ appears twice", fn, where);
+            meta = c;
+            continue;
+        }
+        memset(t, 0, sizeof *t);
+        t->name = j->nodes[c].key;
+        if ((s = dsk__ck_parse_entry(fn, where, j, c, t)) != DSK_OK) return s;
+        nt++;
+    }
+    f->n_tensors = nt;
+    qsort(f->tensors, (size_t)nt, sizeof *f->tensors, dsk__ck_cmp_info_name);
+    for (int i = 1; i < nt; i++)
+        if (strcmp(f->tensors[i].name, f->tensors[i - 1].name) == 0)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: duplicate tensor name \"%s\"", fn, where, f->tensors[i].name);
+    if (meta >= 0 && (s = dsk__ck_parse_meta(fn, where, j, meta, f)) != DSK_OK) return s;
+    if ((s = dsk__ck_check_layout(fn, where, f)) != DSK_OK) return s;
+    return dsk__ck_attach_crcs(fn, where, f);
+}
+
+static dsk_status dsk__ck_file_begin(dsk_ckpt_file *f, const char *fn) {
+    memset(f, 0, sizeof *f);
+    f->mem = DSK_MALLOC(sizeof(dsk__ck_filemem));
+    if (!f->mem) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    memset(f->mem, 0, sizeof(dsk__ck_filemem));
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_ckpt_file_parse(dsk_ckpt_file *f, const void *bytes, size_t n, uint64_t file_size) {
+    dsk_status s;
+    if (!f || (!bytes && n)) return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_file_parse: NULL argument");
+    if ((s = dsk__ck_file_begin(f, "dsk_ckpt_file_parse")) != DSK_OK) return s;
+    s = dsk__ck_parse("dsk_ckpt_file_parse", "buffer", f, (const unsigned char *)bytes, n, file_size);
+    if (s != DSK_OK) dsk_ckpt_file_close(f);
+    return s;
+}
+
+DSK_API dsk_status dsk_ckpt_file_open(dsk_ckpt_file *f, const char *path) {
+    const char *fn = "dsk_ckpt_file_open";
+    struct stat st;
+    unsigned char len8[8];
+    uint64_t hlen = 0;
+    dsk__ck_filemem *m;
+    dsk_status s;
+    if (!f || !path) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
+    if ((s = dsk__ck_file_begin(f, fn)) != DSK_OK) return s;
+    m = (dsk__ck_filemem *)f->mem;
+    if (!(f->path = dsk__ck_strdup(path))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); goto fail; }
+    f->fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (f->fd < 0) { s = dsk__ck_io_error(fn, "open", path); goto fail; }
+    f->has_fd = 1;
+    if (fstat(f->fd, &st) != 0) { s = dsk__ck_io_error(fn, "stat", path); goto fail; }
+    if (!S_ISREG(st.st_mode)) { s = dsk_set_error(DSK_ERR_IO, "%s: \"%s\" is not a regular file", fn, path); goto fail; }
+    if (st.st_size < 8) {
+        s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": %lld bytes is too short for a safetensors file", fn, path, (long long)st.st_size);
+        goto fail;
+    }
+    if ((s = dsk__ck_pread_all(fn, f->fd, len8, 8, 0, path)) != DSK_OK) goto fail;
+    for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | len8[i];
+    if (hlen > DSK_CKPT_MAX_HEADER || 8 + hlen > (uint64_t)st.st_size) {
+        s = dsk__ck_parse(fn, path, f, len8, 8, (uint64_t)st.st_size); /* reports the length error */
+        goto fail;
+    }
+    if (!(m->header = (char *)DSK_MALLOC((size_t)(8 + hlen)))) {
+        s = dsk_set_error(DSK_ERR_OOM, "%s: \"%s\": out of memory for a %llu-byte header", fn, path, (unsigned long long)hlen);
+        goto fail;
+    }
+    if ((s = dsk__ck_pread_all(fn, f->fd, m->header, (size_t)(8 + hlen), 0, path)) != DSK_OK) goto fail;
+    if ((s = dsk__ck_parse(fn, path, f, (const unsigned char *)m->header, (size_t)(8 + hlen), (uint64_t)st.st_size)) != DSK_OK) goto fail;
+    return DSK_OK;
+fail:
+    dsk_ckpt_file_close(f);
+    return s;
+}
+
+DSK_API int dsk_ckpt_file_find(const dsk_ckpt_file *f, const char *name) {
+    int lo = 0, hi = f && name ? f->n_tensors - 1 : -1;
+    while (lo <= hi) {
+        int mid = lo + (hi - lo) / 2, c = strcmp(f->tensors[mid].name, name);
+        if (c == 0) return mid;
+        if (c < 0) lo = mid + 1;
+        else hi = mid - 1;
+    }
+    return -1;
+}
+
+DSK_API const char *dsk_ckpt_file_meta(const dsk_ckpt_file *f, const char *key) {
+    int lo = 0, hi = f && key ? f->n_meta - 1 : -1;
+    while (lo <= hi) {
+        int mid = lo + (hi - lo) / 2, c = strcmp(f->meta_keys[mid], key);
+        if (c == 0) return f->meta_values[mid];
+        if (c < 0) lo = mid + 1;
+        else hi = mid - 1;
+    }
+    return NULL;
+}
+
+/* Reads tensor t's bytes into buf and checks its CRC when the file has one. */
+static dsk_status dsk__ck_read_tensor_bytes(const char *fn, dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t, void *buf) {
+    size_t n = (size_t)(t->end - t->begin);
+    dsk_status s;
+    uint32_t crc;
+    if (!f->has_fd) return dsk_set_error(DSK_ERR_STATE, "%s: tensor \"%s\": the file was parsed from memory, not opened", fn, t->name);
+    if ((s = dsk__ck_pread_all(fn, f->fd, buf, n, 8 + f->header_len + t->begin, f->path)) != DSK_OK) return s;
+    if (t->has_crc && (crc = dsk_ckpt_crc32c(0, buf, n)) != t->crc32c)
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" in \"%s\": data crc32c %08x, header says %08x (data corrupt)", fn, t->name,
+                             f->path, crc, t->crc32c);
+    return DSK_OK;
+}
+
+/* Copies rows [r0, r0 + dst rows) of the file tensor (or all of it when rows_view is 0)
+   into dst, reading straight into dst when layouts match. */
+static dsk_status dsk__ck_read_into(const char *fn, dsk_ckpt_file *f, dsk_ctx *ctx, const dsk_ckpt_tensor_info *t, dsk_tensor *dst,
+                                    int rows_view, int64_t r0, int allow_cast) {
+    dsk_tensor src, view;
+    void *buf;
+    dsk_status s;
+    int whole = !rows_view || (r0 == 0 && dst->ndim > 0 && dst->shape[0] == t->shape[0]);
+    if (t->dtype < 0) return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: tensor \"%s\" in \"%s\": dtype %s has no dsk dtype", fn, t->name, f->path, t->dtype_name);
+    if ((int)dst->dtype != t->dtype && !allow_cast)
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" in \"%s\": file has dtype %s, model has %s (set allow_cast to convert)", fn,
+                             t->name, f->path, dsk_dtype_name((dsk_dtype)t->dtype), dsk_dtype_name(dst->dtype));
+    if (whole && dst->device.type == DSK_DEV_CPU && (int)dst->dtype == t->dtype && dsk_tensor_is_contiguous(dst) &&
+        (dst->data || t->end == t->begin))
+        return dsk__ck_read_tensor_bytes(fn, f, t, dst->data);
+    buf = DSK_MALLOC(t->end - t->begin ? (size_t)(t->end - t->begin) : 1);
+    if (!buf) return dsk_set_error(DSK_ERR_OOM, "%s: tensor \"%s\": out of memory for %llu bytes", fn, t->name, (unsigned long long)(t->end - t->begin));
+    s = dsk__ck_read_tensor_bytes(fn, f, t, buf);
+    if (s == DSK_OK) s = dsk_tensor_wrap(&src, buf, (dsk_dtype)t->dtype, dsk_cpu(), t->ndim, t->shape);
+    if (s == DSK_OK && rows_view) s = dsk_tensor_slice(&src, 0, r0, dst->shape[0], &view);
+    else view = src;
+    if (s == DSK_OK) s = dsk_tensor_copy(ctx, dst, &view);
+    DSK_FREE(buf);
+    return s;
+}
+
+DSK_API dsk_status dsk_ckpt_file_read(dsk_ckpt_file *f, dsk_ctx *ctx, const char *name, dsk_tensor *dst, int allow_cast) {
+    const char *fn = "dsk_ckpt_file_read";
+    const dsk_ckpt_tensor_info *t;
+    int i;
+    char a[160], b[160];
+    if (!f || !name || !dst) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
+    if ((i = dsk_ckpt_file_find(f, name)) < 0)
+        return dsk_set_error(DSK_ERR_ARG, "%s: no tensor \"%s\" in \"%s\"", fn, name, f->path ? f->path : "buffer");
+    t = &f->tensors[i];
+    if (t->ndim != dst->ndim || memcmp(t->shape, dst->shape, (size_t)t->ndim * sizeof(int64_t)) != 0)
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" in \"%s\": file has %s, model has %s", fn, name, f->path ? f->path : "buffer",
+                             dsk__ck_desc(a, sizeof a, t->ndim, t->shape, t->dtype >= 0 ? dsk_dtype_name((dsk_dtype)t->dtype) : t->dtype_name),
+                             dsk__ck_desc(b, sizeof b, dst->ndim, dst->shape, dsk_dtype_name(dst->dtype)));
+    return dsk__ck_read_into(fn, f, ctx, t, dst, 0, 0, allow_cast);
+}
+
+/* ---------------------------------------------------------------- writing: plan, snapshot, file */
+
+typedef struct dsk__ck_seg {
+    char *name;
+    const dsk_tensor *src;
+    dsk_dtype dtype;
+    int ndim;
+    int64_t shape[DSK_MAX_DIMS];
+    int split;
+    int64_t row0, global_rows;
+    const void *data;    /* contiguous bytes to write: the tensor itself or its snapshot */
+    size_t nbytes;
+    uint64_t begin;      /* offset in the data buffer */
+    uint32_t crc;
+} dsk__ck_seg;
+
+typedef struct dsk__ck_plan {
+    int rank_file;       /* 1: a rank file of a checkpoint; 0: a single file */
+    int64_t step;
+    int rank, world;
+    dsk__ck_seg *segs;
+    int n;
+    char **keys, **values;
+    int n_kv;
+    uint64_t total;      /* data bytes */
+} dsk__ck_plan;
+
+static void dsk__ck_plan_free(dsk__ck_plan *p) {
+    for (int i = 0; i < p->n; i++) DSK_FREE(p->segs[i].name);
+    for (int i = 0; i < p->n_kv; i++) { DSK_FREE(p->keys[i]); DSK_FREE(p->values[i]); }
+    DSK_FREE(p->segs);
+    DSK_FREE(p->keys);
+    DSK_FREE(p->values);
+    memset(p, 0, sizeof *p);
+}
+
+static int dsk__ck_cmp_str(const void *a, const void *b) { return strcmp(*(const char *const *)a, *(const char *const *)b); }
+
+/* Larger elements first (keeps every tensor aligned to its element size, as the reference
+   writer does), then by name. */
+static int dsk__ck_cmp_seg(const void *a, const void *b) {
+    const dsk__ck_seg *x = (const dsk__ck_seg *)a, *y = (const dsk__ck_seg *)b;
+    size_t sx = dsk_dtype_size(x->dtype), sy = dsk_dtype_size(y->dtype);
+    if (sx != sy) return sx > sy ? -1 : 1;
+    return strcmp(x->name, y->name);
+}
+
+/* First duplicate among n strings, or NULL. */
+static const char *dsk__ck_find_dup(const char **names, int n) {
+    qsort((void *)names, (size_t)n, sizeof *names, dsk__ck_cmp_str);
+    for (int i = 1; i < n; i++)
+        if (strcmp(names[i], names[i - 1]) == 0) return names[i];
+    return NULL;
+}
+
+static dsk_status dsk__ck_check_entry(const char *fn, const dsk_ckpt_entry *e, int i, int rank_file) {
+    const dsk_tensor *t = e->tensor;
+    char b[160];
+    if (!e->name || !*e->name) return dsk_set_error(DSK_ERR_ARG, "%s: entry %d has no name", fn, i);
+    if (strcmp(e->name, "__metadata__") == 0 || !dsk__ck_valid_utf8((const unsigned char *)e->name, strlen(e->name)))
+        return dsk_set_error(DSK_ERR_ARG, "%s: entry %d: name \"%s\" is reserved or not UTF-8", fn, i, e->name);
+    if (!t) return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" is NULL", fn, e->name);
+    if (!dsk_dtype_size(t->dtype) || t->ndim < 0 || t->ndim > DSK_MAX_DIMS || dsk__ck_numel(t->ndim, t->shape) < 0)
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": bad dtype %d or shape (ndim %d)", fn, e->name, (int)t->dtype, t->ndim);
+    if (!t->data && dsk_tensor_numel(t) > 0) return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" has no data", fn, e->name);
+    if (!rank_file) return DSK_OK;
+    if (e->split != 0 && e->split != 1) return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": split %d is neither 0 nor 1", fn, e->name, e->split);
+    if (e->split && (t->ndim < 1 || e->row0 < 0 || e->global_rows < 0 || e->row0 > e->global_rows - t->shape[0]))
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" %s: rows [%lld, %lld) do not fit a split tensor of %lld rows", fn, e->name,
+                             dsk_tensor_describe(t, b, sizeof b), (long long)e->row0,
+                             (long long)(e->row0 + (t->ndim ? t->shape[0] : 0)), (long long)e->global_rows);
+    return DSK_OK;
+}
+
+static dsk_status dsk__ck_check_kv(const char *fn, const dsk_ckpt_kv *kv, int n_kv) {
+    const char **keys;
+    const char *dup;
+    if (n_kv < 0 || (n_kv && !kv)) return dsk_set_error(DSK_ERR_ARG, "%s: %d key/value pairs at %p", fn, n_kv, (const void *)kv);
+    for (int i = 0; i < n_kv; i++) {
+        if (!kv[i].key || !*kv[i].key || !kv[i].value) return dsk_set_error(DSK_ERR_ARG, "%s: pair %d has a NULL or empty key or NULL value", fn, i);
+        if (strncmp(kv[i].key, "dsk.", 4) == 0) return dsk_set_error(DSK_ERR_ARG, "%s: key \"%s\": the prefix \"dsk.\" is reserved", fn, kv[i].key);
+        if (!dsk__ck_valid_utf8((const unsigned char *)kv[i].key, strlen(kv[i].key)) ||
+            !dsk__ck_valid_utf8((const unsigned char *)kv[i].value, strlen(kv[i].value)))
+            return dsk_set_error(DSK_ERR_ARG, "%s: pair \"%s\" is not UTF-8", fn, kv[i].key);
+    }
+    if (!n_kv) return DSK_OK;
+    keys = (const char **)DSK_MALLOC((size_t)n_kv * sizeof *keys);
+    if (!keys) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    for (int i = 0; i < n_kv; i++) keys[i] = kv[i].key;
+    dup = dsk__ck_find_dup(keys, n_kv);
+    if (dup) {
+        dsk_status s = dsk_set_error(DSK_ERR_ARG, "%s: key \"%s\" appears twice", fn, dup);
+        DSK_FREE((void *)keys);
+        return s;
+    }
+    DSK_FREE((void *)keys);
+    return DSK_OK;
+}
+
+/* Validates the entries and pairs and copies what the file needs (names, pairs, shapes).
+   A rank file holds the split entries and, on rank 0 only, the replicated ones. */
+static dsk_status dsk__ck_plan_build(const char *fn, dsk__ck_plan *p, const dsk_ckpt_entry *entries, int n, const dsk_ckpt_kv *kv,
+                                     int n_kv) {
+    dsk_status s;
+    const char **names;
+    const char *dup;
+    if (n < 0 || (n && !entries)) return dsk_set_error(DSK_ERR_ARG, "%s: %d entries at %p", fn, n, (const void *)entries);
+    for (int i = 0; i < n; i++)
+        if ((s = dsk__ck_check_entry(fn, &entries[i], i, p->rank_file)) != DSK_OK) return s;
+    if ((s = dsk__ck_check_kv(fn, kv, n_kv)) != DSK_OK) return s;
+    names = (const char **)DSK_MALLOC(((size_t)n + 1) * sizeof *names);
+    if (!names) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    for (int i = 0; i < n; i++) names[i] = entries[i].name;
+    dup = dsk__ck_find_dup(names, n);
+    if (dup) { s = dsk_set_error(DSK_ERR_ARG, "%s: tensor name \"%s\" appears twice", fn, dup); DSK_FREE((void *)names); return s; }
+    DSK_FREE((void *)names);
+    p->segs = (dsk__ck_seg *)DSK_MALLOC(((size_t)n + 1) * sizeof *p->segs);
+    p->keys = (char **)DSK_MALLOC(((size_t)n_kv + 1) * sizeof(char *));
+    p->values = (char **)DSK_MALLOC(((size_t)n_kv + 1) * sizeof(char *));
+    if (!p->segs || !p->keys || !p->values) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    for (int i = 0; i < n; i++) {
+        const dsk_ckpt_entry *e = &entries[i];
+        dsk__ck_seg *g = &p->segs[p->n];
+        if (p->rank_file && !e->split && p->rank != 0) continue;
+        memset(g, 0, sizeof *g);
+        if (!(g->name = dsk__ck_strdup(e->name))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        p->n++;
+        g->src = e->tensor;
+        g->dtype = e->tensor->dtype;
+        g->ndim = e->tensor->ndim;
+        memcpy(g->shape, e->tensor->shape, sizeof g->shape);
+        g->split = p->rank_file && e->split;
+        g->row0 = e->row0;
+        g->global_rows = e->global_rows;
+        g->nbytes = dsk_tensor_nbytes(e->tensor);
+    }
+    for (int i = 0; i < n_kv; i++) {
+        p->keys[i] = dsk__ck_strdup(kv[i].key);
+        p->values[i] = dsk__ck_strdup(kv[i].value);
+        p->n_kv = i + 1;
+        if (!p->keys[i] || !p->values[i]) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    }
+    qsort(p->segs, (size_t)p->n, sizeof *p->segs, dsk__ck_cmp_seg);
+    for (int i = 0; i < p->n; i++) {
+        p->segs[i].begin = p->total;
+        p->total += p->segs[i].nbytes;
+    }
+    return DSK_OK;
+}
+
+/* Points each segment at bytes to write: contiguous host tensors directly (unless copy_all),
+   everything else copied into stage (at least p->total bytes). */
+static dsk_status dsk__ck_snapshot(dsk__ck_plan *p, dsk_ctx *ctx, unsigned char *stage, int copy_all) {
+    for (int i = 0; i < p->n; i++) {
+        dsk__ck_seg *g = &p->segs[i];
+        dsk_tensor h;
+        dsk_status s;
+        if (!g->nbytes) { g->data = NULL; continue; }
+        if (!copy_all && g->src->device.type == DSK_DEV_CPU && dsk_tensor_is_contiguous(g->src)) { g->data = g->src->data; continue; }
+        if ((s = dsk_tensor_wrap(&h, stage + g->begin, g->dtype, dsk_cpu(), g->ndim, g->shape)) != DSK_OK) return s;
+        if ((s = dsk_tensor_copy(ctx, &h, g->src)) != DSK_OK) return s;
+        g->data = stage + g->begin;
+    }
+    return DSK_OK;
+}
+
+static int dsk__ck_needs_stage(const dsk__ck_plan *p) {
+    for (int i = 0; i < p->n; i++)
+        if (p->segs[i].nbytes && (p->segs[i].src->device.type != DSK_DEV_CPU || !dsk_tensor_is_contiguous(p->segs[i].src))) return 1;
+    return 0;
+}
+
+/* A JSON string of prefix followed by s. */
+static void dsk__ck_put_jstr2(dsk__ck_buf *b, const char *prefix, const char *s) {
+    dsk__ck_buf t;
+    memset(&t, 0, sizeof t);
+    dsk__ck_puts(&t, prefix);
+    dsk__ck_puts(&t, s);
+    if (t.oom) b->oom = 1;
+    else dsk__ck_put_jstr(b, t.p);
+    dsk__ck_buf_free(&t);
+}
+
+/* The JSON header, padded with spaces to a multiple of 8 bytes. CRCs are 8 hex digits, so
+   the length does not depend on their values. */
+static void dsk__ck_header_json(dsk__ck_buf *b, const dsk__ck_plan *p) {
+    dsk__ck_putf(b, "{\"__metadata__\":{\"dsk.format\":\"%s\",\"dsk.version\":\"%d\"", DSK_CKPT_FORMAT, DSK_CKPT_VERSION);
+    if (p->rank_file)
+        dsk__ck_putf(b, ",\"dsk.step\":\"%lld\",\"dsk.rank\":\"%d\",\"dsk.world_size\":\"%d\"", (long long)p->step, p->rank, p->world);
+    for (int i = 0; i < p->n; i++) {
+        const dsk__ck_seg *g = &p->segs[i];
+        dsk__ck_puts(b, ",");
+        dsk__ck_put_jstr2(b, "dsk.crc32c.", g->name);
+        dsk__ck_putf(b, ":\"%08x\"", g->crc);
+        if (g->split) {
+            dsk__ck_puts(b, ",");
+            dsk__ck_put_jstr2(b, "dsk.split.", g->name);
+            dsk__ck_putf(b, ":\"%lld:%lld/%lld\"", (long long)g->row0, (long long)(g->row0 + g->shape[0]), (long long)g->global_rows);
+        }
+    }
+    for (int i = 0; i < p->n_kv; i++) {
+        dsk__ck_puts(b, ",");
+        dsk__ck_put_jstr(b, p->keys[i]);
+        dsk__ck_puts(b, ":");
+        dsk__ck_put_jstr(b, p->values[i]);
+    }
+    dsk__ck_puts(b, "}");
+    for (int i = 0; i < p->n; i++) {
+        const dsk__ck_seg *g = &p->segs[i];
+        dsk__ck_puts(b, ",");
+        dsk__ck_put_jstr(b, g->name);
+        dsk__ck_putf(b, ":{\"dtype\":\"%s\",\"shape\":[", dsk__ck_stname(g->dtype));
+        for (int d = 0; d < g->ndim; d++) dsk__ck_putf(b, d ? ",%lld" : "%lld", (long long)g->shape[d]);
+        dsk__ck_putf(b, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)g->begin, (unsigned long long)(g->begin + g->nbytes));
+    }
+    dsk__ck_puts(b, "}");
+    while (!b->oom && b->n % 8) dsk__ck_puts(b, " ");
+}
+
+static dsk_status dsk__ck_pwrite_all(const char *fn, int fd, const void *p, size_t n, uint64_t off, const char *path) {
+    const char *q = (const char *)p;
+    while (n) {
+        ssize_t k = pwrite(fd, q, n, (off_t)off);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) {
+            if (k == 0) errno = EIO;
+            return dsk__ck_io_error(fn, "write to", path);
+        }
+        q += k; n -= (size_t)k; off += (uint64_t)k;
+    }
+    return DSK_OK;
+}
+
+/* Writes header (with placeholder CRCs) then the data, computing each segment's CRC on
+   cache-sized chunks just before writing them, then rewrites the header with the CRCs. */
+static dsk_status dsk__ck_write_body(const char *fn, int fd, dsk__ck_plan *p, const char *tmp) {
+    const size_t chunk = (size_t)1 << 20;
+    dsk__ck_buf h;
+    size_t hlen;
+    unsigned char len8[8];
+    dsk_status s;
+    memset(&h, 0, sizeof h);
+    for (int i = 0; i < p->n; i++) p->segs[i].crc = 0;
+    dsk__ck_put(&h, "\0\0\0\0\0\0\0\0", 8);
+    dsk__ck_header_json(&h, p);
+    if (h.oom) { dsk__ck_buf_free(&h); return dsk_set_error(DSK_ERR_OOM, "%s: out of memory for the header", fn); }
+    hlen = h.n - 8;
+    if ((s = dsk__ck_write_all(fn, fd, h.p, h.n, tmp)) != DSK_OK) { dsk__ck_buf_free(&h); return s; }
+    for (int i = 0; i < p->n && s == DSK_OK; i++) {
+        dsk__ck_seg *g = &p->segs[i];
+        const unsigned char *q = (const unsigned char *)g->data;
+        for (size_t off = 0; off < g->nbytes && s == DSK_OK; off += chunk) {
+            size_t k = g->nbytes - off < chunk ? g->nbytes - off : chunk;
+            g->crc = dsk_ckpt_crc32c(g->crc, q + off, k);
+            s = dsk__ck_write_all(fn, fd, q + off, k, tmp);
+        }
+    }
+    if (s == DSK_OK) {
+        h.n = 0;
+        for (int i = 0; i < 8; i++) len8[i] = (unsigned char)((uint64_t)hlen >> (8 * i));
+        dsk__ck_put(&h, (const char *)len8, 8);
+        dsk__ck_header_json(&h, p);
+        if (h.oom || h.n != hlen + 8) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for the header", fn);
+        else s = dsk__ck_pwrite_all(fn, fd, h.p, h.n, 0, tmp);
+    }
+    dsk__ck_buf_free(&h);
+    return s;
+}
+
+/* Writes the plan as dir/base, atomically and durably. */
+static dsk_status dsk__ck_write_plan(const char *fn, dsk__ck_plan *p, const char *dir, const char *base) {
+    char *tmp;
+    int fd;
+    dsk_status s = dsk__ck_open_tmp(fn, dir, base, &tmp, &fd);
+    if (s != DSK_OK) return s;
+    if ((s = dsk__ck_write_body(fn, fd, p, tmp)) != DSK_OK) {
+        close(fd);
+        unlink(tmp);
+        DSK_FREE(tmp);
+        return s;
+    }
+    return dsk__ck_commit_tmp(fn, fd, tmp, dir, base);
+}
+
+DSK_API dsk_status dsk_ckpt_file_save(dsk_ctx *ctx, const char *path, const dsk_ckpt_entry *entries, int n, const dsk_ckpt_kv *kv, int n_kv) {
+    const char *fn = "dsk_ckpt_file_save";
+    dsk__ck_plan p;
+    unsigned char *stage = NULL;
+    char *dir = NULL, *base = NULL;
+    dsk_status s;
+    memset(&p, 0, sizeof p);
+    if (!path) return dsk_set_error(DSK_ERR_ARG, "%s: path is NULL", fn);
+    if ((s = dsk__ck_split_path(fn, path, &dir, &base)) != DSK_OK) return s;
+    s = dsk__ck_plan_build(fn, &p, entries, n, kv, n_kv);
+    if (s == DSK_OK && dsk__ck_needs_stage(&p) && !(stage = (unsigned char *)DSK_MALLOC((size_t)p.total)))
+        s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for a %llu-byte snapshot", fn, (unsigned long long)p.total);
+    if (s == DSK_OK) s = dsk__ck_snapshot(&p, ctx, stage, 0);
+    if (s == DSK_OK) s = dsk__ck_write_plan(fn, &p, dir, base);
+    dsk__ck_plan_free(&p);
+    DSK_FREE(stage);
+    DSK_FREE(dir);
+    DSK_FREE(base);
+    return s;
+}
+
+/* ---------------------------------------------------------------- checkpoint directories */
+
+#define DSK__CK_MANIFEST "manifest.json"
+
+static char *dsk__ck_step_dir(const char *root, int64_t step) {
+    char name[40];
+    snprintf(name, sizeof name, "step_%08lld", (long long)step);
+    return dsk__ck_join(root, name);
+}
+static void dsk__ck_rank_name(char *buf, size_t n, int rank) { snprintf(buf, n, "rank_%05d.safetensors", rank); }
+
+/* "step_<digits>" -> step, else -1. */
+static int64_t dsk__ck_parse_step_name(const char *name) {
+    int64_t v = 0;
+    const char *p = name + 5;
+    if (strncmp(name, "step_", 5) != 0 || !*p || strlen(p) > 18) return -1;
+    for (; *p; p++) {
+        if (*p < '0' || *p > '9') return -1;
+        v = v * 10 + (*p - '0');
+    }
+    return v;
+}
+
+static int dsk__ck_exists(const char *path) {
+    struct stat st;
+    return stat(path, &st) == 0;
+}
+
+/* Removes every regular entry of dir (the manifest first, made durable, so a crash midway
+   leaves an incomplete checkpoint, never a complete-looking partial one). */
+static dsk_status dsk__ck_empty_dir(const char *fn, const char *dir) {
+    DIR *d;
+    struct dirent *de;
+    dsk_status s = DSK_OK;
+    char *man = dsk__ck_join(dir, DSK__CK_MANIFEST);
+    if (!man) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if (unlink(man) == 0) s = dsk__ck_fsync_dir(fn, dir);
+    else if (errno != ENOENT) s = dsk__ck_io_error(fn, "remove", man);
+    DSK_FREE(man);
+    if (s != DSK_OK) return s;
+    if (!(d = opendir(dir))) return dsk__ck_io_error(fn, "open directory", dir);
+    while (s == DSK_OK && (de = readdir(d)) != NULL) {
+        char *p;
+        if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0) continue;
+        if (!(p = dsk__ck_join(dir, de->d_name))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
+        if (unlink(p) != 0 && errno != ENOENT) s = dsk__ck_io_error(fn, "remove", p);
+        DSK_FREE(p);
+    }
+    closedir(d);
+    return s;
+}
+
+/* Rank 0, before the first barrier: the root and step directories exist and the step
+   directory is empty (a previous attempt at this step may have left files). */
+static dsk_status dsk__ck_prepare(const char *fn, const char *root, const char *step_dir) {
+    dsk_status s;
+    if (mkdir(root, 0755) != 0 && errno != EEXIST) return dsk__ck_io_error(fn, "create directory", root);
+    if (mkdir(step_dir, 0755) == 0) return dsk__ck_fsync_dir(fn, root);
+    if (errno != EEXIST) return dsk__ck_io_error(fn, "create directory", step_dir);
+    if ((s = dsk__ck_empty_dir(fn, step_dir)) != DSK_OK) return s;
+    return dsk__ck_fsync_dir(fn, step_dir);
+}
+
+/* CRC32C of a whole file from its parsed header: the header bytes' CRC combined with each
+   tensor's recorded CRC in data order. Every tensor must record one. */
+static dsk_status dsk__ck_file_crc(const char *fn, const dsk_ckpt_file *f, uint32_t *out) {
+    dsk_ckpt_tensor_info **order = (dsk_ckpt_tensor_info **)DSK_MALLOC(((size_t)f->n_tensors + 1) * sizeof *order);
+    uint32_t crc = f->header_crc32c;
+    dsk_status s = DSK_OK;
+    if (!order) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    for (int i = 0; i < f->n_tensors; i++) order[i] = &f->tensors[i];
+    qsort(order, (size_t)f->n_tensors, sizeof *order, dsk__ck_cmp_info_off);
+    for (int i = 0; i < f->n_tensors && s == DSK_OK; i++) {
+        if (!order[i]->has_crc) s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": tensor \"%s\" has no dsk.crc32c entry", fn, f->path, order[i]->name);
+        crc = dsk_ckpt_crc32c_combine(crc, order[i]->crc32c, order[i]->end - order[i]->begin);
+    }
+    DSK_FREE(order);
+    *out = crc;
+    return s;
+}
+
+/* The metadata value as a whole decimal int64. */
+static int dsk__ck_parse_i64(const char *v, int64_t *out) {
+    char *end;
+    long long x;
+    if (!v || !*v || (*v != '-' && (*v < '0' || *v > '9'))) return 0;
+    errno = 0;
+    x = strtoll(v, &end, 10);
+    if (errno || *end) return 0;
+    *out = x;
+    return 1;
+}
+
+/* A rank file's header metadata must name this checkpoint and rank. */
+static dsk_status dsk__ck_check_rank_meta(const char *fn, const dsk_ckpt_file *f, int64_t step, int rank, int world) {
+    int64_t v[3];
+    const char *fmt = dsk_ckpt_file_meta(f, "dsk.format");
+    if (!fmt || strcmp(fmt, DSK_CKPT_FORMAT) != 0 || !dsk__ck_parse_i64(dsk_ckpt_file_meta(f, "dsk.step"), &v[0]) ||
+        !dsk__ck_parse_i64(dsk_ckpt_file_meta(f, "dsk.rank"), &v[1]) || !dsk__ck_parse_i64(dsk_ckpt_file_meta(f, "dsk.world_size"), &v[2]))
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" lacks the dsk.format/step/rank/world_size metadata of a dsk checkpoint", fn, f->path);
+    if (v[0] != step || v[1] != rank || v[2] != world)
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" says step %lld rank %lld of %lld, expected step %lld rank %d of %d", fn, f->path,
+                             (long long)v[0], (long long)v[1], (long long)v[2], (long long)step, rank, world);
+    return DSK_OK;
+}
+
+/* Rows "start:end/rows" of a split tensor's piece. */
+static int dsk__ck_parse_split(const char *v, int64_t *start, int64_t *end, int64_t *rows) {
+    long long a, b, c;
+    int k = 0;
+    if (!v || sscanf(v, "%lld:%lld/%lld%n", &a, &b, &c, &k) != 3 || v[k] || a < 0 || b < a || c < b) return 0;
+    *start = a; *end = b; *rows = c;
+    return 1;
+}
+
+typedef struct dsk__ck_piece {
+    const char *name;
+    int rank, split;
+    const dsk_ckpt_tensor_info *t;
+    int64_t start, end, rows;
+} dsk__ck_piece;
+
+static int dsk__ck_cmp_piece(const void *a, const void *b) {
+    const dsk__ck_piece *x = (const dsk__ck_piece *)a, *y = (const dsk__ck_piece *)b;
+    int c = strcmp(x->name, y->name);
+    if (c) return c;
+    if (x->start != y->start) return x->start < y->start ? -1 : 1;
+    return x->end < y->end ? -1 : x->end > y->end;
+}
+
+/* Checks that the pieces of one tensor (sorted by rows) form a whole tensor; appends its
+   manifest entry. */
+static dsk_status dsk__ck_manifest_tensor(const char *fn, dsk__ck_buf *b, const dsk__ck_piece *pc, int k) {
+    const dsk_ckpt_tensor_info *t0 = pc[0].t;
+    int64_t pos = 0;
+    char x[160], y[160];
+    if (!pc[0].split) {
+        if (k != 1 || pc[0].rank != 0)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: replicated tensor \"%s\" found in rank %d's file (only rank 0 writes it)", fn, pc[0].name,
+                                 pc[k - 1].rank);
+    } else {
+        for (int i = 0; i < k; i++) {
+            const dsk_ckpt_tensor_info *t = pc[i].t;
+            if (!pc[i].split || t->dtype_name != t0->dtype_name || t->ndim != t0->ndim || pc[i].rows != pc[0].rows ||
+                memcmp(t->shape + 1, t0->shape + 1, (size_t)(t->ndim - 1) * sizeof(int64_t)) != 0)
+                return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": rank %d saved %s of %lld rows, rank %d saved %s of %lld rows", fn,
+                                     pc[0].name, pc[0].rank, dsk__ck_desc(x, sizeof x, t0->ndim, t0->shape, t0->dtype_name),
+                                     (long long)pc[0].rows, pc[i].rank, dsk__ck_desc(y, sizeof y, t->ndim, t->shape, t->dtype_name),
+                                     (long long)pc[i].rows);
+            if (pc[i].start != pos)
+                return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": rank %d holds rows [%lld, %lld) but the rows before end at %lld (%s)", fn,
+                                     pc[0].name, pc[i].rank, (long long)pc[i].start, (long long)pc[i].end, (long long)pos,
+                                     pc[i].start > pos ? "gap" : "overlap");
+            pos = pc[i].end;
+        }
+        if (pos != pc[0].rows)
+            return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": the ranks hold rows [0, %lld) of %lld", fn, pc[0].name, (long long)pos,
+                                 (long long)pc[0].rows);
+    }
+    dsk__ck_puts(b, b->n && b->p[b->n - 1] == '{' ? "\n " : ",\n ");
+    dsk__ck_put_jstr(b, pc[0].name);
+    dsk__ck_putf(b, ":{\"dtype\":\"%s\",\"shape\":[", t0->dtype_name);
+    for (int d = 0; d < t0->ndim; d++)
+        dsk__ck_putf(b, d ? ",%lld" : "%lld", (long long)(d == 0 && pc[0].split ? pc[0].rows : t0->shape[d]));
+    if (!pc[0].split) { dsk__ck_puts(b, "],\"split_dim\":-1,\"rank\":0}"); return DSK_OK; }
+    dsk__ck_puts(b, "],\"split_dim\":0,\"slices\":[");
+    for (int i = 0; i < k; i++) dsk__ck_putf(b, "%s[%d,%lld,%lld]", i ? "," : "", pc[i].rank, (long long)pc[i].start, (long long)pc[i].end);
+    dsk__ck_puts(b, "]}");
+    return DSK_OK;
+}
+
+/* Rank 0, after every rank file is durable: reads their headers (never their data) and
+   writes the manifest. */
+static dsk_status dsk__ck_write_manifest(const char *fn, const char *step_dir, int64_t step, int world) {
+    dsk_ckpt_file *files = (dsk_ckpt_file *)DSK_MALLOC((size_t)world * sizeof *files);
+    dsk__ck_piece *pcs = NULL;
+    dsk__ck_buf b;
+    dsk_status s = DSK_OK;
+    int np = 0, total = 0;
+    memset(&b, 0, sizeof b);
+    if (!files) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    memset(files, 0, (size_t)world * sizeof *files);
+    dsk__ck_putf(&b, "{\"format\":\"%s\",\"version\":%d,\"step\":%lld,\"world_size\":%d,\n\"files\":[", DSK_CKPT_FORMAT, DSK_CKPT_VERSION,
+                 (long long)step, world);
+    for (int r = 0; r < world && s == DSK_OK; r++) {
+        char name[48], *path;
+        uint32_t crc = 0;
+        dsk__ck_rank_name(name, sizeof name, r);
+        if (!(path = dsk__ck_join(step_dir, name))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
+        s = dsk_ckpt_file_open(&files[r], path);
+        if (s != DSK_OK && !dsk__ck_exists(path))
+            s = dsk_set_error(DSK_ERR_PEER, "%s: rank %d did not write \"%s\" (its save failed)", fn, r, path);
+        DSK_FREE(path);
+        if (s == DSK_OK) { close(files[r].fd); files[r].has_fd = 0; }
+        if (s == DSK_OK) s = dsk__ck_check_rank_meta(fn, &files[r], step, r, world);
+        if (s == DSK_OK) s = dsk__ck_file_crc(fn, &files[r], &crc);
+        dsk__ck_putf(&b, "%s\n {\"rank\":%d,\"name\":\"%s\",\"size\":%llu,\"crc32c\":\"%08x\"}", r ? "," : "", r, name,
+                     (unsigned long long)files[r].file_size, crc);
+        total += files[r].n_tensors;
+    }
+    if (s == DSK_OK && !(pcs = (dsk__ck_piece *)DSK_MALLOC(((size_t)total + 1) * sizeof *pcs))) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    for (int r = 0; r < world && s == DSK_OK; r++)
+        for (int i = 0; i < files[r].n_tensors && s == DSK_OK; i++) {
+            dsk__ck_piece *pc = &pcs[np++];
+            char key[32];
+            const char *v;
+            dsk__ck_buf kb;
+            memset(&kb, 0, sizeof kb);
+            snprintf(key, sizeof key, "dsk.split.");
+            dsk__ck_puts(&kb, key);
+            dsk__ck_puts(&kb, files[r].tensors[i].name);
+            v = kb.oom ? NULL : dsk_ckpt_file_meta(&files[r], kb.p);
+            pc->name = files[r].tensors[i].name;
+            pc->rank = r;
+            pc->t = &files[r].tensors[i];
+            pc->split = v != NULL;
+            pc->start = 0;
+            pc->end = pc->rows = pc->t->ndim ? pc->t->shape[0] : 1;
+            if (kb.oom) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+            else if (v && (!dsk__ck_parse_split(v, &pc->start, &pc->end, &pc->rows) || pc->t->ndim < 1 || pc->end - pc->start != pc->t->shape[0]))
+                s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": dsk.split.%s = \"%s\" does not match its shape", fn, files[r].path, pc->name, v);
+            dsk__ck_buf_free(&kb);
+        }
+    if (s == DSK_OK) {
+        qsort(pcs, (size_t)np, sizeof *pcs, dsk__ck_cmp_piece);
+        dsk__ck_puts(&b, "],\n\"tensors\":{");
+        for (int i = 0, k; i < np && s == DSK_OK; i += k) {
+            for (k = 1; i + k < np && strcmp(pcs[i + k].name, pcs[i].name) == 0; k++) {}
+            s = dsk__ck_manifest_tensor(fn, &b, pcs + i, k);
+        }
+        dsk__ck_puts(&b, "}}\n");
+        if (s == DSK_OK && b.oom) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for the manifest", fn);
+    }
+    if (s == DSK_OK) s = dsk__ck_write_small(fn, step_dir, DSK__CK_MANIFEST, b.p, b.n);
+    for (int r = 0; r < world; r++) dsk_ckpt_file_close(&files[r]);
+    DSK_FREE(files);
+    DSK_FREE(pcs);
+    dsk__ck_buf_free(&b);
+    return s;
+}
+
+static int dsk__ck_cmp_i64_desc(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return x > y ? -1 : x < y;
+}
+
+/* Steps of the step_* directories under root, newest first; those with a manifest only
+   when `complete`. *n = 0 and DSK_OK when root does not exist. */
+static dsk_status dsk__ck_list_steps(const char *fn, const char *root, int complete, int64_t **steps, int *n) {
+    DIR *d = opendir(root);
+    struct dirent *de;
+    int cap = 0;
+    *steps = NULL;
+    *n = 0;
+    if (!d) return errno == ENOENT ? DSK_OK : dsk__ck_io_error(fn, "open directory", root);
+    while ((de = readdir(d)) != NULL) {
+        int64_t st = dsk__ck_parse_step_name(de->d_name);
+        if (st < 0) continue;
+        if (complete) {
+            char *sd = dsk__ck_step_dir(root, st), *man = sd ? dsk__ck_join(sd, DSK__CK_MANIFEST) : NULL;
+            int ok = man && dsk__ck_exists(man);
+            DSK_FREE(sd);
+            DSK_FREE(man);
+            if (!ok) continue;
+        }
+        if (*n == cap) {
+            int64_t *q = (int64_t *)DSK_MALLOC((size_t)(cap ? cap * 2 : 16) * sizeof *q);
+            if (!q) { closedir(d); DSK_FREE(*steps); *steps = NULL; *n = 0; return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); }
+            if (*n) memcpy(q, *steps, (size_t)*n * sizeof *q);
+            DSK_FREE(*steps);
+            *steps = q;
+            cap = cap ? cap * 2 : 16;
+        }
+        (*steps)[(*n)++] = st;
+    }
+    closedir(d);
+    if (*n) qsort(*steps, (size_t)*n, sizeof **steps, dsk__ck_cmp_i64_desc);
+    return DSK_OK;
+}
+
+/* Deletes a complete checkpoint: manifest first (durably), then its files, then the directory. */
+static dsk_status dsk__ck_delete_step(const char *fn, const char *root, int64_t step) {
+    char *sd = dsk__ck_step_dir(root, step);
+    dsk_status s;
+    if (!sd) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    s = dsk__ck_empty_dir(fn, sd);
+    if (s == DSK_OK && rmdir(sd) != 0) s = dsk__ck_io_error(fn, "remove directory", sd);
+    if (s == DSK_OK) s = dsk__ck_fsync_dir(fn, root);
+    DSK_FREE(sd);
+    return s;
+}
+
+/* Keeps the newest keep_last complete checkpoints at or below `step`. */
+static dsk_status dsk__ck_rotate(const char *fn, const char *root, int64_t step, int keep_last) {
+    int64_t *steps;
+    int n, kept = 0;
+    dsk_status s = dsk__ck_list_steps(fn, root, 1, &steps, &n);
+    for (int i = 0; i < n && s == DSK_OK; i++) {
+        if (steps[i] > step) continue;
+        if (kept++ < keep_last) continue;
+        s = dsk__ck_delete_step(fn, root, steps[i]);
+    }
+    DSK_FREE(steps);
+    return s;
+}
+
+/* ---------------------------------------------------------------- collective save */
+
+typedef struct dsk__ck_job {
+    dsk__ck_plan plan;
+    char *root;
+    dsk_ckpt_opts opts;
+    pthread_t thread;
+    dsk_status status;
+    char msg[1024];
+} dsk__ck_job;
+
+static void dsk__ck_job_free(dsk__ck_job *job) {
+    if (!job) return;
+    dsk__ck_plan_free(&job->plan);
+    DSK_FREE(job->root);
+    DSK_FREE(job);
+}
+
+/* Keeps the first error of a sequence with its message. */
+static void dsk__ck_keep(dsk_status *first, char *msg, size_t n, dsk_status s) {
+    if (s == DSK_OK || *first != DSK_OK) return;
+    *first = s;
+    snprintf(msg, n, "%s", dsk_last_error());
+}
+
+static dsk_status dsk__ck_barrier(const char *fn, const dsk_ckpt_opts *o, int which, int64_t step) {
+    dsk_status s;
+    char inner[768];
+    if (o->world_size <= 1) return DSK_OK;
+    dsk_clear_error();
+    if ((s = o->barrier(o->barrier_user)) == DSK_OK) return DSK_OK;
+    snprintf(inner, sizeof inner, "%s", dsk_last_error());
+    return dsk_set_error(s, "%s: rank %d: barrier %d of 3 for step %lld failed: %s", fn, o->rank, which, (long long)step,
+                         inner[0] ? inner : dsk_status_str(s));
+}
+
+/* The save protocol (see the top of the file). A barrier failure ends it at once: the
+   group is broken. Any other failure is kept and reported after the remaining barriers. */
+static dsk_status dsk__ck_run(dsk__ck_job *job) {
+    const char *fn = "dsk_ckpt_save";
+    const dsk_ckpt_opts *o = &job->opts;
+    int64_t step = job->plan.step;
+    char *step_dir = dsk__ck_step_dir(job->root, step), name[48], msg[1024] = "";
+    dsk_status first = DSK_OK, s;
+    if (!step_dir) dsk__ck_keep(&first, msg, sizeof msg, dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn));
+    if (first == DSK_OK && o->rank == 0) dsk__ck_keep(&first, msg, sizeof msg, dsk__ck_prepare(fn, job->root, step_dir));
+    if ((s = dsk__ck_barrier(fn, o, 1, step)) != DSK_OK) { DSK_FREE(step_dir); return s; }
+    dsk__ck_rank_name(name, sizeof name, o->rank);
+    if (first == DSK_OK) dsk__ck_keep(&first, msg, sizeof msg, dsk__ck_write_plan(fn, &job->plan, step_dir, name));
+    if ((s = dsk__ck_barrier(fn, o, 2, step)) != DSK_OK) { DSK_FREE(step_dir); return s; }
+    if (first == DSK_OK && o->rank == 0) {
+        char latest[40];
+        dsk__ck_keep(&first, msg, sizeof msg, dsk__ck_write_manifest(fn, step_dir, step, o->world_size));
+        snprintf(latest, sizeof latest, "step_%08lld\n", (long long)step);
+        if (first == DSK_OK) dsk__ck_keep(&first, msg, sizeof msg, dsk__ck_write_small(fn, job->root, "latest", latest, strlen(latest)));
+        if (first == DSK_OK && o->keep_last > 0) dsk__ck_keep(&first, msg, sizeof msg, dsk__ck_rotate(fn, job->root, step, o->keep_last));
+    }
+    if ((s = dsk__ck_barrier(fn, o, 3, step)) != DSK_OK) { DSK_FREE(step_dir); return s; }
+    if (first == DSK_OK && o->rank != 0) {
+        char *man = dsk__ck_join(step_dir, DSK__CK_MANIFEST);
+        if (!man || !dsk__ck_exists(man))
+            dsk__ck_keep(&first, msg, sizeof msg,
+                         dsk_set_error(DSK_ERR_PEER, "%s: rank %d: step %lld has no manifest after the save: it failed on rank 0 or another rank",
+                                       fn, o->rank, (long long)step));
+        DSK_FREE(man);
+    }
+    DSK_FREE(step_dir);
+    if (first != DSK_OK) return dsk_set_error(first, "%s", msg);
+    return DSK_OK;
+}
+
+static void *dsk__ck_thread(void *arg) {
+    dsk__ck_job *job = (dsk__ck_job *)arg;
+    job->status = dsk__ck_run(job);
+    if (job->status != DSK_OK) snprintf(job->msg, sizeof job->msg, "%s", dsk_last_error());
+    return NULL;
+}
+
+DSK_API dsk_status dsk_ckpt_init(dsk_ckpt *ck, const char *dir, const dsk_ckpt_opts *opts) {
+    const char *fn = "dsk_ckpt_init";
+    dsk_ckpt_opts o;
+    if (!ck) return dsk_set_error(DSK_ERR_ARG, "%s: ck is NULL", fn);
+    memset(ck, 0, sizeof *ck);
+    memset(&o, 0, sizeof o);
+    if (opts) o = *opts;
+    if (!dir || !*dir) return dsk_set_error(DSK_ERR_ARG, "%s: directory is NULL or empty", fn);
+    if (o.world_size == 0) o.world_size = 1;
+    if (o.world_size < 0 || o.rank < 0 || o.rank >= o.world_size)
+        return dsk_set_error(DSK_ERR_ARG, "%s: rank %d outside world size %d", fn, o.rank, o.world_size);
+    if (o.world_size > 1 && !o.barrier)
+        return dsk_set_error(DSK_ERR_ARG, "%s: world size %d needs a barrier callback", fn, o.world_size);
+    if (o.keep_last < 0) return dsk_set_error(DSK_ERR_ARG, "%s: keep_last %d < 0", fn, o.keep_last);
+    if (!(ck->dir = dsk__ck_strdup(dir))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    ck->opts = o;
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_ckpt_wait(dsk_ckpt *ck) {
+    dsk__ck_job *job;
+    dsk_status s;
+    if (!ck) return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_wait: ck is NULL");
+    if (!(job = (dsk__ck_job *)ck->job)) return DSK_OK;
+    pthread_join(job->thread, NULL);
+    ck->job = NULL;
+    s = job->status;
+    if (s != DSK_OK) dsk_set_error(s, "%s", job->msg);
+    dsk__ck_job_free(job);
+    return s;
+}
+
+DSK_API void dsk_ckpt_free(dsk_ckpt *ck) {
+    if (!ck) return;
+    if (ck->job) dsk_ckpt_wait(ck);
+    DSK_FREE(ck->dir);
+    DSK_FREE(ck->stage);
+    memset(ck, 0, sizeof *ck);
+}
+
+/* Shared front half of the two saves: wait for the previous one, validate, snapshot. */
+static dsk_status dsk__ck_save_begin(const char *fn, dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n,
+                                     const dsk_ckpt_kv *kv, int n_kv, int copy_all, dsk__ck_job **out) {
+    dsk__ck_job *job;
+    dsk_status s;
+    *out = NULL;
+    if (!ck || !ck->dir) return dsk_set_error(DSK_ERR_ARG, "%s: checkpointer is NULL or not initialised", fn);
+    if ((s = dsk_ckpt_wait(ck)) != DSK_OK) {
+        char inner[1024];
+        snprintf(inner, sizeof inner, "%s", dsk_last_error());
+        return dsk_set_error(s, "%s: step %lld not saved: the previous async save failed: %s", fn, (long long)step, inner);
+    }
+    if (step < 0) return dsk_set_error(DSK_ERR_ARG, "%s: step %lld < 0", fn, (long long)step);
+    if (!(job = (dsk__ck_job *)DSK_MALLOC(sizeof *job))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    memset(job, 0, sizeof *job);
+    job->opts = ck->opts;
+    job->plan.rank_file = 1;
+    job->plan.step = step;
+    job->plan.rank = ck->opts.rank;
+    job->plan.world = ck->opts.world_size;
+    if (!(job->root = dsk__ck_strdup(ck->dir))) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if (s == DSK_OK) s = dsk__ck_plan_build(fn, &job->plan, entries, n, kv, n_kv);
+    if (s == DSK_OK && (copy_all || dsk__ck_needs_stage(&job->plan)) && ck->stage_bytes < job->plan.total) {
+        DSK_FREE(ck->stage);
+        ck->stage_bytes = 0;
+        if (!(ck->stage = DSK_MALLOC((size_t)job->plan.total)))
+            s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for a %llu-byte snapshot", fn, (unsigned long long)job->plan.total);
+        else ck->stage_bytes = (size_t)job->plan.total;
+    }
+    if (s == DSK_OK) s = dsk__ck_snapshot(&job->plan, ck->opts.ctx, (unsigned char *)ck->stage, copy_all);
+    if (s != DSK_OK) { dsk__ck_job_free(job); return s; }
+    *out = job;
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_ckpt_save(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n, const dsk_ckpt_kv *kv, int n_kv) {
+    dsk__ck_job *job;
+    dsk_status s = dsk__ck_save_begin("dsk_ckpt_save", ck, step, entries, n, kv, n_kv, 0, &job);
+    if (s != DSK_OK) return s;
+    s = dsk__ck_run(job);
+    dsk__ck_job_free(job);
+    return s;
+}
+
+DSK_API dsk_status dsk_ckpt_save_async(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n, const dsk_ckpt_kv *kv, int n_kv) {
+    dsk__ck_job *job;
+    int e;
+    dsk_status s = dsk__ck_save_begin("dsk_ckpt_save_async", ck, step, entries, n, kv, n_kv, 1, &job);
+    if (s != DSK_OK) return s;
+    if ((e = pthread_create(&job->thread, NULL, dsk__ck_thread, job)) != 0) {
+        dsk__ck_job_free(job);
+        return dsk_set_error(DSK_ERR_STATE, "dsk_ckpt_save_async: cannot start the writer thread: %s", strerror(e));
+    }
+    ck->job = job;
+    return DSK_OK;
+}
+
+/* ---------------------------------------------------------------- reading checkpoints */
+
+typedef struct dsk__ck_mslice {
+    int rank;
+    int64_t start, end;
+} dsk__ck_mslice;
+
+typedef struct dsk__ck_mtensor {
+    const char *name;
+    const dsk__ck_stdtype *dt;
+    int ndim;
+    int64_t shape[DSK_MAX_DIMS];
+    int split;
+    int first, n_slices;
+} dsk__ck_mtensor;
+
+typedef struct dsk__ck_manifest {
+    char *path, *text;
+    dsk__ck_json json;
+    int64_t step;
+    int world;
+    uint64_t *sizes;
+    uint32_t *crcs;
+    dsk__ck_mtensor *tensors; /* sorted by name */
+    int n_tensors;
+    dsk__ck_mslice *slices;
+} dsk__ck_manifest;
+
+static void dsk__ck_manifest_free(dsk__ck_manifest *m) {
+    DSK_FREE(m->path);
+    DSK_FREE(m->text);
+    dsk__ck_json_free(&m->json);
+    DSK_FREE(m->sizes);
+    DSK_FREE(m->crcs);
+    DSK_FREE(m->tensors);
+    DSK_FREE(m->slices);
+    memset(m, 0, sizeof *m);
+}
+
+static int dsk__ck_cmp_mtensor(const void *a, const void *b) {
+    return strcmp(((const dsk__ck_mtensor *)a)->name, ((const dsk__ck_mtensor *)b)->name);
+}
+
+static dsk_status dsk__ck_bad_manifest(const char *fn, const dsk__ck_manifest *m, const char *what, const char *name) {
+    return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": %s%s%s%s", fn, m->path, what, name ? " (tensor \"" : "", name ? name : "", name ? "\")" : "");
+}
+
+static dsk_status dsk__ck_manifest_files(const char *fn, dsk__ck_manifest *m, int files) {
+    const dsk__ck_json *j = &m->json;
+    int i = 0;
+    if (j->nodes[files].type != DSK__J_ARR || j->nodes[files].count != m->world)
+        return dsk__ck_bad_manifest(fn, m, "\"files\" is not an array of world_size entries", NULL);
+    for (int c = j->nodes[files].child; c >= 0; c = j->nodes[c].next, i++) {
+        int64_t rank, size;
+        char want[48];
+        const char *name;
+        if (j->nodes[c].type != DSK__J_OBJ || !dsk__ck_jget_int(j, c, "rank", &rank) || rank != i ||
+            !dsk__ck_jget_int(j, c, "size", &size) || size < 8 ||
+            !dsk__ck_parse_hex32(dsk__ck_jstr(j, dsk__ck_jget(j, c, "crc32c")), &m->crcs[i]))
+            return dsk__ck_bad_manifest(fn, m, "a \"files\" entry lacks rank (in order), size or crc32c", NULL);
+        dsk__ck_rank_name(want, sizeof want, i);
+        name = dsk__ck_jstr(j, dsk__ck_jget(j, c, "name"));
+        if (!name || strcmp(name, want) != 0) return dsk__ck_bad_manifest(fn, m, "a \"files\" entry has an unexpected name", name);
+        m->sizes[i] = (uint64_t)size;
+    }
+    return DSK_OK;
+}
+
+/* One tensor: dtype, global shape, and either split_dim -1 with rank 0 or split_dim 0 with
+   slices [[rank, start, end], ...] covering the rows in order. */
+static dsk_status dsk__ck_manifest_tensor_parse(const char *fn, dsk__ck_manifest *m, int node, dsk__ck_mtensor *t, int *n_slices) {
+    const dsk__ck_json *j = &m->json;
+    int sh = dsk__ck_jget(j, node, "shape"), sd = dsk__ck_jget(j, node, "split_dim"), sl;
+    int64_t split_dim, pos = 0;
+    t->name = j->nodes[node].key;
+    if (strlen(t->name) != j->nodes[node].klen) return dsk__ck_bad_manifest(fn, m, "tensor name with a NUL character", NULL);
+    const char *dtype = j->nodes[node].type == DSK__J_OBJ ? dsk__ck_jstr(j, dsk__ck_jget(j, node, "dtype")) : NULL;
+    if (!dtype || !(t->dt = dsk__ck_stdtype_by_name(dtype))) return dsk__ck_bad_manifest(fn, m, "missing or unknown dtype", t->name);
+    if (sh < 0 || j->nodes[sh].type != DSK__J_ARR || j->nodes[sh].count > DSK_MAX_DIMS) return dsk__ck_bad_manifest(fn, m, "bad shape", t->name);
+    t->ndim = 0;
+    for (int d = j->nodes[sh].child; d >= 0; d = j->nodes[d].next)
+        if (!dsk__ck_jint(j, d, &t->shape[t->ndim++]) || t->shape[t->ndim - 1] < 0) return dsk__ck_bad_manifest(fn, m, "bad shape", t->name);
+    if (dsk__ck_numel(t->ndim, t->shape) < 0) return dsk__ck_bad_manifest(fn, m, "shape overflows", t->name);
+    if (sd < 0 || !dsk__ck_jint(j, sd, &split_dim) || (split_dim != -1 && split_dim != 0) || (split_dim == 0 && t->ndim < 1))
+        return dsk__ck_bad_manifest(fn, m, "split_dim is neither -1 nor 0", t->name);
+    t->split = split_dim == 0;
+    t->first = *n_slices;
+    if (!t->split) {
+        int64_t r;
+        if (!dsk__ck_jget_int(j, node, "rank", &r) || r != 0) return dsk__ck_bad_manifest(fn, m, "replicated tensor not held by rank 0", t->name);
+        m->slices[*n_slices].rank = 0;
+        m->slices[*n_slices].start = 0;
+        m->slices[*n_slices].end = t->ndim ? t->shape[0] : 1;
+        (*n_slices)++;
+        t->n_slices = 1;
+        return DSK_OK;
+    }
+    sl = dsk__ck_jget(j, node, "slices");
+    if (sl < 0 || j->nodes[sl].type != DSK__J_ARR || j->nodes[sl].count < 1) return dsk__ck_bad_manifest(fn, m, "split tensor without slices", t->name);
+    for (int c = j->nodes[sl].child; c >= 0; c = j->nodes[c].next) {
+        int64_t v[3];
+        int e = j->nodes[c].child, k = 0;
+        if (j->nodes[c].type != DSK__J_ARR || j->nodes[c].count != 3) return dsk__ck_bad_manifest(fn, m, "a slice is not [rank, start, end]", t->name);
+        for (; e >= 0; e = j->nodes[e].next, k++)
+            if (!dsk__ck_jint(j, e, &v[k])) return dsk__ck_bad_manifest(fn, m, "a slice is not [rank, start, end]", t->name);
+        if (v[0] < 0 || v[0] >= m->world || v[1] != pos || v[2] < v[1] || v[2] > t->shape[0])
+            return dsk__ck_bad_manifest(fn, m, "slices do not tile the rows in order", t->name);
+        pos = v[2];
+        m->slices[*n_slices].rank = (int)v[0];
+        m->slices[*n_slices].start = v[1];
+        m->slices[*n_slices].end = v[2];
+        (*n_slices)++;
+    }
+    if (pos != t->shape[0]) return dsk__ck_bad_manifest(fn, m, "slices do not cover every row", t->name);
+    t->n_slices = *n_slices - t->first;
+    return DSK_OK;
+}
+
+/* Reads and validates step_dir/manifest.json for `step`. */
+static dsk_status dsk__ck_manifest_read(const char *fn, const char *step_dir, int64_t step, dsk__ck_manifest *m) {
+    size_t len = 0;
+    int64_t v;
+    int top = 0, tens, n_slices = 0, cap = 0;
+    const char *fmt;
+    dsk_status s;
+    dsk__ck_json *j = &m->json;
+    memset(m, 0, sizeof *m);
+    if (!(m->path = dsk__ck_join(step_dir, DSK__CK_MANIFEST))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if (!dsk__ck_exists(m->path) && errno == ENOENT)
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" is missing: the checkpoint is incomplete (its save did not finish)", fn, m->path);
+    if ((s = dsk__ck_read_small(fn, m->path, (size_t)1 << 30, &m->text, &len)) != DSK_OK) return s;
+    if ((s = dsk__ck_json_parse(j, m->text, len, fn, m->path)) != DSK_OK) return s;
+    fmt = dsk__ck_jstr(j, dsk__ck_jget(j, top, "format"));
+    if (!fmt || strcmp(fmt, DSK_CKPT_FORMAT) != 0) return dsk__ck_bad_manifest(fn, m, "not a dsk-ckpt manifest", NULL);
+    if (!dsk__ck_jget_int(j, top, "version", &v) || v != DSK_CKPT_VERSION)
+        return dsk__ck_bad_manifest(fn, m, "unsupported version", NULL);
+    if (!dsk__ck_jget_int(j, top, "step", &m->step) || m->step != step)
+        return dsk__ck_bad_manifest(fn, m, "step does not match the directory", NULL);
+    if (!dsk__ck_jget_int(j, top, "world_size", &v) || v < 1 || v > (1 << 20))
+        return dsk__ck_bad_manifest(fn, m, "bad world_size", NULL);
+    m->world = (int)v;
+    m->sizes = (uint64_t *)DSK_MALLOC((size_t)m->world * sizeof *m->sizes);
+    m->crcs = (uint32_t *)DSK_MALLOC((size_t)m->world * sizeof *m->crcs);
+    if (!m->sizes || !m->crcs) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if (dsk__ck_jget(j, top, "files") < 0) return dsk__ck_bad_manifest(fn, m, "no \"files\"", NULL);
+    if ((s = dsk__ck_manifest_files(fn, m, dsk__ck_jget(j, top, "files"))) != DSK_OK) return s;
+    tens = dsk__ck_jget(j, top, "tensors");
+    if (tens < 0 || j->nodes[tens].type != DSK__J_OBJ) return dsk__ck_bad_manifest(fn, m, "no \"tensors\" object", NULL);
+    for (int c = j->nodes[tens].child; c >= 0; c = j->nodes[c].next) {
+        int k = dsk__ck_jget(j, c, "slices");
+        cap += 1 + (k >= 0 ? j->nodes[k].count : 0);
+    }
+    m->tensors = (dsk__ck_mtensor *)DSK_MALLOC(((size_t)j->nodes[tens].count + 1) * sizeof *m->tensors);
+    m->slices = (dsk__ck_mslice *)DSK_MALLOC(((size_t)cap + 1) * sizeof *m->slices);
+    if (!m->tensors || !m->slices) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    for (int c = j->nodes[tens].child; c >= 0; c = j->nodes[c].next) {
+        dsk__ck_mtensor *t = &m->tensors[m->n_tensors];
+        memset(t, 0, sizeof *t);
+        if ((s = dsk__ck_manifest_tensor_parse(fn, m, c, t, &n_slices)) != DSK_OK) return s;
+        m->n_tensors++;
+    }
+    qsort(m->tensors, (size_t)m->n_tensors, sizeof *m->tensors, dsk__ck_cmp_mtensor);
+    for (int i = 1; i < m->n_tensors; i++)
+        if (strcmp(m->tensors[i].name, m->tensors[i - 1].name) == 0) return dsk__ck_bad_manifest(fn, m, "duplicate tensor", m->tensors[i].name);
+    return DSK_OK;
+}
+
+static const dsk__ck_mtensor *dsk__ck_manifest_find(const dsk__ck_manifest *m, const char *name) {
+    int lo = 0, hi = m->n_tensors - 1;
+    while (lo <= hi) {
+        int mid = lo + (hi - lo) / 2, c = strcmp(m->tensors[mid].name, name);
+        if (c == 0) return &m->tensors[mid];
+        if (c < 0) lo = mid + 1;
+        else hi = mid - 1;
+    }
+    return NULL;
+}
+
+/* Opens rank r's file and checks it against the manifest: size, metadata, whole-file CRC
+   (from the header bytes and the recorded tensor CRCs, which reads check in turn). */
+static dsk_status dsk__ck_open_rank(const char *fn, const char *step_dir, const dsk__ck_manifest *m, int r, dsk_ckpt_file *f) {
+    char name[48], *path;
+    uint32_t crc;
+    dsk_status s;
+    dsk__ck_rank_name(name, sizeof name, r);
+    if (!(path = dsk__ck_join(step_dir, name))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    s = dsk_ckpt_file_open(f, path);
+    DSK_FREE(path);
+    if (s != DSK_OK) return s;
+    if (f->file_size != m->sizes[r])
+        s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" has %llu bytes, the manifest says %llu", fn, f->path, (unsigned long long)f->file_size,
+                          (unsigned long long)m->sizes[r]);
+    if (s == DSK_OK) s = dsk__ck_check_rank_meta(fn, f, m->step, r, m->world);
+    if (s == DSK_OK) s = dsk__ck_file_crc(fn, f, &crc);
+    if (s == DSK_OK && crc != m->crcs[r])
+        s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": header or recorded checksums altered: file crc32c %08x, the manifest says %08x", fn,
+                          f->path, crc, m->crcs[r]);
+    if (s != DSK_OK) dsk_ckpt_file_close(f);
+    return s;
+}
+
+typedef struct dsk__ck_reader {
+    const char *fn;
+    char *step_dir;
+    dsk__ck_manifest man;
+    dsk_ckpt_file *files; /* opened on first use */
+} dsk__ck_reader;
+
+static void dsk__ck_reader_free(dsk__ck_reader *rd) {
+    if (rd->files)
+        for (int r = 0; r < rd->man.world; r++) dsk_ckpt_file_close(&rd->files[r]);
+    DSK_FREE(rd->files);
+    DSK_FREE(rd->step_dir);
+    dsk__ck_manifest_free(&rd->man);
+    memset(rd, 0, sizeof *rd);
+}
+
+static dsk_status dsk__ck_reader_open(const char *fn, dsk__ck_reader *rd, const char *root, int64_t step) {
+    dsk_status s;
+    memset(rd, 0, sizeof *rd);
+    rd->fn = fn;
+    if (!(rd->step_dir = dsk__ck_step_dir(root, step))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if ((s = dsk__ck_manifest_read(fn, rd->step_dir, step, &rd->man)) != DSK_OK) return s;
+    rd->files = (dsk_ckpt_file *)DSK_MALLOC((size_t)rd->man.world * sizeof *rd->files);
+    if (!rd->files) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    memset(rd->files, 0, (size_t)rd->man.world * sizeof *rd->files);
+    return DSK_OK;
+}
+
+static dsk_status dsk__ck_reader_file(dsk__ck_reader *rd, int r, dsk_ckpt_file **f) {
+    dsk_status s = DSK_OK;
+    if (!rd->files[r].mem) s = dsk__ck_open_rank(rd->fn, rd->step_dir, &rd->man, r, &rd->files[r]);
+    *f = &rd->files[r];
+    return s;
+}
+
+/* "[8,256,128] bf16" of the checkpoint's tensor and of what the entry asks for. */
+static dsk_status dsk__ck_mismatch(const char *fn, const dsk__ck_reader *rd, const dsk__ck_mtensor *t, const dsk_ckpt_entry *e) {
+    char a[160], b[160];
+    int64_t shape[DSK_MAX_DIMS];
+    const dsk_tensor *x = e->tensor;
+    memcpy(shape, x->shape, sizeof shape);
+    if (e->split && x->ndim > 0) shape[0] = e->global_rows;
+    return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" (%s): file has %s, model has %s%s", fn, e->name, rd->man.path,
+                         dsk__ck_desc(a, sizeof a, t->ndim, t->shape, t->dt->dsk >= 0 ? dsk_dtype_name((dsk_dtype)t->dt->dsk) : t->dt->name),
+                         dsk__ck_desc(b, sizeof b, x->ndim, shape, dsk_dtype_name(x->dtype)),
+                         t->ndim == x->ndim && !memcmp(t->shape, shape, (size_t)x->ndim * sizeof(int64_t)) ? " (set allow_cast to convert)" : "");
+}
+
+/* Copies the rows [a, b) an entry asks for out of every piece that overlaps them. */
+static dsk_status dsk__ck_load_entry(dsk__ck_reader *rd, const dsk_ckpt_entry *e, dsk_ctx *ctx, int allow_cast) {
+    const char *fn = rd->fn;
+    const dsk__ck_mtensor *t = dsk__ck_manifest_find(&rd->man, e->name);
+    dsk_tensor *x = e->tensor;
+    int64_t a, b, shape[DSK_MAX_DIMS];
+    dsk_status s = DSK_OK;
+    if (!t) return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" is not in the checkpoint (%s)", fn, e->name, rd->man.path);
+    memcpy(shape, x->shape, sizeof shape);
+    if (e->split && x->ndim > 0) shape[0] = e->global_rows;
+    if (t->ndim != x->ndim || memcmp(t->shape, shape, (size_t)x->ndim * sizeof(int64_t)) != 0 ||
+        (t->dt->dsk != (int)x->dtype && (!allow_cast || t->dt->dsk < 0)))
+        return dsk__ck_mismatch(fn, rd, t, e);
+    a = e->split ? e->row0 : 0;
+    b = x->ndim ? a + x->shape[0] : 1;
+    for (int i = 0; i < t->n_slices && s == DSK_OK; i++) {
+        const dsk__ck_mslice *sl = &rd->man.slices[t->first + i];
+        int64_t lo = sl->start > a ? sl->start : a, hi = sl->end < b ? sl->end : b;
+        dsk_ckpt_file *f;
+        const dsk_ckpt_tensor_info *ft;
+        dsk_tensor view;
+        int k;
+        char d1[160], d2[160];
+        if (t->ndim && lo >= hi) continue; /* no overlap */
+        if ((s = dsk__ck_reader_file(rd, sl->rank, &f)) != DSK_OK) break;
+        if ((k = dsk_ckpt_file_find(f, t->name)) < 0) {
+            s = dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" is missing from \"%s\"", fn, t->name, f->path);
+            break;
+        }
+        ft = &f->tensors[k];
+        if (ft->dtype_name != t->dt->name || ft->ndim != t->ndim || (t->ndim && ft->shape[0] != sl->end - sl->start) ||
+            (t->ndim > 1 && memcmp(ft->shape + 1, t->shape + 1, (size_t)(t->ndim - 1) * sizeof(int64_t)) != 0)) {
+            s = dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" in \"%s\" is %s, the manifest expects rows [%lld, %lld) of %s", fn, t->name,
+                              f->path, dsk__ck_desc(d1, sizeof d1, ft->ndim, ft->shape, ft->dtype_name), (long long)sl->start,
+                              (long long)sl->end, dsk__ck_desc(d2, sizeof d2, t->ndim, t->shape, t->dt->name));
+            break;
+        }
+        if (!t->ndim) { s = dsk__ck_read_into(fn, f, ctx, ft, x, 0, 0, allow_cast); break; }
+        if ((s = dsk_tensor_slice(x, 0, lo - a, hi - lo, &view)) != DSK_OK) break;
+        s = dsk__ck_read_into(fn, f, ctx, ft, &view, 1, lo - sl->start, allow_cast);
+    }
+    return s;
+}
+
+static dsk_status dsk__ck_fill_meta(const char *fn, const dsk_ckpt_file *f, const dsk__ck_manifest *m, int rank, dsk_ckpt_meta *meta) {
+    int n = 0;
+    meta->step = m->step;
+    meta->world_size = m->world;
+    meta->rank = rank;
+    meta->keys = (char **)DSK_MALLOC(((size_t)f->n_meta + 1) * sizeof(char *));
+    meta->values = (char **)DSK_MALLOC(((size_t)f->n_meta + 1) * sizeof(char *));
+    if (!meta->keys || !meta->values) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    for (int i = 0; i < f->n_meta; i++) {
+        if (!strncmp(f->meta_keys[i], "dsk.crc32c.", 11) || !strncmp(f->meta_keys[i], "dsk.split.", 10)) continue;
+        meta->keys[n] = dsk__ck_strdup(f->meta_keys[i]);
+        meta->values[n] = dsk__ck_strdup(f->meta_values[i]);
+        meta->n = ++n;
+        if (!meta->keys[n - 1] || !meta->values[n - 1]) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    }
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_ckpt_load(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n, dsk_ckpt_meta *meta) {
+    const char *fn = "dsk_ckpt_load";
+    dsk__ck_reader rd;
+    dsk_status s;
+    if (meta) memset(meta, 0, sizeof *meta);
+    if (!ck || !ck->dir) return dsk_set_error(DSK_ERR_ARG, "%s: checkpointer is NULL or not initialised", fn);
+    if (n < 0 || (n && !entries)) return dsk_set_error(DSK_ERR_ARG, "%s: %d entries at %p", fn, n, (const void *)entries);
+    for (int i = 0; i < n; i++) {
+        if (!entries[i].name || !entries[i].tensor) return dsk_set_error(DSK_ERR_ARG, "%s: entry %d has no name or tensor", fn, i);
+        if ((s = dsk__ck_check_entry(fn, &entries[i], i, 1)) != DSK_OK) return s;
+    }
+    if ((s = dsk_ckpt_wait(ck)) != DSK_OK) return s;
+    if (step < 0) {
+        if ((s = dsk_ckpt_latest(ck->dir, &step)) != DSK_OK) return s;
+        if (step < 0) return dsk_set_error(DSK_ERR_IO, "%s: no complete checkpoint under \"%s\"", fn, ck->dir);
+    }
+    s = dsk__ck_reader_open(fn, &rd, ck->dir, step);
+    for (int i = 0; i < n && s == DSK_OK; i++) s = dsk__ck_load_entry(&rd, &entries[i], ck->opts.ctx, ck->opts.allow_cast);
+    if (s == DSK_OK && meta) {
+        int r = ck->opts.rank < rd.man.world ? ck->opts.rank : 0;
+        dsk_ckpt_file *f;
+        s = dsk__ck_reader_file(&rd, r, &f);
+        if (s == DSK_OK) s = dsk__ck_fill_meta(fn, f, &rd.man, r, meta);
+        if (s != DSK_OK) dsk_ckpt_meta_free(meta);
+    }
+    dsk__ck_reader_free(&rd);
+    return s;
+}
+
+DSK_API dsk_status dsk_ckpt_latest(const char *dir, int64_t *step) {
+    const char *fn = "dsk_ckpt_latest";
+    int64_t *steps;
+    int n;
+    dsk_status s;
+    if (!dir || !step) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
+    *step = -1;
+    if ((s = dsk__ck_list_steps(fn, dir, 1, &steps, &n)) != DSK_OK) return s;
+    for (int i = 0; i < n && *step < 0; i++) {
+        dsk__ck_manifest m;
+        char *sd = dsk__ck_step_dir(dir, steps[i]);
+        if (!sd) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
+        if (dsk__ck_manifest_read(fn, sd, steps[i], &m) == DSK_OK) *step = steps[i];
+        dsk__ck_manifest_free(&m);
+        DSK_FREE(sd);
+    }
+    DSK_FREE(steps);
+    if (s == DSK_OK) dsk_clear_error();
+    return s;
+}
+
+/* Reads a whole tensor in chunks and compares its CRC with the header's. */
+static dsk_status dsk__ck_verify_tensor(const char *fn, dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t, unsigned char *buf, size_t chunk) {
+    uint32_t crc = 0;
+    dsk_status s;
+    for (uint64_t off = t->begin; off < t->end; off += chunk) {
+        size_t k = (size_t)(t->end - off < chunk ? t->end - off : chunk);
+        if ((s = dsk__ck_pread_all(fn, f->fd, buf, k, 8 + f->header_len + off, f->path)) != DSK_OK) return s;
+        crc = dsk_ckpt_crc32c(crc, buf, k);
+    }
+    if (crc != t->crc32c)
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" in \"%s\": data crc32c %08x, header says %08x (data corrupt)", fn, t->name,
+                             f->path, crc, t->crc32c);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_ckpt_verify(const char *dir, int64_t step) {
+    const char *fn = "dsk_ckpt_verify";
+    const size_t chunk = (size_t)4 << 20;
+    dsk__ck_reader rd;
+    unsigned char *buf;
+    dsk_status s;
+    if (!dir || step < 0) return dsk_set_error(DSK_ERR_ARG, "%s: bad directory or step %lld", fn, (long long)step);
+    if (!(buf = (unsigned char *)DSK_MALLOC(chunk))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    s = dsk__ck_reader_open(fn, &rd, dir, step);
+    for (int r = 0; s == DSK_OK && r < rd.man.world; r++) {
+        dsk_ckpt_file *f;
+        s = dsk__ck_reader_file(&rd, r, &f);
+        for (int i = 0; s == DSK_OK && i < f->n_tensors; i++) s = dsk__ck_verify_tensor(fn, f, &f->tensors[i], buf, chunk);
+        dsk_ckpt_file_close(f);
+    }
+    dsk__ck_reader_free(&rd);
+    DSK_FREE(buf);
+    return s;
+}
+
+/* ---------------------------------------------------------------- metadata */
+
+DSK_API const char *dsk_ckpt_meta_get(const dsk_ckpt_meta *m, const char *key) {
+    if (!m || !key) return NULL;
+    for (int i = 0; i < m->n; i++)
+        if (strcmp(m->keys[i], key) == 0) return m->values[i];
+    return NULL;
+}
+
+DSK_API dsk_status dsk_ckpt_meta_i64(const dsk_ckpt_meta *m, const char *key, int64_t *out) {
+    const char *v = dsk_ckpt_meta_get(m, key);
+    if (!out) return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_meta_i64: out is NULL");
+    if (!v) return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_meta_i64: no key \"%s\"", key ? key : "(null)");
+    if (!dsk__ck_parse_i64(v, out)) return dsk_set_error(DSK_ERR_CORRUPT, "dsk_ckpt_meta_i64: \"%s\" = \"%s\" is not an int64", key, v);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_ckpt_meta_f64(const dsk_ckpt_meta *m, const char *key, double *out) {
+    const char *v = dsk_ckpt_meta_get(m, key);
+    char *end;
+    if (!out) return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_meta_f64: out is NULL");
+    if (!v) return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_meta_f64: no key \"%s\"", key ? key : "(null)");
+    *out = strtod(v, &end);
+    if (!*v || *end) return dsk_set_error(DSK_ERR_CORRUPT, "dsk_ckpt_meta_f64: \"%s\" = \"%s\" is not a number", key, v);
+    return DSK_OK;
+}
+
+DSK_API void dsk_ckpt_meta_free(dsk_ckpt_meta *m) {
+    if (!m) return;
+    for (int i = 0; i < m->n; i++) { DSK_FREE(m->keys[i]); DSK_FREE(m->values[i]); }
+    DSK_FREE(m->keys);
+    DSK_FREE(m->values);
+    memset(m, 0, sizeof *m);
+}
+
+#endif /* DSK_CKPT_IMPLEMENTATION_DONE */
+#endif /* DSK_CKPT_IMPLEMENTATION */
+
+/* MIT License. Copyright (c) 2026 the dsk authors. Permission is hereby granted, free of
+   charge, to any person obtaining a copy of this software, to deal in the software without
+   restriction, subject to including this notice. THE SOFTWARE IS PROVIDED "AS IS", WITHOUT
+   WARRANTY OF ANY KIND. */
