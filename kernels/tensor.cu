@@ -221,6 +221,15 @@ __device__ __forceinline__ void dsk__stf(void *p, int dt, int64_t i, float x) {
     }
 }
 
+/* x rounded to dtype dt (f32/bf16/f16) and back: what a store and a load would give. */
+__device__ __forceinline__ float dsk__round(int dt, float x) {
+    switch (dt) {
+    case DSK_BF16: return dsk_bf16_to_f32(dsk_f32_to_bf16(x));
+    case DSK_F16: return dsk_f16_to_f32(dsk_f32_to_f16(x));
+    default: return x;
+    }
+}
+
 /* Any dtype as double and back: the cast engine, identical to dsk_tensor.h's CPU copy. */
 __device__ __forceinline__ double dsk__ld_any(const void *p, int dt, int64_t i) {
     switch (dt) {
@@ -935,7 +944,7 @@ static dsk_status dsk__gather(dsk_ctx *ctx, const char *fn, dsk_tensor *out, con
 
 /* Scatter-add without atomics: a stable radix sort of (row, i) pairs groups the sources of
    each destination row in increasing i; the first position of each group adds them in that
-   order onto the row, so dst[r] = ((dst[r] + src[i0]) + src[i1]) + ... as on the CPU. */
+   order onto the row, rounding to dst's dtype after each addition as the CPU path does. */
 __global__ void dsk__k_scatter_keys(int32_t *keys, int32_t *vals, const int32_t *idx, int64_t N, int32_t R) {
     DSK__FOR(i, N) {
         int32_t r = idx[i];
@@ -950,7 +959,7 @@ __global__ void dsk__k_scatter_segments(void *dst, int dtd, const void *src, int
     if (r == R || (p > 0 && keys[p - 1] == r)) return; /* invalid row, or not the first of its group */
     for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
         float acc = dsk__ldf(dst, dtd, (int64_t)r * D + j);
-        for (int64_t q = p; q < N && keys[q] == r; q++) acc += dsk__ldf(src, dts, (int64_t)order[q] * D + j);
+        for (int64_t q = p; q < N && keys[q] == r; q++) acc = dsk__round(dtd, acc + dsk__ldf(src, dts, (int64_t)order[q] * D + j));
         dsk__stf(dst, dtd, (int64_t)r * D + j, acc);
     }
 }

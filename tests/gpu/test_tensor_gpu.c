@@ -1,0 +1,628 @@
+/* test_tensor_gpu.c - every CUDA op of dsk_tensor.h against the CPU path on the same inputs.
+
+   Each case builds random CPU tensors, copies them to the GPU, runs the op on both devices
+   and compares: bitwise where the GPU must reproduce the CPU exactly (copies, casts, fills,
+   uniform RNG, top-k, scatter-add), else within the dtype's tolerance (f32 about 1e-5
+   relative, bf16 about 1e-2). GPU outputs are NaN-poisoned first; accumulated outputs start
+   from the same random values on both devices. Without a usable CUDA device every GPU case
+   reports as skipped; the runtime checks that need no device still run in CUDA builds. */
+#define DSK_TENSOR_IMPLEMENTATION
+#include "dsk_tensor.h"
+#include "../dsk_test.h"
+
+static dsk_ctx G; /* the CUDA context */
+static int have_gpu;
+
+/* ------------------------------------------------------------------ tensor helpers */
+
+/* Every tensor a case makes is registered here and released after the case. */
+static dsk_tensor *pool[256];
+static int pool_n;
+
+static dsk_tensor *keep(dsk_tensor t) {
+    dsk_tensor *p = (dsk_tensor *)malloc(sizeof *p);
+    if (!p || pool_n == 256) { fprintf(stderr, "test_tensor_gpu: tensor pool exhausted\n"); exit(2); }
+    *p = t;
+    pool[pool_n++] = p;
+    return p;
+}
+static void release(void) {
+    for (int i = 0; i < pool_n; i++) {
+        dsk_tensor_free(pool[i]->device.type == DSK_DEV_CUDA ? &G : NULL, pool[i]);
+        free(pool[i]);
+    }
+    pool_n = 0;
+}
+
+/* A shape as (ndim, int64_t[]) arguments: SH(7, 129). */
+#define SH(...) (int)(sizeof((int64_t[]){__VA_ARGS__}) / sizeof(int64_t)), (const int64_t[]){__VA_ARGS__}
+
+static dsk_tensor *halloc(dsk_dtype dt, int nd, const int64_t *shape) {
+    dsk_tensor t;
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &t, dt, nd, shape));
+    return keep(t);
+}
+static dsk_tensor *dalloc(dsk_dtype dt, int nd, const int64_t *shape) {
+    dsk_tensor t;
+    DSK_TEST_OK(dsk_tensor_alloc(&G, &t, dt, nd, shape));
+    return keep(t);
+}
+
+/* CPU tensor of uniform values in [lo, hi), rounded to dt. */
+static dsk_tensor *hrand(dsk_dtype dt, int nd, const int64_t *shape, double lo, double hi) {
+    dsk_tensor *f = halloc(DSK_F64, nd, shape), *t = halloc(dt, nd, shape);
+    dsk_test_fill_f64((double *)f->data, dsk_tensor_numel(f), lo, hi);
+    DSK_TEST_OK(dsk_tensor_copy(NULL, t, f));
+    return t;
+}
+/* CPU i32 tensor of integers in [0, n). */
+static dsk_tensor *hints(int nd, const int64_t *shape, int64_t n) {
+    dsk_tensor *t = halloc(DSK_I32, nd, shape);
+    for (int64_t i = 0; i < dsk_tensor_numel(t); i++) ((int32_t *)t->data)[i] = (int32_t)dsk_test_rand_int(n);
+    return t;
+}
+/* GPU copy of a CPU tensor. */
+static dsk_tensor *dev(const dsk_tensor *h) {
+    dsk_tensor *d = dalloc(h->dtype, h->ndim, h->shape);
+    DSK_TEST_OK(dsk_tensor_copy(&G, d, h));
+    return d;
+}
+/* GPU tensor like h, filled with NaN (floats) or 0xA5 bytes (ints) so unwritten elements show. */
+static dsk_tensor *dpoison(const dsk_tensor *h) {
+    dsk_tensor *d = dalloc(h->dtype, h->ndim, h->shape);
+    if (dsk_dtype_is_float(h->dtype)) {
+        DSK_TEST_OK(dsk_tensor_fill(&G, d, NAN));
+    } else {
+        dsk_tensor *p = halloc(h->dtype, h->ndim, h->shape);
+        dsk_test_poison_bytes(p->data, dsk_tensor_nbytes(p));
+        DSK_TEST_OK(dsk_tensor_copy(&G, d, p));
+    }
+    return d;
+}
+/* Host copy of any tensor, cast to dt. */
+static dsk_tensor *host_as(const dsk_tensor *t, dsk_dtype dt) {
+    dsk_tensor *h = halloc(dt, t->ndim, t->shape);
+    DSK_TEST_OK(dsk_tensor_copy(&G, h, t));
+    return h;
+}
+
+/* GPU result against the CPU result: |gpu - cpu| <= atol + rtol |cpu| element-wise. */
+static void check(const dsk_tensor *gpu, const dsk_tensor *cpu, double rtol, double atol, const char *what) {
+    const dsk_tensor *g = host_as(gpu, DSK_F32), *c = host_as(cpu, DSK_F64);
+    DSK_TEST_CLOSE((const float *)g->data, (const double *)c->data, dsk_tensor_numel(c), rtol, atol, what);
+}
+/* GPU result bit for bit equal to the CPU result. */
+static void check_same(const dsk_tensor *gpu, const dsk_tensor *cpu, const char *what) {
+    const dsk_tensor *g = host_as(gpu, gpu->dtype), *c = host_as(cpu, cpu->dtype);
+    DSK_TEST_SAME_BYTES(g->data, c->data, dsk_tensor_nbytes(c), what);
+}
+/* Tolerances for a result stored in dt (f32 ones scaled by the caller for long sums). */
+static double rtol_of(dsk_dtype dt) { return dt == DSK_BF16 ? 1e-2 : dt == DSK_F16 ? 2e-3 : 1e-5; }
+static double atol_of(dsk_dtype dt) { return dt == DSK_BF16 ? 1e-2 : dt == DSK_F16 ? 2e-3 : 1e-6; }
+
+#define CASE(call, ...)                                                  \
+    do {                                                                 \
+        dsk_test_begin(__VA_ARGS__);                                     \
+        if (!have_gpu) dsk_test_skip("no usable CUDA device");           \
+        else call;                                                       \
+        release();                                                       \
+        dsk_test_end();                                                  \
+    } while (0)
+
+/* ------------------------------------------------------------------ runtime */
+
+#ifdef DSK_CUDA
+/* Runs with or without a device: the count is never an error, and matches availability. */
+static void test_device_count(void) {
+    int n = -1;
+    DSK_TEST_OK(dsk_cuda_device_count(&n));
+    DSK_TEST_EXPECT(n >= 0, "count %d", n);
+    DSK_TEST_EXPECT(dsk_cuda_available() == (n > 0), "available %d with %d devices", dsk_cuda_available(), n);
+    DSK_TEST_STATUS(dsk_cuda_device_count(NULL), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_cuda_device_count");
+}
+
+/* Without a device, asking for CUDA fails cleanly and AUTO falls back to the CPU. */
+static void test_no_device_fallback(void) {
+    dsk_ctx c;
+    dsk_ctx_opts o;
+    memset(&o, 0, sizeof o);
+    o.device = DSK_PREFER_CUDA;
+    DSK_TEST_STATUS(dsk_ctx_init(&c, &o), DSK_ERR_UNSUPPORTED);
+    DSK_TEST_ERROR_MENTIONS("dsk_ctx_init");
+    o.device = DSK_PREFER_AUTO;
+    DSK_TEST_OK(dsk_ctx_init(&c, &o));
+    DSK_TEST_EXPECT(c.device.type == DSK_DEV_CPU, "device type %d", (int)c.device.type);
+    dsk_ctx_free(&c);
+}
+
+static void test_ctx_errors(void) {
+    int n = 0;
+    dsk_ctx c;
+    dsk_ctx_opts o;
+    void *p = NULL;
+    DSK_TEST_OK(dsk_cuda_device_count(&n));
+    memset(&o, 0, sizeof o);
+    o.device = DSK_PREFER_CUDA;
+    o.cuda_index = n; /* one past the last device */
+    DSK_TEST_STATUS(dsk_ctx_init(&c, &o), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("requested");
+    DSK_TEST_EXPECT(c.stream == NULL && c.cublas == NULL, "failed init left stream %p cublas %p", c.stream, c.cublas);
+    dsk_ctx_free(&c);
+    DSK_TEST_STATUS(dsk_cuda_malloc(&G, (size_t)1 << 60, &p), DSK_ERR_OOM);
+    DSK_TEST_ERROR_MENTIONS("cudaMallocAsync");
+    DSK_TEST_EXPECT(p == NULL, "pointer %p after a failed allocation", p);
+    /* The context still works after the failure. */
+    {
+        dsk_tensor *h = hrand(DSK_F32, SH(1000), -1, 1), *d = dev(h);
+        check_same(d, h, "round trip after a failed allocation");
+    }
+    DSK_TEST_OK(dsk_ctx_sync(&G));
+}
+#endif
+
+/* ------------------------------------------------------------------ copies, casts, fill, RNG */
+
+static const dsk_dtype all_dtypes[] = {DSK_F32, DSK_F16, DSK_BF16, DSK_E4M3, DSK_E5M2, DSK_F64, DSK_I32, DSK_I64, DSK_U8};
+#define N_DTYPES (int)(sizeof all_dtypes / sizeof all_dtypes[0])
+
+/* Values that exercise rounding, saturation and the specials of every format. */
+static dsk_tensor *hspecial(dsk_dtype dt, int64_t n) {
+    static const double sp[] = {0.0, -0.0, 1.0, -1.0, 0.5, 1.5, 2.5, -2.5, 255.5, 300.0, -300.0, 448.0, 464.0, 1e5, -1e5,
+                                6e4, 1e-8, -1e-8, 3.0e9, -3.0e9, 1e300, INFINITY, -INFINITY, NAN};
+    int64_t ns = (int64_t)(sizeof sp / sizeof sp[0]);
+    dsk_tensor *f = halloc(DSK_F64, SH(n)), *t = halloc(dt, SH(n));
+    for (int64_t i = 0; i < n; i++) ((double *)f->data)[i] = i < ns ? sp[i] : dsk_test_rand(-600, 600);
+    DSK_TEST_OK(dsk_tensor_copy(NULL, t, f));
+    return t;
+}
+
+static void test_copy_roundtrip(dsk_dtype dt) {
+    dsk_tensor *h = halloc(dt, SH(7, 129)), *d;
+    for (size_t i = 0; i < dsk_tensor_nbytes(h); i++) ((unsigned char *)h->data)[i] = (unsigned char)dsk_test_rand_u64();
+    d = dev(h);
+    check_same(d, h, "host -> device -> host");
+}
+
+/* Every dtype pair, device cast against the CPU cast, bit for bit. */
+static void test_cast_all(void) {
+    char what[64];
+    for (int a = 0; a < N_DTYPES; a++)
+        for (int b = 0; b < N_DTYPES; b++) {
+            dsk_tensor *src = hspecial(all_dtypes[a], 300), *dsrc = dev(src);
+            dsk_tensor *cpu = halloc(all_dtypes[b], SH(300)), *gpu = dpoison(cpu);
+            DSK_TEST_OK(dsk_tensor_copy(NULL, cpu, src));
+            DSK_TEST_OK(dsk_tensor_copy(&G, gpu, dsrc));
+            snprintf(what, sizeof what, "cast %s -> %s", dsk_dtype_name(all_dtypes[a]), dsk_dtype_name(all_dtypes[b]));
+            check_same(gpu, cpu, what);
+            release();
+        }
+}
+
+/* Device-side strided copies (transpose, slice) with and without a cast. */
+static void test_copy_strided(dsk_dtype sdt, dsk_dtype ddt, int64_t r, int64_t c) {
+    dsk_tensor *h = hrand(sdt, SH(3, r, c), -100, 100), *d = dev(h);
+    dsk_tensor ht, dt_, hs, ds;
+    dsk_tensor *cpu, *gpu, *cpu2, *gpu2, *back;
+    DSK_TEST_OK(dsk_tensor_transpose(h, 1, 2, &ht));
+    DSK_TEST_OK(dsk_tensor_transpose(d, 1, 2, &dt_));
+    cpu = halloc(ddt, SH(3, c, r));
+    gpu = dpoison(cpu);
+    DSK_TEST_OK(dsk_tensor_copy(NULL, cpu, &ht));
+    DSK_TEST_OK(dsk_tensor_copy(&G, gpu, &dt_));
+    check_same(gpu, cpu, "transposed copy");
+    /* A slice of rows into the middle of a poisoned strided destination. */
+    DSK_TEST_OK(dsk_tensor_slice(h, 2, c / 3, c - c / 3, &hs));
+    DSK_TEST_OK(dsk_tensor_slice(d, 2, c / 3, c - c / 3, &ds));
+    cpu2 = halloc(ddt, SH(3, r, c - c / 3));
+    gpu2 = dpoison(cpu2);
+    DSK_TEST_OK(dsk_tensor_copy(NULL, cpu2, &hs));
+    DSK_TEST_OK(dsk_tensor_copy(&G, gpu2, &ds));
+    check_same(gpu2, cpu2, "sliced copy");
+    /* A strided device tensor straight to the host (the launcher packs it first). */
+    back = halloc(sdt, SH(3, c, r));
+    DSK_TEST_OK(dsk_tensor_copy(&G, back, &dt_));
+    {
+        dsk_tensor *ref = halloc(sdt, SH(3, c, r));
+        DSK_TEST_OK(dsk_tensor_copy(NULL, ref, &ht));
+        DSK_TEST_SAME_BYTES(back->data, ref->data, dsk_tensor_nbytes(ref), "strided device -> host");
+    }
+}
+
+static void test_fill(dsk_dtype dt, double value) {
+    dsk_tensor *h = hrand(dt, SH(5, 33), -1, 1), *d = dev(h);
+    dsk_tensor hv, dv;
+    DSK_TEST_OK(dsk_tensor_fill(NULL, h, value));
+    DSK_TEST_OK(dsk_tensor_fill(&G, d, value));
+    check_same(d, h, "contiguous fill");
+    /* Strided: every other column of a transposed view. */
+    h = hrand(dt, SH(5, 33), -1, 1);
+    d = dev(h);
+    DSK_TEST_OK(dsk_tensor_transpose(h, 0, 1, &hv));
+    DSK_TEST_OK(dsk_tensor_transpose(d, 0, 1, &dv));
+    DSK_TEST_OK(dsk_tensor_slice(&hv, 0, 3, 17, &hv));
+    DSK_TEST_OK(dsk_tensor_slice(&dv, 0, 3, 17, &dv));
+    DSK_TEST_OK(dsk_tensor_fill(NULL, &hv, value));
+    DSK_TEST_OK(dsk_tensor_fill(&G, &dv, value));
+    check_same(d, h, "strided fill");
+}
+
+static void test_rng(dsk_dtype dt, uint64_t seed, uint64_t offset) {
+    dsk_tensor *h = halloc(dt, SH(3, 7, 129)), *d = dpoison(h);
+    dsk_tensor hv, dv;
+    DSK_TEST_OK(dsk_tensor_uniform(NULL, h, seed, offset, -2.0f, 3.0f));
+    DSK_TEST_OK(dsk_tensor_uniform(&G, d, seed, offset, -2.0f, 3.0f));
+    check_same(d, h, "uniform");
+    /* Strided views number elements in logical order on both devices. */
+    DSK_TEST_OK(dsk_tensor_transpose(h, 0, 2, &hv));
+    DSK_TEST_OK(dsk_tensor_transpose(d, 0, 2, &dv));
+    DSK_TEST_OK(dsk_tensor_uniform(NULL, &hv, seed + 1, offset, 0.0f, 1.0f));
+    DSK_TEST_OK(dsk_tensor_uniform(&G, &dv, seed + 1, offset, 0.0f, 1.0f));
+    check_same(d, h, "uniform on a transposed view");
+    /* Normal: Box-Muller uses logf/cosf, whose device and libm results may differ by an ulp. */
+    DSK_TEST_OK(dsk_tensor_normal(NULL, h, seed, offset, 0.5f, 2.0f));
+    DSK_TEST_OK(dsk_tensor_normal(&G, d, seed, offset, 0.5f, 2.0f));
+    check(d, h, dt == DSK_F32 ? 4e-6 : rtol_of(dt), dt == DSK_F32 ? 4e-6 : atol_of(dt), "normal");
+}
+
+/* ------------------------------------------------------------------ matmul */
+
+/* A (M,K) or its transpose stored (K,M), as a view into a wider buffer when `padded`. */
+static dsk_tensor *operand(dsk_dtype dt, int batch, int64_t rows, int64_t cols, int padded, dsk_tensor *view) {
+    int64_t wide = cols + (padded ? 5 : 0);
+    dsk_tensor *t = batch ? hrand(dt, SH(batch, rows, wide), -1, 1) : hrand(dt, SH(rows, wide), -1, 1);
+    DSK_TEST_OK(dsk_tensor_slice(t, t->ndim - 1, 0, cols, view));
+    return t;
+}
+
+static void test_matmul(dsk_dtype dt, dsk_dtype cdt, int64_t M, int64_t N, int64_t K, int ta, int tb, int batch, int a_batched,
+                        int padded, float beta) {
+    dsk_tensor av, bv, dav, dbv, *a, *b, *da, *db, *c, *dc;
+    int64_t cb = batch ? batch : 1;
+    a = operand(dt, a_batched ? batch : 0, ta ? K : M, ta ? M : K, padded, &av);
+    b = operand(dt, batch, tb ? N : K, tb ? K : N, padded, &bv);
+    da = dev(a);
+    db = dev(b);
+    DSK_TEST_OK(dsk_tensor_slice(da, da->ndim - 1, 0, av.shape[av.ndim - 1], &dav));
+    DSK_TEST_OK(dsk_tensor_slice(db, db->ndim - 1, 0, bv.shape[bv.ndim - 1], &dbv));
+    c = batch ? hrand(cdt, SH(cb, M, N), -1, 1) : hrand(cdt, SH(M, N), -1, 1);
+    if (beta == 0.0f) {
+        DSK_TEST_OK(dsk_tensor_fill(NULL, c, NAN));
+        dc = dpoison(c);
+    } else {
+        dc = dev(c);
+    }
+    DSK_TEST_OK(dsk_matmul(NULL, c, &av, ta, &bv, tb, 0.75f, beta));
+    DSK_TEST_OK(dsk_matmul(&G, dc, &dav, ta, &dbv, tb, 0.75f, beta));
+    check(dc, c, rtol_of(cdt), cdt == DSK_F32 ? 1e-6 * (double)K + 1e-6 : atol_of(cdt), "C");
+}
+
+/* ------------------------------------------------------------------ elementwise */
+
+static void test_elementwise(dsk_dtype dt, int nd, const int64_t *shape) {
+    dsk_tensor *a = hrand(dt, nd, shape, -2, 2), *b = hrand(dt, nd, shape, -2, 2), *da = dev(a), *db = dev(b);
+    dsk_tensor *o = halloc(dt, nd, shape), *dout = dpoison(o);
+    double rt = dt == DSK_F32 ? 1e-6 : rtol_of(dt), at = dt == DSK_F32 ? 1e-7 : atol_of(dt);
+    DSK_TEST_OK(dsk_add(NULL, o, a, b));
+    DSK_TEST_OK(dsk_add(&G, dout, da, db));
+    check(dout, o, rt, at, "add");
+    DSK_TEST_OK(dsk_mul(NULL, o, a, b));
+    DSK_TEST_OK(dsk_mul(&G, dout, da, db));
+    check(dout, o, rt, at, "mul");
+    DSK_TEST_OK(dsk_add(NULL, a, a, b)); /* in place */
+    DSK_TEST_OK(dsk_add(&G, da, da, db));
+    check(da, a, rt, at, "add in place");
+    DSK_TEST_OK(dsk_scale(NULL, a, -1.25f));
+    DSK_TEST_OK(dsk_scale(&G, da, -1.25f));
+    check(da, a, rt, at, "scale");
+    DSK_TEST_OK(dsk_axpy(NULL, a, 0.3f, b));
+    DSK_TEST_OK(dsk_axpy(&G, da, 0.3f, db));
+    check(da, a, rt, at, "axpy");
+}
+
+static void test_activations(dsk_dtype dt, int64_t n) {
+    dsk_tensor *x = hrand(dt, SH(n), -6, 6), *u = hrand(dt, SH(n), -2, 2), *dy = hrand(dt, SH(n), -1, 1);
+    dsk_tensor *dx0 = hrand(dt, SH(n), -1, 1), *du0 = hrand(dt, SH(n), -1, 1);
+    dsk_tensor *gx = dev(x), *gu = dev(u), *gdy = dev(dy), *gdx = dev(dx0), *gdu = dev(du0);
+    dsk_tensor *y = halloc(dt, SH(n)), *gy = dpoison(y);
+    double rt = dt == DSK_F32 ? 4e-6 : rtol_of(dt), at = dt == DSK_F32 ? 1e-6 : atol_of(dt);
+    DSK_TEST_OK(dsk_silu(NULL, y, x));
+    DSK_TEST_OK(dsk_silu(&G, gy, gx));
+    check(gy, y, rt, at, "silu");
+    DSK_TEST_OK(dsk_silu_backward(NULL, dx0, dy, x));
+    DSK_TEST_OK(dsk_silu_backward(&G, gdx, gdy, gx));
+    check(gdx, dx0, rt, at, "silu backward (accumulated)");
+    DSK_TEST_OK(dsk_swiglu(NULL, y, x, u));
+    DSK_TEST_OK(dsk_swiglu(&G, gy, gx, gu));
+    check(gy, y, rt, at, "swiglu");
+    DSK_TEST_OK(dsk_swiglu_backward(NULL, dx0, du0, dy, x, u));
+    DSK_TEST_OK(dsk_swiglu_backward(&G, gdx, gdu, gdy, gx, gu));
+    check(gdx, dx0, rt, at, "swiglu dgate");
+    check(gdu, du0, rt, at, "swiglu dup");
+}
+
+/* ------------------------------------------------------------------ reductions */
+
+static void test_reduce(dsk_dtype dt, int nd, const int64_t *shape, int axis) {
+    static const dsk_reduce_op ops[] = {DSK_REDUCE_SUM, DSK_REDUCE_MEAN, DSK_REDUCE_MAX};
+    static const char *names[] = {"sum", "mean", "max"};
+    int64_t oshape[DSK_MAX_DIMS], len = shape[axis < 0 ? axis + nd : axis];
+    int ax = axis < 0 ? axis + nd : axis;
+    dsk_tensor *x = hrand(dt, nd, shape, -1, 1), *gx = dev(x);
+    for (int i = 0; i < nd; i++) oshape[i] = i == ax ? 1 : shape[i];
+    for (int o = 0; o < 3; o++) {
+        dsk_tensor *y = halloc(dt, nd, oshape), *gy = dpoison(y);
+        DSK_TEST_OK(dsk_reduce(NULL, y, x, axis, ops[o]));
+        DSK_TEST_OK(dsk_reduce(&G, gy, gx, axis, ops[o]));
+        /* Both sides sum in f64; an f32 result differs by its rounding only. */
+        check(gy, y, dt == DSK_F32 ? 1e-6 : rtol_of(dt), dt == DSK_F32 ? 1e-6 * (double)len : atol_of(dt), names[o]);
+    }
+}
+
+static void test_sum_squares(dsk_dtype dt, int64_t n) {
+    dsk_tensor *x = hrand(dt, SH(n), -1, 1), *gx = dev(x);
+    dsk_tensor *s = halloc(DSK_F32, SH(1)), *gs = dpoison(s), *gs2 = dpoison(s);
+    DSK_TEST_OK(dsk_sum_squares(NULL, s, x));
+    DSK_TEST_OK(dsk_sum_squares(&G, gs, gx));
+    DSK_TEST_OK(dsk_sum_squares(&G, gs2, gx));
+    check(gs, s, 1e-5, 0, "sum of squares");
+    check_same(gs2, host_as(gs, DSK_F32), "sum of squares run twice");
+}
+
+/* ------------------------------------------------------------------ softmax, RMSNorm */
+
+static void test_softmax(dsk_dtype dt, int nd, const int64_t *shape) {
+    dsk_tensor *x = hrand(dt, nd, shape, -5, 5), *dy = hrand(dt, nd, shape, -1, 1), *dx = hrand(dt, nd, shape, -1, 1);
+    dsk_tensor *gx = dev(x), *gdy = dev(dy), *gdx = dev(dx), *y = halloc(dt, nd, shape), *gy = dpoison(y);
+    double rt = dt == DSK_F32 ? 1e-5 : rtol_of(dt), at = dt == DSK_F32 ? 1e-7 : atol_of(dt) / 4;
+    DSK_TEST_OK(dsk_softmax(NULL, y, x));
+    DSK_TEST_OK(dsk_softmax(&G, gy, gx));
+    check(gy, y, rt, at, "softmax");
+    /* Backward from the same y on both sides. */
+    DSK_TEST_OK(dsk_tensor_copy(&G, gy, y));
+    DSK_TEST_OK(dsk_softmax_backward(NULL, dx, y, dy));
+    DSK_TEST_OK(dsk_softmax_backward(&G, gdx, gy, gdy));
+    check(gdx, dx, rt, dt == DSK_F32 ? 1e-6 : atol_of(dt), "softmax backward");
+}
+
+static void test_rmsnorm(dsk_dtype dt, int64_t R, int64_t D) {
+    dsk_tensor *x = hrand(dt, SH(R, D), -2, 2), *w = hrand(dt, SH(D), 0.5, 1.5), *dy = hrand(dt, SH(R, D), -1, 1);
+    dsk_tensor *dx = hrand(dt, SH(R, D), -1, 1), *dw = hrand(dt, SH(D), -1, 1);
+    dsk_tensor *gx = dev(x), *gw = dev(w), *gdy = dev(dy), *gdx = dev(dx), *gdw = dev(dw), *gdw2 = dev(dw);
+    dsk_tensor *y = halloc(dt, SH(R, D)), *gy = dpoison(y), *rs = halloc(DSK_F32, SH(R)), *grs = dpoison(rs);
+    double rt = dt == DSK_F32 ? 1e-5 : rtol_of(dt), at = dt == DSK_F32 ? 1e-5 : atol_of(dt);
+    DSK_TEST_OK(dsk_rmsnorm(NULL, y, rs, x, w, 1e-6f));
+    DSK_TEST_OK(dsk_rmsnorm(&G, gy, grs, gx, gw, 1e-6f));
+    check(gy, y, rt, at, "y");
+    check(grs, rs, 1e-5, 0, "rstd");
+    DSK_TEST_OK(dsk_tensor_copy(&G, grs, rs)); /* backward from the same saved rstd */
+    DSK_TEST_OK(dsk_rmsnorm_backward(NULL, dx, dw, dy, x, w, rs));
+    DSK_TEST_OK(dsk_rmsnorm_backward(&G, gdx, gdw, gdy, gx, gw, grs));
+    check(gdx, dx, rt, at, "dx (accumulated)");
+    check(gdw, dw, rt, dt == DSK_F32 ? 1e-6 * (double)R : atol_of(dt), "dw (accumulated)");
+    /* dw alone, and bitwise the same as with dx. */
+    DSK_TEST_OK(dsk_rmsnorm_backward(&G, NULL, gdw2, gdy, gx, gw, grs));
+    {
+        dsk_tensor *ref = dev(dw);
+        DSK_TEST_OK(dsk_rmsnorm_backward(&G, NULL, ref, gdy, gx, gw, grs));
+        check_same(gdw2, host_as(ref, dt), "dw run twice");
+    }
+}
+
+/* ------------------------------------------------------------------ rows by index */
+
+static void test_rows(dsk_dtype dt, int64_t R, int64_t N, int64_t D) {
+    dsk_tensor *src = hrand(dt, SH(R, D), -1, 1), *idx = hints(SH(N), R), *rows = hrand(dt, SH(N, D), -1, 1);
+    dsk_tensor *acc = hrand(dt, SH(R, D), -1, 1);
+    dsk_tensor *gsrc = dev(src), *gidx = dev(idx), *grows = dev(rows), *gacc = dev(acc), *gacc2 = dev(acc);
+    dsk_tensor *out = halloc(dt, SH(N, D)), *gout = dpoison(out);
+    DSK_TEST_OK(dsk_gather_rows(NULL, out, src, idx));
+    DSK_TEST_OK(dsk_gather_rows(&G, gout, gsrc, gidx));
+    check_same(gout, out, "gather_rows");
+    DSK_TEST_OK(dsk_embedding(&G, gout, gsrc, gidx));
+    check_same(gout, out, "embedding");
+    /* Same additions in the same order: bit for bit. */
+    DSK_TEST_OK(dsk_scatter_add_rows(NULL, acc, rows, idx));
+    DSK_TEST_OK(dsk_scatter_add_rows(&G, gacc, grows, gidx));
+    check_same(gacc, acc, "scatter_add_rows");
+    DSK_TEST_OK(dsk_embedding_backward(&G, gacc2, grows, gidx));
+    check_same(gacc2, acc, "embedding_backward");
+}
+
+/* ------------------------------------------------------------------ cross-entropy */
+
+static void test_cross_entropy(dsk_dtype dt, int64_t T, int64_t V, int n_ignored, int with_grad) {
+    dsk_tensor *x = hrand(dt, SH(T, V), -4, 4), *tg = hints(SH(T), V), *gx, *gtg;
+    dsk_tensor *loss = halloc(DSK_F32, SH(1)), *gloss, *dl = NULL, *gdl = NULL;
+    for (int i = 0; i < n_ignored; i++) ((int32_t *)tg->data)[n_ignored >= T ? i % T : dsk_test_rand_int(T)] = -100;
+    gx = dev(x);
+    gtg = dev(tg);
+    gloss = dpoison(loss);
+    if (with_grad) {
+        dl = halloc(dt, SH(T, V));
+        gdl = dpoison(dl);
+    }
+    DSK_TEST_OK(dsk_cross_entropy(NULL, loss, dl, x, tg, -100, 2.0f));
+    DSK_TEST_OK(dsk_cross_entropy(&G, gloss, gdl, gx, gtg, -100, 2.0f));
+    check(gloss, loss, 1e-5, 1e-6, "loss");
+    if (with_grad) check(gdl, dl, dt == DSK_F32 ? 1e-5 : rtol_of(dt), dt == DSK_F32 ? 1e-7 : atol_of(dt) / 10, "dlogits");
+}
+
+/* ------------------------------------------------------------------ top-k */
+
+static void test_topk(int64_t R, int64_t C, int k, int with_specials) {
+    dsk_tensor *x = hrand(DSK_F32, SH(R, C), -3, 3), *gx;
+    dsk_tensor *v = halloc(DSK_F32, SH(R, k)), *ix = halloc(DSK_I32, SH(R, k)), *gv, *gix;
+    float *p = (float *)x->data;
+    /* Quantise to force ties, and sprinkle NaN and -Inf. */
+    for (int64_t i = 0; i < R * C; i++) {
+        p[i] = floorf(p[i] * 2.0f) / 2.0f;
+        if (with_specials && dsk_test_rand_int(9) == 0) p[i] = dsk_test_rand_int(2) ? NAN : -INFINITY;
+    }
+    gx = dev(x);
+    gv = dpoison(v);
+    gix = dpoison(ix);
+    DSK_TEST_OK(dsk_topk(NULL, v, ix, x, k));
+    DSK_TEST_OK(dsk_topk(&G, gv, gix, gx, k));
+    check_same(gix, ix, "indices");
+    check_same(gv, v, "values");
+}
+
+/* ------------------------------------------------------------------ RoPE, attention */
+
+static void test_rope(dsk_dtype dt, int64_t B, int64_t T, int64_t H, int64_t Dh, int64_t pos0) {
+    dsk_tensor *x = hrand(dt, SH(B, T, H, Dh), -1, 1), *dx = hrand(dt, SH(B, T, H, Dh), -1, 1);
+    dsk_tensor *gx = dev(x), *gdx = dev(dx), *y = halloc(dt, SH(B, T, H, Dh)), *gy = dpoison(y);
+    /* Angles are (pos0 + t) theta^(-2i/Dh) in f32 through powf, cosf and sinf, whose device
+       and libm results may differ by an ulp: allow that much at the largest angle. */
+    double at = dt == DSK_F32 ? 4e-7 * (double)(pos0 + T) + 1e-6 : atol_of(dt);
+    DSK_TEST_OK(dsk_rope(NULL, y, x, pos0, 10000.0f));
+    DSK_TEST_OK(dsk_rope(&G, gy, gx, pos0, 10000.0f));
+    check(gy, y, rtol_of(dt), at, "rope");
+    DSK_TEST_OK(dsk_rope_backward(NULL, dx, x, pos0, 10000.0f));
+    DSK_TEST_OK(dsk_rope_backward(&G, gdx, gx, pos0, 10000.0f));
+    check(gdx, dx, rtol_of(dt), at, "rope backward (accumulated)");
+    DSK_TEST_OK(dsk_rope(NULL, x, x, pos0, 10000.0f)); /* in place */
+    DSK_TEST_OK(dsk_rope(&G, gx, gx, pos0, 10000.0f));
+    check(gx, x, rtol_of(dt), at, "rope in place");
+}
+
+static void test_attention(dsk_dtype dt, int64_t B, int64_t T, int64_t H, int64_t Dh) {
+    float scale = 1.0f / sqrtf((float)Dh);
+    dsk_tensor *q = hrand(dt, SH(B, T, H, Dh), -2, 2), *k = hrand(dt, SH(B, T, H, Dh), -2, 2), *v = hrand(dt, SH(B, T, H, Dh), -1, 1);
+    dsk_tensor *dout = hrand(dt, SH(B, T, H, Dh), -1, 1), *dq = hrand(dt, SH(B, T, H, Dh), -1, 1);
+    dsk_tensor *dk = hrand(dt, SH(B, T, H, Dh), -1, 1), *dv = hrand(dt, SH(B, T, H, Dh), -1, 1);
+    dsk_tensor *gq = dev(q), *gk = dev(k), *gv = dev(v), *gdout = dev(dout), *gdq = dev(dq), *gdk = dev(dk), *gdv = dev(dv);
+    dsk_tensor *out = halloc(dt, SH(B, T, H, Dh)), *gout = dpoison(out);
+    dsk_tensor *P = halloc(DSK_F32, SH(B, H, T, T)), *gP = dpoison(P);
+    double rt = dt == DSK_F32 ? 1e-4 : 2e-2, at = dt == DSK_F32 ? 2e-5 : 2e-2;
+    DSK_TEST_OK(dsk_attention(NULL, out, P, q, k, v, scale));
+    DSK_TEST_OK(dsk_attention(&G, gout, gP, gq, gk, gv, scale));
+    check(gP, P, 1e-4, 1e-6, "probs");
+    check(gout, out, rt, at, "out");
+    DSK_TEST_OK(dsk_tensor_copy(&G, gP, P)); /* backward from the same probs */
+    DSK_TEST_OK(dsk_attention_backward(NULL, dq, dk, dv, dout, q, k, v, P, scale));
+    DSK_TEST_OK(dsk_attention_backward(&G, gdq, gdk, gdv, gdout, gq, gk, gv, gP, scale));
+    check(gdq, dq, rt, at, "dq (accumulated)");
+    check(gdk, dk, rt, at, "dk (accumulated)");
+    check(gdv, dv, rt, at, "dv (accumulated)");
+}
+
+/* ------------------------------------------------------------------ AdamW */
+
+static void test_adamw(dsk_dtype gdt, dsk_dtype copy_dt, int64_t n) {
+    dsk_adamw_opts o;
+    dsk_tensor *p = hrand(DSK_F32, SH(n), -1, 1), *m = hrand(DSK_F32, SH(n), -0.1, 0.1), *v = hrand(DSK_F32, SH(n), 0, 0.01);
+    dsk_tensor *gp = dev(p), *gm = dev(m), *gv = dev(v), *cp = NULL, *gcp = NULL;
+    memset(&o, 0, sizeof o);
+    o.lr = 1e-2f;
+    o.weight_decay = 0.1f;
+    if (copy_dt != DSK_DTYPE_COUNT) {
+        cp = halloc(copy_dt, SH(n));
+        gcp = dpoison(cp);
+    }
+    for (int64_t step = 1; step <= 3; step++) {
+        dsk_tensor *g = hrand(gdt, SH(n), -1, 1), *gg = dev(g);
+        DSK_TEST_OK(dsk_adamw_step(NULL, p, g, m, v, &o, step, 0.5f, cp));
+        DSK_TEST_OK(dsk_adamw_step(&G, gp, gg, gm, gv, &o, step, 0.5f, gcp));
+    }
+    check(gp, p, 1e-6, 1e-7, "param");
+    check(gm, m, 1e-5, 1e-8, "m");
+    check(gv, v, 1e-5, 1e-10, "v");
+    if (cp) check(gcp, cp, rtol_of(copy_dt), atol_of(copy_dt), "param copy");
+}
+
+/* ------------------------------------------------------------------ main */
+
+int main(void) {
+    static const dsk_dtype fdt[] = {DSK_F32, DSK_BF16};
+    dsk_ctx_opts o;
+    dsk_test_init("test_tensor_gpu");
+    memset(&o, 0, sizeof o);
+    o.device = DSK_PREFER_CUDA;
+    have_gpu = dsk_cuda_available() && dsk_ctx_init(&G, &o) == DSK_OK;
+    if (!have_gpu) printf("# no usable CUDA device (%s): GPU cases are skipped\n", dsk_last_error()[0] ? dsk_last_error() : "none");
+
+#ifdef DSK_CUDA
+    DSK_TEST_RUN(test_device_count);
+    dsk_test_begin("no device: PREFER_CUDA fails, AUTO uses the CPU");
+    if (have_gpu) dsk_test_skip("a CUDA device is present");
+    else test_no_device_fallback();
+    dsk_test_end();
+    CASE(test_ctx_errors(), "ctx and allocation errors");
+#endif
+
+    for (int i = 0; i < N_DTYPES; i++) CASE(test_copy_roundtrip(all_dtypes[i]), "copy round trip %s", dsk_dtype_name(all_dtypes[i]));
+    CASE(test_cast_all(), "casts between all %d dtypes, specials included", N_DTYPES);
+    CASE(test_copy_strided(DSK_F32, DSK_F32, 7, 129), "strided copy f32 -> f32 (7, 129)");
+    CASE(test_copy_strided(DSK_F32, DSK_BF16, 1, 33), "strided copy f32 -> bf16 (1, 33)");
+    CASE(test_copy_strided(DSK_BF16, DSK_F16, 129, 7), "strided copy bf16 -> f16 (129, 7)");
+    CASE(test_copy_strided(DSK_I64, DSK_I64, 5, 9), "strided copy i64 -> i64 (5, 9)");
+    CASE(test_fill(DSK_F32, 0.0), "fill f32 0");
+    CASE(test_fill(DSK_F32, -0.0), "fill f32 -0");
+    CASE(test_fill(DSK_BF16, 3.14159), "fill bf16 pi");
+    CASE(test_fill(DSK_E4M3, 1000.0), "fill e4m3 1000 (saturates)");
+    CASE(test_fill(DSK_I32, -7.9), "fill i32 -7.9");
+    CASE(test_rng(DSK_F32, 42, 0), "rng f32 seed 42");
+    CASE(test_rng(DSK_BF16, 7, 1000003), "rng bf16 seed 7 offset 1000003");
+    CASE(test_rng(DSK_F32, 0xFFFFFFFFFFull, (uint64_t)1 << 40), "rng f32 large seed and offset");
+
+    for (int t = 0; t < 4; t++) {
+        int ta = t & 1, tb = t >> 1;
+        CASE(test_matmul(DSK_F32, DSK_F32, 1, 1, 1, ta, tb, 0, 0, 0, 0.0f), "matmul f32 1x1x1 ta %d tb %d", ta, tb);
+        CASE(test_matmul(DSK_F32, DSK_F32, 7, 5, 3, ta, tb, 0, 0, 1, 0.5f), "matmul f32 7x5x3 views ta %d tb %d beta 0.5", ta, tb);
+        CASE(test_matmul(DSK_F32, DSK_F32, 129, 33, 65, ta, tb, 0, 0, 0, 0.0f), "matmul f32 129x33x65 ta %d tb %d", ta, tb);
+        CASE(test_matmul(DSK_BF16, DSK_F32, 64, 129, 256, ta, tb, 0, 0, 1, 0.0f), "matmul bf16 -> f32 64x129x256 views ta %d tb %d", ta, tb);
+        CASE(test_matmul(DSK_BF16, DSK_BF16, 33, 64, 130, ta, tb, 3, 1, 0, 1.0f), "matmul bf16 batched 3x33x64x130 ta %d tb %d beta 1", ta, tb);
+        CASE(test_matmul(DSK_F16, DSK_F32, 17, 31, 64, ta, tb, 4, 0, 0, 0.0f), "matmul f16 -> f32 4x17x31x64, 2-D A shared ta %d tb %d", ta, tb);
+    }
+    CASE(test_matmul(DSK_F16, DSK_F16, 65, 7, 129, 0, 1, 2, 1, 1, 0.25f), "matmul f16 -> f16 batched views 2x65x7x129");
+    CASE(test_matmul(DSK_F32, DSK_F32, 8, 9, 0, 0, 0, 0, 0, 0, 0.5f), "matmul f32 K = 0 scales C by beta");
+    CASE(test_matmul(DSK_F32, DSK_F32, 8, 9, 0, 0, 0, 0, 0, 0, 0.0f), "matmul f32 K = 0, beta 0 zeroes a NaN C");
+
+    for (int d = 0; d < 2; d++) {
+        const char *dn = dsk_dtype_name(fdt[d]);
+        CASE(test_elementwise(fdt[d], SH(1)), "add/mul/scale/axpy %s (1)", dn);
+        CASE(test_elementwise(fdt[d], SH(7, 129)), "add/mul/scale/axpy %s (7, 129)", dn);
+        CASE(test_elementwise(fdt[d], SH(100003)), "add/mul/scale/axpy %s (100003)", dn);
+        CASE(test_activations(fdt[d], 1), "silu/swiglu and backward %s (1)", dn);
+        CASE(test_activations(fdt[d], 4099), "silu/swiglu and backward %s (4099)", dn);
+        CASE(test_reduce(fdt[d], SH(7, 129), 1), "reduce %s (7, 129) axis 1", dn);
+        CASE(test_reduce(fdt[d], SH(7, 129), 0), "reduce %s (7, 129) axis 0", dn);
+        CASE(test_reduce(fdt[d], SH(3, 5, 7), -2), "reduce %s (3, 5, 7) axis -2", dn);
+        CASE(test_reduce(fdt[d], SH(1, 1), 0), "reduce %s (1, 1) axis 0", dn);
+        CASE(test_reduce(fdt[d], SH(2, 70001), 1), "reduce %s (2, 70001) axis 1", dn);
+        CASE(test_sum_squares(fdt[d], 1), "sum_squares %s (1)", dn);
+        CASE(test_sum_squares(fdt[d], 129), "sum_squares %s (129)", dn);
+        CASE(test_sum_squares(fdt[d], 3000017), "sum_squares %s (3000017)", dn);
+        CASE(test_softmax(fdt[d], SH(1, 1)), "softmax %s (1, 1)", dn);
+        CASE(test_softmax(fdt[d], SH(7, 129)), "softmax %s (7, 129)", dn);
+        CASE(test_softmax(fdt[d], SH(2, 3, 5000)), "softmax %s (2, 3, 5000)", dn);
+        CASE(test_rmsnorm(fdt[d], 1, 7), "rmsnorm %s (1, 7)", dn);
+        CASE(test_rmsnorm(fdt[d], 7, 129), "rmsnorm %s (7, 129)", dn);
+        CASE(test_rmsnorm(fdt[d], 1000, 33), "rmsnorm %s (1000, 33)", dn);
+        CASE(test_rows(fdt[d], 1, 5, 7), "gather/scatter/embedding %s R 1 N 5 D 7", dn);
+        CASE(test_rows(fdt[d], 13, 50, 129), "gather/scatter/embedding %s R 13 N 50 D 129", dn);
+        CASE(test_rows(fdt[d], 1000, 4096, 64), "gather/scatter/embedding %s R 1000 N 4096 D 64", dn);
+        CASE(test_cross_entropy(fdt[d], 1, 5, 0, 1), "cross_entropy %s T 1 V 5", dn);
+        CASE(test_cross_entropy(fdt[d], 33, 129, 5, 1), "cross_entropy %s T 33 V 129, ignored tokens", dn);
+        CASE(test_cross_entropy(fdt[d], 7, 5000, 2, 0), "cross_entropy %s T 7 V 5000, loss only", dn);
+        CASE(test_cross_entropy(fdt[d], 4, 9, 400, 1), "cross_entropy %s all tokens ignored", dn);
+        CASE(test_rope(fdt[d], 2, 7, 3, 8, 0), "rope %s (2, 7, 3, 8) pos0 0", dn);
+        CASE(test_rope(fdt[d], 1, 33, 2, 64, 100), "rope %s (1, 33, 2, 64) pos0 100", dn);
+        CASE(test_attention(fdt[d], 1, 1, 1, 4), "attention %s (1, 1, 1, 4)", dn);
+        CASE(test_attention(fdt[d], 2, 7, 3, 8), "attention %s (2, 7, 3, 8)", dn);
+        CASE(test_attention(fdt[d], 1, 65, 2, 16), "attention %s (1, 65, 2, 16)", dn);
+    }
+    CASE(test_elementwise(DSK_F16, SH(33, 7)), "add/mul/scale/axpy f16 (33, 7)");
+    CASE(test_topk(7, 1, 1, 0), "topk R 7 C 1 k 1");
+    CASE(test_topk(7, 8, 8, 1), "topk R 7 C 8 k 8, NaN and -Inf");
+    CASE(test_topk(33, 129, 6, 1), "topk R 33 C 129 k 6, NaN and -Inf");
+    CASE(test_topk(3, 1000, 129, 0), "topk R 3 C 1000 k 129, ties");
+    CASE(test_adamw(DSK_F32, DSK_DTYPE_COUNT, 7), "adamw f32 grad (7)");
+    CASE(test_adamw(DSK_BF16, DSK_BF16, 129), "adamw bf16 grad, bf16 copy (129)");
+    CASE(test_adamw(DSK_F32, DSK_F16, 100003), "adamw f32 grad, f16 copy (100003)");
+
+    if (have_gpu) dsk_ctx_free(&G);
+    return dsk_test_finish();
+}
