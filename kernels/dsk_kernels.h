@@ -54,6 +54,18 @@ dsk_status dsk_cuda_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tensor 
 dsk_status dsk_cuda_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_tensor *grad, dsk_tensor *m, dsk_tensor *v, const dsk_adamw_opts *opts, int64_t step, float grad_mult, dsk_tensor *param_copy);
 
 /* ---- amp (kernels/amp.cu): prototypes added by dsk_amp.h's author */
+/* `block` is a scaler's device state: {double found_inf, sumsq; float scale; int32 growth, hysteresis}. */
+struct dsk_amp_scaler_opts;
+dsk_status dsk_cuda_amp_unscale(dsk_ctx *ctx, dsk_tensor *const *grads, int n, void *block); /* multi-tensor; writes found_inf, sumsq */
+dsk_status dsk_cuda_amp_update(dsk_ctx *ctx, void *block, const struct dsk_amp_scaler_opts *opts);  /* dsk_amp_scaler_rule, 1 thread */
+dsk_status dsk_cuda_amp_cast(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor *src, int stochastic, uint64_t key);
+dsk_status dsk_cuda_amp_amax(dsk_ctx *ctx, float *amax, const dsk_tensor *x, int accumulate);   /* device f32 scalar */
+/* *scale = dsk_amp_fp8_scale(max of amax[0..n), fp8_max, margin, pow2, keep_prev ? *scale : 1); then *clear = 0 if non-NULL. */
+dsk_status dsk_cuda_amp_fp8_scale(dsk_ctx *ctx, float *scale, const float *amax, int n, float fp8_max, int margin, int pow2, int keep_prev, float *clear);
+dsk_status dsk_cuda_amp_fp8_quantize(dsk_ctx *ctx, dsk_tensor *q, const dsk_tensor *x, const float *scale);
+dsk_status dsk_cuda_amp_fp8_dequantize(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *q, const float *scale);
+dsk_status dsk_cuda_amp_fp8_block_quantize(dsk_ctx *ctx, dsk_tensor *q, dsk_tensor *scales, const dsk_tensor *x, int br, int bc, int pow2);
+dsk_status dsk_cuda_amp_fp8_block_dequantize(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *q, const dsk_tensor *scales, int br, int bc);
 
 /* ---- moe (kernels/moe.cu): prototypes added by dsk_moe.h's author */
 

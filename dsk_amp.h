@@ -1,0 +1,1017 @@
+/* dsk_amp.h - mixed-precision training: loss scaling, unscale + non-finite check, global-norm
+   clipping, f32 master weights with bf16/f16 copies, FP8 scaling helpers.
+
+   Usage: #define DSK_AMP_IMPLEMENTATION in exactly one .c file before including (with
+   DSK_TENSOR_IMPLEMENTATION somewhere in the program).
+   Options: DSK_STATIC, DSK_MALLOC/DSK_FREE, DSK_CUDA, DSK_NO_CUDA as in dsk_tensor.h.
+
+   One training step (every call runs on the scaler's device; on CUDA nothing below syncs
+   the host except dsk_amp_stats_get and dsk_amp_state_get, which read 16 or 12 bytes):
+
+       float s; dsk_amp_scale_get(ctx, &sc, &s);               // loss scale of this step
+       forward, loss; backward with the loss gradient times s   // e.g. dsk_cross_entropy(..., s)
+       dsk_amp_unscale(ctx, &sc, grads, n);                    // grads *= 1/s; local stats
+       // With several ranks, ONE all-reduce joins the local stats (two f64 on sc's device):
+       //   dsk_comm_allreduce(comm, dsk_amp_stats_data(&sc), dsk_amp_stats_data(&sc), 2, DSK_F64, DSK_SUM)
+       // found_inf becomes the number of ranks that saw NaN/Inf, sumsq the global sum of squares.
+       dsk_amp_stats st; dsk_amp_stats_get(ctx, &sc, &st);
+       dsk_amp_decision d = dsk_amp_decide(st, max_norm);      // skip? clip coefficient
+       dsk_amp_step(ctx, params, n, &adamw, step, &d, DSK_ROUND_NEAREST, seed); // no-op if d.skip
+       if (!d.skip) step++;
+       dsk_amp_update(ctx, &sc);                               // scale rule on sc's device
+
+   Loss scaling follows PyTorch GradScaler (aten AmpKernels.cu _amp_update_scale_, grad_scaler.py):
+   on overflow the step is skipped, scale *= backoff and the growth tracker resets; after
+   growth_interval clean steps in a row scale *= growth, kept only if finite. Optional
+   hysteresis as in Megatron/DeepSpeed/apex, min/max scale, static and no-scaling (bf16) modes.
+   The rule is dsk_amp_scaler_rule(), one DSK_HD function run by the CPU path and the CUDA
+   kernel, so the GPU keeps the scale in device memory and updates it without a host sync.
+
+   FP8: e4m3 (max 448, saturating) and e5m2 (max 57344, Inf) with per-tensor current
+   scaling, delayed scaling from an amax history (TransformerEngine's rule), and DeepSeek-V3
+   fine-grained block scaling (1x128 activations, 128x128 weights, f32 dequantisation scales).
+   License: MIT, see the end of the file. */
+#ifndef DSK_AMP_H
+#define DSK_AMP_H
+
+#include "dsk_tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------ loss scaler */
+
+typedef enum dsk_amp_mode {
+    DSK_AMP_DYNAMIC = 0, /* GradScaler rule, optional hysteresis and min/max */
+    DSK_AMP_STATIC,      /* the scale stays init_scale; overflow steps are still skipped */
+    DSK_AMP_NONE         /* bf16: scale 1, the non-finite check and skip are kept */
+} dsk_amp_mode;
+
+/* Zero fields take the defaults in brackets. */
+typedef struct dsk_amp_scaler_opts {
+    dsk_amp_mode mode;              /* [DSK_AMP_DYNAMIC] */
+    float init_scale;               /* [65536]; DSK_AMP_NONE always uses 1 */
+    double growth_factor;           /* [2.0], > 1 */
+    double backoff_factor;          /* [0.5], in (0, 1) */
+    int32_t growth_interval;        /* [2000] clean steps in a row before growth */
+    int32_t hysteresis;             /* [1] the Nth overflow backs off; the ones before are only skipped */
+    int32_t hysteresis_consecutive; /* [0] refill hysteresis on growth (Megatron, DeepSpeed default);
+                                       1: on every clean step (apex, DeepSpeed consecutive_hysteresis) */
+    float min_scale;                /* [0 = none] back-off never goes below it */
+    float max_scale;                /* [0 = none] growth stops at it; growth never reaches Inf */
+} dsk_amp_scaler_opts;
+
+/* Everything the scaler carries from step to step: save it in checkpoints, restore it with
+   dsk_amp_state_set and the trajectory continues exactly. */
+typedef struct dsk_amp_scaler_state {
+    float scale;
+    int32_t growth_tracker;  /* clean steps since the last growth or overflow, < growth_interval */
+    int32_t hysteresis_left; /* overflows (this one included) until the next back-off, in [1, hysteresis] */
+} dsk_amp_scaler_state;
+
+/* Result of one unscale pass. Two f64 so one SUM all-reduce joins all ranks. */
+typedef struct dsk_amp_stats {
+    double found_inf; /* > 0 if some gradient element was NaN or Inf (after unscaling) */
+    double sumsq;     /* sum of squares of the unscaled gradients, f64 */
+} dsk_amp_stats;
+
+typedef struct dsk_amp_scaler {
+    dsk_amp_scaler_opts opts;  /* resolved: defaults filled in */
+    dsk_device device;         /* where the state and stats live */
+    dsk_amp_stats stats;       /* CPU scaler: the stats */
+    dsk_amp_scaler_state state;/* CPU scaler: the state */
+    void *dev_block;           /* CUDA scaler: device memory {dsk_amp_stats; dsk_amp_scaler_state} */
+} dsk_amp_scaler;
+
+/* 1 if stats say this step must be skipped: a NaN/Inf was seen or the norm is not finite. */
+static inline DSK_HD int dsk_amp_stats_overflow(dsk_amp_stats st) {
+    return !(st.found_inf <= 0.0) || !(st.sumsq - st.sumsq == 0.0);
+}
+
+static inline DSK_HD int dsk_amp_isfinite(float x) { return (dsk_f32_bits(x) & 0x7f800000u) != 0x7f800000u; }
+
+/* The loss-scale update rule, shared by the CPU path and the CUDA kernel. `o` must be
+   resolved (dsk_amp_scaler_init fills the defaults). Products are formed in f64 and
+   rounded to f32 as PyTorch does. */
+static inline DSK_HD void dsk_amp_scaler_rule(dsk_amp_scaler_state *s, int overflow, const dsk_amp_scaler_opts *o) {
+    if (o->mode != DSK_AMP_DYNAMIC) return;
+    if (overflow) {
+        s->growth_tracker = 0;
+        if (s->hysteresis_left > 1) { s->hysteresis_left--; return; } /* absorbed: skip only */
+        float next = (float)((double)s->scale * o->backoff_factor);
+        if (o->min_scale > 0.0f && next < o->min_scale) next = o->min_scale;
+        if (next > 0.0f) s->scale = next; /* the mirror of the Inf guard: never reaches 0 */
+        return;
+    }
+    if (o->hysteresis_consecutive) s->hysteresis_left = o->hysteresis;
+    if (s->growth_tracker + 1 >= o->growth_interval) {
+        float next = (float)((double)s->scale * o->growth_factor);
+        if (o->max_scale > 0.0f && next > o->max_scale) next = o->max_scale;
+        if (dsk_amp_isfinite(next)) s->scale = next;
+        s->growth_tracker = 0;
+        s->hysteresis_left = o->hysteresis;
+    } else {
+        s->growth_tracker++;
+    }
+}
+
+/* 1/scale computed in f64 and rounded to f32 (GradScaler's inv_scale). */
+static inline DSK_HD float dsk_amp_inv_scale(float scale) { return (float)(1.0 / (double)scale); }
+
+/* Fills defaults and checks ranges; on CUDA the state lives in device memory of ctx's device. */
+DSK_API dsk_status dsk_amp_scaler_init(dsk_ctx *ctx, dsk_amp_scaler *sc, const dsk_amp_scaler_opts *opts);
+DSK_API void dsk_amp_scaler_free(dsk_ctx *ctx, dsk_amp_scaler *sc); /* zeroed/freed ok */
+/* Reads the state (CUDA: copies 12 bytes and syncs the stream). */
+DSK_API dsk_status dsk_amp_state_get(dsk_ctx *ctx, const dsk_amp_scaler *sc, dsk_amp_scaler_state *out);
+/* Restores a saved state; checks scale > 0 finite, tracker in [0, interval), hysteresis_left in [1, hysteresis]. */
+DSK_API dsk_status dsk_amp_state_set(dsk_ctx *ctx, dsk_amp_scaler *sc, const dsk_amp_scaler_state *st);
+/* Current loss scale (dsk_amp_state_get's scale). */
+DSK_API dsk_status dsk_amp_scale_get(dsk_ctx *ctx, const dsk_amp_scaler *sc, float *scale);
+
+/* One fused pass over n gradients (each contiguous f32, bf16 or f16 on sc's device, any
+   sizes, empty ok): g <- g * inv_scale, stored in g's dtype (RNE); sets the scaler's stats
+   for this step: found_inf = 1 if any stored value is NaN or Inf, sumsq = sum of the squares
+   of the stored values in f64, in a fixed order (deterministic for any thread count).
+   16-bit gradients round once more when stored: prefer f32 gradients with large scales. */
+DSK_API dsk_status dsk_amp_unscale(dsk_ctx *ctx, dsk_amp_scaler *sc, dsk_tensor *const *grads, int n);
+/* The scaler's stats as two f64 in its device memory (found_inf, sumsq): the buffer to
+   all-reduce (SUM) across ranks between dsk_amp_unscale and dsk_amp_stats_get/update. */
+DSK_API double *dsk_amp_stats_data(dsk_amp_scaler *sc);
+/* Reads the stats (CUDA: copies 16 bytes and syncs the stream). */
+DSK_API dsk_status dsk_amp_stats_get(dsk_ctx *ctx, const dsk_amp_scaler *sc, dsk_amp_stats *out);
+/* Applies the rule with overflow = dsk_amp_stats_overflow(stats), on the scaler's device
+   (CUDA: one single-thread kernel, no host sync). Call once per step after the optimizer. */
+DSK_API dsk_status dsk_amp_update(dsk_ctx *ctx, dsk_amp_scaler *sc);
+
+/* ------------------------------------------------------------------ clipping and skip */
+
+typedef struct dsk_amp_decision {
+    int skip;        /* 1: leave weights, moments and copies untouched this step */
+    float grad_mult; /* gradient multiplier for AdamW: the clip coefficient (1 if no clipping) */
+    double norm;     /* global L2 norm of the unscaled gradients */
+} dsk_amp_decision;
+
+/* skip = dsk_amp_stats_overflow(st) (a non-finite norm counts as overflow); norm = sqrt(sumsq);
+   grad_mult = min(1, max_norm / (norm + 1e-6)) in f64 rounded to f32 when max_norm > 0, else 1. */
+static inline DSK_HD dsk_amp_decision dsk_amp_decide(dsk_amp_stats st, double max_norm) {
+    dsk_amp_decision d;
+    d.skip = dsk_amp_stats_overflow(st);
+    d.norm = sqrt(st.sumsq);
+    d.grad_mult = 1.0f;
+    if (!d.skip && max_norm > 0.0) {
+        double c = max_norm / (d.norm + 1e-6);
+        d.grad_mult = (float)(c < 1.0 ? c : 1.0);
+    }
+    return d;
+}
+
+/* ------------------------------------------------------------------ master weights and casts */
+
+typedef enum dsk_amp_round {
+    DSK_ROUND_NEAREST = 0, /* round to nearest even */
+    DSK_ROUND_STOCHASTIC   /* round up with probability (x - down) / (up - down), unbiased */
+} dsk_amp_round;
+
+/* Key of the stochastic-rounding stream of tensor `tensor_id` at optimizer `step`: element i
+   uses word i % 4 of dsk_philox4x32(key, i / 4), so resume at any step is exact. */
+static inline DSK_HD uint64_t dsk_amp_sr_key(uint64_t seed, uint64_t tensor_id, uint64_t step) {
+    uint32_t a[4], b[4];
+    dsk_philox4x32(seed, tensor_id, a);
+    dsk_philox4x32(((uint64_t)a[1] << 32) | a[0], step, b);
+    return ((uint64_t)b[1] << 32) | b[0];
+}
+static inline DSK_HD uint32_t dsk_amp_sr_bits(uint64_t key, uint64_t i) {
+    uint32_t r[4];
+    dsk_philox4x32(key, i >> 2, r);
+    return r[i & 3];
+}
+
+/* f32 -> bf16 rounding up with probability (low 16 bits)/2^16, from 32 random bits `rnd`;
+   NaN stays NaN; Inf stays Inf; a finite value above the largest bf16 may round to Inf. */
+static inline DSK_HD uint16_t dsk_f32_to_bf16_sr(float f, uint32_t rnd) {
+    uint32_t u = dsk_f32_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);
+    if ((u & 0x7fffffffu) == 0x7f800000u) return (uint16_t)(u >> 16);
+    return (uint16_t)((u + (rnd >> 16)) >> 16);
+}
+/* f32 -> f16 magnitude code with stochastic rounding (cf. dsk__round_minifloat): rounds up
+   with probability rem / 2^shift from the 32 random bits; exact for shifts up to 32. */
+static inline DSK_HD uint32_t dsk__sr_minifloat(float f, int mbits, int bias, uint32_t rnd) {
+    uint32_t u = dsk_f32_bits(f) & 0x7fffffffu;
+    int e32 = (int)(u >> 23), e = e32 - 127, emin = 1 - bias, shift;
+    uint32_t sig, q, thr;
+    if (e32 == 0) return 0; /* f32 subnormals lie below 2^-126, far under every target's step */
+    sig = (u & 0x7fffffu) | 0x800000u;
+    shift = 23 - mbits + (e < emin ? emin - e : 0);
+    if (shift >= 56) return 0;
+    if (shift < 32) {
+        q = sig >> shift;
+        thr = (sig & ((1u << shift) - 1u)) << (32 - shift); /* rem / 2^shift as a 32-bit fraction */
+    } else {
+        q = 0;
+        thr = sig >> (shift - 32);
+    }
+    if (rnd < thr) q++;
+    if (e < emin) return q;
+    return ((uint32_t)(e + bias) << mbits) + (q - (1u << mbits));
+}
+static inline DSK_HD uint16_t dsk_f32_to_f16_sr(float f, uint32_t rnd) {
+    uint32_t u = dsk_f32_bits(f), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+    if (a == 0x7f800000u) return (uint16_t)(sign | 0x7c00u);
+    uint32_t mag = dsk__sr_minifloat(f, 10, 15, rnd);
+    return (uint16_t)(sign | (mag >= 0x7c00u ? 0x7c00u : mag));
+}
+
+/* dst (bf16, f16 or f32) <- src (f32), same shape, contiguous, same device. NEAREST rounds
+   to nearest even; STOCHASTIC uses stream dsk_amp_sr_key(seed, tensor_id, step). */
+DSK_API dsk_status dsk_amp_cast(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor *src, dsk_amp_round mode,
+                                uint64_t seed, uint64_t tensor_id, uint64_t step);
+
+/* One trainable tensor under mixed precision. */
+typedef struct dsk_amp_param {
+    const char *name;   /* for messages; may be NULL */
+    dsk_tensor *master; /* f32 master weights */
+    dsk_tensor *grad;   /* unscaled gradient, f32/bf16/f16 */
+    dsk_tensor *m, *v;  /* f32 AdamW moments */
+    dsk_tensor *copy;   /* bf16/f16 compute copy, or NULL */
+} dsk_amp_param;
+
+/* One optimizer step over params[0..n) unless dec->skip (then nothing is read or written):
+   dsk_adamw_step(master, grad, m, v, opts, step, dec->grad_mult), then the copy is refreshed
+   from the master with `round` (stochastic stream: seed, tensor id = index in params, step).
+   `step` is 1-based and counts applied steps only. */
+DSK_API dsk_status dsk_amp_step(dsk_ctx *ctx, const dsk_amp_param *params, int n, const dsk_adamw_opts *opts,
+                                int64_t step, const dsk_amp_decision *dec, dsk_amp_round round, uint64_t seed);
+
+/* ------------------------------------------------------------------ FP8 scaling */
+
+/* Largest finite value of an fp8 format: 448 (e4m3), 57344 (e5m2); 0 for other dtypes. */
+static inline DSK_HD float dsk_amp_fp8_max(dsk_dtype fmt) {
+    return fmt == DSK_E4M3 ? DSK_E4M3_MAX : fmt == DSK_E5M2 ? DSK_E5M2_MAX : 0.0f;
+}
+static inline DSK_HD uint8_t dsk_amp_to_fp8(float x, dsk_dtype fmt) {
+    return fmt == DSK_E4M3 ? dsk_f32_to_e4m3(x) : dsk_f32_to_e5m2(x);
+}
+static inline DSK_HD float dsk_amp_from_fp8(uint8_t b, dsk_dtype fmt) {
+    return fmt == DSK_E4M3 ? dsk_e4m3_to_f32(b) : dsk_e5m2_to_f32(b);
+}
+/* |x| as ordered bits: the max over these is exact in any order; NaN > Inf > finite. */
+static inline DSK_HD uint32_t dsk_amp_abs_bits(float x) { return dsk_f32_bits(x) & 0x7fffffffu; }
+
+/* Largest power of two <= x (x > 0 finite normal or subnormal); for pow2 scales. */
+static inline DSK_HD float dsk_amp_pow2_floor(float x) {
+    uint32_t u = dsk_f32_bits(x);
+    if (u >= 0x00800000u) return dsk_bits_f32(u & 0xff800000u);
+    while (u & (u - 1u)) u &= u - 1u; /* subnormal: keep the top bit */
+    return dsk_bits_f32(u);
+}
+
+/* Quantisation scale (multiplier) from an amax: (fp8_max / amax) / 2^margin; amax 0 or not
+   finite gives `prev`; a scale that overflows f32 becomes FLT_MAX; pow2 rounds it down to a
+   power of two. Current scaling passes prev = 1, delayed scaling the previous scale
+   (TransformerEngine's _default_sf_compute). */
+static inline DSK_HD float dsk_amp_fp8_scale(float amax, float fp8_max, int margin, int pow2, float prev) {
+    float s;
+    if (!(amax > 0.0f) || !dsk_amp_isfinite(amax)) return prev;
+    s = (fp8_max / amax) / ldexpf(1.0f, margin);
+    if (!dsk_amp_isfinite(s)) s = 3.40282347e38f;
+    return pow2 ? dsk_amp_pow2_floor(s) : s;
+}
+/* DeepSeek-V3 block dequantisation scale from a block amax: amax / fp8_max (x ~ q * d), 1
+   when amax is 0 or not finite, at least the smallest normal f32; pow2 rounds it up to a
+   power of two (so |x| / d <= fp8_max still holds). */
+static inline DSK_HD float dsk_amp_fp8_block_scale(float amax, float fp8_max, int pow2) {
+    float d;
+    if (!(amax > 0.0f) || !dsk_amp_isfinite(amax)) return 1.0f;
+    d = amax / fp8_max;
+    if (d < 1.17549435e-38f) d = 1.17549435e-38f;
+    if (pow2) {
+        float f = dsk_amp_pow2_floor(d);
+        d = f == d ? d : 2.0f * f;
+    }
+    return d;
+}
+
+/* amax (scalar f32 on x's device) = max |x| over x (f32/bf16/f16, contiguous); NaN if any NaN,
+   else Inf if any Inf. accumulate = 1 takes the max with amax's prior value. */
+DSK_API dsk_status dsk_amp_amax(dsk_ctx *ctx, dsk_tensor *amax, const dsk_tensor *x, int accumulate);
+/* Per-tensor current scaling: amax = max |x|, scale = dsk_amp_fp8_scale(amax, max of fmt,
+   margin, pow2, 1); scale and amax are scalar f32 tensors on x's device (amax may be NULL). */
+DSK_API dsk_status dsk_amp_fp8_current_scale(dsk_ctx *ctx, dsk_tensor *scale, dsk_tensor *amax, const dsk_tensor *x,
+                                             dsk_dtype fmt, int margin, int pow2);
+/* q (e4m3/e5m2) = fp8(x * scale), x f32/bf16/f16, scale a scalar f32 tensor; e4m3 saturates
+   at +-448 (Inf too), e5m2 overflows to Inf; NaN stays NaN. */
+DSK_API dsk_status dsk_amp_fp8_quantize(dsk_ctx *ctx, dsk_tensor *q, const dsk_tensor *x, const dsk_tensor *scale);
+/* y (f32/bf16/f16) = f32(q) * (1 / scale), the reciprocal rounded to f32. */
+DSK_API dsk_status dsk_amp_fp8_dequantize(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *q, const dsk_tensor *scale);
+
+typedef enum dsk_amp_amax_algo { DSK_AMAX_MAX = 0, DSK_AMAX_MOST_RECENT } dsk_amp_amax_algo;
+
+typedef struct dsk_amp_fp8_delayed_opts {
+    dsk_dtype fmt;          /* [DSK_E4M3]; DSK_E4M3 or DSK_E5M2 (0, i.e. DSK_F32, means the default) */
+    int history_len;        /* [1024] */
+    int margin;             /* [0] */
+    dsk_amp_amax_algo algo; /* [DSK_AMAX_MAX] over the history, or the most recent amax */
+    int pow2;               /* [0] 1: power-of-two scales */
+} dsk_amp_fp8_delayed_opts;
+
+/* Delayed scaling of one tensor stream: quantise with the scale from past amaxes, record
+   this amax, update the scale once per step. State lives on ctx's device. */
+typedef struct dsk_amp_fp8_delayed {
+    dsk_amp_fp8_delayed_opts opts; /* resolved */
+    dsk_tensor history;            /* (history_len) f32 amaxes; slot `pos` collects this step's */
+    dsk_tensor scale;              /* scalar f32, starts at 1 */
+    int64_t pos;
+} dsk_amp_fp8_delayed;
+
+DSK_API dsk_status dsk_amp_fp8_delayed_init(dsk_ctx *ctx, dsk_amp_fp8_delayed *d, const dsk_amp_fp8_delayed_opts *opts);
+DSK_API void dsk_amp_fp8_delayed_free(dsk_ctx *ctx, dsk_amp_fp8_delayed *d); /* zeroed/freed ok */
+/* q = fp8(x * scale) with the current scale; history[pos] = max(history[pos], max |x|). */
+DSK_API dsk_status dsk_amp_fp8_delayed_quantize(dsk_ctx *ctx, dsk_amp_fp8_delayed *d, dsk_tensor *q, const dsk_tensor *x);
+/* End of step: amax = max of the history (or history[pos]); scale = dsk_amp_fp8_scale(amax,
+   fp8_max, margin, pow2, scale); then pos advances and its slot is zeroed. */
+DSK_API dsk_status dsk_amp_fp8_delayed_update(dsk_ctx *ctx, dsk_amp_fp8_delayed *d);
+
+/* Fine-grained block scaling of a 2-D x (R, C) in blocks of (br, bc) elements (DeepSeek-V3:
+   1x128 for activations, 128x128 for weights; edge blocks may be partial): scales
+   (ceil(R/br), ceil(C/bc)) f32 = dsk_amp_fp8_block_scale(block amax, fmt max, pow2), and
+   q (R, C) e4m3/e5m2 = fp8(x / scale of its block). */
+DSK_API dsk_status dsk_amp_fp8_block_quantize(dsk_ctx *ctx, dsk_tensor *q, dsk_tensor *scales, const dsk_tensor *x,
+                                              int br, int bc, int pow2);
+/* y (R, C) f32/bf16/f16 = f32(q) * scale of its block. */
+DSK_API dsk_status dsk_amp_fp8_block_dequantize(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *q, const dsk_tensor *scales,
+                                                int br, int bc);
+
+/* ------------------------------------------------------------------ element access (CPU and CUDA) */
+
+static inline DSK_HD float dsk_amp_load(const void *p, dsk_dtype dt, int64_t i) {
+    switch (dt) {
+    case DSK_BF16: return dsk_bf16_to_f32(((const uint16_t *)p)[i]);
+    case DSK_F16: return dsk_f16_to_f32(((const uint16_t *)p)[i]);
+    case DSK_E4M3: return dsk_e4m3_to_f32(((const uint8_t *)p)[i]);
+    case DSK_E5M2: return dsk_e5m2_to_f32(((const uint8_t *)p)[i]);
+    default: return ((const float *)p)[i];
+    }
+}
+/* Stores x in dt (RNE) and returns the stored value as f32. */
+static inline DSK_HD float dsk_amp_store(void *p, dsk_dtype dt, int64_t i, float x) {
+    switch (dt) {
+    case DSK_BF16: { uint16_t h = dsk_f32_to_bf16(x); ((uint16_t *)p)[i] = h; return dsk_bf16_to_f32(h); }
+    case DSK_F16: { uint16_t h = dsk_f32_to_f16(x); ((uint16_t *)p)[i] = h; return dsk_f16_to_f32(h); }
+    default: ((float *)p)[i] = x; return x;
+    }
+}
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DSK_AMP_H */
+
+/* ==================================================================== implementation */
+#ifdef DSK_AMP_IMPLEMENTATION
+#ifndef DSK_AMP_IMPLEMENTATION_DONE
+#define DSK_AMP_IMPLEMENTATION_DONE
+
+/* With static linkage every translation unit needs its own copy of the ground floor. */
+#if defined(DSK_STATIC) && !defined(DSK_TENSOR_IMPLEMENTATION)
+#define DSK_TENSOR_IMPLEMENTATION
+#include "dsk_tensor.h"
+#endif
+#include <stdio.h>
+#ifdef DSK_CUDA
+#include "kernels/dsk_kernels.h"
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Elements per CPU chunk: the fixed unit of every f64 partial sum (thread-count independent). */
+#define DSK_AMP__CHUNK 16384
+
+static int dsk_amp__is_grad_dtype(dsk_dtype dt) { return dt == DSK_F32 || dt == DSK_BF16 || dt == DSK_F16; }
+static int dsk_amp__is_fp8(dsk_dtype dt) { return dt == DSK_E4M3 || dt == DSK_E5M2; }
+
+/* A tensor an amp op can use: non-NULL, contiguous, data if non-empty, on `dev`, and on a
+   device this build supports. `what` names it in messages. */
+static dsk_status dsk_amp__check(const char *fn, const char *what, const dsk_tensor *t, dsk_device dev) {
+    char b[96];
+    if (!t) return dsk_set_error(DSK_ERR_ARG, "%s: %s is NULL", fn, what);
+    if (!t->data && dsk_tensor_numel(t) > 0) return dsk_set_error(DSK_ERR_ARG, "%s: %s %s has no data", fn, what, dsk_tensor_describe(t, b, sizeof b));
+    if (!dsk_tensor_is_contiguous(t)) return dsk_set_error(DSK_ERR_ARG, "%s: %s %s is not contiguous", fn, what, dsk_tensor_describe(t, b, sizeof b));
+    if (t->device.type != dev.type || t->device.index != dev.index)
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s %s is on %s:%d, expected %s:%d", fn, what, dsk_tensor_describe(t, b, sizeof b),
+                             t->device.type == DSK_DEV_CUDA ? "cuda" : "cpu", t->device.index, dev.type == DSK_DEV_CUDA ? "cuda" : "cpu", dev.index);
+#ifndef DSK_CUDA
+    if (t->device.type != DSK_DEV_CPU)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: %s is a CUDA tensor in a build without DSK_CUDA", fn, what);
+#endif
+    return DSK_OK;
+}
+
+/* CUDA ops need a ctx on the tensor's device. */
+static dsk_status dsk_amp__need_ctx(const char *fn, const dsk_ctx *ctx, dsk_device dev) {
+    if (dev.type != DSK_DEV_CUDA) return DSK_OK;
+    if (!ctx || ctx->device.type != DSK_DEV_CUDA || ctx->device.index != dev.index)
+        return dsk_set_error(DSK_ERR_ARG, "%s: CUDA device %d needs a ctx on that device", fn, dev.index);
+    return DSK_OK;
+}
+
+static dsk_status dsk_amp__scalar_f32(const char *fn, const char *what, const dsk_tensor *t, dsk_device dev) {
+    char b[96];
+    dsk_status s = dsk_amp__check(fn, what, t, dev);
+    if (s != DSK_OK) return s;
+    if (t->dtype != DSK_F32 || dsk_tensor_numel(t) != 1)
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s is %s, want one f32 element", fn, what, dsk_tensor_describe(t, b, sizeof b));
+    return DSK_OK;
+}
+
+/* ---------------------------------------------------------------- loss scaler */
+
+static dsk_status dsk_amp__resolve(const dsk_amp_scaler_opts *in, dsk_amp_scaler_opts *o) {
+    const char *fn = "dsk_amp_scaler_init";
+    memset(o, 0, sizeof *o);
+    if (in) *o = *in;
+    if ((int)o->mode < DSK_AMP_DYNAMIC || (int)o->mode > DSK_AMP_NONE) return dsk_set_error(DSK_ERR_ARG, "%s: unknown mode %d", fn, (int)o->mode);
+    if (o->init_scale == 0.0f) o->init_scale = 65536.0f;
+    if (o->growth_factor == 0.0) o->growth_factor = 2.0;
+    if (o->backoff_factor == 0.0) o->backoff_factor = 0.5;
+    if (o->growth_interval == 0) o->growth_interval = 2000;
+    if (o->hysteresis == 0) o->hysteresis = 1;
+    if (o->mode == DSK_AMP_NONE) o->init_scale = 1.0f;
+    if (!(o->init_scale > 0.0f) || !dsk_amp_isfinite(o->init_scale))
+        return dsk_set_error(DSK_ERR_ARG, "%s: init_scale %g must be finite and > 0", fn, (double)o->init_scale);
+    if (!(o->growth_factor > 1.0) || !(o->growth_factor < 1e30))
+        return dsk_set_error(DSK_ERR_ARG, "%s: growth_factor %g must be finite and > 1", fn, o->growth_factor);
+    if (!(o->backoff_factor > 0.0 && o->backoff_factor < 1.0))
+        return dsk_set_error(DSK_ERR_ARG, "%s: backoff_factor %g must be in (0, 1)", fn, o->backoff_factor);
+    if (o->growth_interval < 1) return dsk_set_error(DSK_ERR_ARG, "%s: growth_interval %d must be >= 1", fn, (int)o->growth_interval);
+    if (o->hysteresis < 1) return dsk_set_error(DSK_ERR_ARG, "%s: hysteresis %d must be >= 1", fn, (int)o->hysteresis);
+    if (!(o->min_scale >= 0.0f) || !(o->max_scale >= 0.0f) || !dsk_amp_isfinite(o->min_scale) || !dsk_amp_isfinite(o->max_scale))
+        return dsk_set_error(DSK_ERR_ARG, "%s: min_scale %g and max_scale %g must be finite and >= 0", fn, (double)o->min_scale,
+                             (double)o->max_scale);
+    if (o->max_scale > 0.0f && o->min_scale > o->max_scale)
+        return dsk_set_error(DSK_ERR_ARG, "%s: min_scale %g > max_scale %g", fn, (double)o->min_scale, (double)o->max_scale);
+    if (o->mode == DSK_AMP_DYNAMIC && ((o->min_scale > 0.0f && o->init_scale < o->min_scale) || (o->max_scale > 0.0f && o->init_scale > o->max_scale)))
+        return dsk_set_error(DSK_ERR_ARG, "%s: init_scale %g outside [min_scale %g, max_scale %g]", fn, (double)o->init_scale,
+                             (double)o->min_scale, (double)o->max_scale);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_amp_scaler_init(dsk_ctx *ctx, dsk_amp_scaler *sc, const dsk_amp_scaler_opts *opts) {
+    dsk_status s;
+    if (!sc) return dsk_set_error(DSK_ERR_ARG, "dsk_amp_scaler_init: scaler is NULL");
+    memset(sc, 0, sizeof *sc);
+    if ((s = dsk_amp__resolve(opts, &sc->opts)) != DSK_OK) return s;
+    sc->device = ctx ? ctx->device : dsk_cpu();
+    sc->state.scale = sc->opts.init_scale;
+    sc->state.growth_tracker = 0;
+    sc->state.hysteresis_left = sc->opts.hysteresis;
+#ifdef DSK_CUDA
+    if (sc->device.type == DSK_DEV_CUDA) {
+        char blk[sizeof(dsk_amp_stats) + sizeof(dsk_amp_scaler_state)];
+        memcpy(blk, &sc->stats, sizeof sc->stats);
+        memcpy(blk + sizeof sc->stats, &sc->state, sizeof sc->state);
+        if ((s = dsk_cuda_malloc(ctx, sizeof blk, &sc->dev_block)) != DSK_OK) { memset(sc, 0, sizeof *sc); return s; }
+        if ((s = dsk_cuda_memcpy(ctx, sc->dev_block, blk, sizeof blk, 1)) == DSK_OK) s = dsk_cuda_sync(ctx);
+        if (s != DSK_OK) { dsk_cuda_free(ctx, sc->dev_block); memset(sc, 0, sizeof *sc); }
+        return s;
+    }
+#endif
+    if (sc->device.type != DSK_DEV_CPU) {
+        memset(sc, 0, sizeof *sc);
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "dsk_amp_scaler_init: ctx device type %d not available in this build", (int)(ctx ? ctx->device.type : 0));
+    }
+    return DSK_OK;
+}
+
+DSK_API void dsk_amp_scaler_free(dsk_ctx *ctx, dsk_amp_scaler *sc) {
+    if (!sc) return;
+#ifdef DSK_CUDA
+    if (sc->dev_block) dsk_cuda_free(ctx, sc->dev_block);
+#endif
+    (void)ctx;
+    memset(sc, 0, sizeof *sc);
+}
+
+static dsk_status dsk_amp__need_scaler(const char *fn, const dsk_ctx *ctx, const dsk_amp_scaler *sc) {
+    if (!sc) return dsk_set_error(DSK_ERR_ARG, "%s: scaler is NULL", fn);
+    if (sc->opts.growth_interval < 1) return dsk_set_error(DSK_ERR_STATE, "%s: scaler is not initialised", fn);
+    if (sc->device.type == DSK_DEV_CUDA && !sc->dev_block) return dsk_set_error(DSK_ERR_STATE, "%s: CUDA scaler without device state", fn);
+    return dsk_amp__need_ctx(fn, ctx, sc->device);
+}
+
+/* Copies `bytes` at `offset` of the scaler's device block to or from host memory, synced. */
+static dsk_status dsk_amp__block_io(dsk_ctx *ctx, const dsk_amp_scaler *sc, size_t offset, void *host, size_t bytes, int to_device) {
+#ifdef DSK_CUDA
+    dsk_status s;
+    char *dev = (char *)sc->dev_block + offset;
+    if ((s = dsk_cuda_memcpy(ctx, to_device ? (void *)dev : host, to_device ? (const void *)host : (const void *)dev, bytes, to_device)) != DSK_OK)
+        return s;
+    return dsk_cuda_sync(ctx);
+#else
+    (void)ctx; (void)sc; (void)offset; (void)host; (void)bytes; (void)to_device;
+    return dsk_set_error(DSK_ERR_UNSUPPORTED, "dsk_amp: CUDA scaler in a build without DSK_CUDA");
+#endif
+}
+
+DSK_API dsk_status dsk_amp_state_get(dsk_ctx *ctx, const dsk_amp_scaler *sc, dsk_amp_scaler_state *out) {
+    dsk_status s;
+    if ((s = dsk_amp__need_scaler("dsk_amp_state_get", ctx, sc)) != DSK_OK) return s;
+    if (!out) return dsk_set_error(DSK_ERR_ARG, "dsk_amp_state_get: out is NULL");
+    if (sc->device.type == DSK_DEV_CPU) { *out = sc->state; return DSK_OK; }
+    return dsk_amp__block_io(ctx, sc, sizeof(dsk_amp_stats), out, sizeof *out, 0);
+}
+
+DSK_API dsk_status dsk_amp_state_set(dsk_ctx *ctx, dsk_amp_scaler *sc, const dsk_amp_scaler_state *st) {
+    const char *fn = "dsk_amp_state_set";
+    dsk_status s;
+    dsk_amp_scaler_state v;
+    if ((s = dsk_amp__need_scaler(fn, ctx, sc)) != DSK_OK) return s;
+    if (!st) return dsk_set_error(DSK_ERR_ARG, "%s: state is NULL", fn);
+    v = *st;
+    if (!(v.scale > 0.0f) || !dsk_amp_isfinite(v.scale)) return dsk_set_error(DSK_ERR_ARG, "%s: scale %g must be finite and > 0", fn, (double)v.scale);
+    if (v.growth_tracker < 0 || v.growth_tracker >= sc->opts.growth_interval)
+        return dsk_set_error(DSK_ERR_ARG, "%s: growth_tracker %d outside [0, growth_interval %d)", fn, (int)v.growth_tracker, (int)sc->opts.growth_interval);
+    if (v.hysteresis_left < 1 || v.hysteresis_left > sc->opts.hysteresis)
+        return dsk_set_error(DSK_ERR_ARG, "%s: hysteresis_left %d outside [1, hysteresis %d]", fn, (int)v.hysteresis_left, (int)sc->opts.hysteresis);
+    if (sc->opts.mode == DSK_AMP_NONE && v.scale != 1.0f)
+        return dsk_set_error(DSK_ERR_ARG, "%s: scale %g in mode DSK_AMP_NONE, which keeps scale 1", fn, (double)v.scale);
+    if (sc->device.type == DSK_DEV_CPU) { sc->state = v; return DSK_OK; }
+    return dsk_amp__block_io(ctx, sc, sizeof(dsk_amp_stats), &v, sizeof v, 1);
+}
+
+DSK_API dsk_status dsk_amp_scale_get(dsk_ctx *ctx, const dsk_amp_scaler *sc, float *scale) {
+    dsk_amp_scaler_state st;
+    dsk_status s;
+    memset(&st, 0, sizeof st);
+    if (!scale) return dsk_set_error(DSK_ERR_ARG, "dsk_amp_scale_get: out is NULL");
+    if ((s = dsk_amp_state_get(ctx, sc, &st)) != DSK_OK) return s;
+    *scale = st.scale;
+    return DSK_OK;
+}
+
+DSK_API double *dsk_amp_stats_data(dsk_amp_scaler *sc) {
+    if (!sc) return NULL;
+    return sc->device.type == DSK_DEV_CPU ? &sc->stats.found_inf : (double *)sc->dev_block;
+}
+
+DSK_API dsk_status dsk_amp_stats_get(dsk_ctx *ctx, const dsk_amp_scaler *sc, dsk_amp_stats *out) {
+    dsk_status s;
+    if ((s = dsk_amp__need_scaler("dsk_amp_stats_get", ctx, sc)) != DSK_OK) return s;
+    if (!out) return dsk_set_error(DSK_ERR_ARG, "dsk_amp_stats_get: out is NULL");
+    if (sc->device.type == DSK_DEV_CPU) { *out = sc->stats; return DSK_OK; }
+    return dsk_amp__block_io(ctx, sc, 0, out, sizeof *out, 0);
+}
+
+DSK_API dsk_status dsk_amp_update(dsk_ctx *ctx, dsk_amp_scaler *sc) {
+    dsk_status s;
+    if ((s = dsk_amp__need_scaler("dsk_amp_update", ctx, sc)) != DSK_OK) return s;
+#ifdef DSK_CUDA
+    if (sc->device.type == DSK_DEV_CUDA) return dsk_cuda_amp_update(ctx, sc->dev_block, &sc->opts);
+#endif
+    dsk_amp_scaler_rule(&sc->state, dsk_amp_stats_overflow(sc->stats), &sc->opts);
+    return DSK_OK;
+}
+
+/* ---------------------------------------------------------------- unscale + check */
+
+/* A list of (tensor, first element, count) chunks over all gradients, in gradient order. */
+typedef struct dsk_amp__chunk { int t; int64_t start, len; } dsk_amp__chunk;
+
+static int64_t dsk_amp__count_chunks(dsk_tensor *const *g, int n) {
+    int64_t c = 0;
+    for (int i = 0; i < n; i++) c += (dsk_tensor_numel(g[i]) + DSK_AMP__CHUNK - 1) / DSK_AMP__CHUNK;
+    return c;
+}
+
+static void dsk_amp__unscale_chunk(dsk_tensor *g, int64_t start, int64_t len, float inv, double *sumsq, int *found) {
+    double acc = 0.0;
+    int bad = 0;
+    for (int64_t i = start; i < start + len; i++) {
+        float y = dsk_amp_store(g->data, g->dtype, i, dsk_amp_load(g->data, g->dtype, i) * inv);
+        bad |= !dsk_amp_isfinite(y);
+        acc += (double)y * (double)y;
+    }
+    *sumsq = acc;
+    *found = bad;
+}
+
+static dsk_status dsk_amp__unscale_cpu(dsk_amp_scaler *sc, dsk_tensor *const *g, int n) {
+    int64_t nc = dsk_amp__count_chunks(g, n), c = 0;
+    float inv = dsk_amp_inv_scale(sc->state.scale);
+    dsk_amp__chunk *ch;
+    double *part, sum = 0.0;
+    int *bad, found = 0;
+    if (nc == 0) { sc->stats.found_inf = 0.0; sc->stats.sumsq = 0.0; return DSK_OK; }
+    ch = (dsk_amp__chunk *)DSK_MALLOC((size_t)nc * sizeof *ch);
+    part = (double *)DSK_MALLOC((size_t)nc * sizeof *part);
+    bad = (int *)DSK_MALLOC((size_t)nc * sizeof *bad);
+    if (!ch || !part || !bad) {
+        DSK_FREE(ch); DSK_FREE(part); DSK_FREE(bad);
+        return dsk_set_error(DSK_ERR_OOM, "dsk_amp_unscale: out of host memory for %lld chunk partials", (long long)nc);
+    }
+    for (int i = 0; i < n; i++)
+        for (int64_t s = 0, m = dsk_tensor_numel(g[i]); s < m; s += DSK_AMP__CHUNK, c++) {
+            ch[c].t = i; ch[c].start = s; ch[c].len = m - s < DSK_AMP__CHUNK ? m - s : DSK_AMP__CHUNK;
+        }
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (nc > 1)
+#endif
+    for (int64_t k = 0; k < nc; k++) dsk_amp__unscale_chunk(g[ch[k].t], ch[k].start, ch[k].len, inv, &part[k], &bad[k]);
+    for (int64_t k = 0; k < nc; k++) { sum += part[k]; found |= bad[k]; }
+    sc->stats.found_inf = found ? 1.0 : 0.0;
+    sc->stats.sumsq = sum;
+    DSK_FREE(ch); DSK_FREE(part); DSK_FREE(bad);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_amp_unscale(dsk_ctx *ctx, dsk_amp_scaler *sc, dsk_tensor *const *grads, int n) {
+    const char *fn = "dsk_amp_unscale";
+    dsk_status s;
+    char what[32], b[96];
+    if ((s = dsk_amp__need_scaler(fn, ctx, sc)) != DSK_OK) return s;
+    if (n < 0 || (n > 0 && !grads)) return dsk_set_error(DSK_ERR_ARG, "%s: %d gradients with list %p", fn, n, (const void *)grads);
+    for (int i = 0; i < n; i++) {
+        snprintf(what, sizeof what, "grads[%d]", i);
+        if ((s = dsk_amp__check(fn, what, grads[i], sc->device)) != DSK_OK) return s;
+        if (!dsk_amp__is_grad_dtype(grads[i]->dtype))
+            return dsk_set_error(DSK_ERR_ARG, "%s: grads[%d] is %s, want f32, bf16 or f16", fn, i, dsk_tensor_describe(grads[i], b, sizeof b));
+    }
+#ifdef DSK_CUDA
+    if (sc->device.type == DSK_DEV_CUDA) return dsk_cuda_amp_unscale(ctx, grads, n, sc->dev_block);
+#endif
+    return dsk_amp__unscale_cpu(sc, grads, n);
+}
+
+/* ---------------------------------------------------------------- casts and optimizer step */
+
+static void dsk_amp__cast_cpu(dsk_tensor *dst, const dsk_tensor *src, dsk_amp_round mode, uint64_t key) {
+    const float *x = (const float *)src->data;
+    int64_t n = dsk_tensor_numel(src);
+    if (mode == DSK_ROUND_NEAREST || dst->dtype == DSK_F32) {
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (n > 65536)
+#endif
+        for (int64_t i = 0; i < n; i++) dsk_amp_store(dst->data, dst->dtype, i, x[i]);
+        return;
+    }
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (n > 16384)
+#endif
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t r = dsk_amp_sr_bits(key, (uint64_t)i);
+        ((uint16_t *)dst->data)[i] = dst->dtype == DSK_BF16 ? dsk_f32_to_bf16_sr(x[i], r) : dsk_f32_to_f16_sr(x[i], r);
+    }
+}
+
+DSK_API dsk_status dsk_amp_cast(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor *src, dsk_amp_round mode,
+                                uint64_t seed, uint64_t tensor_id, uint64_t step) {
+    const char *fn = "dsk_amp_cast";
+    dsk_status s;
+    char a[96], b[96];
+    if ((s = dsk_amp__check(fn, "src", src, src ? src->device : dsk_cpu())) != DSK_OK) return s;
+    if ((s = dsk_amp__check(fn, "dst", dst, src->device)) != DSK_OK) return s;
+    if ((s = dsk_amp__need_ctx(fn, ctx, src->device)) != DSK_OK) return s;
+    if (src->dtype != DSK_F32) return dsk_set_error(DSK_ERR_ARG, "%s: src %s must be f32", fn, dsk_tensor_describe(src, a, sizeof a));
+    if (!dsk_amp__is_grad_dtype(dst->dtype) || !dsk_tensor_same_shape(dst, src))
+        return dsk_set_error(DSK_ERR_ARG, "%s: dst %s must be bf16, f16 or f32 of src's shape %s", fn, dsk_tensor_describe(dst, a, sizeof a),
+                             dsk_tensor_describe(src, b, sizeof b));
+    if (mode != DSK_ROUND_NEAREST && mode != DSK_ROUND_STOCHASTIC) return dsk_set_error(DSK_ERR_ARG, "%s: unknown rounding mode %d", fn, (int)mode);
+#ifdef DSK_CUDA
+    if (src->device.type == DSK_DEV_CUDA)
+        return dsk_cuda_amp_cast(ctx, dst, src, mode == DSK_ROUND_STOCHASTIC, dsk_amp_sr_key(seed, tensor_id, step));
+#endif
+    dsk_amp__cast_cpu(dst, src, mode, dsk_amp_sr_key(seed, tensor_id, step));
+    return DSK_OK;
+}
+
+/* Checks every parameter before anything is written, so an error leaves all tensors as they were. */
+static dsk_status dsk_amp__check_param(const dsk_amp_param *p, int i) {
+    const char *fn = "dsk_amp_step";
+    char what[160], a[96], b[96];
+    const char *nm = p->name ? p->name : "";
+    dsk_status s;
+    dsk_device dev;
+    const dsk_tensor *ts[4];
+    static const char *roles[4] = {"grad", "m", "v", "copy"};
+    if (!p->master) return dsk_set_error(DSK_ERR_ARG, "%s: params[%d] \"%s\": master is NULL", fn, i, nm);
+    dev = p->master->device;
+    snprintf(what, sizeof what, "params[%d] \"%s\" master", i, nm);
+    if ((s = dsk_amp__check(fn, what, p->master, dev)) != DSK_OK) return s;
+    if (p->master->dtype != DSK_F32) return dsk_set_error(DSK_ERR_ARG, "%s: %s is %s, want f32", fn, what, dsk_tensor_describe(p->master, a, sizeof a));
+    ts[0] = p->grad; ts[1] = p->m; ts[2] = p->v; ts[3] = p->copy;
+    for (int k = 0; k < 4; k++) {
+        if (k == 3 && !ts[k]) continue;
+        snprintf(what, sizeof what, "params[%d] \"%s\" %s", i, nm, roles[k]);
+        if ((s = dsk_amp__check(fn, what, ts[k], dev)) != DSK_OK) return s;
+        if (!dsk_tensor_same_shape(ts[k], p->master))
+            return dsk_set_error(DSK_ERR_ARG, "%s: %s is %s, master is %s", fn, what, dsk_tensor_describe(ts[k], a, sizeof a),
+                                 dsk_tensor_describe(p->master, b, sizeof b));
+        if ((k == 1 || k == 2) ? ts[k]->dtype != DSK_F32 : !dsk_amp__is_grad_dtype(ts[k]->dtype))
+            return dsk_set_error(DSK_ERR_ARG, "%s: %s has dtype %s", fn, what, dsk_dtype_name(ts[k]->dtype));
+    }
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_amp_step(dsk_ctx *ctx, const dsk_amp_param *params, int n, const dsk_adamw_opts *opts,
+                                int64_t step, const dsk_amp_decision *dec, dsk_amp_round round, uint64_t seed) {
+    const char *fn = "dsk_amp_step";
+    dsk_status s;
+    if (!dec) return dsk_set_error(DSK_ERR_ARG, "%s: decision is NULL", fn);
+    if (n < 0 || (n > 0 && !params)) return dsk_set_error(DSK_ERR_ARG, "%s: %d params with list %p", fn, n, (const void *)params);
+    if (step < 1) return dsk_set_error(DSK_ERR_ARG, "%s: step %lld must be >= 1", fn, (long long)step);
+    if (round != DSK_ROUND_NEAREST && round != DSK_ROUND_STOCHASTIC) return dsk_set_error(DSK_ERR_ARG, "%s: unknown rounding mode %d", fn, (int)round);
+    if (!dec->skip && !(dsk_amp_isfinite(dec->grad_mult) && dec->grad_mult >= 0.0f))
+        return dsk_set_error(DSK_ERR_ARG, "%s: grad_mult %g must be finite and >= 0", fn, (double)dec->grad_mult);
+    for (int i = 0; i < n; i++)
+        if ((s = dsk_amp__check_param(&params[i], i)) != DSK_OK) return s;
+    if (dec->skip) return DSK_OK;
+    for (int i = 0; i < n; i++) {
+        const dsk_amp_param *p = &params[i];
+        int rne_copy = p->copy && round == DSK_ROUND_NEAREST;
+        if ((s = dsk_adamw_step(ctx, p->master, p->grad, p->m, p->v, opts, step, dec->grad_mult, rne_copy ? p->copy : NULL)) != DSK_OK) return s;
+        if (p->copy && !rne_copy && (s = dsk_amp_cast(ctx, p->copy, p->master, round, seed, (uint64_t)i, (uint64_t)step)) != DSK_OK) return s;
+    }
+    return DSK_OK;
+}
+
+/* ---------------------------------------------------------------- FP8 */
+
+static dsk_status dsk_amp__fp8_in(const char *fn, const char *what, const dsk_tensor *t, dsk_device dev) {
+    char b[96];
+    dsk_status s = dsk_amp__check(fn, what, t, dev);
+    if (s != DSK_OK) return s;
+    if (!dsk_amp__is_grad_dtype(t->dtype)) return dsk_set_error(DSK_ERR_ARG, "%s: %s is %s, want f32, bf16 or f16", fn, what, dsk_tensor_describe(t, b, sizeof b));
+    return DSK_OK;
+}
+
+static float dsk_amp__amax_cpu(const dsk_tensor *x) {
+    uint32_t m = 0;
+    for (int64_t i = 0, n = dsk_tensor_numel(x); i < n; i++) {
+        uint32_t a = dsk_amp_abs_bits(dsk_amp_load(x->data, x->dtype, i));
+        if (a > m) m = a;
+    }
+    return dsk_bits_f32(m > 0x7f800000u ? 0x7fc00000u : m);
+}
+
+DSK_API dsk_status dsk_amp_amax(dsk_ctx *ctx, dsk_tensor *amax, const dsk_tensor *x, int accumulate) {
+    const char *fn = "dsk_amp_amax";
+    dsk_status s;
+    if ((s = dsk_amp__fp8_in(fn, "x", x, x ? x->device : dsk_cpu())) != DSK_OK) return s;
+    if ((s = dsk_amp__scalar_f32(fn, "amax", amax, x->device)) != DSK_OK) return s;
+    if ((s = dsk_amp__need_ctx(fn, ctx, x->device)) != DSK_OK) return s;
+#ifdef DSK_CUDA
+    if (x->device.type == DSK_DEV_CUDA) return dsk_cuda_amp_amax(ctx, (float *)amax->data, x, accumulate);
+#endif
+    {
+        float a = dsk_amp__amax_cpu(x), *out = (float *)amax->data;
+        uint32_t ab = dsk_amp_abs_bits(a), pb = dsk_amp_abs_bits(*out);
+        *out = accumulate && pb > ab ? dsk_bits_f32(pb > 0x7f800000u ? 0x7fc00000u : pb) : a;
+    }
+    return DSK_OK;
+}
+
+static dsk_status dsk_amp__fp8_fmt(const char *fn, dsk_dtype fmt) {
+    if (!dsk_amp__is_fp8(fmt)) return dsk_set_error(DSK_ERR_ARG, "%s: format %s is not e4m3 or e5m2", fn, dsk_dtype_name(fmt));
+    return DSK_OK;
+}
+
+static dsk_status dsk_amp__margin(const char *fn, int margin) {
+    if (margin < 0 || margin > 64) return dsk_set_error(DSK_ERR_ARG, "%s: margin %d outside [0, 64]", fn, margin);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_amp_fp8_current_scale(dsk_ctx *ctx, dsk_tensor *scale, dsk_tensor *amax, const dsk_tensor *x,
+                                             dsk_dtype fmt, int margin, int pow2) {
+    const char *fn = "dsk_amp_fp8_current_scale";
+    dsk_status s;
+    if ((s = dsk_amp__fp8_fmt(fn, fmt)) != DSK_OK || (s = dsk_amp__margin(fn, margin)) != DSK_OK) return s;
+    if ((s = dsk_amp__fp8_in(fn, "x", x, x ? x->device : dsk_cpu())) != DSK_OK) return s;
+    if ((s = dsk_amp__scalar_f32(fn, "scale", scale, x->device)) != DSK_OK) return s;
+    if (amax && (s = dsk_amp__scalar_f32(fn, "amax", amax, x->device)) != DSK_OK) return s;
+    if ((s = dsk_amp__need_ctx(fn, ctx, x->device)) != DSK_OK) return s;
+#ifdef DSK_CUDA
+    if (x->device.type == DSK_DEV_CUDA) {
+        float *am = amax ? (float *)amax->data : (float *)scale->data; /* the scale kernel may read and write one slot */
+        if ((s = dsk_cuda_amp_amax(ctx, am, x, 0)) != DSK_OK) return s;
+        return dsk_cuda_amp_fp8_scale(ctx, (float *)scale->data, am, 1, dsk_amp_fp8_max(fmt), margin, pow2, 0, NULL);
+    }
+#endif
+    {
+        float a = dsk_amp__amax_cpu(x);
+        if (amax) *(float *)amax->data = a;
+        *(float *)scale->data = dsk_amp_fp8_scale(a, dsk_amp_fp8_max(fmt), margin, pow2, 1.0f);
+    }
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_amp_fp8_quantize(dsk_ctx *ctx, dsk_tensor *q, const dsk_tensor *x, const dsk_tensor *scale) {
+    const char *fn = "dsk_amp_fp8_quantize";
+    dsk_status s;
+    char a[96], b[96];
+    if ((s = dsk_amp__fp8_in(fn, "x", x, x ? x->device : dsk_cpu())) != DSK_OK) return s;
+    if ((s = dsk_amp__check(fn, "q", q, x->device)) != DSK_OK) return s;
+    if ((s = dsk_amp__scalar_f32(fn, "scale", scale, x->device)) != DSK_OK) return s;
+    if ((s = dsk_amp__need_ctx(fn, ctx, x->device)) != DSK_OK) return s;
+    if (!dsk_amp__is_fp8(q->dtype) || !dsk_tensor_same_shape(q, x))
+        return dsk_set_error(DSK_ERR_ARG, "%s: q %s must be e4m3 or e5m2 of x's shape %s", fn, dsk_tensor_describe(q, a, sizeof a),
+                             dsk_tensor_describe(x, b, sizeof b));
+#ifdef DSK_CUDA
+    if (x->device.type == DSK_DEV_CUDA) return dsk_cuda_amp_fp8_quantize(ctx, q, x, (const float *)scale->data);
+#endif
+    {
+        float sc = *(const float *)scale->data;
+        uint8_t *o = (uint8_t *)q->data;
+        for (int64_t i = 0, n = dsk_tensor_numel(x); i < n; i++) o[i] = dsk_amp_to_fp8(dsk_amp_load(x->data, x->dtype, i) * sc, q->dtype);
+    }
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_amp_fp8_dequantize(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *q, const dsk_tensor *scale) {
+    const char *fn = "dsk_amp_fp8_dequantize";
+    dsk_status s;
+    char a[96], b[96];
+    if ((s = dsk_amp__check(fn, "q", q, q ? q->device : dsk_cpu())) != DSK_OK) return s;
+    if ((s = dsk_amp__fp8_in(fn, "y", y, q->device)) != DSK_OK) return s;
+    if ((s = dsk_amp__scalar_f32(fn, "scale", scale, q->device)) != DSK_OK) return s;
+    if ((s = dsk_amp__need_ctx(fn, ctx, q->device)) != DSK_OK) return s;
+    if (!dsk_amp__is_fp8(q->dtype) || !dsk_tensor_same_shape(q, y))
+        return dsk_set_error(DSK_ERR_ARG, "%s: q %s must be e4m3 or e5m2 of y's shape %s", fn, dsk_tensor_describe(q, a, sizeof a),
+                             dsk_tensor_describe(y, b, sizeof b));
+#ifdef DSK_CUDA
+    if (q->device.type == DSK_DEV_CUDA) return dsk_cuda_amp_fp8_dequantize(ctx, y, q, (const float *)scale->data);
+#endif
+    {
+        float inv = 1.0f / *(const float *)scale->data;
+        const uint8_t *in = (const uint8_t *)q->data;
+        for (int64_t i = 0, n = dsk_tensor_numel(q); i < n; i++) dsk_amp_store(y->data, y->dtype, i, dsk_amp_from_fp8(in[i], q->dtype) * inv);
+    }
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_amp_fp8_delayed_init(dsk_ctx *ctx, dsk_amp_fp8_delayed *d, const dsk_amp_fp8_delayed_opts *opts) {
+    const char *fn = "dsk_amp_fp8_delayed_init";
+    dsk_status s;
+    dsk_amp_fp8_delayed_opts o;
+    int64_t len;
+    if (!d) return dsk_set_error(DSK_ERR_ARG, "%s: object is NULL", fn);
+    memset(d, 0, sizeof *d);
+    memset(&o, 0, sizeof o);
+    if (opts) o = *opts;
+    if (o.fmt == DSK_F32) o.fmt = DSK_E4M3;
+    if (o.history_len == 0) o.history_len = 1024;
+    if ((s = dsk_amp__fp8_fmt(fn, o.fmt)) != DSK_OK || (s = dsk_amp__margin(fn, o.margin)) != DSK_OK) return s;
+    if (o.history_len < 1) return dsk_set_error(DSK_ERR_ARG, "%s: history_len %d must be >= 1", fn, o.history_len);
+    if (o.algo != DSK_AMAX_MAX && o.algo != DSK_AMAX_MOST_RECENT) return dsk_set_error(DSK_ERR_ARG, "%s: unknown amax algo %d", fn, (int)o.algo);
+    len = o.history_len;
+    if ((s = dsk_tensor_alloc(ctx, &d->history, DSK_F32, 1, &len)) != DSK_OK) return s;
+    if ((s = dsk_tensor_alloc(ctx, &d->scale, DSK_F32, 0, NULL)) != DSK_OK) { dsk_tensor_free(ctx, &d->history); return s; }
+    if ((s = dsk_tensor_fill(ctx, &d->history, 0.0)) != DSK_OK || (s = dsk_tensor_fill(ctx, &d->scale, 1.0)) != DSK_OK) {
+        dsk_amp_fp8_delayed_free(ctx, d);
+        return s;
+    }
+    d->opts = o;
+    return DSK_OK;
+}
+
+DSK_API void dsk_amp_fp8_delayed_free(dsk_ctx *ctx, dsk_amp_fp8_delayed *d) {
+    if (!d) return;
+    dsk_tensor_free(ctx, &d->history);
+    dsk_tensor_free(ctx, &d->scale);
+    memset(d, 0, sizeof *d);
+}
+
+static dsk_status dsk_amp__need_delayed(const char *fn, const dsk_amp_fp8_delayed *d) {
+    if (!d) return dsk_set_error(DSK_ERR_ARG, "%s: object is NULL", fn);
+    if (!d->history.data || !d->scale.data) return dsk_set_error(DSK_ERR_STATE, "%s: delayed scaling state is not initialised", fn);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_amp_fp8_delayed_quantize(dsk_ctx *ctx, dsk_amp_fp8_delayed *d, dsk_tensor *q, const dsk_tensor *x) {
+    const char *fn = "dsk_amp_fp8_delayed_quantize";
+    dsk_status s;
+    dsk_tensor slot;
+    if ((s = dsk_amp__need_delayed(fn, d)) != DSK_OK) return s;
+    if (q && q->dtype != d->opts.fmt && dsk_amp__is_fp8(q->dtype))
+        return dsk_set_error(DSK_ERR_ARG, "%s: q is %s, the delayed scaling format is %s", fn, dsk_dtype_name(q->dtype), dsk_dtype_name(d->opts.fmt));
+    if ((s = dsk_amp_fp8_quantize(ctx, q, x, &d->scale)) != DSK_OK) return s;
+    if ((s = dsk_tensor_slice(&d->history, 0, d->pos, 1, &slot)) != DSK_OK) return s;
+    return dsk_amp_amax(ctx, &slot, x, 1);
+}
+
+DSK_API dsk_status dsk_amp_fp8_delayed_update(dsk_ctx *ctx, dsk_amp_fp8_delayed *d) {
+    const char *fn = "dsk_amp_fp8_delayed_update";
+    dsk_status s;
+    float *h;
+    int64_t next;
+    if ((s = dsk_amp__need_delayed(fn, d)) != DSK_OK) return s;
+    if ((s = dsk_amp__need_ctx(fn, ctx, d->history.device)) != DSK_OK) return s;
+    h = (float *)d->history.data;
+    next = (d->pos + 1) % d->opts.history_len;
+#ifdef DSK_CUDA
+    if (d->history.device.type == DSK_DEV_CUDA) {
+        int most_recent = d->opts.algo == DSK_AMAX_MOST_RECENT;
+        s = dsk_cuda_amp_fp8_scale(ctx, (float *)d->scale.data, most_recent ? h + d->pos : h, most_recent ? 1 : d->opts.history_len,
+                                   dsk_amp_fp8_max(d->opts.fmt), d->opts.margin, d->opts.pow2, 1, h + next);
+        if (s == DSK_OK) d->pos = next;
+        return s;
+    }
+#endif
+    {
+        uint32_t m = 0;
+        float *sc = (float *)d->scale.data;
+        if (d->opts.algo == DSK_AMAX_MOST_RECENT) m = dsk_amp_abs_bits(h[d->pos]);
+        else
+            for (int i = 0; i < d->opts.history_len; i++)
+                if (dsk_amp_abs_bits(h[i]) > m) m = dsk_amp_abs_bits(h[i]);
+        *sc = dsk_amp_fp8_scale(dsk_bits_f32(m), dsk_amp_fp8_max(d->opts.fmt), d->opts.margin, d->opts.pow2, *sc);
+        h[next] = 0.0f;
+        d->pos = next;
+    }
+    return DSK_OK;
+}
+
+static dsk_status dsk_amp__block_args(const char *fn, const dsk_tensor *x, const dsk_tensor *q, const dsk_tensor *scales, int br, int bc) {
+    char a[96], b[96], c[96];
+    int64_t R, C;
+    if (br < 1 || bc < 1) return dsk_set_error(DSK_ERR_ARG, "%s: block %dx%d must be at least 1x1", fn, br, bc);
+    if (x->ndim != 2) return dsk_set_error(DSK_ERR_ARG, "%s: tensor %s must be 2-D (R, C)", fn, dsk_tensor_describe(x, a, sizeof a));
+    R = x->shape[0]; C = x->shape[1];
+    if (!dsk_amp__is_fp8(q->dtype) || !dsk_tensor_same_shape(q, x))
+        return dsk_set_error(DSK_ERR_ARG, "%s: q %s must be e4m3 or e5m2 of shape %s", fn, dsk_tensor_describe(q, a, sizeof a), dsk_tensor_describe(x, b, sizeof b));
+    if (scales->dtype != DSK_F32 || scales->ndim != 2 || scales->shape[0] != (R + br - 1) / br || scales->shape[1] != (C + bc - 1) / bc)
+        return dsk_set_error(DSK_ERR_ARG, "%s: scales %s, want [%lld,%lld] f32 for %s in %dx%d blocks", fn, dsk_tensor_describe(scales, c, sizeof c),
+                             (long long)((R + br - 1) / br), (long long)((C + bc - 1) / bc), dsk_tensor_describe(x, b, sizeof b), br, bc);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_amp_fp8_block_quantize(dsk_ctx *ctx, dsk_tensor *q, dsk_tensor *scales, const dsk_tensor *x, int br, int bc, int pow2) {
+    const char *fn = "dsk_amp_fp8_block_quantize";
+    dsk_status s;
+    if ((s = dsk_amp__fp8_in(fn, "x", x, x ? x->device : dsk_cpu())) != DSK_OK) return s;
+    if ((s = dsk_amp__check(fn, "q", q, x->device)) != DSK_OK || (s = dsk_amp__check(fn, "scales", scales, x->device)) != DSK_OK) return s;
+    if ((s = dsk_amp__need_ctx(fn, ctx, x->device)) != DSK_OK) return s;
+    if ((s = dsk_amp__block_args(fn, x, q, scales, br, bc)) != DSK_OK) return s;
+#ifdef DSK_CUDA
+    if (x->device.type == DSK_DEV_CUDA) return dsk_cuda_amp_fp8_block_quantize(ctx, q, scales, x, br, bc, pow2);
+#endif
+    {
+        int64_t R = x->shape[0], C = x->shape[1], SR = scales->shape[0], SC = scales->shape[1];
+        float fmax = dsk_amp_fp8_max(q->dtype), *sc = (float *)scales->data;
+        uint8_t *o = (uint8_t *)q->data;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (SR * SC > 16)
+#endif
+        for (int64_t blk = 0; blk < SR * SC; blk++) {
+            int64_t r0 = (blk / SC) * br, c0 = (blk % SC) * bc, r1 = r0 + br < R ? r0 + br : R, c1 = c0 + bc < C ? c0 + bc : C;
+            uint32_t m = 0;
+            float d;
+            for (int64_t r = r0; r < r1; r++)
+                for (int64_t c = c0; c < c1; c++) {
+                    uint32_t a = dsk_amp_abs_bits(dsk_amp_load(x->data, x->dtype, r * C + c));
+                    if (a > m) m = a;
+                }
+            d = dsk_amp_fp8_block_scale(dsk_bits_f32(m), fmax, pow2);
+            sc[blk] = d;
+            for (int64_t r = r0; r < r1; r++)
+                for (int64_t c = c0; c < c1; c++) o[r * C + c] = dsk_amp_to_fp8(dsk_amp_load(x->data, x->dtype, r * C + c) / d, q->dtype);
+        }
+    }
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_amp_fp8_block_dequantize(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *q, const dsk_tensor *scales, int br, int bc) {
+    const char *fn = "dsk_amp_fp8_block_dequantize";
+    dsk_status s;
+    if ((s = dsk_amp__check(fn, "q", q, q ? q->device : dsk_cpu())) != DSK_OK) return s;
+    if ((s = dsk_amp__fp8_in(fn, "y", y, q->device)) != DSK_OK) return s;
+    if ((s = dsk_amp__check(fn, "scales", scales, q->device)) != DSK_OK) return s;
+    if ((s = dsk_amp__need_ctx(fn, ctx, q->device)) != DSK_OK) return s;
+    if ((s = dsk_amp__block_args(fn, y, q, scales, br, bc)) != DSK_OK) return s;
+#ifdef DSK_CUDA
+    if (q->device.type == DSK_DEV_CUDA) return dsk_cuda_amp_fp8_block_dequantize(ctx, y, q, scales, br, bc);
+#endif
+    {
+        int64_t R = q->shape[0], C = q->shape[1], SC = scales->shape[1];
+        const float *sc = (const float *)scales->data;
+        const uint8_t *in = (const uint8_t *)q->data;
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t c = 0; c < C; c++)
+                dsk_amp_store(y->data, y->dtype, r * C + c, dsk_amp_from_fp8(in[r * C + c], q->dtype) * sc[(r / br) * SC + c / bc]);
+    }
+    return DSK_OK;
+}
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DSK_AMP_IMPLEMENTATION_DONE */
+#endif /* DSK_AMP_IMPLEMENTATION */
+
+/* MIT License. Copyright (c) 2026 the dsk authors. Permission is hereby granted, free of
+   charge, to any person obtaining a copy of this software, to deal in the software without
+   restriction, subject to including this notice. THE SOFTWARE IS PROVIDED "AS IS", WITHOUT
+   WARRANTY OF ANY KIND. */
