@@ -1,0 +1,1140 @@
+/* dsk_moe.h - the DeepSeek Mixture-of-Experts layer: router, dispatch/combine, SwiGLU experts,
+   shared experts, balancing losses, expert bias, capacity, expert parallelism; forward and backward.
+
+   Usage: #define DSK_MOE_IMPLEMENTATION in exactly one .c file before including (with
+   DSK_TENSOR_IMPLEMENTATION and DSK_COMM_IMPLEMENTATION somewhere in the program).
+   Options: DSK_STATIC, DSK_MALLOC/DSK_FREE, DSK_CUDA, DSK_NO_CUDA as in dsk_tensor.h.
+
+       dsk_moe_opts o = {0};
+       o.d_model = 512; o.n_routed = 16; o.top_k = 4; o.d_expert = 256; o.n_shared = 1;
+       o.score = DSK_MOE_SIGMOID; o.n_group = 4; o.topk_group = 2;
+       dsk_moe moe;  dsk_moe_init(&moe, ctx, &o);
+       for each micro-batch:
+           dsk_moe_forward(&moe, ctx, &y, &x, &stats);      // y (T, D) from x (T, D)
+           loss += stats.loss;                              // the layer's balancing losses
+           ... dsk_moe_backward(&moe, ctx, &dx, &dy, 1.0f); // dx += ..., grads += ...
+       all-reduce moe.grad_slab (dense part over every data-parallel rank, expert part over
+       the ranks holding the same experts), optimizer step on the named parameters, then
+       dsk_moe_update_bias(&moe, ctx, dp_comm);            // aux-loss-free balancing
+       dsk_moe_free(&moe, ctx);
+
+   Routing (router always f32; W_r (E, D), bias b (E)):
+     u = x W_r^T.  Softmax: p = softmax(u).  Sigmoid (DeepSeek-V3): p = sigmoid(u).
+     Selection scores c = p + b. With n_group > 1 the experts form n_group equal groups; a group
+     scores the sum of its two largest c (sigmoid; the largest c for softmax, as DeepSeek-V2
+     does); the topk_group best groups are kept and every other expert is set to -inf.
+     The top_k largest c are selected (ties: lower expert index), in descending order; that
+     order is the token's slot order. Weights g_k = scale * p_k / (sum of selected p + 1e-20)
+     with normalisation, g_k = scale * p_k without; the bias never enters g or its gradient.
+   Experts: SwiGLU o = W2 (silu(W1 x) * (W3 x)), w1, w3 (E, F, D), w2 (E, D, F). Shared experts
+     are one SwiGLU of hidden n_shared * d_shared, always added: y = sum_k g_k o_k + shared(x).
+   Dispatch: the kept (token, slot) pairs, flat index t*K + k, stably counting-sorted by expert;
+     combine sums a token's slots in slot order (deterministic, no float atomics).
+   Losses (over this call's T tokens, added to the model loss by the caller; their gradients
+     enter backward scaled by its aux_scale), with p' = p for softmax and s / sum_j s_j for sigmoid:
+     Switch/GShard  aux_alpha * E * sum_i f_i P_i, f_i = selections of i / (T K), P_i = mean_t p'_ti;
+     DeepSeek-V3 sequence-wise, per sequence of seq_len tokens then averaged over sequences:
+                    seq_aux_alpha * sum_i (E/(K L)) sel_i * (1/L) sum_t p'_ti;
+     z-loss         z_beta * mean_t (logsumexp_j u_tj)^2.
+   Capacity (capacity_factor > 0): C = ceil(T K / E * capacity_factor) slots per expert from this
+     rank's tokens; the rest are dropped (lowest weight first, or latest position first) and
+     contribute zero. Default: dropless.
+   Expert parallelism (opts.ep with P ranks): rank r holds experts [r E/P, (r+1) E/P); each rank
+     routes its own tokens, sends rows by all-to-all-v (counts first), the owners compute and
+     send the outputs back; backward runs the reverse exchanges. Every rank must call forward
+     and backward together (collectives).
+   License: MIT, see the end of the file. */
+#ifndef DSK_MOE_H
+#define DSK_MOE_H
+#include "dsk_tensor.h"
+#include "dsk_comm.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum dsk_moe_score { DSK_MOE_SOFTMAX = 0, DSK_MOE_SIGMOID = 1 } dsk_moe_score;
+/* Normalisation of the selected weights; the default is on for sigmoid, off for softmax. */
+typedef enum dsk_moe_norm { DSK_MOE_NORM_DEFAULT = 0, DSK_MOE_NORM_ON = 1, DSK_MOE_NORM_OFF = 2 } dsk_moe_norm;
+/* Which slots capacity mode drops: the lowest routing weights, or the latest tokens. */
+typedef enum dsk_moe_drop { DSK_MOE_DROP_PROB = 0, DSK_MOE_DROP_POSITION = 1 } dsk_moe_drop;
+
+/* Zero fields take the defaults in brackets. */
+typedef struct dsk_moe_opts {
+    const char *name;        /* parameter name prefix ["moe"]: "moe.w1", "moe.shared.w2", ... */
+    int64_t d_model;         /* D, required */
+    int n_routed;            /* E routed experts, required */
+    int top_k;               /* K experts per token, required, 1 <= K <= E */
+    int64_t d_expert;        /* F, hidden size of a routed expert, required */
+    int n_shared;            /* shared experts [0] */
+    int64_t d_shared;        /* hidden size of one shared expert [d_expert] */
+    dsk_moe_score score;     /* [DSK_MOE_SOFTMAX] */
+    dsk_moe_norm norm;       /* [on for sigmoid, off for softmax] */
+    float routed_scale;      /* multiplies the routed weights [1] */
+    int n_group;             /* expert groups for group-limited routing [1]; must divide E */
+    int topk_group;          /* groups kept per token [n_group] */
+    float aux_alpha;         /* Switch/GShard auxiliary loss coefficient [0] */
+    float seq_aux_alpha;     /* DeepSeek-V3 sequence-wise auxiliary loss coefficient [0] */
+    int64_t seq_len;         /* sequence length for the sequence-wise loss [T of each call] */
+    float z_beta;            /* router z-loss coefficient [0] */
+    float bias_rate;         /* aux-loss-free bias update rate gamma [1e-3] */
+    int bias_recenter;       /* 1: re-centre the bias to mean 0 after each update [0] */
+    float capacity_factor;   /* [0 = dropless] */
+    dsk_moe_drop drop;       /* [DSK_MOE_DROP_PROB] */
+    dsk_dtype dtype;         /* parameters, x, y, dx, dy: DSK_F32 or DSK_BF16 [DSK_F32] */
+    dsk_comm *ep;            /* expert-parallel group [NULL = every expert local] */
+    float init_std;          /* weights ~ N(0, init_std) [0.02] (router, experts, shared) */
+    uint64_t seed;           /* weight init stream [0]; expert e uses the same numbers at any EP size */
+} dsk_moe_opts;
+
+/* A named parameter: value in the parameter slab, gradient (f32) in the gradient slab. */
+typedef struct dsk_moe_param {
+    char name[96];           /* "<prefix>.w1" */
+    dsk_tensor value;        /* view into param_slab (router and bias f32, the rest opts.dtype) */
+    dsk_tensor grad;         /* f32 view into grad_slab; zero-size for the bias (not a gradient parameter) */
+    int expert_sharded;      /* 1: this rank's slice of the experts (w1 w2 w3), 0: replicated */
+} dsk_moe_param;
+
+#define DSK_MOE_N_PARAMS 8
+
+/* Per-call statistics, written by dsk_moe_forward. */
+typedef struct dsk_moe_stats {
+    int64_t tokens;                   /* tokens over the EP group */
+    int64_t slots;                    /* routed (token, expert) pairs over the EP group, T*K summed */
+    int64_t dropped;                  /* slots dropped by capacity over the EP group */
+    const int64_t *tokens_per_expert; /* (E) slots each expert was selected for, EP group; owned by the layer */
+    double max_load, mean_load;       /* max and mean of tokens_per_expert */
+    double aux_loss, seq_aux_loss, z_loss; /* this rank's loss terms (coefficients included) */
+    double loss;                      /* their sum: add it to the model loss */
+} dsk_moe_stats;
+
+struct dsk__moe_state;
+
+typedef struct dsk_moe {
+    dsk_moe_opts opts;        /* resolved: every default filled in */
+    int64_t d_shared_total;   /* n_shared * d_shared */
+    int ep_rank, ep_size;     /* 0, 1 without expert parallelism */
+    int n_local;              /* experts on this rank: E / ep_size */
+    int expert0;              /* first local expert */
+    dsk_device device;
+    dsk_tensor param_slab;    /* u8 bytes: every parameter */
+    dsk_tensor grad_slab;     /* f32: dense gradients (router, shared) then expert gradients */
+    int64_t grad_dense_numel; /* grad_slab[0, grad_dense_numel): all-reduce over every DP rank */
+    int64_t grad_expert_numel;/* the rest: all-reduce over the ranks holding the same experts */
+    dsk_moe_param params[DSK_MOE_N_PARAMS];
+    int n_params;
+    /* shortcuts into params[] */
+    dsk_moe_param *router, *bias, *w1, *w2, *w3, *sw1, *sw2, *sw3;
+    struct dsk__moe_state *st; /* saved activations and workspace */
+} dsk_moe;
+
+/* Validates opts, allocates parameters (initialised from opts.seed), zeroed gradients and the
+   state on ctx's device (ctx NULL = CPU). With opts.ep the call is collective on that group. */
+DSK_API dsk_status dsk_moe_init(dsk_moe *m, dsk_ctx *ctx, const dsk_moe_opts *opts);
+DSK_API void dsk_moe_free(dsk_moe *m, dsk_ctx *ctx); /* zeroed/freed ok */
+/* The parameter named `name` (full name, e.g. "moe.w1"), or NULL. */
+DSK_API dsk_moe_param *dsk_moe_find_param(dsk_moe *m, const char *name);
+/* y (T, D) = MoE(x (T, D)), both opts.dtype on the layer's device; saves what backward needs
+   (one forward in flight per layer). stats may be NULL. */
+DSK_API dsk_status dsk_moe_forward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, dsk_moe_stats *stats);
+/* dx (T, D) += d/dx, every parameter gradient += its part, for the last forward; dy (T, D).
+   aux_scale weights the gradients of the layer's loss terms (1; the loss scale under amp;
+   divided by the micro-batch count when the model loss is). */
+DSK_API dsk_status dsk_moe_backward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, float aux_scale);
+/* Zeroes every gradient. */
+DSK_API dsk_status dsk_moe_zero_grad(dsk_moe *m, dsk_ctx *ctx);
+/* Aux-loss-free balancing, after the optimizer step: loads = selections per expert counted by
+   every forward since the last update, summed over `comm` (the data-parallel world, NULL =
+   this rank only); b_i += bias_rate * sign(mean load - load_i); re-centred if asked. */
+DSK_API dsk_status dsk_moe_update_bias(dsk_moe *m, dsk_ctx *ctx, dsk_comm *comm);
+
+/* ---- per-token routing math shared by the CPU path and the CUDA kernels */
+
+static inline DSK_HD float dsk_moe_sigmoid(float u) { return 1.0f / (1.0f + expf(-u)); }
+static inline DSK_HD float dsk_moe_silu(float h) { return h * dsk_moe_sigmoid(h); }
+/* SwiGLU backward for one element: a = silu(h1) * h3, da -> dh1, dh3. */
+static inline DSK_HD void dsk_moe_swiglu_grad(float h1, float h3, float da, float *dh1, float *dh3) {
+    float sg = dsk_moe_sigmoid(h1);
+    *dh1 = da * h3 * sg * (1.0f + h1 * (1.0f - sg));
+    *dh3 = da * h1 * sg;
+}
+
+/* logsumexp of u (E). */
+static inline DSK_HD float dsk_moe_logsumexp(const float *u, int E) {
+    float mx = u[0], s = 0.0f;
+    for (int j = 1; j < E; j++) mx = u[j] > mx ? u[j] : mx;
+    for (int j = 0; j < E; j++) s += expf(u[j] - mx);
+    return mx + logf(s);
+}
+
+/* Routes one token. u (E) logits; bias (E) or NULL; writes prob (E) (softmax p or sigmoid s),
+   sel (K) expert ids in slot order and gate (K) weights. scratch: E + n_group floats. */
+static inline DSK_HD void dsk_moe_route_token(const float *u, const float *bias, int E, int K, int sigmoid, int norm,
+                                              float scale, int n_group, int topk_group, float *prob, float *scratch,
+                                              int32_t *sel, float *gate) {
+    float *c = scratch, *gscore = scratch + E, sum = 0.0f;
+    if (sigmoid) {
+        for (int j = 0; j < E; j++) prob[j] = dsk_moe_sigmoid(u[j]);
+    } else {
+        float mx = u[0];
+        for (int j = 1; j < E; j++) mx = u[j] > mx ? u[j] : mx;
+        for (int j = 0; j < E; j++) { prob[j] = expf(u[j] - mx); sum += prob[j]; }
+        for (int j = 0; j < E; j++) prob[j] /= sum;
+    }
+    for (int j = 0; j < E; j++) c[j] = prob[j] + (bias ? bias[j] : 0.0f);
+    if (n_group > 1) {
+        int gs = E / n_group;
+        for (int g = 0; g < n_group; g++) {
+            float b1 = -INFINITY, b2 = -INFINITY; /* two largest c of the group */
+            for (int j = g * gs; j < (g + 1) * gs; j++) {
+                if (c[j] > b1) { b2 = b1; b1 = c[j]; } else if (c[j] > b2) b2 = c[j];
+            }
+            gscore[g] = (sigmoid && gs > 1) ? b1 + b2 : b1;
+        }
+        for (int r = 0; r < topk_group; r++) { /* mark kept groups with NaN */
+            int best = -1;
+            for (int g = 0; g < n_group; g++)
+                if (gscore[g] == gscore[g] && (best < 0 || gscore[g] > gscore[best])) best = g;
+            gscore[best] = NAN;
+        }
+        for (int g = 0; g < n_group; g++)
+            if (gscore[g] == gscore[g])
+                for (int j = g * gs; j < (g + 1) * gs; j++) c[j] = -INFINITY;
+    }
+    sum = 0.0f;
+    for (int k = 0; k < K; k++) {
+        int best = -1;
+        for (int j = 0; j < E; j++)
+            if (c[j] == c[j] && (best < 0 || c[j] > c[best])) best = j;
+        c[best] = NAN; /* taken */
+        sel[k] = best;
+        sum += prob[best];
+    }
+    for (int k = 0; k < K; k++) gate[k] = scale * (norm ? prob[sel[k]] / (sum + 1e-20f) : prob[sel[k]]);
+}
+
+/* Backward of one token's routing into its logits: du (E) is WRITTEN with the gradient from
+   dgate (K) (d loss / d gate, zero for dropped slots), the balancing-loss gradient aux_dp (E)
+   (d loss / d p' per unit loss weight, times aux_mult; NULL for none) and the z-loss (zcoef * d (lse^2) / du / 2, i.e. the caller
+   passes beta * 2 / T * aux_scale; 0 for none). */
+static inline DSK_HD void dsk_moe_route_token_backward(const float *u, const float *prob, int E, int K, int sigmoid,
+                                                       int norm, float scale, const int32_t *sel, const float *dgate,
+                                                       const float *aux_dp, float aux_mult, float zcoef, float *du) {
+    float S = 0.0f, dot = 0.0f;
+    for (int k = 0; k < K; k++) S += prob[sel[k]];
+    /* du <- d loss / d prob */
+    if (aux_dp && sigmoid) { /* p' = s / sum s */
+        float tot = 0.0f, d = 0.0f;
+        for (int j = 0; j < E; j++) tot += prob[j];
+        for (int j = 0; j < E; j++) d += aux_dp[j] * prob[j];
+        d /= tot;
+        for (int j = 0; j < E; j++) du[j] = aux_mult * (aux_dp[j] - d) / tot;
+    } else {
+        for (int j = 0; j < E; j++) du[j] = aux_dp ? aux_mult * aux_dp[j] : 0.0f;
+    }
+    if (norm) {
+        float sdq = 0.0f, inv = 1.0f / (S + 1e-20f);
+        for (int k = 0; k < K; k++) sdq += dgate[k] * prob[sel[k]];
+        for (int k = 0; k < K; k++) du[sel[k]] += scale * (dgate[k] - sdq * inv) * inv;
+    } else {
+        for (int k = 0; k < K; k++) du[sel[k]] += scale * dgate[k];
+    }
+    /* through the score function */
+    if (sigmoid) {
+        for (int j = 0; j < E; j++) du[j] *= prob[j] * (1.0f - prob[j]);
+    } else {
+        for (int j = 0; j < E; j++) dot += du[j] * prob[j];
+        for (int j = 0; j < E; j++) du[j] = prob[j] * (du[j] - dot);
+    }
+    if (zcoef != 0.0f) {
+        float lse = dsk_moe_logsumexp(u, E);
+        for (int j = 0; j < E; j++) du[j] += zcoef * lse * expf(u[j] - lse);
+    }
+}
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DSK_MOE_H */
+
+/* ==================================================================== implementation */
+#ifdef DSK_MOE_IMPLEMENTATION
+#ifndef DSK_MOE_IMPLEMENTATION_DONE
+#define DSK_MOE_IMPLEMENTATION_DONE
+
+#include <stdio.h>
+#include <stdlib.h>
+#ifdef DSK_CUDA
+#include "kernels/dsk_kernels.h"
+#endif
+
+/* Host scratch grown on demand. */
+typedef struct dsk__moe_buf { void *p; size_t cap; } dsk__moe_buf;
+
+struct dsk__moe_state {
+    int have_fwd;            /* a forward's activations are saved */
+    int64_t T, n_kept, R;    /* tokens, kept slots sent, rows received */
+    int64_t n_seq, seq_len;  /* sequences of the sequence-wise loss */
+    /* T-sized (host) */
+    dsk__moe_buf xf, u, prob, gate, sel, slot_pos, perm, xs, ob, hs1, hs3, as, ys, aux_coef;
+    /* R-sized */
+    dsk__moe_buf xr, h1, h3, a, orr, rg;
+    /* backward scratch */
+    dsk__moe_buf dyf, dxf, du, dgate, dos, dor, dh1, dh3, dxr, dxp, das, dhs1, dhs3;
+    dsk__moe_buf wf; /* f32 copies of bf16 weights, per forward */
+    int64_t *sel_count;      /* (E) local selections this call */
+    int64_t *kept_count;     /* (E) local kept slots this call */
+    int64_t *global_count;   /* (E) selections over the EP group this call */
+    int64_t *load_accum;     /* (E) local selections since the last bias update */
+    int64_t *send_rows, *recv_rows;   /* (P) rows to / from each EP rank */
+    int64_t *recv_cnt;       /* (P, n_local) rows from each rank for each local expert */
+    int64_t *local_off;      /* (n_local + 1) row offsets of local experts in the regrouped buffer */
+    int n_threads;
+};
+
+static dsk_status dsk__moe_reserve(dsk__moe_buf *b, size_t bytes) {
+    if (bytes <= b->cap) return DSK_OK;
+    DSK_FREE(b->p);
+    b->p = DSK_MALLOC(bytes);
+    b->cap = b->p ? bytes : 0;
+    if (!b->p) return dsk_set_error(DSK_ERR_OOM, "dsk_moe: out of host memory for %zu bytes of workspace", bytes);
+    return DSK_OK;
+}
+#define DSK__MOE_F(b) ((float *)(b).p)
+#define DSK__MOE_I(b) ((int32_t *)(b).p)
+
+static void dsk__moe_state_free(struct dsk__moe_state *st) {
+    dsk__moe_buf *bufs[] = {&st->xf, &st->u, &st->prob, &st->gate, &st->sel, &st->slot_pos, &st->perm, &st->xs,
+                            &st->ob, &st->hs1, &st->hs3, &st->as, &st->ys, &st->aux_coef, &st->xr, &st->h1,
+                            &st->h3, &st->a, &st->orr, &st->rg, &st->dyf, &st->dxf, &st->du, &st->dgate, &st->dos,
+                            &st->dor, &st->dh1, &st->dh3, &st->dxr, &st->dxp, &st->das, &st->dhs1, &st->dhs3, &st->wf};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) DSK_FREE(bufs[i]->p);
+    DSK_FREE(st->sel_count); DSK_FREE(st->kept_count); DSK_FREE(st->global_count); DSK_FREE(st->load_accum);
+    DSK_FREE(st->send_rows); DSK_FREE(st->recv_rows); DSK_FREE(st->recv_cnt); DSK_FREE(st->local_off);
+    DSK_FREE(st);
+}
+
+/* ---------------------------------------------------------------- options and init */
+
+static dsk_status dsk__moe_resolve(dsk_moe_opts *o, int ep_size) {
+    const char *fn = "dsk_moe_init";
+    if (!o->name) o->name = "moe";
+    if (strlen(o->name) > 64) return dsk_set_error(DSK_ERR_ARG, "%s: name \"%.20s...\" longer than 64 characters", fn, o->name);
+    if (o->d_model <= 0) return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": d_model %lld must be > 0", fn, o->name, (long long)o->d_model);
+    if (o->n_routed <= 0) return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": n_routed %d must be > 0", fn, o->name, o->n_routed);
+    if (o->top_k <= 0 || o->top_k > o->n_routed)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": top_k %d outside [1, n_routed %d]", fn, o->name, o->top_k, o->n_routed);
+    if (o->d_expert <= 0) return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": d_expert %lld must be > 0", fn, o->name, (long long)o->d_expert);
+    if (o->n_shared < 0) return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": n_shared %d < 0", fn, o->name, o->n_shared);
+    if (o->d_shared < 0) return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": d_shared %lld < 0", fn, o->name, (long long)o->d_shared);
+    if (!o->d_shared) o->d_shared = o->d_expert;
+    if (o->score != DSK_MOE_SOFTMAX && o->score != DSK_MOE_SIGMOID)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": unknown score function %d", fn, o->name, (int)o->score);
+    if ((int)o->norm < 0 || (int)o->norm > 2)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": unknown norm setting %d", fn, o->name, (int)o->norm);
+    if (o->norm == DSK_MOE_NORM_DEFAULT) o->norm = o->score == DSK_MOE_SIGMOID ? DSK_MOE_NORM_ON : DSK_MOE_NORM_OFF;
+    if (o->routed_scale == 0.0f) o->routed_scale = 1.0f;
+    if (!(o->routed_scale > 0.0f) || !isfinite(o->routed_scale))
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": routed_scale %g must be finite and > 0", fn, o->name, (double)o->routed_scale);
+    if (o->n_group < 0 || o->topk_group < 0)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": n_group %d, topk_group %d must be >= 0", fn, o->name, o->n_group, o->topk_group);
+    if (!o->n_group) o->n_group = 1;
+    if (!o->topk_group) o->topk_group = o->n_group;
+    if (o->n_routed % o->n_group)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": n_routed %d not divisible by n_group %d", fn, o->name, o->n_routed, o->n_group);
+    if (o->topk_group > o->n_group)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": topk_group %d > n_group %d", fn, o->name, o->topk_group, o->n_group);
+    if ((int64_t)o->topk_group * (o->n_routed / o->n_group) < o->top_k)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": top_k %d > the %d experts in topk_group %d groups of %d", fn, o->name,
+                             o->top_k, o->topk_group * (o->n_routed / o->n_group), o->topk_group, o->n_routed / o->n_group);
+    if (o->aux_alpha < 0 || o->seq_aux_alpha < 0 || o->z_beta < 0 || o->bias_rate < 0 || o->capacity_factor < 0 ||
+        !isfinite(o->aux_alpha) || !isfinite(o->seq_aux_alpha) || !isfinite(o->z_beta) || !isfinite(o->bias_rate) ||
+        !isfinite(o->capacity_factor))
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": aux_alpha %g, seq_aux_alpha %g, z_beta %g, bias_rate %g, capacity_factor %g must be finite and >= 0",
+                             fn, o->name, (double)o->aux_alpha, (double)o->seq_aux_alpha, (double)o->z_beta, (double)o->bias_rate,
+                             (double)o->capacity_factor);
+    if (o->seq_len < 0) return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": seq_len %lld < 0", fn, o->name, (long long)o->seq_len);
+    if (!o->bias_rate) o->bias_rate = 1e-3f;
+    if (o->drop != DSK_MOE_DROP_PROB && o->drop != DSK_MOE_DROP_POSITION)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": unknown drop policy %d", fn, o->name, (int)o->drop);
+    if (o->dtype != DSK_F32 && o->dtype != DSK_BF16)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": dtype %s not supported (f32 or bf16)", fn, o->name, dsk_dtype_name(o->dtype));
+    if (o->init_std < 0 || !isfinite(o->init_std))
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": init_std %g must be finite and >= 0", fn, o->name, (double)o->init_std);
+    if (!o->init_std) o->init_std = 0.02f;
+    if (o->n_routed % ep_size)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": n_routed %d not divisible by the expert-parallel size %d", fn, o->name,
+                             o->n_routed, ep_size);
+    return DSK_OK;
+}
+
+/* Lays out one parameter: value at *poff bytes in the param slab, grad at *goff floats. */
+typedef struct dsk__moe_spec {
+    const char *suffix;
+    dsk_dtype dt;
+    int ndim;
+    int64_t shape[3];
+    int has_grad, sharded;
+    uint64_t rng_offset; /* element offset of this rank's slice in the init stream */
+} dsk__moe_spec;
+
+static int64_t dsk__moe_numel(const dsk__moe_spec *s) {
+    int64_t n = 1;
+    for (int i = 0; i < s->ndim; i++) n *= s->shape[i];
+    return n;
+}
+
+static dsk_status dsk__moe_alloc_params(dsk_moe *m, dsk_ctx *ctx) {
+    const dsk_moe_opts *o = &m->opts;
+    int64_t D = o->d_model, E = o->n_routed, F = o->d_expert, Fs = m->d_shared_total, El = m->n_local;
+    /* Init streams are spaced 2^40 apart; expert slices start at their global element. */
+    uint64_t big = (uint64_t)1 << 40, e0 = (uint64_t)m->expert0;
+    dsk__moe_spec specs[DSK_MOE_N_PARAMS] = {
+        {"router", DSK_F32, 2, {E, D, 0}, 1, 0, 0},
+        {"bias", DSK_F32, 1, {E, 0, 0}, 0, 0, 0},
+        {"w1", o->dtype, 3, {El, F, D}, 1, 1, 1 * big + e0 * (uint64_t)(F * D)},
+        {"w2", o->dtype, 3, {El, D, F}, 1, 1, 2 * big + e0 * (uint64_t)(F * D)},
+        {"w3", o->dtype, 3, {El, F, D}, 1, 1, 3 * big + e0 * (uint64_t)(F * D)},
+        {"shared.w1", o->dtype, 2, {Fs, D, 0}, 1, 0, 4 * big},
+        {"shared.w2", o->dtype, 2, {D, Fs, 0}, 1, 0, 5 * big},
+        {"shared.w3", o->dtype, 2, {Fs, D, 0}, 1, 0, 6 * big},
+    };
+    /* grad order: dense (router, shared.*) first, then experts */
+    static const int grad_order[DSK_MOE_N_PARAMS] = {0, 5, 6, 7, 2, 3, 4, 1};
+    size_t poff[DSK_MOE_N_PARAMS], pbytes = 0;
+    int64_t goff[DSK_MOE_N_PARAMS], gtot = 0;
+    int n = o->n_shared > 0 ? DSK_MOE_N_PARAMS : 5;
+    dsk_status s;
+    int64_t one;
+    for (int i = 0; i < n; i++) {
+        poff[i] = pbytes;
+        pbytes += ((size_t)dsk__moe_numel(&specs[i]) * dsk_dtype_size(specs[i].dt) + 255) & ~(size_t)255;
+    }
+    for (int j = 0; j < DSK_MOE_N_PARAMS; j++) {
+        int i = grad_order[j];
+        if (i >= n || !specs[i].has_grad) continue;
+        goff[i] = gtot;
+        gtot += dsk__moe_numel(&specs[i]);
+        if (!specs[i].sharded) m->grad_dense_numel = gtot;
+    }
+    m->grad_expert_numel = gtot - m->grad_dense_numel;
+    one = (int64_t)pbytes;
+    if ((s = dsk_tensor_alloc_on(ctx, m->device, &m->param_slab, DSK_U8, 1, &one)) != DSK_OK) return s;
+    if ((s = dsk_tensor_alloc_on(ctx, m->device, &m->grad_slab, DSK_F32, 1, &gtot)) != DSK_OK) return s;
+    for (int i = 0; i < n; i++) {
+        dsk_moe_param *p = &m->params[i];
+        snprintf(p->name, sizeof p->name, "%s.%s", o->name, specs[i].suffix);
+        if ((s = dsk_tensor_wrap(&p->value, (char *)m->param_slab.data + poff[i], specs[i].dt, m->device, specs[i].ndim,
+                                 specs[i].shape)) != DSK_OK)
+            return s;
+        if (specs[i].has_grad) {
+            if ((s = dsk_tensor_wrap(&p->grad, (float *)m->grad_slab.data + goff[i], DSK_F32, m->device, specs[i].ndim,
+                                     specs[i].shape)) != DSK_OK)
+                return s;
+        } else {
+            memset(&p->grad, 0, sizeof p->grad);
+            p->grad.device = m->device;
+            p->grad.dtype = DSK_F32;
+            p->grad.ndim = 1; /* shape [0] */
+        }
+        p->expert_sharded = specs[i].sharded;
+        if (i == 1) s = dsk_tensor_fill(ctx, &p->value, 0.0);
+        else s = dsk_tensor_normal(ctx, &p->value, o->seed, specs[i].rng_offset, 0.0f, o->init_std);
+        if (s != DSK_OK) return s;
+    }
+    m->n_params = n;
+    m->router = &m->params[0]; m->bias = &m->params[1];
+    m->w1 = &m->params[2]; m->w2 = &m->params[3]; m->w3 = &m->params[4];
+    m->sw1 = n > 5 ? &m->params[5] : NULL;
+    m->sw2 = n > 5 ? &m->params[6] : NULL;
+    m->sw3 = n > 5 ? &m->params[7] : NULL;
+    return dsk_tensor_fill(ctx, &m->grad_slab, 0.0);
+}
+
+static dsk_status dsk__moe_alloc_state(dsk_moe *m) {
+    struct dsk__moe_state *st;
+    int64_t E = m->opts.n_routed, P = m->ep_size;
+    m->st = st = (struct dsk__moe_state *)DSK_MALLOC(sizeof *st);
+    if (!st) return dsk_set_error(DSK_ERR_OOM, "dsk_moe_init: out of host memory");
+    memset(st, 0, sizeof *st);
+    st->sel_count = (int64_t *)DSK_MALLOC((size_t)E * sizeof(int64_t));
+    st->kept_count = (int64_t *)DSK_MALLOC((size_t)E * sizeof(int64_t));
+    st->global_count = (int64_t *)DSK_MALLOC((size_t)E * sizeof(int64_t));
+    st->load_accum = (int64_t *)DSK_MALLOC((size_t)E * sizeof(int64_t));
+    st->send_rows = (int64_t *)DSK_MALLOC((size_t)P * sizeof(int64_t));
+    st->recv_rows = (int64_t *)DSK_MALLOC((size_t)P * sizeof(int64_t));
+    st->recv_cnt = (int64_t *)DSK_MALLOC((size_t)(P * m->n_local) * sizeof(int64_t));
+    st->local_off = (int64_t *)DSK_MALLOC((size_t)(m->n_local + 1) * sizeof(int64_t));
+    if (!st->sel_count || !st->kept_count || !st->global_count || !st->load_accum || !st->send_rows || !st->recv_rows ||
+        !st->recv_cnt || !st->local_off)
+        return dsk_set_error(DSK_ERR_OOM, "dsk_moe_init: out of host memory");
+    memset(st->load_accum, 0, (size_t)E * sizeof(int64_t));
+    memset(st->global_count, 0, (size_t)E * sizeof(int64_t));
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_moe_init(dsk_moe *m, dsk_ctx *ctx, const dsk_moe_opts *opts) {
+    dsk_status s;
+    if (!m) return dsk_set_error(DSK_ERR_ARG, "dsk_moe_init: layer is NULL");
+    memset(m, 0, sizeof *m);
+    if (!opts) return dsk_set_error(DSK_ERR_ARG, "dsk_moe_init: opts is NULL");
+    m->opts = *opts;
+    m->ep_size = 1;
+    if (opts->ep) {
+        if (opts->ep->world_size < 1 || !opts->ep->impl)
+            return dsk_set_error(DSK_ERR_ARG, "dsk_moe_init: expert-parallel communicator is not initialised");
+        m->ep_rank = opts->ep->rank;
+        m->ep_size = opts->ep->world_size;
+    }
+    if ((s = dsk__moe_resolve(&m->opts, m->ep_size)) != DSK_OK) { memset(m, 0, sizeof *m); return s; }
+    m->d_shared_total = (int64_t)m->opts.n_shared * m->opts.d_shared;
+    m->n_local = m->opts.n_routed / m->ep_size;
+    m->expert0 = m->ep_rank * m->n_local;
+    m->device = ctx ? ctx->device : dsk_cpu();
+#ifndef DSK_CUDA
+    if (m->device.type != DSK_DEV_CPU) { memset(m, 0, sizeof *m); return dsk_set_error(DSK_ERR_UNSUPPORTED, "dsk_moe_init: CUDA context in a build without DSK_CUDA"); }
+#endif
+    if ((s = dsk__moe_alloc_params(m, ctx)) != DSK_OK || (s = dsk__moe_alloc_state(m)) != DSK_OK) {
+        char msg[1024];
+        snprintf(msg, sizeof msg, "%s", dsk_last_error());
+        dsk_moe_free(m, ctx);
+        return dsk_set_error(s, "%s", msg);
+    }
+    m->st->n_threads = ctx && ctx->n_threads > 0 ? ctx->n_threads : 0;
+    return DSK_OK;
+}
+
+DSK_API void dsk_moe_free(dsk_moe *m, dsk_ctx *ctx) {
+    if (!m) return;
+    if (m->st) dsk__moe_state_free(m->st);
+    dsk_tensor_free(ctx, &m->param_slab);
+    dsk_tensor_free(ctx, &m->grad_slab);
+    memset(m, 0, sizeof *m);
+}
+
+DSK_API dsk_moe_param *dsk_moe_find_param(dsk_moe *m, const char *name) {
+    if (!m || !name) return NULL;
+    for (int i = 0; i < m->n_params; i++)
+        if (!strcmp(m->params[i].name, name)) return &m->params[i];
+    return NULL;
+}
+
+DSK_API dsk_status dsk_moe_zero_grad(dsk_moe *m, dsk_ctx *ctx) {
+    if (!m || !m->st) return dsk_set_error(DSK_ERR_STATE, "dsk_moe_zero_grad: layer not initialised");
+    return dsk_tensor_fill(ctx, &m->grad_slab, 0.0);
+}
+
+/* ---------------------------------------------------------------- CPU building blocks */
+
+static void dsk__moe_gemm(const struct dsk__moe_state *st, int ta, int tb, int64_t M, int64_t N, int64_t K, const float *A,
+                          int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+    if (M == 0 || N == 0) return;
+    dsk_sgemm_cpu(ta, tb, M, N, K, 1.0f, A, lda, B, ldb, beta, C, ldc, st->n_threads);
+}
+
+/* rows (n, D) of a tensor in f32 or bf16 -> f32 */
+static void dsk__moe_to_f32(float *dst, const void *src, dsk_dtype dt, int64_t n) {
+    if (dt == DSK_F32) { memcpy(dst, src, (size_t)n * sizeof(float)); return; }
+    for (int64_t i = 0; i < n; i++) dst[i] = dsk_bf16_to_f32(((const uint16_t *)src)[i]);
+}
+
+/* Per-expert f32 weight pointers: the parameters themselves (f32) or converted copies (bf16). */
+typedef struct dsk__moe_w { const float *w1, *w2, *w3, *sw1, *sw2, *sw3; } dsk__moe_w;
+
+static dsk_status dsk__moe_weights_f32(dsk_moe *m, dsk__moe_w *w) {
+    struct dsk__moe_state *st = m->st;
+    dsk_moe_param *ps[6] = {m->w1, m->w2, m->w3, m->sw1, m->sw2, m->sw3};
+    const float **out[6] = {&w->w1, &w->w2, &w->w3, &w->sw1, &w->sw2, &w->sw3};
+    int64_t tot = 0, off = 0;
+    dsk_status s;
+    memset(w, 0, sizeof *w);
+    for (int i = 0; i < 6; i++) if (ps[i]) tot += dsk_tensor_numel(&ps[i]->value);
+    if (m->opts.dtype == DSK_F32) {
+        for (int i = 0; i < 6; i++) if (ps[i]) *out[i] = (const float *)ps[i]->value.data;
+        return DSK_OK;
+    }
+    if ((s = dsk__moe_reserve(&st->wf, (size_t)tot * sizeof(float))) != DSK_OK) return s;
+    for (int i = 0; i < 6; i++) {
+        if (!ps[i]) continue;
+        dsk__moe_to_f32(DSK__MOE_F(st->wf) + off, ps[i]->value.data, DSK_BF16, dsk_tensor_numel(&ps[i]->value));
+        *out[i] = DSK__MOE_F(st->wf) + off;
+        off += dsk_tensor_numel(&ps[i]->value);
+    }
+    return DSK_OK;
+}
+
+/* SwiGLU forward on n rows: h1 = x W1^T, h3 = x W3^T (n, F); a = silu(h1) h3; out = a W2^T (n, D). */
+static void dsk__moe_swiglu_fwd(const struct dsk__moe_state *st, int64_t n, int64_t D, int64_t F, const float *x, const float *w1,
+                                const float *w2, const float *w3, float *h1, float *h3, float *a, float *out) {
+    if (n == 0) return;
+    dsk__moe_gemm(st, 0, 1, n, F, D, x, D, w1, D, 0.0f, h1, F);
+    dsk__moe_gemm(st, 0, 1, n, F, D, x, D, w3, D, 0.0f, h3, F);
+    for (int64_t i = 0; i < n * F; i++) a[i] = dsk_moe_silu(h1[i]) * h3[i];
+    dsk__moe_gemm(st, 0, 1, n, D, F, a, F, w2, F, 0.0f, out, D);
+}
+
+/* SwiGLU backward on n rows: dx (n, D) = (written), dW1, dW3 (F, D), dW2 (D, F) += . */
+static void dsk__moe_swiglu_bwd(const struct dsk__moe_state *st, int64_t n, int64_t D, int64_t F, const float *x, const float *w1,
+                                const float *w2, const float *w3, const float *h1, const float *h3, const float *a,
+                                const float *dout, float *dh1, float *dh3, float *dx, float *dw1, float *dw2, float *dw3) {
+    if (n == 0) return;
+    dsk__moe_gemm(st, 0, 0, n, F, D, dout, D, w2, F, 0.0f, dh1, F); /* da, in dh1 */
+    dsk__moe_gemm(st, 1, 0, D, F, n, dout, D, a, F, 1.0f, dw2, F);
+    for (int64_t i = 0; i < n * F; i++) dsk_moe_swiglu_grad(h1[i], h3[i], dh1[i], &dh1[i], &dh3[i]);
+    dsk__moe_gemm(st, 0, 0, n, D, F, dh1, F, w1, D, 0.0f, dx, D);
+    dsk__moe_gemm(st, 0, 0, n, D, F, dh3, F, w3, D, 1.0f, dx, D);
+    dsk__moe_gemm(st, 1, 0, F, D, n, dh1, F, x, D, 1.0f, dw1, D);
+    dsk__moe_gemm(st, 1, 0, F, D, n, dh3, F, x, D, 1.0f, dw3, D);
+}
+
+/* ---------------------------------------------------------------- routing, losses, capacity */
+
+static dsk_status dsk__moe_route(dsk_moe *m, int64_t T) {
+    struct dsk__moe_state *st = m->st;
+    const dsk_moe_opts *o = &m->opts;
+    int E = o->n_routed, K = o->top_k;
+    const float *bias = (const float *)m->bias->value.data;
+    float *u = DSK__MOE_F(st->u), *prob = DSK__MOE_F(st->prob), *gate = DSK__MOE_F(st->gate);
+    int32_t *sel = DSK__MOE_I(st->sel);
+    float *scratch = DSK__MOE_F(st->du); /* (T, E + n_group), free during forward */
+    dsk__moe_gemm(st, 0, 1, T, E, o->d_model, DSK__MOE_F(st->xf), o->d_model, (const float *)m->router->value.data,
+                  o->d_model, 0.0f, u, E);
+    #pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; t++)
+        dsk_moe_route_token(u + t * E, bias, E, K, o->score == DSK_MOE_SIGMOID, o->norm == DSK_MOE_NORM_ON, o->routed_scale,
+                            o->n_group, o->topk_group, prob + t * E, scratch + t * (E + o->n_group), sel + t * K, gate + t * K);
+    memset(st->sel_count, 0, (size_t)E * sizeof(int64_t));
+    for (int64_t i = 0; i < T * K; i++) st->sel_count[sel[i]]++;
+    for (int e = 0; e < E; e++) st->load_accum[e] += st->sel_count[e];
+    return DSK_OK;
+}
+
+/* p' row of token t: p for softmax, s / sum s for sigmoid (into out, E). */
+static void dsk__moe_prob_norm(const dsk_moe *m, const float *prob, double *out) {
+    int E = m->opts.n_routed;
+    double tot = 0;
+    for (int j = 0; j < E; j++) tot += prob[j];
+    for (int j = 0; j < E; j++) out[j] = m->opts.score == DSK_MOE_SIGMOID ? prob[j] / tot : prob[j];
+}
+
+/* Loss values and the per-expert d loss / d p' coefficients (aux_coef: (n_seq, E), row q for
+   tokens of sequence q; Switch and sequence-wise parts summed). */
+static dsk_status dsk__moe_losses(dsk_moe *m, int64_t T, dsk_moe_stats *stats) {
+    struct dsk__moe_state *st = m->st;
+    const dsk_moe_opts *o = &m->opts;
+    int E = o->n_routed, K = o->top_k;
+    int64_t L = o->seq_len ? o->seq_len : T, nseq = T / L;
+    const float *prob = DSK__MOE_F(st->prob), *u = DSK__MOE_F(st->u);
+    const int32_t *sel = DSK__MOE_I(st->sel);
+    double *P, *pn, *cnt;
+    float *coef;
+    dsk_status s;
+    st->n_seq = nseq;
+    st->seq_len = L;
+    if ((s = dsk__moe_reserve(&st->aux_coef, (size_t)(nseq * E) * sizeof(float))) != DSK_OK) return s;
+    coef = DSK__MOE_F(st->aux_coef);
+    memset(coef, 0, (size_t)(nseq * E) * sizeof(float));
+    P = (double *)DSK_MALLOC((size_t)(3 * E) * sizeof(double));
+    if (!P) return dsk_set_error(DSK_ERR_OOM, "dsk_moe_forward: out of host memory");
+    pn = P + E; cnt = P + 2 * E;
+    if (o->aux_alpha > 0) { /* Switch: alpha E sum f_i P_i */
+        double loss = 0;
+        memset(P, 0, (size_t)E * sizeof(double));
+        for (int64_t t = 0; t < T; t++) {
+            dsk__moe_prob_norm(m, prob + t * E, pn);
+            for (int j = 0; j < E; j++) P[j] += pn[j] / (double)T;
+        }
+        for (int j = 0; j < E; j++) {
+            double f = (double)st->sel_count[j] / (double)(T * K);
+            loss += f * P[j];
+            for (int64_t q = 0; q < nseq; q++) coef[q * E + j] += (float)(o->aux_alpha * E * f / (double)T);
+        }
+        stats->aux_loss = o->aux_alpha * E * loss;
+    }
+    if (o->seq_aux_alpha > 0) { /* per sequence: alpha sum_i (E/(K L)) cnt_i * (1/L) sum_t p'_ti, averaged */
+        double total = 0;
+        for (int64_t q = 0; q < nseq; q++) {
+            double loss = 0;
+            memset(P, 0, (size_t)E * sizeof(double));
+            memset(cnt, 0, (size_t)E * sizeof(double));
+            for (int64_t t = q * L; t < (q + 1) * L; t++) {
+                dsk__moe_prob_norm(m, prob + t * E, pn);
+                for (int j = 0; j < E; j++) P[j] += pn[j] / (double)L;
+                for (int k = 0; k < K; k++) cnt[sel[t * K + k]] += 1.0;
+            }
+            for (int j = 0; j < E; j++) {
+                double f = (double)E / (double)(K * L) * cnt[j];
+                loss += f * P[j];
+                coef[q * E + j] += (float)(o->seq_aux_alpha * f / (double)L / (double)nseq);
+            }
+            total += o->seq_aux_alpha * loss;
+        }
+        stats->seq_aux_loss = total / (double)nseq;
+    }
+    if (o->z_beta > 0) {
+        double z = 0;
+        for (int64_t t = 0; t < T; t++) {
+            double l = dsk_moe_logsumexp(u + t * E, E);
+            z += l * l;
+        }
+        stats->z_loss = o->z_beta * z / (double)T;
+    }
+    DSK_FREE(P);
+    stats->loss = stats->aux_loss + stats->seq_aux_loss + stats->z_loss;
+    return DSK_OK;
+}
+
+typedef struct dsk__moe_cand { float g; int32_t i; } dsk__moe_cand;
+static int dsk__moe_cand_cmp(const void *pa, const void *pb) {
+    const dsk__moe_cand *a = (const dsk__moe_cand *)pa, *b = (const dsk__moe_cand *)pb;
+    if (a->g != b->g) return a->g > b->g ? -1 : 1;
+    return a->i < b->i ? -1 : a->i > b->i;
+}
+
+/* Stable counting sort of the (token, slot) pairs by expert, applying capacity: perm (n_kept)
+   flat slot indices, slot_pos (T*K) position in perm or -1 when dropped, kept_count (E). */
+static dsk_status dsk__moe_dispatch_plan(dsk_moe *m, int64_t T, int64_t *dropped) {
+    struct dsk__moe_state *st = m->st;
+    const dsk_moe_opts *o = &m->opts;
+    int E = o->n_routed, K = o->top_k;
+    int64_t N = T * K, cap = INT64_MAX, pos = 0;
+    const int32_t *sel = DSK__MOE_I(st->sel);
+    const float *gate = DSK__MOE_F(st->gate);
+    int32_t *perm = DSK__MOE_I(st->perm), *slot_pos = DSK__MOE_I(st->slot_pos);
+    int64_t *off = st->kept_count; /* first: start offsets of each expert in the full sort */
+    if (o->capacity_factor > 0) cap = (int64_t)ceil((double)N / E * o->capacity_factor);
+    memset(off, 0, (size_t)E * sizeof(int64_t));
+    for (int64_t i = 0; i < N; i++) off[sel[i]]++;
+    for (int e = 0; e < E; e++) { int64_t c = off[e]; off[e] = pos; pos += c; }
+    for (int64_t i = 0; i < N; i++) slot_pos[i] = (int32_t)(off[sel[i]]++); /* full sort positions, off -> ends */
+    for (int64_t i = 0; i < N; i++) perm[slot_pos[i]] = (int32_t)i;
+    /* capacity: per expert, keep the first `cap` by position or the `cap` largest weights */
+    *dropped = 0;
+    pos = 0;
+    {
+        int64_t start = 0;
+        dsk__moe_cand *cand = NULL;
+        if (o->drop == DSK_MOE_DROP_PROB && cap < N) {
+            cand = (dsk__moe_cand *)DSK_MALLOC((size_t)N * sizeof *cand);
+            if (!cand) return dsk_set_error(DSK_ERR_OOM, "dsk_moe_forward: out of host memory");
+        }
+        for (int e = 0; e < E; e++) {
+            int64_t end = off[e], n = end - start, keep = n < cap ? n : cap;
+            if (keep < n && cand) { /* sort by weight (desc), then position; keep the best, in position order */
+                for (int64_t j = 0; j < n; j++) { cand[j].i = perm[start + j]; cand[j].g = gate[perm[start + j]]; }
+                qsort(cand, (size_t)n, sizeof *cand, dsk__moe_cand_cmp);
+                for (int64_t j = 0; j < n; j++) slot_pos[cand[j].i] = j < keep ? 0 : -1;
+                for (int64_t j = start; j < end; j++) {
+                    int32_t i = perm[j];
+                    if (slot_pos[i] == 0) { slot_pos[i] = (int32_t)pos; perm[pos++] = i; }
+                }
+            } else {
+                for (int64_t j = start; j < end; j++) {
+                    int32_t i = perm[j];
+                    if (j - start < keep) { slot_pos[i] = (int32_t)pos; perm[pos++] = i; }
+                    else slot_pos[i] = -1;
+                }
+            }
+            *dropped += n - keep;
+            off[e] = keep; /* kept_count */
+            start = end;
+        }
+        DSK_FREE(cand);
+    }
+    st->n_kept = pos;
+    return DSK_OK;
+}
+
+/* ---------------------------------------------------------------- expert-parallel exchange */
+
+/* All-to-all-v of `width`-element rows over the EP group: rows_to[r] rows go to rank r in
+   rank order from `send`, rows_from[r] arrive from rank r into `recv` in rank order. */
+static dsk_status dsk__moe_exchange(dsk_moe *m, dsk_ctx *ctx, const void *send, const int64_t *rows_to, void *recv,
+                                    const int64_t *rows_from, int64_t width, dsk_dtype dt) {
+    int P = m->ep_size;
+    int64_t *cnt, so = 0, ro = 0;
+    dsk_status s;
+    if (P == 1) {
+        memcpy(recv, send, (size_t)(rows_to[0] * width) * dsk_dtype_size(dt));
+        return DSK_OK;
+    }
+    cnt = (int64_t *)DSK_MALLOC((size_t)(4 * P) * sizeof(int64_t));
+    if (!cnt) return dsk_set_error(DSK_ERR_OOM, "dsk_moe: out of host memory");
+    for (int r = 0; r < P; r++) {
+        cnt[r] = rows_to[r] * width; cnt[P + r] = so; so += cnt[r];
+        cnt[2 * P + r] = rows_from[r] * width; cnt[3 * P + r] = ro; ro += cnt[2 * P + r];
+    }
+    s = dsk_comm_all_to_all_v(m->opts.ep, ctx, send, cnt, cnt + P, recv, cnt + 2 * P, cnt + 3 * P, dt);
+    DSK_FREE(cnt);
+    return s;
+}
+
+/* Counts first: every rank learns how many rows each peer sends for each of its experts
+   (recv_cnt (P, n_local)), and the EP-group totals of the statistics. */
+static dsk_status dsk__moe_exchange_counts(dsk_moe *m, dsk_ctx *ctx, int64_t T, int64_t dropped, dsk_moe_stats *stats) {
+    struct dsk__moe_state *st = m->st;
+    int P = m->ep_size, El = m->n_local, E = m->opts.n_routed;
+    int64_t *ones, *tot;
+    dsk_status s = DSK_OK;
+    for (int r = 0; r < P; r++) {
+        st->send_rows[r] = 0;
+        for (int e = r * El; e < (r + 1) * El; e++) st->send_rows[r] += st->kept_count[e];
+    }
+    tot = (int64_t *)DSK_MALLOC((size_t)(E + 2 + P) * sizeof(int64_t));
+    if (!tot) return dsk_set_error(DSK_ERR_OOM, "dsk_moe: out of host memory");
+    ones = tot + E + 2;
+    for (int r = 0; r < P; r++) ones[r] = El;
+    if ((s = dsk__moe_exchange(m, ctx, st->kept_count, ones, st->recv_cnt, ones, 1, DSK_I64)) != DSK_OK) goto done;
+    memcpy(tot, st->sel_count, (size_t)E * sizeof(int64_t));
+    tot[E] = dropped;
+    tot[E + 1] = T;
+    if (P > 1 && (s = dsk_comm_all_reduce(m->opts.ep, ctx, tot, tot, E + 2, DSK_I64, DSK_COMM_SUM)) != DSK_OK) goto done;
+    memcpy(st->global_count, tot, (size_t)E * sizeof(int64_t));
+    stats->tokens = tot[E + 1];
+    stats->dropped = tot[E];
+    stats->slots = tot[E + 1] * m->opts.top_k;
+    stats->tokens_per_expert = st->global_count;
+    stats->max_load = 0;
+    for (int e = 0; e < E; e++) stats->max_load = (double)tot[e] > stats->max_load ? (double)tot[e] : stats->max_load;
+    stats->mean_load = (double)stats->slots / E;
+    /* regrouped layout: local expert e, then source rank r */
+    st->R = 0;
+    for (int r = 0; r < P; r++) {
+        st->recv_rows[r] = 0;
+        for (int e = 0; e < El; e++) st->recv_rows[r] += st->recv_cnt[r * El + e];
+        st->R += st->recv_rows[r];
+    }
+    st->local_off[0] = 0;
+    for (int e = 0; e < El; e++) {
+        st->local_off[e + 1] = st->local_off[e];
+        for (int r = 0; r < P; r++) st->local_off[e + 1] += st->recv_cnt[r * El + e];
+    }
+done:
+    DSK_FREE(tot);
+    return s;
+}
+
+/* rg (R): regrouped row q (expert-major) -> row in the received (rank-major) buffer. */
+static dsk_status dsk__moe_regroup_index(dsk_moe *m) {
+    struct dsk__moe_state *st = m->st;
+    int P = m->ep_size, El = m->n_local;
+    int64_t src = 0;
+    int32_t *rg;
+    dsk_status s;
+    if ((s = dsk__moe_reserve(&st->rg, (size_t)(st->R + 1) * sizeof(int32_t))) != DSK_OK) return s;
+    rg = DSK__MOE_I(st->rg);
+    for (int r = 0; r < P; r++) {
+        for (int e = 0; e < El; e++) {
+            int64_t before = 0; /* rows of expert e from ranks < r */
+            for (int r2 = 0; r2 < r; r2++) before += st->recv_cnt[r2 * El + e];
+            for (int64_t j = 0; j < st->recv_cnt[r * El + e]; j++) rg[st->local_off[e] + before + j] = (int32_t)(src + j);
+            src += st->recv_cnt[r * El + e];
+        }
+    }
+    return DSK_OK;
+}
+
+/* dst[q] = src[rg[q]] (to_expert_major) or dst[rg[q]] = src[q] (back), rows of D floats. */
+static void dsk__moe_regroup(const dsk_moe *m, float *dst, const float *src, int to_expert_major) {
+    const struct dsk__moe_state *st = m->st;
+    const int32_t *rg = DSK__MOE_I(st->rg);
+    int64_t D = m->opts.d_model;
+    #pragma omp parallel for schedule(static)
+    for (int64_t q = 0; q < st->R; q++) {
+        if (to_expert_major) memcpy(dst + q * D, src + (int64_t)rg[q] * D, (size_t)D * sizeof(float));
+        else memcpy(dst + (int64_t)rg[q] * D, src + q * D, (size_t)D * sizeof(float));
+    }
+}
+
+/* Sends rows (n_kept, D) in perm order to their experts' ranks; regrouped into dst (R, D). */
+static dsk_status dsk__moe_to_experts(dsk_moe *m, dsk_ctx *ctx, const float *rows, float *tmp, float *dst) {
+    struct dsk__moe_state *st = m->st;
+    dsk_status s;
+    if (m->ep_size == 1) { memcpy(dst, rows, (size_t)(st->R * m->opts.d_model) * sizeof(float)); return DSK_OK; }
+    if ((s = dsk__moe_exchange(m, ctx, rows, st->send_rows, tmp, st->recv_rows, m->opts.d_model, DSK_F32)) != DSK_OK) return s;
+    dsk__moe_regroup(m, dst, tmp, 1);
+    return DSK_OK;
+}
+
+/* The reverse: rows (R, D) expert-major back to their tokens' ranks, into dst (n_kept, D) in perm order. */
+static dsk_status dsk__moe_from_experts(dsk_moe *m, dsk_ctx *ctx, const float *rows, float *tmp, float *dst) {
+    struct dsk__moe_state *st = m->st;
+    if (m->ep_size == 1) { memcpy(dst, rows, (size_t)(st->R * m->opts.d_model) * sizeof(float)); return DSK_OK; }
+    dsk__moe_regroup(m, tmp, rows, 0);
+    return dsk__moe_exchange(m, ctx, tmp, st->recv_rows, dst, st->send_rows, m->opts.d_model, DSK_F32);
+}
+
+/* ---------------------------------------------------------------- forward and backward (CPU) */
+
+static dsk_status dsk__moe_check_io(const dsk_moe *m, const char *fn, const char *what, const dsk_tensor *t, int64_t T) {
+    char b[96];
+    if (!t) return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": %s is NULL", fn, m->opts.name, what);
+    if (t->ndim != 2 || t->shape[1] != m->opts.d_model || t->dtype != m->opts.dtype || (T >= 0 && t->shape[0] != T))
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": %s is %s, want [%lld,%lld] %s", fn, m->opts.name, what,
+                             dsk_tensor_describe(t, b, sizeof b), T >= 0 ? (long long)T : (long long)t->shape[0],
+                             (long long)m->opts.d_model, dsk_dtype_name(m->opts.dtype));
+    if (t->device.type != m->device.type || t->device.index != m->device.index)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": %s is on %s, the layer on %s", fn, m->opts.name, what,
+                             t->device.type == DSK_DEV_CUDA ? "CUDA" : "the CPU", m->device.type == DSK_DEV_CUDA ? "CUDA" : "the CPU");
+    if (!dsk_tensor_is_contiguous(t) || (!t->data && t->shape[0] > 0))
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": %s must be contiguous with data", fn, m->opts.name, what);
+    return DSK_OK;
+}
+
+static dsk_status dsk__moe_reserve_T(dsk_moe *m, int64_t T) {
+    struct dsk__moe_state *st = m->st;
+    int64_t D = m->opts.d_model, E = m->opts.n_routed, K = m->opts.top_k, Fs = m->d_shared_total;
+    size_t f = sizeof(float), T1 = (size_t)(T > 0 ? T : 1);
+    dsk_status s;
+    if ((s = dsk__moe_reserve(&st->xf, T1 * D * f)) || (s = dsk__moe_reserve(&st->u, T1 * E * f)) ||
+        (s = dsk__moe_reserve(&st->prob, T1 * E * f)) || (s = dsk__moe_reserve(&st->gate, T1 * K * f)) ||
+        (s = dsk__moe_reserve(&st->sel, T1 * K * 4)) || (s = dsk__moe_reserve(&st->slot_pos, T1 * K * 4)) ||
+        (s = dsk__moe_reserve(&st->perm, T1 * K * 4)) || (s = dsk__moe_reserve(&st->xs, T1 * K * D * f)) ||
+        (s = dsk__moe_reserve(&st->du, T1 * (size_t)(E + m->opts.n_group) * f)) ||
+        (s = dsk__moe_reserve(&st->ob, T1 * K * D * f)) || (s = dsk__moe_reserve(&st->ys, T1 * D * f)))
+        return s;
+    if (Fs > 0 && ((s = dsk__moe_reserve(&st->hs1, T1 * Fs * f)) || (s = dsk__moe_reserve(&st->hs3, T1 * Fs * f)) ||
+                   (s = dsk__moe_reserve(&st->as, T1 * Fs * f))))
+        return s;
+    return DSK_OK;
+}
+
+static dsk_status dsk__moe_reserve_R(dsk_moe *m) {
+    struct dsk__moe_state *st = m->st;
+    size_t R1 = (size_t)(st->R > 0 ? st->R : 1), D = (size_t)m->opts.d_model, F = (size_t)m->opts.d_expert, f = sizeof(float);
+    dsk_status s;
+    if ((s = dsk__moe_reserve(&st->xr, R1 * D * f)) || (s = dsk__moe_reserve(&st->h1, R1 * F * f)) ||
+        (s = dsk__moe_reserve(&st->h3, R1 * F * f)) || (s = dsk__moe_reserve(&st->a, R1 * F * f)) ||
+        (s = dsk__moe_reserve(&st->orr, R1 * D * f)) || (s = dsk__moe_reserve(&st->dxr, R1 * D * f)))
+        return s;
+    return DSK_OK;
+}
+
+/* Writes a (T, D) f32 result into y (opts.dtype); accumulate: y += r. */
+static void dsk__moe_store(const dsk_moe *m, dsk_tensor *y, const float *r, int64_t n, int accumulate) {
+    if (m->opts.dtype == DSK_F32) {
+        float *p = (float *)y->data;
+        if (accumulate) for (int64_t i = 0; i < n; i++) p[i] += r[i];
+        else memcpy(p, r, (size_t)n * sizeof(float));
+    } else {
+        uint16_t *p = (uint16_t *)y->data;
+        for (int64_t i = 0; i < n; i++) p[i] = dsk_f32_to_bf16((accumulate ? dsk_bf16_to_f32(p[i]) : 0.0f) + r[i]);
+    }
+}
+
+static dsk_status dsk__moe_forward_cpu(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, int64_t T, dsk_moe_stats *stats) {
+    struct dsk__moe_state *st = m->st;
+    const dsk_moe_opts *o = &m->opts;
+    int64_t D = o->d_model, F = o->d_expert, K = o->top_k, Fs = m->d_shared_total, dropped = 0;
+    dsk__moe_w w;
+    float *xf, *xs, *ob, *ys;
+    const float *gate;
+    const int32_t *perm, *slot_pos;
+    dsk_status s;
+    if ((s = dsk__moe_reserve_T(m, T)) != DSK_OK) return s;
+    xf = DSK__MOE_F(st->xf); xs = DSK__MOE_F(st->xs); ob = DSK__MOE_F(st->ob); ys = DSK__MOE_F(st->ys);
+    dsk__moe_to_f32(xf, x->data, o->dtype, T * D);
+    if ((s = dsk__moe_weights_f32(m, &w)) != DSK_OK) return s;
+    if ((s = dsk__moe_route(m, T)) != DSK_OK) return s;
+    if ((s = dsk__moe_losses(m, T, stats)) != DSK_OK) return s;
+    if ((s = dsk__moe_dispatch_plan(m, T, &dropped)) != DSK_OK) return s;
+    perm = DSK__MOE_I(st->perm); slot_pos = DSK__MOE_I(st->slot_pos); gate = DSK__MOE_F(st->gate);
+    #pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < st->n_kept; p++) memcpy(xs + p * D, xf + (perm[p] / K) * D, (size_t)D * sizeof(float));
+    if ((s = dsk__moe_exchange_counts(m, ctx, T, dropped, stats)) != DSK_OK) return s;
+    if ((s = dsk__moe_reserve_R(m)) != DSK_OK || (s = dsk__moe_regroup_index(m)) != DSK_OK) return s;
+    if ((s = dsk__moe_to_experts(m, ctx, xs, DSK__MOE_F(st->orr), DSK__MOE_F(st->xr))) != DSK_OK) return s;
+    for (int e = 0; e < m->n_local; e++) {
+        int64_t r0 = st->local_off[e], n = st->local_off[e + 1] - r0;
+        dsk__moe_swiglu_fwd(st, n, D, F, DSK__MOE_F(st->xr) + r0 * D, w.w1 + e * F * D, w.w2 + e * D * F, w.w3 + e * F * D,
+                            DSK__MOE_F(st->h1) + r0 * F, DSK__MOE_F(st->h3) + r0 * F, DSK__MOE_F(st->a) + r0 * F,
+                            DSK__MOE_F(st->orr) + r0 * D);
+    }
+    if ((s = dsk__moe_from_experts(m, ctx, DSK__MOE_F(st->orr), DSK__MOE_F(st->dxr), ob)) != DSK_OK) return s;
+    if (Fs > 0) dsk__moe_swiglu_fwd(st, T, D, Fs, xf, w.sw1, w.sw2, w.sw3, DSK__MOE_F(st->hs1), DSK__MOE_F(st->hs3),
+                                    DSK__MOE_F(st->as), ys);
+    /* combine: slots in slot order, then the shared experts */
+    #pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        float *out = xs + t * D; /* xs is free now; reuse it for the f32 result */
+        for (int64_t d = 0; d < D; d++) out[d] = 0.0f;
+        for (int64_t k = 0; k < K; k++) {
+            int32_t p = slot_pos[t * K + k];
+            float g = gate[t * K + k];
+            if (p < 0) continue;
+            for (int64_t d = 0; d < D; d++) out[d] += g * ob[(int64_t)p * D + d];
+        }
+        if (Fs > 0) for (int64_t d = 0; d < D; d++) out[d] += ys[t * D + d];
+    }
+    dsk__moe_store(m, y, xs, T * D, 0);
+    st->T = T;
+    st->have_fwd = 1;
+    return DSK_OK;
+}
+
+static dsk_status dsk__moe_reserve_bwd(dsk_moe *m) {
+    struct dsk__moe_state *st = m->st;
+    size_t f = sizeof(float), T1 = (size_t)(st->T > 0 ? st->T : 1), R1 = (size_t)(st->R > 0 ? st->R : 1);
+    size_t D = (size_t)m->opts.d_model, F = (size_t)m->opts.d_expert, E = (size_t)m->opts.n_routed, K = (size_t)m->opts.top_k;
+    size_t Fs = (size_t)m->d_shared_total;
+    dsk_status s;
+    if ((s = dsk__moe_reserve(&st->dyf, T1 * D * f)) || (s = dsk__moe_reserve(&st->dxf, T1 * D * f)) ||
+        (s = dsk__moe_reserve(&st->du, T1 * E * f)) || (s = dsk__moe_reserve(&st->dgate, T1 * K * f)) ||
+        (s = dsk__moe_reserve(&st->dos, T1 * K * D * f)) || (s = dsk__moe_reserve(&st->dor, R1 * D * f)) ||
+        (s = dsk__moe_reserve(&st->dh1, R1 * F * f)) || (s = dsk__moe_reserve(&st->dh3, R1 * F * f)) ||
+        (s = dsk__moe_reserve(&st->dxp, T1 * K * D * f)))
+        return s;
+    if (Fs > 0 && ((s = dsk__moe_reserve(&st->dhs1, T1 * Fs * f)) || (s = dsk__moe_reserve(&st->dhs3, T1 * Fs * f))))
+        return s;
+    return DSK_OK;
+}
+
+static dsk_status dsk__moe_backward_cpu(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, float aux_scale) {
+    struct dsk__moe_state *st = m->st;
+    const dsk_moe_opts *o = &m->opts;
+    int64_t T = st->T, D = o->d_model, F = o->d_expert, K = o->top_k, E = o->n_routed, Fs = m->d_shared_total;
+    int sigmoid = o->score == DSK_MOE_SIGMOID, norm = o->norm == DSK_MOE_NORM_ON;
+    float zcoef = T > 0 ? o->z_beta * 2.0f / (float)T * aux_scale : 0.0f;
+    int has_aux = o->aux_alpha > 0 || o->seq_aux_alpha > 0;
+    dsk__moe_w w;
+    float *dyf, *dxf, *ob, *dos, *dgate, *du, *dxp;
+    const float *gate;
+    const int32_t *perm, *slot_pos, *sel;
+    dsk_status s = DSK_OK;
+    if ((s = dsk__moe_reserve_bwd(m)) != DSK_OK) return s;
+    if ((s = dsk__moe_weights_f32(m, &w)) != DSK_OK) return s;
+    dyf = DSK__MOE_F(st->dyf); dxf = DSK__MOE_F(st->dxf); ob = DSK__MOE_F(st->ob); dos = DSK__MOE_F(st->dos);
+    dgate = DSK__MOE_F(st->dgate); du = DSK__MOE_F(st->du); dxp = DSK__MOE_F(st->dxp);
+    gate = DSK__MOE_F(st->gate); perm = DSK__MOE_I(st->perm); slot_pos = DSK__MOE_I(st->slot_pos); sel = DSK__MOE_I(st->sel);
+    dsk__moe_to_f32(dyf, dy->data, o->dtype, T * D);
+    /* shared experts: dxf written here (or zeroed) */
+    if (Fs > 0)
+        dsk__moe_swiglu_bwd(st, T, D, Fs, DSK__MOE_F(st->xf), w.sw1, w.sw2, w.sw3, DSK__MOE_F(st->hs1), DSK__MOE_F(st->hs3),
+                            DSK__MOE_F(st->as), dyf, DSK__MOE_F(st->dhs1), DSK__MOE_F(st->dhs3), dxf,
+                            (float *)m->sw1->grad.data, (float *)m->sw2->grad.data, (float *)m->sw3->grad.data);
+    else
+        memset(dxf, 0, (size_t)(T * D) * sizeof(float));
+    /* d gate = dy . o (kept slots), rows sent back to the experts: g * dy */
+    #pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < T * K; i++) {
+        int32_t p = slot_pos[i];
+        double acc = 0;
+        if (p >= 0)
+            for (int64_t d = 0; d < D; d++) acc += (double)dyf[(i / K) * D + d] * ob[(int64_t)p * D + d];
+        dgate[i] = (float)acc;
+    }
+    #pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < st->n_kept; p++) {
+        int64_t i = perm[p];
+        float g = gate[i];
+        for (int64_t d = 0; d < D; d++) dos[p * D + d] = g * dyf[(i / K) * D + d];
+    }
+    if ((s = dsk__moe_to_experts(m, ctx, dos, DSK__MOE_F(st->dxr), DSK__MOE_F(st->dor))) != DSK_OK) return s;
+    for (int e = 0; e < m->n_local; e++) {
+        int64_t r0 = st->local_off[e], n = st->local_off[e + 1] - r0;
+        dsk__moe_swiglu_bwd(st, n, D, F, DSK__MOE_F(st->xr) + r0 * D, w.w1 + e * F * D, w.w2 + e * D * F, w.w3 + e * F * D,
+                            DSK__MOE_F(st->h1) + r0 * F, DSK__MOE_F(st->h3) + r0 * F, DSK__MOE_F(st->a) + r0 * F,
+                            DSK__MOE_F(st->dor) + r0 * D, DSK__MOE_F(st->dh1) + r0 * F, DSK__MOE_F(st->dh3) + r0 * F,
+                            DSK__MOE_F(st->dxr) + r0 * D, (float *)m->w1->grad.data + e * F * D,
+                            (float *)m->w2->grad.data + e * D * F, (float *)m->w3->grad.data + e * F * D);
+    }
+    /* dxr -> back to the tokens' ranks (dor is free now as the staging buffer) */
+    if ((s = dsk__moe_from_experts(m, ctx, DSK__MOE_F(st->dxr), DSK__MOE_F(st->dor), dxp)) != DSK_OK) return s;
+    /* router: du (T, E) per token, then dx += du W_r, dW_r += du^T x */
+    #pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const float *aux = has_aux ? DSK__MOE_F(st->aux_coef) + (t / st->seq_len) * E : NULL;
+        dsk_moe_route_token_backward(DSK__MOE_F(st->u) + t * E, DSK__MOE_F(st->prob) + t * E, (int)E, (int)K, sigmoid, norm,
+                                     o->routed_scale, sel + t * K, dgate + t * K, aux, aux_scale, zcoef, du + t * E);
+        /* routed contributions to dx in slot order */
+        for (int64_t k = 0; k < K; k++) {
+            int32_t p = slot_pos[t * K + k];
+            if (p < 0) continue;
+            for (int64_t d = 0; d < D; d++) dxf[t * D + d] += dxp[(int64_t)p * D + d];
+        }
+    }
+    dsk__moe_gemm(st, 0, 0, T, D, E, du, E, (const float *)m->router->value.data, D, 1.0f, dxf, D);
+    dsk__moe_gemm(st, 1, 0, E, D, T, du, E, DSK__MOE_F(st->xf), D, 1.0f, (float *)m->router->grad.data, D);
+    dsk__moe_store(m, dx, dxf, T * D, 1);
+    return DSK_OK;
+}
+
+/* ---------------------------------------------------------------- public entry points */
+
+DSK_API dsk_status dsk_moe_forward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, dsk_moe_stats *stats) {
+    const char *fn = "dsk_moe_forward";
+    dsk_moe_stats local;
+    int64_t T;
+    dsk_status s;
+    if (!m || !m->st) return dsk_set_error(DSK_ERR_STATE, "%s: layer not initialised", fn);
+    if ((s = dsk__moe_check_io(m, fn, "x", x, -1)) != DSK_OK) return s;
+    T = x->shape[0];
+    if ((s = dsk__moe_check_io(m, fn, "y", y, T)) != DSK_OK) return s;
+    if (m->opts.seq_aux_alpha > 0 && m->opts.seq_len > 0 && (T == 0 || T % m->opts.seq_len))
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": %lld tokens are not whole sequences of seq_len %lld", fn,
+                             m->opts.name, (long long)T, (long long)m->opts.seq_len);
+    if (!stats) stats = &local;
+    memset(stats, 0, sizeof *stats);
+    m->st->have_fwd = 0;
+#ifdef DSK_CUDA
+    if (m->device.type == DSK_DEV_CUDA) return dsk__moe_forward_cuda(m, ctx, y, x, T, stats);
+#endif
+    return dsk__moe_forward_cpu(m, ctx, y, x, T, stats);
+}
+
+DSK_API dsk_status dsk_moe_backward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, float aux_scale) {
+    const char *fn = "dsk_moe_backward";
+    dsk_status s;
+    if (!m || !m->st) return dsk_set_error(DSK_ERR_STATE, "%s: layer not initialised", fn);
+    if (!m->st->have_fwd) return dsk_set_error(DSK_ERR_STATE, "%s: layer \"%s\": no forward to differentiate", fn, m->opts.name);
+    if ((s = dsk__moe_check_io(m, fn, "dy", dy, m->st->T)) != DSK_OK) return s;
+    if ((s = dsk__moe_check_io(m, fn, "dx", dx, m->st->T)) != DSK_OK) return s;
+    if (!isfinite(aux_scale)) return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": aux_scale %g is not finite", fn, m->opts.name, (double)aux_scale);
+#ifdef DSK_CUDA
+    if (m->device.type == DSK_DEV_CUDA) return dsk__moe_backward_cuda(m, ctx, dx, dy, aux_scale);
+#endif
+    return dsk__moe_backward_cpu(m, ctx, dx, dy, aux_scale);
+}
+
+DSK_API dsk_status dsk_moe_update_bias(dsk_moe *m, dsk_ctx *ctx, dsk_comm *comm) {
+    struct dsk__moe_state *st;
+    int E;
+    float *b;
+    double mean = 0, bmean = 0;
+    dsk_status s = DSK_OK;
+    if (!m || !m->st) return dsk_set_error(DSK_ERR_STATE, "dsk_moe_update_bias: layer not initialised");
+    st = m->st;
+    E = m->opts.n_routed;
+    if (comm && (s = dsk_comm_all_reduce(comm, ctx, st->load_accum, st->load_accum, E, DSK_I64, DSK_COMM_SUM)) != DSK_OK) return s;
+    b = (float *)DSK_MALLOC((size_t)E * sizeof(float));
+    if (!b) return dsk_set_error(DSK_ERR_OOM, "dsk_moe_update_bias: out of host memory");
+    if (m->device.type == DSK_DEV_CPU) memcpy(b, m->bias->value.data, (size_t)E * sizeof(float));
+#ifdef DSK_CUDA
+    else if ((s = dsk_cuda_memcpy(ctx, b, m->bias->value.data, (size_t)E * sizeof(float), 0)) != DSK_OK || (s = dsk_cuda_sync(ctx)) != DSK_OK) goto done;
+#endif
+    for (int e = 0; e < E; e++) mean += (double)st->load_accum[e] / E;
+    for (int e = 0; e < E; e++) {
+        double l = (double)st->load_accum[e];
+        b[e] += m->opts.bias_rate * (float)((mean > l) - (mean < l));
+    }
+    if (m->opts.bias_recenter) {
+        for (int e = 0; e < E; e++) bmean += b[e];
+        bmean /= E;
+        for (int e = 0; e < E; e++) b[e] -= (float)bmean;
+    }
+    memset(st->load_accum, 0, (size_t)E * sizeof(int64_t));
+    if (m->device.type == DSK_DEV_CPU) memcpy(m->bias->value.data, b, (size_t)E * sizeof(float));
+#ifdef DSK_CUDA
+    else if ((s = dsk_cuda_memcpy(ctx, m->bias->value.data, b, (size_t)E * sizeof(float), 1)) == DSK_OK) s = dsk_cuda_sync(ctx);
+done:
+#endif
+    DSK_FREE(b);
+    return s;
+}
+
+#endif /* DSK_MOE_IMPLEMENTATION_DONE */
+#endif /* DSK_MOE_IMPLEMENTATION */
+
+/* MIT License. Copyright (c) 2026 the dsk authors. Permission is hereby granted, free of
+   charge, to any person obtaining a copy of this software, to deal in the software without
+   restriction, subject to including this notice. THE SOFTWARE IS PROVIDED "AS IS", WITHOUT
+   WARRANTY OF ANY KIND. */

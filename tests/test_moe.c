@@ -1,0 +1,860 @@
+/* tests/test_moe.c - dsk_moe.h against an independent float64 reference written here: routing
+   (softmax, sigmoid, groups, bias, normalisation), capacity, shared experts, loss terms, the
+   bias update, gradients by central finite differences, bf16, expert parallelism over forked
+   host-backend ranks, and bad configurations. */
+#define DSK_TENSOR_IMPLEMENTATION
+#define DSK_COMM_IMPLEMENTATION
+#define DSK_MOE_IMPLEMENTATION
+#include "dsk_comm.h"
+#include "dsk_moe.h"
+#include "tests/dsk_test.h"
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+/* ---------------------------------------------------------------- float64 reference */
+
+typedef struct cfg {
+    int T, D, E, K, F, n_shared, Fs; /* Fs: total shared hidden */
+    int sigmoid, norm, n_group, topk_group, seq_len, drop_pos;
+    double scale, aux, seq_aux, z, cf;
+} cfg;
+
+/* Parameters in double, same layouts as the layer: wr (E,D), b (E), w1 w3 (E,F,D), w2 (E,D,F),
+   s1 s3 (Fs,D), s2 (D,Fs). */
+typedef struct refp { double *wr, *b, *w1, *w2, *w3, *s1, *s2, *s3; } refp;
+
+typedef struct refout {
+    int *sel;        /* (T,K) */
+    double *g;       /* (T,K) */
+    int *kept;       /* (T,K) */
+    int dropped;
+    double aux, seq_aux, z;
+    double margin;   /* smallest selection gap (distance from a tie) */
+    int *load;       /* (E) selections */
+} refout;
+
+static double silu64(double h) { return h / (1.0 + exp(-h)); }
+
+/* Routes token x (D): writes sel (K), g (K), p (E) and returns its selection margin. */
+static double ref_route(const cfg *c, const refp *w, const double *x, int *sel, double *g, double *p) {
+    int E = c->E, K = c->K, G = c->n_group, gs = E / G;
+    double u[512], cs[512], gsc[64], mx = -1e300, sum = 0, margin = 1e300;
+    int allowed[512], gkeep[64];
+    for (int j = 0; j < E; j++) {
+        u[j] = 0;
+        for (int d = 0; d < c->D; d++) u[j] += x[d] * w->wr[j * c->D + d];
+        mx = u[j] > mx ? u[j] : mx;
+    }
+    for (int j = 0; j < E; j++) {
+        p[j] = c->sigmoid ? 1.0 / (1.0 + exp(-u[j])) : exp(u[j] - mx);
+        sum += p[j];
+    }
+    if (!c->sigmoid) for (int j = 0; j < E; j++) p[j] /= sum;
+    for (int j = 0; j < E; j++) { cs[j] = p[j] + w->b[j]; allowed[j] = 1; }
+    if (G > 1) {
+        for (int q = 0; q < G; q++) {
+            double a = -1e300, b2 = -1e300;
+            for (int j = q * gs; j < (q + 1) * gs; j++) {
+                if (cs[j] > a) { b2 = a; a = cs[j]; } else if (cs[j] > b2) b2 = cs[j];
+            }
+            gsc[q] = c->sigmoid && gs > 1 ? a + b2 : a;
+            gkeep[q] = 0;
+        }
+        for (int r = 0; r < c->topk_group; r++) {
+            int best = -1;
+            for (int q = 0; q < G; q++) if (!gkeep[q] && (best < 0 || gsc[q] > gsc[best])) best = q;
+            gkeep[best] = 1;
+        }
+        { /* margin between the last kept group and the best dropped one */
+            double lo = 1e300, hi = -1e300;
+            for (int q = 0; q < G; q++) {
+                if (gkeep[q] && gsc[q] < lo) lo = gsc[q];
+                if (!gkeep[q] && gsc[q] > hi) hi = gsc[q];
+            }
+            if (hi > -1e300 && lo - hi < margin) margin = lo - hi;
+        }
+        for (int j = 0; j < E; j++) allowed[j] = gkeep[j / gs];
+    }
+    sum = 0;
+    for (int k = 0; k < K; k++) {
+        int best = -1;
+        for (int j = 0; j < E; j++) if (allowed[j] && (best < 0 || cs[j] > cs[best])) best = j;
+        sel[k] = best;
+        allowed[best] = 0;
+        sum += p[best];
+    }
+    {
+        double hi = -1e300;
+        for (int j = 0; j < E; j++) if (allowed[j] && cs[j] > hi) hi = cs[j];
+        if (hi > -1e300 && cs[sel[K - 1]] - hi < margin) margin = cs[sel[K - 1]] - hi;
+        for (int k = 1; k < K; k++) if (cs[sel[k - 1]] - cs[sel[k]] < margin) margin = cs[sel[k - 1]] - cs[sel[k]];
+    }
+    for (int k = 0; k < K; k++) g[k] = c->scale * (c->norm ? p[sel[k]] / (sum + 1e-20) : p[sel[k]]);
+    return margin;
+}
+
+typedef struct cand { double g; int i; } cand;
+static int cand_cmp(const void *a, const void *b) {
+    const cand *x = (const cand *)a, *y = (const cand *)b;
+    if (x->g != y->g) return x->g > y->g ? -1 : 1;
+    return x->i - y->i;
+}
+
+/* SwiGLU of x (D) with w1, w3 (F,D), w2 (D,F): out (D) += alpha * W2 (silu(W1 x) * W3 x). */
+static void ref_swiglu(const double *x, const double *w1, const double *w2, const double *w3, int D, int F, double alpha, double *out) {
+    double a[512];
+    for (int f = 0; f < F; f++) {
+        double h1 = 0, h3 = 0;
+        for (int i = 0; i < D; i++) { h1 += w1[f * D + i] * x[i]; h3 += w3[f * D + i] * x[i]; }
+        a[f] = silu64(h1) * h3;
+    }
+    for (int d = 0; d < D; d++) {
+        double acc = 0;
+        for (int f = 0; f < F; f++) acc += w2[d * F + f] * a[f];
+        out[d] += alpha * acc;
+    }
+}
+
+/* y (T,D); returns sum(y * R) + loss terms (R may be NULL: just the loss terms). */
+static double ref_forward(const cfg *c, const refp *w, const double *x, double *y, const double *R, refout *o) {
+    int T = c->T, D = c->D, E = c->E, K = c->K, F = c->F;
+    double *p = (double *)calloc((size_t)T * E, sizeof(double)), *pn = (double *)calloc((size_t)T * E, sizeof(double));
+    double total = 0;
+    o->margin = 1e300;
+    o->dropped = 0;
+    memset(o->load, 0, (size_t)E * sizeof(int));
+    for (int t = 0; t < T; t++) {
+        double m = ref_route(c, w, x + t * D, o->sel + t * K, o->g + t * K, p + t * E), tot = 0;
+        if (m < o->margin) o->margin = m;
+        for (int k = 0; k < K; k++) { o->kept[t * K + k] = 1; o->load[o->sel[t * K + k]]++; }
+        for (int j = 0; j < E; j++) tot += p[t * E + j];
+        for (int j = 0; j < E; j++) pn[t * E + j] = c->sigmoid ? p[t * E + j] / tot : p[t * E + j];
+    }
+    if (c->cf > 0) {
+        int cap = (int)ceil((double)T * K / E * c->cf);
+        for (int e = 0; e < E; e++) {
+            cand *cs = (cand *)calloc((size_t)T * K, sizeof(cand));
+            int n = 0;
+            for (int i = 0; i < T * K; i++) if (o->sel[i] == e) { cs[n].g = c->drop_pos ? -(double)i : o->g[i]; cs[n].i = i; n++; }
+            qsort(cs, (size_t)n, sizeof(cand), cand_cmp);
+            for (int j = cap; j < n; j++) { o->kept[cs[j].i] = 0; o->dropped++; }
+            free(cs);
+        }
+    }
+    for (int t = 0; t < T; t++) {
+        double *yt = y + t * D;
+        memset(yt, 0, (size_t)D * sizeof(double));
+        for (int k = 0; k < K; k++) {
+            int e = o->sel[t * K + k];
+            if (!o->kept[t * K + k]) continue;
+            ref_swiglu(x + t * D, w->w1 + (size_t)e * F * D, w->w2 + (size_t)e * D * F, w->w3 + (size_t)e * F * D, D, F, o->g[t * K + k], yt);
+        }
+        if (c->Fs > 0) ref_swiglu(x + t * D, w->s1, w->s2, w->s3, D, c->Fs, 1.0, yt);
+        if (R) for (int d = 0; d < D; d++) total += yt[d] * R[t * D + d];
+    }
+    o->aux = o->seq_aux = o->z = 0;
+    if (c->aux > 0) {
+        for (int e = 0; e < E; e++) {
+            double P = 0;
+            for (int t = 0; t < T; t++) P += pn[t * E + e] / T;
+            o->aux += c->aux * E * ((double)o->load[e] / (T * K)) * P;
+        }
+    }
+    if (c->seq_aux > 0) {
+        int L = c->seq_len ? c->seq_len : T, ns = T / L;
+        for (int q = 0; q < ns; q++)
+            for (int e = 0; e < E; e++) {
+                double P = 0, cnt = 0;
+                for (int t = q * L; t < (q + 1) * L; t++) {
+                    P += pn[t * E + e] / L;
+                    for (int k = 0; k < K; k++) cnt += o->sel[t * K + k] == e;
+                }
+                o->seq_aux += c->seq_aux * ((double)E / (K * L) * cnt) * P / ns;
+            }
+    }
+    if (c->z > 0) {
+        for (int t = 0; t < T; t++) {
+            double u[512], mx = -1e300, s = 0;
+            for (int j = 0; j < E; j++) {
+                u[j] = 0;
+                for (int d = 0; d < D; d++) u[j] += x[t * D + d] * w->wr[j * D + d];
+                mx = u[j] > mx ? u[j] : mx;
+            }
+            for (int j = 0; j < E; j++) s += exp(u[j] - mx);
+            o->z += c->z * (mx + log(s)) * (mx + log(s)) / T;
+        }
+    }
+    free(p); free(pn);
+    return total + o->aux + o->seq_aux + o->z;
+}
+
+/* ---------------------------------------------------------------- layer <-> reference plumbing */
+
+typedef struct fixture {
+    cfg c;
+    dsk_moe m;
+    refp w;
+    double *x, *y, *R;
+    refout o;
+    dsk_tensor tx, ty;
+    float *xf, *yf;
+} fixture;
+
+static dsk_moe_opts opts_of(const cfg *c, dsk_dtype dt) {
+    dsk_moe_opts o;
+    memset(&o, 0, sizeof o);
+    o.d_model = c->D; o.n_routed = c->E; o.top_k = c->K; o.d_expert = c->F;
+    o.n_shared = c->n_shared; o.d_shared = c->n_shared ? c->Fs / c->n_shared : 0;
+    o.score = c->sigmoid ? DSK_MOE_SIGMOID : DSK_MOE_SOFTMAX;
+    o.norm = c->norm ? DSK_MOE_NORM_ON : DSK_MOE_NORM_OFF;
+    o.routed_scale = (float)c->scale; o.n_group = c->n_group; o.topk_group = c->topk_group;
+    o.aux_alpha = (float)c->aux; o.seq_aux_alpha = (float)c->seq_aux; o.seq_len = c->seq_len; o.z_beta = (float)c->z;
+    o.capacity_factor = (float)c->cf; o.drop = c->drop_pos ? DSK_MOE_DROP_POSITION : DSK_MOE_DROP_PROB;
+    o.dtype = dt;
+    return o;
+}
+
+/* Fills a parameter with random values (rounded to its dtype) and mirrors them in double. */
+static void fill_param(dsk_moe_param *p, double **mirror, double lo, double hi) {
+    int64_t n = dsk_tensor_numel(&p->value);
+    *mirror = (double *)calloc((size_t)(n ? n : 1), sizeof(double));
+    for (int64_t i = 0; i < n; i++) {
+        float v = (float)dsk_test_rand(lo, hi);
+        if (p->value.dtype == DSK_BF16) {
+            ((uint16_t *)p->value.data)[i] = dsk_f32_to_bf16(v);
+            v = dsk_bf16_to_f32(((uint16_t *)p->value.data)[i]);
+        } else {
+            ((float *)p->value.data)[i] = v;
+        }
+        (*mirror)[i] = v;
+    }
+}
+
+static void free_fixture(fixture *f) {
+    double *ws[] = {f->w.wr, f->w.b, f->w.w1, f->w.w2, f->w.w3, f->w.s1, f->w.s2, f->w.s3};
+    for (int i = 0; i < 8; i++) free(ws[i]);
+    free(f->x); free(f->y); free(f->R); free(f->o.sel); free(f->o.g); free(f->o.kept); free(f->o.load);
+    dsk_tensor_free(NULL, &f->tx); dsk_tensor_free(NULL, &f->ty);
+    free(f->xf); free(f->yf);
+    dsk_moe_free(&f->m, NULL);
+    memset(f, 0, sizeof *f);
+}
+
+/* Builds the layer with random parameters and inputs whose routing is at least 1e-4 away
+   from any tie (re-drawing x otherwise). bias_mag: bias drawn in [-bias_mag, bias_mag]. */
+static int setup(fixture *f, const cfg *c, dsk_dtype dt, double bias_mag) {
+    dsk_moe_opts o = opts_of(c, dt);
+    int64_t shp[2] = {c->T, c->D};
+    memset(f, 0, sizeof *f);
+    f->c = *c;
+    if (dsk_moe_init(&f->m, NULL, &o) != DSK_OK) {
+        dsk_test_fail_at(__FILE__, __LINE__, "dsk_moe_init: %s", dsk_last_error());
+        return 0;
+    }
+    fill_param(f->m.router, &f->w.wr, -1.0, 1.0);
+    fill_param(f->m.bias, &f->w.b, -bias_mag, bias_mag);
+    fill_param(f->m.w1, &f->w.w1, -0.5, 0.5);
+    fill_param(f->m.w2, &f->w.w2, -0.5, 0.5);
+    fill_param(f->m.w3, &f->w.w3, -0.5, 0.5);
+    if (c->Fs > 0) {
+        fill_param(f->m.sw1, &f->w.s1, -0.5, 0.5);
+        fill_param(f->m.sw2, &f->w.s2, -0.5, 0.5);
+        fill_param(f->m.sw3, &f->w.s3, -0.5, 0.5);
+    }
+    f->x = (double *)calloc((size_t)c->T * c->D + 1, sizeof(double));
+    f->y = (double *)calloc((size_t)c->T * c->D + 1, sizeof(double));
+    f->R = (double *)calloc((size_t)c->T * c->D + 1, sizeof(double));
+    f->o.sel = (int *)calloc((size_t)c->T * c->K + 1, sizeof(int));
+    f->o.g = (double *)calloc((size_t)c->T * c->K + 1, sizeof(double));
+    f->o.kept = (int *)calloc((size_t)c->T * c->K + 1, sizeof(int));
+    f->o.load = (int *)calloc((size_t)c->E, sizeof(int));
+    f->xf = (float *)calloc((size_t)c->T * c->D + 1, sizeof(float));
+    f->yf = (float *)calloc((size_t)c->T * c->D + 1, sizeof(float));
+    dsk_tensor_alloc(NULL, &f->tx, dt, 2, shp);
+    dsk_tensor_alloc(NULL, &f->ty, dt, 2, shp);
+    for (int tries = 0; tries < 50; tries++) {
+        for (int i = 0; i < c->T * c->D; i++) {
+            float v = (float)dsk_test_rand(-1.0, 1.0);
+            if (dt == DSK_BF16) {
+                ((uint16_t *)f->tx.data)[i] = dsk_f32_to_bf16(v);
+                v = dsk_bf16_to_f32(((uint16_t *)f->tx.data)[i]);
+            } else {
+                ((float *)f->tx.data)[i] = v;
+            }
+            f->x[i] = v;
+            f->R[i] = dsk_test_rand(-1.0, 1.0);
+        }
+        ref_forward(c, &f->w, f->x, f->y, f->R, &f->o);
+        if (f->o.margin > 1e-4) return 1;
+    }
+    dsk_test_fail_at(__FILE__, __LINE__, "could not draw inputs away from routing ties");
+    return 0;
+}
+
+/* Runs the layer forward (output poisoned first) and returns y as f32 in f->yf. */
+static int run_forward(fixture *f, dsk_moe_stats *st) {
+    int64_t n = (int64_t)f->c.T * f->c.D;
+    dsk_status s;
+    if (f->ty.dtype == DSK_F32) dsk_test_poison_f32((float *)f->ty.data, n);
+    else dsk_test_poison_bytes(f->ty.data, (size_t)n * 2);
+    s = dsk_moe_forward(&f->m, NULL, &f->ty, &f->tx, st);
+    if (s != DSK_OK) {
+        dsk_test_fail_at(__FILE__, __LINE__, "dsk_moe_forward: %s: %s", dsk_status_str(s), dsk_last_error());
+        return 0;
+    }
+    for (int64_t i = 0; i < n; i++)
+        f->yf[i] = f->ty.dtype == DSK_F32 ? ((float *)f->ty.data)[i] : dsk_bf16_to_f32(((uint16_t *)f->ty.data)[i]);
+    return 1;
+}
+
+static cfg base_cfg(int T, int D, int E, int K, int F) {
+    cfg c;
+    memset(&c, 0, sizeof c);
+    c.T = T; c.D = D; c.E = E; c.K = K; c.F = F; c.n_group = 1; c.topk_group = 1; c.scale = 1.0;
+    return c;
+}
+
+/* ---------------------------------------------------------------- forward */
+
+static void check_forward(const char *what, cfg c, double bias_mag) {
+    fixture f;
+    dsk_moe_stats st;
+    dsk_test_begin("forward %s T=%d D=%d E=%d K=%d F=%d shared=%d", what, c.T, c.D, c.E, c.K, c.F, c.Fs);
+    if (setup(&f, &c, DSK_F32, bias_mag) && run_forward(&f, &st)) {
+        DSK_TEST_CLOSE(f.yf, f.y, (int64_t)c.T * c.D, 1e-4, 1e-5, "y");
+        DSK_TEST_EXPECT(st.dropped == f.o.dropped, "dropped %lld, reference %d", (long long)st.dropped, f.o.dropped);
+        DSK_TEST_EXPECT(st.tokens == c.T && st.slots == (int64_t)c.T * c.K, "tokens %lld slots %lld", (long long)st.tokens, (long long)st.slots);
+        for (int e = 0; e < c.E; e++)
+            DSK_TEST_EXPECT(st.tokens_per_expert[e] == f.o.load[e], "expert %d load %lld, reference %d", e, (long long)st.tokens_per_expert[e], f.o.load[e]);
+    }
+    free_fixture(&f);
+    dsk_test_end();
+}
+
+static void test_forward_variants(void) {
+    int Ts[3] = {1, 7, 129};
+    for (int i = 0; i < 3; i++) {
+        cfg c = base_cfg(Ts[i], 24, 6, 2, 16);
+        check_forward("softmax", c, 0.0);
+        c.norm = 1; c.n_shared = 2; c.Fs = 20; c.scale = 2.5;
+        check_forward("softmax+norm+shared+scale", c, 0.0);
+        c = base_cfg(Ts[i], 16, 12, 3, 10);
+        c.sigmoid = 1; c.norm = 1; c.n_group = 4; c.topk_group = 2; c.scale = 2.5; c.n_shared = 1; c.Fs = 12;
+        check_forward("sigmoid+groups+bias+shared", c, 0.05);
+        c.norm = 0; c.n_group = 1; c.topk_group = 1; c.n_shared = 0; c.Fs = 0;
+        check_forward("sigmoid no-norm", c, 0.05);
+        c = base_cfg(Ts[i], 20, 10, 4, 8);
+        c.n_group = 5; c.topk_group = 3;
+        check_forward("softmax+groups(max)", c, 0.0);
+    }
+    {
+        cfg c = base_cfg(129, 16, 7, 3, 8);
+        c.cf = 1.0;
+        check_forward("capacity drop-by-prob cf=1", c, 0.0);
+        c.drop_pos = 1;
+        check_forward("capacity drop-by-position cf=1", c, 0.0);
+        c.cf = 0.5; c.sigmoid = 1; c.norm = 1;
+        check_forward("capacity drop-by-position cf=0.5 sigmoid", c, 0.05);
+        c.drop_pos = 0;
+        check_forward("capacity drop-by-prob cf=0.5 sigmoid", c, 0.05);
+    }
+}
+
+/* Masked groups are -inf, not 0: with every selection score negative (bias -2), a 0 fill
+   would pick experts from dropped groups. */
+static void test_group_mask_is_neg_inf(void) {
+    cfg c = base_cfg(65, 16, 16, 4, 8);
+    fixture f;
+    dsk_moe_stats st;
+    c.sigmoid = 1; c.norm = 1; c.n_group = 8; c.topk_group = 2;
+    if (!setup(&f, &c, DSK_F32, 0.0)) { free_fixture(&f); return; }
+    for (int e = 0; e < c.E; e++) {
+        ((float *)f.m.bias->value.data)[e] = -2.0f - 0.01f * (float)e;
+        f.w.b[e] = ((float *)f.m.bias->value.data)[e];
+    }
+    ref_forward(&c, &f.w, f.x, f.y, NULL, &f.o);
+    if (run_forward(&f, &st)) {
+        int outside = 0;
+        DSK_TEST_CLOSE(f.yf, f.y, (int64_t)c.T * c.D, 1e-4, 1e-5, "y with a negative bias");
+        /* every selected expert lies in one of the token's topk_group groups */
+        for (int t = 0; t < c.T; t++) {
+            int groups[8] = {0}, ng = 0;
+            for (int k = 0; k < c.K; k++) groups[f.o.sel[t * c.K + k] / 2] = 1;
+            for (int g = 0; g < 8; g++) ng += groups[g];
+            outside += ng > c.topk_group;
+        }
+        DSK_TEST_EXPECT(outside == 0, "%d tokens use more than topk_group groups", outside);
+    }
+    free_fixture(&f);
+}
+
+/* The bias moves selection only: a uniform shift leaves y bitwise the same; a bias that
+   changes the selection still gives weights from the unbiased scores (reference). */
+static void test_bias_not_in_weights(void) {
+    cfg c = base_cfg(33, 16, 8, 2, 8);
+    fixture f;
+    c.sigmoid = 1; c.norm = 1; c.scale = 2.5;
+    if (setup(&f, &c, DSK_F32, 0.0) && run_forward(&f, NULL)) {
+        float *y0 = (float *)malloc(sizeof(float) * c.T * c.D);
+        int changed = 0;
+        int *sel0 = (int *)malloc(sizeof(int) * c.T * c.K);
+        memcpy(y0, f.yf, sizeof(float) * c.T * c.D);
+        memcpy(sel0, f.o.sel, sizeof(int) * c.T * c.K);
+        for (int e = 0; e < c.E; e++) ((float *)f.m.bias->value.data)[e] = 0.75f;
+        if (run_forward(&f, NULL)) DSK_TEST_SAME_BYTES(f.yf, y0, sizeof(float) * c.T * c.D, "y with a uniform bias");
+        for (int e = 0; e < c.E; e++) { ((float *)f.m.bias->value.data)[e] = (float)dsk_test_rand(-0.3, 0.3); f.w.b[e] = ((float *)f.m.bias->value.data)[e]; }
+        ref_forward(&c, &f.w, f.x, f.y, NULL, &f.o);
+        for (int i = 0; i < c.T * c.K; i++) changed += f.o.sel[i] != sel0[i];
+        DSK_TEST_EXPECT(changed > 0, "the random bias changed no selection");
+        if (f.o.margin > 1e-4 && run_forward(&f, NULL)) DSK_TEST_CLOSE(f.yf, f.y, (int64_t)c.T * c.D, 1e-4, 1e-5, "y with a random bias");
+        free(y0); free(sel0);
+    }
+    free_fixture(&f);
+}
+
+static void test_loss_terms(void) {
+    int Ts[2] = {8, 129};
+    for (int i = 0; i < 2; i++) {
+        for (int sig = 0; sig < 2; sig++) {
+            cfg c = base_cfg(Ts[i] == 8 ? 8 : 128, 12, 6, 2, 6);
+            fixture f;
+            dsk_moe_stats st;
+            dsk_test_begin("loss terms %s T=%d", sig ? "sigmoid" : "softmax", c.T);
+            c.sigmoid = sig; c.norm = sig; c.aux = 0.01; c.seq_aux = 0.003; c.seq_len = c.T == 8 ? 4 : 32; c.z = 0.001;
+            if (setup(&f, &c, DSK_F32, sig ? 0.05 : 0.0) && run_forward(&f, &st)) {
+                double got[4] = {st.aux_loss, st.seq_aux_loss, st.z_loss, st.loss};
+                double want[4] = {f.o.aux, f.o.seq_aux, f.o.z, f.o.aux + f.o.seq_aux + f.o.z};
+                DSK_TEST_CLOSE64(got, want, 4, 1e-5, 0, "aux, seq_aux, z, total");
+                DSK_TEST_EXPECT(f.o.aux > 0 && f.o.seq_aux > 0 && f.o.z > 0, "loss terms not all positive");
+            }
+            free_fixture(&f);
+            dsk_test_end();
+        }
+    }
+}
+
+static void test_bias_update(void) {
+    for (int rec = 0; rec < 2; rec++) {
+        cfg c = base_cfg(37, 12, 9, 3, 6);
+        fixture f;
+        dsk_test_begin("bias update%s", rec ? " with re-centring" : "");
+        c.sigmoid = 1; c.norm = 1;
+        if (setup(&f, &c, DSK_F32, 0.02)) {
+            double want[9], mean = 0, load[9] = {0}, bm = 0;
+            float got[9];
+            f.m.opts.bias_rate = 0.01f;
+            f.m.opts.bias_recenter = rec;
+            /* two micro-batches accumulate loads */
+            run_forward(&f, NULL);
+            run_forward(&f, NULL);
+            for (int e = 0; e < c.E; e++) load[e] = 2.0 * f.o.load[e];
+            for (int e = 0; e < c.E; e++) mean += load[e] / c.E;
+            for (int e = 0; e < c.E; e++) want[e] = f.w.b[e] + 0.01 * (mean > load[e] ? 1 : mean < load[e] ? -1 : 0);
+            if (rec) {
+                for (int e = 0; e < c.E; e++) bm += want[e] / c.E;
+                for (int e = 0; e < c.E; e++) want[e] -= bm;
+            }
+            DSK_TEST_OK(dsk_moe_update_bias(&f.m, NULL, NULL));
+            memcpy(got, f.m.bias->value.data, sizeof got);
+            DSK_TEST_CLOSE(got, want, c.E, 1e-6, 1e-7, "bias");
+            /* loads were reset: an update with no forward in between changes nothing but re-centring */
+            DSK_TEST_OK(dsk_moe_update_bias(&f.m, NULL, NULL));
+            memcpy(got, f.m.bias->value.data, sizeof got);
+            DSK_TEST_CLOSE(got, want, c.E, 1e-6, 1e-6, "bias after an empty update");
+        }
+        free_fixture(&f);
+        dsk_test_end();
+    }
+}
+
+/* ---------------------------------------------------------------- gradients */
+
+/* Central differences of the reference loss on one double array. */
+static void fd_grad(fixture *f, double *arr, int64_t n, double *g) {
+    const double h = 1e-6;
+    double *yb = (double *)malloc(sizeof(double) * f->c.T * f->c.D);
+    for (int64_t i = 0; i < n; i++) {
+        double v = arr[i], lp, lm;
+        arr[i] = v + h; lp = ref_forward(&f->c, &f->w, f->x, yb, f->R, &f->o);
+        arr[i] = v - h; lm = ref_forward(&f->c, &f->w, f->x, yb, f->R, &f->o);
+        arr[i] = v;
+        g[i] = (lp - lm) / (2 * h);
+    }
+    free(yb);
+}
+
+static void check_grad(const char *what, const float *got, double *arr, int64_t n, fixture *f) {
+    double *want = (double *)malloc(sizeof(double) * (size_t)(n ? n : 1)), mx = 0;
+    fd_grad(f, arr, n, want);
+    for (int64_t i = 0; i < n; i++) mx = fabs(want[i]) > mx ? fabs(want[i]) : mx;
+    DSK_TEST_CLOSE(got, want, n, 2e-3, 2e-5 * (mx > 1 ? mx : 1), what);
+    free(want);
+}
+
+static void check_backward(const char *what, cfg c, double bias_mag) {
+    fixture f;
+    dsk_test_begin("backward %s T=%d E=%d K=%d", what, c.T, c.E, c.K);
+    if (setup(&f, &c, DSK_F32, bias_mag) && run_forward(&f, NULL)) {
+        int64_t n = (int64_t)c.T * c.D;
+        dsk_tensor dx, dy;
+        int64_t shp[2] = {c.T, c.D};
+        float *dx0 = (float *)malloc(sizeof(float) * n);
+        dsk_tensor_alloc(NULL, &dx, DSK_F32, 2, shp);
+        dsk_tensor_alloc(NULL, &dy, DSK_F32, 2, shp);
+        for (int64_t i = 0; i < n; i++) { ((float *)dy.data)[i] = (float)f.R[i]; f.R[i] = ((float *)dy.data)[i]; }
+        for (int64_t i = 0; i < n; i++) dx0[i] = ((float *)dx.data)[i] = (float)dsk_test_rand(-1, 1); /* backward accumulates */
+        DSK_TEST_OK(dsk_moe_zero_grad(&f.m, NULL));
+        DSK_TEST_OK(dsk_moe_backward(&f.m, NULL, &dx, &dy, 1.0f));
+        for (int64_t i = 0; i < n; i++) ((float *)dx.data)[i] -= dx0[i];
+        check_grad("dx", (const float *)dx.data, f.x, n, &f);
+        check_grad("d router", (const float *)f.m.router->grad.data, f.w.wr, (int64_t)c.E * c.D, &f);
+        check_grad("d w1", (const float *)f.m.w1->grad.data, f.w.w1, (int64_t)c.E * c.F * c.D, &f);
+        check_grad("d w2", (const float *)f.m.w2->grad.data, f.w.w2, (int64_t)c.E * c.F * c.D, &f);
+        check_grad("d w3", (const float *)f.m.w3->grad.data, f.w.w3, (int64_t)c.E * c.F * c.D, &f);
+        if (c.Fs > 0) {
+            check_grad("d shared.w1", (const float *)f.m.sw1->grad.data, f.w.s1, (int64_t)c.Fs * c.D, &f);
+            check_grad("d shared.w2", (const float *)f.m.sw2->grad.data, f.w.s2, (int64_t)c.Fs * c.D, &f);
+            check_grad("d shared.w3", (const float *)f.m.sw3->grad.data, f.w.s3, (int64_t)c.Fs * c.D, &f);
+        }
+        free(dx0);
+        dsk_tensor_free(NULL, &dx);
+        dsk_tensor_free(NULL, &dy);
+    }
+    free_fixture(&f);
+    dsk_test_end();
+}
+
+static void test_backward_variants(void) {
+    cfg c = base_cfg(7, 8, 5, 2, 6);
+    check_backward("softmax", c, 0.0);
+    c.norm = 1; c.scale = 2.0; c.n_shared = 1; c.Fs = 5; c.aux = 0.05; c.z = 0.01;
+    check_backward("softmax+norm+shared+aux+z", c, 0.0);
+    c = base_cfg(9, 8, 6, 2, 5);
+    c.sigmoid = 1; c.norm = 1; c.n_group = 3; c.topk_group = 2; c.scale = 2.5; c.seq_aux = 0.05; c.seq_len = 3; c.aux = 0.02; c.z = 0.01;
+    c.n_shared = 2; c.Fs = 6;
+    check_backward("sigmoid+groups+bias+seq_aux+aux+z+shared", c, 0.05);
+    c.norm = 0;
+    check_backward("sigmoid no-norm", c, 0.05);
+    c = base_cfg(1, 8, 5, 3, 4);
+    c.sigmoid = 1; c.norm = 1;
+    check_backward("T=1 sigmoid", c, 0.05);
+    c = base_cfg(12, 6, 4, 2, 4);
+    c.cf = 0.75; c.drop_pos = 1; c.aux = 0.02;
+    check_backward("capacity by position", c, 0.0);
+    c.drop_pos = 0; c.norm = 1;
+    check_backward("capacity by prob", c, 0.0);
+}
+
+/* Gradients accumulate across backward calls (micro-batches). */
+static void test_grad_accumulates(void) {
+    cfg c = base_cfg(11, 8, 4, 2, 6);
+    fixture f;
+    c.n_shared = 1; c.Fs = 6;
+    if (setup(&f, &c, DSK_F32, 0.0) && run_forward(&f, NULL)) {
+        int64_t n = (int64_t)c.T * c.D, ng = dsk_tensor_numel(&f.m.grad_slab);
+        dsk_tensor dx, dy;
+        int64_t shp[2] = {c.T, c.D};
+        float *g1 = (float *)malloc(sizeof(float) * ng);
+        double *twice = (double *)malloc(sizeof(double) * ng);
+        dsk_tensor_alloc(NULL, &dx, DSK_F32, 2, shp);
+        dsk_tensor_alloc(NULL, &dy, DSK_F32, 2, shp);
+        for (int64_t i = 0; i < n; i++) { ((float *)dy.data)[i] = (float)f.R[i]; ((float *)dx.data)[i] = 0; }
+        DSK_TEST_OK(dsk_moe_backward(&f.m, NULL, &dx, &dy, 1.0f));
+        memcpy(g1, f.m.grad_slab.data, sizeof(float) * ng);
+        DSK_TEST_OK(dsk_moe_backward(&f.m, NULL, &dx, &dy, 1.0f));
+        for (int64_t i = 0; i < ng; i++) twice[i] = 2.0 * g1[i];
+        DSK_TEST_CLOSE((const float *)f.m.grad_slab.data, twice, ng, 1e-6, 0, "grad after two backward calls");
+        DSK_TEST_EXPECT(f.m.grad_dense_numel + f.m.grad_expert_numel == ng, "slab parts %lld + %lld != %lld",
+                        (long long)f.m.grad_dense_numel, (long long)f.m.grad_expert_numel, (long long)ng);
+        free(g1); free(twice);
+        dsk_tensor_free(NULL, &dx); dsk_tensor_free(NULL, &dy);
+    }
+    free_fixture(&f);
+}
+
+/* ---------------------------------------------------------------- bf16 */
+
+static void test_bf16_forward_backward(void) {
+    int Ts[2] = {7, 64};
+    for (int i = 0; i < 2; i++) {
+        cfg c = base_cfg(Ts[i], 32, 6, 2, 16);
+        fixture f;
+        dsk_test_begin("bf16 forward+backward T=%d", c.T);
+        c.sigmoid = 1; c.norm = 1; c.n_shared = 1; c.Fs = 16; c.scale = 1.5;
+        if (setup(&f, &c, DSK_BF16, 0.02) && run_forward(&f, NULL)) {
+            int64_t n = (int64_t)c.T * c.D;
+            dsk_tensor dx, dy;
+            int64_t shp[2] = {c.T, c.D};
+            double *want = (double *)malloc(sizeof(double) * (size_t)c.E * c.F * c.D);
+            DSK_TEST_CLOSE(f.yf, f.y, n, 2e-2, 2e-2, "y bf16");
+            dsk_tensor_alloc(NULL, &dx, DSK_BF16, 2, shp);
+            dsk_tensor_alloc(NULL, &dy, DSK_BF16, 2, shp);
+            for (int64_t j = 0; j < n; j++) {
+                ((uint16_t *)dy.data)[j] = dsk_f32_to_bf16((float)f.R[j]);
+                f.R[j] = dsk_bf16_to_f32(((uint16_t *)dy.data)[j]);
+                ((uint16_t *)dx.data)[j] = 0;
+            }
+            DSK_TEST_OK(dsk_moe_backward(&f.m, NULL, &dx, &dy, 1.0f));
+            fd_grad(&f, f.w.w2, (int64_t)c.E * c.F * c.D, want);
+            DSK_TEST_CLOSE((const float *)f.m.w2->grad.data, want, (int64_t)c.E * c.F * c.D, 2e-2, 2e-3, "d w2 (bf16 layer)");
+            fd_grad(&f, f.w.wr, (int64_t)c.E * c.D, want);
+            DSK_TEST_CLOSE((const float *)f.m.router->grad.data, want, (int64_t)c.E * c.D, 2e-2, 2e-3, "d router (bf16 layer)");
+            free(want);
+            dsk_tensor_free(NULL, &dx); dsk_tensor_free(NULL, &dy);
+        }
+        free_fixture(&f);
+        dsk_test_end();
+    }
+}
+
+/* ---------------------------------------------------------------- API and errors */
+
+static void test_params_by_name(void) {
+    dsk_moe m;
+    dsk_moe_opts o;
+    const char *names[8] = {"blk3.moe.router", "blk3.moe.bias", "blk3.moe.w1", "blk3.moe.w2", "blk3.moe.w3",
+                            "blk3.moe.shared.w1", "blk3.moe.shared.w2", "blk3.moe.shared.w3"};
+    int64_t want[8][3] = {{10, 24, 0}, {10, 0, 0}, {10, 16, 24}, {10, 24, 16}, {10, 16, 24}, {40, 24, 0}, {24, 40, 0}, {40, 24, 0}};
+    memset(&o, 0, sizeof o);
+    o.name = "blk3.moe"; o.d_model = 24; o.n_routed = 10; o.top_k = 3; o.d_expert = 16; o.n_shared = 2; o.d_shared = 20;
+    o.dtype = DSK_BF16;
+    DSK_TEST_OK(dsk_moe_init(&m, NULL, &o));
+    DSK_TEST_EXPECT(m.n_params == 8, "%d parameters", m.n_params);
+    for (int i = 0; i < 8; i++) {
+        dsk_moe_param *p = dsk_moe_find_param(&m, names[i]);
+        DSK_TEST_EXPECT(p != NULL, "no parameter %s", names[i]);
+        if (!p) continue;
+        for (int d = 0; d < p->value.ndim; d++) DSK_TEST_EXPECT(p->value.shape[d] == want[i][d], "%s dim %d = %lld", names[i], d, (long long)p->value.shape[d]);
+        DSK_TEST_EXPECT(p->value.dtype == (i < 2 ? DSK_F32 : DSK_BF16), "%s dtype %s", names[i], dsk_dtype_name(p->value.dtype));
+        DSK_TEST_EXPECT(i == 1 || dsk_tensor_numel(&p->grad) == dsk_tensor_numel(&p->value), "%s grad size", names[i]);
+    }
+    DSK_TEST_EXPECT(dsk_moe_find_param(&m, "blk3.moe.w4") == NULL, "found a parameter that does not exist");
+    /* weights start N(0, 0.02), not zero; bias and gradients zero */
+    {
+        double ss = 0;
+        int64_t n = dsk_tensor_numel(&m.w1->value);
+        for (int64_t i = 0; i < n; i++) { double v = dsk_bf16_to_f32(((uint16_t *)m.w1->value.data)[i]); ss += v * v; }
+        DSK_TEST_EXPECT(fabs(sqrt(ss / n) - 0.02) < 0.002, "w1 std %g", sqrt(ss / n));
+        DSK_TEST_EXPECT(((float *)m.bias->value.data)[3] == 0.0f && ((float *)m.grad_slab.data)[5] == 0.0f, "bias or grad not zero");
+    }
+    dsk_moe_free(&m, NULL);
+    dsk_moe_free(&m, NULL); /* freed twice is fine */
+}
+
+static void expect_init_error(dsk_moe_opts o, const char *needle) {
+    dsk_moe m;
+    DSK_TEST_STATUS(dsk_moe_init(&m, NULL, &o), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_moe_init");
+    DSK_TEST_ERROR_MENTIONS(needle);
+}
+
+static void test_bad_config(void) {
+    dsk_moe_opts o, b;
+    memset(&o, 0, sizeof o);
+    o.d_model = 16; o.n_routed = 8; o.top_k = 2; o.d_expert = 8;
+    b = o; b.top_k = 9; expect_init_error(b, "top_k 9 outside [1, n_routed 8]");
+    b = o; b.top_k = 0; expect_init_error(b, "top_k 0");
+    b = o; b.n_group = 4; b.topk_group = 5; expect_init_error(b, "topk_group 5 > n_group 4");
+    b = o; b.n_group = 3; expect_init_error(b, "n_routed 8 not divisible by n_group 3");
+    b = o; b.n_group = 4; b.topk_group = 1; b.top_k = 3; expect_init_error(b, "top_k 3 > the 2 experts");
+    b = o; b.d_model = 0; expect_init_error(b, "d_model 0");
+    b = o; b.d_expert = -4; expect_init_error(b, "d_expert -4");
+    b = o; b.dtype = DSK_F16; expect_init_error(b, "dtype f16 not supported");
+    b = o; b.capacity_factor = -1; expect_init_error(b, "capacity_factor -1");
+    b = o; b.score = (dsk_moe_score)7; expect_init_error(b, "unknown score function 7");
+    b = o; b.name = "x"; b.n_routed = 0; expect_init_error(b, "layer \"x\": n_routed 0");
+    {
+        dsk_moe m;
+        DSK_TEST_STATUS(dsk_moe_init(&m, NULL, NULL), DSK_ERR_ARG);
+    }
+}
+
+static void test_bad_calls(void) {
+    dsk_moe m;
+    dsk_moe_opts o;
+    dsk_tensor x, y, yb, x3;
+    int64_t s2[2] = {5, 16}, s2b[2] = {4, 16}, s3[2] = {5, 12};
+    memset(&o, 0, sizeof o);
+    o.d_model = 16; o.n_routed = 4; o.top_k = 2; o.d_expert = 8; o.seq_aux_alpha = 0.1f; o.seq_len = 2;
+    DSK_TEST_OK(dsk_moe_init(&m, NULL, &o));
+    dsk_tensor_alloc(NULL, &x, DSK_F32, 2, s2); dsk_tensor_alloc(NULL, &y, DSK_F32, 2, s2);
+    dsk_tensor_alloc(NULL, &yb, DSK_BF16, 2, s2); dsk_tensor_alloc(NULL, &x3, DSK_F32, 2, s3);
+    dsk_tensor_fill(NULL, &x, 0.5);
+    DSK_TEST_STATUS(dsk_moe_backward(&m, NULL, &x, &y, 1.0f), DSK_ERR_STATE);
+    DSK_TEST_ERROR_MENTIONS("no forward to differentiate");
+    DSK_TEST_STATUS(dsk_moe_forward(&m, NULL, &y, &x3, NULL), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("x is [5,12] f32, want [5,16] f32");
+    DSK_TEST_STATUS(dsk_moe_forward(&m, NULL, &yb, &x, NULL), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("y is [5,16] bf16, want [5,16] f32");
+    DSK_TEST_STATUS(dsk_moe_forward(&m, NULL, &y, &x, NULL), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("5 tokens are not whole sequences of seq_len 2");
+    DSK_TEST_STATUS(dsk_moe_forward(&m, NULL, &y, NULL, NULL), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("x is NULL");
+    dsk_tensor_free(NULL, &x); dsk_tensor_free(NULL, &y);
+    s2[0] = 4;
+    dsk_tensor_alloc(NULL, &x, DSK_F32, 2, s2); dsk_tensor_alloc(NULL, &y, DSK_F32, 2, s2b);
+    dsk_tensor_fill(NULL, &x, 0.25);
+    DSK_TEST_OK(dsk_moe_forward(&m, NULL, &y, &x, NULL));
+    DSK_TEST_STATUS(dsk_moe_backward(&m, NULL, &x, &yb, 1.0f), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dy is [5,16] bf16, want [4,16] f32");
+    DSK_TEST_STATUS(dsk_moe_backward(&m, NULL, &x, &y, NAN), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("aux_scale nan is not finite");
+    dsk_tensor_free(NULL, &x); dsk_tensor_free(NULL, &y); dsk_tensor_free(NULL, &yb); dsk_tensor_free(NULL, &x3);
+    dsk_moe_free(&m, NULL);
+    DSK_TEST_STATUS(dsk_moe_forward(&m, NULL, &y, &x, NULL), DSK_ERR_STATE);
+}
+
+/* ---------------------------------------------------------------- expert parallelism */
+
+enum { EP_T = 13, EP_D = 16, EP_E = 8, EP_K = 3, EP_F = 12, EP_FS = 10 };
+
+static dsk_moe_opts ep_opts(int sigmoid) {
+    dsk_moe_opts o;
+    memset(&o, 0, sizeof o);
+    o.d_model = EP_D; o.n_routed = EP_E; o.top_k = EP_K; o.d_expert = EP_F; o.n_shared = 1; o.d_shared = EP_FS;
+    o.init_std = 0.5f; o.seed = 77;
+    if (sigmoid) { o.score = DSK_MOE_SIGMOID; o.n_group = 4; o.topk_group = 2; o.routed_scale = 2.5f; }
+    return o;
+}
+
+/* Shared-memory layout of one rank's results: y, dx (T,D), then the gradient slab. */
+
+static void ep_inputs(float *x, float *dy, int n_tok) {
+    for (int i = 0; i < n_tok * EP_D; i++) {
+        x[i] = (float)dsk_test_rand(-1, 1);
+        dy[i] = (float)dsk_test_rand(-1, 1);
+    }
+}
+
+/* One layer step on rows [r*EP_T, (r+1)*EP_T) of the global batch; results into out. */
+static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx, const float *gdy, float *out, int *bad_cfg_ok) {
+    dsk_comm c;
+    dsk_comm_opts co;
+    dsk_moe m;
+    dsk_moe_opts o = ep_opts(sigmoid);
+    dsk_tensor x, y, dx, dy;
+    int64_t shp[2] = {EP_T, EP_D};
+    dsk_moe_stats st;
+    memset(&co, 0, sizeof co);
+    co.backend = DSK_COMM_HOST; co.master_addr = "127.0.0.1"; co.master_port = port; co.timeout_s = 60;
+    if (dsk_comm_init(&c, rank, n, &co) != DSK_OK) return 2;
+    o.ep = &c;
+    { /* E not divisible by the EP size fails on every rank, naming both */
+        dsk_moe bad;
+        dsk_moe_opts b = o;
+        b.n_routed = n * 2 + 1; b.top_k = 1;
+        *bad_cfg_ok = dsk_moe_init(&bad, NULL, &b) == DSK_ERR_ARG && strstr(dsk_last_error(), "not divisible by the expert-parallel size") != NULL;
+    }
+    if (dsk_moe_init(&m, NULL, &o) != DSK_OK) return 3;
+    dsk_tensor_wrap(&x, (void *)(gx + rank * EP_T * EP_D), DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&dy, (void *)(gdy + rank * EP_T * EP_D), DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&y, out, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&dx, out + EP_T * EP_D, DSK_F32, dsk_cpu(), 2, shp);
+    memset(dx.data, 0, sizeof(float) * EP_T * EP_D);
+    if (dsk_moe_forward(&m, NULL, &y, &x, &st) != DSK_OK) return 4;
+    if (st.tokens != (int64_t)EP_T * n) return 5;
+    if (dsk_moe_backward(&m, NULL, &dx, &dy, 1.0f) != DSK_OK) return 6;
+    memcpy(out + 2 * EP_T * EP_D, m.grad_slab.data, sizeof(float) * (size_t)dsk_tensor_numel(&m.grad_slab));
+    dsk_moe_free(&m, NULL);
+    dsk_comm_free(&c);
+    return 0;
+}
+
+static void check_ep(int n, int sigmoid) {
+    int NT = EP_T * n, port = 0;
+    dsk_moe ref;
+    dsk_moe_opts o = ep_opts(sigmoid);
+    dsk_tensor x, y, dx, dy;
+    int64_t shp[2] = {NT, EP_D};
+    size_t per_rank;
+    float *gx, *gdy, *shm;
+    int *flags;
+    dsk_test_begin("expert parallel %s over %d ranks = 1 rank", sigmoid ? "sigmoid+groups" : "softmax", n);
+    /* single rank holding every token and expert */
+    DSK_TEST_OK(dsk_moe_init(&ref, NULL, &o));
+    per_rank = (size_t)(2 * EP_T * EP_D) + (size_t)dsk_tensor_numel(&ref.grad_slab); /* upper bound for any rank */
+    shm = (float *)mmap(NULL, sizeof(float) * (2 * (size_t)NT * EP_D + per_rank * n) + 64 * sizeof(int), PROT_READ | PROT_WRITE,
+                        MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    gx = shm; gdy = shm + NT * EP_D;
+    flags = (int *)(gdy + NT * EP_D + per_rank * n);
+    ep_inputs(gx, gdy, NT);
+    if (dsk_comm_free_port("127.0.0.1", &port) != DSK_OK) { dsk_test_fail_at(__FILE__, __LINE__, "no free port: %s", dsk_last_error()); goto out; }
+    for (int r = 0; r < n; r++) {
+        pid_t pid = fork();
+        if (pid == 0) {
+            int rc = ep_rank_main(r, n, port, sigmoid, gx, gdy, gdy + NT * EP_D + per_rank * r, &flags[32 + r]);
+            if (rc) fprintf(stderr, "rank %d: step %d failed: %s\n", r, rc, dsk_last_error());
+            _exit(rc);
+        }
+    }
+    for (int r = 0; r < n; r++) {
+        int status = 0;
+        wait(&status);
+        DSK_TEST_EXPECT(WIFEXITED(status) && WEXITSTATUS(status) == 0, "a rank exited with status %d", status);
+    }
+    for (int r = 0; r < n; r++) DSK_TEST_EXPECT(flags[32 + r] == 1, "rank %d: bad EP configuration not reported: %s", r, dsk_last_error());
+    dsk_tensor_wrap(&x, gx, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&dy, gdy, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_alloc(NULL, &y, DSK_F32, 2, shp);
+    dsk_tensor_alloc(NULL, &dx, DSK_F32, 2, shp);
+    dsk_tensor_fill(NULL, &dx, 0.0);
+    DSK_TEST_OK(dsk_moe_forward(&ref, NULL, &y, &x, NULL));
+    DSK_TEST_OK(dsk_moe_backward(&ref, NULL, &dx, &dy, 1.0f));
+    {
+        int El = EP_E / n;
+        int64_t nd = ref.grad_dense_numel, w1n = (int64_t)EP_E * EP_F * EP_D;
+        double *dense = (double *)calloc((size_t)nd, sizeof(double)), *want = (double *)calloc((size_t)(w1n + nd), sizeof(double));
+        const float *rg = (const float *)ref.grad_slab.data;
+        for (int r = 0; r < n; r++) {
+            const float *res = gdy + NT * EP_D + per_rank * r;
+            char what[64];
+            snprintf(what, sizeof what, "rank %d y", r);
+            DSK_TEST_SAME_BYTES(res, (float *)y.data + r * EP_T * EP_D, sizeof(float) * EP_T * EP_D, what);
+            for (int i = 0; i < EP_T * EP_D; i++) want[i] = ((float *)dx.data)[r * EP_T * EP_D + i];
+            snprintf(what, sizeof what, "rank %d dx", r);
+            DSK_TEST_CLOSE(res + EP_T * EP_D, want, EP_T * EP_D, 1e-6, 1e-7, what);
+            for (int64_t i = 0; i < nd; i++) dense[i] += res[2 * EP_T * EP_D + i];
+            /* expert gradients: this rank's slice of each of w1, w2, w3 */
+            for (int p = 0; p < 3; p++) {
+                int64_t per = (int64_t)El * EP_F * EP_D;
+                for (int64_t i = 0; i < per; i++) want[i] = rg[nd + p * w1n + r * per + i];
+                snprintf(what, sizeof what, "rank %d expert grad %d", r, p);
+                DSK_TEST_CLOSE(res + 2 * EP_T * EP_D + nd + p * per, want, per, 1e-6, 1e-7, what);
+            }
+        }
+        {
+            double mx = 0;
+            for (int64_t i = 0; i < nd; i++) mx = fabs(rg[i]) > mx ? fabs(rg[i]) : mx;
+            for (int64_t i = 0; i < nd; i++) want[i] = dense[i];
+            /* the single rank sums every token in one GEMM; the ranks' partial sums add in another order */
+            DSK_TEST_CLOSE(rg, want, nd, 1e-6, 1e-6 * mx, "router + shared grads = sum over ranks");
+        }
+        free(dense); free(want);
+    }
+out:
+    dsk_tensor_free(NULL, &y); dsk_tensor_free(NULL, &dx);
+    dsk_moe_free(&ref, NULL);
+    munmap(shm, sizeof(float) * (2 * (size_t)NT * EP_D + per_rank * n) + 64 * sizeof(int));
+    dsk_test_end();
+}
+
+int main(void) {
+    dsk_test_init("test_moe");
+    /* forked ranks first, before this process starts OpenMP threads */
+    check_ep(2, 0);
+    check_ep(4, 1);
+    check_ep(2, 1);
+    test_forward_variants();
+    DSK_TEST_RUN(test_group_mask_is_neg_inf);
+    DSK_TEST_RUN(test_bias_not_in_weights);
+    test_loss_terms();
+    test_bias_update();
+    test_backward_variants();
+    DSK_TEST_RUN(test_grad_accumulates);
+    test_bf16_forward_backward();
+    DSK_TEST_RUN(test_params_by_name);
+    DSK_TEST_RUN(test_bad_config);
+    DSK_TEST_RUN(test_bad_calls);
+    return dsk_test_finish();
+}
