@@ -1,0 +1,1333 @@
+/* test_tensor.c - dsk_tensor.h: conversions, RNG, views and copies, every op against float64
+   references written here, backward passes against central finite differences of those
+   references, AdamW against PyTorch's formula, and the argument checks. */
+#define DSK_TENSOR_IMPLEMENTATION
+#include "dsk_tensor.h"
+#include "dsk_test.h"
+
+/* ------------------------------------------------------------------ test utilities */
+
+/* Everything a case allocates is tracked and released when the next case begins. */
+static void *tt_ptrs[4096];
+static int tt_nptrs;
+static void *tt_alloc(size_t n) {
+    void *p = calloc(1, n ? n : 1);
+    if (!p || tt_nptrs == (int)(sizeof tt_ptrs / sizeof tt_ptrs[0])) { fprintf(stderr, "test_tensor: out of memory\n"); exit(2); }
+    tt_ptrs[tt_nptrs++] = p;
+    return p;
+}
+static dsk_tensor *tt_owned[1024];
+static int tt_nowned;
+static void tt_release(void) {
+    while (tt_nowned) dsk_tensor_free(NULL, tt_owned[--tt_nowned]);
+    while (tt_nptrs) free(tt_ptrs[--tt_nptrs]);
+}
+#define TT_CASE(...) (tt_release(), dsk_test_begin(__VA_ARGS__))
+#define SH(...) ((const int64_t[]){__VA_ARGS__})
+
+static int64_t tt_offset(const dsk_tensor *t, int64_t lin) {
+    int64_t off = 0;
+    for (int d = t->ndim - 1; d >= 0; d--) {
+        off += (lin % t->shape[d]) * t->stride[d];
+        lin /= t->shape[d];
+    }
+    return off;
+}
+/* Element `lin` (row-major logical order) of a CPU tensor of any dtype and strides. */
+static double tt_get(const dsk_tensor *t, int64_t lin) {
+    int64_t o = tt_offset(t, lin);
+    switch (t->dtype) {
+    case DSK_F32: return ((const float *)t->data)[o];
+    case DSK_F16: return dsk_f16_to_f32(((const uint16_t *)t->data)[o]);
+    case DSK_BF16: return dsk_bf16_to_f32(((const uint16_t *)t->data)[o]);
+    case DSK_E4M3: return dsk_e4m3_to_f32(((const uint8_t *)t->data)[o]);
+    case DSK_E5M2: return dsk_e5m2_to_f32(((const uint8_t *)t->data)[o]);
+    case DSK_F64: return ((const double *)t->data)[o];
+    case DSK_I32: return ((const int32_t *)t->data)[o];
+    case DSK_I64: return (double)((const int64_t *)t->data)[o];
+    case DSK_U8: return ((const uint8_t *)t->data)[o];
+    default: return NAN;
+    }
+}
+static void tt_set(dsk_tensor *t, int64_t lin, double x) {
+    int64_t o = tt_offset(t, lin);
+    switch (t->dtype) {
+    case DSK_F32: ((float *)t->data)[o] = (float)x; break;
+    case DSK_F16: ((uint16_t *)t->data)[o] = dsk_f32_to_f16((float)x); break;
+    case DSK_BF16: ((uint16_t *)t->data)[o] = dsk_f32_to_bf16((float)x); break;
+    case DSK_E4M3: ((uint8_t *)t->data)[o] = dsk_f32_to_e4m3((float)x); break;
+    case DSK_E5M2: ((uint8_t *)t->data)[o] = dsk_f32_to_e5m2((float)x); break;
+    case DSK_F64: ((double *)t->data)[o] = x; break;
+    case DSK_I32: ((int32_t *)t->data)[o] = (int32_t)x; break;
+    case DSK_I64: ((int64_t *)t->data)[o] = (int64_t)x; break;
+    case DSK_U8: ((uint8_t *)t->data)[o] = (uint8_t)x; break;
+    default: break;
+    }
+}
+
+static dsk_tensor *tt_new(dsk_dtype dt, int ndim, const int64_t *shape) {
+    dsk_tensor *t = (dsk_tensor *)tt_alloc(sizeof *t);
+    if (dsk_tensor_alloc(NULL, t, dt, ndim, shape) != DSK_OK) { fprintf(stderr, "test_tensor: %s\n", dsk_last_error()); exit(2); }
+    tt_owned[tt_nowned++] = t;
+    return t;
+}
+/* Fresh uniform values in [lo, hi) (stored in the tensor's dtype). */
+static dsk_tensor *tt_rand(dsk_dtype dt, int ndim, const int64_t *shape, double lo, double hi) {
+    dsk_tensor *t = tt_new(dt, ndim, shape);
+    for (int64_t i = 0, n = dsk_tensor_numel(t); i < n; i++) tt_set(t, i, dsk_test_rand(lo, hi));
+    return t;
+}
+static dsk_tensor *tt_poisoned(dsk_dtype dt, int ndim, const int64_t *shape) {
+    dsk_tensor *t = tt_new(dt, ndim, shape);
+    for (int64_t i = 0, n = dsk_tensor_numel(t); i < n; i++) tt_set(t, i, NAN);
+    return t;
+}
+static dsk_tensor *tt_ids(int ndim, const int64_t *shape, int64_t limit) {
+    dsk_tensor *t = tt_new(DSK_I32, ndim, shape);
+    for (int64_t i = 0, n = dsk_tensor_numel(t); i < n; i++) ((int32_t *)t->data)[i] = (int32_t)dsk_test_rand_int(limit);
+    return t;
+}
+/* The tensor's values as float64 (what the library actually sees). */
+static double *tt_vals(const dsk_tensor *t) {
+    int64_t n = dsk_tensor_numel(t);
+    double *v = (double *)tt_alloc((size_t)n * sizeof(double));
+    for (int64_t i = 0; i < n; i++) v[i] = tt_get(t, i);
+    return v;
+}
+static double *tt_zeros(int64_t n) { return (double *)tt_alloc((size_t)(n ? n : 1) * sizeof(double)); }
+
+/* Relative tolerance of an output stored in dt. */
+static double tt_tol(dsk_dtype dt) { return dt == DSK_F32 ? 2e-5 : dt == DSK_F16 ? 2e-3 : 1.6e-2; }
+
+static int tt_check_at(const char *file, int line, const dsk_tensor *t, const double *want, double rtol, double atol, const char *what) {
+    int64_t n = dsk_tensor_numel(t);
+    float *got = (float *)tt_alloc((size_t)(n ? n : 1) * sizeof(float));
+    for (int64_t i = 0; i < n; i++) got[i] = (float)tt_get(t, i);
+    return dsk_test_close_at(file, line, got, want, n, rtol, atol, what);
+}
+#define TT_CHECK(t, want, rtol, atol, what) tt_check_at(__FILE__, __LINE__, t, want, rtol, atol, what)
+
+static const dsk_dtype tt_floats[3] = {DSK_F32, DSK_BF16, DSK_F16};
+
+/* Central differences of a float64 scalar function of x[0..n) (x restored on return). */
+typedef double (*tt_loss_fn)(const double *x, void *ud);
+static double *tt_numgrad(tt_loss_fn f, double *x, int64_t n, void *ud) {
+    double *g = tt_zeros(n);
+    for (int64_t i = 0; i < n; i++) {
+        double x0 = x[i], h = 1e-6 * (fabs(x0) > 1 ? fabs(x0) : 1.0), lp, lm;
+        x[i] = x0 + h; lp = f(x, ud);
+        x[i] = x0 - h; lm = f(x, ud);
+        x[i] = x0;
+        g[i] = (lp - lm) / (2 * h);
+    }
+    return g;
+}
+static double tt_dot(const double *a, const double *b, int64_t n) {
+    double s = 0;
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+/* want = before + grad, for checking accumulating backward outputs. */
+static double *tt_plus(const double *a, const double *b, int64_t n) {
+    double *r = tt_zeros(n);
+    for (int64_t i = 0; i < n; i++) r[i] = a[i] + b[i];
+    return r;
+}
+
+/* ------------------------------------------------------------------ dtype conversions */
+
+/* Value of a binary format code decoded by its definition: `eb` exponent bits, `mb` mantissa
+   bits, IEEE-style (all-ones exponent = Inf/NaN) unless `fn` (e4m3fn: only S.1111.111 is NaN). */
+static double tt_decode(uint32_t code, int eb, int mb, int fn) {
+    uint32_t sign = code >> (eb + mb) & 1u, e = code >> mb & ((1u << eb) - 1u), m = code & ((1u << mb) - 1u);
+    int bias = (1 << (eb - 1)) - 1;
+    double v;
+    if (!fn && e == (1u << eb) - 1u) v = m ? NAN : INFINITY;
+    else if (fn && e == (1u << eb) - 1u && m == (1u << mb) - 1u) v = NAN;
+    else if (e == 0) v = ldexp((double)m, 1 - bias - mb);
+    else v = ldexp(1.0 + ldexp((double)m, -mb), (int)e - bias);
+    return sign ? -v : v;
+}
+
+typedef struct tt_format {
+    const char *name;
+    int eb, mb, fn;
+    uint32_t max_code; /* largest finite magnitude code */
+    double *val;       /* val[c] for c in [0, max_code] */
+} tt_format;
+
+static tt_format tt_format_make(const char *name, int eb, int mb, int fn) {
+    tt_format f;
+    f.name = name; f.eb = eb; f.mb = mb; f.fn = fn;
+    f.max_code = fn ? (1u << (eb + mb)) - 2u : ((1u << eb) - 1u) << mb;
+    if (!fn) f.max_code -= 1u;
+    f.val = (double *)tt_alloc((f.max_code + 1) * sizeof(double));
+    for (uint32_t c = 0; c <= f.max_code; c++) f.val[c] = tt_decode(c, eb, mb, fn);
+    return f;
+}
+
+/* Reference f32 -> format: nearest magnitude code by search, ties to the even code; beyond the
+   largest finite value: Inf for IEEE formats (from max + ulp/2 up), saturation for e4m3fn.
+   Returns the full code with sign, or -1 for NaN input. */
+static int64_t tt_round_ref(const tt_format *f, float x) {
+    double a = fabs((double)x), mid, next;
+    uint32_t lo = 0, hi = f->max_code, c, sign = signbit(x) ? 1u << (f->eb + f->mb) : 0u;
+    if (x != x) return -1;
+    if (isinf(x) || a >= f->val[f->max_code]) {
+        if (f->fn) return sign | f->max_code;
+        next = 2 * f->val[f->max_code] - f->val[f->max_code - 1];
+        mid = 0.5 * (f->val[f->max_code] + next);
+        return sign | (isinf(x) || a >= mid ? f->max_code + 1 : f->max_code);
+    }
+    while (lo < hi) { /* largest c with val[c] <= a */
+        uint32_t m = (lo + hi + 1) / 2;
+        if (f->val[m] <= a) lo = m; else hi = m - 1;
+    }
+    c = lo;
+    mid = 0.5 * (f->val[c] + f->val[c + 1]);
+    if (a > mid || (a == mid && (c & 1u))) c++;
+    return sign | c;
+}
+
+static uint32_t tt_encode(int which, float x) {
+    switch (which) {
+    case 0: return dsk_f32_to_bf16(x);
+    case 1: return dsk_f32_to_f16(x);
+    case 2: return dsk_f32_to_e4m3(x);
+    default: return dsk_f32_to_e5m2(x);
+    }
+}
+static float tt_decode_lib(int which, uint32_t c) {
+    switch (which) {
+    case 0: return dsk_bf16_to_f32((uint16_t)c);
+    case 1: return dsk_f16_to_f32((uint16_t)c);
+    case 2: return dsk_e4m3_to_f32((uint8_t)c);
+    default: return dsk_e5m2_to_f32((uint8_t)c);
+    }
+}
+static tt_format tt_format_of(int which) {
+    switch (which) {
+    case 0: return tt_format_make("bf16", 8, 7, 0);
+    case 1: return tt_format_make("f16", 5, 10, 0);
+    case 2: return tt_format_make("e4m3", 4, 3, 1);
+    default: return tt_format_make("e5m2", 5, 2, 0);
+    }
+}
+
+/* Every code decodes to its definition and encodes back to itself (NaN stays NaN). */
+static void test_format_all_codes(int which) {
+    tt_format f = tt_format_of(which);
+    uint32_t n = 1u << (1 + f.eb + f.mb), bad = 0;
+    for (uint32_t c = 0; c < n; c++) {
+        float got = tt_decode_lib(which, c);
+        double want = tt_decode(c, f.eb, f.mb, f.fn);
+        uint32_t back = tt_encode(which, got);
+        if (want != want) {
+            double again = tt_decode(back, f.eb, f.mb, f.fn);
+            if (got == got || again == again) {
+                if (!bad) DSK_TEST_EXPECT(0, "%s NaN code 0x%x decodes to %g and encodes back to 0x%x", f.name, c, (double)got, back);
+                bad++;
+            }
+        } else if ((double)got != want || !signbit(got) != !signbit(want) || back != c) {
+            if (!bad) DSK_TEST_EXPECT(0, "%s code 0x%x: decodes to %.9g (want %.9g), encodes back to 0x%x", f.name, c, (double)got, want, back);
+            bad++;
+        }
+    }
+    DSK_TEST_EXPECT(bad == 0, "%s: %u of %u codes wrong", f.name, bad, n);
+}
+
+static void tt_round_one(const tt_format *f, int which, float x, uint32_t *bad) {
+    int64_t want = tt_round_ref(f, x);
+    uint32_t got = tt_encode(which, x);
+    int ok = want < 0 ? tt_decode(got, f->eb, f->mb, f->fn) != tt_decode(got, f->eb, f->mb, f->fn) : (int64_t)got == want;
+    if (!ok) {
+        if (*bad < 3) DSK_TEST_EXPECT(0, "%s: f32 %.9g (0x%08x) -> 0x%x, want 0x%llx", f->name, (double)x, dsk_f32_bits(x), got, (long long)want);
+        (*bad)++;
+    }
+}
+
+/* f32 -> format against the search reference on random bit patterns, every halfway point
+   (and its f32 neighbours), subnormals, the overflow threshold, Inf and NaN. */
+static void test_format_rounding(int which) {
+    tt_format f = tt_format_of(which);
+    uint32_t bad = 0, count = 0;
+    for (int i = 0; i < 300000; i++, count++) tt_round_one(&f, which, dsk_bits_f32((uint32_t)dsk_test_rand_u64()), &bad);
+    for (int i = 0; i < 100000; i++, count++) /* magnitudes around the format's range */
+        tt_round_one(&f, which, (float)(dsk_test_rand(-1, 1) * ldexp(1.0, (int)dsk_test_rand_int(2 * f.eb * 8) - f.eb * 8)), &bad);
+    for (uint32_t c = 0; c < f.max_code; c++) {
+        float mid = (float)(0.5 * (f.val[c] + f.val[c + 1]));
+        float cand[6] = {mid, nextafterf(mid, 0), nextafterf(mid, INFINITY), -mid, (float)f.val[c], -(float)f.val[c + 1]};
+        for (int k = 0; k < 6; k++, count++) tt_round_one(&f, which, cand[k], &bad);
+    }
+    {
+        double next = 2 * f.val[f.max_code] - f.val[f.max_code - 1];
+        float edge[10] = {(float)f.val[f.max_code], (float)(0.5 * (f.val[f.max_code] + next)), nextafterf((float)(0.5 * (f.val[f.max_code] + next)), 0),
+                          (float)next, INFINITY, -INFINITY, 0.0f, -0.0f, 1e-45f, FLT_MAX};
+        for (int k = 0; k < 10; k++, count++) tt_round_one(&f, which, edge[k], &bad);
+        tt_round_one(&f, which, NAN, &bad);
+        tt_round_one(&f, which, -NAN, &bad);
+    }
+    DSK_TEST_EXPECT(bad == 0, "%s: %u of %u conversions differ from the reference", f.name, bad, count);
+}
+
+static void test_fp8_definitions(void) {
+    DSK_TEST_EXPECT(dsk_e4m3_to_f32(0x7E) == 448.0f && DSK_E4M3_MAX == 448.0f, "e4m3 max");
+    DSK_TEST_EXPECT(isnan(dsk_e4m3_to_f32(0x7F)) && isnan(dsk_e4m3_to_f32(0xFF)), "e4m3 NaN codes");
+    DSK_TEST_EXPECT(dsk_f32_to_e4m3(INFINITY) == 0x7E && dsk_f32_to_e4m3(-INFINITY) == 0xFE, "e4m3 saturates Inf to 448");
+    DSK_TEST_EXPECT(dsk_f32_to_e4m3(1e6f) == 0x7E && dsk_f32_to_e4m3(464.0f) == 0x7E, "e4m3 saturates overflow");
+    DSK_TEST_EXPECT(dsk_e4m3_to_f32(0x01) == ldexpf(1, -9), "e4m3 smallest subnormal 2^-9");
+    DSK_TEST_EXPECT(dsk_f32_to_e4m3(ldexpf(1, -10)) == 0x00 && dsk_f32_to_e4m3(ldexpf(3, -10)) == 0x02, "e4m3 halfway subnormals to even");
+    DSK_TEST_EXPECT(isinf(dsk_e5m2_to_f32(0x7C)) && dsk_e5m2_to_f32(0x7B) == 57344.0f && DSK_E5M2_MAX == 57344.0f, "e5m2 Inf and max");
+    DSK_TEST_EXPECT(dsk_f32_to_e5m2(61440.0f) == 0x7C && dsk_f32_to_e5m2(61439.0f) == 0x7B, "e5m2 overflow to Inf from max + ulp/2");
+    DSK_TEST_EXPECT(isnan(dsk_e5m2_to_f32(0x7D)) && isnan(dsk_e5m2_to_f32(0xFF)), "e5m2 NaN codes");
+    DSK_TEST_EXPECT(dsk_f32_to_f16(65520.0f) == 0x7C00 && dsk_f32_to_f16(65519.0f) == 0x7BFF, "f16 overflow threshold");
+    DSK_TEST_EXPECT(dsk_f32_to_bf16(1.00390625f) == 0x3F80 && dsk_f32_to_bf16(1.01171875f) == 0x3F82, "bf16 ties to even");
+}
+
+/* ------------------------------------------------------------------ RNG */
+
+/* Philox4x32-10 written from Salmon et al. (SC'11) with the full 4-word counter. */
+static void tt_philox(const uint32_t ctr_in[4], const uint32_t key_in[2], uint32_t out[4]) {
+    uint32_t c[4] = {ctr_in[0], ctr_in[1], ctr_in[2], ctr_in[3]}, k[2] = {key_in[0], key_in[1]};
+    for (int r = 0; r < 10; r++) {
+        uint64_t p0, p1;
+        if (r) { k[0] += 0x9E3779B9u; k[1] += 0xBB67AE85u; }
+        p0 = (uint64_t)0xD2511F53u * c[0];
+        p1 = (uint64_t)0xCD9E8D57u * c[2];
+        uint32_t n0 = (uint32_t)(p1 >> 32) ^ c[1] ^ k[0], n1 = (uint32_t)p1, n2 = (uint32_t)(p0 >> 32) ^ c[3] ^ k[1], n3 = (uint32_t)p0;
+        c[0] = n0; c[1] = n1; c[2] = n2; c[3] = n3;
+    }
+    for (int i = 0; i < 4; i++) out[i] = c[i];
+}
+
+static void test_philox_known_answers(void) {
+    /* Random123 kat_vectors: philox4x32 10, counter[4] key[2] -> output[4] */
+    static const uint32_t kat[3][10] = {
+        {0, 0, 0, 0, 0, 0, 0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8},
+        {0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd},
+        {0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344, 0xa4093822, 0x299f31d0, 0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1}};
+    uint32_t out[4];
+    for (int v = 0; v < 3; v++) {
+        tt_philox(kat[v], kat[v] + 4, out);
+        DSK_TEST_EXPECT(!memcmp(out, kat[v] + 6, 16), "reference Philox on vector %d: %08x %08x %08x %08x", v, out[0], out[1], out[2], out[3]);
+    }
+    dsk_philox4x32(0, 0, out);
+    DSK_TEST_EXPECT(!memcmp(out, kat[0] + 6, 16), "dsk_philox4x32(0, 0): %08x %08x %08x %08x", out[0], out[1], out[2], out[3]);
+    for (int i = 0; i < 2000; i++) { /* library (seed, counter) = key (lo, hi), counter (lo, hi, 0, 0) */
+        uint64_t seed = dsk_test_rand_u64(), ctr = dsk_test_rand_u64();
+        uint32_t c4[4] = {(uint32_t)ctr, (uint32_t)(ctr >> 32), 0, 0}, k2[2] = {(uint32_t)seed, (uint32_t)(seed >> 32)}, want[4];
+        tt_philox(c4, k2, want);
+        dsk_philox4x32(seed, ctr, out);
+        if (memcmp(out, want, 16)) { DSK_TEST_EXPECT(0, "seed %llx counter %llx differs", (unsigned long long)seed, (unsigned long long)ctr); break; }
+    }
+}
+
+static void test_rng_streams(void) {
+    uint64_t seed = dsk_test_rand_u64();
+    dsk_tensor *a = tt_new(DSK_F32, 1, SH(1000)), *b = tt_new(DSK_F32, 1, SH(900)), *m = tt_new(DSK_F32, 2, SH(20, 30)), tr;
+    DSK_TEST_OK(dsk_tensor_uniform(NULL, a, seed, 5, -2.0f, 3.0f));
+    DSK_TEST_OK(dsk_tensor_uniform(NULL, b, seed, 105, -2.0f, 3.0f));
+    DSK_TEST_SAME_BYTES((float *)a->data + 100, b->data, 900 * sizeof(float), "offset 105 continues offset 5 at element 100");
+    for (int i = 0; i < 1000; i++) {
+        uint32_t c4[4] = {(uint32_t)(5 + i), 0, 0, 0}, k2[2] = {(uint32_t)seed, (uint32_t)(seed >> 32)}, r[4];
+        double u;
+        tt_philox(c4, k2, r);
+        u = ((double)(r[0] >> 8) + 0.5) / 16777216.0;
+        if (fabs(tt_get(a, i) - (-2.0 + 5.0 * u)) > 1e-6) { DSK_TEST_EXPECT(0, "element %d: %g, want %g", i, tt_get(a, i), -2.0 + 5.0 * u); break; }
+    }
+    /* A strided view is filled in logical order: element (i, j) of the transpose gets i * 20 + j. */
+    DSK_TEST_OK(dsk_tensor_transpose(m, 0, 1, &tr));
+    DSK_TEST_OK(dsk_tensor_normal(NULL, &tr, seed, 0, 1.0f, 2.0f));
+    for (int i = 0; i < 30; i++)
+        for (int j = 0; j < 20; j++) {
+            double want = 1.0 + 2.0 * dsk_rng_normal_at(seed, 0, (uint64_t)(i * 20 + j)), got = ((float *)m->data)[j * 30 + i];
+            if (fabs(got - want) > 1e-5 * (1 + fabs(want))) { DSK_TEST_EXPECT(0, "transposed fill (%d,%d): %g want %g", i, j, got, want); i = 30; break; }
+        }
+}
+
+static void test_rng_moments(void) {
+    int64_t n = 1 << 20;
+    dsk_tensor *u = tt_new(DSK_F32, 1, SH(n)), *g = tt_new(DSK_F32, 1, SH(n));
+    double s1 = 0, s2 = 0, mn = 1, mx = 0, g1 = 0, g2 = 0, g3 = 0, g4 = 0, var;
+    DSK_TEST_OK(dsk_tensor_uniform(NULL, u, 1234, 0, 0.0f, 1.0f));
+    DSK_TEST_OK(dsk_tensor_normal(NULL, g, 1234, 1u << 30, 0.0f, 1.0f));
+    for (int64_t i = 0; i < n; i++) {
+        double x = ((float *)u->data)[i], y = ((float *)g->data)[i];
+        s1 += x; s2 += x * x;
+        if (x < mn) mn = x;
+        if (x > mx) mx = x;
+        g1 += y; g2 += y * y; g3 += y * y * y; g4 += y * y * y * y;
+    }
+    s1 /= n; var = s2 / n - s1 * s1;
+    DSK_TEST_EXPECT(fabs(s1 - 0.5) < 2e-3 && fabs(var - 1.0 / 12) < 1e-3, "uniform mean %g var %g", s1, var);
+    DSK_TEST_EXPECT(mn > 0 && mx < 1, "uniform range (%g, %g)", mn, mx);
+    g1 /= n; g2 /= n; g3 /= n; g4 /= n;
+    DSK_TEST_EXPECT(fabs(g1) < 5e-3 && fabs(g2 - 1) < 5e-3 && fabs(g3) < 2e-2 && fabs(g4 - 3) < 5e-2, "normal moments %g %g %g %g", g1, g2, g3, g4);
+}
+
+/* ------------------------------------------------------------------ views and copies */
+
+static void test_views(void) {
+    dsk_tensor *t = tt_rand(DSK_F32, 3, SH(4, 5, 6), -1, 1), v, w;
+    double *x = tt_vals(t);
+    DSK_TEST_OK(dsk_tensor_reshape(t, 2, SH(20, 6), &v));
+    DSK_TEST_EXPECT(v.data == t->data && !v.owns && v.shape[0] == 20 && v.stride[0] == 6, "reshape");
+    DSK_TEST_OK(dsk_tensor_slice(t, 1, 2, 3, &v)); /* (4, 3, 6) */
+    for (int a = 0; a < 4; a++)
+        for (int b = 0; b < 3; b++)
+            for (int c = 0; c < 6; c++)
+                if (tt_get(&v, (a * 3 + b) * 6 + c) != x[(a * 5 + b + 2) * 6 + c]) { DSK_TEST_EXPECT(0, "slice (%d,%d,%d)", a, b, c); a = 4; b = 3; break; }
+    DSK_TEST_OK(dsk_tensor_transpose(t, 0, 2, &w)); /* (6, 5, 4) */
+    for (int a = 0; a < 6; a++)
+        for (int b = 0; b < 5; b++)
+            for (int c = 0; c < 4; c++)
+                if (tt_get(&w, (a * 5 + b) * 4 + c) != x[(c * 5 + b) * 6 + a]) { DSK_TEST_EXPECT(0, "transpose (%d,%d,%d)", a, b, c); a = 6; b = 5; break; }
+    DSK_TEST_EXPECT(!dsk_tensor_is_contiguous(&w), "a transpose is not contiguous");
+    DSK_TEST_OK(dsk_tensor_select(t, 3, &v));
+    DSK_TEST_EXPECT(v.ndim == 2 && tt_get(&v, 7) == x[3 * 30 + 7], "select");
+    DSK_TEST_STATUS(dsk_tensor_reshape(&w, 1, SH(120), &v), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("not contiguous");
+    DSK_TEST_STATUS(dsk_tensor_reshape(t, 2, SH(7, 17), &v), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_tensor_reshape");
+    DSK_TEST_STATUS(dsk_tensor_slice(t, 2, 4, 3, &v), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("[4, 7) outside dim 2 of size 6");
+    DSK_TEST_STATUS(dsk_tensor_select(t, 4, &v), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("row 4 outside");
+}
+
+/* Expected value of a cast from double x to dt, written from the contract. */
+static double tt_cast_ref(double x, dsk_dtype dt) {
+    switch (dt) {
+    case DSK_I32: case DSK_I64: return trunc(x);
+    case DSK_U8: return x <= 0 ? 0 : trunc(x);
+    default: return x; /* the inputs below are exact in every float format */
+    }
+}
+
+/* Copy from `src_dt` to every dtype, contiguous and from a transposed view, values that every
+   format holds exactly (so a float cast is exact and an int cast truncates). */
+static void test_copy_casts(dsk_dtype src_dt) {
+    static const double vals[] = {0, 0.5, 1, 1.5, 2, 3, 4, 6, 7, 12, 14, 28, 0.25, -0.5, -1.5, -3, -7, -12};
+    int is_int = !dsk_dtype_is_float(src_dt);
+    dsk_tensor *src = tt_new(src_dt, 2, SH(7, 9)), tr;
+    for (int i = 0; i < 63; i++) {
+        double v = vals[dsk_test_rand_int(18)];
+        if (is_int) v = src_dt == DSK_U8 ? fabs(trunc(v)) : trunc(v);
+        tt_set(src, i, v);
+    }
+    DSK_TEST_OK(dsk_tensor_transpose(src, 0, 1, &tr));
+    for (int d = 0; d < DSK_DTYPE_COUNT; d++) {
+        dsk_tensor *dst = tt_new((dsk_dtype)d, 2, SH(7, 9)), *dtr = tt_new((dsk_dtype)d, 2, SH(9, 7));
+        char what[64];
+        memset(dst->data, 0xA5, dsk_tensor_nbytes(dst));
+        memset(dtr->data, 0xA5, dsk_tensor_nbytes(dtr));
+        DSK_TEST_OK(dsk_tensor_copy(NULL, dst, src));
+        DSK_TEST_OK(dsk_tensor_copy(NULL, dtr, &tr));
+        for (int i = 0; i < 63; i++) {
+            double want = tt_cast_ref(tt_get(src, i), (dsk_dtype)d), got = tt_get(dst, i);
+            double wt = tt_cast_ref(tt_get(&tr, i), (dsk_dtype)d), gt = tt_get(dtr, i);
+            snprintf(what, sizeof what, "%s -> %s", dsk_dtype_name(src_dt), dsk_dtype_name((dsk_dtype)d));
+            if (got != want || gt != wt) { DSK_TEST_EXPECT(0, "%s element %d: %g want %g; transposed %g want %g", what, i, got, want, gt, wt); break; }
+        }
+    }
+}
+
+static void test_copy_rounding(void) {
+    dsk_tensor *src = tt_new(DSK_F64, 1, SH(5000)), *b = tt_new(DSK_BF16, 1, SH(5000)), *i8 = tt_new(DSK_U8, 1, SH(5000)), *i32 = tt_new(DSK_I32, 1, SH(5000));
+    uint32_t bad = 0;
+    for (int i = 0; i < 5000; i++) tt_set(src, i, dsk_test_rand(-400, 400));
+    tt_set(src, 0, NAN); tt_set(src, 1, 1e12); tt_set(src, 2, -1e12);
+    DSK_TEST_OK(dsk_tensor_copy(NULL, b, src));
+    DSK_TEST_OK(dsk_tensor_copy(NULL, i8, src));
+    DSK_TEST_OK(dsk_tensor_copy(NULL, i32, src));
+    for (int i = 0; i < 5000; i++) {
+        double x = tt_get(src, i);
+        uint16_t wb = dsk_f32_to_bf16((float)x);
+        double w8 = x != x ? 0 : x <= 0 ? 0 : x >= 255 ? 255 : trunc(x), w32 = x != x ? 0 : x >= 2147483647.0 ? 2147483647.0 : x <= -2147483648.0 ? -2147483648.0 : trunc(x);
+        if (((uint16_t *)b->data)[i] != wb || tt_get(i8, i) != w8 || tt_get(i32, i) != w32) {
+            if (!bad) DSK_TEST_EXPECT(0, "element %d (%g): bf16 %04x want %04x, u8 %g want %g, i32 %g want %g", i, x, ((uint16_t *)b->data)[i], wb,
+                                      tt_get(i8, i), w8, tt_get(i32, i), w32);
+            bad++;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ matmul */
+
+typedef struct tt_mm {
+    int64_t M, N, K, batch;
+    int ta, tb, a3, b3, pad; /* a3/b3: operand is 3-D (else shared 2-D); pad: leading stride > cols */
+    dsk_dtype in, out;
+    float alpha, beta;
+} tt_mm;
+
+/* A random operand of logical shape (batch?, rows, cols), as a view with padded rows if asked. */
+static dsk_tensor *tt_operand(dsk_dtype dt, int three, int64_t batch, int64_t rows, int64_t cols, int pad) {
+    dsk_tensor *big = three ? tt_rand(dt, 3, SH(batch, rows, cols + 3 * pad), -1, 1) : tt_rand(dt, 2, SH(rows, cols + 3 * pad), -1, 1);
+    dsk_tensor *v = (dsk_tensor *)tt_alloc(sizeof *v);
+    DSK_TEST_OK(dsk_tensor_slice(big, big->ndim - 1, pad ? 2 : 0, cols, v));
+    return v;
+}
+
+static int tt_matmul_run(const tt_mm *c, int n_threads) {
+    dsk_ctx ctx;
+    dsk_ctx_opts o;
+    int64_t M = c->M, N = c->N, K = c->K, B = c->batch, ar = c->ta ? K : M, ac = c->ta ? M : K, br = c->tb ? N : K, bc = c->tb ? K : N;
+    dsk_tensor *A = tt_operand(c->in, c->a3, B, ar, ac, c->pad), *Bm = tt_operand(c->in, c->b3, B, br, bc, c->pad);
+    int three = c->a3 || c->b3;
+    dsk_tensor *C = tt_operand(c->out, three, B, M, N, c->pad);
+    double *want = tt_zeros(B * M * N), *c0;
+    char what[160];
+    memset(&o, 0, sizeof o);
+    o.device = DSK_PREFER_CPU;
+    o.n_threads = n_threads;
+    dsk_ctx_init(&ctx, &o);
+    if (c->beta == 0.0f)
+        for (int64_t i = 0; i < dsk_tensor_numel(C); i++) tt_set(C, i, NAN);
+    c0 = tt_vals(C);
+    for (int64_t b = 0; b < (three ? B : 1); b++)
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < N; j++) {
+                double s = 0;
+                for (int64_t p = 0; p < K; p++) {
+                    int64_t ai = (c->a3 ? b * ar * ac : 0) + (c->ta ? p * ac + i : i * ac + p);
+                    int64_t bi = (c->b3 ? b * br * bc : 0) + (c->tb ? j * bc + p : p * bc + j);
+                    s += tt_get(A, ai) * tt_get(Bm, bi);
+                }
+                want[(b * M + i) * N + j] = c->alpha * s + (c->beta == 0.0f ? 0.0 : c->beta * c0[(b * M + i) * N + j]);
+            }
+    DSK_TEST_OK(dsk_matmul(&ctx, C, A, c->ta, Bm, c->tb, c->alpha, c->beta));
+    snprintf(what, sizeof what, "matmul M%lld N%lld K%lld batch %lld ta%d tb%d a%dd b%dd pad%d %s->%s", (long long)M, (long long)N, (long long)K,
+             (long long)B, c->ta, c->tb, c->a3 ? 3 : 2, c->b3 ? 3 : 2, c->pad, dsk_dtype_name(c->in), dsk_dtype_name(c->out));
+    return TT_CHECK(C, want, tt_tol(c->out), 2e-6 * (double)K + (c->out == DSK_F32 ? 0 : tt_tol(c->out)), what);
+}
+
+/* Every (M, N, K) in {1, 5, 17, 67, 130}^3 around the 6x16 tile and the blocking, f32. */
+static void test_matmul_shapes(int ta, int tb) {
+    static const int64_t s[5] = {1, 5, 17, 67, 130};
+    for (int i = 0; i < 5; i++)
+        for (int j = 0; j < 5; j++)
+            for (int k = 0; k < 5; k++) {
+                tt_mm c = {s[i], s[j], s[k], 1, ta, tb, 0, 0, (i + j + k) % 2, DSK_F32, DSK_F32, 1.0f, 0.0f};
+                if (!tt_matmul_run(&c, 2)) return;
+            }
+}
+
+static void test_matmul_variants(void) {
+    tt_mm cs[] = {
+        /* M, N, K, batch, ta, tb, a3, b3, pad, in, out, alpha, beta */
+        {300, 520, 260, 1, 0, 0, 0, 0, 0, DSK_F32, DSK_F32, 1.0f, 0.0f},  /* crosses KC and MC */
+        {7, 3100, 270, 1, 1, 0, 0, 0, 1, DSK_F32, DSK_F32, 0.5f, 0.0f},   /* crosses NC */
+        {33, 17, 129, 1, 0, 1, 0, 0, 1, DSK_F32, DSK_F32, -1.5f, 0.75f},  /* alpha and beta */
+        {17, 33, 1, 1, 1, 1, 0, 0, 0, DSK_F32, DSK_F32, 2.0f, 1.0f},
+        {5, 7, 9, 4, 0, 0, 1, 1, 0, DSK_F32, DSK_F32, 1.0f, 0.0f},        /* batched */
+        {5, 7, 9, 3, 1, 0, 1, 0, 1, DSK_F32, DSK_F32, 1.0f, 0.5f},        /* B shared by the batch */
+        {5, 7, 9, 3, 0, 1, 0, 1, 1, DSK_F32, DSK_F32, 1.0f, 0.0f},        /* A shared by the batch */
+        {67, 130, 17, 2, 1, 1, 1, 1, 1, DSK_BF16, DSK_F32, 1.0f, 0.0f},   /* bf16 inputs */
+        {67, 130, 17, 1, 0, 0, 0, 0, 0, DSK_BF16, DSK_BF16, 1.0f, 0.0f},  /* bf16 out */
+        {31, 18, 70, 2, 0, 1, 1, 0, 1, DSK_BF16, DSK_BF16, 1.0f, 1.0f},
+        {67, 130, 17, 1, 1, 0, 0, 0, 1, DSK_F16, DSK_F32, 1.0f, 0.0f},    /* f16 */
+        {9, 40, 300, 3, 0, 0, 1, 1, 0, DSK_F16, DSK_F16, 0.25f, 2.0f},
+        {1, 1, 1, 1, 0, 0, 0, 0, 0, DSK_F32, DSK_F32, 1.0f, 0.0f},
+    };
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+        TT_CASE("matmul variant %zu: %lldx%lldx%lld batch %lld %s->%s", i, (long long)cs[i].M, (long long)cs[i].N, (long long)cs[i].K,
+                (long long)cs[i].batch, dsk_dtype_name(cs[i].in), dsk_dtype_name(cs[i].out));
+        tt_matmul_run(&cs[i], 2);
+    }
+}
+
+static void test_matmul_k0_and_alpha0(void) {
+    dsk_tensor *A = tt_rand(DSK_F32, 2, SH(4, 0), -1, 1), *B = tt_rand(DSK_F32, 2, SH(0, 3), -1, 1), *C = tt_rand(DSK_F32, 2, SH(4, 3), -1, 1);
+    dsk_tensor *A2 = tt_rand(DSK_F32, 2, SH(4, 5), -1, 1), *B2 = tt_rand(DSK_F32, 2, SH(5, 3), -1, 1);
+    double *c0 = tt_vals(C), *want = tt_zeros(12);
+    for (int i = 0; i < 12; i++) want[i] = 0.5 * c0[i];
+    DSK_TEST_OK(dsk_matmul(NULL, C, A, 0, B, 0, 1.0f, 0.5f));
+    TT_CHECK(C, want, 1e-7, 0, "K = 0 scales C by beta");
+    for (int i = 0; i < 12; i++) { tt_set(C, i, NAN); want[i] = 0; }
+    DSK_TEST_OK(dsk_matmul(NULL, C, A2, 0, B2, 0, 0.0f, 0.0f));
+    TT_CHECK(C, want, 0, 0, "alpha = beta = 0 writes zeros over NaN");
+}
+
+/* Each C element sums in a fixed order: 1, 2 and 3 threads give the same bits. */
+static void test_matmul_deterministic(void) {
+    int64_t M = 157, N = 301, K = 530;
+    float *A = (float *)tt_alloc((size_t)(M * K) * 4), *B = (float *)tt_alloc((size_t)(K * N) * 4), *C[3];
+    dsk_test_fill_f32(A, M * K, -1, 1);
+    dsk_test_fill_f32(B, K * N, -1, 1);
+    for (int t = 0; t < 3; t++) {
+        C[t] = (float *)tt_alloc((size_t)(M * N) * 4);
+        dsk_sgemm_cpu(0, 1, M, N, K, 1.0f, A, K, B, K, 0.0f, C[t], N, t + 1);
+    }
+    DSK_TEST_SAME_BYTES(C[0], C[1], (size_t)(M * N) * 4, "1 vs 2 threads");
+    DSK_TEST_SAME_BYTES(C[0], C[2], (size_t)(M * N) * 4, "1 vs 3 threads");
+}
+
+static void test_sgemm_raw(void) {
+    /* lda/ldb/ldc larger than the matrix; C's padding must stay untouched */
+    int64_t M = 23, N = 41, K = 19, lda = 30, ldb = 50, ldc = 45;
+    float *A = (float *)tt_alloc((size_t)(K * lda) * 4), *B = (float *)tt_alloc((size_t)(N * ldb) * 4), *C = (float *)tt_alloc((size_t)(M * ldc) * 4);
+    double *want = tt_zeros(M * ldc);
+    float *got = (float *)tt_alloc((size_t)(M * ldc) * 4);
+    dsk_test_fill_f32(A, K * lda, -1, 1);
+    dsk_test_fill_f32(B, N * ldb, -1, 1);
+    dsk_test_fill_f32(C, M * ldc, -1, 1);
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < ldc; j++) {
+            double s = 0;
+            for (int64_t p = 0; p < K; p++) s += (double)A[p * lda + i] * B[j * ldb + p];
+            want[i * ldc + j] = j < N ? 2.0 * s - 1.0 * C[i * ldc + j] : C[i * ldc + j];
+        }
+    dsk_sgemm_cpu(1, 1, M, N, K, 2.0f, A, lda, B, ldb, -1.0f, C, ldc, 2);
+    memcpy(got, C, (size_t)(M * ldc) * 4);
+    DSK_TEST_CLOSE(got, want, M * ldc, 1e-5, 1e-5, "sgemm trans/trans with leading dims");
+}
+
+/* ------------------------------------------------------------------ elementwise and reductions */
+
+static const int64_t tt_shapes[4][3] = {{1, 1, 1}, {7, 1, 1}, {129, 1, 1}, {3, 5, 7}};
+static const int tt_ndims[4] = {1, 1, 1, 3};
+
+static void test_elementwise(dsk_dtype dt) {
+    for (int s = 0; s < 4; s++) {
+        const int64_t *sh = tt_shapes[s];
+        int nd = tt_ndims[s];
+        dsk_tensor *a = tt_rand(dt, nd, sh, -2, 2), *b = tt_rand(dt, nd, sh, -2, 2), *out = tt_poisoned(dt, nd, sh);
+        int64_t n = dsk_tensor_numel(a);
+        double *x = tt_vals(a), *y = tt_vals(b), *w = tt_zeros(n);
+        for (int64_t i = 0; i < n; i++) w[i] = x[i] + y[i];
+        DSK_TEST_OK(dsk_add(NULL, out, a, b));
+        TT_CHECK(out, w, tt_tol(dt), 1e-6, "add");
+        for (int64_t i = 0; i < n; i++) w[i] = x[i] * y[i];
+        DSK_TEST_OK(dsk_mul(NULL, out, a, b));
+        TT_CHECK(out, w, tt_tol(dt), 1e-6, "mul");
+        for (int64_t i = 0; i < n; i++) w[i] = -0.75 * x[i];
+        DSK_TEST_OK(dsk_scale(NULL, a, -0.75f));
+        TT_CHECK(a, w, tt_tol(dt), 0, "scale");
+        x = tt_vals(a);
+        for (int64_t i = 0; i < n; i++) w[i] = x[i] + 1.25 * y[i];
+        DSK_TEST_OK(dsk_axpy(NULL, a, 1.25f, b));
+        TT_CHECK(a, w, tt_tol(dt), 1e-6, "axpy");
+        x = tt_vals(a);
+        for (int64_t i = 0; i < n; i++) w[i] = x[i] + x[i];
+        DSK_TEST_OK(dsk_add(NULL, a, a, a));
+        TT_CHECK(a, w, tt_tol(dt), 1e-6, "add in place");
+    }
+    {   /* large enough to run on several threads */
+        dsk_tensor *a = tt_rand(dt, 2, SH(300, 301), -2, 2), *b = tt_rand(dt, 2, SH(300, 301), -2, 2), *out = tt_poisoned(dt, 2, SH(300, 301));
+        double *x = tt_vals(a), *y = tt_vals(b), *w = tt_zeros(300 * 301);
+        for (int64_t i = 0; i < 300 * 301; i++) w[i] = x[i] * y[i];
+        DSK_TEST_OK(dsk_mul(NULL, out, a, b));
+        TT_CHECK(out, w, tt_tol(dt), 1e-6, "mul 300x301");
+    }
+}
+
+static void tt_reduce_ref(const double *x, const int64_t *shape, int ndim, int axis, dsk_reduce_op op, double *w) {
+    int64_t outer = 1, len = shape[axis], inner = 1;
+    for (int i = 0; i < axis; i++) outer *= shape[i];
+    for (int i = axis + 1; i < ndim; i++) inner *= shape[i];
+    for (int64_t o = 0; o < outer; o++)
+        for (int64_t i = 0; i < inner; i++) {
+            double acc = op == DSK_REDUCE_MAX ? -INFINITY : 0;
+            for (int64_t r = 0; r < len; r++) {
+                double v = x[(o * len + r) * inner + i];
+                acc = op == DSK_REDUCE_MAX ? (v > acc ? v : acc) : acc + v;
+            }
+            w[o * inner + i] = op == DSK_REDUCE_MEAN ? acc / (double)len : acc;
+        }
+}
+
+static void test_reduce(dsk_dtype dt) {
+    static const int64_t shapes[3][3] = {{7, 129, 5}, {1, 7, 1}, {3, 300, 2}};
+    for (int s = 0; s < 3; s++)
+        for (int axis = -1; axis < 3; axis++)
+            for (int op = 0; op < 3; op++) {
+                const int64_t *sh = shapes[s];
+                int ax = axis < 0 ? 2 : axis, keep = (s + axis + op) % 2;
+                int64_t osh[3], n = sh[0] * sh[1] * sh[2];
+                dsk_tensor *in = tt_rand(dt, 3, sh, -3, 3), *out;
+                double *x = tt_vals(in), *w = tt_zeros(n);
+                char what[96];
+                int od = 0;
+                for (int i = 0; i < 3; i++)
+                    if (i != ax) osh[od++] = sh[i];
+                    else if (keep) osh[od++] = 1;
+                out = tt_poisoned(dt, od, osh);
+                tt_reduce_ref(x, sh, 3, ax, (dsk_reduce_op)op, w);
+                DSK_TEST_OK(dsk_reduce(NULL, out, in, axis, (dsk_reduce_op)op));
+                snprintf(what, sizeof what, "reduce op %d axis %d of [%lld,%lld,%lld]%s", op, axis, (long long)sh[0], (long long)sh[1], (long long)sh[2],
+                         keep ? " keepdim" : "");
+                if (!TT_CHECK(out, w, tt_tol(dt), 1e-5 * (double)sh[ax], what)) return;
+            }
+    {   /* max propagates NaN */
+        dsk_tensor *in = tt_rand(dt, 2, SH(3, 4), -1, 1), *out = tt_poisoned(dt, 1, SH(3));
+        tt_set(in, 5, NAN);
+        DSK_TEST_OK(dsk_reduce(NULL, out, in, 1, DSK_REDUCE_MAX));
+        DSK_TEST_EXPECT(isnan(tt_get(out, 1)) && !isnan(tt_get(out, 0)) && !isnan(tt_get(out, 2)), "NaN in row 1 only");
+    }
+}
+
+static void test_sum_squares(void) {
+    static const int64_t ns[5] = {1, 7, 129, 4097, 600001};
+    for (int d = 0; d < 3; d++)
+        for (int s = 0; s < 5; s++) {
+            dsk_tensor *in = tt_rand(tt_floats[d], 1, SH(ns[s]), -2, 2), *out = tt_poisoned(DSK_F32, 0, NULL);
+            double *x = tt_vals(in), w = tt_dot(x, x, ns[s]);
+            DSK_TEST_OK(dsk_sum_squares(NULL, out, in));
+            if (!TT_CHECK(out, &w, 1e-6, 0, "sum_squares")) return;
+        }
+    {   /* the same bits with 1 and 2 threads */
+        dsk_ctx c1, c2;
+        dsk_ctx_opts o;
+        dsk_tensor *in = tt_rand(DSK_F32, 1, SH(700001), -2, 2), *r1 = tt_new(DSK_F32, 0, NULL), *r2 = tt_new(DSK_F32, 0, NULL);
+        memset(&o, 0, sizeof o);
+        o.device = DSK_PREFER_CPU;
+        o.n_threads = 1;
+        dsk_ctx_init(&c1, &o);
+        o.n_threads = 2;
+        dsk_ctx_init(&c2, &o);
+        DSK_TEST_OK(dsk_sum_squares(&c1, r1, in));
+        DSK_TEST_OK(dsk_sum_squares(&c2, r2, in));
+        DSK_TEST_SAME_BYTES(r1->data, r2->data, 4, "sum_squares 1 vs 2 threads");
+    }
+}
+
+/* ------------------------------------------------------------------ softmax, rmsnorm, activations */
+
+static void tt_softmax_ref(const double *x, int64_t R, int64_t C, double *y) {
+    for (int64_t r = 0; r < R; r++) {
+        double mx = -INFINITY, s = 0;
+        for (int64_t j = 0; j < C; j++) mx = x[r * C + j] > mx ? x[r * C + j] : mx;
+        for (int64_t j = 0; j < C; j++) s += exp(x[r * C + j] - mx);
+        for (int64_t j = 0; j < C; j++) y[r * C + j] = exp(x[r * C + j] - mx) / s;
+    }
+}
+
+typedef struct tt_ud {
+    int64_t R, C, D, T, H, B, V, n;
+    const double *g, *a, *b, *c;
+    double scale, eps, theta;
+    int64_t pos0;
+    const int32_t *ids;
+    int32_t ignore;
+} tt_ud;
+
+static double tt_softmax_loss(const double *x, void *p) {
+    tt_ud *u = (tt_ud *)p;
+    double *y = (double *)malloc((size_t)(u->R * u->C) * sizeof(double)), l;
+    tt_softmax_ref(x, u->R, u->C, y);
+    l = tt_dot(y, u->g, u->R * u->C);
+    free(y);
+    return l;
+}
+
+static void test_softmax(dsk_dtype dt) {
+    static const int64_t sh[4][2] = {{1, 1}, {7, 129}, {5, 7}, {2, 1000}};
+    for (int s = 0; s < 4; s++) {
+        int64_t R = sh[s][0], C = sh[s][1];
+        dsk_tensor *x = tt_rand(dt, 2, sh[s], -4, 4), *y = tt_poisoned(dt, 2, sh[s]), *dy = tt_rand(dt, 2, sh[s], -1, 1), *dx = tt_rand(dt, 2, sh[s], -1, 1);
+        double *xv = tt_vals(x), *w = tt_zeros(R * C), *dx0 = tt_vals(dx), *g;
+        tt_ud u;
+        memset(&u, 0, sizeof u);
+        tt_softmax_ref(xv, R, C, w);
+        DSK_TEST_OK(dsk_softmax(NULL, y, x));
+        TT_CHECK(y, w, tt_tol(dt), 1e-7, "softmax");
+        if (R * C > 2000) continue;
+        /* backward from the saved y against central differences of the reference */
+        u.R = R; u.C = C; u.g = tt_vals(dy);
+        g = tt_numgrad(tt_softmax_loss, xv, R * C, &u);
+        DSK_TEST_OK(dsk_softmax_backward(NULL, dx, y, dy));
+        TT_CHECK(dx, tt_plus(dx0, g, R * C), dt == DSK_F32 ? 1e-4 : 3 * tt_tol(dt), dt == DSK_F32 ? 1e-6 : 1e-2, "softmax backward vs finite differences");
+    }
+    {   /* in place, with huge logits */
+        dsk_tensor *x = tt_rand(dt, 2, SH(3, 9), -1, 1);
+        double *w = tt_zeros(27), *xv;
+        tt_set(x, 4, 1e4); tt_set(x, 13, -1e4);
+        xv = tt_vals(x);
+        tt_softmax_ref(xv, 3, 9, w);
+        DSK_TEST_OK(dsk_softmax(NULL, x, x));
+        TT_CHECK(x, w, tt_tol(dt), 1e-7, "softmax in place, large logits");
+    }
+}
+
+static void tt_rmsnorm_ref(const double *x, const double *w, int64_t R, int64_t D, double eps, double *y, double *rstd) {
+    for (int64_t r = 0; r < R; r++) {
+        double ss = 0, rs;
+        for (int64_t j = 0; j < D; j++) ss += x[r * D + j] * x[r * D + j];
+        rs = 1.0 / sqrt(ss / (double)D + eps);
+        if (rstd) rstd[r] = rs;
+        for (int64_t j = 0; j < D; j++) y[r * D + j] = x[r * D + j] * rs * w[j];
+    }
+}
+/* Loss as a function of x (first R*D entries) and w (next D entries). */
+static double tt_rmsnorm_loss(const double *xw, void *p) {
+    tt_ud *u = (tt_ud *)p;
+    double *y = (double *)malloc((size_t)(u->R * u->D) * sizeof(double)), l;
+    tt_rmsnorm_ref(xw, xw + u->R * u->D, u->R, u->D, u->eps, y, NULL);
+    l = tt_dot(y, u->g, u->R * u->D);
+    free(y);
+    return l;
+}
+
+static void test_rmsnorm(dsk_dtype dt) {
+    static const int64_t sh[4][3] = {{1, 1, 1}, {1, 7, 129}, {2, 3, 7}, {1, 64, 300}};
+    for (int s = 0; s < 4; s++) {
+        int64_t R = sh[s][0] * sh[s][1], D = sh[s][2];
+        dsk_tensor *x = tt_rand(dt, 3, sh[s], -2, 2), *w = tt_rand(dt, 1, SH(D), 0.5, 1.5), *y = tt_poisoned(dt, 3, sh[s]);
+        dsk_tensor *rstd = tt_poisoned(DSK_F32, 2, sh[s]), *dy = tt_rand(dt, 3, sh[s], -1, 1), *dx = tt_rand(dt, 3, sh[s], -1, 1), *dw = tt_rand(dt, 1, SH(D), -1, 1);
+        double *xw = tt_zeros(R * D + D), *yw = tt_zeros(R * D), *rw = tt_zeros(R), *dx0 = tt_vals(dx), *dw0 = tt_vals(dw), *g, eps = 1e-5;
+        double tol = dt == DSK_F32 ? 1e-4 : 3 * tt_tol(dt), atol = dt == DSK_F32 ? 1e-5 : 3e-2;
+        tt_ud u;
+        memcpy(xw, tt_vals(x), (size_t)(R * D) * sizeof(double));
+        memcpy(xw + R * D, tt_vals(w), (size_t)D * sizeof(double));
+        tt_rmsnorm_ref(xw, xw + R * D, R, D, eps, yw, rw);
+        DSK_TEST_OK(dsk_rmsnorm(NULL, y, rstd, x, w, (float)eps));
+        TT_CHECK(y, yw, tt_tol(dt), 1e-6, "rmsnorm y");
+        TT_CHECK(rstd, rw, 1e-5, 0, "rmsnorm rstd");
+        memset(&u, 0, sizeof u);
+        u.R = R; u.D = D; u.eps = eps; u.g = tt_vals(dy);
+        if (R * D > 3000) {
+            /* large: dw only against the reference in closed form (sum over rows of dy * x * rstd) */
+            double *want = tt_zeros(D);
+            for (int64_t j = 0; j < D; j++) {
+                want[j] = dw0[j];
+                for (int64_t r = 0; r < R; r++) want[j] += u.g[r * D + j] * xw[r * D + j] * rw[r];
+            }
+            DSK_TEST_OK(dsk_rmsnorm_backward(NULL, NULL, dw, dy, x, w, rstd));
+            TT_CHECK(dw, want, tol, atol, "rmsnorm dw (dx NULL)");
+            continue;
+        }
+        g = tt_numgrad(tt_rmsnorm_loss, xw, R * D + D, &u);
+        DSK_TEST_OK(dsk_rmsnorm_backward(NULL, dx, dw, dy, x, w, rstd));
+        TT_CHECK(dx, tt_plus(dx0, g, R * D), tol, atol, "rmsnorm dx vs finite differences");
+        TT_CHECK(dw, tt_plus(dw0, g + R * D, D), tol, atol, "rmsnorm dw vs finite differences");
+    }
+}
+
+static double tt_silu_ref(double x) { return x / (1 + exp(-x)); }
+static double tt_silu_loss(const double *x, void *p) {
+    tt_ud *u = (tt_ud *)p;
+    double l = 0;
+    for (int64_t i = 0; i < u->n; i++) l += tt_silu_ref(x[i]) * u->g[i];
+    return l;
+}
+/* x = [gate; up] */
+static double tt_swiglu_loss(const double *x, void *p) {
+    tt_ud *u = (tt_ud *)p;
+    double l = 0;
+    for (int64_t i = 0; i < u->n; i++) l += tt_silu_ref(x[i]) * x[u->n + i] * u->g[i];
+    return l;
+}
+
+static void test_silu_swiglu(dsk_dtype dt) {
+    for (int s = 0; s < 4; s++) {
+        const int64_t *sh = tt_shapes[s];
+        int nd = tt_ndims[s];
+        dsk_tensor *x = tt_rand(dt, nd, sh, -6, 6), *up = tt_rand(dt, nd, sh, -2, 2), *y = tt_poisoned(dt, nd, sh), *dy = tt_rand(dt, nd, sh, -1, 1);
+        dsk_tensor *dx = tt_rand(dt, nd, sh, -1, 1), *dup = tt_rand(dt, nd, sh, -1, 1);
+        int64_t n = dsk_tensor_numel(x);
+        double *xv = tt_vals(x), *uv = tt_vals(up), *w = tt_zeros(n), *dx0 = tt_vals(dx), *du0 = tt_vals(dup), *both = tt_zeros(2 * n), *g;
+        double tol = dt == DSK_F32 ? 1e-4 : 3 * tt_tol(dt), atol = dt == DSK_F32 ? 1e-6 : 1e-2;
+        tt_ud u;
+        memset(&u, 0, sizeof u);
+        u.n = n; u.g = tt_vals(dy);
+        for (int64_t i = 0; i < n; i++) w[i] = tt_silu_ref(xv[i]);
+        DSK_TEST_OK(dsk_silu(NULL, y, x));
+        TT_CHECK(y, w, tt_tol(dt), 1e-7, "silu");
+        g = tt_numgrad(tt_silu_loss, xv, n, &u);
+        DSK_TEST_OK(dsk_silu_backward(NULL, dx, dy, x));
+        TT_CHECK(dx, tt_plus(dx0, g, n), tol, atol, "silu backward vs finite differences");
+        for (int64_t i = 0; i < n; i++) w[i] = tt_silu_ref(xv[i]) * uv[i];
+        DSK_TEST_OK(dsk_swiglu(NULL, y, x, up));
+        TT_CHECK(y, w, tt_tol(dt), 1e-7, "swiglu");
+        memcpy(both, xv, (size_t)n * sizeof(double));
+        memcpy(both + n, uv, (size_t)n * sizeof(double));
+        g = tt_numgrad(tt_swiglu_loss, both, 2 * n, &u);
+        dx0 = tt_vals(dx);
+        DSK_TEST_OK(dsk_swiglu_backward(NULL, dx, dup, dy, x, up));
+        TT_CHECK(dx, tt_plus(dx0, g, n), tol, atol, "swiglu dgate vs finite differences");
+        TT_CHECK(dup, tt_plus(du0, g + n, n), tol, atol, "swiglu dup vs finite differences");
+    }
+}
+
+/* ------------------------------------------------------------------ embedding, gather, scatter */
+
+static double tt_embed_loss(const double *table, void *p) {
+    tt_ud *u = (tt_ud *)p;
+    double l = 0;
+    for (int64_t t = 0; t < u->T; t++)
+        for (int64_t j = 0; j < u->D; j++) l += table[u->ids[t] * u->D + j] * u->g[t * u->D + j];
+    return l;
+}
+
+static void test_embedding(dsk_dtype dt) {
+    static const int64_t cfg[3][3] = {{1, 1, 1}, {7, 5, 13}, {50, 129, 3}}; /* V, D, T */
+    for (int s = 0; s < 3; s++) {
+        int64_t V = cfg[s][0], D = cfg[s][1], T = cfg[s][2];
+        dsk_tensor *table = tt_rand(dt, 2, SH(V, D), -1, 1), *ids = tt_ids(2, SH(1, T), V), *out = tt_poisoned(dt, 3, SH(1, T, D));
+        dsk_tensor *dout = tt_rand(dt, 3, SH(1, T, D), -1, 1), *dtab = tt_rand(dt, 2, SH(V, D), -1, 1);
+        double *tv = tt_vals(table), *w = tt_zeros(T * D), *d0 = tt_vals(dtab), *g;
+        tt_ud u;
+        if (T > 2) ((int32_t *)ids->data)[2] = ((int32_t *)ids->data)[0]; /* a repeated id */
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t j = 0; j < D; j++) w[t * D + j] = tv[((int32_t *)ids->data)[t] * D + j];
+        DSK_TEST_OK(dsk_embedding(NULL, out, table, ids));
+        TT_CHECK(out, w, 0, 0, "embedding rows are copied exactly");
+        memset(&u, 0, sizeof u);
+        u.T = T; u.D = D; u.ids = (const int32_t *)ids->data; u.g = tt_vals(dout);
+        g = tt_numgrad(tt_embed_loss, tv, V * D, &u);
+        DSK_TEST_OK(dsk_embedding_backward(NULL, dtab, dout, ids));
+        TT_CHECK(dtab, tt_plus(d0, g, V * D), tt_tol(dt), dt == DSK_F32 ? 1e-6 : 2e-2, "embedding backward vs finite differences");
+    }
+}
+
+static void test_gather_scatter(dsk_dtype dt) {
+    static const int64_t cfg[3][3] = {{1, 1, 1}, {9, 7, 20}, {129, 70, 300}}; /* R, D, N */
+    for (int s = 0; s < 3; s++) {
+        int64_t R = cfg[s][0], D = cfg[s][1], N = cfg[s][2];
+        dsk_tensor *src = tt_rand(dt, 2, SH(R, D), -1, 1), *idx = tt_ids(1, SH(N), R), *out = tt_poisoned(dt, 2, SH(N, D));
+        dsk_tensor *rows = tt_rand(dt, 2, SH(N, D), -1, 1), *dst = tt_rand(dt, 2, SH(R, D), -1, 1);
+        double *sv = tt_vals(src), *rv = tt_vals(rows), *w = tt_zeros(N * D), *acc = tt_vals(dst);
+        const int32_t *ix = (const int32_t *)idx->data;
+        for (int64_t i = 0; i < N; i++)
+            for (int64_t j = 0; j < D; j++) {
+                w[i * D + j] = sv[ix[i] * D + j];
+                acc[ix[i] * D + j] += rv[i * D + j];
+            }
+        DSK_TEST_OK(dsk_gather_rows(NULL, out, src, idx));
+        TT_CHECK(out, w, 0, 0, "gather_rows");
+        DSK_TEST_OK(dsk_scatter_add_rows(NULL, dst, rows, idx));
+        TT_CHECK(dst, acc, tt_tol(dt), dt == DSK_F32 ? 1e-5 : 0.1, "scatter_add_rows");
+    }
+}
+
+/* ------------------------------------------------------------------ cross-entropy */
+
+static double tt_ce_loss(const double *x, void *p) {
+    tt_ud *u = (tt_ud *)p;
+    double total = 0;
+    int64_t count = 0;
+    for (int64_t r = 0; r < u->R; r++) {
+        double mx = -INFINITY, s = 0;
+        if (u->ids[r] == u->ignore) continue;
+        count++;
+        for (int64_t j = 0; j < u->V; j++) mx = x[r * u->V + j] > mx ? x[r * u->V + j] : mx;
+        for (int64_t j = 0; j < u->V; j++) s += exp(x[r * u->V + j] - mx);
+        total += mx + log(s) - x[r * u->V + u->ids[r]];
+    }
+    return count ? total / (double)count : 0.0;
+}
+
+static void test_cross_entropy(dsk_dtype dt) {
+    static const int64_t cfg[4][2] = {{1, 1}, {7, 129}, {5, 3}, {64, 1000}}; /* R, V */
+    for (int s = 0; s < 4; s++) {
+        int64_t R = cfg[s][0], V = cfg[s][1];
+        dsk_tensor *logits = tt_rand(dt, 2, cfg[s], -5, 5), *tg = tt_ids(1, SH(R), V), *loss = tt_poisoned(DSK_F32, 0, NULL), *dl = tt_poisoned(dt, 2, cfg[s]);
+        double *x = tt_vals(logits), want, *g, gs = 3.5;
+        tt_ud u;
+        if (R > 2) ((int32_t *)tg->data)[1] = -100; /* ignored */
+        memset(&u, 0, sizeof u);
+        u.R = R; u.V = V; u.ids = (const int32_t *)tg->data; u.ignore = -100;
+        want = tt_ce_loss(x, &u);
+        DSK_TEST_OK(dsk_cross_entropy(NULL, loss, dl, logits, tg, -100, (float)gs));
+        TT_CHECK(loss, &want, 1e-5, 1e-6, "cross_entropy loss");
+        if (R * V <= 1000) {
+            g = tt_numgrad(tt_ce_loss, x, R * V, &u);
+            for (int64_t i = 0; i < R * V; i++) g[i] *= gs;
+            TT_CHECK(dl, g, dt == DSK_F32 ? 1e-4 : 3 * tt_tol(dt), dt == DSK_F32 ? 1e-6 : 1e-3, "dlogits vs finite differences");
+        }
+        DSK_TEST_OK(dsk_cross_entropy(NULL, loss, NULL, logits, tg, -100, 1.0f));
+        TT_CHECK(loss, &want, 1e-5, 1e-6, "cross_entropy loss without dlogits");
+    }
+    {   /* every token ignored: loss 0, zero gradient */
+        dsk_tensor *logits = tt_rand(dt, 2, SH(3, 4), -1, 1), *tg = tt_new(DSK_I32, 1, SH(3)), *loss = tt_poisoned(DSK_F32, 0, NULL), *dl = tt_poisoned(dt, 2, SH(3, 4));
+        double z = 0, *zs = tt_zeros(12);
+        for (int i = 0; i < 3; i++) ((int32_t *)tg->data)[i] = 7;
+        DSK_TEST_OK(dsk_cross_entropy(NULL, loss, dl, logits, tg, 7, 1.0f));
+        TT_CHECK(loss, &z, 0, 0, "all ignored: loss");
+        TT_CHECK(dl, zs, 0, 0, "all ignored: dlogits");
+    }
+}
+
+/* ------------------------------------------------------------------ top-k */
+
+static void test_topk(void) {
+    static const int64_t cfg[5][3] = {{1, 1, 1}, {7, 129, 8}, {5, 7, 7}, {3, 300, 1}, {20, 64, 6}}; /* R, C, k */
+    for (int s = 0; s < 5; s++) {
+        int64_t R = cfg[s][0], C = cfg[s][1];
+        int k = (int)cfg[s][2];
+        dsk_tensor *x = tt_new(DSK_F32, 2, SH(R, C)), *vals = tt_poisoned(DSK_F32, 2, SH(R, k)), *idx = tt_new(DSK_I32, 2, SH(R, k));
+        double *wv = tt_zeros(R * k);
+        int bad = 0;
+        for (int64_t i = 0; i < R * C; i++) { /* few distinct values so ties are common, some NaN */
+            double v = (double)dsk_test_rand_int(5) - 2.0;
+            if (dsk_test_rand_int(10) == 0) v = NAN;
+            if (s == 3) v = dsk_test_rand(-1, 1);
+            tt_set(x, i, v);
+        }
+        DSK_TEST_OK(dsk_topk(NULL, vals, idx, x, k));
+        for (int64_t r = 0; r < R; r++) {
+            /* reference: selection by a full scan for the best remaining (value desc, NaN last, lower index) */
+            char *used = (char *)tt_alloc((size_t)C);
+            for (int j = 0; j < k; j++) {
+                int64_t best = -1;
+                for (int64_t c = 0; c < C; c++) {
+                    double v = tt_get(x, r * C + c), b;
+                    if (used[c]) continue;
+                    if (best < 0) { best = c; continue; }
+                    b = tt_get(x, r * C + best);
+                    if ((v == v && b != b) || (v == v && b == b && v > b)) best = c;
+                }
+                used[best] = 1;
+                wv[r * k + j] = tt_get(x, r * C + best);
+                if (((int32_t *)idx->data)[r * k + j] != best && !bad++)
+                    DSK_TEST_EXPECT(0, "row %lld rank %d: index %d, want %lld", (long long)r, j, ((int32_t *)idx->data)[r * k + j], (long long)best);
+            }
+        }
+        TT_CHECK(vals, wv, 0, 0, "topk values");
+    }
+}
+
+/* ------------------------------------------------------------------ rope, attention */
+
+/* x (B, T, H, Dh) rotated by sign * angle in float64. */
+static void tt_rope_ref(const double *x, const tt_ud *u, double sign, double *y) {
+    for (int64_t b = 0; b < u->B; b++)
+        for (int64_t t = 0; t < u->T; t++)
+            for (int64_t h = 0; h < u->H; h++)
+                for (int64_t i = 0; i < u->D / 2; i++) {
+                    int64_t o = ((b * u->T + t) * u->H + h) * u->D + 2 * i;
+                    double a = sign * (double)(u->pos0 + t) * pow(u->theta, -2.0 * (double)i / (double)u->D);
+                    y[o] = x[o] * cos(a) - x[o + 1] * sin(a);
+                    y[o + 1] = x[o] * sin(a) + x[o + 1] * cos(a);
+                }
+}
+static double tt_rope_loss(const double *x, void *p) {
+    tt_ud *u = (tt_ud *)p;
+    double *y = (double *)malloc((size_t)u->n * sizeof(double)), l;
+    tt_rope_ref(x, u, 1.0, y);
+    l = tt_dot(y, u->g, u->n);
+    free(y);
+    return l;
+}
+
+static void test_rope(dsk_dtype dt) {
+    static const int64_t cfg[3][4] = {{1, 1, 1, 2}, {2, 7, 3, 8}, {1, 33, 2, 64}};
+    for (int s = 0; s < 3; s++) {
+        dsk_tensor *x = tt_rand(dt, 4, cfg[s], -1, 1), *y = tt_poisoned(dt, 4, cfg[s]), *dy = tt_rand(dt, 4, cfg[s], -1, 1), *dx = tt_rand(dt, 4, cfg[s], -1, 1);
+        int64_t n = dsk_tensor_numel(x);
+        double *xv = tt_vals(x), *w = tt_zeros(n), *dx0 = tt_vals(dx), *g;
+        tt_ud u;
+        memset(&u, 0, sizeof u);
+        u.B = cfg[s][0]; u.T = cfg[s][1]; u.H = cfg[s][2]; u.D = cfg[s][3]; u.n = n; u.pos0 = 3 + s; u.theta = 10000.0; u.g = tt_vals(dy);
+        tt_rope_ref(xv, &u, 1.0, w);
+        DSK_TEST_OK(dsk_rope(NULL, y, x, u.pos0, 10000.0f));
+        TT_CHECK(y, w, tt_tol(dt), dt == DSK_F32 ? 2e-5 : 1e-2, "rope");
+        g = tt_numgrad(tt_rope_loss, xv, n, &u);
+        DSK_TEST_OK(dsk_rope_backward(NULL, dx, dy, u.pos0, 10000.0f));
+        TT_CHECK(dx, tt_plus(dx0, g, n), dt == DSK_F32 ? 1e-4 : 3 * tt_tol(dt), dt == DSK_F32 ? 2e-5 : 2e-2, "rope backward vs finite differences");
+        DSK_TEST_OK(dsk_rope(NULL, x, x, u.pos0, 10000.0f));
+        TT_CHECK(x, w, tt_tol(dt), dt == DSK_F32 ? 2e-5 : 1e-2, "rope in place");
+    }
+}
+
+/* out = softmax(scale q k^T + causal mask) v, (B, T, H, Dh) layout; probs (B, H, T, T). */
+static void tt_attention_ref(const double *q, const double *k, const double *v, const tt_ud *u, double *out, double *probs) {
+    int64_t B = u->B, T = u->T, H = u->H, D = u->D;
+    double *s = (double *)malloc((size_t)T * sizeof(double));
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t i = 0; i < T; i++) {
+                double mx = -INFINITY, sum = 0;
+                for (int64_t j = 0; j <= i; j++) {
+                    s[j] = 0;
+                    for (int64_t d = 0; d < D; d++) s[j] += q[((b * T + i) * H + h) * D + d] * k[((b * T + j) * H + h) * D + d];
+                    s[j] *= u->scale;
+                    mx = s[j] > mx ? s[j] : mx;
+                }
+                for (int64_t j = 0; j <= i; j++) sum += exp(s[j] - mx);
+                for (int64_t d = 0; d < D; d++) out[((b * T + i) * H + h) * D + d] = 0;
+                for (int64_t j = 0; j < T; j++) {
+                    double p = j <= i ? exp(s[j] - mx) / sum : 0;
+                    if (probs) probs[((b * H + h) * T + i) * T + j] = p;
+                    for (int64_t d = 0; d < D; d++) out[((b * T + i) * H + h) * D + d] += p * v[((b * T + j) * H + h) * D + d];
+                }
+            }
+    free(s);
+}
+/* x = [q; k; v] */
+static double tt_attention_loss(const double *x, void *p) {
+    tt_ud *u = (tt_ud *)p;
+    double *o = (double *)malloc((size_t)u->n * sizeof(double)), l;
+    tt_attention_ref(x, x + u->n, x + 2 * u->n, u, o, NULL);
+    l = tt_dot(o, u->g, u->n);
+    free(o);
+    return l;
+}
+
+static void test_attention(dsk_dtype dt) {
+    static const int64_t cfg[3][4] = {{1, 1, 1, 1}, {2, 7, 3, 5}, {1, 20, 2, 16}};
+    for (int s = 0; s < 3; s++) {
+        const int64_t *sh = cfg[s];
+        int64_t n = sh[0] * sh[1] * sh[2] * sh[3], np = sh[0] * sh[2] * sh[1] * sh[1];
+        dsk_tensor *q = tt_rand(dt, 4, sh, -1, 1), *k = tt_rand(dt, 4, sh, -1, 1), *v = tt_rand(dt, 4, sh, -1, 1), *out = tt_poisoned(dt, 4, sh);
+        dsk_tensor *probs = tt_poisoned(DSK_F32, 4, SH(sh[0], sh[2], sh[1], sh[1])), *dout = tt_rand(dt, 4, sh, -1, 1);
+        dsk_tensor *dq = tt_rand(dt, 4, sh, -1, 1), *dk = tt_rand(dt, 4, sh, -1, 1), *dv = tt_rand(dt, 4, sh, -1, 1);
+        double *x = tt_zeros(3 * n), *wo = tt_zeros(n), *wp = tt_zeros(np), *g, *q0 = tt_vals(dq), *k0 = tt_vals(dk), *v0 = tt_vals(dv);
+        double tol = dt == DSK_F32 ? 1e-4 : 3 * tt_tol(dt), atol = dt == DSK_F32 ? 1e-5 : 3e-2;
+        tt_ud u;
+        memset(&u, 0, sizeof u);
+        u.B = sh[0]; u.T = sh[1]; u.H = sh[2]; u.D = sh[3]; u.n = n; u.scale = 1.0 / sqrt((double)sh[3]); u.g = tt_vals(dout);
+        memcpy(x, tt_vals(q), (size_t)n * sizeof(double));
+        memcpy(x + n, tt_vals(k), (size_t)n * sizeof(double));
+        memcpy(x + 2 * n, tt_vals(v), (size_t)n * sizeof(double));
+        tt_attention_ref(x, x + n, x + 2 * n, &u, wo, wp);
+        DSK_TEST_OK(dsk_attention(NULL, out, probs, q, k, v, (float)u.scale));
+        TT_CHECK(out, wo, tt_tol(dt), 1e-6, "attention out");
+        TT_CHECK(probs, wp, 1e-5, 1e-7, "attention probs (zero above the diagonal)");
+        g = tt_numgrad(tt_attention_loss, x, 3 * n, &u);
+        DSK_TEST_OK(dsk_attention_backward(NULL, dq, dk, dv, dout, q, k, v, probs, (float)u.scale));
+        TT_CHECK(dq, tt_plus(q0, g, n), tol, atol, "attention dq vs finite differences");
+        TT_CHECK(dk, tt_plus(k0, g + n, n), tol, atol, "attention dk vs finite differences");
+        TT_CHECK(dv, tt_plus(v0, g + 2 * n, n), tol, atol, "attention dv vs finite differences");
+    }
+}
+
+/* ------------------------------------------------------------------ AdamW */
+
+static void test_adamw(dsk_dtype grad_dt, int with_copy, int defaults) {
+    int64_t n = 1031;
+    dsk_adamw_opts o;
+    double lr = 2e-3, b1 = 0.8, b2 = 0.99, eps = 1e-6, wd = 0.1, mult = 0.5;
+    dsk_tensor *p = tt_rand(DSK_F32, 2, SH(1, n), -1, 1), *m = tt_new(DSK_F32, 2, SH(1, n)), *v = tt_new(DSK_F32, 2, SH(1, n));
+    dsk_tensor *copy = with_copy ? tt_poisoned(with_copy == 1 ? DSK_BF16 : DSK_F16, 2, SH(1, n)) : NULL;
+    double *pw = tt_vals(p), *mw = tt_zeros(n), *vw = tt_zeros(n);
+    memset(m->data, 0, dsk_tensor_nbytes(m));
+    memset(v->data, 0, dsk_tensor_nbytes(v));
+    memset(&o, 0, sizeof o);
+    if (defaults) { lr = 1e-3; b1 = 0.9; b2 = 0.999; eps = 1e-8; wd = 0; mult = 1; }
+    else { o.lr = (float)lr; o.beta1 = (float)b1; o.beta2 = (float)b2; o.eps = (float)eps; o.weight_decay = (float)wd; }
+    /* the API takes f32 hyperparameters: the reference uses the same values */
+    lr = (float)lr; b1 = (float)b1; b2 = (float)b2; eps = (float)eps; wd = (float)wd;
+    for (int step = 1; step <= 6; step++) {
+        dsk_tensor *g = tt_rand(grad_dt, 2, SH(1, n), -1, 1);
+        double *gv = tt_vals(g), bc1 = 1 - pow(b1, step), bc2 = 1 - pow(b2, step);
+        for (int64_t i = 0; i < n; i++) { /* torch.optim.AdamW, single-tensor path */
+            double gi = gv[i] * (double)(float)mult;
+            pw[i] *= 1 - lr * wd;
+            mw[i] = b1 * mw[i] + (1 - b1) * gi;
+            vw[i] = b2 * vw[i] + (1 - b2) * gi * gi;
+            pw[i] -= lr / bc1 * mw[i] / (sqrt(vw[i]) / sqrt(bc2) + eps);
+        }
+        DSK_TEST_OK(dsk_adamw_step(NULL, p, g, m, v, defaults ? NULL : &o, step, (float)mult, copy));
+    }
+    TT_CHECK(p, pw, 1e-5, 1e-6, "AdamW param after 6 steps");
+    TT_CHECK(m, mw, 1e-5, 1e-7, "AdamW first moment");
+    TT_CHECK(v, vw, 1e-5, 1e-9, "AdamW second moment");
+    if (copy) {
+        int bad = 0;
+        for (int64_t i = 0; i < n; i++) {
+            float pf = ((float *)p->data)[i];
+            uint16_t want = with_copy == 1 ? dsk_f32_to_bf16(pf) : dsk_f32_to_f16(pf);
+            bad += ((uint16_t *)copy->data)[i] != want;
+        }
+        DSK_TEST_EXPECT(bad == 0, "%d param_copy elements are not the rounded param", bad);
+    }
+}
+
+/* ------------------------------------------------------------------ argument errors */
+
+#define TT_ERR(call, status, needle)        \
+    do {                                    \
+        dsk_clear_error();                  \
+        DSK_TEST_STATUS(call, status);      \
+        DSK_TEST_ERROR_MENTIONS(needle);    \
+    } while (0)
+
+static void test_errors_matmul(void) {
+    dsk_tensor *A = tt_rand(DSK_F32, 2, SH(4, 5), -1, 1), *B = tt_rand(DSK_F32, 2, SH(5, 3), -1, 1), *C = tt_new(DSK_F32, 2, SH(4, 3));
+    dsk_tensor *Bb = tt_rand(DSK_BF16, 2, SH(5, 3), -1, 1), *Ab = tt_rand(DSK_BF16, 2, SH(4, 5), -1, 1), *Ch = tt_new(DSK_F16, 2, SH(4, 3));
+    dsk_tensor *A3 = tt_rand(DSK_F32, 3, SH(2, 4, 5), -1, 1), *B3 = tt_rand(DSK_F32, 3, SH(3, 5, 3), -1, 1), *C3 = tt_new(DSK_F32, 3, SH(2, 4, 3));
+    dsk_tensor *Ai = tt_new(DSK_I32, 2, SH(4, 5)), *C4 = tt_new(DSK_F32, 2, SH(4, 4)), *Bt = tt_rand(DSK_F32, 2, SH(3, 5), -1, 1), tv;
+    DSK_TEST_OK(dsk_tensor_transpose(Bt, 0, 1, &tv));
+    TT_ERR(dsk_matmul(NULL, C, NULL, 0, B, 0, 1, 0), DSK_ERR_ARG, "dsk_matmul: A is NULL");
+    TT_ERR(dsk_matmul(NULL, C, A, 1, B, 0, 1, 0), DSK_ERR_ARG, "inner dims differ");
+    TT_ERR(dsk_matmul(NULL, C4, A, 0, B, 0, 1, 0), DSK_ERR_ARG, "C [4,4] f32 must be (4, 3)");
+    TT_ERR(dsk_matmul(NULL, C, A, 0, Bb, 0, 1, 0), DSK_ERR_ARG, "B [5,3] bf16 must have the dtype of A [4,5] f32");
+    TT_ERR(dsk_matmul(NULL, Ch, Ab, 0, Bb, 0, 1, 0), DSK_ERR_ARG, "dtype must be f32 or A's dtype bf16");
+    TT_ERR(dsk_matmul(NULL, C, Ai, 0, B, 0, 1, 0), DSK_ERR_ARG, "A [4,5] i32: dtype must be f32, bf16 or f16");
+    TT_ERR(dsk_matmul(NULL, C, A, 0, &tv, 0, 1, 0), DSK_ERR_ARG, "needs unit stride in its last dim");
+    TT_ERR(dsk_matmul(NULL, C3, A3, 0, B3, 0, 1, 0), DSK_ERR_ARG, "batch mismatch");
+    TT_ERR(dsk_matmul(NULL, C, A3, 0, B, 0, 1, 0), DSK_ERR_ARG, "batch mismatch");
+}
+
+static void test_errors_elementwise(void) {
+    dsk_tensor *a = tt_rand(DSK_F32, 2, SH(3, 4), -1, 1), *b = tt_rand(DSK_F32, 2, SH(4, 3), -1, 1), *h = tt_rand(DSK_F16, 2, SH(3, 4), -1, 1);
+    dsk_tensor *i = tt_new(DSK_I32, 2, SH(3, 4)), *out = tt_new(DSK_F32, 2, SH(3, 4)), *s2 = tt_new(DSK_F32, 1, SH(2)), *o64 = tt_new(DSK_F64, 0, NULL), t;
+    DSK_TEST_OK(dsk_tensor_transpose(b, 0, 1, &t));
+    TT_ERR(dsk_add(NULL, out, a, b), DSK_ERR_ARG, "dsk_add: b [4,3] f32 does not match the shape of out [3,4] f32");
+    TT_ERR(dsk_mul(NULL, out, a, &t), DSK_ERR_ARG, "dsk_mul: b [3,4] f32 is not contiguous");
+    TT_ERR(dsk_mul(NULL, out, a, h), DSK_ERR_ARG, "b [3,4] f16 must have the dtype of out");
+    TT_ERR(dsk_scale(NULL, i, 2.0f), DSK_ERR_ARG, "dsk_scale: t [3,4] i32: dtype must be f32, bf16 or f16");
+    TT_ERR(dsk_axpy(NULL, out, 1.0f, NULL), DSK_ERR_ARG, "dsk_axpy: x is NULL");
+    TT_ERR(dsk_reduce(NULL, s2, a, 3, DSK_REDUCE_SUM), DSK_ERR_ARG, "dsk_reduce: axis 3 outside in [3,4] f32");
+    TT_ERR(dsk_reduce(NULL, s2, a, 0, DSK_REDUCE_SUM), DSK_ERR_ARG, "out [2] f32 must be in [3,4] f32 without axis 0");
+    TT_ERR(dsk_reduce(NULL, out, a, 0, (dsk_reduce_op)9), DSK_ERR_ARG, "unknown op 9");
+    TT_ERR(dsk_sum_squares(NULL, s2, a), DSK_ERR_ARG, "dsk_sum_squares: out [2] f32 must hold exactly one element");
+    TT_ERR(dsk_sum_squares(NULL, o64, a), DSK_ERR_ARG, "out [] f64: dtype must be f32");
+}
+
+static void test_errors_norms(void) {
+    dsk_tensor *x = tt_rand(DSK_F32, 2, SH(3, 7), -1, 1), *y = tt_new(DSK_F32, 2, SH(3, 7)), *w = tt_rand(DSK_F32, 1, SH(6), -1, 1), *w7 = tt_rand(DSK_F32, 1, SH(7), -1, 1);
+    dsk_tensor *r = tt_new(DSK_F32, 1, SH(4)), *r3 = tt_new(DSK_F32, 1, SH(3)), *s = tt_new(DSK_F32, 0, NULL), *yb = tt_new(DSK_BF16, 2, SH(3, 7));
+    TT_ERR(dsk_softmax(NULL, s, s), DSK_ERR_ARG, "dsk_softmax: x [] f32 must have at least 1 dim");
+    TT_ERR(dsk_softmax(NULL, yb, x), DSK_ERR_ARG, "y [3,7] bf16 must have the dtype of x");
+    TT_ERR(dsk_softmax_backward(NULL, x, y, r), DSK_ERR_ARG, "dsk_softmax_backward: dy [4] f32 does not match");
+    TT_ERR(dsk_rmsnorm(NULL, y, r3, x, w, 1e-5f), DSK_ERR_ARG, "dsk_rmsnorm: w [6] f32 must be (7), the last dim of x [3,7] f32");
+    TT_ERR(dsk_rmsnorm(NULL, y, r, x, w7, 1e-5f), DSK_ERR_ARG, "rstd [4] f32 must have the shape of x [3,7] f32 without its last dim");
+    TT_ERR(dsk_rmsnorm(NULL, y, r3, x, w7, -1.0f), DSK_ERR_ARG, "eps -1 must be finite and >= 0");
+    TT_ERR(dsk_rmsnorm_backward(NULL, y, NULL, x, x, w7, NULL), DSK_ERR_ARG, "dsk_rmsnorm_backward: rstd is NULL");
+    TT_ERR(dsk_silu(NULL, yb, x), DSK_ERR_ARG, "dsk_silu: x [3,7] f32 must have the dtype of y");
+    TT_ERR(dsk_swiglu_backward(NULL, y, y, x, x, r), DSK_ERR_ARG, "dsk_swiglu_backward: up [4] f32 does not match");
+}
+
+static void test_errors_indices(void) {
+    dsk_tensor *table = tt_rand(DSK_F32, 2, SH(5, 4), -1, 1), *ids = tt_ids(1, SH(6), 5), *out = tt_new(DSK_F32, 2, SH(6, 4)), *out3 = tt_new(DSK_F32, 2, SH(6, 3));
+    dsk_tensor *fids = tt_new(DSK_F32, 1, SH(6)), *logits = tt_rand(DSK_F32, 2, SH(6, 4), -1, 1), *loss = tt_new(DSK_F32, 0, NULL), *loss2 = tt_new(DSK_F32, 1, SH(2));
+    dsk_tensor *tg = tt_ids(1, SH(6), 4);
+    ((int32_t *)ids->data)[3] = 9;
+    TT_ERR(dsk_embedding(NULL, out, table, ids), DSK_ERR_ARG, "dsk_embedding: ids[3] = 9 outside [0, 5)");
+    ((int32_t *)ids->data)[3] = -1;
+    TT_ERR(dsk_embedding_backward(NULL, table, out, ids), DSK_ERR_ARG, "dsk_embedding_backward: ids[3] = -1 outside [0, 5)");
+    TT_ERR(dsk_embedding(NULL, out, table, fids), DSK_ERR_ARG, "ids [6] f32: dtype must be i32");
+    TT_ERR(dsk_embedding(NULL, out3, table, tg), DSK_ERR_ARG, "out [6,3] f32 must have the last dim of table [5,4] f32");
+    TT_ERR(dsk_gather_rows(NULL, out, table, ids), DSK_ERR_ARG, "dsk_gather_rows: idx[3] = -1 outside [0, 5)");
+    TT_ERR(dsk_scatter_add_rows(NULL, table, out3, tg), DSK_ERR_ARG, "dsk_scatter_add_rows: src [6,3] f32 must be (6, 4)");
+    ((int32_t *)tg->data)[1] = 50;
+    TT_ERR(dsk_cross_entropy(NULL, loss, NULL, logits, tg, -100, 1.0f), DSK_ERR_ARG, "dsk_cross_entropy: targets[1] = 50 outside [0, 4)");
+    ((int32_t *)tg->data)[1] = -100;
+    DSK_TEST_OK(dsk_cross_entropy(NULL, loss, NULL, logits, tg, -100, 1.0f));
+    TT_ERR(dsk_cross_entropy(NULL, loss, NULL, logits, tg, -1, 1.0f), DSK_ERR_ARG, "targets[1] = -100 outside [0, 4)");
+    TT_ERR(dsk_cross_entropy(NULL, loss2, NULL, logits, tg, -100, 1.0f), DSK_ERR_ARG, "loss [2] f32 must hold exactly one element");
+    ((int32_t *)tg->data)[1] = 0;
+    ((int32_t *)tg->data)[4] = -2;
+    TT_ERR(dsk_cross_entropy(NULL, loss, NULL, logits, tg, -100, 1.0f), DSK_ERR_ARG, "targets[4] = -2 outside [0, 4)");
+}
+
+static void test_errors_topk_rope_attention(void) {
+    dsk_tensor *x = tt_rand(DSK_F32, 2, SH(3, 8), -1, 1), *xb = tt_rand(DSK_BF16, 2, SH(3, 8), -1, 1), *v = tt_new(DSK_F32, 2, SH(3, 2)), *iv = tt_new(DSK_I32, 2, SH(3, 2));
+    dsk_tensor *v9 = tt_new(DSK_F32, 2, SH(3, 9)), *i9 = tt_new(DSK_I32, 2, SH(3, 9)), *i3 = tt_new(DSK_I32, 2, SH(2, 2));
+    dsk_tensor *q5 = tt_rand(DSK_F32, 4, SH(1, 2, 1, 5), -1, 1), *q = tt_rand(DSK_F32, 4, SH(1, 3, 2, 4), -1, 1), *q3 = tt_rand(DSK_F32, 3, SH(3, 2, 4), -1, 1);
+    dsk_tensor *k2 = tt_rand(DSK_F32, 4, SH(1, 2, 2, 4), -1, 1), *o = tt_new(DSK_F32, 4, SH(1, 3, 2, 4)), *pr = tt_new(DSK_F32, 4, SH(1, 2, 3, 3)), *pb = tt_new(DSK_F32, 4, SH(1, 3, 2, 3));
+    TT_ERR(dsk_topk(NULL, v9, i9, x, 9), DSK_ERR_ARG, "dsk_topk: k = 9 outside [1, 8] for x [3,8] f32");
+    TT_ERR(dsk_topk(NULL, v, iv, x, 0), DSK_ERR_ARG, "k = 0 outside [1, 8]");
+    TT_ERR(dsk_topk(NULL, v, iv, xb, 2), DSK_ERR_ARG, "x [3,8] bf16: dtype must be f32");
+    TT_ERR(dsk_topk(NULL, v, i3, x, 2), DSK_ERR_ARG, "indices [2,2] i32 must be (3, 2)");
+    TT_ERR(dsk_rope(NULL, q5, q5, 0, 10000.0f), DSK_ERR_ARG, "dsk_rope: x [1,2,1,5] f32: head dim 5 must be even");
+    TT_ERR(dsk_rope(NULL, q, q, 0, 0.0f), DSK_ERR_ARG, "theta 0 must be finite and > 0");
+    TT_ERR(dsk_rope_backward(NULL, q3, q3, 0, 1e4f), DSK_ERR_ARG, "dsk_rope_backward: dy [3,2,4] f32 must have 4 dims");
+    TT_ERR(dsk_attention(NULL, o, pr, q, k2, q, 0.5f), DSK_ERR_ARG, "dsk_attention: k [1,2,2,4] f32 does not match the shape of q");
+    TT_ERR(dsk_attention(NULL, o, pb, q, q, q, 0.5f), DSK_ERR_ARG, "probs [1,3,2,3] f32 must be (1, 2, 3, 3) (B, H, T, T)");
+    TT_ERR(dsk_attention(NULL, o, pr, q, q, q, NAN), DSK_ERR_ARG, "scale nan is not finite");
+    TT_ERR(dsk_attention_backward(NULL, o, NULL, o, o, q, q, q, pr, 0.5f), DSK_ERR_ARG, "dsk_attention_backward: dk is NULL");
+}
+
+static void test_errors_adamw(void) {
+    dsk_tensor *p = tt_rand(DSK_F32, 1, SH(5), -1, 1), *g = tt_rand(DSK_BF16, 1, SH(5), -1, 1), *m = tt_new(DSK_F32, 1, SH(5)), *v = tt_new(DSK_F32, 1, SH(5));
+    dsk_tensor *m4 = tt_new(DSK_F32, 1, SH(4)), *gi = tt_new(DSK_I32, 1, SH(5)), *pb = tt_new(DSK_BF16, 1, SH(5));
+    dsk_adamw_opts o;
+    memset(&o, 0, sizeof o);
+    TT_ERR(dsk_adamw_step(NULL, p, g, m, v, NULL, 0, 1.0f, NULL), DSK_ERR_ARG, "dsk_adamw_step: step 0 must be >= 1");
+    TT_ERR(dsk_adamw_step(NULL, p, g, m4, v, NULL, 1, 1.0f, NULL), DSK_ERR_ARG, "m [4] f32 does not match the shape of param [5] f32");
+    TT_ERR(dsk_adamw_step(NULL, p, gi, m, v, NULL, 1, 1.0f, NULL), DSK_ERR_ARG, "grad [5] i32: dtype must be f32, bf16 or f16");
+    TT_ERR(dsk_adamw_step(NULL, pb, g, m, v, NULL, 1, 1.0f, NULL), DSK_ERR_ARG, "param [5] bf16: dtype must be f32");
+    o.beta1 = 1.5f;
+    TT_ERR(dsk_adamw_step(NULL, p, g, m, v, &o, 1, 1.0f, NULL), DSK_ERR_ARG, "beta1 1.5 outside (0, 1)");
+    o.beta1 = 0; o.lr = -1;
+    TT_ERR(dsk_adamw_step(NULL, p, g, m, v, &o, 1, 1.0f, NULL), DSK_ERR_ARG, "lr -1 must be finite and > 0");
+}
+
+/* A tensor that claims to live on a CUDA device: a CPU build refuses it; a CUDA build needs a
+   CUDA ctx for it and refuses to mix it with CPU tensors. */
+static void test_errors_devices(void) {
+    static float buf[12];
+    dsk_tensor dev, *cpu = tt_rand(DSK_F32, 2, SH(3, 4), -1, 1), *out = tt_new(DSK_F32, 2, SH(3, 4));
+    dsk_device cuda = {DSK_DEV_CUDA, 0};
+    DSK_TEST_OK(dsk_tensor_wrap(&dev, buf, DSK_F32, cuda, 2, SH(3, 4)));
+#ifdef DSK_CUDA
+    TT_ERR(dsk_add(NULL, out, cpu, &dev), DSK_ERR_ARG, "dsk_add: b is on cuda:0 but out is on cpu:0");
+    TT_ERR(dsk_scale(NULL, &dev, 2.0f), DSK_ERR_ARG, "dsk_scale: t is on cuda:0 but ctx is NULL");
+#else
+    TT_ERR(dsk_add(NULL, out, cpu, &dev), DSK_ERR_UNSUPPORTED, "dsk_add: b is a CUDA tensor in a build without DSK_CUDA");
+    TT_ERR(dsk_softmax(NULL, &dev, cpu), DSK_ERR_UNSUPPORTED, "dsk_softmax: y is a CUDA tensor in a build without DSK_CUDA");
+    TT_ERR(dsk_matmul(NULL, out, cpu, 0, &dev, 0, 1, 0), DSK_ERR_UNSUPPORTED, "dsk_matmul: B is a CUDA tensor in a build without DSK_CUDA");
+#endif
+}
+
+/* ------------------------------------------------------------------ main */
+
+int main(void) {
+    static const char *fmt_names[4] = {"bf16", "f16", "e4m3", "e5m2"};
+    dsk_test_init("test_tensor");
+    for (int w = 0; w < 4; w++) {
+        TT_CASE("%s: every code decodes by definition and round-trips", fmt_names[w]);
+        test_format_all_codes(w);
+        TT_CASE("%s: f32 rounding against a nearest-even reference", fmt_names[w]);
+        test_format_rounding(w);
+    }
+    TT_CASE("fp8 and half-precision edge values");
+    test_fp8_definitions();
+    TT_CASE("Philox4x32-10 known answers (Random123)");
+    test_philox_known_answers();
+    TT_CASE("RNG streams: offsets, formula, strided fill");
+    test_rng_streams();
+    TT_CASE("RNG moments (uniform, normal)");
+    test_rng_moments();
+    TT_CASE("views: reshape, slice, transpose, select");
+    test_views();
+    for (int d = 0; d < DSK_DTYPE_COUNT; d++) {
+        TT_CASE("copy from %s to every dtype, contiguous and strided", dsk_dtype_name((dsk_dtype)d));
+        test_copy_casts((dsk_dtype)d);
+    }
+    TT_CASE("copy rounding: f64 to bf16, u8, i32 (saturation, NaN)");
+    test_copy_rounding();
+    for (int t = 0; t < 4; t++) {
+        TT_CASE("matmul f32 all shapes in {1,5,17,67,130}^3, trans_a %d trans_b %d", t >> 1, t & 1);
+        test_matmul_shapes(t >> 1, t & 1);
+    }
+    test_matmul_variants();
+    TT_CASE("matmul K = 0 and alpha = 0");
+    test_matmul_k0_and_alpha0();
+    TT_CASE("sgemm bitwise identical with 1, 2, 3 threads");
+    test_matmul_deterministic();
+    TT_CASE("dsk_sgemm_cpu leading dimensions");
+    test_sgemm_raw();
+    for (int d = 0; d < 3; d++) {
+        dsk_dtype dt = tt_floats[d];
+        const char *n = dsk_dtype_name(dt);
+        TT_CASE("add/mul/scale/axpy %s", n); test_elementwise(dt);
+        TT_CASE("reduce sum/mean/max %s", n); test_reduce(dt);
+        TT_CASE("softmax + backward %s", n); test_softmax(dt);
+        TT_CASE("rmsnorm + backward %s", n); test_rmsnorm(dt);
+        TT_CASE("silu, swiglu + backward %s", n); test_silu_swiglu(dt);
+        TT_CASE("embedding + backward %s", n); test_embedding(dt);
+        TT_CASE("gather_rows, scatter_add_rows %s", n); test_gather_scatter(dt);
+        TT_CASE("cross_entropy %s", n); test_cross_entropy(dt);
+        TT_CASE("rope + backward %s", n); test_rope(dt);
+        TT_CASE("attention + backward %s", n); test_attention(dt);
+        TT_CASE("AdamW 6 steps, grad %s", n); test_adamw(dt, 0, 0);
+    }
+    TT_CASE("sum_squares f64 accumulation, thread-count independent"); test_sum_squares();
+    TT_CASE("topk ties, NaN, k = 1 and k = C"); test_topk();
+    TT_CASE("AdamW with bf16 param_copy"); test_adamw(DSK_F32, 1, 0);
+    TT_CASE("AdamW with f16 param_copy, default options"); test_adamw(DSK_BF16, 2, 1);
+    TT_CASE("errors: matmul"); test_errors_matmul();
+    TT_CASE("errors: elementwise and reductions"); test_errors_elementwise();
+    TT_CASE("errors: softmax, rmsnorm, activations"); test_errors_norms();
+    TT_CASE("errors: indices (embedding, gather, scatter, cross_entropy)"); test_errors_indices();
+    TT_CASE("errors: topk, rope, attention"); test_errors_topk_rope_attention();
+    TT_CASE("errors: AdamW"); test_errors_adamw();
+    TT_CASE("errors: CUDA tensors and devices"); test_errors_devices();
+    tt_release();
+    return dsk_test_finish();
+}
