@@ -68,6 +68,36 @@ dsk_status dsk_cuda_amp_fp8_block_quantize(dsk_ctx *ctx, dsk_tensor *q, dsk_tens
 dsk_status dsk_cuda_amp_fp8_block_dequantize(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *q, const dsk_tensor *scales, int br, int bc);
 
 /* ---- moe (kernels/moe.cu): prototypes added by dsk_moe.h's author */
+/* Row-major buffers; `dt` is the layer's compute dtype (f32 or bf16); slot i = t*K + k. */
+/* C (M,N) = op(A) op(B) + beta C; A, B in ab_dt (f32/bf16), C f32 or ab_dt; f32 accumulation (cublasGemmEx). */
+dsk_status dsk_cuda_moe_gemm(dsk_ctx *ctx, int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, const void *A, int64_t lda,
+                             const void *B, int64_t ldb, dsk_dtype ab_dt, float beta, void *C, int64_t ldc, dsk_dtype c_dt);
+/* Fused router, one token per thread (dsk_moe_route_token): u (T,E) -> prob (T,E), sel (T,K), gate (T,K), counts (E)
+   selections (zeroed first; integer atomics). bias (E) or NULL; scratch (T, E + n_group). */
+dsk_status dsk_cuda_moe_route(dsk_ctx *ctx, const float *u, const float *bias, int64_t T, int E, int K, int sigmoid, int norm,
+                              float scale, int n_group, int topk_group, float *prob, float *scratch, int32_t *sel, float *gate,
+                              int32_t *counts);
+/* du (T,E) WRITTEN by dsk_moe_route_token_backward per token; aux (T/seq_len, E) or NULL. */
+dsk_status dsk_cuda_moe_route_backward(dsk_ctx *ctx, const float *u, const float *prob, int64_t T, int E, int K, int sigmoid,
+                                       int norm, float scale, const int32_t *sel, const float *dgate, const float *aux,
+                                       int64_t seq_len, float aux_mult, float zcoef, float *du);
+/* dst (n,D) row p = (gate ? gate[idx[p]] : 1) * src row idx[p] / div; dst, src in dt. */
+dsk_status dsk_cuda_moe_gather(dsk_ctx *ctx, void *dst, const void *src, dsk_dtype dt, const int32_t *idx, int div,
+                               const float *gate, int64_t n, int64_t D);
+/* y (T,D) in dt = sum over kept slots in slot order of gate * rows[slot_pos] (f32) + shared (T,D) f32 or NULL. */
+dsk_status dsk_cuda_moe_combine(dsk_ctx *ctx, void *y, dsk_dtype dt, const float *rows, const int32_t *slot_pos,
+                                const float *gate, const float *shared, int64_t T, int K, int64_t D);
+/* dx (T,D) f32 += sum over kept slots in slot order of rows[slot_pos]. */
+dsk_status dsk_cuda_moe_scatter(dsk_ctx *ctx, float *dx, const float *rows, const int32_t *slot_pos, int64_t T, int K, int64_t D);
+/* dgate (T*K) = dy (T,D, dt) row . rows[slot_pos] (0 when dropped); fixed-order warp sums. */
+dsk_status dsk_cuda_moe_dgate(dsk_ctx *ctx, float *dgate, const void *dy, dsk_dtype dt, const float *rows, const int32_t *slot_pos,
+                              int64_t T, int K, int64_t D);
+/* a (n) in dt = silu(h1) * h3; backward: dh1, dh3 (n) in dt from h1, h3, da (f32). */
+dsk_status dsk_cuda_moe_swiglu(dsk_ctx *ctx, void *a, dsk_dtype dt, const float *h1, const float *h3, int64_t n);
+dsk_status dsk_cuda_moe_swiglu_backward(dsk_ctx *ctx, void *dh1, void *dh3, dsk_dtype dt, const float *h1, const float *h3,
+                                        const float *da, int64_t n);
+/* dst (n) in dt += src (n) f32. */
+dsk_status dsk_cuda_moe_accumulate(dsk_ctx *ctx, void *dst, dsk_dtype dt, const float *src, int64_t n);
 
 #ifdef __cplusplus
 }
