@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# scripts/device_check.sh - everything that needs a GPU, in one run of at most 8 minutes on one H200:
+# build for sm_90 (no make clean), every GPU test, the GPU benchmarks, then the CPU tests with the
+# time left; a summary table comes LAST. Each step runs under `timeout`; a failing step never stops
+# the others. Logs go to $OUT when it is set (device machine), else to build-gpu/device_check/:
+# device_check.log (everything) and summary.txt (the table).
+# Usage: bash scripts/device_check.sh     (DEVICE_CHECK_BUDGET=seconds overrides the 470 s budget,
+#        DEVICE_CHECK_JOBS the 16 parallel build jobs)
+set -u
+cd "$(dirname "$0")/.."
+BUILD=build-gpu
+BUDGET=${DEVICE_CHECK_BUDGET:-470}
+JOBS=${DEVICE_CHECK_JOBS:-16}
+START=$SECONDS
+LOGDIR=${OUT:-$BUILD/device_check}
+mkdir -p "$LOGDIR"
+LOG=$LOGDIR/device_check.log
+: >"$LOG"
+STEP_OUT=$(mktemp)
+trap 'rm -f "$STEP_OUT"' EXIT
+
+# ---- GPU benchmarks: one line each, "name|timeout seconds|command". Modules append theirs here.
+GPU_BENCHES=(
+  "bench_gpu_ops|120|$BUILD/bench/bench_gpu_ops"
+)
+# ---- end of the GPU benchmark list
+
+rows=()            # "name|status|seconds|result" per step
+failed_steps=0
+gpu_p=0 gpu_f=0 gpu_s=0
+
+say() { echo "$*" | tee -a "$LOG"; }
+
+# step NAME LIMIT RESULT_KIND COMMAND...: runs COMMAND under timeout (capped by the time left),
+# logs it, shows its last lines, and records a row. RESULT_KIND: totals (a test's totals line),
+# summary (a benchmark's "summary:" lines), last (the last output line).
+step() {
+  local name=$1 limit=$2 kind=$3
+  shift 3
+  local left=$((BUDGET - (SECONDS - START) - 15))
+  if [ "$left" -lt 10 ]; then
+    rows+=("$name|not run|0|time budget spent"); failed_steps=$((failed_steps + 1)); return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  local t0=$SECONDS rc result status
+  say "=== $name (limit ${limit} s): $*"
+  timeout --kill-after=5 "$limit" "$@" >"$STEP_OUT" 2>&1
+  rc=$?
+  cat "$STEP_OUT" >>"$LOG"
+  tail -n 25 "$STEP_OUT"
+  case $kind in
+    totals) result=$(grep -E '^\[.*\] totals: |^[0-9]+ passed, [0-9]+ failed' "$STEP_OUT" | tail -n 1) ;;
+    summary) result=$(grep -E '^summary: ' "$STEP_OUT" | sed 's/^summary: //' | paste -sd ';' -) ;;
+    *) result=$(tail -n 1 "$STEP_OUT") ;;
+  esac
+  if [ "$rc" -eq 0 ]; then status=ok
+  elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then status=TIMEOUT; failed_steps=$((failed_steps + 1))
+  else status="FAIL($rc)"; failed_steps=$((failed_steps + 1)); fi
+  rows+=("$name|$status|$((SECONDS - t0))|${result:-no result line}")
+  if [ "$kind" = totals ] && [[ $result =~ totals:\ ([0-9]+)\ passed\ /\ ([0-9]+)\ failed\ /\ ([0-9]+)\ skipped ]]; then
+    gpu_p=$((gpu_p + BASH_REMATCH[1])); gpu_f=$((gpu_f + BASH_REMATCH[2])); gpu_s=$((gpu_s + BASH_REMATCH[3]))
+  fi
+}
+
+say "device_check: $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+if command -v nvidia-smi >/dev/null 2>&1; then
+  gpu=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -n 1)
+else
+  gpu="nvidia-smi not found"
+fi
+say "GPU: $gpu"
+
+# 1. Build (keep going past a broken target so the rest still builds).
+step build 300 last make -k BUILD=$BUILD CUDA=1 GENCODE=-gencode=arch=compute_90,code=sm_90 -j$JOBS tests bench
+
+# 2. Every GPU test program.
+for t in "$BUILD"/tests/gpu/test_*; do
+  [ -x "$t" ] || continue
+  step "$(basename "$t")" 90 totals "$t"
+done
+
+# 3. GPU benchmarks.
+for b in "${GPU_BENCHES[@]}"; do
+  IFS='|' read -r name limit cmd <<<"$b"
+  if [ -x "${cmd%% *}" ]; then
+    step "$name" "$limit" summary $cmd
+  else
+    rows+=("$name|not built|0|${cmd%% *} missing"); failed_steps=$((failed_steps + 1))
+  fi
+done
+
+# 4. The whole test suite (CPU tests too, on a machine that has a GPU) with the time left.
+step "all tests (run_tests.sh)" 240 totals env BUILD=$BUILD bash scripts/run_tests.sh
+
+# Summary, last.
+{
+  echo
+  echo "==== device_check summary: $gpu; $((SECONDS - START)) s of a $BUDGET s budget ===="
+  printf '%-26s %-10s %5s  %s\n' step status secs result
+  for r in "${rows[@]}"; do
+    IFS='|' read -r name status secs result <<<"$r"
+    printf '%-26s %-10s %5s  %s\n' "$name" "$status" "$secs" "$result"
+  done
+  echo "GPU test programs: $gpu_p passed, $gpu_f failed, $gpu_s skipped; steps not ok: $failed_steps"
+} | tee "$LOGDIR/summary.txt" | tee -a "$LOG"
+[ "$failed_steps" -eq 0 ]
