@@ -575,7 +575,7 @@ static void test_sgemm_raw(void) {
     for (int64_t i = 0; i < M; i++)
         for (int64_t j = 0; j < ldc; j++) {
             double s = 0;
-            for (int64_t p = 0; p < K; p++) s += (double)A[p * lda + i] * B[j * ldb + p];
+            for (int64_t p = 0; j < N && p < K; p++) s += (double)A[p * lda + i] * B[j * ldb + p];
             want[i * ldc + j] = j < N ? 2.0 * s - 1.0 * C[i * ldc + j] : C[i * ldc + j];
         }
     dsk_sgemm_cpu(1, 1, M, N, K, 2.0f, A, lda, B, ldb, -1.0f, C, ldc, 2);
