@@ -1,0 +1,562 @@
+/* train_model.h - the model of examples/train_moe.c: a DeepSeek-style decoder-only MoE
+   transformer, forward and backward, built from dsk_tensor.h ops and dsk_moe.h layers.
+
+     ids (B, T) -> embedding -> L blocks -> RMSNorm -> LM head -> logits (B*T, V)
+     block: x2 = x + Wo attn(rope(Wq h1), rope(Wk h1), Wv h1),  h1 = RMSNorm(x)
+            y  = x2 + FFN(h2),                                   h2 = RMSNorm(x2)
+     FFN: dense SwiGLU W2 (silu(W1 h) * W3 h) in the first `n_dense` blocks, dsk_moe after.
+
+   Parameters live in slabs (llm.c style): one f32 slab each for master weights, gradients
+   and the two AdamW moments, plus a compute-dtype copy when that is not f32; every
+   parameter is a view into them. The
+   MoE layers own their expert and router tensors (dsk_moe's slabs) and expose them by
+   name; the trainer treats both kinds alike through tm_param. Activations are kept per
+   block for backward; backward accumulates into the gradient slab (+=). */
+#ifndef TRAIN_MODEL_H
+#define TRAIN_MODEL_H
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../dsk_moe.h"
+#include "../dsk_tensor.h"
+
+#define TM_TRY(call) do { dsk_status tm_s_ = (call); if (tm_s_ != DSK_OK) return tm_s_; } while (0)
+
+typedef struct tm_config {
+    int vocab, seq, d_model, n_heads, n_layers, n_dense, ffn_hidden;
+    int batch;          /* sequences per micro-batch on this rank */
+    float rope_theta, norm_eps, init_std;
+    dsk_dtype cdt;      /* compute dtype of weights copies and activations */
+    uint64_t seed;
+    dsk_moe_opts moe;   /* template of every MoE layer (name, d_model, dtype, seed are set per layer) */
+} tm_config;
+
+/* One trainable tensor: master weights, gradient, moments (f32) and the compute copy. */
+typedef struct tm_param {
+    char name[64];
+    int ndim;
+    int64_t shape[3];
+    int decay;          /* 1: weight decay applies (matrices) */
+    float init_std;     /* 0: initialised to ones (norm weights) */
+    dsk_tensor w, g, m, v, wc; /* wc: the weights the forward pass reads (== w when cdt is f32) */
+    int in_slab;        /* 1: views into the model's slabs; 0: an MoE parameter (w, m, v owned here) */
+    dsk_moe_param *moe; /* the MoE layer's parameter (value = wc, grad = g), or NULL */
+} tm_param;
+
+typedef struct tm_block {
+    tm_param *ln1, *wq, *wk, *wv, *wo, *ln2, *w1, *w3, *w2; /* w1/w3/w2 only in dense blocks */
+    /* saved activations, N = B*T rows */
+    dsk_tensor x;                       /* (N, D) block input */
+    dsk_tensor h1, rstd1, q, k, v, qr, kr, att, x2, h2, rstd2; /* (N, D) or (N) for rstd */
+    dsk_tensor probs;                   /* (B, H, T, T) attention probabilities */
+    dsk_tensor g, u, a;                 /* (N, F) dense FFN */
+    /* MoE blocks */
+    int is_moe;
+    dsk_moe moe;
+    dsk_moe_stats stats;                /* of the last forward */
+    dsk_tensor mx, my;                  /* (N, D) MoE input/output in the layer's dtype */
+} tm_block;
+
+typedef struct tm_model {
+    tm_config cfg;
+    dsk_ctx *ctx;
+    int n_params, n_slab_params;        /* params[0, n_slab_params) live in the slabs */
+    tm_param params[1024];
+    float aux_scale;                    /* weight of the MoE losses' gradients: loss scale / accum */
+    /* called by backward when a slab parameter's gradient is final for this micro-batch
+       (data-parallel buckets start their all-reduce from it); may be NULL */
+    dsk_status (*grad_ready)(void *user, int param_index);
+    void *grad_ready_user;
+    int64_t numel;                      /* elements of each slab */
+    dsk_tensor slab_w, slab_g, slab_m, slab_v, slab_wc;
+    tm_param *embed, *ln_f, *lm_head;
+    tm_block *blocks;
+    char (*moe_names)[32];              /* name prefixes of the MoE layers ("blocks.3.moe") */
+    dsk_tensor x_final, hf, rstdf, logits, dlogits; /* (N, D), (N, D), (N), (N, V), (N, V) */
+    dsk_tensor ids, targets;            /* (N) i32 on the device */
+    dsk_tensor loss;                    /* scalar f32 */
+    /* backward scratch */
+    dsk_tensor dx, dh, dq, dk, dv, dqr, dkr, datt, dg, du, da;
+    dsk_tensor mask, dp, ds;            /* (H, T, T): causal mask (0 / -inf), attention backward scratch */
+} tm_model;
+
+/* ------------------------------------------------------------------ views */
+
+/* First n rows of t as a view. */
+static dsk_tensor tm_rows(const dsk_tensor *t, int64_t n) {
+    dsk_tensor v;
+    dsk_tensor_slice(t, 0, 0, n, &v);
+    return v;
+}
+
+/* The first nb*T rows of an (N, D) tensor as (nb, T, H, Dh). */
+static dsk_tensor tm_heads(const tm_model *m, const dsk_tensor *t, int nb) {
+    const tm_config *c = &m->cfg;
+    int64_t sh[4] = {nb, c->seq, c->n_heads, c->d_model / c->n_heads};
+    dsk_tensor r = tm_rows(t, (int64_t)nb * c->seq), v;
+    dsk_tensor_reshape(&r, 4, sh, &v);
+    return v;
+}
+
+/* Sequence s of an (N, D) tensor as (H, T, Dh): a strided view, one matrix per head. */
+static dsk_tensor tm_seq_heads(const tm_model *m, const dsk_tensor *t, int s) {
+    const tm_config *c = &m->cfg;
+    int64_t T = c->seq, sh[3] = {T, c->n_heads, c->d_model / c->n_heads};
+    dsk_tensor r, v, o;
+    dsk_tensor_slice(t, 0, (int64_t)s * T, T, &r);
+    dsk_tensor_reshape(&r, 3, sh, &v);
+    dsk_tensor_transpose(&v, 0, 1, &o);
+    return o;
+}
+
+static dsk_status tm_mm(tm_model *m, dsk_tensor *C, const dsk_tensor *A, int ta, const dsk_tensor *B, int tb, float beta) {
+    return dsk_matmul(m->ctx, C, A, ta, B, tb, 1.0f, beta);
+}
+
+/* ------------------------------------------------------------------ parameters */
+
+static tm_param *tm_add_param(tm_model *m, int decay, float std, int ndim, int64_t d0, int64_t d1, const char *fmt, int layer) {
+    tm_param *p = &m->params[m->n_params++];
+    memset(p, 0, sizeof *p);
+    snprintf(p->name, sizeof p->name, fmt, layer);
+    p->decay = decay;
+    p->init_std = std;
+    p->ndim = ndim;
+    p->shape[0] = d0;
+    p->shape[1] = d1;
+    return p;
+}
+
+static int64_t tm_param_numel(const tm_param *p) { return p->ndim == 1 ? p->shape[0] : p->shape[0] * p->shape[1]; }
+
+/* Declares the dense parameters in slab order, which is also the order backward finishes
+   them in reverse (lm_head first, embed last), so data-parallel gradient buckets, which take
+   parameters in reverse order, fill while backward runs. */
+static void tm_declare(tm_model *m) {
+    const tm_config *c = &m->cfg;
+    int64_t D = c->d_model, F = c->ffn_hidden, V = c->vocab;
+    float std = c->init_std, out_std = c->init_std / sqrtf(2.0f * (float)c->n_layers); /* GPT-2 residual scaling */
+    m->embed = tm_add_param(m, 1, std, 2, V, D, "embed", 0);
+    for (int l = 0; l < c->n_layers; l++) {
+        tm_block *b = &m->blocks[l];
+        b->ln1 = tm_add_param(m, 0, 0, 1, D, 0, "blocks.%d.ln1", l);
+        b->wq = tm_add_param(m, 1, std, 2, D, D, "blocks.%d.attn.wq", l);
+        b->wk = tm_add_param(m, 1, std, 2, D, D, "blocks.%d.attn.wk", l);
+        b->wv = tm_add_param(m, 1, std, 2, D, D, "blocks.%d.attn.wv", l);
+        b->wo = tm_add_param(m, 1, out_std, 2, D, D, "blocks.%d.attn.wo", l);
+        b->ln2 = tm_add_param(m, 0, 0, 1, D, 0, "blocks.%d.ln2", l);
+        if (l < c->n_dense) {
+            b->w1 = tm_add_param(m, 1, std, 2, F, D, "blocks.%d.ffn.w1", l);
+            b->w3 = tm_add_param(m, 1, std, 2, F, D, "blocks.%d.ffn.w3", l);
+            b->w2 = tm_add_param(m, 1, out_std, 2, D, F, "blocks.%d.ffn.w2", l);
+        }
+    }
+    m->ln_f = tm_add_param(m, 0, 0, 1, D, 0, "ln_f", 0);
+    m->lm_head = tm_add_param(m, 1, std, 2, V, D, "lm_head", 0);
+}
+
+static dsk_status tm_alloc_slab(tm_model *m, dsk_tensor *slab, dsk_dtype dt) {
+    int64_t n = m->numel;
+    return dsk_tensor_alloc(m->ctx, slab, dt, 1, &n);
+}
+
+/* Points every parameter's tensors into the slabs. */
+static dsk_status tm_bind(tm_model *m) {
+    int64_t off = 0;
+    for (int i = 0; i < m->n_params; i++) {
+        tm_param *p = &m->params[i];
+        int64_t n = tm_param_numel(p);
+        dsk_tensor s;
+        const dsk_tensor *slabs[5] = {&m->slab_w, &m->slab_g, &m->slab_m, &m->slab_v, &m->slab_wc};
+        dsk_tensor *views[5] = {&p->w, &p->g, &p->m, &p->v, &p->wc};
+        for (int k = 0; k < 5; k++) {
+            if (!slabs[k]->data) { *views[k] = p->w; continue; } /* no separate compute copy */
+            TM_TRY(dsk_tensor_slice(slabs[k], 0, off, n, &s));
+            TM_TRY(dsk_tensor_reshape(&s, p->ndim, p->shape, views[k]));
+        }
+        off += n;
+    }
+    return DSK_OK;
+}
+
+/* Fresh weights: normal(0, std) from the counter-based RNG (each element its own counter,
+   so the result does not depend on the device), ones for norm weights. */
+static dsk_status tm_init_weights(tm_model *m) {
+    uint64_t off = 0;
+    for (int i = 0; i < m->n_params; i++) {
+        tm_param *p = &m->params[i];
+        if (p->init_std > 0) TM_TRY(dsk_tensor_normal(m->ctx, &p->w, m->cfg.seed, off, 0.0f, p->init_std));
+        else TM_TRY(dsk_tensor_fill(m->ctx, &p->w, 1.0));
+        off += (uint64_t)tm_param_numel(p);
+    }
+    TM_TRY(dsk_tensor_fill(m->ctx, &m->slab_m, 0.0));
+    TM_TRY(dsk_tensor_fill(m->ctx, &m->slab_v, 0.0));
+    TM_TRY(dsk_tensor_fill(m->ctx, &m->slab_g, 0.0));
+    if (m->slab_wc.data) TM_TRY(dsk_tensor_copy(m->ctx, &m->slab_wc, &m->slab_w));
+    return DSK_OK;
+}
+
+/* ------------------------------------------------------------------ activations */
+
+static dsk_status tm_alloc2(tm_model *m, dsk_tensor *t, dsk_dtype dt, int64_t r, int64_t c) {
+    int64_t sh[2] = {r, c};
+    return dsk_tensor_alloc(m->ctx, t, dt, c ? 2 : 1, sh);
+}
+
+/* The causal mask added to attention scores, and the backward scratch of the same shape. */
+static dsk_status tm_alloc_mask(tm_model *m) {
+    const tm_config *c = &m->cfg;
+    int64_t H = c->n_heads, T = c->seq, sh[3] = {H, T, T};
+    dsk_tensor host;
+    TM_TRY(dsk_tensor_alloc(NULL, &host, DSK_F32, 3, sh));
+    float *p = (float *)host.data;
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t i = 0; i < T; i++)
+            for (int64_t j = 0; j < T; j++) p[(h * T + i) * T + j] = j <= i ? 0.0f : -INFINITY;
+    dsk_status s = dsk_tensor_alloc(m->ctx, &m->mask, c->cdt, 3, sh);
+    if (s == DSK_OK) s = dsk_tensor_copy(m->ctx, &m->mask, &host);
+    dsk_tensor_free(NULL, &host);
+    TM_TRY(s);
+    TM_TRY(dsk_tensor_alloc(m->ctx, &m->dp, c->cdt, 3, sh));
+    return dsk_tensor_alloc(m->ctx, &m->ds, c->cdt, 3, sh);
+}
+
+static dsk_status tm_alloc_acts(tm_model *m) {
+    const tm_config *c = &m->cfg;
+    int64_t N = (int64_t)c->batch * c->seq, D = c->d_model, F = c->ffn_hidden, V = c->vocab;
+    dsk_dtype dt = c->cdt;
+    for (int l = 0; l < c->n_layers; l++) {
+        tm_block *b = &m->blocks[l];
+        dsk_tensor *nd[] = {&b->x, &b->h1, &b->q, &b->k, &b->v, &b->qr, &b->kr, &b->att, &b->x2, &b->h2};
+        for (size_t i = 0; i < sizeof nd / sizeof nd[0]; i++) TM_TRY(tm_alloc2(m, nd[i], dt, N, D));
+        TM_TRY(tm_alloc2(m, &b->rstd1, DSK_F32, N, 0));
+        TM_TRY(tm_alloc2(m, &b->rstd2, DSK_F32, N, 0));
+        int64_t ps[4] = {c->batch, c->n_heads, c->seq, c->seq};
+        TM_TRY(dsk_tensor_alloc(m->ctx, &b->probs, dt, 4, ps));
+        if (l < c->n_dense) {
+            TM_TRY(tm_alloc2(m, &b->g, dt, N, F));
+            TM_TRY(tm_alloc2(m, &b->u, dt, N, F));
+            TM_TRY(tm_alloc2(m, &b->a, dt, N, F));
+        }
+    }
+    dsk_tensor *nd[] = {&m->x_final, &m->hf, &m->dx, &m->dh, &m->dq, &m->dk, &m->dv, &m->dqr, &m->dkr, &m->datt};
+    for (size_t i = 0; i < sizeof nd / sizeof nd[0]; i++) TM_TRY(tm_alloc2(m, nd[i], dt, N, D));
+    TM_TRY(tm_alloc2(m, &m->rstdf, DSK_F32, N, 0));
+    TM_TRY(tm_alloc2(m, &m->logits, dt, N, V));
+    TM_TRY(tm_alloc2(m, &m->dlogits, dt, N, V));
+    if (c->n_dense > 0) {
+        TM_TRY(tm_alloc2(m, &m->dg, dt, N, F));
+        TM_TRY(tm_alloc2(m, &m->du, dt, N, F));
+        TM_TRY(tm_alloc2(m, &m->da, dt, N, F));
+    }
+    TM_TRY(tm_alloc_mask(m));
+    TM_TRY(dsk_tensor_alloc(m->ctx, &m->ids, DSK_I32, 1, &N));
+    TM_TRY(dsk_tensor_alloc(m->ctx, &m->targets, DSK_I32, 1, &N));
+    TM_TRY(dsk_tensor_alloc(m->ctx, &m->loss, DSK_F32, 0, NULL));
+    return DSK_OK;
+}
+
+/* ------------------------------------------------------------------ MoE blocks */
+
+/* dsk_moe computes in f32 or bf16; an f16 model runs its MoE layers in f32. */
+static dsk_dtype tm_moe_dtype(dsk_dtype cdt) { return cdt == DSK_BF16 ? DSK_BF16 : DSK_F32; }
+
+/* A trainable MoE tensor as a tm_param: the layer keeps the compute weights and the
+   gradient; the f32 master copy (unless the layer is f32 already) and moments live here. */
+static dsk_status tm_add_moe_param(tm_model *m, dsk_moe_param *mp) {
+    if (m->n_params >= (int)(sizeof m->params / sizeof m->params[0]))
+        return dsk_set_error(DSK_ERR_ARG, "tm_init: more than %d parameters", (int)(sizeof m->params / sizeof m->params[0]));
+    tm_param *p = &m->params[m->n_params++];
+    memset(p, 0, sizeof *p);
+    snprintf(p->name, sizeof p->name, "%s", mp->name);
+    p->moe = mp;
+    p->ndim = mp->value.ndim;
+    p->decay = mp->value.ndim >= 2;
+    p->wc = mp->value;
+    p->wc.owns = 0;
+    p->g = mp->grad;
+    p->g.owns = 0;
+    if (mp->value.dtype == DSK_F32) p->w = p->wc;
+    else {
+        TM_TRY(dsk_tensor_alloc(m->ctx, &p->w, DSK_F32, mp->value.ndim, mp->value.shape));
+        TM_TRY(dsk_tensor_copy(m->ctx, &p->w, &mp->value));
+    }
+    TM_TRY(dsk_tensor_alloc(m->ctx, &p->m, DSK_F32, mp->value.ndim, mp->value.shape));
+    TM_TRY(dsk_tensor_alloc(m->ctx, &p->v, DSK_F32, mp->value.ndim, mp->value.shape));
+    TM_TRY(dsk_tensor_fill(m->ctx, &p->m, 0.0));
+    return dsk_tensor_fill(m->ctx, &p->v, 0.0);
+}
+
+static dsk_status tm_init_moe(tm_model *m, int l, char *name, size_t name_size) {
+    const tm_config *c = &m->cfg;
+    tm_block *b = &m->blocks[l];
+    dsk_moe_opts o = c->moe;
+    int64_t N = (int64_t)c->batch * c->seq;
+    snprintf(name, name_size, "blocks.%d.moe", l);
+    o.name = name;
+    o.d_model = c->d_model;
+    o.dtype = tm_moe_dtype(c->cdt);
+    o.seq_len = c->seq;
+    o.init_std = c->init_std;
+    o.seed = c->seed + 1000003ull * (uint64_t)(l + 1);
+    TM_TRY(dsk_moe_init(&b->moe, m->ctx, &o));
+    b->is_moe = 1;
+    if (o.dtype != c->cdt) {
+        TM_TRY(tm_alloc2(m, &b->mx, o.dtype, N, c->d_model));
+        TM_TRY(tm_alloc2(m, &b->my, o.dtype, N, c->d_model));
+    }
+    for (int i = 0; i < b->moe.n_params; i++)
+        if (dsk_tensor_numel(&b->moe.params[i].grad) > 0) TM_TRY(tm_add_moe_param(m, &b->moe.params[i]));
+    return DSK_OK;
+}
+
+/* y = x2 + MoE(h2) for the first N rows. */
+static dsk_status tm_moe_forward(tm_model *m, int layer, int64_t N, dsk_tensor *y) {
+    tm_block *b = &m->blocks[layer];
+    dsk_tensor x2 = tm_rows(&b->x2, N), h2 = tm_rows(&b->h2, N);
+    if (!b->mx.data) {
+        TM_TRY(dsk_moe_forward(&b->moe, m->ctx, y, &h2, &b->stats));
+    } else {
+        dsk_tensor mx = tm_rows(&b->mx, N), my = tm_rows(&b->my, N);
+        TM_TRY(dsk_tensor_copy(m->ctx, &mx, &h2));
+        TM_TRY(dsk_moe_forward(&b->moe, m->ctx, &my, &mx, &b->stats));
+        TM_TRY(dsk_tensor_copy(m->ctx, y, &my));
+    }
+    return dsk_add(m->ctx, y, y, &x2);
+}
+
+/* dx holds d(block output); adds the layer's gradients and leaves d(h2) in dh. */
+static dsk_status tm_moe_backward(tm_model *m, int layer) {
+    tm_block *b = &m->blocks[layer];
+    if (!b->mx.data) {
+        TM_TRY(dsk_tensor_fill(m->ctx, &m->dh, 0.0));
+        return dsk_moe_backward(&b->moe, m->ctx, &m->dh, &m->dx, m->aux_scale);
+    }
+    TM_TRY(dsk_tensor_copy(m->ctx, &b->my, &m->dx));
+    TM_TRY(dsk_tensor_fill(m->ctx, &b->mx, 0.0));
+    TM_TRY(dsk_moe_backward(&b->moe, m->ctx, &b->mx, &b->my, m->aux_scale));
+    return dsk_tensor_copy(m->ctx, &m->dh, &b->mx);
+}
+
+static void tm_free(tm_model *m) {
+    dsk_ctx *ctx = m->ctx;
+    for (int i = m->n_slab_params; i < m->n_params; i++) {
+        tm_param *p = &m->params[i];
+        if (p->w.owns) dsk_tensor_free(ctx, &p->w);
+        dsk_tensor_free(ctx, &p->m);
+        dsk_tensor_free(ctx, &p->v);
+    }
+    if (m->blocks)
+        for (int l = 0; l < m->cfg.n_layers; l++) {
+            tm_block *b = &m->blocks[l];
+            dsk_tensor *ts[] = {&b->x, &b->h1, &b->rstd1, &b->q, &b->k, &b->v, &b->qr, &b->kr, &b->att, &b->x2,
+                                &b->h2, &b->rstd2, &b->probs, &b->g, &b->u, &b->a, &b->mx, &b->my};
+            for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
+            dsk_moe_free(&b->moe, ctx);
+        }
+    dsk_tensor *ts[] = {&m->slab_w, &m->slab_g, &m->slab_m, &m->slab_v, &m->slab_wc, &m->x_final, &m->hf, &m->rstdf,
+                        &m->logits, &m->dlogits, &m->ids, &m->targets, &m->loss, &m->dx, &m->dh, &m->dq, &m->dk,
+                        &m->dv, &m->dqr, &m->dkr, &m->datt, &m->dg, &m->du, &m->da, &m->mask, &m->dp, &m->ds};
+    for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
+    free(m->blocks);
+    free(m->moe_names);
+    memset(m, 0, sizeof *m);
+}
+
+/* Checks the configuration; every message names the flag. */
+static dsk_status tm_check_config(const tm_config *c) {
+    if (c->vocab < 2) return dsk_set_error(DSK_ERR_ARG, "--vocab %d: need at least 2", c->vocab);
+    if (c->seq < 1 || c->d_model < 2 || c->n_heads < 1 || c->n_layers < 1 || c->ffn_hidden < 1 || c->batch < 1)
+        return dsk_set_error(DSK_ERR_ARG, "model sizes must be positive: --seq %d --d-model %d --heads %d --layers %d --ffn-hidden %d, "
+                             "batch %d per rank", c->seq, c->d_model, c->n_heads, c->n_layers, c->ffn_hidden, c->batch);
+    if (c->d_model % c->n_heads != 0)
+        return dsk_set_error(DSK_ERR_ARG, "--heads %d does not divide --d-model %d", c->n_heads, c->d_model);
+    if ((c->d_model / c->n_heads) % 2 != 0)
+        return dsk_set_error(DSK_ERR_ARG, "head size --d-model/--heads = %d must be even for rotary embeddings",
+                             c->d_model / c->n_heads);
+    if (c->n_dense < 0 || c->n_dense > c->n_layers)
+        return dsk_set_error(DSK_ERR_ARG, "--dense-layers %d outside [0, --layers %d]", c->n_dense, c->n_layers);
+    if (c->n_layers > 100) return dsk_set_error(DSK_ERR_ARG, "--layers %d: at most 100", c->n_layers);
+    return DSK_OK;
+}
+
+/* Builds the model's dense parameters and activations on ctx's device. */
+static dsk_status tm_init(tm_model *m, dsk_ctx *ctx, const tm_config *cfg) {
+    memset(m, 0, sizeof *m);
+    m->cfg = *cfg;
+    m->ctx = ctx;
+    TM_TRY(tm_check_config(cfg));
+    m->blocks = (tm_block *)calloc((size_t)cfg->n_layers, sizeof *m->blocks);
+    if (!m->blocks) return dsk_set_error(DSK_ERR_OOM, "tm_init: out of memory for %d blocks", cfg->n_layers);
+    tm_declare(m);
+    for (int i = 0; i < m->n_params; i++) m->numel += tm_param_numel(&m->params[i]);
+    TM_TRY(tm_alloc_slab(m, &m->slab_w, DSK_F32));
+    TM_TRY(tm_alloc_slab(m, &m->slab_g, DSK_F32));
+    TM_TRY(tm_alloc_slab(m, &m->slab_m, DSK_F32));
+    TM_TRY(tm_alloc_slab(m, &m->slab_v, DSK_F32));
+    if (cfg->cdt != DSK_F32) TM_TRY(tm_alloc_slab(m, &m->slab_wc, cfg->cdt));
+    TM_TRY(tm_bind(m));
+    TM_TRY(tm_init_weights(m));
+    TM_TRY(tm_alloc_acts(m));
+    m->n_slab_params = m->n_params;
+    m->moe_names = (char(*)[32])calloc((size_t)cfg->n_layers, sizeof *m->moe_names);
+    if (!m->moe_names) return dsk_set_error(DSK_ERR_OOM, "tm_init: out of memory");
+    for (int l = cfg->n_dense; l < cfg->n_layers; l++) TM_TRY(tm_init_moe(m, l, m->moe_names[l], sizeof m->moe_names[l]));
+    return DSK_OK;
+}
+
+/* ------------------------------------------------------------------ forward */
+
+/* FFN input h2 -> block output y = x2 + FFN(h2), dense version. */
+static dsk_status tm_dense_forward(tm_model *m, tm_block *b, int64_t N, dsk_tensor *y) {
+    dsk_tensor h2 = tm_rows(&b->h2, N), g = tm_rows(&b->g, N), u = tm_rows(&b->u, N), a = tm_rows(&b->a, N);
+    dsk_tensor x2 = tm_rows(&b->x2, N);
+    TM_TRY(tm_mm(m, &g, &h2, 0, &b->w1->wc, 1, 0.0f));
+    TM_TRY(tm_mm(m, &u, &h2, 0, &b->w3->wc, 1, 0.0f));
+    TM_TRY(dsk_swiglu(m->ctx, &a, &g, &u));
+    TM_TRY(dsk_tensor_copy(m->ctx, y, &x2));
+    return tm_mm(m, y, &a, 0, &b->w2->wc, 1, 1.0f);
+}
+
+/* Attention half of block b: x -> x2, with everything backward needs saved. */
+static dsk_status tm_attn_forward(tm_model *m, tm_block *b, int nb) {
+    const tm_config *c = &m->cfg;
+    int64_t N = (int64_t)nb * c->seq;
+    dsk_tensor x = tm_rows(&b->x, N), h1 = tm_rows(&b->h1, N), rstd1 = tm_rows(&b->rstd1, N);
+    dsk_tensor q = tm_rows(&b->q, N), k = tm_rows(&b->k, N), v = tm_rows(&b->v, N), att = tm_rows(&b->att, N);
+    dsk_tensor x2 = tm_rows(&b->x2, N);
+    TM_TRY(dsk_rmsnorm(m->ctx, &h1, &rstd1, &x, &b->ln1->wc, c->norm_eps));
+    TM_TRY(tm_mm(m, &q, &h1, 0, &b->wq->wc, 1, 0.0f));
+    TM_TRY(tm_mm(m, &k, &h1, 0, &b->wk->wc, 1, 0.0f));
+    TM_TRY(tm_mm(m, &v, &h1, 0, &b->wv->wc, 1, 0.0f));
+    dsk_tensor q4 = tm_heads(m, &q, nb), k4 = tm_heads(m, &k, nb);
+    dsk_tensor qr4 = tm_heads(m, &b->qr, nb), kr4 = tm_heads(m, &b->kr, nb);
+    TM_TRY(dsk_rope(m->ctx, &qr4, &q4, 0, c->rope_theta));
+    TM_TRY(dsk_rope(m->ctx, &kr4, &k4, 0, c->rope_theta));
+    /* causal attention per sequence, all heads in one batched GEMM: P = softmax(scale Q K^T + mask), O = P V */
+    float scale = 1.0f / sqrtf((float)(c->d_model / c->n_heads));
+    for (int s = 0; s < nb; s++) {
+        dsk_tensor qs = tm_seq_heads(m, &b->qr, s), ks = tm_seq_heads(m, &b->kr, s), vs = tm_seq_heads(m, &b->v, s);
+        dsk_tensor os = tm_seq_heads(m, &b->att, s), p;
+        TM_TRY(dsk_tensor_select(&b->probs, s, &p));
+        TM_TRY(dsk_matmul(m->ctx, &p, &qs, 0, &ks, 1, scale, 0.0f));
+        TM_TRY(dsk_add(m->ctx, &p, &p, &m->mask));
+        TM_TRY(dsk_softmax(m->ctx, &p, &p));
+        TM_TRY(dsk_matmul(m->ctx, &os, &p, 0, &vs, 0, 1.0f, 0.0f));
+    }
+    TM_TRY(dsk_tensor_copy(m->ctx, &x2, &x));
+    TM_TRY(tm_mm(m, &x2, &att, 0, &b->wo->wc, 1, 1.0f));
+    dsk_tensor h2 = tm_rows(&b->h2, N), rstd2 = tm_rows(&b->rstd2, N);
+    return dsk_rmsnorm(m->ctx, &h2, &rstd2, &x2, &b->ln2->wc, c->norm_eps);
+}
+
+/* Forward pass over the first nb sequences of m->ids; writes m->logits rows [0, nb*T).
+*/
+static dsk_status tm_forward(tm_model *m, int nb) {
+    const tm_config *c = &m->cfg;
+    int64_t N = (int64_t)nb * c->seq;
+    dsk_tensor ids = tm_rows(&m->ids, N), x0 = tm_rows(&m->blocks[0].x, N);
+    TM_TRY(dsk_embedding(m->ctx, &x0, &m->embed->wc, &ids));
+    for (int l = 0; l < c->n_layers; l++) {
+        tm_block *b = &m->blocks[l];
+        dsk_tensor y = tm_rows(l + 1 < c->n_layers ? &m->blocks[l + 1].x : &m->x_final, N);
+        TM_TRY(tm_attn_forward(m, b, nb));
+        TM_TRY(l < c->n_dense ? tm_dense_forward(m, b, N, &y) : tm_moe_forward(m, l, N, &y));
+    }
+    dsk_tensor xf = tm_rows(&m->x_final, N), hf = tm_rows(&m->hf, N), rstdf = tm_rows(&m->rstdf, N);
+    dsk_tensor logits = tm_rows(&m->logits, N);
+    TM_TRY(dsk_rmsnorm(m->ctx, &hf, &rstdf, &xf, &m->ln_f->wc, c->norm_eps));
+    return tm_mm(m, &logits, &hf, 0, &m->lm_head->wc, 1, 0.0f);
+}
+
+/* Mean cross-entropy of the full micro-batch into m->loss; dlogits = grad_scale * dloss/dlogits. */
+static dsk_status tm_loss(tm_model *m, float grad_scale) {
+    return dsk_cross_entropy(m->ctx, &m->loss, &m->dlogits, &m->logits, &m->targets, -1, grad_scale);
+}
+
+/* ------------------------------------------------------------------ backward */
+
+static dsk_status tm_ready(tm_model *m, const tm_param *p) {
+    return m->grad_ready ? m->grad_ready(m->grad_ready_user, (int)(p - m->params)) : DSK_OK;
+}
+
+/* dx holds d(block output); adds the dense FFN's weight gradients, leaves d(h2) in dh. */
+static dsk_status tm_dense_backward(tm_model *m, tm_block *b) {
+    TM_TRY(tm_mm(m, &m->da, &m->dx, 0, &b->w2->wc, 0, 0.0f));  /* da (N,F) = dy (N,D) W2 (D,F) */
+    TM_TRY(tm_mm(m, &b->w2->g, &m->dx, 1, &b->a, 0, 1.0f));    /* dW2 (D,F) += dy^T a */
+    TM_TRY(tm_ready(m, b->w2));
+    TM_TRY(dsk_tensor_fill(m->ctx, &m->dg, 0.0));
+    TM_TRY(dsk_tensor_fill(m->ctx, &m->du, 0.0));
+    TM_TRY(dsk_swiglu_backward(m->ctx, &m->dg, &m->du, &m->da, &b->g, &b->u));
+    TM_TRY(tm_mm(m, &b->w1->g, &m->dg, 1, &b->h2, 0, 1.0f));   /* dW1 (F,D) += dg^T h2 */
+    TM_TRY(tm_mm(m, &b->w3->g, &m->du, 1, &b->h2, 0, 1.0f));
+    TM_TRY(tm_ready(m, b->w1));
+    TM_TRY(tm_ready(m, b->w3));
+    TM_TRY(tm_mm(m, &m->dh, &m->dg, 0, &b->w1->wc, 0, 0.0f));  /* dh2 = dg W1 + du W3 */
+    return tm_mm(m, &m->dh, &m->du, 0, &b->w3->wc, 0, 1.0f);
+}
+
+/* dx holds d(x2); turns it into d(x) and adds the attention weights' gradients. */
+static dsk_status tm_attn_backward(tm_model *m, tm_block *b) {
+    const tm_config *c = &m->cfg;
+    int nb = c->batch;
+    TM_TRY(tm_mm(m, &b->wo->g, &m->dx, 1, &b->att, 0, 1.0f));  /* dWo += dx2^T att */
+    TM_TRY(tm_ready(m, b->wo));
+    TM_TRY(tm_mm(m, &m->datt, &m->dx, 0, &b->wo->wc, 0, 0.0f));
+    /* per sequence: dP = dO V^T, dV = P^T dO, dS = softmax'(P) dP, dQ = scale dS K, dK = scale dS^T Q */
+    float scale = 1.0f / sqrtf((float)(c->d_model / c->n_heads));
+    for (int s = 0; s < nb; s++) {
+        dsk_tensor qs = tm_seq_heads(m, &b->qr, s), ks = tm_seq_heads(m, &b->kr, s), vs = tm_seq_heads(m, &b->v, s);
+        dsk_tensor dos = tm_seq_heads(m, &m->datt, s), dqs = tm_seq_heads(m, &m->dqr, s), dks = tm_seq_heads(m, &m->dkr, s);
+        dsk_tensor dvs = tm_seq_heads(m, &m->dv, s), p;
+        TM_TRY(dsk_tensor_select(&b->probs, s, &p));
+        TM_TRY(dsk_matmul(m->ctx, &m->dp, &dos, 0, &vs, 1, 1.0f, 0.0f));
+        TM_TRY(dsk_matmul(m->ctx, &dvs, &p, 1, &dos, 0, 1.0f, 0.0f));
+        TM_TRY(dsk_tensor_fill(m->ctx, &m->ds, 0.0));
+        TM_TRY(dsk_softmax_backward(m->ctx, &m->ds, &p, &m->dp));
+        TM_TRY(dsk_matmul(m->ctx, &dqs, &m->ds, 0, &ks, 0, scale, 0.0f));
+        TM_TRY(dsk_matmul(m->ctx, &dks, &m->ds, 1, &qs, 0, scale, 0.0f));
+    }
+    dsk_tensor dqr4 = tm_heads(m, &m->dqr, nb), dkr4 = tm_heads(m, &m->dkr, nb);
+    TM_TRY(dsk_tensor_fill(m->ctx, &m->dq, 0.0));
+    TM_TRY(dsk_tensor_fill(m->ctx, &m->dk, 0.0));
+    dsk_tensor dq4 = tm_heads(m, &m->dq, nb), dk4 = tm_heads(m, &m->dk, nb);
+    TM_TRY(dsk_rope_backward(m->ctx, &dq4, &dqr4, 0, c->rope_theta));
+    TM_TRY(dsk_rope_backward(m->ctx, &dk4, &dkr4, 0, c->rope_theta));
+    TM_TRY(tm_mm(m, &b->wq->g, &m->dq, 1, &b->h1, 0, 1.0f));   /* dWq (D,D) += dq^T h1 */
+    TM_TRY(tm_mm(m, &b->wk->g, &m->dk, 1, &b->h1, 0, 1.0f));
+    TM_TRY(tm_mm(m, &b->wv->g, &m->dv, 1, &b->h1, 0, 1.0f));
+    TM_TRY(tm_ready(m, b->wq));
+    TM_TRY(tm_ready(m, b->wk));
+    TM_TRY(tm_ready(m, b->wv));
+    TM_TRY(tm_mm(m, &m->dh, &m->dq, 0, &b->wq->wc, 0, 0.0f)); /* dh1 = dq Wq + dk Wk + dv Wv */
+    TM_TRY(tm_mm(m, &m->dh, &m->dk, 0, &b->wk->wc, 0, 1.0f));
+    TM_TRY(tm_mm(m, &m->dh, &m->dv, 0, &b->wv->wc, 0, 1.0f));
+    TM_TRY(dsk_rmsnorm_backward(m->ctx, &m->dx, &b->ln1->g, &m->dh, &b->x, &b->ln1->wc, &b->rstd1));
+    return tm_ready(m, b->ln1);
+}
+
+/* Backward of the full micro-batch from m->dlogits; gradients accumulate into the slab. The
+   residual stream's gradient runs through m->dx, each norm adding its branch to it. */
+static dsk_status tm_backward(tm_model *m) {
+    const tm_config *c = &m->cfg;
+    TM_TRY(tm_mm(m, &m->lm_head->g, &m->dlogits, 1, &m->hf, 0, 1.0f)); /* dWlm (V,D) += dlogits^T hf */
+    TM_TRY(tm_ready(m, m->lm_head));
+    TM_TRY(tm_mm(m, &m->dh, &m->dlogits, 0, &m->lm_head->wc, 0, 0.0f)); /* dhf (N,D) = dlogits Wlm */
+    TM_TRY(dsk_tensor_fill(m->ctx, &m->dx, 0.0));
+    TM_TRY(dsk_rmsnorm_backward(m->ctx, &m->dx, &m->ln_f->g, &m->dh, &m->x_final, &m->ln_f->wc, &m->rstdf));
+    TM_TRY(tm_ready(m, m->ln_f));
+    for (int l = c->n_layers - 1; l >= 0; l--) {
+        tm_block *b = &m->blocks[l];
+        TM_TRY(l < c->n_dense ? tm_dense_backward(m, b) : tm_moe_backward(m, l));
+        TM_TRY(dsk_rmsnorm_backward(m->ctx, &m->dx, &b->ln2->g, &m->dh, &b->x2, &b->ln2->wc, &b->rstd2));
+        TM_TRY(tm_ready(m, b->ln2));
+        TM_TRY(tm_attn_backward(m, b));
+    }
+    TM_TRY(dsk_embedding_backward(m->ctx, &m->embed->g, &m->dx, &m->ids));
+    return tm_ready(m, m->embed);
+}
+
+#endif /* TRAIN_MODEL_H */

@@ -1,0 +1,1152 @@
+/* train_moe.c - the main job: train a small DeepSeek-style Mixture-of-Experts language model.
+
+   make run                                   # default: C headers of /usr/include, CPU or GPU
+   make run ARGS="--steps 100 --log run.jsonl"
+   build/examples/train_moe --nproc 2         # two local data-parallel ranks
+   torchrun --no-python --nproc-per-node 2 build/examples/train_moe   # same under torchrun/srun/mpirun
+   build/examples/train_moe --help            # every flag with its default
+
+   The program shows how to embed dsk in a trainer:
+     dsk_tensor.h  ops and AdamW        (model: examples/train_model.h)
+     dsk_moe.h     the MoE feed-forward layers
+     dsk_amp.h     loss scaling, non-finite check, clipping
+     dsk_ckpt.h    async checkpoints and exact resume
+     dsk_comm.h    ranks, data-parallel gradient buckets, expert parallelism
+   A step reads the data, runs forward and backward for each micro-batch, all-reduces the
+   gradients, unscales and clips them, applies AdamW, updates the expert biases, logs, and
+   every --ckpt-every steps hands a checkpoint to a background writer. */
+#if defined(__GNUC__) && !defined(__clang__) /* dsk_comm.h trips -Wformat-truncation when inlined here */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wformat-truncation"
+#endif
+#define DSK_COMM_IMPLEMENTATION
+#include "../dsk_comm.h"
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#define DSK_TENSOR_IMPLEMENTATION
+#include "../dsk_tensor.h"
+#define DSK_AMP_IMPLEMENTATION
+#include "../dsk_amp.h"
+#define DSK_CKPT_IMPLEMENTATION
+#include "../dsk_ckpt.h"
+#define DSK_MOE_IMPLEMENTATION
+#include "../dsk_moe.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "train_data.h"
+#include "train_model.h"
+
+/* ------------------------------------------------------------------ options */
+
+typedef struct options {
+    /* data */
+    char **data;
+    int n_data;
+    int vocab;                /* token shards only; bytes are 256 */
+    int val_every;            /* every n-th window is held out */
+    double corpus_mb;         /* cap of the default corpus */
+    /* model */
+    int seq, d_model, heads, layers, dense_layers, ffn_hidden;
+    int experts, shared, top_k, expert_hidden, groups, topk_groups;
+    char score[16];           /* sigmoid | softmax */
+    double routed_scale, bias_rate, aux_loss, capacity;
+    /* optimisation */
+    int batch, accum, steps, warmup;
+    double lr, min_lr, wd, clip, beta1, beta2;
+    long long seed;
+    char dtype[8], device[8];
+    /* evaluation and output */
+    int val_interval, val_batches, sample_len, log_every;
+    char prompt[256];
+    double temperature, peak_tflops;
+    char *log_path, *metrics_path;
+    /* checkpoints */
+    int ckpt_every, keep, sync_ckpt, resume, stop_at;
+    char *ckpt_dir;
+    /* parallelism */
+    int nproc, ep;
+    int help;
+} options;
+
+typedef enum { OPT_INT, OPT_DOUBLE, OPT_LL, OPT_STR, OPT_STRBUF, OPT_FLAG, OPT_LIST } opt_kind;
+
+typedef struct opt_spec {
+    const char *name;
+    opt_kind kind;
+    size_t offset;
+    size_t bufsize;   /* OPT_STRBUF */
+    const char *help;
+} opt_spec;
+
+#define O_(field) offsetof(options, field)
+static const opt_spec OPTS[] = {
+    {"--data", OPT_LIST, O_(data), 0, "PATH... byte files or llm.c token shards [C headers of /usr/include]"},
+    {"--vocab", OPT_INT, O_(vocab), 0, "vocabulary of token shards"},
+    {"--val-every", OPT_INT, O_(val_every), 0, "hold out every n-th window for validation"},
+    {"--corpus-mb", OPT_DOUBLE, O_(corpus_mb), 0, "size cap of the default corpus in MB"},
+    {"--seq", OPT_INT, O_(seq), 0, "sequence length T"},
+    {"--d-model", OPT_INT, O_(d_model), 0, "model width D"},
+    {"--heads", OPT_INT, O_(heads), 0, "attention heads"},
+    {"--layers", OPT_INT, O_(layers), 0, "transformer blocks"},
+    {"--dense-layers", OPT_INT, O_(dense_layers), 0, "leading blocks with a dense FFN (the rest are MoE)"},
+    {"--ffn-hidden", OPT_INT, O_(ffn_hidden), 0, "hidden size of the dense FFN"},
+    {"--experts", OPT_INT, O_(experts), 0, "routed experts per MoE layer"},
+    {"--shared", OPT_INT, O_(shared), 0, "shared experts per MoE layer"},
+    {"--top-k", OPT_INT, O_(top_k), 0, "experts per token"},
+    {"--expert-hidden", OPT_INT, O_(expert_hidden), 0, "hidden size of each expert"},
+    {"--groups", OPT_INT, O_(groups), 0, "expert groups for group-limited routing (1 = off)"},
+    {"--topk-groups", OPT_INT, O_(topk_groups), 0, "groups kept per token"},
+    {"--score", OPT_STRBUF, O_(score), sizeof(((options *)0)->score), "router score: sigmoid | softmax"},
+    {"--routed-scale", OPT_DOUBLE, O_(routed_scale), 0, "routed scaling factor"},
+    {"--bias-rate", OPT_DOUBLE, O_(bias_rate), 0, "auxiliary-loss-free expert bias update rate (0 = off)"},
+    {"--aux-loss", OPT_DOUBLE, O_(aux_loss), 0, "Switch/GShard auxiliary loss coefficient"},
+    {"--capacity", OPT_DOUBLE, O_(capacity), 0, "expert capacity factor (0 = dropless)"},
+    {"--batch", OPT_INT, O_(batch), 0, "global batch: sequences per micro-step over all ranks"},
+    {"--accum", OPT_INT, O_(accum), 0, "micro-steps of gradient accumulation per step"},
+    {"--steps", OPT_INT, O_(steps), 0, "optimizer steps"},
+    {"--warmup", OPT_INT, O_(warmup), 0, "linear warm-up steps"},
+    {"--lr", OPT_DOUBLE, O_(lr), 0, "peak learning rate"},
+    {"--min-lr", OPT_DOUBLE, O_(min_lr), 0, "final learning rate of the cosine decay"},
+    {"--wd", OPT_DOUBLE, O_(wd), 0, "AdamW weight decay (matrices only)"},
+    {"--clip", OPT_DOUBLE, O_(clip), 0, "global gradient-norm clip (0 = off)"},
+    {"--beta1", OPT_DOUBLE, O_(beta1), 0, "AdamW beta1"},
+    {"--beta2", OPT_DOUBLE, O_(beta2), 0, "AdamW beta2"},
+    {"--seed", OPT_LL, O_(seed), 0, "seed of weights and data order"},
+    {"--dtype", OPT_STRBUF, O_(dtype), sizeof(((options *)0)->dtype), "f32 | bf16 | fp16 [bf16 on a GPU, f32 on the CPU]"},
+    {"--device", OPT_STRBUF, O_(device), sizeof(((options *)0)->device), "auto | cpu | cuda"},
+    {"--val-interval", OPT_INT, O_(val_interval), 0, "steps between validation runs"},
+    {"--val-batches", OPT_INT, O_(val_batches), 0, "global batches per validation run"},
+    {"--sample-len", OPT_INT, O_(sample_len), 0, "tokens generated at the end (0 = none)"},
+    {"--prompt", OPT_STRBUF, O_(prompt), sizeof(((options *)0)->prompt), "prompt of the final sample"},
+    {"--temperature", OPT_DOUBLE, O_(temperature), 0, "sampling temperature (0 = greedy)"},
+    {"--log-every", OPT_INT, O_(log_every), 0, "print every n-th step"},
+    {"--log", OPT_STR, O_(log_path), 0, "FILE: JSON lines, one per step and validation"},
+    {"--metrics", OPT_STR, O_(metrics_path), 0, "FILE: Prometheus text file, rewritten every step"},
+    {"--peak-tflops", OPT_DOUBLE, O_(peak_tflops), 0, "device peak for MFU [CPU: measured; GPU: 989]"},
+    {"--ckpt-every", OPT_INT, O_(ckpt_every), 0, "steps between checkpoints (0 = only at the end)"},
+    {"--ckpt-dir", OPT_STR, O_(ckpt_dir), 0, "DIR of checkpoints (none when unset)"},
+    {"--keep", OPT_INT, O_(keep), 0, "checkpoints kept (0 = all)"},
+    {"--sync-ckpt", OPT_FLAG, O_(sync_ckpt), 0, "write checkpoints synchronously"},
+    {"--resume", OPT_FLAG, O_(resume), 0, "continue from the newest complete checkpoint in --ckpt-dir"},
+    {"--stop-at", OPT_INT, O_(stop_at), 0, "stop after this step as if interrupted (0 = run to --steps)"},
+    {"--nproc", OPT_INT, O_(nproc), 0, "start N local ranks (data parallel)"},
+    {"--ep", OPT_INT, O_(ep), 0, "expert-parallel ranks (divides the world size and --experts)"},
+    {"--help", OPT_FLAG, O_(help), 0, "this text"},
+};
+#define N_OPTS ((int)(sizeof OPTS / sizeof OPTS[0]))
+
+static void set_defaults(options *o) {
+    memset(o, 0, sizeof *o);
+    o->vocab = 50257;
+    o->val_every = 20;
+    o->corpus_mb = 4.0;
+    o->seq = 128;
+    o->d_model = 128;
+    o->heads = 4;
+    o->layers = 4;
+    o->dense_layers = 1;
+    o->ffn_hidden = 384;
+    o->experts = 8;
+    o->shared = 1;
+    o->top_k = 2;
+    o->expert_hidden = 128;
+    o->groups = 1;
+    o->topk_groups = 1;
+    strcpy(o->score, "sigmoid");
+    o->routed_scale = 1.0;
+    o->bias_rate = 1e-3;
+    o->batch = 16;
+    o->accum = 1;
+    o->steps = 600;
+    o->warmup = 30;
+    o->lr = 3e-3;
+    o->min_lr = 3e-4;
+    o->wd = 0.1;
+    o->clip = 1.0;
+    o->beta1 = 0.9;
+    o->beta2 = 0.95;
+    o->seed = 1337;
+    strcpy(o->device, "auto");
+    o->val_interval = 100;
+    o->val_batches = 8;
+    o->sample_len = 240;
+    strcpy(o->prompt, "#include <");
+    o->temperature = 0.8;
+    o->log_every = 1;
+    o->ckpt_every = 0;
+    o->ep = 1;
+    o->nproc = 0;
+}
+
+static void usage(FILE *f) {
+    options d;
+    set_defaults(&d);
+    fprintf(f, "usage: train_moe [flags]\n");
+    for (int i = 0; i < N_OPTS; i++) {
+        const opt_spec *s = &OPTS[i];
+        const char *p = (const char *)&d + s->offset;
+        char def[64] = "";
+        switch (s->kind) {
+        case OPT_INT: snprintf(def, sizeof def, "[%d]", *(const int *)p); break;
+        case OPT_DOUBLE: snprintf(def, sizeof def, "[%g]", *(const double *)p); break;
+        case OPT_LL: snprintf(def, sizeof def, "[%lld]", *(const long long *)p); break;
+        case OPT_STRBUF: snprintf(def, sizeof def, "[%s]", p); break;
+        default: break;
+        }
+        fprintf(f, "  %-16s %s %s\n", s->name, s->help, def);
+    }
+}
+
+/* Parses argv into o; returns 0, or 2 after printing what was wrong. */
+static int parse_args(options *o, int argc, char **argv) {
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const opt_spec *s = NULL;
+        for (int k = 0; k < N_OPTS && !s; k++)
+            if (strcmp(a, OPTS[k].name) == 0) s = &OPTS[k];
+        if (!s) {
+            fprintf(stderr, "train_moe: unknown flag \"%s\" (train_moe --help lists the flags)\n", a);
+            return 2;
+        }
+        char *p = (char *)o + s->offset;
+        if (s->kind == OPT_FLAG) { *(int *)p = 1; continue; }
+        if (s->kind == OPT_LIST) {
+            o->data = &argv[i + 1];
+            while (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0) { i++; o->n_data++; }
+            if (o->n_data == 0) { fprintf(stderr, "train_moe: %s needs at least one PATH\n", a); return 2; }
+            continue;
+        }
+        if (i + 1 >= argc) { fprintf(stderr, "train_moe: %s needs a value\n", a); return 2; }
+        const char *v = argv[++i];
+        char *end = NULL;
+        errno = 0;
+        switch (s->kind) {
+        case OPT_INT: {
+            long x = strtol(v, &end, 10);
+            if (*v == 0 || *end || errno || x < -2147483647L || x > 2147483647L) goto bad;
+            *(int *)p = (int)x;
+            break;
+        }
+        case OPT_LL: {
+            long long x = strtoll(v, &end, 10);
+            if (*v == 0 || *end || errno) goto bad;
+            *(long long *)p = x;
+            break;
+        }
+        case OPT_DOUBLE: {
+            double x = strtod(v, &end);
+            if (*v == 0 || *end || errno || x != x) goto bad;
+            *(double *)p = x;
+            break;
+        }
+        case OPT_STR: *(const char **)p = v; break;
+        case OPT_STRBUF:
+            if (strlen(v) >= s->bufsize) { fprintf(stderr, "train_moe: %s \"%s\" is too long\n", a, v); return 2; }
+            strcpy(p, v);
+            break;
+        default: break;
+        }
+        continue;
+    bad:
+        fprintf(stderr, "train_moe: %s \"%s\" is not a valid %s\n", a, v, s->kind == OPT_DOUBLE ? "number" : "integer");
+        return 2;
+    }
+    return 0;
+}
+
+
+/* ------------------------------------------------------------------ the trainer */
+
+typedef struct trainer {
+    options *o;
+    int rank, world, ep;          /* ep: expert-parallel group size */
+    int have_comm;
+    dsk_comm comm;                /* every rank */
+    dsk_comm ep_comm;             /* ranks that share tokens by all-to-all (hold different experts) */
+    dsk_comm rep_comm;            /* ranks that hold the same experts (expert gradients reduce here) */
+    dsk_comm ck_comm;             /* checkpoint barriers, used from the async writer's thread */
+    dsk_comm_buckets buckets;     /* data-parallel buckets over the dense gradient slab */
+    int have_buckets;
+    dsk_ctx ctx;
+    td_corpus data;
+    tm_model model;
+    dsk_amp_scaler scaler;
+    dsk_amp_param *amp_decay, *amp_plain; /* optimizer groups: with and without weight decay */
+    int n_decay, n_plain;
+    dsk_ckpt ck;
+    int have_ck;
+    int64_t step;                 /* completed steps (skipped ones included) */
+    int64_t applied;              /* optimizer steps applied (AdamW's step counter) */
+    int64_t data_pos;             /* global training sequences consumed */
+    int batch_local;              /* sequences per micro-batch on this rank */
+    int32_t *h_ids, *h_tgt, *h_win;
+    dsk_tensor h_ids_t, h_tgt_t;  /* host tensors over h_ids, h_tgt */
+    FILE *log;
+    double peak_flops, flops_per_token;
+    double t_start, train_seconds;
+    int64_t steps_timed;
+    float last_val;
+} trainer;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Prints on rank 0 only. */
+static void say(const trainer *t, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+static void say(const trainer *t, const char *fmt, ...) {
+    va_list ap;
+    if (t->rank != 0) return;
+    va_start(ap, fmt);
+    vprintf(fmt, ap);
+    va_end(ap);
+    fflush(stdout);
+}
+
+/* The example's error path: print the message of the failing call and exit. */
+#define CHECK(call)                                                                                   \
+    do {                                                                                              \
+        dsk_status check_s_ = (call);                                                                 \
+        if (check_s_ != DSK_OK) {                                                                     \
+            fprintf(stderr, "train_moe: rank %d: %s: %s\n", t->rank, dsk_status_str(check_s_), dsk_last_error()); \
+            exit(1);                                                                                  \
+        }                                                                                             \
+    } while (0)
+
+static void fail(const trainer *t, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3), noreturn))
+#endif
+    ;
+static void fail(const trainer *t, const char *fmt, ...) {
+    va_list ap;
+    fprintf(stderr, "train_moe: rank %d: ", t->rank);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    exit(1);
+}
+
+/* ---- collectives on host scalars (the nccl backend wants device memory: stage through it) */
+
+static dsk_status allreduce_host(trainer *t, dsk_comm *c, void *vals, int64_t n, dsk_dtype dt, dsk_comm_op op) {
+    if (!t->have_comm || c->world_size <= 1) return DSK_OK;
+    if (t->ctx.device.type == DSK_DEV_CPU || c->backend == DSK_COMM_HOST)
+        return dsk_comm_all_reduce(c, &t->ctx, vals, vals, n, dt, op);
+    dsk_tensor h, d;
+    dsk_status s;
+    TM_TRY(dsk_tensor_wrap(&h, vals, dt, dsk_cpu(), 1, &n));
+    TM_TRY(dsk_tensor_alloc(&t->ctx, &d, dt, 1, &n));
+    if ((s = dsk_tensor_copy(&t->ctx, &d, &h)) == DSK_OK && (s = dsk_comm_all_reduce(c, &t->ctx, d.data, d.data, n, dt, op)) == DSK_OK &&
+        (s = dsk_comm_sync(c, &t->ctx)) == DSK_OK)
+        s = dsk_tensor_copy(&t->ctx, &h, &d);
+    dsk_tensor_free(&t->ctx, &d);
+    return s;
+}
+
+/* ---- parallel setup */
+
+/* Ranks r with the same r / ep form an expert-parallel group; ranks with the same r % ep
+   hold the same experts and reduce their gradients together. */
+static void setup_comm(trainer *t) {
+    const options *o = t->o;
+    t->rank = 0;
+    t->world = 1;
+    int launched = getenv("RANK") || getenv("OMPI_COMM_WORLD_RANK") || getenv("SLURM_PROCID");
+    if (launched) {
+        dsk_comm_opts co;
+        memset(&co, 0, sizeof co);
+        co.timeout_s = 120;
+        CHECK(dsk_comm_init_env(&t->comm, &co));
+        t->have_comm = 1;
+        t->rank = t->comm.rank;
+        t->world = t->comm.world_size;
+    }
+    t->ep = o->ep;
+    if (t->ep < 1 || t->world % t->ep != 0)
+        fail(t, "--ep %d must divide the world size %d", t->ep, t->world);
+    if (o->experts % t->ep != 0) fail(t, "--ep %d must divide --experts %d", t->ep, o->experts);
+    if (o->batch % t->world != 0) fail(t, "--batch %d (global) must be a multiple of the world size %d", o->batch, t->world);
+    t->batch_local = o->batch / t->world;
+    if (t->have_comm) {
+        CHECK(dsk_comm_split(&t->comm, t->rank / t->ep, t->rank, &t->ep_comm));
+        CHECK(dsk_comm_split(&t->comm, t->rank % t->ep, t->rank, &t->rep_comm));
+        CHECK(dsk_comm_split(&t->comm, 0, t->rank, &t->ck_comm));
+    }
+}
+
+static void setup_device(trainer *t) {
+    const options *o = t->o;
+    dsk_ctx_opts co;
+    memset(&co, 0, sizeof co);
+    if (strcmp(o->device, "cpu") == 0) co.device = DSK_PREFER_CPU;
+    else if (strcmp(o->device, "cuda") == 0) co.device = DSK_PREFER_CUDA;
+    else if (strcmp(o->device, "auto") != 0) fail(t, "--device \"%s\": use auto, cpu or cuda", o->device);
+    co.cuda_index = t->have_comm ? t->comm.local_rank : 0;
+    CHECK(dsk_ctx_init(&t->ctx, &co));
+}
+
+static dsk_dtype compute_dtype(const trainer *t) {
+    const char *d = t->o->dtype;
+    if (!d[0]) return t->ctx.device.type == DSK_DEV_CUDA ? DSK_BF16 : DSK_F32;
+    if (strcmp(d, "f32") == 0) return DSK_F32;
+    if (strcmp(d, "bf16") == 0) return DSK_BF16;
+    if (strcmp(d, "fp16") == 0 || strcmp(d, "f16") == 0) return DSK_F16;
+    fail(t, "--dtype \"%s\": use f32, bf16 or fp16", d);
+}
+
+/* ---- data */
+
+static void setup_data(trainer *t) {
+    const options *o = t->o;
+    if (o->val_every < 2) fail(t, "--val-every %d: must be at least 2", o->val_every);
+    if (o->corpus_mb <= 0) fail(t, "--corpus-mb %g: must be > 0", o->corpus_mb);
+    CHECK(td_load(&t->data, o->data, o->n_data, o->vocab, "/usr/include", (size_t)(o->corpus_mb * 1e6)));
+    CHECK(td_set_windows(&t->data, o->seq, o->val_every, o->batch));
+    size_t n = (size_t)t->batch_local * (size_t)o->seq;
+    t->h_ids = (int32_t *)malloc(n * sizeof(int32_t));
+    t->h_tgt = (int32_t *)malloc(n * sizeof(int32_t));
+    t->h_win = (int32_t *)malloc((size_t)(o->seq + 1) * sizeof(int32_t));
+    if (!t->h_ids || !t->h_tgt || !t->h_win) fail(t, "out of memory for the batch buffers");
+    int64_t nn = (int64_t)n;
+    CHECK(dsk_tensor_wrap(&t->h_ids_t, t->h_ids, DSK_I32, dsk_cpu(), 1, &nn));
+    CHECK(dsk_tensor_wrap(&t->h_tgt_t, t->h_tgt, DSK_I32, dsk_cpu(), 1, &nn));
+}
+
+/* Loads this rank's part of a batch: window `window_of(j)` for its sequences j. */
+static dsk_status upload_batch(trainer *t) {
+    TM_TRY(dsk_tensor_copy(&t->ctx, &t->model.ids, &t->h_ids_t));
+    return dsk_tensor_copy(&t->ctx, &t->model.targets, &t->h_tgt_t);
+}
+
+static dsk_status load_train_batch(trainer *t) {
+    int64_t T = t->o->seq, first = t->data_pos + (int64_t)t->rank * t->batch_local;
+    for (int b = 0; b < t->batch_local; b++)
+        td_read_window(&t->data, td_sample(&t->data, (uint64_t)t->o->seed, first + b), t->h_ids + b * T, t->h_tgt + b * T, t->h_win);
+    t->data_pos += t->o->batch;
+    return upload_batch(t);
+}
+
+static dsk_status load_val_batch(trainer *t, int64_t i) {
+    int64_t T = t->o->seq, first = i * t->o->batch + (int64_t)t->rank * t->batch_local;
+    for (int b = 0; b < t->batch_local; b++)
+        td_read_window(&t->data, td_val_window(&t->data, (first + b) % t->data.n_val), t->h_ids + b * T, t->h_tgt + b * T, t->h_win);
+    return upload_batch(t);
+}
+
+/* ---- model and optimizer groups */
+
+static void setup_model(trainer *t) {
+    const options *o = t->o;
+    tm_config c;
+    memset(&c, 0, sizeof c);
+    c.vocab = t->data.vocab;
+    c.seq = o->seq;
+    c.d_model = o->d_model;
+    c.n_heads = o->heads;
+    c.n_layers = o->layers;
+    c.n_dense = o->dense_layers;
+    c.ffn_hidden = o->ffn_hidden;
+    c.batch = t->batch_local;
+    c.rope_theta = 10000.0f;
+    c.norm_eps = 1e-5f;
+    c.init_std = 0.02f;
+    c.cdt = compute_dtype(t);
+    c.seed = (uint64_t)o->seed;
+    if (strcmp(o->score, "sigmoid") == 0) c.moe.score = DSK_MOE_SIGMOID;
+    else if (strcmp(o->score, "softmax") == 0) c.moe.score = DSK_MOE_SOFTMAX;
+    else fail(t, "--score \"%s\": use sigmoid or softmax", o->score);
+    c.moe.n_routed = o->experts;
+    c.moe.n_shared = o->shared;
+    c.moe.top_k = o->top_k;
+    c.moe.d_expert = o->expert_hidden;
+    c.moe.n_group = o->groups;
+    c.moe.topk_group = o->topk_groups;
+    c.moe.routed_scale = (float)o->routed_scale;
+    c.moe.aux_alpha = (float)o->aux_loss;
+    c.moe.capacity_factor = (float)o->capacity;
+    c.moe.bias_rate = (float)o->bias_rate;
+    c.moe.ep = t->have_comm && t->ep > 1 ? &t->ep_comm : NULL;
+    if (o->dense_layers < o->layers && o->experts < 1) fail(t, "--experts %d: MoE blocks need at least 1 expert", o->experts);
+    CHECK(tm_init(&t->model, &t->ctx, &c));
+}
+
+/* Two optimizer groups for dsk_amp_step: matrices (weight decay) and norm weights (none). */
+static void setup_optimizer(trainer *t) {
+    tm_model *m = &t->model;
+    t->amp_decay = (dsk_amp_param *)calloc((size_t)m->n_params, sizeof(dsk_amp_param));
+    t->amp_plain = (dsk_amp_param *)calloc((size_t)m->n_params, sizeof(dsk_amp_param));
+    if (!t->amp_decay || !t->amp_plain) fail(t, "out of memory for the optimizer groups");
+    for (int i = 0; i < m->n_params; i++) {
+        tm_param *p = &m->params[i];
+        dsk_amp_param *a = p->decay ? &t->amp_decay[t->n_decay++] : &t->amp_plain[t->n_plain++];
+        a->name = p->name;
+        a->master = &p->w;
+        a->grad = &p->g;
+        a->m = &p->m;
+        a->v = &p->v;
+        a->copy = p->wc.data != p->w.data ? &p->wc : NULL;
+    }
+    dsk_amp_scaler_opts so;
+    memset(&so, 0, sizeof so);
+    so.mode = m->cfg.cdt == DSK_F16 ? DSK_AMP_DYNAMIC : DSK_AMP_NONE;
+    CHECK(dsk_amp_scaler_init(&t->ctx, &t->scaler, &so));
+}
+
+static dsk_status on_grad_ready(void *user, int param) {
+    trainer *t = (trainer *)user;
+    return dsk_comm_buckets_mark_ready(&t->buckets, param);
+}
+
+/* Data-parallel buckets over the dense gradient slab (parameters in slab order). */
+static void setup_buckets(trainer *t) {
+    tm_model *m = &t->model;
+    if (!t->have_comm || t->world <= 1) return;
+    int64_t *counts = (int64_t *)malloc((size_t)m->n_slab_params * sizeof *counts);
+    if (!counts) fail(t, "out of memory");
+    for (int i = 0; i < m->n_slab_params; i++) counts[i] = tm_param_numel(&m->params[i]);
+    CHECK(dsk_comm_buckets_init(&t->buckets, &t->comm, &t->ctx, m->slab_g.data, DSK_F32, m->n_slab_params, counts, NULL));
+    free(counts);
+    t->have_buckets = 1;
+    m->grad_ready = on_grad_ready;
+    m->grad_ready_user = t;
+}
+
+/* ---- FLOPs and the device peak */
+
+/* Training FLOPs per token: 6 x active parameters (embedding lookups excluded) + causal
+   attention 6 L D T (REFERENCE: 6N + 6 L d_model T). */
+static double flops_per_token(const trainer *t) {
+    const options *o = t->o;
+    double D = o->d_model, active = 0;
+    for (int l = 0; l < o->layers; l++) {
+        active += 4 * D * D;
+        if (l < o->dense_layers) active += 3 * D * o->ffn_hidden;
+        else active += D * o->experts + 3 * D * o->expert_hidden * (o->top_k + o->shared);
+    }
+    active += D * t->data.vocab; /* LM head */
+    return 6 * active + 6.0 * o->layers * D * o->seq;
+}
+
+/* The CPU's f32 GEMM rate: best of a few 512^3 products with dsk_sgemm_cpu on this
+   context's threads. A measured peak, so MFU reads as "share of what this CPU's GEMM does". */
+static double measure_cpu_peak(const trainer *t) {
+    const int64_t n = 512;
+    float *a = (float *)malloc((size_t)(3 * n * n) * sizeof(float));
+    if (!a) return 0;
+    for (int64_t i = 0; i < 3 * n * n; i++) a[i] = (float)((i * 7919) % 1000) * 1e-3f;
+    double best = 1e30;
+    for (int r = 0; r < 4; r++) {
+        double t0 = now_s();
+        dsk_sgemm_cpu(0, 0, n, n, n, 1.0f, a, n, a + n * n, n, 0.0f, a + 2 * n * n, n, t->ctx.n_threads);
+        double dt = now_s() - t0;
+        if (dt < best) best = dt;
+    }
+    free(a);
+    return 2.0 * (double)n * n * n / best;
+}
+
+/* ---- one training step */
+
+typedef struct step_info {
+    double loss, aux_loss, norm, lr, ms, tokens_per_s, mfu, comm_share, load_ratio;
+    float scale;
+    int64_t dropped;
+    int skipped;
+} step_info;
+
+/* Learning rate at step s (1-based): linear warm-up, then cosine decay to min_lr. */
+static double lr_at(const options *o, int64_t s) {
+    if (o->warmup > 0 && s <= o->warmup) return o->lr * (double)s / o->warmup;
+    double span = (double)(o->steps - o->warmup), x = span > 0 ? (double)(s - o->warmup) / span : 1.0;
+    if (x > 1) x = 1;
+    return o->min_lr + 0.5 * (o->lr - o->min_lr) * (1.0 + cos(3.14159265358979323846 * x));
+}
+
+static dsk_status zero_grads(trainer *t) {
+    tm_model *m = &t->model;
+    TM_TRY(dsk_tensor_fill(&t->ctx, &m->slab_g, 0.0));
+    for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++) TM_TRY(dsk_moe_zero_grad(&m->blocks[l].moe, &t->ctx));
+    return DSK_OK;
+}
+
+static dsk_status read_loss(trainer *t, float *out) {
+    dsk_tensor h;
+    TM_TRY(dsk_tensor_wrap(&h, out, DSK_F32, dsk_cpu(), 0, NULL));
+    return dsk_tensor_copy(&t->ctx, &h, &t->model.loss);
+}
+
+/* MoE gradients: the dense part (router, shared experts) averages over every rank; the
+   expert part sums over the ranks holding the same experts and divides by the world size,
+   since each expert's gradient already gathers every token of its expert-parallel group. */
+static dsk_status reduce_moe_grads(trainer *t) {
+    tm_model *m = &t->model;
+    if (!t->have_comm || t->world <= 1) return DSK_OK;
+    for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++) {
+        dsk_moe *moe = &m->blocks[l].moe;
+        float *g = (float *)moe->grad_slab.data;
+        TM_TRY(dsk_comm_all_reduce(&t->comm, &t->ctx, g, g, moe->grad_dense_numel, DSK_F32, DSK_COMM_AVG));
+        if (t->rep_comm.world_size > 1)
+            TM_TRY(dsk_comm_all_reduce(&t->rep_comm, &t->ctx, g + moe->grad_dense_numel, g + moe->grad_dense_numel,
+                                       moe->grad_expert_numel, DSK_F32, DSK_COMM_SUM));
+        if (moe->grad_expert_numel > 0 && t->world > 1) {
+            dsk_tensor e;
+            TM_TRY(dsk_tensor_slice(&moe->grad_slab, 0, moe->grad_dense_numel, moe->grad_expert_numel, &e));
+            TM_TRY(dsk_scale(&t->ctx, &e, 1.0f / (float)t->world));
+        }
+        TM_TRY(dsk_comm_sync(&t->comm, &t->ctx));
+    }
+    return DSK_OK;
+}
+
+/* Unscale + non-finite check + global norm over every gradient. Dense gradients are the
+   same on every rank after the reductions; expert gradients differ across an expert-
+   parallel group, so their statistics are summed over it. */
+static dsk_status unscale_and_decide(trainer *t, dsk_amp_decision *dec) {
+    tm_model *m = &t->model;
+    int n = m->n_params, n_rep = 0, n_shard = 0;
+    dsk_tensor **rep = (dsk_tensor **)malloc((size_t)n * sizeof *rep), **shard = (dsk_tensor **)malloc((size_t)n * sizeof *shard);
+    if (!rep || !shard) { free(rep); free(shard); return dsk_set_error(DSK_ERR_OOM, "unscale: out of memory"); }
+    for (int i = 0; i < n; i++) {
+        tm_param *p = &m->params[i];
+        if (p->moe && p->moe->expert_sharded && t->ep > 1) shard[n_shard++] = &p->g;
+        else rep[n_rep++] = &p->g;
+    }
+    dsk_amp_stats a, b;
+    memset(&a, 0, sizeof a);
+    memset(&b, 0, sizeof b);
+    dsk_status s = dsk_amp_unscale(&t->ctx, &t->scaler, rep, n_rep);
+    if (s == DSK_OK) s = dsk_amp_stats_get(&t->ctx, &t->scaler, &a);
+    if (s == DSK_OK && n_shard > 0) {
+        s = dsk_amp_unscale(&t->ctx, &t->scaler, shard, n_shard);
+        if (s == DSK_OK) s = dsk_amp_stats_get(&t->ctx, &t->scaler, &b);
+        float f[2] = {(float)b.found_inf, (float)b.sumsq}; /* dsk_comm reduces no f64 */
+        if (s == DSK_OK) s = allreduce_host(t, &t->ep_comm, f, 2, DSK_F32, DSK_COMM_SUM);
+        a.found_inf += f[0];
+        a.sumsq += f[1];
+        /* the scaler's next update reads its stats: give it the joined ones */
+        if (s == DSK_OK) {
+            double joined[2] = {a.found_inf, a.sumsq};
+            dsk_tensor h, d;
+            int64_t two = 2;
+            if ((s = dsk_tensor_wrap(&h, joined, DSK_F64, dsk_cpu(), 1, &two)) == DSK_OK &&
+                (s = dsk_tensor_wrap(&d, dsk_amp_stats_data(&t->scaler), DSK_F64, t->scaler.device, 1, &two)) == DSK_OK)
+                s = dsk_tensor_copy(&t->ctx, &d, &h);
+        }
+    }
+    free(rep);
+    free(shard);
+    if (s == DSK_OK) *dec = dsk_amp_decide(a, t->o->clip);
+    return s;
+}
+
+/* Seconds spent in collectives so far, every communicator of this rank. */
+static double comm_seconds(const trainer *t) {
+    return t->comm.stats.seconds + t->ep_comm.stats.seconds + t->rep_comm.stats.seconds + t->buckets.seconds;
+}
+
+static dsk_status train_step(trainer *t, step_info *si) {
+    const options *o = t->o;
+    tm_model *m = &t->model;
+    double t0 = now_s(), comm0 = comm_seconds(t);
+    float scale, loss;
+    TM_TRY(dsk_amp_scale_get(&t->ctx, &t->scaler, &scale));
+    m->aux_scale = scale / (float)o->accum;
+    TM_TRY(zero_grads(t));
+    memset(si, 0, sizeof *si);
+    for (int a = 0; a < o->accum; a++) {
+        TM_TRY(load_train_batch(t));
+        TM_TRY(tm_forward(m, t->batch_local));
+        TM_TRY(tm_loss(m, scale / (float)o->accum));
+        TM_TRY(read_loss(t, &loss));
+        si->loss += loss / o->accum;
+        for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++) {
+            const dsk_moe_stats *st = &m->blocks[l].stats;
+            si->aux_loss += st->loss / o->accum;
+            si->dropped += st->dropped;
+            if (st->mean_load > 0 && st->max_load / st->mean_load > si->load_ratio) si->load_ratio = st->max_load / st->mean_load;
+        }
+        if (t->have_buckets) TM_TRY(dsk_comm_buckets_begin(&t->buckets, a == o->accum - 1));
+        TM_TRY(tm_backward(m));
+    }
+    if (t->have_buckets) TM_TRY(dsk_comm_buckets_wait(&t->buckets));
+    TM_TRY(reduce_moe_grads(t));
+    float l2[1] = {(float)si->loss};
+    TM_TRY(allreduce_host(t, &t->comm, l2, 1, DSK_F32, DSK_COMM_AVG));
+    si->loss = l2[0];
+    dsk_amp_decision dec;
+    TM_TRY(unscale_and_decide(t, &dec));
+    si->lr = lr_at(o, t->step + 1);
+    dsk_adamw_opts ao;
+    memset(&ao, 0, sizeof ao);
+    ao.lr = (float)si->lr;
+    ao.beta1 = (float)o->beta1;
+    ao.beta2 = (float)o->beta2;
+    ao.eps = 1e-8f;
+    int64_t next = t->applied + 1;
+    ao.weight_decay = (float)o->wd;
+    TM_TRY(dsk_amp_step(&t->ctx, t->amp_decay, t->n_decay, &ao, next, &dec, DSK_ROUND_NEAREST, (uint64_t)o->seed));
+    ao.weight_decay = 0.0f;
+    TM_TRY(dsk_amp_step(&t->ctx, t->amp_plain, t->n_plain, &ao, next, &dec, DSK_ROUND_NEAREST, (uint64_t)o->seed));
+    if (!dec.skip) {
+        t->applied = next;
+        if (o->bias_rate > 0)
+            for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++)
+                TM_TRY(dsk_moe_update_bias(&m->blocks[l].moe, &t->ctx, t->have_comm ? &t->comm : NULL));
+    }
+    TM_TRY(dsk_amp_update(&t->ctx, &t->scaler));
+    TM_TRY(dsk_ctx_sync(&t->ctx));
+    t->step++;
+    si->skipped = dec.skip;
+    si->norm = dec.norm;
+    si->scale = scale;
+    si->ms = 1e3 * (now_s() - t0);
+    si->tokens_per_s = (double)o->batch * o->accum * o->seq / (si->ms * 1e-3);
+    si->mfu = t->peak_flops > 0 ? si->tokens_per_s * t->flops_per_token / t->peak_flops : 0;
+    si->comm_share = (comm_seconds(t) - comm0) / (si->ms * 1e-3);
+    return DSK_OK;
+}
+
+/* ---- validation and sampling */
+
+/* Mean loss over --val-batches global batches of held-out windows (the same ones every time). */
+static dsk_status validate(trainer *t, float *out) {
+    tm_model *m = &t->model;
+    double sum = 0;
+    float loss;
+    for (int i = 0; i < t->o->val_batches; i++) {
+        TM_TRY(load_val_batch(t, i));
+        TM_TRY(tm_forward(m, t->batch_local));
+        TM_TRY(dsk_cross_entropy(&t->ctx, &m->loss, NULL, &m->logits, &m->targets, -1, 1.0f));
+        TM_TRY(read_loss(t, &loss));
+        sum += loss;
+    }
+    float v[1] = {(float)(sum / t->o->val_batches)};
+    TM_TRY(allreduce_host(t, &t->comm, v, 1, DSK_F32, DSK_COMM_AVG));
+    *out = v[0];
+    return DSK_OK;
+}
+
+/* Token from logits (V) with temperature; u uniform in (0, 1). */
+static int sample_token(const float *logits, int V, double temperature, float u) {
+    int best = 0;
+    for (int i = 1; i < V; i++)
+        if (logits[i] > logits[best]) best = i;
+    if (temperature <= 0) return best;
+    double sum = 0, acc = 0;
+    for (int i = 0; i < V; i++) sum += exp((logits[i] - logits[best]) / temperature);
+    for (int i = 0; i < V; i++) {
+        acc += exp((logits[i] - logits[best]) / temperature) / sum;
+        if (u < acc) return i;
+    }
+    return V - 1;
+}
+
+/* Generates --sample-len tokens after --prompt (bytes). Every rank runs the forward passes
+   (expert parallelism needs them all); rank 0 prints. Each new token reruns the last T
+   tokens as one sequence (positions past the end are padding the causal mask ignores). */
+static dsk_status generate(trainer *t) {
+    const options *o = t->o;
+    tm_model *m = &t->model;
+    int T = o->seq, V = m->cfg.vocab, n0 = (int)strlen(o->prompt), total = n0 + o->sample_len;
+    if (o->sample_len <= 0) return DSK_OK;
+    int32_t *text = (int32_t *)malloc((size_t)(total > 0 ? total : 1) * sizeof *text);
+    float *row = (float *)malloc((size_t)V * sizeof *row);
+    if (!text || !row) { free(text); free(row); return dsk_set_error(DSK_ERR_OOM, "generate: out of memory"); }
+    for (int i = 0; i < n0; i++) text[i] = (uint8_t)o->prompt[i] % V;
+    if (n0 == 0) text[n0++] = '\n' % V;
+    dsk_status s = DSK_OK;
+    for (int n = n0; n < total && s == DSK_OK; n++) {
+        int start = n > T ? n - T : 0, len = n - start;
+        memset(t->h_ids, 0, (size_t)T * sizeof *t->h_ids);
+        memcpy(t->h_ids, text + start, (size_t)len * sizeof *text);
+        dsk_tensor ids = tm_rows(&m->ids, T), hids, lrow, hrow;
+        int64_t Tl = T, Vl = V;
+        if ((s = dsk_tensor_wrap(&hids, t->h_ids, DSK_I32, dsk_cpu(), 1, &Tl)) != DSK_OK) break;
+        if ((s = dsk_tensor_copy(&t->ctx, &ids, &hids)) != DSK_OK) break;
+        if ((s = tm_forward(m, 1)) != DSK_OK) break;
+        if ((s = dsk_tensor_select(&m->logits, len - 1, &lrow)) != DSK_OK) break;
+        if ((s = dsk_tensor_wrap(&hrow, row, DSK_F32, dsk_cpu(), 1, &Vl)) != DSK_OK) break;
+        if ((s = dsk_tensor_copy(&t->ctx, &hrow, &lrow)) != DSK_OK) break;
+        text[n] = sample_token(row, V, o->temperature, dsk_rng_uniform_at((uint64_t)o->seed, 0x5A3B1Eull << 32, (uint64_t)n));
+    }
+    if (s == DSK_OK && t->rank == 0) {
+        printf("---- sample (%d tokens after the prompt, temperature %g) ----\n", o->sample_len, o->temperature);
+        for (int i = 0; i < total; i++) {
+            int c = text[i];
+            if (V > 256) printf("%d ", c);
+            else putchar(c == '\n' || c == '\t' || (c >= 32 && c < 127) ? c : '?');
+        }
+        printf("\n---- end of sample ----\n");
+        fflush(stdout);
+    }
+    free(text);
+    free(row);
+    return s;
+}
+
+/* ---- checkpoints */
+
+typedef struct ck_names { char (*name)[112]; dsk_ckpt_entry *e; int n; } ck_names;
+
+static dsk_status ck_barrier(void *user) {
+    trainer *t = (trainer *)user;
+    return dsk_comm_barrier(&t->ck_comm, NULL);
+}
+
+static void ck_add(ck_names *c, const char *name, const char *suffix, dsk_tensor *tensor, const tm_param *p, const trainer *t) {
+    snprintf(c->name[c->n], sizeof c->name[c->n], "%s%s", name, suffix);
+    dsk_ckpt_entry *e = &c->e[c->n++];
+    memset(e, 0, sizeof *e);
+    e->name = c->name[c->n - 1];
+    e->tensor = tensor;
+    if (p && p->moe && p->moe->expert_sharded && t->ep > 1) {
+        const dsk_moe *moe = &t->model.blocks[t->model.cfg.n_layers - 1].moe; /* every MoE layer splits alike */
+        e->split = 1;
+        e->row0 = moe->expert0;
+        e->global_rows = moe->opts.n_routed;
+    }
+}
+
+/* Everything a bitwise-exact resume needs: f32 master weights, both moments, the expert
+   biases (the compute copies are rebuilt from the masters by the same rounding). */
+static ck_names ck_entries(trainer *t) {
+    tm_model *m = &t->model;
+    ck_names c;
+    int cap = 3 * m->n_params + m->cfg.n_layers;
+    c.n = 0;
+    c.name = (char(*)[112])calloc((size_t)cap, sizeof *c.name);
+    c.e = (dsk_ckpt_entry *)calloc((size_t)cap, sizeof *c.e);
+    if (!c.name || !c.e) fail(t, "out of memory for the checkpoint list");
+    for (int i = 0; i < m->n_params; i++) {
+        tm_param *p = &m->params[i];
+        ck_add(&c, p->name, "", &p->w, p, t);
+        ck_add(&c, p->name, ".adam_m", &p->m, p, t);
+        ck_add(&c, p->name, ".adam_v", &p->v, p, t);
+    }
+    for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++) ck_add(&c, m->blocks[l].moe.bias->name, "", &m->blocks[l].moe.bias->value, NULL, t);
+    return c;
+}
+
+/* The settings a checkpoint must share with the run that resumes it. */
+static void config_string(const trainer *t, char *buf, size_t n) {
+    const options *o = t->o;
+    snprintf(buf, n, "vocab=%d seq=%d d_model=%d heads=%d layers=%d dense_layers=%d ffn_hidden=%d experts=%d shared=%d "
+             "top_k=%d expert_hidden=%d score=%s batch=%d accum=%d dtype=%s seed=%lld", t->model.cfg.vocab, o->seq,
+             o->d_model, o->heads, o->layers, o->dense_layers, o->ffn_hidden, o->experts, o->shared, o->top_k,
+             o->expert_hidden, o->score, o->batch, o->accum, dsk_dtype_name(t->model.cfg.cdt), o->seed);
+}
+
+static dsk_status save_checkpoint(trainer *t) {
+    char kv_val[8][64], cfg[512];
+    dsk_amp_scaler_state st;
+    memset(&st, 0, sizeof st);
+    TM_TRY(dsk_amp_state_get(&t->ctx, &t->scaler, &st));
+    config_string(t, cfg, sizeof cfg);
+    snprintf(kv_val[0], 64, "%lld", (long long)t->step);
+    snprintf(kv_val[1], 64, "%lld", (long long)t->applied);
+    snprintf(kv_val[2], 64, "%lld", (long long)t->data_pos);
+    snprintf(kv_val[3], 64, "%a", (double)st.scale);
+    snprintf(kv_val[4], 64, "%d", (int)st.growth_tracker);
+    snprintf(kv_val[5], 64, "%d", (int)st.hysteresis_left);
+    snprintf(kv_val[6], 64, "%lld", (long long)t->o->seed);
+    dsk_ckpt_kv kv[8] = {{"train.step", kv_val[0]}, {"train.applied", kv_val[1]}, {"train.data_pos", kv_val[2]},
+                         {"amp.scale", kv_val[3]}, {"amp.growth_tracker", kv_val[4]}, {"amp.hysteresis_left", kv_val[5]},
+                         {"train.data_seed", kv_val[6]}, {"train.config", cfg}};
+    ck_names c = ck_entries(t);
+    dsk_status s = t->o->sync_ckpt ? dsk_ckpt_save(&t->ck, t->step, c.e, c.n, kv, 8)
+                                   : dsk_ckpt_save_async(&t->ck, t->step, c.e, c.n, kv, 8);
+    free(c.name);
+    free(c.e);
+    return s;
+}
+
+static dsk_status meta_int(const dsk_ckpt_meta *meta, const char *key, int64_t *v) { return dsk_ckpt_meta_i64(meta, key, v); }
+
+/* Restores weights, moments, biases, scaler, step counters and data position. */
+static dsk_status load_checkpoint(trainer *t, int64_t step) {
+    tm_model *m = &t->model;
+    dsk_ckpt_meta meta;
+    memset(&meta, 0, sizeof meta);
+    ck_names c = ck_entries(t);
+    dsk_status s = dsk_ckpt_load(&t->ck, step, c.e, c.n, &meta);
+    free(c.name);
+    free(c.e);
+    char cfg[512];
+    config_string(t, cfg, sizeof cfg);
+    const char *saved = s == DSK_OK ? dsk_ckpt_meta_get(&meta, "train.config") : NULL;
+    if (s == DSK_OK && (!saved || strcmp(saved, cfg) != 0))
+        s = dsk_set_error(DSK_ERR_ARG, "checkpoint step %lld in %s was written with \"%s\", this run has \"%s\"", (long long)step,
+                          t->o->ckpt_dir, saved ? saved : "(no configuration)", cfg);
+    int64_t st_step = 0, applied = 0, pos = 0, tracker = 0, hyst = 0;
+    double scale = 0;
+    if (s == DSK_OK) s = meta_int(&meta, "train.step", &st_step);
+    if (s == DSK_OK) s = meta_int(&meta, "train.applied", &applied);
+    if (s == DSK_OK) s = meta_int(&meta, "train.data_pos", &pos);
+    if (s == DSK_OK) s = meta_int(&meta, "amp.growth_tracker", &tracker);
+    if (s == DSK_OK) s = meta_int(&meta, "amp.hysteresis_left", &hyst);
+    if (s == DSK_OK) s = dsk_ckpt_meta_f64(&meta, "amp.scale", &scale);
+    dsk_ckpt_meta_free(&meta);
+    if (s != DSK_OK) return s;
+    dsk_amp_scaler_state st;
+    st.scale = (float)scale;
+    st.growth_tracker = (int32_t)tracker;
+    st.hysteresis_left = (int32_t)hyst;
+    TM_TRY(dsk_amp_state_set(&t->ctx, &t->scaler, &st));
+    for (int i = 0; i < m->n_params; i++)
+        if (m->params[i].wc.data != m->params[i].w.data) TM_TRY(dsk_tensor_copy(&t->ctx, &m->params[i].wc, &m->params[i].w));
+    t->step = st_step;
+    t->applied = applied;
+    t->data_pos = pos;
+    return DSK_OK;
+}
+
+/* Opens --ckpt-dir; with --resume loads its newest complete checkpoint. A run that cannot
+   resume exits before it could write anything; a fresh run refuses a directory that holds
+   checkpoints, so no run ever overwrites one by accident. */
+static void setup_ckpt(trainer *t) {
+    const options *o = t->o;
+    if (!o->ckpt_dir) {
+        if (o->resume) fail(t, "--resume needs --ckpt-dir");
+        return;
+    }
+    dsk_ckpt_opts co;
+    memset(&co, 0, sizeof co);
+    co.rank = t->rank;
+    co.world_size = t->world;
+    co.barrier = t->world > 1 ? ck_barrier : NULL;
+    co.barrier_user = t;
+    co.keep_last = o->keep;
+    co.ctx = &t->ctx;
+    CHECK(dsk_ckpt_init(&t->ck, o->ckpt_dir, &co));
+    t->have_ck = 1;
+    int64_t last = -1;
+    CHECK(dsk_ckpt_latest(o->ckpt_dir, &last));
+    if (!o->resume) {
+        if (last >= 0)
+            fail(t, "--ckpt-dir %s already holds checkpoints (newest: step %lld); pass --resume to continue from it or "
+                    "choose another directory", o->ckpt_dir, (long long)last);
+        return;
+    }
+    if (last < 0) {
+        say(t, "resume: no complete checkpoint in %s yet, starting at step 0\n", o->ckpt_dir);
+        return;
+    }
+    dsk_status s = load_checkpoint(t, last);
+    if (s != DSK_OK) fail(t, "--resume from %s failed, nothing was written: %s: %s", o->ckpt_dir, dsk_status_str(s), dsk_last_error());
+    say(t, "resume: step %lld from %s (data position %lld)\n", (long long)t->step, o->ckpt_dir, (long long)t->data_pos);
+}
+
+/* ---- output */
+
+static void log_step(trainer *t, const step_info *si) {
+    const options *o = t->o;
+    t->train_seconds += si->ms * 1e-3;
+    t->steps_timed++;
+    double eta = t->train_seconds / (double)t->steps_timed * (double)(o->steps - t->step);
+    if (t->rank == 0 && (t->step % o->log_every == 0 || t->step == o->steps || t->step == 1))
+        printf("step %5lld/%d | loss %.4f | lr %.2e | norm %6.3f | scale %g | %7.1f ms | %7.0f tok/s | mfu %5.2f%% | comm %4.1f%% | "
+               "load %.2f | drop %lld | eta %dm%02ds%s\n",
+               (long long)t->step, o->steps, si->loss, si->lr, si->norm, (double)si->scale, si->ms, si->tokens_per_s,
+               100 * si->mfu, 100 * si->comm_share, si->load_ratio, (long long)si->dropped, (int)eta / 60, (int)eta % 60,
+               si->skipped ? " | skipped (non-finite gradients)" : "");
+    if (t->log)
+        fprintf(t->log,
+                "{\"type\":\"step\",\"step\":%lld,\"loss\":%.9g,\"aux_loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%.9g,\"loss_scale\":%.9g,"
+                "\"ms\":%.3f,\"tokens_per_s\":%.1f,\"mfu\":%.6f,\"comm_share\":%.6f,\"load_max_mean\":%.6f,\"dropped\":%lld,"
+                "\"skipped\":%d,\"eta_s\":%.1f}\n",
+                (long long)t->step, si->loss, si->aux_loss, si->lr, si->norm, (double)si->scale, si->ms, si->tokens_per_s, si->mfu,
+                si->comm_share, si->load_ratio, (long long)si->dropped, si->skipped, eta);
+    if (t->log) fflush(t->log);
+}
+
+static void log_val(trainer *t, float v) {
+    t->last_val = v;
+    say(t, "step %5lld | validation loss %.4f (%.3f bits/token)\n", (long long)t->step, (double)v, v / log(2.0));
+    if (t->log) {
+        fprintf(t->log, "{\"type\":\"val\",\"step\":%lld,\"val_loss\":%.9g}\n", (long long)t->step, (double)v);
+        fflush(t->log);
+    }
+}
+
+/* Rewrites the Prometheus text file (temporary file + rename, so a scraper never reads half). */
+static void write_metrics(trainer *t, const step_info *si) {
+    const options *o = t->o;
+    if (!o->metrics_path || t->rank != 0) return;
+    char tmp[4096];
+    snprintf(tmp, sizeof tmp, "%s.tmp", o->metrics_path);
+    FILE *f = fopen(tmp, "w");
+    if (!f) fail(t, "--metrics: cannot write %s: %s", tmp, strerror(errno));
+    fprintf(f, "# HELP dsk_train_step Optimizer steps completed.\n# TYPE dsk_train_step counter\ndsk_train_step %lld\n", (long long)t->step);
+    fprintf(f, "# HELP dsk_train_loss Training loss of the last step (nats per token).\n# TYPE dsk_train_loss gauge\ndsk_train_loss %.9g\n", si->loss);
+    if (t->last_val > 0)
+        fprintf(f, "# HELP dsk_train_val_loss Last validation loss.\n# TYPE dsk_train_val_loss gauge\ndsk_train_val_loss %.9g\n", (double)t->last_val);
+    fprintf(f, "# HELP dsk_train_tokens_per_second Training throughput of the last step.\n# TYPE dsk_train_tokens_per_second gauge\ndsk_train_tokens_per_second %.1f\n", si->tokens_per_s);
+    fprintf(f, "# HELP dsk_train_comm_seconds_total Seconds spent in collectives on rank 0.\n# TYPE dsk_train_comm_seconds_total counter\ndsk_train_comm_seconds_total %.6f\n", comm_seconds(t));
+    fprintf(f, "# HELP dsk_train_loss_scale Loss scale of the last step.\n# TYPE dsk_train_loss_scale gauge\ndsk_train_loss_scale %g\n", (double)si->scale);
+    fprintf(f, "# HELP dsk_train_mfu Model FLOPs utilisation of the last step.\n# TYPE dsk_train_mfu gauge\ndsk_train_mfu %.6f\n", si->mfu);
+    fprintf(f, "# HELP dsk_train_dropped_slots Routed slots dropped by capacity in the last step.\n# TYPE dsk_train_dropped_slots gauge\ndsk_train_dropped_slots %lld\n", (long long)si->dropped);
+    fprintf(f, "# HELP dsk_train_expert_load Share of the routed slots each expert received in the last micro-batch.\n# TYPE dsk_train_expert_load gauge\n");
+    for (int l = t->model.cfg.n_dense; l < t->model.cfg.n_layers; l++) {
+        const dsk_moe_stats *st = &t->model.blocks[l].stats;
+        for (int e = 0; e < o->experts && st->tokens_per_expert; e++)
+            fprintf(f, "dsk_train_expert_load{layer=\"%d\",expert=\"%d\"} %.6f\n", l, e,
+                    st->slots > 0 ? (double)st->tokens_per_expert[e] / (double)st->slots : 0.0);
+    }
+    fclose(f);
+    if (rename(tmp, o->metrics_path) != 0) fail(t, "--metrics: cannot rename %s: %s", tmp, strerror(errno));
+}
+
+static void banner(trainer *t) {
+    const options *o = t->o;
+    const tm_model *m = &t->model;
+    int64_t total = 0;
+    for (int i = 0; i < m->n_params; i++) total += dsk_tensor_numel(&m->params[i].w);
+    say(t, "train_moe: %d rank%s (expert parallel %d), %s, %s compute\n", t->world, t->world > 1 ? "s" : "", t->ep,
+        t->ctx.device.type == DSK_DEV_CUDA ? "CUDA" : "CPU", dsk_dtype_name(m->cfg.cdt));
+    say(t, "data: %s; %lld training and %lld held-out windows of %d tokens\n", t->data.source, (long long)t->data.n_train,
+        (long long)t->data.n_val, o->seq + 1);
+    say(t, "model: %d blocks (%d dense), d_model %d, %d heads, vocab %d; MoE %d routed (%s, top-%d) + %d shared, expert hidden %d; "
+           "%.2fM parameters on rank 0, %.1f MFLOP/token (active)\n",
+        o->layers, o->dense_layers, o->d_model, o->heads, m->cfg.vocab, o->experts, o->score, o->top_k, o->shared, o->expert_hidden,
+        total / 1e6, t->flops_per_token / 1e6);
+    say(t, "batch %d x %d tokens x %d accum, %d steps, lr %g (warm-up %d, cosine to %g), clip %g, peak %.1f GFLOP/s (%s)\n",
+        o->batch, o->seq, o->accum, o->steps, o->lr, o->warmup, o->min_lr, o->clip, t->peak_flops / 1e9,
+        o->peak_tflops > 0 ? "given" : t->ctx.device.type == DSK_DEV_CUDA ? "H100/H200 bf16 datasheet" : "measured CPU GEMM");
+}
+
+/* ---- launcher and main */
+
+/* --nproc N: re-runs this binary N times through dsk_comm's local launcher. */
+static int launch_local(const options *o, int argc, char **argv) {
+    char exe[4096];
+    ssize_t k = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (k <= 0) { fprintf(stderr, "train_moe: --nproc: cannot find this program: %s\n", strerror(errno)); return 1; }
+    exe[k] = 0;
+    char **args = (char **)calloc((size_t)argc + 1, sizeof *args);
+    if (!args) return 1;
+    int n = 0;
+    args[n++] = exe;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--nproc") == 0) { i++; continue; }
+        args[n++] = argv[i];
+    }
+    int worst = 0;
+    dsk_status s = dsk_comm_spawn_local(o->nproc, args, NULL, &worst);
+    free(args);
+    if (s != DSK_OK) {
+        fprintf(stderr, "train_moe: --nproc %d: %s: %s\n", o->nproc, dsk_status_str(s), dsk_last_error());
+        return worst ? worst : 1;
+    }
+    return worst;
+}
+
+static void cleanup(trainer *t) {
+    if (t->have_ck) dsk_ckpt_free(&t->ck);
+    if (t->have_buckets) dsk_comm_buckets_free(&t->buckets);
+    tm_free(&t->model);
+    dsk_amp_scaler_free(&t->ctx, &t->scaler);
+    free(t->amp_decay);
+    free(t->amp_plain);
+    td_free(&t->data);
+    free(t->h_ids);
+    free(t->h_tgt);
+    free(t->h_win);
+    if (t->log) fclose(t->log);
+    if (t->have_comm) {
+        dsk_comm_free(&t->ck_comm);
+        dsk_comm_free(&t->rep_comm);
+        dsk_comm_free(&t->ep_comm);
+        dsk_comm_free(&t->comm);
+    }
+    dsk_ctx_free(&t->ctx);
+}
+
+static void check_options(trainer *t) {
+    const options *o = t->o;
+    if (o->steps < 1) fail(t, "--steps %d: must be at least 1", o->steps);
+    if (o->accum < 1) fail(t, "--accum %d: must be at least 1", o->accum);
+    if (o->batch < 1) fail(t, "--batch %d: must be at least 1", o->batch);
+    if (o->val_interval < 1 || o->val_batches < 1 || o->log_every < 1)
+        fail(t, "--val-interval %d, --val-batches %d, --log-every %d: must be at least 1", o->val_interval, o->val_batches, o->log_every);
+    if (o->warmup < 0 || o->ckpt_every < 0 || o->keep < 0 || o->sample_len < 0 || o->stop_at < 0)
+        fail(t, "--warmup, --ckpt-every, --keep, --sample-len, --stop-at must be >= 0");
+    if (!(o->lr > 0) || o->min_lr < 0 || o->wd < 0 || o->clip < 0 || o->beta1 < 0 || o->beta1 >= 1 || o->beta2 < 0 || o->beta2 >= 1)
+        fail(t, "--lr %g (> 0), --min-lr %g, --wd %g, --clip %g (>= 0), --beta1 %g, --beta2 %g (in [0, 1)) out of range", o->lr,
+             o->min_lr, o->wd, o->clip, o->beta1, o->beta2);
+}
+
+int main(int argc, char **argv) {
+    options o;
+    set_defaults(&o);
+    int rc = parse_args(&o, argc, argv);
+    if (rc) return rc;
+    if (o.help) { usage(stdout); return 0; }
+    if (o.nproc < 0) { fprintf(stderr, "train_moe: --nproc %d: must be >= 1\n", o.nproc); return 2; }
+    if (o.nproc > 1 && !getenv("RANK")) return launch_local(&o, argc, argv);
+
+    trainer tr, *t = &tr;
+    memset(t, 0, sizeof *t);
+    t->o = &o;
+    check_options(t);
+    setup_comm(t);
+    setup_device(t);
+    setup_data(t);
+    setup_model(t);
+    setup_optimizer(t);
+    setup_buckets(t);
+    t->flops_per_token = flops_per_token(t);
+    t->peak_flops = o.peak_tflops > 0 ? o.peak_tflops * 1e12 : t->ctx.device.type == DSK_DEV_CUDA ? 989e12 : measure_cpu_peak(t);
+    setup_ckpt(t);
+    if (o.log_path && t->rank == 0 && !(t->log = fopen(o.log_path, t->step > 0 ? "a" : "w")))
+        fail(t, "--log: cannot open %s: %s", o.log_path, strerror(errno));
+    banner(t);
+    /* The straight run validated at this step before saving; validating again keeps the
+       expert-load counts (which every forward adds to) identical, so resume stays exact. */
+    if (t->step > 0 && t->step % o.val_interval == 0 && t->step < o.steps) {
+        float v;
+        CHECK(validate(t, &v));
+        log_val(t, v);
+    }
+    t->t_start = now_s();
+    int64_t last_saved = t->step;
+    while (t->step < o.steps && !(o.stop_at > 0 && t->step >= o.stop_at)) {
+        step_info si;
+        CHECK(train_step(t, &si));
+        log_step(t, &si);
+        write_metrics(t, &si);
+        if (t->step % o.val_interval == 0 || t->step == o.steps) {
+            float v;
+            CHECK(validate(t, &v));
+            log_val(t, v);
+        }
+        if (t->have_ck && o.ckpt_every > 0 && t->step % o.ckpt_every == 0) {
+            CHECK(save_checkpoint(t));
+            last_saved = t->step;
+        }
+    }
+    if (t->have_ck) {
+        if (last_saved != t->step) CHECK(save_checkpoint(t));
+        CHECK(dsk_ckpt_wait(&t->ck));
+    }
+    double wall = now_s() - t->t_start;
+    if (t->step == o.steps) CHECK(generate(t));
+    say(t, "done: %lld steps in %.1f s (%.0f tokens/s), final validation loss %.4f\n", (long long)t->step, wall,
+        t->steps_timed ? (double)o.batch * o.accum * o.seq * t->steps_timed / t->train_seconds : 0.0, (double)t->last_val);
+    cleanup(t);
+    return 0;
+}

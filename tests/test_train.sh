@@ -1,0 +1,214 @@
+#!/usr/bin/env bash
+# End-to-end tests of examples/train_moe.c (the main job) on tiny configurations:
+# the loss falls, stop + resume is bitwise equal to a straight run, 2 ranks (data and
+# expert parallel) match 1 rank, token shards load, the log/metrics/plot outputs are
+# well formed, and bad inputs fail cleanly with a message and a non-zero exit.
+# Prints `[test_train] totals: P passed / F failed / S skipped`; exits non-zero on failure.
+set -u
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+BIN=$BUILD/examples/train_moe
+PY=python3
+passed=0 failed=0 skipped=0
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+ok() { echo "ok   $1"; passed=$((passed + 1)); }
+bad() { echo "FAIL $1"; shift; for l in "$@"; do echo "     $l"; done; failed=$((failed + 1)); }
+
+if ! make --no-print-directory -s BUILD="$BUILD" "$BIN" >"$work/build.log" 2>&1; then
+    cat "$work/build.log"
+    bad "build $BIN" "make failed"
+    echo "[test_train] totals: $passed passed / $failed failed / $skipped skipped"
+    exit 1
+fi
+
+# A tiny model on 0.3 MB of the default corpus: one step takes milliseconds.
+TINY=(--seq 32 --d-model 32 --heads 2 --layers 3 --dense-layers 1 --ffn-hidden 64 --experts 4 --top-k 2
+      --expert-hidden 32 --shared 1 --batch 8 --lr 3e-3 --warmup 5 --corpus-mb 0.3 --val-every 10
+      --val-interval 10 --val-batches 2 --sample-len 0 --peak-tflops 0.1)
+
+# run NAME ARGS...: runs the trainer, output in $work/NAME.out, status in $work/NAME.rc
+run() {
+    local name=$1; shift
+    timeout 120 "$BIN" "$@" >"$work/$name.out" 2>&1
+    echo $? >"$work/$name.rc"
+}
+rc() { cat "$work/$1.rc"; }
+
+# field NAME FIELD [TYPE]: "step value" lines of a JSONL log
+field() {
+    $PY - "$work/$1.jsonl" "$2" "${3:-step}" <<'EOF'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r["type"] == sys.argv[3]:
+        print(r["step"], repr(r[sys.argv[2]]))
+EOF
+}
+
+# ---- 1. a tiny model learns: the loss of the last steps is well below the first ones
+run learn "${TINY[@]}" --steps 30 --log "$work/learn.jsonl" --metrics "$work/learn.prom"
+if [ "$(rc learn)" -ne 0 ]; then
+    bad "tiny model trains 30 steps" "exit $(rc learn)" "$(tail -5 "$work/learn.out")"
+else
+    verdict=$($PY - "$work/learn.jsonl" <<'EOF'
+import json, math, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+steps = [r for r in rows if r["type"] == "step"]
+vals = [r for r in rows if r["type"] == "val"]
+first = sum(r["loss"] for r in steps[:3]) / 3
+last = sum(r["loss"] for r in steps[-3:]) / 3
+problems = []
+if len(steps) != 30: problems.append("%d step lines, want 30" % len(steps))
+if not all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in steps): problems.append("non-finite loss or norm")
+if not first > 5.0: problems.append("first loss %.3f, want about ln 256 = 5.55" % first)
+if not last < first - 1.0: problems.append("loss %.3f -> %.3f did not fall by 1 nat" % (first, last))
+if not vals or not vals[-1]["val_loss"] < vals[0]["val_loss"]: problems.append("validation loss did not fall: %s" % [v["val_loss"] for v in vals])
+print("; ".join(problems) if problems else "ok %.3f -> %.3f" % (first, last))
+EOF
+)
+    case $verdict in ok*) ok "tiny model trains 30 steps, loss falls ($verdict)";; *) bad "tiny model trains 30 steps, loss falls" "$verdict";; esac
+fi
+
+# ---- 2. the per-step line and the output files
+if grep -qE '^step +30/30 \| loss [0-9.]+ \| lr .* \| norm .* \| scale .* ms \| .* tok/s \| mfu .*% \| comm .*% \| load [0-9.]+ \| drop [0-9]+ \| eta ' "$work/learn.out" &&
+   grep -q 'validation loss' "$work/learn.out"; then
+    ok "per-step line carries loss, lr, norm, scale, time, tokens/s, MFU, comm, load, drops, ETA"
+else
+    bad "per-step line format" "$(grep '^step' "$work/learn.out" | tail -2)"
+fi
+if [ -f "$work/learn.prom" ] && grep -q '^dsk_train_step 30$' "$work/learn.prom" &&
+   grep -q '^# TYPE dsk_train_loss gauge$' "$work/learn.prom" &&
+   [ "$(grep -c '^dsk_train_expert_load{layer="[0-9]*",expert="[0-9]*"} ' "$work/learn.prom")" -eq 8 ] &&
+   grep -q '^dsk_train_tokens_per_second ' "$work/learn.prom" && grep -q '^dsk_train_comm_seconds_total ' "$work/learn.prom" &&
+   grep -q '^dsk_train_loss_scale ' "$work/learn.prom"; then
+    ok "--metrics writes a Prometheus text file (step, loss, tokens/s, comm seconds, loss scale, 2x4 expert loads)"
+else
+    bad "--metrics Prometheus file" "$(head -c 600 "$work/learn.prom" 2>/dev/null)"
+fi
+if $PY scripts/plot_loss.py "$work/learn.jsonl" "$work/learn.png" >"$work/plot.out" 2>&1 &&
+   [ "$(head -c 8 "$work/learn.png" | od -An -tx1 | tr -d ' \n')" = 89504e470d0a1a0a ]; then
+    ok "scripts/plot_loss.py turns the log into a PNG"
+else
+    bad "scripts/plot_loss.py" "$(cat "$work/plot.out")"
+fi
+
+# ---- 3. stop at 15 + resume == straight 30 steps, to the last bit (losses, norms, val losses)
+run straight "${TINY[@]}" --steps 30 --ckpt-dir "$work/ck_a" --ckpt-every 10 --log "$work/straight.jsonl"
+run first "${TINY[@]}" --steps 30 --ckpt-dir "$work/ck_b" --ckpt-every 10 --stop-at 15 --log "$work/first.jsonl"
+run resumed "${TINY[@]}" --steps 30 --ckpt-dir "$work/ck_b" --ckpt-every 10 --resume --log "$work/resumed.jsonl"
+if [ "$(rc straight)" -ne 0 ] || [ "$(rc first)" -ne 0 ] || [ "$(rc resumed)" -ne 0 ]; then
+    bad "stop + resume equals the straight run" "exit $(rc straight)/$(rc first)/$(rc resumed)" "$(tail -3 "$work/resumed.out")"
+else
+    a=$( (field straight loss; field straight grad_norm; field straight val_loss val) | awk '$1 > 15')
+    b=$( (field resumed loss; field resumed grad_norm; field resumed val_loss val) | awk '$1 > 15')
+    c=$( (field first loss) | awk '$1 <= 15')
+    d=$( (field straight loss) | awk '$1 <= 15')
+    if grep -q 'resume: step 15' "$work/resumed.out" && [ -n "$a" ] && [ "$a" = "$b" ] && [ "$c" = "$d" ] && [ "$(echo "$b" | wc -l)" -ge 32 ]; then
+        ok "stop at step 15 + --resume: steps 16-30 bitwise equal to the straight run (loss, norm, validation)"
+    else
+        bad "stop + resume equals the straight run" "$(diff <(echo "$a") <(echo "$b") | head -6)" "$(grep resume "$work/resumed.out")"
+    fi
+fi
+
+# ---- 4. two ranks (data parallel; then expert parallel) match one rank within 1e-4
+compare_runs() { # name1 name2 -> worst relative loss difference, or an error
+    $PY - "$work/$1.jsonl" "$work/$2.jsonl" <<'EOF'
+import json, sys
+def losses(p): return [r["loss"] for r in map(json.loads, open(p)) if r["type"] == "step"]
+a, b = losses(sys.argv[1]), losses(sys.argv[2])
+if len(a) != len(b) or not a: print("steps %d vs %d" % (len(a), len(b))); sys.exit()
+print("%.3g" % max(abs(x - y) / abs(x) for x, y in zip(a, b)))
+EOF
+}
+run one "${TINY[@]}" --steps 20 --log "$work/one.jsonl"
+run dp2 "${TINY[@]}" --steps 20 --nproc 2 --log "$work/dp2.jsonl"
+run ep2 "${TINY[@]}" --steps 20 --nproc 2 --ep 2 --log "$work/ep2.jsonl"
+for r in dp2 ep2; do
+    what="2 ranks ($r) match 1 rank within 1e-4 relative over 20 steps"
+    if [ "$(rc one)" -ne 0 ] || [ "$(rc $r)" -ne 0 ]; then
+        bad "$what" "exit $(rc one)/$(rc $r)" "$(tail -4 "$work/$r.out")"
+        continue
+    fi
+    worst=$(compare_runs one $r)
+    if $PY -c "import sys; sys.exit(0 if float('$worst') <= 1e-4 else 1)" 2>/dev/null; then
+        ok "$what (worst $worst)"
+    else
+        bad "$what" "worst relative difference: $worst"
+    fi
+done
+
+# ---- 5. llm.c token shards
+$PY - "$work" <<'EOF'
+import struct, sys, random
+random.seed(7)
+def shard(path, toks, version=1, count=None):
+    hdr = [0] * 256
+    hdr[0], hdr[1], hdr[2] = 20240520, version, len(toks) if count is None else count
+    with open(path, "wb") as f:
+        f.write(struct.pack("<256i", *hdr)); f.write(struct.pack("<%dH" % len(toks), *toks))
+# a learnable stream: a repeating pattern of 300-symbol "words" with noise
+toks = [(i * 37 + (i // 11)) % 300 for i in range(40000)]
+shard(sys.argv[1] + "/a.bin", toks[:20000]); shard(sys.argv[1] + "/b.bin", toks[20000:])
+shard(sys.argv[1] + "/v2.bin", toks[:1000], version=2)
+shard(sys.argv[1] + "/short.bin", toks[:1000], count=5000)
+shard(sys.argv[1] + "/big.bin", [1, 2, 400, 3])
+open(sys.argv[1] + "/empty.txt", "wb").close()
+open(sys.argv[1] + "/small.txt", "w").write("int main(void) { return 0; }\n" * 3)
+EOF
+run shards "${TINY[@]}" --steps 20 --data "$work/a.bin" "$work/b.bin" --vocab 300 --log "$work/shards.jsonl"
+if [ "$(rc shards)" -eq 0 ] && grep -q 'token shards' "$work/shards.out" && grep -q 'vocab 300' "$work/shards.out" &&
+   $PY -c "
+import json,sys; s=[r['loss'] for r in map(json.loads, open('$work/shards.jsonl')) if r['type']=='step']
+sys.exit(0 if s[0] > 5.0 and s[-1] < s[0] - 0.5 else 1)"; then
+    ok "llm.c token shards (2 files, vocab 300) are detected and learned"
+else
+    bad "llm.c token shards" "exit $(rc shards)" "$(grep -E 'data|error|rank' "$work/shards.out" | head -3)"
+fi
+
+# ---- 6. bad input: clean message, non-zero exit, never a crash
+expect_fail() { # name, message regex, args...
+    local name=$1 msg=$2; shift 2
+    run "$name" "$@"
+    local code; code=$(rc "$name")
+    if [ "$code" -ne 0 ] && [ "$code" -lt 128 ] && grep -qE "$msg" "$work/$name.out" && ! grep -qiE 'sanitizer|segmentation|core dumped' "$work/$name.out"; then
+        ok "bad input fails cleanly: $name (exit $code: $(grep -E "$msg" "$work/$name.out" | head -1 | cut -c1-110))"
+    else
+        bad "bad input fails cleanly: $name" "exit $code, want non-zero with /$msg/" "$(head -3 "$work/$name.out")"
+    fi
+}
+expect_fail unknown_flag 'unknown flag "--bogus"' "${TINY[@]}" --bogus 1
+expect_fail missing_value '--steps needs a value' "${TINY[@]}" --steps
+expect_fail bad_number '--lr "fast" is not a valid number' "${TINY[@]}" --lr fast
+expect_fail missing_data 'cannot open ".*/nope.txt"' "${TINY[@]}" --data "$work/nope.txt"
+expect_fail empty_data '".*/empty.txt" is empty' "${TINY[@]}" --data "$work/empty.txt"
+expect_fail tiny_corpus 'one global batch needs 8 training windows' "${TINY[@]}" --data "$work/small.txt"
+expect_fail shard_version 'token shard ".*v2.bin" has version 2' "${TINY[@]}" --data "$work/v2.bin"
+expect_fail shard_truncated 'says 5000 tokens' "${TINY[@]}" --data "$work/short.bin"
+expect_fail shard_vocab 'token 400 at 2 is >= --vocab 300' "${TINY[@]}" --data "$work/big.bin" --vocab 300
+expect_fail heads_divide '--heads 3 does not divide --d-model 32' "${TINY[@]}" --heads 3
+expect_fail ep_experts '--ep 2 must divide --experts 3' "${TINY[@]}" --experts 3 --top-k 1 --nproc 2 --ep 2
+expect_fail batch_world '--batch 7 \(global\) must be a multiple of the world size 2' "${TINY[@]}" --batch 7 --nproc 2
+expect_fail resume_no_dir '--resume needs --ckpt-dir' "${TINY[@]}" --resume
+expect_fail fresh_over_ckpt 'already holds checkpoints' "${TINY[@]}" --steps 30 --ckpt-dir "$work/ck_a"
+
+# A corrupt checkpoint: resume fails and leaves the directory as it was.
+if [ -d "$work/ck_a" ]; then
+    cp -r "$work/ck_a" "$work/ck_bad"
+    f=$(ls "$work"/ck_bad/step_*30/rank_*.safetensors | head -1)
+    size=$(stat -c %s "$f")
+    printf '\x5a\x5a\x5a\x5a' | dd of="$f" bs=1 seek=$((size - 64)) conv=notrunc status=none
+    before=$(cd "$work/ck_bad" && find . -type f -exec md5sum {} + | sort)
+    expect_fail corrupt_ckpt 'resume from .* failed, nothing was written' "${TINY[@]}" --steps 40 --ckpt-dir "$work/ck_bad" --resume
+    after=$(cd "$work/ck_bad" && find . -type f -exec md5sum {} + | sort)
+    if [ "$before" = "$after" ]; then ok "a failed resume leaves every checkpoint file untouched"
+    else bad "a failed resume leaves every checkpoint file untouched" "$(diff <(echo "$before") <(echo "$after") | head -4)"; fi
+    cp -r "$work/ck_a" "$work/ck_mismatch"
+    expect_fail mismatched_ckpt 'written with ".*d_model=32.*", this run has ".*d_model=64' "${TINY[@]}" --d-model 64 --steps 40 --ckpt-dir "$work/ck_mismatch" --resume
+else
+    bad "corrupt checkpoint on --resume" "no checkpoint from the straight run"
+fi
+
+echo "[test_train] totals: $passed passed / $failed failed / $skipped skipped"
+[ "$failed" -eq 0 ]
