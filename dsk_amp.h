@@ -257,8 +257,12 @@ static inline DSK_HD uint8_t dsk_amp_to_fp8(float x, dsk_dtype fmt) {
 static inline DSK_HD float dsk_amp_from_fp8(uint8_t b, dsk_dtype fmt) {
     return fmt == DSK_E4M3 ? dsk_e4m3_to_f32(b) : dsk_e5m2_to_f32(b);
 }
-/* |x| as ordered bits: the max over these is exact in any order; NaN > Inf > finite. */
-static inline DSK_HD uint32_t dsk_amp_abs_bits(float x) { return dsk_f32_bits(x) & 0x7fffffffu; }
+/* |x| as ordered bits, every NaN as 0x7fc00000: the max over these is exact in any order
+   (so CPU and GPU agree bitwise) and ranks NaN > Inf > finite. */
+static inline DSK_HD uint32_t dsk_amp_abs_bits(float x) {
+    uint32_t a = dsk_f32_bits(x) & 0x7fffffffu;
+    return a > 0x7f800000u ? 0x7fc00000u : a;
+}
 
 /* Largest power of two <= x (x > 0 finite normal or subnormal); for pow2 scales. */
 static inline DSK_HD float dsk_amp_pow2_floor(float x) {
@@ -295,7 +299,8 @@ static inline DSK_HD float dsk_amp_fp8_block_scale(float amax, float fp8_max, in
 }
 
 /* amax (scalar f32 on x's device) = max |x| over x (f32/bf16/f16, contiguous); NaN if any NaN,
-   else Inf if any Inf. accumulate = 1 takes the max with amax's prior value. */
+   else Inf if any Inf. accumulate = 1 takes the max with amax's prior value, which must be
+   >= 0 or NaN (as this function writes it). */
 DSK_API dsk_status dsk_amp_amax(dsk_ctx *ctx, dsk_tensor *amax, const dsk_tensor *x, int accumulate);
 /* Per-tensor current scaling: amax = max |x|, scale = dsk_amp_fp8_scale(amax, max of fmt,
    margin, pow2, 1); scale and amax are scalar f32 tensors on x's device (amax may be NULL). */
@@ -754,7 +759,7 @@ static float dsk_amp__amax_cpu(const dsk_tensor *x) {
         uint32_t a = dsk_amp_abs_bits(dsk_amp_load(x->data, x->dtype, i));
         if (a > m) m = a;
     }
-    return dsk_bits_f32(m > 0x7f800000u ? 0x7fc00000u : m);
+    return dsk_bits_f32(m);
 }
 
 DSK_API dsk_status dsk_amp_amax(dsk_ctx *ctx, dsk_tensor *amax, const dsk_tensor *x, int accumulate) {
@@ -767,9 +772,9 @@ DSK_API dsk_status dsk_amp_amax(dsk_ctx *ctx, dsk_tensor *amax, const dsk_tensor
     if (x->device.type == DSK_DEV_CUDA) return dsk_cuda_amp_amax(ctx, (float *)amax->data, x, accumulate);
 #endif
     {
-        float a = dsk_amp__amax_cpu(x), *out = (float *)amax->data;
-        uint32_t ab = dsk_amp_abs_bits(a), pb = dsk_amp_abs_bits(*out);
-        *out = accumulate && pb > ab ? dsk_bits_f32(pb > 0x7f800000u ? 0x7fc00000u : pb) : a;
+        float *out = (float *)amax->data;
+        uint32_t m = dsk_f32_bits(dsk_amp__amax_cpu(x)), prior = dsk_f32_bits(*out);
+        *out = dsk_bits_f32(accumulate && prior > m ? prior : m); /* the GPU's atomicMax on the bits */
     }
     return DSK_OK;
 }
