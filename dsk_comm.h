@@ -595,8 +595,10 @@ static void *dsk__comm_store_thread(void *arg) {
     dsk__comm_store_server *s = (dsk__comm_store_server *)arg;
     struct pollfd *pf = NULL;
     int cap = 0;
+    double drain_until = 0; /* after the stop request: serve those still connected, briefly */
     for (;;) {
         int n = 2 + s->ncl, r;
+        if (drain_until > 0 && (s->ncl == 0 || dsk__comm_now() >= drain_until)) break;
         if (n > cap) {
             DSK_FREE(pf);
             cap = 2 * n;
@@ -604,12 +606,22 @@ static void *dsk__comm_store_thread(void *arg) {
             if (!pf) return NULL;
         }
         pf[0].fd = s->wake[0]; pf[0].events = POLLIN; pf[0].revents = 0;
-        pf[1].fd = s->listen_fd; pf[1].events = POLLIN; pf[1].revents = 0;
+        pf[1].fd = s->listen_fd; pf[1].events = POLLIN; pf[1].revents = 0; /* -1 once draining: ignored */
         for (int i = 0; i < s->ncl; i++) { pf[2 + i].fd = s->cl[i].fd; pf[2 + i].events = POLLIN; pf[2 + i].revents = 0; }
-        r = poll(pf, (nfds_t)n, -1);
+        r = poll(pf, (nfds_t)n, drain_until > 0 ? 20 : -1);
         if (r < 0 && errno != EINTR) break;
         if (r <= 0) continue;
-        if (pf[0].revents) break;
+        if (pf[0].revents && drain_until == 0) {
+            /* stop: refuse new connections at once (a rank re-initialising must not reach this
+               store), and give the others a moment to collect pending replies and hang up */
+            char b;
+            ssize_t rd = read(s->wake[0], &b, 1);
+            (void)rd;
+            close(s->listen_fd);
+            s->listen_fd = -1;
+            drain_until = dsk__comm_now() + 1.0;
+            continue;
+        }
         /* clients first, by fd: serving may reorder the array */
         for (int j = 2; j < n; j++) {
             int i;
@@ -620,7 +632,7 @@ static void *dsk__comm_store_thread(void *arg) {
                 if (i < s->ncl) dsk__comm_store_drop(s, i);
             }
         }
-        if (pf[1].revents) {
+        if (s->listen_fd >= 0 && pf[1].revents) {
             int fd = accept(s->listen_fd, NULL, NULL);
             if (fd >= 0) {
                 if (s->ncl == s->capcl) {
@@ -713,7 +725,7 @@ struct dsk__comm_impl {
     size_t small_bytes, piece_bytes;
     char master_addr[256];
     int master_port;
-    char ns[64];                 /* store key namespace of this communicator */
+    char ns[96];                 /* store key namespace of this communicator */
     char my_ip[64];              /* where peers reach this rank */
     uint64_t tag;                /* identifies the mesh in connection hellos */
     int store_fd;                /* client connection to the store, -1 if none */
@@ -723,7 +735,7 @@ struct dsk__comm_impl {
     uint64_t seq;                /* collective calls so far */
     uint64_t *p2p_sent, *p2p_recvd; /* [world] */
     dsk_status broken;           /* DSK_OK, or the error that made the communicator unusable */
-    char broken_msg[600];
+    char broken_msg[1024];
     void *scratch;
     size_t scratch_bytes;
     struct pollfd *pfd;          /* io engine work arrays, [2 * world] */
@@ -748,18 +760,6 @@ static void *dsk__comm_scratch(dsk__comm_impl *m, size_t bytes) {
     return m->scratch ? m->scratch : (m->scratch = DSK_MALLOC(1));
 }
 
-/* Records the current error as fatal and half-closes the mesh so peers fail fast. */
-static dsk_status dsk__comm_break(dsk__comm_impl *m, int world, dsk_status st) {
-    if (m->broken) return st;
-    m->broken = st;
-    snprintf(m->broken_msg, sizeof m->broken_msg, "%s", dsk_last_error());
-    for (int r = 0; m->fds && r < world; r++)
-        if (m->fds[r] >= 0) shutdown(m->fds[r], SHUT_WR);
-#ifdef DSK_CUDA
-    if (m->nccl) { ncclCommAbort(m->nccl); m->nccl = NULL; }
-#endif
-    return st;
-}
 
 /* ---------------------------------------------------------------- store client */
 
@@ -848,6 +848,47 @@ static dsk_status dsk__comm_store_barrier(dsk_comm *c, const char *fn) {
     strcat(key, "/done");
     if (arrived == c->world_size && (st = dsk__comm_store_set(c, fn, key, "1", 1)) != DSK_OK) return st;
     return dsk__comm_store_get(c, fn, key, NULL, 0, NULL);
+}
+
+/* Records the current error as fatal: publishes it in the store (so a peer that sees this
+   rank hang up can report the root cause), then half-closes the mesh so peers fail fast. */
+static dsk_status dsk__comm_break(dsk_comm *c, dsk_status st) {
+    dsk__comm_impl *m = c->impl;
+    if (m->broken) return st;
+    m->broken = st;
+    snprintf(m->broken_msg, sizeof m->broken_msg, "%s", dsk_last_error());
+    if (m->store_fd >= 0 && m->fds) {
+        char key[160];
+        double keep = m->timeout_s;
+        m->timeout_s = keep < 1.0 ? keep : 1.0;
+        snprintf(key, sizeof key, "dsk/%s/fault/%d", m->ns, c->rank);
+        dsk__comm_store_set(c, "dsk_comm", key, m->broken_msg, strlen(m->broken_msg) + 1);
+        m->timeout_s = keep;
+        dsk_set_error(st, "%s", m->broken_msg);
+    }
+    for (int r = 0; m->fds && r < c->world_size; r++)
+        if (m->fds[r] >= 0) shutdown(m->fds[r], SHUT_WR);
+#ifdef DSK_CUDA
+    if (m->nccl) { ncclCommAbort(m->nccl); m->nccl = NULL; }
+#endif
+    return st;
+}
+
+/* What rank `peer` published when it broke, if it did within a moment ("" if not). */
+static void dsk__comm_peer_fault(dsk_comm *c, int peer, char *buf, size_t cap) {
+    dsk__comm_impl *m = c->impl;
+    char key[160], saved[1024];
+    double keep = m->timeout_s;
+    size_t len = 0;
+    buf[0] = 0;
+    if (m->store_fd < 0) return;
+    snprintf(saved, sizeof saved, "%s", dsk_last_error());
+    snprintf(key, sizeof key, "dsk/%s/fault/%d", m->ns, peer);
+    m->timeout_s = keep < 0.3 ? keep : 0.3;
+    if (dsk__comm_store_get(c, "dsk_comm", key, buf, cap - 1, &len) == DSK_OK) buf[len < cap - 1 ? len : cap - 1] = 0;
+    else buf[0] = 0;
+    m->timeout_s = keep;
+    dsk_set_error(DSK_OK, "%s", saved);
 }
 
 static dsk_status dsk__comm_check(const dsk_comm *c, const char *fn) {
@@ -957,11 +998,14 @@ static int dsk__comm_io_progress(dsk_comm *c, const char *fn, dsk__comm_io *op, 
         {
             char what[160];
             dsk__comm_wire_describe(&op->hdr, what, sizeof what);
-            if (r == 0)
-                return *err = dsk_set_error(DSK_ERR_PEER, "%s: rank %d closed the connection during %s (it exited, "
-                                            "crashed or failed an earlier call)", fn, op->peer, what), -1;
-            return *err = dsk_set_error(DSK_ERR_PEER, "%s: connection to rank %d failed during %s: %s", fn, op->peer,
-                                        what, strerror(errno)), -1;
+            char why[400];
+            const char *es = r == 0 ? "closed" : strerror(errno);
+            dsk__comm_peer_fault(c, op->peer, why, sizeof why);
+            if (why[0])
+                return *err = dsk_set_error(DSK_ERR_PEER, "%s: rank %d hung up during %s after its own error: %s", fn,
+                                            op->peer, what, why), -1;
+            return *err = dsk_set_error(DSK_ERR_PEER, "%s: connection to rank %d %s during %s (it exited, crashed or "
+                                        "failed an earlier call)", fn, op->peer, es, what), -1;
         }
     }
     return 1;
@@ -983,7 +1027,7 @@ static dsk_status dsk__comm_io_run(dsk_comm *c, const char *fn, dsk__comm_io *op
         if (k == 0) return DSK_OK;
         r = poll(m->pfd, (nfds_t)k, dsk__comm_ms_left(deadline));
         if (r < 0 && errno != EINTR)
-            return dsk__comm_break(m, c->world_size, dsk_set_error(DSK_ERR_IO, "%s: poll: %s", fn, strerror(errno)));
+            return dsk__comm_break(c, dsk_set_error(DSK_ERR_IO, "%s: poll: %s", fn, strerror(errno)));
         if (r == 0 && dsk__comm_now() >= deadline) {
             /* name the peer we wait for; prefer a receive: that peer has not sent */
             int w = m->pidx[0];
@@ -995,11 +1039,11 @@ static dsk_status dsk__comm_io_run(dsk_comm *c, const char *fn, dsk__comm_io *op
                           "rank %d may be stopped, overloaded or in a different call", fn, dsk__comm_now() - t0,
                           ops[w].peer, ops[w].is_send ? "accept data" : "send", ops[w].done,
                           sizeof(dsk__comm_wire) + ops[w].len, what, ops[w].peer);
-            return dsk__comm_break(m, c->world_size, DSK_ERR_TIMEOUT);
+            return dsk__comm_break(c, DSK_ERR_TIMEOUT);
         }
         for (int j = 0; j < k; j++) {
             dsk_status err = DSK_OK;
-            if (m->pfd[j].revents && dsk__comm_io_progress(c, fn, &ops[m->pidx[j]], &err) < 0) return dsk__comm_break(m, c->world_size, err);
+            if (m->pfd[j].revents && dsk__comm_io_progress(c, fn, &ops[m->pidx[j]], &err) < 0) return dsk__comm_break(c, err);
         }
     }
 }
@@ -1311,7 +1355,7 @@ static void dsk__comm_impl_free(dsk_comm *c) {
 #endif
     for (int r = 0; m->fds && r < c->world_size; r++)
         if (m->fds[r] >= 0) close(m->fds[r]);
-    if (m->store_fd >= 0) close(m->store_fd);
+    if (m->store_fd >= 0) close(m->store_fd); /* before the server, which waits for its clients to leave */
     dsk__comm_store_server_free(m->server);
     DSK_FREE(m->fds); DSK_FREE(m->p2p_sent); DSK_FREE(m->p2p_recvd); DSK_FREE(m->pfd); DSK_FREE(m->pidx);
     DSK_FREE(m->ops); DSK_FREE((void *)m->srcs); DSK_FREE(m->off); DSK_FREE(m->scratch);
@@ -1335,7 +1379,7 @@ static dsk_status dsk__comm_mesh_listen(dsk_comm *c, const char *fn, int *lfd, c
     any.sin_addr.s_addr = htonl(INADDR_ANY);
     if ((st = dsk__comm_listen(fn, &any, lfd, &port)) != DSK_OK) return st;
     memset(ep, 0, DSK__COMM_EP_LEN);
-    snprintf(ep, DSK__COMM_EP_LEN, "%s %d", c->impl->my_ip, port);
+    snprintf(ep, DSK__COMM_EP_LEN, "%.46s %d", c->impl->my_ip, port);
     return DSK_OK;
 }
 
@@ -1419,12 +1463,12 @@ static dsk_status dsk__comm_nccl_settle(dsk_comm *c, const char *fn, ncclComm_t 
         if (dsk__comm_now() - t0 > m->timeout_s) {
             dsk_set_error(DSK_ERR_TIMEOUT, "%s: %s on rank %d still in progress after %.2f s; aborting the NCCL communicator",
                           fn, what, c->rank, dsk__comm_now() - t0);
-            return dsk__comm_break(m, c->world_size, DSK_ERR_TIMEOUT);
+            return dsk__comm_break(c, DSK_ERR_TIMEOUT);
         }
     }
     if (state != ncclSuccess) {
         dsk__comm_nccl_check(c, fn, state, what);
-        return dsk__comm_break(m, c->world_size, DSK_ERR_NCCL);
+        return dsk__comm_break(c, DSK_ERR_NCCL);
     }
     return DSK_OK;
 }
@@ -1465,16 +1509,53 @@ static dsk_status dsk__comm_nccl_init(dsk_comm *c, const char *fn, double t0) {
 }
 #endif
 
+/* Connects to the store, checks the world size and claims this rank. A rank other than 0
+   that reaches a store which then hangs up, or that already holds its claim, has met the
+   store of a previous communicator on this port that is shutting down: it retries. */
+static dsk_status dsk__comm_join(dsk_comm *c, const char *fn, const struct sockaddr_in *store_sa, double deadline) {
+    dsk__comm_impl *m = c->impl;
+    int rank = c->rank, world = c->world_size;
+    for (;;) {
+        struct sockaddr_in local;
+        socklen_t sl = sizeof local;
+        int world_seen = 0;
+        int64_t claims = 0;
+        size_t len = 0;
+        char key[64];
+        dsk_status st = dsk__comm_connect(fn, store_sa, deadline, "key-value store (served by rank 0)", &m->store_fd);
+        if (st != DSK_OK) {
+            char msg[1200];
+            snprintf(msg, sizeof msg, "%s (rank %d of %d; is rank 0 running and MASTER_ADDR:MASTER_PORT right?)", dsk_last_error(),
+                     rank, world);
+            return dsk_set_error(st, "%s", msg);
+        }
+        if (getsockname(m->store_fd, (struct sockaddr *)&local, &sl) != 0 || !inet_ntop(AF_INET, &local.sin_addr, m->my_ip, sizeof m->my_ip))
+            return dsk_set_error(DSK_ERR_IO, "%s: getsockname: %s", fn, strerror(errno));
+        if (rank == 0 && (st = dsk__comm_store_set(c, fn, "dsk/w/world", &world, sizeof world)) != DSK_OK) return st;
+        st = dsk__comm_store_get(c, fn, "dsk/w/world", &world_seen, sizeof world_seen, &len);
+        if (st == DSK_OK && world_seen != world)
+            return dsk_set_error(DSK_ERR_ARG, "%s: this rank (%d) has WORLD_SIZE %d but rank 0 has %d", fn, rank, world, world_seen);
+        snprintf(key, sizeof key, "dsk/w/claim/%d", rank);
+        if (st == DSK_OK) st = dsk__comm_store_add(c, fn, key, 1, &claims);
+        if (st == DSK_OK && claims == 1) return DSK_OK;
+        if (st == DSK_OK)
+            st = dsk_set_error(DSK_ERR_ARG, "%s: rank %d is claimed by %lld processes (a duplicate RANK, or the store of a "
+                               "previous communicator on this port is still up)", fn, rank, (long long)claims);
+        if (rank == 0 || (st != DSK_ERR_PEER && st != DSK_ERR_ARG) || dsk__comm_now() >= deadline) return st;
+        if (m->store_fd >= 0) close(m->store_fd);
+        m->store_fd = -1;
+        dsk__comm_sleep_s(0.05);
+    }
+}
+
 static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, int world, const dsk_comm_opts *o) {
     dsk__comm_impl *m;
     const char *addr = o && o->master_addr ? o->master_addr : (getenv("MASTER_ADDR") && *getenv("MASTER_ADDR") ? getenv("MASTER_ADDR") : "127.0.0.1");
     int port = o && o->master_port ? o->master_port : 29500;
     double t0 = dsk__comm_now(), deadline;
-    struct sockaddr_in store_sa, local;
-    socklen_t sl = sizeof local;
+    struct sockaddr_in store_sa;
     char key[160], ep[DSK__COMM_EP_LEN], *eps = NULL;
-    int lfd = -1, world_seen = 0;
-    int64_t claims = 0;
+    int lfd = -1;
     size_t len = 0;
     dsk_status st;
     dsk_comm_backend be = o ? o->backend : DSK_COMM_AUTO;
@@ -1500,21 +1581,7 @@ static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, in
     snprintf(m->ns, sizeof m->ns, "w");
     deadline = t0 + m->timeout_s;
     if (rank == 0 && (st = dsk__comm_store_server_start(fn, &store_sa, &m->server)) != DSK_OK) return st;
-    if ((st = dsk__comm_connect(fn, &store_sa, deadline, "key-value store (served by rank 0)", &m->store_fd)) != DSK_OK) {
-        char msg[800];
-        snprintf(msg, sizeof msg, "%s (rank %d of %d; is rank 0 running and MASTER_ADDR:MASTER_PORT right?)", dsk_last_error(), rank, world);
-        return dsk_set_error(st, "%s", msg);
-    }
-    if (getsockname(m->store_fd, (struct sockaddr *)&local, &sl) != 0 || !inet_ntop(AF_INET, &local.sin_addr, m->my_ip, sizeof m->my_ip))
-        return dsk_set_error(DSK_ERR_IO, "%s: getsockname: %s", fn, strerror(errno));
-    /* the world size must agree, and each rank must be claimed once */
-    if (rank == 0 && (st = dsk__comm_store_set(c, fn, "dsk/w/world", &world, sizeof world)) != DSK_OK) return st;
-    if ((st = dsk__comm_store_get(c, fn, "dsk/w/world", &world_seen, sizeof world_seen, &len)) != DSK_OK) return st;
-    if (world_seen != world)
-        return dsk_set_error(DSK_ERR_ARG, "%s: this rank (%d) has WORLD_SIZE %d but rank 0 has %d", fn, rank, world, world_seen);
-    snprintf(key, sizeof key, "dsk/w/claim/%d", rank);
-    if ((st = dsk__comm_store_add(c, fn, key, 1, &claims)) != DSK_OK) return st;
-    if (claims != 1) return dsk_set_error(DSK_ERR_ARG, "%s: rank %d is claimed by %lld processes", fn, rank, (long long)claims);
+    if ((st = dsk__comm_join(c, fn, &store_sa, deadline)) != DSK_OK) return st;
     if (rank == 0) {
         uint64_t tag = ((uint64_t)getpid() << 32) ^ (uint64_t)(t0 * 1e9);
         if ((st = dsk__comm_store_set(c, fn, "dsk/w/tag", &tag, sizeof tag)) != DSK_OK) return st;
@@ -1660,7 +1727,7 @@ static cudaStream_t dsk__comm_stream(dsk_ctx *ctx) { return ctx ? (cudaStream_t)
 /* Checks an enqueue call's result, then waits for the nonblocking communicator to settle. */
 static dsk_status dsk__comm_nccl_done(dsk_comm *c, const char *fn, ncclResult_t r, const char *what, double t0) {
     dsk_status st = dsk__comm_nccl_check(c, fn, r, what);
-    if (st) return dsk__comm_break(c->impl, c->world_size, st);
+    if (st) return dsk__comm_break(c, st);
     return dsk__comm_nccl_settle(c, fn, c->impl->nccl, t0, what);
 }
 #define DSK__COMM_NCCL(c) ((c)->backend == DSK_COMM_NCCL)
@@ -1753,7 +1820,7 @@ static dsk_status dsk__comm_nccl_a2a(dsk_comm *c, const char *fn, const char *se
     ncclDataType_t nt = dsk__comm_nccl_dtype(dt);
     ncclResult_t r = ncclGroupStart();
     dsk_status st;
-    if ((st = dsk__comm_nccl_check(c, fn, r, "ncclGroupStart")) != DSK_OK) return dsk__comm_break(c->impl, c->world_size, st);
+    if ((st = dsk__comm_nccl_check(c, fn, r, "ncclGroupStart")) != DSK_OK) return dsk__comm_break(c, st);
     for (int p = 0; p < c->world_size && r == ncclSuccess; p++) {
         if (sc[p]) r = ncclSend(send + sd[p] * (int64_t)esz, (size_t)sc[p], nt, p, c->impl->nccl, dsk__comm_stream(ctx));
         if (r == ncclSuccess && rc[p]) r = ncclRecv(recv + rd[p] * (int64_t)esz, (size_t)rc[p], nt, p, c->impl->nccl, dsk__comm_stream(ctx));
@@ -1761,7 +1828,7 @@ static dsk_status dsk__comm_nccl_a2a(dsk_comm *c, const char *fn, const char *se
     if (r != ncclSuccess) {
         st = dsk__comm_nccl_check(c, fn, r, "ncclSend/ncclRecv");
         ncclGroupEnd();
-        return dsk__comm_break(c->impl, c->world_size, st);
+        return dsk__comm_break(c, st);
     }
     return dsk__comm_nccl_done(c, fn, ncclGroupEnd(), "ncclGroupEnd (all-to-all)", t0);
 }
@@ -1901,17 +1968,17 @@ DSK_API dsk_status dsk_comm_sync(dsk_comm *c, dsk_ctx *ctx) {
             if (e == cudaSuccess) return DSK_OK;
             if (e != cudaErrorNotReady) {
                 dsk_set_error(DSK_ERR_CUDA, "%s: cudaStreamQuery: %s", fn, cudaGetErrorString(e));
-                return dsk__comm_break(c->impl, c->world_size, DSK_ERR_CUDA);
+                return dsk__comm_break(c, DSK_ERR_CUDA);
             }
             ncclCommGetAsyncError(c->impl->nccl, &state);
             if (state != ncclSuccess && state != ncclInProgress) {
                 dsk__comm_nccl_check(c, fn, state, "an NCCL operation");
-                return dsk__comm_break(c->impl, c->world_size, DSK_ERR_NCCL);
+                return dsk__comm_break(c, DSK_ERR_NCCL);
             }
             if (dsk__comm_now() - t0 > c->impl->timeout_s) {
                 dsk_set_error(DSK_ERR_TIMEOUT, "%s: rank %d's stream still busy after %.2f s (a peer may have died or "
                               "stopped); aborting the NCCL communicator", fn, c->rank, dsk__comm_now() - t0);
-                return dsk__comm_break(c->impl, c->world_size, DSK_ERR_TIMEOUT);
+                return dsk__comm_break(c, DSK_ERR_TIMEOUT);
             }
             dsk__comm_sleep_s(1e-4);
         }
@@ -1950,7 +2017,7 @@ static dsk_status dsk__comm_nccl_split(dsk_comm *c, const char *fn, int color, i
     cfg.blocking = 0;
     if ((st = dsk__comm_nccl_check(c, fn, ncclCommSplit(c->impl->nccl, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &nc, &cfg),
                               "ncclCommSplit")) != DSK_OK)
-        return dsk__comm_break(c->impl, c->world_size, st);
+        return dsk__comm_break(c, st);
     if ((st = dsk__comm_nccl_settle(c, fn, c->impl->nccl, t0, "ncclCommSplit")) != DSK_OK) return st;
     if (color < 0 || !nc) return DSK_OK;
     if ((st = dsk__comm_nccl_settle(c, fn, nc, t0, "ncclCommSplit (new communicator)")) != DSK_OK ||
@@ -2288,7 +2355,7 @@ struct dsk__comm_buckets_impl {
     double seconds;
     int64_t reductions;
     dsk_status err;
-    char errmsg[700];
+    char errmsg[1024];
 #ifdef DSK_CUDA
     cudaStream_t stream;
     cudaEvent_t *ev;        /* [3 * n_buckets]: ready, start, done */
@@ -2432,7 +2499,7 @@ DSK_API dsk_status dsk_comm_buckets_init(dsk_comm_buckets *b, dsk_comm *c, dsk_c
     b->n_buckets = dsk__comm_make_buckets(bi, n_params, esz, opts && opts->first_bucket_bytes ? opts->first_bucket_bytes : ((size_t)1 << 20),
                                      opts && opts->bucket_bytes ? opts->bucket_bytes : ((size_t)25 << 20));
     if ((st = dsk_comm_split(c, 0, c->rank, &bi->comm)) != DSK_OK) {
-        char msg[800];
+        char msg[1200];
         snprintf(msg, sizeof msg, "%s: splitting the private communicator: %s", fn, dsk_last_error());
         dsk_comm_buckets_free(b);
         return dsk_set_error(st, "%s", msg);
@@ -2553,13 +2620,13 @@ DSK_API dsk_status dsk_comm_buckets_wait(dsk_comm_buckets *b) {
                 ncclCommGetAsyncError(bi->comm.impl->nccl, &state);
                 if (state != ncclSuccess && state != ncclInProgress) {
                     st = dsk__comm_nccl_check(&bi->comm, fn, state, "a bucket all-reduce");
-                    dsk__comm_break(bi->comm.impl, bi->comm.world_size, st);
+                    dsk__comm_break(&bi->comm, st);
                     break;
                 }
                 if (dsk__comm_now() - t0 > bi->comm.impl->timeout_s) {
                     st = dsk_set_error(DSK_ERR_TIMEOUT, "%s: bucket %d of %d still all-reducing after %.2f s (a peer may have "
                                        "died or stopped); aborting its NCCL communicator", fn, k, b->n_buckets, dsk__comm_now() - t0);
-                    dsk__comm_break(bi->comm.impl, bi->comm.world_size, st);
+                    dsk__comm_break(&bi->comm, st);
                     break;
                 }
                 dsk__comm_sleep_s(5e-5);

@@ -1,0 +1,1211 @@
+/* test_comm.c - dsk_comm.h on the host backend: ranks are forked processes over loopback.
+
+   Every collective, dtype and op is checked bit for bit against a reference computed here
+   from every rank's input (inputs are a function of (tag, rank, index), so each rank can
+   compute all of them), folded in the documented order: rank 0, 1, ..., n-1, in f32 for
+   float dtypes (rounded once) and int64 for integers. Each case forks its ranks; a rank
+   exits non-zero when any of its checks failed, and the parent counts the case. Faults:
+   killed and stopped ranks, mismatched calls, bad environment, busy port, missing store,
+   close + re-init without leaks. Run with `<binary> --rank-child` it is a rank of the
+   dsk_comm_spawn_local end-to-end case. */
+#define DSK_TENSOR_IMPLEMENTATION
+#define DSK_COMM_IMPLEMENTATION
+#include "dsk_comm.h"
+#include "dsk_test.h"
+
+#include <dirent.h>
+
+/* ------------------------------------------------------------------ rank processes */
+
+typedef void (*rank_fn)(dsk_comm *c, void *arg);
+
+typedef struct group {
+    int n;
+    dsk_comm_opts opts;
+    int world_override[8]; /* world size each rank passes to init (0: n) */
+    int no_init;           /* ranks call fn with c = NULL and init themselves */
+    double limit_s;        /* parent kills the ranks after this long */
+    int reap;              /* 1 + rank the parent SIGKILLs once the others have exited (a stopped rank) */
+    int status[8];         /* exit codes, 128 + signal when killed */
+    int port;
+} group;
+
+static void group_defaults(group *g, int n) {
+    memset(g, 0, sizeof *g);
+    g->n = n;
+    g->opts.timeout_s = 20;
+    g->limit_s = 60;
+}
+
+static int g_rank; /* this process's rank inside a group (children only) */
+
+/* Forks g->n ranks that init a host communicator on a fresh port, run fn and exit with
+   status 1 if any check failed. Fills g->status; returns 1 if all exited 0. */
+static int run_group(group *g, rank_fn fn, void *arg) {
+    pid_t pid[8];
+    double t0 = dsk_test_now();
+    int ok = 1;
+    g->opts.backend = DSK_COMM_HOST;
+    if (!g->port && dsk_comm_free_port("127.0.0.1", &g->port) != DSK_OK) {
+        dsk_test_fail_at(__FILE__, __LINE__, "no free port: %s", dsk_last_error());
+        return 0;
+    }
+    g->opts.master_addr = "127.0.0.1";
+    g->opts.master_port = g->port;
+    fflush(stdout);
+    for (int r = 0; r < g->n; r++) {
+        pid[r] = fork();
+        if (pid[r] == 0) {
+            dsk_comm c;
+            int failed_before = dsk_test_g.checks_failed_total;
+            g_rank = r;
+            if (g->no_init) fn(NULL, arg);
+            else {
+                dsk_status st = dsk_comm_init(&c, r, g->world_override[r] ? g->world_override[r] : g->n, &g->opts);
+                if (st != DSK_OK) dsk_test_fail_at(__FILE__, __LINE__, "rank %d: dsk_comm_init: %s: %s", r, dsk_status_str(st), dsk_last_error());
+                else {
+                    fn(&c, arg);
+                    dsk_comm_free(&c);
+                }
+            }
+            fflush(stdout);
+            _exit(dsk_test_g.checks_failed_total > failed_before ? 1 : 0);
+        }
+    }
+    for (int r = 0; r < g->n; r++) g->status[r] = -1;
+    for (int left = g->n; left > 0;) {
+        for (int r = 0; r < g->n; r++) {
+            int st;
+            if (g->status[r] != -1) continue;
+            if (waitpid(pid[r], &st, WNOHANG) == pid[r]) {
+                g->status[r] = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+                left--;
+            }
+        }
+        if (g->reap && left == 1 && g->status[g->reap - 1] == -1) kill(pid[g->reap - 1], SIGKILL);
+        if (left && dsk_test_now() - t0 > g->limit_s) {
+            for (int r = 0; r < g->n; r++)
+                if (g->status[r] == -1) kill(pid[r], SIGKILL);
+            dsk_test_fail_at(__FILE__, __LINE__, "ranks still running after %.0f s were killed (a hang)", g->limit_s);
+            g->limit_s = 1e9;
+        }
+        if (left) {
+            struct timespec ts = {0, 2000000};
+            nanosleep(&ts, NULL);
+        }
+    }
+    for (int r = 0; r < g->n; r++) ok &= g->status[r] == 0;
+    return ok;
+}
+
+/* Runs a group in which every rank must succeed. */
+static void expect_group_ok(group *g, rank_fn fn, void *arg) {
+    if (!run_group(g, fn, arg))
+        for (int r = 0; r < g->n; r++)
+            DSK_TEST_EXPECT(g->status[r] == 0, "rank %d of %d exited with status %d", r, g->n, g->status[r]);
+}
+
+/* ------------------------------------------------------------------ inputs and references */
+
+static uint64_t mix64(uint64_t z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static uint64_t g_seed;
+
+/* Element i of rank r's input for call `tag`: floats in [-2, 2) (exact in the dtype), never 0;
+   integers small enough that sums of 4 ranks are exact. */
+static void gen(void *buf, dsk_dtype dt, int64_t n, uint64_t tag, int r) {
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t u = mix64(g_seed ^ mix64(tag * 131 + (uint64_t)r) ^ (uint64_t)i * 0xD1B54A32D192ED03ull);
+        float f = (float)((double)(u >> 11) * (1.0 / 9007199254740992.0) * 4.0 - 2.0);
+        if (f == 0) f = 0.5f;
+        switch (dt) {
+        case DSK_F32: ((float *)buf)[i] = f; break;
+        case DSK_F16: ((uint16_t *)buf)[i] = dsk_f32_to_f16(f); break;
+        case DSK_BF16: ((uint16_t *)buf)[i] = dsk_f32_to_bf16(f); break;
+        case DSK_I32: ((int32_t *)buf)[i] = (int32_t)(u >> 36) - (1 << 27); break;
+        case DSK_I64: ((int64_t *)buf)[i] = (int64_t)(u >> 4) - ((int64_t)1 << 59); break;
+        default: ((uint8_t *)buf)[i] = (uint8_t)(u >> 58); break;
+        }
+    }
+}
+
+static double load_d(const void *p, dsk_dtype dt, int64_t i) {
+    switch (dt) {
+    case DSK_F32: return ((const float *)p)[i];
+    case DSK_F16: return dsk_f16_to_f32(((const uint16_t *)p)[i]);
+    case DSK_BF16: return dsk_bf16_to_f32(((const uint16_t *)p)[i]);
+    case DSK_I32: return ((const int32_t *)p)[i];
+    case DSK_I64: return (double)((const int64_t *)p)[i];
+    default: return ((const uint8_t *)p)[i];
+    }
+}
+
+/* out[i] = in[0][off+i] op ... op in[n-1][off+i], folded in rank order as documented. */
+static void ref_reduce(dsk_dtype dt, dsk_comm_op op, int n, void **in, int64_t off, int64_t len, void *out) {
+    for (int64_t i = 0; i < len; i++) {
+        if (dt == DSK_F32 || dt == DSK_F16 || dt == DSK_BF16) {
+            float a = (float)load_d(in[0], dt, off + i);
+            for (int r = 1; r < n; r++) {
+                float x = (float)load_d(in[r], dt, off + i);
+                a = op == DSK_COMM_MAX ? (x > a ? x : a) : op == DSK_COMM_MIN ? (x < a ? x : a) : a + x;
+            }
+            if (op == DSK_COMM_AVG) a = a / (float)n;
+            if (dt == DSK_F32) ((float *)out)[i] = a;
+            else if (dt == DSK_F16) ((uint16_t *)out)[i] = dsk_f32_to_f16(a);
+            else ((uint16_t *)out)[i] = dsk_f32_to_bf16(a);
+        } else {
+            int64_t a = dt == DSK_I64 ? ((int64_t *)in[0])[off + i] : (int64_t)load_d(in[0], dt, off + i);
+            for (int r = 1; r < n; r++) {
+                int64_t x = dt == DSK_I64 ? ((int64_t *)in[r])[off + i] : (int64_t)load_d(in[r], dt, off + i);
+                a = op == DSK_COMM_MAX ? (x > a ? x : a) : op == DSK_COMM_MIN ? (x < a ? x : a) : a + x;
+            }
+            if (op == DSK_COMM_AVG) a /= n;
+            if (dt == DSK_I32) ((int32_t *)out)[i] = (int32_t)a;
+            else if (dt == DSK_I64) ((int64_t *)out)[i] = a;
+            else ((uint8_t *)out)[i] = (uint8_t)a;
+        }
+    }
+}
+
+static const dsk_dtype k_dtypes[] = {DSK_F32, DSK_F16, DSK_BF16, DSK_I32, DSK_I64, DSK_U8};
+static const dsk_comm_op k_ops[] = {DSK_COMM_SUM, DSK_COMM_AVG, DSK_COMM_MAX, DSK_COMM_MIN};
+/* 0, 1, odd, around the small-message threshold and several pieces (piece_bytes 64 KiB) */
+static const int64_t k_sizes[] = {0, 1, 7, 129, 4099, 70001};
+
+/* n buffers of len elements of dt, each rank's input for `tag`. */
+static void **gen_all(int n, dsk_dtype dt, int64_t len, uint64_t tag) {
+    void **in = (void **)malloc((size_t)n * sizeof(void *));
+    for (int r = 0; r < n; r++) {
+        in[r] = malloc((size_t)(len ? len : 1) * dsk_dtype_size(dt));
+        gen(in[r], dt, len, tag, r);
+    }
+    return in;
+}
+static void free_all(int n, void **in) {
+    for (int r = 0; r < n; r++) free(in[r]);
+    free((void *)in);
+}
+
+/* ------------------------------------------------------------------ collectives */
+
+static void check_all_reduce(dsk_comm *c, dsk_dtype dt, dsk_comm_op op, int64_t len, int in_place, uint64_t tag) {
+    int n = c->world_size;
+    size_t esz = dsk_dtype_size(dt), bytes = (size_t)len * esz;
+    void **in = gen_all(n, dt, len, tag);
+    char *got = (char *)malloc(bytes + 1), *want = (char *)malloc(bytes + 1);
+    char label[160];
+    snprintf(label, sizeof label, "rank %d: all_reduce %s %s count %lld %s", c->rank, dsk_dtype_name(dt), dsk_comm_op_name(op),
+             (long long)len, in_place ? "in place" : "out of place");
+    if (in_place) memcpy(got, in[c->rank], bytes);
+    else dsk_test_poison_bytes(got, bytes);
+    ref_reduce(dt, op, n, in, 0, len, want);
+    if (in_place) DSK_TEST_OK(dsk_comm_all_reduce(c, NULL, got, got, len, dt, op));
+    else DSK_TEST_OK(dsk_comm_all_reduce(c, NULL, in[c->rank], got, len, dt, op));
+    DSK_TEST_SAME_BYTES(got, want, bytes, label);
+    if (dt == DSK_F32 && op == DSK_COMM_SUM && len > 0) {
+        /* and the fold is a sum: float64 reference within f32 rounding */
+        double *w64 = (double *)malloc((size_t)len * sizeof(double));
+        for (int64_t i = 0; i < len; i++) {
+            w64[i] = 0;
+            for (int r = 0; r < n; r++) w64[i] += ((float *)in[r])[i];
+        }
+        DSK_TEST_CLOSE((float *)got, w64, len, 1e-5, 2e-6 * n, label);
+        free(w64);
+    }
+    free(got);
+    free(want);
+    free_all(n, in);
+}
+
+static void rank_all_reduce(dsk_comm *c, void *arg) {
+    uint64_t tag = 1000;
+    (void)arg;
+    for (size_t d = 0; d < sizeof k_dtypes / sizeof *k_dtypes; d++)
+        for (size_t o = 0; o < 4; o++)
+            for (size_t s = 0; s < sizeof k_sizes / sizeof *k_sizes; s++)
+                check_all_reduce(c, k_dtypes[d], k_ops[o], k_sizes[s], (int)((s + o) & 1), tag++);
+    /* several MB, many pieces */
+    check_all_reduce(c, DSK_F32, DSK_COMM_SUM, 1500007, 0, tag++);
+    check_all_reduce(c, DSK_BF16, DSK_COMM_AVG, 1000003, 1, tag++);
+}
+
+static void rank_reduce_scatter(dsk_comm *c, void *arg) {
+    int n = c->world_size;
+    uint64_t tag = 2000;
+    (void)arg;
+    for (size_t d = 0; d < sizeof k_dtypes / sizeof *k_dtypes; d++)
+        for (size_t o = 0; o < 4; o++)
+            for (size_t s = 0; s < sizeof k_sizes / sizeof *k_sizes; s++) {
+                dsk_dtype dt = k_dtypes[d];
+                int64_t len = k_sizes[s] / 2 + (int64_t)s; /* per-rank block */
+                size_t esz = dsk_dtype_size(dt);
+                void **in = gen_all(n, dt, len * n, tag++);
+                char *got = (char *)malloc((size_t)len * esz + 1), *want = (char *)malloc((size_t)len * esz + 1);
+                char label[160];
+                int in_place = (int)(s & 1);
+                snprintf(label, sizeof label, "rank %d: reduce_scatter %s %s block %lld%s", c->rank, dsk_dtype_name(dt),
+                         dsk_comm_op_name(k_ops[o]), (long long)len, in_place ? " in place" : "");
+                ref_reduce(dt, k_ops[o], n, in, (int64_t)c->rank * len, len, want);
+                if (in_place) {
+                    /* recv = send + rank * block */
+                    char *buf = (char *)in[c->rank] + (size_t)c->rank * (size_t)len * esz;
+                    void *copy = malloc((size_t)len * n * esz + 1);
+                    memcpy(copy, in[c->rank], (size_t)len * n * esz);
+                    buf = (char *)copy + (size_t)c->rank * (size_t)len * esz;
+                    DSK_TEST_OK(dsk_comm_reduce_scatter(c, NULL, copy, buf, len, dt, k_ops[o]));
+                    DSK_TEST_SAME_BYTES(buf, want, (size_t)len * esz, label);
+                    free(copy);
+                } else {
+                    dsk_test_poison_bytes(got, (size_t)len * esz);
+                    DSK_TEST_OK(dsk_comm_reduce_scatter(c, NULL, in[c->rank], got, len, dt, k_ops[o]));
+                    DSK_TEST_SAME_BYTES(got, want, (size_t)len * esz, label);
+                }
+                free(got);
+                free(want);
+                free_all(n, in);
+            }
+}
+
+static void rank_all_gather(dsk_comm *c, void *arg) {
+    int n = c->world_size;
+    uint64_t tag = 3000;
+    (void)arg;
+    for (size_t d = 0; d < sizeof k_dtypes / sizeof *k_dtypes; d++)
+        for (size_t s = 0; s < sizeof k_sizes / sizeof *k_sizes; s++)
+            for (int in_place = 0; in_place < 2; in_place++) {
+                dsk_dtype dt = k_dtypes[d];
+                int64_t len = k_sizes[s];
+                size_t esz = dsk_dtype_size(dt), blk = (size_t)len * esz;
+                void **in = gen_all(n, dt, len, tag++);
+                char *got = (char *)malloc(blk * n + 1), *want = (char *)malloc(blk * n + 1);
+                char label[160];
+                snprintf(label, sizeof label, "rank %d: all_gather %s count %lld%s", c->rank, dsk_dtype_name(dt), (long long)len,
+                         in_place ? " in place" : "");
+                for (int r = 0; r < n; r++) memcpy(want + r * blk, in[r], blk);
+                dsk_test_poison_bytes(got, blk * n);
+                if (in_place) {
+                    memcpy(got + c->rank * blk, in[c->rank], blk);
+                    DSK_TEST_OK(dsk_comm_all_gather(c, NULL, got + c->rank * blk, got, len, dt));
+                } else {
+                    DSK_TEST_OK(dsk_comm_all_gather(c, NULL, in[c->rank], got, len, dt));
+                }
+                DSK_TEST_SAME_BYTES(got, want, blk * n, label);
+                free(got);
+                free(want);
+                free_all(n, in);
+            }
+}
+
+static void rank_broadcast(dsk_comm *c, void *arg) {
+    int n = c->world_size;
+    uint64_t tag = 4000;
+    static const int64_t sizes[] = {0, 1, 7, 129, 70001, 600011};
+    (void)arg;
+    for (size_t d = 0; d < sizeof k_dtypes / sizeof *k_dtypes; d++)
+        for (size_t s = 0; s < sizeof sizes / sizeof *sizes; s++)
+            for (int root = 0; root < n; root += (n > 1 ? n - 1 : 1)) {
+                dsk_dtype dt = k_dtypes[d];
+                int64_t len = sizes[s];
+                size_t bytes = (size_t)len * dsk_dtype_size(dt);
+                void **in = gen_all(n, dt, len, tag++);
+                char *got = (char *)malloc(bytes + 1);
+                char label[160];
+                int in_place = (int)(s & 1);
+                snprintf(label, sizeof label, "rank %d: broadcast %s count %lld root %d%s", c->rank, dsk_dtype_name(dt),
+                         (long long)len, root, in_place ? " in place" : "");
+                dsk_test_poison_bytes(got, bytes);
+                if (in_place && c->rank == root) memcpy(got, in[root], bytes);
+                DSK_TEST_OK(dsk_comm_broadcast(c, NULL, in_place ? got : in[c->rank], got, len, dt, root));
+                DSK_TEST_SAME_BYTES(got, in[root], bytes, label);
+                free(got);
+                free_all(n, in);
+            }
+}
+
+static void rank_all_to_all(dsk_comm *c, void *arg) {
+    int n = c->world_size;
+    uint64_t tag = 5000;
+    (void)arg;
+    for (size_t d = 0; d < sizeof k_dtypes / sizeof *k_dtypes; d++)
+        for (size_t s = 0; s < sizeof k_sizes / sizeof *k_sizes; s++) {
+            dsk_dtype dt = k_dtypes[d];
+            int64_t len = k_sizes[s] / 3 + (int64_t)s;
+            size_t blk = (size_t)len * dsk_dtype_size(dt);
+            void **in = gen_all(n, dt, len * n, tag++);
+            char *got = (char *)malloc(blk * n + 1), *want = (char *)malloc(blk * n + 1);
+            char label[160];
+            int in_place = (int)(s & 1);
+            snprintf(label, sizeof label, "rank %d: all_to_all %s block %lld%s", c->rank, dsk_dtype_name(dt), (long long)len,
+                     in_place ? " in place" : "");
+            for (int p = 0; p < n; p++) memcpy(want + p * blk, (char *)in[p] + c->rank * blk, blk);
+            if (in_place) memcpy(got, in[c->rank], blk * n);
+            else dsk_test_poison_bytes(got, blk * n);
+            DSK_TEST_OK(dsk_comm_all_to_all(c, NULL, in_place ? got : in[c->rank], got, len, dt));
+            DSK_TEST_SAME_BYTES(got, want, blk * n, label);
+            free(got);
+            free(want);
+            free_all(n, in);
+        }
+}
+
+/* counts[s][d]: elements rank s sends rank d in round `tag`; about a third are 0. */
+static int64_t a2av_count(uint64_t tag, int s, int d, int64_t scale) {
+    uint64_t u = mix64(g_seed ^ mix64(tag * 7 + (uint64_t)s * 64 + (uint64_t)d));
+    return (u % 3 == 0) ? 0 : (int64_t)((u >> 8) % (uint64_t)scale) + 1;
+}
+
+static void rank_all_to_all_v(dsk_comm *c, void *arg) {
+    int n = c->world_size, me = c->rank;
+    static const int64_t scales[] = {1, 5, 130, 40000};
+    (void)arg;
+    for (size_t d = 0; d < sizeof k_dtypes / sizeof *k_dtypes; d++)
+        for (size_t s = 0; s < sizeof scales / sizeof *scales; s++)
+            for (int packed = 0; packed < 2; packed++) {
+                uint64_t tag = 6000 + d * 100 + s * 10 + (uint64_t)packed;
+                dsk_dtype dt = k_dtypes[d];
+                size_t esz = dsk_dtype_size(dt);
+                int64_t sc[8], sd[8], rc[8], rd[8], stot = 0, rtot = 0, gap = packed ? 0 : 3;
+                void **in;
+                char *got, *want;
+                char label[160];
+                for (int p = 0; p < n; p++) {
+                    sc[p] = a2av_count(tag, me, p, scales[s]);
+                    rc[p] = a2av_count(tag, p, me, scales[s]);
+                    sd[p] = stot;
+                    rd[p] = rtot;
+                    stot += sc[p] + gap; /* gaps between blocks when not packed */
+                    rtot += rc[p] + gap;
+                }
+                /* every rank's send buffer, sized for its own counts */
+                in = (void **)malloc((size_t)n * sizeof(void *));
+                for (int p = 0; p < n; p++) {
+                    int64_t tot = 1;
+                    for (int q = 0; q < n; q++) tot += a2av_count(tag, p, q, scales[s]) + gap;
+                    in[p] = malloc((size_t)tot * esz);
+                    gen(in[p], dt, tot, tag, p);
+                }
+                got = (char *)malloc((size_t)(rtot + 1) * esz);
+                want = (char *)malloc((size_t)(rtot + 1) * esz);
+                dsk_test_poison_bytes(got, (size_t)rtot * esz);
+                memcpy(want, got, (size_t)rtot * esz);
+                /* what rank p sends me starts at p's displacement for me */
+                for (int p = 0; p < n; p++) {
+                    int64_t off = 0;
+                    for (int q = 0; q < me; q++) off += a2av_count(tag, p, q, scales[s]) + gap;
+                    memcpy(want + rd[p] * (int64_t)esz, (char *)in[p] + off * (int64_t)esz, (size_t)rc[p] * esz);
+                }
+                snprintf(label, sizeof label, "rank %d: all_to_all_v %s scale %lld%s", me, dsk_dtype_name(dt), (long long)scales[s],
+                         packed ? " packed (NULL displacements)" : " with gaps");
+                DSK_TEST_OK(dsk_comm_all_to_all_v(c, NULL, in[me], sc, packed ? NULL : sd, got, rc, packed ? NULL : rd, dt));
+                DSK_TEST_SAME_BYTES(got, want, (size_t)rtot * esz, label);
+                free(got);
+                free(want);
+                free_all(n, in);
+            }
+}
+
+/* Ring: each rank sends to rank + 1 and receives from rank - 1 (even ranks send first). */
+static void rank_send_recv(dsk_comm *c, void *arg) {
+    int n = c->world_size, me = c->rank, next = (me + 1) % n, prev = (me + n - 1) % n;
+    (void)arg;
+    if (n == 1) {
+        float x = 1;
+        DSK_TEST_STATUS(dsk_comm_send(c, NULL, &x, 1, DSK_F32, 0), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("peer 0");
+        return;
+    }
+    for (size_t d = 0; d < sizeof k_dtypes / sizeof *k_dtypes; d++) {
+        dsk_dtype dt = k_dtypes[d];
+        int64_t len = 100003 + (int64_t)d;
+        size_t bytes = (size_t)len * dsk_dtype_size(dt);
+        void **in = gen_all(n, dt, len, 7000 + d);
+        char *got = (char *)malloc(bytes);
+        char label[96];
+        dsk_test_poison_bytes(got, bytes);
+        if (me % 2 == 0) {
+            DSK_TEST_OK(dsk_comm_send(c, NULL, in[me], len, dt, next));
+            DSK_TEST_OK(dsk_comm_recv(c, NULL, got, len, dt, prev));
+        } else {
+            DSK_TEST_OK(dsk_comm_recv(c, NULL, got, len, dt, prev));
+            DSK_TEST_OK(dsk_comm_send(c, NULL, in[me], len, dt, next));
+        }
+        snprintf(label, sizeof label, "rank %d: recv %s from rank %d", me, dsk_dtype_name(dt), prev);
+        DSK_TEST_SAME_BYTES(got, in[prev], bytes, label);
+        free(got);
+        free_all(n, in);
+    }
+    DSK_TEST_OK(dsk_comm_barrier(c, NULL));
+    DSK_TEST_EXPECT(c->stats.calls > 0 && c->stats.bytes_sent > 0 && c->stats.bytes_received > 0, "stats not counted");
+}
+
+/* Sub-groups: parity groups with reversed keys, a rank outside every group, a nested split. */
+static void rank_split(dsk_comm *c, void *arg) {
+    int n = c->world_size, me = c->rank;
+    dsk_comm sub, solo, nested;
+    int color = me % 2, members = 0, my_index = 0;
+    float x[5], want[5];
+    (void)arg;
+    DSK_TEST_OK(dsk_comm_split(c, color, -me, &sub));
+    for (int r = 0; r < n; r++)
+        if (r % 2 == color) { members++; if (r > me) my_index++; }
+    DSK_TEST_EXPECT(sub.world_size == members && sub.rank == my_index, "rank %d: sub rank %d of %d, want %d of %d", me, sub.rank,
+                    sub.world_size, my_index, members);
+    /* all-reduce in the sub-group: fold in sub-rank order = descending world rank */
+    {
+        void **in = gen_all(n, DSK_F32, 5, 8000), *ord[8];
+        int k = 0;
+        for (int r = n - 1; r >= 0; r--)
+            if (r % 2 == color) ord[k++] = in[r];
+        ref_reduce(DSK_F32, DSK_COMM_SUM, k, ord, 0, 5, want);
+        DSK_TEST_OK(dsk_comm_all_reduce(&sub, NULL, in[me], x, 5, DSK_F32, DSK_COMM_SUM));
+        DSK_TEST_SAME_BYTES(x, want, sizeof x, "sub-group all_reduce");
+        free_all(n, in);
+    }
+    /* a split where the last rank joins nothing */
+    DSK_TEST_OK(dsk_comm_split(c, me == n - 1 ? DSK_COMM_NO_COLOR : 0, 0, &solo));
+    if (me == n - 1) DSK_TEST_EXPECT(solo.world_size == 0 && solo.impl == NULL, "NO_COLOR gave a group of %d", solo.world_size);
+    else {
+        int64_t one = 1, sum = 0;
+        DSK_TEST_OK(dsk_comm_all_reduce(&solo, NULL, &one, &sum, 1, DSK_I64, DSK_COMM_SUM));
+        DSK_TEST_EXPECT(sum == n - 1, "group without the last rank sums to %lld, want %d", (long long)sum, n - 1);
+    }
+    /* split of a split, and the parent still works in between */
+    DSK_TEST_OK(dsk_comm_split(&sub, 0, sub.rank, &nested));
+    {
+        int32_t v = me + 1, s = 0, w = 0;
+        DSK_TEST_OK(dsk_comm_all_reduce(&nested, NULL, &v, &s, 1, DSK_I32, DSK_COMM_MAX));
+        for (int r = 0; r < n; r++)
+            if (r % 2 == color && r + 1 > w) w = r + 1;
+        DSK_TEST_EXPECT(s == w, "nested max %d, want %d", s, w);
+        DSK_TEST_OK(dsk_comm_all_reduce(c, NULL, &v, &s, 1, DSK_I32, DSK_COMM_SUM));
+        DSK_TEST_EXPECT(s == n * (n + 1) / 2, "parent sum %d after splits", s);
+    }
+    DSK_TEST_OK(dsk_comm_store_barrier(&sub));
+    dsk_comm_free(&nested);
+    dsk_comm_free(&solo);
+    dsk_comm_free(&sub);
+}
+
+/* Tensor forms: in-place all-reduce, reduce-scatter / all-gather round trip, broadcast, all-to-all. */
+static void rank_tensors(dsk_comm *c, void *arg) {
+    int n = c->world_size, me = c->rank;
+    int64_t shape[2] = {n * 3, 5}, blk[2] = {3, 5};
+    dsk_tensor t, part, full, a2a;
+    void **in = gen_all(n, DSK_BF16, n * 15, 9000);
+    char want[512];
+    (void)arg;
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &t, DSK_BF16, 2, shape));
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &part, DSK_BF16, 2, blk));
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &full, DSK_BF16, 2, shape));
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &a2a, DSK_BF16, 2, shape));
+    memcpy(t.data, in[me], (size_t)n * 30);
+    ref_reduce(DSK_BF16, DSK_COMM_AVG, n, in, 0, n * 15, want);
+    DSK_TEST_OK(dsk_comm_all_reduce_tensor(c, NULL, &t, DSK_COMM_AVG));
+    DSK_TEST_SAME_BYTES(t.data, want, (size_t)n * 30, "all_reduce_tensor avg");
+    memcpy(t.data, in[me], (size_t)n * 30);
+    DSK_TEST_OK(dsk_comm_reduce_scatter_tensor(c, NULL, &part, &t, DSK_COMM_SUM));
+    ref_reduce(DSK_BF16, DSK_COMM_SUM, n, in, me * 15, 15, want);
+    DSK_TEST_SAME_BYTES(part.data, want, 30, "reduce_scatter_tensor");
+    DSK_TEST_OK(dsk_comm_all_gather_tensor(c, NULL, &full, &part));
+    ref_reduce(DSK_BF16, DSK_COMM_SUM, n, in, 0, n * 15, want);
+    DSK_TEST_SAME_BYTES(full.data, want, (size_t)n * 30, "all_gather_tensor after reduce_scatter = all_reduce");
+    memcpy(t.data, in[me], (size_t)n * 30);
+    DSK_TEST_OK(dsk_comm_broadcast_tensor(c, NULL, &t, n - 1));
+    DSK_TEST_SAME_BYTES(t.data, in[n - 1], (size_t)n * 30, "broadcast_tensor");
+    memcpy(t.data, in[me], (size_t)n * 30);
+    DSK_TEST_OK(dsk_comm_all_to_all_tensor(c, NULL, &a2a, &t));
+    for (int p = 0; p < n; p++) memcpy(want + p * 30, (char *)in[p] + me * 30, 30); /* blocks of 15 bf16 */
+    DSK_TEST_SAME_BYTES(a2a.data, want, (size_t)n * 30, "all_to_all_tensor");
+    /* shape errors name the tensors */
+    {
+        dsk_tensor one;
+        int64_t s1 = 1;
+        DSK_TEST_OK(dsk_tensor_alloc(NULL, &one, DSK_BF16, 1, &s1));
+        DSK_TEST_STATUS(dsk_comm_all_gather_tensor(c, NULL, &part, &one), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dsk_comm_all_gather_tensor: out [3,5] bf16 does not fit in [1] bf16");
+        dsk_tensor_free(NULL, &one);
+    }
+    dsk_tensor_free(NULL, &t);
+    dsk_tensor_free(NULL, &part);
+    dsk_tensor_free(NULL, &full);
+    dsk_tensor_free(NULL, &a2a);
+    free_all(n, in);
+}
+
+/* The store: set/get/add, a get that waits for a later set, a get that times out. */
+static void rank_store(dsk_comm *c, void *arg) {
+    int n = c->world_size, me = c->rank;
+    char key[32], val[64];
+    size_t len = 0;
+    int64_t total = 0;
+    (void)arg;
+    snprintf(key, sizeof key, "k%d", me);
+    snprintf(val, sizeof val, "value of rank %d", me);
+    DSK_TEST_OK(dsk_comm_store_set(c, key, val, strlen(val) + 1));
+    DSK_TEST_OK(dsk_comm_store_add(c, "counter", me + 1, NULL));
+    DSK_TEST_OK(dsk_comm_store_barrier(c));
+    for (int r = 0; r < n; r++) {
+        char want[64], got[64];
+        snprintf(key, sizeof key, "k%d", r);
+        snprintf(want, sizeof want, "value of rank %d", r);
+        DSK_TEST_OK(dsk_comm_store_get(c, key, got, sizeof got, &len));
+        DSK_TEST_EXPECT(len == strlen(want) + 1 && strcmp(got, want) == 0, "store %s = \"%s\" (len %zu)", key, got, len);
+    }
+    DSK_TEST_OK(dsk_comm_store_add(c, "counter", 0, &total));
+    DSK_TEST_EXPECT(total == n * (n + 1) / 2, "counter %lld want %d", (long long)total, n * (n + 1) / 2);
+    /* the last rank sets "late" after 0.3 s; the others' get waits for it */
+    if (me == n - 1) {
+        struct timespec ts = {0, 300000000};
+        nanosleep(&ts, NULL);
+        DSK_TEST_OK(dsk_comm_store_set(c, "late", "x", 1));
+    } else {
+        double t0 = dsk_test_now();
+        DSK_TEST_OK(dsk_comm_store_get(c, "late", val, sizeof val, &len));
+        DSK_TEST_EXPECT(len == 1 && val[0] == 'x' && dsk_test_now() - t0 > 0.2, "late get returned after %.2f s", dsk_test_now() - t0);
+    }
+    DSK_TEST_OK(dsk_comm_store_barrier(c));
+}
+
+static void case_store_timeout(void) {
+    dsk_comm c;
+    dsk_comm_opts o;
+    int port = 0;
+    double t0;
+    char buf[8];
+    memset(&o, 0, sizeof o);
+    o.backend = DSK_COMM_HOST;
+    o.timeout_s = 0.5;
+    o.master_addr = "127.0.0.1";
+    DSK_TEST_OK(dsk_comm_free_port("127.0.0.1", &port));
+    o.master_port = port;
+    DSK_TEST_OK(dsk_comm_init(&c, 0, 1, &o));
+    t0 = dsk_test_now();
+    DSK_TEST_STATUS(dsk_comm_store_get(&c, "never-set", buf, sizeof buf, NULL), DSK_ERR_TIMEOUT);
+    DSK_TEST_ERROR_MENTIONS("key \"never-set\"");
+    DSK_TEST_EXPECT(dsk_test_now() - t0 < 2.0, "store get timed out after %.2f s for a 0.5 s timeout", dsk_test_now() - t0);
+    dsk_comm_free(&c);
+}
+
+/* ------------------------------------------------------------------ gradient buckets */
+
+typedef struct bucket_arg { dsk_dtype dt; int n_params; int64_t counts[16]; size_t first, cap; } bucket_arg;
+
+static void rank_buckets(dsk_comm *c, void *argp) {
+    bucket_arg *a = (bucket_arg *)argp;
+    int n = c->world_size, me = c->rank;
+    size_t esz = dsk_dtype_size(a->dt);
+    int64_t total = 0;
+    dsk_comm_buckets b;
+    dsk_comm_bucket_opts bo;
+    char *flat, *plain, *before;
+    for (int i = 0; i < a->n_params; i++) total += a->counts[i];
+    flat = (char *)malloc((size_t)total * esz);
+    plain = (char *)malloc((size_t)total * esz);
+    before = (char *)malloc((size_t)total * esz);
+    memset(&bo, 0, sizeof bo);
+    bo.first_bucket_bytes = a->first;
+    bo.bucket_bytes = a->cap;
+    DSK_TEST_OK(dsk_comm_buckets_init(&b, c, NULL, flat, a->dt, a->n_params, a->counts, &bo));
+    /* bucket policy: reverse order, caps respected unless one parameter is larger */
+    {
+        int next = a->n_params;
+        for (int k = 0; k < b.n_buckets; k++) {
+            int first = -1, count = 0;
+            size_t bytes = 0;
+            DSK_TEST_OK(dsk_comm_buckets_range(&b, k, &first, &count));
+            DSK_TEST_EXPECT(first + count == next && count >= 1, "bucket %d = [%d, %d) does not continue at %d", k, first, first + count, next);
+            for (int i = first; i < first + count; i++) bytes += (size_t)a->counts[i] * esz;
+            DSK_TEST_EXPECT(count == 1 || bytes <= (k == 0 ? a->first : a->cap), "bucket %d holds %zu bytes over its cap", k, bytes);
+            if (first > 0 && k + 1 < b.n_buckets)
+                DSK_TEST_EXPECT(bytes + (size_t)a->counts[first - 1] * esz > (k == 0 ? a->first : a->cap),
+                                "bucket %d closed early at %zu bytes", k, bytes);
+            next = first;
+        }
+        DSK_TEST_EXPECT(next == 0 && b.n_buckets > 2, "buckets cover down to %d, %d buckets", next, b.n_buckets);
+    }
+    /* micro-batch 1 (accumulation): no communication at all */
+    gen(flat, a->dt, total, 11000, me);
+    memcpy(before, flat, (size_t)total * esz);
+    DSK_TEST_OK(dsk_comm_buckets_begin(&b, 0));
+    for (int i = a->n_params - 1; i >= 0; i--) DSK_TEST_OK(dsk_comm_buckets_mark_ready(&b, i));
+    DSK_TEST_OK(dsk_comm_buckets_wait(&b));
+    DSK_TEST_SAME_BYTES(flat, before, (size_t)total * esz, "accumulation pass changed the gradients");
+    DSK_TEST_EXPECT(b.bytes == 0 && b.reductions == 0, "accumulation pass moved %llu bytes", (unsigned long long)b.bytes);
+    /* last micro-batch: buckets start while later "backward" work continues; compare with a plain all-reduce */
+    for (int step = 0; step < 2; step++) {
+        gen(flat, a->dt, total, 11001 + (uint64_t)step, me);
+        DSK_TEST_OK(dsk_comm_all_reduce(c, NULL, flat, plain, total, a->dt, DSK_COMM_AVG));
+        DSK_TEST_OK(dsk_comm_buckets_begin(&b, 1));
+        for (int i = a->n_params - 1; i >= 0; i--) {
+            volatile double work = 0;
+            for (int k = 0; k < 20000; k++) work += k;
+            DSK_TEST_OK(dsk_comm_buckets_mark_ready(&b, i));
+        }
+        DSK_TEST_OK(dsk_comm_buckets_wait(&b));
+        DSK_TEST_SAME_BYTES(flat, plain, (size_t)total * esz, "bucketed all-reduce vs plain all-reduce");
+    }
+    DSK_TEST_EXPECT(b.bytes == 2 * (uint64_t)total * esz && b.reductions == 2 * b.n_buckets && b.seconds > 0,
+                    "stats: %llu bytes (want %llu), %lld reductions (want %d), %.4f s", (unsigned long long)b.bytes,
+                    (unsigned long long)(2 * total * (int64_t)esz), (long long)b.reductions, 2 * b.n_buckets, b.seconds);
+    /* misuse */
+    DSK_TEST_OK(dsk_comm_buckets_begin(&b, 1));
+    DSK_TEST_OK(dsk_comm_buckets_mark_ready(&b, a->n_params - 1));
+    DSK_TEST_STATUS(dsk_comm_buckets_mark_ready(&b, a->n_params - 1), DSK_ERR_STATE);
+    DSK_TEST_ERROR_MENTIONS("marked ready twice");
+    DSK_TEST_STATUS(dsk_comm_buckets_mark_ready(&b, a->n_params), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_comm_buckets_wait(&b), DSK_ERR_STATE);
+    DSK_TEST_ERROR_MENTIONS("was never marked ready");
+    (void)n;
+    dsk_comm_buckets_free(&b);
+    dsk_comm_buckets_free(&b); /* freed twice is fine */
+    free(flat);
+    free(plain);
+    free(before);
+}
+
+/* ------------------------------------------------------------------ faults */
+
+static dsk_comm_opts fault_opts(double timeout) {
+    dsk_comm_opts o;
+    memset(&o, 0, sizeof o);
+    o.timeout_s = timeout;
+    return o;
+}
+
+typedef struct fault_arg { int victim; int sig; int64_t count; } fault_arg;
+
+/* The victim raises sig (SIGKILL or SIGSTOP) before the third all-reduce; the others must
+   fail within the timeout naming it, then find the communicator unusable. */
+static void rank_victim(dsk_comm *c, void *argp) {
+    fault_arg *a = (fault_arg *)argp;
+    float *x = (float *)malloc((size_t)a->count * sizeof(float));
+    char name[32];
+    double t0;
+    dsk_status st = DSK_OK;
+    gen(x, DSK_F32, a->count, 1, c->rank);
+    for (int i = 0; i < 2; i++) DSK_TEST_OK(dsk_comm_all_reduce(c, NULL, x, x, a->count, DSK_F32, DSK_COMM_SUM));
+    if (c->rank == a->victim) raise(a->sig);
+    t0 = dsk_test_now();
+    for (int i = 0; i < 3 && st == DSK_OK; i++) st = dsk_comm_all_reduce(c, NULL, x, x, a->count, DSK_F32, DSK_COMM_SUM);
+    printf("     rank %d: %s after %.2f s: %s\n", c->rank, dsk_status_str(st), dsk_test_now() - t0, dsk_last_error());
+    snprintf(name, sizeof name, "rank %d", a->victim);
+    DSK_TEST_EXPECT(st == DSK_ERR_PEER || st == DSK_ERR_TIMEOUT, "rank %d got %s", c->rank, dsk_status_str(st));
+    DSK_TEST_ERROR_MENTIONS(name);
+    DSK_TEST_ERROR_MENTIONS("dsk_comm_all_reduce");
+    DSK_TEST_EXPECT(dsk_test_now() - t0 < 2.0 + 1.5, "took %.2f s for a 2 s timeout", dsk_test_now() - t0);
+    DSK_TEST_STATUS(dsk_comm_all_reduce(c, NULL, x, x, a->count, DSK_F32, DSK_COMM_SUM), DSK_ERR_STATE);
+    DSK_TEST_ERROR_MENTIONS("unusable after an earlier error");
+    free(x);
+}
+
+static void case_rank_dies(int sig, int64_t count) {
+    group g;
+    fault_arg a;
+    group_defaults(&g, 3);
+    g.opts = fault_opts(2.0);
+    a.victim = 2;
+    a.sig = sig;
+    a.count = count;
+    if (sig == SIGSTOP) g.reap = a.victim + 1; /* the parent kills the stopped victim once the others are done */
+    run_group(&g, rank_victim, &a);
+    DSK_TEST_EXPECT(g.status[0] == 0 && g.status[1] == 0, "surviving ranks exited %d %d", g.status[0], g.status[1]);
+    DSK_TEST_EXPECT(g.status[2] == 128 + SIGKILL, "victim exited %d", g.status[2]);
+}
+
+typedef struct mismatch_arg { int kind; } mismatch_arg;
+
+/* Rank 1 makes a different call than the others; everyone must get an error, and the
+   ranks that see rank 1's header name both calls. */
+static void rank_mismatch(dsk_comm *c, void *argp) {
+    mismatch_arg *a = (mismatch_arg *)argp;
+    float x[200], y[600];
+    int32_t xi[100];
+    dsk_status st;
+    double t0 = dsk_test_now();
+    int odd = c->rank == 1;
+    gen(x, DSK_F32, 200, 3, c->rank);
+    gen(xi, DSK_I32, 100, 3, c->rank);
+    DSK_TEST_OK(dsk_comm_all_reduce(c, NULL, x, y, 100, DSK_F32, DSK_COMM_SUM));
+    if (a->kind == 0) st = dsk_comm_all_reduce(c, NULL, x, y, odd ? 101 : 100, DSK_F32, DSK_COMM_SUM);
+    else if (a->kind == 1) st = odd ? dsk_comm_all_reduce(c, NULL, xi, y, 100, DSK_I32, DSK_COMM_SUM)
+                                    : dsk_comm_all_reduce(c, NULL, x, y, 100, DSK_F32, DSK_COMM_SUM);
+    else if (a->kind == 2) st = odd ? dsk_comm_all_gather(c, NULL, x, y, 100, DSK_F32)
+                                    : dsk_comm_all_reduce(c, NULL, x, y, 100, DSK_F32, DSK_COMM_SUM);
+    else {
+        int64_t sc[4] = {1, 1, 1, 1}, rc[4] = {1, 1, 1, 1};
+        if (c->rank == 0) rc[1] = 2; /* rank 0 expects 2 elements from rank 1, which sends 1 */
+        st = dsk_comm_all_to_all_v(c, NULL, x, sc, NULL, y, rc, NULL, DSK_F32);
+    }
+    printf("     rank %d: %s after %.2f s: %s\n", c->rank, dsk_status_str(st), dsk_test_now() - t0, dsk_last_error());
+    /* all_to_all_v: rank 1 sent what rank 0 does not expect but itself got what it expected */
+    if (a->kind != 3 || c->rank == 0)
+        DSK_TEST_EXPECT(st == DSK_ERR_PEER || st == DSK_ERR_TIMEOUT, "rank %d got %s", c->rank, dsk_status_str(st));
+    if (a->kind == 0 && st == DSK_ERR_PEER) {
+        DSK_TEST_ERROR_MENTIONS("mismatched calls");
+        DSK_TEST_ERROR_MENTIONS("count 100");
+        DSK_TEST_ERROR_MENTIONS("count 101");
+    }
+    /* a rank that saw rank 1's header names both calls; one that saw a peer hang up relays its error */
+    if (a->kind == 1) {
+        DSK_TEST_ERROR_MENTIONS("mismatched calls");
+        DSK_TEST_ERROR_MENTIONS("all_reduce(count 100, i32, sum)");
+        DSK_TEST_ERROR_MENTIONS("all_reduce(count 100, f32, sum)");
+    }
+    if (a->kind == 2) {
+        DSK_TEST_ERROR_MENTIONS("mismatched calls");
+        DSK_TEST_ERROR_MENTIONS("all_gather(count 100, f32)");
+        DSK_TEST_ERROR_MENTIONS("all_reduce(count 100, f32, sum)");
+    }
+    if (a->kind == 3 && c->rank == 0) DSK_TEST_ERROR_MENTIONS("expects all_to_all_v(count 2, f32)");
+    DSK_TEST_EXPECT(dsk_test_now() - t0 < 3.5, "mismatch took %.2f s", dsk_test_now() - t0);
+}
+
+static void case_mismatch(int n, int kind) {
+    group g;
+    mismatch_arg a;
+    group_defaults(&g, n);
+    g.opts = fault_opts(2.0);
+    a.kind = kind;
+    expect_group_ok(&g, rank_mismatch, &a);
+}
+
+/* A rank that leaves early: a big send into its closed socket must give DSK_ERR_PEER, not SIGPIPE. */
+static void rank_leaves(dsk_comm *c, void *arg) {
+    int64_t n = 4 << 20;
+    float *x;
+    dsk_status st;
+    (void)arg;
+    if (c->rank == 1) {
+        dsk_comm_free(c);
+        return;
+    }
+    x = (float *)malloc((size_t)n * sizeof(float));
+    gen(x, DSK_F32, n, 4, 0);
+    st = dsk_comm_all_reduce(c, NULL, x, x, n, DSK_F32, DSK_COMM_SUM);
+    DSK_TEST_EXPECT(st == DSK_ERR_PEER, "got %s: %s", dsk_status_str(st), dsk_last_error());
+    DSK_TEST_ERROR_MENTIONS("rank 1");
+    free(x);
+}
+
+/* Ranks that init with these world sizes and must fail with these errors within the timeout. */
+typedef struct init_expect {
+    group g;
+    int world[8];
+    dsk_status want[8];
+    const char *needle[8];
+} init_expect;
+
+static void rank_init_expect(dsk_comm *unused, void *argp) {
+    const init_expect *e = (const init_expect *)argp;
+    dsk_comm c;
+    double t0 = dsk_test_now();
+    dsk_status st;
+    (void)unused;
+    st = dsk_comm_init(&c, g_rank, e->world[g_rank], &e->g.opts);
+    printf("     rank %d: %s after %.2f s: %s\n", g_rank, dsk_status_str(st), dsk_test_now() - t0, dsk_last_error());
+    DSK_TEST_EXPECT(st == e->want[g_rank], "rank %d: init returned %s, want %s", g_rank, dsk_status_str(st),
+                    dsk_status_str(e->want[g_rank]));
+    DSK_TEST_ERROR_MENTIONS(e->needle[g_rank]);
+    DSK_TEST_EXPECT(dsk_test_now() - t0 < e->g.opts.timeout_s + 1.5, "init took %.2f s for a %.1f s timeout", dsk_test_now() - t0,
+                    e->g.opts.timeout_s);
+    DSK_TEST_EXPECT(c.impl == NULL && c.world_size == 0, "failed init left state behind");
+}
+
+static void expect_init_failures(init_expect *e) {
+    group_defaults(&e->g, 2);
+    e->g.no_init = 1;
+    e->g.opts = fault_opts(1.5);
+    e->g.opts.backend = DSK_COMM_HOST;
+    e->g.opts.master_addr = "127.0.0.1";
+    DSK_TEST_OK(dsk_comm_free_port("127.0.0.1", &e->g.port));
+    e->g.opts.master_port = e->g.port;
+    expect_group_ok(&e->g, rank_init_expect, e);
+}
+
+static void case_wrong_world(void) {
+    init_expect e;
+    memset(&e, 0, sizeof e);
+    e.world[0] = 2; e.want[0] = DSK_ERR_TIMEOUT; e.needle[0] = "rank 1 of 2 to join";
+    e.world[1] = 3; e.want[1] = DSK_ERR_ARG; e.needle[1] = "this rank (1) has WORLD_SIZE 3 but rank 0 has 2";
+    expect_init_failures(&e);
+}
+
+static void case_missing_rank(void) {
+    init_expect e;
+    memset(&e, 0, sizeof e);
+    for (int r = 0; r < 2; r++) { e.world[r] = 3; e.want[r] = DSK_ERR_TIMEOUT; e.needle[r] = "rank 2 of 3 to join"; }
+    expect_init_failures(&e);
+}
+
+static void case_port_in_use(void) {
+    struct sockaddr_in sa;
+    int fd = socket(AF_INET, SOCK_STREAM, 0), port;
+    socklen_t sl = sizeof sa;
+    dsk_comm c;
+    dsk_comm_opts o = fault_opts(1.0);
+    memset(&sa, 0, sizeof sa);
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    DSK_TEST_EXPECT(bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0 && listen(fd, 4) == 0, "test listener");
+    getsockname(fd, (struct sockaddr *)&sa, &sl);
+    port = ntohs(sa.sin_port);
+    o.master_addr = "127.0.0.1";
+    o.master_port = port;
+    o.backend = DSK_COMM_HOST;
+    DSK_TEST_STATUS(dsk_comm_init(&c, 0, 2, &o), DSK_ERR_IO);
+    DSK_TEST_ERROR_MENTIONS("already in use");
+    DSK_TEST_ERROR_MENTIONS("dsk_comm_init");
+    close(fd);
+}
+
+static void case_no_store(void) {
+    dsk_comm c;
+    dsk_comm_opts o = fault_opts(1.0);
+    int port = 0;
+    double t0;
+    DSK_TEST_OK(dsk_comm_free_port("127.0.0.1", &port));
+    o.master_addr = "127.0.0.1";
+    o.master_port = port;
+    o.backend = DSK_COMM_HOST;
+    t0 = dsk_test_now();
+    DSK_TEST_STATUS(dsk_comm_init(&c, 1, 2, &o), DSK_ERR_TIMEOUT);
+    printf("     no store: failed after %.2f s: %s\n", dsk_test_now() - t0, dsk_last_error());
+    DSK_TEST_ERROR_MENTIONS("no key-value store");
+    DSK_TEST_ERROR_MENTIONS("rank 1 of 2");
+    DSK_TEST_EXPECT(dsk_test_now() - t0 < 2.5, "took %.2f s for a 1 s timeout", dsk_test_now() - t0);
+}
+
+static const char *k_env_vars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                   "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                                   "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
+                                   "SLURM_NTASKS_PER_NODE"};
+
+static void clear_env(void) {
+    for (size_t i = 0; i < sizeof k_env_vars / sizeof *k_env_vars; i++) unsetenv(k_env_vars[i]);
+}
+
+/* Sets "NAME=value" pairs (NULL-terminated) on a clean launcher environment and expects `want`. */
+static void env_expect(dsk_status want, const char *needle, ...) {
+    va_list ap;
+    const char *kv;
+    dsk_comm c;
+    dsk_comm_opts o = fault_opts(1.0);
+    o.backend = DSK_COMM_HOST;
+    clear_env();
+    va_start(ap, needle);
+    while ((kv = va_arg(ap, const char *)) != NULL) {
+        char name[64];
+        const char *eq = strchr(kv, '=');
+        snprintf(name, sizeof name, "%.*s", (int)(eq - kv), kv);
+        setenv(name, eq + 1, 1);
+    }
+    va_end(ap);
+    DSK_TEST_STATUS(dsk_comm_init_env(&c, &o), want);
+    if (want != DSK_OK) {
+        DSK_TEST_ERROR_MENTIONS("dsk_comm_init"); /* _env, or dsk_comm_init for what it checks */
+        DSK_TEST_ERROR_MENTIONS(needle);
+    } else {
+        int32_t v = 5, s = 0;
+        DSK_TEST_EXPECT(c.rank == 0 && c.world_size == 1 && c.local_world_size == 1, "rank %d world %d local %d", c.rank,
+                        c.world_size, c.local_world_size);
+        DSK_TEST_OK(dsk_comm_all_reduce(&c, NULL, &v, &s, 1, DSK_I32, DSK_COMM_SUM));
+        DSK_TEST_EXPECT(s == 5, "world of one all_reduce gave %d", s);
+        dsk_comm_free(&c);
+    }
+    clear_env();
+}
+
+static void case_env(void) {
+    char port[32], pp[48];
+    int p = 0;
+    DSK_TEST_OK(dsk_comm_free_port("127.0.0.1", &p));
+    snprintf(port, sizeof port, "%d", p);
+    snprintf(pp, sizeof pp, "MASTER_PORT=%d", p);
+    env_expect(DSK_ERR_ARG, "no launcher environment", (const char *)NULL);
+    env_expect(DSK_ERR_ARG, "RANK=\"abc\" is not a non-negative integer", "RANK=abc", "WORLD_SIZE=2", (const char *)NULL);
+    env_expect(DSK_ERR_ARG, "RANK=3 is not below WORLD_SIZE=2", "RANK=3", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1", (const char *)NULL);
+    env_expect(DSK_ERR_ARG, "RANK is set but WORLD_SIZE is not", "RANK=0", (const char *)NULL);
+    env_expect(DSK_ERR_ARG, "WORLD_SIZE=\"-2\"", "RANK=0", "WORLD_SIZE=-2", (const char *)NULL);
+    env_expect(DSK_ERR_ARG, "MASTER_ADDR is not set", "RANK=1", "WORLD_SIZE=2", (const char *)NULL);
+    env_expect(DSK_ERR_ARG, "MASTER_PORT=\"70000\"", "RANK=0", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=70000", (const char *)NULL);
+    env_expect(DSK_ERR_ARG, "MASTER_PORT=\"12ab\"", "RANK=0", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=12ab", (const char *)NULL);
+    env_expect(DSK_ERR_ARG, "LOCAL_RANK=4 is not below LOCAL_WORLD_SIZE=2", "RANK=0", "WORLD_SIZE=1", "LOCAL_RANK=4",
+               "LOCAL_WORLD_SIZE=2", (const char *)NULL);
+    env_expect(DSK_ERR_ARG, "cannot resolve address \"no.such.host.invalid\"", "RANK=0", "WORLD_SIZE=1",
+               "MASTER_ADDR=no.such.host.invalid", pp, (const char *)NULL);
+    env_expect(DSK_ERR_ARG, "OMPI_COMM_WORLD_RANK=2 is not below OMPI_COMM_WORLD_SIZE=2", "OMPI_COMM_WORLD_RANK=2",
+               "OMPI_COMM_WORLD_SIZE=2", (const char *)NULL);
+    /* worlds of one start from each launcher's variables */
+    env_expect(DSK_OK, "", "RANK=0", "WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1", pp, (const char *)NULL);
+    env_expect(DSK_OK, "", "OMPI_COMM_WORLD_RANK=0", "OMPI_COMM_WORLD_SIZE=1", "OMPI_COMM_WORLD_LOCAL_RANK=0", pp, (const char *)NULL);
+    env_expect(DSK_OK, "", "SLURM_PROCID=0", "SLURM_NTASKS=1", "SLURM_LOCALID=0", "SLURM_NTASKS_PER_NODE=1(x1)", pp, (const char *)NULL);
+}
+
+/* Argument errors on a world of one: status and message. */
+static void case_bad_args(void) {
+    dsk_comm c;
+    dsk_comm_opts o = fault_opts(2.0);
+    int port = 0;
+    float x[4] = {1, 2, 3, 4};
+    int64_t cnt[1] = {-1}, ok1[1] = {1};
+    dsk_tensor t, tt;
+    int64_t shape[2] = {2, 2};
+    DSK_TEST_OK(dsk_comm_free_port("127.0.0.1", &port));
+    o.master_addr = "127.0.0.1";
+    o.master_port = port;
+    o.backend = DSK_COMM_HOST;
+    DSK_TEST_STATUS(dsk_comm_init(&c, 2, 2, &o), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_comm_init: rank 2 is not in [0, world_size 2)");
+    o.backend = DSK_COMM_NCCL;
+    DSK_TEST_STATUS(dsk_comm_init(&c, 0, 1, &o), DSK_ERR_UNSUPPORTED);
+    DSK_TEST_ERROR_MENTIONS("nccl backend");
+    o.backend = DSK_COMM_HOST;
+    DSK_TEST_OK(dsk_comm_init(&c, 0, 1, &o));
+    DSK_TEST_STATUS(dsk_comm_all_reduce(NULL, NULL, x, x, 4, DSK_F32, DSK_COMM_SUM), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_comm_all_reduce: communicator is NULL");
+    DSK_TEST_STATUS(dsk_comm_all_reduce(&c, NULL, x, x, 4, DSK_E4M3, DSK_COMM_SUM), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dtype e4m3 is not supported");
+    DSK_TEST_STATUS(dsk_comm_all_reduce(&c, NULL, x, x, -3, DSK_F32, DSK_COMM_SUM), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("count -3 is negative");
+    DSK_TEST_STATUS(dsk_comm_all_reduce(&c, NULL, NULL, x, 4, DSK_F32, DSK_COMM_SUM), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("NULL buffer for 4 elements");
+    DSK_TEST_STATUS(dsk_comm_all_reduce(&c, NULL, x, x, 4, DSK_F32, (dsk_comm_op)9), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("unknown reduction op 9");
+    DSK_TEST_STATUS(dsk_comm_broadcast(&c, NULL, x, x, 4, DSK_F32, 1), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("root 1 is not in [0, world_size 1)");
+    DSK_TEST_STATUS(dsk_comm_recv(&c, NULL, x, 4, DSK_F32, 5), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("peer 5 is not another rank");
+    DSK_TEST_STATUS(dsk_comm_all_to_all_v(&c, NULL, x, cnt, NULL, x + 2, ok1, NULL, DSK_F32), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("negative count or displacement for rank 0");
+    cnt[0] = 2;
+    DSK_TEST_STATUS(dsk_comm_all_to_all_v(&c, NULL, x, cnt, NULL, x + 2, ok1, NULL, DSK_F32), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("rank 0 sends itself 2 elements but expects 1");
+    DSK_TEST_STATUS(dsk_comm_split(&c, -5, 0, &c), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_comm_split");
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &t, DSK_F32, 2, shape));
+    DSK_TEST_OK(dsk_tensor_transpose(&t, 0, 1, &tt));
+    DSK_TEST_STATUS(dsk_comm_all_reduce_tensor(&c, NULL, &tt, DSK_COMM_SUM), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("tensor t [2,2] f32 is not contiguous");
+    tt = t;
+    tt.device.type = DSK_DEV_CUDA;
+    DSK_TEST_STATUS(dsk_comm_all_reduce_tensor(&c, NULL, &tt, DSK_COMM_SUM), DSK_ERR_UNSUPPORTED);
+    DSK_TEST_ERROR_MENTIONS("host backend needs CPU memory");
+    dsk_tensor_free(NULL, &t);
+    dsk_comm_free(&c);
+    dsk_comm_free(&c); /* freed twice is fine */
+    DSK_TEST_STATUS(dsk_comm_barrier(&c, NULL), DSK_ERR_ARG);
+}
+
+/* Open descriptors and threads of this process. */
+static int count_dir(const char *path) {
+    DIR *d = opendir(path);
+    int n = 0;
+    struct dirent *e;
+    if (!d) return -1;
+    while ((e = readdir(d)) != NULL) n += e->d_name[0] != '.';
+    closedir(d);
+    return n;
+}
+
+static void rank_reinit(dsk_comm *unused, void *argp) {
+    const group *g = (const group *)argp;
+    int fds0 = count_dir("/proc/self/fd"), thr0 = count_dir("/proc/self/task");
+    (void)unused;
+    for (int round = 0; round < 3; round++) {
+        dsk_comm c, sub;
+        dsk_comm_buckets b;
+        int64_t counts[3] = {1000, 20000, 7};
+        float *flat = (float *)calloc(21007, sizeof(float));
+        float v = (float)g_rank, s = 0;
+        DSK_TEST_OK(dsk_comm_init(&c, g_rank, g->n, &g->opts));
+        if (!c.impl) { free(flat); return; }
+        DSK_TEST_OK(dsk_comm_all_reduce(&c, NULL, &v, &s, 1, DSK_F32, DSK_COMM_SUM));
+        DSK_TEST_EXPECT(s == 1.0f, "round %d sum %g", round, s);
+        DSK_TEST_OK(dsk_comm_split(&c, 0, 0, &sub));
+        DSK_TEST_OK(dsk_comm_buckets_init(&b, &c, NULL, flat, DSK_F32, 3, counts, NULL));
+        DSK_TEST_OK(dsk_comm_buckets_begin(&b, 1));
+        for (int i = 2; i >= 0; i--) DSK_TEST_OK(dsk_comm_buckets_mark_ready(&b, i));
+        DSK_TEST_OK(dsk_comm_buckets_wait(&b));
+        dsk_comm_buckets_free(&b);
+        dsk_comm_free(&sub);
+        dsk_comm_free(&c);
+        free(flat);
+    }
+    DSK_TEST_EXPECT(count_dir("/proc/self/fd") == fds0, "rank %d: %d descriptors before, %d after 3 init/free rounds", g_rank, fds0,
+                    count_dir("/proc/self/fd"));
+    DSK_TEST_EXPECT(count_dir("/proc/self/task") == thr0, "rank %d: %d threads before, %d after", g_rank, thr0, count_dir("/proc/self/task"));
+}
+
+static void case_reinit(void) {
+    group g;
+    group_defaults(&g, 2);
+    g.no_init = 1;
+    g.opts = fault_opts(10.0);
+    g.opts.backend = DSK_COMM_HOST;
+    g.opts.master_addr = "127.0.0.1";
+    /* every round binds the same port again: the store's SO_REUSEADDR makes that work */
+    if (dsk_comm_free_port("127.0.0.1", &g.port) != DSK_OK) return;
+    g.opts.master_port = g.port;
+    expect_group_ok(&g, rank_reinit, &g);
+}
+
+/* ------------------------------------------------------------------ launcher */
+
+static int child_main(void) {
+    dsk_comm c;
+    dsk_comm_opts o;
+    int64_t v, s = 0;
+    memset(&o, 0, sizeof o);
+    o.backend = DSK_COMM_HOST;
+    o.timeout_s = 20;
+    if (dsk_comm_init_env(&c, &o) != DSK_OK) {
+        printf("init_env failed: %s\n", dsk_last_error());
+        return 3;
+    }
+    v = c.rank + 1;
+    if (dsk_comm_all_reduce(&c, NULL, &v, &s, 1, DSK_I64, DSK_COMM_SUM) != DSK_OK) {
+        printf("all_reduce failed: %s\n", dsk_last_error());
+        return 4;
+    }
+    printf("rank %d of %d local %d of %d sum %lld\n", c.rank, c.world_size, c.local_rank, c.local_world_size, (long long)s);
+    v = (int64_t)c.world_size * (c.world_size + 1) / 2;
+    dsk_comm_free(&c);
+    return s == v ? 0 : 5;
+}
+
+static char *slurp(int fd) {
+    static char buf[8192];
+    size_t n = 0;
+    ssize_t r;
+    while (n + 1 < sizeof buf && (r = read(fd, buf + n, sizeof buf - 1 - n)) > 0) n += (size_t)r;
+    buf[n] = 0;
+    return buf;
+}
+
+static void case_spawn(void) {
+    int p[2];
+    dsk_spawn_opts so;
+    int worst = -1;
+    char *out, *argv_sh[] = {(char *)"/bin/sh", (char *)"-c",
+                             (char *)"echo \"r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK/$LOCAL_WORLD_SIZE a=$MASTER_ADDR\"; printf partial; exit $RANK",
+                             NULL};
+    char self[4096], *argv_self[] = {self, (char *)"--rank-child", NULL};
+    char *argv_sleep[] = {(char *)"/bin/sleep", (char *)"30", NULL};
+    ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
+    self[k > 0 ? k : 0] = 0;
+    memset(&so, 0, sizeof so);
+    DSK_TEST_EXPECT(pipe(p) == 0, "pipe");
+    so.out_fd = p[1];
+    DSK_TEST_OK(dsk_comm_spawn_local(3, argv_sh, &so, &worst));
+    close(p[1]);
+    out = slurp(p[0]);
+    close(p[0]);
+    DSK_TEST_EXPECT(worst == 2, "worst exit %d, want 2", worst);
+    for (int r = 0; r < 3; r++) {
+        char line[128];
+        snprintf(line, sizeof line, "[rank %d] r=%d w=3 l=%d/3 a=127.0.0.1\n", r, r, r);
+        DSK_TEST_EXPECT(strstr(out, line) != NULL, "output lacks \"%s\":\n%s", line, out);
+        snprintf(line, sizeof line, "[rank %d] partial\n", r);
+        DSK_TEST_EXPECT(strstr(out, line) != NULL, "unterminated last line not forwarded: \"%s\":\n%s", line, out);
+    }
+    /* the real thing: this binary as 4 ranks that bootstrap from the environment */
+    DSK_TEST_EXPECT(pipe(p) == 0, "pipe");
+    so.out_fd = p[1];
+    so.timeout_s = 60;
+    DSK_TEST_OK(dsk_comm_spawn_local(4, argv_self, &so, &worst));
+    close(p[1]);
+    out = slurp(p[0]);
+    close(p[0]);
+    DSK_TEST_EXPECT(worst == 0, "ranks exited with %d:\n%s", worst, out);
+    DSK_TEST_EXPECT(strstr(out, "[rank 3] rank 3 of 4 local 3 of 4 sum 10") != NULL, "output:\n%s", out);
+    /* timeout kills, and a missing program is exit status 127 */
+    so.out_fd = 0;
+    so.timeout_s = 0.3;
+    DSK_TEST_STATUS(dsk_comm_spawn_local(2, argv_sleep, &so, &worst), DSK_ERR_TIMEOUT);
+    DSK_TEST_EXPECT(worst == 128 + SIGKILL, "worst exit %d after the timeout", worst);
+    DSK_TEST_ERROR_MENTIONS("dsk_comm_spawn_local");
+}
+
+/* ------------------------------------------------------------------ main */
+
+static void coll_case(const char *name, rank_fn fn, int n, size_t piece) {
+    group g;
+    group_defaults(&g, n);
+    g.opts.piece_bytes = piece;
+    dsk_test_begin("%s, %d rank%s", name, n, n > 1 ? "s" : "");
+    expect_group_ok(&g, fn, NULL);
+    dsk_test_end();
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1 && strcmp(argv[1], "--rank-child") == 0) return child_main();
+    dsk_test_init("test_comm");
+    g_seed = dsk_test_rand_u64();
+    for (int n = 1; n <= 4; n++) {
+        coll_case("all_reduce: 6 dtypes x 4 ops x sizes 0..70001 + 6 MB, exact rank-order fold", rank_all_reduce, n, 65536);
+        coll_case("reduce_scatter: 6 dtypes x 4 ops x 6 sizes", rank_reduce_scatter, n, 65536);
+        coll_case("all_gather: 6 dtypes x 6 sizes, in place and not", rank_all_gather, n, 0);
+        coll_case("broadcast: 6 dtypes x 6 sizes x 2 roots", rank_broadcast, n, 0);
+        coll_case("all_to_all: 6 dtypes x 6 sizes", rank_all_to_all, n, 0);
+        coll_case("all_to_all_v: uneven counts with zeros, packed and with gaps", rank_all_to_all_v, n, 0);
+        coll_case("send/recv ring and barrier", rank_send_recv, n, 0);
+        coll_case("tensor forms", rank_tensors, n, 0);
+        coll_case("store set/get/add/barrier", rank_store, n, 0);
+    }
+    coll_case("split: parity groups, NO_COLOR, nested", rank_split, 3, 0);
+    coll_case("split: parity groups, NO_COLOR, nested", rank_split, 4, 0);
+    {
+        bucket_arg a;
+        int64_t counts[13] = {3000, 17, 70000, 1, 25000, 129, 9000, 40000, 7, 12000, 300, 60000, 5};
+        memset(&a, 0, sizeof a);
+        a.n_params = 13;
+        memcpy(a.counts, counts, sizeof counts);
+        a.first = 40000;
+        a.cap = 150000;
+        for (int n = 2; n <= 3; n++)
+            for (int d = 0; d < 2; d++) {
+                group g;
+                a.dt = d ? DSK_BF16 : DSK_F32;
+                group_defaults(&g, n);
+                dsk_test_begin("buckets vs plain all_reduce, %s, %d ranks, accumulation and misuse", dsk_dtype_name(a.dt), n);
+                expect_group_ok(&g, rank_buckets, &a);
+                dsk_test_end();
+            }
+    }
+    DSK_TEST_RUN(case_store_timeout);
+    dsk_test_begin("fault: rank 2 of 3 SIGKILLed mid-run, small messages");
+    case_rank_dies(SIGKILL, 100);
+    dsk_test_begin("fault: rank 2 of 3 SIGKILLed mid-run, 8 MB messages");
+    case_rank_dies(SIGKILL, 2 << 20);
+    dsk_test_begin("fault: rank 2 of 3 SIGSTOPped mid-run -> timeout naming it");
+    case_rank_dies(SIGSTOP, 1000);
+    dsk_test_begin("fault: mismatched count (2 ranks)");
+    case_mismatch(2, 0);
+    dsk_test_begin("fault: mismatched dtype (3 ranks)");
+    case_mismatch(3, 1);
+    dsk_test_begin("fault: mismatched collective (3 ranks)");
+    case_mismatch(3, 2);
+    dsk_test_begin("fault: mismatched all_to_all_v counts (2 ranks)");
+    case_mismatch(2, 3);
+    {
+        group g;
+        group_defaults(&g, 2);
+        g.opts = fault_opts(3.0);
+        dsk_test_begin("fault: peer closed mid-send gives DSK_ERR_PEER, not SIGPIPE");
+        expect_group_ok(&g, rank_leaves, NULL);
+    }
+    DSK_TEST_RUN(case_wrong_world);
+    DSK_TEST_RUN(case_missing_rank);
+    DSK_TEST_RUN(case_port_in_use);
+    DSK_TEST_RUN(case_no_store);
+    DSK_TEST_RUN(case_env);
+    DSK_TEST_RUN(case_bad_args);
+    DSK_TEST_RUN(case_reinit);
+    DSK_TEST_RUN(case_spawn);
+    return dsk_test_finish();
+}
