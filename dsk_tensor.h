@@ -1109,10 +1109,10 @@ static void dsk__rows_cols(const dsk_tensor *t, int64_t *rows, int64_t *cols) {
 
 /* ---------------------------------------------------------------- CPU GEMM
    BLIS-style: C is cut into NC-wide column panels and K into KC-deep slices; each slice of
-   op(B) is packed (converted to f32) into NR-wide micro-panels shared by all threads, each
-   MC-tall block of op(A) into MR-tall micro-panels; a register-blocked MR x NR micro-kernel
-   runs over the tiles. Threads split the packing and the tiles, never the K loop, so every
-   element of C sums its products in the same order whatever the thread count. */
+   op(B) is packed (converted to f32) into NR-wide micro-panels, each MC-tall block of op(A)
+   into MR-tall micro-panels; a register-blocked MR x NR micro-kernel runs over the tiles.
+   Threads own disjoint blocks of C and never split the K loop, so every element of C sums
+   its products in the same order whatever the thread count. */
 
 #define DSK__MR 6
 #define DSK__NR 16
@@ -1231,54 +1231,80 @@ static void dsk__scale_c(const dsk__gemm_args *g) {
 
 static int64_t dsk__round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-static dsk_status dsk__gemm(const dsk__gemm_args *g, int n_threads) {
-    int64_t M = g->M, N = g->N, K = g->K;
-    int64_t kc_max, nc_max, mc_max;
-    float *bp, *ap;
-    if (M <= 0 || N <= 0) return DSK_OK;
-    if (K <= 0 || g->alpha == 0.0f) { dsk__scale_c(g); return DSK_OK; }
-    kc_max = K < DSK__KC ? K : DSK__KC;
-    nc_max = dsk__round_up(N < DSK__NC ? N : DSK__NC, DSK__NR);
-    mc_max = dsk__round_up(M < DSK__MC ? M : DSK__MC, DSK__MR);
-    bp = (float *)DSK_MALLOC((size_t)(kc_max * nc_max) * sizeof(float));
-    ap = (float *)DSK_MALLOC((size_t)(kc_max * mc_max) * sizeof(float));
-    if (!bp || !ap) {
-        if (bp) DSK_FREE(bp);
-        if (ap) DSK_FREE(ap);
-        return dsk_set_error(DSK_ERR_OOM, "dsk_matmul: out of host memory for GEMM packing buffers (%lld floats)",
-                             (long long)(kc_max * (nc_max + mc_max)));
-    }
-    (void)n_threads;
-    DSK__OMP(parallel num_threads(n_threads) if ((double)M * N * K > 262144.0))
-    {
-        for (int64_t jc = 0; jc < N; jc += DSK__NC) {
-            int64_t nc = N - jc < DSK__NC ? N - jc : DSK__NC, n_jr = (nc + DSK__NR - 1) / DSK__NR;
-            for (int64_t pc = 0; pc < K; pc += DSK__KC) {
-                int64_t kc = K - pc < DSK__KC ? K - pc : DSK__KC;
-                float beta = pc == 0 ? g->beta : 1.0f;
-                const char *bsrc = (const char *)g->B + (size_t)(pc * g->b_rs + jc * g->b_cs) * dsk_dtype_size(g->b_dt);
-                /* X[j][p] = op(B)[pc + p][jc + j]: panel rows stride b_cs, columns b_rs. */
-                DSK__OMP(for schedule(static))
-                for (int64_t c = 0; c < n_jr; c++) dsk__pack(bp, bsrc, g->b_dt, g->b_cs, g->b_rs, nc, kc, DSK__NR, c, c + 1);
-                for (int64_t ic = 0; ic < M; ic += DSK__MC) {
-                    int64_t mc = M - ic < DSK__MC ? M - ic : DSK__MC, n_ir = (mc + DSK__MR - 1) / DSK__MR;
-                    const char *asrc = (const char *)g->A + (size_t)(ic * g->a_rs + pc * g->a_cs) * dsk_dtype_size(g->a_dt);
-                    DSK__OMP(for schedule(static))
-                    for (int64_t c = 0; c < n_ir; c++) dsk__pack(ap, asrc, g->a_dt, g->a_rs, g->a_cs, mc, kc, DSK__MR, c, c + 1);
-                    DSK__OMP(for schedule(static))
-                    for (int64_t t = 0; t < n_jr * n_ir; t++) {
-                        int64_t jr = t / n_ir, ir = t % n_ir;
-                        int64_t i0 = ir * DSK__MR, j0 = jr * DSK__NR;
-                        int64_t m = mc - i0 < DSK__MR ? mc - i0 : DSK__MR, n = nc - j0 < DSK__NR ? nc - j0 : DSK__NR;
-                        dsk__ukernel(kc, ap + ir * DSK__MR * kc, bp + jr * DSK__NR * kc, g->C + (ic + i0) * g->ldc + jc + j0, g->ldc, m, n,
-                                     g->alpha, beta);
+/* Serial BLIS loops over the block C[i0:i1, j0:j1] with the caller's packing buffers
+   (ap: KC x MC, bp: KC x NC rounded up to the tile). */
+static void dsk__gemm_block(const dsk__gemm_args *g, int64_t i0, int64_t i1, int64_t j0, int64_t j1, float *ap, float *bp) {
+    size_t ae = dsk_dtype_size(g->a_dt), be = dsk_dtype_size(g->b_dt);
+    for (int64_t jc = j0; jc < j1; jc += DSK__NC) {
+        int64_t nc = j1 - jc < DSK__NC ? j1 - jc : DSK__NC, n_jr = (nc + DSK__NR - 1) / DSK__NR;
+        for (int64_t pc = 0; pc < g->K; pc += DSK__KC) {
+            int64_t kc = g->K - pc < DSK__KC ? g->K - pc : DSK__KC;
+            float beta = pc == 0 ? g->beta : 1.0f;
+            /* X[j][p] = op(B)[pc + p][jc + j]: panel rows step b_cs, columns b_rs */
+            dsk__pack(bp, (const char *)g->B + (size_t)(pc * g->b_rs + jc * g->b_cs) * be, g->b_dt, g->b_cs, g->b_rs, nc, kc, DSK__NR, 0, n_jr);
+            for (int64_t ic = i0; ic < i1; ic += DSK__MC) {
+                int64_t mc = i1 - ic < DSK__MC ? i1 - ic : DSK__MC, n_ir = (mc + DSK__MR - 1) / DSK__MR;
+                dsk__pack(ap, (const char *)g->A + (size_t)(ic * g->a_rs + pc * g->a_cs) * ae, g->a_dt, g->a_rs, g->a_cs, mc, kc, DSK__MR, 0, n_ir);
+                for (int64_t jr = 0; jr < n_jr; jr++)
+                    for (int64_t ir = 0; ir < n_ir; ir++) {
+                        int64_t r0 = ir * DSK__MR, c0 = jr * DSK__NR;
+                        int64_t m = mc - r0 < DSK__MR ? mc - r0 : DSK__MR, n = nc - c0 < DSK__NR ? nc - c0 : DSK__NR;
+                        dsk__ukernel(kc, ap + ir * DSK__MR * kc, bp + jr * DSK__NR * kc, g->C + (ic + r0) * g->ldc + jc + c0, g->ldc, m, n, g->alpha, beta);
                     }
-                }
             }
         }
     }
-    DSK_FREE(bp);
-    DSK_FREE(ap);
+}
+
+/* Splits `units` tiles into `parts` near-equal ranges; range p is [*lo, *hi). */
+static void dsk__split(int64_t units, int64_t parts, int64_t p, int64_t *lo, int64_t *hi) {
+    *lo = units * p / parts;
+    *hi = units * (p + 1) / parts;
+}
+
+/* Threads own disjoint blocks of C (a tm x tn grid) and pack their own operands, so they never
+   wait for each other; the grid minimises the padded tile work of the largest block. */
+static void dsk__gemm_grid(int64_t M, int64_t N, int nt, int64_t *tm, int64_t *tn) {
+    int64_t mu = (M + DSK__MR - 1) / DSK__MR, nu = (N + DSK__NR - 1) / DSK__NR, best = -1;
+    *tm = 1; *tn = 1;
+    for (int64_t a = 1; a <= nt; a++) {
+        int64_t b = nt / a, work;
+        if (a * b != nt || a > mu || b > nu) continue;
+        work = ((mu + a - 1) / a) * DSK__MR * ((nu + b - 1) / b) * DSK__NR;
+        if (best < 0 || work < best) { best = work; *tm = a; *tn = b; }
+    }
+}
+
+static dsk_status dsk__gemm(const dsk__gemm_args *g, int n_threads) {
+    int64_t M = g->M, N = g->N, K = g->K;
+    int failed = 0;
+    if (M <= 0 || N <= 0) return DSK_OK;
+    if (K <= 0 || g->alpha == 0.0f) { dsk__scale_c(g); return DSK_OK; }
+    (void)n_threads;
+    DSK__OMP(parallel num_threads(n_threads) if ((double)M * N * K > 262144.0) reduction(|| : failed))
+    {
+        int nt = 1, tid = 0;
+        int64_t tm, tn, mlo, mhi, nlo, nhi, kc = K < DSK__KC ? K : DSK__KC;
+        float *ap, *bp;
+#ifdef _OPENMP
+        nt = omp_get_num_threads();
+        tid = omp_get_thread_num();
+#endif
+        dsk__gemm_grid(M, N, nt, &tm, &tn);
+        if (tid < tm * tn) {
+            dsk__split((M + DSK__MR - 1) / DSK__MR, tm, tid / tn, &mlo, &mhi);
+            dsk__split((N + DSK__NR - 1) / DSK__NR, tn, tid % tn, &nlo, &nhi);
+            mlo *= DSK__MR; mhi = mhi * DSK__MR < M ? mhi * DSK__MR : M;
+            nlo *= DSK__NR; nhi = nhi * DSK__NR < N ? nhi * DSK__NR : N;
+            ap = (float *)DSK_MALLOC((size_t)(kc * DSK__MC) * sizeof(float));
+            bp = (float *)DSK_MALLOC((size_t)(kc * dsk__round_up(nhi - nlo < DSK__NC ? nhi - nlo : DSK__NC, DSK__NR)) * sizeof(float));
+            if (ap && bp && mlo < mhi && nlo < nhi) dsk__gemm_block(g, mlo, mhi, nlo, nhi, ap, bp);
+            failed = (!ap || !bp) && mlo < mhi && nlo < nhi;
+            if (ap) DSK_FREE(ap);
+            if (bp) DSK_FREE(bp);
+        }
+    }
+    if (failed) return dsk_set_error(DSK_ERR_OOM, "dsk_matmul: out of host memory for the GEMM packing buffers (K %lld)", (long long)K);
     return DSK_OK;
 }
 

@@ -1,0 +1,111 @@
+/* bench_gemm.c - the built-in f32 CPU GEMM (dsk_sgemm_cpu) against OpenBLAS cblas_sgemm, same
+   run, same thread count. Square sizes and the shapes an MoE expert sees (tokens x hidden x
+   d_model and the transposed products of its backward pass). For each shape: one warm-up
+   call each, then `rounds` alternating blocks of `repeats` calls of each library with a pause
+   between blocks (OpenBLAS threads spin for a while after a call), median time per call.
+   Prints GFLOP/s of both, the ratio dsk / OpenBLAS, and the largest difference between the
+   two results relative to max |C|.
+   Usage: bench_gemm [--threads N] [--repeats R] [--rounds K] [--quick] */
+#define DSK_TENSOR_IMPLEMENTATION
+#include "dsk_tensor.h"
+#include <cblas.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+typedef struct shape { const char *name; int ta, tb; int64_t M, N, K; } shape;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+static void pause_s(double s) {
+    struct timespec ts;
+    ts.tv_sec = (time_t)s;
+    ts.tv_nsec = (long)((s - (double)ts.tv_sec) * 1e9);
+    nanosleep(&ts, NULL);
+}
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+static void run_dsk(const shape *s, const float *A, const float *B, float *C, int threads) {
+    dsk_sgemm_cpu(s->ta, s->tb, s->M, s->N, s->K, 1.0f, A, s->ta ? s->M : s->K, B, s->tb ? s->K : s->N, 0.0f, C, s->N, threads);
+}
+static void run_blas(const shape *s, const float *A, const float *B, float *C) {
+    cblas_sgemm(CblasRowMajor, s->ta ? CblasTrans : CblasNoTrans, s->tb ? CblasTrans : CblasNoTrans, (int)s->M, (int)s->N, (int)s->K, 1.0f, A,
+                (int)(s->ta ? s->M : s->K), B, (int)(s->tb ? s->K : s->N), 0.0f, C, (int)s->N);
+}
+
+int main(int argc, char **argv) {
+    int threads = 2, repeats = 5, rounds = 2, quick = 0;
+    static const shape all[] = {
+        {"square 256", 0, 0, 256, 256, 256},
+        {"square 512", 0, 0, 512, 512, 512},
+        {"square 1024", 0, 0, 1024, 1024, 1024},
+        {"square 2048", 0, 0, 2048, 2048, 2048},
+        {"moe up   x W^T  (T,H)=(T,D)(H,D)^T", 0, 1, 4096, 1536, 512},
+        {"moe down x W^T  (T,D)=(T,H)(D,H)^T", 0, 1, 4096, 512, 1536},
+        {"moe fwd  x W    (T,H)=(T,D)(D,H)", 0, 0, 4096, 1536, 512},
+        {"moe dX   dY W   (T,D)=(T,H)(H,D)", 0, 0, 4096, 512, 1536},
+        {"moe dW   dY^T X (H,D)=(T,H)^T(T,D)", 1, 0, 1536, 512, 4096},
+    };
+    int n_shapes = (int)(sizeof all / sizeof all[0]);
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--repeats") && i + 1 < argc) repeats = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--rounds") && i + 1 < argc) rounds = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--quick")) quick = 1;
+        else { fprintf(stderr, "usage: %s [--threads N] [--repeats R] [--rounds K] [--quick]\n", argv[0]); return 2; }
+    }
+    if (threads < 1 || repeats < 1 || rounds < 1) { fprintf(stderr, "bench_gemm: threads, repeats and rounds must be >= 1\n"); return 2; }
+    if (quick) n_shapes = 3;
+    openblas_set_num_threads(threads);
+    printf("# bench_gemm: f32 C = A B, %d threads (dsk n_threads and openblas_set_num_threads), median of %d x %d calls after a warm-up\n", threads,
+           rounds, repeats);
+    printf("# %-36s %5s %5s %5s %10s %10s %7s %9s\n", "shape", "M", "N", "K", "dsk GF/s", "blas GF/s", "ratio", "max diff");
+    for (int si = 0; si < n_shapes; si++) {
+        const shape *s = &all[si];
+        size_t na = (size_t)(s->M * s->K), nb = (size_t)(s->K * s->N), nc = (size_t)(s->M * s->N);
+        float *A = (float *)malloc(na * 4), *B = (float *)malloc(nb * 4), *C1 = (float *)malloc(nc * 4), *C2 = (float *)malloc(nc * 4);
+        double *td = (double *)malloc(sizeof(double) * (size_t)(repeats * rounds)), *tb = (double *)malloc(sizeof(double) * (size_t)(repeats * rounds));
+        double flop = 2.0 * (double)s->M * (double)s->N * (double)s->K, maxc = 0, maxd = 0, gd, gb;
+        if (!A || !B || !C1 || !C2 || !td || !tb) { fprintf(stderr, "bench_gemm: out of memory\n"); return 1; }
+        for (size_t i = 0; i < na; i++) A[i] = dsk_rng_uniform_at(1, 0, i) - 0.5f;
+        for (size_t i = 0; i < nb; i++) B[i] = dsk_rng_uniform_at(2, 0, i) - 0.5f;
+        run_dsk(s, A, B, C1, threads);
+        run_blas(s, A, B, C2);
+        for (size_t i = 0; i < nc; i++) {
+            double c = fabs((double)C2[i]), d = fabs((double)C1[i] - (double)C2[i]);
+            if (c > maxc) maxc = c;
+            if (d > maxd || d != d) maxd = d;
+        }
+        for (int r = 0; r < rounds; r++) {
+            pause_s(0.3);
+            for (int k = 0; k < repeats; k++) {
+                double t0 = now_s();
+                run_dsk(s, A, B, C1, threads);
+                td[r * repeats + k] = now_s() - t0;
+            }
+            pause_s(0.3);
+            for (int k = 0; k < repeats; k++) {
+                double t0 = now_s();
+                run_blas(s, A, B, C2);
+                tb[r * repeats + k] = now_s() - t0;
+            }
+        }
+        gd = flop / median(td, repeats * rounds) * 1e-9;
+        gb = flop / median(tb, repeats * rounds) * 1e-9;
+        printf("  %-36s %5lld %5lld %5lld %10.1f %10.1f %7.2f %9.1e\n", s->name, (long long)s->M, (long long)s->N, (long long)s->K, gd, gb, gd / gb,
+               maxc > 0 ? maxd / maxc : maxd);
+        fflush(stdout);
+        free(A); free(B); free(C1); free(C2); free(td); free(tb);
+    }
+    return 0;
+}
