@@ -11,8 +11,10 @@
        float s; dsk_amp_scale_get(ctx, &sc, &s);               // loss scale of this step
        forward, loss; backward with the loss gradient times s   // e.g. dsk_cross_entropy(..., s)
        dsk_amp_unscale(ctx, &sc, grads, n);                    // grads *= 1/s; local stats
-       // With several ranks, ONE all-reduce joins the local stats (two f64 on sc's device):
-       //   dsk_comm_allreduce(comm, dsk_amp_stats_data(&sc), dsk_amp_stats_data(&sc), 2, DSK_F64, DSK_SUM)
+       // Where ranks hold different gradients (sharded or expert-parallel), ONE all-reduce SUM
+       // joins the local stats, two f64 in sc's memory at dsk_amp_stats_data(&sc), in place:
+       // ncclAllReduce(p, p, 2, ncclFloat64, ncclSum, comm, stream) keeps it on the device;
+       // or on the host: dsk_amp_stats_get, all-reduce the two numbers, dsk_amp_stats_set.
        // found_inf becomes the number of ranks that saw NaN/Inf, sumsq the global sum of squares.
        dsk_amp_stats st; dsk_amp_stats_get(ctx, &sc, &st);
        dsk_amp_decision d = dsk_amp_decide(st, max_norm);      // skip? clip coefficient
@@ -140,6 +142,9 @@ DSK_API dsk_status dsk_amp_unscale(dsk_ctx *ctx, dsk_amp_scaler *sc, dsk_tensor 
 DSK_API double *dsk_amp_stats_data(dsk_amp_scaler *sc);
 /* Reads the stats (CUDA: copies 16 bytes and syncs the stream). */
 DSK_API dsk_status dsk_amp_stats_get(dsk_ctx *ctx, const dsk_amp_scaler *sc, dsk_amp_stats *out);
+/* Overwrites the stats, e.g. with values joined across ranks on the host, so that
+   dsk_amp_update sees them (CUDA: copies 16 bytes and syncs the stream). */
+DSK_API dsk_status dsk_amp_stats_set(dsk_ctx *ctx, dsk_amp_scaler *sc, const dsk_amp_stats *st);
 /* Applies the rule with overflow = dsk_amp_stats_overflow(stats), on the scaler's device
    (CUDA: one single-thread kernel, no host sync). Call once per step after the optimizer. */
 DSK_API dsk_status dsk_amp_update(dsk_ctx *ctx, dsk_amp_scaler *sc);
@@ -240,7 +245,8 @@ typedef struct dsk_amp_param {
 
 /* One optimizer step over params[0..n) unless dec->skip (then nothing is read or written):
    dsk_adamw_step(master, grad, m, v, opts, step, dec->grad_mult), then the copy is refreshed
-   from the master with `round` (stochastic stream: seed, tensor id = index in params, step).
+   from the master with `round` (stochastic stream: seed, tensor id = index in params, step;
+   give each group of params its own seed when calling once per group).
    `step` is 1-based and counts applied steps only. */
 DSK_API dsk_status dsk_amp_step(dsk_ctx *ctx, const dsk_amp_param *params, int n, const dsk_adamw_opts *opts,
                                 int64_t step, const dsk_amp_decision *dec, dsk_amp_round round, uint64_t seed);
@@ -569,6 +575,16 @@ DSK_API dsk_status dsk_amp_stats_get(dsk_ctx *ctx, const dsk_amp_scaler *sc, dsk
     if (!out) return dsk_set_error(DSK_ERR_ARG, "dsk_amp_stats_get: out is NULL");
     if (sc->device.type == DSK_DEV_CPU) { *out = sc->stats; return DSK_OK; }
     return dsk_amp__block_io(ctx, sc, 0, out, sizeof *out, 0);
+}
+
+DSK_API dsk_status dsk_amp_stats_set(dsk_ctx *ctx, dsk_amp_scaler *sc, const dsk_amp_stats *st) {
+    dsk_status s;
+    dsk_amp_stats v;
+    if ((s = dsk_amp__need_scaler("dsk_amp_stats_set", ctx, sc)) != DSK_OK) return s;
+    if (!st) return dsk_set_error(DSK_ERR_ARG, "dsk_amp_stats_set: stats is NULL");
+    v = *st;
+    if (sc->device.type == DSK_DEV_CPU) { sc->stats = v; return DSK_OK; }
+    return dsk_amp__block_io(ctx, sc, 0, &v, sizeof v, 1);
 }
 
 DSK_API dsk_status dsk_amp_update(dsk_ctx *ctx, dsk_amp_scaler *sc) {

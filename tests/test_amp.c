@@ -188,7 +188,8 @@ static void test_trajectory_by_hand(void) {
         float want_scale[] = {1024, 512, 512, 1024, 1024, 1024};
         int want_tr[] = {0, 0, 1, 0, 0, 1}, want_h[] = {1, 1, 1, 2, 1, 1};
         for (int t = 0; t < 6; t++) {
-            sc.stats.found_inf = script[t]; sc.stats.sumsq = 1.0;
+            dsk_amp_stats st = {script[t], 1.0};
+            DSK_TEST_OK(dsk_amp_stats_set(NULL, &sc, &st));
             DSK_TEST_OK(dsk_amp_update(NULL, &sc));
             DSK_TEST_OK(dsk_amp_state_get(NULL, &sc, &s));
             DSK_TEST_EXPECT(s.scale == want_scale[t] && s.growth_tracker == want_tr[t] && s.hysteresis_left == want_h[t],
@@ -396,6 +397,60 @@ static void test_norm_and_clip(void) {
     }
     free_grads(g);
     dsk_amp_scaler_free(NULL, &sc);
+}
+
+/* Two ranks holding different shards: each exposes its local stats, one SUM joins them (here
+   on the host: get, add, set), and both ranks then decide exactly as one rank holding every
+   gradient; an Inf on one rank makes both skip and back off. */
+static void test_sharded_ranks_join(void) {
+    dsk_tensor g[NG], *gl[NG];
+    dsk_amp_scaler rank[2], whole;
+    dsk_amp_stats loc[2] = {{NAN, NAN}, {NAN, NAN}}, all = {NAN, NAN}, joined;
+    for (int inject = 0; inject < 2; inject++) {
+        make_grads(g, DSK_F32, 1.0, 100.0);
+        if (inject) put(&g[4], 17, INFINITY);
+        for (int i = 0; i < NG; i++) gl[i] = &g[i];
+        DSK_TEST_OK(dsk_amp_scaler_init(NULL, &rank[0], NULL));
+        DSK_TEST_OK(dsk_amp_scaler_init(NULL, &rank[1], NULL));
+        DSK_TEST_OK(dsk_amp_scaler_init(NULL, &whole, NULL));
+        {
+            /* the single rank sees copies of all shards */
+            dsk_tensor c[NG], *cl[NG];
+            for (int i = 0; i < NG; i++) { c[i] = new_1d(DSK_F32, g_sizes[i]); memcpy(c[i].data, g[i].data, dsk_tensor_nbytes(&g[i])); cl[i] = &c[i]; }
+            DSK_TEST_OK(dsk_amp_unscale(NULL, &whole, cl, NG));
+            DSK_TEST_OK(dsk_amp_stats_get(NULL, &whole, &all));
+            free_grads(c);
+        }
+        DSK_TEST_OK(dsk_amp_unscale(NULL, &rank[0], gl, 3));
+        DSK_TEST_OK(dsk_amp_unscale(NULL, &rank[1], gl + 3, NG - 3));
+        for (int r = 0; r < 2; r++) DSK_TEST_OK(dsk_amp_stats_get(NULL, &rank[r], &loc[r]));
+        joined.found_inf = loc[0].found_inf + loc[1].found_inf;
+        joined.sumsq = loc[0].sumsq + loc[1].sumsq;
+        for (int r = 0; r < 2; r++) {
+            dsk_amp_stats back = {NAN, NAN};
+            dsk_amp_decision d, w = dsk_amp_decide(all, 0.1);
+            dsk_amp_scaler_state s = {NAN, -1, -1};
+            DSK_TEST_OK(dsk_amp_stats_set(NULL, &rank[r], &joined));
+            DSK_TEST_OK(dsk_amp_stats_get(NULL, &rank[r], &back));
+            DSK_TEST_SAME_BYTES(&back, &joined, sizeof back, "stats set and read back");
+            d = dsk_amp_decide(back, 0.1);
+            DSK_TEST_EXPECT(d.skip == w.skip && d.skip == inject, "rank %d: skip %d, one rank %d, injected %d", r, d.skip, w.skip, inject);
+            if (!inject) {
+                DSK_TEST_EXPECT(fabs(d.norm - w.norm) <= 1e-14 * w.norm && fabs(d.grad_mult - w.grad_mult) <= 1e-7f * w.grad_mult && d.grad_mult < 1.0f,
+                                "rank %d: norm %.17g mult %.9g, one rank %.17g %.9g", r, d.norm, (double)d.grad_mult, w.norm, (double)w.grad_mult);
+            }
+            DSK_TEST_OK(dsk_amp_update(NULL, &rank[r]));
+            DSK_TEST_OK(dsk_amp_state_get(NULL, &rank[r], &s));
+            DSK_TEST_EXPECT(s.scale == (inject ? 32768.0f : 65536.0f) && s.growth_tracker == (inject ? 0 : 1), "rank %d: scale %g tracker %d", r,
+                            (double)s.scale, (int)s.growth_tracker);
+        }
+        DSK_TEST_EXPECT(!inject || (loc[0].found_inf == 0.0 && loc[1].found_inf == 1.0), "local flags %g %g", loc[0].found_inf, loc[1].found_inf);
+        for (int r = 0; r < 2; r++) dsk_amp_scaler_free(NULL, &rank[r]);
+        dsk_amp_scaler_free(NULL, &whole);
+        free_grads(g);
+    }
+    DSK_TEST_STATUS(dsk_amp_stats_set(NULL, &rank[0], NULL), DSK_ERR_STATE);
+    DSK_TEST_ERROR_MENTIONS("dsk_amp_stats_set: scaler is not initialised");
 }
 
 /* ---------------------------------------------------------------- optimizer step, skip */
@@ -906,6 +961,8 @@ static void test_errors(void) {
         DSK_TEST_STATUS(dsk_amp_unscale(NULL, &sc, gl, 2), DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("grads[1] [8] f32 cuda is on cuda:0, expected cpu:0");
     }
+    DSK_TEST_STATUS(dsk_amp_stats_set(NULL, &sc, NULL), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_amp_stats_set: stats is NULL");
     DSK_TEST_STATUS(dsk_amp_scale_get(NULL, &sc, NULL), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("dsk_amp_scale_get: out is NULL");
 
@@ -1011,6 +1068,7 @@ int main(void) {
         }
     DSK_TEST_RUN(test_nonfinite_always_found);
     DSK_TEST_RUN(test_overflow_by_unscaling);
+    DSK_TEST_RUN(test_sharded_ranks_join);
     DSK_TEST_RUN(test_norm_and_clip);
     DSK_TEST_RUN(test_step_skip_and_apply);
     dsk_test_begin("stochastic rounding bf16"); test_stochastic_rounding(DSK_BF16); dsk_test_end();

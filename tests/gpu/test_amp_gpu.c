@@ -148,6 +148,20 @@ static void test_trajectory(int hysteresis, int consecutive) {
         }
     }
     {
+        /* joined stats written from the host drive the device rule like the host rule */
+        dsk_amp_stats joined = {1.0, 2.0}, back = {NAN, NAN};
+        dsk_amp_scaler_state a = {NAN, -1, -1}, b = {NAN, -2, -2};
+        DSK_TEST_OK(dsk_amp_stats_set(NULL, &hs, &joined));
+        DSK_TEST_OK(dsk_amp_stats_set(&G, &ds, &joined));
+        DSK_TEST_OK(dsk_amp_stats_get(&G, &ds, &back));
+        DSK_TEST_SAME_BYTES(&back, &joined, sizeof back, "stats set/get on the device");
+        DSK_TEST_OK(dsk_amp_update(NULL, &hs));
+        DSK_TEST_OK(dsk_amp_update(&G, &ds));
+        DSK_TEST_OK(dsk_amp_state_get(NULL, &hs, &a));
+        DSK_TEST_OK(dsk_amp_state_get(&G, &ds, &b));
+        DSK_TEST_SAME_BYTES(&a, &b, sizeof a, "state after joined stats");
+    }
+    {
         /* restore on the device and read back */
         dsk_amp_scaler_state st = {123.5f, 2, 1}, back = {NAN, -1, -1};
         DSK_TEST_OK(dsk_amp_state_set(&G, &ds, &st));
