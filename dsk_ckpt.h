@@ -1699,6 +1699,21 @@ static int dsk__ck_parse_split(const char *v, int64_t *start, int64_t *end, int6
     return 1;
 }
 
+/* The "dsk.split.<name>" rows a rank file records for a tensor: 1 found and valid, 0 absent
+   (a replicated tensor), -1 malformed or out of memory. */
+static int dsk__ck_split_of(const dsk_ckpt_file *f, const char *name, int64_t *start, int64_t *end, int64_t *rows) {
+    dsk__ck_buf kb;
+    const char *v;
+    int r;
+    memset(&kb, 0, sizeof kb);
+    dsk__ck_puts(&kb, "dsk.split.");
+    dsk__ck_puts(&kb, name);
+    v = kb.oom ? NULL : dsk_ckpt_file_meta(f, kb.p);
+    r = kb.oom ? -1 : !v ? 0 : dsk__ck_parse_split(v, start, end, rows) ? 1 : -1;
+    dsk__ck_buf_free(&kb);
+    return r;
+}
+
 typedef struct dsk__ck_piece {
     const char *name;
     int rank, split;
@@ -1788,24 +1803,16 @@ static dsk_status dsk__ck_write_manifest(const char *fn, const char *step_dir, i
     for (int r = 0; r < world && s == DSK_OK; r++)
         for (int i = 0; i < files[r].n_tensors && s == DSK_OK; i++) {
             dsk__ck_piece *pc = &pcs[np++];
-            char key[32];
-            const char *v;
-            dsk__ck_buf kb;
-            memset(&kb, 0, sizeof kb);
-            snprintf(key, sizeof key, "dsk.split.");
-            dsk__ck_puts(&kb, key);
-            dsk__ck_puts(&kb, files[r].tensors[i].name);
-            v = kb.oom ? NULL : dsk_ckpt_file_meta(&files[r], kb.p);
+            int k;
             pc->name = files[r].tensors[i].name;
             pc->rank = r;
             pc->t = &files[r].tensors[i];
-            pc->split = v != NULL;
             pc->start = 0;
             pc->end = pc->rows = pc->t->ndim ? pc->t->shape[0] : 1;
-            if (kb.oom) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-            else if (v && (!dsk__ck_parse_split(v, &pc->start, &pc->end, &pc->rows) || pc->t->ndim < 1 || pc->end - pc->start != pc->t->shape[0]))
-                s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": dsk.split.%s = \"%s\" does not match its shape", fn, files[r].path, pc->name, v);
-            dsk__ck_buf_free(&kb);
+            k = dsk__ck_split_of(&files[r], pc->name, &pc->start, &pc->end, &pc->rows);
+            pc->split = k == 1;
+            if (k < 0 || (k == 1 && (pc->t->ndim < 1 || pc->end - pc->start != pc->t->shape[0])))
+                s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": dsk.split.%s is malformed or does not match its shape", fn, files[r].path, pc->name);
         }
     if (s == DSK_OK) {
         qsort(pcs, (size_t)np, sizeof *pcs, dsk__ck_cmp_piece);
@@ -2043,10 +2050,21 @@ static dsk_status dsk__ck_save_begin(const char *fn, dsk_ckpt *ck, int64_t step,
     return DSK_OK;
 }
 
+/* A rank that cannot take part in a save still meets the others at the three barriers, so
+   they fail (rank 0 finds its file missing and writes no manifest) instead of waiting. */
+static dsk_status dsk__ck_abstain(const char *fn, const dsk_ckpt *ck, int64_t step, dsk_status s) {
+    char msg[1024];
+    if (!ck || !ck->dir || ck->opts.world_size <= 1) return s;
+    snprintf(msg, sizeof msg, "%s", dsk_last_error());
+    for (int i = 1; i <= 3; i++)
+        if (dsk__ck_barrier(fn, &ck->opts, i, step) != DSK_OK) break;
+    return dsk_set_error(s, "%s", msg);
+}
+
 DSK_API dsk_status dsk_ckpt_save(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n, const dsk_ckpt_kv *kv, int n_kv) {
     dsk__ck_job *job;
     dsk_status s = dsk__ck_save_begin("dsk_ckpt_save", ck, step, entries, n, kv, n_kv, 0, &job);
-    if (s != DSK_OK) return s;
+    if (s != DSK_OK) return dsk__ck_abstain("dsk_ckpt_save", ck, step, s);
     s = dsk__ck_run(job);
     dsk__ck_job_free(job);
     return s;
@@ -2056,10 +2074,11 @@ DSK_API dsk_status dsk_ckpt_save_async(dsk_ckpt *ck, int64_t step, const dsk_ckp
     dsk__ck_job *job;
     int e;
     dsk_status s = dsk__ck_save_begin("dsk_ckpt_save_async", ck, step, entries, n, kv, n_kv, 1, &job);
-    if (s != DSK_OK) return s;
+    if (s != DSK_OK) return dsk__ck_abstain("dsk_ckpt_save_async", ck, step, s);
     if ((e = pthread_create(&job->thread, NULL, dsk__ck_thread, job)) != 0) {
         dsk__ck_job_free(job);
-        return dsk_set_error(DSK_ERR_STATE, "dsk_ckpt_save_async: cannot start the writer thread: %s", strerror(e));
+        s = dsk_set_error(DSK_ERR_STATE, "dsk_ckpt_save_async: cannot start the writer thread: %s", strerror(e));
+        return dsk__ck_abstain("dsk_ckpt_save_async", ck, step, s);
     }
     ck->job = job;
     return DSK_OK;
@@ -2344,6 +2363,15 @@ static dsk_status dsk__ck_load_entry(dsk__ck_reader *rd, const dsk_ckpt_entry *e
             break;
         }
         ft = &f->tensors[k];
+        {
+            int64_t fs = 0, fe = 0, fr = 0;
+            int sp = dsk__ck_split_of(f, t->name, &fs, &fe, &fr);
+            if (sp != t->split || (sp == 1 && (fs != sl->start || fe != sl->end || fr != t->shape[0]))) {
+                s = dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" in \"%s\" does not hold the rows [%lld, %lld) the manifest expects", fn,
+                                  t->name, f->path, (long long)sl->start, (long long)sl->end);
+                break;
+            }
+        }
         if (ft->dtype_name != t->dt->name || ft->ndim != t->ndim || (t->ndim && ft->shape[0] != sl->end - sl->start) ||
             (t->ndim > 1 && memcmp(ft->shape + 1, t->shape + 1, (size_t)(t->ndim - 1) * sizeof(int64_t)) != 0)) {
             s = dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" in \"%s\" is %s, the manifest expects rows [%lld, %lld) of %s", fn, t->name,

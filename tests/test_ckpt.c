@@ -1,0 +1,1443 @@
+/* test_ckpt.c - dsk_ckpt.h: CRC32C, safetensors files, sharded checkpoints (forked ranks with
+   a file-based barrier), resharding, async save, rotation, latest, and every fault the issue
+   lists: SIGKILLed writers, corrupt/truncated/malformed files, a full disk. */
+#define DSK_TENSOR_IMPLEMENTATION
+#define DSK_CKPT_IMPLEMENTATION
+#include "dsk_tensor.h"
+#include "dsk_ckpt.h"
+#include "tests/dsk_test.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static char g_root[256]; /* per-run scratch directory */
+static int g_dirs;
+
+/* A fresh empty directory under g_root. */
+static void new_dir(char *out, size_t n, const char *tag) {
+    snprintf(out, n, "%s/%s_%d", g_root, tag, ++g_dirs);
+    mkdir(out, 0755);
+}
+
+static void sleep_us(long us) {
+    struct timespec ts;
+    ts.tv_sec = us / 1000000;
+    ts.tv_nsec = (us % 1000000) * 1000;
+    nanosleep(&ts, NULL);
+}
+
+/* ------------------------------------------------------------ file helpers */
+
+static long file_size(const char *path) {
+    struct stat st;
+    return stat(path, &st) == 0 ? (long)st.st_size : -1;
+}
+
+static unsigned char *read_file(const char *path, size_t *n) {
+    FILE *f = fopen(path, "rb");
+    long sz = file_size(path);
+    unsigned char *p;
+    if (!f || sz < 0) { if (f) fclose(f); return NULL; }
+    p = (unsigned char *)malloc((size_t)sz + 1);
+    *n = fread(p, 1, (size_t)sz, f);
+    fclose(f);
+    return p;
+}
+
+static void write_file(const char *path, const void *p, size_t n) {
+    FILE *f = fopen(path, "wb");
+    if (!f) return;
+    fwrite(p, 1, n, f);
+    fclose(f);
+}
+
+static void copy_file(const char *from, const char *to) {
+    size_t n;
+    unsigned char *p = read_file(from, &n);
+    if (p) write_file(to, p, n);
+    free(p);
+}
+
+/* Copies every regular file of directory `from` into a new directory `to`. */
+static void copy_dir(const char *from, const char *to) {
+    DIR *d = opendir(from);
+    struct dirent *de;
+    char a[1024], b[1024];
+    mkdir(to, 0755);
+    while (d && (de = readdir(d)) != NULL) {
+        if (de->d_name[0] == '.') continue;
+        snprintf(a, sizeof a, "%s/%s", from, de->d_name);
+        snprintf(b, sizeof b, "%s/%s", to, de->d_name);
+        copy_file(a, b);
+    }
+    if (d) closedir(d);
+}
+
+static int count_tmp_files(const char *dir) {
+    DIR *d = opendir(dir);
+    struct dirent *de;
+    int n = 0;
+    while (d && (de = readdir(d)) != NULL)
+        if (strstr(de->d_name, ".tmp")) n++;
+    if (d) closedir(d);
+    return n;
+}
+
+/* A raw safetensors file: 8-byte length, header padded with spaces to 8, data. */
+static void write_raw_st(const char *path, const char *header, const void *data, size_t n) {
+    size_t h = strlen(header), pad = (8 - h % 8) % 8;
+    unsigned char len8[8];
+    FILE *f = fopen(path, "wb");
+    for (int i = 0; i < 8; i++) len8[i] = (unsigned char)((uint64_t)(h + pad) >> (8 * i));
+    fwrite(len8, 1, 8, f);
+    fwrite(header, 1, h, f);
+    for (size_t i = 0; i < pad; i++) fputc(' ', f);
+    if (n) fwrite(data, 1, n, f);
+    fclose(f);
+}
+
+/* ------------------------------------------------------------ tensors */
+
+static const dsk_dtype k_dtypes[] = {DSK_F32, DSK_F16, DSK_BF16, DSK_E4M3, DSK_E5M2, DSK_F64, DSK_I32, DSK_I64, DSK_U8};
+#define N_DTYPES 9
+
+static void alloc_t(dsk_tensor *t, dsk_dtype dt, int ndim, const int64_t *shape) {
+    dsk_tensor_alloc(NULL, t, dt, ndim, shape);
+    dsk_test_poison_bytes(t->data, dsk_tensor_nbytes(t) ? dsk_tensor_nbytes(t) : 1);
+}
+
+/* Random bytes: the file format must carry any bit pattern (NaN payloads included). */
+static void fill_random_bytes(dsk_tensor *t) {
+    unsigned char *p = (unsigned char *)t->data;
+    for (size_t i = 0; i < dsk_tensor_nbytes(t); i++) p[i] = (unsigned char)dsk_test_rand_u64();
+}
+
+static void fill_f32(dsk_tensor *t) { dsk_test_fill_f32((float *)t->data, dsk_tensor_numel(t), -3.0, 3.0); }
+
+/* ------------------------------------------------------------ a file-based barrier for forked ranks */
+
+typedef struct fbar {
+    char dir[400];
+    int rank, world, count;
+} fbar;
+
+static dsk_status fbar_wait(void *user) {
+    fbar *b = (fbar *)user;
+    char path[500];
+    double deadline = dsk_test_now() + 60.0;
+    int fd;
+    b->count++;
+    snprintf(path, sizeof path, "%s/b%d_r%d", b->dir, b->count, b->rank);
+    if ((fd = open(path, O_CREAT | O_WRONLY, 0644)) < 0) return dsk_set_error(DSK_ERR_IO, "fbar: cannot create %s", path);
+    close(fd);
+    for (;;) {
+        int all = 1;
+        for (int r = 0; r < b->world && all; r++) {
+            snprintf(path, sizeof path, "%s/b%d_r%d", b->dir, b->count, r);
+            all = access(path, F_OK) == 0;
+        }
+        if (all) return DSK_OK;
+        if (dsk_test_now() > deadline) return dsk_set_error(DSK_ERR_TIMEOUT, "fbar: barrier %d timed out on rank %d", b->count, b->rank);
+        sleep_us(200);
+    }
+}
+
+/* Runs fn(rank, world, arg) in `world` forked processes; returns how many failed. A child
+   reports failure through its exit status and prints why. */
+typedef int (*rank_fn)(int rank, int world, void *arg);
+static int run_ranks(int world, rank_fn fn, void *arg) {
+    pid_t pids[16];
+    int failed = 0;
+    fflush(stdout);
+    for (int r = 0; r < world; r++) {
+        pids[r] = fork();
+        if (pids[r] == 0) {
+            int rc = fn(r, world, arg);
+            fflush(stdout);
+            _exit(rc);
+        }
+    }
+    for (int r = 0; r < world; r++) {
+        int st = 0;
+        waitpid(pids[r], &st, 0);
+        if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) failed++;
+    }
+    return failed;
+}
+
+/* ------------------------------------------------------------ CRC32C */
+
+static uint32_t crc_bitwise(const unsigned char *p, size_t n) {
+    uint32_t c = 0xffffffffu;
+    for (size_t i = 0; i < n; i++) {
+        c ^= p[i];
+        for (int k = 0; k < 8; k++) c = (c & 1u) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+    }
+    return ~c;
+}
+
+static void test_crc32c(void) {
+    static const size_t lens[] = {0, 1, 7, 8, 9, 63, 129, 3 * 16384 - 1, 3 * 16384, 3 * 16384 + 7, 200001};
+    unsigned char zeros[32] = {0}, ones[32];
+    unsigned char *buf = (unsigned char *)malloc(200001 + 8);
+    memset(ones, 0xff, sizeof ones);
+    DSK_TEST_EXPECT(dsk_ckpt_crc32c(0, "123456789", 9) == 0xE3069283u, "check value %08x", dsk_ckpt_crc32c(0, "123456789", 9));
+    /* RFC 3720 B.4 test vectors */
+    DSK_TEST_EXPECT(dsk_ckpt_crc32c(0, zeros, 32) == 0x8A9136AAu, "32 zeros: %08x", dsk_ckpt_crc32c(0, zeros, 32));
+    DSK_TEST_EXPECT(dsk_ckpt_crc32c(0, ones, 32) == 0x62A8AB43u, "32 ones: %08x", dsk_ckpt_crc32c(0, ones, 32));
+    for (size_t i = 0; i < 200001 + 8; i++) buf[i] = (unsigned char)dsk_test_rand_u64();
+    for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++)
+        for (size_t off = 0; off < 8; off += 3) {
+            size_t n = lens[li];
+            uint32_t want = crc_bitwise(buf + off, n), got = dsk_ckpt_crc32c(0, buf + off, n);
+            uint32_t sw = ~dsk__ck_crc_sw(0xffffffffu, buf + off, n);
+            size_t cut = n / 3;
+            uint32_t chained = dsk_ckpt_crc32c(dsk_ckpt_crc32c(0, buf + off, cut), buf + off + cut, n - cut);
+            uint32_t combined = dsk_ckpt_crc32c_combine(dsk_ckpt_crc32c(0, buf + off, cut), dsk_ckpt_crc32c(0, buf + off + cut, n - cut), n - cut);
+            DSK_TEST_EXPECT(got == want, "len %zu off %zu: %08x want %08x", n, off, got, want);
+            DSK_TEST_EXPECT(sw == want, "software len %zu off %zu: %08x want %08x", n, off, sw, want);
+            DSK_TEST_EXPECT(chained == want, "chained len %zu: %08x want %08x", n, chained, want);
+            DSK_TEST_EXPECT(combined == want, "combined len %zu: %08x want %08x", n, combined, want);
+        }
+    free(buf);
+}
+
+/* ------------------------------------------------------------ single files */
+
+static const int64_t k_shapes[][4] = {{0}, {0}, {1}, {7}, {3, 0, 2}, {129, 3}, {2, 3, 5, 7}};
+static const int k_ndims[] = {0, 1, 1, 1, 3, 2, 4};
+#define N_SHAPES 7
+
+static void test_file_roundtrip_all_dtypes(void) {
+    char dir[400], path[500], names[N_DTYPES * N_SHAPES][32];
+    dsk_tensor src[N_DTYPES * N_SHAPES], dst;
+    dsk_ckpt_entry e[N_DTYPES * N_SHAPES];
+    dsk_ckpt_kv kv[2] = {{"framework", "dsk"}, {"note", "quote \" backslash \\ tab \t é"}};
+    dsk_ckpt_file f;
+    int n = 0;
+    new_dir(dir, sizeof dir, "file");
+    snprintf(path, sizeof path, "%s/all.safetensors", dir);
+    memset(e, 0, sizeof e);
+    for (int d = 0; d < N_DTYPES; d++)
+        for (int s = 0; s < N_SHAPES; s++, n++) {
+            alloc_t(&src[n], k_dtypes[d], k_ndims[s], k_shapes[s]);
+            fill_random_bytes(&src[n]);
+            snprintf(names[n], sizeof names[n], "t.%s.%d", dsk_dtype_name(k_dtypes[d]), s);
+            e[n].name = names[n];
+            e[n].tensor = &src[n];
+        }
+    DSK_TEST_OK(dsk_ckpt_file_save(NULL, path, e, n, kv, 2));
+    DSK_TEST_OK(dsk_ckpt_file_open(&f, path));
+    DSK_TEST_EXPECT(f.n_tensors == n, "%d tensors, want %d", f.n_tensors, n);
+    DSK_TEST_EXPECT(f.header_len % 8 == 0, "header length %llu not padded to 8", (unsigned long long)f.header_len);
+    DSK_TEST_EXPECT(dsk_ckpt_file_meta(&f, "note") && strcmp(dsk_ckpt_file_meta(&f, "note"), kv[1].value) == 0, "metadata escaped value");
+    for (int i = 0; i < f.n_tensors; i++) {
+        const dsk_ckpt_tensor_info *t = &f.tensors[i];
+        size_t es = dsk_dtype_size((dsk_dtype)t->dtype);
+        DSK_TEST_EXPECT(t->has_crc, "tensor %s has no crc", t->name);
+        DSK_TEST_EXPECT(es && (8 + f.header_len + t->begin) % es == 0, "tensor %s at %llu not aligned to %zu", t->name,
+                        (unsigned long long)t->begin, es);
+    }
+    for (int i = 0; i < n; i++) {
+        alloc_t(&dst, src[i].dtype, src[i].ndim, src[i].shape);
+        DSK_TEST_OK(dsk_ckpt_file_read(&f, NULL, names[i], &dst, 0));
+        DSK_TEST_SAME_BYTES(dst.data, src[i].data, dsk_tensor_nbytes(&src[i]), names[i]);
+        dsk_tensor_free(NULL, &dst);
+        dsk_tensor_free(NULL, &src[i]);
+    }
+    dsk_ckpt_file_close(&f);
+    dsk_ckpt_file_close(&f); /* closing twice is fine */
+}
+
+/* A transposed (strided) source is written in row-major order of its logical shape. */
+static void test_file_strided_source(void) {
+    char dir[400], path[500];
+    const int64_t shape[2] = {5, 7};
+    dsk_tensor a, at, out;
+    dsk_ckpt_entry e = {"at", &at, 0, 0, 0};
+    dsk_ckpt_file f;
+    double want[35];
+    float got[35];
+    new_dir(dir, sizeof dir, "strided");
+    snprintf(path, sizeof path, "%s/s.safetensors", dir);
+    alloc_t(&a, DSK_F32, 2, shape);
+    fill_f32(&a);
+    dsk_tensor_transpose(&a, 0, 1, &at);
+    for (int i = 0; i < 7; i++)
+        for (int j = 0; j < 5; j++) want[i * 5 + j] = ((float *)a.data)[j * 7 + i];
+    DSK_TEST_OK(dsk_ckpt_file_save(NULL, path, &e, 1, NULL, 0));
+    DSK_TEST_OK(dsk_ckpt_file_open(&f, path));
+    alloc_t(&out, DSK_F32, 2, at.shape);
+    dsk_test_poison_f32((float *)out.data, 35);
+    DSK_TEST_OK(dsk_ckpt_file_read(&f, NULL, "at", &out, 0));
+    memcpy(got, out.data, sizeof got);
+    DSK_TEST_CLOSE(got, want, 35, 0, 0, "transposed source");
+    dsk_ckpt_file_close(&f);
+    dsk_tensor_free(NULL, &a);
+    dsk_tensor_free(NULL, &out);
+}
+
+/* f32 on file, bf16/f16/f64 in the model: allow_cast converts, without it a clear error. */
+static void test_file_cast_on_load(void) {
+    static const int64_t shapes[3][2] = {{1, 1}, {7, 3}, {129, 2}};
+    char dir[400], path[500];
+    new_dir(dir, sizeof dir, "cast");
+    snprintf(path, sizeof path, "%s/c.safetensors", dir);
+    for (int si = 0; si < 3; si++) {
+        dsk_tensor src, dst;
+        dsk_ckpt_entry e = {"w", &src, 0, 0, 0};
+        dsk_ckpt_file f;
+        const dsk_dtype to[3] = {DSK_BF16, DSK_F16, DSK_F64};
+        const double rtol[3] = {1.0 / 256, 1.0 / 2048, 0};
+        int64_t n = shapes[si][0] * shapes[si][1];
+        double *want = (double *)malloc((size_t)n * sizeof *want);
+        float *got = (float *)malloc((size_t)n * sizeof *got);
+        alloc_t(&src, DSK_F32, 2, shapes[si]);
+        fill_f32(&src);
+        for (int64_t i = 0; i < n; i++) want[i] = ((float *)src.data)[i];
+        DSK_TEST_OK(dsk_ckpt_file_save(NULL, path, &e, 1, NULL, 0));
+        DSK_TEST_OK(dsk_ckpt_file_open(&f, path));
+        for (int k = 0; k < 3; k++) {
+            alloc_t(&dst, to[k], 2, shapes[si]);
+            DSK_TEST_STATUS(dsk_ckpt_file_read(&f, NULL, "w", &dst, 0), DSK_ERR_ARG);
+            DSK_TEST_ERROR_MENTIONS("file has dtype f32, model has ");
+            DSK_TEST_OK(dsk_ckpt_file_read(&f, NULL, "w", &dst, 1));
+            for (int64_t i = 0; i < n; i++)
+                got[i] = to[k] == DSK_BF16 ? dsk_bf16_to_f32(((uint16_t *)dst.data)[i])
+                       : to[k] == DSK_F16  ? dsk_f16_to_f32(((uint16_t *)dst.data)[i])
+                                           : (float)((double *)dst.data)[i];
+            DSK_TEST_CLOSE(got, want, n, rtol[k], 0, dsk_dtype_name(to[k]));
+            dsk_tensor_free(NULL, &dst);
+        }
+        dsk_ckpt_file_close(&f);
+        dsk_tensor_free(NULL, &src);
+        free(want);
+        free(got);
+    }
+}
+
+/* ------------------------------------------------------------ checkpoints, one rank */
+
+static void test_ckpt_single_rank(void) {
+    char dir[400], path[600], latest[64] = "";
+    const int64_t s1[3] = {3, 5, 7}, s2[1] = {129};
+    dsk_tensor a, b, c, a2, b2, c2;
+    dsk_ckpt ck;
+    dsk_ckpt_meta meta;
+    dsk_ckpt_opts o;
+    char lossbuf[64];
+    double loss = -1.0 / 3.0, loss_back = 0;
+    int64_t pos = 0, st = -5;
+    size_t n;
+    unsigned char *txt;
+    memset(&o, 0, sizeof o);
+    new_dir(dir, sizeof dir, "single");
+    alloc_t(&a, DSK_F32, 3, s1); fill_f32(&a);
+    alloc_t(&b, DSK_BF16, 1, s2); fill_random_bytes(&b);
+    alloc_t(&c, DSK_F64, 0, NULL); ((double *)c.data)[0] = dsk_test_rand(-1, 1);
+    snprintf(lossbuf, sizeof lossbuf, "%a", loss);
+    {
+        dsk_ckpt_entry e[3] = {{"layer.0.w", &a, 0, 0, 0}, {"emb", &b, 0, 0, 0}, {"scalar", &c, 0, 0, 0}};
+        dsk_ckpt_kv kv[3] = {{"loss_scale", lossbuf}, {"data_pos", "123456789012"}, {"rng", "seed=7;offset=99"}};
+        DSK_TEST_OK(dsk_ckpt_init(&ck, dir, &o));
+        DSK_TEST_OK(dsk_ckpt_latest(dir, &st));
+        DSK_TEST_EXPECT(st == -1, "latest of an empty dir is %lld", (long long)st);
+        DSK_TEST_OK(dsk_ckpt_save(&ck, 7, e, 3, kv, 3));
+        DSK_TEST_OK(dsk_ckpt_latest(dir, &st));
+        DSK_TEST_EXPECT(st == 7, "latest %lld", (long long)st);
+        DSK_TEST_OK(dsk_ckpt_verify(dir, 7));
+        snprintf(path, sizeof path, "%s/latest", dir);
+        if ((txt = read_file(path, &n)) != NULL) { snprintf(latest, sizeof latest, "%.*s", (int)n, txt); free(txt); }
+        DSK_TEST_EXPECT(strcmp(latest, "step_00000007\n") == 0, "DIR/latest holds \"%s\"", latest);
+        snprintf(path, sizeof path, "%s/step_00000007/manifest.json", dir);
+        DSK_TEST_EXPECT(file_size(path) > 0, "no manifest");
+        snprintf(path, sizeof path, "%s/step_00000007", dir);
+        DSK_TEST_EXPECT(count_tmp_files(path) == 0, "temporary files left behind");
+    }
+    alloc_t(&a2, DSK_F32, 3, s1);
+    alloc_t(&b2, DSK_BF16, 1, s2);
+    alloc_t(&c2, DSK_F64, 0, NULL);
+    {
+        dsk_ckpt_entry e[3] = {{"scalar", &c2, 0, 0, 0}, {"layer.0.w", &a2, 0, 0, 0}, {"emb", &b2, 0, 0, 0}};
+        DSK_TEST_OK(dsk_ckpt_load(&ck, -1, e, 3, &meta));
+    }
+    DSK_TEST_SAME_BYTES(a2.data, a.data, dsk_tensor_nbytes(&a), "layer.0.w");
+    DSK_TEST_SAME_BYTES(b2.data, b.data, dsk_tensor_nbytes(&b), "emb");
+    DSK_TEST_SAME_BYTES(c2.data, c.data, 8, "scalar");
+    DSK_TEST_EXPECT(meta.step == 7 && meta.world_size == 1 && meta.rank == 0, "meta step %lld world %d", (long long)meta.step, meta.world_size);
+    DSK_TEST_OK(dsk_ckpt_meta_f64(&meta, "loss_scale", &loss_back));
+    DSK_TEST_EXPECT(loss_back == loss, "loss scale %a back as %a", loss, loss_back);
+    DSK_TEST_OK(dsk_ckpt_meta_i64(&meta, "data_pos", &pos));
+    DSK_TEST_EXPECT(pos == 123456789012ll, "data_pos %lld", (long long)pos);
+    DSK_TEST_EXPECT(dsk_ckpt_meta_get(&meta, "rng") && !strcmp(dsk_ckpt_meta_get(&meta, "rng"), "seed=7;offset=99"), "rng");
+    DSK_TEST_EXPECT(dsk_ckpt_meta_get(&meta, "dsk.step") && !strcmp(dsk_ckpt_meta_get(&meta, "dsk.step"), "7"), "dsk.step");
+    DSK_TEST_STATUS(dsk_ckpt_meta_i64(&meta, "rng", &pos), DSK_ERR_CORRUPT);
+    DSK_TEST_ERROR_MENTIONS("is not an int64");
+    DSK_TEST_STATUS(dsk_ckpt_meta_i64(&meta, "nope", &pos), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("no key \"nope\"");
+    dsk_ckpt_meta_free(&meta);
+    dsk_ckpt_meta_free(&meta);
+    dsk_ckpt_free(&ck);
+    dsk_ckpt_free(&ck);
+    dsk_tensor_free(NULL, &a); dsk_tensor_free(NULL, &b); dsk_tensor_free(NULL, &c);
+    dsk_tensor_free(NULL, &a2); dsk_tensor_free(NULL, &b2); dsk_tensor_free(NULL, &c2);
+}
+
+/* ------------------------------------------------------------ multi-rank save and load */
+
+/* The global model every rank slices: split tensors, a replicated one, a scalar, an empty. */
+typedef struct model {
+    dsk_tensor w1;    /* (R1, 5, 3) f32, split */
+    dsk_tensor w2;    /* (9, 4) bf16, split */
+    dsk_tensor emb;   /* (11, 6) f32, replicated */
+    dsk_tensor sc;    /* () f64, replicated */
+    dsk_tensor empty; /* (0, 3) f32, split */
+} model;
+
+static void model_init(model *m, int64_t r1) {
+    const int64_t s1[3] = {r1, 5, 3}, s2[2] = {9, 4}, s3[2] = {11, 6}, s5[2] = {0, 3};
+    alloc_t(&m->w1, DSK_F32, 3, s1); fill_f32(&m->w1);
+    alloc_t(&m->w2, DSK_BF16, 2, s2); fill_random_bytes(&m->w2);
+    alloc_t(&m->emb, DSK_F32, 2, s3); fill_f32(&m->emb);
+    alloc_t(&m->sc, DSK_F64, 0, NULL); ((double *)m->sc.data)[0] = dsk_test_rand(-5, 5);
+    alloc_t(&m->empty, DSK_F32, 2, s5);
+}
+static void model_free(model *m) {
+    dsk_tensor_free(NULL, &m->w1); dsk_tensor_free(NULL, &m->w2); dsk_tensor_free(NULL, &m->emb);
+    dsk_tensor_free(NULL, &m->sc); dsk_tensor_free(NULL, &m->empty);
+}
+
+static int64_t split_start(int64_t rows, int r, int w) { return rows * r / w; }
+
+/* Entries for rank r of w: views of the global tensors for saving (own rows), or freshly
+   allocated poisoned tensors for loading (own[]). */
+static void rank_entries(model *g, int r, int w, int for_load, dsk_ckpt_entry e[5], dsk_tensor own[5]) {
+    dsk_tensor *glob[5] = {&g->w1, &g->w2, &g->emb, &g->sc, &g->empty};
+    static const char *names[5] = {"moe.w1", "moe.w2", "embed", "scale", "empty"};
+    static const int split[5] = {1, 1, 0, 0, 1};
+    for (int i = 0; i < 5; i++) {
+        dsk_tensor v = *glob[i];
+        int64_t rows = glob[i]->ndim ? glob[i]->shape[0] : 0;
+        int64_t a = split[i] ? split_start(rows, r, w) : 0, b = split[i] ? split_start(rows, r + 1, w) : rows;
+        if (split[i]) dsk_tensor_slice(glob[i], 0, a, b - a, &v);
+        if (for_load) alloc_t(&own[i], v.dtype, v.ndim, v.shape);
+        else own[i] = v;
+        e[i].name = names[i];
+        e[i].tensor = &own[i];
+        e[i].split = split[i];
+        e[i].row0 = a;
+        e[i].global_rows = rows;
+    }
+}
+
+/* 0 when every loaded entry equals its rows of the global model. */
+static int compare_entries(const dsk_ckpt_entry e[5], model *g, const char *who) {
+    dsk_tensor *glob[5] = {&g->w1, &g->w2, &g->emb, &g->sc, &g->empty};
+    int bad = 0;
+    for (int i = 0; i < 5; i++) {
+        size_t row_bytes = glob[i]->ndim ? dsk_tensor_nbytes(glob[i]) / (size_t)(glob[i]->shape[0] ? glob[i]->shape[0] : 1) : 0;
+        const unsigned char *want = (const unsigned char *)glob[i]->data + (e[i].split ? (size_t)e[i].row0 * row_bytes : 0);
+        if (memcmp(e[i].tensor->data, want, dsk_tensor_nbytes(e[i].tensor)) != 0) {
+            printf("     %s: tensor %s differs\n", who, e[i].name);
+            bad = 1;
+        }
+    }
+    return bad;
+}
+
+typedef struct mr_arg {
+    model *g;
+    char dir[400], bar[400];
+    int64_t step;
+    int save_world; /* for load checks of metadata */
+} mr_arg;
+
+static int mr_save(int rank, int world, void *p) {
+    mr_arg *m = (mr_arg *)p;
+    fbar b;
+    dsk_ckpt ck;
+    dsk_ckpt_opts o;
+    dsk_ckpt_entry e[5];
+    dsk_tensor own[5];
+    char pos[32];
+    dsk_ckpt_kv kv[1] = {{"data_pos", pos}};
+    dsk_status s;
+    memset(&o, 0, sizeof o);
+    memset(&b, 0, sizeof b);
+    snprintf(b.dir, sizeof b.dir, "%s", m->bar);
+    b.rank = rank; b.world = world;
+    o.rank = rank; o.world_size = world; o.barrier = fbar_wait; o.barrier_user = &b;
+    snprintf(pos, sizeof pos, "%d", 1000 + rank);
+    rank_entries(m->g, rank, world, 0, e, own);
+    if ((s = dsk_ckpt_init(&ck, m->dir, &o)) == DSK_OK) s = dsk_ckpt_save(&ck, m->step, e, 5, kv, 1);
+    if (s != DSK_OK) printf("     rank %d/%d save: %s\n", rank, world, dsk_last_error());
+    dsk_ckpt_free(&ck);
+    return s != DSK_OK;
+}
+
+static int mr_load(int rank, int world, void *p) {
+    mr_arg *m = (mr_arg *)p;
+    dsk_ckpt ck;
+    dsk_ckpt_opts o;
+    dsk_ckpt_entry e[5];
+    dsk_tensor own[5];
+    dsk_ckpt_meta meta;
+    int64_t pos = -1;
+    int bad;
+    memset(&o, 0, sizeof o);
+    o.rank = rank; o.world_size = world; o.barrier = fbar_wait; /* loads never call it */
+    rank_entries(m->g, rank, world, 1, e, own);
+    if (dsk_ckpt_init(&ck, m->dir, &o) != DSK_OK || dsk_ckpt_load(&ck, m->step, e, 5, &meta) != DSK_OK) {
+        printf("     rank %d/%d load: %s\n", rank, world, dsk_last_error());
+        return 1;
+    }
+    bad = compare_entries(e, m->g, "load");
+    dsk_ckpt_meta_i64(&meta, "data_pos", &pos);
+    if (pos != 1000 + (rank < m->save_world ? rank : 0)) { printf("     rank %d: data_pos %lld\n", rank, (long long)pos); bad = 1; }
+    dsk_ckpt_meta_free(&meta);
+    dsk_ckpt_free(&ck);
+    for (int i = 0; i < 5; i++) dsk_tensor_free(NULL, &own[i]);
+    return bad;
+}
+
+/* Saves with save_world ranks, then loads with each of load_worlds (forked) and with one
+   rank in this process. */
+static void multi_rank_case(int save_world, const int *load_worlds, int n_loads, int64_t r1) {
+    model g;
+    mr_arg m;
+    int failed;
+    model_init(&g, r1);
+    memset(&m, 0, sizeof m);
+    m.g = &g;
+    m.step = 100 + save_world;
+    m.save_world = save_world;
+    new_dir(m.dir, sizeof m.dir, "mr");
+    new_dir(m.bar, sizeof m.bar, "bar");
+    failed = run_ranks(save_world, mr_save, &m);
+    DSK_TEST_EXPECT(failed == 0, "%d of %d saving ranks failed", failed, save_world);
+    DSK_TEST_OK(dsk_ckpt_verify(m.dir, m.step));
+    for (int i = 0; i < n_loads; i++) {
+        failed = run_ranks(load_worlds[i], mr_load, &m);
+        DSK_TEST_EXPECT(failed == 0, "saved by %d ranks, %d of %d loading ranks failed", save_world, failed, load_worlds[i]);
+    }
+    DSK_TEST_EXPECT(mr_load(0, 1, &m) == 0, "one rank loading everything saved by %d ranks", save_world);
+    model_free(&g);
+}
+
+static void test_multi_rank_1_2_4(void) {
+    const int same[1][1] = {{1}};
+    (void)same;
+    for (int w = 1; w <= 4; w *= 2) {
+        int lw[1] = {w};
+        dsk_test_begin("multi-rank save/load, %d ranks", w);
+        multi_rank_case(w, lw, 1, 13);
+        dsk_test_end();
+    }
+}
+
+static void test_reshard(void) {
+    const int to2[2] = {2, 3}, to4[2] = {4, 3};
+    dsk_test_begin("reshard 4 -> 2, 3 and 1");
+    multi_rank_case(4, to2, 2, 13);
+    dsk_test_begin("reshard 2 -> 4, 3 and 1");
+    multi_rank_case(2, to4, 2, 7);
+    dsk_test_begin("reshard 4 -> 2 with fewer rows (3) than ranks");
+    multi_rank_case(4, to2, 1, 3);
+    dsk_test_end();
+}
+
+/* A rank whose rows do not tile the tensor with the others: no manifest, every rank fails. */
+static int bad_tiling_save(int rank, int world, void *p) {
+    mr_arg *m = (mr_arg *)p;
+    fbar b;
+    dsk_ckpt ck;
+    dsk_ckpt_opts o;
+    const int64_t shape[1] = {4};
+    dsk_tensor t;
+    dsk_ckpt_entry e = {"w", &t, 1, rank == 1 ? 3 : 0, 8}; /* rank 1 claims rows [3,7), rank 0 [0,4) */
+    dsk_status s;
+    memset(&o, 0, sizeof o);
+    memset(&b, 0, sizeof b);
+    snprintf(b.dir, sizeof b.dir, "%s", m->bar);
+    b.rank = rank; b.world = world;
+    o.rank = rank; o.world_size = world; o.barrier = fbar_wait; o.barrier_user = &b;
+    alloc_t(&t, DSK_F32, 1, shape);
+    fill_f32(&t);
+    s = dsk_ckpt_init(&ck, m->dir, &o);
+    if (s == DSK_OK) s = dsk_ckpt_save(&ck, 5, &e, 1, NULL, 0);
+    dsk_ckpt_free(&ck);
+    dsk_tensor_free(NULL, &t);
+    if (s == DSK_OK) { printf("     rank %d: save of overlapping rows succeeded\n", rank); return 1; }
+    if (rank == 0 && !strstr(dsk_last_error(), "overlap")) { printf("     rank 0 message: %s\n", dsk_last_error()); return 1; }
+    if (rank == 1 && s != DSK_ERR_PEER) { printf("     rank 1: %s: %s\n", dsk_status_str(s), dsk_last_error()); return 1; }
+    return 0;
+}
+
+/* Attempt 2 of a step whose attempt 1 died before its manifest: rank 1 now fails before
+   writing (a bad entry) while its attempt-1 file is still there. The stale file must not be
+   taken for rank 1's part: no checkpoint, rank 0 reports rank 1, and nobody waits forever. */
+static int stale_retry_save(int rank, int world, void *p) {
+    mr_arg *m = (mr_arg *)p;
+    fbar b;
+    dsk_ckpt ck;
+    dsk_ckpt_opts o;
+    dsk_ckpt_entry e[5];
+    dsk_tensor own[5];
+    dsk_status s;
+    memset(&o, 0, sizeof o);
+    memset(&b, 0, sizeof b);
+    snprintf(b.dir, sizeof b.dir, "%s", m->bar);
+    b.rank = rank; b.world = world;
+    o.rank = rank; o.world_size = world; o.barrier = fbar_wait; o.barrier_user = &b;
+    rank_entries(m->g, rank, world, 0, e, own);
+    if (rank == 1) e[0].global_rows = 1; /* rows [3, 6) of a 1-row tensor: invalid */
+    s = dsk_ckpt_init(&ck, m->dir, &o);
+    if (s == DSK_OK) s = dsk_ckpt_save(&ck, m->step, e, 5, NULL, 0);
+    dsk_ckpt_free(&ck);
+    if (rank == 0 && (s != DSK_ERR_PEER || !strstr(dsk_last_error(), "rank 1 did not write"))) {
+        printf("     rank 0: %s: %s\n", dsk_status_str(s), dsk_last_error());
+        return 1;
+    }
+    if (rank == 1 && s != DSK_ERR_ARG) { printf("     rank 1: %s: %s\n", dsk_status_str(s), dsk_last_error()); return 1; }
+    return 0;
+}
+
+static void test_failed_rank_with_stale_file(void) {
+    model g;
+    mr_arg m;
+    char p[600];
+    int64_t st = 0;
+    model_init(&g, 6);
+    memset(&m, 0, sizeof m);
+    m.g = &g;
+    m.step = 8;
+    new_dir(m.dir, sizeof m.dir, "stale");
+    new_dir(m.bar, sizeof m.bar, "bar");
+    DSK_TEST_EXPECT(run_ranks(2, mr_save, &m) == 0, "attempt 1 failed");
+    snprintf(p, sizeof p, "%s/step_00000008/manifest.json", m.dir);
+    unlink(p); /* attempt 1 died before its manifest */
+    new_dir(m.bar, sizeof m.bar, "bar");
+    DSK_TEST_EXPECT(run_ranks(2, stale_retry_save, &m) == 0, "attempt 2: ranks did not report the failure");
+    DSK_TEST_OK(dsk_ckpt_latest(m.dir, &st));
+    DSK_TEST_EXPECT(st == -1, "a save with a failed rank became checkpoint %lld", (long long)st);
+    model_free(&g);
+}
+
+static void test_multi_rank_inconsistent(void) {
+    mr_arg m;
+    int64_t st = 0;
+    memset(&m, 0, sizeof m);
+    new_dir(m.dir, sizeof m.dir, "tiling");
+    new_dir(m.bar, sizeof m.bar, "bar");
+    DSK_TEST_EXPECT(run_ranks(2, bad_tiling_save, &m) == 0, "ranks did not all report the overlap");
+    DSK_TEST_OK(dsk_ckpt_latest(m.dir, &st));
+    DSK_TEST_EXPECT(st == -1, "an inconsistent save became checkpoint %lld", (long long)st);
+}
+
+/* ------------------------------------------------------------ async save */
+
+static void test_async_overwrite(void) {
+    char dir[400];
+    const int64_t sa[2] = {256, 1000}, sb[2] = {129, 7};
+    dsk_tensor a, b, keep_a, keep_b, la, lb;
+    dsk_ckpt ck;
+    dsk_ckpt_entry e[2] = {{"a", &a, 0, 0, 0}, {"b", &b, 0, 0, 0}};
+    dsk_ckpt_entry le[2] = {{"a", &la, 0, 0, 0}, {"b", &lb, 0, 0, 0}};
+    char val[16] = "first";
+    dsk_ckpt_kv kv[1] = {{"tag", val}};
+    dsk_ckpt_meta meta;
+    new_dir(dir, sizeof dir, "async");
+    alloc_t(&a, DSK_F32, 2, sa); fill_f32(&a);
+    alloc_t(&b, DSK_BF16, 2, sb); fill_random_bytes(&b);
+    alloc_t(&keep_a, DSK_F32, 2, sa); memcpy(keep_a.data, a.data, dsk_tensor_nbytes(&a));
+    alloc_t(&keep_b, DSK_BF16, 2, sb); memcpy(keep_b.data, b.data, dsk_tensor_nbytes(&b));
+    DSK_TEST_OK(dsk_ckpt_init(&ck, dir, NULL));
+    DSK_TEST_OK(dsk_ckpt_save_async(&ck, 1, e, 2, kv, 1));
+    /* training goes on: the tensors and the caller's strings change at once */
+    dsk_test_poison_f32((float *)a.data, dsk_tensor_numel(&a));
+    memset(b.data, 0x5a, dsk_tensor_nbytes(&b));
+    snprintf(val, sizeof val, "changed");
+    DSK_TEST_OK(dsk_ckpt_wait(&ck));
+    DSK_TEST_OK(dsk_ckpt_wait(&ck)); /* nothing pending: OK */
+    /* a second async save then a third right away (the third waits for the second) */
+    DSK_TEST_OK(dsk_ckpt_save_async(&ck, 2, e, 2, kv, 1));
+    fill_f32(&a);
+    DSK_TEST_OK(dsk_ckpt_save_async(&ck, 3, e, 2, kv, 1));
+    DSK_TEST_OK(dsk_ckpt_wait(&ck));
+    alloc_t(&la, DSK_F32, 2, sa);
+    alloc_t(&lb, DSK_BF16, 2, sb);
+    DSK_TEST_OK(dsk_ckpt_load(&ck, 1, le, 2, &meta));
+    DSK_TEST_SAME_BYTES(la.data, keep_a.data, dsk_tensor_nbytes(&a), "a as of the async call");
+    DSK_TEST_SAME_BYTES(lb.data, keep_b.data, dsk_tensor_nbytes(&b), "b as of the async call");
+    DSK_TEST_EXPECT(dsk_ckpt_meta_get(&meta, "tag") && !strcmp(dsk_ckpt_meta_get(&meta, "tag"), "first"), "tag as of the call");
+    dsk_ckpt_meta_free(&meta);
+    DSK_TEST_OK(dsk_ckpt_load(&ck, 3, le, 2, NULL));
+    DSK_TEST_SAME_BYTES(la.data, a.data, dsk_tensor_nbytes(&a), "a at step 3");
+    DSK_TEST_OK(dsk_ckpt_verify(dir, 2));
+    dsk_ckpt_free(&ck);
+    dsk_tensor_free(NULL, &a); dsk_tensor_free(NULL, &b); dsk_tensor_free(NULL, &keep_a);
+    dsk_tensor_free(NULL, &keep_b); dsk_tensor_free(NULL, &la); dsk_tensor_free(NULL, &lb);
+}
+
+/* A failing async save reports at dsk_ckpt_wait, or at the next save when nobody waited. */
+static void test_async_error(void) {
+    char dir[400], bad[500];
+    const int64_t s1[1] = {7};
+    dsk_tensor a;
+    dsk_ckpt ck;
+    dsk_ckpt_entry e = {"a", &a, 0, 0, 0};
+    new_dir(dir, sizeof dir, "asyncerr");
+    snprintf(bad, sizeof bad, "%s/regular_file/ckpt", dir);
+    snprintf(dir + strlen(dir), sizeof dir - strlen(dir), "/regular_file");
+    write_file(dir, "x", 1);
+    alloc_t(&a, DSK_F32, 1, s1); fill_f32(&a);
+    DSK_TEST_OK(dsk_ckpt_init(&ck, bad, NULL));
+    DSK_TEST_OK(dsk_ckpt_save_async(&ck, 1, &e, 1, NULL, 0));
+    DSK_TEST_STATUS(dsk_ckpt_wait(&ck), DSK_ERR_IO);
+    DSK_TEST_ERROR_MENTIONS("create directory");
+    DSK_TEST_OK(dsk_ckpt_save_async(&ck, 2, &e, 1, NULL, 0));
+    DSK_TEST_STATUS(dsk_ckpt_save(&ck, 3, &e, 1, NULL, 0), DSK_ERR_IO);
+    DSK_TEST_ERROR_MENTIONS("previous async save failed");
+    dsk_ckpt_free(&ck);
+    dsk_tensor_free(NULL, &a);
+}
+
+/* ------------------------------------------------------------ rotation and latest */
+
+static int step_dir_exists(const char *dir, int64_t step, int want_manifest) {
+    char p[600];
+    snprintf(p, sizeof p, want_manifest ? "%s/step_%08lld/manifest.json" : "%s/step_%08lld", dir, (long long)step);
+    return access(p, F_OK) == 0;
+}
+
+static void test_rotation(void) {
+    char dir[400], junk[600];
+    const int64_t s1[2] = {7, 3};
+    dsk_tensor a;
+    dsk_ckpt ck;
+    dsk_ckpt_opts o;
+    dsk_ckpt_entry e = {"a", &a, 0, 0, 0};
+    int64_t st;
+    memset(&o, 0, sizeof o);
+    o.keep_last = 2;
+    new_dir(dir, sizeof dir, "rot");
+    alloc_t(&a, DSK_F32, 2, s1); fill_f32(&a);
+    /* an incomplete older checkpoint (no manifest) and a complete newer one */
+    snprintf(junk, sizeof junk, "%s/step_00000000", dir);
+    mkdir(junk, 0755);
+    snprintf(junk, sizeof junk, "%s/step_00000000/rank_00000.safetensors", dir);
+    write_file(junk, "partial", 7);
+    DSK_TEST_OK(dsk_ckpt_init(&ck, dir, &o));
+    DSK_TEST_OK(dsk_ckpt_save(&ck, 9, &e, 1, NULL, 0));
+    for (int s = 1; s <= 5; s++) DSK_TEST_OK(dsk_ckpt_save(&ck, s, &e, 1, NULL, 0));
+    for (int s = 1; s <= 3; s++) DSK_TEST_EXPECT(!step_dir_exists(dir, s, 0), "step %d not rotated away", s);
+    DSK_TEST_EXPECT(step_dir_exists(dir, 4, 1) && step_dir_exists(dir, 5, 1), "steps 4 and 5 must stay");
+    DSK_TEST_EXPECT(step_dir_exists(dir, 9, 1), "newer step 9 must stay");
+    DSK_TEST_EXPECT(step_dir_exists(dir, 0, 0), "incomplete step 0 must stay");
+    DSK_TEST_OK(dsk_ckpt_latest(dir, &st));
+    DSK_TEST_EXPECT(st == 9, "latest %lld, want 9", (long long)st);
+    DSK_TEST_OK(dsk_ckpt_verify(dir, 4));
+    dsk_ckpt_free(&ck);
+    dsk_tensor_free(NULL, &a);
+}
+
+static void test_latest_skips_incomplete(void) {
+    char dir[400], p[600];
+    const int64_t s1[1] = {5};
+    dsk_tensor a, b;
+    dsk_ckpt ck;
+    dsk_ckpt_entry e = {"a", &a, 0, 0, 0}, le = {"a", &b, 0, 0, 0};
+    int64_t st = 0;
+    DSK_TEST_OK(dsk_ckpt_latest("/nonexistent/dsk/ckpt", &st));
+    DSK_TEST_EXPECT(st == -1, "missing dir gives %lld", (long long)st);
+    new_dir(dir, sizeof dir, "latest");
+    alloc_t(&a, DSK_F32, 1, s1); fill_f32(&a);
+    alloc_t(&b, DSK_F32, 1, s1);
+    DSK_TEST_OK(dsk_ckpt_init(&ck, dir, NULL));
+    DSK_TEST_OK(dsk_ckpt_save(&ck, 10, &e, 1, NULL, 0));
+    DSK_TEST_OK(dsk_ckpt_save(&ck, 20, &e, 1, NULL, 0));
+    DSK_TEST_OK(dsk_ckpt_save(&ck, 30, &e, 1, NULL, 0));
+    /* 30: manifest removed (incomplete); 20: manifest garbage */
+    snprintf(p, sizeof p, "%s/step_00000030/manifest.json", dir);
+    unlink(p);
+    snprintf(p, sizeof p, "%s/step_00000020/manifest.json", dir);
+    write_file(p, "{\"format\":", 10);
+    DSK_TEST_OK(dsk_ckpt_latest(dir, &st));
+    DSK_TEST_EXPECT(st == 10, "latest %lld, want 10", (long long)st);
+    DSK_TEST_OK(dsk_ckpt_load(&ck, -1, &le, 1, NULL));
+    DSK_TEST_SAME_BYTES(b.data, a.data, 20, "latest load");
+    DSK_TEST_STATUS(dsk_ckpt_load(&ck, 30, &le, 1, NULL), DSK_ERR_CORRUPT);
+    DSK_TEST_ERROR_MENTIONS("the checkpoint is incomplete");
+    DSK_TEST_STATUS(dsk_ckpt_load(&ck, 20, &le, 1, NULL), DSK_ERR_CORRUPT);
+    DSK_TEST_ERROR_MENTIONS("invalid JSON");
+    DSK_TEST_STATUS(dsk_ckpt_load(&ck, 40, &le, 1, NULL), DSK_ERR_CORRUPT);
+    DSK_TEST_ERROR_MENTIONS("step_00000040/manifest.json\" is missing");
+    dsk_ckpt_free(&ck);
+    dsk_tensor_free(NULL, &a);
+    dsk_tensor_free(NULL, &b);
+}
+
+/* ------------------------------------------------------------ corrupt and malformed files */
+
+/* Opening `header` (+ data) must fail with `want` and a message containing `needle`. */
+static void expect_bad_header(const char *dir, const char *label, const char *header, const void *data, size_t n, dsk_status want,
+                              const char *needle) {
+    char path[600];
+    dsk_ckpt_file f;
+    snprintf(path, sizeof path, "%s/%s.safetensors", dir, label);
+    write_raw_st(path, header, data, n);
+    dsk_test_begin("malformed file: %s", label);
+    DSK_TEST_STATUS(dsk_ckpt_file_open(&f, path), want);
+    DSK_TEST_ERROR_MENTIONS(needle);
+    DSK_TEST_ERROR_MENTIONS("dsk_ckpt_file_open");
+    dsk_ckpt_file_close(&f);
+    dsk_test_end();
+}
+
+static void test_malformed_headers(void) {
+    char dir[400], deep[400];
+    unsigned char data[64];
+    size_t k = 0;
+    for (int i = 0; i < 64; i++) data[i] = (unsigned char)dsk_test_rand_u64();
+    new_dir(dir, sizeof dir, "malformed");
+    expect_bad_header(dir, "overlapping offsets",
+                      "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[4,12]}}",
+                      data, 12, DSK_ERR_CORRUPT, "overlap");
+    expect_bad_header(dir, "gap between offsets",
+                      "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[12,20]}}",
+                      data, 20, DSK_ERR_CORRUPT, "leave a gap");
+    expect_bad_header(dir, "end before begin", "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,0]}}", data, 8,
+                      DSK_ERR_CORRUPT, "data_offsets [8, 0]");
+    expect_bad_header(dir, "first offset not 0", "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[4,12]}}", data, 12,
+                      DSK_ERR_CORRUPT, "leave a gap");
+    expect_bad_header(dir, "unknown dtype", "{\"a\":{\"dtype\":\"F7\",\"shape\":[2],\"data_offsets\":[0,8]}}", data, 8, DSK_ERR_CORRUPT,
+                      "unknown dtype \"F7\"");
+    expect_bad_header(dir, "duplicate names",
+                      "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,16]}}",
+                      data, 16, DSK_ERR_CORRUPT, "duplicate tensor name \"a\"");
+    expect_bad_header(dir, "shape and size mismatch", "{\"a\":{\"dtype\":\"F32\",\"shape\":[2,3],\"data_offsets\":[0,20]}}", data, 20,
+                      DSK_ERR_CORRUPT, "shape [2,3] F32 needs 24 bytes");
+    expect_bad_header(dir, "trailing data", "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", data, 12, DSK_ERR_CORRUPT,
+                      "trailing bytes");
+    expect_bad_header(dir, "missing data", "{\"a\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]}}", data, 12, DSK_ERR_CORRUPT,
+                      "file truncated");
+    expect_bad_header(dir, "metadata not strings", "{\"__metadata__\":{\"k\":1},\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}",
+                      data, 1, DSK_ERR_CORRUPT, "is not a string");
+    expect_bad_header(dir, "metadata twice", "{\"__metadata__\":{},\"__metadata__\":{}}", data, 0, DSK_ERR_CORRUPT, "appears twice");
+    expect_bad_header(dir, "missing field", "{\"a\":{\"dtype\":\"F32\",\"shape\":[2]}}", data, 8, DSK_ERR_CORRUPT, "lacks \"data_offsets\"");
+    expect_bad_header(dir, "unknown field", "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8],\"x\":1}}", data, 8,
+                      DSK_ERR_CORRUPT, "unknown field \"x\"");
+    expect_bad_header(dir, "negative dim", "{\"a\":{\"dtype\":\"F32\",\"shape\":[-2],\"data_offsets\":[0,8]}}", data, 8, DSK_ERR_CORRUPT,
+                      "shape[0] is not a non-negative integer");
+    expect_bad_header(dir, "fractional dim", "{\"a\":{\"dtype\":\"F32\",\"shape\":[2.0],\"data_offsets\":[0,8]}}", data, 8, DSK_ERR_CORRUPT,
+                      "shape[0] is not a non-negative integer");
+    expect_bad_header(dir, "overflowing shape",
+                      "{\"a\":{\"dtype\":\"F64\",\"shape\":[4294967296,4294967296],\"data_offsets\":[0,8]}}", data, 8, DSK_ERR_CORRUPT,
+                      "overflows");
+    expect_bad_header(dir, "offset beyond int64", "{\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,99999999999999999999]}}", data,
+                      1, DSK_ERR_CORRUPT, "data_offsets is not two non-negative integers");
+    expect_bad_header(dir, "nine dims", "{\"a\":{\"dtype\":\"U8\",\"shape\":[1,1,1,1,1,1,1,1,1],\"data_offsets\":[0,1]}}", data, 1,
+                      DSK_ERR_UNSUPPORTED, "has 9 dims");
+    expect_bad_header(dir, "trailing comma", "{\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]},}", data, 1, DSK_ERR_CORRUPT,
+                      "invalid JSON");
+    expect_bad_header(dir, "unterminated string", "{\"a", data, 0, DSK_ERR_CORRUPT, "unterminated string");
+    expect_bad_header(dir, "not an object", "[1,2]", data, 0, DSK_ERR_CORRUPT, "expected '{'");
+    expect_bad_header(dir, "invalid UTF-8", "{\"\xff\":{}}", data, 0, DSK_ERR_CORRUPT, "not valid UTF-8");
+    expect_bad_header(dir, "lone surrogate", "{\"\\ud800\":{}}", data, 0, DSK_ERR_CORRUPT, "lone high surrogate");
+    expect_bad_header(dir, "NaN literal", "{\"a\":NaN}", data, 0, DSK_ERR_CORRUPT, "bad number");
+    expect_bad_header(dir, "padded with NULs", "{}\x01", data, 0, DSK_ERR_CORRUPT, "trailing characters");
+    for (k = 0; k < 100; k++) deep[k] = '[';
+    deep[k] = 0;
+    {
+        char hdr[420];
+        snprintf(hdr, sizeof hdr, "{\"a\":%s", deep);
+        expect_bad_header(dir, "nesting 100 deep", hdr, data, 0, DSK_ERR_CORRUPT, "nesting too deep");
+    }
+    expect_bad_header(dir, "tensor not an object", "{\"a\":[1]}", data, 0, DSK_ERR_CORRUPT, "is not an object");
+}
+
+/* Valid variants the reference accepts: offsets listed out of order, empty file, I16. */
+static void test_valid_variants(void) {
+    char dir[400], path[600];
+    unsigned char data[24];
+    dsk_ckpt_file f;
+    dsk_tensor t;
+    const int64_t s2[1] = {2};
+    for (int i = 0; i < 24; i++) data[i] = (unsigned char)dsk_test_rand_u64();
+    new_dir(dir, sizeof dir, "valid");
+    snprintf(path, sizeof path, "%s/order.safetensors", dir);
+    write_raw_st(path, "{\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,16]},\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+                       "\"c\":{\"dtype\":\"I16\",\"shape\":[4],\"data_offsets\":[16,24]}}", data, 24);
+    DSK_TEST_OK(dsk_ckpt_file_open(&f, path));
+    alloc_t(&t, DSK_F32, 1, s2);
+    DSK_TEST_OK(dsk_ckpt_file_read(&f, NULL, "b", &t, 0));
+    DSK_TEST_SAME_BYTES(t.data, data + 8, 8, "b");
+    DSK_TEST_STATUS(dsk_ckpt_file_read(&f, NULL, "a", &t, 0), DSK_OK);
+    DSK_TEST_SAME_BYTES(t.data, data, 8, "a");
+    {
+        const int64_t s4[1] = {4};
+        dsk_tensor i16;
+        alloc_t(&i16, DSK_I32, 1, s4);
+        DSK_TEST_STATUS(dsk_ckpt_file_read(&f, NULL, "c", &i16, 1), DSK_ERR_UNSUPPORTED);
+        DSK_TEST_ERROR_MENTIONS("dtype I16 has no dsk dtype");
+        dsk_tensor_free(NULL, &i16);
+    }
+    DSK_TEST_STATUS(dsk_ckpt_file_read(&f, NULL, "zz", &t, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("no tensor \"zz\"");
+    dsk_ckpt_file_close(&f);
+    snprintf(path, sizeof path, "%s/empty.safetensors", dir);
+    write_raw_st(path, "{}", NULL, 0);
+    DSK_TEST_OK(dsk_ckpt_file_open(&f, path));
+    DSK_TEST_EXPECT(f.n_tensors == 0 && f.n_meta == 0, "empty file has %d tensors", f.n_tensors);
+    dsk_ckpt_file_close(&f);
+    dsk_tensor_free(NULL, &t);
+}
+
+/* Truncations and header lengths that point outside the file. */
+static void test_truncated_files(void) {
+    char dir[400], good[600], bad[600];
+    const int64_t s1[2] = {33, 9};
+    dsk_tensor a;
+    dsk_ckpt_entry e = {"a", &a, 0, 0, 0};
+    dsk_ckpt_file f;
+    unsigned char *bytes;
+    size_t n;
+    new_dir(dir, sizeof dir, "trunc");
+    snprintf(good, sizeof good, "%s/good.safetensors", dir);
+    snprintf(bad, sizeof bad, "%s/bad.safetensors", dir);
+    alloc_t(&a, DSK_F32, 2, s1); fill_f32(&a);
+    DSK_TEST_OK(dsk_ckpt_file_save(NULL, good, &e, 1, NULL, 0));
+    bytes = read_file(good, &n);
+    {
+        const size_t cuts[5] = {0, 5, 8, 20, n - 1};
+        const char *needles[5] = {"too short", "too short", "runs beyond the file size", "runs beyond the file size", "file truncated"};
+        for (int i = 0; i < 5; i++) {
+            write_file(bad, bytes, cuts[i]);
+            DSK_TEST_STATUS(dsk_ckpt_file_open(&f, bad), DSK_ERR_CORRUPT);
+            DSK_TEST_ERROR_MENTIONS(needles[i]);
+        }
+    }
+    /* header length beyond the file, and beyond the 100 MB limit */
+    {
+        unsigned char *c = (unsigned char *)malloc(n);
+        uint64_t big[2] = {(uint64_t)n, 100000001ull};
+        const char *needles[2] = {"runs beyond the file size", "exceeds the limit"};
+        for (int i = 0; i < 2; i++) {
+            memcpy(c, bytes, n);
+            for (int b = 0; b < 8; b++) c[b] = (unsigned char)(big[i] >> (8 * b));
+            write_file(bad, c, n);
+            DSK_TEST_STATUS(dsk_ckpt_file_open(&f, bad), DSK_ERR_CORRUPT);
+            DSK_TEST_ERROR_MENTIONS(needles[i]);
+        }
+        free(c);
+    }
+    free(bytes);
+    dsk_tensor_free(NULL, &a);
+}
+
+/* Every data byte flip is caught by the tensor's CRC32C. */
+static void test_flipped_data(void) {
+    char dir[400], good[600], bad[600];
+    const int64_t s1[2] = {17, 5}, s2[1] = {129};
+    dsk_tensor a, b, ra, rb;
+    dsk_ckpt_entry e[2] = {{"a", &a, 0, 0, 0}, {"b", &b, 0, 0, 0}};
+    dsk_ckpt_file f;
+    unsigned char *bytes;
+    size_t n;
+    new_dir(dir, sizeof dir, "flipdata");
+    snprintf(good, sizeof good, "%s/good.safetensors", dir);
+    snprintf(bad, sizeof bad, "%s/bad.safetensors", dir);
+    alloc_t(&a, DSK_F32, 2, s1); fill_f32(&a);
+    alloc_t(&b, DSK_BF16, 1, s2); fill_random_bytes(&b);
+    alloc_t(&ra, DSK_F32, 2, s1);
+    alloc_t(&rb, DSK_BF16, 1, s2);
+    DSK_TEST_OK(dsk_ckpt_file_save(NULL, good, e, 2, NULL, 0));
+    DSK_TEST_OK(dsk_ckpt_file_open(&f, good));
+    {
+        uint64_t data0 = 8 + f.header_len;
+        dsk_ckpt_file_close(&f);
+        bytes = read_file(good, &n);
+        for (int trial = 0; trial < 20; trial++) {
+            size_t pos = (size_t)data0 + (size_t)dsk_test_rand_int((int64_t)(n - data0));
+            unsigned char bit = (unsigned char)(1u << dsk_test_rand_int(8));
+            dsk_status sa, sb;
+            bytes[pos] ^= bit;
+            write_file(bad, bytes, n);
+            bytes[pos] ^= bit;
+            DSK_TEST_OK(dsk_ckpt_file_open(&f, bad));
+            sa = dsk_ckpt_file_read(&f, NULL, "a", &ra, 0);
+            sb = dsk_ckpt_file_read(&f, NULL, sa == DSK_OK ? "b" : "a", sa == DSK_OK ? &rb : &ra, 0);
+            DSK_TEST_EXPECT(sa == DSK_ERR_CORRUPT || sb == DSK_ERR_CORRUPT, "flip at byte %zu undetected", pos);
+            DSK_TEST_ERROR_MENTIONS("(data corrupt)");
+            dsk_ckpt_file_close(&f);
+        }
+        free(bytes);
+    }
+    dsk_tensor_free(NULL, &a); dsk_tensor_free(NULL, &b); dsk_tensor_free(NULL, &ra); dsk_tensor_free(NULL, &rb);
+}
+
+/* In a checkpoint, any flip in a rank file's header (length prefix included) is caught:
+   either the header stops parsing or its bytes no longer match the manifest's CRC. Flips in
+   the manifest either fail the load or leave it exactly right; never a silent wrong load. */
+static void test_flipped_checkpoint_headers(void) {
+    model g;
+    mr_arg m;
+    char pristine[600], work[600], file[700];
+    int detected = 0, trials = 40, manifest_ok = 1;
+    size_t n;
+    unsigned char *bytes;
+    uint64_t hlen = 0;
+    model_init(&g, 6);
+    memset(&m, 0, sizeof m);
+    m.g = &g;
+    m.step = 3;
+    m.save_world = 2;
+    new_dir(m.dir, sizeof m.dir, "fliphdr");
+    new_dir(m.bar, sizeof m.bar, "bar");
+    DSK_TEST_EXPECT(run_ranks(2, mr_save, &m) == 0, "save failed");
+    snprintf(pristine, sizeof pristine, "%s/step_00000003", m.dir);
+    snprintf(work, sizeof work, "%s/pristine", m.dir);
+    copy_dir(pristine, work);
+    snprintf(file, sizeof file, "%s/rank_00001.safetensors", work);
+    if (!(bytes = read_file(file, &n)) || n < 8) { free(bytes); model_free(&g); return; }
+    for (int b = 7; b >= 0; b--) hlen = (hlen << 8) | bytes[b];
+    free(bytes);
+    for (int t = 0; t < trials; t++) {
+        int which = t % 2; /* rank file header, or manifest */
+        char target[700], saved[700];
+        size_t pos;
+        dsk_ckpt ck;
+        dsk_ckpt_opts o;
+        dsk_ckpt_entry e[5];
+        dsk_tensor own[5];
+        dsk_status s;
+        snprintf(target, sizeof target, "%s/%s", pristine, which ? DSK__CK_MANIFEST : "rank_00001.safetensors");
+        snprintf(saved, sizeof saved, "%s/%s", work, which ? DSK__CK_MANIFEST : "rank_00001.safetensors");
+        if (!(bytes = read_file(saved, &n)) || !n) { free(bytes); break; }
+        pos = which ? (size_t)dsk_test_rand_int((int64_t)n) : (size_t)dsk_test_rand_int((int64_t)(8 + hlen));
+        bytes[pos] ^= (unsigned char)(1u << dsk_test_rand_int(8));
+        write_file(target, bytes, n);
+        free(bytes);
+        memset(&o, 0, sizeof o);
+        rank_entries(&g, 0, 1, 1, e, own);
+        dsk_ckpt_init(&ck, m.dir, &o);
+        s = dsk_ckpt_load(&ck, 3, e, 5, NULL);
+        if (!which) {
+            DSK_TEST_EXPECT(s == DSK_ERR_CORRUPT, "header flip at byte %zu: %s (%s)", pos, dsk_status_str(s), dsk_last_error());
+            detected += s != DSK_OK;
+        } else if (s == DSK_OK && compare_entries(e, &g, "manifest flip") != 0) {
+            manifest_ok = 0;
+        }
+        dsk_ckpt_free(&ck);
+        for (int i = 0; i < 5; i++) dsk_tensor_free(NULL, &own[i]);
+        copy_file(saved, target);
+    }
+    DSK_TEST_EXPECT(detected == trials / 2, "%d of %d header flips detected", detected, trials / 2);
+    DSK_TEST_EXPECT(manifest_ok, "a manifest flip produced a wrong load");
+    model_free(&g);
+}
+
+/* Checkpoint-level damage: a missing manifest, a missing or truncated rank file, a tensor
+   whose shape or dtype differ from the model. */
+static void test_checkpoint_damage(void) {
+    model g;
+    mr_arg m;
+    char p[700], keep[700];
+    dsk_ckpt ck;
+    dsk_ckpt_opts o;
+    dsk_ckpt_entry e[5];
+    dsk_tensor own[5];
+    model_init(&g, 8);
+    memset(&m, 0, sizeof m);
+    m.g = &g;
+    m.step = 4;
+    m.save_world = 2;
+    new_dir(m.dir, sizeof m.dir, "damage");
+    new_dir(m.bar, sizeof m.bar, "bar");
+    DSK_TEST_EXPECT(run_ranks(2, mr_save, &m) == 0, "save failed");
+    memset(&o, 0, sizeof o);
+    DSK_TEST_OK(dsk_ckpt_init(&ck, m.dir, &o));
+    rank_entries(&g, 0, 1, 1, e, own);
+    /* truncated rank file */
+    snprintf(p, sizeof p, "%s/step_00000004/rank_00001.safetensors", m.dir);
+    snprintf(keep, sizeof keep, "%s/keep", m.dir);
+    copy_file(p, keep);
+    DSK_TEST_EXPECT(truncate(p, file_size(p) - 3) == 0, "truncate");
+    DSK_TEST_STATUS(dsk_ckpt_load(&ck, 4, e, 5, NULL), DSK_ERR_CORRUPT);
+    DSK_TEST_ERROR_MENTIONS("file truncated");
+    DSK_TEST_STATUS(dsk_ckpt_verify(m.dir, 4), DSK_ERR_CORRUPT);
+    /* missing rank file */
+    unlink(p);
+    DSK_TEST_STATUS(dsk_ckpt_load(&ck, 4, e, 5, NULL), DSK_ERR_IO);
+    DSK_TEST_ERROR_MENTIONS("rank_00001.safetensors");
+    /* a valid file that is not the one the manifest describes: rank 0's copied over rank 1's */
+    {
+        char p0[700];
+        snprintf(p0, sizeof p0, "%s/step_00000004/rank_00000.safetensors", m.dir);
+        copy_file(p0, p);
+        DSK_TEST_STATUS(dsk_ckpt_load(&ck, 4, e, 5, NULL), DSK_ERR_CORRUPT);
+        DSK_TEST_ERROR_MENTIONS("rank_00001.safetensors");
+    }
+    copy_file(keep, p);
+    DSK_TEST_OK(dsk_ckpt_load(&ck, 4, e, 5, NULL));
+    DSK_TEST_EXPECT(compare_entries(e, &g, "restored") == 0, "restored load differs");
+    /* shape and dtype mismatches name the tensor, both shapes and both dtypes */
+    {
+        dsk_tensor wrong;
+        const int64_t ws[3] = {8, 6, 3};
+        dsk_ckpt_entry we = {"moe.w1", &wrong, 0, 0, 0};
+        alloc_t(&wrong, DSK_F32, 3, ws);
+        DSK_TEST_STATUS(dsk_ckpt_load(&ck, 4, &we, 1, NULL), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("tensor \"moe.w1\"");
+        DSK_TEST_ERROR_MENTIONS("file has [8,5,3] f32, model has [8,6,3] f32");
+        dsk_tensor_free(NULL, &wrong);
+        alloc_t(&wrong, DSK_BF16, 3, g.w1.shape);
+        DSK_TEST_STATUS(dsk_ckpt_load(&ck, 4, &we, 1, NULL), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("file has [8,5,3] f32, model has [8,5,3] bf16 (set allow_cast to convert)");
+        dsk_tensor_free(NULL, &wrong);
+        /* split request with a different global row count */
+        alloc_t(&wrong, DSK_F32, 3, g.w1.shape);
+        we.split = 1; we.row0 = 0; we.global_rows = 9;
+        DSK_TEST_STATUS(dsk_ckpt_load(&ck, 4, &we, 1, NULL), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("file has [8,5,3] f32, model has [9,5,3] f32");
+        we.name = "not.there";
+        DSK_TEST_STATUS(dsk_ckpt_load(&ck, 4, &we, 1, NULL), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("tensor \"not.there\" is not in the checkpoint");
+        dsk_tensor_free(NULL, &wrong);
+    }
+    /* allow_cast: bf16 in the file into an f32 model */
+    {
+        dsk_ckpt ck2;
+        dsk_tensor w2f;
+        dsk_ckpt_entry ce = {"moe.w2", &w2f, 0, 0, 0};
+        int64_t n = dsk_tensor_numel(&g.w2);
+        double *want = (double *)malloc((size_t)n * sizeof *want);
+        o.allow_cast = 1;
+        DSK_TEST_OK(dsk_ckpt_init(&ck2, m.dir, &o));
+        alloc_t(&w2f, DSK_F32, 2, g.w2.shape);
+        DSK_TEST_OK(dsk_ckpt_load(&ck2, 4, &ce, 1, NULL));
+        for (int64_t i = 0; i < n; i++) want[i] = dsk_bf16_to_f32(((uint16_t *)g.w2.data)[i]);
+        DSK_TEST_CLOSE((float *)w2f.data, want, n, 0, 0, "bf16 -> f32 cast on load");
+        free(want);
+        dsk_tensor_free(NULL, &w2f);
+        dsk_ckpt_free(&ck2);
+    }
+    /* missing manifest */
+    snprintf(p, sizeof p, "%s/step_00000004/manifest.json", m.dir);
+    unlink(p);
+    DSK_TEST_STATUS(dsk_ckpt_load(&ck, 4, e, 5, NULL), DSK_ERR_CORRUPT);
+    DSK_TEST_ERROR_MENTIONS("the checkpoint is incomplete");
+    DSK_TEST_STATUS(dsk_ckpt_load(&ck, -1, e, 5, NULL), DSK_ERR_IO);
+    DSK_TEST_ERROR_MENTIONS("no complete checkpoint");
+    for (int i = 0; i < 5; i++) dsk_tensor_free(NULL, &own[i]);
+    dsk_ckpt_free(&ck);
+    model_free(&g);
+}
+
+/* ------------------------------------------------------------ full disk */
+
+/* In a child limited to 64 KiB per file (SIGXFSZ ignored, so write() fails with EFBIG): a
+   1 MiB save and a 1 MiB single file fail with DSK_ERR_IO naming the write, and leave no
+   checkpoint and no temporary file. */
+static void test_full_disk(void) {
+    char dir[400], step_dir[600];
+    int fds[2];
+    pid_t pid;
+    char msg[2][1100];
+    int status[2] = {-1, -1}, st = 0;
+    int64_t latest = 0;
+    new_dir(dir, sizeof dir, "full");
+    DSK_TEST_EXPECT(pipe(fds) == 0, "pipe");
+    fflush(stdout);
+    pid = fork();
+    if (pid == 0) {
+        struct rlimit rl;
+        const int64_t s1[1] = {1 << 18};
+        dsk_tensor a;
+        dsk_ckpt ck;
+        dsk_ckpt_entry e = {"a", &a, 0, 0, 0};
+        char path[600], out[2][1100];
+        int codes[2];
+        close(fds[0]);
+        signal(SIGXFSZ, SIG_IGN);
+        rl.rlim_cur = rl.rlim_max = 64 << 10;
+        setrlimit(RLIMIT_FSIZE, &rl);
+        dsk_tensor_alloc(NULL, &a, DSK_F32, 1, s1);
+        fill_f32(&a);
+        dsk_ckpt_init(&ck, dir, NULL);
+        codes[0] = (int)dsk_ckpt_save(&ck, 1, &e, 1, NULL, 0);
+        snprintf(out[0], sizeof out[0], "%s", dsk_last_error());
+        snprintf(path, sizeof path, "%s/single.safetensors", dir);
+        codes[1] = (int)dsk_ckpt_file_save(NULL, path, &e, 1, NULL, 0);
+        snprintf(out[1], sizeof out[1], "%s", dsk_last_error());
+        if (write(fds[1], codes, sizeof codes) != (ssize_t)sizeof codes || write(fds[1], out, sizeof out) != (ssize_t)sizeof out) _exit(2);
+        _exit(0);
+    }
+    close(fds[1]);
+    if (read(fds[0], status, sizeof status) != (ssize_t)sizeof status || read(fds[0], msg, sizeof msg) != (ssize_t)sizeof msg)
+        memset(msg, 0, sizeof msg);
+    close(fds[0]);
+    waitpid(pid, &st, 0);
+    DSK_TEST_EXPECT(WIFEXITED(st) && WEXITSTATUS(st) == 0, "child died (status %d)", st);
+    for (int i = 0; i < 2; i++) {
+        DSK_TEST_EXPECT(status[i] == DSK_ERR_IO, "%s: status %s (%s)", i ? "file save" : "ckpt save", dsk_status_str((dsk_status)status[i]),
+                        msg[i]);
+        DSK_TEST_EXPECT(strstr(msg[i], "write to") && strstr(msg[i], "File too large"), "message \"%s\"", msg[i]);
+    }
+    DSK_TEST_OK(dsk_ckpt_latest(dir, &latest));
+    DSK_TEST_EXPECT(latest == -1, "a failed save became checkpoint %lld", (long long)latest);
+    snprintf(step_dir, sizeof step_dir, "%s/step_00000001", dir);
+    DSK_TEST_EXPECT(count_tmp_files(step_dir) == 0 && count_tmp_files(dir) == 0, "temporary files left after a failed write");
+}
+
+/* ------------------------------------------------------------ writers killed mid-save */
+
+/* Step s's content is a function of s, so any loaded checkpoint can be checked exactly. */
+static void kill_content(int64_t step, dsk_tensor *a, dsk_tensor *b, dsk_tensor *c) {
+    dsk_tensor_uniform(NULL, a, (uint64_t)step, 0, -1.0f, 1.0f);
+    dsk_tensor_normal(NULL, b, (uint64_t)step + 1000000, 0, 0.0f, 1.0f);
+    for (int i = 0; i < 5; i++) ((int64_t *)c->data)[i] = step * 1000 + i;
+}
+
+typedef struct kill_model {
+    dsk_tensor a, b, c;
+} kill_model;
+
+static void kill_model_init(kill_model *k) {
+    const int64_t sa[2] = {64, 33}, sb[2] = {40, 17}, sc[1] = {5};
+    alloc_t(&k->a, DSK_F32, 2, sa);
+    alloc_t(&k->b, DSK_BF16, 2, sb);
+    alloc_t(&k->c, DSK_I64, 1, sc);
+}
+static void kill_model_free(kill_model *k) {
+    dsk_tensor_free(NULL, &k->a); dsk_tensor_free(NULL, &k->b); dsk_tensor_free(NULL, &k->c);
+}
+
+/* 0 when checkpoint `step` under dir loads and equals kill_content(step). */
+static int kill_check(const char *dir, int64_t step) {
+    kill_model got, want;
+    dsk_ckpt ck;
+    dsk_ckpt_entry e[3];
+    dsk_ckpt_meta meta;
+    int64_t copy = -1;
+    int bad = 0;
+    kill_model_init(&got);
+    kill_model_init(&want);
+    kill_content(step, &want.a, &want.b, &want.c);
+    e[0].name = "a"; e[0].tensor = &got.a; e[1].name = "b"; e[1].tensor = &got.b; e[2].name = "c"; e[2].tensor = &got.c;
+    for (int i = 0; i < 3; i++) e[i].split = 0, e[i].row0 = e[i].global_rows = 0;
+    dsk_ckpt_init(&ck, dir, NULL);
+    if (dsk_ckpt_load(&ck, step, e, 3, &meta) != DSK_OK) { printf("     load of step %lld: %s\n", (long long)step, dsk_last_error()); bad = 1; }
+    else {
+        bad = memcmp(got.a.data, want.a.data, dsk_tensor_nbytes(&want.a)) || memcmp(got.b.data, want.b.data, dsk_tensor_nbytes(&want.b)) ||
+              memcmp(got.c.data, want.c.data, dsk_tensor_nbytes(&want.c)) || dsk_ckpt_meta_i64(&meta, "step_copy", &copy) != DSK_OK ||
+              copy != step;
+        if (bad) printf("     step %lld loaded with wrong content\n", (long long)step);
+        dsk_ckpt_meta_free(&meta);
+    }
+    dsk_ckpt_free(&ck);
+    kill_model_free(&got);
+    kill_model_free(&want);
+    return bad;
+}
+
+/* The writer: resumes from the newest checkpoint (checking it), then saves step after step,
+   reporting each completed step through the pipe, until it is killed. */
+static void kill_writer(const char *dir, int fd) {
+    kill_model k;
+    dsk_ckpt ck;
+    dsk_ckpt_opts o;
+    int64_t last = -1;
+    char copy[32];
+    dsk_ckpt_kv kv[1] = {{"step_copy", copy}};
+    dsk_ckpt_entry e[3];
+    memset(&o, 0, sizeof o);
+    o.keep_last = 3;
+    kill_model_init(&k);
+    e[0].name = "a"; e[0].tensor = &k.a; e[1].name = "b"; e[1].tensor = &k.b; e[2].name = "c"; e[2].tensor = &k.c;
+    for (int i = 0; i < 3; i++) e[i].split = 0, e[i].row0 = e[i].global_rows = 0;
+    if (dsk_ckpt_latest(dir, &last) != DSK_OK || (last >= 0 && kill_check(dir, last) != 0)) _exit(3);
+    dsk_ckpt_init(&ck, dir, &o);
+    for (int64_t step = last + 1;; step++) {
+        kill_content(step, &k.a, &k.b, &k.c);
+        snprintf(copy, sizeof copy, "%lld", (long long)step);
+        if (dsk_ckpt_save(&ck, step, e, 3, kv, 1) != DSK_OK) { printf("     writer: %s\n", dsk_last_error()); _exit(4); }
+        if (write(fd, &step, sizeof step) != (ssize_t)sizeof step) _exit(5);
+    }
+}
+
+/* Every step directory that has a manifest verifies in full. */
+static int verify_all_complete(const char *dir) {
+    int64_t *steps;
+    int n, bad = 0;
+    if (dsk__ck_list_steps("test", dir, 1, &steps, &n) != DSK_OK) return 1;
+    for (int i = 0; i < n; i++)
+        if (dsk_ckpt_verify(dir, steps[i]) != DSK_OK) { printf("     step %lld: %s\n", (long long)steps[i], dsk_last_error()); bad = 1; }
+    free(steps);
+    return bad;
+}
+
+static void test_sigkill_during_save(void) {
+    const int trials = 60;
+    char dir[400];
+    int64_t prev_latest = -1;
+    int mid_save = 0, failures = 0;
+    new_dir(dir, sizeof dir, "kill");
+    for (int t = 0; t < trials && failures < 3; t++) {
+        int fds[2], st = 0;
+        int64_t done = -1, step, latest = -2;
+        char next_dir[600];
+        pid_t pid;
+        if (pipe(fds) != 0) { DSK_TEST_EXPECT(0, "pipe"); break; }
+        fflush(stdout);
+        pid = fork();
+        if (pid == 0) { close(fds[0]); kill_writer(dir, fds[1]); _exit(0); }
+        close(fds[1]);
+        sleep_us(1000 + (long)dsk_test_rand_int(30000));
+        kill(pid, SIGKILL);
+        waitpid(pid, &st, 0);
+        while (read(fds[0], &step, sizeof step) == (ssize_t)sizeof step) done = step;
+        close(fds[0]);
+        if (!WIFSIGNALED(st)) {
+            DSK_TEST_EXPECT(0, "trial %d: the writer exited by itself with status %d", t, WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+            failures++;
+            continue;
+        }
+        DSK_TEST_OK(dsk_ckpt_latest(dir, &latest));
+        /* every reported step is durable; at most the one in flight completed unreported */
+        if (done >= 0) DSK_TEST_EXPECT(latest == done || latest == done + 1, "trial %d: latest %lld after step %lld was reported", t, (long long)latest, (long long)done);
+        else DSK_TEST_EXPECT(latest == prev_latest || latest == prev_latest + 1, "trial %d: latest %lld, before %lld", t, (long long)latest, (long long)prev_latest);
+        if (latest >= 0 && kill_check(dir, latest) != 0) { DSK_TEST_EXPECT(0, "trial %d: latest step %lld is wrong", t, (long long)latest); failures++; }
+        if (verify_all_complete(dir) != 0) { DSK_TEST_EXPECT(0, "trial %d: a complete checkpoint does not verify", t); failures++; }
+        snprintf(next_dir, sizeof next_dir, "%s/step_%08lld", dir, (long long)(latest + 1));
+        if ((access(next_dir, F_OK) == 0 && !step_dir_exists(dir, latest + 1, 1)) || count_tmp_files(dir) || count_tmp_files(next_dir)) mid_save++;
+        prev_latest = latest;
+    }
+    printf("     %d trials, %d killed with a save half-written, newest step %lld\n", trials, mid_save, (long long)prev_latest);
+    DSK_TEST_EXPECT(mid_save >= trials / 6, "only %d of %d kills landed inside a save", mid_save, trials);
+    DSK_TEST_EXPECT(prev_latest >= 1, "the writers never completed a checkpoint");
+}
+
+/* ------------------------------------------------------------ bad arguments */
+
+static void test_bad_arguments(void) {
+    char dir[400];
+    const int64_t s1[1] = {4};
+    dsk_tensor a, nodata;
+    dsk_ckpt ck, zero;
+    dsk_ckpt_opts o;
+    dsk_ckpt_entry e[2] = {{"a", &a, 0, 0, 0}, {"a", &a, 0, 0, 0}};
+    dsk_ckpt_kv kv[2] = {{"k", "v"}, {"k", "w"}};
+    dsk_ckpt_file zf;
+    dsk_ckpt_meta zm;
+    new_dir(dir, sizeof dir, "args");
+    alloc_t(&a, DSK_F32, 1, s1); fill_f32(&a);
+    memset(&o, 0, sizeof o);
+    memset(&zero, 0, sizeof zero);
+    memset(&zf, 0, sizeof zf);
+    memset(&zm, 0, sizeof zm);
+    dsk_ckpt_free(&zero);
+    dsk_ckpt_free(NULL);
+    dsk_ckpt_file_close(&zf);
+    dsk_ckpt_meta_free(&zm);
+    DSK_TEST_STATUS(dsk_ckpt_init(&ck, NULL, &o), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_ckpt_init: directory is NULL");
+    o.rank = 2; o.world_size = 2;
+    DSK_TEST_STATUS(dsk_ckpt_init(&ck, dir, &o), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("rank 2 outside world size 2");
+    o.rank = 0;
+    DSK_TEST_STATUS(dsk_ckpt_init(&ck, dir, &o), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("needs a barrier callback");
+    o.world_size = 1; o.keep_last = -1;
+    DSK_TEST_STATUS(dsk_ckpt_init(&ck, dir, &o), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("keep_last -1");
+    o.keep_last = 0;
+    DSK_TEST_OK(dsk_ckpt_init(&ck, dir, &o));
+    DSK_TEST_STATUS(dsk_ckpt_save(&ck, -1, e, 1, NULL, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("step -1 < 0");
+    DSK_TEST_STATUS(dsk_ckpt_save(&ck, 1, NULL, 1, NULL, 0), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_ckpt_save(&ck, 1, e, 2, NULL, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("tensor name \"a\" appears twice");
+    e[1].name = "__metadata__";
+    DSK_TEST_STATUS(dsk_ckpt_save(&ck, 1, e, 2, NULL, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("\"__metadata__\" is reserved");
+    e[1].name = "";
+    DSK_TEST_STATUS(dsk_ckpt_save(&ck, 1, e, 2, NULL, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("entry 1 has no name");
+    e[1].name = "b"; e[1].tensor = NULL;
+    DSK_TEST_STATUS(dsk_ckpt_save(&ck, 1, e, 2, NULL, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("tensor \"b\" is NULL");
+    memset(&nodata, 0, sizeof nodata);
+    nodata.ndim = 1; nodata.shape[0] = 3; nodata.stride[0] = 1;
+    e[1].tensor = &nodata;
+    DSK_TEST_STATUS(dsk_ckpt_save(&ck, 1, e, 2, NULL, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("tensor \"b\" has no data");
+    e[1].tensor = &a; e[1].split = 1; e[1].row0 = 2; e[1].global_rows = 5;
+    DSK_TEST_STATUS(dsk_ckpt_save(&ck, 1, e, 2, NULL, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("rows [2, 6) do not fit a split tensor of 5 rows");
+    e[1].split = 2;
+    DSK_TEST_STATUS(dsk_ckpt_save(&ck, 1, e, 2, NULL, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("split 2 is neither 0 nor 1");
+    DSK_TEST_STATUS(dsk_ckpt_save(&ck, 1, e, 1, kv, 2), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("key \"k\" appears twice");
+    kv[1].key = "dsk.step";
+    DSK_TEST_STATUS(dsk_ckpt_save(&ck, 1, e, 1, kv, 2), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("the prefix \"dsk.\" is reserved");
+    kv[1].key = "x"; kv[1].value = NULL;
+    DSK_TEST_STATUS(dsk_ckpt_save(&ck, 1, e, 1, kv, 2), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("NULL value");
+    DSK_TEST_STATUS(dsk_ckpt_save(&zero, 1, e, 1, NULL, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("not initialised");
+    DSK_TEST_STATUS(dsk_ckpt_load(&zero, 1, e, 1, NULL), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_ckpt_latest(NULL, NULL), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_ckpt_verify(dir, -3), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_ckpt_file_open(&zf, "/nonexistent/x.safetensors"), DSK_ERR_IO);
+    DSK_TEST_ERROR_MENTIONS("No such file or directory");
+    DSK_TEST_STATUS(dsk_ckpt_file_save(NULL, "/nonexistent/dir/x.safetensors", e, 1, NULL, 0), DSK_ERR_IO);
+    DSK_TEST_ERROR_MENTIONS("dsk_ckpt_file_save: create \"/nonexistent/dir/.x.safetensors.tmp\"");
+    DSK_TEST_STATUS(dsk_ckpt_file_save(NULL, "dir/", e, 1, NULL, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("names no file");
+    dsk_ckpt_free(&ck);
+    dsk_tensor_free(NULL, &a);
+}
+
+/* ------------------------------------------------------------ main */
+
+int main(void) {
+    char cmd[400];
+    const char *tmp = getenv("TMPDIR");
+    dsk_test_init("test_ckpt");
+    snprintf(g_root, sizeof g_root, "%s/dsk_ckpt_test_XXXXXX", tmp && *tmp ? tmp : "/tmp");
+    if (!mkdtemp(g_root)) { printf("cannot create a scratch directory\n"); return 1; }
+    DSK_TEST_RUN(test_crc32c);
+    DSK_TEST_RUN(test_file_roundtrip_all_dtypes);
+    DSK_TEST_RUN(test_file_strided_source);
+    DSK_TEST_RUN(test_file_cast_on_load);
+    DSK_TEST_RUN(test_ckpt_single_rank);
+    test_multi_rank_1_2_4();
+    test_reshard();
+    DSK_TEST_RUN(test_multi_rank_inconsistent);
+    DSK_TEST_RUN(test_failed_rank_with_stale_file);
+    DSK_TEST_RUN(test_async_overwrite);
+    DSK_TEST_RUN(test_async_error);
+    DSK_TEST_RUN(test_rotation);
+    DSK_TEST_RUN(test_latest_skips_incomplete);
+    test_malformed_headers();
+    DSK_TEST_RUN(test_valid_variants);
+    DSK_TEST_RUN(test_truncated_files);
+    DSK_TEST_RUN(test_flipped_data);
+    DSK_TEST_RUN(test_flipped_checkpoint_headers);
+    DSK_TEST_RUN(test_checkpoint_damage);
+    DSK_TEST_RUN(test_full_disk);
+    DSK_TEST_RUN(test_sigkill_during_save);
+    DSK_TEST_RUN(test_bad_arguments);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_root);
+    if (system(cmd) != 0) printf("# could not remove %s\n", g_root);
+    return dsk_test_finish();
+}
