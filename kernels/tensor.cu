@@ -230,14 +230,29 @@ __device__ __forceinline__ float dsk__round(int dt, float x) {
     }
 }
 
+/* f32 <-> f64 keeping a NaN's sign and payload as the CPU's conversions do (quiet bit set,
+   payload shifted), where the device's own conversion gives the canonical NaN. */
+__device__ __forceinline__ double dsk__f32_to_f64(float x) {
+    uint32_t u;
+    if (x == x) return (double)x;
+    u = __float_as_uint(x);
+    return __longlong_as_double((long long)(((uint64_t)(u & 0x80000000u) << 32) | 0x7ff8000000000000ull | ((uint64_t)(u & 0x3fffffu) << 29)));
+}
+__device__ __forceinline__ float dsk__f64_to_f32(double x) {
+    uint64_t u;
+    if (x == x) return (float)x;
+    u = (uint64_t)__double_as_longlong(x);
+    return __uint_as_float((uint32_t)((u >> 32) & 0x80000000u) | 0x7fc00000u | (uint32_t)((u >> 29) & 0x3fffffu));
+}
+
 /* Any dtype as double and back: the cast engine, identical to dsk_tensor.h's CPU copy. */
 __device__ __forceinline__ double dsk__ld_any(const void *p, int dt, int64_t i) {
     switch (dt) {
-    case DSK_F32: return ((const float *)p)[i];
-    case DSK_F16: return dsk_f16_to_f32(((const uint16_t *)p)[i]);
-    case DSK_BF16: return dsk_bf16_to_f32(((const uint16_t *)p)[i]);
-    case DSK_E4M3: return dsk_e4m3_to_f32(((const uint8_t *)p)[i]);
-    case DSK_E5M2: return dsk_e5m2_to_f32(((const uint8_t *)p)[i]);
+    case DSK_F32: return dsk__f32_to_f64(((const float *)p)[i]);
+    case DSK_F16: return dsk__f32_to_f64(dsk_f16_to_f32(((const uint16_t *)p)[i]));
+    case DSK_BF16: return dsk__f32_to_f64(dsk_bf16_to_f32(((const uint16_t *)p)[i]));
+    case DSK_E4M3: return dsk__f32_to_f64(dsk_e4m3_to_f32(((const uint8_t *)p)[i]));
+    case DSK_E5M2: return dsk__f32_to_f64(dsk_e5m2_to_f32(((const uint8_t *)p)[i]));
     case DSK_F64: return ((const double *)p)[i];
     case DSK_I32: return ((const int32_t *)p)[i];
     case DSK_I64: return (double)((const int64_t *)p)[i];
@@ -253,11 +268,11 @@ __device__ __forceinline__ int64_t dsk__to_int(double x, double lo, double hi) {
 }
 __device__ __forceinline__ void dsk__st_any(void *p, int dt, int64_t i, double x) {
     switch (dt) {
-    case DSK_F32: ((float *)p)[i] = (float)x; break;
-    case DSK_F16: ((uint16_t *)p)[i] = dsk_f32_to_f16((float)x); break;
-    case DSK_BF16: ((uint16_t *)p)[i] = dsk_f32_to_bf16((float)x); break;
-    case DSK_E4M3: ((uint8_t *)p)[i] = dsk_f32_to_e4m3((float)x); break;
-    case DSK_E5M2: ((uint8_t *)p)[i] = dsk_f32_to_e5m2((float)x); break;
+    case DSK_F32: ((float *)p)[i] = dsk__f64_to_f32(x); break;
+    case DSK_F16: ((uint16_t *)p)[i] = dsk_f32_to_f16(dsk__f64_to_f32(x)); break;
+    case DSK_BF16: ((uint16_t *)p)[i] = dsk_f32_to_bf16(dsk__f64_to_f32(x)); break;
+    case DSK_E4M3: ((uint8_t *)p)[i] = dsk_f32_to_e4m3(dsk__f64_to_f32(x)); break;
+    case DSK_E5M2: ((uint8_t *)p)[i] = dsk_f32_to_e5m2(dsk__f64_to_f32(x)); break;
     case DSK_F64: ((double *)p)[i] = x; break;
     case DSK_I32: ((int32_t *)p)[i] = (int32_t)dsk__to_int(x, -2147483648.0, 2147483647.0); break;
     case DSK_I64: ((int64_t *)p)[i] = dsk__to_int(x, -9223372036854775808.0, 9223372036854774784.0); break;

@@ -32,8 +32,9 @@ gpu_p=0 gpu_f=0 gpu_s=0
 say() { echo "$*" | tee -a "$LOG"; }
 
 # step NAME LIMIT RESULT_KIND COMMAND...: runs COMMAND under timeout (capped by the time left),
-# logs it, shows its last lines, and records a row. RESULT_KIND: totals (a test's totals line),
-# summary (a benchmark's "summary:" lines), last (the last output line).
+# logs it, shows its last lines, and records a row. RESULT_KIND: gpu-test (a test's totals line,
+# added to the GPU totals), totals (the same, not added), summary (a benchmark's "summary:" lines),
+# last (the last output line).
 step() {
   local name=$1 limit=$2 kind=$3
   shift 3
@@ -49,7 +50,7 @@ step() {
   cat "$STEP_OUT" >>"$LOG"
   tail -n 25 "$STEP_OUT"
   case $kind in
-    totals) result=$(grep -E '^\[.*\] totals: |^[0-9]+ passed, [0-9]+ failed' "$STEP_OUT" | tail -n 1) ;;
+    gpu-test | totals) result=$(grep -E '^\[.*\] totals: |^[0-9]+ passed, [0-9]+ failed' "$STEP_OUT" | tail -n 1) ;;
     summary) result=$(grep -E '^summary: ' "$STEP_OUT" | sed 's/^summary: //' | paste -sd ';' -) ;;
     *) result=$(tail -n 1 "$STEP_OUT") ;;
   esac
@@ -57,7 +58,7 @@ step() {
   elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then status=TIMEOUT; failed_steps=$((failed_steps + 1))
   else status="FAIL($rc)"; failed_steps=$((failed_steps + 1)); fi
   rows+=("$name|$status|$((SECONDS - t0))|${result:-no result line}")
-  if [ "$kind" = totals ] && [[ $result =~ totals:\ ([0-9]+)\ passed\ /\ ([0-9]+)\ failed\ /\ ([0-9]+)\ skipped ]]; then
+  if [ "$kind" = gpu-test ] && [[ $result =~ totals:\ ([0-9]+)\ passed\ /\ ([0-9]+)\ failed\ /\ ([0-9]+)\ skipped ]]; then
     gpu_p=$((gpu_p + BASH_REMATCH[1])); gpu_f=$((gpu_f + BASH_REMATCH[2])); gpu_s=$((gpu_s + BASH_REMATCH[3]))
   fi
 }
@@ -74,10 +75,13 @@ say "GPU: $gpu"
 step build 300 last make -k BUILD=$BUILD CUDA=1 GENCODE=-gencode=arch=compute_90,code=sm_90 -j$JOBS tests bench
 
 # 2. Every GPU test program.
+n_gpu_tests=0
 for t in "$BUILD"/tests/gpu/test_*; do
   [ -x "$t" ] || continue
-  step "$(basename "$t")" 90 totals "$t"
+  step "$(basename "$t")" 90 gpu-test "$t"
+  n_gpu_tests=$((n_gpu_tests + 1))
 done
+if [ "$n_gpu_tests" -eq 0 ]; then rows+=("GPU tests|not built|0|no $BUILD/tests/gpu/test_* program"); failed_steps=$((failed_steps + 1)); fi
 
 # 3. GPU benchmarks.
 for b in "${GPU_BENCHES[@]}"; do
