@@ -44,10 +44,19 @@
      send the outputs back; backward runs the reverse exchanges. Every rank must call forward
      and backward together (collectives).
    License: MIT, see the end of the file. */
+/* With DSK_STATIC every dsk function is static, so this file must also compile its dependencies. */
+#if defined(DSK_STATIC) && defined(DSK_MOE_IMPLEMENTATION)
+#ifndef DSK_TENSOR_IMPLEMENTATION
+#define DSK_TENSOR_IMPLEMENTATION
+#endif
+#ifndef DSK_COMM_IMPLEMENTATION
+#define DSK_COMM_IMPLEMENTATION
+#endif
+#endif
 #ifndef DSK_MOE_H
 #define DSK_MOE_H
+#include "dsk_comm.h" /* first: it sets the POSIX feature macros its implementation needs */
 #include "dsk_tensor.h"
-#include "dsk_comm.h"
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -267,6 +276,23 @@ static inline DSK_HD void dsk_moe_route_token_backward(const float *u, const flo
 #include "kernels/dsk_kernels.h"
 #endif
 
+#ifdef DSK_CUDA
+/* Device buffers of the CUDA path (cd = compute dtype). */
+enum dsk__moe_dev_id {
+    DSK__D_XC, DSK__D_XF, DSK__D_U, DSK__D_PROB, DSK__D_SCR, DSK__D_SEL, DSK__D_GATE, DSK__D_CNT, DSK__D_PERM, DSK__D_POS,
+    DSK__D_AUX, DSK__D_XS, DSK__D_H1, DSK__D_H3, DSK__D_A, DSK__D_O, DSK__D_HS1, DSK__D_HS3, DSK__D_AS, DSK__D_YS,
+    DSK__D_DXF, DSK__D_DGATE, DSK__D_DOS, DSK__D_DA, DSK__D_DH1, DSK__D_DH3, DSK__D_DXR, DSK__D_DU, DSK__D_DAS,
+    DSK__D_DHS1, DSK__D_DHS3, DSK__MOE_NDEV
+};
+#endif
+
+/* OpenMP pragmas only when compiled with -fopenmp (no unknown-pragma warnings without). */
+#ifdef _OPENMP
+#define DSK__MOE_OMP(x) _Pragma(#x)
+#else
+#define DSK__MOE_OMP(x)
+#endif
+
 /* Host scratch grown on demand. */
 typedef struct dsk__moe_buf { void *p; size_t cap; } dsk__moe_buf;
 
@@ -281,6 +307,9 @@ struct dsk__moe_state {
     /* backward scratch */
     dsk__moe_buf dyf, dxf, du, dgate, dos, dor, dh1, dh3, dxr, dxp, das, dhs1, dhs3;
     dsk__moe_buf wf; /* f32 copies of bf16 weights, per forward */
+#ifdef DSK_CUDA
+    dsk__moe_buf dev[DSK__MOE_NDEV]; /* device buffers of the CUDA path, see dsk__moe_dev_id */
+#endif
     int64_t *sel_count;      /* (E) local selections this call */
     int64_t *kept_count;     /* (E) local kept slots this call */
     int64_t *global_count;   /* (E) selections over the EP group this call */
@@ -302,12 +331,16 @@ static dsk_status dsk__moe_reserve(dsk__moe_buf *b, size_t bytes) {
 #define DSK__MOE_F(b) ((float *)(b).p)
 #define DSK__MOE_I(b) ((int32_t *)(b).p)
 
-static void dsk__moe_state_free(struct dsk__moe_state *st) {
+static void dsk__moe_state_free(struct dsk__moe_state *st, dsk_ctx *ctx) {
     dsk__moe_buf *bufs[] = {&st->xf, &st->u, &st->prob, &st->gate, &st->sel, &st->slot_pos, &st->perm, &st->xs,
                             &st->ob, &st->hs1, &st->hs3, &st->as, &st->ys, &st->aux_coef, &st->xr, &st->h1,
                             &st->h3, &st->a, &st->orr, &st->rg, &st->dyf, &st->dxf, &st->du, &st->dgate, &st->dos,
                             &st->dor, &st->dh1, &st->dh3, &st->dxr, &st->dxp, &st->das, &st->dhs1, &st->dhs3, &st->wf};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) DSK_FREE(bufs[i]->p);
+#ifdef DSK_CUDA
+    for (int i = 0; i < DSK__MOE_NDEV; i++) if (st->dev[i].p) dsk_cuda_free(ctx, st->dev[i].p);
+#endif
+    (void)ctx;
     DSK_FREE(st->sel_count); DSK_FREE(st->kept_count); DSK_FREE(st->global_count); DSK_FREE(st->load_accum);
     DSK_FREE(st->send_rows); DSK_FREE(st->recv_rows); DSK_FREE(st->recv_cnt); DSK_FREE(st->local_off);
     DSK_FREE(st);
@@ -505,7 +538,7 @@ DSK_API dsk_status dsk_moe_init(dsk_moe *m, dsk_ctx *ctx, const dsk_moe_opts *op
 
 DSK_API void dsk_moe_free(dsk_moe *m, dsk_ctx *ctx) {
     if (!m) return;
-    if (m->st) dsk__moe_state_free(m->st);
+    if (m->st) dsk__moe_state_free(m->st, ctx);
     dsk_tensor_free(ctx, &m->param_slab);
     dsk_tensor_free(ctx, &m->grad_slab);
     memset(m, 0, sizeof *m);
@@ -598,7 +631,7 @@ static dsk_status dsk__moe_route(dsk_moe *m, int64_t T) {
     float *scratch = DSK__MOE_F(st->du); /* (T, E + n_group), free during forward */
     dsk__moe_gemm(st, 0, 1, T, E, o->d_model, DSK__MOE_F(st->xf), o->d_model, (const float *)m->router->value.data,
                   o->d_model, 0.0f, u, E);
-    #pragma omp parallel for schedule(static)
+    DSK__MOE_OMP(omp parallel for schedule(static))
     for (int64_t t = 0; t < T; t++)
         dsk_moe_route_token(u + t * E, bias, E, K, o->score == DSK_MOE_SIGMOID, o->norm == DSK_MOE_NORM_ON, o->routed_scale,
                             o->n_group, o->topk_group, prob + t * E, scratch + t * (E + o->n_group), sel + t * K, gate + t * K);
@@ -838,7 +871,7 @@ static void dsk__moe_regroup(const dsk_moe *m, float *dst, const float *src, int
     const struct dsk__moe_state *st = m->st;
     const int32_t *rg = DSK__MOE_I(st->rg);
     int64_t D = m->opts.d_model;
-    #pragma omp parallel for schedule(static)
+    DSK__MOE_OMP(omp parallel for schedule(static))
     for (int64_t q = 0; q < st->R; q++) {
         if (to_expert_major) memcpy(dst + q * D, src + (int64_t)rg[q] * D, (size_t)D * sizeof(float));
         else memcpy(dst + (int64_t)rg[q] * D, src + q * D, (size_t)D * sizeof(float));
@@ -938,7 +971,7 @@ static dsk_status dsk__moe_forward_cpu(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, 
     if ((s = dsk__moe_losses(m, T, stats)) != DSK_OK) return s;
     if ((s = dsk__moe_dispatch_plan(m, T, &dropped)) != DSK_OK) return s;
     perm = DSK__MOE_I(st->perm); slot_pos = DSK__MOE_I(st->slot_pos); gate = DSK__MOE_F(st->gate);
-    #pragma omp parallel for schedule(static)
+    DSK__MOE_OMP(omp parallel for schedule(static))
     for (int64_t p = 0; p < st->n_kept; p++) memcpy(xs + p * D, xf + (perm[p] / K) * D, (size_t)D * sizeof(float));
     if ((s = dsk__moe_exchange_counts(m, ctx, T, dropped, stats)) != DSK_OK) return s;
     if ((s = dsk__moe_reserve_R(m)) != DSK_OK || (s = dsk__moe_regroup_index(m)) != DSK_OK) return s;
@@ -953,7 +986,7 @@ static dsk_status dsk__moe_forward_cpu(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, 
     if (Fs > 0) dsk__moe_swiglu_fwd(st, T, D, Fs, xf, w.sw1, w.sw2, w.sw3, DSK__MOE_F(st->hs1), DSK__MOE_F(st->hs3),
                                     DSK__MOE_F(st->as), ys);
     /* combine: slots in slot order, then the shared experts */
-    #pragma omp parallel for schedule(static)
+    DSK__MOE_OMP(omp parallel for schedule(static))
     for (int64_t t = 0; t < T; t++) {
         float *out = xs + t * D; /* xs is free now; reuse it for the f32 result */
         for (int64_t d = 0; d < D; d++) out[d] = 0.0f;
@@ -1014,7 +1047,7 @@ static dsk_status dsk__moe_backward_cpu(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx
     else
         memset(dxf, 0, (size_t)(T * D) * sizeof(float));
     /* d gate = dy . o (kept slots), rows sent back to the experts: g * dy */
-    #pragma omp parallel for schedule(static)
+    DSK__MOE_OMP(omp parallel for schedule(static))
     for (int64_t i = 0; i < T * K; i++) {
         int32_t p = slot_pos[i];
         double acc = 0;
@@ -1022,7 +1055,7 @@ static dsk_status dsk__moe_backward_cpu(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx
             for (int64_t d = 0; d < D; d++) acc += (double)dyf[(i / K) * D + d] * ob[(int64_t)p * D + d];
         dgate[i] = (float)acc;
     }
-    #pragma omp parallel for schedule(static)
+    DSK__MOE_OMP(omp parallel for schedule(static))
     for (int64_t p = 0; p < st->n_kept; p++) {
         int64_t i = perm[p];
         float g = gate[i];
@@ -1040,7 +1073,7 @@ static dsk_status dsk__moe_backward_cpu(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx
     /* dxr -> back to the tokens' ranks (dor is free now as the staging buffer) */
     if ((s = dsk__moe_from_experts(m, ctx, DSK__MOE_F(st->dxr), DSK__MOE_F(st->dor), dxp)) != DSK_OK) return s;
     /* router: du (T, E) per token, then dx += du W_r, dW_r += du^T x */
-    #pragma omp parallel for schedule(static)
+    DSK__MOE_OMP(omp parallel for schedule(static))
     for (int64_t t = 0; t < T; t++) {
         const float *aux = has_aux ? DSK__MOE_F(st->aux_coef) + (t / st->seq_len) * E : NULL;
         dsk_moe_route_token_backward(DSK__MOE_F(st->u) + t * E, DSK__MOE_F(st->prob) + t * E, (int)E, (int)K, sigmoid, norm,
@@ -1057,6 +1090,208 @@ static dsk_status dsk__moe_backward_cpu(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx
     dsk__moe_store(m, dx, dxf, T * D, 1);
     return DSK_OK;
 }
+
+/* ---------------------------------------------------------------- CUDA path */
+#ifdef DSK_CUDA
+
+static dsk_status dsk__moe_dev(dsk_moe *m, dsk_ctx *ctx, int id, size_t bytes, void **p) {
+    dsk__moe_buf *b = &m->st->dev[id];
+    dsk_status s;
+    if (bytes == 0) bytes = 1;
+    if (bytes > b->cap) {
+        if (b->p) dsk_cuda_free(ctx, b->p);
+        b->p = NULL;
+        b->cap = 0;
+        if ((s = dsk_cuda_malloc(ctx, bytes, &b->p)) != DSK_OK) return s;
+        b->cap = bytes;
+    }
+    *p = b->p;
+    return DSK_OK;
+}
+
+/* Device <-> device copy (with a cast when the dtypes differ) of n elements. */
+static dsk_status dsk__moe_dcopy(dsk_ctx *ctx, dsk_device dev, void *dst, dsk_dtype ddt, const void *src, dsk_dtype sdt, int64_t n) {
+    dsk_tensor a, b;
+    dsk_status s;
+    if (n == 0) return DSK_OK;
+    if ((s = dsk_tensor_wrap(&a, dst, ddt, dev, 1, &n)) != DSK_OK || (s = dsk_tensor_wrap(&b, (void *)src, sdt, dev, 1, &n)) != DSK_OK) return s;
+    return dsk_tensor_copy(ctx, &a, &b);
+}
+
+static dsk_status dsk__moe_dzero(dsk_ctx *ctx, dsk_device dev, float *p, int64_t n) {
+    dsk_tensor a;
+    dsk_status s;
+    if (n == 0) return DSK_OK;
+    if ((s = dsk_tensor_wrap(&a, p, DSK_F32, dev, 1, &n)) != DSK_OK) return s;
+    return dsk_tensor_fill(ctx, &a, 0.0);
+}
+
+/* The CUDA forward keeps its activations on the device; routing decisions come back to the
+   host once per call (the dispatch plan, capacity and the losses run there, as on the CPU),
+   which also gives the per-expert row counts the expert GEMMs need. */
+static dsk_status dsk__moe_forward_cuda(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, int64_t T, dsk_moe_stats *stats) {
+    struct dsk__moe_state *st = m->st;
+    const dsk_moe_opts *o = &m->opts;
+    int64_t D = o->d_model, F = o->d_expert, E = o->n_routed, K = o->top_k, G = o->n_group, Fs = m->d_shared_total, dropped = 0;
+    dsk_dtype cd = o->dtype;
+    size_t es = dsk_dtype_size(cd), f4 = sizeof(float);
+    int need_losses = o->aux_alpha > 0 || o->seq_aux_alpha > 0 || o->z_beta > 0;
+    void *xc, *xf, *u, *prob, *scr, *sel, *gate, *cnt, *perm, *pos, *xs, *h1, *h3, *a, *ob, *hs1 = NULL, *hs3 = NULL, *as = NULL, *ys = NULL;
+    int32_t *hcnt;
+    const char *w1 = (const char *)m->w1->value.data, *w2 = (const char *)m->w2->value.data, *w3 = (const char *)m->w3->value.data;
+    dsk_status s;
+    if (m->ep_size > 1)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "dsk_moe_forward: layer \"%s\": expert parallelism on CUDA devices is not implemented", o->name);
+    if (!ctx || ctx->device.type != DSK_DEV_CUDA) return dsk_set_error(DSK_ERR_ARG, "dsk_moe_forward: layer \"%s\" is on CUDA: pass its CUDA ctx", o->name);
+    if ((s = dsk__moe_reserve_T(m, T)) != DSK_OK) return s;
+    if ((s = dsk__moe_dev(m, ctx, DSK__D_XC, (size_t)(T * D) * es, &xc)) || (s = dsk__moe_dev(m, ctx, DSK__D_XF, (size_t)(T * D) * f4, &xf)) ||
+        (s = dsk__moe_dev(m, ctx, DSK__D_U, (size_t)(T * E) * f4, &u)) || (s = dsk__moe_dev(m, ctx, DSK__D_PROB, (size_t)(T * E) * f4, &prob)) ||
+        (s = dsk__moe_dev(m, ctx, DSK__D_SCR, (size_t)(T * (E + G)) * f4, &scr)) || (s = dsk__moe_dev(m, ctx, DSK__D_SEL, (size_t)(T * K) * 4, &sel)) ||
+        (s = dsk__moe_dev(m, ctx, DSK__D_GATE, (size_t)(T * K) * f4, &gate)) || (s = dsk__moe_dev(m, ctx, DSK__D_CNT, (size_t)E * 4, &cnt)) ||
+        (s = dsk__moe_dev(m, ctx, DSK__D_PERM, (size_t)(T * K) * 4, &perm)) || (s = dsk__moe_dev(m, ctx, DSK__D_POS, (size_t)(T * K) * 4, &pos)))
+        return s;
+    if ((s = dsk__moe_dcopy(ctx, m->device, xc, cd, x->data, cd, T * D)) || (s = dsk__moe_dcopy(ctx, m->device, xf, DSK_F32, x->data, cd, T * D)))
+        return s;
+    if ((s = dsk_cuda_moe_gemm(ctx, 0, 1, T, E, D, xf, D, m->router->value.data, D, DSK_F32, 0.0f, u, E, DSK_F32)) != DSK_OK) return s;
+    if ((s = dsk_cuda_moe_route(ctx, (const float *)u, (const float *)m->bias->value.data, T, (int)E, (int)K, o->score == DSK_MOE_SIGMOID,
+                                o->norm == DSK_MOE_NORM_ON, o->routed_scale, (int)G, o->topk_group, (float *)prob, (float *)scr,
+                                (int32_t *)sel, (float *)gate, (int32_t *)cnt)) != DSK_OK)
+        return s;
+    /* routing decisions to the host */
+    hcnt = (int32_t *)st->slot_pos.p; /* free until the plan below */
+    if ((s = dsk_cuda_memcpy(ctx, st->sel.p, sel, (size_t)(T * K) * 4, 0)) || (s = dsk_cuda_memcpy(ctx, st->gate.p, gate, (size_t)(T * K) * f4, 0)) ||
+        (s = dsk_cuda_memcpy(ctx, hcnt, cnt, (size_t)E * 4, 0)))
+        return s;
+    if (need_losses && ((s = dsk_cuda_memcpy(ctx, st->u.p, u, (size_t)(T * E) * f4, 0)) || (s = dsk_cuda_memcpy(ctx, st->prob.p, prob, (size_t)(T * E) * f4, 0))))
+        return s;
+    if ((s = dsk_cuda_sync(ctx)) != DSK_OK) return s;
+    for (int64_t e = 0; e < E; e++) { st->sel_count[e] = hcnt[e]; st->load_accum[e] += hcnt[e]; }
+    if (need_losses && (s = dsk__moe_losses(m, T, stats)) != DSK_OK) return s;
+    if (!need_losses) { st->n_seq = 1; st->seq_len = T > 0 ? T : 1; }
+    if ((s = dsk__moe_dispatch_plan(m, T, &dropped)) != DSK_OK) return s;
+    if ((s = dsk__moe_exchange_counts(m, ctx, T, dropped, stats)) != DSK_OK) return s;
+    if ((s = dsk_cuda_memcpy(ctx, perm, st->perm.p, (size_t)(st->n_kept > 0 ? st->n_kept : 0) * 4, 1)) ||
+        (s = dsk_cuda_memcpy(ctx, pos, st->slot_pos.p, (size_t)(T * K) * 4, 1)))
+        return s;
+    if (need_losses && (o->aux_alpha > 0 || o->seq_aux_alpha > 0)) {
+        void *aux;
+        if ((s = dsk__moe_dev(m, ctx, DSK__D_AUX, (size_t)(st->n_seq * E) * f4, &aux)) ||
+            (s = dsk_cuda_memcpy(ctx, aux, st->aux_coef.p, (size_t)(st->n_seq * E) * f4, 1)))
+            return s;
+    }
+    /* experts: rows in expert order (one rank: perm order) */
+    if ((s = dsk__moe_dev(m, ctx, DSK__D_XS, (size_t)(st->R * D) * es, &xs)) || (s = dsk__moe_dev(m, ctx, DSK__D_H1, (size_t)(st->R * F) * f4, &h1)) ||
+        (s = dsk__moe_dev(m, ctx, DSK__D_H3, (size_t)(st->R * F) * f4, &h3)) || (s = dsk__moe_dev(m, ctx, DSK__D_A, (size_t)(st->R * F) * es, &a)) ||
+        (s = dsk__moe_dev(m, ctx, DSK__D_O, (size_t)(st->R * D) * f4, &ob)))
+        return s;
+    if ((s = dsk_cuda_moe_gather(ctx, xs, xc, cd, (const int32_t *)perm, (int)K, NULL, st->R, D)) != DSK_OK) return s;
+    for (int e = 0; e < m->n_local; e++) {
+        int64_t r0 = st->local_off[e], n = st->local_off[e + 1] - r0;
+        const char *xe = (const char *)xs + (size_t)(r0 * D) * es;
+        if ((s = dsk_cuda_moe_gemm(ctx, 0, 1, n, F, D, xe, D, w1 + (size_t)(e * F * D) * es, D, cd, 0.0f, (float *)h1 + r0 * F, F, DSK_F32)) ||
+            (s = dsk_cuda_moe_gemm(ctx, 0, 1, n, F, D, xe, D, w3 + (size_t)(e * F * D) * es, D, cd, 0.0f, (float *)h3 + r0 * F, F, DSK_F32)))
+            return s;
+    }
+    if ((s = dsk_cuda_moe_swiglu(ctx, a, cd, (const float *)h1, (const float *)h3, st->R * F)) != DSK_OK) return s;
+    for (int e = 0; e < m->n_local; e++) {
+        int64_t r0 = st->local_off[e], n = st->local_off[e + 1] - r0;
+        if ((s = dsk_cuda_moe_gemm(ctx, 0, 1, n, D, F, (const char *)a + (size_t)(r0 * F) * es, F, w2 + (size_t)(e * D * F) * es, F, cd,
+                                   0.0f, (float *)ob + r0 * D, D, DSK_F32)) != DSK_OK)
+            return s;
+    }
+    if (Fs > 0) {
+        if ((s = dsk__moe_dev(m, ctx, DSK__D_HS1, (size_t)(T * Fs) * f4, &hs1)) || (s = dsk__moe_dev(m, ctx, DSK__D_HS3, (size_t)(T * Fs) * f4, &hs3)) ||
+            (s = dsk__moe_dev(m, ctx, DSK__D_AS, (size_t)(T * Fs) * es, &as)) || (s = dsk__moe_dev(m, ctx, DSK__D_YS, (size_t)(T * D) * f4, &ys)))
+            return s;
+        if ((s = dsk_cuda_moe_gemm(ctx, 0, 1, T, Fs, D, xc, D, m->sw1->value.data, D, cd, 0.0f, hs1, Fs, DSK_F32)) ||
+            (s = dsk_cuda_moe_gemm(ctx, 0, 1, T, Fs, D, xc, D, m->sw3->value.data, D, cd, 0.0f, hs3, Fs, DSK_F32)) ||
+            (s = dsk_cuda_moe_swiglu(ctx, as, cd, (const float *)hs1, (const float *)hs3, T * Fs)) ||
+            (s = dsk_cuda_moe_gemm(ctx, 0, 1, T, D, Fs, as, Fs, m->sw2->value.data, Fs, cd, 0.0f, ys, D, DSK_F32)))
+            return s;
+    }
+    if ((s = dsk_cuda_moe_combine(ctx, y->data, cd, (const float *)ob, (const int32_t *)pos, (const float *)gate, (const float *)ys, T,
+                                  (int)K, D)) != DSK_OK)
+        return s;
+    st->T = T;
+    st->have_fwd = 1;
+    return DSK_OK;
+}
+
+static dsk_status dsk__moe_backward_cuda(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, float aux_scale) {
+    struct dsk__moe_state *st = m->st;
+    const dsk_moe_opts *o = &m->opts;
+    int64_t T = st->T, D = o->d_model, F = o->d_expert, E = o->n_routed, K = o->top_k, Fs = m->d_shared_total, R = st->R;
+    dsk_dtype cd = o->dtype;
+    size_t es = dsk_dtype_size(cd), f4 = sizeof(float);
+    void *dxf, *dgate, *dos, *da, *dh1, *dh3, *dxr, *du;
+    const char *w1 = (const char *)m->w1->value.data, *w2 = (const char *)m->w2->value.data, *w3 = (const char *)m->w3->value.data;
+    float *g1 = (float *)m->w1->grad.data, *g2 = (float *)m->w2->grad.data, *g3 = (float *)m->w3->grad.data;
+    const void *xs = st->dev[DSK__D_XS].p, *a = st->dev[DSK__D_A].p, *ob = st->dev[DSK__D_O].p;
+    const float *h1 = (const float *)st->dev[DSK__D_H1].p, *h3 = (const float *)st->dev[DSK__D_H3].p;
+    const int32_t *perm = (const int32_t *)st->dev[DSK__D_PERM].p, *pos = (const int32_t *)st->dev[DSK__D_POS].p;
+    const float *gate = (const float *)st->dev[DSK__D_GATE].p;
+    const float *aux = (o->aux_alpha > 0 || o->seq_aux_alpha > 0) ? (const float *)st->dev[DSK__D_AUX].p : NULL;
+    float zcoef = T > 0 ? o->z_beta * 2.0f / (float)T * aux_scale : 0.0f;
+    dsk_status s;
+    if (!ctx || ctx->device.type != DSK_DEV_CUDA) return dsk_set_error(DSK_ERR_ARG, "dsk_moe_backward: layer \"%s\" is on CUDA: pass its CUDA ctx", o->name);
+    if ((s = dsk__moe_dev(m, ctx, DSK__D_DXF, (size_t)(T * D) * f4, &dxf)) || (s = dsk__moe_dev(m, ctx, DSK__D_DGATE, (size_t)(T * K) * f4, &dgate)) ||
+        (s = dsk__moe_dev(m, ctx, DSK__D_DOS, (size_t)(R * D) * es, &dos)) || (s = dsk__moe_dev(m, ctx, DSK__D_DA, (size_t)(R * F) * f4, &da)) ||
+        (s = dsk__moe_dev(m, ctx, DSK__D_DH1, (size_t)(R * F) * es, &dh1)) || (s = dsk__moe_dev(m, ctx, DSK__D_DH3, (size_t)(R * F) * es, &dh3)) ||
+        (s = dsk__moe_dev(m, ctx, DSK__D_DXR, (size_t)(R * D) * f4, &dxr)) || (s = dsk__moe_dev(m, ctx, DSK__D_DU, (size_t)(T * E) * f4, &du)))
+        return s;
+    /* shared experts write dxf (or it starts at zero) */
+    if (Fs > 0) {
+        void *das, *dhs1, *dhs3;
+        const void *xc = st->dev[DSK__D_XC].p, *as = st->dev[DSK__D_AS].p;
+        if ((s = dsk__moe_dev(m, ctx, DSK__D_DAS, (size_t)(T * Fs) * f4, &das)) || (s = dsk__moe_dev(m, ctx, DSK__D_DHS1, (size_t)(T * Fs) * es, &dhs1)) ||
+            (s = dsk__moe_dev(m, ctx, DSK__D_DHS3, (size_t)(T * Fs) * es, &dhs3)))
+            return s;
+        if ((s = dsk_cuda_moe_gemm(ctx, 0, 0, T, Fs, D, dy->data, D, m->sw2->value.data, Fs, cd, 0.0f, das, Fs, DSK_F32)) ||
+            (s = dsk_cuda_moe_gemm(ctx, 1, 0, D, Fs, T, dy->data, D, as, Fs, cd, 1.0f, m->sw2->grad.data, Fs, DSK_F32)) ||
+            (s = dsk_cuda_moe_swiglu_backward(ctx, dhs1, dhs3, cd, (const float *)st->dev[DSK__D_HS1].p, (const float *)st->dev[DSK__D_HS3].p,
+                                              (const float *)das, T * Fs)) ||
+            (s = dsk_cuda_moe_gemm(ctx, 0, 0, T, D, Fs, dhs1, Fs, m->sw1->value.data, D, cd, 0.0f, dxf, D, DSK_F32)) ||
+            (s = dsk_cuda_moe_gemm(ctx, 0, 0, T, D, Fs, dhs3, Fs, m->sw3->value.data, D, cd, 1.0f, dxf, D, DSK_F32)) ||
+            (s = dsk_cuda_moe_gemm(ctx, 1, 0, Fs, D, T, dhs1, Fs, xc, D, cd, 1.0f, m->sw1->grad.data, D, DSK_F32)) ||
+            (s = dsk_cuda_moe_gemm(ctx, 1, 0, Fs, D, T, dhs3, Fs, xc, D, cd, 1.0f, m->sw3->grad.data, D, DSK_F32)))
+            return s;
+    } else if ((s = dsk__moe_dzero(ctx, m->device, (float *)dxf, T * D)) != DSK_OK) {
+        return s;
+    }
+    /* routed experts */
+    if ((s = dsk_cuda_moe_dgate(ctx, (float *)dgate, dy->data, cd, (const float *)ob, pos, T, (int)K, D)) ||
+        (s = dsk_cuda_moe_gather(ctx, dos, dy->data, cd, perm, (int)K, gate, R, D)))
+        return s;
+    for (int e = 0; e < m->n_local; e++) {
+        int64_t r0 = st->local_off[e], n = st->local_off[e + 1] - r0;
+        const char *de = (const char *)dos + (size_t)(r0 * D) * es;
+        if ((s = dsk_cuda_moe_gemm(ctx, 0, 0, n, F, D, de, D, w2 + (size_t)(e * D * F) * es, F, cd, 0.0f, (float *)da + r0 * F, F, DSK_F32)) ||
+            (s = dsk_cuda_moe_gemm(ctx, 1, 0, D, F, n, de, D, (const char *)a + (size_t)(r0 * F) * es, F, cd, 1.0f, g2 + e * D * F, F, DSK_F32)))
+            return s;
+    }
+    if ((s = dsk_cuda_moe_swiglu_backward(ctx, dh1, dh3, cd, h1, h3, (const float *)da, R * F)) != DSK_OK) return s;
+    for (int e = 0; e < m->n_local; e++) {
+        int64_t r0 = st->local_off[e], n = st->local_off[e + 1] - r0;
+        const char *d1 = (const char *)dh1 + (size_t)(r0 * F) * es, *d3 = (const char *)dh3 + (size_t)(r0 * F) * es;
+        const char *xe = (const char *)xs + (size_t)(r0 * D) * es;
+        if ((s = dsk_cuda_moe_gemm(ctx, 0, 0, n, D, F, d1, F, w1 + (size_t)(e * F * D) * es, D, cd, 0.0f, (float *)dxr + r0 * D, D, DSK_F32)) ||
+            (s = dsk_cuda_moe_gemm(ctx, 0, 0, n, D, F, d3, F, w3 + (size_t)(e * F * D) * es, D, cd, 1.0f, (float *)dxr + r0 * D, D, DSK_F32)) ||
+            (s = dsk_cuda_moe_gemm(ctx, 1, 0, F, D, n, d1, F, xe, D, cd, 1.0f, g1 + e * F * D, D, DSK_F32)) ||
+            (s = dsk_cuda_moe_gemm(ctx, 1, 0, F, D, n, d3, F, xe, D, cd, 1.0f, g3 + e * F * D, D, DSK_F32)))
+            return s;
+    }
+    if ((s = dsk_cuda_moe_scatter(ctx, (float *)dxf, (const float *)dxr, pos, T, (int)K, D)) != DSK_OK) return s;
+    /* router */
+    if ((s = dsk_cuda_moe_route_backward(ctx, (const float *)st->dev[DSK__D_U].p, (const float *)st->dev[DSK__D_PROB].p, T, (int)E, (int)K,
+                                         o->score == DSK_MOE_SIGMOID, o->norm == DSK_MOE_NORM_ON, o->routed_scale,
+                                         (const int32_t *)st->dev[DSK__D_SEL].p, (const float *)dgate, aux, st->seq_len, aux_scale, zcoef,
+                                         (float *)du)) ||
+        (s = dsk_cuda_moe_gemm(ctx, 0, 0, T, D, E, du, E, m->router->value.data, D, DSK_F32, 1.0f, dxf, D, DSK_F32)) ||
+        (s = dsk_cuda_moe_gemm(ctx, 1, 0, E, D, T, du, E, st->dev[DSK__D_XF].p, D, DSK_F32, 1.0f, m->router->grad.data, D, DSK_F32)))
+        return s;
+    return dsk_cuda_moe_accumulate(ctx, dx->data, cd, (const float *)dxf, T * D);
+}
+#endif /* DSK_CUDA */
 
 /* ---------------------------------------------------------------- public entry points */
 

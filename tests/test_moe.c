@@ -743,7 +743,7 @@ static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx,
     { /* E not divisible by the EP size fails on every rank, naming both */
         dsk_moe bad;
         dsk_moe_opts b = o;
-        b.n_routed = n * 2 + 1; b.top_k = 1;
+        b.n_routed = n * 2 + 1; b.top_k = 1; b.n_group = 0; b.topk_group = 0;
         *bad_cfg_ok = dsk_moe_init(&bad, NULL, &b) == DSK_ERR_ARG && strstr(dsk_last_error(), "not divisible by the expert-parallel size") != NULL;
     }
     if (dsk_moe_init(&m, NULL, &o) != DSK_OK) return 3;
@@ -761,41 +761,64 @@ static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx,
     return 0;
 }
 
-static void check_ep(int n, int sigmoid) {
-    int NT = EP_T * n, port = 0;
-    dsk_moe ref;
-    dsk_moe_opts o = ep_opts(sigmoid);
-    dsk_tensor x, y, dx, dy;
-    int64_t shp[2] = {NT, EP_D};
-    size_t per_rank;
-    float *gx, *gdy, *shm;
-    int *flags;
-    dsk_test_begin("expert parallel %s over %d ranks = 1 rank", sigmoid ? "sigmoid+groups" : "softmax", n);
-    /* single rank holding every token and expert */
-    DSK_TEST_OK(dsk_moe_init(&ref, NULL, &o));
-    per_rank = (size_t)(2 * EP_T * EP_D) + (size_t)dsk_tensor_numel(&ref.grad_slab); /* upper bound for any rank */
-    shm = (float *)mmap(NULL, sizeof(float) * (2 * (size_t)NT * EP_D + per_rank * n) + 64 * sizeof(int), PROT_READ | PROT_WRITE,
-                        MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-    gx = shm; gdy = shm + NT * EP_D;
-    flags = (int *)(gdy + NT * EP_D + per_rank * n);
-    ep_inputs(gx, gdy, NT);
-    if (dsk_comm_free_port("127.0.0.1", &port) != DSK_OK) { dsk_test_fail_at(__FILE__, __LINE__, "no free port: %s", dsk_last_error()); goto out; }
+/* One EP configuration: ranks forked over shared memory, checked later against one rank. */
+typedef struct ep_job {
+    int n, sigmoid, NT;
+    size_t per_rank, bytes;
+    float *shm, *gx, *gdy;
+    int *flags;      /* [r]: rank r exit status, [32 + r]: bad EP configuration reported */
+    int port_ok;
+} ep_job;
+
+static float *ep_result(const ep_job *j, int r) { return j->gdy + (size_t)j->NT * EP_D + j->per_rank * (size_t)r; }
+
+/* Forks the ranks and waits for them. Called before this process uses OpenMP (libgomp's
+   thread pool does not survive fork). */
+static void ep_run(ep_job *j, int n, int sigmoid) {
+    int port = 0;
+    memset(j, 0, sizeof *j);
+    j->n = n; j->sigmoid = sigmoid; j->NT = EP_T * n;
+    /* every rank's gradient slab fits: dense part plus all experts */
+    j->per_rank = (size_t)(2 * EP_T * EP_D) + (size_t)(EP_E * EP_D + 3 * EP_FS * EP_D + 3 * EP_E * EP_F * EP_D);
+    j->bytes = sizeof(float) * (2 * (size_t)j->NT * EP_D + j->per_rank * n) + 64 * sizeof(int);
+    j->shm = (float *)mmap(NULL, j->bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    j->gx = j->shm; j->gdy = j->shm + j->NT * EP_D;
+    j->flags = (int *)(j->gdy + (size_t)j->NT * EP_D + j->per_rank * n);
+    ep_inputs(j->gx, j->gdy, j->NT);
+    j->port_ok = dsk_comm_free_port("127.0.0.1", &port) == DSK_OK;
+    if (!j->port_ok) return;
     for (int r = 0; r < n; r++) {
         pid_t pid = fork();
         if (pid == 0) {
-            int rc = ep_rank_main(r, n, port, sigmoid, gx, gdy, gdy + NT * EP_D + per_rank * r, &flags[32 + r]);
+            int rc = ep_rank_main(r, n, port, sigmoid, j->gx, j->gdy, ep_result(j, r), &j->flags[32 + r]);
             if (rc) fprintf(stderr, "rank %d: step %d failed: %s\n", r, rc, dsk_last_error());
             _exit(rc);
         }
+        j->flags[r] = pid < 0 ? -1 : 0;
     }
     for (int r = 0; r < n; r++) {
         int status = 0;
-        wait(&status);
-        DSK_TEST_EXPECT(WIFEXITED(status) && WEXITSTATUS(status) == 0, "a rank exited with status %d", status);
+        pid_t pid = wait(&status);
+        if (pid > 0 && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) j->flags[r] = status ? status : -1;
     }
-    for (int r = 0; r < n; r++) DSK_TEST_EXPECT(flags[32 + r] == 1, "rank %d: bad EP configuration not reported: %s", r, dsk_last_error());
-    dsk_tensor_wrap(&x, gx, DSK_F32, dsk_cpu(), 2, shp);
-    dsk_tensor_wrap(&dy, gdy, DSK_F32, dsk_cpu(), 2, shp);
+}
+
+static void ep_check(ep_job *j) {
+    int n = j->n, NT = j->NT;
+    dsk_moe ref;
+    dsk_moe_opts o = ep_opts(j->sigmoid);
+    dsk_tensor x, y, dx, dy;
+    int64_t shp[2] = {NT, EP_D};
+    dsk_test_begin("expert parallel %s over %d ranks = 1 rank", j->sigmoid ? "sigmoid+groups" : "softmax", n);
+    memset(&y, 0, sizeof y); memset(&dx, 0, sizeof dx);
+    DSK_TEST_OK(dsk_moe_init(&ref, NULL, &o));
+    if (!j->port_ok) { dsk_test_fail_at(__FILE__, __LINE__, "no free port: %s", dsk_last_error()); goto out; }
+    for (int r = 0; r < n; r++) {
+        DSK_TEST_EXPECT(j->flags[r] == 0, "a rank failed with status %d", j->flags[r]);
+        DSK_TEST_EXPECT(j->flags[32 + r] == 1, "rank %d: E not divisible by the EP size was not reported", r);
+    }
+    dsk_tensor_wrap(&x, j->gx, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&dy, j->gdy, DSK_F32, dsk_cpu(), 2, shp);
     dsk_tensor_alloc(NULL, &y, DSK_F32, 2, shp);
     dsk_tensor_alloc(NULL, &dx, DSK_F32, 2, shp);
     dsk_tensor_fill(NULL, &dx, 0.0);
@@ -806,8 +829,9 @@ static void check_ep(int n, int sigmoid) {
         int64_t nd = ref.grad_dense_numel, w1n = (int64_t)EP_E * EP_F * EP_D;
         double *dense = (double *)calloc((size_t)nd, sizeof(double)), *want = (double *)calloc((size_t)(w1n + nd), sizeof(double));
         const float *rg = (const float *)ref.grad_slab.data;
+        double mx = 0;
         for (int r = 0; r < n; r++) {
-            const float *res = gdy + NT * EP_D + per_rank * r;
+            const float *res = ep_result(j, r);
             char what[64];
             snprintf(what, sizeof what, "rank %d y", r);
             DSK_TEST_SAME_BYTES(res, (float *)y.data + r * EP_T * EP_D, sizeof(float) * EP_T * EP_D, what);
@@ -823,28 +847,26 @@ static void check_ep(int n, int sigmoid) {
                 DSK_TEST_CLOSE(res + 2 * EP_T * EP_D + nd + p * per, want, per, 1e-6, 1e-7, what);
             }
         }
-        {
-            double mx = 0;
-            for (int64_t i = 0; i < nd; i++) mx = fabs(rg[i]) > mx ? fabs(rg[i]) : mx;
-            for (int64_t i = 0; i < nd; i++) want[i] = dense[i];
-            /* the single rank sums every token in one GEMM; the ranks' partial sums add in another order */
-            DSK_TEST_CLOSE(rg, want, nd, 1e-6, 1e-6 * mx, "router + shared grads = sum over ranks");
-        }
+        for (int64_t i = 0; i < nd; i++) mx = fabs(rg[i]) > mx ? fabs(rg[i]) : mx;
+        /* the single rank sums every token in one GEMM; the ranks' partial sums add in another order */
+        DSK_TEST_CLOSE(rg, dense, nd, 1e-6, 1e-6 * mx, "router + shared grads = sum over ranks");
         free(dense); free(want);
     }
 out:
     dsk_tensor_free(NULL, &y); dsk_tensor_free(NULL, &dx);
     dsk_moe_free(&ref, NULL);
-    munmap(shm, sizeof(float) * (2 * (size_t)NT * EP_D + per_rank * n) + 64 * sizeof(int));
+    munmap(j->shm, j->bytes);
     dsk_test_end();
 }
 
 int main(void) {
     dsk_test_init("test_moe");
-    /* forked ranks first, before this process starts OpenMP threads */
-    check_ep(2, 0);
-    check_ep(4, 1);
-    check_ep(2, 1);
+    ep_job jobs[3];
+    /* every forked rank first, before this process starts OpenMP threads */
+    ep_run(&jobs[0], 2, 0);
+    ep_run(&jobs[1], 4, 1);
+    ep_run(&jobs[2], 2, 1);
+    for (int i = 0; i < 3; i++) ep_check(&jobs[i]);
     test_forward_variants();
     DSK_TEST_RUN(test_group_mask_is_neg_inf);
     DSK_TEST_RUN(test_bias_not_in_weights);
