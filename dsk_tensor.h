@@ -1131,23 +1131,27 @@ typedef struct dsk__gemm_args {
 
 /* Packs rows [0, rows) x cols [0, kc) of X (X[i][p] = src[i * rs + p * cs]) into micro-panels
    of width w: panel c holds dst[c * w * kc + p * w + r] = X[c * w + r][p], zero past `rows`.
-   Only panels [c0, c1) are written. */
-#define DSK__PACK_LOOP(T, LOAD)                                                                  \
-    do {                                                                                         \
-        const T *s_ = (const T *)src;                                                            \
-        for (int64_t c = c0; c < c1; c++) {                                                      \
-            float *d = dst + c * w * kc;                                                         \
-            int64_t r0 = c * w, nr = rows - r0 < w ? rows - r0 : w;                              \
-            if (cs == 1) {                                                                       \
-                for (int64_t r = 0; r < nr; r++)                                                 \
-                    for (int64_t p = 0; p < kc; p++) d[p * w + r] = LOAD(s_[(r0 + r) * rs + p]); \
-            } else {                                                                             \
-                for (int64_t p = 0; p < kc; p++)                                                 \
-                    for (int64_t r = 0; r < nr; r++) d[p * w + r] = LOAD(s_[(r0 + r) * rs + p * cs]); \
-            }                                                                                    \
-            for (int64_t p = 0; nr < w && p < kc; p++)                                           \
-                for (int64_t r = nr; r < w; r++) d[p * w + r] = 0.0f;                            \
-        }                                                                                        \
+   Only panels [c0, c1) are written. The loops follow whichever of rs, cs is 1, so the source
+   is read along its rows (a strided walk down the rows would touch a new page per element). */
+#define DSK__PACK_LOOP(T, LOAD)                                                                          \
+    do {                                                                                                 \
+        const T *s_ = (const T *)src;                                                                    \
+        for (int64_t c = c0; c < c1; c++) {                                                              \
+            float *d = dst + c * w * kc;                                                                 \
+            int64_t r0 = c * w, nr = rows - r0 < w ? rows - r0 : w;                                      \
+            for (int64_t p = 0; nr < w && p < kc; p++)                                                   \
+                for (int64_t r = nr; r < w; r++) d[p * w + r] = 0.0f;                                    \
+            if (cs == 1)                                                                                 \
+                for (int64_t r = 0; r < nr; r++)                                                         \
+                    for (int64_t p = 0; p < kc; p++) d[p * w + r] = LOAD(s_[(r0 + r) * rs + p]);         \
+        }                                                                                                \
+        if (cs != 1)                                                                                     \
+            for (int64_t p = 0; p < kc; p++)                                                             \
+                for (int64_t c = c0; c < c1; c++) {                                                      \
+                    float *d = dst + c * w * kc + p * w;                                                 \
+                    int64_t r0 = c * w, nr = rows - r0 < w ? rows - r0 : w;                              \
+                    for (int64_t r = 0; r < nr; r++) d[r] = LOAD(s_[(r0 + r) * rs + p * cs]);            \
+                }                                                                                        \
     } while (0)
 #define DSK__LOAD_F32(x) (x)
 #define DSK__LOAD_BF16(x) dsk_bf16_to_f32(x)
@@ -1178,17 +1182,26 @@ static void dsk__ukernel(int64_t kc, const float *a, const float *b, float *c, i
     __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
     __m256 c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(), c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
     __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
-    for (int64_t p = 0; p < kc; p++) {
-        __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8), av;
-        av = _mm256_broadcast_ss(a + 0); c00 = _mm256_fmadd_ps(av, b0, c00); c01 = _mm256_fmadd_ps(av, b1, c01);
-        av = _mm256_broadcast_ss(a + 1); c10 = _mm256_fmadd_ps(av, b0, c10); c11 = _mm256_fmadd_ps(av, b1, c11);
-        av = _mm256_broadcast_ss(a + 2); c20 = _mm256_fmadd_ps(av, b0, c20); c21 = _mm256_fmadd_ps(av, b1, c21);
-        av = _mm256_broadcast_ss(a + 3); c30 = _mm256_fmadd_ps(av, b0, c30); c31 = _mm256_fmadd_ps(av, b1, c31);
-        av = _mm256_broadcast_ss(a + 4); c40 = _mm256_fmadd_ps(av, b0, c40); c41 = _mm256_fmadd_ps(av, b1, c41);
-        av = _mm256_broadcast_ss(a + 5); c50 = _mm256_fmadd_ps(av, b0, c50); c51 = _mm256_fmadd_ps(av, b1, c51);
-        a += DSK__MR;
-        b += DSK__NR;
+    __m256 b0, b1, av;
+    int64_t p = 0;
+    for (int64_t i = 0; i < m; i++) { /* C rows are often 4 KiB apart: fetch them early */
+        _mm_prefetch((const char *)(c + i * ldc), _MM_HINT_T0);
+        _mm_prefetch((const char *)(c + i * ldc + n - 1), _MM_HINT_T0);
     }
+#define DSK__UK_STEP(k)                                                                                         \
+    b0 = _mm256_loadu_ps(b + DSK__NR * (k)); b1 = _mm256_loadu_ps(b + DSK__NR * (k) + 8);                      \
+    av = _mm256_broadcast_ss(a + DSK__MR * (k) + 0); c00 = _mm256_fmadd_ps(av, b0, c00); c01 = _mm256_fmadd_ps(av, b1, c01); \
+    av = _mm256_broadcast_ss(a + DSK__MR * (k) + 1); c10 = _mm256_fmadd_ps(av, b0, c10); c11 = _mm256_fmadd_ps(av, b1, c11); \
+    av = _mm256_broadcast_ss(a + DSK__MR * (k) + 2); c20 = _mm256_fmadd_ps(av, b0, c20); c21 = _mm256_fmadd_ps(av, b1, c21); \
+    av = _mm256_broadcast_ss(a + DSK__MR * (k) + 3); c30 = _mm256_fmadd_ps(av, b0, c30); c31 = _mm256_fmadd_ps(av, b1, c31); \
+    av = _mm256_broadcast_ss(a + DSK__MR * (k) + 4); c40 = _mm256_fmadd_ps(av, b0, c40); c41 = _mm256_fmadd_ps(av, b1, c41); \
+    av = _mm256_broadcast_ss(a + DSK__MR * (k) + 5); c50 = _mm256_fmadd_ps(av, b0, c50); c51 = _mm256_fmadd_ps(av, b1, c51);
+    for (; p + 4 <= kc; p += 4, a += 4 * DSK__MR, b += 4 * DSK__NR) {
+        _mm_prefetch((const char *)(a + 96), _MM_HINT_T0);
+        DSK__UK_STEP(0) DSK__UK_STEP(1) DSK__UK_STEP(2) DSK__UK_STEP(3)
+    }
+    for (; p < kc; p++, a += DSK__MR, b += DSK__NR) { DSK__UK_STEP(0) }
+#undef DSK__UK_STEP
     if (m == DSK__MR && n == DSK__NR) {
         __m256 va = _mm256_set1_ps(alpha), vb = _mm256_set1_ps(beta);
         __m256 acc[12] = {c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51};
