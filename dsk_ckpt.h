@@ -1924,7 +1924,7 @@ static void dsk__ck_keep(dsk_status *first, char *msg, size_t n, dsk_status s) {
 
 static dsk_status dsk__ck_barrier(const char *fn, const dsk_ckpt_opts *o, int which, int64_t step) {
     dsk_status s;
-    char inner[768];
+    char inner[1024];
     if (o->world_size <= 1) return DSK_OK;
     dsk_clear_error();
     if ((s = o->barrier(o->barrier_user)) == DSK_OK) return DSK_OK;

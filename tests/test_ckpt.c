@@ -1264,6 +1264,7 @@ static void kill_writer(const char *dir, int fd) {
     for (int i = 0; i < 3; i++) e[i].split = 0, e[i].row0 = e[i].global_rows = 0;
     if (dsk_ckpt_latest(dir, &last) != DSK_OK || (last >= 0 && kill_check(dir, last) != 0)) _exit(3);
     dsk_ckpt_init(&ck, dir, &o);
+    if (write(fd, &last, sizeof last) != (ssize_t)sizeof last) _exit(5); /* resumed: saving starts now */
     for (int64_t step = last + 1;; step++) {
         kill_content(step, &k.a, &k.b, &k.c);
         snprintf(copy, sizeof copy, "%lld", (long long)step);
@@ -1299,7 +1300,11 @@ static void test_sigkill_during_save(void) {
         pid = fork();
         if (pid == 0) { close(fds[0]); kill_writer(dir, fds[1]); _exit(0); }
         close(fds[1]);
-        sleep_us(1000 + (long)dsk_test_rand_int(30000));
+        if (read(fds[0], &step, sizeof step) != (ssize_t)sizeof step) {
+            DSK_TEST_EXPECT(0, "trial %d: the writer failed to resume", t);
+            failures++;
+        }
+        sleep_us((long)dsk_test_rand_int(100000)); /* a save takes ~10-70 ms here (fsyncs) */
         kill(pid, SIGKILL);
         waitpid(pid, &st, 0);
         while (read(fds[0], &step, sizeof step) == (ssize_t)sizeof step) done = step;
