@@ -608,16 +608,28 @@ static int64_t dsk_amp__count_chunks(dsk_tensor *const *g, int n) {
     return c;
 }
 
+/* One chunk: four f64 lanes (element i in lane i % 4) summed as (l0 + l1) + (l2 + l3), a fixed
+   order that lets the compiler vectorise; f32 gets a loop without the dtype switch. */
 static void dsk_amp__unscale_chunk(dsk_tensor *g, int64_t start, int64_t len, float inv, double *sumsq, int *found) {
-    double acc = 0.0;
-    int bad = 0;
-    for (int64_t i = start; i < start + len; i++) {
-        float y = dsk_amp_store(g->data, g->dtype, i, dsk_amp_load(g->data, g->dtype, i) * inv);
-        bad |= !dsk_amp_isfinite(y);
-        acc += (double)y * (double)y;
+    double acc[4] = {0.0, 0.0, 0.0, 0.0};
+    uint32_t bad = 0;
+    if (g->dtype == DSK_F32) {
+        float *p = (float *)g->data + start;
+        for (int64_t i = 0; i < len; i++) {
+            float y = p[i] * inv;
+            p[i] = y;
+            bad |= (dsk_f32_bits(y) & 0x7f800000u) == 0x7f800000u;
+            acc[i & 3] += (double)y * (double)y;
+        }
+    } else {
+        for (int64_t i = 0; i < len; i++) {
+            float y = dsk_amp_store(g->data, g->dtype, start + i, dsk_amp_load(g->data, g->dtype, start + i) * inv);
+            bad |= (dsk_f32_bits(y) & 0x7f800000u) == 0x7f800000u;
+            acc[i & 3] += (double)y * (double)y;
+        }
     }
-    *sumsq = acc;
-    *found = bad;
+    *sumsq = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    *found = bad != 0;
 }
 
 static dsk_status dsk_amp__unscale_cpu(dsk_amp_scaler *sc, dsk_tensor *const *g, int n) {
@@ -679,12 +691,17 @@ static void dsk_amp__cast_cpu(dsk_tensor *dst, const dsk_tensor *src, dsk_amp_ro
         for (int64_t i = 0; i < n; i++) dsk_amp_store(dst->data, dst->dtype, i, x[i]);
         return;
     }
+    /* one Philox call per group of four elements (the words dsk_amp_sr_bits hands out) */
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) if (n > 16384)
 #endif
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t r = dsk_amp_sr_bits(key, (uint64_t)i);
-        ((uint16_t *)dst->data)[i] = dst->dtype == DSK_BF16 ? dsk_f32_to_bf16_sr(x[i], r) : dsk_f32_to_f16_sr(x[i], r);
+    for (int64_t g = 0; g < (n + 3) / 4; g++) {
+        uint32_t r[4];
+        uint16_t *o = (uint16_t *)dst->data;
+        int64_t end = 4 * g + 4 < n ? 4 * g + 4 : n;
+        dsk_philox4x32(key, (uint64_t)g, r);
+        for (int64_t i = 4 * g; i < end; i++)
+            o[i] = dst->dtype == DSK_BF16 ? dsk_f32_to_bf16_sr(x[i], r[i & 3]) : dsk_f32_to_f16_sr(x[i], r[i & 3]);
     }
 }
 
@@ -969,6 +986,26 @@ static dsk_status dsk_amp__block_args(const char *fn, const dsk_tensor *x, const
     return DSK_OK;
 }
 
+/* Block rows of the CPU path, with loops free of the dtype switch for f32 input. */
+static uint32_t dsk_amp__row_amax(const void *x, dsk_dtype dt, int64_t off, int64_t len) {
+    uint32_t m = 0;
+    if (dt == DSK_F32) {
+        const float *p = (const float *)x + off;
+        for (int64_t i = 0; i < len; i++) { uint32_t a = dsk_amp_abs_bits(p[i]); m = a > m ? a : m; }
+    } else {
+        for (int64_t i = 0; i < len; i++) { uint32_t a = dsk_amp_abs_bits(dsk_amp_load(x, dt, off + i)); m = a > m ? a : m; }
+    }
+    return m;
+}
+static void dsk_amp__row_quantize(uint8_t *o, dsk_dtype fmt, const void *x, dsk_dtype dt, int64_t off, int64_t len, float d) {
+    if (dt == DSK_F32 && fmt == DSK_E4M3) {
+        const float *p = (const float *)x + off;
+        for (int64_t i = 0; i < len; i++) o[i] = dsk_f32_to_e4m3(p[i] / d);
+    } else {
+        for (int64_t i = 0; i < len; i++) o[i] = dsk_amp_to_fp8(dsk_amp_load(x, dt, off + i) / d, fmt);
+    }
+}
+
 DSK_API dsk_status dsk_amp_fp8_block_quantize(dsk_ctx *ctx, dsk_tensor *q, dsk_tensor *scales, const dsk_tensor *x, int br, int bc, int pow2) {
     const char *fn = "dsk_amp_fp8_block_quantize";
     dsk_status s;
@@ -990,15 +1027,13 @@ DSK_API dsk_status dsk_amp_fp8_block_quantize(dsk_ctx *ctx, dsk_tensor *q, dsk_t
             int64_t r0 = (blk / SC) * br, c0 = (blk % SC) * bc, r1 = r0 + br < R ? r0 + br : R, c1 = c0 + bc < C ? c0 + bc : C;
             uint32_t m = 0;
             float d;
-            for (int64_t r = r0; r < r1; r++)
-                for (int64_t c = c0; c < c1; c++) {
-                    uint32_t a = dsk_amp_abs_bits(dsk_amp_load(x->data, x->dtype, r * C + c));
-                    if (a > m) m = a;
-                }
+            for (int64_t r = r0; r < r1; r++) {
+                uint32_t a = dsk_amp__row_amax(x->data, x->dtype, r * C + c0, c1 - c0);
+                if (a > m) m = a;
+            }
             d = dsk_amp_fp8_block_scale(dsk_bits_f32(m), fmax, pow2);
             sc[blk] = d;
-            for (int64_t r = r0; r < r1; r++)
-                for (int64_t c = c0; c < c1; c++) o[r * C + c] = dsk_amp_to_fp8(dsk_amp_load(x->data, x->dtype, r * C + c) / d, q->dtype);
+            for (int64_t r = r0; r < r1; r++) dsk_amp__row_quantize(o + r * C + c0, q->dtype, x->data, x->dtype, r * C + c0, c1 - c0, d);
         }
     }
     return DSK_OK;
