@@ -60,7 +60,9 @@ typedef struct dsk_amp_scaler_opts {
     int32_t hysteresis;             /* [1] the Nth overflow backs off; the ones before are only skipped */
     int32_t hysteresis_consecutive; /* [0] refill hysteresis on growth (Megatron, DeepSpeed default);
                                        1: on every clean step (apex, DeepSpeed consecutive_hysteresis) */
-    float min_scale;                /* [0 = none] back-off never goes below it */
+    float min_scale;                /* [0 = none, as PyTorch] back-off never goes below it; without
+                                       one, a long run of overflows can push the scale under 2^-126
+                                       where 1/scale overflows (DeepSpeed and Megatron use 1) */
     float max_scale;                /* [0 = none] growth stops at it; growth never reaches Inf */
 } dsk_amp_scaler_opts;
 
