@@ -157,7 +157,7 @@ DSK_API void dsk_ckpt_meta_free(dsk_ckpt_meta *m);
 typedef struct dsk_ckpt_tensor_info {
     const char *name;
     const char *dtype_name;       /* as in the file: "BF16", "F8_E4M3", "I16", ... */
-    int dtype;                    /* the dsk_dtype, or -1 when dsk has none (BOOL, I8, I16, U16, U32, U64, F8_E8M0) */
+    int dtype;                    /* the dsk_dtype, or -1 when dsk has none (BOOL, I8, I16, U16, U32, U64, C64, F4, ...) */
     int ndim;
     int64_t shape[DSK_MAX_DIMS];
     uint64_t begin, end;          /* byte range in the data buffer (which starts at 8 + header_len) */
@@ -888,15 +888,17 @@ static const char *dsk__ck_jstr(const dsk__ck_json *j, int node) {
 
 typedef struct dsk__ck_stdtype {
     const char *name;
-    int size;
+    int bits;
     int dsk; /* dsk_dtype or -1 */
 } dsk__ck_stdtype;
 
+/* Every dtype of safetensors 0.8, with its width in bits (F4 and F6 are packed). */
 static const dsk__ck_stdtype dsk__ck_stdtypes[] = {
-    {"BOOL", 1, -1},   {"U8", 1, DSK_U8},   {"I8", 1, -1},         {"F8_E5M2", 1, DSK_E5M2}, {"F8_E4M3", 1, DSK_E4M3},
-    {"F8_E8M0", 1, -1}, {"I16", 2, -1},     {"U16", 2, -1},        {"F16", 2, DSK_F16},      {"BF16", 2, DSK_BF16},
-    {"I32", 4, DSK_I32}, {"U32", 4, -1},    {"F32", 4, DSK_F32},   {"F64", 8, DSK_F64},      {"I64", 8, DSK_I64},
-    {"U64", 8, -1}};
+    {"BOOL", 8, -1},         {"F4", 4, -1},           {"F6_E2M3", 6, -1},     {"F6_E3M2", 6, -1},   {"U8", 8, DSK_U8},
+    {"I8", 8, -1},           {"F8_E5M2", 8, DSK_E5M2}, {"F8_E4M3", 8, DSK_E4M3}, {"F8_E8M0", 8, -1},   {"F8_E4M3FNUZ", 8, -1},
+    {"F8_E5M2FNUZ", 8, -1},  {"I16", 16, -1},         {"U16", 16, -1},        {"F16", 16, DSK_F16}, {"BF16", 16, DSK_BF16},
+    {"I32", 32, DSK_I32},    {"U32", 32, -1},         {"F32", 32, DSK_F32},   {"C64", 64, -1},      {"F64", 64, DSK_F64},
+    {"I64", 64, DSK_I64},    {"U64", 64, -1}};
 #define DSK__CK_N_STDTYPES ((int)(sizeof dsk__ck_stdtypes / sizeof dsk__ck_stdtypes[0]))
 
 static const dsk__ck_stdtype *dsk__ck_stdtype_by_name(const char *name) {
@@ -1014,15 +1016,19 @@ static dsk_status dsk__ck_parse_entry(const char *fn, const char *where, const d
     t->dtype = dt->dsk;
     {
         int64_t numel = dsk__ck_numel(t->ndim, t->shape);
+        uint64_t bits;
         char b[160];
-        if (numel < 0 || (uint64_t)numel > UINT64_MAX / (uint64_t)dt->size)
+        if (numel < 0 || (uint64_t)numel > UINT64_MAX / (uint64_t)dt->bits)
             return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape %s overflows", fn, where, t->name,
                                  dsk__ck_desc(b, sizeof b, t->ndim, t->shape, dt->name));
-        if (t->end < t->begin || t->end - t->begin != (uint64_t)numel * (uint64_t)dt->size)
+        bits = (uint64_t)numel * (uint64_t)dt->bits;
+        if (bits % 8)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape %s is not a whole number of bytes", fn, where, t->name,
+                                 dsk__ck_desc(b, sizeof b, t->ndim, t->shape, dt->name));
+        if (t->end < t->begin || t->end - t->begin != bits / 8)
             return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape %s needs %llu bytes, data_offsets [%llu, %llu] give %lld",
-                                 fn, where, t->name, dsk__ck_desc(b, sizeof b, t->ndim, t->shape, dt->name),
-                                 (unsigned long long)numel * (unsigned long long)dt->size, (unsigned long long)t->begin,
-                                 (unsigned long long)t->end, (long long)(t->end - t->begin));
+                                 fn, where, t->name, dsk__ck_desc(b, sizeof b, t->ndim, t->shape, dt->name), (unsigned long long)(bits / 8),
+                                 (unsigned long long)t->begin, (unsigned long long)t->end, (long long)(t->end - t->begin));
     }
     return DSK_OK;
 }

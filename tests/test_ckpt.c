@@ -859,21 +859,25 @@ static void test_malformed_headers(void) {
         snprintf(hdr, sizeof hdr, "{\"a\":%s", deep);
         expect_bad_header(dir, "nesting 100 deep", hdr, data, 0, DSK_ERR_CORRUPT, "nesting too deep");
     }
+    expect_bad_header(dir, "odd count of 4-bit values", "{\"a\":{\"dtype\":\"F4\",\"shape\":[3],\"data_offsets\":[0,2]}}", data, 2,
+                      DSK_ERR_CORRUPT, "not a whole number of bytes");
     expect_bad_header(dir, "tensor not an object", "{\"a\":[1]}", data, 0, DSK_ERR_CORRUPT, "is not an object");
 }
 
 /* Valid variants the reference accepts: offsets listed out of order, empty file, I16. */
 static void test_valid_variants(void) {
     char dir[400], path[600];
-    unsigned char data[24];
+    unsigned char data[40];
     dsk_ckpt_file f;
     dsk_tensor t;
     const int64_t s2[1] = {2};
-    for (int i = 0; i < 24; i++) data[i] = (unsigned char)dsk_test_rand_u64();
+    for (int i = 0; i < 40; i++) data[i] = (unsigned char)dsk_test_rand_u64();
     new_dir(dir, sizeof dir, "valid");
     snprintf(path, sizeof path, "%s/order.safetensors", dir);
     write_raw_st(path, "{\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,16]},\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
-                       "\"c\":{\"dtype\":\"I16\",\"shape\":[4],\"data_offsets\":[16,24]}}", data, 24);
+                       "\"c\":{\"dtype\":\"I16\",\"shape\":[4],\"data_offsets\":[16,24]},\"d\":{\"dtype\":\"F4\",\"shape\":[2,4],\"data_offsets\":[24,28]},"
+                       "\"e\":{\"dtype\":\"F6_E2M3\",\"shape\":[4],\"data_offsets\":[28,31]},\"f\":{\"dtype\":\"C64\",\"shape\":[1],\"data_offsets\":[31,39]}}",
+                 data, 39);
     DSK_TEST_OK(dsk_ckpt_file_open(&f, path));
     alloc_t(&t, DSK_F32, 1, s2);
     DSK_TEST_OK(dsk_ckpt_file_read(&f, NULL, "b", &t, 0));

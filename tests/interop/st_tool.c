@@ -1,0 +1,188 @@
+/* st_tool.c - the dsk side of tests/interop/test_safetensors.sh.
+     st_tool write DIR   writes safetensors files and a checkpoint with dsk, plus the raw bytes
+                         of every tensor (plain fwrite) and an index for the Python checker
+     st_tool read DIR    reads the files the Python package wrote into DIR with dsk and
+                         compares every tensor with the raw bytes Python left beside them
+   Prints one "ok <case>" or "FAIL <case>: <why>" line per case. */
+#define DSK_TENSOR_IMPLEMENTATION
+#define DSK_CKPT_IMPLEMENTATION
+#include "dsk_tensor.h"
+#include "dsk_ckpt.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+static int failures;
+
+static void report(int ok, const char *what, const char *why) {
+    if (ok) printf("ok   %s\n", what);
+    else { printf("FAIL %s: %s\n", what, why); failures++; }
+}
+
+/* safetensors dtype names, written out independently of dsk_ckpt.h's table. */
+static const char *st_name(dsk_dtype dt) {
+    switch (dt) {
+    case DSK_F32: return "F32";
+    case DSK_F16: return "F16";
+    case DSK_BF16: return "BF16";
+    case DSK_E4M3: return "F8_E4M3";
+    case DSK_E5M2: return "F8_E5M2";
+    case DSK_F64: return "F64";
+    case DSK_I32: return "I32";
+    case DSK_I64: return "I64";
+    case DSK_U8: return "U8";
+    default: return "?";
+    }
+}
+static int dsk_of(const char *st) {
+    for (int d = 0; d < DSK_DTYPE_COUNT; d++)
+        if (strcmp(st_name((dsk_dtype)d), st) == 0) return d;
+    return -1;
+}
+
+static int numpy_native(dsk_dtype dt) { return dt == DSK_F32 || dt == DSK_F16 || dt == DSK_F64 || dt == DSK_I32 || dt == DSK_I64 || dt == DSK_U8; }
+
+/* The values both sides compute: floats sin(0.37 i + 0.11 k) * 3, ints (7 i + 3 k) mod 200
+   (minus 100 for signed types). The Python checker has its own copy of this formula. */
+static double value(dsk_dtype dt, int64_t i, int k) {
+    if (dsk_dtype_is_float(dt)) return sin(0.37 * (double)i + 0.11 * k) * 3.0;
+    return (double)((7 * i + 3 * k) % 200) - (dt == DSK_U8 ? 0 : 100);
+}
+
+static int write_raw(const char *dir, const char *name, const void *p, size_t n) {
+    char path[1024];
+    FILE *f;
+    snprintf(path, sizeof path, "%s/expect/%s.bin", dir, name);
+    if (!(f = fopen(path, "wb"))) return 0;
+    if (n && fwrite(p, 1, n, f) != n) { fclose(f); return 0; }
+    return fclose(f) == 0;
+}
+
+#define N_SHAPES 5
+static const int64_t k_shapes[N_SHAPES][3] = {{0}, {0}, {7}, {3, 5}, {2, 3, 4}};
+static const int k_ndims[N_SHAPES] = {0, 1, 1, 2, 3};
+
+static int do_write(const char *dir) {
+    dsk_tensor t[DSK_DTYPE_COUNT * N_SHAPES];
+    dsk_ckpt_entry all[DSK_DTYPE_COUNT * N_SHAPES], np[DSK_DTYPE_COUNT * N_SHAPES];
+    char names[DSK_DTYPE_COUNT * N_SHAPES][32], path[1024];
+    dsk_ckpt_kv kv[2] = {{"purpose", "interop"}, {"unicode", "h\xc3\xa9llo \xe2\x9c\x93"}};
+    int n = 0, n_np = 0;
+    FILE *idx;
+    dsk_ckpt ck;
+    snprintf(path, sizeof path, "%s/expect", dir);
+    mkdir(dir, 0755);
+    mkdir(path, 0755);
+    snprintf(path, sizeof path, "%s/index.txt", dir);
+    if (!(idx = fopen(path, "w"))) { report(0, "write index", path); return 1; }
+    for (int d = 0; d < DSK_DTYPE_COUNT; d++)
+        for (int s = 0; s < N_SHAPES; s++, n++) {
+            dsk_tensor f64;
+            int64_t numel;
+            dsk_dtype dt = (dsk_dtype)d;
+            dsk_tensor_alloc(NULL, &t[n], dt, k_ndims[s], k_shapes[s]);
+            dsk_tensor_alloc(NULL, &f64, DSK_F64, k_ndims[s], k_shapes[s]);
+            numel = dsk_tensor_numel(&f64);
+            for (int64_t i = 0; i < numel; i++) ((double *)f64.data)[i] = value(dt, i, n);
+            dsk_tensor_copy(NULL, &t[n], &f64);
+            dsk_tensor_free(NULL, &f64);
+            snprintf(names[n], sizeof names[n], "%s.%d", dsk_dtype_name(dt), s);
+            all[n].name = names[n];
+            all[n].tensor = &t[n];
+            all[n].split = 0;
+            all[n].row0 = all[n].global_rows = 0;
+            if (numpy_native(dt)) np[n_np++] = all[n];
+            fprintf(idx, "%s %s %d %d", names[n], st_name(dt), n, k_ndims[s]);
+            for (int k = 0; k < k_ndims[s]; k++) fprintf(idx, " %lld", (long long)k_shapes[s][k]);
+            fprintf(idx, "\n");
+            if (!write_raw(dir, names[n], t[n].data, dsk_tensor_nbytes(&t[n]))) report(0, "write raw bytes", names[n]);
+        }
+    fclose(idx);
+    snprintf(path, sizeof path, "%s/dsk_all.safetensors", dir);
+    report(dsk_ckpt_file_save(NULL, path, all, n, kv, 2) == DSK_OK, "dsk writes every dtype", dsk_last_error());
+    snprintf(path, sizeof path, "%s/dsk_numpy.safetensors", dir);
+    report(dsk_ckpt_file_save(NULL, path, np, n_np, kv, 2) == DSK_OK, "dsk writes the numpy dtypes", dsk_last_error());
+    snprintf(path, sizeof path, "%s/ckpt", dir);
+    report(dsk_ckpt_init(&ck, path, NULL) == DSK_OK && dsk_ckpt_save(&ck, 42, all, n, kv, 2) == DSK_OK, "dsk writes a checkpoint",
+           dsk_last_error());
+    dsk_ckpt_free(&ck);
+    for (int i = 0; i < n; i++) dsk_tensor_free(NULL, &t[i]);
+    return failures != 0;
+}
+
+/* Reads one tensor of a Python-written file and compares it with Python's raw bytes. */
+static void read_one(const char *dir, dsk_ckpt_file *f, const char *name, const char *st, int ndim, const int64_t *shape) {
+    char path[1024], what[256], why[1200];
+    int d = dsk_of(st);
+    dsk_tensor t;
+    dsk_status s;
+    FILE *raw;
+    unsigned char *want;
+    size_t n;
+    snprintf(what, sizeof what, "dsk reads %s %s from %s", st, name, f->path ? strrchr(f->path, '/') + 1 : "?");
+    if (d < 0) {
+        /* a dtype dsk has no type for: read must refuse it clearly */
+        const int64_t one[1] = {1};
+        dsk_tensor_alloc(NULL, &t, DSK_U8, ndim, ndim ? shape : one);
+        s = dsk_ckpt_file_read(f, NULL, name, &t, 1);
+        snprintf(why, sizeof why, "%s: %s", dsk_status_str(s), dsk_last_error());
+        report(s == DSK_ERR_UNSUPPORTED && strstr(dsk_last_error(), st), what, why);
+        dsk_tensor_free(NULL, &t);
+        return;
+    }
+    dsk_tensor_alloc(NULL, &t, (dsk_dtype)d, ndim, shape);
+    n = dsk_tensor_nbytes(&t);
+    memset(t.data, 0xA5, n ? n : 1);
+    s = dsk_ckpt_file_read(f, NULL, name, &t, 0);
+    snprintf(path, sizeof path, "%s/py_expect/%s.bin", dir, name);
+    want = (unsigned char *)malloc(n + 1);
+    raw = fopen(path, "rb");
+    if (s != DSK_OK) snprintf(why, sizeof why, "%s", dsk_last_error());
+    else if (!raw || fread(want, 1, n + 1, raw) != n) snprintf(why, sizeof why, "raw file %s missing or of another size", path);
+    else if (memcmp(want, t.data, n) != 0) snprintf(why, sizeof why, "bytes differ");
+    else why[0] = 0;
+    report(!why[0], what, why);
+    if (raw) fclose(raw);
+    free(want);
+    dsk_tensor_free(NULL, &t);
+}
+
+static int do_read(const char *dir) {
+    char path[1024], file[256], name[128], st[32];
+    dsk_ckpt_file files[2];
+    const char *fnames[2] = {"py_numpy.safetensors", "py_raw.safetensors"};
+    FILE *idx;
+    int ndim;
+    for (int i = 0; i < 2; i++) {
+        snprintf(path, sizeof path, "%s/%s", dir, fnames[i]);
+        snprintf(file, sizeof file, "dsk opens %s", fnames[i]);
+        report(dsk_ckpt_file_open(&files[i], path) == DSK_OK, file, dsk_last_error());
+    }
+    {
+        const char *fw = dsk_ckpt_file_meta(&files[0], "framework");
+        report(fw && strcmp(fw, "numpy-interop") == 0, "dsk reads __metadata__ written by Python", fw ? fw : "(missing)");
+    }
+    snprintf(path, sizeof path, "%s/py_index.txt", dir);
+    if (!(idx = fopen(path, "r"))) { report(0, "read py_index.txt", path); return 1; }
+    while (fscanf(idx, "%255s %127s %31s %d", file, name, st, &ndim) == 4) {
+        int64_t shape[DSK_MAX_DIMS];
+        long long v;
+        int which = strcmp(file, fnames[0]) == 0 ? 0 : 1;
+        for (int k = 0; k < ndim && k < DSK_MAX_DIMS; k++) shape[k] = fscanf(idx, "%lld", &v) == 1 ? v : 0;
+        read_one(dir, &files[which], name, st, ndim, shape);
+    }
+    fclose(idx);
+    for (int i = 0; i < 2; i++) dsk_ckpt_file_close(&files[i]);
+    return failures != 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc != 3 || (strcmp(argv[1], "write") && strcmp(argv[1], "read"))) {
+        fprintf(stderr, "usage: st_tool write|read DIR\n");
+        return 2;
+    }
+    return strcmp(argv[1], "write") == 0 ? do_write(argv[2]) : do_read(argv[2]);
+}

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# dsk <-> Python safetensors, both directions: files dsk writes load in the `safetensors`
+# package (safetensors.numpy.load_file, and its own parser for bf16/fp8), and files the
+# package writes load in dsk. Builds tests/interop/st_tool.c itself (CPU only).
+# Needs python3 with safetensors and numpy (.ci/run installs them).
+set -u
+cd "$(dirname "$0")/../.."
+BUILD=${BUILD:-build}
+PY=${PYTHON:-python3}
+CC=${CC:-cc}
+out=$BUILD/tests/interop
+mkdir -p "$out"
+log=$(mktemp)
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp" "$log"' EXIT
+
+finish() { # counts the ok/FAIL/skip lines and prints the harness totals line
+  local p f s
+  p=$(grep -c '^ok ' "$log"); f=$(grep -c '^FAIL ' "$log"); s=$(grep -c '^skip ' "$log")
+  echo "[test_safetensors] totals: $p passed / $f failed / $s skipped"
+  [ "$f" -eq 0 ]
+  exit $?
+}
+step() { # label, command...: runs it, keeps its case lines, fails the label if it dies without any
+  local label=$1; shift
+  local before; before=$(grep -c '' "$log")
+  "$@" >>"$log" 2>&1
+  local rc=$?
+  if [ "$rc" -ne 0 ] && [ "$(grep -c '^FAIL ' <(tail -n +"$((before + 1))" "$log"))" -eq 0 ]; then
+    echo "FAIL $label: exited with status $rc" >>"$log"
+  fi
+}
+
+if ! "$PY" -c 'import safetensors, numpy' 2>/dev/null; then
+  echo "skip python interop: $PY lacks safetensors or numpy (.ci/run installs them)" >>"$log"
+  cat "$log"; finish
+fi
+if ! $CC -std=c11 -O2 -Wall -Wextra -Werror -D_GNU_SOURCE -I. tests/interop/st_tool.c -o "$out/st_tool" -lm -lpthread >>"$log" 2>&1; then
+  echo "FAIL build st_tool" >>"$log"
+  cat "$log"; finish
+fi
+step "dsk writes" "$out/st_tool" write "$tmp/dsk"
+step "python reads dsk files" "$PY" tests/interop/check_safetensors.py read-dsk "$tmp/dsk"
+step "python writes" "$PY" tests/interop/check_safetensors.py write-py "$tmp/py"
+step "dsk reads python files" "$out/st_tool" read "$tmp/py"
+cat "$log"
+finish
