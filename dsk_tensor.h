@@ -1141,9 +1141,9 @@ typedef struct dsk__gemm_args {
             int64_t r0 = c * w, nr = rows - r0 < w ? rows - r0 : w;                                      \
             for (int64_t p = 0; nr < w && p < kc; p++)                                                   \
                 for (int64_t r = nr; r < w; r++) d[p * w + r] = 0.0f;                                    \
-            if (cs == 1)                                                                                 \
-                for (int64_t r = 0; r < nr; r++)                                                         \
-                    for (int64_t p = 0; p < kc; p++) d[p * w + r] = LOAD(s_[(r0 + r) * rs + p]);         \
+            if (cs == 1) /* the w rows are read side by side (parallel streams) */                       \
+                for (int64_t p = 0; p < kc; p++)                                                         \
+                    for (int64_t r = 0; r < nr; r++) d[p * w + r] = LOAD(s_[(r0 + r) * rs + p]);         \
         }                                                                                                \
         if (cs != 1)                                                                                     \
             for (int64_t p = 0; p < kc; p++)                                                             \
