@@ -617,7 +617,15 @@ static void dsk_amp__unscale_chunk(dsk_tensor *g, int64_t start, int64_t len, fl
     uint32_t bad = 0;
     if (g->dtype == DSK_F32) {
         float *p = (float *)g->data + start;
-        for (int64_t i = 0; i < len; i++) {
+        int64_t i = 0;
+        for (; i + 4 <= len; i += 4)
+            for (int k = 0; k < 4; k++) {
+                float y = p[i + k] * inv;
+                p[i + k] = y;
+                bad |= (dsk_f32_bits(y) & 0x7f800000u) == 0x7f800000u;
+                acc[k] += (double)y * (double)y;
+            }
+        for (; i < len; i++) {
             float y = p[i] * inv;
             p[i] = y;
             bad |= (dsk_f32_bits(y) & 0x7f800000u) == 0x7f800000u;
