@@ -134,7 +134,7 @@ DSK_API dsk_status dsk_amp_state_set(dsk_ctx *ctx, dsk_amp_scaler *sc, const dsk
 DSK_API dsk_status dsk_amp_scale_get(dsk_ctx *ctx, const dsk_amp_scaler *sc, float *scale);
 
 /* One fused pass over n gradients (each contiguous f32, bf16 or f16 on sc's device, any
-   sizes, empty ok): g <- g * inv_scale, stored in g's dtype (RNE); sets the scaler's stats
+   sizes, empty ok, no two sharing memory): g <- g * inv_scale, stored in g's dtype (RNE); sets the scaler's stats
    for this step: found_inf = 1 if any stored value is NaN or Inf, sumsq = sum of the squares
    of the stored values in f64, in a fixed order (deterministic for any thread count).
    16-bit gradients round once more when stored: prefer f32 gradients with large scales. */
@@ -393,6 +393,7 @@ static inline DSK_HD float dsk_amp_store(void *p, dsk_dtype dt, int64_t i, float
 #include "dsk_tensor.h"
 #endif
 #include <stdio.h>
+#include <stdlib.h>
 #ifdef DSK_CUDA
 #include "kernels/dsk_kernels.h"
 #endif
@@ -671,6 +672,37 @@ static dsk_status dsk_amp__unscale_cpu(dsk_amp_scaler *sc, dsk_tensor *const *g,
     return DSK_OK;
 }
 
+/* Byte range of gradient `i`, for the overlap check. */
+typedef struct dsk_amp__range { uintptr_t lo, hi; int i; } dsk_amp__range;
+static int dsk_amp__cmp_range(const void *a, const void *b) {
+    const dsk_amp__range *x = (const dsk_amp__range *)a, *y = (const dsk_amp__range *)b;
+    return (x->lo > y->lo) - (x->lo < y->lo);
+}
+/* Gradients are unscaled in place, in parallel: two that share memory would be scaled twice
+   and raced on, so overlapping ones are refused. */
+static dsk_status dsk_amp__no_overlap(const char *fn, dsk_tensor *const *g, int n) {
+    dsk_amp__range *r;
+    int m = 0;
+    dsk_status s = DSK_OK;
+    if (n < 2) return DSK_OK;
+    r = (dsk_amp__range *)DSK_MALLOC((size_t)n * sizeof *r);
+    if (!r) return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for %d gradient ranges", fn, n);
+    for (int i = 0; i < n; i++)
+        if (dsk_tensor_numel(g[i]) > 0) {
+            r[m].lo = (uintptr_t)g[i]->data;
+            r[m].hi = r[m].lo + dsk_tensor_nbytes(g[i]);
+            r[m++].i = i;
+        }
+    qsort(r, (size_t)m, sizeof *r, dsk_amp__cmp_range);
+    for (int k = 1; k < m && s == DSK_OK; k++)
+        if (r[k].lo < r[k - 1].hi) {
+            int a = r[k - 1].i < r[k].i ? r[k - 1].i : r[k].i, b = r[k - 1].i < r[k].i ? r[k].i : r[k - 1].i;
+            s = dsk_set_error(DSK_ERR_ARG, "%s: grads[%d] and grads[%d] share memory", fn, a, b);
+        }
+    DSK_FREE(r);
+    return s;
+}
+
 DSK_API dsk_status dsk_amp_unscale(dsk_ctx *ctx, dsk_amp_scaler *sc, dsk_tensor *const *grads, int n) {
     const char *fn = "dsk_amp_unscale";
     dsk_status s;
@@ -683,6 +715,7 @@ DSK_API dsk_status dsk_amp_unscale(dsk_ctx *ctx, dsk_amp_scaler *sc, dsk_tensor 
         if (!dsk_amp__is_grad_dtype(grads[i]->dtype))
             return dsk_set_error(DSK_ERR_ARG, "%s: grads[%d] is %s, want f32, bf16 or f16", fn, i, dsk_tensor_describe(grads[i], b, sizeof b));
     }
+    if ((s = dsk_amp__no_overlap(fn, grads, n)) != DSK_OK) return s;
 #ifdef DSK_CUDA
     if (sc->device.type == DSK_DEV_CUDA) return dsk_cuda_amp_unscale(ctx, grads, n, sc->dev_block);
 #endif

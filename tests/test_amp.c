@@ -961,6 +961,18 @@ static void test_errors(void) {
         DSK_TEST_STATUS(dsk_amp_unscale(NULL, &sc, gl, 2), DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("grads[1] [8] f32 cuda is on cuda:0, expected cpu:0");
     }
+    {
+        /* a view into g and g itself share memory */
+        dsk_tensor tail;
+        DSK_TEST_OK(dsk_tensor_slice(&g, 0, 6, 2, &tail));
+        gl[0] = &tail; gl[1] = &g;
+        DSK_TEST_STATUS(dsk_amp_unscale(NULL, &sc, gl, 2), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dsk_amp_unscale: grads[0] and grads[1] share memory");
+        DSK_TEST_OK(dsk_tensor_slice(&g, 0, 0, 6, &tail));
+        gl[0] = &g; gl[1] = &tail;
+        DSK_TEST_STATUS(dsk_amp_unscale(NULL, &sc, gl, 2), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("grads[0] and grads[1] share memory");
+    }
     DSK_TEST_STATUS(dsk_amp_stats_set(NULL, &sc, NULL), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("dsk_amp_stats_set: stats is NULL");
     DSK_TEST_STATUS(dsk_amp_scale_get(NULL, &sc, NULL), DSK_ERR_ARG);
