@@ -68,6 +68,13 @@ $(BUILD)/bench/%: bench/%.c $(DEPS)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $< $(BENCH_LIBS_$*) $(LDLIBS)
 
+# comm_bench's peer (bench only, never part of `make test`): Open MPI's MPI_Allreduce, built
+# with mpicc from libopenmpi-dev; comm_bench --mpi runs it under mpirun from its own directory.
+MPICC ?= mpicc
+$(BUILD)/bench/mpi_allreduce: bench/mpi_allreduce.c
+	@mkdir -p $(dir $@)
+	$(MPICC) -O2 -o $@ $<
+
 run: $(BUILD)/examples/train_moe
 	$(BUILD)/examples/train_moe $(ARGS)
 

@@ -2018,8 +2018,10 @@ static dsk_status dsk__comm_nccl_split(dsk_comm *c, const char *fn, int color, i
     if ((st = dsk__comm_nccl_check(c, fn, ncclCommSplit(c->impl->nccl, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &nc, &cfg),
                               "ncclCommSplit")) != DSK_OK)
         return dsk__comm_break(c, st);
+    /* nonblocking split: the parent reads ncclInProgress until the split is done, then newcomm is set */
     if ((st = dsk__comm_nccl_settle(c, fn, c->impl->nccl, t0, "ncclCommSplit")) != DSK_OK) return st;
-    if (color < 0 || !nc) return DSK_OK;
+    if (color < 0) return DSK_OK;
+    if (!nc) return dsk_set_error(DSK_ERR_NCCL, "%s: ncclCommSplit gave rank %d (color %d) no communicator", fn, c->rank, color);
     if ((st = dsk__comm_nccl_settle(c, fn, nc, t0, "ncclCommSplit (new communicator)")) != DSK_OK ||
         (st = dsk__comm_nccl_check(c, fn, ncclCommCount(nc, &n), "ncclCommCount")) != DSK_OK ||
         (st = dsk__comm_nccl_check(c, fn, ncclCommUserRank(nc, &r), "ncclCommUserRank")) != DSK_OK) {

@@ -1,0 +1,269 @@
+/* test_comm_gpu.c - the nccl backend of dsk_comm.h against the host backend.
+
+   The parent starts one rank per GPU (up to 4) with dsk_comm_spawn_local, re-running this
+   binary with --rank-child PART so every rank is a fresh process. Each rank opens an nccl
+   communicator (device buffers on its own CUDA context) and a host communicator on the next
+   port, runs the same collective on the same inputs through both and compares: bitwise for
+   data movement, max and min and integer sums; within the dtype's tolerance for float sums
+   and averages (NCCL's reduction order is its own). On one GPU the world has one rank, which
+   still runs every call through NCCL. Without a usable CUDA device every case is skipped. */
+#define DSK_TENSOR_IMPLEMENTATION
+#define DSK_COMM_IMPLEMENTATION
+#include "../../dsk_comm.h"
+#include "../dsk_test.h"
+
+#ifdef DSK_CUDA
+#include <cuda_runtime.h>
+
+static dsk_comm NC, HC; /* nccl and host communicators of this rank */
+static dsk_ctx G;
+
+static uint64_t mix64(uint64_t z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* Rank r's input for `tag`: floats in [-2, 2) exact in the dtype, small integers. */
+static void gen(void *buf, dsk_dtype dt, int64_t n, uint64_t tag, int r) {
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t u = mix64(mix64(tag * 131 + (uint64_t)r) ^ (uint64_t)i * 0xD1B54A32D192ED03ull);
+        float f = (float)((double)(u >> 11) * (1.0 / 9007199254740992.0) * 4.0 - 2.0);
+        switch (dt) {
+        case DSK_F32: ((float *)buf)[i] = f; break;
+        case DSK_F16: ((uint16_t *)buf)[i] = dsk_f32_to_f16(f); break;
+        case DSK_BF16: ((uint16_t *)buf)[i] = dsk_f32_to_bf16(f); break;
+        case DSK_I32: ((int32_t *)buf)[i] = (int32_t)(u >> 36) - (1 << 27); break;
+        case DSK_I64: ((int64_t *)buf)[i] = (int64_t)(u >> 4) - ((int64_t)1 << 59); break;
+        default: ((uint8_t *)buf)[i] = (uint8_t)(u >> 58); break;
+        }
+    }
+}
+
+static void *dev_from(const void *host, size_t bytes) {
+    void *d = NULL;
+    DSK_TEST_EXPECT(cudaMalloc(&d, bytes ? bytes : 1) == cudaSuccess, "cudaMalloc %zu", bytes);
+    if (d && bytes) DSK_TEST_EXPECT(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice) == cudaSuccess, "to device");
+    return d;
+}
+static void to_host(void *host, const void *dev, size_t bytes) {
+    DSK_TEST_OK(dsk_comm_sync(&NC, &G));
+    if (bytes) DSK_TEST_EXPECT(cudaMemcpy(host, dev, bytes, cudaMemcpyDeviceToHost) == cudaSuccess, "to host");
+}
+
+/* got (from NCCL) vs want (host backend): bitwise, or within the dtype's tolerance. */
+static void compare(const void *got, const void *want, dsk_dtype dt, int64_t n, int exact, const char *what) {
+    if (exact || !dsk_dtype_is_float(dt)) {
+        DSK_TEST_SAME_BYTES(got, want, (size_t)n * dsk_dtype_size(dt), what);
+        return;
+    }
+    {
+        float *g = (float *)malloc((size_t)(n ? n : 1) * sizeof(float));
+        double *w = (double *)malloc((size_t)(n ? n : 1) * sizeof(double));
+        for (int64_t i = 0; i < n; i++) {
+            if (dt == DSK_F32) { g[i] = ((const float *)got)[i]; w[i] = ((const float *)want)[i]; }
+            else if (dt == DSK_BF16) { g[i] = dsk_bf16_to_f32(((const uint16_t *)got)[i]); w[i] = dsk_bf16_to_f32(((const uint16_t *)want)[i]); }
+            else { g[i] = dsk_f16_to_f32(((const uint16_t *)got)[i]); w[i] = dsk_f16_to_f32(((const uint16_t *)want)[i]); }
+        }
+        DSK_TEST_CLOSE(g, w, n, dt == DSK_F32 ? 1e-5 : 1e-2, dt == DSK_F32 ? 1e-5 : 1e-2, what);
+        free(g);
+        free(w);
+    }
+}
+
+static const dsk_dtype k_dtypes[] = {DSK_F32, DSK_F16, DSK_BF16, DSK_I32, DSK_I64, DSK_U8};
+static const int64_t k_sizes[] = {1, 7, 129, 70001};
+
+static void part_collectives(void) {
+    int n = NC.world_size, me = NC.rank;
+    uint64_t tag = 1;
+    for (size_t d = 0; d < 6; d++)
+        for (size_t s = 0; s < 4; s++) {
+            dsk_dtype dt = k_dtypes[d];
+            size_t esz = dsk_dtype_size(dt);
+            int64_t len = k_sizes[s], per = len;
+            size_t bytes = (size_t)len * esz, nb = bytes * (size_t)n;
+            char *in = (char *)malloc(nb), *want = (char *)malloc(nb), *got = (char *)malloc(nb), label[160];
+            void *din, *dout;
+            int64_t sc[8], rc[8];
+            gen(in, dt, len * n, tag++, me);
+            din = dev_from(in, nb);
+            dout = dev_from(in, nb);
+            for (int o = 0; o < 4; o++) {
+                dsk_comm_op op = (dsk_comm_op)o;
+                if (op == DSK_COMM_AVG && !dsk_dtype_is_float(dt)) continue;
+                snprintf(label, sizeof label, "rank %d: all_reduce %s %s count %lld", me, dsk_dtype_name(dt), dsk_comm_op_name(op), (long long)len);
+                DSK_TEST_OK(dsk_comm_all_reduce(&HC, NULL, in, want, len, dt, op));
+                DSK_TEST_OK(dsk_comm_all_reduce(&NC, &G, din, dout, len, dt, op));
+                to_host(got, dout, bytes);
+                compare(got, want, dt, len, op == DSK_COMM_MAX || op == DSK_COMM_MIN, label);
+                snprintf(label, sizeof label, "rank %d: reduce_scatter %s %s block %lld", me, dsk_dtype_name(dt), dsk_comm_op_name(op), (long long)per);
+                DSK_TEST_OK(dsk_comm_reduce_scatter(&HC, NULL, in, want, per, dt, op));
+                DSK_TEST_OK(dsk_comm_reduce_scatter(&NC, &G, din, dout, per, dt, op));
+                to_host(got, dout, bytes);
+                compare(got, want, dt, per, op == DSK_COMM_MAX || op == DSK_COMM_MIN, label);
+            }
+            snprintf(label, sizeof label, "rank %d: all_gather %s count %lld", me, dsk_dtype_name(dt), (long long)per);
+            DSK_TEST_OK(dsk_comm_all_gather(&HC, NULL, in, want, per, dt));
+            DSK_TEST_OK(dsk_comm_all_gather(&NC, &G, din, dout, per, dt));
+            to_host(got, dout, nb);
+            compare(got, want, dt, per * n, 1, label);
+            snprintf(label, sizeof label, "rank %d: broadcast %s count %lld root %d", me, dsk_dtype_name(dt), (long long)len, n - 1);
+            DSK_TEST_OK(dsk_comm_broadcast(&HC, NULL, in, want, len, dt, n - 1));
+            DSK_TEST_OK(dsk_comm_broadcast(&NC, &G, din, dout, len, dt, n - 1));
+            to_host(got, dout, bytes);
+            compare(got, want, dt, len, 1, label);
+            snprintf(label, sizeof label, "rank %d: all_to_all %s block %lld", me, dsk_dtype_name(dt), (long long)per);
+            DSK_TEST_OK(dsk_comm_all_to_all(&HC, NULL, in, want, per, dt));
+            DSK_TEST_OK(dsk_comm_all_to_all(&NC, &G, din, dout, per, dt));
+            to_host(got, dout, nb);
+            compare(got, want, dt, per * n, 1, label);
+            /* all_to_all_v: rank p sends (p + q + s) % 3 * len / 3 elements to q, zeros included */
+            for (int q = 0; q < n; q++) {
+                sc[q] = (int64_t)((me + q + (int)s) % 3) * len / 3;
+                rc[q] = (int64_t)((q + me + (int)s) % 3) * len / 3;
+            }
+            snprintf(label, sizeof label, "rank %d: all_to_all_v %s scale %lld", me, dsk_dtype_name(dt), (long long)len);
+            memset(want, 0, nb);
+            DSK_TEST_EXPECT(cudaMemset(dout, 0, nb) == cudaSuccess, "cudaMemset");
+            DSK_TEST_OK(dsk_comm_all_to_all_v(&HC, NULL, in, sc, NULL, want, rc, NULL, dt));
+            DSK_TEST_OK(dsk_comm_all_to_all_v(&NC, &G, din, sc, NULL, dout, rc, NULL, dt));
+            to_host(got, dout, nb);
+            compare(got, want, dt, len * n, 1, label);
+            DSK_TEST_EXPECT(cudaFree(din) == cudaSuccess && cudaFree(dout) == cudaSuccess, "cudaFree");
+            free(in);
+            free(want);
+            free(got);
+        }
+    DSK_TEST_OK(dsk_comm_barrier(&NC, &G));
+}
+
+static void part_split(void) {
+    int me = NC.rank;
+    dsk_comm ns, hs;
+    float x[33], want[33], got[33];
+    void *d;
+    DSK_TEST_OK(dsk_comm_split(&NC, me % 2, -me, &ns));
+    DSK_TEST_OK(dsk_comm_split(&HC, me % 2, -me, &hs));
+    DSK_TEST_EXPECT(ns.rank == hs.rank && ns.world_size == hs.world_size && ns.backend == DSK_COMM_NCCL,
+                    "nccl sub-group rank %d of %d, host %d of %d", ns.rank, ns.world_size, hs.rank, hs.world_size);
+    gen(x, DSK_F32, 33, 77, me);
+    d = dev_from(x, sizeof x);
+    DSK_TEST_OK(dsk_comm_all_reduce(&hs, NULL, x, want, 33, DSK_F32, DSK_COMM_MAX));
+    DSK_TEST_OK(dsk_comm_all_reduce(&ns, &G, d, d, 33, DSK_F32, DSK_COMM_MAX));
+    DSK_TEST_OK(dsk_comm_sync(&ns, &G));
+    DSK_TEST_EXPECT(cudaMemcpy(got, d, sizeof got, cudaMemcpyDeviceToHost) == cudaSuccess, "to host");
+    DSK_TEST_SAME_BYTES(got, want, sizeof got, "sub-group max, nccl vs host");
+    cudaFree(d);
+    dsk_comm_free(&ns);
+    dsk_comm_free(&hs);
+}
+
+/* Buckets on the comm stream (events after ctx's stream) vs plain host all-reduce. */
+static void part_buckets(void) {
+    int me = NC.rank;
+    int64_t counts[9] = {3000, 17, 70000, 1, 25000, 129, 9000, 40000, 7}, total = 0;
+    dsk_comm_buckets b;
+    dsk_comm_bucket_opts bo;
+    float *h, *want, *got;
+    void *d;
+    for (int i = 0; i < 9; i++) total += counts[i];
+    h = (float *)malloc((size_t)total * 4);
+    want = (float *)malloc((size_t)total * 4);
+    got = (float *)malloc((size_t)total * 4);
+    gen(h, DSK_F32, total, 99, me);
+    d = dev_from(h, (size_t)total * 4);
+    memset(&bo, 0, sizeof bo);
+    bo.first_bucket_bytes = 40000;
+    bo.bucket_bytes = 150000;
+    DSK_TEST_OK(dsk_comm_buckets_init(&b, &NC, &G, d, DSK_F32, 9, counts, &bo));
+    DSK_TEST_OK(dsk_comm_buckets_begin(&b, 1));
+    for (int i = 8; i >= 0; i--) DSK_TEST_OK(dsk_comm_buckets_mark_ready(&b, i));
+    DSK_TEST_OK(dsk_comm_buckets_wait(&b));
+    DSK_TEST_OK(dsk_comm_all_reduce(&HC, NULL, h, want, total, DSK_F32, DSK_COMM_AVG));
+    DSK_TEST_OK(dsk_ctx_sync(&G));
+    DSK_TEST_EXPECT(cudaMemcpy(got, d, (size_t)total * 4, cudaMemcpyDeviceToHost) == cudaSuccess, "to host");
+    compare(got, want, DSK_F32, total, 0, "nccl buckets vs host all_reduce avg");
+    DSK_TEST_EXPECT(b.reductions == b.n_buckets && b.bytes == (uint64_t)total * 4, "stats %lld reductions, %llu bytes",
+                    (long long)b.reductions, (unsigned long long)b.bytes);
+    dsk_comm_buckets_free(&b);
+    cudaFree(d);
+    free(h);
+    free(want);
+    free(got);
+}
+
+static int child_main(const char *part) {
+    dsk_comm_opts o;
+    dsk_ctx_opts co;
+    const char *port = getenv("MASTER_PORT");
+    memset(&o, 0, sizeof o);
+    o.backend = DSK_COMM_NCCL;
+    o.timeout_s = 120;
+    if (dsk_comm_init_env(&NC, &o) != DSK_OK) { printf("nccl init: %s\n", dsk_last_error()); return 3; }
+    o.backend = DSK_COMM_HOST;
+    o.master_addr = "127.0.0.1";
+    o.master_port = atoi(port ? port : "0") + 1;
+    if (dsk_comm_init(&HC, NC.rank, NC.world_size, &o) != DSK_OK) { printf("host init: %s\n", dsk_last_error()); return 3; }
+    memset(&co, 0, sizeof co);
+    co.device = DSK_PREFER_CUDA;
+    co.cuda_index = NC.local_rank;
+    if (dsk_ctx_init(&G, &co) != DSK_OK) { printf("ctx: %s\n", dsk_last_error()); return 3; }
+    if (!strcmp(part, "collectives")) part_collectives();
+    else if (!strcmp(part, "split")) part_split();
+    else part_buckets();
+    dsk_ctx_free(&G);
+    dsk_comm_free(&HC);
+    dsk_comm_free(&NC);
+    return dsk_test_g.checks_failed_total ? 1 : 0;
+}
+#endif
+
+int main(int argc, char **argv) {
+    static const char *parts[] = {"collectives", "split", "buckets"};
+    int ndev = 0;
+#ifdef DSK_CUDA
+    if (argc > 2 && !strcmp(argv[1], "--rank-child")) return child_main(argv[2]);
+#endif
+    dsk_test_init("test_comm_gpu");
+#ifdef DSK_CUDA
+    if (dsk_cuda_available()) cudaGetDeviceCount(&ndev);
+#endif
+    for (int p = 0; p < 3; p++) {
+        dsk_test_begin("nccl vs host backend: %s", parts[p]);
+        if (ndev == 0) {
+            dsk_test_skip("no usable CUDA device");
+            continue;
+        }
+        {
+            char self[4096], *av[] = {self, (char *)"--rank-child", (char *)parts[p], NULL};
+            ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
+            dsk_spawn_opts so;
+            int worst = -1, port = 0;
+            self[k > 0 ? k : 0] = 0;
+            /* a free port whose successor is free too: nccl's store, then the host communicator's */
+            for (int tries = 0; tries < 50; tries++) {
+                struct sockaddr_in sa;
+                int fd = socket(AF_INET, SOCK_STREAM, 0), ok;
+                if (dsk_comm_free_port("127.0.0.1", &port) != DSK_OK) break;
+                memset(&sa, 0, sizeof sa);
+                sa.sin_family = AF_INET;
+                sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+                sa.sin_port = htons((uint16_t)(port + 1));
+                ok = bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
+                close(fd);
+                if (ok) break;
+            }
+            memset(&so, 0, sizeof so);
+            so.master_port = port;
+            so.timeout_s = 300;
+            fflush(stdout);
+            DSK_TEST_OK(dsk_comm_spawn_local(ndev < 4 ? ndev : 4, av, &so, &worst));
+            DSK_TEST_EXPECT(worst == 0, "ranks exited with status %d", worst);
+        }
+    }
+    (void)argc;
+    (void)argv;
+    return dsk_test_finish();
+}
