@@ -738,8 +738,9 @@ DSK_API dsk_status dsk_tensor_wrap(dsk_tensor *t, void *data, dsk_dtype dt, dsk_
     if ((s = dsk__check_shape("dsk_tensor_wrap", dt, ndim, shape)) != DSK_OK) return s;
     dsk__init_header(t, dt, dev, ndim, shape);
     if (!data && dsk_tensor_numel(t) > 0) {
+        long long n = (long long)dsk_tensor_numel(t);
         memset(t, 0, sizeof *t);
-        return dsk_set_error(DSK_ERR_ARG, "dsk_tensor_wrap: data is NULL for %lld elements", (long long)dsk_tensor_numel(t));
+        return dsk_set_error(DSK_ERR_ARG, "dsk_tensor_wrap: data is NULL for %lld elements", n);
     }
     t->data = data;
     return DSK_OK;

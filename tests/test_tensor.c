@@ -1,6 +1,12 @@
 /* test_tensor.c - dsk_tensor.h: conversions, RNG, views and copies, every op against float64
    references written here, backward passes against central finite differences of those
    references, AdamW against PyTorch's formula, and the argument checks. */
+#include <stdlib.h>
+/* Host allocations go through a switch so the out-of-memory paths can be tested. */
+static int tt_oom;
+static void *tt_malloc(size_t n) { return tt_oom ? NULL : malloc(n); }
+#define DSK_MALLOC(sz) tt_malloc(sz)
+#define DSK_FREE(p) free(p)
 #define DSK_TENSOR_IMPLEMENTATION
 #include "dsk_tensor.h"
 #include "dsk_test.h"
@@ -108,6 +114,14 @@ static int tt_check_at(const char *file, int line, const dsk_tensor *t, const do
 #define TT_CHECK(t, want, rtol, atol, what) tt_check_at(__FILE__, __LINE__, t, want, rtol, atol, what)
 
 static const dsk_dtype tt_floats[3] = {DSK_F32, DSK_BF16, DSK_F16};
+
+/* A call that must fail with `status` and a message containing `needle`. */
+#define TT_ERR(call, status, needle)        \
+    do {                                    \
+        dsk_clear_error();                  \
+        DSK_TEST_STATUS(call, status);      \
+        DSK_TEST_ERROR_MENTIONS(needle);    \
+    } while (0)
 
 /* Central differences of a float64 scalar function of x[0..n) (x restored on return). */
 typedef double (*tt_loss_fn)(const double *x, void *ud);
@@ -365,6 +379,66 @@ static void test_rng_moments(void) {
     DSK_TEST_EXPECT(fabs(g1) < 5e-3 && fabs(g2 - 1) < 5e-3 && fabs(g3) < 2e-2 && fabs(g4 - 3) < 5e-2, "normal moments %g %g %g %g", g1, g2, g3, g4);
 }
 
+/* ------------------------------------------------------------------ core: names, ctx, tensors */
+
+static void test_names(void) {
+    DSK_TEST_EXPECT(!strcmp(dsk_status_str(DSK_OK), "DSK_OK") && !strcmp(dsk_status_str(DSK_ERR_NONFINITE), "DSK_ERR_NONFINITE"), "status names");
+    DSK_TEST_EXPECT(!strcmp(dsk_status_str((dsk_status)99), "DSK_ERR_UNKNOWN"), "unknown status");
+    DSK_TEST_EXPECT(dsk_dtype_size(DSK_BF16) == 2 && dsk_dtype_size(DSK_E4M3) == 1 && dsk_dtype_size(DSK_I64) == 8 && dsk_dtype_size((dsk_dtype)42) == 0, "sizes");
+    DSK_TEST_EXPECT(!strcmp(dsk_dtype_name(DSK_E5M2), "e5m2") && !strcmp(dsk_dtype_name((dsk_dtype)-1), "invalid"), "dtype names");
+    DSK_TEST_EXPECT(dsk_dtype_is_float(DSK_F64) && !dsk_dtype_is_float(DSK_I32) && !dsk_dtype_is_float(DSK_U8), "is_float");
+    dsk_set_error(DSK_ERR_IO, "x %d", 5);
+    DSK_TEST_EXPECT(!strcmp(dsk_last_error(), "x 5"), "message set");
+    dsk_clear_error();
+    DSK_TEST_EXPECT(dsk_last_error()[0] == 0, "message cleared");
+}
+
+static void test_ctx(void) {
+    dsk_ctx ctx;
+    dsk_ctx_opts o;
+    memset(&o, 0, sizeof o);
+    DSK_TEST_OK(dsk_ctx_init(&ctx, NULL));
+    DSK_TEST_EXPECT(ctx.n_threads >= 1, "default threads %d", ctx.n_threads);
+    dsk_ctx_free(&ctx);
+    dsk_ctx_free(&ctx); /* freed twice is fine */
+    o.n_threads = -1;
+    TT_ERR(dsk_ctx_init(&ctx, &o), DSK_ERR_ARG, "dsk_ctx_init: n_threads -1 < 0");
+    o.n_threads = 0;
+    o.device = (dsk_device_pref)7;
+    TT_ERR(dsk_ctx_init(&ctx, &o), DSK_ERR_ARG, "unknown device preference 7");
+    o.device = DSK_PREFER_CPU;
+    o.n_threads = 3;
+    DSK_TEST_OK(dsk_ctx_init(&ctx, &o));
+    DSK_TEST_EXPECT(ctx.device.type == DSK_DEV_CPU && ctx.n_threads == 3, "CPU ctx with 3 threads");
+    DSK_TEST_OK(dsk_ctx_sync(&ctx));
+    if (!dsk_cuda_available()) {
+        o.device = DSK_PREFER_CUDA;
+        TT_ERR(dsk_ctx_init(&ctx, &o), DSK_ERR_UNSUPPORTED, "dsk_ctx_init: CUDA requested");
+        o.device = DSK_PREFER_AUTO;
+        DSK_TEST_OK(dsk_ctx_init(&ctx, &o));
+        DSK_TEST_EXPECT(ctx.device.type == DSK_DEV_CPU, "auto falls back to the CPU without a GPU");
+    }
+}
+
+static void test_tensor_alloc_errors(void) {
+    dsk_tensor t, z;
+    int64_t nine[9] = {1, 1, 1, 1, 1, 1, 1, 1, 1};
+    char buf[8];
+    TT_ERR(dsk_tensor_alloc(NULL, &t, DSK_F32, 9, nine), DSK_ERR_ARG, "dsk_tensor_alloc: ndim 9 outside [0, 8]");
+    TT_ERR(dsk_tensor_alloc(NULL, &t, DSK_F32, 2, SH(3, -2)), DSK_ERR_ARG, "shape[1] = -2 is negative");
+    TT_ERR(dsk_tensor_alloc(NULL, &t, (dsk_dtype)77, 1, SH(3)), DSK_ERR_ARG, "invalid dtype 77");
+    TT_ERR(dsk_tensor_wrap(&t, NULL, DSK_F32, dsk_cpu(), 1, SH(3)), DSK_ERR_ARG, "dsk_tensor_wrap: data is NULL for 3 elements");
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &t, DSK_BF16, 3, SH(2, 0, 5)));
+    DSK_TEST_EXPECT(dsk_tensor_numel(&t) == 0 && dsk_tensor_nbytes(&t) == 0, "empty tensor");
+    DSK_TEST_OK(dsk_scale(NULL, &t, 2.0f));
+    dsk_tensor_free(NULL, &t);
+    memset(&z, 0, sizeof z);
+    dsk_tensor_free(NULL, &z); /* zeroed is fine */
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &t, DSK_F32, 3, SH(123, 456, 1)));
+    DSK_TEST_EXPECT(!strcmp(dsk_tensor_describe(&t, buf, sizeof buf), "[123,45"), "describe truncates safely: \"%s\"", buf);
+    dsk_tensor_free(NULL, &t);
+}
+
 /* ------------------------------------------------------------------ views and copies */
 
 static void test_views(void) {
@@ -516,7 +590,7 @@ static void test_matmul_shapes(int ta, int tb) {
 static void test_matmul_variants(void) {
     tt_mm cs[] = {
         /* M, N, K, batch, ta, tb, a3, b3, pad, in, out, alpha, beta */
-        {300, 520, 260, 1, 0, 0, 0, 0, 0, DSK_F32, DSK_F32, 1.0f, 0.0f},  /* crosses KC and MC */
+        {290, 300, 260, 1, 0, 0, 0, 0, 0, DSK_F32, DSK_F32, 1.0f, 0.0f},  /* crosses KC and MC */
         {7, 3100, 270, 1, 1, 0, 0, 0, 1, DSK_F32, DSK_F32, 0.5f, 0.0f},   /* crosses NC */
         {33, 17, 129, 1, 0, 1, 0, 0, 1, DSK_F32, DSK_F32, -1.5f, 0.75f},  /* alpha and beta */
         {17, 33, 1, 1, 1, 1, 0, 0, 0, DSK_F32, DSK_F32, 2.0f, 1.0f},
@@ -1012,7 +1086,7 @@ static double tt_rope_loss(const double *x, void *p) {
 }
 
 static void test_rope(dsk_dtype dt) {
-    static const int64_t cfg[3][4] = {{1, 1, 1, 2}, {2, 7, 3, 8}, {1, 33, 2, 64}};
+    static const int64_t cfg[3][4] = {{1, 1, 1, 2}, {2, 7, 3, 8}, {1, 9, 2, 32}};
     for (int s = 0; s < 3; s++) {
         dsk_tensor *x = tt_rand(dt, 4, cfg[s], -1, 1), *y = tt_poisoned(dt, 4, cfg[s]), *dy = tt_rand(dt, 4, cfg[s], -1, 1), *dx = tt_rand(dt, 4, cfg[s], -1, 1);
         int64_t n = dsk_tensor_numel(x);
@@ -1093,6 +1167,83 @@ static void test_attention(dsk_dtype dt) {
     }
 }
 
+/* bf16 / f16 inputs over the blocking edges, every transpose combination. */
+static void test_matmul_half_shapes(dsk_dtype dt, int ta, int tb) {
+    static const int64_t s[4] = {1, 7, 33, 130};
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++)
+            for (int k = 0; k < 4; k++) {
+                tt_mm c = {s[i], s[j], s[k], 1 + (i + k) % 2, ta, tb, (i + j) % 2, 1, (j + k) % 2, dt, (i + j + k) % 3 ? DSK_F32 : dt, 1.0f, (float)(k % 2)};
+                if (!tt_matmul_run(&c, 2)) return;
+            }
+}
+
+/* Deterministic reductions: the same bits with 1, 2 and 3 threads. */
+static void test_reductions_thread_independent(void) {
+    dsk_tensor *dout = tt_rand(DSK_F32, 2, SH(3000, 70), -1, 1), *ids = tt_ids(1, SH(3000), 17), *x = tt_rand(DSK_F32, 2, SH(3000, 70), -1, 1);
+    dsk_tensor *w = tt_rand(DSK_F32, 1, SH(70), 0.5, 1.5), *rstd = tt_new(DSK_F32, 1, SH(3000)), *y = tt_new(DSK_F32, 2, SH(3000, 70));
+    dsk_tensor *tab[3], *dw[3], *red[3];
+    for (int t = 0; t < 3; t++) {
+        dsk_ctx ctx;
+        dsk_ctx_opts o;
+        memset(&o, 0, sizeof o);
+        o.device = DSK_PREFER_CPU;
+        o.n_threads = t + 1;
+        DSK_TEST_OK(dsk_ctx_init(&ctx, &o));
+        tab[t] = tt_new(DSK_F32, 2, SH(17, 70));
+        dw[t] = tt_new(DSK_F32, 1, SH(70));
+        red[t] = tt_new(DSK_F32, 1, SH(70));
+        memset(tab[t]->data, 0, dsk_tensor_nbytes(tab[t]));
+        memset(dw[t]->data, 0, dsk_tensor_nbytes(dw[t]));
+        DSK_TEST_OK(dsk_embedding_backward(&ctx, tab[t], dout, ids));
+        DSK_TEST_OK(dsk_rmsnorm(&ctx, y, rstd, x, w, 1e-6f));
+        DSK_TEST_OK(dsk_rmsnorm_backward(&ctx, NULL, dw[t], dout, x, w, rstd));
+        DSK_TEST_OK(dsk_reduce(&ctx, red[t], x, 0, DSK_REDUCE_SUM));
+        if (t) {
+            DSK_TEST_SAME_BYTES(tab[0]->data, tab[t]->data, dsk_tensor_nbytes(tab[0]), "embedding backward");
+            DSK_TEST_SAME_BYTES(dw[0]->data, dw[t]->data, dsk_tensor_nbytes(dw[0]), "rmsnorm dw");
+            DSK_TEST_SAME_BYTES(red[0]->data, red[t]->data, dsk_tensor_nbytes(red[0]), "reduce sum over rows");
+        }
+    }
+}
+
+/* Signed zeros tie (lower index first), infinities rank at the ends, NaN below -Inf. */
+static void test_topk_special(void) {
+    static const float row[8] = {0.0f, -INFINITY, NAN, -0.0f, INFINITY, 0.0f, NAN, -1.0f};
+    static const int32_t want_idx[8] = {4, 0, 3, 5, 7, 1, 2, 6};
+    dsk_tensor *x = tt_new(DSK_F32, 2, SH(1, 8)), *v = tt_poisoned(DSK_F32, 2, SH(1, 8)), *i = tt_new(DSK_I32, 2, SH(1, 8));
+    memcpy(x->data, row, sizeof row);
+    DSK_TEST_OK(dsk_topk(NULL, v, i, x, 8));
+    DSK_TEST_SAME_BYTES(i->data, want_idx, sizeof want_idx, "order of indices");
+    DSK_TEST_EXPECT(isinf(tt_get(v, 0)) && tt_get(v, 4) == -1.0 && isnan(tt_get(v, 7)), "values follow the indices");
+}
+
+/* Out of host memory: every allocating op returns DSK_ERR_OOM with a message (nothing
+   crashes); dsk_sgemm_cpu, which cannot report, falls back to an unpacked loop. */
+static void test_out_of_memory(void) {
+    dsk_tensor t, *A = tt_rand(DSK_F32, 2, SH(40, 30), -1, 1), *B = tt_rand(DSK_F32, 2, SH(30, 50), -1, 1), *C = tt_new(DSK_F32, 2, SH(40, 50));
+    dsk_tensor *Ab = tt_rand(DSK_BF16, 2, SH(40, 30), -1, 1), *Bb = tt_rand(DSK_BF16, 2, SH(30, 50), -1, 1), *Cb = tt_new(DSK_BF16, 2, SH(40, 50));
+    dsk_tensor *lg = tt_rand(DSK_F32, 2, SH(5, 9), -1, 1), *tg = tt_ids(1, SH(5), 9), *loss = tt_new(DSK_F32, 0, NULL);
+    dsk_tensor *q = tt_rand(DSK_F32, 4, SH(1, 4, 2, 8), -1, 1), *pr = tt_new(DSK_F32, 4, SH(1, 2, 4, 4)), *o = tt_new(DSK_F32, 4, SH(1, 4, 2, 8));
+    float *a = (float *)A->data, *b = (float *)B->data, *c = (float *)tt_alloc(40 * 50 * 4);
+    double *want = tt_zeros(40 * 50);
+    for (int i = 0; i < 40; i++)
+        for (int j = 0; j < 50; j++) {
+            for (int p = 0; p < 30; p++) want[i * 50 + j] += (double)a[i * 30 + p] * b[p * 50 + j];
+            c[i * 50 + j] = NAN;
+        }
+    tt_oom = 1;
+    TT_ERR(dsk_tensor_alloc(NULL, &t, DSK_F32, 2, SH(3, 4)), DSK_ERR_OOM, "dsk_tensor_alloc: out of host memory for 48 bytes");
+    TT_ERR(dsk_matmul(NULL, C, A, 0, B, 0, 1, 0), DSK_ERR_OOM, "dsk_matmul: out of host memory for the GEMM packing buffers");
+    TT_ERR(dsk_matmul(NULL, Cb, Ab, 0, Bb, 0, 1, 0), DSK_ERR_OOM, "dsk_matmul: out of host memory for an f32 copy of C");
+    TT_ERR(dsk_cross_entropy(NULL, loss, NULL, lg, tg, -100, 1.0f), DSK_ERR_OOM, "dsk_cross_entropy: out of host memory");
+    TT_ERR(dsk_attention(NULL, o, pr, q, q, q, 0.3f), DSK_ERR_OOM, "dsk_attention: out of host memory");
+    TT_ERR(dsk_attention_backward(NULL, o, o, o, o, q, q, q, pr, 0.3f), DSK_ERR_OOM, "dsk_attention_backward: out of host memory");
+    dsk_sgemm_cpu(0, 0, 40, 50, 30, 1.0f, a, 30, b, 50, 0.0f, c, 50, 2);
+    tt_oom = 0;
+    DSK_TEST_CLOSE(c, want, 40 * 50, 1e-5, 1e-5, "dsk_sgemm_cpu without packing buffers");
+}
+
 /* ------------------------------------------------------------------ AdamW */
 
 static void test_adamw(dsk_dtype grad_dt, int with_copy, int defaults) {
@@ -1137,12 +1288,6 @@ static void test_adamw(dsk_dtype grad_dt, int with_copy, int defaults) {
 
 /* ------------------------------------------------------------------ argument errors */
 
-#define TT_ERR(call, status, needle)        \
-    do {                                    \
-        dsk_clear_error();                  \
-        DSK_TEST_STATUS(call, status);      \
-        DSK_TEST_ERROR_MENTIONS(needle);    \
-    } while (0)
 
 static void test_errors_matmul(void) {
     dsk_tensor *A = tt_rand(DSK_F32, 2, SH(4, 5), -1, 1), *B = tt_rand(DSK_F32, 2, SH(5, 3), -1, 1), *C = tt_new(DSK_F32, 2, SH(4, 3));
@@ -1283,6 +1428,9 @@ int main(void) {
     test_rng_streams();
     TT_CASE("RNG moments (uniform, normal)");
     test_rng_moments();
+    TT_CASE("status and dtype names, error messages"); test_names();
+    TT_CASE("ctx options and errors"); test_ctx();
+    TT_CASE("tensor alloc/wrap/free: errors, empty tensors, describe"); test_tensor_alloc_errors();
     TT_CASE("views: reshape, slice, transpose, select");
     test_views();
     for (int d = 0; d < DSK_DTYPE_COUNT; d++) {
@@ -1296,6 +1444,11 @@ int main(void) {
         test_matmul_shapes(t >> 1, t & 1);
     }
     test_matmul_variants();
+    for (int d = 1; d < 3; d++)
+        for (int t = 0; t < 4; t++) {
+            TT_CASE("matmul %s shapes in {1,7,33,130}^3, batches, broadcast, trans_a %d trans_b %d", dsk_dtype_name(tt_floats[d]), t >> 1, t & 1);
+            test_matmul_half_shapes(tt_floats[d], t >> 1, t & 1);
+        }
     TT_CASE("matmul K = 0 and alpha = 0");
     test_matmul_k0_and_alpha0();
     TT_CASE("sgemm bitwise identical with 1, 2, 3 threads");
@@ -1321,6 +1474,9 @@ int main(void) {
     TT_CASE("topk ties, NaN, k = 1 and k = C"); test_topk();
     TT_CASE("AdamW with bf16 param_copy"); test_adamw(DSK_F32, 1, 0);
     TT_CASE("AdamW with f16 param_copy, default options"); test_adamw(DSK_BF16, 2, 1);
+    TT_CASE("embedding backward, rmsnorm dw, reduce: same bits on 1, 2, 3 threads"); test_reductions_thread_independent();
+    TT_CASE("topk signed zeros, infinities, NaN"); test_topk_special();
+    TT_CASE("out of host memory"); test_out_of_memory();
     TT_CASE("errors: matmul"); test_errors_matmul();
     TT_CASE("errors: elementwise and reductions"); test_errors_elementwise();
     TT_CASE("errors: softmax, rmsnorm, activations"); test_errors_norms();
