@@ -1435,6 +1435,19 @@ static dsk_status dsk__ck_plan_build(const char *fn, dsk__ck_plan *p, const dsk_
     return DSK_OK;
 }
 
+/* memcpy in 4 MiB pieces over the OpenMP threads: an async save's snapshot is the caller's stall. */
+static void dsk__ck_copy_par(void *dst, const void *src, size_t n) {
+    const size_t piece = (size_t)4 << 20;
+    long long pieces = (long long)((n + piece - 1) / piece);
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (pieces > 1)
+#endif
+    for (long long i = 0; i < pieces; i++) {
+        size_t off = (size_t)i * piece, len = n - off < piece ? n - off : piece;
+        memcpy((char *)dst + off, (const char *)src + off, len);
+    }
+}
+
 /* Points each segment at bytes to write: contiguous host tensors directly (unless copy_all),
    everything else copied into stage (at least p->total bytes). */
 static dsk_status dsk__ck_snapshot(dsk__ck_plan *p, dsk_ctx *ctx, unsigned char *stage, int copy_all) {
@@ -1442,11 +1455,13 @@ static dsk_status dsk__ck_snapshot(dsk__ck_plan *p, dsk_ctx *ctx, unsigned char 
         dsk__ck_seg *g = &p->segs[i];
         dsk_tensor h;
         dsk_status s;
+        int host_contig = g->src->device.type == DSK_DEV_CPU && dsk_tensor_is_contiguous(g->src);
         if (!g->nbytes) { g->data = NULL; continue; }
-        if (!copy_all && g->src->device.type == DSK_DEV_CPU && dsk_tensor_is_contiguous(g->src)) { g->data = g->src->data; continue; }
+        if (host_contig && !copy_all) { g->data = g->src->data; continue; }
+        g->data = stage + g->begin;
+        if (host_contig) { dsk__ck_copy_par(stage + g->begin, g->src->data, g->nbytes); continue; }
         if ((s = dsk_tensor_wrap(&h, stage + g->begin, g->dtype, dsk_cpu(), g->ndim, g->shape)) != DSK_OK) return s;
         if ((s = dsk_tensor_copy(ctx, &h, g->src)) != DSK_OK) return s;
-        g->data = stage + g->begin;
     }
     return DSK_OK;
 }
@@ -2208,25 +2223,19 @@ static dsk_status dsk__ck_manifest_tensor_parse(const char *fn, dsk__ck_manifest
     return DSK_OK;
 }
 
-/* Reads and validates step_dir/manifest.json for `step`. */
-static dsk_status dsk__ck_manifest_read(const char *fn, const char *step_dir, int64_t step, dsk__ck_manifest *m) {
-    size_t len = 0;
+/* Validates the manifest text m->text[0, len) of checkpoint `step` (any step when step < 0). */
+static dsk_status dsk__ck_manifest_parse(const char *fn, dsk__ck_manifest *m, size_t len, int64_t step) {
     int64_t v;
     int top = 0, tens, n_slices = 0, cap = 0;
     const char *fmt;
     dsk_status s;
     dsk__ck_json *j = &m->json;
-    memset(m, 0, sizeof *m);
-    if (!(m->path = dsk__ck_join(step_dir, DSK__CK_MANIFEST))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    if (!dsk__ck_exists(m->path) && errno == ENOENT)
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" is missing: the checkpoint is incomplete (its save did not finish)", fn, m->path);
-    if ((s = dsk__ck_read_small(fn, m->path, (size_t)1 << 30, &m->text, &len)) != DSK_OK) return s;
     if ((s = dsk__ck_json_parse(j, m->text, len, fn, m->path)) != DSK_OK) return s;
     fmt = dsk__ck_jstr(j, dsk__ck_jget(j, top, "format"));
     if (!fmt || strcmp(fmt, DSK_CKPT_FORMAT) != 0) return dsk__ck_bad_manifest(fn, m, "not a dsk-ckpt manifest", NULL);
     if (!dsk__ck_jget_int(j, top, "version", &v) || v != DSK_CKPT_VERSION)
         return dsk__ck_bad_manifest(fn, m, "unsupported version", NULL);
-    if (!dsk__ck_jget_int(j, top, "step", &m->step) || m->step != step)
+    if (!dsk__ck_jget_int(j, top, "step", &m->step) || m->step < 0 || (step >= 0 && m->step != step))
         return dsk__ck_bad_manifest(fn, m, "step does not match the directory", NULL);
     if (!dsk__ck_jget_int(j, top, "world_size", &v) || v < 1 || v > (1 << 20))
         return dsk__ck_bad_manifest(fn, m, "bad world_size", NULL);
@@ -2255,6 +2264,18 @@ static dsk_status dsk__ck_manifest_read(const char *fn, const char *step_dir, in
     for (int i = 1; i < m->n_tensors; i++)
         if (strcmp(m->tensors[i].name, m->tensors[i - 1].name) == 0) return dsk__ck_bad_manifest(fn, m, "duplicate tensor", m->tensors[i].name);
     return DSK_OK;
+}
+
+/* Reads and validates step_dir/manifest.json for `step`. */
+static dsk_status dsk__ck_manifest_read(const char *fn, const char *step_dir, int64_t step, dsk__ck_manifest *m) {
+    size_t len = 0;
+    dsk_status s;
+    memset(m, 0, sizeof *m);
+    if (!(m->path = dsk__ck_join(step_dir, DSK__CK_MANIFEST))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if (!dsk__ck_exists(m->path) && errno == ENOENT)
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" is missing: the checkpoint is incomplete (its save did not finish)", fn, m->path);
+    if ((s = dsk__ck_read_small(fn, m->path, (size_t)1 << 30, &m->text, &len)) != DSK_OK) return s;
+    return dsk__ck_manifest_parse(fn, m, len, step);
 }
 
 static const dsk__ck_mtensor *dsk__ck_manifest_find(const dsk__ck_manifest *m, const char *name) {

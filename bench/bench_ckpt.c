@@ -1,0 +1,190 @@
+/* bench_ckpt.c - checkpoint save/load throughput against the disk itself and against Python's
+   safetensors, and the stall an async save imposes on the caller.
+
+     build-x/bench/bench_ckpt [MiB=1024] [repeats=3] [dir=$TMPDIR or /tmp]
+
+   Tensors: MiB/16 tensors of 16 MiB, alternating f32 (2048, 2048) and bf16 (2048, 4096).
+   Peers, measured in the same run on the same disk (one warm-up, then `repeats`, median):
+     raw write  the same bytes with write() in 8 MiB pieces, then fsync, into a new file
+     raw read   those bytes back with pread() after dropping them from the page cache
+     python     bench/ckpt_peer.py: safetensors.serialize_file of the same shapes and dtypes
+                (reported with and without an fsync, which safetensors itself never does)
+   dsk save is dsk_ckpt_save (CRC32C of every byte, fsyncs, manifest, latest); dsk load is
+   dsk_ckpt_load into the existing tensors (every CRC checked) after dropping the page cache.
+   Async: time spent inside dsk_ckpt_save_async (the snapshot) against a synchronous save;
+   "first" includes allocating the snapshot buffer, "warm" reuses it. */
+#define DSK_TENSOR_IMPLEMENTATION
+#define DSK_CKPT_IMPLEMENTATION
+#include "dsk_tensor.h"
+#include "dsk_ckpt.h"
+
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int cmp_d(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmp_d);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+static void die(const char *what) {
+    fprintf(stderr, "bench_ckpt: %s: %s\n", what, dsk_last_error());
+    exit(1);
+}
+
+static void run(const char *cmd) {
+    if (system(cmd) != 0) fprintf(stderr, "bench_ckpt: \"%s\" failed\n", cmd);
+}
+
+/* Drops a file's pages from the page cache (they are clean after fsync). */
+static void drop_cache(const char *path) {
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) return;
+    posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    close(fd);
+}
+
+static double raw_write(const char *path, dsk_tensor *t, int n) {
+    const size_t piece = (size_t)8 << 20;
+    double t0 = now();
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0) { perror(path); exit(1); }
+    for (int i = 0; i < n; i++) {
+        const char *p = (const char *)t[i].data;
+        size_t left = dsk_tensor_nbytes(&t[i]);
+        while (left) {
+            ssize_t k = write(fd, p, left < piece ? left : piece);
+            if (k <= 0) { perror("write"); exit(1); }
+            p += k;
+            left -= (size_t)k;
+        }
+    }
+    if (fsync(fd) != 0 || close(fd) != 0) { perror("fsync"); exit(1); }
+    return now() - t0;
+}
+
+static double raw_read(const char *path, void *buf, size_t n) {
+    double t0;
+    int fd;
+    size_t done = 0;
+    drop_cache(path);
+    t0 = now();
+    if ((fd = open(path, O_RDONLY)) < 0) { perror(path); exit(1); }
+    while (done < n) {
+        ssize_t k = pread(fd, (char *)buf + done, n - done < ((size_t)8 << 20) ? n - done : ((size_t)8 << 20), (off_t)done);
+        if (k <= 0) { perror("pread"); exit(1); }
+        done += (size_t)k;
+    }
+    close(fd);
+    return now() - t0;
+}
+
+int main(int argc, char **argv) {
+    int mib = argc > 1 ? atoi(argv[1]) : 1024, reps = argc > 2 ? atoi(argv[2]) : 3;
+    const char *base = argc > 3 ? argv[3] : (getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
+    int n = mib / 16;
+    char root[512], ck_dir[600], raw_path[600], cmd[1400], names[256][32];
+    dsk_tensor *t;
+    dsk_ckpt_entry *e;
+    dsk_ckpt ck;
+    double *ts_raw, *ts_save, *ts_read, *ts_load, *ts_async_warm, async_first = 0, py_save = 0, py_fsync = 0;
+    size_t total = 0;
+    void *readbuf;
+    if (n < 1 || n > 256 || reps < 1) { fprintf(stderr, "usage: bench_ckpt [MiB 16..4096] [repeats >= 1] [dir]\n"); return 2; }
+    snprintf(root, sizeof root, "%s/dsk_bench_ckpt_%d", base, (int)getpid());
+    mkdir(root, 0755);
+    snprintf(ck_dir, sizeof ck_dir, "%s/ckpt", root);
+    snprintf(raw_path, sizeof raw_path, "%s/raw.bin", root);
+    t = (dsk_tensor *)calloc((size_t)n, sizeof *t);
+    e = (dsk_ckpt_entry *)calloc((size_t)n, sizeof *e);
+    ts_raw = (double *)calloc((size_t)reps * 6, sizeof(double));
+    ts_save = ts_raw + reps; ts_read = ts_save + reps; ts_load = ts_read + reps; ts_async_warm = ts_load + reps;
+    for (int i = 0; i < n; i++) {
+        const int64_t s32[2] = {2048, 2048}, s16[2] = {2048, 4096};
+        if (dsk_tensor_alloc(NULL, &t[i], i % 2 ? DSK_BF16 : DSK_F32, 2, i % 2 ? s16 : s32) != DSK_OK) die("alloc");
+        if (dsk_tensor_uniform(NULL, &t[i], 7, (uint64_t)i << 32, -1.0f, 1.0f) != DSK_OK) die("fill");
+        snprintf(names[i], sizeof names[i], "layer.%03d.%s", i, i % 2 ? "w_bf16" : "w_f32");
+        e[i].name = names[i];
+        e[i].tensor = &t[i];
+        total += dsk_tensor_nbytes(&t[i]);
+    }
+    if (!(readbuf = malloc(total))) die("read buffer");
+    memset(readbuf, 1, total);
+    if (dsk_ckpt_init(&ck, ck_dir, NULL) != DSK_OK) die("init");
+    printf("# bench_ckpt: %d tensors, %.3f GB, %d repeats (+1 warm-up), dir %s\n", n, total / 1e9, reps, root);
+
+    for (int r = -1; r < reps; r++) {
+        double dt_raw, dt_save, dt_read, dt_load, t0;
+        char path[800];
+        unlink(raw_path);
+        dt_raw = raw_write(raw_path, t, n);
+        dt_read = raw_read(raw_path, readbuf, total);
+        unlink(raw_path);
+        snprintf(cmd, sizeof cmd, "rm -rf '%s'", ck_dir);
+        run(cmd);
+        t0 = now();
+        if (dsk_ckpt_save(&ck, 1, e, n, NULL, 0) != DSK_OK) die("save");
+        dt_save = now() - t0;
+        snprintf(path, sizeof path, "%s/step_00000001/rank_00000.safetensors", ck_dir);
+        drop_cache(path);
+        t0 = now();
+        if (dsk_ckpt_load(&ck, 1, e, n, NULL) != DSK_OK) die("load");
+        dt_load = now() - t0;
+        /* async: the caller's stall, then the background write finishes before the next rep */
+        t0 = now();
+        if (dsk_ckpt_save_async(&ck, 2, e, n, NULL, 0) != DSK_OK) die("save_async");
+        if (r == -1) async_first = now() - t0;
+        else ts_async_warm[r] = now() - t0;
+        if (dsk_ckpt_wait(&ck) != DSK_OK) die("wait");
+        if (r >= 0) { ts_raw[r] = dt_raw; ts_save[r] = dt_save; ts_read[r] = dt_read; ts_load[r] = dt_load; }
+    }
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", ck_dir);
+    run(cmd);
+    {
+        /* Python peer: same shapes and dtypes, same directory, same repeats */
+        FILE *p;
+        snprintf(cmd, sizeof cmd, "%s bench/ckpt_peer.py %d %d '%s' 2>&1", getenv("PYTHON") ? getenv("PYTHON") : "python3", n, reps, root);
+        if ((p = popen(cmd, "r")) != NULL) {
+            char line[512];
+            while (fgets(line, sizeof line, p))
+                if (sscanf(line, "peer save_file %lf fsync %lf", &py_save, &py_fsync) != 2) printf("# peer: %s", line);
+            pclose(p);
+        }
+    }
+    {
+        double raw = median(ts_raw, reps), save = median(ts_save, reps), rd = median(ts_read, reps), ld = median(ts_load, reps);
+        double warm = median(ts_async_warm, reps), gb = total / 1e9;
+        printf("raw write+fsync   %7.3f s  %6.2f GB/s\n", raw, gb / raw);
+        printf("dsk save          %7.3f s  %6.2f GB/s   ratio vs raw write %.2f (target >= 0.8)\n", save, gb / save, raw / save);
+        if (py_save > 0) {
+            printf("python save_file  %7.3f s  %6.2f GB/s   dsk speed-up %.2fx (no fsync in safetensors)\n", py_save, gb / py_save, py_save / save);
+            printf("python +fsync     %7.3f s  %6.2f GB/s   dsk speed-up %.2fx\n", py_fsync, gb / py_fsync, py_fsync / save);
+        } else {
+            printf("python peer       unavailable (needs python3 with safetensors and numpy)\n");
+        }
+        printf("raw read (cold)   %7.3f s  %6.2f GB/s\n", rd, gb / rd);
+        printf("dsk load (cold)   %7.3f s  %6.2f GB/s   ratio vs raw read %.2f\n", ld, gb / ld, rd / ld);
+        printf("async stall first %7.3f s  = %.3f of a sync save (allocates the snapshot buffer)\n", async_first, async_first / save);
+        printf("async stall warm  %7.3f s  = %.3f of a sync save (target < 0.10)\n", warm, warm / save);
+    }
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);
+    run(cmd);
+    dsk_ckpt_free(&ck);
+    for (int i = 0; i < n; i++) dsk_tensor_free(NULL, &t[i]);
+    free(t); free(e); free(ts_raw); free(readbuf);
+    return 0;
+}
