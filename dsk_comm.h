@@ -1065,24 +1065,34 @@ static void dsk__comm_io_post(dsk__comm_io *op, int peer, int is_send, const dsk
    alias a source. */
 static void dsk__comm_fold(dsk_dtype dt, dsk_comm_op op, int n, const void *const *src, void *dst, int64_t len, void *acc) {
     if (dsk_dtype_is_float(dt)) {
-        float *a = (float *)acc;
-        for (int r = 0; r < n; r++) {
-            const void *s = src[r];
-            for (int64_t i = 0; i < len; i++) {
-                float x = dt == DSK_F32 ? ((const float *)s)[i]
-                          : dt == DSK_BF16 ? dsk_bf16_to_f32(((const uint16_t *)s)[i])
-                                           : dsk_f16_to_f32(((const uint16_t *)s)[i]);
-                if (r == 0) a[i] = x;
-                else if (op == DSK_COMM_SUM || op == DSK_COMM_AVG) a[i] = a[i] + x;
-                else if (op == DSK_COMM_MAX) a[i] = (x > a[i] || x != x) ? x : a[i];
-                else a[i] = (x < a[i] || x != x) ? x : a[i];
+        /* blocks that stay in cache; per-rank loops without branches so they vectorise */
+        enum { B = 2048 };
+        float conv[B];
+        for (int64_t b = 0; b < len; b += B) {
+            int64_t nb = len - b < B ? len - b : B;
+            float *a = (float *)acc + b;
+            for (int r = 0; r < n; r++) {
+                const float *x = conv;
+                if (dt == DSK_F32) x = (const float *)src[r] + b;
+                else if (dt == DSK_BF16)
+                    for (int64_t i = 0; i < nb; i++) conv[i] = dsk_bf16_to_f32(((const uint16_t *)src[r])[b + i]);
+                else
+                    for (int64_t i = 0; i < nb; i++) conv[i] = dsk_f16_to_f32(((const uint16_t *)src[r])[b + i]);
+                if (r == 0) memcpy(a, x, (size_t)nb * sizeof(float));
+                else if (op == DSK_COMM_SUM || op == DSK_COMM_AVG)
+                    for (int64_t i = 0; i < nb; i++) a[i] = a[i] + x[i];
+                else if (op == DSK_COMM_MAX)
+                    for (int64_t i = 0; i < nb; i++) a[i] = (x[i] > a[i] || x[i] != x[i]) ? x[i] : a[i];
+                else
+                    for (int64_t i = 0; i < nb; i++) a[i] = (x[i] < a[i] || x[i] != x[i]) ? x[i] : a[i];
             }
-        }
-        for (int64_t i = 0; i < len; i++) {
-            float v = op == DSK_COMM_AVG ? a[i] / (float)n : a[i];
-            if (dt == DSK_F32) ((float *)dst)[i] = v;
-            else if (dt == DSK_BF16) ((uint16_t *)dst)[i] = dsk_f32_to_bf16(v);
-            else ((uint16_t *)dst)[i] = dsk_f32_to_f16(v);
+            if (op == DSK_COMM_AVG)
+                for (int64_t i = 0; i < nb; i++) a[i] = a[i] / (float)n;
+            if (dt == DSK_F32) memcpy((float *)dst + b, a, (size_t)nb * sizeof(float));
+            else if (dt == DSK_BF16)
+                for (int64_t i = 0; i < nb; i++) ((uint16_t *)dst)[b + i] = dsk_f32_to_bf16(a[i]);
+            else
+                for (int64_t i = 0; i < nb; i++) ((uint16_t *)dst)[b + i] = dsk_f32_to_f16(a[i]);
         }
     } else {
         int64_t *a = (int64_t *)acc;

@@ -169,6 +169,8 @@ static int rank_main(dsk_comm *c, const cfg *g) {
             printf("%12s %12s | %10s %9s %9s %6s | %10s %9s %9s %6s%s\n", "size(B)", "count", "oop us", "algbw", "busbw", "#wrong",
                    "ip us", "algbw", "busbw", "#wrong", coll == AR && g->have_mpi ? " |  MPI busbw  dsk/MPI" : "");
         }
+        double last_bus = 0, min_ratio = 1e30;
+        long long last_bytes = 0;
         for (long long bytes = g->lo, si = 0; bytes <= g->hi; bytes *= 4, si++) {
             double t[2];
             long long wrong[2];
@@ -190,11 +192,19 @@ static int rank_main(dsk_comm *c, const cfg *g) {
                 if (coll == AR && g->have_mpi && g->mpi_us[si] > 0) {
                     double mb = bytes / (g->mpi_us[si] * 1e-6) * 1e-9 * bf;
                     printf(" | %10.3f  %6.2fx", mb, a0 * bf / mb);
+                    if (bytes >= (16ll << 20) && a0 * bf / mb < min_ratio) min_ratio = a0 * bf / mb;
                 }
+                last_bus = a0 * bf;
+                last_bytes = eff;
                 printf("\n");
                 fflush(stdout);
             }
             fails += wrong[0] > 0 || wrong[1] > 0;
+        }
+        if (c->rank == 0 && last_bytes) {
+            printf("summary: %s %d ranks %s: busbw %.3f GB/s at %lld B\n", coll_names[coll], n,
+                   c->backend == DSK_COMM_NCCL ? "nccl" : "host", last_bus, last_bytes);
+            if (min_ratio < 1e30) printf("summary: all_reduce busbw dsk/Open MPI at >= 16 MB: %.2fx (worst size)\n", min_ratio);
         }
     }
 out:
