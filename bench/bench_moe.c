@@ -1,0 +1,156 @@
+/* bench/bench_moe.c - forward + backward tokens/s of the dsk MoE layer against the same layer in
+   PyTorch (bench/moe_torch.py, a Hugging Face style loop over experts) on the same inputs and
+   weights, in one run: warm-up, repeats, median, ratio. CPU f32 by default; with a GPU
+   (`--cuda`, CUDA build) the dsk layer runs on the device in bf16 (the PyTorch peer then stays
+   on the CPU: compare with a CUDA PyTorch by hand).
+   Shapes (scaled to a 2-core machine; pass --full for the real widths):
+     v2lite: softmax, 64 routed, top-6, 2 shared, no normalisation   D 1024, F 704  (full: 2048, 1408)
+     v3:     sigmoid, 64 routed, 8 groups, top-4 groups, top-8, 1 shared, norm, scale 2.5
+                                                                      D 1024, F 256  (full: 7168, 2048)
+   Usage: bench_moe [--tokens T] [--repeats N] [--full] [--python /usr/bin/python3] [--cuda] */
+#define DSK_TENSOR_IMPLEMENTATION
+#define DSK_COMM_IMPLEMENTATION
+#define DSK_MOE_IMPLEMENTATION
+#include "dsk_comm.h"
+#include "dsk_moe.h"
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef struct shape {
+    const char *name;
+    int D, E, K, F, n_shared, n_group, topk_group;
+    dsk_moe_score score;
+    float scale;
+} shape;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof(double), cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+#define CHECK(call)                                                                                   \
+    do {                                                                                              \
+        dsk_status s_ = (call);                                                                       \
+        if (s_ != DSK_OK) {                                                                           \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, dsk_status_str(s_), dsk_last_error()); \
+            exit(1);                                                                                  \
+        }                                                                                             \
+    } while (0)
+
+/* Appends the f32 contents of t (any device/dtype) to f. */
+static void write_f32(dsk_ctx *ctx, FILE *f, const dsk_tensor *t) {
+    int64_t n = dsk_tensor_numel(t);
+    float *h = (float *)malloc(sizeof(float) * (size_t)(n ? n : 1));
+    dsk_tensor ht;
+    CHECK(dsk_tensor_wrap(&ht, h, DSK_F32, dsk_cpu(), t->ndim, t->shape));
+    CHECK(dsk_tensor_copy(ctx, &ht, t));
+    if (fwrite(h, sizeof(float), (size_t)n, f) != (size_t)n) { fprintf(stderr, "bench_moe: write failed\n"); exit(1); }
+    free(h);
+}
+
+static void run_shape(const shape *sh, int T, int warmup, int repeats, const char *python, dsk_ctx *ctx) {
+    dsk_moe m;
+    dsk_moe_opts o;
+    dsk_moe_stats st;
+    dsk_tensor x, y, dx, dy;
+    int64_t shp[2] = {T, sh->D};
+    dsk_dtype dt = ctx->device.type == DSK_DEV_CUDA ? DSK_BF16 : DSK_F32;
+    double *times = (double *)malloc(sizeof(double) * (size_t)repeats), dsk_ms, torch_ms = 0, maxrel = -1;
+    double flops_tok, Fs = (double)sh->n_shared * sh->F;
+    char path[256], cmd[1024], line[256];
+    FILE *f, *p;
+    memset(&o, 0, sizeof o);
+    o.d_model = sh->D; o.n_routed = sh->E; o.top_k = sh->K; o.d_expert = sh->F; o.n_shared = sh->n_shared;
+    o.score = sh->score; o.n_group = sh->n_group; o.topk_group = sh->topk_group; o.routed_scale = sh->scale;
+    o.dtype = dt; o.seed = 1234;
+    CHECK(dsk_moe_init(&m, ctx, &o));
+    CHECK(dsk_tensor_alloc(ctx, &x, dt, 2, shp));
+    CHECK(dsk_tensor_alloc(ctx, &y, dt, 2, shp));
+    CHECK(dsk_tensor_alloc(ctx, &dx, dt, 2, shp));
+    CHECK(dsk_tensor_alloc(ctx, &dy, dt, 2, shp));
+    CHECK(dsk_tensor_uniform(ctx, &x, 1, 0, -1.0f, 1.0f));
+    CHECK(dsk_tensor_uniform(ctx, &dy, 2, 0, -1.0f, 1.0f));
+    CHECK(dsk_tensor_fill(ctx, &dx, 0.0));
+    CHECK(dsk_tensor_uniform(ctx, &m.bias->value, 3, 0, -1e-3f, 1e-3f));
+    for (int it = 0; it < warmup + repeats; it++) {
+        double t0 = now_s();
+        CHECK(dsk_moe_forward(&m, ctx, &y, &x, &st));
+        CHECK(dsk_moe_backward(&m, ctx, &dx, &dy, 1.0f));
+        CHECK(dsk_ctx_sync(ctx));
+        if (it >= warmup) times[it - warmup] = now_s() - t0;
+    }
+    dsk_ms = 1e3 * median(times, repeats);
+    /* 3 GEMMs forward, 6 backward, 2 flops per multiply-add */
+    flops_tok = 18.0 * sh->D * ((double)sh->K * sh->F + Fs) + 6.0 * sh->D * sh->E;
+    printf("%-7s T=%d D=%d E=%d K=%d F=%d shared=%d %s%s: dsk %.1f ms/step, %.0f tokens/s, %.1f GFLOP/s, max/mean load %.2f\n",
+           sh->name, T, sh->D, sh->E, sh->K, sh->F, sh->n_shared, dsk_dtype_name(dt), ctx->device.type == DSK_DEV_CUDA ? " cuda" : "",
+           dsk_ms, T / (dsk_ms * 1e-3), flops_tok * T / (dsk_ms * 1e-3) * 1e-9, st.max_load / st.mean_load);
+    /* the same inputs and weights for the PyTorch peer */
+    snprintf(path, sizeof path, "/tmp/dsk_bench_moe_%d.bin", (int)getpid());
+    f = fopen(path, "wb");
+    if (!f) { fprintf(stderr, "bench_moe: cannot write %s\n", path); exit(1); }
+    write_f32(ctx, f, &x); write_f32(ctx, f, &dy);
+    write_f32(ctx, f, &m.router->value); write_f32(ctx, f, &m.bias->value);
+    write_f32(ctx, f, &m.w1->value); write_f32(ctx, f, &m.w2->value); write_f32(ctx, f, &m.w3->value);
+    if (sh->n_shared) { write_f32(ctx, f, &m.sw1->value); write_f32(ctx, f, &m.sw2->value); write_f32(ctx, f, &m.sw3->value); }
+    write_f32(ctx, f, &y);
+    fclose(f);
+    snprintf(cmd, sizeof cmd, "%s bench/moe_torch.py %s %d %d %d %d %d %d %d %d %g %d %d %d %d %d", python, path, T, sh->D, sh->E,
+             sh->K, sh->F, (int)Fs, sh->score == DSK_MOE_SIGMOID, m.opts.norm == DSK_MOE_NORM_ON, (double)sh->scale,
+             m.opts.n_group, m.opts.topk_group, warmup, repeats, ctx->n_threads > 0 ? ctx->n_threads : 2);
+    p = popen(cmd, "r");
+    while (p && fgets(line, sizeof line, p)) sscanf(line, "torch_ms=%lf maxrel=%lf", &torch_ms, &maxrel);
+    if (p) pclose(p);
+    remove(path);
+    if (torch_ms > 0)
+        printf("%-7s PyTorch %.1f ms/step, %.0f tokens/s (outputs agree to %.2g relative)   ratio dsk/PyTorch: %.2fx\n", sh->name,
+               torch_ms, T / (torch_ms * 1e-3), maxrel, torch_ms / dsk_ms);
+    else
+        printf("%-7s PyTorch peer did not run (%s)\n", sh->name, cmd);
+    fflush(stdout);
+    dsk_tensor_free(ctx, &x); dsk_tensor_free(ctx, &y); dsk_tensor_free(ctx, &dx); dsk_tensor_free(ctx, &dy);
+    dsk_moe_free(&m, ctx);
+    free(times);
+}
+
+int main(int argc, char **argv) {
+    int T = 1024, repeats = 5, warmup = 1, full = 0, cuda = 0;
+    const char *python = "/usr/bin/python3";
+    dsk_ctx ctx;
+    dsk_ctx_opts co;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--tokens") && i + 1 < argc) T = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--repeats") && i + 1 < argc) repeats = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--python") && i + 1 < argc) python = argv[++i];
+        else if (!strcmp(argv[i], "--full")) full = 1;
+        else if (!strcmp(argv[i], "--cuda")) cuda = 1;
+        else { fprintf(stderr, "usage: %s [--tokens T] [--repeats N] [--full] [--python PATH] [--cuda]\n", argv[0]); return 2; }
+    }
+    if (T < 1 || repeats < 1) { fprintf(stderr, "bench_moe: --tokens and --repeats must be >= 1\n"); return 2; }
+    memset(&co, 0, sizeof co);
+    co.device = cuda ? DSK_PREFER_CUDA : DSK_PREFER_CPU;
+    CHECK(dsk_ctx_init(&ctx, &co));
+    {
+        shape v2 = {"v2lite", full ? 2048 : 1024, 64, 6, full ? 1408 : 704, 2, 1, 1, DSK_MOE_SOFTMAX, 1.0f};
+        shape v3 = {"v3", full ? 7168 : 1024, 64, 8, full ? 2048 : 256, 1, 8, 4, DSK_MOE_SIGMOID, 2.5f};
+        printf("# bench_moe: forward+backward, %d tokens, median of %d after %d warm-up, %d threads\n", T, repeats, warmup, ctx.n_threads);
+        run_shape(&v2, T, warmup, repeats, python, &ctx);
+        run_shape(&v3, T, warmup, repeats, python, &ctx);
+    }
+    dsk_ctx_free(&ctx);
+    return 0;
+}
