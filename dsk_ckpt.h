@@ -1230,6 +1230,15 @@ DSK_API const char *dsk_ckpt_file_meta(const dsk_ckpt_file *f, const char *key) 
     return NULL;
 }
 
+/* Device tensors are copied through ctx's stream: a CUDA tensor needs a CUDA ctx. */
+static dsk_status dsk__ck_check_device(const char *fn, const char *name, const dsk_tensor *t, const dsk_ctx *ctx) {
+    if (t->device.type == DSK_DEV_CPU) return DSK_OK;
+    if (t->device.type != DSK_DEV_CUDA || !ctx || ctx->device.type != DSK_DEV_CUDA || ctx->device.index != t->device.index)
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" is on device type %d index %d: pass a ctx on that CUDA device (dsk_ckpt_opts.ctx)",
+                             fn, name, (int)t->device.type, t->device.index);
+    return DSK_OK;
+}
+
 /* Reads tensor t's bytes into buf and checks its CRC when the file has one. */
 static dsk_status dsk__ck_read_tensor_bytes(const char *fn, dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t, void *buf) {
     size_t n = (size_t)(t->end - t->begin);
@@ -1272,12 +1281,14 @@ static dsk_status dsk__ck_read_into(const char *fn, dsk_ckpt_file *f, dsk_ctx *c
 DSK_API dsk_status dsk_ckpt_file_read(dsk_ckpt_file *f, dsk_ctx *ctx, const char *name, dsk_tensor *dst, int allow_cast) {
     const char *fn = "dsk_ckpt_file_read";
     const dsk_ckpt_tensor_info *t;
+    dsk_status s;
     int i;
     char a[160], b[160];
     if (!f || !name || !dst) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
     if ((i = dsk_ckpt_file_find(f, name)) < 0)
         return dsk_set_error(DSK_ERR_ARG, "%s: no tensor \"%s\" in \"%s\"", fn, name, f->path ? f->path : "buffer");
     t = &f->tensors[i];
+    if ((s = dsk__ck_check_device(fn, name, dst, ctx)) != DSK_OK) return s;
     if (t->ndim != dst->ndim || memcmp(t->shape, dst->shape, (size_t)t->ndim * sizeof(int64_t)) != 0)
         return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" in \"%s\": file has %s, model has %s", fn, name, f->path ? f->path : "buffer",
                              dsk__ck_desc(a, sizeof a, t->ndim, t->shape, t->dtype >= 0 ? dsk_dtype_name((dsk_dtype)t->dtype) : t->dtype_name),
@@ -1340,8 +1351,9 @@ static const char *dsk__ck_find_dup(const char **names, int n) {
     return NULL;
 }
 
-static dsk_status dsk__ck_check_entry(const char *fn, const dsk_ckpt_entry *e, int i, int rank_file) {
+static dsk_status dsk__ck_check_entry(const char *fn, const dsk_ckpt_entry *e, int i, int rank_file, const dsk_ctx *ctx) {
     const dsk_tensor *t = e->tensor;
+    dsk_status s;
     char b[160];
     if (!e->name || !*e->name) return dsk_set_error(DSK_ERR_ARG, "%s: entry %d has no name", fn, i);
     if (strcmp(e->name, "__metadata__") == 0 || !dsk__ck_valid_utf8((const unsigned char *)e->name, strlen(e->name)))
@@ -1350,6 +1362,7 @@ static dsk_status dsk__ck_check_entry(const char *fn, const dsk_ckpt_entry *e, i
     if (!dsk_dtype_size(t->dtype) || t->ndim < 0 || t->ndim > DSK_MAX_DIMS || dsk__ck_numel(t->ndim, t->shape) < 0)
         return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": bad dtype %d or shape (ndim %d)", fn, e->name, (int)t->dtype, t->ndim);
     if (!t->data && dsk_tensor_numel(t) > 0) return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" has no data", fn, e->name);
+    if ((s = dsk__ck_check_device(fn, e->name, t, ctx)) != DSK_OK) return s;
     if (!rank_file) return DSK_OK;
     if (e->split != 0 && e->split != 1) return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": split %d is neither 0 nor 1", fn, e->name, e->split);
     if (e->split && (t->ndim < 1 || e->row0 < 0 || e->global_rows < 0 || e->row0 > e->global_rows - t->shape[0]))
@@ -1387,13 +1400,13 @@ static dsk_status dsk__ck_check_kv(const char *fn, const dsk_ckpt_kv *kv, int n_
 /* Validates the entries and pairs and copies what the file needs (names, pairs, shapes).
    A rank file holds the split entries and, on rank 0 only, the replicated ones. */
 static dsk_status dsk__ck_plan_build(const char *fn, dsk__ck_plan *p, const dsk_ckpt_entry *entries, int n, const dsk_ckpt_kv *kv,
-                                     int n_kv) {
+                                     int n_kv, const dsk_ctx *ctx) {
     dsk_status s;
     const char **names;
     const char *dup;
     if (n < 0 || (n && !entries)) return dsk_set_error(DSK_ERR_ARG, "%s: %d entries at %p", fn, n, (const void *)entries);
     for (int i = 0; i < n; i++)
-        if ((s = dsk__ck_check_entry(fn, &entries[i], i, p->rank_file)) != DSK_OK) return s;
+        if ((s = dsk__ck_check_entry(fn, &entries[i], i, p->rank_file, ctx)) != DSK_OK) return s;
     if ((s = dsk__ck_check_kv(fn, kv, n_kv)) != DSK_OK) return s;
     names = (const char **)DSK_MALLOC(((size_t)n + 1) * sizeof *names);
     if (!names) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
@@ -1593,7 +1606,7 @@ DSK_API dsk_status dsk_ckpt_file_save(dsk_ctx *ctx, const char *path, const dsk_
     memset(&p, 0, sizeof p);
     if (!path) return dsk_set_error(DSK_ERR_ARG, "%s: path is NULL", fn);
     if ((s = dsk__ck_split_path(fn, path, &dir, &base)) != DSK_OK) return s;
-    s = dsk__ck_plan_build(fn, &p, entries, n, kv, n_kv);
+    s = dsk__ck_plan_build(fn, &p, entries, n, kv, n_kv, ctx);
     if (s == DSK_OK && dsk__ck_needs_stage(&p) && !(stage = (unsigned char *)DSK_MALLOC((size_t)p.total)))
         s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for a %llu-byte snapshot", fn, (unsigned long long)p.total);
     if (s == DSK_OK) s = dsk__ck_snapshot(&p, ctx, stage, 0);
@@ -2057,7 +2070,7 @@ static dsk_status dsk__ck_save_begin(const char *fn, dsk_ckpt *ck, int64_t step,
     job->plan.rank = ck->opts.rank;
     job->plan.world = ck->opts.world_size;
     if (!(job->root = dsk__ck_strdup(ck->dir))) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    if (s == DSK_OK) s = dsk__ck_plan_build(fn, &job->plan, entries, n, kv, n_kv);
+    if (s == DSK_OK) s = dsk__ck_plan_build(fn, &job->plan, entries, n, kv, n_kv, ck->opts.ctx);
     if (s == DSK_OK && (copy_all || dsk__ck_needs_stage(&job->plan)) && ck->stage_bytes < job->plan.total) {
         DSK_FREE(ck->stage);
         ck->stage_bytes = 0;
@@ -2440,7 +2453,7 @@ DSK_API dsk_status dsk_ckpt_load(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entr
     if (n < 0 || (n && !entries)) return dsk_set_error(DSK_ERR_ARG, "%s: %d entries at %p", fn, n, (const void *)entries);
     for (int i = 0; i < n; i++) {
         if (!entries[i].name || !entries[i].tensor) return dsk_set_error(DSK_ERR_ARG, "%s: entry %d has no name or tensor", fn, i);
-        if ((s = dsk__ck_check_entry(fn, &entries[i], i, 1)) != DSK_OK) return s;
+        if ((s = dsk__ck_check_entry(fn, &entries[i], i, 1, ck->opts.ctx)) != DSK_OK) return s;
     }
     if ((s = dsk_ckpt_wait(ck)) != DSK_OK) return s;
     if (step < 0) {

@@ -1401,6 +1401,14 @@ static void test_bad_arguments(void) {
     kv[1].key = "x"; kv[1].value = NULL;
     DSK_TEST_STATUS(dsk_ckpt_save(&ck, 1, e, 1, kv, 2), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("NULL value");
+    {
+        dsk_tensor fake = a; /* claims to live on a CUDA device; no ctx given */
+        fake.device.type = DSK_DEV_CUDA;
+        e[1].tensor = &fake; e[1].split = 0;
+        DSK_TEST_STATUS(dsk_ckpt_save(&ck, 1, e, 2, NULL, 0), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("tensor \"b\" is on device type 1 index 0: pass a ctx on that CUDA device");
+        e[1].tensor = &a;
+    }
     DSK_TEST_STATUS(dsk_ckpt_save(&zero, 1, e, 1, NULL, 0), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("not initialised");
     DSK_TEST_STATUS(dsk_ckpt_load(&zero, 1, e, 1, NULL), DSK_ERR_ARG);
