@@ -96,7 +96,9 @@ typedef struct dsk_comm {
 
 /* Reads RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE (torchrun), else OMPI_COMM_WORLD_RANK/
    _SIZE/_LOCAL_RANK/_LOCAL_SIZE (Open MPI), else SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID
-   (Slurm); MASTER_ADDR and MASTER_PORT (or opts) give the store. Then dsk_comm_init. */
+   (Slurm); MASTER_ADDR and MASTER_PORT (or opts) give the store. Under torchrun, whose agent
+   already serves a store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True), rank 0 serves
+   dsk's on MASTER_PORT + 1; DSK_MASTER_PORT, when set, overrides both. Then dsk_comm_init. */
 DSK_API dsk_status dsk_comm_init_env(dsk_comm *c, const dsk_comm_opts *opts);
 /* Collective over world_size processes: rank 0 serves the store, all meet through it.
    opts may be NULL. On failure *c is zeroed and everything opened is released. */
@@ -1645,7 +1647,8 @@ DSK_API dsk_status dsk_comm_init_env(dsk_comm *c, const dsk_comm_opts *opts) {
                                      {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"}};
     int v[4] = {0, 0, 0, 0}, have[4] = {0, 0, 0, 0}, port = 0, s;
     char why[256];
-    const char *addr = getenv("MASTER_ADDR"), *pstr = getenv("MASTER_PORT");
+    const char *addr = getenv("MASTER_ADDR"), *pstr = getenv("DSK_MASTER_PORT"), *agent = getenv("TORCHELASTIC_USE_AGENT_STORE");
+    int agent_store = !(pstr && *pstr) && agent && (!strcmp(agent, "True") || !strcmp(agent, "1"));
     dsk_comm_opts o;
     if (!c) return dsk_set_error(DSK_ERR_ARG, "%s: communicator is NULL", fn);
     memset(c, 0, sizeof *c);
@@ -1677,11 +1680,14 @@ DSK_API dsk_status dsk_comm_init_env(dsk_comm *c, const dsk_comm_opts *opts) {
                                  fn, v[0], v[1]);
         o.master_addr = "127.0.0.1";
     }
+    if (!(pstr && *pstr)) pstr = getenv("MASTER_PORT");
     if (pstr && *pstr) {
         char *end;
         long p = strtol(pstr, &end, 10);
-        if (*end || p < 1 || p > 65535) return dsk_set_error(DSK_ERR_ARG, "%s: MASTER_PORT=\"%s\" is not a port number", fn, pstr);
-        port = (int)p;
+        if (*end || p < 1 || p + agent_store > 65535)
+            return dsk_set_error(DSK_ERR_ARG, "%s: %s=\"%s\" is not a port number", fn, getenv("DSK_MASTER_PORT") && *getenv("DSK_MASTER_PORT") ? "DSK_MASTER_PORT" : "MASTER_PORT", pstr);
+        /* torchrun's agent already serves its own store on MASTER_PORT: ours takes the next port */
+        port = (int)p + agent_store;
     }
     if (port) o.master_port = port;
     if (have[3] && v[3] > 0) {

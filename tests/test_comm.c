@@ -883,7 +883,7 @@ static void case_no_store(void) {
 static const char *k_env_vars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                                    "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
                                    "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
-                                   "SLURM_NTASKS_PER_NODE"};
+                                   "SLURM_NTASKS_PER_NODE", "TORCHELASTIC_USE_AGENT_STORE", "DSK_MASTER_PORT"};
 
 static void clear_env(void) {
     for (size_t i = 0; i < sizeof k_env_vars / sizeof *k_env_vars; i++) unsetenv(k_env_vars[i]);
@@ -944,6 +944,35 @@ static void case_env(void) {
     env_expect(DSK_OK, "", "RANK=0", "WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1", pp, (const char *)NULL);
     env_expect(DSK_OK, "", "OMPI_COMM_WORLD_RANK=0", "OMPI_COMM_WORLD_SIZE=1", "OMPI_COMM_WORLD_LOCAL_RANK=0", pp, (const char *)NULL);
     env_expect(DSK_OK, "", "SLURM_PROCID=0", "SLURM_NTASKS=1", "SLURM_LOCALID=0", "SLURM_NTASKS_PER_NODE=1(x1)", pp, (const char *)NULL);
+    env_expect(DSK_ERR_ARG, "DSK_MASTER_PORT=\"x\"", "RANK=0", "WORLD_SIZE=1", "DSK_MASTER_PORT=x", (const char *)NULL);
+    /* torchrun: its agent's store holds MASTER_PORT, so dsk's store moves to the next port */
+    {
+        struct sockaddr_in sa;
+        int agent = -1, ok = 0;
+        char mp[48];
+        for (int tries = 0; tries < 20 && !ok; tries++) { /* an agent port whose successor is free */
+            int next = socket(AF_INET, SOCK_STREAM, 0);
+            socklen_t sl = sizeof sa;
+            if (agent >= 0) close(agent);
+            agent = socket(AF_INET, SOCK_STREAM, 0);
+            memset(&sa, 0, sizeof sa);
+            sa.sin_family = AF_INET;
+            sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+            if (bind(agent, (struct sockaddr *)&sa, sizeof sa) != 0 || listen(agent, 4) != 0) { close(next); continue; }
+            getsockname(agent, (struct sockaddr *)&sa, &sl);
+            snprintf(mp, sizeof mp, "MASTER_PORT=%d", (int)ntohs(sa.sin_port));
+            sa.sin_port = htons((uint16_t)(ntohs(sa.sin_port) + 1));
+            ok = bind(next, (struct sockaddr *)&sa, sizeof sa) == 0;
+            close(next);
+        }
+        DSK_TEST_EXPECT(ok, "no port pair for the torchrun agent case");
+        if (ok) {
+            env_expect(DSK_ERR_IO, "already in use", "RANK=0", "WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1", mp, (const char *)NULL);
+            env_expect(DSK_OK, "", "RANK=0", "WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1", mp, "TORCHELASTIC_USE_AGENT_STORE=True",
+                       (const char *)NULL);
+        }
+        close(agent);
+    }
 }
 
 /* Argument errors on a world of one: status and message. */
