@@ -136,6 +136,61 @@ static void test_no_device_fallback(void) {
     dsk_ctx_free(&c);
 }
 
+/* Launchers called without a CUDA ctx fail with DSK_ERR_ARG naming the op (no device needed);
+   ctx_free accepts a zeroed ctx. */
+static void test_launchers_need_ctx(void) {
+    dsk_ctx cpu;
+    dsk_ctx_opts o;
+    dsk_tensor t;
+    dsk_adamw_opts ao;
+    void *p = NULL;
+    float host = 0;
+    memset(&t, 0, sizeof t);
+    memset(&ao, 0, sizeof ao);
+    memset(&o, 0, sizeof o);
+    o.device = DSK_PREFER_CPU;
+    DSK_TEST_OK(dsk_ctx_init(&cpu, &o));
+    for (int pass = 0; pass < 2; pass++) {
+        dsk_ctx *c = pass ? &cpu : NULL;
+        DSK_TEST_STATUS(dsk_cuda_tensor_copy(c, &t, &t), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dsk_tensor_copy");
+        DSK_TEST_STATUS(dsk_cuda_tensor_fill(c, &t, 1.0), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dsk_tensor_fill");
+        DSK_TEST_STATUS(dsk_cuda_tensor_normal(c, &t, 1, 2, 0.0f, 1.0f), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dsk_tensor_normal");
+        DSK_TEST_STATUS(dsk_cuda_matmul(c, &t, &t, 0, &t, 0, 1.0f, 0.0f), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dsk_matmul");
+        DSK_TEST_STATUS(dsk_cuda_add(c, &t, &t, &t), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dsk_add");
+        DSK_TEST_STATUS(dsk_cuda_reduce(c, &t, &t, 0, DSK_REDUCE_SUM), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dsk_reduce");
+        DSK_TEST_STATUS(dsk_cuda_sum_squares(c, &t, &t), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dsk_sum_squares");
+        DSK_TEST_STATUS(dsk_cuda_rmsnorm_backward(c, &t, &t, &t, &t, &t, &t), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dsk_rmsnorm_backward");
+        DSK_TEST_STATUS(dsk_cuda_scatter_add_rows(c, &t, &t, &t), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dsk_scatter_add_rows");
+        DSK_TEST_STATUS(dsk_cuda_cross_entropy(c, &t, NULL, &t, &t, -100, 1.0f), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dsk_cross_entropy");
+        DSK_TEST_STATUS(dsk_cuda_topk(c, &t, &t, &t, 1), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dsk_topk");
+        DSK_TEST_STATUS(dsk_cuda_attention_backward(c, &t, &t, &t, &t, &t, &t, &t, &t, 1.0f), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dsk_attention_backward");
+        DSK_TEST_STATUS(dsk_cuda_adamw_step(c, &t, &t, &t, &t, &ao, 1, 1.0f, NULL), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dsk_adamw_step");
+        DSK_TEST_STATUS(dsk_cuda_malloc(c, 16, &p), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dsk_cuda_malloc");
+        DSK_TEST_STATUS(dsk_cuda_memcpy(c, &host, &host, sizeof host, 1), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dsk_cuda_memcpy");
+        DSK_TEST_STATUS(dsk_cuda_sync(c), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dsk_ctx_sync");
+    }
+    dsk_cuda_ctx_free(&cpu); /* nothing to release: must be a no-op */
+    DSK_TEST_EXPECT(cpu.stream == NULL && cpu.cublas == NULL && cpu.workspace == NULL, "zeroed ctx changed");
+    dsk_cuda_free(NULL, NULL);
+    dsk_ctx_free(&cpu);
+}
+
 static void test_ctx_errors(void) {
     int n = 0;
     dsk_ctx c;
@@ -543,6 +598,7 @@ int main(void) {
 
 #ifdef DSK_CUDA
     DSK_TEST_RUN(test_device_count);
+    DSK_TEST_RUN(test_launchers_need_ctx);
     dsk_test_begin("no device: PREFER_CUDA fails, AUTO uses the CPU");
     if (have_gpu) dsk_test_skip("a CUDA device is present");
     else test_no_device_fallback();
