@@ -96,7 +96,8 @@ typedef struct dsk_comm {
 
 /* Reads RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE (torchrun), else OMPI_COMM_WORLD_RANK/
    _SIZE/_LOCAL_RANK/_LOCAL_SIZE (Open MPI), else SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID
-   (Slurm); MASTER_ADDR and MASTER_PORT (or opts) give the store. Under torchrun, whose agent
+   (Slurm); MASTER_ADDR and MASTER_PORT (or opts) give the store (MASTER_ADDR may be left
+   out when the launcher says every rank is on this host). Under torchrun, whose agent
    already serves a store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True), rank 0 serves
    dsk's on MASTER_PORT + 1; DSK_MASTER_PORT, when set, overrides both. Then dsk_comm_init. */
 DSK_API dsk_status dsk_comm_init_env(dsk_comm *c, const dsk_comm_opts *opts);
@@ -1675,7 +1676,8 @@ DSK_API dsk_status dsk_comm_init_env(dsk_comm *c, const dsk_comm_opts *opts) {
     else memset(&o, 0, sizeof o);
     if (addr && *addr) o.master_addr = addr;
     if (!o.master_addr) {
-        if (v[1] > 1)
+        /* every rank on this host (the launcher says so): loopback will do */
+        if (v[1] > 1 && !(have[3] && v[3] == v[1]))
             return dsk_set_error(DSK_ERR_ARG, "%s: MASTER_ADDR is not set: export the address of rank 0's host (rank %d of %d)",
                                  fn, v[0], v[1]);
         o.master_addr = "127.0.0.1";

@@ -1160,6 +1160,34 @@ static void case_spawn(void) {
     DSK_TEST_ERROR_MENTIONS("dsk_comm_spawn_local");
 }
 
+/* Open MPI's launcher: OMPI_COMM_WORLD_* only, no MASTER_ADDR (all ranks on this host). */
+static void case_mpirun(void) {
+    char self[4096], cmd[8400], *out;
+    ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
+    int port = 0, rc;
+    FILE *p;
+    if (system("command -v mpirun >/dev/null 2>&1") != 0) {
+        dsk_test_skip("mpirun not installed (Debian libopenmpi-dev / openmpi-bin)");
+        return;
+    }
+    self[k > 0 ? k : 0] = 0;
+    DSK_TEST_OK(dsk_comm_free_port("127.0.0.1", &port));
+    snprintf(cmd, sizeof cmd, "env -u MASTER_ADDR timeout 60 mpirun --allow-run-as-root --oversubscribe -np 3 -x MASTER_PORT=%d %s --rank-child 2>&1",
+             port, self);
+    fflush(stdout);
+    p = popen(cmd, "r");
+    DSK_TEST_EXPECT(p != NULL, "popen %s", cmd);
+    if (!p) return;
+    out = slurp(fileno(p));
+    rc = pclose(p);
+    DSK_TEST_EXPECT(rc == 0, "mpirun exited with %d:\n%s", rc, out);
+    for (int r = 0; r < 3; r++) {
+        char line[96];
+        snprintf(line, sizeof line, "rank %d of 3 local %d of 3 sum 6", r, r);
+        DSK_TEST_EXPECT(strstr(out, line) != NULL, "mpirun output lacks \"%s\":\n%s", line, out);
+    }
+}
+
 /* ------------------------------------------------------------------ main */
 
 static void coll_case(const char *name, rank_fn fn, int n, size_t piece) {
@@ -1236,5 +1264,6 @@ int main(int argc, char **argv) {
     DSK_TEST_RUN(case_bad_args);
     DSK_TEST_RUN(case_reinit);
     DSK_TEST_RUN(case_spawn);
+    DSK_TEST_RUN(case_mpirun);
     return dsk_test_finish();
 }
