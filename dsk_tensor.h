@@ -962,7 +962,7 @@ DSK_API dsk_status dsk_tensor_normal(dsk_ctx *ctx, dsk_tensor *t, uint64_t seed,
     } while (0)
 
 /* Below this many elements (or flops) an op runs on one thread. */
-#define DSK__PAR_MIN 16384
+#define DSK__PAR_MIN 32768
 
 static int dsk__thread_id(void) {
 #ifdef _OPENMP
@@ -1295,7 +1295,8 @@ static dsk_status dsk__gemm(const dsk__gemm_args *g, int n_threads) {
     if (M <= 0 || N <= 0) return DSK_OK;
     if (K <= 0 || g->alpha == 0.0f) { dsk__scale_c(g); return DSK_OK; }
     (void)n_threads;
-    DSK__OMP(parallel num_threads(n_threads) if ((double)M * N * K > 262144.0) reduction(|| : failed))
+    /* below ~160^3 one thread finishes before a team would be worth waking */
+    DSK__OMP(parallel num_threads(n_threads) if ((double)M * N * K >= 4194304.0) reduction(|| : failed))
     {
         int nt = 1, tid = 0;
         int64_t tm, tn, mlo, mhi, nlo, nhi, kc = K < DSK__KC ? K : DSK__KC;

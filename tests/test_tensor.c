@@ -603,6 +603,8 @@ static void test_matmul_variants(void) {
         {67, 130, 17, 1, 1, 0, 0, 0, 1, DSK_F16, DSK_F32, 1.0f, 0.0f},    /* f16 */
         {9, 40, 300, 3, 0, 0, 1, 1, 0, DSK_F16, DSK_F16, 0.25f, 2.0f},
         {1, 1, 1, 1, 0, 0, 0, 0, 0, DSK_F32, DSK_F32, 1.0f, 0.0f},
+        {133, 97, 401, 1, 1, 1, 0, 0, 1, DSK_F32, DSK_F32, 1.0f, 0.5f},   /* threaded, odd edges */
+        {131, 67, 517, 2, 0, 1, 1, 0, 1, DSK_BF16, DSK_BF16, 1.0f, 0.0f}, /* threaded bf16 */
     };
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
         TT_CASE("matmul variant %zu: %lldx%lldx%lld batch %lld %s->%s", i, (long long)cs[i].M, (long long)cs[i].N, (long long)cs[i].K,
