@@ -558,10 +558,11 @@ DSK_API dsk_status dsk_moe_zero_grad(dsk_moe *m, dsk_ctx *ctx) {
 
 /* ---------------------------------------------------------------- CPU building blocks */
 
-static void dsk__moe_gemm(const struct dsk__moe_state *st, int ta, int tb, int64_t M, int64_t N, int64_t K, const float *A,
-                          int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+/* nt: GEMM threads (0 = OpenMP's default; 1 inside the per-expert parallel loops). */
+static void dsk__moe_gemm(int nt, int ta, int tb, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
+                          int64_t ldb, float beta, float *C, int64_t ldc) {
     if (M == 0 || N == 0) return;
-    dsk_sgemm_cpu(ta, tb, M, N, K, 1.0f, A, lda, B, ldb, beta, C, ldc, st->n_threads);
+    dsk_sgemm_cpu(ta, tb, M, N, K, 1.0f, A, lda, B, ldb, beta, C, ldc, nt);
 }
 
 /* rows (n, D) of a tensor in f32 or bf16 -> f32 */
@@ -596,27 +597,27 @@ static dsk_status dsk__moe_weights_f32(dsk_moe *m, dsk__moe_w *w) {
 }
 
 /* SwiGLU forward on n rows: h1 = x W1^T, h3 = x W3^T (n, F); a = silu(h1) h3; out = a W2^T (n, D). */
-static void dsk__moe_swiglu_fwd(const struct dsk__moe_state *st, int64_t n, int64_t D, int64_t F, const float *x, const float *w1,
+static void dsk__moe_swiglu_fwd(int nt, int64_t n, int64_t D, int64_t F, const float *x, const float *w1,
                                 const float *w2, const float *w3, float *h1, float *h3, float *a, float *out) {
     if (n == 0) return;
-    dsk__moe_gemm(st, 0, 1, n, F, D, x, D, w1, D, 0.0f, h1, F);
-    dsk__moe_gemm(st, 0, 1, n, F, D, x, D, w3, D, 0.0f, h3, F);
+    dsk__moe_gemm(nt, 0, 1, n, F, D, x, D, w1, D, 0.0f, h1, F);
+    dsk__moe_gemm(nt, 0, 1, n, F, D, x, D, w3, D, 0.0f, h3, F);
     for (int64_t i = 0; i < n * F; i++) a[i] = dsk_moe_silu(h1[i]) * h3[i];
-    dsk__moe_gemm(st, 0, 1, n, D, F, a, F, w2, F, 0.0f, out, D);
+    dsk__moe_gemm(nt, 0, 1, n, D, F, a, F, w2, F, 0.0f, out, D);
 }
 
 /* SwiGLU backward on n rows: dx (n, D) = (written), dW1, dW3 (F, D), dW2 (D, F) += . */
-static void dsk__moe_swiglu_bwd(const struct dsk__moe_state *st, int64_t n, int64_t D, int64_t F, const float *x, const float *w1,
+static void dsk__moe_swiglu_bwd(int nt, int64_t n, int64_t D, int64_t F, const float *x, const float *w1,
                                 const float *w2, const float *w3, const float *h1, const float *h3, const float *a,
                                 const float *dout, float *dh1, float *dh3, float *dx, float *dw1, float *dw2, float *dw3) {
     if (n == 0) return;
-    dsk__moe_gemm(st, 0, 0, n, F, D, dout, D, w2, F, 0.0f, dh1, F); /* da, in dh1 */
-    dsk__moe_gemm(st, 1, 0, D, F, n, dout, D, a, F, 1.0f, dw2, F);
+    dsk__moe_gemm(nt, 0, 0, n, F, D, dout, D, w2, F, 0.0f, dh1, F); /* da, in dh1 */
+    dsk__moe_gemm(nt, 1, 0, D, F, n, dout, D, a, F, 1.0f, dw2, F);
     for (int64_t i = 0; i < n * F; i++) dsk_moe_swiglu_grad(h1[i], h3[i], dh1[i], &dh1[i], &dh3[i]);
-    dsk__moe_gemm(st, 0, 0, n, D, F, dh1, F, w1, D, 0.0f, dx, D);
-    dsk__moe_gemm(st, 0, 0, n, D, F, dh3, F, w3, D, 1.0f, dx, D);
-    dsk__moe_gemm(st, 1, 0, F, D, n, dh1, F, x, D, 1.0f, dw1, D);
-    dsk__moe_gemm(st, 1, 0, F, D, n, dh3, F, x, D, 1.0f, dw3, D);
+    dsk__moe_gemm(nt, 0, 0, n, D, F, dh1, F, w1, D, 0.0f, dx, D);
+    dsk__moe_gemm(nt, 0, 0, n, D, F, dh3, F, w3, D, 1.0f, dx, D);
+    dsk__moe_gemm(nt, 1, 0, F, D, n, dh1, F, x, D, 1.0f, dw1, D);
+    dsk__moe_gemm(nt, 1, 0, F, D, n, dh3, F, x, D, 1.0f, dw3, D);
 }
 
 /* ---------------------------------------------------------------- routing, losses, capacity */
@@ -629,7 +630,7 @@ static dsk_status dsk__moe_route(dsk_moe *m, int64_t T) {
     float *u = DSK__MOE_F(st->u), *prob = DSK__MOE_F(st->prob), *gate = DSK__MOE_F(st->gate);
     int32_t *sel = DSK__MOE_I(st->sel);
     float *scratch = DSK__MOE_F(st->du); /* (T, E + n_group), free during forward */
-    dsk__moe_gemm(st, 0, 1, T, E, o->d_model, DSK__MOE_F(st->xf), o->d_model, (const float *)m->router->value.data,
+    dsk__moe_gemm(st->n_threads, 0, 1, T, E, o->d_model, DSK__MOE_F(st->xf), o->d_model, (const float *)m->router->value.data,
                   o->d_model, 0.0f, u, E);
     DSK__MOE_OMP(omp parallel for schedule(static))
     for (int64_t t = 0; t < T; t++)
@@ -976,14 +977,17 @@ static dsk_status dsk__moe_forward_cpu(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, 
     if ((s = dsk__moe_exchange_counts(m, ctx, T, dropped, stats)) != DSK_OK) return s;
     if ((s = dsk__moe_reserve_R(m)) != DSK_OK || (s = dsk__moe_regroup_index(m)) != DSK_OK) return s;
     if ((s = dsk__moe_to_experts(m, ctx, xs, DSK__MOE_F(st->orr), DSK__MOE_F(st->xr))) != DSK_OK) return s;
+    /* experts in parallel, one thread each (many small GEMMs scale better this way); each
+       expert's rows and results are its own, so the order of the threads does not matter */
+    DSK__MOE_OMP(omp parallel for schedule(dynamic, 1) if (m->n_local > 1))
     for (int e = 0; e < m->n_local; e++) {
         int64_t r0 = st->local_off[e], n = st->local_off[e + 1] - r0;
-        dsk__moe_swiglu_fwd(st, n, D, F, DSK__MOE_F(st->xr) + r0 * D, w.w1 + e * F * D, w.w2 + e * D * F, w.w3 + e * F * D,
+        dsk__moe_swiglu_fwd(m->n_local > 1 ? 1 : st->n_threads, n, D, F, DSK__MOE_F(st->xr) + r0 * D, w.w1 + e * F * D, w.w2 + e * D * F, w.w3 + e * F * D,
                             DSK__MOE_F(st->h1) + r0 * F, DSK__MOE_F(st->h3) + r0 * F, DSK__MOE_F(st->a) + r0 * F,
                             DSK__MOE_F(st->orr) + r0 * D);
     }
     if ((s = dsk__moe_from_experts(m, ctx, DSK__MOE_F(st->orr), DSK__MOE_F(st->dxr), ob)) != DSK_OK) return s;
-    if (Fs > 0) dsk__moe_swiglu_fwd(st, T, D, Fs, xf, w.sw1, w.sw2, w.sw3, DSK__MOE_F(st->hs1), DSK__MOE_F(st->hs3),
+    if (Fs > 0) dsk__moe_swiglu_fwd(st->n_threads, T, D, Fs, xf, w.sw1, w.sw2, w.sw3, DSK__MOE_F(st->hs1), DSK__MOE_F(st->hs3),
                                     DSK__MOE_F(st->as), ys);
     /* combine: slots in slot order, then the shared experts */
     DSK__MOE_OMP(omp parallel for schedule(static))
@@ -1041,7 +1045,7 @@ static dsk_status dsk__moe_backward_cpu(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx
     dsk__moe_to_f32(dyf, dy->data, o->dtype, T * D);
     /* shared experts: dxf written here (or zeroed) */
     if (Fs > 0)
-        dsk__moe_swiglu_bwd(st, T, D, Fs, DSK__MOE_F(st->xf), w.sw1, w.sw2, w.sw3, DSK__MOE_F(st->hs1), DSK__MOE_F(st->hs3),
+        dsk__moe_swiglu_bwd(st->n_threads, T, D, Fs, DSK__MOE_F(st->xf), w.sw1, w.sw2, w.sw3, DSK__MOE_F(st->hs1), DSK__MOE_F(st->hs3),
                             DSK__MOE_F(st->as), dyf, DSK__MOE_F(st->dhs1), DSK__MOE_F(st->dhs3), dxf,
                             (float *)m->sw1->grad.data, (float *)m->sw2->grad.data, (float *)m->sw3->grad.data);
     else
@@ -1062,9 +1066,10 @@ static dsk_status dsk__moe_backward_cpu(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx
         for (int64_t d = 0; d < D; d++) dos[p * D + d] = g * dyf[(i / K) * D + d];
     }
     if ((s = dsk__moe_to_experts(m, ctx, dos, DSK__MOE_F(st->dxr), DSK__MOE_F(st->dor))) != DSK_OK) return s;
+    DSK__MOE_OMP(omp parallel for schedule(dynamic, 1) if (m->n_local > 1))
     for (int e = 0; e < m->n_local; e++) {
         int64_t r0 = st->local_off[e], n = st->local_off[e + 1] - r0;
-        dsk__moe_swiglu_bwd(st, n, D, F, DSK__MOE_F(st->xr) + r0 * D, w.w1 + e * F * D, w.w2 + e * D * F, w.w3 + e * F * D,
+        dsk__moe_swiglu_bwd(m->n_local > 1 ? 1 : st->n_threads, n, D, F, DSK__MOE_F(st->xr) + r0 * D, w.w1 + e * F * D, w.w2 + e * D * F, w.w3 + e * F * D,
                             DSK__MOE_F(st->h1) + r0 * F, DSK__MOE_F(st->h3) + r0 * F, DSK__MOE_F(st->a) + r0 * F,
                             DSK__MOE_F(st->dor) + r0 * D, DSK__MOE_F(st->dh1) + r0 * F, DSK__MOE_F(st->dh3) + r0 * F,
                             DSK__MOE_F(st->dxr) + r0 * D, (float *)m->w1->grad.data + e * F * D,
@@ -1085,8 +1090,8 @@ static dsk_status dsk__moe_backward_cpu(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx
             for (int64_t d = 0; d < D; d++) dxf[t * D + d] += dxp[(int64_t)p * D + d];
         }
     }
-    dsk__moe_gemm(st, 0, 0, T, D, E, du, E, (const float *)m->router->value.data, D, 1.0f, dxf, D);
-    dsk__moe_gemm(st, 1, 0, E, D, T, du, E, DSK__MOE_F(st->xf), D, 1.0f, (float *)m->router->grad.data, D);
+    dsk__moe_gemm(st->n_threads, 0, 0, T, D, E, du, E, (const float *)m->router->value.data, D, 1.0f, dxf, D);
+    dsk__moe_gemm(st->n_threads, 1, 0, E, D, T, du, E, DSK__MOE_F(st->xf), D, 1.0f, (float *)m->router->grad.data, D);
     dsk__moe_store(m, dx, dxf, T * D, 1);
     return DSK_OK;
 }
