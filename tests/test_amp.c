@@ -539,6 +539,56 @@ static void test_step_skip_and_apply(void) {
     free_params(p, NP);
 }
 
+/* Stochastic copies depend only on (seed, tensor, step): stopping after step 3, saving masters
+   and moments and resuming in fresh tensors gives the straight run's bytes; a parameter
+   without a copy is updated all the same. */
+static void test_step_resume_stochastic(void) {
+    enum { NP = 2, STEPS = 6, STOP = 3 };
+    const int64_t sizes[NP] = {129, 33};
+    param_set a[NP], b[NP];
+    dsk_amp_param pa[NP], pb[NP];
+    dsk_adamw_opts ao;
+    dsk_amp_stats good = {0.0, 2.0};
+    dsk_amp_decision d = dsk_amp_decide(good, 0.0);
+    int differs_from_rne = 0;
+    uint64_t saved = dsk_test_g.rng;
+    memset(&ao, 0, sizeof ao);
+    ao.lr = 3e-3f;
+    make_params(a, pa, NP, sizes, DSK_F16);
+    dsk_test_g.rng = saved; /* the same random start for run b */
+    make_params(b, pb, NP, sizes, DSK_F16);
+    pa[1].copy = pb[1].copy = NULL;
+    for (int64_t step = 1; step <= STEPS; step++) {
+        DSK_TEST_OK(dsk_amp_step(NULL, pa, NP, &ao, step, &d, DSK_ROUND_STOCHASTIC, 99));
+        if (step <= STOP) DSK_TEST_OK(dsk_amp_step(NULL, pb, NP, &ao, step, &d, DSK_ROUND_STOCHASTIC, 99));
+    }
+    {
+        /* "checkpoint" run b: fresh tensors holding its masters and moments, copies not saved */
+        param_set c[NP];
+        dsk_amp_param pc[NP];
+        make_params(c, pc, NP, sizes, DSK_F16);
+        for (int i = 0; i < NP; i++) {
+            memcpy(c[i].master.data, b[i].master.data, dsk_tensor_nbytes(&b[i].master));
+            memcpy(c[i].m.data, b[i].m.data, dsk_tensor_nbytes(&b[i].m));
+            memcpy(c[i].v.data, b[i].v.data, dsk_tensor_nbytes(&b[i].v));
+            memcpy(c[i].grad.data, a[i].grad.data, dsk_tensor_nbytes(&a[i].grad));
+        }
+        pc[1].copy = NULL;
+        for (int64_t step = STOP + 1; step <= STEPS; step++) DSK_TEST_OK(dsk_amp_step(NULL, pc, NP, &ao, step, &d, DSK_ROUND_STOCHASTIC, 99));
+        for (int i = 0; i < NP; i++) {
+            DSK_TEST_SAME_BYTES(a[i].master.data, c[i].master.data, dsk_tensor_nbytes(&a[i].master), "resumed master");
+            DSK_TEST_SAME_BYTES(a[i].v.data, c[i].v.data, dsk_tensor_nbytes(&a[i].v), "resumed v");
+        }
+        DSK_TEST_SAME_BYTES(a[0].copy.data, c[0].copy.data, dsk_tensor_nbytes(&a[0].copy), "resumed stochastic copy");
+        for (int64_t k = 0; k < sizes[0]; k++)
+            differs_from_rne += ((uint16_t *)a[0].copy.data)[k] != dsk_f32_to_f16(((float *)a[0].master.data)[k]);
+        DSK_TEST_EXPECT(differs_from_rne > 0, "stochastic copies all equal RNE: rounding was not stochastic");
+        free_params(c, NP);
+    }
+    free_params(a, NP);
+    free_params(b, NP);
+}
+
 /* ---------------------------------------------------------------- casts, stochastic rounding */
 
 /* The two neighbours of x in dt (lo <= x <= hi), found by walking codes independently. */
@@ -1083,6 +1133,7 @@ int main(void) {
     DSK_TEST_RUN(test_sharded_ranks_join);
     DSK_TEST_RUN(test_norm_and_clip);
     DSK_TEST_RUN(test_step_skip_and_apply);
+    DSK_TEST_RUN(test_step_resume_stochastic);
     dsk_test_begin("stochastic rounding bf16"); test_stochastic_rounding(DSK_BF16); dsk_test_end();
     dsk_test_begin("stochastic rounding f16"); test_stochastic_rounding(DSK_F16); dsk_test_end();
     dsk_test_begin("fp8 e4m3 round trip and overflow"); test_fp8_round_trip(DSK_E4M3); dsk_test_end();
