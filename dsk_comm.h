@@ -32,11 +32,14 @@
      only that part from every peer, pieces of opts.piece_bytes) and then all-gathered:
      each rank sends and receives 2(n-1)/n of the buffer, like a ring, but with no partial
      sums on the wire (bf16 stays bf16 on the wire yet is reduced in f32).
+     Every rank must use the same small_bytes and piece_bytes (a difference is reported as a
+     mismatch).
    - Every message carries a header (collective, dtype, count, op, root, call number), so
      mismatched calls on different ranks fail with DSK_ERR_PEER naming both sides.
    - Every wait ends by opts.timeout_s: DSK_ERR_TIMEOUT or DSK_ERR_PEER naming the rank.
-     After such an error the communicator is unusable (DSK_ERR_STATE) until freed; its
-     sockets are half-closed so that peers fail fast instead of waiting for the timeout.
+     After such an error the communicator is unusable (DSK_ERR_STATE) until freed; the
+     error is published in the store and the sockets are half-closed, so peers fail fast
+     and report the root cause ("rank 1 hung up ... after its own error: ...").
    - A communicator is not thread-safe: one call at a time. Gradient buckets use their own
      communicator (split at init), so the parent stays free during backward.
    Every rank must issue the same collectives in the same order (as with NCCL and MPI).
@@ -1069,8 +1072,8 @@ static void dsk__comm_io_post(dsk__comm_io *op, int peer, int is_send, const dsk
 static void dsk__comm_fold(dsk_dtype dt, dsk_comm_op op, int n, const void *const *src, void *dst, int64_t len, void *acc) {
     if (dsk_dtype_is_float(dt)) {
         /* blocks that stay in cache; per-rank loops without branches so they vectorise */
-        enum { B = 2048 };
-        float conv[B];
+        const int64_t B = 2048;
+        float conv[2048];
         for (int64_t b = 0; b < len; b += B) {
             int64_t nb = len - b < B ? len - b : B;
             float *a = (float *)acc + b;
@@ -1511,8 +1514,8 @@ static dsk_status dsk__comm_nccl_init(dsk_comm *c, const char *fn, double t0) {
     }
     cfg.blocking = 0;
     if ((st = dsk__comm_nccl_check(c, fn, ncclCommInitRankConfig(&m->nccl, c->world_size, id, c->rank, &cfg),
-                              "ncclCommInitRankConfig")) != DSK_OK)
-        return st;
+                                   "ncclCommInitRankConfig")) != DSK_OK)
+        return dsk__comm_break(c, st); /* aborts what init left */
     if ((st = dsk__comm_nccl_settle(c, fn, m->nccl, t0, "ncclCommInitRankConfig")) != DSK_OK) return st;
     if ((ce = cudaMalloc(&m->nccl_flag, sizeof(float))) != cudaSuccess) {
         m->nccl_flag = NULL;
