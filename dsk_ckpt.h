@@ -26,6 +26,9 @@
    of the barrier callback (prepare, files durable, manifest durable); every rank makes all
    three calls even when its own part failed, so a failure anywhere leaves no manifest and
    every rank sees an error. With dsk_ckpt_save_async the barrier runs on a background thread.
+   With dsk_comm.h the barrier is one line, on a communicator of its own (dsk_comm_split) so
+   that an async save never shares one with training's collectives:
+     static dsk_status ckpt_barrier(void *c) { return dsk_comm_barrier((dsk_comm *)c, NULL); }
    Loading reads any checkpoint into tensors of any split: a rank asks for rows of the global
    tensor and the loader reads them from whichever rank files hold them (resharding 4 -> 2,
    2 -> 4, ...), checking dtype, shape and every CRC32C on the way.

@@ -1308,6 +1308,8 @@ static void test_sigkill_during_save(void) {
             DSK_TEST_EXPECT(0, "trial %d: the writer failed to resume", t);
             failures++;
         }
+        /* every 4th trial lets one save finish first, so checkpoints accumulate on any disk */
+        if (t % 4 == 3 && read(fds[0], &step, sizeof step) == (ssize_t)sizeof step) done = step;
         sleep_us((long)dsk_test_rand_int(100000)); /* a save takes ~10-70 ms here (fsyncs) */
         kill(pid, SIGKILL);
         waitpid(pid, &st, 0);
@@ -1330,7 +1332,7 @@ static void test_sigkill_during_save(void) {
     }
     printf("     %d trials, %d killed with a save half-written, newest step %lld\n", trials, mid_save, (long long)prev_latest);
     DSK_TEST_EXPECT(mid_save >= trials / 6, "only %d of %d kills landed inside a save", mid_save, trials);
-    DSK_TEST_EXPECT(prev_latest >= 1, "the writers never completed a checkpoint");
+    DSK_TEST_EXPECT(prev_latest >= trials / 4, "only %lld checkpoints completed", (long long)prev_latest + 1);
 }
 
 /* ------------------------------------------------------------ bad arguments */
