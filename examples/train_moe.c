@@ -877,21 +877,25 @@ static dsk_status save_checkpoint(trainer *t) {
 
 static dsk_status meta_int(const dsk_ckpt_meta *meta, const char *key, int64_t *v) { return dsk_ckpt_meta_i64(meta, key, v); }
 
-/* Restores weights, moments, biases, scaler, step counters and data position. */
+/* Restores weights, moments, biases, scaler, step counters and data position; the
+   configuration recorded in the checkpoint is checked first, for a message that says
+   which setting differs rather than which tensor. */
 static dsk_status load_checkpoint(trainer *t, int64_t step) {
     tm_model *m = &t->model;
     dsk_ckpt_meta meta;
-    memset(&meta, 0, sizeof meta);
-    ck_names c = ck_entries(t);
-    dsk_status s = dsk_ckpt_load(&t->ck, step, c.e, c.n, &meta);
-    free(c.name);
-    free(c.e);
     char cfg[512];
     config_string(t, cfg, sizeof cfg);
+    dsk_status s = dsk_ckpt_load(&t->ck, step, NULL, 0, &meta);
     const char *saved = s == DSK_OK ? dsk_ckpt_meta_get(&meta, "train.config") : NULL;
     if (s == DSK_OK && (!saved || strcmp(saved, cfg) != 0))
         s = dsk_set_error(DSK_ERR_ARG, "checkpoint step %lld in %s was written with \"%s\", this run has \"%s\"", (long long)step,
                           t->o->ckpt_dir, saved ? saved : "(no configuration)", cfg);
+    dsk_ckpt_meta_free(&meta);
+    if (s != DSK_OK) return s;
+    ck_names c = ck_entries(t);
+    s = dsk_ckpt_load(&t->ck, step, c.e, c.n, &meta);
+    free(c.name);
+    free(c.e);
     int64_t st_step = 0, applied = 0, pos = 0, tracker = 0, hyst = 0;
     double scale = 0;
     if (s == DSK_OK) s = meta_int(&meta, "train.step", &st_step);
