@@ -13,8 +13,9 @@
    (torchrun --no-python, srun, mpirun) so dsk_comm_init_env finds the environment; buffers
    are device memory.
 
-   Usage: comm_bench [-n ranks] [-b min_bytes] [-e max_bytes] [-c all_reduce|reduce_scatter|
-                     all_gather|all_to_all|all] [--mpi] [--nccl] */
+   Usage: comm_bench [-n ranks] [-b min_bytes] [-e max_bytes] [-f factor] [-c all_reduce|
+                     reduce_scatter|all_gather|all_to_all|all] [--mpi] [--nccl]
+   Sizes go from -b (8) by -f (4) to exactly -e (256 MiB). */
 #define DSK_TENSOR_IMPLEMENTATION
 #define DSK_COMM_IMPLEMENTATION
 #include "dsk_comm.h"
@@ -32,7 +33,7 @@ enum { AR, RS, AG, A2A, NCOLL };
 static const char *coll_names[NCOLL] = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all"};
 
 typedef struct cfg {
-    int n, which, mpi, nccl;
+    int n, which, mpi, nccl, factor;
     long long lo, hi;
     double mpi_us[40]; /* by size index */
     int have_mpi;
@@ -99,6 +100,12 @@ static long long wrong_values(dsk_comm *c, dsk_ctx *ctx, int coll, float *send, 
         wrong += dst[i] != want;
     }
     return wrong;
+}
+
+/* The size after `bytes`: times factor, ending exactly at hi; 0 after hi. */
+static long long next_size(long long bytes, const cfg *g) {
+    if (bytes >= g->hi) return 0;
+    return bytes * g->factor < g->hi ? bytes * g->factor : g->hi;
 }
 
 /* Median seconds per call over 5 repeats of k calls, the slowest rank's. */
@@ -171,7 +178,7 @@ static int rank_main(dsk_comm *c, const cfg *g) {
         }
         double last_bus = 0, min_ratio = 1e30;
         long long last_bytes = 0;
-        for (long long bytes = g->lo, si = 0; bytes <= g->hi; bytes *= 4, si++) {
+        for (long long bytes = g->lo, si = 0; bytes; bytes = next_size(bytes, g), si++) {
             double t[2];
             long long wrong[2];
             long long eff = bytes / (4 * n) * (4 * n); /* a multiple of 4 n so blocks are even */
@@ -231,8 +238,8 @@ static void run_mpi_peer(cfg *g) {
     if (k <= 0) return;
     self[k] = 0;
     *strrchr(self, '/') = 0;
-    snprintf(cmd, sizeof cmd, "mpirun --allow-run-as-root --oversubscribe -np %d %s/mpi_allreduce %lld %lld 2>&1", g->n, self,
-             g->lo, g->hi);
+    snprintf(cmd, sizeof cmd, "mpirun --allow-run-as-root --oversubscribe -np %d %s/mpi_allreduce %lld %lld %d 2>&1", g->n, self,
+             g->lo, g->hi, g->factor);
     printf("# peer: %s\n", cmd);
     fflush(stdout);
     if (!(p = popen(cmd, "r"))) return;
@@ -241,7 +248,7 @@ static void run_mpi_peer(cfg *g) {
         double us;
         if (sscanf(line, "mpi %lld %lf", &bytes, &us) == 2) {
             int si = 0;
-            for (long long b = g->lo; b < bytes; b *= 4) si++;
+            for (long long b = g->lo; b && b < bytes; b = next_size(b, g)) si++;
             if (si < 40) { g->mpi_us[si] = us; g->have_mpi = 1; }
         } else {
             printf("# mpirun: %s", line);
@@ -259,10 +266,12 @@ int main(int argc, char **argv) {
     g.which = -1;
     g.lo = 8;
     g.hi = 256ll << 20;
+    g.factor = 4;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "-n") && i + 1 < argc) g.n = atoi(argv[++i]);
         else if (!strcmp(argv[i], "-b") && i + 1 < argc) g.lo = atoll(argv[++i]);
         else if (!strcmp(argv[i], "-e") && i + 1 < argc) g.hi = atoll(argv[++i]);
+        else if (!strcmp(argv[i], "-f") && i + 1 < argc) g.factor = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--mpi")) g.mpi = 1;
         else if (!strcmp(argv[i], "--nccl")) g.nccl = 1;
         else if (!strcmp(argv[i], "-c") && i + 1 < argc) {
@@ -272,11 +281,11 @@ int main(int argc, char **argv) {
                 if (!strcmp(w, coll_names[c])) g.which = c;
             if (g.which < 0 && strcmp(w, "all")) { fprintf(stderr, "unknown collective %s\n", w); return 2; }
         } else {
-            fprintf(stderr, "usage: %s [-n ranks] [-b min_bytes] [-e max_bytes] [-c collective|all] [--mpi] [--nccl]\n", argv[0]);
+            fprintf(stderr, "usage: %s [-n ranks] [-b min_bytes] [-e max_bytes] [-f factor] [-c collective|all] [--mpi] [--nccl]\n", argv[0]);
             return 2;
         }
     }
-    if (g.n < 1 || g.n > 64 || g.lo < 4 || g.hi < g.lo) { fprintf(stderr, "bad -n/-b/-e\n"); return 2; }
+    if (g.n < 1 || g.n > 64 || g.lo < 4 || g.hi < g.lo || g.factor < 2) { fprintf(stderr, "bad -n/-b/-e/-f\n"); return 2; }
     if (g.nccl) {
         /* one process per GPU, started by a launcher */
         dsk_comm c;

@@ -2,7 +2,7 @@
    timed the way comm_bench times dsk: warm-up, 5 repeats of k calls, the median per call,
    the slowest rank. Prints "mpi <bytes> <microseconds>" per size. Built with mpicc by the
    Makefile block for comm_bench; comm_bench runs it under mpirun in the same run.
-   Usage: mpirun -np N mpi_allreduce MIN_BYTES MAX_BYTES */
+   Usage: mpirun -np N mpi_allreduce MIN_BYTES MAX_BYTES FACTOR (sizes MIN * FACTOR^k, then MAX) */
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,6 +16,7 @@ static int cmp_double(const void *a, const void *b) {
 int main(int argc, char **argv) {
     int rank, size;
     long long lo = argc > 1 ? atoll(argv[1]) : 8, hi = argc > 2 ? atoll(argv[2]) : (256ll << 20);
+    int factor = argc > 3 ? atoi(argv[3]) : 4;
     float *send, *recv;
     MPI_Init(&argc, &argv);
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
@@ -24,7 +25,8 @@ int main(int argc, char **argv) {
     recv = (float *)malloc((size_t)hi);
     for (long long i = 0; i < hi / 4; i++) send[i] = (float)(rank + 1);
     memset(recv, 0, (size_t)hi);
-    for (long long bytes = lo; bytes <= hi; bytes *= 4) {
+    if (factor < 2) factor = 2;
+    for (long long bytes = lo; bytes; bytes = bytes >= hi ? 0 : bytes * factor < hi ? bytes * factor : hi) {
         int count = (int)(bytes / 4), k = (int)(bytes >= (64ll << 20) ? 1 : (64ll << 20) / bytes > 50 ? 50 : (64ll << 20) / bytes);
         double t[5], med, worst;
         MPI_Allreduce(send, recv, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
