@@ -62,6 +62,36 @@ static void write_f32(dsk_ctx *ctx, FILE *f, const dsk_tensor *t) {
     free(h);
 }
 
+#ifdef DSK_CUDA
+/* The expert GEMMs against dense cuBLAS: one bf16 GEMM of all T*K routed rows (M = T*K, N = F,
+   K = D) timed alone gives the throughput a perfectly batched layer could reach. */
+static void report_dense_gemm(dsk_ctx *ctx, const shape *sh, int T, double layer_flops_s) {
+    int64_t M = (int64_t)T * sh->K, N = sh->F, Kd = sh->D;
+    int64_t sa[2] = {M, Kd}, sb[2] = {N, Kd}, sc[2] = {M, N};
+    dsk_tensor a, b, c;
+    double t[10];
+    CHECK(dsk_tensor_alloc(ctx, &a, DSK_BF16, 2, sa));
+    CHECK(dsk_tensor_alloc(ctx, &b, DSK_BF16, 2, sb));
+    CHECK(dsk_tensor_alloc(ctx, &c, DSK_F32, 2, sc));
+    CHECK(dsk_tensor_uniform(ctx, &a, 7, 0, -1, 1));
+    CHECK(dsk_tensor_uniform(ctx, &b, 8, 0, -1, 1));
+    for (int i = 0; i < 12; i++) {
+        double t0 = now_s();
+        CHECK(dsk_cuda_moe_gemm(ctx, 0, 1, M, N, Kd, a.data, Kd, b.data, Kd, DSK_BF16, 0.0f, c.data, N, DSK_F32));
+        CHECK(dsk_ctx_sync(ctx));
+        if (i >= 2) t[i - 2] = now_s() - t0;
+    }
+    {
+        double dense = 2.0 * (double)M * N * Kd / median(t, 10);
+        printf("%-7s dense cuBLAS bf16 GEMM %lldx%lldx%lld: %.1f TFLOP/s; the whole layer runs at %.1f TFLOP/s = %.0f%% of it\n",
+               sh->name, (long long)M, (long long)N, (long long)Kd, dense * 1e-12, layer_flops_s * 1e-12, 100.0 * layer_flops_s / dense);
+        printf("summary: moe %s cuda: layer %.1f TFLOP/s = %.0f%% of dense cuBLAS %.1f TFLOP/s\n", sh->name, layer_flops_s * 1e-12,
+               100.0 * layer_flops_s / dense, dense * 1e-12);
+    }
+    dsk_tensor_free(ctx, &a); dsk_tensor_free(ctx, &b); dsk_tensor_free(ctx, &c);
+}
+#endif
+
 static void run_shape(const shape *sh, int T, int warmup, int repeats, const char *python, dsk_ctx *ctx) {
     dsk_moe m;
     dsk_moe_opts o;
@@ -109,18 +139,27 @@ static void run_shape(const shape *sh, int T, int warmup, int repeats, const cha
     if (sh->n_shared) { write_f32(ctx, f, &m.sw1->value); write_f32(ctx, f, &m.sw2->value); write_f32(ctx, f, &m.sw3->value); }
     write_f32(ctx, f, &y);
     fclose(f);
-    snprintf(cmd, sizeof cmd, "%s bench/moe_torch.py %s %d %d %d %d %d %d %d %d %g %d %d %d %d %d", python, path, T, sh->D, sh->E,
-             sh->K, sh->F, (int)Fs, sh->score == DSK_MOE_SIGMOID, m.opts.norm == DSK_MOE_NORM_ON, (double)sh->scale,
-             m.opts.n_group, m.opts.topk_group, warmup, repeats, ctx->n_threads > 0 ? ctx->n_threads : 2);
+    snprintf(cmd, sizeof cmd, "%s bench/moe_torch.py %s %d %d %d %d %d %d %d %d %g %d %d %d %d %d %s", python, path, T, sh->D,
+             sh->E, sh->K, sh->F, (int)Fs, sh->score == DSK_MOE_SIGMOID, m.opts.norm == DSK_MOE_NORM_ON, (double)sh->scale,
+             m.opts.n_group, m.opts.topk_group, warmup, repeats, ctx->n_threads > 0 ? ctx->n_threads : 2,
+             ctx->device.type == DSK_DEV_CUDA ? "cuda" : "cpu");
     p = popen(cmd, "r");
     while (p && fgets(line, sizeof line, p)) sscanf(line, "torch_ms=%lf maxrel=%lf", &torch_ms, &maxrel);
     if (p) pclose(p);
     remove(path);
-    if (torch_ms > 0)
+    if (torch_ms > 0) {
         printf("%-7s PyTorch %.1f ms/step, %.0f tokens/s (outputs agree to %.2g relative)   ratio dsk/PyTorch: %.2fx\n", sh->name,
                torch_ms, T / (torch_ms * 1e-3), maxrel, torch_ms / dsk_ms);
-    else
+        printf("summary: moe %s %s: dsk %.0f tok/s, PyTorch %.0f tok/s, %.2fx\n", sh->name, ctx->device.type == DSK_DEV_CUDA ? "cuda bf16" : "cpu f32",
+               T / (dsk_ms * 1e-3), T / (torch_ms * 1e-3), torch_ms / dsk_ms);
+    } else {
         printf("%-7s PyTorch peer did not run (%s)\n", sh->name, cmd);
+        printf("summary: moe %s %s: dsk %.0f tok/s, no PyTorch peer\n", sh->name, ctx->device.type == DSK_DEV_CUDA ? "cuda bf16" : "cpu f32",
+               T / (dsk_ms * 1e-3));
+    }
+#ifdef DSK_CUDA
+    if (ctx->device.type == DSK_DEV_CUDA) report_dense_gemm(ctx, sh, T, flops_tok * T / (dsk_ms * 1e-3));
+#endif
     fflush(stdout);
     dsk_tensor_free(ctx, &x); dsk_tensor_free(ctx, &y); dsk_tensor_free(ctx, &dx); dsk_tensor_free(ctx, &dy);
     dsk_moe_free(&m, ctx);

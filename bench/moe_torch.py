@@ -4,7 +4,8 @@ the experts with a boolean mask, weighted sum over the top-k, add the shared exp
 inputs and weights that bench_moe wrote, timed forward + backward. Prints one line:
     torch_ms=<median ms> maxrel=<max |y_torch - y_dsk| / max |y_dsk|>
 Usage (bench_moe runs it): /usr/bin/python3 bench/moe_torch.py FILE T D E K F Fs SIGMOID NORM SCALE
-                           N_GROUP TOPK_GROUP WARMUP REPEATS THREADS
+                           N_GROUP TOPK_GROUP WARMUP REPEATS THREADS DEVICE
+DEVICE cpu: f32; cuda: bf16 weights and activations, f32 router (prints torch_ms=0 without CUDA).
 """
 import sys
 import time
@@ -38,7 +39,7 @@ class Expert(torch.nn.Module):
 
 
 def gate(x, router, bias, K, sigmoid, norm, scale, n_group, topk_group):
-    logits = F.linear(x.float(), router)
+    logits = F.linear(x.float(), router.float())
     scores = logits.sigmoid() if sigmoid else logits.softmax(dim=-1)
     choice = scores.detach() + bias  # selection only: the bias never enters the weights
     T, E = choice.shape
@@ -52,7 +53,7 @@ def gate(x, router, bias, K, sigmoid, norm, scale, n_group, topk_group):
     w = scores.gather(1, topk_idx)
     if norm:
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-    return topk_idx, w * scale
+    return topk_idx, (w * scale).to(x.dtype)
 
 
 def moe_forward(x, p, experts, shared, cfg):
@@ -76,9 +77,15 @@ def main():
     T, D, E, K, F_, Fs, sig, norm = (int(v) for v in a[2:10])
     scale = float(a[10])
     n_group, topk_group, warmup, repeats, threads = (int(v) for v in a[11:16])
+    dev = a[16] if len(a) > 16 else "cpu"
+    if dev == "cuda" and not torch.cuda.is_available():
+        print("torch_ms=0 maxrel=-1")
+        return
     torch.set_num_threads(threads)
     cfg = dict(T=T, D=D, E=E, K=K, sigmoid=sig, norm=norm, scale=scale, n_group=n_group, topk_group=topk_group)
     p = load(path, T, D, E, F_, Fs)
+    if dev == "cuda":  # bf16 compute, router and bias in f32 as in dsk
+        p = {k: v.cuda() if k in ("router", "bias", "y") else v.cuda().bfloat16() for k, v in p.items()}
     w1, w2, w3 = p["w1"].view(E, F_, D), p["w2"].view(E, D, F_), p["w3"].view(E, F_, D)
     experts = torch.nn.ModuleList([Expert(w1[i].clone(), w2[i].clone(), w3[i].clone()) for i in range(E)])
     shared = Expert(p["s1"].view(Fs, D), p["s2"].view(D, Fs), p["s3"].view(Fs, D)) if Fs > 0 else None
@@ -93,11 +100,13 @@ def main():
         t0 = time.perf_counter()
         y = moe_forward(x, p, experts, shared, cfg)
         y.backward(dy)
+        if dev == "cuda":
+            torch.cuda.synchronize()
         t1 = time.perf_counter()
         if it >= warmup:
             times.append(t1 - t0)
     y_dsk = p["y"].view(T, D)
-    maxrel = (y.detach() - y_dsk).abs().max().item() / max(y_dsk.abs().max().item(), 1e-30)
+    maxrel = (y.detach().float() - y_dsk).abs().max().item() / max(y_dsk.abs().max().item(), 1e-30)
     print("torch_ms=%.3f maxrel=%.3g" % (1e3 * float(np.median(times)), maxrel))
 
 
