@@ -1242,14 +1242,20 @@ static dsk_status dsk__ck_check_device(const char *fn, const char *name, const d
     return DSK_OK;
 }
 
-/* Reads tensor t's bytes into buf and checks its CRC when the file has one. */
+/* Reads tensor t's bytes into buf and checks its CRC when the file has one; in 1 MiB pieces,
+   each checked while it is still in cache. */
 static dsk_status dsk__ck_read_tensor_bytes(const char *fn, dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t, void *buf) {
+    const size_t piece = (size_t)1 << 20;
     size_t n = (size_t)(t->end - t->begin);
     dsk_status s;
-    uint32_t crc;
+    uint32_t crc = 0;
     if (!f->has_fd) return dsk_set_error(DSK_ERR_STATE, "%s: tensor \"%s\": the file was parsed from memory, not opened", fn, t->name);
-    if ((s = dsk__ck_pread_all(fn, f->fd, buf, n, 8 + f->header_len + t->begin, f->path)) != DSK_OK) return s;
-    if (t->has_crc && (crc = dsk_ckpt_crc32c(0, buf, n)) != t->crc32c)
+    for (size_t off = 0; off < n; off += piece) {
+        size_t k = n - off < piece ? n - off : piece;
+        if ((s = dsk__ck_pread_all(fn, f->fd, (char *)buf + off, k, 8 + f->header_len + t->begin + off, f->path)) != DSK_OK) return s;
+        crc = dsk_ckpt_crc32c(crc, (char *)buf + off, k);
+    }
+    if (t->has_crc && crc != t->crc32c)
         return dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" in \"%s\": data crc32c %08x, header says %08x (data corrupt)", fn, t->name,
                              f->path, crc, t->crc32c);
     return DSK_OK;

@@ -4,7 +4,8 @@
      build-x/bench/bench_ckpt [MiB=1024] [repeats=3] [dir=$TMPDIR or /tmp]
 
    Tensors: MiB/16 tensors of 16 MiB, alternating f32 (2048, 2048) and bf16 (2048, 4096).
-   Peers, measured in the same run on the same disk (one warm-up, then `repeats`, median):
+   Peers, measured in the same run on the same disk (one warm-up, then `repeats`, median;
+   the raw and the dsk write alternate in order from one repeat to the next):
      raw write  the same bytes with write() in 8 MiB pieces, then fsync, into a new file
      raw read   those bytes back with pread() after dropping them from the page cache
      python     bench/ckpt_peer.py: safetensors.serialize_file of the same shapes and dtypes
@@ -128,17 +129,23 @@ int main(int argc, char **argv) {
     printf("# bench_ckpt: %d tensors, %.3f GB, %d repeats (+1 warm-up), dir %s\n", n, total / 1e9, reps, root);
 
     for (int r = -1; r < reps; r++) {
-        double dt_raw, dt_save, dt_read, dt_load, t0;
+        double dt_raw = 0, dt_save = 0, dt_read, dt_load, t0;
         char path[800];
-        unlink(raw_path);
-        dt_raw = raw_write(raw_path, t, n);
+        /* the disk is shared and its speed drifts: alternate which of the two writes goes first */
+        for (int k = 0; k < 2; k++) {
+            if ((k == 0) == (r % 2 == 0)) {
+                unlink(raw_path);
+                dt_raw = raw_write(raw_path, t, n);
+            } else {
+                snprintf(cmd, sizeof cmd, "rm -rf '%s'", ck_dir);
+                run(cmd);
+                t0 = now();
+                if (dsk_ckpt_save(&ck, 1, e, n, NULL, 0) != DSK_OK) die("save");
+                dt_save = now() - t0;
+            }
+        }
         dt_read = raw_read(raw_path, readbuf, total);
         unlink(raw_path);
-        snprintf(cmd, sizeof cmd, "rm -rf '%s'", ck_dir);
-        run(cmd);
-        t0 = now();
-        if (dsk_ckpt_save(&ck, 1, e, n, NULL, 0) != DSK_OK) die("save");
-        dt_save = now() - t0;
         snprintf(path, sizeof path, "%s/step_00000001/rank_00000.safetensors", ck_dir);
         drop_cache(path);
         t0 = now();
