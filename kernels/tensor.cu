@@ -341,20 +341,46 @@ __device__ __forceinline__ void dsk__offsets(const dsk__lay &L, int64_t i, int64
 
 /* ======================================================================= copy, fill, RNG */
 
-__global__ void dsk__k_copy_same(void *dst, const void *src, int es, dsk__lay L, int64_t n) {
+/* Element-wise strided copy: a thread per element (for short innermost rows). */
+__global__ void dsk__k_copy_elems(void *dst, int dtd, const void *src, int dts, int es, dsk__lay L, int64_t n) {
     DSK__FOR(i, n) {
         int64_t od, os;
         dsk__offsets(L, i, &od, &os);
-        dsk__mov(dst, od, src, os, es);
+        if (dtd == dts) dsk__mov(dst, od, src, os, es);
+        else dsk__st_any(dst, dtd, od, dsk__ld_any(src, dts, os));
     }
 }
 
-__global__ void dsk__k_copy_cast(void *dst, int dtd, const void *src, int dts, dsk__lay L, int64_t n) {
-    DSK__FOR(i, n) {
+/* Row-wise strided copy: a block per row of the innermost dim (`outer` indexes the rows), the
+   row's start offsets computed once, threads along the row. */
+__global__ void dsk__k_copy_rows(void *dst, int dtd, const void *src, int dts, int es, dsk__lay outer, int64_t rows, int64_t len,
+                                 int64_t sd, int64_t ss) {
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
         int64_t od, os;
-        dsk__offsets(L, i, &od, &os);
-        dsk__st_any(dst, dtd, od, dsk__ld_any(src, dts, os));
+        dsk__offsets(outer, r, &od, &os);
+        for (int64_t j = threadIdx.x; j < len; j += blockDim.x) {
+            if (dtd == dts) dsk__mov(dst, od + j * sd, src, os + j * ss, es);
+            else dsk__st_any(dst, dtd, od + j * sd, dsk__ld_any(src, dts, os + j * ss));
+        }
     }
+}
+
+/* Strided copy (with a cast when the dtypes differ) over the merged layout L. */
+static dsk_status dsk__copy_strided(dsk_ctx *ctx, const char *fn, dsk_tensor *dst, const dsk_tensor *src, dsk__lay L, int64_t n) {
+    int es = (int)dsk_dtype_size(src->dtype);
+    int64_t len = L.nd ? L.shape[L.nd - 1] : 1;
+    if (L.nd >= 2 && len >= 32) {
+        dsk__lay outer = L;
+        int64_t rows = n / len;
+        unsigned grid = (unsigned)(rows < 16384 ? rows : 16384);
+        outer.nd = L.nd - 1;
+        DSK__LAUNCH(fn, dsk__k_copy_rows, grid, dsk__row_threads(len), dsk__stream(ctx), n, dst->data, (int)dst->dtype, src->data,
+                    (int)src->dtype, es, outer, rows, len, L.sa[L.nd - 1], L.sb[L.nd - 1]);
+        return DSK_OK;
+    }
+    DSK__LAUNCH(fn, dsk__k_copy_elems, dsk__grid(n), DSK__THREADS, dsk__stream(ctx), n, dst->data, (int)dst->dtype, src->data,
+                (int)src->dtype, es, L, n);
+    return DSK_OK;
 }
 
 extern "C" dsk_status dsk_cuda_tensor_copy(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor *src) {
@@ -372,13 +398,8 @@ extern "C" dsk_status dsk_cuda_tensor_copy(dsk_ctx *ctx, dsk_tensor *dst, const 
             DSK__CU(fn, cudaMemcpyAsync(dst->data, src->data, dsk_tensor_nbytes(src), cudaMemcpyDeviceToDevice, dsk__stream(ctx)), detail);
             return DSK_OK;
         }
-        DSK__LAUNCH(fn, dsk__k_copy_same, dsk__grid(n), DSK__THREADS, dsk__stream(ctx), n, dst->data, src->data,
-                    (int)dsk_dtype_size(src->dtype), L, n);
-        return DSK_OK;
     }
-    DSK__LAUNCH(fn, dsk__k_copy_cast, dsk__grid(n), DSK__THREADS, dsk__stream(ctx), n, dst->data, (int)dst->dtype, src->data,
-                (int)src->dtype, L, n);
-    return DSK_OK;
+    return dsk__copy_strided(ctx, fn, dst, src, L, n);
 }
 
 __global__ void dsk__k_fill(void *t, int dt, dsk__lay L, int64_t n, double value) {

@@ -611,7 +611,9 @@ int main(void) {
     CASE(test_copy_strided(DSK_F32, DSK_F32, 7, 129), "strided copy f32 -> f32 (7, 129)");
     CASE(test_copy_strided(DSK_F32, DSK_BF16, 1, 33), "strided copy f32 -> bf16 (1, 33)");
     CASE(test_copy_strided(DSK_BF16, DSK_F16, 129, 7), "strided copy bf16 -> f16 (129, 7)");
+    CASE(test_copy_strided(DSK_F32, DSK_F32, 129, 7), "strided copy f32 -> f32 (129, 7)");
     CASE(test_copy_strided(DSK_I64, DSK_I64, 5, 9), "strided copy i64 -> i64 (5, 9)");
+    CASE(test_copy_strided(DSK_I64, DSK_I64, 40, 9), "strided copy i64 -> i64 (40, 9)");
     CASE(test_fill(DSK_F32, 0.0), "fill f32 0");
     CASE(test_fill(DSK_F32, -0.0), "fill f32 -0");
     CASE(test_fill(DSK_BF16, 3.14159), "fill bf16 pi");
