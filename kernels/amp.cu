@@ -199,14 +199,19 @@ extern "C" dsk_status dsk_cuda_amp_update(dsk_ctx *ctx, void *block, const struc
 
 /* ======================================================================= casts */
 
-__global__ static void dsk_amp__cast_kernel(void *dst, int dt, const float *src, int64_t n, int stochastic, uint64_t key) {
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        if (!stochastic || dt == DSK_F32) {
-            dsk_amp_store(dst, (dsk_dtype)dt, i, src[i]);
-        } else {
-            uint32_t r = dsk_amp_sr_bits(key, (uint64_t)i);
-            ((uint16_t *)dst)[i] = dt == DSK_BF16 ? dsk_f32_to_bf16_sr(src[i], r) : dsk_f32_to_f16_sr(src[i], r);
-        }
+__global__ static void dsk_amp__cast_kernel(void *dst, int dt, const float *src, int64_t n) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        dsk_amp_store(dst, (dsk_dtype)dt, i, src[i]);
+}
+
+/* One thread per group of four elements: one Philox call gives the four words that
+   dsk_amp_sr_bits hands to elements 4g .. 4g+3, as on the CPU. */
+__global__ static void dsk_amp__cast_sr_kernel(uint16_t *dst, int dt, const float *src, int64_t n, uint64_t key) {
+    for (int64_t g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; 4 * g < n; g += (int64_t)gridDim.x * blockDim.x) {
+        uint32_t r[4];
+        dsk_philox4x32(key, (uint64_t)g, r);
+        for (int k = 0; k < 4 && 4 * g + k < n; k++)
+            dst[4 * g + k] = dt == DSK_BF16 ? dsk_f32_to_bf16_sr(src[4 * g + k], r[k]) : dsk_f32_to_f16_sr(src[4 * g + k], r[k]);
     }
 }
 
@@ -215,8 +220,11 @@ extern "C" dsk_status dsk_cuda_amp_cast(dsk_ctx *ctx, dsk_tensor *dst, const dsk
     int64_t n = dsk_tensor_numel(src);
     DSK_AMP__TRY(dsk_amp__need(fn, ctx));
     if (n == 0) return DSK_OK;
-    DSK_AMP__LAUNCH(fn, dsk_amp__cast_kernel, dsk_amp__grid(n), dsk_amp__stream(ctx), n, dst->data, (int)dst->dtype, (const float *)src->data, n,
-                    stochastic, key);
+    if (stochastic && dst->dtype != DSK_F32)
+        DSK_AMP__LAUNCH(fn, dsk_amp__cast_sr_kernel, dsk_amp__grid((n + 3) / 4), dsk_amp__stream(ctx), n, (uint16_t *)dst->data, (int)dst->dtype,
+                        (const float *)src->data, n, key);
+    else
+        DSK_AMP__LAUNCH(fn, dsk_amp__cast_kernel, dsk_amp__grid(n), dsk_amp__stream(ctx), n, dst->data, (int)dst->dtype, (const float *)src->data, n);
     return DSK_OK;
 }
 

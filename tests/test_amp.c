@@ -656,6 +656,19 @@ static void test_stochastic_rounding(dsk_dtype dt) {
             if (fabs(y - x) > fabs((lo == y ? hi : lo) - x) || (y != lo && y != hi)) { DSK_TEST_EXPECT(0, "nearest of %.9g gave %.9g", (double)x, y); break; }
         }
     }
+    /* the documented stream: element i rounds with word i % 4 of Philox(key, i / 4) */
+    {
+        uint64_t key = dsk_amp_sr_key(5, 6, 7);
+        int64_t off = 0;
+        fill_rand(&src, 1e-6, 1e4);
+        DSK_TEST_OK(dsk_amp_cast(NULL, &dst, &src, DSK_ROUND_STOCHASTIC, 5, 6, 7));
+        for (int64_t i = 0; i < N; i++) {
+            float x = ((float *)src.data)[i];
+            uint32_t r = dsk_amp_sr_bits(key, (uint64_t)i);
+            off += ((uint16_t *)dst.data)[i] != (dt == DSK_BF16 ? dsk_f32_to_bf16_sr(x, r) : dsk_f32_to_f16_sr(x, r));
+        }
+        DSK_TEST_EXPECT(off == 0, "%lld elements not rounded with their documented random word", (long long)off);
+    }
     DSK_TEST_EXPECT(failures == 0, "%d biased values", failures);
     dsk_tensor_free(NULL, &src); dsk_tensor_free(NULL, &dst); dsk_tensor_free(NULL, &again); dsk_tensor_free(NULL, &other);
 }
