@@ -53,7 +53,8 @@ step() {
   tail -n 25 "$STEP_OUT"
   case $kind in
     gpu-test | totals) result=$(grep -E '^\[.*\] totals: |^[0-9]+ passed, [0-9]+ failed' "$STEP_OUT" | tail -n 1) ;;
-    summary) result=$(grep -E '^summary: ' "$STEP_OUT" | sed 's/^summary: //' | paste -sd ';' -) ;;
+    summary) result=$(grep -E '^summary: ' "$STEP_OUT" | sed 's/^summary: //' | paste -sd ';' -)
+      [ -n "$result" ] || result=$(tail -n 1 "$STEP_OUT") ;;
     *) result=$(tail -n 1 "$STEP_OUT") ;;
   esac
   if [ "$rc" -eq 0 ]; then status=ok
@@ -88,10 +89,11 @@ if [ "$n_gpu_tests" -eq 0 ]; then rows+=("GPU tests|not built|0|no $BUILD/tests/
 # 3. GPU benchmarks.
 for b in "${GPU_BENCHES[@]}"; do
   IFS='|' read -r name limit cmd <<<"$b"
-  if [ -x "${cmd%% *}" ]; then
+  prog=$(printf '%s\n' $cmd | grep -m 1 "^$BUILD/")   # the program, after any `env VAR=...`
+  if [ -x "$prog" ]; then
     step "$name" "$limit" summary $cmd
   else
-    rows+=("$name|not built|0|${cmd%% *} missing"); failed_steps=$((failed_steps + 1))
+    rows+=("$name|not built|0|${prog:-no $BUILD/ program in: $cmd} missing"); failed_steps=$((failed_steps + 1))
   fi
 done
 
