@@ -10,7 +10,9 @@
    Layout of a checkpoint directory DIR (shared by every rank, e.g. a network file system):
      DIR/step_00001000/rank_00000.safetensors   one file per rank (safetensors format)
      DIR/step_00001000/manifest.json             written last by rank 0: marks completeness
-     DIR/latest                                   "step_00001000\n", updated after the manifest
+     DIR/latest                                   "step_00001000\n": the last completed save
+                                                   (for people and scripts; dsk_ckpt_latest
+                                                   scans the step directories instead)
    Every file is written to a temporary name in its directory, fsynced, renamed into place,
    then the directory is fsynced. A step directory without manifest.json is incomplete and is
    never loaded. Each rank file's __metadata__ holds "dsk.format", "dsk.step", "dsk.rank",
@@ -41,6 +43,13 @@
      dsk_ckpt_save_async(&ck, step, e, 2, kv, 1);   ... train on ... dsk_ckpt_wait(&ck);
      int64_t last; dsk_ckpt_latest("runs/ckpt", &last);
      if (last >= 0) dsk_ckpt_load(&ck, last, e, 2, &meta);
+   Cost: a save passes over each byte once (CRC32C on 1 MiB pieces just before writing them,
+   about 10 GB/s with SSE4.2), so it runs at the disk's write speed plus a few fsyncs; an
+   async save stalls the caller for one memory copy of this rank's tensors (the snapshot
+   buffer is kept for the next save). Loads read straight into contiguous host tensors of the
+   saved dtype and CRC each 1 MiB piece as it arrives.
+   Single files: dsk_ckpt_file_* read any safetensors file (validated as strictly as the
+   reference) and write one atomically, for interchange with Python and other tools.
    Byte order: little-endian hosts only (the format is little-endian).
    License: MIT, see the end of the file. */
 #if defined(DSK_CKPT_IMPLEMENTATION) && !defined(_POSIX_C_SOURCE) && !defined(_GNU_SOURCE) && !defined(_XOPEN_SOURCE)
