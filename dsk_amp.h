@@ -6,7 +6,7 @@
    Options: DSK_STATIC, DSK_MALLOC/DSK_FREE, DSK_CUDA, DSK_NO_CUDA as in dsk_tensor.h.
 
    One training step (every call runs on the scaler's device; on CUDA nothing below syncs
-   the host except the reads dsk_amp_scale_get and dsk_amp_stats_get, 4 and 16 bytes; the
+   the host except the reads dsk_amp_scale_get and dsk_amp_stats_get, 12 and 16 bytes; the
    trainer needs them on the host anyway, for its loss gradient and for AdamW's grad_mult):
 
        float s; dsk_amp_scale_get(ctx, &sc, &s);               // loss scale of this step
