@@ -2411,7 +2411,7 @@ static void *dsk__comm_bucket_thread(void *arg) {
         pthread_mutex_lock(&bi->mu);
         if (st != DSK_OK && bi->err == DSK_OK) {
             bi->err = st;
-            snprintf(bi->errmsg, sizeof bi->errmsg, "%s", dsk_last_error());
+            snprintf(bi->errmsg, sizeof bi->errmsg, "bucket %d (%zu elements): %.900s", b, cnt, dsk_last_error());
         }
         if (st == DSK_OK && bi->err == DSK_OK) {
             bi->bytes += cnt * esz;
@@ -2672,7 +2672,7 @@ DSK_API dsk_status dsk_comm_buckets_wait(dsk_comm_buckets *b) {
         b->bytes = bi->bytes;
         b->seconds = bi->seconds;
         b->reductions = bi->reductions;
-        if (bi->err) st = dsk_set_error(bi->err, "%s", bi->errmsg);
+        if (bi->err) st = dsk_set_error(bi->err, "%s: %s", fn, bi->errmsg);
         pthread_mutex_unlock(&bi->mu);
     }
     bi->in_pass = 0;

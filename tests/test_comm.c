@@ -668,6 +668,51 @@ static void rank_buckets(dsk_comm *c, void *argp) {
     free(before);
 }
 
+/* MAX and MIN propagate NaN, SUM does too; every rank agrees bitwise (checked against rank 0's bytes). */
+static void rank_nan(dsk_comm *c, void *arg) {
+    int n = c->world_size, me = c->rank;
+    float x[64], y[64], first[64];
+    (void)arg;
+    for (int o = 0; o < 4; o++) {
+        gen(x, DSK_F32, 64, 12000 + (uint64_t)o, me);
+        if (me == n - 1) x[5] = NAN;  /* NaN on the last rank ... */
+        if (me == 0) x[9] = NAN;      /* ... and on the first */
+        DSK_TEST_OK(dsk_comm_all_reduce(c, NULL, x, y, 64, DSK_F32, k_ops[o]));
+        DSK_TEST_EXPECT(y[5] != y[5] && y[9] != y[9], "%s: NaN did not propagate (%g, %g)", dsk_comm_op_name(k_ops[o]), y[5], y[9]);
+        memcpy(first, y, sizeof y);
+        DSK_TEST_OK(dsk_comm_broadcast(c, NULL, first, first, 64, DSK_F32, 0));
+        DSK_TEST_SAME_BYTES(y, first, sizeof y, "result differs from rank 0's");
+    }
+}
+
+/* A rank dies while buckets are in flight: wait() reports it, naming the rank. */
+static void rank_bucket_fault(dsk_comm *c, void *arg) {
+    int64_t counts[6] = {50000, 50000, 50000, 50000, 50000, 50000};
+    float *flat = (float *)malloc(300000 * sizeof(float));
+    dsk_comm_buckets b;
+    dsk_comm_bucket_opts bo;
+    dsk_status st;
+    double t0;
+    (void)arg;
+    gen(flat, DSK_F32, 300000, 13000, c->rank);
+    memset(&bo, 0, sizeof bo);
+    bo.first_bucket_bytes = bo.bucket_bytes = 200000; /* one parameter per bucket */
+    DSK_TEST_OK(dsk_comm_buckets_init(&b, c, NULL, flat, DSK_F32, 6, counts, &bo));
+    DSK_TEST_OK(dsk_comm_buckets_begin(&b, 1));
+    for (int i = 5; i >= 3; i--) DSK_TEST_OK(dsk_comm_buckets_mark_ready(&b, i));
+    if (c->rank == 1) raise(SIGKILL);
+    for (int i = 2; i >= 0; i--) DSK_TEST_OK(dsk_comm_buckets_mark_ready(&b, i));
+    t0 = dsk_test_now();
+    st = dsk_comm_buckets_wait(&b);
+    printf("     rank %d: buckets_wait %s after %.2f s: %s\n", c->rank, dsk_status_str(st), dsk_test_now() - t0, dsk_last_error());
+    DSK_TEST_EXPECT(st == DSK_ERR_PEER || st == DSK_ERR_TIMEOUT, "wait returned %s", dsk_status_str(st));
+    DSK_TEST_ERROR_MENTIONS("rank 1");
+    DSK_TEST_ERROR_MENTIONS("dsk_comm_buckets_wait: bucket ");
+    DSK_TEST_EXPECT(dsk_test_now() - t0 < 3.5, "wait took %.2f s for a 2 s timeout", dsk_test_now() - t0);
+    dsk_comm_buckets_free(&b);
+    free(flat);
+}
+
 /* ------------------------------------------------------------------ faults */
 
 static dsk_comm_opts fault_opts(double timeout) {
@@ -1234,6 +1279,15 @@ int main(int argc, char **argv) {
                 dsk_test_end();
             }
     }
+    coll_case("NaN propagates through sum, avg, max, min; ranks agree bitwise", rank_nan, 3, 0);
+    {
+        group g;
+        group_defaults(&g, 2);
+        g.opts = fault_opts(2.0);
+        dsk_test_begin("fault: rank 1 SIGKILLed with buckets in flight -> buckets_wait names it");
+        run_group(&g, rank_bucket_fault, NULL);
+        DSK_TEST_EXPECT(g.status[0] == 0 && g.status[1] == 128 + SIGKILL, "exit statuses %d %d", g.status[0], g.status[1]);
+    }
     DSK_TEST_RUN(case_store_timeout);
     dsk_test_begin("fault: rank 2 of 3 SIGKILLed mid-run, small messages");
     case_rank_dies(SIGKILL, 100);
@@ -1241,6 +1295,8 @@ int main(int argc, char **argv) {
     case_rank_dies(SIGKILL, 2 << 20);
     dsk_test_begin("fault: rank 2 of 3 SIGSTOPped mid-run -> timeout naming it");
     case_rank_dies(SIGSTOP, 1000);
+    dsk_test_begin("fault: rank 2 of 3 SIGSTOPped mid-run, 8 MB messages (sends block too)");
+    case_rank_dies(SIGSTOP, 2 << 20);
     dsk_test_begin("fault: mismatched count (2 ranks)");
     case_mismatch(2, 0);
     dsk_test_begin("fault: mismatched dtype (3 ranks)");
