@@ -1005,13 +1005,13 @@ static int dsk__comm_io_progress(dsk_comm *c, const char *fn, dsk__comm_io *op, 
             char what[160];
             dsk__comm_wire_describe(&op->hdr, what, sizeof what);
             char why[400];
-            const char *es = r == 0 ? "closed" : strerror(errno);
+            const char *es = r == 0 ? "end of stream" : strerror(errno);
             dsk__comm_peer_fault(c, op->peer, why, sizeof why);
             if (why[0])
                 return *err = dsk_set_error(DSK_ERR_PEER, "%s: rank %d hung up during %s after its own error: %s", fn,
                                             op->peer, what, why), -1;
-            return *err = dsk_set_error(DSK_ERR_PEER, "%s: connection to rank %d %s during %s (it exited, crashed or "
-                                        "failed an earlier call)", fn, op->peer, es, what), -1;
+            return *err = dsk_set_error(DSK_ERR_PEER, "%s: lost the connection to rank %d (%s) during %s: it exited, "
+                                        "crashed or failed an earlier call", fn, op->peer, es, what), -1;
         }
     }
     return 1;
