@@ -329,10 +329,14 @@ static inline DSK_HD void dsk_rope_rotate(float x0, float x1, float c, float s, 
    3-D operands (batch, rows, cols) form a strided batched product; a 2-D A or B is shared
    by every batch. A and B: same dtype, f32/bf16/f16; C: f32 or A's dtype; f32 accumulation.
    Each matrix needs unit stride in its last dim; leading strides are free (views work).
-   beta == 0 ignores C's prior contents (NaN included). */
+   beta == 0 ignores C's prior contents (NaN included). C must not overlap A or B. On the CPU
+   the result is bitwise the same for any ctx->n_threads (fixed summation order). */
 DSK_API dsk_status dsk_matmul(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, int trans_a,
                               const dsk_tensor *B, int trans_b, float alpha, float beta);
-/* Raw row-major f32 GEMM on the CPU: C = alpha*op(A)op(B) + beta*C with leading dims. */
+/* Raw row-major f32 GEMM on the CPU: C = alpha*op(A)op(B) + beta*C with leading dims
+   (op(A) is M x K, op(B) K x N); n_threads <= 0 means OpenMP's maximum. Packed, cache-blocked,
+   AVX2/FMA when compiled for it; same bits for any thread count. Cannot fail: without memory
+   for its packing buffers it computes the product unpacked. */
 DSK_API void dsk_sgemm_cpu(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha,
                            const float *A, int64_t lda, const float *B, int64_t ldb, float beta,
                            float *C, int64_t ldc, int n_threads);

@@ -1169,6 +1169,39 @@ static void test_attention(dsk_dtype dt) {
     }
 }
 
+/* L = sum (A B) * G over x = [A; B]: the gradients a training step gets from two matmuls. */
+static double tt_matmul_loss(const double *x, void *p) {
+    tt_ud *u = (tt_ud *)p;
+    const double *A = x, *B = x + u->R * u->D;
+    double l = 0;
+    for (int64_t i = 0; i < u->R; i++)
+        for (int64_t j = 0; j < u->C; j++) {
+            double s = 0;
+            for (int64_t k = 0; k < u->D; k++) s += A[i * u->D + k] * B[k * u->C + j];
+            l += s * u->g[i * u->C + j];
+        }
+    return l;
+}
+
+/* Backward of C = A B with the library's own transposed products, accumulating (beta = 1):
+   dA += dC B^T, dB += A^T dC, against central differences. */
+static void test_matmul_backward(void) {
+    int64_t M = 7, K = 13, N = 5;
+    dsk_tensor *A = tt_rand(DSK_F32, 2, SH(M, K), -1, 1), *B = tt_rand(DSK_F32, 2, SH(K, N), -1, 1), *dC = tt_rand(DSK_F32, 2, SH(M, N), -1, 1);
+    dsk_tensor *dA = tt_rand(DSK_F32, 2, SH(M, K), -1, 1), *dB = tt_rand(DSK_F32, 2, SH(K, N), -1, 1);
+    double *x = tt_zeros(M * K + K * N), *a0 = tt_vals(dA), *b0 = tt_vals(dB), *g;
+    tt_ud u;
+    memset(&u, 0, sizeof u);
+    u.R = M; u.D = K; u.C = N; u.g = tt_vals(dC);
+    memcpy(x, tt_vals(A), (size_t)(M * K) * sizeof(double));
+    memcpy(x + M * K, tt_vals(B), (size_t)(K * N) * sizeof(double));
+    g = tt_numgrad(tt_matmul_loss, x, M * K + K * N, &u);
+    DSK_TEST_OK(dsk_matmul(NULL, dA, dC, 0, B, 1, 1.0f, 1.0f));
+    DSK_TEST_OK(dsk_matmul(NULL, dB, A, 1, dC, 0, 1.0f, 1.0f));
+    TT_CHECK(dA, tt_plus(a0, g, M * K), 1e-5, 1e-6, "dA = dC B^T vs finite differences");
+    TT_CHECK(dB, tt_plus(b0, g + M * K, K * N), 1e-5, 1e-6, "dB = A^T dC vs finite differences");
+}
+
 /* bf16 / f16 inputs over the blocking edges, every transpose combination. */
 static void test_matmul_half_shapes(dsk_dtype dt, int ta, int tb) {
     static const int64_t s[4] = {1, 7, 33, 130};
@@ -1451,6 +1484,8 @@ int main(void) {
             TT_CASE("matmul %s shapes in {1,7,33,130}^3, batches, broadcast, trans_a %d trans_b %d", dsk_dtype_name(tt_floats[d]), t >> 1, t & 1);
             test_matmul_half_shapes(tt_floats[d], t >> 1, t & 1);
         }
+    TT_CASE("matmul backward (dA, dB accumulated) vs finite differences");
+    test_matmul_backward();
     TT_CASE("matmul K = 0 and alpha = 0");
     test_matmul_k0_and_alpha0();
     TT_CASE("sgemm bitwise identical with 1, 2, 3 threads");
