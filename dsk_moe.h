@@ -1163,7 +1163,7 @@ static dsk_status dsk__moe_forward_cuda(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
                                 (int32_t *)sel, (float *)gate, (int32_t *)cnt)) != DSK_OK)
         return s;
     /* routing decisions to the host */
-    hcnt = (int32_t *)st->slot_pos.p; /* free until the plan below */
+    hcnt = (int32_t *)st->du.p; /* host scratch of (T, E + n_group) floats, unused by the CUDA forward */
     if ((s = dsk_cuda_memcpy(ctx, st->sel.p, sel, (size_t)(T * K) * 4, 0)) || (s = dsk_cuda_memcpy(ctx, st->gate.p, gate, (size_t)(T * K) * f4, 0)) ||
         (s = dsk_cuda_memcpy(ctx, hcnt, cnt, (size_t)E * 4, 0)))
         return s;
