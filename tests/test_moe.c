@@ -727,6 +727,13 @@ static void ep_inputs(float *x, float *dy, int n_tok) {
     }
 }
 
+/* Floats of one rank's results: y, dx (T,D), the gradient slab (at most the dense part and
+   every expert), and at the end the EP-group loads (E) and the updated bias (E). */
+static size_t ep_per_rank(int n) {
+    (void)n;
+    return (size_t)(2 * EP_T * EP_D) + (size_t)(EP_E * EP_D + 3 * EP_FS * EP_D + 3 * EP_E * EP_F * EP_D) + 2 * EP_E;
+}
+
 /* One layer step on rows [r*EP_T, (r+1)*EP_T) of the global batch; results into out. */
 static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx, const float *gdy, float *out, int *bad_cfg_ok) {
     dsk_comm c;
@@ -756,6 +763,10 @@ static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx,
     if (st.tokens != (int64_t)EP_T * n) return 5;
     if (dsk_moe_backward(&m, NULL, &dx, &dy, 1.0f) != DSK_OK) return 6;
     memcpy(out + 2 * EP_T * EP_D, m.grad_slab.data, sizeof(float) * (size_t)dsk_tensor_numel(&m.grad_slab));
+    /* per-expert loads over the EP group, then the bias update from loads summed over every rank */
+    for (int e = 0; e < EP_E; e++) out[ep_per_rank(n) - 2 * EP_E + e] = (float)st.tokens_per_expert[e];
+    if (dsk_moe_update_bias(&m, NULL, &c) != DSK_OK) return 7;
+    memcpy(out + ep_per_rank(n) - EP_E, m.bias->value.data, sizeof(float) * EP_E);
     dsk_moe_free(&m, NULL);
     dsk_comm_free(&c);
     return 0;
@@ -778,8 +789,7 @@ static void ep_run(ep_job *j, int n, int sigmoid) {
     int port = 0;
     memset(j, 0, sizeof *j);
     j->n = n; j->sigmoid = sigmoid; j->NT = EP_T * n;
-    /* every rank's gradient slab fits: dense part plus all experts */
-    j->per_rank = (size_t)(2 * EP_T * EP_D) + (size_t)(EP_E * EP_D + 3 * EP_FS * EP_D + 3 * EP_E * EP_F * EP_D);
+    j->per_rank = ep_per_rank(n);
     j->bytes = sizeof(float) * (2 * (size_t)j->NT * EP_D + j->per_rank * n) + 64 * sizeof(int);
     j->shm = (float *)mmap(NULL, j->bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     j->gx = j->shm; j->gdy = j->shm + j->NT * EP_D;
@@ -808,6 +818,7 @@ static void ep_check(ep_job *j) {
     dsk_moe ref;
     dsk_moe_opts o = ep_opts(j->sigmoid);
     dsk_tensor x, y, dx, dy;
+    dsk_moe_stats st;
     int64_t shp[2] = {NT, EP_D};
     dsk_test_begin("expert parallel %s over %d ranks = 1 rank", j->sigmoid ? "sigmoid+groups" : "softmax", n);
     memset(&y, 0, sizeof y); memset(&dx, 0, sizeof dx);
@@ -822,8 +833,16 @@ static void ep_check(ep_job *j) {
     dsk_tensor_alloc(NULL, &y, DSK_F32, 2, shp);
     dsk_tensor_alloc(NULL, &dx, DSK_F32, 2, shp);
     dsk_tensor_fill(NULL, &dx, 0.0);
-    DSK_TEST_OK(dsk_moe_forward(&ref, NULL, &y, &x, NULL));
+    DSK_TEST_OK(dsk_moe_forward(&ref, NULL, &y, &x, &st));
     DSK_TEST_OK(dsk_moe_backward(&ref, NULL, &dx, &dy, 1.0f));
+    DSK_TEST_OK(dsk_moe_update_bias(&ref, NULL, NULL));
+    for (int r = 0; r < n; r++) {
+        const float *res = ep_result(j, r) + j->per_rank;
+        int bad = 0;
+        for (int e = 0; e < EP_E; e++) bad += res[-2 * EP_E + e] != (float)st.tokens_per_expert[e];
+        DSK_TEST_EXPECT(bad == 0, "rank %d: %d experts' EP-group loads differ from one rank's", r, bad);
+        DSK_TEST_SAME_BYTES(res - EP_E, ref.bias->value.data, sizeof(float) * EP_E, "bias updated from loads summed over ranks");
+    }
     {
         int El = EP_E / n;
         int64_t nd = ref.grad_dense_numel, w1n = (int64_t)EP_E * EP_F * EP_D;
