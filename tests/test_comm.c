@@ -252,11 +252,9 @@ static void rank_reduce_scatter(dsk_comm *c, void *arg) {
                          dsk_comm_op_name(k_ops[o]), (long long)len, in_place ? " in place" : "");
                 ref_reduce(dt, k_ops[o], n, in, (int64_t)c->rank * len, len, want);
                 if (in_place) {
-                    /* recv = send + rank * block */
-                    char *buf = (char *)in[c->rank] + (size_t)c->rank * (size_t)len * esz;
-                    void *copy = malloc((size_t)len * n * esz + 1);
+                    /* recv = send + rank * block, on a copy of the input */
+                    char *copy = (char *)malloc((size_t)len * n * esz + 1), *buf = copy + (size_t)c->rank * (size_t)len * esz;
                     memcpy(copy, in[c->rank], (size_t)len * n * esz);
-                    buf = (char *)copy + (size_t)c->rank * (size_t)len * esz;
                     DSK_TEST_OK(dsk_comm_reduce_scatter(c, NULL, copy, buf, len, dt, k_ops[o]));
                     DSK_TEST_SAME_BYTES(buf, want, (size_t)len * esz, label);
                     free(copy);
