@@ -401,11 +401,16 @@ static void dsk__ck_putf(dsk__ck_buf *b, const char *fmt, ...) {
 /* A JSON string literal: quotes, backslash and control characters escaped. */
 static void dsk__ck_put_jstr(dsk__ck_buf *b, const char *s) {
     dsk__ck_put(b, "\"", 1);
-    for (const char *q = s; *q; q++) {
-        unsigned char c = (unsigned char)*q;
+    while (*s) {
+        size_t run = 0;
+        unsigned char c;
+        while (s[run] && (unsigned char)s[run] >= 0x20 && s[run] != '"' && s[run] != '\\') run++;
+        dsk__ck_put(b, s, run);
+        s += run;
+        if (!(c = (unsigned char)*s)) break;
         if (c == '"' || c == '\\') { char e[2] = {'\\', (char)c}; dsk__ck_put(b, e, 2); }
-        else if (c < 0x20) dsk__ck_putf(b, "\\u%04x", c);
-        else dsk__ck_put(b, q, 1);
+        else dsk__ck_putf(b, "\\u%04x", c);
+        s++;
     }
     dsk__ck_put(b, "\"", 1);
 }
@@ -1578,6 +1583,11 @@ static dsk_status dsk__ck_write_body(const char *fn, int fd, dsk__ck_plan *p, co
     dsk__ck_header_json(&h, p);
     if (h.oom) { dsk__ck_buf_free(&h); return dsk_set_error(DSK_ERR_OOM, "%s: out of memory for the header", fn); }
     hlen = h.n - 8;
+    if (hlen > DSK_CKPT_MAX_HEADER) {
+        dsk__ck_buf_free(&h);
+        return dsk_set_error(DSK_ERR_ARG, "%s: a %zu-byte header (%d tensors) exceeds the safetensors limit of %llu bytes", fn, hlen, p->n,
+                             (unsigned long long)DSK_CKPT_MAX_HEADER);
+    }
     if ((s = dsk__ck_write_all(fn, fd, h.p, h.n, tmp)) != DSK_OK) { dsk__ck_buf_free(&h); return s; }
     for (int i = 0; i < p->n && s == DSK_OK; i++) {
         dsk__ck_seg *g = &p->segs[i];

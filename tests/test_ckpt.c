@@ -1472,6 +1472,18 @@ static void test_bad_arguments(void) {
     DSK_TEST_ERROR_MENTIONS("dsk_ckpt_file_save: create \"/nonexistent/dir/.x.safetensors.tmp\"");
     DSK_TEST_STATUS(dsk_ckpt_file_save(NULL, "dir/", e, 1, NULL, 0), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("names no file");
+    {
+        /* a header Python could not read (over 100,000,000 bytes) is refused before writing */
+        char *huge = (char *)malloc(100000001), path[600];
+        dsk_ckpt_kv big = {"blob", huge};
+        memset(huge, 'x', 100000000);
+        huge[100000000] = 0;
+        snprintf(path, sizeof path, "%s/huge.safetensors", dir);
+        DSK_TEST_STATUS(dsk_ckpt_file_save(NULL, path, e, 1, &big, 1), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("exceeds the safetensors limit of 100000000 bytes");
+        DSK_TEST_EXPECT(file_size(path) < 0 && count_tmp_files(dir) == 0, "a refused file was left behind");
+        free(huge);
+    }
     dsk_ckpt_free(&ck);
     dsk_tensor_free(NULL, &a);
 }
