@@ -747,7 +747,7 @@ struct dsk__comm_impl {
     struct pollfd *pfd;          /* io engine work arrays, [2 * world] */
     int *pidx;
     struct dsk__comm_io *ops;         /* [2 * world] */
-    const void **srcs;           /* [world] */
+    const void **srcs;           /* [2 * world] */
     int64_t *off;                /* [world + 1] */
 #ifdef DSK_CUDA
     ncclComm_t nccl;
@@ -1017,12 +1017,37 @@ static int dsk__comm_io_progress(dsk_comm *c, const char *fn, dsk__comm_io *op, 
     return 1;
 }
 
-/* Runs ops[0..n) to completion or to the deadline (t0 + timeout). Errors break the comm. */
-static dsk_status dsk__comm_io_run(dsk_comm *c, const char *fn, dsk__comm_io *ops, int n, double t0) {
+/* A reduction the engine runs in slices while it waits on sockets, so folding one piece
+   overlaps the transfer of the next. srcs holds n pointers (the job owns the array). */
+typedef struct dsk__comm_fold_job {
+    dsk_dtype dt;
+    dsk_comm_op op;
+    int n;
+    const void **srcs;
+    char *dst;
+    void *acc;
+    int64_t len, done;
+} dsk__comm_fold_job;
+
+static void dsk__comm_fold(dsk_dtype dt, dsk_comm_op op, int n, const void *const *src, void *dst, int64_t len, void *acc);
+
+/* Folds the next `max` elements of the job (all that are left if max <= 0). */
+static void dsk__comm_fold_slice(dsk__comm_fold_job *job, const void **tmp_srcs, int64_t max) {
+    size_t esz = dsk_dtype_size(job->dt);
+    int64_t len = job->len - job->done;
+    if (max > 0 && len > max) len = max;
+    for (int r = 0; r < job->n; r++) tmp_srcs[r] = (const char *)job->srcs[r] + job->done * (int64_t)esz;
+    dsk__comm_fold(job->dt, job->op, job->n, tmp_srcs, job->dst + job->done * (int64_t)esz, len, job->acc);
+    job->done += len;
+}
+
+/* Runs ops[0..n) to completion or to the deadline (t0 + timeout), folding `job` (may be
+   NULL) whenever no socket is ready; the job is complete on return. Errors break the comm. */
+static dsk_status dsk__comm_io_run(dsk_comm *c, const char *fn, dsk__comm_io *ops, int n, double t0, dsk__comm_fold_job *job) {
     dsk__comm_impl *m = c->impl;
     double deadline = t0 + m->timeout_s;
     for (;;) {
-        int k = 0, r;
+        int k = 0, r, idle = job && job->done < job->len;
         for (int i = 0; i < n; i++) {
             if (dsk__comm_io_finished(&ops[i])) continue;
             m->pfd[k].fd = m->fds[ops[i].peer];
@@ -1030,8 +1055,11 @@ static dsk_status dsk__comm_io_run(dsk_comm *c, const char *fn, dsk__comm_io *op
             m->pfd[k].revents = 0;
             m->pidx[k++] = i;
         }
-        if (k == 0) return DSK_OK;
-        r = poll(m->pfd, (nfds_t)k, dsk__comm_ms_left(deadline));
+        if (k == 0) {
+            if (idle) dsk__comm_fold_slice(job, m->srcs + c->world_size, 0);
+            return DSK_OK;
+        }
+        r = poll(m->pfd, (nfds_t)k, idle ? 0 : dsk__comm_ms_left(deadline));
         if (r < 0 && errno != EINTR)
             return dsk__comm_break(c, dsk_set_error(DSK_ERR_IO, "%s: poll: %s", fn, strerror(errno)));
         if (r == 0 && dsk__comm_now() >= deadline) {
@@ -1047,10 +1075,11 @@ static dsk_status dsk__comm_io_run(dsk_comm *c, const char *fn, dsk__comm_io *op
                           sizeof(dsk__comm_wire) + ops[w].len, what, ops[w].peer);
             return dsk__comm_break(c, DSK_ERR_TIMEOUT);
         }
-        for (int j = 0; j < k; j++) {
+        for (int j = 0; r > 0 && j < k; j++) {
             dsk_status err = DSK_OK;
             if (m->pfd[j].revents && dsk__comm_io_progress(c, fn, &ops[m->pidx[j]], &err) < 0) return dsk__comm_break(c, err);
         }
+        if (idle) dsk__comm_fold_slice(job, m->srcs + c->world_size, 32768);
     }
 }
 
@@ -1142,8 +1171,9 @@ static int64_t dsk__comm_max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 /* Reduce-scatter by direct exchange. Rank p owns elements [off[p], off[p+1]); in round k each
    rank sends every owner piece k (at most piece_bytes) of its part and folds the pieces it
-   receives for its own part in rank order into out. Every pair exchanges a header every
-   round, even when a piece is empty, so mismatched calls are always seen. */
+   receives for its own part in rank order into out, while round k + 1 is on the wire (two
+   receive buffers). Every pair exchanges a header every round, even when a piece is empty,
+   so mismatched calls are always seen. */
 static dsk_status dsk__comm_rs_direct(dsk_comm *c, const char *fn, dsk__comm_wire h, const char *send, const int64_t *off,
                                  dsk_dtype dt, dsk_comm_op op, char *out, double t0, uint32_t *step) {
     dsk__comm_impl *m = c->impl;
@@ -1152,16 +1182,22 @@ static dsk_status dsk__comm_rs_direct(dsk_comm *c, const char *fn, dsk__comm_wir
     int64_t P = dsk__comm_max64(1, (int64_t)(m->piece_bytes / esz)), maxlen = 0, rounds;
     size_t tmp_bytes;
     char *tmp;
-    void *acc;
+    dsk__comm_fold_job job;
     for (int p = 0; p < n; p++) maxlen = dsk__comm_max64(maxlen, off[p + 1] - off[p]);
     rounds = maxlen ? (maxlen + P - 1) / P : 1;
     P = dsk__comm_min64(P, dsk__comm_max64(maxlen, 1));
     tmp_bytes = ((size_t)n * (size_t)P * esz + 7) & ~(size_t)7;
-    if (!(tmp = (char *)dsk__comm_scratch(m, tmp_bytes + (size_t)P * 8)))
-        return dsk_set_error(DSK_ERR_OOM, "%s: %zu bytes of scratch", fn, tmp_bytes + (size_t)P * 8);
-    acc = tmp + tmp_bytes;
+    if (!(tmp = (char *)dsk__comm_scratch(m, 2 * tmp_bytes + (size_t)P * 8)))
+        return dsk_set_error(DSK_ERR_OOM, "%s: %zu bytes of scratch", fn, 2 * tmp_bytes + (size_t)P * 8);
+    memset(&job, 0, sizeof job);
+    job.dt = dt;
+    job.op = op;
+    job.n = n;
+    job.srcs = m->srcs;
+    job.acc = tmp + 2 * tmp_bytes;
     for (int64_t k = 0; k < rounds; k++) {
         int64_t mine_lo = off[me] + k * P, mine_len = dsk__comm_max64(0, dsk__comm_min64(P, off[me + 1] - mine_lo));
+        char *half = tmp + (size_t)(k & 1) * tmp_bytes;
         int no = 0;
         dsk_status st;
         h.step = (*step)++;
@@ -1169,13 +1205,16 @@ static dsk_status dsk__comm_rs_direct(dsk_comm *c, const char *fn, dsk__comm_wir
             int64_t lo = off[p] + k * P, len = dsk__comm_max64(0, dsk__comm_min64(P, off[p + 1] - lo));
             if (p == me) continue;
             dsk__comm_io_post(&m->ops[no++], p, 1, &h, send + (len ? lo * (int64_t)esz : 0), (size_t)len * esz);
-            dsk__comm_io_post(&m->ops[no++], p, 0, &h, tmp + (size_t)p * (size_t)P * esz, (size_t)mine_len * esz);
+            dsk__comm_io_post(&m->ops[no++], p, 0, &h, half + (size_t)p * (size_t)P * esz, (size_t)mine_len * esz);
         }
-        if ((st = dsk__comm_io_run(c, fn, m->ops, no, t0)) != DSK_OK) return st;
-        if (mine_len == 0) continue;
-        for (int p = 0; p < n; p++) m->srcs[p] = p == me ? send + mine_lo * (int64_t)esz : tmp + (size_t)p * (size_t)P * esz;
-        dsk__comm_fold(dt, op, n, m->srcs, out + k * P * (int64_t)esz, mine_len, acc);
+        /* this round's transfers, while the previous round's pieces are folded */
+        if ((st = dsk__comm_io_run(c, fn, m->ops, no, t0, &job)) != DSK_OK) return st;
+        for (int p = 0; p < n; p++) m->srcs[p] = p == me ? send + mine_lo * (int64_t)esz : half + (size_t)p * (size_t)P * esz;
+        job.dst = out + k * P * (int64_t)esz;
+        job.len = mine_len;
+        job.done = 0;
     }
+    if (job.done < job.len) dsk__comm_fold_slice(&job, m->srcs + n, 0);
     return DSK_OK;
 }
 
@@ -1191,7 +1230,7 @@ static dsk_status dsk__comm_ag_direct(dsk_comm *c, const char *fn, dsk__comm_wir
         if (me != skip)
             dsk__comm_io_post(&m->ops[no++], p, 0, &h, buf + off[p] * (int64_t)esz, (size_t)(off[p + 1] - off[p]) * esz);
     }
-    return dsk__comm_io_run(c, fn, m->ops, no, t0);
+    return dsk__comm_io_run(c, fn, m->ops, no, t0, NULL);
 }
 
 static void dsk__comm_partition(int64_t count, int n, int64_t *off) {
@@ -1217,7 +1256,7 @@ static dsk_status dsk__comm_host_all_reduce(dsk_comm *c, const char *fn, const c
             dsk__comm_io_post(&m->ops[no++], p, 1, &h, send, bytes);
             dsk__comm_io_post(&m->ops[no++], p, 0, &h, tmp + (size_t)p * bytes, bytes);
         }
-        if ((st = dsk__comm_io_run(c, fn, m->ops, no, t0)) != DSK_OK) return st;
+        if ((st = dsk__comm_io_run(c, fn, m->ops, no, t0, NULL)) != DSK_OK) return st;
         for (int p = 0; p < n; p++) m->srcs[p] = p == me ? send : tmp + (size_t)p * bytes;
         dsk__comm_fold(dt, op, n, m->srcs, recv, count, tmp + tb);
         return DSK_OK;
@@ -1262,7 +1301,7 @@ static dsk_status dsk__comm_host_broadcast(dsk_comm *c, const char *fn, const ch
         for (int p = 0; p < n; p++)
             if (me == root && p != me) dsk__comm_io_post(&m->ops[no++], p, 1, &h, recv, bytes);
         if (me != root) dsk__comm_io_post(&m->ops[no++], root, 0, &h, recv, bytes);
-        return dsk__comm_io_run(c, fn, m->ops, no, t0);
+        return dsk__comm_io_run(c, fn, m->ops, no, t0, NULL);
     }
     dsk__comm_partition(count, n, m->off);
     for (int p = 0; p < n; p++)
@@ -1270,7 +1309,7 @@ static dsk_status dsk__comm_host_broadcast(dsk_comm *c, const char *fn, const ch
             dsk__comm_io_post(&m->ops[no++], p, 1, &h, recv + m->off[p] * (int64_t)esz, (size_t)(m->off[p + 1] - m->off[p]) * esz);
     if (me != root)
         dsk__comm_io_post(&m->ops[no++], root, 0, &h, recv + m->off[me] * (int64_t)esz, (size_t)(m->off[me + 1] - m->off[me]) * esz);
-    if ((st = dsk__comm_io_run(c, fn, m->ops, no, t0)) != DSK_OK) return st;
+    if ((st = dsk__comm_io_run(c, fn, m->ops, no, t0, NULL)) != DSK_OK) return st;
     /* all-gather of the parts; nobody sends to the root, which has them all */
     h.step = 1;
     no = 0;
@@ -1282,7 +1321,7 @@ static dsk_status dsk__comm_host_broadcast(dsk_comm *c, const char *fn, const ch
         for (int p = 0; p < n; p++)
             if (p != me)
                 dsk__comm_io_post(&m->ops[no++], p, 0, &h, recv + m->off[p] * (int64_t)esz, (size_t)(m->off[p + 1] - m->off[p]) * esz);
-    return dsk__comm_io_run(c, fn, m->ops, no, t0);
+    return dsk__comm_io_run(c, fn, m->ops, no, t0, NULL);
 }
 
 /* Shared by all_to_all and all_to_all_v: message to p = scount[p] elements at send + sdis[p]. */
@@ -1303,7 +1342,7 @@ static dsk_status dsk__comm_host_a2a(dsk_comm *c, const char *fn, int kind, cons
         dsk__comm_io_post(&m->ops[no++], p, 1, &hs, send + sdis[p] * (int64_t)esz, (size_t)scount[p] * esz);
         dsk__comm_io_post(&m->ops[no++], p, 0, &hr, recv + rdis[p] * (int64_t)esz, (size_t)rcount[p] * esz);
     }
-    return dsk__comm_io_run(c, fn, m->ops, no, t0);
+    return dsk__comm_io_run(c, fn, m->ops, no, t0, NULL);
 }
 
 static dsk_status dsk__comm_host_barrier(dsk_comm *c, const char *fn, double t0) {
@@ -1315,7 +1354,7 @@ static dsk_status dsk__comm_host_barrier(dsk_comm *c, const char *fn, double t0)
         dsk__comm_io_post(&m->ops[no++], p, 1, &h, NULL, 0);
         dsk__comm_io_post(&m->ops[no++], p, 0, &h, NULL, 0);
     }
-    return dsk__comm_io_run(c, fn, m->ops, no, t0);
+    return dsk__comm_io_run(c, fn, m->ops, no, t0, NULL);
 }
 
 /* ---------------------------------------------------------------- bootstrap and mesh */
@@ -1342,7 +1381,7 @@ static dsk_status dsk__comm_impl_alloc(dsk_comm *c, const char *fn, const dsk_co
     m->pfd = (struct pollfd *)DSK_MALLOC((size_t)2 * n * sizeof(struct pollfd));
     m->pidx = (int *)DSK_MALLOC((size_t)2 * n * sizeof(int));
     m->ops = (dsk__comm_io *)DSK_MALLOC((size_t)2 * n * sizeof(dsk__comm_io));
-    m->srcs = (const void **)DSK_MALLOC((size_t)n * sizeof(void *));
+    m->srcs = (const void **)DSK_MALLOC((size_t)2 * n * sizeof(void *)); /* a fold's sources, then a slice's */
     m->off = (int64_t *)DSK_MALLOC((size_t)(n + 1) * sizeof(int64_t));
     if (!m->fds || !m->p2p_sent || !m->p2p_recvd || !m->pfd || !m->pidx || !m->ops || !m->srcs || !m->off)
         return dsk_set_error(DSK_ERR_OOM, "%s: communicator arrays for %d ranks", fn, n);
@@ -1962,7 +2001,7 @@ static dsk_status dsk__comm_p2p(dsk_comm *c, const char *fn, dsk_ctx *ctx, void 
     h = dsk__comm_wire_make(m, DSK__COMM_SEND, dt, 0, -1, count);
     h.seq = is_send ? m->p2p_sent[peer]++ : m->p2p_recvd[peer]++;
     dsk__comm_io_post(&m->ops[0], peer, is_send, &h, buf, (size_t)count * dsk_dtype_size(dt));
-    st = dsk__comm_io_run(c, fn, m->ops, 1, t0);
+    st = dsk__comm_io_run(c, fn, m->ops, 1, t0, NULL);
     c->stats.calls++;
     c->stats.seconds += dsk__comm_now() - t0;
     return st;
