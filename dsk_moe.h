@@ -656,7 +656,7 @@ static dsk_status dsk__moe_losses(dsk_moe *m, int64_t T, dsk_moe_stats *stats) {
     struct dsk__moe_state *st = m->st;
     const dsk_moe_opts *o = &m->opts;
     int E = o->n_routed, K = o->top_k;
-    int64_t L = o->seq_len ? o->seq_len : T, nseq = T / L;
+    int64_t L = o->seq_len ? o->seq_len : (T > 0 ? T : 1), nseq = T / L > 0 ? T / L : 1;
     const float *prob = DSK__MOE_F(st->prob), *u = DSK__MOE_F(st->u);
     const int32_t *sel = DSK__MOE_I(st->sel);
     double *P, *pn, *cnt;
@@ -667,6 +667,7 @@ static dsk_status dsk__moe_losses(dsk_moe *m, int64_t T, dsk_moe_stats *stats) {
     if ((s = dsk__moe_reserve(&st->aux_coef, (size_t)(nseq * E) * sizeof(float))) != DSK_OK) return s;
     coef = DSK__MOE_F(st->aux_coef);
     memset(coef, 0, (size_t)(nseq * E) * sizeof(float));
+    if (T == 0) return DSK_OK; /* no tokens: every loss term is 0 */
     P = (double *)DSK_MALLOC((size_t)(3 * E) * sizeof(double));
     if (!P) return dsk_set_error(DSK_ERR_OOM, "dsk_moe_forward: out of host memory");
     pn = P + E; cnt = P + 2 * E;
@@ -1309,7 +1310,7 @@ DSK_API dsk_status dsk_moe_forward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, cons
     if ((s = dsk__moe_check_io(m, fn, "x", x, -1)) != DSK_OK) return s;
     T = x->shape[0];
     if ((s = dsk__moe_check_io(m, fn, "y", y, T)) != DSK_OK) return s;
-    if (m->opts.seq_aux_alpha > 0 && m->opts.seq_len > 0 && (T == 0 || T % m->opts.seq_len))
+    if (m->opts.seq_aux_alpha > 0 && m->opts.seq_len > 0 && T % m->opts.seq_len)
         return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": %lld tokens are not whole sequences of seq_len %lld", fn,
                              m->opts.name, (long long)T, (long long)m->opts.seq_len);
     if (!stats) stats = &local;

@@ -878,6 +878,32 @@ out:
     dsk_test_end();
 }
 
+/* An empty batch is valid: nothing routed, zero losses, gradients untouched. */
+static void test_empty_batch(void) {
+    dsk_moe m;
+    dsk_moe_opts o;
+    dsk_moe_stats st;
+    dsk_tensor x, y;
+    int64_t shp[2] = {0, 8};
+    memset(&o, 0, sizeof o);
+    o.d_model = 8; o.n_routed = 4; o.top_k = 2; o.d_expert = 4; o.n_shared = 1;
+    o.aux_alpha = 0.1f; o.seq_aux_alpha = 0.1f; o.z_beta = 0.1f; o.capacity_factor = 1.0f;
+    DSK_TEST_OK(dsk_moe_init(&m, NULL, &o));
+    dsk_tensor_alloc(NULL, &x, DSK_F32, 2, shp);
+    dsk_tensor_alloc(NULL, &y, DSK_F32, 2, shp);
+    DSK_TEST_OK(dsk_moe_forward(&m, NULL, &y, &x, &st));
+    DSK_TEST_EXPECT(st.tokens == 0 && st.slots == 0 && st.dropped == 0 && st.loss == 0, "tokens %lld loss %g", (long long)st.tokens, st.loss);
+    DSK_TEST_OK(dsk_moe_backward(&m, NULL, &x, &y, 1.0f));
+    {
+        int64_t n = dsk_tensor_numel(&m.grad_slab);
+        double *want = (double *)calloc((size_t)n, sizeof(double));
+        DSK_TEST_CLOSE((const float *)m.grad_slab.data, want, n, 0, 0, "gradients after an empty batch");
+        free(want);
+    }
+    dsk_tensor_free(NULL, &x); dsk_tensor_free(NULL, &y);
+    dsk_moe_free(&m, NULL);
+}
+
 int main(void) {
     dsk_test_init("test_moe");
     ep_job jobs[3];
@@ -897,5 +923,6 @@ int main(void) {
     DSK_TEST_RUN(test_params_by_name);
     DSK_TEST_RUN(test_bad_config);
     DSK_TEST_RUN(test_bad_calls);
+    DSK_TEST_RUN(test_empty_batch);
     return dsk_test_finish();
 }
