@@ -43,6 +43,12 @@
      routes its own tokens, sends rows by all-to-all-v (counts first), the owners compute and
      send the outputs back; backward runs the reverse exchanges. Every rank must call forward
      and backward together (collectives).
+   Devices: the layer lives on ctx's device. CPU: f32 math (bf16 layers convert their weights
+     and round y, dx to bf16). CUDA (kernels/moe.cu): activations stay on the device, expert
+     GEMMs run through cuBLAS in the compute dtype with f32 accumulation; each forward brings the
+     routing decisions back to the host once (one stream sync) for the dispatch plan, capacity,
+     losses and the per-expert row counts of the GEMMs. Expert parallelism runs on CPU layers
+     (host backend); a CUDA layer with opts.ep of more than one rank returns DSK_ERR_UNSUPPORTED.
    License: MIT, see the end of the file. */
 /* With DSK_STATIC every dsk function is static, so this file must also compile its dependencies. */
 #if defined(DSK_STATIC) && defined(DSK_MOE_IMPLEMENTATION)
