@@ -107,7 +107,9 @@ DSK_API dsk_status dsk_comm_init_env(dsk_comm *c, const dsk_comm_opts *opts);
 /* Collective over world_size processes: rank 0 serves the store, all meet through it.
    opts may be NULL. On failure *c is zeroed and everything opened is released. */
 DSK_API dsk_status dsk_comm_init(dsk_comm *c, int rank, int world_size, const dsk_comm_opts *opts);
-/* Releases sockets, threads, NCCL communicator; zeroed/freed ok. Free sub-groups first. */
+/* Releases sockets, threads, NCCL communicator; zeroed/freed ok. Free sub-groups first.
+   On rank 0 the store stops taking connections at once, then waits up to 1 s for the other
+   ranks to hang up, so a late peer still gets its last reply. */
 DSK_API void dsk_comm_free(dsk_comm *c);
 /* Collective over c: ranks with the same color form *sub, ordered by (key, rank).
    color DSK_COMM_NO_COLOR: *sub is zeroed (world_size 0). Same backend as c. */
@@ -117,7 +119,7 @@ DSK_API dsk_status dsk_comm_split(dsk_comm *c, int color, int key, dsk_comm *sub
    NULL). nccl: device memory, enqueued on ctx->stream (NULL: the default stream); call
    dsk_comm_sync to wait with the timeout. Dtypes f32, f16, bf16, i32, i64, u8. */
 
-/* recv (count) = op over ranks of send (count). */
+/* recv (count) = op over ranks of send (count). nccl: AVG of integers is DSK_ERR_UNSUPPORTED. */
 DSK_API dsk_status dsk_comm_all_reduce(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t count,
                                        dsk_dtype dt, dsk_comm_op op);
 /* recv (recv_count) = op over ranks of block `rank` of send (world_size, recv_count). */
