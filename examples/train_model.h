@@ -41,6 +41,8 @@ typedef struct tm_param {
     int decay;          /* 1: weight decay applies (matrices) */
     float init_std;     /* 0: initialised to ones (norm weights) */
     dsk_tensor w, g, m, v, wc; /* wc: the weights the forward pass reads (== w when cdt is f32) */
+    dsk_tensor gc;      /* norm weights under bf16/f16: the gradient in the compute dtype, which
+                           dsk_rmsnorm_backward accumulates into; copied to g when final */
     int in_slab;        /* 1: views into the model's slabs; 0: an MoE parameter (w, m, v owned here) */
     dsk_moe_param *moe; /* the MoE layer's parameter (value = wc, grad = g), or NULL */
 } tm_param;
@@ -80,6 +82,8 @@ typedef struct tm_model {
     /* backward scratch */
     dsk_tensor dx, dh, dq, dk, dv, dqr, dkr, datt, dg, du, da;
     dsk_tensor mask, dp, ds;            /* (H, T, T): causal mask (0 / -inf), attention backward scratch */
+    dsk_tensor zeros;                   /* flat zeros in the compute dtype: tm_zero copies from it */
+    dsk_tensor dx32;                    /* (N, D) f32 copy of dx for the embedding gradient (bf16/f16 only) */
 } tm_model;
 
 /* ------------------------------------------------------------------ views */
@@ -113,6 +117,17 @@ static dsk_tensor tm_seq_heads(const tm_model *m, const dsk_tensor *t, int s) {
 
 static dsk_status tm_mm(tm_model *m, dsk_tensor *C, const dsk_tensor *A, int ta, const dsk_tensor *B, int tb, float beta) {
     return dsk_matmul(m->ctx, C, A, ta, B, tb, 1.0f, beta);
+}
+
+/* t <- 0 for a contiguous tensor of the compute dtype: a plain copy from m->zeros (a memcpy
+   on either device), much cheaper than an element-wise fill for the many accumulators that
+   backward clears. */
+static dsk_status tm_zero(tm_model *m, dsk_tensor *t) {
+    dsk_tensor flat, z;
+    if (t->dtype != m->zeros.dtype || dsk_tensor_numel(t) > dsk_tensor_numel(&m->zeros)) return dsk_tensor_fill(m->ctx, t, 0.0);
+    TM_TRY(dsk_tensor_slice(&m->zeros, 0, 0, dsk_tensor_numel(t), &flat));
+    TM_TRY(dsk_tensor_reshape(&flat, t->ndim, t->shape, &z));
+    return dsk_tensor_copy(m->ctx, t, &z);
 }
 
 /* ------------------------------------------------------------------ parameters */
@@ -252,6 +267,17 @@ static dsk_status tm_alloc_acts(tm_model *m) {
         TM_TRY(tm_alloc2(m, &m->da, dt, N, F));
     }
     TM_TRY(tm_alloc_mask(m));
+    int64_t nz = (int64_t)c->n_heads * c->seq * c->seq;
+    if (N * F > nz) nz = N * F;
+    if (N * D > nz) nz = N * D;
+    if (dt == DSK_F32 && m->numel > nz) nz = m->numel; /* the gradient slab too */
+    TM_TRY(dsk_tensor_alloc(m->ctx, &m->zeros, dt, 1, &nz));
+    if (dt != DSK_F32) {
+        TM_TRY(tm_alloc2(m, &m->dx32, DSK_F32, N, D));
+        for (int i = 0; i < m->n_params; i++)
+            if (m->params[i].ndim == 1) TM_TRY(dsk_tensor_alloc(m->ctx, &m->params[i].gc, dt, 1, m->params[i].shape));
+    }
+    TM_TRY(dsk_tensor_fill(m->ctx, &m->zeros, 0.0));
     TM_TRY(dsk_tensor_alloc(m->ctx, &m->ids, DSK_I32, 1, &N));
     TM_TRY(dsk_tensor_alloc(m->ctx, &m->targets, DSK_I32, 1, &N));
     TM_TRY(dsk_tensor_alloc(m->ctx, &m->loss, DSK_F32, 0, NULL));
@@ -331,17 +357,18 @@ static dsk_status tm_moe_forward(tm_model *m, int layer, int64_t N, dsk_tensor *
 static dsk_status tm_moe_backward(tm_model *m, int layer) {
     tm_block *b = &m->blocks[layer];
     if (!b->mx.data) {
-        TM_TRY(dsk_tensor_fill(m->ctx, &m->dh, 0.0));
+        TM_TRY(tm_zero(m, &m->dh));
         return dsk_moe_backward(&b->moe, m->ctx, &m->dh, &m->dx, m->aux_scale);
     }
     TM_TRY(dsk_tensor_copy(m->ctx, &b->my, &m->dx));
-    TM_TRY(dsk_tensor_fill(m->ctx, &b->mx, 0.0));
+    TM_TRY(tm_zero(m, &b->mx));
     TM_TRY(dsk_moe_backward(&b->moe, m->ctx, &b->mx, &b->my, m->aux_scale));
     return dsk_tensor_copy(m->ctx, &m->dh, &b->mx);
 }
 
 static void tm_free(tm_model *m) {
     dsk_ctx *ctx = m->ctx;
+    for (int i = 0; i < m->n_params; i++) dsk_tensor_free(ctx, &m->params[i].gc);
     for (int i = m->n_slab_params; i < m->n_params; i++) {
         tm_param *p = &m->params[i];
         if (p->w.owns) dsk_tensor_free(ctx, &p->w);
@@ -358,7 +385,7 @@ static void tm_free(tm_model *m) {
         }
     dsk_tensor *ts[] = {&m->slab_w, &m->slab_g, &m->slab_m, &m->slab_v, &m->slab_wc, &m->x_final, &m->hf, &m->rstdf,
                         &m->logits, &m->dlogits, &m->ids, &m->targets, &m->loss, &m->dx, &m->dh, &m->dq, &m->dk,
-                        &m->dv, &m->dqr, &m->dkr, &m->datt, &m->dg, &m->du, &m->da, &m->mask, &m->dp, &m->ds};
+                        &m->dv, &m->dqr, &m->dkr, &m->datt, &m->dg, &m->du, &m->da, &m->mask, &m->dp, &m->ds, &m->zeros, &m->dx32};
     for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
     free(m->blocks);
     free(m->moe_names);
@@ -478,8 +505,22 @@ static dsk_status tm_loss(tm_model *m, float grad_scale) {
 
 /* ------------------------------------------------------------------ backward */
 
-static dsk_status tm_ready(tm_model *m, const tm_param *p) {
+/* The gradient backward accumulates into for a norm weight. */
+static dsk_tensor *tm_grad(tm_param *p) { return p->gc.data ? &p->gc : &p->g; }
+
+/* p's gradient is final for this micro-batch. */
+static dsk_status tm_ready(tm_model *m, tm_param *p) {
+    if (p->gc.data) TM_TRY(dsk_tensor_copy(m->ctx, &p->g, &p->gc));
     return m->grad_ready ? m->grad_ready(m->grad_ready_user, (int)(p - m->params)) : DSK_OK;
+}
+
+/* Clears every gradient before a step's first micro-batch. */
+static dsk_status tm_zero_grads(tm_model *m) {
+    TM_TRY(tm_zero(m, &m->slab_g));
+    for (int i = 0; i < m->n_params; i++)
+        if (m->params[i].gc.data) TM_TRY(dsk_tensor_fill(m->ctx, &m->params[i].gc, 0.0));
+    for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++) TM_TRY(dsk_moe_zero_grad(&m->blocks[l].moe, m->ctx));
+    return DSK_OK;
 }
 
 /* dx holds d(block output); adds the dense FFN's weight gradients, leaves d(h2) in dh. */
@@ -487,8 +528,8 @@ static dsk_status tm_dense_backward(tm_model *m, tm_block *b) {
     TM_TRY(tm_mm(m, &m->da, &m->dx, 0, &b->w2->wc, 0, 0.0f));  /* da (N,F) = dy (N,D) W2 (D,F) */
     TM_TRY(tm_mm(m, &b->w2->g, &m->dx, 1, &b->a, 0, 1.0f));    /* dW2 (D,F) += dy^T a */
     TM_TRY(tm_ready(m, b->w2));
-    TM_TRY(dsk_tensor_fill(m->ctx, &m->dg, 0.0));
-    TM_TRY(dsk_tensor_fill(m->ctx, &m->du, 0.0));
+    TM_TRY(tm_zero(m, &m->dg));
+    TM_TRY(tm_zero(m, &m->du));
     TM_TRY(dsk_swiglu_backward(m->ctx, &m->dg, &m->du, &m->da, &b->g, &b->u));
     TM_TRY(tm_mm(m, &b->w1->g, &m->dg, 1, &b->h2, 0, 1.0f));   /* dW1 (F,D) += dg^T h2 */
     TM_TRY(tm_mm(m, &b->w3->g, &m->du, 1, &b->h2, 0, 1.0f));
@@ -514,14 +555,14 @@ static dsk_status tm_attn_backward(tm_model *m, tm_block *b) {
         TM_TRY(dsk_tensor_select(&b->probs, s, &p));
         TM_TRY(dsk_matmul(m->ctx, &m->dp, &dos, 0, &vs, 1, 1.0f, 0.0f));
         TM_TRY(dsk_matmul(m->ctx, &dvs, &p, 1, &dos, 0, 1.0f, 0.0f));
-        TM_TRY(dsk_tensor_fill(m->ctx, &m->ds, 0.0));
+        TM_TRY(tm_zero(m, &m->ds));
         TM_TRY(dsk_softmax_backward(m->ctx, &m->ds, &p, &m->dp));
         TM_TRY(dsk_matmul(m->ctx, &dqs, &m->ds, 0, &ks, 0, scale, 0.0f));
         TM_TRY(dsk_matmul(m->ctx, &dks, &m->ds, 1, &qs, 0, scale, 0.0f));
     }
     dsk_tensor dqr4 = tm_heads(m, &m->dqr, nb), dkr4 = tm_heads(m, &m->dkr, nb);
-    TM_TRY(dsk_tensor_fill(m->ctx, &m->dq, 0.0));
-    TM_TRY(dsk_tensor_fill(m->ctx, &m->dk, 0.0));
+    TM_TRY(tm_zero(m, &m->dq));
+    TM_TRY(tm_zero(m, &m->dk));
     dsk_tensor dq4 = tm_heads(m, &m->dq, nb), dk4 = tm_heads(m, &m->dk, nb);
     TM_TRY(dsk_rope_backward(m->ctx, &dq4, &dqr4, 0, c->rope_theta));
     TM_TRY(dsk_rope_backward(m->ctx, &dk4, &dkr4, 0, c->rope_theta));
@@ -534,7 +575,7 @@ static dsk_status tm_attn_backward(tm_model *m, tm_block *b) {
     TM_TRY(tm_mm(m, &m->dh, &m->dq, 0, &b->wq->wc, 0, 0.0f)); /* dh1 = dq Wq + dk Wk + dv Wv */
     TM_TRY(tm_mm(m, &m->dh, &m->dk, 0, &b->wk->wc, 0, 1.0f));
     TM_TRY(tm_mm(m, &m->dh, &m->dv, 0, &b->wv->wc, 0, 1.0f));
-    TM_TRY(dsk_rmsnorm_backward(m->ctx, &m->dx, &b->ln1->g, &m->dh, &b->x, &b->ln1->wc, &b->rstd1));
+    TM_TRY(dsk_rmsnorm_backward(m->ctx, &m->dx, tm_grad(b->ln1), &m->dh, &b->x, &b->ln1->wc, &b->rstd1));
     return tm_ready(m, b->ln1);
 }
 
@@ -545,17 +586,22 @@ static dsk_status tm_backward(tm_model *m) {
     TM_TRY(tm_mm(m, &m->lm_head->g, &m->dlogits, 1, &m->hf, 0, 1.0f)); /* dWlm (V,D) += dlogits^T hf */
     TM_TRY(tm_ready(m, m->lm_head));
     TM_TRY(tm_mm(m, &m->dh, &m->dlogits, 0, &m->lm_head->wc, 0, 0.0f)); /* dhf (N,D) = dlogits Wlm */
-    TM_TRY(dsk_tensor_fill(m->ctx, &m->dx, 0.0));
-    TM_TRY(dsk_rmsnorm_backward(m->ctx, &m->dx, &m->ln_f->g, &m->dh, &m->x_final, &m->ln_f->wc, &m->rstdf));
+    TM_TRY(tm_zero(m, &m->dx));
+    TM_TRY(dsk_rmsnorm_backward(m->ctx, &m->dx, tm_grad(m->ln_f), &m->dh, &m->x_final, &m->ln_f->wc, &m->rstdf));
     TM_TRY(tm_ready(m, m->ln_f));
     for (int l = c->n_layers - 1; l >= 0; l--) {
         tm_block *b = &m->blocks[l];
         TM_TRY(l < c->n_dense ? tm_dense_backward(m, b) : tm_moe_backward(m, l));
-        TM_TRY(dsk_rmsnorm_backward(m->ctx, &m->dx, &b->ln2->g, &m->dh, &b->x2, &b->ln2->wc, &b->rstd2));
+        TM_TRY(dsk_rmsnorm_backward(m->ctx, &m->dx, tm_grad(b->ln2), &m->dh, &b->x2, &b->ln2->wc, &b->rstd2));
         TM_TRY(tm_ready(m, b->ln2));
         TM_TRY(tm_attn_backward(m, b));
     }
-    TM_TRY(dsk_embedding_backward(m->ctx, &m->embed->g, &m->dx, &m->ids));
+    if (m->dx32.data) { /* the table's gradient is f32: accumulate it from an f32 copy of dx */
+        TM_TRY(dsk_tensor_copy(m->ctx, &m->dx32, &m->dx));
+        TM_TRY(dsk_embedding_backward(m->ctx, &m->embed->g, &m->dx32, &m->ids));
+    } else {
+        TM_TRY(dsk_embedding_backward(m->ctx, &m->embed->g, &m->dx, &m->ids));
+    }
     return tm_ready(m, m->embed);
 }
 

@@ -102,9 +102,9 @@ def main(argv):
             except json.JSONDecodeError as e:
                 print("plot_loss: %s line %d: %s" % (argv[1], n, e), file=sys.stderr)
                 return 1
-            if r.get("type") == "step" and math.isfinite(r["loss"]):
+            if r.get("type") == "step" and r.get("loss") is not None:
                 train.append((r["step"], r["loss"]))
-            elif r.get("type") == "val" and math.isfinite(r["val_loss"]):
+            elif r.get("type") == "val" and r.get("val_loss") is not None:
                 val.append((r["step"], r["val_loss"]))
     if not train:
         print("plot_loss: %s has no step lines" % argv[1], file=sys.stderr)
