@@ -6,7 +6,8 @@
    Tensors: MiB/16 tensors of 16 MiB, alternating f32 (2048, 2048) and bf16 (2048, 4096).
    Peers, measured in the same run on the same disk (one warm-up, then `repeats`, median;
    the raw and the dsk write alternate in order from one repeat to the next):
-     raw write  the same bytes with write() in 8 MiB pieces, then fsync, into a new file
+     raw write  the same bytes with write() in 1 MiB pieces, then fsync, into a new file
+     memcpy     the same bytes copied once in memory: the floor of an async save's stall
      raw read   those bytes back with pread() after dropping them from the page cache
      python     bench/ckpt_peer.py: safetensors.serialize_file of the same shapes and dtypes
                 (reported with and without an fsync, which safetensors itself never does)
@@ -60,7 +61,7 @@ static void drop_cache(const char *path) {
 }
 
 static double raw_write(const char *path, dsk_tensor *t, int n) {
-    const size_t piece = (size_t)8 << 20;
+    const size_t piece = (size_t)1 << 20; /* the size dsk writes in */
     double t0 = now();
     int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     if (fd < 0) { perror(path); exit(1); }
@@ -102,7 +103,7 @@ int main(int argc, char **argv) {
     dsk_tensor *t;
     dsk_ckpt_entry *e;
     dsk_ckpt ck;
-    double *ts_raw, *ts_save, *ts_read, *ts_load, *ts_async_warm, async_first = 0, py_save = 0, py_fsync = 0;
+    double *ts_raw, *ts_save, *ts_read, *ts_load, *ts_async_warm, *ts_copy, async_first = 0, py_save = 0, py_fsync = 0;
     size_t total = 0;
     void *readbuf;
     if (n < 1 || n > 256 || reps < 1) { fprintf(stderr, "usage: bench_ckpt [MiB 16..4096] [repeats >= 1] [dir]\n"); return 2; }
@@ -114,6 +115,7 @@ int main(int argc, char **argv) {
     e = (dsk_ckpt_entry *)calloc((size_t)n, sizeof *e);
     ts_raw = (double *)calloc((size_t)reps * 6, sizeof(double));
     ts_save = ts_raw + reps; ts_read = ts_save + reps; ts_load = ts_read + reps; ts_async_warm = ts_load + reps;
+    ts_copy = ts_async_warm + reps;
     for (int i = 0; i < n; i++) {
         const int64_t s32[2] = {2048, 2048}, s16[2] = {2048, 4096};
         if (dsk_tensor_alloc(NULL, &t[i], i % 2 ? DSK_BF16 : DSK_F32, 2, i % 2 ? s16 : s32) != DSK_OK) die("alloc");
@@ -157,6 +159,10 @@ int main(int argc, char **argv) {
         if (r == -1) async_first = now() - t0;
         else ts_async_warm[r] = now() - t0;
         if (dsk_ckpt_wait(&ck) != DSK_OK) die("wait");
+        t0 = now();
+        for (int i = 0, off = 0; i < n; off += (int)dsk_tensor_nbytes(&t[i]), i++)
+            memcpy((char *)readbuf + off, t[i].data, dsk_tensor_nbytes(&t[i]));
+        if (r >= 0) ts_copy[r] = now() - t0;
         if (r >= 0) { ts_raw[r] = dt_raw; ts_save[r] = dt_save; ts_read[r] = dt_read; ts_load[r] = dt_load; }
     }
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", ck_dir);
@@ -187,6 +193,8 @@ int main(int argc, char **argv) {
         printf("dsk load (cold)   %7.3f s  %6.2f GB/s   ratio vs raw read %.2f\n", ld, gb / ld, rd / ld);
         printf("async stall first %7.3f s  = %.3f of a sync save (allocates the snapshot buffer)\n", async_first, async_first / save);
         printf("async stall warm  %7.3f s  = %.3f of a sync save (target < 0.10)\n", warm, warm / save);
+        printf("memcpy same bytes %7.3f s  %6.2f GB/s   async stall / memcpy %.2f\n", median(ts_copy, reps), gb / median(ts_copy, reps),
+               warm / median(ts_copy, reps));
     }
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);
     run(cmd);
