@@ -132,7 +132,8 @@ typedef struct dsk_moe {
     int expert0;              /* first local expert */
     dsk_device device;
     dsk_tensor param_slab;    /* u8 bytes: every parameter */
-    dsk_tensor grad_slab;     /* f32: dense gradients (router, shared) then expert gradients */
+    dsk_tensor grad_slab;     /* f32, every gradient in this order: router, shared.w1, shared.w2, shared.w3
+                                 (dense), then w1, w2, w3 (this rank's experts); params[i].grad point in */
     int64_t grad_dense_numel; /* grad_slab[0, grad_dense_numel): all-reduce over every DP rank */
     int64_t grad_expert_numel;/* the rest: all-reduce over the ranks holding the same experts */
     dsk_moe_param params[DSK_MOE_N_PARAMS];
