@@ -2607,7 +2607,9 @@ DSK_API dsk_status dsk_comm_buckets_begin(dsk_comm_buckets *b, int sync) {
     for (int i = 0; i < b->n_buckets; i++) bi->pending[i] = bi->b_count[i];
     memset(bi->marked, 0, (size_t)b->n_params);
     bi->next_launch = 0;
-    bi->queued_upto = bi->done_upto = 0;
+    if (bi->thread_started) pthread_mutex_lock(&bi->mu);
+    bi->queued_upto = bi->done_upto = 0; /* the thread is idle: the last pass was waited for */
+    if (bi->thread_started) pthread_mutex_unlock(&bi->mu);
     bi->in_pass = 1;
     bi->sync = sync != 0;
     return DSK_OK;
