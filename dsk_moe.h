@@ -47,8 +47,8 @@
      and round y, dx to bf16). CUDA (kernels/moe.cu): activations stay on the device, expert
      GEMMs run through cuBLAS in the compute dtype with f32 accumulation; each forward brings the
      routing decisions back to the host once (one stream sync) for the dispatch plan, capacity,
-     losses and the per-expert row counts of the GEMMs. Expert parallelism runs on CPU layers
-     (host backend); a CUDA layer with opts.ep of more than one rank returns DSK_ERR_UNSUPPORTED.
+     losses and the per-expert row counts of the GEMMs. Expert parallelism: CPU layers with a
+     host-backend communicator, CUDA layers with an nccl one (rows regrouped on the device).
    License: MIT, see the end of the file. */
 /* With DSK_STATIC every dsk function is static, so this file must also compile its dependencies. */
 #if defined(DSK_STATIC) && defined(DSK_MOE_IMPLEMENTATION)
@@ -289,7 +289,8 @@ enum dsk__moe_dev_id {
     DSK__D_XC, DSK__D_XF, DSK__D_U, DSK__D_PROB, DSK__D_SCR, DSK__D_SEL, DSK__D_GATE, DSK__D_CNT, DSK__D_PERM, DSK__D_POS,
     DSK__D_AUX, DSK__D_XS, DSK__D_H1, DSK__D_H3, DSK__D_A, DSK__D_O, DSK__D_HS1, DSK__D_HS3, DSK__D_AS, DSK__D_YS,
     DSK__D_DXF, DSK__D_DGATE, DSK__D_DOS, DSK__D_DA, DSK__D_DH1, DSK__D_DH3, DSK__D_DXR, DSK__D_DU, DSK__D_DAS,
-    DSK__D_DHS1, DSK__D_DHS3, DSK__MOE_NDEV
+    DSK__D_DHS1, DSK__D_DHS3, DSK__D_COMM, DSK__D_XR, DSK__D_OB, DSK__D_DOR, DSK__D_DXP, DSK__D_RG, DSK__D_RGI, DSK__D_RT,
+    DSK__D_RTMP, DSK__MOE_NDEV
 };
 #endif
 
@@ -788,6 +789,33 @@ static dsk_status dsk__moe_dispatch_plan(dsk_moe *m, int64_t T, int64_t *dropped
 
 /* ---------------------------------------------------------------- expert-parallel exchange */
 
+#ifdef DSK_CUDA
+static dsk_status dsk__moe_dev(dsk_moe *m, dsk_ctx *ctx, int id, size_t bytes, void **p);
+#endif
+
+/* Small int64 collectives on host arrays: all-to-all of n per rank (all_to_all = 1) or an
+   in-place sum of n. The nccl backend of a CUDA layer needs device memory: staged through it. */
+static dsk_status dsk__moe_host_i64(dsk_moe *m, dsk_ctx *ctx, dsk_comm *c, int all_to_all, const int64_t *send, int64_t *recv,
+                                    int64_t n) {
+    dsk_status s;
+#ifdef DSK_CUDA
+    if (m->device.type == DSK_DEV_CUDA && c->backend == DSK_COMM_NCCL) {
+        int64_t total = all_to_all ? n * c->world_size : n;
+        size_t bytes = (size_t)total * sizeof(int64_t);
+        void *d;
+        if ((s = dsk__moe_dev(m, ctx, DSK__D_COMM, 2 * bytes, &d)) != DSK_OK) return s;
+        if ((s = dsk_cuda_memcpy(ctx, d, send, bytes, 1)) != DSK_OK) return s;
+        s = all_to_all ? dsk_comm_all_to_all(c, ctx, d, (char *)d + bytes, n, DSK_I64)
+                       : dsk_comm_all_reduce(c, ctx, d, (char *)d + bytes, n, DSK_I64, DSK_COMM_SUM);
+        if (s != DSK_OK || (s = dsk_cuda_memcpy(ctx, recv, (char *)d + bytes, bytes, 0)) != DSK_OK) return s;
+        return dsk_cuda_sync(ctx);
+    }
+#endif
+    (void)m;
+    s = all_to_all ? dsk_comm_all_to_all(c, ctx, send, recv, n, DSK_I64) : dsk_comm_all_reduce(c, ctx, send, recv, n, DSK_I64, DSK_COMM_SUM);
+    return s;
+}
+
 /* All-to-all-v of `width`-element rows over the EP group: rows_to[r] rows go to rank r in
    rank order from `send`, rows_from[r] arrive from rank r into `recv` in rank order. */
 static dsk_status dsk__moe_exchange(dsk_moe *m, dsk_ctx *ctx, const void *send, const int64_t *rows_to, void *recv,
@@ -815,21 +843,20 @@ static dsk_status dsk__moe_exchange(dsk_moe *m, dsk_ctx *ctx, const void *send, 
 static dsk_status dsk__moe_exchange_counts(dsk_moe *m, dsk_ctx *ctx, int64_t T, int64_t dropped, dsk_moe_stats *stats) {
     struct dsk__moe_state *st = m->st;
     int P = m->ep_size, El = m->n_local, E = m->opts.n_routed;
-    int64_t *ones, *tot;
+    int64_t *tot;
     dsk_status s = DSK_OK;
     for (int r = 0; r < P; r++) {
         st->send_rows[r] = 0;
         for (int e = r * El; e < (r + 1) * El; e++) st->send_rows[r] += st->kept_count[e];
     }
-    tot = (int64_t *)DSK_MALLOC((size_t)(E + 2 + P) * sizeof(int64_t));
+    tot = (int64_t *)DSK_MALLOC((size_t)(E + 2) * sizeof(int64_t));
     if (!tot) return dsk_set_error(DSK_ERR_OOM, "dsk_moe: out of host memory");
-    ones = tot + E + 2;
-    for (int r = 0; r < P; r++) ones[r] = El;
-    if ((s = dsk__moe_exchange(m, ctx, st->kept_count, ones, st->recv_cnt, ones, 1, DSK_I64)) != DSK_OK) goto done;
+    if (P == 1) memcpy(st->recv_cnt, st->kept_count, (size_t)E * sizeof(int64_t));
+    else if ((s = dsk__moe_host_i64(m, ctx, m->opts.ep, 1, st->kept_count, st->recv_cnt, El)) != DSK_OK) goto done;
     memcpy(tot, st->sel_count, (size_t)E * sizeof(int64_t));
     tot[E] = dropped;
     tot[E + 1] = T;
-    if (P > 1 && (s = dsk_comm_all_reduce(m->opts.ep, ctx, tot, tot, E + 2, DSK_I64, DSK_COMM_SUM)) != DSK_OK) goto done;
+    if (P > 1 && (s = dsk__moe_host_i64(m, ctx, m->opts.ep, 0, tot, tot, E + 2)) != DSK_OK) goto done;
     memcpy(st->global_count, tot, (size_t)E * sizeof(int64_t));
     stats->tokens = tot[E + 1];
     stats->dropped = tot[E];
@@ -1139,6 +1166,46 @@ static dsk_status dsk__moe_dzero(dsk_ctx *ctx, dsk_device dev, float *p, int64_t
     return dsk_tensor_fill(ctx, &a, 0.0);
 }
 
+/* Expert parallelism on the device: regroup indices (rg: expert-major row -> received row, and
+   its inverse) uploaded once per forward. */
+static dsk_status dsk__moe_cuda_ep_index(dsk_moe *m, dsk_ctx *ctx) {
+    struct dsk__moe_state *st = m->st;
+    int32_t *rg, *rgi;
+    void *drg, *drgi;
+    dsk_status s;
+    if ((s = dsk__moe_regroup_index(m)) != DSK_OK) return s;
+    if ((s = dsk__moe_reserve(&st->dxr, (size_t)(st->R + 1) * sizeof(int32_t))) != DSK_OK) return s; /* host scratch */
+    rg = DSK__MOE_I(st->rg);
+    rgi = DSK__MOE_I(st->dxr);
+    for (int64_t q = 0; q < st->R; q++) rgi[rg[q]] = (int32_t)q;
+    if ((s = dsk__moe_dev(m, ctx, DSK__D_RG, (size_t)(st->R + 1) * 4, &drg)) || (s = dsk__moe_dev(m, ctx, DSK__D_RGI, (size_t)(st->R + 1) * 4, &drgi)) ||
+        (s = dsk_cuda_memcpy(ctx, drg, rg, (size_t)st->R * 4, 1)) || (s = dsk_cuda_memcpy(ctx, drgi, rgi, (size_t)st->R * 4, 1)))
+        return s;
+    return dsk_cuda_sync(ctx); /* the host index buffers are reused */
+}
+
+/* rows (n_kept, D) in perm order, dtype dt -> all-to-all-v -> regrouped expert-major dst (R, D). */
+static dsk_status dsk__moe_cuda_to_experts(dsk_moe *m, dsk_ctx *ctx, const void *rows, void *dst, dsk_dtype dt) {
+    struct dsk__moe_state *st = m->st;
+    void *rt;
+    dsk_status s;
+    if ((s = dsk__moe_dev(m, ctx, DSK__D_RT, (size_t)(st->R * m->opts.d_model) * dsk_dtype_size(dt), &rt)) ||
+        (s = dsk__moe_exchange(m, ctx, rows, st->send_rows, rt, st->recv_rows, m->opts.d_model, dt)))
+        return s;
+    return dsk_cuda_moe_gather(ctx, dst, rt, dt, (const int32_t *)st->dev[DSK__D_RG].p, 1, NULL, st->R, m->opts.d_model);
+}
+
+/* f32 rows (R, D) expert-major -> rank-major -> all-to-all-v back -> dst (n_kept, D) in perm order. */
+static dsk_status dsk__moe_cuda_from_experts(dsk_moe *m, dsk_ctx *ctx, const void *rows, void *dst) {
+    struct dsk__moe_state *st = m->st;
+    void *rt;
+    dsk_status s;
+    if ((s = dsk__moe_dev(m, ctx, DSK__D_RTMP, (size_t)(st->R * m->opts.d_model) * sizeof(float), &rt)) ||
+        (s = dsk_cuda_moe_gather(ctx, rt, rows, DSK_F32, (const int32_t *)st->dev[DSK__D_RGI].p, 1, NULL, st->R, m->opts.d_model)))
+        return s;
+    return dsk__moe_exchange(m, ctx, rt, st->recv_rows, dst, st->send_rows, m->opts.d_model, DSK_F32);
+}
+
 /* The CUDA forward keeps its activations on the device; routing decisions come back to the
    host once per call (the dispatch plan, capacity and the losses run there, as on the CPU),
    which also gives the per-expert row counts the expert GEMMs need. */
@@ -1149,12 +1216,14 @@ static dsk_status dsk__moe_forward_cuda(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     dsk_dtype cd = o->dtype;
     size_t es = dsk_dtype_size(cd), f4 = sizeof(float);
     int need_losses = o->aux_alpha > 0 || o->seq_aux_alpha > 0 || o->z_beta > 0;
-    void *xc, *xf, *u, *prob, *scr, *sel, *gate, *cnt, *perm, *pos, *xs, *h1, *h3, *a, *ob, *hs1 = NULL, *hs3 = NULL, *as = NULL, *ys = NULL;
+    void *xc, *xf, *u, *prob, *scr, *sel, *gate, *cnt, *perm, *pos, *xs, *xr, *h1, *h3, *a, *orr, *ob, *hs1 = NULL, *hs3 = NULL, *as = NULL,
+         *ys = NULL;
+    int P = m->ep_size;
     int32_t *hcnt;
     const char *w1 = (const char *)m->w1->value.data, *w2 = (const char *)m->w2->value.data, *w3 = (const char *)m->w3->value.data;
     dsk_status s;
-    if (m->ep_size > 1)
-        return dsk_set_error(DSK_ERR_UNSUPPORTED, "dsk_moe_forward: layer \"%s\": expert parallelism on CUDA devices is not implemented", o->name);
+    if (P > 1 && o->ep->backend != DSK_COMM_NCCL)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "dsk_moe_forward: layer \"%s\" is on CUDA: its expert-parallel communicator must use the nccl backend", o->name);
     if (!ctx || ctx->device.type != DSK_DEV_CUDA) return dsk_set_error(DSK_ERR_ARG, "dsk_moe_forward: layer \"%s\" is on CUDA: pass its CUDA ctx", o->name);
     if ((s = dsk__moe_reserve_T(m, T)) != DSK_OK) return s;
     if ((s = dsk__moe_dev(m, ctx, DSK__D_XC, (size_t)(T * D) * es, &xc)) || (s = dsk__moe_dev(m, ctx, DSK__D_XF, (size_t)(T * D) * f4, &xf)) ||
@@ -1193,14 +1262,21 @@ static dsk_status dsk__moe_forward_cuda(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
             return s;
     }
     /* experts: rows in expert order (one rank: perm order) */
-    if ((s = dsk__moe_dev(m, ctx, DSK__D_XS, (size_t)(st->R * D) * es, &xs)) || (s = dsk__moe_dev(m, ctx, DSK__D_H1, (size_t)(st->R * F) * f4, &h1)) ||
+    if ((s = dsk__moe_dev(m, ctx, DSK__D_XS, (size_t)(st->n_kept * D) * es, &xs)) || (s = dsk__moe_dev(m, ctx, DSK__D_H1, (size_t)(st->R * F) * f4, &h1)) ||
         (s = dsk__moe_dev(m, ctx, DSK__D_H3, (size_t)(st->R * F) * f4, &h3)) || (s = dsk__moe_dev(m, ctx, DSK__D_A, (size_t)(st->R * F) * es, &a)) ||
-        (s = dsk__moe_dev(m, ctx, DSK__D_O, (size_t)(st->R * D) * f4, &ob)))
+        (s = dsk__moe_dev(m, ctx, DSK__D_O, (size_t)(st->R * D) * f4, &orr)))
         return s;
-    if ((s = dsk_cuda_moe_gather(ctx, xs, xc, cd, (const int32_t *)perm, (int)K, NULL, st->R, D)) != DSK_OK) return s;
+    if ((s = dsk_cuda_moe_gather(ctx, xs, xc, cd, (const int32_t *)perm, (int)K, NULL, st->n_kept, D)) != DSK_OK) return s;
+    xr = xs; /* one rank: the rows are already in expert order */
+    ob = orr;
+    if (P > 1) {
+        if ((s = dsk__moe_dev(m, ctx, DSK__D_XR, (size_t)(st->R * D) * es, &xr)) || (s = dsk__moe_dev(m, ctx, DSK__D_OB, (size_t)(st->n_kept * D) * f4, &ob)) ||
+            (s = dsk__moe_cuda_ep_index(m, ctx)) || (s = dsk__moe_cuda_to_experts(m, ctx, xs, xr, cd)))
+            return s;
+    }
     for (int e = 0; e < m->n_local; e++) {
         int64_t r0 = st->local_off[e], n = st->local_off[e + 1] - r0;
-        const char *xe = (const char *)xs + (size_t)(r0 * D) * es;
+        const char *xe = (const char *)xr + (size_t)(r0 * D) * es;
         if ((s = dsk_cuda_moe_gemm(ctx, 0, 1, n, F, D, xe, D, w1 + (size_t)(e * F * D) * es, D, cd, 0.0f, (float *)h1 + r0 * F, F, DSK_F32)) ||
             (s = dsk_cuda_moe_gemm(ctx, 0, 1, n, F, D, xe, D, w3 + (size_t)(e * F * D) * es, D, cd, 0.0f, (float *)h3 + r0 * F, F, DSK_F32)))
             return s;
@@ -1209,9 +1285,10 @@ static dsk_status dsk__moe_forward_cuda(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     for (int e = 0; e < m->n_local; e++) {
         int64_t r0 = st->local_off[e], n = st->local_off[e + 1] - r0;
         if ((s = dsk_cuda_moe_gemm(ctx, 0, 1, n, D, F, (const char *)a + (size_t)(r0 * F) * es, F, w2 + (size_t)(e * D * F) * es, F, cd,
-                                   0.0f, (float *)ob + r0 * D, D, DSK_F32)) != DSK_OK)
+                                   0.0f, (float *)orr + r0 * D, D, DSK_F32)) != DSK_OK)
             return s;
     }
+    if (P > 1 && (s = dsk__moe_cuda_from_experts(m, ctx, orr, ob)) != DSK_OK) return s;
     if (Fs > 0) {
         if ((s = dsk__moe_dev(m, ctx, DSK__D_HS1, (size_t)(T * Fs) * f4, &hs1)) || (s = dsk__moe_dev(m, ctx, DSK__D_HS3, (size_t)(T * Fs) * f4, &hs3)) ||
             (s = dsk__moe_dev(m, ctx, DSK__D_AS, (size_t)(T * Fs) * es, &as)) || (s = dsk__moe_dev(m, ctx, DSK__D_YS, (size_t)(T * D) * f4, &ys)))
@@ -1239,7 +1316,9 @@ static dsk_status dsk__moe_backward_cuda(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *d
     void *dxf, *dgate, *dos, *da, *dh1, *dh3, *dxr, *du;
     const char *w1 = (const char *)m->w1->value.data, *w2 = (const char *)m->w2->value.data, *w3 = (const char *)m->w3->value.data;
     float *g1 = (float *)m->w1->grad.data, *g2 = (float *)m->w2->grad.data, *g3 = (float *)m->w3->grad.data;
-    const void *xs = st->dev[DSK__D_XS].p, *a = st->dev[DSK__D_A].p, *ob = st->dev[DSK__D_O].p;
+    int P = m->ep_size;
+    const void *xr = st->dev[P > 1 ? DSK__D_XR : DSK__D_XS].p, *a = st->dev[DSK__D_A].p, *ob = st->dev[P > 1 ? DSK__D_OB : DSK__D_O].p;
+    void *dor, *dxp;
     const float *h1 = (const float *)st->dev[DSK__D_H1].p, *h3 = (const float *)st->dev[DSK__D_H3].p;
     const int32_t *perm = (const int32_t *)st->dev[DSK__D_PERM].p, *pos = (const int32_t *)st->dev[DSK__D_POS].p;
     const float *gate = (const float *)st->dev[DSK__D_GATE].p;
@@ -1248,7 +1327,7 @@ static dsk_status dsk__moe_backward_cuda(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *d
     dsk_status s;
     if (!ctx || ctx->device.type != DSK_DEV_CUDA) return dsk_set_error(DSK_ERR_ARG, "dsk_moe_backward: layer \"%s\" is on CUDA: pass its CUDA ctx", o->name);
     if ((s = dsk__moe_dev(m, ctx, DSK__D_DXF, (size_t)(T * D) * f4, &dxf)) || (s = dsk__moe_dev(m, ctx, DSK__D_DGATE, (size_t)(T * K) * f4, &dgate)) ||
-        (s = dsk__moe_dev(m, ctx, DSK__D_DOS, (size_t)(R * D) * es, &dos)) || (s = dsk__moe_dev(m, ctx, DSK__D_DA, (size_t)(R * F) * f4, &da)) ||
+        (s = dsk__moe_dev(m, ctx, DSK__D_DOS, (size_t)(st->n_kept * D) * es, &dos)) || (s = dsk__moe_dev(m, ctx, DSK__D_DA, (size_t)(R * F) * f4, &da)) ||
         (s = dsk__moe_dev(m, ctx, DSK__D_DH1, (size_t)(R * F) * es, &dh1)) || (s = dsk__moe_dev(m, ctx, DSK__D_DH3, (size_t)(R * F) * es, &dh3)) ||
         (s = dsk__moe_dev(m, ctx, DSK__D_DXR, (size_t)(R * D) * f4, &dxr)) || (s = dsk__moe_dev(m, ctx, DSK__D_DU, (size_t)(T * E) * f4, &du)))
         return s;
@@ -1273,11 +1352,16 @@ static dsk_status dsk__moe_backward_cuda(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *d
     }
     /* routed experts */
     if ((s = dsk_cuda_moe_dgate(ctx, (float *)dgate, dy->data, cd, (const float *)ob, pos, T, (int)K, D)) ||
-        (s = dsk_cuda_moe_gather(ctx, dos, dy->data, cd, perm, (int)K, gate, R, D)))
+        (s = dsk_cuda_moe_gather(ctx, dos, dy->data, cd, perm, (int)K, gate, st->n_kept, D)))
+        return s;
+    dor = dos;
+    dxp = dxr;
+    if (P > 1 && ((s = dsk__moe_dev(m, ctx, DSK__D_DOR, (size_t)(R * D) * es, &dor)) || (s = dsk__moe_dev(m, ctx, DSK__D_DXP, (size_t)(st->n_kept * D) * f4, &dxp)) ||
+                  (s = dsk__moe_cuda_to_experts(m, ctx, dos, dor, cd))))
         return s;
     for (int e = 0; e < m->n_local; e++) {
         int64_t r0 = st->local_off[e], n = st->local_off[e + 1] - r0;
-        const char *de = (const char *)dos + (size_t)(r0 * D) * es;
+        const char *de = (const char *)dor + (size_t)(r0 * D) * es;
         if ((s = dsk_cuda_moe_gemm(ctx, 0, 0, n, F, D, de, D, w2 + (size_t)(e * D * F) * es, F, cd, 0.0f, (float *)da + r0 * F, F, DSK_F32)) ||
             (s = dsk_cuda_moe_gemm(ctx, 1, 0, D, F, n, de, D, (const char *)a + (size_t)(r0 * F) * es, F, cd, 1.0f, g2 + e * D * F, F, DSK_F32)))
             return s;
@@ -1286,14 +1370,15 @@ static dsk_status dsk__moe_backward_cuda(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *d
     for (int e = 0; e < m->n_local; e++) {
         int64_t r0 = st->local_off[e], n = st->local_off[e + 1] - r0;
         const char *d1 = (const char *)dh1 + (size_t)(r0 * F) * es, *d3 = (const char *)dh3 + (size_t)(r0 * F) * es;
-        const char *xe = (const char *)xs + (size_t)(r0 * D) * es;
+        const char *xe = (const char *)xr + (size_t)(r0 * D) * es;
         if ((s = dsk_cuda_moe_gemm(ctx, 0, 0, n, D, F, d1, F, w1 + (size_t)(e * F * D) * es, D, cd, 0.0f, (float *)dxr + r0 * D, D, DSK_F32)) ||
             (s = dsk_cuda_moe_gemm(ctx, 0, 0, n, D, F, d3, F, w3 + (size_t)(e * F * D) * es, D, cd, 1.0f, (float *)dxr + r0 * D, D, DSK_F32)) ||
             (s = dsk_cuda_moe_gemm(ctx, 1, 0, F, D, n, d1, F, xe, D, cd, 1.0f, g1 + e * F * D, D, DSK_F32)) ||
             (s = dsk_cuda_moe_gemm(ctx, 1, 0, F, D, n, d3, F, xe, D, cd, 1.0f, g3 + e * F * D, D, DSK_F32)))
             return s;
     }
-    if ((s = dsk_cuda_moe_scatter(ctx, (float *)dxf, (const float *)dxr, pos, T, (int)K, D)) != DSK_OK) return s;
+    if (P > 1 && (s = dsk__moe_cuda_from_experts(m, ctx, dxr, dxp)) != DSK_OK) return s;
+    if ((s = dsk_cuda_moe_scatter(ctx, (float *)dxf, (const float *)dxp, pos, T, (int)K, D)) != DSK_OK) return s;
     /* router */
     if ((s = dsk_cuda_moe_route_backward(ctx, (const float *)st->dev[DSK__D_U].p, (const float *)st->dev[DSK__D_PROB].p, T, (int)E, (int)K,
                                          o->score == DSK_MOE_SIGMOID, o->norm == DSK_MOE_NORM_ON, o->routed_scale,
@@ -1352,7 +1437,7 @@ DSK_API dsk_status dsk_moe_update_bias(dsk_moe *m, dsk_ctx *ctx, dsk_comm *comm)
     if (!m || !m->st) return dsk_set_error(DSK_ERR_STATE, "dsk_moe_update_bias: layer not initialised");
     st = m->st;
     E = m->opts.n_routed;
-    if (comm && (s = dsk_comm_all_reduce(comm, ctx, st->load_accum, st->load_accum, E, DSK_I64, DSK_COMM_SUM)) != DSK_OK) return s;
+    if (comm && comm->world_size > 1 && (s = dsk__moe_host_i64(m, ctx, comm, 0, st->load_accum, st->load_accum, E)) != DSK_OK) return s;
     b = (float *)DSK_MALLOC((size_t)E * sizeof(float));
     if (!b) return dsk_set_error(DSK_ERR_OOM, "dsk_moe_update_bias: out of host memory");
     if (m->device.type == DSK_DEV_CPU) memcpy(b, m->bias->value.data, (size_t)E * sizeof(float));
