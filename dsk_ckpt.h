@@ -100,6 +100,8 @@ typedef struct dsk_ckpt_opts {
     int allow_cast;              /* [0] load: convert a saved dtype to the tensor's dtype
                                     instead of failing (floats round to nearest even) */
     dsk_ctx *ctx;                /* [NULL] context for CUDA tensors */
+    int snapshot_threads;        /* [1] OpenMP threads copying host tensors for an async save
+                                    (more help on an idle many-core node, hurt on a busy one) */
 } dsk_ckpt_opts;
 
 /* A checkpointer for one directory. Caller-owned; fields are private. */
@@ -1471,12 +1473,14 @@ static dsk_status dsk__ck_plan_build(const char *fn, dsk__ck_plan *p, const dsk_
     return DSK_OK;
 }
 
-/* memcpy in 4 MiB pieces over the OpenMP threads: an async save's snapshot is the caller's stall. */
-static void dsk__ck_copy_par(void *dst, const void *src, size_t n) {
+/* memcpy in 4 MiB pieces over `threads` OpenMP threads: an async save's snapshot is the
+   caller's stall. */
+static void dsk__ck_copy_par(void *dst, const void *src, size_t n, int threads) {
     const size_t piece = (size_t)4 << 20;
     long long pieces = (long long)((n + piece - 1) / piece);
+    if (threads <= 1 || pieces <= 1) { memcpy(dst, src, n); return; }
 #ifdef _OPENMP
-#pragma omp parallel for schedule(static) if (pieces > 1)
+#pragma omp parallel for schedule(static) num_threads(threads)
 #endif
     for (long long i = 0; i < pieces; i++) {
         size_t off = (size_t)i * piece, len = n - off < piece ? n - off : piece;
@@ -1486,7 +1490,7 @@ static void dsk__ck_copy_par(void *dst, const void *src, size_t n) {
 
 /* Points each segment at bytes to write: contiguous host tensors directly (unless copy_all),
    everything else copied into stage (at least p->total bytes). */
-static dsk_status dsk__ck_snapshot(dsk__ck_plan *p, dsk_ctx *ctx, unsigned char *stage, int copy_all) {
+static dsk_status dsk__ck_snapshot(dsk__ck_plan *p, dsk_ctx *ctx, unsigned char *stage, int copy_all, int threads) {
     for (int i = 0; i < p->n; i++) {
         dsk__ck_seg *g = &p->segs[i];
         dsk_tensor h;
@@ -1495,7 +1499,7 @@ static dsk_status dsk__ck_snapshot(dsk__ck_plan *p, dsk_ctx *ctx, unsigned char 
         if (!g->nbytes) { g->data = NULL; continue; }
         if (host_contig && !copy_all) { g->data = g->src->data; continue; }
         g->data = stage + g->begin;
-        if (host_contig) { dsk__ck_copy_par(stage + g->begin, g->src->data, g->nbytes); continue; }
+        if (host_contig) { dsk__ck_copy_par(stage + g->begin, g->src->data, g->nbytes, threads); continue; }
         if ((s = dsk_tensor_wrap(&h, stage + g->begin, g->dtype, dsk_cpu(), g->ndim, g->shape)) != DSK_OK) return s;
         if ((s = dsk_tensor_copy(ctx, &h, g->src)) != DSK_OK) return s;
     }
@@ -1637,7 +1641,7 @@ DSK_API dsk_status dsk_ckpt_file_save(dsk_ctx *ctx, const char *path, const dsk_
     s = dsk__ck_plan_build(fn, &p, entries, n, kv, n_kv, ctx);
     if (s == DSK_OK && dsk__ck_needs_stage(&p) && !(stage = (unsigned char *)DSK_MALLOC((size_t)p.total)))
         s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for a %llu-byte snapshot", fn, (unsigned long long)p.total);
-    if (s == DSK_OK) s = dsk__ck_snapshot(&p, ctx, stage, 0);
+    if (s == DSK_OK) s = dsk__ck_snapshot(&p, ctx, stage, 0, 1);
     if (s == DSK_OK) s = dsk__ck_write_plan(fn, &p, dir, base);
     dsk__ck_plan_free(&p);
     DSK_FREE(stage);
@@ -2051,6 +2055,8 @@ DSK_API dsk_status dsk_ckpt_init(dsk_ckpt *ck, const char *dir, const dsk_ckpt_o
     if (o.world_size > 1 && !o.barrier)
         return dsk_set_error(DSK_ERR_ARG, "%s: world size %d needs a barrier callback", fn, o.world_size);
     if (o.keep_last < 0) return dsk_set_error(DSK_ERR_ARG, "%s: keep_last %d < 0", fn, o.keep_last);
+    if (o.snapshot_threads < 0 || o.snapshot_threads > 1024)
+        return dsk_set_error(DSK_ERR_ARG, "%s: snapshot_threads %d outside [0, 1024]", fn, o.snapshot_threads);
     if (!(ck->dir = dsk__ck_strdup(dir))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     ck->opts = o;
     return DSK_OK;
@@ -2106,7 +2112,7 @@ static dsk_status dsk__ck_save_begin(const char *fn, dsk_ckpt *ck, int64_t step,
             s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for a %llu-byte snapshot", fn, (unsigned long long)job->plan.total);
         else ck->stage_bytes = (size_t)job->plan.total;
     }
-    if (s == DSK_OK) s = dsk__ck_snapshot(&job->plan, ck->opts.ctx, (unsigned char *)ck->stage, copy_all);
+    if (s == DSK_OK) s = dsk__ck_snapshot(&job->plan, ck->opts.ctx, (unsigned char *)ck->stage, copy_all, ck->opts.snapshot_threads);
     if (s != DSK_OK) { dsk__ck_job_free(job); return s; }
     *out = job;
     return DSK_OK;

@@ -127,7 +127,13 @@ int main(int argc, char **argv) {
     }
     if (!(readbuf = malloc(total))) die("read buffer");
     memset(readbuf, 1, total);
-    if (dsk_ckpt_init(&ck, ck_dir, NULL) != DSK_OK) die("init");
+    {
+        dsk_ckpt_opts o;
+        memset(&o, 0, sizeof o);
+        o.snapshot_threads = getenv("SNAPSHOT_THREADS") ? atoi(getenv("SNAPSHOT_THREADS")) : 1;
+        if (dsk_ckpt_init(&ck, ck_dir, &o) != DSK_OK) die("init");
+        printf("# snapshot_threads %d (set SNAPSHOT_THREADS to change)\n", o.snapshot_threads ? o.snapshot_threads : 1);
+    }
     printf("# bench_ckpt: %d tensors, %.3f GB, %d repeats (+1 warm-up), dir %s\n", n, total / 1e9, reps, root);
 
     for (int r = -1; r < reps; r++) {

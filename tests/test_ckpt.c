@@ -693,7 +693,7 @@ static void test_multi_rank_inconsistent(void) {
 
 static void test_async_overwrite(void) {
     char dir[400];
-    const int64_t sa[2] = {256, 1000}, sb[2] = {129, 7};
+    const int64_t sa[2] = {1025, 1031}, sb[2] = {129, 7}; /* a: 4.2 MB, two pieces of the parallel copy */
     dsk_tensor a, b, keep_a, keep_b, la, lb;
     dsk_ckpt ck;
     dsk_ckpt_entry e[2] = {{"a", &a, 0, 0, 0}, {"b", &b, 0, 0, 0}};
@@ -706,7 +706,12 @@ static void test_async_overwrite(void) {
     alloc_t(&b, DSK_BF16, 2, sb); fill_random_bytes(&b);
     alloc_t(&keep_a, DSK_F32, 2, sa); memcpy(keep_a.data, a.data, dsk_tensor_nbytes(&a));
     alloc_t(&keep_b, DSK_BF16, 2, sb); memcpy(keep_b.data, b.data, dsk_tensor_nbytes(&b));
-    DSK_TEST_OK(dsk_ckpt_init(&ck, dir, NULL));
+    {
+        dsk_ckpt_opts o;
+        memset(&o, 0, sizeof o);
+        o.snapshot_threads = 2;
+        DSK_TEST_OK(dsk_ckpt_init(&ck, dir, &o));
+    }
     DSK_TEST_OK(dsk_ckpt_save_async(&ck, 1, e, 2, kv, 1));
     /* training goes on: the tensors and the caller's strings change at once */
     dsk_test_poison_f32((float *)a.data, dsk_tensor_numel(&a));
@@ -1418,7 +1423,10 @@ static void test_bad_arguments(void) {
     o.world_size = 1; o.keep_last = -1;
     DSK_TEST_STATUS(dsk_ckpt_init(&ck, dir, &o), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("keep_last -1");
-    o.keep_last = 0;
+    o.keep_last = 0; o.snapshot_threads = -2;
+    DSK_TEST_STATUS(dsk_ckpt_init(&ck, dir, &o), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("snapshot_threads -2 outside [0, 1024]");
+    o.snapshot_threads = 0;
     DSK_TEST_OK(dsk_ckpt_init(&ck, dir, &o));
     DSK_TEST_STATUS(dsk_ckpt_save(&ck, -1, e, 1, NULL, 0), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("step -1 < 0");
