@@ -8,10 +8,10 @@
    the partition depend only on the tensor's shape), never float atomics, so results are
    bitwise reproducible on a given device. Scratch memory comes from cudaMallocAsync on the
    context's stream and is freed stream-ordered before the launcher returns.
-   The context's device must be the current device of the calling thread (dsk_ctx_init
-   makes it so). Indices are validated on the CPU path only; here an out-of-range index
-   never touches memory out of bounds: gathers write NaN rows, scatters skip the row, and
-   cross-entropy yields a NaN loss and NaN gradient row. */
+   Each launcher makes the context's device current on the calling thread. Indices are
+   validated on the CPU path only; here an out-of-range index never touches memory out of
+   bounds: gathers write NaN rows, scatters skip the row, and cross-entropy yields a NaN loss
+   and NaN gradient row. */
 #include <cuda_runtime.h>
 #include <cublas_v2.h>
 #include <cub/cub.cuh>
@@ -61,9 +61,19 @@ static dsk_status dsk__launched(const char *fn, const char *kernel, dim3 grid, d
 
 static cudaStream_t dsk__stream(const dsk_ctx *ctx) { return (cudaStream_t)ctx->stream; }
 
+/* A CUDA ctx, its device made current on this thread (several devices may share a thread). */
 static dsk_status dsk__need_ctx(const char *fn, const dsk_ctx *ctx) {
+    int cur = -1;
     if (!ctx || ctx->device.type != DSK_DEV_CUDA || !ctx->stream)
         return dsk_set_error(DSK_ERR_ARG, "%s: CUDA tensors need an initialised CUDA ctx", fn);
+    if (cudaGetDevice(&cur) != cudaSuccess || cur != ctx->device.index) {
+        cudaError_t e = cudaSetDevice(ctx->device.index);
+        if (e != cudaSuccess) {
+            char detail[48];
+            snprintf(detail, sizeof detail, "device %d (current %d)", ctx->device.index, cur);
+            return dsk__cuda_fail(fn, "cudaSetDevice", e, detail);
+        }
+    }
     return DSK_OK;
 }
 
