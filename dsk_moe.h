@@ -531,6 +531,12 @@ DSK_API dsk_status dsk_moe_init(dsk_moe *m, dsk_ctx *ctx, const dsk_moe_opts *op
     m->n_local = m->opts.n_routed / m->ep_size;
     m->expert0 = m->ep_rank * m->n_local;
     m->device = ctx ? ctx->device : dsk_cpu();
+    if (opts->ep && m->ep_size > 1 && (m->device.type == DSK_DEV_CUDA) != (opts->ep->backend == DSK_COMM_NCCL)) {
+        memset(m, 0, sizeof *m);
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "dsk_moe_init: layer \"%s\": a %s layer needs an expert-parallel communicator on the %s backend",
+                             opts->name ? opts->name : "moe", ctx && ctx->device.type == DSK_DEV_CUDA ? "CUDA" : "CPU",
+                             ctx && ctx->device.type == DSK_DEV_CUDA ? "nccl" : "host");
+    }
 #ifndef DSK_CUDA
     if (m->device.type != DSK_DEV_CPU) { memset(m, 0, sizeof *m); return dsk_set_error(DSK_ERR_UNSUPPORTED, "dsk_moe_init: CUDA context in a build without DSK_CUDA"); }
 #endif
@@ -811,7 +817,8 @@ static dsk_status dsk__moe_host_i64(dsk_moe *m, dsk_ctx *ctx, dsk_comm *c, int a
         return dsk_cuda_sync(ctx);
     }
 #endif
-    (void)m;
+    if (c->backend != DSK_COMM_HOST)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "dsk_moe: layer \"%s\" is on the CPU: its communicators must use the host backend", m->opts.name);
     s = all_to_all ? dsk_comm_all_to_all(c, ctx, send, recv, n, DSK_I64) : dsk_comm_all_reduce(c, ctx, send, recv, n, DSK_I64, DSK_COMM_SUM);
     return s;
 }
@@ -1222,8 +1229,6 @@ static dsk_status dsk__moe_forward_cuda(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     int32_t *hcnt;
     const char *w1 = (const char *)m->w1->value.data, *w2 = (const char *)m->w2->value.data, *w3 = (const char *)m->w3->value.data;
     dsk_status s;
-    if (P > 1 && o->ep->backend != DSK_COMM_NCCL)
-        return dsk_set_error(DSK_ERR_UNSUPPORTED, "dsk_moe_forward: layer \"%s\" is on CUDA: its expert-parallel communicator must use the nccl backend", o->name);
     if (!ctx || ctx->device.type != DSK_DEV_CUDA) return dsk_set_error(DSK_ERR_ARG, "dsk_moe_forward: layer \"%s\" is on CUDA: pass its CUDA ctx", o->name);
     if ((s = dsk__moe_reserve_T(m, T)) != DSK_OK) return s;
     if ((s = dsk__moe_dev(m, ctx, DSK__D_XC, (size_t)(T * D) * es, &xc)) || (s = dsk__moe_dev(m, ctx, DSK__D_XF, (size_t)(T * D) * f4, &xf)) ||
