@@ -9,8 +9,8 @@
      raw write  the same bytes with write() in 1 MiB pieces, then fsync, into a new file
      memcpy     the same bytes copied once in memory: the floor of an async save's stall
      raw read   those bytes back with pread() after dropping them from the page cache
-     python     bench/ckpt_peer.py: safetensors.serialize_file of the same shapes and dtypes
-                (reported with and without an fsync, which safetensors itself never does)
+     python     bench/ckpt_peer.py: safetensors.serialize_file of the same shapes and dtypes,
+                in each repeat (with and without an fsync, which safetensors never does)
    dsk save is dsk_ckpt_save (CRC32C of every byte, fsyncs, manifest, latest); dsk load is
    dsk_ckpt_load into the existing tensors (every CRC checked) after dropping the page cache.
    Async: time spent inside dsk_ckpt_save_async (the snapshot) against a synchronous save;
@@ -95,6 +95,19 @@ static double raw_read(const char *path, void *buf, size_t n) {
     return now() - t0;
 }
 
+/* One timed serialize_file of the peer after one untimed (its first call pays set-up); 0 if unavailable. */
+static int python_peer(int n, const char *dir, double *plain, double *synced) {
+    char cmd[1200], line[512];
+    FILE *p;
+    int ok = 0;
+    snprintf(cmd, sizeof cmd, "%s bench/ckpt_peer.py %d 1 '%s' 1 2>&1", getenv("PYTHON") ? getenv("PYTHON") : "python3", n, dir);
+    if (!(p = popen(cmd, "r"))) return 0;
+    while (fgets(line, sizeof line, p))
+        if (sscanf(line, "peer save_file %lf fsync %lf", plain, synced) == 2) ok = 1;
+        else printf("# peer: %s", line);
+    return pclose(p) == 0 && ok;
+}
+
 int main(int argc, char **argv) {
     int mib = argc > 1 ? atoi(argv[1]) : 1024, reps = argc > 2 ? atoi(argv[2]) : 3;
     const char *base = argc > 3 ? argv[3] : (getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
@@ -103,7 +116,8 @@ int main(int argc, char **argv) {
     dsk_tensor *t;
     dsk_ckpt_entry *e;
     dsk_ckpt ck;
-    double *ts_raw, *ts_save, *ts_read, *ts_load, *ts_async_warm, *ts_copy, async_first = 0, py_save = 0, py_fsync = 0;
+    double *ts_raw, *ts_save, *ts_read, *ts_load, *ts_async_warm, *ts_copy, *ts_py, *ts_pys, async_first = 0, py_plain = 0, py_synced = 0;
+    int py_ok = 1;
     size_t total = 0;
     void *readbuf;
     if (n < 1 || n > 256 || reps < 1) { fprintf(stderr, "usage: bench_ckpt [MiB 16..4096] [repeats >= 1] [dir]\n"); return 2; }
@@ -113,9 +127,9 @@ int main(int argc, char **argv) {
     snprintf(raw_path, sizeof raw_path, "%s/raw.bin", root);
     t = (dsk_tensor *)calloc((size_t)n, sizeof *t);
     e = (dsk_ckpt_entry *)calloc((size_t)n, sizeof *e);
-    ts_raw = (double *)calloc((size_t)reps * 6, sizeof(double));
+    ts_raw = (double *)calloc((size_t)reps * 8, sizeof(double));
     ts_save = ts_raw + reps; ts_read = ts_save + reps; ts_load = ts_read + reps; ts_async_warm = ts_load + reps;
-    ts_copy = ts_async_warm + reps;
+    ts_copy = ts_async_warm + reps; ts_py = ts_copy + reps; ts_pys = ts_py + reps;
     for (int i = 0; i < n; i++) {
         const int64_t s32[2] = {2048, 2048}, s16[2] = {2048, 4096};
         if (dsk_tensor_alloc(NULL, &t[i], i % 2 ? DSK_BF16 : DSK_F32, 2, i % 2 ? s16 : s32) != DSK_OK) die("alloc");
@@ -170,26 +184,19 @@ int main(int argc, char **argv) {
             memcpy((char *)readbuf + off, t[i].data, dsk_tensor_nbytes(&t[i]));
         if (r >= 0) ts_copy[r] = now() - t0;
         if (r >= 0) { ts_raw[r] = dt_raw; ts_save[r] = dt_save; ts_read[r] = dt_read; ts_load[r] = dt_load; }
+        /* Python peer in the same repeat: same shapes and dtypes, same directory */
+        py_ok &= python_peer(n, root, &py_plain, &py_synced);
+        if (r >= 0) { ts_py[r] = py_plain; ts_pys[r] = py_synced; }
     }
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", ck_dir);
     run(cmd);
-    {
-        /* Python peer: same shapes and dtypes, same directory, same repeats */
-        FILE *p;
-        snprintf(cmd, sizeof cmd, "%s bench/ckpt_peer.py %d %d '%s' 2>&1", getenv("PYTHON") ? getenv("PYTHON") : "python3", n, reps, root);
-        if ((p = popen(cmd, "r")) != NULL) {
-            char line[512];
-            while (fgets(line, sizeof line, p))
-                if (sscanf(line, "peer save_file %lf fsync %lf", &py_save, &py_fsync) != 2) printf("# peer: %s", line);
-            pclose(p);
-        }
-    }
     {
         double raw = median(ts_raw, reps), save = median(ts_save, reps), rd = median(ts_read, reps), ld = median(ts_load, reps);
         double warm = median(ts_async_warm, reps), gb = total / 1e9;
         printf("raw write+fsync   %7.3f s  %6.2f GB/s\n", raw, gb / raw);
         printf("dsk save          %7.3f s  %6.2f GB/s   ratio vs raw write %.2f (target >= 0.8)\n", save, gb / save, raw / save);
-        if (py_save > 0) {
+        if (py_ok) {
+            double py_save = median(ts_py, reps), py_fsync = median(ts_pys, reps);
             printf("python save_file  %7.3f s  %6.2f GB/s   dsk speed-up %.2fx (no fsync in safetensors)\n", py_save, gb / py_save, py_save / save);
             printf("python +fsync     %7.3f s  %6.2f GB/s   dsk speed-up %.2fx\n", py_fsync, gb / py_fsync, py_fsync / save);
         } else {

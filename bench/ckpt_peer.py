@@ -1,10 +1,10 @@
 """Peer for bench/bench_ckpt.c: Python safetensors saving the same tensors.
 
-    python3 bench/ckpt_peer.py N_TENSORS REPEATS DIR
+    python3 bench/ckpt_peer.py N_TENSORS REPEATS DIR [WARMUP=1]
 
 N tensors of 16 MiB alternating f32 (2048, 2048) and bf16 (2048, 4096), as bench_ckpt
 makes them, written with safetensors.serialize_file (what safetensors.numpy.save_file
-calls; the raw-buffer API also carries bf16, which numpy lacks). One warm-up, then the
+calls; the raw-buffer API also carries bf16, which numpy lacks). WARMUP runs, then the
 median of REPEATS; prints "peer save_file <s> fsync <s>": the time of serialize_file alone
 (safetensors never fsyncs) and of serialize_file followed by an fsync of the file.
 """
@@ -19,6 +19,7 @@ import safetensors
 
 def main():
     n, reps, d = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    warmup = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     rng = np.random.default_rng(7)
     arrays = {}
     for i in range(n):
@@ -30,7 +31,7 @@ def main():
     specs = {k: safetensors.TensorSpec(dtype=t, shape=list(a.shape), data_ptr=a.ctypes.data, data_len=a.nbytes) for k, (t, a) in arrays.items()}
     path = os.path.join(d, "peer.safetensors")
     plain, synced = [], []
-    for r in range(reps + 1):
+    for r in range(reps + warmup):
         for want_sync, out in ((False, plain), (True, synced)):
             if os.path.exists(path):
                 os.unlink(path)
@@ -41,7 +42,7 @@ def main():
                 os.fsync(fd)
                 os.close(fd)
             dt = time.perf_counter() - t0
-            if r > 0:
+            if r >= warmup:
                 out.append(dt)
             if not want_sync:  # let the unsynced write reach the disk outside the timed region
                 fd = os.open(path, os.O_RDONLY)
