@@ -97,23 +97,32 @@ else
     bad "scripts/plot_loss.py" "$(cat "$work/plot.out")"
 fi
 
-# ---- 3. stop at 15 + resume == straight 30 steps, to the last bit (losses, norms, val losses)
+# ---- 3. stop + resume == a straight 30-step run, to the last bit (losses, norms, val losses).
+#         Stop at 20 (async checkpoints): step 20 both validates and checkpoints, so the resumed
+#         run must replay what validation left in the expert-load counters of the next bias
+#         update. Stop at 15 (--sync-ckpt): the stop itself writes the checkpoint.
 run straight "${TINY[@]}" --steps 30 --ckpt-dir "$work/ck_a" --ckpt-every 10 --log "$work/straight.jsonl"
-run first "${TINY[@]}" --steps 30 --ckpt-dir "$work/ck_b" --ckpt-every 10 --stop-at 15 --log "$work/first.jsonl"
-run resumed "${TINY[@]}" --steps 30 --ckpt-dir "$work/ck_b" --ckpt-every 10 --resume --log "$work/resumed.jsonl"
-if [ "$(rc straight)" -ne 0 ] || [ "$(rc first)" -ne 0 ] || [ "$(rc resumed)" -ne 0 ]; then
-    bad "stop + resume equals the straight run" "exit $(rc straight)/$(rc first)/$(rc resumed)" "$(tail -3 "$work/resumed.out")"
-else
-    a=$( (field straight loss; field straight grad_norm; field straight val_loss val) | awk '$1 > 15')
-    b=$( (field resumed loss; field resumed grad_norm; field resumed val_loss val) | awk '$1 > 15')
-    c=$( (field first loss) | awk '$1 <= 15')
-    d=$( (field straight loss) | awk '$1 <= 15')
-    if grep -q 'resume: step 15' "$work/resumed.out" && [ -n "$a" ] && [ "$a" = "$b" ] && [ "$c" = "$d" ] && [ "$(echo "$b" | wc -l)" -ge 32 ]; then
-        ok "stop at step 15 + --resume: steps 16-30 bitwise equal to the straight run (loss, norm, validation)"
-    else
-        bad "stop + resume equals the straight run" "$(diff <(echo "$a") <(echo "$b") | head -6)" "$(grep resume "$work/resumed.out")"
+for variant in "20" "15 --sync-ckpt"; do
+    set -- $variant
+    at=$1; shift
+    run "first$at" "${TINY[@]}" --steps 30 --ckpt-dir "$work/ck_$at" --ckpt-every 10 --stop-at "$at" "$@" --log "$work/first$at.jsonl"
+    run "resumed$at" "${TINY[@]}" --steps 30 --ckpt-dir "$work/ck_$at" --ckpt-every 10 --resume "$@" --log "$work/resumed$at.jsonl"
+    what="stop at step $at${*:+ $*} + --resume: steps $((at + 1))-30 bitwise equal to the straight run (loss, norm, validation)"
+    if [ "$(rc straight)" -ne 0 ] || [ "$(rc "first$at")" -ne 0 ] || [ "$(rc "resumed$at")" -ne 0 ]; then
+        bad "$what" "exit $(rc straight)/$(rc "first$at")/$(rc "resumed$at")" "$(tail -3 "$work/resumed$at.out")"
+        continue
     fi
-fi
+    a=$( (field straight loss; field straight grad_norm; field straight val_loss val) | awk -v s="$at" '$1 > s')
+    b=$( (field "resumed$at" loss; field "resumed$at" grad_norm; field "resumed$at" val_loss val) | awk -v s="$at" '$1 > s')
+    c=$(field "first$at" loss)
+    d=$(field straight loss | awk -v s="$at" '$1 <= s')
+    if grep -q "resume: step $at " "$work/resumed$at.out" && [ -n "$a" ] && [ "$a" = "$b" ] && [ "$c" = "$d" ] &&
+       [ "$(echo "$b" | wc -l)" -ge $((2 * (30 - at) + 1)) ]; then
+        ok "$what"
+    else
+        bad "$what" "$(diff <(echo "$a") <(echo "$b") | head -6)" "$(grep resume "$work/resumed$at.out")"
+    fi
+done
 
 # ---- 4. two ranks (data parallel; then expert parallel) match one rank within 1e-4
 compare_runs() { # name1 name2 -> worst relative loss difference, or an error
