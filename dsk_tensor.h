@@ -839,7 +839,13 @@ static dsk_status dsk__copy_cpu(dsk_tensor *dst, const dsk_tensor *src) {
         memmove(dst->data, src->data, (size_t)n * es);
         return DSK_OK;
     }
-    /* Element-wise; (dst may alias src only when identical, handled by the memmove above). */
+    /* Element-wise (dst may alias src only when identical, handled by the memmove above).
+       Same dtype: move the bytes, so int64 beyond 2^53 and NaN payloads survive. */
+    if (dst->dtype == src->dtype) {
+        for (int64_t i = 0; i < n; i++)
+            memcpy((char *)dst->data + (size_t)dsk__offset(dst, i) * es, (const char *)src->data + (size_t)dsk__offset(src, i) * es, es);
+        return DSK_OK;
+    }
     for (int64_t i = 0; i < n; i++)
         dsk__store(dst->data, dst->dtype, dsk__offset(dst, i), dsk__load(src->data, src->dtype, dsk__offset(src, i)));
     return DSK_OK;

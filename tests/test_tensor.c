@@ -506,6 +506,28 @@ static void test_copy_casts(dsk_dtype src_dt) {
     }
 }
 
+/* Same-dtype strided copies move bits: int64 beyond 2^53 and NaN payloads survive. */
+static void test_copy_strided_exact(void) {
+    dsk_tensor *a = tt_new(DSK_I64, 2, SH(5, 3)), *b = tt_new(DSK_I64, 2, SH(3, 5)), *f = tt_new(DSK_F32, 2, SH(4, 2)),
+               *g = tt_new(DSK_F32, 2, SH(2, 4)), at, ft;
+    int64_t *ap = (int64_t *)a->data, *bp = (int64_t *)b->data;
+    uint32_t *fp = (uint32_t *)f->data, *gp = (uint32_t *)g->data;
+    for (int i = 0; i < 15; i++) ap[i] = (int64_t)(dsk_test_rand_u64() >> 1) | ((int64_t)1 << 60);
+    for (int i = 0; i < 8; i++) fp[i] = 0x7fc00000u | (uint32_t)(dsk_test_rand_u64() & 0x3fffffu) | (i & 1 ? 0x80000000u : 0);
+    memset(b->data, 0xA5, dsk_tensor_nbytes(b));
+    memset(g->data, 0xA5, dsk_tensor_nbytes(g));
+    DSK_TEST_OK(dsk_tensor_transpose(a, 0, 1, &at));
+    DSK_TEST_OK(dsk_tensor_copy(NULL, b, &at));
+    DSK_TEST_OK(dsk_tensor_transpose(f, 0, 1, &ft));
+    DSK_TEST_OK(dsk_tensor_copy(NULL, g, &ft));
+    for (int r = 0; r < 3; r++)
+        for (int c = 0; c < 5; c++)
+            DSK_TEST_EXPECT(bp[r * 5 + c] == ap[c * 3 + r], "i64 [%d,%d]: %lld want %lld", r, c, (long long)bp[r * 5 + c], (long long)ap[c * 3 + r]);
+    for (int r = 0; r < 2; r++)
+        for (int c = 0; c < 4; c++)
+            DSK_TEST_EXPECT(gp[r * 4 + c] == fp[c * 2 + r], "NaN bits [%d,%d]: %08x want %08x", r, c, gp[r * 4 + c], fp[c * 2 + r]);
+}
+
 static void test_copy_rounding(void) {
     dsk_tensor *src = tt_new(DSK_F64, 1, SH(5000)), *b = tt_new(DSK_BF16, 1, SH(5000)), *i8 = tt_new(DSK_U8, 1, SH(5000)), *i32 = tt_new(DSK_I32, 1, SH(5000));
     uint32_t bad = 0;
@@ -1472,6 +1494,7 @@ int main(void) {
         TT_CASE("copy from %s to every dtype, contiguous and strided", dsk_dtype_name((dsk_dtype)d));
         test_copy_casts((dsk_dtype)d);
     }
+    TT_CASE("strided same-dtype copy keeps int64 > 2^53 and NaN payloads"); test_copy_strided_exact();
     TT_CASE("copy rounding: f64 to bf16, u8, i32 (saturation, NaN)");
     test_copy_rounding();
     for (int t = 0; t < 4; t++) {
