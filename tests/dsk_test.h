@@ -151,44 +151,39 @@ static inline int dsk_test_finish(void) {
 #define DSK_TEST_EXPECT(cond, ...) \
     do { if (!(cond)) dsk_test_fail_at(__FILE__, __LINE__, "expected " #cond ": " __VA_ARGS__); } while (0)
 
-/* Compares n floats with a float64 reference: |got - want| <= atol + rtol * |want|, and
-   every got must be finite where want is (catches unwritten NaN-poisoned outputs).
-   Reports the worst element by (error / allowed). Returns 1 on success. */
-static inline int dsk_test_close_at(const char *file, int line, const float *got, const double *want, int64_t n, double rtol,
-                             double atol, const char *what) {
-    int64_t worst = -1, bad = 0;
-    double worst_ratio = 0;
-    for (int64_t i = 0; i < n; i++) {
-        double g = got[i], w = want[i], err = fabs(g - w), allow = atol + rtol * fabs(w);
-        double ratio = (g != g) != (w != w) || (isinf(g) || isinf(w)) ? (g == w ? 0 : INFINITY) : (w != w ? 0 : err / (allow > 0 ? allow : 1e-300));
-        if (ratio > 1.0) bad++;
-        if (ratio > worst_ratio || (worst < 0 && ratio > 1.0)) { worst_ratio = ratio; worst = i; }
-    }
-    if (bad == 0) return 1;
-    dsk_test_fail_at(file, line, "%s: %lld of %lld elements off; worst [%lld] got %.9g want %.9g rel err %.3g (rtol %.1g atol %.1g)",
-                     what, (long long)bad, (long long)n, (long long)worst, (double)got[worst], want[worst],
-                     fabs((double)got[worst] - want[worst]) / (fabs(want[worst]) > 0 ? fabs(want[worst]) : 1.0), rtol, atol);
-    return 0;
+/* Error of `g` against `w` in units of the allowed error atol + rtol * |w|: 0 when both are
+   the same NaN or infinity, infinite when only one is non-finite (an unwritten, NaN-poisoned
+   output fails), else |g - w| / allowed. */
+static inline double dsk_test_err_ratio(double g, double w, double rtol, double atol) {
+    double allow = atol + rtol * fabs(w);
+    if ((g != g) || (w != w)) return (g != g) == (w != w) ? 0 : INFINITY;
+    if (isinf(g) || isinf(w)) return g == w ? 0 : INFINITY;
+    return fabs(g - w) / (allow > 0 ? allow : 1e-300);
 }
-#define DSK_TEST_CLOSE(got, want, n, rtol, atol, what) dsk_test_close_at(__FILE__, __LINE__, got, want, n, rtol, atol, what)
 
-/* Same for a float64 `got`. */
-static inline int dsk_test_close64_at(const char *file, int line, const double *got, const double *want, int64_t n, double rtol,
-                               double atol, const char *what) {
+/* Compares n values (f32 `gf` or f64 `gd`, exactly one non-NULL) with a float64 reference:
+   |got - want| <= atol + rtol * |want|. Reports the count off and the worst element by
+   (error / allowed). Returns 1 on success. */
+static inline int dsk_test_close_any(const char *file, int line, const float *gf, const double *gd, const double *want, int64_t n,
+                                     double rtol, double atol, const char *what) {
     int64_t worst = -1, bad = 0;
     double worst_ratio = 0;
     for (int64_t i = 0; i < n; i++) {
-        double g = got[i], w = want[i], err = fabs(g - w), allow = atol + rtol * fabs(w);
-        double ratio = (g != g) != (w != w) || (isinf(g) || isinf(w)) ? (g == w ? 0 : INFINITY) : (w != w ? 0 : err / (allow > 0 ? allow : 1e-300));
+        double ratio = dsk_test_err_ratio(gf ? (double)gf[i] : gd[i], want[i], rtol, atol);
         if (ratio > 1.0) bad++;
-        if (ratio > worst_ratio || (worst < 0 && ratio > 1.0)) { worst_ratio = ratio; worst = i; }
+        if (ratio > 1.0 && (worst < 0 || ratio > worst_ratio)) { worst_ratio = ratio; worst = i; }
     }
     if (bad == 0) return 1;
-    dsk_test_fail_at(file, line, "%s: %lld of %lld elements off; worst [%lld] got %.17g want %.17g (rtol %.1g atol %.1g)", what,
-                     (long long)bad, (long long)n, (long long)worst, got[worst], want[worst], rtol, atol);
+    {
+        double g = gf ? (double)gf[worst] : gd[worst], w = want[worst];
+        dsk_test_fail_at(file, line, "%s: %lld of %lld elements off; worst [%lld] got %.*g want %.17g rel err %.3g (rtol %.1g atol %.1g)",
+                         what, (long long)bad, (long long)n, (long long)worst, gf ? 9 : 17, g, w,
+                         fabs(g - w) / (fabs(w) > 0 ? fabs(w) : 1.0), rtol, atol);
+    }
     return 0;
 }
-#define DSK_TEST_CLOSE64(got, want, n, rtol, atol, what) dsk_test_close64_at(__FILE__, __LINE__, got, want, n, rtol, atol, what)
+#define DSK_TEST_CLOSE(got, want, n, rtol, atol, what) dsk_test_close_any(__FILE__, __LINE__, got, NULL, want, n, rtol, atol, what)
+#define DSK_TEST_CLOSE64(got, want, n, rtol, atol, what) dsk_test_close_any(__FILE__, __LINE__, NULL, got, want, n, rtol, atol, what)
 
 /* Bitwise equality of two buffers; reports the first differing byte. */
 static inline int dsk_test_same_bytes_at(const char *file, int line, const void *a, const void *b, size_t n, const char *what) {
