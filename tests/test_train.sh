@@ -151,6 +151,21 @@ for r in dp2 ep2; do
     fi
 done
 
+# The same binary under Open MPI's launcher (OMPI_COMM_WORLD_* environment), when installed.
+if command -v mpirun >/dev/null 2>&1; then
+    OMPI_MCA_plm_rsh_agent=false timeout 120 mpirun --allow-run-as-root --oversubscribe -np 2 "$BIN" "${TINY[@]}" --steps 20 --ep 2 \
+        --log "$work/mpi.jsonl" >"$work/mpi.out" 2>&1
+    code=$?
+    worst=$( [ $code -eq 0 ] && compare_runs one mpi)
+    if [ $code -eq 0 ] && $PY -c "import sys; sys.exit(0 if float('$worst') <= 1e-4 else 1)" 2>/dev/null; then
+        ok "mpirun -np 2 (expert parallel) matches 1 rank within 1e-4 relative (worst $worst)"
+    else
+        bad "mpirun -np 2 matches 1 rank" "exit $code, worst $worst" "$(tail -3 "$work/mpi.out")"
+    fi
+else
+    echo "skip mpirun -np 2: Open MPI's mpirun is not installed"; skipped=$((skipped + 1))
+fi
+
 # ---- 5. backward of the whole model (attention, dense and MoE blocks, aux loss) against
 #         central differences; bf16 and fp16 (dynamic loss scaling) training
 run gradcheck --seq 16 --d-model 16 --heads 2 --layers 3 --dense-layers 1 --ffn-hidden 24 --experts 4 --top-k 2 \
