@@ -64,14 +64,14 @@ $(BUILD)/examples/%: examples/%.c $(wildcard examples/*.h) $(DEPS)
 
 # Benchmarks link their peers (OpenBLAS, Open MPI) where they need them; see bench/*.c.
 BENCH_LIBS_bench_gemm = -lopenblas
-$(BUILD)/bench/%: bench/%.c $(DEPS)
+$(BUILD)/bench/%: bench/%.c bench/bench_util.h $(DEPS)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $< $(BENCH_LIBS_$*) $(LDLIBS)
 
 # comm_bench's peer (bench only, never part of `make test`): Open MPI's MPI_Allreduce, built
 # with mpicc from libopenmpi-dev; comm_bench --mpi runs it under mpirun from its own directory.
 MPICC ?= mpicc
-$(BUILD)/bench/mpi_allreduce: bench/mpi_allreduce.c
+$(BUILD)/bench/mpi_allreduce: bench/mpi_allreduce.c bench/bench_util.h
 	@mkdir -p $(dir $@)
 	$(MPICC) -O2 -o $@ $<
 

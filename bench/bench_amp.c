@@ -11,9 +11,9 @@
 #define DSK_TENSOR_IMPLEMENTATION
 #define DSK_AMP_IMPLEMENTATION
 #include "dsk_amp.h"
+#include "bench_util.h"
 #include <stdio.h>
 #include <stdlib.h>
-#include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -25,36 +25,18 @@ static int threads(void) {
     return 1;
 #endif
 }
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-#define CHECK(call)                                                                                   \
-    do {                                                                                              \
-        dsk_status s_ = (call);                                                                       \
-        if (s_ != DSK_OK) { fprintf(stderr, "bench_amp: %s: %s\n", #call, dsk_last_error()); exit(1); } \
-    } while (0)
 
 /* Times `body` (a statement) `reps` times after one warm-up; median seconds into *out. */
-#define TIME(out, reps, body)                                 \
-    do {                                                      \
-        double t_[64];                                        \
-        body;                                                 \
-        for (int r_ = 0; r_ < (reps); r_++) {                 \
-            double t0_ = now_s();                             \
-            body;                                             \
-            t_[r_] = now_s() - t0_;                           \
-        }                                                     \
-        *(out) = median(t_, (reps));                          \
+#define TIME(out, reps, body)                             \
+    do {                                                  \
+        double t_[64];                                    \
+        body;                                             \
+        for (int r_ = 0; r_ < (reps); r_++) {             \
+            double t0_ = bench_now_s();                   \
+            body;                                         \
+            t_[r_] = bench_now_s() - t0_;                 \
+        }                                                 \
+        *(out) = bench_median(t_, (reps));                \
     } while (0)
 
 enum { NT = 96 };
@@ -74,23 +56,23 @@ int main(int argc, char **argv) {
     if (!buf || !copy) { fprintf(stderr, "bench_amp: out of memory\n"); return 1; }
     for (int64_t i = 0; i < per * NT; i++) buf[i] = (float)((i * 2654435761u) % 1000003) * 1e-3f + 0.5f;
     for (int i = 0; i < NT; i++) {
-        CHECK(dsk_tensor_wrap(&g[i], buf + i * per, DSK_F32, dsk_cpu(), 1, &per));
+        BENCH_CHECK(dsk_tensor_wrap(&g[i], buf + i * per, DSK_F32, dsk_cpu(), 1, &per));
         gl[i] = &g[i];
     }
-    CHECK(dsk_tensor_alloc(NULL, &sq, DSK_F32, 0, NULL));
+    BENCH_CHECK(dsk_tensor_alloc(NULL, &sq, DSK_F32, 0, NULL));
     dsk_amp_scaler sc;
     dsk_amp_scaler_opts so;
     memset(&so, 0, sizeof so);
     so.mode = DSK_AMP_STATIC;
     so.init_scale = 1.0f; /* x * 1 keeps the data stable across repeats; the work is the same */
-    CHECK(dsk_amp_scaler_init(NULL, &sc, &so));
+    BENCH_CHECK(dsk_amp_scaler_init(NULL, &sc, &so));
     double bytes = (double)(per * NT) * 4.0, t_fused, t_copy, t_unfused;
     printf("# bench_amp: %d gradients of %lld f32 (%.0f MiB), median of %d, OpenMP threads %d\n", NT, (long long)per, bytes / 1048576.0, reps, threads());
-    TIME(&t_fused, reps, CHECK(dsk_amp_unscale(NULL, &sc, gl, NT)));
+    TIME(&t_fused, reps, BENCH_CHECK(dsk_amp_unscale(NULL, &sc, gl, NT)));
     TIME(&t_copy, reps, memcpy(copy, buf, (size_t)bytes));
     TIME(&t_unfused, reps, for (int i = 0; i < NT; i++) {
-        CHECK(dsk_scale(NULL, &g[i], 1.0f));
-        CHECK(dsk_sum_squares(NULL, &sq, &g[i]));
+        BENCH_CHECK(dsk_scale(NULL, &g[i], 1.0f));
+        BENCH_CHECK(dsk_sum_squares(NULL, &sq, &g[i]));
     });
     printf("unscale+check+sumsq fused   %8.2f ms  %6.2f GB/s (read+write)\n", 1e3 * t_fused, 2 * bytes / t_fused / 1e9);
     printf("memcpy same bytes (floor)   %8.2f ms  %6.2f GB/s   fused/memcpy time ratio %.2f\n", 1e3 * t_copy, 2 * bytes / t_copy / 1e9, t_fused / t_copy);
@@ -101,10 +83,10 @@ int main(int argc, char **argv) {
         int64_t n = per * NT;
         dsk_tensor master;
         double t_sr, t_rne;
-        CHECK(dsk_tensor_wrap(&master, buf, DSK_F32, dsk_cpu(), 1, &n));
-        CHECK(dsk_tensor_alloc(NULL, &dst, DSK_BF16, 1, &n));
-        TIME(&t_rne, reps, CHECK(dsk_amp_cast(NULL, &dst, &master, DSK_ROUND_NEAREST, 1, 2, 3)));
-        TIME(&t_sr, reps, CHECK(dsk_amp_cast(NULL, &dst, &master, DSK_ROUND_STOCHASTIC, 1, 2, 3)));
+        BENCH_CHECK(dsk_tensor_wrap(&master, buf, DSK_F32, dsk_cpu(), 1, &n));
+        BENCH_CHECK(dsk_tensor_alloc(NULL, &dst, DSK_BF16, 1, &n));
+        TIME(&t_rne, reps, BENCH_CHECK(dsk_amp_cast(NULL, &dst, &master, DSK_ROUND_NEAREST, 1, 2, 3)));
+        TIME(&t_sr, reps, BENCH_CHECK(dsk_amp_cast(NULL, &dst, &master, DSK_ROUND_STOCHASTIC, 1, 2, 3)));
         printf("f32->bf16 nearest           %8.2f ms  %6.2f GB/s\n", 1e3 * t_rne, 6.0 * n / t_rne / 1e9);
         printf("f32->bf16 stochastic        %8.2f ms  %6.2f GB/s   SR/RNE time ratio %.2f\n", 1e3 * t_sr, 6.0 * n / t_sr / 1e9, t_sr / t_rne);
         dsk_tensor_free(NULL, &dst);
@@ -114,12 +96,12 @@ int main(int argc, char **argv) {
         int64_t C = 4096, R = per * NT / C, shape[2] = {R, C}, ss[2] = {(R + 127) / 128, (C + 127) / 128};
         dsk_tensor w, q, s, b;
         double t_q, t_c;
-        CHECK(dsk_tensor_wrap(&w, buf, DSK_F32, dsk_cpu(), 2, shape));
-        CHECK(dsk_tensor_alloc(NULL, &q, DSK_E4M3, 2, shape));
-        CHECK(dsk_tensor_alloc(NULL, &s, DSK_F32, 2, ss));
-        CHECK(dsk_tensor_alloc(NULL, &b, DSK_BF16, 2, shape));
-        TIME(&t_q, reps, CHECK(dsk_amp_fp8_block_quantize(NULL, &q, &s, &w, 128, 128, 0)));
-        TIME(&t_c, reps, CHECK(dsk_amp_cast(NULL, &b, &w, DSK_ROUND_NEAREST, 0, 0, 0)));
+        BENCH_CHECK(dsk_tensor_wrap(&w, buf, DSK_F32, dsk_cpu(), 2, shape));
+        BENCH_CHECK(dsk_tensor_alloc(NULL, &q, DSK_E4M3, 2, shape));
+        BENCH_CHECK(dsk_tensor_alloc(NULL, &s, DSK_F32, 2, ss));
+        BENCH_CHECK(dsk_tensor_alloc(NULL, &b, DSK_BF16, 2, shape));
+        TIME(&t_q, reps, BENCH_CHECK(dsk_amp_fp8_block_quantize(NULL, &q, &s, &w, 128, 128, 0)));
+        TIME(&t_c, reps, BENCH_CHECK(dsk_amp_cast(NULL, &b, &w, DSK_ROUND_NEAREST, 0, 0, 0)));
         printf("fp8 e4m3 128x128 blocks     %8.2f ms  %6.2f GB/s (read+write)\n", 1e3 * t_q, 5.0 * R * C / t_q / 1e9);
         printf("f32->bf16 nearest, same W   %8.2f ms  %6.2f GB/s   fp8/bf16 time ratio %.2f\n", 1e3 * t_c, 6.0 * R * C / t_c / 1e9, t_q / t_c);
         dsk_tensor_free(NULL, &q); dsk_tensor_free(NULL, &s); dsk_tensor_free(NULL, &b);

@@ -19,6 +19,7 @@
 #define DSK_CKPT_IMPLEMENTATION
 #include "dsk_tensor.h"
 #include "dsk_ckpt.h"
+#include "bench_util.h"
 
 #include <fcntl.h>
 #include <stdio.h>
@@ -27,26 +28,6 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
-
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static int cmp_d(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp_d);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-static void die(const char *what) {
-    fprintf(stderr, "bench_ckpt: %s: %s\n", what, dsk_last_error());
-    exit(1);
-}
 
 static void run(const char *cmd) {
     if (system(cmd) != 0) fprintf(stderr, "bench_ckpt: \"%s\" failed\n", cmd);
@@ -62,7 +43,7 @@ static void drop_cache(const char *path) {
 
 static double raw_write(const char *path, dsk_tensor *t, int n) {
     const size_t piece = (size_t)1 << 20; /* the size dsk writes in */
-    double t0 = now();
+    double t0 = bench_now_s();
     int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     if (fd < 0) { perror(path); exit(1); }
     for (int i = 0; i < n; i++) {
@@ -76,7 +57,7 @@ static double raw_write(const char *path, dsk_tensor *t, int n) {
         }
     }
     if (fsync(fd) != 0 || close(fd) != 0) { perror("fsync"); exit(1); }
-    return now() - t0;
+    return bench_now_s() - t0;
 }
 
 static double raw_read(const char *path, void *buf, size_t n) {
@@ -84,7 +65,7 @@ static double raw_read(const char *path, void *buf, size_t n) {
     int fd;
     size_t done = 0;
     drop_cache(path);
-    t0 = now();
+    t0 = bench_now_s();
     if ((fd = open(path, O_RDONLY)) < 0) { perror(path); exit(1); }
     while (done < n) {
         ssize_t k = pread(fd, (char *)buf + done, n - done < ((size_t)8 << 20) ? n - done : ((size_t)8 << 20), (off_t)done);
@@ -92,7 +73,7 @@ static double raw_read(const char *path, void *buf, size_t n) {
         done += (size_t)k;
     }
     close(fd);
-    return now() - t0;
+    return bench_now_s() - t0;
 }
 
 /* One timed serialize_file of the peer after one untimed (its first call pays set-up); 0 if unavailable. */
@@ -132,20 +113,20 @@ int main(int argc, char **argv) {
     ts_copy = ts_async_warm + reps; ts_py = ts_copy + reps; ts_pys = ts_py + reps;
     for (int i = 0; i < n; i++) {
         const int64_t s32[2] = {2048, 2048}, s16[2] = {2048, 4096};
-        if (dsk_tensor_alloc(NULL, &t[i], i % 2 ? DSK_BF16 : DSK_F32, 2, i % 2 ? s16 : s32) != DSK_OK) die("alloc");
-        if (dsk_tensor_uniform(NULL, &t[i], 7, (uint64_t)i << 32, -1.0f, 1.0f) != DSK_OK) die("fill");
+        BENCH_CHECK(dsk_tensor_alloc(NULL, &t[i], i % 2 ? DSK_BF16 : DSK_F32, 2, i % 2 ? s16 : s32));
+        BENCH_CHECK(dsk_tensor_uniform(NULL, &t[i], 7, (uint64_t)i << 32, -1.0f, 1.0f));
         snprintf(names[i], sizeof names[i], "layer.%03d.%s", i, i % 2 ? "w_bf16" : "w_f32");
         e[i].name = names[i];
         e[i].tensor = &t[i];
         total += dsk_tensor_nbytes(&t[i]);
     }
-    if (!(readbuf = malloc(total))) die("read buffer");
+    if (!(readbuf = malloc(total))) { fprintf(stderr, "bench_ckpt: read buffer: out of memory\n"); return 1; }
     memset(readbuf, 1, total);
     {
         dsk_ckpt_opts o;
         memset(&o, 0, sizeof o);
         o.snapshot_threads = getenv("SNAPSHOT_THREADS") ? atoi(getenv("SNAPSHOT_THREADS")) : 1;
-        if (dsk_ckpt_init(&ck, ck_dir, &o) != DSK_OK) die("init");
+        BENCH_CHECK(dsk_ckpt_init(&ck, ck_dir, &o));
         printf("# snapshot_threads %d (set SNAPSHOT_THREADS to change)\n", o.snapshot_threads ? o.snapshot_threads : 1);
     }
     printf("# bench_ckpt: %d tensors, %.3f GB, %d repeats (+1 warm-up), dir %s\n", n, total / 1e9, reps, root);
@@ -161,28 +142,28 @@ int main(int argc, char **argv) {
             } else {
                 snprintf(cmd, sizeof cmd, "rm -rf '%s'", ck_dir);
                 run(cmd);
-                t0 = now();
-                if (dsk_ckpt_save(&ck, 1, e, n, NULL, 0) != DSK_OK) die("save");
-                dt_save = now() - t0;
+                t0 = bench_now_s();
+                BENCH_CHECK(dsk_ckpt_save(&ck, 1, e, n, NULL, 0));
+                dt_save = bench_now_s() - t0;
             }
         }
         dt_read = raw_read(raw_path, readbuf, total);
         unlink(raw_path);
         snprintf(path, sizeof path, "%s/step_00000001/rank_00000.safetensors", ck_dir);
         drop_cache(path);
-        t0 = now();
-        if (dsk_ckpt_load(&ck, 1, e, n, NULL) != DSK_OK) die("load");
-        dt_load = now() - t0;
+        t0 = bench_now_s();
+        BENCH_CHECK(dsk_ckpt_load(&ck, 1, e, n, NULL));
+        dt_load = bench_now_s() - t0;
         /* async: the caller's stall, then the background write finishes before the next rep */
-        t0 = now();
-        if (dsk_ckpt_save_async(&ck, 2, e, n, NULL, 0) != DSK_OK) die("save_async");
-        if (r == -1) async_first = now() - t0;
-        else ts_async_warm[r] = now() - t0;
-        if (dsk_ckpt_wait(&ck) != DSK_OK) die("wait");
-        t0 = now();
+        t0 = bench_now_s();
+        BENCH_CHECK(dsk_ckpt_save_async(&ck, 2, e, n, NULL, 0));
+        if (r == -1) async_first = bench_now_s() - t0;
+        else ts_async_warm[r] = bench_now_s() - t0;
+        BENCH_CHECK(dsk_ckpt_wait(&ck));
+        t0 = bench_now_s();
         for (int i = 0, off = 0; i < n; off += (int)dsk_tensor_nbytes(&t[i]), i++)
             memcpy((char *)readbuf + off, t[i].data, dsk_tensor_nbytes(&t[i]));
-        if (r >= 0) ts_copy[r] = now() - t0;
+        if (r >= 0) ts_copy[r] = bench_now_s() - t0;
         if (r >= 0) { ts_raw[r] = dt_raw; ts_save[r] = dt_save; ts_read[r] = dt_read; ts_load[r] = dt_load; }
         /* Python peer in the same repeat: same shapes and dtypes, same directory */
         py_ok &= python_peer(n, root, &py_plain, &py_synced);
@@ -191,12 +172,13 @@ int main(int argc, char **argv) {
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", ck_dir);
     run(cmd);
     {
-        double raw = median(ts_raw, reps), save = median(ts_save, reps), rd = median(ts_read, reps), ld = median(ts_load, reps);
-        double warm = median(ts_async_warm, reps), gb = total / 1e9;
+        double raw = bench_median(ts_raw, reps), save = bench_median(ts_save, reps);
+        double rd = bench_median(ts_read, reps), ld = bench_median(ts_load, reps);
+        double warm = bench_median(ts_async_warm, reps), gb = total / 1e9;
         printf("raw write+fsync   %7.3f s  %6.2f GB/s\n", raw, gb / raw);
         printf("dsk save          %7.3f s  %6.2f GB/s   ratio vs raw write %.2f (target >= 0.8)\n", save, gb / save, raw / save);
         if (py_ok) {
-            double py_save = median(ts_py, reps), py_fsync = median(ts_pys, reps);
+            double py_save = bench_median(ts_py, reps), py_fsync = bench_median(ts_pys, reps);
             printf("python save_file  %7.3f s  %6.2f GB/s   dsk speed-up %.2fx (no fsync in safetensors)\n", py_save, gb / py_save, py_save / save);
             printf("python +fsync     %7.3f s  %6.2f GB/s   dsk speed-up %.2fx\n", py_fsync, gb / py_fsync, py_fsync / save);
         } else {
@@ -206,8 +188,8 @@ int main(int argc, char **argv) {
         printf("dsk load (cold)   %7.3f s  %6.2f GB/s   ratio vs raw read %.2f\n", ld, gb / ld, rd / ld);
         printf("async stall first %7.3f s  = %.3f of a sync save (allocates the snapshot buffer)\n", async_first, async_first / save);
         printf("async stall warm  %7.3f s  = %.3f of a sync save (target < 0.10)\n", warm, warm / save);
-        printf("memcpy same bytes %7.3f s  %6.2f GB/s   async stall / memcpy %.2f\n", median(ts_copy, reps), gb / median(ts_copy, reps),
-               warm / median(ts_copy, reps));
+        printf("memcpy same bytes %7.3f s  %6.2f GB/s   async stall / memcpy %.2f\n", bench_median(ts_copy, reps), gb / bench_median(ts_copy, reps),
+               warm / bench_median(ts_copy, reps));
     }
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);
     run(cmd);

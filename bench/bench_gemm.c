@@ -8,6 +8,7 @@
    Usage: bench_gemm [--threads N] [--repeats R] [--rounds K] [--quick] */
 #define DSK_TENSOR_IMPLEMENTATION
 #include "dsk_tensor.h"
+#include "bench_util.h"
 #include <cblas.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,24 +16,11 @@
 
 typedef struct shape { const char *name; int ta, tb; int64_t M, N, K; } shape;
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 static void pause_s(double s) {
     struct timespec ts;
     ts.tv_sec = (time_t)s;
     ts.tv_nsec = (long)((s - (double)ts.tv_sec) * 1e9);
     nanosleep(&ts, NULL);
-}
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 static void run_dsk(const shape *s, const float *A, const float *B, float *C, int threads) {
@@ -89,19 +77,19 @@ int main(int argc, char **argv) {
         for (int r = 0; r < rounds; r++) {
             pause_s(0.3);
             for (int k = 0; k < repeats; k++) {
-                double t0 = now_s();
+                double t0 = bench_now_s();
                 run_dsk(s, A, B, C1, threads);
-                td[r * repeats + k] = now_s() - t0;
+                td[r * repeats + k] = bench_now_s() - t0;
             }
             pause_s(0.3);
             for (int k = 0; k < repeats; k++) {
-                double t0 = now_s();
+                double t0 = bench_now_s();
                 run_blas(s, A, B, C2);
-                tb[r * repeats + k] = now_s() - t0;
+                tb[r * repeats + k] = bench_now_s() - t0;
             }
         }
-        gd = flop / median(td, repeats * rounds) * 1e-9;
-        gb = flop / median(tb, repeats * rounds) * 1e-9;
+        gd = flop / bench_median(td, repeats * rounds) * 1e-9;
+        gb = flop / bench_median(tb, repeats * rounds) * 1e-9;
         printf("  %-36s %5lld %5lld %5lld %10.1f %10.1f %7.2f %9.1e\n", s->name, (long long)s->M, (long long)s->N, (long long)s->K, gd, gb, gd / gb,
                maxc > 0 ? maxd / maxc : maxd);
         fflush(stdout);

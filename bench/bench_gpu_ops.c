@@ -10,6 +10,7 @@
    Usage: bench_gpu_ops [--quick]   (--quick: smaller sizes, for a smoke run) */
 #define DSK_TENSOR_IMPLEMENTATION
 #include "dsk_tensor.h"
+#include "bench_util.h"
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,11 +29,11 @@ int main(void) {
 
 static dsk_ctx G;
 
-static void die(const char *what) {
-    fprintf(stderr, "bench_gpu_ops: %s failed: %s\n", what, dsk_last_error());
-    exit(1);
-}
-#define CHECK(call) do { if ((call) != DSK_OK) die(#call); } while (0)
+#define CHECK_CUBLAS(call)                                                                      \
+    do {                                                                                        \
+        cublasStatus_t s_ = (call);                                                             \
+        if (s_ != CUBLAS_STATUS_SUCCESS) { fprintf(stderr, "bench_gpu_ops: %s: %d\n", #call, (int)s_); exit(1); } \
+    } while (0)
 #define CHECK_CUDA(call)                                                                        \
     do {                                                                                        \
         cudaError_t e_ = (call);                                                                \
@@ -41,16 +42,11 @@ static void die(const char *what) {
 
 typedef void (*bench_fn)(void *arg);
 
-static int cmp_float(const void *a, const void *b) {
-    float x = *(const float *)a, y = *(const float *)b;
-    return x < y ? -1 : x > y;
-}
-
 /* Median milliseconds of fn(arg) on the ctx stream. */
 static double time_ms(bench_fn fn, void *arg) {
     cudaStream_t st = (cudaStream_t)G.stream;
     cudaEvent_t e0, e1;
-    float ms[REPS];
+    double ms[REPS];
     CHECK_CUDA(cudaEventCreate(&e0));
     CHECK_CUDA(cudaEventCreate(&e1));
     for (int i = 0; i < WARMUP; i++) fn(arg);
@@ -60,18 +56,19 @@ static double time_ms(bench_fn fn, void *arg) {
         fn(arg);
         CHECK_CUDA(cudaEventRecord(e1, st));
         CHECK_CUDA(cudaEventSynchronize(e1));
-        CHECK_CUDA(cudaEventElapsedTime(&ms[i], e0, e1));
+        float m;
+        CHECK_CUDA(cudaEventElapsedTime(&m, e0, e1));
+        ms[i] = m;
     }
     CHECK_CUDA(cudaEventDestroy(e0));
     CHECK_CUDA(cudaEventDestroy(e1));
-    qsort(ms, REPS, sizeof ms[0], cmp_float);
-    return 0.5 * (ms[REPS / 2 - 1] + ms[REPS / 2]);
+    return bench_median(ms, REPS);
 }
 
 static dsk_tensor dalloc(dsk_dtype dt, int nd, const int64_t *shape, float lo, float hi) {
     dsk_tensor t;
-    CHECK(dsk_tensor_alloc(&G, &t, dt, nd, shape));
-    CHECK(dsk_tensor_uniform(&G, &t, 1234, 0, lo, hi));
+    BENCH_CHECK(dsk_tensor_alloc(&G, &t, dt, nd, shape));
+    BENCH_CHECK(dsk_tensor_uniform(&G, &t, 1234, 0, lo, hi));
     return t;
 }
 
@@ -88,22 +85,22 @@ static void run_memcpy(void *p) {
     op_args *o = (op_args *)p;
     CHECK_CUDA(cudaMemcpyAsync(o->dst, o->src, o->bytes, cudaMemcpyDeviceToDevice, (cudaStream_t)G.stream));
 }
-static void run_cast(void *p) { op_args *o = (op_args *)p; CHECK(dsk_tensor_copy(&G, &o->ybf, &o->x)); }
+static void run_cast(void *p) { op_args *o = (op_args *)p; BENCH_CHECK(dsk_tensor_copy(&G, &o->ybf, &o->x)); }
 static void run_transpose(void *p) {
     op_args *o = (op_args *)p;
     dsk_tensor t;
-    CHECK(dsk_tensor_transpose(&o->x, 0, 1, &t));
-    CHECK(dsk_tensor_copy(&G, &o->yt, &t));
+    BENCH_CHECK(dsk_tensor_transpose(&o->x, 0, 1, &t));
+    BENCH_CHECK(dsk_tensor_copy(&G, &o->yt, &t));
 }
-static void run_add(void *p) { op_args *o = (op_args *)p; CHECK(dsk_add(&G, &o->y, &o->x, &o->x2)); }
-static void run_rmsnorm(void *p) { op_args *o = (op_args *)p; CHECK(dsk_rmsnorm(&G, &o->y, &o->rstd, &o->x, &o->w, 1e-6f)); }
-static void run_softmax(void *p) { op_args *o = (op_args *)p; CHECK(dsk_softmax(&G, &o->y, &o->x)); }
+static void run_add(void *p) { op_args *o = (op_args *)p; BENCH_CHECK(dsk_add(&G, &o->y, &o->x, &o->x2)); }
+static void run_rmsnorm(void *p) { op_args *o = (op_args *)p; BENCH_CHECK(dsk_rmsnorm(&G, &o->y, &o->rstd, &o->x, &o->w, 1e-6f)); }
+static void run_softmax(void *p) { op_args *o = (op_args *)p; BENCH_CHECK(dsk_softmax(&G, &o->y, &o->x)); }
 /* param y, grad x, moments m and v, bf16 copy ybf. */
 static void run_adamw(void *p) {
     op_args *o = (op_args *)p;
     dsk_adamw_opts opts;
     memset(&opts, 0, sizeof opts);
-    CHECK(dsk_adamw_step(&G, &o->y, &o->x, &o->m, &o->v, &opts, ++o->step, 1.0f, &o->ybf));
+    BENCH_CHECK(dsk_adamw_step(&G, &o->y, &o->x, &o->m, &o->v, &opts, ++o->step, 1.0f, &o->ybf));
 }
 
 /* Times op and a memcpy of the same traffic; prints one row, returns the ratio. */
@@ -147,14 +144,14 @@ static void bench_memory(int quick, double *worst, char *summary, size_t summary
     o.rstd = dalloc(DSK_F32, 1, &R, 0, 1);
     o.m = dalloc(DSK_F32, 2, shape, -0.1f, 0.1f);
     o.v = dalloc(DSK_F32, 2, shape, 0, 0.01f);
-    CHECK(dsk_cuda_malloc(&G, (size_t)(30 * nn), &scratch));
+    BENCH_CHECK(dsk_cuda_malloc(&G, (size_t)(30 * nn), &scratch));
     printf("\n%-34s %13s %12s %13s %20s\n", "op (f32 unless noted)", "least bytes", "median", "achieved", "peer");
     for (int i = 0; i < 6; i++) {
         double r = mem_row(names[i], fns[i], &o, traffic[i], scratch);
         if (i == 0 || r < *worst) *worst = r;
         k += (size_t)snprintf(summary + k, summary_n - k, "%s%s %.2f", i ? ", " : "", keys[i], r);
     }
-    CHECK(dsk_ctx_sync(&G));
+    BENCH_CHECK(dsk_ctx_sync(&G));
     dsk_cuda_free(&G, scratch);
     /* The tensors live until the process exits right after the benchmarks. */
 }
@@ -169,7 +166,7 @@ typedef struct gemm_args {
 
 static void run_dsk_gemm(void *p) {
     gemm_args *g = (gemm_args *)p;
-    CHECK(dsk_matmul(&G, &g->C, &g->A, 0, &g->B, 0, 1.0f, 0.0f));
+    BENCH_CHECK(dsk_matmul(&G, &g->C, &g->A, 0, &g->B, 0, 1.0f, 0.0f));
 }
 
 /* The same product straight through cuBLAS (row-major as C^T = B^T A^T). */
@@ -194,7 +191,7 @@ static double gemm_row(const char *name, int64_t batch, int64_t M, int64_t N, in
     g.B = dalloc(DSK_BF16, nd, nd == 3 ? sb : sb + 1, -1, 1);
     g.C = dalloc(DSK_BF16, nd, nd == 3 ? sc : sc + 1, -1, 1);
     g.M = M; g.N = N; g.K = K; g.batch = batch; g.peer = peer;
-    if (cublasSetWorkspace(peer, peer_ws, ws_bytes) != CUBLAS_STATUS_SUCCESS) die("cublasSetWorkspace");
+    CHECK_CUBLAS(cublasSetWorkspace(peer, peer_ws, ws_bytes));
     t = time_ms(run_dsk_gemm, &g);
     tp = time_ms(run_cublas_gemm, &g);
     *tflops = flops / (t * 1e-3) / 1e12;
@@ -212,9 +209,9 @@ static void bench_gemm(int quick, double *worst, double *tf8192, char *summary, 
     double r, tf;
     int64_t big = quick ? 2048 : 8192;
     char name[64];
-    if (cublasCreate(&peer) != CUBLAS_STATUS_SUCCESS) die("cublasCreate");
-    if (cublasSetStream(peer, (cudaStream_t)G.stream) != CUBLAS_STATUS_SUCCESS) die("cublasSetStream");
-    CHECK(dsk_cuda_malloc(&G, ws_bytes, &ws));
+    CHECK_CUBLAS(cublasCreate(&peer));
+    CHECK_CUBLAS(cublasSetStream(peer, (cudaStream_t)G.stream));
+    BENCH_CHECK(dsk_cuda_malloc(&G, ws_bytes, &ws));
     printf("\n%-34s %12s %15s %24s\n", "GEMM bf16 -> bf16, f32 accumulate", "median", "dsk_matmul", "direct cuBLAS");
     snprintf(name, sizeof name, "square %lld^3", (long long)big);
     *worst = gemm_row(name, 1, big, big, big, peer, ws, ws_bytes, tf8192);
@@ -228,7 +225,7 @@ static void bench_gemm(int quick, double *worst, double *tf8192, char *summary, 
     r = gemm_row("8 experts 512 x 1408 x 2048", 8, 512, 1408, 2048, peer, ws, ws_bytes, &tf);
     if (r < *worst) *worst = r;
     k += (size_t)snprintf(summary + k, summary_n - k, ", MoE shapes worst %.2fx cuBLAS", *worst);
-    CHECK(dsk_ctx_sync(&G));
+    BENCH_CHECK(dsk_ctx_sync(&G));
     dsk_cuda_free(&G, ws);
     cublasDestroy(peer);
 }
@@ -245,7 +242,7 @@ int main(int argc, char **argv) {
     }
     memset(&o, 0, sizeof o);
     o.device = DSK_PREFER_CUDA;
-    CHECK(dsk_ctx_init(&G, &o));
+    BENCH_CHECK(dsk_ctx_init(&G, &o));
     CHECK_CUDA(cudaGetDeviceProperties(&prop, G.device.index));
     printf("bench_gpu_ops: %s, %d SMs, %.0f GiB%s; median of %d after %d warm-up\n", prop.name, prop.multiProcessorCount,
            (double)prop.totalGlobalMem / (1 << 30), quick ? ", --quick sizes" : "", REPS, WARMUP);

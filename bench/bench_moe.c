@@ -13,10 +13,10 @@
 #define DSK_MOE_IMPLEMENTATION
 #include "dsk_comm.h"
 #include "dsk_moe.h"
+#include "bench_util.h"
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 typedef struct shape {
@@ -26,38 +26,13 @@ typedef struct shape {
     float scale;
 } shape;
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof(double), cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-#define CHECK(call)                                                                                   \
-    do {                                                                                              \
-        dsk_status s_ = (call);                                                                       \
-        if (s_ != DSK_OK) {                                                                           \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, dsk_status_str(s_), dsk_last_error()); \
-            exit(1);                                                                                  \
-        }                                                                                             \
-    } while (0)
-
 /* Appends the f32 contents of t (any device/dtype) to f. */
 static void write_f32(dsk_ctx *ctx, FILE *f, const dsk_tensor *t) {
     int64_t n = dsk_tensor_numel(t);
     float *h = (float *)malloc(sizeof(float) * (size_t)(n ? n : 1));
     dsk_tensor ht;
-    CHECK(dsk_tensor_wrap(&ht, h, DSK_F32, dsk_cpu(), t->ndim, t->shape));
-    CHECK(dsk_tensor_copy(ctx, &ht, t));
+    BENCH_CHECK(dsk_tensor_wrap(&ht, h, DSK_F32, dsk_cpu(), t->ndim, t->shape));
+    BENCH_CHECK(dsk_tensor_copy(ctx, &ht, t));
     if (fwrite(h, sizeof(float), (size_t)n, f) != (size_t)n) { fprintf(stderr, "bench_moe: write failed\n"); exit(1); }
     free(h);
 }
@@ -70,19 +45,19 @@ static void report_dense_gemm(dsk_ctx *ctx, const shape *sh, int T, double layer
     int64_t sa[2] = {M, Kd}, sb[2] = {N, Kd}, sc[2] = {M, N};
     dsk_tensor a, b, c;
     double t[10];
-    CHECK(dsk_tensor_alloc(ctx, &a, DSK_BF16, 2, sa));
-    CHECK(dsk_tensor_alloc(ctx, &b, DSK_BF16, 2, sb));
-    CHECK(dsk_tensor_alloc(ctx, &c, DSK_F32, 2, sc));
-    CHECK(dsk_tensor_uniform(ctx, &a, 7, 0, -1, 1));
-    CHECK(dsk_tensor_uniform(ctx, &b, 8, 0, -1, 1));
+    BENCH_CHECK(dsk_tensor_alloc(ctx, &a, DSK_BF16, 2, sa));
+    BENCH_CHECK(dsk_tensor_alloc(ctx, &b, DSK_BF16, 2, sb));
+    BENCH_CHECK(dsk_tensor_alloc(ctx, &c, DSK_F32, 2, sc));
+    BENCH_CHECK(dsk_tensor_uniform(ctx, &a, 7, 0, -1, 1));
+    BENCH_CHECK(dsk_tensor_uniform(ctx, &b, 8, 0, -1, 1));
     for (int i = 0; i < 12; i++) {
-        double t0 = now_s();
-        CHECK(dsk_cuda_moe_gemm(ctx, 0, 1, M, N, Kd, a.data, Kd, b.data, Kd, DSK_BF16, 0.0f, c.data, N, DSK_F32));
-        CHECK(dsk_ctx_sync(ctx));
-        if (i >= 2) t[i - 2] = now_s() - t0;
+        double t0 = bench_now_s();
+        BENCH_CHECK(dsk_cuda_moe_gemm(ctx, 0, 1, M, N, Kd, a.data, Kd, b.data, Kd, DSK_BF16, 0.0f, c.data, N, DSK_F32));
+        BENCH_CHECK(dsk_ctx_sync(ctx));
+        if (i >= 2) t[i - 2] = bench_now_s() - t0;
     }
     {
-        double dense = 2.0 * (double)M * N * Kd / median(t, 10);
+        double dense = 2.0 * (double)M * N * Kd / bench_median(t, 10);
         printf("%-7s dense cuBLAS bf16 GEMM %lldx%lldx%lld: %.1f TFLOP/s; the whole layer runs at %.1f TFLOP/s = %.0f%% of it\n",
                sh->name, (long long)M, (long long)N, (long long)Kd, dense * 1e-12, layer_flops_s * 1e-12, 100.0 * layer_flops_s / dense);
         printf("summary: moe %s cuda: layer %.1f TFLOP/s = %.0f%% of dense cuBLAS %.1f TFLOP/s\n", sh->name, layer_flops_s * 1e-12,
@@ -107,23 +82,23 @@ static void run_shape(const shape *sh, int T, int warmup, int repeats, const cha
     o.d_model = sh->D; o.n_routed = sh->E; o.top_k = sh->K; o.d_expert = sh->F; o.n_shared = sh->n_shared;
     o.score = sh->score; o.n_group = sh->n_group; o.topk_group = sh->topk_group; o.routed_scale = sh->scale;
     o.dtype = dt; o.seed = 1234;
-    CHECK(dsk_moe_init(&m, ctx, &o));
-    CHECK(dsk_tensor_alloc(ctx, &x, dt, 2, shp));
-    CHECK(dsk_tensor_alloc(ctx, &y, dt, 2, shp));
-    CHECK(dsk_tensor_alloc(ctx, &dx, dt, 2, shp));
-    CHECK(dsk_tensor_alloc(ctx, &dy, dt, 2, shp));
-    CHECK(dsk_tensor_uniform(ctx, &x, 1, 0, -1.0f, 1.0f));
-    CHECK(dsk_tensor_uniform(ctx, &dy, 2, 0, -1.0f, 1.0f));
-    CHECK(dsk_tensor_fill(ctx, &dx, 0.0));
-    CHECK(dsk_tensor_uniform(ctx, &m.bias->value, 3, 0, -1e-3f, 1e-3f));
+    BENCH_CHECK(dsk_moe_init(&m, ctx, &o));
+    BENCH_CHECK(dsk_tensor_alloc(ctx, &x, dt, 2, shp));
+    BENCH_CHECK(dsk_tensor_alloc(ctx, &y, dt, 2, shp));
+    BENCH_CHECK(dsk_tensor_alloc(ctx, &dx, dt, 2, shp));
+    BENCH_CHECK(dsk_tensor_alloc(ctx, &dy, dt, 2, shp));
+    BENCH_CHECK(dsk_tensor_uniform(ctx, &x, 1, 0, -1.0f, 1.0f));
+    BENCH_CHECK(dsk_tensor_uniform(ctx, &dy, 2, 0, -1.0f, 1.0f));
+    BENCH_CHECK(dsk_tensor_fill(ctx, &dx, 0.0));
+    BENCH_CHECK(dsk_tensor_uniform(ctx, &m.bias->value, 3, 0, -1e-3f, 1e-3f));
     for (int it = 0; it < warmup + repeats; it++) {
-        double t0 = now_s();
-        CHECK(dsk_moe_forward(&m, ctx, &y, &x, &st));
-        CHECK(dsk_moe_backward(&m, ctx, &dx, &dy, 1.0f));
-        CHECK(dsk_ctx_sync(ctx));
-        if (it >= warmup) times[it - warmup] = now_s() - t0;
+        double t0 = bench_now_s();
+        BENCH_CHECK(dsk_moe_forward(&m, ctx, &y, &x, &st));
+        BENCH_CHECK(dsk_moe_backward(&m, ctx, &dx, &dy, 1.0f));
+        BENCH_CHECK(dsk_ctx_sync(ctx));
+        if (it >= warmup) times[it - warmup] = bench_now_s() - t0;
     }
-    dsk_ms = 1e3 * median(times, repeats);
+    dsk_ms = 1e3 * bench_median(times, repeats);
     /* 3 GEMMs forward, 6 backward, 2 flops per multiply-add */
     flops_tok = 18.0 * sh->D * ((double)sh->K * sh->F + Fs) + 6.0 * sh->D * sh->E;
     printf("%-7s T=%d D=%d E=%d K=%d F=%d shared=%d %s%s: dsk %.1f ms/step, %.0f tokens/s, %.1f GFLOP/s, max/mean load %.2f\n",
@@ -182,7 +157,7 @@ int main(int argc, char **argv) {
     if (T < 1 || repeats < 1) { fprintf(stderr, "bench_moe: --tokens and --repeats must be >= 1\n"); return 2; }
     memset(&co, 0, sizeof co);
     co.device = cuda ? DSK_PREFER_CUDA : DSK_PREFER_CPU;
-    CHECK(dsk_ctx_init(&ctx, &co));
+    BENCH_CHECK(dsk_ctx_init(&ctx, &co));
     {
         shape v2 = {"v2lite", full ? 2048 : 1024, 64, 6, full ? 1408 : 704, 2, 1, 1, DSK_MOE_SOFTMAX, 1.0f};
         shape v3 = {"v3", full ? 7168 : 1024, 64, 8, full ? 2048 : 256, 1, 8, 4, DSK_MOE_SIGMOID, 2.5f};

@@ -19,6 +19,7 @@
 #define DSK_TENSOR_IMPLEMENTATION
 #define DSK_COMM_IMPLEMENTATION
 #include "dsk_comm.h"
+#include "bench_util.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -38,17 +39,6 @@ typedef struct cfg {
     double mpi_us[40]; /* by size index */
     int have_mpi;
 } cfg;
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
 
 /* One call of collective `coll` on `bytes` of f32 per rank's contribution (nccl-tests sizes:
    the all_reduce buffer, the reduce_scatter input, the all_gather output, the all_to_all buffer). */
@@ -117,14 +107,13 @@ static double time_coll(dsk_comm *c, dsk_ctx *ctx, int coll, float *send, float 
     for (int r = 0; r < 5; r++) {
         double t0;
         if (dsk_comm_barrier(c, ctx) != DSK_OK) return -1;
-        t0 = now_s();
+        t0 = bench_now_s();
         for (int i = 0; i < k; i++)
             if (run_coll(c, ctx, coll, send, recv, bytes, in_place) != DSK_OK) return -1;
         if (dsk_comm_sync(c, ctx) != DSK_OK) return -1;
-        t[r] = (now_s() - t0) / k;
+        t[r] = (bench_now_s() - t0) / k;
     }
-    qsort(t, 5, sizeof t[0], cmp_double);
-    ns = (int64_t)(t[2] * 1e9);
+    ns = (int64_t)(bench_median(t, 5) * 1e9);
 #ifdef DSK_CUDA
     if (c->backend == DSK_COMM_NCCL) {
         /* reduce the timing through the host-side store: NCCL needs device buffers */

@@ -3,15 +3,11 @@
    the slowest rank. Prints "mpi <bytes> <microseconds>" per size. Built with mpicc by the
    Makefile block for comm_bench; comm_bench runs it under mpirun in the same run.
    Usage: mpirun -np N mpi_allreduce MIN_BYTES MAX_BYTES FACTOR (sizes MIN * FACTOR^k, then MAX) */
+#include "bench_util.h"
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
 
 int main(int argc, char **argv) {
     int rank, size;
@@ -37,8 +33,7 @@ int main(int argc, char **argv) {
             for (int i = 0; i < k; i++) MPI_Allreduce(send, recv, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
             t[r] = (MPI_Wtime() - t0) / k;
         }
-        qsort(t, 5, sizeof t[0], cmp_double);
-        med = t[2];
+        med = bench_median(t, 5);
         MPI_Allreduce(&med, &worst, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
         if (rank == 0) printf("mpi %lld %.3f\n", bytes, worst * 1e6);
         fflush(stdout);

@@ -9,33 +9,8 @@
 #define DSK_AMP_IMPLEMENTATION
 #include "dsk_amp.h"
 #include "../dsk_test.h"
+#include "gpu_test_util.h"
 
-static dsk_ctx G;
-static int have_gpu;
-
-static dsk_tensor *pool[512];
-static int pool_n;
-
-static dsk_tensor *keep(dsk_tensor t) {
-    dsk_tensor *p = (dsk_tensor *)malloc(sizeof *p);
-    if (!p || pool_n == 512) { fprintf(stderr, "test_amp_gpu: tensor pool exhausted\n"); exit(2); }
-    *p = t;
-    pool[pool_n++] = p;
-    return p;
-}
-static void release(void) {
-    for (int i = 0; i < pool_n; i++) {
-        dsk_tensor_free(pool[i]->device.type == DSK_DEV_CUDA ? &G : NULL, pool[i]);
-        free(pool[i]);
-    }
-    pool_n = 0;
-}
-static dsk_tensor *halloc(dsk_dtype dt, int nd, const int64_t *shape) {
-    dsk_tensor t;
-    memset(&t, 0, sizeof t);
-    DSK_TEST_OK(dsk_tensor_alloc(NULL, &t, dt, nd, shape));
-    return keep(t);
-}
 static dsk_tensor *h1(dsk_dtype dt, int64_t n) { return halloc(dt, 1, &n); }
 static dsk_tensor *h2(dsk_dtype dt, int64_t r, int64_t c) { int64_t s[2] = {r, c}; return halloc(dt, 2, s); }
 /* CPU tensor of random values +-[lo, hi) rounded to dt. */
@@ -48,13 +23,6 @@ static dsk_tensor *hrand(dsk_dtype dt, int nd, const int64_t *shape, double lo, 
     DSK_TEST_OK(dsk_tensor_copy(NULL, t, f));
     return t;
 }
-static dsk_tensor *dev(const dsk_tensor *h) {
-    dsk_tensor t;
-    memset(&t, 0, sizeof t);
-    DSK_TEST_OK(dsk_tensor_alloc(&G, &t, h->dtype, h->ndim, h->shape));
-    DSK_TEST_OK(dsk_tensor_copy(&G, &t, h));
-    return keep(t);
-}
 /* A GPU tensor shaped like h, poisoned (NaN for floats, 0xA5 bytes for fp8). */
 static dsk_tensor *dpoison(const dsk_tensor *h) {
     dsk_tensor *p = halloc(h->dtype, h->ndim, h->shape);
@@ -62,24 +30,11 @@ static dsk_tensor *dpoison(const dsk_tensor *h) {
     else dsk_test_poison_bytes(p->data, dsk_tensor_nbytes(p));
     return dev(p);
 }
-static dsk_tensor *host(const dsk_tensor *d) {
-    dsk_tensor *h = halloc(d->dtype, d->ndim, d->shape);
-    DSK_TEST_OK(dsk_tensor_copy(&G, h, d));
-    return h;
-}
+static dsk_tensor *host(const dsk_tensor *d) { return host_as(d, d->dtype); }
 static void same(const dsk_tensor *gpu, const dsk_tensor *cpu, const char *what) {
     dsk_tensor *g = host(gpu);
     DSK_TEST_SAME_BYTES(g->data, cpu->data, dsk_tensor_nbytes(cpu), what);
 }
-
-#define CASE(call, ...)                                        \
-    do {                                                       \
-        dsk_test_begin(__VA_ARGS__);                           \
-        if (!have_gpu) dsk_test_skip("no usable CUDA device"); \
-        else call;                                             \
-        release();                                             \
-        dsk_test_end();                                        \
-    } while (0)
 
 /* ---------------------------------------------------------------- unscale and scaler */
 
@@ -304,12 +259,8 @@ static void test_device_mismatch(void) {
 }
 
 int main(void) {
-    dsk_ctx_opts o;
     dsk_test_init("test_amp_gpu");
-    memset(&o, 0, sizeof o);
-    o.device = DSK_PREFER_CUDA;
-    have_gpu = dsk_cuda_available() && dsk_ctx_init(&G, &o) == DSK_OK;
-    if (!have_gpu) printf("# no usable CUDA device: GPU cases are skipped\n");
+    gpu_test_setup();
     CASE(test_unscale(10, 65536.0f, -1), "unscale 10 mixed gradients, scale 65536");
     CASE(test_unscale(130, 3000.5f, -1), "unscale 130 mixed gradients (3 launches), scale 3000.5");
     CASE(test_unscale(130, 1024.0f, 97), "unscale 130 gradients, Inf in the last element of grads[97]");
@@ -332,6 +283,6 @@ int main(void) {
     CASE(test_fp8_blocks(DSK_E4M3, DSK_F32, 300, 257, 128, 128, 1), "fp8 blocks 128x128 (300, 257) pow2");
     CASE(test_fp8_blocks(DSK_E5M2, DSK_F16, 7, 5, 3, 2, 0), "fp8 blocks 3x2 (7, 5) e5m2");
     CASE(test_device_mismatch(), "CPU tensor with a CUDA scaler");
-    if (have_gpu) dsk_ctx_free(&G);
+    gpu_test_teardown();
     return dsk_test_finish();
 }

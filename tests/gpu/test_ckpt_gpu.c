@@ -10,11 +10,10 @@
 #include "dsk_tensor.h"
 #include "dsk_ckpt.h"
 #include "tests/dsk_test.h"
+#include "gpu_test_util.h"
 
 #include <unistd.h>
 
-static dsk_ctx G;
-static int have_gpu;
 static char g_root[256];
 
 static void host_rand(dsk_tensor *t, dsk_dtype dt, int nd, const int64_t *shape) {
@@ -155,17 +154,14 @@ static void test_cast_on_load(void) {
 
 int main(void) {
     char cmd[300];
-    dsk_ctx_opts co;
     dsk_test_init("test_ckpt_gpu");
-    memset(&co, 0, sizeof co);
-    co.device = DSK_PREFER_CUDA;
-    have_gpu = dsk_cuda_available() && dsk_ctx_init(&G, &co) == DSK_OK;
+    gpu_test_setup();
     snprintf(g_root, sizeof g_root, "/tmp/dsk_ckpt_gpu_XXXXXX");
     if (!mkdtemp(g_root)) { printf("cannot create a scratch directory\n"); return 1; }
     DSK_TEST_RUN(test_sync);
     DSK_TEST_RUN(test_async);
     DSK_TEST_RUN(test_cast_on_load);
-    if (have_gpu) dsk_ctx_free(&G);
+    gpu_test_teardown();
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_root);
     if (system(cmd) != 0) printf("# could not remove %s\n", g_root);
     return dsk_test_finish();

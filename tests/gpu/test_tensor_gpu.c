@@ -9,44 +9,12 @@
 #define DSK_TENSOR_IMPLEMENTATION
 #include "dsk_tensor.h"
 #include "../dsk_test.h"
-
-static dsk_ctx G; /* the CUDA context */
-static int have_gpu;
+#include "gpu_test_util.h" /* G, have_gpu, the tensor pool (halloc, dalloc, dev, host_as), CASE */
 
 /* ------------------------------------------------------------------ tensor helpers */
 
-/* Every tensor a case makes is registered here and released after the case. */
-static dsk_tensor *pool[256];
-static int pool_n;
-
-static dsk_tensor *keep(dsk_tensor t) {
-    dsk_tensor *p = (dsk_tensor *)malloc(sizeof *p);
-    if (!p || pool_n == 256) { fprintf(stderr, "test_tensor_gpu: tensor pool exhausted\n"); exit(2); }
-    *p = t;
-    pool[pool_n++] = p;
-    return p;
-}
-static void release(void) {
-    for (int i = 0; i < pool_n; i++) {
-        dsk_tensor_free(pool[i]->device.type == DSK_DEV_CUDA ? &G : NULL, pool[i]);
-        free(pool[i]);
-    }
-    pool_n = 0;
-}
-
 /* A shape as (ndim, int64_t[]) arguments: SH(7, 129). */
 #define SH(...) (int)(sizeof((int64_t[]){__VA_ARGS__}) / sizeof(int64_t)), (const int64_t[]){__VA_ARGS__}
-
-static dsk_tensor *halloc(dsk_dtype dt, int nd, const int64_t *shape) {
-    dsk_tensor t;
-    DSK_TEST_OK(dsk_tensor_alloc(NULL, &t, dt, nd, shape));
-    return keep(t);
-}
-static dsk_tensor *dalloc(dsk_dtype dt, int nd, const int64_t *shape) {
-    dsk_tensor t;
-    DSK_TEST_OK(dsk_tensor_alloc(&G, &t, dt, nd, shape));
-    return keep(t);
-}
 
 /* CPU tensor of uniform values in [lo, hi), rounded to dt. */
 static dsk_tensor *hrand(dsk_dtype dt, int nd, const int64_t *shape, double lo, double hi) {
@@ -61,12 +29,6 @@ static dsk_tensor *hints(int nd, const int64_t *shape, int64_t n) {
     for (int64_t i = 0; i < dsk_tensor_numel(t); i++) ((int32_t *)t->data)[i] = (int32_t)dsk_test_rand_int(n);
     return t;
 }
-/* GPU copy of a CPU tensor. */
-static dsk_tensor *dev(const dsk_tensor *h) {
-    dsk_tensor *d = dalloc(h->dtype, h->ndim, h->shape);
-    DSK_TEST_OK(dsk_tensor_copy(&G, d, h));
-    return d;
-}
 /* GPU tensor like h, filled with NaN (floats) or 0xA5 bytes (ints) so unwritten elements show. */
 static dsk_tensor *dpoison(const dsk_tensor *h) {
     dsk_tensor *d = dalloc(h->dtype, h->ndim, h->shape);
@@ -78,12 +40,6 @@ static dsk_tensor *dpoison(const dsk_tensor *h) {
         DSK_TEST_OK(dsk_tensor_copy(&G, d, p));
     }
     return d;
-}
-/* Host copy of any tensor, cast to dt. */
-static dsk_tensor *host_as(const dsk_tensor *t, dsk_dtype dt) {
-    dsk_tensor *h = halloc(dt, t->ndim, t->shape);
-    DSK_TEST_OK(dsk_tensor_copy(&G, h, t));
-    return h;
 }
 
 /* GPU result against the CPU result: |gpu - cpu| <= atol + rtol |cpu| element-wise. */
@@ -99,15 +55,6 @@ static void check_same(const dsk_tensor *gpu, const dsk_tensor *cpu, const char 
 /* Tolerances for a result stored in dt (f32 ones scaled by the caller for long sums). */
 static double rtol_of(dsk_dtype dt) { return dt == DSK_BF16 ? 1e-2 : dt == DSK_F16 ? 2e-3 : 1e-5; }
 static double atol_of(dsk_dtype dt) { return dt == DSK_BF16 ? 1e-2 : dt == DSK_F16 ? 2e-3 : 1e-6; }
-
-#define CASE(call, ...)                                                  \
-    do {                                                                 \
-        dsk_test_begin(__VA_ARGS__);                                     \
-        if (!have_gpu) dsk_test_skip("no usable CUDA device");           \
-        else call;                                                       \
-        release();                                                       \
-        dsk_test_end();                                                  \
-    } while (0)
 
 /* ------------------------------------------------------------------ runtime */
 
@@ -589,12 +536,8 @@ static void test_adamw(dsk_dtype gdt, dsk_dtype copy_dt, int64_t n) {
 
 int main(void) {
     static const dsk_dtype fdt[] = {DSK_F32, DSK_BF16};
-    dsk_ctx_opts o;
     dsk_test_init("test_tensor_gpu");
-    memset(&o, 0, sizeof o);
-    o.device = DSK_PREFER_CUDA;
-    have_gpu = dsk_cuda_available() && dsk_ctx_init(&G, &o) == DSK_OK;
-    if (!have_gpu) printf("# no usable CUDA device (%s): GPU cases are skipped\n", dsk_last_error()[0] ? dsk_last_error() : "none");
+    gpu_test_setup();
 
 #ifdef DSK_CUDA
     DSK_TEST_RUN(test_device_count);
@@ -679,6 +622,6 @@ int main(void) {
     CASE(test_adamw(DSK_BF16, DSK_BF16, 129), "adamw bf16 grad, bf16 copy (129)");
     CASE(test_adamw(DSK_F32, DSK_F16, 100003), "adamw f32 grad, f16 copy (100003)");
 
-    if (have_gpu) dsk_ctx_free(&G);
+    gpu_test_teardown();
     return dsk_test_finish();
 }
