@@ -54,7 +54,7 @@ $(KLIB): $(KOBJ)
 	@mkdir -p $(dir $@)
 	rm -f $@ && ar rcs $@ $^
 
-$(BUILD)/tests/%: tests/%.c tests/dsk_test.h $(DEPS)
+$(BUILD)/tests/%: tests/%.c tests/dsk_test.h $(wildcard tests/gpu/*.h) $(DEPS)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $< $(LDLIBS)
 
