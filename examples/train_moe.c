@@ -435,12 +435,14 @@ static void setup_data(trainer *t) {
     CHECK(dsk_tensor_wrap(&t->h_tgt_t, t->h_tgt, DSK_I32, dsk_cpu(), 1, &nn));
 }
 
-/* Loads this rank's part of a batch: window `window_of(j)` for its sequences j. */
+/* Copies the host batch (h_ids, h_tgt) to the model's device tensors. */
 static dsk_status upload_batch(trainer *t) {
     TM_TRY(dsk_tensor_copy(&t->ctx, &t->model.ids, &t->h_ids_t));
     return dsk_tensor_copy(&t->ctx, &t->model.targets, &t->h_tgt_t);
 }
 
+/* This rank's sequences of the next global training batch: global sequence j reads window
+   td_sample(j), rank r takes j in [pos + r*B_local, pos + (r+1)*B_local). */
 static dsk_status load_train_batch(trainer *t) {
     int64_t T = t->o->seq, first = t->data_pos + (int64_t)t->rank * t->batch_local;
     for (int b = 0; b < t->batch_local; b++)
@@ -449,6 +451,7 @@ static dsk_status load_train_batch(trainer *t) {
     return upload_batch(t);
 }
 
+/* This rank's part of validation batch i: the held-out windows in order. */
 static dsk_status load_val_batch(trainer *t, int64_t i) {
     int64_t T = t->o->seq, first = i * t->o->batch + (int64_t)t->rank * t->batch_local;
     for (int b = 0; b < t->batch_local; b++)
