@@ -124,7 +124,7 @@ for variant in "20" "15 --sync-ckpt"; do
     fi
 done
 
-# ---- 4. two ranks (data parallel; then expert parallel) match one rank within 1e-4 over 50 steps
+# ---- 4. two ranks (data parallel; expert parallel) and four (2 x 2) match one rank within 1e-4 over 50 steps
 compare_runs() { # name1 name2 -> worst relative loss difference, or an error
     $PY - "$work/$1.jsonl" "$work/$2.jsonl" <<'EOF'
 import json, sys
@@ -137,8 +137,11 @@ EOF
 run one "${TINY[@]}" --steps 50 --log "$work/one.jsonl"
 run dp2 "${TINY[@]}" --steps 50 --nproc 2 --log "$work/dp2.jsonl"
 run ep2 "${TINY[@]}" --steps 50 --nproc 2 --ep 2 --log "$work/ep2.jsonl"
-for r in dp2 ep2; do
-    what="2 ranks ($r) match 1 rank within 1e-4 relative over 50 steps"
+run dp2ep2 "${TINY[@]}" --steps 50 --nproc 4 --ep 2 --log "$work/dp2ep2.jsonl"
+for r in dp2 ep2 dp2ep2; do
+    what="${r/dp2ep2/4 ranks (dp2 x ep2)} match 1 rank within 1e-4 relative over 50 steps"
+    what="${what/#dp2/2 ranks (dp2)}"
+    what="${what/#ep2/2 ranks (ep2)}"
     if [ "$(rc one)" -ne 0 ] || [ "$(rc $r)" -ne 0 ]; then
         bad "$what" "exit $(rc one)/$(rc $r)" "$(tail -4 "$work/$r.out")"
         continue
