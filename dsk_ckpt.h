@@ -583,8 +583,8 @@ static dsk_status dsk__ck_commit_tmp(const char *fn, int fd, char *tmp_path, con
 
 /* Writes bytes to dir/base atomically and durably. */
 static dsk_status dsk__ck_write_small(const char *fn, const char *dir, const char *base, const void *p, size_t n) {
-    char *tmp;
-    int fd;
+    char *tmp = NULL;
+    int fd = -1;
     dsk_status s = dsk__ck_open_tmp(fn, dir, base, &tmp, &fd);
     if (s != DSK_OK) return s;
     s = dsk__ck_write_all(fn, fd, p, n, tmp);
@@ -1616,8 +1616,8 @@ static dsk_status dsk__ck_write_body(const char *fn, int fd, dsk__ck_plan *p, co
 
 /* Writes the plan as dir/base, atomically and durably. */
 static dsk_status dsk__ck_write_plan(const char *fn, dsk__ck_plan *p, const char *dir, const char *base) {
-    char *tmp;
-    int fd;
+    char *tmp = NULL;
+    int fd = -1;
     dsk_status s = dsk__ck_open_tmp(fn, dir, base, &tmp, &fd);
     if (s != DSK_OK) return s;
     if ((s = dsk__ck_write_body(fn, fd, p, tmp)) != DSK_OK) {

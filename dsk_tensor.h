@@ -15,6 +15,13 @@
    Layout: tensors are row-major with element strides; shapes in comments are (T, D) style.
    Backward functions accumulate (+=) into their gradient outputs.
    License: MIT, see the end of the file. */
+/* The comm and ckpt implementations need POSIX 2008 (sockets, pread, O_CLOEXEC). Feature
+   macros only work before the first system header, and every module includes this header
+   first, so ask for POSIX here when one of those implementations is being compiled. */
+#if (defined(DSK_COMM_IMPLEMENTATION) || defined(DSK_CKPT_IMPLEMENTATION) || defined(DSK_MOE_IMPLEMENTATION)) && \
+    !defined(_GNU_SOURCE) && !defined(_POSIX_C_SOURCE) && !defined(_XOPEN_SOURCE)
+#define _POSIX_C_SOURCE 200809L
+#endif
 #ifndef DSK_TENSOR_H
 #define DSK_TENSOR_H
 

@@ -23,5 +23,25 @@ for h in dsk_*.h; do
     check "$h alone, DSK_CUDA ($std)" $lang -DDSK_CUDA -I"$cuda_inc" <<<"$src"
   done
 done
+# All five implementations in one translation unit, compiled for real: warnings that only
+# optimisation finds (maybe-uninitialized, format-truncation) must not break an embedder's -Werror.
+all_src=$(printf '#define %s_IMPLEMENTATION\n' DSK_TENSOR DSK_COMM DSK_MOE DSK_AMP DSK_CKPT; printf '#include "%s"\n' dsk_*.h)
+compile() { # label, compiler..., reads the source from stdin
+  local label=$1; shift
+  local out
+  if out=$("$@" -c -o /dev/null -Wall -Wextra -Werror -fopenmp -I. - 2>&1); then
+    echo "ok   $label"; passed=$((passed + 1))
+  else
+    echo "FAIL $label"; echo "$out" | head -20; failed=$((failed + 1))
+  fi
+}
+for opt in -O2 -O3; do
+  compile "all modules in one file, gcc -std=c11 $opt" gcc -std=c11 $opt -x c <<<"$all_src"
+  compile "all modules in one file, g++ -std=c++17 $opt" g++ -std=c++17 $opt -x c++ <<<"$all_src"
+done
+compile "all modules in one file, DSK_CUDA, gcc -std=c11 -O2" gcc -std=c11 -O2 -DDSK_CUDA -I"$cuda_inc" -x c <<<"$all_src"
+if command -v clang >/dev/null; then
+  compile "all modules in one file, clang -std=c11 -O2" clang -std=c11 -O2 -x c <<<"$all_src"
+fi
 echo "[test_headers] totals: $passed passed / $failed failed / 0 skipped"
 [ "$failed" -eq 0 ]
