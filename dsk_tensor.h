@@ -409,7 +409,8 @@ DSK_API dsk_status dsk_rope_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_ten
 
 /* Causal self-attention with q, k, v, out (B, T, H, Dh): probs (B, H, T, T) f32 is written
    (saved for backward; entries above the diagonal are 0); out = softmax(scale q k^T + mask) v.
-   Backward accumulates dq, dk, dv. */
+   Backward accumulates dq, dk, dv. CPU: f32 GEMMs per (b, h) (bf16/f16 converted to f32, results
+   rounded once), softmax in f32; the same bits for any ctx->n_threads. */
 DSK_API dsk_status dsk_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *probs, const dsk_tensor *q,
                                  const dsk_tensor *k, const dsk_tensor *v, float scale);
 DSK_API dsk_status dsk_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tensor *dk, dsk_tensor *dv,
@@ -926,12 +927,32 @@ static dsk_status dsk__need(const char *fn, const char *what, const dsk_tensor *
 
 DSK_API dsk_status dsk_tensor_fill(dsk_ctx *ctx, dsk_tensor *t, double value) {
     dsk_status s;
+    int64_t n;
     if ((s = dsk__need("dsk_tensor_fill", "tensor", t)) != DSK_OK) return s;
 #ifdef DSK_CUDA
     if (t->device.type == DSK_DEV_CUDA) return dsk_cuda_tensor_fill(ctx, t, value);
 #endif
     (void)ctx;
-    for (int64_t i = 0, n = dsk_tensor_numel(t); i < n; i++) dsk__store(t->data, t->dtype, dsk__offset(t, i), value);
+    n = dsk_tensor_numel(t);
+    if (n > 0 && dsk_tensor_is_contiguous(t)) {
+        /* Convert once, then replicate the element's bytes: memset when they are all equal
+           (zero, say), else copy the filled prefix onto the rest, doubling it each time. */
+        size_t es = dsk_dtype_size(t->dtype), total = (size_t)n * es, done = es;
+        union { double d; int64_t i; unsigned char b[8]; } e; /* aligned for any dtype */
+        unsigned char *p = (unsigned char *)t->data;
+        int same = 1;
+        dsk__store(&e, t->dtype, 0, value);
+        for (size_t i = 1; i < es; i++) same &= e.b[i] == e.b[0];
+        if (same) { memset(p, e.b[0], total); return DSK_OK; }
+        memcpy(p, e.b, es);
+        while (done < total) {
+            size_t c = done < total - done ? done : total - done;
+            memcpy(p + done, p, c);
+            done += c;
+        }
+        return DSK_OK;
+    }
+    for (int64_t i = 0; i < n; i++) dsk__store(t->data, t->dtype, dsk__offset(t, i), value);
     return DSK_OK;
 }
 
@@ -2204,19 +2225,30 @@ static dsk_status dsk__attention_check(const char *fn, const dsk_tensor *o, cons
     return DSK_OK;
 }
 
-/* Per-thread f64 scratch for the attention loops: n_threads blocks of `per` doubles. */
-static double *dsk__scratch(const char *fn, dsk_ctx *ctx, int64_t per, dsk_status *s) {
-    double *p = (double *)DSK_MALLOC((size_t)(per * dsk__threads(ctx)) * sizeof(double) + 1);
-    *s = p ? DSK_OK : dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for %lld scratch doubles", fn, (long long)(per * dsk__threads(ctx)));
+/* Per-thread f32 scratch for the attention loops: n_threads blocks of `per` floats. */
+static float *dsk__scratch(const char *fn, dsk_ctx *ctx, int64_t per, dsk_status *s) {
+    float *p = (float *)DSK_MALLOC((size_t)(per * dsk__threads(ctx)) * sizeof(float) + 1);
+    *s = p ? DSK_OK : dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for %lld scratch floats", fn, (long long)(per * dsk__threads(ctx)));
     return p;
+}
+
+/* The (b, h) slice of a (B, T, H, Dh) tensor as a T x Dh f32 matrix: the tensor itself (row
+   stride H * Dh) when it is f32, else converted into `buf` (row stride Dh). */
+static const float *dsk__attn_in(const dsk_tensor *t, int64_t b, int64_t h, float *buf, int64_t *ld) {
+    int64_t T = t->shape[1], H = t->shape[2], Dh = t->shape[3], base = (b * T * H + h) * Dh;
+    if (t->dtype == DSK_F32) { *ld = H * Dh; return (const float *)t->data + base; }
+    for (int64_t i = 0; i < T; i++)
+        for (int64_t d = 0; d < Dh; d++) buf[i * Dh + d] = dsk__ldf(t->data, t->dtype, base + i * H * Dh + d);
+    *ld = Dh;
+    return buf;
 }
 
 DSK_API dsk_status dsk_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *probs, const dsk_tensor *q, const dsk_tensor *k, const dsk_tensor *v,
                                  float scale) {
     const char *fn = "dsk_attention";
-    int cuda;
-    int64_t B, T, H, Dh;
-    double *scratch;
+    int cuda, half;
+    int64_t B, T, H, Dh, per;
+    float *scratch;
     dsk_status s;
     const dsk_tensor *ts[5] = {q, k, v, out, probs};
     const char *names[5] = {"q", "k", "v", "out", "probs"};
@@ -2226,32 +2258,32 @@ DSK_API dsk_status dsk_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *prob
     if (cuda) return dsk_cuda_attention(ctx, out, probs, q, k, v, scale);
 #endif
     B = q->shape[0]; T = q->shape[1]; H = q->shape[2]; Dh = q->shape[3];
-    if (!(scratch = dsk__scratch(fn, ctx, T + Dh, &s))) return s;
+    half = q->dtype != DSK_F32;
+    per = half ? 4 * T * Dh : 0; /* bf16/f16: f32 copies of q, k, v and out */
+    if (!(scratch = dsk__scratch(fn, ctx, per, &s))) return s;
+    /* One (b, h) per thread with its own scratch and a one-thread GEMM: the same bits for any
+       thread count. S = scale Q K^T goes straight into probs, softmax in place, out = P V. */
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (B * H * T * T * Dh > DSK__PAR_MIN))
     for (int64_t bh = 0; bh < B * H; bh++) {
-        int64_t b = bh / H, h = bh % H;
-        double *sc = scratch + (T + Dh) * dsk__thread_id(), *acc = sc + T;
+        int64_t b = bh / H, h = bh % H, ldq, ldk, ldv, ldo = H * Dh, base = (b * T * H + h) * Dh;
+        float *sc = scratch + per * dsk__thread_id();
+        const float *Q = dsk__attn_in(q, b, h, sc, &ldq), *K = dsk__attn_in(k, b, h, sc + T * Dh, &ldk);
+        const float *V = dsk__attn_in(v, b, h, sc + 2 * T * Dh, &ldv);
+        float *P = (float *)probs->data + bh * T * T, *O = half ? sc + 3 * T * Dh : (float *)out->data + base;
+        if (half) ldo = Dh;
+        dsk_sgemm_cpu(0, 1, T, T, Dh, scale, Q, ldq, K, ldk, 0.0f, P, T, 1);
         for (int64_t i = 0; i < T; i++) {
-            float *prow = (float *)probs->data + (bh * T + i) * T;
-            int64_t qo = ((b * T + i) * H + h) * Dh;
-            double mx = -INFINITY, sum = 0.0;
-            for (int64_t j = 0; j <= i; j++) {
-                int64_t ko = ((b * T + j) * H + h) * Dh;
-                double dot = 0.0;
-                for (int64_t d = 0; d < Dh; d++) dot += (double)dsk__ldf(q->data, q->dtype, qo + d) * dsk__ldf(k->data, k->dtype, ko + d);
-                sc[j] = scale * dot;
-                if (sc[j] > mx) mx = sc[j];
-            }
-            for (int64_t j = 0; j <= i; j++) sum += (sc[j] = exp(sc[j] - mx));
-            for (int64_t d = 0; d < Dh; d++) acc[d] = 0.0;
-            for (int64_t j = 0; j < T; j++) {
-                int64_t vo = ((b * T + j) * H + h) * Dh;
-                double p = j <= i ? sc[j] / sum : 0.0;
-                prow[j] = (float)p;
-                for (int64_t d = 0; j <= i && d < Dh; d++) acc[d] += p * dsk__ldf(v->data, v->dtype, vo + d);
-            }
-            for (int64_t d = 0; d < Dh; d++) dsk__stf(out->data, out->dtype, qo + d, (float)acc[d]);
+            float *prow = P + i * T, mx = -INFINITY, sum = 0.0f, inv;
+            for (int64_t j = 0; j <= i; j++) mx = prow[j] > mx ? prow[j] : mx;
+            for (int64_t j = 0; j <= i; j++) sum += (prow[j] = expf(prow[j] - mx));
+            inv = 1.0f / sum;
+            for (int64_t j = 0; j <= i; j++) prow[j] *= inv;
+            for (int64_t j = i + 1; j < T; j++) prow[j] = 0.0f;
         }
+        dsk_sgemm_cpu(0, 0, T, Dh, T, 1.0f, P, T, V, ldv, 0.0f, O, ldo, 1);
+        if (half)
+            for (int64_t i = 0; i < T; i++)
+                for (int64_t d = 0; d < Dh; d++) dsk__stf(out->data, out->dtype, base + i * H * Dh + d, O[i * Dh + d]);
     }
     DSK_FREE(scratch);
     return DSK_OK;
@@ -2260,9 +2292,9 @@ DSK_API dsk_status dsk_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *prob
 DSK_API dsk_status dsk_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tensor *dk, dsk_tensor *dv, const dsk_tensor *dout,
                                           const dsk_tensor *q, const dsk_tensor *k, const dsk_tensor *v, const dsk_tensor *probs, float scale) {
     const char *fn = "dsk_attention_backward";
-    int cuda;
+    int cuda, half;
     int64_t B, T, H, Dh, per;
-    double *scratch;
+    float *scratch;
     dsk_status s;
     const dsk_tensor *ts[8] = {q, k, v, dout, probs, dq, dk, dv};
     const char *names[8] = {"q", "k", "v", "dout", "probs", "dq", "dk", "dv"};
@@ -2278,42 +2310,40 @@ DSK_API dsk_status dsk_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tens
     if (cuda) return dsk_cuda_attention_backward(ctx, dq, dk, dv, dout, q, k, v, probs, scale);
 #endif
     B = q->shape[0]; T = q->shape[1]; H = q->shape[2]; Dh = q->shape[3];
-    per = 3 * T * Dh + T;
+    half = q->dtype != DSK_F32;
+    /* dS (T x T); bf16/f16 add f32 copies of q, k, v, dout and the gradients gq, gk, gv */
+    per = T * T + (half ? 7 * T * Dh : 0);
     if (!(scratch = dsk__scratch(fn, ctx, per, &s))) return s;
-    /* Each (b, h) owns its slices of dq, dk, dv: accumulate in f64, then add once. */
+    /* Each (b, h) owns its slices of dq, dk, dv. f32: the GEMMs accumulate into them (beta 1);
+       bf16/f16: the gradient is formed in f32 and added once, rounding once. */
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (B * H * T * T * Dh > DSK__PAR_MIN))
     for (int64_t bh = 0; bh < B * H; bh++) {
-        int64_t b = bh / H, h = bh % H;
-        double *gq = scratch + per * dsk__thread_id(), *gk = gq + T * Dh, *gv = gk + T * Dh, *dp = gv + T * Dh;
-        for (int64_t i = 0; i < 3 * T * Dh; i++) gq[i] = 0.0;
-        for (int64_t i = 0; i < T; i++) {
-            const float *prow = (const float *)probs->data + (bh * T + i) * T;
-            int64_t io = ((b * T + i) * H + h) * Dh;
-            double pdp = 0.0;
-            for (int64_t j = 0; j <= i; j++) {
-                int64_t jo = ((b * T + j) * H + h) * Dh;
-                double dot = 0.0;
-                for (int64_t d = 0; d < Dh; d++) dot += (double)dsk__ldf(dout->data, dout->dtype, io + d) * dsk__ldf(v->data, v->dtype, jo + d);
-                dp[j] = dot;
-                pdp += prow[j] * dot;
-            }
-            for (int64_t j = 0; j <= i; j++) {
-                int64_t jo = ((b * T + j) * H + h) * Dh;
-                double p = prow[j], ds = scale * p * (dp[j] - pdp);
-                for (int64_t d = 0; d < Dh; d++) {
-                    gq[i * Dh + d] += ds * dsk__ldf(k->data, k->dtype, jo + d);
-                    gk[j * Dh + d] += ds * dsk__ldf(q->data, q->dtype, io + d);
-                    gv[j * Dh + d] += p * dsk__ldf(dout->data, dout->dtype, io + d);
-                }
-            }
+        int64_t b = bh / H, h = bh % H, ldq, ldk, ldv, ldo, ldg = half ? Dh : H * Dh, base = (b * T * H + h) * Dh;
+        float *dS = scratch + per * dsk__thread_id(), *sc = dS + T * T, beta = half ? 0.0f : 1.0f;
+        const float *P = (const float *)probs->data + bh * T * T;
+        const float *Q = dsk__attn_in(q, b, h, sc, &ldq), *K = dsk__attn_in(k, b, h, sc + T * Dh, &ldk);
+        const float *V = dsk__attn_in(v, b, h, sc + 2 * T * Dh, &ldv), *dO = dsk__attn_in(dout, b, h, sc + 3 * T * Dh, &ldo);
+        float *gq = half ? sc + 4 * T * Dh : (float *)dq->data + base, *gk = half ? sc + 5 * T * Dh : (float *)dk->data + base;
+        float *gv = half ? sc + 6 * T * Dh : (float *)dv->data + base;
+        dsk_sgemm_cpu(0, 1, T, T, Dh, 1.0f, dO, ldo, V, ldv, 0.0f, dS, T, 1); /* dP = dO V^T */
+        for (int64_t i = 0; i < T; i++) {                                       /* dS = P (dP - rowsum(P dP)) */
+            const float *prow = P + i * T;
+            float *drow = dS + i * T, pdp = 0.0f;
+            for (int64_t j = 0; j <= i; j++) pdp += prow[j] * drow[j];
+            for (int64_t j = 0; j <= i; j++) drow[j] = prow[j] * (drow[j] - pdp);
+            for (int64_t j = i + 1; j < T; j++) drow[j] = 0.0f;
         }
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t d = 0; d < Dh; d++) {
-                int64_t o = ((b * T + t) * H + h) * Dh + d;
-                dsk__stf(dq->data, dq->dtype, o, (float)(dsk__ldf(dq->data, dq->dtype, o) + gq[t * Dh + d]));
-                dsk__stf(dk->data, dk->dtype, o, (float)(dsk__ldf(dk->data, dk->dtype, o) + gk[t * Dh + d]));
-                dsk__stf(dv->data, dv->dtype, o, (float)(dsk__ldf(dv->data, dv->dtype, o) + gv[t * Dh + d]));
-            }
+        dsk_sgemm_cpu(0, 0, T, Dh, T, scale, dS, T, K, ldk, beta, gq, ldg, 1); /* dQ += scale dS K */
+        dsk_sgemm_cpu(1, 0, T, Dh, T, scale, dS, T, Q, ldq, beta, gk, ldg, 1); /* dK += scale dS^T Q */
+        dsk_sgemm_cpu(1, 0, T, Dh, T, 1.0f, P, T, dO, ldo, beta, gv, ldg, 1);  /* dV += P^T dO */
+        if (half)
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t d = 0; d < Dh; d++) {
+                    int64_t o = base + t * H * Dh + d;
+                    dsk__stf(dq->data, dq->dtype, o, dsk__ldf(dq->data, dq->dtype, o) + gq[t * Dh + d]);
+                    dsk__stf(dk->data, dk->dtype, o, dsk__ldf(dk->data, dk->dtype, o) + gk[t * Dh + d]);
+                    dsk__stf(dv->data, dv->dtype, o, dsk__ldf(dv->data, dv->dtype, o) + gv[t * Dh + d]);
+                }
     }
     DSK_FREE(scratch);
     return DSK_OK;

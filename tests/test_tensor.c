@@ -441,6 +441,49 @@ static void test_tensor_alloc_errors(void) {
 
 /* ------------------------------------------------------------------ views and copies */
 
+/* dsk_tensor_fill on dtype dt: contiguous tensors (the memset and pattern-doubling paths, odd
+   sizes, an offset row slice) and strided views; every element checked, bytes outside the view
+   left alone. The wanted value is the conversion of `value` done here (ints truncate, u8
+   saturates negatives to 0). */
+static void test_fill(dsk_dtype dt) {
+    static const double vals[5] = {0.0, 1.0, 2.5, -1.75, 96.0};
+    size_t es = dsk_dtype_size(dt);
+    for (int vi = 0; vi < 5; vi++) {
+        double value = vals[vi], want;
+        dsk_tensor *one = tt_new(dt, 1, SH(1)), *t = tt_new(dt, 2, SH(7, 37)), *e = tt_new(dt, 2, SH(0, 5)), v;
+        unsigned char *raw = (unsigned char *)t->data;
+        if (dt == DSK_U8 && value < 0) want = 0;
+        else { tt_set(one, 0, value); want = tt_get(one, 0); }
+        for (int view = 0; view < 5; view++) {
+            int64_t n;
+            memset(t->data, 0xA5, dsk_tensor_nbytes(t)); /* poison */
+            if (view == 0) v = *t;
+            else if (view == 1) DSK_TEST_OK(dsk_tensor_slice(t, 0, 2, 3, &v));  /* contiguous, offset data */
+            else if (view == 2) DSK_TEST_OK(dsk_tensor_slice(t, 1, 3, 20, &v)); /* strided rows */
+            else if (view == 3) DSK_TEST_OK(dsk_tensor_transpose(t, 0, 1, &v));
+            else { DSK_TEST_OK(dsk_tensor_slice(t, 1, 5, 1, &v)); DSK_TEST_OK(dsk_tensor_slice(&v, 0, 1, 5, &v)); } /* a (5, 1) column */
+            DSK_TEST_OK(dsk_tensor_fill(NULL, &v, value));
+            n = dsk_tensor_numel(&v);
+            for (int64_t i = 0; i < n; i++)
+                if (tt_get(&v, i) != want) {
+                    DSK_TEST_EXPECT(0, "%s fill %g view %d: element %lld is %g, want %g", dsk_dtype_name(dt), value, view, (long long)i, tt_get(&v, i), want);
+                    break;
+                }
+            /* every byte of t that the view does not cover still holds the poison */
+            {
+                unsigned char *mark = (unsigned char *)tt_alloc(dsk_tensor_nbytes(t));
+                int64_t bad = -1;
+                for (int64_t i = 0; i < n; i++) memset(mark + (size_t)((char *)v.data - (char *)t->data) + (size_t)tt_offset(&v, i) * es, 1, es);
+                for (size_t b = 0; b < dsk_tensor_nbytes(t) && bad < 0; b++)
+                    if (!mark[b] && raw[b] != 0xA5) bad = (int64_t)b;
+                DSK_TEST_EXPECT(bad < 0, "%s fill %g view %d wrote byte %lld outside the view", dsk_dtype_name(dt), value, view, (long long)bad);
+            }
+        }
+        DSK_TEST_OK(dsk_tensor_fill(NULL, e, value)); /* empty */
+    }
+}
+
+
 static void test_views(void) {
     dsk_tensor *t = tt_rand(DSK_F32, 3, SH(4, 5, 6), -1, 1), v, w;
     double *x = tt_vals(t);
@@ -1191,6 +1234,87 @@ static void test_attention(dsk_dtype dt) {
     }
 }
 
+/* Backward of tt_attention_ref in float64 from its probs: dq, dk, dv (not accumulated). */
+static void tt_attention_backward_ref(const double *q, const double *k, const double *v, const double *dout, const double *probs,
+                                      const tt_ud *u, double *dq, double *dk, double *dv) {
+    int64_t B = u->B, T = u->T, H = u->H, D = u->D;
+    double *dp = (double *)malloc((size_t)T * sizeof(double));
+    memset(dq, 0, (size_t)u->n * sizeof(double));
+    memset(dk, 0, (size_t)u->n * sizeof(double));
+    memset(dv, 0, (size_t)u->n * sizeof(double));
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t i = 0; i < T; i++) {
+                const double *pr = probs + ((b * H + h) * T + i) * T;
+                int64_t io = ((b * T + i) * H + h) * D;
+                double pdp = 0;
+                for (int64_t j = 0; j <= i; j++) {
+                    int64_t jo = ((b * T + j) * H + h) * D;
+                    dp[j] = 0;
+                    for (int64_t d = 0; d < D; d++) dp[j] += dout[io + d] * v[jo + d];
+                    pdp += pr[j] * dp[j];
+                }
+                for (int64_t j = 0; j <= i; j++) {
+                    int64_t jo = ((b * T + j) * H + h) * D;
+                    double ds = u->scale * pr[j] * (dp[j] - pdp);
+                    for (int64_t d = 0; d < D; d++) {
+                        dq[io + d] += ds * k[jo + d];
+                        dk[jo + d] += ds * q[io + d];
+                        dv[jo + d] += pr[j] * dout[io + d];
+                    }
+                }
+            }
+    free(dp);
+}
+
+/* A larger shape against the float64 references, and the same bits with 1 and 2 threads. */
+static void test_attention_threads(dsk_dtype dt) {
+    const int64_t *sh = SH(2, 67, 3, 16), *ps = SH(2, 3, 67, 67);
+    int64_t n = 2 * 67 * 3 * 16, np = 2 * 3 * 67 * 67;
+    dsk_ctx c[2];
+    dsk_ctx_opts o;
+    dsk_tensor *q = tt_rand(dt, 4, sh, -2, 2), *k = tt_rand(dt, 4, sh, -2, 2), *v = tt_rand(dt, 4, sh, -1, 1), *dout = tt_rand(dt, 4, sh, -1, 1);
+    dsk_tensor *out[2], *probs[2], *dq[2], *dk[2], *dv[2];
+    double *wo = tt_zeros(n), *wp = tt_zeros(np), *gq = tt_zeros(n), *gk = tt_zeros(n), *gv = tt_zeros(n), *q0, *k0, *v0;
+    double tol = dt == DSK_F32 ? 1e-4 : 3 * tt_tol(dt), atol = dt == DSK_F32 ? 1e-5 : 3e-2;
+    tt_ud u;
+    memset(&u, 0, sizeof u);
+    u.B = 2; u.T = 67; u.H = 3; u.D = 16; u.n = n; u.scale = 0.25;
+    memset(&o, 0, sizeof o);
+    o.device = DSK_PREFER_CPU;
+    for (int t = 0; t < 2; t++) {
+        o.n_threads = t + 1;
+        DSK_TEST_OK(dsk_ctx_init(&c[t], &o));
+        out[t] = tt_poisoned(dt, 4, sh);
+        probs[t] = tt_poisoned(DSK_F32, 4, ps);
+        dq[t] = tt_rand(dt, 4, sh, -1, 1);
+        dk[t] = tt_rand(dt, 4, sh, -1, 1);
+        dv[t] = tt_rand(dt, 4, sh, -1, 1);
+    }
+    DSK_TEST_OK(dsk_tensor_copy(NULL, dq[1], dq[0]));
+    DSK_TEST_OK(dsk_tensor_copy(NULL, dk[1], dk[0]));
+    DSK_TEST_OK(dsk_tensor_copy(NULL, dv[1], dv[0]));
+    q0 = tt_vals(dq[0]); k0 = tt_vals(dk[0]); v0 = tt_vals(dv[0]);
+    tt_attention_ref(tt_vals(q), tt_vals(k), tt_vals(v), &u, wo, wp);
+    tt_attention_backward_ref(tt_vals(q), tt_vals(k), tt_vals(v), tt_vals(dout), wp, &u, gq, gk, gv);
+    for (int t = 0; t < 2; t++) {
+        DSK_TEST_OK(dsk_attention(&c[t], out[t], probs[t], q, k, v, 0.25f));
+        DSK_TEST_OK(dsk_attention_backward(&c[t], dq[t], dk[t], dv[t], dout, q, k, v, probs[t], 0.25f));
+    }
+    TT_CHECK(out[0], wo, tt_tol(dt), dt == DSK_F32 ? 1e-5 : 1e-2, "attention out (2, 67, 3, 16)");
+    TT_CHECK(probs[0], wp, 1e-5, 1e-7, "attention probs (2, 3, 67, 67)");
+    TT_CHECK(dq[0], tt_plus(q0, gq, n), tol, atol, "attention dq vs float64 backward");
+    TT_CHECK(dk[0], tt_plus(k0, gk, n), tol, atol, "attention dk vs float64 backward");
+    TT_CHECK(dv[0], tt_plus(v0, gv, n), tol, atol, "attention dv vs float64 backward");
+    DSK_TEST_SAME_BYTES(out[0]->data, out[1]->data, dsk_tensor_nbytes(out[0]), "out 1 vs 2 threads");
+    DSK_TEST_SAME_BYTES(probs[0]->data, probs[1]->data, dsk_tensor_nbytes(probs[0]), "probs 1 vs 2 threads");
+    DSK_TEST_SAME_BYTES(dq[0]->data, dq[1]->data, dsk_tensor_nbytes(dq[0]), "dq 1 vs 2 threads");
+    DSK_TEST_SAME_BYTES(dk[0]->data, dk[1]->data, dsk_tensor_nbytes(dk[0]), "dk 1 vs 2 threads");
+    DSK_TEST_SAME_BYTES(dv[0]->data, dv[1]->data, dsk_tensor_nbytes(dv[0]), "dv 1 vs 2 threads");
+    dsk_ctx_free(&c[0]);
+    dsk_ctx_free(&c[1]);
+}
+
 /* L = sum (A B) * G over x = [A; B]: the gradients a training step gets from two matmuls. */
 static double tt_matmul_loss(const double *x, void *p) {
     tt_ud *u = (tt_ud *)p;
@@ -1488,6 +1612,10 @@ int main(void) {
     TT_CASE("status and dtype names, error messages"); test_names();
     TT_CASE("ctx options and errors"); test_ctx();
     TT_CASE("tensor alloc/wrap/free: errors, empty tensors, describe"); test_tensor_alloc_errors();
+    for (int d = 0; d < DSK_DTYPE_COUNT; d++) {
+        TT_CASE("fill %s: contiguous and strided views, every element", dsk_dtype_name((dsk_dtype)d));
+        test_fill((dsk_dtype)d);
+    }
     TT_CASE("views: reshape, slice, transpose, select");
     test_views();
     for (int d = 0; d < DSK_DTYPE_COUNT; d++) {
@@ -1528,6 +1656,7 @@ int main(void) {
         TT_CASE("cross_entropy %s", n); test_cross_entropy(dt);
         TT_CASE("rope + backward %s", n); test_rope(dt);
         TT_CASE("attention + backward %s", n); test_attention(dt);
+        TT_CASE("attention (2, 67, 3, 16) %s vs float64, same bits on 1 and 2 threads", n); test_attention_threads(dt);
         TT_CASE("AdamW 6 steps, grad %s", n); test_adamw(dt, 0, 0);
     }
     TT_CASE("sum_squares f64 accumulation, thread-count independent"); test_sum_squares();
