@@ -141,6 +141,8 @@ typedef struct dsk_moe {
     /* shortcuts into params[] */
     dsk_moe_param *router, *bias, *w1, *w2, *w3, *sw1, *sw2, *sw3;
     struct dsk__moe_state *st; /* saved activations and workspace */
+    int eval;                 /* 1: forward passes are not counted toward the bias update
+                                 (validation, generation); set and clear it around them [0] */
 } dsk_moe;
 
 /* Validates opts, allocates parameters (initialised from opts.seed), zeroed gradients and the
@@ -159,7 +161,7 @@ DSK_API dsk_status dsk_moe_backward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx, co
 /* Zeroes every gradient. */
 DSK_API dsk_status dsk_moe_zero_grad(dsk_moe *m, dsk_ctx *ctx);
 /* Aux-loss-free balancing, after the optimizer step: loads = selections per expert counted by
-   every forward since the last update, summed over `comm` (the data-parallel world, NULL =
+   every forward since the last update (except those run with m->eval set), summed over `comm` (the data-parallel world, NULL =
    this rank only); b_i += bias_rate * sign(mean load - load_i); re-centred if asked. */
 DSK_API dsk_status dsk_moe_update_bias(dsk_moe *m, dsk_ctx *ctx, dsk_comm *comm);
 
@@ -652,7 +654,8 @@ static dsk_status dsk__moe_route(dsk_moe *m, int64_t T) {
                             o->n_group, o->topk_group, prob + t * E, scratch + t * (E + o->n_group), sel + t * K, gate + t * K);
     memset(st->sel_count, 0, (size_t)E * sizeof(int64_t));
     for (int64_t i = 0; i < T * K; i++) st->sel_count[sel[i]]++;
-    for (int e = 0; e < E; e++) st->load_accum[e] += st->sel_count[e];
+    if (!m->eval)
+        for (int e = 0; e < E; e++) st->load_accum[e] += st->sel_count[e];
     return DSK_OK;
 }
 
@@ -1252,7 +1255,7 @@ static dsk_status dsk__moe_forward_cuda(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     if (need_losses && ((s = dsk_cuda_memcpy(ctx, st->u.p, u, (size_t)(T * E) * f4, 0)) || (s = dsk_cuda_memcpy(ctx, st->prob.p, prob, (size_t)(T * E) * f4, 0))))
         return s;
     if ((s = dsk_cuda_sync(ctx)) != DSK_OK) return s;
-    for (int64_t e = 0; e < E; e++) { st->sel_count[e] = hcnt[e]; st->load_accum[e] += hcnt[e]; }
+    for (int64_t e = 0; e < E; e++) { st->sel_count[e] = hcnt[e]; st->load_accum[e] += m->eval ? 0 : hcnt[e]; }
     if (need_losses && (s = dsk__moe_losses(m, T, stats)) != DSK_OK) return s;
     if (!need_losses) { st->n_seq = 1; st->seq_len = T > 0 ? T : 1; }
     if ((s = dsk__moe_dispatch_plan(m, T, &dropped)) != DSK_OK) return s;

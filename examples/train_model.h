@@ -481,6 +481,12 @@ static dsk_status tm_attn_forward(tm_model *m, tm_block *b, int nb) {
 
 /* Forward pass over the first nb sequences of m->ids; writes m->logits rows [0, nb*T).
 */
+/* Evaluation passes (validation, sampling) must not count toward the expert-bias update. */
+static void tm_set_eval(tm_model *m, int eval) {
+    for (int l = 0; l < m->cfg.n_layers; l++)
+        if (m->blocks[l].is_moe) m->blocks[l].moe.eval = eval;
+}
+
 static dsk_status tm_forward(tm_model *m, int nb) {
     const tm_config *c = &m->cfg;
     int64_t N = (int64_t)nb * c->seq;

@@ -735,13 +735,16 @@ static dsk_status validate(trainer *t, float *out) {
     tm_model *m = &t->model;
     double sum = 0;
     float loss;
-    for (int i = 0; i < t->o->val_batches; i++) {
-        TM_TRY(load_val_batch(t, i));
-        TM_TRY(tm_forward(m, t->batch_local));
-        TM_TRY(dsk_cross_entropy(&t->ctx, &m->loss, NULL, &m->logits, &m->targets, -1, 1.0f));
-        TM_TRY(read_loss(t, &loss));
-        sum += loss;
+    dsk_status s = DSK_OK;
+    tm_set_eval(m, 1);
+    for (int i = 0; i < t->o->val_batches && s == DSK_OK; i++) {
+        if ((s = load_val_batch(t, i)) == DSK_OK && (s = tm_forward(m, t->batch_local)) == DSK_OK &&
+            (s = dsk_cross_entropy(&t->ctx, &m->loss, NULL, &m->logits, &m->targets, -1, 1.0f)) == DSK_OK &&
+            (s = read_loss(t, &loss)) == DSK_OK)
+            sum += loss;
     }
+    tm_set_eval(m, 0);
+    TM_TRY(s);
     float v[1] = {(float)(sum / t->o->val_batches)};
     TM_TRY(allreduce_host(t, &t->comm, v, 1, DSK_F32, DSK_COMM_AVG));
     *out = v[0];
@@ -777,6 +780,7 @@ static dsk_status generate(trainer *t) {
     for (int i = 0; i < n0; i++) text[i] = (uint8_t)o->prompt[i] % V;
     if (n0 == 0) text[n0++] = '\n' % V;
     dsk_status s = DSK_OK;
+    tm_set_eval(m, 1);
     for (int n = n0; n < total && s == DSK_OK; n++) {
         int start = n > T ? n - T : 0, len = n - start;
         memset(t->h_ids, 0, (size_t)T * sizeof *t->h_ids);
@@ -791,6 +795,7 @@ static dsk_status generate(trainer *t) {
         if ((s = dsk_tensor_copy(&t->ctx, &hrow, &lrow)) != DSK_OK) break;
         text[n] = sample_token(row, V, o->temperature, dsk_rng_uniform_at((uint64_t)o->seed, 0x5A3B1Eull << 32, (uint64_t)n));
     }
+    tm_set_eval(m, 0);
     if (s == DSK_OK && t->rank == 0) {
         printf("---- sample (%d tokens after the prompt, temperature %g) ----\n", o->sample_len, o->temperature);
         for (int i = 0; i < total; i++) {
@@ -1208,8 +1213,8 @@ int main(int argc, char **argv) {
     if (o.log_path && t->rank == 0 && !(t->log = fopen(o.log_path, t->step > 0 ? "a" : "w")))
         fail(t, "--log: cannot open %s: %s", o.log_path, strerror(errno));
     banner(t);
-    /* The straight run validated at this step before saving; validating again keeps the
-       expert-load counts (which every forward adds to) identical, so resume stays exact. */
+    /* The straight run validated at this step before saving: print that line again so the
+       resumed log reads the same (evaluation passes leave the training state alone). */
     if (t->step > 0 && t->step % o.val_interval == 0 && t->step < o.steps) {
         float v;
         CHECK(validate(t, &v));

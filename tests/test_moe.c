@@ -462,6 +462,13 @@ static void test_bias_update(void) {
             DSK_TEST_OK(dsk_moe_update_bias(&f.m, NULL, NULL));
             memcpy(got, f.m.bias->value.data, sizeof got);
             DSK_TEST_CLOSE(got, want, c.E, 1e-6, 1e-6, "bias after an empty update");
+            /* an eval forward (validation, sampling) is not counted either */
+            f.m.eval = 1;
+            run_forward(&f, NULL);
+            f.m.eval = 0;
+            DSK_TEST_OK(dsk_moe_update_bias(&f.m, NULL, NULL));
+            memcpy(got, f.m.bias->value.data, sizeof got);
+            DSK_TEST_CLOSE(got, want, c.E, 1e-6, 1e-6, "bias after an eval forward");
         }
         free_fixture(&f);
         dsk_test_end();
