@@ -148,6 +148,19 @@ static dsk_status fbar_wait(void *user) {
     }
 }
 
+/* Checkpoint options for `rank` of `world` meeting at the file barrier b in directory bar_dir. */
+static void fbar_opts(dsk_ckpt_opts *o, fbar *b, const char *bar_dir, int rank, int world) {
+    memset(o, 0, sizeof *o);
+    memset(b, 0, sizeof *b);
+    snprintf(b->dir, sizeof b->dir, "%s", bar_dir);
+    b->rank = rank;
+    b->world = world;
+    o->rank = rank;
+    o->world_size = world;
+    o->barrier = fbar_wait;
+    o->barrier_user = b;
+}
+
 /* Runs fn(rank, world, arg) in `world` forked processes; returns how many failed. A child
    reports failure through its exit status and prints why. */
 typedef int (*rank_fn)(int rank, int world, void *arg);
@@ -468,11 +481,7 @@ static int mr_save(int rank, int world, void *p) {
     char pos[32];
     dsk_ckpt_kv kv[1] = {{"data_pos", pos}};
     dsk_status s;
-    memset(&o, 0, sizeof o);
-    memset(&b, 0, sizeof b);
-    snprintf(b.dir, sizeof b.dir, "%s", m->bar);
-    b.rank = rank; b.world = world;
-    o.rank = rank; o.world_size = world; o.barrier = fbar_wait; o.barrier_user = &b;
+    fbar_opts(&o, &b, m->bar, rank, world);
     snprintf(pos, sizeof pos, "%d", 1000 + rank);
     rank_entries(m->g, rank, world, 0, e, own);
     if ((s = dsk_ckpt_init(&ck, m->dir, &o)) == DSK_OK) s = dsk_ckpt_save(&ck, m->step, e, 5, kv, 1);
@@ -551,11 +560,7 @@ static int mr_save_async(int rank, int world, void *p) {
     char pos[32];
     dsk_ckpt_kv kv[1] = {{"data_pos", pos}};
     dsk_status s;
-    memset(&o, 0, sizeof o);
-    memset(&b, 0, sizeof b);
-    snprintf(b.dir, sizeof b.dir, "%s", m->bar);
-    b.rank = rank; b.world = world;
-    o.rank = rank; o.world_size = world; o.barrier = fbar_wait; o.barrier_user = &b;
+    fbar_opts(&o, &b, m->bar, rank, world);
     snprintf(pos, sizeof pos, "%d", 1000 + rank);
     rank_entries(m->g, rank, world, 0, e, own);
     for (int i = 0; i < 5; i++) { /* save private copies, then scribble over them */
@@ -611,11 +616,7 @@ static int bad_tiling_save(int rank, int world, void *p) {
     dsk_tensor t;
     dsk_ckpt_entry e = {"w", &t, 1, rank == 1 ? 3 : 0, 8}; /* rank 1 claims rows [3,7), rank 0 [0,4) */
     dsk_status s;
-    memset(&o, 0, sizeof o);
-    memset(&b, 0, sizeof b);
-    snprintf(b.dir, sizeof b.dir, "%s", m->bar);
-    b.rank = rank; b.world = world;
-    o.rank = rank; o.world_size = world; o.barrier = fbar_wait; o.barrier_user = &b;
+    fbar_opts(&o, &b, m->bar, rank, world);
     alloc_t(&t, DSK_F32, 1, shape);
     fill_f32(&t);
     s = dsk_ckpt_init(&ck, m->dir, &o);
@@ -639,11 +640,7 @@ static int stale_retry_save(int rank, int world, void *p) {
     dsk_ckpt_entry e[5];
     dsk_tensor own[5];
     dsk_status s;
-    memset(&o, 0, sizeof o);
-    memset(&b, 0, sizeof b);
-    snprintf(b.dir, sizeof b.dir, "%s", m->bar);
-    b.rank = rank; b.world = world;
-    o.rank = rank; o.world_size = world; o.barrier = fbar_wait; o.barrier_user = &b;
+    fbar_opts(&o, &b, m->bar, rank, world);
     rank_entries(m->g, rank, world, 0, e, own);
     if (rank == 1) e[0].global_rows = 1; /* rows [3, 6) of a 1-row tensor: invalid */
     s = dsk_ckpt_init(&ck, m->dir, &o);
