@@ -471,6 +471,18 @@ typedef struct mr_arg {
     int save_world; /* for load checks of metadata */
 } mr_arg;
 
+/* A fresh model with r1 rows and a multi-rank job saving `step` from save_world ranks into a
+   new directory `tag`, with a new barrier directory. */
+static void mr_setup(mr_arg *m, model *g, int64_t r1, int64_t step, int save_world, const char *tag) {
+    model_init(g, r1);
+    memset(m, 0, sizeof *m);
+    m->g = g;
+    m->step = step;
+    m->save_world = save_world;
+    new_dir(m->dir, sizeof m->dir, tag);
+    new_dir(m->bar, sizeof m->bar, "bar");
+}
+
 static int mr_save(int rank, int world, void *p) {
     mr_arg *m = (mr_arg *)p;
     fbar b;
@@ -521,13 +533,7 @@ static void multi_rank_case(int save_world, const int *load_worlds, int n_loads,
     model g;
     mr_arg m;
     int failed;
-    model_init(&g, r1);
-    memset(&m, 0, sizeof m);
-    m.g = &g;
-    m.step = 100 + save_world;
-    m.save_world = save_world;
-    new_dir(m.dir, sizeof m.dir, "mr");
-    new_dir(m.bar, sizeof m.bar, "bar");
+    mr_setup(&m, &g, r1, 100 + save_world, save_world, "mr");
     failed = run_ranks(save_world, mr_save, &m);
     DSK_TEST_EXPECT(failed == 0, "%d of %d saving ranks failed", failed, save_world);
     DSK_TEST_OK(dsk_ckpt_verify(m.dir, m.step));
@@ -582,13 +588,7 @@ static int mr_save_async(int rank, int world, void *p) {
 static void test_multi_rank_async(void) {
     model g;
     mr_arg m;
-    model_init(&g, 10);
-    memset(&m, 0, sizeof m);
-    m.g = &g;
-    m.step = 77;
-    m.save_world = 2;
-    new_dir(m.dir, sizeof m.dir, "mrasync");
-    new_dir(m.bar, sizeof m.bar, "bar");
+    mr_setup(&m, &g, 10, 77, 2, "mrasync");
     DSK_TEST_EXPECT(run_ranks(2, mr_save_async, &m) == 0, "async saving ranks failed");
     DSK_TEST_OK(dsk_ckpt_verify(m.dir, m.step));
     DSK_TEST_EXPECT(run_ranks(2, mr_load, &m) == 0, "loading ranks found other values");
@@ -1049,13 +1049,7 @@ static void test_flipped_checkpoint_headers(void) {
     size_t n;
     unsigned char *bytes;
     uint64_t hlen = 0;
-    model_init(&g, 6);
-    memset(&m, 0, sizeof m);
-    m.g = &g;
-    m.step = 3;
-    m.save_world = 2;
-    new_dir(m.dir, sizeof m.dir, "fliphdr");
-    new_dir(m.bar, sizeof m.bar, "bar");
+    mr_setup(&m, &g, 6, 3, 2, "fliphdr");
     DSK_TEST_EXPECT(run_ranks(2, mr_save, &m) == 0, "save failed");
     snprintf(pristine, sizeof pristine, "%s/step_00000003", m.dir);
     snprintf(work, sizeof work, "%s/pristine", m.dir);
@@ -1109,13 +1103,7 @@ static void test_checkpoint_damage(void) {
     dsk_ckpt_opts o;
     dsk_ckpt_entry e[5];
     dsk_tensor own[5];
-    model_init(&g, 8);
-    memset(&m, 0, sizeof m);
-    m.g = &g;
-    m.step = 4;
-    m.save_world = 2;
-    new_dir(m.dir, sizeof m.dir, "damage");
-    new_dir(m.bar, sizeof m.bar, "bar");
+    mr_setup(&m, &g, 8, 4, 2, "damage");
     DSK_TEST_EXPECT(run_ranks(2, mr_save, &m) == 0, "save failed");
     memset(&o, 0, sizeof o);
     DSK_TEST_OK(dsk_ckpt_init(&ck, m.dir, &o));
