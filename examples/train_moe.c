@@ -52,6 +52,8 @@ typedef struct options {
     int vocab;                /* token shards only; bytes are 256 */
     int val_every;            /* every n-th window is held out */
     double corpus_mb;         /* cap of the default corpus */
+    int prefetch, drop_last, no_shuffle;
+    char *sample_log;
     /* model */
     int seq, d_model, heads, layers, dense_layers, ffn_hidden;
     int experts, shared, top_k, expert_hidden, groups, topk_groups;
@@ -93,6 +95,10 @@ static const opt_spec OPTS[] = {
     {"--vocab", OPT_INT, O_(vocab), 0, "vocabulary of token shards"},
     {"--val-every", OPT_INT, O_(val_every), 0, "hold out every n-th window for validation"},
     {"--corpus-mb", OPT_DOUBLE, O_(corpus_mb), 0, "size cap of the default corpus in MB"},
+    {"--prefetch", OPT_INT, O_(prefetch), 0, "batches a loader thread prepares ahead (0 = read in the step)"},
+    {"--drop-last", OPT_FLAG, O_(drop_last), 0, "cut the epoch to a multiple of the world size instead of padding it"},
+    {"--no-shuffle", OPT_FLAG, O_(no_shuffle), 0, "read the training windows in order (no per-epoch shuffle)"},
+    {"--sample-log", OPT_STR, O_(sample_log), 0, "FILE: JSON line per batch and rank with the (epoch, sample) pairs read"},
     {"--seq", OPT_INT, O_(seq), 0, "sequence length T"},
     {"--d-model", OPT_INT, O_(d_model), 0, "model width D"},
     {"--heads", OPT_INT, O_(heads), 0, "attention heads"},
@@ -152,6 +158,7 @@ static void set_defaults(options *o) {
     o->vocab = 50257;
     o->val_every = 20;
     o->corpus_mb = 4.0;
+    o->prefetch = 4;
     o->seq = 128;
     o->d_model = 128;
     o->heads = 4;
@@ -290,7 +297,11 @@ typedef struct trainer {
     int have_ck;
     int64_t step;                 /* completed steps (skipped ones included) */
     int64_t applied;              /* optimizer steps applied (AdamW's step counter) */
-    int64_t data_pos;             /* global training sequences consumed */
+    int64_t data_pos;             /* global training sequences consumed (batch index x --batch) */
+    td_loader loader;             /* this rank's DistributedSampler slice, read ahead by a thread */
+    double data_wait_s;           /* time the steps waited for the loader */
+    int sample_log;               /* --sample-log file descriptor, -1 when unset */
+    int64_t *h_index;             /* samples of the current batch */
     int batch_local;              /* sequences per micro-batch on this rank */
     int32_t *h_ids, *h_tgt, *h_win;
     dsk_tensor h_ids_t, h_tgt_t;  /* host tensors over h_ids, h_tgt */
@@ -429,7 +440,14 @@ static void setup_data(trainer *t) {
     t->h_ids = (int32_t *)malloc(n * sizeof(int32_t));
     t->h_tgt = (int32_t *)malloc(n * sizeof(int32_t));
     t->h_win = (int32_t *)malloc((size_t)(o->seq + 1) * sizeof(int32_t));
-    if (!t->h_ids || !t->h_tgt || !t->h_win) fail(t, "out of memory for the batch buffers");
+    t->h_index = (int64_t *)malloc((size_t)t->batch_local * sizeof(int64_t));
+    if (!t->h_ids || !t->h_tgt || !t->h_win || !t->h_index) fail(t, "out of memory for the batch buffers");
+    if (o->prefetch < 0) fail(t, "--prefetch %d: must be >= 0", o->prefetch);
+    CHECK(td_loader_init(&t->loader, &t->data, t->batch_local, o->prefetch, t->world, t->rank, (uint64_t)o->seed, !o->no_shuffle,
+                         o->drop_last));
+    t->sample_log = -1;
+    if (o->sample_log && (t->sample_log = open(o->sample_log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644)) < 0)
+        fail(t, "--sample-log: cannot open %s: %s", o->sample_log, strerror(errno));
     int64_t nn = (int64_t)n;
     CHECK(dsk_tensor_wrap(&t->h_ids_t, t->h_ids, DSK_I32, dsk_cpu(), 1, &nn));
     CHECK(dsk_tensor_wrap(&t->h_tgt_t, t->h_tgt, DSK_I32, dsk_cpu(), 1, &nn));
@@ -441,12 +459,14 @@ static dsk_status upload_batch(trainer *t) {
     return dsk_tensor_copy(&t->ctx, &t->model.targets, &t->h_tgt_t);
 }
 
-/* This rank's sequences of the next global training batch: global sequence j reads window
-   td_sample(j), rank r takes j in [pos + r*B_local, pos + (r+1)*B_local). */
+/* This rank's sequences of the next global training batch: batch data_pos / --batch of the
+   loader (this rank's DistributedSampler stream), waiting for its thread if it is behind. */
 static dsk_status load_train_batch(trainer *t) {
-    int64_t T = t->o->seq, first = t->data_pos + (int64_t)t->rank * t->batch_local;
-    for (int b = 0; b < t->batch_local; b++)
-        td_read_window(&t->data, td_sample(&t->data, (uint64_t)t->o->seed, first + b), t->h_ids + b * T, t->h_tgt + b * T, t->h_win);
+    int64_t k = t->data_pos / t->o->batch;
+    double t0 = now_s();
+    TM_TRY(td_loader_next(&t->loader, k, t->h_ids, t->h_tgt, t->h_index));
+    t->data_wait_s += now_s() - t0;
+    if (t->sample_log >= 0) TM_TRY(td_log_batch(t->sample_log, t->rank, &t->loader.smp, k, t->batch_local, t->h_index));
     t->data_pos += t->o->batch;
     return upload_batch(t);
 }
@@ -578,6 +598,7 @@ static double measure_cpu_peak(const trainer *t) {
 
 typedef struct step_info {
     double loss, aux_loss, norm, lr, ms, tokens_per_s, mfu, comm_share, load_ratio;
+    double data_ms;           /* waiting for the loader (set by the caller of train_step) */
     float scale;
     int64_t dropped;
     int skipped;
@@ -863,8 +884,39 @@ static void config_string(const trainer *t, char *buf, size_t n) {
              o->expert_hidden, o->score, o->batch, o->accum, dsk_dtype_name(t->model.cfg.cdt), o->seed);
 }
 
+/* Epoch of the next training sample and its place in this rank's part of that epoch. */
+static void data_epoch(const trainer *t, int64_t *epoch, int64_t *offset) {
+    int64_t p = t->data_pos / t->world, n = t->loader.smp.num_samples;
+    *epoch = p / n;
+    *offset = p % n;
+}
+
+/* What fixes the order of the samples, apart from the world size. */
+static void data_order_string(const trainer *t, char *buf, size_t n) {
+    snprintf(buf, n, "DistributedSampler samples=%lld shuffle=%d drop_last=%d seed=%lld", (long long)t->data.n_train,
+             !t->o->no_shuffle, t->o->drop_last, t->o->seed);
+}
+
+/* A resume continues the same sample order: the corpus and the sampler settings must match.
+   A different world size keeps the position (global sequences consumed) but not the order
+   DistributedSampler gives each rank: say so. */
+static dsk_status check_data_order(trainer *t, const dsk_ckpt_meta *meta, int64_t step) {
+    char order[160];
+    data_order_string(t, order, sizeof order);
+    const char *saved = dsk_ckpt_meta_get(meta, "train.data_order");
+    if (!saved || strcmp(saved, order) != 0)
+        return dsk_set_error(DSK_ERR_ARG, "checkpoint step %lld in %s read its data as \"%s\", this run as \"%s\"", (long long)step,
+                             t->o->ckpt_dir, saved ? saved : "(not recorded)", order);
+    int64_t world = 0;
+    TM_TRY(dsk_ckpt_meta_i64(meta, "train.data_world", &world));
+    if (world != t->world)
+        say(t, "resume: the checkpoint was written by %lld ranks, this run has %d: DistributedSampler gives each rank another "
+               "slice, so the samples of the current epoch are not those of an uninterrupted run\n", (long long)world, t->world);
+    return DSK_OK;
+}
+
 static dsk_status save_checkpoint(trainer *t) {
-    char kv_val[8][64], cfg[512];
+    char kv_val[10][64], cfg[512], order[160];
     dsk_amp_scaler_state st;
     memset(&st, 0, sizeof st);
     TM_TRY(dsk_amp_state_get(&t->ctx, &t->scaler, &st));
@@ -876,12 +928,19 @@ static dsk_status save_checkpoint(trainer *t) {
     snprintf(kv_val[4], 64, "%d", (int)st.growth_tracker);
     snprintf(kv_val[5], 64, "%d", (int)st.hysteresis_left);
     snprintf(kv_val[6], 64, "%lld", (long long)t->o->seed);
-    dsk_ckpt_kv kv[8] = {{"train.step", kv_val[0]}, {"train.applied", kv_val[1]}, {"train.data_pos", kv_val[2]},
-                         {"amp.scale", kv_val[3]}, {"amp.growth_tracker", kv_val[4]}, {"amp.hysteresis_left", kv_val[5]},
-                         {"train.data_seed", kv_val[6]}, {"train.config", cfg}};
+    int64_t epoch, offset;
+    data_epoch(t, &epoch, &offset);
+    snprintf(kv_val[7], 64, "%lld", (long long)epoch);
+    snprintf(kv_val[8], 64, "%lld", (long long)offset);
+    snprintf(kv_val[9], 64, "%d", t->world);
+    data_order_string(t, order, sizeof order);
+    dsk_ckpt_kv kv[12] = {{"train.step", kv_val[0]}, {"train.applied", kv_val[1]}, {"train.data_pos", kv_val[2]},
+                          {"amp.scale", kv_val[3]}, {"amp.growth_tracker", kv_val[4]}, {"amp.hysteresis_left", kv_val[5]},
+                          {"train.data_seed", kv_val[6]}, {"train.config", cfg}, {"train.data_epoch", kv_val[7]},
+                          {"train.data_offset", kv_val[8]}, {"train.data_world", kv_val[9]}, {"train.data_order", order}};
     ck_names c = ck_entries(t);
-    dsk_status s = t->o->sync_ckpt ? dsk_ckpt_save(&t->ck, t->step, c.e, c.n, kv, 8)
-                                   : dsk_ckpt_save_async(&t->ck, t->step, c.e, c.n, kv, 8);
+    dsk_status s = t->o->sync_ckpt ? dsk_ckpt_save(&t->ck, t->step, c.e, c.n, kv, 12)
+                                   : dsk_ckpt_save_async(&t->ck, t->step, c.e, c.n, kv, 12);
     free(c.name);
     free(c.e);
     return s;
@@ -902,6 +961,7 @@ static dsk_status load_checkpoint(trainer *t, int64_t step) {
     if (s == DSK_OK && (!saved || strcmp(saved, cfg) != 0))
         s = dsk_set_error(DSK_ERR_ARG, "checkpoint step %lld in %s was written with \"%s\", this run has \"%s\"", (long long)step,
                           t->o->ckpt_dir, saved ? saved : "(no configuration)", cfg);
+    if (s == DSK_OK) s = check_data_order(t, &meta, step);
     dsk_ckpt_meta_free(&meta);
     if (s != DSK_OK) return s;
     ck_names c = ck_entries(t);
@@ -964,7 +1024,10 @@ static void setup_ckpt(trainer *t) {
     }
     dsk_status s = load_checkpoint(t, last);
     if (s != DSK_OK) fail(t, "--resume from %s failed, nothing was written: %s: %s", o->ckpt_dir, dsk_status_str(s), dsk_last_error());
-    say(t, "resume: step %lld from %s (data position %lld)\n", (long long)t->step, o->ckpt_dir, (long long)t->data_pos);
+    int64_t epoch, offset;
+    data_epoch(t, &epoch, &offset);
+    say(t, "resume: step %lld from %s (data position %lld: epoch %lld, sample %lld of %lld on each rank)\n", (long long)t->step,
+        o->ckpt_dir, (long long)t->data_pos, (long long)epoch, (long long)offset, (long long)t->loader.smp.num_samples);
 }
 
 /* ---- output */
@@ -983,19 +1046,19 @@ static void log_step(trainer *t, const step_info *si) {
     double eta = t->train_seconds / (double)t->steps_timed * (double)(o->steps - t->step);
     if (t->rank == 0 && (t->step % o->log_every == 0 || t->step == o->steps || t->step == 1))
         printf("step %5lld/%d | loss %.4f | lr %.2e | norm %6.3f | scale %g | %7.1f ms | %7.0f tok/s | mfu %5.2f%% | comm %4.1f%% | "
-               "load %.2f | drop %lld | eta %dm%02ds%s\n",
+               "data %4.1f%% | load %.2f | drop %lld | eta %dm%02ds%s\n",
                (long long)t->step, o->steps, si->loss, si->lr, si->norm, (double)si->scale, si->ms, si->tokens_per_s,
-               100 * si->mfu, 100 * si->comm_share, si->load_ratio, (long long)si->dropped, (int)eta / 60, (int)eta % 60,
+               100 * si->mfu, 100 * si->comm_share, 100 * si->data_ms / si->ms, si->load_ratio, (long long)si->dropped, (int)eta / 60, (int)eta % 60,
                si->skipped ? " | skipped (non-finite gradients)" : "");
     fflush(stdout);
     if (t->log) {
         char loss[32], norm[32];
         fprintf(t->log,
                 "{\"type\":\"step\",\"step\":%lld,\"loss\":%s,\"aux_loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%s,\"loss_scale\":%.9g,"
-                "\"ms\":%.3f,\"tokens_per_s\":%.1f,\"mfu\":%.6f,\"comm_share\":%.6f,\"load_max_mean\":%.6f,\"dropped\":%lld,"
-                "\"skipped\":%d,\"eta_s\":%.1f}\n",
+                "\"ms\":%.3f,\"data_wait_ms\":%.3f,\"tokens_per_s\":%.1f,\"mfu\":%.6f,\"comm_share\":%.6f,\"load_max_mean\":%.6f,"
+                "\"dropped\":%lld,\"skipped\":%d,\"eta_s\":%.1f}\n",
                 (long long)t->step, json_num(loss, si->loss), si->aux_loss, si->lr, json_num(norm, si->norm), (double)si->scale, si->ms,
-                si->tokens_per_s, si->mfu, si->comm_share, si->load_ratio, (long long)si->dropped, si->skipped, eta);
+                si->data_ms, si->tokens_per_s, si->mfu, si->comm_share, si->load_ratio, (long long)si->dropped, si->skipped, eta);
     }
     if (t->log) fflush(t->log);
 }
@@ -1047,6 +1110,10 @@ static void banner(trainer *t) {
         t->ctx.device.type == DSK_DEV_CUDA ? "CUDA" : "CPU", dsk_dtype_name(m->cfg.cdt));
     say(t, "data: %s; %lld training and %lld held-out windows of %d tokens\n", t->data.source, (long long)t->data.n_train,
         (long long)t->data.n_val, o->seq + 1);
+    const td_sampler *smp = &t->loader.smp;
+    say(t, "data order: DistributedSampler over %d rank%s, %lld samples per rank and epoch (%lld %s), %s; %d batches read ahead\n",
+        t->world, t->world > 1 ? "s" : "", (long long)smp->num_samples, (long long)llabs(smp->total_size - smp->n),
+        smp->drop_last ? "cut" : "padded", smp->shuffle ? "shuffled by seed + epoch" : "in order", o->prefetch);
     say(t, "model: %d blocks (%d dense), d_model %d, %d heads, vocab %d; MoE %d routed (%s, top-%d) + %d shared, expert hidden %d; "
            "%.2fM parameters on rank 0, %.1f MFLOP/token (active)\n",
         o->layers, o->dense_layers, o->d_model, o->heads, m->cfg.vocab, o->experts, o->score, o->top_k, o->shared, o->expert_hidden,
@@ -1155,7 +1222,10 @@ static void cleanup(trainer *t) {
     dsk_amp_scaler_free(&t->ctx, &t->scaler);
     free(t->amp_decay);
     free(t->amp_plain);
+    td_loader_free(&t->loader);
     td_free(&t->data);
+    free(t->h_index);
+    if (t->sample_log >= 0) close(t->sample_log);
     free(t->h_ids);
     free(t->h_tgt);
     free(t->h_win);
@@ -1224,7 +1294,9 @@ int main(int argc, char **argv) {
     int64_t last_saved = t->step;
     while (t->step < o.steps && !(o.stop_at > 0 && t->step >= o.stop_at)) {
         step_info si;
+        double waited = t->data_wait_s;
         CHECK(train_step(t, &si));
+        si.data_ms = 1e3 * (t->data_wait_s - waited);
         log_step(t, &si);
         write_metrics(t, &si);
         if (t->step % o.val_interval == 0 || t->step == o.steps) {
@@ -1243,8 +1315,9 @@ int main(int argc, char **argv) {
     }
     double wall = now_s() - t->t_start;
     if (t->step == o.steps) CHECK(generate(t));
-    say(t, "done: %lld steps in %.1f s (%.0f tokens/s), final validation loss %.4f\n", (long long)t->step, wall,
-        t->steps_timed ? (double)o.batch * o.accum * o.seq * t->steps_timed / t->train_seconds : 0.0, (double)t->last_val);
+    say(t, "done: %lld steps in %.1f s (%.0f tokens/s, %.2f%% of step time waiting for data), final validation loss %.4f\n",
+        (long long)t->step, wall, t->steps_timed ? (double)o.batch * o.accum * o.seq * t->steps_timed / t->train_seconds : 0.0,
+        t->train_seconds > 0 ? 100 * t->data_wait_s / t->train_seconds : 0.0, (double)t->last_val);
     cleanup(t);
     return 0;
 }

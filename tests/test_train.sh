@@ -75,9 +75,9 @@ EOF
 fi
 
 # ---- 2. the per-step line and the output files
-if grep -qE '^step +30/30 \| loss [0-9.]+ \| lr .* \| norm .* \| scale .* ms \| .* tok/s \| mfu .*% \| comm .*% \| load [0-9.]+ \| drop [0-9]+ \| eta ' "$work/learn.out" &&
+if grep -qE '^step +30/30 \| loss [0-9.]+ \| lr .* \| norm .* \| scale .* ms \| .* tok/s \| mfu .*% \| comm .*% \| data +[0-9.]+% \| load [0-9.]+ \| drop [0-9]+ \| eta ' "$work/learn.out" &&
    grep -q 'validation loss' "$work/learn.out"; then
-    ok "per-step line carries loss, lr, norm, scale, time, tokens/s, MFU, comm, load, drops, ETA"
+    ok "per-step line carries loss, lr, norm, scale, time, tokens/s, MFU, comm, data wait, load, drops, ETA"
 else
     bad "per-step line format" "$(grep '^step' "$work/learn.out" | tail -2)"
 fi

@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# Production tests of examples/train_moe.c on tiny configurations: the data order is PyTorch's
+# DistributedSampler (every sample once per epoch on 1, 2 and 3 ranks, padding and drop-last,
+# resume in the middle of an epoch).
+# Prints `[test_prod] totals: P passed / F failed / S skipped`; exits non-zero on failure.
+set -u
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+BIN=$BUILD/examples/train_moe
+PY=python3
+export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
+passed=0 failed=0 skipped=0
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+ok() { echo "ok   $1"; passed=$((passed + 1)); }
+bad() { echo "FAIL $1"; shift; for l in "$@"; do echo "     $l"; done; failed=$((failed + 1)); }
+skip() { echo "skip $1"; skipped=$((skipped + 1)); }
+
+if ! make --no-print-directory -s BUILD="$BUILD" "$BIN" >"$work/build.log" 2>&1; then
+    cat "$work/build.log"
+    bad "build $BIN" "make failed"
+    echo "[test_prod] totals: $passed passed / $failed failed / $skipped skipped"
+    exit 1
+fi
+
+TINY=(--seq 32 --d-model 32 --heads 2 --layers 3 --dense-layers 1 --ffn-hidden 64 --experts 4 --top-k 2
+      --expert-hidden 32 --shared 1 --lr 3e-3 --warmup 5 --val-every 10 --val-interval 10 --val-batches 2
+      --sample-len 0 --peak-tflops 0.1)
+
+run() { # NAME ARGS...: output in $work/NAME.out, status in $work/NAME.rc
+    local name=$1; shift
+    timeout 120 "$BIN" "$@" >"$work/$name.out" 2>&1
+    echo $? >"$work/$name.rc"
+}
+rc() { cat "$work/$1.rc"; }
+
+# A Python with torch, for the comparison with DistributedSampler itself (Debian's torch is
+# installed for /usr/bin/python3, which may not be the python3 on PATH).
+TORCH_PY=""
+for p in python3 /usr/bin/python3 /usr/bin/python3.11; do
+    if command -v "$p" >/dev/null 2>&1 && "$p" -c 'import torch' >/dev/null 2>&1; then TORCH_PY=$p; break; fi
+done
+
+# ---- 1. data order: DistributedSampler. 67 windows of 33 bytes, every 10th held out: 61 training
+#         samples, a prime, so 2 and 3 ranks pad (1 and 2 samples) or cut with --drop-last.
+#         22 steps of 6 sequences read more than two epochs on every world size.
+head -c 2211 dsk_comm.h >"$work/small.txt"
+DATA=("${TINY[@]}" --data "$work/small.txt" --batch 6 --steps 22 --seed 11)
+run_data() { # NAME NPROC ARGS...
+    local name=$1 n=$2; shift 2
+    rm -f "$work/$name.samples"
+    run "$name" "${DATA[@]}" --nproc "$n" --sample-log "$work/$name.samples" "$@"
+}
+run_data d1 1
+run_data d2 2
+run_data d3 3
+run_data d2cut 2 --drop-last --no-shuffle
+# check_epochs NAME WORLD SHUFFLE DROP_LAST: every rank's samples, epoch by epoch, against the
+# sampler's definition (and against torch's DistributedSampler when torch is installed)
+check_epochs() {
+    $PY - "$work/$1.samples" "$2" "$3" "$4" "$TORCH_PY" <<'EOF'
+import json, subprocess, sys
+path, world, shuffle, drop_last, torch_py = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+N, SEED = 61, 11
+per = drop_last and N // world or -(-N // world)
+stream = {r: [] for r in range(world)}
+for line in open(path):
+    row = json.loads(line)
+    stream[row["rank"]].append((row["batch"], row["samples"]))
+problems = []
+epochs = {}
+for r in range(world):
+    batches = sorted(stream[r])
+    if [b for b, _ in batches] != list(range(len(batches))): problems.append("rank %d: batches %s" % (r, [b for b, _ in batches]))
+    flat = [s for _, ss in batches for s in ss]
+    for i, (e, s) in enumerate(flat):
+        if e != i // per: problems.append("rank %d: position %d in epoch %d, want %d" % (r, i, e, i // per)); break
+        epochs.setdefault(e, {}).setdefault(r, []).append(s)
+full = [e for e in sorted(epochs) if all(len(epochs[e].get(r, [])) == per for r in range(world))]
+if len(full) < 2: problems.append("only %d full epochs" % len(full))
+for e in full:
+    seen = sorted(s for r in range(world) for s in epochs[e][r])
+    if drop_last:
+        if len(set(seen)) != len(seen) or len(seen) != per * world: problems.append("epoch %d: repeats or wrong count with drop-last" % e)
+    elif sorted(set(seen)) != list(range(N)) or len(seen) != per * world:
+        problems.append("epoch %d: %d distinct of %d, %d reads" % (e, len(set(seen)), N, len(seen)))
+versus = "its definition"
+if torch_py:
+    code = ("import json,sys\nfrom torch.utils.data.distributed import DistributedSampler as D\n"
+            "print(json.dumps({e: [list(iter((lambda s: (s.set_epoch(e), s)[1])(D(range(%d), %d, r, shuffle=%s, seed=%d, drop_last=%s))))"
+            " for r in range(%d)] for e in %s}))" % (N, world, bool(shuffle), SEED, bool(drop_last), world, full))
+    ref = json.loads(subprocess.run([torch_py, "-c", code], capture_output=True, text=True, check=True).stdout)
+    for e in full:
+        for r in range(world):
+            if ref[str(e)][r] != epochs[e][r]: problems.append("epoch %d rank %d: %s, torch %s" % (e, r, epochs[e][r][:6], ref[str(e)][r][:6]))
+    versus = "torch's DistributedSampler"
+print("; ".join(problems[:4]) if problems else "ok %d epochs x %d ranks x %d samples equal %s" % (len(full), world, per, versus))
+EOF
+}
+for spec in "d1 1 1 0" "d2 2 1 0" "d3 3 1 0" "d2cut 2 0 1"; do
+    set -- $spec
+    what="$2 rank(s)$([ "$4" = 1 ] && echo ", --drop-last --no-shuffle" || echo ", padded"): every epoch reads each sample once as DistributedSampler"
+    if [ "$(rc "$1")" -ne 0 ]; then bad "$what" "exit $(rc "$1")" "$(tail -3 "$work/$1.out")"; continue; fi
+    verdict=$(check_epochs "$@" 2>&1)
+    case $verdict in ok*) ok "$what (${verdict#ok })";; *) bad "$what" "$verdict";; esac
+done
+[ -n "$TORCH_PY" ] || skip "DistributedSampler comparison: no Python with torch (checked against the definition only)"
+
+# Resume in the middle of epoch 1 (2 ranks: 31 samples per rank and epoch, 3 per step: step 13
+# is in epoch 1): the resumed run reads the same samples as the straight one, batch by batch.
+rm -f "$work/dres.samples"
+run dres_a "${DATA[@]}" --nproc 2 --ckpt-dir "$work/ck_dres" --ckpt-every 100 --stop-at 13 --sample-log "$work/dres.samples"
+run dres_b "${DATA[@]}" --nproc 2 --ckpt-dir "$work/ck_dres" --resume --sample-log "$work/dres.samples"
+what="resume at step 13 (epoch 1, sample 8 of 31 on each rank) reads the straight run's samples"
+if [ "$(rc dres_a)" -ne 0 ] || [ "$(rc dres_b)" -ne 0 ]; then
+    bad "$what" "exit $(rc dres_a)/$(rc dres_b)" "$(tail -3 "$work/dres_b.out")"
+elif [ "$(sort "$work/dres.samples")" = "$(sort "$work/d2.samples")" ] &&
+     grep -q 'resume: step 13 .*epoch 1, sample 8 of 31' "$work/dres_b.out"; then
+    ok "$what"
+else
+    bad "$what" "$(diff <(sort "$work/d2.samples") <(sort "$work/dres.samples") | head -4)" "$(grep 'resume:' "$work/dres_b.out")"
+fi
+
+# Changing the data order on resume is refused, naming both orders.
+run dres_c "${DATA[@]}" --nproc 2 --ckpt-dir "$work/ck_dres" --resume --drop-last --steps 30
+if [ "$(rc dres_c)" -ne 0 ] && grep -q 'read its data as "DistributedSampler samples=61 shuffle=1 drop_last=0 seed=11", this run as ".*drop_last=1' "$work/dres_c.out"; then
+    ok "resume with another sampler setting fails naming both ($(grep -o 'read its data as.*' "$work/dres_c.out" | head -1 | cut -c1-90)...)"
+else
+    bad "resume with another sampler setting fails" "exit $(rc dres_c)" "$(tail -2 "$work/dres_c.out")"
+fi
+run prefetch_bad "${DATA[@]}" --prefetch -1
+if [ "$(rc prefetch_bad)" -eq 1 ] && grep -q -- '--prefetch -1: must be >= 0' "$work/prefetch_bad.out"; then ok "--prefetch -1 fails cleanly"
+else bad "--prefetch -1 fails cleanly" "exit $(rc prefetch_bad)" "$(tail -2 "$work/prefetch_bad.out")"; fi
+
+echo "[test_prod] totals: $passed passed / $failed failed / $skipped skipped"
+[ "$failed" -eq 0 ]
