@@ -42,6 +42,7 @@
 
 #include "train_data.h"
 #include "train_model.h"
+#include "train_signals.h"
 
 /* ------------------------------------------------------------------ options */
 
@@ -79,7 +80,7 @@ typedef struct options {
     int help;
 } options;
 
-typedef enum { OPT_INT, OPT_DOUBLE, OPT_LL, OPT_STR, OPT_STRBUF, OPT_FLAG, OPT_LIST } opt_kind;
+typedef enum { OPT_INT, OPT_DOUBLE, OPT_LL, OPT_STR, OPT_STRBUF, OPT_FLAG, OPT_AUTO, OPT_LIST } opt_kind; /* AUTO: a flag, "auto" may follow */
 
 typedef struct opt_spec {
     const char *name;
@@ -144,7 +145,7 @@ static const opt_spec OPTS[] = {
     {"--ckpt-dir", OPT_STR, O_(ckpt_dir), 0, "DIR of checkpoints (none when unset)"},
     {"--keep", OPT_INT, O_(keep), 0, "checkpoints kept (0 = all)"},
     {"--sync-ckpt", OPT_FLAG, O_(sync_ckpt), 0, "write checkpoints synchronously"},
-    {"--resume", OPT_FLAG, O_(resume), 0, "continue from the newest complete checkpoint in --ckpt-dir"},
+    {"--resume", OPT_AUTO, O_(resume), 0, "[auto] continue from the newest complete checkpoint in --ckpt-dir, if any"},
     {"--stop-at", OPT_INT, O_(stop_at), 0, "stop after this step as if interrupted (0 = run to --steps)"},
     {"--nproc", OPT_INT, O_(nproc), 0, "start N local ranks (data parallel)"},
     {"--ep", OPT_INT, O_(ep), 0, "expert-parallel ranks (divides the world size and --experts)"},
@@ -229,7 +230,11 @@ static int parse_args(options *o, int argc, char **argv) {
             return 2;
         }
         char *p = (char *)o + s->offset;
-        if (s->kind == OPT_FLAG) { *(int *)p = 1; continue; }
+        if (s->kind == OPT_FLAG || s->kind == OPT_AUTO) {
+            *(int *)p = 1;
+            if (s->kind == OPT_AUTO && i + 1 < argc && strcmp(argv[i + 1], "auto") == 0) i++;
+            continue;
+        }
         if (s->kind == OPT_LIST) {
             o->data = &argv[i + 1];
             while (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0) { i++; o->n_data++; }
@@ -302,6 +307,7 @@ typedef struct trainer {
     double data_wait_s;           /* time the steps waited for the loader */
     int sample_log;               /* --sample-log file descriptor, -1 when unset */
     int64_t *h_index;             /* samples of the current batch */
+    ts_signals sig;               /* SIGTERM/SIGINT (stop after the step), SIGUSR1 (save now) */
     int batch_local;              /* sequences per micro-batch on this rank */
     int32_t *h_ids, *h_tgt, *h_win;
     dsk_tensor h_ids_t, h_tgt_t;  /* host tensors over h_ids, h_tgt */
@@ -1215,6 +1221,27 @@ static int launch_local(const options *o, int argc, char **argv) {
     return worst;
 }
 
+/* SIGTERM or SIGINT on any rank, SIGUSR1 on any rank: agreed by every rank at the end of
+   each step (a MAX over ranks), so all stop or save at the same step. */
+static void poll_signals(trainer *t, int *stop, int *save) {
+    int32_t v[2] = {ts_stop_signal(&t->sig), ts_take_save(&t->sig)};
+    CHECK(allreduce_host(t, &t->comm, v, 2, DSK_I32, DSK_COMM_MAX));
+    *stop = v[0];
+    *save = v[1];
+}
+
+/* The line a pre-empted job ends with. */
+static void report_stop(trainer *t, int sig) {
+    char after[64] = "";
+    if (ts_stop_signal(&t->sig)) snprintf(after, sizeof after, ", %.2f s after the signal", ts_now() - t->sig.stop_at);
+    if (t->have_ck)
+        say(t, "pre-empted: %s, stopped after step %lld, checkpoint of step %lld saved in %s; exiting with status 0%s\n",
+            ts_signal_name(sig), (long long)t->step, (long long)t->step, t->o->ckpt_dir, after);
+    else
+        say(t, "pre-empted: %s, stopped after step %lld; no --ckpt-dir, nothing saved; exiting with status 0%s\n",
+            ts_signal_name(sig), (long long)t->step, after);
+}
+
 static void cleanup(trainer *t) {
     if (t->have_ck) dsk_ckpt_free(&t->ck);
     if (t->have_buckets) dsk_comm_buckets_free(&t->buckets);
@@ -1237,6 +1264,7 @@ static void cleanup(trainer *t) {
         dsk_comm_free(&t->comm);
     }
     dsk_ctx_free(&t->ctx);
+    ts_stop(&t->sig);
 }
 
 static void check_options(trainer *t) {
@@ -1265,6 +1293,8 @@ int main(int argc, char **argv) {
     trainer tr, *t = &tr;
     memset(t, 0, sizeof *t);
     t->o = &o;
+    int e = ts_start(&t->sig); /* before any thread starts */
+    if (e != 0) fail(t, "cannot start the signal thread: %s", strerror(e));
     check_options(t);
     setup_comm(t);
     setup_device(t);
@@ -1292,6 +1322,7 @@ int main(int argc, char **argv) {
     }
     t->t_start = now_s();
     int64_t last_saved = t->step;
+    int stop_sig = 0;
     while (t->step < o.steps && !(o.stop_at > 0 && t->step >= o.stop_at)) {
         step_info si;
         double waited = t->data_wait_s;
@@ -1308,10 +1339,26 @@ int main(int argc, char **argv) {
             CHECK(save_checkpoint(t));
             last_saved = t->step;
         }
+        int save;
+        poll_signals(t, &stop_sig, &save);
+        if (save) {
+            if (t->have_ck && last_saved != t->step) {
+                CHECK(save_checkpoint(t));
+                last_saved = t->step;
+            }
+            if (t->have_ck) say(t, "SIGUSR1: checkpoint of step %lld saved; training goes on\n", (long long)t->step);
+            else say(t, "SIGUSR1 at step %lld: no --ckpt-dir, nothing saved; training goes on\n", (long long)t->step);
+        }
+        if (stop_sig) break;
     }
     if (t->have_ck) {
         if (last_saved != t->step) CHECK(save_checkpoint(t));
         CHECK(dsk_ckpt_wait(&t->ck));
+    }
+    if (stop_sig) {
+        report_stop(t, stop_sig);
+        cleanup(t);
+        return 0;
     }
     double wall = now_s() - t->t_start;
     if (t->step == o.steps) CHECK(generate(t));

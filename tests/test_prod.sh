@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Production tests of examples/train_moe.c on tiny configurations: the data order is PyTorch's
 # DistributedSampler (every sample once per epoch on 1, 2 and 3 ranks, padding and drop-last,
-# resume in the middle of an epoch).
+# resume in the middle of an epoch); pre-emption (SIGUSR1 saves and goes on, SIGTERM stops
+# after the step with a checkpoint and exit 0, --resume auto continues bitwise, ranks agree).
 # Prints `[test_prod] totals: P passed / F failed / S skipped`; exits non-zero on failure.
 set -u
 cd "$(dirname "$0")/.."
@@ -11,7 +12,7 @@ PY=python3
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
 passed=0 failed=0 skipped=0
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+trap 'for w in ${watchdogs:-}; do pkill -P $w 2>/dev/null; kill $w 2>/dev/null; done; rm -rf "$work"' EXIT
 
 ok() { echo "ok   $1"; passed=$((passed + 1)); }
 bad() { echo "FAIL $1"; shift; for l in "$@"; do echo "     $l"; done; failed=$((failed + 1)); }
@@ -111,7 +112,7 @@ done
 # is in epoch 1): the resumed run reads the same samples as the straight one, batch by batch.
 rm -f "$work/dres.samples"
 run dres_a "${DATA[@]}" --nproc 2 --ckpt-dir "$work/ck_dres" --ckpt-every 100 --stop-at 13 --sample-log "$work/dres.samples"
-run dres_b "${DATA[@]}" --nproc 2 --ckpt-dir "$work/ck_dres" --resume --sample-log "$work/dres.samples"
+run dres_b "${DATA[@]}" --nproc 2 --ckpt-dir "$work/ck_dres" --resume auto --sample-log "$work/dres.samples"
 what="resume at step 13 (epoch 1, sample 8 of 31 on each rank) reads the straight run's samples"
 if [ "$(rc dres_a)" -ne 0 ] || [ "$(rc dres_b)" -ne 0 ]; then
     bad "$what" "exit $(rc dres_a)/$(rc dres_b)" "$(tail -3 "$work/dres_b.out")"
@@ -132,6 +133,97 @@ fi
 run prefetch_bad "${DATA[@]}" --prefetch -1
 if [ "$(rc prefetch_bad)" -eq 1 ] && grep -q -- '--prefetch -1: must be >= 0' "$work/prefetch_bad.out"; then ok "--prefetch -1 fails cleanly"
 else bad "--prefetch -1 fails cleanly" "exit $(rc prefetch_bad)" "$(tail -2 "$work/prefetch_bad.out")"; fi
+
+# ---- 2. pre-emption. One rank, 60 steps: SIGUSR1 after step 6 saves and goes on, SIGTERM 8 steps
+#         later (the run is frozen by SIGSTOP while it is sent, so it cannot finish first) stops
+#         after that step with a checkpoint and exit 0; --resume auto continues bitwise.
+PRE=("${TINY[@]}" --corpus-mb 0.3 --batch 8 --steps 60)
+field() { # LOG FIELD [TYPE]: "step value" lines of a JSONL log
+    $PY - "$1" "$2" "${3:-step}" <<'EOF'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r["type"] == sys.argv[3]:
+        print(r["step"], repr(r[sys.argv[2]]))
+EOF
+}
+trace() { (field "$1" loss; field "$1" grad_norm; field "$1" val_loss val) | sort -n -s -k1,1; }
+wait_for() { # FILE REGEX PID: waits until FILE has a line matching REGEX (20 s at most, or until PID exits)
+    local i
+    for i in $(seq 4000); do
+        grep -qE -e "$2" "$1" 2>/dev/null && return 0
+        kill -0 "$3" 2>/dev/null || return 1
+        sleep 0.005
+    done
+    return 1
+}
+start_bg() { # NAME ARGS...: starts the trainer in the background (not under timeout(1), which would take the
+       # signals meant for it); pid in $pid, output in $work/NAME.out; a watchdog kills it after 120 s
+    local name=$1; shift
+    "$BIN" "$@" >"$work/$name.out" 2>&1 &
+    pid=$!
+    (sleep 120; kill -9 $pid 2>/dev/null) >/dev/null 2>&1 &
+    watchdogs="${watchdogs:-} $!"
+}
+last_step() { $PY -c "import json,sys; print([r['step'] for r in map(json.loads, open(sys.argv[1])) if r['type']=='step'][-1])" "$1"; }
+complete() { [ -f "$1/$(printf 'step_%08d' "$2")/manifest.json" ]; }
+
+run straight "${PRE[@]}" --log "$work/straight.jsonl"
+start_bg pre "${PRE[@]}" --ckpt-dir "$work/ck_pre" --log "$work/pre.jsonl"
+usr1_step=none term_step=none
+if wait_for "$work/pre.jsonl" '"step":6,' $pid; then
+    kill -USR1 $pid
+    if wait_for "$work/pre.out" '^SIGUSR1: checkpoint of step [0-9]+ saved; training goes on' $pid; then
+        usr1_step=$(grep -oE '^SIGUSR1: checkpoint of step [0-9]+' "$work/pre.out" | grep -oE '[0-9]+$')
+        if wait_for "$work/pre.jsonl" "\"step\":$((usr1_step + 8))," $pid; then
+            kill -STOP $pid; kill -TERM $pid; kill -CONT $pid
+        fi
+    fi
+fi
+wait $pid
+pre_rc=$?
+[ -s "$work/pre.jsonl" ] && term_step=$(last_step "$work/pre.jsonl")
+what="SIGUSR1 saves (step $usr1_step) and goes on; SIGTERM stops after the step (step $term_step), saves it, exits 0"
+if [ $pre_rc -eq 0 ] && [ "$usr1_step" != none ] && [ "$term_step" != none ] && [ "$term_step" -lt 60 ] &&
+   grep -qE "^pre-empted: SIGTERM, stopped after step $term_step, checkpoint of step $term_step saved in .*; exiting with status 0, [0-9.]+ s after the signal" "$work/pre.out" &&
+   complete "$work/ck_pre" "$usr1_step" && complete "$work/ck_pre" "$term_step"; then
+    ok "$what ($(grep -oE '[0-9.]+ s after the signal' "$work/pre.out"))"
+else
+    bad "$what" "exit $pre_rc" "$(grep -E 'SIGUSR1|pre-empted|rank' "$work/pre.out" | head -3)" "$(ls "$work/ck_pre" 2>&1 | tr '\n' ' ')"
+fi
+run pre_resumed "${PRE[@]}" --ckpt-dir "$work/ck_pre" --resume auto --log "$work/pre.jsonl"
+what="--resume auto after the SIGTERM: steps 1-60 bitwise equal to an uninterrupted run (loss, norm, validation)"
+if [ "$(rc straight)" -eq 0 ] && [ "$(rc pre_resumed)" -eq 0 ] && grep -q "^resume: step $term_step " "$work/pre_resumed.out" &&
+   [ "$(trace "$work/straight.jsonl")" = "$(trace "$work/pre.jsonl")" ] && [ "$(field "$work/pre.jsonl" loss | wc -l)" -eq 60 ]; then
+    ok "$what"
+else
+    bad "$what" "exit $(rc straight)/$(rc pre_resumed)" "$(diff <(trace "$work/straight.jsonl") <(trace "$work/pre.jsonl") | head -4)"
+fi
+run auto_fresh "${PRE[@]}" --steps 2 --ckpt-dir "$work/ck_fresh" --resume auto
+if [ "$(rc auto_fresh)" -eq 0 ] && grep -q 'resume: no complete checkpoint in .*ck_fresh yet, starting at step 0' "$work/auto_fresh.out" &&
+   complete "$work/ck_fresh" 2; then
+    ok "--resume auto on an empty directory starts at step 0"
+else
+    bad "--resume auto on an empty directory starts at step 0" "exit $(rc auto_fresh)" "$(tail -2 "$work/auto_fresh.out")"
+fi
+
+# Two ranks, SIGTERM to rank 1 alone: the ranks agree at the end of the step, both stop after the
+# same step, the checkpoint of that step is complete, the job exits 0.
+start_bg pre2 "${PRE[@]}" --nproc 2 --ckpt-dir "$work/ck_pre2" --log "$work/pre2.jsonl"
+if wait_for "$work/pre2.jsonl" '"step":5,' $pid; then
+    rank1=$(cut -d' ' -f2 "/proc/$pid/task/$pid/children" 2>/dev/null)
+    [ -n "$rank1" ] && { kill -STOP "$rank1"; kill -TERM "$rank1"; kill -CONT "$rank1"; }
+fi
+wait $pid
+pre2_rc=$?
+s2=$( [ -s "$work/pre2.jsonl" ] && last_step "$work/pre2.jsonl")
+what="2 ranks, SIGTERM to rank 1 alone: both stop after step ${s2:-?} with its checkpoint, exit 0"
+if [ $pre2_rc -eq 0 ] && [ -n "$s2" ] && [ "$s2" -lt 60 ] && complete "$work/ck_pre2" "$s2" &&
+   grep -q "^\[rank 0\] pre-empted: SIGTERM, stopped after step $s2, checkpoint of step $s2 saved" "$work/pre2.out"; then
+    ok "$what"
+else
+    bad "$what" "exit $pre2_rc" "$(grep -E 'pre-empted|rank 1|error' "$work/pre2.out" | head -3)"
+fi
 
 echo "[test_prod] totals: $passed passed / $failed failed / $skipped skipped"
 [ "$failed" -eq 0 ]
