@@ -75,7 +75,7 @@ typedef struct options {
     int ckpt_every, keep, sync_ckpt, resume, stop_at;
     char *ckpt_dir;
     /* parallelism */
-    int nproc, ep;
+    int nproc, ep, max_restarts;
     int grad_check;
     int help;
 } options;
@@ -148,6 +148,7 @@ static const opt_spec OPTS[] = {
     {"--resume", OPT_AUTO, O_(resume), 0, "[auto] continue from the newest complete checkpoint in --ckpt-dir, if any"},
     {"--stop-at", OPT_INT, O_(stop_at), 0, "stop after this step as if interrupted (0 = run to --steps)"},
     {"--nproc", OPT_INT, O_(nproc), 0, "start N local ranks (data parallel)"},
+    {"--max-restarts", OPT_INT, O_(max_restarts), 0, "with --nproc: run a failed job again up to K times, resuming from its checkpoints"},
     {"--ep", OPT_INT, O_(ep), 0, "expert-parallel ranks (divides the world size and --experts)"},
     {"--grad-check", OPT_INT, O_(grad_check), 0, "check N elements of every gradient against central differences, then exit"},
     {"--help", OPT_FLAG, O_(help), 0, "this text"},
@@ -1001,10 +1002,16 @@ static dsk_status load_checkpoint(trainer *t, int64_t step) {
    resume exits before it could write anything; a fresh run refuses a directory that holds
    checkpoints, so no run ever overwrites one by accident. */
 static void setup_ckpt(trainer *t) {
-    const options *o = t->o;
+    options *o = t->o;
+    int restart = ts_restart_count();
     if (!o->ckpt_dir) {
         if (o->resume) fail(t, "--resume needs --ckpt-dir");
+        if (restart > 0) say(t, "restart %d: no --ckpt-dir, starting again from step 0\n", restart);
         return;
+    }
+    if (restart > 0 && !o->resume) {
+        say(t, "restart %d: resuming from the newest complete checkpoint in %s (as --resume auto)\n", restart, o->ckpt_dir);
+        o->resume = 1;
     }
     dsk_ckpt_opts co;
     memset(&co, 0, sizeof co);
@@ -1197,7 +1204,8 @@ static int grad_check(trainer *t) {
 
 /* ---- launcher and main */
 
-/* --nproc N: re-runs this binary N times through dsk_comm's local launcher. */
+/* --nproc N: re-runs this binary N times through dsk_comm's local launcher (restarting the
+   job after a failure up to --max-restarts times). */
 static int launch_local(const options *o, int argc, char **argv) {
     char exe[4096];
     ssize_t k = readlink("/proc/self/exe", exe, sizeof exe - 1);
@@ -1211,14 +1219,9 @@ static int launch_local(const options *o, int argc, char **argv) {
         if (strcmp(argv[i], "--nproc") == 0) { i++; continue; }
         args[n++] = argv[i];
     }
-    int worst = 0;
-    dsk_status s = dsk_comm_spawn_local(o->nproc, args, NULL, &worst);
+    int rc = ts_launch(o->nproc > 1 ? o->nproc : 1, o->max_restarts, args);
     free(args);
-    if (s != DSK_OK) {
-        fprintf(stderr, "train_moe: --nproc %d: %s: %s\n", o->nproc, dsk_status_str(s), dsk_last_error());
-        return worst ? worst : 1;
-    }
-    return worst;
+    return rc;
 }
 
 /* SIGTERM or SIGINT on any rank, SIGUSR1 on any rank: agreed by every rank at the end of
@@ -1288,7 +1291,8 @@ int main(int argc, char **argv) {
     if (rc) return rc;
     if (o.help) { usage(stdout); return 0; }
     if (o.nproc < 0) { fprintf(stderr, "train_moe: --nproc %d: must be >= 1\n", o.nproc); return 2; }
-    if (o.nproc > 1 && !getenv("RANK")) return launch_local(&o, argc, argv);
+    if (o.max_restarts < 0) { fprintf(stderr, "train_moe: --max-restarts %d: must be >= 0\n", o.max_restarts); return 2; }
+    if ((o.nproc > 1 || o.max_restarts > 0) && !getenv("RANK")) return launch_local(&o, argc, argv);
 
     trainer tr, *t = &tr;
     memset(t, 0, sizeof *t);

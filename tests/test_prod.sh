@@ -2,7 +2,9 @@
 # Production tests of examples/train_moe.c on tiny configurations: the data order is PyTorch's
 # DistributedSampler (every sample once per epoch on 1, 2 and 3 ranks, padding and drop-last,
 # resume in the middle of an epoch); pre-emption (SIGUSR1 saves and goes on, SIGTERM stops
-# after the step with a checkpoint and exit 0, --resume auto continues bitwise, ranks agree).
+# after the step with a checkpoint and exit 0, --resume auto continues bitwise, ranks agree);
+# elastic restart (a rank killed at a random step: the local launcher and torchrun restart the
+# job, it resumes and ends with the losses of an uninterrupted run).
 # Prints `[test_prod] totals: P passed / F failed / S skipped`; exits non-zero on failure.
 set -u
 cd "$(dirname "$0")/.."
@@ -223,6 +225,95 @@ if [ $pre2_rc -eq 0 ] && [ -n "$s2" ] && [ "$s2" -lt 60 ] && complete "$work/ck_
     ok "$what"
 else
     bad "$what" "exit $pre2_rc" "$(grep -E 'pre-empted|rank 1|error' "$work/pre2.out" | head -3)"
+fi
+
+# ---- 3. elastic restart. Two ranks, 50 steps, a checkpoint every 5: a random rank is killed with
+#         SIGKILL at a random step; its peer fails naming it, the launcher (--max-restarts 2) and
+#         torchrun (--max_restarts 1) run the job again, it resumes from the newest checkpoint, and
+#         every step it logs has the loss of an uninterrupted run, to the last bit.
+KILL=("${TINY[@]}" --corpus-mb 0.3 --batch 8 --steps 50 --ckpt-every 5)
+run straight2 "${KILL[@]}" --nproc 2 --log "$work/straight2.jsonl"
+same_losses() { # LOG: every step line has the straight 2-rank loss of its step, and all 50 steps are there
+    $PY - "$work/straight2.jsonl" "$1" <<'EOF'
+import json, sys
+def steps(p): return [(r["step"], r["loss"]) for r in map(json.loads, open(p)) if r["type"] == "step"]
+ref = dict(steps(sys.argv[1]))
+got = steps(sys.argv[2])
+off = [(s, l, ref.get(s)) for s, l in got if ref.get(s) != l]
+missing = sorted(set(ref) - set(s for s, _ in got))
+print("ok %d step lines (%d repeated after the restart), final loss %r" % (len(got), len(got) - len(set(s for s, _ in got)), got[-1][1])
+      if got and not off and not missing and got[-1][0] == 50 else "off %s missing %s" % (off[:3], missing[:5]))
+EOF
+}
+kill_at=$((3 + RANDOM % 35)) victim=$((RANDOM % 2))
+other=$((1 - victim))
+start_bg kill "${KILL[@]}" --nproc 2 --max-restarts 2 --ckpt-dir "$work/ck_kill" --log "$work/kill.jsonl"
+if wait_for "$work/kill.jsonl" "\"step\":$kill_at," $pid; then
+    ranks=($(cat "/proc/$pid/task/$pid/children" 2>/dev/null))
+    [ ${#ranks[@]} -eq 2 ] && kill -9 "${ranks[$victim]}"
+fi
+wait $pid
+kill_rc=$?
+verdict=$(same_losses "$work/kill.jsonl" 2>&1)
+what="rank $victim SIGKILLed at step $kill_at of 50 (--nproc 2 --max-restarts 2): its peer fails naming it, the job restarts, resumes, completes, every logged loss bitwise equal to an uninterrupted run"
+if [ $kill_rc -eq 0 ] && grep -qE "^\[rank $other\] train_moe: rank $other: .*rank $victim\b" "$work/kill.out" &&
+   grep -q "restart 1 of 2 from the newest checkpoint" "$work/kill.out" && grep -q "^\[rank 0\] restart 1: resuming from the newest complete checkpoint" "$work/kill.out" &&
+   [ "${verdict%% *}" = ok ]; then
+    ok "$what (${verdict#ok })"
+else
+    bad "$what" "exit $kill_rc: $verdict" "$(grep -E 'train_moe: |restart' "$work/kill.out" | head -4)"
+fi
+run norestart "${KILL[@]}" --nproc 2 --ckpt-dir "$work/ck_nor" --max-restarts -1
+if [ "$(rc norestart)" -eq 2 ] && grep -q -- '--max-restarts -1: must be >= 0' "$work/norestart.out"; then ok "--max-restarts -1 fails cleanly"
+else bad "--max-restarts -1 fails cleanly" "exit $(rc norestart)" "$(tail -2 "$work/norestart.out")"; fi
+
+# SIGTERM to the launcher: it forwards it to the ranks, they stop together and save; no restart.
+start_bg fwd "${KILL[@]}" --nproc 2 --max-restarts 1 --ckpt-dir "$work/ck_fwd" --log "$work/fwd.jsonl"
+if wait_for "$work/fwd.jsonl" '"step":5,' $pid; then kill -STOP $pid; kill -TERM $pid; kill -CONT $pid; fi
+wait $pid
+fwd_rc=$?
+s3=$( [ -s "$work/fwd.jsonl" ] && last_step "$work/fwd.jsonl")
+what="SIGTERM to the --nproc launcher reaches the ranks: they stop after step ${s3:-?} with its checkpoint, exit 0, no restart"
+if [ $fwd_rc -eq 0 ] && [ -n "$s3" ] && [ "$s3" -lt 50 ] && complete "$work/ck_fwd" "$s3" && ! grep -q 'restart' "$work/fwd.out" &&
+   grep -q "^\[rank 0\] pre-empted: SIGTERM, stopped after step $s3" "$work/fwd.out"; then
+    ok "$what"
+else
+    bad "$what" "exit $fwd_rc" "$(grep -E 'pre-empted|restart|train_moe: ' "$work/fwd.out" | head -3)"
+fi
+
+# The same under torchrun (its agent restarts every worker; TORCHELASTIC_RESTART_COUNT makes them resume).
+if command -v torchrun >/dev/null 2>&1 && [ -n "$TORCH_PY" ]; then
+    # two free ports in a row: torchrun's agent store takes MASTER_PORT, dsk's store the next one
+    port=$($PY -c '
+import socket
+for _ in range(50):
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]
+    t = socket.socket()
+    try:
+        t.bind(("127.0.0.1", p + 1)); print(p); break
+    except OSError: pass
+    finally: s.close(); t.close()')
+    kill_at=$((3 + RANDOM % 35))
+    torchrun -r 1 -t 1 --nproc_per_node 2 --master_port "$port" --no_python --max_restarts 1 --monitor_interval 0.2 \
+        "$BIN" "${KILL[@]}" --ckpt-dir "$work/ck_tr" --log "$work/tr.jsonl" >"$work/tr.out" 2>&1 &
+    pid=$!
+    (sleep 120; kill -9 $pid 2>/dev/null) >/dev/null 2>&1 &
+    watchdogs="$watchdogs $!"
+    if wait_for "$work/tr.jsonl" "\"step\":$kill_at," $pid; then
+        worker=$(ps -o pid= --ppid $pid | tail -1)
+        [ -n "$worker" ] && kill -9 $worker
+    fi
+    wait $pid
+    tr_rc=$?
+    verdict=$(same_losses "$work/tr.jsonl" 2>&1)
+    what="torchrun --max_restarts 1: a worker SIGKILLed at step $kill_at, the workers restart and resume, every logged loss bitwise equal"
+    if [ $tr_rc -eq 0 ] && grep -q 'restart 1: resuming from the newest complete checkpoint' "$work/tr.out" && [ "${verdict%% *}" = ok ]; then
+        ok "$what (${verdict#ok })"
+    else
+        bad "$what" "exit $tr_rc: $verdict" "$(grep -E 'train_moe: |restart|ERROR' "$work/tr.out" | head -4)"
+    fi
+else
+    skip "torchrun --max_restarts: torchrun (Debian's python3-torch) is not installed"
 fi
 
 echo "[test_prod] totals: $passed passed / $failed failed / $skipped skipped"
