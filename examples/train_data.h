@@ -331,11 +331,12 @@ static void td_sampler_free(td_sampler *s) {
 
 /* DistributedSampler's sizes: num_samples = ceil(n / world), or floor(n / world) with
    drop_last (its ceil((n - world) / world) when world does not divide n). */
-static dsk_status td_sampler_init(td_sampler *s, int64_t n, int world, int rank, uint64_t seed, int shuffle, int drop_last) {
+static dsk_status td_sampler_init(td_sampler *s, int64_t n, int world, int rank, uint64_t seed, int shuffle,
+                                  int drop_last) {
     memset(s, 0, sizeof *s);
     if (n < 1 || n >= TD_RANDPERM_MAX_N)
-        return dsk_set_error(DSK_ERR_ARG, "td_sampler_init: %lld samples; the sampler reproduces torch.randperm for 1 to %d",
-                             (long long)n, TD_RANDPERM_MAX_N - 1);
+        return dsk_set_error(DSK_ERR_ARG, "td_sampler_init: %lld samples; the sampler reproduces torch.randperm for "
+                             "1 to %d", (long long)n, TD_RANDPERM_MAX_N - 1);
     if (world < 1 || rank < 0 || rank >= world)
         return dsk_set_error(DSK_ERR_ARG, "td_sampler_init: rank %d of world %d", rank, world);
     s->n = n;
@@ -348,8 +349,8 @@ static dsk_status td_sampler_init(td_sampler *s, int64_t n, int world, int rank,
     s->total_size = s->num_samples * world;
     s->epoch = -1;
     if (s->num_samples < 1)
-        return dsk_set_error(DSK_ERR_ARG, "--drop-last: %lld training samples over %d ranks leave none per rank", (long long)n,
-                             world);
+        return dsk_set_error(DSK_ERR_ARG, "--drop-last: %lld training samples over %d ranks leave none per rank",
+                             (long long)n, world);
     return DSK_OK;
 }
 
@@ -364,7 +365,8 @@ static dsk_status td_sampler_at(td_sampler *s, int64_t p, int64_t *index) {
     }
     if (epoch != s->epoch) {
         if (!s->perm && !(s->perm = (uint32_t *)malloc((size_t)s->n * sizeof *s->perm)))
-            return dsk_set_error(DSK_ERR_OOM, "td_sampler_at: out of memory for a permutation of %lld samples", (long long)s->n);
+            return dsk_set_error(DSK_ERR_OOM, "td_sampler_at: out of memory for a permutation of %lld samples",
+                                 (long long)s->n);
         td_randperm(s->perm, s->n, s->seed + (uint64_t)epoch);
         s->epoch = epoch;
     }
@@ -417,8 +419,8 @@ static void td_loader_free(td_loader *L) {
 }
 
 /* A loader of batches of b sequences for `rank` of `world`, `depth` batches ahead. */
-static dsk_status td_loader_init(td_loader *L, const td_corpus *c, int b, int depth, int world, int rank, uint64_t seed, int shuffle,
-                                 int drop_last) {
+static dsk_status td_loader_init(td_loader *L, const td_corpus *c, int b, int depth, int world, int rank, uint64_t seed,
+                                 int shuffle, int drop_last) {
     memset(L, 0, sizeof *L);
     if (b < 1 || depth < 0) return dsk_set_error(DSK_ERR_ARG, "td_loader_init: batch %d, depth %d", b, depth);
     dsk_status s = td_sampler_init(&L->smp, c->n_train, world, rank, seed, shuffle, drop_last);
@@ -539,12 +541,13 @@ static dsk_status td_log_batch(int fd, int rank, const td_sampler *smp, int64_t 
     if (!line) return dsk_set_error(DSK_ERR_OOM, "--sample-log: out of memory");
     len += (size_t)snprintf(line, cap, "{\"rank\":%d,\"batch\":%lld,\"samples\":[", rank, (long long)k);
     for (int j = 0; j < b; j++)
-        len += (size_t)snprintf(line + len, cap - len, "%s[%lld,%lld]", j ? "," : "", (long long)((k * b + j) / smp->num_samples),
-                                (long long)index[j]);
+        len += (size_t)snprintf(line + len, cap - len, "%s[%lld,%lld]", j ? "," : "",
+                                (long long)((k * b + j) / smp->num_samples), (long long)index[j]);
     len += (size_t)snprintf(line + len, cap - len, "]}\n");
     ssize_t w = write(fd, line, len);
     free(line);
-    if (w != (ssize_t)len) return dsk_set_error(DSK_ERR_IO, "--sample-log: write failed: %s", w < 0 ? strerror(errno) : "short write");
+    if (w != (ssize_t)len)
+        return dsk_set_error(DSK_ERR_IO, "--sample-log: write failed: %s", w < 0 ? strerror(errno) : "short write");
     return DSK_OK;
 }
 

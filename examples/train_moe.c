@@ -38,10 +38,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
 
 #include "train_data.h"
 #include "train_model.h"
+#include "train_metrics.h"
 #include "train_signals.h"
 
 /* ------------------------------------------------------------------ options */
@@ -71,6 +73,8 @@ typedef struct options {
     char prompt[256];
     double temperature, peak_tflops;
     char *log_path, *metrics_path;
+    int metrics_port;
+    char metrics_addr[64];
     /* checkpoints */
     int ckpt_every, keep, sync_ckpt, resume, stop_at;
     char *ckpt_dir;
@@ -80,7 +84,8 @@ typedef struct options {
     int help;
 } options;
 
-typedef enum { OPT_INT, OPT_DOUBLE, OPT_LL, OPT_STR, OPT_STRBUF, OPT_FLAG, OPT_AUTO, OPT_LIST } opt_kind; /* AUTO: a flag, "auto" may follow */
+/* OPT_AUTO: a flag that may be followed by the word "auto" */
+typedef enum { OPT_INT, OPT_DOUBLE, OPT_LL, OPT_STR, OPT_STRBUF, OPT_FLAG, OPT_AUTO, OPT_LIST } opt_kind;
 
 typedef struct opt_spec {
     const char *name;
@@ -139,7 +144,9 @@ static const opt_spec OPTS[] = {
     {"--temperature", OPT_DOUBLE, O_(temperature), 0, "sampling temperature (0 = greedy)"},
     {"--log-every", OPT_INT, O_(log_every), 0, "print every n-th step"},
     {"--log", OPT_STR, O_(log_path), 0, "FILE: JSON lines, one per step and validation"},
-    {"--metrics", OPT_STR, O_(metrics_path), 0, "FILE: Prometheus text file, rewritten every step"},
+    {"--metrics", OPT_STR, O_(metrics_path), 0, "FILE: Prometheus text file (node_exporter), rewritten every step; rank r > 0: FILE.rank<r>"},
+    {"--metrics-port", OPT_INT, O_(metrics_port), 0, "serve http://ADDR:PORT/metrics (PORT + local rank on each rank; 0 = off)"},
+    {"--metrics-addr", OPT_STRBUF, O_(metrics_addr), sizeof(((options *)0)->metrics_addr), "address of the metrics server"},
     {"--peak-tflops", OPT_DOUBLE, O_(peak_tflops), 0, "device peak for MFU [CPU: measured; GPU: 989]"},
     {"--ckpt-every", OPT_INT, O_(ckpt_every), 0, "steps between checkpoints (0 = only at the end)"},
     {"--ckpt-dir", OPT_STR, O_(ckpt_dir), 0, "DIR of checkpoints (none when unset)"},
@@ -148,7 +155,7 @@ static const opt_spec OPTS[] = {
     {"--resume", OPT_AUTO, O_(resume), 0, "[auto] continue from the newest complete checkpoint in --ckpt-dir, if any"},
     {"--stop-at", OPT_INT, O_(stop_at), 0, "stop after this step as if interrupted (0 = run to --steps)"},
     {"--nproc", OPT_INT, O_(nproc), 0, "start N local ranks (data parallel)"},
-    {"--max-restarts", OPT_INT, O_(max_restarts), 0, "with --nproc: run a failed job again up to K times, resuming from its checkpoints"},
+    {"--max-restarts", OPT_INT, O_(max_restarts), 0, "with --nproc: run a failed job again up to K times, resuming"},
     {"--ep", OPT_INT, O_(ep), 0, "expert-parallel ranks (divides the world size and --experts)"},
     {"--grad-check", OPT_INT, O_(grad_check), 0, "check N elements of every gradient against central differences, then exit"},
     {"--help", OPT_FLAG, O_(help), 0, "this text"},
@@ -195,6 +202,7 @@ static void set_defaults(options *o) {
     strcpy(o->prompt, "#include <");
     o->temperature = 0.8;
     o->log_every = 1;
+    strcpy(o->metrics_addr, "127.0.0.1");
     o->ckpt_every = 0;
     o->ep = 1;
     o->nproc = 0;
@@ -317,6 +325,14 @@ typedef struct trainer {
     double t_start, train_seconds;
     int64_t steps_timed;
     float last_val;
+    /* metrics (--metrics, --metrics-port) */
+    int metrics_on;
+    tmx_values mv;
+    tmx_text mtext;
+    tmx_server msrv;
+    tmx_gpu gpu;
+    int *moe_layer;               /* (MoE layers) block index */
+    double *moe_load, *moe_imbalance;
 } trainer;
 
 static double now_s(void) {
@@ -450,8 +466,8 @@ static void setup_data(trainer *t) {
     t->h_index = (int64_t *)malloc((size_t)t->batch_local * sizeof(int64_t));
     if (!t->h_ids || !t->h_tgt || !t->h_win || !t->h_index) fail(t, "out of memory for the batch buffers");
     if (o->prefetch < 0) fail(t, "--prefetch %d: must be >= 0", o->prefetch);
-    CHECK(td_loader_init(&t->loader, &t->data, t->batch_local, o->prefetch, t->world, t->rank, (uint64_t)o->seed, !o->no_shuffle,
-                         o->drop_last));
+    CHECK(td_loader_init(&t->loader, &t->data, t->batch_local, o->prefetch, t->world, t->rank, (uint64_t)o->seed,
+                         !o->no_shuffle, o->drop_last));
     t->sample_log = -1;
     if (o->sample_log && (t->sample_log = open(o->sample_log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644)) < 0)
         fail(t, "--sample-log: cannot open %s: %s", o->sample_log, strerror(errno));
@@ -606,6 +622,7 @@ static double measure_cpu_peak(const trainer *t) {
 typedef struct step_info {
     double loss, aux_loss, norm, lr, ms, tokens_per_s, mfu, comm_share, load_ratio;
     double data_ms;           /* waiting for the loader (set by the caller of train_step) */
+    double sync_ms;           /* waiting for the gradient all-reduces after backward */
     float scale;
     int64_t dropped;
     int skipped;
@@ -718,8 +735,10 @@ static dsk_status train_step(trainer *t, step_info *si) {
         if (t->have_buckets) TM_TRY(dsk_comm_buckets_begin(&t->buckets, a == o->accum - 1));
         TM_TRY(tm_backward(m));
     }
+    double sync0 = now_s();
     if (t->have_buckets) TM_TRY(dsk_comm_buckets_wait(&t->buckets));
     TM_TRY(reduce_moe_grads(t));
+    si->sync_ms = 1e3 * (now_s() - sync0);
     float l2[1] = {(float)si->loss};
     TM_TRY(allreduce_host(t, &t->comm, l2, 1, DSK_F32, DSK_COMM_AVG));
     si->loss = l2[0];
@@ -1086,32 +1105,112 @@ static void log_val(trainer *t, float v) {
     }
 }
 
-/* Rewrites the Prometheus text file (temporary file + rename, so a scraper never reads half). */
+/* --metrics FILE of this rank: FILE on rank 0, FILE.rank<r> (before a .prom suffix) on the others. */
+static void metrics_file_name(const trainer *t, char *buf, size_t n) {
+    const char *f = t->o->metrics_path;
+    size_t k = strlen(f);
+    int prom = k > 5 && strcmp(f + k - 5, ".prom") == 0;
+    if (t->rank == 0) snprintf(buf, n, "%s", f);
+    else snprintf(buf, n, "%.*s.rank%d%s", (int)(prom ? k - 5 : k), f, t->rank, prom ? ".prom" : "");
+}
+
+/* Starts the metrics server (--metrics-port + local rank) and the GPU probes. */
+static void setup_metrics(trainer *t) {
+    const options *o = t->o;
+    tm_model *m = &t->model;
+    t->metrics_on = o->metrics_path || o->metrics_port;
+    if (!t->metrics_on) return;
+    if (o->metrics_port < 0) fail(t, "--metrics-port %d: must be in 1..65535 (0 = off)", o->metrics_port);
+    int n_moe = m->cfg.n_layers - m->cfg.n_dense, local = t->have_comm ? t->comm.local_rank : 0;
+    size_t layers = (size_t)(n_moe > 0 ? n_moe : 1), experts = (size_t)(o->experts > 0 ? o->experts : 1);
+    t->moe_layer = (int *)calloc(layers, sizeof *t->moe_layer);
+    t->moe_load = (double *)calloc(layers * experts, sizeof *t->moe_load);
+    t->moe_imbalance = (double *)calloc(layers, sizeof *t->moe_imbalance);
+    if (!t->moe_layer || !t->moe_load || !t->moe_imbalance) fail(t, "out of memory for the metrics");
+    tmx_values *v = &t->mv;
+    v->rank = t->rank;
+    v->n_layers = n_moe;
+    v->n_experts = o->experts;
+    v->layer = t->moe_layer;
+    v->expert_load = t->moe_load;
+    v->imbalance = t->moe_imbalance;
+    v->val_loss = NAN;
+    v->restarts = ts_restart_count();
+    for (int l = 0; l < n_moe; l++) t->moe_layer[l] = m->cfg.n_dense + l;
+    tmx_gpu_open(&t->gpu, local);
+    if (o->metrics_port) {
+        CHECK(tmx_server_start(&t->msrv, o->metrics_addr, o->metrics_port + local));
+        printf("metrics: rank %d serves http://%s:%d/metrics\n", t->rank, o->metrics_addr, o->metrics_port + local);
+        fflush(stdout);
+    }
+}
+
+/* Bytes of the tensors one checkpoint of this rank holds. */
+static double checkpoint_bytes(trainer *t) {
+    ck_names c = ck_entries(t);
+    double bytes = 0;
+    for (int i = 0; i < c.n; i++) bytes += (double)dsk_tensor_nbytes(c.e[i].tensor);
+    free(c.name);
+    free(c.e);
+    return bytes;
+}
+
+/* save_checkpoint, counted for the metrics. */
+static dsk_status save_counted(trainer *t) {
+    double t0 = now_s();
+    dsk_status s = save_checkpoint(t);
+    t->mv.checkpoint_s += now_s() - t0;
+    if (s == DSK_OK) {
+        t->mv.checkpoints++;
+        if (t->metrics_on) t->mv.checkpoint_bytes += checkpoint_bytes(t);
+    }
+    return s;
+}
+
+/* Counts the step (si may be NULL: no new step) and publishes the metrics: the server's
+   page and the --metrics file. */
 static void write_metrics(trainer *t, const step_info *si) {
     const options *o = t->o;
-    if (!o->metrics_path || t->rank != 0) return;
-    char tmp[4096];
-    snprintf(tmp, sizeof tmp, "%s.tmp", o->metrics_path);
-    FILE *f = fopen(tmp, "w");
-    if (!f) fail(t, "--metrics: cannot write %s: %s", tmp, strerror(errno));
-    fprintf(f, "# HELP dsk_train_step Optimizer steps completed.\n# TYPE dsk_train_step counter\ndsk_train_step %lld\n", (long long)t->step);
-    fprintf(f, "# HELP dsk_train_loss Training loss of the last step (nats per token).\n# TYPE dsk_train_loss gauge\ndsk_train_loss %.9g\n", si->loss);
-    if (t->last_val > 0)
-        fprintf(f, "# HELP dsk_train_val_loss Last validation loss.\n# TYPE dsk_train_val_loss gauge\ndsk_train_val_loss %.9g\n", (double)t->last_val);
-    fprintf(f, "# HELP dsk_train_tokens_per_second Training throughput of the last step.\n# TYPE dsk_train_tokens_per_second gauge\ndsk_train_tokens_per_second %.1f\n", si->tokens_per_s);
-    fprintf(f, "# HELP dsk_train_comm_seconds_total Seconds spent in collectives on rank 0.\n# TYPE dsk_train_comm_seconds_total counter\ndsk_train_comm_seconds_total %.6f\n", comm_seconds(t));
-    fprintf(f, "# HELP dsk_train_loss_scale Loss scale of the last step.\n# TYPE dsk_train_loss_scale gauge\ndsk_train_loss_scale %g\n", (double)si->scale);
-    fprintf(f, "# HELP dsk_train_mfu Model FLOPs utilisation of the last step.\n# TYPE dsk_train_mfu gauge\ndsk_train_mfu %.6f\n", si->mfu);
-    fprintf(f, "# HELP dsk_train_dropped_slots Routed slots dropped by capacity in the last step.\n# TYPE dsk_train_dropped_slots gauge\ndsk_train_dropped_slots %lld\n", (long long)si->dropped);
-    fprintf(f, "# HELP dsk_train_expert_load Share of the routed slots each expert received in the last micro-batch.\n# TYPE dsk_train_expert_load gauge\n");
-    for (int l = t->model.cfg.n_dense; l < t->model.cfg.n_layers; l++) {
-        const dsk_moe_stats *st = &t->model.blocks[l].stats;
-        for (int e = 0; e < o->experts && st->tokens_per_expert; e++)
-            fprintf(f, "dsk_train_expert_load{layer=\"%d\",expert=\"%d\"} %.6f\n", l, e,
-                    st->slots > 0 ? (double)st->tokens_per_expert[e] / (double)st->slots : 0.0);
+    tmx_values *v = &t->mv;
+    if (!t->metrics_on) return;
+    if (si) {
+        v->steps = t->step;
+        v->skipped_steps += si->skipped;
+        v->tokens += (int64_t)t->batch_local * o->accum * o->seq;
+        v->dropped_slots += si->dropped;
+        v->data_wait_s += si->data_ms * 1e-3;
+        v->grad_sync_s += si->sync_ms * 1e-3;
+        tmx_hist_observe(&v->step_time, si->ms * 1e-3);
+        v->loss = si->loss;
+        v->lr = si->lr;
+        v->grad_norm = si->norm;
+        v->loss_scale = si->scale;
+        v->mfu = si->mfu;
+        v->comm_ratio = si->comm_share;
+        v->data_ratio = si->data_ms / si->ms;
     }
-    fclose(f);
-    if (rename(tmp, o->metrics_path) != 0) fail(t, "--metrics: cannot rename %s: %s", tmp, strerror(errno));
+    int64_t epoch, offset;
+    data_epoch(t, &epoch, &offset);
+    v->epoch = (double)epoch;
+    v->comm_s = comm_seconds(t);
+    if (t->last_val > 0) v->val_loss = t->last_val;
+    struct rusage ru;
+    if (getrusage(RUSAGE_SELF, &ru) == 0) v->host_memory_high_water_bytes = 1024.0 * (double)ru.ru_maxrss;
+    tmx_gpu_read(&t->gpu, t->ctx.device.type == DSK_DEV_CUDA, v);
+    for (int l = 0; l < v->n_layers; l++) {
+        const dsk_moe_stats *st = &t->model.blocks[v->layer[l]].stats;
+        for (int e = 0; e < v->n_experts; e++)
+            t->moe_load[l * v->n_experts + e] =
+                st->tokens_per_expert && st->slots > 0 ? (double)st->tokens_per_expert[e] / (double)st->slots : 0;
+        t->moe_imbalance[l] = st->mean_load > 0 ? st->max_load / st->mean_load : 1;
+    }
+    tmx_render(&t->mtext, v);
+    tmx_server_publish(&t->msrv, &t->mtext);
+    if (o->metrics_path) {
+        char path[4096];
+        metrics_file_name(t, path, sizeof path);
+        CHECK(tmx_write_file(path, &t->mtext));
+    }
 }
 
 static void banner(trainer *t) {
@@ -1260,6 +1359,12 @@ static void cleanup(trainer *t) {
     free(t->h_tgt);
     free(t->h_win);
     if (t->log) fclose(t->log);
+    tmx_server_stop(&t->msrv);
+    tmx_gpu_close(&t->gpu);
+    tmx_text_free(&t->mtext);
+    free(t->moe_layer);
+    free(t->moe_load);
+    free(t->moe_imbalance);
     if (t->have_comm) {
         dsk_comm_free(&t->ck_comm);
         dsk_comm_free(&t->rep_comm);
@@ -1306,6 +1411,7 @@ int main(int argc, char **argv) {
     setup_model(t);
     setup_optimizer(t);
     setup_buckets(t);
+    setup_metrics(t);
     t->flops_per_token = flops_per_token(t);
     t->peak_flops = o.peak_tflops > 0 ? o.peak_tflops * 1e12 : t->ctx.device.type == DSK_DEV_CUDA ? 989e12 : measure_cpu_peak(t);
     if (o.grad_check > 0) {
@@ -1333,21 +1439,21 @@ int main(int argc, char **argv) {
         CHECK(train_step(t, &si));
         si.data_ms = 1e3 * (t->data_wait_s - waited);
         log_step(t, &si);
-        write_metrics(t, &si);
         if (t->step % o.val_interval == 0 || t->step == o.steps) {
             float v;
             CHECK(validate(t, &v));
             log_val(t, v);
         }
         if (t->have_ck && o.ckpt_every > 0 && t->step % o.ckpt_every == 0) {
-            CHECK(save_checkpoint(t));
+            CHECK(save_counted(t));
             last_saved = t->step;
         }
+        write_metrics(t, &si);
         int save;
         poll_signals(t, &stop_sig, &save);
         if (save) {
             if (t->have_ck && last_saved != t->step) {
-                CHECK(save_checkpoint(t));
+                CHECK(save_counted(t));
                 last_saved = t->step;
             }
             if (t->have_ck) say(t, "SIGUSR1: checkpoint of step %lld saved; training goes on\n", (long long)t->step);
@@ -1356,9 +1462,12 @@ int main(int argc, char **argv) {
         if (stop_sig) break;
     }
     if (t->have_ck) {
-        if (last_saved != t->step) CHECK(save_checkpoint(t));
+        if (last_saved != t->step) CHECK(save_counted(t));
+        double t0 = now_s();
         CHECK(dsk_ckpt_wait(&t->ck));
+        t->mv.checkpoint_s += now_s() - t0;
     }
+    write_metrics(t, NULL);
     if (stop_sig) {
         report_stop(t, stop_sig);
         cleanup(t);

@@ -95,7 +95,11 @@ static int ts_stop_signal(ts_signals *s) { return __atomic_load_n(&s->stop_sig, 
 static int ts_take_save(ts_signals *s) { return __atomic_exchange_n(&s->save_req, 0, __ATOMIC_SEQ_CST); }
 
 static const char *ts_signal_name(int sig) {
-    return sig == SIGTERM ? "SIGTERM" : sig == SIGINT ? "SIGINT" : sig == SIGUSR1 ? "SIGUSR1" : sig == SIGKILL ? "SIGKILL" : "a signal";
+    return sig == SIGTERM   ? "SIGTERM"
+           : sig == SIGINT  ? "SIGINT"
+           : sig == SIGUSR1 ? "SIGUSR1"
+           : sig == SIGKILL ? "SIGKILL"
+                            : "a signal";
 }
 
 /* ------------------------------------------------------------------ 2. restart count */
@@ -185,7 +189,8 @@ static int ts_launch(int n, int max_restarts, char **argv) {
         }
         if (worst == 0) return 0;
         char why[64];
-        if (worst > 128) snprintf(why, sizeof why, "a rank was killed by %s (%d)", ts_signal_name(worst - 128), worst - 128);
+        if (worst > 128)
+            snprintf(why, sizeof why, "a rank was killed by %s (%d)", ts_signal_name(worst - 128), worst - 128);
         else snprintf(why, sizeof why, "a rank exited with status %d", worst);
         if (ts__launcher_stop) {
             fprintf(stderr, "train_moe: the job failed after a stop signal (%s); no restart\n", why);
@@ -196,8 +201,8 @@ static int ts_launch(int n, int max_restarts, char **argv) {
                     max_restarts > 0 ? "; no restarts left (--max-restarts)" : "");
             return worst;
         }
-        fprintf(stderr, "train_moe: the job failed after %.1f s (%s); restart %d of %d from the newest checkpoint\n", ts_now() - t0,
-                why, attempt + 1, max_restarts);
+        fprintf(stderr, "train_moe: the job failed after %.1f s (%s); restart %d of %d from the newest checkpoint\n",
+                ts_now() - t0, why, attempt + 1, max_restarts);
     }
 }
 

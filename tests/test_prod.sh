@@ -4,7 +4,8 @@
 # resume in the middle of an epoch); pre-emption (SIGUSR1 saves and goes on, SIGTERM stops
 # after the step with a checkpoint and exit 0, --resume auto continues bitwise, ranks agree);
 # elastic restart (a rank killed at a random step: the local launcher and torchrun restart the
-# job, it resumes and ends with the losses of an uninterrupted run).
+# job, it resumes and ends with the losses of an uninterrupted run); metrics (promtool lints
+# /metrics, a real Prometheus scrapes a run and returns the step counter and loss series).
 # Prints `[test_prod] totals: P passed / F failed / S skipped`; exits non-zero on failure.
 set -u
 cd "$(dirname "$0")/.."
@@ -37,6 +38,43 @@ run() { # NAME ARGS...: output in $work/NAME.out, status in $work/NAME.rc
     echo $? >"$work/$name.rc"
 }
 rc() { cat "$work/$1.rc"; }
+
+# A real Prometheus for section 4, started now: it takes a few seconds before it scrapes.
+free_ports() { # N: the first of N consecutive free TCP ports on 127.0.0.1, below the kernel's ephemeral
+               # range, so no port picked meanwhile by binding port 0 can take them
+    $PY - "$1" <<'EOF'
+import random, socket, sys
+n = int(sys.argv[1])
+low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+for _ in range(200):
+    p = random.randrange(10000, low - n)
+    socks = []
+    try:
+        for k in range(n):
+            t = socket.socket(); socks.append(t); t.bind(("127.0.0.1", p + k))
+        print(p); break
+    except OSError: pass
+    finally:
+        for t in socks: t.close()
+EOF
+}
+prom=""
+if command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1; then
+    mport=$(free_ports 2) pport=$(free_ports 1)
+    cat >"$work/prometheus.yml" <<EOF
+global:
+  scrape_interval: 100ms
+  scrape_timeout: 100ms
+scrape_configs:
+  - job_name: dsk
+    static_configs:
+      - targets: ['127.0.0.1:$mport', '127.0.0.1:$((mport + 1))']
+EOF
+    prometheus --config.file="$work/prometheus.yml" --storage.tsdb.path="$work/tsdb" --web.listen-address="127.0.0.1:$pport" \
+        >"$work/prometheus.log" 2>&1 &
+    prom=$!
+    watchdogs="${watchdogs:-} $prom"
+fi
 
 # A Python with torch, for the comparison with DistributedSampler itself (Debian's torch is
 # installed for /usr/bin/python3, which may not be the python3 on PATH).
@@ -298,7 +336,7 @@ for _ in range(50):
         "$BIN" "${KILL[@]}" --ckpt-dir "$work/ck_tr" --log "$work/tr.jsonl" >"$work/tr.out" 2>&1 &
     pid=$!
     (sleep 120; kill -9 $pid 2>/dev/null) >/dev/null 2>&1 &
-    watchdogs="$watchdogs $!"
+    watchdogs="${watchdogs:-} $!"
     if wait_for "$work/tr.jsonl" "\"step\":$kill_at," $pid; then
         worker=$(ps -o pid= --ppid $pid | tail -1)
         [ -n "$worker" ] && kill -9 $worker
@@ -314,6 +352,90 @@ for _ in range(50):
     fi
 else
     skip "torchrun --max_restarts: torchrun (Debian's python3-torch) is not installed"
+fi
+
+# ---- 4. metrics. Two ranks serve /metrics (PORT, PORT + 1); promtool lints what they serve; a real
+#         Prometheus scrapes the run every 100 ms and its HTTP API returns the step counter and the
+#         loss series, each loss equal to the log's loss of the step scraped with it; every metric
+#         the Grafana dashboard asks for is served.
+if [ -n "$prom" ]; then
+    # Prometheus was started at the top: its discovery hands the targets to the scraper about 5 s later
+    for i in $(seq 400); do
+        curl -s "http://127.0.0.1:$pport/api/v1/targets" 2>/dev/null | grep -q "127.0.0.1:$((mport + 1))" && break
+        sleep 0.05
+    done
+    start_bg prom "${TINY[@]}" --corpus-mb 0.3 --batch 8 --steps 200 --nproc 2 --metrics-port "$mport" --log "$work/prom.jsonl"
+    if wait_for "$work/prom.jsonl" '"step":20,' $pid; then
+        curl -s "http://127.0.0.1:$mport/metrics" >"$work/scrape0.txt"
+        curl -s "http://127.0.0.1:$((mport + 1))/metrics" >"$work/scrape1.txt"
+        curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$mport/other" >"$work/scrape404.txt"
+    fi
+    wait $pid
+    prom_rc=$?
+    sleep 0.3
+    lint=$(promtool check metrics <"$work/scrape0.txt" 2>&1 && promtool check metrics <"$work/scrape1.txt" 2>&1)
+    lint_rc=$?
+    [ -s "$work/scrape0.txt" ] && [ -s "$work/scrape1.txt" ] || lint_rc=1
+    what="/metrics of both ranks passes promtool check metrics (counters _total, histogram, units, rank labels)"
+    if [ $prom_rc -eq 0 ] && [ $lint_rc -eq 0 ] && [ -z "$lint" ] && grep -q '^dsk_train_steps_total{rank="0"} ' "$work/scrape0.txt" &&
+       grep -q '^dsk_train_steps_total{rank="1"} ' "$work/scrape1.txt" && grep -q '^# TYPE dsk_train_step_seconds histogram$' "$work/scrape0.txt" &&
+       [ "$(cat "$work/scrape404.txt")" = 404 ]; then
+        ok "$what"
+    else
+        bad "$what" "exit $prom_rc, promtool $lint_rc: $(echo "$lint" | head -3)" "$(head -c 300 "$work/scrape0.txt")"
+    fi
+    verdict=$($PY - "http://127.0.0.1:$pport" "$work/prom.jsonl" scripts/grafana_dashboard.json "$work/scrape0.txt" <<'EOF'
+import json, re, struct, sys, urllib.parse, urllib.request
+api, log, dash, scrape = sys.argv[1:5]
+def query(q):
+    url = api + "/api/v1/query?" + urllib.parse.urlencode({"query": q})
+    r = json.load(urllib.request.urlopen(url, timeout=10))
+    assert r["status"] == "success", r
+    return {m["metric"].get("rank"): m["values"] for m in r["data"]["result"]}
+f32 = lambda x: struct.unpack("f", struct.pack("f", float(x)))[0]
+steps = query('dsk_train_steps_total{job="dsk"}[10m]')
+loss = query('dsk_train_loss{job="dsk"}[10m]')
+logged = {r["step"]: r["loss"] for r in map(json.loads, open(log)) if r["type"] == "step"}
+problems, matched = [], 0
+for rank in ("0", "1"):
+    if rank not in steps or rank not in loss: problems.append("rank %s: no series (%s)" % (rank, sorted(steps))); continue
+    at = {t: int(float(v)) for t, v in steps[rank]}
+    pairs = [(at[t], float(v)) for t, v in loss[rank] if t in at]
+    if len(set(s for s, _ in pairs)) < 3: problems.append("rank %s: only %d scraped steps" % (rank, len(pairs)))
+    for s, v in pairs:
+        if s not in logged or f32(logged[s]) != f32(v): problems.append("rank %s step %d: Prometheus %r, log %r" % (rank, s, v, logged.get(s)))
+        else: matched += 1
+    by_time = [at[t] for t in sorted(at)]
+    if by_time != sorted(by_time): problems.append("rank %s: the step counter went down: %s" % (rank, by_time[:8]))
+served = set(re.findall(r"^# TYPE (\S+)", open(scrape).read(), re.M))
+served |= {n + "_bucket" for n in served} | {n + "_sum" for n in served} | {n + "_count" for n in served}
+wanted = set(re.findall(r"\b(dsk_train_[a-z_]+)", json.dumps(json.load(open(dash)))))
+gpu_only = {m for m in wanted if "gpu_" in m or "device_memory" in m}
+missing = sorted(wanted - served - gpu_only)
+if missing: problems.append("dashboard asks for metrics not served: %s" % missing)
+seen = sorted(set(int(float(v)) for _, v in steps.get("0", []))) or [0]
+print("; ".join(problems[:4]) if problems else "ok %d scrapes of 2 ranks matched the log (steps %d..%d), the dashboard's %d metrics are served" % (
+    matched, seen[0], seen[-1], len(wanted)))
+EOF
+)
+    what="a real Prometheus scrapes the run: its HTTP API returns the step counter and the loss series of both ranks, equal to the log"
+    case $verdict in ok*) ok "$what (${verdict#ok })";; *) bad "$what" "$verdict" "$(tail -3 "$work/prometheus.log")";; esac
+    run port_taken "${TINY[@]}" --corpus-mb 0.3 --batch 8 --steps 2 --metrics-port "$pport"
+    if [ "$(rc port_taken)" -eq 1 ] && grep -q "metrics server: cannot listen on 127.0.0.1:$pport: Address already in use" "$work/port_taken.out"; then
+        ok "--metrics-port on a port in use fails cleanly, naming it"
+    else
+        bad "--metrics-port on a port in use fails cleanly" "exit $(rc port_taken)" "$(tail -2 "$work/port_taken.out")"
+    fi
+    kill $prom 2>/dev/null
+    wait $prom 2>/dev/null
+else
+    skip "Prometheus scrape and promtool lint: prometheus is not installed (apt-get install prometheus; .ci/run does)"
+fi
+run port_bad "${TINY[@]}" --corpus-mb 0.3 --batch 8 --steps 2 --metrics-port 70000
+if [ "$(rc port_bad)" -eq 1 ] && grep -q -- '--metrics-port 70000: want an IPv4 address and a port in 1..65535' "$work/port_bad.out"; then
+    ok "--metrics-port 70000 fails cleanly"
+else
+    bad "--metrics-port 70000 fails cleanly" "exit $(rc port_bad)" "$(tail -2 "$work/port_bad.out")"
 fi
 
 echo "[test_prod] totals: $passed passed / $failed failed / $skipped skipped"
