@@ -41,6 +41,7 @@
 #include <sys/resource.h>
 #include <time.h>
 
+#include "train_bind.h"
 #include "train_data.h"
 #include "train_model.h"
 #include "train_metrics.h"
@@ -80,6 +81,7 @@ typedef struct options {
     char *ckpt_dir;
     /* parallelism */
     int nproc, ep, max_restarts;
+    char bind[8];
     int grad_check;
     int help;
 } options;
@@ -156,6 +158,7 @@ static const opt_spec OPTS[] = {
     {"--stop-at", OPT_INT, O_(stop_at), 0, "stop after this step as if interrupted (0 = run to --steps)"},
     {"--nproc", OPT_INT, O_(nproc), 0, "start N local ranks (data parallel)"},
     {"--max-restarts", OPT_INT, O_(max_restarts), 0, "with --nproc: run a failed job again up to K times, resuming"},
+    {"--bind", OPT_STRBUF, O_(bind), sizeof(((options *)0)->bind), "none | core | numa: pin each local rank (sysfs topology)"},
     {"--ep", OPT_INT, O_(ep), 0, "expert-parallel ranks (divides the world size and --experts)"},
     {"--grad-check", OPT_INT, O_(grad_check), 0, "check N elements of every gradient against central differences, then exit"},
     {"--help", OPT_FLAG, O_(help), 0, "this text"},
@@ -205,6 +208,7 @@ static void set_defaults(options *o) {
     strcpy(o->metrics_addr, "127.0.0.1");
     o->ckpt_every = 0;
     o->ep = 1;
+    strcpy(o->bind, "none");
     o->nproc = 0;
 }
 
@@ -317,6 +321,7 @@ typedef struct trainer {
     int sample_log;               /* --sample-log file descriptor, -1 when unset */
     int64_t *h_index;             /* samples of the current batch */
     ts_signals sig;               /* SIGTERM/SIGINT (stop after the step), SIGUSR1 (save now) */
+    int bind_cpus;                /* CPUs --bind left this rank (0: not bound) */
     int batch_local;              /* sequences per micro-batch on this rank */
     int32_t *h_ids, *h_tgt, *h_win;
     dsk_tensor h_ids_t, h_tgt_t;  /* host tensors over h_ids, h_tgt */
@@ -429,6 +434,16 @@ static void setup_comm(trainer *t) {
     }
 }
 
+/* --bind: pins this rank (every thread so far, and those started later) and prints where. */
+static void setup_bind(trainer *t) {
+    int local = t->have_comm ? t->comm.local_rank : 0, local_world = t->have_comm ? t->comm.local_world_size : 1, cpus = 0;
+    char line[1400];
+    CHECK(tb_bind(t->o->bind, local, local_world, &cpus, line, sizeof line));
+    if (strcmp(t->o->bind, "none") != 0) t->bind_cpus = cpus;
+    printf("%s\n", line);
+    fflush(stdout);
+}
+
 static void setup_device(trainer *t) {
     const options *o = t->o;
     dsk_ctx_opts co;
@@ -438,7 +453,7 @@ static void setup_device(trainer *t) {
     else if (strcmp(o->device, "auto") != 0) fail(t, "--device \"%s\": use auto, cpu or cuda", o->device);
     co.cuda_index = t->have_comm ? t->comm.local_rank : 0;
     if (o->threads < 0) fail(t, "--threads %d: must be >= 0", o->threads);
-    co.n_threads = o->threads;
+    co.n_threads = o->threads ? o->threads : t->bind_cpus; /* OpenMP counted the CPUs before --bind */
     CHECK(dsk_ctx_init(&t->ctx, &co));
 }
 
@@ -1406,6 +1421,7 @@ int main(int argc, char **argv) {
     if (e != 0) fail(t, "cannot start the signal thread: %s", strerror(e));
     check_options(t);
     setup_comm(t);
+    setup_bind(t);
     setup_device(t);
     setup_data(t);
     setup_model(t);

@@ -5,7 +5,8 @@
 # after the step with a checkpoint and exit 0, --resume auto continues bitwise, ranks agree);
 # elastic restart (a rank killed at a random step: the local launcher and torchrun restart the
 # job, it resumes and ends with the losses of an uninterrupted run); metrics (promtool lints
-# /metrics, a real Prometheus scrapes a run and returns the step counter and loss series).
+# /metrics, a real Prometheus scrapes a run and returns the step counter and loss series);
+# placement (--bind core and numa from the sysfs topology, every thread moved).
 # Prints `[test_prod] totals: P passed / F failed / S skipped`; exits non-zero on failure.
 set -u
 cd "$(dirname "$0")/.."
@@ -437,6 +438,89 @@ if [ "$(rc port_bad)" -eq 1 ] && grep -q -- '--metrics-port 70000: want an IPv4 
 else
     bad "--metrics-port 70000 fails cleanly" "exit $(rc port_bad)" "$(tail -2 "$work/port_bad.out")"
 fi
+
+# ---- 5. placement. --bind core gives the two local ranks disjoint cores of the CPUs this process
+#         may use, and moves every thread of each rank there; --bind numa gives each rank its
+#         node's CPUs (from sysfs); a CPU set from taskset is respected; a bad mode fails cleanly.
+allowed=$(awk '/^Cpus_allowed_list/ {print $2}' /proc/self/status)
+start_bg bind_core "${TINY[@]}" --corpus-mb 0.3 --batch 8 --steps 200 --nproc 2 --bind core --log "$work/bind.jsonl"
+threads_ok=none
+if wait_for "$work/bind.jsonl" '"step":20,' $pid; then
+    threads_ok=yes
+    for r in 0 1; do
+        rpid=$(cut -d' ' -f$((r + 1)) "/proc/$pid/task/$pid/children" 2>/dev/null)
+        want=$(grep -oE "^\[rank $r\] bind core: local rank $r of 2 on CPUs [0-9,-]+" "$work/bind_core.out" | awk '{print $NF}')
+        for st in /proc/"$rpid"/task/*/status; do
+            got=$(awk '/^Cpus_allowed_list/ {print $2}' "$st" 2>/dev/null)
+            [ -z "$got" ] || [ "$got" = "$want" ] || threads_ok="no: rank $r thread ${st%/status} on $got, want $want"
+        done
+    done
+fi
+wait $pid
+bind_rc=$?
+verdict=$($PY - "$work/bind_core.out" "$allowed" <<'EOF'
+import re, sys
+def cpus(s):
+    out = set()
+    for part in s.split(","):
+        a, _, b = part.partition("-")
+        out |= set(range(int(a), int(b or a) + 1))
+    return out
+text, allowed = open(sys.argv[1]).read(), cpus(sys.argv[2])
+got = {int(r): cpus(c) for r, c in re.findall(r"^\[rank (\d)\] bind core: local rank \d of 2 on CPUs ([0-9,-]+)", text, re.M)}
+problems = []
+if sorted(got) != [0, 1]: problems.append("lines for ranks %s" % sorted(got))
+elif len(allowed) >= 2 and (got[0] & got[1] or not got[0] or not got[1]): problems.append("overlap or empty: %s" % got)
+elif not (got[0] | got[1]) <= allowed: problems.append("%s outside the allowed %s" % (got, allowed))
+print("; ".join(problems) if problems else "ok rank 0 on %s, rank 1 on %s of %s" % (sorted(got[0]), sorted(got[1]), sorted(allowed)))
+EOF
+)
+what="--nproc 2 --bind core: disjoint cores per rank, printed at start, every thread of each rank on them"
+if [ $bind_rc -eq 0 ] && [ "${verdict%% *}" = ok ] && [ "$threads_ok" = yes ]; then ok "$what (${verdict#ok })"
+else bad "$what" "exit $bind_rc: $verdict; threads: $threads_ok" "$(grep bind "$work/bind_core.out" | head -2)"; fi
+
+run bind_numa "${TINY[@]}" --corpus-mb 0.3 --batch 8 --steps 2 --nproc 2 --bind numa
+verdict=$($PY - "$work/bind_numa.out" "$allowed" <<'EOF'
+import glob, re, sys
+def cpus(s):
+    out = set()
+    for part in s.strip().split(","):
+        a, _, b = part.partition("-")
+        out |= set(range(int(a), int(b or a) + 1))
+    return out
+allowed = cpus(sys.argv[2])
+nodes = sorted((int(re.search(r"node(\d+)/", p).group(1)), cpus(open(p).read()) & allowed) for p in glob.glob("/sys/devices/system/node/node*/cpulist"))
+nodes = [(n, c) for n, c in nodes if c] or [(0, allowed)]
+text = open(sys.argv[1]).read()
+problems = []
+for r in (0, 1):
+    m = re.search(r"^\[rank %d\] bind numa: local rank %d of 2 on CPUs ([0-9,-]+) \(NUMA node (\d+)" % (r, r), text, re.M)
+    want_node, want = nodes[r * len(nodes) // 2]
+    if not m: problems.append("no line for rank %d" % r)
+    elif cpus(m.group(1)) != want or int(m.group(2)) != want_node:
+        problems.append("rank %d on %s (node %s), want node %d %s" % (r, m.group(1), m.group(2), want_node, sorted(want)))
+print("; ".join(problems) if problems else "ok %d node(s): %s" % (len(nodes), [(n, sorted(c)) for n, c in nodes]))
+EOF
+)
+what="--nproc 2 --bind numa: each rank on the CPUs sysfs lists for its node"
+if [ "$(rc bind_numa)" -eq 0 ] && [ "${verdict%% *}" = ok ]; then ok "$what (${verdict#ok })"
+else bad "$what" "exit $(rc bind_numa): $verdict" "$(grep bind "$work/bind_numa.out" | head -2)"; fi
+
+if command -v taskset >/dev/null 2>&1; then
+    last=$(echo "$allowed" | tr ',' '\n' | tail -1 | sed 's/.*-//')
+    taskset -c "$last" "$BIN" "${TINY[@]}" --corpus-mb 0.3 --batch 8 --steps 2 --bind core >"$work/bind_set.out" 2>&1
+    code=$?
+    if [ $code -eq 0 ] && grep -q "^bind core: local rank 0 of 1 on CPUs $last (1 core of 1; 1 core, 1 NUMA node allowed)" "$work/bind_set.out"; then
+        ok "--bind core under taskset -c $last stays on CPU $last"
+    else
+        bad "--bind core under taskset -c $last stays on CPU $last" "exit $code" "$(grep -E 'bind|rank' "$work/bind_set.out" | head -2)"
+    fi
+else
+    skip "--bind under taskset: taskset (util-linux) is not installed"
+fi
+run bind_bad "${TINY[@]}" --corpus-mb 0.3 --batch 8 --steps 2 --bind socket
+if [ "$(rc bind_bad)" -eq 1 ] && grep -q -- '--bind "socket": use none, core or numa' "$work/bind_bad.out"; then ok "--bind socket fails cleanly"
+else bad "--bind socket fails cleanly" "exit $(rc bind_bad)" "$(tail -2 "$work/bind_bad.out")"; fi
 
 echo "[test_prod] totals: $passed passed / $failed failed / $skipped skipped"
 [ "$failed" -eq 0 ]
