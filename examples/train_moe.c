@@ -14,7 +14,12 @@
      dsk_comm.h    ranks, data-parallel gradient buckets, expert parallelism
    A step reads the data, runs forward and backward for each micro-batch, all-reduces the
    gradients, unscales and clips them, applies AdamW, updates the expert biases, logs, and
-   every --ckpt-every steps hands a checkpoint to a background writer. */
+   every --ckpt-every steps hands a checkpoint to a background writer.
+   Running it in production (README: Running in production):
+     train_data.h     corpus, PyTorch's DistributedSampler order, a loader thread reading ahead
+     train_metrics.h  Prometheus /metrics (--metrics-port) and the node_exporter file (--metrics)
+     train_signals.h  SIGTERM/SIGINT: finish the step, save, exit 0; SIGUSR1: save; --max-restarts
+     train_bind.h     --bind core | numa */
 #if defined(__GNUC__) && !defined(__clang__) /* dsk_comm.h trips -Wformat-truncation when inlined here */
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wformat-truncation"
