@@ -78,6 +78,11 @@ typedef struct dsk_comm_opts {
     int local_world_size;     /* init only: [world_size, local_rank = rank] */
     size_t small_bytes;       /* [65536] host: messages up to this size use the one-round algorithm */
     size_t piece_bytes;       /* [4 MiB] host: pipelining piece of the large-message algorithm */
+    /* Identity of the job: a rank whose job id differs from rank 0's fails init instead of
+       joining (two jobs that share MASTER_ADDR:MASTER_PORT never merge). init: [none];
+       init_env: [DSK_JOB_ID, else the launcher's: TORCHELASTIC_RUN_ID, PMIX_NAMESPACE or
+       OMPI_MCA_orte_hnp_uri (Open MPI), SLURM_JOB_ID.SLURM_STEP_ID]. At most 200 characters. */
+    const char *job_id;
 } dsk_comm_opts;
 
 /* Bytes this rank sent and received, calls, and seconds spent inside collectives. */
@@ -102,7 +107,8 @@ typedef struct dsk_comm {
    (Slurm); MASTER_ADDR and MASTER_PORT (or opts) give the store (MASTER_ADDR may be left
    out when the launcher says every rank is on this host). Under torchrun, whose agent
    already serves a store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True), rank 0 serves
-   dsk's on MASTER_PORT + 1; DSK_MASTER_PORT, when set, overrides both. Then dsk_comm_init. */
+   dsk's on MASTER_PORT + 1; DSK_MASTER_PORT, when set, overrides both. The job id (see
+   dsk_comm_opts.job_id) comes from the launcher's variables. Then dsk_comm_init. */
 DSK_API dsk_status dsk_comm_init_env(dsk_comm *c, const dsk_comm_opts *opts);
 /* Collective over world_size processes: rank 0 serves the store, all meet through it.
    opts may be NULL. On failure *c is zeroed and everything opened is released. */
@@ -178,9 +184,10 @@ typedef struct dsk_spawn_opts {
     int out_fd;              /* [1] where the ranks' prefixed output goes */
 } dsk_spawn_opts;
 /* Starts n copies of argv (argv[0] looked up in PATH) with RANK, WORLD_SIZE, LOCAL_RANK,
-   LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, forwards each output line (stdout and
-   stderr) as "[rank r] line", and waits for all. *worst_exit = the largest exit status
-   (128 + signal for a rank killed by a signal). DSK_ERR_TIMEOUT if the timeout killed them. */
+   LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and DSK_JOB_ID (new for every call) set,
+   forwards each output line (stdout and stderr) as "[rank r] line", and waits for all.
+   *worst_exit = the largest exit status (128 + signal for a rank killed by a signal).
+   DSK_ERR_TIMEOUT if the timeout killed them. */
 DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_spawn_opts *opts, int *worst_exit);
 /* A TCP port on addr that was free a moment ago (bind to port 0), for launchers and tests. */
 DSK_API dsk_status dsk_comm_free_port(const char *addr, int *port);
@@ -728,12 +735,15 @@ static const char *dsk__comm_kind_name(unsigned k) {
     return k < DSK__COMM_KIND_END ? names[k] : "an unknown call";
 }
 
+#define DSK__COMM_JOB_MAX 200 /* characters of a job id */
+
 struct dsk__comm_impl {
     double timeout_s;
     size_t small_bytes, piece_bytes;
     char master_addr[256];
     int master_port;
     char ns[96];                 /* store key namespace of this communicator */
+    char job_id[DSK__COMM_JOB_MAX + 4]; /* opts.job_id, "" for none */
     char my_ip[64];              /* where peers reach this rank */
     uint64_t tag;                /* identifies the mesh in connection hellos */
     int store_fd;                /* client connection to the store, -1 if none */
@@ -1377,6 +1387,7 @@ static dsk_status dsk__comm_impl_alloc(dsk_comm *c, const char *fn, const dsk_co
     m->piece_bytes = o && o->piece_bytes ? o->piece_bytes : ((size_t)4 << 20);
     snprintf(m->master_addr, sizeof m->master_addr, "%s", addr);
     m->master_port = port;
+    snprintf(m->job_id, sizeof m->job_id, "%s", o && o->job_id ? o->job_id : "");
     m->fds = (int *)DSK_MALLOC((size_t)n * sizeof(int));
     m->p2p_sent = (uint64_t *)DSK_MALLOC((size_t)n * sizeof(uint64_t));
     m->p2p_recvd = (uint64_t *)DSK_MALLOC((size_t)n * sizeof(uint64_t));
@@ -1566,6 +1577,19 @@ static dsk_status dsk__comm_nccl_init(dsk_comm *c, const char *fn, double t0) {
 }
 #endif
 
+/* Rank 0's record in the store: the world size and the job identity that every joiner checks. */
+typedef struct dsk__comm_hello_rec { int32_t world; char job[DSK__COMM_JOB_MAX + 4]; } dsk__comm_hello_rec;
+
+/* A joiner whose job id differs from rank 0's has reached another job's store: it must not join. */
+static dsk_status dsk__comm_same_job(dsk_comm *c, const char *fn, dsk__comm_hello_rec *hello) {
+    dsk__comm_impl *m = c->impl;
+    hello->job[DSK__COMM_JOB_MAX] = 0;
+    if (strcmp(hello->job, m->job_id) == 0) return DSK_OK;
+    return dsk_set_error(DSK_ERR_ARG, "%s: the key-value store at %s:%d belongs to another job: its rank 0 has job id "
+                         "\"%s\", this rank (%d of %d) has \"%s\". Two jobs share MASTER_ADDR:MASTER_PORT; give each job "
+                         "its own port", fn, m->master_addr, m->master_port, hello->job, c->rank, c->world_size, m->job_id);
+}
+
 /* Connects to the store, checks the world size and claims this rank. A rank other than 0
    that reaches a store which then hangs up, or that already holds its claim, has met the
    store of a previous communicator on this port that is shutting down: it retries. */
@@ -1575,7 +1599,7 @@ static dsk_status dsk__comm_join(dsk_comm *c, const char *fn, const struct socka
     for (;;) {
         struct sockaddr_in local;
         socklen_t sl = sizeof local;
-        int world_seen = 0;
+        dsk__comm_hello_rec hello;
         int64_t claims = 0;
         size_t len = 0;
         char key[64];
@@ -1588,10 +1612,20 @@ static dsk_status dsk__comm_join(dsk_comm *c, const char *fn, const struct socka
         }
         if (getsockname(m->store_fd, (struct sockaddr *)&local, &sl) != 0 || !inet_ntop(AF_INET, &local.sin_addr, m->my_ip, sizeof m->my_ip))
             return dsk_set_error(DSK_ERR_IO, "%s: getsockname: %s", fn, strerror(errno));
-        if (rank == 0 && (st = dsk__comm_store_set(c, fn, "dsk/w/world", &world, sizeof world)) != DSK_OK) return st;
-        st = dsk__comm_store_get(c, fn, "dsk/w/world", &world_seen, sizeof world_seen, &len);
-        if (st == DSK_OK && world_seen != world)
-            return dsk_set_error(DSK_ERR_ARG, "%s: this rank (%d) has WORLD_SIZE %d but rank 0 has %d", fn, rank, world, world_seen);
+        if (rank == 0) {
+            memset(&hello, 0, sizeof hello);
+            hello.world = world;
+            memcpy(hello.job, m->job_id, sizeof hello.job);
+            if ((st = dsk__comm_store_set(c, fn, "dsk/w/hello", &hello, sizeof hello)) != DSK_OK) return st;
+        }
+        st = dsk__comm_store_get(c, fn, "dsk/w/hello", &hello, sizeof hello, &len);
+        if (st == DSK_OK && len != sizeof hello)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: the key-value store at %s:%d is not a dsk store of this version "
+                                 "(hello of %zu bytes, want %zu)", fn, m->master_addr, m->master_port, len, sizeof hello);
+        if (st == DSK_OK && (st = dsk__comm_same_job(c, fn, &hello)) != DSK_OK) return st;
+        if (st == DSK_OK && hello.world != world)
+            return dsk_set_error(DSK_ERR_ARG, "%s: this rank (%d) has WORLD_SIZE %d but rank 0 has %d", fn, rank, world,
+                                 (int)hello.world);
         snprintf(key, sizeof key, "dsk/w/claim/%d", rank);
         if (st == DSK_OK) st = dsk__comm_store_add(c, fn, key, 1, &claims);
         if (st == DSK_OK && claims == 1) return DSK_OK;
@@ -1677,6 +1711,9 @@ DSK_API dsk_status dsk_comm_init(dsk_comm *c, int rank, int world_size, const ds
                              opts->local_world_size);
     if (opts && (opts->timeout_s < 0 || opts->timeout_s != opts->timeout_s))
         return dsk_set_error(DSK_ERR_ARG, "%s: timeout_s %g is negative or NaN", fn, opts->timeout_s);
+    if (opts && opts->job_id && strlen(opts->job_id) > DSK__COMM_JOB_MAX)
+        return dsk_set_error(DSK_ERR_ARG, "%s: job_id of %zu characters exceeds %d", fn, strlen(opts->job_id),
+                             DSK__COMM_JOB_MAX);
     st = dsk__comm_init_world(c, fn, rank, world_size, opts);
     if (st != DSK_OK) {
         dsk__comm_impl_free(c);
@@ -1685,13 +1722,35 @@ DSK_API dsk_status dsk_comm_init(dsk_comm *c, int rank, int world_size, const ds
     return st;
 }
 
+/* The job identity the launcher of variable set `set` (0 torchrun, 1 Open MPI, 2 Slurm) gives
+   every rank of one job alike, as "NAME=value" so a mismatch message says where it came from;
+   DSK_JOB_ID (set by dsk_comm_spawn_local) comes first. "" when there is none. */
+static void dsk__comm_env_job_id(int set, char *buf, size_t cap) {
+    static const char *names[3][2] = {{"TORCHELASTIC_RUN_ID", NULL},
+                                      {"PMIX_NAMESPACE", "OMPI_MCA_orte_hnp_uri"},
+                                      {"SLURM_JOB_ID", NULL}};
+    const char *v = getenv("DSK_JOB_ID"), *step = getenv("SLURM_STEP_ID");
+    buf[0] = 0;
+    if (v && *v) {
+        snprintf(buf, cap, "DSK_JOB_ID=%.*s", DSK__COMM_JOB_MAX - 11, v);
+        return;
+    }
+    for (int i = 0; i < 2 && names[set][i]; i++) {
+        v = getenv(names[set][i]);
+        if (!v || !*v) continue;
+        if (set == 2 && step && *step) snprintf(buf, cap, "%s=%.160s.%.16s", names[set][i], v, step);
+        else snprintf(buf, cap, "%s=%.*s", names[set][i], DSK__COMM_JOB_MAX - 32, v);
+        return;
+    }
+}
+
 DSK_API dsk_status dsk_comm_init_env(dsk_comm *c, const dsk_comm_opts *opts) {
     const char *fn = "dsk_comm_init_env";
     static const char *sets[3][4] = {{"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
                                      {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"},
                                      {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"}};
     int v[4] = {0, 0, 0, 0}, have[4] = {0, 0, 0, 0}, port = 0, s;
-    char why[256];
+    char why[256], job[DSK__COMM_JOB_MAX + 4];
     const char *addr = getenv("MASTER_ADDR"), *pstr = getenv("DSK_MASTER_PORT"), *agent = getenv("TORCHELASTIC_USE_AGENT_STORE");
     int agent_store = !(pstr && *pstr) && agent && (!strcmp(agent, "True") || !strcmp(agent, "1"));
     dsk_comm_opts o;
@@ -1718,6 +1777,10 @@ DSK_API dsk_status dsk_comm_init_env(dsk_comm *c, const dsk_comm_opts *opts) {
         return dsk_set_error(DSK_ERR_ARG, "%s: %s=%d is not below %s=%d", fn, sets[s][0], v[0], sets[s][1], v[1]);
     if (opts) o = *opts;
     else memset(&o, 0, sizeof o);
+    if (!o.job_id) {
+        dsk__comm_env_job_id(s, job, sizeof job);
+        o.job_id = job;
+    }
     if (addr && *addr) o.master_addr = addr;
     if (!o.master_addr) {
         /* every rank on this host (the launcher says so): loopback will do */
@@ -2295,7 +2358,8 @@ static void dsk__comm_forward_lines(int out_fd, int rank, char *buf, size_t *len
     *len -= start;
 }
 
-static void dsk__comm_spawn_child(int rank, int n, int port, const char *addr, int out, char *const argv[]) {
+static void dsk__comm_spawn_child(int rank, int n, int port, const char *addr, const char *job, int out,
+                                  char *const argv[]) {
     char v[32];
     dup2(out, 1);
     dup2(out, 2);
@@ -2304,6 +2368,7 @@ static void dsk__comm_spawn_child(int rank, int n, int port, const char *addr, i
     snprintf(v, sizeof v, "%d", n); setenv("WORLD_SIZE", v, 1); setenv("LOCAL_WORLD_SIZE", v, 1);
     snprintf(v, sizeof v, "%d", port); setenv("MASTER_PORT", v, 1);
     setenv("MASTER_ADDR", addr, 1);
+    setenv("DSK_JOB_ID", job, 1);
     signal(SIGPIPE, SIG_DFL);
     execvp(argv[0], argv);
     {
@@ -2325,9 +2390,16 @@ DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_spa
     size_t *lens;
     struct pollfd *pf;
     dsk_status st;
+    char job[64];
     if (worst_exit) *worst_exit = 0;
     if (n < 1 || n > 4096 || !argv || !argv[0]) return dsk_set_error(DSK_ERR_ARG, "%s: need 1 to 4096 ranks and a program (n = %d)", fn, n);
     if (!port && (st = dsk_comm_free_port(addr, &port)) != DSK_OK) return st;
+    {
+        /* every launch is a job of its own: this process and the moment tell it apart */
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        snprintf(job, sizeof job, "spawn-%ld-%lld.%09ld", (long)getpid(), (long long)ts.tv_sec, (long)ts.tv_nsec);
+    }
     pids = (pid_t *)DSK_MALLOC((size_t)n * sizeof *pids);
     fds = (int *)DSK_MALLOC((size_t)n * sizeof *fds);
     bufs = (char *)DSK_MALLOC((size_t)n * 4096);
@@ -2347,7 +2419,7 @@ DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_spa
         if (pipe(p) != 0) { st = dsk_set_error(DSK_ERR_IO, "%s: pipe: %s", fn, strerror(errno)); continue; }
         fcntl(p[0], F_SETFD, FD_CLOEXEC);
         pids[r] = fork();
-        if (pids[r] == 0) dsk__comm_spawn_child(r, n, port, addr, p[1], argv);
+        if (pids[r] == 0) dsk__comm_spawn_child(r, n, port, addr, job, p[1], argv);
         close(p[1]);
         if (pids[r] < 0) { close(p[0]); st = dsk_set_error(DSK_ERR_IO, "%s: fork: %s", fn, strerror(errno)); continue; }
         dsk__comm_set_nonblocking_cloexec(p[0]);

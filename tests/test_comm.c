@@ -870,6 +870,74 @@ static void expect_init_failures(init_expect *e) {
     expect_group_ok(&e->g, rank_init_expect, e);
 }
 
+/* Two jobs on one port (issue 10 item 7): job A's rank 0 serves the store and a rank 1 of job
+   B reaches it before job A's rank 1 does. The intruder must fail naming the other job, and
+   job A must run unharmed. The job id comes from opts.job_id, or (env = 1) from Open MPI's
+   variables through dsk_comm_init_env. */
+typedef struct two_jobs_arg { group g; int env; } two_jobs_arg;
+static void clear_env(void);
+
+static void rank_two_jobs(dsk_comm *unused, void *argp) {
+    const two_jobs_arg *a = (const two_jobs_arg *)argp;
+    dsk_comm_opts o = a->g.opts;
+    dsk_comm c;
+    dsk_status st;
+    int intruder = g_rank == 1, rank = g_rank == 0 ? 0 : 1;
+    double t0;
+    int64_t v = intruder ? 100 : rank + 1, sum = 0;
+    (void)unused;
+    if (g_rank == 2) {
+        struct timespec ts = {0, 400000000};
+        nanosleep(&ts, NULL);
+    }
+    t0 = dsk_test_now();
+    if (a->env) {
+        char port[16];
+        snprintf(port, sizeof port, "%d", a->g.port);
+        clear_env();
+        setenv("OMPI_COMM_WORLD_RANK", rank ? "1" : "0", 1);
+        setenv("OMPI_COMM_WORLD_SIZE", "2", 1);
+        setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2", 1);
+        setenv("MASTER_PORT", port, 1);
+        setenv("PMIX_NAMESPACE", intruder ? "job-B" : "job-A", 1);
+        unsetenv("DSK_JOB_ID");
+        o.master_addr = NULL;
+        o.master_port = 0;
+        st = dsk_comm_init_env(&c, &o);
+    } else {
+        o.job_id = intruder ? "job-B" : "job-A";
+        st = dsk_comm_init(&c, rank, 2, &o);
+    }
+    printf("     process %d (rank %d of job %s): init %s after %.2f s: %s\n", g_rank, rank, intruder ? "B" : "A",
+           dsk_status_str(st), dsk_test_now() - t0, st ? dsk_last_error() : "");
+    if (intruder) {
+        DSK_TEST_STATUS(st, DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("belongs to another job");
+        DSK_TEST_ERROR_MENTIONS("job-A");
+        DSK_TEST_ERROR_MENTIONS("job-B");
+    } else {
+        DSK_TEST_OK(st);
+    }
+    if (st != DSK_OK) return;
+    /* a merged intruder would add 100 to job A's sum */
+    DSK_TEST_OK(dsk_comm_all_reduce(&c, NULL, &v, &sum, 1, DSK_I64, DSK_COMM_SUM));
+    if (!intruder) DSK_TEST_EXPECT(sum == 3, "job A's sum is %lld, want 1 + 2 = 3", (long long)sum);
+    dsk_comm_free(&c);
+}
+
+static void case_two_jobs(int env) {
+    two_jobs_arg a;
+    group_defaults(&a.g, 3);
+    a.env = env;
+    a.g.no_init = 1;
+    a.g.opts = fault_opts(2.0);
+    a.g.opts.backend = DSK_COMM_HOST;
+    a.g.opts.master_addr = "127.0.0.1";
+    DSK_TEST_OK(dsk_comm_free_port("127.0.0.1", &a.g.port));
+    a.g.opts.master_port = a.g.port;
+    expect_group_ok(&a.g, rank_two_jobs, &a);
+}
+
 static void case_wrong_world(void) {
     init_expect e;
     memset(&e, 0, sizeof e);
@@ -926,7 +994,9 @@ static void case_no_store(void) {
 static const char *k_env_vars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                                    "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
                                    "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
-                                   "SLURM_NTASKS_PER_NODE", "TORCHELASTIC_USE_AGENT_STORE", "DSK_MASTER_PORT"};
+                                   "SLURM_NTASKS_PER_NODE", "TORCHELASTIC_USE_AGENT_STORE", "DSK_MASTER_PORT", "DSK_JOB_ID",
+                                   "TORCHELASTIC_RUN_ID", "PMIX_NAMESPACE", "OMPI_MCA_orte_hnp_uri", "SLURM_JOB_ID",
+                                   "SLURM_STEP_ID"};
 
 static void clear_env(void) {
     for (size_t i = 0; i < sizeof k_env_vars / sizeof *k_env_vars; i++) unsetenv(k_env_vars[i]);
@@ -1128,24 +1198,28 @@ static void case_reinit(void) {
 
 /* ------------------------------------------------------------------ launcher */
 
+/* A rank started by a launcher: contributes DSK_TEST_BASE + rank + 1 (base default 0) to a sum
+   and checks it; DSK_TEST_TIMEOUT (default 20 s) bounds every wait. */
 static int child_main(void) {
     dsk_comm c;
     dsk_comm_opts o;
-    int64_t v, s = 0;
+    const char *base_s = getenv("DSK_TEST_BASE"), *timeout_s = getenv("DSK_TEST_TIMEOUT");
+    int64_t v, s = 0, base = base_s ? atoll(base_s) : 0;
     memset(&o, 0, sizeof o);
     o.backend = DSK_COMM_HOST;
-    o.timeout_s = 20;
+    o.timeout_s = timeout_s ? atof(timeout_s) : 20;
     if (dsk_comm_init_env(&c, &o) != DSK_OK) {
         printf("init_env failed: %s\n", dsk_last_error());
         return 3;
     }
-    v = c.rank + 1;
+    v = base + c.rank + 1;
     if (dsk_comm_all_reduce(&c, NULL, &v, &s, 1, DSK_I64, DSK_COMM_SUM) != DSK_OK) {
         printf("all_reduce failed: %s\n", dsk_last_error());
         return 4;
     }
-    printf("rank %d of %d local %d of %d sum %lld\n", c.rank, c.world_size, c.local_rank, c.local_world_size, (long long)s);
-    v = (int64_t)c.world_size * (c.world_size + 1) / 2;
+    printf("rank %d of %d local %d of %d sum %lld\n", c.rank, c.world_size, c.local_rank, c.local_world_size,
+           (long long)(s - base * c.world_size));
+    v = (int64_t)c.world_size * (c.world_size + 1) / 2 + base * c.world_size;
     dsk_comm_free(&c);
     return s == v ? 0 : 5;
 }
@@ -1231,6 +1305,49 @@ static void case_mpirun(void) {
     }
 }
 
+/* Two `mpirun -np 2` jobs started together on one MASTER_PORT (issue 10 item 7): they must
+   never merge. A rank either completes its own job's sum (a merged rank sees the other job's
+   numbers and exits 5) or fails naming the cause; at least one job completes. */
+static void case_mpirun_two_jobs(void) {
+    char self[4096], cmd[2][8600], *out;
+    ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
+    int port = 0, rc[2], done = 0;
+    FILE *p[2];
+    if (system("command -v mpirun >/dev/null 2>&1") != 0) {
+        dsk_test_skip("mpirun not installed (Debian libopenmpi-dev / openmpi-bin)");
+        return;
+    }
+    self[k > 0 ? k : 0] = 0;
+    DSK_TEST_OK(dsk_comm_free_port("127.0.0.1", &port));
+    for (int j = 0; j < 2; j++)
+        snprintf(cmd[j], sizeof cmd[j], "env -u MASTER_ADDR -u DSK_JOB_ID timeout 60 mpirun --allow-run-as-root --oversubscribe "
+                 "-np 2 -x MASTER_PORT=%d -x DSK_TEST_BASE=%d -x DSK_TEST_TIMEOUT=3 %s --rank-child 2>&1", port, 1000 * j, self);
+    fflush(stdout);
+    for (int j = 0; j < 2; j++) p[j] = popen(cmd[j], "r");
+    for (int j = 0; j < 2; j++) {
+        char *line;
+        int ok_lines = 0;
+        DSK_TEST_EXPECT(p[j] != NULL, "popen %s", cmd[j]);
+        if (!p[j]) continue;
+        out = slurp(fileno(p[j]));
+        rc[j] = pclose(p[j]);
+        printf("     job %d (exit %d):\n", j, rc[j]);
+        for (line = strtok(out, "\n"); line; line = strtok(NULL, "\n")) {
+            printf("       %s\n", line);
+            if (strstr(line, "of 2 local") && strstr(line, "sum 3")) ok_lines++;
+            if (strstr(line, "init_env failed"))
+                DSK_TEST_EXPECT(strstr(line, "belongs to another job") || strstr(line, "already in use") ||
+                                    strstr(line, "no key-value store"),
+                                "job %d: a rank failed without naming the cause: %s", j, line);
+            DSK_TEST_EXPECT(!strstr(line, "all_reduce failed"), "job %d: a rank failed after init: %s", j, line);
+        }
+        if (rc[j] == 0) DSK_TEST_EXPECT(ok_lines == 2, "job %d exited 0 with %d ranks reporting its sum", j, ok_lines);
+        DSK_TEST_EXPECT(WIFEXITED(rc[j]) && WEXITSTATUS(rc[j]) != 5, "job %d: a rank got another job's numbers", j);
+        done += rc[j] == 0;
+    }
+    DSK_TEST_EXPECT(done >= 1, "neither job completed");
+}
+
 /* ------------------------------------------------------------------ main */
 
 static void coll_case(const char *name, rank_fn fn, int n, size_t piece) {
@@ -1310,6 +1427,10 @@ int main(int argc, char **argv) {
         dsk_test_begin("fault: peer closed mid-send gives DSK_ERR_PEER, not SIGPIPE");
         expect_group_ok(&g, rank_leaves, NULL);
     }
+    dsk_test_begin("job identity: a rank of another job (opts.job_id) reaching this job's store fails, the job runs on");
+    case_two_jobs(0);
+    dsk_test_begin("job identity: a rank of another job (PMIX_NAMESPACE) reaching this job's store fails, the job runs on");
+    case_two_jobs(1);
     DSK_TEST_RUN(case_wrong_world);
     DSK_TEST_RUN(case_missing_rank);
     DSK_TEST_RUN(case_port_in_use);
@@ -1319,5 +1440,6 @@ int main(int argc, char **argv) {
     DSK_TEST_RUN(case_reinit);
     DSK_TEST_RUN(case_spawn);
     DSK_TEST_RUN(case_mpirun);
+    DSK_TEST_RUN(case_mpirun_two_jobs);
     return dsk_test_finish();
 }
