@@ -32,8 +32,8 @@
      only that part from every peer, pieces of opts.piece_bytes) and then all-gathered:
      each rank sends and receives 2(n-1)/n of the buffer, like a ring, but with no partial
      sums on the wire (bf16 stays bf16 on the wire yet is reduced in f32).
-     Every rank must use the same small_bytes and piece_bytes (a difference is reported as a
-     mismatch).
+     Every rank must use the same backend, small_bytes and piece_bytes: init checks them and
+     fails on every rank with DSK_ERR_ARG naming the rank that differs and both values.
    - Every message carries a header (collective, dtype, count, op, root, call number), so
      mismatched calls on different ranks fail with DSK_ERR_PEER naming both sides.
    - Every wait ends by opts.timeout_s: DSK_ERR_TIMEOUT or DSK_ERR_PEER naming the rank.
@@ -1453,7 +1453,8 @@ static dsk_status dsk__comm_mesh_listen(dsk_comm *c, const char *fn, int *lfd, c
 
 /* Connects every pair: rank i connects to each j < i and accepts each j > i. eps[r] is
    rank r's endpoint. Hellos carry (rank, tag) so stray connections are refused. */
-static dsk_status dsk__comm_mesh_connect(dsk_comm *c, const char *fn, int lfd, const char *eps, double deadline) {
+static dsk_status dsk__comm_mesh_connect(dsk_comm *c, const char *fn, int lfd, const char *eps, size_t stride,
+                                         double deadline) {
     dsk__comm_impl *m = c->impl;
     int n = c->world_size, me = c->rank, pending = n - 1 - me;
     dsk_status st;
@@ -1462,8 +1463,9 @@ static dsk_status dsk__comm_mesh_connect(dsk_comm *c, const char *fn, int lfd, c
         int port = 0;
         struct sockaddr_in sa;
         dsk__comm_hello hello;
-        if (sscanf(eps + (size_t)j * DSK__COMM_EP_LEN, "%63s %d", ip, &port) != 2)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: rank %d published a bad endpoint \"%.63s\"", fn, j, eps + (size_t)j * DSK__COMM_EP_LEN);
+        const char *ep = eps + (size_t)j * stride;
+        if (sscanf(ep, "%63s %d", ip, &port) != 2)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: rank %d published a bad endpoint \"%.63s\"", fn, j, ep);
         snprintf(who, sizeof who, "rank %d's mesh listener", j);
         if ((st = dsk__comm_resolve(fn, ip, port, &sa)) != DSK_OK || (st = dsk__comm_connect(fn, &sa, deadline, who, &m->fds[j])) != DSK_OK)
             return st;
@@ -1639,13 +1641,37 @@ static dsk_status dsk__comm_join(dsk_comm *c, const char *fn, const struct socka
     }
 }
 
+/* What every rank publishes at init: where its peers reach it (host) and the options that
+   shape the wire protocol, which must agree on every rank. */
+typedef struct dsk__comm_rank_rec {
+    char ep[DSK__COMM_EP_LEN];
+    uint64_t small_bytes, piece_bytes;
+    int32_t backend, pad;
+} dsk__comm_rank_rec;
+
+static dsk_status dsk__comm_same_options(dsk_comm *c, const char *fn, const dsk__comm_rank_rec *mine,
+                                         const dsk__comm_rank_rec *theirs, int r) {
+    static const char *names[] = {"auto", "host", "nccl"};
+    const char *what = theirs->small_bytes != mine->small_bytes ? "small_bytes" : "piece_bytes";
+    if (theirs->backend != mine->backend)
+        return dsk_set_error(DSK_ERR_ARG, "%s: rank %d uses the %s backend but this rank (%d) uses %s", fn, r,
+                             theirs->backend >= 0 && theirs->backend < 3 ? names[theirs->backend] : "an unknown",
+                             c->rank, names[mine->backend]);
+    if (theirs->small_bytes == mine->small_bytes && theirs->piece_bytes == mine->piece_bytes) return DSK_OK;
+    return dsk_set_error(DSK_ERR_ARG, "%s: rank %d has %s %llu but this rank (%d) has %llu; every rank must use the same "
+                         "small_bytes and piece_bytes (they shape the wire protocol)", fn, r, what,
+                         (unsigned long long)(what[0] == 's' ? theirs->small_bytes : theirs->piece_bytes), c->rank,
+                         (unsigned long long)(what[0] == 's' ? mine->small_bytes : mine->piece_bytes));
+}
+
 static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, int world, const dsk_comm_opts *o) {
     dsk__comm_impl *m;
     const char *addr = o && o->master_addr ? o->master_addr : (getenv("MASTER_ADDR") && *getenv("MASTER_ADDR") ? getenv("MASTER_ADDR") : "127.0.0.1");
     int port = o && o->master_port ? o->master_port : 29500;
     double t0 = dsk__comm_now(), deadline;
     struct sockaddr_in store_sa;
-    char key[160], ep[DSK__COMM_EP_LEN], *eps = NULL;
+    char key[160];
+    dsk__comm_rank_rec mine, *recs = NULL;
     int lfd = -1;
     size_t len = 0;
     dsk_status st;
@@ -1678,24 +1704,36 @@ static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, in
         if ((st = dsk__comm_store_set(c, fn, "dsk/w/tag", &tag, sizeof tag)) != DSK_OK) return st;
     }
     if ((st = dsk__comm_store_get(c, fn, "dsk/w/tag", &m->tag, sizeof m->tag, &len)) != DSK_OK) return st;
-#ifdef DSK_CUDA
-    if (be == DSK_COMM_NCCL) return dsk__comm_nccl_init(c, fn, t0);
-#endif
-    /* host backend: publish this rank's endpoint, read everyone's, connect every pair */
-    if ((st = dsk__comm_mesh_listen(c, fn, &lfd, ep)) != DSK_OK) return st;
-    snprintf(key, sizeof key, "dsk/w/ep/%d", rank);
-    if ((st = dsk__comm_store_set(c, fn, key, ep, DSK__COMM_EP_LEN)) != DSK_OK) { close(lfd); return st; }
-    if (!(eps = (char *)DSK_MALLOC((size_t)world * DSK__COMM_EP_LEN))) { close(lfd); return dsk_set_error(DSK_ERR_OOM, "%s: endpoints", fn); }
+    /* every rank publishes its record, reads everyone's and checks the options; host: connect every pair */
+    memset(&mine, 0, sizeof mine);
+    mine.backend = (int32_t)be;
+    mine.small_bytes = m->small_bytes;
+    mine.piece_bytes = m->piece_bytes;
+    if (be == DSK_COMM_HOST && (st = dsk__comm_mesh_listen(c, fn, &lfd, mine.ep)) != DSK_OK) return st;
+    snprintf(key, sizeof key, "dsk/w/rank/%d", rank);
+    if ((st = dsk__comm_store_set(c, fn, key, &mine, sizeof mine)) != DSK_OK) goto done;
+    if (!(recs = (dsk__comm_rank_rec *)DSK_MALLOC((size_t)world * sizeof *recs))) {
+        st = dsk_set_error(DSK_ERR_OOM, "%s: %d rank records", fn, world);
+        goto done;
+    }
     for (int r = 0; r < world && st == DSK_OK; r++) {
-        snprintf(key, sizeof key, "dsk/w/ep/%d", r);
-        st = dsk__comm_store_get(c, fn, key, eps + (size_t)r * DSK__COMM_EP_LEN, DSK__COMM_EP_LEN, &len);
+        snprintf(key, sizeof key, "dsk/w/rank/%d", r);
+        st = dsk__comm_store_get(c, fn, key, &recs[r], sizeof recs[r], &len);
         if (st == DSK_ERR_TIMEOUT)
             dsk_set_error(st, "%s: timed out after %.2f s waiting for rank %d of %d to join (was it started, with the same "
                           "MASTER_ADDR:MASTER_PORT?)", fn, dsk__comm_now() - t0, r, world);
+        else if (st == DSK_OK && len != sizeof mine)
+            st = dsk_set_error(DSK_ERR_CORRUPT, "%s: rank %d published a record of %zu bytes, want %zu", fn, r, len, sizeof mine);
+        else if (st == DSK_OK)
+            st = dsk__comm_same_options(c, fn, &mine, &recs[r], r);
     }
-    if (st == DSK_OK) st = dsk__comm_mesh_connect(c, fn, lfd, eps, deadline);
-    close(lfd);
-    DSK_FREE(eps);
+#ifdef DSK_CUDA
+    if (st == DSK_OK && be == DSK_COMM_NCCL) st = dsk__comm_nccl_init(c, fn, t0);
+#endif
+    if (st == DSK_OK && be == DSK_COMM_HOST) st = dsk__comm_mesh_connect(c, fn, lfd, recs->ep, sizeof *recs, deadline);
+done:
+    if (lfd >= 0) close(lfd);
+    DSK_FREE(recs);
     return st;
 }
 
@@ -2220,7 +2258,7 @@ static dsk_status dsk__comm_host_split(dsk_comm *c, const char *fn, int color, i
     memcpy(m->my_ip, pm->my_ip, sizeof m->my_ip);
     snprintf(m->ns, sizeof m->ns, "%.40s/%llu.%d", pm->ns, (unsigned long long)pm->splits, color);
     m->tag = pm->tag ^ (0x9E3779B97F4A7C15ull * (pm->splits * 65536u + (uint64_t)color + 1));
-    if ((st = dsk__comm_mesh_connect(sub, fn, lfd, eps, t0 + pm->timeout_s)) != DSK_OK) goto out;
+    if ((st = dsk__comm_mesh_connect(sub, fn, lfd, eps, DSK__COMM_EP_LEN, t0 + pm->timeout_s)) != DSK_OK) goto out;
     if (pm->store_fd >= 0 || pm->server) {
         struct sockaddr_in sa;
         if ((st = dsk__comm_resolve(fn, pm->master_addr, pm->master_port, &sa)) == DSK_OK)

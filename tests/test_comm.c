@@ -838,7 +838,9 @@ static void rank_leaves(dsk_comm *c, void *arg) {
 /* Ranks that init with these world sizes and must fail with these errors within the timeout. */
 typedef struct init_expect {
     group g;
+    int n;                     /* processes [2] */
     int world[8];
+    size_t small[8], piece[8]; /* per-rank small_bytes and piece_bytes [default] */
     dsk_status want[8];
     const char *needle[8];
 } init_expect;
@@ -846,13 +848,24 @@ typedef struct init_expect {
 static void rank_init_expect(dsk_comm *unused, void *argp) {
     const init_expect *e = (const init_expect *)argp;
     dsk_comm c;
+    dsk_comm_opts o = e->g.opts;
     double t0 = dsk_test_now();
     dsk_status st;
     (void)unused;
-    st = dsk_comm_init(&c, g_rank, e->world[g_rank], &e->g.opts);
-    printf("     rank %d: %s after %.2f s: %s\n", g_rank, dsk_status_str(st), dsk_test_now() - t0, dsk_last_error());
+    o.small_bytes = e->small[g_rank];
+    o.piece_bytes = e->piece[g_rank];
+    st = dsk_comm_init(&c, g_rank, e->world[g_rank], &o);
+    printf("     rank %d: %s after %.2f s: %s\n", g_rank, dsk_status_str(st), dsk_test_now() - t0, st ? dsk_last_error() : "");
     DSK_TEST_EXPECT(st == e->want[g_rank], "rank %d: init returned %s, want %s", g_rank, dsk_status_str(st),
                     dsk_status_str(e->want[g_rank]));
+    if (st == DSK_OK) {
+        /* a world that came up anyway must compute correctly (a mismatch would show here) */
+        float x[1000], y[1000];
+        gen(x, DSK_F32, 1000, 31, c.rank);
+        DSK_TEST_OK(dsk_comm_all_reduce(&c, NULL, x, y, 1000, DSK_F32, DSK_COMM_SUM));
+        dsk_comm_free(&c);
+        return;
+    }
     DSK_TEST_ERROR_MENTIONS(e->needle[g_rank]);
     DSK_TEST_EXPECT(dsk_test_now() - t0 < e->g.opts.timeout_s + 1.5, "init took %.2f s for a %.1f s timeout", dsk_test_now() - t0,
                     e->g.opts.timeout_s);
@@ -860,7 +873,7 @@ static void rank_init_expect(dsk_comm *unused, void *argp) {
 }
 
 static void expect_init_failures(init_expect *e) {
-    group_defaults(&e->g, 2);
+    group_defaults(&e->g, e->n ? e->n : 2);
     e->g.no_init = 1;
     e->g.opts = fault_opts(1.5);
     e->g.opts.backend = DSK_COMM_HOST;
@@ -943,6 +956,24 @@ static void case_wrong_world(void) {
     memset(&e, 0, sizeof e);
     e.world[0] = 2; e.want[0] = DSK_ERR_TIMEOUT; e.needle[0] = "rank 1 of 2 to join";
     e.world[1] = 3; e.want[1] = DSK_ERR_ARG; e.needle[1] = "this rank (1) has WORLD_SIZE 3 but rank 0 has 2";
+    expect_init_failures(&e);
+}
+
+/* Wire-protocol options that differ between ranks fail init on every rank (issue 10 item 8);
+   before, 2 ranks with different small_bytes summed half the elements wrong with DSK_OK. */
+static void case_options_differ(void) {
+    init_expect e;
+    memset(&e, 0, sizeof e);
+    for (int r = 0; r < 2; r++) { e.world[r] = 2; e.want[r] = DSK_ERR_ARG; }
+    e.small[1] = 1024;
+    e.needle[0] = "rank 1 has small_bytes 1024 but this rank (0) has 65536";
+    e.needle[1] = "rank 0 has small_bytes 65536 but this rank (1) has 1024";
+    expect_init_failures(&e);
+    memset(&e, 0, sizeof e);
+    e.n = 3;
+    for (int r = 0; r < 3; r++) { e.world[r] = 3; e.want[r] = DSK_ERR_ARG; e.needle[r] = "piece_bytes"; }
+    e.piece[2] = 4096;
+    e.needle[0] = e.needle[1] = "rank 2 has piece_bytes 4096 but this rank";
     expect_init_failures(&e);
 }
 
@@ -1433,6 +1464,7 @@ int main(int argc, char **argv) {
     case_two_jobs(1);
     DSK_TEST_RUN(case_wrong_world);
     DSK_TEST_RUN(case_missing_rank);
+    DSK_TEST_RUN(case_options_differ);
     DSK_TEST_RUN(case_port_in_use);
     DSK_TEST_RUN(case_no_store);
     DSK_TEST_RUN(case_env);
