@@ -35,7 +35,9 @@
      Every rank must use the same backend, small_bytes and piece_bytes: init checks them and
      fails on every rank with DSK_ERR_ARG naming the rank that differs and both values.
    - Every message carries a header (collective, dtype, count, op, root, call number), so
-     mismatched calls on different ranks fail with DSK_ERR_PEER naming both sides.
+     mismatched calls on different ranks fail with DSK_ERR_PEER naming both sides. Rooted
+     collectives exchange at least a header between every pair of ranks, so ranks that name
+     different roots all fail in that call.
    - Every wait ends by opts.timeout_s: DSK_ERR_TIMEOUT or DSK_ERR_PEER naming the rank.
      After such an error the communicator is unusable (DSK_ERR_STATE) until freed; the
      error is published in the store and the sockets are half-closed, so peers fail fast
@@ -1299,40 +1301,49 @@ static dsk_status dsk__comm_host_all_gather(dsk_comm *c, const char *fn, const c
     return dsk__comm_ag_direct(c, fn, dsk__comm_wire_make(m, DSK__COMM_ALL_GATHER, dt, 0, -1, scount), recv, m->off, esz, -1, t0);
 }
 
-/* Small or two ranks: the root sends to every rank. Otherwise scatter + all-gather, so
-   the root sends 2(n-1)/n of the buffer instead of (n-1) times all of it. */
+/* Posts one exchange with peer p: a send of slen bytes at sbuf and a receive of rlen bytes at
+   rbuf, either possibly empty (a header alone). Rooted collectives post one with every peer,
+   so each rank checks every other rank's header and a rank that names another root fails. */
+static void dsk__comm_post_pair(dsk__comm_impl *m, int *no, int p, const dsk__comm_wire *h, const char *sbuf, size_t slen,
+                                char *rbuf, size_t rlen) {
+    dsk__comm_io_post(&m->ops[(*no)++], p, 1, h, sbuf, slen);
+    dsk__comm_io_post(&m->ops[(*no)++], p, 0, h, rbuf, rlen);
+}
+
+/* Small or two ranks: the root sends to every rank. Otherwise scatter + all-gather, so the
+   root sends 2(n-1)/n of the buffer instead of (n-1) times all of it. Step 0 is an exchange
+   between every pair (see dsk__comm_post_pair); step 1 all-gathers among the other ranks. */
 static dsk_status dsk__comm_host_broadcast(dsk_comm *c, const char *fn, const char *send, char *recv, int64_t count,
-                                      dsk_dtype dt, int root, double t0) {
+                                           dsk_dtype dt, int root, double t0) {
     dsk__comm_impl *m = c->impl;
     int n = c->world_size, me = c->rank, no = 0;
     size_t esz = dsk_dtype_size(dt), bytes = (size_t)count * esz;
+    int split = bytes > m->small_bytes && n > 2;
     dsk__comm_wire h = dsk__comm_wire_make(m, DSK__COMM_BROADCAST, dt, 0, root, count);
+    const int64_t *off = m->off;
     dsk_status st;
     if (me == root && send != recv && bytes) memmove(recv, send, bytes);
-    if (bytes <= m->small_bytes || n <= 2) {
-        for (int p = 0; p < n; p++)
-            if (me == root && p != me) dsk__comm_io_post(&m->ops[no++], p, 1, &h, recv, bytes);
-        if (me != root) dsk__comm_io_post(&m->ops[no++], root, 0, &h, recv, bytes);
-        return dsk__comm_io_run(c, fn, m->ops, no, t0, NULL);
+    if (split) dsk__comm_partition(count, n, m->off);
+    for (int p = 0; p < n; p++) {
+        int to = split ? p : 0, from = split ? me : 0; /* the part that goes to p, the part this rank gets */
+        size_t slen = split ? (size_t)(off[p + 1] - off[p]) * esz : bytes;
+        size_t rlen = split ? (size_t)(off[me + 1] - off[me]) * esz : bytes;
+        if (p == me) continue;
+        dsk__comm_post_pair(m, &no, p, &h, recv + (split ? off[to] * (int64_t)esz : 0), me == root ? slen : 0,
+                            recv + (split ? off[from] * (int64_t)esz : 0), p == root ? rlen : 0);
     }
-    dsk__comm_partition(count, n, m->off);
-    for (int p = 0; p < n; p++)
-        if (me == root && p != me)
-            dsk__comm_io_post(&m->ops[no++], p, 1, &h, recv + m->off[p] * (int64_t)esz, (size_t)(m->off[p + 1] - m->off[p]) * esz);
-    if (me != root)
-        dsk__comm_io_post(&m->ops[no++], root, 0, &h, recv + m->off[me] * (int64_t)esz, (size_t)(m->off[me + 1] - m->off[me]) * esz);
-    if ((st = dsk__comm_io_run(c, fn, m->ops, no, t0, NULL)) != DSK_OK) return st;
+    if ((st = dsk__comm_io_run(c, fn, m->ops, no, t0, NULL)) != DSK_OK || !split) return st;
     /* all-gather of the parts; nobody sends to the root, which has them all */
     h.step = 1;
     no = 0;
     for (int p = 0; p < n; p++) {
         if (p == me || p == root) continue;
-        dsk__comm_io_post(&m->ops[no++], p, 1, &h, recv + m->off[me] * (int64_t)esz, (size_t)(m->off[me + 1] - m->off[me]) * esz);
+        dsk__comm_io_post(&m->ops[no++], p, 1, &h, recv + off[me] * (int64_t)esz, (size_t)(off[me + 1] - off[me]) * esz);
     }
     if (me != root)
         for (int p = 0; p < n; p++)
             if (p != me)
-                dsk__comm_io_post(&m->ops[no++], p, 0, &h, recv + m->off[p] * (int64_t)esz, (size_t)(m->off[p + 1] - m->off[p]) * esz);
+                dsk__comm_io_post(&m->ops[no++], p, 0, &h, recv + off[p] * (int64_t)esz, (size_t)(off[p + 1] - off[p]) * esz);
     return dsk__comm_io_run(c, fn, m->ops, no, t0, NULL);
 }
 

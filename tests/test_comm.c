@@ -779,12 +779,17 @@ static void rank_mismatch(dsk_comm *c, void *argp) {
                                     : dsk_comm_all_reduce(c, NULL, x, y, 100, DSK_F32, DSK_COMM_SUM);
     else if (a->kind == 2) st = odd ? dsk_comm_all_gather(c, NULL, x, y, 100, DSK_F32)
                                     : dsk_comm_all_reduce(c, NULL, x, y, 100, DSK_F32, DSK_COMM_SUM);
-    else {
+    else if (a->kind == 3) {
         int64_t sc[4] = {1, 1, 1, 1}, rc[4] = {1, 1, 1, 1};
         if (c->rank == 0) rc[1] = 2; /* rank 0 expects 2 elements from rank 1, which sends 1 */
         st = dsk_comm_all_to_all_v(c, NULL, x, sc, NULL, y, rc, NULL, DSK_F32);
+    } else {
+        /* rank 0 broadcasts as the root, the others take rank 1 for the root; kind 5: 3 ranks,
+           large enough for scatter + all-gather */
+        int64_t count = a->kind == 5 ? 150 : 100;
+        st = dsk_comm_broadcast(c, NULL, x, y, count, DSK_F32, c->rank == 0 ? 0 : 1);
     }
-    printf("     rank %d: %s after %.2f s: %s\n", c->rank, dsk_status_str(st), dsk_test_now() - t0, dsk_last_error());
+    printf("     rank %d: %s after %.2f s: %s\n", c->rank, dsk_status_str(st), dsk_test_now() - t0, st ? dsk_last_error() : "");
     /* all_to_all_v: rank 1 sent what rank 0 does not expect but itself got what it expected */
     if (a->kind != 3 || c->rank == 0)
         DSK_TEST_EXPECT(st == DSK_ERR_PEER || st == DSK_ERR_TIMEOUT, "rank %d got %s", c->rank, dsk_status_str(st));
@@ -805,6 +810,12 @@ static void rank_mismatch(dsk_comm *c, void *argp) {
         DSK_TEST_ERROR_MENTIONS("all_reduce(count 100, f32, sum)");
     }
     if (a->kind == 3 && c->rank == 0) DSK_TEST_ERROR_MENTIONS("expects all_to_all_v(count 2, f32)");
+    if (a->kind >= 4) {
+        DSK_TEST_ERROR_MENTIONS("dsk_comm_broadcast: ");
+        DSK_TEST_ERROR_MENTIONS("mismatched calls");
+        DSK_TEST_ERROR_MENTIONS(", root 0)");
+        DSK_TEST_ERROR_MENTIONS(", root 1)");
+    }
     DSK_TEST_EXPECT(dsk_test_now() - t0 < 3.5, "mismatch took %.2f s", dsk_test_now() - t0);
 }
 
@@ -813,6 +824,7 @@ static void case_mismatch(int n, int kind) {
     mismatch_arg a;
     group_defaults(&g, n);
     g.opts = fault_opts(2.0);
+    g.opts.small_bytes = 512; /* 150 f32 take the large-message path */
     a.kind = kind;
     expect_group_ok(&g, rank_mismatch, &a);
 }
@@ -1451,6 +1463,10 @@ int main(int argc, char **argv) {
     case_mismatch(3, 2);
     dsk_test_begin("fault: mismatched all_to_all_v counts (2 ranks)");
     case_mismatch(2, 3);
+    dsk_test_begin("fault: mismatched broadcast roots fail every rank in that call (2 ranks)");
+    case_mismatch(2, 4);
+    dsk_test_begin("fault: mismatched broadcast roots fail every rank in that call (3 ranks, scatter + all-gather)");
+    case_mismatch(3, 5);
     {
         group g;
         group_defaults(&g, 2);
