@@ -145,7 +145,8 @@ DSK_API dsk_status dsk_comm_all_to_all(dsk_comm *c, dsk_ctx *ctx, const void *se
 /* The MoE dispatch primitive: send_counts[p] elements at send + send_displs[p] go to rank p;
    recv_counts[p] elements from rank p land at recv + recv_displs[p]. Arrays of world_size;
    NULL displacements mean packed (exclusive prefix sums of the counts). Counts may be 0.
-   Not in place. Host: a rank that sends a count its peer does not expect fails naming both. */
+   Not in place. Host: when rank p sends rank q a count q does not expect, both p and q fail
+   with DSK_ERR_PEER naming both ranks and both counts. */
 DSK_API dsk_status dsk_comm_all_to_all_v(dsk_comm *c, dsk_ctx *ctx, const void *send, const int64_t *send_counts,
                                          const int64_t *send_displs, void *recv, const int64_t *recv_counts,
                                          const int64_t *recv_displs, dsk_dtype dt);
@@ -725,6 +726,7 @@ typedef struct dsk__comm_wire {
     uint32_t step;  /* round inside the call */
     int64_t count;  /* the call's count (all_to_all_v, send: this message's count) */
     uint64_t seq;   /* collective calls before this one (send/recv: messages to this peer) */
+    int64_t expect; /* all_to_all_v: the count the sender expects back from the receiver, else 0 */
 } dsk__comm_wire;
 
 #define DSK__COMM_WIRE_MAGIC 0x6b736431u /* "1dsk" */
@@ -966,6 +968,20 @@ static void dsk__comm_wire_describe(const dsk__comm_wire *h, char *buf, size_t n
              dsk_dtype_name((dsk_dtype)h->dtype), extra, (unsigned long long)h->seq, (unsigned)h->step);
 }
 
+/* All-to-all-v counts that disagree between this rank and `peer`, seen from either side:
+   both ranks get the same sentence naming the sender, the receiver and both counts. */
+static dsk_status dsk__comm_a2av_mismatch(dsk_comm *c, const char *fn, int peer, const dsk__comm_wire *got,
+                                         const dsk__comm_wire *want) {
+    int me = c->rank;
+    if (got->count != want->count) /* what peer sends me vs what I expect from it */
+        return dsk_set_error(DSK_ERR_PEER, "%s: all_to_all_v counts disagree: rank %d sends rank %d %lld elements but rank "
+                             "%d expects %lld (call #%llu; this is rank %d)", fn, peer, me, (long long)got->count, me,
+                             (long long)want->count, (unsigned long long)want->seq, me);
+    return dsk_set_error(DSK_ERR_PEER, "%s: all_to_all_v counts disagree: rank %d sends rank %d %lld elements but rank %d "
+                         "expects %lld (call #%llu; this is rank %d)", fn, me, peer, (long long)want->expect, peer,
+                         (long long)got->expect, (unsigned long long)want->seq, me);
+}
+
 static int dsk__comm_io_finished(const dsk__comm_io *op) { return op->done == sizeof(dsk__comm_wire) + op->len; }
 
 /* Moves what the socket allows; 1 done, 0 would block, -1 error (*err and the message set). */
@@ -997,8 +1013,11 @@ static int dsk__comm_io_progress(dsk_comm *c, const char *fn, dsk__comm_io *op, 
                     if (g->magic != DSK__COMM_WIRE_MAGIC)
                         return *err = dsk_set_error(DSK_ERR_CORRUPT, "%s: rank %d sent a message without the dsk header "
                                                     "(magic %08x)", fn, op->peer, (unsigned)g->magic), -1;
+                    if (g->kind == DSK__COMM_ALL_TO_ALL_V && w->kind == g->kind && g->seq == w->seq && g->dtype == w->dtype &&
+                        (g->count != w->count || g->expect != w->expect))
+                        return *err = dsk__comm_a2av_mismatch(c, fn, op->peer, g, w), -1;
                     if (g->kind != w->kind || g->dtype != w->dtype || g->op != w->op || g->root != w->root ||
-                        g->count != w->count || g->seq != w->seq || g->step != w->step) {
+                        g->count != w->count || g->seq != w->seq || g->step != w->step || g->expect != w->expect) {
                         char mine[160], theirs[160];
                         dsk__comm_wire_describe(w, mine, sizeof mine);
                         dsk__comm_wire_describe(g, theirs, sizeof theirs);
@@ -1362,6 +1381,10 @@ static dsk_status dsk__comm_host_a2a(dsk_comm *c, const char *fn, int kind, cons
         }
         hs = dsk__comm_wire_make(m, kind, dt, 0, -1, scount[p]);
         hr = dsk__comm_wire_make(m, kind, dt, 0, -1, rcount[p]);
+        if (kind == DSK__COMM_ALL_TO_ALL_V) { /* so a sender of a count its peer does not expect fails too */
+            hs.expect = rcount[p];
+            hr.expect = scount[p];
+        }
         dsk__comm_io_post(&m->ops[no++], p, 1, &hs, send + sdis[p] * (int64_t)esz, (size_t)scount[p] * esz);
         dsk__comm_io_post(&m->ops[no++], p, 0, &hr, recv + rdis[p] * (int64_t)esz, (size_t)rcount[p] * esz);
     }
