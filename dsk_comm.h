@@ -41,7 +41,10 @@
    - Every wait ends by opts.timeout_s: DSK_ERR_TIMEOUT or DSK_ERR_PEER naming the rank.
      After such an error the communicator is unusable (DSK_ERR_STATE) until freed; the
      error is published in the store and the sockets are half-closed, so peers fail fast
-     and report the root cause ("rank 1 hung up ... after its own error: ...").
+     and report the root cause ("rank 1 hung up ... after its own error: ..."). Rank 0
+     serves the store: when a peer hangs up and the store is gone or silent too, the error
+     names rank 0 as the likely first failure. An error is returned at the timeout, not
+     later (publishing it does not wait for the store).
    - A communicator is not thread-safe: one call at a time. Gradient buckets use their own
      communicator (split at init), so the parent stays free during backward.
    Every rank must issue the same collectives in the same order (as with NCCL and MPI).
@@ -605,6 +608,8 @@ static int dsk__comm_store_read(dsk__comm_store_server *s, int i) {
         if (r > 0) { c->len += (size_t)r; continue; }
         if (r < 0 && errno == EINTR) continue;
         if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return dsk__comm_store_serve(s, i);
+        /* hung up: what it sent before still counts (a breaking rank publishes its fault and leaves) */
+        dsk__comm_store_serve(s, i);
         return -1;
     }
 }
@@ -746,7 +751,8 @@ struct dsk__comm_impl {
     size_t small_bytes, piece_bytes;
     char master_addr[256];
     int master_port;
-    char ns[96];                 /* store key namespace of this communicator */
+    char ns[96];                 /* store key namespace of this communicator ("w": the world) */
+    int store_gone;              /* the store hung up: rank 0, its host, is gone */
     char job_id[DSK__COMM_JOB_MAX + 4]; /* opts.job_id, "" for none */
     char my_ip[64];              /* where peers reach this rank */
     uint64_t tag;                /* identifies the mesh in connection hellos */
@@ -785,6 +791,8 @@ static void *dsk__comm_scratch(dsk__comm_impl *m, size_t bytes) {
 
 /* ---------------------------------------------------------------- store client */
 
+static dsk_status dsk__comm_store_fail(dsk__comm_impl *m, dsk_status st);
+
 static dsk_status dsk__comm_store_call(dsk_comm *c, const char *fn, uint32_t cmd, const char *key, const void *val,
                                   uint64_t n, double deadline) {
     dsk__comm_impl *m = c->impl;
@@ -800,17 +808,17 @@ static dsk_status dsk__comm_store_call(dsk_comm *c, const char *fn, uint32_t cmd
     memcpy(h + 8, &n, 8);
     if ((st = dsk__comm_write_full(fn, m->store_fd, h, 16, deadline, who)) != DSK_OK ||
         (st = dsk__comm_write_full(fn, m->store_fd, key, klen, deadline, who)) != DSK_OK ||
-        (cmd == DSK__COMM_STORE_SET && (st = dsk__comm_write_full(fn, m->store_fd, val, (size_t)n, deadline, who)) != DSK_OK)) {
-        close(m->store_fd);
-        m->store_fd = -1;
-    }
-    return st;
+        (cmd == DSK__COMM_STORE_SET && (st = dsk__comm_write_full(fn, m->store_fd, val, (size_t)n, deadline, who)) != DSK_OK))
+        return dsk__comm_store_fail(m, st);
+    return DSK_OK;
 }
 
-/* A failed or timed-out request leaves the connection out of step: close it. */
+/* A failed or timed-out request leaves the connection out of step: close it. A store that
+   hung up is gone (its host, rank 0, exited or crashed): remembered for fault reports. */
 static dsk_status dsk__comm_store_fail(dsk__comm_impl *m, dsk_status st) {
     if (m->store_fd >= 0) close(m->store_fd);
     m->store_fd = -1;
+    if (st == DSK_ERR_PEER) m->store_gone = 1;
     return st;
 }
 
@@ -873,7 +881,10 @@ static dsk_status dsk__comm_store_barrier(dsk_comm *c, const char *fn) {
 }
 
 /* Records the current error as fatal: publishes it in the store (so a peer that sees this
-   rank hang up can report the root cause), then half-closes the mesh so peers fail fast. */
+   rank hang up can report the root cause), then half-closes the mesh so peers fail fast.
+   The publication does not wait for the store's reply (a stopped rank 0 must not delay the
+   error past the timeout); the store connection is closed after it, as the communicator is
+   unusable from here on. */
 static dsk_status dsk__comm_break(dsk_comm *c, dsk_status st) {
     dsk__comm_impl *m = c->impl;
     if (m->broken) return st;
@@ -881,11 +892,10 @@ static dsk_status dsk__comm_break(dsk_comm *c, dsk_status st) {
     snprintf(m->broken_msg, sizeof m->broken_msg, "%s", dsk_last_error());
     if (m->store_fd >= 0 && m->fds) {
         char key[160];
-        double keep = m->timeout_s;
-        m->timeout_s = keep < 1.0 ? keep : 1.0;
         snprintf(key, sizeof key, "dsk/%s/fault/%d", m->ns, c->rank);
-        dsk__comm_store_set(c, "dsk_comm", key, m->broken_msg, strlen(m->broken_msg) + 1);
-        m->timeout_s = keep;
+        if (dsk__comm_store_call(c, "dsk_comm", DSK__COMM_STORE_SET, key, m->broken_msg, strlen(m->broken_msg) + 1,
+                                 dsk__comm_now() + 0.2) == DSK_OK)
+            dsk__comm_store_fail(m, DSK_ERR_STATE);
         dsk_set_error(st, "%s", m->broken_msg);
     }
     for (int r = 0; m->fds && r < c->world_size; r++)
@@ -896,21 +906,31 @@ static dsk_status dsk__comm_break(dsk_comm *c, dsk_status st) {
     return st;
 }
 
-/* What rank `peer` published when it broke, if it did within a moment ("" if not). */
-static void dsk__comm_peer_fault(dsk_comm *c, int peer, char *buf, size_t cap) {
+enum { DSK__COMM_STORE_UP, DSK__COMM_STORE_GONE, DSK__COMM_STORE_SILENT, DSK__COMM_STORE_NONE };
+
+/* What rank `peer` published when it broke, if it did within a moment ("" if not). Returns
+   the state of the store: up, gone (it hung up: rank 0, its host, exited or crashed),
+   silent (no answer in time: rank 0 may be stopped) or none (no connection to ask). */
+static int dsk__comm_peer_fault(dsk_comm *c, int peer, char *buf, size_t cap) {
     dsk__comm_impl *m = c->impl;
     char key[160], saved[1024];
     double keep = m->timeout_s;
     size_t len = 0;
+    dsk_status st;
     buf[0] = 0;
-    if (m->store_fd < 0) return;
+    if (m->store_fd < 0) return m->store_gone ? DSK__COMM_STORE_GONE : DSK__COMM_STORE_NONE;
     snprintf(saved, sizeof saved, "%s", dsk_last_error());
-    snprintf(key, sizeof key, "dsk/%s/fault/%d", m->ns, peer);
     m->timeout_s = keep < 0.3 ? keep : 0.3;
-    if (dsk__comm_store_get(c, "dsk_comm", key, buf, cap - 1, &len) == DSK_OK) buf[len < cap - 1 ? len : cap - 1] = 0;
-    else buf[0] = 0;
+    /* first a request the store answers at once, so a silent store is told from a missing key */
+    snprintf(key, sizeof key, "dsk/%s/ping", m->ns);
+    st = dsk__comm_store_add(c, "dsk_comm", key, 0, NULL);
+    if (st == DSK_OK) {
+        snprintf(key, sizeof key, "dsk/%s/fault/%d", m->ns, peer);
+        if (dsk__comm_store_get(c, "dsk_comm", key, buf, cap - 1, &len) == DSK_OK) buf[len < cap - 1 ? len : cap - 1] = 0;
+    }
     m->timeout_s = keep;
     dsk_set_error(DSK_OK, "%s", saved);
+    return st == DSK_OK ? DSK__COMM_STORE_UP : m->store_gone ? DSK__COMM_STORE_GONE : DSK__COMM_STORE_SILENT;
 }
 
 static dsk_status dsk__comm_check(const dsk_comm *c, const char *fn) {
@@ -1039,10 +1059,18 @@ static int dsk__comm_io_progress(dsk_comm *c, const char *fn, dsk__comm_io *op, 
             dsk__comm_wire_describe(&op->hdr, what, sizeof what);
             char why[400];
             const char *es = r == 0 ? "end of stream" : strerror(errno);
-            dsk__comm_peer_fault(c, op->peer, why, sizeof why);
+            int store = dsk__comm_peer_fault(c, op->peer, why, sizeof why);
+            const char *host = strcmp(c->impl->ns, "w") == 0 ? "rank 0" : "world rank 0";
             if (why[0])
                 return *err = dsk_set_error(DSK_ERR_PEER, "%s: rank %d hung up during %s after its own error: %s", fn,
                                             op->peer, what, why), -1;
+            /* rank 0 hosts the store that relays root causes: when it is gone, it is the likely cause */
+            if (store == DSK__COMM_STORE_GONE || store == DSK__COMM_STORE_SILENT)
+                return *err = dsk_set_error(DSK_ERR_PEER, "%s: lost the connection to rank %d (%s) during %s; %s, which "
+                                            "serves the key-value store at %s:%d, %s: it most likely failed first", fn,
+                                            op->peer, es, what, host, c->impl->master_addr, c->impl->master_port,
+                                            store == DSK__COMM_STORE_GONE ? "is gone (exited or crashed)"
+                                                                          : "does not answer (stopped or overloaded)"), -1;
             return *err = dsk_set_error(DSK_ERR_PEER, "%s: lost the connection to rank %d (%s) during %s: it exited, "
                                         "crashed or failed an earlier call", fn, op->peer, es, what), -1;
         }

@@ -760,6 +760,62 @@ static void case_rank_dies(int sig, int64_t count) {
     DSK_TEST_EXPECT(g.status[2] == 128 + SIGKILL, "victim exited %d", g.status[2]);
 }
 
+/* Rank 0 hosts the store that relays root causes (issue 10 item 11): when it dies, every
+   survivor must name it, not another survivor that failed after it. chain: ranks 1..3 each
+   receive from the previous rank, so ranks 2 and 3 see a survivor hang up, never rank 0;
+   otherwise a 4 MB all_reduce. */
+static void rank_zero_dies(dsk_comm *c, void *argp) {
+    int chain = *(const int *)argp;
+    int64_t n = chain ? 1 : 1 << 20;
+    float *x = (float *)malloc((size_t)n * sizeof(float));
+    dsk_status st;
+    double t0;
+    gen(x, DSK_F32, n, 21, c->rank);
+    DSK_TEST_OK(dsk_comm_barrier(c, NULL));
+    if (c->rank == 0) raise(SIGKILL);
+    t0 = dsk_test_now();
+    st = chain ? dsk_comm_recv(c, NULL, x, 1, DSK_F32, c->rank - 1) : dsk_comm_all_reduce(c, NULL, x, x, n, DSK_F32, DSK_COMM_SUM);
+    printf("     rank %d: %s after %.2f s: %s\n", c->rank, dsk_status_str(st), dsk_test_now() - t0, dsk_last_error());
+    DSK_TEST_STATUS(st, DSK_ERR_PEER);
+    DSK_TEST_ERROR_MENTIONS("rank 0, which serves the key-value store at 127.0.0.1:");
+    DSK_TEST_ERROR_MENTIONS("is gone (exited or crashed)");
+    DSK_TEST_EXPECT(dsk_test_now() - t0 < 1.5, "rank %d took %.2f s to fail", c->rank, dsk_test_now() - t0);
+    free(x);
+}
+
+static void case_zero_dies(int chain) {
+    group g;
+    group_defaults(&g, 4);
+    g.opts = fault_opts(3.0);
+    run_group(&g, rank_zero_dies, &chain);
+    DSK_TEST_EXPECT(g.status[0] == 128 + SIGKILL, "rank 0 exited %d", g.status[0]);
+    for (int r = 1; r < 4; r++) DSK_TEST_EXPECT(g.status[r] == 0, "surviving rank %d exited %d", r, g.status[r]);
+}
+
+/* Rank 0 is stopped (issue 10 item 12): the survivors time out in the timeout, not a second
+   later, and the time in the message is the time the call took. */
+static void rank_zero_stops(dsk_comm *c, void *arg) {
+    float x[100];
+    dsk_status st;
+    double t0, took, said = -1;
+    const char *at;
+    (void)arg;
+    gen(x, DSK_F32, 100, 22, c->rank);
+    for (int i = 0; i < 2; i++) DSK_TEST_OK(dsk_comm_all_reduce(c, NULL, x, x, 100, DSK_F32, DSK_COMM_SUM));
+    if (c->rank == 0) raise(SIGSTOP);
+    t0 = dsk_test_now();
+    st = dsk_comm_all_reduce(c, NULL, x, x, 100, DSK_F32, DSK_COMM_SUM);
+    took = dsk_test_now() - t0;
+    printf("     rank %d: %s after %.2f s: %s\n", c->rank, dsk_status_str(st), took, dsk_last_error());
+    DSK_TEST_STATUS(st, DSK_ERR_TIMEOUT);
+    DSK_TEST_ERROR_MENTIONS("waiting for rank 0");
+    at = strstr(dsk_last_error(), "timed out after ");
+    if (at) said = atof(at + strlen("timed out after "));
+    DSK_TEST_EXPECT(took < 1.0 + 0.4, "rank %d failed after %.2f s for a 1 s timeout", c->rank, took);
+    DSK_TEST_EXPECT(said >= 0 && fabs(took - said) < 0.25, "rank %d: the message says %.2f s, the call took %.2f s", c->rank,
+                    said, took);
+}
+
 typedef struct mismatch_arg { int kind; } mismatch_arg;
 
 /* Rank 1 makes a different call than the others; everyone must get an error, and the
@@ -1454,6 +1510,19 @@ int main(int argc, char **argv) {
     case_rank_dies(SIGSTOP, 1000);
     dsk_test_begin("fault: rank 2 of 3 SIGSTOPped mid-run, 8 MB messages (sends block too)");
     case_rank_dies(SIGSTOP, 2 << 20);
+    dsk_test_begin("fault: rank 0 of 4 SIGKILLed, chain of receives: every survivor blames rank 0 (it hosts the store)");
+    case_zero_dies(1);
+    dsk_test_begin("fault: rank 0 of 4 SIGKILLed in a 4 MB all_reduce: every survivor blames rank 0");
+    case_zero_dies(0);
+    {
+        group g;
+        group_defaults(&g, 3);
+        g.opts = fault_opts(1.0);
+        g.reap = 1;
+        dsk_test_begin("fault: rank 0 of 3 SIGSTOPped: survivors fail in the timeout, the message tells the time taken");
+        run_group(&g, rank_zero_stops, NULL);
+        DSK_TEST_EXPECT(g.status[1] == 0 && g.status[2] == 0, "surviving ranks exited %d %d", g.status[1], g.status[2]);
+    }
     dsk_test_begin("fault: mismatched count (2 ranks)");
     case_mismatch(2, 0);
     dsk_test_begin("fault: mismatched dtype (3 ranks)");
