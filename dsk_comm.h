@@ -116,7 +116,8 @@ typedef struct dsk_comm {
    dsk_comm_opts.job_id) comes from the launcher's variables. Then dsk_comm_init. */
 DSK_API dsk_status dsk_comm_init_env(dsk_comm *c, const dsk_comm_opts *opts);
 /* Collective over world_size processes: rank 0 serves the store, all meet through it.
-   opts may be NULL. On failure *c is zeroed and everything opened is released. */
+   opts may be NULL. On failure *c is zeroed and everything opened is released. A rank that
+   another process already claimed fails at once with DSK_ERR_ARG naming both processes. */
 DSK_API dsk_status dsk_comm_init(dsk_comm *c, int rank, int world_size, const dsk_comm_opts *opts);
 /* Releases sockets, threads, NCCL communicator; zeroed/freed ok. Free sub-groups first.
    On rank 0 the store stops taking connections at once, then waits up to 1 s for the other
@@ -331,8 +332,10 @@ static dsk_status dsk__comm_resolve(const char *fn, const char *host, int port, 
     return DSK_OK;
 }
 
-/* A listening socket on addr:port (port 0: any); *port_out = the bound port. */
-static dsk_status dsk__comm_listen(const char *fn, const struct sockaddr_in *addr, int *fd_out, int *port_out) {
+/* A listening socket on addr:port (port 0: any); *port_out = the bound port. `busy` says
+   what to do when the port is taken (NULL: pick another MASTER_PORT). */
+static dsk_status dsk__comm_listen(const char *fn, const struct sockaddr_in *addr, const char *busy, int *fd_out,
+                                   int *port_out) {
     struct sockaddr_in sa = *addr;
     socklen_t sl = sizeof sa;
     int one = 1, fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -344,8 +347,8 @@ static dsk_status dsk__comm_listen(const char *fn, const struct sockaddr_in *add
         int e = errno;
         close(fd);
         if (e == EADDRINUSE)
-            return dsk_set_error(DSK_ERR_IO, "%s: port %d on %s is already in use (EADDRINUSE): pick another MASTER_PORT",
-                                 fn, (int)ntohs(sa.sin_port), ip);
+            return dsk_set_error(DSK_ERR_IO, "%s: port %d on %s is already in use (EADDRINUSE): %s", fn,
+                                 (int)ntohs(sa.sin_port), ip, busy ? busy : "pick another MASTER_PORT");
         return dsk_set_error(DSK_ERR_IO, "%s: bind %s:%d: %s", fn, ip, (int)ntohs(sa.sin_port), strerror(e));
     }
     if (listen(fd, SOMAXCONN) != 0 || getsockname(fd, (struct sockaddr *)&sa, &sl) != 0) {
@@ -696,13 +699,17 @@ static void dsk__comm_store_server_free(dsk__comm_store_server *s) {
     DSK_FREE(s);
 }
 
-static dsk_status dsk__comm_store_server_start(const char *fn, const struct sockaddr_in *addr, dsk__comm_store_server **out) {
+static dsk_status dsk__comm_store_server_start(const char *fn, const struct sockaddr_in *addr, const char *busy,
+                                               dsk__comm_store_server **out) {
     dsk__comm_store_server *s = (dsk__comm_store_server *)DSK_MALLOC(sizeof *s);
     dsk_status st;
     if (!s) return dsk_set_error(DSK_ERR_OOM, "%s: store server", fn);
     memset(s, 0, sizeof *s);
     s->listen_fd = s->wake[0] = s->wake[1] = -1;
-    if ((st = dsk__comm_listen(fn, addr, &s->listen_fd, NULL)) != DSK_OK) { dsk__comm_store_server_free(s); return st; }
+    if ((st = dsk__comm_listen(fn, addr, busy, &s->listen_fd, NULL)) != DSK_OK) {
+        dsk__comm_store_server_free(s);
+        return st;
+    }
     if (pipe(s->wake) != 0) {
         s->wake[0] = s->wake[1] = -1;
         dsk__comm_store_server_free(s);
@@ -1507,7 +1514,7 @@ static dsk_status dsk__comm_mesh_listen(dsk_comm *c, const char *fn, int *lfd, c
     memset(&any, 0, sizeof any);
     any.sin_family = AF_INET;
     any.sin_addr.s_addr = htonl(INADDR_ANY);
-    if ((st = dsk__comm_listen(fn, &any, lfd, &port)) != DSK_OK) return st;
+    if ((st = dsk__comm_listen(fn, &any, NULL, lfd, &port)) != DSK_OK) return st;
     memset(ep, 0, DSK__COMM_EP_LEN);
     snprintf(ep, DSK__COMM_EP_LEN, "%.46s %d", c->impl->my_ip, port);
     return DSK_OK;
@@ -1654,6 +1661,32 @@ static dsk_status dsk__comm_same_job(dsk_comm *c, const char *fn, dsk__comm_hell
                          "its own port", fn, m->master_addr, m->master_port, hello->job, c->rank, c->world_size, m->job_id);
 }
 
+/* Claims this rank in the store, naming this process. A second claim by another process is a
+   duplicate RANK: DSK_ERR_ARG at once. A second claim by this same process means the store
+   is its previous communicator's on this port, shutting down: DSK_ERR_PEER, to retry. */
+static dsk_status dsk__comm_claim(dsk_comm *c, const char *fn) {
+    dsk__comm_impl *m = c->impl;
+    char key[64], me[160], other[160], host[64] = "?";
+    int64_t claims = 0;
+    size_t len = 0;
+    dsk_status st;
+    gethostname(host, sizeof host - 1);
+    host[sizeof host - 1] = 0;
+    memset(me, 0, sizeof me);
+    memset(other, 0, sizeof other);
+    snprintf(me, sizeof me, "pid %ld on %s (%s)", (long)getpid(), host, m->my_ip);
+    snprintf(key, sizeof key, "dsk/w/claim/%d", c->rank);
+    if ((st = dsk__comm_store_add(c, fn, key, 1, &claims)) != DSK_OK) return st;
+    snprintf(key, sizeof key, "dsk/w/claimer/%d", c->rank);
+    if (claims == 1) return dsk__comm_store_set(c, fn, key, me, sizeof me);
+    if ((st = dsk__comm_store_get(c, fn, key, other, sizeof other - 1, &len)) != DSK_OK) return st;
+    if (strcmp(other, me) != 0)
+        return dsk_set_error(DSK_ERR_ARG, "%s: rank %d is claimed by %lld processes: %s and this one, %s (is RANK %d set "
+                             "twice?)", fn, c->rank, (long long)claims, other, me, c->rank);
+    return dsk_set_error(DSK_ERR_PEER, "%s: the key-value store at %s:%d still holds this process's claim of rank %d from "
+                         "a previous communicator", fn, m->master_addr, m->master_port, c->rank);
+}
+
 /* Connects to the store, checks the world size and claims this rank. A rank other than 0
    that reaches a store which then hangs up, or that already holds its claim, has met the
    store of a previous communicator on this port that is shutting down: it retries. */
@@ -1664,9 +1697,7 @@ static dsk_status dsk__comm_join(dsk_comm *c, const char *fn, const struct socka
         struct sockaddr_in local;
         socklen_t sl = sizeof local;
         dsk__comm_hello_rec hello;
-        int64_t claims = 0;
         size_t len = 0;
-        char key[64];
         dsk_status st = dsk__comm_connect(fn, store_sa, deadline, "key-value store (served by rank 0)", &m->store_fd);
         if (st != DSK_OK) {
             char msg[1200];
@@ -1674,7 +1705,9 @@ static dsk_status dsk__comm_join(dsk_comm *c, const char *fn, const struct socka
                      rank, world);
             return dsk_set_error(st, "%s", msg);
         }
-        if (getsockname(m->store_fd, (struct sockaddr *)&local, &sl) != 0 || !inet_ntop(AF_INET, &local.sin_addr, m->my_ip, sizeof m->my_ip))
+        m->store_gone = 0;
+        if (getsockname(m->store_fd, (struct sockaddr *)&local, &sl) != 0 ||
+            !inet_ntop(AF_INET, &local.sin_addr, m->my_ip, sizeof m->my_ip))
             return dsk_set_error(DSK_ERR_IO, "%s: getsockname: %s", fn, strerror(errno));
         if (rank == 0) {
             memset(&hello, 0, sizeof hello);
@@ -1690,15 +1723,9 @@ static dsk_status dsk__comm_join(dsk_comm *c, const char *fn, const struct socka
         if (st == DSK_OK && hello.world != world)
             return dsk_set_error(DSK_ERR_ARG, "%s: this rank (%d) has WORLD_SIZE %d but rank 0 has %d", fn, rank, world,
                                  (int)hello.world);
-        snprintf(key, sizeof key, "dsk/w/claim/%d", rank);
-        if (st == DSK_OK) st = dsk__comm_store_add(c, fn, key, 1, &claims);
-        if (st == DSK_OK && claims == 1) return DSK_OK;
-        if (st == DSK_OK)
-            st = dsk_set_error(DSK_ERR_ARG, "%s: rank %d is claimed by %lld processes (a duplicate RANK, or the store of a "
-                               "previous communicator on this port is still up)", fn, rank, (long long)claims);
-        if (rank == 0 || (st != DSK_ERR_PEER && st != DSK_ERR_ARG) || dsk__comm_now() >= deadline) return st;
-        if (m->store_fd >= 0) close(m->store_fd);
-        m->store_fd = -1;
+        if (st == DSK_OK) st = dsk__comm_claim(c, fn);
+        if (st == DSK_OK || rank == 0 || st != DSK_ERR_PEER || dsk__comm_now() >= deadline) return st;
+        dsk__comm_store_fail(m, DSK_ERR_STATE);
         dsk__comm_sleep_s(0.05);
     }
 }
@@ -1726,7 +1753,8 @@ static dsk_status dsk__comm_same_options(dsk_comm *c, const char *fn, const dsk_
                          (unsigned long long)(what[0] == 's' ? mine->small_bytes : mine->piece_bytes));
 }
 
-static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, int world, const dsk_comm_opts *o) {
+static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, int world, const dsk_comm_opts *o,
+                                       const char *busy) {
     dsk__comm_impl *m;
     const char *addr = o && o->master_addr ? o->master_addr : (getenv("MASTER_ADDR") && *getenv("MASTER_ADDR") ? getenv("MASTER_ADDR") : "127.0.0.1");
     int port = o && o->master_port ? o->master_port : 29500;
@@ -1759,7 +1787,7 @@ static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, in
     m = c->impl;
     snprintf(m->ns, sizeof m->ns, "w");
     deadline = t0 + m->timeout_s;
-    if (rank == 0 && (st = dsk__comm_store_server_start(fn, &store_sa, &m->server)) != DSK_OK) return st;
+    if (rank == 0 && (st = dsk__comm_store_server_start(fn, &store_sa, busy, &m->server)) != DSK_OK) return st;
     if ((st = dsk__comm_join(c, fn, &store_sa, deadline)) != DSK_OK) return st;
     if (rank == 0) {
         uint64_t tag = ((uint64_t)getpid() << 32) ^ (uint64_t)(t0 * 1e9);
@@ -1799,7 +1827,8 @@ done:
     return st;
 }
 
-DSK_API dsk_status dsk_comm_init(dsk_comm *c, int rank, int world_size, const dsk_comm_opts *opts) {
+/* dsk_comm_init; `busy` (NULL: the usual) says what to do when rank 0's store port is taken. */
+static dsk_status dsk__comm_init(dsk_comm *c, int rank, int world_size, const dsk_comm_opts *opts, const char *busy) {
     const char *fn = "dsk_comm_init";
     dsk_status st;
     if (!c) return dsk_set_error(DSK_ERR_ARG, "%s: communicator is NULL", fn);
@@ -1814,12 +1843,16 @@ DSK_API dsk_status dsk_comm_init(dsk_comm *c, int rank, int world_size, const ds
     if (opts && opts->job_id && strlen(opts->job_id) > DSK__COMM_JOB_MAX)
         return dsk_set_error(DSK_ERR_ARG, "%s: job_id of %zu characters exceeds %d", fn, strlen(opts->job_id),
                              DSK__COMM_JOB_MAX);
-    st = dsk__comm_init_world(c, fn, rank, world_size, opts);
+    st = dsk__comm_init_world(c, fn, rank, world_size, opts, busy);
     if (st != DSK_OK) {
         dsk__comm_impl_free(c);
         memset(c, 0, sizeof *c);
     }
     return st;
+}
+
+DSK_API dsk_status dsk_comm_init(dsk_comm *c, int rank, int world_size, const dsk_comm_opts *opts) {
+    return dsk__comm_init(c, rank, world_size, opts, NULL);
 }
 
 /* The job identity the launcher of variable set `set` (0 torchrun, 1 Open MPI, 2 Slurm) gives
@@ -1850,8 +1883,8 @@ DSK_API dsk_status dsk_comm_init_env(dsk_comm *c, const dsk_comm_opts *opts) {
                                      {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"},
                                      {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"}};
     int v[4] = {0, 0, 0, 0}, have[4] = {0, 0, 0, 0}, port = 0, s;
-    char why[256], job[DSK__COMM_JOB_MAX + 4];
-    const char *addr = getenv("MASTER_ADDR"), *pstr = getenv("DSK_MASTER_PORT"), *agent = getenv("TORCHELASTIC_USE_AGENT_STORE");
+    char why[256], job[DSK__COMM_JOB_MAX + 4], busy[256] = "";
+    const char *pname = "MASTER_PORT", *addr = getenv("MASTER_ADDR"), *pstr = getenv("DSK_MASTER_PORT"), *agent = getenv("TORCHELASTIC_USE_AGENT_STORE");
     int agent_store = !(pstr && *pstr) && agent && (!strcmp(agent, "True") || !strcmp(agent, "1"));
     dsk_comm_opts o;
     if (!c) return dsk_set_error(DSK_ERR_ARG, "%s: communicator is NULL", fn);
@@ -1889,14 +1922,20 @@ DSK_API dsk_status dsk_comm_init_env(dsk_comm *c, const dsk_comm_opts *opts) {
                                  fn, v[0], v[1]);
         o.master_addr = "127.0.0.1";
     }
-    if (!(pstr && *pstr)) pstr = getenv("MASTER_PORT");
+    if (pstr && *pstr) pname = "DSK_MASTER_PORT";
+    else pstr = getenv("MASTER_PORT");
     if (pstr && *pstr) {
         char *end;
         long p = strtol(pstr, &end, 10);
         if (*end || p < 1 || p + agent_store > 65535)
-            return dsk_set_error(DSK_ERR_ARG, "%s: %s=\"%s\" is not a port number", fn, getenv("DSK_MASTER_PORT") && *getenv("DSK_MASTER_PORT") ? "DSK_MASTER_PORT" : "MASTER_PORT", pstr);
+            return dsk_set_error(DSK_ERR_ARG, "%s: %s=\"%s\" is not a port number", fn, pname, pstr);
         /* torchrun's agent already serves its own store on MASTER_PORT: ours takes the next port */
         port = (int)p + agent_store;
+        if (agent_store)
+            snprintf(busy, sizeof busy, "under torchrun dsk's store takes MASTER_PORT+1 = %d (torchrun's agent serves "
+                     "its own store on MASTER_PORT=%ld); free port %d or set DSK_MASTER_PORT to a free port", port, p, port);
+        else
+            snprintf(busy, sizeof busy, "pick another %s", pname);
     }
     if (port) o.master_port = port;
     if (have[3] && v[3] > 0) {
@@ -1907,7 +1946,7 @@ DSK_API dsk_status dsk_comm_init_env(dsk_comm *c, const dsk_comm_opts *opts) {
     } else {
         o.local_world_size = 0;
     }
-    return dsk_comm_init(c, v[0], v[1], &o);
+    return dsk__comm_init(c, v[0], v[1], &o, busy[0] ? busy : NULL);
 }
 
 /* Counts one finished call: its time and the sequence number the next call carries. */
@@ -2427,7 +2466,7 @@ DSK_API dsk_status dsk_comm_free_port(const char *addr, int *port) {
     dsk_status st;
     if (!port) return dsk_set_error(DSK_ERR_ARG, "%s: port is NULL", fn);
     if ((st = dsk__comm_resolve(fn, addr ? addr : "127.0.0.1", 0, &sa)) != DSK_OK) return st;
-    if ((st = dsk__comm_listen(fn, &sa, &fd, port)) != DSK_OK) return st;
+    if ((st = dsk__comm_listen(fn, &sa, NULL, &fd, port)) != DSK_OK) return st;
     close(fd);
     return DSK_OK;
 }

@@ -1044,6 +1044,55 @@ static void case_options_differ(void) {
     expect_init_failures(&e);
 }
 
+/* A duplicate RANK (issue 10 item 12): processes 1 and 2 both say rank 1 (process 2 a
+   moment later). Process 2 must fail at once with the documented message; the others run.
+   Before, it retried until the timeout and reported "no key-value store ... refused". */
+static void rank_duplicate(dsk_comm *unused, void *argp) {
+    const group *g = (const group *)argp;
+    dsk_comm c;
+    dsk_status st;
+    double t0;
+    int64_t v = g_rank, sum = 0;
+    (void)unused;
+    if (g_rank == 2) {
+        struct timespec ts = {0, 200000000};
+        nanosleep(&ts, NULL);
+    }
+    t0 = dsk_test_now();
+    st = dsk_comm_init(&c, g_rank ? 1 : 0, 2, &g->opts);
+    printf("     process %d (rank %d): %s after %.2f s: %s\n", g_rank, g_rank ? 1 : 0, dsk_status_str(st), dsk_test_now() - t0,
+           st ? dsk_last_error() : "");
+    if (g_rank == 2) {
+        DSK_TEST_STATUS(st, DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dsk_comm_init: rank 1 is claimed by 2 processes: pid ");
+        DSK_TEST_EXPECT(dsk_test_now() - t0 < 1.0, "the duplicate failed after %.2f s", dsk_test_now() - t0);
+        if (st == DSK_OK) dsk_comm_free(&c);
+        return;
+    }
+    DSK_TEST_OK(st);
+    if (st != DSK_OK) return;
+    DSK_TEST_OK(dsk_comm_all_reduce(&c, NULL, &v, &sum, 1, DSK_I64, DSK_COMM_SUM));
+    DSK_TEST_EXPECT(sum == 1, "sum %lld, want 0 + 1", (long long)sum);
+    /* stay up until the duplicate has had its answer */
+    {
+        struct timespec ts = {0, 400000000};
+        nanosleep(&ts, NULL);
+    }
+    dsk_comm_free(&c);
+}
+
+static void case_duplicate_rank(void) {
+    group g;
+    group_defaults(&g, 3);
+    g.no_init = 1;
+    g.opts = fault_opts(3.0);
+    g.opts.backend = DSK_COMM_HOST;
+    g.opts.master_addr = "127.0.0.1";
+    DSK_TEST_OK(dsk_comm_free_port("127.0.0.1", &g.port));
+    g.opts.master_port = g.port;
+    expect_group_ok(&g, rank_duplicate, &g);
+}
+
 static void case_missing_rank(void) {
     init_expect e;
     memset(&e, 0, sizeof e);
@@ -1178,11 +1227,34 @@ static void case_env(void) {
         }
         DSK_TEST_EXPECT(ok, "no port pair for the torchrun agent case");
         if (ok) {
-            env_expect(DSK_ERR_IO, "already in use", "RANK=0", "WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1", mp, (const char *)NULL);
+            env_expect(DSK_ERR_IO, "already in use (EADDRINUSE): pick another MASTER_PORT", "RANK=0", "WORLD_SIZE=1",
+                       "MASTER_ADDR=127.0.0.1", mp, (const char *)NULL);
             env_expect(DSK_OK, "", "RANK=0", "WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1", mp, "TORCHELASTIC_USE_AGENT_STORE=True",
                        (const char *)NULL);
         }
         close(agent);
+    }
+    /* a busy store port names where it came from (issue 10 item 12): under torchrun MASTER_PORT+1 */
+    {
+        struct sockaddr_in sa;
+        socklen_t sl = sizeof sa;
+        int busy = socket(AF_INET, SOCK_STREAM, 0);
+        char mp[48], dp[48], want[160];
+        memset(&sa, 0, sizeof sa);
+        sa.sin_family = AF_INET;
+        sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        DSK_TEST_EXPECT(bind(busy, (struct sockaddr *)&sa, sizeof sa) == 0 && listen(busy, 4) == 0, "busy listener");
+        getsockname(busy, (struct sockaddr *)&sa, &sl);
+        snprintf(mp, sizeof mp, "MASTER_PORT=%d", (int)ntohs(sa.sin_port) - 1);
+        snprintf(dp, sizeof dp, "DSK_MASTER_PORT=%d", (int)ntohs(sa.sin_port));
+        snprintf(want, sizeof want, "under torchrun dsk's store takes MASTER_PORT+1 = %d", (int)ntohs(sa.sin_port));
+        env_expect(DSK_ERR_IO, want, "RANK=0", "WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1", mp,
+                   "TORCHELASTIC_USE_AGENT_STORE=True", (const char *)NULL);
+        env_expect(DSK_ERR_IO, "or set DSK_MASTER_PORT to a free port", "RANK=0", "WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1", mp,
+                   "TORCHELASTIC_USE_AGENT_STORE=True", (const char *)NULL);
+        env_expect(DSK_ERR_IO, "already in use (EADDRINUSE): pick another DSK_MASTER_PORT", "RANK=0", "WORLD_SIZE=1",
+                   "MASTER_ADDR=127.0.0.1", mp, dp, "TORCHELASTIC_USE_AGENT_STORE=True", (const char *)NULL);
+        close(busy);
     }
 }
 
@@ -1549,6 +1621,7 @@ int main(int argc, char **argv) {
     DSK_TEST_RUN(case_wrong_world);
     DSK_TEST_RUN(case_missing_rank);
     DSK_TEST_RUN(case_options_differ);
+    DSK_TEST_RUN(case_duplicate_rank);
     DSK_TEST_RUN(case_port_in_use);
     DSK_TEST_RUN(case_no_store);
     DSK_TEST_RUN(case_env);
