@@ -10,7 +10,7 @@
 
    Host backend: ranks are forked processes on this machine, over TCP loopback.
    nccl backend (--nccl, a DSK_CUDA build on GPUs): run one process per GPU under a launcher
-   (torchrun --no-python, srun, mpirun) so dsk_comm_init_env finds the environment; buffers
+   (torchrun --no_python, srun, mpirun) so dsk_comm_init_env finds the environment; buffers
    are device memory.
 
    Usage: comm_bench [-n ranks] [-b min_bytes] [-e max_bytes] [-f factor] [-c all_reduce|

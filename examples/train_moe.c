@@ -3,7 +3,7 @@
    make run                                   # default: C headers of /usr/include, CPU or GPU
    make run ARGS="--steps 100 --log run.jsonl"
    build/examples/train_moe --nproc 2         # two local data-parallel ranks
-   torchrun --no-python --nproc-per-node 2 build/examples/train_moe   # same under torchrun/srun/mpirun
+   torchrun --nproc_per_node 2 --no_python -r 1 -t 1 build/examples/train_moe  # same under torchrun (README)
    build/examples/train_moe --help            # every flag with its default
 
    The program shows how to embed dsk in a trainer:

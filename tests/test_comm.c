@@ -1475,6 +1475,86 @@ static void case_mpirun(void) {
     }
 }
 
+/* A port whose successor is free too (a moment ago): torchrun's agent store, then dsk's. */
+static int free_port_pair(void) {
+    for (int tries = 0; tries < 50; tries++) {
+        struct sockaddr_in sa;
+        int port = 0, fd = socket(AF_INET, SOCK_STREAM, 0), ok;
+        if (dsk_comm_free_port("127.0.0.1", &port) != DSK_OK) break;
+        memset(&sa, 0, sizeof sa);
+        sa.sin_family = AF_INET;
+        sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        sa.sin_port = htons((uint16_t)(port + 1));
+        ok = bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
+        close(fd);
+        if (ok) return port;
+    }
+    return 0;
+}
+
+/* The flags of the README's torchrun command (the line "    torchrun ... build/examples/train_moe"),
+   with --nproc_per_node's value replaced by 3; 0 if the README has no such line. */
+static int readme_torchrun_flags(const char *self, char *flags, size_t cap) {
+    char path[4200], line[512];
+    FILE *f;
+    int found = 0;
+    snprintf(path, sizeof path, "%s", self);
+    for (int up = 0; up < 3; up++) { /* <root>/<build>/tests/test_comm -> <root> */
+        char *slash = strrchr(path, '/');
+        if (slash) *slash = 0;
+    }
+    strncat(path, "/README.md", sizeof path - strlen(path) - 1);
+    if (!(f = fopen(path, "r"))) return 0;
+    while (!found && fgets(line, sizeof line, f)) {
+        char *prog = strstr(line, " build/examples/train_moe"), *tok;
+        if (strncmp(line, "    torchrun ", 13) != 0 || !prog) continue;
+        *prog = 0;
+        flags[0] = 0;
+        for (tok = strtok(line + 13, " "); tok; tok = strtok(NULL, " ")) {
+            int nproc = strcmp(tok, "--nproc_per_node") == 0;
+            snprintf(flags + strlen(flags), cap - strlen(flags), " %s", tok);
+            if (nproc && (tok = strtok(NULL, " ")) != NULL) snprintf(flags + strlen(flags), cap - strlen(flags), " 3");
+        }
+        found = 1;
+    }
+    fclose(f);
+    return found;
+}
+
+/* The real torchrun (issue 10 item 13), run with the flags the README gives: torch 1.13
+   accepts only --no_python (newer torch both), and Debian's torch 1.13 torchrun dies under
+   Python 3.11 before starting workers unless given -r 1 -t 1. dsk's store goes on
+   MASTER_PORT + 1 beside the agent's. */
+static void case_torchrun(void) {
+    char self[4096], cmd[8400], flags[512], *out;
+    ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
+    int port = free_port_pair(), rc;
+    FILE *p;
+    if (system("command -v torchrun >/dev/null 2>&1") != 0) {
+        dsk_test_skip("torchrun not installed (Debian python3-torch; .ci/run leaves it out: about 230 packages)");
+        return;
+    }
+    self[k > 0 ? k : 0] = 0;
+    DSK_TEST_EXPECT(port > 0, "no free port pair");
+    DSK_TEST_EXPECT(readme_torchrun_flags(self, flags, sizeof flags), "README.md has no \"    torchrun ... "
+                    "build/examples/train_moe\" line");
+    printf("     README's torchrun flags:%s\n", flags);
+    snprintf(cmd, sizeof cmd, "env -u MASTER_ADDR -u MASTER_PORT -u DSK_JOB_ID -u DSK_MASTER_PORT timeout 120 torchrun "
+             "--master_port %d --monitor_interval 0.2%s %s --rank-child 2>&1", port, flags, self);
+    fflush(stdout);
+    p = popen(cmd, "r");
+    DSK_TEST_EXPECT(p != NULL, "popen %s", cmd);
+    if (!p) return;
+    out = slurp(fileno(p));
+    rc = pclose(p);
+    DSK_TEST_EXPECT(rc == 0, "torchrun exited with %d:\n%s", rc, out);
+    for (int r = 0; r < 3; r++) {
+        char line[96];
+        snprintf(line, sizeof line, "rank %d of 3 local %d of 3 sum 6", r, r);
+        DSK_TEST_EXPECT(strstr(out, line) != NULL, "torchrun output lacks \"%s\":\n%s", line, out);
+    }
+}
+
 /* Two `mpirun -np 2` jobs started together on one MASTER_PORT (issue 10 item 7): they must
    never merge. A rank either completes its own job's sum (a merged rank sees the other job's
    numbers and exits 5) or fails naming the cause; at least one job completes. */
@@ -1630,5 +1710,6 @@ int main(int argc, char **argv) {
     DSK_TEST_RUN(case_spawn);
     DSK_TEST_RUN(case_mpirun);
     DSK_TEST_RUN(case_mpirun_two_jobs);
+    DSK_TEST_RUN(case_torchrun);
     return dsk_test_finish();
 }
