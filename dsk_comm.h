@@ -143,6 +143,20 @@ DSK_API dsk_status dsk_comm_all_gather(dsk_comm *c, dsk_ctx *ctx, const void *se
 /* recv (count) = send of rank `root` (send is read on root only). */
 DSK_API dsk_status dsk_comm_broadcast(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t count,
                                       dsk_dtype dt, int root);
+/* Rooted forms; every rank passes the same root (ranks that name different roots all fail).
+   recv (count) on root = op over ranks of send (count), bitwise what all_reduce gives; recv
+   is not touched on the other ranks and may be NULL there. In place: send == recv on root.
+   nccl: AVG of integers is DSK_ERR_UNSUPPORTED. */
+DSK_API dsk_status dsk_comm_reduce(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t count, dsk_dtype dt,
+                                   dsk_comm_op op, int root);
+/* recv (world_size, send_count) on root: block r = send of rank r; recv is not touched on the
+   other ranks and may be NULL there. In place: send = recv + root * send_count on root. */
+DSK_API dsk_status dsk_comm_gather(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t send_count,
+                                   dsk_dtype dt, int root);
+/* recv (recv_count) = block `rank` of root's send (world_size, recv_count); send is read on
+   root only and may be NULL elsewhere. In place: recv = send + root * recv_count on root. */
+DSK_API dsk_status dsk_comm_scatter(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t recv_count,
+                                    dsk_dtype dt, int root);
 /* send, recv (world_size, count): block p of send goes to rank p, block p of recv came from rank p. */
 DSK_API dsk_status dsk_comm_all_to_all(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t count,
                                        dsk_dtype dt);
@@ -742,12 +756,15 @@ typedef struct dsk__comm_wire {
 } dsk__comm_wire;
 
 #define DSK__COMM_WIRE_MAGIC 0x6b736431u /* "1dsk" */
-enum { DSK__COMM_ALL_REDUCE = 1, DSK__COMM_REDUCE_SCATTER, DSK__COMM_ALL_GATHER, DSK__COMM_BROADCAST, DSK__COMM_ALL_TO_ALL, DSK__COMM_ALL_TO_ALL_V,
-       DSK__COMM_SEND, DSK__COMM_BARRIER, DSK__COMM_KIND_END };
+enum {
+    DSK__COMM_ALL_REDUCE = 1, DSK__COMM_REDUCE_SCATTER, DSK__COMM_ALL_GATHER, DSK__COMM_BROADCAST, DSK__COMM_ALL_TO_ALL,
+    DSK__COMM_ALL_TO_ALL_V, DSK__COMM_SEND, DSK__COMM_BARRIER, DSK__COMM_REDUCE, DSK__COMM_GATHER, DSK__COMM_SCATTER,
+    DSK__COMM_KIND_END
+};
 
 static const char *dsk__comm_kind_name(unsigned k) {
     static const char *names[] = {"?", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all",
-                                  "all_to_all_v", "send/recv", "barrier"};
+                                  "all_to_all_v", "send/recv", "barrier", "reduce", "gather", "scatter"};
     return k < DSK__COMM_KIND_END ? names[k] : "an unknown call";
 }
 
@@ -988,9 +1005,11 @@ typedef struct dsk__comm_io {
 
 static void dsk__comm_wire_describe(const dsk__comm_wire *h, char *buf, size_t n) {
     char extra[64] = "";
-    if (h->kind == DSK__COMM_ALL_REDUCE || h->kind == DSK__COMM_REDUCE_SCATTER)
+    int k = h->kind;
+    if (k == DSK__COMM_ALL_REDUCE || k == DSK__COMM_REDUCE_SCATTER || k == DSK__COMM_REDUCE)
         snprintf(extra, sizeof extra, ", %s", dsk_comm_op_name((dsk_comm_op)h->op));
-    if (h->kind == DSK__COMM_BROADCAST) snprintf(extra, sizeof extra, ", root %d", (int)h->root);
+    if (k == DSK__COMM_BROADCAST || k == DSK__COMM_REDUCE || k == DSK__COMM_GATHER || k == DSK__COMM_SCATTER)
+        snprintf(extra + strlen(extra), sizeof extra - strlen(extra), ", root %d", (int)h->root);
     snprintf(buf, n, "%s(count %lld, %s%s) call #%llu step %u", dsk__comm_kind_name(h->kind), (long long)h->count,
              dsk_dtype_name((dsk_dtype)h->dtype), extra, (unsigned long long)h->seq, (unsigned)h->step);
 }
@@ -1398,6 +1417,80 @@ static dsk_status dsk__comm_host_broadcast(dsk_comm *c, const char *fn, const ch
         for (int p = 0; p < n; p++)
             if (p != me)
                 dsk__comm_io_post(&m->ops[no++], p, 0, &h, recv + off[p] * (int64_t)esz, (size_t)(off[p + 1] - off[p]) * esz);
+    return dsk__comm_io_run(c, fn, m->ops, no, t0, NULL);
+}
+
+/* Small (or fewer elements than ranks): every rank sends its buffer to the root, which folds
+   them in rank order. Large: the all-reduce's reduce-scatter, then every rank sends its part
+   to the root. Either way the root gets bitwise what dsk_comm_all_reduce gives. */
+static dsk_status dsk__comm_host_reduce(dsk_comm *c, const char *fn, const char *send, char *recv, int64_t count,
+                                        dsk_dtype dt, dsk_comm_op op, int root, double t0) {
+    dsk__comm_impl *m = c->impl;
+    int n = c->world_size, me = c->rank, no = 0;
+    size_t esz = dsk_dtype_size(dt), bytes = (size_t)count * esz, part_bytes;
+    dsk__comm_wire h = dsk__comm_wire_make(m, DSK__COMM_REDUCE, dt, op, root, count);
+    uint32_t step = 0;
+    char *part;
+    dsk_status st;
+    if (bytes <= m->small_bytes || count < n) {
+        size_t tb = ((size_t)n * bytes + 7) & ~(size_t)7;
+        char *tmp = me == root ? (char *)dsk__comm_scratch(m, tb + (size_t)count * 8) : NULL;
+        if (me == root && !tmp) return dsk_set_error(DSK_ERR_OOM, "%s: %zu bytes of scratch", fn, tb + (size_t)count * 8);
+        for (int p = 0; p < n; p++)
+            if (p != me)
+                dsk__comm_post_pair(m, &no, p, &h, send, p == root ? bytes : 0, me == root ? tmp + (size_t)p * bytes : NULL,
+                                    me == root ? bytes : 0);
+        if ((st = dsk__comm_io_run(c, fn, m->ops, no, t0, NULL)) != DSK_OK || me != root) return st;
+        for (int p = 0; p < n; p++) m->srcs[p] = p == me ? send : tmp + (size_t)p * bytes;
+        dsk__comm_fold(dt, op, n, m->srcs, recv, count, tmp + tb);
+        return DSK_OK;
+    }
+    dsk__comm_partition(count, n, m->off);
+    part_bytes = (size_t)(m->off[me + 1] - m->off[me]) * esz;
+    /* the root folds its part in place; the others into a buffer of their own (rs uses the scratch) */
+    part = me == root ? recv + m->off[me] * (int64_t)esz : (char *)DSK_MALLOC(part_bytes ? part_bytes : 1);
+    if (!part) return dsk_set_error(DSK_ERR_OOM, "%s: %zu bytes for this rank's part", fn, part_bytes);
+    st = dsk__comm_rs_direct(c, fn, h, send, m->off, dt, op, part, t0, &step);
+    h.step = step;
+    for (int p = 0; st == DSK_OK && p < n; p++) {
+        if (p == me || (me != root && p != root)) continue;
+        if (me == root) dsk__comm_io_post(&m->ops[no++], p, 0, &h, recv + m->off[p] * (int64_t)esz,
+                                          (size_t)(m->off[p + 1] - m->off[p]) * esz);
+        else dsk__comm_io_post(&m->ops[no++], p, 1, &h, part, part_bytes);
+    }
+    if (st == DSK_OK) st = dsk__comm_io_run(c, fn, m->ops, no, t0, NULL);
+    if (me != root) DSK_FREE(part);
+    return st;
+}
+
+/* Every rank sends its block to the root (a header alone to the others, see
+   dsk__comm_post_pair); the root's own block is copied. */
+static dsk_status dsk__comm_host_gather(dsk_comm *c, const char *fn, const char *send, char *recv, int64_t scount,
+                                        dsk_dtype dt, int root, double t0) {
+    dsk__comm_impl *m = c->impl;
+    int n = c->world_size, me = c->rank, no = 0;
+    size_t blk = (size_t)scount * dsk_dtype_size(dt);
+    dsk__comm_wire h = dsk__comm_wire_make(m, DSK__COMM_GATHER, dt, 0, root, scount);
+    if (me == root && blk && recv + (size_t)root * blk != send) memmove(recv + (size_t)root * blk, send, blk);
+    for (int p = 0; p < n; p++)
+        if (p != me)
+            dsk__comm_post_pair(m, &no, p, &h, send, p == root ? blk : 0, me == root ? recv + (size_t)p * blk : NULL,
+                                me == root ? blk : 0);
+    return dsk__comm_io_run(c, fn, m->ops, no, t0, NULL);
+}
+
+/* The root sends block p to rank p (a header alone between the others); its own is copied. */
+static dsk_status dsk__comm_host_scatter(dsk_comm *c, const char *fn, const char *send, char *recv, int64_t rcount,
+                                         dsk_dtype dt, int root, double t0) {
+    dsk__comm_impl *m = c->impl;
+    int n = c->world_size, me = c->rank, no = 0;
+    size_t blk = (size_t)rcount * dsk_dtype_size(dt);
+    dsk__comm_wire h = dsk__comm_wire_make(m, DSK__COMM_SCATTER, dt, 0, root, rcount);
+    if (me == root && blk && send + (size_t)root * blk != recv) memmove(recv, send + (size_t)root * blk, blk);
+    for (int p = 0; p < n; p++)
+        if (p != me)
+            dsk__comm_post_pair(m, &no, p, &h, me == root ? send + (size_t)p * blk : NULL, me == root ? blk : 0, recv,
+                                p == root ? blk : 0);
     return dsk__comm_io_run(c, fn, m->ops, no, t0, NULL);
 }
 
@@ -1972,6 +2065,12 @@ static dsk_status dsk__comm_op_check(const char *fn, dsk_comm_op op) {
     return DSK_OK;
 }
 
+static dsk_status dsk__comm_root_check(const dsk_comm *c, const char *fn, int root) {
+    if (root < 0 || root >= c->world_size)
+        return dsk_set_error(DSK_ERR_ARG, "%s: root %d is not in [0, world_size %d)", fn, root, c->world_size);
+    return DSK_OK;
+}
+
 #ifdef DSK_CUDA
 static ncclDataType_t dsk__comm_nccl_dtype(dsk_dtype dt) {
     switch (dt) {
@@ -2064,9 +2163,7 @@ DSK_API dsk_status dsk_comm_broadcast(dsk_comm *c, dsk_ctx *ctx, const void *sen
     const char *fn = "dsk_comm_broadcast";
     double t0 = dsk__comm_now();
     dsk_status st = dsk__comm_coll_check(c, fn, c && c->impl && c->rank == root ? send : recv, recv, count, dt);
-    if (st) return st;
-    if (root < 0 || root >= c->world_size)
-        return dsk_set_error(DSK_ERR_ARG, "%s: root %d is not in [0, world_size %d)", fn, root, c->world_size);
+    if (st || (st = dsk__comm_root_check(c, fn, root))) return st;
     (void)ctx;
 #ifdef DSK_CUDA
     if (DSK__COMM_NCCL(c))
@@ -2074,6 +2171,95 @@ DSK_API dsk_status dsk_comm_broadcast(dsk_comm *c, dsk_ctx *ctx, const void *sen
                                                                 c->impl->nccl, dsk__comm_stream(ctx)), "ncclBroadcast", t0), t0);
 #endif
     return dsk__comm_done(c, dsk__comm_host_broadcast(c, fn, (const char *)send, (char *)recv, count, dt, root, t0), t0);
+}
+
+DSK_API dsk_status dsk_comm_reduce(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t count, dsk_dtype dt,
+                                   dsk_comm_op op, int root) {
+    const char *fn = "dsk_comm_reduce";
+    double t0 = dsk__comm_now();
+    int at_root = c && c->impl && c->rank == root;
+    dsk_status st = dsk__comm_coll_check(c, fn, send, at_root ? recv : send, count, dt);
+    if (st || (st = dsk__comm_op_check(fn, op)) || (st = dsk__comm_root_check(c, fn, root))) return st;
+    (void)ctx;
+#ifdef DSK_CUDA
+    if (DSK__COMM_NCCL(c)) {
+        if (op == DSK_COMM_AVG && !dsk_dtype_is_float(dt))
+            return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: avg of %s on the nccl backend", fn, dsk_dtype_name(dt));
+        return dsk__comm_done(c, dsk__comm_nccl_done(c, fn, ncclReduce(send, recv, (size_t)count, dsk__comm_nccl_dtype(dt),
+                                                                      dsk__comm_nccl_op(op), root, c->impl->nccl,
+                                                                      dsk__comm_stream(ctx)), "ncclReduce", t0), t0);
+    }
+#endif
+    if (c->world_size == 1) {
+        if (send != recv && count) memmove(recv, send, (size_t)count * dsk_dtype_size(dt));
+        return dsk__comm_done(c, DSK_OK, t0);
+    }
+    return dsk__comm_done(c, dsk__comm_host_reduce(c, fn, (const char *)send, (char *)recv, count, dt, op, root, t0), t0);
+}
+
+#ifdef DSK_CUDA
+/* Gather (to_root) or scatter on NCCL: one group of sends and receives between the root and
+   every rank, the root's own block included unless it is already in place. */
+static dsk_status dsk__comm_nccl_rooted(dsk_comm *c, const char *fn, int to_root, const char *send, char *recv,
+                                        int64_t count, dsk_dtype dt, int root, dsk_ctx *ctx, double t0) {
+    size_t blk = (size_t)count * dsk_dtype_size(dt);
+    ncclDataType_t nt = dsk__comm_nccl_dtype(dt);
+    ncclComm_t comm = c->impl->nccl;
+    cudaStream_t stream = dsk__comm_stream(ctx);
+    int me = c->rank, in_place = to_root ? send == recv + (size_t)root * blk : recv == send + (size_t)root * blk;
+    ncclResult_t r = ncclGroupStart();
+    dsk_status st;
+    if ((st = dsk__comm_nccl_check(c, fn, r, "ncclGroupStart")) != DSK_OK) return dsk__comm_break(c, st);
+    for (int p = 0; p < c->world_size && r == ncclSuccess && count; p++) {
+        if (me != root && p != root) continue;
+        if (me == root && p == root && in_place) continue;
+        if (to_root) {
+            if (p == root) r = ncclSend(send, (size_t)count, nt, root, comm, stream);
+            if (r == ncclSuccess && me == root) r = ncclRecv(recv + (size_t)p * blk, (size_t)count, nt, p, comm, stream);
+        } else {
+            if (me == root) r = ncclSend(send + (size_t)p * blk, (size_t)count, nt, p, comm, stream);
+            if (r == ncclSuccess && p == root) r = ncclRecv(recv, (size_t)count, nt, root, comm, stream);
+        }
+    }
+    if (r != ncclSuccess) {
+        st = dsk__comm_nccl_check(c, fn, r, "ncclSend/ncclRecv");
+        ncclGroupEnd();
+        return dsk__comm_break(c, st);
+    }
+    return dsk__comm_nccl_done(c, fn, ncclGroupEnd(), to_root ? "ncclGroupEnd (gather)" : "ncclGroupEnd (scatter)", t0);
+}
+#endif
+
+DSK_API dsk_status dsk_comm_gather(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t send_count,
+                                   dsk_dtype dt, int root) {
+    const char *fn = "dsk_comm_gather";
+    double t0 = dsk__comm_now();
+    int at_root = c && c->impl && c->rank == root;
+    dsk_status st = dsk__comm_coll_check(c, fn, send, at_root ? recv : send, send_count, dt);
+    if (st || (st = dsk__comm_root_check(c, fn, root))) return st;
+    (void)ctx;
+#ifdef DSK_CUDA
+    if (DSK__COMM_NCCL(c))
+        return dsk__comm_done(c, dsk__comm_nccl_rooted(c, fn, 1, (const char *)send, (char *)recv, send_count, dt, root,
+                                                       ctx, t0), t0);
+#endif
+    return dsk__comm_done(c, dsk__comm_host_gather(c, fn, (const char *)send, (char *)recv, send_count, dt, root, t0), t0);
+}
+
+DSK_API dsk_status dsk_comm_scatter(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t recv_count,
+                                    dsk_dtype dt, int root) {
+    const char *fn = "dsk_comm_scatter";
+    double t0 = dsk__comm_now();
+    int at_root = c && c->impl && c->rank == root;
+    dsk_status st = dsk__comm_coll_check(c, fn, at_root ? send : recv, recv, recv_count, dt);
+    if (st || (st = dsk__comm_root_check(c, fn, root))) return st;
+    (void)ctx;
+#ifdef DSK_CUDA
+    if (DSK__COMM_NCCL(c))
+        return dsk__comm_done(c, dsk__comm_nccl_rooted(c, fn, 0, (const char *)send, (char *)recv, recv_count, dt, root,
+                                                       ctx, t0), t0);
+#endif
+    return dsk__comm_done(c, dsk__comm_host_scatter(c, fn, (const char *)send, (char *)recv, recv_count, dt, root, t0), t0);
 }
 
 #ifdef DSK_CUDA

@@ -98,6 +98,12 @@ static void part_collectives(void) {
                 DSK_TEST_OK(dsk_comm_all_reduce(&NC, &G, din, dout, len, dt, op));
                 to_host(got, dout, bytes);
                 compare(got, want, dt, len, op == DSK_COMM_MAX || op == DSK_COMM_MIN, label);
+                snprintf(label, sizeof label, "rank %d: reduce %s %s count %lld root %d", me, dsk_dtype_name(dt),
+                         dsk_comm_op_name(op), (long long)len, n - 1);
+                DSK_TEST_OK(dsk_comm_reduce(&HC, NULL, in, want, len, dt, op, n - 1));
+                DSK_TEST_OK(dsk_comm_reduce(&NC, &G, din, dout, len, dt, op, n - 1));
+                to_host(got, dout, bytes);
+                if (me == n - 1) compare(got, want, dt, len, op == DSK_COMM_MAX || op == DSK_COMM_MIN, label);
                 snprintf(label, sizeof label, "rank %d: reduce_scatter %s %s block %lld", me, dsk_dtype_name(dt), dsk_comm_op_name(op), (long long)per);
                 DSK_TEST_OK(dsk_comm_reduce_scatter(&HC, NULL, in, want, per, dt, op));
                 DSK_TEST_OK(dsk_comm_reduce_scatter(&NC, &G, din, dout, per, dt, op));
@@ -114,6 +120,16 @@ static void part_collectives(void) {
             DSK_TEST_OK(dsk_comm_broadcast(&NC, &G, din, dout, len, dt, n - 1));
             to_host(got, dout, bytes);
             compare(got, want, dt, len, 1, label);
+            snprintf(label, sizeof label, "rank %d: gather %s count %lld root 0", me, dsk_dtype_name(dt), (long long)per);
+            DSK_TEST_OK(dsk_comm_gather(&HC, NULL, in, want, per, dt, 0));
+            DSK_TEST_OK(dsk_comm_gather(&NC, &G, din, dout, per, dt, 0));
+            to_host(got, dout, nb);
+            if (me == 0) compare(got, want, dt, per * n, 1, label);
+            snprintf(label, sizeof label, "rank %d: scatter %s count %lld root 0", me, dsk_dtype_name(dt), (long long)per);
+            DSK_TEST_OK(dsk_comm_scatter(&HC, NULL, in, want, per, dt, 0));
+            DSK_TEST_OK(dsk_comm_scatter(&NC, &G, din, dout, per, dt, 0));
+            to_host(got, dout, bytes);
+            compare(got, want, dt, per, 1, label);
             snprintf(label, sizeof label, "rank %d: all_to_all %s block %lld", me, dsk_dtype_name(dt), (long long)per);
             DSK_TEST_OK(dsk_comm_all_to_all(&HC, NULL, in, want, per, dt));
             DSK_TEST_OK(dsk_comm_all_to_all(&NC, &G, din, dout, per, dt));
