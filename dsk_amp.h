@@ -358,26 +358,6 @@ DSK_API dsk_status dsk_amp_fp8_block_quantize(dsk_ctx *ctx, dsk_tensor *q, dsk_t
 DSK_API dsk_status dsk_amp_fp8_block_dequantize(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *q, const dsk_tensor *scales,
                                                 int br, int bc);
 
-/* ------------------------------------------------------------------ element access (CPU and CUDA) */
-
-static inline DSK_HD float dsk_amp_load(const void *p, dsk_dtype dt, int64_t i) {
-    switch (dt) {
-    case DSK_BF16: return dsk_bf16_to_f32(((const uint16_t *)p)[i]);
-    case DSK_F16: return dsk_f16_to_f32(((const uint16_t *)p)[i]);
-    case DSK_E4M3: return dsk_e4m3_to_f32(((const uint8_t *)p)[i]);
-    case DSK_E5M2: return dsk_e5m2_to_f32(((const uint8_t *)p)[i]);
-    default: return ((const float *)p)[i];
-    }
-}
-/* Stores x in dt (RNE) and returns the stored value as f32. */
-static inline DSK_HD float dsk_amp_store(void *p, dsk_dtype dt, int64_t i, float x) {
-    switch (dt) {
-    case DSK_BF16: { uint16_t h = dsk_f32_to_bf16(x); ((uint16_t *)p)[i] = h; return dsk_bf16_to_f32(h); }
-    case DSK_F16: { uint16_t h = dsk_f32_to_f16(x); ((uint16_t *)p)[i] = h; return dsk_f16_to_f32(h); }
-    default: ((float *)p)[i] = x; return x;
-    }
-}
-
 #ifdef __cplusplus
 }
 #endif
@@ -635,7 +615,7 @@ static void dsk_amp__unscale_chunk(dsk_tensor *g, int64_t start, int64_t len, fl
         }
     } else {
         for (int64_t i = 0; i < len; i++) {
-            float y = dsk_amp_store(g->data, g->dtype, start + i, dsk_amp_load(g->data, g->dtype, start + i) * inv);
+            float y = dsk_store_f32(g->data, g->dtype, start + i, dsk_load_f32(g->data, g->dtype, start + i) * inv);
             bad |= (dsk_f32_bits(y) & 0x7f800000u) == 0x7f800000u;
             acc[i & 3] += (double)y * (double)y;
         }
@@ -732,7 +712,7 @@ static void dsk_amp__cast_cpu(dsk_tensor *dst, const dsk_tensor *src, dsk_amp_ro
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) if (n > 65536)
 #endif
-        for (int64_t i = 0; i < n; i++) dsk_amp_store(dst->data, dst->dtype, i, x[i]);
+        for (int64_t i = 0; i < n; i++) dsk_store_f32(dst->data, dst->dtype, i, x[i]);
         return;
     }
     /* one Philox call per group of four elements (the words dsk_amp_sr_bits hands out) */
@@ -833,7 +813,7 @@ static dsk_status dsk_amp__fp8_in(const char *fn, const char *what, const dsk_te
 static float dsk_amp__amax_cpu(const dsk_tensor *x) {
     uint32_t m = 0;
     for (int64_t i = 0, n = dsk_tensor_numel(x); i < n; i++) {
-        uint32_t a = dsk_amp_abs_bits(dsk_amp_load(x->data, x->dtype, i));
+        uint32_t a = dsk_amp_abs_bits(dsk_load_f32(x->data, x->dtype, i));
         if (a > m) m = a;
     }
     return dsk_bits_f32(m);
@@ -907,7 +887,7 @@ DSK_API dsk_status dsk_amp_fp8_quantize(dsk_ctx *ctx, dsk_tensor *q, const dsk_t
     {
         float sc = *(const float *)scale->data;
         uint8_t *o = (uint8_t *)q->data;
-        for (int64_t i = 0, n = dsk_tensor_numel(x); i < n; i++) o[i] = dsk_amp_to_fp8(dsk_amp_load(x->data, x->dtype, i) * sc, q->dtype);
+        for (int64_t i = 0, n = dsk_tensor_numel(x); i < n; i++) o[i] = dsk_amp_to_fp8(dsk_load_f32(x->data, x->dtype, i) * sc, q->dtype);
     }
     return DSK_OK;
 }
@@ -929,7 +909,7 @@ DSK_API dsk_status dsk_amp_fp8_dequantize(dsk_ctx *ctx, dsk_tensor *y, const dsk
     {
         float inv = 1.0f / *(const float *)scale->data;
         const uint8_t *in = (const uint8_t *)q->data;
-        for (int64_t i = 0, n = dsk_tensor_numel(q); i < n; i++) dsk_amp_store(y->data, y->dtype, i, dsk_amp_from_fp8(in[i], q->dtype) * inv);
+        for (int64_t i = 0, n = dsk_tensor_numel(q); i < n; i++) dsk_store_f32(y->data, y->dtype, i, dsk_amp_from_fp8(in[i], q->dtype) * inv);
     }
     return DSK_OK;
 }
@@ -1037,7 +1017,7 @@ static uint32_t dsk_amp__row_amax(const void *x, dsk_dtype dt, int64_t off, int6
         const float *p = (const float *)x + off;
         for (int64_t i = 0; i < len; i++) { uint32_t a = dsk_amp_abs_bits(p[i]); m = a > m ? a : m; }
     } else {
-        for (int64_t i = 0; i < len; i++) { uint32_t a = dsk_amp_abs_bits(dsk_amp_load(x, dt, off + i)); m = a > m ? a : m; }
+        for (int64_t i = 0; i < len; i++) { uint32_t a = dsk_amp_abs_bits(dsk_load_f32(x, dt, off + i)); m = a > m ? a : m; }
     }
     return m;
 }
@@ -1046,7 +1026,7 @@ static void dsk_amp__row_quantize(uint8_t *o, dsk_dtype fmt, const void *x, dsk_
         const float *p = (const float *)x + off;
         for (int64_t i = 0; i < len; i++) o[i] = dsk_f32_to_e4m3(p[i] / d);
     } else {
-        for (int64_t i = 0; i < len; i++) o[i] = dsk_amp_to_fp8(dsk_amp_load(x, dt, off + i) / d, fmt);
+        for (int64_t i = 0; i < len; i++) o[i] = dsk_amp_to_fp8(dsk_load_f32(x, dt, off + i) / d, fmt);
     }
 }
 
@@ -1100,7 +1080,7 @@ DSK_API dsk_status dsk_amp_fp8_block_dequantize(dsk_ctx *ctx, dsk_tensor *y, con
         const uint8_t *in = (const uint8_t *)q->data;
         for (int64_t r = 0; r < R; r++)
             for (int64_t c = 0; c < C; c++)
-                dsk_amp_store(y->data, y->dtype, r * C + c, dsk_amp_from_fp8(in[r * C + c], q->dtype) * sc[(r / br) * SC + c / bc]);
+                dsk_store_f32(y->data, y->dtype, r * C + c, dsk_amp_from_fp8(in[r * C + c], q->dtype) * sc[(r / br) * SC + c / bc]);
     }
     return DSK_OK;
 }

@@ -167,15 +167,6 @@ DSK_API dsk_status dsk_moe_update_bias(dsk_moe *m, dsk_ctx *ctx, dsk_comm *comm)
 
 /* ---- per-token routing math shared by the CPU path and the CUDA kernels */
 
-static inline DSK_HD float dsk_moe_sigmoid(float u) { return 1.0f / (1.0f + expf(-u)); }
-static inline DSK_HD float dsk_moe_silu(float h) { return h * dsk_moe_sigmoid(h); }
-/* SwiGLU backward for one element: a = silu(h1) * h3, da -> dh1, dh3. */
-static inline DSK_HD void dsk_moe_swiglu_grad(float h1, float h3, float da, float *dh1, float *dh3) {
-    float sg = dsk_moe_sigmoid(h1);
-    *dh1 = da * h3 * sg * (1.0f + h1 * (1.0f - sg));
-    *dh3 = da * h1 * sg;
-}
-
 /* logsumexp of u (E). */
 static inline DSK_HD float dsk_moe_logsumexp(const float *u, int E) {
     float mx = u[0], s = 0.0f;
@@ -191,7 +182,7 @@ static inline DSK_HD void dsk_moe_route_token(const float *u, const float *bias,
                                               int32_t *sel, float *gate) {
     float *c = scratch, *gscore = scratch + E, sum = 0.0f;
     if (sigmoid) {
-        for (int j = 0; j < E; j++) prob[j] = dsk_moe_sigmoid(u[j]);
+        for (int j = 0; j < E; j++) prob[j] = dsk_sigmoid_f(u[j]);
     } else {
         float mx = u[0];
         for (int j = 1; j < E; j++) mx = u[j] > mx ? u[j] : mx;
@@ -584,7 +575,7 @@ static void dsk__moe_gemm(int nt, int ta, int tb, int64_t M, int64_t N, int64_t 
 /* rows (n, D) of a tensor in f32 or bf16 -> f32 */
 static void dsk__moe_to_f32(float *dst, const void *src, dsk_dtype dt, int64_t n) {
     if (dt == DSK_F32) { memcpy(dst, src, (size_t)n * sizeof(float)); return; }
-    for (int64_t i = 0; i < n; i++) dst[i] = dsk_bf16_to_f32(((const uint16_t *)src)[i]);
+    for (int64_t i = 0; i < n; i++) dst[i] = dsk_load_f32(src, dt, i);
 }
 
 /* Per-expert f32 weight pointers: the parameters themselves (f32) or converted copies (bf16). */
@@ -618,7 +609,7 @@ static void dsk__moe_swiglu_fwd(int nt, int64_t n, int64_t D, int64_t F, const f
     if (n == 0) return;
     dsk__moe_gemm(nt, 0, 1, n, F, D, x, D, w1, D, 0.0f, h1, F);
     dsk__moe_gemm(nt, 0, 1, n, F, D, x, D, w3, D, 0.0f, h3, F);
-    for (int64_t i = 0; i < n * F; i++) a[i] = dsk_moe_silu(h1[i]) * h3[i];
+    for (int64_t i = 0; i < n * F; i++) a[i] = dsk_swiglu_f(h1[i], h3[i]);
     dsk__moe_gemm(nt, 0, 1, n, D, F, a, F, w2, F, 0.0f, out, D);
 }
 
@@ -629,7 +620,7 @@ static void dsk__moe_swiglu_bwd(int nt, int64_t n, int64_t D, int64_t F, const f
     if (n == 0) return;
     dsk__moe_gemm(nt, 0, 0, n, F, D, dout, D, w2, F, 0.0f, dh1, F); /* da, in dh1 */
     dsk__moe_gemm(nt, 1, 0, D, F, n, dout, D, a, F, 1.0f, dw2, F);
-    for (int64_t i = 0; i < n * F; i++) dsk_moe_swiglu_grad(h1[i], h3[i], dh1[i], &dh1[i], &dh3[i]);
+    for (int64_t i = 0; i < n * F; i++) dsk_swiglu_grad_f(h1[i], h3[i], dh1[i], &dh1[i], &dh3[i]);
     dsk__moe_gemm(nt, 0, 0, n, D, F, dh1, F, w1, D, 0.0f, dx, D);
     dsk__moe_gemm(nt, 0, 0, n, D, F, dh3, F, w3, D, 1.0f, dx, D);
     dsk__moe_gemm(nt, 1, 0, F, D, n, dh1, F, x, D, 1.0f, dw1, D);
@@ -995,8 +986,8 @@ static void dsk__moe_store(const dsk_moe *m, dsk_tensor *y, const float *r, int6
         if (accumulate) for (int64_t i = 0; i < n; i++) p[i] += r[i];
         else memcpy(p, r, (size_t)n * sizeof(float));
     } else {
-        uint16_t *p = (uint16_t *)y->data;
-        for (int64_t i = 0; i < n; i++) p[i] = dsk_f32_to_bf16((accumulate ? dsk_bf16_to_f32(p[i]) : 0.0f) + r[i]);
+        for (int64_t i = 0; i < n; i++)
+            dsk_store_f32(y->data, y->dtype, i, (accumulate ? dsk_load_f32(y->data, y->dtype, i) : 0.0f) + r[i]);
     }
 }
 

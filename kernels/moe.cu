@@ -228,7 +228,7 @@ extern "C" dsk_status dsk_cuda_moe_dgate(dsk_ctx *ctx, float *dgate, const void 
 
 static __global__ void dsk__moe_swiglu_kernel(void *a, int bf16, const float *h1, const float *h3, int64_t n) {
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) dsk__st(a, bf16, i, dsk_moe_silu(h1[i]) * h3[i]);
+    if (i < n) dsk__st(a, bf16, i, dsk_swiglu_f(h1[i], h3[i]));
 }
 
 extern "C" dsk_status dsk_cuda_moe_swiglu(dsk_ctx *ctx, void *a, dsk_dtype dt, const float *h1, const float *h3, int64_t n) {
@@ -244,7 +244,7 @@ static __global__ void dsk__moe_swiglu_backward_kernel(void *dh1, void *dh3, int
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     float g1, g3;
     if (i >= n) return;
-    dsk_moe_swiglu_grad(h1[i], h3[i], da[i], &g1, &g3);
+    dsk_swiglu_grad_f(h1[i], h3[i], da[i], &g1, &g3);
     dsk__st(dh1, bf16, i, g1);
     dsk__st(dh3, bf16, i, g3);
 }
