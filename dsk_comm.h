@@ -23,9 +23,9 @@
    Semantics of the host backend (the reference the tests check exactly):
    - Counts are elements, never bytes. send == recv means in place.
    - Reductions fold the ranks' values in rank order 0, 1, ..., n-1: f32, f16 and bf16 in
-     f32 (x0 + x1 + ... rounded once to the dtype at the end), integers in int64 (sums wrap
-     to the dtype's width). AVG divides the f32 sum by n (integers: int64 division
-     truncating toward zero). MAX and MIN propagate NaN. The order is the same for every
+     f32 (x0 + x1 + ... rounded once to the dtype at the end), f64 in f64, integers in int64
+     (sums wrap to the dtype's width). AVG divides the sum by n in the same precision
+     (integers: int64 division truncating toward zero). MAX and MIN propagate NaN. The order is the same for every
      message size and algorithm, so every rank gets bitwise the same result.
    - Small messages (<= opts.small_bytes) go in one round to every peer; large ones are
      reduce-scattered by direct exchange (each rank owns 1/n of the elements and receives
@@ -129,7 +129,7 @@ DSK_API dsk_status dsk_comm_split(dsk_comm *c, int color, int key, dsk_comm *sub
 
 /* ---- collectives on (pointer, count, dtype). Host backend: CPU memory, ctx unused (may be
    NULL). nccl: device memory, enqueued on ctx->stream (NULL: the default stream); call
-   dsk_comm_sync to wait with the timeout. Dtypes f32, f16, bf16, i32, i64, u8. */
+   dsk_comm_sync to wait with the timeout. Dtypes f32, f16, bf16, f64, i32, i64, u8. */
 
 /* recv (count) = op over ranks of send (count). nccl: AVG of integers is DSK_ERR_UNSUPPORTED. */
 DSK_API dsk_status dsk_comm_all_reduce(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t count,
@@ -316,7 +316,8 @@ DSK_API const char *dsk_comm_op_name(dsk_comm_op op) {
 }
 
 static int dsk__comm_dtype_ok(dsk_dtype dt) {
-    return dt == DSK_F32 || dt == DSK_F16 || dt == DSK_BF16 || dt == DSK_I32 || dt == DSK_I64 || dt == DSK_U8;
+    return dt == DSK_F32 || dt == DSK_F16 || dt == DSK_BF16 || dt == DSK_F64 || dt == DSK_I32 || dt == DSK_I64 ||
+           dt == DSK_U8;
 }
 
 static void dsk__comm_set_nonblocking_cloexec(int fd) {
@@ -1182,11 +1183,30 @@ static void dsk__comm_io_post(dsk__comm_io *op, int peer, int is_send, const dsk
 
 /* ---------------------------------------------------------------- reductions (fixed rank order) */
 
-/* dst[0..len) = src[0] op src[1] op ... op src[n-1], left to right, in f32 for float dtypes
-   and int64 for integers; AVG divides by n at the end. acc holds len 8-byte slots. dst may
-   alias a source. */
+/* f64: the fold in f64. */
+static void dsk__comm_fold_f64(dsk_comm_op op, int n, const void *const *src, void *dst, int64_t len, double *a) {
+    for (int r = 0; r < n; r++) {
+        const double *x = (const double *)src[r];
+        if (r == 0) memcpy(a, x, (size_t)len * sizeof(double));
+        else if (op == DSK_COMM_SUM || op == DSK_COMM_AVG)
+            for (int64_t i = 0; i < len; i++) a[i] = a[i] + x[i];
+        else if (op == DSK_COMM_MAX)
+            for (int64_t i = 0; i < len; i++) a[i] = (x[i] > a[i] || x[i] != x[i]) ? x[i] : a[i];
+        else
+            for (int64_t i = 0; i < len; i++) a[i] = (x[i] < a[i] || x[i] != x[i]) ? x[i] : a[i];
+    }
+    if (op == DSK_COMM_AVG)
+        for (int64_t i = 0; i < len; i++) a[i] = a[i] / (double)n;
+    memcpy(dst, a, (size_t)len * sizeof(double));
+}
+
+/* dst[0..len) = src[0] op src[1] op ... op src[n-1], left to right, in f32 for f32, f16 and
+   bf16, f64 for f64 and int64 for integers; AVG divides by n at the end. acc holds len 8-byte
+   slots. dst may alias a source. */
 static void dsk__comm_fold(dsk_dtype dt, dsk_comm_op op, int n, const void *const *src, void *dst, int64_t len, void *acc) {
-    if (dsk_dtype_is_float(dt)) {
+    if (dt == DSK_F64) {
+        dsk__comm_fold_f64(op, n, src, dst, len, (double *)acc);
+    } else if (dsk_dtype_is_float(dt)) {
         /* blocks that stay in cache; per-rank loops without branches so they vectorise */
         const int64_t B = 2048;
         float conv[2048];
@@ -2054,7 +2074,8 @@ static dsk_status dsk__comm_coll_check(dsk_comm *c, const char *fn, const void *
     dsk_status st = dsk__comm_check(c, fn);
     if (st) return st;
     if (!dsk__comm_dtype_ok(dt))
-        return dsk_set_error(DSK_ERR_ARG, "%s: dtype %s is not supported (f32, f16, bf16, i32, i64, u8)", fn, dsk_dtype_name(dt));
+        return dsk_set_error(DSK_ERR_ARG, "%s: dtype %s is not supported (f32, f16, bf16, f64, i32, i64, u8)", fn,
+                             dsk_dtype_name(dt));
     if (count < 0) return dsk_set_error(DSK_ERR_ARG, "%s: count %lld is negative", fn, (long long)count);
     if (count > 0 && (!send || !recv)) return dsk_set_error(DSK_ERR_ARG, "%s: NULL buffer for %lld elements", fn, (long long)count);
     return DSK_OK;
@@ -2076,6 +2097,7 @@ static ncclDataType_t dsk__comm_nccl_dtype(dsk_dtype dt) {
     switch (dt) {
     case DSK_F16: return ncclFloat16;
     case DSK_BF16: return ncclBfloat16;
+    case DSK_F64: return ncclFloat64;
     case DSK_I32: return ncclInt32;
     case DSK_I64: return ncclInt64;
     case DSK_U8: return ncclUint8;

@@ -122,12 +122,14 @@ static uint64_t g_seed;
 static void gen(void *buf, dsk_dtype dt, int64_t n, uint64_t tag, int r) {
     for (int64_t i = 0; i < n; i++) {
         uint64_t u = mix64(g_seed ^ mix64(tag * 131 + (uint64_t)r) ^ (uint64_t)i * 0xD1B54A32D192ED03ull);
-        float f = (float)((double)(u >> 11) * (1.0 / 9007199254740992.0) * 4.0 - 2.0);
+        double d = (double)(u >> 11) * (1.0 / 9007199254740992.0) * 4.0 - 2.0; /* f64: all 53 bits */
+        float f = (float)d;
         if (f == 0) f = 0.5f;
         switch (dt) {
         case DSK_F32: ((float *)buf)[i] = f; break;
         case DSK_F16: ((uint16_t *)buf)[i] = dsk_f32_to_f16(f); break;
         case DSK_BF16: ((uint16_t *)buf)[i] = dsk_f32_to_bf16(f); break;
+        case DSK_F64: ((double *)buf)[i] = d != 0 ? d : 0.5; break;
         case DSK_I32: ((int32_t *)buf)[i] = (int32_t)(u >> 36) - (1 << 27); break;
         case DSK_I64: ((int64_t *)buf)[i] = (int64_t)(u >> 4) - ((int64_t)1 << 59); break;
         default: ((uint8_t *)buf)[i] = (uint8_t)(u >> 58); break;
@@ -140,6 +142,7 @@ static double load_d(const void *p, dsk_dtype dt, int64_t i) {
     case DSK_F32: return ((const float *)p)[i];
     case DSK_F16: return dsk_f16_to_f32(((const uint16_t *)p)[i]);
     case DSK_BF16: return dsk_bf16_to_f32(((const uint16_t *)p)[i]);
+    case DSK_F64: return ((const double *)p)[i];
     case DSK_I32: return ((const int32_t *)p)[i];
     case DSK_I64: return (double)((const int64_t *)p)[i];
     default: return ((const uint8_t *)p)[i];
@@ -149,7 +152,14 @@ static double load_d(const void *p, dsk_dtype dt, int64_t i) {
 /* out[i] = in[0][off+i] op ... op in[n-1][off+i], folded in rank order as documented. */
 static void ref_reduce(dsk_dtype dt, dsk_comm_op op, int n, void **in, int64_t off, int64_t len, void *out) {
     for (int64_t i = 0; i < len; i++) {
-        if (dt == DSK_F32 || dt == DSK_F16 || dt == DSK_BF16) {
+        if (dt == DSK_F64) {
+            double a = ((double *)in[0])[off + i];
+            for (int r = 1; r < n; r++) {
+                double x = ((double *)in[r])[off + i];
+                a = op == DSK_COMM_MAX ? (x > a ? x : a) : op == DSK_COMM_MIN ? (x < a ? x : a) : a + x;
+            }
+            ((double *)out)[i] = op == DSK_COMM_AVG ? a / n : a;
+        } else if (dt == DSK_F32 || dt == DSK_F16 || dt == DSK_BF16) {
             float a = (float)load_d(in[0], dt, off + i);
             for (int r = 1; r < n; r++) {
                 float x = (float)load_d(in[r], dt, off + i);
@@ -173,7 +183,7 @@ static void ref_reduce(dsk_dtype dt, dsk_comm_op op, int n, void **in, int64_t o
     }
 }
 
-static const dsk_dtype k_dtypes[] = {DSK_F32, DSK_F16, DSK_BF16, DSK_I32, DSK_I64, DSK_U8};
+static const dsk_dtype k_dtypes[] = {DSK_F32, DSK_F16, DSK_BF16, DSK_F64, DSK_I32, DSK_I64, DSK_U8};
 static const dsk_comm_op k_ops[] = {DSK_COMM_SUM, DSK_COMM_AVG, DSK_COMM_MAX, DSK_COMM_MIN};
 /* 0, 1, odd, around the small-message threshold and several pieces (piece_bytes 64 KiB) */
 static const int64_t k_sizes[] = {0, 1, 7, 129, 4099, 70001};
@@ -1732,15 +1742,15 @@ int main(int argc, char **argv) {
     dsk_test_init("test_comm");
     g_seed = dsk_test_rand_u64();
     for (int n = 1; n <= 4; n++) {
-        coll_case("all_reduce: 6 dtypes x 4 ops x sizes 0..70001 + 6 MB, exact rank-order fold", rank_all_reduce, n, 65536);
-        coll_case("reduce_scatter: 6 dtypes x 4 ops x 6 sizes", rank_reduce_scatter, n, 65536);
-        coll_case("all_gather: 6 dtypes x 6 sizes, in place and not", rank_all_gather, n, 0);
-        coll_case("broadcast: 6 dtypes x 6 sizes x 2 roots", rank_broadcast, n, 0);
-        coll_case("reduce: 6 dtypes x 4 ops x 6 sizes x 2 roots, bitwise the all_reduce, others untouched", rank_reduce, n,
+        coll_case("all_reduce: 7 dtypes x 4 ops x sizes 0..70001 + 6 MB, exact rank-order fold", rank_all_reduce, n, 65536);
+        coll_case("reduce_scatter: 7 dtypes x 4 ops x 6 sizes", rank_reduce_scatter, n, 65536);
+        coll_case("all_gather: 7 dtypes x 6 sizes, in place and not", rank_all_gather, n, 0);
+        coll_case("broadcast: 7 dtypes x 6 sizes x 2 roots", rank_broadcast, n, 0);
+        coll_case("reduce: 7 dtypes x 4 ops x 6 sizes x 2 roots, bitwise the all_reduce, others untouched", rank_reduce, n,
                   65536);
-        coll_case("gather: 6 dtypes x 6 sizes x 2 roots, in place and not", rank_gather, n, 0);
-        coll_case("scatter: 6 dtypes x 6 sizes x 2 roots, in place and not", rank_scatter, n, 0);
-        coll_case("all_to_all: 6 dtypes x 6 sizes", rank_all_to_all, n, 0);
+        coll_case("gather: 7 dtypes x 6 sizes x 2 roots, in place and not", rank_gather, n, 0);
+        coll_case("scatter: 7 dtypes x 6 sizes x 2 roots, in place and not", rank_scatter, n, 0);
+        coll_case("all_to_all: 7 dtypes x 6 sizes", rank_all_to_all, n, 0);
         coll_case("all_to_all_v: uneven counts with zeros, packed and with gaps", rank_all_to_all_v, n, 0);
         coll_case("send/recv ring and barrier", rank_send_recv, n, 0);
         coll_case("tensor forms", rank_tensors, n, 0);

@@ -29,9 +29,11 @@ static uint64_t mix64(uint64_t z) {
 static void gen(void *buf, dsk_dtype dt, int64_t n, uint64_t tag, int r) {
     for (int64_t i = 0; i < n; i++) {
         uint64_t u = mix64(mix64(tag * 131 + (uint64_t)r) ^ (uint64_t)i * 0xD1B54A32D192ED03ull);
-        float f = (float)((double)(u >> 11) * (1.0 / 9007199254740992.0) * 4.0 - 2.0);
+        double d = (double)(u >> 11) * (1.0 / 9007199254740992.0) * 4.0 - 2.0;
+        float f = (float)d;
         switch (dt) {
         case DSK_F32: ((float *)buf)[i] = f; break;
+        case DSK_F64: ((double *)buf)[i] = d; break;
         case DSK_F16: ((uint16_t *)buf)[i] = dsk_f32_to_f16(f); break;
         case DSK_BF16: ((uint16_t *)buf)[i] = dsk_f32_to_bf16(f); break;
         case DSK_I32: ((int32_t *)buf)[i] = (int32_t)(u >> 36) - (1 << 27); break;
@@ -58,6 +60,13 @@ static void compare(const void *got, const void *want, dsk_dtype dt, int64_t n, 
         DSK_TEST_SAME_BYTES(got, want, (size_t)n * dsk_dtype_size(dt), what);
         return;
     }
+    if (dt == DSK_F64) {
+        double *w = (double *)malloc((size_t)(n ? n : 1) * sizeof(double));
+        memcpy(w, want, (size_t)n * sizeof(double));
+        DSK_TEST_CLOSE64((const double *)got, w, n, 1e-13, 1e-13, what);
+        free(w);
+        return;
+    }
     {
         float *g = (float *)malloc((size_t)(n ? n : 1) * sizeof(float));
         double *w = (double *)malloc((size_t)(n ? n : 1) * sizeof(double));
@@ -72,13 +81,13 @@ static void compare(const void *got, const void *want, dsk_dtype dt, int64_t n, 
     }
 }
 
-static const dsk_dtype k_dtypes[] = {DSK_F32, DSK_F16, DSK_BF16, DSK_I32, DSK_I64, DSK_U8};
+static const dsk_dtype k_dtypes[] = {DSK_F32, DSK_F16, DSK_BF16, DSK_F64, DSK_I32, DSK_I64, DSK_U8};
 static const int64_t k_sizes[] = {1, 7, 129, 70001};
 
 static void part_collectives(void) {
     int n = NC.world_size, me = NC.rank;
     uint64_t tag = 1;
-    for (size_t d = 0; d < 6; d++)
+    for (size_t d = 0; d < sizeof k_dtypes / sizeof *k_dtypes; d++)
         for (size_t s = 0; s < 4; s++) {
             dsk_dtype dt = k_dtypes[d];
             size_t esz = dsk_dtype_size(dt);
