@@ -198,18 +198,18 @@ DSK_API dsk_status dsk_comm_store_add(dsk_comm *c, const char *key, int64_t delt
 DSK_API dsk_status dsk_comm_store_barrier(dsk_comm *c);
 
 /* ---- local launcher */
-typedef struct dsk_spawn_opts {
+typedef struct dsk_comm_spawn_opts {
     const char *master_addr; /* ["127.0.0.1"] */
     int master_port;         /* [a free port] */
     double timeout_s;        /* [0: none] kill every rank (SIGKILL) after this long */
     int out_fd;              /* [1] where the ranks' prefixed output goes */
-} dsk_spawn_opts;
+} dsk_comm_spawn_opts;
 /* Starts n copies of argv (argv[0] looked up in PATH) with RANK, WORLD_SIZE, LOCAL_RANK,
    LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and DSK_JOB_ID (new for every call) set,
    forwards each output line (stdout and stderr) as "[rank r] line", and waits for all.
    *worst_exit = the largest exit status (128 + signal for a rank killed by a signal).
    DSK_ERR_TIMEOUT if the timeout killed them. */
-DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_spawn_opts *opts, int *worst_exit);
+DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_comm_spawn_opts *opts, int *worst_exit);
 /* A TCP port on addr that was free a moment ago (bind to port 0), for launchers and tests. */
 DSK_API dsk_status dsk_comm_free_port(const char *addr, int *port);
 
@@ -2726,7 +2726,7 @@ static void dsk__comm_spawn_child(int rank, int n, int port, const char *addr, c
     _exit(127);
 }
 
-DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_spawn_opts *opts, int *worst_exit) {
+DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_comm_spawn_opts *opts, int *worst_exit) {
     const char *fn = "dsk_comm_spawn_local";
     const char *addr = opts && opts->master_addr ? opts->master_addr : "127.0.0.1";
     int port = opts && opts->master_port ? opts->master_port : 0, out_fd = opts && opts->out_fd > 0 ? opts->out_fd : 1;

@@ -1533,7 +1533,7 @@ static char *slurp(int fd) {
 
 static void case_spawn(void) {
     int p[2];
-    dsk_spawn_opts so;
+    dsk_comm_spawn_opts so;
     int worst = -1;
     char *out, *argv_sh[] = {(char *)"/bin/sh", (char *)"-c",
                              (char *)"echo \"r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK/$LOCAL_WORLD_SIZE a=$MASTER_ADDR\"; printf partial; exit $RANK",

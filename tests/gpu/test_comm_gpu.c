@@ -264,7 +264,7 @@ int main(int argc, char **argv) {
         {
             char self[4096], *av[] = {self, (char *)"--rank-child", (char *)parts[p], NULL};
             ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
-            dsk_spawn_opts so;
+            dsk_comm_spawn_opts so;
             int worst = -1, port = 0;
             self[k > 0 ? k : 0] = 0;
             /* a free port whose successor is free too: nccl's store, then the host communicator's */
