@@ -831,11 +831,10 @@ static dsk_status dsk__comm_store_call(dsk_comm *c, const char *fn, uint32_t cmd
     memcpy(h, &cmd, 4);
     memcpy(h + 4, &klen, 4);
     memcpy(h + 8, &n, 8);
-    if ((st = dsk__comm_write_full(fn, m->store_fd, h, 16, deadline, who)) != DSK_OK ||
-        (st = dsk__comm_write_full(fn, m->store_fd, key, klen, deadline, who)) != DSK_OK ||
-        (cmd == DSK__COMM_STORE_SET && (st = dsk__comm_write_full(fn, m->store_fd, val, (size_t)n, deadline, who)) != DSK_OK))
-        return dsk__comm_store_fail(m, st);
-    return DSK_OK;
+    st = dsk__comm_write_full(fn, m->store_fd, h, 16, deadline, who);
+    if (st == DSK_OK) st = dsk__comm_write_full(fn, m->store_fd, key, klen, deadline, who);
+    if (st == DSK_OK && cmd == DSK__COMM_STORE_SET) st = dsk__comm_write_full(fn, m->store_fd, val, (size_t)n, deadline, who);
+    return st == DSK_OK ? DSK_OK : dsk__comm_store_fail(m, st);
 }
 
 /* A failed or timed-out request leaves the connection out of step: close it. A store that
@@ -853,7 +852,7 @@ static dsk_status dsk__comm_store_set(dsk_comm *c, const char *fn, const char *k
     double deadline = dsk__comm_now() + c->impl->timeout_s;
     char who[320];
     if (len > DSK__COMM_STORE_MAX_VAL) return dsk_set_error(DSK_ERR_ARG, "%s: value of %zu bytes for \"%s\" exceeds %u", fn, len, key, DSK__COMM_STORE_MAX_VAL);
-    if ((st = dsk__comm_store_call(c, fn, DSK__COMM_STORE_SET, key, val, len, deadline)) != DSK_OK) return st;
+    DSK__TRY(dsk__comm_store_call(c, fn, DSK__COMM_STORE_SET, key, val, len, deadline));
     snprintf(who, sizeof who, "the key-value store at %s:%d", c->impl->master_addr, c->impl->master_port);
     if ((st = dsk__comm_read_full(fn, c->impl->store_fd, &ack, 8, deadline, who)) != DSK_OK) return dsk__comm_store_fail(c->impl, st);
     return DSK_OK;
@@ -865,7 +864,7 @@ static dsk_status dsk__comm_store_get(dsk_comm *c, const char *fn, const char *k
     dsk_status st;
     double t0 = dsk__comm_now(), deadline = t0 + m->timeout_s;
     char who[400];
-    if ((st = dsk__comm_store_call(c, fn, DSK__COMM_STORE_GET, key, NULL, 0, deadline)) != DSK_OK) return st;
+    DSK__TRY(dsk__comm_store_call(c, fn, DSK__COMM_STORE_GET, key, NULL, 0, deadline));
     snprintf(who, sizeof who, "key \"%s\" in the key-value store at %s:%d", key, m->master_addr, m->master_port);
     if ((st = dsk__comm_read_full(fn, m->store_fd, &len, 8, deadline, who)) != DSK_OK) return dsk__comm_store_fail(m, st);
     if (len > DSK__COMM_STORE_MAX_VAL) return dsk__comm_store_fail(m, dsk_set_error(DSK_ERR_CORRUPT, "%s: store reply of %llu bytes", fn, (unsigned long long)len));
@@ -886,7 +885,7 @@ static dsk_status dsk__comm_store_add(dsk_comm *c, const char *fn, const char *k
     dsk_status st;
     double deadline = dsk__comm_now() + c->impl->timeout_s;
     char who[320];
-    if ((st = dsk__comm_store_call(c, fn, DSK__COMM_STORE_ADD, key, NULL, (uint64_t)delta, deadline)) != DSK_OK) return st;
+    DSK__TRY(dsk__comm_store_call(c, fn, DSK__COMM_STORE_ADD, key, NULL, (uint64_t)delta, deadline));
     snprintf(who, sizeof who, "the key-value store at %s:%d", c->impl->master_addr, c->impl->master_port);
     if ((st = dsk__comm_read_full(fn, c->impl->store_fd, &v, 8, deadline, who)) != DSK_OK) return dsk__comm_store_fail(c->impl, st);
     if (result) *result = v;
@@ -897,11 +896,10 @@ static dsk_status dsk__comm_store_barrier(dsk_comm *c, const char *fn) {
     dsk__comm_impl *m = c->impl;
     char key[160];
     int64_t arrived;
-    dsk_status st;
     snprintf(key, sizeof key, "dsk/%s/barrier/%llu", m->ns, (unsigned long long)++m->store_barriers);
-    if ((st = dsk__comm_store_add(c, fn, key, 1, &arrived)) != DSK_OK) return st;
+    DSK__TRY(dsk__comm_store_add(c, fn, key, 1, &arrived));
     strcat(key, "/done");
-    if (arrived == c->world_size && (st = dsk__comm_store_set(c, fn, key, "1", 1)) != DSK_OK) return st;
+    if (arrived == c->world_size) DSK__TRY(dsk__comm_store_set(c, fn, key, "1", 1));
     return dsk__comm_store_get(c, fn, key, NULL, 0, NULL);
 }
 
@@ -967,29 +965,26 @@ static dsk_status dsk__comm_check(const dsk_comm *c, const char *fn) {
 }
 
 DSK_API dsk_status dsk_comm_store_set(dsk_comm *c, const char *key, const void *val, size_t len) {
-    dsk_status st = dsk__comm_check(c, "dsk_comm_store_set");
-    if (st) return st;
+    DSK__TRY(dsk__comm_check(c, "dsk_comm_store_set"));
     if (!key || (!val && len)) return dsk_set_error(DSK_ERR_ARG, "dsk_comm_store_set: key or value is NULL");
     return dsk__comm_store_set(c, "dsk_comm_store_set", key, val, len);
 }
 
 DSK_API dsk_status dsk_comm_store_get(dsk_comm *c, const char *key, void *buf, size_t cap, size_t *len) {
-    dsk_status st = dsk__comm_check(c, "dsk_comm_store_get");
-    if (st) return st;
+    DSK__TRY(dsk__comm_check(c, "dsk_comm_store_get"));
     if (!key || (!buf && cap)) return dsk_set_error(DSK_ERR_ARG, "dsk_comm_store_get: key or buffer is NULL");
     return dsk__comm_store_get(c, "dsk_comm_store_get", key, buf, cap, len);
 }
 
 DSK_API dsk_status dsk_comm_store_add(dsk_comm *c, const char *key, int64_t delta, int64_t *result) {
-    dsk_status st = dsk__comm_check(c, "dsk_comm_store_add");
-    if (st) return st;
+    DSK__TRY(dsk__comm_check(c, "dsk_comm_store_add"));
     if (!key) return dsk_set_error(DSK_ERR_ARG, "dsk_comm_store_add: key is NULL");
     return dsk__comm_store_add(c, "dsk_comm_store_add", key, delta, result);
 }
 
 DSK_API dsk_status dsk_comm_store_barrier(dsk_comm *c) {
-    dsk_status st = dsk__comm_check(c, "dsk_comm_store_barrier");
-    return st ? st : dsk__comm_store_barrier(c, "dsk_comm_store_barrier");
+    DSK__TRY(dsk__comm_check(c, "dsk_comm_store_barrier"));
+    return dsk__comm_store_barrier(c, "dsk_comm_store_barrier");
 }
 
 /* ---------------------------------------------------------------- the host backend's I/O engine
@@ -1306,7 +1301,6 @@ static dsk_status dsk__comm_rs_direct(dsk_comm *c, const char *fn, dsk__comm_wir
         int64_t mine_lo = off[me] + k * P, mine_len = dsk__comm_max64(0, dsk__comm_min64(P, off[me + 1] - mine_lo));
         char *half = tmp + (size_t)(k & 1) * tmp_bytes;
         int no = 0;
-        dsk_status st;
         h.step = (*step)++;
         for (int p = 0; p < n; p++) {
             int64_t lo = off[p] + k * P, len = dsk__comm_max64(0, dsk__comm_min64(P, off[p + 1] - lo));
@@ -1315,7 +1309,7 @@ static dsk_status dsk__comm_rs_direct(dsk_comm *c, const char *fn, dsk__comm_wir
             dsk__comm_io_post(&m->ops[no++], p, 0, &h, half + (size_t)p * (size_t)P * esz, (size_t)mine_len * esz);
         }
         /* this round's transfers, while the previous round's pieces are folded */
-        if ((st = dsk__comm_io_run(c, fn, m->ops, no, t0, &job)) != DSK_OK) return st;
+        DSK__TRY(dsk__comm_io_run(c, fn, m->ops, no, t0, &job));
         for (int p = 0; p < n; p++) m->srcs[p] = p == me ? send + mine_lo * (int64_t)esz : half + (size_t)p * (size_t)P * esz;
         job.dst = out + k * P * (int64_t)esz;
         job.len = mine_len;
@@ -1351,7 +1345,6 @@ static dsk_status dsk__comm_host_all_reduce(dsk_comm *c, const char *fn, const c
     size_t esz = dsk_dtype_size(dt), bytes = (size_t)count * esz;
     dsk__comm_wire h = dsk__comm_wire_make(m, DSK__COMM_ALL_REDUCE, dt, op, -1, count);
     uint32_t step = 0;
-    dsk_status st;
     if (bytes <= m->small_bytes || count < n) {
         /* one round: every rank receives every buffer and folds them all */
         size_t tb = ((size_t)n * bytes + 7) & ~(size_t)7;
@@ -1363,14 +1356,13 @@ static dsk_status dsk__comm_host_all_reduce(dsk_comm *c, const char *fn, const c
             dsk__comm_io_post(&m->ops[no++], p, 1, &h, send, bytes);
             dsk__comm_io_post(&m->ops[no++], p, 0, &h, tmp + (size_t)p * bytes, bytes);
         }
-        if ((st = dsk__comm_io_run(c, fn, m->ops, no, t0, NULL)) != DSK_OK) return st;
+        DSK__TRY(dsk__comm_io_run(c, fn, m->ops, no, t0, NULL));
         for (int p = 0; p < n; p++) m->srcs[p] = p == me ? send : tmp + (size_t)p * bytes;
         dsk__comm_fold(dt, op, n, m->srcs, recv, count, tmp + tb);
         return DSK_OK;
     }
     dsk__comm_partition(count, n, m->off);
-    if ((st = dsk__comm_rs_direct(c, fn, h, send, m->off, dt, op, recv + m->off[me] * (int64_t)esz, t0, &step)) != DSK_OK)
-        return st;
+    DSK__TRY(dsk__comm_rs_direct(c, fn, h, send, m->off, dt, op, recv + m->off[me] * (int64_t)esz, t0, &step));
     h.step = step;
     return dsk__comm_ag_direct(c, fn, h, recv, m->off, esz, -1, t0);
 }
@@ -1414,7 +1406,6 @@ static dsk_status dsk__comm_host_broadcast(dsk_comm *c, const char *fn, const ch
     int split = bytes > m->small_bytes && n > 2;
     dsk__comm_wire h = dsk__comm_wire_make(m, DSK__COMM_BROADCAST, dt, 0, root, count);
     const int64_t *off = m->off;
-    dsk_status st;
     if (me == root && send != recv && bytes) memmove(recv, send, bytes);
     if (split) dsk__comm_partition(count, n, m->off);
     for (int p = 0; p < n; p++) {
@@ -1425,7 +1416,8 @@ static dsk_status dsk__comm_host_broadcast(dsk_comm *c, const char *fn, const ch
         dsk__comm_post_pair(m, &no, p, &h, recv + (split ? off[to] * (int64_t)esz : 0), me == root ? slen : 0,
                             recv + (split ? off[from] * (int64_t)esz : 0), p == root ? rlen : 0);
     }
-    if ((st = dsk__comm_io_run(c, fn, m->ops, no, t0, NULL)) != DSK_OK || !split) return st;
+    DSK__TRY(dsk__comm_io_run(c, fn, m->ops, no, t0, NULL));
+    if (!split) return DSK_OK;
     /* all-gather of the parts; nobody sends to the root, which has them all */
     h.step = 1;
     no = 0;
@@ -1460,7 +1452,8 @@ static dsk_status dsk__comm_host_reduce(dsk_comm *c, const char *fn, const char 
             if (p != me)
                 dsk__comm_post_pair(m, &no, p, &h, send, p == root ? bytes : 0, me == root ? tmp + (size_t)p * bytes : NULL,
                                     me == root ? bytes : 0);
-        if ((st = dsk__comm_io_run(c, fn, m->ops, no, t0, NULL)) != DSK_OK || me != root) return st;
+        DSK__TRY(dsk__comm_io_run(c, fn, m->ops, no, t0, NULL));
+        if (me != root) return DSK_OK;
         for (int p = 0; p < n; p++) m->srcs[p] = p == me ? send : tmp + (size_t)p * bytes;
         dsk__comm_fold(dt, op, n, m->srcs, recv, count, tmp + tb);
         return DSK_OK;
@@ -1623,11 +1616,10 @@ DSK_API void dsk_comm_free(dsk_comm *c) {
 static dsk_status dsk__comm_mesh_listen(dsk_comm *c, const char *fn, int *lfd, char *ep) {
     struct sockaddr_in any;
     int port;
-    dsk_status st;
     memset(&any, 0, sizeof any);
     any.sin_family = AF_INET;
     any.sin_addr.s_addr = htonl(INADDR_ANY);
-    if ((st = dsk__comm_listen(fn, &any, NULL, lfd, &port)) != DSK_OK) return st;
+    DSK__TRY(dsk__comm_listen(fn, &any, NULL, lfd, &port));
     memset(ep, 0, DSK__COMM_EP_LEN);
     snprintf(ep, DSK__COMM_EP_LEN, "%.46s %d", c->impl->my_ip, port);
     return DSK_OK;
@@ -1639,7 +1631,6 @@ static dsk_status dsk__comm_mesh_connect(dsk_comm *c, const char *fn, int lfd, c
                                          double deadline) {
     dsk__comm_impl *m = c->impl;
     int n = c->world_size, me = c->rank, pending = n - 1 - me;
-    dsk_status st;
     for (int j = 0; j < me; j++) {
         char ip[DSK__COMM_EP_LEN], who[96];
         int port = 0;
@@ -1649,12 +1640,12 @@ static dsk_status dsk__comm_mesh_connect(dsk_comm *c, const char *fn, int lfd, c
         if (sscanf(ep, "%63s %d", ip, &port) != 2)
             return dsk_set_error(DSK_ERR_CORRUPT, "%s: rank %d published a bad endpoint \"%.63s\"", fn, j, ep);
         snprintf(who, sizeof who, "rank %d's mesh listener", j);
-        if ((st = dsk__comm_resolve(fn, ip, port, &sa)) != DSK_OK || (st = dsk__comm_connect(fn, &sa, deadline, who, &m->fds[j])) != DSK_OK)
-            return st;
+        DSK__TRY(dsk__comm_resolve(fn, ip, port, &sa));
+        DSK__TRY(dsk__comm_connect(fn, &sa, deadline, who, &m->fds[j]));
         hello.magic = DSK__COMM_WIRE_MAGIC;
         hello.rank = me;
         hello.tag = m->tag;
-        if ((st = dsk__comm_write_full(fn, m->fds[j], &hello, sizeof hello, deadline, who)) != DSK_OK) return st;
+        DSK__TRY(dsk__comm_write_full(fn, m->fds[j], &hello, sizeof hello, deadline, who));
     }
     while (pending > 0) {
         struct pollfd pf;
@@ -1743,16 +1734,16 @@ static dsk_status dsk__comm_nccl_init(dsk_comm *c, const char *fn, double t0) {
     if (c->rank == 0) {
         ncclResult_t r = ncclGetUniqueId(&id);
         if (r != ncclSuccess) return dsk__comm_nccl_check(c, fn, r, "ncclGetUniqueId");
-        if ((st = dsk__comm_store_set(c, fn, key, &id, sizeof id)) != DSK_OK) return st;
+        DSK__TRY(dsk__comm_store_set(c, fn, key, &id, sizeof id));
     } else {
-        if ((st = dsk__comm_store_get(c, fn, key, &id, sizeof id, &len)) != DSK_OK) return st;
+        DSK__TRY(dsk__comm_store_get(c, fn, key, &id, sizeof id, &len));
         if (len != sizeof id) return dsk_set_error(DSK_ERR_CORRUPT, "%s: NCCL unique id of %zu bytes, want %zu", fn, len, sizeof id);
     }
     cfg.blocking = 0;
     if ((st = dsk__comm_nccl_check(c, fn, ncclCommInitRankConfig(&m->nccl, c->world_size, id, c->rank, &cfg),
                                    "ncclCommInitRankConfig")) != DSK_OK)
         return dsk__comm_break(c, st); /* aborts what init left */
-    if ((st = dsk__comm_nccl_settle(c, fn, m->nccl, t0, "ncclCommInitRankConfig")) != DSK_OK) return st;
+    DSK__TRY(dsk__comm_nccl_settle(c, fn, m->nccl, t0, "ncclCommInitRankConfig"));
     if ((ce = cudaMalloc(&m->nccl_flag, sizeof(float))) != cudaSuccess) {
         m->nccl_flag = NULL;
         return dsk_set_error(DSK_ERR_CUDA, "%s: cudaMalloc(4): %s", fn, cudaGetErrorString(ce));
@@ -1782,17 +1773,16 @@ static dsk_status dsk__comm_claim(dsk_comm *c, const char *fn) {
     char key[64], me[160], other[160], host[64] = "?";
     int64_t claims = 0;
     size_t len = 0;
-    dsk_status st;
     gethostname(host, sizeof host - 1);
     host[sizeof host - 1] = 0;
     memset(me, 0, sizeof me);
     memset(other, 0, sizeof other);
     snprintf(me, sizeof me, "pid %ld on %s (%s)", (long)getpid(), host, m->my_ip);
     snprintf(key, sizeof key, "dsk/w/claim/%d", c->rank);
-    if ((st = dsk__comm_store_add(c, fn, key, 1, &claims)) != DSK_OK) return st;
+    DSK__TRY(dsk__comm_store_add(c, fn, key, 1, &claims));
     snprintf(key, sizeof key, "dsk/w/claimer/%d", c->rank);
     if (claims == 1) return dsk__comm_store_set(c, fn, key, me, sizeof me);
-    if ((st = dsk__comm_store_get(c, fn, key, other, sizeof other - 1, &len)) != DSK_OK) return st;
+    DSK__TRY(dsk__comm_store_get(c, fn, key, other, sizeof other - 1, &len));
     if (strcmp(other, me) != 0)
         return dsk_set_error(DSK_ERR_ARG, "%s: rank %d is claimed by %lld processes: %s and this one, %s (is RANK %d set "
                              "twice?)", fn, c->rank, (long long)claims, other, me, c->rank);
@@ -1826,13 +1816,13 @@ static dsk_status dsk__comm_join(dsk_comm *c, const char *fn, const struct socka
             memset(&hello, 0, sizeof hello);
             hello.world = world;
             memcpy(hello.job, m->job_id, sizeof hello.job);
-            if ((st = dsk__comm_store_set(c, fn, "dsk/w/hello", &hello, sizeof hello)) != DSK_OK) return st;
+            DSK__TRY(dsk__comm_store_set(c, fn, "dsk/w/hello", &hello, sizeof hello));
         }
         st = dsk__comm_store_get(c, fn, "dsk/w/hello", &hello, sizeof hello, &len);
         if (st == DSK_OK && len != sizeof hello)
             return dsk_set_error(DSK_ERR_CORRUPT, "%s: the key-value store at %s:%d is not a dsk store of this version "
                                  "(hello of %zu bytes, want %zu)", fn, m->master_addr, m->master_port, len, sizeof hello);
-        if (st == DSK_OK && (st = dsk__comm_same_job(c, fn, &hello)) != DSK_OK) return st;
+        if (st == DSK_OK) DSK__TRY(dsk__comm_same_job(c, fn, &hello));
         if (st == DSK_OK && hello.world != world)
             return dsk_set_error(DSK_ERR_ARG, "%s: this rank (%d) has WORLD_SIZE %d but rank 0 has %d", fn, rank, world,
                                  (int)hello.world);
@@ -1890,29 +1880,29 @@ static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, in
     if (be == DSK_COMM_NCCL) return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: the nccl backend needs a build with DSK_CUDA", fn);
 #endif
     if (be != DSK_COMM_HOST && be != DSK_COMM_NCCL) return dsk_set_error(DSK_ERR_ARG, "%s: unknown backend %d", fn, (int)be);
-    if ((st = dsk__comm_resolve(fn, addr, port, &store_sa)) != DSK_OK) return st;
+    DSK__TRY(dsk__comm_resolve(fn, addr, port, &store_sa));
     c->rank = rank;
     c->world_size = world;
     c->local_world_size = o && o->local_world_size > 0 ? o->local_world_size : world;
     c->local_rank = o && o->local_world_size > 0 ? o->local_rank : rank;
     c->backend = be;
-    if ((st = dsk__comm_impl_alloc(c, fn, o, addr, port)) != DSK_OK) return st;
+    DSK__TRY(dsk__comm_impl_alloc(c, fn, o, addr, port));
     m = c->impl;
     snprintf(m->ns, sizeof m->ns, "w");
     deadline = t0 + m->timeout_s;
-    if (rank == 0 && (st = dsk__comm_store_server_start(fn, &store_sa, busy, &m->server)) != DSK_OK) return st;
-    if ((st = dsk__comm_join(c, fn, &store_sa, deadline)) != DSK_OK) return st;
+    if (rank == 0) DSK__TRY(dsk__comm_store_server_start(fn, &store_sa, busy, &m->server));
+    DSK__TRY(dsk__comm_join(c, fn, &store_sa, deadline));
     if (rank == 0) {
         uint64_t tag = ((uint64_t)getpid() << 32) ^ (uint64_t)(t0 * 1e9);
-        if ((st = dsk__comm_store_set(c, fn, "dsk/w/tag", &tag, sizeof tag)) != DSK_OK) return st;
+        DSK__TRY(dsk__comm_store_set(c, fn, "dsk/w/tag", &tag, sizeof tag));
     }
-    if ((st = dsk__comm_store_get(c, fn, "dsk/w/tag", &m->tag, sizeof m->tag, &len)) != DSK_OK) return st;
+    DSK__TRY(dsk__comm_store_get(c, fn, "dsk/w/tag", &m->tag, sizeof m->tag, &len));
     /* every rank publishes its record, reads everyone's and checks the options; host: connect every pair */
     memset(&mine, 0, sizeof mine);
     mine.backend = (int32_t)be;
     mine.small_bytes = m->small_bytes;
     mine.piece_bytes = m->piece_bytes;
-    if (be == DSK_COMM_HOST && (st = dsk__comm_mesh_listen(c, fn, &lfd, mine.ep)) != DSK_OK) return st;
+    if (be == DSK_COMM_HOST) DSK__TRY(dsk__comm_mesh_listen(c, fn, &lfd, mine.ep));
     snprintf(key, sizeof key, "dsk/w/rank/%d", rank);
     if ((st = dsk__comm_store_set(c, fn, key, &mine, sizeof mine)) != DSK_OK) goto done;
     if (!(recs = (dsk__comm_rank_rec *)DSK_MALLOC((size_t)world * sizeof *recs))) {
@@ -2071,8 +2061,7 @@ static dsk_status dsk__comm_done(dsk_comm *c, dsk_status st, double t0) {
 }
 
 static dsk_status dsk__comm_coll_check(dsk_comm *c, const char *fn, const void *send, const void *recv, int64_t count, dsk_dtype dt) {
-    dsk_status st = dsk__comm_check(c, fn);
-    if (st) return st;
+    DSK__TRY(dsk__comm_check(c, fn));
     if (!dsk__comm_dtype_ok(dt))
         return dsk_set_error(DSK_ERR_ARG, "%s: dtype %s is not supported (f32, f16, bf16, f64, i32, i64, u8)", fn,
                              dsk_dtype_name(dt));
@@ -2124,8 +2113,8 @@ DSK_API dsk_status dsk_comm_all_reduce(dsk_comm *c, dsk_ctx *ctx, const void *se
                                        dsk_dtype dt, dsk_comm_op op) {
     const char *fn = "dsk_comm_all_reduce";
     double t0 = dsk__comm_now();
-    dsk_status st = dsk__comm_coll_check(c, fn, send, recv, count, dt);
-    if (st || (st = dsk__comm_op_check(fn, op))) return st;
+    DSK__TRY(dsk__comm_coll_check(c, fn, send, recv, count, dt));
+    DSK__TRY(dsk__comm_op_check(fn, op));
     (void)ctx;
 #ifdef DSK_CUDA
     if (DSK__COMM_NCCL(c)) {
@@ -2146,8 +2135,8 @@ DSK_API dsk_status dsk_comm_reduce_scatter(dsk_comm *c, dsk_ctx *ctx, const void
                                            dsk_dtype dt, dsk_comm_op op) {
     const char *fn = "dsk_comm_reduce_scatter";
     double t0 = dsk__comm_now();
-    dsk_status st = dsk__comm_coll_check(c, fn, send, recv, recv_count, dt);
-    if (st || (st = dsk__comm_op_check(fn, op))) return st;
+    DSK__TRY(dsk__comm_coll_check(c, fn, send, recv, recv_count, dt));
+    DSK__TRY(dsk__comm_op_check(fn, op));
     (void)ctx;
 #ifdef DSK_CUDA
     if (DSK__COMM_NCCL(c)) {
@@ -2169,8 +2158,7 @@ DSK_API dsk_status dsk_comm_all_gather(dsk_comm *c, dsk_ctx *ctx, const void *se
                                        dsk_dtype dt) {
     const char *fn = "dsk_comm_all_gather";
     double t0 = dsk__comm_now();
-    dsk_status st = dsk__comm_coll_check(c, fn, send, recv, send_count, dt);
-    if (st) return st;
+    DSK__TRY(dsk__comm_coll_check(c, fn, send, recv, send_count, dt));
     (void)ctx;
 #ifdef DSK_CUDA
     if (DSK__COMM_NCCL(c))
@@ -2184,8 +2172,8 @@ DSK_API dsk_status dsk_comm_broadcast(dsk_comm *c, dsk_ctx *ctx, const void *sen
                                       dsk_dtype dt, int root) {
     const char *fn = "dsk_comm_broadcast";
     double t0 = dsk__comm_now();
-    dsk_status st = dsk__comm_coll_check(c, fn, c && c->impl && c->rank == root ? send : recv, recv, count, dt);
-    if (st || (st = dsk__comm_root_check(c, fn, root))) return st;
+    DSK__TRY(dsk__comm_coll_check(c, fn, c && c->impl && c->rank == root ? send : recv, recv, count, dt));
+    DSK__TRY(dsk__comm_root_check(c, fn, root));
     (void)ctx;
 #ifdef DSK_CUDA
     if (DSK__COMM_NCCL(c))
@@ -2200,8 +2188,9 @@ DSK_API dsk_status dsk_comm_reduce(dsk_comm *c, dsk_ctx *ctx, const void *send, 
     const char *fn = "dsk_comm_reduce";
     double t0 = dsk__comm_now();
     int at_root = c && c->impl && c->rank == root;
-    dsk_status st = dsk__comm_coll_check(c, fn, send, at_root ? recv : send, count, dt);
-    if (st || (st = dsk__comm_op_check(fn, op)) || (st = dsk__comm_root_check(c, fn, root))) return st;
+    DSK__TRY(dsk__comm_coll_check(c, fn, send, at_root ? recv : send, count, dt));
+    DSK__TRY(dsk__comm_op_check(fn, op));
+    DSK__TRY(dsk__comm_root_check(c, fn, root));
     (void)ctx;
 #ifdef DSK_CUDA
     if (DSK__COMM_NCCL(c)) {
@@ -2257,8 +2246,8 @@ DSK_API dsk_status dsk_comm_gather(dsk_comm *c, dsk_ctx *ctx, const void *send, 
     const char *fn = "dsk_comm_gather";
     double t0 = dsk__comm_now();
     int at_root = c && c->impl && c->rank == root;
-    dsk_status st = dsk__comm_coll_check(c, fn, send, at_root ? recv : send, send_count, dt);
-    if (st || (st = dsk__comm_root_check(c, fn, root))) return st;
+    DSK__TRY(dsk__comm_coll_check(c, fn, send, at_root ? recv : send, send_count, dt));
+    DSK__TRY(dsk__comm_root_check(c, fn, root));
     (void)ctx;
 #ifdef DSK_CUDA
     if (DSK__COMM_NCCL(c))
@@ -2273,8 +2262,8 @@ DSK_API dsk_status dsk_comm_scatter(dsk_comm *c, dsk_ctx *ctx, const void *send,
     const char *fn = "dsk_comm_scatter";
     double t0 = dsk__comm_now();
     int at_root = c && c->impl && c->rank == root;
-    dsk_status st = dsk__comm_coll_check(c, fn, at_root ? send : recv, recv, recv_count, dt);
-    if (st || (st = dsk__comm_root_check(c, fn, root))) return st;
+    DSK__TRY(dsk__comm_coll_check(c, fn, at_root ? send : recv, recv, recv_count, dt));
+    DSK__TRY(dsk__comm_root_check(c, fn, root));
     (void)ctx;
 #ifdef DSK_CUDA
     if (DSK__COMM_NCCL(c))
@@ -2316,10 +2305,10 @@ DSK_API dsk_status dsk_comm_all_to_all(dsk_comm *c, dsk_ctx *ctx, const void *se
                                        dsk_dtype dt) {
     const char *fn = "dsk_comm_all_to_all";
     double t0 = dsk__comm_now();
-    dsk_status st = dsk__comm_coll_check(c, fn, send, recv, count, dt);
+    dsk_status st = DSK_OK;
     int64_t *v;
     int n;
-    if (st) return st;
+    DSK__TRY(dsk__comm_coll_check(c, fn, send, recv, count, dt));
     n = c->world_size;
     if (!(v = (int64_t *)DSK_MALLOC((size_t)2 * n * sizeof(int64_t)))) return dsk_set_error(DSK_ERR_OOM, "%s: %d counts", fn, n);
     for (int p = 0; p < n; p++) { v[p] = count; v[n + p] = count * p; }
@@ -2353,10 +2342,10 @@ DSK_API dsk_status dsk_comm_all_to_all_v(dsk_comm *c, dsk_ctx *ctx, const void *
                                          const int64_t *recv_displs, dsk_dtype dt) {
     const char *fn = "dsk_comm_all_to_all_v";
     double t0 = dsk__comm_now();
-    dsk_status st = dsk__comm_coll_check(c, fn, "", "", 0, dt);
+    dsk_status st;
     int64_t *d;
     int n, me;
-    if (st) return st;
+    DSK__TRY(dsk__comm_coll_check(c, fn, "", "", 0, dt));
     n = c->world_size;
     me = c->rank;
     if (!send_counts || !recv_counts) return dsk_set_error(DSK_ERR_ARG, "%s: send_counts or recv_counts is NULL", fn);
@@ -2391,10 +2380,10 @@ DSK_API dsk_status dsk_comm_all_to_all_v(dsk_comm *c, dsk_ctx *ctx, const void *
 static dsk_status dsk__comm_p2p(dsk_comm *c, const char *fn, dsk_ctx *ctx, void *buf, int64_t count, dsk_dtype dt, int peer,
                            int is_send) {
     double t0 = dsk__comm_now();
-    dsk_status st = dsk__comm_coll_check(c, fn, buf, buf, count, dt);
+    dsk_status st;
     dsk__comm_impl *m;
     dsk__comm_wire h;
-    if (st) return st;
+    DSK__TRY(dsk__comm_coll_check(c, fn, buf, buf, count, dt));
     if (peer < 0 || peer >= c->world_size || peer == c->rank)
         return dsk_set_error(DSK_ERR_ARG, "%s: peer %d is not another rank of [0, %d) (this is rank %d)", fn, peer,
                              c->world_size, c->rank);
@@ -2429,8 +2418,7 @@ DSK_API dsk_status dsk_comm_recv(dsk_comm *c, dsk_ctx *ctx, void *buf, int64_t c
 
 DSK_API dsk_status dsk_comm_sync(dsk_comm *c, dsk_ctx *ctx) {
     const char *fn = "dsk_comm_sync";
-    dsk_status st = dsk__comm_check(c, fn);
-    if (st) return st;
+    DSK__TRY(dsk__comm_check(c, fn));
 #ifdef DSK_CUDA
     if (DSK__COMM_NCCL(c)) {
         double t0 = dsk__comm_now();
@@ -2463,11 +2451,10 @@ DSK_API dsk_status dsk_comm_sync(dsk_comm *c, dsk_ctx *ctx) {
 DSK_API dsk_status dsk_comm_barrier(dsk_comm *c, dsk_ctx *ctx) {
     const char *fn = "dsk_comm_barrier";
     double t0 = dsk__comm_now();
-    dsk_status st = dsk__comm_check(c, fn);
-    if (st) return st;
+    DSK__TRY(dsk__comm_check(c, fn));
 #ifdef DSK_CUDA
     if (DSK__COMM_NCCL(c)) {
-        st = dsk__comm_nccl_done(c, fn, ncclAllReduce(c->impl->nccl_flag, c->impl->nccl_flag, 1, ncclFloat32, ncclSum,
+        dsk_status st = dsk__comm_nccl_done(c, fn, ncclAllReduce(c->impl->nccl_flag, c->impl->nccl_flag, 1, ncclFloat32, ncclSum,
                                                  c->impl->nccl, dsk__comm_stream(ctx)), "ncclAllReduce (barrier)", t0);
         return dsk__comm_done(c, st ? st : dsk_comm_sync(c, ctx), t0);
     }
@@ -2491,12 +2478,13 @@ static dsk_status dsk__comm_nccl_split(dsk_comm *c, const char *fn, int color, i
                               "ncclCommSplit")) != DSK_OK)
         return dsk__comm_break(c, st);
     /* nonblocking split: the parent reads ncclInProgress until the split is done, then newcomm is set */
-    if ((st = dsk__comm_nccl_settle(c, fn, c->impl->nccl, t0, "ncclCommSplit")) != DSK_OK) return st;
+    DSK__TRY(dsk__comm_nccl_settle(c, fn, c->impl->nccl, t0, "ncclCommSplit"));
     if (color < 0) return DSK_OK;
     if (!nc) return dsk_set_error(DSK_ERR_NCCL, "%s: ncclCommSplit gave rank %d (color %d) no communicator", fn, c->rank, color);
-    if ((st = dsk__comm_nccl_settle(c, fn, nc, t0, "ncclCommSplit (new communicator)")) != DSK_OK ||
-        (st = dsk__comm_nccl_check(c, fn, ncclCommCount(nc, &n), "ncclCommCount")) != DSK_OK ||
-        (st = dsk__comm_nccl_check(c, fn, ncclCommUserRank(nc, &r), "ncclCommUserRank")) != DSK_OK) {
+    st = dsk__comm_nccl_settle(c, fn, nc, t0, "ncclCommSplit (new communicator)");
+    if (st == DSK_OK) st = dsk__comm_nccl_check(c, fn, ncclCommCount(nc, &n), "ncclCommCount");
+    if (st == DSK_OK) st = dsk__comm_nccl_check(c, fn, ncclCommUserRank(nc, &r), "ncclCommUserRank");
+    if (st != DSK_OK) {
         ncclCommAbort(nc);
         return st;
     }
@@ -2526,7 +2514,7 @@ static dsk_status dsk__comm_host_split(dsk_comm *c, const char *fn, int color, i
     mine.color = color;
     mine.key = key;
     mine.rank = c->rank;
-    if (color >= 0 && (st = dsk__comm_mesh_listen(c, fn, &lfd, mine.ep)) != DSK_OK) return st;
+    if (color >= 0) DSK__TRY(dsk__comm_mesh_listen(c, fn, &lfd, mine.ep));
     if (!(all = (dsk__comm_split_rec *)DSK_MALLOC((size_t)n * sizeof *all))) {
         if (lfd >= 0) close(lfd);
         return dsk_set_error(DSK_ERR_OOM, "%s: %d split records", fn, n);
@@ -2583,8 +2571,8 @@ out:
 DSK_API dsk_status dsk_comm_split(dsk_comm *c, int color, int key, dsk_comm *sub) {
     const char *fn = "dsk_comm_split";
     double t0 = dsk__comm_now();
-    dsk_status st = dsk__comm_check(c, fn);
-    if (st) return st;
+    dsk_status st;
+    DSK__TRY(dsk__comm_check(c, fn));
     if (!sub || sub == c) return dsk_set_error(DSK_ERR_ARG, "%s: sub is NULL or the parent itself", fn);
     if (color < DSK_COMM_NO_COLOR)
         return dsk_set_error(DSK_ERR_ARG, "%s: color %d is negative (use DSK_COMM_NO_COLOR to join no group)", fn, color);
@@ -2625,8 +2613,8 @@ static dsk_status dsk__comm_tensor_check(dsk_comm *c, const char *fn, const char
 static dsk_status dsk__comm_tensor_pair(dsk_comm *c, const char *fn, const dsk_tensor *out, const dsk_tensor *in, int64_t out_per_in_num,
                                    int64_t out_per_in_den) {
     char a[96], b[96];
-    dsk_status st;
-    if ((st = dsk__comm_tensor_check(c, fn, "out", out)) || (st = dsk__comm_tensor_check(c, fn, "in", in))) return st;
+    DSK__TRY(dsk__comm_tensor_check(c, fn, "out", out));
+    DSK__TRY(dsk__comm_tensor_check(c, fn, "in", in));
     if (out->dtype != in->dtype || dsk_tensor_numel(in) * out_per_in_num != dsk_tensor_numel(out) * out_per_in_den)
         return dsk_set_error(DSK_ERR_ARG, "%s: out %s does not fit in %s for %d ranks", fn, dsk_tensor_describe(out, a, sizeof a),
                              dsk_tensor_describe(in, b, sizeof b), c->world_size);
@@ -2656,9 +2644,8 @@ DSK_API dsk_status dsk_comm_broadcast_tensor(dsk_comm *c, dsk_ctx *ctx, dsk_tens
 
 DSK_API dsk_status dsk_comm_all_to_all_tensor(dsk_comm *c, dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *in) {
     const char *fn = "dsk_comm_all_to_all_tensor";
-    dsk_status st = dsk__comm_tensor_pair(c, fn, out, in, 1, 1);
     char d[96];
-    if (st) return st;
+    DSK__TRY(dsk__comm_tensor_pair(c, fn, out, in, 1, 1));
     if (dsk_tensor_numel(in) % c->world_size)
         return dsk_set_error(DSK_ERR_ARG, "%s: in %s does not split into %d equal blocks", fn, dsk_tensor_describe(in, d, sizeof d),
                              c->world_size);
@@ -2671,10 +2658,9 @@ DSK_API dsk_status dsk_comm_free_port(const char *addr, int *port) {
     const char *fn = "dsk_comm_free_port";
     struct sockaddr_in sa;
     int fd;
-    dsk_status st;
     if (!port) return dsk_set_error(DSK_ERR_ARG, "%s: port is NULL", fn);
-    if ((st = dsk__comm_resolve(fn, addr ? addr : "127.0.0.1", 0, &sa)) != DSK_OK) return st;
-    if ((st = dsk__comm_listen(fn, &sa, NULL, &fd, port)) != DSK_OK) return st;
+    DSK__TRY(dsk__comm_resolve(fn, addr ? addr : "127.0.0.1", 0, &sa));
+    DSK__TRY(dsk__comm_listen(fn, &sa, NULL, &fd, port));
     close(fd);
     return DSK_OK;
 }
@@ -2740,7 +2726,7 @@ DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_com
     char job[64];
     if (worst_exit) *worst_exit = 0;
     if (n < 1 || n > 4096 || !argv || !argv[0]) return dsk_set_error(DSK_ERR_ARG, "%s: need 1 to 4096 ranks and a program (n = %d)", fn, n);
-    if (!port && (st = dsk_comm_free_port(addr, &port)) != DSK_OK) return st;
+    if (!port) DSK__TRY(dsk_comm_free_port(addr, &port));
     {
         /* every launch is a job of its own: this process and the moment tell it apart */
         struct timespec ts;
@@ -2949,7 +2935,7 @@ DSK_API dsk_status dsk_comm_buckets_init(dsk_comm_buckets *b, dsk_comm *c, dsk_c
     size_t esz = dsk_dtype_size(dt);
     if (!b) return dsk_set_error(DSK_ERR_ARG, "%s: buckets is NULL", fn);
     memset(b, 0, sizeof *b);
-    if ((st = dsk__comm_check(c, fn)) != DSK_OK) return st;
+    DSK__TRY(dsk__comm_check(c, fn));
     if (dt != DSK_F32 && dt != DSK_BF16 && dt != DSK_F16)
         return dsk_set_error(DSK_ERR_ARG, "%s: gradient dtype %s is not f32, bf16 or f16", fn, dsk_dtype_name(dt));
     if (n_params < 1 || !counts || !flat) return dsk_set_error(DSK_ERR_ARG, "%s: need n_params >= 1 (got %d), counts and a flat buffer", fn, n_params);
@@ -3047,12 +3033,10 @@ static dsk_status dsk__comm_bucket_launch(dsk_comm_buckets *b, int k) {
         if ((e = cudaEventRecord(bi->ev[3 * k], user)) != cudaSuccess || (e = cudaStreamWaitEvent(bi->stream, bi->ev[3 * k], 0)) != cudaSuccess ||
             (e = cudaEventRecord(bi->ev[3 * k + 1], bi->stream)) != cudaSuccess)
             return dsk_set_error(DSK_ERR_CUDA, "%s: ordering bucket %d after backward: %s", fn, k, cudaGetErrorString(e));
-        {
-            dsk_status st = dsk__comm_nccl_done(&bi->comm, fn, ncclAllReduce(p, p, dsk__comm_bucket_elems(bi, k), dsk__comm_nccl_dtype(bi->dt),
-                                                                        bi->sum_only ? ncclSum : ncclAvg, bi->comm.impl->nccl,
-                                                                        bi->stream), "ncclAllReduce (bucket)", t0);
-            if (st) return st;
-        }
+        DSK__TRY(dsk__comm_nccl_done(&bi->comm, fn, ncclAllReduce(p, p, dsk__comm_bucket_elems(bi, k),
+                                                                  dsk__comm_nccl_dtype(bi->dt),
+                                                                  bi->sum_only ? ncclSum : ncclAvg, bi->comm.impl->nccl,
+                                                                  bi->stream), "ncclAllReduce (bucket)", t0));
         if ((e = cudaEventRecord(bi->ev[3 * k + 2], bi->stream)) != cudaSuccess)
             return dsk_set_error(DSK_ERR_CUDA, "%s: cudaEventRecord after bucket %d: %s", fn, k, cudaGetErrorString(e));
         return DSK_OK;
@@ -3077,8 +3061,7 @@ DSK_API dsk_status dsk_comm_buckets_mark_ready(dsk_comm_buckets *b, int param) {
     if (!bi->sync) return DSK_OK;
     bi->pending[bi->bucket_of[param]]--;
     while (bi->next_launch < b->n_buckets && bi->pending[bi->next_launch] == 0) {
-        dsk_status st = dsk__comm_bucket_launch(b, bi->next_launch);
-        if (st) return st;
+        DSK__TRY(dsk__comm_bucket_launch(b, bi->next_launch));
         bi->next_launch++;
     }
     return DSK_OK;
