@@ -7,8 +7,12 @@
    Options: DSK_STATIC, DSK_MALLOC/DSK_FREE, DSK_CUDA (adds the nccl backend), DSK_NO_CUDA.
 
        dsk_comm c;
-       DSK_CHECK(dsk_comm_init_env(&c, NULL));      // torchrun, srun or mpirun set the env
-       DSK_CHECK(dsk_comm_all_reduce(&c, ctx, grad, grad, n, DSK_F32, DSK_COMM_AVG));
+       if (dsk_comm_init_env(&c, NULL) != DSK_OK) {   // torchrun, srun or mpirun set the env
+           fprintf(stderr, "%s\n", dsk_last_error()); // names the function, the rank, the values
+           return 1;
+       }
+       if (dsk_comm_all_reduce(&c, ctx, grad, grad, n, DSK_F32, DSK_COMM_AVG) != DSK_OK)
+           fprintf(stderr, "%s\n", dsk_last_error());
        dsk_comm_free(&c);
 
    Bootstrap. Rank 0 serves a small key-value store over TCP at MASTER_ADDR:MASTER_PORT
@@ -25,8 +29,9 @@
    - Reductions fold the ranks' values in rank order 0, 1, ..., n-1: f32, f16 and bf16 in
      f32 (x0 + x1 + ... rounded once to the dtype at the end), f64 in f64, integers in int64
      (sums wrap to the dtype's width). AVG divides the sum by n in the same precision
-     (integers: int64 division truncating toward zero). MAX and MIN propagate NaN. The order is the same for every
-     message size and algorithm, so every rank gets bitwise the same result.
+     (integers: int64 division truncating toward zero). MAX and MIN propagate NaN. The
+     order is the same for every message size and algorithm, so every rank gets bitwise the
+     same result.
    - Small messages (<= opts.small_bytes) go in one round to every peer; large ones are
      reduce-scattered by direct exchange (each rank owns 1/n of the elements and receives
      only that part from every peer, pieces of opts.piece_bytes) and then all-gathered:
@@ -49,6 +54,13 @@
      communicator (split at init), so the parent stays free during backward.
    Every rank must issue the same collectives in the same order (as with NCCL and MPI).
    License: MIT, see the end of the file. */
+/* Contents. Each section starts with a rule comment "---- <title>"; search for the title.
+   Declarations: types and options; communicators: init, free, split; collectives; tensor
+   forms; the bootstrap store; local launcher; gradient buckets.
+   Implementation (after the "implementation" rule): small helpers; the key-value store
+   server; communicator state; store client; the host backend's I/O engine; reductions (fixed
+   rank order); host collectives; bootstrap and mesh; init; collectives; split; tensor forms;
+   local launcher; gradient buckets. */
 #if defined(DSK_COMM_IMPLEMENTATION) && !defined(_GNU_SOURCE) && !defined(_POSIX_C_SOURCE)
 #define _POSIX_C_SOURCE 200809L
 #endif
@@ -62,6 +74,8 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* ---- types and options */
 
 typedef enum dsk_comm_backend {
     DSK_COMM_AUTO = 0, /* nccl when built with DSK_CUDA and a GPU is usable, else host */
@@ -106,6 +120,8 @@ typedef struct dsk_comm {
     dsk_comm_stats stats;     /* host backend: updated by every call */
     dsk__comm_impl *impl;
 } dsk_comm;
+
+/* ---- communicators: init, free, split */
 
 /* Reads RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE (torchrun), else OMPI_COMM_WORLD_RANK/
    _SIZE/_LOCAL_RANK/_LOCAL_SIZE (Open MPI), else SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID
@@ -176,7 +192,7 @@ DSK_API dsk_status dsk_comm_barrier(dsk_comm *c, dsk_ctx *ctx);
 /* nccl: waits for ctx's stream, polling for NCCL errors, aborting at the timeout. host: no-op. */
 DSK_API dsk_status dsk_comm_sync(dsk_comm *c, dsk_ctx *ctx);
 
-/* ---- the same on contiguous tensors (CPU tensors on host, CUDA tensors on nccl). */
+/* ---- tensor forms: the same on contiguous tensors (CPU tensors on host, CUDA tensors on nccl). */
 DSK_API dsk_status dsk_comm_all_reduce_tensor(dsk_comm *c, dsk_ctx *ctx, dsk_tensor *t, dsk_comm_op op); /* in place */
 /* out numel = in numel / world_size, same dtype. */
 DSK_API dsk_status dsk_comm_reduce_scatter_tensor(dsk_comm *c, dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *in,
@@ -378,7 +394,8 @@ static dsk_status dsk__comm_listen(const char *fn, const struct sockaddr_in *add
 }
 
 /* Connects to sa, retrying refused connections until deadline (the peer may not listen yet). */
-static dsk_status dsk__comm_connect(const char *fn, const struct sockaddr_in *sa, double deadline, const char *who, int *fd_out) {
+static dsk_status dsk__comm_connect(const char *fn, const struct sockaddr_in *sa, double deadline, const char *who,
+                                    int *fd_out) {
     char ip[64];
     const char *last = "no attempt";
     double t0 = dsk__comm_now();
@@ -413,7 +430,8 @@ static dsk_status dsk__comm_connect(const char *fn, const struct sockaddr_in *sa
 }
 
 /* Blocking-style I/O on a nonblocking socket, bounded by deadline. `who` names the peer. */
-static dsk_status dsk__comm_write_full(const char *fn, int fd, const void *buf, size_t len, double deadline, const char *who) {
+static dsk_status dsk__comm_write_full(const char *fn, int fd, const void *buf, size_t len, double deadline,
+                                       const char *who) {
     const char *p = (const char *)buf;
     while (len > 0) {
         ssize_t s = send(fd, p, len, MSG_NOSIGNAL);
@@ -526,7 +544,12 @@ static int dsk__comm_store_reply(int fd, const void *a, size_t na, const void *b
         int k = 0;
         memset(&mh, 0, sizeof mh);
         if (sent < na) { iov[k].iov_base = (char *)a + sent; iov[k].iov_len = na - sent; k++; }
-        if (nb) { size_t off = sent > na ? sent - na : 0; iov[k].iov_base = (char *)b + off; iov[k].iov_len = nb - off; k++; }
+        if (nb) {
+            size_t off = sent > na ? sent - na : 0;
+            iov[k].iov_base = (char *)b + off;
+            iov[k].iov_len = nb - off;
+            k++;
+        }
         mh.msg_iov = iov;
         mh.msg_iovlen = (size_t)k;
         r = sendmsg(fd, &mh, MSG_NOSIGNAL);
@@ -579,7 +602,9 @@ static int dsk__comm_store_serve(dsk__comm_store_server *s, int i) {
         key[klen] = 0;
         if (cmd == DSK__COMM_STORE_SET) {
             uint64_t zero = 0;
-            if (!(e = dsk__comm_kv_put(s, key, c->buf + 16 + klen, n)) || dsk__comm_store_reply(c->fd, &zero, 8, NULL, 0)) return -1;
+            if (!(e = dsk__comm_kv_put(s, key, c->buf + 16 + klen, n)) ||
+                dsk__comm_store_reply(c->fd, &zero, 8, NULL, 0))
+                return -1;
         } else if (cmd == DSK__COMM_STORE_ADD) {
             int64_t v = 0;
             e = dsk__comm_kv_find(s, key);
@@ -648,7 +673,11 @@ static void *dsk__comm_store_thread(void *arg) {
         }
         pf[0].fd = s->wake[0]; pf[0].events = POLLIN; pf[0].revents = 0;
         pf[1].fd = s->listen_fd; pf[1].events = POLLIN; pf[1].revents = 0; /* -1 once draining: ignored */
-        for (int i = 0; i < s->ncl; i++) { pf[2 + i].fd = s->cl[i].fd; pf[2 + i].events = POLLIN; pf[2 + i].revents = 0; }
+        for (int i = 0; i < s->ncl; i++) {
+            pf[2 + i].fd = s->cl[i].fd;
+            pf[2 + i].events = POLLIN;
+            pf[2 + i].revents = 0;
+        }
         r = poll(pf, (nfds_t)n, drain_until > 0 ? 20 : -1);
         if (r < 0 && errno != EINTR) break;
         if (r <= 0) continue;
@@ -826,14 +855,16 @@ static dsk_status dsk__comm_store_call(dsk_comm *c, const char *fn, uint32_t cmd
     uint32_t klen = (uint32_t)strlen(key);
     dsk_status st;
     if (m->store_fd < 0) return dsk_set_error(DSK_ERR_STATE, "%s: this communicator has no store connection", fn);
-    if (klen == 0 || klen > DSK__COMM_STORE_MAX_KEY) return dsk_set_error(DSK_ERR_ARG, "%s: key length %u not in [1, %u]", fn, klen, DSK__COMM_STORE_MAX_KEY);
+    if (klen == 0 || klen > DSK__COMM_STORE_MAX_KEY)
+        return dsk_set_error(DSK_ERR_ARG, "%s: key length %u not in [1, %u]", fn, klen, DSK__COMM_STORE_MAX_KEY);
     snprintf(who, sizeof who, "the key-value store at %s:%d", m->master_addr, m->master_port);
     memcpy(h, &cmd, 4);
     memcpy(h + 4, &klen, 4);
     memcpy(h + 8, &n, 8);
     st = dsk__comm_write_full(fn, m->store_fd, h, 16, deadline, who);
     if (st == DSK_OK) st = dsk__comm_write_full(fn, m->store_fd, key, klen, deadline, who);
-    if (st == DSK_OK && cmd == DSK__COMM_STORE_SET) st = dsk__comm_write_full(fn, m->store_fd, val, (size_t)n, deadline, who);
+    if (st == DSK_OK && cmd == DSK__COMM_STORE_SET)
+        st = dsk__comm_write_full(fn, m->store_fd, val, (size_t)n, deadline, who);
     return st == DSK_OK ? DSK_OK : dsk__comm_store_fail(m, st);
 }
 
@@ -851,14 +882,18 @@ static dsk_status dsk__comm_store_set(dsk_comm *c, const char *fn, const char *k
     dsk_status st;
     double deadline = dsk__comm_now() + c->impl->timeout_s;
     char who[320];
-    if (len > DSK__COMM_STORE_MAX_VAL) return dsk_set_error(DSK_ERR_ARG, "%s: value of %zu bytes for \"%s\" exceeds %u", fn, len, key, DSK__COMM_STORE_MAX_VAL);
+    if (len > DSK__COMM_STORE_MAX_VAL)
+        return dsk_set_error(DSK_ERR_ARG, "%s: value of %zu bytes for \"%s\" exceeds %u", fn, len, key,
+                             DSK__COMM_STORE_MAX_VAL);
     DSK__TRY(dsk__comm_store_call(c, fn, DSK__COMM_STORE_SET, key, val, len, deadline));
     snprintf(who, sizeof who, "the key-value store at %s:%d", c->impl->master_addr, c->impl->master_port);
-    if ((st = dsk__comm_read_full(fn, c->impl->store_fd, &ack, 8, deadline, who)) != DSK_OK) return dsk__comm_store_fail(c->impl, st);
+    if ((st = dsk__comm_read_full(fn, c->impl->store_fd, &ack, 8, deadline, who)) != DSK_OK)
+        return dsk__comm_store_fail(c->impl, st);
     return DSK_OK;
 }
 
-static dsk_status dsk__comm_store_get(dsk_comm *c, const char *fn, const char *key, void *buf, size_t cap, size_t *len_out) {
+static dsk_status dsk__comm_store_get(dsk_comm *c, const char *fn, const char *key, void *buf, size_t cap,
+                                      size_t *len_out) {
     dsk__comm_impl *m = c->impl;
     uint64_t len;
     dsk_status st;
@@ -866,11 +901,15 @@ static dsk_status dsk__comm_store_get(dsk_comm *c, const char *fn, const char *k
     char who[400];
     DSK__TRY(dsk__comm_store_call(c, fn, DSK__COMM_STORE_GET, key, NULL, 0, deadline));
     snprintf(who, sizeof who, "key \"%s\" in the key-value store at %s:%d", key, m->master_addr, m->master_port);
-    if ((st = dsk__comm_read_full(fn, m->store_fd, &len, 8, deadline, who)) != DSK_OK) return dsk__comm_store_fail(m, st);
-    if (len > DSK__COMM_STORE_MAX_VAL) return dsk__comm_store_fail(m, dsk_set_error(DSK_ERR_CORRUPT, "%s: store reply of %llu bytes", fn, (unsigned long long)len));
+    if ((st = dsk__comm_read_full(fn, m->store_fd, &len, 8, deadline, who)) != DSK_OK)
+        return dsk__comm_store_fail(m, st);
+    if (len > DSK__COMM_STORE_MAX_VAL)
+        return dsk__comm_store_fail(
+            m, dsk_set_error(DSK_ERR_CORRUPT, "%s: store reply of %llu bytes", fn, (unsigned long long)len));
     {
         char *tmp = (char *)DSK_MALLOC(len ? (size_t)len : 1);
-        if (!tmp) return dsk__comm_store_fail(m, dsk_set_error(DSK_ERR_OOM, "%s: %llu bytes", fn, (unsigned long long)len));
+        if (!tmp)
+            return dsk__comm_store_fail(m, dsk_set_error(DSK_ERR_OOM, "%s: %llu bytes", fn, (unsigned long long)len));
         st = dsk__comm_read_full(fn, m->store_fd, tmp, (size_t)len, deadline, who);
         if (st == DSK_OK && buf) memcpy(buf, tmp, (size_t)len < cap ? (size_t)len : cap);
         DSK_FREE(tmp);
@@ -887,7 +926,8 @@ static dsk_status dsk__comm_store_add(dsk_comm *c, const char *fn, const char *k
     char who[320];
     DSK__TRY(dsk__comm_store_call(c, fn, DSK__COMM_STORE_ADD, key, NULL, (uint64_t)delta, deadline));
     snprintf(who, sizeof who, "the key-value store at %s:%d", c->impl->master_addr, c->impl->master_port);
-    if ((st = dsk__comm_read_full(fn, c->impl->store_fd, &v, 8, deadline, who)) != DSK_OK) return dsk__comm_store_fail(c->impl, st);
+    if ((st = dsk__comm_read_full(fn, c->impl->store_fd, &v, 8, deadline, who)) != DSK_OK)
+        return dsk__comm_store_fail(c->impl, st);
     if (result) *result = v;
     return DSK_OK;
 }
@@ -949,7 +989,8 @@ static int dsk__comm_peer_fault(dsk_comm *c, int peer, char *buf, size_t cap) {
     st = dsk__comm_store_add(c, "dsk_comm", key, 0, NULL);
     if (st == DSK_OK) {
         snprintf(key, sizeof key, "dsk/%s/fault/%d", m->ns, peer);
-        if (dsk__comm_store_get(c, "dsk_comm", key, buf, cap - 1, &len) == DSK_OK) buf[len < cap - 1 ? len : cap - 1] = 0;
+        if (dsk__comm_store_get(c, "dsk_comm", key, buf, cap - 1, &len) == DSK_OK)
+            buf[len < cap - 1 ? len : cap - 1] = 0;
     }
     m->timeout_s = keep;
     dsk_set_error(DSK_OK, "%s", saved);
@@ -959,8 +1000,8 @@ static int dsk__comm_peer_fault(dsk_comm *c, int peer, char *buf, size_t cap) {
 static dsk_status dsk__comm_check(const dsk_comm *c, const char *fn) {
     if (!c || !c->impl) return dsk_set_error(DSK_ERR_ARG, "%s: communicator is NULL or not initialised", fn);
     if (c->impl->broken)
-        return dsk_set_error(DSK_ERR_STATE, "%s: communicator (rank %d of %d) is unusable after an earlier error: %s", fn,
-                             c->rank, c->world_size, c->impl->broken_msg);
+        return dsk_set_error(DSK_ERR_STATE, "%s: communicator (rank %d of %d) is unusable after an earlier error: %s",
+                             fn, c->rank, c->world_size, c->impl->broken_msg);
     return DSK_OK;
 }
 
@@ -1016,15 +1057,60 @@ static dsk_status dsk__comm_a2av_mismatch(dsk_comm *c, const char *fn, int peer,
                                          const dsk__comm_wire *want) {
     int me = c->rank;
     if (got->count != want->count) /* what peer sends me vs what I expect from it */
-        return dsk_set_error(DSK_ERR_PEER, "%s: all_to_all_v counts disagree: rank %d sends rank %d %lld elements but rank "
-                             "%d expects %lld (call #%llu; this is rank %d)", fn, peer, me, (long long)got->count, me,
-                             (long long)want->count, (unsigned long long)want->seq, me);
-    return dsk_set_error(DSK_ERR_PEER, "%s: all_to_all_v counts disagree: rank %d sends rank %d %lld elements but rank %d "
-                         "expects %lld (call #%llu; this is rank %d)", fn, me, peer, (long long)want->expect, peer,
-                         (long long)got->expect, (unsigned long long)want->seq, me);
+        return dsk_set_error(DSK_ERR_PEER,
+                             "%s: all_to_all_v counts disagree: rank %d sends rank %d %lld elements but rank "
+                             "%d expects %lld (call #%llu; this is rank %d)",
+                             fn, peer, me, (long long)got->count, me, (long long)want->count,
+                             (unsigned long long)want->seq, me);
+    return dsk_set_error(DSK_ERR_PEER,
+                         "%s: all_to_all_v counts disagree: rank %d sends rank %d %lld elements but rank %d "
+                         "expects %lld (call #%llu; this is rank %d)",
+                         fn, me, peer, (long long)want->expect, peer, (long long)got->expect,
+                         (unsigned long long)want->seq, me);
 }
 
 static int dsk__comm_io_finished(const dsk__comm_io *op) { return op->done == sizeof(dsk__comm_wire) + op->len; }
+
+/* A received header against the one this rank expects: DSK_OK, or the error naming both calls. */
+static dsk_status dsk__comm_check_header(dsk_comm *c, const char *fn, const dsk__comm_io *op) {
+    const dsk__comm_wire *g = &op->got, *w = &op->hdr;
+    char mine[160], theirs[160];
+    if (g->magic != DSK__COMM_WIRE_MAGIC)
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: rank %d sent a message without the dsk header (magic %08x)", fn,
+                             op->peer, (unsigned)g->magic);
+    if (g->kind == DSK__COMM_ALL_TO_ALL_V && w->kind == g->kind && g->seq == w->seq && g->dtype == w->dtype &&
+        (g->count != w->count || g->expect != w->expect))
+        return dsk__comm_a2av_mismatch(c, fn, op->peer, g, w);
+    if (g->kind == w->kind && g->dtype == w->dtype && g->op == w->op && g->root == w->root && g->count == w->count &&
+        g->seq == w->seq && g->step == w->step && g->expect == w->expect)
+        return DSK_OK;
+    dsk__comm_wire_describe(w, mine, sizeof mine);
+    dsk__comm_wire_describe(g, theirs, sizeof theirs);
+    return dsk_set_error(DSK_ERR_PEER, "%s: mismatched calls: this rank (%d) expects %s but rank %d sent %s", fn,
+                         c->rank, mine, op->peer, theirs);
+}
+
+/* The error for a peer that hung up (`how` says how) during op: its own published error if it
+   broke first; rank 0 when the store it serves is gone or silent too; else the peer. */
+static dsk_status dsk__comm_hangup(dsk_comm *c, const char *fn, const dsk__comm_io *op, const char *how) {
+    char what[160], why[400], es[96];
+    const char *host = strcmp(c->impl->ns, "w") == 0 ? "rank 0" : "world rank 0";
+    int store;
+    snprintf(es, sizeof es, "%s", how); /* before the store calls below can touch strerror's buffer */
+    store = dsk__comm_peer_fault(c, op->peer, why, sizeof why);
+    dsk__comm_wire_describe(&op->hdr, what, sizeof what);
+    if (why[0])
+        return dsk_set_error(DSK_ERR_PEER, "%s: rank %d hung up during %s after its own error: %s", fn, op->peer, what,
+                             why);
+    if (store == DSK__COMM_STORE_GONE || store == DSK__COMM_STORE_SILENT)
+        return dsk_set_error(DSK_ERR_PEER, "%s: lost the connection to rank %d (%s) during %s; %s, which serves the "
+                             "key-value store at %s:%d, %s: it most likely failed first", fn, op->peer, es, what, host,
+                             c->impl->master_addr, c->impl->master_port,
+                             store == DSK__COMM_STORE_GONE ? "is gone (exited or crashed)"
+                                                           : "does not answer (stopped or overloaded)");
+    return dsk_set_error(DSK_ERR_PEER, "%s: lost the connection to rank %d (%s) during %s: it exited, crashed or "
+                         "failed an earlier call", fn, op->peer, es, what);
+}
 
 /* Moves what the socket allows; 1 done, 0 would block, -1 error (*err and the message set). */
 static int dsk__comm_io_progress(dsk_comm *c, const char *fn, dsk__comm_io *op, dsk_status *err) {
@@ -1050,23 +1136,7 @@ static int dsk__comm_io_progress(dsk_comm *c, const char *fn, dsk__comm_io *op, 
             r = recv(fd, (char *)&op->got + op->done, H - op->done, 0);
             if (r > 0) {
                 op->done += (size_t)r;
-                if (op->done == H) {
-                    const dsk__comm_wire *g = &op->got, *w = &op->hdr;
-                    if (g->magic != DSK__COMM_WIRE_MAGIC)
-                        return *err = dsk_set_error(DSK_ERR_CORRUPT, "%s: rank %d sent a message without the dsk header "
-                                                    "(magic %08x)", fn, op->peer, (unsigned)g->magic), -1;
-                    if (g->kind == DSK__COMM_ALL_TO_ALL_V && w->kind == g->kind && g->seq == w->seq && g->dtype == w->dtype &&
-                        (g->count != w->count || g->expect != w->expect))
-                        return *err = dsk__comm_a2av_mismatch(c, fn, op->peer, g, w), -1;
-                    if (g->kind != w->kind || g->dtype != w->dtype || g->op != w->op || g->root != w->root ||
-                        g->count != w->count || g->seq != w->seq || g->step != w->step || g->expect != w->expect) {
-                        char mine[160], theirs[160];
-                        dsk__comm_wire_describe(w, mine, sizeof mine);
-                        dsk__comm_wire_describe(g, theirs, sizeof theirs);
-                        return *err = dsk_set_error(DSK_ERR_PEER, "%s: mismatched calls: this rank (%d) expects %s but "
-                                                    "rank %d sent %s", fn, c->rank, mine, op->peer, theirs), -1;
-                    }
-                }
+                if (op->done == H && (*err = dsk__comm_check_header(c, fn, op)) != DSK_OK) return -1;
                 continue;
             }
         } else {
@@ -1076,26 +1146,8 @@ static int dsk__comm_io_progress(dsk_comm *c, const char *fn, dsk__comm_io *op, 
         }
         if (r < 0 && errno == EINTR) continue;
         if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
-        {
-            char what[160];
-            dsk__comm_wire_describe(&op->hdr, what, sizeof what);
-            char why[400];
-            const char *es = r == 0 ? "end of stream" : strerror(errno);
-            int store = dsk__comm_peer_fault(c, op->peer, why, sizeof why);
-            const char *host = strcmp(c->impl->ns, "w") == 0 ? "rank 0" : "world rank 0";
-            if (why[0])
-                return *err = dsk_set_error(DSK_ERR_PEER, "%s: rank %d hung up during %s after its own error: %s", fn,
-                                            op->peer, what, why), -1;
-            /* rank 0 hosts the store that relays root causes: when it is gone, it is the likely cause */
-            if (store == DSK__COMM_STORE_GONE || store == DSK__COMM_STORE_SILENT)
-                return *err = dsk_set_error(DSK_ERR_PEER, "%s: lost the connection to rank %d (%s) during %s; %s, which "
-                                            "serves the key-value store at %s:%d, %s: it most likely failed first", fn,
-                                            op->peer, es, what, host, c->impl->master_addr, c->impl->master_port,
-                                            store == DSK__COMM_STORE_GONE ? "is gone (exited or crashed)"
-                                                                          : "does not answer (stopped or overloaded)"), -1;
-            return *err = dsk_set_error(DSK_ERR_PEER, "%s: lost the connection to rank %d (%s) during %s: it exited, "
-                                        "crashed or failed an earlier call", fn, op->peer, es, what), -1;
-        }
+        *err = dsk__comm_hangup(c, fn, op, r == 0 ? "end of stream" : strerror(errno));
+        return -1;
     }
     return 1;
 }
@@ -1112,7 +1164,8 @@ typedef struct dsk__comm_fold_job {
     int64_t len, done;
 } dsk__comm_fold_job;
 
-static void dsk__comm_fold(dsk_dtype dt, dsk_comm_op op, int n, const void *const *src, void *dst, int64_t len, void *acc);
+static void dsk__comm_fold(dsk_dtype dt, dsk_comm_op op, int n, const void *const *src, void *dst, int64_t len,
+                           void *acc);
 
 /* Folds the next `max` elements of the job (all that are left if max <= 0). */
 static void dsk__comm_fold_slice(dsk__comm_fold_job *job, const void **tmp_srcs, int64_t max) {
@@ -1126,7 +1179,8 @@ static void dsk__comm_fold_slice(dsk__comm_fold_job *job, const void **tmp_srcs,
 
 /* Runs ops[0..n) to completion or to the deadline (t0 + timeout), folding `job` (may be
    NULL) whenever no socket is ready; the job is complete on return. Errors break the comm. */
-static dsk_status dsk__comm_io_run(dsk_comm *c, const char *fn, dsk__comm_io *ops, int n, double t0, dsk__comm_fold_job *job) {
+static dsk_status dsk__comm_io_run(dsk_comm *c, const char *fn, dsk__comm_io *ops, int n, double t0,
+                                   dsk__comm_fold_job *job) {
     dsk__comm_impl *m = c->impl;
     double deadline = t0 + m->timeout_s;
     for (;;) {
@@ -1152,21 +1206,24 @@ static dsk_status dsk__comm_io_run(dsk_comm *c, const char *fn, dsk__comm_io *op
             for (int j = 0; j < k; j++)
                 if (!ops[m->pidx[j]].is_send) { w = m->pidx[j]; break; }
             dsk__comm_wire_describe(&ops[w].hdr, what, sizeof what);
-            dsk_set_error(DSK_ERR_TIMEOUT, "%s: timed out after %.2f s waiting for rank %d to %s (%zu of %zu bytes) in %s; "
-                          "rank %d may be stopped, overloaded or in a different call", fn, dsk__comm_now() - t0,
-                          ops[w].peer, ops[w].is_send ? "accept data" : "send", ops[w].done,
+            dsk_set_error(DSK_ERR_TIMEOUT,
+                          "%s: timed out after %.2f s waiting for rank %d to %s (%zu of %zu bytes) in %s; "
+                          "rank %d may be stopped, overloaded or in a different call",
+                          fn, dsk__comm_now() - t0, ops[w].peer, ops[w].is_send ? "accept data" : "send", ops[w].done,
                           sizeof(dsk__comm_wire) + ops[w].len, what, ops[w].peer);
             return dsk__comm_break(c, DSK_ERR_TIMEOUT);
         }
         for (int j = 0; r > 0 && j < k; j++) {
             dsk_status err = DSK_OK;
-            if (m->pfd[j].revents && dsk__comm_io_progress(c, fn, &ops[m->pidx[j]], &err) < 0) return dsk__comm_break(c, err);
+            if (m->pfd[j].revents && dsk__comm_io_progress(c, fn, &ops[m->pidx[j]], &err) < 0)
+                return dsk__comm_break(c, err);
         }
         if (idle) dsk__comm_fold_slice(job, m->srcs + c->world_size, 32768);
     }
 }
 
-static void dsk__comm_io_post(dsk__comm_io *op, int peer, int is_send, const dsk__comm_wire *h, const void *buf, size_t len) {
+static void dsk__comm_io_post(dsk__comm_io *op, int peer, int is_send, const dsk__comm_wire *h, const void *buf,
+                              size_t len) {
     op->peer = peer;
     op->is_send = is_send;
     op->hdr = *h;
@@ -1198,7 +1255,8 @@ static void dsk__comm_fold_f64(dsk_comm_op op, int n, const void *const *src, vo
 /* dst[0..len) = src[0] op src[1] op ... op src[n-1], left to right, in f32 for f32, f16 and
    bf16, f64 for f64 and int64 for integers; AVG divides by n at the end. acc holds len 8-byte
    slots. dst may alias a source. */
-static void dsk__comm_fold(dsk_dtype dt, dsk_comm_op op, int n, const void *const *src, void *dst, int64_t len, void *acc) {
+static void dsk__comm_fold(dsk_dtype dt, dsk_comm_op op, int n, const void *const *src, void *dst, int64_t len,
+                           void *acc) {
     if (dt == DSK_F64) {
         dsk__comm_fold_f64(op, n, src, dst, len, (double *)acc);
     } else if (dsk_dtype_is_float(dt)) {
@@ -1276,8 +1334,9 @@ static int64_t dsk__comm_max64(int64_t a, int64_t b) { return a > b ? a : b; }
    receives for its own part in rank order into out, while round k + 1 is on the wire (two
    receive buffers). Every pair exchanges a header every round, even when a piece is empty,
    so mismatched calls are always seen. */
-static dsk_status dsk__comm_rs_direct(dsk_comm *c, const char *fn, dsk__comm_wire h, const char *send, const int64_t *off,
-                                 dsk_dtype dt, dsk_comm_op op, char *out, double t0, uint32_t *step) {
+static dsk_status dsk__comm_rs_direct(dsk_comm *c, const char *fn, dsk__comm_wire h, const char *send,
+                                      const int64_t *off, dsk_dtype dt, dsk_comm_op op, char *out, double t0,
+                                      uint32_t *step) {
     dsk__comm_impl *m = c->impl;
     int n = c->world_size, me = c->rank;
     size_t esz = dsk_dtype_size(dt);
@@ -1310,7 +1369,8 @@ static dsk_status dsk__comm_rs_direct(dsk_comm *c, const char *fn, dsk__comm_wir
         }
         /* this round's transfers, while the previous round's pieces are folded */
         DSK__TRY(dsk__comm_io_run(c, fn, m->ops, no, t0, &job));
-        for (int p = 0; p < n; p++) m->srcs[p] = p == me ? send + mine_lo * (int64_t)esz : half + (size_t)p * (size_t)P * esz;
+        for (int p = 0; p < n; p++)
+            m->srcs[p] = p == me ? send + mine_lo * (int64_t)esz : half + (size_t)p * (size_t)P * esz;
         job.dst = out + k * P * (int64_t)esz;
         job.len = mine_len;
         job.done = 0;
@@ -1321,15 +1381,16 @@ static dsk_status dsk__comm_rs_direct(dsk_comm *c, const char *fn, dsk__comm_wir
 
 /* Every rank sends its part [off[me], off[me+1]) of buf to every other rank (to_all) or to
    ranks != skip, and receives the others' parts in place. */
-static dsk_status dsk__comm_ag_direct(dsk_comm *c, const char *fn, dsk__comm_wire h, char *buf, const int64_t *off, size_t esz,
-                                 int skip, double t0) {
+static dsk_status dsk__comm_ag_direct(dsk_comm *c, const char *fn, dsk__comm_wire h, char *buf, const int64_t *off,
+                                      size_t esz, int skip, double t0) {
     dsk__comm_impl *m = c->impl;
     int n = c->world_size, me = c->rank, no = 0;
     for (int p = 0; p < n; p++) {
         if (p == me || p == skip) continue;
         dsk__comm_io_post(&m->ops[no++], p, 1, &h, buf + off[me] * (int64_t)esz, (size_t)(off[me + 1] - off[me]) * esz);
         if (me != skip)
-            dsk__comm_io_post(&m->ops[no++], p, 0, &h, buf + off[p] * (int64_t)esz, (size_t)(off[p + 1] - off[p]) * esz);
+            dsk__comm_io_post(&m->ops[no++], p, 0, &h, buf + off[p] * (int64_t)esz,
+                              (size_t)(off[p + 1] - off[p]) * esz);
     }
     return dsk__comm_io_run(c, fn, m->ops, no, t0, NULL);
 }
@@ -1367,13 +1428,13 @@ static dsk_status dsk__comm_host_all_reduce(dsk_comm *c, const char *fn, const c
     return dsk__comm_ag_direct(c, fn, h, recv, m->off, esz, -1, t0);
 }
 
-static dsk_status dsk__comm_host_reduce_scatter(dsk_comm *c, const char *fn, const char *send, char *recv, int64_t rcount,
-                                           dsk_dtype dt, dsk_comm_op op, double t0) {
+static dsk_status dsk__comm_host_reduce_scatter(dsk_comm *c, const char *fn, const char *send, char *recv,
+                                                int64_t rcount, dsk_dtype dt, dsk_comm_op op, double t0) {
     dsk__comm_impl *m = c->impl;
     uint32_t step = 0;
     for (int p = 0; p <= c->world_size; p++) m->off[p] = rcount * p;
-    return dsk__comm_rs_direct(c, fn, dsk__comm_wire_make(m, DSK__COMM_REDUCE_SCATTER, dt, op, -1, rcount), send, m->off, dt, op, recv,
-                          t0, &step);
+    return dsk__comm_rs_direct(c, fn, dsk__comm_wire_make(m, DSK__COMM_REDUCE_SCATTER, dt, op, -1, rcount), send,
+                               m->off, dt, op, recv, t0, &step);
 }
 
 static dsk_status dsk__comm_host_all_gather(dsk_comm *c, const char *fn, const char *send, char *recv, int64_t scount,
@@ -1383,14 +1444,15 @@ static dsk_status dsk__comm_host_all_gather(dsk_comm *c, const char *fn, const c
     char *mine = recv + (int64_t)c->rank * scount * (int64_t)esz;
     if (mine != send && scount) memmove(mine, send, (size_t)scount * esz);
     for (int p = 0; p <= c->world_size; p++) m->off[p] = scount * p;
-    return dsk__comm_ag_direct(c, fn, dsk__comm_wire_make(m, DSK__COMM_ALL_GATHER, dt, 0, -1, scount), recv, m->off, esz, -1, t0);
+    return dsk__comm_ag_direct(c, fn, dsk__comm_wire_make(m, DSK__COMM_ALL_GATHER, dt, 0, -1, scount), recv, m->off,
+                               esz, -1, t0);
 }
 
 /* Posts one exchange with peer p: a send of slen bytes at sbuf and a receive of rlen bytes at
    rbuf, either possibly empty (a header alone). Rooted collectives post one with every peer,
    so each rank checks every other rank's header and a rank that names another root fails. */
-static void dsk__comm_post_pair(dsk__comm_impl *m, int *no, int p, const dsk__comm_wire *h, const char *sbuf, size_t slen,
-                                char *rbuf, size_t rlen) {
+static void dsk__comm_post_pair(dsk__comm_impl *m, int *no, int p, const dsk__comm_wire *h, const char *sbuf,
+                                size_t slen, char *rbuf, size_t rlen) {
     dsk__comm_io_post(&m->ops[(*no)++], p, 1, h, sbuf, slen);
     dsk__comm_io_post(&m->ops[(*no)++], p, 0, h, rbuf, rlen);
 }
@@ -1423,12 +1485,14 @@ static dsk_status dsk__comm_host_broadcast(dsk_comm *c, const char *fn, const ch
     no = 0;
     for (int p = 0; p < n; p++) {
         if (p == me || p == root) continue;
-        dsk__comm_io_post(&m->ops[no++], p, 1, &h, recv + off[me] * (int64_t)esz, (size_t)(off[me + 1] - off[me]) * esz);
+        dsk__comm_io_post(&m->ops[no++], p, 1, &h, recv + off[me] * (int64_t)esz,
+                          (size_t)(off[me + 1] - off[me]) * esz);
     }
     if (me != root)
         for (int p = 0; p < n; p++)
             if (p != me)
-                dsk__comm_io_post(&m->ops[no++], p, 0, &h, recv + off[p] * (int64_t)esz, (size_t)(off[p + 1] - off[p]) * esz);
+                dsk__comm_io_post(&m->ops[no++], p, 0, &h, recv + off[p] * (int64_t)esz,
+                                  (size_t)(off[p + 1] - off[p]) * esz);
     return dsk__comm_io_run(c, fn, m->ops, no, t0, NULL);
 }
 
@@ -1447,11 +1511,12 @@ static dsk_status dsk__comm_host_reduce(dsk_comm *c, const char *fn, const char 
     if (bytes <= m->small_bytes || count < n) {
         size_t tb = ((size_t)n * bytes + 7) & ~(size_t)7;
         char *tmp = me == root ? (char *)dsk__comm_scratch(m, tb + (size_t)count * 8) : NULL;
-        if (me == root && !tmp) return dsk_set_error(DSK_ERR_OOM, "%s: %zu bytes of scratch", fn, tb + (size_t)count * 8);
+        if (me == root && !tmp)
+            return dsk_set_error(DSK_ERR_OOM, "%s: %zu bytes of scratch", fn, tb + (size_t)count * 8);
         for (int p = 0; p < n; p++)
             if (p != me)
-                dsk__comm_post_pair(m, &no, p, &h, send, p == root ? bytes : 0, me == root ? tmp + (size_t)p * bytes : NULL,
-                                    me == root ? bytes : 0);
+                dsk__comm_post_pair(m, &no, p, &h, send, p == root ? bytes : 0,
+                                    me == root ? tmp + (size_t)p * bytes : NULL, me == root ? bytes : 0);
         DSK__TRY(dsk__comm_io_run(c, fn, m->ops, no, t0, NULL));
         if (me != root) return DSK_OK;
         for (int p = 0; p < n; p++) m->srcs[p] = p == me ? send : tmp + (size_t)p * bytes;
@@ -1509,15 +1574,16 @@ static dsk_status dsk__comm_host_scatter(dsk_comm *c, const char *fn, const char
 
 /* Shared by all_to_all and all_to_all_v: message to p = scount[p] elements at send + sdis[p]. */
 static dsk_status dsk__comm_host_a2a(dsk_comm *c, const char *fn, int kind, const char *send, const int64_t *scount,
-                                const int64_t *sdis, char *recv, const int64_t *rcount, const int64_t *rdis, dsk_dtype dt,
-                                double t0) {
+                                     const int64_t *sdis, char *recv, const int64_t *rcount, const int64_t *rdis,
+                                     dsk_dtype dt, double t0) {
     dsk__comm_impl *m = c->impl;
     int n = c->world_size, me = c->rank, no = 0;
     size_t esz = dsk_dtype_size(dt);
     for (int p = 0; p < n; p++) {
         dsk__comm_wire hs, hr;
         if (p == me) {
-            if (scount[p]) memmove(recv + rdis[p] * (int64_t)esz, send + sdis[p] * (int64_t)esz, (size_t)scount[p] * esz);
+            if (scount[p])
+                memmove(recv + rdis[p] * (int64_t)esz, send + sdis[p] * (int64_t)esz, (size_t)scount[p] * esz);
             continue;
         }
         hs = dsk__comm_wire_make(m, kind, dt, 0, -1, scount[p]);
@@ -1550,7 +1616,8 @@ static dsk_status dsk__comm_host_barrier(dsk_comm *c, const char *fn, double t0)
 
 typedef struct dsk__comm_hello { uint32_t magic; int32_t rank; uint64_t tag; } dsk__comm_hello;
 
-static dsk_status dsk__comm_impl_alloc(dsk_comm *c, const char *fn, const dsk_comm_opts *o, const char *addr, int port) {
+static dsk_status dsk__comm_impl_alloc(dsk_comm *c, const char *fn, const dsk_comm_opts *o, const char *addr,
+                                       int port) {
     dsk__comm_impl *m = (dsk__comm_impl *)DSK_MALLOC(sizeof *m);
     int n = c->world_size;
     if (!m) return dsk_set_error(DSK_ERR_OOM, "%s: communicator state", fn);
@@ -1588,7 +1655,9 @@ static void dsk__comm_impl_free(dsk_comm *c) {
             double deadline = dsk__comm_now() + m->timeout_s;
             ncclResult_t state = ncclSuccess;
             if (ncclCommFinalize(m->nccl) == ncclSuccess || ncclCommGetAsyncError(m->nccl, &state) == ncclSuccess) {
-                do { ncclCommGetAsyncError(m->nccl, &state); } while (state == ncclInProgress && dsk__comm_now() < deadline);
+                do {
+                    ncclCommGetAsyncError(m->nccl, &state);
+                } while (state == ncclInProgress && dsk__comm_now() < deadline);
             }
             if (state == ncclSuccess) ncclCommDestroy(m->nccl);
             else ncclCommAbort(m->nccl);
@@ -1656,13 +1725,15 @@ static dsk_status dsk__comm_mesh_connect(dsk_comm *c, const char *fn, int lfd, c
             int first = -1;
             for (int j = n - 1; j > me; j--)
                 if (m->fds[j] < 0) first = j;
-            return dsk_set_error(DSK_ERR_TIMEOUT, "%s: timed out waiting for rank %d (and %d more) to connect to rank %d",
-                                 fn, first, pending - 1, me);
+            return dsk_set_error(DSK_ERR_TIMEOUT,
+                                 "%s: timed out waiting for rank %d (and %d more) to connect to rank %d", fn, first,
+                                 pending - 1, me);
         }
         if ((fd = accept(lfd, NULL, NULL)) < 0) continue;
         dsk__comm_tune_socket(fd);
-        if (dsk__comm_read_full(fn, fd, &hello, sizeof hello, deadline, "a connecting rank") != DSK_OK || hello.magic != DSK__COMM_WIRE_MAGIC ||
-            hello.tag != m->tag || hello.rank <= me || hello.rank >= n || m->fds[hello.rank] >= 0) {
+        if (dsk__comm_read_full(fn, fd, &hello, sizeof hello, deadline, "a connecting rank") != DSK_OK ||
+            hello.magic != DSK__COMM_WIRE_MAGIC || hello.tag != m->tag || hello.rank <= me || hello.rank >= n ||
+            m->fds[hello.rank] >= 0) {
             close(fd); /* not one of ours */
             continue;
         }
@@ -1691,8 +1762,8 @@ static int dsk__comm_env_int(const char *name, int *out, int *present, char *why
 #ifdef DSK_CUDA
 static dsk_status dsk__comm_nccl_check(dsk_comm *c, const char *fn, ncclResult_t r, const char *what) {
     if (r == ncclSuccess || r == ncclInProgress) return DSK_OK;
-    return dsk_set_error(DSK_ERR_NCCL, "%s: %s failed on rank %d: %s (%s)", fn, what, c ? c->rank : -1, ncclGetErrorString(r),
-                         c && c->impl && c->impl->nccl ? ncclGetLastError(c->impl->nccl) : "");
+    return dsk_set_error(DSK_ERR_NCCL, "%s: %s failed on rank %d: %s (%s)", fn, what, c ? c->rank : -1,
+                         ncclGetErrorString(r), c && c->impl && c->impl->nccl ? ncclGetLastError(c->impl->nccl) : "");
 }
 
 /* Polls a nonblocking communicator until its last call left ncclInProgress; aborts at the deadline. */
@@ -1704,8 +1775,9 @@ static dsk_status dsk__comm_nccl_settle(dsk_comm *c, const char *fn, ncclComm_t 
         if (r != ncclSuccess) state = r;
         if (state != ncclInProgress) break;
         if (dsk__comm_now() - t0 > m->timeout_s) {
-            dsk_set_error(DSK_ERR_TIMEOUT, "%s: %s on rank %d still in progress after %.2f s; aborting the NCCL communicator",
-                          fn, what, c->rank, dsk__comm_now() - t0);
+            dsk_set_error(DSK_ERR_TIMEOUT,
+                          "%s: %s on rank %d still in progress after %.2f s; aborting the NCCL communicator", fn, what,
+                          c->rank, dsk__comm_now() - t0);
             return dsk__comm_break(c, DSK_ERR_TIMEOUT);
         }
     }
@@ -1729,7 +1801,8 @@ static dsk_status dsk__comm_nccl_init(dsk_comm *c, const char *fn, double t0) {
         return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: the nccl backend needs a CUDA device (rank %d: %s)", fn, c->rank,
                              ce != cudaSuccess ? cudaGetErrorString(ce) : "0 devices");
     if ((ce = cudaSetDevice(c->local_rank % ndev)) != cudaSuccess)
-        return dsk_set_error(DSK_ERR_CUDA, "%s: cudaSetDevice(%d): %s", fn, c->local_rank % ndev, cudaGetErrorString(ce));
+        return dsk_set_error(DSK_ERR_CUDA, "%s: cudaSetDevice(%d): %s", fn, c->local_rank % ndev,
+                             cudaGetErrorString(ce));
     snprintf(key, sizeof key, "dsk/%s/nccl_id", m->ns);
     if (c->rank == 0) {
         ncclResult_t r = ncclGetUniqueId(&id);
@@ -1737,7 +1810,8 @@ static dsk_status dsk__comm_nccl_init(dsk_comm *c, const char *fn, double t0) {
         DSK__TRY(dsk__comm_store_set(c, fn, key, &id, sizeof id));
     } else {
         DSK__TRY(dsk__comm_store_get(c, fn, key, &id, sizeof id, &len));
-        if (len != sizeof id) return dsk_set_error(DSK_ERR_CORRUPT, "%s: NCCL unique id of %zu bytes, want %zu", fn, len, sizeof id);
+        if (len != sizeof id)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: NCCL unique id of %zu bytes, want %zu", fn, len, sizeof id);
     }
     cfg.blocking = 0;
     if ((st = dsk__comm_nccl_check(c, fn, ncclCommInitRankConfig(&m->nccl, c->world_size, id, c->rank, &cfg),
@@ -1752,6 +1826,8 @@ static dsk_status dsk__comm_nccl_init(dsk_comm *c, const char *fn, double t0) {
 }
 #endif
 
+/* ---------------------------------------------------------------- init */
+
 /* Rank 0's record in the store: the world size and the job identity that every joiner checks. */
 typedef struct dsk__comm_hello_rec { int32_t world; char job[DSK__COMM_JOB_MAX + 4]; } dsk__comm_hello_rec;
 
@@ -1760,9 +1836,12 @@ static dsk_status dsk__comm_same_job(dsk_comm *c, const char *fn, dsk__comm_hell
     dsk__comm_impl *m = c->impl;
     hello->job[DSK__COMM_JOB_MAX] = 0;
     if (strcmp(hello->job, m->job_id) == 0) return DSK_OK;
-    return dsk_set_error(DSK_ERR_ARG, "%s: the key-value store at %s:%d belongs to another job: its rank 0 has job id "
-                         "\"%s\", this rank (%d of %d) has \"%s\". Two jobs share MASTER_ADDR:MASTER_PORT; give each job "
-                         "its own port", fn, m->master_addr, m->master_port, hello->job, c->rank, c->world_size, m->job_id);
+    return dsk_set_error(
+        DSK_ERR_ARG,
+        "%s: the key-value store at %s:%d belongs to another job: its rank 0 has job id "
+        "\"%s\", this rank (%d of %d) has \"%s\". Two jobs share MASTER_ADDR:MASTER_PORT; give each job "
+        "its own port",
+        fn, m->master_addr, m->master_port, hello->job, c->rank, c->world_size, m->job_id);
 }
 
 /* Claims this rank in the store, naming this process. A second claim by another process is a
@@ -1784,10 +1863,14 @@ static dsk_status dsk__comm_claim(dsk_comm *c, const char *fn) {
     if (claims == 1) return dsk__comm_store_set(c, fn, key, me, sizeof me);
     DSK__TRY(dsk__comm_store_get(c, fn, key, other, sizeof other - 1, &len));
     if (strcmp(other, me) != 0)
-        return dsk_set_error(DSK_ERR_ARG, "%s: rank %d is claimed by %lld processes: %s and this one, %s (is RANK %d set "
-                             "twice?)", fn, c->rank, (long long)claims, other, me, c->rank);
-    return dsk_set_error(DSK_ERR_PEER, "%s: the key-value store at %s:%d still holds this process's claim of rank %d from "
-                         "a previous communicator", fn, m->master_addr, m->master_port, c->rank);
+        return dsk_set_error(DSK_ERR_ARG,
+                             "%s: rank %d is claimed by %lld processes: %s and this one, %s (is RANK %d set "
+                             "twice?)",
+                             fn, c->rank, (long long)claims, other, me, c->rank);
+    return dsk_set_error(DSK_ERR_PEER,
+                         "%s: the key-value store at %s:%d still holds this process's claim of rank %d from "
+                         "a previous communicator",
+                         fn, m->master_addr, m->master_port, c->rank);
 }
 
 /* Connects to the store, checks the world size and claims this rank. A rank other than 0
@@ -1804,8 +1887,8 @@ static dsk_status dsk__comm_join(dsk_comm *c, const char *fn, const struct socka
         dsk_status st = dsk__comm_connect(fn, store_sa, deadline, "key-value store (served by rank 0)", &m->store_fd);
         if (st != DSK_OK) {
             char msg[1200];
-            snprintf(msg, sizeof msg, "%s (rank %d of %d; is rank 0 running and MASTER_ADDR:MASTER_PORT right?)", dsk_last_error(),
-                     rank, world);
+            snprintf(msg, sizeof msg, "%s (rank %d of %d; is rank 0 running and MASTER_ADDR:MASTER_PORT right?)",
+                     dsk_last_error(), rank, world);
             return dsk_set_error(st, "%s", msg);
         }
         m->store_gone = 0;
@@ -1820,8 +1903,10 @@ static dsk_status dsk__comm_join(dsk_comm *c, const char *fn, const struct socka
         }
         st = dsk__comm_store_get(c, fn, "dsk/w/hello", &hello, sizeof hello, &len);
         if (st == DSK_OK && len != sizeof hello)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: the key-value store at %s:%d is not a dsk store of this version "
-                                 "(hello of %zu bytes, want %zu)", fn, m->master_addr, m->master_port, len, sizeof hello);
+            return dsk_set_error(DSK_ERR_CORRUPT,
+                                 "%s: the key-value store at %s:%d is not a dsk store of this version "
+                                 "(hello of %zu bytes, want %zu)",
+                                 fn, m->master_addr, m->master_port, len, sizeof hello);
         if (st == DSK_OK) DSK__TRY(dsk__comm_same_job(c, fn, &hello));
         if (st == DSK_OK && hello.world != world)
             return dsk_set_error(DSK_ERR_ARG, "%s: this rank (%d) has WORLD_SIZE %d but rank 0 has %d", fn, rank, world,
@@ -1850,16 +1935,19 @@ static dsk_status dsk__comm_same_options(dsk_comm *c, const char *fn, const dsk_
                              theirs->backend >= 0 && theirs->backend < 3 ? names[theirs->backend] : "an unknown",
                              c->rank, names[mine->backend]);
     if (theirs->small_bytes == mine->small_bytes && theirs->piece_bytes == mine->piece_bytes) return DSK_OK;
-    return dsk_set_error(DSK_ERR_ARG, "%s: rank %d has %s %llu but this rank (%d) has %llu; every rank must use the same "
-                         "small_bytes and piece_bytes (they shape the wire protocol)", fn, r, what,
-                         (unsigned long long)(what[0] == 's' ? theirs->small_bytes : theirs->piece_bytes), c->rank,
-                         (unsigned long long)(what[0] == 's' ? mine->small_bytes : mine->piece_bytes));
+    return dsk_set_error(DSK_ERR_ARG,
+                         "%s: rank %d has %s %llu but this rank (%d) has %llu; every rank must use the same "
+                         "small_bytes and piece_bytes (they shape the wire protocol)",
+                         fn, r, what, (unsigned long long)(what[0] == 's' ? theirs->small_bytes : theirs->piece_bytes),
+                         c->rank, (unsigned long long)(what[0] == 's' ? mine->small_bytes : mine->piece_bytes));
 }
 
 static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, int world, const dsk_comm_opts *o,
                                        const char *busy) {
     dsk__comm_impl *m;
-    const char *addr = o && o->master_addr ? o->master_addr : (getenv("MASTER_ADDR") && *getenv("MASTER_ADDR") ? getenv("MASTER_ADDR") : "127.0.0.1");
+    const char *addr = o && o->master_addr
+                           ? o->master_addr
+                           : (getenv("MASTER_ADDR") && *getenv("MASTER_ADDR") ? getenv("MASTER_ADDR") : "127.0.0.1");
     int port = o && o->master_port ? o->master_port : 29500;
     double t0 = dsk__comm_now(), deadline;
     struct sockaddr_in store_sa;
@@ -1877,9 +1965,11 @@ static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, in
     if (port <= 0 || port > 65535) return dsk_set_error(DSK_ERR_ARG, "%s: master port %d not in [1, 65535]", fn, port);
     if (be == DSK_COMM_AUTO) be = dsk_cuda_available() ? DSK_COMM_NCCL : DSK_COMM_HOST;
 #ifndef DSK_CUDA
-    if (be == DSK_COMM_NCCL) return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: the nccl backend needs a build with DSK_CUDA", fn);
+    if (be == DSK_COMM_NCCL)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: the nccl backend needs a build with DSK_CUDA", fn);
 #endif
-    if (be != DSK_COMM_HOST && be != DSK_COMM_NCCL) return dsk_set_error(DSK_ERR_ARG, "%s: unknown backend %d", fn, (int)be);
+    if (be != DSK_COMM_HOST && be != DSK_COMM_NCCL)
+        return dsk_set_error(DSK_ERR_ARG, "%s: unknown backend %d", fn, (int)be);
     DSK__TRY(dsk__comm_resolve(fn, addr, port, &store_sa));
     c->rank = rank;
     c->world_size = world;
@@ -1913,10 +2003,13 @@ static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, in
         snprintf(key, sizeof key, "dsk/w/rank/%d", r);
         st = dsk__comm_store_get(c, fn, key, &recs[r], sizeof recs[r], &len);
         if (st == DSK_ERR_TIMEOUT)
-            dsk_set_error(st, "%s: timed out after %.2f s waiting for rank %d of %d to join (was it started, with the same "
-                          "MASTER_ADDR:MASTER_PORT?)", fn, dsk__comm_now() - t0, r, world);
+            dsk_set_error(st,
+                          "%s: timed out after %.2f s waiting for rank %d of %d to join (was it started, with the same "
+                          "MASTER_ADDR:MASTER_PORT?)",
+                          fn, dsk__comm_now() - t0, r, world);
         else if (st == DSK_OK && len != sizeof mine)
-            st = dsk_set_error(DSK_ERR_CORRUPT, "%s: rank %d published a record of %zu bytes, want %zu", fn, r, len, sizeof mine);
+            st = dsk_set_error(DSK_ERR_CORRUPT, "%s: rank %d published a record of %zu bytes, want %zu", fn, r, len,
+                               sizeof mine);
         else if (st == DSK_OK)
             st = dsk__comm_same_options(c, fn, &mine, &recs[r], r);
     }
@@ -1982,12 +2075,14 @@ static void dsk__comm_env_job_id(int set, char *buf, size_t cap) {
 
 DSK_API dsk_status dsk_comm_init_env(dsk_comm *c, const dsk_comm_opts *opts) {
     const char *fn = "dsk_comm_init_env";
-    static const char *sets[3][4] = {{"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
-                                     {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"},
-                                     {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"}};
+    static const char *sets[3][4] = { { "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE" },
+                                      { "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                                        "OMPI_COMM_WORLD_LOCAL_SIZE" },
+                                      { "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE" } };
     int v[4] = {0, 0, 0, 0}, have[4] = {0, 0, 0, 0}, port = 0, s;
     char why[256], job[DSK__COMM_JOB_MAX + 4], busy[256] = "";
-    const char *pname = "MASTER_PORT", *addr = getenv("MASTER_ADDR"), *pstr = getenv("DSK_MASTER_PORT"), *agent = getenv("TORCHELASTIC_USE_AGENT_STORE");
+    const char *pname = "MASTER_PORT", *addr = getenv("MASTER_ADDR"), *pstr = getenv("DSK_MASTER_PORT"),
+               *agent = getenv("TORCHELASTIC_USE_AGENT_STORE");
     int agent_store = !(pstr && *pstr) && agent && (!strcmp(agent, "True") || !strcmp(agent, "1"));
     dsk_comm_opts o;
     if (!c) return dsk_set_error(DSK_ERR_ARG, "%s: communicator is NULL", fn);
@@ -1995,8 +2090,10 @@ DSK_API dsk_status dsk_comm_init_env(dsk_comm *c, const dsk_comm_opts *opts) {
     for (s = 0; s < 3; s++)
         if (getenv(sets[s][0]) || getenv(sets[s][1])) break;
     if (s == 3)
-        return dsk_set_error(DSK_ERR_ARG, "%s: no launcher environment: set RANK and WORLD_SIZE (as torchrun does), or start "
-                             "under srun or mpirun", fn);
+        return dsk_set_error(DSK_ERR_ARG,
+                             "%s: no launcher environment: set RANK and WORLD_SIZE (as torchrun does), or start "
+                             "under srun or mpirun",
+                             fn);
     for (int i = 0; i < 4; i++) {
         if (s == 2 && i == 3) {
             /* SLURM_NTASKS_PER_NODE looks like "4" or "4(x2)" */
@@ -2004,7 +2101,8 @@ DSK_API dsk_status dsk_comm_init_env(dsk_comm *c, const dsk_comm_opts *opts) {
             if (t && *t && atoi(t) > 0) { v[i] = atoi(t); have[i] = 1; }
             continue;
         }
-        if (!dsk__comm_env_int(sets[s][i], &v[i], &have[i], why, sizeof why)) return dsk_set_error(DSK_ERR_ARG, "%s: %s", fn, why);
+        if (!dsk__comm_env_int(sets[s][i], &v[i], &have[i], why, sizeof why))
+            return dsk_set_error(DSK_ERR_ARG, "%s: %s", fn, why);
     }
     if (!have[0] || !have[1])
         return dsk_set_error(DSK_ERR_ARG, "%s: %s is set but %s is not", fn, have[0] ? sets[s][0] : sets[s][1],
@@ -2021,8 +2119,9 @@ DSK_API dsk_status dsk_comm_init_env(dsk_comm *c, const dsk_comm_opts *opts) {
     if (!o.master_addr) {
         /* every rank on this host (the launcher says so): loopback will do */
         if (v[1] > 1 && !(have[3] && v[3] == v[1]))
-            return dsk_set_error(DSK_ERR_ARG, "%s: MASTER_ADDR is not set: export the address of rank 0's host (rank %d of %d)",
-                                 fn, v[0], v[1]);
+            return dsk_set_error(DSK_ERR_ARG,
+                                 "%s: MASTER_ADDR is not set: export the address of rank 0's host (rank %d of %d)", fn,
+                                 v[0], v[1]);
         o.master_addr = "127.0.0.1";
     }
     if (pstr && *pstr) pname = "DSK_MASTER_PORT";
@@ -2035,8 +2134,10 @@ DSK_API dsk_status dsk_comm_init_env(dsk_comm *c, const dsk_comm_opts *opts) {
         /* torchrun's agent already serves its own store on MASTER_PORT: ours takes the next port */
         port = (int)p + agent_store;
         if (agent_store)
-            snprintf(busy, sizeof busy, "under torchrun dsk's store takes MASTER_PORT+1 = %d (torchrun's agent serves "
-                     "its own store on MASTER_PORT=%ld); free port %d or set DSK_MASTER_PORT to a free port", port, p, port);
+            snprintf(busy, sizeof busy,
+                     "under torchrun dsk's store takes MASTER_PORT+1 = %d (torchrun's agent serves "
+                     "its own store on MASTER_PORT=%ld); free port %d or set DSK_MASTER_PORT to a free port",
+                     port, p, port);
         else
             snprintf(busy, sizeof busy, "pick another %s", pname);
     }
@@ -2045,12 +2146,15 @@ DSK_API dsk_status dsk_comm_init_env(dsk_comm *c, const dsk_comm_opts *opts) {
         o.local_world_size = v[3];
         o.local_rank = have[2] ? v[2] : v[0] % v[3];
         if (o.local_rank >= o.local_world_size)
-            return dsk_set_error(DSK_ERR_ARG, "%s: %s=%d is not below %s=%d", fn, sets[s][2], o.local_rank, sets[s][3], v[3]);
+            return dsk_set_error(DSK_ERR_ARG, "%s: %s=%d is not below %s=%d", fn, sets[s][2], o.local_rank, sets[s][3],
+                                 v[3]);
     } else {
         o.local_world_size = 0;
     }
     return dsk__comm_init(c, v[0], v[1], &o, busy[0] ? busy : NULL);
 }
+
+/* ---------------------------------------------------------------- collectives */
 
 /* Counts one finished call: its time and the sequence number the next call carries. */
 static dsk_status dsk__comm_done(dsk_comm *c, dsk_status st, double t0) {
@@ -2060,18 +2164,21 @@ static dsk_status dsk__comm_done(dsk_comm *c, dsk_status st, double t0) {
     return st;
 }
 
-static dsk_status dsk__comm_coll_check(dsk_comm *c, const char *fn, const void *send, const void *recv, int64_t count, dsk_dtype dt) {
+static dsk_status dsk__comm_coll_check(dsk_comm *c, const char *fn, const void *send, const void *recv, int64_t count,
+                                       dsk_dtype dt) {
     DSK__TRY(dsk__comm_check(c, fn));
     if (!dsk__comm_dtype_ok(dt))
         return dsk_set_error(DSK_ERR_ARG, "%s: dtype %s is not supported (f32, f16, bf16, f64, i32, i64, u8)", fn,
                              dsk_dtype_name(dt));
     if (count < 0) return dsk_set_error(DSK_ERR_ARG, "%s: count %lld is negative", fn, (long long)count);
-    if (count > 0 && (!send || !recv)) return dsk_set_error(DSK_ERR_ARG, "%s: NULL buffer for %lld elements", fn, (long long)count);
+    if (count > 0 && (!send || !recv))
+        return dsk_set_error(DSK_ERR_ARG, "%s: NULL buffer for %lld elements", fn, (long long)count);
     return DSK_OK;
 }
 
 static dsk_status dsk__comm_op_check(const char *fn, dsk_comm_op op) {
-    if ((int)op < 0 || (int)op > (int)DSK_COMM_MIN) return dsk_set_error(DSK_ERR_ARG, "%s: unknown reduction op %d", fn, (int)op);
+    if ((int)op < 0 || (int)op > (int)DSK_COMM_MIN)
+        return dsk_set_error(DSK_ERR_ARG, "%s: unknown reduction op %d", fn, (int)op);
     return DSK_OK;
 }
 
@@ -2120,8 +2227,13 @@ DSK_API dsk_status dsk_comm_all_reduce(dsk_comm *c, dsk_ctx *ctx, const void *se
     if (DSK__COMM_NCCL(c)) {
         if (op == DSK_COMM_AVG && !dsk_dtype_is_float(dt))
             return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: avg of %s on the nccl backend", fn, dsk_dtype_name(dt));
-        return dsk__comm_done(c, dsk__comm_nccl_done(c, fn, ncclAllReduce(send, recv, (size_t)count, dsk__comm_nccl_dtype(dt), dsk__comm_nccl_op(op),
-                                                                c->impl->nccl, dsk__comm_stream(ctx)), "ncclAllReduce", t0), t0);
+        return dsk__comm_done(
+            c,
+            dsk__comm_nccl_done(c, fn,
+                                ncclAllReduce(send, recv, (size_t)count, dsk__comm_nccl_dtype(dt),
+                                              dsk__comm_nccl_op(op), c->impl->nccl, dsk__comm_stream(ctx)),
+                                "ncclAllReduce", t0),
+            t0);
     }
 #endif
     if (c->world_size == 1) {
@@ -2142,16 +2254,21 @@ DSK_API dsk_status dsk_comm_reduce_scatter(dsk_comm *c, dsk_ctx *ctx, const void
     if (DSK__COMM_NCCL(c)) {
         if (op == DSK_COMM_AVG && !dsk_dtype_is_float(dt))
             return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: avg of %s on the nccl backend", fn, dsk_dtype_name(dt));
-        return dsk__comm_done(c, dsk__comm_nccl_done(c, fn, ncclReduceScatter(send, recv, (size_t)recv_count, dsk__comm_nccl_dtype(dt),
-                                                                    dsk__comm_nccl_op(op), c->impl->nccl, dsk__comm_stream(ctx)),
-                                           "ncclReduceScatter", t0), t0);
+        return dsk__comm_done(
+            c,
+            dsk__comm_nccl_done(c, fn,
+                                ncclReduceScatter(send, recv, (size_t)recv_count, dsk__comm_nccl_dtype(dt),
+                                                  dsk__comm_nccl_op(op), c->impl->nccl, dsk__comm_stream(ctx)),
+                                "ncclReduceScatter", t0),
+            t0);
     }
 #endif
     if (c->world_size == 1) {
         if (send != recv && recv_count) memmove(recv, send, (size_t)recv_count * dsk_dtype_size(dt));
         return dsk__comm_done(c, DSK_OK, t0);
     }
-    return dsk__comm_done(c, dsk__comm_host_reduce_scatter(c, fn, (const char *)send, (char *)recv, recv_count, dt, op, t0), t0);
+    return dsk__comm_done(
+        c, dsk__comm_host_reduce_scatter(c, fn, (const char *)send, (char *)recv, recv_count, dt, op, t0), t0);
 }
 
 DSK_API dsk_status dsk_comm_all_gather(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t send_count,
@@ -2162,10 +2279,16 @@ DSK_API dsk_status dsk_comm_all_gather(dsk_comm *c, dsk_ctx *ctx, const void *se
     (void)ctx;
 #ifdef DSK_CUDA
     if (DSK__COMM_NCCL(c))
-        return dsk__comm_done(c, dsk__comm_nccl_done(c, fn, ncclAllGather(send, recv, (size_t)send_count, dsk__comm_nccl_dtype(dt),
-                                                                c->impl->nccl, dsk__comm_stream(ctx)), "ncclAllGather", t0), t0);
+        return dsk__comm_done(
+            c,
+            dsk__comm_nccl_done(c, fn,
+                                ncclAllGather(send, recv, (size_t)send_count, dsk__comm_nccl_dtype(dt), c->impl->nccl,
+                                              dsk__comm_stream(ctx)),
+                                "ncclAllGather", t0),
+            t0);
 #endif
-    return dsk__comm_done(c, dsk__comm_host_all_gather(c, fn, (const char *)send, (char *)recv, send_count, dt, t0), t0);
+    return dsk__comm_done(c, dsk__comm_host_all_gather(c, fn, (const char *)send, (char *)recv, send_count, dt, t0),
+                          t0);
 }
 
 DSK_API dsk_status dsk_comm_broadcast(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t count,
@@ -2177,10 +2300,15 @@ DSK_API dsk_status dsk_comm_broadcast(dsk_comm *c, dsk_ctx *ctx, const void *sen
     (void)ctx;
 #ifdef DSK_CUDA
     if (DSK__COMM_NCCL(c))
-        return dsk__comm_done(c, dsk__comm_nccl_done(c, fn, ncclBroadcast(send, recv, (size_t)count, dsk__comm_nccl_dtype(dt), root,
-                                                                c->impl->nccl, dsk__comm_stream(ctx)), "ncclBroadcast", t0), t0);
+        return dsk__comm_done(c,
+                              dsk__comm_nccl_done(c, fn,
+                                                  ncclBroadcast(send, recv, (size_t)count, dsk__comm_nccl_dtype(dt),
+                                                                root, c->impl->nccl, dsk__comm_stream(ctx)),
+                                                  "ncclBroadcast", t0),
+                              t0);
 #endif
-    return dsk__comm_done(c, dsk__comm_host_broadcast(c, fn, (const char *)send, (char *)recv, count, dt, root, t0), t0);
+    return dsk__comm_done(c, dsk__comm_host_broadcast(c, fn, (const char *)send, (char *)recv, count, dt, root, t0),
+                          t0);
 }
 
 DSK_API dsk_status dsk_comm_reduce(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t count, dsk_dtype dt,
@@ -2196,16 +2324,21 @@ DSK_API dsk_status dsk_comm_reduce(dsk_comm *c, dsk_ctx *ctx, const void *send, 
     if (DSK__COMM_NCCL(c)) {
         if (op == DSK_COMM_AVG && !dsk_dtype_is_float(dt))
             return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: avg of %s on the nccl backend", fn, dsk_dtype_name(dt));
-        return dsk__comm_done(c, dsk__comm_nccl_done(c, fn, ncclReduce(send, recv, (size_t)count, dsk__comm_nccl_dtype(dt),
-                                                                      dsk__comm_nccl_op(op), root, c->impl->nccl,
-                                                                      dsk__comm_stream(ctx)), "ncclReduce", t0), t0);
+        return dsk__comm_done(
+            c,
+            dsk__comm_nccl_done(c, fn,
+                                ncclReduce(send, recv, (size_t)count, dsk__comm_nccl_dtype(dt), dsk__comm_nccl_op(op),
+                                           root, c->impl->nccl, dsk__comm_stream(ctx)),
+                                "ncclReduce", t0),
+            t0);
     }
 #endif
     if (c->world_size == 1) {
         if (send != recv && count) memmove(recv, send, (size_t)count * dsk_dtype_size(dt));
         return dsk__comm_done(c, DSK_OK, t0);
     }
-    return dsk__comm_done(c, dsk__comm_host_reduce(c, fn, (const char *)send, (char *)recv, count, dt, op, root, t0), t0);
+    return dsk__comm_done(c, dsk__comm_host_reduce(c, fn, (const char *)send, (char *)recv, count, dt, op, root, t0),
+                          t0);
 }
 
 #ifdef DSK_CUDA
@@ -2226,7 +2359,8 @@ static dsk_status dsk__comm_nccl_rooted(dsk_comm *c, const char *fn, int to_root
         if (me == root && p == root && in_place) continue;
         if (to_root) {
             if (p == root) r = ncclSend(send, (size_t)count, nt, root, comm, stream);
-            if (r == ncclSuccess && me == root) r = ncclRecv(recv + (size_t)p * blk, (size_t)count, nt, p, comm, stream);
+            if (r == ncclSuccess && me == root)
+                r = ncclRecv(recv + (size_t)p * blk, (size_t)count, nt, p, comm, stream);
         } else {
             if (me == root) r = ncclSend(send + (size_t)p * blk, (size_t)count, nt, p, comm, stream);
             if (r == ncclSuccess && p == root) r = ncclRecv(recv, (size_t)count, nt, root, comm, stream);
@@ -2254,7 +2388,8 @@ DSK_API dsk_status dsk_comm_gather(dsk_comm *c, dsk_ctx *ctx, const void *send, 
         return dsk__comm_done(c, dsk__comm_nccl_rooted(c, fn, 1, (const char *)send, (char *)recv, send_count, dt, root,
                                                        ctx, t0), t0);
 #endif
-    return dsk__comm_done(c, dsk__comm_host_gather(c, fn, (const char *)send, (char *)recv, send_count, dt, root, t0), t0);
+    return dsk__comm_done(c, dsk__comm_host_gather(c, fn, (const char *)send, (char *)recv, send_count, dt, root, t0),
+                          t0);
 }
 
 DSK_API dsk_status dsk_comm_scatter(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t recv_count,
@@ -2270,21 +2405,25 @@ DSK_API dsk_status dsk_comm_scatter(dsk_comm *c, dsk_ctx *ctx, const void *send,
         return dsk__comm_done(c, dsk__comm_nccl_rooted(c, fn, 0, (const char *)send, (char *)recv, recv_count, dt, root,
                                                        ctx, t0), t0);
 #endif
-    return dsk__comm_done(c, dsk__comm_host_scatter(c, fn, (const char *)send, (char *)recv, recv_count, dt, root, t0), t0);
+    return dsk__comm_done(c, dsk__comm_host_scatter(c, fn, (const char *)send, (char *)recv, recv_count, dt, root, t0),
+                          t0);
 }
 
 #ifdef DSK_CUDA
 /* All-to-all(-v) on NCCL: one group of sends and receives. */
-static dsk_status dsk__comm_nccl_a2a(dsk_comm *c, const char *fn, const char *send, const int64_t *sc, const int64_t *sd,
-                                char *recv, const int64_t *rc, const int64_t *rd, dsk_dtype dt, dsk_ctx *ctx, double t0) {
+static dsk_status dsk__comm_nccl_a2a(dsk_comm *c, const char *fn, const char *send, const int64_t *sc,
+                                     const int64_t *sd, char *recv, const int64_t *rc, const int64_t *rd, dsk_dtype dt,
+                                     dsk_ctx *ctx, double t0) {
     size_t esz = dsk_dtype_size(dt);
     ncclDataType_t nt = dsk__comm_nccl_dtype(dt);
     ncclResult_t r = ncclGroupStart();
     dsk_status st;
     if ((st = dsk__comm_nccl_check(c, fn, r, "ncclGroupStart")) != DSK_OK) return dsk__comm_break(c, st);
     for (int p = 0; p < c->world_size && r == ncclSuccess; p++) {
-        if (sc[p]) r = ncclSend(send + sd[p] * (int64_t)esz, (size_t)sc[p], nt, p, c->impl->nccl, dsk__comm_stream(ctx));
-        if (r == ncclSuccess && rc[p]) r = ncclRecv(recv + rd[p] * (int64_t)esz, (size_t)rc[p], nt, p, c->impl->nccl, dsk__comm_stream(ctx));
+        if (sc[p])
+            r = ncclSend(send + sd[p] * (int64_t)esz, (size_t)sc[p], nt, p, c->impl->nccl, dsk__comm_stream(ctx));
+        if (r == ncclSuccess && rc[p])
+            r = ncclRecv(recv + rd[p] * (int64_t)esz, (size_t)rc[p], nt, p, c->impl->nccl, dsk__comm_stream(ctx));
     }
     if (r != ncclSuccess) {
         st = dsk__comm_nccl_check(c, fn, r, "ncclSend/ncclRecv");
@@ -2310,7 +2449,8 @@ DSK_API dsk_status dsk_comm_all_to_all(dsk_comm *c, dsk_ctx *ctx, const void *se
     int n;
     DSK__TRY(dsk__comm_coll_check(c, fn, send, recv, count, dt));
     n = c->world_size;
-    if (!(v = (int64_t *)DSK_MALLOC((size_t)2 * n * sizeof(int64_t)))) return dsk_set_error(DSK_ERR_OOM, "%s: %d counts", fn, n);
+    if (!(v = (int64_t *)DSK_MALLOC((size_t)2 * n * sizeof(int64_t))))
+        return dsk_set_error(DSK_ERR_OOM, "%s: %d counts", fn, n);
     for (int p = 0; p < n; p++) { v[p] = count; v[n + p] = count * p; }
 #ifdef DSK_CUDA
     if (DSK__COMM_NCCL(c)) {
@@ -2332,7 +2472,8 @@ DSK_API dsk_status dsk_comm_all_to_all(dsk_comm *c, dsk_ctx *ctx, const void *se
         }
     }
     if (st == DSK_OK)
-        st = dsk__comm_host_a2a(c, fn, DSK__COMM_ALL_TO_ALL, (const char *)send, v, v + n, (char *)recv, v, v + n, dt, t0);
+        st = dsk__comm_host_a2a(c, fn, DSK__COMM_ALL_TO_ALL, (const char *)send, v, v + n, (char *)recv, v, v + n, dt,
+                                t0);
     DSK_FREE(v);
     return dsk__comm_done(c, st, t0);
 }
@@ -2350,18 +2491,22 @@ DSK_API dsk_status dsk_comm_all_to_all_v(dsk_comm *c, dsk_ctx *ctx, const void *
     me = c->rank;
     if (!send_counts || !recv_counts) return dsk_set_error(DSK_ERR_ARG, "%s: send_counts or recv_counts is NULL", fn);
     for (int p = 0; p < n; p++) {
-        if (send_counts[p] < 0 || recv_counts[p] < 0 || (send_displs && send_displs[p] < 0) || (recv_displs && recv_displs[p] < 0))
-            return dsk_set_error(DSK_ERR_ARG, "%s: negative count or displacement for rank %d (send %lld at %lld, recv %lld at %lld)",
-                                 fn, p, (long long)send_counts[p], (long long)(send_displs ? send_displs[p] : 0),
-                                 (long long)recv_counts[p], (long long)(recv_displs ? recv_displs[p] : 0));
+        if (send_counts[p] < 0 || recv_counts[p] < 0 || (send_displs && send_displs[p] < 0) ||
+            (recv_displs && recv_displs[p] < 0))
+            return dsk_set_error(
+                DSK_ERR_ARG, "%s: negative count or displacement for rank %d (send %lld at %lld, recv %lld at %lld)",
+                fn, p, (long long)send_counts[p], (long long)(send_displs ? send_displs[p] : 0),
+                (long long)recv_counts[p], (long long)(recv_displs ? recv_displs[p] : 0));
         if ((send_counts[p] && !send) || (recv_counts[p] && !recv))
             return dsk_set_error(DSK_ERR_ARG, "%s: NULL buffer with a nonzero count for rank %d", fn, p);
     }
     if (send_counts[me] != recv_counts[me])
         return dsk_set_error(DSK_ERR_ARG, "%s: rank %d sends itself %lld elements but expects %lld", fn, me,
                              (long long)send_counts[me], (long long)recv_counts[me]);
-    if (send && send == recv) return dsk_set_error(DSK_ERR_ARG, "%s: send and recv are the same buffer (not supported in place)", fn);
-    if (!(d = (int64_t *)DSK_MALLOC((size_t)2 * n * sizeof(int64_t)))) return dsk_set_error(DSK_ERR_OOM, "%s: %d displacements", fn, n);
+    if (send && send == recv)
+        return dsk_set_error(DSK_ERR_ARG, "%s: send and recv are the same buffer (not supported in place)", fn);
+    if (!(d = (int64_t *)DSK_MALLOC((size_t)2 * n * sizeof(int64_t))))
+        return dsk_set_error(DSK_ERR_OOM, "%s: %d displacements", fn, n);
     if (send_displs) memcpy(d, send_displs, (size_t)n * sizeof *d);
     else dsk__comm_prefix(send_counts, n, d);
     if (recv_displs) memcpy(d + n, recv_displs, (size_t)n * sizeof *d);
@@ -2369,16 +2514,18 @@ DSK_API dsk_status dsk_comm_all_to_all_v(dsk_comm *c, dsk_ctx *ctx, const void *
     (void)ctx;
 #ifdef DSK_CUDA
     if (DSK__COMM_NCCL(c))
-        st = dsk__comm_nccl_a2a(c, fn, (const char *)send, send_counts, d, (char *)recv, recv_counts, d + n, dt, ctx, t0);
+        st = dsk__comm_nccl_a2a(c, fn, (const char *)send, send_counts, d, (char *)recv, recv_counts, d + n, dt, ctx,
+                                t0);
     else
 #endif
-        st = dsk__comm_host_a2a(c, fn, DSK__COMM_ALL_TO_ALL_V, (const char *)send, send_counts, d, (char *)recv, recv_counts, d + n, dt, t0);
+        st = dsk__comm_host_a2a(c, fn, DSK__COMM_ALL_TO_ALL_V, (const char *)send, send_counts, d, (char *)recv,
+                                recv_counts, d + n, dt, t0);
     DSK_FREE(d);
     return dsk__comm_done(c, st, t0);
 }
 
-static dsk_status dsk__comm_p2p(dsk_comm *c, const char *fn, dsk_ctx *ctx, void *buf, int64_t count, dsk_dtype dt, int peer,
-                           int is_send) {
+static dsk_status dsk__comm_p2p(dsk_comm *c, const char *fn, dsk_ctx *ctx, void *buf, int64_t count, dsk_dtype dt,
+                                int peer, int is_send) {
     double t0 = dsk__comm_now();
     dsk_status st;
     dsk__comm_impl *m;
@@ -2391,8 +2538,9 @@ static dsk_status dsk__comm_p2p(dsk_comm *c, const char *fn, dsk_ctx *ctx, void 
     (void)ctx;
 #ifdef DSK_CUDA
     if (DSK__COMM_NCCL(c)) {
-        ncclResult_t r = is_send ? ncclSend(buf, (size_t)count, dsk__comm_nccl_dtype(dt), peer, m->nccl, dsk__comm_stream(ctx))
-                                 : ncclRecv(buf, (size_t)count, dsk__comm_nccl_dtype(dt), peer, m->nccl, dsk__comm_stream(ctx));
+        ncclResult_t r =
+            is_send ? ncclSend(buf, (size_t)count, dsk__comm_nccl_dtype(dt), peer, m->nccl, dsk__comm_stream(ctx))
+                    : ncclRecv(buf, (size_t)count, dsk__comm_nccl_dtype(dt), peer, m->nccl, dsk__comm_stream(ctx));
         st = dsk__comm_nccl_done(c, fn, r, is_send ? "ncclSend" : "ncclRecv", t0);
         c->stats.calls++;
         c->stats.seconds += dsk__comm_now() - t0;
@@ -2454,8 +2602,10 @@ DSK_API dsk_status dsk_comm_barrier(dsk_comm *c, dsk_ctx *ctx) {
     DSK__TRY(dsk__comm_check(c, fn));
 #ifdef DSK_CUDA
     if (DSK__COMM_NCCL(c)) {
-        dsk_status st = dsk__comm_nccl_done(c, fn, ncclAllReduce(c->impl->nccl_flag, c->impl->nccl_flag, 1, ncclFloat32, ncclSum,
-                                                 c->impl->nccl, dsk__comm_stream(ctx)), "ncclAllReduce (barrier)", t0);
+        dsk_status st = dsk__comm_nccl_done(c, fn,
+                                            ncclAllReduce(c->impl->nccl_flag, c->impl->nccl_flag, 1, ncclFloat32,
+                                                          ncclSum, c->impl->nccl, dsk__comm_stream(ctx)),
+                                            "ncclAllReduce (barrier)", t0);
         return dsk__comm_done(c, st ? st : dsk_comm_sync(c, ctx), t0);
     }
 #endif
@@ -2474,13 +2624,16 @@ static dsk_status dsk__comm_nccl_split(dsk_comm *c, const char *fn, int color, i
     dsk_status st;
     int n = 0, r = 0;
     cfg.blocking = 0;
-    if ((st = dsk__comm_nccl_check(c, fn, ncclCommSplit(c->impl->nccl, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &nc, &cfg),
-                              "ncclCommSplit")) != DSK_OK)
+    if ((st = dsk__comm_nccl_check(c, fn,
+                                   ncclCommSplit(c->impl->nccl, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &nc, &cfg),
+                                   "ncclCommSplit")) != DSK_OK)
         return dsk__comm_break(c, st);
     /* nonblocking split: the parent reads ncclInProgress until the split is done, then newcomm is set */
     DSK__TRY(dsk__comm_nccl_settle(c, fn, c->impl->nccl, t0, "ncclCommSplit"));
     if (color < 0) return DSK_OK;
-    if (!nc) return dsk_set_error(DSK_ERR_NCCL, "%s: ncclCommSplit gave rank %d (color %d) no communicator", fn, c->rank, color);
+    if (!nc)
+        return dsk_set_error(DSK_ERR_NCCL, "%s: ncclCommSplit gave rank %d (color %d) no communicator", fn, c->rank,
+                             color);
     st = dsk__comm_nccl_settle(c, fn, nc, t0, "ncclCommSplit (new communicator)");
     if (st == DSK_OK) st = dsk__comm_nccl_check(c, fn, ncclCommCount(nc, &n), "ncclCommCount");
     if (st == DSK_OK) st = dsk__comm_nccl_check(c, fn, ncclCommUserRank(nc, &r), "ncclCommUserRank");
@@ -2575,7 +2728,8 @@ DSK_API dsk_status dsk_comm_split(dsk_comm *c, int color, int key, dsk_comm *sub
     DSK__TRY(dsk__comm_check(c, fn));
     if (!sub || sub == c) return dsk_set_error(DSK_ERR_ARG, "%s: sub is NULL or the parent itself", fn);
     if (color < DSK_COMM_NO_COLOR)
-        return dsk_set_error(DSK_ERR_ARG, "%s: color %d is negative (use DSK_COMM_NO_COLOR to join no group)", fn, color);
+        return dsk_set_error(DSK_ERR_ARG, "%s: color %d is negative (use DSK_COMM_NO_COLOR to join no group)", fn,
+                             color);
     memset(sub, 0, sizeof *sub);
 #ifdef DSK_CUDA
     if (DSK__COMM_NCCL(c)) {
@@ -2602,22 +2756,25 @@ static dsk_status dsk__comm_tensor_check(dsk_comm *c, const char *fn, const char
     if (!c || !c->impl) return dsk_set_error(DSK_ERR_ARG, "%s: communicator is NULL or not initialised", fn);
     want = c->backend == DSK_COMM_NCCL ? DSK_DEV_CUDA : DSK_DEV_CPU;
     if (!dsk_tensor_is_contiguous(t))
-        return dsk_set_error(DSK_ERR_ARG, "%s: tensor %s %s is not contiguous", fn, name, dsk_tensor_describe(t, d, sizeof d));
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor %s %s is not contiguous", fn, name,
+                             dsk_tensor_describe(t, d, sizeof d));
     if (t->device.type != want)
-        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: tensor %s %s is on the %s but the %s backend needs %s memory", fn, name,
-                             dsk_tensor_describe(t, d, sizeof d), t->device.type == DSK_DEV_CUDA ? "GPU" : "CPU",
-                             want == DSK_DEV_CUDA ? "nccl" : "host", want == DSK_DEV_CUDA ? "device" : "CPU");
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: tensor %s %s is on the %s but the %s backend needs %s memory",
+                             fn, name, dsk_tensor_describe(t, d, sizeof d),
+                             t->device.type == DSK_DEV_CUDA ? "GPU" : "CPU", want == DSK_DEV_CUDA ? "nccl" : "host",
+                             want == DSK_DEV_CUDA ? "device" : "CPU");
     return DSK_OK;
 }
 
-static dsk_status dsk__comm_tensor_pair(dsk_comm *c, const char *fn, const dsk_tensor *out, const dsk_tensor *in, int64_t out_per_in_num,
-                                   int64_t out_per_in_den) {
+static dsk_status dsk__comm_tensor_pair(dsk_comm *c, const char *fn, const dsk_tensor *out, const dsk_tensor *in,
+                                        int64_t out_per_in_num, int64_t out_per_in_den) {
     char a[96], b[96];
     DSK__TRY(dsk__comm_tensor_check(c, fn, "out", out));
     DSK__TRY(dsk__comm_tensor_check(c, fn, "in", in));
     if (out->dtype != in->dtype || dsk_tensor_numel(in) * out_per_in_num != dsk_tensor_numel(out) * out_per_in_den)
-        return dsk_set_error(DSK_ERR_ARG, "%s: out %s does not fit in %s for %d ranks", fn, dsk_tensor_describe(out, a, sizeof a),
-                             dsk_tensor_describe(in, b, sizeof b), c->world_size);
+        return dsk_set_error(DSK_ERR_ARG, "%s: out %s does not fit in %s for %d ranks", fn,
+                             dsk_tensor_describe(out, a, sizeof a), dsk_tensor_describe(in, b, sizeof b),
+                             c->world_size);
     return DSK_OK;
 }
 
@@ -2628,12 +2785,14 @@ DSK_API dsk_status dsk_comm_all_reduce_tensor(dsk_comm *c, dsk_ctx *ctx, dsk_ten
 
 DSK_API dsk_status dsk_comm_reduce_scatter_tensor(dsk_comm *c, dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *in,
                                                   dsk_comm_op op) {
-    dsk_status st = dsk__comm_tensor_pair(c, "dsk_comm_reduce_scatter_tensor", out, in, 1, c && c->impl ? c->world_size : 1);
+    dsk_status st =
+        dsk__comm_tensor_pair(c, "dsk_comm_reduce_scatter_tensor", out, in, 1, c && c->impl ? c->world_size : 1);
     return st ? st : dsk_comm_reduce_scatter(c, ctx, in->data, out->data, dsk_tensor_numel(out), out->dtype, op);
 }
 
 DSK_API dsk_status dsk_comm_all_gather_tensor(dsk_comm *c, dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *in) {
-    dsk_status st = dsk__comm_tensor_pair(c, "dsk_comm_all_gather_tensor", out, in, c && c->impl ? c->world_size : 1, 1);
+    dsk_status st =
+        dsk__comm_tensor_pair(c, "dsk_comm_all_gather_tensor", out, in, c && c->impl ? c->world_size : 1, 1);
     return st ? st : dsk_comm_all_gather(c, ctx, in->data, out->data, dsk_tensor_numel(in), in->dtype);
 }
 
@@ -2647,8 +2806,8 @@ DSK_API dsk_status dsk_comm_all_to_all_tensor(dsk_comm *c, dsk_ctx *ctx, dsk_ten
     char d[96];
     DSK__TRY(dsk__comm_tensor_pair(c, fn, out, in, 1, 1));
     if (dsk_tensor_numel(in) % c->world_size)
-        return dsk_set_error(DSK_ERR_ARG, "%s: in %s does not split into %d equal blocks", fn, dsk_tensor_describe(in, d, sizeof d),
-                             c->world_size);
+        return dsk_set_error(DSK_ERR_ARG, "%s: in %s does not split into %d equal blocks", fn,
+                             dsk_tensor_describe(in, d, sizeof d), c->world_size);
     return dsk_comm_all_to_all(c, ctx, in->data, out->data, dsk_tensor_numel(in) / c->world_size, in->dtype);
 }
 
@@ -2706,7 +2865,8 @@ static void dsk__comm_spawn_child(int rank, int n, int port, const char *addr, c
     execvp(argv[0], argv);
     {
         char msg[512];
-        int k = snprintf(msg, sizeof msg, "dsk_comm_spawn_local: cannot execute \"%s\": %s\n", argv[0], strerror(errno));
+        int k =
+            snprintf(msg, sizeof msg, "dsk_comm_spawn_local: cannot execute \"%s\": %s\n", argv[0], strerror(errno));
         dsk__comm_write_fd(2, msg, (size_t)(k > 0 ? k : 0));
     }
     _exit(127);
@@ -2725,7 +2885,8 @@ DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_com
     dsk_status st;
     char job[64];
     if (worst_exit) *worst_exit = 0;
-    if (n < 1 || n > 4096 || !argv || !argv[0]) return dsk_set_error(DSK_ERR_ARG, "%s: need 1 to 4096 ranks and a program (n = %d)", fn, n);
+    if (n < 1 || n > 4096 || !argv || !argv[0])
+        return dsk_set_error(DSK_ERR_ARG, "%s: need 1 to 4096 ranks and a program (n = %d)", fn, n);
     if (!port) DSK__TRY(dsk_comm_free_port(addr, &port));
     {
         /* every launch is a job of its own: this process and the moment tell it apart */
@@ -2777,7 +2938,11 @@ DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_com
                 ssize_t got;
                 if (fds[r] < 0) break;
                 got = read(fds[r], bufs + (size_t)r * 4096 + lens[r], 4096 - lens[r]);
-                if (got > 0) { lens[r] += (size_t)got; dsk__comm_forward_lines(out_fd, r, bufs + (size_t)r * 4096, &lens[r], 0); continue; }
+                if (got > 0) {
+                    lens[r] += (size_t)got;
+                    dsk__comm_forward_lines(out_fd, r, bufs + (size_t)r * 4096, &lens[r], 0);
+                    continue;
+                }
                 if (got < 0 && errno == EINTR) continue;
                 if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
                 dsk__comm_forward_lines(out_fd, r, bufs + (size_t)r * 4096, &lens[r], 1);
@@ -2852,7 +3017,8 @@ static void *dsk__comm_bucket_thread(void *arg) {
         t0 = dsk__comm_now();
         if (bi->err == DSK_OK) {
             char *p = bi->flat + bi->poff[bi->b_first[b]] * (int64_t)esz;
-            st = dsk_comm_all_reduce(&bi->comm, NULL, p, p, (int64_t)cnt, bi->dt, bi->sum_only ? DSK_COMM_SUM : DSK_COMM_AVG);
+            st = dsk_comm_all_reduce(&bi->comm, NULL, p, p, (int64_t)cnt, bi->dt,
+                                     bi->sum_only ? DSK_COMM_SUM : DSK_COMM_AVG);
         }
         pthread_mutex_lock(&bi->mu);
         if (st != DSK_OK && bi->err == DSK_OK) {
@@ -2873,7 +3039,8 @@ static void *dsk__comm_bucket_thread(void *arg) {
 
 DSK_API dsk_status dsk_comm_buckets_range(const dsk_comm_buckets *b, int i, int *first, int *count) {
     if (!b || !b->impl || i < 0 || i >= b->n_buckets || !first || !count)
-        return dsk_set_error(DSK_ERR_ARG, "dsk_comm_buckets_range: bucket %d not in [0, %d) or NULL argument", i, b ? b->n_buckets : 0);
+        return dsk_set_error(DSK_ERR_ARG, "dsk_comm_buckets_range: bucket %d not in [0, %d) or NULL argument", i,
+                             b ? b->n_buckets : 0);
     *first = b->impl->b_first[i];
     *count = b->impl->b_count[i];
     return DSK_OK;
@@ -2938,8 +3105,10 @@ DSK_API dsk_status dsk_comm_buckets_init(dsk_comm_buckets *b, dsk_comm *c, dsk_c
     DSK__TRY(dsk__comm_check(c, fn));
     if (dt != DSK_F32 && dt != DSK_BF16 && dt != DSK_F16)
         return dsk_set_error(DSK_ERR_ARG, "%s: gradient dtype %s is not f32, bf16 or f16", fn, dsk_dtype_name(dt));
-    if (n_params < 1 || !counts || !flat) return dsk_set_error(DSK_ERR_ARG, "%s: need n_params >= 1 (got %d), counts and a flat buffer", fn, n_params);
-    if (!(bi = (dsk__comm_buckets_impl *)DSK_MALLOC(sizeof *bi))) return dsk_set_error(DSK_ERR_OOM, "%s: bucket state", fn);
+    if (n_params < 1 || !counts || !flat)
+        return dsk_set_error(DSK_ERR_ARG, "%s: need n_params >= 1 (got %d), counts and a flat buffer", fn, n_params);
+    if (!(bi = (dsk__comm_buckets_impl *)DSK_MALLOC(sizeof *bi)))
+        return dsk_set_error(DSK_ERR_OOM, "%s: bucket state", fn);
     memset(bi, 0, sizeof *bi);
     b->impl = bi;
     b->n_params = n_params;
@@ -2961,12 +3130,14 @@ DSK_API dsk_status dsk_comm_buckets_init(dsk_comm_buckets *b, dsk_comm *c, dsk_c
     for (int i = 0; i < n_params; i++) {
         if (counts[i] < 0) {
             dsk_comm_buckets_free(b);
-            return dsk_set_error(DSK_ERR_ARG, "%s: parameter %d has a negative count %lld", fn, i, (long long)counts[i]);
+            return dsk_set_error(DSK_ERR_ARG, "%s: parameter %d has a negative count %lld", fn, i,
+                                 (long long)counts[i]);
         }
         bi->poff[i + 1] = bi->poff[i] + counts[i];
     }
-    b->n_buckets = dsk__comm_make_buckets(bi, n_params, esz, opts && opts->first_bucket_bytes ? opts->first_bucket_bytes : ((size_t)1 << 20),
-                                     opts && opts->bucket_bytes ? opts->bucket_bytes : ((size_t)25 << 20));
+    b->n_buckets = dsk__comm_make_buckets(
+        bi, n_params, esz, opts && opts->first_bucket_bytes ? opts->first_bucket_bytes : ((size_t)1 << 20),
+        opts && opts->bucket_bytes ? opts->bucket_bytes : ((size_t)25 << 20));
     if ((st = dsk_comm_split(c, 0, c->rank, &bi->comm)) != DSK_OK) {
         char msg[1200];
         snprintf(msg, sizeof msg, "%s: splitting the private communicator: %s", fn, dsk_last_error());
@@ -3004,11 +3175,14 @@ DSK_API dsk_status dsk_comm_buckets_init(dsk_comm_buckets *b, dsk_comm *c, dsk_c
 
 DSK_API dsk_status dsk_comm_buckets_begin(dsk_comm_buckets *b, int sync) {
     dsk__comm_buckets_impl *bi;
-    if (!b || !b->impl) return dsk_set_error(DSK_ERR_ARG, "dsk_comm_buckets_begin: buckets are NULL or not initialised");
+    if (!b || !b->impl)
+        return dsk_set_error(DSK_ERR_ARG, "dsk_comm_buckets_begin: buckets are NULL or not initialised");
     bi = b->impl;
     if (bi->in_pass && bi->next_launch > 0)
-        return dsk_set_error(DSK_ERR_STATE, "dsk_comm_buckets_begin: %d bucket all-reduces of the previous pass were not "
-                             "waited for (call dsk_comm_buckets_wait)", bi->next_launch);
+        return dsk_set_error(DSK_ERR_STATE,
+                             "dsk_comm_buckets_begin: %d bucket all-reduces of the previous pass were not "
+                             "waited for (call dsk_comm_buckets_wait)",
+                             bi->next_launch);
     for (int i = 0; i < b->n_buckets; i++) bi->pending[i] = bi->b_count[i];
     memset(bi->marked, 0, (size_t)b->n_params);
     bi->next_launch = 0;
@@ -3030,9 +3204,11 @@ static dsk_status dsk__comm_bucket_launch(dsk_comm_buckets *b, int k) {
         cudaStream_t user = dsk__comm_stream(bi->ctx);
         cudaError_t e;
         double t0 = dsk__comm_now();
-        if ((e = cudaEventRecord(bi->ev[3 * k], user)) != cudaSuccess || (e = cudaStreamWaitEvent(bi->stream, bi->ev[3 * k], 0)) != cudaSuccess ||
+        if ((e = cudaEventRecord(bi->ev[3 * k], user)) != cudaSuccess ||
+            (e = cudaStreamWaitEvent(bi->stream, bi->ev[3 * k], 0)) != cudaSuccess ||
             (e = cudaEventRecord(bi->ev[3 * k + 1], bi->stream)) != cudaSuccess)
-            return dsk_set_error(DSK_ERR_CUDA, "%s: ordering bucket %d after backward: %s", fn, k, cudaGetErrorString(e));
+            return dsk_set_error(DSK_ERR_CUDA, "%s: ordering bucket %d after backward: %s", fn, k,
+                                 cudaGetErrorString(e));
         DSK__TRY(dsk__comm_nccl_done(&bi->comm, fn, ncclAllReduce(p, p, dsk__comm_bucket_elems(bi, k),
                                                                   dsk__comm_nccl_dtype(bi->dt),
                                                                   bi->sum_only ? ncclSum : ncclAvg, bi->comm.impl->nccl,
@@ -3054,9 +3230,13 @@ DSK_API dsk_status dsk_comm_buckets_mark_ready(dsk_comm_buckets *b, int param) {
     dsk__comm_buckets_impl *bi;
     if (!b || !b->impl) return dsk_set_error(DSK_ERR_ARG, "%s: buckets are NULL or not initialised", fn);
     bi = b->impl;
-    if (param < 0 || param >= b->n_params) return dsk_set_error(DSK_ERR_ARG, "%s: parameter %d not in [0, %d)", fn, param, b->n_params);
-    if (!bi->in_pass) return dsk_set_error(DSK_ERR_STATE, "%s: parameter %d marked outside a pass (call dsk_comm_buckets_begin)", fn, param);
-    if (bi->marked[param]) return dsk_set_error(DSK_ERR_STATE, "%s: parameter %d marked ready twice in one pass", fn, param);
+    if (param < 0 || param >= b->n_params)
+        return dsk_set_error(DSK_ERR_ARG, "%s: parameter %d not in [0, %d)", fn, param, b->n_params);
+    if (!bi->in_pass)
+        return dsk_set_error(DSK_ERR_STATE, "%s: parameter %d marked outside a pass (call dsk_comm_buckets_begin)", fn,
+                             param);
+    if (bi->marked[param])
+        return dsk_set_error(DSK_ERR_STATE, "%s: parameter %d marked ready twice in one pass", fn, param);
     bi->marked[param] = 1;
     if (!bi->sync) return DSK_OK;
     bi->pending[bi->bucket_of[param]]--;
@@ -3092,15 +3272,19 @@ DSK_API dsk_status dsk_comm_buckets_wait(dsk_comm_buckets *b) {
                     break;
                 }
                 if (dsk__comm_now() - t0 > bi->comm.impl->timeout_s) {
-                    st = dsk_set_error(DSK_ERR_TIMEOUT, "%s: bucket %d of %d still all-reducing after %.2f s (a peer may have "
-                                       "died or stopped); aborting its NCCL communicator", fn, k, b->n_buckets, dsk__comm_now() - t0);
+                    st = dsk_set_error(DSK_ERR_TIMEOUT,
+                                       "%s: bucket %d of %d still all-reducing after %.2f s (a peer may have "
+                                       "died or stopped); aborting its NCCL communicator",
+                                       fn, k, b->n_buckets, dsk__comm_now() - t0);
                     dsk__comm_break(&bi->comm, st);
                     break;
                 }
                 dsk__comm_sleep_s(5e-5);
             }
-            if (st == DSK_OK && e != cudaSuccess) st = dsk_set_error(DSK_ERR_CUDA, "%s: bucket %d: %s", fn, k, cudaGetErrorString(e));
-            if (st == DSK_OK && cudaEventElapsedTime(&ms, bi->ev[3 * k + 1], bi->ev[3 * k + 2]) == cudaSuccess) b->seconds += 1e-3 * ms;
+            if (st == DSK_OK && e != cudaSuccess)
+                st = dsk_set_error(DSK_ERR_CUDA, "%s: bucket %d: %s", fn, k, cudaGetErrorString(e));
+            if (st == DSK_OK && cudaEventElapsedTime(&ms, bi->ev[3 * k + 1], bi->ev[3 * k + 2]) == cudaSuccess)
+                b->seconds += 1e-3 * ms;
             if (st == DSK_OK) {
                 b->bytes += dsk__comm_bucket_elems(bi, k) * dsk_dtype_size(bi->dt);
                 b->reductions++;
@@ -3123,8 +3307,10 @@ DSK_API dsk_status dsk_comm_buckets_wait(dsk_comm_buckets *b) {
     bi->in_pass = 0;
     bi->next_launch = 0;
     if (st == DSK_OK && unmarked >= 0)
-        st = dsk_set_error(DSK_ERR_STATE, "%s: parameter %d (bucket %d) was never marked ready in this pass; %d of %d buckets "
-                           "were all-reduced", fn, unmarked, bi->bucket_of[unmarked], bi->queued_upto, b->n_buckets);
+        st = dsk_set_error(DSK_ERR_STATE,
+                           "%s: parameter %d (bucket %d) was never marked ready in this pass; %d of %d buckets "
+                           "were all-reduced",
+                           fn, unmarked, bi->bucket_of[unmarked], bi->queued_upto, b->n_buckets);
     return st;
 }
 
