@@ -63,7 +63,9 @@ static int run_group(group *g, rank_fn fn, void *arg) {
             if (g->no_init) fn(NULL, arg);
             else {
                 dsk_status st = dsk_comm_init(&c, r, g->world_override[r] ? g->world_override[r] : g->n, &g->opts);
-                if (st != DSK_OK) dsk_test_fail_at(__FILE__, __LINE__, "rank %d: dsk_comm_init: %s: %s", r, dsk_status_str(st), dsk_last_error());
+                if (st != DSK_OK)
+                    dsk_test_fail_at(__FILE__, __LINE__, "rank %d: dsk_comm_init: %s: %s", r, dsk_status_str(st),
+                                     dsk_last_error());
                 else {
                     fn(&c, arg);
                     dsk_comm_free(&c);
@@ -210,8 +212,8 @@ static void check_all_reduce(dsk_comm *c, dsk_dtype dt, dsk_comm_op op, int64_t 
     void **in = gen_all(n, dt, len, tag);
     char *got = (char *)malloc(bytes + 1), *want = (char *)malloc(bytes + 1);
     char label[160];
-    snprintf(label, sizeof label, "rank %d: all_reduce %s %s count %lld %s", c->rank, dsk_dtype_name(dt), dsk_comm_op_name(op),
-             (long long)len, in_place ? "in place" : "out of place");
+    snprintf(label, sizeof label, "rank %d: all_reduce %s %s count %lld %s", c->rank, dsk_dtype_name(dt),
+             dsk_comm_op_name(op), (long long)len, in_place ? "in place" : "out of place");
     if (in_place) memcpy(got, in[c->rank], bytes);
     else dsk_test_poison_bytes(got, bytes);
     ref_reduce(dt, op, n, in, 0, len, want);
@@ -264,7 +266,8 @@ static void rank_reduce_scatter(dsk_comm *c, void *arg) {
                 ref_reduce(dt, k_ops[o], n, in, (int64_t)c->rank * len, len, want);
                 if (in_place) {
                     /* recv = send + rank * block, on a copy of the input */
-                    char *copy = (char *)malloc((size_t)len * n * esz + 1), *buf = copy + (size_t)c->rank * (size_t)len * esz;
+                    char *copy = (char *)malloc((size_t)len * n * esz + 1),
+                         *buf = copy + (size_t)c->rank * (size_t)len * esz;
                     memcpy(copy, in[c->rank], (size_t)len * n * esz);
                     DSK_TEST_OK(dsk_comm_reduce_scatter(c, NULL, copy, buf, len, dt, k_ops[o]));
                     DSK_TEST_SAME_BYTES(buf, want, (size_t)len * esz, label);
@@ -293,8 +296,8 @@ static void rank_all_gather(dsk_comm *c, void *arg) {
                 void **in = gen_all(n, dt, len, tag++);
                 char *got = (char *)malloc(blk * n + 1), *want = (char *)malloc(blk * n + 1);
                 char label[160];
-                snprintf(label, sizeof label, "rank %d: all_gather %s count %lld%s", c->rank, dsk_dtype_name(dt), (long long)len,
-                         in_place ? " in place" : "");
+                snprintf(label, sizeof label, "rank %d: all_gather %s count %lld%s", c->rank, dsk_dtype_name(dt),
+                         (long long)len, in_place ? " in place" : "");
                 for (int r = 0; r < n; r++) memcpy(want + r * blk, in[r], blk);
                 dsk_test_poison_bytes(got, blk * n);
                 if (in_place) {
@@ -350,7 +353,8 @@ static void rank_reduce(dsk_comm *c, void *arg) {
                     int64_t len = k_sizes[s];
                     size_t bytes = (size_t)len * dsk_dtype_size(dt);
                     void **in = gen_all(n, dt, len, tag++);
-                    char *got = (char *)malloc(bytes + 1), *want = (char *)malloc(bytes + 1), *poison = (char *)malloc(bytes + 1);
+                    char *got = (char *)malloc(bytes + 1), *want = (char *)malloc(bytes + 1),
+                         *poison = (char *)malloc(bytes + 1);
                     char label[160];
                     int in_place = (int)((s + o) & 1);
                     snprintf(label, sizeof label, "rank %d: reduce %s %s count %lld root %d%s", me, dsk_dtype_name(dt),
@@ -386,8 +390,8 @@ static void rank_gather(dsk_comm *c, void *arg) {
                 void **in = gen_all(n, dt, len, tag++);
                 char *got = (char *)malloc(blk * n + 1), *want = (char *)malloc(blk * n + 1), label[160];
                 int in_place = (int)(s & 1);
-                snprintf(label, sizeof label, "rank %d: gather %s count %lld root %d%s", me, dsk_dtype_name(dt), (long long)len,
-                         root, in_place ? " in place" : "");
+                snprintf(label, sizeof label, "rank %d: gather %s count %lld root %d%s", me, dsk_dtype_name(dt),
+                         (long long)len, root, in_place ? " in place" : "");
                 dsk_test_poison_bytes(got, blk * n);
                 memcpy(want, got, blk * n); /* off the root: untouched */
                 if (me == root) {
@@ -416,15 +420,16 @@ static void rank_scatter(dsk_comm *c, void *arg) {
                 void **in = gen_all(n, dt, len * n, tag++);
                 char *got = (char *)malloc(blk * n + 1), label[160];
                 int in_place = (int)(s & 1);
-                snprintf(label, sizeof label, "rank %d: scatter %s count %lld root %d%s", me, dsk_dtype_name(dt), (long long)len,
-                         root, in_place ? " in place" : "");
+                snprintf(label, sizeof label, "rank %d: scatter %s count %lld root %d%s", me, dsk_dtype_name(dt),
+                         (long long)len, root, in_place ? " in place" : "");
                 dsk_test_poison_bytes(got, blk * n);
                 if (me == root && in_place) {
                     memcpy(got, in[root], blk * n);
                     DSK_TEST_OK(dsk_comm_scatter(c, NULL, got, got + me * blk, len, dt, root));
                     DSK_TEST_SAME_BYTES(got, in[root], blk * n, label); /* its block in place, the rest as it was */
                 } else {
-                    DSK_TEST_OK(dsk_comm_scatter(c, NULL, me == root ? in[root] : in_place ? NULL : in[me], got, len, dt, root));
+                    const void *src = me == root ? in[root] : in_place ? NULL : in[me]; /* NULL off the root */
+                    DSK_TEST_OK(dsk_comm_scatter(c, NULL, src, got, len, dt, root));
                     DSK_TEST_SAME_BYTES(got, (char *)in[root] + me * blk, blk, label);
                 }
                 free(got);
@@ -445,8 +450,8 @@ static void rank_all_to_all(dsk_comm *c, void *arg) {
             char *got = (char *)malloc(blk * n + 1), *want = (char *)malloc(blk * n + 1);
             char label[160];
             int in_place = (int)(s & 1);
-            snprintf(label, sizeof label, "rank %d: all_to_all %s block %lld%s", c->rank, dsk_dtype_name(dt), (long long)len,
-                     in_place ? " in place" : "");
+            snprintf(label, sizeof label, "rank %d: all_to_all %s block %lld%s", c->rank, dsk_dtype_name(dt),
+                     (long long)len, in_place ? " in place" : "");
             for (int p = 0; p < n; p++) memcpy(want + p * blk, (char *)in[p] + c->rank * blk, blk);
             if (in_place) memcpy(got, in[c->rank], blk * n);
             else dsk_test_poison_bytes(got, blk * n);
@@ -504,9 +509,10 @@ static void rank_all_to_all_v(dsk_comm *c, void *arg) {
                     for (int q = 0; q < me; q++) off += a2av_count(tag, p, q, scales[s]) + gap;
                     memcpy(want + rd[p] * (int64_t)esz, (char *)in[p] + off * (int64_t)esz, (size_t)rc[p] * esz);
                 }
-                snprintf(label, sizeof label, "rank %d: all_to_all_v %s scale %lld%s", me, dsk_dtype_name(dt), (long long)scales[s],
-                         packed ? " packed (NULL displacements)" : " with gaps");
-                DSK_TEST_OK(dsk_comm_all_to_all_v(c, NULL, in[me], sc, packed ? NULL : sd, got, rc, packed ? NULL : rd, dt));
+                snprintf(label, sizeof label, "rank %d: all_to_all_v %s scale %lld%s", me, dsk_dtype_name(dt),
+                         (long long)scales[s], packed ? " packed (NULL displacements)" : " with gaps");
+                DSK_TEST_OK(
+                    dsk_comm_all_to_all_v(c, NULL, in[me], sc, packed ? NULL : sd, got, rc, packed ? NULL : rd, dt));
                 DSK_TEST_SAME_BYTES(got, want, (size_t)rtot * esz, label);
                 free(got);
                 free(want);
@@ -558,8 +564,8 @@ static void rank_split(dsk_comm *c, void *arg) {
     DSK_TEST_OK(dsk_comm_split(c, color, -me, &sub));
     for (int r = 0; r < n; r++)
         if (r % 2 == color) { members++; if (r > me) my_index++; }
-    DSK_TEST_EXPECT(sub.world_size == members && sub.rank == my_index, "rank %d: sub rank %d of %d, want %d of %d", me, sub.rank,
-                    sub.world_size, my_index, members);
+    DSK_TEST_EXPECT(sub.world_size == members && sub.rank == my_index, "rank %d: sub rank %d of %d, want %d of %d", me,
+                    sub.rank, sub.world_size, my_index, members);
     /* all-reduce in the sub-group: fold in sub-rank order = descending world rank */
     {
         void **in = gen_all(n, DSK_F32, 5, 8000), *ord[8];
@@ -573,7 +579,8 @@ static void rank_split(dsk_comm *c, void *arg) {
     }
     /* a split where the last rank joins nothing */
     DSK_TEST_OK(dsk_comm_split(c, me == n - 1 ? DSK_COMM_NO_COLOR : 0, 0, &solo));
-    if (me == n - 1) DSK_TEST_EXPECT(solo.world_size == 0 && solo.impl == NULL, "NO_COLOR gave a group of %d", solo.world_size);
+    if (me == n - 1)
+        DSK_TEST_EXPECT(solo.world_size == 0 && solo.impl == NULL, "NO_COLOR gave a group of %d", solo.world_size);
     else {
         int64_t one = 1, sum = 0;
         DSK_TEST_OK(dsk_comm_all_reduce(&solo, NULL, &one, &sum, 1, DSK_I64, DSK_COMM_SUM));
@@ -659,7 +666,8 @@ static void rank_store(dsk_comm *c, void *arg) {
         snprintf(key, sizeof key, "k%d", r);
         snprintf(want, sizeof want, "value of rank %d", r);
         DSK_TEST_OK(dsk_comm_store_get(c, key, got, sizeof got, &len));
-        DSK_TEST_EXPECT(len == strlen(want) + 1 && strcmp(got, want) == 0, "store %s = \"%s\" (len %zu)", key, got, len);
+        DSK_TEST_EXPECT(len == strlen(want) + 1 && strcmp(got, want) == 0, "store %s = \"%s\" (len %zu)", key, got,
+                        len);
     }
     DSK_TEST_OK(dsk_comm_store_add(c, "counter", 0, &total));
     DSK_TEST_EXPECT(total == n * (n + 1) / 2, "counter %lld want %d", (long long)total, n * (n + 1) / 2);
@@ -671,7 +679,8 @@ static void rank_store(dsk_comm *c, void *arg) {
     } else {
         double t0 = dsk_test_now();
         DSK_TEST_OK(dsk_comm_store_get(c, "late", val, sizeof val, &len));
-        DSK_TEST_EXPECT(len == 1 && val[0] == 'x' && dsk_test_now() - t0 > 0.2, "late get returned after %.2f s", dsk_test_now() - t0);
+        DSK_TEST_EXPECT(len == 1 && val[0] == 'x' && dsk_test_now() - t0 > 0.2, "late get returned after %.2f s",
+                        dsk_test_now() - t0);
     }
     DSK_TEST_OK(dsk_comm_store_barrier(c));
 }
@@ -692,7 +701,8 @@ static void case_store_timeout(void) {
     t0 = dsk_test_now();
     DSK_TEST_STATUS(dsk_comm_store_get(&c, "never-set", buf, sizeof buf, NULL), DSK_ERR_TIMEOUT);
     DSK_TEST_ERROR_MENTIONS("key \"never-set\"");
-    DSK_TEST_EXPECT(dsk_test_now() - t0 < 2.0, "store get timed out after %.2f s for a 0.5 s timeout", dsk_test_now() - t0);
+    DSK_TEST_EXPECT(dsk_test_now() - t0 < 2.0, "store get timed out after %.2f s for a 0.5 s timeout",
+                    dsk_test_now() - t0);
     dsk_comm_free(&c);
 }
 
@@ -723,9 +733,11 @@ static void rank_buckets(dsk_comm *c, void *argp) {
             int first = -1, count = 0;
             size_t bytes = 0;
             DSK_TEST_OK(dsk_comm_buckets_range(&b, k, &first, &count));
-            DSK_TEST_EXPECT(first + count == next && count >= 1, "bucket %d = [%d, %d) does not continue at %d", k, first, first + count, next);
+            DSK_TEST_EXPECT(first + count == next && count >= 1, "bucket %d = [%d, %d) does not continue at %d", k,
+                            first, first + count, next);
             for (int i = first; i < first + count; i++) bytes += (size_t)a->counts[i] * esz;
-            DSK_TEST_EXPECT(count == 1 || bytes <= (k == 0 ? a->first : a->cap), "bucket %d holds %zu bytes over its cap", k, bytes);
+            DSK_TEST_EXPECT(count == 1 || bytes <= (k == 0 ? a->first : a->cap),
+                            "bucket %d holds %zu bytes over its cap", k, bytes);
             if (first > 0 && k + 1 < b.n_buckets)
                 DSK_TEST_EXPECT(bytes + (size_t)a->counts[first - 1] * esz > (k == 0 ? a->first : a->cap),
                                 "bucket %d closed early at %zu bytes", k, bytes);
@@ -740,7 +752,8 @@ static void rank_buckets(dsk_comm *c, void *argp) {
     for (int i = a->n_params - 1; i >= 0; i--) DSK_TEST_OK(dsk_comm_buckets_mark_ready(&b, i));
     DSK_TEST_OK(dsk_comm_buckets_wait(&b));
     DSK_TEST_SAME_BYTES(flat, before, (size_t)total * esz, "accumulation pass changed the gradients");
-    DSK_TEST_EXPECT(b.bytes == 0 && b.reductions == 0, "accumulation pass moved %llu bytes", (unsigned long long)b.bytes);
+    DSK_TEST_EXPECT(b.bytes == 0 && b.reductions == 0, "accumulation pass moved %llu bytes",
+                    (unsigned long long)b.bytes);
     /* last micro-batch: buckets start while later "backward" work continues; compare with a plain all-reduce */
     for (int step = 0; step < 2; step++) {
         gen(flat, a->dt, total, 11001 + (uint64_t)step, me);
@@ -756,7 +769,8 @@ static void rank_buckets(dsk_comm *c, void *argp) {
     }
     DSK_TEST_EXPECT(b.bytes == 2 * (uint64_t)total * esz && b.reductions == 2 * b.n_buckets && b.seconds > 0,
                     "stats: %llu bytes (want %llu), %lld reductions (want %d), %.4f s", (unsigned long long)b.bytes,
-                    (unsigned long long)(2 * total * (int64_t)esz), (long long)b.reductions, 2 * b.n_buckets, b.seconds);
+                    (unsigned long long)(2 * total * (int64_t)esz), (long long)b.reductions, 2 * b.n_buckets,
+                    b.seconds);
     /* misuse */
     DSK_TEST_OK(dsk_comm_buckets_begin(&b, 1));
     DSK_TEST_OK(dsk_comm_buckets_mark_ready(&b, a->n_params - 1));
@@ -783,7 +797,8 @@ static void rank_nan(dsk_comm *c, void *arg) {
         if (me == n - 1) x[5] = NAN;  /* NaN on the last rank ... */
         if (me == 0) x[9] = NAN;      /* ... and on the first */
         DSK_TEST_OK(dsk_comm_all_reduce(c, NULL, x, y, 64, DSK_F32, k_ops[o]));
-        DSK_TEST_EXPECT(y[5] != y[5] && y[9] != y[9], "%s: NaN did not propagate (%g, %g)", dsk_comm_op_name(k_ops[o]), y[5], y[9]);
+        DSK_TEST_EXPECT(y[5] != y[5] && y[9] != y[9], "%s: NaN did not propagate (%g, %g)", dsk_comm_op_name(k_ops[o]),
+                        y[5], y[9]);
         memcpy(first, y, sizeof y);
         DSK_TEST_OK(dsk_comm_broadcast(c, NULL, first, first, 64, DSK_F32, 0));
         DSK_TEST_SAME_BYTES(y, first, sizeof y, "result differs from rank 0's");
@@ -809,7 +824,8 @@ static void rank_bucket_fault(dsk_comm *c, void *arg) {
     for (int i = 2; i >= 0; i--) DSK_TEST_OK(dsk_comm_buckets_mark_ready(&b, i));
     t0 = dsk_test_now();
     st = dsk_comm_buckets_wait(&b);
-    printf("     rank %d: buckets_wait %s after %.2f s: %s\n", c->rank, dsk_status_str(st), dsk_test_now() - t0, dsk_last_error());
+    printf("     rank %d: buckets_wait %s after %.2f s: %s\n", c->rank, dsk_status_str(st), dsk_test_now() - t0,
+           dsk_last_error());
     DSK_TEST_EXPECT(st == DSK_ERR_PEER || st == DSK_ERR_TIMEOUT, "wait returned %s", dsk_status_str(st));
     DSK_TEST_ERROR_MENTIONS("rank 1");
     DSK_TEST_ERROR_MENTIONS("dsk_comm_buckets_wait: bucket ");
@@ -841,7 +857,8 @@ static void rank_victim(dsk_comm *c, void *argp) {
     for (int i = 0; i < 2; i++) DSK_TEST_OK(dsk_comm_all_reduce(c, NULL, x, x, a->count, DSK_F32, DSK_COMM_SUM));
     if (c->rank == a->victim) raise(a->sig);
     t0 = dsk_test_now();
-    for (int i = 0; i < 3 && st == DSK_OK; i++) st = dsk_comm_all_reduce(c, NULL, x, x, a->count, DSK_F32, DSK_COMM_SUM);
+    for (int i = 0; i < 3 && st == DSK_OK; i++)
+        st = dsk_comm_all_reduce(c, NULL, x, x, a->count, DSK_F32, DSK_COMM_SUM);
     printf("     rank %d: %s after %.2f s: %s\n", c->rank, dsk_status_str(st), dsk_test_now() - t0, dsk_last_error());
     snprintf(name, sizeof name, "rank %d", a->victim);
     DSK_TEST_EXPECT(st == DSK_ERR_PEER || st == DSK_ERR_TIMEOUT, "rank %d got %s", c->rank, dsk_status_str(st));
@@ -881,7 +898,8 @@ static void rank_zero_dies(dsk_comm *c, void *argp) {
     DSK_TEST_OK(dsk_comm_barrier(c, NULL));
     if (c->rank == 0) raise(SIGKILL);
     t0 = dsk_test_now();
-    st = chain ? dsk_comm_recv(c, NULL, x, 1, DSK_F32, c->rank - 1) : dsk_comm_all_reduce(c, NULL, x, x, n, DSK_F32, DSK_COMM_SUM);
+    st = chain ? dsk_comm_recv(c, NULL, x, 1, DSK_F32, c->rank - 1)
+               : dsk_comm_all_reduce(c, NULL, x, x, n, DSK_F32, DSK_COMM_SUM);
     printf("     rank %d: %s after %.2f s: %s\n", c->rank, dsk_status_str(st), dsk_test_now() - t0, dsk_last_error());
     DSK_TEST_STATUS(st, DSK_ERR_PEER);
     DSK_TEST_ERROR_MENTIONS("rank 0, which serves the key-value store at 127.0.0.1:");
@@ -919,8 +937,8 @@ static void rank_zero_stops(dsk_comm *c, void *arg) {
     at = strstr(dsk_last_error(), "timed out after ");
     if (at) said = atof(at + strlen("timed out after "));
     DSK_TEST_EXPECT(took < 1.0 + 0.4, "rank %d failed after %.2f s for a 1 s timeout", c->rank, took);
-    DSK_TEST_EXPECT(said >= 0 && fabs(took - said) < 0.25, "rank %d: the message says %.2f s, the call took %.2f s", c->rank,
-                    said, took);
+    DSK_TEST_EXPECT(said >= 0 && fabs(took - said) < 0.25, "rank %d: the message says %.2f s, the call took %.2f s",
+                    c->rank, said, took);
 }
 
 typedef struct mismatch_arg { int kind; } mismatch_arg;
@@ -957,7 +975,8 @@ static void rank_mismatch(dsk_comm *c, void *argp) {
         else if (a->kind == 8) st = dsk_comm_gather(c, NULL, x, y, count, DSK_F32, root);
         else st = dsk_comm_scatter(c, NULL, y, x, count, DSK_F32, root);
     }
-    printf("     rank %d: %s after %.2f s: %s\n", c->rank, dsk_status_str(st), dsk_test_now() - t0, st ? dsk_last_error() : "");
+    printf("     rank %d: %s after %.2f s: %s\n", c->rank, dsk_status_str(st), dsk_test_now() - t0,
+           st ? dsk_last_error() : "");
     DSK_TEST_EXPECT(st == DSK_ERR_PEER || st == DSK_ERR_TIMEOUT, "rank %d got %s", c->rank, dsk_status_str(st));
     if (a->kind == 0 && st == DSK_ERR_PEER) {
         DSK_TEST_ERROR_MENTIONS("mismatched calls");
@@ -976,10 +995,11 @@ static void rank_mismatch(dsk_comm *c, void *argp) {
         DSK_TEST_ERROR_MENTIONS("all_reduce(count 100, f32, sum)");
     }
     /* all_to_all_v: the receiver and the sender both fail with the same sentence */
-    if (a->kind == 3) DSK_TEST_ERROR_MENTIONS("all_to_all_v counts disagree: rank 1 sends rank 0 1 elements but rank 0 expects 2");
+    if (a->kind == 3)
+        DSK_TEST_ERROR_MENTIONS("all_to_all_v counts disagree: rank 1 sends rank 0 1 elements but rank 0 expects 2");
     if (a->kind >= 4) {
-        static const char *fns[] = {"dsk_comm_broadcast: ", "dsk_comm_broadcast: ", "dsk_comm_reduce: ", "dsk_comm_reduce: ",
-                                    "dsk_comm_gather: ", "dsk_comm_scatter: "};
+        static const char *fns[] = {"dsk_comm_broadcast: ", "dsk_comm_broadcast: ", "dsk_comm_reduce: ",
+                                    "dsk_comm_reduce: ", "dsk_comm_gather: ", "dsk_comm_scatter: "};
         DSK_TEST_ERROR_MENTIONS(fns[a->kind - 4]);
         DSK_TEST_ERROR_MENTIONS("mismatched calls");
         DSK_TEST_ERROR_MENTIONS(", root 0)");
@@ -1036,7 +1056,8 @@ static void rank_init_expect(dsk_comm *unused, void *argp) {
     o.small_bytes = e->small[g_rank];
     o.piece_bytes = e->piece[g_rank];
     st = dsk_comm_init(&c, g_rank, e->world[g_rank], &o);
-    printf("     rank %d: %s after %.2f s: %s\n", g_rank, dsk_status_str(st), dsk_test_now() - t0, st ? dsk_last_error() : "");
+    printf("     rank %d: %s after %.2f s: %s\n", g_rank, dsk_status_str(st), dsk_test_now() - t0,
+           st ? dsk_last_error() : "");
     DSK_TEST_EXPECT(st == e->want[g_rank], "rank %d: init returned %s, want %s", g_rank, dsk_status_str(st),
                     dsk_status_str(e->want[g_rank]));
     if (st == DSK_OK) {
@@ -1048,8 +1069,8 @@ static void rank_init_expect(dsk_comm *unused, void *argp) {
         return;
     }
     DSK_TEST_ERROR_MENTIONS(e->needle[g_rank]);
-    DSK_TEST_EXPECT(dsk_test_now() - t0 < e->g.opts.timeout_s + 1.5, "init took %.2f s for a %.1f s timeout", dsk_test_now() - t0,
-                    e->g.opts.timeout_s);
+    DSK_TEST_EXPECT(dsk_test_now() - t0 < e->g.opts.timeout_s + 1.5, "init took %.2f s for a %.1f s timeout",
+                    dsk_test_now() - t0, e->g.opts.timeout_s);
     DSK_TEST_EXPECT(c.impl == NULL && c.world_size == 0, "failed init left state behind");
 }
 
@@ -1174,8 +1195,8 @@ static void rank_duplicate(dsk_comm *unused, void *argp) {
     }
     t0 = dsk_test_now();
     st = dsk_comm_init(&c, g_rank ? 1 : 0, 2, &g->opts);
-    printf("     process %d (rank %d): %s after %.2f s: %s\n", g_rank, g_rank ? 1 : 0, dsk_status_str(st), dsk_test_now() - t0,
-           st ? dsk_last_error() : "");
+    printf("     process %d (rank %d): %s after %.2f s: %s\n", g_rank, g_rank ? 1 : 0, dsk_status_str(st),
+           dsk_test_now() - t0, st ? dsk_last_error() : "");
     if (g_rank == 2) {
         DSK_TEST_STATUS(st, DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("dsk_comm_init: rank 1 is claimed by 2 processes: pid ");
@@ -1252,12 +1273,11 @@ static void case_no_store(void) {
     DSK_TEST_EXPECT(dsk_test_now() - t0 < 2.5, "took %.2f s for a 1 s timeout", dsk_test_now() - t0);
 }
 
-static const char *k_env_vars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                                   "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                                   "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
-                                   "SLURM_NTASKS_PER_NODE", "TORCHELASTIC_USE_AGENT_STORE", "DSK_MASTER_PORT", "DSK_JOB_ID",
-                                   "TORCHELASTIC_RUN_ID", "PMIX_NAMESPACE", "OMPI_MCA_orte_hnp_uri", "SLURM_JOB_ID",
-                                   "SLURM_STEP_ID"};
+static const char *k_env_vars[] = {
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
+    "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "TORCHELASTIC_USE_AGENT_STORE", "DSK_MASTER_PORT", "DSK_JOB_ID",
+    "TORCHELASTIC_RUN_ID", "PMIX_NAMESPACE", "OMPI_MCA_orte_hnp_uri", "SLURM_JOB_ID", "SLURM_STEP_ID"};
 
 static void clear_env(void) {
     for (size_t i = 0; i < sizeof k_env_vars / sizeof *k_env_vars; i++) unsetenv(k_env_vars[i]);
@@ -1285,8 +1305,8 @@ static void env_expect(dsk_status want, const char *needle, ...) {
         DSK_TEST_ERROR_MENTIONS(needle);
     } else {
         int32_t v = 5, s = 0;
-        DSK_TEST_EXPECT(c.rank == 0 && c.world_size == 1 && c.local_world_size == 1, "rank %d world %d local %d", c.rank,
-                        c.world_size, c.local_world_size);
+        DSK_TEST_EXPECT(c.rank == 0 && c.world_size == 1 && c.local_world_size == 1, "rank %d world %d local %d",
+                        c.rank, c.world_size, c.local_world_size);
         DSK_TEST_OK(dsk_comm_all_reduce(&c, NULL, &v, &s, 1, DSK_I32, DSK_COMM_SUM));
         DSK_TEST_EXPECT(s == 5, "world of one all_reduce gave %d", s);
         dsk_comm_free(&c);
@@ -1301,13 +1321,17 @@ static void case_env(void) {
     snprintf(port, sizeof port, "%d", p);
     snprintf(pp, sizeof pp, "MASTER_PORT=%d", p);
     env_expect(DSK_ERR_ARG, "no launcher environment", (const char *)NULL);
-    env_expect(DSK_ERR_ARG, "RANK=\"abc\" is not a non-negative integer", "RANK=abc", "WORLD_SIZE=2", (const char *)NULL);
-    env_expect(DSK_ERR_ARG, "RANK=3 is not below WORLD_SIZE=2", "RANK=3", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1", (const char *)NULL);
+    env_expect(DSK_ERR_ARG, "RANK=\"abc\" is not a non-negative integer", "RANK=abc", "WORLD_SIZE=2",
+               (const char *)NULL);
+    env_expect(DSK_ERR_ARG, "RANK=3 is not below WORLD_SIZE=2", "RANK=3", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1",
+               (const char *)NULL);
     env_expect(DSK_ERR_ARG, "RANK is set but WORLD_SIZE is not", "RANK=0", (const char *)NULL);
     env_expect(DSK_ERR_ARG, "WORLD_SIZE=\"-2\"", "RANK=0", "WORLD_SIZE=-2", (const char *)NULL);
     env_expect(DSK_ERR_ARG, "MASTER_ADDR is not set", "RANK=1", "WORLD_SIZE=2", (const char *)NULL);
-    env_expect(DSK_ERR_ARG, "MASTER_PORT=\"70000\"", "RANK=0", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=70000", (const char *)NULL);
-    env_expect(DSK_ERR_ARG, "MASTER_PORT=\"12ab\"", "RANK=0", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=12ab", (const char *)NULL);
+    env_expect(DSK_ERR_ARG, "MASTER_PORT=\"70000\"", "RANK=0", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1",
+               "MASTER_PORT=70000", (const char *)NULL);
+    env_expect(DSK_ERR_ARG, "MASTER_PORT=\"12ab\"", "RANK=0", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1",
+               "MASTER_PORT=12ab", (const char *)NULL);
     env_expect(DSK_ERR_ARG, "LOCAL_RANK=4 is not below LOCAL_WORLD_SIZE=2", "RANK=0", "WORLD_SIZE=1", "LOCAL_RANK=4",
                "LOCAL_WORLD_SIZE=2", (const char *)NULL);
     env_expect(DSK_ERR_ARG, "cannot resolve address \"no.such.host.invalid\"", "RANK=0", "WORLD_SIZE=1",
@@ -1316,8 +1340,10 @@ static void case_env(void) {
                "OMPI_COMM_WORLD_SIZE=2", (const char *)NULL);
     /* worlds of one start from each launcher's variables */
     env_expect(DSK_OK, "", "RANK=0", "WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1", pp, (const char *)NULL);
-    env_expect(DSK_OK, "", "OMPI_COMM_WORLD_RANK=0", "OMPI_COMM_WORLD_SIZE=1", "OMPI_COMM_WORLD_LOCAL_RANK=0", pp, (const char *)NULL);
-    env_expect(DSK_OK, "", "SLURM_PROCID=0", "SLURM_NTASKS=1", "SLURM_LOCALID=0", "SLURM_NTASKS_PER_NODE=1(x1)", pp, (const char *)NULL);
+    env_expect(DSK_OK, "", "OMPI_COMM_WORLD_RANK=0", "OMPI_COMM_WORLD_SIZE=1", "OMPI_COMM_WORLD_LOCAL_RANK=0", pp,
+               (const char *)NULL);
+    env_expect(DSK_OK, "", "SLURM_PROCID=0", "SLURM_NTASKS=1", "SLURM_LOCALID=0", "SLURM_NTASKS_PER_NODE=1(x1)", pp,
+               (const char *)NULL);
     env_expect(DSK_ERR_ARG, "DSK_MASTER_PORT=\"x\"", "RANK=0", "WORLD_SIZE=1", "DSK_MASTER_PORT=x", (const char *)NULL);
     /* torchrun: its agent's store holds MASTER_PORT, so dsk's store moves to the next port */
     {
@@ -1343,8 +1369,8 @@ static void case_env(void) {
         if (ok) {
             env_expect(DSK_ERR_IO, "already in use (EADDRINUSE): pick another MASTER_PORT", "RANK=0", "WORLD_SIZE=1",
                        "MASTER_ADDR=127.0.0.1", mp, (const char *)NULL);
-            env_expect(DSK_OK, "", "RANK=0", "WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1", mp, "TORCHELASTIC_USE_AGENT_STORE=True",
-                       (const char *)NULL);
+            env_expect(DSK_OK, "", "RANK=0", "WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1", mp,
+                       "TORCHELASTIC_USE_AGENT_STORE=True", (const char *)NULL);
         }
         close(agent);
     }
@@ -1364,8 +1390,8 @@ static void case_env(void) {
         snprintf(want, sizeof want, "under torchrun dsk's store takes MASTER_PORT+1 = %d", (int)ntohs(sa.sin_port));
         env_expect(DSK_ERR_IO, want, "RANK=0", "WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1", mp,
                    "TORCHELASTIC_USE_AGENT_STORE=True", (const char *)NULL);
-        env_expect(DSK_ERR_IO, "or set DSK_MASTER_PORT to a free port", "RANK=0", "WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1", mp,
-                   "TORCHELASTIC_USE_AGENT_STORE=True", (const char *)NULL);
+        env_expect(DSK_ERR_IO, "or set DSK_MASTER_PORT to a free port", "RANK=0", "WORLD_SIZE=1",
+                   "MASTER_ADDR=127.0.0.1", mp, "TORCHELASTIC_USE_AGENT_STORE=True", (const char *)NULL);
         env_expect(DSK_ERR_IO, "already in use (EADDRINUSE): pick another DSK_MASTER_PORT", "RANK=0", "WORLD_SIZE=1",
                    "MASTER_ADDR=127.0.0.1", mp, dp, "TORCHELASTIC_USE_AGENT_STORE=True", (const char *)NULL);
         close(busy);
@@ -1476,9 +1502,10 @@ static void rank_reinit(dsk_comm *unused, void *argp) {
         dsk_comm_free(&c);
         free(flat);
     }
-    DSK_TEST_EXPECT(count_dir("/proc/self/fd") == fds0, "rank %d: %d descriptors before, %d after 3 init/free rounds", g_rank, fds0,
-                    count_dir("/proc/self/fd"));
-    DSK_TEST_EXPECT(count_dir("/proc/self/task") == thr0, "rank %d: %d threads before, %d after", g_rank, thr0, count_dir("/proc/self/task"));
+    DSK_TEST_EXPECT(count_dir("/proc/self/fd") == fds0, "rank %d: %d descriptors before, %d after 3 init/free rounds",
+                    g_rank, fds0, count_dir("/proc/self/fd"));
+    DSK_TEST_EXPECT(count_dir("/proc/self/task") == thr0, "rank %d: %d threads before, %d after", g_rank, thr0,
+                    count_dir("/proc/self/task"));
 }
 
 static void case_reinit(void) {
@@ -1536,7 +1563,8 @@ static void case_spawn(void) {
     dsk_comm_spawn_opts so;
     int worst = -1;
     char *out, *argv_sh[] = {(char *)"/bin/sh", (char *)"-c",
-                             (char *)"echo \"r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK/$LOCAL_WORLD_SIZE a=$MASTER_ADDR\"; printf partial; exit $RANK",
+                             (char *)"echo \"r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK/$LOCAL_WORLD_SIZE a=$MASTER_ADDR\"; "
+                                     "printf partial; exit $RANK",
                              NULL};
     char self[4096], *argv_self[] = {self, (char *)"--rank-child", NULL};
     char *argv_sleep[] = {(char *)"/bin/sleep", (char *)"30", NULL};
@@ -1587,7 +1615,9 @@ static void case_mpirun(void) {
     }
     self[k > 0 ? k : 0] = 0;
     DSK_TEST_OK(dsk_comm_free_port("127.0.0.1", &port));
-    snprintf(cmd, sizeof cmd, "env -u MASTER_ADDR timeout 60 mpirun --allow-run-as-root --oversubscribe -np 3 -x MASTER_PORT=%d %s --rank-child 2>&1",
+    snprintf(cmd, sizeof cmd,
+             "env -u MASTER_ADDR timeout 60 mpirun --allow-run-as-root --oversubscribe -np 3 -x MASTER_PORT=%d %s "
+             "--rank-child 2>&1",
              port, self);
     fflush(stdout);
     p = popen(cmd, "r");
@@ -1698,8 +1728,10 @@ static void case_mpirun_two_jobs(void) {
     self[k > 0 ? k : 0] = 0;
     DSK_TEST_OK(dsk_comm_free_port("127.0.0.1", &port));
     for (int j = 0; j < 2; j++)
-        snprintf(cmd[j], sizeof cmd[j], "env -u MASTER_ADDR -u DSK_JOB_ID timeout 60 mpirun --allow-run-as-root --oversubscribe "
-                 "-np 2 -x MASTER_PORT=%d -x DSK_TEST_BASE=%d -x DSK_TEST_TIMEOUT=3 %s --rank-child 2>&1", port, 1000 * j, self);
+        snprintf(cmd[j], sizeof cmd[j],
+                 "env -u MASTER_ADDR -u DSK_JOB_ID timeout 60 mpirun --allow-run-as-root --oversubscribe "
+                 "-np 2 -x MASTER_PORT=%d -x DSK_TEST_BASE=%d -x DSK_TEST_TIMEOUT=3 %s --rank-child 2>&1",
+                 port, 1000 * j, self);
     fflush(stdout);
     for (int j = 0; j < 2; j++) p[j] = popen(cmd[j], "r");
     for (int j = 0; j < 2; j++) {
@@ -1742,12 +1774,13 @@ int main(int argc, char **argv) {
     dsk_test_init("test_comm");
     g_seed = dsk_test_rand_u64();
     for (int n = 1; n <= 4; n++) {
-        coll_case("all_reduce: 7 dtypes x 4 ops x sizes 0..70001 + 6 MB, exact rank-order fold", rank_all_reduce, n, 65536);
+        coll_case("all_reduce: 7 dtypes x 4 ops x sizes 0..70001 + 6 MB, exact rank-order fold", rank_all_reduce, n,
+                  65536);
         coll_case("reduce_scatter: 7 dtypes x 4 ops x 6 sizes", rank_reduce_scatter, n, 65536);
         coll_case("all_gather: 7 dtypes x 6 sizes, in place and not", rank_all_gather, n, 0);
         coll_case("broadcast: 7 dtypes x 6 sizes x 2 roots", rank_broadcast, n, 0);
-        coll_case("reduce: 7 dtypes x 4 ops x 6 sizes x 2 roots, bitwise the all_reduce, others untouched", rank_reduce, n,
-                  65536);
+        coll_case("reduce: 7 dtypes x 4 ops x 6 sizes x 2 roots, bitwise the all_reduce, others untouched", rank_reduce,
+                  n, 65536);
         coll_case("gather: 7 dtypes x 6 sizes x 2 roots, in place and not", rank_gather, n, 0);
         coll_case("scatter: 7 dtypes x 6 sizes x 2 roots, in place and not", rank_scatter, n, 0);
         coll_case("all_to_all: 7 dtypes x 6 sizes", rank_all_to_all, n, 0);
@@ -1771,7 +1804,8 @@ int main(int argc, char **argv) {
                 group g;
                 a.dt = d ? DSK_BF16 : DSK_F32;
                 group_defaults(&g, n);
-                dsk_test_begin("buckets vs plain all_reduce, %s, %d ranks, accumulation and misuse", dsk_dtype_name(a.dt), n);
+                dsk_test_begin("buckets vs plain all_reduce, %s, %d ranks, accumulation and misuse",
+                               dsk_dtype_name(a.dt), n);
                 expect_group_ok(&g, rank_buckets, &a);
                 dsk_test_end();
             }
@@ -1783,7 +1817,8 @@ int main(int argc, char **argv) {
         g.opts = fault_opts(2.0);
         dsk_test_begin("fault: rank 1 SIGKILLed with buckets in flight -> buckets_wait names it");
         run_group(&g, rank_bucket_fault, NULL);
-        DSK_TEST_EXPECT(g.status[0] == 0 && g.status[1] == 128 + SIGKILL, "exit statuses %d %d", g.status[0], g.status[1]);
+        DSK_TEST_EXPECT(g.status[0] == 0 && g.status[1] == 128 + SIGKILL, "exit statuses %d %d", g.status[0],
+                        g.status[1]);
     }
     DSK_TEST_RUN(case_store_timeout);
     dsk_test_begin("fault: rank 2 of 3 SIGKILLed mid-run, small messages");
@@ -1794,7 +1829,8 @@ int main(int argc, char **argv) {
     case_rank_dies(SIGSTOP, 1000);
     dsk_test_begin("fault: rank 2 of 3 SIGSTOPped mid-run, 8 MB messages (sends block too)");
     case_rank_dies(SIGSTOP, 2 << 20);
-    dsk_test_begin("fault: rank 0 of 4 SIGKILLed, chain of receives: every survivor blames rank 0 (it hosts the store)");
+    dsk_test_begin(
+        "fault: rank 0 of 4 SIGKILLed, chain of receives: every survivor blames rank 0 (it hosts the store)");
     case_zero_dies(1);
     dsk_test_begin("fault: rank 0 of 4 SIGKILLed in a 4 MB all_reduce: every survivor blames rank 0");
     case_zero_dies(0);
@@ -1803,7 +1839,8 @@ int main(int argc, char **argv) {
         group_defaults(&g, 3);
         g.opts = fault_opts(1.0);
         g.reap = 1;
-        dsk_test_begin("fault: rank 0 of 3 SIGSTOPped: survivors fail in the timeout, the message tells the time taken");
+        dsk_test_begin(
+            "fault: rank 0 of 3 SIGSTOPped: survivors fail in the timeout, the message tells the time taken");
         run_group(&g, rank_zero_stops, NULL);
         DSK_TEST_EXPECT(g.status[1] == 0 && g.status[2] == 0, "surviving ranks exited %d %d", g.status[1], g.status[2]);
     }
@@ -1834,9 +1871,11 @@ int main(int argc, char **argv) {
         dsk_test_begin("fault: peer closed mid-send gives DSK_ERR_PEER, not SIGPIPE");
         expect_group_ok(&g, rank_leaves, NULL);
     }
-    dsk_test_begin("job identity: a rank of another job (opts.job_id) reaching this job's store fails, the job runs on");
+    dsk_test_begin(
+        "job identity: a rank of another job (opts.job_id) reaching this job's store fails, the job runs on");
     case_two_jobs(0);
-    dsk_test_begin("job identity: a rank of another job (PMIX_NAMESPACE) reaching this job's store fails, the job runs on");
+    dsk_test_begin(
+        "job identity: a rank of another job (PMIX_NAMESPACE) reaching this job's store fails, the job runs on");
     case_two_jobs(1);
     DSK_TEST_RUN(case_wrong_world);
     DSK_TEST_RUN(case_missing_rank);

@@ -71,9 +71,16 @@ static void compare(const void *got, const void *want, dsk_dtype dt, int64_t n, 
         float *g = (float *)malloc((size_t)(n ? n : 1) * sizeof(float));
         double *w = (double *)malloc((size_t)(n ? n : 1) * sizeof(double));
         for (int64_t i = 0; i < n; i++) {
-            if (dt == DSK_F32) { g[i] = ((const float *)got)[i]; w[i] = ((const float *)want)[i]; }
-            else if (dt == DSK_BF16) { g[i] = dsk_bf16_to_f32(((const uint16_t *)got)[i]); w[i] = dsk_bf16_to_f32(((const uint16_t *)want)[i]); }
-            else { g[i] = dsk_f16_to_f32(((const uint16_t *)got)[i]); w[i] = dsk_f16_to_f32(((const uint16_t *)want)[i]); }
+            if (dt == DSK_F32) {
+                g[i] = ((const float *)got)[i];
+                w[i] = ((const float *)want)[i];
+            } else if (dt == DSK_BF16) {
+                g[i] = dsk_bf16_to_f32(((const uint16_t *)got)[i]);
+                w[i] = dsk_bf16_to_f32(((const uint16_t *)want)[i]);
+            } else {
+                g[i] = dsk_f16_to_f32(((const uint16_t *)got)[i]);
+                w[i] = dsk_f16_to_f32(((const uint16_t *)want)[i]);
+            }
         }
         DSK_TEST_CLOSE(g, w, n, dt == DSK_F32 ? 1e-5 : 1e-2, dt == DSK_F32 ? 1e-5 : 1e-2, what);
         free(g);
@@ -102,7 +109,8 @@ static void part_collectives(void) {
             for (int o = 0; o < 4; o++) {
                 dsk_comm_op op = (dsk_comm_op)o;
                 if (op == DSK_COMM_AVG && !dsk_dtype_is_float(dt)) continue;
-                snprintf(label, sizeof label, "rank %d: all_reduce %s %s count %lld", me, dsk_dtype_name(dt), dsk_comm_op_name(op), (long long)len);
+                snprintf(label, sizeof label, "rank %d: all_reduce %s %s count %lld", me, dsk_dtype_name(dt),
+                         dsk_comm_op_name(op), (long long)len);
                 DSK_TEST_OK(dsk_comm_all_reduce(&HC, NULL, in, want, len, dt, op));
                 DSK_TEST_OK(dsk_comm_all_reduce(&NC, &G, din, dout, len, dt, op));
                 to_host(got, dout, bytes);
@@ -113,7 +121,8 @@ static void part_collectives(void) {
                 DSK_TEST_OK(dsk_comm_reduce(&NC, &G, din, dout, len, dt, op, n - 1));
                 to_host(got, dout, bytes);
                 if (me == n - 1) compare(got, want, dt, len, op == DSK_COMM_MAX || op == DSK_COMM_MIN, label);
-                snprintf(label, sizeof label, "rank %d: reduce_scatter %s %s block %lld", me, dsk_dtype_name(dt), dsk_comm_op_name(op), (long long)per);
+                snprintf(label, sizeof label, "rank %d: reduce_scatter %s %s block %lld", me, dsk_dtype_name(dt),
+                         dsk_comm_op_name(op), (long long)per);
                 DSK_TEST_OK(dsk_comm_reduce_scatter(&HC, NULL, in, want, per, dt, op));
                 DSK_TEST_OK(dsk_comm_reduce_scatter(&NC, &G, din, dout, per, dt, op));
                 to_host(got, dout, bytes);
@@ -124,17 +133,20 @@ static void part_collectives(void) {
             DSK_TEST_OK(dsk_comm_all_gather(&NC, &G, din, dout, per, dt));
             to_host(got, dout, nb);
             compare(got, want, dt, per * n, 1, label);
-            snprintf(label, sizeof label, "rank %d: broadcast %s count %lld root %d", me, dsk_dtype_name(dt), (long long)len, n - 1);
+            snprintf(label, sizeof label, "rank %d: broadcast %s count %lld root %d", me, dsk_dtype_name(dt),
+                     (long long)len, n - 1);
             DSK_TEST_OK(dsk_comm_broadcast(&HC, NULL, in, want, len, dt, n - 1));
             DSK_TEST_OK(dsk_comm_broadcast(&NC, &G, din, dout, len, dt, n - 1));
             to_host(got, dout, bytes);
             compare(got, want, dt, len, 1, label);
-            snprintf(label, sizeof label, "rank %d: gather %s count %lld root 0", me, dsk_dtype_name(dt), (long long)per);
+            snprintf(label, sizeof label, "rank %d: gather %s count %lld root 0", me, dsk_dtype_name(dt),
+                     (long long)per);
             DSK_TEST_OK(dsk_comm_gather(&HC, NULL, in, want, per, dt, 0));
             DSK_TEST_OK(dsk_comm_gather(&NC, &G, din, dout, per, dt, 0));
             to_host(got, dout, nb);
             if (me == 0) compare(got, want, dt, per * n, 1, label);
-            snprintf(label, sizeof label, "rank %d: scatter %s count %lld root 0", me, dsk_dtype_name(dt), (long long)per);
+            snprintf(label, sizeof label, "rank %d: scatter %s count %lld root 0", me, dsk_dtype_name(dt),
+                     (long long)per);
             DSK_TEST_OK(dsk_comm_scatter(&HC, NULL, in, want, per, dt, 0));
             DSK_TEST_OK(dsk_comm_scatter(&NC, &G, din, dout, per, dt, 0));
             to_host(got, dout, bytes);
@@ -149,7 +161,8 @@ static void part_collectives(void) {
                 sc[q] = (int64_t)((me + q + (int)s) % 3) * len / 3;
                 rc[q] = (int64_t)((q + me + (int)s) % 3) * len / 3;
             }
-            snprintf(label, sizeof label, "rank %d: all_to_all_v %s scale %lld", me, dsk_dtype_name(dt), (long long)len);
+            snprintf(label, sizeof label, "rank %d: all_to_all_v %s scale %lld", me, dsk_dtype_name(dt),
+                     (long long)len);
             memset(want, 0, nb);
             DSK_TEST_EXPECT(cudaMemset(dout, 0, nb) == cudaSuccess, "cudaMemset");
             DSK_TEST_OK(dsk_comm_all_to_all_v(&HC, NULL, in, sc, NULL, want, rc, NULL, dt));
@@ -230,7 +243,10 @@ static int child_main(const char *part) {
     o.backend = DSK_COMM_HOST;
     o.master_addr = "127.0.0.1";
     o.master_port = atoi(port ? port : "0") + 1;
-    if (dsk_comm_init(&HC, NC.rank, NC.world_size, &o) != DSK_OK) { printf("host init: %s\n", dsk_last_error()); return 3; }
+    if (dsk_comm_init(&HC, NC.rank, NC.world_size, &o) != DSK_OK) {
+        printf("host init: %s\n", dsk_last_error());
+        return 3;
+    }
     memset(&co, 0, sizeof co);
     co.device = DSK_PREFER_CUDA;
     co.cuda_index = NC.local_rank;
