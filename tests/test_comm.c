@@ -352,6 +352,9 @@ static void rank_reduce(dsk_comm *c, void *arg) {
                     dsk_dtype dt = k_dtypes[d];
                     int64_t len = k_sizes[s];
                     size_t bytes = (size_t)len * dsk_dtype_size(dt);
+                    /* the fold is all_reduce's (checked there for every op and size): here every size
+                       with sum, the other ops on one small and one large (reduce-scatter) size */
+                    if (k_ops[o] != DSK_COMM_SUM && len != 7 && len != 70001) continue;
                     void **in = gen_all(n, dt, len, tag++);
                     char *got = (char *)malloc(bytes + 1), *want = (char *)malloc(bytes + 1),
                          *poison = (char *)malloc(bytes + 1);
@@ -1077,7 +1080,7 @@ static void rank_init_expect(dsk_comm *unused, void *argp) {
 static void expect_init_failures(init_expect *e) {
     group_defaults(&e->g, e->n ? e->n : 2);
     e->g.no_init = 1;
-    e->g.opts = fault_opts(1.5);
+    e->g.opts = fault_opts(1.0);
     e->g.opts.backend = DSK_COMM_HOST;
     e->g.opts.master_addr = "127.0.0.1";
     DSK_TEST_OK(dsk_comm_free_port("127.0.0.1", &e->g.port));
@@ -1779,8 +1782,8 @@ int main(int argc, char **argv) {
         coll_case("reduce_scatter: 7 dtypes x 4 ops x 6 sizes", rank_reduce_scatter, n, 65536);
         coll_case("all_gather: 7 dtypes x 6 sizes, in place and not", rank_all_gather, n, 0);
         coll_case("broadcast: 7 dtypes x 6 sizes x 2 roots", rank_broadcast, n, 0);
-        coll_case("reduce: 7 dtypes x 4 ops x 6 sizes x 2 roots, bitwise the all_reduce, others untouched", rank_reduce,
-                  n, 65536);
+        coll_case("reduce: 7 dtypes x (sum x 6 sizes, avg/max/min x 2) x 2 roots, = all_reduce, others untouched",
+                  rank_reduce, n, 65536);
         coll_case("gather: 7 dtypes x 6 sizes x 2 roots, in place and not", rank_gather, n, 0);
         coll_case("scatter: 7 dtypes x 6 sizes x 2 roots, in place and not", rank_scatter, n, 0);
         coll_case("all_to_all: 7 dtypes x 6 sizes", rank_all_to_all, n, 0);
