@@ -73,6 +73,18 @@ typedef enum dsk_moe_norm { DSK_MOE_NORM_DEFAULT = 0, DSK_MOE_NORM_ON = 1, DSK_M
 /* Which slots capacity mode drops: the lowest routing weights, or the latest tokens. */
 typedef enum dsk_moe_drop { DSK_MOE_DROP_PROB = 0, DSK_MOE_DROP_POSITION = 1 } dsk_moe_drop;
 
+/* The routing configuration the per-token routing functions and the CUDA router take (the
+   layer resolves it from its options into dsk_moe.routing). */
+typedef struct dsk_moe_router {
+    int n_experts;          /* E */
+    int top_k;              /* K, 1 <= K <= E */
+    dsk_moe_score score;    /* softmax or sigmoid */
+    int norm;               /* 1: the selected weights are normalised to sum 1 (before the scale) */
+    float scale;            /* routed_scale */
+    int n_group;            /* groups of E / n_group experts (1: no group limit) */
+    int topk_group;         /* groups kept per token, 1 <= topk_group <= n_group */
+} dsk_moe_router;
+
 /* Zero fields take the defaults in brackets. */
 typedef struct dsk_moe_opts {
     const char *name;        /* parameter name prefix ["moe"]: "moe.w1", "moe.shared.w2", ... */
@@ -126,6 +138,7 @@ struct dsk__moe_state;
 
 typedef struct dsk_moe {
     dsk_moe_opts opts;        /* resolved: every default filled in */
+    dsk_moe_router routing;   /* the router's configuration, from opts */
     int64_t d_shared_total;   /* n_shared * d_shared */
     int ep_rank, ep_size;     /* 0, 1 without expert parallelism */
     int n_local;              /* experts on this rank: E / ep_size */
@@ -177,9 +190,9 @@ static inline DSK_HD float dsk_moe_logsumexp(const float *u, int E) {
 
 /* Routes one token. u (E) logits; bias (E) or NULL; writes prob (E) (softmax p or sigmoid s),
    sel (K) expert ids in slot order and gate (K) weights. scratch: E + n_group floats. */
-static inline DSK_HD void dsk_moe_route_token(const float *u, const float *bias, int E, int K, int sigmoid, int norm,
-                                              float scale, int n_group, int topk_group, float *prob, float *scratch,
-                                              int32_t *sel, float *gate) {
+static inline DSK_HD void dsk_moe_route_token(const dsk_moe_router *r, const float *u, const float *bias, float *prob,
+                                              float *scratch, int32_t *sel, float *gate) {
+    const int E = r->n_experts, K = r->top_k, sigmoid = r->score == DSK_MOE_SIGMOID;
     float *c = scratch, *gscore = scratch + E, sum = 0.0f;
     if (sigmoid) {
         for (int j = 0; j < E; j++) prob[j] = dsk_sigmoid_f(u[j]);
@@ -190,22 +203,22 @@ static inline DSK_HD void dsk_moe_route_token(const float *u, const float *bias,
         for (int j = 0; j < E; j++) prob[j] /= sum;
     }
     for (int j = 0; j < E; j++) c[j] = prob[j] + (bias ? bias[j] : 0.0f);
-    if (n_group > 1) {
-        int gs = E / n_group;
-        for (int g = 0; g < n_group; g++) {
+    if (r->n_group > 1) {
+        int gs = E / r->n_group;
+        for (int g = 0; g < r->n_group; g++) {
             float b1 = -INFINITY, b2 = -INFINITY; /* two largest c of the group */
             for (int j = g * gs; j < (g + 1) * gs; j++) {
                 if (c[j] > b1) { b2 = b1; b1 = c[j]; } else if (c[j] > b2) b2 = c[j];
             }
             gscore[g] = (sigmoid && gs > 1) ? b1 + b2 : b1;
         }
-        for (int r = 0; r < topk_group; r++) { /* mark kept groups with NaN */
+        for (int k = 0; k < r->topk_group; k++) { /* mark kept groups with NaN */
             int best = -1;
-            for (int g = 0; g < n_group; g++)
+            for (int g = 0; g < r->n_group; g++)
                 if (gscore[g] == gscore[g] && (best < 0 || gscore[g] > gscore[best])) best = g;
             gscore[best] = NAN;
         }
-        for (int g = 0; g < n_group; g++)
+        for (int g = 0; g < r->n_group; g++)
             if (gscore[g] == gscore[g])
                 for (int j = g * gs; j < (g + 1) * gs; j++) c[j] = -INFINITY;
     }
@@ -218,16 +231,17 @@ static inline DSK_HD void dsk_moe_route_token(const float *u, const float *bias,
         sel[k] = best;
         sum += prob[best];
     }
-    for (int k = 0; k < K; k++) gate[k] = scale * (norm ? prob[sel[k]] / (sum + 1e-20f) : prob[sel[k]]);
+    for (int k = 0; k < K; k++) gate[k] = r->scale * (r->norm ? prob[sel[k]] / (sum + 1e-20f) : prob[sel[k]]);
 }
 
 /* Backward of one token's routing into its logits: du (E) is WRITTEN with the gradient from
    dgate (K) (d loss / d gate, zero for dropped slots), the balancing-loss gradient aux_dp (E)
-   (d loss / d p' per unit loss weight, times aux_mult; NULL for none) and the z-loss (zcoef * d (lse^2) / du / 2, i.e. the caller
-   passes beta * 2 / T * aux_scale; 0 for none). */
-static inline DSK_HD void dsk_moe_route_token_backward(const float *u, const float *prob, int E, int K, int sigmoid,
-                                                       int norm, float scale, const int32_t *sel, const float *dgate,
-                                                       const float *aux_dp, float aux_mult, float zcoef, float *du) {
+   (d loss / d p' per unit loss weight, times aux_mult; NULL for none) and the z-loss (zcoef *
+   d (lse^2) / du / 2, i.e. the caller passes beta * 2 / T * aux_scale; 0 for none). */
+static inline DSK_HD void dsk_moe_route_token_backward(const dsk_moe_router *r, const float *u, const float *prob,
+                                                       const int32_t *sel, const float *dgate, const float *aux_dp,
+                                                       float aux_mult, float zcoef, float *du) {
+    const int E = r->n_experts, K = r->top_k, sigmoid = r->score == DSK_MOE_SIGMOID;
     float S = 0.0f, dot = 0.0f;
     for (int k = 0; k < K; k++) S += prob[sel[k]];
     /* du <- d loss / d prob */
@@ -240,12 +254,12 @@ static inline DSK_HD void dsk_moe_route_token_backward(const float *u, const flo
     } else {
         for (int j = 0; j < E; j++) du[j] = aux_dp ? aux_mult * aux_dp[j] : 0.0f;
     }
-    if (norm) {
+    if (r->norm) {
         float sdq = 0.0f, inv = 1.0f / (S + 1e-20f);
         for (int k = 0; k < K; k++) sdq += dgate[k] * prob[sel[k]];
-        for (int k = 0; k < K; k++) du[sel[k]] += scale * (dgate[k] - sdq * inv) * inv;
+        for (int k = 0; k < K; k++) du[sel[k]] += r->scale * (dgate[k] - sdq * inv) * inv;
     } else {
-        for (int k = 0; k < K; k++) du[sel[k]] += scale * dgate[k];
+        for (int k = 0; k < K; k++) du[sel[k]] += r->scale * dgate[k];
     }
     /* through the score function */
     if (sigmoid) {
@@ -401,6 +415,20 @@ static dsk_status dsk__moe_resolve(dsk_moe_opts *o, int ep_size) {
     return DSK_OK;
 }
 
+/* The routing configuration of resolved options. */
+static dsk_moe_router dsk__moe_router_of(const dsk_moe_opts *o) {
+    dsk_moe_router r;
+    memset(&r, 0, sizeof r);
+    r.n_experts = o->n_routed;
+    r.top_k = o->top_k;
+    r.score = o->score;
+    r.norm = o->norm == DSK_MOE_NORM_ON;
+    r.scale = o->routed_scale;
+    r.n_group = o->n_group;
+    r.topk_group = o->topk_group;
+    return r;
+}
+
 /* Lays out one parameter: value at *poff bytes in the param slab, grad at *goff floats. */
 typedef struct dsk__moe_spec {
     const char *suffix;
@@ -520,6 +548,7 @@ DSK_API dsk_status dsk_moe_init(dsk_moe *m, dsk_ctx *ctx, const dsk_moe_opts *op
         m->ep_size = opts->ep->world_size;
     }
     if ((s = dsk__moe_resolve(&m->opts, m->ep_size)) != DSK_OK) { memset(m, 0, sizeof *m); return s; }
+    m->routing = dsk__moe_router_of(&m->opts);
     m->d_shared_total = (int64_t)m->opts.n_shared * m->opts.d_shared;
     m->n_local = m->opts.n_routed / m->ep_size;
     m->expert0 = m->ep_rank * m->n_local;
@@ -641,8 +670,8 @@ static dsk_status dsk__moe_route(dsk_moe *m, int64_t T) {
                   o->d_model, 0.0f, u, E);
     DSK__MOE_OMP(omp parallel for schedule(static))
     for (int64_t t = 0; t < T; t++)
-        dsk_moe_route_token(u + t * E, bias, E, K, o->score == DSK_MOE_SIGMOID, o->norm == DSK_MOE_NORM_ON, o->routed_scale,
-                            o->n_group, o->topk_group, prob + t * E, scratch + t * (E + o->n_group), sel + t * K, gate + t * K);
+        dsk_moe_route_token(&m->routing, u + t * E, bias, prob + t * E, scratch + t * (E + o->n_group), sel + t * K,
+                            gate + t * K);
     memset(st->sel_count, 0, (size_t)E * sizeof(int64_t));
     for (int64_t i = 0; i < T * K; i++) st->sel_count[sel[i]]++;
     if (!m->eval)
@@ -1065,7 +1094,6 @@ static dsk_status dsk__moe_backward_cpu(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx
     struct dsk__moe_state *st = m->st;
     const dsk_moe_opts *o = &m->opts;
     int64_t T = st->T, D = o->d_model, F = o->d_expert, K = o->top_k, E = o->n_routed, Fs = m->d_shared_total;
-    int sigmoid = o->score == DSK_MOE_SIGMOID, norm = o->norm == DSK_MOE_NORM_ON;
     float zcoef = T > 0 ? o->z_beta * 2.0f / (float)T * aux_scale : 0.0f;
     int has_aux = o->aux_alpha > 0 || o->seq_aux_alpha > 0;
     dsk__moe_w w;
@@ -1117,8 +1145,8 @@ static dsk_status dsk__moe_backward_cpu(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx
     DSK__MOE_OMP(omp parallel for schedule(static))
     for (int64_t t = 0; t < T; t++) {
         const float *aux = has_aux ? DSK__MOE_F(st->aux_coef) + (t / st->seq_len) * E : NULL;
-        dsk_moe_route_token_backward(DSK__MOE_F(st->u) + t * E, DSK__MOE_F(st->prob) + t * E, (int)E, (int)K, sigmoid, norm,
-                                     o->routed_scale, sel + t * K, dgate + t * K, aux, aux_scale, zcoef, du + t * E);
+        dsk_moe_route_token_backward(&m->routing, DSK__MOE_F(st->u) + t * E, DSK__MOE_F(st->prob) + t * E, sel + t * K,
+                                     dgate + t * K, aux, aux_scale, zcoef, du + t * E);
         /* routed contributions to dx in slot order */
         for (int64_t k = 0; k < K; k++) {
             int32_t p = slot_pos[t * K + k];
@@ -1234,9 +1262,8 @@ static dsk_status dsk__moe_forward_cuda(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     if ((s = dsk__moe_dcopy(ctx, m->device, xc, cd, x->data, cd, T * D)) || (s = dsk__moe_dcopy(ctx, m->device, xf, DSK_F32, x->data, cd, T * D)))
         return s;
     if ((s = dsk_cuda_moe_gemm(ctx, 0, 1, T, E, D, xf, D, m->router->value.data, D, DSK_F32, 0.0f, u, E, DSK_F32)) != DSK_OK) return s;
-    if ((s = dsk_cuda_moe_route(ctx, (const float *)u, (const float *)m->bias->value.data, T, (int)E, (int)K, o->score == DSK_MOE_SIGMOID,
-                                o->norm == DSK_MOE_NORM_ON, o->routed_scale, (int)G, o->topk_group, (float *)prob, (float *)scr,
-                                (int32_t *)sel, (float *)gate, (int32_t *)cnt)) != DSK_OK)
+    if ((s = dsk_cuda_moe_route(ctx, &m->routing, (const float *)u, (const float *)m->bias->value.data, T,
+                                (float *)prob, (float *)scr, (int32_t *)sel, (float *)gate, (int32_t *)cnt)) != DSK_OK)
         return s;
     /* routing decisions to the host */
     hcnt = (int32_t *)st->du.p; /* host scratch of (T, E + n_group) floats, unused by the CUDA forward */
@@ -1379,10 +1406,10 @@ static dsk_status dsk__moe_backward_cuda(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *d
     if (P > 1 && (s = dsk__moe_cuda_from_experts(m, ctx, dxr, dxp)) != DSK_OK) return s;
     if ((s = dsk_cuda_moe_scatter(ctx, (float *)dxf, (const float *)dxp, pos, T, (int)K, D)) != DSK_OK) return s;
     /* router */
-    if ((s = dsk_cuda_moe_route_backward(ctx, (const float *)st->dev[DSK__D_U].p, (const float *)st->dev[DSK__D_PROB].p, T, (int)E, (int)K,
-                                         o->score == DSK_MOE_SIGMOID, o->norm == DSK_MOE_NORM_ON, o->routed_scale,
-                                         (const int32_t *)st->dev[DSK__D_SEL].p, (const float *)dgate, aux, st->seq_len, aux_scale, zcoef,
-                                         (float *)du)) ||
+    if ((s = dsk_cuda_moe_route_backward(ctx, &m->routing, (const float *)st->dev[DSK__D_U].p,
+                                         (const float *)st->dev[DSK__D_PROB].p, T,
+                                         (const int32_t *)st->dev[DSK__D_SEL].p, (const float *)dgate, aux,
+                                         st->seq_len, aux_scale, zcoef, (float *)du)) ||
         (s = dsk_cuda_moe_gemm(ctx, 0, 0, T, D, E, du, E, m->router->value.data, D, DSK_F32, 1.0f, dxf, D, DSK_F32)) ||
         (s = dsk_cuda_moe_gemm(ctx, 1, 0, E, D, T, du, E, st->dev[DSK__D_XF].p, D, DSK_F32, 1.0f, m->router->grad.data, D, DSK_F32)))
         return s;
