@@ -26,6 +26,12 @@
      The top_k largest c are selected (ties: lower expert index), in descending order; that
      order is the token's slot order. Weights g_k = scale * p_k / (sum of selected p + 1e-20)
      with normalisation, g_k = scale * p_k without; the bias never enters g or its gradient.
+   Non-finite input: a token whose logits u or scores c hold a NaN or an Inf (from x, W_r or b)
+     has no ranking; routing gives it experts 0 .. K-1 with NaN weights (never an index out of
+     range), and dsk_moe_forward fails with DSK_ERR_NONFINITE naming the first such token, on
+     the CPU and on CUDA alike (the CUDA forward reads the routing back to the host anyway) and,
+     with expert parallelism, on every rank of the group together. Such a call writes no y,
+     counts nothing toward the bias update and leaves no forward for backward.
    Experts: SwiGLU o = W2 (silu(W1 x) * (W3 x)), w1, w3 (E, F, D), w2 (E, D, F). Shared experts
      are one SwiGLU of hidden n_shared * d_shared, always added: y = sum_k g_k o_k + shared(x).
    Dispatch: the kept (token, slot) pairs, flat index t*K + k, stably counting-sorted by expert;
@@ -165,7 +171,8 @@ DSK_API void dsk_moe_free(dsk_moe *m, dsk_ctx *ctx); /* zeroed/freed ok */
 /* The parameter named `name` (full name, e.g. "moe.w1"), or NULL. */
 DSK_API dsk_moe_param *dsk_moe_find_param(dsk_moe *m, const char *name);
 /* y (T, D) = MoE(x (T, D)), both opts.dtype on the layer's device; saves what backward needs
-   (one forward in flight per layer). stats may be NULL. */
+   (one forward in flight per layer). stats may be NULL (zeroed on error). DSK_ERR_NONFINITE when
+   a token's router logits are NaN/Inf (see "Non-finite input" above). */
 DSK_API dsk_status dsk_moe_forward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, dsk_moe_stats *stats);
 /* dx (T, D) += d/dx, every parameter gradient += its part, for the last forward; dy (T, D).
    aux_scale weights the gradients of the layer's loss terms (1; the loss scale under amp;
@@ -188,12 +195,18 @@ static inline DSK_HD float dsk_moe_logsumexp(const float *u, int E) {
     return mx + logf(s);
 }
 
+/* 1 if x is NaN or +-Inf. */
+static inline DSK_HD int dsk__moe_nonfinite(float x) { return (dsk_f32_bits(x) & 0x7f800000u) == 0x7f800000u; }
+
 /* Routes one token. u (E) logits; bias (E) or NULL; writes prob (E) (softmax p or sigmoid s),
-   sel (K) expert ids in slot order and gate (K) weights. scratch: E + n_group floats. */
-static inline DSK_HD void dsk_moe_route_token(const dsk_moe_router *r, const float *u, const float *bias, float *prob,
-                                              float *scratch, int32_t *sel, float *gate) {
+   sel (K) expert ids in slot order and gate (K) weights. scratch: E + n_group floats.
+   Returns 0, or 1 when a logit or a selection score (p + bias) is NaN or Inf: then sel holds
+   experts 0 .. K-1 (always valid indices) and every gate is NaN. */
+static inline DSK_HD int dsk_moe_route_token(const dsk_moe_router *r, const float *u, const float *bias, float *prob,
+                                             float *scratch, int32_t *sel, float *gate) {
     const int E = r->n_experts, K = r->top_k, sigmoid = r->score == DSK_MOE_SIGMOID;
     float *c = scratch, *gscore = scratch + E, sum = 0.0f;
+    int bad = 0;
     if (sigmoid) {
         for (int j = 0; j < E; j++) prob[j] = dsk_sigmoid_f(u[j]);
     } else {
@@ -202,7 +215,14 @@ static inline DSK_HD void dsk_moe_route_token(const dsk_moe_router *r, const flo
         for (int j = 0; j < E; j++) { prob[j] = expf(u[j] - mx); sum += prob[j]; }
         for (int j = 0; j < E; j++) prob[j] /= sum;
     }
-    for (int j = 0; j < E; j++) c[j] = prob[j] + (bias ? bias[j] : 0.0f);
+    for (int j = 0; j < E; j++) {
+        c[j] = prob[j] + (bias ? bias[j] : 0.0f);
+        bad |= dsk__moe_nonfinite(u[j]) | dsk__moe_nonfinite(c[j]);
+    }
+    if (bad) { /* no order among NaNs: a fixed, valid selection, and NaN weights */
+        for (int k = 0; k < K; k++) { sel[k] = k; gate[k] = NAN; }
+        return 1;
+    }
     if (r->n_group > 1) {
         int gs = E / r->n_group;
         for (int g = 0; g < r->n_group; g++) {
@@ -232,6 +252,7 @@ static inline DSK_HD void dsk_moe_route_token(const dsk_moe_router *r, const flo
         sum += prob[best];
     }
     for (int k = 0; k < K; k++) gate[k] = r->scale * (r->norm ? prob[sel[k]] / (sum + 1e-20f) : prob[sel[k]]);
+    return 0;
 }
 
 /* Backward of one token's routing into its logits: du (E) is WRITTEN with the gradient from
@@ -315,6 +336,7 @@ struct dsk__moe_state {
     int have_fwd;            /* a forward's activations are saved */
     int64_t T, n_kept, R;    /* tokens, kept slots sent, rows received */
     int64_t n_seq, seq_len;  /* sequences of the sequence-wise loss */
+    int64_t n_bad, first_bad; /* tokens routed as non-finite this call, the first of them (-1: none) */
     /* T-sized (host) */
     dsk__moe_buf xf, u, prob, gate, sel, slot_pos, perm, xs, ob, hs1, hs3, as, ys, aux_coef;
     /* R-sized */
@@ -674,9 +696,27 @@ static dsk_status dsk__moe_route(dsk_moe *m, int64_t T) {
                             gate + t * K);
     memset(st->sel_count, 0, (size_t)E * sizeof(int64_t));
     for (int64_t i = 0; i < T * K; i++) st->sel_count[sel[i]]++;
-    if (!m->eval)
-        for (int e = 0; e < E; e++) st->load_accum[e] += st->sel_count[e];
     return DSK_OK;
+}
+
+/* Finds the tokens routing marked non-finite (their gates are NaN; finite routing never gives
+   a NaN gate): st->n_bad and st->first_bad. */
+static void dsk__moe_find_nonfinite(dsk_moe *m, int64_t T) {
+    struct dsk__moe_state *st = m->st;
+    const float *gate = DSK__MOE_F(st->gate);
+    int K = m->opts.top_k;
+    st->n_bad = 0;
+    st->first_bad = -1;
+    for (int64_t t = 0; t < T; t++)
+        if (gate[t * K] != gate[t * K]) {
+            if (!st->n_bad++) st->first_bad = t;
+        }
+}
+
+/* After a successful forward: its selections count toward the next bias update. */
+static void dsk__moe_count_loads(dsk_moe *m) {
+    if (m->eval) return;
+    for (int e = 0; e < m->opts.n_routed; e++) m->st->load_accum[e] += m->st->sel_count[e];
 }
 
 /* p' row of token t: p for softmax, s / sum s for sigmoid (into out, E). */
@@ -756,9 +796,12 @@ static dsk_status dsk__moe_losses(dsk_moe *m, int64_t T, dsk_moe_stats *stats) {
 }
 
 typedef struct dsk__moe_cand { float g; int32_t i; } dsk__moe_cand;
+/* By weight (descending), then position; a NaN weight (a non-finite token, which fails the
+   call later) ranks last so the order stays total. */
 static int dsk__moe_cand_cmp(const void *pa, const void *pb) {
     const dsk__moe_cand *a = (const dsk__moe_cand *)pa, *b = (const dsk__moe_cand *)pb;
-    if (a->g != b->g) return a->g > b->g ? -1 : 1;
+    float ga = a->g == a->g ? a->g : -INFINITY, gb = b->g == b->g ? b->g : -INFINITY;
+    if (ga != gb) return ga > gb ? -1 : 1;
     return a->i < b->i ? -1 : a->i > b->i;
 }
 
@@ -869,7 +912,8 @@ static dsk_status dsk__moe_exchange(dsk_moe *m, dsk_ctx *ctx, const void *send, 
 }
 
 /* Counts first: every rank learns how many rows each peer sends for each of its experts
-   (recv_cnt (P, n_local)), and the EP-group totals of the statistics. */
+   (recv_cnt (P, n_local)), and the EP-group totals of the statistics. Non-finite tokens on any
+   rank fail the call on every rank here, after the collectives, so the group stays in step. */
 static dsk_status dsk__moe_exchange_counts(dsk_moe *m, dsk_ctx *ctx, int64_t T, int64_t dropped, dsk_moe_stats *stats) {
     struct dsk__moe_state *st = m->st;
     int P = m->ep_size, El = m->n_local, E = m->opts.n_routed;
@@ -879,14 +923,27 @@ static dsk_status dsk__moe_exchange_counts(dsk_moe *m, dsk_ctx *ctx, int64_t T, 
         st->send_rows[r] = 0;
         for (int e = r * El; e < (r + 1) * El; e++) st->send_rows[r] += st->kept_count[e];
     }
-    tot = (int64_t *)DSK_MALLOC((size_t)(E + 2) * sizeof(int64_t));
+    tot = (int64_t *)DSK_MALLOC((size_t)(E + 3) * sizeof(int64_t));
     if (!tot) return dsk_set_error(DSK_ERR_OOM, "dsk_moe: out of host memory");
     if (P == 1) memcpy(st->recv_cnt, st->kept_count, (size_t)E * sizeof(int64_t));
     else if ((s = dsk__moe_host_i64(m, ctx, m->opts.ep, 1, st->kept_count, st->recv_cnt, El)) != DSK_OK) goto done;
     memcpy(tot, st->sel_count, (size_t)E * sizeof(int64_t));
     tot[E] = dropped;
     tot[E + 1] = T;
-    if (P > 1 && (s = dsk__moe_host_i64(m, ctx, m->opts.ep, 0, tot, tot, E + 2)) != DSK_OK) goto done;
+    tot[E + 2] = st->n_bad;
+    if (P > 1 && (s = dsk__moe_host_i64(m, ctx, m->opts.ep, 0, tot, tot, E + 3)) != DSK_OK) goto done;
+    if (st->n_bad > 0) {
+        s = dsk_set_error(DSK_ERR_NONFINITE, "dsk_moe_forward: layer \"%s\": token %lld of %lld has a NaN or Inf router logit or "
+                          "selection score (from x, the router weights or the expert bias), %lld such tokens; nothing was "
+                          "computed", m->opts.name, (long long)st->first_bad, (long long)T, (long long)st->n_bad);
+        goto done;
+    }
+    if (tot[E + 2] > 0) {
+        s = dsk_set_error(DSK_ERR_NONFINITE, "dsk_moe_forward: layer \"%s\": %lld tokens on other ranks of the "
+                          "expert-parallel group have NaN or Inf router logits; nothing was computed", m->opts.name,
+                          (long long)tot[E + 2]);
+        goto done;
+    }
     memcpy(st->global_count, tot, (size_t)E * sizeof(int64_t));
     stats->tokens = tot[E + 1];
     stats->dropped = tot[E];
@@ -1034,12 +1091,14 @@ static dsk_status dsk__moe_forward_cpu(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, 
     dsk__moe_to_f32(xf, x->data, o->dtype, T * D);
     if ((s = dsk__moe_weights_f32(m, &w)) != DSK_OK) return s;
     if ((s = dsk__moe_route(m, T)) != DSK_OK) return s;
-    if ((s = dsk__moe_losses(m, T, stats)) != DSK_OK) return s;
+    dsk__moe_find_nonfinite(m, T);
+    if (!st->n_bad && (s = dsk__moe_losses(m, T, stats)) != DSK_OK) return s;
     if ((s = dsk__moe_dispatch_plan(m, T, &dropped)) != DSK_OK) return s;
     perm = DSK__MOE_I(st->perm); slot_pos = DSK__MOE_I(st->slot_pos); gate = DSK__MOE_F(st->gate);
     DSK__MOE_OMP(omp parallel for schedule(static))
     for (int64_t p = 0; p < st->n_kept; p++) memcpy(xs + p * D, xf + (perm[p] / K) * D, (size_t)D * sizeof(float));
     if ((s = dsk__moe_exchange_counts(m, ctx, T, dropped, stats)) != DSK_OK) return s;
+    dsk__moe_count_loads(m);
     if ((s = dsk__moe_reserve_R(m)) != DSK_OK || (s = dsk__moe_regroup_index(m)) != DSK_OK) return s;
     if ((s = dsk__moe_to_experts(m, ctx, xs, DSK__MOE_F(st->orr), DSK__MOE_F(st->xr))) != DSK_OK) return s;
     /* experts in parallel, one thread each (many small GEMMs scale better this way); each
@@ -1273,11 +1332,13 @@ static dsk_status dsk__moe_forward_cuda(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     if (need_losses && ((s = dsk_cuda_memcpy(ctx, st->u.p, u, (size_t)(T * E) * f4, 0)) || (s = dsk_cuda_memcpy(ctx, st->prob.p, prob, (size_t)(T * E) * f4, 0))))
         return s;
     if ((s = dsk_cuda_sync(ctx)) != DSK_OK) return s;
-    for (int64_t e = 0; e < E; e++) { st->sel_count[e] = hcnt[e]; st->load_accum[e] += m->eval ? 0 : hcnt[e]; }
-    if (need_losses && (s = dsk__moe_losses(m, T, stats)) != DSK_OK) return s;
+    for (int64_t e = 0; e < E; e++) st->sel_count[e] = hcnt[e];
+    dsk__moe_find_nonfinite(m, T);
+    if (need_losses && !st->n_bad && (s = dsk__moe_losses(m, T, stats)) != DSK_OK) return s;
     if (!need_losses) { st->n_seq = 1; st->seq_len = T > 0 ? T : 1; }
     if ((s = dsk__moe_dispatch_plan(m, T, &dropped)) != DSK_OK) return s;
     if ((s = dsk__moe_exchange_counts(m, ctx, T, dropped, stats)) != DSK_OK) return s;
+    dsk__moe_count_loads(m);
     if ((s = dsk_cuda_memcpy(ctx, perm, st->perm.p, (size_t)(st->n_kept > 0 ? st->n_kept : 0) * 4, 1)) ||
         (s = dsk_cuda_memcpy(ctx, pos, st->slot_pos.p, (size_t)(T * K) * 4, 1)))
         return s;
@@ -1435,9 +1496,13 @@ DSK_API dsk_status dsk_moe_forward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, cons
     memset(stats, 0, sizeof *stats);
     m->st->have_fwd = 0;
 #ifdef DSK_CUDA
-    if (m->device.type == DSK_DEV_CUDA) return dsk__moe_forward_cuda(m, ctx, y, x, T, stats);
+    if (m->device.type == DSK_DEV_CUDA) s = dsk__moe_forward_cuda(m, ctx, y, x, T, stats);
+    else s = dsk__moe_forward_cpu(m, ctx, y, x, T, stats);
+#else
+    s = dsk__moe_forward_cpu(m, ctx, y, x, T, stats);
 #endif
-    return dsk__moe_forward_cpu(m, ctx, y, x, T, stats);
+    if (s != DSK_OK) memset(stats, 0, sizeof *stats);
+    return s;
 }
 
 DSK_API dsk_status dsk_moe_backward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, float aux_scale) {

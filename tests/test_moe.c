@@ -742,7 +742,27 @@ static size_t ep_per_rank(int n) {
 }
 
 /* One layer step on rows [r*EP_T, (r+1)*EP_T) of the global batch; results into out. */
-static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx, const float *gdy, float *out, int *bad_cfg_ok) {
+/* A NaN in token 3 of rank 0's rows only: every rank fails with DSK_ERR_NONFINITE (rank 0
+   naming the token, the others the group), none hangs, and the next forward runs. */
+static int ep_nonfinite(dsk_moe *m, int rank, const float *x_rows) {
+    float *xb = (float *)malloc(sizeof(float) * EP_T * EP_D), *yb = (float *)malloc(sizeof(float) * EP_T * EP_D);
+    int64_t shp[2] = {EP_T, EP_D};
+    dsk_tensor x, y;
+    int ok;
+    memcpy(xb, x_rows, sizeof(float) * EP_T * EP_D);
+    if (rank == 0) xb[3 * EP_D + 1] = NAN;
+    dsk_tensor_wrap(&x, xb, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&y, yb, DSK_F32, dsk_cpu(), 2, shp);
+    ok = dsk_moe_forward(m, NULL, &y, &x, NULL) == DSK_ERR_NONFINITE &&
+         strstr(dsk_last_error(), rank == 0 ? "token 3 of 13" : "1 tokens on other ranks") != NULL;
+    memcpy(xb, x_rows, sizeof(float) * EP_T * EP_D);
+    ok = ok && dsk_moe_forward(m, NULL, &y, &x, NULL) == DSK_OK;
+    free(xb); free(yb);
+    return ok;
+}
+
+static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx, const float *gdy, float *out, int *bad_cfg_ok,
+                        int *nonfinite_ok) {
     dsk_comm c;
     dsk_comm_opts co;
     dsk_moe m;
@@ -774,6 +794,7 @@ static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx,
     for (int e = 0; e < EP_E; e++) out[ep_per_rank(n) - 2 * EP_E + e] = (float)st.tokens_per_expert[e];
     if (dsk_moe_update_bias(&m, NULL, &c) != DSK_OK) return 7;
     memcpy(out + ep_per_rank(n) - EP_E, m.bias->value.data, sizeof(float) * EP_E);
+    *nonfinite_ok = ep_nonfinite(&m, rank, gx + rank * EP_T * EP_D);
     dsk_moe_free(&m, NULL);
     dsk_comm_free(&c);
     return 0;
@@ -784,7 +805,7 @@ typedef struct ep_job {
     int n, sigmoid, NT;
     size_t per_rank, bytes;
     float *shm, *gx, *gdy;
-    int *flags;      /* [r]: rank r exit status, [32 + r]: bad EP configuration reported */
+    int *flags;      /* [r]: rank r exit status, [32 + r]: bad EP configuration reported, [48 + r]: NaN reported */
     int port_ok;
 } ep_job;
 
@@ -807,7 +828,7 @@ static void ep_run(ep_job *j, int n, int sigmoid) {
     for (int r = 0; r < n; r++) {
         pid_t pid = fork();
         if (pid == 0) {
-            int rc = ep_rank_main(r, n, port, sigmoid, j->gx, j->gdy, ep_result(j, r), &j->flags[32 + r]);
+            int rc = ep_rank_main(r, n, port, sigmoid, j->gx, j->gdy, ep_result(j, r), &j->flags[32 + r], &j->flags[48 + r]);
             if (rc) fprintf(stderr, "rank %d: step %d failed: %s\n", r, rc, dsk_last_error());
             _exit(rc);
         }
@@ -834,6 +855,7 @@ static void ep_check(ep_job *j) {
     for (int r = 0; r < n; r++) {
         DSK_TEST_EXPECT(j->flags[r] == 0, "a rank failed with status %d", j->flags[r]);
         DSK_TEST_EXPECT(j->flags[32 + r] == 1, "rank %d: E not divisible by the EP size was not reported", r);
+        DSK_TEST_EXPECT(j->flags[48 + r] == 1, "rank %d: a NaN token on rank 0 did not fail the forward on every rank", r);
     }
     dsk_tensor_wrap(&x, j->gx, DSK_F32, dsk_cpu(), 2, shp);
     dsk_tensor_wrap(&dy, j->gdy, DSK_F32, dsk_cpu(), 2, shp);
@@ -885,6 +907,98 @@ out:
     dsk_test_end();
 }
 
+/* ---------------------------------------------------------------- non-finite input */
+
+/* The routing function on NaN/Inf logits or biases: flags the token, selects experts 0..K-1
+   (valid indices, no -1), NaN weights; on finite logits it returns 0 and ranks as before. */
+static void test_route_token_nonfinite(void) {
+    const float bad_vals[3] = {NAN, INFINITY, -INFINITY};
+    for (int sig = 0; sig < 2; sig++)
+        for (int grp = 0; grp < 2; grp++) {
+            dsk_moe_router r;
+            float u[12], b[12], prob[12], scr[12 + 4], gate[3];
+            int32_t sel[3];
+            memset(&r, 0, sizeof r);
+            r.n_experts = 12; r.top_k = 3; r.score = sig ? DSK_MOE_SIGMOID : DSK_MOE_SOFTMAX; r.norm = 1; r.scale = 1.5f;
+            r.n_group = grp ? 4 : 1; r.topk_group = grp ? 2 : 1;
+            dsk_test_fill_f32(u, 12, -2, 2);
+            dsk_test_fill_f32(b, 12, -0.1, 0.1);
+            DSK_TEST_EXPECT(dsk_moe_route_token(&r, u, b, prob, scr, sel, gate) == 0, "finite logits flagged");
+            for (int k = 0; k < 3; k++) DSK_TEST_EXPECT(sel[k] >= 0 && sel[k] < 12 && gate[k] == gate[k], "finite: slot %d", k);
+            for (int v = 0; v < 3; v++)
+                for (int where = 0; where < 2; where++) { /* a logit, or a bias value */
+                    float u2[12], b2[12];
+                    int j = (int)dsk_test_rand_int(12);
+                    memcpy(u2, u, sizeof u2); memcpy(b2, b, sizeof b2);
+                    if (where) b2[j] = bad_vals[v]; else u2[j] = bad_vals[v];
+                    for (int k = 0; k < 3; k++) { sel[k] = -7; gate[k] = 0.5f; }
+                    DSK_TEST_EXPECT(dsk_moe_route_token(&r, u2, b2, prob, scr, sel, gate) == 1,
+                                    "%s %g at %d not flagged (%s, %d groups)", where ? "bias" : "logit", (double)bad_vals[v], j,
+                                    sig ? "sigmoid" : "softmax", r.n_group);
+                    for (int k = 0; k < 3; k++)
+                        DSK_TEST_EXPECT(sel[k] == k && gate[k] != gate[k], "slot %d: expert %d gate %g", k, sel[k], (double)gate[k]);
+                }
+        }
+}
+
+/* A layer forward on NaN/Inf input fails with DSK_ERR_NONFINITE naming the first bad token,
+   writes no y, zero stats, counts no loads, leaves no forward; the layer works afterwards. */
+static void check_forward_nonfinite(const char *what, int sig, double cf, int kind) {
+    cfg c = base_cfg(7, 8, 6, 2, 5);
+    fixture f;
+    dsk_moe_stats st;
+    dsk_test_begin("non-finite %s, %s%s", what, sig ? "sigmoid" : "softmax", cf > 0 ? ", capacity" : "");
+    c.sigmoid = sig; c.norm = sig; c.cf = cf; c.aux = 0.01; c.z = 0.01;
+    if (c.sigmoid) { c.n_group = 3; c.topk_group = 2; }
+    if (setup(&f, &c, DSK_F32, 0.02) && run_forward(&f, &st)) {
+        int64_t n = (int64_t)c.T * c.D, loads[6];
+        float *x = (float *)f.tx.data, *wr = (float *)f.m.router->value.data, *bias = (float *)f.m.bias->value.data;
+        float saved_x = x[5 * c.D + 3], saved_w = wr[4 * c.D + 1], saved_b = bias[2], b0[6], want[6];
+        dsk_tensor dx;
+        int64_t shp[2] = {c.T, c.D};
+        double mean = 0;
+        char needle[64];
+        for (int e = 0; e < 6; e++) loads[e] = st.tokens_per_expert[e];
+        memcpy(b0, bias, sizeof b0);
+        if (kind == 0) x[5 * c.D + 3] = NAN;           /* token 5 */
+        else if (kind == 1) x[5 * c.D + 3] = INFINITY; /* token 5 (softmax: NaN inside) */
+        else if (kind == 2) wr[4 * c.D + 1] = NAN;     /* every token */
+        else bias[2] = INFINITY;                       /* every token */
+        for (int64_t i = 0; i < n; i++) ((float *)f.ty.data)[i] = 1234.5f;
+        memset(&st, 0x5a, sizeof st);
+        DSK_TEST_STATUS(dsk_moe_forward(&f.m, NULL, &f.ty, &f.tx, &st), DSK_ERR_NONFINITE);
+        snprintf(needle, sizeof needle, "token %d of 7", kind < 2 ? 5 : 0);
+        DSK_TEST_ERROR_MENTIONS(needle);
+        DSK_TEST_ERROR_MENTIONS(kind < 2 ? "1 such tokens" : "7 such tokens");
+        {
+            int wrote = 0;
+            for (int64_t i = 0; i < n; i++) wrote += ((float *)f.ty.data)[i] != 1234.5f;
+            DSK_TEST_EXPECT(wrote == 0, "%d elements of y written", wrote);
+        }
+        DSK_TEST_EXPECT(st.tokens == 0 && st.loss == 0 && st.tokens_per_expert == NULL, "stats not zeroed");
+        dsk_tensor_alloc(NULL, &dx, DSK_F32, 2, shp);
+        DSK_TEST_STATUS(dsk_moe_backward(&f.m, NULL, &dx, &f.ty, 1.0f), DSK_ERR_STATE);
+        dsk_tensor_free(NULL, &dx);
+        /* only the clean forward's loads count */
+        x[5 * c.D + 3] = saved_x; wr[4 * c.D + 1] = saved_w; bias[2] = saved_b;
+        for (int e = 0; e < 6; e++) mean += (double)loads[e] / 6;
+        for (int e = 0; e < 6; e++) want[e] = b0[e] + 1e-3f * (float)((mean > loads[e]) - (mean < loads[e]));
+        DSK_TEST_OK(dsk_moe_update_bias(&f.m, NULL, NULL));
+        DSK_TEST_SAME_BYTES(bias, want, sizeof want, "bias updated from the clean forward's loads only");
+        /* repaired input: the layer runs again and matches the reference */
+        memcpy(bias, b0, sizeof b0);
+        if (run_forward(&f, &st)) DSK_TEST_CLOSE(f.yf, f.y, n, 1e-4, 1e-5, "y after the repair");
+    }
+    free_fixture(&f);
+    dsk_test_end();
+}
+
+static void test_forward_nonfinite(void) {
+    static const char *kinds[4] = {"NaN in x", "+Inf in x", "NaN in a router weight", "+Inf in the bias"};
+    for (int sig = 0; sig < 2; sig++)
+        for (int kind = 0; kind < 4; kind++) check_forward_nonfinite(kinds[kind], sig, kind == 1 ? 0.5 : 0.0, kind);
+}
+
 /* An empty batch is valid: nothing routed, zero losses, gradients untouched. */
 static void test_empty_batch(void) {
     dsk_moe m;
@@ -931,5 +1045,7 @@ int main(void) {
     DSK_TEST_RUN(test_bad_config);
     DSK_TEST_RUN(test_bad_calls);
     DSK_TEST_RUN(test_empty_batch);
+    test_forward_nonfinite();
+    DSK_TEST_RUN(test_route_token_nonfinite);
     return dsk_test_finish();
 }

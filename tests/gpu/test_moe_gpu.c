@@ -100,6 +100,34 @@ static void run_case(dsk_ctx *gctx, const gcase *c) {
     dsk_test_end();
 }
 
+/* NaN/Inf in x: the CUDA forward fails like the CPU one (DSK_ERR_NONFINITE naming the token),
+   routes nothing out of range and runs again on repaired input. */
+static void run_nonfinite(dsk_ctx *gctx, dsk_moe_score score, float bad) {
+    dsk_moe gm;
+    dsk_moe_opts o;
+    dsk_tensor hx, gx, gy;
+    int64_t shp[2] = {33, 32};
+    dsk_test_begin("cuda: x with %g in token 4, %s", (double)bad, score == DSK_MOE_SIGMOID ? "sigmoid+groups" : "softmax");
+    if (!dsk_cuda_available()) { dsk_test_skip("no usable CUDA device"); dsk_test_end(); return; }
+    memset(&o, 0, sizeof o);
+    o.d_model = 32; o.n_routed = 8; o.top_k = 2; o.d_expert = 16; o.score = score; o.aux_alpha = 0.01f; o.capacity_factor = 0.5f;
+    if (score == DSK_MOE_SIGMOID) { o.n_group = 4; o.topk_group = 2; }
+    DSK_TEST_OK(dsk_moe_init(&gm, gctx, &o));
+    dsk_tensor_alloc(NULL, &hx, DSK_F32, 2, shp);
+    dsk_tensor_alloc(gctx, &gx, DSK_F32, 2, shp); dsk_tensor_alloc(gctx, &gy, DSK_F32, 2, shp);
+    dsk_tensor_uniform(NULL, &hx, 21, 0, -1, 1);
+    ((float *)hx.data)[4 * 32 + 7] = bad;
+    DSK_TEST_OK(dsk_tensor_copy(gctx, &gx, &hx));
+    DSK_TEST_STATUS(dsk_moe_forward(&gm, gctx, &gy, &gx, NULL), DSK_ERR_NONFINITE);
+    DSK_TEST_ERROR_MENTIONS("token 4 of 33");
+    ((float *)hx.data)[4 * 32 + 7] = 0.5f;
+    DSK_TEST_OK(dsk_tensor_copy(gctx, &gx, &hx));
+    DSK_TEST_OK(dsk_moe_forward(&gm, gctx, &gy, &gx, NULL));
+    dsk_tensor_free(NULL, &hx); dsk_tensor_free(gctx, &gx); dsk_tensor_free(gctx, &gy);
+    dsk_moe_free(&gm, gctx);
+    dsk_test_end();
+}
+
 int main(void) {
     dsk_ctx gctx;
     dsk_ctx_opts co;
@@ -123,6 +151,8 @@ int main(void) {
         return dsk_test_finish();
     }
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&gctx, &cases[i]);
+    run_nonfinite(&gctx, DSK_MOE_SOFTMAX, INFINITY);
+    run_nonfinite(&gctx, DSK_MOE_SIGMOID, NAN);
     dsk_ctx_free(&gctx);
     return dsk_test_finish();
 }
