@@ -39,7 +39,8 @@
    Losses (over this call's T tokens, added to the model loss by the caller; their gradients
      enter backward scaled by its aux_scale), with p' = p for softmax and s / sum_j s_j for sigmoid:
      Switch/GShard  aux_alpha * E * sum_i f_i P_i, f_i = selections of i / (T K), P_i = mean_t p'_ti;
-     DeepSeek-V3 sequence-wise, per sequence of seq_len tokens then averaged over sequences:
+     DeepSeek-V3 sequence-wise, per sequence of seq_len tokens then averaged over sequences (a
+                    call's T must be a multiple of seq_len, else DSK_ERR_ARG: no partial sequences):
                     seq_aux_alpha * sum_i (E/(K L)) sel_i * (1/L) sum_t p'_ti;
      z-loss         z_beta * mean_t (logsumexp_j u_tj)^2.
    Capacity (capacity_factor > 0): C = ceil(T K / E * capacity_factor) slots per expert from this
@@ -107,7 +108,9 @@ typedef struct dsk_moe_opts {
     int topk_group;          /* groups kept per token [n_group] */
     float aux_alpha;         /* Switch/GShard auxiliary loss coefficient [0] */
     float seq_aux_alpha;     /* DeepSeek-V3 sequence-wise auxiliary loss coefficient [0] */
-    int64_t seq_len;         /* sequence length for the sequence-wise loss [T of each call] */
+    int64_t seq_len;         /* sequence length of the sequence-wise loss [T of each call]: each call's T must
+                                then be a multiple of it (whole sequences, as DeepSeek-V3 and Megatron-Core
+                                take them); the Switch and z losses do not use it */
     float z_beta;            /* router z-loss coefficient [0] */
     float bias_rate;         /* aux-loss-free bias update rate gamma [1e-3] */
     int bias_recenter;       /* 1: re-centre the bias to mean 0 after each update [0] */
@@ -728,12 +731,14 @@ static void dsk__moe_prob_norm(const dsk_moe *m, const float *prob, double *out)
 }
 
 /* Loss values and the per-expert d loss / d p' coefficients (aux_coef: (n_seq, E), row q for
-   tokens of sequence q; Switch and sequence-wise parts summed). */
+   tokens of sequence q; Switch and sequence-wise parts summed). Only the sequence-wise loss has
+   sequences (the forward checked that T is a multiple of seq_len); otherwise the whole call is
+   one row, whatever seq_len says. */
 static dsk_status dsk__moe_losses(dsk_moe *m, int64_t T, dsk_moe_stats *stats) {
     struct dsk__moe_state *st = m->st;
     const dsk_moe_opts *o = &m->opts;
     int E = o->n_routed, K = o->top_k;
-    int64_t L = o->seq_len ? o->seq_len : (T > 0 ? T : 1), nseq = T / L > 0 ? T / L : 1;
+    int64_t L = o->seq_aux_alpha > 0 && o->seq_len ? o->seq_len : (T > 0 ? T : 1), nseq = T / L > 0 ? T / L : 1;
     const float *prob = DSK__MOE_F(st->prob), *u = DSK__MOE_F(st->u);
     const int32_t *sel = DSK__MOE_I(st->sel);
     double *P, *pn, *cnt;

@@ -553,6 +553,26 @@ static void test_backward_variants(void) {
     check_backward("capacity by prob", c, 0.0);
 }
 
+/* seq_len belongs to the sequence-wise loss only: with the Switch loss and z-loss alone, a T
+   that is not a multiple of seq_len is fine, and loss values and gradients ignore seq_len
+   (the trailing tokens' gradients read past the coefficients before). */
+static void test_switch_loss_ignores_seq_len(void) {
+    for (int sig = 0; sig < 2; sig++) {
+        cfg c = base_cfg(9, 8, 5, 2, 4);
+        fixture f;
+        dsk_moe_stats st;
+        c.sigmoid = sig; c.norm = sig; c.aux = 0.05; c.z = 0.01; c.seq_len = 5;
+        dsk_test_begin("Switch loss, seq_len 5 not dividing T 9, %s", sig ? "sigmoid" : "softmax");
+        if (setup(&f, &c, DSK_F32, sig ? 0.05 : 0.0) && run_forward(&f, &st)) {
+            double got[2] = {st.aux_loss, st.z_loss}, want[2] = {f.o.aux, f.o.z};
+            DSK_TEST_CLOSE64(got, want, 2, 1e-5, 0, "Switch and z losses");
+        }
+        free_fixture(&f);
+        dsk_test_end();
+        check_backward(sig ? "Switch aux, seq_len 5, T 9, sigmoid" : "Switch aux, seq_len 5, T 9, softmax", c, sig ? 0.05 : 0.0);
+    }
+}
+
 /* Gradients accumulate across backward calls (micro-batches). */
 static void test_grad_accumulates(void) {
     cfg c = base_cfg(11, 8, 4, 2, 6);
@@ -1039,6 +1059,7 @@ int main(void) {
     test_loss_terms();
     test_bias_update();
     test_backward_variants();
+    test_switch_loss_ignores_seq_len();
     DSK_TEST_RUN(test_grad_accumulates);
     test_bf16_forward_backward();
     DSK_TEST_RUN(test_params_by_name);

@@ -138,6 +138,7 @@ int main(void) {
         {"sigmoid+groups+seq_aux+shared", 256, 128, 16, 4, 64, 1, 8, 4, DSK_MOE_SIGMOID, 0, 0, 0.003f, 0, 64, DSK_F32},
         {"sigmoid capacity 0.75", 129, 64, 8, 2, 32, 0, 0, 0, DSK_MOE_SIGMOID, 0.75f, 0.01f, 0, 0, 0, DSK_F32},
         {"softmax", 1, 64, 6, 2, 32, 1, 0, 0, DSK_MOE_SOFTMAX, 0, 0, 0, 0, 0, DSK_F32},
+        {"Switch aux, seq_len 5 not dividing T", 37, 64, 6, 2, 32, 0, 0, 0, DSK_MOE_SOFTMAX, 0, 0.01f, 0, 0.001f, 5, DSK_F32},
         {"sigmoid+groups+shared", 200, 128, 16, 4, 64, 1, 4, 2, DSK_MOE_SIGMOID, 0, 0.01f, 0, 0.001f, 0, DSK_BF16},
     };
     dsk_test_init("test_moe_gpu");
