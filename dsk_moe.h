@@ -21,8 +21,11 @@
    Routing (router always f32; W_r (E, D), bias b (E)):
      u = x W_r^T.  Softmax: p = softmax(u).  Sigmoid (DeepSeek-V3): p = sigmoid(u).
      Selection scores c = p + b. With n_group > 1 the experts form n_group equal groups; a group
-     scores the sum of its two largest c (sigmoid; the largest c for softmax, as DeepSeek-V2
-     does); the topk_group best groups are kept and every other expert is set to -inf.
+     scores by opts.group_rule: by default DeepSeek-V3's, the sum of its two largest c (the
+     layer always has its bias b; without a bias V3 takes the largest c), for either score
+     function; DSK_MOE_GROUP_MAX the largest c (DeepSeek-V2); DSK_MOE_GROUP_MEGATRON the sum
+     of its top_k / topk_group largest c (Megatron-Core). The topk_group best groups are kept
+     (ties: lower group index) and every other expert is set to -inf.
      The top_k largest c are selected (ties: lower expert index), in descending order; that
      order is the token's slot order. Weights g_k = scale * p_k / (sum of selected p + 1e-20)
      with normalisation, g_k = scale * p_k without; the bias never enters g or its gradient.
@@ -77,6 +80,15 @@ extern "C" {
 typedef enum dsk_moe_score { DSK_MOE_SOFTMAX = 0, DSK_MOE_SIGMOID = 1 } dsk_moe_score;
 /* Normalisation of the selected weights; the default is on for sigmoid, off for softmax. */
 typedef enum dsk_moe_norm { DSK_MOE_NORM_DEFAULT = 0, DSK_MOE_NORM_ON = 1, DSK_MOE_NORM_OFF = 2 } dsk_moe_norm;
+/* How group-limited routing scores a group from its experts' selection scores c = p + b. */
+typedef enum dsk_moe_group_rule {
+    DSK_MOE_GROUP_DEEPSEEK_V3 = 0, /* DeepSeek-V3's reference Gate (inference/model.py): the sum of the two largest
+                                      c when there is a bias, the largest c without one, for either score function */
+    DSK_MOE_GROUP_MAX = 1,         /* the largest c (DeepSeek-V2's group-limited greedy routing) */
+    DSK_MOE_GROUP_MEGATRON = 2     /* Megatron-Core's group_limited_topk: the sum of the top_k / topk_group
+                                      (integer division) largest c, bias or not (V3's shape, top-8 from 4 kept
+                                      groups, sums 2 like V3; other shapes differ) */
+} dsk_moe_group_rule;
 /* Which slots capacity mode drops: the lowest routing weights, or the latest tokens. */
 typedef enum dsk_moe_drop { DSK_MOE_DROP_PROB = 0, DSK_MOE_DROP_POSITION = 1 } dsk_moe_drop;
 
@@ -90,6 +102,7 @@ typedef struct dsk_moe_router {
     float scale;            /* routed_scale */
     int n_group;            /* groups of E / n_group experts (1: no group limit) */
     int topk_group;         /* groups kept per token, 1 <= topk_group <= n_group */
+    dsk_moe_group_rule group_rule; /* how a group scores (with DSK_MOE_GROUP_MEGATRON: top_k >= topk_group) */
 } dsk_moe_router;
 
 /* Zero fields take the defaults in brackets. */
@@ -106,6 +119,8 @@ typedef struct dsk_moe_opts {
     float routed_scale;      /* multiplies the routed weights [1] */
     int n_group;             /* expert groups for group-limited routing [1]; must divide E */
     int topk_group;          /* groups kept per token [n_group] */
+    dsk_moe_group_rule group_rule; /* [DSK_MOE_GROUP_DEEPSEEK_V3]; the layer always has its bias, so this ranks
+                                      groups by their two largest c */
     float aux_alpha;         /* Switch/GShard auxiliary loss coefficient [0] */
     float seq_aux_alpha;     /* DeepSeek-V3 sequence-wise auxiliary loss coefficient [0] */
     int64_t seq_len;         /* sequence length of the sequence-wise loss [T of each call]: each call's T must
@@ -201,6 +216,31 @@ static inline DSK_HD float dsk_moe_logsumexp(const float *u, int E) {
 /* 1 if x is NaN or +-Inf. */
 static inline DSK_HD int dsk__moe_nonfinite(float x) { return (dsk_f32_bits(x) & 0x7f800000u) == 0x7f800000u; }
 
+/* How many of a group's largest selection scores make its score, by the group rule. */
+static inline DSK_HD int dsk__moe_group_width(const dsk_moe_router *r, int has_bias) {
+    int gs = r->n_experts / r->n_group, w;
+    if (r->group_rule == DSK_MOE_GROUP_MAX) w = 1;
+    else if (r->group_rule == DSK_MOE_GROUP_MEGATRON) w = r->top_k / r->topk_group;
+    else w = has_bias ? 2 : 1;
+    return w < gs ? w : gs;
+}
+
+/* Sum of the w largest of c (n finite values), added largest first (ties: lower index first);
+   w <= n. No scratch: pass i takes the largest value ranked after pass i-1's (value, index). */
+static inline DSK_HD float dsk__moe_top_sum(const float *c, int n, int w) {
+    float s = 0.0f, pv = INFINITY;
+    int pi = -1;
+    for (int i = 0; i < w; i++) {
+        int best = -1;
+        for (int j = 0; j < n; j++)
+            if ((c[j] < pv || (c[j] == pv && j > pi)) && (best < 0 || c[j] > c[best])) best = j;
+        s += c[best];
+        pv = c[best];
+        pi = best;
+    }
+    return s;
+}
+
 /* Routes one token. u (E) logits; bias (E) or NULL; writes prob (E) (softmax p or sigmoid s),
    sel (K) expert ids in slot order and gate (K) weights. scratch: E + n_group floats.
    Returns 0, or 1 when a logit or a selection score (p + bias) is NaN or Inf: then sel holds
@@ -227,14 +267,8 @@ static inline DSK_HD int dsk_moe_route_token(const dsk_moe_router *r, const floa
         return 1;
     }
     if (r->n_group > 1) {
-        int gs = E / r->n_group;
-        for (int g = 0; g < r->n_group; g++) {
-            float b1 = -INFINITY, b2 = -INFINITY; /* two largest c of the group */
-            for (int j = g * gs; j < (g + 1) * gs; j++) {
-                if (c[j] > b1) { b2 = b1; b1 = c[j]; } else if (c[j] > b2) b2 = c[j];
-            }
-            gscore[g] = (sigmoid && gs > 1) ? b1 + b2 : b1;
-        }
+        int gs = E / r->n_group, w = dsk__moe_group_width(r, bias != NULL);
+        for (int g = 0; g < r->n_group; g++) gscore[g] = dsk__moe_top_sum(c + g * gs, gs, w);
         for (int k = 0; k < r->topk_group; k++) { /* mark kept groups with NaN */
             int best = -1;
             for (int g = 0; g < r->n_group; g++)
@@ -416,6 +450,11 @@ static dsk_status dsk__moe_resolve(dsk_moe_opts *o, int ep_size) {
         return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": n_routed %d not divisible by n_group %d", fn, o->name, o->n_routed, o->n_group);
     if (o->topk_group > o->n_group)
         return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": topk_group %d > n_group %d", fn, o->name, o->topk_group, o->n_group);
+    if ((int)o->group_rule < 0 || (int)o->group_rule > DSK_MOE_GROUP_MEGATRON)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": unknown group rule %d", fn, o->name, (int)o->group_rule);
+    if (o->group_rule == DSK_MOE_GROUP_MEGATRON && o->n_group > 1 && o->top_k < o->topk_group)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": DSK_MOE_GROUP_MEGATRON sums a group's top_k / topk_group largest "
+                             "scores: top_k %d < topk_group %d sums none", fn, o->name, o->top_k, o->topk_group);
     if ((int64_t)o->topk_group * (o->n_routed / o->n_group) < o->top_k)
         return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": top_k %d > the %d experts in topk_group %d groups of %d", fn, o->name,
                              o->top_k, o->topk_group * (o->n_routed / o->n_group), o->topk_group, o->n_routed / o->n_group);
@@ -451,6 +490,7 @@ static dsk_moe_router dsk__moe_router_of(const dsk_moe_opts *o) {
     r.scale = o->routed_scale;
     r.n_group = o->n_group;
     r.topk_group = o->topk_group;
+    r.group_rule = o->group_rule;
     return r;
 }
 

@@ -17,6 +17,7 @@
 typedef struct cfg {
     int T, D, E, K, F, n_shared, Fs; /* Fs: total shared hidden */
     int sigmoid, norm, n_group, topk_group, seq_len, drop_pos;
+    int group_rule; /* dsk_moe_group_rule */
     double scale, aux, seq_aux, z, cf;
 } cfg;
 
@@ -36,6 +37,26 @@ typedef struct refout {
 
 static double silu64(double h) { return h / (1.0 + exp(-h)); }
 
+/* Sum of the w largest of v (n), from the published rules: DeepSeek-V3's Gate sums
+   scores.topk(2) of a group when a bias exists (the layer always has one), Megatron-Core's
+   group_limited_topk scores.topk(topk // group_topk), DeepSeek-V2's group-limited greedy the max. */
+static double ref_top_sum(const double *v, int n, int w) {
+    double s[512], sum = 0;
+    memcpy(s, v, sizeof(double) * n);
+    for (int i = 0; i < w; i++) { /* selection sort, largest first */
+        int b = i;
+        for (int j = i + 1; j < n; j++) if (s[j] > s[b]) b = j;
+        { double t = s[i]; s[i] = s[b]; s[b] = t; }
+        sum += s[i];
+    }
+    return sum;
+}
+
+static int ref_group_width(const cfg *c) {
+    int w = c->group_rule == DSK_MOE_GROUP_MAX ? 1 : c->group_rule == DSK_MOE_GROUP_MEGATRON ? c->K / c->topk_group : 2;
+    return w < c->E / c->n_group ? w : c->E / c->n_group;
+}
+
 /* Routes token x (D): writes sel (K), g (K), p (E) and returns its selection margin. */
 static double ref_route(const cfg *c, const refp *w, const double *x, int *sel, double *g, double *p) {
     int E = c->E, K = c->K, G = c->n_group, gs = E / G;
@@ -54,11 +75,7 @@ static double ref_route(const cfg *c, const refp *w, const double *x, int *sel, 
     for (int j = 0; j < E; j++) { cs[j] = p[j] + w->b[j]; allowed[j] = 1; }
     if (G > 1) {
         for (int q = 0; q < G; q++) {
-            double a = -1e300, b2 = -1e300;
-            for (int j = q * gs; j < (q + 1) * gs; j++) {
-                if (cs[j] > a) { b2 = a; a = cs[j]; } else if (cs[j] > b2) b2 = cs[j];
-            }
-            gsc[q] = c->sigmoid && gs > 1 ? a + b2 : a;
+            gsc[q] = ref_top_sum(cs + q * gs, gs, ref_group_width(c));
             gkeep[q] = 0;
         }
         for (int r = 0; r < c->topk_group; r++) {
@@ -209,6 +226,7 @@ static dsk_moe_opts opts_of(const cfg *c, dsk_dtype dt) {
     o.score = c->sigmoid ? DSK_MOE_SIGMOID : DSK_MOE_SOFTMAX;
     o.norm = c->norm ? DSK_MOE_NORM_ON : DSK_MOE_NORM_OFF;
     o.routed_scale = (float)c->scale; o.n_group = c->n_group; o.topk_group = c->topk_group;
+    o.group_rule = (dsk_moe_group_rule)c->group_rule;
     o.aux_alpha = (float)c->aux; o.seq_aux_alpha = (float)c->seq_aux; o.seq_len = c->seq_len; o.z_beta = (float)c->z;
     o.capacity_factor = (float)c->cf; o.drop = c->drop_pos ? DSK_MOE_DROP_POSITION : DSK_MOE_DROP_PROB;
     o.dtype = dt;
@@ -239,6 +257,21 @@ static void free_fixture(fixture *f) {
     free(f->xf); free(f->yf);
     dsk_moe_free(&f->m, NULL);
     memset(f, 0, sizeof *f);
+}
+
+/* Fresh random x (rounded to the layer's dtype, mirrored in double) and R. */
+static void draw_x(fixture *f) {
+    for (int i = 0; i < f->c.T * f->c.D; i++) {
+        float v = (float)dsk_test_rand(-1.0, 1.0);
+        if (f->tx.dtype == DSK_BF16) {
+            ((uint16_t *)f->tx.data)[i] = dsk_f32_to_bf16(v);
+            v = dsk_bf16_to_f32(((uint16_t *)f->tx.data)[i]);
+        } else {
+            ((float *)f->tx.data)[i] = v;
+        }
+        f->x[i] = v;
+        f->R[i] = dsk_test_rand(-1.0, 1.0);
+    }
 }
 
 /* Builds the layer with random parameters and inputs whose routing is at least 1e-4 away
@@ -274,17 +307,7 @@ static int setup(fixture *f, const cfg *c, dsk_dtype dt, double bias_mag) {
     dsk_tensor_alloc(NULL, &f->tx, dt, 2, shp);
     dsk_tensor_alloc(NULL, &f->ty, dt, 2, shp);
     for (int tries = 0; tries < 50; tries++) {
-        for (int i = 0; i < c->T * c->D; i++) {
-            float v = (float)dsk_test_rand(-1.0, 1.0);
-            if (dt == DSK_BF16) {
-                ((uint16_t *)f->tx.data)[i] = dsk_f32_to_bf16(v);
-                v = dsk_bf16_to_f32(((uint16_t *)f->tx.data)[i]);
-            } else {
-                ((float *)f->tx.data)[i] = v;
-            }
-            f->x[i] = v;
-            f->R[i] = dsk_test_rand(-1.0, 1.0);
-        }
+        draw_x(f);
         ref_forward(c, &f->w, f->x, f->y, f->R, &f->o);
         if (f->o.margin > 1e-4) return 1;
     }
@@ -346,7 +369,12 @@ static void test_forward_variants(void) {
         check_forward("sigmoid no-norm", c, 0.05);
         c = base_cfg(Ts[i], 20, 10, 4, 8);
         c.n_group = 5; c.topk_group = 3;
-        check_forward("softmax+groups(max)", c, 0.0);
+        check_forward("softmax+groups, DeepSeek-V3 rule (top-2 sum)", c, 0.05);
+        c.group_rule = DSK_MOE_GROUP_MAX;
+        check_forward("softmax+groups, max rule", c, 0.05);
+        c = base_cfg(Ts[i], 16, 16, 6, 8);
+        c.sigmoid = 1; c.norm = 1; c.n_group = 4; c.topk_group = 2; c.group_rule = DSK_MOE_GROUP_MEGATRON;
+        check_forward("sigmoid+groups, Megatron rule (top-3 sum)", c, 0.05);
     }
     {
         cfg c = base_cfg(129, 16, 7, 3, 8);
@@ -387,6 +415,48 @@ static void test_group_mask_is_neg_inf(void) {
         DSK_TEST_EXPECT(outside == 0, "%d tokens use more than topk_group groups", outside);
     }
     free_fixture(&f);
+}
+
+/* The three group rules on the same layer and inputs: each matches its float64 reference, and
+   they route some tokens differently (so the checks above tell them apart): 4 groups of 4
+   experts, keep 2, top-6 (Megatron sums a group's top 3; with V3's own top-8 of 4 kept groups
+   it would sum the top 2, as V3 does), softmax and sigmoid, with a bias. */
+static void test_group_rules(void) {
+    static const char *names[3] = {"DeepSeek-V3", "max", "Megatron"};
+    for (int sig = 0; sig < 2; sig++) {
+        cfg c = base_cfg(129, 16, 16, 6, 6);
+        fixture f;
+        int *sel0 = (int *)malloc(sizeof(int) * 129 * 6);
+        c.sigmoid = sig; c.norm = sig; c.n_group = 4; c.topk_group = 2; c.scale = 2.5;
+        dsk_test_begin("group rules, %s", sig ? "sigmoid" : "softmax");
+        if (setup(&f, &c, DSK_F32, 0.05)) {
+            int tries = 0;
+            double margin = 0;
+            for (; tries < 50 && margin <= 1e-4; tries++) { /* inputs away from ties under every rule */
+                margin = 1e300;
+                if (tries) draw_x(&f);
+                for (int rule = 2; rule >= 0; rule--) {
+                    f.c.group_rule = rule;
+                    ref_forward(&f.c, &f.w, f.x, f.y, NULL, &f.o);
+                    margin = f.o.margin < margin ? f.o.margin : margin;
+                }
+            }
+            DSK_TEST_EXPECT(margin > 1e-4, "no inputs away from ties under every rule in %d draws", tries);
+            memcpy(sel0, f.o.sel, sizeof(int) * 129 * 6); /* rule 0, DeepSeek-V3's */
+            for (int rule = 0; rule < 3; rule++) {
+                int differ = 0;
+                f.c.group_rule = rule;
+                f.m.routing.group_rule = (dsk_moe_group_rule)rule;
+                ref_forward(&f.c, &f.w, f.x, f.y, NULL, &f.o);
+                for (int t = 0; t < 129; t++) differ += memcmp(f.o.sel + t * 6, sel0 + t * 6, sizeof(int) * 6) != 0;
+                if (rule > 0) DSK_TEST_EXPECT(differ > 0, "the %s rule routes every token as DeepSeek-V3's does", names[rule]);
+                if (run_forward(&f, NULL)) DSK_TEST_CLOSE(f.yf, f.y, 129 * 16, 1e-4, 1e-5, names[rule]);
+            }
+        }
+        free(sel0);
+        free_fixture(&f);
+        dsk_test_end();
+    }
 }
 
 /* The bias moves selection only: a uniform shift leaves y bitwise the same; a bias that
@@ -690,6 +760,9 @@ static void test_bad_config(void) {
     b = o; b.dtype = DSK_F16; expect_init_error(b, "dtype f16 not supported");
     b = o; b.capacity_factor = -1; expect_init_error(b, "capacity_factor -1");
     b = o; b.score = (dsk_moe_score)7; expect_init_error(b, "unknown score function 7");
+    b = o; b.group_rule = (dsk_moe_group_rule)3; expect_init_error(b, "unknown group rule 3");
+    b = o; b.n_group = 4; b.topk_group = 3; b.group_rule = DSK_MOE_GROUP_MEGATRON;
+    expect_init_error(b, "top_k 2 < topk_group 3 sums none");
     b = o; b.name = "x"; b.n_routed = 0; expect_init_error(b, "layer \"x\": n_routed 0");
     {
         dsk_moe m;
@@ -1056,6 +1129,7 @@ int main(void) {
     test_forward_variants();
     DSK_TEST_RUN(test_group_mask_is_neg_inf);
     DSK_TEST_RUN(test_bias_not_in_weights);
+    test_group_rules();
     test_loss_terms();
     test_bias_update();
     test_backward_variants();
