@@ -41,10 +41,13 @@
      combine sums a token's slots in slot order (deterministic, no float atomics).
    Losses (over this call's T tokens, added to the model loss by the caller; their gradients
      enter backward scaled by its aux_scale), with p' = p for softmax and s / sum_j s_j for sigmoid:
-     Switch/GShard  aux_alpha * E * sum_i f_i P_i, f_i = selections of i / (T K), P_i = mean_t p'_ti;
+     Switch/GShard  aux_alpha * E * sum_i f_i P_i, f_i = cnt_i / (T K), P_i = mean_t p'_ti;
      DeepSeek-V3 sequence-wise, per sequence of seq_len tokens then averaged over sequences (a
                     call's T must be a multiple of seq_len, else DSK_ERR_ARG: no partial sequences):
-                    seq_aux_alpha * sum_i (E/(K L)) sel_i * (1/L) sum_t p'_ti;
+                    seq_aux_alpha * sum_i (E/(K L)) cnt_i * (1/L) sum_t p'_ti;
+       where cnt_i counts the tokens with i among the top K of their unbiased scores p over all
+       experts (opts.loss_count, default, as the V3 paper and Megatron-Core count), or among their
+       actual selections (DSK_MOE_COUNT_SELECTED); counts carry no gradient;
      z-loss         z_beta * mean_t (logsumexp_j u_tj)^2.
    Capacity (capacity_factor > 0): C = ceil(T K / E * capacity_factor) slots per expert from this
      rank's tokens; the rest are dropped (lowest weight first, or latest position first) and
@@ -89,6 +92,14 @@ typedef enum dsk_moe_group_rule {
                                       (integer division) largest c, bias or not (V3's shape, top-8 from 4 kept
                                       groups, sums 2 like V3; other shapes differ) */
 } dsk_moe_group_rule;
+/* What the balancing losses count as expert i's load (f_i); the bias update always counts the
+   actual selections. */
+typedef enum dsk_moe_loss_count {
+    DSK_MOE_COUNT_TOPK = 0,    /* the published rule (DeepSeek-V3 paper's sequence-wise loss, Megatron-Core's
+                                  compute_routing_scores_for_aux_loss): i among the plain top-K of the token's
+                                  unbiased scores over all experts */
+    DSK_MOE_COUNT_SELECTED = 1 /* i among the token's actual selections, after the bias and the group limit */
+} dsk_moe_loss_count;
 /* Which slots capacity mode drops: the lowest routing weights, or the latest tokens. */
 typedef enum dsk_moe_drop { DSK_MOE_DROP_PROB = 0, DSK_MOE_DROP_POSITION = 1 } dsk_moe_drop;
 
@@ -127,6 +138,7 @@ typedef struct dsk_moe_opts {
                                 then be a multiple of it (whole sequences, as DeepSeek-V3 and Megatron-Core
                                 take them); the Switch and z losses do not use it */
     float z_beta;            /* router z-loss coefficient [0] */
+    dsk_moe_loss_count loss_count; /* what the Switch and sequence-wise losses count [DSK_MOE_COUNT_TOPK] */
     float bias_rate;         /* aux-loss-free bias update rate gamma [1e-3] */
     int bias_recenter;       /* 1: re-centre the bias to mean 0 after each update [0] */
     float capacity_factor;   /* [0 = dropless] */
@@ -458,6 +470,8 @@ static dsk_status dsk__moe_resolve(dsk_moe_opts *o, int ep_size) {
     if ((int64_t)o->topk_group * (o->n_routed / o->n_group) < o->top_k)
         return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": top_k %d > the %d experts in topk_group %d groups of %d", fn, o->name,
                              o->top_k, o->topk_group * (o->n_routed / o->n_group), o->topk_group, o->n_routed / o->n_group);
+    if (o->loss_count != DSK_MOE_COUNT_TOPK && o->loss_count != DSK_MOE_COUNT_SELECTED)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": unknown loss count rule %d", fn, o->name, (int)o->loss_count);
     if (o->aux_alpha < 0 || o->seq_aux_alpha < 0 || o->z_beta < 0 || o->bias_rate < 0 || o->capacity_factor < 0 ||
         !isfinite(o->aux_alpha) || !isfinite(o->seq_aux_alpha) || !isfinite(o->z_beta) || !isfinite(o->bias_rate) ||
         !isfinite(o->capacity_factor))
@@ -770,6 +784,28 @@ static void dsk__moe_prob_norm(const dsk_moe *m, const float *prob, double *out)
     for (int j = 0; j < E; j++) out[j] = m->opts.score == DSK_MOE_SIGMOID ? prob[j] / tot : prob[j];
 }
 
+/* cnt (E) += token t's count vector for the balancing losses: its K selections, or (the
+   published rule) the K experts with the largest unbiased scores over all E, ties to the lower
+   index, whatever the bias and the group limit chose. */
+static void dsk__moe_loss_count(const dsk_moe *m, int64_t t, double *cnt) {
+    const struct dsk__moe_state *st = m->st;
+    int E = m->opts.n_routed, K = m->opts.top_k, pi = -1;
+    const float *p = DSK__MOE_F(st->prob) + t * E;
+    float pv = INFINITY;
+    if (m->opts.loss_count == DSK_MOE_COUNT_SELECTED) {
+        for (int k = 0; k < K; k++) cnt[DSK__MOE_I(st->sel)[t * K + k]] += 1.0;
+        return;
+    }
+    for (int k = 0; k < K; k++) { /* pass k: the largest (value, index) ranked after pass k-1's */
+        int best = -1;
+        for (int j = 0; j < E; j++)
+            if ((p[j] < pv || (p[j] == pv && j > pi)) && (best < 0 || p[j] > p[best])) best = j;
+        cnt[best] += 1.0;
+        pv = p[best];
+        pi = best;
+    }
+}
+
 /* Loss values and the per-expert d loss / d p' coefficients (aux_coef: (n_seq, E), row q for
    tokens of sequence q; Switch and sequence-wise parts summed). Only the sequence-wise loss has
    sequences (the forward checked that T is a multiple of seq_len); otherwise the whole call is
@@ -780,7 +816,6 @@ static dsk_status dsk__moe_losses(dsk_moe *m, int64_t T, dsk_moe_stats *stats) {
     int E = o->n_routed, K = o->top_k;
     int64_t L = o->seq_aux_alpha > 0 && o->seq_len ? o->seq_len : (T > 0 ? T : 1), nseq = T / L > 0 ? T / L : 1;
     const float *prob = DSK__MOE_F(st->prob), *u = DSK__MOE_F(st->u);
-    const int32_t *sel = DSK__MOE_I(st->sel);
     double *P, *pn, *cnt;
     float *coef;
     dsk_status s;
@@ -796,12 +831,14 @@ static dsk_status dsk__moe_losses(dsk_moe *m, int64_t T, dsk_moe_stats *stats) {
     if (o->aux_alpha > 0) { /* Switch: alpha E sum f_i P_i */
         double loss = 0;
         memset(P, 0, (size_t)E * sizeof(double));
+        memset(cnt, 0, (size_t)E * sizeof(double));
         for (int64_t t = 0; t < T; t++) {
             dsk__moe_prob_norm(m, prob + t * E, pn);
             for (int j = 0; j < E; j++) P[j] += pn[j] / (double)T;
+            dsk__moe_loss_count(m, t, cnt);
         }
         for (int j = 0; j < E; j++) {
-            double f = (double)st->sel_count[j] / (double)(T * K);
+            double f = cnt[j] / (double)(T * K);
             loss += f * P[j];
             for (int64_t q = 0; q < nseq; q++) coef[q * E + j] += (float)(o->aux_alpha * E * f / (double)T);
         }
@@ -816,7 +853,7 @@ static dsk_status dsk__moe_losses(dsk_moe *m, int64_t T, dsk_moe_stats *stats) {
             for (int64_t t = q * L; t < (q + 1) * L; t++) {
                 dsk__moe_prob_norm(m, prob + t * E, pn);
                 for (int j = 0; j < E; j++) P[j] += pn[j] / (double)L;
-                for (int k = 0; k < K; k++) cnt[sel[t * K + k]] += 1.0;
+                dsk__moe_loss_count(m, t, cnt);
             }
             for (int j = 0; j < E; j++) {
                 double f = (double)E / (double)(K * L) * cnt[j];

@@ -18,6 +18,8 @@ typedef struct cfg {
     int T, D, E, K, F, n_shared, Fs; /* Fs: total shared hidden */
     int sigmoid, norm, n_group, topk_group, seq_len, drop_pos;
     int group_rule; /* dsk_moe_group_rule */
+    int count_sel;  /* losses count the actual selections (DSK_MOE_COUNT_SELECTED), not the plain top-K */
+    double min_margin; /* inputs are redrawn until routing is this far from any tie [1e-4] */
     double scale, aux, seq_aux, z, cf;
 } cfg;
 
@@ -33,6 +35,7 @@ typedef struct refout {
     double aux, seq_aux, z;
     double margin;   /* smallest selection gap (distance from a tie) */
     int *load;       /* (E) selections */
+    int *lcnt;       /* (T,E) 1 where the balancing losses count expert e for token t */
 } refout;
 
 static double silu64(double h) { return h / (1.0 + exp(-h)); }
@@ -133,6 +136,27 @@ static void ref_swiglu(const double *x, const double *w1, const double *w2, cons
     }
 }
 
+/* What the balancing losses count for one token (lcnt (E) = 0/1): its selections, or the
+   published rule (DeepSeek-V3 paper, Megatron-Core): the top K of its unbiased scores p over all
+   experts. Returns the gap between the K-th and the (K+1)-th score (a tie margin). */
+static double ref_loss_count(const cfg *c, const double *p, const int *sel, int *lcnt) {
+    int E = c->E, K = c->K, taken[512] = {0};
+    double kth = 0, next = -1e300;
+    memset(lcnt, 0, sizeof(int) * E);
+    if (c->count_sel) {
+        for (int k = 0; k < K; k++) lcnt[sel[k]] = 1;
+        return 1e300;
+    }
+    for (int k = 0; k < K; k++) {
+        int b = -1;
+        for (int j = 0; j < E; j++) if (!taken[j] && (b < 0 || p[j] > p[b])) b = j;
+        taken[b] = lcnt[b] = 1;
+        kth = p[b];
+    }
+    for (int j = 0; j < E; j++) if (!taken[j] && p[j] > next) next = p[j];
+    return kth - next;
+}
+
 /* y (T,D); returns sum(y * R) + loss terms (R may be NULL: just the loss terms). */
 static double ref_forward(const cfg *c, const refp *w, const double *x, double *y, const double *R, refout *o) {
     int T = c->T, D = c->D, E = c->E, K = c->K, F = c->F;
@@ -144,6 +168,10 @@ static double ref_forward(const cfg *c, const refp *w, const double *x, double *
     for (int t = 0; t < T; t++) {
         double m = ref_route(c, w, x + t * D, o->sel + t * K, o->g + t * K, p + t * E), tot = 0;
         if (m < o->margin) o->margin = m;
+        if (c->aux > 0 || c->seq_aux > 0) {
+            m = ref_loss_count(c, p + t * E, o->sel + t * K, o->lcnt + t * E);
+            if (m < o->margin) o->margin = m;
+        }
         for (int k = 0; k < K; k++) { o->kept[t * K + k] = 1; o->load[o->sel[t * K + k]]++; }
         for (int j = 0; j < E; j++) tot += p[t * E + j];
         for (int j = 0; j < E; j++) pn[t * E + j] = c->sigmoid ? p[t * E + j] / tot : p[t * E + j];
@@ -173,9 +201,9 @@ static double ref_forward(const cfg *c, const refp *w, const double *x, double *
     o->aux = o->seq_aux = o->z = 0;
     if (c->aux > 0) {
         for (int e = 0; e < E; e++) {
-            double P = 0;
-            for (int t = 0; t < T; t++) P += pn[t * E + e] / T;
-            o->aux += c->aux * E * ((double)o->load[e] / (T * K)) * P;
+            double P = 0, cnt = 0;
+            for (int t = 0; t < T; t++) { P += pn[t * E + e] / T; cnt += o->lcnt[t * E + e]; }
+            o->aux += c->aux * E * (cnt / (T * K)) * P;
         }
     }
     if (c->seq_aux > 0) {
@@ -185,7 +213,7 @@ static double ref_forward(const cfg *c, const refp *w, const double *x, double *
                 double P = 0, cnt = 0;
                 for (int t = q * L; t < (q + 1) * L; t++) {
                     P += pn[t * E + e] / L;
-                    for (int k = 0; k < K; k++) cnt += o->sel[t * K + k] == e;
+                    cnt += o->lcnt[t * E + e];
                 }
                 o->seq_aux += c->seq_aux * ((double)E / (K * L) * cnt) * P / ns;
             }
@@ -227,6 +255,7 @@ static dsk_moe_opts opts_of(const cfg *c, dsk_dtype dt) {
     o.norm = c->norm ? DSK_MOE_NORM_ON : DSK_MOE_NORM_OFF;
     o.routed_scale = (float)c->scale; o.n_group = c->n_group; o.topk_group = c->topk_group;
     o.group_rule = (dsk_moe_group_rule)c->group_rule;
+    o.loss_count = c->count_sel ? DSK_MOE_COUNT_SELECTED : DSK_MOE_COUNT_TOPK;
     o.aux_alpha = (float)c->aux; o.seq_aux_alpha = (float)c->seq_aux; o.seq_len = c->seq_len; o.z_beta = (float)c->z;
     o.capacity_factor = (float)c->cf; o.drop = c->drop_pos ? DSK_MOE_DROP_POSITION : DSK_MOE_DROP_PROB;
     o.dtype = dt;
@@ -252,7 +281,7 @@ static void fill_param(dsk_moe_param *p, double **mirror, double lo, double hi) 
 static void free_fixture(fixture *f) {
     double *ws[] = {f->w.wr, f->w.b, f->w.w1, f->w.w2, f->w.w3, f->w.s1, f->w.s2, f->w.s3};
     for (int i = 0; i < 8; i++) free(ws[i]);
-    free(f->x); free(f->y); free(f->R); free(f->o.sel); free(f->o.g); free(f->o.kept); free(f->o.load);
+    free(f->x); free(f->y); free(f->R); free(f->o.sel); free(f->o.g); free(f->o.kept); free(f->o.load); free(f->o.lcnt);
     dsk_tensor_free(NULL, &f->tx); dsk_tensor_free(NULL, &f->ty);
     free(f->xf); free(f->yf);
     dsk_moe_free(&f->m, NULL);
@@ -302,6 +331,7 @@ static int setup(fixture *f, const cfg *c, dsk_dtype dt, double bias_mag) {
     f->o.g = (double *)calloc((size_t)c->T * c->K + 1, sizeof(double));
     f->o.kept = (int *)calloc((size_t)c->T * c->K + 1, sizeof(int));
     f->o.load = (int *)calloc((size_t)c->E, sizeof(int));
+    f->o.lcnt = (int *)calloc((size_t)c->T * c->E + 1, sizeof(int));
     f->xf = (float *)calloc((size_t)c->T * c->D + 1, sizeof(float));
     f->yf = (float *)calloc((size_t)c->T * c->D + 1, sizeof(float));
     dsk_tensor_alloc(NULL, &f->tx, dt, 2, shp);
@@ -309,7 +339,7 @@ static int setup(fixture *f, const cfg *c, dsk_dtype dt, double bias_mag) {
     for (int tries = 0; tries < 50; tries++) {
         draw_x(f);
         ref_forward(c, &f->w, f->x, f->y, f->R, &f->o);
-        if (f->o.margin > 1e-4) return 1;
+        if (f->o.margin > (c->min_margin > 0 ? c->min_margin : 1e-4)) return 1;
     }
     dsk_test_fail_at(__FILE__, __LINE__, "could not draw inputs away from routing ties");
     return 0;
@@ -504,6 +534,48 @@ static void test_loss_terms(void) {
     }
 }
 
+/* What the balancing losses count, on a DeepSeek-V3-like router (64 experts, top-8, 8 groups
+   keep 4, sigmoid, a bias): by default the plain top-K of the unbiased scores (V3 paper,
+   Megatron-Core), optionally the actual selections; both against float64 references, and the
+   two count vectors differ (so the check tells the rules apart). */
+static void test_loss_counts(void) {
+    for (int sel = 0; sel < 2; sel++) {
+        cfg c = base_cfg(64, 16, 64, 8, 4);
+        fixture f;
+        dsk_moe_stats st;
+        dsk_test_begin("loss counts %s, V3-like router", sel ? "the selections" : "the plain top-K (default)");
+        c.sigmoid = 1; c.norm = 1; c.n_group = 8; c.topk_group = 4; c.scale = 2.5;
+        c.aux = 0.01; c.seq_aux = 0.003; c.seq_len = 16; c.count_sel = sel; c.min_margin = 2e-6;
+        if (setup(&f, &c, DSK_F32, 0.2) && run_forward(&f, &st)) {
+            double got[3] = {st.aux_loss, st.seq_aux_loss, st.loss}, want[3] = {f.o.aux, f.o.seq_aux, f.o.aux + f.o.seq_aux};
+            double topk[64] = {0}, chosen[64] = {0}, diff = 0;
+            DSK_TEST_CLOSE64(got, want, 3, 1e-5, 0, "aux, seq_aux, total");
+            for (int t = 0; t < c.T; t++) {
+                int one[64];
+                double p[64];
+                cfg pub = c;
+                pub.count_sel = 0;
+                for (int k = 0; k < c.K; k++) chosen[f.o.sel[t * c.K + k]] += 1;
+                for (int e = 0; e < c.E; e++) { /* p from the reference: recompute the token's scores */
+                    double u = 0;
+                    for (int d = 0; d < c.D; d++) u += f.x[t * c.D + d] * f.w.wr[e * c.D + d];
+                    p[e] = 1.0 / (1.0 + exp(-u));
+                }
+                ref_loss_count(&pub, p, f.o.sel + t * c.K, one);
+                for (int e = 0; e < c.E; e++) topk[e] += one[e];
+            }
+            for (int e = 0; e < c.E; e++) diff += fabs(topk[e] - chosen[e]) / (c.T * c.K);
+            DSK_TEST_EXPECT(diff > 0.1, "count vectors differ by only %.3f of the slots", diff);
+            /* the loads for the bias update are the selections under either rule */
+            for (int e = 0; e < c.E; e++)
+                DSK_TEST_EXPECT(st.tokens_per_expert[e] == (int64_t)chosen[e], "expert %d load %lld, selected %g", e,
+                                (long long)st.tokens_per_expert[e], chosen[e]);
+        }
+        free_fixture(&f);
+        dsk_test_end();
+    }
+}
+
 static void test_bias_update(void) {
     for (int rec = 0; rec < 2; rec++) {
         cfg c = base_cfg(37, 12, 9, 3, 6);
@@ -613,6 +685,8 @@ static void test_backward_variants(void) {
     check_backward("sigmoid+groups+bias+seq_aux+aux+z+shared", c, 0.05);
     c.norm = 0;
     check_backward("sigmoid no-norm", c, 0.05);
+    c.norm = 1; c.count_sel = 1;
+    check_backward("sigmoid+groups+bias+seq_aux+aux, losses count the selections", c, 0.05);
     c = base_cfg(1, 8, 5, 3, 4);
     c.sigmoid = 1; c.norm = 1;
     check_backward("T=1 sigmoid", c, 0.05);
@@ -1131,6 +1205,7 @@ int main(void) {
     DSK_TEST_RUN(test_bias_not_in_weights);
     test_group_rules();
     test_loss_terms();
+    test_loss_counts();
     test_bias_update();
     test_backward_variants();
     test_switch_loss_ignores_seq_len();
