@@ -247,7 +247,8 @@ typedef struct dsk_amp_param {
 } dsk_amp_param;
 
 /* One optimizer step over params[0..n) unless dec->skip (then nothing is read or written):
-   dsk_adamw_step(master, grad, m, v, opts, step, dec->grad_mult), then the copy is refreshed
+   dsk_adamw_step(master, grad, m, v, opts, step, dec->grad_mult) (opts taken literally, NULL for
+   dsk_adamw_defaults()), then the copy is refreshed
    from the master with `round` (stochastic stream: seed, tensor id = index in params, step;
    give each group of params its own seed when calling once per group).
    `step` is 1-based and counts applied steps only. */

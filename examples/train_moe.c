@@ -698,8 +698,7 @@ static dsk_status train_step(trainer *t, step_info *si) {
     dsk_amp_decision dec;
     TM_TRY(unscale_and_decide(t, &dec));
     si->lr = lr_at(o, t->step + 1);
-    dsk_adamw_opts ao;
-    memset(&ao, 0, sizeof ao);
+    dsk_adamw_opts ao = dsk_adamw_defaults(); /* every field set below, taken literally (lr may reach 0) */
     ao.lr = (float)si->lr;
     ao.beta1 = (float)o->beta1;
     ao.beta2 = (float)o->beta2;

@@ -501,7 +501,7 @@ static void test_step_skip_and_apply(void) {
     size_t na, nb;
     dsk_amp_stats bad = {1.0, 3.0}, good = {0.0, 3.0};
     dsk_amp_decision skip = dsk_amp_decide(bad, 1.0), go = dsk_amp_decide(good, 0.5);
-    memset(&ao, 0, sizeof ao);
+    ao = dsk_adamw_defaults();
     ao.lr = 1e-2f; ao.weight_decay = 0.1f;
     make_params(p, ap, NP, sizes, DSK_BF16);
     na = snapshot(p, NP, a);
@@ -552,8 +552,8 @@ static void test_step_resume_stochastic(void) {
     dsk_amp_decision d = dsk_amp_decide(good, 0.0);
     int differs_from_rne = 0;
     uint64_t saved = dsk_test_g.rng;
-    memset(&ao, 0, sizeof ao);
-    ao.lr = 3e-3f;
+    ao = dsk_adamw_defaults();
+    ao.lr = 3e-3f; ao.weight_decay = 0.0f;
     make_params(a, pa, NP, sizes, DSK_F16);
     dsk_test_g.rng = saved; /* the same random start for run b */
     make_params(b, pb, NP, sizes, DSK_F16);
@@ -887,9 +887,10 @@ static void test_end_to_end_fp16(void) {
     float scale_before_inject = 0, scale_after_recovery = 0;
     double loss0 = 0, loss_end = 0;
     unsigned char before[4 * D * 4];
-    memset(&o, 0, sizeof o); memset(&ao, 0, sizeof ao);
+    memset(&o, 0, sizeof o);
+    ao = dsk_adamw_defaults();
     o.init_scale = 0x1p22f; o.growth_interval = INTERVAL;
-    ao.lr = 0.05f;
+    ao.lr = 0.05f; ao.weight_decay = 0.0f;
     for (int j = 0; j < D; j++) wt[j] = dsk_test_rand(-2, 2);
     for (int i = 0; i < B; i++) {
         tgt[i] = 0;

@@ -143,7 +143,7 @@ static void test_step(dsk_amp_round mode) {
     dsk_adamw_opts ao;
     dsk_amp_stats good = {0.0, 4.0}, bad = {1.0, 4.0};
     dsk_amp_decision go = dsk_amp_decide(good, 1.0), skip = dsk_amp_decide(bad, 1.0);
-    memset(&ao, 0, sizeof ao);
+    ao = dsk_adamw_defaults();
     ao.lr = 1e-2f; ao.weight_decay = 0.01f;
     for (int i = 0; i < NP; i++) {
         dsk_tensor *v = hrand(DSK_F32, 1, &sizes[i], 1e-4, 1e-2);
