@@ -33,6 +33,8 @@
    FP8: e4m3 (max 448, saturating) and e5m2 (max 57344, Inf) with per-tensor current
    scaling, delayed scaling from an amax history (TransformerEngine's rule), and DeepSeek-V3
    fine-grained block scaling (1x128 activations, 128x128 weights, f32 dequantisation scales).
+   Per-tensor casts saturate an Inf to +-448 in e4m3 (as TransformerEngine does); the block
+   path keeps a block with an Inf or NaN non-finite (as DeepSeek's kernel does).
    License: MIT, see the end of the file. */
 #ifndef DSK_AMP_H
 #define DSK_AMP_H
@@ -294,11 +296,14 @@ static inline DSK_HD float dsk_amp_fp8_scale(float amax, float fp8_max, int marg
     return pow2 ? dsk_amp_pow2_floor(s) : s;
 }
 /* DeepSeek-V3 block dequantisation scale from a block amax: amax / fp8_max (x ~ q * d), 1
-   when amax is 0 or not finite, at least the smallest normal f32; pow2 rounds it up to a
-   power of two (so |x| / d <= fp8_max still holds). */
+   when amax is 0, at least the smallest normal f32; pow2 rounds it up to a power of two (so
+   |x| / d <= fp8_max still holds). A non-finite amax stays non-finite (Inf, or NaN for a NaN
+   in the block), as in DeepSeek's act_quant kernel (s = amax / 448, y = x / s): the block
+   quantises to 0 and NaN codes and dequantises to NaN, which the non-finite check sees. */
 static inline DSK_HD float dsk_amp_fp8_block_scale(float amax, float fp8_max, int pow2) {
     float d;
-    if (!(amax > 0.0f) || !dsk_amp_isfinite(amax)) return 1.0f;
+    if (amax == 0.0f) return 1.0f;
+    if (!dsk_amp_isfinite(amax)) return amax / fp8_max;
     d = amax / fp8_max;
     if (d < 1.17549435e-38f) d = 1.17549435e-38f;
     if (pow2) {
@@ -317,7 +322,8 @@ DSK_API dsk_status dsk_amp_amax(dsk_ctx *ctx, dsk_tensor *amax, const dsk_tensor
 DSK_API dsk_status dsk_amp_fp8_current_scale(dsk_ctx *ctx, dsk_tensor *scale, dsk_tensor *amax, const dsk_tensor *x,
                                              dsk_dtype fmt, int margin, int pow2);
 /* q (e4m3/e5m2) = fp8(x * scale), x f32/bf16/f16, scale a scalar f32 tensor; e4m3 saturates
-   at +-448 (Inf too), e5m2 overflows to Inf; NaN stays NaN. */
+   at +-448 (Inf too, as TransformerEngine's per-tensor cast: check x or its amax for overflow,
+   not q), e5m2 overflows to Inf; NaN stays NaN. The block path below keeps Inf non-finite. */
 DSK_API dsk_status dsk_amp_fp8_quantize(dsk_ctx *ctx, dsk_tensor *q, const dsk_tensor *x, const dsk_tensor *scale);
 /* y (f32/bf16/f16) = f32(q) * (1 / scale), the reciprocal rounded to f32. */
 DSK_API dsk_status dsk_amp_fp8_dequantize(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *q, const dsk_tensor *scale);
@@ -352,7 +358,8 @@ DSK_API dsk_status dsk_amp_fp8_delayed_update(dsk_ctx *ctx, dsk_amp_fp8_delayed 
 /* Fine-grained block scaling of a 2-D x (R, C) in blocks of (br, bc) elements (DeepSeek-V3:
    1x128 for activations, 128x128 for weights; edge blocks may be partial): scales
    (ceil(R/br), ceil(C/bc)) f32 = dsk_amp_fp8_block_scale(block amax, fmt max, pow2), and
-   q (R, C) e4m3/e5m2 = fp8(x / scale of its block). */
+   q (R, C) e4m3/e5m2 = fp8(x / scale of its block). A block holding an Inf or a NaN gets a
+   non-finite scale and dequantises to NaN everywhere (DeepSeek's kernel), never to +-448. */
 DSK_API dsk_status dsk_amp_fp8_block_quantize(dsk_ctx *ctx, dsk_tensor *q, dsk_tensor *scales, const dsk_tensor *x,
                                               int br, int bc, int pow2);
 /* y (R, C) f32/bf16/f16 = f32(q) * scale of its block. */

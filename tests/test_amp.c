@@ -866,6 +866,55 @@ static void test_fp8_blocks(dsk_dtype fmt, dsk_dtype xdt, int64_t R, int64_t C, 
     dsk_tensor_free(NULL, &x); dsk_tensor_free(NULL, &q); dsk_tensor_free(NULL, &sc); dsk_tensor_free(NULL, &y);
 }
 
+/* An Inf or a NaN inside a block stays non-finite through the block path, as in DeepSeek's
+   act_quant (s = amax / 448, y = x / s): that block's scale is Inf (NaN for a NaN), its q holds
+   0 and NaN codes, it dequantises to NaN, and the unscale check finds it. The other blocks
+   are untouched by it and round-trip as usual. */
+static void test_fp8_block_nonfinite(dsk_dtype fmt, int pow2) {
+    const int64_t R = 4, C = 256;
+    const float bad[3] = {INFINITY, -INFINITY, NAN};
+    dsk_tensor x = new_2d(DSK_F32, R, C), q = new_2d(fmt, R, C), sc = new_2d(DSK_F32, R, 2), y = new_2d(DSK_F32, R, C);
+    dsk_tensor *gl[1] = {&y};
+    dsk_amp_scaler s;
+    dsk_amp_stats st;
+    double fmx = fmt == DSK_E4M3 ? 448.0 : 57344.0;
+    fill_rand(&x, -1.0, 1.0);
+    for (int b = 0; b < 3; b++) ((float *)x.data)[b * C + 5 + 40 * b] = bad[b]; /* blocks (0,0), (1,0), (2,0) */
+    dsk_test_poison_f32((float *)sc.data, R * 2);
+    dsk_test_poison_f32((float *)y.data, R * C);
+    DSK_TEST_OK(dsk_amp_fp8_block_quantize(NULL, &q, &sc, &x, 1, 128, pow2));
+    DSK_TEST_OK(dsk_amp_fp8_block_dequantize(NULL, &y, &q, &sc, 1, 128));
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t cb = 0; cb < 2; cb++) {
+            float d = ((float *)sc.data)[r * 2 + cb];
+            int hit = r < 3 && cb == 0, finite_y = 0, nan_codes = 0, bad_round = 0;
+            for (int64_t c = cb * 128; c < (cb + 1) * 128; c++) {
+                double xi = ((float *)x.data)[r * C + c], yi = ((float *)y.data)[r * C + c];
+                finite_y += isfinite(yi) != 0;
+                nan_codes += isnan(fmt == DSK_E4M3 ? dsk_e4m3_to_f32(((uint8_t *)q.data)[r * C + c])
+                                                   : dsk_e5m2_to_f32(((uint8_t *)q.data)[r * C + c]));
+                if (!hit) bad_round += !(fabs(yi - xi) <= fp8_bound(fmt, xi, 1.0 / d));
+            }
+            if (hit) {
+                DSK_TEST_EXPECT(r == 2 ? isnan(d) : d == INFINITY, "row %lld with %g: scale %g", (long long)r, (double)bad[r], (double)d);
+                DSK_TEST_EXPECT(finite_y == 0, "row %lld with %g: %d finite values after the round trip", (long long)r,
+                                (double)bad[r], finite_y);
+                DSK_TEST_EXPECT(nan_codes == (r == 2 ? 128 : 1), "row %lld with %g: %d NaN codes", (long long)r, (double)bad[r], nan_codes);
+            } else {
+                DSK_TEST_EXPECT(isfinite(d) && d > 0 && d <= 1.0 / fmx * 4, "row %lld block %lld: scale %g", (long long)r, (long long)cb, (double)d);
+                DSK_TEST_EXPECT(finite_y == 128 && bad_round == 0, "row %lld block %lld: %d finite, %d off", (long long)r,
+                                (long long)cb, finite_y, bad_round);
+            }
+        }
+    /* what the block path produced is caught by the overflow check */
+    DSK_TEST_OK(dsk_amp_scaler_init(NULL, &s, NULL));
+    DSK_TEST_OK(dsk_amp_unscale(NULL, &s, gl, 1));
+    DSK_TEST_OK(dsk_amp_stats_get(NULL, &s, &st));
+    DSK_TEST_EXPECT(st.found_inf > 0, "the unscale check missed the non-finite blocks");
+    dsk_amp_scaler_free(NULL, &s);
+    dsk_tensor_free(NULL, &x); dsk_tensor_free(NULL, &q); dsk_tensor_free(NULL, &sc); dsk_tensor_free(NULL, &y);
+}
+
 /* ---------------------------------------------------------------- end to end */
 
 /* Linear regression trained with fp16 compute: the forward uses the f16 copy of the weights,
@@ -1170,6 +1219,8 @@ int main(void) {
     dsk_test_begin("fp8 blocks 128x128 weights (130, 256) e4m3 pow2"); test_fp8_blocks(DSK_E4M3, DSK_F32, 130, 256, 128, 128, 1); dsk_test_end();
     dsk_test_begin("fp8 blocks 1x128 (1, 1) e5m2"); test_fp8_blocks(DSK_E5M2, DSK_F16, 1, 1, 1, 128, 0); dsk_test_end();
     dsk_test_begin("fp8 blocks 3x5 (7, 11) e5m2 pow2"); test_fp8_blocks(DSK_E5M2, DSK_F32, 7, 11, 3, 5, 1); dsk_test_end();
+    dsk_test_begin("fp8 e4m3 block with Inf/NaN stays non-finite"); test_fp8_block_nonfinite(DSK_E4M3, 0); dsk_test_end();
+    dsk_test_begin("fp8 e5m2 block with Inf/NaN stays non-finite, pow2"); test_fp8_block_nonfinite(DSK_E5M2, 1); dsk_test_end();
     DSK_TEST_RUN(test_end_to_end_fp16);
     DSK_TEST_RUN(test_errors);
     return dsk_test_finish();

@@ -246,6 +246,41 @@ static void test_fp8_blocks(dsk_dtype fmt, dsk_dtype xdt, int64_t R, int64_t C, 
     same(dy, hy, "block dequantised");
 }
 
+/* Element-wise equal as f32 values, bit for bit, except that any NaN equals any NaN (the CPU
+   and the GPU make NaNs with different signs and payloads). */
+static void same_or_nan(const dsk_tensor *gpu, const dsk_tensor *cpu, const char *what) {
+    dsk_tensor *g = host(gpu);
+    int64_t n = dsk_tensor_numel(cpu), bad = 0, first = -1;
+    for (int64_t i = 0; i < n; i++) {
+        float a = dsk_load_f32(g->data, g->dtype, i), b = dsk_load_f32(cpu->data, cpu->dtype, i);
+        if (!((a != a && b != b) || dsk_f32_bits(a) == dsk_f32_bits(b)) && !bad++) first = i;
+    }
+    DSK_TEST_EXPECT(bad == 0, "%s: %lld of %lld differ, first [%lld]", what, (long long)bad, (long long)n, (long long)first);
+}
+
+/* Blocks holding +Inf, -Inf and NaN: the GPU keeps them non-finite exactly as the CPU does
+   (non-finite scale, NaN codes, NaN after dequantising); the other blocks are bitwise equal. */
+static void test_fp8_blocks_nonfinite(dsk_dtype fmt) {
+    int64_t shape[2] = {4, 256};
+    dsk_tensor *x = hrand(DSK_F32, 2, shape, -2.0, 2.0), *dx;
+    dsk_tensor *hq = h2(fmt, 4, 256), *dq = dpoison(hq), *hs = h2(DSK_F32, 4, 2), *dsc = dpoison(hs);
+    dsk_tensor *hy = h2(DSK_F32, 4, 256), *dy = dpoison(hy);
+    ((float *)x->data)[0 * 256 + 3] = INFINITY;
+    ((float *)x->data)[1 * 256 + 200] = -INFINITY;
+    ((float *)x->data)[2 * 256 + 77] = NAN;
+    dx = dev(x);
+    DSK_TEST_OK(dsk_amp_fp8_block_quantize(NULL, hq, hs, x, 1, 128, 0));
+    DSK_TEST_OK(dsk_amp_fp8_block_quantize(&G, dq, dsc, dx, 1, 128, 0));
+    DSK_TEST_EXPECT(isinf(((float *)hs->data)[0]) && isinf(((float *)hs->data)[3]) && isnan(((float *)hs->data)[4]),
+                    "CPU block scales %g %g %g", (double)((float *)hs->data)[0], (double)((float *)hs->data)[3],
+                    (double)((float *)hs->data)[4]);
+    same_or_nan(dsc, hs, "block scales");
+    same_or_nan(dq, hq, "block codes");
+    DSK_TEST_OK(dsk_amp_fp8_block_dequantize(NULL, hy, hq, hs, 1, 128));
+    DSK_TEST_OK(dsk_amp_fp8_block_dequantize(&G, dy, dq, dsc, 1, 128));
+    same_or_nan(dy, hy, "block dequantised");
+}
+
 /* A CPU tensor handed to a CUDA scaler is an argument error, named. */
 static void test_device_mismatch(void) {
     dsk_amp_scaler ds;
@@ -282,6 +317,8 @@ int main(void) {
     CASE(test_fp8_blocks(DSK_E4M3, DSK_BF16, 33, 1000, 1, 128, 0), "fp8 blocks 1x128 (33, 1000)");
     CASE(test_fp8_blocks(DSK_E4M3, DSK_F32, 300, 257, 128, 128, 1), "fp8 blocks 128x128 (300, 257) pow2");
     CASE(test_fp8_blocks(DSK_E5M2, DSK_F16, 7, 5, 3, 2, 0), "fp8 blocks 3x2 (7, 5) e5m2");
+    CASE(test_fp8_blocks_nonfinite(DSK_E4M3), "fp8 e4m3 blocks with Inf, -Inf, NaN stay non-finite");
+    CASE(test_fp8_blocks_nonfinite(DSK_E5M2), "fp8 e5m2 blocks with Inf, -Inf, NaN stay non-finite");
     CASE(test_device_mismatch(), "CPU tensor with a CUDA scaler");
     gpu_test_teardown();
     return dsk_test_finish();
