@@ -574,7 +574,8 @@ static void test_step_resume_stochastic(void) {
             memcpy(c[i].grad.data, a[i].grad.data, dsk_tensor_nbytes(&a[i].grad));
         }
         pc[1].copy = NULL;
-        for (int64_t step = STOP + 1; step <= STEPS; step++) DSK_TEST_OK(dsk_amp_step(NULL, pc, NP, &ao, step, &d, DSK_AMP_ROUND_STOCHASTIC, 99));
+        for (int64_t step = STOP + 1; step <= STEPS; step++)
+            DSK_TEST_OK(dsk_amp_step(NULL, pc, NP, &ao, step, &d, DSK_AMP_ROUND_STOCHASTIC, 99));
         for (int i = 0; i < NP; i++) {
             DSK_TEST_SAME_BYTES(a[i].master.data, c[i].master.data, dsk_tensor_nbytes(&a[i].master), "resumed master");
             DSK_TEST_SAME_BYTES(a[i].v.data, c[i].v.data, dsk_tensor_nbytes(&a[i].v), "resumed v");
@@ -896,14 +897,17 @@ static void test_fp8_block_nonfinite(dsk_dtype fmt, int pow2) {
                 if (!hit) bad_round += !(fabs(yi - xi) <= fp8_bound(fmt, xi, 1.0 / d));
             }
             if (hit) {
-                DSK_TEST_EXPECT(r == 2 ? isnan(d) : d == INFINITY, "row %lld with %g: scale %g", (long long)r, (double)bad[r], (double)d);
+                DSK_TEST_EXPECT(r == 2 ? isnan(d) : d == INFINITY, "row %lld with %g: scale %g", (long long)r,
+                                (double)bad[r], (double)d);
                 DSK_TEST_EXPECT(finite_y == 0, "row %lld with %g: %d finite values after the round trip", (long long)r,
                                 (double)bad[r], finite_y);
-                DSK_TEST_EXPECT(nan_codes == (r == 2 ? 128 : 1), "row %lld with %g: %d NaN codes", (long long)r, (double)bad[r], nan_codes);
+                DSK_TEST_EXPECT(nan_codes == (r == 2 ? 128 : 1), "row %lld with %g: %d NaN codes", (long long)r,
+                                (double)bad[r], nan_codes);
             } else {
-                DSK_TEST_EXPECT(isfinite(d) && d > 0 && d <= 1.0 / fmx * 4, "row %lld block %lld: scale %g", (long long)r, (long long)cb, (double)d);
-                DSK_TEST_EXPECT(finite_y == 128 && bad_round == 0, "row %lld block %lld: %d finite, %d off", (long long)r,
-                                (long long)cb, finite_y, bad_round);
+                DSK_TEST_EXPECT(isfinite(d) && d > 0 && d <= 1.0 / fmx * 4, "row %lld block %lld: scale %g",
+                                (long long)r, (long long)cb, (double)d);
+                DSK_TEST_EXPECT(finite_y == 128 && bad_round == 0, "row %lld block %lld: %d finite, %d off",
+                                (long long)r, (long long)cb, finite_y, bad_round);
             }
         }
     /* what the block path produced is caught by the overflow check */
@@ -1212,15 +1216,21 @@ int main(void) {
             }
     }
     dsk_test_begin("fp8 delayed scaling, max of 4"); test_fp8_delayed(DSK_AMP_AMAX_MAX, 0, 0); dsk_test_end();
-    dsk_test_begin("fp8 delayed scaling, most recent, margin 1"); test_fp8_delayed(DSK_AMP_AMAX_MOST_RECENT, 1, 0); dsk_test_end();
+    dsk_test_begin("fp8 delayed scaling, most recent, margin 1");
+    test_fp8_delayed(DSK_AMP_AMAX_MOST_RECENT, 1, 0);
+    dsk_test_end();
     dsk_test_begin("fp8 delayed scaling, max, pow2"); test_fp8_delayed(DSK_AMP_AMAX_MAX, 0, 1); dsk_test_end();
     dsk_test_begin("fp8 blocks 1x128 activations (7, 300) e4m3"); test_fp8_blocks(DSK_E4M3, DSK_BF16, 7, 300, 1, 128, 0); dsk_test_end();
     dsk_test_begin("fp8 blocks 128x128 weights (257, 129) e4m3"); test_fp8_blocks(DSK_E4M3, DSK_F32, 257, 129, 128, 128, 0); dsk_test_end();
     dsk_test_begin("fp8 blocks 128x128 weights (130, 256) e4m3 pow2"); test_fp8_blocks(DSK_E4M3, DSK_F32, 130, 256, 128, 128, 1); dsk_test_end();
     dsk_test_begin("fp8 blocks 1x128 (1, 1) e5m2"); test_fp8_blocks(DSK_E5M2, DSK_F16, 1, 1, 1, 128, 0); dsk_test_end();
     dsk_test_begin("fp8 blocks 3x5 (7, 11) e5m2 pow2"); test_fp8_blocks(DSK_E5M2, DSK_F32, 7, 11, 3, 5, 1); dsk_test_end();
-    dsk_test_begin("fp8 e4m3 block with Inf/NaN stays non-finite"); test_fp8_block_nonfinite(DSK_E4M3, 0); dsk_test_end();
-    dsk_test_begin("fp8 e5m2 block with Inf/NaN stays non-finite, pow2"); test_fp8_block_nonfinite(DSK_E5M2, 1); dsk_test_end();
+    dsk_test_begin("fp8 e4m3 block with Inf/NaN stays non-finite");
+    test_fp8_block_nonfinite(DSK_E4M3, 0);
+    dsk_test_end();
+    dsk_test_begin("fp8 e5m2 block with Inf/NaN stays non-finite, pow2");
+    test_fp8_block_nonfinite(DSK_E5M2, 1);
+    dsk_test_end();
     DSK_TEST_RUN(test_end_to_end_fp16);
     DSK_TEST_RUN(test_errors);
     return dsk_test_finish();

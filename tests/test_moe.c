@@ -479,7 +479,8 @@ static void test_group_rules(void) {
                 f.m.routing.group_rule = (dsk_moe_group_rule)rule;
                 ref_forward(&f.c, &f.w, f.x, f.y, NULL, &f.o);
                 for (int t = 0; t < 129; t++) differ += memcmp(f.o.sel + t * 6, sel0 + t * 6, sizeof(int) * 6) != 0;
-                if (rule > 0) DSK_TEST_EXPECT(differ > 0, "the %s rule routes every token as DeepSeek-V3's does", names[rule]);
+                if (rule > 0)
+                    DSK_TEST_EXPECT(differ > 0, "the %s rule routes every token as DeepSeek-V3's does", names[rule]);
                 if (run_forward(&f, NULL)) DSK_TEST_CLOSE(f.yf, f.y, 129 * 16, 1e-4, 1e-5, names[rule]);
             }
         }
@@ -547,7 +548,8 @@ static void test_loss_counts(void) {
         c.sigmoid = 1; c.norm = 1; c.n_group = 8; c.topk_group = 4; c.scale = 2.5;
         c.aux = 0.01; c.seq_aux = 0.003; c.seq_len = 16; c.count_sel = sel; c.min_margin = 2e-6;
         if (setup(&f, &c, DSK_F32, 0.2) && run_forward(&f, &st)) {
-            double got[3] = {st.aux_loss, st.seq_aux_loss, st.loss}, want[3] = {f.o.aux, f.o.seq_aux, f.o.aux + f.o.seq_aux};
+            double got[3] = {st.aux_loss, st.seq_aux_loss, st.loss},
+                   want[3] = {f.o.aux, f.o.seq_aux, f.o.aux + f.o.seq_aux};
             double topk[64] = {0}, chosen[64] = {0}, diff = 0;
             DSK_TEST_CLOSE64(got, want, 3, 1e-5, 0, "aux, seq_aux, total");
             for (int t = 0; t < c.T; t++) {
@@ -713,7 +715,8 @@ static void test_switch_loss_ignores_seq_len(void) {
         }
         free_fixture(&f);
         dsk_test_end();
-        check_backward(sig ? "Switch aux, seq_len 5, T 9, sigmoid" : "Switch aux, seq_len 5, T 9, softmax", c, sig ? 0.05 : 0.0);
+        check_backward(sig ? "Switch aux, seq_len 5, T 9, sigmoid" : "Switch aux, seq_len 5, T 9, softmax", c,
+                       sig ? 0.05 : 0.0);
     }
 }
 
@@ -928,8 +931,8 @@ static int ep_nonfinite(dsk_moe *m, int rank, const float *x_rows) {
     return ok;
 }
 
-static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx, const float *gdy, float *out, int *bad_cfg_ok,
-                        int *nonfinite_ok) {
+static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx, const float *gdy, float *out,
+                        int *bad_cfg_ok, int *nonfinite_ok) {
     dsk_comm c;
     dsk_comm_opts co;
     dsk_moe m;
@@ -995,7 +998,8 @@ static void ep_run(ep_job *j, int n, int sigmoid) {
     for (int r = 0; r < n; r++) {
         pid_t pid = fork();
         if (pid == 0) {
-            int rc = ep_rank_main(r, n, port, sigmoid, j->gx, j->gdy, ep_result(j, r), &j->flags[32 + r], &j->flags[48 + r]);
+            int rc = ep_rank_main(r, n, port, sigmoid, j->gx, j->gdy, ep_result(j, r), &j->flags[32 + r],
+                                  &j->flags[48 + r]);
             if (rc) fprintf(stderr, "rank %d: step %d failed: %s\n", r, rc, dsk_last_error());
             _exit(rc);
         }
@@ -1022,7 +1026,8 @@ static void ep_check(ep_job *j) {
     for (int r = 0; r < n; r++) {
         DSK_TEST_EXPECT(j->flags[r] == 0, "a rank failed with status %d", j->flags[r]);
         DSK_TEST_EXPECT(j->flags[32 + r] == 1, "rank %d: E not divisible by the EP size was not reported", r);
-        DSK_TEST_EXPECT(j->flags[48 + r] == 1, "rank %d: a NaN token on rank 0 did not fail the forward on every rank", r);
+        DSK_TEST_EXPECT(j->flags[48 + r] == 1, "rank %d: a NaN token on rank 0 did not fail the forward on every rank",
+                        r);
     }
     dsk_tensor_wrap(&x, j->gx, DSK_F32, dsk_cpu(), 2, shp);
     dsk_tensor_wrap(&dy, j->gdy, DSK_F32, dsk_cpu(), 2, shp);
@@ -1086,12 +1091,14 @@ static void test_route_token_nonfinite(void) {
             float u[12], b[12], prob[12], scr[12 + 4], gate[3];
             int32_t sel[3];
             memset(&r, 0, sizeof r);
-            r.n_experts = 12; r.top_k = 3; r.score = sig ? DSK_MOE_SIGMOID : DSK_MOE_SOFTMAX; r.norm = 1; r.scale = 1.5f;
+            r.n_experts = 12; r.top_k = 3; r.score = sig ? DSK_MOE_SIGMOID : DSK_MOE_SOFTMAX;
+            r.norm = 1; r.scale = 1.5f;
             r.n_group = grp ? 4 : 1; r.topk_group = grp ? 2 : 1;
             dsk_test_fill_f32(u, 12, -2, 2);
             dsk_test_fill_f32(b, 12, -0.1, 0.1);
             DSK_TEST_EXPECT(dsk_moe_route_token(&r, u, b, prob, scr, sel, gate) == 0, "finite logits flagged");
-            for (int k = 0; k < 3; k++) DSK_TEST_EXPECT(sel[k] >= 0 && sel[k] < 12 && gate[k] == gate[k], "finite: slot %d", k);
+            for (int k = 0; k < 3; k++)
+                DSK_TEST_EXPECT(sel[k] >= 0 && sel[k] < 12 && gate[k] == gate[k], "finite: slot %d", k);
             for (int v = 0; v < 3; v++)
                 for (int where = 0; where < 2; where++) { /* a logit, or a bias value */
                     float u2[12], b2[12];
@@ -1100,10 +1107,11 @@ static void test_route_token_nonfinite(void) {
                     if (where) b2[j] = bad_vals[v]; else u2[j] = bad_vals[v];
                     for (int k = 0; k < 3; k++) { sel[k] = -7; gate[k] = 0.5f; }
                     DSK_TEST_EXPECT(dsk_moe_route_token(&r, u2, b2, prob, scr, sel, gate) == 1,
-                                    "%s %g at %d not flagged (%s, %d groups)", where ? "bias" : "logit", (double)bad_vals[v], j,
-                                    sig ? "sigmoid" : "softmax", r.n_group);
+                                    "%s %g at %d not flagged (%s, %d groups)", where ? "bias" : "logit",
+                                    (double)bad_vals[v], j, sig ? "sigmoid" : "softmax", r.n_group);
                     for (int k = 0; k < 3; k++)
-                        DSK_TEST_EXPECT(sel[k] == k && gate[k] != gate[k], "slot %d: expert %d gate %g", k, sel[k], (double)gate[k]);
+                        DSK_TEST_EXPECT(sel[k] == k && gate[k] != gate[k], "slot %d: expert %d gate %g", k, sel[k],
+                                        (double)gate[k]);
                 }
         }
 }

@@ -1583,7 +1583,8 @@ static void test_errors_adamw(void) {
     o = dsk_adamw_defaults(); o.lr = -1;
     TT_ERR(dsk_adamw_step(NULL, p, g, m, v, &o, 1, 1.0f, NULL), DSK_ERR_ARG, "lr -1 must be finite and >= 0");
     o = dsk_adamw_defaults(); o.weight_decay = NAN;
-    TT_ERR(dsk_adamw_step(NULL, p, g, m, v, &o, 1, 1.0f, NULL), DSK_ERR_ARG, "weight_decay nan must be finite and >= 0");
+    TT_ERR(dsk_adamw_step(NULL, p, g, m, v, &o, 1, 1.0f, NULL), DSK_ERR_ARG,
+           "weight_decay nan must be finite and >= 0");
     memset(&o, 0, sizeof o); /* a zeroed struct is caught by its eps */
     TT_ERR(dsk_adamw_step(NULL, p, g, m, v, &o, 1, 1.0f, NULL), DSK_ERR_ARG, "eps 0 must be finite and > 0");
 }

@@ -255,7 +255,8 @@ static void same_or_nan(const dsk_tensor *gpu, const dsk_tensor *cpu, const char
         float a = dsk_load_f32(g->data, g->dtype, i), b = dsk_load_f32(cpu->data, cpu->dtype, i);
         if (!((a != a && b != b) || dsk_f32_bits(a) == dsk_f32_bits(b)) && !bad++) first = i;
     }
-    DSK_TEST_EXPECT(bad == 0, "%s: %lld of %lld differ, first [%lld]", what, (long long)bad, (long long)n, (long long)first);
+    DSK_TEST_EXPECT(bad == 0, "%s: %lld of %lld differ, first [%lld]", what, (long long)bad, (long long)n,
+                    (long long)first);
 }
 
 /* Blocks holding +Inf, -Inf and NaN: the GPU keeps them non-finite exactly as the CPU does

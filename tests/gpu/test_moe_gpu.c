@@ -109,10 +109,12 @@ static void run_nonfinite(dsk_ctx *gctx, dsk_moe_score score, float bad) {
     dsk_moe_opts o;
     dsk_tensor hx, gx, gy;
     int64_t shp[2] = {33, 32};
-    dsk_test_begin("cuda: x with %g in token 4, %s", (double)bad, score == DSK_MOE_SIGMOID ? "sigmoid+groups" : "softmax");
+    dsk_test_begin("cuda: x with %g in token 4, %s", (double)bad,
+                   score == DSK_MOE_SIGMOID ? "sigmoid+groups" : "softmax");
     if (!dsk_cuda_available()) { dsk_test_skip("no usable CUDA device"); dsk_test_end(); return; }
     memset(&o, 0, sizeof o);
-    o.d_model = 32; o.n_routed = 8; o.top_k = 2; o.d_expert = 16; o.score = score; o.aux_alpha = 0.01f; o.capacity_factor = 0.5f;
+    o.d_model = 32; o.n_routed = 8; o.top_k = 2; o.d_expert = 16; o.score = score;
+    o.aux_alpha = 0.01f; o.capacity_factor = 0.5f;
     if (score == DSK_MOE_SIGMOID) { o.n_group = 4; o.topk_group = 2; }
     DSK_TEST_OK(dsk_moe_init(&gm, gctx, &o));
     dsk_tensor_alloc(NULL, &hx, DSK_F32, 2, shp);
@@ -147,8 +149,8 @@ int main(void) {
          DSK_MOE_GROUP_DEEPSEEK_V3},
         {"sigmoid+groups, Megatron rule", 129, 64, 16, 6, 32, 0, 4, 2, DSK_MOE_SIGMOID, 0, 0, 0, 0, 0, DSK_F32,
          DSK_MOE_GROUP_MEGATRON},
-        {"Switch aux, seq_len 5 not dividing T", 37, 64, 6, 2, 32, 0, 0, 0, DSK_MOE_SOFTMAX, 0, 0.01f, 0, 0.001f, 5, DSK_F32,
-         DSK_MOE_GROUP_DEEPSEEK_V3},
+        {"Switch aux, seq_len 5 not dividing T", 37, 64, 6, 2, 32, 0, 0, 0, DSK_MOE_SOFTMAX, 0, 0.01f, 0, 0.001f, 5,
+         DSK_F32, DSK_MOE_GROUP_DEEPSEEK_V3},
         {"sigmoid+groups+shared", 200, 128, 16, 4, 64, 1, 4, 2, DSK_MOE_SIGMOID, 0, 0.01f, 0, 0.001f, 0, DSK_BF16,
          DSK_MOE_GROUP_DEEPSEEK_V3},
     };
