@@ -2414,7 +2414,8 @@ DSK_API dsk_status dsk_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tens
 static dsk_status dsk__adamw_resolve(const dsk_adamw_opts *in, dsk_adamw_opts *o) {
     const char *fn = "dsk_adamw_step";
     *o = in ? *in : dsk_adamw_defaults();
-    if (!(o->lr >= 0.0f) || isinf(o->lr)) return dsk_set_error(DSK_ERR_ARG, "%s: lr %g must be finite and >= 0", fn, (double)o->lr);
+    if (!(o->lr >= 0.0f) || isinf(o->lr))
+        return dsk_set_error(DSK_ERR_ARG, "%s: lr %g must be finite and >= 0", fn, (double)o->lr);
     if (!(o->beta1 >= 0.0f && o->beta1 < 1.0f))
         return dsk_set_error(DSK_ERR_ARG, "%s: beta1 %g outside [0, 1)", fn, (double)o->beta1);
     if (!(o->beta2 >= 0.0f && o->beta2 < 1.0f))
