@@ -1099,17 +1099,18 @@ static void log_step(trainer *t, const step_info *si) {
         printf("step %5lld/%d | loss %.4f | lr %.2e | norm %6.3f | scale %g | %7.1f ms | %7.0f tok/s | mfu %5.2f%% | comm %4.1f%% | "
                "data %4.1f%% | load %.2f | drop %lld | eta %dm%02ds%s\n",
                (long long)t->step, o->steps, si->loss, si->lr, si->norm, (double)si->scale, si->ms, si->tokens_per_s,
-               100 * si->mfu, 100 * si->comm_share, 100 * si->data_ms / si->ms, si->load_ratio, (long long)si->dropped, (int)eta / 60, (int)eta % 60,
-               si->skipped ? " | skipped (non-finite gradients)" : "");
+               100 * si->mfu, 100 * si->comm_share, 100 * si->data_ms / si->ms, si->load_ratio, (long long)si->dropped,
+               (int)eta / 60, (int)eta % 60, si->skipped ? " | skipped (non-finite gradients)" : "");
     fflush(stdout);
     if (t->log) {
         char loss[32], norm[32];
         fprintf(t->log,
                 "{\"type\":\"step\",\"step\":%lld,\"loss\":%s,\"aux_loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%s,\"loss_scale\":%.9g,"
-                "\"ms\":%.3f,\"data_wait_ms\":%.3f,\"tokens_per_s\":%.1f,\"mfu\":%.6f,\"comm_share\":%.6f,\"load_max_mean\":%.6f,"
-                "\"dropped\":%lld,\"skipped\":%d,\"eta_s\":%.1f}\n",
+                "\"ms\":%.3f,\"data_wait_ms\":%.3f,\"grad_sync_ms\":%.3f,\"tokens_per_s\":%.1f,\"mfu\":%.6f,"
+                "\"comm_share\":%.6f,\"load_max_mean\":%.6f,\"dropped\":%lld,\"skipped\":%d,\"eta_s\":%.1f}\n",
                 (long long)t->step, json_num(loss, si->loss), si->aux_loss, si->lr, json_num(norm, si->norm), (double)si->scale, si->ms,
-                si->data_ms, si->tokens_per_s, si->mfu, si->comm_share, si->load_ratio, (long long)si->dropped, si->skipped, eta);
+                si->data_ms, si->sync_ms, si->tokens_per_s, si->mfu, si->comm_share, si->load_ratio, (long long)si->dropped,
+                si->skipped, eta);
     }
     if (t->log) fflush(t->log);
 }

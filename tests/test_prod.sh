@@ -271,7 +271,33 @@ fi
 #         torchrun (--max_restarts 1) run the job again, it resumes from the newest checkpoint, and
 #         every step it logs has the loss of an uninterrupted run, to the last bit.
 KILL=("${TINY[@]}" --corpus-mb 0.3 --batch 8 --steps 50 --ckpt-every 5)
-run straight2 "${KILL[@]}" --nproc 2 --log "$work/straight2.jsonl"
+run straight2 "${KILL[@]}" --nproc 2 --log "$work/straight2.jsonl" --metrics "$work/straight2.prom"
+# The metrics files of both ranks agree with the log: steps, tokens, the step-time histogram's
+# count and sum, the data-wait and gradient-sync seconds (the log's per-step times summed).
+verdict=$($PY - "$work/straight2.jsonl" "$work/straight2.prom" "$work/straight2.rank1.prom" <<'EOF'
+import json, re, sys
+rows = [r for r in map(json.loads, open(sys.argv[1])) if r["type"] == "step"]
+problems = []
+for rank, path in ((0, sys.argv[2]), (1, sys.argv[3])):
+    try: text = open(path).read()
+    except OSError as e: problems.append(str(e)); continue
+    val = {m: float(v) for m, v in re.findall(r'^(dsk_train_\w+)\{rank="%d"\} (\S+)$' % rank, text, re.M)}
+    want = {"dsk_train_steps_total": 50, "dsk_train_tokens_total": 50 * 4 * 32, "dsk_train_step_seconds_count": 50,
+            "dsk_train_checkpoints_total": 0}
+    for k, w in want.items():
+        if val.get(k) != w: problems.append("rank %d %s = %s, want %s" % (rank, k, val.get(k), w))
+    if rank == 0:
+        for k, f in (("dsk_train_step_seconds_sum", "ms"), ("dsk_train_data_wait_seconds_total", "data_wait_ms"),
+                     ("dsk_train_grad_sync_seconds_total", "grad_sync_ms")):
+            logged = sum(r[f] for r in rows) / 1e3
+            if k not in val or abs(val[k] - logged) > 1e-5 * len(rows) + 1e-6 * logged: problems.append("%s = %s, log %s" % (k, val.get(k), logged))
+        if not all(0 <= r["grad_sync_ms"] <= r["ms"] and 0 <= r["data_wait_ms"] <= r["ms"] for r in rows): problems.append("a wait longer than its step")
+        if not sum(r["grad_sync_ms"] for r in rows) > 0: problems.append("no gradient-sync time with 2 ranks")
+print("; ".join(problems[:4]) if problems else "ok")
+EOF
+)
+what="--metrics files of 2 ranks agree with the log (steps, tokens, step-time histogram, data-wait and gradient-sync seconds)"
+if [ "$(rc straight2)" -eq 0 ] && [ "$verdict" = ok ]; then ok "$what"; else bad "$what" "exit $(rc straight2): $verdict"; fi
 same_losses() { # LOG: every step line has the straight 2-rank loss of its step, and all 50 steps are there
     $PY - "$work/straight2.jsonl" "$1" <<'EOF'
 import json, sys
