@@ -458,12 +458,18 @@ EOF
 else
     skip "Prometheus scrape and promtool lint: prometheus is not installed (apt-get install prometheus; .ci/run does)"
 fi
-run port_bad "${TINY[@]}" --corpus-mb 0.3 --batch 8 --steps 2 --metrics-port 70000
-if [ "$(rc port_bad)" -eq 1 ] && grep -q -- '--metrics-port 70000: want an IPv4 address and a port in 1..65535' "$work/port_bad.out"; then
-    ok "--metrics-port 70000 fails cleanly"
-else
-    bad "--metrics-port 70000 fails cleanly" "exit $(rc port_bad)" "$(tail -2 "$work/port_bad.out")"
-fi
+# bad_input NAME REGEX ARGS...: exit 1 with a message matching REGEX
+bad_input() {
+    local name=$1 msg=$2; shift 2
+    run "$name" "${TINY[@]}" --corpus-mb 0.3 --batch 8 --steps 2 "$@"
+    if [ "$(rc "$name")" -eq 1 ] && grep -qE -e "$msg" "$work/$name.out"; then ok "bad input fails cleanly: $name"
+    else bad "bad input fails cleanly: $name" "exit $(rc "$name")" "$(tail -2 "$work/$name.out")"; fi
+}
+bad_input port_big '--metrics-port 70000: want an IPv4 address and a port in 1..65535' --metrics-port 70000
+bad_input port_negative '--metrics-port -1: must be in 1..65535' --metrics-port -1
+bad_input metrics_addr '--metrics-addr localhost --metrics-port 9: want an IPv4 address' --metrics-port 9 --metrics-addr localhost
+bad_input sample_log_dir '--sample-log: cannot open .*/nodir/s.jsonl: No such file or directory' --sample-log "$work/nodir/s.jsonl"
+bad_input metrics_file_dir '--metrics: cannot write .*/nodir/m.prom.tmp: No such file or directory' --metrics "$work/nodir/m.prom"
 
 # ---- 5. placement. --bind core gives the two local ranks disjoint cores of the CPUs this process
 #         may use, and moves every thread of each rank there; --bind numa gives each rank its
