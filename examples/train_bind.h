@@ -8,7 +8,7 @@
            with all its hardware threads (with fewer cores than ranks: core r mod cores);
      numa  local rank r takes the CPUs of node r * nodes / local_world, so ranks fill the
            nodes in contiguous groups;
-     none  nothing changes; the CPUs allowed are printed.
+     none  nothing changes (sysfs is not read); the CPUs allowed are printed.
    Every thread of the process moves (each task under /proc/self/task), so threads started
    before the binding (the communicator's) follow; threads started later inherit it.
 
@@ -181,16 +181,21 @@ static dsk_status tb_apply(const cpu_set_t *set) {
 static dsk_status tb_bind(const char *mode, int r, int local_world, int *n_cpus, char *line, size_t n) {
     if (strcmp(mode, "none") != 0 && strcmp(mode, "core") != 0 && strcmp(mode, "numa") != 0)
         return dsk_set_error(DSK_ERR_ARG, "--bind \"%s\": use none, core or numa", mode);
+    char list[1024], what[128];
+    cpu_set_t set;
+    if (strcmp(mode, "none") == 0) { /* no sysfs needed: the affinity the process has */
+        if (sched_getaffinity(0, sizeof set, &set) != 0)
+            return dsk_set_error(DSK_ERR_IO, "--bind: sched_getaffinity: %s", strerror(errno));
+        tb_format_list(&set, list, sizeof list);
+        *n_cpus = CPU_COUNT(&set);
+        snprintf(line, n, "bind none: local rank %d of %d on CPUs %s (not bound)", r, local_world, list);
+        return DSK_OK;
+    }
     tb_topology t;
     dsk_status s = tb_load(&t);
     if (s != DSK_OK) return s;
-    char list[1024], what[128];
-    cpu_set_t set = t.allowed;
-    if (strcmp(mode, "none") == 0) snprintf(what, sizeof what, "not bound");
-    else {
-        tb_plan(&t, mode, r, local_world, &set, what, sizeof what);
-        s = tb_apply(&set);
-    }
+    tb_plan(&t, mode, r, local_world, &set, what, sizeof what);
+    s = tb_apply(&set);
     if (s == DSK_OK && sched_getaffinity(0, sizeof set, &set) != 0)
         s = dsk_set_error(DSK_ERR_IO, "--bind: sched_getaffinity: %s", strerror(errno));
     if (s == DSK_OK) {
