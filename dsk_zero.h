@@ -1,0 +1,1539 @@
+/* dsk_zero.h - sharded data parallelism: ZeRO-1, ZeRO-2 and ZeRO-3 over flat parameter and
+   gradient slabs, overlapped with compute, with gradient compression (bf16, PowerSGD) and
+   checkpoints that load at another data-parallel size.
+
+   Usage: #define DSK_ZERO_IMPLEMENTATION in exactly one .c file before including (with the
+   implementations of dsk_tensor.h, dsk_comm.h, dsk_amp.h and dsk_ckpt.h somewhere in the
+   program). Needs POSIX threads: include this header first in that file or build with
+   _GNU_SOURCE. Options: DSK_STATIC, DSK_MALLOC/DSK_FREE, DSK_CUDA, DSK_NO_CUDA as in dsk_tensor.h.
+
+       dsk_zero_param ps[n];  // name, shape, &value, &grad (the caller's tensor structs), unit (layer)
+       dsk_zero_opts o; memset(&o, 0, sizeof o); o.stage = 2;
+       dsk_zero z; dsk_zero_init(&z, &dp_comm, ctx, ps, n, &o);    // points value and grad into its slabs
+       for each p: dsk_zero_get_piece(&z, p, &pc);                 // write elements [pc.first, pc.first +
+           initialise pc.master                                    // pc.count) of p's master weights
+       dsk_zero_refresh(&z, ctx);                                  // compute copies from the masters
+       each step, each micro-batch:
+           for u = 0 .. units-1: dsk_zero_forward_begin(&z, ctx, u); forward of u; dsk_zero_forward_end(&z, ctx, u);
+           dsk_zero_begin(&z, ctx, last_micro_batch);
+           for u = units-1 .. 0: dsk_zero_backward_begin(&z, ctx, u); backward of u, calling
+               dsk_zero_grad_ready(&z, ctx, p) once p's gradient is final; dsk_zero_backward_end(&z, ctx, u);
+       dsk_zero_wait(&z, ctx);
+       dsk_zero_unscale_decide(&zp, 1, &scaler, &world, ctx, max_norm, &dec); // ONE all-reduce of 2 f64
+       dsk_zero_step(&z, ctx, &adamw, step, &dec);                 // AdamW on this rank's shard
+       dsk_amp_update(&scaler, ctx);
+       checkpoints: dsk_zero_ckpt_entries(&z, ctx, DSK_ZERO_CKPT_SAVE, &e, &ne) -> dsk_ckpt_save(...);
+                    dsk_zero_ckpt_entries(&z, ctx, DSK_ZERO_CKPT_LOAD, &e, &ne) -> dsk_ckpt_load(...);
+                    dsk_zero_refresh(&z, ctx);
+
+   The contract.
+   - One dsk_zero shards the parameters it is given over the ranks of one communicator (the
+     data-parallel group; for expert parameters the ranks that hold the same experts: make one
+     dsk_zero per group). Every rank of the group passes the same parameter list and options.
+   - Parameters form units: consecutive parameters with the same `unit` id (ids non-decreasing
+     along the list, forward order). A unit is the grain of everything: its gradients are
+     reduced as one collective as soon as backward has marked all of them ready (overlapping
+     the rest of backward), and in ZeRO-3 its weights are gathered as one collective. Each unit
+     of E elements is split into N chunks of c = ceil(E / N) (the last padded with zeros);
+     rank r owns chunk r of every unit. Parameter p's piece on rank r is the part of p inside
+     rank r's chunks (possibly empty).
+   - Stage 0 (DDP): every rank holds everything; gradients all-reduce; every rank steps all.
+     Stage 1: f32 master weights and both AdamW moments exist only for this rank's pieces;
+     gradients all-reduce in full (on the last micro-batch only); each rank steps its pieces and
+     the updated compute-dtype weights are all-gathered, one collective per unit, overlapped
+     with the next forward (dsk_zero_forward_begin waits for its unit only).
+     Stage 2: also gradients: a unit's gradients live in one of opts.grad_buffers buffers from
+     dsk_zero_backward_begin until its reduce-scatter is done; this rank keeps only its chunks
+     (every micro-batch reduces and accumulates into them, in f32).
+     Stage 3: also parameters: outside dsk_zero_forward_begin/backward_begin .. _end a unit's
+     weights do not exist on the rank (value->data is NULL); begin gathers them into one of
+     opts.param_buffers buffers (waiting only if its gather is not done yet) and prefetches the
+     next unit (forward: u + 1, backward: u - 1) into another; end frees the buffer. The last
+     unit may stay gathered from its forward to its backward (skip that forward_end).
+   - Binding: value (compute dtype) and grad (f32) are the caller's tensor structs; dsk_zero
+     sets data, dtype, shape and strides: for good in stages 0-2 (values) and 0-1 (grads),
+     while gathered (stage 3 values) or from backward_begin to backward_end (stage 2-3 grads).
+   - Reduction: the average over the group (the sum with opts.sum_only), then times grad_post_scale.
+     The host backend folds ranks in rank order, so stages 0-3 give bitwise the same gradients,
+     norms and weights for one micro-batch per step; with accumulation stages 2-3 reduce per
+     micro-batch (sums in another order: equal within rounding).
+   - Clipping and the skip decision: dsk_zero_unscale_decide unscales this rank's pieces only,
+     sums their squares (dsk_amp_unscale), and joins (found_inf, sumsq) over `world` in ONE
+     all-reduce, so every rank gets the same decision. Each gradient element must be owned by
+     exactly one rank of `world` across the dsk_zero objects passed: true when the groups tile
+     the world (dense parameters over the world, experts over the ranks holding the same experts).
+   - Compression (opts.compress) of the gradient reduction: BF16 rounds the gradients to bf16
+     (nearest even), reduces bf16 on the wire with f32 accumulation (the host backend folds in
+     f32 and rounds once), and widens the result to f32. POWERSGD follows PyTorch's
+     powerSGD_hook per unit: plain reductions for passes < powersgd_start_iter; then with error
+     feedback M += E; tensors with ndim >= 2 viewed as (shape[0], rest) and compressed when
+     (n + m) r' min_compression_rate < n m (r' = min(n, m, rank)), the others all-reduced (AVG);
+     Q from N(0, 1) (stream dsk_zero_powersgd_key) orthogonalised on first use (and every pass
+     without warm start), else the previous Q orthogonalised again; P = M Q, all-reduce SUM,
+     orthogonalise P (Gram-Schmidt; a zero column stays zero), Q = M^T P, all-reduce AVG,
+     M <- P Q^T, E = M_in - M. The approximation is the same on every rank; stages 2-3 keep
+     their chunks of it. Gram-Schmidt equals PyTorch's QR up to column signs, which cancel in P Q^T.
+   - Bytes: dsk_zero.stats counts collectives, the bytes handed to the gradient reductions and
+     what they would be uncompressed (plain_bytes), the all-gathers, and the wire bytes of the
+     private communicator.
+   - Memory: dsk_zero.memory holds the bytes this object allocated per role, read from the
+     allocator (dsk_tensor_mem_stats) around each allocation at init; nothing is allocated later.
+   - Checkpoints: every parameter is saved as three 1-D f32 tensors of its whole (global)
+     flattened shape, "<name>" (master), "<name>.adam_m", "<name>.adam_v", each rank writing
+     its pieces as dim-0 slices (dsk_ckpt split entries). A load asks for this rank's pieces at
+     its own size and dsk_ckpt reads them from whichever files hold them, so a checkpoint of
+     N ranks loads at any M and in any stage (stage 0 loads whole tensors). A parameter that is
+     rows [row0, row0 + shape[0]) of a global tensor (expert parallelism) is saved as that
+     part of the global tensor.
+   - Threads: the reductions and gathers run in order on a progress thread with a private
+     communicator split from the group at init, so the caller's communicators stay free. Every
+     rank must make the same sequence of calls. A peer that dies or hangs makes the waiting call
+     fail within the communicator's timeout with the error naming the rank; the object is then
+     unusable (DSK_ERR_STATE) until freed.
+   - Devices: CPU tensors over the host backend. A CUDA context or an nccl communicator is
+     DSK_ERR_UNSUPPORTED.
+   License: MIT, see the end of the file. */
+
+/* Contents
+     declarations
+       options                  dsk_zero_compress, dsk_zero_opts
+       parameters and state     dsk_zero_param, dsk_zero_memory, dsk_zero_stats, dsk_zero, dsk_zero_piece
+       lifetime and weights     dsk_zero_init, dsk_zero_free, dsk_zero_get_piece, dsk_zero_refresh
+       a training step          dsk_zero_begin, dsk_zero_forward_begin/end, dsk_zero_backward_begin/end,
+                                dsk_zero_grad_ready, dsk_zero_wait, dsk_zero_unscale_decide, dsk_zero_step
+       checkpoints              dsk_zero_ckpt_mode, dsk_zero_ckpt_entries
+       PowerSGD helpers         dsk_zero_powersgd_key, dsk_zero_powersgd_compresses
+     implementation (DSK_ZERO_IMPLEMENTATION)
+       state; layout; progress thread; reductions (plain, bf16, PowerSGD); init and free; units
+       (gather, release, gradient buffers); the step; checkpoints */
+
+#if defined(DSK_ZERO_IMPLEMENTATION) && !defined(_GNU_SOURCE) && !defined(_POSIX_C_SOURCE)
+#define _POSIX_C_SOURCE 200809L
+#endif
+/* With DSK_STATIC every dsk function is static, so this file must also compile its dependencies. */
+#if defined(DSK_STATIC) && defined(DSK_ZERO_IMPLEMENTATION)
+#ifndef DSK_TENSOR_IMPLEMENTATION
+#define DSK_TENSOR_IMPLEMENTATION
+#endif
+#ifndef DSK_COMM_IMPLEMENTATION
+#define DSK_COMM_IMPLEMENTATION
+#endif
+#ifndef DSK_AMP_IMPLEMENTATION
+#define DSK_AMP_IMPLEMENTATION
+#endif
+#ifndef DSK_CKPT_IMPLEMENTATION
+#define DSK_CKPT_IMPLEMENTATION
+#endif
+#endif
+#ifndef DSK_ZERO_H
+#define DSK_ZERO_H
+#include "dsk_tensor.h"
+#include "dsk_comm.h"
+#include "dsk_amp.h"
+#include "dsk_ckpt.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- options */
+
+typedef enum dsk_zero_compress {
+    DSK_ZERO_COMPRESS_NONE = 0, /* f32 reductions */
+    DSK_ZERO_COMPRESS_BF16,     /* bf16 on the wire, f32 accumulation */
+    DSK_ZERO_COMPRESS_POWERSGD  /* PowerSGD rank powersgd_rank with error feedback and warm start */
+} dsk_zero_compress;
+
+/* Zero fields take the defaults in brackets. */
+typedef struct dsk_zero_opts {
+    int stage;                 /* [0] 0 (DDP), 1, 2 or 3 */
+    dsk_dtype compute_dtype;   /* [f32] f32, bf16 or f16: the dtype of the weights forward reads */
+    int sum_only;              /* [0]: average over the group; 1: plain sum */
+    float grad_post_scale;     /* [1] multiplies the reduced gradients (e.g. 1/world for a SUM over experts) */
+    int param_buffers;         /* [2] stage 3: units gathered at once (>= 2: the current one and a prefetch) */
+    int grad_buffers;          /* [2] stages 2-3: units whose full gradients exist at once (>= 1) */
+    dsk_zero_compress compress; /* [NONE] */
+    int powersgd_rank;         /* [1] matrix approximation rank */
+    int powersgd_start_iter;   /* [0] plain reductions for the passes before this one (PyTorch's default is
+                                  1000, its older one 10) */
+    double powersgd_min_compression_rate; /* [2] compress a matrix when (n + m) r' times this < n m */
+    int powersgd_no_error_feedback;       /* [0] error feedback on */
+    int powersgd_no_warm_start;           /* [0] warm start on: Q carries over from pass to pass */
+    float powersgd_epsilon;               /* [0] added to column norms when orthogonalising */
+    uint64_t powersgd_seed;               /* [0] stream of the random Q */
+} dsk_zero_opts;
+
+/* ---- parameters and state */
+
+/* One trainable tensor, as this rank holds it. */
+typedef struct dsk_zero_param {
+    const char *name;            /* checkpoint name and messages (copied) */
+    int ndim;                    /* 1 .. DSK_MAX_DIMS */
+    int64_t shape[DSK_MAX_DIMS]; /* this rank's tensor, numel >= 1 */
+    dsk_tensor *value;           /* the caller's struct, bound to the compute-dtype weights */
+    dsk_tensor *grad;            /* the caller's struct, bound to the f32 gradient */
+    int unit;                    /* unit (layer) id >= 0, non-decreasing along the list */
+    int no_decay;                /* 1: no weight decay (norm weights, biases) */
+    int64_t global_rows;         /* [0: the whole tensor] rows of the global tensor this one is part of */
+    int64_t row0;                /* with global_rows: the first global row this rank's tensor holds */
+} dsk_zero_param;
+
+/* Bytes this object allocated, by role, read from the allocator. */
+typedef struct dsk_zero_memory {
+    int64_t params;    /* compute-dtype weights: the full slab (stages 0-2), or the shard and the
+                          gather buffers (stage 3; f32 weights share the master shard) */
+    int64_t grads;     /* the full f32 gradient slab (stages 0-1), or the shard and unit buffers (2-3) */
+    int64_t optimizer; /* f32 master weights (where not the weights themselves) and both moments */
+    int64_t comm;      /* compression: bf16 staging, PowerSGD error feedback, P, Q and scratch */
+} dsk_zero_memory;
+
+/* Cumulative figures of the collectives; dsk_zero_wait and dsk_zero_step update them. */
+typedef struct dsk_zero_stats {
+    int64_t collectives;     /* collectives issued */
+    int64_t passes;          /* reduction passes (backward passes that reduced) */
+    uint64_t reduce_bytes;   /* gradient reductions: elements handed over times their size (whole message) */
+    uint64_t plain_bytes;    /* what the same reductions hand over uncompressed (f32) */
+    uint64_t gather_bytes;   /* weight all-gathers: the gathered message */
+    uint64_t sent_bytes, received_bytes; /* on the wire, from the private communicator */
+    double seconds;          /* the progress thread's busy time */
+    double wait_seconds;     /* time the caller spent blocked on it */
+} dsk_zero_stats;
+
+typedef struct dsk__zero_impl dsk__zero_impl;
+typedef struct dsk_zero {
+    int stage, rank, world_size, n_params, n_units;
+    dsk_zero_memory memory;
+    dsk_zero_stats stats;
+    dsk__zero_impl *impl;
+} dsk_zero;
+
+/* This rank's part of parameter p's optimizer state: elements [first, first + count) of the
+   flattened parameter, as 1-D f32 views (count may be 0). Stage 0: the whole parameter.
+   grad: the reduced gradient of those elements, valid from dsk_zero_wait to the next pass. */
+typedef struct dsk_zero_piece {
+    int64_t first, count;
+    dsk_tensor master, m, v, grad;
+} dsk_zero_piece;
+
+/* ---- lifetime and weights */
+
+/* Collective over c. Checks the list and options, lays out and allocates every slab and buffer
+   (moments zeroed, master weights zeroed until the caller writes them), binds the views, splits
+   a private communicator and starts the progress thread. On failure *z is zeroed. */
+DSK_API dsk_status dsk_zero_init(dsk_zero *z, dsk_comm *c, dsk_ctx *ctx, const dsk_zero_param *params, int n,
+                                 const dsk_zero_opts *opts);
+/* Drains the progress thread, frees everything, unbinds the caller's views (data NULL).
+   Zeroed or freed objects are fine. */
+DSK_API void dsk_zero_free(dsk_zero *z, dsk_ctx *ctx);
+/* Parameter p's piece on this rank (see dsk_zero_piece). */
+DSK_API dsk_status dsk_zero_get_piece(const dsk_zero *z, int p, dsk_zero_piece *out);
+/* Collective. Rebuilds the compute-dtype weights from the masters (round to nearest even) and,
+   in stages 1-2, all-gathers them; after the caller wrote master weights (initialisation, a
+   checkpoint load). Stage 3 drops any gathered unit. */
+DSK_API dsk_status dsk_zero_refresh(dsk_zero *z, dsk_ctx *ctx);
+
+/* ---- a training step */
+
+/* Starts a backward pass (a micro-batch). sync = 0: stages 0-1 accumulate without reducing;
+   sync = 1 (the last micro-batch): units reduce as they complete. Stages 2-3 reduce every pass.
+   The first pass after a step (or init) starts the accumulation from zero. */
+DSK_API dsk_status dsk_zero_begin(dsk_zero *z, dsk_ctx *ctx, int sync);
+/* The unit's weights are needed for its forward: stages 1-2 wait for its all-gather after a
+   step; stage 3 gathers it (or waits for its prefetch) and prefetches unit + 1. A unit id this
+   object does not hold is a no-op. */
+DSK_API dsk_status dsk_zero_forward_begin(dsk_zero *z, dsk_ctx *ctx, int unit);
+/* Stage 3: frees the unit's gathered weights. Other stages: nothing. */
+DSK_API dsk_status dsk_zero_forward_end(dsk_zero *z, dsk_ctx *ctx, int unit);
+/* Before the unit's backward: stage 3 gathers (prefetching unit - 1); stages 2-3 bind its
+   gradients to a zeroed buffer (waiting for a reduce-scatter to free one if all are busy). */
+DSK_API dsk_status dsk_zero_backward_begin(dsk_zero *z, dsk_ctx *ctx, int unit);
+/* Parameter `param`'s gradient is final for this pass; the unit's reduction starts (on the
+   progress thread) once all its parameters are marked. */
+DSK_API dsk_status dsk_zero_grad_ready(dsk_zero *z, dsk_ctx *ctx, int param);
+/* After the unit's backward: stage 3 frees its weights; stages 2-3 unbind its gradients. */
+DSK_API dsk_status dsk_zero_backward_end(dsk_zero *z, dsk_ctx *ctx, int unit);
+/* Waits for every started reduction; in a reducing pass every parameter must have been marked. */
+DSK_API dsk_status dsk_zero_wait(dsk_zero *z, dsk_ctx *ctx);
+/* Unscale + non-finite check + global norm over the pieces of zs[0..n) (waited for here):
+   dsk_amp_unscale on this rank's pieces, then ONE all-reduce SUM of the two f64 stats over
+   `world` (NULL or 1 rank: none), dsk_amp_stats_set, dsk_amp_decide(stats, max_norm). Stage 0
+   objects also unscale the rest of their gradients (their AdamW reads all of it). */
+DSK_API dsk_status dsk_zero_unscale_decide(dsk_zero *const *zs, int n, dsk_amp_scaler *sc, dsk_comm *world,
+                                           dsk_ctx *ctx, double max_norm, dsk_amp_decision *dec);
+/* AdamW (dsk_adamw_step at `step`, grad_mult = dec->grad_mult, weight decay 0 for no_decay
+   parameters) on this rank's pieces, refreshing the compute copies (round to nearest even);
+   stages 1-2 then start the all-gathers of the updated weights. Nothing when dec->skip. */
+DSK_API dsk_status dsk_zero_step(dsk_zero *z, dsk_ctx *ctx, const dsk_adamw_opts *opts, int64_t step,
+                                 const dsk_amp_decision *dec);
+
+/* ---- checkpoints */
+
+typedef enum dsk_zero_ckpt_mode {
+    DSK_ZERO_CKPT_SAVE = 0, /* this rank's pieces (empty ones left out) */
+    DSK_ZERO_CKPT_LOAD = 1  /* what this rank holds: its pieces (stage 0: whole tensors) */
+} dsk_zero_ckpt_mode;
+/* Entries for dsk_ckpt_save / dsk_ckpt_load (see the top of the file): master, adam_m, adam_v
+   of every parameter. *entries and the tensors and names it points to belong to z and stay
+   valid until the next call or dsk_zero_free. Waits for pending collectives first. */
+DSK_API dsk_status dsk_zero_ckpt_entries(dsk_zero *z, dsk_ctx *ctx, dsk_zero_ckpt_mode mode,
+                                         const dsk_ckpt_entry **entries, int *n);
+
+/* ---- PowerSGD helpers */
+
+/* Key of the random stream of parameter p's initial Q at reduction pass `iter`: element j of
+   the (m, r) matrix is dsk_rng_normal_at(key, 0, j). */
+static inline DSK_HD uint64_t dsk_zero_powersgd_key(uint64_t seed, uint64_t p, uint64_t iter) {
+    uint32_t a[4], b[4];
+    dsk_philox4x32(seed ^ 0x7A45524F50534744ull, p, a); /* "zEROPSGD" */
+    dsk_philox4x32(((uint64_t)a[1] << 32) | a[0], iter, b);
+    return ((uint64_t)b[1] << 32) | b[0];
+}
+/* PyTorch's _should_compress for a tensor viewed as (rows, cols), plus ndim >= 2. */
+static inline int dsk_zero_powersgd_compresses(int ndim, int64_t rows, int64_t cols, int rank, double min_rate) {
+    int64_t r = rank < rows ? rank : rows;
+    if (cols < r) r = cols;
+    return ndim >= 2 && (double)((rows + cols) * r) * min_rate < (double)(rows * cols);
+}
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DSK_ZERO_H */
+
+/* ==================================================================== implementation */
+#ifdef DSK_ZERO_IMPLEMENTATION
+#ifndef DSK_ZERO_IMPLEMENTATION_DONE
+#define DSK_ZERO_IMPLEMENTATION_DONE
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+/* ---------------------------------------------------------------- state */
+
+enum { DSK__ZERO_RELEASED = 0, DSK__ZERO_GATHERING, DSK__ZERO_RESIDENT };
+enum { DSK__ZERO_OP_GATHER = 1, DSK__ZERO_OP_REDUCE };
+
+typedef struct dsk__zero_p {
+    char *name;
+    int ndim;
+    int64_t shape[DSK_MAX_DIMS];
+    int64_t numel, rows, cols; /* cols = numel / rows: the (rows, cols) view of PowerSGD */
+    dsk_tensor *value, *grad;
+    int unit, no_decay, marked;
+    int64_t uoff;              /* offset in its unit */
+    int64_t own_a, own_b;      /* this rank's piece [own_a, own_b) of the flattened parameter */
+    int64_t g_off, g_numel;    /* where the tensor sits in the flattened global tensor, its numel */
+    int psgd;                  /* PowerSGD compresses it */
+    int64_t rank_r, p_off, q_off; /* its P (rows, r) and Q (cols, r) in the unit's P and Q memory */
+} dsk__zero_p;
+
+typedef struct dsk__zero_u {
+    int id, p0, np;
+    int64_t numel, chunk, full_off, shard_off;
+    int pstate, pbuf, gbuf, pending, reduced;
+    int64_t gather_ticket, reduce_ticket;
+    int64_t p_elems, q_elems, unc_elems; /* PowerSGD: P and Q memory, uncompressed elements */
+    int64_t err_off, pq_off;             /* its error-feedback and P/Q memory in the shared slabs */
+    int has_err, has_q;
+} dsk__zero_u;
+
+typedef struct dsk__zero_op {
+    int kind, unit, accumulate;
+    int64_t ticket, iter;
+    float *grads; /* REDUCE: the unit's full gradients */
+} dsk__zero_op;
+
+struct dsk__zero_impl {
+    int stage, rank, world;
+    dsk_comm comm;        /* private, split from the group */
+    dsk_ctx pctx;         /* the progress thread's CPU context (one thread) */
+    dsk_zero_opts o;
+    dsk__zero_p *p;
+    dsk__zero_u *u;
+    size_t cesz;          /* bytes of a compute-dtype element */
+    int64_t full, shard, max_unit, max_chunk; /* padded full size, shard size, largest N c, largest c */
+    int master_in_full;   /* f32 weights, stages 0-2: the master is the weights slab itself */
+    dsk_tensor full_w, full_g, master, m, v, shard_w, shard_g, rs_tmp;
+    dsk_tensor *pbufs, *gbufs;
+    int *pbuf_owner, *gbuf_owner;
+    dsk_tensor wire16, chunk16;                 /* bf16 staging */
+    dsk_tensor err, pq, cp, unc;                /* PowerSGD */
+    int in_pass, sync, fresh, have_gathers;
+    int64_t iter;
+    /* progress thread and its queue of tickets [done + 1, next] */
+    pthread_t thread;
+    int thread_started, stop;
+    pthread_mutex_t mu;
+    pthread_cond_t cv_work, cv_done;
+    dsk__zero_op *q;
+    int64_t qcap, next_ticket, done_ticket, head;
+    dsk_status err_status;
+    char errmsg[1200];
+    int64_t st_collectives;
+    uint64_t st_reduce, st_plain, st_gather;
+    double st_seconds;
+    /* checkpoint entries */
+    dsk_ckpt_entry *ck_e;
+    dsk_tensor *ck_t;
+    char *ck_names;
+    int ck_n;
+};
+
+#define DSK__ZERO_NAME_MAX 160
+
+static double dsk__zero_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static dsk_status dsk__zero_need(const dsk_zero *z, const char *fn) {
+    if (!z || !z->impl) return dsk_set_error(DSK_ERR_ARG, "%s: zero object is NULL or not initialised", fn);
+    return DSK_OK;
+}
+
+/* A 1-D view of n elements of slab `s` from element `off`. */
+static dsk_tensor dsk__zero_view(const dsk_tensor *s, int64_t off, int64_t n) {
+    dsk_tensor v;
+    memset(&v, 0, sizeof v);
+    v.data = (char *)s->data + off * (int64_t)dsk_dtype_size(s->dtype);
+    v.dtype = s->dtype;
+    v.device = s->device;
+    v.ndim = 1;
+    v.shape[0] = n;
+    v.stride[0] = 1;
+    return v;
+}
+
+/* Points the caller's struct at data with parameter p's shape (data NULL: unbound). */
+static void dsk__zero_bind(dsk_tensor *t, const dsk__zero_p *p, void *data, dsk_dtype dt) {
+    int64_t s = 1;
+    memset(t, 0, sizeof *t);
+    t->data = data;
+    t->dtype = dt;
+    t->device = dsk_cpu();
+    t->ndim = p->ndim;
+    for (int d = p->ndim - 1; d >= 0; d--) {
+        t->shape[d] = p->shape[d];
+        t->stride[d] = s;
+        s *= p->shape[d];
+    }
+}
+
+static int dsk__zero_unit_of(const dsk__zero_impl *zi, int n_units, int id) {
+    int lo = 0, hi = n_units - 1;
+    while (lo <= hi) {
+        int mid = (lo + hi) / 2;
+        if (zi->u[mid].id == id) return mid;
+        if (zi->u[mid].id < id) lo = mid + 1;
+        else hi = mid - 1;
+    }
+    return -1;
+}
+
+/* ---------------------------------------------------------------- layout */
+
+/* Element offset, in the optimizer slabs (master, m, v), of element `a` of unit u (a inside
+   this rank's chunk, or anywhere in stage 0, whose optimizer slabs have the full layout). */
+static int64_t dsk__zero_opt_off(const dsk_zero *z, const dsk__zero_u *u, int64_t a) {
+    if (z->stage == 0) return u->full_off + a;
+    return u->shard_off + a - (int64_t)z->rank * u->chunk;
+}
+
+/* The master weights of elements [a, b) of parameter p (offsets in p). */
+static dsk_tensor dsk__zero_master_of(const dsk_zero *z, const dsk__zero_p *p, int64_t a, int64_t b) {
+    const dsk__zero_impl *zi = z->impl;
+    const dsk__zero_u *u = &zi->u[p->unit];
+    if (zi->master_in_full) return dsk__zero_view(&zi->full_w, u->full_off + p->uoff + a, b - a);
+    return dsk__zero_view(&zi->master, dsk__zero_opt_off(z, u, p->uoff + a), b - a);
+}
+
+/* The reduced f32 gradient of elements [a, b) of parameter p (this rank's piece in stages 1-3). */
+static dsk_tensor dsk__zero_grad_of(const dsk_zero *z, const dsk__zero_p *p, int64_t a, int64_t b) {
+    const dsk__zero_impl *zi = z->impl;
+    const dsk__zero_u *u = &zi->u[p->unit];
+    if (z->stage <= 1) return dsk__zero_view(&zi->full_g, u->full_off + p->uoff + a, b - a);
+    return dsk__zero_view(&zi->shard_g, u->shard_off + p->uoff + a - (int64_t)z->rank * u->chunk, b - a);
+}
+
+/* Where AdamW writes the compute copy of elements [a, b) of p, or a zeroed tensor when the
+   master is the compute weights. */
+static dsk_tensor dsk__zero_copy_of(const dsk_zero *z, const dsk__zero_p *p, int64_t a, int64_t b) {
+    const dsk__zero_impl *zi = z->impl;
+    const dsk__zero_u *u = &zi->u[p->unit];
+    dsk_tensor none;
+    memset(&none, 0, sizeof none);
+    if (zi->o.compute_dtype == DSK_F32) return none;
+    if (z->stage <= 2) return dsk__zero_view(&zi->full_w, u->full_off + p->uoff + a, b - a);
+    return dsk__zero_view(&zi->shard_w, u->shard_off + p->uoff + a - (int64_t)z->rank * u->chunk, b - a);
+}
+
+/* The compute-dtype shard stage 3 gathers from: its own slab, or the f32 master shard. */
+static const dsk_tensor *dsk__zero_send_shard(const dsk__zero_impl *zi) {
+    return zi->o.compute_dtype == DSK_F32 ? &zi->master : &zi->shard_w;
+}
+
+/* ---------------------------------------------------------------- progress thread */
+
+static void dsk__zero_scale_into(float *dst, const float *src, int64_t n, float s, int accumulate) {
+    for (int64_t i = 0; i < n; i++) {
+        float x = s == 1.0f ? src[i] : src[i] * s;
+        dst[i] = accumulate ? dst[i] + x : x;
+    }
+}
+
+/* Counts a finished reduction (bytes handed over, uncompressed bytes) or gather (gathered bytes). */
+static dsk_status dsk__zero_coll_done(dsk__zero_impl *zi, dsk_status st, uint64_t reduce, uint64_t plain,
+                                      uint64_t gather) {
+    if (st != DSK_OK) return st;
+    pthread_mutex_lock(&zi->mu);
+    zi->st_collectives++;
+    zi->st_reduce += reduce;
+    zi->st_plain += plain;
+    zi->st_gather += gather;
+    pthread_mutex_unlock(&zi->mu);
+    return DSK_OK;
+}
+
+/* f32 -> bf16 (nearest even) and back, as the host does. */
+static void dsk__zero_to_bf16(uint16_t *dst, const float *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = dsk_f32_to_bf16(src[i]);
+}
+static void dsk__zero_from_bf16(float *dst, const uint16_t *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = dsk_bf16_to_f32(src[i]);
+}
+
+/* Gram-Schmidt on the columns of x (rows, r), row-major, as PyTorch's _orthogonalize: each
+   column normalised (norm + eps; a zero norm with eps 0 leaves a zero column), then removed
+   from the columns after it. Dot products in f64. */
+static void dsk__zero_orthogonalize(float *x, int64_t rows, int64_t r, float eps) {
+    for (int64_t i = 0; i < r; i++) {
+        double ss = 0.0;
+        for (int64_t j = 0; j < rows; j++) ss += (double)x[j * r + i] * (double)x[j * r + i];
+        float nrm = (float)sqrt(ss), den = nrm + eps;
+        for (int64_t j = 0; j < rows; j++) x[j * r + i] = den > 0.0f ? x[j * r + i] / den : 0.0f;
+        for (int64_t k = i + 1; k < r; k++) {
+            double dot = 0.0;
+            for (int64_t j = 0; j < rows; j++) dot += (double)x[j * r + i] * (double)x[j * r + k];
+            for (int64_t j = 0; j < rows; j++) x[j * r + k] -= (float)dot * x[j * r + i];
+        }
+    }
+}
+
+static dsk_status dsk__zero_mm(dsk__zero_impl *zi, float *c, int64_t cr, int64_t cc, const float *a, int64_t ar,
+                               int64_t ac, int ta, const float *b, int64_t br, int64_t bc, int tb) {
+    dsk_tensor A, B, C;
+    int64_t sa[2] = {ar, ac}, sb[2] = {br, bc}, sc[2] = {cr, cc};
+    DSK__TRY(dsk_tensor_wrap(&A, (void *)a, DSK_F32, dsk_cpu(), 2, sa));
+    DSK__TRY(dsk_tensor_wrap(&B, (void *)b, DSK_F32, dsk_cpu(), 2, sb));
+    DSK__TRY(dsk_tensor_wrap(&C, c, DSK_F32, dsk_cpu(), 2, sc));
+    return dsk_matmul(&zi->pctx, &C, &A, ta, &B, tb, 1.0f, 0.0f);
+}
+
+/* PowerSGD on unit u's full gradients g (numel elements): leaves the approximation of their
+   average (or sum) over the group in g. See the top of the file. */
+static dsk_status dsk__zero_powersgd(dsk__zero_impl *zi, dsk__zero_u *u, float *g, int64_t iter) {
+    const dsk_zero_opts *o = &zi->o;
+    int64_t n = u->numel;
+    float *err = (float *)zi->err.data + u->err_off, *cp = (float *)zi->cp.data, *unc = (float *)zi->unc.data;
+    float *pm = (float *)zi->pq.data + u->pq_off, *qm = pm + u->p_elems;
+    int ef = !o->powersgd_no_error_feedback;
+    dsk_comm_op cop = o->sum_only ? DSK_COMM_SUM : DSK_COMM_AVG;
+    if (ef) {
+        if (u->has_err)
+            for (int64_t i = 0; i < n; i++) g[i] += err[i];
+        memcpy(cp, g, (size_t)n * sizeof(float));
+    }
+    if (u->unc_elems > 0) { /* the tensors PowerSGD leaves alone, packed and all-reduced */
+        int64_t k = 0;
+        for (int i = u->p0; i < u->p0 + u->np; i++)
+            if (!zi->p[i].psgd) {
+                memcpy(unc + k, g + zi->p[i].uoff, (size_t)zi->p[i].numel * sizeof(float));
+                k += zi->p[i].numel;
+            }
+        DSK__TRY(dsk__zero_coll_done(zi, dsk_comm_all_reduce(&zi->comm, NULL, unc, unc, k, DSK_F32, cop),
+                                     (uint64_t)k * 4u, 0, 0));
+        k = 0;
+        for (int i = u->p0; i < u->p0 + u->np; i++)
+            if (!zi->p[i].psgd) {
+                memcpy(g + zi->p[i].uoff, unc + k, (size_t)zi->p[i].numel * sizeof(float));
+                k += zi->p[i].numel;
+            }
+    }
+    if (u->p_elems > 0) {
+        int fresh = !u->has_q || o->powersgd_no_warm_start;
+        for (int i = u->p0; i < u->p0 + u->np; i++) {
+            dsk__zero_p *p = &zi->p[i];
+            float *q = qm + p->q_off;
+            if (!p->psgd) continue;
+            if (fresh) {
+                uint64_t key = dsk_zero_powersgd_key(o->powersgd_seed, (uint64_t)i, (uint64_t)iter);
+                for (int64_t j = 0; j < p->cols * p->rank_r; j++) q[j] = dsk_rng_normal_at(key, 0, (uint64_t)j);
+            }
+            dsk__zero_orthogonalize(q, p->cols, p->rank_r, o->powersgd_epsilon);
+            DSK__TRY(dsk__zero_mm(zi, pm + p->p_off, p->rows, p->rank_r, g + p->uoff, p->rows, p->cols, 0, q, p->cols,
+                                  p->rank_r, 0));
+        }
+        u->has_q = 1;
+        DSK__TRY(dsk__zero_coll_done(
+            zi, dsk_comm_all_reduce(&zi->comm, NULL, pm, pm, u->p_elems, DSK_F32, DSK_COMM_SUM),
+            (uint64_t)u->p_elems * 4u, 0, 0));
+        for (int i = u->p0; i < u->p0 + u->np; i++) {
+            dsk__zero_p *p = &zi->p[i];
+            if (!p->psgd) continue;
+            dsk__zero_orthogonalize(pm + p->p_off, p->rows, p->rank_r, o->powersgd_epsilon);
+            DSK__TRY(dsk__zero_mm(zi, qm + p->q_off, p->cols, p->rank_r, g + p->uoff, p->rows, p->cols, 1,
+                                  pm + p->p_off, p->rows, p->rank_r, 0));
+        }
+        DSK__TRY(dsk__zero_coll_done(
+            zi, dsk_comm_all_reduce(&zi->comm, NULL, qm, qm, u->q_elems, DSK_F32, cop),
+            (uint64_t)u->q_elems * 4u, 0, 0));
+        for (int i = u->p0; i < u->p0 + u->np; i++) {
+            dsk__zero_p *p = &zi->p[i];
+            if (!p->psgd) continue;
+            DSK__TRY(dsk__zero_mm(zi, g + p->uoff, p->rows, p->cols, pm + p->p_off, p->rows, p->rank_r, 0,
+                                  qm + p->q_off, p->cols, p->rank_r, 1));
+        }
+    }
+    if (ef) {
+        for (int64_t i = 0; i < n; i++) err[i] = cp[i] - g[i];
+        u->has_err = 1;
+    }
+    pthread_mutex_lock(&zi->mu);
+    zi->st_plain += (uint64_t)(zi->stage <= 1 ? n : (int64_t)zi->world * u->chunk) * 4u;
+    pthread_mutex_unlock(&zi->mu);
+    return DSK_OK;
+}
+
+/* Reduces unit u's full gradients g over the group: in place (stages 0-1) or into this
+   rank's chunk of the shard (stages 2-3, added when `accumulate`). */
+static dsk_status dsk__zero_reduce(dsk__zero_impl *zi, const dsk__zero_op *op) {
+    const dsk_zero_opts *o = &zi->o;
+    dsk__zero_u *u = &zi->u[op->unit];
+    float *g = op->grads, ps = o->grad_post_scale, *mine;
+    int64_t n = u->numel, c = u->chunk, nc = (int64_t)zi->world * c;
+    int full = zi->stage <= 1;
+    float *shard = full ? NULL : (float *)zi->shard_g.data + u->shard_off, *tmp = (float *)zi->rs_tmp.data;
+    uint16_t *w16 = (uint16_t *)zi->wire16.data, *c16 = (uint16_t *)zi->chunk16.data;
+    dsk_comm_op cop = o->sum_only ? DSK_COMM_SUM : DSK_COMM_AVG;
+    if (o->compress == DSK_ZERO_COMPRESS_POWERSGD && op->iter >= o->powersgd_start_iter) {
+        DSK__TRY(dsk__zero_powersgd(zi, u, g, op->iter));
+        if (full) {
+            if (ps != 1.0f) dsk__zero_scale_into(g, g, n, ps, 0);
+            return DSK_OK;
+        }
+        dsk__zero_scale_into(shard, g + (int64_t)zi->rank * c, c, ps, op->accumulate);
+        return DSK_OK;
+    }
+    if (o->compress == DSK_ZERO_COMPRESS_BF16) {
+        dsk__zero_to_bf16(w16, g, full ? n : nc);
+        if (full) {
+            DSK__TRY(dsk__zero_coll_done(zi, dsk_comm_all_reduce(&zi->comm, NULL, w16, w16, n, DSK_BF16, cop),
+                                         (uint64_t)n * 2u, (uint64_t)n * 4u, 0));
+            dsk__zero_from_bf16(g, w16, n);
+            if (ps != 1.0f) dsk__zero_scale_into(g, g, n, ps, 0);
+            return DSK_OK;
+        }
+        DSK__TRY(dsk__zero_coll_done(zi, dsk_comm_reduce_scatter(&zi->comm, NULL, w16, c16, c, DSK_BF16, cop),
+                                     (uint64_t)nc * 2u, (uint64_t)nc * 4u, 0));
+        dsk__zero_from_bf16(tmp, c16, c);
+        dsk__zero_scale_into(shard, tmp, c, ps, op->accumulate);
+        return DSK_OK;
+    }
+    if (full) {
+        DSK__TRY(dsk__zero_coll_done(zi, dsk_comm_all_reduce(&zi->comm, NULL, g, g, n, DSK_F32, cop),
+                                     (uint64_t)n * 4u, (uint64_t)n * 4u, 0));
+        if (ps != 1.0f) dsk__zero_scale_into(g, g, n, ps, 0);
+        return DSK_OK;
+    }
+    mine = op->accumulate ? tmp : shard;
+    DSK__TRY(dsk__zero_coll_done(zi, dsk_comm_reduce_scatter(&zi->comm, NULL, g, mine, c, DSK_F32, cop),
+                                 (uint64_t)nc * 4u, (uint64_t)nc * 4u, 0));
+    if (op->accumulate || ps != 1.0f) dsk__zero_scale_into(shard, mine, c, ps, op->accumulate);
+    return DSK_OK;
+}
+
+/* All-gathers unit u's compute-dtype weights: in place in the full slab (stages 1-2) or
+   from the shard into its gather buffer (stage 3). */
+static dsk_status dsk__zero_gather(dsk__zero_impl *zi, const dsk__zero_op *op) {
+    dsk__zero_u *u = &zi->u[op->unit];
+    dsk_dtype dt = zi->o.compute_dtype;
+    int64_t c = u->chunk, nc = (int64_t)zi->world * c;
+    const char *send;
+    char *recv;
+    if (zi->stage <= 2) {
+        recv = (char *)zi->full_w.data + u->full_off * (int64_t)zi->cesz;
+        send = recv + (int64_t)zi->rank * c * (int64_t)zi->cesz;
+    } else {
+        recv = (char *)zi->pbufs[u->pbuf].data;
+        send = (const char *)dsk__zero_send_shard(zi)->data + u->shard_off * (int64_t)zi->cesz;
+    }
+    return dsk__zero_coll_done(zi, dsk_comm_all_gather(&zi->comm, NULL, send, recv, c, dt), 0, 0,
+                               (uint64_t)nc * zi->cesz);
+}
+
+static const char *dsk__zero_op_name(int kind) { return kind == DSK__ZERO_OP_GATHER ? "all-gather" : "reduction"; }
+
+static void *dsk__zero_thread(void *arg) {
+    dsk__zero_impl *zi = (dsk__zero_impl *)arg;
+    pthread_mutex_lock(&zi->mu);
+    for (;;) {
+        dsk__zero_op op;
+        dsk_status st = DSK_OK;
+        double t0;
+        while (!zi->stop && zi->head > zi->next_ticket) pthread_cond_wait(&zi->cv_work, &zi->mu);
+        if (zi->head > zi->next_ticket) break;
+        op = zi->q[(zi->head - 1) % zi->qcap];
+        pthread_mutex_unlock(&zi->mu);
+        t0 = dsk__zero_now();
+        if (zi->err_status == DSK_OK)
+            st = op.kind == DSK__ZERO_OP_GATHER ? dsk__zero_gather(zi, &op) : dsk__zero_reduce(zi, &op);
+        pthread_mutex_lock(&zi->mu);
+        if (st != DSK_OK && zi->err_status == DSK_OK) {
+            zi->err_status = st;
+            snprintf(zi->errmsg, sizeof zi->errmsg, "%s of unit %d (\"%s\" ...): %.1000s", dsk__zero_op_name(op.kind),
+                     zi->u[op.unit].id, zi->p[zi->u[op.unit].p0].name, dsk_last_error());
+        }
+        zi->st_seconds += dsk__zero_now() - t0;
+        zi->done_ticket = op.ticket;
+        zi->head++;
+        pthread_cond_broadcast(&zi->cv_done);
+    }
+    pthread_mutex_unlock(&zi->mu);
+    return NULL;
+}
+
+/* Queues an operation; returns its ticket. A full queue waits for the oldest to finish. */
+static int64_t dsk__zero_enqueue(dsk__zero_impl *zi, int kind, int unit, float *grads, int accumulate) {
+    dsk__zero_op *op;
+    int64_t t;
+    pthread_mutex_lock(&zi->mu);
+    while (zi->next_ticket - zi->done_ticket >= zi->qcap) pthread_cond_wait(&zi->cv_done, &zi->mu);
+    t = ++zi->next_ticket;
+    op = &zi->q[(t - 1) % zi->qcap];
+    op->kind = kind;
+    op->unit = unit;
+    op->grads = grads;
+    op->accumulate = accumulate;
+    op->iter = zi->iter;
+    op->ticket = t;
+    pthread_cond_signal(&zi->cv_work);
+    pthread_mutex_unlock(&zi->mu);
+    return t;
+}
+
+/* Waits until ticket t is done; the progress thread's first error, if any, with fn's name. */
+static dsk_status dsk__zero_wait_ticket(dsk_zero *z, int64_t t, const char *fn) {
+    dsk__zero_impl *zi = z->impl;
+    dsk_status st;
+    double t0 = dsk__zero_now();
+    pthread_mutex_lock(&zi->mu);
+    while (zi->done_ticket < t && zi->err_status == DSK_OK) pthread_cond_wait(&zi->cv_done, &zi->mu);
+    st = zi->err_status;
+    pthread_mutex_unlock(&zi->mu);
+    z->stats.wait_seconds += dsk__zero_now() - t0;
+    if (st != DSK_OK) return dsk_set_error(st, "%s: rank %d of %d: %s", fn, z->rank, z->world_size, zi->errmsg);
+    return DSK_OK;
+}
+
+static int dsk__zero_ticket_done(dsk__zero_impl *zi, int64_t t) {
+    int64_t d;
+    pthread_mutex_lock(&zi->mu);
+    d = zi->done_ticket;
+    pthread_mutex_unlock(&zi->mu);
+    return d >= t;
+}
+
+static void dsk__zero_update_stats(dsk_zero *z) {
+    dsk__zero_impl *zi = z->impl;
+    pthread_mutex_lock(&zi->mu);
+    z->stats.collectives = zi->st_collectives;
+    z->stats.reduce_bytes = zi->st_reduce;
+    z->stats.plain_bytes = zi->st_plain;
+    z->stats.gather_bytes = zi->st_gather;
+    z->stats.seconds = zi->st_seconds;
+    z->stats.sent_bytes = zi->comm.stats.bytes_sent;
+    z->stats.received_bytes = zi->comm.stats.bytes_received;
+    pthread_mutex_unlock(&zi->mu);
+}
+
+/* ---------------------------------------------------------------- init and free */
+
+static dsk_status dsk__zero_check_opts(const char *fn, dsk_zero_opts *o, const dsk_comm *c) {
+    if (o->stage < 0 || o->stage > 3)
+        return dsk_set_error(DSK_ERR_ARG, "%s: stage %d is not 0, 1, 2 or 3", fn, o->stage);
+    if (o->compute_dtype != DSK_F32 && o->compute_dtype != DSK_BF16 && o->compute_dtype != DSK_F16)
+        return dsk_set_error(DSK_ERR_ARG, "%s: compute dtype %s is not f32, bf16 or f16", fn,
+                             dsk_dtype_name(o->compute_dtype));
+    if (o->sum_only != 0 && o->sum_only != 1)
+        return dsk_set_error(DSK_ERR_ARG, "%s: sum_only %d is not 0 or 1", fn, o->sum_only);
+    if (o->grad_post_scale == 0.0f) o->grad_post_scale = 1.0f;
+    if (!(o->grad_post_scale > 0.0f) || !dsk_amp_isfinite(o->grad_post_scale))
+        return dsk_set_error(DSK_ERR_ARG, "%s: grad_post_scale %g must be finite and > 0", fn,
+                             (double)o->grad_post_scale);
+    if (o->param_buffers == 0) o->param_buffers = 2;
+    if (o->grad_buffers == 0) o->grad_buffers = 2;
+    if (o->param_buffers < 2 || o->param_buffers > 64 || o->grad_buffers < 1 || o->grad_buffers > 64)
+        return dsk_set_error(DSK_ERR_ARG, "%s: param_buffers %d (want 2..64) or grad_buffers %d (want 1..64)", fn,
+                             o->param_buffers, o->grad_buffers);
+    if ((int)o->compress < DSK_ZERO_COMPRESS_NONE || o->compress > DSK_ZERO_COMPRESS_POWERSGD)
+        return dsk_set_error(DSK_ERR_ARG, "%s: unknown compression %d", fn, (int)o->compress);
+    if (o->powersgd_rank == 0) o->powersgd_rank = 1;
+    if (o->powersgd_min_compression_rate == 0.0) o->powersgd_min_compression_rate = 2.0;
+    if (o->powersgd_rank < 1 || o->powersgd_start_iter < 0 || !(o->powersgd_min_compression_rate > 0.0) ||
+        !(o->powersgd_epsilon >= 0.0f))
+        return dsk_set_error(DSK_ERR_ARG,
+                             "%s: PowerSGD rank %d (>= 1), start_iter %d (>= 0), min_compression_rate %g (> 0), "
+                             "epsilon %g (>= 0)",
+                             fn, o->powersgd_rank, o->powersgd_start_iter, o->powersgd_min_compression_rate,
+                             (double)o->powersgd_epsilon);
+    if (c->backend != DSK_COMM_HOST)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: the communicator's backend is nccl; dsk_zero shards CPU "
+                             "tensors over the host backend", fn);
+    return DSK_OK;
+}
+
+/* Copies and checks the parameter list; groups it into units. */
+static dsk_status dsk__zero_take_params(const char *fn, dsk_zero *z, const dsk_zero_param *ps, int n) {
+    dsk__zero_impl *zi = z->impl;
+    int nu = 0;
+    for (int i = 0; i < n; i++) {
+        const dsk_zero_param *q = &ps[i];
+        dsk__zero_p *p = &zi->p[i];
+        const char *nm = q->name ? q->name : "";
+        if (!q->name || !*q->name || strlen(q->name) >= DSK__ZERO_NAME_MAX - 16)
+            return dsk_set_error(DSK_ERR_ARG, "%s: params[%d] needs a name of 1 to %d characters", fn, i,
+                                 DSK__ZERO_NAME_MAX - 17);
+        if (q->ndim < 1 || q->ndim > DSK_MAX_DIMS || !q->value || !q->grad || q->unit < 0)
+            return dsk_set_error(DSK_ERR_ARG, "%s: params[%d] \"%s\": ndim %d (want 1..%d), value %p, grad %p, unit %d",
+                                 fn, i, nm, q->ndim, DSK_MAX_DIMS, (void *)q->value, (void *)q->grad, q->unit);
+        if (i > 0 && q->unit < ps[i - 1].unit)
+            return dsk_set_error(DSK_ERR_ARG, "%s: params[%d] \"%s\" has unit %d after unit %d: unit ids must not "
+                                 "decrease along the list", fn, i, nm, q->unit, ps[i - 1].unit);
+        p->numel = 1;
+        for (int d = 0; d < q->ndim; d++) {
+            if (q->shape[d] < 1)
+                return dsk_set_error(DSK_ERR_ARG, "%s: params[%d] \"%s\": shape[%d] = %lld (want >= 1)", fn, i, nm, d,
+                                     (long long)q->shape[d]);
+            p->shape[d] = q->shape[d];
+            p->numel *= q->shape[d];
+        }
+        p->ndim = q->ndim;
+        p->rows = q->shape[0];
+        p->cols = p->numel / p->rows;
+        if (q->global_rows != 0 && (q->row0 < 0 || q->global_rows < q->row0 + q->shape[0]))
+            return dsk_set_error(DSK_ERR_ARG, "%s: params[%d] \"%s\": rows [%lld, %lld) do not fit in %lld global rows",
+                                 fn, i, nm, (long long)q->row0, (long long)(q->row0 + q->shape[0]),
+                                 (long long)q->global_rows);
+        p->g_numel = q->global_rows ? q->global_rows * p->cols : p->numel;
+        p->g_off = q->global_rows ? q->row0 * p->cols : 0;
+        if (!(p->name = (char *)DSK_MALLOC(strlen(q->name) + 1)))
+            return dsk_set_error(DSK_ERR_OOM, "%s: parameter names", fn);
+        strcpy(p->name, q->name);
+        p->value = q->value;
+        p->grad = q->grad;
+        p->no_decay = q->no_decay != 0;
+        if (i == 0 || q->unit != ps[i - 1].unit) {
+            zi->u[nu].id = q->unit;
+            zi->u[nu].p0 = i;
+            nu++;
+        }
+        p->unit = nu - 1;
+        p->uoff = zi->u[nu - 1].numel;
+        zi->u[nu - 1].numel += p->numel;
+        zi->u[nu - 1].np++;
+    }
+    z->n_units = nu;
+    return DSK_OK;
+}
+
+/* Chunks, offsets, pieces and PowerSGD shapes of every unit. */
+static void dsk__zero_layout(dsk_zero *z) {
+    dsk__zero_impl *zi = z->impl;
+    int64_t N = z->world_size, r = z->rank, full = 0, shard = 0, err = 0, pq = 0;
+    for (int k = 0; k < z->n_units; k++) {
+        dsk__zero_u *u = &zi->u[k];
+        u->chunk = (u->numel + N - 1) / N;
+        u->full_off = full;
+        u->shard_off = shard;
+        u->err_off = err;
+        u->pq_off = pq;
+        u->pbuf = u->gbuf = -1;
+        full += N * u->chunk;
+        shard += u->chunk;
+        if (N * u->chunk > zi->max_unit) zi->max_unit = N * u->chunk;
+        if (u->chunk > zi->max_chunk) zi->max_chunk = u->chunk;
+        for (int i = u->p0; i < u->p0 + u->np; i++) {
+            dsk__zero_p *p = &zi->p[i];
+            int64_t lo = r * u->chunk, hi = lo + u->chunk;
+            int64_t a = p->uoff > lo ? p->uoff : lo, b = p->uoff + p->numel < hi ? p->uoff + p->numel : hi;
+            p->own_a = a < b ? a - p->uoff : 0;
+            p->own_b = a < b ? b - p->uoff : 0;
+            if (zi->o.compress != DSK_ZERO_COMPRESS_POWERSGD) continue;
+            p->psgd = dsk_zero_powersgd_compresses(p->ndim, p->rows, p->cols, zi->o.powersgd_rank,
+                                                   zi->o.powersgd_min_compression_rate);
+            if (!p->psgd) { u->unc_elems += p->numel; continue; }
+            p->rank_r = zi->o.powersgd_rank;
+            if (p->rank_r > p->rows) p->rank_r = p->rows;
+            if (p->rank_r > p->cols) p->rank_r = p->cols;
+            p->p_off = u->p_elems;
+            p->q_off = u->q_elems;
+            u->p_elems += p->rows * p->rank_r;
+            u->q_elems += p->cols * p->rank_r;
+        }
+        err += u->numel;
+        pq += u->p_elems + u->q_elems;
+    }
+    zi->full = full;
+    zi->shard = shard;
+}
+
+/* Allocates a zeroed f32/bf16/f16 slab and adds its allocator-measured bytes to *role. */
+static dsk_status dsk__zero_alloc(dsk_tensor *t, dsk_dtype dt, int64_t n, int64_t *role) {
+    int64_t before = dsk_tensor_mem_stats(dsk_cpu()).live_bytes;
+    DSK__TRY(dsk_tensor_alloc(NULL, t, dt, 1, &n));
+    memset(t->data, 0, dsk_tensor_nbytes(t));
+    *role += dsk_tensor_mem_stats(dsk_cpu()).live_bytes - before;
+    return DSK_OK;
+}
+
+static dsk_status dsk__zero_alloc_all(dsk_zero *z) {
+    dsk__zero_impl *zi = z->impl;
+    dsk_zero_memory *mem = &z->memory;
+    dsk_dtype cdt = zi->o.compute_dtype;
+    int64_t opt_n = z->stage == 0 ? zi->full : zi->shard, err = 0, pq = 0, cp = 0, unc = 0;
+    int psgd = zi->o.compress == DSK_ZERO_COMPRESS_POWERSGD;
+    zi->master_in_full = cdt == DSK_F32 && z->stage <= 2;
+    if (z->stage <= 2) DSK__TRY(dsk__zero_alloc(&zi->full_w, cdt, zi->full, &mem->params));
+    if (z->stage == 3 && cdt != DSK_F32) DSK__TRY(dsk__zero_alloc(&zi->shard_w, cdt, zi->shard, &mem->params));
+    if (z->stage == 3) {
+        zi->pbufs = (dsk_tensor *)DSK_MALLOC((size_t)zi->o.param_buffers * sizeof(dsk_tensor));
+        zi->pbuf_owner = (int *)DSK_MALLOC((size_t)zi->o.param_buffers * sizeof(int));
+        if (!zi->pbufs || !zi->pbuf_owner) return dsk_set_error(DSK_ERR_OOM, "dsk_zero_init: buffer lists");
+        memset(zi->pbufs, 0, (size_t)zi->o.param_buffers * sizeof(dsk_tensor));
+        for (int i = 0; i < zi->o.param_buffers; i++) {
+            zi->pbuf_owner[i] = -1;
+            DSK__TRY(dsk__zero_alloc(&zi->pbufs[i], cdt, zi->max_unit, &mem->params));
+        }
+    }
+    if (!zi->master_in_full) DSK__TRY(dsk__zero_alloc(&zi->master, DSK_F32, opt_n, &mem->optimizer));
+    DSK__TRY(dsk__zero_alloc(&zi->m, DSK_F32, opt_n, &mem->optimizer));
+    DSK__TRY(dsk__zero_alloc(&zi->v, DSK_F32, opt_n, &mem->optimizer));
+    if (z->stage <= 1) DSK__TRY(dsk__zero_alloc(&zi->full_g, DSK_F32, zi->full, &mem->grads));
+    if (z->stage >= 2) {
+        DSK__TRY(dsk__zero_alloc(&zi->shard_g, DSK_F32, zi->shard, &mem->grads));
+        DSK__TRY(dsk__zero_alloc(&zi->rs_tmp, DSK_F32, zi->max_chunk, &mem->grads));
+        zi->gbufs = (dsk_tensor *)DSK_MALLOC((size_t)zi->o.grad_buffers * sizeof(dsk_tensor));
+        zi->gbuf_owner = (int *)DSK_MALLOC((size_t)zi->o.grad_buffers * sizeof(int));
+        if (!zi->gbufs || !zi->gbuf_owner) return dsk_set_error(DSK_ERR_OOM, "dsk_zero_init: buffer lists");
+        memset(zi->gbufs, 0, (size_t)zi->o.grad_buffers * sizeof(dsk_tensor));
+        for (int i = 0; i < zi->o.grad_buffers; i++) {
+            zi->gbuf_owner[i] = -1;
+            DSK__TRY(dsk__zero_alloc(&zi->gbufs[i], DSK_F32, zi->max_unit, &mem->grads));
+        }
+    }
+    if (zi->o.compress == DSK_ZERO_COMPRESS_BF16) {
+        DSK__TRY(dsk__zero_alloc(&zi->wire16, DSK_BF16, zi->max_unit, &mem->comm));
+        if (z->stage >= 2) DSK__TRY(dsk__zero_alloc(&zi->chunk16, DSK_BF16, zi->max_chunk, &mem->comm));
+    }
+    if (psgd) {
+        for (int k = 0; k < z->n_units; k++) {
+            const dsk__zero_u *u = &zi->u[k];
+            err += u->numel;
+            pq += u->p_elems + u->q_elems;
+            if (u->numel > cp) cp = u->numel;
+            if (u->unc_elems > unc) unc = u->unc_elems;
+        }
+        if (!zi->o.powersgd_no_error_feedback) {
+            DSK__TRY(dsk__zero_alloc(&zi->err, DSK_F32, err, &mem->comm));
+            DSK__TRY(dsk__zero_alloc(&zi->cp, DSK_F32, cp, &mem->comm));
+        }
+        DSK__TRY(dsk__zero_alloc(&zi->pq, DSK_F32, pq, &mem->comm));
+        DSK__TRY(dsk__zero_alloc(&zi->unc, DSK_F32, unc, &mem->comm));
+    }
+    return DSK_OK;
+}
+
+/* The views stages 0-2 keep for good. */
+static void dsk__zero_bind_all(dsk_zero *z) {
+    dsk__zero_impl *zi = z->impl;
+    for (int i = 0; i < z->n_params; i++) {
+        dsk__zero_p *p = &zi->p[i];
+        const dsk__zero_u *u = &zi->u[p->unit];
+        char *w = z->stage <= 2 ? (char *)zi->full_w.data + (u->full_off + p->uoff) * (int64_t)zi->cesz : NULL;
+        float *g = z->stage <= 1 ? (float *)zi->full_g.data + u->full_off + p->uoff : NULL;
+        dsk__zero_bind(p->value, p, w, zi->o.compute_dtype);
+        dsk__zero_bind(p->grad, p, g, DSK_F32);
+    }
+}
+
+DSK_API void dsk_zero_free(dsk_zero *z, dsk_ctx *ctx) {
+    dsk__zero_impl *zi;
+    (void)ctx;
+    if (!z || !z->impl) { if (z) memset(z, 0, sizeof *z); return; }
+    zi = z->impl;
+    if (zi->thread_started) {
+        pthread_mutex_lock(&zi->mu);
+        zi->stop = 1;
+        pthread_cond_broadcast(&zi->cv_work);
+        pthread_mutex_unlock(&zi->mu);
+        pthread_join(zi->thread, NULL);
+        pthread_mutex_destroy(&zi->mu);
+        pthread_cond_destroy(&zi->cv_work);
+        pthread_cond_destroy(&zi->cv_done);
+    }
+    dsk_comm_free(&zi->comm);
+    if (zi->p)
+        for (int i = 0; i < z->n_params; i++) {
+            if (zi->p[i].value) dsk__zero_bind(zi->p[i].value, &zi->p[i], NULL, zi->o.compute_dtype);
+            if (zi->p[i].grad) dsk__zero_bind(zi->p[i].grad, &zi->p[i], NULL, DSK_F32);
+            DSK_FREE(zi->p[i].name);
+        }
+    {
+        dsk_tensor *ts[] = {&zi->full_w, &zi->full_g, &zi->master, &zi->m, &zi->v, &zi->shard_w, &zi->shard_g,
+                            &zi->rs_tmp, &zi->wire16, &zi->chunk16, &zi->err, &zi->pq, &zi->cp, &zi->unc};
+        for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(NULL, ts[i]);
+    }
+    if (zi->pbufs)
+        for (int i = 0; i < zi->o.param_buffers; i++) dsk_tensor_free(NULL, &zi->pbufs[i]);
+    if (zi->gbufs)
+        for (int i = 0; i < zi->o.grad_buffers; i++) dsk_tensor_free(NULL, &zi->gbufs[i]);
+    DSK_FREE(zi->pbufs); DSK_FREE(zi->gbufs); DSK_FREE(zi->pbuf_owner); DSK_FREE(zi->gbuf_owner);
+    DSK_FREE(zi->p); DSK_FREE(zi->u); DSK_FREE(zi->q);
+    DSK_FREE(zi->ck_e); DSK_FREE(zi->ck_t); DSK_FREE(zi->ck_names);
+    DSK_FREE(zi);
+    memset(z, 0, sizeof *z);
+}
+
+static dsk_status dsk__zero_init(dsk_zero *z, dsk_comm *c, dsk_ctx *ctx, const dsk_zero_param *params, int n,
+                                 const dsk_zero_opts *opts) {
+    const char *fn = "dsk_zero_init";
+    dsk__zero_impl *zi;
+    dsk_ctx_opts co;
+    dsk_status st;
+    if (!c || !c->impl) return dsk_set_error(DSK_ERR_ARG, "%s: communicator is NULL or not initialised", fn);
+    if (n < 1 || !params) return dsk_set_error(DSK_ERR_ARG, "%s: need at least one parameter (got %d)", fn, n);
+    if (ctx && ctx->device.type != DSK_DEV_CPU)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: ctx is on cuda:%d; dsk_zero shards CPU tensors over the host "
+                             "backend", fn, ctx->device.index);
+    if (!(zi = (dsk__zero_impl *)DSK_MALLOC(sizeof *zi))) return dsk_set_error(DSK_ERR_OOM, "%s: state", fn);
+    memset(zi, 0, sizeof *zi);
+    z->impl = zi;
+    if (opts) zi->o = *opts;
+    DSK__TRY(dsk__zero_check_opts(fn, &zi->o, c));
+    z->stage = zi->stage = zi->o.stage;
+    z->rank = zi->rank = c->rank;
+    z->world_size = zi->world = c->world_size;
+    z->n_params = n;
+    zi->cesz = dsk_dtype_size(zi->o.compute_dtype);
+    zi->p = (dsk__zero_p *)DSK_MALLOC((size_t)n * sizeof *zi->p);
+    zi->u = (dsk__zero_u *)DSK_MALLOC((size_t)n * sizeof *zi->u);
+    zi->qcap = 2 * (int64_t)n + 2;
+    zi->q = (dsk__zero_op *)DSK_MALLOC((size_t)zi->qcap * sizeof *zi->q);
+    if (!zi->p || !zi->u || !zi->q) return dsk_set_error(DSK_ERR_OOM, "%s: tables for %d parameters", fn, n);
+    memset(zi->p, 0, (size_t)n * sizeof *zi->p);
+    memset(zi->u, 0, (size_t)n * sizeof *zi->u);
+    DSK__TRY(dsk__zero_take_params(fn, z, params, n));
+    dsk__zero_layout(z);
+    DSK__TRY(dsk__zero_alloc_all(z));
+    dsk__zero_bind_all(z);
+    memset(&co, 0, sizeof co);
+    co.device = DSK_PREFER_CPU;
+    co.n_threads = 1;
+    DSK__TRY(dsk_ctx_init(&zi->pctx, &co));
+    if ((st = dsk_comm_split(c, 0, c->rank, &zi->comm)) != DSK_OK) {
+        char msg[1100];
+        snprintf(msg, sizeof msg, "%s: splitting the private communicator: %s", fn, dsk_last_error());
+        return dsk_set_error(st, "%s", msg);
+    }
+    pthread_mutex_init(&zi->mu, NULL);
+    pthread_cond_init(&zi->cv_work, NULL);
+    pthread_cond_init(&zi->cv_done, NULL);
+    zi->head = 1;
+    zi->fresh = 1;
+    if (pthread_create(&zi->thread, NULL, dsk__zero_thread, zi) != 0) {
+        pthread_mutex_destroy(&zi->mu);
+        pthread_cond_destroy(&zi->cv_work);
+        pthread_cond_destroy(&zi->cv_done);
+        return dsk_set_error(DSK_ERR_IO, "%s: cannot start the progress thread", fn);
+    }
+    zi->thread_started = 1;
+    /* every rank is through the split before any returns (and may free the store it used) */
+    return dsk_comm_barrier(&zi->comm, NULL);
+}
+
+DSK_API dsk_status dsk_zero_init(dsk_zero *z, dsk_comm *c, dsk_ctx *ctx, const dsk_zero_param *params, int n,
+                                 const dsk_zero_opts *opts) {
+    dsk_status st;
+    if (!z) return dsk_set_error(DSK_ERR_ARG, "dsk_zero_init: zero object is NULL");
+    memset(z, 0, sizeof *z);
+    st = dsk__zero_init(z, c, ctx, params, n, opts);
+    if (st != DSK_OK) {
+        char msg[1200];
+        snprintf(msg, sizeof msg, "%s", dsk_last_error());
+        dsk_zero_free(z, ctx);
+        dsk_set_error(st, "%s", msg);
+    }
+    return st;
+}
+
+/* ---------------------------------------------------------------- weights */
+
+DSK_API dsk_status dsk_zero_get_piece(const dsk_zero *z, int p, dsk_zero_piece *out) {
+    const dsk__zero_impl *zi;
+    const dsk__zero_p *pp;
+    int64_t a, b;
+    DSK__TRY(dsk__zero_need(z, "dsk_zero_get_piece"));
+    if (p < 0 || p >= z->n_params || !out)
+        return dsk_set_error(DSK_ERR_ARG, "dsk_zero_get_piece: parameter %d not in [0, %d) or out is NULL", p,
+                             z->n_params);
+    zi = z->impl;
+    pp = &zi->p[p];
+    a = z->stage == 0 ? 0 : pp->own_a;
+    b = z->stage == 0 ? pp->numel : pp->own_b;
+    memset(out, 0, sizeof *out);
+    out->first = a;
+    out->count = b - a;
+    out->master = dsk__zero_master_of(z, pp, a, b);
+    out->m = dsk__zero_view(&zi->m, dsk__zero_opt_off(z, &zi->u[pp->unit], pp->uoff + a), b - a);
+    out->v = dsk__zero_view(&zi->v, dsk__zero_opt_off(z, &zi->u[pp->unit], pp->uoff + a), b - a);
+    out->grad = dsk__zero_grad_of(z, pp, a, b);
+    return DSK_OK;
+}
+
+/* Waits for every queued collective. */
+static dsk_status dsk__zero_drain(dsk_zero *z, const char *fn) {
+    dsk__zero_impl *zi = z->impl;
+    int64_t t;
+    pthread_mutex_lock(&zi->mu);
+    t = zi->next_ticket;
+    pthread_mutex_unlock(&zi->mu);
+    DSK__TRY(dsk__zero_wait_ticket(z, t, fn));
+    for (int k = 0; k < z->n_units; k++)
+        if (zi->u[k].pstate == DSK__ZERO_GATHERING && z->stage <= 2) zi->u[k].pstate = DSK__ZERO_RESIDENT;
+    dsk__zero_update_stats(z);
+    return DSK_OK;
+}
+
+/* Stage 3: drops every gathered unit (its weights are stale or no longer needed). */
+static void dsk__zero_release_all(dsk_zero *z) {
+    dsk__zero_impl *zi = z->impl;
+    if (z->stage != 3) return;
+    for (int k = 0; k < z->n_units; k++) {
+        dsk__zero_u *u = &zi->u[k];
+        if (u->pbuf >= 0) zi->pbuf_owner[u->pbuf] = -1;
+        u->pbuf = -1;
+        u->pstate = DSK__ZERO_RELEASED;
+        for (int i = u->p0; i < u->p0 + u->np; i++)
+            dsk__zero_bind(zi->p[i].value, &zi->p[i], NULL, zi->o.compute_dtype);
+    }
+}
+
+/* Stages 1-2: queues the all-gather of every unit's weights; forward_begin waits per unit. */
+static void dsk__zero_start_gathers(dsk_zero *z) {
+    dsk__zero_impl *zi = z->impl;
+    for (int k = 0; k < z->n_units; k++) {
+        zi->u[k].gather_ticket = dsk__zero_enqueue(zi, DSK__ZERO_OP_GATHER, k, NULL, 0);
+        zi->u[k].pstate = DSK__ZERO_GATHERING;
+    }
+}
+
+DSK_API dsk_status dsk_zero_refresh(dsk_zero *z, dsk_ctx *ctx) {
+    const char *fn = "dsk_zero_refresh";
+    dsk__zero_impl *zi;
+    DSK__TRY(dsk__zero_need(z, fn));
+    zi = z->impl;
+    if (zi->in_pass) return dsk_set_error(DSK_ERR_STATE, "%s: called inside a backward pass", fn);
+    DSK__TRY(dsk__zero_drain(z, fn));
+    for (int i = 0; i < z->n_params; i++) {
+        dsk__zero_p *p = &zi->p[i];
+        int64_t a = z->stage == 0 ? 0 : p->own_a, b = z->stage == 0 ? p->numel : p->own_b;
+        dsk_tensor master = dsk__zero_master_of(z, p, a, b), copy = dsk__zero_copy_of(z, p, a, b);
+        if (b > a && copy.data) DSK__TRY(dsk_tensor_copy(ctx, &copy, &master));
+    }
+    dsk__zero_release_all(z);
+    if (z->stage == 1 || z->stage == 2) {
+        dsk__zero_start_gathers(z);
+        DSK__TRY(dsk__zero_drain(z, fn));
+    }
+    return DSK_OK;
+}
+
+/* ---------------------------------------------------------------- units */
+
+/* A free slot of a pool, or -1. */
+static int dsk__zero_free_slot(const int *owner, int n) {
+    for (int i = 0; i < n; i++)
+        if (owner[i] < 0) return i;
+    return -1;
+}
+
+/* Stage 3: queues unit k's gather into a free buffer; 0 when none is free. */
+static int dsk__zero_start_gather(dsk_zero *z, int k) {
+    dsk__zero_impl *zi = z->impl;
+    dsk__zero_u *u = &zi->u[k];
+    int slot = dsk__zero_free_slot(zi->pbuf_owner, zi->o.param_buffers);
+    if (slot < 0) return 0;
+    zi->pbuf_owner[slot] = k;
+    u->pbuf = slot;
+    u->pstate = DSK__ZERO_GATHERING;
+    u->gather_ticket = dsk__zero_enqueue(zi, DSK__ZERO_OP_GATHER, k, NULL, 0);
+    return 1;
+}
+
+/* Makes unit k's weights available (gathering or waiting as needed), then prefetches unit
+   k + dir of this object. */
+static dsk_status dsk__zero_need_unit(dsk_zero *z, int k, int dir, const char *fn) {
+    dsk__zero_impl *zi = z->impl;
+    dsk__zero_u *u = &zi->u[k];
+    if (z->stage == 1 || z->stage == 2) {
+        if (u->pstate == DSK__ZERO_GATHERING) {
+            DSK__TRY(dsk__zero_wait_ticket(z, u->gather_ticket, fn));
+            u->pstate = DSK__ZERO_RESIDENT;
+        }
+        return DSK_OK;
+    }
+    if (z->stage != 3) return DSK_OK;
+    if (u->pstate == DSK__ZERO_RELEASED && !dsk__zero_start_gather(z, k)) {
+        char held[256];
+        size_t len = 0;
+        held[0] = 0;
+        for (int i = 0; i < zi->o.param_buffers && len < sizeof held - 16; i++)
+            len += (size_t)snprintf(held + len, sizeof held - len, "%s%d", i ? ", " : "", zi->u[zi->pbuf_owner[i]].id);
+        return dsk_set_error(DSK_ERR_STATE, "%s: no free gather buffer for unit %d: units %s are gathered (end "
+                             "their forward or backward first, or raise param_buffers from %d)", fn, u->id, held,
+                             zi->o.param_buffers);
+    }
+    if (u->pstate == DSK__ZERO_GATHERING) {
+        DSK__TRY(dsk__zero_wait_ticket(z, u->gather_ticket, fn));
+        u->pstate = DSK__ZERO_RESIDENT;
+        for (int i = u->p0; i < u->p0 + u->np; i++)
+            dsk__zero_bind(zi->p[i].value, &zi->p[i],
+                           (char *)zi->pbufs[u->pbuf].data + zi->p[i].uoff * (int64_t)zi->cesz, zi->o.compute_dtype);
+    }
+    if (k + dir >= 0 && k + dir < z->n_units && zi->u[k + dir].pstate == DSK__ZERO_RELEASED)
+        (void)dsk__zero_start_gather(z, k + dir);
+    return DSK_OK;
+}
+
+static dsk_status dsk__zero_unit_arg(dsk_zero *z, int unit, const char *fn, int *k) {
+    DSK__TRY(dsk__zero_need(z, fn));
+    *k = dsk__zero_unit_of(z->impl, z->n_units, unit);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_zero_forward_begin(dsk_zero *z, dsk_ctx *ctx, int unit) {
+    int k;
+    (void)ctx;
+    DSK__TRY(dsk__zero_unit_arg(z, unit, "dsk_zero_forward_begin", &k));
+    return k < 0 ? DSK_OK : dsk__zero_need_unit(z, k, 1, "dsk_zero_forward_begin");
+}
+
+/* Stage 3: frees unit k's gather buffer (a prefetched gather still in flight is waited for). */
+static dsk_status dsk__zero_release(dsk_zero *z, int k, const char *fn) {
+    dsk__zero_impl *zi = z->impl;
+    dsk__zero_u *u = &zi->u[k];
+    if (z->stage != 3 || u->pstate == DSK__ZERO_RELEASED) return DSK_OK;
+    if (u->pstate == DSK__ZERO_GATHERING) DSK__TRY(dsk__zero_wait_ticket(z, u->gather_ticket, fn));
+    zi->pbuf_owner[u->pbuf] = -1;
+    u->pbuf = -1;
+    u->pstate = DSK__ZERO_RELEASED;
+    for (int i = u->p0; i < u->p0 + u->np; i++) dsk__zero_bind(zi->p[i].value, &zi->p[i], NULL, zi->o.compute_dtype);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_zero_forward_end(dsk_zero *z, dsk_ctx *ctx, int unit) {
+    int k;
+    (void)ctx;
+    DSK__TRY(dsk__zero_unit_arg(z, unit, "dsk_zero_forward_end", &k));
+    return k < 0 ? DSK_OK : dsk__zero_release(z, k, "dsk_zero_forward_end");
+}
+
+/* Stages 2-3: a gradient buffer for unit k, zeroed, its parameters' grads bound to it. A busy
+   buffer is reclaimed once its reduce-scatter is done (waiting for the oldest if need be). */
+static dsk_status dsk__zero_take_grad_buffer(dsk_zero *z, int k, const char *fn) {
+    dsk__zero_impl *zi = z->impl;
+    dsk__zero_u *u = &zi->u[k];
+    int nb = zi->o.grad_buffers, slot = -1;
+    if (u->gbuf >= 0) return dsk_set_error(DSK_ERR_STATE, "%s: unit %d's backward already began in this pass", fn,
+                                           u->id);
+    for (int i = 0; i < nb && slot < 0; i++) {
+        int o = zi->gbuf_owner[i];
+        if (o < 0 || (zi->u[o].reduce_ticket > 0 && dsk__zero_ticket_done(zi, zi->u[o].reduce_ticket))) slot = i;
+    }
+    if (slot < 0) { /* wait for the oldest reduction holding a buffer */
+        int64_t oldest = 0;
+        for (int i = 0; i < nb; i++) {
+            int64_t t = zi->u[zi->gbuf_owner[i]].reduce_ticket;
+            if (t <= 0)
+                return dsk_set_error(DSK_ERR_STATE, "%s: no free gradient buffer for unit %d: unit %d's gradients "
+                                     "are not all marked ready (or raise grad_buffers from %d)", fn, u->id,
+                                     zi->u[zi->gbuf_owner[i]].id, nb);
+            if (slot < 0 || t < oldest) { oldest = t; slot = i; }
+        }
+        DSK__TRY(dsk__zero_wait_ticket(z, oldest, fn));
+    }
+    if (zi->gbuf_owner[slot] >= 0) zi->u[zi->gbuf_owner[slot]].gbuf = -1;
+    zi->gbuf_owner[slot] = k;
+    u->gbuf = slot;
+    u->reduce_ticket = 0;
+    memset(zi->gbufs[slot].data, 0, (size_t)zi->max_unit * sizeof(float));
+    for (int i = u->p0; i < u->p0 + u->np; i++)
+        dsk__zero_bind(zi->p[i].grad, &zi->p[i], (float *)zi->gbufs[slot].data + zi->p[i].uoff, DSK_F32);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_zero_backward_begin(dsk_zero *z, dsk_ctx *ctx, int unit) {
+    const char *fn = "dsk_zero_backward_begin";
+    int k;
+    (void)ctx;
+    DSK__TRY(dsk__zero_unit_arg(z, unit, fn, &k));
+    if (k < 0) return DSK_OK;
+    if (!z->impl->in_pass) return dsk_set_error(DSK_ERR_STATE, "%s: unit %d outside a pass (call dsk_zero_begin)", fn,
+                                                unit);
+    DSK__TRY(dsk__zero_need_unit(z, k, -1, fn));
+    if (z->stage >= 2) DSK__TRY(dsk__zero_take_grad_buffer(z, k, fn));
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_zero_backward_end(dsk_zero *z, dsk_ctx *ctx, int unit) {
+    const char *fn = "dsk_zero_backward_end";
+    dsk__zero_impl *zi;
+    int k;
+    (void)ctx;
+    DSK__TRY(dsk__zero_unit_arg(z, unit, fn, &k));
+    if (k < 0) return DSK_OK;
+    zi = z->impl;
+    if (z->stage >= 2)
+        for (int i = zi->u[k].p0; i < zi->u[k].p0 + zi->u[k].np; i++)
+            dsk__zero_bind(zi->p[i].grad, &zi->p[i], NULL, DSK_F32);
+    return dsk__zero_release(z, k, fn);
+}
+
+DSK_API dsk_status dsk_zero_begin(dsk_zero *z, dsk_ctx *ctx, int sync) {
+    const char *fn = "dsk_zero_begin";
+    dsk__zero_impl *zi;
+    DSK__TRY(dsk__zero_need(z, fn));
+    zi = z->impl;
+    if (zi->in_pass)
+        return dsk_set_error(DSK_ERR_STATE, "%s: the previous pass was not waited for (dsk_zero_wait)", fn);
+    if (zi->fresh) {
+        DSK__TRY(dsk__zero_drain(z, fn));
+        if (z->stage <= 1) DSK__TRY(dsk_tensor_fill(ctx, &zi->full_g, 0.0));
+        for (int k = 0; k < z->n_units; k++) zi->u[k].reduced = 0;
+        zi->fresh = 0;
+    }
+    for (int k = 0; k < z->n_units; k++) zi->u[k].pending = zi->u[k].np;
+    for (int i = 0; i < z->n_params; i++) zi->p[i].marked = 0;
+    zi->sync = sync != 0 || z->stage >= 2;
+    zi->in_pass = 1;
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_zero_grad_ready(dsk_zero *z, dsk_ctx *ctx, int param) {
+    const char *fn = "dsk_zero_grad_ready";
+    dsk__zero_impl *zi;
+    dsk__zero_u *u;
+    (void)ctx;
+    DSK__TRY(dsk__zero_need(z, fn));
+    zi = z->impl;
+    if (param < 0 || param >= z->n_params)
+        return dsk_set_error(DSK_ERR_ARG, "%s: parameter %d not in [0, %d)", fn, param, z->n_params);
+    if (!zi->in_pass)
+        return dsk_set_error(DSK_ERR_STATE, "%s: parameter %d \"%s\" marked outside a pass (call dsk_zero_begin)", fn,
+                             param, zi->p[param].name);
+    if (zi->p[param].marked)
+        return dsk_set_error(DSK_ERR_STATE, "%s: parameter %d \"%s\" marked ready twice in one pass", fn, param,
+                             zi->p[param].name);
+    u = &zi->u[zi->p[param].unit];
+    if (z->stage >= 2 && u->gbuf < 0)
+        return dsk_set_error(DSK_ERR_STATE, "%s: parameter %d \"%s\" marked before its unit %d's backward began "
+                             "(dsk_zero_backward_begin)", fn, param, zi->p[param].name, u->id);
+    zi->p[param].marked = 1;
+    if (--u->pending > 0 || !zi->sync) return DSK_OK;
+    {
+        float *g = z->stage <= 1 ? (float *)zi->full_g.data + u->full_off : (float *)zi->gbufs[u->gbuf].data;
+        u->reduce_ticket = dsk__zero_enqueue(zi, DSK__ZERO_OP_REDUCE, (int)(u - zi->u), g, u->reduced);
+        u->reduced = 1;
+    }
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_zero_wait(dsk_zero *z, dsk_ctx *ctx) {
+    const char *fn = "dsk_zero_wait";
+    dsk__zero_impl *zi;
+    (void)ctx;
+    DSK__TRY(dsk__zero_need(z, fn));
+    zi = z->impl;
+    DSK__TRY(dsk__zero_drain(z, fn));
+    if (!zi->in_pass) return DSK_OK;
+    zi->in_pass = 0;
+    for (int i = 0; z->stage >= 2 && i < zi->o.grad_buffers; i++) /* every reduction is done: free the buffers */
+        if (zi->gbuf_owner[i] >= 0) {
+            zi->u[zi->gbuf_owner[i]].gbuf = -1;
+            zi->gbuf_owner[i] = -1;
+        }
+    if (zi->sync) {
+        for (int i = 0; i < z->n_params; i++)
+            if (!zi->p[i].marked)
+                return dsk_set_error(DSK_ERR_STATE, "%s: parameter %d \"%s\" (unit %d) was never marked ready in this "
+                                     "pass", fn, i, zi->p[i].name, zi->u[zi->p[i].unit].id);
+        zi->iter++;
+        z->stats.passes++;
+    }
+    return DSK_OK;
+}
+
+/* ---------------------------------------------------------------- the step */
+
+/* Gradient views of this rank's pieces (in), or of the rest of each gradient (stage 0). */
+static int dsk__zero_grad_pieces(const dsk_zero *z, dsk_tensor *out, int rest) {
+    const dsk__zero_impl *zi = z->impl;
+    int n = 0;
+    for (int i = 0; i < z->n_params; i++) {
+        const dsk__zero_p *p = &zi->p[i];
+        if (!rest) {
+            if (p->own_b > p->own_a) out[n++] = dsk__zero_grad_of(z, p, p->own_a, p->own_b);
+            continue;
+        }
+        if (p->own_b <= p->own_a) { out[n++] = dsk__zero_grad_of(z, p, 0, p->numel); continue; }
+        if (p->own_a > 0) out[n++] = dsk__zero_grad_of(z, p, 0, p->own_a);
+        if (p->own_b < p->numel) out[n++] = dsk__zero_grad_of(z, p, p->own_b, p->numel);
+    }
+    return n;
+}
+
+DSK_API dsk_status dsk_zero_unscale_decide(dsk_zero *const *zs, int n, dsk_amp_scaler *sc, dsk_comm *world,
+                                           dsk_ctx *ctx, double max_norm, dsk_amp_decision *dec) {
+    const char *fn = "dsk_zero_unscale_decide";
+    dsk_tensor *views = NULL, **list = NULL;
+    int total = 0, k = 0;
+    dsk_amp_stats st;
+    dsk_status s = DSK_OK;
+    memset(&st, 0, sizeof st);
+    if (n < 1 || !zs || !sc || !dec) return dsk_set_error(DSK_ERR_ARG, "%s: need objects, a scaler and dec", fn);
+    for (int i = 0; i < n; i++) {
+        DSK__TRY(dsk__zero_need(zs[i], fn));
+        if (zs[i]->impl->in_pass) return dsk_set_error(DSK_ERR_STATE, "%s: object %d's pass was not waited for", fn, i);
+        DSK__TRY(dsk__zero_drain(zs[i], fn));
+        total += 2 * zs[i]->n_params;
+    }
+    views = (dsk_tensor *)DSK_MALLOC((size_t)total * sizeof *views);
+    list = (dsk_tensor **)DSK_MALLOC((size_t)total * sizeof *list);
+    if (!views || !list) { s = dsk_set_error(DSK_ERR_OOM, "%s: piece lists", fn); goto done; }
+    for (int i = 0; i < n; i++) k += dsk__zero_grad_pieces(zs[i], views + k, 0);
+    for (int i = 0; i < k; i++) list[i] = &views[i];
+    if ((s = dsk_amp_unscale(sc, ctx, list, k)) != DSK_OK || (s = dsk_amp_stats_get(sc, ctx, &st)) != DSK_OK) goto done;
+    for (int i = 0; i < n; i++) /* stage 0 steps whole gradients: unscale the rest too, keep the pieces' stats */
+        if (zs[i]->stage == 0) {
+            int m = dsk__zero_grad_pieces(zs[i], views, 1);
+            for (int j = 0; j < m; j++) list[j] = &views[j];
+            if ((s = dsk_amp_unscale(sc, ctx, list, m)) != DSK_OK) goto done;
+        }
+    if (world && world->world_size > 1) {
+        double w[2] = {st.found_inf, st.sumsq};
+        if ((s = dsk_comm_all_reduce(world, NULL, w, w, 2, DSK_F64, DSK_COMM_SUM)) != DSK_OK) goto done;
+        st.found_inf = w[0];
+        st.sumsq = w[1];
+    }
+    if ((s = dsk_amp_stats_set(sc, ctx, &st)) != DSK_OK) goto done;
+    *dec = dsk_amp_decide(st, max_norm);
+done:
+    DSK_FREE(views);
+    DSK_FREE(list);
+    return s;
+}
+
+DSK_API dsk_status dsk_zero_step(dsk_zero *z, dsk_ctx *ctx, const dsk_adamw_opts *opts, int64_t step,
+                                 const dsk_amp_decision *dec) {
+    const char *fn = "dsk_zero_step";
+    dsk__zero_impl *zi;
+    dsk_adamw_opts o = opts ? *opts : dsk_adamw_defaults(), plain;
+    DSK__TRY(dsk__zero_need(z, fn));
+    zi = z->impl;
+    if (!dec) return dsk_set_error(DSK_ERR_ARG, "%s: decision is NULL", fn);
+    if (zi->in_pass) return dsk_set_error(DSK_ERR_STATE, "%s: the pass was not waited for (dsk_zero_wait)", fn);
+    DSK__TRY(dsk__zero_drain(z, fn));
+    for (int k = 0; k < z->n_units; k++)
+        if (!zi->u[k].reduced)
+            return dsk_set_error(DSK_ERR_STATE, "%s: unit %d (\"%s\" ...) has no reduced gradients since the last "
+                                 "step (no synchronising pass ran its backward)", fn, zi->u[k].id,
+                                 zi->p[zi->u[k].p0].name);
+    zi->fresh = 1;
+    if (dec->skip) return DSK_OK;
+    plain = o;
+    plain.weight_decay = 0.0f;
+    for (int i = 0; i < z->n_params; i++) {
+        dsk__zero_p *p = &zi->p[i];
+        const dsk__zero_u *u = &zi->u[p->unit];
+        int64_t a = z->stage == 0 ? 0 : p->own_a, b = z->stage == 0 ? p->numel : p->own_b;
+        dsk_tensor master, grad, m, v, copy;
+        if (b <= a) continue;
+        master = dsk__zero_master_of(z, p, a, b);
+        grad = dsk__zero_grad_of(z, p, a, b);
+        m = dsk__zero_view(&zi->m, dsk__zero_opt_off(z, u, p->uoff + a), b - a);
+        v = dsk__zero_view(&zi->v, dsk__zero_opt_off(z, u, p->uoff + a), b - a);
+        copy = dsk__zero_copy_of(z, p, a, b);
+        DSK__TRY(dsk_adamw_step(ctx, &master, &grad, &m, &v, p->no_decay ? &plain : &o, step, dec->grad_mult,
+                                copy.data ? &copy : NULL));
+    }
+    dsk__zero_release_all(z);
+    if (z->stage == 1 || z->stage == 2) dsk__zero_start_gathers(z);
+    return DSK_OK;
+}
+
+/* ---------------------------------------------------------------- checkpoints */
+
+DSK_API dsk_status dsk_zero_ckpt_entries(dsk_zero *z, dsk_ctx *ctx, dsk_zero_ckpt_mode mode,
+                                         const dsk_ckpt_entry **entries, int *n) {
+    const char *fn = "dsk_zero_ckpt_entries";
+    static const char *suffix[3] = {"", ".adam_m", ".adam_v"};
+    dsk__zero_impl *zi;
+    int k = 0;
+    (void)ctx;
+    DSK__TRY(dsk__zero_need(z, fn));
+    if (!entries || !n || (mode != DSK_ZERO_CKPT_SAVE && mode != DSK_ZERO_CKPT_LOAD))
+        return dsk_set_error(DSK_ERR_ARG, "%s: bad mode %d or NULL output", fn, (int)mode);
+    zi = z->impl;
+    DSK__TRY(dsk__zero_drain(z, fn));
+    if (!zi->ck_e) {
+        zi->ck_e = (dsk_ckpt_entry *)DSK_MALLOC((size_t)(3 * z->n_params) * sizeof *zi->ck_e);
+        zi->ck_t = (dsk_tensor *)DSK_MALLOC((size_t)(3 * z->n_params) * sizeof *zi->ck_t);
+        zi->ck_names = (char *)DSK_MALLOC((size_t)(3 * z->n_params) * DSK__ZERO_NAME_MAX);
+        if (!zi->ck_e || !zi->ck_t || !zi->ck_names) return dsk_set_error(DSK_ERR_OOM, "%s: entry lists", fn);
+    }
+    for (int i = 0; i < z->n_params; i++) {
+        const dsk__zero_p *p = &zi->p[i];
+        const dsk__zero_u *u = &zi->u[p->unit];
+        int whole = z->stage == 0 && mode == DSK_ZERO_CKPT_LOAD;
+        int64_t a = whole ? 0 : p->own_a, b = whole ? p->numel : p->own_b;
+        if (b <= a) continue;
+        for (int r = 0; r < 3; r++) {
+            dsk_ckpt_entry *e = &zi->ck_e[k];
+            char *name = zi->ck_names + (size_t)k * DSK__ZERO_NAME_MAX;
+            snprintf(name, DSK__ZERO_NAME_MAX, "%s%s", p->name, suffix[r]);
+            if (r == 0) zi->ck_t[k] = dsk__zero_master_of(z, p, a, b);
+            else zi->ck_t[k] = dsk__zero_view(r == 1 ? &zi->m : &zi->v, dsk__zero_opt_off(z, u, p->uoff + a), b - a);
+            memset(e, 0, sizeof *e);
+            e->name = name;
+            e->tensor = &zi->ck_t[k];
+            e->split = 1;
+            e->row0 = p->g_off + a;
+            e->global_rows = p->g_numel;
+            k++;
+        }
+    }
+    zi->ck_n = k;
+    *entries = zi->ck_e;
+    *n = k;
+    return DSK_OK;
+}
+
+#endif /* DSK_ZERO_IMPLEMENTATION_DONE */
+#endif /* DSK_ZERO_IMPLEMENTATION */
+
+/* MIT License. Copyright (c) 2026 the dsk authors. Permission is hereby granted, free of charge, to any
+   person obtaining a copy of this software, to deal in it without restriction, subject to including this
+   notice. THE SOFTWARE IS PROVIDED "AS IS", WITHOUT WARRANTY OF ANY KIND. */
