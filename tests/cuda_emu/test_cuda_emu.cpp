@@ -1,0 +1,568 @@
+/* test_cuda_emu.cpp - the CPU emulation of CUDA (tests/cuda_emu) tested on its own: it must
+   run correct kernels correctly and catch wrong ones.
+
+   Kernels: coordinates, barriers (a reduction without its __syncthreads fails for some
+   schedule, with them it never does), every warp intrinsic against a host model of a warp,
+   atomics, static and dynamic shared memory; the misuses it must report (a shuffle from a
+   lane that does not take part, a lane that leaves while its warp waits, a barrier in
+   divergent code, a deadlock, a host pointer as argument, a launch on another device's
+   stream). Memory: an out-of-bounds device write (canary, or ASan in sanitizer builds) and a
+   host dereference of a device pointer, each in a child process that must die of it; copy
+   kinds, freed memory, poison, pinned memory. Streams and events in order across streams;
+   graph capture and replay, fork and join, invalidation. */
+#include <cuda_runtime.h>
+
+#include <errno.h>
+#include <stdarg.h>
+#include <string>
+#include <signal.h>
+#include <stdint.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <vector>
+
+#include "../dsk_test.h"
+
+#define LAUNCH(kernel, grid, block, shmem, stream, ...) cuda_emu_launch(#kernel, kernel, dim3 grid, dim3 block, shmem, stream, __VA_ARGS__)
+#define CU(call) DSK_TEST_EXPECT((call) == cudaSuccess, "%s", cudaGetErrorString(cudaGetLastError()))
+
+static char g_self[4096];
+
+/* Faults this case provoked on purpose: at least `min`, the last one mentioning `needle`. */
+static void expect_faults(int min, const char *needle) {
+    const char *last = cuda_emu_last_fault();
+    int n = cuda_emu_take_faults();
+    DSK_TEST_EXPECT(n >= min, "%d faults reported, want at least %d", n, min);
+    DSK_TEST_EXPECT(strstr(last, needle) != NULL, "last fault \"%s\" lacks \"%s\"", last, needle);
+}
+static void expect_no_faults(void) {
+    int n = cuda_emu_take_faults();
+    DSK_TEST_EXPECT(n == 0, "%d unexpected faults (last: %s)", n, cuda_emu_last_fault());
+}
+
+template <class T> static T *dev_alloc(size_t n) {
+    void *p = NULL;
+    CU(cudaMalloc(&p, n * sizeof(T)));
+    return (T *)p;
+}
+template <class T> static std::vector<T> to_host(const T *d, size_t n) {
+    std::vector<T> h(n);
+    CU(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+}
+template <class T> static T *to_dev(const std::vector<T> &h) {
+    T *d = dev_alloc<T>(h.size());
+    CU(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return d;
+}
+
+/* ---------------------------------------------------------------- kernels: coordinates, barriers */
+
+__global__ void k_ids(int *count, uint32_t *where) {
+    unsigned b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    unsigned t = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    unsigned i = b * blockDim.x * blockDim.y * blockDim.z + t;
+    atomicAdd(&count[i], 1);
+    where[i] = (b << 16) | t;
+}
+
+static void test_coordinates(void) {
+    const dim3 g(3, 2, 2), b(5, 3, 2);
+    size_t n = 12 * 30;
+    int *count = dev_alloc<int>(n);
+    uint32_t *where = dev_alloc<uint32_t>(n);
+    CU(cudaMemset(count, 0, n * sizeof(int)));
+    LAUNCH(k_ids, (3, 2, 2), (5, 3, 2), 0, 0, count, where);
+    CU(cudaGetLastError());
+    std::vector<int> c = to_host(count, n);
+    std::vector<uint32_t> w = to_host(where, n);
+    int bad = 0;
+    for (size_t i = 0; i < n; i++) bad += c[i] != 1 || w[i] != (uint32_t)(((i / 30) << 16) | (i % 30));
+    DSK_TEST_EXPECT(bad == 0, "%d of %zu threads ran with wrong coordinates or not exactly once", bad, n);
+    DSK_TEST_EXPECT(cuda_emu_launches("k_ids") == 1, "launch count %lld", (long long)cuda_emu_launches("k_ids"));
+    (void)g, (void)b;
+    CU(cudaFree(count));
+    CU(cudaFree(where));
+}
+
+/* Tree sum of one value per thread in shared memory; `sync` 0 drops every barrier. With
+   `twice`, a second sum reuses the array: without the barrier that ends the first sum, a
+   fast thread overwrites sh[0] before the others have read it. */
+__global__ void k_block_sum(float *out, const float *in, int sync, int twice) {
+    __shared__ float sh[128];
+    unsigned t = threadIdx.x;
+    float total = 0;
+    for (int round = 0; round < (twice ? 2 : 1); round++) {
+        sh[t] = in[blockIdx.x * blockDim.x + t] * (float)(round + 1);
+        if (sync) __syncthreads();
+        for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
+            if (t < s) sh[t] += sh[t + s];
+            if (sync) __syncthreads();
+        }
+        total += sh[0];
+        if (sync == 1) __syncthreads(); /* sync 2: all but this trailing barrier */
+    }
+    out[blockIdx.x * blockDim.x + t] = total;
+}
+
+/* Runs k_block_sum `runs` times (each launch has its own schedule); returns how many runs
+   gave a wrong sum anywhere. */
+static int block_sum_failures(int sync, int twice, int runs) {
+    const int blocks = 4, threads = 128;
+    std::vector<float> in((size_t)blocks * threads);
+    for (size_t i = 0; i < in.size(); i++) in[i] = (float)dsk_test_rand_int(16);
+    float *din = to_dev(in), *dout = dev_alloc<float>(in.size());
+    int failures = 0;
+    for (int r = 0; r < runs; r++) {
+        LAUNCH(k_block_sum, (blocks), (threads), 0, 0, dout, din, sync, twice);
+        std::vector<float> out = to_host(dout, in.size());
+        int bad = 0;
+        for (int b = 0; b < blocks; b++) {
+            float want = 0;
+            for (int t = 0; t < threads; t++) want += in[(size_t)b * threads + t];
+            want *= twice ? 3.0f : 1.0f;
+            for (int t = 0; t < threads; t++) bad += out[(size_t)b * threads + t] != want;
+        }
+        failures += bad > 0;
+    }
+    CU(cudaFree(din));
+    CU(cudaFree(dout));
+    return failures;
+}
+
+static void test_barriers(void) {
+    DSK_TEST_EXPECT(block_sum_failures(1, 0, 8) == 0, "a correct reduction failed");
+    DSK_TEST_EXPECT(block_sum_failures(1, 1, 8) == 0, "a correct reduction used twice failed");
+    DSK_TEST_EXPECT(block_sum_failures(0, 0, 8) > 0, "a reduction without __syncthreads passed 8 schedules out of 8");
+    DSK_TEST_EXPECT(block_sum_failures(2, 1, 16) > 0, "a reused reduction without its trailing __syncthreads passed 16 schedules");
+    expect_no_faults();
+}
+
+/* ---------------------------------------------------------------- warp intrinsics */
+
+/* Per lane of a 48-thread block (a full warp and half of one): the results of every
+   intrinsic, for a host model to check. */
+__global__ void k_warp(int *out, const int *in, int full_width) {
+    unsigned t = threadIdx.x, lane = t & 31;
+    unsigned full = t < 32 ? 0xffffffffu : 0x0000ffffu;
+    int width = t < 32 || full_width < 16 ? full_width : 16; /* the second warp has 16 lanes */
+    int v = in[t], *o = out + t * 8;
+    o[0] = __shfl_xor_sync(full, v, 1, width);
+    o[1] = __shfl_down_sync(full, v, 3, width);
+    o[2] = __shfl_up_sync(full, v, 2, width);
+    o[3] = __shfl_sync(full, v, (int)(lane * 7 + 1), width);
+    o[4] = (int)__ballot_sync(full, v & 1);
+    o[5] = __any_sync(full, v > 90);
+    o[6] = __all_sync(full, v >= 0);
+    __syncwarp(full);
+    o[7] = __shfl_xor_sync(full, (double)v * 0.5, 4) == (double)in[(t & ~31u) + ((lane ^ 4) & (t < 32 ? 31 : 15))] * 0.5;
+}
+
+static void test_warp_intrinsics(void) {
+    for (int width = 4; width <= 32; width *= 2) {
+        std::vector<int> in(48);
+        for (int i = 0; i < 48; i++) in[i] = (int)dsk_test_rand_int(100);
+        int *din = to_dev(in), *dout = dev_alloc<int>(48 * 8);
+        LAUNCH(k_warp, (1), (48), 0, 0, dout, din, width);
+        std::vector<int> o = to_host(dout, 48 * 8);
+        int bad = 0;
+        for (int t = 0; t < 48; t++) {
+            int lane = t & 31, n = t < 32 ? 32 : 16, base = t & ~31, w = t < 32 || width < 16 ? width : 16;
+            int seg = lane & ~(w - 1), pos = lane - seg;
+            auto at = [&](int l) { return in[(size_t)(base + l)]; };
+            int x = lane ^ 1, d = pos + 3 < w ? lane + 3 : lane, u = pos >= 2 ? lane - 2 : lane, s = seg + ((lane * 7 + 1) & (w - 1));
+            unsigned ballot = 0;
+            int any = 0, all = 1;
+            for (int l = 0; l < n; l++) {
+                ballot |= (unsigned)(at(l) & 1) << l;
+                any |= at(l) > 90;
+                all &= at(l) >= 0;
+            }
+            const int *r = &o[(size_t)t * 8];
+            bad += r[0] != at(x < seg + w ? x : lane) || r[1] != at(d) || r[2] != at(u) || r[3] != at(s) || r[4] != (int)ballot ||
+                   r[5] != any || r[6] != all || r[7] != 1;
+            (void)n;
+        }
+        DSK_TEST_EXPECT(bad == 0, "width %d: %d of 48 lanes disagree with the host model of a warp", width, bad);
+        CU(cudaFree(din));
+        CU(cudaFree(dout));
+    }
+    expect_no_faults();
+}
+
+__global__ void k_shfl_outside_mask(int *out) {
+    int v = (int)threadIdx.x;
+    if (threadIdx.x < 16) out[threadIdx.x] = __shfl_xor_sync(0x0000ffffu, v, 16); /* reads lanes 16..31 */
+}
+__global__ void k_lane_leaves(int *out) {
+    if (threadIdx.x == 3) return;
+    out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, (int)threadIdx.x, 1);
+}
+__global__ void k_divergent_barrier(int *out) {
+    if (threadIdx.x < 16) __syncthreads();
+    out[threadIdx.x] = 1;
+}
+__global__ void k_deadlock(int *out) {
+    if (threadIdx.x == 5) __syncthreads();
+    else out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, (int)threadIdx.x, 1);
+}
+
+static void expect_kernel_error(cudaError_t want, const char *needle) {
+    cudaError_t e = cudaDeviceSynchronize();
+    DSK_TEST_EXPECT(e == want, "synchronising returned %s, want %s", cudaGetErrorName(e), cudaGetErrorName(want));
+    DSK_TEST_EXPECT(strstr(cudaGetErrorString(e), needle) != NULL, "error text \"%s\" lacks \"%s\"", cudaGetErrorString(e), needle);
+    expect_faults(1, needle);
+}
+
+static void test_warp_misuse(void) {
+    int *out = dev_alloc<int>(64);
+    LAUNCH(k_shfl_outside_mask, (1), (32), 0, 0, out);
+    expect_kernel_error(cudaErrorIllegalInstruction, "does not take part");
+    LAUNCH(k_lane_leaves, (1), (32), 0, 0, out);
+    expect_kernel_error(cudaErrorIllegalInstruction, "exit");
+    LAUNCH(k_divergent_barrier, (1), (32), 0, 0, out);
+    expect_kernel_error(cudaErrorIllegalInstruction, "divergent");
+    LAUNCH(k_deadlock, (2), (32), 0, 0, out);
+    expect_kernel_error(cudaErrorLaunchFailure, "deadlock");
+    /* the emulator recovers: a correct kernel runs again */
+    DSK_TEST_EXPECT(block_sum_failures(1, 1, 2) == 0, "a correct kernel failed after the faults");
+    expect_no_faults();
+    CU(cudaFree(out));
+}
+
+/* ---------------------------------------------------------------- atomics, shared memory */
+
+__global__ void k_atomics(int *sum, unsigned *mx, unsigned long long *cas, float *fsum) {
+    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    atomicAdd(sum, (int)(i % 7));
+    atomicMax(mx, i * 3u);
+    atomicAdd(fsum, 0.5f);
+    unsigned long long old = *cas, seen;
+    while ((seen = atomicCAS(cas, old, old + i)) != old) old = seen;
+}
+
+__global__ void k_shared_poison(float *out) {
+    __shared__ float before[4];
+    CUDA_EMU_DYNAMIC_SHARED(float, dyn);
+    out[threadIdx.x] = before[threadIdx.x % 4]; /* never written: 0xff bytes */
+    out[64 + threadIdx.x] = dyn[threadIdx.x];
+    __syncthreads();
+    dyn[threadIdx.x] = (float)threadIdx.x;
+    __syncthreads();
+    out[128 + threadIdx.x] = dyn[(threadIdx.x + 1) % blockDim.x];
+}
+
+static void test_atomics_and_shared(void) {
+    int *sum = dev_alloc<int>(1);
+    unsigned *mx = dev_alloc<unsigned>(1);
+    unsigned long long *cas = dev_alloc<unsigned long long>(1);
+    float *fsum = dev_alloc<float>(1), *out = dev_alloc<float>(192);
+    long long want = 0;
+    CU(cudaMemset(sum, 0, 4));
+    CU(cudaMemset(mx, 0, 4));
+    CU(cudaMemset(cas, 0, 8));
+    CU(cudaMemset(fsum, 0, 4));
+    LAUNCH(k_atomics, (40), (64), 0, 0, sum, mx, cas, fsum);
+    for (int i = 0; i < 2560; i++) want += i % 7;
+    DSK_TEST_EXPECT(to_host(sum, 1)[0] == (int)want, "atomicAdd sum %d, want %lld", to_host(sum, 1)[0], want);
+    DSK_TEST_EXPECT(to_host(mx, 1)[0] == 2559u * 3u, "atomicMax %u", to_host(mx, 1)[0]);
+    DSK_TEST_EXPECT(to_host(cas, 1)[0] == 2559ull * 2560ull / 2, "atomicCAS loop %llu", to_host(cas, 1)[0]);
+    DSK_TEST_EXPECT(to_host(fsum, 1)[0] == 1280.0f, "float atomicAdd %g", (double)to_host(fsum, 1)[0]);
+    LAUNCH(k_shared_poison, (2), (64), 64 * sizeof(float), 0, out);
+    std::vector<float> o = to_host(out, 192);
+    int bad = 0;
+    for (int t = 0; t < 64; t++) bad += o[(size_t)t] == o[(size_t)t] || o[64 + (size_t)t] == o[64 + (size_t)t] || o[128 + (size_t)t] != (float)((t + 1) % 64);
+    DSK_TEST_EXPECT(bad == 0, "%d threads saw shared memory that was not poisoned, or wrong dynamic shared memory", bad);
+    expect_no_faults();
+    CU(cudaFree(sum));
+    CU(cudaFree(mx));
+    CU(cudaFree(cas));
+    CU(cudaFree(fsum));
+    CU(cudaFree(out));
+}
+
+/* ---------------------------------------------------------------- launches */
+
+__global__ void k_write(float *p, int n, float v) {
+    for (int i = (int)(blockIdx.x * blockDim.x + threadIdx.x); i < n; i += (int)(gridDim.x * blockDim.x)) p[i] = v;
+}
+
+static void test_launch_checks(void) {
+    float *d = dev_alloc<float>(16), host[16];
+    cudaStream_t s1;
+    LAUNCH(k_write, (1), (2048), 0, 0, d, 16, 1.0f);
+    DSK_TEST_EXPECT(cudaGetLastError() == cudaErrorInvalidConfiguration, "a 2048-thread block was accepted");
+    LAUNCH(k_write, (0), (32), 0, 0, d, 16, 1.0f);
+    DSK_TEST_EXPECT(cudaGetLastError() == cudaErrorInvalidConfiguration, "an empty grid was accepted");
+    /* a stream of device 1 while device 0 is current */
+    CU(cudaSetDevice(1));
+    CU(cudaStreamCreate(&s1));
+    CU(cudaSetDevice(0));
+    LAUNCH(k_write, (1), (32), 0, s1, d, 16, 1.0f);
+    DSK_TEST_EXPECT(cudaGetLastError() == cudaErrorInvalidResourceHandle, "a launch on another device's stream was accepted");
+    /* device 0 memory as argument of a kernel on device 1 */
+    CU(cudaSetDevice(1));
+    LAUNCH(k_write, (1), (32), 0, s1, d, 16, 1.0f);
+    expect_kernel_error(cudaErrorIllegalAddress, "device 0");
+    CU(cudaStreamDestroy(s1));
+    CU(cudaSetDevice(0));
+    /* host memory as argument */
+    LAUNCH(k_write, (1), (32), 0, 0, host, 16, 1.0f);
+    expect_kernel_error(cudaErrorIllegalAddress, "host memory");
+    CU(cudaFree(d));
+}
+
+/* ---------------------------------------------------------------- memory */
+
+__global__ void k_write_past_end(float *p, int n) {
+    if (threadIdx.x == 0) p[n] = 1.0f;
+}
+
+/* Runs this program as `--child what` and returns its wait status; its output goes to `out`. */
+static int run_child(const char *what, std::string *out) {
+    int fds[2];
+    char buf[4096];
+    ssize_t k;
+    int status = 0;
+    if (pipe(fds) != 0) return -1;
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(fds[1], 1);
+        dup2(fds[1], 2);
+        close(fds[0]);
+        execl(g_self, g_self, "--child", what, (char *)NULL);
+        _exit(127);
+    }
+    close(fds[1]);
+    while ((k = read(fds[0], buf, sizeof buf)) > 0) out->append(buf, (size_t)k);
+    close(fds[0]);
+    waitpid(pid, &status, 0);
+    return status;
+}
+
+static int child_main(const char *what) {
+    if (!strcmp(what, "oob")) { /* exits 3 from the canary fault, or ASan stops it */
+        float *d = NULL;
+        cudaMalloc((void **)&d, 10 * sizeof(float));
+        LAUNCH(k_write_past_end, (1), (32), 0, 0, d, 10);
+        cudaDeviceSynchronize();
+        return 0;
+    }
+    if (!strcmp(what, "host-deref")) { /* SIGSEGV: device memory is PROT_NONE outside device work */
+        float *d = NULL;
+        cudaMalloc((void **)&d, 4);
+        printf("read %g\n", (double)*(volatile float *)d);
+        return 0;
+    }
+    return 2;
+}
+
+static void test_oob_write_caught(void) {
+    std::string out;
+    int st = run_child("oob", &out);
+    DSK_TEST_EXPECT(!(WIFEXITED(st) && WEXITSTATUS(st) == 0), "the child survived an out-of-bounds write: %s", out.c_str());
+    DSK_TEST_EXPECT(out.find("past its end") != std::string::npos || out.find("AddressSanitizer") != std::string::npos,
+                    "the child's output names no overrun: %s", out.c_str());
+}
+
+static void test_host_deref_caught(void) {
+    std::string out;
+    int st = run_child("host-deref", &out);
+    DSK_TEST_EXPECT((WIFSIGNALED(st) && WTERMSIG(st) == SIGSEGV) || out.find("SEGV") != std::string::npos,
+                    "a host read of device memory was not stopped (status 0x%x): %s", st, out.c_str());
+}
+
+static void test_copies(void) {
+    float *d = dev_alloc<float>(100), *d2 = dev_alloc<float>(100), host[100], *pinned = NULL;
+    std::vector<float> h(100);
+    for (int i = 0; i < 100; i++) h[(size_t)i] = (float)i;
+    DSK_TEST_EXPECT(((uintptr_t)d & 255) == 0, "allocation %p not 256-byte aligned", (void *)d);
+    DSK_TEST_EXPECT(to_host(d, 1)[0] != to_host(d, 1)[0], "fresh device memory is not poisoned (NaN)");
+    CU(cudaMemcpy(d, h.data(), 400, cudaMemcpyHostToDevice));
+    DSK_TEST_EXPECT(cudaMemcpy(d2, d, 400, cudaMemcpyHostToDevice) == cudaErrorInvalidValue, "device source accepted as host");
+    expect_faults(1, "not host memory");
+    DSK_TEST_EXPECT(cudaMemcpy(host, host + 50, 40, cudaMemcpyDeviceToDevice) == cudaErrorInvalidValue, "host pointers accepted as device");
+    expect_faults(1, "not device memory");
+    DSK_TEST_EXPECT(cudaMemcpy(host, d + 90, 80, cudaMemcpyDeviceToHost) == cudaErrorInvalidValue, "a copy past the end was accepted");
+    expect_faults(1, "past the end");
+    CU(cudaMemcpy(d2, d, 400, cudaMemcpyDefault));
+    DSK_TEST_EXPECT(to_host(d2, 100) == h, "cudaMemcpyDefault device to device");
+    CU(cudaFree(d2));
+    DSK_TEST_EXPECT(cudaMemcpy(host, d2, 4, cudaMemcpyDeviceToHost) == cudaErrorInvalidValue, "a copy from freed memory was accepted");
+    expect_faults(1, "freed");
+    DSK_TEST_EXPECT(cudaFree(d2) == cudaErrorInvalidValue, "a double free was accepted");
+    expect_faults(1, "freed twice");
+    /* pinned memory: an asynchronous copy into it is done only after synchronising */
+    CU(cudaMallocHost((void **)&pinned, 400));
+    CU(cudaMemcpyAsync(pinned, d, 400, cudaMemcpyDeviceToHost, 0));
+    CU(cudaStreamSynchronize(0));
+    DSK_TEST_EXPECT(memcmp(pinned, h.data(), 400) == 0, "pinned copy");
+    {
+        cudaPointerAttributes a;
+        CU(cudaPointerGetAttributes(&a, d));
+        DSK_TEST_EXPECT(a.type == cudaMemoryTypeDevice && a.device == 0, "attributes of device memory: type %d device %d", (int)a.type, a.device);
+        CU(cudaPointerGetAttributes(&a, pinned));
+        DSK_TEST_EXPECT(a.type == cudaMemoryTypeHost, "attributes of pinned memory: type %d", (int)a.type);
+    }
+    CU(cudaFreeHost(pinned));
+    {
+        void *huge = NULL;
+        DSK_TEST_EXPECT(cudaMalloc(&huge, (size_t)1 << 40) == cudaErrorMemoryAllocation && huge == NULL, "a 1 TiB allocation");
+        DSK_TEST_EXPECT(cudaGetLastError() == cudaErrorMemoryAllocation, "the last error after it");
+    }
+    CU(cudaFree(d));
+    expect_no_faults();
+}
+
+/* ---------------------------------------------------------------- streams, events */
+
+static volatile int g_gate;
+static void wait_gate(void *) {
+    while (!g_gate) usleep(1000);
+}
+
+__global__ void k_add(float *p, int n, float v) {
+    for (int i = (int)(blockIdx.x * blockDim.x + threadIdx.x); i < n; i += (int)(gridDim.x * blockDim.x)) p[i] += v;
+}
+
+static void test_streams_events(void) {
+    cudaStream_t a, b;
+    cudaEvent_t done, t0, t1;
+    float *x = dev_alloc<float>(1000), *y = dev_alloc<float>(1000), ms = -1;
+    CU(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking));
+    CU(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking));
+    CU(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+    CU(cudaEventCreate(&t0));
+    CU(cudaEventCreate(&t1));
+    CU(cudaMemsetAsync(x, 0, 4000, a));
+    g_gate = 0;
+    CU(cudaEventRecord(t0, a));
+    CU(cudaLaunchHostFunc(a, wait_gate, NULL)); /* holds stream a */
+    LAUNCH(k_add, (4), (64), 0, a, x, 1000, 2.5f);
+    CU(cudaEventRecord(done, a));
+    CU(cudaEventRecord(t1, a));
+    CU(cudaStreamWaitEvent(b, done, 0));
+    CU(cudaMemcpyAsync(y, x, 4000, cudaMemcpyDeviceToDevice, b));
+    usleep(20000);
+    DSK_TEST_EXPECT(cudaEventQuery(done) == cudaErrorNotReady, "the event completed while its stream was held");
+    DSK_TEST_EXPECT(cudaStreamQuery(a) == cudaErrorNotReady && cudaStreamQuery(b) == cudaErrorNotReady, "streams idle while held");
+    g_gate = 1;
+    CU(cudaStreamSynchronize(b));
+    DSK_TEST_EXPECT(cudaEventQuery(done) == cudaSuccess, "the event is not complete after the waiting stream finished");
+    {
+        std::vector<float> out = to_host(y, 1000);
+        int bad = 0;
+        for (float v : out) bad += v != 2.5f;
+        DSK_TEST_EXPECT(bad == 0, "%d elements copied before the kernel they waited for", bad);
+    }
+    CU(cudaEventSynchronize(t1));
+    CU(cudaEventElapsedTime(&ms, t0, t1));
+    DSK_TEST_EXPECT(ms >= 15.0f, "elapsed %g ms across a 20 ms hold", (double)ms);
+    DSK_TEST_EXPECT(cudaEventElapsedTime(&ms, t0, done) == cudaErrorInvalidResourceHandle, "timing of a DisableTiming event");
+    CU(cudaEventDestroy(done));
+    CU(cudaEventDestroy(t0));
+    CU(cudaEventDestroy(t1));
+    CU(cudaStreamDestroy(a));
+    CU(cudaStreamDestroy(b));
+    CU(cudaFree(x));
+    CU(cudaFree(y));
+    expect_no_faults();
+}
+
+/* ---------------------------------------------------------------- graphs */
+
+static void test_graphs(void) {
+    cudaStream_t s, f;
+    cudaGraph_t g = NULL;
+    cudaGraphExec_t ge = NULL;
+    cudaEvent_t fork_ev, join_ev;
+    float *x = dev_alloc<float>(256), *y = dev_alloc<float>(256), *tmp = NULL, v = 1.5f;
+    size_t nodes = 0;
+    cudaStreamCaptureStatus cs;
+    CU(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    CU(cudaStreamCreateWithFlags(&f, cudaStreamNonBlocking));
+    CU(cudaEventCreateWithFlags(&fork_ev, cudaEventDisableTiming));
+    CU(cudaEventCreateWithFlags(&join_ev, cudaEventDisableTiming));
+    CU(cudaMemset(x, 0, 1024));
+    CU(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    CU(cudaStreamIsCapturing(s, &cs));
+    DSK_TEST_EXPECT(cs == cudaStreamCaptureStatusActive, "capture status %d", (int)cs);
+    CU(cudaMallocAsync((void **)&tmp, 1024, s));
+    LAUNCH(k_add, (2), (64), 0, s, x, 256, v);           /* x += 1.5 per replay */
+    CU(cudaEventRecord(fork_ev, s));
+    CU(cudaStreamWaitEvent(f, fork_ev, 0));                /* f joins the capture */
+    CU(cudaMemcpyAsync(tmp, x, 1024, cudaMemcpyDeviceToDevice, f));
+    LAUNCH(k_add, (1), (256), 0, f, tmp, 256, 10.0f);
+    CU(cudaEventRecord(join_ev, f));
+    CU(cudaStreamWaitEvent(s, join_ev, 0));                /* and is joined back */
+    CU(cudaMemcpyAsync(y, tmp, 1024, cudaMemcpyDeviceToDevice, s));
+    CU(cudaFreeAsync(tmp, s));
+    v = 100.0f; /* arguments were taken at capture */
+    CU(cudaStreamEndCapture(s, &g));
+    CU(cudaGraphGetNodes(g, NULL, &nodes));
+    DSK_TEST_EXPECT(nodes == 4, "%zu nodes captured, want 4 (stream-ordered allocations and events are not nodes here)", nodes);
+    DSK_TEST_EXPECT(to_host(x, 1)[0] == 0.0f, "captured work ran during capture");
+    CU(cudaGraphInstantiate(&ge, g, 0));
+    for (int r = 0; r < 3; r++) CU(cudaGraphLaunch(ge, s));
+    CU(cudaStreamSynchronize(s));
+    {
+        std::vector<float> hx = to_host(x, 256), hy = to_host(y, 256);
+        int bad = 0;
+        for (int i = 0; i < 256; i++) bad += hx[(size_t)i] != 4.5f || hy[(size_t)i] != 14.5f;
+        DSK_TEST_EXPECT(bad == 0, "%d elements wrong after 3 replays (x %g, y %g)", bad, (double)hx[0], (double)hy[0]);
+    }
+    CU(cudaGraphExecDestroy(ge));
+    CU(cudaGraphDestroy(g));
+    /* a forked stream that is never joined back */
+    CU(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    CU(cudaEventRecord(fork_ev, s));
+    CU(cudaStreamWaitEvent(f, fork_ev, 0));
+    LAUNCH(k_add, (1), (32), 0, f, x, 256, 1.0f);
+    DSK_TEST_EXPECT(cudaStreamEndCapture(s, &g) == cudaErrorStreamCaptureUnjoined && g == NULL, "an unjoined fork was accepted");
+    /* synchronising a capturing stream invalidates the capture */
+    CU(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    LAUNCH(k_add, (1), (32), 0, s, x, 256, 1.0f);
+    DSK_TEST_EXPECT(cudaStreamSynchronize(s) == cudaErrorStreamCaptureUnsupported, "a sync during capture was accepted");
+    DSK_TEST_EXPECT(cudaStreamEndCapture(s, &g) == cudaErrorStreamCaptureInvalidated && g == NULL, "an invalidated capture ended well");
+    /* cudaMalloc during a global-mode capture on another thread's stream is refused */
+    CU(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    {
+        void *p = NULL;
+        DSK_TEST_EXPECT(cudaMalloc(&p, 16) == cudaErrorStreamCaptureUnsupported, "cudaMalloc during a global capture");
+    }
+    DSK_TEST_EXPECT(cudaStreamEndCapture(s, &g) == cudaErrorStreamCaptureInvalidated, "the capture survived a cudaMalloc");
+    expect_faults(1, "stream capture");
+    {
+        std::vector<float> hx = to_host(x, 256);
+        DSK_TEST_EXPECT(hx[0] == 4.5f, "work of failed captures ran: x %g", (double)hx[0]);
+    }
+    CU(cudaEventDestroy(fork_ev));
+    CU(cudaEventDestroy(join_ev));
+    CU(cudaStreamDestroy(s));
+    CU(cudaStreamDestroy(f));
+    CU(cudaFree(x));
+    CU(cudaFree(y));
+    expect_no_faults();
+}
+
+/* ---------------------------------------------------------------- main */
+
+int main(int argc, char **argv) {
+    ssize_t k = readlink("/proc/self/exe", g_self, sizeof g_self - 1);
+    g_self[k > 0 ? k : 0] = 0;
+    if (argc == 3 && !strcmp(argv[1], "--child")) return child_main(argv[2]);
+    dsk_test_init("test_cuda_emu");
+    DSK_TEST_RUN(test_coordinates);
+    DSK_TEST_RUN(test_barriers);
+    DSK_TEST_RUN(test_warp_intrinsics);
+    DSK_TEST_RUN(test_warp_misuse);
+    DSK_TEST_RUN(test_atomics_and_shared);
+    DSK_TEST_RUN(test_launch_checks);
+    DSK_TEST_RUN(test_oob_write_caught);
+    DSK_TEST_RUN(test_host_deref_caught);
+    DSK_TEST_RUN(test_copies);
+    DSK_TEST_RUN(test_streams_events);
+    DSK_TEST_RUN(test_graphs);
+    return dsk_test_finish();
+}
