@@ -9,9 +9,14 @@
    stream). Memory: an out-of-bounds device write (canary, or ASan in sanitizer builds) and a
    host dereference of a device pointer, each in a child process that must die of it; copy
    kinds, freed memory, poison, pinned memory. Streams and events in order across streams;
-   graph capture and replay, fork and join, invalidation. */
+   graph capture and replay, fork and join, invalidation. cuBLAS against a float64 GEMM;
+   cub's radix sort against std::stable_sort. */
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <cublas_v2.h>
+#include <cub/cub.cuh>
 
+#include <algorithm>
 #include <errno.h>
 #include <stdarg.h>
 #include <string>
@@ -546,6 +551,175 @@ static void test_graphs(void) {
     expect_no_faults();
 }
 
+/* ---------------------------------------------------------------- cuBLAS */
+
+static size_t esize(cudaDataType t) { return t == CUDA_R_64F ? 8 : t == CUDA_R_32F ? 4 : 2; }
+static void put(cudaDataType t, void *p, size_t i, double v) {
+    switch (t) {
+    case CUDA_R_16BF: ((__nv_bfloat16 *)p)[i] = __float2bfloat16((float)v); break;
+    case CUDA_R_16F: ((__half *)p)[i] = __float2half((float)v); break;
+    case CUDA_R_32F: ((float *)p)[i] = (float)v; break;
+    default: ((double *)p)[i] = v; break;
+    }
+}
+static double get(cudaDataType t, const void *p, size_t i) {
+    switch (t) {
+    case CUDA_R_16BF: return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
+    case CUDA_R_16F: return __half2float(((const __half *)p)[i]);
+    case CUDA_R_32F: return ((const float *)p)[i];
+    default: return ((const double *)p)[i];
+    }
+}
+
+/* One strided-batched GEMM against a float64 reference on the same (rounded) inputs. */
+static void gemm_case(cublasHandle_t h, cudaDataType ab, cudaDataType ct, cublasComputeType_t ctype, int ta, int tb, int m, int n,
+                      int k, int batch, double beta, double rtol, double atol) {
+    int ar = ta ? k : m, ac = ta ? m : k, br = tb ? n : k, bc = tb ? k : n, lda = ar + 3, ldb = br + 1, ldc = m + 2;
+    long long sa = 0 /* A shared by the batch */, sb = (long long)ldb * bc + 5, sc = (long long)ldc * n + 7;
+    size_t na = (size_t)lda * ac, nb = (size_t)sb * batch, nc = (size_t)sc * batch;
+    std::vector<char> A(na * esize(ab)), B(nb * esize(ab)), C(nc * esize(ct)), got(nc * esize(ct));
+    std::vector<double> want(nc);
+    for (size_t i = 0; i < na; i++) put(ab, A.data(), i, dsk_test_rand(-1, 1));
+    for (size_t i = 0; i < nb; i++) put(ab, B.data(), i, dsk_test_rand(-1, 1));
+    for (size_t i = 0; i < nc; i++) put(ct, C.data(), i, beta == 0 ? NAN : dsk_test_rand(-1, 1));
+    for (int bi = 0; bi < batch; bi++)
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i < m; i++) {
+                double acc = 0;
+                for (int p = 0; p < k; p++) {
+                    double a = get(ab, A.data(), ta ? (size_t)p + (size_t)i * lda : (size_t)i + (size_t)p * lda);
+                    double b = get(ab, B.data(), (size_t)bi * sb + (tb ? (size_t)j + (size_t)p * ldb : (size_t)p + (size_t)j * ldb));
+                    acc += a * b;
+                }
+                size_t ci = (size_t)bi * sc + (size_t)i + (size_t)j * ldc;
+                want[ci] = 0.75 * acc + (beta != 0 ? beta * get(ct, C.data(), ci) : 0.0);
+            }
+    void *dA = to_dev(A), *dB = to_dev(B), *dC = to_dev(C);
+    float a32 = 0.75f, b32 = (float)beta;
+    double a64 = 0.75, b64 = beta;
+    __half a16 = __float2half(0.75f), b16 = __float2half((float)beta);
+    const void *alpha = ctype == CUBLAS_COMPUTE_64F ? (const void *)&a64 : ctype == CUBLAS_COMPUTE_16F ? (const void *)&a16 : &a32;
+    const void *betap = ctype == CUBLAS_COMPUTE_64F ? (const void *)&b64 : ctype == CUBLAS_COMPUTE_16F ? (const void *)&b16 : &b32;
+    cublasStatus_t st = cublasGemmStridedBatchedEx(h, ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb ? CUBLAS_OP_T : CUBLAS_OP_N, m, n, k, alpha, dA,
+                                                   ab, lda, sa, dB, ab, ldb, sb, betap, dC, ct, ldc, sc, batch, ctype, CUBLAS_GEMM_DEFAULT);
+    DSK_TEST_EXPECT(st == CUBLAS_STATUS_SUCCESS, "GEMM status %s", cublasGetStatusName(st));
+    {
+        cudaStream_t s;
+        cublasGetStream(h, &s);
+        CU(cudaStreamSynchronize(s)); /* a non-blocking stream: cudaMemcpy alone would not wait for it */
+    }
+    CU(cudaMemcpy(got.data(), dC, got.size(), cudaMemcpyDeviceToHost));
+    {
+        std::vector<double> g(nc), w(nc);
+        size_t cnt = 0;
+        for (int bi = 0; bi < batch; bi++)
+            for (int j = 0; j < n; j++)
+                for (int i = 0; i < m; i++) {
+                    size_t ci = (size_t)bi * sc + (size_t)i + (size_t)j * ldc;
+                    g[cnt] = get(ct, got.data(), ci);
+                    w[cnt++] = want[ci];
+                }
+        char what[128];
+        snprintf(what, sizeof what, "GEMM type %d->%d ta %d tb %d %dx%dx%d batch %d beta %g", (int)ab, (int)ct, ta, tb, m, n, k, batch, beta);
+        DSK_TEST_CLOSE64(g.data(), w.data(), (int64_t)cnt, rtol, atol, what);
+        /* the padding between columns and batches is untouched */
+        int touched = 0;
+        for (size_t i = 0; i < nc; i++)
+            if ((i % (size_t)sc) % (size_t)ldc >= (size_t)m || (i % (size_t)sc) >= (size_t)ldc * n)
+                touched += memcmp(got.data() + i * esize(ct), C.data() + i * esize(ct), esize(ct)) != 0;
+        DSK_TEST_EXPECT(touched == 0, "%s: %d padding elements of C written", what, touched);
+    }
+    CU(cudaFree(dA));
+    CU(cudaFree(dB));
+    CU(cudaFree(dC));
+}
+
+static void test_cublas(void) {
+    cublasHandle_t h;
+    cudaStream_t s;
+    DSK_TEST_EXPECT(cublasCreate(&h) == CUBLAS_STATUS_SUCCESS, "cublasCreate");
+    CU(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    DSK_TEST_EXPECT(cublasSetStream(h, s) == CUBLAS_STATUS_SUCCESS, "cublasSetStream");
+    for (int t = 0; t < 4; t++) {
+        int ta = t & 1, tb = t >> 1;
+        gemm_case(h, CUDA_R_32F, CUDA_R_32F, CUBLAS_COMPUTE_32F, ta, tb, 7, 5, 33, 1, 0.0, 1e-6, 1e-6);
+        gemm_case(h, CUDA_R_16BF, CUDA_R_32F, CUBLAS_COMPUTE_32F, ta, tb, 9, 4, 65, 3, 0.5, 1e-6, 1e-5);
+        gemm_case(h, CUDA_R_16BF, CUDA_R_16BF, CUBLAS_COMPUTE_32F, ta, tb, 3, 8, 17, 2, 1.0, 8e-3, 8e-3);
+        gemm_case(h, CUDA_R_16F, CUDA_R_16F, CUBLAS_COMPUTE_32F, ta, tb, 6, 6, 40, 2, 0.0, 1e-3, 2e-3);
+        gemm_case(h, CUDA_R_64F, CUDA_R_64F, CUBLAS_COMPUTE_64F, ta, tb, 5, 7, 31, 2, -0.25, 1e-14, 1e-14);
+    }
+    gemm_case(h, CUDA_R_16F, CUDA_R_16F, CUBLAS_COMPUTE_16F, 0, 1, 4, 4, 16, 1, 0.0, 1e-2, 2e-2);
+    gemm_case(h, CUDA_R_32F, CUDA_R_32F, CUBLAS_COMPUTE_32F, 0, 0, 1, 1, 0, 1, 0.5, 1e-7, 1e-7); /* k = 0: C = beta C */
+    {
+        float *d = dev_alloc<float>(64), one = 1.0f, zero = 0.0f;
+        DSK_TEST_EXPECT(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 4, &one, d, CUDA_R_32F, 3, d, CUDA_R_32F, 4, &zero, d, CUDA_R_32F, 4,
+                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_INVALID_VALUE, "lda 3 < m 4 accepted");
+        DSK_TEST_EXPECT(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 4, &one, d, CUDA_R_32F, 4, d, CUDA_R_16BF, 4, &zero, d, CUDA_R_32F, 4,
+                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_NOT_SUPPORTED, "f32 A with bf16 B accepted");
+        CU(cudaSetDevice(1));
+        DSK_TEST_EXPECT(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 4, &one, d, CUDA_R_32F, 4, d, CUDA_R_32F, 4, &zero, d, CUDA_R_32F, 4,
+                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_EXECUTION_FAILED,
+                        "a handle of device 0 ran while device 1 was current");
+        expect_faults(1, "while device 1 is current");
+        CU(cudaSetDevice(0));
+        CU(cudaFree(d));
+    }
+    DSK_TEST_EXPECT(cublasDestroy(h) == CUBLAS_STATUS_SUCCESS, "cublasDestroy");
+    CU(cudaStreamDestroy(s));
+    expect_no_faults();
+}
+
+/* ---------------------------------------------------------------- cub */
+
+template <class K> static void sort_case(const std::vector<K> &keys, int begin, int end) {
+    int n = (int)keys.size();
+    std::vector<int> vals((size_t)n), order((size_t)n);
+    for (int i = 0; i < n; i++) vals[(size_t)i] = order[(size_t)i] = i;
+    auto digit = [&](K k) {
+        uint64_t u = 0;
+        memcpy(&u, &k, sizeof k);
+        if (std::is_signed<K>::value && !std::is_floating_point<K>::value) u ^= (uint64_t)1 << (sizeof(K) * 8 - 1);
+        return end - begin >= 64 ? u >> begin : (u >> begin) & (((uint64_t)1 << (end - begin)) - 1);
+    };
+    if (std::is_floating_point<K>::value && begin == 0 && end == (int)sizeof(K) * 8)
+        std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return keys[(size_t)a] < keys[(size_t)b]; });
+    else
+        std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return digit(keys[(size_t)a]) < digit(keys[(size_t)b]); });
+    K *kin = to_dev(keys), *kout = dev_alloc<K>((size_t)n);
+    int *vin = to_dev(vals), *vout = dev_alloc<int>((size_t)n);
+    size_t bytes = 0;
+    void *temp = NULL;
+    CU(cub::DeviceRadixSort::SortPairs(NULL, bytes, (const K *)NULL, (K *)NULL, (const int *)NULL, (int *)NULL, n, begin, end, 0));
+    CU(cudaMalloc(&temp, bytes));
+    CU(cub::DeviceRadixSort::SortPairs(temp, bytes, kin, kout, vin, vout, n, begin, end, 0));
+    std::vector<int> got = to_host(vout, (size_t)n);
+    DSK_TEST_EXPECT(got == order, "radix sort of %d %zu-byte keys on bits [%d, %d) differs from a stable sort", n, sizeof(K), begin, end);
+    {
+        size_t small = bytes - 1;
+        DSK_TEST_EXPECT(cub::DeviceRadixSort::SortPairs(temp, small, kin, kout, vin, vout, n, begin, end, 0) == cudaErrorInvalidValue,
+                        "temporary storage smaller than asked for was accepted");
+        expect_faults(1, "temporary storage");
+    }
+    CU(cudaFree(kin));
+    CU(cudaFree(kout));
+    CU(cudaFree(vin));
+    CU(cudaFree(vout));
+    CU(cudaFree(temp));
+}
+
+static void test_cub_sort(void) {
+    std::vector<int32_t> k32(1000);
+    std::vector<float> kf(777);
+    for (auto &k : k32) k = (int32_t)dsk_test_rand_int(100) - 50;
+    for (auto &k : kf) k = (float)dsk_test_rand(-10, 10);
+    sort_case(k32, 0, 32);
+    sort_case(k32, 0, 4);
+    sort_case(k32, 2, 9);
+    sort_case(kf, 0, 32);
+    sort_case(std::vector<int32_t>(), 0, 32);
+    expect_no_faults();
+}
+
 /* ---------------------------------------------------------------- main */
 
 int main(int argc, char **argv) {
@@ -564,5 +738,7 @@ int main(int argc, char **argv) {
     DSK_TEST_RUN(test_copies);
     DSK_TEST_RUN(test_streams_events);
     DSK_TEST_RUN(test_graphs);
+    DSK_TEST_RUN(test_cublas);
+    DSK_TEST_RUN(test_cub_sort);
     return dsk_test_finish();
 }
