@@ -10,11 +10,14 @@
    host dereference of a device pointer, each in a child process that must die of it; copy
    kinds, freed memory, poison, pinned memory. Streams and events in order across streams;
    graph capture and replay, fork and join, invalidation. cuBLAS against a float64 GEMM;
-   cub's radix sort against std::stable_sort. */
+   cub's radix sort against std::stable_sort. NCCL over 2 and 4 processes: every collective,
+   data type and reduction against exact references, groups, send/recv, split, a mismatch,
+   and a peer that aborts or dies. */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <cublas_v2.h>
 #include <cub/cub.cuh>
+#include <nccl.h>
 
 #include <algorithm>
 #include <errno.h>
@@ -27,6 +30,7 @@
 #include <vector>
 
 #include "../dsk_test.h"
+#include "emu.h" /* the emulator's fp8 conversions */
 
 #define LAUNCH(kernel, grid, block, shmem, stream, ...) cuda_emu_launch(#kernel, kernel, dim3 grid, dim3 block, shmem, stream, __VA_ARGS__)
 #define CU(call) DSK_TEST_EXPECT((call) == cudaSuccess, "%s", cudaGetErrorString(cudaGetLastError()))
@@ -720,12 +724,269 @@ static void test_cub_sort(void) {
     expect_no_faults();
 }
 
+/* ---------------------------------------------------------------- NCCL (one process per rank) */
+
+static const ncclDataType_t k_types[] = {ncclInt8, ncclUint8, ncclInt32, ncclUint32, ncclInt64, ncclUint64,
+                                         ncclFloat16, ncclFloat32, ncclFloat64, ncclBfloat16, ncclFloat8e4m3, ncclFloat8e5m2};
+static size_t nsize(ncclDataType_t t) {
+    return t == ncclInt8 || t == ncclUint8 || t == ncclFloat8e4m3 || t == ncclFloat8e5m2 ? 1 : t == ncclFloat16 || t == ncclBfloat16 ? 2
+           : t == ncclInt32 || t == ncclUint32 || t == ncclFloat32 ? 4 : 8;
+}
+/* Exact small integers in every type: rank r's element i of input `tag`. Sums, products and
+   averages of these over 2 or 4 ranks are exact in every type, fp8 included. */
+static double nval(ncclDataType_t t, int r, size_t i, int tag, int op) {
+    uint64_t z = (uint64_t)r * 1000003u + i * 7919u + (uint64_t)tag * 104729u;
+    z = (z ^ (z >> 13)) * 0x9E3779B97F4A7C15ull;
+    bool is_unsigned = t == ncclUint8 || t == ncclUint32 || t == ncclUint64;
+    int span = op == ncclProd || t == ncclFloat8e5m2 ? 2 : 3;
+    int v = (int)((z >> 40) % (uint64_t)(2 * span + 1)) - span;
+    return is_unsigned ? (double)(v < 0 ? -v : v) : (double)v;
+}
+static void nput(ncclDataType_t t, void *p, size_t i, double v) {
+    switch (t) {
+    case ncclInt8: ((int8_t *)p)[i] = (int8_t)v; break;
+    case ncclUint8: ((uint8_t *)p)[i] = (uint8_t)v; break;
+    case ncclInt32: ((int32_t *)p)[i] = (int32_t)v; break;
+    case ncclUint32: ((uint32_t *)p)[i] = (uint32_t)v; break;
+    case ncclInt64: ((int64_t *)p)[i] = (int64_t)v; break;
+    case ncclUint64: ((uint64_t *)p)[i] = (uint64_t)v; break;
+    case ncclFloat16: ((__half *)p)[i] = __float2half((float)v); break;
+    case ncclFloat32: ((float *)p)[i] = (float)v; break;
+    case ncclFloat64: ((double *)p)[i] = v; break;
+    case ncclBfloat16: ((__nv_bfloat16 *)p)[i] = __float2bfloat16((float)v); break;
+    case ncclFloat8e4m3: ((uint8_t *)p)[i] = cuda_emu::f32_to_e4m3((float)v); break;
+    default: ((uint8_t *)p)[i] = cuda_emu::f32_to_e5m2((float)v); break;
+    }
+}
+static double nfold(double a, double b, ncclRedOp_t op) {
+    return op == ncclProd ? a * b : op == ncclMax ? (a > b ? a : b) : op == ncclMin ? (a < b ? a : b) : a + b;
+}
+static bool nfloat(ncclDataType_t t) { return t >= ncclFloat16; }
+
+struct nccl_rank {
+    int rank, n, failures = 0;
+    ncclComm_t comm = NULL;
+    cudaStream_t s;
+};
+
+static void nexpect(nccl_rank &R, bool ok, const char *fmt, ...) {
+    if (ok) return;
+    va_list ap;
+    va_start(ap, fmt);
+    printf("rank %d: ", R.rank);
+    vprintf(fmt, ap);
+    printf("\n");
+    va_end(ap);
+    R.failures++;
+}
+
+static ncclResult_t settle(ncclComm_t c, double seconds) {
+    ncclResult_t st = ncclInProgress;
+    for (double t0 = dsk_test_now(); st == ncclInProgress && dsk_test_now() - t0 < seconds; usleep(200))
+        if (ncclCommGetAsyncError(c, &st) != ncclSuccess) return ncclInternalError;
+    return st;
+}
+
+/* Runs one call on every rank's inputs of `tag`; checks this rank's bytes against the
+   float64 reference built from every rank's inputs. */
+static void ncheck(nccl_rank &R, const char *what, ncclDataType_t t, ncclRedOp_t op, size_t count, int tag) {
+    int n = R.n, me = R.rank, root = n - 1;
+    size_t es = nsize(t), in_n = count, out_n = count;
+    bool gather = !strcmp(what, "allgather"), scatter = !strcmp(what, "reducescatter"), bcast = !strcmp(what, "broadcast");
+    bool reduce = !strcmp(what, "reduce"), inplace = strstr(what, "inplace") != NULL;
+    if (gather) out_n = count * (size_t)n;
+    if (scatter) in_n = count * (size_t)n;
+    std::vector<char> in(in_n * es), want(out_n * es), got(out_n * es);
+    for (size_t i = 0; i < in_n; i++) nput(t, in.data(), i, nval(t, me, i, tag, op));
+    for (size_t i = 0; i < out_n; i++) {
+        double v;
+        if (gather) v = nval(t, (int)(i / count), i % count, tag, op);
+        else if (bcast) v = nval(t, 1, i, tag, op);
+        else {
+            size_t at = scatter ? (size_t)me * count + i : i;
+            v = nval(t, 0, at, tag, op);
+            for (int r = 1; r < n; r++) v = nfold(v, nval(t, r, at, tag, op), op);
+            if (op == ncclAvg) v = nfloat(t) ? v / n : (double)(long long)(v / n);
+        }
+        nput(t, want.data(), i, v);
+    }
+    char *din = (char *)to_dev(in), *dout = (char *)dev_alloc<char>(std::max(out_n * es, (size_t)1));
+    ncclResult_t r;
+    if (inplace) { /* allreduce in place, and allgather from this rank's block of the output */
+        CU(cudaMemset(dout, 0, out_n * es));
+        CU(cudaMemcpy(gather ? dout + (size_t)me * count * es : dout, in.data(), count * es, cudaMemcpyHostToDevice));
+    }
+    if (gather) r = ncclAllGather(inplace ? dout + (size_t)me * count * es : din, dout, count, t, R.comm, R.s);
+    else if (scatter) r = ncclReduceScatter(din, dout, count, t, op, R.comm, R.s);
+    else if (bcast) r = inplace ? ncclBcast(me == 1 ? dout : dout, count, t, 1, R.comm, R.s) : ncclBroadcast(din, dout, count, t, 1, R.comm, R.s);
+    else if (reduce) r = ncclReduce(din, dout, count, t, op, root, R.comm, R.s);
+    else r = ncclAllReduce(inplace ? dout : din, dout, count, t, op, R.comm, R.s);
+    nexpect(R, r == ncclSuccess, "%s type %d op %d: %s", what, (int)t, (int)op, ncclGetErrorString(r));
+    CU(cudaStreamSynchronize(R.s));
+    CU(cudaMemcpy(got.data(), dout, got.size(), cudaMemcpyDeviceToHost));
+    if (!reduce || me == root) {
+        if (bcast && inplace && me != 1) { /* broadcast in place: non-root outputs are the root's */
+        }
+        size_t bad = 0;
+        for (size_t i = 0; i < out_n; i++) bad += memcmp(&got[i * es], &want[i * es], es) != 0;
+        nexpect(R, bad == 0, "%s type %d op %d count %zu: %zu of %zu elements differ from the reference", what, (int)t, (int)op, count, bad, out_n);
+    }
+    CU(cudaFree(din));
+    CU(cudaFree(dout));
+}
+
+static int nccl_child(int rank, int n, const char *idhex, const char *scenario) {
+    nccl_rank R;
+    ncclUniqueId id;
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    int ndev = 0;
+    R.rank = rank;
+    R.n = n;
+    memset(&id, 0, sizeof id);
+    for (size_t i = 0; i < sizeof id.internal && idhex[2 * i]; i++) {
+        unsigned b;
+        sscanf(idhex + 2 * i, "%2x", &b);
+        id.internal[i] = (char)b;
+    }
+    cudaGetDeviceCount(&ndev);
+    cudaSetDevice(rank % ndev);
+    cudaStreamCreateWithFlags(&R.s, cudaStreamNonBlocking);
+    cfg.blocking = 0;
+    ncclResult_t r = ncclCommInitRankConfig(&R.comm, n, id, rank, &cfg);
+    nexpect(R, r == ncclSuccess || r == ncclInProgress, "init: %s", ncclGetErrorString(r));
+    nexpect(R, settle(R.comm, 30) == ncclSuccess, "init did not settle: %s", ncclGetLastError(R.comm));
+    if (R.failures) return R.failures;
+    if (!strcmp(scenario, "all")) {
+        int tag = 1, cnt = 0, rk = -1;
+        ncclCommCount(R.comm, &cnt);
+        ncclCommUserRank(R.comm, &rk);
+        nexpect(R, cnt == n && rk == rank, "count %d rank %d", cnt, rk);
+        for (ncclDataType_t t : k_types)
+            for (int op = 0; op < ncclNumOps; op++) ncheck(R, "allreduce", t, (ncclRedOp_t)op, 301, tag++);
+        for (ncclDataType_t t : {ncclFloat32, ncclFloat64, ncclBfloat16, ncclInt64}) {
+            ncheck(R, "allreduce-inplace", t, ncclSum, 70001, tag++);
+            ncheck(R, "reduce", t, ncclMax, 129, tag++);
+            ncheck(R, "broadcast", t, ncclSum, 7, tag++);
+            ncheck(R, "reducescatter", t, ncclSum, 333, tag++);
+            ncheck(R, "reducescatter", t, ncclMin, 1, tag++);
+            ncheck(R, "allgather", t, ncclSum, 777, tag++);
+            ncheck(R, "allgather-inplace", t, ncclSum, 5, tag++);
+        }
+        { /* a group: a ring of sends and receives, a self send, and an all-reduce */
+            size_t c = 4099;
+            std::vector<float> mine(c), fromprev(c), self(c);
+            for (size_t i = 0; i < c; i++) mine[i] = (float)(rank * 10000 + (int)i);
+            float *dm = to_dev(mine), *dp = dev_alloc<float>(c), *ds = dev_alloc<float>(c), *da = to_dev(mine);
+            ncclGroupStart();
+            ncclSend(dm, c, ncclFloat32, (rank + 1) % n, R.comm, R.s);
+            ncclRecv(dp, c, ncclFloat32, (rank + n - 1) % n, R.comm, R.s);
+            ncclSend(dm, c, ncclFloat32, rank, R.comm, R.s);
+            ncclRecv(ds, c, ncclFloat32, rank, R.comm, R.s);
+            ncclAllReduce(da, da, c, ncclFloat32, ncclMax, R.comm, R.s);
+            r = ncclGroupEnd();
+            nexpect(R, r == ncclSuccess, "group: %s", ncclGetErrorString(r));
+            CU(cudaStreamSynchronize(R.s));
+            std::vector<float> p = to_host(dp, c), sf = to_host(ds, c), a = to_host(da, c);
+            int bad = 0;
+            for (size_t i = 0; i < c; i++)
+                bad += p[i] != (float)(((rank + n - 1) % n) * 10000 + (int)i) || sf[i] != mine[i] || a[i] != (float)((n - 1) * 10000 + (int)i);
+            nexpect(R, bad == 0, "group of send/recv and all-reduce: %d elements wrong", bad);
+            CU(cudaFree(dm));
+            CU(cudaFree(dp));
+            CU(cudaFree(ds));
+            CU(cudaFree(da));
+        }
+        { /* split by parity, ranks reversed */
+            ncclComm_t sub = NULL;
+            ncclConfig_t sc = NCCL_CONFIG_INITIALIZER;
+            sc.blocking = 0;
+            r = ncclCommSplit(R.comm, rank % 2, -rank, &sub, &sc);
+            nexpect(R, r == ncclSuccess || r == ncclInProgress, "split: %s", ncclGetErrorString(r));
+            nexpect(R, settle(R.comm, 30) == ncclSuccess && sub != NULL, "split did not settle");
+            if (sub) {
+                int cnt = 0, rk = -1, members = (n + 1 - rank % 2) / 2, higher = 0;
+                ncclCommCount(sub, &cnt);
+                ncclCommUserRank(sub, &rk);
+                for (int q = rank + 2; q < n; q += 2) higher++;
+                nexpect(R, cnt == members && rk == higher, "sub-communicator: rank %d of %d, want %d of %d", rk, cnt, higher, members);
+                double *d = dev_alloc<double>(3), v[3] = {(double)rank, 1.0, -0.5 * rank};
+                CU(cudaMemcpy(d, v, sizeof v, cudaMemcpyHostToDevice));
+                r = ncclAllReduce(d, d, 3, ncclFloat64, ncclSum, sub, R.s);
+                CU(cudaStreamSynchronize(R.s));
+                std::vector<double> got = to_host(d, 3);
+                double sum = 0;
+                for (int q = rank % 2; q < n; q += 2) sum += q;
+                nexpect(R, r == ncclSuccess && got[0] == sum && got[1] == members && got[2] == -0.5 * sum, "f64 all-reduce on the sub-communicator");
+                ncclCommDestroy(sub);
+                CU(cudaFree(d));
+            }
+        }
+    } else if (!strcmp(scenario, "abort") || !strcmp(scenario, "die") || !strcmp(scenario, "mismatch")) {
+        float *d = dev_alloc<float>(64);
+        CU(cudaMemset(d, 0, 256));
+        if (rank == 1 && !strcmp(scenario, "abort")) {
+            ncclCommAbort(R.comm);
+            return R.failures;
+        }
+        if (rank == 1 && !strcmp(scenario, "die")) _exit(0);
+        size_t count = !strcmp(scenario, "mismatch") ? (size_t)(10 + rank) : 64;
+        r = ncclAllReduce(d, d, count, ncclFloat32, ncclSum, R.comm, R.s);
+        nexpect(R, r == ncclSuccess, "enqueue: %s", ncclGetErrorString(r));
+        ncclResult_t st = ncclSuccess;
+        for (double t0 = dsk_test_now(); st == ncclSuccess && dsk_test_now() - t0 < 20; usleep(1000)) ncclCommGetAsyncError(R.comm, &st);
+        ncclResult_t want = !strcmp(scenario, "mismatch") ? ncclInvalidUsage : ncclRemoteError;
+        nexpect(R, st == want, "%s: async error %s (%s), want %s", scenario, ncclGetErrorString(st), ncclGetLastError(R.comm),
+                ncclGetErrorString(want));
+        ncclCommAbort(R.comm);
+        CU(cudaStreamSynchronize(R.s));
+        return R.failures;
+    }
+    ncclCommDestroy(R.comm);
+    cudaStreamDestroy(R.s);
+    return R.failures;
+}
+
+/* Starts n ranks of this program and returns how many failed. */
+static int run_ranks(int n, const char *scenario) {
+    ncclUniqueId id;
+    char hex[2 * sizeof id.internal + 1], rs[16], ns[16];
+    std::vector<pid_t> pids;
+    int bad = 0;
+    DSK_TEST_EXPECT(ncclGetUniqueId(&id) == ncclSuccess, "ncclGetUniqueId");
+    for (size_t i = 0; i < sizeof id.internal; i++) snprintf(hex + 2 * i, 3, "%02x", (unsigned char)id.internal[i]);
+    fflush(stdout);
+    for (int r = 0; r < n; r++) {
+        snprintf(rs, sizeof rs, "%d", r);
+        snprintf(ns, sizeof ns, "%d", n);
+        pid_t pid = fork();
+        if (pid == 0) {
+            execl(g_self, g_self, "--nccl", rs, ns, hex, scenario, (char *)NULL);
+            _exit(127);
+        }
+        pids.push_back(pid);
+    }
+    for (pid_t p : pids) {
+        int st = 0;
+        waitpid(p, &st, 0);
+        bad += !(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    }
+    return bad;
+}
+
+static void test_nccl(int n) { DSK_TEST_EXPECT(run_ranks(n, "all") == 0, "ranks failed (their lines above say what)"); }
+static void test_nccl_faults(void) {
+    DSK_TEST_EXPECT(run_ranks(2, "abort") == 0, "a peer's abort was not reported as ncclRemoteError");
+    DSK_TEST_EXPECT(run_ranks(2, "die") == 0, "a peer that died was not reported as ncclRemoteError");
+    DSK_TEST_EXPECT(run_ranks(2, "mismatch") == 0, "mismatched counts were not reported as ncclInvalidUsage");
+}
+
 /* ---------------------------------------------------------------- main */
 
 int main(int argc, char **argv) {
     ssize_t k = readlink("/proc/self/exe", g_self, sizeof g_self - 1);
     g_self[k > 0 ? k : 0] = 0;
     if (argc == 3 && !strcmp(argv[1], "--child")) return child_main(argv[2]);
+    if (argc == 6 && !strcmp(argv[1], "--nccl")) return nccl_child(atoi(argv[2]), atoi(argv[3]), argv[4], argv[5]) ? 1 : 0;
     dsk_test_init("test_cuda_emu");
     DSK_TEST_RUN(test_coordinates);
     DSK_TEST_RUN(test_barriers);
@@ -740,5 +1001,10 @@ int main(int argc, char **argv) {
     DSK_TEST_RUN(test_graphs);
     DSK_TEST_RUN(test_cublas);
     DSK_TEST_RUN(test_cub_sort);
+    dsk_test_begin("nccl over 2 ranks: every collective, type and reduction; group; split");
+    test_nccl(2);
+    dsk_test_begin("nccl over 4 ranks: every collective, type and reduction; group; split");
+    test_nccl(4);
+    DSK_TEST_RUN(test_nccl_faults);
     return dsk_test_finish();
 }
