@@ -53,7 +53,8 @@ EMU_KLIB   = $(EMU)/libdsk_kernels.a
 EMU_CXX    = -std=c++17 $(OPT) $(ARCH) -g $(WARN) -ffp-contract=off -I. $(EMU_INC) $(SAN)
 EMU_CFLAGS = $(C_BASE) -DDSK_CUDA $(EMU_INC)
 EMU_LIBS   = $(EMU_KLIB) $(EMU_LIB) -lstdc++ -lm -lpthread -lrt
-EMU_TESTS  = $(patsubst tests/cuda_emu/%.cpp,$(EMU)/tests/%,$(wildcard tests/cuda_emu/test_*.cpp))
+EMU_TESTS  = $(patsubst tests/cuda_emu/%.cpp,$(EMU)/tests/%,$(wildcard tests/cuda_emu/test_*.cpp)) \
+             $(patsubst tests/gpu/%.c,$(EMU)/tests/gpu/%,$(wildcard tests/gpu/test_*.c))
 
 .PHONY: all tests examples bench run test test-gpu sanitize fuzz clean
 all: tests examples

@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include "dsk_amp.h"
 #include "dsk_kernels.h"
+#include "dsk_cuda.cuh"
 
 #define DSK_AMP__THREADS 256
 #define DSK_AMP__CHUNK 4096 /* elements per block of the unscale pass */
@@ -38,7 +39,7 @@ static dsk_status dsk_amp__launched(const char *fn, const char *kernel, unsigned
     } while (0)
 #define DSK_AMP__LAUNCH(fn, kernel, grid, stream, n, ...)                                          \
     do {                                                                                           \
-        kernel<<<(unsigned)(grid), DSK_AMP__THREADS, 0, (stream)>>>(__VA_ARGS__);                  \
+        DSK__CUDA_KERNEL(kernel, (unsigned)(grid), DSK_AMP__THREADS, 0, (stream), __VA_ARGS__);                  \
         DSK_AMP__TRY(dsk_amp__launched(fn, #kernel, (unsigned)(grid), (int64_t)(n)));              \
     } while (0)
 
@@ -169,7 +170,7 @@ extern "C" dsk_status dsk_cuda_amp_unscale(dsk_ctx *ctx, dsk_tensor *const *grad
             if (L.count > 0 && (L.count == DSK_AMP__MAX_T || i == n - 1)) {
                 int64_t blocks = L.first[L.count];
                 L.part0 = done;
-                dsk_amp__unscale_kernel<<<(unsigned)blocks, DSK_AMP__THREADS, 0, dsk_amp__stream(ctx)>>>(L, (const dsk_amp__block *)block, psum, pbad);
+                DSK__CUDA_KERNEL(dsk_amp__unscale_kernel, (unsigned)blocks, DSK_AMP__THREADS, 0, dsk_amp__stream(ctx), L, (const dsk_amp__block *)block, psum, pbad);
                 s = dsk_amp__launched(fn, "dsk_amp__unscale_kernel", (unsigned)blocks, blocks * DSK_AMP__CHUNK);
                 done += blocks;
                 memset(&L, 0, sizeof L);
@@ -177,7 +178,7 @@ extern "C" dsk_status dsk_cuda_amp_unscale(dsk_ctx *ctx, dsk_tensor *const *grad
         }
     }
     if (s == DSK_OK) {
-        dsk_amp__unscale_finish<<<1, DSK_AMP__THREADS, 0, dsk_amp__stream(ctx)>>>((dsk_amp__block *)block, psum, pbad, nparts);
+        DSK__CUDA_KERNEL(dsk_amp__unscale_finish, 1, DSK_AMP__THREADS, 0, dsk_amp__stream(ctx), (dsk_amp__block *)block, psum, pbad, nparts);
         s = dsk_amp__launched(fn, "dsk_amp__unscale_finish", 1, nparts);
     }
     if (scratch) dsk_cuda_free(ctx, scratch); /* stream-ordered after the kernels */
@@ -193,7 +194,7 @@ __global__ static void dsk_amp__update_kernel(dsk_amp__block *blk, dsk_amp_scale
 extern "C" dsk_status dsk_cuda_amp_update(dsk_ctx *ctx, void *block, const struct dsk_amp_scaler_opts *opts) {
     const char *fn = "dsk_cuda_amp_update";
     DSK_AMP__TRY(dsk_amp__need(fn, ctx));
-    dsk_amp__update_kernel<<<1, 1, 0, dsk_amp__stream(ctx)>>>((dsk_amp__block *)block, *opts);
+    DSK__CUDA_KERNEL(dsk_amp__update_kernel, 1, 1, 0, dsk_amp__stream(ctx), (dsk_amp__block *)block, *opts);
     return dsk_amp__launched(fn, "dsk_amp__update_kernel", 1, 1);
 }
 

@@ -11,6 +11,7 @@
 #include <cublas_v2.h>
 #include <stdio.h>
 #include "dsk_kernels.h"
+#include "dsk_cuda.cuh"
 #include "dsk_moe.h"
 
 static dsk_status dsk__moe_cuda_fail(const char *fn, const char *what, cudaError_t e) {
@@ -29,7 +30,7 @@ static dsk_status dsk__moe_launched(const char *fn, const char *kernel, int64_t 
     do {                                                                                            \
         if ((n) > 0) {                                                                              \
             unsigned dsk__blocks_ = (unsigned)(((n) + (threads) - 1) / (threads));                  \
-            kernel<<<dsk__blocks_, (threads), 0, (cudaStream_t)ctx->stream>>>(__VA_ARGS__);         \
+            DSK__CUDA_KERNEL(kernel, dsk__blocks_, (threads), 0, (cudaStream_t)ctx->stream, __VA_ARGS__);         \
             dsk_status dsk__s_ = dsk__moe_launched(fn, #kernel, (int64_t)(n));                      \
             if (dsk__s_ != DSK_OK) return dsk__s_;                                                  \
         }                                                                                           \
@@ -145,7 +146,7 @@ extern "C" dsk_status dsk_cuda_moe_gather(dsk_ctx *ctx, void *dst, const void *s
     dsk_status s;
     if ((s = dsk__moe_need_ctx(fn, ctx)) != DSK_OK) return s;
     if (n <= 0 || D <= 0) return DSK_OK;
-    dsk__moe_gather_kernel<<<(unsigned)n, 256, 0, (cudaStream_t)ctx->stream>>>(dst, src, dsk__is_bf16(dt), idx, div, gate, D);
+    DSK__CUDA_KERNEL(dsk__moe_gather_kernel, (unsigned)n, 256, 0, (cudaStream_t)ctx->stream, dst, src, dsk__is_bf16(dt), idx, div, gate, D);
     return dsk__moe_launched(fn, "dsk__moe_gather_kernel", n);
 }
 
@@ -170,7 +171,7 @@ extern "C" dsk_status dsk_cuda_moe_combine(dsk_ctx *ctx, void *y, dsk_dtype dt, 
     dsk_status s;
     if ((s = dsk__moe_need_ctx(fn, ctx)) != DSK_OK) return s;
     if (T <= 0 || D <= 0) return DSK_OK;
-    dsk__moe_combine_kernel<<<(unsigned)T, 256, 0, (cudaStream_t)ctx->stream>>>(y, dsk__is_bf16(dt), rows, slot_pos, gate, shared, K, D);
+    DSK__CUDA_KERNEL(dsk__moe_combine_kernel, (unsigned)T, 256, 0, (cudaStream_t)ctx->stream, y, dsk__is_bf16(dt), rows, slot_pos, gate, shared, K, D);
     return dsk__moe_launched(fn, "dsk__moe_combine_kernel", T);
 }
 
@@ -193,7 +194,7 @@ extern "C" dsk_status dsk_cuda_moe_scatter(dsk_ctx *ctx, float *dx, const float 
     dsk_status s;
     if ((s = dsk__moe_need_ctx(fn, ctx)) != DSK_OK) return s;
     if (T <= 0 || D <= 0) return DSK_OK;
-    dsk__moe_scatter_kernel<<<(unsigned)T, 256, 0, (cudaStream_t)ctx->stream>>>(dx, rows, slot_pos, K, D);
+    DSK__CUDA_KERNEL(dsk__moe_scatter_kernel, (unsigned)T, 256, 0, (cudaStream_t)ctx->stream, dx, rows, slot_pos, K, D);
     return dsk__moe_launched(fn, "dsk__moe_scatter_kernel", T);
 }
 

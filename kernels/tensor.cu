@@ -19,6 +19,7 @@
 #include <math.h>
 #include <stdio.h>
 #include "dsk_kernels.h"
+#include "dsk_cuda.cuh"
 
 /* ======================================================================= errors */
 
@@ -47,10 +48,10 @@ static dsk_status dsk__launched(const char *fn, const char *kernel, dim3 grid, d
         cudaError_t dsk__e_ = (call);                                                     \
         if (dsk__e_ != cudaSuccess) return dsk__cuda_fail(fn, #call, dsk__e_, detail);    \
     } while (0)
-/* Launches kernel<<<grid, block, 0, stream>>>(args...) and checks it. */
+/* Launches kernel(args...) on stream with (grid, block) and checks the launch. */
 #define DSK__LAUNCH(fn, kernel, grid, block, stream, n, ...)                           \
     do {                                                                               \
-        kernel<<<(grid), (block), 0, (stream)>>>(__VA_ARGS__);                         \
+        DSK__CUDA_KERNEL(kernel, (grid), (block), 0, (stream), __VA_ARGS__);                         \
         DSK__TRY(dsk__launched(fn, #kernel, dim3(grid), dim3(block), (int64_t)(n)));   \
     } while (0)
 
@@ -789,10 +790,10 @@ extern "C" dsk_status dsk_cuda_sum_squares(dsk_ctx *ctx, dsk_tensor *out, const 
     if (nb < 1) nb = 1;
     if (nb > DSK__SS_BLOCKS_MAX) nb = DSK__SS_BLOCKS_MAX;
     DSK__TRY(dsk__scratch(ctx, (size_t)nb * sizeof(float), (void **)&part));
-    dsk__k_sumsq_partial<<<(unsigned)nb, DSK__THREADS, 0, dsk__stream(ctx)>>>(part, in->data, (int)in->dtype, n);
+    DSK__CUDA_KERNEL(dsk__k_sumsq_partial, (unsigned)nb, DSK__THREADS, 0, dsk__stream(ctx), part, in->data, (int)in->dtype, n);
     s = dsk__launched(fn, "dsk__k_sumsq_partial", dim3((unsigned)nb), dim3(DSK__THREADS), n);
     if (s == DSK_OK) {
-        dsk__k_sumsq_final<<<1, DSK__THREADS, 0, dsk__stream(ctx)>>>((float *)out->data, part, (int)nb);
+        DSK__CUDA_KERNEL(dsk__k_sumsq_final, 1, DSK__THREADS, 0, dsk__stream(ctx), (float *)out->data, part, (int)nb);
         s = dsk__launched(fn, "dsk__k_sumsq_final", dim3(1), dim3(DSK__THREADS), nb);
     }
     dsk__scratch_free(ctx, part);
@@ -926,11 +927,11 @@ static dsk_status dsk__rmsnorm_dw(dsk_ctx *ctx, const char *fn, dsk_tensor *dw, 
     per = (R + chunks - 1) / chunks;
     grid = dim3((unsigned)((D + DSK__COL_TX - 1) / DSK__COL_TX), (unsigned)chunks);
     DSK__TRY(dsk__scratch(ctx, (size_t)(chunks * D) * sizeof(float), (void **)&part));
-    dsk__k_rmsnorm_dw_partial<<<grid, block, 0, dsk__stream(ctx)>>>(part, dy->data, (int)dy->dtype, x->data, (int)x->dtype, rstd, R,
+    DSK__CUDA_KERNEL(dsk__k_rmsnorm_dw_partial, grid, block, 0, dsk__stream(ctx), part, dy->data, (int)dy->dtype, x->data, (int)x->dtype, rstd, R,
                                                                       D, per);
     s = dsk__launched(fn, "dsk__k_rmsnorm_dw_partial", grid, block, R * D);
     if (s == DSK_OK) {
-        dsk__k_col_finish<<<dsk__grid(D), DSK__THREADS, 0, dsk__stream(ctx)>>>(dw->data, (int)dw->dtype, part, chunks, D);
+        DSK__CUDA_KERNEL(dsk__k_col_finish, dsk__grid(D), DSK__THREADS, 0, dsk__stream(ctx), dw->data, (int)dw->dtype, part, chunks, D);
         s = dsk__launched(fn, "dsk__k_col_finish", dim3(dsk__grid(D)), dim3(DSK__THREADS), D);
     }
     dsk__scratch_free(ctx, part);
@@ -1032,7 +1033,7 @@ static dsk_status dsk__scatter_add(dsk_ctx *ctx, const char *fn, dsk_tensor *dst
     vals = (int32_t *)(buf + ib);
     keys_sorted = (int32_t *)(buf + 2 * ib);
     vals_sorted = (int32_t *)(buf + 3 * ib);
-    dsk__k_scatter_keys<<<dsk__grid(N), DSK__THREADS, 0, dsk__stream(ctx)>>>(keys, vals, (const int32_t *)idx->data, N, (int32_t)R);
+    DSK__CUDA_KERNEL(dsk__k_scatter_keys, dsk__grid(N), DSK__THREADS, 0, dsk__stream(ctx), keys, vals, (const int32_t *)idx->data, N, (int32_t)R);
     s = dsk__launched(fn, "dsk__k_scatter_keys", dim3(dsk__grid(N)), dim3(DSK__THREADS), N);
     if (s == DSK_OK) {
         e = cub::DeviceRadixSort::SortPairs(buf + 4 * ib, sort_bytes, keys, keys_sorted, vals, vals_sorted, (int)N, 0, bits,
@@ -1041,7 +1042,7 @@ static dsk_status dsk__scatter_add(dsk_ctx *ctx, const char *fn, dsk_tensor *dst
     }
     if (s == DSK_OK) {
         unsigned th = dsk__row_threads(D);
-        dsk__k_scatter_segments<<<(unsigned)N, th, 0, dsk__stream(ctx)>>>(dst->data, (int)dst->dtype, src->data, (int)src->dtype,
+        DSK__CUDA_KERNEL(dsk__k_scatter_segments, (unsigned)N, th, 0, dsk__stream(ctx), dst->data, (int)dst->dtype, src->data, (int)src->dtype,
                                                                           keys_sorted, vals_sorted, N, (int32_t)R, D);
         s = dsk__launched(fn, "dsk__k_scatter_segments", dim3((unsigned)N), dim3(th), N * D);
     }
@@ -1126,17 +1127,17 @@ extern "C" dsk_status dsk_cuda_cross_entropy(dsk_ctx *ctx, dsk_tensor *loss, dsk
     DSK__TRY(dsk__scratch(ctx, 256 + (size_t)T * sizeof(float), (void **)&buf));
     count = (int64_t *)buf;
     rowloss = (float *)(buf + 256);
-    dsk__k_ce_count<<<1, DSK__THREADS, 0, st>>>(count, (const int32_t *)targets->data, T, ignore_index);
+    DSK__CUDA_KERNEL(dsk__k_ce_count, 1, DSK__THREADS, 0, st, count, (const int32_t *)targets->data, T, ignore_index);
     s = dsk__launched(fn, "dsk__k_ce_count", dim3(1), dim3(DSK__THREADS), T);
     if (s == DSK_OK && T > 0) {
         unsigned th = dsk__row_threads(V);
-        dsk__k_ce_rows<<<(unsigned)T, th, 0, st>>>(rowloss, dlogits ? dlogits->data : NULL, dlogits ? (int)dlogits->dtype : 0,
+        DSK__CUDA_KERNEL(dsk__k_ce_rows, (unsigned)T, th, 0, st, rowloss, dlogits ? dlogits->data : NULL, dlogits ? (int)dlogits->dtype : 0,
                                                    logits->data, (int)logits->dtype, (const int32_t *)targets->data, count, V,
                                                    ignore_index, grad_scale);
         s = dsk__launched(fn, "dsk__k_ce_rows", dim3((unsigned)T), dim3(th), T * V);
     }
     if (s == DSK_OK) {
-        dsk__k_ce_loss<<<1, DSK__THREADS, 0, st>>>((float *)loss->data, rowloss, count, T);
+        DSK__CUDA_KERNEL(dsk__k_ce_loss, 1, DSK__THREADS, 0, st, (float *)loss->data, rowloss, count, T);
         s = dsk__launched(fn, "dsk__k_ce_loss", dim3(1), dim3(DSK__THREADS), T);
     }
     dsk__scratch_free(ctx, buf);

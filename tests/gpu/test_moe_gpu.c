@@ -100,10 +100,133 @@ static void run_case(dsk_ctx *gctx, const gcase *c) {
     dsk_test_end();
 }
 
-int main(void) {
+/* ---------------------------------------------------------------- expert parallelism (nccl) */
+
+enum { EP_T = 13, EP_D = 16, EP_E = 8, EP_K = 3, EP_F = 12, EP_FS = 10 };
+
+static dsk_moe_opts ep_opts(int sigmoid) {
+    dsk_moe_opts o;
+    memset(&o, 0, sizeof o);
+    o.d_model = EP_D; o.n_routed = EP_E; o.top_k = EP_K; o.d_expert = EP_F; o.n_shared = 1; o.d_shared = EP_FS;
+    o.init_std = 0.5f; o.seed = 77; o.aux_alpha = 0.01f;
+    if (sigmoid) { o.score = DSK_MOE_SIGMOID; o.n_group = 4; o.topk_group = 2; o.routed_scale = 2.5f; }
+    return o;
+}
+
+/* One rank of an expert-parallel step: the global batch (every rank draws the same one),
+   one CPU layer over all of it as the reference, and this rank's CUDA layer (its experts
+   copied from the reference) over its rows; compares y, dx, its experts' gradients, the
+   dense gradients summed over ranks (an nccl all-reduce) and the EP-group loads. */
+static int ep_rank(int sigmoid) {
+    dsk_comm c;
+    dsk_comm_opts co;
+    dsk_ctx g;
+    dsk_ctx_opts go;
+    dsk_moe ref, m;
+    dsk_moe_opts o = ep_opts(sigmoid);
+    dsk_moe_stats rs, gs;
+    dsk_tensor x, dy, y, dx, gx, gdy, gy, gdx, xs, dys, ys, dxs;
+    int64_t NT, shp[2];
+    int n, me;
+    memset(&co, 0, sizeof co);
+    co.backend = DSK_COMM_NCCL;
+    co.timeout_s = 120;
+    if (dsk_comm_init_env(&c, &co) != DSK_OK) { printf("nccl init: %s\n", dsk_last_error()); return 3; }
+    n = c.world_size;
+    me = c.rank;
+    NT = (int64_t)EP_T * n;
+    memset(&go, 0, sizeof go);
+    go.device = DSK_PREFER_CUDA;
+    go.cuda_index = c.local_rank;
+    if (dsk_ctx_init(&g, &go) != DSK_OK) { printf("ctx: %s\n", dsk_last_error()); return 3; }
+    dsk_test_begin("expert parallel rank %d of %d", me, n);
+    shp[0] = NT; shp[1] = EP_D;
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &x, DSK_F32, 2, shp));
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &dy, DSK_F32, 2, shp));
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &y, DSK_F32, 2, shp));
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &dx, DSK_F32, 2, shp));
+    dsk_tensor_uniform(NULL, &x, 31, 0, -1, 1);
+    dsk_tensor_uniform(NULL, &dy, 32, 0, -1, 1);
+    dsk_tensor_fill(NULL, &dx, 0.0);
+    DSK_TEST_OK(dsk_moe_init(&ref, NULL, &o));
+    DSK_TEST_OK(dsk_moe_forward(&ref, NULL, &y, &x, &rs));
+    DSK_TEST_OK(dsk_moe_backward(&ref, NULL, &dx, &dy, 1.0f));
+    o.ep = &c;
+    DSK_TEST_OK(dsk_moe_init(&m, &g, &o));
+    for (int i = 0; i < m.n_params; i++) { /* the reference's parameters; experts: this rank's slice */
+        dsk_tensor src = ref.params[i].value;
+        if (src.ndim == 3) DSK_TEST_OK(dsk_tensor_slice(&ref.params[i].value, 0, m.expert0, m.n_local, &src));
+        DSK_TEST_OK(dsk_tensor_copy(&g, &m.params[i].value, &src));
+    }
+    DSK_TEST_OK(dsk_tensor_slice(&x, 0, me * EP_T, EP_T, &xs));
+    DSK_TEST_OK(dsk_tensor_slice(&dy, 0, me * EP_T, EP_T, &dys));
+    DSK_TEST_OK(dsk_tensor_slice(&y, 0, me * EP_T, EP_T, &ys));
+    DSK_TEST_OK(dsk_tensor_slice(&dx, 0, me * EP_T, EP_T, &dxs));
+    shp[0] = EP_T;
+    DSK_TEST_OK(dsk_tensor_alloc(&g, &gx, DSK_F32, 2, shp));
+    DSK_TEST_OK(dsk_tensor_alloc(&g, &gdy, DSK_F32, 2, shp));
+    DSK_TEST_OK(dsk_tensor_alloc(&g, &gy, DSK_F32, 2, shp));
+    DSK_TEST_OK(dsk_tensor_alloc(&g, &gdx, DSK_F32, 2, shp));
+    DSK_TEST_OK(dsk_tensor_copy(&g, &gx, &xs));
+    DSK_TEST_OK(dsk_tensor_copy(&g, &gdy, &dys));
+    DSK_TEST_OK(dsk_tensor_fill(&g, &gy, NAN));
+    DSK_TEST_OK(dsk_tensor_fill(&g, &gdx, 0.0));
+    DSK_TEST_OK(dsk_moe_forward(&m, &g, &gy, &gx, &gs));
+    DSK_TEST_OK(dsk_moe_backward(&m, &g, &gdx, &gdy, 1.0f));
+    compare(&g, &gy, &ys, 2e-4, 2e-5, "y of this rank's rows");
+    compare(&g, &gdx, &dxs, 2e-4, 2e-5, "dx of this rank's rows");
+    DSK_TEST_EXPECT(gs.tokens == NT, "tokens %lld, want %lld", (long long)gs.tokens, (long long)NT);
+    for (int e = 0; e < EP_E; e++)
+        DSK_TEST_EXPECT(gs.tokens_per_expert[e] == rs.tokens_per_expert[e], "expert %d: EP-group load %lld, one layer %lld", e,
+                        (long long)gs.tokens_per_expert[e], (long long)rs.tokens_per_expert[e]);
+    for (int i = 0; i < m.n_params; i++) {
+        dsk_tensor want = ref.params[i].grad;
+        char what[128];
+        if (!dsk_tensor_numel(&m.params[i].grad)) continue;
+        if (want.ndim == 3) DSK_TEST_OK(dsk_tensor_slice(&ref.params[i].grad, 0, m.expert0, m.n_local, &want));
+        else DSK_TEST_OK(dsk_comm_all_reduce(&c, &g, m.params[i].grad.data, m.params[i].grad.data, dsk_tensor_numel(&want), DSK_F32,
+                                             DSK_COMM_SUM)); /* dense: partial sums over this rank's tokens */
+        DSK_TEST_OK(dsk_comm_sync(&c, &g));
+        snprintf(what, sizeof what, "grad %s", ref.params[i].name);
+        compare(&g, &m.params[i].grad, &want, 1e-3, 1e-4, what);
+    }
+    dsk_tensor_free(NULL, &x); dsk_tensor_free(NULL, &dy); dsk_tensor_free(NULL, &y); dsk_tensor_free(NULL, &dx);
+    dsk_tensor_free(&g, &gx); dsk_tensor_free(&g, &gdy); dsk_tensor_free(&g, &gy); dsk_tensor_free(&g, &gdx);
+    dsk_moe_free(&m, &g);
+    dsk_moe_free(&ref, NULL);
+    dsk_test_end();
+    dsk_ctx_free(&g);
+    dsk_comm_free(&c);
+    return dsk_test_g.failed ? 1 : 0;
+}
+
+/* Starts `ranks` processes of this program, each one rank of ep_rank(). */
+static void run_ep(int ranks, int ndev, int sigmoid) {
+    char self[4096], *av[] = {self, (char *)"--ep-rank", (char *)(sigmoid ? "1" : "0"), NULL};
+    ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
+    dsk_spawn_opts so;
+    int worst = -1, port = 0;
+    dsk_test_begin("expert parallel over %d ranks on the nccl backend (%s) = one CPU layer", ranks, sigmoid ? "sigmoid+groups" : "softmax");
+    if (ndev < ranks) {
+        dsk_test_skip("needs %d CUDA devices (one per rank), %d present", ranks, ndev);
+        dsk_test_end();
+        return;
+    }
+    self[k > 0 ? k : 0] = 0;
+    DSK_TEST_OK(dsk_comm_free_port("127.0.0.1", &port));
+    memset(&so, 0, sizeof so);
+    so.master_port = port;
+    so.timeout_s = 300;
+    fflush(stdout);
+    DSK_TEST_OK(dsk_comm_spawn_local(ranks, av, &so, &worst));
+    DSK_TEST_EXPECT(worst == 0, "ranks exited with status %d", worst);
+    dsk_test_end();
+}
+
+int main(int argc, char **argv) {
     dsk_ctx gctx;
     dsk_ctx_opts co;
-    int have = dsk_cuda_available();
+    int have = dsk_cuda_available(), ndev = 0;
     const gcase cases[] = {
         {"softmax", 129, 64, 12, 2, 32, 0, 0, 0, DSK_MOE_SOFTMAX, 0, 0, 0, 0, 0, DSK_F32},
         {"softmax+aux+z+shared", 7, 64, 6, 3, 48, 2, 0, 0, DSK_MOE_SOFTMAX, 0, 0.01f, 0, 0.001f, 0, DSK_F32},
@@ -112,6 +235,10 @@ int main(void) {
         {"softmax", 1, 64, 6, 2, 32, 1, 0, 0, DSK_MOE_SOFTMAX, 0, 0, 0, 0, 0, DSK_F32},
         {"sigmoid+groups+shared", 200, 128, 16, 4, 64, 1, 4, 2, DSK_MOE_SIGMOID, 0, 0.01f, 0, 0.001f, 0, DSK_BF16},
     };
+    if (argc == 3 && !strcmp(argv[1], "--ep-rank")) {
+        dsk_test_init("test_moe_gpu rank");
+        return ep_rank(atoi(argv[2]));
+    }
     dsk_test_init("test_moe_gpu");
     memset(&co, 0, sizeof co);
     co.device = DSK_PREFER_CUDA;
@@ -124,5 +251,10 @@ int main(void) {
     }
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&gctx, &cases[i]);
     dsk_ctx_free(&gctx);
+#ifdef DSK_CUDA
+    if (have) dsk_cuda_device_count(&ndev);
+#endif
+    run_ep(2, ndev, 0);
+    run_ep(4, ndev, 1);
     return dsk_test_finish();
 }
