@@ -92,7 +92,7 @@ bool device_range_ok(const char *what, const void *p, size_t n, int device);
 bool host_range_ok(const char *what, const void *p, size_t n);
 void *device_alloc(int device, size_t n); /* NULL when the device is full */
 bool device_free(const void *p, const char *what); /* a fault and false for a pointer that is not an allocation */
-void check_red_zones(const char *after);  /* canaries of every live allocation (not under ASan) */
+bool check_red_zones(const char *after);  /* canaries of every live allocation (not under ASan); false: overrun */
 size_t device_capacity();
 size_t device_used(int device);
 void *host_alloc(size_t n, mem_class cls);

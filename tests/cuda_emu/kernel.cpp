@@ -611,7 +611,7 @@ cudaError_t run_kernel(launch_base &l, int device) {
     }
     g_block = nullptr;
     if (b.faults > 4) fprintf(stderr, "cuda_emu: kernel %s: %d more faults of this launch not shown\n", l.name, b.faults - 4);
-    check_red_zones(l.name);
+    if (!check_red_zones(l.name) && b.error == cudaSuccess) b.error = cudaErrorIllegalAddress;
     return b.error;
 }
 

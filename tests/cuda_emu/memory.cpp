@@ -292,7 +292,8 @@ bool device_free(const void *ptr, const char *what) {
     return true;
 }
 
-void check_red_zones(const char *after) {
+bool check_red_zones(const char *after) {
+    bool ok = true;
 #ifdef CUDA_EMU_ASAN
     (void)after;
 #else
@@ -305,9 +306,11 @@ void check_red_zones(const char *after) {
                 snprintf(when, sizeof when, "after %s", after);
                 report_overrun(p, u.second, when);
                 memset(p + u.second.user, kCanary, u.second.total - u.second.user); /* report it once */
+                ok = false;
             }
         }
 #endif
+    return ok;
 }
 
 void *host_alloc(size_t n, mem_class cls) {
