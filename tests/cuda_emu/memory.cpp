@@ -100,11 +100,17 @@ void memory_init(int devices) {
     M->protect = !(prot && !strcmp(prot, "0"));
     M->devices = devices;
     M->total = kDeviceBytes * (size_t)(devices > 0 ? devices : 1);
-    M->base = (char *)mmap(nullptr, M->total, M->protect ? PROT_NONE : PROT_READ | PROT_WRITE,
-                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (M->base == MAP_FAILED) {
-        fprintf(stderr, "cuda_emu: cannot reserve %zu bytes of device memory\n", M->total);
-        abort();
+    {   /* 2 MiB aligned, in huge pages where the kernel allows: mprotect then updates 512x
+           fewer page-table entries when the PROT_NONE window opens and closes */
+        const size_t huge = (size_t)2 << 20;
+        char *raw = (char *)mmap(nullptr, M->total + huge, M->protect ? PROT_NONE : PROT_READ | PROT_WRITE,
+                                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (raw == MAP_FAILED) {
+            fprintf(stderr, "cuda_emu: cannot reserve %zu bytes of device memory\n", M->total);
+            abort();
+        }
+        M->base = (char *)(((uintptr_t)raw + huge - 1) & ~(uintptr_t)(huge - 1));
+        madvise(M->base, M->total, MADV_HUGEPAGE);
     }
     M->heaps = new heap[devices > 0 ? devices : 1];
     for (int d = 0; d < devices; d++) M->heaps[d].free_ranges[kAlign] = kDeviceBytes - kAlign;
