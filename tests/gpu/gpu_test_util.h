@@ -18,6 +18,21 @@ static inline void gpu_test_setup(void) {
     have_gpu = dsk_cuda_available() && dsk_ctx_init(&G, &o) == DSK_OK;
     if (!have_gpu) printf("# no usable CUDA device (%s): GPU cases are skipped\n", dsk_last_error()[0] ? dsk_last_error() : "none");
 }
+/* A second context, on CUDA device `index`, for cases where one thread drives two devices;
+   0 when there is no such device (the case then skips). */
+static inline int gpu_test_ctx_on(int index, dsk_ctx *c) {
+    dsk_ctx_opts o;
+    int n = 0;
+    memset(c, 0, sizeof *c);
+#ifdef DSK_CUDA
+    if (!have_gpu || dsk_cuda_device_count(&n) != DSK_OK || n <= index) return 0;
+#endif
+    memset(&o, 0, sizeof o);
+    o.device = DSK_PREFER_CUDA;
+    o.cuda_index = index;
+    return n > index && dsk_ctx_init(c, &o) == DSK_OK;
+}
+
 static dsk_tensor **gpu_test_pool;
 static int gpu_test_pool_n, gpu_test_pool_cap;
 

@@ -100,6 +100,90 @@ static void run_case(dsk_ctx *gctx, const gcase *c) {
     dsk_test_end();
 }
 
+/* ---------------------------------------------------------------- one thread, two devices */
+
+/* The same layer on device 0 and device 1, forward and backward alternating between them:
+   every launcher makes its context's device current (a launch on a stream of another device
+   than the current one fails), and both give the same results. */
+static void test_two_devices(dsk_ctx *g0, int ndev) {
+    gcase c = {"softmax+shared", 33, 64, 8, 2, 32, 1, 0, 0, DSK_MOE_SOFTMAX, 0, 0.01f, 0, 0, 0, DSK_F32};
+    dsk_ctx g1;
+    dsk_ctx_opts co;
+    dsk_moe m[2];
+    dsk_moe_opts o;
+    dsk_tensor hx, x[2], y[2], dx[2];
+    dsk_ctx *ctx[2] = {g0, &g1};
+    int64_t shp[2] = {c.T, c.D};
+    dsk_test_begin("one thread, two devices: forward and backward alternate between contexts");
+    memset(&co, 0, sizeof co);
+    co.device = DSK_PREFER_CUDA;
+    co.cuda_index = 1;
+    if (ndev < 2 || dsk_ctx_init(&g1, &co) != DSK_OK) {
+        dsk_test_skip("needs 2 CUDA devices, driven by one thread");
+        dsk_test_end();
+        return;
+    }
+    memset(&o, 0, sizeof o);
+    o.d_model = c.D; o.n_routed = c.E; o.top_k = c.K; o.d_expert = c.F; o.n_shared = c.n_shared; o.aux_alpha = c.aux;
+    o.init_std = 0.3f; o.seed = 5;
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &hx, DSK_F32, 2, shp));
+    dsk_tensor_uniform(NULL, &hx, 21, 0, -1, 1);
+    for (int d = 0; d < 2; d++) {
+        DSK_TEST_OK(dsk_moe_init(&m[d], ctx[d], &o));
+        DSK_TEST_OK(dsk_tensor_alloc(ctx[d], &x[d], DSK_F32, 2, shp));
+        DSK_TEST_OK(dsk_tensor_alloc(ctx[d], &y[d], DSK_F32, 2, shp));
+        DSK_TEST_OK(dsk_tensor_alloc(ctx[d], &dx[d], DSK_F32, 2, shp));
+        DSK_TEST_OK(dsk_tensor_copy(ctx[d], &x[d], &hx));
+        DSK_TEST_OK(dsk_tensor_fill(ctx[d], &dx[d], 0.0));
+    }
+    for (int i = 0; i < m[0].n_params; i++) { /* device 0's parameters on device 1, through the host */
+        dsk_tensor h;
+        DSK_TEST_OK(dsk_tensor_alloc(NULL, &h, m[0].params[i].value.dtype, m[0].params[i].value.ndim, m[0].params[i].value.shape));
+        DSK_TEST_OK(dsk_tensor_copy(ctx[0], &h, &m[0].params[i].value));
+        DSK_TEST_OK(dsk_tensor_copy(ctx[1], &m[1].params[i].value, &h));
+        dsk_tensor_free(NULL, &h);
+    }
+    for (int d = 1; d >= 0; d--) DSK_TEST_OK(dsk_moe_forward(&m[d], ctx[d], &y[d], &x[d], NULL));
+    for (int d = 1; d >= 0; d--) DSK_TEST_OK(dsk_moe_backward(&m[d], ctx[d], &dx[d], &y[d], 1.0f));
+    {
+        dsk_tensor h1y;
+        DSK_TEST_OK(dsk_tensor_alloc(NULL, &h1y, DSK_F32, 2, shp));
+        DSK_TEST_OK(dsk_tensor_copy(ctx[1], &h1y, &y[1]));
+        compare(ctx[0], &y[0], &h1y, 0, 0, "y on device 0 vs device 1");
+        DSK_TEST_OK(dsk_tensor_copy(ctx[1], &h1y, &dx[1]));
+        compare(ctx[0], &dx[0], &h1y, 0, 0, "dx on device 0 vs device 1");
+        dsk_tensor_free(NULL, &h1y);
+    }
+#ifdef DSK_CUDA
+    { /* the launchers themselves, each called right after work on the other device */
+        int64_t cs[2] = {c.T, c.T};
+        dsk_tensor C, hC, hw, hx2;
+        DSK_TEST_OK(dsk_tensor_alloc(ctx[0], &C, DSK_F32, 2, cs));
+        DSK_TEST_OK(dsk_tensor_alloc(NULL, &hC, DSK_F32, 2, cs));
+        DSK_TEST_OK(dsk_tensor_alloc(NULL, &hw, DSK_F32, 2, cs));
+        DSK_TEST_OK(dsk_tensor_alloc(NULL, &hx2, DSK_F32, 2, shp));
+        DSK_TEST_OK(dsk_tensor_fill(ctx[1], &dx[1], 0.0));
+        DSK_TEST_OK(dsk_cuda_moe_gemm(ctx[0], 0, 1, c.T, c.T, c.D, x[0].data, c.D, x[0].data, c.D, DSK_F32, 0.0f, C.data, c.T, DSK_F32));
+        DSK_TEST_OK(dsk_tensor_fill(ctx[1], &dx[1], 0.0));
+        DSK_TEST_OK(dsk_cuda_moe_accumulate(ctx[0], x[0].data, DSK_F32, (const float *)x[0].data, c.T * c.D)); /* x += x */
+        DSK_TEST_OK(dsk_tensor_copy(ctx[0], &hC, &C));
+        DSK_TEST_OK(dsk_tensor_copy(ctx[0], &hx2, &x[0]));
+        DSK_TEST_OK(dsk_matmul(NULL, &hw, &hx, 0, &hx, 1, 1.0f, 0.0f));
+        compare(NULL, &hC, &hw, 1e-5, 1e-5, "dsk_cuda_moe_gemm on device 0 right after device 1");
+        DSK_TEST_OK(dsk_scale(NULL, &hx, 2.0f));
+        compare(NULL, &hx2, &hx, 0, 0, "dsk_cuda_moe_accumulate on device 0 right after device 1");
+        dsk_tensor_free(ctx[0], &C); dsk_tensor_free(NULL, &hC); dsk_tensor_free(NULL, &hw); dsk_tensor_free(NULL, &hx2);
+    }
+#endif
+    for (int d = 0; d < 2; d++) {
+        dsk_tensor_free(ctx[d], &x[d]); dsk_tensor_free(ctx[d], &y[d]); dsk_tensor_free(ctx[d], &dx[d]);
+        dsk_moe_free(&m[d], ctx[d]);
+    }
+    dsk_tensor_free(NULL, &hx);
+    dsk_ctx_free(&g1);
+    dsk_test_end();
+}
+
 /* ---------------------------------------------------------------- expert parallelism (nccl) */
 
 enum { EP_T = 13, EP_D = 16, EP_E = 8, EP_K = 3, EP_F = 12, EP_FS = 10 };
@@ -249,11 +333,12 @@ int main(int argc, char **argv) {
         dsk_test_end();
         return dsk_test_finish();
     }
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&gctx, &cases[i]);
-    dsk_ctx_free(&gctx);
 #ifdef DSK_CUDA
     if (have) dsk_cuda_device_count(&ndev);
 #endif
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&gctx, &cases[i]);
+    test_two_devices(&gctx, ndev);
+    dsk_ctx_free(&gctx);
     run_ep(2, ndev, 0);
     run_ep(4, ndev, 1);
     return dsk_test_finish();

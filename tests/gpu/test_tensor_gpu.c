@@ -8,6 +8,7 @@
    reports as skipped; the runtime checks that need no device still run in CUDA builds, and
    the no-device fallback runs in a child process that sees no device (CUDA_VISIBLE_DEVICES
    empty). */
+#define _POSIX_C_SOURCE 200809L /* readlink, setenv (the no-device child) */
 #define DSK_TENSOR_IMPLEMENTATION
 #include "dsk_tensor.h"
 #include "../dsk_test.h"
@@ -184,6 +185,35 @@ static void test_ctx_errors(void) {
     DSK_TEST_OK(dsk_ctx_sync(&G));
 }
 #endif
+
+/* One thread drives two devices: each op makes its context's device current (a launch on a
+   stream of another device than the current one fails). */
+static void test_two_devices(void) {
+    dsk_ctx G1;
+    dsk_tensor a1, b1, o1, back;
+    dsk_tensor *a = hrand(DSK_F32, SH(3, 129), -1, 1), *b = hrand(DSK_F32, SH(3, 129), -1, 1), *want = halloc(DSK_F32, SH(3, 129));
+    dsk_tensor *a0 = dev(a), *b0 = dev(b), *o0 = dpoison(want);
+    if (!gpu_test_ctx_on(1, &G1)) { dsk_test_skip("needs 2 CUDA devices, driven by one thread"); return; }
+    DSK_TEST_OK(dsk_add(NULL, want, a, b));
+    DSK_TEST_OK(dsk_tensor_alloc(&G1, &a1, DSK_F32, a->ndim, a->shape));
+    DSK_TEST_OK(dsk_tensor_alloc(&G1, &b1, DSK_F32, a->ndim, a->shape));
+    DSK_TEST_OK(dsk_tensor_alloc(&G1, &o1, DSK_F32, a->ndim, a->shape));
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &back, DSK_F32, a->ndim, a->shape));
+    DSK_TEST_OK(dsk_tensor_copy(&G1, &a1, a));
+    DSK_TEST_OK(dsk_tensor_copy(&G1, &b1, b));
+    for (int r = 0; r < 2; r++) { /* each op follows one on the other device */
+        DSK_TEST_OK(dsk_add(&G1, &o1, &a1, &b1));
+        DSK_TEST_OK(dsk_add(&G, o0, a0, b0));
+    }
+    check_same(o0, want, "add on device 0 after one on device 1");
+    DSK_TEST_OK(dsk_tensor_copy(&G1, &back, &o1));
+    DSK_TEST_SAME_BYTES(back.data, want->data, dsk_tensor_nbytes(want), "add on device 1");
+    dsk_tensor_free(&G1, &a1);
+    dsk_tensor_free(&G1, &b1);
+    dsk_tensor_free(&G1, &o1);
+    dsk_tensor_free(NULL, &back);
+    dsk_ctx_free(&G1);
+}
 
 /* ------------------------------------------------------------------ copies, casts, fill, RNG */
 
@@ -581,6 +611,7 @@ int main(int argc, char **argv) {
     dsk_test_end();
     CASE(test_ctx_errors(), "ctx and allocation errors");
 #endif
+    CASE(test_two_devices(), "one thread, two devices: ops alternate between contexts");
 
     for (int i = 0; i < N_DTYPES; i++) CASE(test_copy_roundtrip(all_dtypes[i]), "copy round trip %s", dsk_dtype_name(all_dtypes[i]));
     CASE(test_cast_all(), "casts between all %d dtypes, specials included", N_DTYPES);
