@@ -14,7 +14,7 @@ SAN     ?=
 GENCODE ?= -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90
 
 WARN     = -Wall -Wextra -Werror
-C_BASE   = -std=c11 $(OPT) $(ARCH) -g -fopenmp $(WARN) -D_GNU_SOURCE -I. $(SAN)
+C_BASE   = -std=c11 $(OPT) $(ARCH) -g -fopenmp $(WARN) -I. $(SAN)
 CFLAGS  += $(C_BASE)
 CXXFLAGS+= -std=c++17 $(OPT) $(ARCH) -g -fopenmp $(WARN) -I. $(SAN)
 LDLIBS  += -lm -lpthread
@@ -28,7 +28,7 @@ KLIB     = $(BUILD)/libdsk_kernels.a
 ifeq ($(CUDA),1)
 CFLAGS  += -DDSK_CUDA -I$(CUDA_HOME)/include
 CXXFLAGS+= -DDSK_CUDA -I$(CUDA_HOME)/include
-LDLIBS  := $(KLIB) -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcublasLt -lnccl -lcudart -lstdc++ $(LDLIBS)
+LDLIBS  := $(KLIB) -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lnccl -lcudart -lstdc++ $(LDLIBS)
 DEPS     = $(HEADERS) $(KLIB)
 else
 DEPS     = $(HEADERS)
