@@ -7,7 +7,8 @@
    are forked processes over loopback TCP; each runs `threads` OpenMP threads. Step time is the
    median over the timed steps of the slowest rank; memory is what dsk_zero allocated by role
    (the allocator's figures) and the allocator's high-water mark over a step (activations
-   included); bytes are per rank per step: handed to reductions and gathers, and sent on the wire.
+   included); bytes are per rank per step: handed to reductions and gathers, and sent on the wire;
+   `waited` is the time rank 0 spent blocked on collectives per step (what overlap did not hide).
 
      bench_zero [-n 4] [--units 8] [--dim 512] [--batch 32] [--steps 6] [--warmup 2]
                 [--threads 1] [--dtype f32|bf16] [--compress none|bf16|powersgd:R] */
@@ -39,7 +40,7 @@ typedef struct result {
     double step_s[64];
     dsk_zero_memory mem;
     int64_t peak;
-    double reduce_b, gather_b, wire_b;
+    double reduce_b, gather_b, wire_b, wait_s;
     int failed;
 } result;
 
@@ -102,6 +103,7 @@ static void rank_main(const cfg *c, int stage, int rank, int port, result *out) 
     for (int step = 0; step < c->warmup + c->steps; step++) {
         dsk_amp_decision dec;
         uint64_t red0 = z.stats.reduce_bytes, gat0 = z.stats.gather_bytes, wire0 = z.stats.sent_bytes;
+        double wait0 = z.stats.wait_seconds;
         BENCH_CHECK(dsk_comm_barrier(&comm, NULL));
         if (step == c->warmup) dsk_tensor_mem_reset_peak(dsk_cpu());
         t0 = bench_now_s();
@@ -131,6 +133,7 @@ static void rank_main(const cfg *c, int stage, int rank, int port, result *out) 
             out->reduce_b += (double)(z.stats.reduce_bytes - red0) / c->steps;
             out->gather_b += (double)(z.stats.gather_bytes - gat0) / c->steps;
             out->wire_b += (double)(z.stats.sent_bytes - wire0) / c->steps;
+            out->wait_s += (z.stats.wait_seconds - wait0) / c->steps;
         }
     }
     /* the gathers of the last step are counted at the next wait: take them now */
@@ -211,17 +214,17 @@ int main(int argc, char **argv) {
            c.n, c.threads, c.threads > 1 ? "s" : "", c.units, c.dim, c.dim, c.dim, dsk_dtype_name(c.dt),
            (double)c.units * (c.dim + (double)c.dim * c.dim) / 1e6, c.batch, c.steps, c.warmup,
            c.compress == DSK_ZERO_COMPRESS_NONE ? "none" : c.compress == DSK_ZERO_COMPRESS_BF16 ? "bf16" : "powersgd");
-    printf("| stage | step ms | vs ZeRO-0 | weights MiB | grads MiB | optimizer MiB | comm MiB | peak MiB | "
+    printf("| stage | step ms | vs ZeRO-0 | waited ms | weights MiB | grads MiB | optimizer MiB | comm MiB | peak MiB | "
            "reduce MiB/step | gather MiB/step | sent MiB/step |\n");
-    printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+    printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
     for (int stage = 0; stage < 4; stage++) {
         double step;
         memset(res, 0, (size_t)c.n * sizeof *res);
         if (!run_stage(&c, stage, res)) { fprintf(stderr, "bench_zero: a rank of stage %d failed\n", stage); return 1; }
         step = bench_median(res[0].step_s, c.steps);
         if (stage == 0) base = step;
-        printf("| ZeRO-%d | %.1f | %.2fx | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |\n", stage, 1e3 * step,
-               step / base, mb((double)res[0].mem.params), mb((double)res[0].mem.grads),
+        printf("| ZeRO-%d | %.1f | %.2fx | %.1f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |\n", stage,
+               1e3 * step, step / base, 1e3 * res[0].wait_s, mb((double)res[0].mem.params), mb((double)res[0].mem.grads),
                mb((double)res[0].mem.optimizer), mb((double)res[0].mem.comm), mb((double)res[0].peak),
                mb(res[0].reduce_b), mb(res[0].gather_b), mb(res[0].wire_b));
         fflush(stdout);
