@@ -85,13 +85,16 @@
      N ranks loads at any M and in any stage (stage 0 loads whole tensors). A parameter that is
      rows [row0, row0 + shape[0]) of a global tensor (expert parallelism) is saved as that
      part of the global tensor.
-   - Threads: the reductions and gathers run in order on a progress thread with a private
-     communicator split from the group at init, so the caller's communicators stay free. Every
-     rank must make the same sequence of calls. A peer that dies or hangs makes the waiting call
-     fail within the communicator's timeout with the error naming the rank; the object is then
-     unusable (DSK_ERR_STATE) until freed.
-   - Devices: CPU tensors over the host backend. A CUDA context or an nccl communicator is
-     DSK_ERR_UNSUPPORTED.
+   - Devices and threads: the reductions and gathers run in order on a private communicator
+     split from the group at init, so the caller's communicators stay free. CPU tensors (ctx
+     NULL or on the CPU) go over the host backend, run by a progress thread. CUDA tensors (ctx on
+     a device, DSK_CUDA builds) go over nccl on a communication stream: each collective waits
+     for an event on ctx's stream and the caller's stream waits for its event in turn, so begin
+     calls never block the host; dsk_zero_wait, _step, _refresh and _ckpt_entries wait for the
+     stream (polling nccl for errors). PowerSGD runs on CPU tensors only. Every rank must make
+     the same sequence of calls. A peer that dies or hangs makes the call that waits for it fail
+     within the communicator's timeout with the error naming the rank (on CUDA: the next call
+     that waits on the host); the object then returns that error until freed.
    License: MIT, see the end of the file. */
 
 /* Contents
@@ -194,7 +197,7 @@ typedef struct dsk_zero_stats {
     uint64_t plain_bytes;    /* what the same reductions hand over uncompressed (f32) */
     uint64_t gather_bytes;   /* weight all-gathers: the gathered message */
     uint64_t sent_bytes, received_bytes; /* on the wire, from the private communicator */
-    double seconds;          /* the progress thread's busy time */
+    double seconds;          /* the progress thread's busy time (CPU) */
     double wait_seconds;     /* time the caller spent blocked on it */
 } dsk_zero_stats;
 
@@ -309,6 +312,9 @@ static inline int dsk_zero_powersgd_compresses(int ndim, int64_t rows, int64_t c
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#ifdef DSK_CUDA
+#include <cuda_runtime.h>
+#endif
 
 /* ---------------------------------------------------------------- state */
 
@@ -347,8 +353,11 @@ typedef struct dsk__zero_op {
 
 struct dsk__zero_impl {
     int stage, rank, world;
+    int dev;              /* 1: CUDA tensors over nccl (collectives on a stream), 0: CPU over the host backend */
+    dsk_device device;
     dsk_comm comm;        /* private, split from the group */
-    dsk_ctx pctx;         /* the progress thread's CPU context (one thread) */
+    dsk_ctx pctx;         /* where operations run: the progress thread's CPU context (one thread), or a copy
+                             of the caller's CUDA context on the communication stream */
     dsk_zero_opts o;
     dsk__zero_p *p;
     dsk__zero_u *u;
@@ -364,13 +373,17 @@ struct dsk__zero_impl {
     int64_t iter;
     /* progress thread and its queue of tickets [done + 1, next] */
     pthread_t thread;
-    int thread_started, stop;
+    int thread_started, stop, mu_ready;
     pthread_mutex_t mu;
     pthread_cond_t cv_work, cv_done;
     dsk__zero_op *q;
     int64_t qcap, next_ticket, done_ticket, head;
     dsk_status err_status;
     char errmsg[1200];
+#ifdef DSK_CUDA
+    cudaStream_t cs;      /* the communication stream (dev) */
+    cudaEvent_t *ev_ready, *ev_done; /* [qcap]: the caller's stream reached the op; the op is done */
+#endif
     int64_t st_collectives;
     uint64_t st_reduce, st_plain, st_gather;
     double st_seconds;
@@ -400,7 +413,7 @@ static dsk_tensor dsk__zero_view(const dsk_tensor *s, int64_t off, int64_t n) {
     memset(&v, 0, sizeof v);
     v.data = (char *)s->data + off * (int64_t)dsk_dtype_size(s->dtype);
     v.dtype = s->dtype;
-    v.device = s->device;
+    v.device = s->device;  /* the slab's: the object's device */
     v.ndim = 1;
     v.shape[0] = n;
     v.stride[0] = 1;
@@ -408,12 +421,12 @@ static dsk_tensor dsk__zero_view(const dsk_tensor *s, int64_t off, int64_t n) {
 }
 
 /* Points the caller's struct at data with parameter p's shape (data NULL: unbound). */
-static void dsk__zero_bind(dsk_tensor *t, const dsk__zero_p *p, void *data, dsk_dtype dt) {
+static void dsk__zero_bind(dsk_tensor *t, const dsk__zero_p *p, void *data, dsk_dtype dt, dsk_device dev) {
     int64_t s = 1;
     memset(t, 0, sizeof *t);
     t->data = data;
     t->dtype = dt;
-    t->device = dsk_cpu();
+    t->device = dev;
     t->ndim = p->ndim;
     for (int d = p->ndim - 1; d >= 0; d--) {
         t->shape[d] = p->shape[d];
@@ -477,11 +490,38 @@ static const dsk_tensor *dsk__zero_send_shard(const dsk__zero_impl *zi) {
 
 /* ---------------------------------------------------------------- progress thread */
 
-static void dsk__zero_scale_into(float *dst, const float *src, int64_t n, float s, int accumulate) {
-    for (int64_t i = 0; i < n; i++) {
-        float x = s == 1.0f ? src[i] : src[i] * s;
-        dst[i] = accumulate ? dst[i] + x : x;
+/* A 1-D tensor over n elements at p on the object's device. */
+static dsk_tensor dsk__zero_t(const dsk__zero_impl *zi, void *p, dsk_dtype dt, int64_t n) {
+    dsk_tensor t;
+    memset(&t, 0, sizeof t);
+    t.data = p;
+    t.dtype = dt;
+    t.device = zi->device;
+    t.ndim = 1;
+    t.shape[0] = n;
+    t.stride[0] = 1;
+    return t;
+}
+
+/* The communicator's ctx for collectives: none on the host backend, the stream's on nccl. */
+static dsk_ctx *dsk__zero_cctx(dsk__zero_impl *zi) { return zi->dev ? &zi->pctx : NULL; }
+
+/* dst (n) <- src * s, or dst += src * s when accumulating (src is scratch: it may be scaled in
+   place); the products are rounded to f32 before the sum. */
+static dsk_status dsk__zero_land(dsk__zero_impl *zi, float *dst, float *src, int64_t n, float s, int accumulate) {
+    dsk_tensor d = dsk__zero_t(zi, dst, DSK_F32, n), x = dsk__zero_t(zi, src, DSK_F32, n);
+    if (accumulate) {
+        if (s != 1.0f) DSK__TRY(dsk_scale(&zi->pctx, &x, s));
+        return dsk_add(&zi->pctx, &d, &d, &x);
     }
+    if (dst != src) DSK__TRY(dsk_tensor_copy(&zi->pctx, &d, &x));
+    return s != 1.0f ? dsk_scale(&zi->pctx, &d, s) : DSK_OK;
+}
+
+/* Rounds n f32 to bf16 (nearest even), or widens them back. */
+static dsk_status dsk__zero_cast(dsk__zero_impl *zi, void *dst, dsk_dtype dd, void *src, dsk_dtype sd, int64_t n) {
+    dsk_tensor d = dsk__zero_t(zi, dst, dd, n), x = dsk__zero_t(zi, src, sd, n);
+    return dsk_tensor_copy(&zi->pctx, &d, &x);
 }
 
 /* Counts a finished reduction (bytes handed over, uncompressed bytes) or gather (gathered bytes). */
@@ -495,14 +535,6 @@ static dsk_status dsk__zero_coll_done(dsk__zero_impl *zi, dsk_status st, uint64_
     zi->st_gather += gather;
     pthread_mutex_unlock(&zi->mu);
     return DSK_OK;
-}
-
-/* f32 -> bf16 (nearest even) and back, as the host does. */
-static void dsk__zero_to_bf16(uint16_t *dst, const float *src, int64_t n) {
-    for (int64_t i = 0; i < n; i++) dst[i] = dsk_f32_to_bf16(src[i]);
-}
-static void dsk__zero_from_bf16(float *dst, const uint16_t *src, int64_t n) {
-    for (int64_t i = 0; i < n; i++) dst[i] = dsk_bf16_to_f32(src[i]);
 }
 
 /* Gram-Schmidt on the columns of x (rows, r), row-major, as PyTorch's _orthogonalize: each
@@ -618,41 +650,34 @@ static dsk_status dsk__zero_reduce(dsk__zero_impl *zi, const dsk__zero_op *op) {
     float *shard = full ? NULL : (float *)zi->shard_g.data + u->shard_off, *tmp = (float *)zi->rs_tmp.data;
     uint16_t *w16 = (uint16_t *)zi->wire16.data, *c16 = (uint16_t *)zi->chunk16.data;
     dsk_comm_op cop = o->sum_only ? DSK_COMM_SUM : DSK_COMM_AVG;
+    dsk_ctx *cc = dsk__zero_cctx(zi);
     if (o->compress == DSK_ZERO_COMPRESS_POWERSGD && op->iter >= o->powersgd_start_iter) {
         DSK__TRY(dsk__zero_powersgd(zi, u, g, op->iter));
-        if (full) {
-            if (ps != 1.0f) dsk__zero_scale_into(g, g, n, ps, 0);
-            return DSK_OK;
-        }
-        dsk__zero_scale_into(shard, g + (int64_t)zi->rank * c, c, ps, op->accumulate);
-        return DSK_OK;
+        if (full) return dsk__zero_land(zi, g, g, n, ps, 0);
+        return dsk__zero_land(zi, shard, g + (int64_t)zi->rank * c, c, ps, op->accumulate);
     }
     if (o->compress == DSK_ZERO_COMPRESS_BF16) {
-        dsk__zero_to_bf16(w16, g, full ? n : nc);
+        DSK__TRY(dsk__zero_cast(zi, w16, DSK_BF16, g, DSK_F32, full ? n : nc));
         if (full) {
-            DSK__TRY(dsk__zero_coll_done(zi, dsk_comm_all_reduce(&zi->comm, NULL, w16, w16, n, DSK_BF16, cop),
+            DSK__TRY(dsk__zero_coll_done(zi, dsk_comm_all_reduce(&zi->comm, cc, w16, w16, n, DSK_BF16, cop),
                                          (uint64_t)n * 2u, (uint64_t)n * 4u, 0));
-            dsk__zero_from_bf16(g, w16, n);
-            if (ps != 1.0f) dsk__zero_scale_into(g, g, n, ps, 0);
-            return DSK_OK;
+            DSK__TRY(dsk__zero_cast(zi, g, DSK_F32, w16, DSK_BF16, n));
+            return dsk__zero_land(zi, g, g, n, ps, 0);
         }
-        DSK__TRY(dsk__zero_coll_done(zi, dsk_comm_reduce_scatter(&zi->comm, NULL, w16, c16, c, DSK_BF16, cop),
+        DSK__TRY(dsk__zero_coll_done(zi, dsk_comm_reduce_scatter(&zi->comm, cc, w16, c16, c, DSK_BF16, cop),
                                      (uint64_t)nc * 2u, (uint64_t)nc * 4u, 0));
-        dsk__zero_from_bf16(tmp, c16, c);
-        dsk__zero_scale_into(shard, tmp, c, ps, op->accumulate);
-        return DSK_OK;
+        DSK__TRY(dsk__zero_cast(zi, tmp, DSK_F32, c16, DSK_BF16, c));
+        return dsk__zero_land(zi, shard, tmp, c, ps, op->accumulate);
     }
     if (full) {
-        DSK__TRY(dsk__zero_coll_done(zi, dsk_comm_all_reduce(&zi->comm, NULL, g, g, n, DSK_F32, cop),
+        DSK__TRY(dsk__zero_coll_done(zi, dsk_comm_all_reduce(&zi->comm, cc, g, g, n, DSK_F32, cop),
                                      (uint64_t)n * 4u, (uint64_t)n * 4u, 0));
-        if (ps != 1.0f) dsk__zero_scale_into(g, g, n, ps, 0);
-        return DSK_OK;
+        return dsk__zero_land(zi, g, g, n, ps, 0);
     }
     mine = op->accumulate ? tmp : shard;
-    DSK__TRY(dsk__zero_coll_done(zi, dsk_comm_reduce_scatter(&zi->comm, NULL, g, mine, c, DSK_F32, cop),
+    DSK__TRY(dsk__zero_coll_done(zi, dsk_comm_reduce_scatter(&zi->comm, cc, g, mine, c, DSK_F32, cop),
                                  (uint64_t)nc * 4u, (uint64_t)nc * 4u, 0));
-    if (op->accumulate || ps != 1.0f) dsk__zero_scale_into(shard, mine, c, ps, op->accumulate);
-    return DSK_OK;
+    return dsk__zero_land(zi, shard, mine, c, ps, op->accumulate);
 }
 
 /* All-gathers unit u's compute-dtype weights: in place in the full slab (stages 1-2) or
@@ -670,11 +695,22 @@ static dsk_status dsk__zero_gather(dsk__zero_impl *zi, const dsk__zero_op *op) {
         recv = (char *)zi->pbufs[u->pbuf].data;
         send = (const char *)dsk__zero_send_shard(zi)->data + u->shard_off * (int64_t)zi->cesz;
     }
-    return dsk__zero_coll_done(zi, dsk_comm_all_gather(&zi->comm, NULL, send, recv, c, dt), 0, 0,
+    return dsk__zero_coll_done(zi, dsk_comm_all_gather(&zi->comm, dsk__zero_cctx(zi), send, recv, c, dt), 0, 0,
                                (uint64_t)nc * zi->cesz);
 }
 
 static const char *dsk__zero_op_name(int kind) { return kind == DSK__ZERO_OP_GATHER ? "all-gather" : "reduction"; }
+
+/* Records the first error of the object (it is unusable afterwards). */
+static void dsk__zero_fail(dsk__zero_impl *zi, dsk_status st, const char *what, int unit) {
+    pthread_mutex_lock(&zi->mu);
+    if (zi->err_status == DSK_OK) {
+        zi->err_status = st;
+        snprintf(zi->errmsg, sizeof zi->errmsg, "%s of unit %d (\"%s\" ...): %.1000s", what, zi->u[unit].id,
+                 zi->p[zi->u[unit].p0].name, dsk_last_error());
+    }
+    pthread_mutex_unlock(&zi->mu);
+}
 
 static void *dsk__zero_thread(void *arg) {
     dsk__zero_impl *zi = (dsk__zero_impl *)arg;
@@ -690,12 +726,8 @@ static void *dsk__zero_thread(void *arg) {
         t0 = dsk__zero_now();
         if (zi->err_status == DSK_OK)
             st = op.kind == DSK__ZERO_OP_GATHER ? dsk__zero_gather(zi, &op) : dsk__zero_reduce(zi, &op);
+        if (st != DSK_OK) dsk__zero_fail(zi, st, dsk__zero_op_name(op.kind), op.unit);
         pthread_mutex_lock(&zi->mu);
-        if (st != DSK_OK && zi->err_status == DSK_OK) {
-            zi->err_status = st;
-            snprintf(zi->errmsg, sizeof zi->errmsg, "%s of unit %d (\"%s\" ...): %.1000s", dsk__zero_op_name(op.kind),
-                     zi->u[op.unit].id, zi->p[zi->u[op.unit].p0].name, dsk_last_error());
-        }
         zi->st_seconds += dsk__zero_now() - t0;
         zi->done_ticket = op.ticket;
         zi->head++;
@@ -705,12 +737,40 @@ static void *dsk__zero_thread(void *arg) {
     return NULL;
 }
 
-/* Queues an operation; returns its ticket. A full queue waits for the oldest to finish. */
-static int64_t dsk__zero_enqueue(dsk__zero_impl *zi, int kind, int unit, float *grads, int accumulate) {
+static dsk_status dsk__zero_error(const dsk_zero *z, const char *fn) {
+    const dsk__zero_impl *zi = z->impl;
+    return dsk_set_error(zi->err_status, "%s: rank %d of %d: %s", fn, z->rank, z->world_size, zi->errmsg);
+}
+
+#ifdef DSK_CUDA
+static cudaStream_t dsk__zero_stream(const dsk_ctx *ctx) { return ctx ? (cudaStream_t)ctx->stream : (cudaStream_t)0; }
+
+/* CUDA: issues the operation on the communication stream now, after the caller's stream. */
+static dsk_status dsk__zero_issue_cuda(dsk__zero_impl *zi, dsk_ctx *ctx, const dsk__zero_op *op) {
+    int k = (int)((op->ticket - 1) % zi->qcap);
+    cudaError_t e;
+    dsk_status st;
+    if ((e = cudaEventRecord(zi->ev_ready[k], dsk__zero_stream(ctx))) != cudaSuccess ||
+        (e = cudaStreamWaitEvent(zi->cs, zi->ev_ready[k], 0)) != cudaSuccess)
+        return dsk_set_error(DSK_ERR_CUDA, "ordering after the caller's stream: %s", cudaGetErrorString(e));
+    st = op->kind == DSK__ZERO_OP_GATHER ? dsk__zero_gather(zi, op) : dsk__zero_reduce(zi, op);
+    if (st != DSK_OK) return st;
+    if ((e = cudaEventRecord(zi->ev_done[k], zi->cs)) != cudaSuccess)
+        return dsk_set_error(DSK_ERR_CUDA, "cudaEventRecord on the communication stream: %s", cudaGetErrorString(e));
+    return DSK_OK;
+}
+#endif
+
+/* Queues an operation (CPU: for the progress thread, waiting for room when the queue is full;
+   CUDA: issued on the communication stream at once); *ticket orders it. */
+static dsk_status dsk__zero_enqueue(dsk_zero *z, dsk_ctx *ctx, int kind, int unit, float *grads, int accumulate,
+                                    int64_t *ticket, const char *fn) {
+    dsk__zero_impl *zi = z->impl;
     dsk__zero_op *op;
     int64_t t;
+    if (zi->err_status != DSK_OK) return dsk__zero_error(z, fn);
     pthread_mutex_lock(&zi->mu);
-    while (zi->next_ticket - zi->done_ticket >= zi->qcap) pthread_cond_wait(&zi->cv_done, &zi->mu);
+    while (!zi->dev && zi->next_ticket - zi->done_ticket >= zi->qcap) pthread_cond_wait(&zi->cv_done, &zi->mu);
     t = ++zi->next_ticket;
     op = &zi->q[(t - 1) % zi->qcap];
     op->kind = kind;
@@ -719,31 +779,46 @@ static int64_t dsk__zero_enqueue(dsk__zero_impl *zi, int kind, int unit, float *
     op->accumulate = accumulate;
     op->iter = zi->iter;
     op->ticket = t;
-    pthread_cond_signal(&zi->cv_work);
+    if (!zi->dev) pthread_cond_signal(&zi->cv_work);
     pthread_mutex_unlock(&zi->mu);
-    return t;
+    *ticket = t;
+#ifdef DSK_CUDA
+    if (zi->dev) {
+        dsk_status st = dsk__zero_issue_cuda(zi, ctx, op);
+        if (st != DSK_OK) {
+            dsk__zero_fail(zi, st, dsk__zero_op_name(kind), unit);
+            return dsk__zero_error(z, fn);
+        }
+        zi->done_ticket = t; /* issued: the stream orders the rest */
+    }
+#endif
+    (void)ctx;
+    return DSK_OK;
 }
 
-/* Waits until ticket t is done; the progress thread's first error, if any, with fn's name. */
-static dsk_status dsk__zero_wait_ticket(dsk_zero *z, int64_t t, const char *fn) {
+/* Ticket t is done before the caller goes on: CPU: waits for the progress thread; CUDA: the
+   caller's stream waits for the operation's event (no host wait). The first error, if any. */
+static dsk_status dsk__zero_wait_ticket(dsk_zero *z, dsk_ctx *ctx, int64_t t, const char *fn) {
     dsk__zero_impl *zi = z->impl;
     dsk_status st;
     double t0 = dsk__zero_now();
+#ifdef DSK_CUDA
+    if (zi->dev) {
+        cudaError_t e;
+        if (zi->err_status != DSK_OK) return dsk__zero_error(z, fn);
+        if (t <= 0) return DSK_OK;
+        if ((e = cudaStreamWaitEvent(dsk__zero_stream(ctx), zi->ev_done[(t - 1) % zi->qcap], 0)) != cudaSuccess)
+            return dsk_set_error(DSK_ERR_CUDA, "%s: cudaStreamWaitEvent: %s", fn, cudaGetErrorString(e));
+        return DSK_OK;
+    }
+#endif
+    (void)ctx;
     pthread_mutex_lock(&zi->mu);
     while (zi->done_ticket < t && zi->err_status == DSK_OK) pthread_cond_wait(&zi->cv_done, &zi->mu);
     st = zi->err_status;
     pthread_mutex_unlock(&zi->mu);
     z->stats.wait_seconds += dsk__zero_now() - t0;
-    if (st != DSK_OK) return dsk_set_error(st, "%s: rank %d of %d: %s", fn, z->rank, z->world_size, zi->errmsg);
-    return DSK_OK;
-}
-
-static int dsk__zero_ticket_done(dsk__zero_impl *zi, int64_t t) {
-    int64_t d;
-    pthread_mutex_lock(&zi->mu);
-    d = zi->done_ticket;
-    pthread_mutex_unlock(&zi->mu);
-    return d >= t;
+    return st != DSK_OK ? dsk__zero_error(z, fn) : DSK_OK;
 }
 
 static void dsk__zero_update_stats(dsk_zero *z) {
@@ -789,9 +864,27 @@ static dsk_status dsk__zero_check_opts(const char *fn, dsk_zero_opts *o, const d
                              "epsilon %g (>= 0)",
                              fn, o->powersgd_rank, o->powersgd_start_iter, o->powersgd_min_compression_rate,
                              (double)o->powersgd_epsilon);
-    if (c->backend != DSK_COMM_HOST)
-        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: the communicator's backend is nccl; dsk_zero shards CPU "
-                             "tensors over the host backend", fn);
+    (void)c;
+    return DSK_OK;
+}
+
+/* CPU tensors go over the host backend, CUDA tensors over nccl (no PowerSGD there). */
+static dsk_status dsk__zero_check_device(const char *fn, const dsk_zero_opts *o, const dsk_comm *c,
+                                         const dsk_ctx *ctx) {
+    int cuda = ctx && ctx->device.type == DSK_DEV_CUDA;
+#ifndef DSK_CUDA
+    if (cuda) return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: ctx is on cuda:%d in a build without DSK_CUDA", fn,
+                                   ctx->device.index);
+#endif
+    if (!cuda && c->backend != DSK_COMM_HOST)
+        return dsk_set_error(DSK_ERR_ARG, "%s: CPU tensors (ctx %s) need a host-backend communicator, this one is nccl",
+                             fn, ctx ? "on the CPU" : "NULL");
+    if (cuda && c->backend != DSK_COMM_NCCL)
+        return dsk_set_error(DSK_ERR_ARG, "%s: CUDA tensors (ctx on cuda:%d) need an nccl communicator, this one is "
+                             "host", fn, ctx->device.index);
+    if (cuda && o->compress == DSK_ZERO_COMPRESS_POWERSGD)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: PowerSGD runs on CPU tensors only (ctx on cuda:%d)", fn,
+                             ctx->device.index);
     return DSK_OK;
 }
 
@@ -890,24 +983,25 @@ static void dsk__zero_layout(dsk_zero *z) {
     zi->shard = shard;
 }
 
-/* Allocates a zeroed f32/bf16/f16 slab and adds its allocator-measured bytes to *role. */
-static dsk_status dsk__zero_alloc(dsk_tensor *t, dsk_dtype dt, int64_t n, int64_t *role) {
-    int64_t before = dsk_tensor_mem_stats(dsk_cpu()).live_bytes;
-    DSK__TRY(dsk_tensor_alloc(NULL, t, dt, 1, &n));
-    memset(t->data, 0, dsk_tensor_nbytes(t));
-    *role += dsk_tensor_mem_stats(dsk_cpu()).live_bytes - before;
+/* Allocates a zeroed f32/bf16/f16 slab on ctx's device and adds its allocator-measured bytes to *role. */
+static dsk_status dsk__zero_alloc(dsk_ctx *ctx, dsk_tensor *t, dsk_dtype dt, int64_t n, int64_t *role) {
+    dsk_device dev = ctx ? ctx->device : dsk_cpu();
+    int64_t before = dsk_tensor_mem_stats(dev).live_bytes;
+    DSK__TRY(dsk_tensor_alloc(ctx, t, dt, 1, &n));
+    DSK__TRY(dsk_tensor_fill(ctx, t, 0.0));
+    *role += dsk_tensor_mem_stats(dev).live_bytes - before;
     return DSK_OK;
 }
 
-static dsk_status dsk__zero_alloc_all(dsk_zero *z) {
+static dsk_status dsk__zero_alloc_all(dsk_zero *z, dsk_ctx *ctx) {
     dsk__zero_impl *zi = z->impl;
     dsk_zero_memory *mem = &z->memory;
     dsk_dtype cdt = zi->o.compute_dtype;
     int64_t opt_n = z->stage == 0 ? zi->full : zi->shard, err = 0, pq = 0, cp = 0, unc = 0;
     int psgd = zi->o.compress == DSK_ZERO_COMPRESS_POWERSGD;
     zi->master_in_full = cdt == DSK_F32 && z->stage <= 2;
-    if (z->stage <= 2) DSK__TRY(dsk__zero_alloc(&zi->full_w, cdt, zi->full, &mem->params));
-    if (z->stage == 3 && cdt != DSK_F32) DSK__TRY(dsk__zero_alloc(&zi->shard_w, cdt, zi->shard, &mem->params));
+    if (z->stage <= 2) DSK__TRY(dsk__zero_alloc(ctx, &zi->full_w, cdt, zi->full, &mem->params));
+    if (z->stage == 3 && cdt != DSK_F32) DSK__TRY(dsk__zero_alloc(ctx, &zi->shard_w, cdt, zi->shard, &mem->params));
     if (z->stage == 3) {
         zi->pbufs = (dsk_tensor *)DSK_MALLOC((size_t)zi->o.param_buffers * sizeof(dsk_tensor));
         zi->pbuf_owner = (int *)DSK_MALLOC((size_t)zi->o.param_buffers * sizeof(int));
@@ -915,28 +1009,28 @@ static dsk_status dsk__zero_alloc_all(dsk_zero *z) {
         memset(zi->pbufs, 0, (size_t)zi->o.param_buffers * sizeof(dsk_tensor));
         for (int i = 0; i < zi->o.param_buffers; i++) {
             zi->pbuf_owner[i] = -1;
-            DSK__TRY(dsk__zero_alloc(&zi->pbufs[i], cdt, zi->max_unit, &mem->params));
+            DSK__TRY(dsk__zero_alloc(ctx, &zi->pbufs[i], cdt, zi->max_unit, &mem->params));
         }
     }
-    if (!zi->master_in_full) DSK__TRY(dsk__zero_alloc(&zi->master, DSK_F32, opt_n, &mem->optimizer));
-    DSK__TRY(dsk__zero_alloc(&zi->m, DSK_F32, opt_n, &mem->optimizer));
-    DSK__TRY(dsk__zero_alloc(&zi->v, DSK_F32, opt_n, &mem->optimizer));
-    if (z->stage <= 1) DSK__TRY(dsk__zero_alloc(&zi->full_g, DSK_F32, zi->full, &mem->grads));
+    if (!zi->master_in_full) DSK__TRY(dsk__zero_alloc(ctx, &zi->master, DSK_F32, opt_n, &mem->optimizer));
+    DSK__TRY(dsk__zero_alloc(ctx, &zi->m, DSK_F32, opt_n, &mem->optimizer));
+    DSK__TRY(dsk__zero_alloc(ctx, &zi->v, DSK_F32, opt_n, &mem->optimizer));
+    if (z->stage <= 1) DSK__TRY(dsk__zero_alloc(ctx, &zi->full_g, DSK_F32, zi->full, &mem->grads));
     if (z->stage >= 2) {
-        DSK__TRY(dsk__zero_alloc(&zi->shard_g, DSK_F32, zi->shard, &mem->grads));
-        DSK__TRY(dsk__zero_alloc(&zi->rs_tmp, DSK_F32, zi->max_chunk, &mem->grads));
+        DSK__TRY(dsk__zero_alloc(ctx, &zi->shard_g, DSK_F32, zi->shard, &mem->grads));
+        DSK__TRY(dsk__zero_alloc(ctx, &zi->rs_tmp, DSK_F32, zi->max_chunk, &mem->grads));
         zi->gbufs = (dsk_tensor *)DSK_MALLOC((size_t)zi->o.grad_buffers * sizeof(dsk_tensor));
         zi->gbuf_owner = (int *)DSK_MALLOC((size_t)zi->o.grad_buffers * sizeof(int));
         if (!zi->gbufs || !zi->gbuf_owner) return dsk_set_error(DSK_ERR_OOM, "dsk_zero_init: buffer lists");
         memset(zi->gbufs, 0, (size_t)zi->o.grad_buffers * sizeof(dsk_tensor));
         for (int i = 0; i < zi->o.grad_buffers; i++) {
             zi->gbuf_owner[i] = -1;
-            DSK__TRY(dsk__zero_alloc(&zi->gbufs[i], DSK_F32, zi->max_unit, &mem->grads));
+            DSK__TRY(dsk__zero_alloc(ctx, &zi->gbufs[i], DSK_F32, zi->max_unit, &mem->grads));
         }
     }
     if (zi->o.compress == DSK_ZERO_COMPRESS_BF16) {
-        DSK__TRY(dsk__zero_alloc(&zi->wire16, DSK_BF16, zi->max_unit, &mem->comm));
-        if (z->stage >= 2) DSK__TRY(dsk__zero_alloc(&zi->chunk16, DSK_BF16, zi->max_chunk, &mem->comm));
+        DSK__TRY(dsk__zero_alloc(ctx, &zi->wire16, DSK_BF16, zi->max_unit, &mem->comm));
+        if (z->stage >= 2) DSK__TRY(dsk__zero_alloc(ctx, &zi->chunk16, DSK_BF16, zi->max_chunk, &mem->comm));
     }
     if (psgd) {
         for (int k = 0; k < z->n_units; k++) {
@@ -947,11 +1041,11 @@ static dsk_status dsk__zero_alloc_all(dsk_zero *z) {
             if (u->unc_elems > unc) unc = u->unc_elems;
         }
         if (!zi->o.powersgd_no_error_feedback) {
-            DSK__TRY(dsk__zero_alloc(&zi->err, DSK_F32, err, &mem->comm));
-            DSK__TRY(dsk__zero_alloc(&zi->cp, DSK_F32, cp, &mem->comm));
+            DSK__TRY(dsk__zero_alloc(ctx, &zi->err, DSK_F32, err, &mem->comm));
+            DSK__TRY(dsk__zero_alloc(ctx, &zi->cp, DSK_F32, cp, &mem->comm));
         }
-        DSK__TRY(dsk__zero_alloc(&zi->pq, DSK_F32, pq, &mem->comm));
-        DSK__TRY(dsk__zero_alloc(&zi->unc, DSK_F32, unc, &mem->comm));
+        DSK__TRY(dsk__zero_alloc(ctx, &zi->pq, DSK_F32, pq, &mem->comm));
+        DSK__TRY(dsk__zero_alloc(ctx, &zi->unc, DSK_F32, unc, &mem->comm));
     }
     return DSK_OK;
 }
@@ -964,14 +1058,13 @@ static void dsk__zero_bind_all(dsk_zero *z) {
         const dsk__zero_u *u = &zi->u[p->unit];
         char *w = z->stage <= 2 ? (char *)zi->full_w.data + (u->full_off + p->uoff) * (int64_t)zi->cesz : NULL;
         float *g = z->stage <= 1 ? (float *)zi->full_g.data + u->full_off + p->uoff : NULL;
-        dsk__zero_bind(p->value, p, w, zi->o.compute_dtype);
-        dsk__zero_bind(p->grad, p, g, DSK_F32);
+        dsk__zero_bind(p->value, p, w, zi->o.compute_dtype, zi->device);
+        dsk__zero_bind(p->grad, p, g, DSK_F32, zi->device);
     }
 }
 
 DSK_API void dsk_zero_free(dsk_zero *z, dsk_ctx *ctx) {
     dsk__zero_impl *zi;
-    (void)ctx;
     if (!z || !z->impl) { if (z) memset(z, 0, sizeof *z); return; }
     zi = z->impl;
     if (zi->thread_started) {
@@ -980,6 +1073,17 @@ DSK_API void dsk_zero_free(dsk_zero *z, dsk_ctx *ctx) {
         pthread_cond_broadcast(&zi->cv_work);
         pthread_mutex_unlock(&zi->mu);
         pthread_join(zi->thread, NULL);
+    }
+#ifdef DSK_CUDA
+    if (zi->cs) (void)cudaStreamSynchronize(zi->cs); /* nothing may still use the buffers */
+    for (int i = 0; i < zi->qcap && zi->ev_ready; i++) {
+        if (zi->ev_ready[i]) cudaEventDestroy(zi->ev_ready[i]);
+        if (zi->ev_done[i]) cudaEventDestroy(zi->ev_done[i]);
+    }
+    DSK_FREE(zi->ev_ready);
+    DSK_FREE(zi->ev_done);
+#endif
+    if (zi->mu_ready) {
         pthread_mutex_destroy(&zi->mu);
         pthread_cond_destroy(&zi->cv_work);
         pthread_cond_destroy(&zi->cv_done);
@@ -987,19 +1091,22 @@ DSK_API void dsk_zero_free(dsk_zero *z, dsk_ctx *ctx) {
     dsk_comm_free(&zi->comm);
     if (zi->p)
         for (int i = 0; i < z->n_params; i++) {
-            if (zi->p[i].value) dsk__zero_bind(zi->p[i].value, &zi->p[i], NULL, zi->o.compute_dtype);
-            if (zi->p[i].grad) dsk__zero_bind(zi->p[i].grad, &zi->p[i], NULL, DSK_F32);
+            if (zi->p[i].value) dsk__zero_bind(zi->p[i].value, &zi->p[i], NULL, zi->o.compute_dtype, zi->device);
+            if (zi->p[i].grad) dsk__zero_bind(zi->p[i].grad, &zi->p[i], NULL, DSK_F32, zi->device);
             DSK_FREE(zi->p[i].name);
         }
     {
         dsk_tensor *ts[] = {&zi->full_w, &zi->full_g, &zi->master, &zi->m, &zi->v, &zi->shard_w, &zi->shard_g,
                             &zi->rs_tmp, &zi->wire16, &zi->chunk16, &zi->err, &zi->pq, &zi->cp, &zi->unc};
-        for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(NULL, ts[i]);
+        for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
     }
     if (zi->pbufs)
-        for (int i = 0; i < zi->o.param_buffers; i++) dsk_tensor_free(NULL, &zi->pbufs[i]);
+        for (int i = 0; i < zi->o.param_buffers; i++) dsk_tensor_free(ctx, &zi->pbufs[i]);
     if (zi->gbufs)
-        for (int i = 0; i < zi->o.grad_buffers; i++) dsk_tensor_free(NULL, &zi->gbufs[i]);
+        for (int i = 0; i < zi->o.grad_buffers; i++) dsk_tensor_free(ctx, &zi->gbufs[i]);
+#ifdef DSK_CUDA
+    if (zi->cs) cudaStreamDestroy(zi->cs);
+#endif
     DSK_FREE(zi->pbufs); DSK_FREE(zi->gbufs); DSK_FREE(zi->pbuf_owner); DSK_FREE(zi->gbuf_owner);
     DSK_FREE(zi->p); DSK_FREE(zi->u); DSK_FREE(zi->q);
     DSK_FREE(zi->ck_e); DSK_FREE(zi->ck_t); DSK_FREE(zi->ck_names);
@@ -1015,14 +1122,18 @@ static dsk_status dsk__zero_init(dsk_zero *z, dsk_comm *c, dsk_ctx *ctx, const d
     dsk_status st;
     if (!c || !c->impl) return dsk_set_error(DSK_ERR_ARG, "%s: communicator is NULL or not initialised", fn);
     if (n < 1 || !params) return dsk_set_error(DSK_ERR_ARG, "%s: need at least one parameter (got %d)", fn, n);
-    if (ctx && ctx->device.type != DSK_DEV_CPU)
-        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: ctx is on cuda:%d; dsk_zero shards CPU tensors over the host "
-                             "backend", fn, ctx->device.index);
     if (!(zi = (dsk__zero_impl *)DSK_MALLOC(sizeof *zi))) return dsk_set_error(DSK_ERR_OOM, "%s: state", fn);
     memset(zi, 0, sizeof *zi);
     z->impl = zi;
     if (opts) zi->o = *opts;
     DSK__TRY(dsk__zero_check_opts(fn, &zi->o, c));
+    DSK__TRY(dsk__zero_check_device(fn, &zi->o, c, ctx));
+    zi->dev = ctx && ctx->device.type == DSK_DEV_CUDA;
+    zi->device = zi->dev ? ctx->device : dsk_cpu();
+    pthread_mutex_init(&zi->mu, NULL);
+    pthread_cond_init(&zi->cv_work, NULL);
+    pthread_cond_init(&zi->cv_done, NULL);
+    zi->mu_ready = 1;
     z->stage = zi->stage = zi->o.stage;
     z->rank = zi->rank = c->rank;
     z->world_size = zi->world = c->world_size;
@@ -1037,28 +1148,44 @@ static dsk_status dsk__zero_init(dsk_zero *z, dsk_comm *c, dsk_ctx *ctx, const d
     memset(zi->u, 0, (size_t)n * sizeof *zi->u);
     DSK__TRY(dsk__zero_take_params(fn, z, params, n));
     dsk__zero_layout(z);
-    DSK__TRY(dsk__zero_alloc_all(z));
+    DSK__TRY(dsk__zero_alloc_all(z, ctx));
     dsk__zero_bind_all(z);
-    memset(&co, 0, sizeof co);
-    co.device = DSK_PREFER_CPU;
-    co.n_threads = 1;
-    DSK__TRY(dsk_ctx_init(&zi->pctx, &co));
     if ((st = dsk_comm_split(c, 0, c->rank, &zi->comm)) != DSK_OK) {
         char msg[1100];
         snprintf(msg, sizeof msg, "%s: splitting the private communicator: %s", fn, dsk_last_error());
         return dsk_set_error(st, "%s", msg);
     }
-    pthread_mutex_init(&zi->mu, NULL);
-    pthread_cond_init(&zi->cv_work, NULL);
-    pthread_cond_init(&zi->cv_done, NULL);
     zi->head = 1;
     zi->fresh = 1;
-    if (pthread_create(&zi->thread, NULL, dsk__zero_thread, zi) != 0) {
-        pthread_mutex_destroy(&zi->mu);
-        pthread_cond_destroy(&zi->cv_work);
-        pthread_cond_destroy(&zi->cv_done);
-        return dsk_set_error(DSK_ERR_IO, "%s: cannot start the progress thread", fn);
+#ifdef DSK_CUDA
+    if (zi->dev) { /* a copy of the caller's context on a stream of its own, no workspace (nothing here needs one) */
+        cudaError_t e = cudaStreamCreateWithFlags(&zi->cs, cudaStreamNonBlocking);
+        zi->pctx = *ctx;
+        zi->pctx.stream = zi->cs;
+        zi->pctx.workspace = NULL;
+        zi->pctx.workspace_bytes = 0;
+        zi->pctx.cublas = NULL;
+        zi->ev_ready = (cudaEvent_t *)DSK_MALLOC((size_t)zi->qcap * sizeof(cudaEvent_t));
+        zi->ev_done = (cudaEvent_t *)DSK_MALLOC((size_t)zi->qcap * sizeof(cudaEvent_t));
+        if (!zi->ev_ready || !zi->ev_done) return dsk_set_error(DSK_ERR_OOM, "%s: event lists", fn);
+        memset(zi->ev_ready, 0, (size_t)zi->qcap * sizeof(cudaEvent_t));
+        memset(zi->ev_done, 0, (size_t)zi->qcap * sizeof(cudaEvent_t));
+        for (int i = 0; e == cudaSuccess && i < zi->qcap; i++)
+            if ((e = cudaEventCreateWithFlags(&zi->ev_ready[i], cudaEventDisableTiming)) == cudaSuccess)
+                e = cudaEventCreateWithFlags(&zi->ev_done[i], cudaEventDisableTiming);
+        if (e != cudaSuccess)
+            return dsk_set_error(DSK_ERR_CUDA, "%s: communication stream and events: %s", fn, cudaGetErrorString(e));
+        /* the slabs were zeroed on the caller's stream: settle that before anything else touches them */
+        DSK__TRY(dsk_ctx_sync(ctx));
+        return dsk_comm_barrier(&zi->comm, &zi->pctx);
     }
+#endif
+    memset(&co, 0, sizeof co);
+    co.device = DSK_PREFER_CPU;
+    co.n_threads = 1;
+    DSK__TRY(dsk_ctx_init(&zi->pctx, &co));
+    if (pthread_create(&zi->thread, NULL, dsk__zero_thread, zi) != 0)
+        return dsk_set_error(DSK_ERR_IO, "%s: cannot start the progress thread", fn);
     zi->thread_started = 1;
     /* every rank is through the split before any returns (and may free the store it used) */
     return dsk_comm_barrier(&zi->comm, NULL);
@@ -1103,14 +1230,32 @@ DSK_API dsk_status dsk_zero_get_piece(const dsk_zero *z, int p, dsk_zero_piece *
     return DSK_OK;
 }
 
-/* Waits for every queued collective. */
-static dsk_status dsk__zero_drain(dsk_zero *z, const char *fn) {
+/* Waits (on the host) for every queued collective; CUDA: the communication stream, polling
+   nccl for errors up to the communicator's timeout. */
+static dsk_status dsk__zero_drain(dsk_zero *z, dsk_ctx *ctx, const char *fn) {
     dsk__zero_impl *zi = z->impl;
     int64_t t;
+    if (zi->err_status != DSK_OK) return dsk__zero_error(z, fn);
+#ifdef DSK_CUDA
+    if (zi->dev) {
+        double t0 = dsk__zero_now();
+        dsk_status st = dsk_comm_sync(&zi->comm, &zi->pctx);
+        z->stats.wait_seconds += dsk__zero_now() - t0;
+        if (st != DSK_OK) {
+            pthread_mutex_lock(&zi->mu);
+            if (zi->err_status == DSK_OK) {
+                zi->err_status = st;
+                snprintf(zi->errmsg, sizeof zi->errmsg, "the communication stream: %.1100s", dsk_last_error());
+            }
+            pthread_mutex_unlock(&zi->mu);
+            return dsk__zero_error(z, fn);
+        }
+    }
+#endif
     pthread_mutex_lock(&zi->mu);
     t = zi->next_ticket;
     pthread_mutex_unlock(&zi->mu);
-    DSK__TRY(dsk__zero_wait_ticket(z, t, fn));
+    DSK__TRY(dsk__zero_wait_ticket(z, ctx, t, fn));
     for (int k = 0; k < z->n_units; k++)
         if (zi->u[k].pstate == DSK__ZERO_GATHERING && z->stage <= 2) zi->u[k].pstate = DSK__ZERO_RESIDENT;
     dsk__zero_update_stats(z);
@@ -1127,17 +1272,18 @@ static void dsk__zero_release_all(dsk_zero *z) {
         u->pbuf = -1;
         u->pstate = DSK__ZERO_RELEASED;
         for (int i = u->p0; i < u->p0 + u->np; i++)
-            dsk__zero_bind(zi->p[i].value, &zi->p[i], NULL, zi->o.compute_dtype);
+            dsk__zero_bind(zi->p[i].value, &zi->p[i], NULL, zi->o.compute_dtype, zi->device);
     }
 }
 
 /* Stages 1-2: queues the all-gather of every unit's weights; forward_begin waits per unit. */
-static void dsk__zero_start_gathers(dsk_zero *z) {
+static dsk_status dsk__zero_start_gathers(dsk_zero *z, dsk_ctx *ctx, const char *fn) {
     dsk__zero_impl *zi = z->impl;
     for (int k = 0; k < z->n_units; k++) {
-        zi->u[k].gather_ticket = dsk__zero_enqueue(zi, DSK__ZERO_OP_GATHER, k, NULL, 0);
+        DSK__TRY(dsk__zero_enqueue(z, ctx, DSK__ZERO_OP_GATHER, k, NULL, 0, &zi->u[k].gather_ticket, fn));
         zi->u[k].pstate = DSK__ZERO_GATHERING;
     }
+    return DSK_OK;
 }
 
 DSK_API dsk_status dsk_zero_refresh(dsk_zero *z, dsk_ctx *ctx) {
@@ -1146,7 +1292,7 @@ DSK_API dsk_status dsk_zero_refresh(dsk_zero *z, dsk_ctx *ctx) {
     DSK__TRY(dsk__zero_need(z, fn));
     zi = z->impl;
     if (zi->in_pass) return dsk_set_error(DSK_ERR_STATE, "%s: called inside a backward pass", fn);
-    DSK__TRY(dsk__zero_drain(z, fn));
+    DSK__TRY(dsk__zero_drain(z, ctx, fn));
     for (int i = 0; i < z->n_params; i++) {
         dsk__zero_p *p = &zi->p[i];
         int64_t a = z->stage == 0 ? 0 : p->own_a, b = z->stage == 0 ? p->numel : p->own_b;
@@ -1155,8 +1301,8 @@ DSK_API dsk_status dsk_zero_refresh(dsk_zero *z, dsk_ctx *ctx) {
     }
     dsk__zero_release_all(z);
     if (z->stage == 1 || z->stage == 2) {
-        dsk__zero_start_gathers(z);
-        DSK__TRY(dsk__zero_drain(z, fn));
+        DSK__TRY(dsk__zero_start_gathers(z, ctx, fn));
+        DSK__TRY(dsk__zero_drain(z, ctx, fn));
     }
     return DSK_OK;
 }
@@ -1170,33 +1316,35 @@ static int dsk__zero_free_slot(const int *owner, int n) {
     return -1;
 }
 
-/* Stage 3: queues unit k's gather into a free buffer; 0 when none is free. */
-static int dsk__zero_start_gather(dsk_zero *z, int k) {
+/* Stage 3: queues unit k's gather into a free buffer (*started 0 when none is free). */
+static dsk_status dsk__zero_start_gather(dsk_zero *z, dsk_ctx *ctx, int k, int *started, const char *fn) {
     dsk__zero_impl *zi = z->impl;
     dsk__zero_u *u = &zi->u[k];
     int slot = dsk__zero_free_slot(zi->pbuf_owner, zi->o.param_buffers);
-    if (slot < 0) return 0;
+    *started = slot >= 0;
+    if (slot < 0) return DSK_OK;
     zi->pbuf_owner[slot] = k;
     u->pbuf = slot;
     u->pstate = DSK__ZERO_GATHERING;
-    u->gather_ticket = dsk__zero_enqueue(zi, DSK__ZERO_OP_GATHER, k, NULL, 0);
-    return 1;
+    return dsk__zero_enqueue(z, ctx, DSK__ZERO_OP_GATHER, k, NULL, 0, &u->gather_ticket, fn);
 }
 
 /* Makes unit k's weights available (gathering or waiting as needed), then prefetches unit
    k + dir of this object. */
-static dsk_status dsk__zero_need_unit(dsk_zero *z, int k, int dir, const char *fn) {
+static dsk_status dsk__zero_need_unit(dsk_zero *z, dsk_ctx *ctx, int k, int dir, const char *fn) {
     dsk__zero_impl *zi = z->impl;
     dsk__zero_u *u = &zi->u[k];
+    int started = 1;
     if (z->stage == 1 || z->stage == 2) {
         if (u->pstate == DSK__ZERO_GATHERING) {
-            DSK__TRY(dsk__zero_wait_ticket(z, u->gather_ticket, fn));
+            DSK__TRY(dsk__zero_wait_ticket(z, ctx, u->gather_ticket, fn));
             u->pstate = DSK__ZERO_RESIDENT;
         }
         return DSK_OK;
     }
     if (z->stage != 3) return DSK_OK;
-    if (u->pstate == DSK__ZERO_RELEASED && !dsk__zero_start_gather(z, k)) {
+    if (u->pstate == DSK__ZERO_RELEASED) DSK__TRY(dsk__zero_start_gather(z, ctx, k, &started, fn));
+    if (!started) {
         char held[256];
         size_t len = 0;
         held[0] = 0;
@@ -1207,14 +1355,15 @@ static dsk_status dsk__zero_need_unit(dsk_zero *z, int k, int dir, const char *f
                              zi->o.param_buffers);
     }
     if (u->pstate == DSK__ZERO_GATHERING) {
-        DSK__TRY(dsk__zero_wait_ticket(z, u->gather_ticket, fn));
+        char *buf = (char *)zi->pbufs[u->pbuf].data;
+        DSK__TRY(dsk__zero_wait_ticket(z, ctx, u->gather_ticket, fn));
         u->pstate = DSK__ZERO_RESIDENT;
         for (int i = u->p0; i < u->p0 + u->np; i++)
-            dsk__zero_bind(zi->p[i].value, &zi->p[i],
-                           (char *)zi->pbufs[u->pbuf].data + zi->p[i].uoff * (int64_t)zi->cesz, zi->o.compute_dtype);
+            dsk__zero_bind(zi->p[i].value, &zi->p[i], buf + zi->p[i].uoff * (int64_t)zi->cesz, zi->o.compute_dtype,
+                           zi->device);
     }
     if (k + dir >= 0 && k + dir < z->n_units && zi->u[k + dir].pstate == DSK__ZERO_RELEASED)
-        (void)dsk__zero_start_gather(z, k + dir);
+        DSK__TRY(dsk__zero_start_gather(z, ctx, k + dir, &started, fn));
     return DSK_OK;
 }
 
@@ -1226,44 +1375,40 @@ static dsk_status dsk__zero_unit_arg(dsk_zero *z, int unit, const char *fn, int 
 
 DSK_API dsk_status dsk_zero_forward_begin(dsk_zero *z, dsk_ctx *ctx, int unit) {
     int k;
-    (void)ctx;
     DSK__TRY(dsk__zero_unit_arg(z, unit, "dsk_zero_forward_begin", &k));
-    return k < 0 ? DSK_OK : dsk__zero_need_unit(z, k, 1, "dsk_zero_forward_begin");
+    return k < 0 ? DSK_OK : dsk__zero_need_unit(z, ctx, k, 1, "dsk_zero_forward_begin");
 }
 
 /* Stage 3: frees unit k's gather buffer (a prefetched gather still in flight is waited for). */
-static dsk_status dsk__zero_release(dsk_zero *z, int k, const char *fn) {
+static dsk_status dsk__zero_release(dsk_zero *z, dsk_ctx *ctx, int k, const char *fn) {
     dsk__zero_impl *zi = z->impl;
     dsk__zero_u *u = &zi->u[k];
     if (z->stage != 3 || u->pstate == DSK__ZERO_RELEASED) return DSK_OK;
-    if (u->pstate == DSK__ZERO_GATHERING) DSK__TRY(dsk__zero_wait_ticket(z, u->gather_ticket, fn));
+    if (u->pstate == DSK__ZERO_GATHERING) DSK__TRY(dsk__zero_wait_ticket(z, ctx, u->gather_ticket, fn));
     zi->pbuf_owner[u->pbuf] = -1;
     u->pbuf = -1;
     u->pstate = DSK__ZERO_RELEASED;
-    for (int i = u->p0; i < u->p0 + u->np; i++) dsk__zero_bind(zi->p[i].value, &zi->p[i], NULL, zi->o.compute_dtype);
+    for (int i = u->p0; i < u->p0 + u->np; i++)
+        dsk__zero_bind(zi->p[i].value, &zi->p[i], NULL, zi->o.compute_dtype, zi->device);
     return DSK_OK;
 }
 
 DSK_API dsk_status dsk_zero_forward_end(dsk_zero *z, dsk_ctx *ctx, int unit) {
     int k;
-    (void)ctx;
     DSK__TRY(dsk__zero_unit_arg(z, unit, "dsk_zero_forward_end", &k));
-    return k < 0 ? DSK_OK : dsk__zero_release(z, k, "dsk_zero_forward_end");
+    return k < 0 ? DSK_OK : dsk__zero_release(z, ctx, k, "dsk_zero_forward_end");
 }
 
-/* Stages 2-3: a gradient buffer for unit k, zeroed, its parameters' grads bound to it. A busy
-   buffer is reclaimed once its reduce-scatter is done (waiting for the oldest if need be). */
-static dsk_status dsk__zero_take_grad_buffer(dsk_zero *z, int k, const char *fn) {
+/* Stages 2-3: a gradient buffer for unit k, zeroed, its parameters' grads bound to it: a free
+   one, else the one whose reduction was queued first (the queue runs in order, so it is the
+   first to finish) once that reduction is done. */
+static dsk_status dsk__zero_take_grad_buffer(dsk_zero *z, dsk_ctx *ctx, int k, const char *fn) {
     dsk__zero_impl *zi = z->impl;
     dsk__zero_u *u = &zi->u[k];
-    int nb = zi->o.grad_buffers, slot = -1;
-    if (u->gbuf >= 0) return dsk_set_error(DSK_ERR_STATE, "%s: unit %d's backward already began in this pass", fn,
-                                           u->id);
-    for (int i = 0; i < nb && slot < 0; i++) {
-        int o = zi->gbuf_owner[i];
-        if (o < 0 || (zi->u[o].reduce_ticket > 0 && dsk__zero_ticket_done(zi, zi->u[o].reduce_ticket))) slot = i;
-    }
-    if (slot < 0) { /* wait for the oldest reduction holding a buffer */
+    int nb = zi->o.grad_buffers, slot = dsk__zero_free_slot(zi->gbuf_owner, nb);
+    if (u->gbuf >= 0)
+        return dsk_set_error(DSK_ERR_STATE, "%s: unit %d's backward already began in this pass", fn, u->id);
+    if (slot < 0) {
         int64_t oldest = 0;
         for (int i = 0; i < nb; i++) {
             int64_t t = zi->u[zi->gbuf_owner[i]].reduce_ticket;
@@ -1273,28 +1418,27 @@ static dsk_status dsk__zero_take_grad_buffer(dsk_zero *z, int k, const char *fn)
                                      zi->u[zi->gbuf_owner[i]].id, nb);
             if (slot < 0 || t < oldest) { oldest = t; slot = i; }
         }
-        DSK__TRY(dsk__zero_wait_ticket(z, oldest, fn));
+        DSK__TRY(dsk__zero_wait_ticket(z, ctx, oldest, fn));
+        zi->u[zi->gbuf_owner[slot]].gbuf = -1;
     }
-    if (zi->gbuf_owner[slot] >= 0) zi->u[zi->gbuf_owner[slot]].gbuf = -1;
     zi->gbuf_owner[slot] = k;
     u->gbuf = slot;
     u->reduce_ticket = 0;
-    memset(zi->gbufs[slot].data, 0, (size_t)zi->max_unit * sizeof(float));
+    DSK__TRY(dsk_tensor_fill(ctx, &zi->gbufs[slot], 0.0));
     for (int i = u->p0; i < u->p0 + u->np; i++)
-        dsk__zero_bind(zi->p[i].grad, &zi->p[i], (float *)zi->gbufs[slot].data + zi->p[i].uoff, DSK_F32);
+        dsk__zero_bind(zi->p[i].grad, &zi->p[i], (float *)zi->gbufs[slot].data + zi->p[i].uoff, DSK_F32, zi->device);
     return DSK_OK;
 }
 
 DSK_API dsk_status dsk_zero_backward_begin(dsk_zero *z, dsk_ctx *ctx, int unit) {
     const char *fn = "dsk_zero_backward_begin";
     int k;
-    (void)ctx;
     DSK__TRY(dsk__zero_unit_arg(z, unit, fn, &k));
     if (k < 0) return DSK_OK;
-    if (!z->impl->in_pass) return dsk_set_error(DSK_ERR_STATE, "%s: unit %d outside a pass (call dsk_zero_begin)", fn,
-                                                unit);
-    DSK__TRY(dsk__zero_need_unit(z, k, -1, fn));
-    if (z->stage >= 2) DSK__TRY(dsk__zero_take_grad_buffer(z, k, fn));
+    if (!z->impl->in_pass)
+        return dsk_set_error(DSK_ERR_STATE, "%s: unit %d outside a pass (call dsk_zero_begin)", fn, unit);
+    DSK__TRY(dsk__zero_need_unit(z, ctx, k, -1, fn));
+    if (z->stage >= 2) DSK__TRY(dsk__zero_take_grad_buffer(z, ctx, k, fn));
     return DSK_OK;
 }
 
@@ -1302,14 +1446,13 @@ DSK_API dsk_status dsk_zero_backward_end(dsk_zero *z, dsk_ctx *ctx, int unit) {
     const char *fn = "dsk_zero_backward_end";
     dsk__zero_impl *zi;
     int k;
-    (void)ctx;
     DSK__TRY(dsk__zero_unit_arg(z, unit, fn, &k));
     if (k < 0) return DSK_OK;
     zi = z->impl;
     if (z->stage >= 2)
         for (int i = zi->u[k].p0; i < zi->u[k].p0 + zi->u[k].np; i++)
-            dsk__zero_bind(zi->p[i].grad, &zi->p[i], NULL, DSK_F32);
-    return dsk__zero_release(z, k, fn);
+            dsk__zero_bind(zi->p[i].grad, &zi->p[i], NULL, DSK_F32, zi->device);
+    return dsk__zero_release(z, ctx, k, fn);
 }
 
 DSK_API dsk_status dsk_zero_begin(dsk_zero *z, dsk_ctx *ctx, int sync) {
@@ -1320,7 +1463,7 @@ DSK_API dsk_status dsk_zero_begin(dsk_zero *z, dsk_ctx *ctx, int sync) {
     if (zi->in_pass)
         return dsk_set_error(DSK_ERR_STATE, "%s: the previous pass was not waited for (dsk_zero_wait)", fn);
     if (zi->fresh) {
-        DSK__TRY(dsk__zero_drain(z, fn));
+        DSK__TRY(dsk__zero_drain(z, ctx, fn));
         if (z->stage <= 1) DSK__TRY(dsk_tensor_fill(ctx, &zi->full_g, 0.0));
         for (int k = 0; k < z->n_units; k++) zi->u[k].reduced = 0;
         zi->fresh = 0;
@@ -1336,7 +1479,6 @@ DSK_API dsk_status dsk_zero_grad_ready(dsk_zero *z, dsk_ctx *ctx, int param) {
     const char *fn = "dsk_zero_grad_ready";
     dsk__zero_impl *zi;
     dsk__zero_u *u;
-    (void)ctx;
     DSK__TRY(dsk__zero_need(z, fn));
     zi = z->impl;
     if (param < 0 || param >= z->n_params)
@@ -1355,7 +1497,8 @@ DSK_API dsk_status dsk_zero_grad_ready(dsk_zero *z, dsk_ctx *ctx, int param) {
     if (--u->pending > 0 || !zi->sync) return DSK_OK;
     {
         float *g = z->stage <= 1 ? (float *)zi->full_g.data + u->full_off : (float *)zi->gbufs[u->gbuf].data;
-        u->reduce_ticket = dsk__zero_enqueue(zi, DSK__ZERO_OP_REDUCE, (int)(u - zi->u), g, u->reduced);
+        DSK__TRY(dsk__zero_enqueue(z, ctx, DSK__ZERO_OP_REDUCE, (int)(u - zi->u), g, u->reduced, &u->reduce_ticket,
+                                   fn));
         u->reduced = 1;
     }
     return DSK_OK;
@@ -1364,10 +1507,9 @@ DSK_API dsk_status dsk_zero_grad_ready(dsk_zero *z, dsk_ctx *ctx, int param) {
 DSK_API dsk_status dsk_zero_wait(dsk_zero *z, dsk_ctx *ctx) {
     const char *fn = "dsk_zero_wait";
     dsk__zero_impl *zi;
-    (void)ctx;
     DSK__TRY(dsk__zero_need(z, fn));
     zi = z->impl;
-    DSK__TRY(dsk__zero_drain(z, fn));
+    DSK__TRY(dsk__zero_drain(z, ctx, fn));
     if (!zi->in_pass) return DSK_OK;
     zi->in_pass = 0;
     for (int i = 0; z->stage >= 2 && i < zi->o.grad_buffers; i++) /* every reduction is done: free the buffers */
@@ -1417,7 +1559,7 @@ DSK_API dsk_status dsk_zero_unscale_decide(dsk_zero *const *zs, int n, dsk_amp_s
     for (int i = 0; i < n; i++) {
         DSK__TRY(dsk__zero_need(zs[i], fn));
         if (zs[i]->impl->in_pass) return dsk_set_error(DSK_ERR_STATE, "%s: object %d's pass was not waited for", fn, i);
-        DSK__TRY(dsk__zero_drain(zs[i], fn));
+        DSK__TRY(dsk__zero_drain(zs[i], ctx, fn));
         total += 2 * zs[i]->n_params;
     }
     views = (dsk_tensor *)DSK_MALLOC((size_t)total * sizeof *views);
@@ -1432,7 +1574,13 @@ DSK_API dsk_status dsk_zero_unscale_decide(dsk_zero *const *zs, int n, dsk_amp_s
             for (int j = 0; j < m; j++) list[j] = &views[j];
             if ((s = dsk_amp_unscale(sc, ctx, list, m)) != DSK_OK) goto done;
         }
-    if (world && world->world_size > 1) {
+    if ((s = dsk_amp_stats_set(sc, ctx, &st)) != DSK_OK) goto done; /* this rank's pieces' (stage 0 overwrote) */
+    if (world && world->world_size > 1 && sc->device.type == DSK_DEV_CUDA) { /* in the scaler's device memory */
+        double *w = dsk_amp_stats_data(sc);
+        if ((s = dsk_comm_all_reduce(world, ctx, w, w, 2, DSK_F64, DSK_COMM_SUM)) != DSK_OK ||
+            (s = dsk_amp_stats_get(sc, ctx, &st)) != DSK_OK)
+            goto done;
+    } else if (world && world->world_size > 1) {
         double w[2] = {st.found_inf, st.sumsq};
         if ((s = dsk_comm_all_reduce(world, NULL, w, w, 2, DSK_F64, DSK_COMM_SUM)) != DSK_OK) goto done;
         st.found_inf = w[0];
@@ -1455,7 +1603,7 @@ DSK_API dsk_status dsk_zero_step(dsk_zero *z, dsk_ctx *ctx, const dsk_adamw_opts
     zi = z->impl;
     if (!dec) return dsk_set_error(DSK_ERR_ARG, "%s: decision is NULL", fn);
     if (zi->in_pass) return dsk_set_error(DSK_ERR_STATE, "%s: the pass was not waited for (dsk_zero_wait)", fn);
-    DSK__TRY(dsk__zero_drain(z, fn));
+    DSK__TRY(dsk__zero_drain(z, ctx, fn));
     for (int k = 0; k < z->n_units; k++)
         if (!zi->u[k].reduced)
             return dsk_set_error(DSK_ERR_STATE, "%s: unit %d (\"%s\" ...) has no reduced gradients since the last "
@@ -1480,7 +1628,7 @@ DSK_API dsk_status dsk_zero_step(dsk_zero *z, dsk_ctx *ctx, const dsk_adamw_opts
                                 copy.data ? &copy : NULL));
     }
     dsk__zero_release_all(z);
-    if (z->stage == 1 || z->stage == 2) dsk__zero_start_gathers(z);
+    if (z->stage == 1 || z->stage == 2) DSK__TRY(dsk__zero_start_gathers(z, ctx, fn));
     return DSK_OK;
 }
 
@@ -1492,12 +1640,11 @@ DSK_API dsk_status dsk_zero_ckpt_entries(dsk_zero *z, dsk_ctx *ctx, dsk_zero_ckp
     static const char *suffix[3] = {"", ".adam_m", ".adam_v"};
     dsk__zero_impl *zi;
     int k = 0;
-    (void)ctx;
     DSK__TRY(dsk__zero_need(z, fn));
     if (!entries || !n || (mode != DSK_ZERO_CKPT_SAVE && mode != DSK_ZERO_CKPT_LOAD))
         return dsk_set_error(DSK_ERR_ARG, "%s: bad mode %d or NULL output", fn, (int)mode);
     zi = z->impl;
-    DSK__TRY(dsk__zero_drain(z, fn));
+    DSK__TRY(dsk__zero_drain(z, ctx, fn));
     if (!zi->ck_e) {
         zi->ck_e = (dsk_ckpt_entry *)DSK_MALLOC((size_t)(3 * z->n_params) * sizeof *zi->ck_e);
         zi->ck_t = (dsk_tensor *)DSK_MALLOC((size_t)(3 * z->n_params) * sizeof *zi->ck_t);

@@ -194,7 +194,10 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--compress") && v) {
             const char *m = argv[++i];
             if (!strcmp(m, "bf16")) c.compress = DSK_ZERO_COMPRESS_BF16;
-            else if (!strncmp(m, "powersgd:", 9)) { c.compress = DSK_ZERO_COMPRESS_POWERSGD; c.psgd_rank = atoi(m + 9); }
+            else if (!strncmp(m, "powersgd:", 9)) {
+                c.compress = DSK_ZERO_COMPRESS_POWERSGD;
+                c.psgd_rank = atoi(m + 9);
+            }
             else if (strcmp(m, "none") != 0) { fprintf(stderr, "bench_zero: --compress %s?\n", m); return 2; }
         } else {
             fprintf(stderr, "usage: %s [-n 4] [--units 8] [--dim 512] [--batch 32] [--steps 6] [--warmup 2] "
@@ -214,8 +217,8 @@ int main(int argc, char **argv) {
            c.n, c.threads, c.threads > 1 ? "s" : "", c.units, c.dim, c.dim, c.dim, dsk_dtype_name(c.dt),
            (double)c.units * (c.dim + (double)c.dim * c.dim) / 1e6, c.batch, c.steps, c.warmup,
            c.compress == DSK_ZERO_COMPRESS_NONE ? "none" : c.compress == DSK_ZERO_COMPRESS_BF16 ? "bf16" : "powersgd");
-    printf("| stage | step ms | vs ZeRO-0 | waited ms | weights MiB | grads MiB | optimizer MiB | comm MiB | peak MiB | "
-           "reduce MiB/step | gather MiB/step | sent MiB/step |\n");
+    printf("| stage | step ms | vs ZeRO-0 | waited ms | weights MiB | grads MiB | optimizer MiB | comm MiB | "
+           "peak MiB | reduce MiB/step | gather MiB/step | sent MiB/step |\n");
     printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
     for (int stage = 0; stage < 4; stage++) {
         double step;
@@ -224,7 +227,8 @@ int main(int argc, char **argv) {
         step = bench_median(res[0].step_s, c.steps);
         if (stage == 0) base = step;
         printf("| ZeRO-%d | %.1f | %.2fx | %.1f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |\n", stage,
-               1e3 * step, step / base, 1e3 * res[0].wait_s, mb((double)res[0].mem.params), mb((double)res[0].mem.grads),
+               1e3 * step, step / base, 1e3 * res[0].wait_s, mb((double)res[0].mem.params),
+               mb((double)res[0].mem.grads),
                mb((double)res[0].mem.optimizer), mb((double)res[0].mem.comm), mb((double)res[0].peak),
                mb(res[0].reduce_b), mb(res[0].gather_b), mb(res[0].wire_b));
         fflush(stdout);

@@ -1308,8 +1308,13 @@ static void case_errors(void) {
     DSK_TEST_ERROR_MENTIONS("need at least one parameter");
     memset(&cuda_ctx, 0, sizeof cuda_ctx);
     cuda_ctx.device.type = DSK_DEV_CUDA;
+#ifdef DSK_CUDA
+    DSK_TEST_STATUS(dsk_zero_init(&z, &c, &cuda_ctx, ps, NP, &o), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("CUDA tensors (ctx on cuda:0) need an nccl communicator");
+#else
     DSK_TEST_STATUS(dsk_zero_init(&z, &c, &cuda_ctx, ps, NP, &o), DSK_ERR_UNSUPPORTED);
-    DSK_TEST_ERROR_MENTIONS("ctx is on cuda:0");
+    DSK_TEST_ERROR_MENTIONS("ctx is on cuda:0 in a build without DSK_CUDA");
+#endif
 
     /* call order, stage 3 with 2 gather buffers and 1 gradient buffer */
     o.stage = 3;
