@@ -76,7 +76,7 @@ static void train(dsk_comm *c, dsk_ctx *ctx, int stage, dsk_dtype cdt, dsk_zero_
     dsk_amp_scaler sc;
     dsk_amp_scaler_opts so;
     dsk_adamw_opts ao = dsk_adamw_defaults();
-    static char names[NPAR][8];
+    static char names[NPAR][16];
     memset(ps, 0, sizeof ps);
     for (int p = 0; p < NPAR; p++) {
         snprintf(names[p], sizeof names[p], "p%d", p);
