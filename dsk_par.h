@@ -699,8 +699,8 @@ static dsk_status dsk__par_need_ids(const char *fn, const dsk_tensor *ids, int64
     char d[96];
     DSK__TRY(dsk__par_need_tensor(fn, "ids", ids));
     if (ids->dtype != DSK_I32 || dsk_tensor_numel(ids) != rows)
-        return dsk_set_error(DSK_ERR_ARG, "%s: ids %s must be %lld i32 values", fn, dsk_tensor_describe(ids, d, sizeof d),
-                             (long long)rows);
+        return dsk_set_error(DSK_ERR_ARG, "%s: ids %s must be %lld i32 values", fn,
+                             dsk_tensor_describe(ids, d, sizeof d), (long long)rows);
     return DSK_OK;
 }
 
@@ -825,10 +825,11 @@ DSK_API dsk_status dsk_par_cross_entropy(dsk_comm *tp, dsk_ctx *ctx, dsk_tensor 
     if (n > 1 && (st = dsk_comm_all_reduce(tp, ctx, mx, mx, R, DSK_F32, DSK_COMM_MAX)) != DSK_OK) goto done;
     /* 2: sum of exp(logit - max) and the target's logit, summed over ranks in f64 */
     for (int64_t r = 0; r < R; r++) {
+        const void *x = logits->data;
         double s = 0.0, z = 0.0;
         if (tg[r] != ignore_index) {
-            for (int64_t j = 0; j < V; j++) s += exp((double)dsk_load_f32(logits->data, logits->dtype, r * V + j) - mx[r]);
-            if (tg[r] >= lo && tg[r] < lo + V) z = (double)dsk_load_f32(logits->data, logits->dtype, r * V + tg[r] - lo);
+            for (int64_t j = 0; j < V; j++) s += exp((double)dsk_load_f32(x, logits->dtype, r * V + j) - mx[r]);
+            if (tg[r] >= lo && tg[r] < lo + V) z = (double)dsk_load_f32(x, logits->dtype, r * V + tg[r] - lo);
         }
         acc[2 * r] = s;
         acc[2 * r + 1] = z;
@@ -848,7 +849,8 @@ DSK_API dsk_status dsk_par_cross_entropy(dsk_comm *tp, dsk_ctx *ctx, dsk_tensor 
             for (int64_t j = 0; j < V; j++) {
                 double p = exp((double)dsk_load_f32(logits->data, logits->dtype, r * V + j) - lse) -
                            (lo + j == tg[r] ? 1.0 : 0.0);
-                dsk_store_f32(dlogits->data, dlogits->dtype, r * V + j, (float)((double)grad_scale * p / (double)count));
+                dsk_store_f32(dlogits->data, dlogits->dtype, r * V + j,
+                              (float)((double)grad_scale * p / (double)count));
             }
     }
     *(float *)loss->data = count ? (float)(total / (double)count) : 0.0f;

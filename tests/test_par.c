@@ -92,7 +92,8 @@ static int run_ranks(int n, rank_fn fn, void *arg, double timeout_s, double limi
 static void expect_ranks_ok(int n, rank_fn fn, void *arg) {
     int status[8];
     if (!run_ranks(n, fn, arg, 20, 60, status))
-        for (int r = 0; r < n; r++) DSK_TEST_EXPECT(status[r] == 0, "rank %d of %d exited with status %d", r, n, status[r]);
+        for (int r = 0; r < n; r++)
+            DSK_TEST_EXPECT(status[r] == 0, "rank %d of %d exited with status %d", r, n, status[r]);
 }
 
 /* ------------------------------------------------------------------ inputs */
@@ -151,7 +152,8 @@ static sim_result simulate(dsk_par_schedule *sc, int p, int m, int v, const char
     sim_result res;
     int S = p * v, pos[16], clock[16], held[16], done_ranks = 0;
     unsigned char *fw = (unsigned char *)calloc((size_t)S * m, 1), *bw = (unsigned char *)calloc((size_t)S * m, 1);
-    unsigned char *racts = (unsigned char *)calloc((size_t)S * m, 1), *rgrad = (unsigned char *)calloc((size_t)S * m, 1);
+    unsigned char *racts = (unsigned char *)calloc((size_t)S * m, 1);
+    unsigned char *rgrad = (unsigned char *)calloc((size_t)S * m, 1);
     memset(&res, 0, sizeof res);
     res.ok = 1;
     for (int r = 0; r < p; r++) pos[r] = clock[r] = held[r] = 0;
@@ -176,15 +178,17 @@ static sim_result simulate(dsk_par_schedule *sc, int p, int m, int v, const char
                          a->chunk, a->micro);
             if (a->kind == DSK_PAR_FORWARD) {
                 int ready = s == 0 || (owner(s - 1, p) == r ? fw[(s - 1) * m + a->micro] : racts[s * m + a->micro]);
-                if (!ready) SIM_FAIL("%s: rank %d runs forward of micro %d stage %d before its input", what, r, a->micro, s);
+                if (!ready)
+                    SIM_FAIL("%s: rank %d runs forward of micro %d stage %d before its input", what, r, a->micro, s);
                 if (fw[s * m + a->micro]++) SIM_FAIL("%s: forward of micro %d stage %d twice", what, a->micro, s);
                 clock[r]++;
                 if (++held[r] > res.in_flight[r]) res.in_flight[r] = held[r];
                 pos[r]++;
                 moved = 1;
             } else if (a->kind == DSK_PAR_BACKWARD) {
+                int local = owner(s + 1, p) == r;
                 int ready = fw[s * m + a->micro] &&
-                            (s == S - 1 || (owner(s + 1, p) == r ? bw[(s + 1) * m + a->micro] : rgrad[s * m + a->micro]));
+                            (s == S - 1 || (local ? bw[(s + 1) * m + a->micro] : rgrad[s * m + a->micro]));
                 if (!ready)
                     SIM_FAIL("%s: rank %d runs backward of micro %d stage %d before its input", what, r, a->micro, s);
                 if (bw[s * m + a->micro]++) SIM_FAIL("%s: backward of micro %d stage %d twice", what, a->micro, s);
@@ -226,7 +230,8 @@ static sim_result simulate(dsk_par_schedule *sc, int p, int m, int v, const char
         }
     }
     for (int i = 0; i < S * m; i++)
-        if (!fw[i] || !bw[i]) SIM_FAIL("%s: micro %d stage %d never ran its %s", what, i % m, i / m, fw[i] ? "backward" : "forward");
+        if (!fw[i] || !bw[i])
+            SIM_FAIL("%s: micro %d stage %d never ran its %s", what, i % m, i / m, fw[i] ? "backward" : "forward");
     for (int r = 0; r < p; r++) {
         if (clock[r] > res.makespan) res.makespan = clock[r];
         if (held[r] != 0) SIM_FAIL("%s: rank %d ends holding %d activations", what, r, held[r]);
@@ -260,8 +265,9 @@ static int check_schedule(dsk_par_schedule_kind kind, int p, int m, int v) {
         double bubble = (double)(res.makespan - 2 * m * v) / (2.0 * m * v);
         double want = dsk_par_bubble_fraction(kind, p, m, v);
         if (fabs(bubble - want) > 1e-12 || fabs(sc[0].bubble - want) > 1e-12) {
-            dsk_test_fail_at(__FILE__, __LINE__, "%s: simulated bubble %.6f (makespan %d), formula %.6f, schedule says %.6f",
-                             what, bubble, res.makespan, want, sc[0].bubble);
+            dsk_test_fail_at(__FILE__, __LINE__,
+                             "%s: simulated bubble %.6f (makespan %d), formula %.6f, schedule says %.6f", what, bubble,
+                             res.makespan, want, sc[0].bubble);
             ok = 0;
         }
         /* the bound by formula, written out here */
@@ -272,8 +278,9 @@ static int check_schedule(dsk_par_schedule_kind kind, int p, int m, int v) {
             else if (m == p) bound = m * v;
             else bound = 2 * (p - r - 1) + (v - 1) * p + 1 < m * v ? 2 * (p - r - 1) + (v - 1) * p + 1 : m * v;
             if (res.in_flight[r] != bound || sc[r].in_flight != bound) {
-                dsk_test_fail_at(__FILE__, __LINE__, "%s: rank %d holds at most %d micro-batch chunks, bound %d, schedule "
-                                 "says %d", what, r, res.in_flight[r], bound, sc[r].in_flight);
+                dsk_test_fail_at(__FILE__, __LINE__,
+                                 "%s: rank %d holds at most %d micro-batch chunks, bound %d, schedule says %d", what, r,
+                                 res.in_flight[r], bound, sc[r].in_flight);
                 ok = 0;
             }
         }
@@ -324,7 +331,8 @@ static void test_schedule_checker_catches_faults(void) {
     dsk_par_schedule_free(&sc[0]);
     DSK_TEST_OK(dsk_par_schedule_init(&sc[0], DSK_PAR_1F1B, 2, 4, 1, 0));
     /* rank 0 list starts forward 0, send activation 0: put the send first */
-    DSK_TEST_EXPECT(sc[0].actions[0].kind == DSK_PAR_FORWARD && sc[0].actions[1].kind == DSK_PAR_SEND_ACT, "list start");
+    DSK_TEST_EXPECT(sc[0].actions[0].kind == DSK_PAR_FORWARD && sc[0].actions[1].kind == DSK_PAR_SEND_ACT,
+                    "list start");
     {
         dsk_par_action t = sc[0].actions[0];
         sc[0].actions[0] = sc[0].actions[1];
@@ -348,8 +356,10 @@ static void test_schedule_shapes(void) {
         nb += a->kind == DSK_PAR_BACKWARD;
         ns += a->kind == DSK_PAR_SEND_ACT || a->kind == DSK_PAR_SEND_GRAD;
         nr += a->kind == DSK_PAR_RECV_ACT || a->kind == DSK_PAR_RECV_GRAD;
-        if (a->kind == DSK_PAR_SEND_ACT || a->kind == DSK_PAR_RECV_GRAD) DSK_TEST_EXPECT(a->peer == 2, "peer %d", a->peer);
-        if (a->kind == DSK_PAR_SEND_GRAD || a->kind == DSK_PAR_RECV_ACT) DSK_TEST_EXPECT(a->peer == 0, "peer %d", a->peer);
+        if (a->kind == DSK_PAR_SEND_ACT || a->kind == DSK_PAR_RECV_GRAD)
+            DSK_TEST_EXPECT(a->peer == 2, "peer %d", a->peer);
+        if (a->kind == DSK_PAR_SEND_GRAD || a->kind == DSK_PAR_RECV_ACT)
+            DSK_TEST_EXPECT(a->peer == 0, "peer %d", a->peer);
     }
     DSK_TEST_EXPECT(nf == 8 && nb == 8 && ns == 16 && nr == 16, "%d F %d B %d sends %d receives", nf, nb, ns, nr);
     {
@@ -358,8 +368,8 @@ static void test_schedule_shapes(void) {
             if (s.actions[i].kind <= DSK_PAR_BACKWARD) order[j++] = s.actions[i].kind == DSK_PAR_FORWARD ? 1 : -1;
         /* F F F B F B ... : three forwards (2 warm-up + the first steady one) before the first backward */
         for (int i = 0; i < 3; i++) seen += order[i] == 1;
-        DSK_TEST_EXPECT(seen == 3 && order[3] == -1 && order[4] == 1 && order[5] == -1, "order starts %d %d %d %d %d %d",
-                        order[0], order[1], order[2], order[3], order[4], order[5]);
+        DSK_TEST_EXPECT(seen == 3 && order[3] == -1 && order[4] == 1 && order[5] == -1,
+                        "order starts %d %d %d %d %d %d", order[0], order[1], order[2], order[3], order[4], order[5]);
     }
     DSK_TEST_EXPECT(s.in_flight == 3 && fabs(s.bubble - 3.0 / 8.0) < 1e-15, "in flight %d bubble %g", s.in_flight,
                     s.bubble);
@@ -589,7 +599,8 @@ static void rank_linears(dsk_comm *c, void *arg) {
     double *ref = dalloc(N * O > N * K ? N * O : N * K), *refb = dalloc(O * K);
     /* this rank's shards */
     float *w1 = falloc(Ol * K), *w3 = falloc(Ol * K), *w2 = falloc(K * Ol), *x = falloc(Nx * K), *xg = falloc(N * K);
-    float *y1 = falloc(N * Ol), *y3 = falloc(N * Ol), *dy1 = falloc(N * Ol), *dy3 = falloc(N * Ol), *dx = falloc(Nx * K);
+    float *y1 = falloc(N * Ol), *y3 = falloc(N * Ol), *dy1 = falloc(N * Ol), *dy3 = falloc(N * Ol);
+    float *dx = falloc(Nx * K);
     float *dxg = falloc(N * K), *dw1 = falloc(Ol * K), *dw3 = falloc(Ol * K), *dw2 = falloc(K * Ol);
     float *z = falloc(Nx * K), *zp = falloc(N * K), *dz = falloc(Nx * K), *dzg = falloc(N * K), *a = falloc(N * Ol);
     float *da = falloc(N * Ol);
@@ -625,7 +636,8 @@ static void rank_linears(dsk_comm *c, void *arg) {
         for (int64_t k = 0; k < K; k++) {
             double s = 0;
             int64_t row = (sp ? r * Nl : 0) + i;
-            for (int64_t o = 0; o < O; o++) s += (double)dY1[row * O + o] * W1[o * K + k] + (double)dY3[row * O + o] * W3[o * K + k];
+            for (int64_t o = 0; o < O; o++)
+                s += (double)dY1[row * O + o] * W1[o * K + k] + (double)dY3[row * O + o] * W3[o * K + k];
             ref[i * K + k] = s;
         }
     DSK_TEST_CLOSE(dx, ref, Nx * K, 1e-5, 1e-6, "column backward dX");
@@ -652,7 +664,7 @@ static void rank_linears(dsk_comm *c, void *arg) {
                 for (int64_t j = 0; j < Ol; j++) Afull[i * O + q * Ol + j] = (float)ref[i * Ol + j];
         }
         for (int64_t i = 0; i < N; i++)
-            for (int64_t j = 0; j < Ol; j++) a[i * Ol + j] = Afull[i * O + r * Ol + j]; /* the same values on every rank */
+            for (int64_t j = 0; j < Ol; j++) a[i * Ol + j] = Afull[i * O + r * Ol + j]; /* the same on every rank */
         dsk_test_poison_f32(z, Nx * K);
         DSK_TEST_OK(dsk_par_row_forward(c, NULL, &tZ, sp ? &tZp : NULL, &tA, &tW2));
         ref_abt(ref, Afull, W2, N, K, O);
@@ -717,7 +729,8 @@ static void rank_vocab(dsk_comm *c, void *arg) {
     double *ref = dalloc(N * V);
     int32_t *ids = (int32_t *)malloc((size_t)N * sizeof(int32_t)), *tg = (int32_t *)malloc((size_t)N * sizeof(int32_t));
     int64_t shN = N, sh0 = 0;
-    dsk_tensor tids, ttg, tT = wrap2(tl, Vl, D), tO = wrap2(out, No, D), tP = wrap2(part, N, D), tdT = wrap2(dtl, Vl, D);
+    dsk_tensor tids, ttg, tT = wrap2(tl, Vl, D), tO = wrap2(out, No, D), tP = wrap2(part, N, D);
+    dsk_tensor tdT = wrap2(dtl, Vl, D);
     dsk_tensor tD, tL = wrap2(ll, N, Vl), tdL = wrap2(dl, N, Vl), tloss, tfull = wrap2(logits, N, V), tdfull;
     gen(table, V * D, 11);
     gen(dout, N * D, 12);
@@ -938,8 +951,8 @@ static dsk_status ok_check(pipe_ok *ps, int grad, int micro, int chunk) {
     if (from < 0 || from >= ps->p * ps->v) return DSK_OK;
     gen(want, 64, msg_tag(grad, micro, from));
     if (memcmp(want, ok_slot(ps, 2 * grad, micro, chunk), sizeof want) != 0)
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s of micro %d chunk %d holds the wrong message", grad ? "gradient" : "activation",
-                             micro, chunk);
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s of micro %d chunk %d holds the wrong message",
+                             grad ? "gradient" : "activation", micro, chunk);
     return DSK_OK;
 }
 
@@ -968,13 +981,122 @@ static void rank_pipe_ok(dsk_comm *c, void *arg) {
     free(ps.slot);
 }
 
+static dsk_status no_buffer(void *user, const dsk_par_action *a, dsk_tensor *t);
+
+/* A buffer callback that gives no memory fails its action on each rank, before any transfer. */
+static void rank_pipe_no_buffer(dsk_comm *c, void *arg) {
+    dsk_par_schedule s;
+    dsk_par_stage_fns fns;
+    (void)arg;
+    memset(&fns, 0, sizeof fns);
+    fns.forward = pipe_compute;
+    fns.backward = pipe_compute;
+    fns.buffer = no_buffer;
+    DSK_TEST_OK(dsk_par_schedule_init(&s, DSK_PAR_1F1B, 2, 2, 1, c->rank));
+    DSK_TEST_STATUS(dsk_par_pipeline_run(&s, c, NULL, &fns), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS(c->rank == 0 ? "send activation of micro-batch 0" : "receive activation of micro-batch 0");
+    DSK_TEST_ERROR_MENTIONS("empty or non-contiguous");
+    dsk_par_schedule_free(&s);
+}
+
 static void test_pipeline_runs(void) {
     int v1 = 1, v2 = 2;
     dsk_test_begin("pipeline executor: 1F1B on 4 ranks, blocking sends, to the end");
     expect_ranks_ok(4, rank_pipe_ok, &v1);
     dsk_test_begin("pipeline executor: interleaved (2 chunks) on 3 ranks, to the end");
     expect_ranks_ok(3, rank_pipe_ok, &v2);
+    dsk_test_begin("pipeline executor: a buffer callback without memory fails its action on 2 ranks");
+    expect_ranks_ok(2, rank_pipe_no_buffer, NULL);
     dsk_test_end();
+}
+
+/* Argument errors that need no communicator (tp NULL: one rank), each named. */
+static void test_argument_errors(void) {
+    float a[24], b[24], l = NAN;
+    int32_t ids[4] = {0, 1, 2, 3};
+    int64_t s4 = 4, sh0 = 0;
+    dsk_tensor A = wrap2(a, 4, 6), B = wrap2(b, 4, 6), At, I, L, Bh, Cu;
+    dsk_par_dims d;
+    dsk_par_coords at;
+    gen(a, 24, 51);
+    dsk_tensor_transpose(&A, 0, 1, &At);
+    dsk_tensor_wrap(&I, ids, DSK_I32, dsk_cpu(), 1, &s4);
+    dsk_tensor_wrap(&L, &l, DSK_F32, dsk_cpu(), 0, &sh0);
+    /* mappings: a non-contiguous tensor, a dtype mismatch */
+    DSK_TEST_STATUS(dsk_par_map_forward(NULL, NULL, DSK_PAR_MAP_COPY, 0, &B, &At), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("not contiguous");
+    Bh = wrap2(b, 4, 6);
+    Bh.dtype = DSK_BF16;
+    DSK_TEST_STATUS(dsk_par_map_forward(NULL, NULL, DSK_PAR_MAP_COPY, 0, &Bh, &A), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("differ in dtype or device");
+    /* embedding: ids of the wrong count */
+    {
+        float out[12];
+        dsk_tensor O = wrap2(out, 2, 6);
+        DSK_TEST_STATUS(dsk_par_embedding_forward(NULL, NULL, &O, NULL, &A, &I), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("must be 2 i32 values");
+    }
+    /* cross-entropy: loss not a scalar f32, dlogits of another shape, logits on a CUDA device */
+    DSK_TEST_STATUS(dsk_par_cross_entropy(NULL, NULL, &A, NULL, &A, &I, -1, 1.0f), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("loss must be one f32 value");
+    {
+        float g[8];
+        dsk_tensor G = wrap2(g, 4, 2);
+        DSK_TEST_STATUS(dsk_par_cross_entropy(NULL, NULL, &L, &G, &A, &I, -1, 1.0f), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dlogits");
+    }
+    Cu = A;
+    Cu.device.type = DSK_DEV_CUDA; /* only described, never read */
+    DSK_TEST_STATUS(dsk_par_cross_entropy(NULL, NULL, &L, NULL, &Cu, &I, -1, 1.0f), DSK_ERR_UNSUPPORTED);
+    DSK_TEST_ERROR_MENTIONS("CPU tensors only");
+    /* grid: NULL dims, negative sizes, a rank outside */
+    DSK_TEST_STATUS(dsk_par_dims_resolve(NULL, 4), DSK_ERR_ARG);
+    memset(&d, 0, sizeof d);
+    d.tp = -2;
+    DSK_TEST_STATUS(dsk_par_dims_resolve(&d, 4), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("negative size");
+    memset(&d, 0, sizeof d);
+    DSK_TEST_OK(dsk_par_dims_resolve(&d, 4));
+    DSK_TEST_STATUS(dsk_par_coords_of(&d, 4, &at), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("rank 4 outside [0, 4)");
+    DSK_TEST_EXPECT(dsk_par_rank_of(&d, 0, 4, 0) == -1, "dp index 4 of 4");
+    DSK_TEST_STATUS(dsk_par_grid_init(NULL, NULL, &d), DSK_ERR_ARG);
+}
+
+/* The executor names the action whose callback failed, after the callback's message. */
+static dsk_status fail_backward(void *user, int micro, int chunk) {
+    (void)user; (void)chunk;
+    return micro == 2 ? dsk_set_error(DSK_ERR_NONFINITE, "model: loss of micro-batch %d is NaN", micro) : DSK_OK;
+}
+
+static dsk_status no_buffer(void *user, const dsk_par_action *a, dsk_tensor *t) {
+    (void)user; (void)a;
+    memset(t, 0, sizeof *t);
+    return DSK_OK;
+}
+
+static void test_executor_errors(void) {
+    dsk_par_schedule s, s2;
+    dsk_par_stage_fns fns;
+    memset(&fns, 0, sizeof fns);
+    fns.forward = pipe_compute;
+    fns.backward = fail_backward;
+    fns.buffer = no_buffer;
+    DSK_TEST_OK(dsk_par_schedule_init(&s, DSK_PAR_GPIPE, 1, 4, 1, 0));
+    DSK_TEST_EXPECT(s.n == 8, "one stage: 4 forwards and 4 backwards, got %d actions", s.n);
+    DSK_TEST_STATUS(dsk_par_pipeline_run(&s, NULL, NULL, &fns), DSK_ERR_NONFINITE);
+    DSK_TEST_ERROR_MENTIONS("action 6 of 8 (backward of micro-batch 2, chunk 0, stage 0): model: loss of micro-batch 2 "
+                            "is NaN");
+    fns.backward = NULL;
+    DSK_TEST_STATUS(dsk_par_pipeline_run(&s, NULL, NULL, &fns), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("callback is NULL");
+    /* two stages need a communicator of two ranks */
+    fns.backward = pipe_compute;
+    DSK_TEST_OK(dsk_par_schedule_init(&s2, DSK_PAR_1F1B, 2, 2, 1, 0));
+    DSK_TEST_STATUS(dsk_par_pipeline_run(&s2, NULL, NULL, &fns), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("the communicator rank -1 of 0");
+    dsk_par_schedule_free(&s);
+    dsk_par_schedule_free(&s2);
 }
 
 int main(void) {
@@ -986,6 +1108,8 @@ int main(void) {
     DSK_TEST_RUN(test_grid_errors);
     DSK_TEST_RUN(test_grid);
     DSK_TEST_RUN(test_one_rank_is_plain);
+    DSK_TEST_RUN(test_argument_errors);
+    DSK_TEST_RUN(test_executor_errors);
     test_maps();
     test_linears();
     test_vocab();
