@@ -857,14 +857,19 @@ static dsk_status pipe_compute(void *user, int micro, int chunk) {
     return DSK_OK;
 }
 
+static void sleep_us(long us) {
+    struct timespec ts = {0, us * 1000};
+    nanosleep(&ts, NULL);
+}
+
 /* The victim's watcher: once its send has moved a few MB, the process dies. */
 static void *pipe_killer(void *arg) {
     pipe_state *ps = (pipe_state *)arg;
     volatile uint64_t *sent = &ps->c->stats.bytes_sent;
     uint64_t start;
-    while (!ps->armed) usleep(100);
+    while (!ps->armed) sleep_us(100);
     start = *sent;
-    for (int i = 0; i < 200000 && *sent < start + (2u << 20); i++) usleep(10);
+    for (int i = 0; i < 200000 && *sent < start + (2u << 20); i++) sleep_us(10);
     raise(SIGKILL);
     return NULL;
 }
