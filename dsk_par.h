@@ -59,8 +59,9 @@
      (N, Vl): the row max is all-reduced (max, f32), then the sum of exp(logit - max) and the
      target's logit (f64, one all-reduce of 2N values); the full (N, V) logits are never formed.
      Loss and gradient follow dsk_cross_entropy exactly (mean over non-ignored tokens,
-     dlogits written with grad_scale * (softmax - onehot) / count). The cross-entropy runs on
-     CPU tensors; CUDA logits give DSK_ERR_UNSUPPORTED (the embedding runs on either device).
+     dlogits written with grad_scale * (softmax - onehot) / count). Every function runs on CPU
+     tensors over the host backend and on CUDA tensors over nccl (the cross-entropy's passes in
+     kernels/par.cu); a tensor on one and a communicator of the other is DSK_ERR_ARG.
 
    Pipeline schedules as data. p stages (pipeline ranks), m micro-batches, v chunks (virtual
      stages) per rank; rank r runs the global stages s = c p + r, c < v (v = 1 except for the
@@ -190,10 +191,20 @@ DSK_API dsk_status dsk_par_embedding_backward(dsk_comm *tp, dsk_ctx *ctx, dsk_te
                                               dsk_tensor *dg, const dsk_tensor *ids);
 /* logits (N, Vl): columns [r Vl, (r+1) Vl) of the full logits; targets (N) i32 in [0, Vl tp)
    or ignore_index. loss (scalar f32) and dlogits ((N, Vl) or NULL) as dsk_cross_entropy
-   gives them for the full logits. CPU tensors. Collective over tp (every rank, same targets). */
+   gives them for the full logits. CPU tensors on the host backend, CUDA tensors on nccl
+   (kernels/par.cu; target ranges are checked on the CPU path only). Collective over tp
+   (every rank, same targets). */
 DSK_API dsk_status dsk_par_cross_entropy(dsk_comm *tp, dsk_ctx *ctx, dsk_tensor *loss, dsk_tensor *dlogits,
                                          const dsk_tensor *logits, const dsk_tensor *targets, int32_t ignore_index,
                                          float grad_scale);
+
+/* The per-element math of dsk_par_cross_entropy, shared by its CPU path and kernels/par.cu:
+   log-sum-exp from the row max and the summed exp(x - max); the gradient of one logit. */
+static inline DSK_HD double dsk_par_ce_lse(float mx, double sum_exp) { return (double)mx + log(sum_exp); }
+static inline DSK_HD float dsk_par_ce_grad(float x, double lse, int is_target, float grad_scale, int64_t count) {
+    double p = exp((double)x - lse) - (is_target ? 1.0 : 0.0);
+    return (float)((double)grad_scale * p / (double)count);
+}
 
 /* ---- pipeline schedules */
 
@@ -271,6 +282,9 @@ DSK_API dsk_status dsk_par_pipeline_run(const dsk_par_schedule *s, dsk_comm *pp,
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef DSK_CUDA
+#include "kernels/dsk_kernels.h"
+#endif
 
 /* ---------------------------------------------------------------- checks and helpers */
 
@@ -304,6 +318,14 @@ static dsk_status dsk__par_need_same_dtype(const char *fn, const char *a, const 
         return dsk_set_error(DSK_ERR_ARG, "%s: %s (%s) and %s (%s) differ in dtype or device", fn, a,
                              dsk_dtype_name(x->dtype), b, dsk_dtype_name(y->dtype));
     return DSK_OK;
+}
+
+/* Tensors on the CPU travel over the host backend, CUDA tensors over nccl (tp of one rank: any). */
+static dsk_status dsk__par_need_backend(const char *fn, const dsk_comm *tp, const char *name, const dsk_tensor *t) {
+    int cuda = t->device.type == DSK_DEV_CUDA;
+    if (dsk__par_n(tp) == 1 || cuda == (tp->backend == DSK_COMM_NCCL)) return DSK_OK;
+    return dsk_set_error(DSK_ERR_ARG, "%s: %s is on %s but the tensor-parallel communicator uses the %s backend", fn,
+                         name, cuda ? "a CUDA device" : "the CPU", tp->backend == DSK_COMM_NCCL ? "nccl" : "host");
 }
 
 /* A contiguous temporary like `like` with shape sh (on like's device). */
@@ -498,6 +520,7 @@ static dsk_status dsk__par_map_check(const char *fn, dsk_comm *tp, dsk_par_map m
     DSK__TRY(dsk__par_need_tensor(fn, bn, big));
     DSK__TRY(dsk__par_need_tensor(fn, sn, small));
     DSK__TRY(dsk__par_need_same_dtype(fn, bn, big, sn, small));
+    DSK__TRY(dsk__par_need_backend(fn, tp, bn, big));
     if (map == DSK_PAR_MAP_COPY || map == DSK_PAR_MAP_REDUCE) {
         if (!dsk_tensor_same_shape(big, small))
             return dsk_set_error(DSK_ERR_ARG, "%s: %s mapping: %s %s and %s %s differ in shape", fn,
@@ -552,6 +575,7 @@ static dsk_status dsk__par_gathered(const char *fn, dsk_comm *tp, const dsk_tens
                                     const char *xn, const char *gn) {
     int n = dsk__par_n(tp);
     DSK__TRY(dsk__par_need_2d(fn, xn, X, -1, -1));
+    DSK__TRY(dsk__par_need_backend(fn, tp, xn, X));
     if (!xg) return DSK_OK;
     DSK__TRY(dsk__par_need_2d(fn, gn, xg, X->shape[0] * n, X->shape[1]));
     return dsk__par_need_same_dtype(fn, xn, X, gn, xg);
@@ -771,6 +795,96 @@ DSK_API dsk_status dsk_par_embedding_backward(dsk_comm *tp, dsk_ctx *ctx, dsk_te
 
 /* ---------------------------------------------------------------- vocabulary-parallel cross-entropy */
 
+/* The CPU path: row max, all-reduce (max), sums, all-reduce (sum, f64), loss and gradient. */
+static dsk_status dsk__par_ce_cpu(dsk_comm *tp, dsk_ctx *ctx, dsk_tensor *loss, dsk_tensor *dlogits,
+                                  const dsk_tensor *logits, const int32_t *tg, int64_t lo, int64_t count,
+                                  int32_t ignore_index, float grad_scale) {
+    const char *fn = "dsk_par_cross_entropy";
+    int64_t R = logits->shape[0], V = logits->shape[1];
+    const void *x = logits->data;
+    float *mx = (float *)DSK_MALLOC((size_t)(R ? R : 1) * sizeof(float));
+    double *acc = (double *)DSK_MALLOC((size_t)(R ? R : 1) * 2 * sizeof(double)), total = 0.0;
+    dsk_status st = DSK_OK;
+    if (!mx || !acc) {
+        st = dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for %lld rows", fn, (long long)R);
+        goto done;
+    }
+    for (int64_t r = 0; r < R; r++) { /* NaN propagates, as in dsk_cross_entropy */
+        float m = -INFINITY;
+        for (int64_t j = 0; j < V; j++) {
+            float v = dsk_load_f32(x, logits->dtype, r * V + j);
+            if (v > m || v != v) m = v;
+        }
+        mx[r] = m;
+    }
+    if (dsk__par_n(tp) > 1 && (st = dsk_comm_all_reduce(tp, ctx, mx, mx, R, DSK_F32, DSK_COMM_MAX)) != DSK_OK)
+        goto done;
+    for (int64_t r = 0; r < R; r++) {
+        double s = 0.0, z = 0.0;
+        if (tg[r] != ignore_index) {
+            for (int64_t j = 0; j < V; j++) s += exp((double)dsk_load_f32(x, logits->dtype, r * V + j) - mx[r]);
+            if (tg[r] >= lo && tg[r] < lo + V) z = (double)dsk_load_f32(x, logits->dtype, r * V + tg[r] - lo);
+        }
+        acc[2 * r] = s;
+        acc[2 * r + 1] = z;
+    }
+    if (dsk__par_n(tp) > 1 && (st = dsk_comm_all_reduce(tp, ctx, acc, acc, 2 * R, DSK_F64, DSK_COMM_SUM)) != DSK_OK)
+        goto done;
+    for (int64_t r = 0; r < R; r++) {
+        double lse;
+        if (tg[r] == ignore_index) {
+            if (dlogits)
+                for (int64_t j = 0; j < V; j++) dsk_store_f32(dlogits->data, dlogits->dtype, r * V + j, 0.0f);
+            continue;
+        }
+        lse = dsk_par_ce_lse(mx[r], acc[2 * r]);
+        total += lse - acc[2 * r + 1];
+        if (dlogits)
+            for (int64_t j = 0; j < V; j++)
+                dsk_store_f32(dlogits->data, dlogits->dtype, r * V + j,
+                              dsk_par_ce_grad(dsk_load_f32(x, logits->dtype, r * V + j), lse, lo + j == tg[r],
+                                              grad_scale, count));
+    }
+    *(float *)loss->data = count ? (float)(total / (double)count) : 0.0f;
+done:
+    DSK_FREE(mx);
+    DSK_FREE(acc);
+    return st;
+}
+
+#ifdef DSK_CUDA
+/* The CUDA path: the same passes in kernels/par.cu, the all-reduces on device buffers. */
+static dsk_status dsk__par_ce_cuda(dsk_comm *tp, dsk_ctx *ctx, dsk_tensor *loss, dsk_tensor *dlogits,
+                                   const dsk_tensor *logits, const dsk_tensor *targets, int64_t lo,
+                                   int32_t ignore_index, float grad_scale) {
+    int64_t R = logits->shape[0], two_r = 2 * R, one = 1;
+    dsk_tensor mx, acc, count;
+    dsk_status st;
+    if (R == 0) return dsk_tensor_fill(ctx, loss, 0.0);
+    memset(&mx, 0, sizeof mx);
+    memset(&acc, 0, sizeof acc);
+    memset(&count, 0, sizeof count);
+    st = dsk_tensor_alloc(ctx, &mx, DSK_F32, 1, &R);
+    if (st == DSK_OK) st = dsk_tensor_alloc(ctx, &acc, DSK_F64, 1, &two_r);
+    if (st == DSK_OK) st = dsk_tensor_alloc(ctx, &count, DSK_I64, 1, &one);
+    if (st == DSK_OK)
+        st = dsk_cuda_par_ce_max(ctx, (float *)mx.data, (int64_t *)count.data, logits, targets, ignore_index);
+    if (st == DSK_OK && dsk__par_n(tp) > 1)
+        st = dsk_comm_all_reduce(tp, ctx, mx.data, mx.data, R, DSK_F32, DSK_COMM_MAX);
+    if (st == DSK_OK)
+        st = dsk_cuda_par_ce_sums(ctx, (double *)acc.data, (const float *)mx.data, logits, targets, lo, ignore_index);
+    if (st == DSK_OK && dsk__par_n(tp) > 1)
+        st = dsk_comm_all_reduce(tp, ctx, acc.data, acc.data, two_r, DSK_F64, DSK_COMM_SUM);
+    if (st == DSK_OK)
+        st = dsk_cuda_par_ce_finish(ctx, loss, dlogits, (const float *)mx.data, (const double *)acc.data,
+                                    (const int64_t *)count.data, logits, targets, lo, ignore_index, grad_scale);
+    dsk_tensor_free(ctx, &mx);
+    dsk_tensor_free(ctx, &acc);
+    dsk_tensor_free(ctx, &count);
+    return st;
+}
+#endif
+
 DSK_API dsk_status dsk_par_cross_entropy(dsk_comm *tp, dsk_ctx *ctx, dsk_tensor *loss, dsk_tensor *dlogits,
                                          const dsk_tensor *logits, const dsk_tensor *targets, int32_t ignore_index,
                                          float grad_scale) {
@@ -778,11 +892,7 @@ DSK_API dsk_status dsk_par_cross_entropy(dsk_comm *tp, dsk_ctx *ctx, dsk_tensor 
     int n = dsk__par_n(tp);
     int64_t R, V, lo, count = 0;
     const int32_t *tg;
-    float *mx = NULL;
-    double *acc = NULL, total = 0.0;
-    dsk_status st = DSK_OK;
     char d[96];
-    (void)ctx;
     DSK__TRY(dsk__par_need_2d(fn, "logits", logits, -1, -1));
     R = logits->shape[0];
     V = logits->shape[1];
@@ -794,11 +904,18 @@ DSK_API dsk_status dsk_par_cross_entropy(dsk_comm *tp, dsk_ctx *ctx, dsk_tensor 
         DSK__TRY(dsk__par_need_2d(fn, "dlogits", dlogits, R, V));
         DSK__TRY(dsk__par_need_same_dtype(fn, "dlogits", dlogits, "logits", logits));
     }
-    if (logits->device.type != DSK_DEV_CPU || targets->device.type != DSK_DEV_CPU ||
-        loss->device.type != DSK_DEV_CPU)
-        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: logits %s on %s: this function computes on CPU tensors only",
-                             fn, dsk_tensor_describe(logits, d, sizeof d),
-                             logits->device.type == DSK_DEV_CPU ? "the CPU" : "a CUDA device");
+    if (targets->device.type != logits->device.type || loss->device.type != logits->device.type)
+        return dsk_set_error(DSK_ERR_ARG, "%s: logits %s, targets and loss must be on one device", fn,
+                             dsk_tensor_describe(logits, d, sizeof d));
+    DSK__TRY(dsk__par_need_backend(fn, tp, "logits", logits));
+    if (logits->device.type == DSK_DEV_CUDA) {
+#ifdef DSK_CUDA
+        return dsk__par_ce_cuda(tp, ctx, loss, dlogits, logits, targets, lo, ignore_index, grad_scale);
+#else
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: logits %s on a CUDA device in a build without DSK_CUDA", fn,
+                             dsk_tensor_describe(logits, d, sizeof d));
+#endif
+    }
     tg = (const int32_t *)targets->data;
     for (int64_t r = 0; r < R; r++) {
         if (tg[r] == ignore_index) continue;
@@ -807,57 +924,7 @@ DSK_API dsk_status dsk_par_cross_entropy(dsk_comm *tp, dsk_ctx *ctx, dsk_tensor 
                                  (long long)r, (int)tg[r], (long long)(V * n), (int)ignore_index);
         count++;
     }
-    mx = (float *)DSK_MALLOC((size_t)(R ? R : 1) * sizeof(float));
-    acc = (double *)DSK_MALLOC((size_t)(R ? R : 1) * 2 * sizeof(double));
-    if (!mx || !acc) {
-        st = dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for %lld rows", fn, (long long)R);
-        goto done;
-    }
-    /* 1: the row max over the full vocabulary (NaN propagates, as in dsk_cross_entropy) */
-    for (int64_t r = 0; r < R; r++) {
-        float m = -INFINITY;
-        for (int64_t j = 0; j < V; j++) {
-            float v = dsk_load_f32(logits->data, logits->dtype, r * V + j);
-            if (v > m || v != v) m = v;
-        }
-        mx[r] = m;
-    }
-    if (n > 1 && (st = dsk_comm_all_reduce(tp, ctx, mx, mx, R, DSK_F32, DSK_COMM_MAX)) != DSK_OK) goto done;
-    /* 2: sum of exp(logit - max) and the target's logit, summed over ranks in f64 */
-    for (int64_t r = 0; r < R; r++) {
-        const void *x = logits->data;
-        double s = 0.0, z = 0.0;
-        if (tg[r] != ignore_index) {
-            for (int64_t j = 0; j < V; j++) s += exp((double)dsk_load_f32(x, logits->dtype, r * V + j) - mx[r]);
-            if (tg[r] >= lo && tg[r] < lo + V) z = (double)dsk_load_f32(x, logits->dtype, r * V + tg[r] - lo);
-        }
-        acc[2 * r] = s;
-        acc[2 * r + 1] = z;
-    }
-    if (n > 1 && (st = dsk_comm_all_reduce(tp, ctx, acc, acc, 2 * R, DSK_F64, DSK_COMM_SUM)) != DSK_OK) goto done;
-    /* 3: loss and gradient, as dsk_cross_entropy writes them */
-    for (int64_t r = 0; r < R; r++) {
-        double lse;
-        if (tg[r] == ignore_index) {
-            if (dlogits)
-                for (int64_t j = 0; j < V; j++) dsk_store_f32(dlogits->data, dlogits->dtype, r * V + j, 0.0f);
-            continue;
-        }
-        lse = (double)mx[r] + log(acc[2 * r]);
-        total += lse - acc[2 * r + 1];
-        if (dlogits)
-            for (int64_t j = 0; j < V; j++) {
-                double p = exp((double)dsk_load_f32(logits->data, logits->dtype, r * V + j) - lse) -
-                           (lo + j == tg[r] ? 1.0 : 0.0);
-                dsk_store_f32(dlogits->data, dlogits->dtype, r * V + j,
-                              (float)((double)grad_scale * p / (double)count));
-            }
-    }
-    *(float *)loss->data = count ? (float)(total / (double)count) : 0.0f;
-done:
-    DSK_FREE(mx);
-    DSK_FREE(acc);
-    return st;
+    return dsk__par_ce_cpu(tp, ctx, loss, dlogits, logits, tg, lo, count, ignore_index, grad_scale);
 }
 
 /* ---------------------------------------------------------------- schedules: compute orders */

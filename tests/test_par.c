@@ -1052,8 +1052,16 @@ static void test_argument_errors(void) {
     }
     Cu = A;
     Cu.device.type = DSK_DEV_CUDA; /* only described, never read */
-    DSK_TEST_STATUS(dsk_par_cross_entropy(NULL, NULL, &L, NULL, &Cu, &I, -1, 1.0f), DSK_ERR_UNSUPPORTED);
-    DSK_TEST_ERROR_MENTIONS("CPU tensors only");
+    DSK_TEST_STATUS(dsk_par_cross_entropy(NULL, NULL, &L, NULL, &Cu, &I, -1, 1.0f), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("targets and loss must be on one device");
+#ifndef DSK_CUDA
+    {
+        dsk_tensor Ic = I, Lc = L;
+        Ic.device.type = Lc.device.type = DSK_DEV_CUDA;
+        DSK_TEST_STATUS(dsk_par_cross_entropy(NULL, NULL, &Lc, NULL, &Cu, &Ic, -1, 1.0f), DSK_ERR_UNSUPPORTED);
+        DSK_TEST_ERROR_MENTIONS("in a build without DSK_CUDA");
+    }
+#endif
     /* grid: NULL dims, negative sizes, a rank outside */
     DSK_TEST_STATUS(dsk_par_dims_resolve(NULL, 4), DSK_ERR_ARG);
     memset(&d, 0, sizeof d);

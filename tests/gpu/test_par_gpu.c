@@ -6,9 +6,8 @@
    a host communicator and runs every operation twice on the same inputs: CPU tensors through
    the host backend, CUDA tensors through nccl. Data movement (sequence-parallel gathers, the
    vocabulary-parallel embedding, pipeline messages) must match bitwise; sums of products
-   within f32 tolerance (cuBLAS and NCCL add in their own order). The vocabulary-parallel
-   cross-entropy is CPU-only and must say so for CUDA logits. Without a usable CUDA device
-   every case is skipped. */
+   within f32 tolerance (cuBLAS and NCCL add in their own order), as is the vocabulary-parallel
+   cross-entropy (kernels/par.cu). Without a usable CUDA device every case is skipped. */
 #define DSK_TENSOR_IMPLEMENTATION
 #define DSK_COMM_IMPLEMENTATION
 #define DSK_PAR_IMPLEMENTATION
@@ -155,31 +154,47 @@ static void part_maps(void) {
     free_all(ds2, 4);
 }
 
-/* Vocabulary-parallel embedding forward and backward (sequence parallel); cross-entropy refuses CUDA. */
+/* Vocabulary-parallel embedding forward and backward (sequence parallel) and cross-entropy. */
 static void part_vocab(void) {
     int n = NC.world_size, r = NC.rank;
-    int64_t N = 6 * n, Nl = 6, Vl = 20, D = 8, sh0 = 0;
+    int64_t N = 6 * n, Nl = 6, Vl = 300, D = 8, sh0 = 0;
     dsk_tensor ht = host_in(Vl, D, 400 + (uint64_t)r), ho = host_nan(Nl, D), hp = host_nan(N, D);
     dsk_tensor hd = host_in(Nl, D, 500 + (uint64_t)r), hg = host_nan(N, D), hdt = host_in(Vl, D, 600);
-    dsk_tensor hids, dids, dt, dout, dp, dd, dg, ddt, loss;
+    dsk_tensor hl = host_in(N, Vl, 700 + (uint64_t)r), hdl = host_nan(N, Vl), htg, hloss, dloss;
+    dsk_tensor hids, dids, dt, dout, dp, dd, dg, ddt, dl, ddl, dtg;
     float l = NAN;
     DSK_TEST_OK(dsk_tensor_alloc(NULL, &hids, DSK_I32, 1, &N));
-    for (int64_t t = 0; t < N; t++)
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &htg, DSK_I32, 1, &N));
+    for (int64_t t = 0; t < N; t++) {
         ((int32_t *)hids.data)[t] = (int32_t)(mix64(777 + (uint64_t)t) % (uint64_t)(Vl * n));
+        ((int32_t *)htg.data)[t] = t % 4 == 1 ? -1 : (int32_t)(mix64(999 + (uint64_t)t) % (uint64_t)(Vl * n));
+    }
+    for (int64_t i = 0; i < N * Vl; i++) ((float *)hl.data)[i] *= 8.0f;
     dids = dev_of(&hids); dt = dev_of(&ht); dout = dev_of(&ho); dp = dev_of(&hp); dd = dev_of(&hd); dg = dev_of(&hg);
-    ddt = dev_of(&hdt);
+    ddt = dev_of(&hdt); dl = dev_of(&hl); ddl = dev_of(&hdl); dtg = dev_of(&htg);
     DSK_TEST_OK(dsk_par_embedding_forward(&HC, NULL, &ho, &hp, &ht, &hids));
     DSK_TEST_OK(dsk_par_embedding_forward(&NC, &G, &dout, &dp, &dt, &dids));
     same(&dout, &ho, 0, 0, "embedding forward");
     DSK_TEST_OK(dsk_par_embedding_backward(&HC, NULL, &hdt, &hd, &hg, &hids));
     DSK_TEST_OK(dsk_par_embedding_backward(&NC, &G, &ddt, &dd, &dg, &dids));
     same(&ddt, &hdt, 1e-6, 1e-7, "embedding backward");
-    DSK_TEST_OK(dsk_tensor_wrap(&loss, &l, DSK_F32, dsk_cpu(), 0, &sh0));
-    DSK_TEST_STATUS(dsk_par_cross_entropy(&NC, &G, &loss, NULL, &dg, &dids, -1, 1.0f), DSK_ERR_UNSUPPORTED);
-    DSK_TEST_ERROR_MENTIONS("CPU tensors only");
-    dsk_tensor hs[7] = {ht, ho, hp, hd, hg, hdt, hids}, ds[7] = {dids, dt, dout, dp, dd, dg, ddt};
-    free_all(hs, 7);
-    free_all(ds, 7);
+    /* cross-entropy: the device passes and nccl against the CPU over host */
+    DSK_TEST_OK(dsk_tensor_wrap(&hloss, &l, DSK_F32, dsk_cpu(), 0, &sh0));
+    DSK_TEST_OK(dsk_tensor_alloc(&G, &dloss, DSK_F32, 0, &sh0));
+    DSK_TEST_OK(dsk_par_cross_entropy(&HC, NULL, &hloss, &hdl, &hl, &htg, -1, 0.5f));
+    DSK_TEST_OK(dsk_par_cross_entropy(&NC, &G, &dloss, &ddl, &dl, &dtg, -1, 0.5f));
+    same(&dloss, &hloss, 1e-6, 0, "vocab-parallel loss");
+    same(&ddl, &hdl, 1e-5, 1e-9, "vocab-parallel dlogits");
+    /* CUDA tensors with the host communicator: refused before any transfer */
+    DSK_TEST_STATUS(dsk_par_cross_entropy(&HC, &G, &dloss, &ddl, &dl, &dtg, -1, 0.5f), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("uses the host backend");
+    DSK_TEST_STATUS(dsk_par_embedding_forward(&HC, &G, &dout, &dp, &dt, &dids), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("uses the host backend");
+    dsk_tensor hs[9] = {ht, ho, hp, hd, hg, hdt, hids, hl, hdl}, ds[11] = {dids, dt, dout, dp, dd, dg, ddt, dl, ddl, dtg,
+                                                                         dloss};
+    free_all(hs, 9);
+    free_all(ds, 11);
+    dsk_tensor_free(NULL, &htg);
 }
 
 /* A 1F1B pipeline over nccl send/recv with device buffers: every message arrives intact. */
