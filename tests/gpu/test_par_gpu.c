@@ -190,8 +190,8 @@ static void part_vocab(void) {
     DSK_TEST_ERROR_MENTIONS("uses the host backend");
     DSK_TEST_STATUS(dsk_par_embedding_forward(&HC, &G, &dout, &dp, &dt, &dids), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("uses the host backend");
-    dsk_tensor hs[9] = {ht, ho, hp, hd, hg, hdt, hids, hl, hdl}, ds[11] = {dids, dt, dout, dp, dd, dg, ddt, dl, ddl, dtg,
-                                                                         dloss};
+    dsk_tensor hs[9] = {ht, ho, hp, hd, hg, hdt, hids, hl, hdl};
+    dsk_tensor ds[11] = {dids, dt, dout, dp, dd, dg, ddt, dl, ddl, dtg, dloss};
     free_all(hs, 9);
     free_all(ds, 11);
     dsk_tensor_free(NULL, &htg);
