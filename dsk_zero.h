@@ -315,6 +315,9 @@ static inline int dsk_zero_powersgd_compresses(int ndim, int64_t rows, int64_t c
 #ifdef DSK_CUDA
 #include <cuda_runtime.h>
 #endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 /* ---------------------------------------------------------------- state */
 
@@ -518,10 +521,13 @@ static dsk_status dsk__zero_land(dsk__zero_impl *zi, float *dst, float *src, int
     return s != 1.0f ? dsk_scale(&zi->pctx, &d, s) : DSK_OK;
 }
 
-/* Rounds n f32 to bf16 (nearest even), or widens them back. */
+/* Rounds n f32 to bf16 (nearest even: dsk_amp_cast's loop), or widens bf16 back to f32. */
 static dsk_status dsk__zero_cast(dsk__zero_impl *zi, void *dst, dsk_dtype dd, void *src, dsk_dtype sd, int64_t n) {
     dsk_tensor d = dsk__zero_t(zi, dst, dd, n), x = dsk__zero_t(zi, src, sd, n);
-    return dsk_tensor_copy(&zi->pctx, &d, &x);
+    if (sd == DSK_F32) return dsk_amp_cast(&zi->pctx, &d, &x, DSK_AMP_ROUND_NEAREST, 0, 0, 0);
+    if (zi->dev) return dsk_tensor_copy(&zi->pctx, &d, &x);
+    for (int64_t i = 0; i < n; i++) ((float *)dst)[i] = dsk_bf16_to_f32(((const uint16_t *)src)[i]);
+    return DSK_OK;
 }
 
 /* Counts a finished reduction (bytes handed over, uncompressed bytes) or gather (gathered bytes). */
@@ -714,6 +720,9 @@ static void dsk__zero_fail(dsk__zero_impl *zi, dsk_status st, const char *what, 
 
 static void *dsk__zero_thread(void *arg) {
     dsk__zero_impl *zi = (dsk__zero_impl *)arg;
+#ifdef _OPENMP
+    omp_set_num_threads(1); /* its ops stay on this thread: no OpenMP team of its own competing with the caller's */
+#endif
     pthread_mutex_lock(&zi->mu);
     for (;;) {
         dsk__zero_op op;
