@@ -107,8 +107,9 @@
        checkpoints              dsk_zero_ckpt_mode, dsk_zero_ckpt_entries
        PowerSGD helpers         dsk_zero_powersgd_key, dsk_zero_powersgd_compresses
      implementation (DSK_ZERO_IMPLEMENTATION)
-       state; layout; progress thread; reductions (plain, bf16, PowerSGD); init and free; units
-       (gather, release, gradient buffers); the step; checkpoints */
+       state; layout; progress thread (the operations: reductions plain, bf16 and PowerSGD, gathers;
+       the queue, issue on CUDA, waits); init and free; weights; units (gather, release, gradient
+       buffers, the pass); the step; checkpoints */
 
 #if defined(DSK_ZERO_IMPLEMENTATION) && !defined(_GNU_SOURCE) && !defined(_POSIX_C_SOURCE)
 #define _POSIX_C_SOURCE 200809L
