@@ -237,9 +237,10 @@ DSK_API dsk_status dsk_zero_refresh(dsk_zero *z, dsk_ctx *ctx);
 
 /* ---- a training step */
 
-/* Starts a backward pass (a micro-batch). sync = 0: stages 0-1 accumulate without reducing;
-   sync = 1 (the last micro-batch): units reduce as they complete. Stages 2-3 reduce every pass.
-   The first pass after a step (or init) starts the accumulation from zero. */
+/* Starts a backward pass (a micro-batch), ending the one before (whose reductions may still
+   run; stages 0-1 wait for them, as they reduce in place). sync = 0: stages 0-1 accumulate
+   without reducing; sync = 1 (the last micro-batch): units reduce as they complete. Stages 2-3
+   reduce every pass. The first pass after a step (or init) starts the accumulation from zero. */
 DSK_API dsk_status dsk_zero_begin(dsk_zero *z, dsk_ctx *ctx, int sync);
 /* The unit's weights are needed for its forward: stages 1-2 wait for its all-gather after a
    step; stage 3 gathers it (or waits for its prefetch) and prefetches unit + 1. A unit id this
@@ -255,7 +256,8 @@ DSK_API dsk_status dsk_zero_backward_begin(dsk_zero *z, dsk_ctx *ctx, int unit);
 DSK_API dsk_status dsk_zero_grad_ready(dsk_zero *z, dsk_ctx *ctx, int param);
 /* After the unit's backward: stage 3 frees its weights; stages 2-3 unbind its gradients. */
 DSK_API dsk_status dsk_zero_backward_end(dsk_zero *z, dsk_ctx *ctx, int unit);
-/* Waits for every started reduction; in a reducing pass every parameter must have been marked. */
+/* Ends the pass: waits for every started reduction; in a reducing pass every parameter must have
+   been marked. */
 DSK_API dsk_status dsk_zero_wait(dsk_zero *z, dsk_ctx *ctx);
 /* Unscale + non-finite check + global norm over the pieces of zs[0..n) (waited for here):
    dsk_amp_unscale on this rank's pieces, then ONE all-reduce SUM of the two f64 stats over
@@ -343,6 +345,7 @@ typedef struct dsk__zero_u {
     int id, p0, np;
     int64_t numel, chunk, full_off, shard_off;
     int pstate, pbuf, gbuf, pending, reduced;
+    int64_t bwd_pass;                    /* the pass whose backward bound its gradient buffer */
     int64_t gather_ticket, reduce_ticket;
     int64_t p_elems, q_elems, unc_elems; /* PowerSGD: P and Q memory, uncompressed elements */
     int64_t err_off, pq_off;             /* its error-feedback and P/Q memory in the shared slabs */
@@ -374,7 +377,7 @@ struct dsk__zero_impl {
     dsk_tensor wire16, chunk16;                 /* bf16 staging */
     dsk_tensor err, pq, cp, unc;                /* PowerSGD */
     int in_pass, sync, fresh, have_gathers;
-    int64_t iter;
+    int64_t iter, pass;                  /* reducing passes so far (PowerSGD's iteration); passes begun */
     /* progress thread and its queue of tickets [done + 1, next] */
     pthread_t thread;
     int thread_started, stop, mu_ready;
@@ -1415,24 +1418,27 @@ DSK_API dsk_status dsk_zero_forward_end(dsk_zero *z, dsk_ctx *ctx, int unit) {
 static dsk_status dsk__zero_take_grad_buffer(dsk_zero *z, dsk_ctx *ctx, int k, const char *fn) {
     dsk__zero_impl *zi = z->impl;
     dsk__zero_u *u = &zi->u[k];
-    int nb = zi->o.grad_buffers, slot = dsk__zero_free_slot(zi->gbuf_owner, nb);
-    if (u->gbuf >= 0)
+    int nb = zi->o.grad_buffers, slot = dsk__zero_free_slot(zi->gbuf_owner, nb), blocked = -1;
+    if (u->bwd_pass == zi->pass)
         return dsk_set_error(DSK_ERR_STATE, "%s: unit %d's backward already began in this pass", fn, u->id);
-    if (slot < 0) {
+    if (u->gbuf >= 0) slot = u->gbuf; /* its own buffer from an earlier pass: its reduction must be done */
+    if (slot < 0 || zi->gbuf_owner[slot] >= 0) {
         int64_t oldest = 0;
-        for (int i = 0; i < nb; i++) {
-            int64_t t = zi->u[zi->gbuf_owner[i]].reduce_ticket;
-            if (t <= 0)
-                return dsk_set_error(DSK_ERR_STATE, "%s: no free gradient buffer for unit %d: unit %d's gradients "
-                                     "are not all marked ready (or raise grad_buffers from %d)", fn, u->id,
-                                     zi->u[zi->gbuf_owner[i]].id, nb);
-            if (slot < 0 || t < oldest) { oldest = t; slot = i; }
+        for (int i = 0; u->gbuf < 0 && i < nb; i++) {
+            const dsk__zero_u *o = &zi->u[zi->gbuf_owner[i]];
+            if (o->bwd_pass == zi->pass && o->pending > 0) { blocked = i; continue; } /* still being written */
+            if (slot < 0 || o->reduce_ticket < oldest) { oldest = o->reduce_ticket; slot = i; }
         }
-        DSK__TRY(dsk__zero_wait_ticket(z, ctx, oldest, fn));
+        if (slot < 0)
+            return dsk_set_error(DSK_ERR_STATE, "%s: no free gradient buffer for unit %d: unit %d's gradients "
+                                 "are not all marked ready (or raise grad_buffers from %d)", fn, u->id,
+                                 zi->u[zi->gbuf_owner[blocked]].id, nb);
+        DSK__TRY(dsk__zero_wait_ticket(z, ctx, zi->u[zi->gbuf_owner[slot]].reduce_ticket, fn));
         zi->u[zi->gbuf_owner[slot]].gbuf = -1;
     }
     zi->gbuf_owner[slot] = k;
     u->gbuf = slot;
+    u->bwd_pass = zi->pass;
     u->reduce_ticket = 0;
     DSK__TRY(dsk_tensor_fill(ctx, &zi->gbufs[slot], 0.0));
     for (int i = u->p0; i < u->p0 + u->np; i++)
@@ -1465,13 +1471,28 @@ DSK_API dsk_status dsk_zero_backward_end(dsk_zero *z, dsk_ctx *ctx, int unit) {
     return dsk__zero_release(z, ctx, k, fn);
 }
 
+/* Ends the pass in progress, if any: a reducing pass must have marked every parameter. */
+static dsk_status dsk__zero_close_pass(dsk_zero *z, const char *fn) {
+    dsk__zero_impl *zi = z->impl;
+    if (!zi->in_pass) return DSK_OK;
+    zi->in_pass = 0;
+    if (!zi->sync) return DSK_OK;
+    for (int i = 0; i < z->n_params; i++)
+        if (!zi->p[i].marked)
+            return dsk_set_error(DSK_ERR_STATE, "%s: parameter %d \"%s\" (unit %d) was never marked ready in the "
+                                 "pass", fn, i, zi->p[i].name, zi->u[zi->p[i].unit].id);
+    zi->iter++;
+    z->stats.passes++;
+    return DSK_OK;
+}
+
 DSK_API dsk_status dsk_zero_begin(dsk_zero *z, dsk_ctx *ctx, int sync) {
     const char *fn = "dsk_zero_begin";
     dsk__zero_impl *zi;
     DSK__TRY(dsk__zero_need(z, fn));
     zi = z->impl;
-    if (zi->in_pass)
-        return dsk_set_error(DSK_ERR_STATE, "%s: the previous pass was not waited for (dsk_zero_wait)", fn);
+    if (zi->in_pass && z->stage <= 1 && zi->sync) DSK__TRY(dsk__zero_drain(z, ctx, fn)); /* reduced in place */
+    DSK__TRY(dsk__zero_close_pass(z, fn));
     if (zi->fresh) {
         DSK__TRY(dsk__zero_drain(z, ctx, fn));
         if (z->stage <= 1) DSK__TRY(dsk_tensor_fill(ctx, &zi->full_g, 0.0));
@@ -1482,6 +1503,7 @@ DSK_API dsk_status dsk_zero_begin(dsk_zero *z, dsk_ctx *ctx, int sync) {
     for (int i = 0; i < z->n_params; i++) zi->p[i].marked = 0;
     zi->sync = sync != 0 || z->stage >= 2;
     zi->in_pass = 1;
+    zi->pass++;
     return DSK_OK;
 }
 
@@ -1500,7 +1522,7 @@ DSK_API dsk_status dsk_zero_grad_ready(dsk_zero *z, dsk_ctx *ctx, int param) {
         return dsk_set_error(DSK_ERR_STATE, "%s: parameter %d \"%s\" marked ready twice in one pass", fn, param,
                              zi->p[param].name);
     u = &zi->u[zi->p[param].unit];
-    if (z->stage >= 2 && u->gbuf < 0)
+    if (z->stage >= 2 && (u->gbuf < 0 || u->bwd_pass != zi->pass))
         return dsk_set_error(DSK_ERR_STATE, "%s: parameter %d \"%s\" marked before its unit %d's backward began "
                              "(dsk_zero_backward_begin)", fn, param, zi->p[param].name, u->id);
     zi->p[param].marked = 1;
@@ -1520,22 +1542,12 @@ DSK_API dsk_status dsk_zero_wait(dsk_zero *z, dsk_ctx *ctx) {
     DSK__TRY(dsk__zero_need(z, fn));
     zi = z->impl;
     DSK__TRY(dsk__zero_drain(z, ctx, fn));
-    if (!zi->in_pass) return DSK_OK;
-    zi->in_pass = 0;
     for (int i = 0; z->stage >= 2 && i < zi->o.grad_buffers; i++) /* every reduction is done: free the buffers */
         if (zi->gbuf_owner[i] >= 0) {
             zi->u[zi->gbuf_owner[i]].gbuf = -1;
             zi->gbuf_owner[i] = -1;
         }
-    if (zi->sync) {
-        for (int i = 0; i < z->n_params; i++)
-            if (!zi->p[i].marked)
-                return dsk_set_error(DSK_ERR_STATE, "%s: parameter %d \"%s\" (unit %d) was never marked ready in this "
-                                     "pass", fn, i, zi->p[i].name, zi->u[zi->p[i].unit].id);
-        zi->iter++;
-        z->stats.passes++;
-    }
-    return DSK_OK;
+    return dsk__zero_close_pass(z, fn);
 }
 
 /* ---------------------------------------------------------------- the step */

@@ -314,8 +314,8 @@ static void rank_train(dsk_comm *comm, void *argp) {
                     }
                 DSK_TEST_OK(dsk_zero_backward_end(&z, NULL, u));
             }
-            DSK_TEST_OK(dsk_zero_wait(&z, NULL));
-        }
+        } /* the next micro-batch's begin ends this pass; its reductions go on meanwhile */
+        DSK_TEST_OK(dsk_zero_wait(&z, NULL));
         DSK_TEST_OK(dsk_zero_unscale_decide(&zp, 1, &sc, comm, NULL, c->clip, &dec));
         DSK_TEST_OK(dsk_zero_step(&z, NULL, &ao, applied + 1, &dec));
         if (!dec.skip) applied++;
@@ -1333,8 +1333,9 @@ static void case_errors(void) {
     DSK_TEST_STATUS(dsk_zero_grad_ready(&z, NULL, 9), DSK_ERR_STATE);
     DSK_TEST_ERROR_MENTIONS("\"head.w\" marked outside a pass");
     DSK_TEST_OK(dsk_zero_begin(&z, NULL, 1));
-    DSK_TEST_STATUS(dsk_zero_begin(&z, NULL, 1), DSK_ERR_STATE);
-    DSK_TEST_ERROR_MENTIONS("previous pass was not waited for");
+    DSK_TEST_STATUS(dsk_zero_begin(&z, NULL, 1), DSK_ERR_STATE); /* ends a reducing pass that marked nothing */
+    DSK_TEST_ERROR_MENTIONS("parameter 0 \"embed\" (unit 0) was never marked ready in the pass");
+    DSK_TEST_OK(dsk_zero_begin(&z, NULL, 1));
     DSK_TEST_STATUS(dsk_zero_grad_ready(&z, NULL, 9), DSK_ERR_STATE);
     DSK_TEST_ERROR_MENTIONS("marked before its unit 3's backward began");
     DSK_TEST_STATUS(dsk_zero_grad_ready(&z, NULL, NP), DSK_ERR_ARG);
@@ -1349,7 +1350,7 @@ static void case_errors(void) {
     DSK_TEST_STATUS(dsk_zero_step(&z, NULL, NULL, 1, &dec), DSK_ERR_STATE);
     DSK_TEST_ERROR_MENTIONS("not waited for");
     DSK_TEST_STATUS(dsk_zero_wait(&z, NULL), DSK_ERR_STATE);
-    DSK_TEST_ERROR_MENTIONS("parameter 0 \"embed\" (unit 0) was never marked ready");
+    DSK_TEST_ERROR_MENTIONS("parameter 0 \"embed\" (unit 0) was never marked ready in the pass");
     DSK_TEST_STATUS(dsk_zero_step(&z, NULL, NULL, 1, &dec), DSK_ERR_STATE);
     DSK_TEST_ERROR_MENTIONS("unit 0 (\"embed\" ...) has no reduced gradients since the last step");
     {
