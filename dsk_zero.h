@@ -220,9 +220,10 @@ typedef struct dsk_zero_piece {
 
 /* ---- lifetime and weights */
 
-/* Collective over c. Checks the list and options, lays out and allocates every slab and buffer
-   (moments zeroed, master weights zeroed until the caller writes them), binds the views, splits
-   a private communicator and starts the progress thread. On failure *z is zeroed. */
+/* Collective over c (NULL: this rank alone, a group of one). Checks the list and options, lays
+   out and allocates every slab and buffer (moments zeroed, master weights zeroed until the
+   caller writes them), binds the views, splits a private communicator and starts the progress
+   thread. On failure *z is zeroed. */
 DSK_API dsk_status dsk_zero_init(dsk_zero *z, dsk_comm *c, dsk_ctx *ctx, const dsk_zero_param *params, int n,
                                  const dsk_zero_opts *opts);
 /* Drains the progress thread, frees everything, unbinds the caller's views (data NULL).
@@ -361,6 +362,7 @@ typedef struct dsk__zero_op {
 struct dsk__zero_impl {
     int stage, rank, world;
     int dev;              /* 1: CUDA tensors over nccl (collectives on a stream), 0: CPU over the host backend */
+    int alone;            /* no communicator: a group of one rank */
     dsk_device device;
     dsk_comm comm;        /* private, split from the group */
     dsk_ctx pctx;         /* where operations run: the progress thread's CPU context (one thread), or a copy
@@ -513,6 +515,25 @@ static dsk_tensor dsk__zero_t(const dsk__zero_impl *zi, void *p, dsk_dtype dt, i
 /* The communicator's ctx for collectives: none on the host backend, the stream's on nccl. */
 static dsk_ctx *dsk__zero_cctx(dsk__zero_impl *zi) { return zi->dev ? &zi->pctx : NULL; }
 
+/* The collectives on the private communicator; without one (a group of one rank) what they
+   would give: the reductions of one rank leave it as it is, the gathers copy. */
+static dsk_status dsk__zero_copy_n(dsk__zero_impl *zi, void *dst, const void *src, int64_t n, dsk_dtype dt) {
+    dsk_tensor d = dsk__zero_t(zi, dst, dt, n), x = dsk__zero_t(zi, (void *)src, dt, n);
+    return dst == src || n == 0 ? DSK_OK : dsk_tensor_copy(&zi->pctx, &d, &x);
+}
+static dsk_status dsk__zero_all_reduce(dsk__zero_impl *zi, void *buf, int64_t n, dsk_dtype dt, dsk_comm_op op) {
+    return zi->alone ? DSK_OK : dsk_comm_all_reduce(&zi->comm, dsk__zero_cctx(zi), buf, buf, n, dt, op);
+}
+static dsk_status dsk__zero_reduce_scatter(dsk__zero_impl *zi, const void *send, void *recv, int64_t n, dsk_dtype dt,
+                                           dsk_comm_op op) {
+    return zi->alone ? dsk__zero_copy_n(zi, recv, send, n, dt)
+                     : dsk_comm_reduce_scatter(&zi->comm, dsk__zero_cctx(zi), send, recv, n, dt, op);
+}
+static dsk_status dsk__zero_all_gather(dsk__zero_impl *zi, const void *send, void *recv, int64_t n, dsk_dtype dt) {
+    return zi->alone ? dsk__zero_copy_n(zi, recv, send, n, dt)
+                     : dsk_comm_all_gather(&zi->comm, dsk__zero_cctx(zi), send, recv, n, dt);
+}
+
 /* dst (n) <- src * s, or dst += src * s when accumulating (src is scratch: it may be scaled in
    place); the products are rounded to f32 before the sum. */
 static dsk_status dsk__zero_land(dsk__zero_impl *zi, float *dst, float *src, int64_t n, float s, int accumulate) {
@@ -595,7 +616,7 @@ static dsk_status dsk__zero_powersgd(dsk__zero_impl *zi, dsk__zero_u *u, float *
                 memcpy(unc + k, g + zi->p[i].uoff, (size_t)zi->p[i].numel * sizeof(float));
                 k += zi->p[i].numel;
             }
-        DSK__TRY(dsk__zero_coll_done(zi, dsk_comm_all_reduce(&zi->comm, NULL, unc, unc, k, DSK_F32, cop),
+        DSK__TRY(dsk__zero_coll_done(zi, dsk__zero_all_reduce(zi, unc, k, DSK_F32, cop),
                                      (uint64_t)k * 4u, 0, 0));
         k = 0;
         for (int i = u->p0; i < u->p0 + u->np; i++)
@@ -620,7 +641,7 @@ static dsk_status dsk__zero_powersgd(dsk__zero_impl *zi, dsk__zero_u *u, float *
         }
         u->has_q = 1;
         DSK__TRY(dsk__zero_coll_done(
-            zi, dsk_comm_all_reduce(&zi->comm, NULL, pm, pm, u->p_elems, DSK_F32, DSK_COMM_SUM),
+            zi, dsk__zero_all_reduce(zi, pm, u->p_elems, DSK_F32, DSK_COMM_SUM),
             (uint64_t)u->p_elems * 4u, 0, 0));
         for (int i = u->p0; i < u->p0 + u->np; i++) {
             dsk__zero_p *p = &zi->p[i];
@@ -630,7 +651,7 @@ static dsk_status dsk__zero_powersgd(dsk__zero_impl *zi, dsk__zero_u *u, float *
                                   pm + p->p_off, p->rows, p->rank_r, 0));
         }
         DSK__TRY(dsk__zero_coll_done(
-            zi, dsk_comm_all_reduce(&zi->comm, NULL, qm, qm, u->q_elems, DSK_F32, cop),
+            zi, dsk__zero_all_reduce(zi, qm, u->q_elems, DSK_F32, cop),
             (uint64_t)u->q_elems * 4u, 0, 0));
         for (int i = u->p0; i < u->p0 + u->np; i++) {
             dsk__zero_p *p = &zi->p[i];
@@ -660,7 +681,6 @@ static dsk_status dsk__zero_reduce(dsk__zero_impl *zi, const dsk__zero_op *op) {
     float *shard = full ? NULL : (float *)zi->shard_g.data + u->shard_off, *tmp = (float *)zi->rs_tmp.data;
     uint16_t *w16 = (uint16_t *)zi->wire16.data, *c16 = (uint16_t *)zi->chunk16.data;
     dsk_comm_op cop = o->sum_only ? DSK_COMM_SUM : DSK_COMM_AVG;
-    dsk_ctx *cc = dsk__zero_cctx(zi);
     if (o->compress == DSK_ZERO_COMPRESS_POWERSGD && op->iter >= o->powersgd_start_iter) {
         DSK__TRY(dsk__zero_powersgd(zi, u, g, op->iter));
         if (full) return dsk__zero_land(zi, g, g, n, ps, 0);
@@ -669,23 +689,23 @@ static dsk_status dsk__zero_reduce(dsk__zero_impl *zi, const dsk__zero_op *op) {
     if (o->compress == DSK_ZERO_COMPRESS_BF16) {
         DSK__TRY(dsk__zero_cast(zi, w16, DSK_BF16, g, DSK_F32, full ? n : nc));
         if (full) {
-            DSK__TRY(dsk__zero_coll_done(zi, dsk_comm_all_reduce(&zi->comm, cc, w16, w16, n, DSK_BF16, cop),
+            DSK__TRY(dsk__zero_coll_done(zi, dsk__zero_all_reduce(zi, w16, n, DSK_BF16, cop),
                                          (uint64_t)n * 2u, (uint64_t)n * 4u, 0));
             DSK__TRY(dsk__zero_cast(zi, g, DSK_F32, w16, DSK_BF16, n));
             return dsk__zero_land(zi, g, g, n, ps, 0);
         }
-        DSK__TRY(dsk__zero_coll_done(zi, dsk_comm_reduce_scatter(&zi->comm, cc, w16, c16, c, DSK_BF16, cop),
+        DSK__TRY(dsk__zero_coll_done(zi, dsk__zero_reduce_scatter(zi, w16, c16, c, DSK_BF16, cop),
                                      (uint64_t)nc * 2u, (uint64_t)nc * 4u, 0));
         DSK__TRY(dsk__zero_cast(zi, tmp, DSK_F32, c16, DSK_BF16, c));
         return dsk__zero_land(zi, shard, tmp, c, ps, op->accumulate);
     }
     if (full) {
-        DSK__TRY(dsk__zero_coll_done(zi, dsk_comm_all_reduce(&zi->comm, cc, g, g, n, DSK_F32, cop),
+        DSK__TRY(dsk__zero_coll_done(zi, dsk__zero_all_reduce(zi, g, n, DSK_F32, cop),
                                      (uint64_t)n * 4u, (uint64_t)n * 4u, 0));
         return dsk__zero_land(zi, g, g, n, ps, 0);
     }
     mine = op->accumulate ? tmp : shard;
-    DSK__TRY(dsk__zero_coll_done(zi, dsk_comm_reduce_scatter(&zi->comm, cc, g, mine, c, DSK_F32, cop),
+    DSK__TRY(dsk__zero_coll_done(zi, dsk__zero_reduce_scatter(zi, g, mine, c, DSK_F32, cop),
                                  (uint64_t)nc * 4u, (uint64_t)nc * 4u, 0));
     return dsk__zero_land(zi, shard, mine, c, ps, op->accumulate);
 }
@@ -705,7 +725,7 @@ static dsk_status dsk__zero_gather(dsk__zero_impl *zi, const dsk__zero_op *op) {
         recv = (char *)zi->pbufs[u->pbuf].data;
         send = (const char *)dsk__zero_send_shard(zi)->data + u->shard_off * (int64_t)zi->cesz;
     }
-    return dsk__zero_coll_done(zi, dsk_comm_all_gather(&zi->comm, dsk__zero_cctx(zi), send, recv, c, dt), 0, 0,
+    return dsk__zero_coll_done(zi, dsk__zero_all_gather(zi, send, recv, c, dt), 0, 0,
                                (uint64_t)nc * zi->cesz);
 }
 
@@ -889,6 +909,9 @@ static dsk_status dsk__zero_check_device(const char *fn, const dsk_zero_opts *o,
     if (cuda) return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: ctx is on cuda:%d in a build without DSK_CUDA", fn,
                                    ctx->device.index);
 #endif
+    if (!c) return cuda && o->compress == DSK_ZERO_COMPRESS_POWERSGD ?
+                 dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: PowerSGD runs on CPU tensors only (ctx on cuda:%d)", fn,
+                               ctx->device.index) : DSK_OK;
     if (!cuda && c->backend != DSK_COMM_HOST)
         return dsk_set_error(DSK_ERR_ARG, "%s: CPU tensors (ctx %s) need a host-backend communicator, this one is nccl",
                              fn, ctx ? "on the CPU" : "NULL");
@@ -1133,7 +1156,7 @@ static dsk_status dsk__zero_init(dsk_zero *z, dsk_comm *c, dsk_ctx *ctx, const d
     dsk__zero_impl *zi;
     dsk_ctx_opts co;
     dsk_status st;
-    if (!c || !c->impl) return dsk_set_error(DSK_ERR_ARG, "%s: communicator is NULL or not initialised", fn);
+    if (c && !c->impl) return dsk_set_error(DSK_ERR_ARG, "%s: communicator is not initialised", fn);
     if (n < 1 || !params) return dsk_set_error(DSK_ERR_ARG, "%s: need at least one parameter (got %d)", fn, n);
     if (!(zi = (dsk__zero_impl *)DSK_MALLOC(sizeof *zi))) return dsk_set_error(DSK_ERR_OOM, "%s: state", fn);
     memset(zi, 0, sizeof *zi);
@@ -1148,8 +1171,9 @@ static dsk_status dsk__zero_init(dsk_zero *z, dsk_comm *c, dsk_ctx *ctx, const d
     pthread_cond_init(&zi->cv_done, NULL);
     zi->mu_ready = 1;
     z->stage = zi->stage = zi->o.stage;
-    z->rank = zi->rank = c->rank;
-    z->world_size = zi->world = c->world_size;
+    zi->alone = !c;
+    z->rank = zi->rank = c ? c->rank : 0;
+    z->world_size = zi->world = c ? c->world_size : 1;
     z->n_params = n;
     zi->cesz = dsk_dtype_size(zi->o.compute_dtype);
     zi->p = (dsk__zero_p *)DSK_MALLOC((size_t)n * sizeof *zi->p);
@@ -1163,7 +1187,7 @@ static dsk_status dsk__zero_init(dsk_zero *z, dsk_comm *c, dsk_ctx *ctx, const d
     dsk__zero_layout(z);
     DSK__TRY(dsk__zero_alloc_all(z, ctx));
     dsk__zero_bind_all(z);
-    if ((st = dsk_comm_split(c, 0, c->rank, &zi->comm)) != DSK_OK) {
+    if (c && (st = dsk_comm_split(c, 0, c->rank, &zi->comm)) != DSK_OK) {
         char msg[1100];
         snprintf(msg, sizeof msg, "%s: splitting the private communicator: %s", fn, dsk_last_error());
         return dsk_set_error(st, "%s", msg);
@@ -1190,7 +1214,7 @@ static dsk_status dsk__zero_init(dsk_zero *z, dsk_comm *c, dsk_ctx *ctx, const d
             return dsk_set_error(DSK_ERR_CUDA, "%s: communication stream and events: %s", fn, cudaGetErrorString(e));
         /* the slabs were zeroed on the caller's stream: settle that before anything else touches them */
         DSK__TRY(dsk_ctx_sync(ctx));
-        return dsk_comm_barrier(&zi->comm, &zi->pctx);
+        return zi->alone ? DSK_OK : dsk_comm_barrier(&zi->comm, &zi->pctx);
     }
 #endif
     memset(&co, 0, sizeof co);
@@ -1201,7 +1225,7 @@ static dsk_status dsk__zero_init(dsk_zero *z, dsk_comm *c, dsk_ctx *ctx, const d
         return dsk_set_error(DSK_ERR_IO, "%s: cannot start the progress thread", fn);
     zi->thread_started = 1;
     /* every rank is through the split before any returns (and may free the store it used) */
-    return dsk_comm_barrier(&zi->comm, NULL);
+    return zi->alone ? DSK_OK : dsk_comm_barrier(&zi->comm, NULL);
 }
 
 DSK_API dsk_status dsk_zero_init(dsk_zero *z, dsk_comm *c, dsk_ctx *ctx, const dsk_zero_param *params, int n,
@@ -1252,7 +1276,7 @@ static dsk_status dsk__zero_drain(dsk_zero *z, dsk_ctx *ctx, const char *fn) {
 #ifdef DSK_CUDA
     if (zi->dev) {
         double t0 = dsk__zero_now();
-        dsk_status st = dsk_comm_sync(&zi->comm, &zi->pctx);
+        dsk_status st = zi->alone ? dsk_ctx_sync(&zi->pctx) : dsk_comm_sync(&zi->comm, &zi->pctx);
         z->stats.wait_seconds += dsk__zero_now() - t0;
         if (st != DSK_OK) {
             pthread_mutex_lock(&zi->mu);

@@ -247,7 +247,7 @@ static void rank_train(dsk_comm *comm, void *argp) {
     train_arg *a = (train_arg *)argp;
     const tcfg *c = &a->c;
     tresult *res = a->res;
-    int r = comm->rank;
+    int r = comm ? comm->rank : 0;
     dsk_zero_param ps[NP];
     dsk_tensor vals[NP], grads[NP];
     dsk_zero z;
@@ -512,6 +512,23 @@ static void expect_result(const tresult *got, const tresult *want, int n, int st
 }
 
 static tresult *g_res; /* shared with the ranks */
+
+/* Without a communicator: a group of one rank, in this process (the n = 1 replay). */
+static void case_alone(int stage) {
+    static tresult want;
+    train_arg a;
+    int64_t applied = 0;
+    dsk_test_begin("ZeRO-%d without a communicator (one rank alone): equals the replay bit for bit", stage);
+    memset(&a, 0, sizeof a);
+    a.c.n = 1; a.c.stage = stage; a.c.accum = 2; a.c.steps = 4; a.c.cdt = DSK_BF16; a.c.clip = 0.5f;
+    a.res = g_res;
+    memset(g_res, 0, sizeof *g_res);
+    rank_train(NULL, &a);
+    ref_init(&want);
+    ref_train(&a.c, &want, &applied);
+    expect_result(g_res, &want, 1, a.c.steps, "alone");
+    dsk_test_end();
+}
 
 static void run_train(const tcfg *c) {
     train_arg a;
@@ -1394,6 +1411,7 @@ int main(void) {
         for (int stage = 0; stage < 4; stage++) case_train(n, stage, DSK_F32, 0, 0, 0);
     for (int stage = 0; stage < 4; stage++) case_train(3, stage, DSK_BF16, 1024, 0.5f, 3);
     for (int stage = 1; stage < 4; stage++) case_train(4, stage, DSK_BF16, 0, 0.25f, 0);
+    for (int stage = 0; stage < 4; stage++) case_alone(stage);
     case_accum(3);
     case_memory();
     case_rank_dies();
