@@ -52,7 +52,7 @@ typedef struct tm_block {
     /* saved activations, N = B*T rows */
     dsk_tensor x;                       /* (N, D) block input */
     dsk_tensor h1, rstd1, q, k, v, qr, kr, att, x2, h2, rstd2; /* (N, D) or (N) for rstd */
-    dsk_tensor probs;                   /* (B, H, T, T) attention probabilities */
+    dsk_tensor probs;                   /* (B, H, T, T) f32 attention probabilities */
     dsk_tensor g, u, a;                 /* (N, F) dense FFN */
     /* MoE blocks */
     int is_moe;
@@ -81,7 +81,6 @@ typedef struct tm_model {
     dsk_tensor loss;                    /* scalar f32 */
     /* backward scratch */
     dsk_tensor dx, dh, dq, dk, dv, dqr, dkr, datt, dg, du, da;
-    dsk_tensor mask, dp, ds;            /* (H, T, T): causal mask (0 / -inf), attention backward scratch */
     dsk_tensor zeros;                   /* flat zeros in the compute dtype: tm_zero copies from it */
     dsk_tensor dx32;                    /* (N, D) f32 copy of dx for the embedding gradient (bf16/f16 only) */
 } tm_model;
@@ -102,17 +101,6 @@ static dsk_tensor tm_heads(const tm_model *m, const dsk_tensor *t, int nb) {
     dsk_tensor r = tm_rows(t, (int64_t)nb * c->seq), v;
     dsk_tensor_reshape(&r, 4, sh, &v);
     return v;
-}
-
-/* Sequence s of an (N, D) tensor as (H, T, Dh): a strided view, one matrix per head. */
-static dsk_tensor tm_seq_heads(const tm_model *m, const dsk_tensor *t, int s) {
-    const tm_config *c = &m->cfg;
-    int64_t T = c->seq, sh[3] = {T, c->n_heads, c->d_model / c->n_heads};
-    dsk_tensor r, v, o;
-    dsk_tensor_slice(t, 0, (int64_t)s * T, T, &r);
-    dsk_tensor_reshape(&r, 3, sh, &v);
-    dsk_tensor_transpose(&v, 0, 1, &o);
-    return o;
 }
 
 static dsk_status tm_mm(tm_model *m, dsk_tensor *C, const dsk_tensor *A, int ta, const dsk_tensor *B, int tb, float beta) {
@@ -220,24 +208,6 @@ static dsk_status tm_alloc2(tm_model *m, dsk_tensor *t, dsk_dtype dt, int64_t r,
     return dsk_tensor_alloc(m->ctx, t, dt, c ? 2 : 1, sh);
 }
 
-/* The causal mask added to attention scores, and the backward scratch of the same shape. */
-static dsk_status tm_alloc_mask(tm_model *m) {
-    const tm_config *c = &m->cfg;
-    int64_t H = c->n_heads, T = c->seq, sh[3] = {H, T, T};
-    dsk_tensor host;
-    TM_TRY(dsk_tensor_alloc(NULL, &host, DSK_F32, 3, sh));
-    float *p = (float *)host.data;
-    for (int64_t h = 0; h < H; h++)
-        for (int64_t i = 0; i < T; i++)
-            for (int64_t j = 0; j < T; j++) p[(h * T + i) * T + j] = j <= i ? 0.0f : -INFINITY;
-    dsk_status s = dsk_tensor_alloc(m->ctx, &m->mask, c->cdt, 3, sh);
-    if (s == DSK_OK) s = dsk_tensor_copy(m->ctx, &m->mask, &host);
-    dsk_tensor_free(NULL, &host);
-    TM_TRY(s);
-    TM_TRY(dsk_tensor_alloc(m->ctx, &m->dp, c->cdt, 3, sh));
-    return dsk_tensor_alloc(m->ctx, &m->ds, c->cdt, 3, sh);
-}
-
 static dsk_status tm_alloc_acts(tm_model *m) {
     const tm_config *c = &m->cfg;
     int64_t N = (int64_t)c->batch * c->seq, D = c->d_model, F = c->ffn_hidden, V = c->vocab;
@@ -249,7 +219,7 @@ static dsk_status tm_alloc_acts(tm_model *m) {
         TM_TRY(tm_alloc2(m, &b->rstd1, DSK_F32, N, 0));
         TM_TRY(tm_alloc2(m, &b->rstd2, DSK_F32, N, 0));
         int64_t ps[4] = {c->batch, c->n_heads, c->seq, c->seq};
-        TM_TRY(dsk_tensor_alloc(m->ctx, &b->probs, dt, 4, ps));
+        TM_TRY(dsk_tensor_alloc(m->ctx, &b->probs, DSK_F32, 4, ps));
         if (l < c->n_dense) {
             TM_TRY(tm_alloc2(m, &b->g, dt, N, F));
             TM_TRY(tm_alloc2(m, &b->u, dt, N, F));
@@ -266,7 +236,6 @@ static dsk_status tm_alloc_acts(tm_model *m) {
         TM_TRY(tm_alloc2(m, &m->du, dt, N, F));
         TM_TRY(tm_alloc2(m, &m->da, dt, N, F));
     }
-    TM_TRY(tm_alloc_mask(m));
     int64_t nz = (int64_t)c->n_heads * c->seq * c->seq;
     if (N * F > nz) nz = N * F;
     if (N * D > nz) nz = N * D;
@@ -385,7 +354,7 @@ static void tm_free(tm_model *m) {
         }
     dsk_tensor *ts[] = {&m->slab_w, &m->slab_g, &m->slab_m, &m->slab_v, &m->slab_wc, &m->x_final, &m->hf, &m->rstdf,
                         &m->logits, &m->dlogits, &m->ids, &m->targets, &m->loss, &m->dx, &m->dh, &m->dq, &m->dk,
-                        &m->dv, &m->dqr, &m->dkr, &m->datt, &m->dg, &m->du, &m->da, &m->mask, &m->dp, &m->ds, &m->zeros, &m->dx32};
+                        &m->dv, &m->dqr, &m->dkr, &m->datt, &m->dg, &m->du, &m->da, &m->zeros, &m->dx32};
     for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
     free(m->blocks);
     free(m->moe_names);
@@ -462,17 +431,11 @@ static dsk_status tm_attn_forward(tm_model *m, tm_block *b, int nb) {
     dsk_tensor qr4 = tm_heads(m, &b->qr, nb), kr4 = tm_heads(m, &b->kr, nb);
     TM_TRY(dsk_rope(m->ctx, &qr4, &q4, 0, c->rope_theta));
     TM_TRY(dsk_rope(m->ctx, &kr4, &k4, 0, c->rope_theta));
-    /* causal attention per sequence, all heads in one batched GEMM: P = softmax(scale Q K^T + mask), O = P V */
+    /* causal attention, every (sequence, head) in one call: P = softmax(scale Q K^T, causal), O = P V */
     float scale = 1.0f / sqrtf((float)(c->d_model / c->n_heads));
-    for (int s = 0; s < nb; s++) {
-        dsk_tensor qs = tm_seq_heads(m, &b->qr, s), ks = tm_seq_heads(m, &b->kr, s), vs = tm_seq_heads(m, &b->v, s);
-        dsk_tensor os = tm_seq_heads(m, &b->att, s), p;
-        TM_TRY(dsk_tensor_select(&b->probs, s, &p));
-        TM_TRY(dsk_matmul(m->ctx, &p, &qs, 0, &ks, 1, scale, 0.0f));
-        TM_TRY(dsk_add(m->ctx, &p, &p, &m->mask));
-        TM_TRY(dsk_softmax(m->ctx, &p, &p));
-        TM_TRY(dsk_matmul(m->ctx, &os, &p, 0, &vs, 0, 1.0f, 0.0f));
-    }
+    dsk_tensor v4 = tm_heads(m, &b->v, nb), att4 = tm_heads(m, &b->att, nb), probs;
+    TM_TRY(dsk_tensor_slice(&b->probs, 0, 0, nb, &probs));
+    TM_TRY(dsk_attention(m->ctx, &att4, &probs, &qr4, &kr4, &v4, scale));
     TM_TRY(dsk_tensor_copy(m->ctx, &x2, &x));
     TM_TRY(tm_mm(m, &x2, &att, 0, &b->wo->wc, 1, 1.0f));
     dsk_tensor h2 = tm_rows(&b->h2, N), rstd2 = tm_rows(&b->rstd2, N);
@@ -552,21 +515,15 @@ static dsk_status tm_attn_backward(tm_model *m, tm_block *b) {
     TM_TRY(tm_mm(m, &b->wo->g, &m->dx, 1, &b->att, 0, 1.0f));  /* dWo += dx2^T att */
     TM_TRY(tm_ready(m, b->wo));
     TM_TRY(tm_mm(m, &m->datt, &m->dx, 0, &b->wo->wc, 0, 0.0f));
-    /* per sequence: dP = dO V^T, dV = P^T dO, dS = softmax'(P) dP, dQ = scale dS K, dK = scale dS^T Q */
+    /* dQ, dK, dV of the causal attention (accumulated: cleared first) */
     float scale = 1.0f / sqrtf((float)(c->d_model / c->n_heads));
-    for (int s = 0; s < nb; s++) {
-        dsk_tensor qs = tm_seq_heads(m, &b->qr, s), ks = tm_seq_heads(m, &b->kr, s), vs = tm_seq_heads(m, &b->v, s);
-        dsk_tensor dos = tm_seq_heads(m, &m->datt, s), dqs = tm_seq_heads(m, &m->dqr, s), dks = tm_seq_heads(m, &m->dkr, s);
-        dsk_tensor dvs = tm_seq_heads(m, &m->dv, s), p;
-        TM_TRY(dsk_tensor_select(&b->probs, s, &p));
-        TM_TRY(dsk_matmul(m->ctx, &m->dp, &dos, 0, &vs, 1, 1.0f, 0.0f));
-        TM_TRY(dsk_matmul(m->ctx, &dvs, &p, 1, &dos, 0, 1.0f, 0.0f));
-        TM_TRY(tm_zero(m, &m->ds));
-        TM_TRY(dsk_softmax_backward(m->ctx, &m->ds, &p, &m->dp));
-        TM_TRY(dsk_matmul(m->ctx, &dqs, &m->ds, 0, &ks, 0, scale, 0.0f));
-        TM_TRY(dsk_matmul(m->ctx, &dks, &m->ds, 1, &qs, 0, scale, 0.0f));
-    }
+    dsk_tensor qr4 = tm_heads(m, &b->qr, nb), kr4 = tm_heads(m, &b->kr, nb), v4 = tm_heads(m, &b->v, nb);
+    dsk_tensor do4 = tm_heads(m, &m->datt, nb), dv4 = tm_heads(m, &m->dv, nb);
+    TM_TRY(tm_zero(m, &m->dqr));
+    TM_TRY(tm_zero(m, &m->dkr));
+    TM_TRY(tm_zero(m, &m->dv));
     dsk_tensor dqr4 = tm_heads(m, &m->dqr, nb), dkr4 = tm_heads(m, &m->dkr, nb);
+    TM_TRY(dsk_attention_backward(m->ctx, &dqr4, &dkr4, &dv4, &do4, &qr4, &kr4, &v4, &b->probs, scale));
     TM_TRY(tm_zero(m, &m->dq));
     TM_TRY(tm_zero(m, &m->dk));
     dsk_tensor dq4 = tm_heads(m, &m->dq, nb), dk4 = tm_heads(m, &m->dk, nb);
