@@ -441,10 +441,11 @@ static inline DSK_HD float dsk_exp_f(float x) {
 }
 static inline DSK_HD float dsk_sigmoid_f(float x) { return 1.0f / (1.0f + dsk_exp_f(-x)); }
 static inline DSK_HD float dsk_silu_f(float x) { return x * dsk_sigmoid_f(x); }
-/* d silu(x) / dx = s (1 + x (1 - s)), s = sigmoid(x). */
+/* d silu(x) / dx = s (1 + x (1 - s)), s = sigmoid(x); one explicit FMA, so no compiler's
+   contraction choice can make the vector kernels' bits differ. */
 static inline DSK_HD float dsk_silu_grad_f(float x) {
     float s = dsk_sigmoid_f(x);
-    return s * (1.0f + x * (1.0f - s));
+    return s * fmaf(x, 1.0f - s, 1.0f);
 }
 static inline DSK_HD float dsk_swiglu_f(float gate, float up) { return dsk_silu_f(gate) * up; }
 /* Gradients of out = silu(gate) * up given dout (to be accumulated by the caller). */
@@ -1749,7 +1750,7 @@ DSK__INLINE DSK__TARGET_AVX512 __m512 dsk__exp512(__m512 x) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, x);
 }
 DSK__INLINE DSK__TARGET_AVX512 __mmask16 dsk__tail512(int64_t left) { return (__mmask16)(left >= 16 ? 0xffffu : (1u << left) - 1u); }
-/* silu(g) = g / (1 + e^-g) and its derivative s (1 + g (1 - s)), as dsk_silu_f / dsk_silu_grad_f. */
+/* sigmoid(g) = 1 / (1 + e^-g), as dsk_sigmoid_f. */
 DSK__INLINE DSK__TARGET_AVX512 __m512 dsk__sigmoid512(__m512 g) {
     __m512 one = _mm512_set1_ps(1.0f);
     __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32((int)0x80000000u)));
@@ -1821,7 +1822,7 @@ static DSK__TARGET_AVX512 void dsk__swiglu_bwd_avx512(float *dg, float *du, cons
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 k = dsk__tail512(n - i);
         __m512 vg = _mm512_maskz_loadu_ps(k, g + i), vu = _mm512_maskz_loadu_ps(k, u + i), vd = _mm512_maskz_loadu_ps(k, dout + i);
-        __m512 s = dsk__sigmoid512(vg), grad = _mm512_mul_ps(s, _mm512_add_ps(one, _mm512_mul_ps(vg, _mm512_sub_ps(one, s))));
+        __m512 s = dsk__sigmoid512(vg), grad = _mm512_mul_ps(s, _mm512_fmadd_ps(vg, _mm512_sub_ps(one, s), one));
         __m512 a = _mm512_mul_ps(_mm512_mul_ps(vd, vu), grad), b = _mm512_mul_ps(vd, _mm512_mul_ps(vg, s));
         if (acc) {
             a = _mm512_add_ps(_mm512_maskz_loadu_ps(k, dg + i), a);
@@ -1934,7 +1935,7 @@ static DSK__TARGET_AVX2 void dsk__swiglu_bwd_avx2(float *dg, float *du, const fl
     for (int64_t i = 0; i < n; i += 8) {
         __m256i k = dsk__tail256(n - i);
         __m256 vg = _mm256_maskload_ps(g + i, k), vu = _mm256_maskload_ps(u + i, k), vd = _mm256_maskload_ps(dout + i, k);
-        __m256 s = dsk__sigmoid256(vg), grad = _mm256_mul_ps(s, _mm256_add_ps(one, _mm256_mul_ps(vg, _mm256_sub_ps(one, s))));
+        __m256 s = dsk__sigmoid256(vg), grad = _mm256_mul_ps(s, _mm256_fmadd_ps(vg, _mm256_sub_ps(one, s), one));
         __m256 a = _mm256_mul_ps(_mm256_mul_ps(vd, vu), grad), b = _mm256_mul_ps(vd, _mm256_mul_ps(vg, s));
         if (acc) {
             a = _mm256_add_ps(_mm256_maskload_ps(dg + i, k), a);
@@ -3086,6 +3087,40 @@ DSK_API dsk_status dsk_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tens
 
 /* ---------------------------------------------------------------- AdamW */
 
+#if DSK__X86
+/* dsk_adamw_update on 16 lanes, operation for operation (no contraction: the same bits). */
+static DSK__TARGET_AVX512 void dsk__adamw_avx512(float *p, float *m, float *v, const float *g, int64_t n, float gm, const dsk_adamw_opts *o,
+                                                 float bc1, float bc2) {
+    __m512 b1 = _mm512_set1_ps(o->beta1), b2 = _mm512_set1_ps(o->beta2), c1 = _mm512_set1_ps(1.0f - o->beta1), c2 = _mm512_set1_ps(1.0f - o->beta2);
+    __m512 lr = _mm512_set1_ps(o->lr), lrwd = _mm512_set1_ps(o->lr * o->weight_decay), eps = _mm512_set1_ps(o->eps);
+    __m512 vbc1 = _mm512_set1_ps(bc1), vbc2 = _mm512_set1_ps(bc2), vgm = _mm512_set1_ps(gm);
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 k = dsk__tail512(n - i);
+        __m512 gi = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, g + i), vgm), pi = _mm512_maskz_loadu_ps(k, p + i);
+        __m512 mn = _mm512_add_ps(_mm512_mul_ps(b1, _mm512_maskz_loadu_ps(k, m + i)), _mm512_mul_ps(c1, gi));
+        __m512 vn = _mm512_add_ps(_mm512_mul_ps(b2, _mm512_maskz_loadu_ps(k, v + i)), _mm512_mul_ps(_mm512_mul_ps(c2, gi), gi));
+        __m512 pn = _mm512_sub_ps(pi, _mm512_mul_ps(lrwd, pi));
+        __m512 den = _mm512_add_ps(_mm512_sqrt_ps(_mm512_div_ps(vn, vbc2)), eps);
+        pn = _mm512_sub_ps(pn, _mm512_div_ps(_mm512_mul_ps(lr, _mm512_div_ps(mn, vbc1)), den));
+        _mm512_mask_storeu_ps(m + i, k, mn);
+        _mm512_mask_storeu_ps(v + i, k, vn);
+        _mm512_mask_storeu_ps(p + i, k, pn);
+    }
+}
+#endif
+
+/* AdamW on n f32 elements with gradient g times gm: vectorised where the ISA allows. */
+static void dsk__adamw_rows(dsk_cpu_isa isa, float *p, float *m, float *v, const float *g, int64_t n, float gm, const dsk_adamw_opts *o,
+                            float bc1, float bc2) {
+#if DSK__X86
+    if (!dsk_cpu_isa_supported(isa)) isa = dsk_cpu_isa_best();
+    if (isa == DSK_CPU_ISA_AVX512) { dsk__adamw_avx512(p, m, v, g, n, gm, o, bc1, bc2); return; }
+#else
+    (void)isa;
+#endif
+    for (int64_t i = 0; i < n; i++) dsk_adamw_update(p + i, m + i, v + i, g[i] * gm, o->lr, o->beta1, o->beta2, o->eps, o->weight_decay, bc1, bc2);
+}
+
 /* Fills zero fields with their defaults and checks the ranges. */
 static dsk_status dsk__adamw_resolve(const dsk_adamw_opts *in, dsk_adamw_opts *o) {
     memset(o, 0, sizeof *o);
@@ -3134,9 +3169,12 @@ DSK_API dsk_status dsk_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_ten
     n = dsk_tensor_numel(param);
     p = (float *)param->data; mm = (float *)m->data; vv = (float *)v->data;
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
-    for (int64_t i = 0; i < n; i++) {
-        dsk_adamw_update(p + i, mm + i, vv + i, dsk_load_f32(grad->data, grad->dtype, i) * grad_mult, o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, bc1, bc2);
-        if (param_copy) dsk_store_f32(param_copy->data, param_copy->dtype, i, p[i]);
+    for (int64_t c = 0; c < (n + DSK__EW_CHUNK - 1) / DSK__EW_CHUNK; c++) {
+        float bg[DSK__EW_CHUNK];
+        int64_t off = c * DSK__EW_CHUNK, len = n - off < DSK__EW_CHUNK ? n - off : DSK__EW_CHUNK;
+        dsk__adamw_rows(ctx ? ctx->cpu_isa : DSK_CPU_ISA_AUTO, p + off, mm + off, vv + off, dsk__row_in(grad, off, len, bg), len, grad_mult, &o,
+                        bc1, bc2);
+        if (param_copy) dsk__store_row(param_copy->data, param_copy->dtype, off, p + off, len);
     }
     return DSK_OK;
 }

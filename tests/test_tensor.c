@@ -894,6 +894,33 @@ static void test_row_kernels(void) {
     }
 }
 
+/* dsk_adamw_step on the ISA under test against dsk_adamw_update element by element (f32 and
+   bf16 gradients, with a bf16 copy), lengths around the vector width and the op's chunks. */
+static void test_adamw_isa(void) {
+    static const int64_t lens[4] = {1, 17, 1000, 5000};
+    dsk_adamw_opts o;
+    memset(&o, 0, sizeof o);
+    o.lr = 3e-3f; o.beta1 = 0.9f; o.beta2 = 0.95f; o.eps = 1e-8f; o.weight_decay = 0.1f;
+    for (int li = 0; li < 4; li++)
+        for (int d = 0; d < 2; d++) {
+            int64_t n = lens[li];
+            dsk_tensor *p = tt_rand(DSK_F32, 1, SH(n), -1, 1), *g = tt_rand(tt_floats[d], 1, SH(n), -1, 1), *m = tt_rand(DSK_F32, 1, SH(n), -0.1, 0.1);
+            dsk_tensor *v = tt_rand(DSK_F32, 1, SH(n), 0, 0.01), *cp = tt_poisoned(DSK_BF16, 1, SH(n));
+            double *wp = tt_zeros(n), *wm = tt_zeros(n), *wv = tt_zeros(n), *wc = tt_zeros(n);
+            float bc1 = dsk_adamw_bias_correction(0.9f, 7), bc2 = dsk_adamw_bias_correction(0.95f, 7);
+            for (int64_t i = 0; i < n; i++) {
+                float pi = ((float *)p->data)[i], mi = ((float *)m->data)[i], vi = ((float *)v->data)[i];
+                dsk_adamw_update(&pi, &mi, &vi, (float)tt_get(g, i) * 0.5f, o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, bc1, bc2);
+                wp[i] = pi; wm[i] = mi; wv[i] = vi; wc[i] = dsk_bf16_to_f32(dsk_f32_to_bf16(pi));
+            }
+            DSK_TEST_OK(dsk_adamw_step(tt_cx, p, g, m, v, &o, 7, 0.5f, cp));
+            TT_CHECK(p, wp, 1e-6, 1e-9, "AdamW param vs dsk_adamw_update");
+            TT_CHECK(m, wm, 1e-6, 1e-12, "AdamW m");
+            TT_CHECK(v, wv, 1e-6, 1e-15, "AdamW v");
+            TT_CHECK(cp, wc, 8e-3, 0, "AdamW bf16 copy");
+        }
+}
+
 /* ------------------------------------------------------------------ elementwise and reductions */
 
 static const int64_t tt_shapes[4][3] = {{1, 1, 1}, {7, 1, 1}, {129, 1, 1}, {3, 5, 7}};
@@ -1850,6 +1877,7 @@ int main(void) {
         TT_CASE("%s GEMM: direct and packed nests, edges, K slices, vs float64", n); test_gemm_paths();
         TT_CASE("%s GEMM: same bits on 1, 2, 3 threads (direct and packed)", n); test_gemm_threads();
         TT_CASE("%s row primitives: exp and SwiGLU bitwise the scalar math, the rest vs float64", n); test_row_kernels();
+        TT_CASE("%s AdamW vs dsk_adamw_update, f32 and bf16 gradients, bf16 copy", n); test_adamw_isa();
         if (i != (int)dsk_cpu_isa_best()) /* the best ran every op test above */
             for (int d = 0; d < 2; d++) {
                 dsk_dtype dt = tt_floats[d];
