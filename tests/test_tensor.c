@@ -9,7 +9,7 @@ static void *tt_malloc(size_t n) { return tt_oom ? NULL : malloc(n); }
 #define DSK_FREE(p) free(p)
 #define DSK_TENSOR_IMPLEMENTATION
 #include "dsk_tensor.h"
-#include "dsk_test.h"
+#include "tests/dsk_test.h"
 
 /* ------------------------------------------------------------------ test utilities */
 

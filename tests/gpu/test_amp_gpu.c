@@ -8,8 +8,8 @@
 #define DSK_TENSOR_IMPLEMENTATION
 #define DSK_AMP_IMPLEMENTATION
 #include "dsk_amp.h"
-#include "../dsk_test.h"
-#include "gpu_test_util.h"
+#include "tests/dsk_test.h"
+#include "tests/gpu/gpu_test_util.h"
 
 static dsk_tensor *h1(dsk_dtype dt, int64_t n) { return halloc(dt, 1, &n); }
 static dsk_tensor *h2(dsk_dtype dt, int64_t r, int64_t c) { int64_t s[2] = {r, c}; return halloc(dt, 2, s); }

@@ -10,7 +10,7 @@
 #define DSK_TENSOR_IMPLEMENTATION
 #define DSK_COMM_IMPLEMENTATION
 #include "../../dsk_comm.h"
-#include "../dsk_test.h"
+#include "tests/dsk_test.h"
 
 #ifdef DSK_CUDA
 #include <cuda_runtime.h>

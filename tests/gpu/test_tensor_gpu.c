@@ -8,8 +8,8 @@
    reports as skipped; the runtime checks that need no device still run in CUDA builds. */
 #define DSK_TENSOR_IMPLEMENTATION
 #include "dsk_tensor.h"
-#include "../dsk_test.h"
-#include "gpu_test_util.h" /* G, have_gpu, the tensor pool (halloc, dalloc, dev, host_as), CASE */
+#include "tests/dsk_test.h"
+#include "tests/gpu/gpu_test_util.h" /* G, have_gpu, the tensor pool (halloc, dalloc, dev, host_as), CASE */
 
 /* ------------------------------------------------------------------ tensor helpers */
 
