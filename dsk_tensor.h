@@ -1105,8 +1105,10 @@ DSK_API dsk_status dsk_tensor_normal(dsk_ctx *ctx, dsk_tensor *t, uint64_t seed,
 #define DSK__OMP(x)
 #endif
 
-/* Below this many elements (or flops) an op runs on one thread. */
-#define DSK__PAR_MIN 32768
+/* Below this many elements (or flops) an op runs on one thread: a 1 MB row op takes ~0.1 ms on
+   one core, while a fork and join costs microseconds on an idle machine and milliseconds when
+   the team's threads must wait for a core (bench/RESULTS.md, Training). */
+#define DSK__PAR_MIN 262144
 
 static int dsk__thread_id(void) {
 #ifdef _OPENMP

@@ -6,9 +6,12 @@ split, peak RSS, the BLAS kernel family PyTorch ran and the load average around 
 
 Usage: python3 bench/bench_train.py [--dsk build/examples/train_moe] [--rounds 3] [--steps 40]
            [--warmup 10] [--threads 1,2] [--python /usr/bin/python3] [--keep-openblas-env]
+           [--peer-default-spin]
 PyTorch is Debian's python3-torch (1.13) on the libblas alternative (OpenBLAS here). This machine
 sets OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE for old OpenBLAS builds; they force OpenBLAS's AVX2 kernels
 on an AVX-512 CPU, so the peer runs without them (its fastest kernels) unless --keep-openblas-env.
+PyTorch's intra-op OpenMP threads get the short spin train_moe gives itself (GOMP_SPINCOUNT=1000)
+unless --peer-default-spin or the environment sets a wait policy.
 Never part of `make test`. """
 import argparse
 import json
@@ -58,6 +61,8 @@ def run_torch(a, intra, blas):
         env.pop("OPENBLAS_L2_SIZE", None)
     env["OPENBLAS_NUM_THREADS"] = str(blas)
     env["OMP_NUM_THREADS"] = str(intra)
+    if not a.peer_default_spin and not any(k in env for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")):
+        env["GOMP_SPINCOUNT"] = "1000"  # the short spin train_moe gives itself: on a loaded machine 2 intra-op threads collapse without it
     cmd = [a.python, os.path.join(HERE, "train_torch.py"), "--steps", str(a.steps), "--threads", str(intra)]
     out, rss, l0, l1 = run(cmd, env)
     ms = [float(m.group(2)) for m in re.finditer(r"^step (\d+) ms ([0-9.]+)", out, re.M) if int(m.group(1)) > a.warmup]
@@ -74,6 +79,7 @@ def main():
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--threads", default="1,2")
     p.add_argument("--keep-openblas-env", action="store_true")
+    p.add_argument("--peer-default-spin", action="store_true", help="run PyTorch with libgomp's default spin")
     a = p.parse_args()
     if a.steps <= a.warmup:
         sys.exit("bench_train: --steps must exceed --warmup")

@@ -1559,8 +1559,8 @@ static void test_matmul_half_shapes(dsk_dtype dt, int ta, int tb) {
 
 /* Deterministic reductions: the same bits with 1, 2 and 3 threads. */
 static void test_reductions_thread_independent(void) {
-    dsk_tensor *dout = tt_rand(DSK_F32, 2, SH(3000, 70), -1, 1), *ids = tt_ids(1, SH(3000), 17), *x = tt_rand(DSK_F32, 2, SH(3000, 70), -1, 1);
-    dsk_tensor *w = tt_rand(DSK_F32, 1, SH(70), 0.5, 1.5), *rstd = tt_new(DSK_F32, 1, SH(3000)), *y = tt_new(DSK_F32, 2, SH(3000, 70));
+    dsk_tensor *dout = tt_rand(DSK_F32, 2, SH(4000, 70), -1, 1), *ids = tt_ids(1, SH(4000), 17), *x = tt_rand(DSK_F32, 2, SH(4000, 70), -1, 1);
+    dsk_tensor *w = tt_rand(DSK_F32, 1, SH(70), 0.5, 1.5), *rstd = tt_new(DSK_F32, 1, SH(4000)), *y = tt_new(DSK_F32, 2, SH(4000, 70));
     dsk_tensor *tab[3], *dw[3], *red[3];
     for (int t = 0; t < 3; t++) {
         dsk_ctx ctx;
