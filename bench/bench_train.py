@@ -2,7 +2,9 @@
 (bench/train_torch.py, the same model) side by side: alternating runs, medians of the step times
 after a warm-up, at 1 and 2 threads, PyTorch in each split of its threads between intra-op
 (OpenMP) and BLAS (OpenBLAS pthreads). Prints tokens/s of each, the ratio dsk / PyTorch's best
-split, peak RSS, the BLAS kernel family PyTorch ran and the load average around each run.
+split (by the median step over all rounds, by the least disturbed round, and by CPU time per step,
+which other programs on a shared machine disturb least), peak RSS, the BLAS kernel family PyTorch
+ran and the load average around each run.
 
 Usage: python3 bench/bench_train.py [--dsk build/examples/train_moe] [--rounds 3] [--steps 40]
            [--warmup 10] [--threads 1,2] [--python /usr/bin/python3] [--keep-openblas-env]
@@ -44,14 +46,16 @@ def run_dsk(a, threads, log):
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(threads)
     out, rss, l0, l1 = run(cmd, env)
-    ms = {}
+    ms, cpu = {}, {}
     with open(log) as f:
         for line in f:
             r = json.loads(line)
             if r.get("type") == "step":
                 ms[r["step"]] = r["ms"]
+                cpu[r["step"]] = r["cpu_ms"]
     kernel = re.search(r"cpu gemm: ([^\n,;]+)", out)
-    return [ms[s] for s in sorted(ms) if s > a.warmup], rss, l0, l1, kernel.group(1) if kernel else "?"
+    steps = [s for s in sorted(ms) if s > a.warmup]
+    return [ms[s] for s in steps], [cpu[s] for s in steps], rss, l0, l1, kernel.group(1) if kernel else "?"
 
 
 def run_torch(a, intra, blas):
@@ -65,9 +69,9 @@ def run_torch(a, intra, blas):
         env["GOMP_SPINCOUNT"] = "1000"  # the short spin train_moe gives itself: on a loaded machine 2 intra-op threads collapse without it
     cmd = [a.python, os.path.join(HERE, "train_torch.py"), "--steps", str(a.steps), "--threads", str(intra)]
     out, rss, l0, l1 = run(cmd, env)
-    ms = [float(m.group(2)) for m in re.finditer(r"^step (\d+) ms ([0-9.]+)", out, re.M) if int(m.group(1)) > a.warmup]
+    rows = [m for m in re.finditer(r"^step (\d+) ms ([0-9.]+) cpu_ms ([0-9.]+)", out, re.M) if int(m.group(1)) > a.warmup]
     core = re.search(r"openblas-([A-Za-z0-9]+)", out)
-    return ms, rss, l0, l1, core.group(1) if core else "?"
+    return [float(m.group(2)) for m in rows], [float(m.group(3)) for m in rows], rss, l0, l1, core.group(1) if core else "?"
 
 
 def main():
@@ -92,7 +96,7 @@ def main():
         splits = [(1, 1)] if n == 1 else [(1, n), (n, 1)]
         for intra, blas in splits:
             configs.append(("torch %dx%d" % (intra, blas), n, "torch", intra, blas))
-    res = {c: {"ms": [], "rss": 0.0, "load": [], "info": ""} for c in configs}
+    res = {c: {"ms": [], "cpu": [], "rounds": [], "rss": 0.0, "load": [], "info": ""} for c in configs}
     print("# bench_train: %d rounds x %d steps (first %d dropped), %d tokens/step, started %s, load %.2f %.2f %.2f"
           % ((a.rounds, a.steps, a.warmup, tokens, time.strftime("%Y-%m-%d %H:%M:%S %Z")) + os.getloadavg()), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -101,30 +105,35 @@ def main():
             order = configs if r % 2 == 0 else list(reversed(configs))
             for c in order:
                 if c[2] == "dsk":
-                    ms, rss, l0, l1, info = run_dsk(a, c[1], log)
+                    ms, cpu, rss, l0, l1, info = run_dsk(a, c[1], log)
                 else:
-                    ms, rss, l0, l1, info = run_torch(a, c[3], c[4])
+                    ms, cpu, rss, l0, l1, info = run_torch(a, c[3], c[4])
                 e = res[c]
                 e["ms"] += ms
+                e["cpu"] += cpu
+                e["rounds"].append(statistics.median(ms))
                 e["rss"] = max(e["rss"], rss)
                 e["load"] += [l0, l1]
                 e["info"] = info
                 print("# round %d %-12s %d thr: median %.1f ms/step (load %.2f -> %.2f)"
                       % (r + 1, c[0], c[1], statistics.median(ms), l0, l1), flush=True)
     print()
-    print("| threads | run | median ms/step | tokens/s | peak RSS MB | load avg | kernel |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| threads | run | median ms/step | tokens/s | best round ms/step | CPU ms/step | peak RSS MB | load avg | kernel |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for c in configs:
         e = res[c]
         med = statistics.median(e["ms"])
-        print("| %d | %s | %.1f | %.0f | %.0f | %.2f-%.2f | %s |"
-              % (c[1], c[0], med, tokens / (med * 1e-3), e["rss"], min(e["load"]), max(e["load"]), e["info"]))
+        print("| %d | %s | %.1f | %.0f | %.1f | %.1f | %.0f | %.2f-%.2f | %s |"
+              % (c[1], c[0], med, tokens / (med * 1e-3), min(e["rounds"]), statistics.median(e["cpu"]), e["rss"],
+                 min(e["load"]), max(e["load"]), e["info"]))
     print()
     for n in threads:
-        d = statistics.median(res[("dsk", n, "dsk", n, 0)]["ms"])
-        best = min((statistics.median(res[c]["ms"]), c[0]) for c in configs if c[1] == n and c[2] == "torch")
-        print("ratio %d thread%s: dsk %.0f tokens/s / PyTorch best (%s) %.0f tokens/s = %.2fx"
-              % (n, "s" if n > 1 else "", tokens / (d * 1e-3), best[1], tokens / (best[0] * 1e-3), best[0] / d))
+        for what, key, pick in (("median step", "ms", statistics.median), ("best round", "rounds", min),
+                                ("CPU time per step", "cpu", statistics.median)):
+            d = pick(res[("dsk", n, "dsk", n, 0)][key])
+            best = min((pick(res[c][key]), c[0]) for c in configs if c[1] == n and c[2] == "torch")
+            print("ratio %d thread%s, %s: dsk %.0f tokens/s / PyTorch best (%s) %.0f tokens/s = %.2fx"
+                  % (n, "s" if n > 1 else "", what, tokens / (d * 1e-3), best[1], tokens / (best[0] * 1e-3), best[0] / d))
     print("# finished %s, load %.2f %.2f %.2f" % ((time.strftime("%Y-%m-%d %H:%M:%S %Z"),) + os.getloadavg()))
 
 

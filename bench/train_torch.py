@@ -12,7 +12,8 @@ The MoE is the idiomatic sort-by-expert form: argsort the (token, slot) pairs by
 batched SwiGLU per expert over its contiguous rows, index_add_ the weighted rows back.
 
 Usage: /usr/bin/python3 bench/train_torch.py --steps 40 --threads 1 [--seq 128 --batch 16 ...]
-Prints a header line (`# torch ... blas_core=... intra=... `), then `step <i> ms <t> loss <l>`.
+Prints a header line (`# torch ..., openblas-<core>/<threads>, ...`), then one line per step:
+`step <i> ms <wall> cpu_ms <CPU time of every thread> loss <l>`.
 Thread split: --threads sets torch.set_num_threads (intra-op OpenMP); the BLAS pool (OpenBLAS
 pthreads) is set by OPENBLAS_NUM_THREADS in the environment (bench_train.py does that). """
 import argparse
@@ -230,7 +231,7 @@ def main():
              a.batch * a.seq, data.numel() / 1e6), flush=True)
     gen = torch.Generator().manual_seed(a.seed)
     for step in range(1, a.steps + 1):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if a.warmup > 0 and step <= a.warmup:
             lr = a.lr * step / a.warmup
         else:
@@ -248,8 +249,8 @@ def main():
         opt.step()
         for m in moes:
             m.update_bias(a.bias_rate)
-        ms = (time.perf_counter() - t0) * 1e3
-        print("step %d ms %.3f loss %.4f" % (step, ms, loss.item()), flush=True)
+        ms, cpu_ms = (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
+        print("step %d ms %.3f cpu_ms %.3f loss %.4f" % (step, ms, cpu_ms, loss.item()), flush=True)
     print("# peak_rss_mb %.1f" % (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0), flush=True)
 
 

@@ -586,7 +586,7 @@ static double measure_cpu_peak(const trainer *t) {
 /* ---- one training step */
 
 typedef struct step_info {
-    double loss, aux_loss, norm, lr, ms, tokens_per_s, mfu, comm_share, load_ratio;
+    double loss, aux_loss, norm, lr, ms, cpu_ms, tokens_per_s, mfu, comm_share, load_ratio;
     float scale;
     int64_t dropped;
     int skipped;
@@ -675,10 +675,18 @@ static double comm_seconds(const trainer *t) {
     return t->comm.stats.seconds + t->ep_comm.stats.seconds + t->rep_comm.stats.seconds + t->buckets.seconds;
 }
 
+/* CPU seconds of this process, every thread (wall time on a shared machine also counts the
+   time other programs hold the cores). */
+static double cpu_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 static dsk_status train_step(trainer *t, step_info *si) {
     const options *o = t->o;
     tm_model *m = &t->model;
-    double t0 = now_s(), comm0 = comm_seconds(t);
+    double t0 = now_s(), c0 = cpu_s(), comm0 = comm_seconds(t);
     float scale, loss;
     TM_TRY(dsk_amp_scale_get(&t->ctx, &t->scaler, &scale));
     m->aux_scale = scale / (float)o->accum;
@@ -735,6 +743,7 @@ static dsk_status train_step(trainer *t, step_info *si) {
     si->norm = dec.norm;
     si->scale = scale;
     si->ms = 1e3 * (now_s() - t0);
+    si->cpu_ms = 1e3 * (cpu_s() - c0);
     t->prof_step += si->ms * 1e-3;
     t->prof_steps++;
     si->tokens_per_s = (double)o->batch * o->accum * o->seq / (si->ms * 1e-3);
@@ -1007,10 +1016,10 @@ static void log_step(trainer *t, const step_info *si) {
         char loss[32], norm[32];
         fprintf(t->log,
                 "{\"type\":\"step\",\"step\":%lld,\"loss\":%s,\"aux_loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%s,\"loss_scale\":%.9g,"
-                "\"ms\":%.3f,\"tokens_per_s\":%.1f,\"mfu\":%.6f,\"comm_share\":%.6f,\"load_max_mean\":%.6f,\"dropped\":%lld,"
+                "\"ms\":%.3f,\"cpu_ms\":%.3f,\"tokens_per_s\":%.1f,\"mfu\":%.6f,\"comm_share\":%.6f,\"load_max_mean\":%.6f,\"dropped\":%lld,"
                 "\"skipped\":%d,\"eta_s\":%.1f}\n",
                 (long long)t->step, json_num(loss, si->loss), si->aux_loss, si->lr, json_num(norm, si->norm), (double)si->scale, si->ms,
-                si->tokens_per_s, si->mfu, si->comm_share, si->load_ratio, (long long)si->dropped, si->skipped, eta);
+                si->cpu_ms, si->tokens_per_s, si->mfu, si->comm_share, si->load_ratio, (long long)si->dropped, si->skipped, eta);
     }
     if (t->log) fflush(t->log);
 }
