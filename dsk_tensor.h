@@ -1616,14 +1616,16 @@ static void dsk__gemm_serial(const dsk__gemm_args *g, const dsk__ukernel *uk, fl
     dsk__gemm_block(g, uk, 0, g->M, 0, g->N, ws);
 }
 
+/* Below ~160^3 multiply-adds one thread finishes before a team would be worth waking. */
+static int dsk__gemm_threaded(const dsk__gemm_args *g) { return (double)g->M * g->N * g->K >= 4194304.0; }
+
 static dsk_status dsk__gemm(const dsk__gemm_args *g, const dsk__ukernel *uk, int n_threads) {
     int64_t M = g->M, N = g->N, K = g->K;
     int failed = 0;
     if (M <= 0 || N <= 0) return DSK_OK;
     if (K <= 0 || g->alpha == 0.0f) { dsk__scale_c(g); return DSK_OK; }
     (void)n_threads;
-    /* below ~160^3 one thread finishes before a team would be worth waking */
-    DSK__OMP(parallel num_threads(n_threads) if ((double)M * N * K >= 4194304.0) reduction(|| : failed))
+    DSK__OMP(parallel num_threads(n_threads) if (dsk__gemm_threaded(g)) reduction(|| : failed))
     {
         int nt = 1, tid = 0;
         int64_t tm, tn, mlo, mhi, nlo, nhi;
@@ -2035,6 +2037,30 @@ static dsk_status dsk__matmul_check(const dsk_tensor *C, const dsk_tensor *A, in
     return DSK_OK;
 }
 
+/* A batch of products too small for a team each (f32 C): one parallel region, each product on one
+   thread with that thread's scratch, so the bits are those of a one-thread run. */
+static dsk_status dsk__matmul_batched(dsk_ctx *ctx, const dsk__gemm_args *g0, const dsk__ukernel *uk, const dsk__mat *mc,
+                                      const dsk__mat *ma, const dsk__mat *mb, size_t ae, size_t be) {
+    int failed = 0;
+    DSK__OMP(parallel num_threads(dsk__threads(ctx)) if (mc->batch * g0->M * g0->N * g0->K >= 4194304) reduction(|| : failed))
+    {
+        float *ws = (float *)DSK_MALLOC((size_t)dsk__gemm_scratch(g0, uk, g0->N) * sizeof(float) + 1);
+        failed = !ws;
+        DSK__OMP(for schedule(static))
+        for (int64_t bi = 0; bi < mc->batch; bi++) {
+            dsk__gemm_args g = *g0;
+            if (!ws) continue;
+            g.A = (const char *)g0->A + (size_t)(bi * ma->bstride) * ae;
+            g.B = (const char *)g0->B + (size_t)(bi * mb->bstride) * be;
+            g.C = g0->C + bi * mc->bstride;
+            dsk__gemm_serial(&g, uk, ws);
+        }
+        if (ws) DSK_FREE(ws);
+    }
+    if (failed) return dsk_set_error(DSK_ERR_OOM, "dsk_matmul: out of host memory for the GEMM buffers of a batch of %lld", (long long)mc->batch);
+    return DSK_OK;
+}
+
 DSK_API dsk_status dsk_matmul(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, int trans_a, const dsk_tensor *B, int trans_b,
                               float alpha, float beta) {
     dsk__mat mc, ma, mb;
@@ -2062,6 +2088,10 @@ DSK_API dsk_status dsk_matmul(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, 
     g.alpha = alpha; g.beta = beta;
     g.a_dt = A->dtype; g.a_rs = trans_a ? 1 : ma.ld; g.a_cs = trans_a ? ma.ld : 1;
     g.b_dt = B->dtype; g.b_rs = trans_b ? 1 : mb.ld; g.b_cs = trans_b ? mb.ld : 1;
+    if (!tmp && mc.batch > 1 && !dsk__gemm_threaded(&g)) {
+        g.A = A->data; g.B = B->data; g.C = (float *)C->data; g.ldc = mc.ld;
+        return dsk__matmul_batched(ctx, &g, &uk, &mc, &ma, &mb, ae, be);
+    }
     for (int64_t bi = 0; bi < mc.batch; bi++) {
         dsk_status s;
         char *cdata = (char *)C->data + (size_t)(bi * mc.bstride) * ce;

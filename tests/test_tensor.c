@@ -770,6 +770,28 @@ static void test_gemm_threads(void) {
     }
 }
 
+/* A batch of small products (each below the one-product team threshold) runs as one parallel
+   region over the batch: against float64, and the same bits for 1, 2 and 3 threads. */
+static void test_matmul_batched_small(void) {
+    tt_mm c = {64, 48, 80, 24, 0, 1, 1, 1, 1, DSK_F32, DSK_F32, 0.5f, 0.25f}; /* 24 x 246k multiply-adds */
+    dsk_tensor *A = tt_rand(DSK_F32, 3, SH(24, 64, 80), -1, 1), *B = tt_rand(DSK_F32, 2, SH(80, 48), -1, 1), *C[3];
+    if (!tt_matmul_run(&c, 2)) return;
+    for (int t = 0; t < 3; t++) {
+        dsk_ctx ctx;
+        dsk_ctx_opts o;
+        memset(&o, 0, sizeof o);
+        o.device = DSK_PREFER_CPU;
+        o.n_threads = t + 1;
+        o.cpu_isa = tt_isa;
+        DSK_TEST_OK(dsk_ctx_init(&ctx, &o));
+        C[t] = tt_poisoned(DSK_F32, 3, SH(24, 64, 48));
+        DSK_TEST_OK(dsk_matmul(&ctx, C[t], A, 0, B, 0, 1.0f, 0.0f));
+        dsk_ctx_free(&ctx);
+    }
+    DSK_TEST_SAME_BYTES(C[0]->data, C[1]->data, dsk_tensor_nbytes(C[0]), "batch of 24 small products, 1 vs 2 threads");
+    DSK_TEST_SAME_BYTES(C[0]->data, C[2]->data, dsk_tensor_nbytes(C[0]), "batch of 24 small products, 1 vs 3 threads");
+}
+
 /* dsk_exp_f against exp in float64: within 2 ulp for normal results, 1 subnormal step below;
    NaN, infinities, overflow and underflow; dsk_sigmoid_f alike. */
 static void test_exp(void) {
@@ -1876,6 +1898,8 @@ int main(void) {
         tt_isa = (dsk_cpu_isa)i;
         TT_CASE("%s GEMM: direct and packed nests, edges, K slices, vs float64", n); test_gemm_paths();
         TT_CASE("%s GEMM: same bits on 1, 2, 3 threads (direct and packed)", n); test_gemm_threads();
+        TT_CASE("%s matmul: a batch of small products in one parallel region, vs float64 and 1/2/3 threads", n);
+        test_matmul_batched_small();
         TT_CASE("%s row primitives: exp and SwiGLU bitwise the scalar math, the rest vs float64", n); test_row_kernels();
         TT_CASE("%s AdamW vs dsk_adamw_update, f32 and bf16 gradients, bf16 copy", n); test_adamw_isa();
         if (i != (int)dsk_cpu_isa_best()) /* the best ran every op test above */
