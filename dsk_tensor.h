@@ -564,14 +564,29 @@ DSK_API dsk_status dsk_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tens
 
 /* ------------------------------------------------------------------ AdamW */
 
-/* Zero fields take the defaults in brackets (PyTorch's). */
+/* AdamW hyperparameters, taken literally: the exception to "zero means the default", since lr,
+   beta1 and beta2 of 0 are valid settings (a schedule that decays to lr 0, beta1 0 for RMSProp-
+   like steps; PyTorch accepts them). Start from dsk_adamw_defaults() and change what differs.
+   Ranges: lr >= 0, beta1 and beta2 in [0, 1), eps > 0 (0 would turn 0 / 0 into NaN weights and
+   is what a zeroed struct holds), weight_decay >= 0, all finite. */
 typedef struct dsk_adamw_opts {
-    float lr;           /* [1e-3] */
-    float beta1;        /* [0.9] */
-    float beta2;        /* [0.999] */
-    float eps;          /* [1e-8] */
-    float weight_decay; /* [0] decoupled: p -= lr * wd * p */
+    float lr;
+    float beta1;
+    float beta2;
+    float eps;
+    float weight_decay; /* decoupled: p -= lr * wd * p */
 } dsk_adamw_opts;
+
+/* PyTorch's torch.optim.AdamW defaults: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0.01. */
+static inline dsk_adamw_opts dsk_adamw_defaults(void) {
+    dsk_adamw_opts o;
+    o.lr = 1e-3f;
+    o.beta1 = 0.9f;
+    o.beta2 = 0.999f;
+    o.eps = 1e-8f;
+    o.weight_decay = 0.01f;
+    return o;
+}
 
 /* The per-element AdamW update shared by the CPU path and the CUDA kernel. bc1, bc2 are
    the bias corrections 1 - beta^step. g is the raw gradient times the gradient multiplier. */
@@ -592,8 +607,8 @@ static inline DSK_HD float dsk_adamw_bias_correction(float beta, int64_t step) {
 /* One AdamW step at `step` (1-based) on f32 master weights `param` with f32 moments m, v
    (all the same shape) from `grad` (f32, bf16 or f16) times `grad_mult` (fuses loss
    unscaling and clipping). If `param_copy` is not NULL (bf16, f16 or f32, same shape) it
-   receives the updated weights rounded to nearest even. opts may be NULL (all defaults);
-   the CUDA launcher receives opts with the defaults already filled in. */
+   receives the updated weights rounded to nearest even. opts NULL means dsk_adamw_defaults();
+   the CUDA launcher receives validated opts. */
 DSK_API dsk_status dsk_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_tensor *grad, dsk_tensor *m, dsk_tensor *v,
                                   const dsk_adamw_opts *opts, int64_t step, float grad_mult, dsk_tensor *param_copy);
 
@@ -3153,20 +3168,21 @@ static void dsk__adamw_rows(dsk_cpu_isa isa, float *p, float *m, float *v, const
     for (int64_t i = 0; i < n; i++) dsk_adamw_update(p + i, m + i, v + i, g[i] * gm, o->lr, o->beta1, o->beta2, o->eps, o->weight_decay, bc1, bc2);
 }
 
-/* Fills zero fields with their defaults and checks the ranges. */
+/* The options in force (opts, or the defaults for NULL), range-checked; nothing is replaced. */
 static dsk_status dsk__adamw_resolve(const dsk_adamw_opts *in, dsk_adamw_opts *o) {
-    memset(o, 0, sizeof *o);
-    if (in) *o = *in;
-    if (o->lr == 0.0f) o->lr = 1e-3f;
-    if (o->beta1 == 0.0f) o->beta1 = 0.9f;
-    if (o->beta2 == 0.0f) o->beta2 = 0.999f;
-    if (o->eps == 0.0f) o->eps = 1e-8f;
-    if (!(o->lr > 0.0f) || isinf(o->lr)) return dsk_set_error(DSK_ERR_ARG, "dsk_adamw_step: lr %g must be finite and > 0", (double)o->lr);
-    if (!(o->beta1 > 0.0f && o->beta1 < 1.0f)) return dsk_set_error(DSK_ERR_ARG, "dsk_adamw_step: beta1 %g outside (0, 1)", (double)o->beta1);
-    if (!(o->beta2 > 0.0f && o->beta2 < 1.0f)) return dsk_set_error(DSK_ERR_ARG, "dsk_adamw_step: beta2 %g outside (0, 1)", (double)o->beta2);
-    if (!(o->eps > 0.0f) || isinf(o->eps)) return dsk_set_error(DSK_ERR_ARG, "dsk_adamw_step: eps %g must be finite and > 0", (double)o->eps);
+    const char *fn = "dsk_adamw_step";
+    *o = in ? *in : dsk_adamw_defaults();
+    if (!(o->lr >= 0.0f) || isinf(o->lr))
+        return dsk_set_error(DSK_ERR_ARG, "%s: lr %g must be finite and >= 0", fn, (double)o->lr);
+    if (!(o->beta1 >= 0.0f && o->beta1 < 1.0f))
+        return dsk_set_error(DSK_ERR_ARG, "%s: beta1 %g outside [0, 1)", fn, (double)o->beta1);
+    if (!(o->beta2 >= 0.0f && o->beta2 < 1.0f))
+        return dsk_set_error(DSK_ERR_ARG, "%s: beta2 %g outside [0, 1)", fn, (double)o->beta2);
+    if (!(o->eps > 0.0f) || isinf(o->eps))
+        return dsk_set_error(DSK_ERR_ARG, "%s: eps %g must be finite and > 0 (options are taken literally: start from "
+                             "dsk_adamw_defaults())", fn, (double)o->eps);
     if (!(o->weight_decay >= 0.0f) || isinf(o->weight_decay))
-        return dsk_set_error(DSK_ERR_ARG, "dsk_adamw_step: weight_decay %g must be finite and >= 0", (double)o->weight_decay);
+        return dsk_set_error(DSK_ERR_ARG, "%s: weight_decay %g must be finite and >= 0", fn, (double)o->weight_decay);
     return DSK_OK;
 }
 

@@ -1,12 +1,13 @@
 /* test_comm_gpu.c - the nccl backend of dsk_comm.h against the host backend.
 
-   The parent starts one rank per GPU (up to 4) with dsk_comm_spawn_local, re-running this
-   binary with --rank-child PART so every rank is a fresh process. Each rank opens an nccl
-   communicator (device buffers on its own CUDA context) and a host communicator on the next
-   port, runs the same collective on the same inputs through both and compares: bitwise for
-   data movement, max and min and integer sums; within the dtype's tolerance for float sums
-   and averages (NCCL's reduction order is its own). On one GPU the world has one rank, which
-   still runs every call through NCCL. Without a usable CUDA device every case is skipped. */
+   The parent starts 2, then 4 ranks (one per GPU, where there are that many) with
+   dsk_comm_spawn_local, re-running this binary with --rank-child PART so every rank is a
+   fresh process. Each rank opens an nccl communicator (device buffers on its own CUDA
+   context) and a host communicator on the next port, runs the same collective on the same
+   inputs through both and compares: bitwise for data movement, max and min and integer
+   sums; within the dtype's tolerance for float sums and averages (NCCL adds in its own
+   order and rounds every partial sum). On one GPU the world has one rank, which still runs
+   every call through NCCL. Without a usable CUDA device every case is skipped. */
 #define DSK_TENSOR_IMPLEMENTATION
 #define DSK_COMM_IMPLEMENTATION
 #include "../../dsk_comm.h"
@@ -29,9 +30,11 @@ static uint64_t mix64(uint64_t z) {
 static void gen(void *buf, dsk_dtype dt, int64_t n, uint64_t tag, int r) {
     for (int64_t i = 0; i < n; i++) {
         uint64_t u = mix64(mix64(tag * 131 + (uint64_t)r) ^ (uint64_t)i * 0xD1B54A32D192ED03ull);
-        float f = (float)((double)(u >> 11) * (1.0 / 9007199254740992.0) * 4.0 - 2.0);
+        double d = (double)(u >> 11) * (1.0 / 9007199254740992.0) * 4.0 - 2.0;
+        float f = (float)d;
         switch (dt) {
         case DSK_F32: ((float *)buf)[i] = f; break;
+        case DSK_F64: ((double *)buf)[i] = d; break;
         case DSK_F16: ((uint16_t *)buf)[i] = dsk_f32_to_f16(f); break;
         case DSK_BF16: ((uint16_t *)buf)[i] = dsk_f32_to_bf16(f); break;
         case DSK_I32: ((int32_t *)buf)[i] = (int32_t)(u >> 36) - (1 << 27); break;
@@ -52,33 +55,55 @@ static void to_host(void *host, const void *dev, size_t bytes) {
     if (bytes) DSK_TEST_EXPECT(cudaMemcpy(host, dev, bytes, cudaMemcpyDeviceToHost) == cudaSuccess, "to host");
 }
 
+/* Allowed difference of two float sums over `ranks` inputs in [-2, 2) that add in different
+   orders: each side rounds every partial sum (magnitude below 2 ranks) to the dtype, ranks - 1
+   times plus once at the end, half a unit in the last place (2^-p relative) each time. */
+static double sum_tolerance(dsk_dtype dt, int ranks) {
+    int p = dt == DSK_BF16 ? 8 : dt == DSK_F16 ? 11 : 24;
+    return (double)ranks * 2.0 * ranks * ldexp(1.0, -p) + (dt == DSK_F32 ? 1e-5 : 0);
+}
+
 /* got (from NCCL) vs want (host backend): bitwise, or within the dtype's tolerance. */
 static void compare(const void *got, const void *want, dsk_dtype dt, int64_t n, int exact, const char *what) {
     if (exact || !dsk_dtype_is_float(dt)) {
         DSK_TEST_SAME_BYTES(got, want, (size_t)n * dsk_dtype_size(dt), what);
         return;
     }
+    if (dt == DSK_F64) {
+        double *w = (double *)malloc((size_t)(n ? n : 1) * sizeof(double));
+        memcpy(w, want, (size_t)n * sizeof(double));
+        DSK_TEST_CLOSE64((const double *)got, w, n, 1e-13, 1e-13, what);
+        free(w);
+        return;
+    }
     {
         float *g = (float *)malloc((size_t)(n ? n : 1) * sizeof(float));
         double *w = (double *)malloc((size_t)(n ? n : 1) * sizeof(double));
         for (int64_t i = 0; i < n; i++) {
-            if (dt == DSK_F32) { g[i] = ((const float *)got)[i]; w[i] = ((const float *)want)[i]; }
-            else if (dt == DSK_BF16) { g[i] = dsk_bf16_to_f32(((const uint16_t *)got)[i]); w[i] = dsk_bf16_to_f32(((const uint16_t *)want)[i]); }
-            else { g[i] = dsk_f16_to_f32(((const uint16_t *)got)[i]); w[i] = dsk_f16_to_f32(((const uint16_t *)want)[i]); }
+            if (dt == DSK_F32) {
+                g[i] = ((const float *)got)[i];
+                w[i] = ((const float *)want)[i];
+            } else if (dt == DSK_BF16) {
+                g[i] = dsk_bf16_to_f32(((const uint16_t *)got)[i]);
+                w[i] = dsk_bf16_to_f32(((const uint16_t *)want)[i]);
+            } else {
+                g[i] = dsk_f16_to_f32(((const uint16_t *)got)[i]);
+                w[i] = dsk_f16_to_f32(((const uint16_t *)want)[i]);
+            }
         }
-        DSK_TEST_CLOSE(g, w, n, dt == DSK_F32 ? 1e-5 : 1e-2, dt == DSK_F32 ? 1e-5 : 1e-2, what);
+        DSK_TEST_CLOSE(g, w, n, dt == DSK_F32 ? 1e-5 : 1e-2, sum_tolerance(dt, NC.world_size), what);
         free(g);
         free(w);
     }
 }
 
-static const dsk_dtype k_dtypes[] = {DSK_F32, DSK_F16, DSK_BF16, DSK_I32, DSK_I64, DSK_U8};
+static const dsk_dtype k_dtypes[] = {DSK_F32, DSK_F16, DSK_BF16, DSK_F64, DSK_I32, DSK_I64, DSK_U8};
 static const int64_t k_sizes[] = {1, 7, 129, 70001};
 
 static void part_collectives(void) {
     int n = NC.world_size, me = NC.rank;
     uint64_t tag = 1;
-    for (size_t d = 0; d < 6; d++)
+    for (size_t d = 0; d < sizeof k_dtypes / sizeof *k_dtypes; d++)
         for (size_t s = 0; s < 4; s++) {
             dsk_dtype dt = k_dtypes[d];
             size_t esz = dsk_dtype_size(dt);
@@ -93,12 +118,20 @@ static void part_collectives(void) {
             for (int o = 0; o < 4; o++) {
                 dsk_comm_op op = (dsk_comm_op)o;
                 if (op == DSK_COMM_AVG && !dsk_dtype_is_float(dt)) continue;
-                snprintf(label, sizeof label, "rank %d: all_reduce %s %s count %lld", me, dsk_dtype_name(dt), dsk_comm_op_name(op), (long long)len);
+                snprintf(label, sizeof label, "rank %d: all_reduce %s %s count %lld", me, dsk_dtype_name(dt),
+                         dsk_comm_op_name(op), (long long)len);
                 DSK_TEST_OK(dsk_comm_all_reduce(&HC, NULL, in, want, len, dt, op));
                 DSK_TEST_OK(dsk_comm_all_reduce(&NC, &G, din, dout, len, dt, op));
                 to_host(got, dout, bytes);
                 compare(got, want, dt, len, op == DSK_COMM_MAX || op == DSK_COMM_MIN, label);
-                snprintf(label, sizeof label, "rank %d: reduce_scatter %s %s block %lld", me, dsk_dtype_name(dt), dsk_comm_op_name(op), (long long)per);
+                snprintf(label, sizeof label, "rank %d: reduce %s %s count %lld root %d", me, dsk_dtype_name(dt),
+                         dsk_comm_op_name(op), (long long)len, n - 1);
+                DSK_TEST_OK(dsk_comm_reduce(&HC, NULL, in, want, len, dt, op, n - 1));
+                DSK_TEST_OK(dsk_comm_reduce(&NC, &G, din, dout, len, dt, op, n - 1));
+                to_host(got, dout, bytes);
+                if (me == n - 1) compare(got, want, dt, len, op == DSK_COMM_MAX || op == DSK_COMM_MIN, label);
+                snprintf(label, sizeof label, "rank %d: reduce_scatter %s %s block %lld", me, dsk_dtype_name(dt),
+                         dsk_comm_op_name(op), (long long)per);
                 DSK_TEST_OK(dsk_comm_reduce_scatter(&HC, NULL, in, want, per, dt, op));
                 DSK_TEST_OK(dsk_comm_reduce_scatter(&NC, &G, din, dout, per, dt, op));
                 to_host(got, dout, bytes);
@@ -109,11 +142,24 @@ static void part_collectives(void) {
             DSK_TEST_OK(dsk_comm_all_gather(&NC, &G, din, dout, per, dt));
             to_host(got, dout, nb);
             compare(got, want, dt, per * n, 1, label);
-            snprintf(label, sizeof label, "rank %d: broadcast %s count %lld root %d", me, dsk_dtype_name(dt), (long long)len, n - 1);
+            snprintf(label, sizeof label, "rank %d: broadcast %s count %lld root %d", me, dsk_dtype_name(dt),
+                     (long long)len, n - 1);
             DSK_TEST_OK(dsk_comm_broadcast(&HC, NULL, in, want, len, dt, n - 1));
             DSK_TEST_OK(dsk_comm_broadcast(&NC, &G, din, dout, len, dt, n - 1));
             to_host(got, dout, bytes);
             compare(got, want, dt, len, 1, label);
+            snprintf(label, sizeof label, "rank %d: gather %s count %lld root 0", me, dsk_dtype_name(dt),
+                     (long long)per);
+            DSK_TEST_OK(dsk_comm_gather(&HC, NULL, in, want, per, dt, 0));
+            DSK_TEST_OK(dsk_comm_gather(&NC, &G, din, dout, per, dt, 0));
+            to_host(got, dout, nb);
+            if (me == 0) compare(got, want, dt, per * n, 1, label);
+            snprintf(label, sizeof label, "rank %d: scatter %s count %lld root 0", me, dsk_dtype_name(dt),
+                     (long long)per);
+            DSK_TEST_OK(dsk_comm_scatter(&HC, NULL, in, want, per, dt, 0));
+            DSK_TEST_OK(dsk_comm_scatter(&NC, &G, din, dout, per, dt, 0));
+            to_host(got, dout, bytes);
+            compare(got, want, dt, per, 1, label);
             snprintf(label, sizeof label, "rank %d: all_to_all %s block %lld", me, dsk_dtype_name(dt), (long long)per);
             DSK_TEST_OK(dsk_comm_all_to_all(&HC, NULL, in, want, per, dt));
             DSK_TEST_OK(dsk_comm_all_to_all(&NC, &G, din, dout, per, dt));
@@ -124,7 +170,8 @@ static void part_collectives(void) {
                 sc[q] = (int64_t)((me + q + (int)s) % 3) * len / 3;
                 rc[q] = (int64_t)((q + me + (int)s) % 3) * len / 3;
             }
-            snprintf(label, sizeof label, "rank %d: all_to_all_v %s scale %lld", me, dsk_dtype_name(dt), (long long)len);
+            snprintf(label, sizeof label, "rank %d: all_to_all_v %s scale %lld", me, dsk_dtype_name(dt),
+                     (long long)len);
             memset(want, 0, nb);
             DSK_TEST_EXPECT(cudaMemset(dout, 0, nb) == cudaSuccess, "cudaMemset");
             DSK_TEST_OK(dsk_comm_all_to_all_v(&HC, NULL, in, sc, NULL, want, rc, NULL, dt));
@@ -205,7 +252,10 @@ static int child_main(const char *part) {
     o.backend = DSK_COMM_HOST;
     o.master_addr = "127.0.0.1";
     o.master_port = atoi(port ? port : "0") + 1;
-    if (dsk_comm_init(&HC, NC.rank, NC.world_size, &o) != DSK_OK) { printf("host init: %s\n", dsk_last_error()); return 3; }
+    if (dsk_comm_init(&HC, NC.rank, NC.world_size, &o) != DSK_OK) {
+        printf("host init: %s\n", dsk_last_error());
+        return 3;
+    }
     memset(&co, 0, sizeof co);
     co.device = DSK_PREFER_CUDA;
     co.cuda_index = NC.local_rank;
@@ -222,7 +272,7 @@ static int child_main(const char *part) {
 
 int main(int argc, char **argv) {
     static const char *parts[] = {"collectives", "split", "buckets"};
-    int ndev = 0;
+    int ndev = 0, worlds[2] = {0, 0};
 #ifdef DSK_CUDA
     if (argc > 2 && !strcmp(argv[1], "--rank-child")) return child_main(argv[2]);
 #endif
@@ -230,39 +280,44 @@ int main(int argc, char **argv) {
 #ifdef DSK_CUDA
     if (dsk_cuda_available()) cudaGetDeviceCount(&ndev);
 #endif
-    for (int p = 0; p < 3; p++) {
-        dsk_test_begin("nccl vs host backend: %s", parts[p]);
-        if (ndev == 0) {
-            dsk_test_skip("no usable CUDA device");
-            continue;
-        }
-        {
-            char self[4096], *av[] = {self, (char *)"--rank-child", (char *)parts[p], NULL};
-            ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
-            dsk_spawn_opts so;
-            int worst = -1, port = 0;
-            self[k > 0 ? k : 0] = 0;
-            /* a free port whose successor is free too: nccl's store, then the host communicator's */
-            for (int tries = 0; tries < 50; tries++) {
-                struct sockaddr_in sa;
-                int fd = socket(AF_INET, SOCK_STREAM, 0), ok;
-                if (dsk_comm_free_port("127.0.0.1", &port) != DSK_OK) break;
-                memset(&sa, 0, sizeof sa);
-                sa.sin_family = AF_INET;
-                sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-                sa.sin_port = htons((uint16_t)(port + 1));
-                ok = bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
-                close(fd);
-                if (ok) break;
+    /* 2 and 4 ranks, one per device, where there are that many devices; else one rank */
+    worlds[0] = ndev >= 2 ? 2 : ndev;
+    worlds[1] = ndev >= 4 ? 4 : 0;
+    for (int w = 0; w < 2; w++)
+        for (int p = 0; p < 3; p++) {
+            if (w == 1 && worlds[1] == 0) continue;
+            dsk_test_begin("nccl vs host backend, %d ranks: %s", worlds[w] ? worlds[w] : 1, parts[p]);
+            if (ndev == 0) {
+                dsk_test_skip("no usable CUDA device");
+                continue;
             }
-            memset(&so, 0, sizeof so);
-            so.master_port = port;
-            so.timeout_s = 300;
-            fflush(stdout);
-            DSK_TEST_OK(dsk_comm_spawn_local(ndev < 4 ? ndev : 4, av, &so, &worst));
-            DSK_TEST_EXPECT(worst == 0, "ranks exited with status %d", worst);
+            {
+                char self[4096], *av[] = {self, (char *)"--rank-child", (char *)parts[p], NULL};
+                ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
+                dsk_comm_spawn_opts so;
+                int worst = -1, port = 0;
+                self[k > 0 ? k : 0] = 0;
+                /* a free port whose successor is free too: nccl's store, then the host communicator's */
+                for (int tries = 0; tries < 50; tries++) {
+                    struct sockaddr_in sa;
+                    int fd = socket(AF_INET, SOCK_STREAM, 0), ok;
+                    if (dsk_comm_free_port("127.0.0.1", &port) != DSK_OK) break;
+                    memset(&sa, 0, sizeof sa);
+                    sa.sin_family = AF_INET;
+                    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+                    sa.sin_port = htons((uint16_t)(port + 1));
+                    ok = bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
+                    close(fd);
+                    if (ok) break;
+                }
+                memset(&so, 0, sizeof so);
+                so.master_port = port;
+                so.timeout_s = 300;
+                fflush(stdout);
+                DSK_TEST_OK(dsk_comm_spawn_local(worlds[w], av, &so, &worst));
+                DSK_TEST_EXPECT(worst == 0, "ranks exited with status %d", worst);
+            }
         }
-    }
     (void)argc;
     (void)argv;
     return dsk_test_finish();
