@@ -2057,6 +2057,7 @@ static dsk_status dsk__matmul_check(const dsk_tensor *C, const dsk_tensor *A, in
 static dsk_status dsk__matmul_batched(dsk_ctx *ctx, const dsk__gemm_args *g0, const dsk__ukernel *uk, const dsk__mat *mc,
                                       const dsk__mat *ma, const dsk__mat *mb, size_t ae, size_t be) {
     int failed = 0;
+    (void)ctx; /* used by the OpenMP clause only */
     DSK__OMP(parallel num_threads(dsk__threads(ctx)) if (mc->batch * g0->M * g0->N * g0->K >= 4194304) reduction(|| : failed))
     {
         float *ws = (float *)DSK_MALLOC((size_t)dsk__gemm_scratch(g0, uk, g0->N) * sizeof(float) + 1);
