@@ -2796,29 +2796,32 @@ DSK_API dsk_status dsk_cross_entropy(dsk_ctx *ctx, dsk_tensor *loss, dsk_tensor 
     row_loss = (double *)DSK_MALLOC((size_t)(R ? R : 1) * sizeof(double));
     if (!row_loss) return dsk_set_error(DSK_ERR_OOM, "dsk_cross_entropy: out of host memory for %lld row losses", (long long)R);
     if (!(scratch = dsk__scratch(fn, ctx, 2 * V, &s))) { DSK_FREE(row_loss); return s; }
-    /* one exp per logit: e = e^(x - max) (into dlogits' row when it is f32), sum in f32 lanes,
-       lse = max + log(sum); dlogits = grad_scale (e / sum - onehot) / count */
+    /* In f64 per logit (dsk_par_cross_entropy follows these bits): lse = max + log(sum e^(x - max)),
+       dlogits = grad_scale (e^(x - lse) - onehot) / count; rows in f32, the dtype switch hoisted. */
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (R * V > DSK__PAR_MIN))
     for (int64_t r = 0; r < R; r++) {
-        float *buf = scratch + 2 * V * dsk__thread_id(), *e, mx, sum;
+        float *buf = scratch + 2 * V * dsk__thread_id(), *d, mx;
         const float *xr;
+        double sum = 0.0, lse;
         row_loss[r] = 0.0;
         if (tg[r] == ignore_index) {
             if (dlogits) {
-                float *d = dsk__row_out(dlogits, r * V, buf);
+                d = dsk__row_out(dlogits, r * V, buf);
                 memset(d, 0, (size_t)V * sizeof(float));
                 dsk__row_out_done(dlogits, r * V, V, d);
             }
             continue;
         }
         xr = dsk__row_in(logits, r * V, V, buf);
-        e = dlogits ? dsk__row_out(dlogits, r * V, buf + V) : buf + V;
         mx = rk.max(xr, V);
-        row_loss[r] = (double)mx + log((double)(sum = rk.exp_sum(e, xr, V, mx))) - (double)xr[tg[r]];
+        for (int64_t j = 0; j < V; j++) sum += exp((double)xr[j] - mx);
+        lse = mx + log(sum);
+        row_loss[r] = lse - xr[tg[r]];
         if (dlogits) {
-            rk.scale(e, e, grad_scale / (sum * (float)count), V);
-            e[tg[r]] -= grad_scale / (float)count;
-            dsk__row_out_done(dlogits, r * V, V, e);
+            d = dsk__row_out(dlogits, r * V, buf + V);
+            for (int64_t j = 0; j < V; j++)
+                d[j] = (float)((double)grad_scale * (exp((double)xr[j] - lse) - (j == tg[r] ? 1.0 : 0.0)) / (double)count);
+            dsk__row_out_done(dlogits, r * V, V, d);
         }
     }
     DSK_FREE(scratch);
