@@ -118,16 +118,17 @@ static void *shared_alloc(size_t bytes) {
 
 typedef struct pspec { const char *name; int ndim; int64_t shape[3]; int unit, no_decay; } pspec;
 
-/* Units of 104, 392, 512 and 112 elements: odd chunks at 3 and 4 ranks, small tensors that
-   sit in one rank's chunk, a 3-D tensor. */
+/* Units of 104, 392, 512, 112 and 1 elements: odd chunks at 3 and 4 ranks, small tensors that
+   sit in one rank's chunk, a 3-D tensor, a unit of which every rank but one holds nothing. */
 static const pspec k_model[] = {
     {"embed", 2, {13, 8, 0}, 0, 0},
     {"b0.ln", 1, {8, 0, 0}, 1, 1},   {"b0.w1", 2, {24, 8, 0}, 1, 0}, {"b0.w2", 2, {8, 24, 0}, 1, 0},
     {"b1.ln", 1, {8, 0, 0}, 2, 1},   {"b1.w1", 2, {24, 8, 0}, 2, 0}, {"b1.experts", 3, {3, 5, 8}, 2, 0},
     {"b1.w2", 2, {8, 24, 0}, 2, 0},  {"head.ln", 1, {8, 0, 0}, 3, 1}, {"head.w", 2, {13, 8, 0}, 3, 0},
+    {"tail", 1, {1, 0, 0}, 4, 1},
 };
 #define NP ((int)(sizeof k_model / sizeof k_model[0]))
-#define NU 4
+#define NU 5
 #define BATCH 24
 #define MAX_STEPS 8
 
@@ -1381,7 +1382,7 @@ static void case_errors(void) {
         const dsk_ckpt_entry *e;
         int ne;
         DSK_TEST_STATUS(dsk_zero_get_piece(&z, NP, &pc), DSK_ERR_ARG);
-        DSK_TEST_ERROR_MENTIONS("parameter 10 not in [0, 10)");
+        DSK_TEST_ERROR_MENTIONS("parameter 11 not in [0, 11)");
         DSK_TEST_STATUS(dsk_zero_ckpt_entries(&z, NULL, (dsk_zero_ckpt_mode)5, &e, &ne), DSK_ERR_ARG);
     }
     dsk_zero_free(&z, NULL);
