@@ -373,6 +373,19 @@ DSK_API dsk_status dsk_tensor_alloc(dsk_ctx *ctx, dsk_tensor *t, dsk_dtype dt, i
 DSK_API dsk_status dsk_tensor_alloc_on(dsk_ctx *ctx, dsk_device dev, dsk_tensor *t, dsk_dtype dt, int ndim, const int64_t *shape);
 /* Releases an owning tensor and zeroes *t; views and zeroed tensors are just zeroed. */
 DSK_API void dsk_tensor_free(dsk_ctx *ctx, dsk_tensor *t);
+/* Allocator accounting per device, like torch.cuda.memory_allocated / max_memory_allocated:
+   bytes held by tensors that dsk_tensor_alloc made and dsk_tensor_free has not released, and
+   their high-water mark. Process-wide atomic counters (the one shared state besides the error
+   message). A tensor counts dsk_tensor_nbytes when allocated and again when released, so an
+   owning tensor's shape and dtype must not be edited in between; views, wrapped memory and
+   the modules' private scratch (DSK_MALLOC) are not counted. CUDA devices 0..63. */
+typedef struct dsk_tensor_mem {
+    int64_t live_bytes; /* held now */
+    int64_t peak_bytes; /* most held at once since the start or the last dsk_tensor_mem_reset_peak */
+    int64_t allocs;     /* allocations so far */
+} dsk_tensor_mem;
+DSK_API dsk_tensor_mem dsk_tensor_mem_stats(dsk_device dev);
+DSK_API void dsk_tensor_mem_reset_peak(dsk_device dev); /* peak <- live */
 /* A non-owning contiguous tensor over caller memory. */
 DSK_API dsk_status dsk_tensor_wrap(dsk_tensor *t, void *data, dsk_dtype dt, dsk_device dev, int ndim, const int64_t *shape);
 
@@ -826,6 +839,44 @@ static void dsk__init_header(dsk_tensor *t, dsk_dtype dt, dsk_device dev, int nd
     dsk__set_contiguous_strides(t);
 }
 
+/* ---- allocator accounting: slot 0 the CPU, slot 1 + i CUDA device i */
+#define DSK__MEM_SLOTS 65
+static int64_t dsk__mem_live[DSK__MEM_SLOTS], dsk__mem_peak[DSK__MEM_SLOTS], dsk__mem_allocs[DSK__MEM_SLOTS];
+
+static int dsk__mem_slot(dsk_device dev) {
+    if (dev.type == DSK_DEV_CPU) return 0;
+    return dev.index >= 0 && dev.index < DSK__MEM_SLOTS - 1 ? 1 + dev.index : -1;
+}
+
+static void dsk__mem_count(dsk_device dev, int64_t delta) {
+    int k = dsk__mem_slot(dev);
+    int64_t live, peak;
+    if (k < 0) return;
+    live = __atomic_add_fetch(&dsk__mem_live[k], delta, __ATOMIC_RELAXED);
+    if (delta <= 0) return;
+    __atomic_add_fetch(&dsk__mem_allocs[k], 1, __ATOMIC_RELAXED);
+    peak = __atomic_load_n(&dsk__mem_peak[k], __ATOMIC_RELAXED);
+    while (live > peak &&
+           !__atomic_compare_exchange_n(&dsk__mem_peak[k], &peak, live, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {}
+}
+
+DSK_API dsk_tensor_mem dsk_tensor_mem_stats(dsk_device dev) {
+    dsk_tensor_mem m;
+    int k = dsk__mem_slot(dev);
+    memset(&m, 0, sizeof m);
+    if (k < 0) return m;
+    m.live_bytes = __atomic_load_n(&dsk__mem_live[k], __ATOMIC_RELAXED);
+    m.peak_bytes = __atomic_load_n(&dsk__mem_peak[k], __ATOMIC_RELAXED);
+    m.allocs = __atomic_load_n(&dsk__mem_allocs[k], __ATOMIC_RELAXED);
+    return m;
+}
+
+DSK_API void dsk_tensor_mem_reset_peak(dsk_device dev) {
+    int k = dsk__mem_slot(dev);
+    if (k < 0) return;
+    __atomic_store_n(&dsk__mem_peak[k], __atomic_load_n(&dsk__mem_live[k], __ATOMIC_RELAXED), __ATOMIC_RELAXED);
+}
+
 DSK_API dsk_status dsk_tensor_alloc_on(dsk_ctx *ctx, dsk_device dev, dsk_tensor *t, dsk_dtype dt, int ndim, const int64_t *shape) {
     dsk_status s;
     size_t bytes;
@@ -841,6 +892,7 @@ DSK_API dsk_status dsk_tensor_alloc_on(dsk_ctx *ctx, dsk_device dev, dsk_tensor 
             return dsk_set_error(DSK_ERR_OOM, "dsk_tensor_alloc: out of host memory for %zu bytes", bytes);
         }
         t->owns = 1;
+        dsk__mem_count(dev, (int64_t)bytes);
         return DSK_OK;
     }
 #ifdef DSK_CUDA
@@ -852,6 +904,7 @@ DSK_API dsk_status dsk_tensor_alloc_on(dsk_ctx *ctx, dsk_device dev, dsk_tensor 
         s = dsk_cuda_malloc(ctx, bytes ? bytes : 1, &t->data);
         if (s != DSK_OK) { memset(t, 0, sizeof *t); return s; }
         t->owns = 1;
+        dsk__mem_count(dev, (int64_t)bytes);
         return DSK_OK;
     }
 #endif
@@ -867,6 +920,7 @@ DSK_API dsk_status dsk_tensor_alloc(dsk_ctx *ctx, dsk_tensor *t, dsk_dtype dt, i
 DSK_API void dsk_tensor_free(dsk_ctx *ctx, dsk_tensor *t) {
     if (!t) return;
     if (t->owns && t->data) {
+        dsk__mem_count(t->device, -(int64_t)dsk_tensor_nbytes(t));
         if (t->device.type == DSK_DEV_CPU) DSK_FREE(t->data);
 #ifdef DSK_CUDA
         else dsk_cuda_free(ctx, t->data);

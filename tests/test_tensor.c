@@ -439,6 +439,47 @@ static void test_tensor_alloc_errors(void) {
     dsk_tensor_free(NULL, &t);
 }
 
+/* The allocator's accounting: live bytes, high-water mark and count move with every owning
+   alloc and free on the CPU (views and wrapped memory do not count); reset_peak brings the
+   mark down to what is live. Deltas, since the harness holds tensors of its own. */
+static void test_tensor_mem(void) {
+    dsk_tensor a, b, v;
+    float host[6];
+    dsk_tensor_mem m0, m1, m2, m3, m4;
+    int64_t na = 100 + dsk_test_rand_int(50), nb = 37;
+    dsk_tensor_mem_reset_peak(dsk_cpu());
+    m0 = dsk_tensor_mem_stats(dsk_cpu());
+    DSK_TEST_EXPECT(m0.peak_bytes == m0.live_bytes, "reset: peak %lld, live %lld", (long long)m0.peak_bytes,
+                    (long long)m0.live_bytes);
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &a, DSK_F32, 2, SH(na, 3)));
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &b, DSK_BF16, 1, SH(nb)));
+    DSK_TEST_OK(dsk_tensor_slice(&a, 0, 1, 2, &v));
+    DSK_TEST_OK(dsk_tensor_wrap(&v, host, DSK_F32, dsk_cpu(), 1, SH(6)));
+    dsk_tensor_free(NULL, &v); /* a view: counts nothing */
+    m1 = dsk_tensor_mem_stats(dsk_cpu());
+    DSK_TEST_EXPECT(m1.live_bytes - m0.live_bytes == na * 12 + nb * 2, "live grew by %lld, want %lld",
+                    (long long)(m1.live_bytes - m0.live_bytes), (long long)(na * 12 + nb * 2));
+    DSK_TEST_EXPECT(m1.allocs - m0.allocs == 2, "%lld allocations counted, want 2", (long long)(m1.allocs - m0.allocs));
+    DSK_TEST_EXPECT(m1.peak_bytes == m1.live_bytes, "peak %lld, live %lld", (long long)m1.peak_bytes,
+                    (long long)m1.live_bytes);
+    dsk_tensor_free(NULL, &a);
+    m2 = dsk_tensor_mem_stats(dsk_cpu());
+    DSK_TEST_EXPECT(m2.live_bytes == m1.live_bytes - na * 12 && m2.peak_bytes == m1.peak_bytes,
+                    "after a free: live %lld peak %lld", (long long)m2.live_bytes, (long long)m2.peak_bytes);
+    dsk_tensor_mem_reset_peak(dsk_cpu());
+    m3 = dsk_tensor_mem_stats(dsk_cpu());
+    DSK_TEST_EXPECT(m3.peak_bytes == m2.live_bytes, "reset peak %lld, want live %lld", (long long)m3.peak_bytes,
+                    (long long)m2.live_bytes);
+    dsk_tensor_free(NULL, &b);
+    m4 = dsk_tensor_mem_stats(dsk_cpu());
+    DSK_TEST_EXPECT(m4.live_bytes == m0.live_bytes, "all freed: live %lld, want %lld", (long long)m4.live_bytes,
+                    (long long)m0.live_bytes);
+    v.device.type = DSK_DEV_CUDA;
+    v.device.index = 64; /* beyond the counted devices: zeros, no crash */
+    m4 = dsk_tensor_mem_stats(v.device);
+    DSK_TEST_EXPECT(m4.live_bytes == 0 && m4.peak_bytes == 0 && m4.allocs == 0, "device 64 has figures");
+}
+
 /* ------------------------------------------------------------------ views and copies */
 
 /* dsk_tensor_fill on dtype dt: contiguous tensors (the memset and pattern-doubling paths, odd
@@ -1865,6 +1906,7 @@ int main(void) {
     TT_CASE("status and dtype names, error messages"); test_names();
     TT_CASE("ctx options and errors"); test_ctx();
     TT_CASE("tensor alloc/wrap/free: errors, empty tensors, describe"); test_tensor_alloc_errors();
+    TT_CASE("allocator accounting: live bytes, high-water mark, reset"); test_tensor_mem();
     for (int d = 0; d < DSK_DTYPE_COUNT; d++) {
         TT_CASE("fill %s: contiguous and strided views, every element", dsk_dtype_name((dsk_dtype)d));
         test_fill((dsk_dtype)d);
