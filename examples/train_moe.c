@@ -21,15 +21,8 @@
      train_signals.h  SIGTERM/SIGINT: finish the step, save, exit 0; SIGUSR1: save; --max-restarts
      train_bind.h     --bind core | numa */
 #define _GNU_SOURCE /* before any header: train_bind.h's CPU affinity calls (sched_setaffinity, CPU_SET) are GNU */
-#if defined(__GNUC__) && !defined(__clang__) /* dsk_comm.h trips -Wformat-truncation when inlined here */
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wformat-truncation"
-#endif
 #define DSK_COMM_IMPLEMENTATION
 #include "../dsk_comm.h"
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
 #define DSK_TENSOR_IMPLEMENTATION
 #include "../dsk_tensor.h"
 #define DSK_AMP_IMPLEMENTATION

@@ -10,7 +10,7 @@
    cuBLAS call; every call is checked, and cudaGetLastError() follows every launch).
    kernels/dsk_cuda.cuh holds what the .cu files share to do so.
    Contents: runtime (tensor.cu), tensor ops (tensor.cu), fused attention (attention.cu), amp (amp.cu),
-   moe (moe.cu). */
+   moe (moe.cu), par (par.cu). */
 #ifndef DSK_KERNELS_H
 #define DSK_KERNELS_H
 #include "../dsk_tensor.h"
@@ -115,6 +115,19 @@ dsk_status dsk_cuda_moe_swiglu_backward(dsk_ctx *ctx, void *dh1, void *dh3, dsk_
                                         const float *da, int64_t n);
 /* dst (n) in dt += src (n) f32. */
 dsk_status dsk_cuda_moe_accumulate(dsk_ctx *ctx, void *dst, dsk_dtype dt, const float *src, int64_t n);
+
+/* ---- par (kernels/par.cu): dsk_par_cross_entropy's passes on logits (R, Vl), columns
+   [lo, lo + Vl) of the full vocabulary, around its two all-reduces. */
+/* mx (R) f32 = row max over this rank's columns; *count (device i64) = targets != ignore_index. */
+dsk_status dsk_cuda_par_ce_max(dsk_ctx *ctx, float *mx, int64_t *count, const dsk_tensor *logits,
+                               const dsk_tensor *targets, int32_t ignore_index);
+/* acc (2R) f64: per row the sum of exp(x - mx) and the target's logit if this rank holds it (0 if not, or ignored). */
+dsk_status dsk_cuda_par_ce_sums(dsk_ctx *ctx, double *acc, const float *mx, const dsk_tensor *logits,
+                                const dsk_tensor *targets, int64_t lo, int32_t ignore_index);
+/* From the all-reduced mx and acc: loss (device scalar f32) and dlogits (or NULL) as dsk_par_cross_entropy. */
+dsk_status dsk_cuda_par_ce_finish(dsk_ctx *ctx, dsk_tensor *loss, dsk_tensor *dlogits, const float *mx, const double *acc,
+                                  const int64_t *count, const dsk_tensor *logits, const dsk_tensor *targets, int64_t lo,
+                                  int32_t ignore_index, float grad_scale);
 
 #ifdef __cplusplus
 }
