@@ -600,15 +600,16 @@ DSK_API dsk_status dsk_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_ten
    accumulation), f32 on CUDA cores. The materialised dsk_attention stays as the reference. */
 
 /* e^x for the shifted scores of a softmax (x <= 0, where it is meant to be used): range
-   reduction x = n ln2 + r and the degree-7 Taylor polynomial of e^r, within a few ulp of expf.
-   Below -87 it returns e^-87 (1.6e-38), which no softmax row whose largest term is 1 can tell
-   from smaller values, so 2^n stays a normal number; NaN stays NaN. Written without branches
-   so the CPU loops vectorise it; the CUDA kernels call the same function. */
+   reduction x = n ln2 + r (n rounded to nearest by adding 1.5 * 2^23, whose bits then hold n)
+   and the degree-7 Taylor polynomial of e^r, within a few ulp of expf. Below -87 it returns
+   e^-87 (1.6e-38), which no softmax row whose largest term is 1 can tell from smaller values,
+   so 2^n stays a normal number; NaN stays NaN. No branches or conversions, so the CPU loops
+   vectorise it; the CUDA kernels call the same function. */
 static inline DSK_HD float dsk_attn_exp_f(float x) {
-    float n, r, p;
-    int32_t e;
+    float t, n, r, p;
     x = x < -87.0f ? -87.0f : x;
-    n = floorf(x * 1.44269504088896341f + 0.5f);
+    t = x * 1.44269504088896341f + 12582912.0f;
+    n = t - 12582912.0f;
     r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-6f; /* ln 2 in two parts: n * hi is exact */
     p = 1.0f / 5040.0f;
     p = p * r + 1.0f / 720.0f;
@@ -618,8 +619,7 @@ static inline DSK_HD float dsk_attn_exp_f(float x) {
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    e = n == n ? (int32_t)n : 0;
-    return p * dsk_bits_f32((uint32_t)(e + 127) << 23);
+    return p * dsk_bits_f32((dsk_f32_bits(t) - 0x4B400000u + 127u) << 23);
 }
 /* A row's log-sum-exp from its running maximum m and its sum l of e^(s - m). */
 static inline DSK_HD float dsk_attn_lse(float m, float l) { return m + logf(l); }
@@ -2645,6 +2645,16 @@ static dsk__fa_mat dsk__fa_head(const dsk_tensor *t, int64_t b, int64_t h) {
     return m;
 }
 
+/* Row r of m as f32 into dst (the dtype switch outside the element loop). */
+static void dsk__fa_load_row(const dsk__fa_mat *m, int64_t r, float *dst) {
+    int64_t o = m->base + r * m->rs, n = m->cols;
+    if (m->dt == DSK_F32) memcpy(dst, (const float *)m->data + o, (size_t)n * sizeof(float));
+    else if (m->dt == DSK_BF16)
+        for (int64_t d = 0; d < n; d++) dst[d] = dsk_bf16_to_f32(((const uint16_t *)m->data)[o + d]);
+    else
+        for (int64_t d = 0; d < n; d++) dst[d] = dsk_f16_to_f32(((const uint16_t *)m->data)[o + d]);
+}
+
 /* Rows [r0, r0 + n) of m as an f32 matrix: in place (leading dim rs) when m is f32, else
    converted into buf (leading dim cols). */
 static const float *dsk__fa_rows(const dsk__fa_mat *m, int64_t r0, int64_t n, float *buf, int64_t *ld) {
@@ -2652,19 +2662,34 @@ static const float *dsk__fa_rows(const dsk__fa_mat *m, int64_t r0, int64_t n, fl
         *ld = m->rs;
         return (const float *)m->data + m->base + r0 * m->rs;
     }
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t d = 0; d < m->cols; d++) buf[i * m->cols + d] = dsk_load_f32(m->data, m->dt, m->base + (r0 + i) * m->rs + d);
+    for (int64_t i = 0; i < n; i++) dsk__fa_load_row(m, r0 + i, buf + i * m->cols);
     *ld = m->cols;
     return buf;
 }
 
 /* Rows [r0, r0 + n) of m += acc (n x cols, leading dim cols), one rounding per element. */
 static void dsk__fa_add_rows(const dsk__fa_mat *m, int64_t r0, int64_t n, const float *acc) {
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t d = 0; d < m->cols; d++) {
-            int64_t o = m->base + (r0 + i) * m->rs + d;
-            dsk_store_f32(m->data, m->dt, o, dsk_load_f32(m->data, m->dt, o) + acc[i * m->cols + d]);
+    for (int64_t i = 0; i < n; i++) {
+        int64_t o = m->base + (r0 + i) * m->rs;
+        const float *a = acc + i * m->cols;
+        if (m->dt == DSK_F32) {
+            float *y = (float *)m->data + o;
+            for (int64_t d = 0; d < m->cols; d++) y[d] += a[d];
+        } else {
+            for (int64_t d = 0; d < m->cols; d++) dsk_store_f32(m->data, m->dt, o + d, dsk_load_f32(m->data, m->dt, o + d) + a[d]);
         }
+    }
+}
+
+/* dst (cols x n, leading dim n) = rows [r0, r0 + n) of m transposed, as f32: the right operand
+   of Q K^T and dO V^T with contiguous rows. row: scratch of cols floats. */
+static void dsk__fa_rows_t(const dsk__fa_mat *m, int64_t r0, int64_t n, float *dst, float *row) {
+    for (int64_t i = 0; i < n; i++) {
+        const float *x = row;
+        if (m->dt == DSK_F32) x = (const float *)m->data + m->base + (r0 + i) * m->rs;
+        else dsk__fa_load_row(m, r0 + i, row);
+        for (int64_t d = 0; d < m->cols; d++) dst[d * n + i] = x[d];
+    }
 }
 
 /* Valid keys of query row i in the key tile starting at j0 with bc keys (causal: j <= i). */
@@ -2680,6 +2705,7 @@ static void dsk__fa_softmax_tile(float *S, int64_t br, int64_t bc, int64_t i0, i
     for (int64_t r = 0; r < br; r++) {
         float *s = S + r * DSK__FA_BC, mx = m[r], sum = 0.0f, alpha;
         int64_t nc = dsk__fa_ncols(i0 + r, j0, bc);
+        DSK__OMP(simd reduction(max : mx))
         for (int64_t c = 0; c < nc; c++) mx = s[c] > mx ? s[c] : mx;
         alpha = dsk_attn_exp_f(m[r] - mx);
         DSK__OMP(simd reduction(+ : sum))
@@ -2696,21 +2722,22 @@ static void dsk__fa_softmax_tile(float *S, int64_t br, int64_t bc, int64_t i0, i
     }
 }
 
-/* Forward of query tile it of head (b, h); sc: this thread's scratch. */
+/* Forward of query tile it of head (b, h); sc: this thread's scratch (dsk__fa_forward_scratch). */
 static void dsk__fa_forward_tile(dsk_tensor *out, dsk_tensor *lse, const dsk_tensor *q, const dsk_tensor *k, const dsk_tensor *v,
                                  float scale, int64_t b, int64_t h, int64_t it, float *sc) {
     int64_t T = q->shape[1], H = q->shape[2], Dk = q->shape[3], Dv = v->shape[3];
-    int64_t i0 = it * DSK__FA_BR, br = T - i0 < DSK__FA_BR ? T - i0 : DSK__FA_BR, ldq, ldk, ldv;
-    float *qb = sc, *kb = qb + DSK__FA_BR * Dk, *vb = kb + DSK__FA_BC * Dk, *S = vb + DSK__FA_BC * Dv;
-    float *O = S + DSK__FA_BR * DSK__FA_BC, *m = O + DSK__FA_BR * Dv, *l = m + DSK__FA_BR;
+    int64_t i0 = it * DSK__FA_BR, br = T - i0 < DSK__FA_BR ? T - i0 : DSK__FA_BR, ldq, ldv;
+    float *qb = sc, *kt = qb + DSK__FA_BR * Dk, *vb = kt + DSK__FA_BC * Dk, *S = vb + DSK__FA_BC * Dv;
+    float *O = S + DSK__FA_BR * DSK__FA_BC, *m = O + DSK__FA_BR * Dv, *l = m + DSK__FA_BR, *row = l + DSK__FA_BR;
     dsk__fa_mat mq = dsk__fa_head(q, b, h), mk = dsk__fa_head(k, b, h), mv = dsk__fa_head(v, b, h), mo = dsk__fa_head(out, b, h);
     const float *Q = dsk__fa_rows(&mq, i0, br, qb, &ldq);
     for (int64_t r = 0; r < br; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
     memset(O, 0, (size_t)(br * Dv) * sizeof(float));
     for (int64_t j0 = 0; j0 < i0 + br; j0 += DSK__FA_BC) {
         int64_t bc = i0 + br - j0 < DSK__FA_BC ? i0 + br - j0 : DSK__FA_BC;
-        const float *K = dsk__fa_rows(&mk, j0, bc, kb, &ldk), *V = dsk__fa_rows(&mv, j0, bc, vb, &ldv);
-        dsk_sgemm_cpu(0, 1, br, bc, Dk, scale, Q, ldq, K, ldk, 0.0f, S, DSK__FA_BC, 1);
+        const float *V = dsk__fa_rows(&mv, j0, bc, vb, &ldv);
+        dsk__fa_rows_t(&mk, j0, bc, kt, row);
+        dsk_sgemm_cpu(0, 0, br, bc, Dk, scale, Q, ldq, kt, bc, 0.0f, S, DSK__FA_BC, 1);
         dsk__fa_softmax_tile(S, br, bc, i0, j0, m, l, O, Dv);
         dsk_sgemm_cpu(0, 0, br, Dv, bc, 1.0f, S, DSK__FA_BC, V, ldv, 1.0f, O, Dv, 1);
     }
@@ -2723,7 +2750,8 @@ static void dsk__fa_forward_tile(dsk_tensor *out, dsk_tensor *lse, const dsk_ten
 
 /* Per-thread scratch floats of the forward tiles. */
 static int64_t dsk__fa_forward_scratch(int64_t Dk, int64_t Dv) {
-    return DSK__FA_BR * Dk + DSK__FA_BC * Dk + DSK__FA_BC * Dv + DSK__FA_BR * DSK__FA_BC + DSK__FA_BR * Dv + 2 * DSK__FA_BR;
+    return DSK__FA_BR * Dk + DSK__FA_BC * Dk + DSK__FA_BC * Dv + DSK__FA_BR * DSK__FA_BC + DSK__FA_BR * Dv + 2 * DSK__FA_BR +
+           (Dk > Dv ? Dk : Dv);
 }
 
 DSK_API dsk_status dsk_attention_fused(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *lse, const dsk_tensor *q, const dsk_tensor *k,
@@ -2746,7 +2774,7 @@ DSK_API dsk_status dsk_attention_fused(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor
     per = dsk__fa_forward_scratch(q->shape[3], v->shape[3]);
     if (!(scratch = dsk__scratch(fn, ctx, per, &s))) return s;
     /* Every (b, h, query tile) owns its rows of out and lse; tiles near the end of a sequence
-       cost more (more keys), so they are handed out dynamically. */
+       cost more (more keys), so they are handed out first, dynamically. */
     DSK__OMP(parallel for schedule(dynamic) num_threads(dsk__threads(ctx)) if (B * H * nt > 1))
     for (int64_t w = 0; w < B * H * nt; w++)
         dsk__fa_forward_tile(out, lse, q, k, v, scale, w / (H * nt), w / nt % H, nt - 1 - w % nt, scratch + per * dsk__thread_id());
@@ -2763,17 +2791,35 @@ typedef struct dsk__fa_bwd {
     int64_t T, H, Dk, Dv;
 } dsk__fa_bwd;
 
-/* dS of query rows i0.. (br) against keys j0.. (bc) of head (b, h), with everything the tile
-   needs loaded: S becomes P = e^(scale Q K^T - lse) (0 where masked) and dP becomes
-   dS = P (dO V^T - D). Q, dO, K, V as f32 with their leading dims. */
-static void dsk__fa_dscores(const dsk__fa_bwd *a, int64_t bh, int64_t i0, int64_t br, int64_t j0, int64_t bc, const float *Q, int64_t ldq,
-                            const float *dO, int64_t ldo, const float *K, int64_t ldk, const float *V, int64_t ldv, float *S, float *dP) {
+/* A key tile of one head as the backward products read it: K row-major (in place when f32),
+   K^T and V^T (d x bc, leading dim bc). */
+typedef struct dsk__fa_ktile {
+    const float *K, *Kt, *Vt;
+    int64_t ldk, j0, bc;
+} dsk__fa_ktile;
+
+static dsk__fa_ktile dsk__fa_load_ktile(const dsk__fa_bwd *a, int64_t b, int64_t h, int64_t j0, int64_t bc, float *kb, float *kt, float *vt,
+                                        float *row) {
+    dsk__fa_ktile t;
+    dsk__fa_mat mk = dsk__fa_head(a->k, b, h), mv = dsk__fa_head(a->v, b, h);
+    t.K = dsk__fa_rows(&mk, j0, bc, kb, &t.ldk);
+    dsk__fa_rows_t(&mk, j0, bc, kt, row);
+    dsk__fa_rows_t(&mv, j0, bc, vt, row);
+    t.Kt = kt; t.Vt = vt; t.j0 = j0; t.bc = bc;
+    return t;
+}
+
+/* dS of query rows i0.. (br) against key tile kt of head bh, Q and dO as f32 with their leading
+   dims: S becomes P = e^(scale Q K^T - lse) (0 where masked) and dP becomes dS = P (dO V^T - D). */
+static void dsk__fa_dscores(const dsk__fa_bwd *a, int64_t bh, int64_t i0, int64_t br, const dsk__fa_ktile *kt, const float *Q, int64_t ldq,
+                            const float *dO, int64_t ldo, float *S, float *dP) {
     const float *lse = a->lse + bh * a->T + i0, *drow = a->drow + bh * a->T + i0;
-    dsk_sgemm_cpu(0, 1, br, bc, a->Dk, a->scale, Q, ldq, K, ldk, 0.0f, S, DSK__FA_BC, 1);
-    dsk_sgemm_cpu(0, 1, br, bc, a->Dv, 1.0f, dO, ldo, V, ldv, 0.0f, dP, DSK__FA_BC, 1);
+    int64_t bc = kt->bc;
+    dsk_sgemm_cpu(0, 0, br, bc, a->Dk, a->scale, Q, ldq, kt->Kt, bc, 0.0f, S, DSK__FA_BC, 1);
+    dsk_sgemm_cpu(0, 0, br, bc, a->Dv, 1.0f, dO, ldo, kt->Vt, bc, 0.0f, dP, DSK__FA_BC, 1);
     for (int64_t r = 0; r < br; r++) {
         float *s = S + r * DSK__FA_BC, *dp = dP + r * DSK__FA_BC, ls = lse[r], dr = drow[r];
-        int64_t nc = dsk__fa_ncols(i0 + r, j0, bc);
+        int64_t nc = dsk__fa_ncols(i0 + r, kt->j0, bc);
         DSK__OMP(simd)
         for (int64_t c = 0; c < nc; c++) {
             s[c] = dsk_attn_exp_f(s[c] - ls);
@@ -2784,35 +2830,36 @@ static void dsk__fa_dscores(const dsk__fa_bwd *a, int64_t bh, int64_t i0, int64_
 }
 
 /* Scratch floats per thread of the backward tiles (dq_whole: T x Dk more for the one-pass
-   order, which accumulates a whole head's dq). */
+   order, which accumulates a whole head's dq). Layout: Q, dO (query tile), K, K^T, V^T (key
+   tile), S, dP, then dK, dV (key pass) or dQ (query pass), a row, and the whole dq last. */
+static int64_t dsk__fa_backward_acc(int64_t Dk, int64_t Dv) {
+    return DSK__FA_BC * (Dk + Dv) > DSK__FA_BR * Dk ? DSK__FA_BC * (Dk + Dv) : DSK__FA_BR * Dk;
+}
 static int64_t dsk__fa_backward_scratch(int64_t T, int64_t Dk, int64_t Dv, int dq_whole) {
-    return 2 * DSK__FA_BR * Dk + DSK__FA_BR * Dv + 2 * DSK__FA_BC * Dk + 2 * DSK__FA_BC * Dv + 2 * DSK__FA_BR * DSK__FA_BC +
-           (dq_whole ? T * Dk : 0);
+    return DSK__FA_BR * (Dk + Dv) + DSK__FA_BC * (2 * Dk + Dv) + 2 * DSK__FA_BR * DSK__FA_BC + dsk__fa_backward_acc(Dk, Dv) +
+           (Dk > Dv ? Dk : Dv) + (dq_whole ? T * Dk : 0);
 }
 
 /* Key tile jt of head (b, h): its dk and dv rows from every query tile at or after it, in
    increasing order. With dq (a whole head's T x Dk f32 accumulator) the same tiles also add
    scale dS K into it (the one-pass order); else dq is left to dsk__fa_bwd_queries. */
 static void dsk__fa_bwd_keys(const dsk__fa_bwd *a, int64_t b, int64_t h, int64_t jt, float *sc, float *dq) {
-    int64_t T = a->T, Dk = a->Dk, Dv = a->Dv, j0 = jt * DSK__FA_BC, bc = T - j0 < DSK__FA_BC ? T - j0 : DSK__FA_BC;
-    int64_t ldq, ldo, ldk, ldv;
-    float *qb = sc, *ob = qb + DSK__FA_BR * Dk, *kb = ob + DSK__FA_BR * Dv, *vb = kb + DSK__FA_BC * Dk, *S = vb + DSK__FA_BC * Dv;
-    float *dP = S + DSK__FA_BR * DSK__FA_BC, *gk = dP + DSK__FA_BR * DSK__FA_BC, *gv = gk + DSK__FA_BC * Dk;
-    dsk__fa_mat mq = dsk__fa_head(a->q, b, h), mk = dsk__fa_head(a->k, b, h), mv = dsk__fa_head(a->v, b, h);
-    dsk__fa_mat mo = dsk__fa_head(a->dout, b, h);
-    const float *K = dsk__fa_rows(&mk, j0, bc, kb, &ldk), *V = dsk__fa_rows(&mv, j0, bc, vb, &ldv);
+    int64_t T = a->T, Dk = a->Dk, Dv = a->Dv, j0 = jt * DSK__FA_BC, bc = T - j0 < DSK__FA_BC ? T - j0 : DSK__FA_BC, ldq, ldo;
+    float *qb = sc, *ob = qb + DSK__FA_BR * Dk, *kb = ob + DSK__FA_BR * Dv, *ktb = kb + DSK__FA_BC * Dk, *vtb = ktb + DSK__FA_BC * Dk;
+    float *S = vtb + DSK__FA_BC * Dv, *dP = S + DSK__FA_BR * DSK__FA_BC, *gk = dP + DSK__FA_BR * DSK__FA_BC, *gv = gk + DSK__FA_BC * Dk;
+    float *row = gk + dsk__fa_backward_acc(Dk, Dv);
+    dsk__fa_mat mq = dsk__fa_head(a->q, b, h), mo = dsk__fa_head(a->dout, b, h), mk = dsk__fa_head(a->dk, b, h), mv = dsk__fa_head(a->dv, b, h);
+    dsk__fa_ktile kt = dsk__fa_load_ktile(a, b, h, j0, bc, kb, ktb, vtb, row);
     memset(gk, 0, (size_t)(bc * Dk) * sizeof(float));
     memset(gv, 0, (size_t)(bc * Dv) * sizeof(float));
     for (int64_t i0 = j0 / DSK__FA_BR * DSK__FA_BR; i0 < T; i0 += DSK__FA_BR) {
         int64_t br = T - i0 < DSK__FA_BR ? T - i0 : DSK__FA_BR;
         const float *Q = dsk__fa_rows(&mq, i0, br, qb, &ldq), *dO = dsk__fa_rows(&mo, i0, br, ob, &ldo);
-        dsk__fa_dscores(a, b * a->H + h, i0, br, j0, bc, Q, ldq, dO, ldo, K, ldk, V, ldv, S, dP);
+        dsk__fa_dscores(a, b * a->H + h, i0, br, &kt, Q, ldq, dO, ldo, S, dP);
         dsk_sgemm_cpu(1, 0, bc, Dv, br, 1.0f, S, DSK__FA_BC, dO, ldo, 1.0f, gv, Dv, 1);        /* dV += P^T dO */
         dsk_sgemm_cpu(1, 0, bc, Dk, br, a->scale, dP, DSK__FA_BC, Q, ldq, 1.0f, gk, Dk, 1);    /* dK += scale dS^T Q */
-        if (dq) dsk_sgemm_cpu(0, 0, br, Dk, bc, a->scale, dP, DSK__FA_BC, K, ldk, 1.0f, dq + i0 * Dk, Dk, 1); /* dQ += scale dS K */
+        if (dq) dsk_sgemm_cpu(0, 0, br, Dk, bc, a->scale, dP, DSK__FA_BC, kt.K, kt.ldk, 1.0f, dq + i0 * Dk, Dk, 1); /* dQ += scale dS K */
     }
-    mk = dsk__fa_head(a->dk, b, h);
-    mv = dsk__fa_head(a->dv, b, h);
     dsk__fa_add_rows(&mk, j0, bc, gk);
     dsk__fa_add_rows(&mv, j0, bc, gv);
 }
@@ -2820,22 +2867,20 @@ static void dsk__fa_bwd_keys(const dsk__fa_bwd *a, int64_t b, int64_t h, int64_t
 /* Query tile it of head (b, h): its dq rows from every key tile up to it, in increasing order
    (the same sums, in the same order, as the one-pass loop). */
 static void dsk__fa_bwd_queries(const dsk__fa_bwd *a, int64_t b, int64_t h, int64_t it, float *sc) {
-    int64_t T = a->T, Dk = a->Dk, Dv = a->Dv, i0 = it * DSK__FA_BR, br = T - i0 < DSK__FA_BR ? T - i0 : DSK__FA_BR;
-    int64_t ldq, ldo, ldk, ldv;
-    float *qb = sc, *ob = qb + DSK__FA_BR * Dk, *kb = ob + DSK__FA_BR * Dv, *vb = kb + DSK__FA_BC * Dk, *S = vb + DSK__FA_BC * Dv;
-    float *dP = S + DSK__FA_BR * DSK__FA_BC, *gq = dP + DSK__FA_BR * DSK__FA_BC;
-    dsk__fa_mat mq = dsk__fa_head(a->q, b, h), mk = dsk__fa_head(a->k, b, h), mv = dsk__fa_head(a->v, b, h);
-    dsk__fa_mat mo = dsk__fa_head(a->dout, b, h);
+    int64_t T = a->T, Dk = a->Dk, Dv = a->Dv, i0 = it * DSK__FA_BR, br = T - i0 < DSK__FA_BR ? T - i0 : DSK__FA_BR, ldq, ldo;
+    float *qb = sc, *ob = qb + DSK__FA_BR * Dk, *kb = ob + DSK__FA_BR * Dv, *ktb = kb + DSK__FA_BC * Dk, *vtb = ktb + DSK__FA_BC * Dk;
+    float *S = vtb + DSK__FA_BC * Dv, *dP = S + DSK__FA_BR * DSK__FA_BC, *gq = dP + DSK__FA_BR * DSK__FA_BC;
+    float *row = gq + dsk__fa_backward_acc(Dk, Dv);
+    dsk__fa_mat mq = dsk__fa_head(a->q, b, h), mo = dsk__fa_head(a->dout, b, h), mdq = dsk__fa_head(a->dq, b, h);
     const float *Q = dsk__fa_rows(&mq, i0, br, qb, &ldq), *dO = dsk__fa_rows(&mo, i0, br, ob, &ldo);
     memset(gq, 0, (size_t)(br * Dk) * sizeof(float));
     for (int64_t j0 = 0; j0 < i0 + br; j0 += DSK__FA_BC) {
         int64_t bc = T - j0 < DSK__FA_BC ? T - j0 : DSK__FA_BC;
-        const float *K = dsk__fa_rows(&mk, j0, bc, kb, &ldk), *V = dsk__fa_rows(&mv, j0, bc, vb, &ldv);
-        dsk__fa_dscores(a, b * a->H + h, i0, br, j0, bc, Q, ldq, dO, ldo, K, ldk, V, ldv, S, dP);
-        dsk_sgemm_cpu(0, 0, br, Dk, bc, a->scale, dP, DSK__FA_BC, K, ldk, 1.0f, gq, Dk, 1);
+        dsk__fa_ktile kt = dsk__fa_load_ktile(a, b, h, j0, bc, kb, ktb, vtb, row);
+        dsk__fa_dscores(a, b * a->H + h, i0, br, &kt, Q, ldq, dO, ldo, S, dP);
+        dsk_sgemm_cpu(0, 0, br, Dk, bc, a->scale, dP, DSK__FA_BC, kt.K, kt.ldk, 1.0f, gq, Dk, 1);
     }
-    mq = dsk__fa_head(a->dq, b, h);
-    dsk__fa_add_rows(&mq, i0, br, gq);
+    dsk__fa_add_rows(&mdq, i0, br, gq);
 }
 
 /* D (B, H, T) = row sums of dout * out in f32, in order. */
