@@ -2705,7 +2705,6 @@ static void dsk__fa_softmax_tile(float *S, int64_t br, int64_t bc, int64_t i0, i
     for (int64_t r = 0; r < br; r++) {
         float *s = S + r * DSK__FA_BC, mx = m[r], sum = 0.0f, alpha;
         int64_t nc = dsk__fa_ncols(i0 + r, j0, bc);
-        DSK__OMP(simd reduction(max : mx))
         for (int64_t c = 0; c < nc; c++) mx = s[c] > mx ? s[c] : mx;
         alpha = dsk_attn_exp_f(m[r] - mx);
         DSK__OMP(simd reduction(+ : sum))
