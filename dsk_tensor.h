@@ -3120,7 +3120,11 @@ static void dsk__attn_gemm(const dsk__ukernel *uk, int64_t M, int64_t N, int64_t
 }
 
 /* Floats of GEMM scratch the attention products need. */
-static int64_t dsk__attn_ws(const dsk__ukernel *uk) { return (int64_t)DSK__DIRECT_KC * uk->mr; }
+static int64_t dsk__attn_ws(const dsk__ukernel *uk, int64_t T) {
+    int64_t direct = (int64_t)DSK__DIRECT_KC * uk->mr;
+    int64_t packed = (int64_t)DSK__KC * (DSK__MC + dsk__round_up(dsk__min64(T, DSK__NC), uk->nr));
+    return T > DSK__DIRECT_N && packed > direct ? packed : direct;
+}
 
 DSK_API dsk_status dsk_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *probs, const dsk_tensor *q, const dsk_tensor *k, const dsk_tensor *v,
                                  float scale) {
@@ -3141,7 +3145,7 @@ DSK_API dsk_status dsk_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *prob
     B = q->shape[0]; T = q->shape[1]; H = q->shape[2]; Dh = q->shape[3];
     half = q->dtype != DSK_F32;
     RB = 2 * uk.mr; /* query rows per block: the causal products stop at the block's last row */
-    per = Dh * T + dsk__attn_ws(&uk) + (half ? 4 * T * Dh : 0); /* K^T, GEMM scratch; bf16/f16: f32 q, k, v, out */
+    per = Dh * T + dsk__attn_ws(&uk, T) + (half ? 4 * T * Dh : 0); /* K^T, GEMM scratch; bf16/f16: f32 q, k, v, out */
     if (!(scratch = dsk__scratch(fn, ctx, per, &s))) return s;
     /* One (b, h) per thread with its own scratch and one-thread GEMMs: the same bits for any
        thread count. Per block of query rows [i0, i1): S = scale Q K^T for the columns j < i1
@@ -3150,7 +3154,7 @@ DSK_API dsk_status dsk_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *prob
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (B * H * T * T * Dh > DSK__PAR_MIN))
     for (int64_t bh = 0; bh < B * H; bh++) {
         int64_t b = bh / H, h = bh % H, ldq, ldk, ldv, ldo = H * Dh, base = (b * T * H + h) * Dh;
-        float *Kt = scratch + per * dsk__thread_id(), *ws = Kt + Dh * T, *sc = ws + dsk__attn_ws(&uk);
+        float *Kt = scratch + per * dsk__thread_id(), *ws = Kt + Dh * T, *sc = ws + dsk__attn_ws(&uk, T);
         const float *Q = dsk__attn_in(q, b, h, sc, &ldq), *K = dsk__attn_in(k, b, h, sc + T * Dh, &ldk);
         const float *V = dsk__attn_in(v, b, h, sc + 2 * T * Dh, &ldv);
         float *P = (float *)probs->data + bh * T * T, *O = half ? sc + 3 * T * Dh : (float *)out->data + base;
@@ -3200,7 +3204,7 @@ DSK_API dsk_status dsk_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tens
     half = q->dtype != DSK_F32;
     RB = 2 * uk.mr;
     /* dS (T x T), V^T, GEMM scratch; bf16/f16 add f32 copies of q, k, v, dout and the gradients gq, gk, gv */
-    per = T * T + Dh * T + dsk__attn_ws(&uk) + (half ? 7 * T * Dh : 0);
+    per = T * T + Dh * T + dsk__attn_ws(&uk, T) + (half ? 7 * T * Dh : 0);
     if (!(scratch = dsk__scratch(fn, ctx, per, &s))) return s;
     /* Each (b, h) owns its slices of dq, dk, dv. f32: the GEMMs accumulate into them (beta 1);
        bf16/f16: the gradient is formed in f32 and added once, rounding once. Causal structure:
@@ -3208,7 +3212,7 @@ DSK_API dsk_status dsk_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tens
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (B * H * T * T * Dh > DSK__PAR_MIN))
     for (int64_t bh = 0; bh < B * H; bh++) {
         int64_t b = bh / H, h = bh % H, ldq, ldk, ldv, ldo, ldg = half ? Dh : H * Dh, base = (b * T * H + h) * Dh;
-        float *dS = scratch + per * dsk__thread_id(), *Vt = dS + T * T, *ws = Vt + Dh * T, *sc = ws + dsk__attn_ws(&uk);
+        float *dS = scratch + per * dsk__thread_id(), *Vt = dS + T * T, *ws = Vt + Dh * T, *sc = ws + dsk__attn_ws(&uk, T);
         float beta = half ? 0.0f : 1.0f;
         const float *P = (const float *)probs->data + bh * T * T;
         const float *Q = dsk__attn_in(q, b, h, sc, &ldq), *K = dsk__attn_in(k, b, h, sc + T * Dh, &ldk);

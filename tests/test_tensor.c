@@ -1576,6 +1576,33 @@ static void test_attention_threads(dsk_dtype dt) {
     dsk_ctx_free(&c[1]);
 }
 
+/* T beyond the direct GEMM nest's widest product (512): the score products are as wide as T
+   and take the packed nest, whose scratch is larger (it once wrote past a scratch sized for the
+   direct nest). Forward and backward vs float64. */
+static void test_attention_long(void) {
+    int64_t T = 700, H = 2, D = 64, n = T * H * D;
+    const int64_t *sh = SH(1, 700, 2, 64);
+    dsk_tensor *q = tt_rand(DSK_F32, 4, sh, -2, 2), *k = tt_rand(DSK_F32, 4, sh, -2, 2), *v = tt_rand(DSK_F32, 4, sh, -1, 1);
+    dsk_tensor *dout = tt_rand(DSK_F32, 4, sh, -1, 1), *out = tt_poisoned(DSK_F32, 4, sh), *probs = tt_poisoned(DSK_F32, 4, SH(1, 2, 700, 700));
+    dsk_tensor *dq = tt_new(DSK_F32, 4, sh), *dk = tt_new(DSK_F32, 4, sh), *dv = tt_new(DSK_F32, 4, sh);
+    double *wo = tt_zeros(n), *wp = tt_zeros(H * T * T), *gq = tt_zeros(n), *gk = tt_zeros(n), *gv = tt_zeros(n);
+    tt_ud u;
+    memset(&u, 0, sizeof u);
+    u.B = 1; u.T = T; u.H = H; u.D = D; u.n = n; u.scale = 0.125;
+    DSK_TEST_OK(dsk_tensor_fill(NULL, dq, 0.0));
+    DSK_TEST_OK(dsk_tensor_fill(NULL, dk, 0.0));
+    DSK_TEST_OK(dsk_tensor_fill(NULL, dv, 0.0));
+    tt_attention_ref(tt_vals(q), tt_vals(k), tt_vals(v), &u, wo, wp);
+    tt_attention_backward_ref(tt_vals(q), tt_vals(k), tt_vals(v), tt_vals(dout), wp, &u, gq, gk, gv);
+    DSK_TEST_OK(dsk_attention(NULL, out, probs, q, k, v, 0.125f));
+    DSK_TEST_OK(dsk_attention_backward(NULL, dq, dk, dv, dout, q, k, v, probs, 0.125f));
+    TT_CHECK(out, wo, 2e-5, 1e-6, "attention out, T 700");
+    TT_CHECK(probs, wp, 1e-5, 1e-7, "attention probs, T 700");
+    TT_CHECK(dq, gq, 1e-4, 1e-5, "attention dq, T 700");
+    TT_CHECK(dk, gk, 1e-4, 1e-5, "attention dk, T 700");
+    TT_CHECK(dv, gv, 1e-4, 1e-5, "attention dv, T 700");
+}
+
 /* L = sum (A B) * G over x = [A; B]: the gradients a training step gets from two matmuls. */
 static double tt_matmul_loss(const double *x, void *p) {
     tt_ud *u = (tt_ud *)p;
@@ -2253,6 +2280,7 @@ int main(void) {
         TT_CASE("fused attention %s (1, 200, 1): same bits on 1, 2, 3 threads (one-pass and two-pass backward)", n);
         test_attention_fused_threads(dt, 1);
     }
+    TT_CASE("attention (1, 700, 2, 64) f32 vs float64: score products wider than the direct GEMM nest"); test_attention_long();
     TT_CASE("errors: fused attention"); test_errors_attention_fused();
     TT_CASE("errors: CUDA tensors and devices"); test_errors_devices();
     tt_release();
