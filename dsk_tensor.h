@@ -637,34 +637,13 @@ DSK_API dsk_status dsk_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_ten
    rounding to the dtype. lse (B, H, T) f32 contiguous: the row's log of sum_j e^(scale q.k)
    (natural log), written by forward (NULL: not kept), read by backward.
    Memory beyond the tensors: tiles per thread plus O(B H T) for the row statistics.
-   CPU: 64 x 64 tiles through dsk_sgemm_cpu, threads over (batch, head, query tile); backward
+   CPU: 64 x 64 tiles through the GEMM micro-kernel and row primitives of ctx->cpu_isa (the exp
+   is dsk_exp_f, on the GPU too), threads over (batch, head, query tile); backward
    over (batch, head) when there are enough of them, else in two passes over key tiles (dk, dv)
    and query tiles (dq); every sum keeps its order either way, so the bits are the same for any
    ctx->n_threads. CUDA (kernels/attention.cu): bf16 and f16 on tensor cores (WMMA, f32
    accumulation), f32 on CUDA cores. The materialised dsk_attention stays as the reference. */
 
-/* e^x for the shifted scores of a softmax (x <= 0, where it is meant to be used): range
-   reduction x = n ln2 + r (n rounded to nearest by adding 1.5 * 2^23, whose bits then hold n)
-   and the degree-7 Taylor polynomial of e^r, within a few ulp of expf. Below -87 it returns
-   e^-87 (1.6e-38), which no softmax row whose largest term is 1 can tell from smaller values,
-   so 2^n stays a normal number; NaN stays NaN. No branches or conversions, so the CPU loops
-   vectorise it; the CUDA kernels call the same function. */
-static inline DSK_HD float dsk_attn_exp_f(float x) {
-    float t, n, r, p;
-    x = x < -87.0f ? -87.0f : x;
-    t = x * 1.44269504088896341f + 12582912.0f;
-    n = t - 12582912.0f;
-    r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-6f; /* ln 2 in two parts: n * hi is exact */
-    p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    return p * dsk_bits_f32((dsk_f32_bits(t) - 0x4B400000u + 127u) << 23);
-}
 /* A row's log-sum-exp from its running maximum m and its sum l of e^(s - m). */
 static inline DSK_HD float dsk_attn_lse(float m, float l) { return m + logf(l); }
 /* Gradient of a score from its probability p, the gradient dp of p and the row's
@@ -3467,36 +3446,52 @@ static int64_t dsk__fa_ncols(int64_t i, int64_t j0, int64_t bc) {
     return n < 0 ? 0 : n > bc ? bc : n;
 }
 
+/* The kernels of one call: ctx's GEMM micro-kernel and row primitives, and the floats of GEMM
+   scratch a tile product needs (the direct nest; the packed one past DSK__DIRECT_N columns). */
+typedef struct dsk__fa_k {
+    dsk__ukernel uk;
+    dsk__rowk rk;
+    int64_t ws;
+} dsk__fa_k;
+
+static dsk__fa_k dsk__fa_kernels(const dsk_ctx *ctx, int64_t Dk, int64_t Dv) {
+    dsk__fa_k k;
+    int64_t n = Dk > Dv ? Dk : Dv, packed;
+    k.uk = dsk__ukernel_for(ctx ? ctx->cpu_isa : DSK_CPU_ISA_AUTO);
+    k.rk = dsk__rowk_ctx(ctx);
+    k.ws = (int64_t)DSK__DIRECT_KC * k.uk.mr;
+    packed = (int64_t)DSK__KC * (DSK__MC + dsk__round_up(dsk__min64(n, DSK__NC), k.uk.nr));
+    if (n > DSK__DIRECT_N && packed > k.ws) k.ws = packed;
+    return k;
+}
+
 /* Online softmax over one tile. S (br x bc, leading dim DSK__FA_BC) holds the scaled scores of
    query rows i0.. against keys j0..; it becomes P = e^(S - m_new), 0 where masked. Each row's
    running max m and sum l are updated and its accumulated output O (leading dim dv) rescaled. */
-static void dsk__fa_softmax_tile(float *S, int64_t br, int64_t bc, int64_t i0, int64_t j0, float *m, float *l, float *O, int64_t dv) {
+static void dsk__fa_softmax_tile(const dsk__fa_k *k, float *S, int64_t br, int64_t bc, int64_t i0, int64_t j0, float *m, float *l, float *O,
+                                 int64_t dv) {
     for (int64_t r = 0; r < br; r++) {
-        float *s = S + r * DSK__FA_BC, mx = m[r], sum = 0.0f, alpha;
+        float *s = S + r * DSK__FA_BC, mx, alpha;
         int64_t nc = dsk__fa_ncols(i0 + r, j0, bc);
-        for (int64_t c = 0; c < nc; c++) mx = s[c] > mx ? s[c] : mx;
-        alpha = dsk_attn_exp_f(m[r] - mx);
-        DSK__OMP(simd reduction(+ : sum))
-        for (int64_t c = 0; c < nc; c++) {
-            s[c] = dsk_attn_exp_f(s[c] - mx);
-            sum += s[c];
-        }
-        for (int64_t c = nc; c < bc; c++) s[c] = 0.0f;
+        memset(s + nc, 0, (size_t)(bc - nc) * sizeof(float));
         if (nc == 0) continue;
-        l[r] = alpha * l[r] + sum;
+        mx = k->rk.max(s, nc);
+        mx = mx > m[r] ? mx : m[r];
+        alpha = dsk_exp_f(m[r] - mx);
+        l[r] = alpha * l[r] + k->rk.exp_sum(s, s, nc, mx);
         m[r] = mx;
-        if (alpha != 1.0f)
-            for (int64_t d = 0; d < dv; d++) O[r * dv + d] *= alpha;
+        if (alpha != 1.0f) k->rk.scale(O + r * dv, O + r * dv, alpha, dv);
     }
 }
 
 /* Forward of query tile it of head (b, h); sc: this thread's scratch (dsk__fa_forward_scratch). */
-static void dsk__fa_forward_tile(dsk_tensor *out, dsk_tensor *lse, const dsk_tensor *q, const dsk_tensor *k, const dsk_tensor *v,
-                                 float scale, int64_t b, int64_t h, int64_t it, float *sc) {
+static void dsk__fa_forward_tile(const dsk__fa_k *kk, dsk_tensor *out, dsk_tensor *lse, const dsk_tensor *q, const dsk_tensor *k,
+                                 const dsk_tensor *v, float scale, int64_t b, int64_t h, int64_t it, float *sc) {
     int64_t T = q->shape[1], H = q->shape[2], Dk = q->shape[3], Dv = v->shape[3];
     int64_t i0 = it * DSK__FA_BR, br = T - i0 < DSK__FA_BR ? T - i0 : DSK__FA_BR, ldq, ldv;
     float *qb = sc, *kt = qb + DSK__FA_BR * Dk, *vb = kt + DSK__FA_BC * Dk, *S = vb + DSK__FA_BC * Dv;
     float *O = S + DSK__FA_BR * DSK__FA_BC, *m = O + DSK__FA_BR * Dv, *l = m + DSK__FA_BR, *row = l + DSK__FA_BR;
+    float *ws = row + (Dk > Dv ? Dk : Dv);
     dsk__fa_mat mq = dsk__fa_head(q, b, h), mk = dsk__fa_head(k, b, h), mv = dsk__fa_head(v, b, h), mo = dsk__fa_head(out, b, h);
     const float *Q = dsk__fa_rows(&mq, i0, br, qb, &ldq);
     for (int64_t r = 0; r < br; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
@@ -3505,21 +3500,23 @@ static void dsk__fa_forward_tile(dsk_tensor *out, dsk_tensor *lse, const dsk_ten
         int64_t bc = i0 + br - j0 < DSK__FA_BC ? i0 + br - j0 : DSK__FA_BC;
         const float *V = dsk__fa_rows(&mv, j0, bc, vb, &ldv);
         dsk__fa_rows_t(&mk, j0, bc, kt, row);
-        dsk_sgemm_cpu(0, 0, br, bc, Dk, scale, Q, ldq, kt, bc, 0.0f, S, DSK__FA_BC, 1);
-        dsk__fa_softmax_tile(S, br, bc, i0, j0, m, l, O, Dv);
-        dsk_sgemm_cpu(0, 0, br, Dv, bc, 1.0f, S, DSK__FA_BC, V, ldv, 1.0f, O, Dv, 1);
+        dsk__attn_gemm(&kk->uk, br, bc, Dk, scale, Q, ldq, 1, kt, bc, 0.0f, S, DSK__FA_BC, ws); /* S = scale Q K^T */
+        dsk__fa_softmax_tile(kk, S, br, bc, i0, j0, m, l, O, Dv);
+        dsk__attn_gemm(&kk->uk, br, Dv, bc, 1.0f, S, DSK__FA_BC, 1, V, ldv, 1.0f, O, Dv, ws); /* O += P V */
     }
     for (int64_t r = 0; r < br; r++) {
-        float inv = 1.0f / l[r];
-        for (int64_t d = 0; d < Dv; d++) dsk_store_f32(mo.data, mo.dt, mo.base + (i0 + r) * mo.rs + d, O[r * Dv + d] * inv);
+        int64_t o = mo.base + (i0 + r) * mo.rs;
+        if (mo.dt == DSK_F32) kk->rk.scale((float *)mo.data + o, O + r * Dv, 1.0f / l[r], Dv);
+        else
+            for (int64_t d = 0; d < Dv; d++) dsk_store_f32(mo.data, mo.dt, o + d, O[r * Dv + d] * (1.0f / l[r]));
         if (lse) ((float *)lse->data)[(b * H + h) * T + i0 + r] = dsk_attn_lse(m[r], l[r]);
     }
 }
 
 /* Per-thread scratch floats of the forward tiles. */
-static int64_t dsk__fa_forward_scratch(int64_t Dk, int64_t Dv) {
+static int64_t dsk__fa_forward_scratch(const dsk__fa_k *k, int64_t Dk, int64_t Dv) {
     return DSK__FA_BR * Dk + DSK__FA_BC * Dk + DSK__FA_BC * Dv + DSK__FA_BR * DSK__FA_BC + DSK__FA_BR * Dv + 2 * DSK__FA_BR +
-           (Dk > Dv ? Dk : Dv);
+           (Dk > Dv ? Dk : Dv) + k->ws;
 }
 
 DSK_API dsk_status dsk_attention_fused(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *lse, const dsk_tensor *q, const dsk_tensor *k,
@@ -3528,6 +3525,7 @@ DSK_API dsk_status dsk_attention_fused(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor
     int cuda;
     int64_t B, T, H, nt, per;
     float *scratch;
+    dsk__fa_k kk;
     dsk_status s;
     const dsk_tensor *ts[5] = {q, k, v, out, lse};
     const char *names[5] = {"q", "k", "v", "out", "lse"};
@@ -3539,13 +3537,14 @@ DSK_API dsk_status dsk_attention_fused(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor
     B = q->shape[0]; T = q->shape[1]; H = q->shape[2];
     nt = (T + DSK__FA_BR - 1) / DSK__FA_BR;
     if (B * H * T == 0) return DSK_OK;
-    per = dsk__fa_forward_scratch(q->shape[3], v->shape[3]);
+    kk = dsk__fa_kernels(ctx, q->shape[3], v->shape[3]);
+    per = dsk__fa_forward_scratch(&kk, q->shape[3], v->shape[3]);
     if (!(scratch = dsk__scratch(fn, ctx, per, &s))) return s;
     /* Every (b, h, query tile) owns its rows of out and lse; tiles near the end of a sequence
        cost more (more keys), so they are handed out first, dynamically. */
     DSK__OMP(parallel for schedule(dynamic) num_threads(dsk__threads(ctx)) if (B * H * nt > 1))
     for (int64_t w = 0; w < B * H * nt; w++)
-        dsk__fa_forward_tile(out, lse, q, k, v, scale, w / (H * nt), w / nt % H, nt - 1 - w % nt, scratch + per * dsk__thread_id());
+        dsk__fa_forward_tile(&kk, out, lse, q, k, v, scale, w / (H * nt), w / nt % H, nt - 1 - w % nt, scratch + per * dsk__thread_id());
     DSK_FREE(scratch);
     return DSK_OK;
 }
@@ -3557,6 +3556,7 @@ typedef struct dsk__fa_bwd {
     const float *lse, *drow; /* (B, H, T): forward's log-sum-exp and D = dout . out */
     float scale;
     int64_t T, H, Dk, Dv;
+    dsk__fa_k kk;
 } dsk__fa_bwd;
 
 /* A key tile of one head as the backward products read it: K row-major (in place when f32),
@@ -3580,32 +3580,31 @@ static dsk__fa_ktile dsk__fa_load_ktile(const dsk__fa_bwd *a, int64_t b, int64_t
 /* dS of query rows i0.. (br) against key tile kt of head bh, Q and dO as f32 with their leading
    dims: S becomes P = e^(scale Q K^T - lse) (0 where masked) and dP becomes dS = P (dO V^T - D). */
 static void dsk__fa_dscores(const dsk__fa_bwd *a, int64_t bh, int64_t i0, int64_t br, const dsk__fa_ktile *kt, const float *Q, int64_t ldq,
-                            const float *dO, int64_t ldo, float *S, float *dP) {
+                            const float *dO, int64_t ldo, float *S, float *dP, float *ws) {
     const float *lse = a->lse + bh * a->T + i0, *drow = a->drow + bh * a->T + i0;
     int64_t bc = kt->bc;
-    dsk_sgemm_cpu(0, 0, br, bc, a->Dk, a->scale, Q, ldq, kt->Kt, bc, 0.0f, S, DSK__FA_BC, 1);
-    dsk_sgemm_cpu(0, 0, br, bc, a->Dv, 1.0f, dO, ldo, kt->Vt, bc, 0.0f, dP, DSK__FA_BC, 1);
+    dsk__attn_gemm(&a->kk.uk, br, bc, a->Dk, a->scale, Q, ldq, 1, kt->Kt, bc, 0.0f, S, DSK__FA_BC, ws);
+    dsk__attn_gemm(&a->kk.uk, br, bc, a->Dv, 1.0f, dO, ldo, 1, kt->Vt, bc, 0.0f, dP, DSK__FA_BC, ws);
     for (int64_t r = 0; r < br; r++) {
-        float *s = S + r * DSK__FA_BC, *dp = dP + r * DSK__FA_BC, ls = lse[r], dr = drow[r];
+        float *s = S + r * DSK__FA_BC, *dp = dP + r * DSK__FA_BC;
         int64_t nc = dsk__fa_ncols(i0 + r, kt->j0, bc);
-        DSK__OMP(simd)
-        for (int64_t c = 0; c < nc; c++) {
-            s[c] = dsk_attn_exp_f(s[c] - ls);
-            dp[c] = dsk_attn_dscore(s[c], dp[c], dr);
-        }
-        for (int64_t c = nc; c < bc; c++) s[c] = dp[c] = 0.0f;
+        (void)a->kk.rk.exp_sum(s, s, nc, lse[r]);
+        a->kk.rk.sub_mul(dp, s, dp, drow[r], nc, 0); /* dsk_attn_dscore, a row at a time */
+        memset(s + nc, 0, (size_t)(bc - nc) * sizeof(float));
+        memset(dp + nc, 0, (size_t)(bc - nc) * sizeof(float));
     }
 }
 
 /* Scratch floats per thread of the backward tiles (dq_whole: T x Dk more for the one-pass
    order, which accumulates a whole head's dq). Layout: Q, dO (query tile), K, K^T, V^T (key
-   tile), S, dP, then dK, dV (key pass) or dQ (query pass), a row, and the whole dq last. */
+   tile), S, dP, then dK, dV (key pass) or dQ (query pass), a row, GEMM scratch, and the whole
+   dq last. */
 static int64_t dsk__fa_backward_acc(int64_t Dk, int64_t Dv) {
     return DSK__FA_BC * (Dk + Dv) > DSK__FA_BR * Dk ? DSK__FA_BC * (Dk + Dv) : DSK__FA_BR * Dk;
 }
-static int64_t dsk__fa_backward_scratch(int64_t T, int64_t Dk, int64_t Dv, int dq_whole) {
+static int64_t dsk__fa_backward_scratch(const dsk__fa_k *k, int64_t T, int64_t Dk, int64_t Dv, int dq_whole) {
     return DSK__FA_BR * (Dk + Dv) + DSK__FA_BC * (2 * Dk + Dv) + 2 * DSK__FA_BR * DSK__FA_BC + dsk__fa_backward_acc(Dk, Dv) +
-           (Dk > Dv ? Dk : Dv) + (dq_whole ? T * Dk : 0);
+           (Dk > Dv ? Dk : Dv) + k->ws + (dq_whole ? T * Dk : 0);
 }
 
 /* Key tile jt of head (b, h): its dk and dv rows from every query tile at or after it, in
@@ -3615,7 +3614,8 @@ static void dsk__fa_bwd_keys(const dsk__fa_bwd *a, int64_t b, int64_t h, int64_t
     int64_t T = a->T, Dk = a->Dk, Dv = a->Dv, j0 = jt * DSK__FA_BC, bc = T - j0 < DSK__FA_BC ? T - j0 : DSK__FA_BC, ldq, ldo;
     float *qb = sc, *ob = qb + DSK__FA_BR * Dk, *kb = ob + DSK__FA_BR * Dv, *ktb = kb + DSK__FA_BC * Dk, *vtb = ktb + DSK__FA_BC * Dk;
     float *S = vtb + DSK__FA_BC * Dv, *dP = S + DSK__FA_BR * DSK__FA_BC, *gk = dP + DSK__FA_BR * DSK__FA_BC, *gv = gk + DSK__FA_BC * Dk;
-    float *row = gk + dsk__fa_backward_acc(Dk, Dv);
+    float *row = gk + dsk__fa_backward_acc(Dk, Dv), *ws = row + (Dk > Dv ? Dk : Dv);
+    const dsk__ukernel *uk = &a->kk.uk;
     dsk__fa_mat mq = dsk__fa_head(a->q, b, h), mo = dsk__fa_head(a->dout, b, h), mk = dsk__fa_head(a->dk, b, h), mv = dsk__fa_head(a->dv, b, h);
     dsk__fa_ktile kt = dsk__fa_load_ktile(a, b, h, j0, bc, kb, ktb, vtb, row);
     memset(gk, 0, (size_t)(bc * Dk) * sizeof(float));
@@ -3623,10 +3623,10 @@ static void dsk__fa_bwd_keys(const dsk__fa_bwd *a, int64_t b, int64_t h, int64_t
     for (int64_t i0 = j0 / DSK__FA_BR * DSK__FA_BR; i0 < T; i0 += DSK__FA_BR) {
         int64_t br = T - i0 < DSK__FA_BR ? T - i0 : DSK__FA_BR;
         const float *Q = dsk__fa_rows(&mq, i0, br, qb, &ldq), *dO = dsk__fa_rows(&mo, i0, br, ob, &ldo);
-        dsk__fa_dscores(a, b * a->H + h, i0, br, &kt, Q, ldq, dO, ldo, S, dP);
-        dsk_sgemm_cpu(1, 0, bc, Dv, br, 1.0f, S, DSK__FA_BC, dO, ldo, 1.0f, gv, Dv, 1);        /* dV += P^T dO */
-        dsk_sgemm_cpu(1, 0, bc, Dk, br, a->scale, dP, DSK__FA_BC, Q, ldq, 1.0f, gk, Dk, 1);    /* dK += scale dS^T Q */
-        if (dq) dsk_sgemm_cpu(0, 0, br, Dk, bc, a->scale, dP, DSK__FA_BC, kt.K, kt.ldk, 1.0f, dq + i0 * Dk, Dk, 1); /* dQ += scale dS K */
+        dsk__fa_dscores(a, b * a->H + h, i0, br, &kt, Q, ldq, dO, ldo, S, dP, ws);
+        dsk__attn_gemm(uk, bc, Dv, br, 1.0f, S, 1, DSK__FA_BC, dO, ldo, 1.0f, gv, Dv, ws);      /* dV += P^T dO */
+        dsk__attn_gemm(uk, bc, Dk, br, a->scale, dP, 1, DSK__FA_BC, Q, ldq, 1.0f, gk, Dk, ws); /* dK += scale dS^T Q */
+        if (dq) dsk__attn_gemm(uk, br, Dk, bc, a->scale, dP, DSK__FA_BC, 1, kt.K, kt.ldk, 1.0f, dq + i0 * Dk, Dk, ws); /* dQ += scale dS K */
     }
     dsk__fa_add_rows(&mk, j0, bc, gk);
     dsk__fa_add_rows(&mv, j0, bc, gv);
@@ -3638,30 +3638,43 @@ static void dsk__fa_bwd_queries(const dsk__fa_bwd *a, int64_t b, int64_t h, int6
     int64_t T = a->T, Dk = a->Dk, Dv = a->Dv, i0 = it * DSK__FA_BR, br = T - i0 < DSK__FA_BR ? T - i0 : DSK__FA_BR, ldq, ldo;
     float *qb = sc, *ob = qb + DSK__FA_BR * Dk, *kb = ob + DSK__FA_BR * Dv, *ktb = kb + DSK__FA_BC * Dk, *vtb = ktb + DSK__FA_BC * Dk;
     float *S = vtb + DSK__FA_BC * Dv, *dP = S + DSK__FA_BR * DSK__FA_BC, *gq = dP + DSK__FA_BR * DSK__FA_BC;
-    float *row = gq + dsk__fa_backward_acc(Dk, Dv);
+    float *row = gq + dsk__fa_backward_acc(Dk, Dv), *ws = row + (Dk > Dv ? Dk : Dv);
     dsk__fa_mat mq = dsk__fa_head(a->q, b, h), mo = dsk__fa_head(a->dout, b, h), mdq = dsk__fa_head(a->dq, b, h);
     const float *Q = dsk__fa_rows(&mq, i0, br, qb, &ldq), *dO = dsk__fa_rows(&mo, i0, br, ob, &ldo);
     memset(gq, 0, (size_t)(br * Dk) * sizeof(float));
     for (int64_t j0 = 0; j0 < i0 + br; j0 += DSK__FA_BC) {
         int64_t bc = T - j0 < DSK__FA_BC ? T - j0 : DSK__FA_BC;
         dsk__fa_ktile kt = dsk__fa_load_ktile(a, b, h, j0, bc, kb, ktb, vtb, row);
-        dsk__fa_dscores(a, b * a->H + h, i0, br, &kt, Q, ldq, dO, ldo, S, dP);
-        dsk_sgemm_cpu(0, 0, br, Dk, bc, a->scale, dP, DSK__FA_BC, kt.K, kt.ldk, 1.0f, gq, Dk, 1);
+        dsk__fa_dscores(a, b * a->H + h, i0, br, &kt, Q, ldq, dO, ldo, S, dP, ws);
+        dsk__attn_gemm(&a->kk.uk, br, Dk, bc, a->scale, dP, DSK__FA_BC, 1, kt.K, kt.ldk, 1.0f, gq, Dk, ws);
     }
     dsk__fa_add_rows(&mdq, i0, br, gq);
 }
 
 /* D (B, H, T) = row sums of dout * out in f32, in order. */
-static void dsk__fa_drow(int nthreads, float *drow, const dsk_tensor *dout, const dsk_tensor *out) {
-    int64_t B = out->shape[0], T = out->shape[1], H = out->shape[2];
+static void dsk__fa_drow(int nthreads, const dsk__rowk *rk, float *drow, const dsk_tensor *dout, const dsk_tensor *out) {
+    int64_t B = out->shape[0], T = out->shape[1], H = out->shape[2], D = out->shape[3];
     (void)nthreads;
-    DSK__OMP(parallel for schedule(static) num_threads(nthreads) if (B * H * T * out->shape[3] > DSK__PAR_MIN))
+    DSK__OMP(parallel for schedule(static) num_threads(nthreads) if (B * H * T * D > DSK__PAR_MIN))
     for (int64_t bh = 0; bh < B * H; bh++) {
         dsk__fa_mat mo = dsk__fa_head(out, bh / H, bh % H), md = dsk__fa_head(dout, bh / H, bh % H);
+        float a[256], b[256];
         for (int64_t i = 0; i < T; i++) {
             float s = 0.0f;
-            for (int64_t d = 0; d < mo.cols; d++)
-                s += dsk_load_f32(md.data, md.dt, md.base + i * md.rs + d) * dsk_load_f32(mo.data, mo.dt, mo.base + i * mo.rs + d);
+            for (int64_t d0 = 0; d0 < D; d0 += 256) { /* in chunks of 256, converted unless f32 */
+                int64_t n = D - d0 < 256 ? D - d0 : 256;
+                const float *x = a, *y = b;
+                if (mo.dt == DSK_F32) {
+                    x = (const float *)mo.data + mo.base + i * mo.rs + d0;
+                    y = (const float *)md.data + md.base + i * md.rs + d0;
+                } else {
+                    for (int64_t d = 0; d < n; d++) {
+                        a[d] = dsk_load_f32(mo.data, mo.dt, mo.base + i * mo.rs + d0 + d);
+                        b[d] = dsk_load_f32(md.data, md.dt, md.base + i * md.rs + d0 + d);
+                    }
+                }
+                s += rk->dot(x, y, n);
+            }
             drow[bh * T + i] = s;
         }
     }
@@ -3698,14 +3711,15 @@ DSK_API dsk_status dsk_attention_fused_backward(dsk_ctx *ctx, dsk_tensor *dq, ds
     /* One pass per head while there are heads for every thread; else dk/dv by key tiles, then
        dq by query tiles, which costs two more tile products per pair but keeps threads busy. */
     one_pass = B * H >= nthreads;
-    per = dsk__fa_backward_scratch(T, q->shape[3], v->shape[3], one_pass);
+    a.kk = dsk__fa_kernels(ctx, q->shape[3], v->shape[3]);
+    per = dsk__fa_backward_scratch(&a.kk, T, q->shape[3], v->shape[3], one_pass);
     if (!(drow = (float *)DSK_MALLOC((size_t)(B * H * T) * sizeof(float))))
         return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for %lld row statistics", fn, (long long)(B * H * T));
     if (!(scratch = dsk__scratch(fn, ctx, per, &s))) { DSK_FREE(drow); return s; }
     a.q = q; a.k = k; a.v = v; a.dout = dout; a.dq = dq; a.dk = dk; a.dv = dv;
     a.lse = (const float *)lse->data; a.drow = drow; a.scale = scale;
     a.T = T; a.H = H; a.Dk = q->shape[3]; a.Dv = v->shape[3];
-    dsk__fa_drow(nthreads, drow, dout, out);
+    dsk__fa_drow(nthreads, &a.kk.rk, drow, dout, out);
     if (one_pass) {
         DSK__OMP(parallel for schedule(dynamic) num_threads(nthreads) if (B * H > 1))
         for (int64_t bh = 0; bh < B * H; bh++) {

@@ -191,9 +191,9 @@ template <class T> __device__ void dsk__fa_forward(const dsk__fa_args &a) {
             float mx = m, sum = 0.0f, alpha;
             for (int c = c0; c < c1 && c < nc; c++) mx = fmaxf(mx, s[c] * a.scale);
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            alpha = nc > 0 ? dsk_attn_exp_f(m - mx) : 1.0f;
+            alpha = nc > 0 ? dsk_exp_f(m - mx) : 1.0f;
             for (int c = c0; c < c1; c++) {
-                float pc = c < nc ? dsk_attn_exp_f(s[c] * a.scale - mx) : 0.0f;
+                float pc = c < nc ? dsk_exp_f(s[c] * a.scale - mx) : 0.0f;
                 P[(size_t)r * p.ldp + c] = dsk__fa_from_f32<T>(pc);
                 sum += pc;
             }
@@ -243,7 +243,7 @@ __device__ void dsk__fa_dscores(const dsk__fa_args &a, const dsk__fa_plan &p, fl
         const int r = e / n, c = e % n, q = qi(r, c), k = kj(r, c);
         float lse, d, pr;
         stat(r, c, &lse, &d);
-        pr = q < a.T && k <= q ? dsk_attn_exp_f(S[(size_t)r * p.lds + c] * a.scale - lse) : 0.0f;
+        pr = q < a.T && k <= q ? dsk_exp_f(S[(size_t)r * p.lds + c] * a.scale - lse) : 0.0f;
         if (Pt) Pt[(size_t)r * p.ldp + c] = dsk__fa_from_f32<T>(pr);
         dS[(size_t)r * p.ldp + c] = dsk__fa_from_f32<T>(dsk_attn_dscore(pr, dP[(size_t)r * p.lds + c], d));
     }

@@ -1805,10 +1805,10 @@ static void test_attention_fused(dsk_dtype dt, int64_t B, int64_t T, int64_t H, 
     qv = tt_vals(q); kv = tt_vals(k); vv = tt_vals(v);
     q0 = tt_vals(dq); k0 = tt_vals(dk); v0 = tt_vals(dv);
     tt_fa_ref(&a, qv, kv, vv, tt_vals(dout), wo, wl, gq, gk, gv);
-    DSK_TEST_OK(dsk_attention_fused(NULL, out, lse, q, k, v, (float)a.scale));
+    DSK_TEST_OK(dsk_attention_fused(tt_cx, out, lse, q, k, v, (float)a.scale));
     TT_CHECK(out, wo, tt_tol(dt), dt == DSK_F32 ? 1e-6 : 1e-2, "fused attention out vs float64");
     TT_CHECK(lse, wl, 2e-5, 2e-5, "fused attention lse vs float64");
-    DSK_TEST_OK(dsk_attention_fused_backward(NULL, dq, dk, dv, dout, q, k, v, out, lse, (float)a.scale));
+    DSK_TEST_OK(dsk_attention_fused_backward(tt_cx, dq, dk, dv, dout, q, k, v, out, lse, (float)a.scale));
     TT_CHECK(dq, tt_plus(q0, gq, nk), tt_fa_gtol(dt), tt_fa_gatol(dt), "fused attention dq vs float64");
     TT_CHECK(dk, tt_plus(k0, gk, nk), tt_fa_gtol(dt), tt_fa_gatol(dt), "fused attention dk vs float64");
     TT_CHECK(dv, tt_plus(v0, gv, nv), tt_fa_gtol(dt), tt_fa_gatol(dt), "fused attention dv vs float64");
@@ -1851,6 +1851,7 @@ static void test_attention_fused_threads(dsk_dtype dt, int64_t H) {
     dsk_ctx_opts o;
     memset(&o, 0, sizeof o);
     o.device = DSK_PREFER_CPU;
+    o.cpu_isa = tt_isa;
     tt_fa_ref(&a, tt_vals(q), tt_vals(k), tt_vals(v), tt_vals(dout), wo, wl, gq, gk, gv);
     for (int t = 0; t < 3; t++) {
         o.n_threads = t + 1;
@@ -1877,21 +1878,6 @@ static void test_attention_fused_threads(dsk_dtype dt, int64_t H) {
         DSK_TEST_SAME_BYTES(dv[0]->data, dv[t]->data, dsk_tensor_nbytes(dv[0]), "dv: 1 thread vs more");
     }
     for (int t = 0; t < 3; t++) dsk_ctx_free(&c[t]);
-}
-
-/* dsk_attn_exp_f against exp in float64 over the range a softmax uses, and its edges. */
-static void test_attn_exp(void) {
-    double worst = 0;
-    for (int i = 0; i <= 200000; i++) {
-        float x = (float)(-90.0 * i / 200000.0);
-        double want = exp((double)x), got = dsk_attn_exp_f(x), rel = fabs(got - want) / want;
-        if (x >= -87.0f && rel > worst) worst = rel;
-        if (x < -87.0f) DSK_TEST_EXPECT(got == dsk_attn_exp_f(-87.0f), "x %g clamps to e^-87", (double)x);
-    }
-    DSK_TEST_EXPECT(worst < 4e-7, "relative error %g within ~3 ulp", worst);
-    DSK_TEST_EXPECT(dsk_attn_exp_f(0.0f) == 1.0f, "e^0 = 1");
-    DSK_TEST_EXPECT(isnan(dsk_attn_exp_f(NAN)), "NaN stays NaN");
-    DSK_TEST_EXPECT(dsk_attn_exp_f(-INFINITY) > 0.0f && dsk_attn_exp_f(-INFINITY) < 1e-37f, "e^-inf is the tiny e^-87");
 }
 
 /* Every argument check, the empty shapes, and running out of host memory. */
@@ -2243,6 +2229,10 @@ int main(void) {
                 TT_CASE("%s rope + backward %s", n, dsk_dtype_name(dt)); test_rope(dt);
                 TT_CASE("%s attention + backward %s", n, dsk_dtype_name(dt)); test_attention(dt);
                 TT_CASE("%s attention (2, 67, 3, 16) %s, same bits on 1 and 2 threads", n, dsk_dtype_name(dt)); test_attention_threads(dt);
+                TT_CASE("%s fused attention %s (2, 129, 1) Dk 64 Dv 32 vs float64", n, dsk_dtype_name(dt));
+                test_attention_fused(dt, 2, 129, 1, 64, 32, 0);
+                TT_CASE("%s fused attention %s (1, 200, 1): same bits on 1, 2, 3 threads", n, dsk_dtype_name(dt));
+                test_attention_fused_threads(dt, 1);
             }
         tt_cx = NULL;
         tt_isa = DSK_CPU_ISA_AUTO;
@@ -2262,7 +2252,6 @@ int main(void) {
     TT_CASE("errors: indices (embedding, gather, scatter, cross_entropy)"); test_errors_indices();
     TT_CASE("errors: topk, rope, attention"); test_errors_topk_rope_attention();
     TT_CASE("errors: AdamW"); test_errors_adamw();
-    TT_CASE("dsk_attn_exp_f vs exp over [-90, 0]"); test_attn_exp();
     for (int d = 0; d < 3; d++) {
         dsk_dtype dt = tt_floats[d];
         const char *n = dsk_dtype_name(dt);
