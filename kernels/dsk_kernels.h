@@ -62,8 +62,8 @@ dsk_status dsk_cuda_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_tensor
 
 /* ---- fused attention (kernels/attention.cu): the contracts of dsk_attention_fused and
    dsk_attention_fused_backward (lse may be NULL in forward). bf16/f16 run on tensor cores (WMMA),
-   f32 on CUDA cores; head dims up to 256; backward takes device scratch of B*H*T floats
-   plus, for dq, B*T*H*Dk floats (f32 accumulation in a fixed order: no float atomics). */
+   f32 on CUDA cores; head dims up to 256 (DSK_ERR_UNSUPPORTED beyond); backward takes device
+   scratch of B*H*T floats (D = rowsum(dout * out)); every sum in a fixed order, no atomics. */
 dsk_status dsk_cuda_attention_fused(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *lse, const dsk_tensor *q, const dsk_tensor *k,
                                     const dsk_tensor *v, float scale);
 dsk_status dsk_cuda_attention_fused_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tensor *dk, dsk_tensor *dv, const dsk_tensor *dout,
