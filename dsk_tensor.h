@@ -626,6 +626,41 @@ static inline DSK_HD float dsk_adamw_bias_correction(float beta, int64_t step) {
 DSK_API dsk_status dsk_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_tensor *grad, dsk_tensor *m, dsk_tensor *v,
                                   const dsk_adamw_opts *opts, int64_t step, float grad_mult, dsk_tensor *param_copy);
 
+/* ------------------------------------------------------------------ fused attention
+   Causal self-attention that never forms the T x T score matrix: the FlashAttention-2
+   algorithm (Dao, 2023): tiles of queries meet tiles of keys under an online softmax, and
+   backward recomputes the scores from the rows' log-sum-exp, the one statistic forward saves.
+   q, k (B, T, H, Dk); v (B, T, H, Dv); out (B, T, H, Dv). Dk and Dv may differ (multi-head
+   latent attention: Dk = qk_nope + qk_rope, Dv = v_head_dim). Every 4-D tensor of a call has
+   the one float dtype (f32, bf16, f16) and unit stride in its last dim; the other strides are
+   free, so slices of a wider projection need no copy. Output rows must not overlap inputs.
+   out[b,i,h] = sum_{j <= i} softmax_j(scale q[b,i,h] . k[b,j,h]) v[b,j,h], in f32 with one
+   rounding to the dtype. lse (B, H, T) f32 contiguous: the row's log of sum_j e^(scale q.k)
+   (natural log), written by forward (NULL: not kept), read by backward.
+   Memory beyond the tensors: tiles per thread plus O(B H T) for the row statistics.
+   CPU: 64 x 64 tiles through the GEMM micro-kernel and row primitives of ctx->cpu_isa (the exp
+   is dsk_exp_f, on the GPU too), threads over (batch, head, query tile); backward
+   over (batch, head) when there are enough of them, else in two passes over key tiles (dk, dv)
+   and query tiles (dq); every sum keeps its order either way, so the bits are the same for any
+   ctx->n_threads. CUDA (kernels/attention.cu): bf16 and f16 on tensor cores (WMMA, f32
+   accumulation), f32 on CUDA cores. The materialised dsk_attention stays as the reference. */
+
+/* A row's log-sum-exp from its running maximum m and its sum l of e^(s - m). */
+static inline DSK_HD float dsk_attn_lse(float m, float l) { return m + logf(l); }
+/* Gradient of a score from its probability p, the gradient dp of p and the row's
+   D = sum_j p_j dp_j = dout . out: dS = p (dp - D). */
+static inline DSK_HD float dsk_attn_dscore(float p, float dp, float d) { return p * (dp - d); }
+
+/* Forward: out and (unless NULL) lse written. */
+DSK_API dsk_status dsk_attention_fused(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *lse, const dsk_tensor *q,
+                                       const dsk_tensor *k, const dsk_tensor *v, float scale);
+/* Backward from forward's out and lse: dq (like q), dk (like k), dv (like v) accumulate (+=)
+   the gradients of out given dout (like out), each rounded once into its dtype. */
+DSK_API dsk_status dsk_attention_fused_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tensor *dk, dsk_tensor *dv,
+                                                const dsk_tensor *dout, const dsk_tensor *q, const dsk_tensor *k,
+                                                const dsk_tensor *v, const dsk_tensor *out, const dsk_tensor *lse,
+                                                float scale);
+
 #ifdef __cplusplus
 }
 #endif
@@ -3065,7 +3100,11 @@ static void dsk__attn_gemm(const dsk__ukernel *uk, int64_t M, int64_t N, int64_t
 }
 
 /* Floats of GEMM scratch the attention products need. */
-static int64_t dsk__attn_ws(const dsk__ukernel *uk) { return (int64_t)DSK__DIRECT_KC * uk->mr; }
+static int64_t dsk__attn_ws(const dsk__ukernel *uk, int64_t T) {
+    int64_t direct = (int64_t)DSK__DIRECT_KC * uk->mr;
+    int64_t packed = (int64_t)DSK__KC * (DSK__MC + dsk__round_up(dsk__min64(T, DSK__NC), uk->nr));
+    return T > DSK__DIRECT_N && packed > direct ? packed : direct;
+}
 
 DSK_API dsk_status dsk_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *probs, const dsk_tensor *q, const dsk_tensor *k, const dsk_tensor *v,
                                  float scale) {
@@ -3086,7 +3125,7 @@ DSK_API dsk_status dsk_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *prob
     B = q->shape[0]; T = q->shape[1]; H = q->shape[2]; Dh = q->shape[3];
     half = q->dtype != DSK_F32;
     RB = 2 * uk.mr; /* query rows per block: the causal products stop at the block's last row */
-    per = Dh * T + dsk__attn_ws(&uk) + (half ? 4 * T * Dh : 0); /* K^T, GEMM scratch; bf16/f16: f32 q, k, v, out */
+    per = Dh * T + dsk__attn_ws(&uk, T) + (half ? 4 * T * Dh : 0); /* K^T, GEMM scratch; bf16/f16: f32 q, k, v, out */
     if (!(scratch = dsk__scratch(fn, ctx, per, &s))) return s;
     /* One (b, h) per thread with its own scratch and one-thread GEMMs: the same bits for any
        thread count. Per block of query rows [i0, i1): S = scale Q K^T for the columns j < i1
@@ -3095,7 +3134,7 @@ DSK_API dsk_status dsk_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *prob
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (B * H * T * T * Dh > DSK__PAR_MIN))
     for (int64_t bh = 0; bh < B * H; bh++) {
         int64_t b = bh / H, h = bh % H, ldq, ldk, ldv, ldo = H * Dh, base = (b * T * H + h) * Dh;
-        float *Kt = scratch + per * dsk__thread_id(), *ws = Kt + Dh * T, *sc = ws + dsk__attn_ws(&uk);
+        float *Kt = scratch + per * dsk__thread_id(), *ws = Kt + Dh * T, *sc = ws + dsk__attn_ws(&uk, T);
         const float *Q = dsk__attn_in(q, b, h, sc, &ldq), *K = dsk__attn_in(k, b, h, sc + T * Dh, &ldk);
         const float *V = dsk__attn_in(v, b, h, sc + 2 * T * Dh, &ldv);
         float *P = (float *)probs->data + bh * T * T, *O = half ? sc + 3 * T * Dh : (float *)out->data + base;
@@ -3145,7 +3184,7 @@ DSK_API dsk_status dsk_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tens
     half = q->dtype != DSK_F32;
     RB = 2 * uk.mr;
     /* dS (T x T), V^T, GEMM scratch; bf16/f16 add f32 copies of q, k, v, dout and the gradients gq, gk, gv */
-    per = T * T + Dh * T + dsk__attn_ws(&uk) + (half ? 7 * T * Dh : 0);
+    per = T * T + Dh * T + dsk__attn_ws(&uk, T) + (half ? 7 * T * Dh : 0);
     if (!(scratch = dsk__scratch(fn, ctx, per, &s))) return s;
     /* Each (b, h) owns its slices of dq, dk, dv. f32: the GEMMs accumulate into them (beta 1);
        bf16/f16: the gradient is formed in f32 and added once, rounding once. Causal structure:
@@ -3153,7 +3192,7 @@ DSK_API dsk_status dsk_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tens
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (B * H * T * T * Dh > DSK__PAR_MIN))
     for (int64_t bh = 0; bh < B * H; bh++) {
         int64_t b = bh / H, h = bh % H, ldq, ldk, ldv, ldo, ldg = half ? Dh : H * Dh, base = (b * T * H + h) * Dh;
-        float *dS = scratch + per * dsk__thread_id(), *Vt = dS + T * T, *ws = Vt + Dh * T, *sc = ws + dsk__attn_ws(&uk);
+        float *dS = scratch + per * dsk__thread_id(), *Vt = dS + T * T, *ws = Vt + Dh * T, *sc = ws + dsk__attn_ws(&uk, T);
         float beta = half ? 0.0f : 1.0f;
         const float *P = (const float *)probs->data + bh * T * T;
         const float *Q = dsk__attn_in(q, b, h, sc, &ldq), *K = dsk__attn_in(k, b, h, sc + T * Dh, &ldk);
@@ -3283,6 +3322,424 @@ DSK_API dsk_status dsk_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_ten
                         bc1, bc2);
         if (param_copy) dsk__store_row(param_copy->data, param_copy->dtype, off, p + off, len);
     }
+    return DSK_OK;
+}
+
+
+/* ---------------------------------------------------------------- fused attention (CPU) */
+
+#define DSK__FA_BR 64 /* queries per tile */
+#define DSK__FA_BC 64 /* keys per tile */
+
+/* A 4-D attention tensor, unit stride in its last dim. */
+static dsk_status dsk__fa_need4(const char *fn, const char *what, const dsk_tensor *t, const dsk_tensor *q) {
+    char b[96];
+    DSK__TRY(dsk__need(fn, what, t));
+    DSK__TRY(dsk__need_ndim(fn, what, t, 4));
+    if (!dsk__is_cfloat(t->dtype))
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s %s: dtype must be f32, bf16 or f16", fn, what, dsk_tensor_describe(t, b, sizeof b));
+    if (t->shape[3] > 1 && t->stride[3] != 1)
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s %s needs unit stride in its last dim (has %lld)", fn, what,
+                             dsk_tensor_describe(t, b, sizeof b), (long long)t->stride[3]);
+    if (q && t != q) DSK__TRY(dsk__need_same_dtype(fn, what, t, "q", q));
+    return DSK_OK;
+}
+
+/* t is (B, T, H, d) with B, T, H of q and d = dim (or any when dim < 0). */
+static dsk_status dsk__fa_need_rows(const char *fn, const char *what, const dsk_tensor *t, const dsk_tensor *q, int64_t dim,
+                                    const char *dim_name) {
+    char a[96], b[96];
+    if (t->shape[0] != q->shape[0] || t->shape[1] != q->shape[1] || t->shape[2] != q->shape[2] || (dim >= 0 && t->shape[3] != dim))
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s %s must be (B, T, H, %s) with B, T, H of q %s%s", fn, what,
+                             dsk_tensor_describe(t, a, sizeof a), dim_name, dsk_tensor_describe(q, b, sizeof b),
+                             dim >= 0 ? " and the last dim of v" : "");
+    return DSK_OK;
+}
+
+/* q, k, v, `o` (out or dout) and lse (may be NULL when lse_optional). */
+static dsk_status dsk__fa_check(const char *fn, const dsk_tensor *o, const char *on, const dsk_tensor *lse, int lse_optional,
+                                const dsk_tensor *q, const dsk_tensor *k, const dsk_tensor *v, float scale) {
+    char a[96];
+    DSK__TRY(dsk__fa_need4(fn, "q", q, NULL));
+    DSK__TRY(dsk__fa_need4(fn, "k", k, q));
+    DSK__TRY(dsk__need_same_shape(fn, "k", k, "q", q));
+    DSK__TRY(dsk__fa_need4(fn, "v", v, q));
+    DSK__TRY(dsk__fa_need_rows(fn, "v", v, q, -1, "Dv"));
+    DSK__TRY(dsk__fa_need4(fn, on, o, q));
+    DSK__TRY(dsk__fa_need_rows(fn, on, o, q, v->shape[3], "Dv"));
+    if (lse || !lse_optional) {
+        DSK__TRY(dsk__need_dtype(fn, "lse", lse, DSK_F32));
+        if (lse->ndim != 3 || lse->shape[0] != q->shape[0] || lse->shape[1] != q->shape[2] || lse->shape[2] != q->shape[1])
+            return dsk_set_error(DSK_ERR_ARG, "%s: lse %s must be (%lld, %lld, %lld) (B, H, T)", fn, dsk_tensor_describe(lse, a, sizeof a),
+                                 (long long)q->shape[0], (long long)q->shape[2], (long long)q->shape[1]);
+    }
+    if (!isfinite(scale)) return dsk_set_error(DSK_ERR_ARG, "%s: scale %g is not finite", fn, (double)scale);
+    return DSK_OK;
+}
+
+/* The (b, h) matrix of a 4-D attention tensor: row t (length cols) at data + base + t * rs. */
+typedef struct dsk__fa_mat {
+    void *data;
+    dsk_dtype dt;
+    int64_t base, rs, cols;
+} dsk__fa_mat;
+
+static dsk__fa_mat dsk__fa_head(const dsk_tensor *t, int64_t b, int64_t h) {
+    dsk__fa_mat m;
+    m.data = t->data;
+    m.dt = t->dtype;
+    m.base = b * t->stride[0] + h * t->stride[2];
+    m.rs = t->stride[1];
+    m.cols = t->shape[3];
+    return m;
+}
+
+/* Row r of m as f32 into dst (the dtype switch outside the element loop). */
+static void dsk__fa_load_row(const dsk__fa_mat *m, int64_t r, float *dst) {
+    int64_t o = m->base + r * m->rs, n = m->cols;
+    if (m->dt == DSK_F32) memcpy(dst, (const float *)m->data + o, (size_t)n * sizeof(float));
+    else if (m->dt == DSK_BF16)
+        for (int64_t d = 0; d < n; d++) dst[d] = dsk_bf16_to_f32(((const uint16_t *)m->data)[o + d]);
+    else
+        for (int64_t d = 0; d < n; d++) dst[d] = dsk_f16_to_f32(((const uint16_t *)m->data)[o + d]);
+}
+
+/* Rows [r0, r0 + n) of m as an f32 matrix: in place (leading dim rs) when m is f32, else
+   converted into buf (leading dim cols). */
+static const float *dsk__fa_rows(const dsk__fa_mat *m, int64_t r0, int64_t n, float *buf, int64_t *ld) {
+    if (m->dt == DSK_F32) {
+        *ld = m->rs;
+        return (const float *)m->data + m->base + r0 * m->rs;
+    }
+    for (int64_t i = 0; i < n; i++) dsk__fa_load_row(m, r0 + i, buf + i * m->cols);
+    *ld = m->cols;
+    return buf;
+}
+
+/* Rows [r0, r0 + n) of m += acc (n x cols, leading dim cols), one rounding per element. */
+static void dsk__fa_add_rows(const dsk__fa_mat *m, int64_t r0, int64_t n, const float *acc) {
+    for (int64_t i = 0; i < n; i++) {
+        int64_t o = m->base + (r0 + i) * m->rs;
+        const float *a = acc + i * m->cols;
+        if (m->dt == DSK_F32) {
+            float *y = (float *)m->data + o;
+            for (int64_t d = 0; d < m->cols; d++) y[d] += a[d];
+        } else {
+            for (int64_t d = 0; d < m->cols; d++) dsk_store_f32(m->data, m->dt, o + d, dsk_load_f32(m->data, m->dt, o + d) + a[d]);
+        }
+    }
+}
+
+/* dst (cols x n, leading dim n) = rows [r0, r0 + n) of m transposed, as f32: the right operand
+   of Q K^T and dO V^T with contiguous rows. row: scratch of cols floats. */
+static void dsk__fa_rows_t(const dsk__fa_mat *m, int64_t r0, int64_t n, float *dst, float *row) {
+    for (int64_t i = 0; i < n; i++) {
+        const float *x = row;
+        if (m->dt == DSK_F32) x = (const float *)m->data + m->base + (r0 + i) * m->rs;
+        else dsk__fa_load_row(m, r0 + i, row);
+        for (int64_t d = 0; d < m->cols; d++) dst[d * n + i] = x[d];
+    }
+}
+
+/* Valid keys of query row i in the key tile starting at j0 with bc keys (causal: j <= i). */
+static int64_t dsk__fa_ncols(int64_t i, int64_t j0, int64_t bc) {
+    int64_t n = i - j0 + 1;
+    return n < 0 ? 0 : n > bc ? bc : n;
+}
+
+/* The kernels of one call: ctx's GEMM micro-kernel and row primitives, and the floats of GEMM
+   scratch a tile product needs (the direct nest; the packed one past DSK__DIRECT_N columns). */
+typedef struct dsk__fa_k {
+    dsk__ukernel uk;
+    dsk__rowk rk;
+    int64_t ws;
+} dsk__fa_k;
+
+static dsk__fa_k dsk__fa_kernels(const dsk_ctx *ctx, int64_t Dk, int64_t Dv) {
+    dsk__fa_k k;
+    int64_t n = Dk > Dv ? Dk : Dv, packed;
+    k.uk = dsk__ukernel_for(ctx ? ctx->cpu_isa : DSK_CPU_ISA_AUTO);
+    k.rk = dsk__rowk_ctx(ctx);
+    k.ws = (int64_t)DSK__DIRECT_KC * k.uk.mr;
+    packed = (int64_t)DSK__KC * (DSK__MC + dsk__round_up(dsk__min64(n, DSK__NC), k.uk.nr));
+    if (n > DSK__DIRECT_N && packed > k.ws) k.ws = packed;
+    return k;
+}
+
+/* Online softmax over one tile. S (br x bc, leading dim DSK__FA_BC) holds the scaled scores of
+   query rows i0.. against keys j0..; it becomes P = e^(S - m_new), 0 where masked. Each row's
+   running max m and sum l are updated and its accumulated output O (leading dim dv) rescaled. */
+static void dsk__fa_softmax_tile(const dsk__fa_k *k, float *S, int64_t br, int64_t bc, int64_t i0, int64_t j0, float *m, float *l, float *O,
+                                 int64_t dv) {
+    for (int64_t r = 0; r < br; r++) {
+        float *s = S + r * DSK__FA_BC, mx, alpha;
+        int64_t nc = dsk__fa_ncols(i0 + r, j0, bc);
+        memset(s + nc, 0, (size_t)(bc - nc) * sizeof(float));
+        if (nc == 0) continue;
+        mx = k->rk.max(s, nc);
+        mx = mx > m[r] ? mx : m[r];
+        alpha = dsk_exp_f(m[r] - mx);
+        l[r] = alpha * l[r] + k->rk.exp_sum(s, s, nc, mx);
+        m[r] = mx;
+        if (alpha != 1.0f) k->rk.scale(O + r * dv, O + r * dv, alpha, dv);
+    }
+}
+
+/* Forward of query tile it of head (b, h); sc: this thread's scratch (dsk__fa_forward_scratch). */
+static void dsk__fa_forward_tile(const dsk__fa_k *kk, dsk_tensor *out, dsk_tensor *lse, const dsk_tensor *q, const dsk_tensor *k,
+                                 const dsk_tensor *v, float scale, int64_t b, int64_t h, int64_t it, float *sc) {
+    int64_t T = q->shape[1], H = q->shape[2], Dk = q->shape[3], Dv = v->shape[3];
+    int64_t i0 = it * DSK__FA_BR, br = T - i0 < DSK__FA_BR ? T - i0 : DSK__FA_BR, ldq, ldv;
+    float *qb = sc, *kt = qb + DSK__FA_BR * Dk, *vb = kt + DSK__FA_BC * Dk, *S = vb + DSK__FA_BC * Dv;
+    float *O = S + DSK__FA_BR * DSK__FA_BC, *m = O + DSK__FA_BR * Dv, *l = m + DSK__FA_BR, *row = l + DSK__FA_BR;
+    float *ws = row + (Dk > Dv ? Dk : Dv);
+    dsk__fa_mat mq = dsk__fa_head(q, b, h), mk = dsk__fa_head(k, b, h), mv = dsk__fa_head(v, b, h), mo = dsk__fa_head(out, b, h);
+    const float *Q = dsk__fa_rows(&mq, i0, br, qb, &ldq);
+    for (int64_t r = 0; r < br; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
+    memset(O, 0, (size_t)(br * Dv) * sizeof(float));
+    for (int64_t j0 = 0; j0 < i0 + br; j0 += DSK__FA_BC) {
+        int64_t bc = i0 + br - j0 < DSK__FA_BC ? i0 + br - j0 : DSK__FA_BC;
+        const float *V = dsk__fa_rows(&mv, j0, bc, vb, &ldv);
+        dsk__fa_rows_t(&mk, j0, bc, kt, row);
+        dsk__attn_gemm(&kk->uk, br, bc, Dk, scale, Q, ldq, 1, kt, bc, 0.0f, S, DSK__FA_BC, ws); /* S = scale Q K^T */
+        dsk__fa_softmax_tile(kk, S, br, bc, i0, j0, m, l, O, Dv);
+        dsk__attn_gemm(&kk->uk, br, Dv, bc, 1.0f, S, DSK__FA_BC, 1, V, ldv, 1.0f, O, Dv, ws); /* O += P V */
+    }
+    for (int64_t r = 0; r < br; r++) {
+        int64_t o = mo.base + (i0 + r) * mo.rs;
+        if (mo.dt == DSK_F32) kk->rk.scale((float *)mo.data + o, O + r * Dv, 1.0f / l[r], Dv);
+        else
+            for (int64_t d = 0; d < Dv; d++) dsk_store_f32(mo.data, mo.dt, o + d, O[r * Dv + d] * (1.0f / l[r]));
+        if (lse) ((float *)lse->data)[(b * H + h) * T + i0 + r] = dsk_attn_lse(m[r], l[r]);
+    }
+}
+
+/* Per-thread scratch floats of the forward tiles. */
+static int64_t dsk__fa_forward_scratch(const dsk__fa_k *k, int64_t Dk, int64_t Dv) {
+    return DSK__FA_BR * Dk + DSK__FA_BC * Dk + DSK__FA_BC * Dv + DSK__FA_BR * DSK__FA_BC + DSK__FA_BR * Dv + 2 * DSK__FA_BR +
+           (Dk > Dv ? Dk : Dv) + k->ws;
+}
+
+DSK_API dsk_status dsk_attention_fused(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *lse, const dsk_tensor *q, const dsk_tensor *k,
+                                       const dsk_tensor *v, float scale) {
+    const char *fn = "dsk_attention_fused";
+    int cuda;
+    int64_t B, T, H, nt, per;
+    float *scratch;
+    dsk__fa_k kk;
+    dsk_status s;
+    const dsk_tensor *ts[5] = {q, k, v, out, lse};
+    const char *names[5] = {"q", "k", "v", "out", "lse"};
+    DSK__TRY(dsk__fa_check(fn, out, "out", lse, 1, q, k, v, scale));
+    DSK__TRY(dsk__need_devices(fn, ctx, 5, ts, names, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_attention_fused(ctx, out, lse, q, k, v, scale);
+#endif
+    B = q->shape[0]; T = q->shape[1]; H = q->shape[2];
+    nt = (T + DSK__FA_BR - 1) / DSK__FA_BR;
+    if (B * H * T == 0) return DSK_OK;
+    kk = dsk__fa_kernels(ctx, q->shape[3], v->shape[3]);
+    per = dsk__fa_forward_scratch(&kk, q->shape[3], v->shape[3]);
+    if (!(scratch = dsk__scratch(fn, ctx, per, &s))) return s;
+    /* Every (b, h, query tile) owns its rows of out and lse; tiles near the end of a sequence
+       cost more (more keys), so they are handed out first, dynamically. */
+    DSK__OMP(parallel for schedule(dynamic) num_threads(dsk__threads(ctx)) if (B * H * nt > 1))
+    for (int64_t w = 0; w < B * H * nt; w++)
+        dsk__fa_forward_tile(&kk, out, lse, q, k, v, scale, w / (H * nt), w / nt % H, nt - 1 - w % nt, scratch + per * dsk__thread_id());
+    DSK_FREE(scratch);
+    return DSK_OK;
+}
+
+/* ---- backward */
+
+typedef struct dsk__fa_bwd {
+    const dsk_tensor *q, *k, *v, *dout, *dq, *dk, *dv;
+    const float *lse, *drow; /* (B, H, T): forward's log-sum-exp and D = dout . out */
+    float scale;
+    int64_t T, H, Dk, Dv;
+    dsk__fa_k kk;
+} dsk__fa_bwd;
+
+/* A key tile of one head as the backward products read it: K row-major (in place when f32),
+   K^T and V^T (d x bc, leading dim bc). */
+typedef struct dsk__fa_ktile {
+    const float *K, *Kt, *Vt;
+    int64_t ldk, j0, bc;
+} dsk__fa_ktile;
+
+static dsk__fa_ktile dsk__fa_load_ktile(const dsk__fa_bwd *a, int64_t b, int64_t h, int64_t j0, int64_t bc, float *kb, float *kt, float *vt,
+                                        float *row) {
+    dsk__fa_ktile t;
+    dsk__fa_mat mk = dsk__fa_head(a->k, b, h), mv = dsk__fa_head(a->v, b, h);
+    t.K = dsk__fa_rows(&mk, j0, bc, kb, &t.ldk);
+    dsk__fa_rows_t(&mk, j0, bc, kt, row);
+    dsk__fa_rows_t(&mv, j0, bc, vt, row);
+    t.Kt = kt; t.Vt = vt; t.j0 = j0; t.bc = bc;
+    return t;
+}
+
+/* dS of query rows i0.. (br) against key tile kt of head bh, Q and dO as f32 with their leading
+   dims: S becomes P = e^(scale Q K^T - lse) (0 where masked) and dP becomes dS = P (dO V^T - D). */
+static void dsk__fa_dscores(const dsk__fa_bwd *a, int64_t bh, int64_t i0, int64_t br, const dsk__fa_ktile *kt, const float *Q, int64_t ldq,
+                            const float *dO, int64_t ldo, float *S, float *dP, float *ws) {
+    const float *lse = a->lse + bh * a->T + i0, *drow = a->drow + bh * a->T + i0;
+    int64_t bc = kt->bc;
+    dsk__attn_gemm(&a->kk.uk, br, bc, a->Dk, a->scale, Q, ldq, 1, kt->Kt, bc, 0.0f, S, DSK__FA_BC, ws);
+    dsk__attn_gemm(&a->kk.uk, br, bc, a->Dv, 1.0f, dO, ldo, 1, kt->Vt, bc, 0.0f, dP, DSK__FA_BC, ws);
+    for (int64_t r = 0; r < br; r++) {
+        float *s = S + r * DSK__FA_BC, *dp = dP + r * DSK__FA_BC;
+        int64_t nc = dsk__fa_ncols(i0 + r, kt->j0, bc);
+        (void)a->kk.rk.exp_sum(s, s, nc, lse[r]);
+        a->kk.rk.sub_mul(dp, s, dp, drow[r], nc, 0); /* dsk_attn_dscore, a row at a time */
+        memset(s + nc, 0, (size_t)(bc - nc) * sizeof(float));
+        memset(dp + nc, 0, (size_t)(bc - nc) * sizeof(float));
+    }
+}
+
+/* Scratch floats per thread of the backward tiles (dq_whole: T x Dk more for the one-pass
+   order, which accumulates a whole head's dq). Layout: Q, dO (query tile), K, K^T, V^T (key
+   tile), S, dP, then dK, dV (key pass) or dQ (query pass), a row, GEMM scratch, and the whole
+   dq last. */
+static int64_t dsk__fa_backward_acc(int64_t Dk, int64_t Dv) {
+    return DSK__FA_BC * (Dk + Dv) > DSK__FA_BR * Dk ? DSK__FA_BC * (Dk + Dv) : DSK__FA_BR * Dk;
+}
+static int64_t dsk__fa_backward_scratch(const dsk__fa_k *k, int64_t T, int64_t Dk, int64_t Dv, int dq_whole) {
+    return DSK__FA_BR * (Dk + Dv) + DSK__FA_BC * (2 * Dk + Dv) + 2 * DSK__FA_BR * DSK__FA_BC + dsk__fa_backward_acc(Dk, Dv) +
+           (Dk > Dv ? Dk : Dv) + k->ws + (dq_whole ? T * Dk : 0);
+}
+
+/* Key tile jt of head (b, h): its dk and dv rows from every query tile at or after it, in
+   increasing order. With dq (a whole head's T x Dk f32 accumulator) the same tiles also add
+   scale dS K into it (the one-pass order); else dq is left to dsk__fa_bwd_queries. */
+static void dsk__fa_bwd_keys(const dsk__fa_bwd *a, int64_t b, int64_t h, int64_t jt, float *sc, float *dq) {
+    int64_t T = a->T, Dk = a->Dk, Dv = a->Dv, j0 = jt * DSK__FA_BC, bc = T - j0 < DSK__FA_BC ? T - j0 : DSK__FA_BC, ldq, ldo;
+    float *qb = sc, *ob = qb + DSK__FA_BR * Dk, *kb = ob + DSK__FA_BR * Dv, *ktb = kb + DSK__FA_BC * Dk, *vtb = ktb + DSK__FA_BC * Dk;
+    float *S = vtb + DSK__FA_BC * Dv, *dP = S + DSK__FA_BR * DSK__FA_BC, *gk = dP + DSK__FA_BR * DSK__FA_BC, *gv = gk + DSK__FA_BC * Dk;
+    float *row = gk + dsk__fa_backward_acc(Dk, Dv), *ws = row + (Dk > Dv ? Dk : Dv);
+    const dsk__ukernel *uk = &a->kk.uk;
+    dsk__fa_mat mq = dsk__fa_head(a->q, b, h), mo = dsk__fa_head(a->dout, b, h), mk = dsk__fa_head(a->dk, b, h), mv = dsk__fa_head(a->dv, b, h);
+    dsk__fa_ktile kt = dsk__fa_load_ktile(a, b, h, j0, bc, kb, ktb, vtb, row);
+    memset(gk, 0, (size_t)(bc * Dk) * sizeof(float));
+    memset(gv, 0, (size_t)(bc * Dv) * sizeof(float));
+    for (int64_t i0 = j0 / DSK__FA_BR * DSK__FA_BR; i0 < T; i0 += DSK__FA_BR) {
+        int64_t br = T - i0 < DSK__FA_BR ? T - i0 : DSK__FA_BR;
+        const float *Q = dsk__fa_rows(&mq, i0, br, qb, &ldq), *dO = dsk__fa_rows(&mo, i0, br, ob, &ldo);
+        dsk__fa_dscores(a, b * a->H + h, i0, br, &kt, Q, ldq, dO, ldo, S, dP, ws);
+        dsk__attn_gemm(uk, bc, Dv, br, 1.0f, S, 1, DSK__FA_BC, dO, ldo, 1.0f, gv, Dv, ws);      /* dV += P^T dO */
+        dsk__attn_gemm(uk, bc, Dk, br, a->scale, dP, 1, DSK__FA_BC, Q, ldq, 1.0f, gk, Dk, ws); /* dK += scale dS^T Q */
+        if (dq) dsk__attn_gemm(uk, br, Dk, bc, a->scale, dP, DSK__FA_BC, 1, kt.K, kt.ldk, 1.0f, dq + i0 * Dk, Dk, ws); /* dQ += scale dS K */
+    }
+    dsk__fa_add_rows(&mk, j0, bc, gk);
+    dsk__fa_add_rows(&mv, j0, bc, gv);
+}
+
+/* Query tile it of head (b, h): its dq rows from every key tile up to it, in increasing order
+   (the same sums, in the same order, as the one-pass loop). */
+static void dsk__fa_bwd_queries(const dsk__fa_bwd *a, int64_t b, int64_t h, int64_t it, float *sc) {
+    int64_t T = a->T, Dk = a->Dk, Dv = a->Dv, i0 = it * DSK__FA_BR, br = T - i0 < DSK__FA_BR ? T - i0 : DSK__FA_BR, ldq, ldo;
+    float *qb = sc, *ob = qb + DSK__FA_BR * Dk, *kb = ob + DSK__FA_BR * Dv, *ktb = kb + DSK__FA_BC * Dk, *vtb = ktb + DSK__FA_BC * Dk;
+    float *S = vtb + DSK__FA_BC * Dv, *dP = S + DSK__FA_BR * DSK__FA_BC, *gq = dP + DSK__FA_BR * DSK__FA_BC;
+    float *row = gq + dsk__fa_backward_acc(Dk, Dv), *ws = row + (Dk > Dv ? Dk : Dv);
+    dsk__fa_mat mq = dsk__fa_head(a->q, b, h), mo = dsk__fa_head(a->dout, b, h), mdq = dsk__fa_head(a->dq, b, h);
+    const float *Q = dsk__fa_rows(&mq, i0, br, qb, &ldq), *dO = dsk__fa_rows(&mo, i0, br, ob, &ldo);
+    memset(gq, 0, (size_t)(br * Dk) * sizeof(float));
+    for (int64_t j0 = 0; j0 < i0 + br; j0 += DSK__FA_BC) {
+        int64_t bc = T - j0 < DSK__FA_BC ? T - j0 : DSK__FA_BC;
+        dsk__fa_ktile kt = dsk__fa_load_ktile(a, b, h, j0, bc, kb, ktb, vtb, row);
+        dsk__fa_dscores(a, b * a->H + h, i0, br, &kt, Q, ldq, dO, ldo, S, dP, ws);
+        dsk__attn_gemm(&a->kk.uk, br, Dk, bc, a->scale, dP, DSK__FA_BC, 1, kt.K, kt.ldk, 1.0f, gq, Dk, ws);
+    }
+    dsk__fa_add_rows(&mdq, i0, br, gq);
+}
+
+/* D (B, H, T) = row sums of dout * out in f32, in order. */
+static void dsk__fa_drow(int nthreads, const dsk__rowk *rk, float *drow, const dsk_tensor *dout, const dsk_tensor *out) {
+    int64_t B = out->shape[0], T = out->shape[1], H = out->shape[2], D = out->shape[3];
+    (void)nthreads;
+    DSK__OMP(parallel for schedule(static) num_threads(nthreads) if (B * H * T * D > DSK__PAR_MIN))
+    for (int64_t bh = 0; bh < B * H; bh++) {
+        dsk__fa_mat mo = dsk__fa_head(out, bh / H, bh % H), md = dsk__fa_head(dout, bh / H, bh % H);
+        float a[256], b[256];
+        for (int64_t i = 0; i < T; i++) {
+            float s = 0.0f;
+            for (int64_t d0 = 0; d0 < D; d0 += 256) { /* in chunks of 256, converted unless f32 */
+                int64_t n = D - d0 < 256 ? D - d0 : 256;
+                const float *x = a, *y = b;
+                if (mo.dt == DSK_F32) {
+                    x = (const float *)mo.data + mo.base + i * mo.rs + d0;
+                    y = (const float *)md.data + md.base + i * md.rs + d0;
+                } else {
+                    for (int64_t d = 0; d < n; d++) {
+                        a[d] = dsk_load_f32(mo.data, mo.dt, mo.base + i * mo.rs + d0 + d);
+                        b[d] = dsk_load_f32(md.data, md.dt, md.base + i * md.rs + d0 + d);
+                    }
+                }
+                s += rk->dot(x, y, n);
+            }
+            drow[bh * T + i] = s;
+        }
+    }
+}
+
+DSK_API dsk_status dsk_attention_fused_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tensor *dk, dsk_tensor *dv, const dsk_tensor *dout,
+                                                const dsk_tensor *q, const dsk_tensor *k, const dsk_tensor *v, const dsk_tensor *out,
+                                                const dsk_tensor *lse, float scale) {
+    const char *fn = "dsk_attention_fused_backward";
+    int cuda, nthreads, one_pass;
+    int64_t B, T, H, nt, per;
+    float *scratch, *drow;
+    dsk__fa_bwd a;
+    dsk_status s;
+    const dsk_tensor *ts[9] = {q, k, v, out, dout, lse, dq, dk, dv};
+    const char *names[9] = {"q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv"};
+    DSK__TRY(dsk__fa_check(fn, dout, "dout", lse, 0, q, k, v, scale));
+    DSK__TRY(dsk__fa_need4(fn, "out", out, q));
+    DSK__TRY(dsk__need_same_shape(fn, "out", out, "dout", dout));
+    DSK__TRY(dsk__fa_need4(fn, "dq", dq, q));
+    DSK__TRY(dsk__need_same_shape(fn, "dq", dq, "q", q));
+    DSK__TRY(dsk__fa_need4(fn, "dk", dk, q));
+    DSK__TRY(dsk__need_same_shape(fn, "dk", dk, "k", k));
+    DSK__TRY(dsk__fa_need4(fn, "dv", dv, q));
+    DSK__TRY(dsk__need_same_shape(fn, "dv", dv, "v", v));
+    DSK__TRY(dsk__need_devices(fn, ctx, 9, ts, names, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_attention_fused_backward(ctx, dq, dk, dv, dout, q, k, v, out, lse, scale);
+#endif
+    B = q->shape[0]; T = q->shape[1]; H = q->shape[2];
+    if (B * H * T == 0) return DSK_OK;
+    nt = (T + DSK__FA_BR - 1) / DSK__FA_BR;
+    nthreads = dsk__threads(ctx);
+    /* One pass per head while there are heads for every thread; else dk/dv by key tiles, then
+       dq by query tiles, which costs two more tile products per pair but keeps threads busy. */
+    one_pass = B * H >= nthreads;
+    a.kk = dsk__fa_kernels(ctx, q->shape[3], v->shape[3]);
+    per = dsk__fa_backward_scratch(&a.kk, T, q->shape[3], v->shape[3], one_pass);
+    if (!(drow = (float *)DSK_MALLOC((size_t)(B * H * T) * sizeof(float))))
+        return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for %lld row statistics", fn, (long long)(B * H * T));
+    if (!(scratch = dsk__scratch(fn, ctx, per, &s))) { DSK_FREE(drow); return s; }
+    a.q = q; a.k = k; a.v = v; a.dout = dout; a.dq = dq; a.dk = dk; a.dv = dv;
+    a.lse = (const float *)lse->data; a.drow = drow; a.scale = scale;
+    a.T = T; a.H = H; a.Dk = q->shape[3]; a.Dv = v->shape[3];
+    dsk__fa_drow(nthreads, &a.kk.rk, drow, dout, out);
+    if (one_pass) {
+        DSK__OMP(parallel for schedule(dynamic) num_threads(nthreads) if (B * H > 1))
+        for (int64_t bh = 0; bh < B * H; bh++) {
+            float *sc = scratch + per * dsk__thread_id(), *gq = sc + per - T * a.Dk;
+            dsk__fa_mat mq = dsk__fa_head(dq, bh / H, bh % H);
+            memset(gq, 0, (size_t)(T * a.Dk) * sizeof(float));
+            for (int64_t jt = 0; jt < nt; jt++) dsk__fa_bwd_keys(&a, bh / H, bh % H, jt, sc, gq);
+            dsk__fa_add_rows(&mq, 0, T, gq);
+        }
+    } else {
+        DSK__OMP(parallel for schedule(dynamic) num_threads(nthreads))
+        for (int64_t w = 0; w < B * H * nt; w++)
+            dsk__fa_bwd_keys(&a, w / (H * nt), w / nt % H, w % nt, scratch + per * dsk__thread_id(), NULL);
+        DSK__OMP(parallel for schedule(dynamic) num_threads(nthreads))
+        for (int64_t w = 0; w < B * H * nt; w++)
+            dsk__fa_bwd_queries(&a, w / (H * nt), w / nt % H, nt - 1 - w % nt, scratch + per * dsk__thread_id());
+    }
+    DSK_FREE(scratch);
+    DSK_FREE(drow);
     return DSK_OK;
 }
 

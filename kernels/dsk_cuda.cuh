@@ -5,7 +5,8 @@
      errors        dsk__cuda_fail, dsk__cuda_cublas_fail, DSK__CUDA_CHECK, DSK__CUDA_CUBLAS
      launches      DSK__CUDA_KERNEL (the one spelling of a launch), dsk__cuda_launched,
                    DSK__CUDA_LAUNCH (launch and check), DSK__CUDA_LAUNCHED (the same as an
-                   expression, for paths that clean up before returning)
+                   expression, for paths that clean up before returning), DSK__CUDA_LAUNCHED_SHMEM
+                   (with dynamic shared memory), DSK__CUDA_DYNAMIC_SHARED (its declaration)
      shapes        DSK__CUDA_THREADS, dsk__cuda_grid, dsk__cuda_row_threads,
                    dsk__cuda_check_rows, DSK__CUDA_FOR
      context       dsk__cuda_need_ctx (a CUDA ctx, its device made current), dsk__cuda_stream
@@ -75,6 +76,16 @@ static inline dsk_status dsk__cuda_launched(const char *fn, const char *kernel, 
 /* The same, returning from the calling function when the launch fails. */
 #define DSK__CUDA_LAUNCH(fn, kernel, grid, block, stream, n, ...) \
     DSK__TRY(DSK__CUDA_LAUNCHED(fn, kernel, grid, block, stream, n, __VA_ARGS__))
+/* DSK__CUDA_LAUNCHED with `shmem` bytes of dynamic shared memory. */
+#define DSK__CUDA_LAUNCHED_SHMEM(fn, kernel, grid, block, shmem, stream, n, ...) \
+    (DSK__CUDA_KERNEL(kernel, grid, block, shmem, stream, __VA_ARGS__),           \
+     dsk__cuda_launched(fn, #kernel, dim3(grid), dim3(block), (int64_t)(n)))
+/* The launch's dynamic shared memory as `unsigned char name[]` (inside a kernel). */
+#ifdef DSK_CUDA_EMU
+#define DSK__CUDA_DYNAMIC_SHARED(name) CUDA_EMU_DYNAMIC_SHARED(unsigned char, name)
+#else
+#define DSK__CUDA_DYNAMIC_SHARED(name) extern __shared__ __align__(128) unsigned char name[]
+#endif
 
 /* ---------------------------------------------------------------- launch shapes */
 

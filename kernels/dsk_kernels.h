@@ -9,7 +9,8 @@
    DSK_ERR_UNSUPPORTED (sizes beyond a grid or cuBLAS limit), DSK_ERR_CUDA (a failed CUDA or
    cuBLAS call; every call is checked, and cudaGetLastError() follows every launch).
    kernels/dsk_cuda.cuh holds what the .cu files share to do so.
-   Contents: runtime (tensor.cu), tensor ops (tensor.cu), amp (amp.cu), moe (moe.cu), par (par.cu). */
+   Contents: runtime (tensor.cu), tensor ops (tensor.cu), fused attention (attention.cu), amp (amp.cu),
+   moe (moe.cu), par (par.cu). */
 #ifndef DSK_KERNELS_H
 #define DSK_KERNELS_H
 #include "../dsk_tensor.h"
@@ -58,6 +59,16 @@ dsk_status dsk_cuda_rope_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor
 dsk_status dsk_cuda_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *probs, const dsk_tensor *q, const dsk_tensor *k, const dsk_tensor *v, float scale);
 dsk_status dsk_cuda_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tensor *dk, dsk_tensor *dv, const dsk_tensor *dout, const dsk_tensor *q, const dsk_tensor *k, const dsk_tensor *v, const dsk_tensor *probs, float scale);
 dsk_status dsk_cuda_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_tensor *grad, dsk_tensor *m, dsk_tensor *v, const dsk_adamw_opts *opts, int64_t step, float grad_mult, dsk_tensor *param_copy);
+
+/* ---- fused attention (kernels/attention.cu): the contracts of dsk_attention_fused and
+   dsk_attention_fused_backward (lse may be NULL in forward). bf16/f16 run on tensor cores (WMMA),
+   f32 on CUDA cores; head dims up to 256 (DSK_ERR_UNSUPPORTED beyond); backward takes device
+   scratch of B*H*T floats (D = rowsum(dout * out)); every sum in a fixed order, no atomics. */
+dsk_status dsk_cuda_attention_fused(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *lse, const dsk_tensor *q, const dsk_tensor *k,
+                                    const dsk_tensor *v, float scale);
+dsk_status dsk_cuda_attention_fused_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tensor *dk, dsk_tensor *dv, const dsk_tensor *dout,
+                                             const dsk_tensor *q, const dsk_tensor *k, const dsk_tensor *v, const dsk_tensor *out,
+                                             const dsk_tensor *lse, float scale);
 
 /* ---- amp (kernels/amp.cu) */
 /* `block` is a scaler's device state: {double found_inf, sumsq; float scale; int32 growth, hysteresis}. */

@@ -39,7 +39,8 @@ run_one() { # name, command...
 # Kernels defined in kernels/*.cu that no emulated run launched.
 coverage() {
   local all launched never
-  all=$(grep -ohE '__global__[^(;]*\(' kernels/*.cu | sed -E 's/.*[^A-Za-z0-9_]([A-Za-z_][A-Za-z0-9_]*)[[:space:]]*\($/\1/' | sort -u)
+  all=$(grep -ohE '__global__[^(;]*(__launch_bounds__\([^)]*\)[^(;]*)?\(' kernels/*.cu | sed -E 's/__launch_bounds__\([^)]*\)//' |
+        sed -E 's/.*[^A-Za-z0-9_]([A-Za-z_][A-Za-z0-9_]*)[[:space:]]*\($/\1/' | sort -u)
   launched=$(cat "$cov"/* 2>/dev/null | awk '{print $1}' | sort -u)
   never=$(comm -23 <(echo "$all") <(echo "$launched") | tr '\n' ' ')
   echo "cuda_emu coverage: $(comm -12 <(echo "$all") <(echo "$launched") | grep -c .) of $(echo "$all" | grep -c .) kernels in kernels/*.cu launched; never launched: ${never:-(none)}"

@@ -1576,6 +1576,33 @@ static void test_attention_threads(dsk_dtype dt) {
     dsk_ctx_free(&c[1]);
 }
 
+/* T beyond the direct GEMM nest's widest product (512): the score products are as wide as T
+   and take the packed nest, whose scratch is larger (it once wrote past a scratch sized for the
+   direct nest). Forward and backward vs float64. */
+static void test_attention_long(void) {
+    int64_t T = 700, H = 2, D = 64, n = T * H * D;
+    const int64_t *sh = SH(1, 700, 2, 64);
+    dsk_tensor *q = tt_rand(DSK_F32, 4, sh, -2, 2), *k = tt_rand(DSK_F32, 4, sh, -2, 2), *v = tt_rand(DSK_F32, 4, sh, -1, 1);
+    dsk_tensor *dout = tt_rand(DSK_F32, 4, sh, -1, 1), *out = tt_poisoned(DSK_F32, 4, sh), *probs = tt_poisoned(DSK_F32, 4, SH(1, 2, 700, 700));
+    dsk_tensor *dq = tt_new(DSK_F32, 4, sh), *dk = tt_new(DSK_F32, 4, sh), *dv = tt_new(DSK_F32, 4, sh);
+    double *wo = tt_zeros(n), *wp = tt_zeros(H * T * T), *gq = tt_zeros(n), *gk = tt_zeros(n), *gv = tt_zeros(n);
+    tt_ud u;
+    memset(&u, 0, sizeof u);
+    u.B = 1; u.T = T; u.H = H; u.D = D; u.n = n; u.scale = 0.125;
+    DSK_TEST_OK(dsk_tensor_fill(NULL, dq, 0.0));
+    DSK_TEST_OK(dsk_tensor_fill(NULL, dk, 0.0));
+    DSK_TEST_OK(dsk_tensor_fill(NULL, dv, 0.0));
+    tt_attention_ref(tt_vals(q), tt_vals(k), tt_vals(v), &u, wo, wp);
+    tt_attention_backward_ref(tt_vals(q), tt_vals(k), tt_vals(v), tt_vals(dout), wp, &u, gq, gk, gv);
+    DSK_TEST_OK(dsk_attention(NULL, out, probs, q, k, v, 0.125f));
+    DSK_TEST_OK(dsk_attention_backward(NULL, dq, dk, dv, dout, q, k, v, probs, 0.125f));
+    TT_CHECK(out, wo, 2e-5, 1e-6, "attention out, T 700");
+    TT_CHECK(probs, wp, 1e-5, 1e-7, "attention probs, T 700");
+    TT_CHECK(dq, gq, 1e-4, 1e-5, "attention dq, T 700");
+    TT_CHECK(dk, gk, 1e-4, 1e-5, "attention dk, T 700");
+    TT_CHECK(dv, gv, 1e-4, 1e-5, "attention dv, T 700");
+}
+
 /* L = sum (A B) * G over x = [A; B]: the gradients a training step gets from two matmuls. */
 static double tt_matmul_loss(const double *x, void *p) {
     tt_ud *u = (tt_ud *)p;
@@ -1684,6 +1711,229 @@ static void test_out_of_memory(void) {
     dsk_sgemm_cpu(0, 0, 40, 50, 30, 1.0f, a, 30, b, 50, 0.0f, c, 50, 2);
     tt_oom = 0;
     DSK_TEST_CLOSE(c, want, 40 * 50, 1e-5, 1e-5, "dsk_sgemm_cpu without packing buffers");
+}
+
+/* ------------------------------------------------------------------ fused attention */
+
+typedef struct tt_fa {
+    int64_t B, T, H, Dk, Dv;
+    double scale;
+} tt_fa;
+
+/* Float64 causal attention on the full T x T matrix with Dk != Dv allowed, (B, T, H, D) arrays:
+   out, lse (B, H, T); with dout also dq, dk, dv (written) by the textbook formulas
+   dP = dout V^T, dS = P (dP - rowsum(P dP)), dQ = scale dS K, dK = scale dS^T Q, dV = P^T dout. */
+static void tt_fa_ref(const tt_fa *a, const double *q, const double *k, const double *v, const double *dout, double *out, double *lse,
+                      double *dq, double *dk, double *dv) {
+    int64_t B = a->B, T = a->T, H = a->H, Dk = a->Dk, Dv = a->Dv;
+    double *p = (double *)malloc((size_t)(T + 1) * sizeof(double)), *dp = (double *)malloc((size_t)(T + 1) * sizeof(double));
+    if (dout) {
+        memset(dq, 0, (size_t)(B * T * H * Dk) * sizeof(double));
+        memset(dk, 0, (size_t)(B * T * H * Dk) * sizeof(double));
+        memset(dv, 0, (size_t)(B * T * H * Dv) * sizeof(double));
+    }
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t i = 0; i < T; i++) {
+                const double *qi = q + ((b * T + i) * H + h) * Dk;
+                double mx = -INFINITY, sum = 0, pdp = 0;
+                for (int64_t j = 0; j <= i; j++) {
+                    const double *kj = k + ((b * T + j) * H + h) * Dk;
+                    p[j] = 0;
+                    for (int64_t d = 0; d < Dk; d++) p[j] += qi[d] * kj[d];
+                    p[j] *= a->scale;
+                    mx = p[j] > mx ? p[j] : mx;
+                }
+                for (int64_t j = 0; j <= i; j++) sum += exp(p[j] - mx);
+                lse[(b * H + h) * T + i] = mx + log(sum);
+                for (int64_t j = 0; j <= i; j++) p[j] = exp(p[j] - mx) / sum;
+                for (int64_t d = 0; d < Dv; d++) {
+                    double o = 0;
+                    for (int64_t j = 0; j <= i; j++) o += p[j] * v[((b * T + j) * H + h) * Dv + d];
+                    out[((b * T + i) * H + h) * Dv + d] = o;
+                }
+                if (!dout) continue;
+                for (int64_t j = 0; j <= i; j++) {
+                    dp[j] = 0;
+                    for (int64_t d = 0; d < Dv; d++) dp[j] += dout[((b * T + i) * H + h) * Dv + d] * v[((b * T + j) * H + h) * Dv + d];
+                    pdp += p[j] * dp[j];
+                }
+                for (int64_t j = 0; j <= i; j++) {
+                    double ds = a->scale * p[j] * (dp[j] - pdp);
+                    for (int64_t d = 0; d < Dk; d++) {
+                        dq[((b * T + i) * H + h) * Dk + d] += ds * k[((b * T + j) * H + h) * Dk + d];
+                        dk[((b * T + j) * H + h) * Dk + d] += ds * qi[d];
+                    }
+                    for (int64_t d = 0; d < Dv; d++) dv[((b * T + j) * H + h) * Dv + d] += p[j] * dout[((b * T + i) * H + h) * Dv + d];
+                }
+            }
+    free(p);
+    free(dp);
+}
+
+/* Gradient bounds: f32 accumulation against float64; bf16/f16 also round the sum once. */
+static double tt_fa_gtol(dsk_dtype dt) { return dt == DSK_F32 ? 1e-4 : 3 * tt_tol(dt); }
+static double tt_fa_gatol(dsk_dtype dt) { return dt == DSK_F32 ? 1e-5 : 3e-2; }
+
+/* The (B, T, H, D) slice [off, off + D) of the last dim of p. */
+static dsk_tensor tt_fa_slice(const dsk_tensor *p, int64_t off, int64_t D) {
+    dsk_tensor s;
+    if (dsk_tensor_slice(p, 3, off, D, &s) != DSK_OK) { fprintf(stderr, "test_tensor: %s\n", dsk_last_error()); exit(2); }
+    return s;
+}
+
+/* Fused forward and backward against tt_fa_ref: out and lse NaN-poisoned before the call; dq,
+   dk, dv start from random values and must hold them plus the gradient. packed: q, k, v (and
+   dq, dk, dv) are slices of one (B, T, H, 2 Dk + Dv) tensor, as a fused QKV projection gives. */
+static void test_attention_fused(dsk_dtype dt, int64_t B, int64_t T, int64_t H, int64_t Dk, int64_t Dv, int packed) {
+    const int64_t *sk = SH(B, T, H, Dk), *sv = SH(B, T, H, Dv), *sp = SH(B, T, H, 2 * Dk + Dv);
+    int64_t nk = B * T * H * Dk, nv = B * T * H * Dv;
+    dsk_tensor qs, ks, vs, dqs, dks, dvs, *q, *k, *v, *dq, *dk, *dv;
+    dsk_tensor *out = tt_poisoned(dt, 4, sv), *lse = tt_poisoned(DSK_F32, 3, SH(B, H, T)), *dout = tt_rand(dt, 4, sv, -1, 1);
+    tt_fa a = {B, T, H, Dk, Dv, 1.0 / sqrt((double)Dk)};
+    double *wo = tt_zeros(nv), *wl = tt_zeros(B * H * T), *gq = tt_zeros(nk), *gk = tt_zeros(nk), *gv = tt_zeros(nv);
+    double *q0, *k0, *v0, *qv, *kv, *vv;
+    if (packed) {
+        dsk_tensor *p = tt_rand(dt, 4, sp, -2, 2), *g = tt_rand(dt, 4, sp, -1, 1);
+        qs = tt_fa_slice(p, 0, Dk); ks = tt_fa_slice(p, Dk, Dk); vs = tt_fa_slice(p, 2 * Dk, Dv);
+        dqs = tt_fa_slice(g, 0, Dk); dks = tt_fa_slice(g, Dk, Dk); dvs = tt_fa_slice(g, 2 * Dk, Dv);
+        q = &qs; k = &ks; v = &vs; dq = &dqs; dk = &dks; dv = &dvs;
+    } else {
+        q = tt_rand(dt, 4, sk, -2, 2); k = tt_rand(dt, 4, sk, -2, 2); v = tt_rand(dt, 4, sv, -1, 1);
+        dq = tt_rand(dt, 4, sk, -1, 1); dk = tt_rand(dt, 4, sk, -1, 1); dv = tt_rand(dt, 4, sv, -1, 1);
+    }
+    qv = tt_vals(q); kv = tt_vals(k); vv = tt_vals(v);
+    q0 = tt_vals(dq); k0 = tt_vals(dk); v0 = tt_vals(dv);
+    tt_fa_ref(&a, qv, kv, vv, tt_vals(dout), wo, wl, gq, gk, gv);
+    DSK_TEST_OK(dsk_attention_fused(tt_cx, out, lse, q, k, v, (float)a.scale));
+    TT_CHECK(out, wo, tt_tol(dt), dt == DSK_F32 ? 1e-6 : 1e-2, "fused attention out vs float64");
+    TT_CHECK(lse, wl, 2e-5, 2e-5, "fused attention lse vs float64");
+    DSK_TEST_OK(dsk_attention_fused_backward(tt_cx, dq, dk, dv, dout, q, k, v, out, lse, (float)a.scale));
+    TT_CHECK(dq, tt_plus(q0, gq, nk), tt_fa_gtol(dt), tt_fa_gatol(dt), "fused attention dq vs float64");
+    TT_CHECK(dk, tt_plus(k0, gk, nk), tt_fa_gtol(dt), tt_fa_gatol(dt), "fused attention dk vs float64");
+    TT_CHECK(dv, tt_plus(v0, gv, nv), tt_fa_gtol(dt), tt_fa_gatol(dt), "fused attention dv vs float64");
+    if (packed) { /* the inputs are untouched */
+        TT_CHECK(q, qv, 0, 0, "q after the calls");
+        TT_CHECK(v, vv, 0, 0, "v after the calls");
+    }
+}
+
+/* The fused op against the materialised dsk_attention on the same inputs (Dk = Dv). */
+static void test_attention_fused_vs_materialised(dsk_dtype dt) {
+    const int64_t *sh = SH(2, 67, 3, 16);
+    int64_t n = 2 * 67 * 3 * 16;
+    dsk_tensor *q = tt_rand(dt, 4, sh, -2, 2), *k = tt_rand(dt, 4, sh, -2, 2), *v = tt_rand(dt, 4, sh, -1, 1), *dout = tt_rand(dt, 4, sh, -1, 1);
+    dsk_tensor *o1 = tt_poisoned(dt, 4, sh), *o2 = tt_poisoned(dt, 4, sh), *pr = tt_poisoned(DSK_F32, 4, SH(2, 3, 67, 67));
+    dsk_tensor *lse = tt_poisoned(DSK_F32, 3, SH(2, 3, 67)), *g[6];
+    for (int i = 0; i < 6; i++) { g[i] = tt_new(dt, 4, sh); DSK_TEST_OK(dsk_tensor_fill(NULL, g[i], 0.0)); }
+    DSK_TEST_OK(dsk_attention(NULL, o1, pr, q, k, v, 0.25f));
+    DSK_TEST_OK(dsk_attention_fused(NULL, o2, lse, q, k, v, 0.25f));
+    DSK_TEST_OK(dsk_attention_backward(NULL, g[0], g[1], g[2], dout, q, k, v, pr, 0.25f));
+    DSK_TEST_OK(dsk_attention_fused_backward(NULL, g[3], g[4], g[5], dout, q, k, v, o2, lse, 0.25f));
+    (void)n;
+    TT_CHECK(o2, tt_vals(o1), dt == DSK_F32 ? 1e-5 : 2 * tt_tol(dt), dt == DSK_F32 ? 1e-6 : 1e-2, "fused out vs dsk_attention");
+    TT_CHECK(g[3], tt_vals(g[0]), tt_fa_gtol(dt), tt_fa_gatol(dt), "fused dq vs dsk_attention_backward");
+    TT_CHECK(g[4], tt_vals(g[1]), tt_fa_gtol(dt), tt_fa_gatol(dt), "fused dk vs dsk_attention_backward");
+    TT_CHECK(g[5], tt_vals(g[2]), tt_fa_gtol(dt), tt_fa_gatol(dt), "fused dv vs dsk_attention_backward");
+}
+
+/* Bits of out, lse, dq, dk, dv with 1, 2 and 3 threads. With B * H = 2 the first two run backward
+   one head per thread and 3 threads take the two-pass order; with B * H = 1 only 1 thread takes
+   the one-pass order: both orders must give the same bits. Also checked against float64. */
+static void test_attention_fused_threads(dsk_dtype dt, int64_t H) {
+    int64_t B = 1, T = 200, Dk = 32, Dv = 48, nk = B * T * H * Dk, nv = B * T * H * Dv;
+    const int64_t *sk = SH(B, T, H, Dk), *sv = SH(B, T, H, Dv);
+    tt_fa a = {B, T, H, Dk, Dv, 0.2};
+    dsk_tensor *q = tt_rand(dt, 4, sk, -2, 2), *k = tt_rand(dt, 4, sk, -2, 2), *v = tt_rand(dt, 4, sv, -1, 1), *dout = tt_rand(dt, 4, sv, -1, 1);
+    dsk_tensor *out[3], *lse[3], *dq[3], *dk[3], *dv[3];
+    double *wo = tt_zeros(nv), *wl = tt_zeros(B * H * T), *gq = tt_zeros(nk), *gk = tt_zeros(nk), *gv = tt_zeros(nv);
+    dsk_ctx c[3];
+    dsk_ctx_opts o;
+    memset(&o, 0, sizeof o);
+    o.device = DSK_PREFER_CPU;
+    o.cpu_isa = tt_isa;
+    tt_fa_ref(&a, tt_vals(q), tt_vals(k), tt_vals(v), tt_vals(dout), wo, wl, gq, gk, gv);
+    for (int t = 0; t < 3; t++) {
+        o.n_threads = t + 1;
+        DSK_TEST_OK(dsk_ctx_init(&c[t], &o));
+        out[t] = tt_poisoned(dt, 4, sv);
+        lse[t] = tt_poisoned(DSK_F32, 3, SH(B, H, T));
+        dq[t] = tt_new(dt, 4, sk); dk[t] = tt_new(dt, 4, sk); dv[t] = tt_new(dt, 4, sv);
+        DSK_TEST_OK(dsk_tensor_fill(NULL, dq[t], 0.0));
+        DSK_TEST_OK(dsk_tensor_fill(NULL, dk[t], 0.0));
+        DSK_TEST_OK(dsk_tensor_fill(NULL, dv[t], 0.0));
+        DSK_TEST_OK(dsk_attention_fused(&c[t], out[t], lse[t], q, k, v, (float)a.scale));
+        DSK_TEST_OK(dsk_attention_fused_backward(&c[t], dq[t], dk[t], dv[t], dout, q, k, v, out[t], lse[t], (float)a.scale));
+    }
+    TT_CHECK(out[0], wo, tt_tol(dt), dt == DSK_F32 ? 1e-6 : 1e-2, "out vs float64");
+    TT_CHECK(lse[0], wl, 2e-5, 2e-5, "lse vs float64");
+    TT_CHECK(dq[0], gq, tt_fa_gtol(dt), tt_fa_gatol(dt), "dq vs float64");
+    TT_CHECK(dk[0], gk, tt_fa_gtol(dt), tt_fa_gatol(dt), "dk vs float64");
+    TT_CHECK(dv[0], gv, tt_fa_gtol(dt), tt_fa_gatol(dt), "dv vs float64");
+    for (int t = 1; t < 3; t++) {
+        DSK_TEST_SAME_BYTES(out[0]->data, out[t]->data, dsk_tensor_nbytes(out[0]), "out: 1 thread vs more");
+        DSK_TEST_SAME_BYTES(lse[0]->data, lse[t]->data, dsk_tensor_nbytes(lse[0]), "lse: 1 thread vs more");
+        DSK_TEST_SAME_BYTES(dq[0]->data, dq[t]->data, dsk_tensor_nbytes(dq[0]), "dq: 1 thread vs more");
+        DSK_TEST_SAME_BYTES(dk[0]->data, dk[t]->data, dsk_tensor_nbytes(dk[0]), "dk: 1 thread vs more");
+        DSK_TEST_SAME_BYTES(dv[0]->data, dv[t]->data, dsk_tensor_nbytes(dv[0]), "dv: 1 thread vs more");
+    }
+    for (int t = 0; t < 3; t++) dsk_ctx_free(&c[t]);
+}
+
+/* Every argument check, the empty shapes, and running out of host memory. */
+static void test_errors_attention_fused(void) {
+    const char *fn = "dsk_attention_fused", *bn = "dsk_attention_fused_backward";
+    dsk_tensor *q = tt_rand(DSK_F32, 4, SH(1, 3, 2, 4), -1, 1), *v = tt_rand(DSK_F32, 4, SH(1, 3, 2, 6), -1, 1);
+    dsk_tensor *o = tt_new(DSK_F32, 4, SH(1, 3, 2, 6)), *l = tt_new(DSK_F32, 3, SH(1, 2, 3)), *dq = tt_new(DSK_F32, 4, SH(1, 3, 2, 4));
+    dsk_tensor *q3 = tt_rand(DSK_F32, 3, SH(3, 2, 4), -1, 1), *qi = tt_new(DSK_I32, 4, SH(1, 3, 2, 4)), *kb = tt_rand(DSK_BF16, 4, SH(1, 3, 2, 4), -1, 1);
+    dsk_tensor *k5 = tt_rand(DSK_F32, 4, SH(1, 3, 2, 5), -1, 1), *v2 = tt_rand(DSK_F32, 4, SH(1, 2, 2, 6), -1, 1);
+    dsk_tensor *o5 = tt_new(DSK_F32, 4, SH(1, 3, 2, 5)), *l2 = tt_new(DSK_F32, 3, SH(1, 3, 2)), *lb = tt_new(DSK_BF16, 3, SH(1, 2, 3));
+    dsk_tensor *wide = tt_new(DSK_F32, 4, SH(1, 3, 6, 2)), *e = tt_new(DSK_F32, 4, SH(1, 0, 2, 4)), *ev = tt_new(DSK_F32, 4, SH(1, 0, 2, 6));
+    dsk_tensor *el = tt_new(DSK_F32, 3, SH(1, 2, 0)), ot, dev;
+    char want[160];
+    static float buf[48];
+    DSK_TEST_OK(dsk_tensor_transpose(wide, 2, 3, &ot)); /* (1, 3, 2, 6) with last stride 2 */
+    TT_ERR(dsk_attention_fused(NULL, o, l, NULL, q, v, 1.0f), DSK_ERR_ARG, "dsk_attention_fused: q is NULL");
+    TT_ERR(dsk_attention_fused(NULL, o, l, q3, q3, v, 1.0f), DSK_ERR_ARG, "dsk_attention_fused: q [3,2,4] f32 must have 4 dims");
+    TT_ERR(dsk_attention_fused(NULL, o, l, qi, qi, v, 1.0f), DSK_ERR_ARG, "q [1,3,2,4] i32: dtype must be f32, bf16 or f16");
+    TT_ERR(dsk_attention_fused(NULL, o, l, q, kb, v, 1.0f), DSK_ERR_ARG, "k [1,3,2,4] bf16 must have the dtype of q [1,3,2,4] f32");
+    TT_ERR(dsk_attention_fused(NULL, o, l, q, k5, v, 1.0f), DSK_ERR_ARG, "k [1,3,2,5] f32 does not match the shape of q [1,3,2,4] f32");
+    TT_ERR(dsk_attention_fused(NULL, o, l, q, q, v2, 1.0f), DSK_ERR_ARG, "v [1,2,2,6] f32 must be (B, T, H, Dv) with B, T, H of q");
+    TT_ERR(dsk_attention_fused(NULL, o5, l, q, q, v, 1.0f), DSK_ERR_ARG, "out [1,3,2,5] f32 must be (B, T, H, Dv) with B, T, H of q "
+           "[1,3,2,4] f32 and the last dim of v");
+    TT_ERR(dsk_attention_fused(NULL, &ot, l, q, q, v, 1.0f), DSK_ERR_ARG, "out [1,3,2,6] f32 needs unit stride in its last dim (has 2)");
+    TT_ERR(dsk_attention_fused(NULL, o, l2, q, q, v, 1.0f), DSK_ERR_ARG, "lse [1,3,2] f32 must be (1, 2, 3) (B, H, T)");
+    TT_ERR(dsk_attention_fused(NULL, o, lb, q, q, v, 1.0f), DSK_ERR_ARG, "lse [1,2,3] bf16: dtype must be f32");
+    TT_ERR(dsk_attention_fused(NULL, o, l, q, q, v, INFINITY), DSK_ERR_ARG, "dsk_attention_fused: scale inf is not finite");
+    DSK_TEST_OK(dsk_attention_fused(NULL, o, NULL, q, q, v, 1.0f)); /* lse is optional in forward */
+    DSK_TEST_OK(dsk_attention_fused(NULL, o, l, q, q, v, 1.0f));
+    TT_ERR(dsk_attention_fused_backward(NULL, dq, dq, v, o, q, q, v, o, NULL, 1.0f), DSK_ERR_ARG, "dsk_attention_fused_backward: lse is NULL");
+    TT_ERR(dsk_attention_fused_backward(NULL, NULL, dq, v, o, q, q, v, o, l, 1.0f), DSK_ERR_ARG, "dsk_attention_fused_backward: dq is NULL");
+    TT_ERR(dsk_attention_fused_backward(NULL, dq, k5, v, o, q, q, v, o, l, 1.0f), DSK_ERR_ARG, "dk [1,3,2,5] f32 does not match the shape of k");
+    TT_ERR(dsk_attention_fused_backward(NULL, dq, dq, o5, o, q, q, v, o, l, 1.0f), DSK_ERR_ARG, "dv [1,3,2,5] f32 does not match the shape of v");
+    TT_ERR(dsk_attention_fused_backward(NULL, dq, dq, v, o5, q, q, v, o, l, 1.0f), DSK_ERR_ARG, "dout [1,3,2,5] f32 must be (B, T, H, Dv)");
+    TT_ERR(dsk_attention_fused_backward(NULL, dq, dq, v, o, q, q, v, k5, l, 1.0f), DSK_ERR_ARG, "out [1,3,2,5] f32 does not match the shape of dout");
+    TT_ERR(dsk_attention_fused_backward(NULL, kb, dq, v, o, q, q, v, o, l, 1.0f), DSK_ERR_ARG, "dq [1,3,2,4] bf16 must have the dtype of q");
+    TT_ERR(dsk_attention_fused_backward(NULL, dq, dq, v, o, q, q, v, o, l, NAN), DSK_ERR_ARG, "scale nan is not finite");
+    /* empty sequences: nothing to do */
+    DSK_TEST_OK(dsk_attention_fused(NULL, ev, el, e, e, ev, 1.0f));
+    DSK_TEST_OK(dsk_attention_fused_backward(NULL, e, e, ev, ev, e, e, ev, ev, el, 1.0f));
+    /* a CUDA tensor */
+    DSK_TEST_OK(dsk_tensor_wrap(&dev, buf, DSK_F32, (dsk_device){DSK_DEV_CUDA, 0}, 4, SH(1, 3, 2, 4)));
+#ifdef DSK_CUDA
+    snprintf(want, sizeof want, "%s: k is on cuda:0 but q is on cpu:0", fn);
+    TT_ERR(dsk_attention_fused(NULL, o, l, q, &dev, v, 1.0f), DSK_ERR_ARG, want);
+#else
+    snprintf(want, sizeof want, "%s: k is a CUDA tensor in a build without DSK_CUDA", fn);
+    TT_ERR(dsk_attention_fused(NULL, o, l, q, &dev, v, 1.0f), DSK_ERR_UNSUPPORTED, want);
+#endif
+    /* out of host memory: nothing is written, the error says what */
+    tt_oom = 1;
+    snprintf(want, sizeof want, "%s: out of host memory", fn);
+    TT_ERR(dsk_attention_fused(NULL, o, l, q, q, v, 1.0f), DSK_ERR_OOM, want);
+    snprintf(want, sizeof want, "%s: out of host memory", bn);
+    TT_ERR(dsk_attention_fused_backward(NULL, dq, dq, v, o, q, q, v, o, l, 1.0f), DSK_ERR_OOM, want);
+    tt_oom = 0;
 }
 
 /* ------------------------------------------------------------------ AdamW */
@@ -1979,6 +2229,10 @@ int main(void) {
                 TT_CASE("%s rope + backward %s", n, dsk_dtype_name(dt)); test_rope(dt);
                 TT_CASE("%s attention + backward %s", n, dsk_dtype_name(dt)); test_attention(dt);
                 TT_CASE("%s attention (2, 67, 3, 16) %s, same bits on 1 and 2 threads", n, dsk_dtype_name(dt)); test_attention_threads(dt);
+                TT_CASE("%s fused attention %s (2, 129, 1) Dk 64 Dv 32 vs float64", n, dsk_dtype_name(dt));
+                test_attention_fused(dt, 2, 129, 1, 64, 32, 0);
+                TT_CASE("%s fused attention %s (1, 200, 1): same bits on 1, 2, 3 threads", n, dsk_dtype_name(dt));
+                test_attention_fused_threads(dt, 1);
             }
         tt_cx = NULL;
         tt_isa = DSK_CPU_ISA_AUTO;
@@ -1998,6 +2252,25 @@ int main(void) {
     TT_CASE("errors: indices (embedding, gather, scatter, cross_entropy)"); test_errors_indices();
     TT_CASE("errors: topk, rope, attention"); test_errors_topk_rope_attention();
     TT_CASE("errors: AdamW"); test_errors_adamw();
+    for (int d = 0; d < 3; d++) {
+        dsk_dtype dt = tt_floats[d];
+        const char *n = dsk_dtype_name(dt);
+        static const int64_t fa[6][6] = {{1, 1, 1, 32, 32, 0}, {2, 7, 3, 32, 32, 0}, {1, 129, 2, 64, 64, 0},
+                                         {2, 129, 1, 64, 32, 0}, {1, 7, 2, 48, 16, 1}, {2, 70, 2, 32, 64, 1}};
+        for (int c = 0; c < 6; c++) {
+            const int64_t *f = fa[c];
+            TT_CASE("fused attention %s (%lld, %lld, %lld) Dk %lld Dv %lld%s vs float64", n, (long long)f[0], (long long)f[1],
+                    (long long)f[2], (long long)f[3], (long long)f[4], f[5] ? ", q/k/v slices of one projection" : "");
+            test_attention_fused(dt, f[0], f[1], f[2], f[3], f[4], (int)f[5]);
+        }
+        TT_CASE("fused attention %s vs the materialised dsk_attention", n); test_attention_fused_vs_materialised(dt);
+        TT_CASE("fused attention %s (1, 200, 2): same bits on 1, 2, 3 threads (one-pass and two-pass backward)", n);
+        test_attention_fused_threads(dt, 2);
+        TT_CASE("fused attention %s (1, 200, 1): same bits on 1, 2, 3 threads (one-pass and two-pass backward)", n);
+        test_attention_fused_threads(dt, 1);
+    }
+    TT_CASE("attention (1, 700, 2, 64) f32 vs float64: score products wider than the direct GEMM nest"); test_attention_long();
+    TT_CASE("errors: fused attention"); test_errors_attention_fused();
     TT_CASE("errors: CUDA tensors and devices"); test_errors_devices();
     tt_release();
     return dsk_test_finish();

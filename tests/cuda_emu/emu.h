@@ -22,6 +22,8 @@
      A warp intrinsic completes when every lane in its mask has arrived; a barrier when
      every thread of the block has. Misuse is a fault (see cuda_runtime.h): the kernel stops,
      the error is reported at the next synchronising call on the device.
+   - Warp matrix functions (include/mma.h, wmma.cpp): fragments spread over the warp's lanes in a
+     layout drawn from the seed; load, store and mma are warp-collective with CUDA's argument rules.
    - Graphs: a capture records the issued operations; a launch issues them again in order.
    Faults are printed on stderr as they happen and counted; the exit report prints the
    launch counts, writes them to $CUDA_EMU_COVERAGE_DIR when set, and turns the exit

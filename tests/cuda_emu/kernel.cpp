@@ -543,6 +543,19 @@ void check_pointer_arg(const launch_base &l, size_t index, const void *p) {
     const_cast<launch_base &>(l).bad_args++;
 }
 
+/* cudaFuncAttributeMaxDynamicSharedMemorySize of each kernel that set it. */
+std::mutex g_attr_mu;
+std::map<const void *, size_t> *g_max_dyn;
+
+size_t max_dynamic_shared(const void *fn) {
+    std::lock_guard<std::mutex> g(g_attr_mu);
+    if (g_max_dyn && fn) {
+        auto it = g_max_dyn->find(fn);
+        if (it != g_max_dyn->end()) return it->second;
+    }
+    return 48 * 1024;
+}
+
 cudaError_t submit_launch(std::shared_ptr<launch_base> l, cudaStream_t s) {
     cudaError_t err = cudaSuccess;
     const dim3 g = l->grid, b = l->block;
@@ -553,9 +566,9 @@ cudaError_t submit_launch(std::shared_ptr<launch_base> l, cudaStream_t s) {
         g.z > 65535 || g.x > 0x7fffffffu)
         return fail(cudaErrorInvalidConfiguration, "launch of %s with grid (%u,%u,%u) and block (%u,%u,%u)", l->name, g.x, g.y, g.z,
                     b.x, b.y, b.z);
-    if (l->shmem > 48 * 1024)
-        return fail(cudaErrorInvalidValue, "launch of %s with %zu bytes of dynamic shared memory (48 KiB without opt-in)", l->name,
-                    l->shmem);
+    if (l->shmem > max_dynamic_shared(l->fn_addr))
+        return fail(cudaErrorInvalidValue, "launch of %s with %zu bytes of dynamic shared memory (%zu allowed: 48 KiB unless "
+                    "cudaFuncSetAttribute raised it, up to 227 KiB)", l->name, l->shmem, max_dynamic_shared(l->fn_addr));
     if (!(st = get_stream(s, &err))) return fail(err, "launch of %s on stream %p, which is not a live stream", l->name, (void *)s);
     l->device = stream_device(st);
     if (l->device != current_device())
@@ -641,6 +654,24 @@ int64_t kernel_count() {
 }
 
 } // namespace cuda_emu
+
+extern "C" cudaError_t cudaFuncSetAttribute(const void *func, cudaFuncAttribute attr, int value) {
+    cuda_emu::ensure_init();
+    if (!func) return cuda_emu::fail(cudaErrorInvalidDeviceFunction, "cudaFuncSetAttribute: func is NULL");
+    if (attr == cudaFuncAttributePreferredSharedMemoryCarveout) {
+        if (value < -1 || value > 100) return cuda_emu::fail(cudaErrorInvalidValue, "cudaFuncSetAttribute: carveout %d", value);
+        return cudaSuccess;
+    }
+    if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize)
+        return cuda_emu::fail(cudaErrorInvalidValue, "cudaFuncSetAttribute: attribute %d", (int)attr);
+    if (value < 0 || value > 227 * 1024)
+        return cuda_emu::fail(cudaErrorInvalidValue, "cudaFuncSetAttribute: %d bytes of dynamic shared memory (at most %d)", value,
+                              227 * 1024);
+    std::lock_guard<std::mutex> g(cuda_emu::g_attr_mu);
+    if (!cuda_emu::g_max_dyn) cuda_emu::g_max_dyn = new std::map<const void *, size_t>();
+    (*cuda_emu::g_max_dyn)[func] = (size_t)value;
+    return cudaSuccess;
+}
 
 extern "C" int64_t cuda_emu_launches(const char *kernel) {
     std::lock_guard<std::mutex> g(cuda_emu::g_count_mu);

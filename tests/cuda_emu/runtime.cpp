@@ -435,6 +435,7 @@ const char *cudaGetErrorName(cudaError_t e) {
         CUDA_EMU_NAME(cudaErrorInvalidConfiguration)
         CUDA_EMU_NAME(cudaErrorInvalidDevicePointer)
         CUDA_EMU_NAME(cudaErrorInvalidMemcpyDirection)
+        CUDA_EMU_NAME(cudaErrorInvalidDeviceFunction)
         CUDA_EMU_NAME(cudaErrorNoDevice)
         CUDA_EMU_NAME(cudaErrorInvalidDevice)
         CUDA_EMU_NAME(cudaErrorInvalidResourceHandle)
@@ -469,6 +470,7 @@ static const char *error_text(cudaError_t e) {
     case cudaErrorInvalidConfiguration: return "invalid configuration argument";
     case cudaErrorInvalidDevicePointer: return "invalid device pointer";
     case cudaErrorInvalidMemcpyDirection: return "invalid copy direction for memcpy";
+    case cudaErrorInvalidDeviceFunction: return "invalid device function";
     case cudaErrorNoDevice: return "no CUDA-capable device is detected";
     case cudaErrorInvalidDevice: return "invalid device ordinal";
     case cudaErrorInvalidResourceHandle: return "invalid resource handle";

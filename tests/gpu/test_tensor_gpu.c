@@ -146,6 +146,10 @@ static void test_launchers_need_ctx(void) {
         DSK_TEST_ERROR_MENTIONS("dsk_topk");
         DSK_TEST_STATUS(dsk_cuda_attention_backward(c, &t, &t, &t, &t, &t, &t, &t, &t, 1.0f), DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("dsk_attention_backward");
+        DSK_TEST_STATUS(dsk_cuda_attention_fused(c, &t, &t, &t, &t, &t, 1.0f), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dsk_attention_fused");
+        DSK_TEST_STATUS(dsk_cuda_attention_fused_backward(c, &t, &t, &t, &t, &t, &t, &t, &t, &t, 1.0f), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dsk_attention_fused_backward");
         DSK_TEST_STATUS(dsk_cuda_adamw_step(c, &t, &t, &t, &t, &ao, 1, 1.0f, NULL), DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("dsk_adamw_step");
         DSK_TEST_STATUS(dsk_cuda_malloc(c, 16, &p), DSK_ERR_ARG);
@@ -560,6 +564,59 @@ static void test_attention(dsk_dtype dt, int64_t B, int64_t T, int64_t H, int64_
     check(gdv, dv, rt, at, "dv (accumulated)");
 }
 
+/* ------------------------------------------------------------------ fused attention */
+
+/* The (B, T, H, D) slice [off, off + D) of the last dim of p (on p's device). */
+static dsk_tensor *fa_slice(const dsk_tensor *p, int64_t off, int64_t D) {
+    dsk_tensor s;
+    DSK_TEST_OK(dsk_tensor_slice(p, 3, off, D, &s));
+    return keep(s);
+}
+
+/* The fused op on the GPU against its CPU path (which test_tensor checks against float64) on the
+   same inputs: out and lse (NaN-poisoned on the GPU), and dq, dk, dv accumulated onto the same
+   random values. packed: q, k, v and the gradients are slices of one (B, T, H, 2 Dk + Dv) tensor
+   on each device. The GPU runs bf16/f16 through tensor cores with P and dS rounded to the
+   dtype (FlashAttention's choice), hence the bf16 bounds. */
+static void test_attention_fused(dsk_dtype dt, int64_t B, int64_t T, int64_t H, int64_t Dk, int64_t Dv, int packed, int with_lse) {
+    float scale = 1.0f / sqrtf((float)Dk);
+    double rt = dt == DSK_F32 ? 1e-4 : 2e-2, at = dt == DSK_F32 ? 2e-5 : 2e-2;
+    dsk_tensor *q, *k, *v, *dq, *dk, *dv, *gq, *gk, *gv, *gdq, *gdk, *gdv;
+    dsk_tensor *dout = hrand(dt, SH(B, T, H, Dv), -1, 1), *gdout = dev(dout);
+    dsk_tensor *out = halloc(dt, SH(B, T, H, Dv)), *gout = dpoison(out), *lse = halloc(DSK_F32, SH(B, H, T)), *glse = dpoison(lse);
+    if (packed) {
+        dsk_tensor *p = hrand(dt, SH(B, T, H, 2 * Dk + Dv), -2, 2), *g = hrand(dt, SH(B, T, H, 2 * Dk + Dv), -1, 1);
+        dsk_tensor *gp = dev(p), *gg = dev(g);
+        q = fa_slice(p, 0, Dk); k = fa_slice(p, Dk, Dk); v = fa_slice(p, 2 * Dk, Dv);
+        dq = fa_slice(g, 0, Dk); dk = fa_slice(g, Dk, Dk); dv = fa_slice(g, 2 * Dk, Dv);
+        gq = fa_slice(gp, 0, Dk); gk = fa_slice(gp, Dk, Dk); gv = fa_slice(gp, 2 * Dk, Dv);
+        gdq = fa_slice(gg, 0, Dk); gdk = fa_slice(gg, Dk, Dk); gdv = fa_slice(gg, 2 * Dk, Dv);
+    } else {
+        q = hrand(dt, SH(B, T, H, Dk), -2, 2); k = hrand(dt, SH(B, T, H, Dk), -2, 2); v = hrand(dt, SH(B, T, H, Dv), -1, 1);
+        dq = hrand(dt, SH(B, T, H, Dk), -1, 1); dk = hrand(dt, SH(B, T, H, Dk), -1, 1); dv = hrand(dt, SH(B, T, H, Dv), -1, 1);
+        gq = dev(q); gk = dev(k); gv = dev(v); gdq = dev(dq); gdk = dev(dk); gdv = dev(dv);
+    }
+    DSK_TEST_OK(dsk_attention_fused(NULL, out, lse, q, k, v, scale));
+    DSK_TEST_OK(dsk_attention_fused(&G, gout, with_lse ? glse : NULL, gq, gk, gv, scale));
+    check(gout, out, rt, at, "out");
+    if (!with_lse) return;
+    check(glse, lse, 1e-4, 1e-4, "lse");
+    DSK_TEST_OK(dsk_attention_fused_backward(NULL, dq, dk, dv, dout, q, k, v, out, lse, scale));
+    DSK_TEST_OK(dsk_tensor_copy(&G, gout, out)); /* backward from the same out and lse */
+    DSK_TEST_OK(dsk_tensor_copy(&G, glse, lse));
+    DSK_TEST_OK(dsk_attention_fused_backward(&G, gdq, gdk, gdv, gdout, gq, gk, gv, gout, glse, scale));
+    check(gdq, dq, rt, at, "dq (accumulated)");
+    check(gdk, dk, rt, at, "dk (accumulated)");
+    check(gdv, dv, rt, at, "dv (accumulated)");
+}
+
+/* Head dims beyond the kernels' 256: DSK_ERR_UNSUPPORTED, nothing launched. */
+static void test_attention_fused_limits(void) {
+    dsk_tensor *q = dalloc(DSK_BF16, SH(1, 4, 1, 264)), *v = dalloc(DSK_BF16, SH(1, 4, 1, 8)), *lse = dalloc(DSK_F32, SH(1, 1, 4));
+    DSK_TEST_STATUS(dsk_attention_fused(&G, v, lse, q, q, v, 1.0f), DSK_ERR_UNSUPPORTED);
+    DSK_TEST_ERROR_MENTIONS("dsk_attention_fused: head dims Dk 264, Dv 8: the CUDA kernels take at most 256");
+}
+
 /* ------------------------------------------------------------------ AdamW */
 
 static void test_adamw(dsk_dtype gdt, dsk_dtype copy_dt, int64_t n) {
@@ -677,6 +734,20 @@ int main(int argc, char **argv) {
         CASE(test_attention(fdt[d], 2, 7, 3, 8), "attention %s (2, 7, 3, 8)", dn);
         CASE(test_attention(fdt[d], 1, 65, 2, 16), "attention %s (1, 65, 2, 16)", dn);
     }
+    for (int d = 0; d < 3; d++) {
+        static const dsk_dtype fa_dt[3] = {DSK_F32, DSK_BF16, DSK_F16};
+        static const int64_t fa[6][7] = {{1, 1, 1, 32, 32, 0, 1}, {2, 7, 3, 32, 32, 0, 1}, {1, 129, 2, 64, 64, 0, 1},
+                                         {2, 33, 1, 64, 32, 0, 1}, {1, 40, 2, 40, 24, 1, 1}, {1, 70, 1, 16, 16, 0, 0}};
+        const char *dn = dsk_dtype_name(fa_dt[d]);
+        for (int c = 0; c < 6; c++) {
+            const int64_t *f = fa[c];
+            CASE(test_attention_fused(fa_dt[d], f[0], f[1], f[2], f[3], f[4], (int)f[5], (int)f[6]),
+                 "fused attention %s (%lld, %lld, %lld) Dk %lld Dv %lld%s%s", dn, (long long)f[0], (long long)f[1], (long long)f[2],
+                 (long long)f[3], (long long)f[4], f[5] ? ", slices of one projection" : "", f[6] ? "" : ", no lse");
+        }
+    }
+    CASE(test_attention_fused(DSK_BF16, 1, 9, 1, 256, 200, 0, 1), "fused attention bf16 (1, 9, 1) Dk 256 Dv 200: smaller tiles");
+    CASE(test_attention_fused_limits(), "fused attention: head dims beyond 256");
     CASE(test_elementwise(DSK_F16, SH(33, 7)), "add/mul/scale/axpy f16 (33, 7)");
     CASE(test_topk(7, 1, 1, 0), "topk R 7 C 1 k 1");
     CASE(test_topk(7, 8, 8, 1), "topk R 7 C 8 k 8, NaN and -Inf");

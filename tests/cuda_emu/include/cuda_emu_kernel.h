@@ -58,6 +58,7 @@ void *dynamic_shared();
 /* One launch: configuration and the type-erased kernel call. */
 struct launch_base {
     const char *name = "";
+    const void *fn_addr = nullptr; /* the kernel, for its attributes */
     dim3 grid, block;
     size_t shmem = 0;
     int device = 0;   /* of the stream it was issued on */
@@ -104,10 +105,15 @@ inline void cuda_emu_launch(const char *name, void (*fn)(P...), dim3 grid, dim3 
     static_assert(sizeof...(P) == sizeof...(A), "kernel called with the wrong number of arguments");
     std::shared_ptr<cuda_emu::launch_impl<P...>> l = std::make_shared<cuda_emu::launch_impl<P...>>(fn, std::forward<A>(args)...);
     l->name = name;
+    l->fn_addr = (const void *)fn;
     l->grid = grid;
     l->block = block;
     l->shmem = shmem;
     (void)cuda_emu::submit_launch(l, stream);
+}
+/* cudaFuncSetAttribute(kernel, ...) as CUDA's C++ API spells it. */
+template <class... P> inline cudaError_t cudaFuncSetAttribute(void (*fn)(P...), cudaFuncAttribute attr, int value) {
+    return cudaFuncSetAttribute((const void *)fn, attr, value);
 }
 /* extern __shared__ T name[] of a launch's dynamic shared memory. */
 #define CUDA_EMU_DYNAMIC_SHARED(T, name) T *name = (T *)cuda_emu::dynamic_shared()

@@ -36,6 +36,7 @@ typedef enum cudaError {
     cudaErrorInvalidConfiguration = 9,
     cudaErrorInvalidDevicePointer = 17,
     cudaErrorInvalidMemcpyDirection = 21,
+    cudaErrorInvalidDeviceFunction = 98,
     cudaErrorNoDevice = 100,
     cudaErrorInvalidDevice = 101,
     cudaErrorInvalidResourceHandle = 400,
@@ -231,6 +232,16 @@ cudaError_t cudaMemcpy(void *dst, const void *src, size_t count, cudaMemcpyKind 
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, cudaMemcpyKind kind, cudaStream_t stream);
 cudaError_t cudaMemset(void *ptr, int value, size_t count);
 cudaError_t cudaMemsetAsync(void *ptr, int value, size_t count, cudaStream_t stream);
+
+/* ---------------------------------------------------------------- kernel attributes */
+
+typedef enum cudaFuncAttribute {
+    cudaFuncAttributeMaxDynamicSharedMemorySize = 8,
+    cudaFuncAttributePreferredSharedMemoryCarveout = 9
+} cudaFuncAttribute;
+/* A kernel (its address, as the C++ overload passes it) may launch with up to `value` bytes of
+   dynamic shared memory (up to sharedMemPerBlockOptin, 227 KiB); without it the limit is 48 KiB. */
+cudaError_t cudaFuncSetAttribute(const void *func, cudaFuncAttribute attr, int value);
 
 /* ---------------------------------------------------------------- graphs */
 
