@@ -247,7 +247,7 @@ DSK_API uint32_t dsk_ckpt_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_
 #endif
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(DSK_CKPT_NO_SSE42)
-#define DSK__CK_CRC_HW 1
+#define DSK__CKPT_CRC_HW 1
 #include <nmmintrin.h>
 #endif
 
@@ -256,66 +256,66 @@ DSK_API uint32_t dsk_ckpt_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_
    and final inversion; the register is linear, so raw(s, A||B) = shift(raw(s, A), |B|) ^
    raw(0, B), where shift multiplies by x^(8|B|) modulo the polynomial. */
 
-#define DSK__CK_POLY 0x82F63B78u
+#define DSK__CKPT_POLY 0x82F63B78u
 
-static uint32_t dsk__ck_crc_table[8][256];
-static pthread_once_t dsk__ck_crc_once = PTHREAD_ONCE_INIT;
+static uint32_t dsk__ckpt_crc_table[8][256];
+static pthread_once_t dsk__ckpt_crc_once = PTHREAD_ONCE_INIT;
 
-static void dsk__ck_crc_init(void) {
+static void dsk__ckpt_crc_init(void) {
     for (uint32_t i = 0; i < 256; i++) {
         uint32_t c = i;
-        for (int k = 0; k < 8; k++) c = (c & 1u) ? (c >> 1) ^ DSK__CK_POLY : c >> 1;
-        dsk__ck_crc_table[0][i] = c;
+        for (int k = 0; k < 8; k++) c = (c & 1u) ? (c >> 1) ^ DSK__CKPT_POLY : c >> 1;
+        dsk__ckpt_crc_table[0][i] = c;
     }
     for (uint32_t i = 0; i < 256; i++)
         for (int t = 1; t < 8; t++) {
-            uint32_t prev = dsk__ck_crc_table[t - 1][i];
-            dsk__ck_crc_table[t][i] = (prev >> 8) ^ dsk__ck_crc_table[0][prev & 0xffu];
+            uint32_t prev = dsk__ckpt_crc_table[t - 1][i];
+            dsk__ckpt_crc_table[t][i] = (prev >> 8) ^ dsk__ckpt_crc_table[0][prev & 0xffu];
         }
 }
 
 /* Slicing-by-8: eight table lookups per 8 bytes. */
-static uint32_t dsk__ck_crc_sw(uint32_t s, const unsigned char *p, size_t n) {
-    pthread_once(&dsk__ck_crc_once, dsk__ck_crc_init);
-    while (n && ((uintptr_t)p & 7u)) { s = (s >> 8) ^ dsk__ck_crc_table[0][(s ^ *p++) & 0xffu]; n--; }
+static uint32_t dsk__ckpt_crc_sw(uint32_t s, const unsigned char *p, size_t n) {
+    pthread_once(&dsk__ckpt_crc_once, dsk__ckpt_crc_init);
+    while (n && ((uintptr_t)p & 7u)) { s = (s >> 8) ^ dsk__ckpt_crc_table[0][(s ^ *p++) & 0xffu]; n--; }
     while (n >= 8) {
         uint64_t w;
         memcpy(&w, p, 8);
         uint32_t lo = (uint32_t)w ^ s, hi = (uint32_t)(w >> 32);
-        s = dsk__ck_crc_table[7][lo & 0xffu] ^ dsk__ck_crc_table[6][(lo >> 8) & 0xffu] ^
-            dsk__ck_crc_table[5][(lo >> 16) & 0xffu] ^ dsk__ck_crc_table[4][lo >> 24] ^
-            dsk__ck_crc_table[3][hi & 0xffu] ^ dsk__ck_crc_table[2][(hi >> 8) & 0xffu] ^
-            dsk__ck_crc_table[1][(hi >> 16) & 0xffu] ^ dsk__ck_crc_table[0][hi >> 24];
+        s = dsk__ckpt_crc_table[7][lo & 0xffu] ^ dsk__ckpt_crc_table[6][(lo >> 8) & 0xffu] ^
+            dsk__ckpt_crc_table[5][(lo >> 16) & 0xffu] ^ dsk__ckpt_crc_table[4][lo >> 24] ^
+            dsk__ckpt_crc_table[3][hi & 0xffu] ^ dsk__ckpt_crc_table[2][(hi >> 8) & 0xffu] ^
+            dsk__ckpt_crc_table[1][(hi >> 16) & 0xffu] ^ dsk__ckpt_crc_table[0][hi >> 24];
         p += 8; n -= 8;
     }
-    while (n--) s = (s >> 8) ^ dsk__ck_crc_table[0][(s ^ *p++) & 0xffu];
+    while (n--) s = (s >> 8) ^ dsk__ckpt_crc_table[0][(s ^ *p++) & 0xffu];
     return s;
 }
 
 /* a * b modulo the polynomial, both in reflected order (bit 31 = x^0). */
-static uint32_t dsk__ck_mulmod(uint32_t a, uint32_t b) {
+static uint32_t dsk__ckpt_mulmod(uint32_t a, uint32_t b) {
     uint32_t prod = 0;
     for (uint32_t m = 1u << 31; m; m >>= 1) {
         if (a & m) prod ^= b;
-        b = (b & 1u) ? (b >> 1) ^ DSK__CK_POLY : b >> 1;
+        b = (b & 1u) ? (b >> 1) ^ DSK__CKPT_POLY : b >> 1;
     }
     return prod;
 }
 
 /* x^(8n) modulo the polynomial: the operator that appends n zero bytes. */
-static uint32_t dsk__ck_xpow8n(uint64_t n) {
+static uint32_t dsk__ckpt_xpow8n(uint64_t n) {
     uint32_t result = 1u << 31, sq = 1u << 23; /* x^0 and x^8 */
     while (n) {
-        if (n & 1u) result = dsk__ck_mulmod(result, sq);
-        sq = dsk__ck_mulmod(sq, sq);
+        if (n & 1u) result = dsk__ckpt_mulmod(result, sq);
+        sq = dsk__ckpt_mulmod(sq, sq);
         n >>= 1;
     }
     return result;
 }
 
-#ifdef DSK__CK_CRC_HW
-#define DSK__CK_HW_BLOCK 16384u
-__attribute__((target("sse4.2"))) static uint32_t dsk__ck_crc_hw_run(uint32_t s, const unsigned char *p, size_t n) {
+#ifdef DSK__CKPT_CRC_HW
+#define DSK__CKPT_HW_BLOCK 16384u
+__attribute__((target("sse4.2"))) static uint32_t dsk__ckpt_crc_hw_run(uint32_t s, const unsigned char *p, size_t n) {
     uint64_t c = s;
     for (; n >= 8; p += 8, n -= 8) { uint64_t w; memcpy(&w, p, 8); c = _mm_crc32_u64(c, w); }
     s = (uint32_t)c;
@@ -324,10 +324,10 @@ __attribute__((target("sse4.2"))) static uint32_t dsk__ck_crc_hw_run(uint32_t s,
 }
 /* Three independent CRC chains over adjacent blocks hide the instruction's latency; the
    partial CRCs are then shifted into place. */
-__attribute__((target("sse4.2"))) static uint32_t dsk__ck_crc_hw(uint32_t s, const unsigned char *p, size_t n) {
-    const size_t B = DSK__CK_HW_BLOCK;
+__attribute__((target("sse4.2"))) static uint32_t dsk__ckpt_crc_hw(uint32_t s, const unsigned char *p, size_t n) {
+    const size_t B = DSK__CKPT_HW_BLOCK;
     if (n >= 3 * B) {
-        uint32_t k1 = dsk__ck_xpow8n(B), k2 = dsk__ck_xpow8n(2 * B);
+        uint32_t k1 = dsk__ckpt_xpow8n(B), k2 = dsk__ckpt_xpow8n(2 * B);
         while (n >= 3 * B) {
             uint64_t c0 = s, c1 = 0, c2 = 0;
             for (size_t i = 0; i < B; i += 8) {
@@ -335,41 +335,41 @@ __attribute__((target("sse4.2"))) static uint32_t dsk__ck_crc_hw(uint32_t s, con
                 memcpy(&w0, p + i, 8); memcpy(&w1, p + B + i, 8); memcpy(&w2, p + 2 * B + i, 8);
                 c0 = _mm_crc32_u64(c0, w0); c1 = _mm_crc32_u64(c1, w1); c2 = _mm_crc32_u64(c2, w2);
             }
-            s = dsk__ck_mulmod(k2, (uint32_t)c0) ^ dsk__ck_mulmod(k1, (uint32_t)c1) ^ (uint32_t)c2;
+            s = dsk__ckpt_mulmod(k2, (uint32_t)c0) ^ dsk__ckpt_mulmod(k1, (uint32_t)c1) ^ (uint32_t)c2;
             p += 3 * B; n -= 3 * B;
         }
     }
-    return dsk__ck_crc_hw_run(s, p, n);
+    return dsk__ckpt_crc_hw_run(s, p, n);
 }
-static int dsk__ck_have_sse42(void) { return __builtin_cpu_supports("sse4.2"); }
+static int dsk__ckpt_have_sse42(void) { return __builtin_cpu_supports("sse4.2"); }
 #endif
 
-static uint32_t dsk__ck_crc_raw(uint32_t s, const unsigned char *p, size_t n) {
-#ifdef DSK__CK_CRC_HW
-    if (dsk__ck_have_sse42()) return dsk__ck_crc_hw(s, p, n);
+static uint32_t dsk__ckpt_crc_raw(uint32_t s, const unsigned char *p, size_t n) {
+#ifdef DSK__CKPT_CRC_HW
+    if (dsk__ckpt_have_sse42()) return dsk__ckpt_crc_hw(s, p, n);
 #endif
-    return dsk__ck_crc_sw(s, p, n);
+    return dsk__ckpt_crc_sw(s, p, n);
 }
 
 DSK_API uint32_t dsk_ckpt_crc32c(uint32_t crc, const void *data, size_t n) {
     if (!n) return crc;
-    return ~dsk__ck_crc_raw(~crc, (const unsigned char *)data, n);
+    return ~dsk__ckpt_crc_raw(~crc, (const unsigned char *)data, n);
 }
 
 DSK_API uint32_t dsk_ckpt_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
-    return dsk__ck_mulmod(dsk__ck_xpow8n(len_b), crc_a) ^ crc_b;
+    return dsk__ckpt_mulmod(dsk__ckpt_xpow8n(len_b), crc_a) ^ crc_b;
 }
 
 /* ---------------------------------------------------------------- small helpers */
 
 /* Growable byte buffer; an allocation failure latches `oom` and later appends do nothing. */
-typedef struct dsk__ck_buf {
+typedef struct dsk__ckpt_buf {
     char *p;
     size_t n, cap;
     int oom;
-} dsk__ck_buf;
+} dsk__ckpt_buf;
 
-static void dsk__ck_put(dsk__ck_buf *b, const char *s, size_t n) {
+static void dsk__ckpt_put(dsk__ckpt_buf *b, const char *s, size_t n) {
     if (b->oom) return;
     if (b->n + n + 1 > b->cap) {
         size_t cap = b->cap ? b->cap : 256;
@@ -385,40 +385,40 @@ static void dsk__ck_put(dsk__ck_buf *b, const char *s, size_t n) {
     b->n += n;
     b->p[b->n] = 0;
 }
-static void dsk__ck_puts(dsk__ck_buf *b, const char *s) { dsk__ck_put(b, s, strlen(s)); }
-static void dsk__ck_putf(dsk__ck_buf *b, const char *fmt, ...)
+static void dsk__ckpt_puts(dsk__ckpt_buf *b, const char *s) { dsk__ckpt_put(b, s, strlen(s)); }
+static void dsk__ckpt_putf(dsk__ckpt_buf *b, const char *fmt, ...)
 #if defined(__GNUC__)
     __attribute__((format(printf, 2, 3)))
 #endif
     ;
-static void dsk__ck_putf(dsk__ck_buf *b, const char *fmt, ...) {
+static void dsk__ckpt_putf(dsk__ckpt_buf *b, const char *fmt, ...) {
     char tmp[128];
     va_list ap;
     va_start(ap, fmt);
     int k = vsnprintf(tmp, sizeof tmp, fmt, ap);
     va_end(ap);
     if (k < 0 || (size_t)k >= sizeof tmp) { b->oom = 1; return; }
-    dsk__ck_put(b, tmp, (size_t)k);
+    dsk__ckpt_put(b, tmp, (size_t)k);
 }
 /* A JSON string literal: quotes, backslash and control characters escaped. */
-static void dsk__ck_put_jstr(dsk__ck_buf *b, const char *s) {
-    dsk__ck_put(b, "\"", 1);
+static void dsk__ckpt_put_jstr(dsk__ckpt_buf *b, const char *s) {
+    dsk__ckpt_put(b, "\"", 1);
     while (*s) {
         size_t run = 0;
         unsigned char c;
         while (s[run] && (unsigned char)s[run] >= 0x20 && s[run] != '"' && s[run] != '\\') run++;
-        dsk__ck_put(b, s, run);
+        dsk__ckpt_put(b, s, run);
         s += run;
         if (!(c = (unsigned char)*s)) break;
-        if (c == '"' || c == '\\') { char e[2] = {'\\', (char)c}; dsk__ck_put(b, e, 2); }
-        else dsk__ck_putf(b, "\\u%04x", c);
+        if (c == '"' || c == '\\') { char e[2] = {'\\', (char)c}; dsk__ckpt_put(b, e, 2); }
+        else dsk__ckpt_putf(b, "\\u%04x", c);
         s++;
     }
-    dsk__ck_put(b, "\"", 1);
+    dsk__ckpt_put(b, "\"", 1);
 }
-static void dsk__ck_buf_free(dsk__ck_buf *b) { DSK_FREE(b->p); memset(b, 0, sizeof *b); }
+static void dsk__ckpt_buf_free(dsk__ckpt_buf *b) { DSK_FREE(b->p); memset(b, 0, sizeof *b); }
 
-static char *dsk__ck_strdup(const char *s) {
+static char *dsk__ckpt_strdup(const char *s) {
     size_t n = strlen(s) + 1;
     char *p = (char *)DSK_MALLOC(n);
     if (p) memcpy(p, s, n);
@@ -426,7 +426,7 @@ static char *dsk__ck_strdup(const char *s) {
 }
 
 /* "[8,256,128] bf16" for a shape and a dtype name. */
-static const char *dsk__ck_desc(char *buf, size_t n, int ndim, const int64_t *shape, const char *dtype) {
+static const char *dsk__ckpt_desc(char *buf, size_t n, int ndim, const int64_t *shape, const char *dtype) {
     size_t k = (size_t)snprintf(buf, n, "[");
     for (int i = 0; i < ndim && k < n; i++) k += (size_t)snprintf(buf + k, n - k, i ? ",%lld" : "%lld", (long long)shape[i]);
     if (k < n) snprintf(buf + k, n - k, "] %s", dtype);
@@ -434,7 +434,7 @@ static const char *dsk__ck_desc(char *buf, size_t n, int ndim, const int64_t *sh
 }
 
 /* Row-major element count with overflow check; -1 on overflow. */
-static int64_t dsk__ck_numel(int ndim, const int64_t *shape) {
+static int64_t dsk__ckpt_numel(int ndim, const int64_t *shape) {
     uint64_t n = 1;
     for (int i = 0; i < ndim; i++) {
         if (shape[i] < 0) return -1;
@@ -444,7 +444,7 @@ static int64_t dsk__ck_numel(int ndim, const int64_t *shape) {
     return (int64_t)n;
 }
 
-static int dsk__ck_valid_utf8(const unsigned char *s, size_t n) {
+static int dsk__ckpt_valid_utf8(const unsigned char *s, size_t n) {
     size_t i = 0;
     while (i < n) {
         unsigned char c = s[i];
@@ -468,19 +468,19 @@ static int dsk__ck_valid_utf8(const unsigned char *s, size_t n) {
 
 /* ---------------------------------------------------------------- POSIX I/O */
 
-static dsk_status dsk__ck_io_error(const char *fn, const char *what, const char *path) {
+static dsk_status dsk__ckpt_io_error(const char *fn, const char *what, const char *path) {
     int e = errno;
     return dsk_set_error(DSK_ERR_IO, "%s: %s \"%s\": %s (errno %d)", fn, what, path, strerror(e), e);
 }
 
-static dsk_status dsk__ck_write_all(const char *fn, int fd, const void *p, size_t n, const char *path) {
+static dsk_status dsk__ckpt_write_all(const char *fn, int fd, const void *p, size_t n, const char *path) {
     const char *q = (const char *)p;
     while (n) {
         ssize_t k = write(fd, q, n > ((size_t)1 << 30) ? ((size_t)1 << 30) : n);
         if (k < 0 && errno == EINTR) continue;
         if (k <= 0) {
             if (k == 0) errno = EIO;
-            return dsk__ck_io_error(fn, "write to", path);
+            return dsk__ckpt_io_error(fn, "write to", path);
         }
         q += k;
         n -= (size_t)k;
@@ -488,12 +488,12 @@ static dsk_status dsk__ck_write_all(const char *fn, int fd, const void *p, size_
     return DSK_OK;
 }
 
-static dsk_status dsk__ck_pread_all(const char *fn, int fd, void *p, size_t n, uint64_t off, const char *path) {
+static dsk_status dsk__ckpt_pread_all(const char *fn, int fd, void *p, size_t n, uint64_t off, const char *path) {
     char *q = (char *)p;
     while (n) {
         ssize_t k = pread(fd, q, n > ((size_t)1 << 30) ? ((size_t)1 << 30) : n, (off_t)off);
         if (k < 0 && errno == EINTR) continue;
-        if (k < 0) return dsk__ck_io_error(fn, "read from", path);
+        if (k < 0) return dsk__ckpt_io_error(fn, "read from", path);
         if (k == 0)
             return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" ends early: %zu bytes missing at offset %llu (file truncated?)", fn,
                                  path, n, (unsigned long long)off);
@@ -504,12 +504,12 @@ static dsk_status dsk__ck_pread_all(const char *fn, int fd, void *p, size_t n, u
     return DSK_OK;
 }
 
-static dsk_status dsk__ck_fsync_dir(const char *fn, const char *dir) {
+static dsk_status dsk__ckpt_fsync_dir(const char *fn, const char *dir) {
     int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) return dsk__ck_io_error(fn, "open directory", dir);
+    if (fd < 0) return dsk__ckpt_io_error(fn, "open directory", dir);
     while (fsync(fd) != 0) {
         if (errno == EINTR) continue;
-        dsk_status s = dsk__ck_io_error(fn, "fsync directory", dir);
+        dsk_status s = dsk__ckpt_io_error(fn, "fsync directory", dir);
         close(fd);
         return s;
     }
@@ -518,7 +518,7 @@ static dsk_status dsk__ck_fsync_dir(const char *fn, const char *dir) {
 }
 
 /* dir + "/" + name, or NULL when out of memory. */
-static char *dsk__ck_join(const char *dir, const char *name) {
+static char *dsk__ckpt_join(const char *dir, const char *name) {
     size_t a = strlen(dir), b = strlen(name);
     char *p = (char *)DSK_MALLOC(a + b + 2);
     if (!p) return NULL;
@@ -529,16 +529,16 @@ static char *dsk__ck_join(const char *dir, const char *name) {
 }
 
 /* Splits path into its directory ("." when none) and base name, both allocated. */
-static dsk_status dsk__ck_split_path(const char *fn, const char *path, char **dir, char **base) {
+static dsk_status dsk__ckpt_split_path(const char *fn, const char *path, char **dir, char **base) {
     const char *slash = strrchr(path, '/');
     *dir = *base = NULL;
     if (!*path || (slash && !slash[1])) return dsk_set_error(DSK_ERR_ARG, "%s: path \"%s\" names no file", fn, path);
-    if (!slash) { *dir = dsk__ck_strdup("."); *base = dsk__ck_strdup(path); }
+    if (!slash) { *dir = dsk__ckpt_strdup("."); *base = dsk__ckpt_strdup(path); }
     else {
         size_t k = slash == path ? 1 : (size_t)(slash - path);
         *dir = (char *)DSK_MALLOC(k + 1);
         if (*dir) { memcpy(*dir, path, k); (*dir)[k] = 0; }
-        *base = dsk__ck_strdup(slash + 1);
+        *base = dsk__ckpt_strdup(slash + 1);
     }
     if (!*dir || !*base) {
         DSK_FREE(*dir); DSK_FREE(*base); *dir = *base = NULL;
@@ -548,7 +548,7 @@ static dsk_status dsk__ck_split_path(const char *fn, const char *path, char **di
 }
 
 /* Opens "<dir>/.<base>.tmp" for writing, truncating what a killed writer left. */
-static dsk_status dsk__ck_open_tmp(const char *fn, const char *dir, const char *base, char **tmp_path, int *fd) {
+static dsk_status dsk__ckpt_open_tmp(const char *fn, const char *dir, const char *base, char **tmp_path, int *fd) {
     size_t a = strlen(dir), b = strlen(base);
     char *p = (char *)DSK_MALLOC(a + b + 8);
     *tmp_path = NULL;
@@ -556,7 +556,7 @@ static dsk_status dsk__ck_open_tmp(const char *fn, const char *dir, const char *
     snprintf(p, a + b + 8, "%s/.%s.tmp", dir, base);
     *fd = open(p, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (*fd < 0) {
-        dsk_status s = dsk__ck_io_error(fn, "create", p);
+        dsk_status s = dsk__ckpt_io_error(fn, "create", p);
         DSK_FREE(p);
         return s;
     }
@@ -566,15 +566,15 @@ static dsk_status dsk__ck_open_tmp(const char *fn, const char *dir, const char *
 
 /* fsync + close the temporary, rename it to dir/base, fsync dir. On failure the temporary
    is removed. The fd is closed in every case. */
-static dsk_status dsk__ck_commit_tmp(const char *fn, int fd, char *tmp_path, const char *dir, const char *base) {
+static dsk_status dsk__ckpt_commit_tmp(const char *fn, int fd, char *tmp_path, const char *dir, const char *base) {
     dsk_status s = DSK_OK;
-    char *final_path = dsk__ck_join(dir, base);
+    char *final_path = dsk__ckpt_join(dir, base);
     if (!final_path) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     while (s == DSK_OK && fsync(fd) != 0)
-        if (errno != EINTR) s = dsk__ck_io_error(fn, "fsync", tmp_path);
-    if (close(fd) != 0 && s == DSK_OK && errno != EINTR) s = dsk__ck_io_error(fn, "close", tmp_path);
-    if (s == DSK_OK && rename(tmp_path, final_path) != 0) s = dsk__ck_io_error(fn, "rename into place", final_path);
-    if (s == DSK_OK) s = dsk__ck_fsync_dir(fn, dir);
+        if (errno != EINTR) s = dsk__ckpt_io_error(fn, "fsync", tmp_path);
+    if (close(fd) != 0 && s == DSK_OK && errno != EINTR) s = dsk__ckpt_io_error(fn, "close", tmp_path);
+    if (s == DSK_OK && rename(tmp_path, final_path) != 0) s = dsk__ckpt_io_error(fn, "rename into place", final_path);
+    if (s == DSK_OK) s = dsk__ckpt_fsync_dir(fn, dir);
     else unlink(tmp_path);
     DSK_FREE(final_path);
     DSK_FREE(tmp_path);
@@ -582,36 +582,36 @@ static dsk_status dsk__ck_commit_tmp(const char *fn, int fd, char *tmp_path, con
 }
 
 /* Writes bytes to dir/base atomically and durably. */
-static dsk_status dsk__ck_write_small(const char *fn, const char *dir, const char *base, const void *p, size_t n) {
+static dsk_status dsk__ckpt_write_small(const char *fn, const char *dir, const char *base, const void *p, size_t n) {
     char *tmp = NULL;
     int fd = -1;
-    dsk_status s = dsk__ck_open_tmp(fn, dir, base, &tmp, &fd);
+    dsk_status s = dsk__ckpt_open_tmp(fn, dir, base, &tmp, &fd);
     if (s != DSK_OK) return s;
-    s = dsk__ck_write_all(fn, fd, p, n, tmp);
+    s = dsk__ckpt_write_all(fn, fd, p, n, tmp);
     if (s != DSK_OK) {
         close(fd);
         unlink(tmp);
         DSK_FREE(tmp);
         return s;
     }
-    return dsk__ck_commit_tmp(fn, fd, tmp, dir, base);
+    return dsk__ckpt_commit_tmp(fn, fd, tmp, dir, base);
 }
 
 /* Reads a whole small file (at most max bytes) into a NUL-terminated buffer. */
-static dsk_status dsk__ck_read_small(const char *fn, const char *path, size_t max, char **out, size_t *len) {
+static dsk_status dsk__ckpt_read_small(const char *fn, const char *path, size_t max, char **out, size_t *len) {
     struct stat st;
     dsk_status s;
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     *out = NULL;
-    if (fd < 0) return dsk__ck_io_error(fn, "open", path);
-    if (fstat(fd, &st) != 0) { s = dsk__ck_io_error(fn, "stat", path); close(fd); return s; }
+    if (fd < 0) return dsk__ckpt_io_error(fn, "open", path);
+    if (fstat(fd, &st) != 0) { s = dsk__ckpt_io_error(fn, "stat", path); close(fd); return s; }
     if (!S_ISREG(st.st_mode) || (uint64_t)st.st_size > max) {
         close(fd);
         return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" is not a regular file of at most %zu bytes", fn, path, max);
     }
     *out = (char *)DSK_MALLOC((size_t)st.st_size + 1);
     if (!*out) { close(fd); return dsk_set_error(DSK_ERR_OOM, "%s: out of memory for \"%s\"", fn, path); }
-    s = dsk__ck_pread_all(fn, fd, *out, (size_t)st.st_size, 0, path);
+    s = dsk__ckpt_pread_all(fn, fd, *out, (size_t)st.st_size, 0, path);
     close(fd);
     if (s != DSK_OK) { DSK_FREE(*out); *out = NULL; return s; }
     (*out)[st.st_size] = 0;
@@ -624,10 +624,10 @@ static dsk_status dsk__ck_read_small(const char *fn, const char *path, size_t ma
    limited, strings are decoded (escapes, surrogate pairs) into one pool, numbers keep their
    text span and are converted on access. */
 
-enum { DSK__J_NULL, DSK__J_BOOL, DSK__J_NUM, DSK__J_STR, DSK__J_ARR, DSK__J_OBJ };
-#define DSK__J_MAX_DEPTH 32
+enum { DSK__CKPT_J_NULL, DSK__CKPT_J_BOOL, DSK__CKPT_J_NUM, DSK__CKPT_J_STR, DSK__CKPT_J_ARR, DSK__CKPT_J_OBJ };
+#define DSK__CKPT_J_MAX_DEPTH 32
 
-typedef struct dsk__ck_jnode {
+typedef struct dsk__ckpt_jnode {
     int type;
     int child, next;      /* first child and next sibling, -1 when none */
     int count;            /* members of an object or array */
@@ -635,41 +635,41 @@ typedef struct dsk__ck_jnode {
     size_t len;
     const char *key;      /* member key (decoded) when the parent is an object */
     size_t klen;
-} dsk__ck_jnode;
+} dsk__ckpt_jnode;
 
-typedef struct dsk__ck_json {
-    dsk__ck_jnode *nodes;
+typedef struct dsk__ckpt_json {
+    dsk__ckpt_jnode *nodes;
     int n, cap;
     char *pool;           /* decoded strings */
     size_t pool_used;
     const char *src, *end, *p;
     const char *fn, *what; /* error context: function and object */
     dsk_status status;
-} dsk__ck_json;
+} dsk__ckpt_json;
 
-static void dsk__ck_json_free(dsk__ck_json *j) {
+static void dsk__ckpt_json_free(dsk__ckpt_json *j) {
     DSK_FREE(j->nodes);
     DSK_FREE(j->pool);
     memset(j, 0, sizeof *j);
 }
 
-static int dsk__ck_jfail(dsk__ck_json *j, const char *msg) {
+static int dsk__ckpt_jfail(dsk__ckpt_json *j, const char *msg) {
     if (j->status == DSK_OK)
         j->status = dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: invalid JSON: %s at byte %lld", j->fn, j->what, msg,
                                   (long long)(j->p - j->src));
     return -1;
 }
 
-static void dsk__ck_jws(dsk__ck_json *j) {
+static void dsk__ckpt_jws(dsk__ckpt_json *j) {
     while (j->p < j->end && (*j->p == ' ' || *j->p == '\t' || *j->p == '\n' || *j->p == '\r')) j->p++;
 }
 
-static int dsk__ck_jnew(dsk__ck_json *j, int type) {
+static int dsk__ckpt_jnew(dsk__ckpt_json *j, int type) {
     if (j->n == j->cap) {
         int cap = j->cap ? j->cap * 2 : 64;
-        dsk__ck_jnode *q;
-        if (cap > (1 << 28)) return dsk__ck_jfail(j, "too many values");
-        q = (dsk__ck_jnode *)DSK_MALLOC((size_t)cap * sizeof *q);
+        dsk__ckpt_jnode *q;
+        if (cap > (1 << 28)) return dsk__ckpt_jfail(j, "too many values");
+        q = (dsk__ckpt_jnode *)DSK_MALLOC((size_t)cap * sizeof *q);
         if (!q) {
             if (j->status == DSK_OK) j->status = dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory parsing JSON", j->fn, j->what);
             return -1;
@@ -685,33 +685,33 @@ static int dsk__ck_jnew(dsk__ck_json *j, int type) {
     return j->n++;
 }
 
-static int dsk__ck_jhex4(dsk__ck_json *j, uint32_t *out) {
+static int dsk__ckpt_jhex4(dsk__ckpt_json *j, uint32_t *out) {
     uint32_t v = 0;
-    if (j->end - j->p < 4) return dsk__ck_jfail(j, "short \\u escape");
+    if (j->end - j->p < 4) return dsk__ckpt_jfail(j, "short \\u escape");
     for (int i = 0; i < 4; i++) {
         char c = *j->p++;
         v <<= 4;
         if (c >= '0' && c <= '9') v |= (uint32_t)(c - '0');
         else if (c >= 'a' && c <= 'f') v |= (uint32_t)(c - 'a' + 10);
         else if (c >= 'A' && c <= 'F') v |= (uint32_t)(c - 'A' + 10);
-        else return dsk__ck_jfail(j, "bad hex digit in \\u escape");
+        else return dsk__ckpt_jfail(j, "bad hex digit in \\u escape");
     }
     *out = v;
     return 0;
 }
 
 /* Decodes the string at j->p (on its opening quote) into the pool. */
-static int dsk__ck_jstring(dsk__ck_json *j, const char **out, size_t *len) {
+static int dsk__ckpt_jstring(dsk__ckpt_json *j, const char **out, size_t *len) {
     char *dst = j->pool + j->pool_used, *start = dst;
     j->p++; /* opening quote */
     for (;;) {
         unsigned char c;
-        if (j->p >= j->end) return dsk__ck_jfail(j, "unterminated string");
+        if (j->p >= j->end) return dsk__ckpt_jfail(j, "unterminated string");
         c = (unsigned char)*j->p++;
         if (c == '"') break;
-        if (c < 0x20) return dsk__ck_jfail(j, "control character in string");
+        if (c < 0x20) return dsk__ckpt_jfail(j, "control character in string");
         if (c != '\\') { *dst++ = (char)c; continue; }
-        if (j->p >= j->end) return dsk__ck_jfail(j, "unterminated escape");
+        if (j->p >= j->end) return dsk__ckpt_jfail(j, "unterminated escape");
         c = (unsigned char)*j->p++;
         switch (c) {
         case '"': *dst++ = '"'; break;
@@ -724,13 +724,13 @@ static int dsk__ck_jstring(dsk__ck_json *j, const char **out, size_t *len) {
         case 't': *dst++ = '\t'; break;
         case 'u': {
             uint32_t cp, lo;
-            if (dsk__ck_jhex4(j, &cp)) return -1;
-            if (cp >= 0xdc00u && cp <= 0xdfffu) return dsk__ck_jfail(j, "lone low surrogate");
+            if (dsk__ckpt_jhex4(j, &cp)) return -1;
+            if (cp >= 0xdc00u && cp <= 0xdfffu) return dsk__ckpt_jfail(j, "lone low surrogate");
             if (cp >= 0xd800u && cp <= 0xdbffu) {
-                if (j->end - j->p < 2 || j->p[0] != '\\' || j->p[1] != 'u') return dsk__ck_jfail(j, "lone high surrogate");
+                if (j->end - j->p < 2 || j->p[0] != '\\' || j->p[1] != 'u') return dsk__ckpt_jfail(j, "lone high surrogate");
                 j->p += 2;
-                if (dsk__ck_jhex4(j, &lo)) return -1;
-                if (lo < 0xdc00u || lo > 0xdfffu) return dsk__ck_jfail(j, "bad low surrogate");
+                if (dsk__ckpt_jhex4(j, &lo)) return -1;
+                if (lo < 0xdc00u || lo > 0xdfffu) return dsk__ckpt_jfail(j, "bad low surrogate");
                 cp = 0x10000u + ((cp - 0xd800u) << 10) + (lo - 0xdc00u);
             }
             if (cp < 0x80u) *dst++ = (char)cp;
@@ -744,7 +744,7 @@ static int dsk__ck_jstring(dsk__ck_json *j, const char **out, size_t *len) {
             }
             break;
         }
-        default: return dsk__ck_jfail(j, "unknown escape");
+        default: return dsk__ckpt_jfail(j, "unknown escape");
         }
     }
     *dst = 0;
@@ -754,21 +754,21 @@ static int dsk__ck_jstring(dsk__ck_json *j, const char **out, size_t *len) {
     return 0;
 }
 
-static int dsk__ck_jnumber(dsk__ck_json *j, int node) {
+static int dsk__ckpt_jnumber(dsk__ckpt_json *j, int node) {
     const char *s = j->p;
     if (j->p < j->end && *j->p == '-') j->p++;
-    if (j->p >= j->end || *j->p < '0' || *j->p > '9') return dsk__ck_jfail(j, "bad number");
+    if (j->p >= j->end || *j->p < '0' || *j->p > '9') return dsk__ckpt_jfail(j, "bad number");
     if (*j->p == '0') j->p++;
     else while (j->p < j->end && *j->p >= '0' && *j->p <= '9') j->p++;
     if (j->p < j->end && *j->p == '.') {
         j->p++;
-        if (j->p >= j->end || *j->p < '0' || *j->p > '9') return dsk__ck_jfail(j, "bad fraction");
+        if (j->p >= j->end || *j->p < '0' || *j->p > '9') return dsk__ckpt_jfail(j, "bad fraction");
         while (j->p < j->end && *j->p >= '0' && *j->p <= '9') j->p++;
     }
     if (j->p < j->end && (*j->p == 'e' || *j->p == 'E')) {
         j->p++;
         if (j->p < j->end && (*j->p == '+' || *j->p == '-')) j->p++;
-        if (j->p >= j->end || *j->p < '0' || *j->p > '9') return dsk__ck_jfail(j, "bad exponent");
+        if (j->p >= j->end || *j->p < '0' || *j->p > '9') return dsk__ckpt_jfail(j, "bad exponent");
         while (j->p < j->end && *j->p >= '0' && *j->p <= '9') j->p++;
     }
     j->nodes[node].s = s;
@@ -776,36 +776,36 @@ static int dsk__ck_jnumber(dsk__ck_json *j, int node) {
     return 0;
 }
 
-static int dsk__ck_jliteral(dsk__ck_json *j, const char *word) {
+static int dsk__ckpt_jliteral(dsk__ckpt_json *j, const char *word) {
     size_t n = strlen(word);
-    if ((size_t)(j->end - j->p) < n || memcmp(j->p, word, n) != 0) return dsk__ck_jfail(j, "unexpected character");
+    if ((size_t)(j->end - j->p) < n || memcmp(j->p, word, n) != 0) return dsk__ckpt_jfail(j, "unexpected character");
     j->p += n;
     return 0;
 }
 
-static int dsk__ck_jvalue(dsk__ck_json *j, int depth);
+static int dsk__ckpt_jvalue(dsk__ckpt_json *j, int depth);
 
 /* Array or object at j->p (on its bracket); children linked in order. */
-static int dsk__ck_jcontainer(dsk__ck_json *j, int depth, int is_obj) {
-    int node = dsk__ck_jnew(j, is_obj ? DSK__J_OBJ : DSK__J_ARR), last = -1;
+static int dsk__ckpt_jcontainer(dsk__ckpt_json *j, int depth, int is_obj) {
+    int node = dsk__ckpt_jnew(j, is_obj ? DSK__CKPT_J_OBJ : DSK__CKPT_J_ARR), last = -1;
     char close = is_obj ? '}' : ']';
     if (node < 0) return -1;
-    if (depth >= DSK__J_MAX_DEPTH) return dsk__ck_jfail(j, "nesting too deep");
+    if (depth >= DSK__CKPT_J_MAX_DEPTH) return dsk__ckpt_jfail(j, "nesting too deep");
     j->p++;
-    dsk__ck_jws(j);
+    dsk__ckpt_jws(j);
     if (j->p < j->end && *j->p == close) { j->p++; return node; }
     for (;;) {
         const char *key = NULL;
         size_t klen = 0;
         int child;
         if (is_obj) {
-            if (j->p >= j->end || *j->p != '"') return dsk__ck_jfail(j, "expected a string key");
-            if (dsk__ck_jstring(j, &key, &klen)) return -1;
-            dsk__ck_jws(j);
-            if (j->p >= j->end || *j->p != ':') return dsk__ck_jfail(j, "expected ':'");
+            if (j->p >= j->end || *j->p != '"') return dsk__ckpt_jfail(j, "expected a string key");
+            if (dsk__ckpt_jstring(j, &key, &klen)) return -1;
+            dsk__ckpt_jws(j);
+            if (j->p >= j->end || *j->p != ':') return dsk__ckpt_jfail(j, "expected ':'");
             j->p++;
         }
-        child = dsk__ck_jvalue(j, depth + 1);
+        child = dsk__ckpt_jvalue(j, depth + 1);
         if (child < 0) return -1;
         j->nodes[child].key = key;
         j->nodes[child].klen = klen;
@@ -813,59 +813,59 @@ static int dsk__ck_jcontainer(dsk__ck_json *j, int depth, int is_obj) {
         else j->nodes[last].next = child;
         last = child;
         j->nodes[node].count++;
-        dsk__ck_jws(j);
-        if (j->p < j->end && *j->p == ',') { j->p++; dsk__ck_jws(j); continue; }
+        dsk__ckpt_jws(j);
+        if (j->p < j->end && *j->p == ',') { j->p++; dsk__ckpt_jws(j); continue; }
         if (j->p < j->end && *j->p == close) { j->p++; return node; }
-        return dsk__ck_jfail(j, is_obj ? "expected ',' or '}'" : "expected ',' or ']'");
+        return dsk__ckpt_jfail(j, is_obj ? "expected ',' or '}'" : "expected ',' or ']'");
     }
 }
 
-static int dsk__ck_jvalue(dsk__ck_json *j, int depth) {
+static int dsk__ckpt_jvalue(dsk__ckpt_json *j, int depth) {
     int node;
-    dsk__ck_jws(j);
-    if (j->p >= j->end) return dsk__ck_jfail(j, "unexpected end");
+    dsk__ckpt_jws(j);
+    if (j->p >= j->end) return dsk__ckpt_jfail(j, "unexpected end");
     switch (*j->p) {
-    case '{': return dsk__ck_jcontainer(j, depth, 1);
-    case '[': return dsk__ck_jcontainer(j, depth, 0);
+    case '{': return dsk__ckpt_jcontainer(j, depth, 1);
+    case '[': return dsk__ckpt_jcontainer(j, depth, 0);
     case '"':
-        if ((node = dsk__ck_jnew(j, DSK__J_STR)) < 0) return -1;
-        return dsk__ck_jstring(j, &j->nodes[node].s, &j->nodes[node].len) ? -1 : node;
+        if ((node = dsk__ckpt_jnew(j, DSK__CKPT_J_STR)) < 0) return -1;
+        return dsk__ckpt_jstring(j, &j->nodes[node].s, &j->nodes[node].len) ? -1 : node;
     case 't': case 'f': case 'n':
-        if ((node = dsk__ck_jnew(j, *j->p == 'n' ? DSK__J_NULL : DSK__J_BOOL)) < 0) return -1;
-        return dsk__ck_jliteral(j, *j->p == 't' ? "true" : *j->p == 'f' ? "false" : "null") ? -1 : node;
+        if ((node = dsk__ckpt_jnew(j, *j->p == 'n' ? DSK__CKPT_J_NULL : DSK__CKPT_J_BOOL)) < 0) return -1;
+        return dsk__ckpt_jliteral(j, *j->p == 't' ? "true" : *j->p == 'f' ? "false" : "null") ? -1 : node;
     default:
-        if ((node = dsk__ck_jnew(j, DSK__J_NUM)) < 0) return -1;
-        return dsk__ck_jnumber(j, node) ? -1 : node;
+        if ((node = dsk__ckpt_jnew(j, DSK__CKPT_J_NUM)) < 0) return -1;
+        return dsk__ckpt_jnumber(j, node) ? -1 : node;
     }
 }
 
 /* Parses text[0, n) (valid UTF-8 required) whose top level must be an object: node 0. */
-static dsk_status dsk__ck_json_parse(dsk__ck_json *j, const char *text, size_t n, const char *fn, const char *what) {
+static dsk_status dsk__ckpt_json_parse(dsk__ckpt_json *j, const char *text, size_t n, const char *fn, const char *what) {
     memset(j, 0, sizeof *j);
     j->src = j->p = text;
     j->end = text + n;
     j->fn = fn;
     j->what = what;
-    if (!dsk__ck_valid_utf8((const unsigned char *)text, n))
+    if (!dsk__ckpt_valid_utf8((const unsigned char *)text, n))
         return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: header is not valid UTF-8", fn, what);
     j->pool = (char *)DSK_MALLOC(n + 1);
     if (!j->pool) return dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory for %zu bytes of JSON", fn, what, n);
-    dsk__ck_jws(j);
-    if (j->p >= j->end || *j->p != '{') dsk__ck_jfail(j, "expected '{'");
-    else if (dsk__ck_jvalue(j, 0) >= 0) {
-        dsk__ck_jws(j);
-        if (j->p != j->end) dsk__ck_jfail(j, "trailing characters");
+    dsk__ckpt_jws(j);
+    if (j->p >= j->end || *j->p != '{') dsk__ckpt_jfail(j, "expected '{'");
+    else if (dsk__ckpt_jvalue(j, 0) >= 0) {
+        dsk__ckpt_jws(j);
+        if (j->p != j->end) dsk__ckpt_jfail(j, "trailing characters");
     }
     if (j->status != DSK_OK) {
         dsk_status s = j->status;
-        dsk__ck_json_free(j);
+        dsk__ckpt_json_free(j);
         return s;
     }
     return DSK_OK;
 }
 
 /* Member `key` of object node obj, or -1. */
-static int dsk__ck_jget(const dsk__ck_json *j, int obj, const char *key) {
+static int dsk__ckpt_jget(const dsk__ckpt_json *j, int obj, const char *key) {
     size_t k = strlen(key);
     for (int c = j->nodes[obj].child; c >= 0; c = j->nodes[c].next)
         if (j->nodes[c].klen == k && memcmp(j->nodes[c].key, key, k) == 0) return c;
@@ -873,12 +873,12 @@ static int dsk__ck_jget(const dsk__ck_json *j, int obj, const char *key) {
 }
 
 /* A plain integer (optional '-', digits, no fraction or exponent) within int64. */
-static int dsk__ck_jint(const dsk__ck_json *j, int node, int64_t *out) {
-    const dsk__ck_jnode *x = &j->nodes[node];
+static int dsk__ckpt_jint(const dsk__ckpt_json *j, int node, int64_t *out) {
+    const dsk__ckpt_jnode *x = &j->nodes[node];
     size_t i = 0;
     int neg = 0;
     uint64_t v = 0;
-    if (x->type != DSK__J_NUM) return 0;
+    if (x->type != DSK__CKPT_J_NUM) return 0;
     if (x->s[0] == '-') { neg = 1; i = 1; }
     if (i >= x->len) return 0;
     for (; i < x->len; i++) {
@@ -892,63 +892,63 @@ static int dsk__ck_jint(const dsk__ck_json *j, int node, int64_t *out) {
 }
 
 /* Integer member `key` of object obj. */
-static int dsk__ck_jget_int(const dsk__ck_json *j, int obj, const char *key, int64_t *out) {
-    int c = dsk__ck_jget(j, obj, key);
-    return c >= 0 && dsk__ck_jint(j, c, out);
+static int dsk__ckpt_jget_int(const dsk__ckpt_json *j, int obj, const char *key, int64_t *out) {
+    int c = dsk__ckpt_jget(j, obj, key);
+    return c >= 0 && dsk__ckpt_jint(j, c, out);
 }
 
 /* A string node without embedded NUL. */
-static const char *dsk__ck_jstr(const dsk__ck_json *j, int node) {
-    if (node < 0 || j->nodes[node].type != DSK__J_STR || strlen(j->nodes[node].s) != j->nodes[node].len) return NULL;
+static const char *dsk__ckpt_jstr(const dsk__ckpt_json *j, int node) {
+    if (node < 0 || j->nodes[node].type != DSK__CKPT_J_STR || strlen(j->nodes[node].s) != j->nodes[node].len) return NULL;
     return j->nodes[node].s;
 }
 
 /* ---------------------------------------------------------------- safetensors files */
 
-typedef struct dsk__ck_stdtype {
+typedef struct dsk__ckpt_stdtype {
     const char *name;
     int bits;
     int dsk; /* dsk_dtype or -1 */
-} dsk__ck_stdtype;
+} dsk__ckpt_stdtype;
 
 /* Every dtype of safetensors 0.8, with its width in bits (F4 and F6 are packed). */
-static const dsk__ck_stdtype dsk__ck_stdtypes[] = {
+static const dsk__ckpt_stdtype dsk__ckpt_stdtypes[] = {
     {"BOOL", 8, -1},         {"F4", 4, -1},           {"F6_E2M3", 6, -1},     {"F6_E3M2", 6, -1},   {"U8", 8, DSK_U8},
     {"I8", 8, -1},           {"F8_E5M2", 8, DSK_E5M2}, {"F8_E4M3", 8, DSK_E4M3}, {"F8_E8M0", 8, -1},   {"F8_E4M3FNUZ", 8, -1},
     {"F8_E5M2FNUZ", 8, -1},  {"I16", 16, -1},         {"U16", 16, -1},        {"F16", 16, DSK_F16}, {"BF16", 16, DSK_BF16},
     {"I32", 32, DSK_I32},    {"U32", 32, -1},         {"F32", 32, DSK_F32},   {"C64", 64, -1},      {"F64", 64, DSK_F64},
     {"I64", 64, DSK_I64},    {"U64", 64, -1}};
-#define DSK__CK_N_STDTYPES ((int)(sizeof dsk__ck_stdtypes / sizeof dsk__ck_stdtypes[0]))
+#define DSK__CKPT_N_STDTYPES ((int)(sizeof dsk__ckpt_stdtypes / sizeof dsk__ckpt_stdtypes[0]))
 
-static const dsk__ck_stdtype *dsk__ck_stdtype_by_name(const char *name) {
-    for (int i = 0; i < DSK__CK_N_STDTYPES; i++)
-        if (strcmp(dsk__ck_stdtypes[i].name, name) == 0) return &dsk__ck_stdtypes[i];
+static const dsk__ckpt_stdtype *dsk__ckpt_stdtype_by_name(const char *name) {
+    for (int i = 0; i < DSK__CKPT_N_STDTYPES; i++)
+        if (strcmp(dsk__ckpt_stdtypes[i].name, name) == 0) return &dsk__ckpt_stdtypes[i];
     return NULL;
 }
-static const char *dsk__ck_stname(dsk_dtype dt) {
-    for (int i = 0; i < DSK__CK_N_STDTYPES; i++)
-        if (dsk__ck_stdtypes[i].dsk == (int)dt) return dsk__ck_stdtypes[i].name;
+static const char *dsk__ckpt_stname(dsk_dtype dt) {
+    for (int i = 0; i < DSK__CKPT_N_STDTYPES; i++)
+        if (dsk__ckpt_stdtypes[i].dsk == (int)dt) return dsk__ckpt_stdtypes[i].name;
     return "?";
 }
 
-static int dsk__ck_cmp_info_name(const void *a, const void *b) {
+static int dsk__ckpt_cmp_info_name(const void *a, const void *b) {
     return strcmp(((const dsk_ckpt_tensor_info *)a)->name, ((const dsk_ckpt_tensor_info *)b)->name);
 }
-static int dsk__ck_cmp_info_off(const void *a, const void *b) {
+static int dsk__ckpt_cmp_info_off(const void *a, const void *b) {
     const dsk_ckpt_tensor_info *x = *(const dsk_ckpt_tensor_info *const *)a, *y = *(const dsk_ckpt_tensor_info *const *)b;
     if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
     return x->end < y->end ? -1 : x->end > y->end;
 }
 
-typedef struct dsk__ck_kvidx {
+typedef struct dsk__ckpt_kvidx {
     const char *k, *v;
-} dsk__ck_kvidx;
-static int dsk__ck_cmp_kvidx(const void *a, const void *b) {
-    return strcmp(((const dsk__ck_kvidx *)a)->k, ((const dsk__ck_kvidx *)b)->k);
+} dsk__ckpt_kvidx;
+static int dsk__ckpt_cmp_kvidx(const void *a, const void *b) {
+    return strcmp(((const dsk__ckpt_kvidx *)a)->k, ((const dsk__ckpt_kvidx *)b)->k);
 }
 
 /* Parses 8 lowercase or uppercase hex digits exactly. */
-static int dsk__ck_parse_hex32(const char *s, uint32_t *out) {
+static int dsk__ckpt_parse_hex32(const char *s, uint32_t *out) {
     uint32_t v = 0;
     if (!s || strlen(s) != 8) return 0;
     for (int i = 0; i < 8; i++) {
@@ -964,17 +964,17 @@ static int dsk__ck_parse_hex32(const char *s, uint32_t *out) {
 }
 
 /* Private storage behind dsk_ckpt_file.mem. */
-typedef struct dsk__ck_filemem {
-    dsk__ck_json json;
+typedef struct dsk__ckpt_filemem {
+    dsk__ckpt_json json;
     char *header;   /* the first 8 + header_len bytes when read from a file */
-} dsk__ck_filemem;
+} dsk__ckpt_filemem;
 
 DSK_API void dsk_ckpt_file_close(dsk_ckpt_file *f) {
     if (!f) return;
     if (f->has_fd) close(f->fd);
     if (f->mem) {
-        dsk__ck_filemem *m = (dsk__ck_filemem *)f->mem;
-        dsk__ck_json_free(&m->json);
+        dsk__ckpt_filemem *m = (dsk__ckpt_filemem *)f->mem;
+        dsk__ckpt_json_free(&m->json);
         DSK_FREE(m->header);
         DSK_FREE(m);
     }
@@ -986,25 +986,25 @@ DSK_API void dsk_ckpt_file_close(dsk_ckpt_file *f) {
 }
 
 /* One tensor entry {"dtype": .., "shape": [..], "data_offsets": [b, e]}. */
-static dsk_status dsk__ck_parse_entry(const char *fn, const char *where, const dsk__ck_json *j, int node, dsk_ckpt_tensor_info *t) {
+static dsk_status dsk__ckpt_parse_entry(const char *fn, const char *where, const dsk__ckpt_json *j, int node, dsk_ckpt_tensor_info *t) {
     int seen[3] = {0, 0, 0};
-    const dsk__ck_stdtype *dt = NULL;
-    if (j->nodes[node].type != DSK__J_OBJ)
+    const dsk__ckpt_stdtype *dt = NULL;
+    if (j->nodes[node].type != DSK__CKPT_J_OBJ)
         return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" is not an object", fn, where, t->name);
     for (int c = j->nodes[node].child; c >= 0; c = j->nodes[c].next) {
-        const dsk__ck_jnode *x = &j->nodes[c];
+        const dsk__ckpt_jnode *x = &j->nodes[c];
         int which = strcmp(x->key, "dtype") == 0 ? 0 : strcmp(x->key, "shape") == 0 ? 1 : strcmp(x->key, "data_offsets") == 0 ? 2 : -1;
         if (which < 0 || strlen(x->key) != x->klen)
             return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" has unknown field \"%s\"", fn, where, t->name, x->key);
         if (seen[which]++)
             return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" repeats field \"%s\"", fn, where, t->name, x->key);
         if (which == 0) {
-            const char *name = dsk__ck_jstr(j, c);
+            const char *name = dsk__ckpt_jstr(j, c);
             if (!name) return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": dtype is not a string", fn, where, t->name);
-            if (!(dt = dsk__ck_stdtype_by_name(name)))
+            if (!(dt = dsk__ckpt_stdtype_by_name(name)))
                 return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": unknown dtype \"%s\"", fn, where, t->name, name);
         } else if (which == 1) {
-            if (x->type != DSK__J_ARR)
+            if (x->type != DSK__CKPT_J_ARR)
                 return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape is not an array", fn, where, t->name);
             if (x->count > DSK_MAX_DIMS)
                 return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: %s: tensor \"%s\" has %d dims, dsk supports %d", fn, where, t->name,
@@ -1012,7 +1012,7 @@ static dsk_status dsk__ck_parse_entry(const char *fn, const char *where, const d
             t->ndim = 0;
             for (int d = x->child; d >= 0; d = j->nodes[d].next) {
                 int64_t v;
-                if (!dsk__ck_jint(j, d, &v) || v < 0)
+                if (!dsk__ckpt_jint(j, d, &v) || v < 0)
                     return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape[%d] is not a non-negative integer", fn, where,
                                          t->name, t->ndim);
                 t->shape[t->ndim++] = v;
@@ -1020,7 +1020,7 @@ static dsk_status dsk__ck_parse_entry(const char *fn, const char *where, const d
         } else {
             int64_t v[2];
             int d = x->child;
-            if (x->type != DSK__J_ARR || x->count != 2 || !dsk__ck_jint(j, d, &v[0]) || !dsk__ck_jint(j, j->nodes[d].next, &v[1]) ||
+            if (x->type != DSK__CKPT_J_ARR || x->count != 2 || !dsk__ckpt_jint(j, d, &v[0]) || !dsk__ckpt_jint(j, j->nodes[d].next, &v[1]) ||
                 v[0] < 0 || v[1] < 0)
                 return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": data_offsets is not two non-negative integers", fn,
                                      where, t->name);
@@ -1034,44 +1034,44 @@ static dsk_status dsk__ck_parse_entry(const char *fn, const char *where, const d
     t->dtype_name = dt->name;
     t->dtype = dt->dsk;
     {
-        int64_t numel = dsk__ck_numel(t->ndim, t->shape);
+        int64_t numel = dsk__ckpt_numel(t->ndim, t->shape);
         uint64_t bits;
         char b[160];
         if (numel < 0 || (uint64_t)numel > UINT64_MAX / (uint64_t)dt->bits)
             return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape %s overflows", fn, where, t->name,
-                                 dsk__ck_desc(b, sizeof b, t->ndim, t->shape, dt->name));
+                                 dsk__ckpt_desc(b, sizeof b, t->ndim, t->shape, dt->name));
         bits = (uint64_t)numel * (uint64_t)dt->bits;
         if (bits % 8)
             return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape %s is not a whole number of bytes", fn, where, t->name,
-                                 dsk__ck_desc(b, sizeof b, t->ndim, t->shape, dt->name));
+                                 dsk__ckpt_desc(b, sizeof b, t->ndim, t->shape, dt->name));
         if (t->end < t->begin || t->end - t->begin != bits / 8)
             return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape %s needs %llu bytes, data_offsets [%llu, %llu] give %lld",
-                                 fn, where, t->name, dsk__ck_desc(b, sizeof b, t->ndim, t->shape, dt->name), (unsigned long long)(bits / 8),
+                                 fn, where, t->name, dsk__ckpt_desc(b, sizeof b, t->ndim, t->shape, dt->name), (unsigned long long)(bits / 8),
                                  (unsigned long long)t->begin, (unsigned long long)t->end, (long long)(t->end - t->begin));
     }
     return DSK_OK;
 }
 
 /* __metadata__: an object of string values. */
-static dsk_status dsk__ck_parse_meta(const char *fn, const char *where, const dsk__ck_json *j, int node, dsk_ckpt_file *f) {
-    const dsk__ck_jnode *m = &j->nodes[node];
-    dsk__ck_kvidx *kv;
+static dsk_status dsk__ckpt_parse_meta(const char *fn, const char *where, const dsk__ckpt_json *j, int node, dsk_ckpt_file *f) {
+    const dsk__ckpt_jnode *m = &j->nodes[node];
+    dsk__ckpt_kvidx *kv;
     int i = 0;
-    if (m->type != DSK__J_OBJ) return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ is not an object", fn, where);
-    kv = (dsk__ck_kvidx *)DSK_MALLOC(((size_t)m->count + 1) * sizeof *kv);
+    if (m->type != DSK__CKPT_J_OBJ) return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ is not an object", fn, where);
+    kv = (dsk__ckpt_kvidx *)DSK_MALLOC(((size_t)m->count + 1) * sizeof *kv);
     f->meta_keys = (const char **)DSK_MALLOC(((size_t)m->count + 1) * sizeof(char *));
     f->meta_values = (const char **)DSK_MALLOC(((size_t)m->count + 1) * sizeof(char *));
     if (!kv || !f->meta_keys || !f->meta_values) { DSK_FREE(kv); return dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory", fn, where); }
     for (int c = m->child; c >= 0; c = j->nodes[c].next, i++) {
         kv[i].k = j->nodes[c].key;
-        kv[i].v = dsk__ck_jstr(j, c);
+        kv[i].v = dsk__ckpt_jstr(j, c);
         if (!kv[i].v || strlen(kv[i].k) != j->nodes[c].klen) {
             dsk_status s = dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ value of \"%s\" is not a string", fn, where, kv[i].k);
             DSK_FREE(kv);
             return s;
         }
     }
-    qsort(kv, (size_t)i, sizeof *kv, dsk__ck_cmp_kvidx);
+    qsort(kv, (size_t)i, sizeof *kv, dsk__ckpt_cmp_kvidx);
     for (int k = 0; k < i; k++) {
         if (k && strcmp(kv[k].k, kv[k - 1].k) == 0) {
             dsk_status s = dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ repeats key \"%s\"", fn, where, kv[k].k);
@@ -1087,13 +1087,13 @@ static dsk_status dsk__ck_parse_meta(const char *fn, const char *where, const ds
 }
 
 /* Offsets sorted must tile [0, data_len) exactly, and data_len must end the file. */
-static dsk_status dsk__ck_check_layout(const char *fn, const char *where, dsk_ckpt_file *f) {
+static dsk_status dsk__ckpt_check_layout(const char *fn, const char *where, dsk_ckpt_file *f) {
     dsk_ckpt_tensor_info **order = (dsk_ckpt_tensor_info **)DSK_MALLOC(((size_t)f->n_tensors + 1) * sizeof *order);
     uint64_t pos = 0;
     dsk_status s = DSK_OK;
     if (!order) return dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory", fn, where);
     for (int i = 0; i < f->n_tensors; i++) order[i] = &f->tensors[i];
-    qsort(order, (size_t)f->n_tensors, sizeof *order, dsk__ck_cmp_info_off);
+    qsort(order, (size_t)f->n_tensors, sizeof *order, dsk__ckpt_cmp_info_off);
     for (int i = 0; i < f->n_tensors && s == DSK_OK; i++) {
         if (order[i]->begin != pos)
             s = dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" data_offsets [%llu, %llu] %s the previous tensor ending at %llu",
@@ -1110,13 +1110,13 @@ static dsk_status dsk__ck_check_layout(const char *fn, const char *where, dsk_ck
 }
 
 /* Per-tensor CRCs from "dsk.crc32c.<name>" when present. */
-static dsk_status dsk__ck_attach_crcs(const char *fn, const char *where, dsk_ckpt_file *f) {
+static dsk_status dsk__ckpt_attach_crcs(const char *fn, const char *where, dsk_ckpt_file *f) {
     for (int i = 0; i < f->n_meta; i++) {
         int t;
         if (strncmp(f->meta_keys[i], "dsk.crc32c.", 11) != 0) continue;
         t = dsk_ckpt_file_find(f, f->meta_keys[i] + 11);
         if (t < 0) return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ \"%s\" names no tensor", fn, where, f->meta_keys[i]);
-        if (!dsk__ck_parse_hex32(f->meta_values[i], &f->tensors[t].crc32c))
+        if (!dsk__ckpt_parse_hex32(f->meta_values[i], &f->tensors[t].crc32c))
             return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ \"%s\" = \"%s\" is not 8 hex digits", fn, where, f->meta_keys[i],
                                  f->meta_values[i]);
         f->tensors[t].has_crc = 1;
@@ -1124,10 +1124,10 @@ static dsk_status dsk__ck_attach_crcs(const char *fn, const char *where, dsk_ckp
     return DSK_OK;
 }
 
-static dsk_status dsk__ck_parse(const char *fn, const char *where, dsk_ckpt_file *f, const unsigned char *bytes, size_t n,
+static dsk_status dsk__ckpt_parse(const char *fn, const char *where, dsk_ckpt_file *f, const unsigned char *bytes, size_t n,
                                 uint64_t file_size) {
-    dsk__ck_filemem *m = (dsk__ck_filemem *)f->mem;
-    dsk__ck_json *j = &m->json;
+    dsk__ckpt_filemem *m = (dsk__ckpt_filemem *)f->mem;
+    dsk__ckpt_json *j = &m->json;
     uint64_t hlen = 0;
     dsk_status s;
     int top, nt = 0, meta = -1;
@@ -1144,7 +1144,7 @@ static dsk_status dsk__ck_parse(const char *fn, const char *where, dsk_ckpt_file
     f->header_len = hlen;
     f->file_size = file_size;
     f->header_crc32c = dsk_ckpt_crc32c(0, bytes, (size_t)(8 + hlen));
-    if ((s = dsk__ck_json_parse(j, (const char *)bytes + 8, (size_t)hlen, fn, where)) != DSK_OK) return s;
+    if ((s = dsk__ckpt_json_parse(j, (const char *)bytes + 8, (size_t)hlen, fn, where)) != DSK_OK) return s;
     top = 0;
     f->tensors = (dsk_ckpt_tensor_info *)DSK_MALLOC(((size_t)j->nodes[top].count + 1) * sizeof *f->tensors);
     if (!f->tensors) return dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory", fn, where);
@@ -1159,32 +1159,32 @@ static dsk_status dsk__ck_parse(const char *fn, const char *where, dsk_ckpt_file
         }
         memset(t, 0, sizeof *t);
         t->name = j->nodes[c].key;
-        if ((s = dsk__ck_parse_entry(fn, where, j, c, t)) != DSK_OK) return s;
+        if ((s = dsk__ckpt_parse_entry(fn, where, j, c, t)) != DSK_OK) return s;
         nt++;
     }
     f->n_tensors = nt;
-    qsort(f->tensors, (size_t)nt, sizeof *f->tensors, dsk__ck_cmp_info_name);
+    qsort(f->tensors, (size_t)nt, sizeof *f->tensors, dsk__ckpt_cmp_info_name);
     for (int i = 1; i < nt; i++)
         if (strcmp(f->tensors[i].name, f->tensors[i - 1].name) == 0)
             return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: duplicate tensor name \"%s\"", fn, where, f->tensors[i].name);
-    if (meta >= 0 && (s = dsk__ck_parse_meta(fn, where, j, meta, f)) != DSK_OK) return s;
-    if ((s = dsk__ck_check_layout(fn, where, f)) != DSK_OK) return s;
-    return dsk__ck_attach_crcs(fn, where, f);
+    if (meta >= 0 && (s = dsk__ckpt_parse_meta(fn, where, j, meta, f)) != DSK_OK) return s;
+    if ((s = dsk__ckpt_check_layout(fn, where, f)) != DSK_OK) return s;
+    return dsk__ckpt_attach_crcs(fn, where, f);
 }
 
-static dsk_status dsk__ck_file_begin(dsk_ckpt_file *f, const char *fn) {
+static dsk_status dsk__ckpt_file_begin(dsk_ckpt_file *f, const char *fn) {
     memset(f, 0, sizeof *f);
-    f->mem = DSK_MALLOC(sizeof(dsk__ck_filemem));
+    f->mem = DSK_MALLOC(sizeof(dsk__ckpt_filemem));
     if (!f->mem) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    memset(f->mem, 0, sizeof(dsk__ck_filemem));
+    memset(f->mem, 0, sizeof(dsk__ckpt_filemem));
     return DSK_OK;
 }
 
 DSK_API dsk_status dsk_ckpt_file_parse(dsk_ckpt_file *f, const void *bytes, size_t n, uint64_t file_size) {
     dsk_status s;
     if (!f || (!bytes && n)) return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_file_parse: NULL argument");
-    if ((s = dsk__ck_file_begin(f, "dsk_ckpt_file_parse")) != DSK_OK) return s;
-    s = dsk__ck_parse("dsk_ckpt_file_parse", "buffer", f, (const unsigned char *)bytes, n, file_size);
+    if ((s = dsk__ckpt_file_begin(f, "dsk_ckpt_file_parse")) != DSK_OK) return s;
+    s = dsk__ckpt_parse("dsk_ckpt_file_parse", "buffer", f, (const unsigned char *)bytes, n, file_size);
     if (s != DSK_OK) dsk_ckpt_file_close(f);
     return s;
 }
@@ -1194,33 +1194,33 @@ DSK_API dsk_status dsk_ckpt_file_open(dsk_ckpt_file *f, const char *path) {
     struct stat st;
     unsigned char len8[8];
     uint64_t hlen = 0;
-    dsk__ck_filemem *m;
+    dsk__ckpt_filemem *m;
     dsk_status s;
     if (!f || !path) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
-    if ((s = dsk__ck_file_begin(f, fn)) != DSK_OK) return s;
-    m = (dsk__ck_filemem *)f->mem;
-    if (!(f->path = dsk__ck_strdup(path))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); goto fail; }
+    if ((s = dsk__ckpt_file_begin(f, fn)) != DSK_OK) return s;
+    m = (dsk__ckpt_filemem *)f->mem;
+    if (!(f->path = dsk__ckpt_strdup(path))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); goto fail; }
     f->fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (f->fd < 0) { s = dsk__ck_io_error(fn, "open", path); goto fail; }
+    if (f->fd < 0) { s = dsk__ckpt_io_error(fn, "open", path); goto fail; }
     f->has_fd = 1;
-    if (fstat(f->fd, &st) != 0) { s = dsk__ck_io_error(fn, "stat", path); goto fail; }
+    if (fstat(f->fd, &st) != 0) { s = dsk__ckpt_io_error(fn, "stat", path); goto fail; }
     if (!S_ISREG(st.st_mode)) { s = dsk_set_error(DSK_ERR_IO, "%s: \"%s\" is not a regular file", fn, path); goto fail; }
     if (st.st_size < 8) {
         s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": %lld bytes is too short for a safetensors file", fn, path, (long long)st.st_size);
         goto fail;
     }
-    if ((s = dsk__ck_pread_all(fn, f->fd, len8, 8, 0, path)) != DSK_OK) goto fail;
+    if ((s = dsk__ckpt_pread_all(fn, f->fd, len8, 8, 0, path)) != DSK_OK) goto fail;
     for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | len8[i];
     if (hlen > DSK_CKPT_MAX_HEADER || 8 + hlen > (uint64_t)st.st_size) {
-        s = dsk__ck_parse(fn, path, f, len8, 8, (uint64_t)st.st_size); /* reports the length error */
+        s = dsk__ckpt_parse(fn, path, f, len8, 8, (uint64_t)st.st_size); /* reports the length error */
         goto fail;
     }
     if (!(m->header = (char *)DSK_MALLOC((size_t)(8 + hlen)))) {
         s = dsk_set_error(DSK_ERR_OOM, "%s: \"%s\": out of memory for a %llu-byte header", fn, path, (unsigned long long)hlen);
         goto fail;
     }
-    if ((s = dsk__ck_pread_all(fn, f->fd, m->header, (size_t)(8 + hlen), 0, path)) != DSK_OK) goto fail;
-    if ((s = dsk__ck_parse(fn, path, f, (const unsigned char *)m->header, (size_t)(8 + hlen), (uint64_t)st.st_size)) != DSK_OK) goto fail;
+    if ((s = dsk__ckpt_pread_all(fn, f->fd, m->header, (size_t)(8 + hlen), 0, path)) != DSK_OK) goto fail;
+    if ((s = dsk__ckpt_parse(fn, path, f, (const unsigned char *)m->header, (size_t)(8 + hlen), (uint64_t)st.st_size)) != DSK_OK) goto fail;
     return DSK_OK;
 fail:
     dsk_ckpt_file_close(f);
@@ -1250,7 +1250,7 @@ DSK_API const char *dsk_ckpt_file_meta(const dsk_ckpt_file *f, const char *key) 
 }
 
 /* Device tensors are copied through ctx's stream: a CUDA tensor needs a CUDA ctx. */
-static dsk_status dsk__ck_check_device(const char *fn, const char *name, const dsk_tensor *t, const dsk_ctx *ctx) {
+static dsk_status dsk__ckpt_check_device(const char *fn, const char *name, const dsk_tensor *t, const dsk_ctx *ctx) {
     if (t->device.type == DSK_DEV_CPU) return DSK_OK;
     if (t->device.type != DSK_DEV_CUDA || !ctx || ctx->device.type != DSK_DEV_CUDA || ctx->device.index != t->device.index)
         return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" is on device type %d index %d: pass a ctx on that CUDA device (dsk_ckpt_opts.ctx)",
@@ -1260,7 +1260,7 @@ static dsk_status dsk__ck_check_device(const char *fn, const char *name, const d
 
 /* Reads tensor t's bytes into buf and checks its CRC when the file has one; in 1 MiB pieces,
    each checked while it is still in cache. */
-static dsk_status dsk__ck_read_tensor_bytes(const char *fn, dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t, void *buf) {
+static dsk_status dsk__ckpt_read_tensor_bytes(const char *fn, dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t, void *buf) {
     const size_t piece = (size_t)1 << 20;
     size_t n = (size_t)(t->end - t->begin);
     dsk_status s;
@@ -1268,7 +1268,7 @@ static dsk_status dsk__ck_read_tensor_bytes(const char *fn, dsk_ckpt_file *f, co
     if (!f->has_fd) return dsk_set_error(DSK_ERR_STATE, "%s: tensor \"%s\": the file was parsed from memory, not opened", fn, t->name);
     for (size_t off = 0; off < n; off += piece) {
         size_t k = n - off < piece ? n - off : piece;
-        if ((s = dsk__ck_pread_all(fn, f->fd, (char *)buf + off, k, 8 + f->header_len + t->begin + off, f->path)) != DSK_OK) return s;
+        if ((s = dsk__ckpt_pread_all(fn, f->fd, (char *)buf + off, k, 8 + f->header_len + t->begin + off, f->path)) != DSK_OK) return s;
         crc = dsk_ckpt_crc32c(crc, (char *)buf + off, k);
     }
     if (t->has_crc && crc != t->crc32c)
@@ -1279,7 +1279,7 @@ static dsk_status dsk__ck_read_tensor_bytes(const char *fn, dsk_ckpt_file *f, co
 
 /* Copies rows [r0, r0 + dst rows) of the file tensor (or all of it when rows_view is 0)
    into dst, reading straight into dst when layouts match. */
-static dsk_status dsk__ck_read_into(const char *fn, dsk_ckpt_file *f, dsk_ctx *ctx, const dsk_ckpt_tensor_info *t, dsk_tensor *dst,
+static dsk_status dsk__ckpt_read_into(const char *fn, dsk_ckpt_file *f, dsk_ctx *ctx, const dsk_ckpt_tensor_info *t, dsk_tensor *dst,
                                     int rows_view, int64_t r0, int allow_cast) {
     dsk_tensor src, view;
     void *buf;
@@ -1291,10 +1291,10 @@ static dsk_status dsk__ck_read_into(const char *fn, dsk_ckpt_file *f, dsk_ctx *c
                              t->name, f->path, dsk_dtype_name((dsk_dtype)t->dtype), dsk_dtype_name(dst->dtype));
     if (whole && dst->device.type == DSK_DEV_CPU && (int)dst->dtype == t->dtype && dsk_tensor_is_contiguous(dst) &&
         (dst->data || t->end == t->begin))
-        return dsk__ck_read_tensor_bytes(fn, f, t, dst->data);
+        return dsk__ckpt_read_tensor_bytes(fn, f, t, dst->data);
     buf = DSK_MALLOC(t->end - t->begin ? (size_t)(t->end - t->begin) : 1);
     if (!buf) return dsk_set_error(DSK_ERR_OOM, "%s: tensor \"%s\": out of memory for %llu bytes", fn, t->name, (unsigned long long)(t->end - t->begin));
-    s = dsk__ck_read_tensor_bytes(fn, f, t, buf);
+    s = dsk__ckpt_read_tensor_bytes(fn, f, t, buf);
     if (s == DSK_OK) s = dsk_tensor_wrap(&src, buf, (dsk_dtype)t->dtype, dsk_cpu(), t->ndim, t->shape);
     if (s == DSK_OK && rows_view) s = dsk_tensor_slice(&src, 0, r0, dst->shape[0], &view);
     else view = src;
@@ -1313,17 +1313,17 @@ DSK_API dsk_status dsk_ckpt_file_read(dsk_ckpt_file *f, dsk_ctx *ctx, const char
     if ((i = dsk_ckpt_file_find(f, name)) < 0)
         return dsk_set_error(DSK_ERR_ARG, "%s: no tensor \"%s\" in \"%s\"", fn, name, f->path ? f->path : "buffer");
     t = &f->tensors[i];
-    if ((s = dsk__ck_check_device(fn, name, dst, ctx)) != DSK_OK) return s;
+    if ((s = dsk__ckpt_check_device(fn, name, dst, ctx)) != DSK_OK) return s;
     if (t->ndim != dst->ndim || memcmp(t->shape, dst->shape, (size_t)t->ndim * sizeof(int64_t)) != 0)
         return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" in \"%s\": file has %s, model has %s", fn, name, f->path ? f->path : "buffer",
-                             dsk__ck_desc(a, sizeof a, t->ndim, t->shape, t->dtype >= 0 ? dsk_dtype_name((dsk_dtype)t->dtype) : t->dtype_name),
-                             dsk__ck_desc(b, sizeof b, dst->ndim, dst->shape, dsk_dtype_name(dst->dtype)));
-    return dsk__ck_read_into(fn, f, ctx, t, dst, 0, 0, allow_cast);
+                             dsk__ckpt_desc(a, sizeof a, t->ndim, t->shape, t->dtype >= 0 ? dsk_dtype_name((dsk_dtype)t->dtype) : t->dtype_name),
+                             dsk__ckpt_desc(b, sizeof b, dst->ndim, dst->shape, dsk_dtype_name(dst->dtype)));
+    return dsk__ckpt_read_into(fn, f, ctx, t, dst, 0, 0, allow_cast);
 }
 
 /* ---------------------------------------------------------------- writing: plan, snapshot, file */
 
-typedef struct dsk__ck_seg {
+typedef struct dsk__ckpt_seg {
     char *name;
     const dsk_tensor *src;
     dsk_dtype dtype;
@@ -1335,20 +1335,20 @@ typedef struct dsk__ck_seg {
     size_t nbytes;
     uint64_t begin;      /* offset in the data buffer */
     uint32_t crc;
-} dsk__ck_seg;
+} dsk__ckpt_seg;
 
-typedef struct dsk__ck_plan {
+typedef struct dsk__ckpt_plan {
     int rank_file;       /* 1: a rank file of a checkpoint; 0: a single file */
     int64_t step;
     int rank, world;
-    dsk__ck_seg *segs;
+    dsk__ckpt_seg *segs;
     int n;
     char **keys, **values;
     int n_kv;
     uint64_t total;      /* data bytes */
-} dsk__ck_plan;
+} dsk__ckpt_plan;
 
-static void dsk__ck_plan_free(dsk__ck_plan *p) {
+static void dsk__ckpt_plan_free(dsk__ckpt_plan *p) {
     for (int i = 0; i < p->n; i++) DSK_FREE(p->segs[i].name);
     for (int i = 0; i < p->n_kv; i++) { DSK_FREE(p->keys[i]); DSK_FREE(p->values[i]); }
     DSK_FREE(p->segs);
@@ -1357,37 +1357,37 @@ static void dsk__ck_plan_free(dsk__ck_plan *p) {
     memset(p, 0, sizeof *p);
 }
 
-static int dsk__ck_cmp_str(const void *a, const void *b) { return strcmp(*(const char *const *)a, *(const char *const *)b); }
+static int dsk__ckpt_cmp_str(const void *a, const void *b) { return strcmp(*(const char *const *)a, *(const char *const *)b); }
 
 /* Larger elements first (keeps every tensor aligned to its element size, as the reference
    writer does), then by name. */
-static int dsk__ck_cmp_seg(const void *a, const void *b) {
-    const dsk__ck_seg *x = (const dsk__ck_seg *)a, *y = (const dsk__ck_seg *)b;
+static int dsk__ckpt_cmp_seg(const void *a, const void *b) {
+    const dsk__ckpt_seg *x = (const dsk__ckpt_seg *)a, *y = (const dsk__ckpt_seg *)b;
     size_t sx = dsk_dtype_size(x->dtype), sy = dsk_dtype_size(y->dtype);
     if (sx != sy) return sx > sy ? -1 : 1;
     return strcmp(x->name, y->name);
 }
 
 /* First duplicate among n strings, or NULL. */
-static const char *dsk__ck_find_dup(const char **names, int n) {
-    qsort((void *)names, (size_t)n, sizeof *names, dsk__ck_cmp_str);
+static const char *dsk__ckpt_find_dup(const char **names, int n) {
+    qsort((void *)names, (size_t)n, sizeof *names, dsk__ckpt_cmp_str);
     for (int i = 1; i < n; i++)
         if (strcmp(names[i], names[i - 1]) == 0) return names[i];
     return NULL;
 }
 
-static dsk_status dsk__ck_check_entry(const char *fn, const dsk_ckpt_entry *e, int i, int rank_file, const dsk_ctx *ctx) {
+static dsk_status dsk__ckpt_check_entry(const char *fn, const dsk_ckpt_entry *e, int i, int rank_file, const dsk_ctx *ctx) {
     const dsk_tensor *t = e->tensor;
     dsk_status s;
     char b[160];
     if (!e->name || !*e->name) return dsk_set_error(DSK_ERR_ARG, "%s: entry %d has no name", fn, i);
-    if (strcmp(e->name, "__metadata__") == 0 || !dsk__ck_valid_utf8((const unsigned char *)e->name, strlen(e->name)))
+    if (strcmp(e->name, "__metadata__") == 0 || !dsk__ckpt_valid_utf8((const unsigned char *)e->name, strlen(e->name)))
         return dsk_set_error(DSK_ERR_ARG, "%s: entry %d: name \"%s\" is reserved or not UTF-8", fn, i, e->name);
     if (!t) return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" is NULL", fn, e->name);
-    if (!dsk_dtype_size(t->dtype) || t->ndim < 0 || t->ndim > DSK_MAX_DIMS || dsk__ck_numel(t->ndim, t->shape) < 0)
+    if (!dsk_dtype_size(t->dtype) || t->ndim < 0 || t->ndim > DSK_MAX_DIMS || dsk__ckpt_numel(t->ndim, t->shape) < 0)
         return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": bad dtype %d or shape (ndim %d)", fn, e->name, (int)t->dtype, t->ndim);
     if (!t->data && dsk_tensor_numel(t) > 0) return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" has no data", fn, e->name);
-    if ((s = dsk__ck_check_device(fn, e->name, t, ctx)) != DSK_OK) return s;
+    if ((s = dsk__ckpt_check_device(fn, e->name, t, ctx)) != DSK_OK) return s;
     if (!rank_file) return DSK_OK;
     if (e->split != 0 && e->split != 1) return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": split %d is neither 0 nor 1", fn, e->name, e->split);
     if (e->split && (t->ndim < 1 || e->row0 < 0 || e->global_rows < 0 || e->row0 > e->global_rows - t->shape[0]))
@@ -1397,22 +1397,22 @@ static dsk_status dsk__ck_check_entry(const char *fn, const dsk_ckpt_entry *e, i
     return DSK_OK;
 }
 
-static dsk_status dsk__ck_check_kv(const char *fn, const dsk_ckpt_kv *kv, int n_kv) {
+static dsk_status dsk__ckpt_check_kv(const char *fn, const dsk_ckpt_kv *kv, int n_kv) {
     const char **keys;
     const char *dup;
     if (n_kv < 0 || (n_kv && !kv)) return dsk_set_error(DSK_ERR_ARG, "%s: %d key/value pairs at %p", fn, n_kv, (const void *)kv);
     for (int i = 0; i < n_kv; i++) {
         if (!kv[i].key || !*kv[i].key || !kv[i].value) return dsk_set_error(DSK_ERR_ARG, "%s: pair %d has a NULL or empty key or NULL value", fn, i);
         if (strncmp(kv[i].key, "dsk.", 4) == 0) return dsk_set_error(DSK_ERR_ARG, "%s: key \"%s\": the prefix \"dsk.\" is reserved", fn, kv[i].key);
-        if (!dsk__ck_valid_utf8((const unsigned char *)kv[i].key, strlen(kv[i].key)) ||
-            !dsk__ck_valid_utf8((const unsigned char *)kv[i].value, strlen(kv[i].value)))
+        if (!dsk__ckpt_valid_utf8((const unsigned char *)kv[i].key, strlen(kv[i].key)) ||
+            !dsk__ckpt_valid_utf8((const unsigned char *)kv[i].value, strlen(kv[i].value)))
             return dsk_set_error(DSK_ERR_ARG, "%s: pair \"%s\" is not UTF-8", fn, kv[i].key);
     }
     if (!n_kv) return DSK_OK;
     keys = (const char **)DSK_MALLOC((size_t)n_kv * sizeof *keys);
     if (!keys) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     for (int i = 0; i < n_kv; i++) keys[i] = kv[i].key;
-    dup = dsk__ck_find_dup(keys, n_kv);
+    dup = dsk__ckpt_find_dup(keys, n_kv);
     if (dup) {
         dsk_status s = dsk_set_error(DSK_ERR_ARG, "%s: key \"%s\" appears twice", fn, dup);
         DSK_FREE((void *)keys);
@@ -1424,31 +1424,31 @@ static dsk_status dsk__ck_check_kv(const char *fn, const dsk_ckpt_kv *kv, int n_
 
 /* Validates the entries and pairs and copies what the file needs (names, pairs, shapes).
    A rank file holds the split entries and, on rank 0 only, the replicated ones. */
-static dsk_status dsk__ck_plan_build(const char *fn, dsk__ck_plan *p, const dsk_ckpt_entry *entries, int n, const dsk_ckpt_kv *kv,
+static dsk_status dsk__ckpt_plan_build(const char *fn, dsk__ckpt_plan *p, const dsk_ckpt_entry *entries, int n, const dsk_ckpt_kv *kv,
                                      int n_kv, const dsk_ctx *ctx) {
     dsk_status s;
     const char **names;
     const char *dup;
     if (n < 0 || (n && !entries)) return dsk_set_error(DSK_ERR_ARG, "%s: %d entries at %p", fn, n, (const void *)entries);
     for (int i = 0; i < n; i++)
-        if ((s = dsk__ck_check_entry(fn, &entries[i], i, p->rank_file, ctx)) != DSK_OK) return s;
-    if ((s = dsk__ck_check_kv(fn, kv, n_kv)) != DSK_OK) return s;
+        if ((s = dsk__ckpt_check_entry(fn, &entries[i], i, p->rank_file, ctx)) != DSK_OK) return s;
+    if ((s = dsk__ckpt_check_kv(fn, kv, n_kv)) != DSK_OK) return s;
     names = (const char **)DSK_MALLOC(((size_t)n + 1) * sizeof *names);
     if (!names) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     for (int i = 0; i < n; i++) names[i] = entries[i].name;
-    dup = dsk__ck_find_dup(names, n);
+    dup = dsk__ckpt_find_dup(names, n);
     if (dup) { s = dsk_set_error(DSK_ERR_ARG, "%s: tensor name \"%s\" appears twice", fn, dup); DSK_FREE((void *)names); return s; }
     DSK_FREE((void *)names);
-    p->segs = (dsk__ck_seg *)DSK_MALLOC(((size_t)n + 1) * sizeof *p->segs);
+    p->segs = (dsk__ckpt_seg *)DSK_MALLOC(((size_t)n + 1) * sizeof *p->segs);
     p->keys = (char **)DSK_MALLOC(((size_t)n_kv + 1) * sizeof(char *));
     p->values = (char **)DSK_MALLOC(((size_t)n_kv + 1) * sizeof(char *));
     if (!p->segs || !p->keys || !p->values) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     for (int i = 0; i < n; i++) {
         const dsk_ckpt_entry *e = &entries[i];
-        dsk__ck_seg *g = &p->segs[p->n];
+        dsk__ckpt_seg *g = &p->segs[p->n];
         if (p->rank_file && !e->split && p->rank != 0) continue;
         memset(g, 0, sizeof *g);
-        if (!(g->name = dsk__ck_strdup(e->name))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        if (!(g->name = dsk__ckpt_strdup(e->name))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
         p->n++;
         g->src = e->tensor;
         g->dtype = e->tensor->dtype;
@@ -1460,12 +1460,12 @@ static dsk_status dsk__ck_plan_build(const char *fn, dsk__ck_plan *p, const dsk_
         g->nbytes = dsk_tensor_nbytes(e->tensor);
     }
     for (int i = 0; i < n_kv; i++) {
-        p->keys[i] = dsk__ck_strdup(kv[i].key);
-        p->values[i] = dsk__ck_strdup(kv[i].value);
+        p->keys[i] = dsk__ckpt_strdup(kv[i].key);
+        p->values[i] = dsk__ckpt_strdup(kv[i].value);
         p->n_kv = i + 1;
         if (!p->keys[i] || !p->values[i]) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     }
-    qsort(p->segs, (size_t)p->n, sizeof *p->segs, dsk__ck_cmp_seg);
+    qsort(p->segs, (size_t)p->n, sizeof *p->segs, dsk__ckpt_cmp_seg);
     for (int i = 0; i < p->n; i++) {
         p->segs[i].begin = p->total;
         p->total += p->segs[i].nbytes;
@@ -1475,7 +1475,7 @@ static dsk_status dsk__ck_plan_build(const char *fn, dsk__ck_plan *p, const dsk_
 
 /* memcpy in 4 MiB pieces over `threads` OpenMP threads: an async save's snapshot is the
    caller's stall. */
-static void dsk__ck_copy_par(void *dst, const void *src, size_t n, int threads) {
+static void dsk__ckpt_copy_par(void *dst, const void *src, size_t n, int threads) {
     const size_t piece = (size_t)4 << 20;
     long long pieces = (long long)((n + piece - 1) / piece);
     if (threads <= 1 || pieces <= 1) { memcpy(dst, src, n); return; }
@@ -1490,83 +1490,83 @@ static void dsk__ck_copy_par(void *dst, const void *src, size_t n, int threads) 
 
 /* Points each segment at bytes to write: contiguous host tensors directly (unless copy_all),
    everything else copied into stage (at least p->total bytes). */
-static dsk_status dsk__ck_snapshot(dsk__ck_plan *p, dsk_ctx *ctx, unsigned char *stage, int copy_all, int threads) {
+static dsk_status dsk__ckpt_snapshot(dsk__ckpt_plan *p, dsk_ctx *ctx, unsigned char *stage, int copy_all, int threads) {
     for (int i = 0; i < p->n; i++) {
-        dsk__ck_seg *g = &p->segs[i];
+        dsk__ckpt_seg *g = &p->segs[i];
         dsk_tensor h;
         dsk_status s;
         int host_contig = g->src->device.type == DSK_DEV_CPU && dsk_tensor_is_contiguous(g->src);
         if (!g->nbytes) { g->data = NULL; continue; }
         if (host_contig && !copy_all) { g->data = g->src->data; continue; }
         g->data = stage + g->begin;
-        if (host_contig) { dsk__ck_copy_par(stage + g->begin, g->src->data, g->nbytes, threads); continue; }
+        if (host_contig) { dsk__ckpt_copy_par(stage + g->begin, g->src->data, g->nbytes, threads); continue; }
         if ((s = dsk_tensor_wrap(&h, stage + g->begin, g->dtype, dsk_cpu(), g->ndim, g->shape)) != DSK_OK) return s;
         if ((s = dsk_tensor_copy(ctx, &h, g->src)) != DSK_OK) return s;
     }
     return DSK_OK;
 }
 
-static int dsk__ck_needs_stage(const dsk__ck_plan *p) {
+static int dsk__ckpt_needs_stage(const dsk__ckpt_plan *p) {
     for (int i = 0; i < p->n; i++)
         if (p->segs[i].nbytes && (p->segs[i].src->device.type != DSK_DEV_CPU || !dsk_tensor_is_contiguous(p->segs[i].src))) return 1;
     return 0;
 }
 
 /* A JSON string of prefix followed by s. */
-static void dsk__ck_put_jstr2(dsk__ck_buf *b, const char *prefix, const char *s) {
-    dsk__ck_buf t;
+static void dsk__ckpt_put_jstr2(dsk__ckpt_buf *b, const char *prefix, const char *s) {
+    dsk__ckpt_buf t;
     memset(&t, 0, sizeof t);
-    dsk__ck_puts(&t, prefix);
-    dsk__ck_puts(&t, s);
+    dsk__ckpt_puts(&t, prefix);
+    dsk__ckpt_puts(&t, s);
     if (t.oom) b->oom = 1;
-    else dsk__ck_put_jstr(b, t.p);
-    dsk__ck_buf_free(&t);
+    else dsk__ckpt_put_jstr(b, t.p);
+    dsk__ckpt_buf_free(&t);
 }
 
 /* The JSON header, padded with spaces to a multiple of 8 bytes. CRCs are 8 hex digits, so
    the length does not depend on their values. */
-static void dsk__ck_header_json(dsk__ck_buf *b, const dsk__ck_plan *p) {
-    dsk__ck_putf(b, "{\"__metadata__\":{\"dsk.format\":\"%s\",\"dsk.version\":\"%d\"", DSK_CKPT_FORMAT, DSK_CKPT_VERSION);
+static void dsk__ckpt_header_json(dsk__ckpt_buf *b, const dsk__ckpt_plan *p) {
+    dsk__ckpt_putf(b, "{\"__metadata__\":{\"dsk.format\":\"%s\",\"dsk.version\":\"%d\"", DSK_CKPT_FORMAT, DSK_CKPT_VERSION);
     if (p->rank_file)
-        dsk__ck_putf(b, ",\"dsk.step\":\"%lld\",\"dsk.rank\":\"%d\",\"dsk.world_size\":\"%d\"", (long long)p->step, p->rank, p->world);
+        dsk__ckpt_putf(b, ",\"dsk.step\":\"%lld\",\"dsk.rank\":\"%d\",\"dsk.world_size\":\"%d\"", (long long)p->step, p->rank, p->world);
     for (int i = 0; i < p->n; i++) {
-        const dsk__ck_seg *g = &p->segs[i];
-        dsk__ck_puts(b, ",");
-        dsk__ck_put_jstr2(b, "dsk.crc32c.", g->name);
-        dsk__ck_putf(b, ":\"%08x\"", g->crc);
+        const dsk__ckpt_seg *g = &p->segs[i];
+        dsk__ckpt_puts(b, ",");
+        dsk__ckpt_put_jstr2(b, "dsk.crc32c.", g->name);
+        dsk__ckpt_putf(b, ":\"%08x\"", g->crc);
         if (g->split) {
-            dsk__ck_puts(b, ",");
-            dsk__ck_put_jstr2(b, "dsk.split.", g->name);
-            dsk__ck_putf(b, ":\"%lld:%lld/%lld\"", (long long)g->row0, (long long)(g->row0 + g->shape[0]), (long long)g->global_rows);
+            dsk__ckpt_puts(b, ",");
+            dsk__ckpt_put_jstr2(b, "dsk.split.", g->name);
+            dsk__ckpt_putf(b, ":\"%lld:%lld/%lld\"", (long long)g->row0, (long long)(g->row0 + g->shape[0]), (long long)g->global_rows);
         }
     }
     for (int i = 0; i < p->n_kv; i++) {
-        dsk__ck_puts(b, ",");
-        dsk__ck_put_jstr(b, p->keys[i]);
-        dsk__ck_puts(b, ":");
-        dsk__ck_put_jstr(b, p->values[i]);
+        dsk__ckpt_puts(b, ",");
+        dsk__ckpt_put_jstr(b, p->keys[i]);
+        dsk__ckpt_puts(b, ":");
+        dsk__ckpt_put_jstr(b, p->values[i]);
     }
-    dsk__ck_puts(b, "}");
+    dsk__ckpt_puts(b, "}");
     for (int i = 0; i < p->n; i++) {
-        const dsk__ck_seg *g = &p->segs[i];
-        dsk__ck_puts(b, ",");
-        dsk__ck_put_jstr(b, g->name);
-        dsk__ck_putf(b, ":{\"dtype\":\"%s\",\"shape\":[", dsk__ck_stname(g->dtype));
-        for (int d = 0; d < g->ndim; d++) dsk__ck_putf(b, d ? ",%lld" : "%lld", (long long)g->shape[d]);
-        dsk__ck_putf(b, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)g->begin, (unsigned long long)(g->begin + g->nbytes));
+        const dsk__ckpt_seg *g = &p->segs[i];
+        dsk__ckpt_puts(b, ",");
+        dsk__ckpt_put_jstr(b, g->name);
+        dsk__ckpt_putf(b, ":{\"dtype\":\"%s\",\"shape\":[", dsk__ckpt_stname(g->dtype));
+        for (int d = 0; d < g->ndim; d++) dsk__ckpt_putf(b, d ? ",%lld" : "%lld", (long long)g->shape[d]);
+        dsk__ckpt_putf(b, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)g->begin, (unsigned long long)(g->begin + g->nbytes));
     }
-    dsk__ck_puts(b, "}");
-    while (!b->oom && b->n % 8) dsk__ck_puts(b, " ");
+    dsk__ckpt_puts(b, "}");
+    while (!b->oom && b->n % 8) dsk__ckpt_puts(b, " ");
 }
 
-static dsk_status dsk__ck_pwrite_all(const char *fn, int fd, const void *p, size_t n, uint64_t off, const char *path) {
+static dsk_status dsk__ckpt_pwrite_all(const char *fn, int fd, const void *p, size_t n, uint64_t off, const char *path) {
     const char *q = (const char *)p;
     while (n) {
         ssize_t k = pwrite(fd, q, n, (off_t)off);
         if (k < 0 && errno == EINTR) continue;
         if (k <= 0) {
             if (k == 0) errno = EIO;
-            return dsk__ck_io_error(fn, "write to", path);
+            return dsk__ckpt_io_error(fn, "write to", path);
         }
         q += k; n -= (size_t)k; off += (uint64_t)k;
     }
@@ -1575,75 +1575,75 @@ static dsk_status dsk__ck_pwrite_all(const char *fn, int fd, const void *p, size
 
 /* Writes header (with placeholder CRCs) then the data, computing each segment's CRC on
    cache-sized chunks just before writing them, then rewrites the header with the CRCs. */
-static dsk_status dsk__ck_write_body(const char *fn, int fd, dsk__ck_plan *p, const char *tmp) {
+static dsk_status dsk__ckpt_write_body(const char *fn, int fd, dsk__ckpt_plan *p, const char *tmp) {
     const size_t chunk = (size_t)1 << 20;
-    dsk__ck_buf h;
+    dsk__ckpt_buf h;
     size_t hlen;
     unsigned char len8[8];
     dsk_status s;
     memset(&h, 0, sizeof h);
     for (int i = 0; i < p->n; i++) p->segs[i].crc = 0;
-    dsk__ck_put(&h, "\0\0\0\0\0\0\0\0", 8);
-    dsk__ck_header_json(&h, p);
-    if (h.oom) { dsk__ck_buf_free(&h); return dsk_set_error(DSK_ERR_OOM, "%s: out of memory for the header", fn); }
+    dsk__ckpt_put(&h, "\0\0\0\0\0\0\0\0", 8);
+    dsk__ckpt_header_json(&h, p);
+    if (h.oom) { dsk__ckpt_buf_free(&h); return dsk_set_error(DSK_ERR_OOM, "%s: out of memory for the header", fn); }
     hlen = h.n - 8;
     if (hlen > DSK_CKPT_MAX_HEADER) {
-        dsk__ck_buf_free(&h);
+        dsk__ckpt_buf_free(&h);
         return dsk_set_error(DSK_ERR_ARG, "%s: a %zu-byte header (%d tensors) exceeds the safetensors limit of %llu bytes", fn, hlen, p->n,
                              (unsigned long long)DSK_CKPT_MAX_HEADER);
     }
-    if ((s = dsk__ck_write_all(fn, fd, h.p, h.n, tmp)) != DSK_OK) { dsk__ck_buf_free(&h); return s; }
+    if ((s = dsk__ckpt_write_all(fn, fd, h.p, h.n, tmp)) != DSK_OK) { dsk__ckpt_buf_free(&h); return s; }
     for (int i = 0; i < p->n && s == DSK_OK; i++) {
-        dsk__ck_seg *g = &p->segs[i];
+        dsk__ckpt_seg *g = &p->segs[i];
         const unsigned char *q = (const unsigned char *)g->data;
         for (size_t off = 0; off < g->nbytes && s == DSK_OK; off += chunk) {
             size_t k = g->nbytes - off < chunk ? g->nbytes - off : chunk;
             g->crc = dsk_ckpt_crc32c(g->crc, q + off, k);
-            s = dsk__ck_write_all(fn, fd, q + off, k, tmp);
+            s = dsk__ckpt_write_all(fn, fd, q + off, k, tmp);
         }
     }
     if (s == DSK_OK) {
         h.n = 0;
         for (int i = 0; i < 8; i++) len8[i] = (unsigned char)((uint64_t)hlen >> (8 * i));
-        dsk__ck_put(&h, (const char *)len8, 8);
-        dsk__ck_header_json(&h, p);
+        dsk__ckpt_put(&h, (const char *)len8, 8);
+        dsk__ckpt_header_json(&h, p);
         if (h.oom || h.n != hlen + 8) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for the header", fn);
-        else s = dsk__ck_pwrite_all(fn, fd, h.p, h.n, 0, tmp);
+        else s = dsk__ckpt_pwrite_all(fn, fd, h.p, h.n, 0, tmp);
     }
-    dsk__ck_buf_free(&h);
+    dsk__ckpt_buf_free(&h);
     return s;
 }
 
 /* Writes the plan as dir/base, atomically and durably. */
-static dsk_status dsk__ck_write_plan(const char *fn, dsk__ck_plan *p, const char *dir, const char *base) {
+static dsk_status dsk__ckpt_write_plan(const char *fn, dsk__ckpt_plan *p, const char *dir, const char *base) {
     char *tmp = NULL;
     int fd = -1;
-    dsk_status s = dsk__ck_open_tmp(fn, dir, base, &tmp, &fd);
+    dsk_status s = dsk__ckpt_open_tmp(fn, dir, base, &tmp, &fd);
     if (s != DSK_OK) return s;
-    if ((s = dsk__ck_write_body(fn, fd, p, tmp)) != DSK_OK) {
+    if ((s = dsk__ckpt_write_body(fn, fd, p, tmp)) != DSK_OK) {
         close(fd);
         unlink(tmp);
         DSK_FREE(tmp);
         return s;
     }
-    return dsk__ck_commit_tmp(fn, fd, tmp, dir, base);
+    return dsk__ckpt_commit_tmp(fn, fd, tmp, dir, base);
 }
 
 DSK_API dsk_status dsk_ckpt_file_save(dsk_ctx *ctx, const char *path, const dsk_ckpt_entry *entries, int n, const dsk_ckpt_kv *kv, int n_kv) {
     const char *fn = "dsk_ckpt_file_save";
-    dsk__ck_plan p;
+    dsk__ckpt_plan p;
     unsigned char *stage = NULL;
     char *dir = NULL, *base = NULL;
     dsk_status s;
     memset(&p, 0, sizeof p);
     if (!path) return dsk_set_error(DSK_ERR_ARG, "%s: path is NULL", fn);
-    if ((s = dsk__ck_split_path(fn, path, &dir, &base)) != DSK_OK) return s;
-    s = dsk__ck_plan_build(fn, &p, entries, n, kv, n_kv, ctx);
-    if (s == DSK_OK && dsk__ck_needs_stage(&p) && !(stage = (unsigned char *)DSK_MALLOC((size_t)p.total)))
+    if ((s = dsk__ckpt_split_path(fn, path, &dir, &base)) != DSK_OK) return s;
+    s = dsk__ckpt_plan_build(fn, &p, entries, n, kv, n_kv, ctx);
+    if (s == DSK_OK && dsk__ckpt_needs_stage(&p) && !(stage = (unsigned char *)DSK_MALLOC((size_t)p.total)))
         s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for a %llu-byte snapshot", fn, (unsigned long long)p.total);
-    if (s == DSK_OK) s = dsk__ck_snapshot(&p, ctx, stage, 0, 1);
-    if (s == DSK_OK) s = dsk__ck_write_plan(fn, &p, dir, base);
-    dsk__ck_plan_free(&p);
+    if (s == DSK_OK) s = dsk__ckpt_snapshot(&p, ctx, stage, 0, 1);
+    if (s == DSK_OK) s = dsk__ckpt_write_plan(fn, &p, dir, base);
+    dsk__ckpt_plan_free(&p);
     DSK_FREE(stage);
     DSK_FREE(dir);
     DSK_FREE(base);
@@ -1652,17 +1652,17 @@ DSK_API dsk_status dsk_ckpt_file_save(dsk_ctx *ctx, const char *path, const dsk_
 
 /* ---------------------------------------------------------------- checkpoint directories */
 
-#define DSK__CK_MANIFEST "manifest.json"
+#define DSK__CKPT_MANIFEST "manifest.json"
 
-static char *dsk__ck_step_dir(const char *root, int64_t step) {
+static char *dsk__ckpt_step_dir(const char *root, int64_t step) {
     char name[40];
     snprintf(name, sizeof name, "step_%08lld", (long long)step);
-    return dsk__ck_join(root, name);
+    return dsk__ckpt_join(root, name);
 }
-static void dsk__ck_rank_name(char *buf, size_t n, int rank) { snprintf(buf, n, "rank_%05d.safetensors", rank); }
+static void dsk__ckpt_rank_name(char *buf, size_t n, int rank) { snprintf(buf, n, "rank_%05d.safetensors", rank); }
 
 /* "step_<digits>" -> step, else -1. */
-static int64_t dsk__ck_parse_step_name(const char *name) {
+static int64_t dsk__ckpt_parse_step_name(const char *name) {
     int64_t v = 0;
     const char *p = name + 5;
     if (strncmp(name, "step_", 5) != 0 || !*p || strlen(p) > 18) return -1;
@@ -1673,29 +1673,29 @@ static int64_t dsk__ck_parse_step_name(const char *name) {
     return v;
 }
 
-static int dsk__ck_exists(const char *path) {
+static int dsk__ckpt_exists(const char *path) {
     struct stat st;
     return stat(path, &st) == 0;
 }
 
 /* Removes every regular entry of dir (the manifest first, made durable, so a crash midway
    leaves an incomplete checkpoint, never a complete-looking partial one). */
-static dsk_status dsk__ck_empty_dir(const char *fn, const char *dir) {
+static dsk_status dsk__ckpt_empty_dir(const char *fn, const char *dir) {
     DIR *d;
     struct dirent *de;
     dsk_status s = DSK_OK;
-    char *man = dsk__ck_join(dir, DSK__CK_MANIFEST);
+    char *man = dsk__ckpt_join(dir, DSK__CKPT_MANIFEST);
     if (!man) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    if (unlink(man) == 0) s = dsk__ck_fsync_dir(fn, dir);
-    else if (errno != ENOENT) s = dsk__ck_io_error(fn, "remove", man);
+    if (unlink(man) == 0) s = dsk__ckpt_fsync_dir(fn, dir);
+    else if (errno != ENOENT) s = dsk__ckpt_io_error(fn, "remove", man);
     DSK_FREE(man);
     if (s != DSK_OK) return s;
-    if (!(d = opendir(dir))) return dsk__ck_io_error(fn, "open directory", dir);
+    if (!(d = opendir(dir))) return dsk__ckpt_io_error(fn, "open directory", dir);
     while (s == DSK_OK && (de = readdir(d)) != NULL) {
         char *p;
         if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0) continue;
-        if (!(p = dsk__ck_join(dir, de->d_name))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
-        if (unlink(p) != 0 && errno != ENOENT) s = dsk__ck_io_error(fn, "remove", p);
+        if (!(p = dsk__ckpt_join(dir, de->d_name))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
+        if (unlink(p) != 0 && errno != ENOENT) s = dsk__ckpt_io_error(fn, "remove", p);
         DSK_FREE(p);
     }
     closedir(d);
@@ -1704,24 +1704,24 @@ static dsk_status dsk__ck_empty_dir(const char *fn, const char *dir) {
 
 /* Rank 0, before the first barrier: the root and step directories exist and the step
    directory is empty (a previous attempt at this step may have left files). */
-static dsk_status dsk__ck_prepare(const char *fn, const char *root, const char *step_dir) {
+static dsk_status dsk__ckpt_prepare(const char *fn, const char *root, const char *step_dir) {
     dsk_status s;
-    if (mkdir(root, 0755) != 0 && errno != EEXIST) return dsk__ck_io_error(fn, "create directory", root);
-    if (mkdir(step_dir, 0755) == 0) return dsk__ck_fsync_dir(fn, root);
-    if (errno != EEXIST) return dsk__ck_io_error(fn, "create directory", step_dir);
-    if ((s = dsk__ck_empty_dir(fn, step_dir)) != DSK_OK) return s;
-    return dsk__ck_fsync_dir(fn, step_dir);
+    if (mkdir(root, 0755) != 0 && errno != EEXIST) return dsk__ckpt_io_error(fn, "create directory", root);
+    if (mkdir(step_dir, 0755) == 0) return dsk__ckpt_fsync_dir(fn, root);
+    if (errno != EEXIST) return dsk__ckpt_io_error(fn, "create directory", step_dir);
+    if ((s = dsk__ckpt_empty_dir(fn, step_dir)) != DSK_OK) return s;
+    return dsk__ckpt_fsync_dir(fn, step_dir);
 }
 
 /* CRC32C of a whole file from its parsed header: the header bytes' CRC combined with each
    tensor's recorded CRC in data order. Every tensor must record one. */
-static dsk_status dsk__ck_file_crc(const char *fn, const dsk_ckpt_file *f, uint32_t *out) {
+static dsk_status dsk__ckpt_file_crc(const char *fn, const dsk_ckpt_file *f, uint32_t *out) {
     dsk_ckpt_tensor_info **order = (dsk_ckpt_tensor_info **)DSK_MALLOC(((size_t)f->n_tensors + 1) * sizeof *order);
     uint32_t crc = f->header_crc32c;
     dsk_status s = DSK_OK;
     if (!order) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     for (int i = 0; i < f->n_tensors; i++) order[i] = &f->tensors[i];
-    qsort(order, (size_t)f->n_tensors, sizeof *order, dsk__ck_cmp_info_off);
+    qsort(order, (size_t)f->n_tensors, sizeof *order, dsk__ckpt_cmp_info_off);
     for (int i = 0; i < f->n_tensors && s == DSK_OK; i++) {
         if (!order[i]->has_crc) s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": tensor \"%s\" has no dsk.crc32c entry", fn, f->path, order[i]->name);
         crc = dsk_ckpt_crc32c_combine(crc, order[i]->crc32c, order[i]->end - order[i]->begin);
@@ -1732,7 +1732,7 @@ static dsk_status dsk__ck_file_crc(const char *fn, const dsk_ckpt_file *f, uint3
 }
 
 /* The metadata value as a whole decimal int64. */
-static int dsk__ck_parse_i64(const char *v, int64_t *out) {
+static int dsk__ckpt_parse_i64(const char *v, int64_t *out) {
     char *end;
     long long x;
     if (!v || !*v || (*v != '-' && (*v < '0' || *v > '9'))) return 0;
@@ -1744,11 +1744,11 @@ static int dsk__ck_parse_i64(const char *v, int64_t *out) {
 }
 
 /* A rank file's header metadata must name this checkpoint and rank. */
-static dsk_status dsk__ck_check_rank_meta(const char *fn, const dsk_ckpt_file *f, int64_t step, int rank, int world) {
+static dsk_status dsk__ckpt_check_rank_meta(const char *fn, const dsk_ckpt_file *f, int64_t step, int rank, int world) {
     int64_t v[3];
     const char *fmt = dsk_ckpt_file_meta(f, "dsk.format");
-    if (!fmt || strcmp(fmt, DSK_CKPT_FORMAT) != 0 || !dsk__ck_parse_i64(dsk_ckpt_file_meta(f, "dsk.step"), &v[0]) ||
-        !dsk__ck_parse_i64(dsk_ckpt_file_meta(f, "dsk.rank"), &v[1]) || !dsk__ck_parse_i64(dsk_ckpt_file_meta(f, "dsk.world_size"), &v[2]))
+    if (!fmt || strcmp(fmt, DSK_CKPT_FORMAT) != 0 || !dsk__ckpt_parse_i64(dsk_ckpt_file_meta(f, "dsk.step"), &v[0]) ||
+        !dsk__ckpt_parse_i64(dsk_ckpt_file_meta(f, "dsk.rank"), &v[1]) || !dsk__ckpt_parse_i64(dsk_ckpt_file_meta(f, "dsk.world_size"), &v[2]))
         return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" lacks the dsk.format/step/rank/world_size metadata of a dsk checkpoint", fn, f->path);
     if (v[0] != step || v[1] != rank || v[2] != world)
         return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" says step %lld rank %lld of %lld, expected step %lld rank %d of %d", fn, f->path,
@@ -1757,7 +1757,7 @@ static dsk_status dsk__ck_check_rank_meta(const char *fn, const dsk_ckpt_file *f
 }
 
 /* Rows "start:end/rows" of a split tensor's piece. */
-static int dsk__ck_parse_split(const char *v, int64_t *start, int64_t *end, int64_t *rows) {
+static int dsk__ckpt_parse_split(const char *v, int64_t *start, int64_t *end, int64_t *rows) {
     long long a, b, c;
     int k = 0;
     if (!v || sscanf(v, "%lld:%lld/%lld%n", &a, &b, &c, &k) != 3 || v[k] || a < 0 || b < a || c < b) return 0;
@@ -1767,28 +1767,28 @@ static int dsk__ck_parse_split(const char *v, int64_t *start, int64_t *end, int6
 
 /* The "dsk.split.<name>" rows a rank file records for a tensor: 1 found and valid, 0 absent
    (a replicated tensor), -1 malformed or out of memory. */
-static int dsk__ck_split_of(const dsk_ckpt_file *f, const char *name, int64_t *start, int64_t *end, int64_t *rows) {
-    dsk__ck_buf kb;
+static int dsk__ckpt_split_of(const dsk_ckpt_file *f, const char *name, int64_t *start, int64_t *end, int64_t *rows) {
+    dsk__ckpt_buf kb;
     const char *v;
     int r;
     memset(&kb, 0, sizeof kb);
-    dsk__ck_puts(&kb, "dsk.split.");
-    dsk__ck_puts(&kb, name);
+    dsk__ckpt_puts(&kb, "dsk.split.");
+    dsk__ckpt_puts(&kb, name);
     v = kb.oom ? NULL : dsk_ckpt_file_meta(f, kb.p);
-    r = kb.oom ? -1 : !v ? 0 : dsk__ck_parse_split(v, start, end, rows) ? 1 : -1;
-    dsk__ck_buf_free(&kb);
+    r = kb.oom ? -1 : !v ? 0 : dsk__ckpt_parse_split(v, start, end, rows) ? 1 : -1;
+    dsk__ckpt_buf_free(&kb);
     return r;
 }
 
-typedef struct dsk__ck_piece {
+typedef struct dsk__ckpt_piece {
     const char *name;
     int rank, split;
     const dsk_ckpt_tensor_info *t;
     int64_t start, end, rows;
-} dsk__ck_piece;
+} dsk__ckpt_piece;
 
-static int dsk__ck_cmp_piece(const void *a, const void *b) {
-    const dsk__ck_piece *x = (const dsk__ck_piece *)a, *y = (const dsk__ck_piece *)b;
+static int dsk__ckpt_cmp_piece(const void *a, const void *b) {
+    const dsk__ckpt_piece *x = (const dsk__ckpt_piece *)a, *y = (const dsk__ckpt_piece *)b;
     int c = strcmp(x->name, y->name);
     if (c) return c;
     if (x->start != y->start) return x->start < y->start ? -1 : 1;
@@ -1797,7 +1797,7 @@ static int dsk__ck_cmp_piece(const void *a, const void *b) {
 
 /* Checks that the pieces of one tensor (sorted by rows) form a whole tensor; appends its
    manifest entry. */
-static dsk_status dsk__ck_manifest_tensor(const char *fn, dsk__ck_buf *b, const dsk__ck_piece *pc, int k) {
+static dsk_status dsk__ckpt_manifest_tensor(const char *fn, dsk__ckpt_buf *b, const dsk__ckpt_piece *pc, int k) {
     const dsk_ckpt_tensor_info *t0 = pc[0].t;
     int64_t pos = 0;
     char x[160], y[160];
@@ -1811,8 +1811,8 @@ static dsk_status dsk__ck_manifest_tensor(const char *fn, dsk__ck_buf *b, const 
             if (!pc[i].split || t->dtype_name != t0->dtype_name || t->ndim != t0->ndim || pc[i].rows != pc[0].rows ||
                 memcmp(t->shape + 1, t0->shape + 1, (size_t)(t->ndim - 1) * sizeof(int64_t)) != 0)
                 return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": rank %d saved %s of %lld rows, rank %d saved %s of %lld rows", fn,
-                                     pc[0].name, pc[0].rank, dsk__ck_desc(x, sizeof x, t0->ndim, t0->shape, t0->dtype_name),
-                                     (long long)pc[0].rows, pc[i].rank, dsk__ck_desc(y, sizeof y, t->ndim, t->shape, t->dtype_name),
+                                     pc[0].name, pc[0].rank, dsk__ckpt_desc(x, sizeof x, t0->ndim, t0->shape, t0->dtype_name),
+                                     (long long)pc[0].rows, pc[i].rank, dsk__ckpt_desc(y, sizeof y, t->ndim, t->shape, t->dtype_name),
                                      (long long)pc[i].rows);
             if (pc[i].start != pos)
                 return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": rank %d holds rows [%lld, %lld) but the rows before end at %lld (%s)", fn,
@@ -1824,100 +1824,100 @@ static dsk_status dsk__ck_manifest_tensor(const char *fn, dsk__ck_buf *b, const 
             return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": the ranks hold rows [0, %lld) of %lld", fn, pc[0].name, (long long)pos,
                                  (long long)pc[0].rows);
     }
-    dsk__ck_puts(b, b->n && b->p[b->n - 1] == '{' ? "\n " : ",\n ");
-    dsk__ck_put_jstr(b, pc[0].name);
-    dsk__ck_putf(b, ":{\"dtype\":\"%s\",\"shape\":[", t0->dtype_name);
+    dsk__ckpt_puts(b, b->n && b->p[b->n - 1] == '{' ? "\n " : ",\n ");
+    dsk__ckpt_put_jstr(b, pc[0].name);
+    dsk__ckpt_putf(b, ":{\"dtype\":\"%s\",\"shape\":[", t0->dtype_name);
     for (int d = 0; d < t0->ndim; d++)
-        dsk__ck_putf(b, d ? ",%lld" : "%lld", (long long)(d == 0 && pc[0].split ? pc[0].rows : t0->shape[d]));
-    if (!pc[0].split) { dsk__ck_puts(b, "],\"split_dim\":-1,\"rank\":0}"); return DSK_OK; }
-    dsk__ck_puts(b, "],\"split_dim\":0,\"slices\":[");
-    for (int i = 0; i < k; i++) dsk__ck_putf(b, "%s[%d,%lld,%lld]", i ? "," : "", pc[i].rank, (long long)pc[i].start, (long long)pc[i].end);
-    dsk__ck_puts(b, "]}");
+        dsk__ckpt_putf(b, d ? ",%lld" : "%lld", (long long)(d == 0 && pc[0].split ? pc[0].rows : t0->shape[d]));
+    if (!pc[0].split) { dsk__ckpt_puts(b, "],\"split_dim\":-1,\"rank\":0}"); return DSK_OK; }
+    dsk__ckpt_puts(b, "],\"split_dim\":0,\"slices\":[");
+    for (int i = 0; i < k; i++) dsk__ckpt_putf(b, "%s[%d,%lld,%lld]", i ? "," : "", pc[i].rank, (long long)pc[i].start, (long long)pc[i].end);
+    dsk__ckpt_puts(b, "]}");
     return DSK_OK;
 }
 
 /* Rank 0, after every rank file is durable: reads their headers (never their data) and
    writes the manifest. */
-static dsk_status dsk__ck_write_manifest(const char *fn, const char *step_dir, int64_t step, int world) {
+static dsk_status dsk__ckpt_write_manifest(const char *fn, const char *step_dir, int64_t step, int world) {
     dsk_ckpt_file *files = (dsk_ckpt_file *)DSK_MALLOC((size_t)world * sizeof *files);
-    dsk__ck_piece *pcs = NULL;
-    dsk__ck_buf b;
+    dsk__ckpt_piece *pcs = NULL;
+    dsk__ckpt_buf b;
     dsk_status s = DSK_OK;
     int np = 0, total = 0;
     memset(&b, 0, sizeof b);
     if (!files) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     memset(files, 0, (size_t)world * sizeof *files);
-    dsk__ck_putf(&b, "{\"format\":\"%s\",\"version\":%d,\"step\":%lld,\"world_size\":%d,\n\"files\":[", DSK_CKPT_FORMAT, DSK_CKPT_VERSION,
+    dsk__ckpt_putf(&b, "{\"format\":\"%s\",\"version\":%d,\"step\":%lld,\"world_size\":%d,\n\"files\":[", DSK_CKPT_FORMAT, DSK_CKPT_VERSION,
                  (long long)step, world);
     for (int r = 0; r < world && s == DSK_OK; r++) {
         char name[48], *path;
         uint32_t crc = 0;
-        dsk__ck_rank_name(name, sizeof name, r);
-        if (!(path = dsk__ck_join(step_dir, name))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
+        dsk__ckpt_rank_name(name, sizeof name, r);
+        if (!(path = dsk__ckpt_join(step_dir, name))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
         s = dsk_ckpt_file_open(&files[r], path);
-        if (s != DSK_OK && !dsk__ck_exists(path))
+        if (s != DSK_OK && !dsk__ckpt_exists(path))
             s = dsk_set_error(DSK_ERR_PEER, "%s: rank %d did not write \"%s\" (its save failed)", fn, r, path);
         DSK_FREE(path);
         if (s == DSK_OK) { close(files[r].fd); files[r].has_fd = 0; }
-        if (s == DSK_OK) s = dsk__ck_check_rank_meta(fn, &files[r], step, r, world);
-        if (s == DSK_OK) s = dsk__ck_file_crc(fn, &files[r], &crc);
-        dsk__ck_putf(&b, "%s\n {\"rank\":%d,\"name\":\"%s\",\"size\":%llu,\"crc32c\":\"%08x\"}", r ? "," : "", r, name,
+        if (s == DSK_OK) s = dsk__ckpt_check_rank_meta(fn, &files[r], step, r, world);
+        if (s == DSK_OK) s = dsk__ckpt_file_crc(fn, &files[r], &crc);
+        dsk__ckpt_putf(&b, "%s\n {\"rank\":%d,\"name\":\"%s\",\"size\":%llu,\"crc32c\":\"%08x\"}", r ? "," : "", r, name,
                      (unsigned long long)files[r].file_size, crc);
         total += files[r].n_tensors;
     }
-    if (s == DSK_OK && !(pcs = (dsk__ck_piece *)DSK_MALLOC(((size_t)total + 1) * sizeof *pcs))) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if (s == DSK_OK && !(pcs = (dsk__ckpt_piece *)DSK_MALLOC(((size_t)total + 1) * sizeof *pcs))) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     for (int r = 0; r < world && s == DSK_OK; r++)
         for (int i = 0; i < files[r].n_tensors && s == DSK_OK; i++) {
-            dsk__ck_piece *pc = &pcs[np++];
+            dsk__ckpt_piece *pc = &pcs[np++];
             int k;
             pc->name = files[r].tensors[i].name;
             pc->rank = r;
             pc->t = &files[r].tensors[i];
             pc->start = 0;
             pc->end = pc->rows = pc->t->ndim ? pc->t->shape[0] : 1;
-            k = dsk__ck_split_of(&files[r], pc->name, &pc->start, &pc->end, &pc->rows);
+            k = dsk__ckpt_split_of(&files[r], pc->name, &pc->start, &pc->end, &pc->rows);
             pc->split = k == 1;
             if (k < 0 || (k == 1 && (pc->t->ndim < 1 || pc->end - pc->start != pc->t->shape[0])))
                 s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": dsk.split.%s is malformed or does not match its shape", fn, files[r].path, pc->name);
         }
     if (s == DSK_OK) {
-        qsort(pcs, (size_t)np, sizeof *pcs, dsk__ck_cmp_piece);
-        dsk__ck_puts(&b, "],\n\"tensors\":{");
+        qsort(pcs, (size_t)np, sizeof *pcs, dsk__ckpt_cmp_piece);
+        dsk__ckpt_puts(&b, "],\n\"tensors\":{");
         for (int i = 0, k; i < np && s == DSK_OK; i += k) {
             for (k = 1; i + k < np && strcmp(pcs[i + k].name, pcs[i].name) == 0; k++) {}
-            s = dsk__ck_manifest_tensor(fn, &b, pcs + i, k);
+            s = dsk__ckpt_manifest_tensor(fn, &b, pcs + i, k);
         }
-        dsk__ck_puts(&b, "}}\n");
+        dsk__ckpt_puts(&b, "}}\n");
         if (s == DSK_OK && b.oom) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for the manifest", fn);
     }
-    if (s == DSK_OK) s = dsk__ck_write_small(fn, step_dir, DSK__CK_MANIFEST, b.p, b.n);
+    if (s == DSK_OK) s = dsk__ckpt_write_small(fn, step_dir, DSK__CKPT_MANIFEST, b.p, b.n);
     for (int r = 0; r < world; r++) dsk_ckpt_file_close(&files[r]);
     DSK_FREE(files);
     DSK_FREE(pcs);
-    dsk__ck_buf_free(&b);
+    dsk__ckpt_buf_free(&b);
     return s;
 }
 
-static int dsk__ck_cmp_i64_desc(const void *a, const void *b) {
+static int dsk__ckpt_cmp_i64_desc(const void *a, const void *b) {
     int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
     return x > y ? -1 : x < y;
 }
 
 /* Steps of the step_* directories under root, newest first; those with a manifest only
    when `complete`. *n = 0 and DSK_OK when root does not exist. */
-static dsk_status dsk__ck_list_steps(const char *fn, const char *root, int complete, int64_t **steps, int *n) {
+static dsk_status dsk__ckpt_list_steps(const char *fn, const char *root, int complete, int64_t **steps, int *n) {
     DIR *d = opendir(root);
     struct dirent *de;
     int cap = 0;
     *steps = NULL;
     *n = 0;
-    if (!d) return errno == ENOENT ? DSK_OK : dsk__ck_io_error(fn, "open directory", root);
+    if (!d) return errno == ENOENT ? DSK_OK : dsk__ckpt_io_error(fn, "open directory", root);
     while ((de = readdir(d)) != NULL) {
-        int64_t st = dsk__ck_parse_step_name(de->d_name);
+        int64_t st = dsk__ckpt_parse_step_name(de->d_name);
         if (st < 0) continue;
         if (complete) {
-            char *sd = dsk__ck_step_dir(root, st), *man = sd ? dsk__ck_join(sd, DSK__CK_MANIFEST) : NULL;
-            int ok = man && dsk__ck_exists(man);
+            char *sd = dsk__ckpt_step_dir(root, st), *man = sd ? dsk__ckpt_join(sd, DSK__CKPT_MANIFEST) : NULL;
+            int ok = man && dsk__ckpt_exists(man);
             DSK_FREE(sd);
             DSK_FREE(man);
             if (!ok) continue;
@@ -1933,31 +1933,31 @@ static dsk_status dsk__ck_list_steps(const char *fn, const char *root, int compl
         (*steps)[(*n)++] = st;
     }
     closedir(d);
-    if (*n) qsort(*steps, (size_t)*n, sizeof **steps, dsk__ck_cmp_i64_desc);
+    if (*n) qsort(*steps, (size_t)*n, sizeof **steps, dsk__ckpt_cmp_i64_desc);
     return DSK_OK;
 }
 
 /* Deletes a complete checkpoint: manifest first (durably), then its files, then the directory. */
-static dsk_status dsk__ck_delete_step(const char *fn, const char *root, int64_t step) {
-    char *sd = dsk__ck_step_dir(root, step);
+static dsk_status dsk__ckpt_delete_step(const char *fn, const char *root, int64_t step) {
+    char *sd = dsk__ckpt_step_dir(root, step);
     dsk_status s;
     if (!sd) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    s = dsk__ck_empty_dir(fn, sd);
-    if (s == DSK_OK && rmdir(sd) != 0) s = dsk__ck_io_error(fn, "remove directory", sd);
-    if (s == DSK_OK) s = dsk__ck_fsync_dir(fn, root);
+    s = dsk__ckpt_empty_dir(fn, sd);
+    if (s == DSK_OK && rmdir(sd) != 0) s = dsk__ckpt_io_error(fn, "remove directory", sd);
+    if (s == DSK_OK) s = dsk__ckpt_fsync_dir(fn, root);
     DSK_FREE(sd);
     return s;
 }
 
 /* Keeps the newest keep_last complete checkpoints at or below `step`. */
-static dsk_status dsk__ck_rotate(const char *fn, const char *root, int64_t step, int keep_last) {
+static dsk_status dsk__ckpt_rotate(const char *fn, const char *root, int64_t step, int keep_last) {
     int64_t *steps;
     int n, kept = 0;
-    dsk_status s = dsk__ck_list_steps(fn, root, 1, &steps, &n);
+    dsk_status s = dsk__ckpt_list_steps(fn, root, 1, &steps, &n);
     for (int i = 0; i < n && s == DSK_OK; i++) {
         if (steps[i] > step) continue;
         if (kept++ < keep_last) continue;
-        s = dsk__ck_delete_step(fn, root, steps[i]);
+        s = dsk__ckpt_delete_step(fn, root, steps[i]);
     }
     DSK_FREE(steps);
     return s;
@@ -1965,30 +1965,30 @@ static dsk_status dsk__ck_rotate(const char *fn, const char *root, int64_t step,
 
 /* ---------------------------------------------------------------- collective save */
 
-typedef struct dsk__ck_job {
-    dsk__ck_plan plan;
+typedef struct dsk__ckpt_job {
+    dsk__ckpt_plan plan;
     char *root;
     dsk_ckpt_opts opts;
     pthread_t thread;
     dsk_status status;
     char msg[1024];
-} dsk__ck_job;
+} dsk__ckpt_job;
 
-static void dsk__ck_job_free(dsk__ck_job *job) {
+static void dsk__ckpt_job_free(dsk__ckpt_job *job) {
     if (!job) return;
-    dsk__ck_plan_free(&job->plan);
+    dsk__ckpt_plan_free(&job->plan);
     DSK_FREE(job->root);
     DSK_FREE(job);
 }
 
 /* Keeps the first error of a sequence with its message. */
-static void dsk__ck_keep(dsk_status *first, char *msg, size_t n, dsk_status s) {
+static void dsk__ckpt_keep(dsk_status *first, char *msg, size_t n, dsk_status s) {
     if (s == DSK_OK || *first != DSK_OK) return;
     *first = s;
     snprintf(msg, n, "%s", dsk_last_error());
 }
 
-static dsk_status dsk__ck_barrier(const char *fn, const dsk_ckpt_opts *o, int which, int64_t step) {
+static dsk_status dsk__ckpt_barrier(const char *fn, const dsk_ckpt_opts *o, int which, int64_t step) {
     dsk_status s;
     char inner[1024];
     if (o->world_size <= 1) return DSK_OK;
@@ -2001,30 +2001,30 @@ static dsk_status dsk__ck_barrier(const char *fn, const dsk_ckpt_opts *o, int wh
 
 /* The save protocol (see the top of the file). A barrier failure ends it at once: the
    group is broken. Any other failure is kept and reported after the remaining barriers. */
-static dsk_status dsk__ck_run(dsk__ck_job *job) {
+static dsk_status dsk__ckpt_run(dsk__ckpt_job *job) {
     const char *fn = "dsk_ckpt_save";
     const dsk_ckpt_opts *o = &job->opts;
     int64_t step = job->plan.step;
-    char *step_dir = dsk__ck_step_dir(job->root, step), name[48], msg[1024] = "";
+    char *step_dir = dsk__ckpt_step_dir(job->root, step), name[48], msg[1024] = "";
     dsk_status first = DSK_OK, s;
-    if (!step_dir) dsk__ck_keep(&first, msg, sizeof msg, dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn));
-    if (first == DSK_OK && o->rank == 0) dsk__ck_keep(&first, msg, sizeof msg, dsk__ck_prepare(fn, job->root, step_dir));
-    if ((s = dsk__ck_barrier(fn, o, 1, step)) != DSK_OK) { DSK_FREE(step_dir); return s; }
-    dsk__ck_rank_name(name, sizeof name, o->rank);
-    if (first == DSK_OK) dsk__ck_keep(&first, msg, sizeof msg, dsk__ck_write_plan(fn, &job->plan, step_dir, name));
-    if ((s = dsk__ck_barrier(fn, o, 2, step)) != DSK_OK) { DSK_FREE(step_dir); return s; }
+    if (!step_dir) dsk__ckpt_keep(&first, msg, sizeof msg, dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn));
+    if (first == DSK_OK && o->rank == 0) dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_prepare(fn, job->root, step_dir));
+    if ((s = dsk__ckpt_barrier(fn, o, 1, step)) != DSK_OK) { DSK_FREE(step_dir); return s; }
+    dsk__ckpt_rank_name(name, sizeof name, o->rank);
+    if (first == DSK_OK) dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_write_plan(fn, &job->plan, step_dir, name));
+    if ((s = dsk__ckpt_barrier(fn, o, 2, step)) != DSK_OK) { DSK_FREE(step_dir); return s; }
     if (first == DSK_OK && o->rank == 0) {
         char latest[40];
-        dsk__ck_keep(&first, msg, sizeof msg, dsk__ck_write_manifest(fn, step_dir, step, o->world_size));
+        dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_write_manifest(fn, step_dir, step, o->world_size));
         snprintf(latest, sizeof latest, "step_%08lld\n", (long long)step);
-        if (first == DSK_OK) dsk__ck_keep(&first, msg, sizeof msg, dsk__ck_write_small(fn, job->root, "latest", latest, strlen(latest)));
-        if (first == DSK_OK && o->keep_last > 0) dsk__ck_keep(&first, msg, sizeof msg, dsk__ck_rotate(fn, job->root, step, o->keep_last));
+        if (first == DSK_OK) dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_write_small(fn, job->root, "latest", latest, strlen(latest)));
+        if (first == DSK_OK && o->keep_last > 0) dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_rotate(fn, job->root, step, o->keep_last));
     }
-    if ((s = dsk__ck_barrier(fn, o, 3, step)) != DSK_OK) { DSK_FREE(step_dir); return s; }
+    if ((s = dsk__ckpt_barrier(fn, o, 3, step)) != DSK_OK) { DSK_FREE(step_dir); return s; }
     if (first == DSK_OK && o->rank != 0) {
-        char *man = dsk__ck_join(step_dir, DSK__CK_MANIFEST);
-        if (!man || !dsk__ck_exists(man))
-            dsk__ck_keep(&first, msg, sizeof msg,
+        char *man = dsk__ckpt_join(step_dir, DSK__CKPT_MANIFEST);
+        if (!man || !dsk__ckpt_exists(man))
+            dsk__ckpt_keep(&first, msg, sizeof msg,
                          dsk_set_error(DSK_ERR_PEER, "%s: rank %d: step %lld has no manifest after the save: it failed on rank 0 or another rank",
                                        fn, o->rank, (long long)step));
         DSK_FREE(man);
@@ -2034,9 +2034,9 @@ static dsk_status dsk__ck_run(dsk__ck_job *job) {
     return DSK_OK;
 }
 
-static void *dsk__ck_thread(void *arg) {
-    dsk__ck_job *job = (dsk__ck_job *)arg;
-    job->status = dsk__ck_run(job);
+static void *dsk__ckpt_thread(void *arg) {
+    dsk__ckpt_job *job = (dsk__ckpt_job *)arg;
+    job->status = dsk__ckpt_run(job);
     if (job->status != DSK_OK) snprintf(job->msg, sizeof job->msg, "%s", dsk_last_error());
     return NULL;
 }
@@ -2057,21 +2057,21 @@ DSK_API dsk_status dsk_ckpt_init(dsk_ckpt *ck, const char *dir, const dsk_ckpt_o
     if (o.keep_last < 0) return dsk_set_error(DSK_ERR_ARG, "%s: keep_last %d < 0", fn, o.keep_last);
     if (o.snapshot_threads < 0 || o.snapshot_threads > 1024)
         return dsk_set_error(DSK_ERR_ARG, "%s: snapshot_threads %d outside [0, 1024]", fn, o.snapshot_threads);
-    if (!(ck->dir = dsk__ck_strdup(dir))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if (!(ck->dir = dsk__ckpt_strdup(dir))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     ck->opts = o;
     return DSK_OK;
 }
 
 DSK_API dsk_status dsk_ckpt_wait(dsk_ckpt *ck) {
-    dsk__ck_job *job;
+    dsk__ckpt_job *job;
     dsk_status s;
     if (!ck) return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_wait: ck is NULL");
-    if (!(job = (dsk__ck_job *)ck->job)) return DSK_OK;
+    if (!(job = (dsk__ckpt_job *)ck->job)) return DSK_OK;
     pthread_join(job->thread, NULL);
     ck->job = NULL;
     s = job->status;
     if (s != DSK_OK) dsk_set_error(s, "%s", job->msg);
-    dsk__ck_job_free(job);
+    dsk__ckpt_job_free(job);
     return s;
 }
 
@@ -2084,9 +2084,9 @@ DSK_API void dsk_ckpt_free(dsk_ckpt *ck) {
 }
 
 /* Shared front half of the two saves: wait for the previous one, validate, snapshot. */
-static dsk_status dsk__ck_save_begin(const char *fn, dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n,
-                                     const dsk_ckpt_kv *kv, int n_kv, int copy_all, dsk__ck_job **out) {
-    dsk__ck_job *job;
+static dsk_status dsk__ckpt_save_begin(const char *fn, dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n,
+                                     const dsk_ckpt_kv *kv, int n_kv, int copy_all, dsk__ckpt_job **out) {
+    dsk__ckpt_job *job;
     dsk_status s;
     *out = NULL;
     if (!ck || !ck->dir) return dsk_set_error(DSK_ERR_ARG, "%s: checkpointer is NULL or not initialised", fn);
@@ -2096,57 +2096,57 @@ static dsk_status dsk__ck_save_begin(const char *fn, dsk_ckpt *ck, int64_t step,
         return dsk_set_error(s, "%s: step %lld not saved: the previous async save failed: %s", fn, (long long)step, inner);
     }
     if (step < 0) return dsk_set_error(DSK_ERR_ARG, "%s: step %lld < 0", fn, (long long)step);
-    if (!(job = (dsk__ck_job *)DSK_MALLOC(sizeof *job))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if (!(job = (dsk__ckpt_job *)DSK_MALLOC(sizeof *job))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     memset(job, 0, sizeof *job);
     job->opts = ck->opts;
     job->plan.rank_file = 1;
     job->plan.step = step;
     job->plan.rank = ck->opts.rank;
     job->plan.world = ck->opts.world_size;
-    if (!(job->root = dsk__ck_strdup(ck->dir))) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    if (s == DSK_OK) s = dsk__ck_plan_build(fn, &job->plan, entries, n, kv, n_kv, ck->opts.ctx);
-    if (s == DSK_OK && (copy_all || dsk__ck_needs_stage(&job->plan)) && ck->stage_bytes < job->plan.total) {
+    if (!(job->root = dsk__ckpt_strdup(ck->dir))) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if (s == DSK_OK) s = dsk__ckpt_plan_build(fn, &job->plan, entries, n, kv, n_kv, ck->opts.ctx);
+    if (s == DSK_OK && (copy_all || dsk__ckpt_needs_stage(&job->plan)) && ck->stage_bytes < job->plan.total) {
         DSK_FREE(ck->stage);
         ck->stage_bytes = 0;
         if (!(ck->stage = DSK_MALLOC((size_t)job->plan.total)))
             s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for a %llu-byte snapshot", fn, (unsigned long long)job->plan.total);
         else ck->stage_bytes = (size_t)job->plan.total;
     }
-    if (s == DSK_OK) s = dsk__ck_snapshot(&job->plan, ck->opts.ctx, (unsigned char *)ck->stage, copy_all, ck->opts.snapshot_threads);
-    if (s != DSK_OK) { dsk__ck_job_free(job); return s; }
+    if (s == DSK_OK) s = dsk__ckpt_snapshot(&job->plan, ck->opts.ctx, (unsigned char *)ck->stage, copy_all, ck->opts.snapshot_threads);
+    if (s != DSK_OK) { dsk__ckpt_job_free(job); return s; }
     *out = job;
     return DSK_OK;
 }
 
 /* A rank that cannot take part in a save still meets the others at the three barriers, so
    they fail (rank 0 finds its file missing and writes no manifest) instead of waiting. */
-static dsk_status dsk__ck_abstain(const char *fn, const dsk_ckpt *ck, int64_t step, dsk_status s) {
+static dsk_status dsk__ckpt_abstain(const char *fn, const dsk_ckpt *ck, int64_t step, dsk_status s) {
     char msg[1024];
     if (!ck || !ck->dir || ck->opts.world_size <= 1) return s;
     snprintf(msg, sizeof msg, "%s", dsk_last_error());
     for (int i = 1; i <= 3; i++)
-        if (dsk__ck_barrier(fn, &ck->opts, i, step) != DSK_OK) break;
+        if (dsk__ckpt_barrier(fn, &ck->opts, i, step) != DSK_OK) break;
     return dsk_set_error(s, "%s", msg);
 }
 
 DSK_API dsk_status dsk_ckpt_save(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n, const dsk_ckpt_kv *kv, int n_kv) {
-    dsk__ck_job *job;
-    dsk_status s = dsk__ck_save_begin("dsk_ckpt_save", ck, step, entries, n, kv, n_kv, 0, &job);
-    if (s != DSK_OK) return dsk__ck_abstain("dsk_ckpt_save", ck, step, s);
-    s = dsk__ck_run(job);
-    dsk__ck_job_free(job);
+    dsk__ckpt_job *job;
+    dsk_status s = dsk__ckpt_save_begin("dsk_ckpt_save", ck, step, entries, n, kv, n_kv, 0, &job);
+    if (s != DSK_OK) return dsk__ckpt_abstain("dsk_ckpt_save", ck, step, s);
+    s = dsk__ckpt_run(job);
+    dsk__ckpt_job_free(job);
     return s;
 }
 
 DSK_API dsk_status dsk_ckpt_save_async(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n, const dsk_ckpt_kv *kv, int n_kv) {
-    dsk__ck_job *job;
+    dsk__ckpt_job *job;
     int e;
-    dsk_status s = dsk__ck_save_begin("dsk_ckpt_save_async", ck, step, entries, n, kv, n_kv, 1, &job);
-    if (s != DSK_OK) return dsk__ck_abstain("dsk_ckpt_save_async", ck, step, s);
-    if ((e = pthread_create(&job->thread, NULL, dsk__ck_thread, job)) != 0) {
-        dsk__ck_job_free(job);
+    dsk_status s = dsk__ckpt_save_begin("dsk_ckpt_save_async", ck, step, entries, n, kv, n_kv, 1, &job);
+    if (s != DSK_OK) return dsk__ckpt_abstain("dsk_ckpt_save_async", ck, step, s);
+    if ((e = pthread_create(&job->thread, NULL, dsk__ckpt_thread, job)) != 0) {
+        dsk__ckpt_job_free(job);
         s = dsk_set_error(DSK_ERR_STATE, "dsk_ckpt_save_async: cannot start the writer thread: %s", strerror(e));
-        return dsk__ck_abstain("dsk_ckpt_save_async", ck, step, s);
+        return dsk__ckpt_abstain("dsk_ckpt_save_async", ck, step, s);
     }
     ck->job = job;
     return DSK_OK;
@@ -2154,36 +2154,36 @@ DSK_API dsk_status dsk_ckpt_save_async(dsk_ckpt *ck, int64_t step, const dsk_ckp
 
 /* ---------------------------------------------------------------- reading checkpoints */
 
-typedef struct dsk__ck_mslice {
+typedef struct dsk__ckpt_mslice {
     int rank;
     int64_t start, end;
-} dsk__ck_mslice;
+} dsk__ckpt_mslice;
 
-typedef struct dsk__ck_mtensor {
+typedef struct dsk__ckpt_mtensor {
     const char *name;
-    const dsk__ck_stdtype *dt;
+    const dsk__ckpt_stdtype *dt;
     int ndim;
     int64_t shape[DSK_MAX_DIMS];
     int split;
     int first, n_slices;
-} dsk__ck_mtensor;
+} dsk__ckpt_mtensor;
 
-typedef struct dsk__ck_manifest {
+typedef struct dsk__ckpt_manifest {
     char *path, *text;
-    dsk__ck_json json;
+    dsk__ckpt_json json;
     int64_t step;
     int world;
     uint64_t *sizes;
     uint32_t *crcs;
-    dsk__ck_mtensor *tensors; /* sorted by name */
+    dsk__ckpt_mtensor *tensors; /* sorted by name */
     int n_tensors;
-    dsk__ck_mslice *slices;
-} dsk__ck_manifest;
+    dsk__ckpt_mslice *slices;
+} dsk__ckpt_manifest;
 
-static void dsk__ck_manifest_free(dsk__ck_manifest *m) {
+static void dsk__ckpt_manifest_free(dsk__ckpt_manifest *m) {
     DSK_FREE(m->path);
     DSK_FREE(m->text);
-    dsk__ck_json_free(&m->json);
+    dsk__ckpt_json_free(&m->json);
     DSK_FREE(m->sizes);
     DSK_FREE(m->crcs);
     DSK_FREE(m->tensors);
@@ -2191,30 +2191,30 @@ static void dsk__ck_manifest_free(dsk__ck_manifest *m) {
     memset(m, 0, sizeof *m);
 }
 
-static int dsk__ck_cmp_mtensor(const void *a, const void *b) {
-    return strcmp(((const dsk__ck_mtensor *)a)->name, ((const dsk__ck_mtensor *)b)->name);
+static int dsk__ckpt_cmp_mtensor(const void *a, const void *b) {
+    return strcmp(((const dsk__ckpt_mtensor *)a)->name, ((const dsk__ckpt_mtensor *)b)->name);
 }
 
-static dsk_status dsk__ck_bad_manifest(const char *fn, const dsk__ck_manifest *m, const char *what, const char *name) {
+static dsk_status dsk__ckpt_bad_manifest(const char *fn, const dsk__ckpt_manifest *m, const char *what, const char *name) {
     return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": %s%s%s%s", fn, m->path, what, name ? " (tensor \"" : "", name ? name : "", name ? "\")" : "");
 }
 
-static dsk_status dsk__ck_manifest_files(const char *fn, dsk__ck_manifest *m, int files) {
-    const dsk__ck_json *j = &m->json;
+static dsk_status dsk__ckpt_manifest_files(const char *fn, dsk__ckpt_manifest *m, int files) {
+    const dsk__ckpt_json *j = &m->json;
     int i = 0;
-    if (j->nodes[files].type != DSK__J_ARR || j->nodes[files].count != m->world)
-        return dsk__ck_bad_manifest(fn, m, "\"files\" is not an array of world_size entries", NULL);
+    if (j->nodes[files].type != DSK__CKPT_J_ARR || j->nodes[files].count != m->world)
+        return dsk__ckpt_bad_manifest(fn, m, "\"files\" is not an array of world_size entries", NULL);
     for (int c = j->nodes[files].child; c >= 0; c = j->nodes[c].next, i++) {
         int64_t rank, size;
         char want[48];
         const char *name;
-        if (j->nodes[c].type != DSK__J_OBJ || !dsk__ck_jget_int(j, c, "rank", &rank) || rank != i ||
-            !dsk__ck_jget_int(j, c, "size", &size) || size < 8 ||
-            !dsk__ck_parse_hex32(dsk__ck_jstr(j, dsk__ck_jget(j, c, "crc32c")), &m->crcs[i]))
-            return dsk__ck_bad_manifest(fn, m, "a \"files\" entry lacks rank (in order), size or crc32c", NULL);
-        dsk__ck_rank_name(want, sizeof want, i);
-        name = dsk__ck_jstr(j, dsk__ck_jget(j, c, "name"));
-        if (!name || strcmp(name, want) != 0) return dsk__ck_bad_manifest(fn, m, "a \"files\" entry has an unexpected name", name);
+        if (j->nodes[c].type != DSK__CKPT_J_OBJ || !dsk__ckpt_jget_int(j, c, "rank", &rank) || rank != i ||
+            !dsk__ckpt_jget_int(j, c, "size", &size) || size < 8 ||
+            !dsk__ckpt_parse_hex32(dsk__ckpt_jstr(j, dsk__ckpt_jget(j, c, "crc32c")), &m->crcs[i]))
+            return dsk__ckpt_bad_manifest(fn, m, "a \"files\" entry lacks rank (in order), size or crc32c", NULL);
+        dsk__ckpt_rank_name(want, sizeof want, i);
+        name = dsk__ckpt_jstr(j, dsk__ckpt_jget(j, c, "name"));
+        if (!name || strcmp(name, want) != 0) return dsk__ckpt_bad_manifest(fn, m, "a \"files\" entry has an unexpected name", name);
         m->sizes[i] = (uint64_t)size;
     }
     return DSK_OK;
@@ -2222,26 +2222,26 @@ static dsk_status dsk__ck_manifest_files(const char *fn, dsk__ck_manifest *m, in
 
 /* One tensor: dtype, global shape, and either split_dim -1 with rank 0 or split_dim 0 with
    slices [[rank, start, end], ...] covering the rows in order. */
-static dsk_status dsk__ck_manifest_tensor_parse(const char *fn, dsk__ck_manifest *m, int node, dsk__ck_mtensor *t, int *n_slices) {
-    const dsk__ck_json *j = &m->json;
-    int sh = dsk__ck_jget(j, node, "shape"), sd = dsk__ck_jget(j, node, "split_dim"), sl;
+static dsk_status dsk__ckpt_manifest_tensor_parse(const char *fn, dsk__ckpt_manifest *m, int node, dsk__ckpt_mtensor *t, int *n_slices) {
+    const dsk__ckpt_json *j = &m->json;
+    int sh = dsk__ckpt_jget(j, node, "shape"), sd = dsk__ckpt_jget(j, node, "split_dim"), sl;
     int64_t split_dim, pos = 0;
     t->name = j->nodes[node].key;
-    if (strlen(t->name) != j->nodes[node].klen) return dsk__ck_bad_manifest(fn, m, "tensor name with a NUL character", NULL);
-    const char *dtype = j->nodes[node].type == DSK__J_OBJ ? dsk__ck_jstr(j, dsk__ck_jget(j, node, "dtype")) : NULL;
-    if (!dtype || !(t->dt = dsk__ck_stdtype_by_name(dtype))) return dsk__ck_bad_manifest(fn, m, "missing or unknown dtype", t->name);
-    if (sh < 0 || j->nodes[sh].type != DSK__J_ARR || j->nodes[sh].count > DSK_MAX_DIMS) return dsk__ck_bad_manifest(fn, m, "bad shape", t->name);
+    if (strlen(t->name) != j->nodes[node].klen) return dsk__ckpt_bad_manifest(fn, m, "tensor name with a NUL character", NULL);
+    const char *dtype = j->nodes[node].type == DSK__CKPT_J_OBJ ? dsk__ckpt_jstr(j, dsk__ckpt_jget(j, node, "dtype")) : NULL;
+    if (!dtype || !(t->dt = dsk__ckpt_stdtype_by_name(dtype))) return dsk__ckpt_bad_manifest(fn, m, "missing or unknown dtype", t->name);
+    if (sh < 0 || j->nodes[sh].type != DSK__CKPT_J_ARR || j->nodes[sh].count > DSK_MAX_DIMS) return dsk__ckpt_bad_manifest(fn, m, "bad shape", t->name);
     t->ndim = 0;
     for (int d = j->nodes[sh].child; d >= 0; d = j->nodes[d].next)
-        if (!dsk__ck_jint(j, d, &t->shape[t->ndim++]) || t->shape[t->ndim - 1] < 0) return dsk__ck_bad_manifest(fn, m, "bad shape", t->name);
-    if (dsk__ck_numel(t->ndim, t->shape) < 0) return dsk__ck_bad_manifest(fn, m, "shape overflows", t->name);
-    if (sd < 0 || !dsk__ck_jint(j, sd, &split_dim) || (split_dim != -1 && split_dim != 0) || (split_dim == 0 && t->ndim < 1))
-        return dsk__ck_bad_manifest(fn, m, "split_dim is neither -1 nor 0", t->name);
+        if (!dsk__ckpt_jint(j, d, &t->shape[t->ndim++]) || t->shape[t->ndim - 1] < 0) return dsk__ckpt_bad_manifest(fn, m, "bad shape", t->name);
+    if (dsk__ckpt_numel(t->ndim, t->shape) < 0) return dsk__ckpt_bad_manifest(fn, m, "shape overflows", t->name);
+    if (sd < 0 || !dsk__ckpt_jint(j, sd, &split_dim) || (split_dim != -1 && split_dim != 0) || (split_dim == 0 && t->ndim < 1))
+        return dsk__ckpt_bad_manifest(fn, m, "split_dim is neither -1 nor 0", t->name);
     t->split = split_dim == 0;
     t->first = *n_slices;
     if (!t->split) {
         int64_t r;
-        if (!dsk__ck_jget_int(j, node, "rank", &r) || r != 0) return dsk__ck_bad_manifest(fn, m, "replicated tensor not held by rank 0", t->name);
+        if (!dsk__ckpt_jget_int(j, node, "rank", &r) || r != 0) return dsk__ckpt_bad_manifest(fn, m, "replicated tensor not held by rank 0", t->name);
         m->slices[*n_slices].rank = 0;
         m->slices[*n_slices].start = 0;
         m->slices[*n_slices].end = t->ndim ? t->shape[0] : 1;
@@ -2249,83 +2249,83 @@ static dsk_status dsk__ck_manifest_tensor_parse(const char *fn, dsk__ck_manifest
         t->n_slices = 1;
         return DSK_OK;
     }
-    sl = dsk__ck_jget(j, node, "slices");
-    if (sl < 0 || j->nodes[sl].type != DSK__J_ARR || j->nodes[sl].count < 1) return dsk__ck_bad_manifest(fn, m, "split tensor without slices", t->name);
+    sl = dsk__ckpt_jget(j, node, "slices");
+    if (sl < 0 || j->nodes[sl].type != DSK__CKPT_J_ARR || j->nodes[sl].count < 1) return dsk__ckpt_bad_manifest(fn, m, "split tensor without slices", t->name);
     for (int c = j->nodes[sl].child; c >= 0; c = j->nodes[c].next) {
         int64_t v[3];
         int e = j->nodes[c].child, k = 0;
-        if (j->nodes[c].type != DSK__J_ARR || j->nodes[c].count != 3) return dsk__ck_bad_manifest(fn, m, "a slice is not [rank, start, end]", t->name);
+        if (j->nodes[c].type != DSK__CKPT_J_ARR || j->nodes[c].count != 3) return dsk__ckpt_bad_manifest(fn, m, "a slice is not [rank, start, end]", t->name);
         for (; e >= 0; e = j->nodes[e].next, k++)
-            if (!dsk__ck_jint(j, e, &v[k])) return dsk__ck_bad_manifest(fn, m, "a slice is not [rank, start, end]", t->name);
+            if (!dsk__ckpt_jint(j, e, &v[k])) return dsk__ckpt_bad_manifest(fn, m, "a slice is not [rank, start, end]", t->name);
         if (v[0] < 0 || v[0] >= m->world || v[1] != pos || v[2] < v[1] || v[2] > t->shape[0])
-            return dsk__ck_bad_manifest(fn, m, "slices do not tile the rows in order", t->name);
+            return dsk__ckpt_bad_manifest(fn, m, "slices do not tile the rows in order", t->name);
         pos = v[2];
         m->slices[*n_slices].rank = (int)v[0];
         m->slices[*n_slices].start = v[1];
         m->slices[*n_slices].end = v[2];
         (*n_slices)++;
     }
-    if (pos != t->shape[0]) return dsk__ck_bad_manifest(fn, m, "slices do not cover every row", t->name);
+    if (pos != t->shape[0]) return dsk__ckpt_bad_manifest(fn, m, "slices do not cover every row", t->name);
     t->n_slices = *n_slices - t->first;
     return DSK_OK;
 }
 
 /* Validates the manifest text m->text[0, len) of checkpoint `step` (any step when step < 0). */
-static dsk_status dsk__ck_manifest_parse(const char *fn, dsk__ck_manifest *m, size_t len, int64_t step) {
+static dsk_status dsk__ckpt_manifest_parse(const char *fn, dsk__ckpt_manifest *m, size_t len, int64_t step) {
     int64_t v;
     int top = 0, tens, n_slices = 0, cap = 0;
     const char *fmt;
     dsk_status s;
-    dsk__ck_json *j = &m->json;
-    if ((s = dsk__ck_json_parse(j, m->text, len, fn, m->path)) != DSK_OK) return s;
-    fmt = dsk__ck_jstr(j, dsk__ck_jget(j, top, "format"));
-    if (!fmt || strcmp(fmt, DSK_CKPT_FORMAT) != 0) return dsk__ck_bad_manifest(fn, m, "not a dsk-ckpt manifest", NULL);
-    if (!dsk__ck_jget_int(j, top, "version", &v) || v != DSK_CKPT_VERSION)
-        return dsk__ck_bad_manifest(fn, m, "unsupported version", NULL);
-    if (!dsk__ck_jget_int(j, top, "step", &m->step) || m->step < 0 || (step >= 0 && m->step != step))
-        return dsk__ck_bad_manifest(fn, m, "step does not match the directory", NULL);
-    if (!dsk__ck_jget_int(j, top, "world_size", &v) || v < 1 || v > (1 << 20))
-        return dsk__ck_bad_manifest(fn, m, "bad world_size", NULL);
+    dsk__ckpt_json *j = &m->json;
+    if ((s = dsk__ckpt_json_parse(j, m->text, len, fn, m->path)) != DSK_OK) return s;
+    fmt = dsk__ckpt_jstr(j, dsk__ckpt_jget(j, top, "format"));
+    if (!fmt || strcmp(fmt, DSK_CKPT_FORMAT) != 0) return dsk__ckpt_bad_manifest(fn, m, "not a dsk-ckpt manifest", NULL);
+    if (!dsk__ckpt_jget_int(j, top, "version", &v) || v != DSK_CKPT_VERSION)
+        return dsk__ckpt_bad_manifest(fn, m, "unsupported version", NULL);
+    if (!dsk__ckpt_jget_int(j, top, "step", &m->step) || m->step < 0 || (step >= 0 && m->step != step))
+        return dsk__ckpt_bad_manifest(fn, m, "step does not match the directory", NULL);
+    if (!dsk__ckpt_jget_int(j, top, "world_size", &v) || v < 1 || v > (1 << 20))
+        return dsk__ckpt_bad_manifest(fn, m, "bad world_size", NULL);
     m->world = (int)v;
     m->sizes = (uint64_t *)DSK_MALLOC((size_t)m->world * sizeof *m->sizes);
     m->crcs = (uint32_t *)DSK_MALLOC((size_t)m->world * sizeof *m->crcs);
     if (!m->sizes || !m->crcs) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    if (dsk__ck_jget(j, top, "files") < 0) return dsk__ck_bad_manifest(fn, m, "no \"files\"", NULL);
-    if ((s = dsk__ck_manifest_files(fn, m, dsk__ck_jget(j, top, "files"))) != DSK_OK) return s;
-    tens = dsk__ck_jget(j, top, "tensors");
-    if (tens < 0 || j->nodes[tens].type != DSK__J_OBJ) return dsk__ck_bad_manifest(fn, m, "no \"tensors\" object", NULL);
+    if (dsk__ckpt_jget(j, top, "files") < 0) return dsk__ckpt_bad_manifest(fn, m, "no \"files\"", NULL);
+    if ((s = dsk__ckpt_manifest_files(fn, m, dsk__ckpt_jget(j, top, "files"))) != DSK_OK) return s;
+    tens = dsk__ckpt_jget(j, top, "tensors");
+    if (tens < 0 || j->nodes[tens].type != DSK__CKPT_J_OBJ) return dsk__ckpt_bad_manifest(fn, m, "no \"tensors\" object", NULL);
     for (int c = j->nodes[tens].child; c >= 0; c = j->nodes[c].next) {
-        int k = dsk__ck_jget(j, c, "slices");
+        int k = dsk__ckpt_jget(j, c, "slices");
         cap += 1 + (k >= 0 ? j->nodes[k].count : 0);
     }
-    m->tensors = (dsk__ck_mtensor *)DSK_MALLOC(((size_t)j->nodes[tens].count + 1) * sizeof *m->tensors);
-    m->slices = (dsk__ck_mslice *)DSK_MALLOC(((size_t)cap + 1) * sizeof *m->slices);
+    m->tensors = (dsk__ckpt_mtensor *)DSK_MALLOC(((size_t)j->nodes[tens].count + 1) * sizeof *m->tensors);
+    m->slices = (dsk__ckpt_mslice *)DSK_MALLOC(((size_t)cap + 1) * sizeof *m->slices);
     if (!m->tensors || !m->slices) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     for (int c = j->nodes[tens].child; c >= 0; c = j->nodes[c].next) {
-        dsk__ck_mtensor *t = &m->tensors[m->n_tensors];
+        dsk__ckpt_mtensor *t = &m->tensors[m->n_tensors];
         memset(t, 0, sizeof *t);
-        if ((s = dsk__ck_manifest_tensor_parse(fn, m, c, t, &n_slices)) != DSK_OK) return s;
+        if ((s = dsk__ckpt_manifest_tensor_parse(fn, m, c, t, &n_slices)) != DSK_OK) return s;
         m->n_tensors++;
     }
-    qsort(m->tensors, (size_t)m->n_tensors, sizeof *m->tensors, dsk__ck_cmp_mtensor);
+    qsort(m->tensors, (size_t)m->n_tensors, sizeof *m->tensors, dsk__ckpt_cmp_mtensor);
     for (int i = 1; i < m->n_tensors; i++)
-        if (strcmp(m->tensors[i].name, m->tensors[i - 1].name) == 0) return dsk__ck_bad_manifest(fn, m, "duplicate tensor", m->tensors[i].name);
+        if (strcmp(m->tensors[i].name, m->tensors[i - 1].name) == 0) return dsk__ckpt_bad_manifest(fn, m, "duplicate tensor", m->tensors[i].name);
     return DSK_OK;
 }
 
 /* Reads and validates step_dir/manifest.json for `step`. */
-static dsk_status dsk__ck_manifest_read(const char *fn, const char *step_dir, int64_t step, dsk__ck_manifest *m) {
+static dsk_status dsk__ckpt_manifest_read(const char *fn, const char *step_dir, int64_t step, dsk__ckpt_manifest *m) {
     size_t len = 0;
     dsk_status s;
     memset(m, 0, sizeof *m);
-    if (!(m->path = dsk__ck_join(step_dir, DSK__CK_MANIFEST))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    if (!dsk__ck_exists(m->path) && errno == ENOENT)
+    if (!(m->path = dsk__ckpt_join(step_dir, DSK__CKPT_MANIFEST))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if (!dsk__ckpt_exists(m->path) && errno == ENOENT)
         return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" is missing: the checkpoint is incomplete (its save did not finish)", fn, m->path);
-    if ((s = dsk__ck_read_small(fn, m->path, (size_t)1 << 30, &m->text, &len)) != DSK_OK) return s;
-    return dsk__ck_manifest_parse(fn, m, len, step);
+    if ((s = dsk__ckpt_read_small(fn, m->path, (size_t)1 << 30, &m->text, &len)) != DSK_OK) return s;
+    return dsk__ckpt_manifest_parse(fn, m, len, step);
 }
 
-static const dsk__ck_mtensor *dsk__ck_manifest_find(const dsk__ck_manifest *m, const char *name) {
+static const dsk__ckpt_mtensor *dsk__ckpt_manifest_find(const dsk__ckpt_manifest *m, const char *name) {
     int lo = 0, hi = m->n_tensors - 1;
     while (lo <= hi) {
         int mid = lo + (hi - lo) / 2, c = strcmp(m->tensors[mid].name, name);
@@ -2338,20 +2338,20 @@ static const dsk__ck_mtensor *dsk__ck_manifest_find(const dsk__ck_manifest *m, c
 
 /* Opens rank r's file and checks it against the manifest: size, metadata, whole-file CRC
    (from the header bytes and the recorded tensor CRCs, which reads check in turn). */
-static dsk_status dsk__ck_open_rank(const char *fn, const char *step_dir, const dsk__ck_manifest *m, int r, dsk_ckpt_file *f) {
+static dsk_status dsk__ckpt_open_rank(const char *fn, const char *step_dir, const dsk__ckpt_manifest *m, int r, dsk_ckpt_file *f) {
     char name[48], *path;
     uint32_t crc;
     dsk_status s;
-    dsk__ck_rank_name(name, sizeof name, r);
-    if (!(path = dsk__ck_join(step_dir, name))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    dsk__ckpt_rank_name(name, sizeof name, r);
+    if (!(path = dsk__ckpt_join(step_dir, name))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     s = dsk_ckpt_file_open(f, path);
     DSK_FREE(path);
     if (s != DSK_OK) return s;
     if (f->file_size != m->sizes[r])
         s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" has %llu bytes, the manifest says %llu", fn, f->path, (unsigned long long)f->file_size,
                           (unsigned long long)m->sizes[r]);
-    if (s == DSK_OK) s = dsk__ck_check_rank_meta(fn, f, m->step, r, m->world);
-    if (s == DSK_OK) s = dsk__ck_file_crc(fn, f, &crc);
+    if (s == DSK_OK) s = dsk__ckpt_check_rank_meta(fn, f, m->step, r, m->world);
+    if (s == DSK_OK) s = dsk__ckpt_file_crc(fn, f, &crc);
     if (s == DSK_OK && crc != m->crcs[r])
         s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": header or recorded checksums altered: file crc32c %08x, the manifest says %08x", fn,
                           f->path, crc, m->crcs[r]);
@@ -2359,58 +2359,58 @@ static dsk_status dsk__ck_open_rank(const char *fn, const char *step_dir, const 
     return s;
 }
 
-typedef struct dsk__ck_reader {
+typedef struct dsk__ckpt_reader {
     const char *fn;
     char *step_dir;
-    dsk__ck_manifest man;
+    dsk__ckpt_manifest man;
     dsk_ckpt_file *files; /* opened on first use */
-} dsk__ck_reader;
+} dsk__ckpt_reader;
 
-static void dsk__ck_reader_free(dsk__ck_reader *rd) {
+static void dsk__ckpt_reader_free(dsk__ckpt_reader *rd) {
     if (rd->files)
         for (int r = 0; r < rd->man.world; r++) dsk_ckpt_file_close(&rd->files[r]);
     DSK_FREE(rd->files);
     DSK_FREE(rd->step_dir);
-    dsk__ck_manifest_free(&rd->man);
+    dsk__ckpt_manifest_free(&rd->man);
     memset(rd, 0, sizeof *rd);
 }
 
-static dsk_status dsk__ck_reader_open(const char *fn, dsk__ck_reader *rd, const char *root, int64_t step) {
+static dsk_status dsk__ckpt_reader_open(const char *fn, dsk__ckpt_reader *rd, const char *root, int64_t step) {
     dsk_status s;
     memset(rd, 0, sizeof *rd);
     rd->fn = fn;
-    if (!(rd->step_dir = dsk__ck_step_dir(root, step))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    if ((s = dsk__ck_manifest_read(fn, rd->step_dir, step, &rd->man)) != DSK_OK) return s;
+    if (!(rd->step_dir = dsk__ckpt_step_dir(root, step))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if ((s = dsk__ckpt_manifest_read(fn, rd->step_dir, step, &rd->man)) != DSK_OK) return s;
     rd->files = (dsk_ckpt_file *)DSK_MALLOC((size_t)rd->man.world * sizeof *rd->files);
     if (!rd->files) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     memset(rd->files, 0, (size_t)rd->man.world * sizeof *rd->files);
     return DSK_OK;
 }
 
-static dsk_status dsk__ck_reader_file(dsk__ck_reader *rd, int r, dsk_ckpt_file **f) {
+static dsk_status dsk__ckpt_reader_file(dsk__ckpt_reader *rd, int r, dsk_ckpt_file **f) {
     dsk_status s = DSK_OK;
-    if (!rd->files[r].mem) s = dsk__ck_open_rank(rd->fn, rd->step_dir, &rd->man, r, &rd->files[r]);
+    if (!rd->files[r].mem) s = dsk__ckpt_open_rank(rd->fn, rd->step_dir, &rd->man, r, &rd->files[r]);
     *f = &rd->files[r];
     return s;
 }
 
 /* "[8,256,128] bf16" of the checkpoint's tensor and of what the entry asks for. */
-static dsk_status dsk__ck_mismatch(const char *fn, const dsk__ck_reader *rd, const dsk__ck_mtensor *t, const dsk_ckpt_entry *e) {
+static dsk_status dsk__ckpt_mismatch(const char *fn, const dsk__ckpt_reader *rd, const dsk__ckpt_mtensor *t, const dsk_ckpt_entry *e) {
     char a[160], b[160];
     int64_t shape[DSK_MAX_DIMS];
     const dsk_tensor *x = e->tensor;
     memcpy(shape, x->shape, sizeof shape);
     if (e->split && x->ndim > 0) shape[0] = e->global_rows;
     return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" (%s): file has %s, model has %s%s", fn, e->name, rd->man.path,
-                         dsk__ck_desc(a, sizeof a, t->ndim, t->shape, t->dt->dsk >= 0 ? dsk_dtype_name((dsk_dtype)t->dt->dsk) : t->dt->name),
-                         dsk__ck_desc(b, sizeof b, x->ndim, shape, dsk_dtype_name(x->dtype)),
+                         dsk__ckpt_desc(a, sizeof a, t->ndim, t->shape, t->dt->dsk >= 0 ? dsk_dtype_name((dsk_dtype)t->dt->dsk) : t->dt->name),
+                         dsk__ckpt_desc(b, sizeof b, x->ndim, shape, dsk_dtype_name(x->dtype)),
                          t->ndim == x->ndim && !memcmp(t->shape, shape, (size_t)x->ndim * sizeof(int64_t)) ? " (set allow_cast to convert)" : "");
 }
 
 /* Copies the rows [a, b) an entry asks for out of every piece that overlaps them. */
-static dsk_status dsk__ck_load_entry(dsk__ck_reader *rd, const dsk_ckpt_entry *e, dsk_ctx *ctx, int allow_cast) {
+static dsk_status dsk__ckpt_load_entry(dsk__ckpt_reader *rd, const dsk_ckpt_entry *e, dsk_ctx *ctx, int allow_cast) {
     const char *fn = rd->fn;
-    const dsk__ck_mtensor *t = dsk__ck_manifest_find(&rd->man, e->name);
+    const dsk__ckpt_mtensor *t = dsk__ckpt_manifest_find(&rd->man, e->name);
     dsk_tensor *x = e->tensor;
     int64_t a, b, shape[DSK_MAX_DIMS];
     dsk_status s = DSK_OK;
@@ -2419,11 +2419,11 @@ static dsk_status dsk__ck_load_entry(dsk__ck_reader *rd, const dsk_ckpt_entry *e
     if (e->split && x->ndim > 0) shape[0] = e->global_rows;
     if (t->ndim != x->ndim || memcmp(t->shape, shape, (size_t)x->ndim * sizeof(int64_t)) != 0 ||
         (t->dt->dsk != (int)x->dtype && (!allow_cast || t->dt->dsk < 0)))
-        return dsk__ck_mismatch(fn, rd, t, e);
+        return dsk__ckpt_mismatch(fn, rd, t, e);
     a = e->split ? e->row0 : 0;
     b = x->ndim ? a + x->shape[0] : 1;
     for (int i = 0; i < t->n_slices && s == DSK_OK; i++) {
-        const dsk__ck_mslice *sl = &rd->man.slices[t->first + i];
+        const dsk__ckpt_mslice *sl = &rd->man.slices[t->first + i];
         int64_t lo = sl->start > a ? sl->start : a, hi = sl->end < b ? sl->end : b;
         dsk_ckpt_file *f;
         const dsk_ckpt_tensor_info *ft;
@@ -2431,7 +2431,7 @@ static dsk_status dsk__ck_load_entry(dsk__ck_reader *rd, const dsk_ckpt_entry *e
         int k;
         char d1[160], d2[160];
         if (t->ndim && lo >= hi) continue; /* no overlap */
-        if ((s = dsk__ck_reader_file(rd, sl->rank, &f)) != DSK_OK) break;
+        if ((s = dsk__ckpt_reader_file(rd, sl->rank, &f)) != DSK_OK) break;
         if ((k = dsk_ckpt_file_find(f, t->name)) < 0) {
             s = dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" is missing from \"%s\"", fn, t->name, f->path);
             break;
@@ -2439,7 +2439,7 @@ static dsk_status dsk__ck_load_entry(dsk__ck_reader *rd, const dsk_ckpt_entry *e
         ft = &f->tensors[k];
         {
             int64_t fs = 0, fe = 0, fr = 0;
-            int sp = dsk__ck_split_of(f, t->name, &fs, &fe, &fr);
+            int sp = dsk__ckpt_split_of(f, t->name, &fs, &fe, &fr);
             if (sp != t->split || (sp == 1 && (fs != sl->start || fe != sl->end || fr != t->shape[0]))) {
                 s = dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" in \"%s\" does not hold the rows [%lld, %lld) the manifest expects", fn,
                                   t->name, f->path, (long long)sl->start, (long long)sl->end);
@@ -2449,18 +2449,18 @@ static dsk_status dsk__ck_load_entry(dsk__ck_reader *rd, const dsk_ckpt_entry *e
         if (ft->dtype_name != t->dt->name || ft->ndim != t->ndim || (t->ndim && ft->shape[0] != sl->end - sl->start) ||
             (t->ndim > 1 && memcmp(ft->shape + 1, t->shape + 1, (size_t)(t->ndim - 1) * sizeof(int64_t)) != 0)) {
             s = dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" in \"%s\" is %s, the manifest expects rows [%lld, %lld) of %s", fn, t->name,
-                              f->path, dsk__ck_desc(d1, sizeof d1, ft->ndim, ft->shape, ft->dtype_name), (long long)sl->start,
-                              (long long)sl->end, dsk__ck_desc(d2, sizeof d2, t->ndim, t->shape, t->dt->name));
+                              f->path, dsk__ckpt_desc(d1, sizeof d1, ft->ndim, ft->shape, ft->dtype_name), (long long)sl->start,
+                              (long long)sl->end, dsk__ckpt_desc(d2, sizeof d2, t->ndim, t->shape, t->dt->name));
             break;
         }
-        if (!t->ndim) { s = dsk__ck_read_into(fn, f, ctx, ft, x, 0, 0, allow_cast); break; }
+        if (!t->ndim) { s = dsk__ckpt_read_into(fn, f, ctx, ft, x, 0, 0, allow_cast); break; }
         if ((s = dsk_tensor_slice(x, 0, lo - a, hi - lo, &view)) != DSK_OK) break;
-        s = dsk__ck_read_into(fn, f, ctx, ft, &view, 1, lo - sl->start, allow_cast);
+        s = dsk__ckpt_read_into(fn, f, ctx, ft, &view, 1, lo - sl->start, allow_cast);
     }
     return s;
 }
 
-static dsk_status dsk__ck_fill_meta(const char *fn, const dsk_ckpt_file *f, const dsk__ck_manifest *m, int rank, dsk_ckpt_meta *meta) {
+static dsk_status dsk__ckpt_fill_meta(const char *fn, const dsk_ckpt_file *f, const dsk__ckpt_manifest *m, int rank, dsk_ckpt_meta *meta) {
     int n = 0;
     meta->step = m->step;
     meta->world_size = m->world;
@@ -2470,8 +2470,8 @@ static dsk_status dsk__ck_fill_meta(const char *fn, const dsk_ckpt_file *f, cons
     if (!meta->keys || !meta->values) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     for (int i = 0; i < f->n_meta; i++) {
         if (!strncmp(f->meta_keys[i], "dsk.crc32c.", 11) || !strncmp(f->meta_keys[i], "dsk.split.", 10)) continue;
-        meta->keys[n] = dsk__ck_strdup(f->meta_keys[i]);
-        meta->values[n] = dsk__ck_strdup(f->meta_values[i]);
+        meta->keys[n] = dsk__ckpt_strdup(f->meta_keys[i]);
+        meta->values[n] = dsk__ckpt_strdup(f->meta_values[i]);
         meta->n = ++n;
         if (!meta->keys[n - 1] || !meta->values[n - 1]) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     }
@@ -2480,30 +2480,30 @@ static dsk_status dsk__ck_fill_meta(const char *fn, const dsk_ckpt_file *f, cons
 
 DSK_API dsk_status dsk_ckpt_load(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n, dsk_ckpt_meta *meta) {
     const char *fn = "dsk_ckpt_load";
-    dsk__ck_reader rd;
+    dsk__ckpt_reader rd;
     dsk_status s;
     if (meta) memset(meta, 0, sizeof *meta);
     if (!ck || !ck->dir) return dsk_set_error(DSK_ERR_ARG, "%s: checkpointer is NULL or not initialised", fn);
     if (n < 0 || (n && !entries)) return dsk_set_error(DSK_ERR_ARG, "%s: %d entries at %p", fn, n, (const void *)entries);
     for (int i = 0; i < n; i++) {
         if (!entries[i].name || !entries[i].tensor) return dsk_set_error(DSK_ERR_ARG, "%s: entry %d has no name or tensor", fn, i);
-        if ((s = dsk__ck_check_entry(fn, &entries[i], i, 1, ck->opts.ctx)) != DSK_OK) return s;
+        if ((s = dsk__ckpt_check_entry(fn, &entries[i], i, 1, ck->opts.ctx)) != DSK_OK) return s;
     }
     if ((s = dsk_ckpt_wait(ck)) != DSK_OK) return s;
     if (step < 0) {
         if ((s = dsk_ckpt_latest(ck->dir, &step)) != DSK_OK) return s;
         if (step < 0) return dsk_set_error(DSK_ERR_IO, "%s: no complete checkpoint under \"%s\"", fn, ck->dir);
     }
-    s = dsk__ck_reader_open(fn, &rd, ck->dir, step);
-    for (int i = 0; i < n && s == DSK_OK; i++) s = dsk__ck_load_entry(&rd, &entries[i], ck->opts.ctx, ck->opts.allow_cast);
+    s = dsk__ckpt_reader_open(fn, &rd, ck->dir, step);
+    for (int i = 0; i < n && s == DSK_OK; i++) s = dsk__ckpt_load_entry(&rd, &entries[i], ck->opts.ctx, ck->opts.allow_cast);
     if (s == DSK_OK && meta) {
         int r = ck->opts.rank < rd.man.world ? ck->opts.rank : 0;
         dsk_ckpt_file *f;
-        s = dsk__ck_reader_file(&rd, r, &f);
-        if (s == DSK_OK) s = dsk__ck_fill_meta(fn, f, &rd.man, r, meta);
+        s = dsk__ckpt_reader_file(&rd, r, &f);
+        if (s == DSK_OK) s = dsk__ckpt_fill_meta(fn, f, &rd.man, r, meta);
         if (s != DSK_OK) dsk_ckpt_meta_free(meta);
     }
-    dsk__ck_reader_free(&rd);
+    dsk__ckpt_reader_free(&rd);
     return s;
 }
 
@@ -2514,13 +2514,13 @@ DSK_API dsk_status dsk_ckpt_latest(const char *dir, int64_t *step) {
     dsk_status s;
     if (!dir || !step) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
     *step = -1;
-    if ((s = dsk__ck_list_steps(fn, dir, 1, &steps, &n)) != DSK_OK) return s;
+    if ((s = dsk__ckpt_list_steps(fn, dir, 1, &steps, &n)) != DSK_OK) return s;
     for (int i = 0; i < n && *step < 0; i++) {
-        dsk__ck_manifest m;
-        char *sd = dsk__ck_step_dir(dir, steps[i]);
+        dsk__ckpt_manifest m;
+        char *sd = dsk__ckpt_step_dir(dir, steps[i]);
         if (!sd) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
-        if (dsk__ck_manifest_read(fn, sd, steps[i], &m) == DSK_OK) *step = steps[i];
-        dsk__ck_manifest_free(&m);
+        if (dsk__ckpt_manifest_read(fn, sd, steps[i], &m) == DSK_OK) *step = steps[i];
+        dsk__ckpt_manifest_free(&m);
         DSK_FREE(sd);
     }
     DSK_FREE(steps);
@@ -2529,12 +2529,12 @@ DSK_API dsk_status dsk_ckpt_latest(const char *dir, int64_t *step) {
 }
 
 /* Reads a whole tensor in chunks and compares its CRC with the header's. */
-static dsk_status dsk__ck_verify_tensor(const char *fn, dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t, unsigned char *buf, size_t chunk) {
+static dsk_status dsk__ckpt_verify_tensor(const char *fn, dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t, unsigned char *buf, size_t chunk) {
     uint32_t crc = 0;
     dsk_status s;
     for (uint64_t off = t->begin; off < t->end; off += chunk) {
         size_t k = (size_t)(t->end - off < chunk ? t->end - off : chunk);
-        if ((s = dsk__ck_pread_all(fn, f->fd, buf, k, 8 + f->header_len + off, f->path)) != DSK_OK) return s;
+        if ((s = dsk__ckpt_pread_all(fn, f->fd, buf, k, 8 + f->header_len + off, f->path)) != DSK_OK) return s;
         crc = dsk_ckpt_crc32c(crc, buf, k);
     }
     if (crc != t->crc32c)
@@ -2546,19 +2546,19 @@ static dsk_status dsk__ck_verify_tensor(const char *fn, dsk_ckpt_file *f, const 
 DSK_API dsk_status dsk_ckpt_verify(const char *dir, int64_t step) {
     const char *fn = "dsk_ckpt_verify";
     const size_t chunk = (size_t)4 << 20;
-    dsk__ck_reader rd;
+    dsk__ckpt_reader rd;
     unsigned char *buf;
     dsk_status s;
     if (!dir || step < 0) return dsk_set_error(DSK_ERR_ARG, "%s: bad directory or step %lld", fn, (long long)step);
     if (!(buf = (unsigned char *)DSK_MALLOC(chunk))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    s = dsk__ck_reader_open(fn, &rd, dir, step);
+    s = dsk__ckpt_reader_open(fn, &rd, dir, step);
     for (int r = 0; s == DSK_OK && r < rd.man.world; r++) {
         dsk_ckpt_file *f;
-        s = dsk__ck_reader_file(&rd, r, &f);
-        for (int i = 0; s == DSK_OK && i < f->n_tensors; i++) s = dsk__ck_verify_tensor(fn, f, &f->tensors[i], buf, chunk);
+        s = dsk__ckpt_reader_file(&rd, r, &f);
+        for (int i = 0; s == DSK_OK && i < f->n_tensors; i++) s = dsk__ckpt_verify_tensor(fn, f, &f->tensors[i], buf, chunk);
         dsk_ckpt_file_close(f);
     }
-    dsk__ck_reader_free(&rd);
+    dsk__ckpt_reader_free(&rd);
     DSK_FREE(buf);
     return s;
 }
@@ -2576,7 +2576,7 @@ DSK_API dsk_status dsk_ckpt_meta_i64(const dsk_ckpt_meta *m, const char *key, in
     const char *v = dsk_ckpt_meta_get(m, key);
     if (!out) return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_meta_i64: out is NULL");
     if (!v) return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_meta_i64: no key \"%s\"", key ? key : "(null)");
-    if (!dsk__ck_parse_i64(v, out)) return dsk_set_error(DSK_ERR_CORRUPT, "dsk_ckpt_meta_i64: \"%s\" = \"%s\" is not an int64", key, v);
+    if (!dsk__ckpt_parse_i64(v, out)) return dsk_set_error(DSK_ERR_CORRUPT, "dsk_ckpt_meta_i64: \"%s\" = \"%s\" is not an int64", key, v);
     return DSK_OK;
 }
 

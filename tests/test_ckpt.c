@@ -209,7 +209,7 @@ static void test_crc32c(void) {
         for (size_t off = 0; off < 8; off += 3) {
             size_t n = lens[li];
             uint32_t want = crc_bitwise(buf + off, n), got = dsk_ckpt_crc32c(0, buf + off, n);
-            uint32_t sw = ~dsk__ck_crc_sw(0xffffffffu, buf + off, n);
+            uint32_t sw = ~dsk__ckpt_crc_sw(0xffffffffu, buf + off, n);
             size_t cut = n / 3;
             uint32_t chained = dsk_ckpt_crc32c(dsk_ckpt_crc32c(0, buf + off, cut), buf + off + cut, n - cut);
             uint32_t combined = dsk_ckpt_crc32c_combine(dsk_ckpt_crc32c(0, buf + off, cut), dsk_ckpt_crc32c(0, buf + off + cut, n - cut), n - cut);
@@ -1067,8 +1067,8 @@ static void test_flipped_checkpoint_headers(void) {
         dsk_ckpt_entry e[5];
         dsk_tensor own[5];
         dsk_status s;
-        snprintf(target, sizeof target, "%s/%s", pristine, which ? DSK__CK_MANIFEST : "rank_00001.safetensors");
-        snprintf(saved, sizeof saved, "%s/%s", work, which ? DSK__CK_MANIFEST : "rank_00001.safetensors");
+        snprintf(target, sizeof target, "%s/%s", pristine, which ? DSK__CKPT_MANIFEST : "rank_00001.safetensors");
+        snprintf(saved, sizeof saved, "%s/%s", work, which ? DSK__CKPT_MANIFEST : "rank_00001.safetensors");
         if (!(bytes = read_file(saved, &n)) || !n) { free(bytes); break; }
         pos = which ? (size_t)dsk_test_rand_int((int64_t)n) : (size_t)dsk_test_rand_int((int64_t)(8 + hlen));
         bytes[pos] ^= (unsigned char)(1u << dsk_test_rand_int(8));
@@ -1321,7 +1321,7 @@ static void kill_writer(const char *dir, int fd) {
 static int verify_all_complete(const char *dir) {
     int64_t *steps;
     int n, bad = 0;
-    if (dsk__ck_list_steps("test", dir, 1, &steps, &n) != DSK_OK) return 1;
+    if (dsk__ckpt_list_steps("test", dir, 1, &steps, &n) != DSK_OK) return 1;
     for (int i = 0; i < n; i++)
         if (dsk_ckpt_verify(dir, steps[i]) != DSK_OK) { printf("     step %lld: %s\n", (long long)steps[i], dsk_last_error()); bad = 1; }
     free(steps);
