@@ -597,17 +597,32 @@ static dsk_status dsk__ckpt_write_small(const char *fn, const char *dir, const c
     return dsk__ckpt_commit_tmp(fn, fd, tmp, dir, base);
 }
 
-/* Reads a whole small file (at most max bytes) into a NUL-terminated buffer. */
+/* Opens path for reading only if it is a regular file. O_NONBLOCK keeps open() from blocking
+   on a FIFO or a device before fstat can tell (it has no effect on regular files). */
+static dsk_status dsk__ckpt_open_regular(const char *fn, const char *path, int *fd, struct stat *st) {
+    dsk_status s;
+    *fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (*fd < 0) return dsk__ckpt_io_error(fn, "open", path);
+    if (fstat(*fd, st) != 0) s = dsk__ckpt_io_error(fn, "stat", path);
+    else if (!S_ISREG(st->st_mode)) s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" is not a regular file", fn, path);
+    else if (fcntl(*fd, F_SETFL, fcntl(*fd, F_GETFL) & ~O_NONBLOCK) != 0) s = dsk__ckpt_io_error(fn, "fcntl", path);
+    else return DSK_OK;
+    close(*fd);
+    *fd = -1;
+    return s;
+}
+
+/* Reads a whole small regular file (at most max bytes) into a NUL-terminated buffer. */
 static dsk_status dsk__ckpt_read_small(const char *fn, const char *path, size_t max, char **out, size_t *len) {
     struct stat st;
     dsk_status s;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    int fd;
     *out = NULL;
-    if (fd < 0) return dsk__ckpt_io_error(fn, "open", path);
-    if (fstat(fd, &st) != 0) { s = dsk__ckpt_io_error(fn, "stat", path); close(fd); return s; }
-    if (!S_ISREG(st.st_mode) || (uint64_t)st.st_size > max) {
+    if ((s = dsk__ckpt_open_regular(fn, path, &fd, &st)) != DSK_OK) return s;
+    if ((uint64_t)st.st_size > max) {
         close(fd);
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" is not a regular file of at most %zu bytes", fn, path, max);
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" has %lld bytes, more than the limit of %zu", fn, path,
+                             (long long)st.st_size, max);
     }
     *out = (char *)DSK_MALLOC((size_t)st.st_size + 1);
     if (!*out) { close(fd); return dsk_set_error(DSK_ERR_OOM, "%s: out of memory for \"%s\"", fn, path); }
@@ -1200,11 +1215,8 @@ DSK_API dsk_status dsk_ckpt_file_open(dsk_ckpt_file *f, const char *path) {
     if ((s = dsk__ckpt_file_begin(f, fn)) != DSK_OK) return s;
     m = (dsk__ckpt_filemem *)f->mem;
     if (!(f->path = dsk__ckpt_strdup(path))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); goto fail; }
-    f->fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (f->fd < 0) { s = dsk__ckpt_io_error(fn, "open", path); goto fail; }
+    if ((s = dsk__ckpt_open_regular(fn, path, &f->fd, &st)) != DSK_OK) goto fail;
     f->has_fd = 1;
-    if (fstat(f->fd, &st) != 0) { s = dsk__ckpt_io_error(fn, "stat", path); goto fail; }
-    if (!S_ISREG(st.st_mode)) { s = dsk_set_error(DSK_ERR_IO, "%s: \"%s\" is not a regular file", fn, path); goto fail; }
     if (st.st_size < 8) {
         s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": %lld bytes is too short for a safetensors file", fn, path, (long long)st.st_size);
         goto fail;

@@ -184,6 +184,21 @@ static int run_ranks(int world, rank_fn fn, void *arg) {
     return failed;
 }
 
+/* Runs fn(arg) in a child that is killed after `seconds`: 0 when it returned 0, 1 when it
+   returned non-zero, -1 when it hung (the fault under test blocks forever). */
+static int run_child_timeout(int (*fn)(void *), void *arg, int seconds) {
+    pid_t pid;
+    int st = 0;
+    fflush(stdout);
+    if ((pid = fork()) == 0) {
+        alarm((unsigned)seconds);
+        _exit(fn(arg));
+    }
+    waitpid(pid, &st, 0);
+    if (WIFSIGNALED(st)) return -1;
+    return WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : 1;
+}
+
 /* ------------------------------------------------------------ CRC32C */
 
 static uint32_t crc_bitwise(const unsigned char *p, size_t n) {
@@ -832,6 +847,67 @@ static void test_latest_skips_incomplete(void) {
     dsk_ckpt_free(&ck);
     dsk_tensor_free(NULL, &a);
     dsk_tensor_free(NULL, &b);
+}
+
+/* A FIFO where a manifest or a rank file should be (fault 3 of issue 17): latest, load,
+   verify and file_open must report it, not block forever in open(). */
+typedef struct fifo_arg {
+    char dir[400];
+} fifo_arg;
+
+static int fifo_probe(void *p) {
+    fifo_arg *a = (fifo_arg *)p;
+    dsk_ckpt ck;
+    dsk_ckpt_file f;
+    const int64_t s1[1] = {5};
+    dsk_tensor t;
+    dsk_ckpt_entry e = {"a", &t, 0, 0, 0};
+    char path[600];
+    int64_t st = -5;
+    int bad = 0;
+    dsk_tensor_alloc(NULL, &t, DSK_F32, 1, s1);
+    dsk_ckpt_init(&ck, a->dir, NULL);
+    if (dsk_ckpt_latest(a->dir, &st) != DSK_OK || st != 3) { printf("     latest: %lld (%s)\n", (long long)st, dsk_last_error()); bad = 1; }
+    if (dsk_ckpt_load(&ck, 4, &e, 1, NULL) == DSK_OK || !strstr(dsk_last_error(), "not a regular file")) {
+        printf("     load of the FIFO manifest: %s\n", dsk_last_error());
+        bad = 1;
+    }
+    if (dsk_ckpt_verify(a->dir, 4) == DSK_OK) { printf("     verify of the FIFO manifest passed\n"); bad = 1; }
+    if (dsk_ckpt_load(&ck, 3, &e, 1, NULL) == DSK_OK || !strstr(dsk_last_error(), "not a regular file")) {
+        printf("     load of a FIFO rank file: %s\n", dsk_last_error());
+        bad = 1;
+    }
+    snprintf(path, sizeof path, "%s/step_00000003/rank_00000.safetensors", a->dir);
+    if (dsk_ckpt_file_open(&f, path) == DSK_OK) { printf("     file_open of a FIFO succeeded\n"); bad = 1; }
+    dsk_ckpt_free(&ck);
+    dsk_tensor_free(NULL, &t);
+    return bad;
+}
+
+static void test_fifo_does_not_hang(void) {
+    fifo_arg a;
+    char p[600];
+    const int64_t s1[1] = {5};
+    dsk_tensor t;
+    dsk_ckpt ck;
+    dsk_ckpt_entry e = {"a", &t, 0, 0, 0};
+    new_dir(a.dir, sizeof a.dir, "fifo");
+    alloc_t(&t, DSK_F32, 1, s1);
+    fill_f32(&t);
+    DSK_TEST_OK(dsk_ckpt_init(&ck, a.dir, NULL));
+    DSK_TEST_OK(dsk_ckpt_save(&ck, 1, &e, 1, NULL, 0));
+    DSK_TEST_OK(dsk_ckpt_save(&ck, 3, &e, 1, NULL, 0));
+    snprintf(p, sizeof p, "%s/step_00000004", a.dir);
+    mkdir(p, 0755);
+    snprintf(p, sizeof p, "%s/step_00000004/manifest.json", a.dir);
+    DSK_TEST_EXPECT(mkfifo(p, 0644) == 0, "mkfifo %s", p);
+    snprintf(p, sizeof p, "%s/step_00000003/rank_00000.safetensors", a.dir);
+    unlink(p);
+    DSK_TEST_EXPECT(mkfifo(p, 0644) == 0, "mkfifo %s", p);
+    /* newest first: latest opens step 4's FIFO manifest, then finds step 3 (manifest intact) */
+    DSK_TEST_EXPECT(run_child_timeout(fifo_probe, &a, 10) == 0, "latest/load/verify/file_open hung or failed on a FIFO");
+    dsk_ckpt_free(&ck);
+    dsk_tensor_free(NULL, &t);
 }
 
 /* ------------------------------------------------------------ corrupt and malformed files */
@@ -1503,6 +1579,7 @@ int main(void) {
     DSK_TEST_RUN(test_async_error);
     DSK_TEST_RUN(test_rotation);
     DSK_TEST_RUN(test_latest_skips_incomplete);
+    DSK_TEST_RUN(test_fifo_does_not_hang);
     test_malformed_headers();
     DSK_TEST_RUN(test_valid_variants);
     DSK_TEST_RUN(test_truncated_files);
