@@ -1673,16 +1673,21 @@ static char *dsk__ckpt_step_dir(const char *root, int64_t step) {
 }
 static void dsk__ckpt_rank_name(char *buf, size_t n, int rank) { snprintf(buf, n, "rank_%05d.safetensors", rank); }
 
-/* "step_<digits>" -> step, else -1. */
+/* "step_<digits>" -> step, else -1. Only the canonical spelling (dsk__ckpt_step_dir's: at
+   least 8 digits, no extra leading zeros) counts, so every step has exactly one directory;
+   19-digit steps up to INT64_MAX included. */
 static int64_t dsk__ckpt_parse_step_name(const char *name) {
-    int64_t v = 0;
+    char canon[40];
+    uint64_t v = 0;
     const char *p = name + 5;
-    if (strncmp(name, "step_", 5) != 0 || !*p || strlen(p) > 18) return -1;
+    if (strncmp(name, "step_", 5) != 0 || !*p || strlen(p) > 19) return -1;
     for (; *p; p++) {
         if (*p < '0' || *p > '9') return -1;
-        v = v * 10 + (*p - '0');
+        v = v * 10 + (uint64_t)(*p - '0'); /* 19 digits cannot overflow uint64 */
     }
-    return v;
+    if (v > (uint64_t)INT64_MAX) return -1;
+    snprintf(canon, sizeof canon, "step_%08lld", (long long)v);
+    return strcmp(canon, name) == 0 ? (int64_t)v : -1;
 }
 
 static int dsk__ckpt_exists(const char *path) {

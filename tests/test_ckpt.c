@@ -813,6 +813,48 @@ static void test_rotation(void) {
     dsk_tensor_free(NULL, &a);
 }
 
+/* Steps of 19 digits (10^18 up to INT64_MAX) are ordinary steps for latest and rotation
+   (fault 4 of issue 17); names that are not the canonical spelling of a step are ignored. */
+static void test_huge_steps(void) {
+    char dir[400], p[600];
+    const int64_t s1[1] = {9};
+    const int64_t big = 1000000000000000000ll, max = INT64_MAX;
+    dsk_tensor a, b;
+    dsk_ckpt ck;
+    dsk_ckpt_opts o;
+    dsk_ckpt_entry e = {"a", &a, 0, 0, 0}, le = {"a", &b, 0, 0, 0};
+    int64_t st = -5;
+    memset(&o, 0, sizeof o);
+    o.keep_last = 2;
+    new_dir(dir, sizeof dir, "huge");
+    alloc_t(&a, DSK_F32, 1, s1);
+    alloc_t(&b, DSK_F32, 1, s1);
+    fill_f32(&a);
+    DSK_TEST_OK(dsk_ckpt_init(&ck, dir, &o));
+    DSK_TEST_OK(dsk_ckpt_save(&ck, 5, &e, 1, NULL, 0));
+    DSK_TEST_OK(dsk_ckpt_save(&ck, big, &e, 1, NULL, 0));
+    DSK_TEST_OK(dsk_ckpt_latest(dir, &st));
+    DSK_TEST_EXPECT(st == big, "latest %lld, want 10^18", (long long)st);
+    fill_f32(&a);
+    DSK_TEST_OK(dsk_ckpt_save(&ck, max, &e, 1, NULL, 0));
+    DSK_TEST_OK(dsk_ckpt_latest(dir, &st));
+    DSK_TEST_EXPECT(st == max, "latest %lld, want INT64_MAX", (long long)st);
+    DSK_TEST_EXPECT(!step_dir_exists(dir, 5, 0), "step 5 not rotated away (keep_last 2)");
+    DSK_TEST_EXPECT(step_dir_exists(dir, big, 1), "step 10^18 must stay");
+    DSK_TEST_OK(dsk_ckpt_load(&ck, -1, &le, 1, NULL));
+    DSK_TEST_SAME_BYTES(b.data, a.data, dsk_tensor_nbytes(&a), "step INT64_MAX");
+    /* a non-canonical spelling of a step (leading zeros beyond 8 digits, 20 digits) is not a step */
+    snprintf(p, sizeof p, "%s/step_000000000000000000009", dir);
+    mkdir(p, 0755);
+    snprintf(p, sizeof p, "%s/step_99999999999999999999", dir);
+    mkdir(p, 0755);
+    DSK_TEST_OK(dsk_ckpt_latest(dir, &st));
+    DSK_TEST_EXPECT(st == max, "latest %lld after odd names, want INT64_MAX", (long long)st);
+    dsk_ckpt_free(&ck);
+    dsk_tensor_free(NULL, &a);
+    dsk_tensor_free(NULL, &b);
+}
+
 static void test_latest_skips_incomplete(void) {
     char dir[400], p[600];
     const int64_t s1[1] = {5};
@@ -1580,6 +1622,7 @@ int main(void) {
     DSK_TEST_RUN(test_rotation);
     DSK_TEST_RUN(test_latest_skips_incomplete);
     DSK_TEST_RUN(test_fifo_does_not_hang);
+    DSK_TEST_RUN(test_huge_steps);
     test_malformed_headers();
     DSK_TEST_RUN(test_valid_variants);
     DSK_TEST_RUN(test_truncated_files);
