@@ -179,10 +179,15 @@ typedef struct dsk_ckpt_tensor_info {
     uint32_t crc32c;
 } dsk_ckpt_tensor_info;
 
-/* A parsed safetensors file: validated exactly as the reference implementation does
-   (header <= 100,000,000 bytes of UTF-8 JSON, offsets contiguous from 0 with no gap or
-   overlap, sizes matching shape and dtype, the last offset ending the file), and more
-   strictly (no duplicate names or keys, no unknown fields, at most 8 dims). */
+/* A parsed safetensors file, validated as the reference implementation (safetensors 0.8)
+   does: header <= 100,000,000 bytes of UTF-8 JSON, offsets contiguous from 0 with no gap or
+   overlap, sizes matching shape and dtype, the last offset ending the file, shapes and
+   offsets plain non-negative integers ("-0", "1.0" and "1e0" refused), "__metadata__" an
+   object of strings or null. Differences, each checked against the package by
+   tests/interop: dsk refuses duplicate tensor names or metadata keys, unknown fields in a
+   tensor entry (DSK_ERR_CORRUPT) and more than 8 dims (DSK_ERR_UNSUPPORTED), which the
+   reference accepts; a NUL character in a name or metadata string is DSK_ERR_UNSUPPORTED
+   (valid safetensors, but dsk names are C strings). */
 typedef struct dsk_ckpt_file {
     char *path;                   /* NULL for a header parsed from memory */
     int has_fd, fd;
@@ -906,6 +911,12 @@ static int dsk__ckpt_jint(const dsk__ckpt_json *j, int node, int64_t *out) {
     return 1;
 }
 
+/* Digits only, within int64: the JSON a usize field of the reference accepts ("-0" is the
+   float -0.0 to serde_json, so not a size). */
+static int dsk__ckpt_jsize(const dsk__ckpt_json *j, int node, int64_t *out) {
+    return j->nodes[node].type == DSK__CKPT_J_NUM && j->nodes[node].s[0] != '-' && dsk__ckpt_jint(j, node, out);
+}
+
 /* Integer member `key` of object obj. */
 static int dsk__ckpt_jget_int(const dsk__ckpt_json *j, int obj, const char *key, int64_t *out) {
     int c = dsk__ckpt_jget(j, obj, key);
@@ -1027,7 +1038,7 @@ static dsk_status dsk__ckpt_parse_entry(const char *fn, const char *where, const
             t->ndim = 0;
             for (int d = x->child; d >= 0; d = j->nodes[d].next) {
                 int64_t v;
-                if (!dsk__ckpt_jint(j, d, &v) || v < 0)
+                if (!dsk__ckpt_jsize(j, d, &v))
                     return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape[%d] is not a non-negative integer", fn, where,
                                          t->name, t->ndim);
                 t->shape[t->ndim++] = v;
@@ -1035,8 +1046,8 @@ static dsk_status dsk__ckpt_parse_entry(const char *fn, const char *where, const
         } else {
             int64_t v[2];
             int d = x->child;
-            if (x->type != DSK__CKPT_J_ARR || x->count != 2 || !dsk__ckpt_jint(j, d, &v[0]) || !dsk__ckpt_jint(j, j->nodes[d].next, &v[1]) ||
-                v[0] < 0 || v[1] < 0)
+            if (x->type != DSK__CKPT_J_ARR || x->count != 2 || !dsk__ckpt_jsize(j, d, &v[0]) ||
+                !dsk__ckpt_jsize(j, j->nodes[d].next, &v[1]))
                 return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": data_offsets is not two non-negative integers", fn,
                                      where, t->name);
             t->begin = (uint64_t)v[0];
@@ -1072,16 +1083,22 @@ static dsk_status dsk__ckpt_parse_meta(const char *fn, const char *where, const 
     const dsk__ckpt_jnode *m = &j->nodes[node];
     dsk__ckpt_kvidx *kv;
     int i = 0;
+    if (m->type == DSK__CKPT_J_NULL) return DSK_OK; /* the reference reads null as no metadata */
     if (m->type != DSK__CKPT_J_OBJ) return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ is not an object", fn, where);
     kv = (dsk__ckpt_kvidx *)DSK_MALLOC(((size_t)m->count + 1) * sizeof *kv);
     f->meta_keys = (const char **)DSK_MALLOC(((size_t)m->count + 1) * sizeof(char *));
     f->meta_values = (const char **)DSK_MALLOC(((size_t)m->count + 1) * sizeof(char *));
     if (!kv || !f->meta_keys || !f->meta_values) { DSK_FREE(kv); return dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory", fn, where); }
     for (int c = m->child; c >= 0; c = j->nodes[c].next, i++) {
+        dsk_status s = DSK_OK;
         kv[i].k = j->nodes[c].key;
         kv[i].v = dsk__ckpt_jstr(j, c);
-        if (!kv[i].v || strlen(kv[i].k) != j->nodes[c].klen) {
-            dsk_status s = dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ value of \"%s\" is not a string", fn, where, kv[i].k);
+        if (j->nodes[c].type != DSK__CKPT_J_STR)
+            s = dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ value of \"%s\" is not a string", fn, where, kv[i].k);
+        else if (!kv[i].v || strlen(kv[i].k) != j->nodes[c].klen)
+            s = dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: %s: __metadata__ pair \"%s\" holds a NUL character: valid safetensors, but "
+                              "dsk keys and values are C strings", fn, where, kv[i].k);
+        if (s != DSK_OK) {
             DSK_FREE(kv);
             return s;
         }
@@ -1166,7 +1183,8 @@ static dsk_status dsk__ckpt_parse(const char *fn, const char *where, dsk_ckpt_fi
     for (int c = j->nodes[top].child; c >= 0; c = j->nodes[c].next) {
         dsk_ckpt_tensor_info *t = &f->tensors[nt];
         if (strlen(j->nodes[c].key) != j->nodes[c].klen)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: a tensor name contains a NUL character", fn, where);
+            return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: %s: tensor \"%s\\u0000...\" has a NUL character in its name: valid "
+                                 "safetensors, but dsk names are C strings", fn, where, j->nodes[c].key);
         if (strcmp(j->nodes[c].key, "__metadata__") == 0) {
             if (meta >= 0) return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ appears twice", fn, where);
             meta = c;

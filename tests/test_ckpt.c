@@ -1004,6 +1004,16 @@ static void test_malformed_headers(void) {
                       DSK_ERR_CORRUPT, "unknown field \"x\"");
     expect_bad_header(dir, "negative dim", "{\"a\":{\"dtype\":\"F32\",\"shape\":[-2],\"data_offsets\":[0,8]}}", data, 8, DSK_ERR_CORRUPT,
                       "shape[0] is not a non-negative integer");
+    /* the reference (serde_json) reads -0 as the float -0.0, which is no size (issue 17 fault 8) */
+    expect_bad_header(dir, "minus zero dim", "{\"a\":{\"dtype\":\"U8\",\"shape\":[-0],\"data_offsets\":[0,0]}}", data, 0,
+                      DSK_ERR_CORRUPT, "shape[0] is not a non-negative integer");
+    expect_bad_header(dir, "minus zero offset", "{\"a\":{\"dtype\":\"U8\",\"shape\":[0],\"data_offsets\":[-0,0]}}", data, 0,
+                      DSK_ERR_CORRUPT, "data_offsets is not two non-negative integers");
+    /* valid files dsk cannot represent: a NUL inside a name or a metadata string */
+    expect_bad_header(dir, "NUL in a tensor name", "{\"a\\u0000b\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}", data, 1,
+                      DSK_ERR_UNSUPPORTED, "NUL character in its name");
+    expect_bad_header(dir, "NUL in a metadata value", "{\"__metadata__\":{\"k\":\"a\\u0000b\"}}", data, 0, DSK_ERR_UNSUPPORTED,
+                      "holds a NUL character");
     expect_bad_header(dir, "fractional dim", "{\"a\":{\"dtype\":\"F32\",\"shape\":[2.0],\"data_offsets\":[0,8]}}", data, 8, DSK_ERR_CORRUPT,
                       "shape[0] is not a non-negative integer");
     expect_bad_header(dir, "overflowing shape",
@@ -1064,6 +1074,12 @@ static void test_valid_variants(void) {
     }
     DSK_TEST_STATUS(dsk_ckpt_file_read(&f, NULL, "zz", &t, 0), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("no tensor \"zz\"");
+    dsk_ckpt_file_close(&f);
+    /* "__metadata__": null is no metadata to the reference (issue 17 fault 8) */
+    snprintf(path, sizeof path, "%s/nullmeta.safetensors", dir);
+    write_raw_st(path, "{\"__metadata__\":null,\"a\":{\"dtype\":\"U8\",\"shape\":[2],\"data_offsets\":[0,2]}}", data, 2);
+    DSK_TEST_OK(dsk_ckpt_file_open(&f, path));
+    DSK_TEST_EXPECT(f.n_tensors == 1 && f.n_meta == 0, "null metadata: %d tensors, %d pairs", f.n_tensors, f.n_meta);
     dsk_ckpt_file_close(&f);
     snprintf(path, sizeof path, "%s/empty.safetensors", dir);
     write_raw_st(path, "{}", NULL, 0);

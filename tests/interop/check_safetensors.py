@@ -2,6 +2,7 @@
 
     check_safetensors.py read-dsk DIR   checks the files st_tool wrote with dsk
     check_safetensors.py write-py DIR   writes files for st_tool to read with dsk
+    check_safetensors.py edge-cases DIR writes header edge cases with the reference's verdicts
 
 Prints one "ok <case>" or "FAIL <case>: <why>" line per case. numpy has no bfloat16 or fp8,
 so safetensors.numpy.load_file refuses those files; they are read through the package's
@@ -199,6 +200,60 @@ def write_py(d):
     report(True, "python writes safetensors files for dsk")
 
 
+def raw_file(header, data=b""):
+    """A safetensors file from a header string, padded with spaces as the reference pads."""
+    hb = header.encode()
+    hb += b" " * ((8 - len(hb) % 8) % 8)
+    return len(hb).to_bytes(8, "little") + hb + data
+
+
+# Edge cases of the header format: the reference parser's verdict is taken from the package at
+# run time; the last column is what dsk must answer: "same" (accept what it accepts, refuse
+# with DSK_ERR_CORRUPT what it refuses) or a documented difference (dsk_ckpt.h, dsk_ckpt_file).
+EDGE_CASES = [
+    ("minus_zero_dim", '{"a":{"dtype":"U8","shape":[-0],"data_offsets":[0,0]}}', b"", "same"),
+    ("minus_zero_offset", '{"a":{"dtype":"U8","shape":[0],"data_offsets":[-0,0]}}', b"", "same"),
+    ("metadata_null", '{"__metadata__":null,"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"x", "same"),
+    ("float_dim", '{"a":{"dtype":"U8","shape":[1.0],"data_offsets":[0,1]}}', b"x", "same"),
+    ("exponent_dim", '{"a":{"dtype":"U8","shape":[1e0],"data_offsets":[0,1]}}', b"x", "same"),
+    ("bool_dim", '{"a":{"dtype":"U8","shape":[true],"data_offsets":[0,1]}}', b"x", "same"),
+    ("dim_beyond_u64", '{"a":{"dtype":"U8","shape":[18446744073709551616],"data_offsets":[0,1]}}', b"x", "same"),
+    ("metadata_twice", '{"__metadata__":{},"__metadata__":{}}', b"", "same"),
+    ("metadata_number", '{"__metadata__":{"k":1}}', b"", "same"),
+    ("leading_space", ' {"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"x", "same"),
+    ("empty_name", '{"":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"x", "same"),
+    ("scalar", '{"a":{"dtype":"F32","shape":[],"data_offsets":[0,4]}}', b"abcd", "same"),
+    ("gap", '{"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}', b"xx", "same"),
+    ("trailing_bytes", '{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"xy", "same"),
+    ("unknown_dtype", '{"a":{"dtype":"F7","shape":[1],"data_offsets":[0,1]}}', b"x", "same"),
+    ("nul_in_name", '{"a\\u0000b":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"x", "UNSUPPORTED"),
+    ("nul_in_metadata", '{"__metadata__":{"k":"a\\u0000b"}}', b"", "UNSUPPORTED"),
+    ("nine_dims", '{"a":{"dtype":"U8","shape":[1,1,1,1,1,1,1,1,1],"data_offsets":[0,1]}}', b"x", "UNSUPPORTED"),
+    ("duplicate_name", '{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
+     b"x", "CORRUPT"),
+    ("unknown_field", '{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":1}}', b"x", "CORRUPT"),
+    ("duplicate_metadata_key", '{"__metadata__":{"k":"a","k":"b"}}', b"", "CORRUPT"),
+]
+
+
+def edge_cases(d):
+    """Writes each edge case, asks the reference parser for its verdict, and lists both for st_tool."""
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "edge_cases.txt"), "w") as out:
+        for name, header, data, dsk_answer in EDGE_CASES:
+            blob = raw_file(header, data)
+            open(os.path.join(d, f"edge_{name}.safetensors"), "wb").write(blob)
+            try:
+                safetensors.deserialize(blob)
+                verdict = "ACCEPT"
+            except Exception:  # the reference refuses the file
+                verdict = "REJECT"
+            if dsk_answer != "same":  # a documented difference: the reference must accept it
+                report(verdict == "ACCEPT", f"reference accepts edge case {name} (dsk answers {dsk_answer})", verdict)
+            out.write(f"edge_{name}.safetensors {verdict} {dsk_answer}\n")
+    report(True, f"python wrote {len(EDGE_CASES)} header edge cases with the reference's verdicts")
+
+
 if __name__ == "__main__":
-    {"read-dsk": read_dsk, "write-py": write_py}[sys.argv[1]](sys.argv[2])
+    {"read-dsk": read_dsk, "write-py": write_py, "edge-cases": edge_cases}[sys.argv[1]](sys.argv[2])
     sys.exit(1 if failures else 0)

@@ -3,6 +3,8 @@
                          of every tensor (plain fwrite) and an index for the Python checker
      st_tool read DIR    reads the files the Python package wrote into DIR with dsk and
                          compares every tensor with the raw bytes Python left beside them
+     st_tool cases DIR   opens the header edge cases Python wrote and checks dsk's answer
+                         against the reference parser's verdict
    Prints one "ok <case>" or "FAIL <case>: <why>" line per case. */
 #define DSK_TENSOR_IMPLEMENTATION
 #define DSK_CKPT_IMPLEMENTATION
@@ -179,10 +181,37 @@ static int do_read(const char *dir) {
     return failures != 0;
 }
 
+/* Opens each edge-case file Python wrote and compares dsk's answer with the reference's
+   verdict, or with the documented difference the case names. */
+static int do_cases(const char *dir) {
+    char path[1024], file[256], verdict[16], want[16], what[400], why[1400];
+    FILE *idx;
+    int n = 0;
+    snprintf(path, sizeof path, "%s/edge_cases.txt", dir);
+    if (!(idx = fopen(path, "r"))) { report(0, "read edge_cases.txt", path); return 1; }
+    while (fscanf(idx, "%255s %15s %15s", file, verdict, want) == 3) {
+        dsk_ckpt_file f;
+        dsk_status s, expect;
+        snprintf(path, sizeof path, "%s/%s", dir, file);
+        s = dsk_ckpt_file_open(&f, path);
+        if (strcmp(want, "same") == 0) expect = strcmp(verdict, "ACCEPT") == 0 ? DSK_OK : DSK_ERR_CORRUPT;
+        else expect = strcmp(want, "UNSUPPORTED") == 0 ? DSK_ERR_UNSUPPORTED : DSK_ERR_CORRUPT;
+        snprintf(what, sizeof what, "dsk answers %s on %s (reference: %s)", dsk_status_str(expect), file, verdict);
+        snprintf(why, sizeof why, "dsk: %s: %s", dsk_status_str(s), s == DSK_OK ? "" : dsk_last_error());
+        report(s == expect, what, why);
+        dsk_ckpt_file_close(&f);
+        n++;
+    }
+    fclose(idx);
+    report(n > 0, "edge cases read", "none listed");
+    return failures != 0;
+}
+
 int main(int argc, char **argv) {
-    if (argc != 3 || (strcmp(argv[1], "write") && strcmp(argv[1], "read"))) {
-        fprintf(stderr, "usage: st_tool write|read DIR\n");
+    if (argc != 3 || (strcmp(argv[1], "write") && strcmp(argv[1], "read") && strcmp(argv[1], "cases"))) {
+        fprintf(stderr, "usage: st_tool write|read|cases DIR\n");
         return 2;
     }
+    if (strcmp(argv[1], "cases") == 0) return do_cases(argv[2]);
     return strcmp(argv[1], "write") == 0 ? do_write(argv[2]) : do_read(argv[2]);
 }

@@ -43,5 +43,7 @@ step "dsk writes" "$out/st_tool" write "$tmp/dsk"
 step "python reads dsk files" "$PY" tests/interop/check_safetensors.py read-dsk "$tmp/dsk"
 step "python writes" "$PY" tests/interop/check_safetensors.py write-py "$tmp/py"
 step "dsk reads python files" "$out/st_tool" read "$tmp/py"
+step "python writes header edge cases" "$PY" tests/interop/check_safetensors.py edge-cases "$tmp/edge"
+step "dsk answers the edge cases as the reference does" "$out/st_tool" cases "$tmp/edge"
 cat "$log"
 finish
