@@ -640,28 +640,32 @@ static dsk_status dsk__ckpt_read_small(const char *fn, const char *path, size_t 
 }
 
 /* ---------------------------------------------------------------- strict JSON (RFC 8259)
-   Parses untrusted text into a flat node array: every read is bounds-checked, nesting is
-   limited, strings are decoded (escapes, surrogate pairs) into one pool, numbers keep their
-   text span and are converted on access. */
+   Parses untrusted text into a flat array of values in document order: every read is
+   bounds-checked, nesting is limited, strings are decoded (escapes, surrogate pairs) into one
+   pool, numbers keep their place in the text and are converted on access. A first pass counts
+   an upper bound of the values and string bytes, so memory is allocated once: at most 12 bytes
+   per value plus the string bytes, about 6x the text for the densest input ([0,0,0,...]). */
 
 enum { DSK__CKPT_J_NULL, DSK__CKPT_J_BOOL, DSK__CKPT_J_NUM, DSK__CKPT_J_STR, DSK__CKPT_J_ARR, DSK__CKPT_J_OBJ };
 #define DSK__CKPT_J_MAX_DEPTH 32
+#define DSK__CKPT_J_NONE 0xffffffffu
+#define DSK__CKPT_J_OFF_MASK 0x07ffffffu /* pool offsets: texts are at most DSK_CKPT_MAX_HEADER bytes */
+#define DSK__CKPT_J_TYPE_SHIFT 27
+#define DSK__CKPT_J_KEY_NUL (1u << 30)   /* the member key holds a NUL character */
+#define DSK__CKPT_J_STR_NUL (1u << 31)   /* the string value holds a NUL character */
 
+/* One value. A container's first member is the value right after it. */
 typedef struct dsk__ckpt_jnode {
-    int type;
-    int child, next;      /* first child and next sibling, -1 when none */
-    int count;            /* members of an object or array */
-    const char *s;        /* string: decoded, NUL-terminated; number: source span */
-    size_t len;
-    const char *key;      /* member key (decoded) when the parent is an object */
-    size_t klen;
+    uint32_t next; /* next member of the same container, or DSK__CKPT_J_NONE */
+    uint32_t key;  /* pool offset of the member key (0: ""), the type, and the two NUL flags */
+    uint32_t val;  /* string: pool offset; number: text offset; bool: 0 or 1; container: member count */
 } dsk__ckpt_jnode;
 
 typedef struct dsk__ckpt_json {
     dsk__ckpt_jnode *nodes;
-    int n, cap;
-    char *pool;           /* decoded strings */
-    size_t pool_used;
+    uint32_t n, cap;
+    char *pool;            /* decoded strings, each NUL-terminated; pool[0] = "" */
+    size_t pool_used, pool_cap;
     const char *src, *end, *p;
     const char *fn, *what; /* error context: function and object */
     dsk_status status;
@@ -671,6 +675,26 @@ static void dsk__ckpt_json_free(dsk__ckpt_json *j) {
     DSK_FREE(j->nodes);
     DSK_FREE(j->pool);
     memset(j, 0, sizeof *j);
+}
+
+static int dsk__ckpt_jtype(const dsk__ckpt_json *j, int i) {
+    return (int)((j->nodes[i].key >> DSK__CKPT_J_TYPE_SHIFT) & 7u);
+}
+static int dsk__ckpt_jcount(const dsk__ckpt_json *j, int i) {
+    int t = dsk__ckpt_jtype(j, i);
+    return t == DSK__CKPT_J_ARR || t == DSK__CKPT_J_OBJ ? (int)j->nodes[i].val : 0;
+}
+static int dsk__ckpt_jchild(const dsk__ckpt_json *j, int i) { return dsk__ckpt_jcount(j, i) ? i + 1 : -1; }
+static int dsk__ckpt_jnext(const dsk__ckpt_json *j, int i) {
+    return j->nodes[i].next == DSK__CKPT_J_NONE ? -1 : (int)j->nodes[i].next;
+}
+/* The member key of value i; keys with a NUL are cut at it (see dsk__ckpt_jkey_nul). */
+static const char *dsk__ckpt_jkey(const dsk__ckpt_json *j, int i) { return j->pool + (j->nodes[i].key & DSK__CKPT_J_OFF_MASK); }
+static int dsk__ckpt_jkey_nul(const dsk__ckpt_json *j, int i) { return (j->nodes[i].key & DSK__CKPT_J_KEY_NUL) != 0; }
+/* A string value without embedded NUL, or NULL. */
+static const char *dsk__ckpt_jstr(const dsk__ckpt_json *j, int i) {
+    if (i < 0 || dsk__ckpt_jtype(j, i) != DSK__CKPT_J_STR || (j->nodes[i].key & DSK__CKPT_J_STR_NUL)) return NULL;
+    return j->pool + j->nodes[i].val;
 }
 
 static int dsk__ckpt_jfail(dsk__ckpt_json *j, const char *msg) {
@@ -684,25 +708,32 @@ static void dsk__ckpt_jws(dsk__ckpt_json *j) {
     while (j->p < j->end && (*j->p == ' ' || *j->p == '\t' || *j->p == '\n' || *j->p == '\r')) j->p++;
 }
 
-static int dsk__ckpt_jnew(dsk__ckpt_json *j, int type) {
-    if (j->n == j->cap) {
-        int cap = j->cap ? j->cap * 2 : 64;
-        dsk__ckpt_jnode *q;
-        if (cap > (1 << 28)) return dsk__ckpt_jfail(j, "too many values");
-        q = (dsk__ckpt_jnode *)DSK_MALLOC((size_t)cap * sizeof *q);
-        if (!q) {
-            if (j->status == DSK_OK) j->status = dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory parsing JSON", j->fn, j->what);
-            return -1;
-        }
-        if (j->n) memcpy(q, j->nodes, (size_t)j->n * sizeof *q);
-        DSK_FREE(j->nodes);
-        j->nodes = q;
-        j->cap = cap;
+/* First pass: an upper bound of the values (each one but the first follows a '[', ',' or
+   ':' outside strings) and of the pool bytes (every byte inside quotes, plus a NUL each). */
+static void dsk__ckpt_jcount_text(const char *p, const char *end, uint64_t *values, uint64_t *pool) {
+    int in_str = 0, esc = 0;
+    *values = 1;
+    *pool = 1;
+    for (; p < end; p++) {
+        char c = *p;
+        if (in_str) {
+            if (esc) esc = 0;
+            else if (c == '\\') esc = 1;
+            else if (c == '"') { in_str = 0; (*pool)++; continue; }
+            (*pool)++;
+        } else if (c == '"') in_str = 1;
+        else if (c == '[' || c == ',' || c == ':') (*values)++;
     }
-    memset(&j->nodes[j->n], 0, sizeof j->nodes[0]);
-    j->nodes[j->n].type = type;
-    j->nodes[j->n].child = j->nodes[j->n].next = -1;
-    return j->n++;
+}
+
+static int dsk__ckpt_jnew(dsk__ckpt_json *j, int type) {
+    dsk__ckpt_jnode *x;
+    if (j->n == j->cap) return dsk__ckpt_jfail(j, "more values than the text can hold"); /* the count is an upper bound */
+    x = &j->nodes[j->n];
+    x->next = DSK__CKPT_J_NONE;
+    x->key = (uint32_t)type << DSK__CKPT_J_TYPE_SHIFT;
+    x->val = 0;
+    return (int)j->n++;
 }
 
 static int dsk__ckpt_jhex4(dsk__ckpt_json *j, uint32_t *out) {
@@ -720,12 +751,30 @@ static int dsk__ckpt_jhex4(dsk__ckpt_json *j, uint32_t *out) {
     return 0;
 }
 
-/* Decodes the string at j->p (on its opening quote) into the pool. */
-static int dsk__ckpt_jstring(dsk__ckpt_json *j, const char **out, size_t *len) {
+/* Appends code point cp as UTF-8. */
+static char *dsk__ckpt_jutf8(char *dst, uint32_t cp) {
+    if (cp < 0x80u) *dst++ = (char)cp;
+    else if (cp < 0x800u) { *dst++ = (char)(0xc0u | (cp >> 6)); *dst++ = (char)(0x80u | (cp & 0x3fu)); }
+    else if (cp < 0x10000u) {
+        *dst++ = (char)(0xe0u | (cp >> 12)); *dst++ = (char)(0x80u | ((cp >> 6) & 0x3fu));
+        *dst++ = (char)(0x80u | (cp & 0x3fu));
+    } else {
+        *dst++ = (char)(0xf0u | (cp >> 18)); *dst++ = (char)(0x80u | ((cp >> 12) & 0x3fu));
+        *dst++ = (char)(0x80u | ((cp >> 6) & 0x3fu)); *dst++ = (char)(0x80u | (cp & 0x3fu));
+    }
+    return dst;
+}
+
+/* Decodes the string at j->p (on its opening quote) into the pool: its pool offset, and
+   whether it holds a NUL. An escape never decodes to more bytes than its text, so the pool
+   bound of the first pass holds. */
+static int dsk__ckpt_jstring(dsk__ckpt_json *j, uint32_t *off, int *has_nul) {
     char *dst = j->pool + j->pool_used, *start = dst;
+    *has_nul = 0;
     j->p++; /* opening quote */
     for (;;) {
         unsigned char c;
+        uint32_t cp, lo;
         if (j->p >= j->end) return dsk__ckpt_jfail(j, "unterminated string");
         c = (unsigned char)*j->p++;
         if (c == '"') break;
@@ -742,8 +791,7 @@ static int dsk__ckpt_jstring(dsk__ckpt_json *j, const char **out, size_t *len) {
         case 'n': *dst++ = '\n'; break;
         case 'r': *dst++ = '\r'; break;
         case 't': *dst++ = '\t'; break;
-        case 'u': {
-            uint32_t cp, lo;
+        case 'u':
             if (dsk__ckpt_jhex4(j, &cp)) return -1;
             if (cp >= 0xdc00u && cp <= 0xdfffu) return dsk__ckpt_jfail(j, "lone low surrogate");
             if (cp >= 0xd800u && cp <= 0xdbffu) {
@@ -753,24 +801,15 @@ static int dsk__ckpt_jstring(dsk__ckpt_json *j, const char **out, size_t *len) {
                 if (lo < 0xdc00u || lo > 0xdfffu) return dsk__ckpt_jfail(j, "bad low surrogate");
                 cp = 0x10000u + ((cp - 0xd800u) << 10) + (lo - 0xdc00u);
             }
-            if (cp < 0x80u) *dst++ = (char)cp;
-            else if (cp < 0x800u) { *dst++ = (char)(0xc0u | (cp >> 6)); *dst++ = (char)(0x80u | (cp & 0x3fu)); }
-            else if (cp < 0x10000u) {
-                *dst++ = (char)(0xe0u | (cp >> 12)); *dst++ = (char)(0x80u | ((cp >> 6) & 0x3fu));
-                *dst++ = (char)(0x80u | (cp & 0x3fu));
-            } else {
-                *dst++ = (char)(0xf0u | (cp >> 18)); *dst++ = (char)(0x80u | ((cp >> 12) & 0x3fu));
-                *dst++ = (char)(0x80u | ((cp >> 6) & 0x3fu)); *dst++ = (char)(0x80u | (cp & 0x3fu));
-            }
+            if (cp == 0) *has_nul = 1;
+            dst = dsk__ckpt_jutf8(dst, cp);
             break;
-        }
         default: return dsk__ckpt_jfail(j, "unknown escape");
         }
     }
     *dst = 0;
-    *out = start;
-    *len = (size_t)(dst - start);
-    j->pool_used += *len + 1;
+    *off = (uint32_t)(start - j->pool);
+    j->pool_used += (size_t)(dst - start) + 1;
     return 0;
 }
 
@@ -791,8 +830,7 @@ static int dsk__ckpt_jnumber(dsk__ckpt_json *j, int node) {
         if (j->p >= j->end || *j->p < '0' || *j->p > '9') return dsk__ckpt_jfail(j, "bad exponent");
         while (j->p < j->end && *j->p >= '0' && *j->p <= '9') j->p++;
     }
-    j->nodes[node].s = s;
-    j->nodes[node].len = (size_t)(j->p - s);
+    j->nodes[node].val = (uint32_t)(s - j->src);
     return 0;
 }
 
@@ -805,7 +843,7 @@ static int dsk__ckpt_jliteral(dsk__ckpt_json *j, const char *word) {
 
 static int dsk__ckpt_jvalue(dsk__ckpt_json *j, int depth);
 
-/* Array or object at j->p (on its bracket); children linked in order. */
+/* Array or object at j->p (on its bracket); members linked in order. */
 static int dsk__ckpt_jcontainer(dsk__ckpt_json *j, int depth, int is_obj) {
     int node = dsk__ckpt_jnew(j, is_obj ? DSK__CKPT_J_OBJ : DSK__CKPT_J_ARR), last = -1;
     char close = is_obj ? '}' : ']';
@@ -815,24 +853,21 @@ static int dsk__ckpt_jcontainer(dsk__ckpt_json *j, int depth, int is_obj) {
     dsk__ckpt_jws(j);
     if (j->p < j->end && *j->p == close) { j->p++; return node; }
     for (;;) {
-        const char *key = NULL;
-        size_t klen = 0;
-        int child;
+        uint32_t key = 0;
+        int key_nul = 0, child;
         if (is_obj) {
             if (j->p >= j->end || *j->p != '"') return dsk__ckpt_jfail(j, "expected a string key");
-            if (dsk__ckpt_jstring(j, &key, &klen)) return -1;
+            if (dsk__ckpt_jstring(j, &key, &key_nul)) return -1;
             dsk__ckpt_jws(j);
             if (j->p >= j->end || *j->p != ':') return dsk__ckpt_jfail(j, "expected ':'");
             j->p++;
         }
         child = dsk__ckpt_jvalue(j, depth + 1);
         if (child < 0) return -1;
-        j->nodes[child].key = key;
-        j->nodes[child].klen = klen;
-        if (last < 0) j->nodes[node].child = child;
-        else j->nodes[last].next = child;
+        j->nodes[child].key |= key | (key_nul ? DSK__CKPT_J_KEY_NUL : 0u);
+        if (last >= 0) j->nodes[last].next = (uint32_t)child;
         last = child;
-        j->nodes[node].count++;
+        j->nodes[node].val++;
         dsk__ckpt_jws(j);
         if (j->p < j->end && *j->p == ',') { j->p++; dsk__ckpt_jws(j); continue; }
         if (j->p < j->end && *j->p == close) { j->p++; return node; }
@@ -841,17 +876,19 @@ static int dsk__ckpt_jcontainer(dsk__ckpt_json *j, int depth, int is_obj) {
 }
 
 static int dsk__ckpt_jvalue(dsk__ckpt_json *j, int depth) {
-    int node;
+    int node, nul;
     dsk__ckpt_jws(j);
     if (j->p >= j->end) return dsk__ckpt_jfail(j, "unexpected end");
     switch (*j->p) {
     case '{': return dsk__ckpt_jcontainer(j, depth, 1);
     case '[': return dsk__ckpt_jcontainer(j, depth, 0);
     case '"':
-        if ((node = dsk__ckpt_jnew(j, DSK__CKPT_J_STR)) < 0) return -1;
-        return dsk__ckpt_jstring(j, &j->nodes[node].s, &j->nodes[node].len) ? -1 : node;
+        if ((node = dsk__ckpt_jnew(j, DSK__CKPT_J_STR)) < 0 || dsk__ckpt_jstring(j, &j->nodes[node].val, &nul)) return -1;
+        if (nul) j->nodes[node].key |= DSK__CKPT_J_STR_NUL;
+        return node;
     case 't': case 'f': case 'n':
         if ((node = dsk__ckpt_jnew(j, *j->p == 'n' ? DSK__CKPT_J_NULL : DSK__CKPT_J_BOOL)) < 0) return -1;
+        j->nodes[node].val = *j->p == 't';
         return dsk__ckpt_jliteral(j, *j->p == 't' ? "true" : *j->p == 'f' ? "false" : "null") ? -1 : node;
     default:
         if ((node = dsk__ckpt_jnew(j, DSK__CKPT_J_NUM)) < 0) return -1;
@@ -859,17 +896,31 @@ static int dsk__ckpt_jvalue(dsk__ckpt_json *j, int depth) {
     }
 }
 
-/* Parses text[0, n) (valid UTF-8 required) whose top level must be an object: node 0. */
+/* Parses text[0, n) (valid UTF-8 required, n <= DSK_CKPT_MAX_HEADER) whose top level must be
+   an object: node 0. */
 static dsk_status dsk__ckpt_json_parse(dsk__ckpt_json *j, const char *text, size_t n, const char *fn, const char *what) {
+    uint64_t values, pool;
     memset(j, 0, sizeof *j);
     j->src = j->p = text;
     j->end = text + n;
     j->fn = fn;
     j->what = what;
+    if (n > DSK_CKPT_MAX_HEADER)
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: %zu bytes of JSON exceed the limit of %llu", fn, what, n,
+                             (unsigned long long)DSK_CKPT_MAX_HEADER);
     if (!dsk__ckpt_valid_utf8((const unsigned char *)text, n))
         return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: header is not valid UTF-8", fn, what);
-    j->pool = (char *)DSK_MALLOC(n + 1);
-    if (!j->pool) return dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory for %zu bytes of JSON", fn, what, n);
+    dsk__ckpt_jcount_text(text, text + n, &values, &pool);
+    j->cap = (uint32_t)values;
+    j->pool_cap = (size_t)pool;
+    j->nodes = (dsk__ckpt_jnode *)DSK_MALLOC((size_t)values * sizeof *j->nodes);
+    j->pool = (char *)DSK_MALLOC((size_t)pool);
+    if (!j->nodes || !j->pool) {
+        dsk__ckpt_json_free(j);
+        return dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory for %llu JSON values", fn, what, (unsigned long long)values);
+    }
+    j->pool[0] = 0;
+    j->pool_used = 1;
     dsk__ckpt_jws(j);
     if (j->p >= j->end || *j->p != '{') dsk__ckpt_jfail(j, "expected '{'");
     else if (dsk__ckpt_jvalue(j, 0) >= 0) {
@@ -886,27 +937,25 @@ static dsk_status dsk__ckpt_json_parse(dsk__ckpt_json *j, const char *text, size
 
 /* Member `key` of object node obj, or -1. */
 static int dsk__ckpt_jget(const dsk__ckpt_json *j, int obj, const char *key) {
-    size_t k = strlen(key);
-    for (int c = j->nodes[obj].child; c >= 0; c = j->nodes[c].next)
-        if (j->nodes[c].klen == k && memcmp(j->nodes[c].key, key, k) == 0) return c;
+    for (int c = dsk__ckpt_jchild(j, obj); c >= 0; c = dsk__ckpt_jnext(j, c))
+        if (!dsk__ckpt_jkey_nul(j, c) && strcmp(dsk__ckpt_jkey(j, c), key) == 0) return c;
     return -1;
 }
 
 /* A plain integer (optional '-', digits, no fraction or exponent) within int64. */
 static int dsk__ckpt_jint(const dsk__ckpt_json *j, int node, int64_t *out) {
-    const dsk__ckpt_jnode *x = &j->nodes[node];
-    size_t i = 0;
+    const char *s, *e;
     int neg = 0;
     uint64_t v = 0;
-    if (x->type != DSK__CKPT_J_NUM) return 0;
-    if (x->s[0] == '-') { neg = 1; i = 1; }
-    if (i >= x->len) return 0;
-    for (; i < x->len; i++) {
-        if (x->s[i] < '0' || x->s[i] > '9') return 0;
+    if (node < 0 || dsk__ckpt_jtype(j, node) != DSK__CKPT_J_NUM) return 0;
+    s = j->src + j->nodes[node].val;
+    if (*s == '-') { neg = 1; s++; }
+    for (e = s; e < j->end && *e >= '0' && *e <= '9'; e++) {
         if (v > (uint64_t)INT64_MAX / 10) return 0;
-        v = v * 10 + (uint64_t)(x->s[i] - '0');
+        v = v * 10 + (uint64_t)(*e - '0');
         if (v > (uint64_t)INT64_MAX) return 0;
     }
+    if (e == s || (e < j->end && (*e == '.' || *e == 'e' || *e == 'E'))) return 0;
     *out = neg ? -(int64_t)v : (int64_t)v;
     return 1;
 }
@@ -914,19 +963,13 @@ static int dsk__ckpt_jint(const dsk__ckpt_json *j, int node, int64_t *out) {
 /* Digits only, within int64: the JSON a usize field of the reference accepts ("-0" is the
    float -0.0 to serde_json, so not a size). */
 static int dsk__ckpt_jsize(const dsk__ckpt_json *j, int node, int64_t *out) {
-    return j->nodes[node].type == DSK__CKPT_J_NUM && j->nodes[node].s[0] != '-' && dsk__ckpt_jint(j, node, out);
+    return dsk__ckpt_jint(j, node, out) && j->src[j->nodes[node].val] != '-';
 }
 
 /* Integer member `key` of object obj. */
 static int dsk__ckpt_jget_int(const dsk__ckpt_json *j, int obj, const char *key, int64_t *out) {
     int c = dsk__ckpt_jget(j, obj, key);
     return c >= 0 && dsk__ckpt_jint(j, c, out);
-}
-
-/* A string node without embedded NUL. */
-static const char *dsk__ckpt_jstr(const dsk__ckpt_json *j, int node) {
-    if (node < 0 || j->nodes[node].type != DSK__CKPT_J_STR || strlen(j->nodes[node].s) != j->nodes[node].len) return NULL;
-    return j->nodes[node].s;
 }
 
 /* ---------------------------------------------------------------- safetensors files */
@@ -1015,28 +1058,29 @@ DSK_API void dsk_ckpt_file_close(dsk_ckpt_file *f) {
 static dsk_status dsk__ckpt_parse_entry(const char *fn, const char *where, const dsk__ckpt_json *j, int node, dsk_ckpt_tensor_info *t) {
     int seen[3] = {0, 0, 0};
     const dsk__ckpt_stdtype *dt = NULL;
-    if (j->nodes[node].type != DSK__CKPT_J_OBJ)
+    if (dsk__ckpt_jtype(j, node) != DSK__CKPT_J_OBJ)
         return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" is not an object", fn, where, t->name);
-    for (int c = j->nodes[node].child; c >= 0; c = j->nodes[c].next) {
-        const dsk__ckpt_jnode *x = &j->nodes[c];
-        int which = strcmp(x->key, "dtype") == 0 ? 0 : strcmp(x->key, "shape") == 0 ? 1 : strcmp(x->key, "data_offsets") == 0 ? 2 : -1;
-        if (which < 0 || strlen(x->key) != x->klen)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" has unknown field \"%s\"", fn, where, t->name, x->key);
+    for (int c = dsk__ckpt_jchild(j, node); c >= 0; c = dsk__ckpt_jnext(j, c)) {
+        const char *key = dsk__ckpt_jkey(j, c);
+        int type = dsk__ckpt_jtype(j, c), count = dsk__ckpt_jcount(j, c);
+        int which = strcmp(key, "dtype") == 0 ? 0 : strcmp(key, "shape") == 0 ? 1 : strcmp(key, "data_offsets") == 0 ? 2 : -1;
+        if (which < 0 || dsk__ckpt_jkey_nul(j, c))
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" has unknown field \"%s\"", fn, where, t->name, key);
         if (seen[which]++)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" repeats field \"%s\"", fn, where, t->name, x->key);
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" repeats field \"%s\"", fn, where, t->name, key);
         if (which == 0) {
             const char *name = dsk__ckpt_jstr(j, c);
             if (!name) return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": dtype is not a string", fn, where, t->name);
             if (!(dt = dsk__ckpt_stdtype_by_name(name)))
                 return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": unknown dtype \"%s\"", fn, where, t->name, name);
         } else if (which == 1) {
-            if (x->type != DSK__CKPT_J_ARR)
+            if (type != DSK__CKPT_J_ARR)
                 return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape is not an array", fn, where, t->name);
-            if (x->count > DSK_MAX_DIMS)
+            if (count > DSK_MAX_DIMS)
                 return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: %s: tensor \"%s\" has %d dims, dsk supports %d", fn, where, t->name,
-                                     x->count, DSK_MAX_DIMS);
+                                     count, DSK_MAX_DIMS);
             t->ndim = 0;
-            for (int d = x->child; d >= 0; d = j->nodes[d].next) {
+            for (int d = dsk__ckpt_jchild(j, c); d >= 0; d = dsk__ckpt_jnext(j, d)) {
                 int64_t v;
                 if (!dsk__ckpt_jsize(j, d, &v))
                     return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape[%d] is not a non-negative integer", fn, where,
@@ -1045,9 +1089,8 @@ static dsk_status dsk__ckpt_parse_entry(const char *fn, const char *where, const
             }
         } else {
             int64_t v[2];
-            int d = x->child;
-            if (x->type != DSK__CKPT_J_ARR || x->count != 2 || !dsk__ckpt_jsize(j, d, &v[0]) ||
-                !dsk__ckpt_jsize(j, j->nodes[d].next, &v[1]))
+            int d = dsk__ckpt_jchild(j, c);
+            if (type != DSK__CKPT_J_ARR || count != 2 || !dsk__ckpt_jsize(j, d, &v[0]) || !dsk__ckpt_jsize(j, dsk__ckpt_jnext(j, d), &v[1]))
                 return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": data_offsets is not two non-negative integers", fn,
                                      where, t->name);
             t->begin = (uint64_t)v[0];
@@ -1080,22 +1123,21 @@ static dsk_status dsk__ckpt_parse_entry(const char *fn, const char *where, const
 
 /* __metadata__: an object of string values. */
 static dsk_status dsk__ckpt_parse_meta(const char *fn, const char *where, const dsk__ckpt_json *j, int node, dsk_ckpt_file *f) {
-    const dsk__ckpt_jnode *m = &j->nodes[node];
+    int type = dsk__ckpt_jtype(j, node), count = dsk__ckpt_jcount(j, node), i = 0;
     dsk__ckpt_kvidx *kv;
-    int i = 0;
-    if (m->type == DSK__CKPT_J_NULL) return DSK_OK; /* the reference reads null as no metadata */
-    if (m->type != DSK__CKPT_J_OBJ) return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ is not an object", fn, where);
-    kv = (dsk__ckpt_kvidx *)DSK_MALLOC(((size_t)m->count + 1) * sizeof *kv);
-    f->meta_keys = (const char **)DSK_MALLOC(((size_t)m->count + 1) * sizeof(char *));
-    f->meta_values = (const char **)DSK_MALLOC(((size_t)m->count + 1) * sizeof(char *));
+    if (type == DSK__CKPT_J_NULL) return DSK_OK; /* the reference reads null as no metadata */
+    if (type != DSK__CKPT_J_OBJ) return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ is not an object", fn, where);
+    kv = (dsk__ckpt_kvidx *)DSK_MALLOC(((size_t)count + 1) * sizeof *kv);
+    f->meta_keys = (const char **)DSK_MALLOC(((size_t)count + 1) * sizeof(char *));
+    f->meta_values = (const char **)DSK_MALLOC(((size_t)count + 1) * sizeof(char *));
     if (!kv || !f->meta_keys || !f->meta_values) { DSK_FREE(kv); return dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory", fn, where); }
-    for (int c = m->child; c >= 0; c = j->nodes[c].next, i++) {
+    for (int c = dsk__ckpt_jchild(j, node); c >= 0; c = dsk__ckpt_jnext(j, c), i++) {
         dsk_status s = DSK_OK;
-        kv[i].k = j->nodes[c].key;
+        kv[i].k = dsk__ckpt_jkey(j, c);
         kv[i].v = dsk__ckpt_jstr(j, c);
-        if (j->nodes[c].type != DSK__CKPT_J_STR)
+        if (dsk__ckpt_jtype(j, c) != DSK__CKPT_J_STR)
             s = dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ value of \"%s\" is not a string", fn, where, kv[i].k);
-        else if (!kv[i].v || strlen(kv[i].k) != j->nodes[c].klen)
+        else if (!kv[i].v || dsk__ckpt_jkey_nul(j, c))
             s = dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: %s: __metadata__ pair \"%s\" holds a NUL character: valid safetensors, but "
                               "dsk keys and values are C strings", fn, where, kv[i].k);
         if (s != DSK_OK) {
@@ -1178,20 +1220,20 @@ static dsk_status dsk__ckpt_parse(const char *fn, const char *where, dsk_ckpt_fi
     f->header_crc32c = dsk_ckpt_crc32c(0, bytes, (size_t)(8 + hlen));
     if ((s = dsk__ckpt_json_parse(j, (const char *)bytes + 8, (size_t)hlen, fn, where)) != DSK_OK) return s;
     top = 0;
-    f->tensors = (dsk_ckpt_tensor_info *)DSK_MALLOC(((size_t)j->nodes[top].count + 1) * sizeof *f->tensors);
+    f->tensors = (dsk_ckpt_tensor_info *)DSK_MALLOC(((size_t)dsk__ckpt_jcount(j, top) + 1) * sizeof *f->tensors);
     if (!f->tensors) return dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory", fn, where);
-    for (int c = j->nodes[top].child; c >= 0; c = j->nodes[c].next) {
+    for (int c = dsk__ckpt_jchild(j, top); c >= 0; c = dsk__ckpt_jnext(j, c)) {
         dsk_ckpt_tensor_info *t = &f->tensors[nt];
-        if (strlen(j->nodes[c].key) != j->nodes[c].klen)
+        if (dsk__ckpt_jkey_nul(j, c))
             return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: %s: tensor \"%s\\u0000...\" has a NUL character in its name: valid "
-                                 "safetensors, but dsk names are C strings", fn, where, j->nodes[c].key);
-        if (strcmp(j->nodes[c].key, "__metadata__") == 0) {
+                                 "safetensors, but dsk names are C strings", fn, where, dsk__ckpt_jkey(j, c));
+        if (strcmp(dsk__ckpt_jkey(j, c), "__metadata__") == 0) {
             if (meta >= 0) return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ appears twice", fn, where);
             meta = c;
             continue;
         }
         memset(t, 0, sizeof *t);
-        t->name = j->nodes[c].key;
+        t->name = dsk__ckpt_jkey(j, c);
         if ((s = dsk__ckpt_parse_entry(fn, where, j, c, t)) != DSK_OK) return s;
         nt++;
     }
@@ -2237,13 +2279,13 @@ static dsk_status dsk__ckpt_bad_manifest(const char *fn, const dsk__ckpt_manifes
 static dsk_status dsk__ckpt_manifest_files(const char *fn, dsk__ckpt_manifest *m, int files) {
     const dsk__ckpt_json *j = &m->json;
     int i = 0;
-    if (j->nodes[files].type != DSK__CKPT_J_ARR || j->nodes[files].count != m->world)
+    if (dsk__ckpt_jtype(j, files) != DSK__CKPT_J_ARR || dsk__ckpt_jcount(j, files) != m->world)
         return dsk__ckpt_bad_manifest(fn, m, "\"files\" is not an array of world_size entries", NULL);
-    for (int c = j->nodes[files].child; c >= 0; c = j->nodes[c].next, i++) {
+    for (int c = dsk__ckpt_jchild(j, files); c >= 0; c = dsk__ckpt_jnext(j, c), i++) {
         int64_t rank, size;
         char want[48];
         const char *name;
-        if (j->nodes[c].type != DSK__CKPT_J_OBJ || !dsk__ckpt_jget_int(j, c, "rank", &rank) || rank != i ||
+        if (dsk__ckpt_jtype(j, c) != DSK__CKPT_J_OBJ || !dsk__ckpt_jget_int(j, c, "rank", &rank) || rank != i ||
             !dsk__ckpt_jget_int(j, c, "size", &size) || size < 8 ||
             !dsk__ckpt_parse_hex32(dsk__ckpt_jstr(j, dsk__ckpt_jget(j, c, "crc32c")), &m->crcs[i]))
             return dsk__ckpt_bad_manifest(fn, m, "a \"files\" entry lacks rank (in order), size or crc32c", NULL);
@@ -2261,13 +2303,13 @@ static dsk_status dsk__ckpt_manifest_tensor_parse(const char *fn, dsk__ckpt_mani
     const dsk__ckpt_json *j = &m->json;
     int sh = dsk__ckpt_jget(j, node, "shape"), sd = dsk__ckpt_jget(j, node, "split_dim"), sl;
     int64_t split_dim, pos = 0;
-    t->name = j->nodes[node].key;
-    if (strlen(t->name) != j->nodes[node].klen) return dsk__ckpt_bad_manifest(fn, m, "tensor name with a NUL character", NULL);
-    const char *dtype = j->nodes[node].type == DSK__CKPT_J_OBJ ? dsk__ckpt_jstr(j, dsk__ckpt_jget(j, node, "dtype")) : NULL;
+    t->name = dsk__ckpt_jkey(j, node);
+    if (dsk__ckpt_jkey_nul(j, node)) return dsk__ckpt_bad_manifest(fn, m, "tensor name with a NUL character", NULL);
+    const char *dtype = dsk__ckpt_jtype(j, node) == DSK__CKPT_J_OBJ ? dsk__ckpt_jstr(j, dsk__ckpt_jget(j, node, "dtype")) : NULL;
     if (!dtype || !(t->dt = dsk__ckpt_stdtype_by_name(dtype))) return dsk__ckpt_bad_manifest(fn, m, "missing or unknown dtype", t->name);
-    if (sh < 0 || j->nodes[sh].type != DSK__CKPT_J_ARR || j->nodes[sh].count > DSK_MAX_DIMS) return dsk__ckpt_bad_manifest(fn, m, "bad shape", t->name);
+    if (sh < 0 || dsk__ckpt_jtype(j, sh) != DSK__CKPT_J_ARR || dsk__ckpt_jcount(j, sh) > DSK_MAX_DIMS) return dsk__ckpt_bad_manifest(fn, m, "bad shape", t->name);
     t->ndim = 0;
-    for (int d = j->nodes[sh].child; d >= 0; d = j->nodes[d].next)
+    for (int d = dsk__ckpt_jchild(j, sh); d >= 0; d = dsk__ckpt_jnext(j, d))
         if (!dsk__ckpt_jint(j, d, &t->shape[t->ndim++]) || t->shape[t->ndim - 1] < 0) return dsk__ckpt_bad_manifest(fn, m, "bad shape", t->name);
     if (dsk__ckpt_numel(t->ndim, t->shape) < 0) return dsk__ckpt_bad_manifest(fn, m, "shape overflows", t->name);
     if (sd < 0 || !dsk__ckpt_jint(j, sd, &split_dim) || (split_dim != -1 && split_dim != 0) || (split_dim == 0 && t->ndim < 1))
@@ -2285,12 +2327,12 @@ static dsk_status dsk__ckpt_manifest_tensor_parse(const char *fn, dsk__ckpt_mani
         return DSK_OK;
     }
     sl = dsk__ckpt_jget(j, node, "slices");
-    if (sl < 0 || j->nodes[sl].type != DSK__CKPT_J_ARR || j->nodes[sl].count < 1) return dsk__ckpt_bad_manifest(fn, m, "split tensor without slices", t->name);
-    for (int c = j->nodes[sl].child; c >= 0; c = j->nodes[c].next) {
+    if (sl < 0 || dsk__ckpt_jtype(j, sl) != DSK__CKPT_J_ARR || dsk__ckpt_jcount(j, sl) < 1) return dsk__ckpt_bad_manifest(fn, m, "split tensor without slices", t->name);
+    for (int c = dsk__ckpt_jchild(j, sl); c >= 0; c = dsk__ckpt_jnext(j, c)) {
         int64_t v[3];
-        int e = j->nodes[c].child, k = 0;
-        if (j->nodes[c].type != DSK__CKPT_J_ARR || j->nodes[c].count != 3) return dsk__ckpt_bad_manifest(fn, m, "a slice is not [rank, start, end]", t->name);
-        for (; e >= 0; e = j->nodes[e].next, k++)
+        int e = dsk__ckpt_jchild(j, c), k = 0;
+        if (dsk__ckpt_jtype(j, c) != DSK__CKPT_J_ARR || dsk__ckpt_jcount(j, c) != 3) return dsk__ckpt_bad_manifest(fn, m, "a slice is not [rank, start, end]", t->name);
+        for (; e >= 0; e = dsk__ckpt_jnext(j, e), k++)
             if (!dsk__ckpt_jint(j, e, &v[k])) return dsk__ckpt_bad_manifest(fn, m, "a slice is not [rank, start, end]", t->name);
         if (v[0] < 0 || v[0] >= m->world || v[1] != pos || v[2] < v[1] || v[2] > t->shape[0])
             return dsk__ckpt_bad_manifest(fn, m, "slices do not tile the rows in order", t->name);
@@ -2328,15 +2370,15 @@ static dsk_status dsk__ckpt_manifest_parse(const char *fn, dsk__ckpt_manifest *m
     if (dsk__ckpt_jget(j, top, "files") < 0) return dsk__ckpt_bad_manifest(fn, m, "no \"files\"", NULL);
     if ((s = dsk__ckpt_manifest_files(fn, m, dsk__ckpt_jget(j, top, "files"))) != DSK_OK) return s;
     tens = dsk__ckpt_jget(j, top, "tensors");
-    if (tens < 0 || j->nodes[tens].type != DSK__CKPT_J_OBJ) return dsk__ckpt_bad_manifest(fn, m, "no \"tensors\" object", NULL);
-    for (int c = j->nodes[tens].child; c >= 0; c = j->nodes[c].next) {
+    if (tens < 0 || dsk__ckpt_jtype(j, tens) != DSK__CKPT_J_OBJ) return dsk__ckpt_bad_manifest(fn, m, "no \"tensors\" object", NULL);
+    for (int c = dsk__ckpt_jchild(j, tens); c >= 0; c = dsk__ckpt_jnext(j, c)) {
         int k = dsk__ckpt_jget(j, c, "slices");
-        cap += 1 + (k >= 0 ? j->nodes[k].count : 0);
+        cap += 1 + (k >= 0 ? dsk__ckpt_jcount(j, k) : 0);
     }
-    m->tensors = (dsk__ckpt_mtensor *)DSK_MALLOC(((size_t)j->nodes[tens].count + 1) * sizeof *m->tensors);
+    m->tensors = (dsk__ckpt_mtensor *)DSK_MALLOC(((size_t)dsk__ckpt_jcount(j, tens) + 1) * sizeof *m->tensors);
     m->slices = (dsk__ckpt_mslice *)DSK_MALLOC(((size_t)cap + 1) * sizeof *m->slices);
     if (!m->tensors || !m->slices) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    for (int c = j->nodes[tens].child; c >= 0; c = j->nodes[c].next) {
+    for (int c = dsk__ckpt_jchild(j, tens); c >= 0; c = dsk__ckpt_jnext(j, c)) {
         dsk__ckpt_mtensor *t = &m->tensors[m->n_tensors];
         memset(t, 0, sizeof *t);
         if ((s = dsk__ckpt_manifest_tensor_parse(fn, m, c, t, &n_slices)) != DSK_OK) return s;
@@ -2356,7 +2398,7 @@ static dsk_status dsk__ckpt_manifest_read(const char *fn, const char *step_dir, 
     if (!(m->path = dsk__ckpt_join(step_dir, DSK__CKPT_MANIFEST))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     if (!dsk__ckpt_exists(m->path) && errno == ENOENT)
         return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" is missing: the checkpoint is incomplete (its save did not finish)", fn, m->path);
-    if ((s = dsk__ckpt_read_small(fn, m->path, (size_t)1 << 30, &m->text, &len)) != DSK_OK) return s;
+    if ((s = dsk__ckpt_read_small(fn, m->path, (size_t)DSK_CKPT_MAX_HEADER, &m->text, &len)) != DSK_OK) return s;
     return dsk__ckpt_manifest_parse(fn, m, len, step);
 }
 

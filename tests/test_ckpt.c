@@ -884,6 +884,13 @@ static void test_latest_skips_incomplete(void) {
     DSK_TEST_ERROR_MENTIONS("the checkpoint is incomplete");
     DSK_TEST_STATUS(dsk_ckpt_load(&ck, 20, &le, 1, NULL), DSK_ERR_CORRUPT);
     DSK_TEST_ERROR_MENTIONS("invalid JSON");
+    /* a manifest larger than a safetensors header may be is refused unread (fault 9): 30's,
+       made complete again but padded to 100,000,001 bytes (a sparse file) */
+    snprintf(p, sizeof p, "%s/step_00000030/manifest.json", dir);
+    write_file(p, "{}", 2);
+    DSK_TEST_EXPECT(truncate(p, 100000001) == 0, "truncate");
+    DSK_TEST_STATUS(dsk_ckpt_load(&ck, 30, &le, 1, NULL), DSK_ERR_CORRUPT);
+    DSK_TEST_ERROR_MENTIONS("more than the limit of 100000000");
     DSK_TEST_STATUS(dsk_ckpt_load(&ck, 40, &le, 1, NULL), DSK_ERR_CORRUPT);
     DSK_TEST_ERROR_MENTIONS("step_00000040/manifest.json\" is missing");
     dsk_ckpt_free(&ck);
@@ -1041,6 +1048,37 @@ static void test_malformed_headers(void) {
     expect_bad_header(dir, "odd count of 4-bit values", "{\"a\":{\"dtype\":\"F4\",\"shape\":[3],\"data_offsets\":[0,2]}}", data, 2,
                       DSK_ERR_CORRUPT, "not a whole number of bytes");
     expect_bad_header(dir, "tensor not an object", "{\"a\":[1]}", data, 0, DSK_ERR_CORRUPT, "is not an object");
+}
+
+/* Memory taken by hostile input (fault 9 of issue 17): a 99 MB header of the densest JSON,
+   [0,0,0,...] (a value every 2 bytes), parsed in a child whose peak resident size must stay
+   under the reference implementation's 1.7 GB on the same input (dsk took 3.2 GB). */
+static int hostile_parse(void *arg) {
+    const size_t n = 99000000;
+    unsigned char *b = (unsigned char *)malloc(8 + n);
+    dsk_ckpt_file f;
+    dsk_status s;
+    (void)arg;
+    if (!b) return 2;
+    memcpy(b + 8, "{\"a\":[", 6);
+    for (size_t i = 6; i < n - 4; i += 2) { b[8 + i] = '0'; b[8 + i + 1] = ','; }
+    memcpy(b + 8 + n - 4, "0]} ", 4);
+    for (int i = 0; i < 8; i++) b[i] = (unsigned char)((uint64_t)n >> (8 * i));
+    s = dsk_ckpt_file_parse(&f, b, 8 + n, 8 + n);
+    free(b);
+    return s == DSK_ERR_CORRUPT && strstr(dsk_last_error(), "is not an object") ? 0 : 1;
+}
+
+static void test_hostile_header_memory(void) {
+    struct rusage ru;
+    pid_t pid;
+    int st = 0;
+    fflush(stdout);
+    if ((pid = fork()) == 0) _exit(hostile_parse(NULL));
+    DSK_TEST_EXPECT(wait4(pid, &st, 0, &ru) == pid, "wait4");
+    DSK_TEST_EXPECT(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the hostile header was not refused as expected (status %d)", st);
+    printf("     99 MB header of [0,0,...]: peak resident %.2f GB (reference 1.7 GB)\n", ru.ru_maxrss / 1048576.0);
+    DSK_TEST_EXPECT(ru.ru_maxrss < 1700L * 1024, "peak resident size %.2f GB >= the reference's 1.7 GB", ru.ru_maxrss / 1048576.0);
 }
 
 /* Valid variants the reference accepts: offsets listed out of order, empty file, I16. */
@@ -1641,6 +1679,7 @@ int main(void) {
     DSK_TEST_RUN(test_huge_steps);
     test_malformed_headers();
     DSK_TEST_RUN(test_valid_variants);
+    DSK_TEST_RUN(test_hostile_header_memory);
     DSK_TEST_RUN(test_truncated_files);
     DSK_TEST_RUN(test_flipped_data);
     DSK_TEST_RUN(test_flipped_checkpoint_headers);
