@@ -153,7 +153,8 @@ DSK_API dsk_status dsk_ckpt_wait(dsk_ckpt *ck);
 DSK_API dsk_status dsk_ckpt_load(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n, dsk_ckpt_meta *meta);
 
 /* Step of the newest complete checkpoint under dir (its manifest parses), or -1 when there is
-   none (dir missing included). Errors only when dir cannot be read. */
+   none (dir missing included). Damaged or incomplete checkpoints are skipped; a directory or a
+   manifest that cannot be read (permissions, I/O error, out of memory) is an error. */
 DSK_API dsk_status dsk_ckpt_latest(const char *dir, int64_t *step);
 /* Reads every file of DIR/step_<step>/ in full and checks sizes, headers and all CRC32Cs. */
 DSK_API dsk_status dsk_ckpt_verify(const char *dir, int64_t step);
@@ -2592,11 +2593,14 @@ DSK_API dsk_status dsk_ckpt_latest(const char *dir, int64_t *step) {
     if (!dir || !step) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
     *step = -1;
     if ((s = dsk__ckpt_list_steps(fn, dir, 1, &steps, &n)) != DSK_OK) return s;
-    for (int i = 0; i < n && *step < 0; i++) {
+    for (int i = 0; i < n && *step < 0 && s == DSK_OK; i++) {
         dsk__ckpt_manifest m;
+        dsk_status r;
         char *sd = dsk__ckpt_step_dir(dir, steps[i]);
         if (!sd) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
-        if (dsk__ckpt_manifest_read(fn, sd, steps[i], &m) == DSK_OK) *step = steps[i];
+        /* a damaged or incomplete checkpoint is skipped; one that cannot be read is an error */
+        if ((r = dsk__ckpt_manifest_read(fn, sd, steps[i], &m)) == DSK_OK) *step = steps[i];
+        else if (r != DSK_ERR_CORRUPT) s = r;
         dsk__ckpt_manifest_free(&m);
         DSK_FREE(sd);
     }

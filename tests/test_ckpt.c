@@ -191,8 +191,11 @@ static int run_child_timeout(int (*fn)(void *), void *arg, int seconds) {
     int st = 0;
     fflush(stdout);
     if ((pid = fork()) == 0) {
+        int rc;
         alarm((unsigned)seconds);
-        _exit(fn(arg));
+        rc = fn(arg);
+        fflush(stdout);
+        _exit(rc);
     }
     waitpid(pid, &st, 0);
     if (WIFSIGNALED(st)) return -1;
@@ -959,6 +962,47 @@ static void test_fifo_does_not_hang(void) {
     dsk_tensor_free(NULL, &t);
 }
 
+/* A manifest that exists but cannot be read (EACCES here; out of memory alike) is an error of
+   dsk_ckpt_latest, not a reason to answer an older step (fault 6 of issue 17). Run as an
+   unprivileged user: root reads a file of mode 000. */
+typedef struct eacces_arg {
+    char dir[400];
+} eacces_arg;
+
+static int eacces_probe(void *p) {
+    eacces_arg *a = (eacces_arg *)p;
+    int64_t st = -5;
+    dsk_status s;
+    if (geteuid() == 0 && (setgid(65534) != 0 || setuid(65534) != 0)) { printf("     cannot drop root\n"); return 2; }
+    s = dsk_ckpt_latest(a->dir, &st);
+    if (s != DSK_ERR_IO || !strstr(dsk_last_error(), "step_00000002/manifest.json") || !strstr(dsk_last_error(), "Permission denied")) {
+        printf("     latest: %s, step %lld: %s\n", dsk_status_str(s), (long long)st, dsk_last_error());
+        return 1;
+    }
+    return 0;
+}
+
+static void test_latest_reports_read_errors(void) {
+    eacces_arg a;
+    char p[600];
+    const int64_t s1[1] = {3};
+    dsk_tensor t;
+    dsk_ckpt ck;
+    dsk_ckpt_entry e = {"a", &t, 0, 0, 0};
+    new_dir(a.dir, sizeof a.dir, "eacces");
+    alloc_t(&t, DSK_F32, 1, s1);
+    fill_f32(&t);
+    DSK_TEST_OK(dsk_ckpt_init(&ck, a.dir, NULL));
+    DSK_TEST_OK(dsk_ckpt_save(&ck, 1, &e, 1, NULL, 0));
+    DSK_TEST_OK(dsk_ckpt_save(&ck, 2, &e, 1, NULL, 0));
+    snprintf(p, sizeof p, "%s/step_00000002/manifest.json", a.dir);
+    DSK_TEST_EXPECT(chmod(p, 0) == 0, "chmod");
+    DSK_TEST_EXPECT(run_child_timeout(eacces_probe, &a, 20) == 0, "latest hid an unreadable newest manifest");
+    chmod(p, 0644);
+    dsk_ckpt_free(&ck);
+    dsk_tensor_free(NULL, &t);
+}
+
 /* ------------------------------------------------------------ corrupt and malformed files */
 
 /* Opening `header` (+ data) must fail with `want` and a message containing `needle`. */
@@ -1661,6 +1705,7 @@ int main(void) {
     dsk_test_init("test_ckpt");
     snprintf(g_root, sizeof g_root, "%s/dsk_ckpt_test_XXXXXX", tmp && *tmp ? tmp : "/tmp");
     if (!mkdtemp(g_root)) { printf("cannot create a scratch directory\n"); return 1; }
+    chmod(g_root, 0755); /* test_latest_reports_read_errors reads it as an unprivileged user */
     DSK_TEST_RUN(test_crc32c);
     DSK_TEST_RUN(test_file_roundtrip_all_dtypes);
     DSK_TEST_RUN(test_file_strided_source);
@@ -1677,6 +1722,7 @@ int main(void) {
     DSK_TEST_RUN(test_latest_skips_incomplete);
     DSK_TEST_RUN(test_fifo_does_not_hang);
     DSK_TEST_RUN(test_huge_steps);
+    DSK_TEST_RUN(test_latest_reports_read_errors);
     test_malformed_headers();
     DSK_TEST_RUN(test_valid_variants);
     DSK_TEST_RUN(test_hostile_header_memory);
