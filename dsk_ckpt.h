@@ -2485,6 +2485,29 @@ static dsk_status dsk__ckpt_mismatch(const char *fn, const dsk__ckpt_reader *rd,
                          t->ndim == x->ndim && !memcmp(t->shape, shape, (size_t)x->ndim * sizeof(int64_t)) ? " (set allow_cast to convert)" : "");
 }
 
+/* The piece of manifest tensor t that slice sl places in file f: it must be there, with the
+   manifest's dtype, its rows and the manifest's other dims. */
+static dsk_status dsk__ckpt_find_piece(const char *fn, dsk_ckpt_file *f, const dsk__ckpt_mtensor *t, const dsk__ckpt_mslice *sl,
+                                       const dsk_ckpt_tensor_info **out) {
+    const dsk_ckpt_tensor_info *ft;
+    int64_t fs = 0, fe = 0, fr = 0;
+    int k = dsk_ckpt_file_find(f, t->name), sp;
+    char d1[160], d2[160];
+    if (k < 0) return dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" is missing from \"%s\"", fn, t->name, f->path);
+    ft = &f->tensors[k];
+    sp = dsk__ckpt_split_of(f, t->name, &fs, &fe, &fr);
+    if (sp != t->split || (sp == 1 && (fs != sl->start || fe != sl->end || fr != t->shape[0])))
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" in \"%s\" does not hold the rows [%lld, %lld) the manifest expects", fn,
+                             t->name, f->path, (long long)sl->start, (long long)sl->end);
+    if (ft->dtype_name != t->dt->name || ft->ndim != t->ndim || (t->ndim && ft->shape[0] != sl->end - sl->start) ||
+        (t->ndim > 1 && memcmp(ft->shape + 1, t->shape + 1, (size_t)(t->ndim - 1) * sizeof(int64_t)) != 0))
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" in \"%s\" is %s, the manifest expects rows [%lld, %lld) of %s", fn,
+                             t->name, f->path, dsk__ckpt_desc(d1, sizeof d1, ft->ndim, ft->shape, ft->dtype_name), (long long)sl->start,
+                             (long long)sl->end, dsk__ckpt_desc(d2, sizeof d2, t->ndim, t->shape, t->dt->name));
+    *out = ft;
+    return DSK_OK;
+}
+
 /* Copies the rows [a, b) an entry asks for out of every piece that overlaps them. */
 static dsk_status dsk__ckpt_load_entry(dsk__ckpt_reader *rd, const dsk_ckpt_entry *e, dsk_ctx *ctx, int allow_cast) {
     const char *fn = rd->fn;
@@ -2506,31 +2529,9 @@ static dsk_status dsk__ckpt_load_entry(dsk__ckpt_reader *rd, const dsk_ckpt_entr
         dsk_ckpt_file *f;
         const dsk_ckpt_tensor_info *ft;
         dsk_tensor view;
-        int k;
-        char d1[160], d2[160];
         if (t->ndim && lo >= hi) continue; /* no overlap */
         if ((s = dsk__ckpt_reader_file(rd, sl->rank, &f)) != DSK_OK) break;
-        if ((k = dsk_ckpt_file_find(f, t->name)) < 0) {
-            s = dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" is missing from \"%s\"", fn, t->name, f->path);
-            break;
-        }
-        ft = &f->tensors[k];
-        {
-            int64_t fs = 0, fe = 0, fr = 0;
-            int sp = dsk__ckpt_split_of(f, t->name, &fs, &fe, &fr);
-            if (sp != t->split || (sp == 1 && (fs != sl->start || fe != sl->end || fr != t->shape[0]))) {
-                s = dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" in \"%s\" does not hold the rows [%lld, %lld) the manifest expects", fn,
-                                  t->name, f->path, (long long)sl->start, (long long)sl->end);
-                break;
-            }
-        }
-        if (ft->dtype_name != t->dt->name || ft->ndim != t->ndim || (t->ndim && ft->shape[0] != sl->end - sl->start) ||
-            (t->ndim > 1 && memcmp(ft->shape + 1, t->shape + 1, (size_t)(t->ndim - 1) * sizeof(int64_t)) != 0)) {
-            s = dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" in \"%s\" is %s, the manifest expects rows [%lld, %lld) of %s", fn, t->name,
-                              f->path, dsk__ckpt_desc(d1, sizeof d1, ft->ndim, ft->shape, ft->dtype_name), (long long)sl->start,
-                              (long long)sl->end, dsk__ckpt_desc(d2, sizeof d2, t->ndim, t->shape, t->dt->name));
-            break;
-        }
+        if ((s = dsk__ckpt_find_piece(fn, f, t, sl, &ft)) != DSK_OK) break;
         if (!t->ndim) { s = dsk__ckpt_read_into(fn, f, ctx, ft, x, 0, 0, allow_cast); break; }
         if ((s = dsk_tensor_slice(x, 0, lo - a, hi - lo, &view)) != DSK_OK) break;
         s = dsk__ckpt_read_into(fn, f, ctx, ft, &view, 1, lo - sl->start, allow_cast);
@@ -2624,6 +2625,33 @@ static dsk_status dsk__ckpt_verify_tensor(const char *fn, dsk_ckpt_file *f, cons
     return DSK_OK;
 }
 
+/* Every tensor of the manifest is in the files its slices name, as the manifest describes it,
+   and every tensor of a file is one of those pieces. */
+static dsk_status dsk__ckpt_verify_layout(const char *fn, dsk__ckpt_reader *rd) {
+    int *pieces = (int *)DSK_MALLOC((size_t)rd->man.world * sizeof(int));
+    dsk_status s = DSK_OK;
+    if (!pieces) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    memset(pieces, 0, (size_t)rd->man.world * sizeof(int));
+    for (int i = 0; i < rd->man.n_tensors && s == DSK_OK; i++) {
+        const dsk__ckpt_mtensor *t = &rd->man.tensors[i];
+        for (int k = 0; k < t->n_slices && s == DSK_OK; k++) {
+            const dsk__ckpt_mslice *sl = &rd->man.slices[t->first + k];
+            const dsk_ckpt_tensor_info *ft;
+            dsk_ckpt_file *f;
+            if ((s = dsk__ckpt_reader_file(rd, sl->rank, &f)) == DSK_OK && (s = dsk__ckpt_find_piece(fn, f, t, sl, &ft)) == DSK_OK)
+                pieces[sl->rank]++;
+        }
+    }
+    for (int r = 0; r < rd->man.world && s == DSK_OK; r++) {
+        dsk_ckpt_file *f;
+        if ((s = dsk__ckpt_reader_file(rd, r, &f)) == DSK_OK && f->n_tensors != pieces[r])
+            s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" holds %d tensors, the manifest places %d there", fn, f->path, f->n_tensors,
+                              pieces[r]);
+    }
+    DSK_FREE(pieces);
+    return s;
+}
+
 DSK_API dsk_status dsk_ckpt_verify(const char *dir, int64_t step) {
     const char *fn = "dsk_ckpt_verify";
     const size_t chunk = (size_t)4 << 20;
@@ -2633,6 +2661,7 @@ DSK_API dsk_status dsk_ckpt_verify(const char *dir, int64_t step) {
     if (!dir || step < 0) return dsk_set_error(DSK_ERR_ARG, "%s: bad directory or step %lld", fn, (long long)step);
     if (!(buf = (unsigned char *)DSK_MALLOC(chunk))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     s = dsk__ckpt_reader_open(fn, &rd, dir, step);
+    if (s == DSK_OK) s = dsk__ckpt_verify_layout(fn, &rd);
     for (int r = 0; s == DSK_OK && r < rd.man.world; r++) {
         dsk_ckpt_file *f;
         s = dsk__ckpt_reader_file(&rd, r, &f);

@@ -1309,6 +1309,51 @@ static void test_flipped_checkpoint_headers(void) {
     model_free(&g);
 }
 
+/* Replaces the first `from` in a file by `to` (same length or not); 0 when absent. */
+static int edit_file(const char *path, const char *from, const char *to) {
+    size_t n;
+    unsigned char *b = read_file(path, &n);
+    char *hit, *out;
+    size_t a, lf = strlen(from), lt = strlen(to);
+    if (!b) return 0;
+    b[n] = 0;
+    if (!(hit = strstr((char *)b, from))) { free(b); return 0; }
+    a = (size_t)(hit - (char *)b);
+    out = (char *)malloc(n - lf + lt + 1);
+    memcpy(out, b, a);
+    memcpy(out + a, to, lt);
+    memcpy(out + a + lt, b + a + lf, n - a - lf);
+    write_file(path, out, n - lf + lt);
+    free(out);
+    free(b);
+    return 1;
+}
+
+/* dsk_ckpt_verify checks the manifest's tensor list and dtypes against the rank files, not
+   only the files' own checksums (fault 7 of issue 17). */
+static void test_verify_checks_manifest(void) {
+    model g;
+    mr_arg m;
+    char man[700], keep[700];
+    mr_setup(&m, &g, 8, 6, 2, "verifyman");
+    DSK_TEST_EXPECT(run_ranks(2, mr_save, &m) == 0, "save failed");
+    snprintf(man, sizeof man, "%s/step_00000006/manifest.json", m.dir);
+    snprintf(keep, sizeof keep, "%s/manifest.keep", m.dir);
+    copy_file(man, keep);
+    DSK_TEST_OK(dsk_ckpt_verify(m.dir, 6));
+    /* a dtype of the same width: every file and CRC is intact, only the manifest lies */
+    DSK_TEST_EXPECT(edit_file(man, "\"moe.w1\":{\"dtype\":\"F32\"", "\"moe.w1\":{\"dtype\":\"I32\""), "edit dtype");
+    DSK_TEST_STATUS(dsk_ckpt_verify(m.dir, 6), DSK_ERR_CORRUPT);
+    DSK_TEST_ERROR_MENTIONS("tensor \"moe.w1\"");
+    copy_file(keep, man);
+    /* a tensor dropped from the manifest: rank 0's file holds one the manifest does not place */
+    DSK_TEST_EXPECT(edit_file(man, "\"scale\":", "\"scalX\":"), "edit name");
+    DSK_TEST_STATUS(dsk_ckpt_verify(m.dir, 6), DSK_ERR_CORRUPT);
+    copy_file(keep, man);
+    DSK_TEST_OK(dsk_ckpt_verify(m.dir, 6));
+    model_free(&g);
+}
+
 /* Checkpoint-level damage: a missing manifest, a missing or truncated rank file, a tensor
    whose shape or dtype differ from the model. */
 static void test_checkpoint_damage(void) {
@@ -1730,6 +1775,7 @@ int main(void) {
     DSK_TEST_RUN(test_flipped_data);
     DSK_TEST_RUN(test_flipped_checkpoint_headers);
     DSK_TEST_RUN(test_checkpoint_damage);
+    DSK_TEST_RUN(test_verify_checks_manifest);
     DSK_TEST_RUN(test_full_disk);
     DSK_TEST_RUN(test_sigkill_during_save);
     DSK_TEST_RUN(test_bad_arguments);
