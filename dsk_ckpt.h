@@ -178,6 +178,9 @@ typedef struct dsk_ckpt_tensor_info {
     uint64_t begin, end;          /* byte range in the data buffer (which starts at 8 + header_len) */
     int has_crc;                  /* __metadata__ holds "dsk.crc32c.<name>" */
     uint32_t crc32c;
+    uint64_t block_bytes;         /* > 0: partial reads are checked block by block (dsk files); 0: unchecked */
+    const char *block_crcs;       /* 8 hex digits per block_bytes of data ("dsk.blocks.<name>"), or NULL when the
+                                     whole tensor is one block checked by crc32c */
 } dsk_ckpt_tensor_info;
 
 /* A parsed safetensors file, validated as the reference implementation (safetensors 0.8)
@@ -199,6 +202,7 @@ typedef struct dsk_ckpt_file {
     int n_meta;
     const char **meta_keys;       /* __metadata__, sorted by key */
     const char **meta_values;
+    uint64_t bytes_read;          /* data bytes read from the file so far */
     void *mem;                    /* private: the decoded JSON */
 } dsk_ckpt_file;
 
@@ -214,6 +218,18 @@ DSK_API const char *dsk_ckpt_file_meta(const dsk_ckpt_file *f, const char *key);
 /* Reads tensor `name` into dst (any device and strides; same shape; same dtype unless
    allow_cast), checking its CRC32C when the file records one. */
 DSK_API dsk_status dsk_ckpt_file_read(dsk_ckpt_file *f, dsk_ctx *ctx, const char *name, dsk_tensor *dst, int allow_cast);
+/* Reads the box [offset[d], offset[d] + dst->shape[d]) of tensor `name` (offset NULL: all 0)
+   into dst (same ndim; any device and strides; same dtype unless allow_cast). Only the bytes
+   of the box are read, with one pread per contiguous run; in a dsk file, the 1 MiB blocks
+   that hold them, each checked against its CRC32C. Boxes of files without checksums (other
+   writers) are read unchecked. */
+DSK_API dsk_status dsk_ckpt_file_read_box(dsk_ckpt_file *f, dsk_ctx *ctx, const char *name, const int64_t *offset,
+                                          dsk_tensor *dst, int allow_cast);
+/* The raw little-endian bytes of the box (offset NULL: all 0; shape) of tensor `name`, whatever
+   its dtype (dsk_ckpt_tensor_info.dtype -1 included), row-major into buf of cap bytes, checked
+   as dsk_ckpt_file_read_box does. Packed dtypes of fewer than 8 bits (F4, F6_*) only whole. */
+DSK_API dsk_status dsk_ckpt_file_read_raw(dsk_ckpt_file *f, const char *name, const int64_t *offset, const int64_t *shape,
+                                          void *buf, size_t cap);
 DSK_API void dsk_ckpt_file_close(dsk_ckpt_file *f); /* zeroed/closed ok */
 /* Writes one safetensors file atomically and durably, with "dsk.format", per-tensor
    "dsk.crc32c.<name>" and the caller's pairs in __metadata__ (entries' split fields ignored). */
@@ -248,6 +264,14 @@ DSK_API uint32_t dsk_ckpt_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_
 #include <sys/types.h>
 #include <unistd.h>
 
+#ifndef DSK__TRY /* dsk_tensor.h defines it where its implementation is compiled */
+#define DSK__TRY(call)                                 \
+    do {                                               \
+        dsk_status dsk__try_s_ = (call);               \
+        if (dsk__try_s_ != DSK_OK) return dsk__try_s_; \
+    } while (0)
+#endif
+
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
 #error "dsk_ckpt.h: safetensors is little-endian; big-endian hosts are not supported"
 #endif
@@ -263,6 +287,7 @@ DSK_API uint32_t dsk_ckpt_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_
    raw(0, B), where shift multiplies by x^(8|B|) modulo the polynomial. */
 
 #define DSK__CKPT_POLY 0x82F63B78u
+#define DSK__CKPT_BLOCK ((uint64_t)1 << 20) /* bytes per block CRC in the files dsk writes */
 
 static uint32_t dsk__ckpt_crc_table[8][256];
 static pthread_once_t dsk__ckpt_crc_once = PTHREAD_ONCE_INIT;
@@ -1184,7 +1209,40 @@ static dsk_status dsk__ckpt_check_layout(const char *fn, const char *where, dsk_
     return s;
 }
 
-/* Per-tensor CRCs from "dsk.crc32c.<name>" when present. */
+/* "dsk.blocks.<name>" = "<block bytes>:<8 hex digits per block>": a power of two from 4 KiB to
+   1 GiB, as many CRCs as blocks, and together they must make up the tensor's CRC. */
+static dsk_status dsk__ckpt_attach_blocks(const char *fn, const char *where, dsk_ckpt_tensor_info *t, const char *v) {
+    uint64_t bs = 0, nbytes = t->end - t->begin, nblocks;
+    uint32_t acc = 0, crc, k_full;
+    const char *hex;
+    while (*v >= '0' && *v <= '9' && bs <= ((uint64_t)1 << 30)) bs = bs * 10 + (uint64_t)(*v++ - '0');
+    if (*v != ':' || bs < 4096 || bs > ((uint64_t)1 << 30) || (bs & (bs - 1)))
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": dsk.blocks does not start with a block size (4096 .. 2^30)", fn,
+                             where, t->name);
+    hex = v + 1;
+    nblocks = (nbytes + bs - 1) / bs;
+    if (strlen(hex) != 8 * nblocks)
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": dsk.blocks holds %zu hex digits, %llu blocks need %llu", fn, where,
+                             t->name, strlen(hex), (unsigned long long)nblocks, (unsigned long long)(8 * nblocks));
+    k_full = dsk__ckpt_xpow8n(bs);
+    for (uint64_t b = 0; b < nblocks; b++) {
+        char h[9];
+        uint64_t len = b + 1 < nblocks ? bs : nbytes - b * bs;
+        memcpy(h, hex + 8 * b, 8);
+        h[8] = 0;
+        if (!dsk__ckpt_parse_hex32(h, &crc))
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": dsk.blocks has a non-hex digit", fn, where, t->name);
+        acc = dsk__ckpt_mulmod(len == bs ? k_full : dsk__ckpt_xpow8n(len), acc) ^ crc;
+    }
+    if (acc != t->crc32c)
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": block CRCs make %08x, dsk.crc32c says %08x", fn, where, t->name,
+                             acc, t->crc32c);
+    t->block_bytes = bs;
+    t->block_crcs = hex;
+    return DSK_OK;
+}
+
+/* Per-tensor CRCs from "dsk.crc32c.<name>" and "dsk.blocks.<name>" when present. */
 static dsk_status dsk__ckpt_attach_crcs(const char *fn, const char *where, dsk_ckpt_file *f) {
     for (int i = 0; i < f->n_meta; i++) {
         int t;
@@ -1196,6 +1254,18 @@ static dsk_status dsk__ckpt_attach_crcs(const char *fn, const char *where, dsk_c
                                  f->meta_values[i]);
         f->tensors[t].has_crc = 1;
     }
+    for (int i = 0; i < f->n_meta; i++) {
+        dsk_status s;
+        int t;
+        if (strncmp(f->meta_keys[i], "dsk.blocks.", 11) != 0) continue;
+        t = dsk_ckpt_file_find(f, f->meta_keys[i] + 11);
+        if (t < 0 || !f->tensors[t].has_crc)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ \"%s\" names no tensor with a dsk.crc32c", fn, where,
+                                 f->meta_keys[i]);
+        if ((s = dsk__ckpt_attach_blocks(fn, where, &f->tensors[t], f->meta_values[i])) != DSK_OK) return s;
+    }
+    for (int i = 0; i < f->n_tensors; i++)
+        if (f->tensors[i].has_crc && !f->tensors[i].block_bytes) f->tensors[i].block_bytes = f->tensors[i].end - f->tensors[i].begin;
     return DSK_OK;
 }
 
@@ -1331,67 +1401,211 @@ static dsk_status dsk__ckpt_check_device(const char *fn, const char *name, const
     return DSK_OK;
 }
 
-/* Reads tensor t's bytes into buf and checks its CRC when the file has one; in 1 MiB pieces,
-   each checked while it is still in cache. */
-static dsk_status dsk__ckpt_read_tensor_bytes(const char *fn, dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t, void *buf) {
-    const size_t piece = (size_t)1 << 20;
-    size_t n = (size_t)(t->end - t->begin);
-    dsk_status s;
-    uint32_t crc = 0;
-    if (!f->has_fd) return dsk_set_error(DSK_ERR_STATE, "%s: tensor \"%s\": the file was parsed from memory, not opened", fn, t->name);
-    for (size_t off = 0; off < n; off += piece) {
-        size_t k = n - off < piece ? n - off : piece;
-        if ((s = dsk__ckpt_pread_all(fn, f->fd, (char *)buf + off, k, 8 + f->header_len + t->begin + off, f->path)) != DSK_OK) return s;
-        crc = dsk_ckpt_crc32c(crc, (char *)buf + off, k);
+/* Reading a box of a tensor: the box is cut into runs of contiguous bytes in the file (the
+   dims where it spans the whole tensor merge with the first one where it does not); each run
+   is read with pread, straight into the output where a run covers a whole checked block, else
+   through one cached block. */
+typedef struct dsk__ckpt_boxrd {
+    const char *fn;
+    dsk_ckpt_file *f;
+    const dsk_ckpt_tensor_info *t;
+    uint64_t nbytes;        /* the tensor's bytes */
+    uint64_t bsz;           /* bytes per checked block, 0: unchecked */
+    unsigned char *bounce;  /* one block, read and checked */
+    int64_t cached;         /* the block in bounce, -1: none */
+} dsk__ckpt_boxrd;
+
+static dsk_status dsk__ckpt_pread_data(dsk__ckpt_boxrd *rd, void *dst, uint64_t off, size_t n) {
+    dsk_ckpt_file *f = rd->f;
+    f->bytes_read += n;
+    return dsk__ckpt_pread_all(rd->fn, f->fd, dst, n, 8 + f->header_len + rd->t->begin + off, f->path);
+}
+
+static dsk_status dsk__ckpt_check_block(dsk__ckpt_boxrd *rd, uint64_t b, const unsigned char *p, size_t n) {
+    const dsk_ckpt_tensor_info *t = rd->t;
+    uint32_t want = t->crc32c, got = dsk_ckpt_crc32c(0, p, n);
+    char h[9];
+    if (t->block_crcs) {
+        memcpy(h, t->block_crcs + 8 * b, 8);
+        h[8] = 0;
+        dsk__ckpt_parse_hex32(h, &want); /* validated when the file was opened */
     }
-    if (t->has_crc && crc != t->crc32c)
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" in \"%s\": data crc32c %08x, header says %08x (data corrupt)", fn, t->name,
-                             f->path, crc, t->crc32c);
+    if (got == want) return DSK_OK;
+    return dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" in \"%s\": bytes [%llu, %llu): crc32c %08x, header says %08x (data corrupt)",
+                         rd->fn, t->name, rd->f->path, (unsigned long long)(b * rd->bsz), (unsigned long long)(b * rd->bsz + n), got, want);
+}
+
+/* Tensor bytes [lo, hi) into out, every block they touch read and checked. */
+static dsk_status dsk__ckpt_copy_range(dsk__ckpt_boxrd *rd, uint64_t lo, uint64_t hi, unsigned char *out) {
+    if (!rd->bsz) return dsk__ckpt_pread_data(rd, out, lo, (size_t)(hi - lo));
+    while (lo < hi) {
+        uint64_t b = lo / rd->bsz, b0 = b * rd->bsz, b1 = b0 + rd->bsz < rd->nbytes ? b0 + rd->bsz : rd->nbytes;
+        uint64_t end = hi < b1 ? hi : b1;
+        if (lo == b0 && end == b1) { /* a whole block: read in place */
+            DSK__TRY(dsk__ckpt_pread_data(rd, out, b0, (size_t)(b1 - b0)));
+            DSK__TRY(dsk__ckpt_check_block(rd, b, out, (size_t)(b1 - b0)));
+        } else {
+            if (rd->cached != (int64_t)b) {
+                if (!rd->bounce && !(rd->bounce = (unsigned char *)DSK_MALLOC((size_t)rd->bsz)))
+                    return dsk_set_error(DSK_ERR_OOM, "%s: tensor \"%s\": out of memory for a %llu-byte block", rd->fn, rd->t->name,
+                                         (unsigned long long)rd->bsz);
+                rd->cached = -1;
+                DSK__TRY(dsk__ckpt_pread_data(rd, rd->bounce, b0, (size_t)(b1 - b0)));
+                DSK__TRY(dsk__ckpt_check_block(rd, b, rd->bounce, (size_t)(b1 - b0)));
+                rd->cached = (int64_t)b;
+            }
+            memcpy(out, rd->bounce + (lo - b0), (size_t)(end - lo));
+        }
+        out += end - lo;
+        lo = end;
+    }
     return DSK_OK;
 }
 
-/* Copies rows [r0, r0 + dst rows) of the file tensor (or all of it when rows_view is 0)
-   into dst, reading straight into dst when layouts match. */
-static dsk_status dsk__ckpt_read_into(const char *fn, dsk_ckpt_file *f, dsk_ctx *ctx, const dsk_ckpt_tensor_info *t, dsk_tensor *dst,
-                                    int rows_view, int64_t r0, int allow_cast) {
-    dsk_tensor src, view;
+/* Bytes per element of t, or 0 for packed dtypes of fewer than 8 bits. */
+static size_t dsk__ckpt_elem_bytes(const dsk_ckpt_tensor_info *t) {
+    const dsk__ckpt_stdtype *d = dsk__ckpt_stdtype_by_name(t->dtype_name);
+    return d && d->bits % 8 == 0 ? (size_t)(d->bits / 8) : 0;
+}
+
+/* Checks that box (off, shape) lies inside t; *bytes = its size. */
+static dsk_status dsk__ckpt_check_box(const char *fn, dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t, const int64_t *off,
+                                      const int64_t *shape, uint64_t *bytes) {
+    size_t es = dsk__ckpt_elem_bytes(t);
+    int whole = 1;
+    for (int d = 0; d < t->ndim; d++) {
+        if (off[d] < 0 || shape[d] < 0 || off[d] > t->shape[d] || shape[d] > t->shape[d] - off[d])
+            return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" in \"%s\": dim %d: [%lld, %lld) is outside [0, %lld)", fn, t->name,
+                                 f->path ? f->path : "buffer", d, (long long)off[d], (long long)(off[d] + shape[d]),
+                                 (long long)t->shape[d]);
+        whole &= off[d] == 0 && shape[d] == t->shape[d];
+    }
+    if (!es && !whole)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: tensor \"%s\": %s packs elements into fewer than 8 bits: only whole reads", fn,
+                             t->name, t->dtype_name);
+    *bytes = es ? (uint64_t)dsk__ckpt_numel(t->ndim, shape) * es : t->end - t->begin;
+    if (!f->has_fd) return dsk_set_error(DSK_ERR_STATE, "%s: tensor \"%s\": the file was parsed from memory, not opened", fn, t->name);
+    return DSK_OK;
+}
+
+/* Reads box (off, shape) of t, checked, row-major into out (dsk__ckpt_check_box first). */
+static dsk_status dsk__ckpt_read_box_bytes(const char *fn, dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t, const int64_t *off,
+                                           const int64_t *shape, unsigned char *out) {
+    dsk__ckpt_boxrd rd;
+    int64_t stride[DSK_MAX_DIMS], idx[DSK_MAX_DIMS];
+    uint64_t run;
+    size_t es = dsk__ckpt_elem_bytes(t);
+    int k = t->ndim - 1;
+    dsk_status s = DSK_OK;
+    memset(&rd, 0, sizeof rd);
+    rd.fn = fn;
+    rd.f = f;
+    rd.t = t;
+    rd.nbytes = t->end - t->begin;
+    rd.bsz = t->block_bytes;
+    rd.cached = -1;
+    if (!es || dsk__ckpt_numel(t->ndim, t->shape) == 0) { /* packed dtype (whole only) or no elements */
+        s = dsk__ckpt_copy_range(&rd, 0, rd.nbytes, out);
+        DSK_FREE(rd.bounce);
+        return s;
+    }
+    if (dsk__ckpt_numel(t->ndim, shape) == 0) return DSK_OK;
+    for (int d = t->ndim - 1; d >= 0; d--) stride[d] = d == t->ndim - 1 ? 1 : stride[d + 1] * t->shape[d + 1];
+    run = es;
+    while (k >= 0 && off[k] == 0 && shape[k] == t->shape[k]) run *= (uint64_t)shape[k--];
+    if (k >= 0) run *= (uint64_t)shape[k];
+    for (int d = 0; d < k; d++) idx[d] = off[d];
+    for (;;) {
+        uint64_t start = k >= 0 ? (uint64_t)(off[k] * stride[k]) : 0;
+        int d;
+        for (d = 0; d < k; d++) start += (uint64_t)(idx[d] * stride[d]);
+        if ((s = dsk__ckpt_copy_range(&rd, start * es, start * es + run, out)) != DSK_OK) break;
+        out += run;
+        for (d = k - 1; d >= 0 && ++idx[d] == off[d] + shape[d]; d--) idx[d] = off[d];
+        if (d < 0) break;
+    }
+    DSK_FREE(rd.bounce);
+    return s;
+}
+
+/* Copies box (off, dst's shape) of the file tensor into dst, reading straight into dst when
+   layouts match, else through a buffer and dsk_tensor_copy (which casts). */
+static dsk_status dsk__ckpt_read_into(const char *fn, dsk_ckpt_file *f, dsk_ctx *ctx, const dsk_ckpt_tensor_info *t, const int64_t *off,
+                                      dsk_tensor *dst, int allow_cast) {
+    dsk_tensor src;
     void *buf;
+    uint64_t bytes;
     dsk_status s;
-    int whole = !rows_view || (r0 == 0 && dst->ndim > 0 && dst->shape[0] == t->shape[0]);
-    if (t->dtype < 0) return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: tensor \"%s\" in \"%s\": dtype %s has no dsk dtype", fn, t->name, f->path, t->dtype_name);
+    if (t->dtype < 0)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: tensor \"%s\" in \"%s\": dtype %s has no dsk dtype (dsk_ckpt_file_read_raw reads "
+                             "its bytes)", fn, t->name, f->path, t->dtype_name);
     if ((int)dst->dtype != t->dtype && !allow_cast)
         return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" in \"%s\": file has dtype %s, model has %s (set allow_cast to convert)", fn,
                              t->name, f->path, dsk_dtype_name((dsk_dtype)t->dtype), dsk_dtype_name(dst->dtype));
-    if (whole && dst->device.type == DSK_DEV_CPU && (int)dst->dtype == t->dtype && dsk_tensor_is_contiguous(dst) &&
-        (dst->data || t->end == t->begin))
-        return dsk__ckpt_read_tensor_bytes(fn, f, t, dst->data);
-    buf = DSK_MALLOC(t->end - t->begin ? (size_t)(t->end - t->begin) : 1);
-    if (!buf) return dsk_set_error(DSK_ERR_OOM, "%s: tensor \"%s\": out of memory for %llu bytes", fn, t->name, (unsigned long long)(t->end - t->begin));
-    s = dsk__ckpt_read_tensor_bytes(fn, f, t, buf);
-    if (s == DSK_OK) s = dsk_tensor_wrap(&src, buf, (dsk_dtype)t->dtype, dsk_cpu(), t->ndim, t->shape);
-    if (s == DSK_OK && rows_view) s = dsk_tensor_slice(&src, 0, r0, dst->shape[0], &view);
-    else view = src;
-    if (s == DSK_OK) s = dsk_tensor_copy(ctx, dst, &view);
+    DSK__TRY(dsk__ckpt_check_box(fn, f, t, off, dst->shape, &bytes));
+    if (dst->device.type == DSK_DEV_CPU && (int)dst->dtype == t->dtype && dsk_tensor_is_contiguous(dst) && (dst->data || !bytes))
+        return dsk__ckpt_read_box_bytes(fn, f, t, off, dst->shape, (unsigned char *)dst->data);
+    if (!(buf = DSK_MALLOC(bytes ? (size_t)bytes : 1)))
+        return dsk_set_error(DSK_ERR_OOM, "%s: tensor \"%s\": out of memory for %llu bytes", fn, t->name, (unsigned long long)bytes);
+    s = dsk__ckpt_read_box_bytes(fn, f, t, off, dst->shape, (unsigned char *)buf);
+    if (s == DSK_OK) s = dsk_tensor_wrap(&src, buf, (dsk_dtype)t->dtype, dsk_cpu(), dst->ndim, dst->shape);
+    if (s == DSK_OK) s = dsk_tensor_copy(ctx, dst, &src);
     DSK_FREE(buf);
     return s;
+}
+
+/* The file tensor `name`, for the public readers. */
+static dsk_status dsk__ckpt_file_tensor(const char *fn, dsk_ckpt_file *f, const char *name, const dsk_ckpt_tensor_info **t) {
+    int i;
+    if (!f || !name) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
+    if ((i = dsk_ckpt_file_find(f, name)) < 0)
+        return dsk_set_error(DSK_ERR_ARG, "%s: no tensor \"%s\" in \"%s\"", fn, name, f->path ? f->path : "buffer");
+    *t = &f->tensors[i];
+    return DSK_OK;
 }
 
 DSK_API dsk_status dsk_ckpt_file_read(dsk_ckpt_file *f, dsk_ctx *ctx, const char *name, dsk_tensor *dst, int allow_cast) {
     const char *fn = "dsk_ckpt_file_read";
     const dsk_ckpt_tensor_info *t;
-    dsk_status s;
-    int i;
+    const int64_t zero[DSK_MAX_DIMS] = {0};
     char a[160], b[160];
-    if (!f || !name || !dst) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
-    if ((i = dsk_ckpt_file_find(f, name)) < 0)
-        return dsk_set_error(DSK_ERR_ARG, "%s: no tensor \"%s\" in \"%s\"", fn, name, f->path ? f->path : "buffer");
-    t = &f->tensors[i];
-    if ((s = dsk__ckpt_check_device(fn, name, dst, ctx)) != DSK_OK) return s;
+    DSK__TRY(dsk__ckpt_file_tensor(fn, f, name, &t));
+    if (!dst) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
+    DSK__TRY(dsk__ckpt_check_device(fn, name, dst, ctx));
     if (t->ndim != dst->ndim || memcmp(t->shape, dst->shape, (size_t)t->ndim * sizeof(int64_t)) != 0)
         return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" in \"%s\": file has %s, model has %s", fn, name, f->path ? f->path : "buffer",
                              dsk__ckpt_desc(a, sizeof a, t->ndim, t->shape, t->dtype >= 0 ? dsk_dtype_name((dsk_dtype)t->dtype) : t->dtype_name),
                              dsk__ckpt_desc(b, sizeof b, dst->ndim, dst->shape, dsk_dtype_name(dst->dtype)));
-    return dsk__ckpt_read_into(fn, f, ctx, t, dst, 0, 0, allow_cast);
+    return dsk__ckpt_read_into(fn, f, ctx, t, zero, dst, allow_cast);
+}
+
+DSK_API dsk_status dsk_ckpt_file_read_box(dsk_ckpt_file *f, dsk_ctx *ctx, const char *name, const int64_t *offset, dsk_tensor *dst,
+                                          int allow_cast) {
+    const char *fn = "dsk_ckpt_file_read_box";
+    const dsk_ckpt_tensor_info *t;
+    const int64_t zero[DSK_MAX_DIMS] = {0};
+    DSK__TRY(dsk__ckpt_file_tensor(fn, f, name, &t));
+    if (!dst) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
+    DSK__TRY(dsk__ckpt_check_device(fn, name, dst, ctx));
+    if (t->ndim != dst->ndim)
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" has %d dims, the destination %d", fn, name, t->ndim, dst->ndim);
+    return dsk__ckpt_read_into(fn, f, ctx, t, offset ? offset : zero, dst, allow_cast);
+}
+
+DSK_API dsk_status dsk_ckpt_file_read_raw(dsk_ckpt_file *f, const char *name, const int64_t *offset, const int64_t *shape, void *buf,
+                                          size_t cap) {
+    const char *fn = "dsk_ckpt_file_read_raw";
+    const dsk_ckpt_tensor_info *t;
+    const int64_t zero[DSK_MAX_DIMS] = {0};
+    uint64_t bytes;
+    DSK__TRY(dsk__ckpt_file_tensor(fn, f, name, &t));
+    if (!shape && t->ndim) return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": shape is NULL", fn, name);
+    if (!offset) offset = zero;
+    DSK__TRY(dsk__ckpt_check_box(fn, f, t, offset, shape ? shape : zero, &bytes));
+    if (bytes > cap || (bytes && !buf))
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": the box holds %llu bytes, the buffer %zu", fn, name,
+                             (unsigned long long)bytes, buf ? cap : 0);
+    return dsk__ckpt_read_box_bytes(fn, f, t, offset, shape ? shape : zero, (unsigned char *)buf);
 }
 
 /* ---------------------------------------------------------------- writing: plan, snapshot, file */
@@ -1408,6 +1622,8 @@ typedef struct dsk__ckpt_seg {
     size_t nbytes;
     uint64_t begin;      /* offset in the data buffer */
     uint32_t crc;
+    uint32_t *blocks;    /* CRC32C of each DSK__CKPT_BLOCK bytes, while the file is written */
+    uint64_t n_blocks;
 } dsk__ckpt_seg;
 
 typedef struct dsk__ckpt_plan {
@@ -1607,6 +1823,13 @@ static void dsk__ckpt_header_json(dsk__ckpt_buf *b, const dsk__ckpt_plan *p) {
         dsk__ckpt_puts(b, ",");
         dsk__ckpt_put_jstr2(b, "dsk.crc32c.", g->name);
         dsk__ckpt_putf(b, ":\"%08x\"", g->crc);
+        if (g->n_blocks > 1) {
+            dsk__ckpt_puts(b, ",");
+            dsk__ckpt_put_jstr2(b, "dsk.blocks.", g->name);
+            dsk__ckpt_putf(b, ":\"%llu:", (unsigned long long)DSK__CKPT_BLOCK);
+            for (uint64_t k = 0; k < g->n_blocks; k++) dsk__ckpt_putf(b, "%08x", g->blocks[k]);
+            dsk__ckpt_puts(b, "\"");
+        }
         if (g->split) {
             dsk__ckpt_puts(b, ",");
             dsk__ckpt_put_jstr2(b, "dsk.split.", g->name);
@@ -1646,32 +1869,49 @@ static dsk_status dsk__ckpt_pwrite_all(const char *fn, int fd, const void *p, si
     return DSK_OK;
 }
 
-/* Writes header (with placeholder CRCs) then the data, computing each segment's CRC on
-   cache-sized chunks just before writing them, then rewrites the header with the CRCs. */
+/* Per-block CRC arrays of every segment (zeros: the placeholders of the first header). */
+static dsk_status dsk__ckpt_alloc_blocks(const char *fn, dsk__ckpt_plan *p) {
+    for (int i = 0; i < p->n; i++) {
+        dsk__ckpt_seg *g = &p->segs[i];
+        g->crc = 0;
+        g->n_blocks = (g->nbytes + DSK__CKPT_BLOCK - 1) / DSK__CKPT_BLOCK;
+        if (!(g->blocks = (uint32_t *)DSK_MALLOC((size_t)(g->n_blocks + 1) * sizeof(uint32_t))))
+            return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        memset(g->blocks, 0, (size_t)(g->n_blocks + 1) * sizeof(uint32_t));
+    }
+    return DSK_OK;
+}
+static void dsk__ckpt_free_blocks(dsk__ckpt_plan *p) {
+    for (int i = 0; i < p->n; i++) { DSK_FREE(p->segs[i].blocks); p->segs[i].blocks = NULL; }
+}
+
+/* Writes the header (with placeholder CRCs) then the data, computing each block's CRC just
+   before writing it, then rewrites the header with the CRCs (their length is fixed). */
 static dsk_status dsk__ckpt_write_body(const char *fn, int fd, dsk__ckpt_plan *p, const char *tmp) {
-    const size_t chunk = (size_t)1 << 20;
+    const uint32_t k_block = dsk__ckpt_xpow8n(DSK__CKPT_BLOCK);
     dsk__ckpt_buf h;
     size_t hlen;
     unsigned char len8[8];
     dsk_status s;
     memset(&h, 0, sizeof h);
-    for (int i = 0; i < p->n; i++) p->segs[i].crc = 0;
+    if ((s = dsk__ckpt_alloc_blocks(fn, p)) != DSK_OK) goto done;
     dsk__ckpt_put(&h, "\0\0\0\0\0\0\0\0", 8);
     dsk__ckpt_header_json(&h, p);
-    if (h.oom) { dsk__ckpt_buf_free(&h); return dsk_set_error(DSK_ERR_OOM, "%s: out of memory for the header", fn); }
+    if (h.oom) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for the header", fn); goto done; }
     hlen = h.n - 8;
     if (hlen > DSK_CKPT_MAX_HEADER) {
-        dsk__ckpt_buf_free(&h);
-        return dsk_set_error(DSK_ERR_ARG, "%s: a %zu-byte header (%d tensors) exceeds the safetensors limit of %llu bytes", fn, hlen, p->n,
-                             (unsigned long long)DSK_CKPT_MAX_HEADER);
+        s = dsk_set_error(DSK_ERR_ARG, "%s: a %zu-byte header (%d tensors) exceeds the safetensors limit of %llu bytes", fn, hlen, p->n,
+                          (unsigned long long)DSK_CKPT_MAX_HEADER);
+        goto done;
     }
-    if ((s = dsk__ckpt_write_all(fn, fd, h.p, h.n, tmp)) != DSK_OK) { dsk__ckpt_buf_free(&h); return s; }
+    if ((s = dsk__ckpt_write_all(fn, fd, h.p, h.n, tmp)) != DSK_OK) goto done;
     for (int i = 0; i < p->n && s == DSK_OK; i++) {
         dsk__ckpt_seg *g = &p->segs[i];
         const unsigned char *q = (const unsigned char *)g->data;
-        for (size_t off = 0; off < g->nbytes && s == DSK_OK; off += chunk) {
-            size_t k = g->nbytes - off < chunk ? g->nbytes - off : chunk;
-            g->crc = dsk_ckpt_crc32c(g->crc, q + off, k);
+        for (uint64_t b = 0; b < g->n_blocks && s == DSK_OK; b++) {
+            size_t off = (size_t)(b * DSK__CKPT_BLOCK), k = g->nbytes - off < DSK__CKPT_BLOCK ? g->nbytes - off : DSK__CKPT_BLOCK;
+            g->blocks[b] = dsk_ckpt_crc32c(0, q + off, k);
+            g->crc = dsk__ckpt_mulmod(k == DSK__CKPT_BLOCK ? k_block : dsk__ckpt_xpow8n(k), g->crc) ^ g->blocks[b];
             s = dsk__ckpt_write_all(fn, fd, q + off, k, tmp);
         }
     }
@@ -1683,6 +1923,8 @@ static dsk_status dsk__ckpt_write_body(const char *fn, int fd, dsk__ckpt_plan *p
         if (h.oom || h.n != hlen + 8) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for the header", fn);
         else s = dsk__ckpt_pwrite_all(fn, fd, h.p, h.n, 0, tmp);
     }
+done:
+    dsk__ckpt_free_blocks(p);
     dsk__ckpt_buf_free(&h);
     return s;
 }
@@ -2532,9 +2774,11 @@ static dsk_status dsk__ckpt_load_entry(dsk__ckpt_reader *rd, const dsk_ckpt_entr
         if (t->ndim && lo >= hi) continue; /* no overlap */
         if ((s = dsk__ckpt_reader_file(rd, sl->rank, &f)) != DSK_OK) break;
         if ((s = dsk__ckpt_find_piece(fn, f, t, sl, &ft)) != DSK_OK) break;
-        if (!t->ndim) { s = dsk__ckpt_read_into(fn, f, ctx, ft, x, 0, 0, allow_cast); break; }
+        int64_t off[DSK_MAX_DIMS] = {0};
+        if (!t->ndim) { s = dsk__ckpt_read_into(fn, f, ctx, ft, off, x, allow_cast); break; }
         if ((s = dsk_tensor_slice(x, 0, lo - a, hi - lo, &view)) != DSK_OK) break;
-        s = dsk__ckpt_read_into(fn, f, ctx, ft, &view, 1, lo - sl->start, allow_cast);
+        off[0] = lo - sl->start;
+        s = dsk__ckpt_read_into(fn, f, ctx, ft, off, &view, allow_cast);
     }
     return s;
 }

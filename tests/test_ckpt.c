@@ -353,6 +353,182 @@ static void test_file_cast_on_load(void) {
     }
 }
 
+/* ------------------------------------------------------------ boxes of tensors */
+
+/* Bytes of box (off, shape) of a row-major tensor with element size es: the reference. */
+static void box_ref(const unsigned char *src, const int64_t *full, int nd, size_t es, const int64_t *off, const int64_t *shape,
+                    unsigned char *out) {
+    int64_t idx[DSK_MAX_DIMS] = {0}, n = 1;
+    for (int d = 0; d < nd; d++) n *= shape[d];
+    for (int64_t i = 0; i < n; i++) {
+        int64_t lin = 0, rem = i;
+        for (int d = nd - 1; d >= 0; d--) { idx[d] = rem % shape[d]; rem /= shape[d]; }
+        for (int d = 0; d < nd; d++) lin = lin * full[d] + off[d] + idx[d];
+        memcpy(out + (size_t)i * es, src + (size_t)lin * es, es);
+    }
+}
+
+/* Bytes of the blocks of bs bytes that box (off, shape) touches in a row-major tensor. */
+static uint64_t touched_blocks(const int64_t *full, int nd, size_t es, const int64_t *off, const int64_t *shape, uint64_t bs) {
+    int64_t idx[DSK_MAX_DIMS] = {0}, n = 1, total = 1;
+    uint64_t bytes = 0, last = UINT64_MAX;
+    for (int d = 0; d < nd; d++) { n *= shape[d]; total *= full[d]; }
+    for (int64_t i = 0; i < n; i++) {
+        int64_t lin = 0, rem = i;
+        uint64_t b;
+        for (int d = nd - 1; d >= 0; d--) { idx[d] = rem % shape[d]; rem /= shape[d]; }
+        for (int d = 0; d < nd; d++) lin = lin * full[d] + off[d] + idx[d];
+        b = (uint64_t)lin * es / bs;
+        if (b != last) {
+            uint64_t end = (b + 1) * bs < (uint64_t)total * es ? (b + 1) * bs : (uint64_t)total * es;
+            bytes += end - b * bs;
+            last = b;
+        }
+    }
+    return bytes;
+}
+
+/* A random box inside shape: each dim either whole or a random sub-range (maybe empty). */
+static void random_box(const int64_t *shape, int nd, int64_t *off, int64_t *ext) {
+    for (int d = 0; d < nd; d++) {
+        int whole = dsk_test_rand_int(3) == 0;
+        off[d] = whole ? 0 : dsk_test_rand_int(shape[d] + 1);
+        ext[d] = whole ? shape[d] : dsk_test_rand_int(shape[d] - off[d] + 1);
+    }
+}
+
+/* Random boxes of a dsk file (checked by 1 MiB blocks: a tensor of 2.4 MB spans three) and
+   of a file without checksums (read exactly): each box equals the float64-free byte reference,
+   the unchecked reads take exactly the box's bytes, the checked ones whole blocks only. */
+static void test_file_read_box(void) {
+    char dir[400], path[600], raw[600];
+    const int64_t s3[3] = {31, 150, 129}, s2[2] = {17, 23};
+    dsk_tensor a, b;
+    dsk_ckpt_entry e[2] = {{"a", &a, 0, 0, 0}, {"b", &b, 0, 0, 0}};
+    dsk_ckpt_file f, g;
+    new_dir(dir, sizeof dir, "box");
+    snprintf(path, sizeof path, "%s/box.safetensors", dir);
+    snprintf(raw, sizeof raw, "%s/plain.safetensors", dir);
+    alloc_t(&a, DSK_F32, 3, s3);
+    fill_random_bytes(&a);
+    alloc_t(&b, DSK_BF16, 2, s2);
+    fill_random_bytes(&b);
+    DSK_TEST_OK(dsk_ckpt_file_save(NULL, path, e, 2, NULL, 0));
+    write_raw_st(raw, "{\"b\":{\"dtype\":\"BF16\",\"shape\":[17,23],\"data_offsets\":[0,782]}}", b.data, 782);
+    DSK_TEST_OK(dsk_ckpt_file_open(&f, path));
+    DSK_TEST_OK(dsk_ckpt_file_open(&g, raw));
+    DSK_TEST_EXPECT(f.tensors[dsk_ckpt_file_find(&f, "a")].block_bytes == 1 << 20, "dsk file without 1 MiB blocks");
+    DSK_TEST_EXPECT(g.tensors[0].block_bytes == 0, "a file without checksums has blocks");
+    for (int trial = 0; trial < 60; trial++) {
+        int which = trial % 3; /* a in the dsk file, b in the dsk file, b in the plain file */
+        dsk_tensor *src = which ? &b : &a, dst;
+        dsk_ckpt_file *file = which == 2 ? &g : &f;
+        int64_t off[3], ext[3];
+        size_t es = dsk_dtype_size(src->dtype), n;
+        uint64_t before = file->bytes_read;
+        unsigned char *want;
+        random_box(src->shape, src->ndim, off, ext);
+        alloc_t(&dst, src->dtype, src->ndim, ext);
+        n = dsk_tensor_nbytes(&dst);
+        want = (unsigned char *)malloc(n + 1);
+        box_ref((const unsigned char *)src->data, src->shape, src->ndim, es, off, ext, want);
+        DSK_TEST_OK(dsk_ckpt_file_read_box(file, NULL, which ? "b" : "a", off, &dst, 0));
+        DSK_TEST_SAME_BYTES(dst.data, want, n, "box");
+        if (which == 2) DSK_TEST_EXPECT(file->bytes_read - before == n, "unchecked box read %llu bytes for %zu", (unsigned long long)(file->bytes_read - before), n);
+        else DSK_TEST_EXPECT(file->bytes_read - before == touched_blocks(src->shape, src->ndim, es, off, ext, which ? 782 : 1 << 20),
+                             "checked box read %llu bytes, not the whole blocks it touches", (unsigned long long)(file->bytes_read - before));
+        free(want);
+        dsk_tensor_free(NULL, &dst);
+    }
+    /* a strided, cast destination: the transpose of a bf16 box, read into f32 */
+    {
+        const int64_t off[2] = {3, 5}, ext[2] = {9, 11}, tshape[2] = {11, 9};
+        dsk_tensor t, tt;
+        double want[99];
+        float got[99];
+        alloc_t(&t, DSK_F32, 2, tshape);
+        dsk_tensor_transpose(&t, 0, 1, &tt);
+        DSK_TEST_STATUS(dsk_ckpt_file_read_box(&f, NULL, "b", off, &tt, 0), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("set allow_cast");
+        DSK_TEST_OK(dsk_ckpt_file_read_box(&f, NULL, "b", off, &tt, 1));
+        for (int i = 0; i < 9; i++)
+            for (int j = 0; j < 11; j++) {
+                want[j * 9 + i] = dsk_bf16_to_f32(((uint16_t *)b.data)[(off[0] + i) * 23 + off[1] + j]);
+                got[j * 9 + i] = ((float *)t.data)[j * 9 + i];
+            }
+        DSK_TEST_CLOSE(got, want, 99, 0, 0, "bf16 box into a transposed f32 tensor");
+        (void)ext;
+        dsk_tensor_free(NULL, &t);
+    }
+    /* boxes outside the tensor, and a wrong rank */
+    {
+        const int64_t off[2] = {10, 0}, ext[2] = {8, 23};
+        dsk_tensor dst;
+        alloc_t(&dst, DSK_BF16, 2, ext);
+        DSK_TEST_STATUS(dsk_ckpt_file_read_box(&f, NULL, "b", off, &dst, 0), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dim 0: [10, 18) is outside [0, 17)");
+        DSK_TEST_STATUS(dsk_ckpt_file_read_box(&f, NULL, "a", off, &dst, 0), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("has 3 dims, the destination 2");
+        dsk_tensor_free(NULL, &dst);
+    }
+    dsk_ckpt_file_close(&f);
+    /* a flipped byte in block 1 of "a": boxes in block 0 still read, boxes touching block 1 fail */
+    {
+        size_t n;
+        unsigned char *bytes = read_file(path, &n);
+        const int64_t off0[3] = {0, 0, 0}, ext0[3] = {1, 10, 129}, off1[3] = {20, 0, 0}, ext1[3] = {2, 150, 129};
+        dsk_tensor dst;
+        uint64_t data0;
+        DSK_TEST_OK(dsk_ckpt_file_open(&f, path));
+        data0 = 8 + f.header_len + f.tensors[dsk_ckpt_file_find(&f, "a")].begin;
+        dsk_ckpt_file_close(&f);
+        bytes[data0 + (1 << 20) + 12345] ^= 0x10;
+        write_file(path, bytes, n);
+        free(bytes);
+        DSK_TEST_OK(dsk_ckpt_file_open(&f, path));
+        alloc_t(&dst, DSK_F32, 3, ext0);
+        DSK_TEST_OK(dsk_ckpt_file_read_box(&f, NULL, "a", off0, &dst, 0));
+        dsk_tensor_free(NULL, &dst);
+        alloc_t(&dst, DSK_F32, 3, ext1);
+        DSK_TEST_STATUS(dsk_ckpt_file_read_box(&f, NULL, "a", off1, &dst, 0), DSK_ERR_CORRUPT);
+        DSK_TEST_ERROR_MENTIONS("bytes [1048576, 2097152)");
+        DSK_TEST_ERROR_MENTIONS("(data corrupt)");
+        dsk_tensor_free(NULL, &dst);
+        dsk_ckpt_file_close(&f);
+    }
+    dsk_ckpt_file_close(&g);
+    dsk_tensor_free(NULL, &a);
+    dsk_tensor_free(NULL, &b);
+}
+
+/* Raw bytes of dtypes dsk cannot compute with: I16 and BOOL boxes, a packed F4 tensor whole. */
+static void test_file_read_raw(void) {
+    char dir[400], path[600];
+    unsigned char data[64], got[64];
+    const int64_t off[2] = {1, 1}, ext[2] = {2, 2}, f4[1] = {8}, f4half[1] = {4}, zero[1] = {0};
+    dsk_ckpt_file f;
+    for (int i = 0; i < 64; i++) data[i] = (unsigned char)dsk_test_rand_u64();
+    new_dir(dir, sizeof dir, "raw");
+    snprintf(path, sizeof path, "%s/raw.safetensors", dir);
+    write_raw_st(path, "{\"i\":{\"dtype\":\"I16\",\"shape\":[3,4],\"data_offsets\":[0,24]},"
+                       "\"p\":{\"dtype\":\"F4\",\"shape\":[8],\"data_offsets\":[24,28]},"
+                       "\"q\":{\"dtype\":\"BOOL\",\"shape\":[5],\"data_offsets\":[28,33]}}", data, 33);
+    DSK_TEST_OK(dsk_ckpt_file_open(&f, path));
+    memset(got, 0xee, sizeof got);
+    DSK_TEST_OK(dsk_ckpt_file_read_raw(&f, "i", off, ext, got, sizeof got));
+    DSK_TEST_SAME_BYTES(got, data + 2 * (1 * 4 + 1), 4, "I16 row 1");
+    DSK_TEST_SAME_BYTES(got + 4, data + 2 * (2 * 4 + 1), 4, "I16 row 2");
+    DSK_TEST_OK(dsk_ckpt_file_read_raw(&f, "p", NULL, f4, got, sizeof got));
+    DSK_TEST_SAME_BYTES(got, data + 24, 4, "F4 whole");
+    DSK_TEST_STATUS(dsk_ckpt_file_read_raw(&f, "p", zero, f4half, got, sizeof got), DSK_ERR_UNSUPPORTED);
+    DSK_TEST_ERROR_MENTIONS("only whole reads");
+    DSK_TEST_OK(dsk_ckpt_file_read_raw(&f, "q", NULL, (const int64_t[]){5}, got, sizeof got));
+    DSK_TEST_SAME_BYTES(got, data + 28, 5, "BOOL whole");
+    DSK_TEST_STATUS(dsk_ckpt_file_read_raw(&f, "i", off, ext, got, 7), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("the box holds 8 bytes, the buffer 7");
+    dsk_ckpt_file_close(&f);
+}
+
 /* ------------------------------------------------------------ checkpoints, one rank */
 
 static void test_ckpt_single_rank(void) {
@@ -1065,6 +1241,23 @@ static void test_malformed_headers(void) {
                       DSK_ERR_UNSUPPORTED, "NUL character in its name");
     expect_bad_header(dir, "NUL in a metadata value", "{\"__metadata__\":{\"k\":\"a\\u0000b\"}}", data, 0, DSK_ERR_UNSUPPORTED,
                       "holds a NUL character");
+    /* block CRCs (partial reads check them) must be well formed and make up the tensor's CRC */
+    expect_bad_header(dir, "block CRCs not matching",
+                      "{\"__metadata__\":{\"dsk.crc32c.a\":\"00000001\",\"dsk.blocks.a\":\"4096:00000000\"},"
+                      "\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}", data, 1, DSK_ERR_CORRUPT,
+                      "block CRCs make 00000000, dsk.crc32c says 00000001");
+    expect_bad_header(dir, "odd block size",
+                      "{\"__metadata__\":{\"dsk.crc32c.a\":\"00000001\",\"dsk.blocks.a\":\"4097:00000000\"},"
+                      "\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}", data, 1, DSK_ERR_CORRUPT,
+                      "does not start with a block size");
+    expect_bad_header(dir, "block count",
+                      "{\"__metadata__\":{\"dsk.crc32c.a\":\"00000001\",\"dsk.blocks.a\":\"4096:0000000000000000\"},"
+                      "\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}", data, 1, DSK_ERR_CORRUPT,
+                      "holds 16 hex digits, 1 blocks need 8");
+    expect_bad_header(dir, "blocks without a CRC",
+                      "{\"__metadata__\":{\"dsk.blocks.a\":\"4096:00000000\"},"
+                      "\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}", data, 1, DSK_ERR_CORRUPT,
+                      "names no tensor with a dsk.crc32c");
     expect_bad_header(dir, "fractional dim", "{\"a\":{\"dtype\":\"F32\",\"shape\":[2.0],\"data_offsets\":[0,8]}}", data, 8, DSK_ERR_CORRUPT,
                       "shape[0] is not a non-negative integer");
     expect_bad_header(dir, "overflowing shape",
@@ -1755,6 +1948,8 @@ int main(void) {
     DSK_TEST_RUN(test_file_roundtrip_all_dtypes);
     DSK_TEST_RUN(test_file_strided_source);
     DSK_TEST_RUN(test_file_cast_on_load);
+    DSK_TEST_RUN(test_file_read_box);
+    DSK_TEST_RUN(test_file_read_raw);
     DSK_TEST_RUN(test_ckpt_single_rank);
     test_multi_rank_1_2_3_4();
     DSK_TEST_RUN(test_multi_rank_async);
