@@ -1566,7 +1566,7 @@ static dsk_status dsk__ckpt_file_tensor(const char *fn, dsk_ckpt_file *f, const 
 
 DSK_API dsk_status dsk_ckpt_file_read(dsk_ckpt_file *f, dsk_ctx *ctx, const char *name, dsk_tensor *dst, int allow_cast) {
     const char *fn = "dsk_ckpt_file_read";
-    const dsk_ckpt_tensor_info *t;
+    const dsk_ckpt_tensor_info *t = NULL;
     const int64_t zero[DSK_MAX_DIMS] = {0};
     char a[160], b[160];
     DSK__TRY(dsk__ckpt_file_tensor(fn, f, name, &t));
@@ -1582,7 +1582,7 @@ DSK_API dsk_status dsk_ckpt_file_read(dsk_ckpt_file *f, dsk_ctx *ctx, const char
 DSK_API dsk_status dsk_ckpt_file_read_box(dsk_ckpt_file *f, dsk_ctx *ctx, const char *name, const int64_t *offset, dsk_tensor *dst,
                                           int allow_cast) {
     const char *fn = "dsk_ckpt_file_read_box";
-    const dsk_ckpt_tensor_info *t;
+    const dsk_ckpt_tensor_info *t = NULL;
     const int64_t zero[DSK_MAX_DIMS] = {0};
     DSK__TRY(dsk__ckpt_file_tensor(fn, f, name, &t));
     if (!dst) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
@@ -1595,7 +1595,7 @@ DSK_API dsk_status dsk_ckpt_file_read_box(dsk_ckpt_file *f, dsk_ctx *ctx, const 
 DSK_API dsk_status dsk_ckpt_file_read_raw(dsk_ckpt_file *f, const char *name, const int64_t *offset, const int64_t *shape, void *buf,
                                           size_t cap) {
     const char *fn = "dsk_ckpt_file_read_raw";
-    const dsk_ckpt_tensor_info *t;
+    const dsk_ckpt_tensor_info *t = NULL;
     const int64_t zero[DSK_MAX_DIMS] = {0};
     uint64_t bytes;
     DSK__TRY(dsk__ckpt_file_tensor(fn, f, name, &t));
