@@ -8,42 +8,58 @@
    forces the table-driven CRC32C even where SSE4.2 is present.
 
    Layout of a checkpoint directory DIR (shared by every rank, e.g. a network file system):
-     DIR/step_00001000/rank_00000.safetensors   one file per rank (safetensors format)
-     DIR/step_00001000/manifest.json             written last by rank 0: marks completeness
-     DIR/latest                                   "step_00001000\n": the last completed save
-                                                   (for people and scripts; dsk_ckpt_latest
-                                                   scans the step directories instead)
-   Every file is written to a temporary name in its directory, fsynced, renamed into place,
-   then the directory is fsynced. A step directory without manifest.json is incomplete and is
-   never loaded. Each rank file's __metadata__ holds "dsk.format", "dsk.step", "dsk.rank",
-   "dsk.world_size", "dsk.crc32c.<tensor>" (CRC32C of the tensor's bytes, 8 hex digits),
-   "dsk.split.<tensor>" ("start:end/rows" for tensors split along dim 0) and the caller's
-   key/value pairs (trainer state: loss scale, RNG state, data position, ...).
-   The manifest lists each file (rank, name, size, CRC32C of the whole file), the step, the
-   world size and each tensor's dtype, global shape and the rows each rank holds.
+     DIR/step_00001000/rank_00000.<nonce>.safetensors  one file per rank and save; the nonce
+                                                     (16 hex digits) is new for every save
+     DIR/step_00001000/manifest.json                 written last by rank 0: marks completeness
+     DIR/latest                   "step_00001000\n": the last completed save, for people and
+                                  scripts (dsk_ckpt_latest reads the manifests instead)
+   Every file is written to a temporary name in its directory and renamed into place; rank
+   files and manifests are fsynced, then their directory. A step directory without
+   manifest.json is incomplete and is never loaded. Each rank file's __metadata__ holds
+   "dsk.format", "dsk.version", "dsk.step", "dsk.rank", "dsk.world_size", "dsk.attempt" (the
+   nonce), "dsk.crc32c.<tensor>" (CRC32C of the tensor's bytes, 8 hex digits),
+   "dsk.blocks.<tensor>" (CRC32C of each 1 MiB of it: "1048576:" then 8 hex digits per block),
+   "dsk.box.<tensor>" (for a piece of a split tensor, "o0,o1,..;g0,g1,..": where it starts in
+   the whole tensor and the whole tensor's shape) and the caller's key/value pairs (trainer
+   state: loss scale, RNG state, data position, ...). The manifest lists the files (step,
+   rank, nonce, size, CRC32C of the whole file), the step, the save's generation (1 + the
+   largest in DIR, so it orders the saves), the world size and each tensor's dtype, whole
+   shape and slices [file, offset..., shape...]; its last line holds the CRC32C of the text
+   before it.
 
-   Saving (every rank calls dsk_ckpt_save with the same step): a tensor is either replicated
-   (split = 0: written once, by rank 0) or split along dim 0 (split = 1: each rank writes its
-   rows [row0, row0 + shape[0]) of a tensor with global_rows rows). Ranks meet at three calls
-   of the barrier callback (prepare, files durable, manifest durable); every rank makes all
-   three calls even when its own part failed, so a failure anywhere leaves no manifest and
-   every rank sees an error. With dsk_ckpt_save_async the barrier runs on a background thread.
-   With dsk_comm.h the barrier is one line, on a communicator of its own (dsk_comm_split) so
-   that an async save never shares one with training's collectives:
+   The commit point of a save is the rename of manifest.json into place by rank 0 (and the
+   fsync of its directory). Before it nothing that exists is changed or removed, so a failure
+   anywhere (any rank, a full disk, a kill) leaves every earlier checkpoint loadable, an
+   earlier save of the same step included. From it on the save has happened and returns
+   DSK_OK: what follows (the `latest` pointer, the files of an earlier save of this step,
+   rotation) is housekeeping, reported by dsk_ckpt_last_save, never as the save's status.
+
+   Saving (every rank calls dsk_ckpt_save with the same step): a tensor is either whole
+   (DSK_CKPT_WHOLE: written once, by rank 0) or a piece of a split one (DSK_CKPT_ROWS: rows
+   [row0, row0 + shape[0]) of global_rows; DSK_CKPT_BOX: any box, for column-parallel or 2-D
+   sharding); the pieces of one name must tile the whole tensor. Ranks meet at three calls of
+   the barrier callback (prepare, files durable, manifest durable); every rank makes all three
+   calls even when its own part failed, so a failure anywhere leaves no manifest and every
+   rank sees an error. Rank 0 hands the save's nonce to the others in DIR/.attempt; one job
+   saves into a directory at a time. With dsk_ckpt_save_async the barrier runs on a
+   background thread. With dsk_comm.h the barrier is one line, on a communicator of its own
+   (dsk_comm_split) so that an async save never shares one with training's collectives:
      static dsk_status ckpt_barrier(void *c) { return dsk_comm_barrier((dsk_comm *)c, NULL); }
-   Loading reads any checkpoint into tensors of any split: a rank asks for rows of the global
-   tensor and the loader reads them from whichever rank files hold them (resharding 4 -> 2,
-   2 -> 4, ...), checking dtype, shape and every CRC32C on the way.
+   Loading reads any checkpoint into tensors of any split: a rank asks for a box of the whole
+   tensor and the loader reads it from whichever files hold it (resharding 4 -> 2, 2 -> 4,
+   rows -> columns, ...), reading only the 1 MiB blocks it needs and checking dtype, shape and
+   every block's CRC32C on the way.
 
    Example:
      dsk_ckpt ck; dsk_ckpt_opts o = {0}; o.keep_last = 3;
      dsk_ckpt_init(&ck, "runs/ckpt", &o);
-     dsk_ckpt_entry e[2] = {{"embed", &embed, 0, 0, 0}, {"moe.w1", &w1, 1, row0, n_experts}};
+     dsk_ckpt_entry e[2] = {{"embed", &embed, DSK_CKPT_WHOLE, 0, 0, NULL, NULL},
+                            {"moe.w1", &w1, DSK_CKPT_ROWS, row0, n_experts, NULL, NULL}};
      dsk_ckpt_kv kv[1] = {{"loss_scale", "65536"}};
      dsk_ckpt_save_async(&ck, step, e, 2, kv, 1);   ... train on ... dsk_ckpt_wait(&ck);
      int64_t last; dsk_ckpt_latest("runs/ckpt", &last);
      if (last >= 0) dsk_ckpt_load(&ck, last, e, 2, &meta);
-   Cost: a save passes over each byte once (CRC32C on 1 MiB pieces just before writing them,
+   Cost: a save passes over each byte once (CRC32C on 1 MiB blocks just before writing them,
    about 10 GB/s with SSE4.2), so it runs at the disk's write speed plus a few fsyncs; an
    async save stalls the caller for one memory copy of this rank's tensors (the snapshot
    buffer is kept for the next save). Loads read straight into contiguous host tensors of the
@@ -68,8 +84,8 @@ extern "C" {
 #endif
 
 #define DSK_CKPT_FORMAT "dsk-ckpt"
-#define DSK_CKPT_VERSION 1
-#define DSK_CKPT_MAX_HEADER 100000000ull /* safetensors' own limit on the JSON header */
+#define DSK_CKPT_VERSION 2
+#define DSK_CKPT_MAX_HEADER 100000000ull /* safetensors' own limit on the JSON header; manifests too */
 
 /* One string key/value pair of trainer state. Keys starting with "dsk." are reserved. */
 typedef struct dsk_ckpt_kv {
@@ -77,13 +93,24 @@ typedef struct dsk_ckpt_kv {
     const char *value;
 } dsk_ckpt_kv;
 
-/* One named tensor to save or to load into. */
+/* How a rank's tensor sits in the whole tensor (dsk_ckpt_entry.split). */
+enum {
+    DSK_CKPT_WHOLE = 0, /* the whole tensor, the same on every rank: rank 0 writes it */
+    DSK_CKPT_ROWS = 1,  /* rows [row0, row0 + shape[0]) of a tensor of global_rows rows */
+    DSK_CKPT_BOX = 2    /* the box [offset[d], offset[d] + shape[d]) of a tensor of global_shape */
+};
+
+/* One named tensor to save or to load into. Saving: the pieces the ranks pass for one name
+   must tile the whole tensor, each element saved by exactly one rank (with data parallelism,
+   let one replica pass the split entries). Loading: any rank asks for any box. */
 typedef struct dsk_ckpt_entry {
-    const char *name;     /* unique, non-empty UTF-8, not "__metadata__" */
-    dsk_tensor *tensor;   /* this rank's data: any device, dtype and strides */
-    int split;            /* 0: replicated (whole tensor); 1: rows of a tensor split along dim 0 */
-    int64_t row0;         /* split: first global row this rank holds */
-    int64_t global_rows;  /* split: rows of the whole tensor */
+    const char *name;            /* unique, non-empty UTF-8, not "__metadata__" */
+    dsk_tensor *tensor;          /* this rank's data: any device, dtype and strides */
+    int split;                   /* DSK_CKPT_WHOLE, DSK_CKPT_ROWS or DSK_CKPT_BOX */
+    int64_t row0;                /* DSK_CKPT_ROWS: first global row this rank holds */
+    int64_t global_rows;         /* DSK_CKPT_ROWS: rows of the whole tensor */
+    const int64_t *offset;       /* DSK_CKPT_BOX: tensor->ndim values, where this rank's box starts */
+    const int64_t *global_shape; /* DSK_CKPT_BOX: tensor->ndim values, the whole tensor's shape */
 } dsk_ckpt_entry;
 
 /* Blocks until every rank has called it (same count on every rank); DSK_OK or an error. */
@@ -104,6 +131,17 @@ typedef struct dsk_ckpt_opts {
                                     (more help on an idle many-core node, hurt on a busy one) */
 } dsk_ckpt_opts;
 
+/* What the last save did (dsk_ckpt_last_save); counts are this rank's. */
+typedef struct dsk_ckpt_save_info {
+    int64_t step;                /* -1 before the first save */
+    uint64_t generation;         /* the save's place in the directory's history (rank 0) */
+    uint64_t bytes_written;      /* tensor bytes this rank wrote */
+    int tensors_written;
+    dsk_status cleanup;          /* rank 0: housekeeping after the commit point (latest pointer,
+                                    rotation); never the save's status */
+    char cleanup_error[1024];    /* its message when cleanup != DSK_OK */
+} dsk_ckpt_save_info;
+
 /* A checkpointer for one directory. Caller-owned; fields are private. */
 typedef struct dsk_ckpt {
     char *dir;
@@ -111,12 +149,15 @@ typedef struct dsk_ckpt {
     void *stage;         /* host snapshot buffer, reused across async saves */
     size_t stage_bytes;
     void *job;           /* the pending async save, NULL when idle */
+    uint64_t n_saves;    /* saves started, the same count on every rank */
+    dsk_ckpt_save_info last;
 } dsk_ckpt;
 
 /* Metadata of a loaded rank file (this rank's file if it exists in the checkpoint, else
    rank 0's): the caller's pairs plus "dsk.format", "dsk.step", "dsk.rank", "dsk.world_size". */
 typedef struct dsk_ckpt_meta {
     int64_t step;
+    uint64_t generation; /* the save's place in the directory's history */
     int world_size;      /* world size the checkpoint was saved with */
     int rank;            /* rank whose file the pairs come from */
     int n;
@@ -133,7 +174,8 @@ DSK_API void dsk_ckpt_free(dsk_ckpt *ck);
 
 /* Saves DIR/step_<step>/ collectively (see the top of the file) and returns when it is
    complete and durable on every rank. Waits first for a pending async save and returns its
-   error, if any, without saving. step >= 0. kv may be NULL when n_kv is 0. */
+   error, if any, without saving. step >= 0. kv may be NULL when n_kv is 0. Saving a step
+   that exists replaces it at the commit point; until then the old one stays loadable. */
 DSK_API dsk_status dsk_ckpt_save(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n,
                                  const dsk_ckpt_kv *kv, int n_kv);
 /* As dsk_ckpt_save, but returns once the tensors, names and pairs are copied to host memory
@@ -143,20 +185,23 @@ DSK_API dsk_status dsk_ckpt_save_async(dsk_ckpt *ck, int64_t step, const dsk_ckp
                                        const dsk_ckpt_kv *kv, int n_kv);
 /* Joins the pending async save, if any, and returns its status (its message in dsk_last_error). */
 DSK_API dsk_status dsk_ckpt_wait(dsk_ckpt *ck);
+/* What the last completed save did (step -1 before any); valid until the next save or wait. */
+DSK_API const dsk_ckpt_save_info *dsk_ckpt_last_save(const dsk_ckpt *ck);
 
 /* Loads DIR/step_<step>/ (step < 0: the newest complete checkpoint) into `entries`: each
    tensor is looked up by name and must match the saved dtype (or opts.allow_cast) and the
-   saved global shape; split entries receive rows [row0, row0 + shape[0]). Every byte read is
-   checked against its CRC32C and every file header against the manifest. meta (may be NULL)
-   receives the metadata; free it with dsk_ckpt_meta_free. On error the entries' contents are
-   unspecified. Safe to call concurrently on several ranks; no barrier. */
+   saved global shape; DSK_CKPT_ROWS and DSK_CKPT_BOX entries receive their box of it. Every
+   byte read is checked against its CRC32C and every file header against the manifest. meta
+   (may be NULL) receives the metadata; free it with dsk_ckpt_meta_free. On error the entries'
+   contents are unspecified. Safe to call concurrently on several ranks; no barrier. */
 DSK_API dsk_status dsk_ckpt_load(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n, dsk_ckpt_meta *meta);
 
 /* Step of the newest complete checkpoint under dir (its manifest parses), or -1 when there is
    none (dir missing included). Damaged or incomplete checkpoints are skipped; a directory or a
    manifest that cannot be read (permissions, I/O error, out of memory) is an error. */
 DSK_API dsk_status dsk_ckpt_latest(const char *dir, int64_t *step);
-/* Reads every file of DIR/step_<step>/ in full and checks sizes, headers and all CRC32Cs. */
+/* Reads every file of checkpoint `step` in full and checks the manifest (its own CRC32C, its
+   tensors against the files), sizes, headers and all CRC32Cs. */
 DSK_API dsk_status dsk_ckpt_verify(const char *dir, int64_t step);
 
 /* Value of key or NULL. */
@@ -262,6 +307,7 @@ DSK_API uint32_t dsk_ckpt_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_
 #include <stdlib.h>
 #include <sys/stat.h>
 #include <sys/types.h>
+#include <time.h>
 #include <unistd.h>
 
 #ifndef DSK__TRY /* dsk_tensor.h defines it where its implementation is compiled */
@@ -595,25 +641,29 @@ static dsk_status dsk__ckpt_open_tmp(const char *fn, const char *dir, const char
     return DSK_OK;
 }
 
-/* fsync + close the temporary, rename it to dir/base, fsync dir. On failure the temporary
-   is removed. The fd is closed in every case. */
-static dsk_status dsk__ckpt_commit_tmp(const char *fn, int fd, char *tmp_path, const char *dir, const char *base) {
+#define DSK__CKPT_DURABLE 1  /* fsync the file before the rename and the directory after */
+#define DSK__CKPT_WITHDRAW 2 /* remove the renamed file again when the directory's fsync fails */
+
+/* Closes the temporary, renames it to dir/base (with fsyncs when `how` has DSK__CKPT_DURABLE).
+   On failure the temporary is removed. The fd is closed in every case. */
+static dsk_status dsk__ckpt_commit_tmp(const char *fn, int fd, char *tmp_path, const char *dir, const char *base, int how) {
     dsk_status s = DSK_OK;
     char *final_path = dsk__ckpt_join(dir, base);
     if (!final_path) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    while (s == DSK_OK && fsync(fd) != 0)
+    while (s == DSK_OK && (how & DSK__CKPT_DURABLE) && fsync(fd) != 0)
         if (errno != EINTR) s = dsk__ckpt_io_error(fn, "fsync", tmp_path);
     if (close(fd) != 0 && s == DSK_OK && errno != EINTR) s = dsk__ckpt_io_error(fn, "close", tmp_path);
     if (s == DSK_OK && rename(tmp_path, final_path) != 0) s = dsk__ckpt_io_error(fn, "rename into place", final_path);
-    if (s == DSK_OK) s = dsk__ckpt_fsync_dir(fn, dir);
-    else unlink(tmp_path);
+    if (s != DSK_OK) unlink(tmp_path);
+    else if ((how & DSK__CKPT_DURABLE) && (s = dsk__ckpt_fsync_dir(fn, dir)) != DSK_OK && (how & DSK__CKPT_WITHDRAW))
+        unlink(final_path);
     DSK_FREE(final_path);
     DSK_FREE(tmp_path);
     return s;
 }
 
-/* Writes bytes to dir/base atomically and durably. */
-static dsk_status dsk__ckpt_write_small(const char *fn, const char *dir, const char *base, const void *p, size_t n) {
+/* Writes bytes to dir/base atomically (and durably with DSK__CKPT_DURABLE). */
+static dsk_status dsk__ckpt_write_small(const char *fn, const char *dir, const char *base, const void *p, size_t n, int how) {
     char *tmp = NULL;
     int fd = -1;
     dsk_status s = dsk__ckpt_open_tmp(fn, dir, base, &tmp, &fd);
@@ -625,7 +675,7 @@ static dsk_status dsk__ckpt_write_small(const char *fn, const char *dir, const c
         DSK_FREE(tmp);
         return s;
     }
-    return dsk__ckpt_commit_tmp(fn, fd, tmp, dir, base);
+    return dsk__ckpt_commit_tmp(fn, fd, tmp, dir, base, how);
 }
 
 /* Opens path for reading only if it is a regular file. O_NONBLOCK keeps open() from blocking
@@ -1616,8 +1666,8 @@ typedef struct dsk__ckpt_seg {
     dsk_dtype dtype;
     int ndim;
     int64_t shape[DSK_MAX_DIMS];
-    int split;
-    int64_t row0, global_rows;
+    int boxed;           /* a box of a larger tensor (rank files: DSK_CKPT_ROWS and DSK_CKPT_BOX entries) */
+    int64_t off[DSK_MAX_DIMS], global[DSK_MAX_DIMS];
     const void *data;    /* contiguous bytes to write: the tensor itself or its snapshot */
     size_t nbytes;
     uint64_t begin;      /* offset in the data buffer */
@@ -1630,6 +1680,7 @@ typedef struct dsk__ckpt_plan {
     int rank_file;       /* 1: a rank file of a checkpoint; 0: a single file */
     int64_t step;
     int rank, world;
+    uint64_t attempt;    /* rank files: the save's nonce */
     dsk__ckpt_seg *segs;
     int n;
     char **keys, **values;
@@ -1665,10 +1716,43 @@ static const char *dsk__ckpt_find_dup(const char **names, int n) {
     return NULL;
 }
 
+/* The box entry e covers in its whole tensor: offset and whole shape (see dsk_ckpt_entry). */
+static dsk_status dsk__ckpt_entry_box(const char *fn, const dsk_ckpt_entry *e, int64_t *off, int64_t *global) {
+    const dsk_tensor *t = e->tensor;
+    char b[160];
+    memset(off, 0, DSK_MAX_DIMS * sizeof *off);
+    memcpy(global, t->shape, DSK_MAX_DIMS * sizeof *global);
+    if (e->split == DSK_CKPT_WHOLE) return DSK_OK;
+    if (e->split == DSK_CKPT_ROWS) {
+        if (t->ndim < 1 || e->row0 < 0 || e->global_rows < 0 || e->row0 > e->global_rows - t->shape[0])
+            return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" %s: rows [%lld, %lld) do not fit a split tensor of %lld rows", fn,
+                                 e->name, dsk_tensor_describe(t, b, sizeof b), (long long)e->row0,
+                                 (long long)(e->row0 + (t->ndim ? t->shape[0] : 0)), (long long)e->global_rows);
+        off[0] = e->row0;
+        global[0] = e->global_rows;
+        return DSK_OK;
+    }
+    if (e->split != DSK_CKPT_BOX)
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": split %d is none of DSK_CKPT_WHOLE, DSK_CKPT_ROWS, DSK_CKPT_BOX", fn,
+                             e->name, e->split);
+    if (!e->offset || !e->global_shape)
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": a DSK_CKPT_BOX entry needs offset and global_shape", fn, e->name);
+    for (int d = 0; d < t->ndim; d++) {
+        off[d] = e->offset[d];
+        global[d] = e->global_shape[d];
+        if (off[d] < 0 || global[d] < 0 || off[d] > global[d] - t->shape[d])
+            return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" %s: dim %d: [%lld, %lld) does not fit the whole tensor's %lld", fn,
+                                 e->name, dsk_tensor_describe(t, b, sizeof b), d, (long long)off[d], (long long)(off[d] + t->shape[d]),
+                                 (long long)global[d]);
+    }
+    if (dsk__ckpt_numel(t->ndim, global) < 0)
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": the whole shape overflows", fn, e->name);
+    return DSK_OK;
+}
+
 static dsk_status dsk__ckpt_check_entry(const char *fn, const dsk_ckpt_entry *e, int i, int rank_file, const dsk_ctx *ctx) {
     const dsk_tensor *t = e->tensor;
-    dsk_status s;
-    char b[160];
+    int64_t off[DSK_MAX_DIMS], global[DSK_MAX_DIMS];
     if (!e->name || !*e->name) return dsk_set_error(DSK_ERR_ARG, "%s: entry %d has no name", fn, i);
     if (strcmp(e->name, "__metadata__") == 0 || !dsk__ckpt_valid_utf8((const unsigned char *)e->name, strlen(e->name)))
         return dsk_set_error(DSK_ERR_ARG, "%s: entry %d: name \"%s\" is reserved or not UTF-8", fn, i, e->name);
@@ -1676,14 +1760,8 @@ static dsk_status dsk__ckpt_check_entry(const char *fn, const dsk_ckpt_entry *e,
     if (!dsk_dtype_size(t->dtype) || t->ndim < 0 || t->ndim > DSK_MAX_DIMS || dsk__ckpt_numel(t->ndim, t->shape) < 0)
         return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": bad dtype %d or shape (ndim %d)", fn, e->name, (int)t->dtype, t->ndim);
     if (!t->data && dsk_tensor_numel(t) > 0) return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" has no data", fn, e->name);
-    if ((s = dsk__ckpt_check_device(fn, e->name, t, ctx)) != DSK_OK) return s;
-    if (!rank_file) return DSK_OK;
-    if (e->split != 0 && e->split != 1) return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": split %d is neither 0 nor 1", fn, e->name, e->split);
-    if (e->split && (t->ndim < 1 || e->row0 < 0 || e->global_rows < 0 || e->row0 > e->global_rows - t->shape[0]))
-        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" %s: rows [%lld, %lld) do not fit a split tensor of %lld rows", fn, e->name,
-                             dsk_tensor_describe(t, b, sizeof b), (long long)e->row0,
-                             (long long)(e->row0 + (t->ndim ? t->shape[0] : 0)), (long long)e->global_rows);
-    return DSK_OK;
+    DSK__TRY(dsk__ckpt_check_device(fn, e->name, t, ctx));
+    return rank_file ? dsk__ckpt_entry_box(fn, e, off, global) : DSK_OK;
 }
 
 static dsk_status dsk__ckpt_check_kv(const char *fn, const dsk_ckpt_kv *kv, int n_kv) {
@@ -1735,7 +1813,7 @@ static dsk_status dsk__ckpt_plan_build(const char *fn, dsk__ckpt_plan *p, const 
     for (int i = 0; i < n; i++) {
         const dsk_ckpt_entry *e = &entries[i];
         dsk__ckpt_seg *g = &p->segs[p->n];
-        if (p->rank_file && !e->split && p->rank != 0) continue;
+        if (p->rank_file && e->split == DSK_CKPT_WHOLE && p->rank != 0) continue;
         memset(g, 0, sizeof *g);
         if (!(g->name = dsk__ckpt_strdup(e->name))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
         p->n++;
@@ -1743,9 +1821,8 @@ static dsk_status dsk__ckpt_plan_build(const char *fn, dsk__ckpt_plan *p, const 
         g->dtype = e->tensor->dtype;
         g->ndim = e->tensor->ndim;
         memcpy(g->shape, e->tensor->shape, sizeof g->shape);
-        g->split = p->rank_file && e->split;
-        g->row0 = e->row0;
-        g->global_rows = e->global_rows;
+        g->boxed = p->rank_file && e->split != DSK_CKPT_WHOLE;
+        if (g->boxed) dsk__ckpt_entry_box(fn, e, g->off, g->global); /* checked above */
         g->nbytes = dsk_tensor_nbytes(e->tensor);
     }
     for (int i = 0; i < n_kv; i++) {
@@ -1817,7 +1894,8 @@ static void dsk__ckpt_put_jstr2(dsk__ckpt_buf *b, const char *prefix, const char
 static void dsk__ckpt_header_json(dsk__ckpt_buf *b, const dsk__ckpt_plan *p) {
     dsk__ckpt_putf(b, "{\"__metadata__\":{\"dsk.format\":\"%s\",\"dsk.version\":\"%d\"", DSK_CKPT_FORMAT, DSK_CKPT_VERSION);
     if (p->rank_file)
-        dsk__ckpt_putf(b, ",\"dsk.step\":\"%lld\",\"dsk.rank\":\"%d\",\"dsk.world_size\":\"%d\"", (long long)p->step, p->rank, p->world);
+        dsk__ckpt_putf(b, ",\"dsk.step\":\"%lld\",\"dsk.rank\":\"%d\",\"dsk.world_size\":\"%d\",\"dsk.attempt\":\"%016llx\"",
+                       (long long)p->step, p->rank, p->world, (unsigned long long)p->attempt);
     for (int i = 0; i < p->n; i++) {
         const dsk__ckpt_seg *g = &p->segs[i];
         dsk__ckpt_puts(b, ",");
@@ -1830,10 +1908,14 @@ static void dsk__ckpt_header_json(dsk__ckpt_buf *b, const dsk__ckpt_plan *p) {
             for (uint64_t k = 0; k < g->n_blocks; k++) dsk__ckpt_putf(b, "%08x", g->blocks[k]);
             dsk__ckpt_puts(b, "\"");
         }
-        if (g->split) {
+        if (g->boxed) {
             dsk__ckpt_puts(b, ",");
-            dsk__ckpt_put_jstr2(b, "dsk.split.", g->name);
-            dsk__ckpt_putf(b, ":\"%lld:%lld/%lld\"", (long long)g->row0, (long long)(g->row0 + g->shape[0]), (long long)g->global_rows);
+            dsk__ckpt_put_jstr2(b, "dsk.box.", g->name);
+            dsk__ckpt_puts(b, ":\"");
+            for (int d = 0; d < g->ndim; d++) dsk__ckpt_putf(b, d ? ",%lld" : "%lld", (long long)g->off[d]);
+            dsk__ckpt_puts(b, ";");
+            for (int d = 0; d < g->ndim; d++) dsk__ckpt_putf(b, d ? ",%lld" : "%lld", (long long)g->global[d]);
+            dsk__ckpt_puts(b, "\"");
         }
     }
     for (int i = 0; i < p->n_kv; i++) {
@@ -1941,7 +2023,7 @@ static dsk_status dsk__ckpt_write_plan(const char *fn, dsk__ckpt_plan *p, const 
         DSK_FREE(tmp);
         return s;
     }
-    return dsk__ckpt_commit_tmp(fn, fd, tmp, dir, base);
+    return dsk__ckpt_commit_tmp(fn, fd, tmp, dir, base, DSK__CKPT_DURABLE | DSK__CKPT_WITHDRAW);
 }
 
 DSK_API dsk_status dsk_ckpt_file_save(dsk_ctx *ctx, const char *path, const dsk_ckpt_entry *entries, int n, const dsk_ckpt_kv *kv, int n_kv) {
@@ -1968,13 +2050,31 @@ DSK_API dsk_status dsk_ckpt_file_save(dsk_ctx *ctx, const char *path, const dsk_
 /* ---------------------------------------------------------------- checkpoint directories */
 
 #define DSK__CKPT_MANIFEST "manifest.json"
+#define DSK__CKPT_ATTEMPT ".attempt"            /* rank 0 -> the other ranks: the save's nonce */
+#define DSK__CKPT_TRAILER 22                    /* bytes of the manifest's last line ,"crc32c":"..."}\n */
+
+static void dsk__ckpt_step_name(char *buf, size_t n, int64_t step) { snprintf(buf, n, "step_%08lld", (long long)step); }
 
 static char *dsk__ckpt_step_dir(const char *root, int64_t step) {
     char name[40];
-    snprintf(name, sizeof name, "step_%08lld", (long long)step);
+    dsk__ckpt_step_name(name, sizeof name, step);
     return dsk__ckpt_join(root, name);
 }
-static void dsk__ckpt_rank_name(char *buf, size_t n, int rank) { snprintf(buf, n, "rank_%05d.safetensors", rank); }
+
+/* A rank file's name: rank and the nonce of the save that wrote it. */
+static void dsk__ckpt_rank_name(char *buf, size_t n, int rank, uint64_t attempt) {
+    snprintf(buf, n, "rank_%05d.%016llx.safetensors", rank, (unsigned long long)attempt);
+}
+
+/* root/step_<step>/<rank file> for a file of a manifest. */
+static char *dsk__ckpt_file_path(const char *root, int64_t step, int rank, uint64_t attempt) {
+    char name[80], *sd = dsk__ckpt_step_dir(root, step), *p;
+    if (!sd) return NULL;
+    dsk__ckpt_rank_name(name, sizeof name, rank, attempt);
+    p = dsk__ckpt_join(sd, name);
+    DSK_FREE(sd);
+    return p;
+}
 
 /* "step_<digits>" -> step, else -1. Only the canonical spelling (dsk__ckpt_step_dir's: at
    least 8 digits, no extra leading zeros) counts, so every step has exactly one directory;
@@ -1989,7 +2089,7 @@ static int64_t dsk__ckpt_parse_step_name(const char *name) {
         v = v * 10 + (uint64_t)(*p - '0'); /* 19 digits cannot overflow uint64 */
     }
     if (v > (uint64_t)INT64_MAX) return -1;
-    snprintf(canon, sizeof canon, "step_%08lld", (long long)v);
+    dsk__ckpt_step_name(canon, sizeof canon, (int64_t)v);
     return strcmp(canon, name) == 0 ? (int64_t)v : -1;
 }
 
@@ -1998,39 +2098,23 @@ static int dsk__ckpt_exists(const char *path) {
     return stat(path, &st) == 0;
 }
 
-/* Removes every regular entry of dir (the manifest first, made durable, so a crash midway
-   leaves an incomplete checkpoint, never a complete-looking partial one). */
-static dsk_status dsk__ckpt_empty_dir(const char *fn, const char *dir) {
-    DIR *d;
-    struct dirent *de;
-    dsk_status s = DSK_OK;
-    char *man = dsk__ckpt_join(dir, DSK__CKPT_MANIFEST);
-    if (!man) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    if (unlink(man) == 0) s = dsk__ckpt_fsync_dir(fn, dir);
-    else if (errno != ENOENT) s = dsk__ckpt_io_error(fn, "remove", man);
-    DSK_FREE(man);
-    if (s != DSK_OK) return s;
-    if (!(d = opendir(dir))) return dsk__ckpt_io_error(fn, "open directory", dir);
-    while (s == DSK_OK && (de = readdir(d)) != NULL) {
-        char *p;
-        if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0) continue;
-        if (!(p = dsk__ckpt_join(dir, de->d_name))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
-        if (unlink(p) != 0 && errno != ENOENT) s = dsk__ckpt_io_error(fn, "remove", p);
-        DSK_FREE(p);
+/* A fresh 62-bit nonce (non-zero) naming one save's files: from /dev/urandom, else the clock,
+   the process and a counter. */
+static uint64_t dsk__ckpt_nonce(void) {
+    static uint64_t counter;
+    uint64_t v = 0;
+    int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        if (read(fd, &v, sizeof v) != (ssize_t)sizeof v) v = 0;
+        close(fd);
     }
-    closedir(d);
-    return s;
-}
-
-/* Rank 0, before the first barrier: the root and step directories exist and the step
-   directory is empty (a previous attempt at this step may have left files). */
-static dsk_status dsk__ckpt_prepare(const char *fn, const char *root, const char *step_dir) {
-    dsk_status s;
-    if (mkdir(root, 0755) != 0 && errno != EEXIST) return dsk__ckpt_io_error(fn, "create directory", root);
-    if (mkdir(step_dir, 0755) == 0) return dsk__ckpt_fsync_dir(fn, root);
-    if (errno != EEXIST) return dsk__ckpt_io_error(fn, "create directory", step_dir);
-    if ((s = dsk__ckpt_empty_dir(fn, step_dir)) != DSK_OK) return s;
-    return dsk__ckpt_fsync_dir(fn, step_dir);
+    if (!v) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        v = ((uint64_t)ts.tv_sec * 1000000007u) ^ (uint64_t)ts.tv_nsec ^ ((uint64_t)getpid() << 32) ^ (++counter * 0x9e3779b97f4a7c15ull);
+    }
+    v &= 0x3fffffffffffffffull;
+    return v ? v : 1;
 }
 
 /* CRC32C of a whole file from its parsed header: the header bytes' CRC combined with each
@@ -2043,7 +2127,8 @@ static dsk_status dsk__ckpt_file_crc(const char *fn, const dsk_ckpt_file *f, uin
     for (int i = 0; i < f->n_tensors; i++) order[i] = &f->tensors[i];
     qsort(order, (size_t)f->n_tensors, sizeof *order, dsk__ckpt_cmp_info_off);
     for (int i = 0; i < f->n_tensors && s == DSK_OK; i++) {
-        if (!order[i]->has_crc) s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": tensor \"%s\" has no dsk.crc32c entry", fn, f->path, order[i]->name);
+        if (!order[i]->has_crc)
+            s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": tensor \"%s\" has no dsk.crc32c entry", fn, f->path, order[i]->name);
         crc = dsk_ckpt_crc32c_combine(crc, order[i]->crc32c, order[i]->end - order[i]->begin);
     }
     DSK_FREE(order);
@@ -2063,240 +2148,690 @@ static int dsk__ckpt_parse_i64(const char *v, int64_t *out) {
     return 1;
 }
 
-/* A rank file's header metadata must name this checkpoint and rank. */
-static dsk_status dsk__ckpt_check_rank_meta(const char *fn, const dsk_ckpt_file *f, int64_t step, int rank, int world) {
-    int64_t v[3];
-    const char *fmt = dsk_ckpt_file_meta(f, "dsk.format");
-    if (!fmt || strcmp(fmt, DSK_CKPT_FORMAT) != 0 || !dsk__ckpt_parse_i64(dsk_ckpt_file_meta(f, "dsk.step"), &v[0]) ||
-        !dsk__ckpt_parse_i64(dsk_ckpt_file_meta(f, "dsk.rank"), &v[1]) || !dsk__ckpt_parse_i64(dsk_ckpt_file_meta(f, "dsk.world_size"), &v[2]))
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" lacks the dsk.format/step/rank/world_size metadata of a dsk checkpoint", fn, f->path);
-    if (v[0] != step || v[1] != rank || v[2] != world)
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" says step %lld rank %lld of %lld, expected step %lld rank %d of %d", fn, f->path,
-                             (long long)v[0], (long long)v[1], (long long)v[2], (long long)step, rank, world);
-    return DSK_OK;
-}
-
-/* Rows "start:end/rows" of a split tensor's piece. */
-static int dsk__ckpt_parse_split(const char *v, int64_t *start, int64_t *end, int64_t *rows) {
-    long long a, b, c;
-    int k = 0;
-    if (!v || sscanf(v, "%lld:%lld/%lld%n", &a, &b, &c, &k) != 3 || v[k] || a < 0 || b < a || c < b) return 0;
-    *start = a; *end = b; *rows = c;
+/* 16 hex digits exactly. */
+static int dsk__ckpt_parse_hex64(const char *s, uint64_t *out) {
+    uint32_t hi, lo;
+    char h[9];
+    if (!s || strlen(s) != 16) return 0;
+    memcpy(h, s, 8);
+    h[8] = 0;
+    if (!dsk__ckpt_parse_hex32(h, &hi) || !dsk__ckpt_parse_hex32(s + 8, &lo)) return 0;
+    *out = (uint64_t)hi << 32 | lo;
     return 1;
 }
 
-/* The "dsk.split.<name>" rows a rank file records for a tensor: 1 found and valid, 0 absent
-   (a replicated tensor), -1 malformed or out of memory. */
-static int dsk__ckpt_split_of(const dsk_ckpt_file *f, const char *name, int64_t *start, int64_t *end, int64_t *rows) {
+/* A rank file's header metadata must name the save that wrote it: step, rank, world size and
+   nonce (attempt). */
+static dsk_status dsk__ckpt_check_rank_meta(const char *fn, const dsk_ckpt_file *f, int64_t step, int rank, int world, uint64_t attempt) {
+    int64_t v[3];
+    uint64_t a = 0;
+    const char *fmt = dsk_ckpt_file_meta(f, "dsk.format");
+    if (!fmt || strcmp(fmt, DSK_CKPT_FORMAT) != 0 || !dsk__ckpt_parse_i64(dsk_ckpt_file_meta(f, "dsk.step"), &v[0]) ||
+        !dsk__ckpt_parse_i64(dsk_ckpt_file_meta(f, "dsk.rank"), &v[1]) ||
+        !dsk__ckpt_parse_i64(dsk_ckpt_file_meta(f, "dsk.world_size"), &v[2]) ||
+        !dsk__ckpt_parse_hex64(dsk_ckpt_file_meta(f, "dsk.attempt"), &a))
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" lacks the dsk.format/step/rank/world_size/attempt metadata of a dsk checkpoint",
+                             fn, f->path);
+    if (v[0] != step || v[1] != rank || v[2] != world || a != attempt)
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" says step %lld rank %lld of %lld, save %016llx; expected step %lld rank %d of %d, "
+                             "save %016llx", fn, f->path, (long long)v[0], (long long)v[1], (long long)v[2], (unsigned long long)a,
+                             (long long)step, rank, world, (unsigned long long)attempt);
+    return DSK_OK;
+}
+
+/* "o0,o1,..;g0,g1,..": a box's offset and its whole tensor's shape, ndim values each. */
+static int dsk__ckpt_parse_box(const char *v, int ndim, int64_t *off, int64_t *global) {
+    for (int part = 0; part < 2; part++) {
+        int64_t *dst = part ? global : off;
+        for (int d = 0; d < ndim; d++) {
+            char *end;
+            long long x;
+            if (*v < '0' || *v > '9') return 0;
+            errno = 0;
+            x = strtoll(v, &end, 10);
+            if (errno || x < 0) return 0;
+            dst[d] = x;
+            v = end;
+            if (d + 1 < ndim && *v++ != ',') return 0;
+        }
+        if (part == 0 && *v++ != ';') return 0;
+    }
+    return *v == 0;
+}
+
+/* The box a rank file records for a tensor ("dsk.box.<name>"): 1 found and valid, 0 absent
+   (the whole tensor), -1 malformed, outside its whole tensor, or out of memory. */
+static int dsk__ckpt_box_of(const dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t, int64_t *off, int64_t *global) {
     dsk__ckpt_buf kb;
     const char *v;
-    int r;
+    int r = 1;
     memset(&kb, 0, sizeof kb);
-    dsk__ckpt_puts(&kb, "dsk.split.");
-    dsk__ckpt_puts(&kb, name);
+    dsk__ckpt_puts(&kb, "dsk.box.");
+    dsk__ckpt_puts(&kb, t->name);
     v = kb.oom ? NULL : dsk_ckpt_file_meta(f, kb.p);
-    r = kb.oom ? -1 : !v ? 0 : dsk__ckpt_parse_split(v, start, end, rows) ? 1 : -1;
+    memset(off, 0, DSK_MAX_DIMS * sizeof *off);
+    memcpy(global, t->shape, DSK_MAX_DIMS * sizeof *global);
+    if (kb.oom) r = -1;
+    else if (!v) r = 0;
+    else if (!dsk__ckpt_parse_box(v, t->ndim, off, global) || dsk__ckpt_numel(t->ndim, global) < 0) r = -1;
+    for (int d = 0; r == 1 && d < t->ndim; d++)
+        if (off[d] > global[d] - t->shape[d]) r = -1;
     dsk__ckpt_buf_free(&kb);
     return r;
 }
 
+/* ---------------------------------------------------------------- manifests
+   The manifest lists the files of a checkpoint (the `world` files this save wrote first) and
+   where each piece of each tensor is: a slice [file, offset..., shape...] per piece. Its last
+   line carries the CRC32C of everything before it. */
+
+typedef struct dsk__ckpt_mfile {
+    int64_t step;
+    int rank, world;
+    uint64_t attempt, size;
+    uint32_t crc;
+} dsk__ckpt_mfile;
+
+typedef struct dsk__ckpt_mslice {
+    int file;
+    const int64_t *box; /* offset[ndim] then shape[ndim] */
+} dsk__ckpt_mslice;
+
+typedef struct dsk__ckpt_mtensor {
+    const char *name;
+    const dsk__ckpt_stdtype *dt;
+    int ndim;
+    int64_t shape[DSK_MAX_DIMS];
+    int first, n_slices;
+} dsk__ckpt_mtensor;
+
+typedef struct dsk__ckpt_manifest {
+    char *path, *text;
+    dsk__ckpt_json json;
+    int64_t step;
+    uint64_t generation, attempt;
+    int world;
+    dsk__ckpt_mfile *files;
+    int n_files;
+    dsk__ckpt_mtensor *tensors; /* sorted by name */
+    int n_tensors;
+    dsk__ckpt_mslice *slices;
+    int64_t *boxes;
+} dsk__ckpt_manifest;
+
+static void dsk__ckpt_manifest_free(dsk__ckpt_manifest *m) {
+    DSK_FREE(m->path);
+    DSK_FREE(m->text);
+    dsk__ckpt_json_free(&m->json);
+    DSK_FREE(m->files);
+    DSK_FREE(m->tensors);
+    DSK_FREE(m->slices);
+    DSK_FREE(m->boxes);
+    memset(m, 0, sizeof *m);
+}
+
+static int dsk__ckpt_cmp_mtensor(const void *a, const void *b) {
+    return strcmp(((const dsk__ckpt_mtensor *)a)->name, ((const dsk__ckpt_mtensor *)b)->name);
+}
+
+static dsk_status dsk__ckpt_bad_manifest(const char *fn, const dsk__ckpt_manifest *m, const char *what, const char *name) {
+    return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": %s%s%s%s", fn, m->path, what, name ? " (tensor \"" : "", name ? name : "",
+                         name ? "\")" : "");
+}
+
+/* A box of pieces tiles the whole tensor: each inside it, none overlapping, and together as
+   many elements as it has. Overlaps are found by sorting on the dim with the most distinct
+   offsets and comparing each box only with those that start before it ends there. */
+typedef struct dsk__ckpt_tbox {
+    const int64_t *off, *ext;
+    int who;
+} dsk__ckpt_tbox;
+
+static int dsk__ckpt_tile_dim;
+static int dsk__ckpt_cmp_tbox(const void *a, const void *b) {
+    const dsk__ckpt_tbox *x = (const dsk__ckpt_tbox *)a, *y = (const dsk__ckpt_tbox *)b;
+    int64_t u = x->off[dsk__ckpt_tile_dim], v = y->off[dsk__ckpt_tile_dim];
+    return u < v ? -1 : u > v;
+}
+
+static void dsk__ckpt_box_desc(char *buf, size_t n, int ndim, const int64_t *off, const int64_t *ext) {
+    size_t k = (size_t)snprintf(buf, n, "[");
+    for (int d = 0; d < ndim && k < n; d++)
+        k += (size_t)snprintf(buf + k, n - k, "%s%lld:%lld", d ? "," : "", (long long)off[d], (long long)(off[d] + ext[d]));
+    if (k < n) snprintf(buf + k, n - k, "]");
+}
+
+/* 0 when the boxes tile `shape`; else the two boxes (who) that overlap, or -1 and the
+   element count when there is a gap. Boxes must lie inside shape. tile_dim is a file-scope
+   variable for qsort: only called under the caller's single thread per process at a time. */
+static int dsk__ckpt_tiles(dsk__ckpt_tbox *b, int k, int ndim, const int64_t *shape, int *who_a, int *who_b, uint64_t *covered) {
+    int best = 0, best_n = -1;
+    uint64_t sum = 0;
+    for (int d = 0; d < ndim; d++) { /* distinct offsets per dim, by sorting */
+        int distinct = 0;
+        dsk__ckpt_tile_dim = d;
+        qsort(b, (size_t)k, sizeof *b, dsk__ckpt_cmp_tbox);
+        for (int i = 0; i < k; i++) distinct += i == 0 || b[i].off[d] != b[i - 1].off[d];
+        if (distinct > best_n) { best_n = distinct; best = d; }
+    }
+    dsk__ckpt_tile_dim = best;
+    if (ndim) qsort(b, (size_t)k, sizeof *b, dsk__ckpt_cmp_tbox);
+    for (int i = 0; i < k; i++) {
+        uint64_t vol = (uint64_t)dsk__ckpt_numel(ndim, b[i].ext);
+        sum += vol;
+        for (int j = i + 1; ndim && j < k && b[j].off[best] < b[i].off[best] + b[i].ext[best]; j++) {
+            int disjoint = vol == 0 || dsk__ckpt_numel(ndim, b[j].ext) == 0;
+            for (int d = 0; d < ndim && !disjoint; d++)
+                disjoint = b[j].off[d] >= b[i].off[d] + b[i].ext[d] || b[i].off[d] >= b[j].off[d] + b[j].ext[d];
+            if (!disjoint) { *who_a = b[i].who; *who_b = b[j].who; return 1; }
+        }
+        if (!ndim && i > 0) { *who_a = b[0].who; *who_b = b[i].who; return 1; }
+    }
+    *covered = sum;
+    return sum == (uint64_t)dsk__ckpt_numel(ndim, shape) ? 0 : -1;
+}
+
+static dsk_status dsk__ckpt_manifest_files(const char *fn, dsk__ckpt_manifest *m, int files) {
+    const dsk__ckpt_json *j = &m->json;
+    int i = 0;
+    m->n_files = dsk__ckpt_jcount(j, files);
+    if (dsk__ckpt_jtype(j, files) != DSK__CKPT_J_ARR || m->n_files < m->world)
+        return dsk__ckpt_bad_manifest(fn, m, "\"files\" is not an array of at least world_size entries", NULL);
+    if (!(m->files = (dsk__ckpt_mfile *)DSK_MALLOC((size_t)m->n_files * sizeof *m->files)))
+        return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    for (int c = dsk__ckpt_jchild(j, files); c >= 0; c = dsk__ckpt_jnext(j, c), i++) {
+        dsk__ckpt_mfile *f = &m->files[i];
+        int64_t step, rank, world, size;
+        if (dsk__ckpt_jtype(j, c) != DSK__CKPT_J_OBJ || !dsk__ckpt_jget_int(j, c, "step", &step) || step < 0 ||
+            !dsk__ckpt_jget_int(j, c, "rank", &rank) || rank < 0 || !dsk__ckpt_jget_int(j, c, "world_size", &world) ||
+            world < 1 || world > (1 << 20) || rank >= world || !dsk__ckpt_jget_int(j, c, "size", &size) || size < 8 ||
+            !dsk__ckpt_parse_hex64(dsk__ckpt_jstr(j, dsk__ckpt_jget(j, c, "attempt")), &f->attempt) || !f->attempt ||
+            !dsk__ckpt_parse_hex32(dsk__ckpt_jstr(j, dsk__ckpt_jget(j, c, "crc32c")), &f->crc))
+            return dsk__ckpt_bad_manifest(fn, m, "a \"files\" entry lacks step, rank, world_size, attempt, size or crc32c", NULL);
+        f->step = step;
+        f->rank = (int)rank;
+        f->world = (int)world;
+        f->size = (uint64_t)size;
+        /* the first world_size files are this save's own, one per rank; the rest earlier saves' */
+        if (i < m->world ? (f->attempt != m->attempt || f->step != m->step || f->rank != i || f->world != m->world)
+                         : f->attempt == m->attempt)
+            return dsk__ckpt_bad_manifest(fn, m, "\"files\" does not list this save's files first, in rank order", NULL);
+    }
+    return DSK_OK;
+}
+
+/* One tensor: dtype, whole shape, and slices [file, offset..., shape...] that tile it. */
+static dsk_status dsk__ckpt_manifest_tensor_parse(const char *fn, dsk__ckpt_manifest *m, int node, dsk__ckpt_mtensor *t, int *n_slices,
+                                                  int64_t **box_next) {
+    const dsk__ckpt_json *j = &m->json;
+    int sh = dsk__ckpt_jget(j, node, "shape"), sl = dsk__ckpt_jget(j, node, "slices"), a = 0, b = 0;
+    const char *dtype = dsk__ckpt_jtype(j, node) == DSK__CKPT_J_OBJ ? dsk__ckpt_jstr(j, dsk__ckpt_jget(j, node, "dtype")) : NULL;
+    dsk__ckpt_tbox *tb;
+    uint64_t covered = 0;
+    int r;
+    t->name = dsk__ckpt_jkey(j, node);
+    if (dsk__ckpt_jkey_nul(j, node)) return dsk__ckpt_bad_manifest(fn, m, "tensor name with a NUL character", NULL);
+    if (!dtype || !(t->dt = dsk__ckpt_stdtype_by_name(dtype))) return dsk__ckpt_bad_manifest(fn, m, "missing or unknown dtype", t->name);
+    if (sh < 0 || dsk__ckpt_jtype(j, sh) != DSK__CKPT_J_ARR || dsk__ckpt_jcount(j, sh) > DSK_MAX_DIMS)
+        return dsk__ckpt_bad_manifest(fn, m, "bad shape", t->name);
+    t->ndim = 0;
+    for (int d = dsk__ckpt_jchild(j, sh); d >= 0; d = dsk__ckpt_jnext(j, d))
+        if (!dsk__ckpt_jsize(j, d, &t->shape[t->ndim++])) return dsk__ckpt_bad_manifest(fn, m, "bad shape", t->name);
+    if (dsk__ckpt_numel(t->ndim, t->shape) < 0) return dsk__ckpt_bad_manifest(fn, m, "shape overflows", t->name);
+    if (sl < 0 || dsk__ckpt_jtype(j, sl) != DSK__CKPT_J_ARR || dsk__ckpt_jcount(j, sl) < 1)
+        return dsk__ckpt_bad_manifest(fn, m, "a tensor without slices", t->name);
+    t->first = *n_slices;
+    t->n_slices = dsk__ckpt_jcount(j, sl);
+    for (int c = dsk__ckpt_jchild(j, sl); c >= 0; c = dsk__ckpt_jnext(j, c)) {
+        dsk__ckpt_mslice *x = &m->slices[(*n_slices)++];
+        int64_t v, *box = *box_next;
+        int e = dsk__ckpt_jchild(j, c), i = 0;
+        if (dsk__ckpt_jtype(j, c) != DSK__CKPT_J_ARR || dsk__ckpt_jcount(j, c) != 1 + 2 * t->ndim || !dsk__ckpt_jsize(j, e, &v) ||
+            v >= m->n_files)
+            return dsk__ckpt_bad_manifest(fn, m, "a slice is not [file, offset..., shape...]", t->name);
+        x->file = (int)v;
+        for (e = dsk__ckpt_jnext(j, e); e >= 0; e = dsk__ckpt_jnext(j, e), i++)
+            if (!dsk__ckpt_jsize(j, e, &box[i])) return dsk__ckpt_bad_manifest(fn, m, "a slice is not [file, offset..., shape...]", t->name);
+        for (int d = 0; d < t->ndim; d++)
+            if (box[d] > t->shape[d] || box[t->ndim + d] > t->shape[d] - box[d])
+                return dsk__ckpt_bad_manifest(fn, m, "a slice lies outside its tensor", t->name);
+        x->box = box;
+        *box_next += 2 * t->ndim;
+    }
+    if (!(tb = (dsk__ckpt_tbox *)DSK_MALLOC((size_t)t->n_slices * sizeof *tb))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    for (int i = 0; i < t->n_slices; i++) {
+        tb[i].off = m->slices[t->first + i].box;
+        tb[i].ext = m->slices[t->first + i].box + t->ndim;
+        tb[i].who = i;
+    }
+    r = dsk__ckpt_tiles(tb, t->n_slices, t->ndim, t->shape, &a, &b, &covered);
+    DSK_FREE(tb);
+    if (r) return dsk__ckpt_bad_manifest(fn, m, r > 0 ? "slices overlap" : "slices leave a gap", t->name);
+    return DSK_OK;
+}
+
+/* Validates the manifest text m->text[0, len) of checkpoint `step` (any step when step < 0).
+   The trailing "crc32c" member is checked by dsk__ckpt_manifest_read, not here. */
+static dsk_status dsk__ckpt_manifest_parse(const char *fn, dsk__ckpt_manifest *m, size_t len, int64_t step) {
+    int64_t v, *box_next;
+    int top = 0, tens, files, n_slices = 0;
+    uint64_t n_box = 0, n_sl = 0;
+    const char *fmt;
+    dsk__ckpt_json *j = &m->json;
+    DSK__TRY(dsk__ckpt_json_parse(j, m->text, len, fn, m->path));
+    fmt = dsk__ckpt_jstr(j, dsk__ckpt_jget(j, top, "format"));
+    if (!fmt || strcmp(fmt, DSK_CKPT_FORMAT) != 0) return dsk__ckpt_bad_manifest(fn, m, "not a dsk-ckpt manifest", NULL);
+    if (!dsk__ckpt_jget_int(j, top, "version", &v) || v != DSK_CKPT_VERSION)
+        return dsk__ckpt_bad_manifest(fn, m, "unsupported version (this dsk reads version 2)", NULL);
+    if (!dsk__ckpt_jget_int(j, top, "step", &m->step) || m->step < 0 || (step >= 0 && m->step != step))
+        return dsk__ckpt_bad_manifest(fn, m, "step does not match the directory", NULL);
+    if (!dsk__ckpt_jget_int(j, top, "generation", &v) || v < 1) return dsk__ckpt_bad_manifest(fn, m, "bad generation", NULL);
+    m->generation = (uint64_t)v;
+    if (!dsk__ckpt_parse_hex64(dsk__ckpt_jstr(j, dsk__ckpt_jget(j, top, "attempt")), &m->attempt) || !m->attempt)
+        return dsk__ckpt_bad_manifest(fn, m, "bad attempt", NULL);
+    if (!dsk__ckpt_jget_int(j, top, "world_size", &v) || v < 1 || v > (1 << 20))
+        return dsk__ckpt_bad_manifest(fn, m, "bad world_size", NULL);
+    m->world = (int)v;
+    if ((files = dsk__ckpt_jget(j, top, "files")) < 0) return dsk__ckpt_bad_manifest(fn, m, "no \"files\"", NULL);
+    DSK__TRY(dsk__ckpt_manifest_files(fn, m, files));
+    tens = dsk__ckpt_jget(j, top, "tensors");
+    if (tens < 0 || dsk__ckpt_jtype(j, tens) != DSK__CKPT_J_OBJ) return dsk__ckpt_bad_manifest(fn, m, "no \"tensors\" object", NULL);
+    for (int c = dsk__ckpt_jchild(j, tens); c >= 0; c = dsk__ckpt_jnext(j, c)) {
+        int k = dsk__ckpt_jget(j, c, "slices"), sh = dsk__ckpt_jget(j, c, "shape");
+        uint64_t ns = k >= 0 ? (uint64_t)dsk__ckpt_jcount(j, k) : 0;
+        n_sl += ns;
+        n_box += ns * 2 * (uint64_t)(sh >= 0 ? dsk__ckpt_jcount(j, sh) : 0);
+    }
+    m->tensors = (dsk__ckpt_mtensor *)DSK_MALLOC(((size_t)dsk__ckpt_jcount(j, tens) + 1) * sizeof *m->tensors);
+    m->slices = (dsk__ckpt_mslice *)DSK_MALLOC(((size_t)n_sl + 1) * sizeof *m->slices);
+    m->boxes = (int64_t *)DSK_MALLOC(((size_t)n_box + 1) * sizeof *m->boxes);
+    if (!m->tensors || !m->slices || !m->boxes) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    box_next = m->boxes;
+    for (int c = dsk__ckpt_jchild(j, tens); c >= 0; c = dsk__ckpt_jnext(j, c)) {
+        dsk__ckpt_mtensor *t = &m->tensors[m->n_tensors];
+        memset(t, 0, sizeof *t);
+        DSK__TRY(dsk__ckpt_manifest_tensor_parse(fn, m, c, t, &n_slices, &box_next));
+        m->n_tensors++;
+    }
+    qsort(m->tensors, (size_t)m->n_tensors, sizeof *m->tensors, dsk__ckpt_cmp_mtensor);
+    for (int i = 1; i < m->n_tensors; i++)
+        if (strcmp(m->tensors[i].name, m->tensors[i - 1].name) == 0) return dsk__ckpt_bad_manifest(fn, m, "duplicate tensor", m->tensors[i].name);
+    return DSK_OK;
+}
+
+/* The manifest's last line: ,"crc32c":"<CRC32C of every byte before it>"}\n */
+static dsk_status dsk__ckpt_manifest_check_crc(const char *fn, const dsk__ckpt_manifest *m, size_t len) {
+    const char *tail = m->text + len - DSK__CKPT_TRAILER;
+    uint32_t want = 0, got;
+    char h[9];
+    if (len < DSK__CKPT_TRAILER || strncmp(tail, ",\"crc32c\":\"", 11) != 0 || strcmp(tail + 19, "\"}\n") != 0)
+        return dsk__ckpt_bad_manifest(fn, m, "no crc32c line at its end (cut short?)", NULL);
+    memcpy(h, tail + 11, 8);
+    h[8] = 0;
+    got = dsk_ckpt_crc32c(0, m->text, len - DSK__CKPT_TRAILER);
+    if (!dsk__ckpt_parse_hex32(h, &want) || got != want)
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": manifest crc32c %08x, its last line says %s (altered or damaged)", fn, m->path,
+                             got, h);
+    return DSK_OK;
+}
+
+/* Reads and validates step_dir/manifest.json for `step`. */
+static dsk_status dsk__ckpt_manifest_read(const char *fn, const char *step_dir, int64_t step, dsk__ckpt_manifest *m) {
+    size_t len = 0;
+    memset(m, 0, sizeof *m);
+    if (!(m->path = dsk__ckpt_join(step_dir, DSK__CKPT_MANIFEST))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if (!dsk__ckpt_exists(m->path) && errno == ENOENT)
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" is missing: the checkpoint is incomplete (its save did not finish)", fn, m->path);
+    DSK__TRY(dsk__ckpt_read_small(fn, m->path, (size_t)DSK_CKPT_MAX_HEADER, &m->text, &len));
+    DSK__TRY(dsk__ckpt_manifest_check_crc(fn, m, len));
+    return dsk__ckpt_manifest_parse(fn, m, len, step);
+}
+
+static const dsk__ckpt_mtensor *dsk__ckpt_manifest_find(const dsk__ckpt_manifest *m, const char *name) {
+    int lo = 0, hi = m->n_tensors - 1;
+    while (lo <= hi) {
+        int mid = lo + (hi - lo) / 2, c = strcmp(m->tensors[mid].name, name);
+        if (c == 0) return &m->tensors[mid];
+        if (c < 0) lo = mid + 1;
+        else hi = mid - 1;
+    }
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- writing manifests (rank 0) */
+
+/* One piece of a tensor as rank 0 finds it in a rank file. */
 typedef struct dsk__ckpt_piece {
     const char *name;
-    int rank, split;
-    const dsk_ckpt_tensor_info *t;
-    int64_t start, end, rows;
+    const char *dtype;     /* the safetensors dtype name (interned in the dtype table) */
+    int ndim;
+    int64_t off[DSK_MAX_DIMS], ext[DSK_MAX_DIMS], global[DSK_MAX_DIMS];
+    int file;
 } dsk__ckpt_piece;
 
 static int dsk__ckpt_cmp_piece(const void *a, const void *b) {
     const dsk__ckpt_piece *x = (const dsk__ckpt_piece *)a, *y = (const dsk__ckpt_piece *)b;
     int c = strcmp(x->name, y->name);
     if (c) return c;
-    if (x->start != y->start) return x->start < y->start ? -1 : 1;
-    return x->end < y->end ? -1 : x->end > y->end;
+    for (int d = 0; d < x->ndim && d < y->ndim; d++)
+        if (x->off[d] != y->off[d]) return x->off[d] < y->off[d] ? -1 : 1;
+    return x->file < y->file ? -1 : x->file > y->file;
 }
 
-/* Checks that the pieces of one tensor (sorted by rows) form a whole tensor; appends its
-   manifest entry. */
-static dsk_status dsk__ckpt_manifest_tensor(const char *fn, dsk__ckpt_buf *b, const dsk__ckpt_piece *pc, int k) {
-    const dsk_ckpt_tensor_info *t0 = pc[0].t;
-    int64_t pos = 0;
-    char x[160], y[160];
-    if (!pc[0].split) {
-        if (k != 1 || pc[0].rank != 0)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: replicated tensor \"%s\" found in rank %d's file (only rank 0 writes it)", fn, pc[0].name,
-                                 pc[k - 1].rank);
-    } else {
-        for (int i = 0; i < k; i++) {
-            const dsk_ckpt_tensor_info *t = pc[i].t;
-            if (!pc[i].split || t->dtype_name != t0->dtype_name || t->ndim != t0->ndim || pc[i].rows != pc[0].rows ||
-                memcmp(t->shape + 1, t0->shape + 1, (size_t)(t->ndim - 1) * sizeof(int64_t)) != 0)
-                return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": rank %d saved %s of %lld rows, rank %d saved %s of %lld rows", fn,
-                                     pc[0].name, pc[0].rank, dsk__ckpt_desc(x, sizeof x, t0->ndim, t0->shape, t0->dtype_name),
-                                     (long long)pc[0].rows, pc[i].rank, dsk__ckpt_desc(y, sizeof y, t->ndim, t->shape, t->dtype_name),
-                                     (long long)pc[i].rows);
-            if (pc[i].start != pos)
-                return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": rank %d holds rows [%lld, %lld) but the rows before end at %lld (%s)", fn,
-                                     pc[0].name, pc[i].rank, (long long)pc[i].start, (long long)pc[i].end, (long long)pos,
-                                     pc[i].start > pos ? "gap" : "overlap");
-            pos = pc[i].end;
+/* Checks that the k pieces of one tensor agree on dtype and whole shape and tile it;
+   appends the tensor's manifest entry. files: for messages (the writing rank of each). */
+static dsk_status dsk__ckpt_manifest_tensor(const char *fn, dsk__ckpt_buf *b, const dsk__ckpt_piece *pc, int k, const dsk__ckpt_mfile *files) {
+    const dsk__ckpt_piece *p0 = &pc[0];
+    dsk__ckpt_tbox *tb = (dsk__ckpt_tbox *)DSK_MALLOC((size_t)k * sizeof *tb);
+    uint64_t covered = 0;
+    int wa = 0, wb = 0, r;
+    char x[200], y[200];
+    if (!tb) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    for (int i = 0; i < k; i++) {
+        if (pc[i].dtype != p0->dtype || pc[i].ndim != p0->ndim || memcmp(pc[i].global, p0->global, (size_t)p0->ndim * sizeof(int64_t))) {
+            DSK_FREE(tb);
+            return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": rank %d saved a piece of %s, rank %d of %s", fn, p0->name,
+                                 files[p0->file].rank, dsk__ckpt_desc(x, sizeof x, p0->ndim, p0->global, p0->dtype), files[pc[i].file].rank,
+                                 dsk__ckpt_desc(y, sizeof y, pc[i].ndim, pc[i].global, pc[i].dtype));
         }
-        if (pos != pc[0].rows)
-            return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": the ranks hold rows [0, %lld) of %lld", fn, pc[0].name, (long long)pos,
-                                 (long long)pc[0].rows);
+        tb[i].off = pc[i].off;
+        tb[i].ext = pc[i].ext;
+        tb[i].who = i;
     }
+    r = dsk__ckpt_tiles(tb, k, p0->ndim, p0->global, &wa, &wb, &covered);
+    DSK_FREE(tb);
+    if (r > 0) {
+        dsk__ckpt_box_desc(x, sizeof x, p0->ndim, pc[wa].off, pc[wa].ext);
+        dsk__ckpt_box_desc(y, sizeof y, p0->ndim, pc[wb].off, pc[wb].ext);
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": rank %d's piece %s and rank %d's piece %s overlap", fn, p0->name,
+                             files[pc[wa].file].rank, x, files[pc[wb].file].rank, y);
+    }
+    if (r < 0)
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" %s: the ranks' pieces hold %llu of its %lld elements (a gap)", fn, p0->name,
+                             dsk__ckpt_desc(x, sizeof x, p0->ndim, p0->global, p0->dtype), (unsigned long long)covered,
+                             (long long)dsk__ckpt_numel(p0->ndim, p0->global));
     dsk__ckpt_puts(b, b->n && b->p[b->n - 1] == '{' ? "\n " : ",\n ");
-    dsk__ckpt_put_jstr(b, pc[0].name);
-    dsk__ckpt_putf(b, ":{\"dtype\":\"%s\",\"shape\":[", t0->dtype_name);
-    for (int d = 0; d < t0->ndim; d++)
-        dsk__ckpt_putf(b, d ? ",%lld" : "%lld", (long long)(d == 0 && pc[0].split ? pc[0].rows : t0->shape[d]));
-    if (!pc[0].split) { dsk__ckpt_puts(b, "],\"split_dim\":-1,\"rank\":0}"); return DSK_OK; }
-    dsk__ckpt_puts(b, "],\"split_dim\":0,\"slices\":[");
-    for (int i = 0; i < k; i++) dsk__ckpt_putf(b, "%s[%d,%lld,%lld]", i ? "," : "", pc[i].rank, (long long)pc[i].start, (long long)pc[i].end);
+    dsk__ckpt_put_jstr(b, p0->name);
+    dsk__ckpt_putf(b, ":{\"dtype\":\"%s\",\"shape\":[", p0->dtype);
+    for (int d = 0; d < p0->ndim; d++) dsk__ckpt_putf(b, d ? ",%lld" : "%lld", (long long)p0->global[d]);
+    dsk__ckpt_puts(b, "],\"slices\":[");
+    for (int i = 0; i < k; i++) {
+        dsk__ckpt_putf(b, "%s[%d", i ? "," : "", pc[i].file);
+        for (int d = 0; d < p0->ndim; d++) dsk__ckpt_putf(b, ",%lld", (long long)pc[i].off[d]);
+        for (int d = 0; d < p0->ndim; d++) dsk__ckpt_putf(b, ",%lld", (long long)pc[i].ext[d]);
+        dsk__ckpt_puts(b, "]");
+    }
     dsk__ckpt_puts(b, "]}");
     return DSK_OK;
 }
 
-/* Rank 0, after every rank file is durable: reads their headers (never their data) and
-   writes the manifest. */
-static dsk_status dsk__ckpt_write_manifest(const char *fn, const char *step_dir, int64_t step, int world) {
+/* The pieces of every tensor in file f (the file-th of the manifest). Only rank 0 writes
+   whole tensors. */
+static dsk_status dsk__ckpt_file_pieces(const char *fn, const dsk_ckpt_file *f, int file, int rank, dsk__ckpt_piece *out, int *np) {
+    for (int i = 0; i < f->n_tensors; i++) {
+        const dsk_ckpt_tensor_info *t = &f->tensors[i];
+        dsk__ckpt_piece *pc = &out[(*np)++];
+        int k = dsk__ckpt_box_of(f, t, pc->off, pc->global);
+        if (k < 0) return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": dsk.box.%s is malformed or outside its tensor", fn, f->path, t->name);
+        if (k == 0 && rank != 0)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: whole tensor \"%s\" found in rank %d's file (only rank 0 writes it)", fn, t->name, rank);
+        pc->name = t->name;
+        pc->dtype = t->dtype_name;
+        pc->ndim = t->ndim;
+        memcpy(pc->ext, t->shape, sizeof pc->ext);
+        pc->file = file;
+    }
+    return DSK_OK;
+}
+
+/* The manifest text of a save: header line, files, tensors from the pieces (sorted here),
+   and the CRC line. */
+static dsk_status dsk__ckpt_manifest_text(const char *fn, dsk__ckpt_buf *b, int64_t step, uint64_t generation, uint64_t attempt, int world,
+                                          const dsk__ckpt_mfile *files, int n_files, dsk__ckpt_piece *pcs, int np) {
+    uint32_t crc;
+    dsk__ckpt_putf(b, "{\"format\":\"%s\",\"version\":%d,\"attempt\":\"%016llx\",", DSK_CKPT_FORMAT, DSK_CKPT_VERSION,
+                   (unsigned long long)attempt);
+    dsk__ckpt_putf(b, "\"step\":%lld,\"generation\":%llu,\"world_size\":%d,\n\"files\":[", (long long)step,
+                   (unsigned long long)generation, world);
+    for (int i = 0; i < n_files; i++) {
+        dsk__ckpt_putf(b, "%s\n {\"step\":%lld,\"rank\":%d,\"world_size\":%d,", i ? "," : "", (long long)files[i].step, files[i].rank,
+                       files[i].world);
+        dsk__ckpt_putf(b, "\"attempt\":\"%016llx\",\"size\":%llu,\"crc32c\":\"%08x\"}", (unsigned long long)files[i].attempt,
+                       (unsigned long long)files[i].size, files[i].crc);
+    }
+    dsk__ckpt_puts(b, "],\n\"tensors\":{");
+    qsort(pcs, (size_t)np, sizeof *pcs, dsk__ckpt_cmp_piece);
+    for (int i = 0, k; i < np; i += k) {
+        for (k = 1; i + k < np && strcmp(pcs[i + k].name, pcs[i].name) == 0; k++) {}
+        DSK__TRY(dsk__ckpt_manifest_tensor(fn, b, pcs + i, k, files));
+    }
+    dsk__ckpt_puts(b, "}");
+    if (b->oom) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory for the manifest", fn);
+    crc = dsk_ckpt_crc32c(0, b->p, b->n);
+    dsk__ckpt_putf(b, ",\"crc32c\":\"%08x\"}\n", crc);
+    if (b->oom) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory for the manifest", fn);
+    return DSK_OK;
+}
+
+/* Rank 0, after every rank's file is durable: reads their headers (never their data), checks
+   that the pieces tile every tensor and writes the manifest: the commit point of the save. */
+static dsk_status dsk__ckpt_write_manifest(const char *fn, const char *root, const char *step_dir, int64_t step, int world,
+                                           uint64_t attempt, uint64_t generation, dsk__ckpt_mfile **files_out, int *n_files_out) {
     dsk_ckpt_file *files = (dsk_ckpt_file *)DSK_MALLOC((size_t)world * sizeof *files);
+    dsk__ckpt_mfile *mf = (dsk__ckpt_mfile *)DSK_MALLOC((size_t)world * sizeof *mf);
     dsk__ckpt_piece *pcs = NULL;
     dsk__ckpt_buf b;
     dsk_status s = DSK_OK;
     int np = 0, total = 0;
     memset(&b, 0, sizeof b);
-    if (!files) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if (!files || !mf) { DSK_FREE(files); DSK_FREE(mf); return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); }
     memset(files, 0, (size_t)world * sizeof *files);
-    dsk__ckpt_putf(&b, "{\"format\":\"%s\",\"version\":%d,\"step\":%lld,\"world_size\":%d,\n\"files\":[", DSK_CKPT_FORMAT, DSK_CKPT_VERSION,
-                 (long long)step, world);
     for (int r = 0; r < world && s == DSK_OK; r++) {
-        char name[48], *path;
-        uint32_t crc = 0;
-        dsk__ckpt_rank_name(name, sizeof name, r);
-        if (!(path = dsk__ckpt_join(step_dir, name))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
+        char *path = dsk__ckpt_file_path(root, step, r, attempt);
+        if (!path) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
         s = dsk_ckpt_file_open(&files[r], path);
         if (s != DSK_OK && !dsk__ckpt_exists(path))
             s = dsk_set_error(DSK_ERR_PEER, "%s: rank %d did not write \"%s\" (its save failed)", fn, r, path);
         DSK_FREE(path);
         if (s == DSK_OK) { close(files[r].fd); files[r].has_fd = 0; }
-        if (s == DSK_OK) s = dsk__ckpt_check_rank_meta(fn, &files[r], step, r, world);
-        if (s == DSK_OK) s = dsk__ckpt_file_crc(fn, &files[r], &crc);
-        dsk__ckpt_putf(&b, "%s\n {\"rank\":%d,\"name\":\"%s\",\"size\":%llu,\"crc32c\":\"%08x\"}", r ? "," : "", r, name,
-                     (unsigned long long)files[r].file_size, crc);
+        if (s == DSK_OK) s = dsk__ckpt_check_rank_meta(fn, &files[r], step, r, world, attempt);
+        if (s == DSK_OK) s = dsk__ckpt_file_crc(fn, &files[r], &mf[r].crc);
+        mf[r].step = step;
+        mf[r].rank = r;
+        mf[r].world = world;
+        mf[r].attempt = attempt;
+        mf[r].size = files[r].file_size;
         total += files[r].n_tensors;
     }
-    if (s == DSK_OK && !(pcs = (dsk__ckpt_piece *)DSK_MALLOC(((size_t)total + 1) * sizeof *pcs))) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    for (int r = 0; r < world && s == DSK_OK; r++)
-        for (int i = 0; i < files[r].n_tensors && s == DSK_OK; i++) {
-            dsk__ckpt_piece *pc = &pcs[np++];
-            int k;
-            pc->name = files[r].tensors[i].name;
-            pc->rank = r;
-            pc->t = &files[r].tensors[i];
-            pc->start = 0;
-            pc->end = pc->rows = pc->t->ndim ? pc->t->shape[0] : 1;
-            k = dsk__ckpt_split_of(&files[r], pc->name, &pc->start, &pc->end, &pc->rows);
-            pc->split = k == 1;
-            if (k < 0 || (k == 1 && (pc->t->ndim < 1 || pc->end - pc->start != pc->t->shape[0])))
-                s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": dsk.split.%s is malformed or does not match its shape", fn, files[r].path, pc->name);
-        }
-    if (s == DSK_OK) {
-        qsort(pcs, (size_t)np, sizeof *pcs, dsk__ckpt_cmp_piece);
-        dsk__ckpt_puts(&b, "],\n\"tensors\":{");
-        for (int i = 0, k; i < np && s == DSK_OK; i += k) {
-            for (k = 1; i + k < np && strcmp(pcs[i + k].name, pcs[i].name) == 0; k++) {}
-            s = dsk__ckpt_manifest_tensor(fn, &b, pcs + i, k);
-        }
-        dsk__ckpt_puts(&b, "}}\n");
-        if (s == DSK_OK && b.oom) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for the manifest", fn);
-    }
-    if (s == DSK_OK) s = dsk__ckpt_write_small(fn, step_dir, DSK__CKPT_MANIFEST, b.p, b.n);
+    if (s == DSK_OK && !(pcs = (dsk__ckpt_piece *)DSK_MALLOC(((size_t)total + 1) * sizeof *pcs)))
+        s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    for (int r = 0; r < world && s == DSK_OK; r++) s = dsk__ckpt_file_pieces(fn, &files[r], r, r, pcs, &np);
+    if (s == DSK_OK) s = dsk__ckpt_manifest_text(fn, &b, step, generation, attempt, world, mf, world, pcs, np);
+    if (s == DSK_OK) s = dsk__ckpt_write_small(fn, step_dir, DSK__CKPT_MANIFEST, b.p, b.n, DSK__CKPT_DURABLE);
+    if (s == DSK_OK) { *files_out = mf; *n_files_out = world; mf = NULL; }
     for (int r = 0; r < world; r++) dsk_ckpt_file_close(&files[r]);
     DSK_FREE(files);
+    DSK_FREE(mf);
     DSK_FREE(pcs);
     dsk__ckpt_buf_free(&b);
     return s;
 }
 
-static int dsk__ckpt_cmp_i64_desc(const void *a, const void *b) {
-    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
-    return x > y ? -1 : x < y;
+/* ---------------------------------------------------------------- the directory's checkpoints */
+
+/* A step directory as a scan finds it. */
+enum { DSK__CKPT_INCOMPLETE, DSK__CKPT_COMPLETE, DSK__CKPT_DAMAGED };
+typedef struct dsk__ckpt_scan_ent {
+    int64_t step;
+    int state;
+    dsk_status error;      /* DAMAGED: why (DSK_ERR_CORRUPT: damaged; others: unreadable) */
+    uint64_t generation;   /* COMPLETE */
+    int n_files;
+    dsk__ckpt_mfile *files; /* COMPLETE: the files its manifest references */
+} dsk__ckpt_scan_ent;
+
+typedef struct dsk__ckpt_scan {
+    dsk__ckpt_scan_ent *e;
+    int n;
+    char first_error[1024]; /* the message of the first unreadable manifest */
+} dsk__ckpt_scan;
+
+static void dsk__ckpt_scan_free(dsk__ckpt_scan *sc) {
+    for (int i = 0; i < sc->n; i++) DSK_FREE(sc->e[i].files);
+    DSK_FREE(sc->e);
+    memset(sc, 0, sizeof *sc);
 }
 
-/* Steps of the step_* directories under root, newest first; those with a manifest only
-   when `complete`. *n = 0 and DSK_OK when root does not exist. */
-static dsk_status dsk__ckpt_list_steps(const char *fn, const char *root, int complete, int64_t **steps, int *n) {
+static int dsk__ckpt_cmp_scan_step(const void *a, const void *b) {
+    int64_t x = ((const dsk__ckpt_scan_ent *)a)->step, y = ((const dsk__ckpt_scan_ent *)b)->step;
+    return x > y ? -1 : x < y; /* newest step first */
+}
+
+/* Every step directory under root with the state of its manifest; DSK_OK and none when root
+   does not exist. Only a failure to list root (or memory) is an error: manifests that cannot
+   be read are DAMAGED entries with their status. */
+static dsk_status dsk__ckpt_scan_dir(const char *fn, const char *root, dsk__ckpt_scan *sc) {
     DIR *d = opendir(root);
     struct dirent *de;
     int cap = 0;
-    *steps = NULL;
-    *n = 0;
+    dsk_status s = DSK_OK;
+    memset(sc, 0, sizeof *sc);
     if (!d) return errno == ENOENT ? DSK_OK : dsk__ckpt_io_error(fn, "open directory", root);
-    while ((de = readdir(d)) != NULL) {
+    while (s == DSK_OK && (de = readdir(d)) != NULL) {
         int64_t st = dsk__ckpt_parse_step_name(de->d_name);
+        dsk__ckpt_scan_ent *x;
+        dsk__ckpt_manifest m;
+        char *sd, *man;
         if (st < 0) continue;
-        if (complete) {
-            char *sd = dsk__ckpt_step_dir(root, st), *man = sd ? dsk__ckpt_join(sd, DSK__CKPT_MANIFEST) : NULL;
-            int ok = man && dsk__ckpt_exists(man);
-            DSK_FREE(sd);
-            DSK_FREE(man);
-            if (!ok) continue;
-        }
-        if (*n == cap) {
-            int64_t *q = (int64_t *)DSK_MALLOC((size_t)(cap ? cap * 2 : 16) * sizeof *q);
-            if (!q) { closedir(d); DSK_FREE(*steps); *steps = NULL; *n = 0; return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); }
-            if (*n) memcpy(q, *steps, (size_t)*n * sizeof *q);
-            DSK_FREE(*steps);
-            *steps = q;
+        if (sc->n == cap) {
+            dsk__ckpt_scan_ent *q = (dsk__ckpt_scan_ent *)DSK_MALLOC((size_t)(cap ? cap * 2 : 16) * sizeof *q);
+            if (!q) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
+            if (sc->n) memcpy(q, sc->e, (size_t)sc->n * sizeof *q);
+            DSK_FREE(sc->e);
+            sc->e = q;
             cap = cap ? cap * 2 : 16;
         }
-        (*steps)[(*n)++] = st;
+        x = &sc->e[sc->n++];
+        memset(x, 0, sizeof *x);
+        memset(&m, 0, sizeof m);
+        x->step = st;
+        sd = dsk__ckpt_step_dir(root, st);
+        man = sd ? dsk__ckpt_join(sd, DSK__CKPT_MANIFEST) : NULL;
+        if (!man) { DSK_FREE(sd); s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
+        if (!dsk__ckpt_exists(man) && errno == ENOENT) x->state = DSK__CKPT_INCOMPLETE;
+        else if ((x->error = dsk__ckpt_manifest_read(fn, sd, st, &m)) == DSK_OK) {
+            x->state = DSK__CKPT_COMPLETE;
+            x->generation = m.generation;
+            x->n_files = m.n_files;
+            x->files = m.files; /* kept */
+            m.files = NULL;
+        } else {
+            x->state = DSK__CKPT_DAMAGED;
+            if (x->error == DSK_ERR_OOM) s = x->error;
+            else if (x->error != DSK_ERR_CORRUPT && !sc->first_error[0]) snprintf(sc->first_error, sizeof sc->first_error, "%s", dsk_last_error());
+        }
+        dsk__ckpt_manifest_free(&m);
+        DSK_FREE(sd);
+        DSK_FREE(man);
     }
     closedir(d);
-    if (*n) qsort(*steps, (size_t)*n, sizeof **steps, dsk__ckpt_cmp_i64_desc);
+    if (s != DSK_OK) { dsk__ckpt_scan_free(sc); return s; }
+    if (sc->n) qsort(sc->e, (size_t)sc->n, sizeof *sc->e, dsk__ckpt_cmp_scan_step);
     return DSK_OK;
 }
 
-/* Deletes a complete checkpoint: manifest first (durably), then its files, then the directory. */
-static dsk_status dsk__ckpt_delete_step(const char *fn, const char *root, int64_t step) {
-    char *sd = dsk__ckpt_step_dir(root, step);
-    dsk_status s;
-    if (!sd) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    s = dsk__ckpt_empty_dir(fn, sd);
-    if (s == DSK_OK && rmdir(sd) != 0) s = dsk__ckpt_io_error(fn, "remove directory", sd);
-    if (s == DSK_OK) s = dsk__ckpt_fsync_dir(fn, root);
-    DSK_FREE(sd);
-    return s;
-}
-
-/* Keeps the newest keep_last complete checkpoints at or below `step`. */
-static dsk_status dsk__ckpt_rotate(const char *fn, const char *root, int64_t step, int keep_last) {
-    int64_t *steps;
-    int n, kept = 0;
-    dsk_status s = dsk__ckpt_list_steps(fn, root, 1, &steps, &n);
-    for (int i = 0; i < n && s == DSK_OK; i++) {
-        if (steps[i] > step) continue;
-        if (kept++ < keep_last) continue;
-        s = dsk__ckpt_delete_step(fn, root, steps[i]);
+/* 1 when (step, rank, attempt) is among the files of a COMPLETE entry other than `skip`. */
+static int dsk__ckpt_file_live(const dsk__ckpt_scan *sc, int skip, int64_t step, int rank, uint64_t attempt) {
+    for (int i = 0; i < sc->n; i++) {
+        if (i == skip || sc->e[i].state != DSK__CKPT_COMPLETE) continue;
+        for (int k = 0; k < sc->e[i].n_files; k++)
+            if (sc->e[i].files[k].attempt == attempt && sc->e[i].files[k].rank == rank && sc->e[i].files[k].step == step) return 1;
     }
-    DSK_FREE(steps);
+    return 0;
+}
+
+/* Removes the files of scan entry `dead` (a manifest just deleted or replaced) that no other
+   complete checkpoint references, and its step directory if that leaves it empty. */
+static dsk_status dsk__ckpt_drop_files(const char *fn, const char *root, const dsk__ckpt_scan *sc, int dead, const dsk__ckpt_mfile *files,
+                                       int n_files) {
+    dsk_status s = DSK_OK;
+    for (int k = 0; k < n_files && s == DSK_OK; k++) {
+        const dsk__ckpt_mfile *f = &files[k];
+        char *path;
+        if (dsk__ckpt_file_live(sc, dead, f->step, f->rank, f->attempt)) continue;
+        if (!(path = dsk__ckpt_file_path(root, f->step, f->rank, f->attempt))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        if (unlink(path) != 0 && errno != ENOENT) s = dsk__ckpt_io_error(fn, "remove", path);
+        DSK_FREE(path);
+    }
+    for (int k = 0; k < n_files && s == DSK_OK; k++) { /* rmdir fails harmlessly on a directory still in use */
+        char *sd = dsk__ckpt_step_dir(root, files[k].step);
+        if (!sd) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        if (rmdir(sd) == 0) s = dsk__ckpt_fsync_dir(fn, root);
+        DSK_FREE(sd);
+    }
     return s;
 }
 
-/* ---------------------------------------------------------------- collective save */
+/* Deletes complete checkpoint `i` of the scan: its manifest first (made durable), then its
+   files that no other checkpoint references. */
+static dsk_status dsk__ckpt_delete_entry(const char *fn, const char *root, dsk__ckpt_scan *sc, int i) {
+    char *sd = dsk__ckpt_step_dir(root, sc->e[i].step), *man = sd ? dsk__ckpt_join(sd, DSK__CKPT_MANIFEST) : NULL;
+    dsk_status s = DSK_OK;
+    if (!man) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    else if (unlink(man) != 0 && errno != ENOENT) s = dsk__ckpt_io_error(fn, "remove", man);
+    else s = dsk__ckpt_fsync_dir(fn, sd);
+    sc->e[i].state = DSK__CKPT_INCOMPLETE;
+    if (s == DSK_OK) s = dsk__ckpt_drop_files(fn, root, sc, i, sc->e[i].files, sc->e[i].n_files);
+    DSK_FREE(sd);
+    DSK_FREE(man);
+    return s;
+}
+
+/* Keeps the newest keep_last complete checkpoints at or below `step` (the scan holds the new
+   one already). */
+static dsk_status dsk__ckpt_rotate(const char *fn, const char *root, dsk__ckpt_scan *sc, int64_t step, int keep_last) {
+    int kept = 0;
+    for (int i = 0; i < sc->n; i++) {
+        if (sc->e[i].state != DSK__CKPT_COMPLETE || sc->e[i].step > step) continue;
+        if (kept++ < keep_last) continue;
+        DSK__TRY(dsk__ckpt_delete_entry(fn, root, sc, i));
+    }
+    return DSK_OK;
+}
+
+/* The largest generation among complete checkpoints, 0 when none. */
+static uint64_t dsk__ckpt_max_generation(const dsk__ckpt_scan *sc) {
+    uint64_t g = 0;
+    for (int i = 0; i < sc->n; i++)
+        if (sc->e[i].state == DSK__CKPT_COMPLETE && sc->e[i].generation > g) g = sc->e[i].generation;
+    return g;
+}
+
+/* ---------------------------------------------------------------- collective save
+   Rank 0 prepares (directories, the save's nonce, published in DIR/.attempt for the others),
+   every rank writes its file, rank 0 writes the manifest (the commit point), then tidies up
+   (latest pointer, rotation). The ranks meet at a barrier between the phases; every rank makes
+   all three calls even when its own part failed. */
 
 typedef struct dsk__ckpt_job {
     dsk__ckpt_plan plan;
     char *root;
     dsk_ckpt_opts opts;
+    uint64_t seq;            /* the save's number on this checkpointer, the same on every rank */
     pthread_t thread;
-    dsk_status status;
+    dsk_status status;       /* preset: a rank that cannot take part (bad arguments) */
     char msg[1024];
+    dsk_ckpt_save_info info;
+    dsk__ckpt_scan scan;      /* rank 0: the directory just before the commit */
+    dsk__ckpt_mfile *files;   /* rank 0: the new manifest's files */
+    int n_files;
 } dsk__ckpt_job;
 
 static void dsk__ckpt_job_free(dsk__ckpt_job *job) {
     if (!job) return;
     dsk__ckpt_plan_free(&job->plan);
+    dsk__ckpt_scan_free(&job->scan);
+    DSK_FREE(job->files);
     DSK_FREE(job->root);
     DSK_FREE(job);
 }
@@ -2319,39 +2854,176 @@ static dsk_status dsk__ckpt_barrier(const char *fn, const dsk_ckpt_opts *o, int 
                          inner[0] ? inner : dsk_status_str(s));
 }
 
-/* The save protocol (see the top of the file). A barrier failure ends it at once: the
-   group is broken. Any other failure is kept and reported after the remaining barriers. */
+/* DIR/.attempt: "dsk-attempt <step> <seq> <nonce> <status>\n<message>". Rank 0 writes it before
+   the first barrier (status 0: go on with nonce; else its error), the others read it after. */
+static dsk_status dsk__ckpt_publish_attempt(const char *fn, const dsk__ckpt_job *job, uint64_t nonce, dsk_status s, const char *msg) {
+    char text[1200];
+    int n = snprintf(text, sizeof text, "dsk-attempt %lld %llu %016llx %d\n%s", (long long)job->plan.step, (unsigned long long)job->seq,
+                     (unsigned long long)nonce, (int)s, s == DSK_OK ? "" : msg);
+    return dsk__ckpt_write_small(fn, job->root, DSK__CKPT_ATTEMPT, text, (size_t)n < sizeof text ? (size_t)n : sizeof text - 1, 0);
+}
+
+/* A non-zero rank: the nonce rank 0 published for this save, or rank 0's error. */
+static dsk_status dsk__ckpt_read_attempt(const char *fn, const dsk__ckpt_job *job, uint64_t *nonce) {
+    char *path = dsk__ckpt_join(job->root, DSK__CKPT_ATTEMPT), *text = NULL, *nl;
+    long long step;
+    unsigned long long seq, a;
+    int st = -1, k = 0;
+    size_t len;
+    dsk_status s;
+    if (!path) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    s = dsk__ckpt_read_small(fn, path, 4096, &text, &len);
+    if (s == DSK_OK && (sscanf(text, "dsk-attempt %lld %llu %llx %d%n", &step, &seq, &a, &st, &k) != 4 || step != job->plan.step ||
+                        seq != job->seq || text[k] != '\n'))
+        s = dsk_set_error(DSK_ERR_PEER, "%s: rank %d: \"%s\" is not rank 0's for save %llu of step %lld: rank 0 failed before it",
+                          fn, job->opts.rank, path, (unsigned long long)job->seq, (long long)job->plan.step);
+    else if (s != DSK_OK)
+        s = dsk_set_error(DSK_ERR_PEER, "%s: rank %d: rank 0 published no \"%s\" for step %lld: it failed before the first barrier", fn,
+                          job->opts.rank, path, (long long)job->plan.step);
+    else if (st != DSK_OK) {
+        nl = text + k + 1;
+        s = dsk_set_error(st > 0 && st < DSK_STATUS_COUNT ? (dsk_status)st : DSK_ERR_PEER, "%s", nl);
+    } else *nonce = (uint64_t)a;
+    DSK_FREE(path);
+    DSK_FREE(text);
+    return s;
+}
+
+/* Rank 0, before the first barrier: the root and step directories exist and the save's nonce
+   is published. Nothing that exists is changed: an earlier save of this step stays loadable
+   until the new manifest replaces it. */
+static dsk_status dsk__ckpt_prepare(const char *fn, const dsk__ckpt_job *job, const char *step_dir, uint64_t *nonce) {
+    if (mkdir(job->root, 0755) != 0 && errno != EEXIST) return dsk__ckpt_io_error(fn, "create directory", job->root);
+    if (mkdir(step_dir, 0755) == 0) DSK__TRY(dsk__ckpt_fsync_dir(fn, job->root));
+    else if (errno != EEXIST) return dsk__ckpt_io_error(fn, "create directory", step_dir);
+    *nonce = dsk__ckpt_nonce();
+    return DSK_OK;
+}
+
+/* Puts the committed checkpoint (job->files) into the scan in place of its step's entry;
+   *old gets that entry's files (an earlier save of the step), to be dropped. */
+static dsk_status dsk__ckpt_scan_commit(const char *fn, dsk__ckpt_job *job, dsk__ckpt_mfile **old, int *n_old) {
+    dsk__ckpt_scan *sc = &job->scan;
+    dsk__ckpt_scan_ent *x = NULL;
+    *old = NULL;
+    *n_old = 0;
+    for (int i = 0; i < sc->n && !x; i++)
+        if (sc->e[i].step == job->plan.step) x = &sc->e[i];
+    if (!x) {
+        dsk__ckpt_scan_ent *q = (dsk__ckpt_scan_ent *)DSK_MALLOC((size_t)(sc->n + 1) * sizeof *q);
+        if (!q) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        if (sc->n) memcpy(q, sc->e, (size_t)sc->n * sizeof *q);
+        DSK_FREE(sc->e);
+        sc->e = q;
+        x = &sc->e[sc->n++];
+        memset(x, 0, sizeof *x);
+    } else if (x->state == DSK__CKPT_COMPLETE) {
+        *old = x->files;
+        *n_old = x->n_files;
+    } else DSK_FREE(x->files);
+    x->step = job->plan.step;
+    x->state = DSK__CKPT_COMPLETE;
+    x->generation = job->info.generation;
+    x->files = job->files;
+    x->n_files = job->n_files;
+    job->files = NULL;
+    qsort(sc->e, (size_t)sc->n, sizeof *sc->e, dsk__ckpt_cmp_scan_step);
+    return DSK_OK;
+}
+
+/* Rank 0, after the commit point: `latest` (for people; not made durable), the files of an
+   earlier save of this step, rotation. Failures go to info.cleanup, never to the save. */
+static void dsk__ckpt_tidy(const char *fn, dsk__ckpt_job *job) {
+    char latest[40];
+    dsk__ckpt_mfile *old = NULL;
+    int n_old = 0;
+    dsk_status s = DSK_OK;
+    snprintf(latest, sizeof latest, "step_%08lld\n", (long long)job->plan.step);
+    s = dsk__ckpt_write_small(fn, job->root, "latest", latest, strlen(latest), 0);
+    if (s == DSK_OK) s = dsk__ckpt_scan_commit(fn, job, &old, &n_old);
+    if (s == DSK_OK && old) s = dsk__ckpt_drop_files(fn, job->root, &job->scan, -1, old, n_old);
+    if (s == DSK_OK && job->opts.keep_last > 0) s = dsk__ckpt_rotate(fn, job->root, &job->scan, job->plan.step, job->opts.keep_last);
+    if (s != DSK_OK) {
+        job->info.cleanup = s;
+        snprintf(job->info.cleanup_error, sizeof job->info.cleanup_error, "%s", dsk_last_error());
+    }
+    DSK_FREE(old);
+}
+
+/* Rank 0 between the second and the third barrier: the scan (for the generation and, after the
+   commit, for tidying) and the manifest. */
+static dsk_status dsk__ckpt_commit(const char *fn, dsk__ckpt_job *job, const char *step_dir, uint64_t nonce) {
+    int64_t step = job->plan.step;
+    int world = job->opts.world_size;
+    DSK__TRY(dsk__ckpt_scan_dir(fn, job->root, &job->scan));
+    job->info.generation = dsk__ckpt_max_generation(&job->scan) + 1;
+    DSK__TRY(dsk__ckpt_write_manifest(fn, job->root, step_dir, step, world, nonce, job->info.generation, &job->files, &job->n_files));
+    return DSK_OK;
+}
+
+/* A non-zero rank after the last barrier: the save succeeded when the step's manifest is the
+   one of this save (its first line names the nonce). */
+static dsk_status dsk__ckpt_check_committed(const char *fn, const dsk__ckpt_job *job, const char *step_dir, uint64_t nonce) {
+    char *man = dsk__ckpt_join(step_dir, DSK__CKPT_MANIFEST), head[160], want[48];
+    int fd;
+    ssize_t k = -1;
+    if (!man) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if ((fd = open(man, O_RDONLY | O_CLOEXEC | O_NONBLOCK)) >= 0) {
+        k = pread(fd, head, sizeof head - 1, 0);
+        close(fd);
+    }
+    head[k > 0 ? k : 0] = 0;
+    snprintf(want, sizeof want, "\"attempt\":\"%016llx\"", (unsigned long long)nonce);
+    DSK_FREE(man);
+    if (strstr(head, want)) return DSK_OK;
+    return dsk_set_error(DSK_ERR_PEER, "%s: rank %d: step %lld has no manifest of this save after it: it failed on rank 0 or another rank",
+                         fn, job->opts.rank, (long long)job->plan.step);
+}
+
+/* The save protocol. A barrier failure ends it at once: the group is broken. Any other failure
+   is kept and reported after the remaining barriers. */
 static dsk_status dsk__ckpt_run(dsk__ckpt_job *job) {
     const char *fn = "dsk_ckpt_save";
     const dsk_ckpt_opts *o = &job->opts;
     int64_t step = job->plan.step;
-    char *step_dir = dsk__ckpt_step_dir(job->root, step), name[48], msg[1024] = "";
-    dsk_status first = DSK_OK, s;
+    char *step_dir = dsk__ckpt_step_dir(job->root, step), name[80], msg[1024] = "";
+    dsk_status first = DSK_OK, s = DSK_OK;
+    uint64_t nonce = 0;
+    int committed = 0;
+    job->info.step = step;
+    if (job->status != DSK_OK) dsk__ckpt_keep(&first, msg, sizeof msg, dsk_set_error(job->status, "%s", job->msg));
     if (!step_dir) dsk__ckpt_keep(&first, msg, sizeof msg, dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn));
-    if (first == DSK_OK && o->rank == 0) dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_prepare(fn, job->root, step_dir));
-    if ((s = dsk__ckpt_barrier(fn, o, 1, step)) != DSK_OK) { DSK_FREE(step_dir); return s; }
-    dsk__ckpt_rank_name(name, sizeof name, o->rank);
-    if (first == DSK_OK) dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_write_plan(fn, &job->plan, step_dir, name));
-    if ((s = dsk__ckpt_barrier(fn, o, 2, step)) != DSK_OK) { DSK_FREE(step_dir); return s; }
+    if (o->rank == 0) {
+        if (first == DSK_OK) dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_prepare(fn, job, step_dir, &nonce));
+        if (o->world_size > 1) dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_publish_attempt(fn, job, nonce, first, msg));
+    }
+    if ((s = dsk__ckpt_barrier(fn, o, 1, step)) != DSK_OK) goto broken;
+    if (o->rank != 0 && first == DSK_OK) dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_read_attempt(fn, job, &nonce));
+    job->plan.attempt = nonce;
+    dsk__ckpt_rank_name(name, sizeof name, o->rank, nonce);
+    if (first == DSK_OK) {
+        dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_write_plan(fn, &job->plan, step_dir, name));
+        if (first == DSK_OK) { job->info.bytes_written = job->plan.total; job->info.tensors_written = job->plan.n; }
+    }
+    if ((s = dsk__ckpt_barrier(fn, o, 2, step)) != DSK_OK) goto broken;
     if (first == DSK_OK && o->rank == 0) {
-        char latest[40];
-        dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_write_manifest(fn, step_dir, step, o->world_size));
-        snprintf(latest, sizeof latest, "step_%08lld\n", (long long)step);
-        if (first == DSK_OK) dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_write_small(fn, job->root, "latest", latest, strlen(latest)));
-        if (first == DSK_OK && o->keep_last > 0) dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_rotate(fn, job->root, step, o->keep_last));
+        dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_commit(fn, job, step_dir, nonce));
+        committed = first == DSK_OK;
     }
-    if ((s = dsk__ckpt_barrier(fn, o, 3, step)) != DSK_OK) { DSK_FREE(step_dir); return s; }
-    if (first == DSK_OK && o->rank != 0) {
-        char *man = dsk__ckpt_join(step_dir, DSK__CKPT_MANIFEST);
-        if (!man || !dsk__ckpt_exists(man))
-            dsk__ckpt_keep(&first, msg, sizeof msg,
-                         dsk_set_error(DSK_ERR_PEER, "%s: rank %d: step %lld has no manifest after the save: it failed on rank 0 or another rank",
-                                       fn, o->rank, (long long)step));
-        DSK_FREE(man);
+    if ((s = dsk__ckpt_barrier(fn, o, 3, step)) != DSK_OK) goto broken;
+    if (first == DSK_OK && o->rank != 0) dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_check_committed(fn, job, step_dir, nonce));
+    if (o->rank == 0 && o->world_size > 1) { /* every rank has read it */
+        char *att = dsk__ckpt_join(job->root, DSK__CKPT_ATTEMPT);
+        if (att) unlink(att);
+        DSK_FREE(att);
     }
+    if (committed) dsk__ckpt_tidy(fn, job);
     DSK_FREE(step_dir);
     if (first != DSK_OK) return dsk_set_error(first, "%s", msg);
     return DSK_OK;
+broken:
+    DSK_FREE(step_dir);
+    return s;
 }
 
 static void *dsk__ckpt_thread(void *arg) {
@@ -2366,6 +3038,7 @@ DSK_API dsk_status dsk_ckpt_init(dsk_ckpt *ck, const char *dir, const dsk_ckpt_o
     dsk_ckpt_opts o;
     if (!ck) return dsk_set_error(DSK_ERR_ARG, "%s: ck is NULL", fn);
     memset(ck, 0, sizeof *ck);
+    ck->last.step = -1;
     memset(&o, 0, sizeof o);
     if (opts) o = *opts;
     if (!dir || !*dir) return dsk_set_error(DSK_ERR_ARG, "%s: directory is NULL or empty", fn);
@@ -2390,10 +3063,13 @@ DSK_API dsk_status dsk_ckpt_wait(dsk_ckpt *ck) {
     pthread_join(job->thread, NULL);
     ck->job = NULL;
     s = job->status;
-    if (s != DSK_OK) dsk_set_error(s, "%s", job->msg);
+    if (s == DSK_OK) ck->last = job->info;
+    else dsk_set_error(s, "%s", job->msg);
     dsk__ckpt_job_free(job);
     return s;
 }
+
+DSK_API const dsk_ckpt_save_info *dsk_ckpt_last_save(const dsk_ckpt *ck) { return ck ? &ck->last : NULL; }
 
 DSK_API void dsk_ckpt_free(dsk_ckpt *ck) {
     if (!ck) return;
@@ -2403,9 +3079,29 @@ DSK_API void dsk_ckpt_free(dsk_ckpt *ck) {
     memset(ck, 0, sizeof *ck);
 }
 
+/* A job saving `step` (plan empty; the caller numbers it). */
+static dsk_status dsk__ckpt_job_new(const char *fn, dsk_ckpt *ck, int64_t step, dsk__ckpt_job **out) {
+    dsk__ckpt_job *job = (dsk__ckpt_job *)DSK_MALLOC(sizeof *job);
+    *out = NULL;
+    if (!job) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    memset(job, 0, sizeof *job);
+    job->opts = ck->opts;
+    job->plan.rank_file = 1;
+    job->plan.step = step;
+    job->plan.rank = ck->opts.rank;
+    job->plan.world = ck->opts.world_size;
+    job->info.step = -1;
+    if (!(job->root = dsk__ckpt_strdup(ck->dir))) {
+        DSK_FREE(job);
+        return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    }
+    *out = job;
+    return DSK_OK;
+}
+
 /* Shared front half of the two saves: wait for the previous one, validate, snapshot. */
 static dsk_status dsk__ckpt_save_begin(const char *fn, dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n,
-                                     const dsk_ckpt_kv *kv, int n_kv, int copy_all, dsk__ckpt_job **out) {
+                                       const dsk_ckpt_kv *kv, int n_kv, int copy_all, dsk__ckpt_job **out) {
     dsk__ckpt_job *job;
     dsk_status s;
     *out = NULL;
@@ -2416,15 +3112,8 @@ static dsk_status dsk__ckpt_save_begin(const char *fn, dsk_ckpt *ck, int64_t ste
         return dsk_set_error(s, "%s: step %lld not saved: the previous async save failed: %s", fn, (long long)step, inner);
     }
     if (step < 0) return dsk_set_error(DSK_ERR_ARG, "%s: step %lld < 0", fn, (long long)step);
-    if (!(job = (dsk__ckpt_job *)DSK_MALLOC(sizeof *job))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    memset(job, 0, sizeof *job);
-    job->opts = ck->opts;
-    job->plan.rank_file = 1;
-    job->plan.step = step;
-    job->plan.rank = ck->opts.rank;
-    job->plan.world = ck->opts.world_size;
-    if (!(job->root = dsk__ckpt_strdup(ck->dir))) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    if (s == DSK_OK) s = dsk__ckpt_plan_build(fn, &job->plan, entries, n, kv, n_kv, ck->opts.ctx);
+    DSK__TRY(dsk__ckpt_job_new(fn, ck, step, &job));
+    s = dsk__ckpt_plan_build(fn, &job->plan, entries, n, kv, n_kv, ck->opts.ctx);
     if (s == DSK_OK && (copy_all || dsk__ckpt_needs_stage(&job->plan)) && ck->stage_bytes < job->plan.total) {
         DSK_FREE(ck->stage);
         ck->stage_bytes = 0;
@@ -2438,14 +3127,19 @@ static dsk_status dsk__ckpt_save_begin(const char *fn, dsk_ckpt *ck, int64_t ste
     return DSK_OK;
 }
 
-/* A rank that cannot take part in a save still meets the others at the three barriers, so
-   they fail (rank 0 finds its file missing and writes no manifest) instead of waiting. */
-static dsk_status dsk__ckpt_abstain(const char *fn, const dsk_ckpt *ck, int64_t step, dsk_status s) {
+/* A rank that cannot take part in a save still runs the protocol with its error, so the
+   others fail (no manifest) instead of waiting. */
+static dsk_status dsk__ckpt_abstain(const char *fn, dsk_ckpt *ck, int64_t step, dsk_status s) {
+    dsk__ckpt_job *job;
     char msg[1024];
     if (!ck || !ck->dir || ck->opts.world_size <= 1) return s;
     snprintf(msg, sizeof msg, "%s", dsk_last_error());
-    for (int i = 1; i <= 3; i++)
-        if (dsk__ckpt_barrier(fn, &ck->opts, i, step) != DSK_OK) break;
+    if (ck->job || dsk__ckpt_job_new(fn, ck, step < 0 ? 0 : step, &job) != DSK_OK) return dsk_set_error(s, "%s", msg);
+    job->seq = ++ck->n_saves;
+    job->status = s;
+    snprintf(job->msg, sizeof job->msg, "%s", msg);
+    dsk__ckpt_run(job);
+    dsk__ckpt_job_free(job);
     return dsk_set_error(s, "%s", msg);
 }
 
@@ -2453,7 +3147,9 @@ DSK_API dsk_status dsk_ckpt_save(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entr
     dsk__ckpt_job *job;
     dsk_status s = dsk__ckpt_save_begin("dsk_ckpt_save", ck, step, entries, n, kv, n_kv, 0, &job);
     if (s != DSK_OK) return dsk__ckpt_abstain("dsk_ckpt_save", ck, step, s);
+    job->seq = ++ck->n_saves;
     s = dsk__ckpt_run(job);
+    if (s == DSK_OK) ck->last = job->info;
     dsk__ckpt_job_free(job);
     return s;
 }
@@ -2463,6 +3159,7 @@ DSK_API dsk_status dsk_ckpt_save_async(dsk_ckpt *ck, int64_t step, const dsk_ckp
     int e;
     dsk_status s = dsk__ckpt_save_begin("dsk_ckpt_save_async", ck, step, entries, n, kv, n_kv, 1, &job);
     if (s != DSK_OK) return dsk__ckpt_abstain("dsk_ckpt_save_async", ck, step, s);
+    job->seq = ++ck->n_saves;
     if ((e = pthread_create(&job->thread, NULL, dsk__ckpt_thread, job)) != 0) {
         dsk__ckpt_job_free(job);
         s = dsk_set_error(DSK_ERR_STATE, "dsk_ckpt_save_async: cannot start the writer thread: %s", strerror(e));
@@ -2474,213 +3171,35 @@ DSK_API dsk_status dsk_ckpt_save_async(dsk_ckpt *ck, int64_t step, const dsk_ckp
 
 /* ---------------------------------------------------------------- reading checkpoints */
 
-typedef struct dsk__ckpt_mslice {
-    int rank;
-    int64_t start, end;
-} dsk__ckpt_mslice;
-
-typedef struct dsk__ckpt_mtensor {
-    const char *name;
-    const dsk__ckpt_stdtype *dt;
-    int ndim;
-    int64_t shape[DSK_MAX_DIMS];
-    int split;
-    int first, n_slices;
-} dsk__ckpt_mtensor;
-
-typedef struct dsk__ckpt_manifest {
-    char *path, *text;
-    dsk__ckpt_json json;
-    int64_t step;
-    int world;
-    uint64_t *sizes;
-    uint32_t *crcs;
-    dsk__ckpt_mtensor *tensors; /* sorted by name */
-    int n_tensors;
-    dsk__ckpt_mslice *slices;
-} dsk__ckpt_manifest;
-
-static void dsk__ckpt_manifest_free(dsk__ckpt_manifest *m) {
-    DSK_FREE(m->path);
-    DSK_FREE(m->text);
-    dsk__ckpt_json_free(&m->json);
-    DSK_FREE(m->sizes);
-    DSK_FREE(m->crcs);
-    DSK_FREE(m->tensors);
-    DSK_FREE(m->slices);
-    memset(m, 0, sizeof *m);
-}
-
-static int dsk__ckpt_cmp_mtensor(const void *a, const void *b) {
-    return strcmp(((const dsk__ckpt_mtensor *)a)->name, ((const dsk__ckpt_mtensor *)b)->name);
-}
-
-static dsk_status dsk__ckpt_bad_manifest(const char *fn, const dsk__ckpt_manifest *m, const char *what, const char *name) {
-    return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": %s%s%s%s", fn, m->path, what, name ? " (tensor \"" : "", name ? name : "", name ? "\")" : "");
-}
-
-static dsk_status dsk__ckpt_manifest_files(const char *fn, dsk__ckpt_manifest *m, int files) {
-    const dsk__ckpt_json *j = &m->json;
-    int i = 0;
-    if (dsk__ckpt_jtype(j, files) != DSK__CKPT_J_ARR || dsk__ckpt_jcount(j, files) != m->world)
-        return dsk__ckpt_bad_manifest(fn, m, "\"files\" is not an array of world_size entries", NULL);
-    for (int c = dsk__ckpt_jchild(j, files); c >= 0; c = dsk__ckpt_jnext(j, c), i++) {
-        int64_t rank, size;
-        char want[48];
-        const char *name;
-        if (dsk__ckpt_jtype(j, c) != DSK__CKPT_J_OBJ || !dsk__ckpt_jget_int(j, c, "rank", &rank) || rank != i ||
-            !dsk__ckpt_jget_int(j, c, "size", &size) || size < 8 ||
-            !dsk__ckpt_parse_hex32(dsk__ckpt_jstr(j, dsk__ckpt_jget(j, c, "crc32c")), &m->crcs[i]))
-            return dsk__ckpt_bad_manifest(fn, m, "a \"files\" entry lacks rank (in order), size or crc32c", NULL);
-        dsk__ckpt_rank_name(want, sizeof want, i);
-        name = dsk__ckpt_jstr(j, dsk__ckpt_jget(j, c, "name"));
-        if (!name || strcmp(name, want) != 0) return dsk__ckpt_bad_manifest(fn, m, "a \"files\" entry has an unexpected name", name);
-        m->sizes[i] = (uint64_t)size;
-    }
-    return DSK_OK;
-}
-
-/* One tensor: dtype, global shape, and either split_dim -1 with rank 0 or split_dim 0 with
-   slices [[rank, start, end], ...] covering the rows in order. */
-static dsk_status dsk__ckpt_manifest_tensor_parse(const char *fn, dsk__ckpt_manifest *m, int node, dsk__ckpt_mtensor *t, int *n_slices) {
-    const dsk__ckpt_json *j = &m->json;
-    int sh = dsk__ckpt_jget(j, node, "shape"), sd = dsk__ckpt_jget(j, node, "split_dim"), sl;
-    int64_t split_dim, pos = 0;
-    t->name = dsk__ckpt_jkey(j, node);
-    if (dsk__ckpt_jkey_nul(j, node)) return dsk__ckpt_bad_manifest(fn, m, "tensor name with a NUL character", NULL);
-    const char *dtype = dsk__ckpt_jtype(j, node) == DSK__CKPT_J_OBJ ? dsk__ckpt_jstr(j, dsk__ckpt_jget(j, node, "dtype")) : NULL;
-    if (!dtype || !(t->dt = dsk__ckpt_stdtype_by_name(dtype))) return dsk__ckpt_bad_manifest(fn, m, "missing or unknown dtype", t->name);
-    if (sh < 0 || dsk__ckpt_jtype(j, sh) != DSK__CKPT_J_ARR || dsk__ckpt_jcount(j, sh) > DSK_MAX_DIMS) return dsk__ckpt_bad_manifest(fn, m, "bad shape", t->name);
-    t->ndim = 0;
-    for (int d = dsk__ckpt_jchild(j, sh); d >= 0; d = dsk__ckpt_jnext(j, d))
-        if (!dsk__ckpt_jint(j, d, &t->shape[t->ndim++]) || t->shape[t->ndim - 1] < 0) return dsk__ckpt_bad_manifest(fn, m, "bad shape", t->name);
-    if (dsk__ckpt_numel(t->ndim, t->shape) < 0) return dsk__ckpt_bad_manifest(fn, m, "shape overflows", t->name);
-    if (sd < 0 || !dsk__ckpt_jint(j, sd, &split_dim) || (split_dim != -1 && split_dim != 0) || (split_dim == 0 && t->ndim < 1))
-        return dsk__ckpt_bad_manifest(fn, m, "split_dim is neither -1 nor 0", t->name);
-    t->split = split_dim == 0;
-    t->first = *n_slices;
-    if (!t->split) {
-        int64_t r;
-        if (!dsk__ckpt_jget_int(j, node, "rank", &r) || r != 0) return dsk__ckpt_bad_manifest(fn, m, "replicated tensor not held by rank 0", t->name);
-        m->slices[*n_slices].rank = 0;
-        m->slices[*n_slices].start = 0;
-        m->slices[*n_slices].end = t->ndim ? t->shape[0] : 1;
-        (*n_slices)++;
-        t->n_slices = 1;
-        return DSK_OK;
-    }
-    sl = dsk__ckpt_jget(j, node, "slices");
-    if (sl < 0 || dsk__ckpt_jtype(j, sl) != DSK__CKPT_J_ARR || dsk__ckpt_jcount(j, sl) < 1) return dsk__ckpt_bad_manifest(fn, m, "split tensor without slices", t->name);
-    for (int c = dsk__ckpt_jchild(j, sl); c >= 0; c = dsk__ckpt_jnext(j, c)) {
-        int64_t v[3];
-        int e = dsk__ckpt_jchild(j, c), k = 0;
-        if (dsk__ckpt_jtype(j, c) != DSK__CKPT_J_ARR || dsk__ckpt_jcount(j, c) != 3) return dsk__ckpt_bad_manifest(fn, m, "a slice is not [rank, start, end]", t->name);
-        for (; e >= 0; e = dsk__ckpt_jnext(j, e), k++)
-            if (!dsk__ckpt_jint(j, e, &v[k])) return dsk__ckpt_bad_manifest(fn, m, "a slice is not [rank, start, end]", t->name);
-        if (v[0] < 0 || v[0] >= m->world || v[1] != pos || v[2] < v[1] || v[2] > t->shape[0])
-            return dsk__ckpt_bad_manifest(fn, m, "slices do not tile the rows in order", t->name);
-        pos = v[2];
-        m->slices[*n_slices].rank = (int)v[0];
-        m->slices[*n_slices].start = v[1];
-        m->slices[*n_slices].end = v[2];
-        (*n_slices)++;
-    }
-    if (pos != t->shape[0]) return dsk__ckpt_bad_manifest(fn, m, "slices do not cover every row", t->name);
-    t->n_slices = *n_slices - t->first;
-    return DSK_OK;
-}
-
-/* Validates the manifest text m->text[0, len) of checkpoint `step` (any step when step < 0). */
-static dsk_status dsk__ckpt_manifest_parse(const char *fn, dsk__ckpt_manifest *m, size_t len, int64_t step) {
-    int64_t v;
-    int top = 0, tens, n_slices = 0, cap = 0;
-    const char *fmt;
-    dsk_status s;
-    dsk__ckpt_json *j = &m->json;
-    if ((s = dsk__ckpt_json_parse(j, m->text, len, fn, m->path)) != DSK_OK) return s;
-    fmt = dsk__ckpt_jstr(j, dsk__ckpt_jget(j, top, "format"));
-    if (!fmt || strcmp(fmt, DSK_CKPT_FORMAT) != 0) return dsk__ckpt_bad_manifest(fn, m, "not a dsk-ckpt manifest", NULL);
-    if (!dsk__ckpt_jget_int(j, top, "version", &v) || v != DSK_CKPT_VERSION)
-        return dsk__ckpt_bad_manifest(fn, m, "unsupported version", NULL);
-    if (!dsk__ckpt_jget_int(j, top, "step", &m->step) || m->step < 0 || (step >= 0 && m->step != step))
-        return dsk__ckpt_bad_manifest(fn, m, "step does not match the directory", NULL);
-    if (!dsk__ckpt_jget_int(j, top, "world_size", &v) || v < 1 || v > (1 << 20))
-        return dsk__ckpt_bad_manifest(fn, m, "bad world_size", NULL);
-    m->world = (int)v;
-    m->sizes = (uint64_t *)DSK_MALLOC((size_t)m->world * sizeof *m->sizes);
-    m->crcs = (uint32_t *)DSK_MALLOC((size_t)m->world * sizeof *m->crcs);
-    if (!m->sizes || !m->crcs) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    if (dsk__ckpt_jget(j, top, "files") < 0) return dsk__ckpt_bad_manifest(fn, m, "no \"files\"", NULL);
-    if ((s = dsk__ckpt_manifest_files(fn, m, dsk__ckpt_jget(j, top, "files"))) != DSK_OK) return s;
-    tens = dsk__ckpt_jget(j, top, "tensors");
-    if (tens < 0 || dsk__ckpt_jtype(j, tens) != DSK__CKPT_J_OBJ) return dsk__ckpt_bad_manifest(fn, m, "no \"tensors\" object", NULL);
-    for (int c = dsk__ckpt_jchild(j, tens); c >= 0; c = dsk__ckpt_jnext(j, c)) {
-        int k = dsk__ckpt_jget(j, c, "slices");
-        cap += 1 + (k >= 0 ? dsk__ckpt_jcount(j, k) : 0);
-    }
-    m->tensors = (dsk__ckpt_mtensor *)DSK_MALLOC(((size_t)dsk__ckpt_jcount(j, tens) + 1) * sizeof *m->tensors);
-    m->slices = (dsk__ckpt_mslice *)DSK_MALLOC(((size_t)cap + 1) * sizeof *m->slices);
-    if (!m->tensors || !m->slices) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    for (int c = dsk__ckpt_jchild(j, tens); c >= 0; c = dsk__ckpt_jnext(j, c)) {
-        dsk__ckpt_mtensor *t = &m->tensors[m->n_tensors];
-        memset(t, 0, sizeof *t);
-        if ((s = dsk__ckpt_manifest_tensor_parse(fn, m, c, t, &n_slices)) != DSK_OK) return s;
-        m->n_tensors++;
-    }
-    qsort(m->tensors, (size_t)m->n_tensors, sizeof *m->tensors, dsk__ckpt_cmp_mtensor);
-    for (int i = 1; i < m->n_tensors; i++)
-        if (strcmp(m->tensors[i].name, m->tensors[i - 1].name) == 0) return dsk__ckpt_bad_manifest(fn, m, "duplicate tensor", m->tensors[i].name);
-    return DSK_OK;
-}
-
-/* Reads and validates step_dir/manifest.json for `step`. */
-static dsk_status dsk__ckpt_manifest_read(const char *fn, const char *step_dir, int64_t step, dsk__ckpt_manifest *m) {
-    size_t len = 0;
-    dsk_status s;
-    memset(m, 0, sizeof *m);
-    if (!(m->path = dsk__ckpt_join(step_dir, DSK__CKPT_MANIFEST))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    if (!dsk__ckpt_exists(m->path) && errno == ENOENT)
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" is missing: the checkpoint is incomplete (its save did not finish)", fn, m->path);
-    if ((s = dsk__ckpt_read_small(fn, m->path, (size_t)DSK_CKPT_MAX_HEADER, &m->text, &len)) != DSK_OK) return s;
-    return dsk__ckpt_manifest_parse(fn, m, len, step);
-}
-
-static const dsk__ckpt_mtensor *dsk__ckpt_manifest_find(const dsk__ckpt_manifest *m, const char *name) {
-    int lo = 0, hi = m->n_tensors - 1;
-    while (lo <= hi) {
-        int mid = lo + (hi - lo) / 2, c = strcmp(m->tensors[mid].name, name);
-        if (c == 0) return &m->tensors[mid];
-        if (c < 0) lo = mid + 1;
-        else hi = mid - 1;
-    }
-    return NULL;
-}
-
-/* Opens rank r's file and checks it against the manifest: size, metadata, whole-file CRC
-   (from the header bytes and the recorded tensor CRCs, which reads check in turn). */
-static dsk_status dsk__ckpt_open_rank(const char *fn, const char *step_dir, const dsk__ckpt_manifest *m, int r, dsk_ckpt_file *f) {
-    char name[48], *path;
+/* Opens file i of the manifest and checks it against its entry: size, metadata, whole-file
+   CRC (from the header bytes and the recorded tensor CRCs, which reads check in turn). A file
+   the manifest names but the disk lacks is damage (DSK_ERR_CORRUPT). */
+static dsk_status dsk__ckpt_open_file(const char *fn, const char *root, const dsk__ckpt_manifest *m, int i, dsk_ckpt_file *f) {
+    const dsk__ckpt_mfile *e = &m->files[i];
+    char *path = dsk__ckpt_file_path(root, e->step, e->rank, e->attempt);
     uint32_t crc;
     dsk_status s;
-    dsk__ckpt_rank_name(name, sizeof name, r);
-    if (!(path = dsk__ckpt_join(step_dir, name))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if (!path) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     s = dsk_ckpt_file_open(f, path);
+    if (s == DSK_ERR_IO && !dsk__ckpt_exists(path) && errno == ENOENT)
+        s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\", named by \"%s\", is missing (the checkpoint is damaged)", fn, path, m->path);
     DSK_FREE(path);
     if (s != DSK_OK) return s;
-    if (f->file_size != m->sizes[r])
+    if (f->file_size != e->size)
         s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" has %llu bytes, the manifest says %llu", fn, f->path, (unsigned long long)f->file_size,
-                          (unsigned long long)m->sizes[r]);
-    if (s == DSK_OK) s = dsk__ckpt_check_rank_meta(fn, f, m->step, r, m->world);
+                          (unsigned long long)e->size);
+    if (s == DSK_OK) s = dsk__ckpt_check_rank_meta(fn, f, e->step, e->rank, e->world, e->attempt);
     if (s == DSK_OK) s = dsk__ckpt_file_crc(fn, f, &crc);
-    if (s == DSK_OK && crc != m->crcs[r])
+    if (s == DSK_OK && crc != e->crc)
         s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": header or recorded checksums altered: file crc32c %08x, the manifest says %08x", fn,
-                          f->path, crc, m->crcs[r]);
+                          f->path, crc, e->crc);
     if (s != DSK_OK) dsk_ckpt_file_close(f);
     return s;
 }
 
 typedef struct dsk__ckpt_reader {
     const char *fn;
+    const char *root;
     char *step_dir;
     dsk__ckpt_manifest man;
     dsk_ckpt_file *files; /* opened on first use */
@@ -2688,7 +3207,7 @@ typedef struct dsk__ckpt_reader {
 
 static void dsk__ckpt_reader_free(dsk__ckpt_reader *rd) {
     if (rd->files)
-        for (int r = 0; r < rd->man.world; r++) dsk_ckpt_file_close(&rd->files[r]);
+        for (int i = 0; i < rd->man.n_files; i++) dsk_ckpt_file_close(&rd->files[i]);
     DSK_FREE(rd->files);
     DSK_FREE(rd->step_dir);
     dsk__ckpt_manifest_free(&rd->man);
@@ -2696,104 +3215,117 @@ static void dsk__ckpt_reader_free(dsk__ckpt_reader *rd) {
 }
 
 static dsk_status dsk__ckpt_reader_open(const char *fn, dsk__ckpt_reader *rd, const char *root, int64_t step) {
-    dsk_status s;
     memset(rd, 0, sizeof *rd);
     rd->fn = fn;
+    rd->root = root;
     if (!(rd->step_dir = dsk__ckpt_step_dir(root, step))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    if ((s = dsk__ckpt_manifest_read(fn, rd->step_dir, step, &rd->man)) != DSK_OK) return s;
-    rd->files = (dsk_ckpt_file *)DSK_MALLOC((size_t)rd->man.world * sizeof *rd->files);
+    DSK__TRY(dsk__ckpt_manifest_read(fn, rd->step_dir, step, &rd->man));
+    rd->files = (dsk_ckpt_file *)DSK_MALLOC((size_t)rd->man.n_files * sizeof *rd->files);
     if (!rd->files) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    memset(rd->files, 0, (size_t)rd->man.world * sizeof *rd->files);
+    memset(rd->files, 0, (size_t)rd->man.n_files * sizeof *rd->files);
     return DSK_OK;
 }
 
-static dsk_status dsk__ckpt_reader_file(dsk__ckpt_reader *rd, int r, dsk_ckpt_file **f) {
+static dsk_status dsk__ckpt_reader_file(dsk__ckpt_reader *rd, int i, dsk_ckpt_file **f) {
     dsk_status s = DSK_OK;
-    if (!rd->files[r].mem) s = dsk__ckpt_open_rank(rd->fn, rd->step_dir, &rd->man, r, &rd->files[r]);
-    *f = &rd->files[r];
+    if (!rd->files[i].mem) s = dsk__ckpt_open_file(rd->fn, rd->root, &rd->man, i, &rd->files[i]);
+    *f = &rd->files[i];
     return s;
 }
 
 /* "[8,256,128] bf16" of the checkpoint's tensor and of what the entry asks for. */
-static dsk_status dsk__ckpt_mismatch(const char *fn, const dsk__ckpt_reader *rd, const dsk__ckpt_mtensor *t, const dsk_ckpt_entry *e) {
+static dsk_status dsk__ckpt_mismatch(const char *fn, const dsk__ckpt_reader *rd, const dsk__ckpt_mtensor *t, const dsk_ckpt_entry *e,
+                                     const int64_t *global) {
     char a[160], b[160];
-    int64_t shape[DSK_MAX_DIMS];
     const dsk_tensor *x = e->tensor;
-    memcpy(shape, x->shape, sizeof shape);
-    if (e->split && x->ndim > 0) shape[0] = e->global_rows;
     return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" (%s): file has %s, model has %s%s", fn, e->name, rd->man.path,
                          dsk__ckpt_desc(a, sizeof a, t->ndim, t->shape, t->dt->dsk >= 0 ? dsk_dtype_name((dsk_dtype)t->dt->dsk) : t->dt->name),
-                         dsk__ckpt_desc(b, sizeof b, x->ndim, shape, dsk_dtype_name(x->dtype)),
-                         t->ndim == x->ndim && !memcmp(t->shape, shape, (size_t)x->ndim * sizeof(int64_t)) ? " (set allow_cast to convert)" : "");
+                         dsk__ckpt_desc(b, sizeof b, x->ndim, global, dsk_dtype_name(x->dtype)),
+                         t->ndim == x->ndim && !memcmp(t->shape, global, (size_t)x->ndim * sizeof(int64_t)) ? " (set allow_cast to convert)" : "");
 }
 
 /* The piece of manifest tensor t that slice sl places in file f: it must be there, with the
-   manifest's dtype, its rows and the manifest's other dims. */
+   manifest's dtype and the slice's shape and box. */
 static dsk_status dsk__ckpt_find_piece(const char *fn, dsk_ckpt_file *f, const dsk__ckpt_mtensor *t, const dsk__ckpt_mslice *sl,
                                        const dsk_ckpt_tensor_info **out) {
     const dsk_ckpt_tensor_info *ft;
-    int64_t fs = 0, fe = 0, fr = 0;
-    int k = dsk_ckpt_file_find(f, t->name), sp;
-    char d1[160], d2[160];
+    int64_t off[DSK_MAX_DIMS], global[DSK_MAX_DIMS];
+    int k = dsk_ckpt_file_find(f, t->name), b;
+    char d1[160], d2[160], d3[200];
     if (k < 0) return dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" is missing from \"%s\"", fn, t->name, f->path);
     ft = &f->tensors[k];
-    sp = dsk__ckpt_split_of(f, t->name, &fs, &fe, &fr);
-    if (sp != t->split || (sp == 1 && (fs != sl->start || fe != sl->end || fr != t->shape[0])))
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" in \"%s\" does not hold the rows [%lld, %lld) the manifest expects", fn,
-                             t->name, f->path, (long long)sl->start, (long long)sl->end);
-    if (ft->dtype_name != t->dt->name || ft->ndim != t->ndim || (t->ndim && ft->shape[0] != sl->end - sl->start) ||
-        (t->ndim > 1 && memcmp(ft->shape + 1, t->shape + 1, (size_t)(t->ndim - 1) * sizeof(int64_t)) != 0))
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" in \"%s\" is %s, the manifest expects rows [%lld, %lld) of %s", fn,
-                             t->name, f->path, dsk__ckpt_desc(d1, sizeof d1, ft->ndim, ft->shape, ft->dtype_name), (long long)sl->start,
-                             (long long)sl->end, dsk__ckpt_desc(d2, sizeof d2, t->ndim, t->shape, t->dt->name));
+    dsk__ckpt_box_desc(d3, sizeof d3, t->ndim, sl->box, sl->box + t->ndim);
+    if (ft->dtype_name != t->dt->name || ft->ndim != t->ndim || memcmp(ft->shape, sl->box + t->ndim, (size_t)t->ndim * sizeof(int64_t)))
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" in \"%s\" is %s, the manifest expects the box %s of %s", fn, t->name,
+                             f->path, dsk__ckpt_desc(d1, sizeof d1, ft->ndim, ft->shape, ft->dtype_name), d3,
+                             dsk__ckpt_desc(d2, sizeof d2, t->ndim, t->shape, t->dt->name));
+    b = dsk__ckpt_box_of(f, ft, off, global);
+    if (b < 0 || memcmp(off, sl->box, (size_t)t->ndim * sizeof(int64_t)) || memcmp(global, t->shape, (size_t)t->ndim * sizeof(int64_t)))
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" in \"%s\" does not hold the box %s the manifest expects", fn, t->name,
+                             f->path, d3);
     *out = ft;
     return DSK_OK;
 }
 
-/* Copies the rows [a, b) an entry asks for out of every piece that overlaps them. */
+/* dst's view of the box (off, ext) of the whole tensor, given dst holds the box at `base`. */
+static dsk_status dsk__ckpt_sub_view(const dsk_tensor *dst, const int64_t *base, const int64_t *off, const int64_t *ext, dsk_tensor *v) {
+    *v = *dst;
+    for (int d = 0; d < dst->ndim; d++) {
+        dsk_tensor w;
+        DSK__TRY(dsk_tensor_slice(v, d, off[d] - base[d], ext[d], &w));
+        *v = w;
+    }
+    return DSK_OK;
+}
+
+/* Copies the box an entry asks for out of every piece that overlaps it. */
 static dsk_status dsk__ckpt_load_entry(dsk__ckpt_reader *rd, const dsk_ckpt_entry *e, dsk_ctx *ctx, int allow_cast) {
     const char *fn = rd->fn;
     const dsk__ckpt_mtensor *t = dsk__ckpt_manifest_find(&rd->man, e->name);
     dsk_tensor *x = e->tensor;
-    int64_t a, b, shape[DSK_MAX_DIMS];
-    dsk_status s = DSK_OK;
+    int64_t base[DSK_MAX_DIMS], global[DSK_MAX_DIMS];
+    DSK__TRY(dsk__ckpt_entry_box(fn, e, base, global));
     if (!t) return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" is not in the checkpoint (%s)", fn, e->name, rd->man.path);
-    memcpy(shape, x->shape, sizeof shape);
-    if (e->split && x->ndim > 0) shape[0] = e->global_rows;
-    if (t->ndim != x->ndim || memcmp(t->shape, shape, (size_t)x->ndim * sizeof(int64_t)) != 0 ||
+    if (t->ndim != x->ndim || memcmp(t->shape, global, (size_t)x->ndim * sizeof(int64_t)) != 0 ||
         (t->dt->dsk != (int)x->dtype && (!allow_cast || t->dt->dsk < 0)))
-        return dsk__ckpt_mismatch(fn, rd, t, e);
-    a = e->split ? e->row0 : 0;
-    b = x->ndim ? a + x->shape[0] : 1;
-    for (int i = 0; i < t->n_slices && s == DSK_OK; i++) {
+        return dsk__ckpt_mismatch(fn, rd, t, e, global);
+    for (int i = 0; i < t->n_slices; i++) {
         const dsk__ckpt_mslice *sl = &rd->man.slices[t->first + i];
-        int64_t lo = sl->start > a ? sl->start : a, hi = sl->end < b ? sl->end : b;
+        const int64_t *so = sl->box, *se = sl->box + t->ndim;
+        int64_t lo[DSK_MAX_DIMS], ext[DSK_MAX_DIMS], in_piece[DSK_MAX_DIMS];
+        const dsk_ckpt_tensor_info *ft = NULL;
         dsk_ckpt_file *f;
-        const dsk_ckpt_tensor_info *ft;
         dsk_tensor view;
-        if (t->ndim && lo >= hi) continue; /* no overlap */
-        if ((s = dsk__ckpt_reader_file(rd, sl->rank, &f)) != DSK_OK) break;
-        if ((s = dsk__ckpt_find_piece(fn, f, t, sl, &ft)) != DSK_OK) break;
-        int64_t off[DSK_MAX_DIMS] = {0};
-        if (!t->ndim) { s = dsk__ckpt_read_into(fn, f, ctx, ft, off, x, allow_cast); break; }
-        if ((s = dsk_tensor_slice(x, 0, lo - a, hi - lo, &view)) != DSK_OK) break;
-        off[0] = lo - sl->start;
-        s = dsk__ckpt_read_into(fn, f, ctx, ft, off, &view, allow_cast);
+        int empty = 0;
+        for (int d = 0; d < t->ndim; d++) { /* the intersection of the piece and the entry's box */
+            int64_t a = so[d] > base[d] ? so[d] : base[d], b = so[d] + se[d] < base[d] + x->shape[d] ? so[d] + se[d] : base[d] + x->shape[d];
+            lo[d] = a;
+            ext[d] = b > a ? b - a : 0;
+            in_piece[d] = a - so[d];
+            empty |= b <= a;
+        }
+        if (empty && dsk__ckpt_numel(t->ndim, t->shape) > 0) continue;
+        DSK__TRY(dsk__ckpt_reader_file(rd, sl->file, &f));
+        DSK__TRY(dsk__ckpt_find_piece(fn, f, t, sl, &ft));
+        DSK__TRY(dsk__ckpt_sub_view(x, base, lo, ext, &view));
+        DSK__TRY(dsk__ckpt_read_into(fn, f, ctx, ft, in_piece, &view, allow_cast));
     }
-    return s;
+    return DSK_OK;
 }
 
 static dsk_status dsk__ckpt_fill_meta(const char *fn, const dsk_ckpt_file *f, const dsk__ckpt_manifest *m, int rank, dsk_ckpt_meta *meta) {
     int n = 0;
     meta->step = m->step;
+    meta->generation = m->generation;
     meta->world_size = m->world;
     meta->rank = rank;
     meta->keys = (char **)DSK_MALLOC(((size_t)f->n_meta + 1) * sizeof(char *));
     meta->values = (char **)DSK_MALLOC(((size_t)f->n_meta + 1) * sizeof(char *));
     if (!meta->keys || !meta->values) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     for (int i = 0; i < f->n_meta; i++) {
-        if (!strncmp(f->meta_keys[i], "dsk.crc32c.", 11) || !strncmp(f->meta_keys[i], "dsk.split.", 10)) continue;
-        meta->keys[n] = dsk__ckpt_strdup(f->meta_keys[i]);
+        const char *k = f->meta_keys[i];
+        if (!strncmp(k, "dsk.crc32c.", 11) || !strncmp(k, "dsk.blocks.", 11) || !strncmp(k, "dsk.box.", 8)) continue;
+        meta->keys[n] = dsk__ckpt_strdup(k);
         meta->values[n] = dsk__ckpt_strdup(f->meta_values[i]);
         meta->n = ++n;
         if (!meta->keys[n - 1] || !meta->values[n - 1]) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
@@ -2810,17 +3342,17 @@ DSK_API dsk_status dsk_ckpt_load(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entr
     if (n < 0 || (n && !entries)) return dsk_set_error(DSK_ERR_ARG, "%s: %d entries at %p", fn, n, (const void *)entries);
     for (int i = 0; i < n; i++) {
         if (!entries[i].name || !entries[i].tensor) return dsk_set_error(DSK_ERR_ARG, "%s: entry %d has no name or tensor", fn, i);
-        if ((s = dsk__ckpt_check_entry(fn, &entries[i], i, 1, ck->opts.ctx)) != DSK_OK) return s;
+        DSK__TRY(dsk__ckpt_check_entry(fn, &entries[i], i, 1, ck->opts.ctx));
     }
-    if ((s = dsk_ckpt_wait(ck)) != DSK_OK) return s;
+    DSK__TRY(dsk_ckpt_wait(ck));
     if (step < 0) {
-        if ((s = dsk_ckpt_latest(ck->dir, &step)) != DSK_OK) return s;
+        DSK__TRY(dsk_ckpt_latest(ck->dir, &step));
         if (step < 0) return dsk_set_error(DSK_ERR_IO, "%s: no complete checkpoint under \"%s\"", fn, ck->dir);
     }
     s = dsk__ckpt_reader_open(fn, &rd, ck->dir, step);
     for (int i = 0; i < n && s == DSK_OK; i++) s = dsk__ckpt_load_entry(&rd, &entries[i], ck->opts.ctx, ck->opts.allow_cast);
     if (s == DSK_OK && meta) {
-        int r = ck->opts.rank < rd.man.world ? ck->opts.rank : 0;
+        int r = ck->opts.rank < rd.man.world ? ck->opts.rank : 0; /* the first world_size files are the ranks' own */
         dsk_ckpt_file *f;
         s = dsk__ckpt_reader_file(&rd, r, &f);
         if (s == DSK_OK) s = dsk__ckpt_fill_meta(fn, f, &rd.man, r, meta);
@@ -2832,35 +3364,31 @@ DSK_API dsk_status dsk_ckpt_load(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entr
 
 DSK_API dsk_status dsk_ckpt_latest(const char *dir, int64_t *step) {
     const char *fn = "dsk_ckpt_latest";
-    int64_t *steps;
-    int n;
-    dsk_status s;
+    dsk__ckpt_scan sc;
     if (!dir || !step) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
     *step = -1;
-    if ((s = dsk__ckpt_list_steps(fn, dir, 1, &steps, &n)) != DSK_OK) return s;
-    for (int i = 0; i < n && *step < 0 && s == DSK_OK; i++) {
-        dsk__ckpt_manifest m;
-        dsk_status r;
-        char *sd = dsk__ckpt_step_dir(dir, steps[i]);
-        if (!sd) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
-        /* a damaged or incomplete checkpoint is skipped; one that cannot be read is an error */
-        if ((r = dsk__ckpt_manifest_read(fn, sd, steps[i], &m)) == DSK_OK) *step = steps[i];
-        else if (r != DSK_ERR_CORRUPT) s = r;
-        dsk__ckpt_manifest_free(&m);
-        DSK_FREE(sd);
+    DSK__TRY(dsk__ckpt_scan_dir(fn, dir, &sc));
+    for (int i = 0; i < sc.n && *step < 0; i++) {
+        /* newest step first: a damaged or incomplete checkpoint is skipped; one that cannot be read is an error */
+        if (sc.e[i].state == DSK__CKPT_COMPLETE) *step = sc.e[i].step;
+        else if (sc.e[i].state == DSK__CKPT_DAMAGED && sc.e[i].error != DSK_ERR_CORRUPT) {
+            dsk_status s = dsk_set_error(sc.e[i].error, "%s", sc.first_error);
+            dsk__ckpt_scan_free(&sc);
+            return s;
+        }
     }
-    DSK_FREE(steps);
-    if (s == DSK_OK) dsk_clear_error();
-    return s;
+    dsk__ckpt_scan_free(&sc);
+    dsk_clear_error();
+    return DSK_OK;
 }
 
 /* Reads a whole tensor in chunks and compares its CRC with the header's. */
 static dsk_status dsk__ckpt_verify_tensor(const char *fn, dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t, unsigned char *buf, size_t chunk) {
     uint32_t crc = 0;
-    dsk_status s;
     for (uint64_t off = t->begin; off < t->end; off += chunk) {
         size_t k = (size_t)(t->end - off < chunk ? t->end - off : chunk);
-        if ((s = dsk__ckpt_pread_all(fn, f->fd, buf, k, 8 + f->header_len + off, f->path)) != DSK_OK) return s;
+        DSK__TRY(dsk__ckpt_pread_all(fn, f->fd, buf, k, 8 + f->header_len + off, f->path));
+        f->bytes_read += k;
         crc = dsk_ckpt_crc32c(crc, buf, k);
     }
     if (crc != t->crc32c)
@@ -2870,27 +3398,27 @@ static dsk_status dsk__ckpt_verify_tensor(const char *fn, dsk_ckpt_file *f, cons
 }
 
 /* Every tensor of the manifest is in the files its slices name, as the manifest describes it,
-   and every tensor of a file is one of those pieces. */
+   and every tensor of one of this save's own files is one of those pieces. */
 static dsk_status dsk__ckpt_verify_layout(const char *fn, dsk__ckpt_reader *rd) {
-    int *pieces = (int *)DSK_MALLOC((size_t)rd->man.world * sizeof(int));
+    int *pieces = (int *)DSK_MALLOC((size_t)rd->man.n_files * sizeof(int));
     dsk_status s = DSK_OK;
     if (!pieces) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    memset(pieces, 0, (size_t)rd->man.world * sizeof(int));
+    memset(pieces, 0, (size_t)rd->man.n_files * sizeof(int));
     for (int i = 0; i < rd->man.n_tensors && s == DSK_OK; i++) {
         const dsk__ckpt_mtensor *t = &rd->man.tensors[i];
         for (int k = 0; k < t->n_slices && s == DSK_OK; k++) {
             const dsk__ckpt_mslice *sl = &rd->man.slices[t->first + k];
             const dsk_ckpt_tensor_info *ft;
             dsk_ckpt_file *f;
-            if ((s = dsk__ckpt_reader_file(rd, sl->rank, &f)) == DSK_OK && (s = dsk__ckpt_find_piece(fn, f, t, sl, &ft)) == DSK_OK)
-                pieces[sl->rank]++;
+            if ((s = dsk__ckpt_reader_file(rd, sl->file, &f)) == DSK_OK && (s = dsk__ckpt_find_piece(fn, f, t, sl, &ft)) == DSK_OK)
+                pieces[sl->file]++;
         }
     }
-    for (int r = 0; r < rd->man.world && s == DSK_OK; r++) {
+    for (int i = 0; i < rd->man.world && s == DSK_OK; i++) {
         dsk_ckpt_file *f;
-        if ((s = dsk__ckpt_reader_file(rd, r, &f)) == DSK_OK && f->n_tensors != pieces[r])
+        if ((s = dsk__ckpt_reader_file(rd, i, &f)) == DSK_OK && f->n_tensors != pieces[i])
             s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" holds %d tensors, the manifest places %d there", fn, f->path, f->n_tensors,
-                              pieces[r]);
+                              pieces[i]);
     }
     DSK_FREE(pieces);
     return s;
@@ -2906,10 +3434,10 @@ DSK_API dsk_status dsk_ckpt_verify(const char *dir, int64_t step) {
     if (!(buf = (unsigned char *)DSK_MALLOC(chunk))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     s = dsk__ckpt_reader_open(fn, &rd, dir, step);
     if (s == DSK_OK) s = dsk__ckpt_verify_layout(fn, &rd);
-    for (int r = 0; s == DSK_OK && r < rd.man.world; r++) {
+    for (int i = 0; s == DSK_OK && i < rd.man.n_files; i++) {
         dsk_ckpt_file *f;
-        s = dsk__ckpt_reader_file(&rd, r, &f);
-        for (int i = 0; s == DSK_OK && i < f->n_tensors; i++) s = dsk__ckpt_verify_tensor(fn, f, &f->tensors[i], buf, chunk);
+        s = dsk__ckpt_reader_file(&rd, i, &f);
+        for (int k = 0; s == DSK_OK && k < f->n_tensors; k++) s = dsk__ckpt_verify_tensor(fn, f, &f->tensors[k], buf, chunk);
         dsk_ckpt_file_close(f);
     }
     dsk__ckpt_reader_free(&rd);

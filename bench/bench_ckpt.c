@@ -21,6 +21,7 @@
 #include "dsk_ckpt.h"
 #include "bench_util.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -39,6 +40,21 @@ static void drop_cache(const char *path) {
     if (fd < 0) return;
     posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
     close(fd);
+}
+
+/* Drops the checkpoint's rank files (step 1, "rank_<r>.<nonce>.safetensors") from the cache. */
+static void drop_rank_files(const char *ck_dir) {
+    char sd[800], path[1200];
+    DIR *d;
+    struct dirent *de;
+    snprintf(sd, sizeof sd, "%s/step_00000001", ck_dir);
+    if (!(d = opendir(sd))) return;
+    while ((de = readdir(d)) != NULL)
+        if (strncmp(de->d_name, "rank_", 5) == 0) {
+            snprintf(path, sizeof path, "%s/%s", sd, de->d_name);
+            drop_cache(path);
+        }
+    closedir(d);
 }
 
 static double raw_write(const char *path, dsk_tensor *t, int n) {
@@ -133,7 +149,6 @@ int main(int argc, char **argv) {
 
     for (int r = -1; r < reps; r++) {
         double dt_raw = 0, dt_save = 0, dt_read, dt_load, t0;
-        char path[800];
         /* the disk is shared and its speed drifts: alternate which of the two writes goes first */
         for (int k = 0; k < 2; k++) {
             if ((k == 0) == (r % 2 == 0)) {
@@ -149,8 +164,7 @@ int main(int argc, char **argv) {
         }
         dt_read = raw_read(raw_path, readbuf, total);
         unlink(raw_path);
-        snprintf(path, sizeof path, "%s/step_00000001/rank_00000.safetensors", ck_dir);
-        drop_cache(path);
+        drop_rank_files(ck_dir);
         t0 = bench_now_s();
         BENCH_CHECK(dsk_ckpt_load(&ck, 1, e, n, NULL));
         dt_load = bench_now_s() - t0;

@@ -2,7 +2,7 @@
    the JSON reader behind them: every input is parsed as a whole safetensors file
    (dsk_ckpt_file_parse) and as a checkpoint manifest. They must return a status with a
    message, never crash, leak or read out of bounds; what they accept must be consistent
-   (tensors inside the file, slices inside their tensor's rows and ranks).
+   (tensors inside the file, slices inside their tensor and naming one of the files).
    Build and run: `make fuzz` (scripts/fuzz.sh; clang -fsanitize=fuzzer,address,undefined).
    Seeds: tests/fuzz_corpus/. */
 #define DSK_TENSOR_IMPLEMENTATION
@@ -30,7 +30,9 @@ static void fuzz_manifest(const uint8_t *data, size_t size) {
             const dsk__ckpt_mtensor *t = &m.tensors[i];
             for (int k = 0; k < t->n_slices; k++) {
                 const dsk__ckpt_mslice *sl = &m.slices[t->first + k];
-                if (sl->rank < 0 || sl->rank >= m.world || sl->start > sl->end || (t->ndim && sl->end > t->shape[0])) abort();
+                if (sl->file < 0 || sl->file >= m.n_files) abort();
+                for (int d = 0; d < t->ndim; d++) /* the slice's box inside its tensor */
+                    if (sl->box[d] < 0 || sl->box[t->ndim + d] < 0 || sl->box[d] + sl->box[t->ndim + d] > t->shape[d]) abort();
             }
             if (dsk__ckpt_manifest_find(&m, t->name) != t) abort();
         }

@@ -147,15 +147,18 @@ def read_dsk(d):
         report(f.metadata().get("purpose") == "interop", "safe_open reads the metadata", str(f.metadata()))
     # 3. a dsk checkpoint: its rank file is a safetensors file, its manifest is JSON
     step = os.path.join(d, "ckpt", "step_00000042")
-    rank0 = os.path.join(step, "rank_00000.safetensors")
+    text = open(os.path.join(step, "manifest.json"), "rb").read()
+    man = json.loads(text)
+    fe = man["files"][0]
+    rank0 = os.path.join(step, f"rank_{fe['rank']:05d}.{fe['attempt']}.safetensors")
+    report(text.endswith(b'"}\n') and int(text[-11:-3], 16) == crc32c(text[:-22]) and int(man["crc32c"], 16) == crc32c(text[:-22]),
+           "manifest: its last line holds the CRC32C of the text before it", text[-24:].decode())
     parsed = dict(safetensors.deserialize(open(rank0, "rb").read()))
     report(all(bytes(parsed[n]["data"]) == open(os.path.join(d, "expect", n + ".bin"), "rb").read() for n, _, _, _ in idx),
            "safetensors.deserialize reads the checkpoint's rank file")
     with safe_open(rank0, framework="numpy") as f:
         m = f.metadata()
         report(m.get("dsk.step") == "42" and m.get("dsk.rank") == "0" and m.get("dsk.world_size") == "1", "rank file metadata", str(m)[:200])
-    man = json.load(open(os.path.join(step, "manifest.json")))
-    fe = man["files"][0]
     whole = open(rank0, "rb").read()
     report(man["step"] == 42 and man["world_size"] == 1 and fe["size"] == len(whole) and int(fe["crc32c"], 16) == crc32c(whole),
            "manifest: step, world size, file size and whole-file CRC32C", json.dumps(fe))
