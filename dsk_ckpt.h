@@ -123,12 +123,14 @@ typedef struct dsk_ckpt_opts {
     dsk_ckpt_barrier_fn barrier; /* required when world_size > 1 */
     void *barrier_user;          /* passed to barrier */
     int keep_last;               /* [0 = keep all] K > 0: after a save, rank 0 deletes complete
-                                    checkpoints older than the newest K; incomplete ones stay */
+                                    checkpoints older than the newest K */
     int allow_cast;              /* [0] load: convert a saved dtype to the tensor's dtype
                                     instead of failing (floats round to nearest even) */
     dsk_ctx *ctx;                /* [NULL] context for CUDA tensors */
     int snapshot_threads;        /* [1] OpenMP threads copying host tensors for an async save
                                     (more help on an idle many-core node, hurt on a busy one) */
+    int read_only;               /* [0] 1: never write or remove anything (reading checkpoints
+                                    another job writes): init reclaims nothing, saves fail */
 } dsk_ckpt_opts;
 
 /* What the last save did (dsk_ckpt_last_save); counts are this rank's. */
@@ -166,7 +168,9 @@ typedef struct dsk_ckpt_meta {
 } dsk_ckpt_meta;
 
 /* dir: the checkpoint root (rank 0 creates it at the first save; its parent must exist).
-   Checks the options; touches no file. */
+   Checks the options. Rank 0 (unless read_only) then reclaims what dead saves left in dir:
+   the files of every incomplete step directory and every file no complete checkpoint
+   references, when it can take dir's lock (a live writer holds it: nothing is touched). */
 DSK_API dsk_status dsk_ckpt_init(dsk_ckpt *ck, const char *dir, const dsk_ckpt_opts *opts);
 /* Waits for a pending async save (its error is dropped: call dsk_ckpt_wait first to see it)
    and releases everything. Zeroed or freed objects are fine. */
@@ -2799,6 +2803,129 @@ static dsk_status dsk__ckpt_rotate(const char *fn, const char *root, dsk__ckpt_s
     return DSK_OK;
 }
 
+/* "rank_<5 digits>.<16 hex>.safetensors" -> rank and nonce; 0 if name is not one. */
+static int dsk__ckpt_parse_rank_name(const char *name, int *rank, uint64_t *attempt) {
+    char canon[80];
+    unsigned long long a;
+    int r, k = 0;
+    if (sscanf(name, "rank_%d.%16llx.safetensors%n", &r, &a, &k) != 2 || name[k] || r < 0) return 0;
+    dsk__ckpt_rank_name(canon, sizeof canon, r, (uint64_t)a);
+    if (strcmp(canon, name) != 0) return 0;
+    *rank = r;
+    *attempt = (uint64_t)a;
+    return 1;
+}
+
+/* DIR/.lock: rank 0 holds an exclusive lock on it (an open-file-description lock where the
+   system has them, else a POSIX record lock) while it saves or reclaims, so no other writer
+   is ever inside the directory at the same time and what a dead save left can be removed. */
+typedef struct dsk__ckpt_lock {
+    int fd;
+    int held; /* 0: not held, or the file system cannot lock (then nothing is reclaimed) */
+} dsk__ckpt_lock;
+
+#ifdef F_OFD_SETLK
+#define DSK__CKPT_SETLK F_OFD_SETLK
+#else
+#define DSK__CKPT_SETLK F_SETLK
+#endif
+
+static void dsk__ckpt_unlock(dsk__ckpt_lock *lk) {
+    if (lk->fd >= 0) close(lk->fd); /* releases the lock */
+    lk->fd = -1;
+    lk->held = 0;
+}
+
+/* Takes the lock without waiting: DSK_ERR_STATE naming the holder when another writer has
+   it; DSK_OK with held 0 when the file system has no locks. */
+static dsk_status dsk__ckpt_lock_take(const char *fn, const char *root, dsk__ckpt_lock *lk) {
+    char *path = dsk__ckpt_join(root, ".lock"), owner[256] = "", host[128] = "?";
+    struct flock fl;
+    ssize_t k;
+    dsk_status s = DSK_OK;
+    lk->fd = -1;
+    lk->held = 0;
+    if (!path) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if ((lk->fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644)) < 0) {
+        s = dsk__ckpt_io_error(fn, "open the lock file", path);
+        DSK_FREE(path);
+        return s;
+    }
+    memset(&fl, 0, sizeof fl);
+    fl.l_type = F_WRLCK;
+    fl.l_whence = SEEK_SET;
+    if (fcntl(lk->fd, DSK__CKPT_SETLK, &fl) == 0) {
+        lk->held = 1;
+        gethostname(host, sizeof host - 1);
+        k = snprintf(owner, sizeof owner, "pid %d on %s, since %lld\n", (int)getpid(), host, (long long)time(NULL));
+        if (ftruncate(lk->fd, 0) != 0 || pwrite(lk->fd, owner, (size_t)k, 0) != k) { /* the owner text only helps messages */ }
+    } else if (errno == EAGAIN || errno == EACCES) {
+        k = pread(lk->fd, owner, sizeof owner - 1, 0);
+        owner[k > 0 ? k : 0] = 0;
+        if (k > 0 && owner[k - 1] == '\n') owner[k - 1] = 0;
+        s = dsk_set_error(DSK_ERR_STATE, "%s: \"%s\" is locked by another writer (%s): one job saves into a directory at a time",
+                          fn, path, owner[0] ? owner : "unknown");
+        dsk__ckpt_unlock(lk);
+    } else if (errno == ENOLCK || errno == EINVAL || errno == EOPNOTSUPP || errno == ENOSYS) {
+        dsk__ckpt_unlock(lk); /* no locks here: save without one, reclaim nothing */
+    } else {
+        s = dsk__ckpt_io_error(fn, "lock", path);
+        dsk__ckpt_unlock(lk);
+    }
+    DSK_FREE(path);
+    return s;
+}
+
+/* Removes path when it is a regular file; counts what it removed. */
+static dsk_status dsk__ckpt_remove(const char *fn, const char *path, int *removed) {
+    struct stat st;
+    if (lstat(path, &st) != 0 || !S_ISREG(st.st_mode)) return DSK_OK; /* gone, or not one of ours */
+    if (unlink(path) == 0) { (*removed)++; return DSK_OK; }
+    return errno == ENOENT ? DSK_OK : dsk__ckpt_io_error(fn, "remove", path);
+}
+
+/* Rank 0 holding the lock (so no save is live): removes what no complete checkpoint
+   references from every step directory whose manifest is absent or readable: rank files of
+   saves that did not finish or were dropped, and temporaries of killed writers; then the
+   directories this empties, and stale temporaries of DIR itself. A directory whose manifest
+   is damaged, and files dsk did not name, are left alone. */
+static dsk_status dsk__ckpt_reclaim(const char *fn, const char *root, const dsk__ckpt_scan *sc) {
+    static const char *root_junk[] = {DSK__CKPT_ATTEMPT, ".latest.tmp", "." DSK__CKPT_ATTEMPT ".tmp"};
+    dsk_status s = DSK_OK;
+    int rmdirs = 0, removed = 0;
+    for (int i = 0; i < sc->n && s == DSK_OK; i++) {
+        char *sd, *p;
+        DIR *d;
+        struct dirent *de;
+        if (sc->e[i].state == DSK__CKPT_DAMAGED) continue;
+        if (!(sd = dsk__ckpt_step_dir(root, sc->e[i].step))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        if (!(d = opendir(sd))) { DSK_FREE(sd); continue; } /* gone meanwhile */
+        while (s == DSK_OK && (de = readdir(d)) != NULL) {
+            const char *nm = de->d_name;
+            size_t len = strlen(nm);
+            int rank, ours;
+            uint64_t att;
+            if (dsk__ckpt_parse_rank_name(nm, &rank, &att)) ours = !dsk__ckpt_file_live(sc, -1, sc->e[i].step, rank, att);
+            else ours = nm[0] == '.' && len > 5 && strcmp(nm + len - 4, ".tmp") == 0 && strcmp(nm, "..") != 0;
+            if (!ours) continue;
+            if (!(p = dsk__ckpt_join(sd, nm))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
+            s = dsk__ckpt_remove(fn, p, &removed);
+            DSK_FREE(p);
+        }
+        closedir(d);
+        if (s == DSK_OK && sc->e[i].state == DSK__CKPT_INCOMPLETE && rmdir(sd) == 0) rmdirs++;
+        DSK_FREE(sd);
+    }
+    for (size_t k = 0; k < sizeof root_junk / sizeof root_junk[0] && s == DSK_OK; k++) {
+        char *p = dsk__ckpt_join(root, root_junk[k]);
+        if (!p) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        s = dsk__ckpt_remove(fn, p, &removed);
+        DSK_FREE(p);
+    }
+    if (s == DSK_OK && rmdirs) s = dsk__ckpt_fsync_dir(fn, root);
+    return s;
+}
+
 /* The largest generation among complete checkpoints, 0 when none. */
 static uint64_t dsk__ckpt_max_generation(const dsk__ckpt_scan *sc) {
     uint64_t g = 0;
@@ -2822,7 +2949,8 @@ typedef struct dsk__ckpt_job {
     dsk_status status;       /* preset: a rank that cannot take part (bad arguments) */
     char msg[1024];
     dsk_ckpt_save_info info;
-    dsk__ckpt_scan scan;      /* rank 0: the directory just before the commit */
+    dsk__ckpt_lock lock;      /* rank 0: held from prepare to the end */
+    dsk__ckpt_scan scan;      /* rank 0: the directory as prepare found it (the lock keeps it so) */
     dsk__ckpt_mfile *files;   /* rank 0: the new manifest's files */
     int n_files;
 } dsk__ckpt_job;
@@ -2830,6 +2958,7 @@ typedef struct dsk__ckpt_job {
 static void dsk__ckpt_job_free(dsk__ckpt_job *job) {
     if (!job) return;
     dsk__ckpt_plan_free(&job->plan);
+    dsk__ckpt_unlock(&job->lock);
     dsk__ckpt_scan_free(&job->scan);
     DSK_FREE(job->files);
     DSK_FREE(job->root);
@@ -2889,11 +3018,15 @@ static dsk_status dsk__ckpt_read_attempt(const char *fn, const dsk__ckpt_job *jo
     return s;
 }
 
-/* Rank 0, before the first barrier: the root and step directories exist and the save's nonce
-   is published. Nothing that exists is changed: an earlier save of this step stays loadable
-   until the new manifest replaces it. */
-static dsk_status dsk__ckpt_prepare(const char *fn, const dsk__ckpt_job *job, const char *step_dir, uint64_t *nonce) {
+/* Rank 0, before the first barrier: the lock, the scan of the directory (and with the lock,
+   reclaiming what dead saves left, so a full disk frees up), the step directory, the save's
+   nonce. Nothing a complete checkpoint uses is changed: an earlier save of this step stays
+   loadable until the new manifest replaces it. */
+static dsk_status dsk__ckpt_prepare(const char *fn, dsk__ckpt_job *job, const char *step_dir, uint64_t *nonce) {
     if (mkdir(job->root, 0755) != 0 && errno != EEXIST) return dsk__ckpt_io_error(fn, "create directory", job->root);
+    DSK__TRY(dsk__ckpt_lock_take(fn, job->root, &job->lock));
+    DSK__TRY(dsk__ckpt_scan_dir(fn, job->root, &job->scan));
+    if (job->lock.held) DSK__TRY(dsk__ckpt_reclaim(fn, job->root, &job->scan));
     if (mkdir(step_dir, 0755) == 0) DSK__TRY(dsk__ckpt_fsync_dir(fn, job->root));
     else if (errno != EEXIST) return dsk__ckpt_io_error(fn, "create directory", step_dir);
     *nonce = dsk__ckpt_nonce();
@@ -2932,7 +3065,8 @@ static dsk_status dsk__ckpt_scan_commit(const char *fn, dsk__ckpt_job *job, dsk_
 }
 
 /* Rank 0, after the commit point: `latest` (for people; not made durable), the files of an
-   earlier save of this step, rotation. Failures go to info.cleanup, never to the save. */
+   earlier save of this step, rotation, reclaiming (what a rotation cut off mid-way left, the
+   directories it emptied). Failures go to info.cleanup, never to the save. */
 static void dsk__ckpt_tidy(const char *fn, dsk__ckpt_job *job) {
     char latest[40];
     dsk__ckpt_mfile *old = NULL;
@@ -2943,6 +3077,7 @@ static void dsk__ckpt_tidy(const char *fn, dsk__ckpt_job *job) {
     if (s == DSK_OK) s = dsk__ckpt_scan_commit(fn, job, &old, &n_old);
     if (s == DSK_OK && old) s = dsk__ckpt_drop_files(fn, job->root, &job->scan, -1, old, n_old);
     if (s == DSK_OK && job->opts.keep_last > 0) s = dsk__ckpt_rotate(fn, job->root, &job->scan, job->plan.step, job->opts.keep_last);
+    if (s == DSK_OK && job->lock.held) s = dsk__ckpt_reclaim(fn, job->root, &job->scan);
     if (s != DSK_OK) {
         job->info.cleanup = s;
         snprintf(job->info.cleanup_error, sizeof job->info.cleanup_error, "%s", dsk_last_error());
@@ -2950,12 +3085,11 @@ static void dsk__ckpt_tidy(const char *fn, dsk__ckpt_job *job) {
     DSK_FREE(old);
 }
 
-/* Rank 0 between the second and the third barrier: the scan (for the generation and, after the
-   commit, for tidying) and the manifest. */
+/* Rank 0 between the second and the third barrier: the manifest, its generation one above
+   the largest prepare's scan found. */
 static dsk_status dsk__ckpt_commit(const char *fn, dsk__ckpt_job *job, const char *step_dir, uint64_t nonce) {
     int64_t step = job->plan.step;
     int world = job->opts.world_size;
-    DSK__TRY(dsk__ckpt_scan_dir(fn, job->root, &job->scan));
     job->info.generation = dsk__ckpt_max_generation(&job->scan) + 1;
     DSK__TRY(dsk__ckpt_write_manifest(fn, job->root, step_dir, step, world, nonce, job->info.generation, &job->files, &job->n_files));
     return DSK_OK;
@@ -3018,11 +3152,27 @@ static dsk_status dsk__ckpt_run(dsk__ckpt_job *job) {
         DSK_FREE(att);
     }
     if (committed) dsk__ckpt_tidy(fn, job);
+    dsk__ckpt_unlock(&job->lock);
     DSK_FREE(step_dir);
     if (first != DSK_OK) return dsk_set_error(first, "%s", msg);
     return DSK_OK;
 broken:
+    dsk__ckpt_unlock(&job->lock);
     DSK_FREE(step_dir);
+    return s;
+}
+
+/* Reclaims dir when its lock is free (init): a live writer, or a file system without locks,
+   means nothing is touched. */
+static dsk_status dsk__ckpt_reclaim_now(const char *fn, const char *dir) {
+    dsk__ckpt_lock lk;
+    dsk__ckpt_scan sc;
+    dsk_status s = dsk__ckpt_lock_take(fn, dir, &lk);
+    if (s == DSK_ERR_STATE) { dsk_clear_error(); return DSK_OK; }
+    if (s != DSK_OK || !lk.held) { dsk__ckpt_unlock(&lk); return s; }
+    if ((s = dsk__ckpt_scan_dir(fn, dir, &sc)) == DSK_OK) s = dsk__ckpt_reclaim(fn, dir, &sc);
+    dsk__ckpt_scan_free(&sc);
+    dsk__ckpt_unlock(&lk);
     return s;
 }
 
@@ -3052,6 +3202,10 @@ DSK_API dsk_status dsk_ckpt_init(dsk_ckpt *ck, const char *dir, const dsk_ckpt_o
         return dsk_set_error(DSK_ERR_ARG, "%s: snapshot_threads %d outside [0, 1024]", fn, o.snapshot_threads);
     if (!(ck->dir = dsk__ckpt_strdup(dir))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     ck->opts = o;
+    if (o.rank == 0 && !o.read_only && dsk__ckpt_exists(dir)) {
+        dsk_status s = dsk__ckpt_reclaim_now(fn, dir);
+        if (s != DSK_OK) { DSK_FREE(ck->dir); ck->dir = NULL; return s; }
+    }
     return DSK_OK;
 }
 
@@ -3085,6 +3239,7 @@ static dsk_status dsk__ckpt_job_new(const char *fn, dsk_ckpt *ck, int64_t step, 
     *out = NULL;
     if (!job) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     memset(job, 0, sizeof *job);
+    job->lock.fd = -1;
     job->opts = ck->opts;
     job->plan.rank_file = 1;
     job->plan.step = step;
@@ -3112,6 +3267,7 @@ static dsk_status dsk__ckpt_save_begin(const char *fn, dsk_ckpt *ck, int64_t ste
         return dsk_set_error(s, "%s: step %lld not saved: the previous async save failed: %s", fn, (long long)step, inner);
     }
     if (step < 0) return dsk_set_error(DSK_ERR_ARG, "%s: step %lld < 0", fn, (long long)step);
+    if (ck->opts.read_only) return dsk_set_error(DSK_ERR_STATE, "%s: \"%s\" was opened read_only", fn, ck->dir);
     DSK__TRY(dsk__ckpt_job_new(fn, ck, step, &job));
     s = dsk__ckpt_plan_build(fn, &job->plan, entries, n, kv, n_kv, ck->opts.ctx);
     if (s == DSK_OK && (copy_all || dsk__ckpt_needs_stage(&job->plan)) && ck->stage_bytes < job->plan.total) {
