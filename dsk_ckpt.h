@@ -122,8 +122,8 @@ typedef struct dsk_ckpt_opts {
     int world_size;              /* [1] ranks saving together */
     dsk_ckpt_barrier_fn barrier; /* required when world_size > 1 */
     void *barrier_user;          /* passed to barrier */
-    int keep_last;               /* [0 = keep all] K > 0: after a save, rank 0 deletes complete
-                                    checkpoints older than the newest K */
+    int keep_last;               /* [0 = keep all] K > 0: after a save, rank 0 deletes the
+                                    complete checkpoints but the K most recently saved */
     int allow_cast;              /* [0] load: convert a saved dtype to the tensor's dtype
                                     instead of failing (floats round to nearest even) */
     dsk_ctx *ctx;                /* [NULL] context for CUDA tensors */
@@ -165,7 +165,18 @@ typedef struct dsk_ckpt_meta {
     int n;
     char **keys;
     char **values;
+    int n_skipped;       /* a load of the newest: how many newer checkpoints were damaged */
+    int64_t skipped_step; /* the newest of those, or -1 */
+    char *skipped_error; /* why it could not be loaded, or NULL */
 } dsk_ckpt_meta;
+
+/* A complete checkpoint (dsk_ckpt_list). */
+typedef struct dsk_ckpt_info {
+    int64_t step;
+    uint64_t generation; /* larger: saved later */
+    int world_size;
+    int n_files;         /* files it reads, earlier saves' included */
+} dsk_ckpt_info;
 
 /* dir: the checkpoint root (rank 0 creates it at the first save; its parent must exist).
    Checks the options. Rank 0 (unless read_only) then reclaims what dead saves left in dir:
@@ -192,18 +203,25 @@ DSK_API dsk_status dsk_ckpt_wait(dsk_ckpt *ck);
 /* What the last completed save did (step -1 before any); valid until the next save or wait. */
 DSK_API const dsk_ckpt_save_info *dsk_ckpt_last_save(const dsk_ckpt *ck);
 
-/* Loads DIR/step_<step>/ (step < 0: the newest complete checkpoint) into `entries`: each
-   tensor is looked up by name and must match the saved dtype (or opts.allow_cast) and the
-   saved global shape; DSK_CKPT_ROWS and DSK_CKPT_BOX entries receive their box of it. Every
-   byte read is checked against its CRC32C and every file header against the manifest. meta
+/* Loads DIR/step_<step>/ into `entries`: each tensor is looked up by name and must match the
+   saved dtype (or opts.allow_cast) and the saved global shape; DSK_CKPT_ROWS and DSK_CKPT_BOX
+   entries receive their box of it. Every byte read is checked against its CRC32C and every
+   file header against the manifest. step < 0: the most recent complete save; when its files
+   are damaged (a CRC32C fails, a file is missing) the next most recent, and so on, with
+   meta->n_skipped, skipped_step and skipped_error telling what was passed over (on one rank;
+   with world_size > 1 a rank never falls back alone: it returns the damage instead). meta
    (may be NULL) receives the metadata; free it with dsk_ckpt_meta_free. On error the entries'
    contents are unspecified. Safe to call concurrently on several ranks; no barrier. */
 DSK_API dsk_status dsk_ckpt_load(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n, dsk_ckpt_meta *meta);
 
-/* Step of the newest complete checkpoint under dir (its manifest parses), or -1 when there is
-   none (dir missing included). Damaged or incomplete checkpoints are skipped; a directory or a
+/* Step of the most recent complete save under dir (the largest generation: after a rollback,
+   the step saved since, not a larger step saved before), or -1 when there is none (dir
+   missing included). Damaged or incomplete checkpoints are skipped; a directory or a
    manifest that cannot be read (permissions, I/O error, out of memory) is an error. */
 DSK_API dsk_status dsk_ckpt_latest(const char *dir, int64_t *step);
+/* The complete checkpoints under dir, most recent save first: *n of them, the first
+   min(*n, cap) written to out (out may be NULL when cap is 0). Errors as dsk_ckpt_latest. */
+DSK_API dsk_status dsk_ckpt_list(const char *dir, dsk_ckpt_info *out, int cap, int *n);
 /* Reads every file of checkpoint `step` in full and checks the manifest (its own CRC32C, its
    tensors against the files), sizes, headers and all CRC32Cs. */
 DSK_API dsk_status dsk_ckpt_verify(const char *dir, int64_t step);
@@ -2670,6 +2688,7 @@ typedef struct dsk__ckpt_scan_ent {
     int state;
     dsk_status error;      /* DAMAGED: why (DSK_ERR_CORRUPT: damaged; others: unreadable) */
     uint64_t generation;   /* COMPLETE */
+    int world;
     int n_files;
     dsk__ckpt_mfile *files; /* COMPLETE: the files its manifest references */
 } dsk__ckpt_scan_ent;
@@ -2726,6 +2745,7 @@ static dsk_status dsk__ckpt_scan_dir(const char *fn, const char *root, dsk__ckpt
         else if ((x->error = dsk__ckpt_manifest_read(fn, sd, st, &m)) == DSK_OK) {
             x->state = DSK__CKPT_COMPLETE;
             x->generation = m.generation;
+            x->world = m.world;
             x->n_files = m.n_files;
             x->files = m.files; /* kept */
             m.files = NULL;
@@ -2791,16 +2811,26 @@ static dsk_status dsk__ckpt_delete_entry(const char *fn, const char *root, dsk__
     return s;
 }
 
-/* Keeps the newest keep_last complete checkpoints at or below `step` (the scan holds the new
-   one already). */
-static dsk_status dsk__ckpt_rotate(const char *fn, const char *root, dsk__ckpt_scan *sc, int64_t step, int keep_last) {
-    int kept = 0;
+/* Indices of the complete checkpoints of the scan, most recent save first; *n of them. */
+static dsk_status dsk__ckpt_by_generation(const char *fn, const dsk__ckpt_scan *sc, int **order, int *n) {
+    *n = 0;
+    if (!(*order = (int *)DSK_MALLOC(((size_t)sc->n + 1) * sizeof **order))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     for (int i = 0; i < sc->n; i++) {
-        if (sc->e[i].state != DSK__CKPT_COMPLETE || sc->e[i].step > step) continue;
-        if (kept++ < keep_last) continue;
-        DSK__TRY(dsk__ckpt_delete_entry(fn, root, sc, i));
+        int k = (*n)++;
+        if (sc->e[i].state != DSK__CKPT_COMPLETE) { (*n)--; continue; }
+        while (k > 0 && sc->e[(*order)[k - 1]].generation < sc->e[i].generation) { (*order)[k] = (*order)[k - 1]; k--; }
+        (*order)[k] = i;
     }
     return DSK_OK;
+}
+
+/* Keeps the keep_last most recently saved complete checkpoints (the scan holds the new one). */
+static dsk_status dsk__ckpt_rotate(const char *fn, const char *root, dsk__ckpt_scan *sc, int keep_last) {
+    int *order, n;
+    dsk_status s = dsk__ckpt_by_generation(fn, sc, &order, &n);
+    for (int k = keep_last; k < n && s == DSK_OK; k++) s = dsk__ckpt_delete_entry(fn, root, sc, order[k]);
+    DSK_FREE(order);
+    return s;
 }
 
 /* "rank_<5 digits>.<16 hex>.safetensors" -> rank and nonce; 0 if name is not one. */
@@ -3057,6 +3087,7 @@ static dsk_status dsk__ckpt_scan_commit(const char *fn, dsk__ckpt_job *job, dsk_
     x->step = job->plan.step;
     x->state = DSK__CKPT_COMPLETE;
     x->generation = job->info.generation;
+    x->world = job->opts.world_size;
     x->files = job->files;
     x->n_files = job->n_files;
     job->files = NULL;
@@ -3076,7 +3107,7 @@ static void dsk__ckpt_tidy(const char *fn, dsk__ckpt_job *job) {
     s = dsk__ckpt_write_small(fn, job->root, "latest", latest, strlen(latest), 0);
     if (s == DSK_OK) s = dsk__ckpt_scan_commit(fn, job, &old, &n_old);
     if (s == DSK_OK && old) s = dsk__ckpt_drop_files(fn, job->root, &job->scan, -1, old, n_old);
-    if (s == DSK_OK && job->opts.keep_last > 0) s = dsk__ckpt_rotate(fn, job->root, &job->scan, job->plan.step, job->opts.keep_last);
+    if (s == DSK_OK && job->opts.keep_last > 0) s = dsk__ckpt_rotate(fn, job->root, &job->scan, job->opts.keep_last);
     if (s == DSK_OK && job->lock.held) s = dsk__ckpt_reclaim(fn, job->root, &job->scan);
     if (s != DSK_OK) {
         job->info.cleanup = s;
@@ -3489,23 +3520,11 @@ static dsk_status dsk__ckpt_fill_meta(const char *fn, const dsk_ckpt_file *f, co
     return DSK_OK;
 }
 
-DSK_API dsk_status dsk_ckpt_load(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n, dsk_ckpt_meta *meta) {
-    const char *fn = "dsk_ckpt_load";
+/* Loads checkpoint `step` (see dsk_ckpt_load). */
+static dsk_status dsk__ckpt_load_step(const char *fn, dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n,
+                                      dsk_ckpt_meta *meta) {
     dsk__ckpt_reader rd;
-    dsk_status s;
-    if (meta) memset(meta, 0, sizeof *meta);
-    if (!ck || !ck->dir) return dsk_set_error(DSK_ERR_ARG, "%s: checkpointer is NULL or not initialised", fn);
-    if (n < 0 || (n && !entries)) return dsk_set_error(DSK_ERR_ARG, "%s: %d entries at %p", fn, n, (const void *)entries);
-    for (int i = 0; i < n; i++) {
-        if (!entries[i].name || !entries[i].tensor) return dsk_set_error(DSK_ERR_ARG, "%s: entry %d has no name or tensor", fn, i);
-        DSK__TRY(dsk__ckpt_check_entry(fn, &entries[i], i, 1, ck->opts.ctx));
-    }
-    DSK__TRY(dsk_ckpt_wait(ck));
-    if (step < 0) {
-        DSK__TRY(dsk_ckpt_latest(ck->dir, &step));
-        if (step < 0) return dsk_set_error(DSK_ERR_IO, "%s: no complete checkpoint under \"%s\"", fn, ck->dir);
-    }
-    s = dsk__ckpt_reader_open(fn, &rd, ck->dir, step);
+    dsk_status s = dsk__ckpt_reader_open(fn, &rd, ck->dir, step);
     for (int i = 0; i < n && s == DSK_OK; i++) s = dsk__ckpt_load_entry(&rd, &entries[i], ck->opts.ctx, ck->opts.allow_cast);
     if (s == DSK_OK && meta) {
         int r = ck->opts.rank < rd.man.world ? ck->opts.rank : 0; /* the first world_size files are the ranks' own */
@@ -3518,24 +3537,101 @@ DSK_API dsk_status dsk_ckpt_load(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entr
     return s;
 }
 
-DSK_API dsk_status dsk_ckpt_latest(const char *dir, int64_t *step) {
-    const char *fn = "dsk_ckpt_latest";
-    dsk__ckpt_scan sc;
-    if (!dir || !step) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
-    *step = -1;
-    DSK__TRY(dsk__ckpt_scan_dir(fn, dir, &sc));
-    for (int i = 0; i < sc.n && *step < 0; i++) {
-        /* newest step first: a damaged or incomplete checkpoint is skipped; one that cannot be read is an error */
-        if (sc.e[i].state == DSK__CKPT_COMPLETE) *step = sc.e[i].step;
-        else if (sc.e[i].state == DSK__CKPT_DAMAGED && sc.e[i].error != DSK_ERR_CORRUPT) {
-            dsk_status s = dsk_set_error(sc.e[i].error, "%s", sc.first_error);
-            dsk__ckpt_scan_free(&sc);
-            return s;
+/* The most recent complete save that loads: damaged ones (DSK_ERR_CORRUPT) are passed over on
+   a single rank and reported in meta. */
+static dsk_status dsk__ckpt_load_newest(const char *fn, dsk_ckpt *ck, const dsk_ckpt_entry *entries, int n, dsk_ckpt_meta *meta) {
+    dsk_ckpt_info *list = NULL;
+    int count = 0, skipped = 0;
+    int64_t skipped_step = -1;
+    char first[1024] = "";
+    dsk_status s;
+    DSK__TRY(dsk_ckpt_list(ck->dir, NULL, 0, &count));
+    if (!count) return dsk_set_error(DSK_ERR_IO, "%s: no complete checkpoint under \"%s\"", fn, ck->dir);
+    if (!(list = (dsk_ckpt_info *)DSK_MALLOC((size_t)count * sizeof *list))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    s = dsk_ckpt_list(ck->dir, list, count, &count);
+    for (int k = 0; k < count && s == DSK_OK; k++) {
+        if (meta) memset(meta, 0, sizeof *meta);
+        s = dsk__ckpt_load_step(fn, ck, list[k].step, entries, n, meta);
+        if (s != DSK_ERR_CORRUPT || k + 1 == count) break;
+        if (ck->opts.world_size > 1) {
+            s = dsk_set_error(s, "%s (with world_size %d a rank does not fall back to an older checkpoint alone)", dsk_last_error(),
+                              ck->opts.world_size);
+            break;
+        }
+        if (!skipped++) { skipped_step = list[k].step; snprintf(first, sizeof first, "%s", dsk_last_error()); }
+        s = DSK_OK;
+    }
+    if (s == DSK_OK && meta) {
+        meta->n_skipped = skipped;
+        meta->skipped_step = skipped_step;
+        if (skipped && !(meta->skipped_error = dsk__ckpt_strdup(first))) {
+            dsk_ckpt_meta_free(meta);
+            s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
         }
     }
-    dsk__ckpt_scan_free(&sc);
-    dsk_clear_error();
+    DSK_FREE(list);
+    return s;
+}
+
+DSK_API dsk_status dsk_ckpt_load(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n, dsk_ckpt_meta *meta) {
+    const char *fn = "dsk_ckpt_load";
+    if (meta) { memset(meta, 0, sizeof *meta); meta->skipped_step = -1; }
+    if (!ck || !ck->dir) return dsk_set_error(DSK_ERR_ARG, "%s: checkpointer is NULL or not initialised", fn);
+    if (n < 0 || (n && !entries)) return dsk_set_error(DSK_ERR_ARG, "%s: %d entries at %p", fn, n, (const void *)entries);
+    for (int i = 0; i < n; i++) {
+        if (!entries[i].name || !entries[i].tensor) return dsk_set_error(DSK_ERR_ARG, "%s: entry %d has no name or tensor", fn, i);
+        DSK__TRY(dsk__ckpt_check_entry(fn, &entries[i], i, 1, ck->opts.ctx));
+    }
+    DSK__TRY(dsk_ckpt_wait(ck));
+    if (step < 0) return dsk__ckpt_load_newest(fn, ck, entries, n, meta);
+    return dsk__ckpt_load_step(fn, ck, step, entries, n, meta);
+}
+
+/* The scan of dir for latest, list and load: every manifest must be readable (a damaged one
+   is skipped, one that cannot be read is an error). */
+static dsk_status dsk__ckpt_scan_readable(const char *fn, const char *dir, dsk__ckpt_scan *sc) {
+    DSK__TRY(dsk__ckpt_scan_dir(fn, dir, sc));
+    for (int i = 0; i < sc->n; i++)
+        if (sc->e[i].state == DSK__CKPT_DAMAGED && sc->e[i].error != DSK_ERR_CORRUPT) {
+            dsk_status s = dsk_set_error(sc->e[i].error, "%s", sc->first_error);
+            dsk__ckpt_scan_free(sc);
+            return s;
+        }
     return DSK_OK;
+}
+
+DSK_API dsk_status dsk_ckpt_latest(const char *dir, int64_t *step) {
+    const char *fn = "dsk_ckpt_latest";
+    dsk_ckpt_info info;
+    int n = 0;
+    if (!dir || !step) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
+    *step = -1;
+    DSK__TRY(dsk_ckpt_list(dir, &info, 1, &n));
+    if (n) *step = info.step;
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_ckpt_list(const char *dir, dsk_ckpt_info *out, int cap, int *n) {
+    const char *fn = "dsk_ckpt_list";
+    dsk__ckpt_scan sc;
+    int *order;
+    dsk_status s;
+    if (!dir || !n || cap < 0 || (cap && !out)) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument or cap %d", fn, cap);
+    *n = 0;
+    DSK__TRY(dsk__ckpt_scan_readable(fn, dir, &sc));
+    if ((s = dsk__ckpt_by_generation(fn, &sc, &order, n)) == DSK_OK) {
+        for (int k = 0; k < *n && k < cap; k++) {
+            const dsk__ckpt_scan_ent *x = &sc.e[order[k]];
+            out[k].step = x->step;
+            out[k].generation = x->generation;
+            out[k].world_size = x->world;
+            out[k].n_files = x->n_files;
+        }
+        DSK_FREE(order);
+        dsk_clear_error();
+    }
+    dsk__ckpt_scan_free(&sc);
+    return s;
 }
 
 /* Reads a whole tensor in chunks and compares its CRC with the header's. */
@@ -3633,7 +3729,9 @@ DSK_API void dsk_ckpt_meta_free(dsk_ckpt_meta *m) {
     for (int i = 0; i < m->n; i++) { DSK_FREE(m->keys[i]); DSK_FREE(m->values[i]); }
     DSK_FREE(m->keys);
     DSK_FREE(m->values);
+    DSK_FREE(m->skipped_error);
     memset(m, 0, sizeof *m);
+    m->skipped_step = -1;
 }
 
 #endif /* DSK_CKPT_IMPLEMENTATION_DONE */

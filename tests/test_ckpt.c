@@ -1151,14 +1151,17 @@ static void test_rotation(void) {
     snprintf(junk, sizeof junk, "%s/step_00000000/rank_00000.00000000000000ab.safetensors", dir);
     write_file(junk, "partial", 7);
     DSK_TEST_OK(dsk_ckpt_init(&ck, dir, &o));
+    /* step 9 first, then 1..5: the two most recent saves are 4 and 5, whatever their numbers */
     DSK_TEST_OK(dsk_ckpt_save(&ck, 9, &e, 1, NULL, 0));
-    for (int s = 1; s <= 5; s++) DSK_TEST_OK(dsk_ckpt_save(&ck, s, &e, 1, NULL, 0));
+    DSK_TEST_OK(dsk_ckpt_save(&ck, 1, &e, 1, NULL, 0));
+    DSK_TEST_EXPECT(step_dir_exists(dir, 9, 1), "step 9 (saved before 1) must stay with keep_last 2");
+    for (int s = 2; s <= 5; s++) DSK_TEST_OK(dsk_ckpt_save(&ck, s, &e, 1, NULL, 0));
     for (int s = 1; s <= 3; s++) DSK_TEST_EXPECT(!step_dir_exists(dir, s, 0), "step %d not rotated away", s);
     DSK_TEST_EXPECT(step_dir_exists(dir, 4, 1) && step_dir_exists(dir, 5, 1), "steps 4 and 5 must stay");
-    DSK_TEST_EXPECT(step_dir_exists(dir, 9, 1), "newer step 9 must stay");
+    DSK_TEST_EXPECT(!step_dir_exists(dir, 9, 0), "step 9, saved before 1..5, not rotated away");
     DSK_TEST_EXPECT(!step_dir_exists(dir, 0, 0), "incomplete step 0 not reclaimed");
     DSK_TEST_OK(dsk_ckpt_latest(dir, &st));
-    DSK_TEST_EXPECT(st == 9, "latest %lld, want 9", (long long)st);
+    DSK_TEST_EXPECT(st == 5, "latest %lld, want 5", (long long)st);
     DSK_TEST_OK(dsk_ckpt_verify(dir, 4));
     dsk_ckpt_free(&ck);
     dsk_tensor_free(NULL, &a);
@@ -1204,6 +1207,122 @@ static void test_huge_steps(void) {
     dsk_ckpt_free(&ck);
     dsk_tensor_free(NULL, &a);
     dsk_tensor_free(NULL, &b);
+}
+
+/* Latest means the most recent complete save (issue 17): save 10 and 20, resume from 10, save
+   11: latest is 11, the list is 11, 20, 10, and keep_last 2 then drops 10 and, at the next
+   save, 20. */
+static void test_latest_after_rollback(void) {
+    char dir[400];
+    const int64_t s1[1] = {6};
+    dsk_tensor a, back;
+    dsk_ckpt ck;
+    dsk_ckpt_opts o;
+    dsk_ckpt_entry e = {"a", &a, 0, 0, 0, NULL, NULL}, le = {"a", &back, 0, 0, 0, NULL, NULL};
+    dsk_ckpt_info info[4];
+    dsk_ckpt_meta meta;
+    int64_t st = -5;
+    int n = -1;
+    memset(&o, 0, sizeof o);
+    new_dir(dir, sizeof dir, "rollback");
+    alloc_t(&a, DSK_F32, 1, s1);
+    alloc_t(&back, DSK_F32, 1, s1);
+    DSK_TEST_OK(dsk_ckpt_init(&ck, dir, &o));
+    fill_f32(&a);
+    DSK_TEST_OK(dsk_ckpt_save(&ck, 10, &e, 1, NULL, 0));
+    fill_f32(&a);
+    DSK_TEST_OK(dsk_ckpt_save(&ck, 20, &e, 1, NULL, 0));
+    dsk_ckpt_free(&ck);
+    /* the job rolls back: resumes from 10 and saves 11 */
+    o.keep_last = 2;
+    DSK_TEST_OK(dsk_ckpt_init(&ck, dir, &o));
+    DSK_TEST_OK(dsk_ckpt_load(&ck, 10, &le, 1, NULL));
+    fill_f32(&a);
+    DSK_TEST_OK(dsk_ckpt_save(&ck, 11, &e, 1, NULL, 0));
+    DSK_TEST_OK(dsk_ckpt_latest(dir, &st));
+    DSK_TEST_EXPECT(st == 11, "latest %lld after the rollback, want 11", (long long)st);
+    DSK_TEST_OK(dsk_ckpt_load(&ck, -1, &le, 1, &meta));
+    DSK_TEST_SAME_BYTES(back.data, a.data, dsk_tensor_nbytes(&a), "the newest load after the rollback");
+    DSK_TEST_EXPECT(meta.step == 11 && meta.generation == 3 && meta.n_skipped == 0 && meta.skipped_step == -1,
+                    "meta step %lld generation %llu skipped %d", (long long)meta.step, (unsigned long long)meta.generation, meta.n_skipped);
+    dsk_ckpt_meta_free(&meta);
+    DSK_TEST_OK(dsk_ckpt_list(dir, info, 4, &n));
+    DSK_TEST_EXPECT(n == 2 && info[0].step == 11 && info[1].step == 20 && info[0].generation == 3 && info[1].generation == 2 &&
+                    info[0].world_size == 1 && info[0].n_files == 1, "list after the rollback: %d entries, first %lld, second %lld",
+                    n, (long long)info[0].step, (long long)(n > 1 ? info[1].step : -1));
+    DSK_TEST_EXPECT(!step_dir_exists(dir, 10, 0), "step 10 (the oldest save) not rotated away");
+    DSK_TEST_OK(dsk_ckpt_save(&ck, 12, &e, 1, NULL, 0));
+    DSK_TEST_OK(dsk_ckpt_list(dir, info, 1, &n));
+    DSK_TEST_EXPECT(n == 2 && info[0].step == 12, "list: %d entries, first %lld", n, (long long)info[0].step);
+    DSK_TEST_EXPECT(!step_dir_exists(dir, 20, 0) && step_dir_exists(dir, 11, 1), "step 20 of the abandoned run must go, 11 stay");
+    DSK_TEST_OK(dsk_ckpt_list(dir, NULL, 0, &n));
+    DSK_TEST_EXPECT(n == 2, "count %d", n);
+    DSK_TEST_STATUS(dsk_ckpt_list(dir, NULL, 2, &n), DSK_ERR_ARG);
+    dsk_ckpt_free(&ck);
+    dsk_tensor_free(NULL, &a);
+    dsk_tensor_free(NULL, &back);
+}
+
+/* A load of the newest passes over a checkpoint whose files are damaged (a flipped data
+   byte, then a missing file) and says so in meta; several ranks never fall back alone. */
+static void test_load_falls_back(void) {
+    char dir[400], sd[600], f3[700];
+    const int64_t s1[2] = {300, 1000}; /* 1.2 MB: two blocks */
+    dsk_tensor a, keep2, back;
+    dsk_ckpt ck;
+    dsk_ckpt_entry e = {"a", &a, 0, 0, 0, NULL, NULL}, le = {"a", &back, 0, 0, 0, NULL, NULL};
+    dsk_ckpt_meta meta;
+    size_t n;
+    unsigned char *bytes;
+    new_dir(dir, sizeof dir, "fallback");
+    alloc_t(&a, DSK_F32, 2, s1);
+    alloc_t(&keep2, DSK_F32, 2, s1);
+    alloc_t(&back, DSK_F32, 2, s1);
+    DSK_TEST_OK(dsk_ckpt_init(&ck, dir, NULL));
+    fill_f32(&a);
+    DSK_TEST_OK(dsk_ckpt_save(&ck, 1, &e, 1, NULL, 0));
+    fill_f32(&a);
+    DSK_TEST_OK(dsk_ckpt_save(&ck, 2, &e, 1, NULL, 0));
+    memcpy(keep2.data, a.data, dsk_tensor_nbytes(&a));
+    fill_f32(&a);
+    DSK_TEST_OK(dsk_ckpt_save(&ck, 3, &e, 1, NULL, 0));
+    snprintf(sd, sizeof sd, "%s/step_00000003", dir);
+    rank_file(sd, 0, f3, sizeof f3);
+    bytes = read_file(f3, &n);
+    bytes[n - 5] ^= 0x40; /* a data byte of the last block */
+    write_file(f3, bytes, n);
+    DSK_TEST_OK(dsk_ckpt_load(&ck, -1, &le, 1, &meta));
+    DSK_TEST_SAME_BYTES(back.data, keep2.data, dsk_tensor_nbytes(&a), "fell back to step 2");
+    DSK_TEST_EXPECT(meta.step == 2 && meta.n_skipped == 1 && meta.skipped_step == 3 && meta.skipped_error &&
+                    strstr(meta.skipped_error, "(data corrupt)"), "meta: step %lld skipped %d (%lld): %s", (long long)meta.step,
+                    meta.n_skipped, (long long)meta.skipped_step, meta.skipped_error ? meta.skipped_error : "(none)");
+    dsk_ckpt_meta_free(&meta);
+    DSK_TEST_STATUS(dsk_ckpt_load(&ck, 3, &le, 1, NULL), DSK_ERR_CORRUPT); /* asked for by number: no fallback */
+    /* step 2's file missing too: back to step 1 */
+    snprintf(sd, sizeof sd, "%s/step_00000002", dir);
+    rank_file(sd, 0, f3, sizeof f3);
+    unlink(f3);
+    DSK_TEST_OK(dsk_ckpt_load(&ck, -1, &le, 1, &meta));
+    DSK_TEST_EXPECT(meta.step == 1 && meta.n_skipped == 2 && meta.skipped_step == 3, "meta: step %lld, %d skipped", (long long)meta.step,
+                    meta.n_skipped);
+    dsk_ckpt_meta_free(&meta);
+    free(bytes);
+    dsk_ckpt_free(&ck);
+    /* as one of two ranks, with no way to agree: the damage is the answer */
+    {
+        dsk_ckpt_opts o;
+        memset(&o, 0, sizeof o);
+        o.rank = 1;
+        o.world_size = 2;
+        o.barrier = fbar_wait;
+        DSK_TEST_OK(dsk_ckpt_init(&ck, dir, &o));
+        DSK_TEST_STATUS(dsk_ckpt_load(&ck, -1, &le, 1, &meta), DSK_ERR_CORRUPT);
+        DSK_TEST_ERROR_MENTIONS("a rank does not fall back to an older checkpoint alone");
+        dsk_ckpt_free(&ck);
+    }
+    dsk_tensor_free(NULL, &a);
+    dsk_tensor_free(NULL, &keep2);
+    dsk_tensor_free(NULL, &back);
 }
 
 static void test_latest_skips_incomplete(void) {
@@ -2335,6 +2454,8 @@ int main(void) {
     DSK_TEST_RUN(test_rotation);
     DSK_TEST_RUN(test_reclaim);
     DSK_TEST_RUN(test_latest_skips_incomplete);
+    DSK_TEST_RUN(test_latest_after_rollback);
+    DSK_TEST_RUN(test_load_falls_back);
     DSK_TEST_RUN(test_fifo_does_not_hang);
     DSK_TEST_RUN(test_huge_steps);
     DSK_TEST_RUN(test_latest_reports_read_errors);
