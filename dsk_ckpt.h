@@ -41,8 +41,15 @@
    the barrier callback (prepare, files durable, manifest durable); every rank makes all three
    calls even when its own part failed, so a failure anywhere leaves no manifest and every
    rank sees an error. Rank 0 hands the save's nonce to the others in DIR/.attempt; one job
-   saves into a directory at a time. With dsk_ckpt_save_async the barrier runs on a
-   background thread. With dsk_comm.h the barrier is one line, on a communicator of its own
+   saves into a directory at a time (rank 0 holds DIR/.lock). With dsk_ckpt_save_async the
+   barrier runs on a background thread.
+   Collective outcome: with opts.agree (an all-reduce of a few int64 words, in place of the
+   barrier) a save and a load give every rank the same status and message: the first failing
+   rank's, named ("rank 3: ... \"step_00000100/rank_00003....safetensors\" is missing"); a
+   load of the newest falls back to an older checkpoint on every rank together. With the
+   barrier alone a save still ends alike on every rank (it succeeded exactly when the
+   manifest of this save exists; rank 0 writes why it failed to DIR/.outcome.<nonce>, which
+   the others report), but a load is each rank's own and never falls back on several ranks. With dsk_comm.h the barrier is one line, on a communicator of its own
    (dsk_comm_split) so that an async save never shares one with training's collectives:
      static dsk_status ckpt_barrier(void *c) { return dsk_comm_barrier((dsk_comm *)c, NULL); }
    Loading reads any checkpoint into tensors of any split: a rank asks for a box of the whole
@@ -115,13 +122,22 @@ typedef struct dsk_ckpt_entry {
 
 /* Blocks until every rank has called it (same count on every rank); DSK_OK or an error. */
 typedef dsk_status (*dsk_ckpt_barrier_fn)(void *user);
+/* Agreement: every rank passes n int64 words (each >= 0) and receives, in place, the
+   element-wise maximum over all ranks; called the same number of times with the same n on
+   every rank, so it is a barrier too. One all-reduce, e.g. with dsk_comm.h:
+     static dsk_status agree(void *c, int64_t *w, int n) {
+         return dsk_comm_all_reduce((dsk_comm *)c, NULL, w, w, n, DSK_I64, DSK_COMM_MAX); } */
+typedef dsk_status (*dsk_ckpt_agree_fn)(void *user, int64_t *words, int n);
 
 /* Zero fields take the defaults in brackets. */
 typedef struct dsk_ckpt_opts {
     int rank;                    /* [0] this process's rank */
     int world_size;              /* [1] ranks saving together */
-    dsk_ckpt_barrier_fn barrier; /* required when world_size > 1 */
+    dsk_ckpt_barrier_fn barrier; /* world_size > 1: this or agree is required */
     void *barrier_user;          /* passed to barrier */
+    dsk_ckpt_agree_fn agree;     /* [NULL] makes saves and loads collective: every rank gets the
+                                    same status and message (see the top of the file) */
+    void *agree_user;            /* passed to agree */
     int keep_last;               /* [0 = keep all] K > 0: after a save, rank 0 deletes the
                                     complete checkpoints but the K most recently saved */
     int allow_cast;              /* [0] load: convert a saved dtype to the tensor's dtype
@@ -208,10 +224,12 @@ DSK_API const dsk_ckpt_save_info *dsk_ckpt_last_save(const dsk_ckpt *ck);
    entries receive their box of it. Every byte read is checked against its CRC32C and every
    file header against the manifest. step < 0: the most recent complete save; when its files
    are damaged (a CRC32C fails, a file is missing) the next most recent, and so on, with
-   meta->n_skipped, skipped_step and skipped_error telling what was passed over (on one rank;
-   with world_size > 1 a rank never falls back alone: it returns the damage instead). meta
-   (may be NULL) receives the metadata; free it with dsk_ckpt_meta_free. On error the entries'
-   contents are unspecified. Safe to call concurrently on several ranks; no barrier. */
+   meta->n_skipped, skipped_step and skipped_error telling what was passed over (on one rank,
+   or on every rank together with opts.agree; without it a rank of several never falls back
+   alone: it returns the damage). meta (may be NULL) receives the metadata; free it with
+   dsk_ckpt_meta_free. On error the entries' contents are unspecified. With opts.agree and
+   world_size > 1 every rank must call it (it agrees on the outcome); else it is each rank's
+   own and safe to call concurrently on several ranks, with no barrier. */
 DSK_API dsk_status dsk_ckpt_load(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n, dsk_ckpt_meta *meta);
 
 /* Step of the most recent complete save under dir (the largest generation: after a rollback,
@@ -2867,8 +2885,10 @@ static void dsk__ckpt_unlock(dsk__ckpt_lock *lk) {
 }
 
 /* Takes the lock without waiting: DSK_ERR_STATE naming the holder when another writer has
-   it; DSK_OK with held 0 when the file system has no locks. */
-static dsk_status dsk__ckpt_lock_take(const char *fn, const char *root, dsk__ckpt_lock *lk) {
+   it; DSK_OK with held 0 when the file system has no locks. A saver (`save` 1) creates the
+   lock file and writes who holds it; init's reclaiming only takes an existing one (no save
+   ever ran where there is none) and leaves its text alone. */
+static dsk_status dsk__ckpt_lock_take(const char *fn, const char *root, int save, dsk__ckpt_lock *lk) {
     char *path = dsk__ckpt_join(root, ".lock"), owner[256] = "", host[128] = "?";
     struct flock fl;
     ssize_t k;
@@ -2876,8 +2896,8 @@ static dsk_status dsk__ckpt_lock_take(const char *fn, const char *root, dsk__ckp
     lk->fd = -1;
     lk->held = 0;
     if (!path) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    if ((lk->fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644)) < 0) {
-        s = dsk__ckpt_io_error(fn, "open the lock file", path);
+    if ((lk->fd = open(path, O_RDWR | O_CLOEXEC | (save ? O_CREAT : 0), 0644)) < 0) {
+        s = !save && errno == ENOENT ? DSK_OK : dsk__ckpt_io_error(fn, "open the lock file", path);
         DSK_FREE(path);
         return s;
     }
@@ -2886,6 +2906,7 @@ static dsk_status dsk__ckpt_lock_take(const char *fn, const char *root, dsk__ckp
     fl.l_whence = SEEK_SET;
     if (fcntl(lk->fd, DSK__CKPT_SETLK, &fl) == 0) {
         lk->held = 1;
+        if (!save) { DSK_FREE(path); return DSK_OK; }
         gethostname(host, sizeof host - 1);
         k = snprintf(owner, sizeof owner, "pid %d on %s, since %lld\n", (int)getpid(), host, (long long)time(NULL));
         if (ftruncate(lk->fd, 0) != 0 || pwrite(lk->fd, owner, (size_t)k, 0) != k) { /* the owner text only helps messages */ }
@@ -2914,6 +2935,23 @@ static dsk_status dsk__ckpt_remove(const char *fn, const char *path, int *remove
     return errno == ENOENT ? DSK_OK : dsk__ckpt_io_error(fn, "remove", path);
 }
 
+/* The outcome files of failed saves in DIR (with the lock held no save is live, and every
+   rank has read them: they do so before their save returns). */
+static dsk_status dsk__ckpt_reclaim_outcomes(const char *fn, const char *root, int *removed) {
+    DIR *d = opendir(root);
+    struct dirent *de;
+    dsk_status s = DSK_OK;
+    while (d && s == DSK_OK && (de = readdir(d)) != NULL) {
+        char *p;
+        if (strncmp(de->d_name, ".outcome.", 9) != 0) continue;
+        if (!(p = dsk__ckpt_join(root, de->d_name))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
+        s = dsk__ckpt_remove(fn, p, removed);
+        DSK_FREE(p);
+    }
+    if (d) closedir(d);
+    return s;
+}
+
 /* Rank 0 holding the lock (so no save is live): removes what no complete checkpoint
    references from every step directory whose manifest is absent or readable: rank files of
    saves that did not finish or were dropped, and temporaries of killed writers; then the
@@ -2936,7 +2974,7 @@ static dsk_status dsk__ckpt_reclaim(const char *fn, const char *root, const dsk_
             int rank, ours;
             uint64_t att;
             if (dsk__ckpt_parse_rank_name(nm, &rank, &att)) ours = !dsk__ckpt_file_live(sc, -1, sc->e[i].step, rank, att);
-            else ours = nm[0] == '.' && len > 5 && strcmp(nm + len - 4, ".tmp") == 0 && strcmp(nm, "..") != 0;
+            else ours = nm[0] == '.' && len > 5 && strcmp(nm + len - 4, ".tmp") == 0;
             if (!ours) continue;
             if (!(p = dsk__ckpt_join(sd, nm))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
             s = dsk__ckpt_remove(fn, p, &removed);
@@ -2946,6 +2984,7 @@ static dsk_status dsk__ckpt_reclaim(const char *fn, const char *root, const dsk_
         if (s == DSK_OK && sc->e[i].state == DSK__CKPT_INCOMPLETE && rmdir(sd) == 0) rmdirs++;
         DSK_FREE(sd);
     }
+    if (s == DSK_OK) s = dsk__ckpt_reclaim_outcomes(fn, root, &removed);
     for (size_t k = 0; k < sizeof root_junk / sizeof root_junk[0] && s == DSK_OK; k++) {
         char *p = dsk__ckpt_join(root, root_junk[k]);
         if (!p) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
@@ -3013,6 +3052,47 @@ static dsk_status dsk__ckpt_barrier(const char *fn, const dsk_ckpt_opts *o, int 
                          inner[0] ? inner : dsk_status_str(s));
 }
 
+/* ---- agreement (opts.agree): the outcome of the lowest failing rank, on every rank */
+
+#define DSK__CKPT_MSG_WORDS 147 /* 7 message bytes per word: 1029 bytes */
+
+/* The status word of a rank: its rank (lower wins) and status; 0 when it is fine. */
+static int64_t dsk__ckpt_status_word(const dsk_ckpt_opts *o, dsk_status s) {
+    return s == DSK_OK ? 0 : ((int64_t)(o->world_size - o->rank) << 8) | (int64_t)s;
+}
+
+/* Runs agreement `what` on words[0, n) (words[0] the status word): on return every rank holds
+   the same *s and msg, the lowest failing rank's (a second round carries its message). A
+   failing hook breaks the group: its status is returned. */
+static dsk_status dsk__ckpt_agree(const char *fn, const dsk_ckpt_opts *o, const char *what, int64_t *words, int n, dsk_status *s,
+                                  char *msg, size_t cap) {
+    int64_t text[DSK__CKPT_MSG_WORDS];
+    char inner[1024];
+    dsk_status e;
+    int f;
+    words[0] = dsk__ckpt_status_word(o, *s);
+    dsk_clear_error();
+    if ((e = o->agree(o->agree_user, words, n)) != DSK_OK) goto broken;
+    if (!words[0]) return DSK_OK;
+    f = o->world_size - (int)(words[0] >> 8);
+    memset(text, 0, sizeof text);
+    if (f == o->rank)
+        for (size_t i = 0; i < 7 * DSK__CKPT_MSG_WORDS && msg[i]; i++) text[i / 7] |= (int64_t)(unsigned char)msg[i] << (8 * (i % 7));
+    if ((e = o->agree(o->agree_user, text, DSK__CKPT_MSG_WORDS)) != DSK_OK) goto broken;
+    if (f != o->rank) {
+        char got[7 * DSK__CKPT_MSG_WORDS + 1];
+        size_t i;
+        for (i = 0; i < 7 * DSK__CKPT_MSG_WORDS && (got[i] = (char)(text[i / 7] >> (8 * (i % 7)))); i++) {}
+        got[i] = 0;
+        *s = (dsk_status)(words[0] & 0xff);
+        snprintf(msg, cap, "%s: rank %d of %d failed: %.900s", fn, f, o->world_size, got);
+    }
+    return DSK_OK;
+broken:
+    snprintf(inner, sizeof inner, "%s", dsk_last_error());
+    return dsk_set_error(e, "%s: rank %d: agreement (%s) failed: %s", fn, o->rank, what, inner[0] ? inner : dsk_status_str(e));
+}
+
 /* DIR/.attempt: "dsk-attempt <step> <seq> <nonce> <status>\n<message>". Rank 0 writes it before
    the first barrier (status 0: go on with nonce; else its error), the others read it after. */
 static dsk_status dsk__ckpt_publish_attempt(const char *fn, const dsk__ckpt_job *job, uint64_t nonce, dsk_status s, const char *msg) {
@@ -3048,13 +3128,44 @@ static dsk_status dsk__ckpt_read_attempt(const char *fn, const dsk__ckpt_job *jo
     return s;
 }
 
+/* DIR/.outcome.<nonce>: "<status>\n<message>", written by rank 0 when a save fails (barrier
+   mode), read by the others after the last barrier, so every rank reports the same. */
+static void dsk__ckpt_outcome_name(char *buf, size_t n, uint64_t nonce) { snprintf(buf, n, ".outcome.%016llx", (unsigned long long)nonce); }
+
+static void dsk__ckpt_write_outcome(const char *fn, const dsk__ckpt_job *job, uint64_t nonce, dsk_status s, const char *msg) {
+    char name[48], text[1200];
+    int n = snprintf(text, sizeof text, "%d\n%s", (int)s, msg);
+    dsk__ckpt_outcome_name(name, sizeof name, nonce);
+    dsk__ckpt_write_small(fn, job->root, name, text, (size_t)n < sizeof text ? (size_t)n : sizeof text - 1, 0);
+}
+
+/* A non-zero rank whose save did not commit: rank 0's outcome when it wrote one (with this
+   rank's own error after it, when it had one), else what it has. */
+static void dsk__ckpt_read_outcome(const char *fn, const dsk__ckpt_job *job, uint64_t nonce, int own_failed, dsk_status *first, char *msg,
+                                   size_t cap) {
+    char name[48], *path, *text = NULL, own[1024];
+    size_t len;
+    int st = 0, k = 0;
+    dsk__ckpt_outcome_name(name, sizeof name, nonce);
+    if (!nonce || !(path = dsk__ckpt_join(job->root, name))) return;
+    if (dsk__ckpt_read_small(fn, path, 4096, &text, &len) == DSK_OK && sscanf(text, "%d%n", &st, &k) == 1 && st > 0 &&
+        st < DSK_STATUS_COUNT && text[k] == '\n') {
+        snprintf(own, sizeof own, "%s", own_failed ? msg : "");
+        snprintf(msg, cap, "%s: rank %d: step %lld not saved: rank 0 reported: %.600s%s%.300s", fn, job->opts.rank,
+                 (long long)job->plan.step, text + k + 1, own[0] ? "; this rank: " : "", own);
+        *first = (dsk_status)st;
+    }
+    DSK_FREE(text);
+    DSK_FREE(path);
+}
+
 /* Rank 0, before the first barrier: the lock, the scan of the directory (and with the lock,
    reclaiming what dead saves left, so a full disk frees up), the step directory, the save's
    nonce. Nothing a complete checkpoint uses is changed: an earlier save of this step stays
    loadable until the new manifest replaces it. */
 static dsk_status dsk__ckpt_prepare(const char *fn, dsk__ckpt_job *job, const char *step_dir, uint64_t *nonce) {
     if (mkdir(job->root, 0755) != 0 && errno != EEXIST) return dsk__ckpt_io_error(fn, "create directory", job->root);
-    DSK__TRY(dsk__ckpt_lock_take(fn, job->root, &job->lock));
+    DSK__TRY(dsk__ckpt_lock_take(fn, job->root, 1, &job->lock));
     DSK__TRY(dsk__ckpt_scan_dir(fn, job->root, &job->scan));
     if (job->lock.held) DSK__TRY(dsk__ckpt_reclaim(fn, job->root, &job->scan));
     if (mkdir(step_dir, 0755) == 0) DSK__TRY(dsk__ckpt_fsync_dir(fn, job->root));
@@ -3145,8 +3256,23 @@ static dsk_status dsk__ckpt_check_committed(const char *fn, const dsk__ckpt_job 
                          fn, job->opts.rank, (long long)job->plan.step);
 }
 
-/* The save protocol. A barrier failure ends it at once: the group is broken. Any other failure
-   is kept and reported after the remaining barriers. */
+/* Sync point k of the save: the barrier, or with opts.agree an agreement that leaves every
+   rank with the first failure (and at k = 1 with rank 0's nonce). */
+static dsk_status dsk__ckpt_sync(const char *fn, dsk__ckpt_job *job, int k, dsk_status *first, char *msg, size_t cap, uint64_t *nonce) {
+    const dsk_ckpt_opts *o = &job->opts;
+    int64_t w[2] = {0, 0};
+    char what[32];
+    if (o->world_size <= 1) return DSK_OK;
+    if (!o->agree) return dsk__ckpt_barrier(fn, o, k, job->plan.step);
+    w[1] = k == 1 && o->rank == 0 ? (int64_t)*nonce : 0;
+    snprintf(what, sizeof what, "%d of 3", k);
+    DSK__TRY(dsk__ckpt_agree(fn, o, what, w, 2, first, msg, cap));
+    if (k == 1) *nonce = (uint64_t)w[1];
+    return DSK_OK;
+}
+
+/* The save protocol. A failing barrier or agreement ends it at once: the group is broken. Any
+   other failure is kept and reported after the remaining sync points. */
 static dsk_status dsk__ckpt_run(dsk__ckpt_job *job) {
     const char *fn = "dsk_ckpt_save";
     const dsk_ckpt_opts *o = &job->opts;
@@ -3154,30 +3280,39 @@ static dsk_status dsk__ckpt_run(dsk__ckpt_job *job) {
     char *step_dir = dsk__ckpt_step_dir(job->root, step), name[80], msg[1024] = "";
     dsk_status first = DSK_OK, s = DSK_OK;
     uint64_t nonce = 0;
-    int committed = 0;
+    int committed = 0, files_say = o->world_size > 1 && !o->agree; /* barrier mode: the file system carries the rest */
     job->info.step = step;
     if (job->status != DSK_OK) dsk__ckpt_keep(&first, msg, sizeof msg, dsk_set_error(job->status, "%s", job->msg));
     if (!step_dir) dsk__ckpt_keep(&first, msg, sizeof msg, dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn));
     if (o->rank == 0) {
         if (first == DSK_OK) dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_prepare(fn, job, step_dir, &nonce));
-        if (o->world_size > 1) dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_publish_attempt(fn, job, nonce, first, msg));
+        if (files_say && (first == DSK_OK || job->lock.held))
+            dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_publish_attempt(fn, job, nonce, first, msg));
     }
-    if ((s = dsk__ckpt_barrier(fn, o, 1, step)) != DSK_OK) goto broken;
-    if (o->rank != 0 && first == DSK_OK) dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_read_attempt(fn, job, &nonce));
+    if ((s = dsk__ckpt_sync(fn, job, 1, &first, msg, sizeof msg, &nonce)) != DSK_OK) goto broken;
+    if (files_say && o->rank != 0) {
+        dsk_status a = dsk__ckpt_read_attempt(fn, job, &nonce);
+        if (first == DSK_OK) dsk__ckpt_keep(&first, msg, sizeof msg, a);
+    }
     job->plan.attempt = nonce;
     dsk__ckpt_rank_name(name, sizeof name, o->rank, nonce);
     if (first == DSK_OK) {
         dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_write_plan(fn, &job->plan, step_dir, name));
         if (first == DSK_OK) { job->info.bytes_written = job->plan.total; job->info.tensors_written = job->plan.n; }
     }
-    if ((s = dsk__ckpt_barrier(fn, o, 2, step)) != DSK_OK) goto broken;
+    if ((s = dsk__ckpt_sync(fn, job, 2, &first, msg, sizeof msg, &nonce)) != DSK_OK) goto broken;
     if (first == DSK_OK && o->rank == 0) {
         dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_commit(fn, job, step_dir, nonce));
         committed = first == DSK_OK;
     }
-    if ((s = dsk__ckpt_barrier(fn, o, 3, step)) != DSK_OK) goto broken;
-    if (first == DSK_OK && o->rank != 0) dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_check_committed(fn, job, step_dir, nonce));
-    if (o->rank == 0 && o->world_size > 1) { /* every rank has read it */
+    if (files_say && o->rank == 0 && first != DSK_OK && job->lock.held) dsk__ckpt_write_outcome(fn, job, nonce, first, msg);
+    if ((s = dsk__ckpt_sync(fn, job, 3, &first, msg, sizeof msg, &nonce)) != DSK_OK) goto broken;
+    if (files_say && o->rank != 0) {
+        int own_failed = first != DSK_OK;
+        if (!own_failed) dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_check_committed(fn, job, step_dir, nonce));
+        if (first != DSK_OK) dsk__ckpt_read_outcome(fn, job, nonce, own_failed, &first, msg, sizeof msg);
+    }
+    if (files_say && o->rank == 0) { /* every rank has read it */
         char *att = dsk__ckpt_join(job->root, DSK__CKPT_ATTEMPT);
         if (att) unlink(att);
         DSK_FREE(att);
@@ -3198,7 +3333,7 @@ broken:
 static dsk_status dsk__ckpt_reclaim_now(const char *fn, const char *dir) {
     dsk__ckpt_lock lk;
     dsk__ckpt_scan sc;
-    dsk_status s = dsk__ckpt_lock_take(fn, dir, &lk);
+    dsk_status s = dsk__ckpt_lock_take(fn, dir, 0, &lk);
     if (s == DSK_ERR_STATE) { dsk_clear_error(); return DSK_OK; }
     if (s != DSK_OK || !lk.held) { dsk__ckpt_unlock(&lk); return s; }
     if ((s = dsk__ckpt_scan_dir(fn, dir, &sc)) == DSK_OK) s = dsk__ckpt_reclaim(fn, dir, &sc);
@@ -3226,8 +3361,8 @@ DSK_API dsk_status dsk_ckpt_init(dsk_ckpt *ck, const char *dir, const dsk_ckpt_o
     if (o.world_size == 0) o.world_size = 1;
     if (o.world_size < 0 || o.rank < 0 || o.rank >= o.world_size)
         return dsk_set_error(DSK_ERR_ARG, "%s: rank %d outside world size %d", fn, o.rank, o.world_size);
-    if (o.world_size > 1 && !o.barrier)
-        return dsk_set_error(DSK_ERR_ARG, "%s: world size %d needs a barrier callback", fn, o.world_size);
+    if (o.world_size > 1 && !o.barrier && !o.agree)
+        return dsk_set_error(DSK_ERR_ARG, "%s: world size %d needs a barrier or an agree callback", fn, o.world_size);
     if (o.keep_last < 0) return dsk_set_error(DSK_ERR_ARG, "%s: keep_last %d < 0", fn, o.keep_last);
     if (o.snapshot_threads < 0 || o.snapshot_threads > 1024)
         return dsk_set_error(DSK_ERR_ARG, "%s: snapshot_threads %d outside [0, 1024]", fn, o.snapshot_threads);
@@ -3315,7 +3450,7 @@ static dsk_status dsk__ckpt_save_begin(const char *fn, dsk_ckpt *ck, int64_t ste
 }
 
 /* A rank that cannot take part in a save still runs the protocol with its error, so the
-   others fail (no manifest) instead of waiting. */
+   others fail (no manifest) instead of waiting, and it reports the common outcome. */
 static dsk_status dsk__ckpt_abstain(const char *fn, dsk_ckpt *ck, int64_t step, dsk_status s) {
     dsk__ckpt_job *job;
     char msg[1024];
@@ -3325,9 +3460,9 @@ static dsk_status dsk__ckpt_abstain(const char *fn, dsk_ckpt *ck, int64_t step, 
     job->seq = ++ck->n_saves;
     job->status = s;
     snprintf(job->msg, sizeof job->msg, "%s", msg);
-    dsk__ckpt_run(job);
+    s = dsk__ckpt_run(job); /* fails: with the ranks' common outcome */
     dsk__ckpt_job_free(job);
-    return dsk_set_error(s, "%s", msg);
+    return s;
 }
 
 DSK_API dsk_status dsk_ckpt_save(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n, const dsk_ckpt_kv *kv, int n_kv) {
@@ -3491,7 +3626,7 @@ static dsk_status dsk__ckpt_load_entry(dsk__ckpt_reader *rd, const dsk_ckpt_entr
             in_piece[d] = a - so[d];
             empty |= b <= a;
         }
-        if (empty && dsk__ckpt_numel(t->ndim, t->shape) > 0) continue;
+        if (empty) continue; /* no overlap (or no elements): nothing to read there */
         DSK__TRY(dsk__ckpt_reader_file(rd, sl->file, &f));
         DSK__TRY(dsk__ckpt_find_piece(fn, f, t, sl, &ft));
         DSK__TRY(dsk__ckpt_sub_view(x, base, lo, ext, &view));
@@ -3554,12 +3689,66 @@ static dsk_status dsk__ckpt_load_newest(const char *fn, dsk_ckpt *ck, const dsk_
         s = dsk__ckpt_load_step(fn, ck, list[k].step, entries, n, meta);
         if (s != DSK_ERR_CORRUPT || k + 1 == count) break;
         if (ck->opts.world_size > 1) {
-            s = dsk_set_error(s, "%s (with world_size %d a rank does not fall back to an older checkpoint alone)", dsk_last_error(),
-                              ck->opts.world_size);
+            s = dsk_set_error(s, "%.800s (with world_size %d and no opts.agree, a rank does not fall back to an older checkpoint alone)",
+                              dsk_last_error(), ck->opts.world_size);
             break;
         }
         if (!skipped++) { skipped_step = list[k].step; snprintf(first, sizeof first, "%s", dsk_last_error()); }
         s = DSK_OK;
+    }
+    if (s == DSK_OK && meta) {
+        meta->n_skipped = skipped;
+        meta->skipped_step = skipped_step;
+        if (skipped && !(meta->skipped_error = dsk__ckpt_strdup(first))) {
+            dsk_ckpt_meta_free(meta);
+            s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        }
+    }
+    DSK_FREE(list);
+    return s;
+}
+
+/* Loads `step` on every rank and agrees on the outcome (opts.agree). */
+static dsk_status dsk__ckpt_load_agreed_step(const char *fn, dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n,
+                                             dsk_ckpt_meta *meta) {
+    char msg[1024];
+    int64_t w[1];
+    dsk_status s = dsk__ckpt_load_step(fn, ck, step, entries, n, meta);
+    snprintf(msg, sizeof msg, "%s", s == DSK_OK ? "" : dsk_last_error());
+    DSK__TRY(dsk__ckpt_agree(fn, &ck->opts, "load", w, 1, &s, msg, sizeof msg));
+    if (s == DSK_OK) return DSK_OK;
+    if (meta) dsk_ckpt_meta_free(meta);
+    return dsk_set_error(s, "%s", msg);
+}
+
+/* The newest checkpoint every rank can load, rank 0's list deciding the order: a damaged one
+   (on any rank) is passed over by all of them together. */
+static dsk_status dsk__ckpt_load_agreed_newest(const char *fn, dsk_ckpt *ck, const dsk_ckpt_entry *entries, int n, dsk_ckpt_meta *meta) {
+    dsk_ckpt_info *list = NULL;
+    int count = 0, skipped = 0;
+    int64_t skipped_step = -1;
+    char first[1024] = "", msg[1024] = "";
+    dsk_status s = DSK_OK, ls = DSK_OK;
+    if (ck->opts.rank == 0) { /* the candidates, most recent first */
+        ls = dsk_ckpt_list(ck->dir, NULL, 0, &count);
+        if (ls == DSK_OK && count && !(list = (dsk_ckpt_info *)DSK_MALLOC((size_t)count * sizeof *list)))
+            ls = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        if (ls == DSK_OK && count) ls = dsk_ckpt_list(ck->dir, list, count, &count);
+        if (ls != DSK_OK) snprintf(msg, sizeof msg, "%s", dsk_last_error());
+    }
+    for (int k = 0;; k++) {
+        int64_t w[3] = {0, 0, 0};
+        if (ck->opts.rank == 0 && k < count) { w[1] = 1; w[2] = list[k].step; }
+        s = dsk__ckpt_agree(fn, &ck->opts, "load", w, 3, &ls, msg, sizeof msg);
+        if (s == DSK_OK && ls != DSK_OK) s = dsk_set_error(ls, "%s", msg);
+        if (s != DSK_OK) break;
+        if (!w[1]) {
+            s = k ? dsk_set_error(DSK_ERR_CORRUPT, "%s", first) : dsk_set_error(DSK_ERR_IO, "%s: no complete checkpoint under \"%s\"", fn, ck->dir);
+            break;
+        }
+        if (meta) memset(meta, 0, sizeof *meta);
+        if ((s = dsk__ckpt_load_agreed_step(fn, ck, w[2], entries, n, meta)) != DSK_ERR_CORRUPT) break;
+        if (!skipped++) { skipped_step = w[2]; snprintf(first, sizeof first, "%s", dsk_last_error()); }
     }
     if (s == DSK_OK && meta) {
         meta->n_skipped = skipped;
@@ -3583,6 +3772,8 @@ DSK_API dsk_status dsk_ckpt_load(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entr
         DSK__TRY(dsk__ckpt_check_entry(fn, &entries[i], i, 1, ck->opts.ctx));
     }
     DSK__TRY(dsk_ckpt_wait(ck));
+    if (ck->opts.agree && ck->opts.world_size > 1)
+        return step < 0 ? dsk__ckpt_load_agreed_newest(fn, ck, entries, n, meta) : dsk__ckpt_load_agreed_step(fn, ck, step, entries, n, meta);
     if (step < 0) return dsk__ckpt_load_newest(fn, ck, entries, n, meta);
     return dsk__ckpt_load_step(fn, ck, step, entries, n, meta);
 }
