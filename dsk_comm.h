@@ -7,8 +7,12 @@
    Options: DSK_STATIC, DSK_MALLOC/DSK_FREE, DSK_CUDA (adds the nccl backend), DSK_NO_CUDA.
 
        dsk_comm c;
-       DSK_CHECK(dsk_comm_init_env(&c, NULL));      // torchrun, srun or mpirun set the env
-       DSK_CHECK(dsk_comm_all_reduce(&c, ctx, grad, grad, n, DSK_F32, DSK_COMM_AVG));
+       if (dsk_comm_init_env(&c, NULL) != DSK_OK) {   // torchrun, srun or mpirun set the env
+           fprintf(stderr, "%s\n", dsk_last_error()); // names the function, the rank, the values
+           return 1;
+       }
+       if (dsk_comm_all_reduce(&c, ctx, grad, grad, n, DSK_F32, DSK_COMM_AVG) != DSK_OK)
+           fprintf(stderr, "%s\n", dsk_last_error());
        dsk_comm_free(&c);
 
    Bootstrap. Rank 0 serves a small key-value store over TCP at MASTER_ADDR:MASTER_PORT
@@ -23,27 +27,40 @@
    Semantics of the host backend (the reference the tests check exactly):
    - Counts are elements, never bytes. send == recv means in place.
    - Reductions fold the ranks' values in rank order 0, 1, ..., n-1: f32, f16 and bf16 in
-     f32 (x0 + x1 + ... rounded once to the dtype at the end), integers in int64 (sums wrap
-     to the dtype's width). AVG divides the f32 sum by n (integers: int64 division
-     truncating toward zero). MAX and MIN propagate NaN. The order is the same for every
-     message size and algorithm, so every rank gets bitwise the same result.
+     f32 (x0 + x1 + ... rounded once to the dtype at the end), f64 in f64, integers in int64
+     (sums wrap to the dtype's width). AVG divides the sum by n in the same precision
+     (integers: int64 division truncating toward zero). MAX and MIN propagate NaN. The
+     order is the same for every message size and algorithm, so every rank gets bitwise the
+     same result.
    - Small messages (<= opts.small_bytes) go in one round to every peer; large ones are
      reduce-scattered by direct exchange (each rank owns 1/n of the elements and receives
      only that part from every peer, pieces of opts.piece_bytes) and then all-gathered:
      each rank sends and receives 2(n-1)/n of the buffer, like a ring, but with no partial
      sums on the wire (bf16 stays bf16 on the wire yet is reduced in f32).
-     Every rank must use the same small_bytes and piece_bytes (a difference is reported as a
-     mismatch).
+     Every rank must use the same backend, small_bytes and piece_bytes: init checks them and
+     fails on every rank with DSK_ERR_ARG naming the rank that differs and both values.
    - Every message carries a header (collective, dtype, count, op, root, call number), so
-     mismatched calls on different ranks fail with DSK_ERR_PEER naming both sides.
+     mismatched calls on different ranks fail with DSK_ERR_PEER naming both sides. Rooted
+     collectives exchange at least a header between every pair of ranks, so ranks that name
+     different roots all fail in that call.
    - Every wait ends by opts.timeout_s: DSK_ERR_TIMEOUT or DSK_ERR_PEER naming the rank.
      After such an error the communicator is unusable (DSK_ERR_STATE) until freed; the
      error is published in the store and the sockets are half-closed, so peers fail fast
-     and report the root cause ("rank 1 hung up ... after its own error: ...").
+     and report the root cause ("rank 1 hung up ... after its own error: ..."). Rank 0
+     serves the store: when a peer hangs up and the store is gone or silent too, the error
+     names rank 0 as the likely first failure. An error is returned at the timeout, not
+     later (publishing it does not wait for the store).
    - A communicator is not thread-safe: one call at a time. Gradient buckets use their own
      communicator (split at init), so the parent stays free during backward.
    Every rank must issue the same collectives in the same order (as with NCCL and MPI).
    License: MIT, see the end of the file. */
+/* Contents. Each section starts with a rule comment "---- <title>"; search for the title.
+   Declarations: types and options; communicators: init, free, split; collectives; tensor
+   forms; the bootstrap store; local launcher; gradient buckets.
+   Implementation (after the "implementation" rule): small helpers; the key-value store
+   server; communicator state; store client; the host backend's I/O engine; reductions (fixed
+   rank order); host collectives; bootstrap and mesh; init; collectives; split; tensor forms;
+   local launcher; gradient buckets. */
 #if defined(DSK_COMM_IMPLEMENTATION) && !defined(_GNU_SOURCE) && !defined(_POSIX_C_SOURCE)
 #define _POSIX_C_SOURCE 200809L
 #endif
@@ -57,6 +74,8 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* ---- types and options */
 
 typedef enum dsk_comm_backend {
     DSK_COMM_AUTO = 0, /* nccl when built with DSK_CUDA and a GPU is usable, else host */
@@ -78,6 +97,11 @@ typedef struct dsk_comm_opts {
     int local_world_size;     /* init only: [world_size, local_rank = rank] */
     size_t small_bytes;       /* [65536] host: messages up to this size use the one-round algorithm */
     size_t piece_bytes;       /* [4 MiB] host: pipelining piece of the large-message algorithm */
+    /* Identity of the job: a rank whose job id differs from rank 0's fails init instead of
+       joining (two jobs that share MASTER_ADDR:MASTER_PORT never merge). init: [none];
+       init_env: [DSK_JOB_ID, else the launcher's: TORCHELASTIC_RUN_ID, PMIX_NAMESPACE or
+       OMPI_MCA_orte_hnp_uri (Open MPI), SLURM_JOB_ID.SLURM_STEP_ID]. At most 200 characters. */
+    const char *job_id;
 } dsk_comm_opts;
 
 /* Bytes this rank sent and received, calls, and seconds spent inside collectives. */
@@ -97,15 +121,19 @@ typedef struct dsk_comm {
     dsk__comm_impl *impl;
 } dsk_comm;
 
+/* ---- communicators: init, free, split */
+
 /* Reads RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE (torchrun), else OMPI_COMM_WORLD_RANK/
    _SIZE/_LOCAL_RANK/_LOCAL_SIZE (Open MPI), else SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID
    (Slurm); MASTER_ADDR and MASTER_PORT (or opts) give the store (MASTER_ADDR may be left
    out when the launcher says every rank is on this host). Under torchrun, whose agent
    already serves a store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True), rank 0 serves
-   dsk's on MASTER_PORT + 1; DSK_MASTER_PORT, when set, overrides both. Then dsk_comm_init. */
+   dsk's on MASTER_PORT + 1; DSK_MASTER_PORT, when set, overrides both. The job id (see
+   dsk_comm_opts.job_id) comes from the launcher's variables. Then dsk_comm_init. */
 DSK_API dsk_status dsk_comm_init_env(dsk_comm *c, const dsk_comm_opts *opts);
 /* Collective over world_size processes: rank 0 serves the store, all meet through it.
-   opts may be NULL. On failure *c is zeroed and everything opened is released. */
+   opts may be NULL. On failure *c is zeroed and everything opened is released. A rank that
+   another process already claimed fails at once with DSK_ERR_ARG naming both processes. */
 DSK_API dsk_status dsk_comm_init(dsk_comm *c, int rank, int world_size, const dsk_comm_opts *opts);
 /* Releases sockets, threads, NCCL communicator; zeroed/freed ok. Free sub-groups first.
    On rank 0 the store stops taking connections at once, then waits up to 1 s for the other
@@ -117,7 +145,7 @@ DSK_API dsk_status dsk_comm_split(dsk_comm *c, int color, int key, dsk_comm *sub
 
 /* ---- collectives on (pointer, count, dtype). Host backend: CPU memory, ctx unused (may be
    NULL). nccl: device memory, enqueued on ctx->stream (NULL: the default stream); call
-   dsk_comm_sync to wait with the timeout. Dtypes f32, f16, bf16, i32, i64, u8. */
+   dsk_comm_sync to wait with the timeout. Dtypes f32, f16, bf16, f64, i32, i64, u8. */
 
 /* recv (count) = op over ranks of send (count). nccl: AVG of integers is DSK_ERR_UNSUPPORTED. */
 DSK_API dsk_status dsk_comm_all_reduce(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t count,
@@ -131,13 +159,28 @@ DSK_API dsk_status dsk_comm_all_gather(dsk_comm *c, dsk_ctx *ctx, const void *se
 /* recv (count) = send of rank `root` (send is read on root only). */
 DSK_API dsk_status dsk_comm_broadcast(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t count,
                                       dsk_dtype dt, int root);
+/* Rooted forms; every rank passes the same root (ranks that name different roots all fail).
+   recv (count) on root = op over ranks of send (count), bitwise what all_reduce gives; recv
+   is not touched on the other ranks and may be NULL there. In place: send == recv on root.
+   nccl: AVG of integers is DSK_ERR_UNSUPPORTED. */
+DSK_API dsk_status dsk_comm_reduce(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t count, dsk_dtype dt,
+                                   dsk_comm_op op, int root);
+/* recv (world_size, send_count) on root: block r = send of rank r; recv is not touched on the
+   other ranks and may be NULL there. In place: send = recv + root * send_count on root. */
+DSK_API dsk_status dsk_comm_gather(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t send_count,
+                                   dsk_dtype dt, int root);
+/* recv (recv_count) = block `rank` of root's send (world_size, recv_count); send is read on
+   root only and may be NULL elsewhere. In place: recv = send + root * recv_count on root. */
+DSK_API dsk_status dsk_comm_scatter(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t recv_count,
+                                    dsk_dtype dt, int root);
 /* send, recv (world_size, count): block p of send goes to rank p, block p of recv came from rank p. */
 DSK_API dsk_status dsk_comm_all_to_all(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t count,
                                        dsk_dtype dt);
 /* The MoE dispatch primitive: send_counts[p] elements at send + send_displs[p] go to rank p;
    recv_counts[p] elements from rank p land at recv + recv_displs[p]. Arrays of world_size;
    NULL displacements mean packed (exclusive prefix sums of the counts). Counts may be 0.
-   Not in place. Host: a rank that sends a count its peer does not expect fails naming both. */
+   Not in place. Host: when rank p sends rank q a count q does not expect, both p and q fail
+   with DSK_ERR_PEER naming both ranks and both counts. */
 DSK_API dsk_status dsk_comm_all_to_all_v(dsk_comm *c, dsk_ctx *ctx, const void *send, const int64_t *send_counts,
                                          const int64_t *send_displs, void *recv, const int64_t *recv_counts,
                                          const int64_t *recv_displs, dsk_dtype dt);
@@ -149,7 +192,7 @@ DSK_API dsk_status dsk_comm_barrier(dsk_comm *c, dsk_ctx *ctx);
 /* nccl: waits for ctx's stream, polling for NCCL errors, aborting at the timeout. host: no-op. */
 DSK_API dsk_status dsk_comm_sync(dsk_comm *c, dsk_ctx *ctx);
 
-/* ---- the same on contiguous tensors (CPU tensors on host, CUDA tensors on nccl). */
+/* ---- tensor forms: the same on contiguous tensors (CPU tensors on host, CUDA tensors on nccl). */
 DSK_API dsk_status dsk_comm_all_reduce_tensor(dsk_comm *c, dsk_ctx *ctx, dsk_tensor *t, dsk_comm_op op); /* in place */
 /* out numel = in numel / world_size, same dtype. */
 DSK_API dsk_status dsk_comm_reduce_scatter_tensor(dsk_comm *c, dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *in,
@@ -171,17 +214,18 @@ DSK_API dsk_status dsk_comm_store_add(dsk_comm *c, const char *key, int64_t delt
 DSK_API dsk_status dsk_comm_store_barrier(dsk_comm *c);
 
 /* ---- local launcher */
-typedef struct dsk_spawn_opts {
+typedef struct dsk_comm_spawn_opts {
     const char *master_addr; /* ["127.0.0.1"] */
     int master_port;         /* [a free port] */
     double timeout_s;        /* [0: none] kill every rank (SIGKILL) after this long */
     int out_fd;              /* [1] where the ranks' prefixed output goes */
-} dsk_spawn_opts;
+} dsk_comm_spawn_opts;
 /* Starts n copies of argv (argv[0] looked up in PATH) with RANK, WORLD_SIZE, LOCAL_RANK,
-   LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, forwards each output line (stdout and
-   stderr) as "[rank r] line", and waits for all. *worst_exit = the largest exit status
-   (128 + signal for a rank killed by a signal). DSK_ERR_TIMEOUT if the timeout killed them. */
-DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_spawn_opts *opts, int *worst_exit);
+   LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and DSK_JOB_ID (new for every call) set,
+   forwards each output line (stdout and stderr) as "[rank r] line", and waits for all.
+   *worst_exit = the largest exit status (128 + signal for a rank killed by a signal).
+   DSK_ERR_TIMEOUT if the timeout killed them. */
+DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_comm_spawn_opts *opts, int *worst_exit);
 /* A TCP port on addr that was free a moment ago (bind to port 0), for launchers and tests. */
 DSK_API dsk_status dsk_comm_free_port(const char *addr, int *port);
 
@@ -288,7 +332,8 @@ DSK_API const char *dsk_comm_op_name(dsk_comm_op op) {
 }
 
 static int dsk__comm_dtype_ok(dsk_dtype dt) {
-    return dt == DSK_F32 || dt == DSK_F16 || dt == DSK_BF16 || dt == DSK_I32 || dt == DSK_I64 || dt == DSK_U8;
+    return dt == DSK_F32 || dt == DSK_F16 || dt == DSK_BF16 || dt == DSK_F64 || dt == DSK_I32 || dt == DSK_I64 ||
+           dt == DSK_U8;
 }
 
 static void dsk__comm_set_nonblocking_cloexec(int fd) {
@@ -318,8 +363,10 @@ static dsk_status dsk__comm_resolve(const char *fn, const char *host, int port, 
     return DSK_OK;
 }
 
-/* A listening socket on addr:port (port 0: any); *port_out = the bound port. */
-static dsk_status dsk__comm_listen(const char *fn, const struct sockaddr_in *addr, int *fd_out, int *port_out) {
+/* A listening socket on addr:port (port 0: any); *port_out = the bound port. `busy` says
+   what to do when the port is taken (NULL: pick another MASTER_PORT). */
+static dsk_status dsk__comm_listen(const char *fn, const struct sockaddr_in *addr, const char *busy, int *fd_out,
+                                   int *port_out) {
     struct sockaddr_in sa = *addr;
     socklen_t sl = sizeof sa;
     int one = 1, fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -331,8 +378,8 @@ static dsk_status dsk__comm_listen(const char *fn, const struct sockaddr_in *add
         int e = errno;
         close(fd);
         if (e == EADDRINUSE)
-            return dsk_set_error(DSK_ERR_IO, "%s: port %d on %s is already in use (EADDRINUSE): pick another MASTER_PORT",
-                                 fn, (int)ntohs(sa.sin_port), ip);
+            return dsk_set_error(DSK_ERR_IO, "%s: port %d on %s is already in use (EADDRINUSE): %s", fn,
+                                 (int)ntohs(sa.sin_port), ip, busy ? busy : "pick another MASTER_PORT");
         return dsk_set_error(DSK_ERR_IO, "%s: bind %s:%d: %s", fn, ip, (int)ntohs(sa.sin_port), strerror(e));
     }
     if (listen(fd, SOMAXCONN) != 0 || getsockname(fd, (struct sockaddr *)&sa, &sl) != 0) {
@@ -347,7 +394,8 @@ static dsk_status dsk__comm_listen(const char *fn, const struct sockaddr_in *add
 }
 
 /* Connects to sa, retrying refused connections until deadline (the peer may not listen yet). */
-static dsk_status dsk__comm_connect(const char *fn, const struct sockaddr_in *sa, double deadline, const char *who, int *fd_out) {
+static dsk_status dsk__comm_connect(const char *fn, const struct sockaddr_in *sa, double deadline, const char *who,
+                                    int *fd_out) {
     char ip[64];
     const char *last = "no attempt";
     double t0 = dsk__comm_now();
@@ -382,7 +430,8 @@ static dsk_status dsk__comm_connect(const char *fn, const struct sockaddr_in *sa
 }
 
 /* Blocking-style I/O on a nonblocking socket, bounded by deadline. `who` names the peer. */
-static dsk_status dsk__comm_write_full(const char *fn, int fd, const void *buf, size_t len, double deadline, const char *who) {
+static dsk_status dsk__comm_write_full(const char *fn, int fd, const void *buf, size_t len, double deadline,
+                                       const char *who) {
     const char *p = (const char *)buf;
     while (len > 0) {
         ssize_t s = send(fd, p, len, MSG_NOSIGNAL);
@@ -495,7 +544,12 @@ static int dsk__comm_store_reply(int fd, const void *a, size_t na, const void *b
         int k = 0;
         memset(&mh, 0, sizeof mh);
         if (sent < na) { iov[k].iov_base = (char *)a + sent; iov[k].iov_len = na - sent; k++; }
-        if (nb) { size_t off = sent > na ? sent - na : 0; iov[k].iov_base = (char *)b + off; iov[k].iov_len = nb - off; k++; }
+        if (nb) {
+            size_t off = sent > na ? sent - na : 0;
+            iov[k].iov_base = (char *)b + off;
+            iov[k].iov_len = nb - off;
+            k++;
+        }
         mh.msg_iov = iov;
         mh.msg_iovlen = (size_t)k;
         r = sendmsg(fd, &mh, MSG_NOSIGNAL);
@@ -548,7 +602,9 @@ static int dsk__comm_store_serve(dsk__comm_store_server *s, int i) {
         key[klen] = 0;
         if (cmd == DSK__COMM_STORE_SET) {
             uint64_t zero = 0;
-            if (!(e = dsk__comm_kv_put(s, key, c->buf + 16 + klen, n)) || dsk__comm_store_reply(c->fd, &zero, 8, NULL, 0)) return -1;
+            if (!(e = dsk__comm_kv_put(s, key, c->buf + 16 + klen, n)) ||
+                dsk__comm_store_reply(c->fd, &zero, 8, NULL, 0))
+                return -1;
         } else if (cmd == DSK__COMM_STORE_ADD) {
             int64_t v = 0;
             e = dsk__comm_kv_find(s, key);
@@ -595,6 +651,8 @@ static int dsk__comm_store_read(dsk__comm_store_server *s, int i) {
         if (r > 0) { c->len += (size_t)r; continue; }
         if (r < 0 && errno == EINTR) continue;
         if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return dsk__comm_store_serve(s, i);
+        /* hung up: what it sent before still counts (a breaking rank publishes its fault and leaves) */
+        dsk__comm_store_serve(s, i);
         return -1;
     }
 }
@@ -615,7 +673,11 @@ static void *dsk__comm_store_thread(void *arg) {
         }
         pf[0].fd = s->wake[0]; pf[0].events = POLLIN; pf[0].revents = 0;
         pf[1].fd = s->listen_fd; pf[1].events = POLLIN; pf[1].revents = 0; /* -1 once draining: ignored */
-        for (int i = 0; i < s->ncl; i++) { pf[2 + i].fd = s->cl[i].fd; pf[2 + i].events = POLLIN; pf[2 + i].revents = 0; }
+        for (int i = 0; i < s->ncl; i++) {
+            pf[2 + i].fd = s->cl[i].fd;
+            pf[2 + i].events = POLLIN;
+            pf[2 + i].revents = 0;
+        }
         r = poll(pf, (nfds_t)n, drain_until > 0 ? 20 : -1);
         if (r < 0 && errno != EINTR) break;
         if (r <= 0) continue;
@@ -681,13 +743,17 @@ static void dsk__comm_store_server_free(dsk__comm_store_server *s) {
     DSK_FREE(s);
 }
 
-static dsk_status dsk__comm_store_server_start(const char *fn, const struct sockaddr_in *addr, dsk__comm_store_server **out) {
+static dsk_status dsk__comm_store_server_start(const char *fn, const struct sockaddr_in *addr, const char *busy,
+                                               dsk__comm_store_server **out) {
     dsk__comm_store_server *s = (dsk__comm_store_server *)DSK_MALLOC(sizeof *s);
     dsk_status st;
     if (!s) return dsk_set_error(DSK_ERR_OOM, "%s: store server", fn);
     memset(s, 0, sizeof *s);
     s->listen_fd = s->wake[0] = s->wake[1] = -1;
-    if ((st = dsk__comm_listen(fn, addr, &s->listen_fd, NULL)) != DSK_OK) { dsk__comm_store_server_free(s); return st; }
+    if ((st = dsk__comm_listen(fn, addr, busy, &s->listen_fd, NULL)) != DSK_OK) {
+        dsk__comm_store_server_free(s);
+        return st;
+    }
     if (pipe(s->wake) != 0) {
         s->wake[0] = s->wake[1] = -1;
         dsk__comm_store_server_free(s);
@@ -716,24 +782,32 @@ typedef struct dsk__comm_wire {
     uint32_t step;  /* round inside the call */
     int64_t count;  /* the call's count (all_to_all_v, send: this message's count) */
     uint64_t seq;   /* collective calls before this one (send/recv: messages to this peer) */
+    int64_t expect; /* all_to_all_v: the count the sender expects back from the receiver, else 0 */
 } dsk__comm_wire;
 
 #define DSK__COMM_WIRE_MAGIC 0x6b736431u /* "1dsk" */
-enum { DSK__COMM_ALL_REDUCE = 1, DSK__COMM_REDUCE_SCATTER, DSK__COMM_ALL_GATHER, DSK__COMM_BROADCAST, DSK__COMM_ALL_TO_ALL, DSK__COMM_ALL_TO_ALL_V,
-       DSK__COMM_SEND, DSK__COMM_BARRIER, DSK__COMM_KIND_END };
+enum {
+    DSK__COMM_ALL_REDUCE = 1, DSK__COMM_REDUCE_SCATTER, DSK__COMM_ALL_GATHER, DSK__COMM_BROADCAST, DSK__COMM_ALL_TO_ALL,
+    DSK__COMM_ALL_TO_ALL_V, DSK__COMM_SEND, DSK__COMM_BARRIER, DSK__COMM_REDUCE, DSK__COMM_GATHER, DSK__COMM_SCATTER,
+    DSK__COMM_KIND_END
+};
 
 static const char *dsk__comm_kind_name(unsigned k) {
     static const char *names[] = {"?", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all",
-                                  "all_to_all_v", "send/recv", "barrier"};
+                                  "all_to_all_v", "send/recv", "barrier", "reduce", "gather", "scatter"};
     return k < DSK__COMM_KIND_END ? names[k] : "an unknown call";
 }
+
+#define DSK__COMM_JOB_MAX 200 /* characters of a job id */
 
 struct dsk__comm_impl {
     double timeout_s;
     size_t small_bytes, piece_bytes;
     char master_addr[256];
     int master_port;
-    char ns[96];                 /* store key namespace of this communicator */
+    char ns[96];                 /* store key namespace of this communicator ("w": the world) */
+    int store_gone;              /* the store hung up: rank 0, its host, is gone */
+    char job_id[DSK__COMM_JOB_MAX + 4]; /* opts.job_id, "" for none */
     char my_ip[64];              /* where peers reach this rank */
     uint64_t tag;                /* identifies the mesh in connection hellos */
     int store_fd;                /* client connection to the store, -1 if none */
@@ -771,6 +845,8 @@ static void *dsk__comm_scratch(dsk__comm_impl *m, size_t bytes) {
 
 /* ---------------------------------------------------------------- store client */
 
+static dsk_status dsk__comm_store_fail(dsk__comm_impl *m, dsk_status st);
+
 static dsk_status dsk__comm_store_call(dsk_comm *c, const char *fn, uint32_t cmd, const char *key, const void *val,
                                   uint64_t n, double deadline) {
     dsk__comm_impl *m = c->impl;
@@ -779,24 +855,25 @@ static dsk_status dsk__comm_store_call(dsk_comm *c, const char *fn, uint32_t cmd
     uint32_t klen = (uint32_t)strlen(key);
     dsk_status st;
     if (m->store_fd < 0) return dsk_set_error(DSK_ERR_STATE, "%s: this communicator has no store connection", fn);
-    if (klen == 0 || klen > DSK__COMM_STORE_MAX_KEY) return dsk_set_error(DSK_ERR_ARG, "%s: key length %u not in [1, %u]", fn, klen, DSK__COMM_STORE_MAX_KEY);
+    if (klen == 0 || klen > DSK__COMM_STORE_MAX_KEY)
+        return dsk_set_error(DSK_ERR_ARG, "%s: key length %u not in [1, %u]", fn, klen, DSK__COMM_STORE_MAX_KEY);
     snprintf(who, sizeof who, "the key-value store at %s:%d", m->master_addr, m->master_port);
     memcpy(h, &cmd, 4);
     memcpy(h + 4, &klen, 4);
     memcpy(h + 8, &n, 8);
-    if ((st = dsk__comm_write_full(fn, m->store_fd, h, 16, deadline, who)) != DSK_OK ||
-        (st = dsk__comm_write_full(fn, m->store_fd, key, klen, deadline, who)) != DSK_OK ||
-        (cmd == DSK__COMM_STORE_SET && (st = dsk__comm_write_full(fn, m->store_fd, val, (size_t)n, deadline, who)) != DSK_OK)) {
-        close(m->store_fd);
-        m->store_fd = -1;
-    }
-    return st;
+    st = dsk__comm_write_full(fn, m->store_fd, h, 16, deadline, who);
+    if (st == DSK_OK) st = dsk__comm_write_full(fn, m->store_fd, key, klen, deadline, who);
+    if (st == DSK_OK && cmd == DSK__COMM_STORE_SET)
+        st = dsk__comm_write_full(fn, m->store_fd, val, (size_t)n, deadline, who);
+    return st == DSK_OK ? DSK_OK : dsk__comm_store_fail(m, st);
 }
 
-/* A failed or timed-out request leaves the connection out of step: close it. */
+/* A failed or timed-out request leaves the connection out of step: close it. A store that
+   hung up is gone (its host, rank 0, exited or crashed): remembered for fault reports. */
 static dsk_status dsk__comm_store_fail(dsk__comm_impl *m, dsk_status st) {
     if (m->store_fd >= 0) close(m->store_fd);
     m->store_fd = -1;
+    if (st == DSK_ERR_PEER) m->store_gone = 1;
     return st;
 }
 
@@ -805,26 +882,34 @@ static dsk_status dsk__comm_store_set(dsk_comm *c, const char *fn, const char *k
     dsk_status st;
     double deadline = dsk__comm_now() + c->impl->timeout_s;
     char who[320];
-    if (len > DSK__COMM_STORE_MAX_VAL) return dsk_set_error(DSK_ERR_ARG, "%s: value of %zu bytes for \"%s\" exceeds %u", fn, len, key, DSK__COMM_STORE_MAX_VAL);
-    if ((st = dsk__comm_store_call(c, fn, DSK__COMM_STORE_SET, key, val, len, deadline)) != DSK_OK) return st;
+    if (len > DSK__COMM_STORE_MAX_VAL)
+        return dsk_set_error(DSK_ERR_ARG, "%s: value of %zu bytes for \"%s\" exceeds %u", fn, len, key,
+                             DSK__COMM_STORE_MAX_VAL);
+    DSK__TRY(dsk__comm_store_call(c, fn, DSK__COMM_STORE_SET, key, val, len, deadline));
     snprintf(who, sizeof who, "the key-value store at %s:%d", c->impl->master_addr, c->impl->master_port);
-    if ((st = dsk__comm_read_full(fn, c->impl->store_fd, &ack, 8, deadline, who)) != DSK_OK) return dsk__comm_store_fail(c->impl, st);
+    if ((st = dsk__comm_read_full(fn, c->impl->store_fd, &ack, 8, deadline, who)) != DSK_OK)
+        return dsk__comm_store_fail(c->impl, st);
     return DSK_OK;
 }
 
-static dsk_status dsk__comm_store_get(dsk_comm *c, const char *fn, const char *key, void *buf, size_t cap, size_t *len_out) {
+static dsk_status dsk__comm_store_get(dsk_comm *c, const char *fn, const char *key, void *buf, size_t cap,
+                                      size_t *len_out) {
     dsk__comm_impl *m = c->impl;
     uint64_t len;
     dsk_status st;
     double t0 = dsk__comm_now(), deadline = t0 + m->timeout_s;
     char who[400];
-    if ((st = dsk__comm_store_call(c, fn, DSK__COMM_STORE_GET, key, NULL, 0, deadline)) != DSK_OK) return st;
+    DSK__TRY(dsk__comm_store_call(c, fn, DSK__COMM_STORE_GET, key, NULL, 0, deadline));
     snprintf(who, sizeof who, "key \"%s\" in the key-value store at %s:%d", key, m->master_addr, m->master_port);
-    if ((st = dsk__comm_read_full(fn, m->store_fd, &len, 8, deadline, who)) != DSK_OK) return dsk__comm_store_fail(m, st);
-    if (len > DSK__COMM_STORE_MAX_VAL) return dsk__comm_store_fail(m, dsk_set_error(DSK_ERR_CORRUPT, "%s: store reply of %llu bytes", fn, (unsigned long long)len));
+    if ((st = dsk__comm_read_full(fn, m->store_fd, &len, 8, deadline, who)) != DSK_OK)
+        return dsk__comm_store_fail(m, st);
+    if (len > DSK__COMM_STORE_MAX_VAL)
+        return dsk__comm_store_fail(
+            m, dsk_set_error(DSK_ERR_CORRUPT, "%s: store reply of %llu bytes", fn, (unsigned long long)len));
     {
         char *tmp = (char *)DSK_MALLOC(len ? (size_t)len : 1);
-        if (!tmp) return dsk__comm_store_fail(m, dsk_set_error(DSK_ERR_OOM, "%s: %llu bytes", fn, (unsigned long long)len));
+        if (!tmp)
+            return dsk__comm_store_fail(m, dsk_set_error(DSK_ERR_OOM, "%s: %llu bytes", fn, (unsigned long long)len));
         st = dsk__comm_read_full(fn, m->store_fd, tmp, (size_t)len, deadline, who);
         if (st == DSK_OK && buf) memcpy(buf, tmp, (size_t)len < cap ? (size_t)len : cap);
         DSK_FREE(tmp);
@@ -839,9 +924,10 @@ static dsk_status dsk__comm_store_add(dsk_comm *c, const char *fn, const char *k
     dsk_status st;
     double deadline = dsk__comm_now() + c->impl->timeout_s;
     char who[320];
-    if ((st = dsk__comm_store_call(c, fn, DSK__COMM_STORE_ADD, key, NULL, (uint64_t)delta, deadline)) != DSK_OK) return st;
+    DSK__TRY(dsk__comm_store_call(c, fn, DSK__COMM_STORE_ADD, key, NULL, (uint64_t)delta, deadline));
     snprintf(who, sizeof who, "the key-value store at %s:%d", c->impl->master_addr, c->impl->master_port);
-    if ((st = dsk__comm_read_full(fn, c->impl->store_fd, &v, 8, deadline, who)) != DSK_OK) return dsk__comm_store_fail(c->impl, st);
+    if ((st = dsk__comm_read_full(fn, c->impl->store_fd, &v, 8, deadline, who)) != DSK_OK)
+        return dsk__comm_store_fail(c->impl, st);
     if (result) *result = v;
     return DSK_OK;
 }
@@ -850,16 +936,18 @@ static dsk_status dsk__comm_store_barrier(dsk_comm *c, const char *fn) {
     dsk__comm_impl *m = c->impl;
     char key[160];
     int64_t arrived;
-    dsk_status st;
     snprintf(key, sizeof key, "dsk/%s/barrier/%llu", m->ns, (unsigned long long)++m->store_barriers);
-    if ((st = dsk__comm_store_add(c, fn, key, 1, &arrived)) != DSK_OK) return st;
+    DSK__TRY(dsk__comm_store_add(c, fn, key, 1, &arrived));
     strcat(key, "/done");
-    if (arrived == c->world_size && (st = dsk__comm_store_set(c, fn, key, "1", 1)) != DSK_OK) return st;
+    if (arrived == c->world_size) DSK__TRY(dsk__comm_store_set(c, fn, key, "1", 1));
     return dsk__comm_store_get(c, fn, key, NULL, 0, NULL);
 }
 
 /* Records the current error as fatal: publishes it in the store (so a peer that sees this
-   rank hang up can report the root cause), then half-closes the mesh so peers fail fast. */
+   rank hang up can report the root cause), then half-closes the mesh so peers fail fast.
+   The publication does not wait for the store's reply (a stopped rank 0 must not delay the
+   error past the timeout); the store connection is closed after it, as the communicator is
+   unusable from here on. */
 static dsk_status dsk__comm_break(dsk_comm *c, dsk_status st) {
     dsk__comm_impl *m = c->impl;
     if (m->broken) return st;
@@ -867,11 +955,10 @@ static dsk_status dsk__comm_break(dsk_comm *c, dsk_status st) {
     snprintf(m->broken_msg, sizeof m->broken_msg, "%s", dsk_last_error());
     if (m->store_fd >= 0 && m->fds) {
         char key[160];
-        double keep = m->timeout_s;
-        m->timeout_s = keep < 1.0 ? keep : 1.0;
         snprintf(key, sizeof key, "dsk/%s/fault/%d", m->ns, c->rank);
-        dsk__comm_store_set(c, "dsk_comm", key, m->broken_msg, strlen(m->broken_msg) + 1);
-        m->timeout_s = keep;
+        if (dsk__comm_store_call(c, "dsk_comm", DSK__COMM_STORE_SET, key, m->broken_msg, strlen(m->broken_msg) + 1,
+                                 dsk__comm_now() + 0.2) == DSK_OK)
+            dsk__comm_store_fail(m, DSK_ERR_STATE);
         dsk_set_error(st, "%s", m->broken_msg);
     }
     for (int r = 0; m->fds && r < c->world_size; r++)
@@ -882,55 +969,63 @@ static dsk_status dsk__comm_break(dsk_comm *c, dsk_status st) {
     return st;
 }
 
-/* What rank `peer` published when it broke, if it did within a moment ("" if not). */
-static void dsk__comm_peer_fault(dsk_comm *c, int peer, char *buf, size_t cap) {
+enum { DSK__COMM_STORE_UP, DSK__COMM_STORE_GONE, DSK__COMM_STORE_SILENT, DSK__COMM_STORE_NONE };
+
+/* What rank `peer` published when it broke, if it did within a moment ("" if not). Returns
+   the state of the store: up, gone (it hung up: rank 0, its host, exited or crashed),
+   silent (no answer in time: rank 0 may be stopped) or none (no connection to ask). */
+static int dsk__comm_peer_fault(dsk_comm *c, int peer, char *buf, size_t cap) {
     dsk__comm_impl *m = c->impl;
     char key[160], saved[1024];
     double keep = m->timeout_s;
     size_t len = 0;
+    dsk_status st;
     buf[0] = 0;
-    if (m->store_fd < 0) return;
+    if (m->store_fd < 0) return m->store_gone ? DSK__COMM_STORE_GONE : DSK__COMM_STORE_NONE;
     snprintf(saved, sizeof saved, "%s", dsk_last_error());
-    snprintf(key, sizeof key, "dsk/%s/fault/%d", m->ns, peer);
     m->timeout_s = keep < 0.3 ? keep : 0.3;
-    if (dsk__comm_store_get(c, "dsk_comm", key, buf, cap - 1, &len) == DSK_OK) buf[len < cap - 1 ? len : cap - 1] = 0;
-    else buf[0] = 0;
+    /* first a request the store answers at once, so a silent store is told from a missing key */
+    snprintf(key, sizeof key, "dsk/%s/ping", m->ns);
+    st = dsk__comm_store_add(c, "dsk_comm", key, 0, NULL);
+    if (st == DSK_OK) {
+        snprintf(key, sizeof key, "dsk/%s/fault/%d", m->ns, peer);
+        if (dsk__comm_store_get(c, "dsk_comm", key, buf, cap - 1, &len) == DSK_OK)
+            buf[len < cap - 1 ? len : cap - 1] = 0;
+    }
     m->timeout_s = keep;
     dsk_set_error(DSK_OK, "%s", saved);
+    return st == DSK_OK ? DSK__COMM_STORE_UP : m->store_gone ? DSK__COMM_STORE_GONE : DSK__COMM_STORE_SILENT;
 }
 
 static dsk_status dsk__comm_check(const dsk_comm *c, const char *fn) {
     if (!c || !c->impl) return dsk_set_error(DSK_ERR_ARG, "%s: communicator is NULL or not initialised", fn);
     if (c->impl->broken)
-        return dsk_set_error(DSK_ERR_STATE, "%s: communicator (rank %d of %d) is unusable after an earlier error: %s", fn,
-                             c->rank, c->world_size, c->impl->broken_msg);
+        return dsk_set_error(DSK_ERR_STATE, "%s: communicator (rank %d of %d) is unusable after an earlier error: %s",
+                             fn, c->rank, c->world_size, c->impl->broken_msg);
     return DSK_OK;
 }
 
 DSK_API dsk_status dsk_comm_store_set(dsk_comm *c, const char *key, const void *val, size_t len) {
-    dsk_status st = dsk__comm_check(c, "dsk_comm_store_set");
-    if (st) return st;
+    DSK__TRY(dsk__comm_check(c, "dsk_comm_store_set"));
     if (!key || (!val && len)) return dsk_set_error(DSK_ERR_ARG, "dsk_comm_store_set: key or value is NULL");
     return dsk__comm_store_set(c, "dsk_comm_store_set", key, val, len);
 }
 
 DSK_API dsk_status dsk_comm_store_get(dsk_comm *c, const char *key, void *buf, size_t cap, size_t *len) {
-    dsk_status st = dsk__comm_check(c, "dsk_comm_store_get");
-    if (st) return st;
+    DSK__TRY(dsk__comm_check(c, "dsk_comm_store_get"));
     if (!key || (!buf && cap)) return dsk_set_error(DSK_ERR_ARG, "dsk_comm_store_get: key or buffer is NULL");
     return dsk__comm_store_get(c, "dsk_comm_store_get", key, buf, cap, len);
 }
 
 DSK_API dsk_status dsk_comm_store_add(dsk_comm *c, const char *key, int64_t delta, int64_t *result) {
-    dsk_status st = dsk__comm_check(c, "dsk_comm_store_add");
-    if (st) return st;
+    DSK__TRY(dsk__comm_check(c, "dsk_comm_store_add"));
     if (!key) return dsk_set_error(DSK_ERR_ARG, "dsk_comm_store_add: key is NULL");
     return dsk__comm_store_add(c, "dsk_comm_store_add", key, delta, result);
 }
 
 DSK_API dsk_status dsk_comm_store_barrier(dsk_comm *c) {
-    dsk_status st = dsk__comm_check(c, "dsk_comm_store_barrier");
-    return st ? st : dsk__comm_store_barrier(c, "dsk_comm_store_barrier");
+    DSK__TRY(dsk__comm_check(c, "dsk_comm_store_barrier"));
+    return dsk__comm_store_barrier(c, "dsk_comm_store_barrier");
 }
 
 /* ---------------------------------------------------------------- the host backend's I/O engine
@@ -947,14 +1042,75 @@ typedef struct dsk__comm_io {
 
 static void dsk__comm_wire_describe(const dsk__comm_wire *h, char *buf, size_t n) {
     char extra[64] = "";
-    if (h->kind == DSK__COMM_ALL_REDUCE || h->kind == DSK__COMM_REDUCE_SCATTER)
+    int k = h->kind;
+    if (k == DSK__COMM_ALL_REDUCE || k == DSK__COMM_REDUCE_SCATTER || k == DSK__COMM_REDUCE)
         snprintf(extra, sizeof extra, ", %s", dsk_comm_op_name((dsk_comm_op)h->op));
-    if (h->kind == DSK__COMM_BROADCAST) snprintf(extra, sizeof extra, ", root %d", (int)h->root);
+    if (k == DSK__COMM_BROADCAST || k == DSK__COMM_REDUCE || k == DSK__COMM_GATHER || k == DSK__COMM_SCATTER)
+        snprintf(extra + strlen(extra), sizeof extra - strlen(extra), ", root %d", (int)h->root);
     snprintf(buf, n, "%s(count %lld, %s%s) call #%llu step %u", dsk__comm_kind_name(h->kind), (long long)h->count,
              dsk_dtype_name((dsk_dtype)h->dtype), extra, (unsigned long long)h->seq, (unsigned)h->step);
 }
 
+/* All-to-all-v counts that disagree between this rank and `peer`, seen from either side:
+   both ranks get the same sentence naming the sender, the receiver and both counts. */
+static dsk_status dsk__comm_a2av_mismatch(dsk_comm *c, const char *fn, int peer, const dsk__comm_wire *got,
+                                         const dsk__comm_wire *want) {
+    int me = c->rank;
+    if (got->count != want->count) /* what peer sends me vs what I expect from it */
+        return dsk_set_error(DSK_ERR_PEER,
+                             "%s: all_to_all_v counts disagree: rank %d sends rank %d %lld elements but rank "
+                             "%d expects %lld (call #%llu; this is rank %d)",
+                             fn, peer, me, (long long)got->count, me, (long long)want->count,
+                             (unsigned long long)want->seq, me);
+    return dsk_set_error(DSK_ERR_PEER,
+                         "%s: all_to_all_v counts disagree: rank %d sends rank %d %lld elements but rank %d "
+                         "expects %lld (call #%llu; this is rank %d)",
+                         fn, me, peer, (long long)want->expect, peer, (long long)got->expect,
+                         (unsigned long long)want->seq, me);
+}
+
 static int dsk__comm_io_finished(const dsk__comm_io *op) { return op->done == sizeof(dsk__comm_wire) + op->len; }
+
+/* A received header against the one this rank expects: DSK_OK, or the error naming both calls. */
+static dsk_status dsk__comm_check_header(dsk_comm *c, const char *fn, const dsk__comm_io *op) {
+    const dsk__comm_wire *g = &op->got, *w = &op->hdr;
+    char mine[160], theirs[160];
+    if (g->magic != DSK__COMM_WIRE_MAGIC)
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: rank %d sent a message without the dsk header (magic %08x)", fn,
+                             op->peer, (unsigned)g->magic);
+    if (g->kind == DSK__COMM_ALL_TO_ALL_V && w->kind == g->kind && g->seq == w->seq && g->dtype == w->dtype &&
+        (g->count != w->count || g->expect != w->expect))
+        return dsk__comm_a2av_mismatch(c, fn, op->peer, g, w);
+    if (g->kind == w->kind && g->dtype == w->dtype && g->op == w->op && g->root == w->root && g->count == w->count &&
+        g->seq == w->seq && g->step == w->step && g->expect == w->expect)
+        return DSK_OK;
+    dsk__comm_wire_describe(w, mine, sizeof mine);
+    dsk__comm_wire_describe(g, theirs, sizeof theirs);
+    return dsk_set_error(DSK_ERR_PEER, "%s: mismatched calls: this rank (%d) expects %s but rank %d sent %s", fn,
+                         c->rank, mine, op->peer, theirs);
+}
+
+/* The error for a peer that hung up (`how` says how) during op: its own published error if it
+   broke first; rank 0 when the store it serves is gone or silent too; else the peer. */
+static dsk_status dsk__comm_hangup(dsk_comm *c, const char *fn, const dsk__comm_io *op, const char *how) {
+    char what[160], why[400], es[96];
+    const char *host = strcmp(c->impl->ns, "w") == 0 ? "rank 0" : "world rank 0";
+    int store;
+    snprintf(es, sizeof es, "%s", how); /* before the store calls below can touch strerror's buffer */
+    store = dsk__comm_peer_fault(c, op->peer, why, sizeof why);
+    dsk__comm_wire_describe(&op->hdr, what, sizeof what);
+    if (why[0])
+        return dsk_set_error(DSK_ERR_PEER, "%s: rank %d hung up during %s after its own error: %s", fn, op->peer, what,
+                             why);
+    if (store == DSK__COMM_STORE_GONE || store == DSK__COMM_STORE_SILENT)
+        return dsk_set_error(DSK_ERR_PEER, "%s: lost the connection to rank %d (%s) during %s; %s, which serves the "
+                             "key-value store at %s:%d, %s: it most likely failed first", fn, op->peer, es, what, host,
+                             c->impl->master_addr, c->impl->master_port,
+                             store == DSK__COMM_STORE_GONE ? "is gone (exited or crashed)"
+                                                           : "does not answer (stopped or overloaded)");
+    return dsk_set_error(DSK_ERR_PEER, "%s: lost the connection to rank %d (%s) during %s: it exited, crashed or "
+                         "failed an earlier call", fn, op->peer, es, what);
+}
 
 /* Moves what the socket allows; 1 done, 0 would block, -1 error (*err and the message set). */
 static int dsk__comm_io_progress(dsk_comm *c, const char *fn, dsk__comm_io *op, dsk_status *err) {
@@ -980,20 +1136,7 @@ static int dsk__comm_io_progress(dsk_comm *c, const char *fn, dsk__comm_io *op, 
             r = recv(fd, (char *)&op->got + op->done, H - op->done, 0);
             if (r > 0) {
                 op->done += (size_t)r;
-                if (op->done == H) {
-                    const dsk__comm_wire *g = &op->got, *w = &op->hdr;
-                    if (g->magic != DSK__COMM_WIRE_MAGIC)
-                        return *err = dsk_set_error(DSK_ERR_CORRUPT, "%s: rank %d sent a message without the dsk header "
-                                                    "(magic %08x)", fn, op->peer, (unsigned)g->magic), -1;
-                    if (g->kind != w->kind || g->dtype != w->dtype || g->op != w->op || g->root != w->root ||
-                        g->count != w->count || g->seq != w->seq || g->step != w->step) {
-                        char mine[160], theirs[160];
-                        dsk__comm_wire_describe(w, mine, sizeof mine);
-                        dsk__comm_wire_describe(g, theirs, sizeof theirs);
-                        return *err = dsk_set_error(DSK_ERR_PEER, "%s: mismatched calls: this rank (%d) expects %s but "
-                                                    "rank %d sent %s", fn, c->rank, mine, op->peer, theirs), -1;
-                    }
-                }
+                if (op->done == H && (*err = dsk__comm_check_header(c, fn, op)) != DSK_OK) return -1;
                 continue;
             }
         } else {
@@ -1003,18 +1146,8 @@ static int dsk__comm_io_progress(dsk_comm *c, const char *fn, dsk__comm_io *op, 
         }
         if (r < 0 && errno == EINTR) continue;
         if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
-        {
-            char what[160];
-            dsk__comm_wire_describe(&op->hdr, what, sizeof what);
-            char why[400];
-            const char *es = r == 0 ? "end of stream" : strerror(errno);
-            dsk__comm_peer_fault(c, op->peer, why, sizeof why);
-            if (why[0])
-                return *err = dsk_set_error(DSK_ERR_PEER, "%s: rank %d hung up during %s after its own error: %s", fn,
-                                            op->peer, what, why), -1;
-            return *err = dsk_set_error(DSK_ERR_PEER, "%s: lost the connection to rank %d (%s) during %s: it exited, "
-                                        "crashed or failed an earlier call", fn, op->peer, es, what), -1;
-        }
+        *err = dsk__comm_hangup(c, fn, op, r == 0 ? "end of stream" : strerror(errno));
+        return -1;
     }
     return 1;
 }
@@ -1031,7 +1164,8 @@ typedef struct dsk__comm_fold_job {
     int64_t len, done;
 } dsk__comm_fold_job;
 
-static void dsk__comm_fold(dsk_dtype dt, dsk_comm_op op, int n, const void *const *src, void *dst, int64_t len, void *acc);
+static void dsk__comm_fold(dsk_dtype dt, dsk_comm_op op, int n, const void *const *src, void *dst, int64_t len,
+                           void *acc);
 
 /* Folds the next `max` elements of the job (all that are left if max <= 0). */
 static void dsk__comm_fold_slice(dsk__comm_fold_job *job, const void **tmp_srcs, int64_t max) {
@@ -1045,7 +1179,8 @@ static void dsk__comm_fold_slice(dsk__comm_fold_job *job, const void **tmp_srcs,
 
 /* Runs ops[0..n) to completion or to the deadline (t0 + timeout), folding `job` (may be
    NULL) whenever no socket is ready; the job is complete on return. Errors break the comm. */
-static dsk_status dsk__comm_io_run(dsk_comm *c, const char *fn, dsk__comm_io *ops, int n, double t0, dsk__comm_fold_job *job) {
+static dsk_status dsk__comm_io_run(dsk_comm *c, const char *fn, dsk__comm_io *ops, int n, double t0,
+                                   dsk__comm_fold_job *job) {
     dsk__comm_impl *m = c->impl;
     double deadline = t0 + m->timeout_s;
     for (;;) {
@@ -1071,21 +1206,24 @@ static dsk_status dsk__comm_io_run(dsk_comm *c, const char *fn, dsk__comm_io *op
             for (int j = 0; j < k; j++)
                 if (!ops[m->pidx[j]].is_send) { w = m->pidx[j]; break; }
             dsk__comm_wire_describe(&ops[w].hdr, what, sizeof what);
-            dsk_set_error(DSK_ERR_TIMEOUT, "%s: timed out after %.2f s waiting for rank %d to %s (%zu of %zu bytes) in %s; "
-                          "rank %d may be stopped, overloaded or in a different call", fn, dsk__comm_now() - t0,
-                          ops[w].peer, ops[w].is_send ? "accept data" : "send", ops[w].done,
+            dsk_set_error(DSK_ERR_TIMEOUT,
+                          "%s: timed out after %.2f s waiting for rank %d to %s (%zu of %zu bytes) in %s; "
+                          "rank %d may be stopped, overloaded or in a different call",
+                          fn, dsk__comm_now() - t0, ops[w].peer, ops[w].is_send ? "accept data" : "send", ops[w].done,
                           sizeof(dsk__comm_wire) + ops[w].len, what, ops[w].peer);
             return dsk__comm_break(c, DSK_ERR_TIMEOUT);
         }
         for (int j = 0; r > 0 && j < k; j++) {
             dsk_status err = DSK_OK;
-            if (m->pfd[j].revents && dsk__comm_io_progress(c, fn, &ops[m->pidx[j]], &err) < 0) return dsk__comm_break(c, err);
+            if (m->pfd[j].revents && dsk__comm_io_progress(c, fn, &ops[m->pidx[j]], &err) < 0)
+                return dsk__comm_break(c, err);
         }
         if (idle) dsk__comm_fold_slice(job, m->srcs + c->world_size, 32768);
     }
 }
 
-static void dsk__comm_io_post(dsk__comm_io *op, int peer, int is_send, const dsk__comm_wire *h, const void *buf, size_t len) {
+static void dsk__comm_io_post(dsk__comm_io *op, int peer, int is_send, const dsk__comm_wire *h, const void *buf,
+                              size_t len) {
     op->peer = peer;
     op->is_send = is_send;
     op->hdr = *h;
@@ -1097,11 +1235,31 @@ static void dsk__comm_io_post(dsk__comm_io *op, int peer, int is_send, const dsk
 
 /* ---------------------------------------------------------------- reductions (fixed rank order) */
 
-/* dst[0..len) = src[0] op src[1] op ... op src[n-1], left to right, in f32 for float dtypes
-   and int64 for integers; AVG divides by n at the end. acc holds len 8-byte slots. dst may
-   alias a source. */
-static void dsk__comm_fold(dsk_dtype dt, dsk_comm_op op, int n, const void *const *src, void *dst, int64_t len, void *acc) {
-    if (dsk_dtype_is_float(dt)) {
+/* f64: the fold in f64. */
+static void dsk__comm_fold_f64(dsk_comm_op op, int n, const void *const *src, void *dst, int64_t len, double *a) {
+    for (int r = 0; r < n; r++) {
+        const double *x = (const double *)src[r];
+        if (r == 0) memcpy(a, x, (size_t)len * sizeof(double));
+        else if (op == DSK_COMM_SUM || op == DSK_COMM_AVG)
+            for (int64_t i = 0; i < len; i++) a[i] = a[i] + x[i];
+        else if (op == DSK_COMM_MAX)
+            for (int64_t i = 0; i < len; i++) a[i] = (x[i] > a[i] || x[i] != x[i]) ? x[i] : a[i];
+        else
+            for (int64_t i = 0; i < len; i++) a[i] = (x[i] < a[i] || x[i] != x[i]) ? x[i] : a[i];
+    }
+    if (op == DSK_COMM_AVG)
+        for (int64_t i = 0; i < len; i++) a[i] = a[i] / (double)n;
+    memcpy(dst, a, (size_t)len * sizeof(double));
+}
+
+/* dst[0..len) = src[0] op src[1] op ... op src[n-1], left to right, in f32 for f32, f16 and
+   bf16, f64 for f64 and int64 for integers; AVG divides by n at the end. acc holds len 8-byte
+   slots. dst may alias a source. */
+static void dsk__comm_fold(dsk_dtype dt, dsk_comm_op op, int n, const void *const *src, void *dst, int64_t len,
+                           void *acc) {
+    if (dt == DSK_F64) {
+        dsk__comm_fold_f64(op, n, src, dst, len, (double *)acc);
+    } else if (dsk_dtype_is_float(dt)) {
         /* blocks that stay in cache; per-rank loops without branches so they vectorise */
         const int64_t B = 2048;
         float conv[2048];
@@ -1176,8 +1334,9 @@ static int64_t dsk__comm_max64(int64_t a, int64_t b) { return a > b ? a : b; }
    receives for its own part in rank order into out, while round k + 1 is on the wire (two
    receive buffers). Every pair exchanges a header every round, even when a piece is empty,
    so mismatched calls are always seen. */
-static dsk_status dsk__comm_rs_direct(dsk_comm *c, const char *fn, dsk__comm_wire h, const char *send, const int64_t *off,
-                                 dsk_dtype dt, dsk_comm_op op, char *out, double t0, uint32_t *step) {
+static dsk_status dsk__comm_rs_direct(dsk_comm *c, const char *fn, dsk__comm_wire h, const char *send,
+                                      const int64_t *off, dsk_dtype dt, dsk_comm_op op, char *out, double t0,
+                                      uint32_t *step) {
     dsk__comm_impl *m = c->impl;
     int n = c->world_size, me = c->rank;
     size_t esz = dsk_dtype_size(dt);
@@ -1201,7 +1360,6 @@ static dsk_status dsk__comm_rs_direct(dsk_comm *c, const char *fn, dsk__comm_wir
         int64_t mine_lo = off[me] + k * P, mine_len = dsk__comm_max64(0, dsk__comm_min64(P, off[me + 1] - mine_lo));
         char *half = tmp + (size_t)(k & 1) * tmp_bytes;
         int no = 0;
-        dsk_status st;
         h.step = (*step)++;
         for (int p = 0; p < n; p++) {
             int64_t lo = off[p] + k * P, len = dsk__comm_max64(0, dsk__comm_min64(P, off[p + 1] - lo));
@@ -1210,8 +1368,9 @@ static dsk_status dsk__comm_rs_direct(dsk_comm *c, const char *fn, dsk__comm_wir
             dsk__comm_io_post(&m->ops[no++], p, 0, &h, half + (size_t)p * (size_t)P * esz, (size_t)mine_len * esz);
         }
         /* this round's transfers, while the previous round's pieces are folded */
-        if ((st = dsk__comm_io_run(c, fn, m->ops, no, t0, &job)) != DSK_OK) return st;
-        for (int p = 0; p < n; p++) m->srcs[p] = p == me ? send + mine_lo * (int64_t)esz : half + (size_t)p * (size_t)P * esz;
+        DSK__TRY(dsk__comm_io_run(c, fn, m->ops, no, t0, &job));
+        for (int p = 0; p < n; p++)
+            m->srcs[p] = p == me ? send + mine_lo * (int64_t)esz : half + (size_t)p * (size_t)P * esz;
         job.dst = out + k * P * (int64_t)esz;
         job.len = mine_len;
         job.done = 0;
@@ -1222,15 +1381,16 @@ static dsk_status dsk__comm_rs_direct(dsk_comm *c, const char *fn, dsk__comm_wir
 
 /* Every rank sends its part [off[me], off[me+1]) of buf to every other rank (to_all) or to
    ranks != skip, and receives the others' parts in place. */
-static dsk_status dsk__comm_ag_direct(dsk_comm *c, const char *fn, dsk__comm_wire h, char *buf, const int64_t *off, size_t esz,
-                                 int skip, double t0) {
+static dsk_status dsk__comm_ag_direct(dsk_comm *c, const char *fn, dsk__comm_wire h, char *buf, const int64_t *off,
+                                      size_t esz, int skip, double t0) {
     dsk__comm_impl *m = c->impl;
     int n = c->world_size, me = c->rank, no = 0;
     for (int p = 0; p < n; p++) {
         if (p == me || p == skip) continue;
         dsk__comm_io_post(&m->ops[no++], p, 1, &h, buf + off[me] * (int64_t)esz, (size_t)(off[me + 1] - off[me]) * esz);
         if (me != skip)
-            dsk__comm_io_post(&m->ops[no++], p, 0, &h, buf + off[p] * (int64_t)esz, (size_t)(off[p + 1] - off[p]) * esz);
+            dsk__comm_io_post(&m->ops[no++], p, 0, &h, buf + off[p] * (int64_t)esz,
+                              (size_t)(off[p + 1] - off[p]) * esz);
     }
     return dsk__comm_io_run(c, fn, m->ops, no, t0, NULL);
 }
@@ -1246,7 +1406,6 @@ static dsk_status dsk__comm_host_all_reduce(dsk_comm *c, const char *fn, const c
     size_t esz = dsk_dtype_size(dt), bytes = (size_t)count * esz;
     dsk__comm_wire h = dsk__comm_wire_make(m, DSK__COMM_ALL_REDUCE, dt, op, -1, count);
     uint32_t step = 0;
-    dsk_status st;
     if (bytes <= m->small_bytes || count < n) {
         /* one round: every rank receives every buffer and folds them all */
         size_t tb = ((size_t)n * bytes + 7) & ~(size_t)7;
@@ -1258,25 +1417,24 @@ static dsk_status dsk__comm_host_all_reduce(dsk_comm *c, const char *fn, const c
             dsk__comm_io_post(&m->ops[no++], p, 1, &h, send, bytes);
             dsk__comm_io_post(&m->ops[no++], p, 0, &h, tmp + (size_t)p * bytes, bytes);
         }
-        if ((st = dsk__comm_io_run(c, fn, m->ops, no, t0, NULL)) != DSK_OK) return st;
+        DSK__TRY(dsk__comm_io_run(c, fn, m->ops, no, t0, NULL));
         for (int p = 0; p < n; p++) m->srcs[p] = p == me ? send : tmp + (size_t)p * bytes;
         dsk__comm_fold(dt, op, n, m->srcs, recv, count, tmp + tb);
         return DSK_OK;
     }
     dsk__comm_partition(count, n, m->off);
-    if ((st = dsk__comm_rs_direct(c, fn, h, send, m->off, dt, op, recv + m->off[me] * (int64_t)esz, t0, &step)) != DSK_OK)
-        return st;
+    DSK__TRY(dsk__comm_rs_direct(c, fn, h, send, m->off, dt, op, recv + m->off[me] * (int64_t)esz, t0, &step));
     h.step = step;
     return dsk__comm_ag_direct(c, fn, h, recv, m->off, esz, -1, t0);
 }
 
-static dsk_status dsk__comm_host_reduce_scatter(dsk_comm *c, const char *fn, const char *send, char *recv, int64_t rcount,
-                                           dsk_dtype dt, dsk_comm_op op, double t0) {
+static dsk_status dsk__comm_host_reduce_scatter(dsk_comm *c, const char *fn, const char *send, char *recv,
+                                                int64_t rcount, dsk_dtype dt, dsk_comm_op op, double t0) {
     dsk__comm_impl *m = c->impl;
     uint32_t step = 0;
     for (int p = 0; p <= c->world_size; p++) m->off[p] = rcount * p;
-    return dsk__comm_rs_direct(c, fn, dsk__comm_wire_make(m, DSK__COMM_REDUCE_SCATTER, dt, op, -1, rcount), send, m->off, dt, op, recv,
-                          t0, &step);
+    return dsk__comm_rs_direct(c, fn, dsk__comm_wire_make(m, DSK__COMM_REDUCE_SCATTER, dt, op, -1, rcount), send,
+                               m->off, dt, op, recv, t0, &step);
 }
 
 static dsk_status dsk__comm_host_all_gather(dsk_comm *c, const char *fn, const char *send, char *recv, int64_t scount,
@@ -1286,61 +1444,154 @@ static dsk_status dsk__comm_host_all_gather(dsk_comm *c, const char *fn, const c
     char *mine = recv + (int64_t)c->rank * scount * (int64_t)esz;
     if (mine != send && scount) memmove(mine, send, (size_t)scount * esz);
     for (int p = 0; p <= c->world_size; p++) m->off[p] = scount * p;
-    return dsk__comm_ag_direct(c, fn, dsk__comm_wire_make(m, DSK__COMM_ALL_GATHER, dt, 0, -1, scount), recv, m->off, esz, -1, t0);
+    return dsk__comm_ag_direct(c, fn, dsk__comm_wire_make(m, DSK__COMM_ALL_GATHER, dt, 0, -1, scount), recv, m->off,
+                               esz, -1, t0);
 }
 
-/* Small or two ranks: the root sends to every rank. Otherwise scatter + all-gather, so
-   the root sends 2(n-1)/n of the buffer instead of (n-1) times all of it. */
+/* Posts one exchange with peer p: a send of slen bytes at sbuf and a receive of rlen bytes at
+   rbuf, either possibly empty (a header alone). Rooted collectives post one with every peer,
+   so each rank checks every other rank's header and a rank that names another root fails. */
+static void dsk__comm_post_pair(dsk__comm_impl *m, int *no, int p, const dsk__comm_wire *h, const char *sbuf,
+                                size_t slen, char *rbuf, size_t rlen) {
+    dsk__comm_io_post(&m->ops[(*no)++], p, 1, h, sbuf, slen);
+    dsk__comm_io_post(&m->ops[(*no)++], p, 0, h, rbuf, rlen);
+}
+
+/* Small or two ranks: the root sends to every rank. Otherwise scatter + all-gather, so the
+   root sends 2(n-1)/n of the buffer instead of (n-1) times all of it. Step 0 is an exchange
+   between every pair (see dsk__comm_post_pair); step 1 all-gathers among the other ranks. */
 static dsk_status dsk__comm_host_broadcast(dsk_comm *c, const char *fn, const char *send, char *recv, int64_t count,
-                                      dsk_dtype dt, int root, double t0) {
+                                           dsk_dtype dt, int root, double t0) {
     dsk__comm_impl *m = c->impl;
     int n = c->world_size, me = c->rank, no = 0;
     size_t esz = dsk_dtype_size(dt), bytes = (size_t)count * esz;
+    int split = bytes > m->small_bytes && n > 2;
     dsk__comm_wire h = dsk__comm_wire_make(m, DSK__COMM_BROADCAST, dt, 0, root, count);
-    dsk_status st;
+    const int64_t *off = m->off;
     if (me == root && send != recv && bytes) memmove(recv, send, bytes);
-    if (bytes <= m->small_bytes || n <= 2) {
-        for (int p = 0; p < n; p++)
-            if (me == root && p != me) dsk__comm_io_post(&m->ops[no++], p, 1, &h, recv, bytes);
-        if (me != root) dsk__comm_io_post(&m->ops[no++], root, 0, &h, recv, bytes);
-        return dsk__comm_io_run(c, fn, m->ops, no, t0, NULL);
+    if (split) dsk__comm_partition(count, n, m->off);
+    for (int p = 0; p < n; p++) {
+        int to = split ? p : 0, from = split ? me : 0; /* the part that goes to p, the part this rank gets */
+        size_t slen = split ? (size_t)(off[p + 1] - off[p]) * esz : bytes;
+        size_t rlen = split ? (size_t)(off[me + 1] - off[me]) * esz : bytes;
+        if (p == me) continue;
+        dsk__comm_post_pair(m, &no, p, &h, recv + (split ? off[to] * (int64_t)esz : 0), me == root ? slen : 0,
+                            recv + (split ? off[from] * (int64_t)esz : 0), p == root ? rlen : 0);
     }
-    dsk__comm_partition(count, n, m->off);
-    for (int p = 0; p < n; p++)
-        if (me == root && p != me)
-            dsk__comm_io_post(&m->ops[no++], p, 1, &h, recv + m->off[p] * (int64_t)esz, (size_t)(m->off[p + 1] - m->off[p]) * esz);
-    if (me != root)
-        dsk__comm_io_post(&m->ops[no++], root, 0, &h, recv + m->off[me] * (int64_t)esz, (size_t)(m->off[me + 1] - m->off[me]) * esz);
-    if ((st = dsk__comm_io_run(c, fn, m->ops, no, t0, NULL)) != DSK_OK) return st;
+    DSK__TRY(dsk__comm_io_run(c, fn, m->ops, no, t0, NULL));
+    if (!split) return DSK_OK;
     /* all-gather of the parts; nobody sends to the root, which has them all */
     h.step = 1;
     no = 0;
     for (int p = 0; p < n; p++) {
         if (p == me || p == root) continue;
-        dsk__comm_io_post(&m->ops[no++], p, 1, &h, recv + m->off[me] * (int64_t)esz, (size_t)(m->off[me + 1] - m->off[me]) * esz);
+        dsk__comm_io_post(&m->ops[no++], p, 1, &h, recv + off[me] * (int64_t)esz,
+                          (size_t)(off[me + 1] - off[me]) * esz);
     }
     if (me != root)
         for (int p = 0; p < n; p++)
             if (p != me)
-                dsk__comm_io_post(&m->ops[no++], p, 0, &h, recv + m->off[p] * (int64_t)esz, (size_t)(m->off[p + 1] - m->off[p]) * esz);
+                dsk__comm_io_post(&m->ops[no++], p, 0, &h, recv + off[p] * (int64_t)esz,
+                                  (size_t)(off[p + 1] - off[p]) * esz);
+    return dsk__comm_io_run(c, fn, m->ops, no, t0, NULL);
+}
+
+/* Small (or fewer elements than ranks): every rank sends its buffer to the root, which folds
+   them in rank order. Large: the all-reduce's reduce-scatter, then every rank sends its part
+   to the root. Either way the root gets bitwise what dsk_comm_all_reduce gives. */
+static dsk_status dsk__comm_host_reduce(dsk_comm *c, const char *fn, const char *send, char *recv, int64_t count,
+                                        dsk_dtype dt, dsk_comm_op op, int root, double t0) {
+    dsk__comm_impl *m = c->impl;
+    int n = c->world_size, me = c->rank, no = 0;
+    size_t esz = dsk_dtype_size(dt), bytes = (size_t)count * esz, part_bytes;
+    dsk__comm_wire h = dsk__comm_wire_make(m, DSK__COMM_REDUCE, dt, op, root, count);
+    uint32_t step = 0;
+    char *part;
+    dsk_status st;
+    if (bytes <= m->small_bytes || count < n) {
+        size_t tb = ((size_t)n * bytes + 7) & ~(size_t)7;
+        char *tmp = me == root ? (char *)dsk__comm_scratch(m, tb + (size_t)count * 8) : NULL;
+        if (me == root && !tmp)
+            return dsk_set_error(DSK_ERR_OOM, "%s: %zu bytes of scratch", fn, tb + (size_t)count * 8);
+        for (int p = 0; p < n; p++)
+            if (p != me)
+                dsk__comm_post_pair(m, &no, p, &h, send, p == root ? bytes : 0,
+                                    me == root ? tmp + (size_t)p * bytes : NULL, me == root ? bytes : 0);
+        DSK__TRY(dsk__comm_io_run(c, fn, m->ops, no, t0, NULL));
+        if (me != root) return DSK_OK;
+        for (int p = 0; p < n; p++) m->srcs[p] = p == me ? send : tmp + (size_t)p * bytes;
+        dsk__comm_fold(dt, op, n, m->srcs, recv, count, tmp + tb);
+        return DSK_OK;
+    }
+    dsk__comm_partition(count, n, m->off);
+    part_bytes = (size_t)(m->off[me + 1] - m->off[me]) * esz;
+    /* the root folds its part in place; the others into a buffer of their own (rs uses the scratch) */
+    part = me == root ? recv + m->off[me] * (int64_t)esz : (char *)DSK_MALLOC(part_bytes ? part_bytes : 1);
+    if (!part) return dsk_set_error(DSK_ERR_OOM, "%s: %zu bytes for this rank's part", fn, part_bytes);
+    st = dsk__comm_rs_direct(c, fn, h, send, m->off, dt, op, part, t0, &step);
+    h.step = step;
+    for (int p = 0; st == DSK_OK && p < n; p++) {
+        if (p == me || (me != root && p != root)) continue;
+        if (me == root) dsk__comm_io_post(&m->ops[no++], p, 0, &h, recv + m->off[p] * (int64_t)esz,
+                                          (size_t)(m->off[p + 1] - m->off[p]) * esz);
+        else dsk__comm_io_post(&m->ops[no++], p, 1, &h, part, part_bytes);
+    }
+    if (st == DSK_OK) st = dsk__comm_io_run(c, fn, m->ops, no, t0, NULL);
+    if (me != root) DSK_FREE(part);
+    return st;
+}
+
+/* Every rank sends its block to the root (a header alone to the others, see
+   dsk__comm_post_pair); the root's own block is copied. */
+static dsk_status dsk__comm_host_gather(dsk_comm *c, const char *fn, const char *send, char *recv, int64_t scount,
+                                        dsk_dtype dt, int root, double t0) {
+    dsk__comm_impl *m = c->impl;
+    int n = c->world_size, me = c->rank, no = 0;
+    size_t blk = (size_t)scount * dsk_dtype_size(dt);
+    dsk__comm_wire h = dsk__comm_wire_make(m, DSK__COMM_GATHER, dt, 0, root, scount);
+    if (me == root && blk && recv + (size_t)root * blk != send) memmove(recv + (size_t)root * blk, send, blk);
+    for (int p = 0; p < n; p++)
+        if (p != me)
+            dsk__comm_post_pair(m, &no, p, &h, send, p == root ? blk : 0, me == root ? recv + (size_t)p * blk : NULL,
+                                me == root ? blk : 0);
+    return dsk__comm_io_run(c, fn, m->ops, no, t0, NULL);
+}
+
+/* The root sends block p to rank p (a header alone between the others); its own is copied. */
+static dsk_status dsk__comm_host_scatter(dsk_comm *c, const char *fn, const char *send, char *recv, int64_t rcount,
+                                         dsk_dtype dt, int root, double t0) {
+    dsk__comm_impl *m = c->impl;
+    int n = c->world_size, me = c->rank, no = 0;
+    size_t blk = (size_t)rcount * dsk_dtype_size(dt);
+    dsk__comm_wire h = dsk__comm_wire_make(m, DSK__COMM_SCATTER, dt, 0, root, rcount);
+    if (me == root && blk && send + (size_t)root * blk != recv) memmove(recv, send + (size_t)root * blk, blk);
+    for (int p = 0; p < n; p++)
+        if (p != me)
+            dsk__comm_post_pair(m, &no, p, &h, me == root ? send + (size_t)p * blk : NULL, me == root ? blk : 0, recv,
+                                p == root ? blk : 0);
     return dsk__comm_io_run(c, fn, m->ops, no, t0, NULL);
 }
 
 /* Shared by all_to_all and all_to_all_v: message to p = scount[p] elements at send + sdis[p]. */
 static dsk_status dsk__comm_host_a2a(dsk_comm *c, const char *fn, int kind, const char *send, const int64_t *scount,
-                                const int64_t *sdis, char *recv, const int64_t *rcount, const int64_t *rdis, dsk_dtype dt,
-                                double t0) {
+                                     const int64_t *sdis, char *recv, const int64_t *rcount, const int64_t *rdis,
+                                     dsk_dtype dt, double t0) {
     dsk__comm_impl *m = c->impl;
     int n = c->world_size, me = c->rank, no = 0;
     size_t esz = dsk_dtype_size(dt);
     for (int p = 0; p < n; p++) {
         dsk__comm_wire hs, hr;
         if (p == me) {
-            if (scount[p]) memmove(recv + rdis[p] * (int64_t)esz, send + sdis[p] * (int64_t)esz, (size_t)scount[p] * esz);
+            if (scount[p])
+                memmove(recv + rdis[p] * (int64_t)esz, send + sdis[p] * (int64_t)esz, (size_t)scount[p] * esz);
             continue;
         }
         hs = dsk__comm_wire_make(m, kind, dt, 0, -1, scount[p]);
         hr = dsk__comm_wire_make(m, kind, dt, 0, -1, rcount[p]);
+        if (kind == DSK__COMM_ALL_TO_ALL_V) { /* so a sender of a count its peer does not expect fails too */
+            hs.expect = rcount[p];
+            hr.expect = scount[p];
+        }
         dsk__comm_io_post(&m->ops[no++], p, 1, &hs, send + sdis[p] * (int64_t)esz, (size_t)scount[p] * esz);
         dsk__comm_io_post(&m->ops[no++], p, 0, &hr, recv + rdis[p] * (int64_t)esz, (size_t)rcount[p] * esz);
     }
@@ -1365,7 +1616,8 @@ static dsk_status dsk__comm_host_barrier(dsk_comm *c, const char *fn, double t0)
 
 typedef struct dsk__comm_hello { uint32_t magic; int32_t rank; uint64_t tag; } dsk__comm_hello;
 
-static dsk_status dsk__comm_impl_alloc(dsk_comm *c, const char *fn, const dsk_comm_opts *o, const char *addr, int port) {
+static dsk_status dsk__comm_impl_alloc(dsk_comm *c, const char *fn, const dsk_comm_opts *o, const char *addr,
+                                       int port) {
     dsk__comm_impl *m = (dsk__comm_impl *)DSK_MALLOC(sizeof *m);
     int n = c->world_size;
     if (!m) return dsk_set_error(DSK_ERR_OOM, "%s: communicator state", fn);
@@ -1377,6 +1629,7 @@ static dsk_status dsk__comm_impl_alloc(dsk_comm *c, const char *fn, const dsk_co
     m->piece_bytes = o && o->piece_bytes ? o->piece_bytes : ((size_t)4 << 20);
     snprintf(m->master_addr, sizeof m->master_addr, "%s", addr);
     m->master_port = port;
+    snprintf(m->job_id, sizeof m->job_id, "%s", o && o->job_id ? o->job_id : "");
     m->fds = (int *)DSK_MALLOC((size_t)n * sizeof(int));
     m->p2p_sent = (uint64_t *)DSK_MALLOC((size_t)n * sizeof(uint64_t));
     m->p2p_recvd = (uint64_t *)DSK_MALLOC((size_t)n * sizeof(uint64_t));
@@ -1402,7 +1655,9 @@ static void dsk__comm_impl_free(dsk_comm *c) {
             double deadline = dsk__comm_now() + m->timeout_s;
             ncclResult_t state = ncclSuccess;
             if (ncclCommFinalize(m->nccl) == ncclSuccess || ncclCommGetAsyncError(m->nccl, &state) == ncclSuccess) {
-                do { ncclCommGetAsyncError(m->nccl, &state); } while (state == ncclInProgress && dsk__comm_now() < deadline);
+                do {
+                    ncclCommGetAsyncError(m->nccl, &state);
+                } while (state == ncclInProgress && dsk__comm_now() < deadline);
             }
             if (state == ncclSuccess) ncclCommDestroy(m->nccl);
             else ncclCommAbort(m->nccl);
@@ -1430,11 +1685,10 @@ DSK_API void dsk_comm_free(dsk_comm *c) {
 static dsk_status dsk__comm_mesh_listen(dsk_comm *c, const char *fn, int *lfd, char *ep) {
     struct sockaddr_in any;
     int port;
-    dsk_status st;
     memset(&any, 0, sizeof any);
     any.sin_family = AF_INET;
     any.sin_addr.s_addr = htonl(INADDR_ANY);
-    if ((st = dsk__comm_listen(fn, &any, lfd, &port)) != DSK_OK) return st;
+    DSK__TRY(dsk__comm_listen(fn, &any, NULL, lfd, &port));
     memset(ep, 0, DSK__COMM_EP_LEN);
     snprintf(ep, DSK__COMM_EP_LEN, "%.46s %d", c->impl->my_ip, port);
     return DSK_OK;
@@ -1442,24 +1696,25 @@ static dsk_status dsk__comm_mesh_listen(dsk_comm *c, const char *fn, int *lfd, c
 
 /* Connects every pair: rank i connects to each j < i and accepts each j > i. eps[r] is
    rank r's endpoint. Hellos carry (rank, tag) so stray connections are refused. */
-static dsk_status dsk__comm_mesh_connect(dsk_comm *c, const char *fn, int lfd, const char *eps, double deadline) {
+static dsk_status dsk__comm_mesh_connect(dsk_comm *c, const char *fn, int lfd, const char *eps, size_t stride,
+                                         double deadline) {
     dsk__comm_impl *m = c->impl;
     int n = c->world_size, me = c->rank, pending = n - 1 - me;
-    dsk_status st;
     for (int j = 0; j < me; j++) {
         char ip[DSK__COMM_EP_LEN], who[96];
         int port = 0;
         struct sockaddr_in sa;
         dsk__comm_hello hello;
-        if (sscanf(eps + (size_t)j * DSK__COMM_EP_LEN, "%63s %d", ip, &port) != 2)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: rank %d published a bad endpoint \"%.63s\"", fn, j, eps + (size_t)j * DSK__COMM_EP_LEN);
+        const char *ep = eps + (size_t)j * stride;
+        if (sscanf(ep, "%63s %d", ip, &port) != 2)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: rank %d published a bad endpoint \"%.63s\"", fn, j, ep);
         snprintf(who, sizeof who, "rank %d's mesh listener", j);
-        if ((st = dsk__comm_resolve(fn, ip, port, &sa)) != DSK_OK || (st = dsk__comm_connect(fn, &sa, deadline, who, &m->fds[j])) != DSK_OK)
-            return st;
+        DSK__TRY(dsk__comm_resolve(fn, ip, port, &sa));
+        DSK__TRY(dsk__comm_connect(fn, &sa, deadline, who, &m->fds[j]));
         hello.magic = DSK__COMM_WIRE_MAGIC;
         hello.rank = me;
         hello.tag = m->tag;
-        if ((st = dsk__comm_write_full(fn, m->fds[j], &hello, sizeof hello, deadline, who)) != DSK_OK) return st;
+        DSK__TRY(dsk__comm_write_full(fn, m->fds[j], &hello, sizeof hello, deadline, who));
     }
     while (pending > 0) {
         struct pollfd pf;
@@ -1470,13 +1725,15 @@ static dsk_status dsk__comm_mesh_connect(dsk_comm *c, const char *fn, int lfd, c
             int first = -1;
             for (int j = n - 1; j > me; j--)
                 if (m->fds[j] < 0) first = j;
-            return dsk_set_error(DSK_ERR_TIMEOUT, "%s: timed out waiting for rank %d (and %d more) to connect to rank %d",
-                                 fn, first, pending - 1, me);
+            return dsk_set_error(DSK_ERR_TIMEOUT,
+                                 "%s: timed out waiting for rank %d (and %d more) to connect to rank %d", fn, first,
+                                 pending - 1, me);
         }
         if ((fd = accept(lfd, NULL, NULL)) < 0) continue;
         dsk__comm_tune_socket(fd);
-        if (dsk__comm_read_full(fn, fd, &hello, sizeof hello, deadline, "a connecting rank") != DSK_OK || hello.magic != DSK__COMM_WIRE_MAGIC ||
-            hello.tag != m->tag || hello.rank <= me || hello.rank >= n || m->fds[hello.rank] >= 0) {
+        if (dsk__comm_read_full(fn, fd, &hello, sizeof hello, deadline, "a connecting rank") != DSK_OK ||
+            hello.magic != DSK__COMM_WIRE_MAGIC || hello.tag != m->tag || hello.rank <= me || hello.rank >= n ||
+            m->fds[hello.rank] >= 0) {
             close(fd); /* not one of ours */
             continue;
         }
@@ -1505,8 +1762,8 @@ static int dsk__comm_env_int(const char *name, int *out, int *present, char *why
 #ifdef DSK_CUDA
 static dsk_status dsk__comm_nccl_check(dsk_comm *c, const char *fn, ncclResult_t r, const char *what) {
     if (r == ncclSuccess || r == ncclInProgress) return DSK_OK;
-    return dsk_set_error(DSK_ERR_NCCL, "%s: %s failed on rank %d: %s (%s)", fn, what, c ? c->rank : -1, ncclGetErrorString(r),
-                         c && c->impl && c->impl->nccl ? ncclGetLastError(c->impl->nccl) : "");
+    return dsk_set_error(DSK_ERR_NCCL, "%s: %s failed on rank %d: %s (%s)", fn, what, c ? c->rank : -1,
+                         ncclGetErrorString(r), c && c->impl && c->impl->nccl ? ncclGetLastError(c->impl->nccl) : "");
 }
 
 /* Polls a nonblocking communicator until its last call left ncclInProgress; aborts at the deadline. */
@@ -1518,8 +1775,9 @@ static dsk_status dsk__comm_nccl_settle(dsk_comm *c, const char *fn, ncclComm_t 
         if (r != ncclSuccess) state = r;
         if (state != ncclInProgress) break;
         if (dsk__comm_now() - t0 > m->timeout_s) {
-            dsk_set_error(DSK_ERR_TIMEOUT, "%s: %s on rank %d still in progress after %.2f s; aborting the NCCL communicator",
-                          fn, what, c->rank, dsk__comm_now() - t0);
+            dsk_set_error(DSK_ERR_TIMEOUT,
+                          "%s: %s on rank %d still in progress after %.2f s; aborting the NCCL communicator", fn, what,
+                          c->rank, dsk__comm_now() - t0);
             return dsk__comm_break(c, DSK_ERR_TIMEOUT);
         }
     }
@@ -1543,21 +1801,23 @@ static dsk_status dsk__comm_nccl_init(dsk_comm *c, const char *fn, double t0) {
         return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: the nccl backend needs a CUDA device (rank %d: %s)", fn, c->rank,
                              ce != cudaSuccess ? cudaGetErrorString(ce) : "0 devices");
     if ((ce = cudaSetDevice(c->local_rank % ndev)) != cudaSuccess)
-        return dsk_set_error(DSK_ERR_CUDA, "%s: cudaSetDevice(%d): %s", fn, c->local_rank % ndev, cudaGetErrorString(ce));
+        return dsk_set_error(DSK_ERR_CUDA, "%s: cudaSetDevice(%d): %s", fn, c->local_rank % ndev,
+                             cudaGetErrorString(ce));
     snprintf(key, sizeof key, "dsk/%s/nccl_id", m->ns);
     if (c->rank == 0) {
         ncclResult_t r = ncclGetUniqueId(&id);
         if (r != ncclSuccess) return dsk__comm_nccl_check(c, fn, r, "ncclGetUniqueId");
-        if ((st = dsk__comm_store_set(c, fn, key, &id, sizeof id)) != DSK_OK) return st;
+        DSK__TRY(dsk__comm_store_set(c, fn, key, &id, sizeof id));
     } else {
-        if ((st = dsk__comm_store_get(c, fn, key, &id, sizeof id, &len)) != DSK_OK) return st;
-        if (len != sizeof id) return dsk_set_error(DSK_ERR_CORRUPT, "%s: NCCL unique id of %zu bytes, want %zu", fn, len, sizeof id);
+        DSK__TRY(dsk__comm_store_get(c, fn, key, &id, sizeof id, &len));
+        if (len != sizeof id)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: NCCL unique id of %zu bytes, want %zu", fn, len, sizeof id);
     }
     cfg.blocking = 0;
     if ((st = dsk__comm_nccl_check(c, fn, ncclCommInitRankConfig(&m->nccl, c->world_size, id, c->rank, &cfg),
                                    "ncclCommInitRankConfig")) != DSK_OK)
         return dsk__comm_break(c, st); /* aborts what init left */
-    if ((st = dsk__comm_nccl_settle(c, fn, m->nccl, t0, "ncclCommInitRankConfig")) != DSK_OK) return st;
+    DSK__TRY(dsk__comm_nccl_settle(c, fn, m->nccl, t0, "ncclCommInitRankConfig"));
     if ((ce = cudaMalloc(&m->nccl_flag, sizeof(float))) != cudaSuccess) {
         m->nccl_flag = NULL;
         return dsk_set_error(DSK_ERR_CUDA, "%s: cudaMalloc(4): %s", fn, cudaGetErrorString(ce));
@@ -1565,6 +1825,53 @@ static dsk_status dsk__comm_nccl_init(dsk_comm *c, const char *fn, double t0) {
     return DSK_OK;
 }
 #endif
+
+/* ---------------------------------------------------------------- init */
+
+/* Rank 0's record in the store: the world size and the job identity that every joiner checks. */
+typedef struct dsk__comm_hello_rec { int32_t world; char job[DSK__COMM_JOB_MAX + 4]; } dsk__comm_hello_rec;
+
+/* A joiner whose job id differs from rank 0's has reached another job's store: it must not join. */
+static dsk_status dsk__comm_same_job(dsk_comm *c, const char *fn, dsk__comm_hello_rec *hello) {
+    dsk__comm_impl *m = c->impl;
+    hello->job[DSK__COMM_JOB_MAX] = 0;
+    if (strcmp(hello->job, m->job_id) == 0) return DSK_OK;
+    return dsk_set_error(
+        DSK_ERR_ARG,
+        "%s: the key-value store at %s:%d belongs to another job: its rank 0 has job id "
+        "\"%s\", this rank (%d of %d) has \"%s\". Two jobs share MASTER_ADDR:MASTER_PORT; give each job "
+        "its own port",
+        fn, m->master_addr, m->master_port, hello->job, c->rank, c->world_size, m->job_id);
+}
+
+/* Claims this rank in the store, naming this process. A second claim by another process is a
+   duplicate RANK: DSK_ERR_ARG at once. A second claim by this same process means the store
+   is its previous communicator's on this port, shutting down: DSK_ERR_PEER, to retry. */
+static dsk_status dsk__comm_claim(dsk_comm *c, const char *fn) {
+    dsk__comm_impl *m = c->impl;
+    char key[64], me[160], other[160], host[64] = "?";
+    int64_t claims = 0;
+    size_t len = 0;
+    gethostname(host, sizeof host - 1);
+    host[sizeof host - 1] = 0;
+    memset(me, 0, sizeof me);
+    memset(other, 0, sizeof other);
+    snprintf(me, sizeof me, "pid %ld on %s (%s)", (long)getpid(), host, m->my_ip);
+    snprintf(key, sizeof key, "dsk/w/claim/%d", c->rank);
+    DSK__TRY(dsk__comm_store_add(c, fn, key, 1, &claims));
+    snprintf(key, sizeof key, "dsk/w/claimer/%d", c->rank);
+    if (claims == 1) return dsk__comm_store_set(c, fn, key, me, sizeof me);
+    DSK__TRY(dsk__comm_store_get(c, fn, key, other, sizeof other - 1, &len));
+    if (strcmp(other, me) != 0)
+        return dsk_set_error(DSK_ERR_ARG,
+                             "%s: rank %d is claimed by %lld processes: %s and this one, %s (is RANK %d set "
+                             "twice?)",
+                             fn, c->rank, (long long)claims, other, me, c->rank);
+    return dsk_set_error(DSK_ERR_PEER,
+                         "%s: the key-value store at %s:%d still holds this process's claim of rank %d from "
+                         "a previous communicator",
+                         fn, m->master_addr, m->master_port, c->rank);
+}
 
 /* Connects to the store, checks the world size and claims this rank. A rank other than 0
    that reaches a store which then hangs up, or that already holds its claim, has met the
@@ -1575,43 +1882,77 @@ static dsk_status dsk__comm_join(dsk_comm *c, const char *fn, const struct socka
     for (;;) {
         struct sockaddr_in local;
         socklen_t sl = sizeof local;
-        int world_seen = 0;
-        int64_t claims = 0;
+        dsk__comm_hello_rec hello;
         size_t len = 0;
-        char key[64];
         dsk_status st = dsk__comm_connect(fn, store_sa, deadline, "key-value store (served by rank 0)", &m->store_fd);
         if (st != DSK_OK) {
             char msg[1200];
-            snprintf(msg, sizeof msg, "%s (rank %d of %d; is rank 0 running and MASTER_ADDR:MASTER_PORT right?)", dsk_last_error(),
-                     rank, world);
+            snprintf(msg, sizeof msg, "%s (rank %d of %d; is rank 0 running and MASTER_ADDR:MASTER_PORT right?)",
+                     dsk_last_error(), rank, world);
             return dsk_set_error(st, "%s", msg);
         }
-        if (getsockname(m->store_fd, (struct sockaddr *)&local, &sl) != 0 || !inet_ntop(AF_INET, &local.sin_addr, m->my_ip, sizeof m->my_ip))
+        m->store_gone = 0;
+        if (getsockname(m->store_fd, (struct sockaddr *)&local, &sl) != 0 ||
+            !inet_ntop(AF_INET, &local.sin_addr, m->my_ip, sizeof m->my_ip))
             return dsk_set_error(DSK_ERR_IO, "%s: getsockname: %s", fn, strerror(errno));
-        if (rank == 0 && (st = dsk__comm_store_set(c, fn, "dsk/w/world", &world, sizeof world)) != DSK_OK) return st;
-        st = dsk__comm_store_get(c, fn, "dsk/w/world", &world_seen, sizeof world_seen, &len);
-        if (st == DSK_OK && world_seen != world)
-            return dsk_set_error(DSK_ERR_ARG, "%s: this rank (%d) has WORLD_SIZE %d but rank 0 has %d", fn, rank, world, world_seen);
-        snprintf(key, sizeof key, "dsk/w/claim/%d", rank);
-        if (st == DSK_OK) st = dsk__comm_store_add(c, fn, key, 1, &claims);
-        if (st == DSK_OK && claims == 1) return DSK_OK;
-        if (st == DSK_OK)
-            st = dsk_set_error(DSK_ERR_ARG, "%s: rank %d is claimed by %lld processes (a duplicate RANK, or the store of a "
-                               "previous communicator on this port is still up)", fn, rank, (long long)claims);
-        if (rank == 0 || (st != DSK_ERR_PEER && st != DSK_ERR_ARG) || dsk__comm_now() >= deadline) return st;
-        if (m->store_fd >= 0) close(m->store_fd);
-        m->store_fd = -1;
+        if (rank == 0) {
+            memset(&hello, 0, sizeof hello);
+            hello.world = world;
+            memcpy(hello.job, m->job_id, sizeof hello.job);
+            DSK__TRY(dsk__comm_store_set(c, fn, "dsk/w/hello", &hello, sizeof hello));
+        }
+        st = dsk__comm_store_get(c, fn, "dsk/w/hello", &hello, sizeof hello, &len);
+        if (st == DSK_OK && len != sizeof hello)
+            return dsk_set_error(DSK_ERR_CORRUPT,
+                                 "%s: the key-value store at %s:%d is not a dsk store of this version "
+                                 "(hello of %zu bytes, want %zu)",
+                                 fn, m->master_addr, m->master_port, len, sizeof hello);
+        if (st == DSK_OK) DSK__TRY(dsk__comm_same_job(c, fn, &hello));
+        if (st == DSK_OK && hello.world != world)
+            return dsk_set_error(DSK_ERR_ARG, "%s: this rank (%d) has WORLD_SIZE %d but rank 0 has %d", fn, rank, world,
+                                 (int)hello.world);
+        if (st == DSK_OK) st = dsk__comm_claim(c, fn);
+        if (st == DSK_OK || rank == 0 || st != DSK_ERR_PEER || dsk__comm_now() >= deadline) return st;
+        dsk__comm_store_fail(m, DSK_ERR_STATE);
         dsk__comm_sleep_s(0.05);
     }
 }
 
-static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, int world, const dsk_comm_opts *o) {
+/* What every rank publishes at init: where its peers reach it (host) and the options that
+   shape the wire protocol, which must agree on every rank. */
+typedef struct dsk__comm_rank_rec {
+    char ep[DSK__COMM_EP_LEN];
+    uint64_t small_bytes, piece_bytes;
+    int32_t backend, pad;
+} dsk__comm_rank_rec;
+
+static dsk_status dsk__comm_same_options(dsk_comm *c, const char *fn, const dsk__comm_rank_rec *mine,
+                                         const dsk__comm_rank_rec *theirs, int r) {
+    static const char *names[] = {"auto", "host", "nccl"};
+    const char *what = theirs->small_bytes != mine->small_bytes ? "small_bytes" : "piece_bytes";
+    if (theirs->backend != mine->backend)
+        return dsk_set_error(DSK_ERR_ARG, "%s: rank %d uses the %s backend but this rank (%d) uses %s", fn, r,
+                             theirs->backend >= 0 && theirs->backend < 3 ? names[theirs->backend] : "an unknown",
+                             c->rank, names[mine->backend]);
+    if (theirs->small_bytes == mine->small_bytes && theirs->piece_bytes == mine->piece_bytes) return DSK_OK;
+    return dsk_set_error(DSK_ERR_ARG,
+                         "%s: rank %d has %s %llu but this rank (%d) has %llu; every rank must use the same "
+                         "small_bytes and piece_bytes (they shape the wire protocol)",
+                         fn, r, what, (unsigned long long)(what[0] == 's' ? theirs->small_bytes : theirs->piece_bytes),
+                         c->rank, (unsigned long long)(what[0] == 's' ? mine->small_bytes : mine->piece_bytes));
+}
+
+static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, int world, const dsk_comm_opts *o,
+                                       const char *busy) {
     dsk__comm_impl *m;
-    const char *addr = o && o->master_addr ? o->master_addr : (getenv("MASTER_ADDR") && *getenv("MASTER_ADDR") ? getenv("MASTER_ADDR") : "127.0.0.1");
+    const char *addr = o && o->master_addr
+                           ? o->master_addr
+                           : (getenv("MASTER_ADDR") && *getenv("MASTER_ADDR") ? getenv("MASTER_ADDR") : "127.0.0.1");
     int port = o && o->master_port ? o->master_port : 29500;
     double t0 = dsk__comm_now(), deadline;
     struct sockaddr_in store_sa;
-    char key[160], ep[DSK__COMM_EP_LEN], *eps = NULL;
+    char key[160];
+    dsk__comm_rank_rec mine, *recs = NULL;
     int lfd = -1;
     size_t len = 0;
     dsk_status st;
@@ -1624,48 +1965,66 @@ static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, in
     if (port <= 0 || port > 65535) return dsk_set_error(DSK_ERR_ARG, "%s: master port %d not in [1, 65535]", fn, port);
     if (be == DSK_COMM_AUTO) be = dsk_cuda_available() ? DSK_COMM_NCCL : DSK_COMM_HOST;
 #ifndef DSK_CUDA
-    if (be == DSK_COMM_NCCL) return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: the nccl backend needs a build with DSK_CUDA", fn);
+    if (be == DSK_COMM_NCCL)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: the nccl backend needs a build with DSK_CUDA", fn);
 #endif
-    if (be != DSK_COMM_HOST && be != DSK_COMM_NCCL) return dsk_set_error(DSK_ERR_ARG, "%s: unknown backend %d", fn, (int)be);
-    if ((st = dsk__comm_resolve(fn, addr, port, &store_sa)) != DSK_OK) return st;
+    if (be != DSK_COMM_HOST && be != DSK_COMM_NCCL)
+        return dsk_set_error(DSK_ERR_ARG, "%s: unknown backend %d", fn, (int)be);
+    DSK__TRY(dsk__comm_resolve(fn, addr, port, &store_sa));
     c->rank = rank;
     c->world_size = world;
     c->local_world_size = o && o->local_world_size > 0 ? o->local_world_size : world;
     c->local_rank = o && o->local_world_size > 0 ? o->local_rank : rank;
     c->backend = be;
-    if ((st = dsk__comm_impl_alloc(c, fn, o, addr, port)) != DSK_OK) return st;
+    DSK__TRY(dsk__comm_impl_alloc(c, fn, o, addr, port));
     m = c->impl;
     snprintf(m->ns, sizeof m->ns, "w");
     deadline = t0 + m->timeout_s;
-    if (rank == 0 && (st = dsk__comm_store_server_start(fn, &store_sa, &m->server)) != DSK_OK) return st;
-    if ((st = dsk__comm_join(c, fn, &store_sa, deadline)) != DSK_OK) return st;
+    if (rank == 0) DSK__TRY(dsk__comm_store_server_start(fn, &store_sa, busy, &m->server));
+    DSK__TRY(dsk__comm_join(c, fn, &store_sa, deadline));
     if (rank == 0) {
         uint64_t tag = ((uint64_t)getpid() << 32) ^ (uint64_t)(t0 * 1e9);
-        if ((st = dsk__comm_store_set(c, fn, "dsk/w/tag", &tag, sizeof tag)) != DSK_OK) return st;
+        DSK__TRY(dsk__comm_store_set(c, fn, "dsk/w/tag", &tag, sizeof tag));
     }
-    if ((st = dsk__comm_store_get(c, fn, "dsk/w/tag", &m->tag, sizeof m->tag, &len)) != DSK_OK) return st;
-#ifdef DSK_CUDA
-    if (be == DSK_COMM_NCCL) return dsk__comm_nccl_init(c, fn, t0);
-#endif
-    /* host backend: publish this rank's endpoint, read everyone's, connect every pair */
-    if ((st = dsk__comm_mesh_listen(c, fn, &lfd, ep)) != DSK_OK) return st;
-    snprintf(key, sizeof key, "dsk/w/ep/%d", rank);
-    if ((st = dsk__comm_store_set(c, fn, key, ep, DSK__COMM_EP_LEN)) != DSK_OK) { close(lfd); return st; }
-    if (!(eps = (char *)DSK_MALLOC((size_t)world * DSK__COMM_EP_LEN))) { close(lfd); return dsk_set_error(DSK_ERR_OOM, "%s: endpoints", fn); }
+    DSK__TRY(dsk__comm_store_get(c, fn, "dsk/w/tag", &m->tag, sizeof m->tag, &len));
+    /* every rank publishes its record, reads everyone's and checks the options; host: connect every pair */
+    memset(&mine, 0, sizeof mine);
+    mine.backend = (int32_t)be;
+    mine.small_bytes = m->small_bytes;
+    mine.piece_bytes = m->piece_bytes;
+    if (be == DSK_COMM_HOST) DSK__TRY(dsk__comm_mesh_listen(c, fn, &lfd, mine.ep));
+    snprintf(key, sizeof key, "dsk/w/rank/%d", rank);
+    if ((st = dsk__comm_store_set(c, fn, key, &mine, sizeof mine)) != DSK_OK) goto done;
+    if (!(recs = (dsk__comm_rank_rec *)DSK_MALLOC((size_t)world * sizeof *recs))) {
+        st = dsk_set_error(DSK_ERR_OOM, "%s: %d rank records", fn, world);
+        goto done;
+    }
     for (int r = 0; r < world && st == DSK_OK; r++) {
-        snprintf(key, sizeof key, "dsk/w/ep/%d", r);
-        st = dsk__comm_store_get(c, fn, key, eps + (size_t)r * DSK__COMM_EP_LEN, DSK__COMM_EP_LEN, &len);
+        snprintf(key, sizeof key, "dsk/w/rank/%d", r);
+        st = dsk__comm_store_get(c, fn, key, &recs[r], sizeof recs[r], &len);
         if (st == DSK_ERR_TIMEOUT)
-            dsk_set_error(st, "%s: timed out after %.2f s waiting for rank %d of %d to join (was it started, with the same "
-                          "MASTER_ADDR:MASTER_PORT?)", fn, dsk__comm_now() - t0, r, world);
+            dsk_set_error(st,
+                          "%s: timed out after %.2f s waiting for rank %d of %d to join (was it started, with the same "
+                          "MASTER_ADDR:MASTER_PORT?)",
+                          fn, dsk__comm_now() - t0, r, world);
+        else if (st == DSK_OK && len != sizeof mine)
+            st = dsk_set_error(DSK_ERR_CORRUPT, "%s: rank %d published a record of %zu bytes, want %zu", fn, r, len,
+                               sizeof mine);
+        else if (st == DSK_OK)
+            st = dsk__comm_same_options(c, fn, &mine, &recs[r], r);
     }
-    if (st == DSK_OK) st = dsk__comm_mesh_connect(c, fn, lfd, eps, deadline);
-    close(lfd);
-    DSK_FREE(eps);
+#ifdef DSK_CUDA
+    if (st == DSK_OK && be == DSK_COMM_NCCL) st = dsk__comm_nccl_init(c, fn, t0);
+#endif
+    if (st == DSK_OK && be == DSK_COMM_HOST) st = dsk__comm_mesh_connect(c, fn, lfd, recs->ep, sizeof *recs, deadline);
+done:
+    if (lfd >= 0) close(lfd);
+    DSK_FREE(recs);
     return st;
 }
 
-DSK_API dsk_status dsk_comm_init(dsk_comm *c, int rank, int world_size, const dsk_comm_opts *opts) {
+/* dsk_comm_init; `busy` (NULL: the usual) says what to do when rank 0's store port is taken. */
+static dsk_status dsk__comm_init(dsk_comm *c, int rank, int world_size, const dsk_comm_opts *opts, const char *busy) {
     const char *fn = "dsk_comm_init";
     dsk_status st;
     if (!c) return dsk_set_error(DSK_ERR_ARG, "%s: communicator is NULL", fn);
@@ -1677,7 +2036,10 @@ DSK_API dsk_status dsk_comm_init(dsk_comm *c, int rank, int world_size, const ds
                              opts->local_world_size);
     if (opts && (opts->timeout_s < 0 || opts->timeout_s != opts->timeout_s))
         return dsk_set_error(DSK_ERR_ARG, "%s: timeout_s %g is negative or NaN", fn, opts->timeout_s);
-    st = dsk__comm_init_world(c, fn, rank, world_size, opts);
+    if (opts && opts->job_id && strlen(opts->job_id) > DSK__COMM_JOB_MAX)
+        return dsk_set_error(DSK_ERR_ARG, "%s: job_id of %zu characters exceeds %d", fn, strlen(opts->job_id),
+                             DSK__COMM_JOB_MAX);
+    st = dsk__comm_init_world(c, fn, rank, world_size, opts, busy);
     if (st != DSK_OK) {
         dsk__comm_impl_free(c);
         memset(c, 0, sizeof *c);
@@ -1685,14 +2047,42 @@ DSK_API dsk_status dsk_comm_init(dsk_comm *c, int rank, int world_size, const ds
     return st;
 }
 
+DSK_API dsk_status dsk_comm_init(dsk_comm *c, int rank, int world_size, const dsk_comm_opts *opts) {
+    return dsk__comm_init(c, rank, world_size, opts, NULL);
+}
+
+/* The job identity the launcher of variable set `set` (0 torchrun, 1 Open MPI, 2 Slurm) gives
+   every rank of one job alike, as "NAME=value" so a mismatch message says where it came from;
+   DSK_JOB_ID (set by dsk_comm_spawn_local) comes first. "" when there is none. */
+static void dsk__comm_env_job_id(int set, char *buf, size_t cap) {
+    static const char *names[3][2] = {{"TORCHELASTIC_RUN_ID", NULL},
+                                      {"PMIX_NAMESPACE", "OMPI_MCA_orte_hnp_uri"},
+                                      {"SLURM_JOB_ID", NULL}};
+    const char *v = getenv("DSK_JOB_ID"), *step = getenv("SLURM_STEP_ID");
+    buf[0] = 0;
+    if (v && *v) {
+        snprintf(buf, cap, "DSK_JOB_ID=%.*s", DSK__COMM_JOB_MAX - 11, v);
+        return;
+    }
+    for (int i = 0; i < 2 && names[set][i]; i++) {
+        v = getenv(names[set][i]);
+        if (!v || !*v) continue;
+        if (set == 2 && step && *step) snprintf(buf, cap, "%s=%.160s.%.16s", names[set][i], v, step);
+        else snprintf(buf, cap, "%s=%.*s", names[set][i], DSK__COMM_JOB_MAX - 32, v);
+        return;
+    }
+}
+
 DSK_API dsk_status dsk_comm_init_env(dsk_comm *c, const dsk_comm_opts *opts) {
     const char *fn = "dsk_comm_init_env";
-    static const char *sets[3][4] = {{"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
-                                     {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"},
-                                     {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"}};
+    static const char *sets[3][4] = { { "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE" },
+                                      { "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                                        "OMPI_COMM_WORLD_LOCAL_SIZE" },
+                                      { "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE" } };
     int v[4] = {0, 0, 0, 0}, have[4] = {0, 0, 0, 0}, port = 0, s;
-    char why[256];
-    const char *addr = getenv("MASTER_ADDR"), *pstr = getenv("DSK_MASTER_PORT"), *agent = getenv("TORCHELASTIC_USE_AGENT_STORE");
+    char why[256], job[DSK__COMM_JOB_MAX + 4], busy[256] = "";
+    const char *pname = "MASTER_PORT", *addr = getenv("MASTER_ADDR"), *pstr = getenv("DSK_MASTER_PORT"),
+               *agent = getenv("TORCHELASTIC_USE_AGENT_STORE");
     int agent_store = !(pstr && *pstr) && agent && (!strcmp(agent, "True") || !strcmp(agent, "1"));
     dsk_comm_opts o;
     if (!c) return dsk_set_error(DSK_ERR_ARG, "%s: communicator is NULL", fn);
@@ -1700,8 +2090,10 @@ DSK_API dsk_status dsk_comm_init_env(dsk_comm *c, const dsk_comm_opts *opts) {
     for (s = 0; s < 3; s++)
         if (getenv(sets[s][0]) || getenv(sets[s][1])) break;
     if (s == 3)
-        return dsk_set_error(DSK_ERR_ARG, "%s: no launcher environment: set RANK and WORLD_SIZE (as torchrun does), or start "
-                             "under srun or mpirun", fn);
+        return dsk_set_error(DSK_ERR_ARG,
+                             "%s: no launcher environment: set RANK and WORLD_SIZE (as torchrun does), or start "
+                             "under srun or mpirun",
+                             fn);
     for (int i = 0; i < 4; i++) {
         if (s == 2 && i == 3) {
             /* SLURM_NTASKS_PER_NODE looks like "4" or "4(x2)" */
@@ -1709,7 +2101,8 @@ DSK_API dsk_status dsk_comm_init_env(dsk_comm *c, const dsk_comm_opts *opts) {
             if (t && *t && atoi(t) > 0) { v[i] = atoi(t); have[i] = 1; }
             continue;
         }
-        if (!dsk__comm_env_int(sets[s][i], &v[i], &have[i], why, sizeof why)) return dsk_set_error(DSK_ERR_ARG, "%s: %s", fn, why);
+        if (!dsk__comm_env_int(sets[s][i], &v[i], &have[i], why, sizeof why))
+            return dsk_set_error(DSK_ERR_ARG, "%s: %s", fn, why);
     }
     if (!have[0] || !have[1])
         return dsk_set_error(DSK_ERR_ARG, "%s: %s is set but %s is not", fn, have[0] ? sets[s][0] : sets[s][1],
@@ -1718,34 +2111,50 @@ DSK_API dsk_status dsk_comm_init_env(dsk_comm *c, const dsk_comm_opts *opts) {
         return dsk_set_error(DSK_ERR_ARG, "%s: %s=%d is not below %s=%d", fn, sets[s][0], v[0], sets[s][1], v[1]);
     if (opts) o = *opts;
     else memset(&o, 0, sizeof o);
+    if (!o.job_id) {
+        dsk__comm_env_job_id(s, job, sizeof job);
+        o.job_id = job;
+    }
     if (addr && *addr) o.master_addr = addr;
     if (!o.master_addr) {
         /* every rank on this host (the launcher says so): loopback will do */
         if (v[1] > 1 && !(have[3] && v[3] == v[1]))
-            return dsk_set_error(DSK_ERR_ARG, "%s: MASTER_ADDR is not set: export the address of rank 0's host (rank %d of %d)",
-                                 fn, v[0], v[1]);
+            return dsk_set_error(DSK_ERR_ARG,
+                                 "%s: MASTER_ADDR is not set: export the address of rank 0's host (rank %d of %d)", fn,
+                                 v[0], v[1]);
         o.master_addr = "127.0.0.1";
     }
-    if (!(pstr && *pstr)) pstr = getenv("MASTER_PORT");
+    if (pstr && *pstr) pname = "DSK_MASTER_PORT";
+    else pstr = getenv("MASTER_PORT");
     if (pstr && *pstr) {
         char *end;
         long p = strtol(pstr, &end, 10);
         if (*end || p < 1 || p + agent_store > 65535)
-            return dsk_set_error(DSK_ERR_ARG, "%s: %s=\"%s\" is not a port number", fn, getenv("DSK_MASTER_PORT") && *getenv("DSK_MASTER_PORT") ? "DSK_MASTER_PORT" : "MASTER_PORT", pstr);
+            return dsk_set_error(DSK_ERR_ARG, "%s: %s=\"%s\" is not a port number", fn, pname, pstr);
         /* torchrun's agent already serves its own store on MASTER_PORT: ours takes the next port */
         port = (int)p + agent_store;
+        if (agent_store)
+            snprintf(busy, sizeof busy,
+                     "under torchrun dsk's store takes MASTER_PORT+1 = %d (torchrun's agent serves "
+                     "its own store on MASTER_PORT=%ld); free port %d or set DSK_MASTER_PORT to a free port",
+                     port, p, port);
+        else
+            snprintf(busy, sizeof busy, "pick another %s", pname);
     }
     if (port) o.master_port = port;
     if (have[3] && v[3] > 0) {
         o.local_world_size = v[3];
         o.local_rank = have[2] ? v[2] : v[0] % v[3];
         if (o.local_rank >= o.local_world_size)
-            return dsk_set_error(DSK_ERR_ARG, "%s: %s=%d is not below %s=%d", fn, sets[s][2], o.local_rank, sets[s][3], v[3]);
+            return dsk_set_error(DSK_ERR_ARG, "%s: %s=%d is not below %s=%d", fn, sets[s][2], o.local_rank, sets[s][3],
+                                 v[3]);
     } else {
         o.local_world_size = 0;
     }
-    return dsk_comm_init(c, v[0], v[1], &o);
+    return dsk__comm_init(c, v[0], v[1], &o, busy[0] ? busy : NULL);
 }
+
+/* ---------------------------------------------------------------- collectives */
 
 /* Counts one finished call: its time and the sequence number the next call carries. */
 static dsk_status dsk__comm_done(dsk_comm *c, dsk_status st, double t0) {
@@ -1755,18 +2164,27 @@ static dsk_status dsk__comm_done(dsk_comm *c, dsk_status st, double t0) {
     return st;
 }
 
-static dsk_status dsk__comm_coll_check(dsk_comm *c, const char *fn, const void *send, const void *recv, int64_t count, dsk_dtype dt) {
-    dsk_status st = dsk__comm_check(c, fn);
-    if (st) return st;
+static dsk_status dsk__comm_coll_check(dsk_comm *c, const char *fn, const void *send, const void *recv, int64_t count,
+                                       dsk_dtype dt) {
+    DSK__TRY(dsk__comm_check(c, fn));
     if (!dsk__comm_dtype_ok(dt))
-        return dsk_set_error(DSK_ERR_ARG, "%s: dtype %s is not supported (f32, f16, bf16, i32, i64, u8)", fn, dsk_dtype_name(dt));
+        return dsk_set_error(DSK_ERR_ARG, "%s: dtype %s is not supported (f32, f16, bf16, f64, i32, i64, u8)", fn,
+                             dsk_dtype_name(dt));
     if (count < 0) return dsk_set_error(DSK_ERR_ARG, "%s: count %lld is negative", fn, (long long)count);
-    if (count > 0 && (!send || !recv)) return dsk_set_error(DSK_ERR_ARG, "%s: NULL buffer for %lld elements", fn, (long long)count);
+    if (count > 0 && (!send || !recv))
+        return dsk_set_error(DSK_ERR_ARG, "%s: NULL buffer for %lld elements", fn, (long long)count);
     return DSK_OK;
 }
 
 static dsk_status dsk__comm_op_check(const char *fn, dsk_comm_op op) {
-    if ((int)op < 0 || (int)op > (int)DSK_COMM_MIN) return dsk_set_error(DSK_ERR_ARG, "%s: unknown reduction op %d", fn, (int)op);
+    if ((int)op < 0 || (int)op > (int)DSK_COMM_MIN)
+        return dsk_set_error(DSK_ERR_ARG, "%s: unknown reduction op %d", fn, (int)op);
+    return DSK_OK;
+}
+
+static dsk_status dsk__comm_root_check(const dsk_comm *c, const char *fn, int root) {
+    if (root < 0 || root >= c->world_size)
+        return dsk_set_error(DSK_ERR_ARG, "%s: root %d is not in [0, world_size %d)", fn, root, c->world_size);
     return DSK_OK;
 }
 
@@ -1775,6 +2193,7 @@ static ncclDataType_t dsk__comm_nccl_dtype(dsk_dtype dt) {
     switch (dt) {
     case DSK_F16: return ncclFloat16;
     case DSK_BF16: return ncclBfloat16;
+    case DSK_F64: return ncclFloat64;
     case DSK_I32: return ncclInt32;
     case DSK_I64: return ncclInt64;
     case DSK_U8: return ncclUint8;
@@ -1801,15 +2220,20 @@ DSK_API dsk_status dsk_comm_all_reduce(dsk_comm *c, dsk_ctx *ctx, const void *se
                                        dsk_dtype dt, dsk_comm_op op) {
     const char *fn = "dsk_comm_all_reduce";
     double t0 = dsk__comm_now();
-    dsk_status st = dsk__comm_coll_check(c, fn, send, recv, count, dt);
-    if (st || (st = dsk__comm_op_check(fn, op))) return st;
+    DSK__TRY(dsk__comm_coll_check(c, fn, send, recv, count, dt));
+    DSK__TRY(dsk__comm_op_check(fn, op));
     (void)ctx;
 #ifdef DSK_CUDA
     if (DSK__COMM_NCCL(c)) {
         if (op == DSK_COMM_AVG && !dsk_dtype_is_float(dt))
             return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: avg of %s on the nccl backend", fn, dsk_dtype_name(dt));
-        return dsk__comm_done(c, dsk__comm_nccl_done(c, fn, ncclAllReduce(send, recv, (size_t)count, dsk__comm_nccl_dtype(dt), dsk__comm_nccl_op(op),
-                                                                c->impl->nccl, dsk__comm_stream(ctx)), "ncclAllReduce", t0), t0);
+        return dsk__comm_done(
+            c,
+            dsk__comm_nccl_done(c, fn,
+                                ncclAllReduce(send, recv, (size_t)count, dsk__comm_nccl_dtype(dt),
+                                              dsk__comm_nccl_op(op), c->impl->nccl, dsk__comm_stream(ctx)),
+                                "ncclAllReduce", t0),
+            t0);
     }
 #endif
     if (c->world_size == 1) {
@@ -1823,69 +2247,183 @@ DSK_API dsk_status dsk_comm_reduce_scatter(dsk_comm *c, dsk_ctx *ctx, const void
                                            dsk_dtype dt, dsk_comm_op op) {
     const char *fn = "dsk_comm_reduce_scatter";
     double t0 = dsk__comm_now();
-    dsk_status st = dsk__comm_coll_check(c, fn, send, recv, recv_count, dt);
-    if (st || (st = dsk__comm_op_check(fn, op))) return st;
+    DSK__TRY(dsk__comm_coll_check(c, fn, send, recv, recv_count, dt));
+    DSK__TRY(dsk__comm_op_check(fn, op));
     (void)ctx;
 #ifdef DSK_CUDA
     if (DSK__COMM_NCCL(c)) {
         if (op == DSK_COMM_AVG && !dsk_dtype_is_float(dt))
             return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: avg of %s on the nccl backend", fn, dsk_dtype_name(dt));
-        return dsk__comm_done(c, dsk__comm_nccl_done(c, fn, ncclReduceScatter(send, recv, (size_t)recv_count, dsk__comm_nccl_dtype(dt),
-                                                                    dsk__comm_nccl_op(op), c->impl->nccl, dsk__comm_stream(ctx)),
-                                           "ncclReduceScatter", t0), t0);
+        return dsk__comm_done(
+            c,
+            dsk__comm_nccl_done(c, fn,
+                                ncclReduceScatter(send, recv, (size_t)recv_count, dsk__comm_nccl_dtype(dt),
+                                                  dsk__comm_nccl_op(op), c->impl->nccl, dsk__comm_stream(ctx)),
+                                "ncclReduceScatter", t0),
+            t0);
     }
 #endif
     if (c->world_size == 1) {
         if (send != recv && recv_count) memmove(recv, send, (size_t)recv_count * dsk_dtype_size(dt));
         return dsk__comm_done(c, DSK_OK, t0);
     }
-    return dsk__comm_done(c, dsk__comm_host_reduce_scatter(c, fn, (const char *)send, (char *)recv, recv_count, dt, op, t0), t0);
+    return dsk__comm_done(
+        c, dsk__comm_host_reduce_scatter(c, fn, (const char *)send, (char *)recv, recv_count, dt, op, t0), t0);
 }
 
 DSK_API dsk_status dsk_comm_all_gather(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t send_count,
                                        dsk_dtype dt) {
     const char *fn = "dsk_comm_all_gather";
     double t0 = dsk__comm_now();
-    dsk_status st = dsk__comm_coll_check(c, fn, send, recv, send_count, dt);
-    if (st) return st;
+    DSK__TRY(dsk__comm_coll_check(c, fn, send, recv, send_count, dt));
     (void)ctx;
 #ifdef DSK_CUDA
     if (DSK__COMM_NCCL(c))
-        return dsk__comm_done(c, dsk__comm_nccl_done(c, fn, ncclAllGather(send, recv, (size_t)send_count, dsk__comm_nccl_dtype(dt),
-                                                                c->impl->nccl, dsk__comm_stream(ctx)), "ncclAllGather", t0), t0);
+        return dsk__comm_done(
+            c,
+            dsk__comm_nccl_done(c, fn,
+                                ncclAllGather(send, recv, (size_t)send_count, dsk__comm_nccl_dtype(dt), c->impl->nccl,
+                                              dsk__comm_stream(ctx)),
+                                "ncclAllGather", t0),
+            t0);
 #endif
-    return dsk__comm_done(c, dsk__comm_host_all_gather(c, fn, (const char *)send, (char *)recv, send_count, dt, t0), t0);
+    return dsk__comm_done(c, dsk__comm_host_all_gather(c, fn, (const char *)send, (char *)recv, send_count, dt, t0),
+                          t0);
 }
 
 DSK_API dsk_status dsk_comm_broadcast(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t count,
                                       dsk_dtype dt, int root) {
     const char *fn = "dsk_comm_broadcast";
     double t0 = dsk__comm_now();
-    dsk_status st = dsk__comm_coll_check(c, fn, c && c->impl && c->rank == root ? send : recv, recv, count, dt);
-    if (st) return st;
-    if (root < 0 || root >= c->world_size)
-        return dsk_set_error(DSK_ERR_ARG, "%s: root %d is not in [0, world_size %d)", fn, root, c->world_size);
+    DSK__TRY(dsk__comm_coll_check(c, fn, c && c->impl && c->rank == root ? send : recv, recv, count, dt));
+    DSK__TRY(dsk__comm_root_check(c, fn, root));
     (void)ctx;
 #ifdef DSK_CUDA
     if (DSK__COMM_NCCL(c))
-        return dsk__comm_done(c, dsk__comm_nccl_done(c, fn, ncclBroadcast(send, recv, (size_t)count, dsk__comm_nccl_dtype(dt), root,
-                                                                c->impl->nccl, dsk__comm_stream(ctx)), "ncclBroadcast", t0), t0);
+        return dsk__comm_done(c,
+                              dsk__comm_nccl_done(c, fn,
+                                                  ncclBroadcast(send, recv, (size_t)count, dsk__comm_nccl_dtype(dt),
+                                                                root, c->impl->nccl, dsk__comm_stream(ctx)),
+                                                  "ncclBroadcast", t0),
+                              t0);
 #endif
-    return dsk__comm_done(c, dsk__comm_host_broadcast(c, fn, (const char *)send, (char *)recv, count, dt, root, t0), t0);
+    return dsk__comm_done(c, dsk__comm_host_broadcast(c, fn, (const char *)send, (char *)recv, count, dt, root, t0),
+                          t0);
+}
+
+DSK_API dsk_status dsk_comm_reduce(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t count, dsk_dtype dt,
+                                   dsk_comm_op op, int root) {
+    const char *fn = "dsk_comm_reduce";
+    double t0 = dsk__comm_now();
+    int at_root = c && c->impl && c->rank == root;
+    DSK__TRY(dsk__comm_coll_check(c, fn, send, at_root ? recv : send, count, dt));
+    DSK__TRY(dsk__comm_op_check(fn, op));
+    DSK__TRY(dsk__comm_root_check(c, fn, root));
+    (void)ctx;
+#ifdef DSK_CUDA
+    if (DSK__COMM_NCCL(c)) {
+        if (op == DSK_COMM_AVG && !dsk_dtype_is_float(dt))
+            return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: avg of %s on the nccl backend", fn, dsk_dtype_name(dt));
+        return dsk__comm_done(
+            c,
+            dsk__comm_nccl_done(c, fn,
+                                ncclReduce(send, recv, (size_t)count, dsk__comm_nccl_dtype(dt), dsk__comm_nccl_op(op),
+                                           root, c->impl->nccl, dsk__comm_stream(ctx)),
+                                "ncclReduce", t0),
+            t0);
+    }
+#endif
+    if (c->world_size == 1) {
+        if (send != recv && count) memmove(recv, send, (size_t)count * dsk_dtype_size(dt));
+        return dsk__comm_done(c, DSK_OK, t0);
+    }
+    return dsk__comm_done(c, dsk__comm_host_reduce(c, fn, (const char *)send, (char *)recv, count, dt, op, root, t0),
+                          t0);
+}
+
+#ifdef DSK_CUDA
+/* Gather (to_root) or scatter on NCCL: one group of sends and receives between the root and
+   every rank, the root's own block included unless it is already in place. */
+static dsk_status dsk__comm_nccl_rooted(dsk_comm *c, const char *fn, int to_root, const char *send, char *recv,
+                                        int64_t count, dsk_dtype dt, int root, dsk_ctx *ctx, double t0) {
+    size_t blk = (size_t)count * dsk_dtype_size(dt);
+    ncclDataType_t nt = dsk__comm_nccl_dtype(dt);
+    ncclComm_t comm = c->impl->nccl;
+    cudaStream_t stream = dsk__comm_stream(ctx);
+    int me = c->rank, in_place = to_root ? send == recv + (size_t)root * blk : recv == send + (size_t)root * blk;
+    ncclResult_t r = ncclGroupStart();
+    dsk_status st;
+    if ((st = dsk__comm_nccl_check(c, fn, r, "ncclGroupStart")) != DSK_OK) return dsk__comm_break(c, st);
+    for (int p = 0; p < c->world_size && r == ncclSuccess && count; p++) {
+        if (me != root && p != root) continue;
+        if (me == root && p == root && in_place) continue;
+        if (to_root) {
+            if (p == root) r = ncclSend(send, (size_t)count, nt, root, comm, stream);
+            if (r == ncclSuccess && me == root)
+                r = ncclRecv(recv + (size_t)p * blk, (size_t)count, nt, p, comm, stream);
+        } else {
+            if (me == root) r = ncclSend(send + (size_t)p * blk, (size_t)count, nt, p, comm, stream);
+            if (r == ncclSuccess && p == root) r = ncclRecv(recv, (size_t)count, nt, root, comm, stream);
+        }
+    }
+    if (r != ncclSuccess) {
+        st = dsk__comm_nccl_check(c, fn, r, "ncclSend/ncclRecv");
+        ncclGroupEnd();
+        return dsk__comm_break(c, st);
+    }
+    return dsk__comm_nccl_done(c, fn, ncclGroupEnd(), to_root ? "ncclGroupEnd (gather)" : "ncclGroupEnd (scatter)", t0);
+}
+#endif
+
+DSK_API dsk_status dsk_comm_gather(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t send_count,
+                                   dsk_dtype dt, int root) {
+    const char *fn = "dsk_comm_gather";
+    double t0 = dsk__comm_now();
+    int at_root = c && c->impl && c->rank == root;
+    DSK__TRY(dsk__comm_coll_check(c, fn, send, at_root ? recv : send, send_count, dt));
+    DSK__TRY(dsk__comm_root_check(c, fn, root));
+    (void)ctx;
+#ifdef DSK_CUDA
+    if (DSK__COMM_NCCL(c))
+        return dsk__comm_done(c, dsk__comm_nccl_rooted(c, fn, 1, (const char *)send, (char *)recv, send_count, dt, root,
+                                                       ctx, t0), t0);
+#endif
+    return dsk__comm_done(c, dsk__comm_host_gather(c, fn, (const char *)send, (char *)recv, send_count, dt, root, t0),
+                          t0);
+}
+
+DSK_API dsk_status dsk_comm_scatter(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t recv_count,
+                                    dsk_dtype dt, int root) {
+    const char *fn = "dsk_comm_scatter";
+    double t0 = dsk__comm_now();
+    int at_root = c && c->impl && c->rank == root;
+    DSK__TRY(dsk__comm_coll_check(c, fn, at_root ? send : recv, recv, recv_count, dt));
+    DSK__TRY(dsk__comm_root_check(c, fn, root));
+    (void)ctx;
+#ifdef DSK_CUDA
+    if (DSK__COMM_NCCL(c))
+        return dsk__comm_done(c, dsk__comm_nccl_rooted(c, fn, 0, (const char *)send, (char *)recv, recv_count, dt, root,
+                                                       ctx, t0), t0);
+#endif
+    return dsk__comm_done(c, dsk__comm_host_scatter(c, fn, (const char *)send, (char *)recv, recv_count, dt, root, t0),
+                          t0);
 }
 
 #ifdef DSK_CUDA
 /* All-to-all(-v) on NCCL: one group of sends and receives. */
-static dsk_status dsk__comm_nccl_a2a(dsk_comm *c, const char *fn, const char *send, const int64_t *sc, const int64_t *sd,
-                                char *recv, const int64_t *rc, const int64_t *rd, dsk_dtype dt, dsk_ctx *ctx, double t0) {
+static dsk_status dsk__comm_nccl_a2a(dsk_comm *c, const char *fn, const char *send, const int64_t *sc,
+                                     const int64_t *sd, char *recv, const int64_t *rc, const int64_t *rd, dsk_dtype dt,
+                                     dsk_ctx *ctx, double t0) {
     size_t esz = dsk_dtype_size(dt);
     ncclDataType_t nt = dsk__comm_nccl_dtype(dt);
     ncclResult_t r = ncclGroupStart();
     dsk_status st;
     if ((st = dsk__comm_nccl_check(c, fn, r, "ncclGroupStart")) != DSK_OK) return dsk__comm_break(c, st);
     for (int p = 0; p < c->world_size && r == ncclSuccess; p++) {
-        if (sc[p]) r = ncclSend(send + sd[p] * (int64_t)esz, (size_t)sc[p], nt, p, c->impl->nccl, dsk__comm_stream(ctx));
-        if (r == ncclSuccess && rc[p]) r = ncclRecv(recv + rd[p] * (int64_t)esz, (size_t)rc[p], nt, p, c->impl->nccl, dsk__comm_stream(ctx));
+        if (sc[p])
+            r = ncclSend(send + sd[p] * (int64_t)esz, (size_t)sc[p], nt, p, c->impl->nccl, dsk__comm_stream(ctx));
+        if (r == ncclSuccess && rc[p])
+            r = ncclRecv(recv + rd[p] * (int64_t)esz, (size_t)rc[p], nt, p, c->impl->nccl, dsk__comm_stream(ctx));
     }
     if (r != ncclSuccess) {
         st = dsk__comm_nccl_check(c, fn, r, "ncclSend/ncclRecv");
@@ -1906,12 +2444,13 @@ DSK_API dsk_status dsk_comm_all_to_all(dsk_comm *c, dsk_ctx *ctx, const void *se
                                        dsk_dtype dt) {
     const char *fn = "dsk_comm_all_to_all";
     double t0 = dsk__comm_now();
-    dsk_status st = dsk__comm_coll_check(c, fn, send, recv, count, dt);
+    dsk_status st = DSK_OK;
     int64_t *v;
     int n;
-    if (st) return st;
+    DSK__TRY(dsk__comm_coll_check(c, fn, send, recv, count, dt));
     n = c->world_size;
-    if (!(v = (int64_t *)DSK_MALLOC((size_t)2 * n * sizeof(int64_t)))) return dsk_set_error(DSK_ERR_OOM, "%s: %d counts", fn, n);
+    if (!(v = (int64_t *)DSK_MALLOC((size_t)2 * n * sizeof(int64_t))))
+        return dsk_set_error(DSK_ERR_OOM, "%s: %d counts", fn, n);
     for (int p = 0; p < n; p++) { v[p] = count; v[n + p] = count * p; }
 #ifdef DSK_CUDA
     if (DSK__COMM_NCCL(c)) {
@@ -1933,7 +2472,8 @@ DSK_API dsk_status dsk_comm_all_to_all(dsk_comm *c, dsk_ctx *ctx, const void *se
         }
     }
     if (st == DSK_OK)
-        st = dsk__comm_host_a2a(c, fn, DSK__COMM_ALL_TO_ALL, (const char *)send, v, v + n, (char *)recv, v, v + n, dt, t0);
+        st = dsk__comm_host_a2a(c, fn, DSK__COMM_ALL_TO_ALL, (const char *)send, v, v + n, (char *)recv, v, v + n, dt,
+                                t0);
     DSK_FREE(v);
     return dsk__comm_done(c, st, t0);
 }
@@ -1943,26 +2483,30 @@ DSK_API dsk_status dsk_comm_all_to_all_v(dsk_comm *c, dsk_ctx *ctx, const void *
                                          const int64_t *recv_displs, dsk_dtype dt) {
     const char *fn = "dsk_comm_all_to_all_v";
     double t0 = dsk__comm_now();
-    dsk_status st = dsk__comm_coll_check(c, fn, "", "", 0, dt);
+    dsk_status st;
     int64_t *d;
     int n, me;
-    if (st) return st;
+    DSK__TRY(dsk__comm_coll_check(c, fn, "", "", 0, dt));
     n = c->world_size;
     me = c->rank;
     if (!send_counts || !recv_counts) return dsk_set_error(DSK_ERR_ARG, "%s: send_counts or recv_counts is NULL", fn);
     for (int p = 0; p < n; p++) {
-        if (send_counts[p] < 0 || recv_counts[p] < 0 || (send_displs && send_displs[p] < 0) || (recv_displs && recv_displs[p] < 0))
-            return dsk_set_error(DSK_ERR_ARG, "%s: negative count or displacement for rank %d (send %lld at %lld, recv %lld at %lld)",
-                                 fn, p, (long long)send_counts[p], (long long)(send_displs ? send_displs[p] : 0),
-                                 (long long)recv_counts[p], (long long)(recv_displs ? recv_displs[p] : 0));
+        if (send_counts[p] < 0 || recv_counts[p] < 0 || (send_displs && send_displs[p] < 0) ||
+            (recv_displs && recv_displs[p] < 0))
+            return dsk_set_error(
+                DSK_ERR_ARG, "%s: negative count or displacement for rank %d (send %lld at %lld, recv %lld at %lld)",
+                fn, p, (long long)send_counts[p], (long long)(send_displs ? send_displs[p] : 0),
+                (long long)recv_counts[p], (long long)(recv_displs ? recv_displs[p] : 0));
         if ((send_counts[p] && !send) || (recv_counts[p] && !recv))
             return dsk_set_error(DSK_ERR_ARG, "%s: NULL buffer with a nonzero count for rank %d", fn, p);
     }
     if (send_counts[me] != recv_counts[me])
         return dsk_set_error(DSK_ERR_ARG, "%s: rank %d sends itself %lld elements but expects %lld", fn, me,
                              (long long)send_counts[me], (long long)recv_counts[me]);
-    if (send && send == recv) return dsk_set_error(DSK_ERR_ARG, "%s: send and recv are the same buffer (not supported in place)", fn);
-    if (!(d = (int64_t *)DSK_MALLOC((size_t)2 * n * sizeof(int64_t)))) return dsk_set_error(DSK_ERR_OOM, "%s: %d displacements", fn, n);
+    if (send && send == recv)
+        return dsk_set_error(DSK_ERR_ARG, "%s: send and recv are the same buffer (not supported in place)", fn);
+    if (!(d = (int64_t *)DSK_MALLOC((size_t)2 * n * sizeof(int64_t))))
+        return dsk_set_error(DSK_ERR_OOM, "%s: %d displacements", fn, n);
     if (send_displs) memcpy(d, send_displs, (size_t)n * sizeof *d);
     else dsk__comm_prefix(send_counts, n, d);
     if (recv_displs) memcpy(d + n, recv_displs, (size_t)n * sizeof *d);
@@ -1970,21 +2514,23 @@ DSK_API dsk_status dsk_comm_all_to_all_v(dsk_comm *c, dsk_ctx *ctx, const void *
     (void)ctx;
 #ifdef DSK_CUDA
     if (DSK__COMM_NCCL(c))
-        st = dsk__comm_nccl_a2a(c, fn, (const char *)send, send_counts, d, (char *)recv, recv_counts, d + n, dt, ctx, t0);
+        st = dsk__comm_nccl_a2a(c, fn, (const char *)send, send_counts, d, (char *)recv, recv_counts, d + n, dt, ctx,
+                                t0);
     else
 #endif
-        st = dsk__comm_host_a2a(c, fn, DSK__COMM_ALL_TO_ALL_V, (const char *)send, send_counts, d, (char *)recv, recv_counts, d + n, dt, t0);
+        st = dsk__comm_host_a2a(c, fn, DSK__COMM_ALL_TO_ALL_V, (const char *)send, send_counts, d, (char *)recv,
+                                recv_counts, d + n, dt, t0);
     DSK_FREE(d);
     return dsk__comm_done(c, st, t0);
 }
 
-static dsk_status dsk__comm_p2p(dsk_comm *c, const char *fn, dsk_ctx *ctx, void *buf, int64_t count, dsk_dtype dt, int peer,
-                           int is_send) {
+static dsk_status dsk__comm_p2p(dsk_comm *c, const char *fn, dsk_ctx *ctx, void *buf, int64_t count, dsk_dtype dt,
+                                int peer, int is_send) {
     double t0 = dsk__comm_now();
-    dsk_status st = dsk__comm_coll_check(c, fn, buf, buf, count, dt);
+    dsk_status st;
     dsk__comm_impl *m;
     dsk__comm_wire h;
-    if (st) return st;
+    DSK__TRY(dsk__comm_coll_check(c, fn, buf, buf, count, dt));
     if (peer < 0 || peer >= c->world_size || peer == c->rank)
         return dsk_set_error(DSK_ERR_ARG, "%s: peer %d is not another rank of [0, %d) (this is rank %d)", fn, peer,
                              c->world_size, c->rank);
@@ -1992,8 +2538,9 @@ static dsk_status dsk__comm_p2p(dsk_comm *c, const char *fn, dsk_ctx *ctx, void 
     (void)ctx;
 #ifdef DSK_CUDA
     if (DSK__COMM_NCCL(c)) {
-        ncclResult_t r = is_send ? ncclSend(buf, (size_t)count, dsk__comm_nccl_dtype(dt), peer, m->nccl, dsk__comm_stream(ctx))
-                                 : ncclRecv(buf, (size_t)count, dsk__comm_nccl_dtype(dt), peer, m->nccl, dsk__comm_stream(ctx));
+        ncclResult_t r =
+            is_send ? ncclSend(buf, (size_t)count, dsk__comm_nccl_dtype(dt), peer, m->nccl, dsk__comm_stream(ctx))
+                    : ncclRecv(buf, (size_t)count, dsk__comm_nccl_dtype(dt), peer, m->nccl, dsk__comm_stream(ctx));
         st = dsk__comm_nccl_done(c, fn, r, is_send ? "ncclSend" : "ncclRecv", t0);
         c->stats.calls++;
         c->stats.seconds += dsk__comm_now() - t0;
@@ -2019,8 +2566,7 @@ DSK_API dsk_status dsk_comm_recv(dsk_comm *c, dsk_ctx *ctx, void *buf, int64_t c
 
 DSK_API dsk_status dsk_comm_sync(dsk_comm *c, dsk_ctx *ctx) {
     const char *fn = "dsk_comm_sync";
-    dsk_status st = dsk__comm_check(c, fn);
-    if (st) return st;
+    DSK__TRY(dsk__comm_check(c, fn));
 #ifdef DSK_CUDA
     if (DSK__COMM_NCCL(c)) {
         double t0 = dsk__comm_now();
@@ -2053,12 +2599,13 @@ DSK_API dsk_status dsk_comm_sync(dsk_comm *c, dsk_ctx *ctx) {
 DSK_API dsk_status dsk_comm_barrier(dsk_comm *c, dsk_ctx *ctx) {
     const char *fn = "dsk_comm_barrier";
     double t0 = dsk__comm_now();
-    dsk_status st = dsk__comm_check(c, fn);
-    if (st) return st;
+    DSK__TRY(dsk__comm_check(c, fn));
 #ifdef DSK_CUDA
     if (DSK__COMM_NCCL(c)) {
-        st = dsk__comm_nccl_done(c, fn, ncclAllReduce(c->impl->nccl_flag, c->impl->nccl_flag, 1, ncclFloat32, ncclSum,
-                                                 c->impl->nccl, dsk__comm_stream(ctx)), "ncclAllReduce (barrier)", t0);
+        dsk_status st = dsk__comm_nccl_done(c, fn,
+                                            ncclAllReduce(c->impl->nccl_flag, c->impl->nccl_flag, 1, ncclFloat32,
+                                                          ncclSum, c->impl->nccl, dsk__comm_stream(ctx)),
+                                            "ncclAllReduce (barrier)", t0);
         return dsk__comm_done(c, st ? st : dsk_comm_sync(c, ctx), t0);
     }
 #endif
@@ -2077,16 +2624,20 @@ static dsk_status dsk__comm_nccl_split(dsk_comm *c, const char *fn, int color, i
     dsk_status st;
     int n = 0, r = 0;
     cfg.blocking = 0;
-    if ((st = dsk__comm_nccl_check(c, fn, ncclCommSplit(c->impl->nccl, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &nc, &cfg),
-                              "ncclCommSplit")) != DSK_OK)
+    if ((st = dsk__comm_nccl_check(c, fn,
+                                   ncclCommSplit(c->impl->nccl, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &nc, &cfg),
+                                   "ncclCommSplit")) != DSK_OK)
         return dsk__comm_break(c, st);
     /* nonblocking split: the parent reads ncclInProgress until the split is done, then newcomm is set */
-    if ((st = dsk__comm_nccl_settle(c, fn, c->impl->nccl, t0, "ncclCommSplit")) != DSK_OK) return st;
+    DSK__TRY(dsk__comm_nccl_settle(c, fn, c->impl->nccl, t0, "ncclCommSplit"));
     if (color < 0) return DSK_OK;
-    if (!nc) return dsk_set_error(DSK_ERR_NCCL, "%s: ncclCommSplit gave rank %d (color %d) no communicator", fn, c->rank, color);
-    if ((st = dsk__comm_nccl_settle(c, fn, nc, t0, "ncclCommSplit (new communicator)")) != DSK_OK ||
-        (st = dsk__comm_nccl_check(c, fn, ncclCommCount(nc, &n), "ncclCommCount")) != DSK_OK ||
-        (st = dsk__comm_nccl_check(c, fn, ncclCommUserRank(nc, &r), "ncclCommUserRank")) != DSK_OK) {
+    if (!nc)
+        return dsk_set_error(DSK_ERR_NCCL, "%s: ncclCommSplit gave rank %d (color %d) no communicator", fn, c->rank,
+                             color);
+    st = dsk__comm_nccl_settle(c, fn, nc, t0, "ncclCommSplit (new communicator)");
+    if (st == DSK_OK) st = dsk__comm_nccl_check(c, fn, ncclCommCount(nc, &n), "ncclCommCount");
+    if (st == DSK_OK) st = dsk__comm_nccl_check(c, fn, ncclCommUserRank(nc, &r), "ncclCommUserRank");
+    if (st != DSK_OK) {
         ncclCommAbort(nc);
         return st;
     }
@@ -2116,7 +2667,7 @@ static dsk_status dsk__comm_host_split(dsk_comm *c, const char *fn, int color, i
     mine.color = color;
     mine.key = key;
     mine.rank = c->rank;
-    if (color >= 0 && (st = dsk__comm_mesh_listen(c, fn, &lfd, mine.ep)) != DSK_OK) return st;
+    if (color >= 0) DSK__TRY(dsk__comm_mesh_listen(c, fn, &lfd, mine.ep));
     if (!(all = (dsk__comm_split_rec *)DSK_MALLOC((size_t)n * sizeof *all))) {
         if (lfd >= 0) close(lfd);
         return dsk_set_error(DSK_ERR_OOM, "%s: %d split records", fn, n);
@@ -2157,7 +2708,7 @@ static dsk_status dsk__comm_host_split(dsk_comm *c, const char *fn, int color, i
     memcpy(m->my_ip, pm->my_ip, sizeof m->my_ip);
     snprintf(m->ns, sizeof m->ns, "%.40s/%llu.%d", pm->ns, (unsigned long long)pm->splits, color);
     m->tag = pm->tag ^ (0x9E3779B97F4A7C15ull * (pm->splits * 65536u + (uint64_t)color + 1));
-    if ((st = dsk__comm_mesh_connect(sub, fn, lfd, eps, t0 + pm->timeout_s)) != DSK_OK) goto out;
+    if ((st = dsk__comm_mesh_connect(sub, fn, lfd, eps, DSK__COMM_EP_LEN, t0 + pm->timeout_s)) != DSK_OK) goto out;
     if (pm->store_fd >= 0 || pm->server) {
         struct sockaddr_in sa;
         if ((st = dsk__comm_resolve(fn, pm->master_addr, pm->master_port, &sa)) == DSK_OK)
@@ -2173,11 +2724,12 @@ out:
 DSK_API dsk_status dsk_comm_split(dsk_comm *c, int color, int key, dsk_comm *sub) {
     const char *fn = "dsk_comm_split";
     double t0 = dsk__comm_now();
-    dsk_status st = dsk__comm_check(c, fn);
-    if (st) return st;
+    dsk_status st;
+    DSK__TRY(dsk__comm_check(c, fn));
     if (!sub || sub == c) return dsk_set_error(DSK_ERR_ARG, "%s: sub is NULL or the parent itself", fn);
     if (color < DSK_COMM_NO_COLOR)
-        return dsk_set_error(DSK_ERR_ARG, "%s: color %d is negative (use DSK_COMM_NO_COLOR to join no group)", fn, color);
+        return dsk_set_error(DSK_ERR_ARG, "%s: color %d is negative (use DSK_COMM_NO_COLOR to join no group)", fn,
+                             color);
     memset(sub, 0, sizeof *sub);
 #ifdef DSK_CUDA
     if (DSK__COMM_NCCL(c)) {
@@ -2204,22 +2756,25 @@ static dsk_status dsk__comm_tensor_check(dsk_comm *c, const char *fn, const char
     if (!c || !c->impl) return dsk_set_error(DSK_ERR_ARG, "%s: communicator is NULL or not initialised", fn);
     want = c->backend == DSK_COMM_NCCL ? DSK_DEV_CUDA : DSK_DEV_CPU;
     if (!dsk_tensor_is_contiguous(t))
-        return dsk_set_error(DSK_ERR_ARG, "%s: tensor %s %s is not contiguous", fn, name, dsk_tensor_describe(t, d, sizeof d));
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor %s %s is not contiguous", fn, name,
+                             dsk_tensor_describe(t, d, sizeof d));
     if (t->device.type != want)
-        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: tensor %s %s is on the %s but the %s backend needs %s memory", fn, name,
-                             dsk_tensor_describe(t, d, sizeof d), t->device.type == DSK_DEV_CUDA ? "GPU" : "CPU",
-                             want == DSK_DEV_CUDA ? "nccl" : "host", want == DSK_DEV_CUDA ? "device" : "CPU");
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: tensor %s %s is on the %s but the %s backend needs %s memory",
+                             fn, name, dsk_tensor_describe(t, d, sizeof d),
+                             t->device.type == DSK_DEV_CUDA ? "GPU" : "CPU", want == DSK_DEV_CUDA ? "nccl" : "host",
+                             want == DSK_DEV_CUDA ? "device" : "CPU");
     return DSK_OK;
 }
 
-static dsk_status dsk__comm_tensor_pair(dsk_comm *c, const char *fn, const dsk_tensor *out, const dsk_tensor *in, int64_t out_per_in_num,
-                                   int64_t out_per_in_den) {
+static dsk_status dsk__comm_tensor_pair(dsk_comm *c, const char *fn, const dsk_tensor *out, const dsk_tensor *in,
+                                        int64_t out_per_in_num, int64_t out_per_in_den) {
     char a[96], b[96];
-    dsk_status st;
-    if ((st = dsk__comm_tensor_check(c, fn, "out", out)) || (st = dsk__comm_tensor_check(c, fn, "in", in))) return st;
+    DSK__TRY(dsk__comm_tensor_check(c, fn, "out", out));
+    DSK__TRY(dsk__comm_tensor_check(c, fn, "in", in));
     if (out->dtype != in->dtype || dsk_tensor_numel(in) * out_per_in_num != dsk_tensor_numel(out) * out_per_in_den)
-        return dsk_set_error(DSK_ERR_ARG, "%s: out %s does not fit in %s for %d ranks", fn, dsk_tensor_describe(out, a, sizeof a),
-                             dsk_tensor_describe(in, b, sizeof b), c->world_size);
+        return dsk_set_error(DSK_ERR_ARG, "%s: out %s does not fit in %s for %d ranks", fn,
+                             dsk_tensor_describe(out, a, sizeof a), dsk_tensor_describe(in, b, sizeof b),
+                             c->world_size);
     return DSK_OK;
 }
 
@@ -2230,12 +2785,14 @@ DSK_API dsk_status dsk_comm_all_reduce_tensor(dsk_comm *c, dsk_ctx *ctx, dsk_ten
 
 DSK_API dsk_status dsk_comm_reduce_scatter_tensor(dsk_comm *c, dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *in,
                                                   dsk_comm_op op) {
-    dsk_status st = dsk__comm_tensor_pair(c, "dsk_comm_reduce_scatter_tensor", out, in, 1, c && c->impl ? c->world_size : 1);
+    dsk_status st =
+        dsk__comm_tensor_pair(c, "dsk_comm_reduce_scatter_tensor", out, in, 1, c && c->impl ? c->world_size : 1);
     return st ? st : dsk_comm_reduce_scatter(c, ctx, in->data, out->data, dsk_tensor_numel(out), out->dtype, op);
 }
 
 DSK_API dsk_status dsk_comm_all_gather_tensor(dsk_comm *c, dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *in) {
-    dsk_status st = dsk__comm_tensor_pair(c, "dsk_comm_all_gather_tensor", out, in, c && c->impl ? c->world_size : 1, 1);
+    dsk_status st =
+        dsk__comm_tensor_pair(c, "dsk_comm_all_gather_tensor", out, in, c && c->impl ? c->world_size : 1, 1);
     return st ? st : dsk_comm_all_gather(c, ctx, in->data, out->data, dsk_tensor_numel(in), in->dtype);
 }
 
@@ -2246,12 +2803,11 @@ DSK_API dsk_status dsk_comm_broadcast_tensor(dsk_comm *c, dsk_ctx *ctx, dsk_tens
 
 DSK_API dsk_status dsk_comm_all_to_all_tensor(dsk_comm *c, dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *in) {
     const char *fn = "dsk_comm_all_to_all_tensor";
-    dsk_status st = dsk__comm_tensor_pair(c, fn, out, in, 1, 1);
     char d[96];
-    if (st) return st;
+    DSK__TRY(dsk__comm_tensor_pair(c, fn, out, in, 1, 1));
     if (dsk_tensor_numel(in) % c->world_size)
-        return dsk_set_error(DSK_ERR_ARG, "%s: in %s does not split into %d equal blocks", fn, dsk_tensor_describe(in, d, sizeof d),
-                             c->world_size);
+        return dsk_set_error(DSK_ERR_ARG, "%s: in %s does not split into %d equal blocks", fn,
+                             dsk_tensor_describe(in, d, sizeof d), c->world_size);
     return dsk_comm_all_to_all(c, ctx, in->data, out->data, dsk_tensor_numel(in) / c->world_size, in->dtype);
 }
 
@@ -2261,10 +2817,9 @@ DSK_API dsk_status dsk_comm_free_port(const char *addr, int *port) {
     const char *fn = "dsk_comm_free_port";
     struct sockaddr_in sa;
     int fd;
-    dsk_status st;
     if (!port) return dsk_set_error(DSK_ERR_ARG, "%s: port is NULL", fn);
-    if ((st = dsk__comm_resolve(fn, addr ? addr : "127.0.0.1", 0, &sa)) != DSK_OK) return st;
-    if ((st = dsk__comm_listen(fn, &sa, &fd, port)) != DSK_OK) return st;
+    DSK__TRY(dsk__comm_resolve(fn, addr ? addr : "127.0.0.1", 0, &sa));
+    DSK__TRY(dsk__comm_listen(fn, &sa, NULL, &fd, port));
     close(fd);
     return DSK_OK;
 }
@@ -2295,7 +2850,8 @@ static void dsk__comm_forward_lines(int out_fd, int rank, char *buf, size_t *len
     *len -= start;
 }
 
-static void dsk__comm_spawn_child(int rank, int n, int port, const char *addr, int out, char *const argv[]) {
+static void dsk__comm_spawn_child(int rank, int n, int port, const char *addr, const char *job, int out,
+                                  char *const argv[]) {
     char v[32];
     dup2(out, 1);
     dup2(out, 2);
@@ -2304,17 +2860,19 @@ static void dsk__comm_spawn_child(int rank, int n, int port, const char *addr, i
     snprintf(v, sizeof v, "%d", n); setenv("WORLD_SIZE", v, 1); setenv("LOCAL_WORLD_SIZE", v, 1);
     snprintf(v, sizeof v, "%d", port); setenv("MASTER_PORT", v, 1);
     setenv("MASTER_ADDR", addr, 1);
+    setenv("DSK_JOB_ID", job, 1);
     signal(SIGPIPE, SIG_DFL);
     execvp(argv[0], argv);
     {
         char msg[512];
-        int k = snprintf(msg, sizeof msg, "dsk_comm_spawn_local: cannot execute \"%s\": %s\n", argv[0], strerror(errno));
+        int k =
+            snprintf(msg, sizeof msg, "dsk_comm_spawn_local: cannot execute \"%s\": %s\n", argv[0], strerror(errno));
         dsk__comm_write_fd(2, msg, (size_t)(k > 0 ? k : 0));
     }
     _exit(127);
 }
 
-DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_spawn_opts *opts, int *worst_exit) {
+DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_comm_spawn_opts *opts, int *worst_exit) {
     const char *fn = "dsk_comm_spawn_local";
     const char *addr = opts && opts->master_addr ? opts->master_addr : "127.0.0.1";
     int port = opts && opts->master_port ? opts->master_port : 0, out_fd = opts && opts->out_fd > 0 ? opts->out_fd : 1;
@@ -2325,9 +2883,17 @@ DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_spa
     size_t *lens;
     struct pollfd *pf;
     dsk_status st;
+    char job[64];
     if (worst_exit) *worst_exit = 0;
-    if (n < 1 || n > 4096 || !argv || !argv[0]) return dsk_set_error(DSK_ERR_ARG, "%s: need 1 to 4096 ranks and a program (n = %d)", fn, n);
-    if (!port && (st = dsk_comm_free_port(addr, &port)) != DSK_OK) return st;
+    if (n < 1 || n > 4096 || !argv || !argv[0])
+        return dsk_set_error(DSK_ERR_ARG, "%s: need 1 to 4096 ranks and a program (n = %d)", fn, n);
+    if (!port) DSK__TRY(dsk_comm_free_port(addr, &port));
+    {
+        /* every launch is a job of its own: this process and the moment tell it apart */
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        snprintf(job, sizeof job, "spawn-%ld-%lld.%09ld", (long)getpid(), (long long)ts.tv_sec, (long)ts.tv_nsec);
+    }
     pids = (pid_t *)DSK_MALLOC((size_t)n * sizeof *pids);
     fds = (int *)DSK_MALLOC((size_t)n * sizeof *fds);
     bufs = (char *)DSK_MALLOC((size_t)n * 4096);
@@ -2347,7 +2913,7 @@ DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_spa
         if (pipe(p) != 0) { st = dsk_set_error(DSK_ERR_IO, "%s: pipe: %s", fn, strerror(errno)); continue; }
         fcntl(p[0], F_SETFD, FD_CLOEXEC);
         pids[r] = fork();
-        if (pids[r] == 0) dsk__comm_spawn_child(r, n, port, addr, p[1], argv);
+        if (pids[r] == 0) dsk__comm_spawn_child(r, n, port, addr, job, p[1], argv);
         close(p[1]);
         if (pids[r] < 0) { close(p[0]); st = dsk_set_error(DSK_ERR_IO, "%s: fork: %s", fn, strerror(errno)); continue; }
         dsk__comm_set_nonblocking_cloexec(p[0]);
@@ -2372,7 +2938,11 @@ DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_spa
                 ssize_t got;
                 if (fds[r] < 0) break;
                 got = read(fds[r], bufs + (size_t)r * 4096 + lens[r], 4096 - lens[r]);
-                if (got > 0) { lens[r] += (size_t)got; dsk__comm_forward_lines(out_fd, r, bufs + (size_t)r * 4096, &lens[r], 0); continue; }
+                if (got > 0) {
+                    lens[r] += (size_t)got;
+                    dsk__comm_forward_lines(out_fd, r, bufs + (size_t)r * 4096, &lens[r], 0);
+                    continue;
+                }
                 if (got < 0 && errno == EINTR) continue;
                 if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
                 dsk__comm_forward_lines(out_fd, r, bufs + (size_t)r * 4096, &lens[r], 1);
@@ -2447,7 +3017,8 @@ static void *dsk__comm_bucket_thread(void *arg) {
         t0 = dsk__comm_now();
         if (bi->err == DSK_OK) {
             char *p = bi->flat + bi->poff[bi->b_first[b]] * (int64_t)esz;
-            st = dsk_comm_all_reduce(&bi->comm, NULL, p, p, (int64_t)cnt, bi->dt, bi->sum_only ? DSK_COMM_SUM : DSK_COMM_AVG);
+            st = dsk_comm_all_reduce(&bi->comm, NULL, p, p, (int64_t)cnt, bi->dt,
+                                     bi->sum_only ? DSK_COMM_SUM : DSK_COMM_AVG);
         }
         pthread_mutex_lock(&bi->mu);
         if (st != DSK_OK && bi->err == DSK_OK) {
@@ -2468,7 +3039,8 @@ static void *dsk__comm_bucket_thread(void *arg) {
 
 DSK_API dsk_status dsk_comm_buckets_range(const dsk_comm_buckets *b, int i, int *first, int *count) {
     if (!b || !b->impl || i < 0 || i >= b->n_buckets || !first || !count)
-        return dsk_set_error(DSK_ERR_ARG, "dsk_comm_buckets_range: bucket %d not in [0, %d) or NULL argument", i, b ? b->n_buckets : 0);
+        return dsk_set_error(DSK_ERR_ARG, "dsk_comm_buckets_range: bucket %d not in [0, %d) or NULL argument", i,
+                             b ? b->n_buckets : 0);
     *first = b->impl->b_first[i];
     *count = b->impl->b_count[i];
     return DSK_OK;
@@ -2530,11 +3102,13 @@ DSK_API dsk_status dsk_comm_buckets_init(dsk_comm_buckets *b, dsk_comm *c, dsk_c
     size_t esz = dsk_dtype_size(dt);
     if (!b) return dsk_set_error(DSK_ERR_ARG, "%s: buckets is NULL", fn);
     memset(b, 0, sizeof *b);
-    if ((st = dsk__comm_check(c, fn)) != DSK_OK) return st;
+    DSK__TRY(dsk__comm_check(c, fn));
     if (dt != DSK_F32 && dt != DSK_BF16 && dt != DSK_F16)
         return dsk_set_error(DSK_ERR_ARG, "%s: gradient dtype %s is not f32, bf16 or f16", fn, dsk_dtype_name(dt));
-    if (n_params < 1 || !counts || !flat) return dsk_set_error(DSK_ERR_ARG, "%s: need n_params >= 1 (got %d), counts and a flat buffer", fn, n_params);
-    if (!(bi = (dsk__comm_buckets_impl *)DSK_MALLOC(sizeof *bi))) return dsk_set_error(DSK_ERR_OOM, "%s: bucket state", fn);
+    if (n_params < 1 || !counts || !flat)
+        return dsk_set_error(DSK_ERR_ARG, "%s: need n_params >= 1 (got %d), counts and a flat buffer", fn, n_params);
+    if (!(bi = (dsk__comm_buckets_impl *)DSK_MALLOC(sizeof *bi)))
+        return dsk_set_error(DSK_ERR_OOM, "%s: bucket state", fn);
     memset(bi, 0, sizeof *bi);
     b->impl = bi;
     b->n_params = n_params;
@@ -2556,12 +3130,14 @@ DSK_API dsk_status dsk_comm_buckets_init(dsk_comm_buckets *b, dsk_comm *c, dsk_c
     for (int i = 0; i < n_params; i++) {
         if (counts[i] < 0) {
             dsk_comm_buckets_free(b);
-            return dsk_set_error(DSK_ERR_ARG, "%s: parameter %d has a negative count %lld", fn, i, (long long)counts[i]);
+            return dsk_set_error(DSK_ERR_ARG, "%s: parameter %d has a negative count %lld", fn, i,
+                                 (long long)counts[i]);
         }
         bi->poff[i + 1] = bi->poff[i] + counts[i];
     }
-    b->n_buckets = dsk__comm_make_buckets(bi, n_params, esz, opts && opts->first_bucket_bytes ? opts->first_bucket_bytes : ((size_t)1 << 20),
-                                     opts && opts->bucket_bytes ? opts->bucket_bytes : ((size_t)25 << 20));
+    b->n_buckets = dsk__comm_make_buckets(
+        bi, n_params, esz, opts && opts->first_bucket_bytes ? opts->first_bucket_bytes : ((size_t)1 << 20),
+        opts && opts->bucket_bytes ? opts->bucket_bytes : ((size_t)25 << 20));
     if ((st = dsk_comm_split(c, 0, c->rank, &bi->comm)) != DSK_OK) {
         char msg[1200];
         snprintf(msg, sizeof msg, "%s: splitting the private communicator: %s", fn, dsk_last_error());
@@ -2599,11 +3175,14 @@ DSK_API dsk_status dsk_comm_buckets_init(dsk_comm_buckets *b, dsk_comm *c, dsk_c
 
 DSK_API dsk_status dsk_comm_buckets_begin(dsk_comm_buckets *b, int sync) {
     dsk__comm_buckets_impl *bi;
-    if (!b || !b->impl) return dsk_set_error(DSK_ERR_ARG, "dsk_comm_buckets_begin: buckets are NULL or not initialised");
+    if (!b || !b->impl)
+        return dsk_set_error(DSK_ERR_ARG, "dsk_comm_buckets_begin: buckets are NULL or not initialised");
     bi = b->impl;
     if (bi->in_pass && bi->next_launch > 0)
-        return dsk_set_error(DSK_ERR_STATE, "dsk_comm_buckets_begin: %d bucket all-reduces of the previous pass were not "
-                             "waited for (call dsk_comm_buckets_wait)", bi->next_launch);
+        return dsk_set_error(DSK_ERR_STATE,
+                             "dsk_comm_buckets_begin: %d bucket all-reduces of the previous pass were not "
+                             "waited for (call dsk_comm_buckets_wait)",
+                             bi->next_launch);
     for (int i = 0; i < b->n_buckets; i++) bi->pending[i] = bi->b_count[i];
     memset(bi->marked, 0, (size_t)b->n_params);
     bi->next_launch = 0;
@@ -2625,15 +3204,15 @@ static dsk_status dsk__comm_bucket_launch(dsk_comm_buckets *b, int k) {
         cudaStream_t user = dsk__comm_stream(bi->ctx);
         cudaError_t e;
         double t0 = dsk__comm_now();
-        if ((e = cudaEventRecord(bi->ev[3 * k], user)) != cudaSuccess || (e = cudaStreamWaitEvent(bi->stream, bi->ev[3 * k], 0)) != cudaSuccess ||
+        if ((e = cudaEventRecord(bi->ev[3 * k], user)) != cudaSuccess ||
+            (e = cudaStreamWaitEvent(bi->stream, bi->ev[3 * k], 0)) != cudaSuccess ||
             (e = cudaEventRecord(bi->ev[3 * k + 1], bi->stream)) != cudaSuccess)
-            return dsk_set_error(DSK_ERR_CUDA, "%s: ordering bucket %d after backward: %s", fn, k, cudaGetErrorString(e));
-        {
-            dsk_status st = dsk__comm_nccl_done(&bi->comm, fn, ncclAllReduce(p, p, dsk__comm_bucket_elems(bi, k), dsk__comm_nccl_dtype(bi->dt),
-                                                                        bi->sum_only ? ncclSum : ncclAvg, bi->comm.impl->nccl,
-                                                                        bi->stream), "ncclAllReduce (bucket)", t0);
-            if (st) return st;
-        }
+            return dsk_set_error(DSK_ERR_CUDA, "%s: ordering bucket %d after backward: %s", fn, k,
+                                 cudaGetErrorString(e));
+        DSK__TRY(dsk__comm_nccl_done(&bi->comm, fn, ncclAllReduce(p, p, dsk__comm_bucket_elems(bi, k),
+                                                                  dsk__comm_nccl_dtype(bi->dt),
+                                                                  bi->sum_only ? ncclSum : ncclAvg, bi->comm.impl->nccl,
+                                                                  bi->stream), "ncclAllReduce (bucket)", t0));
         if ((e = cudaEventRecord(bi->ev[3 * k + 2], bi->stream)) != cudaSuccess)
             return dsk_set_error(DSK_ERR_CUDA, "%s: cudaEventRecord after bucket %d: %s", fn, k, cudaGetErrorString(e));
         return DSK_OK;
@@ -2651,15 +3230,18 @@ DSK_API dsk_status dsk_comm_buckets_mark_ready(dsk_comm_buckets *b, int param) {
     dsk__comm_buckets_impl *bi;
     if (!b || !b->impl) return dsk_set_error(DSK_ERR_ARG, "%s: buckets are NULL or not initialised", fn);
     bi = b->impl;
-    if (param < 0 || param >= b->n_params) return dsk_set_error(DSK_ERR_ARG, "%s: parameter %d not in [0, %d)", fn, param, b->n_params);
-    if (!bi->in_pass) return dsk_set_error(DSK_ERR_STATE, "%s: parameter %d marked outside a pass (call dsk_comm_buckets_begin)", fn, param);
-    if (bi->marked[param]) return dsk_set_error(DSK_ERR_STATE, "%s: parameter %d marked ready twice in one pass", fn, param);
+    if (param < 0 || param >= b->n_params)
+        return dsk_set_error(DSK_ERR_ARG, "%s: parameter %d not in [0, %d)", fn, param, b->n_params);
+    if (!bi->in_pass)
+        return dsk_set_error(DSK_ERR_STATE, "%s: parameter %d marked outside a pass (call dsk_comm_buckets_begin)", fn,
+                             param);
+    if (bi->marked[param])
+        return dsk_set_error(DSK_ERR_STATE, "%s: parameter %d marked ready twice in one pass", fn, param);
     bi->marked[param] = 1;
     if (!bi->sync) return DSK_OK;
     bi->pending[bi->bucket_of[param]]--;
     while (bi->next_launch < b->n_buckets && bi->pending[bi->next_launch] == 0) {
-        dsk_status st = dsk__comm_bucket_launch(b, bi->next_launch);
-        if (st) return st;
+        DSK__TRY(dsk__comm_bucket_launch(b, bi->next_launch));
         bi->next_launch++;
     }
     return DSK_OK;
@@ -2690,15 +3272,19 @@ DSK_API dsk_status dsk_comm_buckets_wait(dsk_comm_buckets *b) {
                     break;
                 }
                 if (dsk__comm_now() - t0 > bi->comm.impl->timeout_s) {
-                    st = dsk_set_error(DSK_ERR_TIMEOUT, "%s: bucket %d of %d still all-reducing after %.2f s (a peer may have "
-                                       "died or stopped); aborting its NCCL communicator", fn, k, b->n_buckets, dsk__comm_now() - t0);
+                    st = dsk_set_error(DSK_ERR_TIMEOUT,
+                                       "%s: bucket %d of %d still all-reducing after %.2f s (a peer may have "
+                                       "died or stopped); aborting its NCCL communicator",
+                                       fn, k, b->n_buckets, dsk__comm_now() - t0);
                     dsk__comm_break(&bi->comm, st);
                     break;
                 }
                 dsk__comm_sleep_s(5e-5);
             }
-            if (st == DSK_OK && e != cudaSuccess) st = dsk_set_error(DSK_ERR_CUDA, "%s: bucket %d: %s", fn, k, cudaGetErrorString(e));
-            if (st == DSK_OK && cudaEventElapsedTime(&ms, bi->ev[3 * k + 1], bi->ev[3 * k + 2]) == cudaSuccess) b->seconds += 1e-3 * ms;
+            if (st == DSK_OK && e != cudaSuccess)
+                st = dsk_set_error(DSK_ERR_CUDA, "%s: bucket %d: %s", fn, k, cudaGetErrorString(e));
+            if (st == DSK_OK && cudaEventElapsedTime(&ms, bi->ev[3 * k + 1], bi->ev[3 * k + 2]) == cudaSuccess)
+                b->seconds += 1e-3 * ms;
             if (st == DSK_OK) {
                 b->bytes += dsk__comm_bucket_elems(bi, k) * dsk_dtype_size(bi->dt);
                 b->reductions++;
@@ -2721,8 +3307,10 @@ DSK_API dsk_status dsk_comm_buckets_wait(dsk_comm_buckets *b) {
     bi->in_pass = 0;
     bi->next_launch = 0;
     if (st == DSK_OK && unmarked >= 0)
-        st = dsk_set_error(DSK_ERR_STATE, "%s: parameter %d (bucket %d) was never marked ready in this pass; %d of %d buckets "
-                           "were all-reduced", fn, unmarked, bi->bucket_of[unmarked], bi->queued_upto, b->n_buckets);
+        st = dsk_set_error(DSK_ERR_STATE,
+                           "%s: parameter %d (bucket %d) was never marked ready in this pass; %d of %d buckets "
+                           "were all-reduced",
+                           fn, unmarked, bi->bucket_of[unmarked], bi->queued_upto, b->n_buckets);
     return st;
 }
 

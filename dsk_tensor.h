@@ -91,6 +91,13 @@ DSK_API dsk_status dsk_set_error(dsk_status s, const char *fmt, ...)
     ;
 /* Clears this thread's message. */
 DSK_API void dsk_clear_error(void);
+/* For the implementations of dsk modules (and embedders who like it): returns the status of
+   `call` from the enclosing function unless it is DSK_OK. */
+#define DSK__TRY(call)                                      \
+    do {                                                    \
+        dsk_status dsk__try_s_ = (call);                    \
+        if (dsk__try_s_ != DSK_OK) return dsk__try_s_;      \
+    } while (0)
 
 /* ------------------------------------------------------------------ dtypes */
 
@@ -186,6 +193,100 @@ static inline DSK_HD uint8_t dsk_f32_to_e5m2(float f) {
 }
 #define DSK_E4M3_MAX 448.0f
 #define DSK_E5M2_MAX 57344.0f
+
+/* ------------------------------------------------------------------ element access
+   The one layer through which every dsk module and kernel reads and writes an element of a
+   contiguous buffer of a runtime dtype (CPU paths and CUDA kernels alike). */
+
+/* f32 <-> f64 keeping a NaN's sign and payload (quiet bit set, payload shifted) the way x86
+   conversions do, so a device, whose own conversion gives the canonical NaN, matches the CPU. */
+static inline DSK_HD double dsk_f32_to_f64(float x) {
+    uint32_t u = dsk_f32_bits(x);
+    uint64_t b = ((uint64_t)(u & 0x80000000u) << 32) | 0x7ff8000000000000ull | ((uint64_t)(u & 0x3fffffu) << 29);
+    double d;
+    if (x == x) return (double)x;
+    memcpy(&d, &b, 8);
+    return d;
+}
+static inline DSK_HD float dsk_f64_to_f32(double x) {
+    uint64_t u;
+    if (x == x) return (float)x;
+    memcpy(&u, &x, 8);
+    return dsk_bits_f32((uint32_t)((u >> 32) & 0x80000000u) | 0x7fc00000u | (uint32_t)((u >> 29) & 0x3fffffu));
+}
+/* Float -> integer: truncates toward zero and saturates at [lo, hi]; NaN gives 0. */
+static inline DSK_HD int64_t dsk_f64_to_int(double x, double lo, double hi) {
+    if (x != x) return 0;
+    if (x <= lo) return (int64_t)lo;
+    if (x >= hi) return (int64_t)hi;
+    return (int64_t)x;
+}
+
+/* Element i as f32: the float dtypes convert exactly (f64 rounds to nearest), integers round. */
+static inline DSK_HD float dsk_load_f32(const void *p, dsk_dtype dt, int64_t i) {
+    switch (dt) {
+    case DSK_F16: return dsk_f16_to_f32(((const uint16_t *)p)[i]);
+    case DSK_BF16: return dsk_bf16_to_f32(((const uint16_t *)p)[i]);
+    case DSK_E4M3: return dsk_e4m3_to_f32(((const uint8_t *)p)[i]);
+    case DSK_E5M2: return dsk_e5m2_to_f32(((const uint8_t *)p)[i]);
+    case DSK_F64: return dsk_f64_to_f32(((const double *)p)[i]);
+    case DSK_I32: return (float)((const int32_t *)p)[i];
+    case DSK_I64: return (float)((const int64_t *)p)[i];
+    case DSK_U8: return (float)((const uint8_t *)p)[i];
+    default: return ((const float *)p)[i];
+    }
+}
+/* Stores x as element i of a float buffer (f32, f16, bf16, e4m3 saturating, e5m2, f64),
+   rounding to nearest even; returns the stored value as f32 (what a load gives back). */
+static inline DSK_HD float dsk_store_f32(void *p, dsk_dtype dt, int64_t i, float x) {
+    switch (dt) {
+    case DSK_F16: { uint16_t h = dsk_f32_to_f16(x); ((uint16_t *)p)[i] = h; return dsk_f16_to_f32(h); }
+    case DSK_BF16: { uint16_t h = dsk_f32_to_bf16(x); ((uint16_t *)p)[i] = h; return dsk_bf16_to_f32(h); }
+    case DSK_E4M3: { uint8_t b = dsk_f32_to_e4m3(x); ((uint8_t *)p)[i] = b; return dsk_e4m3_to_f32(b); }
+    case DSK_E5M2: { uint8_t b = dsk_f32_to_e5m2(x); ((uint8_t *)p)[i] = b; return dsk_e5m2_to_f32(b); }
+    case DSK_F64: ((double *)p)[i] = dsk_f32_to_f64(x); return x;
+    default: ((float *)p)[i] = x; return x;
+    }
+}
+/* x rounded to the float dtype dt and back: what a store followed by a load gives. */
+static inline DSK_HD float dsk_round_f32(dsk_dtype dt, float x) {
+    switch (dt) {
+    case DSK_F16: return dsk_f16_to_f32(dsk_f32_to_f16(x));
+    case DSK_BF16: return dsk_bf16_to_f32(dsk_f32_to_bf16(x));
+    case DSK_E4M3: return dsk_e4m3_to_f32(dsk_f32_to_e4m3(x));
+    case DSK_E5M2: return dsk_e5m2_to_f32(dsk_f32_to_e5m2(x));
+    default: return x;
+    }
+}
+/* Any dtype as f64 and back: the cast engine of dsk_tensor_copy on every device. Integers
+   convert exactly up to 2^53; stores into integers truncate and saturate (NaN -> 0). */
+static inline DSK_HD double dsk_load_f64(const void *p, dsk_dtype dt, int64_t i) {
+    switch (dt) {
+    case DSK_F64: return ((const double *)p)[i];
+    case DSK_I32: return ((const int32_t *)p)[i];
+    case DSK_I64: return (double)((const int64_t *)p)[i];
+    case DSK_U8: return ((const uint8_t *)p)[i];
+    default: return dsk_f32_to_f64(dsk_load_f32(p, dt, i));
+    }
+}
+static inline DSK_HD void dsk_store_f64(void *p, dsk_dtype dt, int64_t i, double x) {
+    switch (dt) {
+    case DSK_F64: ((double *)p)[i] = x; break;
+    case DSK_I32: ((int32_t *)p)[i] = (int32_t)dsk_f64_to_int(x, -2147483648.0, 2147483647.0); break;
+    case DSK_I64: ((int64_t *)p)[i] = dsk_f64_to_int(x, -9223372036854775808.0, 9223372036854774784.0); break;
+    case DSK_U8: ((uint8_t *)p)[i] = (uint8_t)dsk_f64_to_int(x, 0.0, 255.0); break;
+    default: (void)dsk_store_f32(p, dt, i, dsk_f64_to_f32(x)); break;
+    }
+}
+/* Element si of s to element di of d, both of `size` bytes: bit exact (NaN payloads, int64). */
+static inline DSK_HD void dsk_move_elem(void *d, int64_t di, const void *s, int64_t si, size_t size) {
+    switch (size) {
+    case 8: ((uint64_t *)d)[di] = ((const uint64_t *)s)[si]; break;
+    case 4: ((uint32_t *)d)[di] = ((const uint32_t *)s)[si]; break;
+    case 2: ((uint16_t *)d)[di] = ((const uint16_t *)s)[si]; break;
+    default: ((uint8_t *)d)[di] = ((const uint8_t *)s)[si]; break;
+    }
+}
 
 /* ------------------------------------------------------------------ counter-based RNG */
 
@@ -419,14 +520,29 @@ DSK_API dsk_status dsk_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tens
 
 /* ------------------------------------------------------------------ AdamW */
 
-/* Zero fields take the defaults in brackets (PyTorch's). */
+/* AdamW hyperparameters, taken literally: the exception to "zero means the default", since lr,
+   beta1 and beta2 of 0 are valid settings (a schedule that decays to lr 0, beta1 0 for RMSProp-
+   like steps; PyTorch accepts them). Start from dsk_adamw_defaults() and change what differs.
+   Ranges: lr >= 0, beta1 and beta2 in [0, 1), eps > 0 (0 would turn 0 / 0 into NaN weights and
+   is what a zeroed struct holds), weight_decay >= 0, all finite. */
 typedef struct dsk_adamw_opts {
-    float lr;           /* [1e-3] */
-    float beta1;        /* [0.9] */
-    float beta2;        /* [0.999] */
-    float eps;          /* [1e-8] */
-    float weight_decay; /* [0] decoupled: p -= lr * wd * p */
+    float lr;
+    float beta1;
+    float beta2;
+    float eps;
+    float weight_decay; /* decoupled: p -= lr * wd * p */
 } dsk_adamw_opts;
+
+/* PyTorch's torch.optim.AdamW defaults: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0.01. */
+static inline dsk_adamw_opts dsk_adamw_defaults(void) {
+    dsk_adamw_opts o;
+    o.lr = 1e-3f;
+    o.beta1 = 0.9f;
+    o.beta2 = 0.999f;
+    o.eps = 1e-8f;
+    o.weight_decay = 0.01f;
+    return o;
+}
 
 /* The per-element AdamW update shared by the CPU path and the CUDA kernel. bc1, bc2 are
    the bias corrections 1 - beta^step. g is the raw gradient times the gradient multiplier. */
@@ -447,8 +563,8 @@ static inline DSK_HD float dsk_adamw_bias_correction(float beta, int64_t step) {
 /* One AdamW step at `step` (1-based) on f32 master weights `param` with f32 moments m, v
    (all the same shape) from `grad` (f32, bf16 or f16) times `grad_mult` (fuses loss
    unscaling and clipping). If `param_copy` is not NULL (bf16, f16 or f32, same shape) it
-   receives the updated weights rounded to nearest even. opts may be NULL (all defaults);
-   the CUDA launcher receives opts with the defaults already filled in. */
+   receives the updated weights rounded to nearest even. opts NULL means dsk_adamw_defaults();
+   the CUDA launcher receives validated opts. */
 DSK_API dsk_status dsk_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_tensor *grad, dsk_tensor *m, dsk_tensor *v,
                                   const dsk_adamw_opts *opts, int64_t step, float grad_mult, dsk_tensor *param_copy);
 
@@ -515,45 +631,6 @@ DSK_API const char *dsk_dtype_name(dsk_dtype dt) {
 }
 
 DSK_API int dsk_dtype_is_float(dsk_dtype dt) { return (int)dt >= 0 && dt <= DSK_F64; }
-
-/* Element i of a contiguous buffer as double, and the reverse; the CPU cast engine. */
-static double dsk__load(const void *p, dsk_dtype dt, int64_t i) {
-    switch (dt) {
-    case DSK_F32: return ((const float *)p)[i];
-    case DSK_F16: return dsk_f16_to_f32(((const uint16_t *)p)[i]);
-    case DSK_BF16: return dsk_bf16_to_f32(((const uint16_t *)p)[i]);
-    case DSK_E4M3: return dsk_e4m3_to_f32(((const uint8_t *)p)[i]);
-    case DSK_E5M2: return dsk_e5m2_to_f32(((const uint8_t *)p)[i]);
-    case DSK_F64: return ((const double *)p)[i];
-    case DSK_I32: return ((const int32_t *)p)[i];
-    case DSK_I64: return (double)((const int64_t *)p)[i];
-    case DSK_U8: return ((const uint8_t *)p)[i];
-    default: return 0;
-    }
-}
-
-/* Float -> int conversions truncate toward zero and saturate at the type's range (NaN -> 0). */
-static int64_t dsk__to_int(double x, double lo, double hi) {
-    if (x != x) return 0;
-    if (x <= lo) return (int64_t)lo;
-    if (x >= hi) return (int64_t)hi;
-    return (int64_t)x;
-}
-
-static void dsk__store(void *p, dsk_dtype dt, int64_t i, double x) {
-    switch (dt) {
-    case DSK_F32: ((float *)p)[i] = (float)x; break;
-    case DSK_F16: ((uint16_t *)p)[i] = dsk_f32_to_f16((float)x); break;
-    case DSK_BF16: ((uint16_t *)p)[i] = dsk_f32_to_bf16((float)x); break;
-    case DSK_E4M3: ((uint8_t *)p)[i] = dsk_f32_to_e4m3((float)x); break;
-    case DSK_E5M2: ((uint8_t *)p)[i] = dsk_f32_to_e5m2((float)x); break;
-    case DSK_F64: ((double *)p)[i] = x; break;
-    case DSK_I32: ((int32_t *)p)[i] = (int32_t)dsk__to_int(x, -2147483648.0, 2147483647.0); break;
-    case DSK_I64: ((int64_t *)p)[i] = dsk__to_int(x, -9223372036854775808.0, 9223372036854774784.0); break;
-    case DSK_U8: ((uint8_t *)p)[i] = (uint8_t)dsk__to_int(x, 0.0, 255.0); break;
-    default: break;
-    }
-}
 
 /* ---------------------------------------------------------------- devices and context */
 
@@ -855,7 +932,7 @@ static dsk_status dsk__copy_cpu(dsk_tensor *dst, const dsk_tensor *src) {
         return DSK_OK;
     }
     for (int64_t i = 0; i < n; i++)
-        dsk__store(dst->data, dst->dtype, dsk__offset(dst, i), dsk__load(src->data, src->dtype, dsk__offset(src, i)));
+        dsk_store_f64(dst->data, dst->dtype, dsk__offset(dst, i), dsk_load_f64(src->data, src->dtype, dsk__offset(src, i)));
     return DSK_OK;
 }
 
@@ -941,7 +1018,7 @@ DSK_API dsk_status dsk_tensor_fill(dsk_ctx *ctx, dsk_tensor *t, double value) {
         union { double d; int64_t i; unsigned char b[8]; } e; /* aligned for any dtype */
         unsigned char *p = (unsigned char *)t->data;
         int same = 1;
-        dsk__store(&e, t->dtype, 0, value);
+        dsk_store_f64(&e, t->dtype, 0, value);
         for (size_t i = 1; i < es; i++) same &= e.b[i] == e.b[0];
         if (same) { memset(p, e.b[0], total); return DSK_OK; }
         memcpy(p, e.b, es);
@@ -952,7 +1029,7 @@ DSK_API dsk_status dsk_tensor_fill(dsk_ctx *ctx, dsk_tensor *t, double value) {
         }
         return DSK_OK;
     }
-    for (int64_t i = 0; i < n; i++) dsk__store(t->data, t->dtype, dsk__offset(t, i), value);
+    for (int64_t i = 0; i < n; i++) dsk_store_f64(t->data, t->dtype, dsk__offset(t, i), value);
     return DSK_OK;
 }
 
@@ -966,7 +1043,7 @@ DSK_API dsk_status dsk_tensor_uniform(dsk_ctx *ctx, dsk_tensor *t, uint64_t seed
 #endif
     (void)ctx;
     for (int64_t i = 0, n = dsk_tensor_numel(t); i < n; i++)
-        dsk__store(t->data, t->dtype, dsk__offset(t, i), lo + (hi - lo) * dsk_rng_uniform_at(seed, offset, (uint64_t)i));
+        dsk_store_f64(t->data, t->dtype, dsk__offset(t, i), lo + (hi - lo) * dsk_rng_uniform_at(seed, offset, (uint64_t)i));
     return DSK_OK;
 }
 
@@ -980,7 +1057,7 @@ DSK_API dsk_status dsk_tensor_normal(dsk_ctx *ctx, dsk_tensor *t, uint64_t seed,
 #endif
     (void)ctx;
     for (int64_t i = 0, n = dsk_tensor_numel(t); i < n; i++)
-        dsk__store(t->data, t->dtype, dsk__offset(t, i), mean + std * dsk_rng_normal_at(seed, offset, (uint64_t)i));
+        dsk_store_f64(t->data, t->dtype, dsk__offset(t, i), mean + std * dsk_rng_normal_at(seed, offset, (uint64_t)i));
     return DSK_OK;
 }
 
@@ -992,12 +1069,6 @@ DSK_API dsk_status dsk_tensor_normal(dsk_ctx *ctx, dsk_tensor *t, uint64_t seed,
 #else
 #define DSK__OMP(x)
 #endif
-
-#define DSK__TRY(call)                              \
-    do {                                            \
-        dsk_status dsk__try_s_ = (call);            \
-        if (dsk__try_s_ != DSK_OK) return dsk__try_s_; \
-    } while (0)
 
 /* Below this many elements (or flops) an op runs on one thread. */
 #define DSK__PAR_MIN 32768
@@ -1011,18 +1082,6 @@ static int dsk__thread_id(void) {
 }
 
 static int dsk__is_cfloat(dsk_dtype dt) { return dt == DSK_F32 || dt == DSK_BF16 || dt == DSK_F16; }
-
-/* Element i of an f32/bf16/f16 buffer as f32, and the reverse (round to nearest even). */
-static inline float dsk__ldf(const void *p, dsk_dtype dt, int64_t i) {
-    if (dt == DSK_F32) return ((const float *)p)[i];
-    if (dt == DSK_BF16) return dsk_bf16_to_f32(((const uint16_t *)p)[i]);
-    return dsk_f16_to_f32(((const uint16_t *)p)[i]);
-}
-static inline void dsk__stf(void *p, dsk_dtype dt, int64_t i, float x) {
-    if (dt == DSK_F32) ((float *)p)[i] = x;
-    else if (dt == DSK_BF16) ((uint16_t *)p)[i] = dsk_f32_to_bf16(x);
-    else ((uint16_t *)p)[i] = dsk_f32_to_f16(x);
-}
 
 /* ---- argument checks: each names the function, the argument and its shape/dtype */
 
@@ -1475,7 +1534,7 @@ DSK_API dsk_status dsk_matmul(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, 
             g.C = tmp; g.ldc = mc.cols;
             if (beta != 0.0f)
                 for (int64_t i = 0; i < mc.rows; i++)
-                    for (int64_t j = 0; j < mc.cols; j++) tmp[i * mc.cols + j] = dsk__ldf(cdata, C->dtype, i * mc.ld + j);
+                    for (int64_t j = 0; j < mc.cols; j++) tmp[i * mc.cols + j] = dsk_load_f32(cdata, C->dtype, i * mc.ld + j);
         } else {
             g.C = (float *)cdata; g.ldc = mc.ld;
         }
@@ -1483,7 +1542,7 @@ DSK_API dsk_status dsk_matmul(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, 
         if (s != DSK_OK) { if (tmp) DSK_FREE(tmp); return s; }
         if (tmp)
             for (int64_t i = 0; i < mc.rows; i++)
-                for (int64_t j = 0; j < mc.cols; j++) dsk__stf(cdata, C->dtype, i * mc.ld + j, tmp[i * mc.cols + j]);
+                for (int64_t j = 0; j < mc.cols; j++) dsk_store_f32(cdata, C->dtype, i * mc.ld + j, tmp[i * mc.cols + j]);
     }
     if (tmp) DSK_FREE(tmp);
     return DSK_OK;
@@ -1511,7 +1570,7 @@ DSK_API dsk_status dsk_add(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *a, c
 #endif
     n = dsk_tensor_numel(out);
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
-    for (int64_t i = 0; i < n; i++) dsk__stf(out->data, out->dtype, i, dsk__ldf(a->data, a->dtype, i) + dsk__ldf(b->data, b->dtype, i));
+    for (int64_t i = 0; i < n; i++) dsk_store_f32(out->data, out->dtype, i, dsk_load_f32(a->data, a->dtype, i) + dsk_load_f32(b->data, b->dtype, i));
     return DSK_OK;
 }
 
@@ -1524,7 +1583,7 @@ DSK_API dsk_status dsk_mul(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *a, c
 #endif
     n = dsk_tensor_numel(out);
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
-    for (int64_t i = 0; i < n; i++) dsk__stf(out->data, out->dtype, i, dsk__ldf(a->data, a->dtype, i) * dsk__ldf(b->data, b->dtype, i));
+    for (int64_t i = 0; i < n; i++) dsk_store_f32(out->data, out->dtype, i, dsk_load_f32(a->data, a->dtype, i) * dsk_load_f32(b->data, b->dtype, i));
     return DSK_OK;
 }
 
@@ -1540,7 +1599,7 @@ DSK_API dsk_status dsk_scale(dsk_ctx *ctx, dsk_tensor *t, float alpha) {
 #endif
     n = dsk_tensor_numel(t);
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
-    for (int64_t i = 0; i < n; i++) dsk__stf(t->data, t->dtype, i, alpha * dsk__ldf(t->data, t->dtype, i));
+    for (int64_t i = 0; i < n; i++) dsk_store_f32(t->data, t->dtype, i, alpha * dsk_load_f32(t->data, t->dtype, i));
     return DSK_OK;
 }
 
@@ -1558,7 +1617,7 @@ DSK_API dsk_status dsk_axpy(dsk_ctx *ctx, dsk_tensor *y, float alpha, const dsk_
 #endif
     n = dsk_tensor_numel(y);
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
-    for (int64_t i = 0; i < n; i++) dsk__stf(y->data, y->dtype, i, dsk__ldf(y->data, y->dtype, i) + alpha * dsk__ldf(x->data, x->dtype, i));
+    for (int64_t i = 0; i < n; i++) dsk_store_f32(y->data, y->dtype, i, dsk_load_f32(y->data, y->dtype, i) + alpha * dsk_load_f32(x->data, x->dtype, i));
     return DSK_OK;
 }
 
@@ -1619,13 +1678,13 @@ DSK_API dsk_status dsk_reduce(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *i
         for (int64_t r = 0; r < len; r++) {
             int64_t base = (o * len + r) * inner + i0;
             for (int64_t i = 0; i < ni; i++) {
-                double x = dsk__ldf(in->data, in->dtype, base + i);
+                double x = dsk_load_f32(in->data, in->dtype, base + i);
                 if (op != DSK_REDUCE_MAX) acc[i] += x;
                 else if (acc[i] == acc[i] && (x != x || x > acc[i])) acc[i] = x; /* NaN sticks */
             }
         }
         for (int64_t i = 0; i < ni; i++)
-            dsk__stf(out->data, out->dtype, o * inner + i0 + i, (float)(op == DSK_REDUCE_MEAN ? acc[i] / (double)len : acc[i]));
+            dsk_store_f32(out->data, out->dtype, o * inner + i0 + i, (float)(op == DSK_REDUCE_MEAN ? acc[i] / (double)len : acc[i]));
     }
     return DSK_OK;
 }
@@ -1654,7 +1713,7 @@ DSK_API dsk_status dsk_sum_squares(dsk_ctx *ctx, dsk_tensor *out, const dsk_tens
             int64_t lo = g0 + (int64_t)c * DSK__SSQ_CHUNK, hi = lo + DSK__SSQ_CHUNK < n ? lo + DSK__SSQ_CHUNK : n;
             double s = 0.0;
             for (int64_t i = lo; i < hi; i++) {
-                double x = dsk__ldf(in->data, in->dtype, i);
+                double x = dsk_load_f32(in->data, in->dtype, i);
                 s += x * x;
             }
             part[c] = s;
@@ -1687,12 +1746,12 @@ DSK_API dsk_status dsk_softmax(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x)
         float mx = -INFINITY;
         double sum = 0.0;
         for (int64_t j = 0; j < C; j++) {
-            float v = dsk__ldf(x->data, x->dtype, r * C + j);
+            float v = dsk_load_f32(x->data, x->dtype, r * C + j);
             if (v > mx || v != v) mx = v;
         }
-        for (int64_t j = 0; j < C; j++) sum += expf(dsk__ldf(x->data, x->dtype, r * C + j) - mx);
+        for (int64_t j = 0; j < C; j++) sum += expf(dsk_load_f32(x->data, x->dtype, r * C + j) - mx);
         /* y may alias x: element j is read before it is written */
-        for (int64_t j = 0; j < C; j++) dsk__stf(y->data, y->dtype, r * C + j, (float)(expf(dsk__ldf(x->data, x->dtype, r * C + j) - mx) / sum));
+        for (int64_t j = 0; j < C; j++) dsk_store_f32(y->data, y->dtype, r * C + j, (float)(expf(dsk_load_f32(x->data, x->dtype, r * C + j) - mx) / sum));
     }
     return DSK_OK;
 }
@@ -1717,11 +1776,11 @@ DSK_API dsk_status dsk_softmax_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (R * C > DSK__PAR_MIN))
     for (int64_t r = 0; r < R; r++) {
         double dot = 0.0;
-        for (int64_t j = 0; j < C; j++) dot += (double)dsk__ldf(y->data, y->dtype, r * C + j) * dsk__ldf(dy->data, dy->dtype, r * C + j);
+        for (int64_t j = 0; j < C; j++) dot += (double)dsk_load_f32(y->data, y->dtype, r * C + j) * dsk_load_f32(dy->data, dy->dtype, r * C + j);
         for (int64_t j = 0; j < C; j++) {
             int64_t i = r * C + j;
-            float g = dsk__ldf(y->data, y->dtype, i) * (dsk__ldf(dy->data, dy->dtype, i) - (float)dot);
-            dsk__stf(dx->data, dx->dtype, i, dsk__ldf(dx->data, dx->dtype, i) + g);
+            float g = dsk_load_f32(y->data, y->dtype, i) * (dsk_load_f32(dy->data, dy->dtype, i) - (float)dot);
+            dsk_store_f32(dx->data, dx->dtype, i, dsk_load_f32(dx->data, dx->dtype, i) + g);
         }
     }
     return DSK_OK;
@@ -1764,13 +1823,13 @@ DSK_API dsk_status dsk_rmsnorm(dsk_ctx *ctx, dsk_tensor *y, dsk_tensor *rstd, co
         double ss = 0.0;
         float rs;
         for (int64_t j = 0; j < D; j++) {
-            double v = dsk__ldf(x->data, x->dtype, r * D + j);
+            double v = dsk_load_f32(x->data, x->dtype, r * D + j);
             ss += v * v;
         }
         rs = (float)(1.0 / sqrt(ss / (double)D + (double)eps));
         if (rstd) ((float *)rstd->data)[r] = rs;
         for (int64_t j = 0; j < D; j++)
-            dsk__stf(y->data, y->dtype, r * D + j, dsk__ldf(x->data, x->dtype, r * D + j) * rs * dsk__ldf(w->data, w->dtype, j));
+            dsk_store_f32(y->data, y->dtype, r * D + j, dsk_load_f32(x->data, x->dtype, r * D + j) * rs * dsk_load_f32(w->data, w->dtype, j));
     }
     return DSK_OK;
 }
@@ -1815,14 +1874,14 @@ DSK_API dsk_status dsk_rmsnorm_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk_tensor
             double dot = 0.0;
             float mean;
             for (int64_t j = 0; j < D; j++)
-                dot += (double)dsk__ldf(dy->data, dy->dtype, r * D + j) * dsk__ldf(w->data, w->dtype, j) *
-                       dsk__ldf(x->data, x->dtype, r * D + j) * rs[r];
+                dot += (double)dsk_load_f32(dy->data, dy->dtype, r * D + j) * dsk_load_f32(w->data, w->dtype, j) *
+                       dsk_load_f32(x->data, x->dtype, r * D + j) * rs[r];
             mean = (float)(dot / (double)D);
             for (int64_t j = 0; j < D; j++) {
                 int64_t i = r * D + j;
-                float g = dsk__ldf(dy->data, dy->dtype, i) * dsk__ldf(w->data, w->dtype, j);
-                float xh = dsk__ldf(x->data, x->dtype, i) * rs[r];
-                dsk__stf(dx->data, dx->dtype, i, dsk__ldf(dx->data, dx->dtype, i) + rs[r] * (g - xh * mean));
+                float g = dsk_load_f32(dy->data, dy->dtype, i) * dsk_load_f32(w->data, w->dtype, j);
+                float xh = dsk_load_f32(x->data, x->dtype, i) * rs[r];
+                dsk_store_f32(dx->data, dx->dtype, i, dsk_load_f32(dx->data, dx->dtype, i) + rs[r] * (g - xh * mean));
             }
         }
     }
@@ -1836,8 +1895,8 @@ DSK_API dsk_status dsk_rmsnorm_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk_tensor
             for (int64_t j = 0; j < nj; j++) acc[j] = 0.0;
             for (int64_t r = 0; r < R; r++)
                 for (int64_t j = 0; j < nj; j++)
-                    acc[j] += (double)dsk__ldf(dy->data, dy->dtype, r * D + j0 + j) * (dsk__ldf(x->data, x->dtype, r * D + j0 + j) * rs[r]);
-            for (int64_t j = 0; j < nj; j++) dsk__stf(dw->data, dw->dtype, j0 + j, (float)(dsk__ldf(dw->data, dw->dtype, j0 + j) + acc[j]));
+                    acc[j] += (double)dsk_load_f32(dy->data, dy->dtype, r * D + j0 + j) * (dsk_load_f32(x->data, x->dtype, r * D + j0 + j) * rs[r]);
+            for (int64_t j = 0; j < nj; j++) dsk_store_f32(dw->data, dw->dtype, j0 + j, (float)(dsk_load_f32(dw->data, dw->dtype, j0 + j) + acc[j]));
         }
     }
     return DSK_OK;
@@ -1861,7 +1920,7 @@ DSK_API dsk_status dsk_silu(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x) {
 #endif
     n = dsk_tensor_numel(x);
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
-    for (int64_t i = 0; i < n; i++) dsk__stf(y->data, y->dtype, i, dsk_silu_f(dsk__ldf(x->data, x->dtype, i)));
+    for (int64_t i = 0; i < n; i++) dsk_store_f32(y->data, y->dtype, i, dsk_silu_f(dsk_load_f32(x->data, x->dtype, i)));
     return DSK_OK;
 }
 
@@ -1877,8 +1936,8 @@ DSK_API dsk_status dsk_silu_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_ten
     n = dsk_tensor_numel(x);
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
     for (int64_t i = 0; i < n; i++)
-        dsk__stf(dx->data, dx->dtype, i,
-                 dsk__ldf(dx->data, dx->dtype, i) + dsk__ldf(dy->data, dy->dtype, i) * dsk_silu_grad_f(dsk__ldf(x->data, x->dtype, i)));
+        dsk_store_f32(dx->data, dx->dtype, i,
+                 dsk_load_f32(dx->data, dx->dtype, i) + dsk_load_f32(dy->data, dy->dtype, i) * dsk_silu_grad_f(dsk_load_f32(x->data, x->dtype, i)));
     return DSK_OK;
 }
 
@@ -1894,7 +1953,7 @@ DSK_API dsk_status dsk_swiglu(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *g
     n = dsk_tensor_numel(out);
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
     for (int64_t i = 0; i < n; i++)
-        dsk__stf(out->data, out->dtype, i, dsk_swiglu_f(dsk__ldf(gate->data, gate->dtype, i), dsk__ldf(up->data, up->dtype, i)));
+        dsk_store_f32(out->data, out->dtype, i, dsk_swiglu_f(dsk_load_f32(gate->data, gate->dtype, i), dsk_load_f32(up->data, up->dtype, i)));
     return DSK_OK;
 }
 
@@ -1912,9 +1971,9 @@ DSK_API dsk_status dsk_swiglu_backward(dsk_ctx *ctx, dsk_tensor *dgate, dsk_tens
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
     for (int64_t i = 0; i < n; i++) {
         float dg, du;
-        dsk_swiglu_grad_f(dsk__ldf(gate->data, gate->dtype, i), dsk__ldf(up->data, up->dtype, i), dsk__ldf(dout->data, dout->dtype, i), &dg, &du);
-        dsk__stf(dgate->data, dgate->dtype, i, dsk__ldf(dgate->data, dgate->dtype, i) + dg);
-        dsk__stf(dup->data, dup->dtype, i, dsk__ldf(dup->data, dup->dtype, i) + du);
+        dsk_swiglu_grad_f(dsk_load_f32(gate->data, gate->dtype, i), dsk_load_f32(up->data, up->dtype, i), dsk_load_f32(dout->data, dout->dtype, i), &dg, &du);
+        dsk_store_f32(dgate->data, dgate->dtype, i, dsk_load_f32(dgate->data, dgate->dtype, i) + dg);
+        dsk_store_f32(dup->data, dup->dtype, i, dsk_load_f32(dup->data, dup->dtype, i) + du);
     }
     return DSK_OK;
 }
@@ -1932,7 +1991,7 @@ static void dsk__scatter_add_cpu(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor
         for (int64_t i = 0; i < N; i++)
             for (int64_t j = j0; j < j1; j++) {
                 int64_t o = (int64_t)idx[i] * D + j;
-                dsk__stf(dst->data, dst->dtype, o, dsk__ldf(dst->data, dst->dtype, o) + dsk__ldf(src->data, src->dtype, i * D + j));
+                dsk_store_f32(dst->data, dst->dtype, o, dsk_load_f32(dst->data, dst->dtype, o) + dsk_load_f32(src->data, src->dtype, i * D + j));
             }
     }
 }
@@ -2066,20 +2125,20 @@ DSK_API dsk_status dsk_cross_entropy(dsk_ctx *ctx, dsk_tensor *loss, dsk_tensor 
         row_loss[r] = 0.0;
         if (tg[r] == ignore_index) {
             if (dlogits)
-                for (int64_t j = 0; j < V; j++) dsk__stf(dlogits->data, dlogits->dtype, r * V + j, 0.0f);
+                for (int64_t j = 0; j < V; j++) dsk_store_f32(dlogits->data, dlogits->dtype, r * V + j, 0.0f);
             continue;
         }
         for (int64_t j = 0; j < V; j++) {
-            float v = dsk__ldf(x, logits->dtype, r * V + j);
+            float v = dsk_load_f32(x, logits->dtype, r * V + j);
             if (v > mx || v != v) mx = v;
         }
-        for (int64_t j = 0; j < V; j++) sum += exp((double)dsk__ldf(x, logits->dtype, r * V + j) - mx);
+        for (int64_t j = 0; j < V; j++) sum += exp((double)dsk_load_f32(x, logits->dtype, r * V + j) - mx);
         lse = mx + log(sum);
-        row_loss[r] = lse - dsk__ldf(x, logits->dtype, r * V + tg[r]);
+        row_loss[r] = lse - dsk_load_f32(x, logits->dtype, r * V + tg[r]);
         if (dlogits)
             for (int64_t j = 0; j < V; j++) {
-                double p = exp((double)dsk__ldf(x, logits->dtype, r * V + j) - lse) - (j == tg[r] ? 1.0 : 0.0);
-                dsk__stf(dlogits->data, dlogits->dtype, r * V + j, (float)((double)grad_scale * p / (double)count));
+                double p = exp((double)dsk_load_f32(x, logits->dtype, r * V + j) - lse) - (j == tg[r] ? 1.0 : 0.0);
+                dsk_store_f32(dlogits->data, dlogits->dtype, r * V + j, (float)((double)grad_scale * p / (double)count));
             }
     }
     for (int64_t r = 0; r < R; r++) total += row_loss[r];
@@ -2172,13 +2231,13 @@ static void dsk__rope_cpu(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, int6
             for (int64_t h = 0; h < H; h++) {
                 int64_t o = (bt * H + h) * Dh + 2 * i;
                 float y0, y1;
-                dsk_rope_rotate(dsk__ldf(x->data, x->dtype, o), dsk__ldf(x->data, x->dtype, o + 1), c, s, &y0, &y1);
+                dsk_rope_rotate(dsk_load_f32(x->data, x->dtype, o), dsk_load_f32(x->data, x->dtype, o + 1), c, s, &y0, &y1);
                 if (accumulate) {
-                    y0 += dsk__ldf(y->data, y->dtype, o);
-                    y1 += dsk__ldf(y->data, y->dtype, o + 1);
+                    y0 += dsk_load_f32(y->data, y->dtype, o);
+                    y1 += dsk_load_f32(y->data, y->dtype, o + 1);
                 }
-                dsk__stf(y->data, y->dtype, o, y0);
-                dsk__stf(y->data, y->dtype, o + 1, y1);
+                dsk_store_f32(y->data, y->dtype, o, y0);
+                dsk_store_f32(y->data, y->dtype, o + 1, y1);
             }
         }
     }
@@ -2238,7 +2297,7 @@ static const float *dsk__attn_in(const dsk_tensor *t, int64_t b, int64_t h, floa
     int64_t T = t->shape[1], H = t->shape[2], Dh = t->shape[3], base = (b * T * H + h) * Dh;
     if (t->dtype == DSK_F32) { *ld = H * Dh; return (const float *)t->data + base; }
     for (int64_t i = 0; i < T; i++)
-        for (int64_t d = 0; d < Dh; d++) buf[i * Dh + d] = dsk__ldf(t->data, t->dtype, base + i * H * Dh + d);
+        for (int64_t d = 0; d < Dh; d++) buf[i * Dh + d] = dsk_load_f32(t->data, t->dtype, base + i * H * Dh + d);
     *ld = Dh;
     return buf;
 }
@@ -2283,7 +2342,7 @@ DSK_API dsk_status dsk_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *prob
         dsk_sgemm_cpu(0, 0, T, Dh, T, 1.0f, P, T, V, ldv, 0.0f, O, ldo, 1);
         if (half)
             for (int64_t i = 0; i < T; i++)
-                for (int64_t d = 0; d < Dh; d++) dsk__stf(out->data, out->dtype, base + i * H * Dh + d, O[i * Dh + d]);
+                for (int64_t d = 0; d < Dh; d++) dsk_store_f32(out->data, out->dtype, base + i * H * Dh + d, O[i * Dh + d]);
     }
     DSK_FREE(scratch);
     return DSK_OK;
@@ -2340,9 +2399,9 @@ DSK_API dsk_status dsk_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tens
             for (int64_t t = 0; t < T; t++)
                 for (int64_t d = 0; d < Dh; d++) {
                     int64_t o = base + t * H * Dh + d;
-                    dsk__stf(dq->data, dq->dtype, o, dsk__ldf(dq->data, dq->dtype, o) + gq[t * Dh + d]);
-                    dsk__stf(dk->data, dk->dtype, o, dsk__ldf(dk->data, dk->dtype, o) + gk[t * Dh + d]);
-                    dsk__stf(dv->data, dv->dtype, o, dsk__ldf(dv->data, dv->dtype, o) + gv[t * Dh + d]);
+                    dsk_store_f32(dq->data, dq->dtype, o, dsk_load_f32(dq->data, dq->dtype, o) + gq[t * Dh + d]);
+                    dsk_store_f32(dk->data, dk->dtype, o, dsk_load_f32(dk->data, dk->dtype, o) + gk[t * Dh + d]);
+                    dsk_store_f32(dv->data, dv->dtype, o, dsk_load_f32(dv->data, dv->dtype, o) + gv[t * Dh + d]);
                 }
     }
     DSK_FREE(scratch);
@@ -2351,20 +2410,21 @@ DSK_API dsk_status dsk_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tens
 
 /* ---------------------------------------------------------------- AdamW */
 
-/* Fills zero fields with their defaults and checks the ranges. */
+/* The options in force (opts, or the defaults for NULL), range-checked; nothing is replaced. */
 static dsk_status dsk__adamw_resolve(const dsk_adamw_opts *in, dsk_adamw_opts *o) {
-    memset(o, 0, sizeof *o);
-    if (in) *o = *in;
-    if (o->lr == 0.0f) o->lr = 1e-3f;
-    if (o->beta1 == 0.0f) o->beta1 = 0.9f;
-    if (o->beta2 == 0.0f) o->beta2 = 0.999f;
-    if (o->eps == 0.0f) o->eps = 1e-8f;
-    if (!(o->lr > 0.0f) || isinf(o->lr)) return dsk_set_error(DSK_ERR_ARG, "dsk_adamw_step: lr %g must be finite and > 0", (double)o->lr);
-    if (!(o->beta1 > 0.0f && o->beta1 < 1.0f)) return dsk_set_error(DSK_ERR_ARG, "dsk_adamw_step: beta1 %g outside (0, 1)", (double)o->beta1);
-    if (!(o->beta2 > 0.0f && o->beta2 < 1.0f)) return dsk_set_error(DSK_ERR_ARG, "dsk_adamw_step: beta2 %g outside (0, 1)", (double)o->beta2);
-    if (!(o->eps > 0.0f) || isinf(o->eps)) return dsk_set_error(DSK_ERR_ARG, "dsk_adamw_step: eps %g must be finite and > 0", (double)o->eps);
+    const char *fn = "dsk_adamw_step";
+    *o = in ? *in : dsk_adamw_defaults();
+    if (!(o->lr >= 0.0f) || isinf(o->lr))
+        return dsk_set_error(DSK_ERR_ARG, "%s: lr %g must be finite and >= 0", fn, (double)o->lr);
+    if (!(o->beta1 >= 0.0f && o->beta1 < 1.0f))
+        return dsk_set_error(DSK_ERR_ARG, "%s: beta1 %g outside [0, 1)", fn, (double)o->beta1);
+    if (!(o->beta2 >= 0.0f && o->beta2 < 1.0f))
+        return dsk_set_error(DSK_ERR_ARG, "%s: beta2 %g outside [0, 1)", fn, (double)o->beta2);
+    if (!(o->eps > 0.0f) || isinf(o->eps))
+        return dsk_set_error(DSK_ERR_ARG, "%s: eps %g must be finite and > 0 (options are taken literally: start from "
+                             "dsk_adamw_defaults())", fn, (double)o->eps);
     if (!(o->weight_decay >= 0.0f) || isinf(o->weight_decay))
-        return dsk_set_error(DSK_ERR_ARG, "dsk_adamw_step: weight_decay %g must be finite and >= 0", (double)o->weight_decay);
+        return dsk_set_error(DSK_ERR_ARG, "%s: weight_decay %g must be finite and >= 0", fn, (double)o->weight_decay);
     return DSK_OK;
 }
 
@@ -2400,8 +2460,8 @@ DSK_API dsk_status dsk_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_ten
     p = (float *)param->data; mm = (float *)m->data; vv = (float *)v->data;
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
     for (int64_t i = 0; i < n; i++) {
-        dsk_adamw_update(p + i, mm + i, vv + i, dsk__ldf(grad->data, grad->dtype, i) * grad_mult, o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, bc1, bc2);
-        if (param_copy) dsk__stf(param_copy->data, param_copy->dtype, i, p[i]);
+        dsk_adamw_update(p + i, mm + i, vv + i, dsk_load_f32(grad->data, grad->dtype, i) * grad_mult, o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, bc1, bc2);
+        if (param_copy) dsk_store_f32(param_copy->data, param_copy->dtype, i, p[i]);
     }
     return DSK_OK;
 }

@@ -10,7 +10,7 @@
 
    Host backend: ranks are forked processes on this machine, over TCP loopback.
    nccl backend (--nccl, a DSK_CUDA build on GPUs): run one process per GPU under a launcher
-   (torchrun --no-python, srun, mpirun) so dsk_comm_init_env finds the environment; buffers
+   (torchrun --no_python, srun, mpirun) so dsk_comm_init_env finds the environment; buffers
    are device memory.
 
    Usage: comm_bench [-n ranks] [-b min_bytes] [-e max_bytes] [-f factor] [-c all_reduce|
@@ -42,12 +42,15 @@ typedef struct cfg {
 
 /* One call of collective `coll` on `bytes` of f32 per rank's contribution (nccl-tests sizes:
    the all_reduce buffer, the reduce_scatter input, the all_gather output, the all_to_all buffer). */
-static dsk_status run_coll(dsk_comm *c, dsk_ctx *ctx, int coll, float *send, float *recv, long long bytes, int in_place) {
+static dsk_status run_coll(dsk_comm *c, dsk_ctx *ctx, int coll, float *send, float *recv, long long bytes,
+                           int in_place) {
     int64_t count = (int64_t)(bytes / 4), per = count / c->world_size;
     float *out = in_place ? send : recv;
     switch (coll) {
     case AR: return dsk_comm_all_reduce(c, ctx, send, out, count, DSK_F32, DSK_COMM_SUM);
-    case RS: return dsk_comm_reduce_scatter(c, ctx, send, in_place ? send + (int64_t)c->rank * per : recv, per, DSK_F32, DSK_COMM_SUM);
+    case RS:
+        return dsk_comm_reduce_scatter(c, ctx, send, in_place ? send + (int64_t)c->rank * per : recv, per, DSK_F32,
+                                       DSK_COMM_SUM);
     case AG: return dsk_comm_all_gather(c, ctx, in_place ? out + (int64_t)c->rank * per : send, out, per, DSK_F32);
     default: return dsk_comm_all_to_all(c, ctx, send, out, per, DSK_F32);
     }
@@ -59,10 +62,11 @@ static double bus_factor(int coll, int n) { return coll == AR ? 2.0 * (n - 1) / 
 static float input_value(int r, int64_t i) { return (float)((r + 1) * (int)(1 + i % 7)); }
 
 /* Fills send with the inputs, runs one call and counts outputs that differ from the exact result. */
-static long long wrong_values(dsk_comm *c, dsk_ctx *ctx, int coll, float *send, float *recv, float *host, long long bytes,
-                              int in_place) {
+static long long wrong_values(dsk_comm *c, dsk_ctx *ctx, int coll, float *send, float *recv, float *host,
+                              long long bytes, int in_place) {
     int n = c->world_size, me = c->rank;
-    int64_t count = (int64_t)(bytes / 4), per = count / n, outn = coll == RS ? per : coll == AG ? per * n : coll == A2A ? per * n : count;
+    int64_t count = (int64_t)(bytes / 4), per = count / n;
+    int64_t outn = coll == RS ? per : coll == AG || coll == A2A ? per * n : count;
     long long wrong = 0;
     float *dst;
     for (int64_t i = 0; i < count; i++) host[i] = input_value(me, i);
@@ -70,7 +74,8 @@ static long long wrong_values(dsk_comm *c, dsk_ctx *ctx, int coll, float *send, 
 #ifdef DSK_CUDA
     if (c->backend == DSK_COMM_NCCL) {
         cudaMemcpy(send, host, (size_t)count * 4, cudaMemcpyHostToDevice);
-        if (run_coll(c, ctx, coll, send, recv, bytes, in_place) != DSK_OK || dsk_comm_sync(c, ctx) != DSK_OK) return count;
+        if (run_coll(c, ctx, coll, send, recv, bytes, in_place) != DSK_OK || dsk_comm_sync(c, ctx) != DSK_OK)
+            return count;
         dst = coll == RS && in_place ? send + me * per : in_place ? send : recv;
         cudaMemcpy(host, dst, (size_t)outn * 4, cudaMemcpyDeviceToHost);
         dst = host;
@@ -160,10 +165,11 @@ static int rank_main(dsk_comm *c, const cfg *g) {
     for (int coll = 0; coll < NCOLL; coll++) {
         if (g->which >= 0 && g->which != coll) continue;
         if (c->rank == 0) {
-            printf("\n# %s, %d ranks, %s backend, f32 sum; times are the median of 5 repeats, slowest rank\n", coll_names[coll], n,
-                   c->backend == DSK_COMM_NCCL ? "nccl" : "host");
-            printf("%12s %12s | %10s %9s %9s %6s | %10s %9s %9s %6s%s\n", "size(B)", "count", "oop us", "algbw", "busbw", "#wrong",
-                   "ip us", "algbw", "busbw", "#wrong", coll == AR && g->have_mpi ? " |  MPI busbw  dsk/MPI" : "");
+            printf("\n# %s, %d ranks, %s backend, f32 sum; times are the median of 5 repeats, slowest rank\n",
+                   coll_names[coll], n, c->backend == DSK_COMM_NCCL ? "nccl" : "host");
+            printf("%12s %12s | %10s %9s %9s %6s | %10s %9s %9s %6s%s\n", "size(B)", "count", "oop us", "algbw",
+                   "busbw", "#wrong", "ip us", "algbw", "busbw", "#wrong",
+                   coll == AR && g->have_mpi ? " |  MPI busbw  dsk/MPI" : "");
         }
         double last_bus = 0, min_ratio = 1e30;
         long long last_bytes = 0;
@@ -176,15 +182,16 @@ static int rank_main(dsk_comm *c, const cfg *g) {
                 t[ip] = time_coll(c, pctx, coll, send, recv, eff, ip);
                 wrong[ip] = wrong_values(c, pctx, coll, send, recv, host, eff, ip);
                 if (t[ip] < 0) {
-                    fprintf(stderr, "rank %d: %s of %lld bytes failed: %s\n", c->rank, coll_names[coll], eff, dsk_last_error());
+                    fprintf(stderr, "rank %d: %s of %lld bytes failed: %s\n", c->rank, coll_names[coll], eff,
+                            dsk_last_error());
                     fails++;
                     goto out;
                 }
             }
             if (c->rank == 0) {
                 double bf = bus_factor(coll, n), a0 = eff / t[0] * 1e-9, a1 = eff / t[1] * 1e-9;
-                printf("%12lld %12lld | %10.1f %9.3f %9.3f %6lld | %10.1f %9.3f %9.3f %6lld", eff, eff / 4, t[0] * 1e6, a0, a0 * bf,
-                       wrong[0], t[1] * 1e6, a1, a1 * bf, wrong[1]);
+                printf("%12lld %12lld | %10.1f %9.3f %9.3f %6lld | %10.1f %9.3f %9.3f %6lld", eff, eff / 4, t[0] * 1e6,
+                       a0, a0 * bf, wrong[0], t[1] * 1e6, a1, a1 * bf, wrong[1]);
                 if (coll == AR && g->have_mpi && g->mpi_us[si] > 0) {
                     double mb = bytes / (g->mpi_us[si] * 1e-6) * 1e-9 * bf;
                     printf(" | %10.3f  %6.2fx", mb, a0 * bf / mb);
@@ -200,7 +207,8 @@ static int rank_main(dsk_comm *c, const cfg *g) {
         if (c->rank == 0 && last_bytes) {
             printf("summary: %s %d ranks %s: busbw %.3f GB/s at %lld B\n", coll_names[coll], n,
                    c->backend == DSK_COMM_NCCL ? "nccl" : "host", last_bus, last_bytes);
-            if (min_ratio < 1e30) printf("summary: all_reduce busbw dsk/Open MPI at >= 16 MB: %.2fx (worst size)\n", min_ratio);
+            if (min_ratio < 1e30)
+                printf("summary: all_reduce busbw dsk/Open MPI at >= 16 MB: %.2fx (worst size)\n", min_ratio);
         }
     }
 out:
@@ -227,8 +235,8 @@ static void run_mpi_peer(cfg *g) {
     if (k <= 0) return;
     self[k] = 0;
     *strrchr(self, '/') = 0;
-    snprintf(cmd, sizeof cmd, "mpirun --allow-run-as-root --oversubscribe -np %d %s/mpi_allreduce %lld %lld %d 2>&1", g->n, self,
-             g->lo, g->hi, g->factor);
+    snprintf(cmd, sizeof cmd, "mpirun --allow-run-as-root --oversubscribe -np %d %s/mpi_allreduce %lld %lld %d 2>&1",
+             g->n, self, g->lo, g->hi, g->factor);
     printf("# peer: %s\n", cmd);
     fflush(stdout);
     if (!(p = popen(cmd, "r"))) return;
@@ -270,11 +278,15 @@ int main(int argc, char **argv) {
                 if (!strcmp(w, coll_names[c])) g.which = c;
             if (g.which < 0 && strcmp(w, "all")) { fprintf(stderr, "unknown collective %s\n", w); return 2; }
         } else {
-            fprintf(stderr, "usage: %s [-n ranks] [-b min_bytes] [-e max_bytes] [-f factor] [-c collective|all] [--mpi] [--nccl]\n", argv[0]);
+            fprintf(stderr, "usage: %s [-n ranks] [-b min_bytes] [-e max_bytes] [-f factor] [-c collective|all] "
+                            "[--mpi] [--nccl]\n", argv[0]);
             return 2;
         }
     }
-    if (g.n < 1 || g.n > 64 || g.lo < 4 || g.hi < g.lo || g.factor < 2) { fprintf(stderr, "bad -n/-b/-e/-f\n"); return 2; }
+    if (g.n < 1 || g.n > 64 || g.lo < 4 || g.hi < g.lo || g.factor < 2) {
+        fprintf(stderr, "bad -n/-b/-e/-f\n");
+        return 2;
+    }
     if (g.nccl) {
         /* one process per GPU, started by a launcher */
         dsk_comm c;
@@ -303,7 +315,10 @@ int main(int argc, char **argv) {
             o.timeout_s = 120;
             o.master_addr = "127.0.0.1";
             o.master_port = port;
-            if (dsk_comm_init(&c, r, g.n, &o) != DSK_OK) { fprintf(stderr, "rank %d: %s\n", r, dsk_last_error()); _exit(1); }
+            if (dsk_comm_init(&c, r, g.n, &o) != DSK_OK) {
+                fprintf(stderr, "rank %d: %s\n", r, dsk_last_error());
+                _exit(1);
+            }
             rc = rank_main(&c, &g);
             dsk_comm_free(&c);
             fflush(stdout);

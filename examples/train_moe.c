@@ -3,7 +3,7 @@
    make run                                   # default: C headers of /usr/include, CPU or GPU
    make run ARGS="--steps 100 --log run.jsonl"
    build/examples/train_moe --nproc 2         # two local data-parallel ranks
-   torchrun --no-python --nproc-per-node 2 build/examples/train_moe   # same under torchrun/srun/mpirun
+   torchrun --nproc_per_node 2 --no_python -r 1 -t 1 build/examples/train_moe  # same under torchrun (README)
    build/examples/train_moe --help            # every flag with its default
 
    The program shows how to embed dsk in a trainer:
@@ -516,7 +516,7 @@ static void setup_optimizer(trainer *t) {
     dsk_amp_scaler_opts so;
     memset(&so, 0, sizeof so);
     so.mode = m->cfg.cdt == DSK_F16 ? DSK_AMP_DYNAMIC : DSK_AMP_NONE;
-    CHECK(dsk_amp_scaler_init(&t->ctx, &t->scaler, &so));
+    CHECK(dsk_amp_scaler_init(&t->scaler, &t->ctx, &so));
 }
 
 static dsk_status on_grad_ready(void *user, int param) {
@@ -636,11 +636,11 @@ static dsk_status unscale_and_decide(trainer *t, dsk_amp_decision *dec) {
     dsk_amp_stats a, b;
     memset(&a, 0, sizeof a);
     memset(&b, 0, sizeof b);
-    dsk_status s = dsk_amp_unscale(&t->ctx, &t->scaler, rep, n_rep);
-    if (s == DSK_OK) s = dsk_amp_stats_get(&t->ctx, &t->scaler, &a);
+    dsk_status s = dsk_amp_unscale(&t->scaler, &t->ctx, rep, n_rep);
+    if (s == DSK_OK) s = dsk_amp_stats_get(&t->scaler, &t->ctx, &a);
     if (s == DSK_OK && n_shard > 0) {
-        s = dsk_amp_unscale(&t->ctx, &t->scaler, shard, n_shard);
-        if (s == DSK_OK) s = dsk_amp_stats_get(&t->ctx, &t->scaler, &b);
+        s = dsk_amp_unscale(&t->scaler, &t->ctx, shard, n_shard);
+        if (s == DSK_OK) s = dsk_amp_stats_get(&t->scaler, &t->ctx, &b);
         float f[2] = {(float)b.found_inf, (float)b.sumsq}; /* dsk_comm reduces no f64 */
         if (s == DSK_OK) s = allreduce_host(t, &t->ep_comm, f, 2, DSK_F32, DSK_COMM_SUM);
         a.found_inf += f[0];
@@ -671,7 +671,7 @@ static dsk_status train_step(trainer *t, step_info *si) {
     tm_model *m = &t->model;
     double t0 = now_s(), comm0 = comm_seconds(t);
     float scale, loss;
-    TM_TRY(dsk_amp_scale_get(&t->ctx, &t->scaler, &scale));
+    TM_TRY(dsk_amp_scale_get(&t->scaler, &t->ctx, &scale));
     m->aux_scale = scale / (float)o->accum;
     TM_TRY(tm_zero_grads(&t->model));
     memset(si, 0, sizeof *si);
@@ -698,24 +698,23 @@ static dsk_status train_step(trainer *t, step_info *si) {
     dsk_amp_decision dec;
     TM_TRY(unscale_and_decide(t, &dec));
     si->lr = lr_at(o, t->step + 1);
-    dsk_adamw_opts ao;
-    memset(&ao, 0, sizeof ao);
+    dsk_adamw_opts ao = dsk_adamw_defaults(); /* every field set below, taken literally (lr may reach 0) */
     ao.lr = (float)si->lr;
     ao.beta1 = (float)o->beta1;
     ao.beta2 = (float)o->beta2;
     ao.eps = 1e-8f;
     int64_t next = t->applied + 1;
     ao.weight_decay = (float)o->wd;
-    TM_TRY(dsk_amp_step(&t->ctx, t->amp_decay, t->n_decay, &ao, next, &dec, DSK_ROUND_NEAREST, (uint64_t)o->seed));
+    TM_TRY(dsk_amp_step(&t->ctx, t->amp_decay, t->n_decay, &ao, next, &dec, DSK_AMP_ROUND_NEAREST, (uint64_t)o->seed));
     ao.weight_decay = 0.0f;
-    TM_TRY(dsk_amp_step(&t->ctx, t->amp_plain, t->n_plain, &ao, next, &dec, DSK_ROUND_NEAREST, (uint64_t)o->seed));
+    TM_TRY(dsk_amp_step(&t->ctx, t->amp_plain, t->n_plain, &ao, next, &dec, DSK_AMP_ROUND_NEAREST, (uint64_t)o->seed));
     if (!dec.skip) {
         t->applied = next;
         if (o->bias_rate > 0)
             for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++)
                 TM_TRY(dsk_moe_update_bias(&m->blocks[l].moe, &t->ctx, t->have_comm ? &t->comm : NULL));
     }
-    TM_TRY(dsk_amp_update(&t->ctx, &t->scaler));
+    TM_TRY(dsk_amp_update(&t->scaler, &t->ctx));
     TM_TRY(dsk_ctx_sync(&t->ctx));
     t->step++;
     si->skipped = dec.skip;
@@ -874,7 +873,7 @@ static dsk_status save_checkpoint(trainer *t) {
     char kv_val[8][64], cfg[512];
     dsk_amp_scaler_state st;
     memset(&st, 0, sizeof st);
-    TM_TRY(dsk_amp_state_get(&t->ctx, &t->scaler, &st));
+    TM_TRY(dsk_amp_state_get(&t->scaler, &t->ctx, &st));
     config_string(t, cfg, sizeof cfg);
     snprintf(kv_val[0], 64, "%lld", (long long)t->step);
     snprintf(kv_val[1], 64, "%lld", (long long)t->applied);
@@ -929,7 +928,7 @@ static dsk_status load_checkpoint(trainer *t, int64_t step) {
     st.scale = (float)scale;
     st.growth_tracker = (int32_t)tracker;
     st.hysteresis_left = (int32_t)hyst;
-    TM_TRY(dsk_amp_state_set(&t->ctx, &t->scaler, &st));
+    TM_TRY(dsk_amp_state_set(&t->scaler, &t->ctx, &st));
     for (int i = 0; i < m->n_params; i++)
         if (m->params[i].wc.data != m->params[i].w.data) TM_TRY(dsk_tensor_copy(&t->ctx, &m->params[i].wc, &m->params[i].w));
     t->step = st_step;
@@ -1161,7 +1160,7 @@ static void cleanup(trainer *t) {
     if (t->have_ck) dsk_ckpt_free(&t->ck);
     if (t->have_buckets) dsk_comm_buckets_free(&t->buckets);
     tm_free(&t->model);
-    dsk_amp_scaler_free(&t->ctx, &t->scaler);
+    dsk_amp_scaler_free(&t->scaler, &t->ctx);
     free(t->amp_decay);
     free(t->amp_plain);
     td_free(&t->data);

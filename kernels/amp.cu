@@ -111,7 +111,7 @@ __global__ static void dsk_amp__unscale_kernel(dsk_amp__tlist L, const dsk_amp__
         double acc = 0.0;
         int bad = 0;
         for (int64_t i = start + threadIdx.x; i < end; i += DSK_AMP__THREADS) {
-            float y = dsk_amp_store(L.p[t], dt, i, dsk_amp_load(L.p[t], dt, i) * inv);
+            float y = dsk_store_f32(L.p[t], dt, i, dsk_load_f32(L.p[t], dt, i) * inv);
             bad |= !dsk_amp_isfinite(y);
             acc += (double)y * (double)y;
         }
@@ -201,7 +201,7 @@ extern "C" dsk_status dsk_cuda_amp_update(dsk_ctx *ctx, void *block, const struc
 
 __global__ static void dsk_amp__cast_kernel(void *dst, int dt, const float *src, int64_t n) {
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-        dsk_amp_store(dst, (dsk_dtype)dt, i, src[i]);
+        dsk_store_f32(dst, (dsk_dtype)dt, i, src[i]);
 }
 
 /* One thread per group of four elements: one Philox call gives the four words that
@@ -236,7 +236,7 @@ __global__ static void dsk_amp__amax_kernel(unsigned int *amax, const void *x, i
     __shared__ uint32_t sh[DSK_AMP__THREADS];
     uint32_t m = 0;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        uint32_t a = dsk_amp_abs_bits(dsk_amp_load(x, (dsk_dtype)dt, i));
+        uint32_t a = dsk_amp_abs_bits(dsk_load_f32(x, (dsk_dtype)dt, i));
         m = a > m ? a : m;
     }
     m = dsk_amp__block_max(m, sh);
@@ -279,13 +279,13 @@ extern "C" dsk_status dsk_cuda_amp_fp8_scale(dsk_ctx *ctx, float *scale, const f
 __global__ static void dsk_amp__quantize_kernel(uint8_t *q, int fmt, const void *x, int dt, int64_t n, const float *scale) {
     float s = *scale;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-        q[i] = dsk_amp_to_fp8(dsk_amp_load(x, (dsk_dtype)dt, i) * s, (dsk_dtype)fmt);
+        q[i] = dsk_amp_to_fp8(dsk_load_f32(x, (dsk_dtype)dt, i) * s, (dsk_dtype)fmt);
 }
 
 __global__ static void dsk_amp__dequantize_kernel(void *y, int dt, const uint8_t *q, int fmt, int64_t n, const float *scale) {
     float inv = 1.0f / *scale;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-        dsk_amp_store(y, (dsk_dtype)dt, i, dsk_amp_from_fp8(q[i], (dsk_dtype)fmt) * inv);
+        dsk_store_f32(y, (dsk_dtype)dt, i, dsk_amp_from_fp8(q[i], (dsk_dtype)fmt) * inv);
 }
 
 extern "C" dsk_status dsk_cuda_amp_fp8_quantize(dsk_ctx *ctx, dsk_tensor *q, const dsk_tensor *x, const float *scale) {
@@ -317,7 +317,7 @@ __global__ static void dsk_amp__block_quantize_kernel(uint8_t *q, int fmt, float
     uint32_t m = 0;
     float d;
     for (int64_t e = threadIdx.x; e < cnt; e += DSK_AMP__THREADS) {
-        uint32_t a = dsk_amp_abs_bits(dsk_amp_load(x, (dsk_dtype)dt, (r0 + e / cols) * C + c0 + e % cols));
+        uint32_t a = dsk_amp_abs_bits(dsk_load_f32(x, (dsk_dtype)dt, (r0 + e / cols) * C + c0 + e % cols));
         m = a > m ? a : m;
     }
     m = dsk_amp__block_max(m, sh);
@@ -325,7 +325,7 @@ __global__ static void dsk_amp__block_quantize_kernel(uint8_t *q, int fmt, float
     if (threadIdx.x == 0) scales[b] = d;
     for (int64_t e = threadIdx.x; e < cnt; e += DSK_AMP__THREADS) {
         int64_t i = (r0 + e / cols) * C + c0 + e % cols;
-        q[i] = dsk_amp_to_fp8(dsk_amp_load(x, (dsk_dtype)dt, i) / d, (dsk_dtype)fmt);
+        q[i] = dsk_amp_to_fp8(dsk_load_f32(x, (dsk_dtype)dt, i) / d, (dsk_dtype)fmt);
     }
 }
 
@@ -333,7 +333,7 @@ __global__ static void dsk_amp__block_dequantize_kernel(void *y, int dt, const u
                                                         int br, int bc, int64_t SC) {
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < R * C; i += (int64_t)gridDim.x * blockDim.x) {
         int64_t r = i / C, c = i % C;
-        dsk_amp_store(y, (dsk_dtype)dt, i, dsk_amp_from_fp8(q[i], (dsk_dtype)fmt) * scales[(r / br) * SC + c / bc]);
+        dsk_store_f32(y, (dsk_dtype)dt, i, dsk_amp_from_fp8(q[i], (dsk_dtype)fmt) * scales[(r / br) * SC + c / bc]);
     }
 }
 

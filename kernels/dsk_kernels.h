@@ -72,15 +72,15 @@ dsk_status dsk_cuda_amp_fp8_block_dequantize(dsk_ctx *ctx, dsk_tensor *y, const 
 /* C (M,N) = op(A) op(B) + beta C; A, B in ab_dt (f32/bf16), C f32 or ab_dt; f32 accumulation (cublasGemmEx). */
 dsk_status dsk_cuda_moe_gemm(dsk_ctx *ctx, int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, const void *A, int64_t lda,
                              const void *B, int64_t ldb, dsk_dtype ab_dt, float beta, void *C, int64_t ldc, dsk_dtype c_dt);
-/* Fused router, one token per thread (dsk_moe_route_token): u (T,E) -> prob (T,E), sel (T,K), gate (T,K), counts (E)
-   selections (zeroed first; integer atomics). bias (E) or NULL; scratch (T, E + n_group). */
-dsk_status dsk_cuda_moe_route(dsk_ctx *ctx, const float *u, const float *bias, int64_t T, int E, int K, int sigmoid, int norm,
-                              float scale, int n_group, int topk_group, float *prob, float *scratch, int32_t *sel, float *gate,
-                              int32_t *counts);
+/* Fused router, one token per thread (dsk_moe_route_token with *r): u (T,E) -> prob (T,E), sel (T,K), gate (T,K),
+   counts (E) selections (zeroed first; integer atomics). bias (E) or NULL; scratch (T, E + n_group). */
+struct dsk_moe_router;
+dsk_status dsk_cuda_moe_route(dsk_ctx *ctx, const struct dsk_moe_router *r, const float *u, const float *bias,
+                              int64_t T, float *prob, float *scratch, int32_t *sel, float *gate, int32_t *counts);
 /* du (T,E) WRITTEN by dsk_moe_route_token_backward per token; aux (T/seq_len, E) or NULL. */
-dsk_status dsk_cuda_moe_route_backward(dsk_ctx *ctx, const float *u, const float *prob, int64_t T, int E, int K, int sigmoid,
-                                       int norm, float scale, const int32_t *sel, const float *dgate, const float *aux,
-                                       int64_t seq_len, float aux_mult, float zcoef, float *du);
+dsk_status dsk_cuda_moe_route_backward(dsk_ctx *ctx, const struct dsk_moe_router *r, const float *u,
+                                       const float *prob, int64_t T, const int32_t *sel, const float *dgate,
+                                       const float *aux, int64_t seq_len, float aux_mult, float zcoef, float *du);
 /* dst (n,D) row p = (gate ? gate[idx[p]] : 1) * src row idx[p] / div; dst, src in dt. */
 dsk_status dsk_cuda_moe_gather(dsk_ctx *ctx, void *dst, const void *src, dsk_dtype dt, const int32_t *idx, int div,
                                const float *gate, int64_t n, int64_t D);

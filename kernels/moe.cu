@@ -79,48 +79,49 @@ extern "C" dsk_status dsk_cuda_moe_gemm(dsk_ctx *ctx, int trans_a, int trans_b, 
 
 /* ======================================================================= router */
 
-static __global__ void dsk__moe_route_kernel(const float *u, const float *bias, int64_t T, int E, int K, int sigmoid, int norm,
-                                             float scale, int n_group, int topk_group, float *prob, float *scratch, int32_t *sel,
-                                             float *gate, int32_t *counts) {
+static __global__ void dsk__moe_route_kernel(dsk_moe_router r, const float *u, const float *bias, int64_t T,
+                                             float *prob, float *scratch, int32_t *sel, float *gate, int32_t *counts) {
     int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    int E = r.n_experts, K = r.top_k;
     if (t >= T) return;
-    dsk_moe_route_token(u + t * E, bias, E, K, sigmoid, norm, scale, n_group, topk_group, prob + t * E,
-                        scratch + t * (E + n_group), sel + t * K, gate + t * K);
+    dsk_moe_route_token(&r, u + t * E, bias, prob + t * E, scratch + t * (E + r.n_group), sel + t * K, gate + t * K);
     for (int k = 0; k < K; k++) atomicAdd(&counts[sel[t * K + k]], 1); /* integer: exact in any order */
 }
 
-extern "C" dsk_status dsk_cuda_moe_route(dsk_ctx *ctx, const float *u, const float *bias, int64_t T, int E, int K, int sigmoid,
-                                         int norm, float scale, int n_group, int topk_group, float *prob, float *scratch,
-                                         int32_t *sel, float *gate, int32_t *counts) {
+extern "C" dsk_status dsk_cuda_moe_route(dsk_ctx *ctx, const dsk_moe_router *r, const float *u, const float *bias,
+                                         int64_t T, float *prob, float *scratch, int32_t *sel, float *gate,
+                                         int32_t *counts) {
     const char *fn = "dsk_cuda_moe_route";
     cudaError_t e;
     dsk_status s;
     if ((s = dsk__moe_need_ctx(fn, ctx)) != DSK_OK) return s;
-    if ((e = cudaMemsetAsync(counts, 0, (size_t)E * sizeof(int32_t), (cudaStream_t)ctx->stream)) != cudaSuccess)
+    e = cudaMemsetAsync(counts, 0, (size_t)r->n_experts * sizeof(int32_t), (cudaStream_t)ctx->stream);
+    if (e != cudaSuccess)
         return dsk__moe_cuda_fail(fn, "cudaMemsetAsync(counts)", e);
-    DSK__MOE_LAUNCH(fn, dsk__moe_route_kernel, T, 128, u, bias, T, E, K, sigmoid, norm, scale, n_group, topk_group, prob, scratch,
-                    sel, gate, counts);
+    DSK__MOE_LAUNCH(fn, dsk__moe_route_kernel, T, 128, *r, u, bias, T, prob, scratch, sel, gate, counts);
     return DSK_OK;
 }
 
-static __global__ void dsk__moe_route_backward_kernel(const float *u, const float *prob, int64_t T, int E, int K, int sigmoid,
-                                                      int norm, float scale, const int32_t *sel, const float *dgate,
-                                                      const float *aux, int64_t seq_len, float aux_mult, float zcoef, float *du) {
+static __global__ void dsk__moe_route_backward_kernel(dsk_moe_router r, const float *u, const float *prob, int64_t T,
+                                                      const int32_t *sel, const float *dgate, const float *aux,
+                                                      int64_t seq_len, float aux_mult, float zcoef, float *du) {
     int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    int E = r.n_experts, K = r.top_k;
     if (t >= T) return;
-    dsk_moe_route_token_backward(u + t * E, prob + t * E, E, K, sigmoid, norm, scale, sel + t * K, dgate + t * K,
+    dsk_moe_route_token_backward(&r, u + t * E, prob + t * E, sel + t * K, dgate + t * K,
                                  aux ? aux + (t / seq_len) * E : NULL, aux_mult, zcoef, du + t * E);
 }
 
-extern "C" dsk_status dsk_cuda_moe_route_backward(dsk_ctx *ctx, const float *u, const float *prob, int64_t T, int E, int K,
-                                                  int sigmoid, int norm, float scale, const int32_t *sel, const float *dgate,
-                                                  const float *aux, int64_t seq_len, float aux_mult, float zcoef, float *du) {
+extern "C" dsk_status dsk_cuda_moe_route_backward(dsk_ctx *ctx, const dsk_moe_router *r, const float *u,
+                                                  const float *prob, int64_t T, const int32_t *sel,
+                                                  const float *dgate, const float *aux, int64_t seq_len, float aux_mult,
+                                                  float zcoef, float *du) {
     const char *fn = "dsk_cuda_moe_route_backward";
     dsk_status s;
     if ((s = dsk__moe_need_ctx(fn, ctx)) != DSK_OK) return s;
     if (aux && seq_len <= 0) return dsk_set_error(DSK_ERR_ARG, "%s: seq_len %lld must be > 0 with aux coefficients", fn, (long long)seq_len);
-    DSK__MOE_LAUNCH(fn, dsk__moe_route_backward_kernel, T, 128, u, prob, T, E, K, sigmoid, norm, scale, sel, dgate, aux, seq_len,
-                    aux_mult, zcoef, du);
+    DSK__MOE_LAUNCH(fn, dsk__moe_route_backward_kernel, T, 128, *r, u, prob, T, sel, dgate, aux, seq_len, aux_mult,
+                    zcoef, du);
     return DSK_OK;
 }
 
@@ -228,7 +229,7 @@ extern "C" dsk_status dsk_cuda_moe_dgate(dsk_ctx *ctx, float *dgate, const void 
 
 static __global__ void dsk__moe_swiglu_kernel(void *a, int bf16, const float *h1, const float *h3, int64_t n) {
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) dsk__st(a, bf16, i, dsk_moe_silu(h1[i]) * h3[i]);
+    if (i < n) dsk__st(a, bf16, i, dsk_swiglu_f(h1[i], h3[i]));
 }
 
 extern "C" dsk_status dsk_cuda_moe_swiglu(dsk_ctx *ctx, void *a, dsk_dtype dt, const float *h1, const float *h3, int64_t n) {
@@ -244,7 +245,7 @@ static __global__ void dsk__moe_swiglu_backward_kernel(void *dh1, void *dh3, int
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     float g1, g3;
     if (i >= n) return;
-    dsk_moe_swiglu_grad(h1[i], h3[i], da[i], &g1, &g3);
+    dsk_swiglu_grad_f(h1[i], h3[i], da[i], &g1, &g3);
     dsk__st(dh1, bf16, i, g1);
     dsk__st(dh3, bf16, i, g3);
 }

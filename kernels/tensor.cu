@@ -42,11 +42,6 @@ static dsk_status dsk__launched(const char *fn, const char *kernel, dim3 grid, d
                          grid.x, grid.y, block.x * block.y, (long long)n, cudaGetErrorName(e), cudaGetErrorString(e));
 }
 
-#define DSK__TRY(expr)                            \
-    do {                                          \
-        dsk_status dsk__s_ = (expr);              \
-        if (dsk__s_ != DSK_OK) return dsk__s_;    \
-    } while (0)
 #define DSK__CU(fn, call, detail)                                                         \
     do {                                                                                  \
         cudaError_t dsk__e_ = (call);                                                     \

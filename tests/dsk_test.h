@@ -15,7 +15,8 @@
    Inputs come from dsk_test_rand*() seeded by DSK_TEST_SEED (default fixed, printed), so
    every run is reproducible and `DSK_TEST_SEED=$RANDOM make test` gives fresh inputs.
    A case that cannot run here calls dsk_test_skip(reason): counted as skipped, never passed.
-   Only for tests: it prints, and uses no dsk code. */
+   A check that fails outside any case counts as a failed case. Only for tests: it prints;
+   DSK_TEST_STATUS/OK and DSK_TEST_ERROR_MENTIONS need dsk_tensor.h, the rest no dsk code. */
 #ifndef DSK_TEST_H
 #define DSK_TEST_H
 
@@ -124,11 +125,18 @@ static inline void dsk_test_skip(const char *fmt, ...) {
     printf("     %s: skipped: %s\n", dsk_test_g.case_name, why);
 }
 
+/* A failed check inside a case fails the case; outside any case (setup in main, a helper run
+   between cases) it counts as one failed case of its own, so it can never leave exit status 0. */
 static inline void dsk_test_fail_at(const char *file, int line, const char *fmt, ...) {
     va_list ap;
-    dsk_test_g.case_failed = 1;
     dsk_test_g.checks_failed_total++;
-    printf("     %s:%d: %s: ", file, line, dsk_test_g.case_name);
+    if (dsk_test_g.in_case) {
+        dsk_test_g.case_failed = 1;
+        printf("     %s:%d: %s: ", file, line, dsk_test_g.case_name);
+    } else {
+        dsk_test_g.failed++;
+        printf("FAIL %s:%d: outside any case: ", file, line);
+    }
     va_start(ap, fmt);
     vprintf(fmt, ap);
     va_end(ap);

@@ -5,13 +5,14 @@
    compute all of them), folded in the documented order: rank 0, 1, ..., n-1, in f32 for
    float dtypes (rounded once) and int64 for integers. Each case forks its ranks; a rank
    exits non-zero when any of its checks failed, and the parent counts the case. Faults:
-   killed and stopped ranks, mismatched calls, bad environment, busy port, missing store,
-   close + re-init without leaks. Run with `<binary> --rank-child` it is a rank of the
-   dsk_comm_spawn_local end-to-end case. */
+   killed and stopped ranks (rank 0 too), mismatched calls and roots, differing options,
+   another job on the port, a duplicate rank, bad environment, busy port, missing store,
+   close + re-init without leaks. Launchers: dsk_comm_spawn_local, mpirun and torchrun when
+   installed; run with `<binary> --rank-child` it is a rank of those end-to-end cases. */
 #define DSK_TENSOR_IMPLEMENTATION
 #define DSK_COMM_IMPLEMENTATION
 #include "dsk_comm.h"
-#include "dsk_test.h"
+#include "tests/dsk_test.h"
 
 #include <dirent.h>
 
@@ -62,7 +63,9 @@ static int run_group(group *g, rank_fn fn, void *arg) {
             if (g->no_init) fn(NULL, arg);
             else {
                 dsk_status st = dsk_comm_init(&c, r, g->world_override[r] ? g->world_override[r] : g->n, &g->opts);
-                if (st != DSK_OK) dsk_test_fail_at(__FILE__, __LINE__, "rank %d: dsk_comm_init: %s: %s", r, dsk_status_str(st), dsk_last_error());
+                if (st != DSK_OK)
+                    dsk_test_fail_at(__FILE__, __LINE__, "rank %d: dsk_comm_init: %s: %s", r, dsk_status_str(st),
+                                     dsk_last_error());
                 else {
                     fn(&c, arg);
                     dsk_comm_free(&c);
@@ -121,12 +124,14 @@ static uint64_t g_seed;
 static void gen(void *buf, dsk_dtype dt, int64_t n, uint64_t tag, int r) {
     for (int64_t i = 0; i < n; i++) {
         uint64_t u = mix64(g_seed ^ mix64(tag * 131 + (uint64_t)r) ^ (uint64_t)i * 0xD1B54A32D192ED03ull);
-        float f = (float)((double)(u >> 11) * (1.0 / 9007199254740992.0) * 4.0 - 2.0);
+        double d = (double)(u >> 11) * (1.0 / 9007199254740992.0) * 4.0 - 2.0; /* f64: all 53 bits */
+        float f = (float)d;
         if (f == 0) f = 0.5f;
         switch (dt) {
         case DSK_F32: ((float *)buf)[i] = f; break;
         case DSK_F16: ((uint16_t *)buf)[i] = dsk_f32_to_f16(f); break;
         case DSK_BF16: ((uint16_t *)buf)[i] = dsk_f32_to_bf16(f); break;
+        case DSK_F64: ((double *)buf)[i] = d != 0 ? d : 0.5; break;
         case DSK_I32: ((int32_t *)buf)[i] = (int32_t)(u >> 36) - (1 << 27); break;
         case DSK_I64: ((int64_t *)buf)[i] = (int64_t)(u >> 4) - ((int64_t)1 << 59); break;
         default: ((uint8_t *)buf)[i] = (uint8_t)(u >> 58); break;
@@ -139,6 +144,7 @@ static double load_d(const void *p, dsk_dtype dt, int64_t i) {
     case DSK_F32: return ((const float *)p)[i];
     case DSK_F16: return dsk_f16_to_f32(((const uint16_t *)p)[i]);
     case DSK_BF16: return dsk_bf16_to_f32(((const uint16_t *)p)[i]);
+    case DSK_F64: return ((const double *)p)[i];
     case DSK_I32: return ((const int32_t *)p)[i];
     case DSK_I64: return (double)((const int64_t *)p)[i];
     default: return ((const uint8_t *)p)[i];
@@ -148,7 +154,14 @@ static double load_d(const void *p, dsk_dtype dt, int64_t i) {
 /* out[i] = in[0][off+i] op ... op in[n-1][off+i], folded in rank order as documented. */
 static void ref_reduce(dsk_dtype dt, dsk_comm_op op, int n, void **in, int64_t off, int64_t len, void *out) {
     for (int64_t i = 0; i < len; i++) {
-        if (dt == DSK_F32 || dt == DSK_F16 || dt == DSK_BF16) {
+        if (dt == DSK_F64) {
+            double a = ((double *)in[0])[off + i];
+            for (int r = 1; r < n; r++) {
+                double x = ((double *)in[r])[off + i];
+                a = op == DSK_COMM_MAX ? (x > a ? x : a) : op == DSK_COMM_MIN ? (x < a ? x : a) : a + x;
+            }
+            ((double *)out)[i] = op == DSK_COMM_AVG ? a / n : a;
+        } else if (dt == DSK_F32 || dt == DSK_F16 || dt == DSK_BF16) {
             float a = (float)load_d(in[0], dt, off + i);
             for (int r = 1; r < n; r++) {
                 float x = (float)load_d(in[r], dt, off + i);
@@ -172,7 +185,7 @@ static void ref_reduce(dsk_dtype dt, dsk_comm_op op, int n, void **in, int64_t o
     }
 }
 
-static const dsk_dtype k_dtypes[] = {DSK_F32, DSK_F16, DSK_BF16, DSK_I32, DSK_I64, DSK_U8};
+static const dsk_dtype k_dtypes[] = {DSK_F32, DSK_F16, DSK_BF16, DSK_F64, DSK_I32, DSK_I64, DSK_U8};
 static const dsk_comm_op k_ops[] = {DSK_COMM_SUM, DSK_COMM_AVG, DSK_COMM_MAX, DSK_COMM_MIN};
 /* 0, 1, odd, around the small-message threshold and several pieces (piece_bytes 64 KiB) */
 static const int64_t k_sizes[] = {0, 1, 7, 129, 4099, 70001};
@@ -199,8 +212,8 @@ static void check_all_reduce(dsk_comm *c, dsk_dtype dt, dsk_comm_op op, int64_t 
     void **in = gen_all(n, dt, len, tag);
     char *got = (char *)malloc(bytes + 1), *want = (char *)malloc(bytes + 1);
     char label[160];
-    snprintf(label, sizeof label, "rank %d: all_reduce %s %s count %lld %s", c->rank, dsk_dtype_name(dt), dsk_comm_op_name(op),
-             (long long)len, in_place ? "in place" : "out of place");
+    snprintf(label, sizeof label, "rank %d: all_reduce %s %s count %lld %s", c->rank, dsk_dtype_name(dt),
+             dsk_comm_op_name(op), (long long)len, in_place ? "in place" : "out of place");
     if (in_place) memcpy(got, in[c->rank], bytes);
     else dsk_test_poison_bytes(got, bytes);
     ref_reduce(dt, op, n, in, 0, len, want);
@@ -253,7 +266,8 @@ static void rank_reduce_scatter(dsk_comm *c, void *arg) {
                 ref_reduce(dt, k_ops[o], n, in, (int64_t)c->rank * len, len, want);
                 if (in_place) {
                     /* recv = send + rank * block, on a copy of the input */
-                    char *copy = (char *)malloc((size_t)len * n * esz + 1), *buf = copy + (size_t)c->rank * (size_t)len * esz;
+                    char *copy = (char *)malloc((size_t)len * n * esz + 1),
+                         *buf = copy + (size_t)c->rank * (size_t)len * esz;
                     memcpy(copy, in[c->rank], (size_t)len * n * esz);
                     DSK_TEST_OK(dsk_comm_reduce_scatter(c, NULL, copy, buf, len, dt, k_ops[o]));
                     DSK_TEST_SAME_BYTES(buf, want, (size_t)len * esz, label);
@@ -282,8 +296,8 @@ static void rank_all_gather(dsk_comm *c, void *arg) {
                 void **in = gen_all(n, dt, len, tag++);
                 char *got = (char *)malloc(blk * n + 1), *want = (char *)malloc(blk * n + 1);
                 char label[160];
-                snprintf(label, sizeof label, "rank %d: all_gather %s count %lld%s", c->rank, dsk_dtype_name(dt), (long long)len,
-                         in_place ? " in place" : "");
+                snprintf(label, sizeof label, "rank %d: all_gather %s count %lld%s", c->rank, dsk_dtype_name(dt),
+                         (long long)len, in_place ? " in place" : "");
                 for (int r = 0; r < n; r++) memcpy(want + r * blk, in[r], blk);
                 dsk_test_poison_bytes(got, blk * n);
                 if (in_place) {
@@ -325,6 +339,107 @@ static void rank_broadcast(dsk_comm *c, void *arg) {
             }
 }
 
+/* Rooted collectives at roots 0 and n - 1; the other ranks' recv is NULL or a poisoned buffer
+   that must stay untouched. in place on the root every other case. */
+static void rank_reduce(dsk_comm *c, void *arg) {
+    int n = c->world_size, me = c->rank;
+    uint64_t tag = 14000;
+    (void)arg;
+    for (size_t d = 0; d < sizeof k_dtypes / sizeof *k_dtypes; d++)
+        for (size_t o = 0; o < 4; o++)
+            for (size_t s = 0; s < sizeof k_sizes / sizeof *k_sizes; s++)
+                for (int root = 0; root < n; root += (n > 1 ? n - 1 : 1)) {
+                    dsk_dtype dt = k_dtypes[d];
+                    int64_t len = k_sizes[s];
+                    size_t bytes = (size_t)len * dsk_dtype_size(dt);
+                    /* the fold is all_reduce's (checked there for every op and size): here every size
+                       with sum, the other ops on one small and one large (reduce-scatter) size */
+                    if (k_ops[o] != DSK_COMM_SUM && len != 7 && len != 70001) continue;
+                    void **in = gen_all(n, dt, len, tag++);
+                    char *got = (char *)malloc(bytes + 1), *want = (char *)malloc(bytes + 1),
+                         *poison = (char *)malloc(bytes + 1);
+                    char label[160];
+                    int in_place = (int)((s + o) & 1);
+                    snprintf(label, sizeof label, "rank %d: reduce %s %s count %lld root %d%s", me, dsk_dtype_name(dt),
+                             dsk_comm_op_name(k_ops[o]), (long long)len, root, in_place ? " in place" : "");
+                    dsk_test_poison_bytes(got, bytes);
+                    dsk_test_poison_bytes(poison, bytes);
+                    if (me == root) {
+                        ref_reduce(dt, k_ops[o], n, in, 0, len, want);
+                        if (in_place) memcpy(got, in[me], bytes);
+                        DSK_TEST_OK(dsk_comm_reduce(c, NULL, in_place ? got : in[me], got, len, dt, k_ops[o], root));
+                        DSK_TEST_SAME_BYTES(got, want, bytes, label);
+                    } else {
+                        DSK_TEST_OK(dsk_comm_reduce(c, NULL, in[me], in_place ? NULL : got, len, dt, k_ops[o], root));
+                        DSK_TEST_SAME_BYTES(got, poison, bytes, label); /* untouched off the root */
+                    }
+                    free(got);
+                    free(want);
+                    free(poison);
+                    free_all(n, in);
+                }
+}
+
+static void rank_gather(dsk_comm *c, void *arg) {
+    int n = c->world_size, me = c->rank;
+    uint64_t tag = 15000;
+    (void)arg;
+    for (size_t d = 0; d < sizeof k_dtypes / sizeof *k_dtypes; d++)
+        for (size_t s = 0; s < sizeof k_sizes / sizeof *k_sizes; s++)
+            for (int root = 0; root < n; root += (n > 1 ? n - 1 : 1)) {
+                dsk_dtype dt = k_dtypes[d];
+                int64_t len = k_sizes[s];
+                size_t blk = (size_t)len * dsk_dtype_size(dt);
+                void **in = gen_all(n, dt, len, tag++);
+                char *got = (char *)malloc(blk * n + 1), *want = (char *)malloc(blk * n + 1), label[160];
+                int in_place = (int)(s & 1);
+                snprintf(label, sizeof label, "rank %d: gather %s count %lld root %d%s", me, dsk_dtype_name(dt),
+                         (long long)len, root, in_place ? " in place" : "");
+                dsk_test_poison_bytes(got, blk * n);
+                memcpy(want, got, blk * n); /* off the root: untouched */
+                if (me == root) {
+                    for (int r = 0; r < n; r++) memcpy(want + r * blk, in[r], blk);
+                    if (in_place) memcpy(got + me * blk, in[me], blk);
+                }
+                DSK_TEST_OK(dsk_comm_gather(c, NULL, in_place && me == root ? got + me * blk : in[me],
+                                            in_place && me != root ? NULL : got, len, dt, root));
+                DSK_TEST_SAME_BYTES(got, want, blk * n, label);
+                free(got);
+                free(want);
+                free_all(n, in);
+            }
+}
+
+static void rank_scatter(dsk_comm *c, void *arg) {
+    int n = c->world_size, me = c->rank;
+    uint64_t tag = 16000;
+    (void)arg;
+    for (size_t d = 0; d < sizeof k_dtypes / sizeof *k_dtypes; d++)
+        for (size_t s = 0; s < sizeof k_sizes / sizeof *k_sizes; s++)
+            for (int root = 0; root < n; root += (n > 1 ? n - 1 : 1)) {
+                dsk_dtype dt = k_dtypes[d];
+                int64_t len = k_sizes[s];
+                size_t blk = (size_t)len * dsk_dtype_size(dt);
+                void **in = gen_all(n, dt, len * n, tag++);
+                char *got = (char *)malloc(blk * n + 1), label[160];
+                int in_place = (int)(s & 1);
+                snprintf(label, sizeof label, "rank %d: scatter %s count %lld root %d%s", me, dsk_dtype_name(dt),
+                         (long long)len, root, in_place ? " in place" : "");
+                dsk_test_poison_bytes(got, blk * n);
+                if (me == root && in_place) {
+                    memcpy(got, in[root], blk * n);
+                    DSK_TEST_OK(dsk_comm_scatter(c, NULL, got, got + me * blk, len, dt, root));
+                    DSK_TEST_SAME_BYTES(got, in[root], blk * n, label); /* its block in place, the rest as it was */
+                } else {
+                    const void *src = me == root ? in[root] : in_place ? NULL : in[me]; /* NULL off the root */
+                    DSK_TEST_OK(dsk_comm_scatter(c, NULL, src, got, len, dt, root));
+                    DSK_TEST_SAME_BYTES(got, (char *)in[root] + me * blk, blk, label);
+                }
+                free(got);
+                free_all(n, in);
+            }
+}
+
 static void rank_all_to_all(dsk_comm *c, void *arg) {
     int n = c->world_size;
     uint64_t tag = 5000;
@@ -338,8 +453,8 @@ static void rank_all_to_all(dsk_comm *c, void *arg) {
             char *got = (char *)malloc(blk * n + 1), *want = (char *)malloc(blk * n + 1);
             char label[160];
             int in_place = (int)(s & 1);
-            snprintf(label, sizeof label, "rank %d: all_to_all %s block %lld%s", c->rank, dsk_dtype_name(dt), (long long)len,
-                     in_place ? " in place" : "");
+            snprintf(label, sizeof label, "rank %d: all_to_all %s block %lld%s", c->rank, dsk_dtype_name(dt),
+                     (long long)len, in_place ? " in place" : "");
             for (int p = 0; p < n; p++) memcpy(want + p * blk, (char *)in[p] + c->rank * blk, blk);
             if (in_place) memcpy(got, in[c->rank], blk * n);
             else dsk_test_poison_bytes(got, blk * n);
@@ -397,9 +512,10 @@ static void rank_all_to_all_v(dsk_comm *c, void *arg) {
                     for (int q = 0; q < me; q++) off += a2av_count(tag, p, q, scales[s]) + gap;
                     memcpy(want + rd[p] * (int64_t)esz, (char *)in[p] + off * (int64_t)esz, (size_t)rc[p] * esz);
                 }
-                snprintf(label, sizeof label, "rank %d: all_to_all_v %s scale %lld%s", me, dsk_dtype_name(dt), (long long)scales[s],
-                         packed ? " packed (NULL displacements)" : " with gaps");
-                DSK_TEST_OK(dsk_comm_all_to_all_v(c, NULL, in[me], sc, packed ? NULL : sd, got, rc, packed ? NULL : rd, dt));
+                snprintf(label, sizeof label, "rank %d: all_to_all_v %s scale %lld%s", me, dsk_dtype_name(dt),
+                         (long long)scales[s], packed ? " packed (NULL displacements)" : " with gaps");
+                DSK_TEST_OK(
+                    dsk_comm_all_to_all_v(c, NULL, in[me], sc, packed ? NULL : sd, got, rc, packed ? NULL : rd, dt));
                 DSK_TEST_SAME_BYTES(got, want, (size_t)rtot * esz, label);
                 free(got);
                 free(want);
@@ -451,8 +567,8 @@ static void rank_split(dsk_comm *c, void *arg) {
     DSK_TEST_OK(dsk_comm_split(c, color, -me, &sub));
     for (int r = 0; r < n; r++)
         if (r % 2 == color) { members++; if (r > me) my_index++; }
-    DSK_TEST_EXPECT(sub.world_size == members && sub.rank == my_index, "rank %d: sub rank %d of %d, want %d of %d", me, sub.rank,
-                    sub.world_size, my_index, members);
+    DSK_TEST_EXPECT(sub.world_size == members && sub.rank == my_index, "rank %d: sub rank %d of %d, want %d of %d", me,
+                    sub.rank, sub.world_size, my_index, members);
     /* all-reduce in the sub-group: fold in sub-rank order = descending world rank */
     {
         void **in = gen_all(n, DSK_F32, 5, 8000), *ord[8];
@@ -466,7 +582,8 @@ static void rank_split(dsk_comm *c, void *arg) {
     }
     /* a split where the last rank joins nothing */
     DSK_TEST_OK(dsk_comm_split(c, me == n - 1 ? DSK_COMM_NO_COLOR : 0, 0, &solo));
-    if (me == n - 1) DSK_TEST_EXPECT(solo.world_size == 0 && solo.impl == NULL, "NO_COLOR gave a group of %d", solo.world_size);
+    if (me == n - 1)
+        DSK_TEST_EXPECT(solo.world_size == 0 && solo.impl == NULL, "NO_COLOR gave a group of %d", solo.world_size);
     else {
         int64_t one = 1, sum = 0;
         DSK_TEST_OK(dsk_comm_all_reduce(&solo, NULL, &one, &sum, 1, DSK_I64, DSK_COMM_SUM));
@@ -552,7 +669,8 @@ static void rank_store(dsk_comm *c, void *arg) {
         snprintf(key, sizeof key, "k%d", r);
         snprintf(want, sizeof want, "value of rank %d", r);
         DSK_TEST_OK(dsk_comm_store_get(c, key, got, sizeof got, &len));
-        DSK_TEST_EXPECT(len == strlen(want) + 1 && strcmp(got, want) == 0, "store %s = \"%s\" (len %zu)", key, got, len);
+        DSK_TEST_EXPECT(len == strlen(want) + 1 && strcmp(got, want) == 0, "store %s = \"%s\" (len %zu)", key, got,
+                        len);
     }
     DSK_TEST_OK(dsk_comm_store_add(c, "counter", 0, &total));
     DSK_TEST_EXPECT(total == n * (n + 1) / 2, "counter %lld want %d", (long long)total, n * (n + 1) / 2);
@@ -564,7 +682,8 @@ static void rank_store(dsk_comm *c, void *arg) {
     } else {
         double t0 = dsk_test_now();
         DSK_TEST_OK(dsk_comm_store_get(c, "late", val, sizeof val, &len));
-        DSK_TEST_EXPECT(len == 1 && val[0] == 'x' && dsk_test_now() - t0 > 0.2, "late get returned after %.2f s", dsk_test_now() - t0);
+        DSK_TEST_EXPECT(len == 1 && val[0] == 'x' && dsk_test_now() - t0 > 0.2, "late get returned after %.2f s",
+                        dsk_test_now() - t0);
     }
     DSK_TEST_OK(dsk_comm_store_barrier(c));
 }
@@ -585,7 +704,8 @@ static void case_store_timeout(void) {
     t0 = dsk_test_now();
     DSK_TEST_STATUS(dsk_comm_store_get(&c, "never-set", buf, sizeof buf, NULL), DSK_ERR_TIMEOUT);
     DSK_TEST_ERROR_MENTIONS("key \"never-set\"");
-    DSK_TEST_EXPECT(dsk_test_now() - t0 < 2.0, "store get timed out after %.2f s for a 0.5 s timeout", dsk_test_now() - t0);
+    DSK_TEST_EXPECT(dsk_test_now() - t0 < 2.0, "store get timed out after %.2f s for a 0.5 s timeout",
+                    dsk_test_now() - t0);
     dsk_comm_free(&c);
 }
 
@@ -616,9 +736,11 @@ static void rank_buckets(dsk_comm *c, void *argp) {
             int first = -1, count = 0;
             size_t bytes = 0;
             DSK_TEST_OK(dsk_comm_buckets_range(&b, k, &first, &count));
-            DSK_TEST_EXPECT(first + count == next && count >= 1, "bucket %d = [%d, %d) does not continue at %d", k, first, first + count, next);
+            DSK_TEST_EXPECT(first + count == next && count >= 1, "bucket %d = [%d, %d) does not continue at %d", k,
+                            first, first + count, next);
             for (int i = first; i < first + count; i++) bytes += (size_t)a->counts[i] * esz;
-            DSK_TEST_EXPECT(count == 1 || bytes <= (k == 0 ? a->first : a->cap), "bucket %d holds %zu bytes over its cap", k, bytes);
+            DSK_TEST_EXPECT(count == 1 || bytes <= (k == 0 ? a->first : a->cap),
+                            "bucket %d holds %zu bytes over its cap", k, bytes);
             if (first > 0 && k + 1 < b.n_buckets)
                 DSK_TEST_EXPECT(bytes + (size_t)a->counts[first - 1] * esz > (k == 0 ? a->first : a->cap),
                                 "bucket %d closed early at %zu bytes", k, bytes);
@@ -633,7 +755,8 @@ static void rank_buckets(dsk_comm *c, void *argp) {
     for (int i = a->n_params - 1; i >= 0; i--) DSK_TEST_OK(dsk_comm_buckets_mark_ready(&b, i));
     DSK_TEST_OK(dsk_comm_buckets_wait(&b));
     DSK_TEST_SAME_BYTES(flat, before, (size_t)total * esz, "accumulation pass changed the gradients");
-    DSK_TEST_EXPECT(b.bytes == 0 && b.reductions == 0, "accumulation pass moved %llu bytes", (unsigned long long)b.bytes);
+    DSK_TEST_EXPECT(b.bytes == 0 && b.reductions == 0, "accumulation pass moved %llu bytes",
+                    (unsigned long long)b.bytes);
     /* last micro-batch: buckets start while later "backward" work continues; compare with a plain all-reduce */
     for (int step = 0; step < 2; step++) {
         gen(flat, a->dt, total, 11001 + (uint64_t)step, me);
@@ -649,7 +772,8 @@ static void rank_buckets(dsk_comm *c, void *argp) {
     }
     DSK_TEST_EXPECT(b.bytes == 2 * (uint64_t)total * esz && b.reductions == 2 * b.n_buckets && b.seconds > 0,
                     "stats: %llu bytes (want %llu), %lld reductions (want %d), %.4f s", (unsigned long long)b.bytes,
-                    (unsigned long long)(2 * total * (int64_t)esz), (long long)b.reductions, 2 * b.n_buckets, b.seconds);
+                    (unsigned long long)(2 * total * (int64_t)esz), (long long)b.reductions, 2 * b.n_buckets,
+                    b.seconds);
     /* misuse */
     DSK_TEST_OK(dsk_comm_buckets_begin(&b, 1));
     DSK_TEST_OK(dsk_comm_buckets_mark_ready(&b, a->n_params - 1));
@@ -676,7 +800,8 @@ static void rank_nan(dsk_comm *c, void *arg) {
         if (me == n - 1) x[5] = NAN;  /* NaN on the last rank ... */
         if (me == 0) x[9] = NAN;      /* ... and on the first */
         DSK_TEST_OK(dsk_comm_all_reduce(c, NULL, x, y, 64, DSK_F32, k_ops[o]));
-        DSK_TEST_EXPECT(y[5] != y[5] && y[9] != y[9], "%s: NaN did not propagate (%g, %g)", dsk_comm_op_name(k_ops[o]), y[5], y[9]);
+        DSK_TEST_EXPECT(y[5] != y[5] && y[9] != y[9], "%s: NaN did not propagate (%g, %g)", dsk_comm_op_name(k_ops[o]),
+                        y[5], y[9]);
         memcpy(first, y, sizeof y);
         DSK_TEST_OK(dsk_comm_broadcast(c, NULL, first, first, 64, DSK_F32, 0));
         DSK_TEST_SAME_BYTES(y, first, sizeof y, "result differs from rank 0's");
@@ -702,7 +827,8 @@ static void rank_bucket_fault(dsk_comm *c, void *arg) {
     for (int i = 2; i >= 0; i--) DSK_TEST_OK(dsk_comm_buckets_mark_ready(&b, i));
     t0 = dsk_test_now();
     st = dsk_comm_buckets_wait(&b);
-    printf("     rank %d: buckets_wait %s after %.2f s: %s\n", c->rank, dsk_status_str(st), dsk_test_now() - t0, dsk_last_error());
+    printf("     rank %d: buckets_wait %s after %.2f s: %s\n", c->rank, dsk_status_str(st), dsk_test_now() - t0,
+           dsk_last_error());
     DSK_TEST_EXPECT(st == DSK_ERR_PEER || st == DSK_ERR_TIMEOUT, "wait returned %s", dsk_status_str(st));
     DSK_TEST_ERROR_MENTIONS("rank 1");
     DSK_TEST_ERROR_MENTIONS("dsk_comm_buckets_wait: bucket ");
@@ -734,13 +860,14 @@ static void rank_victim(dsk_comm *c, void *argp) {
     for (int i = 0; i < 2; i++) DSK_TEST_OK(dsk_comm_all_reduce(c, NULL, x, x, a->count, DSK_F32, DSK_COMM_SUM));
     if (c->rank == a->victim) raise(a->sig);
     t0 = dsk_test_now();
-    for (int i = 0; i < 3 && st == DSK_OK; i++) st = dsk_comm_all_reduce(c, NULL, x, x, a->count, DSK_F32, DSK_COMM_SUM);
+    for (int i = 0; i < 3 && st == DSK_OK; i++)
+        st = dsk_comm_all_reduce(c, NULL, x, x, a->count, DSK_F32, DSK_COMM_SUM);
     printf("     rank %d: %s after %.2f s: %s\n", c->rank, dsk_status_str(st), dsk_test_now() - t0, dsk_last_error());
     snprintf(name, sizeof name, "rank %d", a->victim);
     DSK_TEST_EXPECT(st == DSK_ERR_PEER || st == DSK_ERR_TIMEOUT, "rank %d got %s", c->rank, dsk_status_str(st));
     DSK_TEST_ERROR_MENTIONS(name);
     DSK_TEST_ERROR_MENTIONS("dsk_comm_all_reduce");
-    DSK_TEST_EXPECT(dsk_test_now() - t0 < 2.0 + 1.5, "took %.2f s for a 2 s timeout", dsk_test_now() - t0);
+    DSK_TEST_EXPECT(dsk_test_now() - t0 < 1.0 + 1.0, "took %.2f s for a 1 s timeout", dsk_test_now() - t0);
     DSK_TEST_STATUS(dsk_comm_all_reduce(c, NULL, x, x, a->count, DSK_F32, DSK_COMM_SUM), DSK_ERR_STATE);
     DSK_TEST_ERROR_MENTIONS("unusable after an earlier error");
     free(x);
@@ -750,7 +877,7 @@ static void case_rank_dies(int sig, int64_t count) {
     group g;
     fault_arg a;
     group_defaults(&g, 3);
-    g.opts = fault_opts(2.0);
+    g.opts = fault_opts(1.0);
     a.victim = 2;
     a.sig = sig;
     a.count = count;
@@ -758,6 +885,63 @@ static void case_rank_dies(int sig, int64_t count) {
     run_group(&g, rank_victim, &a);
     DSK_TEST_EXPECT(g.status[0] == 0 && g.status[1] == 0, "surviving ranks exited %d %d", g.status[0], g.status[1]);
     DSK_TEST_EXPECT(g.status[2] == 128 + SIGKILL, "victim exited %d", g.status[2]);
+}
+
+/* Rank 0 hosts the store that relays root causes (issue 10 item 11): when it dies, every
+   survivor must name it, not another survivor that failed after it. chain: ranks 1..3 each
+   receive from the previous rank, so ranks 2 and 3 see a survivor hang up, never rank 0;
+   otherwise a 4 MB all_reduce. */
+static void rank_zero_dies(dsk_comm *c, void *argp) {
+    int chain = *(const int *)argp;
+    int64_t n = chain ? 1 : 1 << 20;
+    float *x = (float *)malloc((size_t)n * sizeof(float));
+    dsk_status st;
+    double t0;
+    gen(x, DSK_F32, n, 21, c->rank);
+    DSK_TEST_OK(dsk_comm_barrier(c, NULL));
+    if (c->rank == 0) raise(SIGKILL);
+    t0 = dsk_test_now();
+    st = chain ? dsk_comm_recv(c, NULL, x, 1, DSK_F32, c->rank - 1)
+               : dsk_comm_all_reduce(c, NULL, x, x, n, DSK_F32, DSK_COMM_SUM);
+    printf("     rank %d: %s after %.2f s: %s\n", c->rank, dsk_status_str(st), dsk_test_now() - t0, dsk_last_error());
+    DSK_TEST_STATUS(st, DSK_ERR_PEER);
+    DSK_TEST_ERROR_MENTIONS("rank 0, which serves the key-value store at 127.0.0.1:");
+    DSK_TEST_ERROR_MENTIONS("is gone (exited or crashed)");
+    DSK_TEST_EXPECT(dsk_test_now() - t0 < 1.5, "rank %d took %.2f s to fail", c->rank, dsk_test_now() - t0);
+    free(x);
+}
+
+static void case_zero_dies(int chain) {
+    group g;
+    group_defaults(&g, 4);
+    g.opts = fault_opts(3.0);
+    run_group(&g, rank_zero_dies, &chain);
+    DSK_TEST_EXPECT(g.status[0] == 128 + SIGKILL, "rank 0 exited %d", g.status[0]);
+    for (int r = 1; r < 4; r++) DSK_TEST_EXPECT(g.status[r] == 0, "surviving rank %d exited %d", r, g.status[r]);
+}
+
+/* Rank 0 is stopped (issue 10 item 12): the survivors time out in the timeout, not a second
+   later, and the time in the message is the time the call took. */
+static void rank_zero_stops(dsk_comm *c, void *arg) {
+    float x[100];
+    dsk_status st;
+    double t0, took, said = -1;
+    const char *at;
+    (void)arg;
+    gen(x, DSK_F32, 100, 22, c->rank);
+    for (int i = 0; i < 2; i++) DSK_TEST_OK(dsk_comm_all_reduce(c, NULL, x, x, 100, DSK_F32, DSK_COMM_SUM));
+    if (c->rank == 0) raise(SIGSTOP);
+    t0 = dsk_test_now();
+    st = dsk_comm_all_reduce(c, NULL, x, x, 100, DSK_F32, DSK_COMM_SUM);
+    took = dsk_test_now() - t0;
+    printf("     rank %d: %s after %.2f s: %s\n", c->rank, dsk_status_str(st), took, dsk_last_error());
+    DSK_TEST_STATUS(st, DSK_ERR_TIMEOUT);
+    DSK_TEST_ERROR_MENTIONS("waiting for rank 0");
+    at = strstr(dsk_last_error(), "timed out after ");
+    if (at) said = atof(at + strlen("timed out after "));
+    DSK_TEST_EXPECT(took < 1.0 + 0.4, "rank %d failed after %.2f s for a 1 s timeout", c->rank, took);
+    DSK_TEST_EXPECT(said >= 0 && fabs(took - said) < 0.25, "rank %d: the message says %.2f s, the call took %.2f s",
+                    c->rank, said, took);
 }
 
 typedef struct mismatch_arg { int kind; } mismatch_arg;
@@ -779,15 +963,24 @@ static void rank_mismatch(dsk_comm *c, void *argp) {
                                     : dsk_comm_all_reduce(c, NULL, x, y, 100, DSK_F32, DSK_COMM_SUM);
     else if (a->kind == 2) st = odd ? dsk_comm_all_gather(c, NULL, x, y, 100, DSK_F32)
                                     : dsk_comm_all_reduce(c, NULL, x, y, 100, DSK_F32, DSK_COMM_SUM);
-    else {
+    else if (a->kind == 3) {
         int64_t sc[4] = {1, 1, 1, 1}, rc[4] = {1, 1, 1, 1};
         if (c->rank == 0) rc[1] = 2; /* rank 0 expects 2 elements from rank 1, which sends 1 */
         st = dsk_comm_all_to_all_v(c, NULL, x, sc, NULL, y, rc, NULL, DSK_F32);
+    } else {
+        /* rank 0 takes itself for the root, the others rank 1. 150 elements take the large-
+           message path (small_bytes 512): broadcast's scatter + all-gather, reduce's
+           reduce-scatter */
+        int64_t count = a->kind == 5 || a->kind == 7 ? 150 : 100;
+        int root = c->rank == 0 ? 0 : 1;
+        if (a->kind <= 5) st = dsk_comm_broadcast(c, NULL, x, y, count, DSK_F32, root);
+        else if (a->kind <= 7) st = dsk_comm_reduce(c, NULL, x, y, count, DSK_F32, DSK_COMM_SUM, root);
+        else if (a->kind == 8) st = dsk_comm_gather(c, NULL, x, y, count, DSK_F32, root);
+        else st = dsk_comm_scatter(c, NULL, y, x, count, DSK_F32, root);
     }
-    printf("     rank %d: %s after %.2f s: %s\n", c->rank, dsk_status_str(st), dsk_test_now() - t0, dsk_last_error());
-    /* all_to_all_v: rank 1 sent what rank 0 does not expect but itself got what it expected */
-    if (a->kind != 3 || c->rank == 0)
-        DSK_TEST_EXPECT(st == DSK_ERR_PEER || st == DSK_ERR_TIMEOUT, "rank %d got %s", c->rank, dsk_status_str(st));
+    printf("     rank %d: %s after %.2f s: %s\n", c->rank, dsk_status_str(st), dsk_test_now() - t0,
+           st ? dsk_last_error() : "");
+    DSK_TEST_EXPECT(st == DSK_ERR_PEER || st == DSK_ERR_TIMEOUT, "rank %d got %s", c->rank, dsk_status_str(st));
     if (a->kind == 0 && st == DSK_ERR_PEER) {
         DSK_TEST_ERROR_MENTIONS("mismatched calls");
         DSK_TEST_ERROR_MENTIONS("count 100");
@@ -804,7 +997,17 @@ static void rank_mismatch(dsk_comm *c, void *argp) {
         DSK_TEST_ERROR_MENTIONS("all_gather(count 100, f32)");
         DSK_TEST_ERROR_MENTIONS("all_reduce(count 100, f32, sum)");
     }
-    if (a->kind == 3 && c->rank == 0) DSK_TEST_ERROR_MENTIONS("expects all_to_all_v(count 2, f32)");
+    /* all_to_all_v: the receiver and the sender both fail with the same sentence */
+    if (a->kind == 3)
+        DSK_TEST_ERROR_MENTIONS("all_to_all_v counts disagree: rank 1 sends rank 0 1 elements but rank 0 expects 2");
+    if (a->kind >= 4) {
+        static const char *fns[] = {"dsk_comm_broadcast: ", "dsk_comm_broadcast: ", "dsk_comm_reduce: ",
+                                    "dsk_comm_reduce: ", "dsk_comm_gather: ", "dsk_comm_scatter: "};
+        DSK_TEST_ERROR_MENTIONS(fns[a->kind - 4]);
+        DSK_TEST_ERROR_MENTIONS("mismatched calls");
+        DSK_TEST_ERROR_MENTIONS(", root 0)");
+        DSK_TEST_ERROR_MENTIONS(", root 1)");
+    }
     DSK_TEST_EXPECT(dsk_test_now() - t0 < 3.5, "mismatch took %.2f s", dsk_test_now() - t0);
 }
 
@@ -813,6 +1016,7 @@ static void case_mismatch(int n, int kind) {
     mismatch_arg a;
     group_defaults(&g, n);
     g.opts = fault_opts(2.0);
+    g.opts.small_bytes = 512; /* 150 f32 take the large-message path */
     a.kind = kind;
     expect_group_ok(&g, rank_mismatch, &a);
 }
@@ -838,7 +1042,9 @@ static void rank_leaves(dsk_comm *c, void *arg) {
 /* Ranks that init with these world sizes and must fail with these errors within the timeout. */
 typedef struct init_expect {
     group g;
+    int n;                     /* processes [2] */
     int world[8];
+    size_t small[8], piece[8]; /* per-rank small_bytes and piece_bytes [default] */
     dsk_status want[8];
     const char *needle[8];
 } init_expect;
@@ -846,28 +1052,108 @@ typedef struct init_expect {
 static void rank_init_expect(dsk_comm *unused, void *argp) {
     const init_expect *e = (const init_expect *)argp;
     dsk_comm c;
+    dsk_comm_opts o = e->g.opts;
     double t0 = dsk_test_now();
     dsk_status st;
     (void)unused;
-    st = dsk_comm_init(&c, g_rank, e->world[g_rank], &e->g.opts);
-    printf("     rank %d: %s after %.2f s: %s\n", g_rank, dsk_status_str(st), dsk_test_now() - t0, dsk_last_error());
+    o.small_bytes = e->small[g_rank];
+    o.piece_bytes = e->piece[g_rank];
+    st = dsk_comm_init(&c, g_rank, e->world[g_rank], &o);
+    printf("     rank %d: %s after %.2f s: %s\n", g_rank, dsk_status_str(st), dsk_test_now() - t0,
+           st ? dsk_last_error() : "");
     DSK_TEST_EXPECT(st == e->want[g_rank], "rank %d: init returned %s, want %s", g_rank, dsk_status_str(st),
                     dsk_status_str(e->want[g_rank]));
+    if (st == DSK_OK) {
+        /* a world that came up anyway must compute correctly (a mismatch would show here) */
+        float x[1000], y[1000];
+        gen(x, DSK_F32, 1000, 31, c.rank);
+        DSK_TEST_OK(dsk_comm_all_reduce(&c, NULL, x, y, 1000, DSK_F32, DSK_COMM_SUM));
+        dsk_comm_free(&c);
+        return;
+    }
     DSK_TEST_ERROR_MENTIONS(e->needle[g_rank]);
-    DSK_TEST_EXPECT(dsk_test_now() - t0 < e->g.opts.timeout_s + 1.5, "init took %.2f s for a %.1f s timeout", dsk_test_now() - t0,
-                    e->g.opts.timeout_s);
+    DSK_TEST_EXPECT(dsk_test_now() - t0 < e->g.opts.timeout_s + 1.5, "init took %.2f s for a %.1f s timeout",
+                    dsk_test_now() - t0, e->g.opts.timeout_s);
     DSK_TEST_EXPECT(c.impl == NULL && c.world_size == 0, "failed init left state behind");
 }
 
 static void expect_init_failures(init_expect *e) {
-    group_defaults(&e->g, 2);
+    group_defaults(&e->g, e->n ? e->n : 2);
     e->g.no_init = 1;
-    e->g.opts = fault_opts(1.5);
+    e->g.opts = fault_opts(1.0);
     e->g.opts.backend = DSK_COMM_HOST;
     e->g.opts.master_addr = "127.0.0.1";
     DSK_TEST_OK(dsk_comm_free_port("127.0.0.1", &e->g.port));
     e->g.opts.master_port = e->g.port;
     expect_group_ok(&e->g, rank_init_expect, e);
+}
+
+/* Two jobs on one port (issue 10 item 7): job A's rank 0 serves the store and a rank 1 of job
+   B reaches it before job A's rank 1 does. The intruder must fail naming the other job, and
+   job A must run unharmed. The job id comes from opts.job_id, or (env = 1) from Open MPI's
+   variables through dsk_comm_init_env. */
+typedef struct two_jobs_arg { group g; int env; } two_jobs_arg;
+static void clear_env(void);
+
+static void rank_two_jobs(dsk_comm *unused, void *argp) {
+    const two_jobs_arg *a = (const two_jobs_arg *)argp;
+    dsk_comm_opts o = a->g.opts;
+    dsk_comm c;
+    dsk_status st;
+    int intruder = g_rank == 1, rank = g_rank == 0 ? 0 : 1;
+    double t0;
+    int64_t v = intruder ? 100 : rank + 1, sum = 0;
+    (void)unused;
+    if (g_rank == 2) {
+        struct timespec ts = {0, 400000000};
+        nanosleep(&ts, NULL);
+    }
+    t0 = dsk_test_now();
+    if (a->env) {
+        char port[16];
+        snprintf(port, sizeof port, "%d", a->g.port);
+        clear_env();
+        setenv("OMPI_COMM_WORLD_RANK", rank ? "1" : "0", 1);
+        setenv("OMPI_COMM_WORLD_SIZE", "2", 1);
+        setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2", 1);
+        setenv("MASTER_PORT", port, 1);
+        setenv("PMIX_NAMESPACE", intruder ? "job-B" : "job-A", 1);
+        unsetenv("DSK_JOB_ID");
+        o.master_addr = NULL;
+        o.master_port = 0;
+        st = dsk_comm_init_env(&c, &o);
+    } else {
+        o.job_id = intruder ? "job-B" : "job-A";
+        st = dsk_comm_init(&c, rank, 2, &o);
+    }
+    printf("     process %d (rank %d of job %s): init %s after %.2f s: %s\n", g_rank, rank, intruder ? "B" : "A",
+           dsk_status_str(st), dsk_test_now() - t0, st ? dsk_last_error() : "");
+    if (intruder) {
+        DSK_TEST_STATUS(st, DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("belongs to another job");
+        DSK_TEST_ERROR_MENTIONS("job-A");
+        DSK_TEST_ERROR_MENTIONS("job-B");
+    } else {
+        DSK_TEST_OK(st);
+    }
+    if (st != DSK_OK) return;
+    /* a merged intruder would add 100 to job A's sum */
+    DSK_TEST_OK(dsk_comm_all_reduce(&c, NULL, &v, &sum, 1, DSK_I64, DSK_COMM_SUM));
+    if (!intruder) DSK_TEST_EXPECT(sum == 3, "job A's sum is %lld, want 1 + 2 = 3", (long long)sum);
+    dsk_comm_free(&c);
+}
+
+static void case_two_jobs(int env) {
+    two_jobs_arg a;
+    group_defaults(&a.g, 3);
+    a.env = env;
+    a.g.no_init = 1;
+    a.g.opts = fault_opts(2.0);
+    a.g.opts.backend = DSK_COMM_HOST;
+    a.g.opts.master_addr = "127.0.0.1";
+    DSK_TEST_OK(dsk_comm_free_port("127.0.0.1", &a.g.port));
+    a.g.opts.master_port = a.g.port;
+    expect_group_ok(&a.g, rank_two_jobs, &a);
 }
 
 static void case_wrong_world(void) {
@@ -876,6 +1162,73 @@ static void case_wrong_world(void) {
     e.world[0] = 2; e.want[0] = DSK_ERR_TIMEOUT; e.needle[0] = "rank 1 of 2 to join";
     e.world[1] = 3; e.want[1] = DSK_ERR_ARG; e.needle[1] = "this rank (1) has WORLD_SIZE 3 but rank 0 has 2";
     expect_init_failures(&e);
+}
+
+/* Wire-protocol options that differ between ranks fail init on every rank (issue 10 item 8);
+   before, 2 ranks with different small_bytes summed half the elements wrong with DSK_OK. */
+static void case_options_differ(void) {
+    init_expect e;
+    memset(&e, 0, sizeof e);
+    for (int r = 0; r < 2; r++) { e.world[r] = 2; e.want[r] = DSK_ERR_ARG; }
+    e.small[1] = 1024;
+    e.needle[0] = "rank 1 has small_bytes 1024 but this rank (0) has 65536";
+    e.needle[1] = "rank 0 has small_bytes 65536 but this rank (1) has 1024";
+    expect_init_failures(&e);
+    memset(&e, 0, sizeof e);
+    e.n = 3;
+    for (int r = 0; r < 3; r++) { e.world[r] = 3; e.want[r] = DSK_ERR_ARG; e.needle[r] = "piece_bytes"; }
+    e.piece[2] = 4096;
+    e.needle[0] = e.needle[1] = "rank 2 has piece_bytes 4096 but this rank";
+    expect_init_failures(&e);
+}
+
+/* A duplicate RANK (issue 10 item 12): processes 1 and 2 both say rank 1 (process 2 a
+   moment later). Process 2 must fail at once with the documented message; the others run.
+   Before, it retried until the timeout and reported "no key-value store ... refused". */
+static void rank_duplicate(dsk_comm *unused, void *argp) {
+    const group *g = (const group *)argp;
+    dsk_comm c;
+    dsk_status st;
+    double t0;
+    int64_t v = g_rank, sum = 0;
+    (void)unused;
+    if (g_rank == 2) {
+        struct timespec ts = {0, 200000000};
+        nanosleep(&ts, NULL);
+    }
+    t0 = dsk_test_now();
+    st = dsk_comm_init(&c, g_rank ? 1 : 0, 2, &g->opts);
+    printf("     process %d (rank %d): %s after %.2f s: %s\n", g_rank, g_rank ? 1 : 0, dsk_status_str(st),
+           dsk_test_now() - t0, st ? dsk_last_error() : "");
+    if (g_rank == 2) {
+        DSK_TEST_STATUS(st, DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dsk_comm_init: rank 1 is claimed by 2 processes: pid ");
+        DSK_TEST_EXPECT(dsk_test_now() - t0 < 1.0, "the duplicate failed after %.2f s", dsk_test_now() - t0);
+        if (st == DSK_OK) dsk_comm_free(&c);
+        return;
+    }
+    DSK_TEST_OK(st);
+    if (st != DSK_OK) return;
+    DSK_TEST_OK(dsk_comm_all_reduce(&c, NULL, &v, &sum, 1, DSK_I64, DSK_COMM_SUM));
+    DSK_TEST_EXPECT(sum == 1, "sum %lld, want 0 + 1", (long long)sum);
+    /* stay up until the duplicate has had its answer */
+    {
+        struct timespec ts = {0, 400000000};
+        nanosleep(&ts, NULL);
+    }
+    dsk_comm_free(&c);
+}
+
+static void case_duplicate_rank(void) {
+    group g;
+    group_defaults(&g, 3);
+    g.no_init = 1;
+    g.opts = fault_opts(3.0);
+    g.opts.backend = DSK_COMM_HOST;
+    g.opts.master_addr = "127.0.0.1";
+    DSK_TEST_OK(dsk_comm_free_port("127.0.0.1", &g.port));
+    g.opts.master_port = g.port;
+    expect_group_ok(&g, rank_duplicate, &g);
 }
 
 static void case_missing_rank(void) {
@@ -923,10 +1276,11 @@ static void case_no_store(void) {
     DSK_TEST_EXPECT(dsk_test_now() - t0 < 2.5, "took %.2f s for a 1 s timeout", dsk_test_now() - t0);
 }
 
-static const char *k_env_vars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                                   "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                                   "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
-                                   "SLURM_NTASKS_PER_NODE", "TORCHELASTIC_USE_AGENT_STORE", "DSK_MASTER_PORT"};
+static const char *k_env_vars[] = {
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
+    "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "TORCHELASTIC_USE_AGENT_STORE", "DSK_MASTER_PORT", "DSK_JOB_ID",
+    "TORCHELASTIC_RUN_ID", "PMIX_NAMESPACE", "OMPI_MCA_orte_hnp_uri", "SLURM_JOB_ID", "SLURM_STEP_ID"};
 
 static void clear_env(void) {
     for (size_t i = 0; i < sizeof k_env_vars / sizeof *k_env_vars; i++) unsetenv(k_env_vars[i]);
@@ -954,8 +1308,8 @@ static void env_expect(dsk_status want, const char *needle, ...) {
         DSK_TEST_ERROR_MENTIONS(needle);
     } else {
         int32_t v = 5, s = 0;
-        DSK_TEST_EXPECT(c.rank == 0 && c.world_size == 1 && c.local_world_size == 1, "rank %d world %d local %d", c.rank,
-                        c.world_size, c.local_world_size);
+        DSK_TEST_EXPECT(c.rank == 0 && c.world_size == 1 && c.local_world_size == 1, "rank %d world %d local %d",
+                        c.rank, c.world_size, c.local_world_size);
         DSK_TEST_OK(dsk_comm_all_reduce(&c, NULL, &v, &s, 1, DSK_I32, DSK_COMM_SUM));
         DSK_TEST_EXPECT(s == 5, "world of one all_reduce gave %d", s);
         dsk_comm_free(&c);
@@ -970,13 +1324,17 @@ static void case_env(void) {
     snprintf(port, sizeof port, "%d", p);
     snprintf(pp, sizeof pp, "MASTER_PORT=%d", p);
     env_expect(DSK_ERR_ARG, "no launcher environment", (const char *)NULL);
-    env_expect(DSK_ERR_ARG, "RANK=\"abc\" is not a non-negative integer", "RANK=abc", "WORLD_SIZE=2", (const char *)NULL);
-    env_expect(DSK_ERR_ARG, "RANK=3 is not below WORLD_SIZE=2", "RANK=3", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1", (const char *)NULL);
+    env_expect(DSK_ERR_ARG, "RANK=\"abc\" is not a non-negative integer", "RANK=abc", "WORLD_SIZE=2",
+               (const char *)NULL);
+    env_expect(DSK_ERR_ARG, "RANK=3 is not below WORLD_SIZE=2", "RANK=3", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1",
+               (const char *)NULL);
     env_expect(DSK_ERR_ARG, "RANK is set but WORLD_SIZE is not", "RANK=0", (const char *)NULL);
     env_expect(DSK_ERR_ARG, "WORLD_SIZE=\"-2\"", "RANK=0", "WORLD_SIZE=-2", (const char *)NULL);
     env_expect(DSK_ERR_ARG, "MASTER_ADDR is not set", "RANK=1", "WORLD_SIZE=2", (const char *)NULL);
-    env_expect(DSK_ERR_ARG, "MASTER_PORT=\"70000\"", "RANK=0", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=70000", (const char *)NULL);
-    env_expect(DSK_ERR_ARG, "MASTER_PORT=\"12ab\"", "RANK=0", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=12ab", (const char *)NULL);
+    env_expect(DSK_ERR_ARG, "MASTER_PORT=\"70000\"", "RANK=0", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1",
+               "MASTER_PORT=70000", (const char *)NULL);
+    env_expect(DSK_ERR_ARG, "MASTER_PORT=\"12ab\"", "RANK=0", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1",
+               "MASTER_PORT=12ab", (const char *)NULL);
     env_expect(DSK_ERR_ARG, "LOCAL_RANK=4 is not below LOCAL_WORLD_SIZE=2", "RANK=0", "WORLD_SIZE=1", "LOCAL_RANK=4",
                "LOCAL_WORLD_SIZE=2", (const char *)NULL);
     env_expect(DSK_ERR_ARG, "cannot resolve address \"no.such.host.invalid\"", "RANK=0", "WORLD_SIZE=1",
@@ -985,8 +1343,10 @@ static void case_env(void) {
                "OMPI_COMM_WORLD_SIZE=2", (const char *)NULL);
     /* worlds of one start from each launcher's variables */
     env_expect(DSK_OK, "", "RANK=0", "WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1", pp, (const char *)NULL);
-    env_expect(DSK_OK, "", "OMPI_COMM_WORLD_RANK=0", "OMPI_COMM_WORLD_SIZE=1", "OMPI_COMM_WORLD_LOCAL_RANK=0", pp, (const char *)NULL);
-    env_expect(DSK_OK, "", "SLURM_PROCID=0", "SLURM_NTASKS=1", "SLURM_LOCALID=0", "SLURM_NTASKS_PER_NODE=1(x1)", pp, (const char *)NULL);
+    env_expect(DSK_OK, "", "OMPI_COMM_WORLD_RANK=0", "OMPI_COMM_WORLD_SIZE=1", "OMPI_COMM_WORLD_LOCAL_RANK=0", pp,
+               (const char *)NULL);
+    env_expect(DSK_OK, "", "SLURM_PROCID=0", "SLURM_NTASKS=1", "SLURM_LOCALID=0", "SLURM_NTASKS_PER_NODE=1(x1)", pp,
+               (const char *)NULL);
     env_expect(DSK_ERR_ARG, "DSK_MASTER_PORT=\"x\"", "RANK=0", "WORLD_SIZE=1", "DSK_MASTER_PORT=x", (const char *)NULL);
     /* torchrun: its agent's store holds MASTER_PORT, so dsk's store moves to the next port */
     {
@@ -1010,11 +1370,34 @@ static void case_env(void) {
         }
         DSK_TEST_EXPECT(ok, "no port pair for the torchrun agent case");
         if (ok) {
-            env_expect(DSK_ERR_IO, "already in use", "RANK=0", "WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1", mp, (const char *)NULL);
-            env_expect(DSK_OK, "", "RANK=0", "WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1", mp, "TORCHELASTIC_USE_AGENT_STORE=True",
-                       (const char *)NULL);
+            env_expect(DSK_ERR_IO, "already in use (EADDRINUSE): pick another MASTER_PORT", "RANK=0", "WORLD_SIZE=1",
+                       "MASTER_ADDR=127.0.0.1", mp, (const char *)NULL);
+            env_expect(DSK_OK, "", "RANK=0", "WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1", mp,
+                       "TORCHELASTIC_USE_AGENT_STORE=True", (const char *)NULL);
         }
         close(agent);
+    }
+    /* a busy store port names where it came from (issue 10 item 12): under torchrun MASTER_PORT+1 */
+    {
+        struct sockaddr_in sa;
+        socklen_t sl = sizeof sa;
+        int busy = socket(AF_INET, SOCK_STREAM, 0);
+        char mp[48], dp[48], want[160];
+        memset(&sa, 0, sizeof sa);
+        sa.sin_family = AF_INET;
+        sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        DSK_TEST_EXPECT(bind(busy, (struct sockaddr *)&sa, sizeof sa) == 0 && listen(busy, 4) == 0, "busy listener");
+        getsockname(busy, (struct sockaddr *)&sa, &sl);
+        snprintf(mp, sizeof mp, "MASTER_PORT=%d", (int)ntohs(sa.sin_port) - 1);
+        snprintf(dp, sizeof dp, "DSK_MASTER_PORT=%d", (int)ntohs(sa.sin_port));
+        snprintf(want, sizeof want, "under torchrun dsk's store takes MASTER_PORT+1 = %d", (int)ntohs(sa.sin_port));
+        env_expect(DSK_ERR_IO, want, "RANK=0", "WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1", mp,
+                   "TORCHELASTIC_USE_AGENT_STORE=True", (const char *)NULL);
+        env_expect(DSK_ERR_IO, "or set DSK_MASTER_PORT to a free port", "RANK=0", "WORLD_SIZE=1",
+                   "MASTER_ADDR=127.0.0.1", mp, "TORCHELASTIC_USE_AGENT_STORE=True", (const char *)NULL);
+        env_expect(DSK_ERR_IO, "already in use (EADDRINUSE): pick another DSK_MASTER_PORT", "RANK=0", "WORLD_SIZE=1",
+                   "MASTER_ADDR=127.0.0.1", mp, dp, "TORCHELASTIC_USE_AGENT_STORE=True", (const char *)NULL);
+        close(busy);
     }
 }
 
@@ -1050,6 +1433,20 @@ static void case_bad_args(void) {
     DSK_TEST_ERROR_MENTIONS("unknown reduction op 9");
     DSK_TEST_STATUS(dsk_comm_broadcast(&c, NULL, x, x, 4, DSK_F32, 1), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("root 1 is not in [0, world_size 1)");
+    DSK_TEST_STATUS(dsk_comm_reduce(&c, NULL, x, x, 4, DSK_F32, DSK_COMM_SUM, -1), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_comm_reduce: root -1 is not in [0, world_size 1)");
+    DSK_TEST_STATUS(dsk_comm_reduce(&c, NULL, x, NULL, 4, DSK_F32, DSK_COMM_SUM, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_comm_reduce: NULL buffer for 4 elements");
+    DSK_TEST_STATUS(dsk_comm_reduce(&c, NULL, x, x, 4, DSK_F32, (dsk_comm_op)7, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_comm_reduce: unknown reduction op 7");
+    DSK_TEST_STATUS(dsk_comm_gather(&c, NULL, x, NULL, 4, DSK_F32, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_comm_gather: NULL buffer for 4 elements");
+    DSK_TEST_STATUS(dsk_comm_gather(&c, NULL, x, x, 4, DSK_F32, 2), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_comm_gather: root 2 is not in [0, world_size 1)");
+    DSK_TEST_STATUS(dsk_comm_scatter(&c, NULL, NULL, x, 4, DSK_F32, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_comm_scatter: NULL buffer for 4 elements");
+    DSK_TEST_STATUS(dsk_comm_scatter(&c, NULL, x, x, -2, DSK_F32, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_comm_scatter: count -2 is negative");
     DSK_TEST_STATUS(dsk_comm_recv(&c, NULL, x, 4, DSK_F32, 5), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("peer 5 is not another rank");
     DSK_TEST_STATUS(dsk_comm_all_to_all_v(&c, NULL, x, cnt, NULL, x + 2, ok1, NULL, DSK_F32), DSK_ERR_ARG);
@@ -1108,9 +1505,10 @@ static void rank_reinit(dsk_comm *unused, void *argp) {
         dsk_comm_free(&c);
         free(flat);
     }
-    DSK_TEST_EXPECT(count_dir("/proc/self/fd") == fds0, "rank %d: %d descriptors before, %d after 3 init/free rounds", g_rank, fds0,
-                    count_dir("/proc/self/fd"));
-    DSK_TEST_EXPECT(count_dir("/proc/self/task") == thr0, "rank %d: %d threads before, %d after", g_rank, thr0, count_dir("/proc/self/task"));
+    DSK_TEST_EXPECT(count_dir("/proc/self/fd") == fds0, "rank %d: %d descriptors before, %d after 3 init/free rounds",
+                    g_rank, fds0, count_dir("/proc/self/fd"));
+    DSK_TEST_EXPECT(count_dir("/proc/self/task") == thr0, "rank %d: %d threads before, %d after", g_rank, thr0,
+                    count_dir("/proc/self/task"));
 }
 
 static void case_reinit(void) {
@@ -1128,24 +1526,28 @@ static void case_reinit(void) {
 
 /* ------------------------------------------------------------------ launcher */
 
+/* A rank started by a launcher: contributes DSK_TEST_BASE + rank + 1 (base default 0) to a sum
+   and checks it; DSK_TEST_TIMEOUT (default 20 s) bounds every wait. */
 static int child_main(void) {
     dsk_comm c;
     dsk_comm_opts o;
-    int64_t v, s = 0;
+    const char *base_s = getenv("DSK_TEST_BASE"), *timeout_s = getenv("DSK_TEST_TIMEOUT");
+    int64_t v, s = 0, base = base_s ? atoll(base_s) : 0;
     memset(&o, 0, sizeof o);
     o.backend = DSK_COMM_HOST;
-    o.timeout_s = 20;
+    o.timeout_s = timeout_s ? atof(timeout_s) : 20;
     if (dsk_comm_init_env(&c, &o) != DSK_OK) {
         printf("init_env failed: %s\n", dsk_last_error());
         return 3;
     }
-    v = c.rank + 1;
+    v = base + c.rank + 1;
     if (dsk_comm_all_reduce(&c, NULL, &v, &s, 1, DSK_I64, DSK_COMM_SUM) != DSK_OK) {
         printf("all_reduce failed: %s\n", dsk_last_error());
         return 4;
     }
-    printf("rank %d of %d local %d of %d sum %lld\n", c.rank, c.world_size, c.local_rank, c.local_world_size, (long long)s);
-    v = (int64_t)c.world_size * (c.world_size + 1) / 2;
+    printf("rank %d of %d local %d of %d sum %lld\n", c.rank, c.world_size, c.local_rank, c.local_world_size,
+           (long long)(s - base * c.world_size));
+    v = (int64_t)c.world_size * (c.world_size + 1) / 2 + base * c.world_size;
     dsk_comm_free(&c);
     return s == v ? 0 : 5;
 }
@@ -1161,10 +1563,11 @@ static char *slurp(int fd) {
 
 static void case_spawn(void) {
     int p[2];
-    dsk_spawn_opts so;
+    dsk_comm_spawn_opts so;
     int worst = -1;
     char *out, *argv_sh[] = {(char *)"/bin/sh", (char *)"-c",
-                             (char *)"echo \"r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK/$LOCAL_WORLD_SIZE a=$MASTER_ADDR\"; printf partial; exit $RANK",
+                             (char *)"echo \"r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK/$LOCAL_WORLD_SIZE a=$MASTER_ADDR\"; "
+                                     "printf partial; exit $RANK",
                              NULL};
     char self[4096], *argv_self[] = {self, (char *)"--rank-child", NULL};
     char *argv_sleep[] = {(char *)"/bin/sleep", (char *)"30", NULL};
@@ -1215,7 +1618,9 @@ static void case_mpirun(void) {
     }
     self[k > 0 ? k : 0] = 0;
     DSK_TEST_OK(dsk_comm_free_port("127.0.0.1", &port));
-    snprintf(cmd, sizeof cmd, "env -u MASTER_ADDR timeout 60 mpirun --allow-run-as-root --oversubscribe -np 3 -x MASTER_PORT=%d %s --rank-child 2>&1",
+    snprintf(cmd, sizeof cmd,
+             "env -u MASTER_ADDR timeout 60 mpirun --allow-run-as-root --oversubscribe -np 3 -x MASTER_PORT=%d %s "
+             "--rank-child 2>&1",
              port, self);
     fflush(stdout);
     p = popen(cmd, "r");
@@ -1229,6 +1634,131 @@ static void case_mpirun(void) {
         snprintf(line, sizeof line, "rank %d of 3 local %d of 3 sum 6", r, r);
         DSK_TEST_EXPECT(strstr(out, line) != NULL, "mpirun output lacks \"%s\":\n%s", line, out);
     }
+}
+
+/* A port whose successor is free too (a moment ago): torchrun's agent store, then dsk's. */
+static int free_port_pair(void) {
+    for (int tries = 0; tries < 50; tries++) {
+        struct sockaddr_in sa;
+        int port = 0, fd = socket(AF_INET, SOCK_STREAM, 0), ok;
+        if (dsk_comm_free_port("127.0.0.1", &port) != DSK_OK) break;
+        memset(&sa, 0, sizeof sa);
+        sa.sin_family = AF_INET;
+        sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        sa.sin_port = htons((uint16_t)(port + 1));
+        ok = bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
+        close(fd);
+        if (ok) return port;
+    }
+    return 0;
+}
+
+/* The flags of the README's torchrun command (the line "    torchrun ... build/examples/train_moe"),
+   with --nproc_per_node's value replaced by 3; 0 if the README has no such line. */
+static int readme_torchrun_flags(const char *self, char *flags, size_t cap) {
+    char path[4200], line[512];
+    FILE *f;
+    int found = 0;
+    snprintf(path, sizeof path, "%s", self);
+    for (int up = 0; up < 3; up++) { /* <root>/<build>/tests/test_comm -> <root> */
+        char *slash = strrchr(path, '/');
+        if (slash) *slash = 0;
+    }
+    strncat(path, "/README.md", sizeof path - strlen(path) - 1);
+    if (!(f = fopen(path, "r"))) return 0;
+    while (!found && fgets(line, sizeof line, f)) {
+        char *prog = strstr(line, " build/examples/train_moe"), *tok;
+        if (strncmp(line, "    torchrun ", 13) != 0 || !prog) continue;
+        *prog = 0;
+        flags[0] = 0;
+        for (tok = strtok(line + 13, " "); tok; tok = strtok(NULL, " ")) {
+            int nproc = strcmp(tok, "--nproc_per_node") == 0;
+            snprintf(flags + strlen(flags), cap - strlen(flags), " %s", tok);
+            if (nproc && (tok = strtok(NULL, " ")) != NULL) snprintf(flags + strlen(flags), cap - strlen(flags), " 3");
+        }
+        found = 1;
+    }
+    fclose(f);
+    return found;
+}
+
+/* The real torchrun (issue 10 item 13), run with the flags the README gives: torch 1.13
+   accepts only --no_python (newer torch both), and Debian's torch 1.13 torchrun dies under
+   Python 3.11 before starting workers unless given -r 1 -t 1. dsk's store goes on
+   MASTER_PORT + 1 beside the agent's. */
+static void case_torchrun(void) {
+    char self[4096], cmd[8400], flags[512], *out;
+    ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
+    int port = free_port_pair(), rc;
+    FILE *p;
+    if (system("command -v torchrun >/dev/null 2>&1") != 0) {
+        dsk_test_skip("torchrun not installed (Debian python3-torch; .ci/run leaves it out: about 230 packages)");
+        return;
+    }
+    self[k > 0 ? k : 0] = 0;
+    DSK_TEST_EXPECT(port > 0, "no free port pair");
+    DSK_TEST_EXPECT(readme_torchrun_flags(self, flags, sizeof flags), "README.md has no \"    torchrun ... "
+                    "build/examples/train_moe\" line");
+    printf("     README's torchrun flags:%s\n", flags);
+    snprintf(cmd, sizeof cmd, "env -u MASTER_ADDR -u MASTER_PORT -u DSK_JOB_ID -u DSK_MASTER_PORT timeout 120 torchrun "
+             "--master_port %d --monitor_interval 0.2%s %s --rank-child 2>&1", port, flags, self);
+    fflush(stdout);
+    p = popen(cmd, "r");
+    DSK_TEST_EXPECT(p != NULL, "popen %s", cmd);
+    if (!p) return;
+    out = slurp(fileno(p));
+    rc = pclose(p);
+    DSK_TEST_EXPECT(rc == 0, "torchrun exited with %d:\n%s", rc, out);
+    for (int r = 0; r < 3; r++) {
+        char line[96];
+        snprintf(line, sizeof line, "rank %d of 3 local %d of 3 sum 6", r, r);
+        DSK_TEST_EXPECT(strstr(out, line) != NULL, "torchrun output lacks \"%s\":\n%s", line, out);
+    }
+}
+
+/* Two `mpirun -np 2` jobs started together on one MASTER_PORT (issue 10 item 7): they must
+   never merge. A rank either completes its own job's sum (a merged rank sees the other job's
+   numbers and exits 5) or fails naming the cause; at least one job completes. */
+static void case_mpirun_two_jobs(void) {
+    char self[4096], cmd[2][8600], *out;
+    ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
+    int port = 0, rc[2], done = 0;
+    FILE *p[2];
+    if (system("command -v mpirun >/dev/null 2>&1") != 0) {
+        dsk_test_skip("mpirun not installed (Debian libopenmpi-dev / openmpi-bin)");
+        return;
+    }
+    self[k > 0 ? k : 0] = 0;
+    DSK_TEST_OK(dsk_comm_free_port("127.0.0.1", &port));
+    for (int j = 0; j < 2; j++)
+        snprintf(cmd[j], sizeof cmd[j],
+                 "env -u MASTER_ADDR -u DSK_JOB_ID timeout 60 mpirun --allow-run-as-root --oversubscribe "
+                 "-np 2 -x MASTER_PORT=%d -x DSK_TEST_BASE=%d -x DSK_TEST_TIMEOUT=3 %s --rank-child 2>&1",
+                 port, 1000 * j, self);
+    fflush(stdout);
+    for (int j = 0; j < 2; j++) p[j] = popen(cmd[j], "r");
+    for (int j = 0; j < 2; j++) {
+        char *line;
+        int ok_lines = 0;
+        DSK_TEST_EXPECT(p[j] != NULL, "popen %s", cmd[j]);
+        if (!p[j]) continue;
+        out = slurp(fileno(p[j]));
+        rc[j] = pclose(p[j]);
+        printf("     job %d (exit %d):\n", j, rc[j]);
+        for (line = strtok(out, "\n"); line; line = strtok(NULL, "\n")) {
+            printf("       %s\n", line);
+            if (strstr(line, "of 2 local") && strstr(line, "sum 3")) ok_lines++;
+            if (strstr(line, "init_env failed"))
+                DSK_TEST_EXPECT(strstr(line, "belongs to another job") || strstr(line, "already in use") ||
+                                    strstr(line, "no key-value store"),
+                                "job %d: a rank failed without naming the cause: %s", j, line);
+            DSK_TEST_EXPECT(!strstr(line, "all_reduce failed"), "job %d: a rank failed after init: %s", j, line);
+        }
+        if (rc[j] == 0) DSK_TEST_EXPECT(ok_lines == 2, "job %d exited 0 with %d ranks reporting its sum", j, ok_lines);
+        DSK_TEST_EXPECT(WIFEXITED(rc[j]) && WEXITSTATUS(rc[j]) != 5, "job %d: a rank got another job's numbers", j);
+        done += rc[j] == 0;
+    }
+    DSK_TEST_EXPECT(done >= 1, "neither job completed");
 }
 
 /* ------------------------------------------------------------------ main */
@@ -1247,11 +1777,16 @@ int main(int argc, char **argv) {
     dsk_test_init("test_comm");
     g_seed = dsk_test_rand_u64();
     for (int n = 1; n <= 4; n++) {
-        coll_case("all_reduce: 6 dtypes x 4 ops x sizes 0..70001 + 6 MB, exact rank-order fold", rank_all_reduce, n, 65536);
-        coll_case("reduce_scatter: 6 dtypes x 4 ops x 6 sizes", rank_reduce_scatter, n, 65536);
-        coll_case("all_gather: 6 dtypes x 6 sizes, in place and not", rank_all_gather, n, 0);
-        coll_case("broadcast: 6 dtypes x 6 sizes x 2 roots", rank_broadcast, n, 0);
-        coll_case("all_to_all: 6 dtypes x 6 sizes", rank_all_to_all, n, 0);
+        coll_case("all_reduce: 7 dtypes x 4 ops x sizes 0..70001 + 6 MB, exact rank-order fold", rank_all_reduce, n,
+                  65536);
+        coll_case("reduce_scatter: 7 dtypes x 4 ops x 6 sizes", rank_reduce_scatter, n, 65536);
+        coll_case("all_gather: 7 dtypes x 6 sizes, in place and not", rank_all_gather, n, 0);
+        coll_case("broadcast: 7 dtypes x 6 sizes x 2 roots", rank_broadcast, n, 0);
+        coll_case("reduce: 7 dtypes x (sum x 6 sizes, avg/max/min x 2) x 2 roots, = all_reduce, others untouched",
+                  rank_reduce, n, 65536);
+        coll_case("gather: 7 dtypes x 6 sizes x 2 roots, in place and not", rank_gather, n, 0);
+        coll_case("scatter: 7 dtypes x 6 sizes x 2 roots, in place and not", rank_scatter, n, 0);
+        coll_case("all_to_all: 7 dtypes x 6 sizes", rank_all_to_all, n, 0);
         coll_case("all_to_all_v: uneven counts with zeros, packed and with gaps", rank_all_to_all_v, n, 0);
         coll_case("send/recv ring and barrier", rank_send_recv, n, 0);
         coll_case("tensor forms", rank_tensors, n, 0);
@@ -1272,7 +1807,8 @@ int main(int argc, char **argv) {
                 group g;
                 a.dt = d ? DSK_BF16 : DSK_F32;
                 group_defaults(&g, n);
-                dsk_test_begin("buckets vs plain all_reduce, %s, %d ranks, accumulation and misuse", dsk_dtype_name(a.dt), n);
+                dsk_test_begin("buckets vs plain all_reduce, %s, %d ranks, accumulation and misuse",
+                               dsk_dtype_name(a.dt), n);
                 expect_group_ok(&g, rank_buckets, &a);
                 dsk_test_end();
             }
@@ -1284,7 +1820,8 @@ int main(int argc, char **argv) {
         g.opts = fault_opts(2.0);
         dsk_test_begin("fault: rank 1 SIGKILLed with buckets in flight -> buckets_wait names it");
         run_group(&g, rank_bucket_fault, NULL);
-        DSK_TEST_EXPECT(g.status[0] == 0 && g.status[1] == 128 + SIGKILL, "exit statuses %d %d", g.status[0], g.status[1]);
+        DSK_TEST_EXPECT(g.status[0] == 0 && g.status[1] == 128 + SIGKILL, "exit statuses %d %d", g.status[0],
+                        g.status[1]);
     }
     DSK_TEST_RUN(case_store_timeout);
     dsk_test_begin("fault: rank 2 of 3 SIGKILLed mid-run, small messages");
@@ -1295,14 +1832,41 @@ int main(int argc, char **argv) {
     case_rank_dies(SIGSTOP, 1000);
     dsk_test_begin("fault: rank 2 of 3 SIGSTOPped mid-run, 8 MB messages (sends block too)");
     case_rank_dies(SIGSTOP, 2 << 20);
+    dsk_test_begin(
+        "fault: rank 0 of 4 SIGKILLed, chain of receives: every survivor blames rank 0 (it hosts the store)");
+    case_zero_dies(1);
+    dsk_test_begin("fault: rank 0 of 4 SIGKILLed in a 4 MB all_reduce: every survivor blames rank 0");
+    case_zero_dies(0);
+    {
+        group g;
+        group_defaults(&g, 3);
+        g.opts = fault_opts(1.0);
+        g.reap = 1;
+        dsk_test_begin(
+            "fault: rank 0 of 3 SIGSTOPped: survivors fail in the timeout, the message tells the time taken");
+        run_group(&g, rank_zero_stops, NULL);
+        DSK_TEST_EXPECT(g.status[1] == 0 && g.status[2] == 0, "surviving ranks exited %d %d", g.status[1], g.status[2]);
+    }
     dsk_test_begin("fault: mismatched count (2 ranks)");
     case_mismatch(2, 0);
     dsk_test_begin("fault: mismatched dtype (3 ranks)");
     case_mismatch(3, 1);
     dsk_test_begin("fault: mismatched collective (3 ranks)");
     case_mismatch(3, 2);
-    dsk_test_begin("fault: mismatched all_to_all_v counts (2 ranks)");
+    dsk_test_begin("fault: mismatched all_to_all_v counts fail the receiver and the sender, naming both (2 ranks)");
     case_mismatch(2, 3);
+    dsk_test_begin("fault: mismatched broadcast roots fail every rank in that call (2 ranks)");
+    case_mismatch(2, 4);
+    dsk_test_begin("fault: mismatched broadcast roots fail every rank in that call (3 ranks, scatter + all-gather)");
+    case_mismatch(3, 5);
+    dsk_test_begin("fault: mismatched reduce roots fail every rank in that call (3 ranks)");
+    case_mismatch(3, 6);
+    dsk_test_begin("fault: mismatched reduce roots fail every rank in that call (3 ranks, reduce-scatter + gather)");
+    case_mismatch(3, 7);
+    dsk_test_begin("fault: mismatched gather roots fail every rank in that call (3 ranks)");
+    case_mismatch(3, 8);
+    dsk_test_begin("fault: mismatched scatter roots fail every rank in that call (3 ranks)");
+    case_mismatch(3, 9);
     {
         group g;
         group_defaults(&g, 2);
@@ -1310,8 +1874,16 @@ int main(int argc, char **argv) {
         dsk_test_begin("fault: peer closed mid-send gives DSK_ERR_PEER, not SIGPIPE");
         expect_group_ok(&g, rank_leaves, NULL);
     }
+    dsk_test_begin(
+        "job identity: a rank of another job (opts.job_id) reaching this job's store fails, the job runs on");
+    case_two_jobs(0);
+    dsk_test_begin(
+        "job identity: a rank of another job (PMIX_NAMESPACE) reaching this job's store fails, the job runs on");
+    case_two_jobs(1);
     DSK_TEST_RUN(case_wrong_world);
     DSK_TEST_RUN(case_missing_rank);
+    DSK_TEST_RUN(case_options_differ);
+    DSK_TEST_RUN(case_duplicate_rank);
     DSK_TEST_RUN(case_port_in_use);
     DSK_TEST_RUN(case_no_store);
     DSK_TEST_RUN(case_env);
@@ -1319,5 +1891,7 @@ int main(int argc, char **argv) {
     DSK_TEST_RUN(case_reinit);
     DSK_TEST_RUN(case_spawn);
     DSK_TEST_RUN(case_mpirun);
+    DSK_TEST_RUN(case_mpirun_two_jobs);
+    DSK_TEST_RUN(case_torchrun);
     return dsk_test_finish();
 }

@@ -9,7 +9,7 @@ static void *tt_malloc(size_t n) { return tt_oom ? NULL : malloc(n); }
 #define DSK_FREE(p) free(p)
 #define DSK_TENSOR_IMPLEMENTATION
 #include "dsk_tensor.h"
-#include "dsk_test.h"
+#include "tests/dsk_test.h"
 
 /* ------------------------------------------------------------------ test utilities */
 
@@ -1427,23 +1427,30 @@ static void test_out_of_memory(void) {
 
 /* ------------------------------------------------------------------ AdamW */
 
-static void test_adamw(dsk_dtype grad_dt, int with_copy, int defaults) {
+/* opts: 0 explicit options, 1 NULL (PyTorch's AdamW defaults), 2 zeros honoured: beta1 = beta2 = 0
+   and an lr that decays linearly to exactly 0 on the last step (which leaves the weights as they
+   are and still updates the moments, as torch does). */
+static void test_adamw(dsk_dtype grad_dt, int with_copy, int opts) {
     int64_t n = 1031;
     dsk_adamw_opts o;
-    double lr = 2e-3, b1 = 0.8, b2 = 0.99, eps = 1e-6, wd = 0.1, mult = 0.5;
+    double lr = 2e-3, b1 = 0.8, b2 = 0.99, eps = 1e-6, wd = 0.1, mult = 0.5, lr0;
     dsk_tensor *p = tt_rand(DSK_F32, 2, SH(1, n), -1, 1), *m = tt_new(DSK_F32, 2, SH(1, n)), *v = tt_new(DSK_F32, 2, SH(1, n));
     dsk_tensor *copy = with_copy ? tt_poisoned(with_copy == 1 ? DSK_BF16 : DSK_F16, 2, SH(1, n)) : NULL;
     double *pw = tt_vals(p), *mw = tt_zeros(n), *vw = tt_zeros(n);
     memset(m->data, 0, dsk_tensor_nbytes(m));
     memset(v->data, 0, dsk_tensor_nbytes(v));
-    memset(&o, 0, sizeof o);
-    if (defaults) { lr = 1e-3; b1 = 0.9; b2 = 0.999; eps = 1e-8; wd = 0; mult = 1; }
-    else { o.lr = (float)lr; o.beta1 = (float)b1; o.beta2 = (float)b2; o.eps = (float)eps; o.weight_decay = (float)wd; }
+    float *before_last = (float *)malloc(sizeof(float) * n);
+    if (opts == 1) { lr = 1e-3; b1 = 0.9; b2 = 0.999; eps = 1e-8; wd = 0.01; mult = 1; }
+    if (opts == 2) { b1 = 0; b2 = 0; }
+    o = dsk_adamw_defaults();
+    o.beta1 = (float)b1; o.beta2 = (float)b2; o.eps = (float)eps; o.weight_decay = (float)wd;
     /* the API takes f32 hyperparameters: the reference uses the same values */
-    lr = (float)lr; b1 = (float)b1; b2 = (float)b2; eps = (float)eps; wd = (float)wd;
+    lr0 = (float)lr; b1 = (float)b1; b2 = (float)b2; eps = (float)eps; wd = (float)wd;
     for (int step = 1; step <= 6; step++) {
         dsk_tensor *g = tt_rand(grad_dt, 2, SH(1, n), -1, 1);
         double *gv = tt_vals(g), bc1 = 1 - pow(b1, step), bc2 = 1 - pow(b2, step);
+        o.lr = opts == 2 ? (float)(lr0 * (6 - step) / 5.0) : (float)lr0;
+        lr = o.lr;
         for (int64_t i = 0; i < n; i++) { /* torch.optim.AdamW, single-tensor path */
             double gi = gv[i] * (double)(float)mult;
             pw[i] *= 1 - lr * wd;
@@ -1451,8 +1458,11 @@ static void test_adamw(dsk_dtype grad_dt, int with_copy, int defaults) {
             vw[i] = b2 * vw[i] + (1 - b2) * gi * gi;
             pw[i] -= lr / bc1 * mw[i] / (sqrt(vw[i]) / sqrt(bc2) + eps);
         }
-        DSK_TEST_OK(dsk_adamw_step(NULL, p, g, m, v, defaults ? NULL : &o, step, (float)mult, copy));
+        memcpy(before_last, p->data, sizeof(float) * n);
+        DSK_TEST_OK(dsk_adamw_step(NULL, p, g, m, v, opts == 1 ? NULL : &o, step, (float)mult, copy));
     }
+    if (opts == 2) DSK_TEST_SAME_BYTES(p->data, before_last, sizeof(float) * n, "weights after a step with lr 0");
+    free(before_last);
     TT_CHECK(p, pw, 1e-5, 1e-6, "AdamW param after 6 steps");
     TT_CHECK(m, mw, 1e-5, 1e-7, "AdamW first moment");
     TT_CHECK(v, vw, 1e-5, 1e-9, "AdamW second moment");
@@ -1561,16 +1571,22 @@ static void test_errors_topk_rope_attention(void) {
 static void test_errors_adamw(void) {
     dsk_tensor *p = tt_rand(DSK_F32, 1, SH(5), -1, 1), *g = tt_rand(DSK_BF16, 1, SH(5), -1, 1), *m = tt_new(DSK_F32, 1, SH(5)), *v = tt_new(DSK_F32, 1, SH(5));
     dsk_tensor *m4 = tt_new(DSK_F32, 1, SH(4)), *gi = tt_new(DSK_I32, 1, SH(5)), *pb = tt_new(DSK_BF16, 1, SH(5));
-    dsk_adamw_opts o;
-    memset(&o, 0, sizeof o);
+    dsk_adamw_opts o = dsk_adamw_defaults();
     TT_ERR(dsk_adamw_step(NULL, p, g, m, v, NULL, 0, 1.0f, NULL), DSK_ERR_ARG, "dsk_adamw_step: step 0 must be >= 1");
     TT_ERR(dsk_adamw_step(NULL, p, g, m4, v, NULL, 1, 1.0f, NULL), DSK_ERR_ARG, "m [4] f32 does not match the shape of param [5] f32");
     TT_ERR(dsk_adamw_step(NULL, p, gi, m, v, NULL, 1, 1.0f, NULL), DSK_ERR_ARG, "grad [5] i32: dtype must be f32, bf16 or f16");
     TT_ERR(dsk_adamw_step(NULL, pb, g, m, v, NULL, 1, 1.0f, NULL), DSK_ERR_ARG, "param [5] bf16: dtype must be f32");
     o.beta1 = 1.5f;
-    TT_ERR(dsk_adamw_step(NULL, p, g, m, v, &o, 1, 1.0f, NULL), DSK_ERR_ARG, "beta1 1.5 outside (0, 1)");
-    o.beta1 = 0; o.lr = -1;
-    TT_ERR(dsk_adamw_step(NULL, p, g, m, v, &o, 1, 1.0f, NULL), DSK_ERR_ARG, "lr -1 must be finite and > 0");
+    TT_ERR(dsk_adamw_step(NULL, p, g, m, v, &o, 1, 1.0f, NULL), DSK_ERR_ARG, "beta1 1.5 outside [0, 1)");
+    o = dsk_adamw_defaults(); o.beta2 = 1.0f;
+    TT_ERR(dsk_adamw_step(NULL, p, g, m, v, &o, 1, 1.0f, NULL), DSK_ERR_ARG, "beta2 1 outside [0, 1)");
+    o = dsk_adamw_defaults(); o.lr = -1;
+    TT_ERR(dsk_adamw_step(NULL, p, g, m, v, &o, 1, 1.0f, NULL), DSK_ERR_ARG, "lr -1 must be finite and >= 0");
+    o = dsk_adamw_defaults(); o.weight_decay = NAN;
+    TT_ERR(dsk_adamw_step(NULL, p, g, m, v, &o, 1, 1.0f, NULL), DSK_ERR_ARG,
+           "weight_decay nan must be finite and >= 0");
+    memset(&o, 0, sizeof o); /* a zeroed struct is caught by its eps */
+    TT_ERR(dsk_adamw_step(NULL, p, g, m, v, &o, 1, 1.0f, NULL), DSK_ERR_ARG, "eps 0 must be finite and > 0");
 }
 
 /* A tensor that claims to live on a CUDA device: a CPU build refuses it; a CUDA build needs a
@@ -1663,6 +1679,7 @@ int main(void) {
     TT_CASE("topk ties, NaN, k = 1 and k = C"); test_topk();
     TT_CASE("AdamW with bf16 param_copy"); test_adamw(DSK_F32, 1, 0);
     TT_CASE("AdamW with f16 param_copy, default options"); test_adamw(DSK_BF16, 2, 1);
+    TT_CASE("AdamW options of 0 honoured: beta1, beta2 0, lr decaying to 0"); test_adamw(DSK_F32, 0, 2);
     TT_CASE("embedding backward, rmsnorm dw, reduce: same bits on 1, 2, 3 threads"); test_reductions_thread_independent();
     TT_CASE("topk signed zeros, infinities, NaN"); test_topk_special();
     TT_CASE("out of host memory"); test_out_of_memory();

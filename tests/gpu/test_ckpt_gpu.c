@@ -10,7 +10,7 @@
 #include "dsk_tensor.h"
 #include "dsk_ckpt.h"
 #include "tests/dsk_test.h"
-#include "gpu_test_util.h"
+#include "tests/gpu/gpu_test_util.h"
 
 #include <unistd.h>
 

@@ -10,7 +10,7 @@
 #define DSK_TENSOR_IMPLEMENTATION
 #define DSK_COMM_IMPLEMENTATION
 #include "../../dsk_comm.h"
-#include "../dsk_test.h"
+#include "tests/dsk_test.h"
 
 #ifdef DSK_CUDA
 #include <cuda_runtime.h>
@@ -29,9 +29,11 @@ static uint64_t mix64(uint64_t z) {
 static void gen(void *buf, dsk_dtype dt, int64_t n, uint64_t tag, int r) {
     for (int64_t i = 0; i < n; i++) {
         uint64_t u = mix64(mix64(tag * 131 + (uint64_t)r) ^ (uint64_t)i * 0xD1B54A32D192ED03ull);
-        float f = (float)((double)(u >> 11) * (1.0 / 9007199254740992.0) * 4.0 - 2.0);
+        double d = (double)(u >> 11) * (1.0 / 9007199254740992.0) * 4.0 - 2.0;
+        float f = (float)d;
         switch (dt) {
         case DSK_F32: ((float *)buf)[i] = f; break;
+        case DSK_F64: ((double *)buf)[i] = d; break;
         case DSK_F16: ((uint16_t *)buf)[i] = dsk_f32_to_f16(f); break;
         case DSK_BF16: ((uint16_t *)buf)[i] = dsk_f32_to_bf16(f); break;
         case DSK_I32: ((int32_t *)buf)[i] = (int32_t)(u >> 36) - (1 << 27); break;
@@ -58,13 +60,27 @@ static void compare(const void *got, const void *want, dsk_dtype dt, int64_t n, 
         DSK_TEST_SAME_BYTES(got, want, (size_t)n * dsk_dtype_size(dt), what);
         return;
     }
+    if (dt == DSK_F64) {
+        double *w = (double *)malloc((size_t)(n ? n : 1) * sizeof(double));
+        memcpy(w, want, (size_t)n * sizeof(double));
+        DSK_TEST_CLOSE64((const double *)got, w, n, 1e-13, 1e-13, what);
+        free(w);
+        return;
+    }
     {
         float *g = (float *)malloc((size_t)(n ? n : 1) * sizeof(float));
         double *w = (double *)malloc((size_t)(n ? n : 1) * sizeof(double));
         for (int64_t i = 0; i < n; i++) {
-            if (dt == DSK_F32) { g[i] = ((const float *)got)[i]; w[i] = ((const float *)want)[i]; }
-            else if (dt == DSK_BF16) { g[i] = dsk_bf16_to_f32(((const uint16_t *)got)[i]); w[i] = dsk_bf16_to_f32(((const uint16_t *)want)[i]); }
-            else { g[i] = dsk_f16_to_f32(((const uint16_t *)got)[i]); w[i] = dsk_f16_to_f32(((const uint16_t *)want)[i]); }
+            if (dt == DSK_F32) {
+                g[i] = ((const float *)got)[i];
+                w[i] = ((const float *)want)[i];
+            } else if (dt == DSK_BF16) {
+                g[i] = dsk_bf16_to_f32(((const uint16_t *)got)[i]);
+                w[i] = dsk_bf16_to_f32(((const uint16_t *)want)[i]);
+            } else {
+                g[i] = dsk_f16_to_f32(((const uint16_t *)got)[i]);
+                w[i] = dsk_f16_to_f32(((const uint16_t *)want)[i]);
+            }
         }
         DSK_TEST_CLOSE(g, w, n, dt == DSK_F32 ? 1e-5 : 1e-2, dt == DSK_F32 ? 1e-5 : 1e-2, what);
         free(g);
@@ -72,13 +88,13 @@ static void compare(const void *got, const void *want, dsk_dtype dt, int64_t n, 
     }
 }
 
-static const dsk_dtype k_dtypes[] = {DSK_F32, DSK_F16, DSK_BF16, DSK_I32, DSK_I64, DSK_U8};
+static const dsk_dtype k_dtypes[] = {DSK_F32, DSK_F16, DSK_BF16, DSK_F64, DSK_I32, DSK_I64, DSK_U8};
 static const int64_t k_sizes[] = {1, 7, 129, 70001};
 
 static void part_collectives(void) {
     int n = NC.world_size, me = NC.rank;
     uint64_t tag = 1;
-    for (size_t d = 0; d < 6; d++)
+    for (size_t d = 0; d < sizeof k_dtypes / sizeof *k_dtypes; d++)
         for (size_t s = 0; s < 4; s++) {
             dsk_dtype dt = k_dtypes[d];
             size_t esz = dsk_dtype_size(dt);
@@ -93,12 +109,20 @@ static void part_collectives(void) {
             for (int o = 0; o < 4; o++) {
                 dsk_comm_op op = (dsk_comm_op)o;
                 if (op == DSK_COMM_AVG && !dsk_dtype_is_float(dt)) continue;
-                snprintf(label, sizeof label, "rank %d: all_reduce %s %s count %lld", me, dsk_dtype_name(dt), dsk_comm_op_name(op), (long long)len);
+                snprintf(label, sizeof label, "rank %d: all_reduce %s %s count %lld", me, dsk_dtype_name(dt),
+                         dsk_comm_op_name(op), (long long)len);
                 DSK_TEST_OK(dsk_comm_all_reduce(&HC, NULL, in, want, len, dt, op));
                 DSK_TEST_OK(dsk_comm_all_reduce(&NC, &G, din, dout, len, dt, op));
                 to_host(got, dout, bytes);
                 compare(got, want, dt, len, op == DSK_COMM_MAX || op == DSK_COMM_MIN, label);
-                snprintf(label, sizeof label, "rank %d: reduce_scatter %s %s block %lld", me, dsk_dtype_name(dt), dsk_comm_op_name(op), (long long)per);
+                snprintf(label, sizeof label, "rank %d: reduce %s %s count %lld root %d", me, dsk_dtype_name(dt),
+                         dsk_comm_op_name(op), (long long)len, n - 1);
+                DSK_TEST_OK(dsk_comm_reduce(&HC, NULL, in, want, len, dt, op, n - 1));
+                DSK_TEST_OK(dsk_comm_reduce(&NC, &G, din, dout, len, dt, op, n - 1));
+                to_host(got, dout, bytes);
+                if (me == n - 1) compare(got, want, dt, len, op == DSK_COMM_MAX || op == DSK_COMM_MIN, label);
+                snprintf(label, sizeof label, "rank %d: reduce_scatter %s %s block %lld", me, dsk_dtype_name(dt),
+                         dsk_comm_op_name(op), (long long)per);
                 DSK_TEST_OK(dsk_comm_reduce_scatter(&HC, NULL, in, want, per, dt, op));
                 DSK_TEST_OK(dsk_comm_reduce_scatter(&NC, &G, din, dout, per, dt, op));
                 to_host(got, dout, bytes);
@@ -109,11 +133,24 @@ static void part_collectives(void) {
             DSK_TEST_OK(dsk_comm_all_gather(&NC, &G, din, dout, per, dt));
             to_host(got, dout, nb);
             compare(got, want, dt, per * n, 1, label);
-            snprintf(label, sizeof label, "rank %d: broadcast %s count %lld root %d", me, dsk_dtype_name(dt), (long long)len, n - 1);
+            snprintf(label, sizeof label, "rank %d: broadcast %s count %lld root %d", me, dsk_dtype_name(dt),
+                     (long long)len, n - 1);
             DSK_TEST_OK(dsk_comm_broadcast(&HC, NULL, in, want, len, dt, n - 1));
             DSK_TEST_OK(dsk_comm_broadcast(&NC, &G, din, dout, len, dt, n - 1));
             to_host(got, dout, bytes);
             compare(got, want, dt, len, 1, label);
+            snprintf(label, sizeof label, "rank %d: gather %s count %lld root 0", me, dsk_dtype_name(dt),
+                     (long long)per);
+            DSK_TEST_OK(dsk_comm_gather(&HC, NULL, in, want, per, dt, 0));
+            DSK_TEST_OK(dsk_comm_gather(&NC, &G, din, dout, per, dt, 0));
+            to_host(got, dout, nb);
+            if (me == 0) compare(got, want, dt, per * n, 1, label);
+            snprintf(label, sizeof label, "rank %d: scatter %s count %lld root 0", me, dsk_dtype_name(dt),
+                     (long long)per);
+            DSK_TEST_OK(dsk_comm_scatter(&HC, NULL, in, want, per, dt, 0));
+            DSK_TEST_OK(dsk_comm_scatter(&NC, &G, din, dout, per, dt, 0));
+            to_host(got, dout, bytes);
+            compare(got, want, dt, per, 1, label);
             snprintf(label, sizeof label, "rank %d: all_to_all %s block %lld", me, dsk_dtype_name(dt), (long long)per);
             DSK_TEST_OK(dsk_comm_all_to_all(&HC, NULL, in, want, per, dt));
             DSK_TEST_OK(dsk_comm_all_to_all(&NC, &G, din, dout, per, dt));
@@ -124,7 +161,8 @@ static void part_collectives(void) {
                 sc[q] = (int64_t)((me + q + (int)s) % 3) * len / 3;
                 rc[q] = (int64_t)((q + me + (int)s) % 3) * len / 3;
             }
-            snprintf(label, sizeof label, "rank %d: all_to_all_v %s scale %lld", me, dsk_dtype_name(dt), (long long)len);
+            snprintf(label, sizeof label, "rank %d: all_to_all_v %s scale %lld", me, dsk_dtype_name(dt),
+                     (long long)len);
             memset(want, 0, nb);
             DSK_TEST_EXPECT(cudaMemset(dout, 0, nb) == cudaSuccess, "cudaMemset");
             DSK_TEST_OK(dsk_comm_all_to_all_v(&HC, NULL, in, sc, NULL, want, rc, NULL, dt));
@@ -205,7 +243,10 @@ static int child_main(const char *part) {
     o.backend = DSK_COMM_HOST;
     o.master_addr = "127.0.0.1";
     o.master_port = atoi(port ? port : "0") + 1;
-    if (dsk_comm_init(&HC, NC.rank, NC.world_size, &o) != DSK_OK) { printf("host init: %s\n", dsk_last_error()); return 3; }
+    if (dsk_comm_init(&HC, NC.rank, NC.world_size, &o) != DSK_OK) {
+        printf("host init: %s\n", dsk_last_error());
+        return 3;
+    }
     memset(&co, 0, sizeof co);
     co.device = DSK_PREFER_CUDA;
     co.cuda_index = NC.local_rank;
@@ -239,7 +280,7 @@ int main(int argc, char **argv) {
         {
             char self[4096], *av[] = {self, (char *)"--rank-child", (char *)parts[p], NULL};
             ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
-            dsk_spawn_opts so;
+            dsk_comm_spawn_opts so;
             int worst = -1, port = 0;
             self[k > 0 ? k : 0] = 0;
             /* a free port whose successor is free too: nccl's store, then the host communicator's */

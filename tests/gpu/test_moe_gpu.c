@@ -16,6 +16,7 @@ typedef struct gcase {
     float cf, aux, seq_aux, z;
     int64_t seq_len;
     dsk_dtype dt;
+    dsk_moe_group_rule rule;
 } gcase;
 
 /* Host f32 copy of a tensor on any device. */
@@ -53,6 +54,7 @@ static void run_case(dsk_ctx *gctx, const gcase *c) {
     o.d_model = c->D; o.n_routed = c->E; o.top_k = c->K; o.d_expert = c->F; o.n_shared = c->n_shared;
     o.n_group = c->n_group; o.topk_group = c->topk_group; o.score = c->score; o.capacity_factor = c->cf;
     o.aux_alpha = c->aux; o.seq_aux_alpha = c->seq_aux; o.z_beta = c->z; o.seq_len = c->seq_len; o.dtype = c->dt;
+    o.group_rule = c->rule;
     o.init_std = 0.3f; o.seed = 5; o.routed_scale = 1.5f;
     DSK_TEST_OK(dsk_moe_init(&cm, NULL, &o));
     DSK_TEST_OK(dsk_moe_init(&gm, gctx, &o));
@@ -100,17 +102,57 @@ static void run_case(dsk_ctx *gctx, const gcase *c) {
     dsk_test_end();
 }
 
+/* NaN/Inf in x: the CUDA forward fails like the CPU one (DSK_ERR_NONFINITE naming the token),
+   routes nothing out of range and runs again on repaired input. */
+static void run_nonfinite(dsk_ctx *gctx, dsk_moe_score score, float bad) {
+    dsk_moe gm;
+    dsk_moe_opts o;
+    dsk_tensor hx, gx, gy;
+    int64_t shp[2] = {33, 32};
+    dsk_test_begin("cuda: x with %g in token 4, %s", (double)bad,
+                   score == DSK_MOE_SIGMOID ? "sigmoid+groups" : "softmax");
+    if (!dsk_cuda_available()) { dsk_test_skip("no usable CUDA device"); dsk_test_end(); return; }
+    memset(&o, 0, sizeof o);
+    o.d_model = 32; o.n_routed = 8; o.top_k = 2; o.d_expert = 16; o.score = score;
+    o.aux_alpha = 0.01f; o.capacity_factor = 0.5f;
+    if (score == DSK_MOE_SIGMOID) { o.n_group = 4; o.topk_group = 2; }
+    DSK_TEST_OK(dsk_moe_init(&gm, gctx, &o));
+    dsk_tensor_alloc(NULL, &hx, DSK_F32, 2, shp);
+    dsk_tensor_alloc(gctx, &gx, DSK_F32, 2, shp); dsk_tensor_alloc(gctx, &gy, DSK_F32, 2, shp);
+    dsk_tensor_uniform(NULL, &hx, 21, 0, -1, 1);
+    ((float *)hx.data)[4 * 32 + 7] = bad;
+    DSK_TEST_OK(dsk_tensor_copy(gctx, &gx, &hx));
+    DSK_TEST_STATUS(dsk_moe_forward(&gm, gctx, &gy, &gx, NULL), DSK_ERR_NONFINITE);
+    DSK_TEST_ERROR_MENTIONS("token 4 of 33");
+    ((float *)hx.data)[4 * 32 + 7] = 0.5f;
+    DSK_TEST_OK(dsk_tensor_copy(gctx, &gx, &hx));
+    DSK_TEST_OK(dsk_moe_forward(&gm, gctx, &gy, &gx, NULL));
+    dsk_tensor_free(NULL, &hx); dsk_tensor_free(gctx, &gx); dsk_tensor_free(gctx, &gy);
+    dsk_moe_free(&gm, gctx);
+    dsk_test_end();
+}
+
 int main(void) {
     dsk_ctx gctx;
     dsk_ctx_opts co;
     int have = dsk_cuda_available();
     const gcase cases[] = {
-        {"softmax", 129, 64, 12, 2, 32, 0, 0, 0, DSK_MOE_SOFTMAX, 0, 0, 0, 0, 0, DSK_F32},
-        {"softmax+aux+z+shared", 7, 64, 6, 3, 48, 2, 0, 0, DSK_MOE_SOFTMAX, 0, 0.01f, 0, 0.001f, 0, DSK_F32},
-        {"sigmoid+groups+seq_aux+shared", 256, 128, 16, 4, 64, 1, 8, 4, DSK_MOE_SIGMOID, 0, 0, 0.003f, 0, 64, DSK_F32},
-        {"sigmoid capacity 0.75", 129, 64, 8, 2, 32, 0, 0, 0, DSK_MOE_SIGMOID, 0.75f, 0.01f, 0, 0, 0, DSK_F32},
-        {"softmax", 1, 64, 6, 2, 32, 1, 0, 0, DSK_MOE_SOFTMAX, 0, 0, 0, 0, 0, DSK_F32},
-        {"sigmoid+groups+shared", 200, 128, 16, 4, 64, 1, 4, 2, DSK_MOE_SIGMOID, 0, 0.01f, 0, 0.001f, 0, DSK_BF16},
+        {"softmax", 129, 64, 12, 2, 32, 0, 0, 0, DSK_MOE_SOFTMAX, 0, 0, 0, 0, 0, DSK_F32, DSK_MOE_GROUP_DEEPSEEK_V3},
+        {"softmax+aux+z+shared", 7, 64, 6, 3, 48, 2, 0, 0, DSK_MOE_SOFTMAX, 0, 0.01f, 0, 0.001f, 0, DSK_F32,
+         DSK_MOE_GROUP_DEEPSEEK_V3},
+        {"sigmoid+groups+seq_aux+shared", 256, 128, 16, 4, 64, 1, 8, 4, DSK_MOE_SIGMOID, 0, 0, 0.003f, 0, 64, DSK_F32,
+         DSK_MOE_GROUP_DEEPSEEK_V3},
+        {"sigmoid capacity 0.75", 129, 64, 8, 2, 32, 0, 0, 0, DSK_MOE_SIGMOID, 0.75f, 0.01f, 0, 0, 0, DSK_F32,
+         DSK_MOE_GROUP_DEEPSEEK_V3},
+        {"softmax", 1, 64, 6, 2, 32, 1, 0, 0, DSK_MOE_SOFTMAX, 0, 0, 0, 0, 0, DSK_F32, DSK_MOE_GROUP_DEEPSEEK_V3},
+        {"softmax+groups, DeepSeek-V3 rule", 129, 64, 16, 6, 32, 0, 4, 2, DSK_MOE_SOFTMAX, 0, 0.01f, 0, 0, 0, DSK_F32,
+         DSK_MOE_GROUP_DEEPSEEK_V3},
+        {"sigmoid+groups, Megatron rule", 129, 64, 16, 6, 32, 0, 4, 2, DSK_MOE_SIGMOID, 0, 0, 0, 0, 0, DSK_F32,
+         DSK_MOE_GROUP_MEGATRON},
+        {"Switch aux, seq_len 5 not dividing T", 37, 64, 6, 2, 32, 0, 0, 0, DSK_MOE_SOFTMAX, 0, 0.01f, 0, 0.001f, 5,
+         DSK_F32, DSK_MOE_GROUP_DEEPSEEK_V3},
+        {"sigmoid+groups+shared", 200, 128, 16, 4, 64, 1, 4, 2, DSK_MOE_SIGMOID, 0, 0.01f, 0, 0.001f, 0, DSK_BF16,
+         DSK_MOE_GROUP_DEEPSEEK_V3},
     };
     dsk_test_init("test_moe_gpu");
     memset(&co, 0, sizeof co);
@@ -123,6 +165,8 @@ int main(void) {
         return dsk_test_finish();
     }
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&gctx, &cases[i]);
+    run_nonfinite(&gctx, DSK_MOE_SOFTMAX, INFINITY);
+    run_nonfinite(&gctx, DSK_MOE_SIGMOID, NAN);
     dsk_ctx_free(&gctx);
     return dsk_test_finish();
 }

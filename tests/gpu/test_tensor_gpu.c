@@ -8,8 +8,8 @@
    reports as skipped; the runtime checks that need no device still run in CUDA builds. */
 #define DSK_TENSOR_IMPLEMENTATION
 #include "dsk_tensor.h"
-#include "../dsk_test.h"
-#include "gpu_test_util.h" /* G, have_gpu, the tensor pool (halloc, dalloc, dev, host_as), CASE */
+#include "tests/dsk_test.h"
+#include "tests/gpu/gpu_test_util.h" /* G, have_gpu, the tensor pool (halloc, dalloc, dev, host_as), CASE */
 
 /* ------------------------------------------------------------------ tensor helpers */
 
@@ -93,7 +93,7 @@ static void test_launchers_need_ctx(void) {
     void *p = NULL;
     float host = 0;
     memset(&t, 0, sizeof t);
-    memset(&ao, 0, sizeof ao);
+    ao = dsk_adamw_defaults();
     memset(&o, 0, sizeof o);
     o.device = DSK_PREFER_CPU;
     DSK_TEST_OK(dsk_ctx_init(&cpu, &o));
@@ -514,7 +514,7 @@ static void test_adamw(dsk_dtype gdt, dsk_dtype copy_dt, int64_t n) {
     dsk_adamw_opts o;
     dsk_tensor *p = hrand(DSK_F32, SH(n), -1, 1), *m = hrand(DSK_F32, SH(n), -0.1, 0.1), *v = hrand(DSK_F32, SH(n), 0, 0.01);
     dsk_tensor *gp = dev(p), *gm = dev(m), *gv = dev(v), *cp = NULL, *gcp = NULL;
-    memset(&o, 0, sizeof o);
+    o = dsk_adamw_defaults();
     o.lr = 1e-2f;
     o.weight_decay = 0.1f;
     if (copy_dt != DSK_DTYPE_COUNT) {
