@@ -350,14 +350,6 @@ DSK_API uint32_t dsk_ckpt_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_
 #include <time.h>
 #include <unistd.h>
 
-#ifndef DSK__TRY /* dsk_tensor.h defines it where its implementation is compiled */
-#define DSK__TRY(call)                                 \
-    do {                                               \
-        dsk_status dsk__try_s_ = (call);               \
-        if (dsk__try_s_ != DSK_OK) return dsk__try_s_; \
-    } while (0)
-#endif
-
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
 #error "dsk_ckpt.h: safetensors is little-endian; big-endian hosts are not supported"
 #endif
