@@ -951,6 +951,137 @@ static void test_multi_rank_inconsistent(void) {
     DSK_TEST_EXPECT(st == -1, "an inconsistent save became checkpoint %lld", (long long)st);
 }
 
+/* ------------------------------------------------------------ resharding along any dimension */
+
+/* The global tensors of the box tests: A (13, 10) f32, B (4, 6, 7) bf16, and a layout gives
+   each rank a box of each: cuts[t][d] lists the cut points of tensor t along dim d; a rank's
+   box is the cell (its grid coordinates) of the grid they make. */
+typedef struct box_layout {
+    int grid[2][3];           /* cells per dim of A and B */
+    int64_t cuts[2][3][5];    /* cut points per dim (grid + 1 values) */
+} box_layout;
+
+static const int64_t k_box_shape[2][3] = {{13, 10, 0}, {4, 6, 7}};
+static const int k_box_ndim[2] = {2, 3};
+
+typedef struct box_arg {
+    dsk_tensor glob[2];
+    char dir[400], bar[400];
+    box_layout lay;
+    int64_t step;
+    int drop_rank;            /* this rank passes no A (leaves a gap), -1: none */
+} box_arg;
+
+/* Rank r's cell of tensor t: offset and extent. */
+static void box_cell(const box_layout *l, int t, int r, int64_t *off, int64_t *ext) {
+    int rem = r;
+    for (int d = k_box_ndim[t] - 1; d >= 0; d--) {
+        int c = rem % l->grid[t][d];
+        rem /= l->grid[t][d];
+        off[d] = l->cuts[t][d][c];
+        ext[d] = l->cuts[t][d][c + 1] - off[d];
+    }
+}
+
+static int box_cells(const box_layout *l, int t) {
+    int n = 1;
+    for (int d = 0; d < k_box_ndim[t]; d++) n *= l->grid[t][d];
+    return n;
+}
+
+/* Saves (for_load 0) or loads and checks (1) rank r's boxes under layout a->lay. */
+static int box_rank(int rank, int world, void *p, int for_load) {
+    box_arg *a = (box_arg *)p;
+    fbar b;
+    dsk_ckpt ck;
+    dsk_ckpt_opts o;
+    dsk_ckpt_entry e[2];
+    dsk_tensor own[2];
+    int64_t off[2][3], ext[2][3];
+    int n = 0, bad = 0;
+    dsk_status s;
+    fbar_opts(&o, &b, a->bar, rank, world);
+    memset(e, 0, sizeof e);
+    for (int t = 0; t < 2; t++) {
+        size_t es = dsk_dtype_size(a->glob[t].dtype);
+        if (rank >= box_cells(&a->lay, t) || (t == 0 && rank == a->drop_rank)) continue;
+        box_cell(&a->lay, t, rank, off[t], ext[t]);
+        alloc_t(&own[n], a->glob[t].dtype, k_box_ndim[t], ext[t]);
+        if (!for_load) box_ref((const unsigned char *)a->glob[t].data, k_box_shape[t], k_box_ndim[t], es, off[t], ext[t], (unsigned char *)own[n].data);
+        e[n].name = t ? "B" : "A";
+        e[n].tensor = &own[n];
+        e[n].split = DSK_CKPT_BOX;
+        e[n].offset = off[t];
+        e[n].global_shape = k_box_shape[t];
+        n++;
+    }
+    if ((s = dsk_ckpt_init(&ck, a->dir, &o)) == DSK_OK)
+        s = for_load ? dsk_ckpt_load(&ck, a->step, e, n, NULL) : dsk_ckpt_save(&ck, a->step, e, n, NULL, 0);
+    if (s != DSK_OK) { printf("     rank %d/%d %s: %s\n", rank, world, for_load ? "load" : "save", dsk_last_error()); bad = 1; }
+    for (int i = 0; i < n && for_load && !bad; i++) {
+        int t = e[i].name[0] == 'B';
+        size_t nb = dsk_tensor_nbytes(&own[i]);
+        unsigned char *want = (unsigned char *)malloc(nb + 1);
+        box_ref((const unsigned char *)a->glob[t].data, k_box_shape[t], k_box_ndim[t], dsk_dtype_size(own[i].dtype), off[t], ext[t], want);
+        if (memcmp(want, own[i].data, nb)) { printf("     rank %d/%d: box of %s differs\n", rank, world, e[i].name); bad = 1; }
+        free(want);
+    }
+    dsk_ckpt_free(&ck);
+    for (int i = 0; i < n; i++) dsk_tensor_free(NULL, &own[i]);
+    return bad;
+}
+static int box_save(int rank, int world, void *p) { return box_rank(rank, world, p, 0); }
+static int box_load(int rank, int world, void *p) { return box_rank(rank, world, p, 1); }
+
+/* Column-parallel and 2-D pieces saved by 4 ranks (A a 2x2 grid with uneven cuts, B split
+   along its last dim) load bitwise into any other layout: A by columns on 3 ranks, B along
+   dim 1; a 2-D grid the other way round on 2x3 ranks; everything on 1 rank. A gap is an error. */
+static void test_reshard_any_dim(void) {
+    box_arg a;
+    const box_layout save4 = {{{2, 2, 0}, {1, 1, 4}}, {{{0, 6, 13}, {0, 4, 10}}, {{0, 4}, {0, 6}, {0, 2, 4, 6, 7}}}};
+    const box_layout cols3 = {{{1, 3, 0}, {1, 3, 1}}, {{{0, 13}, {0, 3, 7, 10}}, {{0, 4}, {0, 2, 4, 6}, {0, 7}}}};
+    const box_layout grid6 = {{{3, 2, 0}, {2, 1, 3}}, {{{0, 1, 7, 13}, {0, 5, 10}}, {{0, 1, 4}, {0, 6}, {0, 3, 5, 7}}}};
+    const box_layout whole = {{{1, 1, 0}, {1, 1, 1}}, {{{0, 13}, {0, 10}}, {{0, 4}, {0, 6}, {0, 7}}}};
+    memset(&a, 0, sizeof a);
+    alloc_t(&a.glob[0], DSK_F32, 2, k_box_shape[0]);
+    fill_random_bytes(&a.glob[0]);
+    alloc_t(&a.glob[1], DSK_BF16, 3, k_box_shape[1]);
+    fill_random_bytes(&a.glob[1]);
+    new_dir(a.dir, sizeof a.dir, "boxes");
+    new_dir(a.bar, sizeof a.bar, "bar");
+    a.step = 3;
+    a.drop_rank = -1;
+    a.lay = save4;
+    DSK_TEST_EXPECT(run_ranks(4, box_save, &a) == 0, "4 ranks saving boxes failed");
+    DSK_TEST_OK(dsk_ckpt_verify(a.dir, 3));
+    a.lay = cols3;
+    DSK_TEST_EXPECT(run_ranks(3, box_load, &a) == 0, "loading by columns on 3 ranks");
+    a.lay = grid6;
+    DSK_TEST_EXPECT(run_ranks(6, box_load, &a) == 0, "loading a 3x2 / 2x3 grid on 6 ranks");
+    a.lay = whole;
+    DSK_TEST_EXPECT(box_load(0, 1, &a) == 0, "loading everything on 1 rank");
+    /* rows saved (2 ranks, by rows), columns loaded */
+    {
+        const box_layout rows2 = {{{2, 1, 0}, {2, 1, 1}}, {{{0, 7, 13}, {0, 10}}, {{0, 2, 4}, {0, 6}, {0, 7}}}};
+        a.step = 4;
+        a.lay = rows2;
+        new_dir(a.bar, sizeof a.bar, "bar");
+        DSK_TEST_EXPECT(run_ranks(2, box_save, &a) == 0, "2 ranks saving rows failed");
+        a.lay = cols3;
+        DSK_TEST_EXPECT(run_ranks(3, box_load, &a) == 0, "rows saved, columns loaded");
+    }
+    /* rank 3 leaves its cell of A out: no checkpoint, and every rank says why */
+    a.step = 5;
+    a.lay = save4;
+    a.drop_rank = 3;
+    new_dir(a.bar, sizeof a.bar, "bar");
+    DSK_TEST_EXPECT(run_ranks(4, box_save, &a) == 4, "a save with a gap in A did not fail on every rank");
+    DSK_TEST_STATUS(dsk_ckpt_verify(a.dir, 5), DSK_ERR_CORRUPT);
+    DSK_TEST_ERROR_MENTIONS("is missing: the checkpoint is incomplete");
+    dsk_tensor_free(NULL, &a.glob[0]);
+    dsk_tensor_free(NULL, &a.glob[1]);
+}
+
 /* ------------------------------------------------------------ collective outcome */
 
 /* Collective outcome with opts.agree (issue 17): a save where rank 2 of 3 fails (a bad entry)
@@ -2640,6 +2771,7 @@ int main(void) {
     DSK_TEST_RUN(test_multi_rank_inconsistent);
     DSK_TEST_RUN(test_failed_rank_with_stale_file);
     test_collective_outcome();
+    DSK_TEST_RUN(test_reshard_any_dim);
     DSK_TEST_RUN(test_async_overwrite);
     DSK_TEST_RUN(test_async_error);
     DSK_TEST_RUN(test_resave_keeps_old);
