@@ -321,6 +321,56 @@ DSK_API void dsk_ckpt_file_close(dsk_ckpt_file *f); /* zeroed/closed ok */
 DSK_API dsk_status dsk_ckpt_file_save(dsk_ctx *ctx, const char *path, const dsk_ckpt_entry *entries, int n,
                                       const dsk_ckpt_kv *kv, int n_kv);
 
+/* ---------------------------------------------------------------- Hugging Face sharded weights */
+
+/* A model in the layout Hugging Face writes: model.safetensors.index.json ("weight_map":
+   tensor name -> shard file) with its shards, or a single model.safetensors. Caller-owned;
+   fields are private. */
+typedef struct dsk_ckpt_hf {
+    char *dir;
+    int n_shards;
+    char **shard_names;      /* file names in dir */
+    dsk_ckpt_file *shards;   /* opened on first use */
+    int n_tensors;
+    char **names;            /* sorted */
+    int *shard_of;           /* shard of names[i] */
+} dsk_ckpt_hf;
+
+/* One tensor to read or write. stacked 1: `name` holds "{E}" and tensor (E, ...) holds the
+   experts expert0 .. expert0 + E - 1 along dim 0, each one tensor of the file under `name`
+   with "{E}" replaced by its number (dsk keeps experts stacked; published MoE checkpoints
+   name them one by one). */
+typedef struct dsk_ckpt_hf_entry {
+    const char *name;
+    dsk_tensor *tensor;
+    int stacked;
+    int expert0;
+} dsk_ckpt_hf_entry;
+
+/* Opens dir's index (or its single model.safetensors); shards are opened as they are used. */
+DSK_API dsk_status dsk_ckpt_hf_open(dsk_ckpt_hf *h, const char *dir);
+/* The open shard and header entry of tensor `name` (for boxes: dsk_ckpt_file_read_box). */
+DSK_API dsk_status dsk_ckpt_hf_find(dsk_ckpt_hf *h, const char *name, dsk_ckpt_file **file, const dsk_ckpt_tensor_info **info);
+/* Reads every entry (same shape; same dtype unless allow_cast), checking CRC32Cs where the
+   files have them. */
+DSK_API dsk_status dsk_ckpt_hf_read(dsk_ckpt_hf *h, dsk_ctx *ctx, const dsk_ckpt_hf_entry *entries, int n, int allow_cast);
+DSK_API void dsk_ckpt_hf_close(dsk_ckpt_hf *h); /* zeroed/closed ok */
+/* Writes the entries into dir (which must exist) as shards "model-00001-of-0000N.safetensors"
+   of at most max_shard_bytes of data each (0: 5 GB; a larger tensor gets a shard of its own),
+   in entry order, each written atomically, then model.safetensors.index.json ({"metadata":
+   {"total_size": bytes}, "weight_map": {...}}) last, atomically: the index is the commit point.
+   Shards of an earlier export that the new index does not name, and a model.safetensors, are
+   then removed. kv goes into every shard's __metadata__. */
+DSK_API dsk_status dsk_ckpt_hf_save(dsk_ctx *ctx, const char *dir, const dsk_ckpt_hf_entry *entries, int n, const dsk_ckpt_kv *kv,
+                                    int n_kv, uint64_t max_shard_bytes);
+/* The DeepSeek-V2/V3 name (transformers' DeepseekV3 layout) of dsk_moe parameter `moe_param`
+   of layer `layer`: "router" -> model.layers.L.mlp.gate.weight, "bias" -> ...mlp.gate.
+   e_score_correction_bias, "w1"/"w3"/"w2" -> ...mlp.experts.{E}.gate_proj/up_proj/down_proj.
+   weight (stacked: use with stacked 1), "shared.w1"/"shared.w3"/"shared.w2" -> ...mlp.
+   shared_experts.gate_proj/up_proj/down_proj.weight. dsk's (E, F, D) w1 and w3 and (E, D, F)
+   w2 hold the same matrices as those (F, D) and (D, F) tensors, expert by expert. */
+DSK_API dsk_status dsk_ckpt_hf_deepseek_name(char *buf, size_t n, int layer, const char *moe_param);
+
 /* CRC32C (Castagnoli, as iSCSI and ext4), chainable: crc = dsk_ckpt_crc32c(0, p, n) then
    dsk_ckpt_crc32c(crc, q, m) = CRC of p||q. SSE4.2 when the CPU has it, else slicing-by-8. */
 DSK_API uint32_t dsk_ckpt_crc32c(uint32_t crc, const void *data, size_t n);
@@ -3878,6 +3928,384 @@ DSK_API dsk_status dsk_ckpt_verify(const char *dir, int64_t step) {
     dsk__ckpt_reader_free(&rd);
     DSK_FREE(buf);
     return s;
+}
+
+/* ---------------------------------------------------------------- Hugging Face sharded weights */
+
+#define DSK__CKPT_HF_INDEX "model.safetensors.index.json"
+#define DSK__CKPT_HF_SINGLE "model.safetensors"
+
+DSK_API void dsk_ckpt_hf_close(dsk_ckpt_hf *h) {
+    if (!h) return;
+    for (int i = 0; i < h->n_shards; i++) {
+        if (h->shards) dsk_ckpt_file_close(&h->shards[i]);
+        if (h->shard_names) DSK_FREE(h->shard_names[i]);
+    }
+    for (int i = 0; i < h->n_tensors; i++) DSK_FREE(h->names[i]);
+    DSK_FREE(h->shards);
+    DSK_FREE(h->shard_names);
+    DSK_FREE(h->names);
+    DSK_FREE(h->shard_of);
+    DSK_FREE(h->dir);
+    memset(h, 0, sizeof *h);
+}
+
+/* A shard's file name from an index: a plain name inside dir. */
+static int dsk__ckpt_hf_plain_name(const char *s) { return s && *s && !strchr(s, '/') && strcmp(s, ".") && strcmp(s, ".."); }
+
+/* Sorts names (with their shards) and refuses a name given twice. */
+static dsk_status dsk__ckpt_hf_sort(const char *fn, dsk_ckpt_hf *h, const char *where) {
+    for (int i = 1; i < h->n_tensors; i++) { /* insertion of an index by name: usually sorted already */
+        char *nm = h->names[i];
+        int sh = h->shard_of[i], k = i;
+        while (k > 0 && strcmp(h->names[k - 1], nm) > 0) { h->names[k] = h->names[k - 1]; h->shard_of[k] = h->shard_of[k - 1]; k--; }
+        h->names[k] = nm;
+        h->shard_of[k] = sh;
+    }
+    for (int i = 1; i < h->n_tensors; i++)
+        if (strcmp(h->names[i], h->names[i - 1]) == 0)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" names tensor \"%s\" twice", fn, where, h->names[i]);
+    return DSK_OK;
+}
+
+/* The index's weight_map: its names and the distinct shard files they name. */
+static dsk_status dsk__ckpt_hf_read_index(const char *fn, dsk_ckpt_hf *h, const char *path) {
+    char *text = NULL;
+    size_t len = 0;
+    dsk__ckpt_json j;
+    dsk_status s;
+    int wm, count;
+    memset(&j, 0, sizeof j);
+    DSK__TRY(dsk__ckpt_read_small(fn, path, (size_t)DSK_CKPT_MAX_HEADER, &text, &len));
+    if ((s = dsk__ckpt_json_parse(&j, text, len, fn, path)) != DSK_OK) goto done;
+    wm = dsk__ckpt_jget(&j, 0, "weight_map");
+    if (wm < 0 || dsk__ckpt_jtype(&j, wm) != DSK__CKPT_J_OBJ) {
+        s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" has no \"weight_map\" object", fn, path);
+        goto done;
+    }
+    count = dsk__ckpt_jcount(&j, wm);
+    h->names = (char **)DSK_MALLOC(((size_t)count + 1) * sizeof *h->names);
+    h->shard_of = (int *)DSK_MALLOC(((size_t)count + 1) * sizeof *h->shard_of);
+    h->shard_names = (char **)DSK_MALLOC(((size_t)count + 1) * sizeof *h->shard_names);
+    if (!h->names || !h->shard_of || !h->shard_names) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); goto done; }
+    for (int c = dsk__ckpt_jchild(&j, wm); c >= 0; c = dsk__ckpt_jnext(&j, c)) {
+        const char *file = dsk__ckpt_jstr(&j, c);
+        int k = 0;
+        if (dsk__ckpt_jkey_nul(&j, c) || !dsk__ckpt_hf_plain_name(file)) {
+            s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": weight_map[\"%s\"] is not the name of a file in the directory", fn, path,
+                              dsk__ckpt_jkey(&j, c));
+            goto done;
+        }
+        while (k < h->n_shards && strcmp(h->shard_names[k], file) != 0) k++;
+        if (k == h->n_shards && !(h->shard_names[h->n_shards++] = dsk__ckpt_strdup(file))) {
+            h->n_shards--;
+            s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+            goto done;
+        }
+        h->shard_of[h->n_tensors] = k;
+        if (!(h->names[h->n_tensors] = dsk__ckpt_strdup(dsk__ckpt_jkey(&j, c)))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); goto done; }
+        h->n_tensors++;
+    }
+    s = dsk__ckpt_hf_sort(fn, h, path);
+done:
+    dsk__ckpt_json_free(&j);
+    DSK_FREE(text);
+    return s;
+}
+
+/* A single model.safetensors: its tensors, from its header. */
+static dsk_status dsk__ckpt_hf_read_single(const char *fn, dsk_ckpt_hf *h, const char *path) {
+    dsk_ckpt_file *f;
+    h->shard_names = (char **)DSK_MALLOC(sizeof *h->shard_names);
+    h->shards = (dsk_ckpt_file *)DSK_MALLOC(sizeof *h->shards);
+    if (!h->shard_names || !h->shards || !(h->shard_names[0] = dsk__ckpt_strdup(DSK__CKPT_HF_SINGLE)))
+        return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    h->n_shards = 1;
+    f = &h->shards[0];
+    memset(f, 0, sizeof *f);
+    DSK__TRY(dsk_ckpt_file_open(f, path));
+    h->names = (char **)DSK_MALLOC(((size_t)f->n_tensors + 1) * sizeof *h->names);
+    h->shard_of = (int *)DSK_MALLOC(((size_t)f->n_tensors + 1) * sizeof *h->shard_of);
+    if (!h->names || !h->shard_of) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    for (int i = 0; i < f->n_tensors; i++) {
+        if (!(h->names[i] = dsk__ckpt_strdup(f->tensors[i].name))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        h->shard_of[i] = 0;
+        h->n_tensors = i + 1;
+    }
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_ckpt_hf_open(dsk_ckpt_hf *h, const char *dir) {
+    const char *fn = "dsk_ckpt_hf_open";
+    char *idx, *single;
+    dsk_status s;
+    if (!h || !dir) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
+    memset(h, 0, sizeof *h);
+    idx = dsk__ckpt_join(dir, DSK__CKPT_HF_INDEX);
+    single = dsk__ckpt_join(dir, DSK__CKPT_HF_SINGLE);
+    if (!(h->dir = dsk__ckpt_strdup(dir)) || !idx || !single) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    else if (dsk__ckpt_exists(idx)) s = dsk__ckpt_hf_read_index(fn, h, idx);
+    else if (dsk__ckpt_exists(single)) s = dsk__ckpt_hf_read_single(fn, h, single);
+    else s = dsk_set_error(DSK_ERR_IO, "%s: \"%s\" holds neither %s nor %s", fn, dir, DSK__CKPT_HF_INDEX, DSK__CKPT_HF_SINGLE);
+    if (s == DSK_OK && !h->shards) {
+        if (!(h->shards = (dsk_ckpt_file *)DSK_MALLOC(((size_t)h->n_shards + 1) * sizeof *h->shards)))
+            s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        else memset(h->shards, 0, ((size_t)h->n_shards + 1) * sizeof *h->shards);
+    }
+    DSK_FREE(idx);
+    DSK_FREE(single);
+    if (s != DSK_OK) dsk_ckpt_hf_close(h);
+    return s;
+}
+
+DSK_API dsk_status dsk_ckpt_hf_find(dsk_ckpt_hf *h, const char *name, dsk_ckpt_file **file, const dsk_ckpt_tensor_info **info) {
+    const char *fn = "dsk_ckpt_hf_find";
+    int lo = 0, hi, k, t;
+    if (!h || !h->dir || !name || !file || !info) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument or closed set", fn);
+    hi = h->n_tensors - 1;
+    while (lo <= hi) {
+        int mid = lo + (hi - lo) / 2, c = strcmp(h->names[mid], name);
+        if (c == 0) { lo = mid; break; }
+        if (c < 0) lo = mid + 1;
+        else hi = mid - 1;
+    }
+    if (lo > hi) return dsk_set_error(DSK_ERR_ARG, "%s: no tensor \"%s\" in \"%s\"", fn, name, h->dir);
+    k = h->shard_of[lo];
+    if (!h->shards[k].mem) {
+        char *path = dsk__ckpt_join(h->dir, h->shard_names[k]);
+        dsk_status s;
+        if (!path) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        s = dsk_ckpt_file_open(&h->shards[k], path);
+        DSK_FREE(path);
+        if (s != DSK_OK) return s;
+    }
+    if ((t = dsk_ckpt_file_find(&h->shards[k], name)) < 0)
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: the index places \"%s\" in \"%s\", which does not hold it", fn, name, h->shards[k].path);
+    *file = &h->shards[k];
+    *info = &h->shards[k].tensors[t];
+    return DSK_OK;
+}
+
+/* pattern (holding "{E}": dsk__ckpt_hf_count checked) with "{E}" replaced by e. */
+static dsk_status dsk__ckpt_hf_expert_name(const char *fn, const char *pattern, int64_t e, dsk__ckpt_buf *out) {
+    const char *at = strstr(pattern, "{E}");
+    out->n = 0;
+    dsk__ckpt_put(out, pattern, (size_t)(at - pattern));
+    dsk__ckpt_putf(out, "%lld", (long long)e);
+    dsk__ckpt_puts(out, at + 3);
+    return out->oom ? dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn) : DSK_OK;
+}
+
+/* The number of file tensors behind an entry (its experts when stacked), checked. */
+static dsk_status dsk__ckpt_hf_count(const char *fn, const dsk_ckpt_hf_entry *e, int i, int64_t *count) {
+    if (!e->name || !e->tensor) return dsk_set_error(DSK_ERR_ARG, "%s: entry %d has no name or tensor", fn, i);
+    if (!e->stacked) { *count = 1; return DSK_OK; }
+    if (e->tensor->ndim < 1 || e->expert0 < 0 || !strstr(e->name, "{E}"))
+        return dsk_set_error(DSK_ERR_ARG, "%s: stacked entry \"%s\" needs a tensor of at least one dim, expert0 >= 0 and \"{E}\" in its name",
+                             fn, e->name);
+    *count = e->tensor->shape[0];
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_ckpt_hf_read(dsk_ckpt_hf *h, dsk_ctx *ctx, const dsk_ckpt_hf_entry *entries, int n, int allow_cast) {
+    const char *fn = "dsk_ckpt_hf_read";
+    dsk__ckpt_buf nm;
+    dsk_status s = DSK_OK;
+    if (!h || !h->dir || n < 0 || (n && !entries)) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument or closed set", fn);
+    memset(&nm, 0, sizeof nm);
+    for (int i = 0; i < n && s == DSK_OK; i++) {
+        const dsk_ckpt_hf_entry *e = &entries[i];
+        int64_t count = 0;
+        if ((s = dsk__ckpt_hf_count(fn, e, i, &count)) != DSK_OK) break;
+        for (int64_t k = 0; k < count && s == DSK_OK; k++) {
+            dsk_ckpt_file *f = NULL;
+            const dsk_ckpt_tensor_info *t = NULL;
+            dsk_tensor view = *e->tensor;
+            const char *name = e->name;
+            if (e->stacked) {
+                if ((s = dsk__ckpt_hf_expert_name(fn, e->name, e->expert0 + k, &nm)) != DSK_OK) break;
+                if ((s = dsk_tensor_select(e->tensor, k, &view)) != DSK_OK) break;
+                name = nm.p;
+            }
+            if ((s = dsk_ckpt_hf_find(h, name, &f, &t)) == DSK_OK) s = dsk_ckpt_file_read(f, ctx, name, &view, allow_cast);
+        }
+    }
+    dsk__ckpt_buf_free(&nm);
+    return s;
+}
+
+/* One file tensor of an export: its name and a view of the caller's tensor. */
+typedef struct dsk__ckpt_hf_item {
+    char *name;
+    dsk_tensor view;
+    int shard;
+} dsk__ckpt_hf_item;
+
+static int dsk__ckpt_cmp_hf_item(const void *a, const void *b) {
+    return strcmp((*(const dsk__ckpt_hf_item *const *)a)->name, (*(const dsk__ckpt_hf_item *const *)b)->name);
+}
+
+/* "model-<5 digits>-of-<5 digits>.safetensors" */
+static void dsk__ckpt_hf_shard_name(char *buf, size_t n, int k, int total) {
+    snprintf(buf, n, "model-%05d-of-%05d.safetensors", k + 1, total);
+}
+
+/* The index text of an export; items sorted by name here. */
+static dsk_status dsk__ckpt_hf_index_text(const char *fn, dsk__ckpt_buf *b, dsk__ckpt_hf_item *items, int n, int n_shards) {
+    dsk__ckpt_hf_item **order = (dsk__ckpt_hf_item **)DSK_MALLOC(((size_t)n + 1) * sizeof *order);
+    uint64_t total = 0;
+    if (!order) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    for (int i = 0; i < n; i++) { order[i] = &items[i]; total += dsk_tensor_nbytes(&items[i].view); }
+    qsort(order, (size_t)n, sizeof *order, dsk__ckpt_cmp_hf_item);
+    dsk__ckpt_putf(b, "{\n  \"metadata\": {\n    \"total_size\": %llu\n  },\n  \"weight_map\": {", (unsigned long long)total);
+    for (int i = 0; i < n; i++) {
+        char shard[64];
+        if (i && strcmp(order[i]->name, order[i - 1]->name) == 0) {
+            dsk_status s = dsk_set_error(DSK_ERR_ARG, "%s: tensor name \"%s\" appears twice", fn, order[i]->name);
+            DSK_FREE(order);
+            return s;
+        }
+        dsk__ckpt_hf_shard_name(shard, sizeof shard, order[i]->shard, n_shards);
+        dsk__ckpt_puts(b, i ? ",\n    " : "\n    ");
+        dsk__ckpt_put_jstr(b, order[i]->name);
+        dsk__ckpt_putf(b, ": \"%s\"", shard);
+    }
+    dsk__ckpt_puts(b, "\n  }\n}\n");
+    DSK_FREE(order);
+    return b->oom ? dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn) : DSK_OK;
+}
+
+/* After the index: removes model.safetensors and shards of an earlier export it does not name. */
+static dsk_status dsk__ckpt_hf_tidy(const char *fn, const char *dir, int n_shards) {
+    DIR *d = opendir(dir);
+    struct dirent *de;
+    dsk_status s = DSK_OK;
+    int removed = 0;
+    if (!d) return dsk__ckpt_io_error(fn, "open directory", dir);
+    while (s == DSK_OK && (de = readdir(d)) != NULL) {
+        int k, total, len = 0;
+        char *p;
+        if (strcmp(de->d_name, DSK__CKPT_HF_SINGLE) != 0 &&
+            (sscanf(de->d_name, "model-%5d-of-%5d.safetensors%n", &k, &total, &len) != 2 || de->d_name[len] || total == n_shards))
+            continue;
+        if (!(p = dsk__ckpt_join(dir, de->d_name))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
+        s = dsk__ckpt_remove(fn, p, &removed);
+        DSK_FREE(p);
+    }
+    closedir(d);
+    return s;
+}
+
+/* The export's file tensors in entry order (stacked entries expanded), each given a shard. */
+static dsk_status dsk__ckpt_hf_items(const char *fn, const dsk_ckpt_hf_entry *entries, int n, uint64_t max_bytes,
+                                     dsk__ckpt_hf_item **out, int *n_items, int *n_shards) {
+    int64_t total = 0;
+    uint64_t fill = 0;
+    dsk__ckpt_buf nm;
+    dsk_status s = DSK_OK;
+    int k = 0;
+    *out = NULL;
+    *n_items = 0;
+    *n_shards = 1;
+    for (int i = 0; i < n; i++) {
+        int64_t c = 0;
+        DSK__TRY(dsk__ckpt_hf_count(fn, &entries[i], i, &c));
+        total += c;
+    }
+    if (total > INT32_MAX / 2) return dsk_set_error(DSK_ERR_ARG, "%s: %lld tensors", fn, (long long)total);
+    if (!(*out = (dsk__ckpt_hf_item *)DSK_MALLOC(((size_t)total + 1) * sizeof **out))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    memset(*out, 0, ((size_t)total + 1) * sizeof **out);
+    memset(&nm, 0, sizeof nm);
+    for (int i = 0; i < n && s == DSK_OK; i++) {
+        const dsk_ckpt_hf_entry *e = &entries[i];
+        int64_t count = e->stacked ? e->tensor->shape[0] : 1;
+        for (int64_t x = 0; x < count && s == DSK_OK; x++, k++) {
+            dsk__ckpt_hf_item *it = &(*out)[k];
+            uint64_t bytes;
+            it->view = *e->tensor;
+            if (e->stacked && (s = dsk__ckpt_hf_expert_name(fn, e->name, e->expert0 + x, &nm)) == DSK_OK)
+                s = dsk_tensor_select(e->tensor, x, &it->view);
+            if (s != DSK_OK) break;
+            if (!(it->name = dsk__ckpt_strdup(e->stacked ? nm.p : e->name))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
+            *n_items = k + 1;
+            bytes = dsk_tensor_nbytes(&it->view);
+            if (fill && fill + bytes > max_bytes) { (*n_shards)++; fill = 0; }
+            it->shard = *n_shards - 1;
+            fill += bytes;
+        }
+    }
+    dsk__ckpt_buf_free(&nm);
+    return s;
+}
+
+DSK_API dsk_status dsk_ckpt_hf_save(dsk_ctx *ctx, const char *dir, const dsk_ckpt_hf_entry *entries, int n, const dsk_ckpt_kv *kv,
+                                    int n_kv, uint64_t max_shard_bytes) {
+    const char *fn = "dsk_ckpt_hf_save";
+    dsk__ckpt_hf_item *items = NULL;
+    dsk_ckpt_entry *fe = NULL;
+    dsk_ckpt_kv *meta = NULL;
+    dsk__ckpt_buf idx;
+    int n_items = 0, n_shards = 0, has_format = 0;
+    dsk_status s;
+    memset(&idx, 0, sizeof idx);
+    if (!dir || n < 0 || (n && !entries) || n_kv < 0 || (n_kv && !kv)) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
+    s = dsk__ckpt_hf_items(fn, entries, n, max_shard_bytes ? max_shard_bytes : 5000000000ull, &items, &n_items, &n_shards);
+    for (int i = 0; i < n_kv; i++) has_format |= kv[i].key && strcmp(kv[i].key, "format") == 0;
+    fe = (dsk_ckpt_entry *)DSK_MALLOC(((size_t)n_items + 1) * sizeof *fe);
+    meta = (dsk_ckpt_kv *)DSK_MALLOC(((size_t)n_kv + 2) * sizeof *meta);
+    if (s == DSK_OK && (!fe || !meta)) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if (s == DSK_OK) { /* names unique across shards, and the index text, before any file is written */
+        if (n_kv) memcpy(meta, kv, (size_t)n_kv * sizeof *meta);
+        meta[n_kv].key = "format"; /* what transformers requires of a PyTorch shard */
+        meta[n_kv].value = "pt";
+        s = dsk__ckpt_hf_index_text(fn, &idx, items, n_items, n_shards);
+    }
+    for (int k = 0, first = 0; k < n_shards && s == DSK_OK; k++) {
+        char shard[64], *path;
+        int cnt = 0;
+        while (first + cnt < n_items && items[first + cnt].shard == k) {
+            dsk_ckpt_entry *e = &fe[cnt];
+            memset(e, 0, sizeof *e);
+            e->name = items[first + cnt].name;
+            e->tensor = &items[first + cnt].view;
+            cnt++;
+        }
+        dsk__ckpt_hf_shard_name(shard, sizeof shard, k, n_shards);
+        if (!(path = dsk__ckpt_join(dir, shard))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
+        s = dsk_ckpt_file_save(ctx, path, fe, cnt, meta, n_kv + !has_format);
+        DSK_FREE(path);
+        first += cnt;
+    }
+    if (s == DSK_OK) s = dsk__ckpt_write_small(fn, dir, DSK__CKPT_HF_INDEX, idx.p, idx.n, DSK__CKPT_DURABLE);
+    if (s == DSK_OK) s = dsk__ckpt_hf_tidy(fn, dir, n_shards);
+    for (int i = 0; i < n_items; i++) DSK_FREE(items[i].name);
+    DSK_FREE(items);
+    DSK_FREE(fe);
+    DSK_FREE(meta);
+    dsk__ckpt_buf_free(&idx);
+    return s;
+}
+
+DSK_API dsk_status dsk_ckpt_hf_deepseek_name(char *buf, size_t n, int layer, const char *moe_param) {
+    static const char *const map[][2] = {
+        {"router", "mlp.gate.weight"},
+        {"bias", "mlp.gate.e_score_correction_bias"},
+        {"w1", "mlp.experts.{E}.gate_proj.weight"},
+        {"w3", "mlp.experts.{E}.up_proj.weight"},
+        {"w2", "mlp.experts.{E}.down_proj.weight"},
+        {"shared.w1", "mlp.shared_experts.gate_proj.weight"},
+        {"shared.w3", "mlp.shared_experts.up_proj.weight"},
+        {"shared.w2", "mlp.shared_experts.down_proj.weight"},
+    };
+    int k;
+    if (!buf || !moe_param || layer < 0) return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_hf_deepseek_name: NULL argument or layer %d", layer);
+    for (size_t i = 0; i < sizeof map / sizeof map[0]; i++)
+        if (strcmp(map[i][0], moe_param) == 0) {
+            k = snprintf(buf, n, "model.layers.%d.%s", layer, map[i][1]);
+            if (k < 0 || (size_t)k >= n) return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_hf_deepseek_name: a buffer of %zu bytes is too small", n);
+            return DSK_OK;
+        }
+    return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_hf_deepseek_name: no DeepSeek name for dsk_moe parameter \"%s\"", moe_param);
 }
 
 /* ---------------------------------------------------------------- metadata */

@@ -593,6 +593,100 @@ static void test_file_read_raw(void) {
     dsk_ckpt_file_close(&f);
 }
 
+/* ------------------------------------------------------------ Hugging Face sharded weights */
+
+/* An export in the DeepSeek layout (per-expert tensors named by dsk_ckpt_hf_deepseek_name,
+   from dsk's stacked (E, F, D) and (E, D, F) experts) over several shards reads back bitwise,
+   stacked again, whole or as one rank's experts; a second export with fewer shards replaces
+   the first; a bad index, a missing tensor or an entry without "{E}" is a clear error. */
+static void test_hf_sharded(void) {
+    char dir[400], p[600], name[160];
+    const int64_t sw[3] = {5, 3, 4}, sd[3] = {5, 4, 3}, sr[2] = {5, 4}, sb[1] = {5}, se[2] = {11, 4}, part[3] = {3, 3, 4};
+    dsk_tensor w1, w2, router, bias, embed, b1, b2, br, bb, be, mine;
+    dsk_ckpt_hf_entry e[5], le[5];
+    dsk_ckpt_hf h;
+    char names[5][160];
+    const char *params[4] = {"w1", "w2", "router", "bias"};
+    new_dir(dir, sizeof dir, "hf");
+    alloc_t(&w1, DSK_BF16, 3, sw); fill_random_bytes(&w1);
+    alloc_t(&w2, DSK_BF16, 3, sd); fill_random_bytes(&w2);
+    alloc_t(&router, DSK_F32, 2, sr); fill_f32(&router);
+    alloc_t(&bias, DSK_F32, 1, sb); fill_f32(&bias);
+    alloc_t(&embed, DSK_F32, 2, se); fill_f32(&embed);
+    for (int i = 0; i < 4; i++) DSK_TEST_OK(dsk_ckpt_hf_deepseek_name(names[i], sizeof names[i], 3, params[i]));
+    DSK_TEST_EXPECT(!strcmp(names[0], "model.layers.3.mlp.experts.{E}.gate_proj.weight") &&
+                    !strcmp(names[1], "model.layers.3.mlp.experts.{E}.down_proj.weight") && !strcmp(names[2], "model.layers.3.mlp.gate.weight") &&
+                    !strcmp(names[3], "model.layers.3.mlp.gate.e_score_correction_bias"), "DeepSeek names: %s %s %s %s", names[0], names[1],
+                    names[2], names[3]);
+    DSK_TEST_OK(dsk_ckpt_hf_deepseek_name(name, sizeof name, 0, "shared.w3"));
+    DSK_TEST_EXPECT(!strcmp(name, "model.layers.0.mlp.shared_experts.up_proj.weight"), "shared.w3: %s", name);
+    DSK_TEST_STATUS(dsk_ckpt_hf_deepseek_name(name, sizeof name, 0, "w9"), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("no DeepSeek name for dsk_moe parameter \"w9\"");
+    DSK_TEST_STATUS(dsk_ckpt_hf_deepseek_name(name, 10, 0, "w1"), DSK_ERR_ARG);
+    snprintf(names[4], sizeof names[4], "model.embed_tokens.weight");
+    dsk_tensor *src[5] = {&w1, &w2, &router, &bias, &embed}, *dst[5] = {&b1, &b2, &br, &bb, &be};
+    for (int i = 0; i < 5; i++) {
+        e[i].name = names[i];
+        e[i].tensor = src[i];
+        e[i].stacked = i < 2;
+        e[i].expert0 = 0;
+        alloc_t(dst[i], src[i]->dtype, src[i]->ndim, src[i]->shape);
+        le[i] = e[i];
+        le[i].tensor = dst[i];
+    }
+    /* 20-byte shards: every one of the 13 tensors (5 + 5 experts, router, bias, embedding) gets its own */
+    DSK_TEST_OK(dsk_ckpt_hf_save(NULL, dir, e, 5, NULL, 0, 20));
+    snprintf(p, sizeof p, "%s/model-00013-of-00013.safetensors", dir);
+    DSK_TEST_EXPECT(access(p, F_OK) == 0, "no 13th shard");
+    DSK_TEST_OK(dsk_ckpt_hf_open(&h, dir));
+    DSK_TEST_EXPECT(h.n_tensors == 13 && h.n_shards == 13, "%d tensors in %d shards", h.n_tensors, h.n_shards);
+    DSK_TEST_OK(dsk_ckpt_hf_read(&h, NULL, le, 5, 0));
+    for (int i = 0; i < 5; i++) DSK_TEST_SAME_BYTES(dst[i]->data, src[i]->data, dsk_tensor_nbytes(src[i]), names[i]);
+    {
+        /* one expert-parallel rank's experts 2..4 */
+        dsk_ckpt_hf_entry pe = {names[0], &mine, 1, 2};
+        alloc_t(&mine, DSK_BF16, 3, part);
+        DSK_TEST_OK(dsk_ckpt_hf_read(&h, NULL, &pe, 1, 0));
+        DSK_TEST_SAME_BYTES(mine.data, (char *)w1.data + 2 * 12 * 2, dsk_tensor_nbytes(&mine), "experts 2..4");
+        pe.expert0 = 3; /* experts 3..5: there is no expert 5 */
+        DSK_TEST_STATUS(dsk_ckpt_hf_read(&h, NULL, &pe, 1, 0), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("no tensor \"model.layers.3.mlp.experts.5.gate_proj.weight\"");
+        pe.name = "model.layers.3.mlp.gate.weight";
+        DSK_TEST_STATUS(dsk_ckpt_hf_read(&h, NULL, &pe, 1, 0), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("needs a tensor of at least one dim, expert0 >= 0 and \"{E}\" in its name");
+        dsk_tensor_free(NULL, &mine);
+    }
+    dsk_ckpt_hf_close(&h);
+    dsk_ckpt_hf_close(&h);
+    /* again with one shard: the 13 old ones go */
+    fill_f32(&router);
+    DSK_TEST_OK(dsk_ckpt_hf_save(NULL, dir, e, 5, NULL, 0, 0));
+    DSK_TEST_EXPECT(access(p, F_OK) != 0, "a shard of the earlier export was left behind");
+    DSK_TEST_OK(dsk_ckpt_hf_open(&h, dir));
+    DSK_TEST_EXPECT(h.n_shards == 1, "%d shards", h.n_shards);
+    DSK_TEST_OK(dsk_ckpt_hf_read(&h, NULL, le, 5, 0));
+    DSK_TEST_SAME_BYTES(br.data, router.data, dsk_tensor_nbytes(&router), "router after the second export");
+    dsk_ckpt_hf_close(&h);
+    /* a broken index: a shard name outside the directory, a shard lacking its tensor */
+    snprintf(p, sizeof p, "%s/model.safetensors.index.json", dir);
+    write_file(p, "{\"weight_map\":{\"a\":\"../x.safetensors\"}}", 39);
+    DSK_TEST_STATUS(dsk_ckpt_hf_open(&h, dir), DSK_ERR_CORRUPT);
+    DSK_TEST_ERROR_MENTIONS("weight_map[\"a\"] is not the name of a file in the directory");
+    write_file(p, "{\"weight_map\":{\"a\":\"model-00001-of-00001.safetensors\"}}", 55);
+    DSK_TEST_OK(dsk_ckpt_hf_open(&h, dir));
+    {
+        dsk_ckpt_file *f;
+        const dsk_ckpt_tensor_info *t;
+        DSK_TEST_STATUS(dsk_ckpt_hf_find(&h, "a", &f, &t), DSK_ERR_CORRUPT);
+        DSK_TEST_ERROR_MENTIONS("which does not hold it");
+    }
+    dsk_ckpt_hf_close(&h);
+    unlink(p);
+    DSK_TEST_STATUS(dsk_ckpt_hf_open(&h, dir), DSK_ERR_IO);
+    DSK_TEST_ERROR_MENTIONS("holds neither model.safetensors.index.json nor model.safetensors");
+    for (int i = 0; i < 5; i++) { dsk_tensor_free(NULL, src[i]); dsk_tensor_free(NULL, dst[i]); }
+}
+
 /* ------------------------------------------------------------ checkpoints, one rank */
 
 static void test_ckpt_single_rank(void) {
@@ -2764,6 +2858,7 @@ int main(void) {
     DSK_TEST_RUN(test_file_cast_on_load);
     DSK_TEST_RUN(test_file_read_box);
     DSK_TEST_RUN(test_file_read_raw);
+    DSK_TEST_RUN(test_hf_sharded);
     DSK_TEST_RUN(test_ckpt_single_rank);
     test_multi_rank_1_2_3_4();
     DSK_TEST_RUN(test_multi_rank_async);

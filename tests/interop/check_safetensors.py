@@ -3,6 +3,8 @@
     check_safetensors.py read-dsk DIR   checks the files st_tool wrote with dsk
     check_safetensors.py write-py DIR   writes files for st_tool to read with dsk
     check_safetensors.py edge-cases DIR writes header edge cases with the reference's verdicts
+    check_safetensors.py hf-write-py DIR writes a DeepSeek-layout sharded model with its index
+    check_safetensors.py hf-read-dsk DIR checks the sharded model st_tool exported
 
 Prints one "ok <case>" or "FAIL <case>: <why>" line per case. numpy has no bfloat16 or fp8,
 so safetensors.numpy.load_file refuses those files; they are read through the package's
@@ -257,6 +259,89 @@ def edge_cases(d):
     report(True, f"python wrote {len(EDGE_CASES)} header edge cases with the reference's verdicts")
 
 
+# A DeepSeek-V3-style model, as transformers lays its weights out: layer 0 dense, layers 1-2
+# MoE with 4 routed experts (one tensor per expert and projection) and one shared expert.
+HF_E, HF_D, HF_F, HF_V = 4, 8, 6, 16
+
+
+def hf_tensors():
+    """(name, safetensors dtype, shape) of the model, in transformers' order."""
+    out = [("model.embed_tokens.weight", "F32", [HF_V, HF_D])]
+    for layer in (1, 2):
+        p = f"model.layers.{layer}.mlp"
+        out += [(f"{p}.gate.weight", "F32", [HF_E, HF_D]), (f"{p}.gate.e_score_correction_bias", "F32", [HF_E])]
+        for e in range(HF_E):
+            out += [(f"{p}.experts.{e}.gate_proj.weight", "BF16", [HF_F, HF_D]), (f"{p}.experts.{e}.up_proj.weight", "BF16", [HF_F, HF_D]),
+                    (f"{p}.experts.{e}.down_proj.weight", "BF16", [HF_D, HF_F])]
+        out += [(f"{p}.shared_experts.gate_proj.weight", "BF16", [HF_F, HF_D]), (f"{p}.shared_experts.up_proj.weight", "BF16", [HF_F, HF_D]),
+                (f"{p}.shared_experts.down_proj.weight", "BF16", [HF_D, HF_F])]
+    return out
+
+
+def hf_write_py(d):
+    """Writes the model as 3 shards and model.safetensors.index.json, as save_pretrained does,
+    with the raw bytes of every tensor in hf_expect/ for st_tool to compare."""
+    os.makedirs(os.path.join(d, "hf_expect"), exist_ok=True)
+    rng = np.random.default_rng(int(os.environ.get("DSK_TEST_SEED", "20261129")) + 17)
+    tensors = hf_tensors()
+    n_shards = 3
+    weight_map, total = {}, 0
+    for k in range(n_shards):
+        part = tensors[k::n_shards]
+        arrays = {}
+        for name, st, shape in part:
+            if st == "F32":
+                a = rng.standard_normal(shape).astype(np.float32)
+                arrays[name] = ("float32", a)
+            else:  # bf16: random bit patterns of finite values (numpy has no bfloat16)
+                a = (rng.integers(0, 2**15, shape, dtype=np.int64) | (rng.integers(0, 2, shape) << 15)).astype(np.uint16)
+                a[(a & 0x7F80) == 0x7F80] &= 0xBFFF
+                arrays[name] = ("bfloat16", a)
+            open(os.path.join(d, "hf_expect", name + ".bin"), "wb").write(np.ascontiguousarray(arrays[name][1]).tobytes())
+            total += arrays[name][1].nbytes
+        shard = f"model-{k + 1:05d}-of-{n_shards:05d}.safetensors"
+        specs = {n: safetensors.TensorSpec(dtype=t, shape=list(a.shape), data_ptr=a.ctypes.data, data_len=a.nbytes) for n, (t, a) in arrays.items()}
+        safetensors.serialize_file(specs, os.path.join(d, shard), metadata={"format": "pt"})
+        for name in arrays:
+            weight_map[name] = shard
+    with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    report(True, f"python writes a DeepSeek-layout model: {len(tensors)} tensors in {n_shards} shards with an index")
+
+
+def hf_read_dsk(d):
+    """Checks dsk's export as transformers would read it: the index, every shard through the
+    package's parser, names, dtypes, shapes and bytes against what st_tool says it wrote."""
+    index = json.load(open(os.path.join(d, "model.safetensors.index.json")))
+    wm = index["weight_map"]
+    expect = {}
+    with open(os.path.join(d, "hf_list.txt")) as f:
+        for line in f:
+            p = line.split()
+            expect[p[0]] = (p[1], [int(x) for x in p[3 : 3 + int(p[2])]])
+    report(set(wm) == set(expect), "index weight_map names every tensor dsk wrote, no more", f"{len(wm)} vs {len(expect)}")
+    seen, total = {}, 0
+    for shard in sorted(set(wm.values())):
+        path = os.path.join(d, shard)
+        try:
+            parsed = dict(safetensors.deserialize(open(path, "rb").read()))
+        except Exception as e:  # the reference refused dsk's shard
+            report(False, f"safetensors.deserialize reads {shard}", repr(e))
+            continue
+        with safe_open(path, framework="numpy") as f:
+            report(f.metadata().get("format") == "pt", f"{shard} has the metadata format=pt transformers asks for", str(f.metadata())[:120])
+        for name, t in parsed.items():
+            seen[name] = shard
+            total += len(bytes(t["data"]))
+            st, shape = expect.get(name, ("?", []))
+            raw = open(os.path.join(d, "hf_expect", name + ".bin"), "rb").read() if name in expect else b""
+            ok = t["dtype"] == st and list(t["shape"]) == shape and bytes(t["data"]) == raw
+            report(ok, f"{shard}: {name} {st} {shape}", f"file has {t['dtype']} {t['shape']}")
+    report(seen == wm, "every tensor sits in the shard the index names", "")
+    report(index["metadata"]["total_size"] == total, "index total_size is the tensors' bytes", f"{index['metadata']['total_size']} vs {total}")
+
+
 if __name__ == "__main__":
-    {"read-dsk": read_dsk, "write-py": write_py, "edge-cases": edge_cases}[sys.argv[1]](sys.argv[2])
+    {"read-dsk": read_dsk, "write-py": write_py, "edge-cases": edge_cases, "hf-write-py": hf_write_py,
+     "hf-read-dsk": hf_read_dsk}[sys.argv[1]](sys.argv[2])
     sys.exit(1 if failures else 0)
