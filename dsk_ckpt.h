@@ -26,6 +26,12 @@
    largest in DIR, so it orders the saves), the world size and each tensor's dtype, whole
    shape and slices [file, offset..., shape...]; its last line holds the CRC32C of the text
    before it.
+   Incremental saves (opts.incremental): each piece's 64-bit content hash goes into its file
+   ("dsk.hash.<tensor>") and the manifest's slice; a piece whose hash, dtype and box equal the
+   base checkpoint's (the most recent complete save) is not written again: its file records
+   "dsk.reuse.<tensor>" and the manifest points to the earlier file, listed after this save's
+   own. Rotation and reclaiming keep every file a live checkpoint references; dsk_ckpt_merge
+   compacts a checkpoint back into its own directory.
 
    The commit point of a save is the rename of manifest.json into place by rank 0 (and the
    fsync of its directory). Before it nothing that exists is changed or removed, so a failure
@@ -147,6 +153,8 @@ typedef struct dsk_ckpt_opts {
                                     (more help on an idle many-core node, hurt on a busy one) */
     int read_only;               /* [0] 1: never write or remove anything (reading checkpoints
                                     another job writes): init reclaims nothing, saves fail */
+    int incremental;             /* [0] 1: a save writes only the pieces whose content changed
+                                    since the most recent checkpoint and references the rest */
 } dsk_ckpt_opts;
 
 /* What the last save did (dsk_ckpt_last_save); counts are this rank's. */
@@ -155,6 +163,9 @@ typedef struct dsk_ckpt_save_info {
     uint64_t generation;         /* the save's place in the directory's history (rank 0) */
     uint64_t bytes_written;      /* tensor bytes this rank wrote */
     int tensors_written;
+    uint64_t bytes_reused;       /* incremental: tensor bytes unchanged since the base checkpoint,
+                                    referenced instead of written */
+    int tensors_reused;
     dsk_status cleanup;          /* rank 0: housekeeping after the commit point (latest pointer,
                                     rotation); never the save's status */
     char cleanup_error[1024];    /* its message when cleanup != DSK_OK */
@@ -218,6 +229,13 @@ DSK_API dsk_status dsk_ckpt_save_async(dsk_ckpt *ck, int64_t step, const dsk_ckp
 DSK_API dsk_status dsk_ckpt_wait(dsk_ckpt *ck);
 /* What the last completed save did (step -1 before any); valid until the next save or wait. */
 DSK_API const dsk_ckpt_save_info *dsk_ckpt_last_save(const dsk_ckpt *ck);
+/* Compacts checkpoint `step` (of incremental saves: its manifest references earlier saves'
+   files) into one whose files all lie in its own step directory, one per rank, holding every
+   piece that rank's files held, each checked on the way. It keeps its step, generation and
+   metadata; the new manifest replaces the old one at once, then files no checkpoint
+   references any more are reclaimed. One process calls it (rank 0, or a tool) while no save
+   runs: it takes DIR's lock. */
+DSK_API dsk_status dsk_ckpt_merge(dsk_ckpt *ck, int64_t step);
 
 /* Loads DIR/step_<step>/ into `entries`: each tensor is looked up by name and must match the
    saved dtype (or opts.allow_cast) and the saved global shape; DSK_CKPT_ROWS and DSK_CKPT_BOX
@@ -517,6 +535,57 @@ DSK_API uint32_t dsk_ckpt_crc32c(uint32_t crc, const void *data, size_t n) {
 
 DSK_API uint32_t dsk_ckpt_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
     return dsk__ckpt_mulmod(dsk__ckpt_xpow8n(len_b), crc_a) ^ crc_b;
+}
+
+/* ---------------------------------------------------------------- content hash
+   What an incremental save compares to find unchanged tensors (a CRC32C's 2^-32 chance to
+   miss a change is too much there): the polynomial hash over the field of p = 2^61 - 1 of
+   the bytes as little-endian 32-bit values v_0..v_{m-1}, zero-padded to a multiple of 4,
+   then the byte count n: H = (sum_i v_i B^(m-1-i)) B + n mod p, B fixed. Two different
+   contents of equal length collide for at most m/4 of the bases B < p, and carry the same
+   CRC32C too; four interleaved lanes (multiplier B^4) compute the same H. */
+
+#if !defined(__SIZEOF_INT128__)
+#error "dsk_ckpt.h: the content hash needs a compiler with unsigned __int128 (GCC, Clang)"
+#endif
+
+#define DSK__CKPT_P61 0x1fffffffffffffffull
+#define DSK__CKPT_HASH_B 0x0a5e3c9d17f2468bull /* < p */
+
+static uint64_t dsk__ckpt_mod61(uint64_t r) {
+    r = (r & DSK__CKPT_P61) + (r >> 61);
+    return r >= DSK__CKPT_P61 ? r - DSK__CKPT_P61 : r;
+}
+/* a * b + c mod p, for a, b < p and c < 2^32. */
+static uint64_t dsk__ckpt_muladd61(uint64_t a, uint64_t b, uint64_t c) {
+    unsigned __int128 x = (unsigned __int128)a * b + c;
+    return dsk__ckpt_mod61(((uint64_t)x & DSK__CKPT_P61) + (uint64_t)(x >> 61));
+}
+
+static uint64_t dsk__ckpt_hash(const unsigned char *p, size_t n) {
+    const uint64_t B = DSK__CKPT_HASH_B, B2 = dsk__ckpt_muladd61(B, B, 0), B3 = dsk__ckpt_muladd61(B2, B, 0);
+    const uint64_t B4 = dsk__ckpt_muladd61(B3, B, 0);
+    uint64_t l0 = 0, l1 = 0, l2 = 0, l3 = 0, h;
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        uint32_t v[4];
+        memcpy(v, p + i, 16); /* little-endian hosts only (see the top of the file) */
+        l0 = dsk__ckpt_muladd61(l0, B4, v[0]);
+        l1 = dsk__ckpt_muladd61(l1, B4, v[1]);
+        l2 = dsk__ckpt_muladd61(l2, B4, v[2]);
+        l3 = dsk__ckpt_muladd61(l3, B4, v[3]);
+    }
+    if (i < n) { /* the tail, zero-padded to 16 bytes */
+        uint32_t v[4] = {0, 0, 0, 0};
+        memcpy(v, p + i, n - i);
+        l0 = dsk__ckpt_muladd61(l0, B4, v[0]);
+        l1 = dsk__ckpt_muladd61(l1, B4, v[1]);
+        l2 = dsk__ckpt_muladd61(l2, B4, v[2]);
+        l3 = dsk__ckpt_muladd61(l3, B4, v[3]);
+    }
+    h = dsk__ckpt_mod61(dsk__ckpt_muladd61(l0, B3, 0) + dsk__ckpt_muladd61(l1, B2, 0));
+    h = dsk__ckpt_mod61(h + dsk__ckpt_muladd61(l2, B, 0) + l3);
+    return dsk__ckpt_mod61(dsk__ckpt_muladd61(h, B, 0) + (uint64_t)n % DSK__CKPT_P61);
 }
 
 /* ---------------------------------------------------------------- small helpers */
@@ -1756,6 +1825,9 @@ typedef struct dsk__ckpt_seg {
     uint32_t crc;
     uint32_t *blocks;    /* CRC32C of each DSK__CKPT_BLOCK bytes, while the file is written */
     uint64_t n_blocks;
+    int hashed;          /* incremental saves: hash holds the content hash */
+    uint64_t hash;
+    int reused;          /* the content is unchanged since the base checkpoint: referenced, not written */
 } dsk__ckpt_seg;
 
 typedef struct dsk__ckpt_plan {
@@ -1871,6 +1943,15 @@ static dsk_status dsk__ckpt_check_kv(const char *fn, const dsk_ckpt_kv *kv, int 
     return DSK_OK;
 }
 
+/* Places the segments the file holds (not the reused ones) one after the other. */
+static void dsk__ckpt_plan_layout(dsk__ckpt_plan *p) {
+    p->total = 0;
+    for (int i = 0; i < p->n; i++) {
+        p->segs[i].begin = p->total;
+        if (!p->segs[i].reused) p->total += p->segs[i].nbytes;
+    }
+}
+
 /* Validates the entries and pairs and copies what the file needs (names, pairs, shapes).
    A rank file holds the split entries and, on rank 0 only, the replicated ones. */
 static dsk_status dsk__ckpt_plan_build(const char *fn, dsk__ckpt_plan *p, const dsk_ckpt_entry *entries, int n, const dsk_ckpt_kv *kv,
@@ -1914,10 +1995,7 @@ static dsk_status dsk__ckpt_plan_build(const char *fn, dsk__ckpt_plan *p, const 
         if (!p->keys[i] || !p->values[i]) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     }
     qsort(p->segs, (size_t)p->n, sizeof *p->segs, dsk__ckpt_cmp_seg);
-    for (int i = 0; i < p->n; i++) {
-        p->segs[i].begin = p->total;
-        p->total += p->segs[i].nbytes;
-    }
+    dsk__ckpt_plan_layout(p);
     return DSK_OK;
 }
 
@@ -1980,9 +2058,16 @@ static void dsk__ckpt_header_json(dsk__ckpt_buf *b, const dsk__ckpt_plan *p) {
                        (long long)p->step, p->rank, p->world, (unsigned long long)p->attempt);
     for (int i = 0; i < p->n; i++) {
         const dsk__ckpt_seg *g = &p->segs[i];
-        dsk__ckpt_puts(b, ",");
-        dsk__ckpt_put_jstr2(b, "dsk.crc32c.", g->name);
-        dsk__ckpt_putf(b, ":\"%08x\"", g->crc);
+        if (g->hashed) {
+            dsk__ckpt_puts(b, ",");
+            dsk__ckpt_put_jstr2(b, g->reused ? "dsk.reuse." : "dsk.hash.", g->name);
+            dsk__ckpt_putf(b, ":\"%016llx\"", (unsigned long long)g->hash);
+        }
+        if (!g->reused) {
+            dsk__ckpt_puts(b, ",");
+            dsk__ckpt_put_jstr2(b, "dsk.crc32c.", g->name);
+            dsk__ckpt_putf(b, ":\"%08x\"", g->crc);
+        }
         if (g->n_blocks > 1) {
             dsk__ckpt_puts(b, ",");
             dsk__ckpt_put_jstr2(b, "dsk.blocks.", g->name);
@@ -2009,6 +2094,7 @@ static void dsk__ckpt_header_json(dsk__ckpt_buf *b, const dsk__ckpt_plan *p) {
     dsk__ckpt_puts(b, "}");
     for (int i = 0; i < p->n; i++) {
         const dsk__ckpt_seg *g = &p->segs[i];
+        if (g->reused) continue;
         dsk__ckpt_puts(b, ",");
         dsk__ckpt_put_jstr(b, g->name);
         dsk__ckpt_putf(b, ":{\"dtype\":\"%s\",\"shape\":[", dsk__ckpt_stname(g->dtype));
@@ -2038,7 +2124,7 @@ static dsk_status dsk__ckpt_alloc_blocks(const char *fn, dsk__ckpt_plan *p) {
     for (int i = 0; i < p->n; i++) {
         dsk__ckpt_seg *g = &p->segs[i];
         g->crc = 0;
-        g->n_blocks = (g->nbytes + DSK__CKPT_BLOCK - 1) / DSK__CKPT_BLOCK;
+        g->n_blocks = g->reused ? 0 : (g->nbytes + DSK__CKPT_BLOCK - 1) / DSK__CKPT_BLOCK;
         if (!(g->blocks = (uint32_t *)DSK_MALLOC((size_t)(g->n_blocks + 1) * sizeof(uint32_t))))
             return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
         memset(g->blocks, 0, (size_t)(g->n_blocks + 1) * sizeof(uint32_t));
@@ -2281,6 +2367,15 @@ static int dsk__ckpt_parse_box(const char *v, int ndim, int64_t *off, int64_t *g
     return *v == 0;
 }
 
+/* The content hash a rank file records under prefix + name: 1 found, 0 absent, -1 malformed. */
+static int dsk__ckpt_meta_hash(const dsk_ckpt_file *f, const char *prefix, const char *name, uint64_t *hash) {
+    char key[1100];
+    const char *v;
+    snprintf(key, sizeof key, "%s%s", prefix, name);
+    if (!(v = dsk_ckpt_file_meta(f, key))) return 0;
+    return dsk__ckpt_parse_hex64(v, hash) ? 1 : -1;
+}
+
 /* The box a rank file records for a tensor ("dsk.box.<name>"): 1 found and valid, 0 absent
    (the whole tensor), -1 malformed, outside its whole tensor, or out of memory. */
 static int dsk__ckpt_box_of(const dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t, int64_t *off, int64_t *global) {
@@ -2317,6 +2412,8 @@ typedef struct dsk__ckpt_mfile {
 typedef struct dsk__ckpt_mslice {
     int file;
     const int64_t *box; /* offset[ndim] then shape[ndim] */
+    int has_hash;       /* written by an incremental save: the content hash */
+    uint64_t hash;
 } dsk__ckpt_mslice;
 
 typedef struct dsk__ckpt_mtensor {
@@ -2467,13 +2564,15 @@ static dsk_status dsk__ckpt_manifest_tensor_parse(const char *fn, dsk__ckpt_mani
     for (int c = dsk__ckpt_jchild(j, sl); c >= 0; c = dsk__ckpt_jnext(j, c)) {
         dsk__ckpt_mslice *x = &m->slices[(*n_slices)++];
         int64_t v, *box = *box_next;
-        int e = dsk__ckpt_jchild(j, c), i = 0;
-        if (dsk__ckpt_jtype(j, c) != DSK__CKPT_J_ARR || dsk__ckpt_jcount(j, c) != 1 + 2 * t->ndim || !dsk__ckpt_jsize(j, e, &v) ||
+        int e = dsk__ckpt_jchild(j, c), i = 0, len = dsk__ckpt_jcount(j, c);
+        if (dsk__ckpt_jtype(j, c) != DSK__CKPT_J_ARR || (len != 1 + 2 * t->ndim && len != 2 + 2 * t->ndim) || !dsk__ckpt_jsize(j, e, &v) ||
             v >= m->n_files)
-            return dsk__ckpt_bad_manifest(fn, m, "a slice is not [file, offset..., shape...]", t->name);
+            return dsk__ckpt_bad_manifest(fn, m, "a slice is not [file, offset..., shape... (, hash)]", t->name);
         x->file = (int)v;
+        x->has_hash = len == 2 + 2 * t->ndim;
         for (e = dsk__ckpt_jnext(j, e); e >= 0; e = dsk__ckpt_jnext(j, e), i++)
-            if (!dsk__ckpt_jsize(j, e, &box[i])) return dsk__ckpt_bad_manifest(fn, m, "a slice is not [file, offset..., shape...]", t->name);
+            if (i == 2 * t->ndim ? !dsk__ckpt_parse_hex64(dsk__ckpt_jstr(j, e), &x->hash) : !dsk__ckpt_jsize(j, e, &box[i]))
+                return dsk__ckpt_bad_manifest(fn, m, "a slice is not [file, offset..., shape... (, hash)]", t->name);
         for (int d = 0; d < t->ndim; d++)
             if (box[d] > t->shape[d] || box[t->ndim + d] > t->shape[d] - box[d])
                 return dsk__ckpt_bad_manifest(fn, m, "a slice lies outside its tensor", t->name);
@@ -2589,6 +2688,8 @@ typedef struct dsk__ckpt_piece {
     int ndim;
     int64_t off[DSK_MAX_DIMS], ext[DSK_MAX_DIMS], global[DSK_MAX_DIMS];
     int file;
+    int has_hash;
+    uint64_t hash;
 } dsk__ckpt_piece;
 
 static int dsk__ckpt_cmp_piece(const void *a, const void *b) {
@@ -2641,6 +2742,7 @@ static dsk_status dsk__ckpt_manifest_tensor(const char *fn, dsk__ckpt_buf *b, co
         dsk__ckpt_putf(b, "%s[%d", i ? "," : "", pc[i].file);
         for (int d = 0; d < p0->ndim; d++) dsk__ckpt_putf(b, ",%lld", (long long)pc[i].off[d]);
         for (int d = 0; d < p0->ndim; d++) dsk__ckpt_putf(b, ",%lld", (long long)pc[i].ext[d]);
+        if (pc[i].has_hash) dsk__ckpt_putf(b, ",\"%016llx\"", (unsigned long long)pc[i].hash);
         dsk__ckpt_puts(b, "]");
     }
     dsk__ckpt_puts(b, "]}");
@@ -2662,6 +2764,62 @@ static dsk_status dsk__ckpt_file_pieces(const char *fn, const dsk_ckpt_file *f, 
         pc->ndim = t->ndim;
         memcpy(pc->ext, t->shape, sizeof pc->ext);
         pc->file = file;
+        pc->has_hash = dsk__ckpt_meta_hash(f, "dsk.hash.", t->name, &pc->hash);
+        if (pc->has_hash < 0) return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": dsk.hash.%s is not 16 hex digits", fn, f->path, t->name);
+    }
+    return DSK_OK;
+}
+
+/* The index of file e in the manifest's file list, appended when new. */
+static int dsk__ckpt_file_index(dsk__ckpt_mfile *mf, int *n, const dsk__ckpt_mfile *e) {
+    for (int i = 0; i < *n; i++)
+        if (mf[i].step == e->step && mf[i].rank == e->rank && mf[i].attempt == e->attempt) return i;
+    mf[*n] = *e;
+    return (*n)++;
+}
+
+/* The pieces an incremental save's file f (of rank `rank`) declares unchanged
+   ("dsk.reuse.<name>" = their hash, "dsk.box.<name>" their box): each must be a slice of the
+   base checkpoint with that box and hash; the piece then points to the base's file. */
+static dsk_status dsk__ckpt_reuse_pieces(const char *fn, const dsk_ckpt_file *f, int rank, const dsk__ckpt_manifest *base,
+                                         dsk__ckpt_piece *out, int *np, dsk__ckpt_mfile *mf, int *n_mf) {
+    for (int i = 0; i < f->n_meta; i++) {
+        const char *name = f->meta_keys[i] + 10, *box;
+        const dsk__ckpt_mtensor *t;
+        dsk__ckpt_piece *pc;
+        uint64_t hash;
+        int k;
+        char key[1100];
+        if (strncmp(f->meta_keys[i], "dsk.reuse.", 10) != 0) continue;
+        if (!dsk__ckpt_parse_hex64(f->meta_values[i], &hash))
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": %s is not 16 hex digits", fn, f->path, f->meta_keys[i]);
+        if (!base || !(t = dsk__ckpt_manifest_find(base, name)))
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" reuses \"%s\", which the base checkpoint lacks", fn, f->path, name);
+        pc = &out[(*np)++];
+        memset(pc, 0, sizeof *pc);
+        memcpy(pc->global, t->shape, sizeof pc->global);
+        snprintf(key, sizeof key, "dsk.box.%s", name);
+        if ((box = dsk_ckpt_file_meta(f, key)) != NULL && !dsk__ckpt_parse_box(box, t->ndim, pc->off, pc->global))
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": %s is malformed", fn, f->path, key);
+        if (!box && rank != 0)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: whole tensor \"%s\" reused by rank %d (only rank 0 writes it)", fn, name, rank);
+        for (k = 0; k < t->n_slices; k++) {
+            const dsk__ckpt_mslice *sl = &base->slices[t->first + k];
+            if (!memcmp(sl->box, pc->off, (size_t)t->ndim * sizeof(int64_t)) && sl->has_hash && sl->hash == hash &&
+                !memcmp(pc->global, t->shape, (size_t)t->ndim * sizeof(int64_t))) {
+                memcpy(pc->ext, sl->box + t->ndim, (size_t)t->ndim * sizeof(int64_t));
+                pc->file = dsk__ckpt_file_index(mf, n_mf, &base->files[sl->file]);
+                break;
+            }
+        }
+        if (k == t->n_slices)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" reuses a piece of \"%s\" the base checkpoint (step %lld) does not hold", fn,
+                                 f->path, name, (long long)base->step);
+        pc->name = t->name;
+        pc->dtype = t->dt->name;
+        pc->ndim = t->ndim;
+        pc->has_hash = 1;
+        pc->hash = hash;
     }
     return DSK_OK;
 }
@@ -2698,9 +2856,11 @@ static dsk_status dsk__ckpt_manifest_text(const char *fn, dsk__ckpt_buf *b, int6
 /* Rank 0, after every rank's file is durable: reads their headers (never their data), checks
    that the pieces tile every tensor and writes the manifest: the commit point of the save. */
 static dsk_status dsk__ckpt_write_manifest(const char *fn, const char *root, const char *step_dir, int64_t step, int world,
-                                           uint64_t attempt, uint64_t generation, dsk__ckpt_mfile **files_out, int *n_files_out) {
+                                           uint64_t attempt, uint64_t generation, const dsk__ckpt_manifest *base,
+                                           dsk__ckpt_mfile **files_out, int *n_files_out) {
+    int n_mf = world, cap_mf = world + (base ? base->n_files : 0);
     dsk_ckpt_file *files = (dsk_ckpt_file *)DSK_MALLOC((size_t)world * sizeof *files);
-    dsk__ckpt_mfile *mf = (dsk__ckpt_mfile *)DSK_MALLOC((size_t)world * sizeof *mf);
+    dsk__ckpt_mfile *mf = (dsk__ckpt_mfile *)DSK_MALLOC((size_t)cap_mf * sizeof *mf);
     dsk__ckpt_piece *pcs = NULL;
     dsk__ckpt_buf b;
     dsk_status s = DSK_OK;
@@ -2723,14 +2883,17 @@ static dsk_status dsk__ckpt_write_manifest(const char *fn, const char *root, con
         mf[r].world = world;
         mf[r].attempt = attempt;
         mf[r].size = files[r].file_size;
-        total += files[r].n_tensors;
+        total += files[r].n_tensors + files[r].n_meta; /* pieces written or reused */
     }
     if (s == DSK_OK && !(pcs = (dsk__ckpt_piece *)DSK_MALLOC(((size_t)total + 1) * sizeof *pcs)))
         s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    for (int r = 0; r < world && s == DSK_OK; r++) s = dsk__ckpt_file_pieces(fn, &files[r], r, r, pcs, &np);
-    if (s == DSK_OK) s = dsk__ckpt_manifest_text(fn, &b, step, generation, attempt, world, mf, world, pcs, np);
+    for (int r = 0; r < world && s == DSK_OK; r++) {
+        s = dsk__ckpt_file_pieces(fn, &files[r], r, r, pcs, &np);
+        if (s == DSK_OK) s = dsk__ckpt_reuse_pieces(fn, &files[r], r, base, pcs, &np, mf, &n_mf);
+    }
+    if (s == DSK_OK) s = dsk__ckpt_manifest_text(fn, &b, step, generation, attempt, world, mf, n_mf, pcs, np);
     if (s == DSK_OK) s = dsk__ckpt_write_small(fn, step_dir, DSK__CKPT_MANIFEST, b.p, b.n, DSK__CKPT_DURABLE);
-    if (s == DSK_OK) { *files_out = mf; *n_files_out = world; mf = NULL; }
+    if (s == DSK_OK) { *files_out = mf; *n_files_out = n_mf; mf = NULL; }
     for (int r = 0; r < world; r++) dsk_ckpt_file_close(&files[r]);
     DSK_FREE(files);
     DSK_FREE(mf);
@@ -2748,6 +2911,7 @@ typedef struct dsk__ckpt_scan_ent {
     int state;
     dsk_status error;      /* DAMAGED: why (DSK_ERR_CORRUPT: damaged; others: unreadable) */
     uint64_t generation;   /* COMPLETE */
+    uint64_t attempt;      /* COMPLETE: its manifest's nonce */
     int world;
     int n_files;
     dsk__ckpt_mfile *files; /* COMPLETE: the files its manifest references */
@@ -2805,6 +2969,7 @@ static dsk_status dsk__ckpt_scan_dir(const char *fn, const char *root, dsk__ckpt
         else if ((x->error = dsk__ckpt_manifest_read(fn, sd, st, &m)) == DSK_OK) {
             x->state = DSK__CKPT_COMPLETE;
             x->generation = m.generation;
+            x->attempt = m.attempt;
             x->world = m.world;
             x->n_files = m.n_files;
             x->files = m.files; /* kept */
@@ -3064,6 +3229,10 @@ typedef struct dsk__ckpt_job {
     dsk__ckpt_scan scan;      /* rank 0: the directory as prepare found it (the lock keeps it so) */
     dsk__ckpt_mfile *files;   /* rank 0: the new manifest's files */
     int n_files;
+    int64_t base_step;        /* incremental: the checkpoint the save builds on (its manifest's */
+    uint64_t base_attempt;    /* nonce; 0: none) */
+    dsk__ckpt_manifest base;
+    int base_ok;              /* base holds that manifest */
 } dsk__ckpt_job;
 
 static void dsk__ckpt_job_free(dsk__ckpt_job *job) {
@@ -3071,6 +3240,7 @@ static void dsk__ckpt_job_free(dsk__ckpt_job *job) {
     dsk__ckpt_plan_free(&job->plan);
     dsk__ckpt_unlock(&job->lock);
     dsk__ckpt_scan_free(&job->scan);
+    dsk__ckpt_manifest_free(&job->base);
     DSK_FREE(job->files);
     DSK_FREE(job->root);
     DSK_FREE(job);
@@ -3135,27 +3305,29 @@ broken:
     return dsk_set_error(e, "%s: rank %d: agreement (%s) failed: %s", fn, o->rank, what, inner[0] ? inner : dsk_status_str(e));
 }
 
-/* DIR/.attempt: "dsk-attempt <step> <seq> <nonce> <status>\n<message>". Rank 0 writes it before
-   the first barrier (status 0: go on with nonce; else its error), the others read it after. */
+/* DIR/.attempt: "dsk-attempt <step> <seq> <nonce> <status> <base step> <base nonce>\n<message>".
+   Rank 0 writes it before the first barrier (status 0: go on with nonce, building on the base
+   checkpoint when incremental; else its error), the others read it after. */
 static dsk_status dsk__ckpt_publish_attempt(const char *fn, const dsk__ckpt_job *job, uint64_t nonce, dsk_status s, const char *msg) {
     char text[1200];
-    int n = snprintf(text, sizeof text, "dsk-attempt %lld %llu %016llx %d\n%s", (long long)job->plan.step, (unsigned long long)job->seq,
-                     (unsigned long long)nonce, (int)s, s == DSK_OK ? "" : msg);
+    int n = snprintf(text, sizeof text, "dsk-attempt %lld %llu %016llx %d %lld %016llx\n%.1000s", (long long)job->plan.step,
+                     (unsigned long long)job->seq, (unsigned long long)nonce, (int)s, (long long)job->base_step,
+                     (unsigned long long)job->base_attempt, s == DSK_OK ? "" : msg);
     return dsk__ckpt_write_small(fn, job->root, DSK__CKPT_ATTEMPT, text, (size_t)n < sizeof text ? (size_t)n : sizeof text - 1, 0);
 }
 
-/* A non-zero rank: the nonce rank 0 published for this save, or rank 0's error. */
-static dsk_status dsk__ckpt_read_attempt(const char *fn, const dsk__ckpt_job *job, uint64_t *nonce) {
+/* A non-zero rank: the nonce (and base) rank 0 published for this save, or rank 0's error. */
+static dsk_status dsk__ckpt_read_attempt(const char *fn, dsk__ckpt_job *job, uint64_t *nonce) {
     char *path = dsk__ckpt_join(job->root, DSK__CKPT_ATTEMPT), *text = NULL, *nl;
-    long long step;
-    unsigned long long seq, a;
+    long long step, bstep;
+    unsigned long long seq, a, batt;
     int st = -1, k = 0;
     size_t len;
     dsk_status s;
     if (!path) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     s = dsk__ckpt_read_small(fn, path, 4096, &text, &len);
-    if (s == DSK_OK && (sscanf(text, "dsk-attempt %lld %llu %llx %d%n", &step, &seq, &a, &st, &k) != 4 || step != job->plan.step ||
-                        seq != job->seq || text[k] != '\n'))
+    if (s == DSK_OK && (sscanf(text, "dsk-attempt %lld %llu %llx %d %lld %llx%n", &step, &seq, &a, &st, &bstep, &batt, &k) != 6 ||
+                        step != job->plan.step || seq != job->seq || text[k] != '\n'))
         s = dsk_set_error(DSK_ERR_PEER, "%s: rank %d: \"%s\" is not rank 0's for save %llu of step %lld: rank 0 failed before it",
                           fn, job->opts.rank, path, (unsigned long long)job->seq, (long long)job->plan.step);
     else if (s != DSK_OK)
@@ -3164,7 +3336,11 @@ static dsk_status dsk__ckpt_read_attempt(const char *fn, const dsk__ckpt_job *jo
     else if (st != DSK_OK) {
         nl = text + k + 1;
         s = dsk_set_error(st > 0 && st < DSK_STATUS_COUNT ? (dsk_status)st : DSK_ERR_PEER, "%s", nl);
-    } else *nonce = (uint64_t)a;
+    } else {
+        *nonce = (uint64_t)a;
+        job->base_step = bstep;
+        job->base_attempt = (uint64_t)batt;
+    }
     DSK_FREE(path);
     DSK_FREE(text);
     return s;
@@ -3201,6 +3377,51 @@ static void dsk__ckpt_read_outcome(const char *fn, const dsk__ckpt_job *job, uin
     DSK_FREE(path);
 }
 
+/* Rank 0, incremental: the save builds on the most recent complete checkpoint. */
+static dsk_status dsk__ckpt_pick_base(const char *fn, dsk__ckpt_job *job) {
+    int *order, n;
+    DSK__TRY(dsk__ckpt_by_generation(fn, &job->scan, &order, &n));
+    if (n) {
+        job->base_step = job->scan.e[order[0]].step;
+        job->base_attempt = job->scan.e[order[0]].attempt;
+    }
+    DSK_FREE(order);
+    return DSK_OK;
+}
+
+/* Every rank, incremental: the base checkpoint's manifest, if it is still the one rank 0
+   chose (else nothing is reused: always safe). */
+static void dsk__ckpt_read_base(const char *fn, dsk__ckpt_job *job) {
+    char *sd;
+    if (!job->base_attempt || !(sd = dsk__ckpt_step_dir(job->root, job->base_step))) return;
+    job->base_ok = dsk__ckpt_manifest_read(fn, sd, job->base_step, &job->base) == DSK_OK && job->base.attempt == job->base_attempt;
+    DSK_FREE(sd);
+}
+
+/* Incremental: hashes every piece and marks the ones the base checkpoint holds with the same
+   dtype, box and hash as reused (referenced, not written). */
+static void dsk__ckpt_mark_reused(dsk__ckpt_job *job) {
+    dsk__ckpt_plan *p = &job->plan;
+    const unsigned char none = 0;
+    for (int i = 0; i < p->n; i++) {
+        dsk__ckpt_seg *g = &p->segs[i];
+        const int64_t zero[DSK_MAX_DIMS] = {0}, *off = g->boxed ? g->off : zero, *global = g->boxed ? g->global : g->shape;
+        const dsk__ckpt_mtensor *t = job->base_ok ? dsk__ckpt_manifest_find(&job->base, g->name) : NULL;
+        g->hash = dsk__ckpt_hash(g->nbytes ? (const unsigned char *)g->data : &none, g->nbytes);
+        g->hashed = 1;
+        if (!t || t->dt->name != dsk__ckpt_stname(g->dtype) || t->ndim != g->ndim ||
+            memcmp(t->shape, global, (size_t)g->ndim * sizeof(int64_t)))
+            continue;
+        for (int k = 0; k < t->n_slices && !g->reused; k++) {
+            const dsk__ckpt_mslice *sl = &job->base.slices[t->first + k];
+            g->reused = sl->has_hash && sl->hash == g->hash && !memcmp(sl->box, off, (size_t)g->ndim * sizeof(int64_t)) &&
+                        !memcmp(sl->box + g->ndim, g->shape, (size_t)g->ndim * sizeof(int64_t));
+        }
+        if (g->reused) { job->info.bytes_reused += g->nbytes; job->info.tensors_reused++; }
+    }
+    dsk__ckpt_plan_layout(p);
+}
+
 /* Rank 0, before the first barrier: the lock, the scan of the directory (and with the lock,
    reclaiming what dead saves left, so a full disk frees up), the step directory, the save's
    nonce. Nothing a complete checkpoint uses is changed: an earlier save of this step stays
@@ -3210,6 +3431,7 @@ static dsk_status dsk__ckpt_prepare(const char *fn, dsk__ckpt_job *job, const ch
     DSK__TRY(dsk__ckpt_lock_take(fn, job->root, 1, &job->lock));
     DSK__TRY(dsk__ckpt_scan_dir(fn, job->root, &job->scan));
     if (job->lock.held) DSK__TRY(dsk__ckpt_reclaim(fn, job->root, &job->scan));
+    if (job->opts.incremental) DSK__TRY(dsk__ckpt_pick_base(fn, job));
     if (mkdir(step_dir, 0755) == 0) DSK__TRY(dsk__ckpt_fsync_dir(fn, job->root));
     else if (errno != EEXIST) return dsk__ckpt_io_error(fn, "create directory", step_dir);
     *nonce = dsk__ckpt_nonce();
@@ -3240,6 +3462,7 @@ static dsk_status dsk__ckpt_scan_commit(const char *fn, dsk__ckpt_job *job, dsk_
     x->step = job->plan.step;
     x->state = DSK__CKPT_COMPLETE;
     x->generation = job->info.generation;
+    x->attempt = job->plan.attempt;
     x->world = job->opts.world_size;
     x->files = job->files;
     x->n_files = job->n_files;
@@ -3275,7 +3498,8 @@ static dsk_status dsk__ckpt_commit(const char *fn, dsk__ckpt_job *job, const cha
     int64_t step = job->plan.step;
     int world = job->opts.world_size;
     job->info.generation = dsk__ckpt_max_generation(&job->scan) + 1;
-    DSK__TRY(dsk__ckpt_write_manifest(fn, job->root, step_dir, step, world, nonce, job->info.generation, &job->files, &job->n_files));
+    DSK__TRY(dsk__ckpt_write_manifest(fn, job->root, step_dir, step, world, nonce, job->info.generation, job->base_ok ? &job->base : NULL,
+                                      &job->files, &job->n_files));
     return DSK_OK;
 }
 
@@ -3302,14 +3526,22 @@ static dsk_status dsk__ckpt_check_committed(const char *fn, const dsk__ckpt_job 
    rank with the first failure (and at k = 1 with rank 0's nonce). */
 static dsk_status dsk__ckpt_sync(const char *fn, dsk__ckpt_job *job, int k, dsk_status *first, char *msg, size_t cap, uint64_t *nonce) {
     const dsk_ckpt_opts *o = &job->opts;
-    int64_t w[2] = {0, 0};
+    int64_t w[4] = {0, 0, 0, 0};
     char what[32];
     if (o->world_size <= 1) return DSK_OK;
     if (!o->agree) return dsk__ckpt_barrier(fn, o, k, job->plan.step);
-    w[1] = k == 1 && o->rank == 0 ? (int64_t)*nonce : 0;
+    if (k == 1 && o->rank == 0) { /* rank 0's nonce and base; the others' words are 0 */
+        w[1] = (int64_t)*nonce;
+        w[2] = (int64_t)(job->base_attempt & 0x3fffffffffffffffull);
+        w[3] = job->base_attempt ? job->base_step : 0;
+    }
     snprintf(what, sizeof what, "%d of 3", k);
-    DSK__TRY(dsk__ckpt_agree(fn, o, what, w, 2, first, msg, cap));
-    if (k == 1) *nonce = (uint64_t)w[1];
+    DSK__TRY(dsk__ckpt_agree(fn, o, what, w, 4, first, msg, cap));
+    if (k == 1) {
+        *nonce = (uint64_t)w[1];
+        job->base_attempt = (uint64_t)w[2];
+        job->base_step = job->base_attempt ? w[3] : -1;
+    }
     return DSK_OK;
 }
 
@@ -3338,9 +3570,13 @@ static dsk_status dsk__ckpt_run(dsk__ckpt_job *job) {
     }
     job->plan.attempt = nonce;
     dsk__ckpt_rank_name(name, sizeof name, o->rank, nonce);
+    if (first == DSK_OK && o->incremental) {
+        dsk__ckpt_read_base(fn, job);
+        dsk__ckpt_mark_reused(job);
+    }
     if (first == DSK_OK) {
         dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_write_plan(fn, &job->plan, step_dir, name));
-        if (first == DSK_OK) { job->info.bytes_written = job->plan.total; job->info.tensors_written = job->plan.n; }
+        if (first == DSK_OK) { job->info.bytes_written = job->plan.total; job->info.tensors_written = job->plan.n - job->info.tensors_reused; }
     }
     if ((s = dsk__ckpt_sync(fn, job, 2, &first, msg, sizeof msg, &nonce)) != DSK_OK) goto broken;
     if (first == DSK_OK && o->rank == 0) {
@@ -3454,6 +3690,7 @@ static dsk_status dsk__ckpt_job_new(const char *fn, dsk_ckpt *ck, int64_t step, 
     job->plan.rank = ck->opts.rank;
     job->plan.world = ck->opts.world_size;
     job->info.step = -1;
+    job->base_step = -1;
     if (!(job->root = dsk__ckpt_strdup(ck->dir))) {
         DSK_FREE(job);
         return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
@@ -3818,6 +4055,135 @@ DSK_API dsk_status dsk_ckpt_load(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entr
         return step < 0 ? dsk__ckpt_load_agreed_newest(fn, ck, entries, n, meta) : dsk__ckpt_load_agreed_step(fn, ck, step, entries, n, meta);
     if (step < 0) return dsk__ckpt_load_newest(fn, ck, entries, n, meta);
     return dsk__ckpt_load_step(fn, ck, step, entries, n, meta);
+}
+
+/* ---- merging an incremental chain into one checkpoint */
+
+/* The pieces of checkpoint rd held by files of rank r, read (checked) into one buffer, as the
+   entries of a new rank file. */
+static dsk_status dsk__ckpt_merge_gather(const char *fn, dsk__ckpt_reader *rd, int r, unsigned char **buf, dsk_ckpt_entry **entries,
+                                         dsk_tensor **views, uint64_t **hashes, int **hashed, int *n) {
+    const dsk__ckpt_manifest *m = &rd->man;
+    uint64_t total = 0, at = 0;
+    int k = 0, count = 0;
+    for (int i = 0; i < m->n_tensors; i++)
+        for (int j = 0; j < m->tensors[i].n_slices; j++) {
+            const dsk__ckpt_mslice *sl = &m->slices[m->tensors[i].first + j];
+            size_t es = (size_t)(m->tensors[i].dt->bits / 8);
+            if (m->files[sl->file].rank != r) continue;
+            if (m->tensors[i].dt->dsk < 0)
+                return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: tensor \"%s\" is %s, a dtype dsk does not write", fn, m->tensors[i].name,
+                                     m->tensors[i].dt->name);
+            total += (uint64_t)dsk__ckpt_numel(m->tensors[i].ndim, sl->box + m->tensors[i].ndim) * es;
+            count++;
+        }
+    *buf = (unsigned char *)DSK_MALLOC((size_t)total + 1);
+    *entries = (dsk_ckpt_entry *)DSK_MALLOC(((size_t)count + 1) * sizeof **entries);
+    *views = (dsk_tensor *)DSK_MALLOC(((size_t)count + 1) * sizeof **views);
+    *hashes = (uint64_t *)DSK_MALLOC(((size_t)count + 1) * sizeof **hashes);
+    *hashed = (int *)DSK_MALLOC(((size_t)count + 1) * sizeof **hashed);
+    if (!*buf || !*entries || !*views || !*hashes || !*hashed) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory for %llu bytes", fn,
+                                                                                     (unsigned long long)total);
+    for (int i = 0; i < m->n_tensors; i++)
+        for (int j = 0; j < m->tensors[i].n_slices; j++) {
+            const dsk__ckpt_mtensor *t = &m->tensors[i];
+            const dsk__ckpt_mslice *sl = &m->slices[t->first + j];
+            const dsk_ckpt_tensor_info *ft;
+            dsk_ckpt_file *f;
+            dsk_ckpt_entry *e = &(*entries)[k];
+            int whole = r == 0 && !memcmp(sl->box + t->ndim, t->shape, (size_t)t->ndim * sizeof(int64_t));
+            if (m->files[sl->file].rank != r) continue;
+            DSK__TRY(dsk__ckpt_reader_file(rd, sl->file, &f));
+            DSK__TRY(dsk__ckpt_find_piece(fn, f, t, sl, &ft));
+            DSK__TRY(dsk__ckpt_read_box_bytes(fn, f, ft, sl->box, sl->box + t->ndim, *buf + at));
+            DSK__TRY(dsk_tensor_wrap(&(*views)[k], *buf + at, (dsk_dtype)t->dt->dsk, dsk_cpu(), t->ndim, sl->box + t->ndim));
+            memset(e, 0, sizeof *e);
+            e->name = t->name;
+            e->tensor = &(*views)[k];
+            e->split = whole ? DSK_CKPT_WHOLE : DSK_CKPT_BOX;
+            e->offset = sl->box;
+            e->global_shape = t->shape;
+            (*hashes)[k] = sl->hash;
+            (*hashed)[k] = sl->has_hash;
+            at += dsk_tensor_nbytes(&(*views)[k]);
+            k++;
+        }
+    *n = k;
+    return DSK_OK;
+}
+
+/* Writes rank r's file of the merged checkpoint: its pieces, hashes and its own metadata. */
+static dsk_status dsk__ckpt_merge_rank(const char *fn, dsk__ckpt_reader *rd, int r, uint64_t nonce) {
+    unsigned char *buf = NULL;
+    dsk_ckpt_entry *entries = NULL;
+    dsk_tensor *views = NULL;
+    uint64_t *hashes = NULL;
+    int *hashed = NULL, n = 0, n_kv = 0;
+    dsk_ckpt_kv *kv = NULL;
+    dsk__ckpt_plan plan;
+    dsk_ckpt_file *own;
+    char name[80];
+    dsk_status s;
+    memset(&plan, 0, sizeof plan);
+    plan.rank_file = 1;
+    plan.step = rd->man.step;
+    plan.rank = r;
+    plan.world = rd->man.world;
+    plan.attempt = nonce;
+    s = dsk__ckpt_merge_gather(fn, rd, r, &buf, &entries, &views, &hashes, &hashed, &n);
+    if (s == DSK_OK) s = dsk__ckpt_reader_file(rd, r, &own); /* the caller's pairs of this rank */
+    if (s == DSK_OK && !(kv = (dsk_ckpt_kv *)DSK_MALLOC(((size_t)own->n_meta + 1) * sizeof *kv))) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    for (int i = 0; s == DSK_OK && i < own->n_meta; i++)
+        if (strncmp(own->meta_keys[i], "dsk.", 4) != 0) { kv[n_kv].key = own->meta_keys[i]; kv[n_kv++].value = own->meta_values[i]; }
+    if (s == DSK_OK) s = dsk__ckpt_plan_build(fn, &plan, entries, n, kv, n_kv, NULL);
+    for (int i = 0; s == DSK_OK && i < plan.n; i++)
+        for (int k = 0; k < n; k++)
+            if (strcmp(plan.segs[i].name, entries[k].name) == 0) { plan.segs[i].hashed = hashed[k]; plan.segs[i].hash = hashes[k]; }
+    if (s == DSK_OK) s = dsk__ckpt_snapshot(&plan, NULL, NULL, 0, 1);
+    dsk__ckpt_rank_name(name, sizeof name, r, nonce);
+    if (s == DSK_OK) s = dsk__ckpt_write_plan(fn, &plan, rd->step_dir, name);
+    dsk__ckpt_plan_free(&plan);
+    DSK_FREE(buf);
+    DSK_FREE(entries);
+    DSK_FREE(views);
+    DSK_FREE(hashes);
+    DSK_FREE(hashed);
+    DSK_FREE(kv);
+    return s;
+}
+
+DSK_API dsk_status dsk_ckpt_merge(dsk_ckpt *ck, int64_t step) {
+    const char *fn = "dsk_ckpt_merge";
+    dsk__ckpt_job *job = NULL;
+    dsk__ckpt_reader rd;
+    dsk__ckpt_mfile *old = NULL;
+    uint64_t nonce = dsk__ckpt_nonce();
+    int n_old = 0;
+    dsk_status s;
+    memset(&rd, 0, sizeof rd);
+    if (!ck || !ck->dir || step < 0) return dsk_set_error(DSK_ERR_ARG, "%s: checkpointer not initialised or step %lld < 0", fn, (long long)step);
+    if (ck->opts.read_only) return dsk_set_error(DSK_ERR_STATE, "%s: \"%s\" was opened read_only", fn, ck->dir);
+    DSK__TRY(dsk_ckpt_wait(ck));
+    DSK__TRY(dsk__ckpt_job_new(fn, ck, step, &job));
+    s = dsk__ckpt_lock_take(fn, job->root, 1, &job->lock);
+    if (s == DSK_OK) s = dsk__ckpt_scan_dir(fn, job->root, &job->scan);
+    if (s == DSK_OK) s = dsk__ckpt_reader_open(fn, &rd, job->root, step);
+    for (int r = 0; s == DSK_OK && r < rd.man.world; r++) s = dsk__ckpt_merge_rank(fn, &rd, r, nonce);
+    if (s == DSK_OK) {
+        job->plan.attempt = nonce;
+        job->opts.world_size = rd.man.world;
+        job->info.generation = rd.man.generation;
+        s = dsk__ckpt_write_manifest(fn, job->root, rd.step_dir, step, rd.man.world, nonce, rd.man.generation, NULL, &job->files,
+                                     &job->n_files);
+    }
+    /* committed: drop the files only the old manifest used, then reclaim */
+    if (s == DSK_OK) s = dsk__ckpt_scan_commit(fn, job, &old, &n_old);
+    if (s == DSK_OK && old) s = dsk__ckpt_drop_files(fn, job->root, &job->scan, -1, old, n_old);
+    if (s == DSK_OK && job->lock.held) s = dsk__ckpt_reclaim(fn, job->root, &job->scan);
+    DSK_FREE(old);
+    dsk__ckpt_reader_free(&rd);
+    dsk__ckpt_job_free(job);
+    return s;
 }
 
 /* The scan of dir for latest, list and load: every manifest must be readable (a damaged one

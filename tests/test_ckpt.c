@@ -303,6 +303,42 @@ static void test_crc32c(void) {
     free(buf);
 }
 
+/* The content hash (incremental saves) is the polynomial its comment defines: checked against
+   a one-lane evaluation of that definition on random bytes of lengths around the 16-byte lane
+   stride, and one flipped bit always changes it. */
+static uint64_t hash_reference(const unsigned char *p, size_t n) {
+    const uint64_t P = 0x1fffffffffffffffull, B = DSK__CKPT_HASH_B;
+    size_t m = (n + 15) / 16 * 4;
+    uint64_t h = 0;
+    for (size_t i = 0; i < m; i++) {
+        uint64_t v = 0;
+        for (int k = 0; k < 4; k++)
+            if (4 * i + (size_t)k < n) v |= (uint64_t)p[4 * i + (size_t)k] << (8 * k);
+        h = (uint64_t)(((unsigned __int128)h * B + v) % P);
+    }
+    return (uint64_t)(((unsigned __int128)h * B + n) % P);
+}
+
+static void test_content_hash(void) {
+    static const size_t lens[] = {0, 1, 3, 4, 5, 15, 16, 17, 31, 32, 33, 100, 4097};
+    unsigned char *buf = (unsigned char *)malloc(4097);
+    for (size_t i = 0; i < 4097; i++) buf[i] = (unsigned char)dsk_test_rand_u64();
+    for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++) {
+        size_t n = lens[li];
+        uint64_t h = dsk__ckpt_hash(buf, n);
+        DSK_TEST_EXPECT(h == hash_reference(buf, n), "length %zu: %016llx, the definition gives %016llx", n, (unsigned long long)h,
+                        (unsigned long long)hash_reference(buf, n));
+        if (n) {
+            size_t at = (size_t)dsk_test_rand_int((int64_t)n);
+            buf[at] ^= (unsigned char)(1u << dsk_test_rand_int(8));
+            DSK_TEST_EXPECT(dsk__ckpt_hash(buf, n) != h, "length %zu: a flipped bit at %zu kept the hash", n, at);
+        }
+    }
+    memset(buf, 0, 8);
+    DSK_TEST_EXPECT(dsk__ckpt_hash(buf, 4) != dsk__ckpt_hash(buf, 5), "4 and 5 zero bytes hash alike: the length is not in the hash");
+    free(buf);
+}
+
 /* ------------------------------------------------------------ single files */
 
 static const int64_t k_shapes[][4] = {{0}, {0}, {1}, {7}, {3, 0, 2}, {129, 3}, {2, 3, 5, 7}};
@@ -2424,10 +2460,12 @@ static void test_full_disk(void) {
 /* ------------------------------------------------------------ writers killed mid-save */
 
 /* Step s's content is a function of s, so any loaded checkpoint can be checked exactly. */
-static void kill_content(int64_t step, dsk_tensor *a, dsk_tensor *b, dsk_tensor *c) {
-    dsk_tensor_uniform(NULL, a, (uint64_t)step, 0, -1.0f, 1.0f);
+/* With `inc` (the incremental writer) a changes every 4th step and c every 3rd, so most
+   saves reference earlier ones' files for them. */
+static void kill_content(int64_t step, int inc, dsk_tensor *a, dsk_tensor *b, dsk_tensor *c) {
+    dsk_tensor_uniform(NULL, a, (uint64_t)(inc ? step - step % 4 : step), 0, -1.0f, 1.0f);
     dsk_tensor_normal(NULL, b, (uint64_t)step + 1000000, 0, 0.0f, 1.0f);
-    for (int i = 0; i < 5; i++) ((int64_t *)c->data)[i] = step * 1000 + i;
+    for (int i = 0; i < 5; i++) ((int64_t *)c->data)[i] = (inc ? step - step % 3 : step) * 1000 + i;
 }
 
 typedef struct kill_model {
@@ -2444,8 +2482,8 @@ static void kill_model_free(kill_model *k) {
     dsk_tensor_free(NULL, &k->a); dsk_tensor_free(NULL, &k->b); dsk_tensor_free(NULL, &k->c);
 }
 
-/* 0 when checkpoint `step` under dir loads and equals kill_content(step). */
-static int kill_check(const char *dir, int64_t step) {
+/* 0 when checkpoint `step` under dir loads and equals kill_content(step, inc). */
+static int kill_check(const char *dir, int64_t step, int inc) {
     kill_model got, want;
     dsk_ckpt ck;
     dsk_ckpt_opts o;
@@ -2455,7 +2493,7 @@ static int kill_check(const char *dir, int64_t step) {
     int bad = 0;
     kill_model_init(&got);
     kill_model_init(&want);
-    kill_content(step, &want.a, &want.b, &want.c);
+    kill_content(step, inc, &want.a, &want.b, &want.c);
     memset(e, 0, sizeof e);
     e[0].name = "a"; e[0].tensor = &got.a; e[1].name = "b"; e[1].tensor = &got.b; e[2].name = "c"; e[2].tensor = &got.c;
     memset(&o, 0, sizeof o);
@@ -2477,7 +2515,7 @@ static int kill_check(const char *dir, int64_t step) {
 
 /* The writer: resumes from the newest checkpoint (checking it), then saves step after step,
    reporting each completed step through the pipe, until it is killed. */
-static void kill_writer(const char *dir, int fd) {
+static void kill_writer(const char *dir, int fd, int inc) {
     kill_model k;
     dsk_ckpt ck;
     dsk_ckpt_opts o;
@@ -2487,16 +2525,17 @@ static void kill_writer(const char *dir, int fd) {
     dsk_ckpt_entry e[3];
     memset(&o, 0, sizeof o);
     o.keep_last = 3;
+    o.incremental = inc;
     kill_model_init(&k);
     memset(e, 0, sizeof e);
     e[0].name = "a"; e[0].tensor = &k.a; e[1].name = "b"; e[1].tensor = &k.b; e[2].name = "c"; e[2].tensor = &k.c;
-    if (dsk_ckpt_latest(dir, &last) != DSK_OK || (last >= 0 && kill_check(dir, last) != 0)) _exit(3);
+    if (dsk_ckpt_latest(dir, &last) != DSK_OK || (last >= 0 && kill_check(dir, last, inc) != 0)) _exit(3);
     dsk_ckpt_init(&ck, dir, &o);
     if (write(fd, &last, sizeof last) != (ssize_t)sizeof last) _exit(5); /* resumed: saving starts now */
     /* as a resumed job does, the first save is the step it resumed from, again (fault 1 of
        issue 17: that save used to delete the step before writing it) */
     for (int64_t step = last >= 0 ? last : 0;; step++) {
-        kill_content(step, &k.a, &k.b, &k.c);
+        kill_content(step, inc, &k.a, &k.b, &k.c);
         snprintf(copy, sizeof copy, "%lld", (long long)step);
         if (dsk_ckpt_save(&ck, step, e, 3, kv, 1) != DSK_OK) { printf("     writer: %s\n", dsk_last_error()); _exit(4); }
         if (write(fd, &step, sizeof step) != (ssize_t)sizeof step) _exit(5);
@@ -2528,28 +2567,34 @@ static int count_garbage(const char *dir) {
         char sd[600];
         DIR *d;
         struct dirent *de;
+        int live = 0;
         if (sc.e[i].state == DSK__CKPT_DAMAGED) continue;
-        n += sc.e[i].state == DSK__CKPT_INCOMPLETE;
         snprintf(sd, sizeof sd, "%s/step_%08lld", dir, (long long)sc.e[i].step);
         if (!(d = opendir(sd))) continue;
         while ((de = readdir(d)) != NULL) {
             int rank;
             uint64_t att;
-            if (dsk__ckpt_parse_rank_name(de->d_name, &rank, &att)) n += !dsk__ckpt_file_live(&sc, -1, sc.e[i].step, rank, att);
-            else n += strstr(de->d_name, ".tmp") != NULL;
+            if (dsk__ckpt_parse_rank_name(de->d_name, &rank, &att)) {
+                int used = dsk__ckpt_file_live(&sc, -1, sc.e[i].step, rank, att);
+                n += !used;
+                live += used;
+            } else n += strstr(de->d_name, ".tmp") != NULL;
         }
         closedir(d);
+        n += sc.e[i].state == DSK__CKPT_INCOMPLETE && !live; /* a directory only a later checkpoint's references keep is no leftover */
     }
     dsk__ckpt_scan_free(&sc);
     return n;
 }
 
-static void test_sigkill_during_save(void) {
-    const int trials = 60;
+/* Writers killed at random times (SIGKILL), each resuming from the newest checkpoint: every
+   reported step is durable and loads bitwise, every complete checkpoint verifies, leftovers do
+   not pile up. inc: incremental saves, whose checkpoints reference earlier ones' files. */
+static void sigkill_case(int trials, int inc) {
     char dir[400];
     int64_t prev_latest = -1;
     int mid_save = 0, failures = 0;
-    new_dir(dir, sizeof dir, "kill");
+    new_dir(dir, sizeof dir, inc ? "killinc" : "kill");
     for (int t = 0; t < trials && failures < 3; t++) {
         int fds[2], st = 0;
         int64_t done = -1, step, latest = -2;
@@ -2558,7 +2603,7 @@ static void test_sigkill_during_save(void) {
         if (pipe(fds) != 0) { DSK_TEST_EXPECT(0, "pipe"); break; }
         fflush(stdout);
         pid = fork();
-        if (pid == 0) { close(fds[0]); kill_writer(dir, fds[1]); _exit(0); }
+        if (pid == 0) { close(fds[0]); kill_writer(dir, fds[1], inc); _exit(0); }
         close(fds[1]);
         if (read(fds[0], &step, sizeof step) != (ssize_t)sizeof step) {
             DSK_TEST_EXPECT(0, "trial %d: the writer failed to resume", t);
@@ -2580,7 +2625,7 @@ static void test_sigkill_during_save(void) {
         /* every reported step is durable; at most the one in flight completed unreported */
         if (done >= 0) DSK_TEST_EXPECT(latest == done || latest == done + 1, "trial %d: latest %lld after step %lld was reported", t, (long long)latest, (long long)done);
         else DSK_TEST_EXPECT(latest == prev_latest || latest == prev_latest + 1, "trial %d: latest %lld, before %lld", t, (long long)latest, (long long)prev_latest);
-        if (latest >= 0 && kill_check(dir, latest) != 0) { DSK_TEST_EXPECT(0, "trial %d: latest step %lld is wrong", t, (long long)latest); failures++; }
+        if (latest >= 0 && kill_check(dir, latest, inc) != 0) { DSK_TEST_EXPECT(0, "trial %d: latest step %lld is wrong", t, (long long)latest); failures++; }
         if (verify_all_complete(dir) != 0) { DSK_TEST_EXPECT(0, "trial %d: a complete checkpoint does not verify", t); failures++; }
         /* what a killed save leaves is reclaimed by the next writer (issue 17, reclaiming):
            it never grows beyond one save's worth, however many kills came before */
@@ -2600,6 +2645,14 @@ static void test_sigkill_during_save(void) {
         DSK_TEST_EXPECT(verify_all_complete(dir) == 0, "a complete checkpoint does not verify after reclaiming");
         dsk_ckpt_free(&ck);
     }
+}
+
+static void test_sigkill_during_save(void) {
+    dsk_test_begin("writers killed mid-save");
+    sigkill_case(60, 0);
+    dsk_test_begin("writers killed mid-save, incremental saves");
+    sigkill_case(40, 1);
+    dsk_test_end();
 }
 
 /* ------------------------------------------------------------ reclaiming */
@@ -2724,6 +2777,174 @@ static void test_reclaim(void) {
     }
     dsk_tensor_free(NULL, &a);
     dsk_tensor_free(NULL, &back);
+}
+
+/* ------------------------------------------------------------ incremental checkpoints */
+
+/* The chain's tensors at step k: F frozen (2 MB), C1 changing every step, C2 every other
+   step, S (a scalar) every step. */
+typedef struct inc_model {
+    dsk_tensor f, c1, c2, sc;
+} inc_model;
+
+static void inc_model_init(inc_model *m) {
+    const int64_t sf[2] = {512, 1024}, s1[2] = {33, 64}, s2[1] = {150007};
+    alloc_t(&m->f, DSK_F32, 2, sf);
+    alloc_t(&m->c1, DSK_F32, 2, s1);
+    alloc_t(&m->c2, DSK_BF16, 1, s2);
+    alloc_t(&m->sc, DSK_I64, 0, NULL);
+}
+static void inc_model_free(inc_model *m) {
+    dsk_tensor_free(NULL, &m->f); dsk_tensor_free(NULL, &m->c1); dsk_tensor_free(NULL, &m->c2); dsk_tensor_free(NULL, &m->sc);
+}
+static void inc_content(inc_model *m, int64_t k) {
+    dsk_tensor_uniform(NULL, &m->f, 77, 0, -1.0f, 1.0f);
+    dsk_tensor_uniform(NULL, &m->c1, (uint64_t)k + 100, 0, -1.0f, 1.0f);
+    dsk_tensor_uniform(NULL, &m->c2, (uint64_t)(k - k % 2) + 200, 0, -1.0f, 1.0f);
+    *(int64_t *)m->sc.data = k * 7919;
+}
+static void inc_entries(inc_model *m, dsk_ckpt_entry e[4]) {
+    memset(e, 0, 4 * sizeof *e);
+    e[0].name = "F"; e[0].tensor = &m->f;
+    e[1].name = "C1"; e[1].tensor = &m->c1;
+    e[2].name = "C2"; e[2].tensor = &m->c2;
+    e[3].name = "S"; e[3].tensor = &m->sc;
+}
+/* 0 when checkpoint `step` loads bitwise as inc_content(step). */
+static int inc_check(dsk_ckpt *ck, int64_t step) {
+    inc_model want, got;
+    dsk_ckpt_entry e[4];
+    int bad;
+    inc_model_init(&want);
+    inc_model_init(&got);
+    inc_content(&want, step);
+    inc_entries(&got, e);
+    if (dsk_ckpt_load(ck, step, e, 4, NULL) != DSK_OK) { printf("     step %lld: %s\n", (long long)step, dsk_last_error()); bad = 1; }
+    else bad = memcmp(want.f.data, got.f.data, dsk_tensor_nbytes(&want.f)) || memcmp(want.c1.data, got.c1.data, dsk_tensor_nbytes(&want.c1)) ||
+               memcmp(want.c2.data, got.c2.data, dsk_tensor_nbytes(&want.c2)) || memcmp(want.sc.data, got.sc.data, 8);
+    inc_model_free(&want);
+    inc_model_free(&got);
+    return bad;
+}
+
+/* A chain of 10 incremental saves writes only what changed (bytes reported), every link
+   loads bitwise, rotation keeps the files a live checkpoint references, and merging compacts
+   a checkpoint into its own directory, after which the first save's file is reclaimed. */
+static void test_incremental_chain(void) {
+    char dir[400];
+    inc_model m;
+    dsk_ckpt ck;
+    dsk_ckpt_opts o;
+    dsk_ckpt_entry e[4];
+    dsk_ckpt_info info[12];
+    uint64_t bf, b1, b2, total_written = 0, total_full = 0;
+    int n = 0;
+    memset(&o, 0, sizeof o);
+    o.incremental = 1;
+    new_dir(dir, sizeof dir, "inc");
+    inc_model_init(&m);
+    inc_entries(&m, e);
+    bf = dsk_tensor_nbytes(&m.f);
+    b1 = dsk_tensor_nbytes(&m.c1);
+    b2 = dsk_tensor_nbytes(&m.c2);
+    DSK_TEST_OK(dsk_ckpt_init(&ck, dir, &o));
+    for (int64_t k = 1; k <= 10; k++) {
+        const dsk_ckpt_save_info *info;
+        uint64_t want = k == 1 ? bf + b1 + b2 + 8 : b1 + 8 + (k % 2 == 0 ? b2 : 0);
+        inc_content(&m, k);
+        DSK_TEST_OK(dsk_ckpt_save(&ck, k, e, 4, NULL, 0));
+        info = dsk_ckpt_last_save(&ck);
+        DSK_TEST_EXPECT(info->bytes_written == want && info->bytes_written + info->bytes_reused == bf + b1 + b2 + 8,
+                        "step %lld: wrote %llu bytes, reused %llu; want %llu written", (long long)k, (unsigned long long)info->bytes_written,
+                        (unsigned long long)info->bytes_reused, (unsigned long long)want);
+        total_written += info->bytes_written;
+        total_full += bf + b1 + b2 + 8;
+    }
+    printf("     10 incremental saves wrote %.2f MB where full saves write %.2f MB\n", total_written / 1e6, total_full / 1e6);
+    for (int64_t k = 1; k <= 10; k++) DSK_TEST_EXPECT(inc_check(&ck, k) == 0, "step %lld does not load as saved", (long long)k);
+    DSK_TEST_OK(dsk_ckpt_verify(dir, 10));
+    DSK_TEST_OK(dsk_ckpt_list(dir, info, 12, &n));
+    DSK_TEST_EXPECT(n == 10 && info[0].step == 10 && info[0].n_files == 2, "step 10 reads %d files, want 2 (its own, step 1's for F)",
+                    info[0].n_files);
+    DSK_TEST_EXPECT(info[1].step == 9 && info[1].n_files == 3, "step 9 reads %d files, want 3 (its own, step 8's for C2, step 1's for F)",
+                    info[1].n_files);
+    dsk_ckpt_free(&ck);
+    /* rotation to the 3 most recent: step 1's manifest goes, its file (F) stays for 9..11 */
+    o.keep_last = 3;
+    DSK_TEST_OK(dsk_ckpt_init(&ck, dir, &o));
+    inc_content(&m, 11);
+    DSK_TEST_OK(dsk_ckpt_save(&ck, 11, e, 4, NULL, 0));
+    DSK_TEST_OK(dsk_ckpt_list(dir, info, 12, &n));
+    DSK_TEST_EXPECT(n == 3 && info[2].step == 9, "after rotation %d checkpoints, oldest %lld", n, (long long)info[2].step);
+    DSK_TEST_EXPECT(step_dir_exists(dir, 1, 0) && !step_dir_exists(dir, 1, 1) && !step_dir_exists(dir, 5, 0),
+                    "step 1's directory must stay (it holds F), without its manifest; step 5 must go");
+    DSK_TEST_EXPECT(count_garbage(dir) == 0, "%d leftovers after rotation", count_garbage(dir));
+    for (int64_t k = 9; k <= 11; k++) DSK_TEST_EXPECT(inc_check(&ck, k) == 0, "step %lld after rotation", (long long)k);
+    /* merging 9, 10 and 11: each self-contained, and step 1's file unreferenced, reclaimed */
+    for (int64_t k = 9; k <= 11; k++) DSK_TEST_OK(dsk_ckpt_merge(&ck, k));
+    DSK_TEST_OK(dsk_ckpt_list(dir, info, 12, &n));
+    DSK_TEST_EXPECT(n == 3 && info[0].step == 11 && info[0].n_files == 1 && info[0].generation == 11,
+                    "merged: %d checkpoints, newest %lld with %d files, generation %llu", n, (long long)info[0].step, info[0].n_files,
+                    (unsigned long long)info[0].generation);
+    DSK_TEST_EXPECT(!step_dir_exists(dir, 1, 0), "step 1's directory not reclaimed after merging");
+    for (int64_t k = 9; k <= 11; k++) {
+        DSK_TEST_EXPECT(inc_check(&ck, k) == 0, "step %lld after merging", (long long)k);
+        DSK_TEST_OK(dsk_ckpt_verify(dir, k));
+    }
+    DSK_TEST_EXPECT(count_garbage(dir) == 0, "%d leftovers after merging", count_garbage(dir));
+    /* the next incremental save builds on a merged checkpoint just as well */
+    inc_content(&m, 12);
+    DSK_TEST_OK(dsk_ckpt_save(&ck, 12, e, 4, NULL, 0));
+    DSK_TEST_EXPECT(dsk_ckpt_last_save(&ck)->bytes_written == b1 + b2 + 8, "step 12 wrote %llu bytes",
+                    (unsigned long long)dsk_ckpt_last_save(&ck)->bytes_written);
+    DSK_TEST_EXPECT(inc_check(&ck, 12) == 0, "step 12");
+    DSK_TEST_STATUS(dsk_ckpt_merge(&ck, 4), DSK_ERR_CORRUPT);
+    DSK_TEST_ERROR_MENTIONS("is missing: the checkpoint is incomplete");
+    dsk_ckpt_free(&ck);
+    inc_model_free(&m);
+}
+
+/* Incremental saves on 2 ranks (split and whole tensors, some frozen) load on 3 ranks, and
+   each rank reports its own bytes. */
+static int inc_save_rank(int rank, int world, void *p) {
+    mr_arg *m = (mr_arg *)p;
+    fbar b;
+    dsk_ckpt ck;
+    dsk_ckpt_opts o;
+    dsk_ckpt_entry e[5];
+    dsk_tensor own[5];
+    char pos[32];
+    dsk_ckpt_kv kv[1] = {{"data_pos", pos}};
+    dsk_status s;
+    int bad = 0;
+    fagree_opts(&o, &b, m->bar, rank, world);
+    o.incremental = 1;
+    snprintf(pos, sizeof pos, "%d", 1000 + rank);
+    rank_entries(m->g, rank, world, 0, e, own);
+    if ((s = dsk_ckpt_init(&ck, m->dir, &o)) == DSK_OK) s = dsk_ckpt_save(&ck, m->step, e, 5, kv, 1);
+    /* the second save: only moe.w2 changes (this rank's rows of it) */
+    for (int64_t i = 0; s == DSK_OK && i < dsk_tensor_numel(&own[1]); i++) ((uint16_t *)own[1].data)[i] ^= 0x1111;
+    if (s == DSK_OK) s = dsk_ckpt_save(&ck, m->step + 1, e, 5, kv, 1);
+    if (s != DSK_OK) { printf("     rank %d: %s\n", rank, dsk_last_error()); bad = 1; }
+    else if (dsk_ckpt_last_save(&ck)->bytes_written != dsk_tensor_nbytes(&own[1]) || dsk_ckpt_last_save(&ck)->tensors_written != 1) {
+        printf("     rank %d: wrote %llu bytes in %d tensors\n", rank, (unsigned long long)dsk_ckpt_last_save(&ck)->bytes_written,
+               dsk_ckpt_last_save(&ck)->tensors_written);
+        bad = 1;
+    }
+    dsk_ckpt_free(&ck);
+    return bad;
+}
+
+static void test_incremental_multi_rank(void) {
+    model g;
+    mr_arg m;
+    mr_setup(&m, &g, 10, 30, 2, "incmr");
+    DSK_TEST_EXPECT(run_ranks(2, inc_save_rank, &m) == 0, "incremental saves on 2 ranks");
+    for (int64_t i = 0; i < dsk_tensor_numel(&g.w2); i++) ((uint16_t *)g.w2.data)[i] ^= 0x1111; /* what step 31 holds */
+    m.step = 31;
+    DSK_TEST_EXPECT(run_ranks(3, mr_load, &m) == 0, "3 ranks loading the incremental step 31");
+    DSK_TEST_OK(dsk_ckpt_verify(m.dir, 31));
+    model_free(&g);
 }
 
 /* ------------------------------------------------------------ bad arguments */
@@ -2853,6 +3074,7 @@ int main(void) {
     if (!mkdtemp(g_root)) { printf("cannot create a scratch directory\n"); return 1; }
     chmod(g_root, 0755); /* test_latest_reports_read_errors reads it as an unprivileged user */
     DSK_TEST_RUN(test_crc32c);
+    DSK_TEST_RUN(test_content_hash);
     DSK_TEST_RUN(test_file_roundtrip_all_dtypes);
     DSK_TEST_RUN(test_file_strided_source);
     DSK_TEST_RUN(test_file_cast_on_load);
@@ -2889,7 +3111,9 @@ int main(void) {
     DSK_TEST_RUN(test_checkpoint_damage);
     DSK_TEST_RUN(test_verify_checks_manifest);
     DSK_TEST_RUN(test_full_disk);
-    DSK_TEST_RUN(test_sigkill_during_save);
+    DSK_TEST_RUN(test_incremental_chain);
+    DSK_TEST_RUN(test_incremental_multi_rank);
+    test_sigkill_during_save();
     DSK_TEST_RUN(test_bad_arguments);
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_root);
     if (system(cmd) != 0) printf("# could not remove %s\n", g_root);
