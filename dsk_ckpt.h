@@ -2119,6 +2119,22 @@ static dsk_status dsk__ckpt_pwrite_all(const char *fn, int fd, const void *p, si
     return DSK_OK;
 }
 
+/* Bytes written between two requests to start writing back: the disk works on what a save
+   wrote while it computes CRCs and copies more, instead of all of it at the final fsync. */
+#define DSK__CKPT_WRITEBACK ((uint64_t)8 << 20)
+
+/* Asks the kernel to start writing [from, to) of fd's data back (no wait; advisory: where
+   the call does not exist or fails, the final fsync does it all). Returns `to`. */
+static uint64_t dsk__ckpt_start_writeback(int fd, uint64_t from, uint64_t to) {
+#ifdef SYNC_FILE_RANGE_WRITE
+    (void)sync_file_range(fd, (off_t)from, (off_t)(to - from), SYNC_FILE_RANGE_WRITE);
+#else
+    (void)fd;
+    (void)from;
+#endif
+    return to;
+}
+
 /* Per-block CRC arrays of every segment (zeros: the placeholders of the first header). */
 static dsk_status dsk__ckpt_alloc_blocks(const char *fn, dsk__ckpt_plan *p) {
     for (int i = 0; i < p->n; i++) {
@@ -2139,6 +2155,7 @@ static void dsk__ckpt_free_blocks(dsk__ckpt_plan *p) {
    before writing it, then rewrites the header with the CRCs (their length is fixed). */
 static dsk_status dsk__ckpt_write_body(const char *fn, int fd, dsk__ckpt_plan *p, const char *tmp) {
     const uint32_t k_block = dsk__ckpt_xpow8n(DSK__CKPT_BLOCK);
+    uint64_t written = 0, flushed = 0;
     dsk__ckpt_buf h;
     size_t hlen;
     unsigned char len8[8];
@@ -2163,6 +2180,8 @@ static dsk_status dsk__ckpt_write_body(const char *fn, int fd, dsk__ckpt_plan *p
             g->blocks[b] = dsk_ckpt_crc32c(0, q + off, k);
             g->crc = dsk__ckpt_mulmod(k == DSK__CKPT_BLOCK ? k_block : dsk__ckpt_xpow8n(k), g->crc) ^ g->blocks[b];
             s = dsk__ckpt_write_all(fn, fd, q + off, k, tmp);
+            written += k;
+            if (s == DSK_OK && written - flushed >= DSK__CKPT_WRITEBACK) flushed = dsk__ckpt_start_writeback(fd, flushed, written);
         }
     }
     if (s == DSK_OK) {
