@@ -55,9 +55,11 @@
    load of the newest falls back to an older checkpoint on every rank together. With the
    barrier alone a save still ends alike on every rank (it succeeded exactly when the
    manifest of this save exists; rank 0 writes why it failed to DIR/.outcome.<nonce>, which
-   the others report), but a load is each rank's own and never falls back on several ranks. With dsk_comm.h the barrier is one line, on a communicator of its own
-   (dsk_comm_split) so that an async save never shares one with training's collectives:
+   the others report), but a load is each rank's own and never falls back on several ranks.
+   With dsk_comm.h the barrier and the agreement are one line each, on a communicator of their
+   own (dsk_comm_split) so that an async save never shares one with training's collectives:
      static dsk_status ckpt_barrier(void *c) { return dsk_comm_barrier((dsk_comm *)c, NULL); }
+   (the agreement: see dsk_ckpt_agree_fn; NCCL needs its words in device memory).
    Loading reads any checkpoint into tensors of any split: a rank asks for a box of the whole
    tensor and the loader reads it from whichever files hold it (resharding 4 -> 2, 2 -> 4,
    rows -> columns, ...), reading only the 1 MiB blocks it needs and checking dtype, shape and
@@ -81,6 +83,23 @@
    reference) and write one atomically, for interchange with Python and other tools.
    Byte order: little-endian hosts only (the format is little-endian).
    License: MIT, see the end of the file. */
+/* Contents
+     declarations
+       checkpoints               dsk_ckpt_kv, DSK_CKPT_WHOLE/ROWS/BOX, dsk_ckpt_entry, dsk_ckpt_barrier_fn,
+                                 dsk_ckpt_agree_fn, dsk_ckpt_opts, dsk_ckpt_save_info, dsk_ckpt, dsk_ckpt_meta,
+                                 dsk_ckpt_info, dsk_ckpt_init/free/save/save_async/wait/last_save/merge/load/
+                                 latest/list/verify, dsk_ckpt_meta_get/i64/f64/free
+       single safetensors files  dsk_ckpt_tensor_info, dsk_ckpt_file, dsk_ckpt_file_open/parse/find/meta/read/
+                                 read_box/read_raw/close/save
+       Hugging Face weights      dsk_ckpt_hf, dsk_ckpt_hf_entry, dsk_ckpt_hf_open/find/read/close/save,
+                                 dsk_ckpt_hf_deepseek_name
+       CRC32C                    dsk_ckpt_crc32c, dsk_ckpt_crc32c_combine
+     implementation (DSK_CKPT_IMPLEMENTATION)
+       CRC32C; content hash; small helpers; POSIX I/O; strict JSON (RFC 8259); safetensors files
+       (parse, box reads); writing: plan, snapshot, file; checkpoint directories; manifests; writing
+       manifests (rank 0); the directory's checkpoints (scan, rotation, lock, reclaiming); collective
+       save (agreement, protocol, incremental); reading checkpoints (load, fallback, merge, latest,
+       list, verify); Hugging Face sharded weights; metadata */
 #if defined(DSK_CKPT_IMPLEMENTATION) && !defined(_POSIX_C_SOURCE) && !defined(_GNU_SOURCE) && !defined(_XOPEN_SOURCE)
 #define _POSIX_C_SOURCE 200809L
 #endif
@@ -95,6 +114,8 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* ---------------------------------------------------------------- checkpoints */
 
 #define DSK_CKPT_FORMAT "dsk-ckpt"
 #define DSK_CKPT_VERSION 2
@@ -275,7 +296,7 @@ DSK_API void dsk_ckpt_meta_free(dsk_ckpt_meta *m);
 typedef struct dsk_ckpt_tensor_info {
     const char *name;
     const char *dtype_name;       /* as in the file: "BF16", "F8_E4M3", "I16", ... */
-    int dtype;                    /* the dsk_dtype, or -1 when dsk has none (BOOL, I8, I16, U16, U32, U64, C64, F4, ...) */
+    int dtype; /* the dsk_dtype, or -1 when dsk has none (BOOL, I8, I16, U16, U32, U64, C64, F4, ...) */
     int ndim;
     int64_t shape[DSK_MAX_DIMS];
     uint64_t begin, end;          /* byte range in the data buffer (which starts at 8 + header_len) */
@@ -320,7 +341,8 @@ DSK_API int dsk_ckpt_file_find(const dsk_ckpt_file *f, const char *name);
 DSK_API const char *dsk_ckpt_file_meta(const dsk_ckpt_file *f, const char *key);
 /* Reads tensor `name` into dst (any device and strides; same shape; same dtype unless
    allow_cast), checking its CRC32C when the file records one. */
-DSK_API dsk_status dsk_ckpt_file_read(dsk_ckpt_file *f, dsk_ctx *ctx, const char *name, dsk_tensor *dst, int allow_cast);
+DSK_API dsk_status dsk_ckpt_file_read(dsk_ckpt_file *f, dsk_ctx *ctx, const char *name, dsk_tensor *dst,
+                                      int allow_cast);
 /* Reads the box [offset[d], offset[d] + dst->shape[d]) of tensor `name` (offset NULL: all 0)
    into dst (same ndim; any device and strides; same dtype unless allow_cast). Only the bytes
    of the box are read, with one pread per contiguous run; in a dsk file, the 1 MiB blocks
@@ -331,8 +353,8 @@ DSK_API dsk_status dsk_ckpt_file_read_box(dsk_ckpt_file *f, dsk_ctx *ctx, const 
 /* The raw little-endian bytes of the box (offset NULL: all 0; shape) of tensor `name`, whatever
    its dtype (dsk_ckpt_tensor_info.dtype -1 included), row-major into buf of cap bytes, checked
    as dsk_ckpt_file_read_box does. Packed dtypes of fewer than 8 bits (F4, F6_*) only whole. */
-DSK_API dsk_status dsk_ckpt_file_read_raw(dsk_ckpt_file *f, const char *name, const int64_t *offset, const int64_t *shape,
-                                          void *buf, size_t cap);
+DSK_API dsk_status dsk_ckpt_file_read_raw(dsk_ckpt_file *f, const char *name, const int64_t *offset,
+                                          const int64_t *shape, void *buf, size_t cap);
 DSK_API void dsk_ckpt_file_close(dsk_ckpt_file *f); /* zeroed/closed ok */
 /* Writes one safetensors file atomically and durably, with "dsk.format", per-tensor
    "dsk.crc32c.<name>" and the caller's pairs in __metadata__ (entries' split fields ignored). */
@@ -368,10 +390,12 @@ typedef struct dsk_ckpt_hf_entry {
 /* Opens dir's index (or its single model.safetensors); shards are opened as they are used. */
 DSK_API dsk_status dsk_ckpt_hf_open(dsk_ckpt_hf *h, const char *dir);
 /* The open shard and header entry of tensor `name` (for boxes: dsk_ckpt_file_read_box). */
-DSK_API dsk_status dsk_ckpt_hf_find(dsk_ckpt_hf *h, const char *name, dsk_ckpt_file **file, const dsk_ckpt_tensor_info **info);
+DSK_API dsk_status dsk_ckpt_hf_find(dsk_ckpt_hf *h, const char *name, dsk_ckpt_file **file,
+                                    const dsk_ckpt_tensor_info **info);
 /* Reads every entry (same shape; same dtype unless allow_cast), checking CRC32Cs where the
    files have them. */
-DSK_API dsk_status dsk_ckpt_hf_read(dsk_ckpt_hf *h, dsk_ctx *ctx, const dsk_ckpt_hf_entry *entries, int n, int allow_cast);
+DSK_API dsk_status dsk_ckpt_hf_read(dsk_ckpt_hf *h, dsk_ctx *ctx, const dsk_ckpt_hf_entry *entries, int n,
+                                    int allow_cast);
 DSK_API void dsk_ckpt_hf_close(dsk_ckpt_hf *h); /* zeroed/closed ok */
 /* Writes the entries into dir (which must exist) as shards "model-00001-of-0000N.safetensors"
    of at most max_shard_bytes of data each (0: 5 GB; a larger tensor gets a shard of its own),
@@ -379,8 +403,8 @@ DSK_API void dsk_ckpt_hf_close(dsk_ckpt_hf *h); /* zeroed/closed ok */
    {"total_size": bytes}, "weight_map": {...}}) last, atomically: the index is the commit point.
    Shards of an earlier export that the new index does not name, and a model.safetensors, are
    then removed. kv goes into every shard's __metadata__. */
-DSK_API dsk_status dsk_ckpt_hf_save(dsk_ctx *ctx, const char *dir, const dsk_ckpt_hf_entry *entries, int n, const dsk_ckpt_kv *kv,
-                                    int n_kv, uint64_t max_shard_bytes);
+DSK_API dsk_status dsk_ckpt_hf_save(dsk_ctx *ctx, const char *dir, const dsk_ckpt_hf_entry *entries, int n,
+                                    const dsk_ckpt_kv *kv, int n_kv, uint64_t max_shard_bytes);
 /* The DeepSeek-V2/V3 name (transformers' DeepseekV3 layout) of dsk_moe parameter `moe_param`
    of layer `layer`: "router" -> model.layers.L.mlp.gate.weight, "bias" -> ...mlp.gate.
    e_score_correction_bias, "w1"/"w3"/"w2" -> ...mlp.experts.{E}.gate_proj/up_proj/down_proj.
@@ -388,6 +412,8 @@ DSK_API dsk_status dsk_ckpt_hf_save(dsk_ctx *ctx, const char *dir, const dsk_ckp
    shared_experts.gate_proj/up_proj/down_proj.weight. dsk's (E, F, D) w1 and w3 and (E, D, F)
    w2 hold the same matrices as those (F, D) and (D, F) tensors, expert by expert. */
 DSK_API dsk_status dsk_ckpt_hf_deepseek_name(char *buf, size_t n, int layer, const char *moe_param);
+
+/* ---------------------------------------------------------------- CRC32C */
 
 /* CRC32C (Castagnoli, as iSCSI and ext4), chainable: crc = dsk_ckpt_crc32c(0, p, n) then
    dsk_ckpt_crc32c(crc, q, m) = CRC of p||q. SSE4.2 when the CPU has it, else slicing-by-8. */
@@ -656,7 +682,8 @@ static char *dsk__ckpt_strdup(const char *s) {
 /* "[8,256,128] bf16" for a shape and a dtype name. */
 static const char *dsk__ckpt_desc(char *buf, size_t n, int ndim, const int64_t *shape, const char *dtype) {
     size_t k = (size_t)snprintf(buf, n, "[");
-    for (int i = 0; i < ndim && k < n; i++) k += (size_t)snprintf(buf + k, n - k, i ? ",%lld" : "%lld", (long long)shape[i]);
+    for (int i = 0; i < ndim && k < n; i++)
+        k += (size_t)snprintf(buf + k, n - k, i ? ",%lld" : "%lld", (long long)shape[i]);
     if (k < n) snprintf(buf + k, n - k, "] %s", dtype);
     return buf;
 }
@@ -723,8 +750,9 @@ static dsk_status dsk__ckpt_pread_all(const char *fn, int fd, void *p, size_t n,
         if (k < 0 && errno == EINTR) continue;
         if (k < 0) return dsk__ckpt_io_error(fn, "read from", path);
         if (k == 0)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" ends early: %zu bytes missing at offset %llu (file truncated?)", fn,
-                                 path, n, (unsigned long long)off);
+            return dsk_set_error(DSK_ERR_CORRUPT,
+                                 "%s: \"%s\" ends early: %zu bytes missing at offset %llu (file truncated?)", fn, path,
+                                 n, (unsigned long long)off);
         q += k;
         n -= (size_t)k;
         off += (uint64_t)k;
@@ -797,7 +825,8 @@ static dsk_status dsk__ckpt_open_tmp(const char *fn, const char *dir, const char
 
 /* Closes the temporary, renames it to dir/base (with fsyncs when `how` has DSK__CKPT_DURABLE).
    On failure the temporary is removed. The fd is closed in every case. */
-static dsk_status dsk__ckpt_commit_tmp(const char *fn, int fd, char *tmp_path, const char *dir, const char *base, int how) {
+static dsk_status dsk__ckpt_commit_tmp(const char *fn, int fd, char *tmp_path, const char *dir, const char *base,
+                                       int how) {
     dsk_status s = DSK_OK;
     char *final_path = dsk__ckpt_join(dir, base);
     if (!final_path) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
@@ -814,11 +843,12 @@ static dsk_status dsk__ckpt_commit_tmp(const char *fn, int fd, char *tmp_path, c
 }
 
 /* Writes bytes to dir/base atomically (and durably with DSK__CKPT_DURABLE). */
-static dsk_status dsk__ckpt_write_small(const char *fn, const char *dir, const char *base, const void *p, size_t n, int how) {
+static dsk_status dsk__ckpt_write_small(const char *fn, const char *dir, const char *base, const void *p, size_t n,
+                                        int how) {
     char *tmp = NULL;
     int fd = -1;
-    dsk_status s = dsk__ckpt_open_tmp(fn, dir, base, &tmp, &fd);
-    if (s != DSK_OK) return s;
+    dsk_status s;
+    DSK__TRY(dsk__ckpt_open_tmp(fn, dir, base, &tmp, &fd));
     s = dsk__ckpt_write_all(fn, fd, p, n, tmp);
     if (s != DSK_OK) {
         close(fd);
@@ -850,7 +880,7 @@ static dsk_status dsk__ckpt_read_small(const char *fn, const char *path, size_t 
     dsk_status s;
     int fd;
     *out = NULL;
-    if ((s = dsk__ckpt_open_regular(fn, path, &fd, &st)) != DSK_OK) return s;
+    DSK__TRY(dsk__ckpt_open_regular(fn, path, &fd, &st));
     if ((uint64_t)st.st_size > max) {
         close(fd);
         return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" has %lld bytes, more than the limit of %zu", fn, path,
@@ -916,7 +946,9 @@ static int dsk__ckpt_jnext(const dsk__ckpt_json *j, int i) {
     return j->nodes[i].next == DSK__CKPT_J_NONE ? -1 : (int)j->nodes[i].next;
 }
 /* The member key of value i; keys with a NUL are cut at it (see dsk__ckpt_jkey_nul). */
-static const char *dsk__ckpt_jkey(const dsk__ckpt_json *j, int i) { return j->pool + (j->nodes[i].key & DSK__CKPT_J_OFF_MASK); }
+static const char *dsk__ckpt_jkey(const dsk__ckpt_json *j, int i) {
+    return j->pool + (j->nodes[i].key & DSK__CKPT_J_OFF_MASK);
+}
 static int dsk__ckpt_jkey_nul(const dsk__ckpt_json *j, int i) { return (j->nodes[i].key & DSK__CKPT_J_KEY_NUL) != 0; }
 /* A string value without embedded NUL, or NULL. */
 static const char *dsk__ckpt_jstr(const dsk__ckpt_json *j, int i) {
@@ -955,7 +987,8 @@ static void dsk__ckpt_jcount_text(const char *p, const char *end, uint64_t *valu
 
 static int dsk__ckpt_jnew(dsk__ckpt_json *j, int type) {
     dsk__ckpt_jnode *x;
-    if (j->n == j->cap) return dsk__ckpt_jfail(j, "more values than the text can hold"); /* the count is an upper bound */
+    if (j->n == j->cap)
+        return dsk__ckpt_jfail(j, "more values than the text can hold"); /* the count is an upper bound */
     x = &j->nodes[j->n];
     x->next = DSK__CKPT_J_NONE;
     x->key = (uint32_t)type << DSK__CKPT_J_TYPE_SHIFT;
@@ -1022,7 +1055,8 @@ static int dsk__ckpt_jstring(dsk__ckpt_json *j, uint32_t *off, int *has_nul) {
             if (dsk__ckpt_jhex4(j, &cp)) return -1;
             if (cp >= 0xdc00u && cp <= 0xdfffu) return dsk__ckpt_jfail(j, "lone low surrogate");
             if (cp >= 0xd800u && cp <= 0xdbffu) {
-                if (j->end - j->p < 2 || j->p[0] != '\\' || j->p[1] != 'u') return dsk__ckpt_jfail(j, "lone high surrogate");
+                if (j->end - j->p < 2 || j->p[0] != '\\' || j->p[1] != 'u')
+                    return dsk__ckpt_jfail(j, "lone high surrogate");
                 j->p += 2;
                 if (dsk__ckpt_jhex4(j, &lo)) return -1;
                 if (lo < 0xdc00u || lo > 0xdfffu) return dsk__ckpt_jfail(j, "bad low surrogate");
@@ -1110,7 +1144,8 @@ static int dsk__ckpt_jvalue(dsk__ckpt_json *j, int depth) {
     case '{': return dsk__ckpt_jcontainer(j, depth, 1);
     case '[': return dsk__ckpt_jcontainer(j, depth, 0);
     case '"':
-        if ((node = dsk__ckpt_jnew(j, DSK__CKPT_J_STR)) < 0 || dsk__ckpt_jstring(j, &j->nodes[node].val, &nul)) return -1;
+        if ((node = dsk__ckpt_jnew(j, DSK__CKPT_J_STR)) < 0 || dsk__ckpt_jstring(j, &j->nodes[node].val, &nul))
+            return -1;
         if (nul) j->nodes[node].key |= DSK__CKPT_J_STR_NUL;
         return node;
     case 't': case 'f': case 'n':
@@ -1125,7 +1160,8 @@ static int dsk__ckpt_jvalue(dsk__ckpt_json *j, int depth) {
 
 /* Parses text[0, n) (valid UTF-8 required, n <= DSK_CKPT_MAX_HEADER) whose top level must be
    an object: node 0. */
-static dsk_status dsk__ckpt_json_parse(dsk__ckpt_json *j, const char *text, size_t n, const char *fn, const char *what) {
+static dsk_status dsk__ckpt_json_parse(dsk__ckpt_json *j, const char *text, size_t n, const char *fn,
+                                       const char *what) {
     uint64_t values, pool;
     memset(j, 0, sizeof *j);
     j->src = j->p = text;
@@ -1144,7 +1180,8 @@ static dsk_status dsk__ckpt_json_parse(dsk__ckpt_json *j, const char *text, size
     j->pool = (char *)DSK_MALLOC((size_t)pool);
     if (!j->nodes || !j->pool) {
         dsk__ckpt_json_free(j);
-        return dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory for %llu JSON values", fn, what, (unsigned long long)values);
+        return dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory for %llu JSON values", fn, what,
+                             (unsigned long long)values);
     }
     j->pool[0] = 0;
     j->pool_used = 1;
@@ -1209,11 +1246,12 @@ typedef struct dsk__ckpt_stdtype {
 
 /* Every dtype of safetensors 0.8, with its width in bits (F4 and F6 are packed). */
 static const dsk__ckpt_stdtype dsk__ckpt_stdtypes[] = {
-    {"BOOL", 8, -1},         {"F4", 4, -1},           {"F6_E2M3", 6, -1},     {"F6_E3M2", 6, -1},   {"U8", 8, DSK_U8},
-    {"I8", 8, -1},           {"F8_E5M2", 8, DSK_E5M2}, {"F8_E4M3", 8, DSK_E4M3}, {"F8_E8M0", 8, -1},   {"F8_E4M3FNUZ", 8, -1},
-    {"F8_E5M2FNUZ", 8, -1},  {"I16", 16, -1},         {"U16", 16, -1},        {"F16", 16, DSK_F16}, {"BF16", 16, DSK_BF16},
-    {"I32", 32, DSK_I32},    {"U32", 32, -1},         {"F32", 32, DSK_F32},   {"C64", 64, -1},      {"F64", 64, DSK_F64},
-    {"I64", 64, DSK_I64},    {"U64", 64, -1}};
+    {"BOOL", 8, -1},      {"F4", 4, -1},          {"F6_E2M3", 6, -1},       {"F6_E3M2", 6, -1},
+    {"U8", 8, DSK_U8},    {"I8", 8, -1},          {"F8_E5M2", 8, DSK_E5M2}, {"F8_E4M3", 8, DSK_E4M3},
+    {"F8_E8M0", 8, -1},   {"F8_E4M3FNUZ", 8, -1}, {"F8_E5M2FNUZ", 8, -1},   {"I16", 16, -1},
+    {"U16", 16, -1},      {"F16", 16, DSK_F16},   {"BF16", 16, DSK_BF16},   {"I32", 32, DSK_I32},
+    {"U32", 32, -1},      {"F32", 32, DSK_F32},   {"C64", 64, -1},          {"F64", 64, DSK_F64},
+    {"I64", 64, DSK_I64}, {"U64", 64, -1}};
 #define DSK__CKPT_N_STDTYPES ((int)(sizeof dsk__ckpt_stdtypes / sizeof dsk__ckpt_stdtypes[0]))
 
 static const dsk__ckpt_stdtype *dsk__ckpt_stdtype_by_name(const char *name) {
@@ -1231,7 +1269,8 @@ static int dsk__ckpt_cmp_info_name(const void *a, const void *b) {
     return strcmp(((const dsk_ckpt_tensor_info *)a)->name, ((const dsk_ckpt_tensor_info *)b)->name);
 }
 static int dsk__ckpt_cmp_info_off(const void *a, const void *b) {
-    const dsk_ckpt_tensor_info *x = *(const dsk_ckpt_tensor_info *const *)a, *y = *(const dsk_ckpt_tensor_info *const *)b;
+    const dsk_ckpt_tensor_info *x = *(const dsk_ckpt_tensor_info *const *)a,
+                               *y = *(const dsk_ckpt_tensor_info *const *)b;
     if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
     return x->end < y->end ? -1 : x->end > y->end;
 }
@@ -1282,7 +1321,8 @@ DSK_API void dsk_ckpt_file_close(dsk_ckpt_file *f) {
 }
 
 /* One tensor entry {"dtype": .., "shape": [..], "data_offsets": [b, e]}. */
-static dsk_status dsk__ckpt_parse_entry(const char *fn, const char *where, const dsk__ckpt_json *j, int node, dsk_ckpt_tensor_info *t) {
+static dsk_status dsk__ckpt_parse_entry(const char *fn, const char *where, const dsk__ckpt_json *j, int node,
+                                        dsk_ckpt_tensor_info *t) {
     int seen[3] = {0, 0, 0};
     const dsk__ckpt_stdtype *dt = NULL;
     if (dsk__ckpt_jtype(j, node) != DSK__CKPT_J_OBJ)
@@ -1290,36 +1330,48 @@ static dsk_status dsk__ckpt_parse_entry(const char *fn, const char *where, const
     for (int c = dsk__ckpt_jchild(j, node); c >= 0; c = dsk__ckpt_jnext(j, c)) {
         const char *key = dsk__ckpt_jkey(j, c);
         int type = dsk__ckpt_jtype(j, c), count = dsk__ckpt_jcount(j, c);
-        int which = strcmp(key, "dtype") == 0 ? 0 : strcmp(key, "shape") == 0 ? 1 : strcmp(key, "data_offsets") == 0 ? 2 : -1;
+        int which = strcmp(key, "dtype") == 0          ? 0
+                    : strcmp(key, "shape") == 0        ? 1
+                    : strcmp(key, "data_offsets") == 0 ? 2
+                                                       : -1;
         if (which < 0 || dsk__ckpt_jkey_nul(j, c))
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" has unknown field \"%s\"", fn, where, t->name, key);
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" has unknown field \"%s\"", fn, where, t->name,
+                                 key);
         if (seen[which]++)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" repeats field \"%s\"", fn, where, t->name, key);
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" repeats field \"%s\"", fn, where, t->name,
+                                 key);
         if (which == 0) {
             const char *name = dsk__ckpt_jstr(j, c);
-            if (!name) return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": dtype is not a string", fn, where, t->name);
+            if (!name)
+                return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": dtype is not a string", fn, where,
+                                     t->name);
             if (!(dt = dsk__ckpt_stdtype_by_name(name)))
-                return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": unknown dtype \"%s\"", fn, where, t->name, name);
+                return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": unknown dtype \"%s\"", fn, where, t->name,
+                                     name);
         } else if (which == 1) {
             if (type != DSK__CKPT_J_ARR)
-                return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape is not an array", fn, where, t->name);
+                return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape is not an array", fn, where,
+                                     t->name);
             if (count > DSK_MAX_DIMS)
-                return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: %s: tensor \"%s\" has %d dims, dsk supports %d", fn, where, t->name,
-                                     count, DSK_MAX_DIMS);
+                return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: %s: tensor \"%s\" has %d dims, dsk supports %d", fn,
+                                     where, t->name, count, DSK_MAX_DIMS);
             t->ndim = 0;
             for (int d = dsk__ckpt_jchild(j, c); d >= 0; d = dsk__ckpt_jnext(j, d)) {
                 int64_t v;
                 if (!dsk__ckpt_jsize(j, d, &v))
-                    return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape[%d] is not a non-negative integer", fn, where,
+                    return dsk_set_error(DSK_ERR_CORRUPT,
+                                         "%s: %s: tensor \"%s\": shape[%d] is not a non-negative integer", fn, where,
                                          t->name, t->ndim);
                 t->shape[t->ndim++] = v;
             }
         } else {
             int64_t v[2];
             int d = dsk__ckpt_jchild(j, c);
-            if (type != DSK__CKPT_J_ARR || count != 2 || !dsk__ckpt_jsize(j, d, &v[0]) || !dsk__ckpt_jsize(j, dsk__ckpt_jnext(j, d), &v[1]))
-                return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": data_offsets is not two non-negative integers", fn,
-                                     where, t->name);
+            if (type != DSK__CKPT_J_ARR || count != 2 || !dsk__ckpt_jsize(j, d, &v[0]) ||
+                !dsk__ckpt_jsize(j, dsk__ckpt_jnext(j, d), &v[1]))
+                return dsk_set_error(DSK_ERR_CORRUPT,
+                                     "%s: %s: tensor \"%s\": data_offsets is not two non-negative integers", fn, where,
+                                     t->name);
             t->begin = (uint64_t)v[0];
             t->end = (uint64_t)v[1];
         }
@@ -1338,35 +1390,45 @@ static dsk_status dsk__ckpt_parse_entry(const char *fn, const char *where, const
                                  dsk__ckpt_desc(b, sizeof b, t->ndim, t->shape, dt->name));
         bits = (uint64_t)numel * (uint64_t)dt->bits;
         if (bits % 8)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape %s is not a whole number of bytes", fn, where, t->name,
-                                 dsk__ckpt_desc(b, sizeof b, t->ndim, t->shape, dt->name));
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape %s is not a whole number of bytes", fn,
+                                 where, t->name, dsk__ckpt_desc(b, sizeof b, t->ndim, t->shape, dt->name));
         if (t->end < t->begin || t->end - t->begin != bits / 8)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape %s needs %llu bytes, data_offsets [%llu, %llu] give %lld",
-                                 fn, where, t->name, dsk__ckpt_desc(b, sizeof b, t->ndim, t->shape, dt->name), (unsigned long long)(bits / 8),
-                                 (unsigned long long)t->begin, (unsigned long long)t->end, (long long)(t->end - t->begin));
+            return dsk_set_error(
+                DSK_ERR_CORRUPT,
+                "%s: %s: tensor \"%s\": shape %s needs %llu bytes, data_offsets [%llu, %llu] give %lld", fn, where,
+                t->name, dsk__ckpt_desc(b, sizeof b, t->ndim, t->shape, dt->name), (unsigned long long)(bits / 8),
+                (unsigned long long)t->begin, (unsigned long long)t->end, (long long)(t->end - t->begin));
     }
     return DSK_OK;
 }
 
 /* __metadata__: an object of string values. */
-static dsk_status dsk__ckpt_parse_meta(const char *fn, const char *where, const dsk__ckpt_json *j, int node, dsk_ckpt_file *f) {
+static dsk_status dsk__ckpt_parse_meta(const char *fn, const char *where, const dsk__ckpt_json *j, int node,
+                                       dsk_ckpt_file *f) {
     int type = dsk__ckpt_jtype(j, node), count = dsk__ckpt_jcount(j, node), i = 0;
     dsk__ckpt_kvidx *kv;
     if (type == DSK__CKPT_J_NULL) return DSK_OK; /* the reference reads null as no metadata */
-    if (type != DSK__CKPT_J_OBJ) return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ is not an object", fn, where);
+    if (type != DSK__CKPT_J_OBJ)
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ is not an object", fn, where);
     kv = (dsk__ckpt_kvidx *)DSK_MALLOC(((size_t)count + 1) * sizeof *kv);
     f->meta_keys = (const char **)DSK_MALLOC(((size_t)count + 1) * sizeof(char *));
     f->meta_values = (const char **)DSK_MALLOC(((size_t)count + 1) * sizeof(char *));
-    if (!kv || !f->meta_keys || !f->meta_values) { DSK_FREE(kv); return dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory", fn, where); }
+    if (!kv || !f->meta_keys || !f->meta_values) {
+        DSK_FREE(kv);
+        return dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory", fn, where);
+    }
     for (int c = dsk__ckpt_jchild(j, node); c >= 0; c = dsk__ckpt_jnext(j, c), i++) {
         dsk_status s = DSK_OK;
         kv[i].k = dsk__ckpt_jkey(j, c);
         kv[i].v = dsk__ckpt_jstr(j, c);
         if (dsk__ckpt_jtype(j, c) != DSK__CKPT_J_STR)
-            s = dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ value of \"%s\" is not a string", fn, where, kv[i].k);
+            s = dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ value of \"%s\" is not a string", fn, where,
+                              kv[i].k);
         else if (!kv[i].v || dsk__ckpt_jkey_nul(j, c))
-            s = dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: %s: __metadata__ pair \"%s\" holds a NUL character: valid safetensors, but "
-                              "dsk keys and values are C strings", fn, where, kv[i].k);
+            s = dsk_set_error(DSK_ERR_UNSUPPORTED,
+                              "%s: %s: __metadata__ pair \"%s\" holds a NUL character: valid safetensors, but "
+                              "dsk keys and values are C strings",
+                              fn, where, kv[i].k);
         if (s != DSK_OK) {
             DSK_FREE(kv);
             return s;
@@ -1375,7 +1437,8 @@ static dsk_status dsk__ckpt_parse_meta(const char *fn, const char *where, const 
     qsort(kv, (size_t)i, sizeof *kv, dsk__ckpt_cmp_kvidx);
     for (int k = 0; k < i; k++) {
         if (k && strcmp(kv[k].k, kv[k - 1].k) == 0) {
-            dsk_status s = dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ repeats key \"%s\"", fn, where, kv[k].k);
+            dsk_status s =
+                dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ repeats key \"%s\"", fn, where, kv[k].k);
             DSK_FREE(kv);
             return s;
         }
@@ -1397,13 +1460,16 @@ static dsk_status dsk__ckpt_check_layout(const char *fn, const char *where, dsk_
     qsort(order, (size_t)f->n_tensors, sizeof *order, dsk__ckpt_cmp_info_off);
     for (int i = 0; i < f->n_tensors && s == DSK_OK; i++) {
         if (order[i]->begin != pos)
-            s = dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" data_offsets [%llu, %llu] %s the previous tensor ending at %llu",
-                              fn, where, order[i]->name, (unsigned long long)order[i]->begin, (unsigned long long)order[i]->end,
+            s = dsk_set_error(DSK_ERR_CORRUPT,
+                              "%s: %s: tensor \"%s\" data_offsets [%llu, %llu] %s the previous tensor ending at %llu",
+                              fn, where, order[i]->name, (unsigned long long)order[i]->begin,
+                              (unsigned long long)order[i]->end,
                               order[i]->begin > pos ? "leave a gap after" : "overlap", (unsigned long long)pos);
         pos = order[i]->end;
     }
     if (s == DSK_OK && (f->file_size < 8 + f->header_len || pos != f->file_size - 8 - f->header_len))
-        s = dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensors end at data offset %llu but the file holds %llu data bytes (%s)", fn, where,
+        s = dsk_set_error(DSK_ERR_CORRUPT,
+                          "%s: %s: tensors end at data offset %llu but the file holds %llu data bytes (%s)", fn, where,
                           (unsigned long long)pos, (unsigned long long)(f->file_size - 8 - f->header_len),
                           pos > f->file_size - 8 - f->header_len ? "file truncated" : "trailing bytes");
     DSK_FREE(order);
@@ -1418,12 +1484,14 @@ static dsk_status dsk__ckpt_attach_blocks(const char *fn, const char *where, dsk
     const char *hex;
     while (*v >= '0' && *v <= '9' && bs <= ((uint64_t)1 << 30)) bs = bs * 10 + (uint64_t)(*v++ - '0');
     if (*v != ':' || bs < 4096 || bs > ((uint64_t)1 << 30) || (bs & (bs - 1)))
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": dsk.blocks does not start with a block size (4096 .. 2^30)", fn,
+        return dsk_set_error(DSK_ERR_CORRUPT,
+                             "%s: %s: tensor \"%s\": dsk.blocks does not start with a block size (4096 .. 2^30)", fn,
                              where, t->name);
     hex = v + 1;
     nblocks = (nbytes + bs - 1) / bs;
     if (strlen(hex) != 8 * nblocks)
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": dsk.blocks holds %zu hex digits, %llu blocks need %llu", fn, where,
+        return dsk_set_error(DSK_ERR_CORRUPT,
+                             "%s: %s: tensor \"%s\": dsk.blocks holds %zu hex digits, %llu blocks need %llu", fn, where,
                              t->name, strlen(hex), (unsigned long long)nblocks, (unsigned long long)(8 * nblocks));
     k_full = dsk__ckpt_xpow8n(bs);
     for (uint64_t b = 0; b < nblocks; b++) {
@@ -1432,12 +1500,13 @@ static dsk_status dsk__ckpt_attach_blocks(const char *fn, const char *where, dsk
         memcpy(h, hex + 8 * b, 8);
         h[8] = 0;
         if (!dsk__ckpt_parse_hex32(h, &crc))
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": dsk.blocks has a non-hex digit", fn, where, t->name);
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": dsk.blocks has a non-hex digit", fn, where,
+                                 t->name);
         acc = dsk__ckpt_mulmod(len == bs ? k_full : dsk__ckpt_xpow8n(len), acc) ^ crc;
     }
     if (acc != t->crc32c)
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": block CRCs make %08x, dsk.crc32c says %08x", fn, where, t->name,
-                             acc, t->crc32c);
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": block CRCs make %08x, dsk.crc32c says %08x", fn,
+                             where, t->name, acc, t->crc32c);
     t->block_bytes = bs;
     t->block_crcs = hex;
     return DSK_OK;
@@ -1449,56 +1518,59 @@ static dsk_status dsk__ckpt_attach_crcs(const char *fn, const char *where, dsk_c
         int t;
         if (strncmp(f->meta_keys[i], "dsk.crc32c.", 11) != 0) continue;
         t = dsk_ckpt_file_find(f, f->meta_keys[i] + 11);
-        if (t < 0) return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ \"%s\" names no tensor", fn, where, f->meta_keys[i]);
+        if (t < 0)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ \"%s\" names no tensor", fn, where,
+                                 f->meta_keys[i]);
         if (!dsk__ckpt_parse_hex32(f->meta_values[i], &f->tensors[t].crc32c))
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ \"%s\" = \"%s\" is not 8 hex digits", fn, where, f->meta_keys[i],
-                                 f->meta_values[i]);
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ \"%s\" = \"%s\" is not 8 hex digits", fn, where,
+                                 f->meta_keys[i], f->meta_values[i]);
         f->tensors[t].has_crc = 1;
     }
     for (int i = 0; i < f->n_meta; i++) {
-        dsk_status s;
         int t;
         if (strncmp(f->meta_keys[i], "dsk.blocks.", 11) != 0) continue;
         t = dsk_ckpt_file_find(f, f->meta_keys[i] + 11);
         if (t < 0 || !f->tensors[t].has_crc)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ \"%s\" names no tensor with a dsk.crc32c", fn, where,
-                                 f->meta_keys[i]);
-        if ((s = dsk__ckpt_attach_blocks(fn, where, &f->tensors[t], f->meta_values[i])) != DSK_OK) return s;
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ \"%s\" names no tensor with a dsk.crc32c", fn,
+                                 where, f->meta_keys[i]);
+        DSK__TRY(dsk__ckpt_attach_blocks(fn, where, &f->tensors[t], f->meta_values[i]));
     }
     for (int i = 0; i < f->n_tensors; i++)
-        if (f->tensors[i].has_crc && !f->tensors[i].block_bytes) f->tensors[i].block_bytes = f->tensors[i].end - f->tensors[i].begin;
+        if (f->tensors[i].has_crc && !f->tensors[i].block_bytes)
+            f->tensors[i].block_bytes = f->tensors[i].end - f->tensors[i].begin;
     return DSK_OK;
 }
 
-static dsk_status dsk__ckpt_parse(const char *fn, const char *where, dsk_ckpt_file *f, const unsigned char *bytes, size_t n,
-                                uint64_t file_size) {
+static dsk_status dsk__ckpt_parse(const char *fn, const char *where, dsk_ckpt_file *f, const unsigned char *bytes,
+                                  size_t n, uint64_t file_size) {
     dsk__ckpt_filemem *m = (dsk__ckpt_filemem *)f->mem;
     dsk__ckpt_json *j = &m->json;
     uint64_t hlen = 0;
-    dsk_status s;
     int top, nt = 0, meta = -1;
     if (n < 8 || file_size < 8)
         return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: %llu bytes is too short for a safetensors file", fn, where,
                              (unsigned long long)(n < file_size ? n : file_size));
     for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | bytes[i];
     if (hlen > DSK_CKPT_MAX_HEADER)
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: header length %llu exceeds the limit of %llu", fn, where, (unsigned long long)hlen,
-                             (unsigned long long)DSK_CKPT_MAX_HEADER);
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: header length %llu exceeds the limit of %llu", fn, where,
+                             (unsigned long long)hlen, (unsigned long long)DSK_CKPT_MAX_HEADER);
     if (8 + hlen > file_size || 8 + hlen > n)
         return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: header length %llu runs beyond the file size %llu", fn, where,
                              (unsigned long long)hlen, (unsigned long long)file_size);
     f->header_len = hlen;
     f->file_size = file_size;
     f->header_crc32c = dsk_ckpt_crc32c(0, bytes, (size_t)(8 + hlen));
-    if ((s = dsk__ckpt_json_parse(j, (const char *)bytes + 8, (size_t)hlen, fn, where)) != DSK_OK) return s;
+    DSK__TRY(dsk__ckpt_json_parse(j, (const char *)bytes + 8, (size_t)hlen, fn, where));
     top = 0;
     f->tensors = (dsk_ckpt_tensor_info *)DSK_MALLOC(((size_t)dsk__ckpt_jcount(j, top) + 1) * sizeof *f->tensors);
     if (!f->tensors) return dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory", fn, where);
     for (int c = dsk__ckpt_jchild(j, top); c >= 0; c = dsk__ckpt_jnext(j, c)) {
         dsk_ckpt_tensor_info *t = &f->tensors[nt];
         if (dsk__ckpt_jkey_nul(j, c))
-            return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: %s: tensor \"%s\\u0000...\" has a NUL character in its name: valid "
-                                 "safetensors, but dsk names are C strings", fn, where, dsk__ckpt_jkey(j, c));
+            return dsk_set_error(DSK_ERR_UNSUPPORTED,
+                                 "%s: %s: tensor \"%s\\u0000...\" has a NUL character in its name: valid "
+                                 "safetensors, but dsk names are C strings",
+                                 fn, where, dsk__ckpt_jkey(j, c));
         if (strcmp(dsk__ckpt_jkey(j, c), "__metadata__") == 0) {
             if (meta >= 0) return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ appears twice", fn, where);
             meta = c;
@@ -1506,16 +1578,17 @@ static dsk_status dsk__ckpt_parse(const char *fn, const char *where, dsk_ckpt_fi
         }
         memset(t, 0, sizeof *t);
         t->name = dsk__ckpt_jkey(j, c);
-        if ((s = dsk__ckpt_parse_entry(fn, where, j, c, t)) != DSK_OK) return s;
+        DSK__TRY(dsk__ckpt_parse_entry(fn, where, j, c, t));
         nt++;
     }
     f->n_tensors = nt;
     qsort(f->tensors, (size_t)nt, sizeof *f->tensors, dsk__ckpt_cmp_info_name);
     for (int i = 1; i < nt; i++)
         if (strcmp(f->tensors[i].name, f->tensors[i - 1].name) == 0)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: duplicate tensor name \"%s\"", fn, where, f->tensors[i].name);
-    if (meta >= 0 && (s = dsk__ckpt_parse_meta(fn, where, j, meta, f)) != DSK_OK) return s;
-    if ((s = dsk__ckpt_check_layout(fn, where, f)) != DSK_OK) return s;
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: duplicate tensor name \"%s\"", fn, where,
+                                 f->tensors[i].name);
+    if (meta >= 0) DSK__TRY(dsk__ckpt_parse_meta(fn, where, j, meta, f));
+    DSK__TRY(dsk__ckpt_check_layout(fn, where, f));
     return dsk__ckpt_attach_crcs(fn, where, f);
 }
 
@@ -1530,7 +1603,7 @@ static dsk_status dsk__ckpt_file_begin(dsk_ckpt_file *f, const char *fn) {
 DSK_API dsk_status dsk_ckpt_file_parse(dsk_ckpt_file *f, const void *bytes, size_t n, uint64_t file_size) {
     dsk_status s;
     if (!f || (!bytes && n)) return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_file_parse: NULL argument");
-    if ((s = dsk__ckpt_file_begin(f, "dsk_ckpt_file_parse")) != DSK_OK) return s;
+    DSK__TRY(dsk__ckpt_file_begin(f, "dsk_ckpt_file_parse"));
     s = dsk__ckpt_parse("dsk_ckpt_file_parse", "buffer", f, (const unsigned char *)bytes, n, file_size);
     if (s != DSK_OK) dsk_ckpt_file_close(f);
     return s;
@@ -1544,13 +1617,14 @@ DSK_API dsk_status dsk_ckpt_file_open(dsk_ckpt_file *f, const char *path) {
     dsk__ckpt_filemem *m;
     dsk_status s;
     if (!f || !path) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
-    if ((s = dsk__ckpt_file_begin(f, fn)) != DSK_OK) return s;
+    DSK__TRY(dsk__ckpt_file_begin(f, fn));
     m = (dsk__ckpt_filemem *)f->mem;
     if (!(f->path = dsk__ckpt_strdup(path))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); goto fail; }
     if ((s = dsk__ckpt_open_regular(fn, path, &f->fd, &st)) != DSK_OK) goto fail;
     f->has_fd = 1;
     if (st.st_size < 8) {
-        s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": %lld bytes is too short for a safetensors file", fn, path, (long long)st.st_size);
+        s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": %lld bytes is too short for a safetensors file", fn, path,
+                          (long long)st.st_size);
         goto fail;
     }
     if ((s = dsk__ckpt_pread_all(fn, f->fd, len8, 8, 0, path)) != DSK_OK) goto fail;
@@ -1560,11 +1634,14 @@ DSK_API dsk_status dsk_ckpt_file_open(dsk_ckpt_file *f, const char *path) {
         goto fail;
     }
     if (!(m->header = (char *)DSK_MALLOC((size_t)(8 + hlen)))) {
-        s = dsk_set_error(DSK_ERR_OOM, "%s: \"%s\": out of memory for a %llu-byte header", fn, path, (unsigned long long)hlen);
+        s = dsk_set_error(DSK_ERR_OOM, "%s: \"%s\": out of memory for a %llu-byte header", fn, path,
+                          (unsigned long long)hlen);
         goto fail;
     }
     if ((s = dsk__ckpt_pread_all(fn, f->fd, m->header, (size_t)(8 + hlen), 0, path)) != DSK_OK) goto fail;
-    if ((s = dsk__ckpt_parse(fn, path, f, (const unsigned char *)m->header, (size_t)(8 + hlen), (uint64_t)st.st_size)) != DSK_OK) goto fail;
+    if ((s = dsk__ckpt_parse(fn, path, f, (const unsigned char *)m->header, (size_t)(8 + hlen),
+                             (uint64_t)st.st_size)) != DSK_OK)
+        goto fail;
     return DSK_OK;
 fail:
     dsk_ckpt_file_close(f);
@@ -1596,9 +1673,12 @@ DSK_API const char *dsk_ckpt_file_meta(const dsk_ckpt_file *f, const char *key) 
 /* Device tensors are copied through ctx's stream: a CUDA tensor needs a CUDA ctx. */
 static dsk_status dsk__ckpt_check_device(const char *fn, const char *name, const dsk_tensor *t, const dsk_ctx *ctx) {
     if (t->device.type == DSK_DEV_CPU) return DSK_OK;
-    if (t->device.type != DSK_DEV_CUDA || !ctx || ctx->device.type != DSK_DEV_CUDA || ctx->device.index != t->device.index)
-        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" is on device type %d index %d: pass a ctx on that CUDA device (dsk_ckpt_opts.ctx)",
-                             fn, name, (int)t->device.type, t->device.index);
+    if (t->device.type != DSK_DEV_CUDA || !ctx || ctx->device.type != DSK_DEV_CUDA ||
+        ctx->device.index != t->device.index)
+        return dsk_set_error(
+            DSK_ERR_ARG,
+            "%s: tensor \"%s\" is on device type %d index %d: pass a ctx on that CUDA device (dsk_ckpt_opts.ctx)", fn,
+            name, (int)t->device.type, t->device.index);
     return DSK_OK;
 }
 
@@ -1632,8 +1712,10 @@ static dsk_status dsk__ckpt_check_block(dsk__ckpt_boxrd *rd, uint64_t b, const u
         dsk__ckpt_parse_hex32(h, &want); /* validated when the file was opened */
     }
     if (got == want) return DSK_OK;
-    return dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" in \"%s\": bytes [%llu, %llu): crc32c %08x, header says %08x (data corrupt)",
-                         rd->fn, t->name, rd->f->path, (unsigned long long)(b * rd->bsz), (unsigned long long)(b * rd->bsz + n), got, want);
+    return dsk_set_error(
+        DSK_ERR_CORRUPT,
+        "%s: tensor \"%s\" in \"%s\": bytes [%llu, %llu): crc32c %08x, header says %08x (data corrupt)", rd->fn,
+        t->name, rd->f->path, (unsigned long long)(b * rd->bsz), (unsigned long long)(b * rd->bsz + n), got, want);
 }
 
 /* Tensor bytes [lo, hi) into out, every block they touch read and checked. */
@@ -1648,8 +1730,8 @@ static dsk_status dsk__ckpt_copy_range(dsk__ckpt_boxrd *rd, uint64_t lo, uint64_
         } else {
             if (rd->cached != (int64_t)b) {
                 if (!rd->bounce && !(rd->bounce = (unsigned char *)DSK_MALLOC((size_t)rd->bsz)))
-                    return dsk_set_error(DSK_ERR_OOM, "%s: tensor \"%s\": out of memory for a %llu-byte block", rd->fn, rd->t->name,
-                                         (unsigned long long)rd->bsz);
+                    return dsk_set_error(DSK_ERR_OOM, "%s: tensor \"%s\": out of memory for a %llu-byte block", rd->fn,
+                                         rd->t->name, (unsigned long long)rd->bsz);
                 rd->cached = -1;
                 DSK__TRY(dsk__ckpt_pread_data(rd, rd->bounce, b0, (size_t)(b1 - b0)));
                 DSK__TRY(dsk__ckpt_check_block(rd, b, rd->bounce, (size_t)(b1 - b0)));
@@ -1670,28 +1752,31 @@ static size_t dsk__ckpt_elem_bytes(const dsk_ckpt_tensor_info *t) {
 }
 
 /* Checks that box (off, shape) lies inside t; *bytes = its size. */
-static dsk_status dsk__ckpt_check_box(const char *fn, dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t, const int64_t *off,
-                                      const int64_t *shape, uint64_t *bytes) {
+static dsk_status dsk__ckpt_check_box(const char *fn, dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t,
+                                      const int64_t *off, const int64_t *shape, uint64_t *bytes) {
     size_t es = dsk__ckpt_elem_bytes(t);
     int whole = 1;
     for (int d = 0; d < t->ndim; d++) {
         if (off[d] < 0 || shape[d] < 0 || off[d] > t->shape[d] || shape[d] > t->shape[d] - off[d])
-            return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" in \"%s\": dim %d: [%lld, %lld) is outside [0, %lld)", fn, t->name,
-                                 f->path ? f->path : "buffer", d, (long long)off[d], (long long)(off[d] + shape[d]),
-                                 (long long)t->shape[d]);
+            return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" in \"%s\": dim %d: [%lld, %lld) is outside [0, %lld)",
+                                 fn, t->name, f->path ? f->path : "buffer", d, (long long)off[d],
+                                 (long long)(off[d] + shape[d]), (long long)t->shape[d]);
         whole &= off[d] == 0 && shape[d] == t->shape[d];
     }
     if (!es && !whole)
-        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: tensor \"%s\": %s packs elements into fewer than 8 bits: only whole reads", fn,
+        return dsk_set_error(DSK_ERR_UNSUPPORTED,
+                             "%s: tensor \"%s\": %s packs elements into fewer than 8 bits: only whole reads", fn,
                              t->name, t->dtype_name);
     *bytes = es ? (uint64_t)dsk__ckpt_numel(t->ndim, shape) * es : t->end - t->begin;
-    if (!f->has_fd) return dsk_set_error(DSK_ERR_STATE, "%s: tensor \"%s\": the file was parsed from memory, not opened", fn, t->name);
+    if (!f->has_fd)
+        return dsk_set_error(DSK_ERR_STATE, "%s: tensor \"%s\": the file was parsed from memory, not opened", fn,
+                             t->name);
     return DSK_OK;
 }
 
 /* Reads box (off, shape) of t, checked, row-major into out (dsk__ckpt_check_box first). */
-static dsk_status dsk__ckpt_read_box_bytes(const char *fn, dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t, const int64_t *off,
-                                           const int64_t *shape, unsigned char *out) {
+static dsk_status dsk__ckpt_read_box_bytes(const char *fn, dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t,
+                                           const int64_t *off, const int64_t *shape, unsigned char *out) {
     dsk__ckpt_boxrd rd;
     int64_t stride[DSK_MAX_DIMS], idx[DSK_MAX_DIMS];
     uint64_t run;
@@ -1731,23 +1816,28 @@ static dsk_status dsk__ckpt_read_box_bytes(const char *fn, dsk_ckpt_file *f, con
 
 /* Copies box (off, dst's shape) of the file tensor into dst, reading straight into dst when
    layouts match, else through a buffer and dsk_tensor_copy (which casts). */
-static dsk_status dsk__ckpt_read_into(const char *fn, dsk_ckpt_file *f, dsk_ctx *ctx, const dsk_ckpt_tensor_info *t, const int64_t *off,
-                                      dsk_tensor *dst, int allow_cast) {
+static dsk_status dsk__ckpt_read_into(const char *fn, dsk_ckpt_file *f, dsk_ctx *ctx, const dsk_ckpt_tensor_info *t,
+                                      const int64_t *off, dsk_tensor *dst, int allow_cast) {
     dsk_tensor src;
     void *buf;
     uint64_t bytes;
     dsk_status s;
     if (t->dtype < 0)
-        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: tensor \"%s\" in \"%s\": dtype %s has no dsk dtype (dsk_ckpt_file_read_raw reads "
-                             "its bytes)", fn, t->name, f->path, t->dtype_name);
+        return dsk_set_error(DSK_ERR_UNSUPPORTED,
+                             "%s: tensor \"%s\" in \"%s\": dtype %s has no dsk dtype (dsk_ckpt_file_read_raw reads "
+                             "its bytes)",
+                             fn, t->name, f->path, t->dtype_name);
     if ((int)dst->dtype != t->dtype && !allow_cast)
-        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" in \"%s\": file has dtype %s, model has %s (set allow_cast to convert)", fn,
-                             t->name, f->path, dsk_dtype_name((dsk_dtype)t->dtype), dsk_dtype_name(dst->dtype));
+        return dsk_set_error(DSK_ERR_ARG,
+                             "%s: tensor \"%s\" in \"%s\": file has dtype %s, model has %s (set allow_cast to convert)",
+                             fn, t->name, f->path, dsk_dtype_name((dsk_dtype)t->dtype), dsk_dtype_name(dst->dtype));
     DSK__TRY(dsk__ckpt_check_box(fn, f, t, off, dst->shape, &bytes));
-    if (dst->device.type == DSK_DEV_CPU && (int)dst->dtype == t->dtype && dsk_tensor_is_contiguous(dst) && (dst->data || !bytes))
+    if (dst->device.type == DSK_DEV_CPU && (int)dst->dtype == t->dtype && dsk_tensor_is_contiguous(dst) &&
+        (dst->data || !bytes))
         return dsk__ckpt_read_box_bytes(fn, f, t, off, dst->shape, (unsigned char *)dst->data);
     if (!(buf = DSK_MALLOC(bytes ? (size_t)bytes : 1)))
-        return dsk_set_error(DSK_ERR_OOM, "%s: tensor \"%s\": out of memory for %llu bytes", fn, t->name, (unsigned long long)bytes);
+        return dsk_set_error(DSK_ERR_OOM, "%s: tensor \"%s\": out of memory for %llu bytes", fn, t->name,
+                             (unsigned long long)bytes);
     s = dsk__ckpt_read_box_bytes(fn, f, t, off, dst->shape, (unsigned char *)buf);
     if (s == DSK_OK) s = dsk_tensor_wrap(&src, buf, (dsk_dtype)t->dtype, dsk_cpu(), dst->ndim, dst->shape);
     if (s == DSK_OK) s = dsk_tensor_copy(ctx, dst, &src);
@@ -1756,7 +1846,8 @@ static dsk_status dsk__ckpt_read_into(const char *fn, dsk_ckpt_file *f, dsk_ctx 
 }
 
 /* The file tensor `name`, for the public readers. */
-static dsk_status dsk__ckpt_file_tensor(const char *fn, dsk_ckpt_file *f, const char *name, const dsk_ckpt_tensor_info **t) {
+static dsk_status dsk__ckpt_file_tensor(const char *fn, dsk_ckpt_file *f, const char *name,
+                                        const dsk_ckpt_tensor_info **t) {
     int i;
     if (!f || !name) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
     if ((i = dsk_ckpt_file_find(f, name)) < 0)
@@ -1765,7 +1856,8 @@ static dsk_status dsk__ckpt_file_tensor(const char *fn, dsk_ckpt_file *f, const 
     return DSK_OK;
 }
 
-DSK_API dsk_status dsk_ckpt_file_read(dsk_ckpt_file *f, dsk_ctx *ctx, const char *name, dsk_tensor *dst, int allow_cast) {
+DSK_API dsk_status dsk_ckpt_file_read(dsk_ckpt_file *f, dsk_ctx *ctx, const char *name, dsk_tensor *dst,
+                                      int allow_cast) {
     const char *fn = "dsk_ckpt_file_read";
     const dsk_ckpt_tensor_info *t = NULL;
     const int64_t zero[DSK_MAX_DIMS] = {0};
@@ -1774,14 +1866,16 @@ DSK_API dsk_status dsk_ckpt_file_read(dsk_ckpt_file *f, dsk_ctx *ctx, const char
     if (!dst) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
     DSK__TRY(dsk__ckpt_check_device(fn, name, dst, ctx));
     if (t->ndim != dst->ndim || memcmp(t->shape, dst->shape, (size_t)t->ndim * sizeof(int64_t)) != 0)
-        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" in \"%s\": file has %s, model has %s", fn, name, f->path ? f->path : "buffer",
-                             dsk__ckpt_desc(a, sizeof a, t->ndim, t->shape, t->dtype >= 0 ? dsk_dtype_name((dsk_dtype)t->dtype) : t->dtype_name),
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" in \"%s\": file has %s, model has %s", fn, name,
+                             f->path ? f->path : "buffer",
+                             dsk__ckpt_desc(a, sizeof a, t->ndim, t->shape,
+                                            t->dtype >= 0 ? dsk_dtype_name((dsk_dtype)t->dtype) : t->dtype_name),
                              dsk__ckpt_desc(b, sizeof b, dst->ndim, dst->shape, dsk_dtype_name(dst->dtype)));
     return dsk__ckpt_read_into(fn, f, ctx, t, zero, dst, allow_cast);
 }
 
-DSK_API dsk_status dsk_ckpt_file_read_box(dsk_ckpt_file *f, dsk_ctx *ctx, const char *name, const int64_t *offset, dsk_tensor *dst,
-                                          int allow_cast) {
+DSK_API dsk_status dsk_ckpt_file_read_box(dsk_ckpt_file *f, dsk_ctx *ctx, const char *name, const int64_t *offset,
+                                          dsk_tensor *dst, int allow_cast) {
     const char *fn = "dsk_ckpt_file_read_box";
     const dsk_ckpt_tensor_info *t = NULL;
     const int64_t zero[DSK_MAX_DIMS] = {0};
@@ -1789,12 +1883,13 @@ DSK_API dsk_status dsk_ckpt_file_read_box(dsk_ckpt_file *f, dsk_ctx *ctx, const 
     if (!dst) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
     DSK__TRY(dsk__ckpt_check_device(fn, name, dst, ctx));
     if (t->ndim != dst->ndim)
-        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" has %d dims, the destination %d", fn, name, t->ndim, dst->ndim);
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" has %d dims, the destination %d", fn, name, t->ndim,
+                             dst->ndim);
     return dsk__ckpt_read_into(fn, f, ctx, t, offset ? offset : zero, dst, allow_cast);
 }
 
-DSK_API dsk_status dsk_ckpt_file_read_raw(dsk_ckpt_file *f, const char *name, const int64_t *offset, const int64_t *shape, void *buf,
-                                          size_t cap) {
+DSK_API dsk_status dsk_ckpt_file_read_raw(dsk_ckpt_file *f, const char *name, const int64_t *offset,
+                                          const int64_t *shape, void *buf, size_t cap) {
     const char *fn = "dsk_ckpt_file_read_raw";
     const dsk_ckpt_tensor_info *t = NULL;
     const int64_t zero[DSK_MAX_DIMS] = {0};
@@ -1851,7 +1946,9 @@ static void dsk__ckpt_plan_free(dsk__ckpt_plan *p) {
     memset(p, 0, sizeof *p);
 }
 
-static int dsk__ckpt_cmp_str(const void *a, const void *b) { return strcmp(*(const char *const *)a, *(const char *const *)b); }
+static int dsk__ckpt_cmp_str(const void *a, const void *b) {
+    return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
 
 /* Larger elements first (keeps every tensor aligned to its element size, as the reference
    writer does), then by name. */
@@ -1879,7 +1976,8 @@ static dsk_status dsk__ckpt_entry_box(const char *fn, const dsk_ckpt_entry *e, i
     if (e->split == DSK_CKPT_WHOLE) return DSK_OK;
     if (e->split == DSK_CKPT_ROWS) {
         if (t->ndim < 1 || e->row0 < 0 || e->global_rows < 0 || e->row0 > e->global_rows - t->shape[0])
-            return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" %s: rows [%lld, %lld) do not fit a split tensor of %lld rows", fn,
+            return dsk_set_error(DSK_ERR_ARG,
+                                 "%s: tensor \"%s\" %s: rows [%lld, %lld) do not fit a split tensor of %lld rows", fn,
                                  e->name, dsk_tensor_describe(t, b, sizeof b), (long long)e->row0,
                                  (long long)(e->row0 + (t->ndim ? t->shape[0] : 0)), (long long)e->global_rows);
         off[0] = e->row0;
@@ -1887,24 +1985,28 @@ static dsk_status dsk__ckpt_entry_box(const char *fn, const dsk_ckpt_entry *e, i
         return DSK_OK;
     }
     if (e->split != DSK_CKPT_BOX)
-        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": split %d is none of DSK_CKPT_WHOLE, DSK_CKPT_ROWS, DSK_CKPT_BOX", fn,
+        return dsk_set_error(DSK_ERR_ARG,
+                             "%s: tensor \"%s\": split %d is none of DSK_CKPT_WHOLE, DSK_CKPT_ROWS, DSK_CKPT_BOX", fn,
                              e->name, e->split);
     if (!e->offset || !e->global_shape)
-        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": a DSK_CKPT_BOX entry needs offset and global_shape", fn, e->name);
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": a DSK_CKPT_BOX entry needs offset and global_shape", fn,
+                             e->name);
     for (int d = 0; d < t->ndim; d++) {
         off[d] = e->offset[d];
         global[d] = e->global_shape[d];
         if (off[d] < 0 || global[d] < 0 || off[d] > global[d] - t->shape[d])
-            return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" %s: dim %d: [%lld, %lld) does not fit the whole tensor's %lld", fn,
-                                 e->name, dsk_tensor_describe(t, b, sizeof b), d, (long long)off[d], (long long)(off[d] + t->shape[d]),
-                                 (long long)global[d]);
+            return dsk_set_error(DSK_ERR_ARG,
+                                 "%s: tensor \"%s\" %s: dim %d: [%lld, %lld) does not fit the whole tensor's %lld", fn,
+                                 e->name, dsk_tensor_describe(t, b, sizeof b), d, (long long)off[d],
+                                 (long long)(off[d] + t->shape[d]), (long long)global[d]);
     }
     if (dsk__ckpt_numel(t->ndim, global) < 0)
         return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": the whole shape overflows", fn, e->name);
     return DSK_OK;
 }
 
-static dsk_status dsk__ckpt_check_entry(const char *fn, const dsk_ckpt_entry *e, int i, int rank_file, const dsk_ctx *ctx) {
+static dsk_status dsk__ckpt_check_entry(const char *fn, const dsk_ckpt_entry *e, int i, int rank_file,
+                                        const dsk_ctx *ctx) {
     const dsk_tensor *t = e->tensor;
     int64_t off[DSK_MAX_DIMS], global[DSK_MAX_DIMS];
     if (!e->name || !*e->name) return dsk_set_error(DSK_ERR_ARG, "%s: entry %d has no name", fn, i);
@@ -1912,8 +2014,10 @@ static dsk_status dsk__ckpt_check_entry(const char *fn, const dsk_ckpt_entry *e,
         return dsk_set_error(DSK_ERR_ARG, "%s: entry %d: name \"%s\" is reserved or not UTF-8", fn, i, e->name);
     if (!t) return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" is NULL", fn, e->name);
     if (!dsk_dtype_size(t->dtype) || t->ndim < 0 || t->ndim > DSK_MAX_DIMS || dsk__ckpt_numel(t->ndim, t->shape) < 0)
-        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": bad dtype %d or shape (ndim %d)", fn, e->name, (int)t->dtype, t->ndim);
-    if (!t->data && dsk_tensor_numel(t) > 0) return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" has no data", fn, e->name);
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": bad dtype %d or shape (ndim %d)", fn, e->name,
+                             (int)t->dtype, t->ndim);
+    if (!t->data && dsk_tensor_numel(t) > 0)
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" has no data", fn, e->name);
     DSK__TRY(dsk__ckpt_check_device(fn, e->name, t, ctx));
     return rank_file ? dsk__ckpt_entry_box(fn, e, off, global) : DSK_OK;
 }
@@ -1921,10 +2025,13 @@ static dsk_status dsk__ckpt_check_entry(const char *fn, const dsk_ckpt_entry *e,
 static dsk_status dsk__ckpt_check_kv(const char *fn, const dsk_ckpt_kv *kv, int n_kv) {
     const char **keys;
     const char *dup;
-    if (n_kv < 0 || (n_kv && !kv)) return dsk_set_error(DSK_ERR_ARG, "%s: %d key/value pairs at %p", fn, n_kv, (const void *)kv);
+    if (n_kv < 0 || (n_kv && !kv))
+        return dsk_set_error(DSK_ERR_ARG, "%s: %d key/value pairs at %p", fn, n_kv, (const void *)kv);
     for (int i = 0; i < n_kv; i++) {
-        if (!kv[i].key || !*kv[i].key || !kv[i].value) return dsk_set_error(DSK_ERR_ARG, "%s: pair %d has a NULL or empty key or NULL value", fn, i);
-        if (strncmp(kv[i].key, "dsk.", 4) == 0) return dsk_set_error(DSK_ERR_ARG, "%s: key \"%s\": the prefix \"dsk.\" is reserved", fn, kv[i].key);
+        if (!kv[i].key || !*kv[i].key || !kv[i].value)
+            return dsk_set_error(DSK_ERR_ARG, "%s: pair %d has a NULL or empty key or NULL value", fn, i);
+        if (strncmp(kv[i].key, "dsk.", 4) == 0)
+            return dsk_set_error(DSK_ERR_ARG, "%s: key \"%s\": the prefix \"dsk.\" is reserved", fn, kv[i].key);
         if (!dsk__ckpt_valid_utf8((const unsigned char *)kv[i].key, strlen(kv[i].key)) ||
             !dsk__ckpt_valid_utf8((const unsigned char *)kv[i].value, strlen(kv[i].value)))
             return dsk_set_error(DSK_ERR_ARG, "%s: pair \"%s\" is not UTF-8", fn, kv[i].key);
@@ -1954,20 +2061,25 @@ static void dsk__ckpt_plan_layout(dsk__ckpt_plan *p) {
 
 /* Validates the entries and pairs and copies what the file needs (names, pairs, shapes).
    A rank file holds the split entries and, on rank 0 only, the replicated ones. */
-static dsk_status dsk__ckpt_plan_build(const char *fn, dsk__ckpt_plan *p, const dsk_ckpt_entry *entries, int n, const dsk_ckpt_kv *kv,
-                                     int n_kv, const dsk_ctx *ctx) {
+static dsk_status dsk__ckpt_plan_build(const char *fn, dsk__ckpt_plan *p, const dsk_ckpt_entry *entries, int n,
+                                       const dsk_ckpt_kv *kv, int n_kv, const dsk_ctx *ctx) {
     dsk_status s;
     const char **names;
     const char *dup;
-    if (n < 0 || (n && !entries)) return dsk_set_error(DSK_ERR_ARG, "%s: %d entries at %p", fn, n, (const void *)entries);
+    if (n < 0 || (n && !entries))
+        return dsk_set_error(DSK_ERR_ARG, "%s: %d entries at %p", fn, n, (const void *)entries);
     for (int i = 0; i < n; i++)
-        if ((s = dsk__ckpt_check_entry(fn, &entries[i], i, p->rank_file, ctx)) != DSK_OK) return s;
-    if ((s = dsk__ckpt_check_kv(fn, kv, n_kv)) != DSK_OK) return s;
+        DSK__TRY(dsk__ckpt_check_entry(fn, &entries[i], i, p->rank_file, ctx));
+    DSK__TRY(dsk__ckpt_check_kv(fn, kv, n_kv));
     names = (const char **)DSK_MALLOC(((size_t)n + 1) * sizeof *names);
     if (!names) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     for (int i = 0; i < n; i++) names[i] = entries[i].name;
     dup = dsk__ckpt_find_dup(names, n);
-    if (dup) { s = dsk_set_error(DSK_ERR_ARG, "%s: tensor name \"%s\" appears twice", fn, dup); DSK_FREE((void *)names); return s; }
+    if (dup) {
+        s = dsk_set_error(DSK_ERR_ARG, "%s: tensor name \"%s\" appears twice", fn, dup);
+        DSK_FREE((void *)names);
+        return s;
+    }
     DSK_FREE((void *)names);
     p->segs = (dsk__ckpt_seg *)DSK_MALLOC(((size_t)n + 1) * sizeof *p->segs);
     p->keys = (char **)DSK_MALLOC(((size_t)n_kv + 1) * sizeof(char *));
@@ -2020,21 +2132,22 @@ static dsk_status dsk__ckpt_snapshot(dsk__ckpt_plan *p, dsk_ctx *ctx, unsigned c
     for (int i = 0; i < p->n; i++) {
         dsk__ckpt_seg *g = &p->segs[i];
         dsk_tensor h;
-        dsk_status s;
         int host_contig = g->src->device.type == DSK_DEV_CPU && dsk_tensor_is_contiguous(g->src);
         if (!g->nbytes) { g->data = NULL; continue; }
         if (host_contig && !copy_all) { g->data = g->src->data; continue; }
         g->data = stage + g->begin;
         if (host_contig) { dsk__ckpt_copy_par(stage + g->begin, g->src->data, g->nbytes, threads); continue; }
-        if ((s = dsk_tensor_wrap(&h, stage + g->begin, g->dtype, dsk_cpu(), g->ndim, g->shape)) != DSK_OK) return s;
-        if ((s = dsk_tensor_copy(ctx, &h, g->src)) != DSK_OK) return s;
+        DSK__TRY(dsk_tensor_wrap(&h, stage + g->begin, g->dtype, dsk_cpu(), g->ndim, g->shape));
+        DSK__TRY(dsk_tensor_copy(ctx, &h, g->src));
     }
     return DSK_OK;
 }
 
 static int dsk__ckpt_needs_stage(const dsk__ckpt_plan *p) {
     for (int i = 0; i < p->n; i++)
-        if (p->segs[i].nbytes && (p->segs[i].src->device.type != DSK_DEV_CPU || !dsk_tensor_is_contiguous(p->segs[i].src))) return 1;
+        if (p->segs[i].nbytes &&
+            (p->segs[i].src->device.type != DSK_DEV_CPU || !dsk_tensor_is_contiguous(p->segs[i].src)))
+            return 1;
     return 0;
 }
 
@@ -2052,10 +2165,12 @@ static void dsk__ckpt_put_jstr2(dsk__ckpt_buf *b, const char *prefix, const char
 /* The JSON header, padded with spaces to a multiple of 8 bytes. CRCs are 8 hex digits, so
    the length does not depend on their values. */
 static void dsk__ckpt_header_json(dsk__ckpt_buf *b, const dsk__ckpt_plan *p) {
-    dsk__ckpt_putf(b, "{\"__metadata__\":{\"dsk.format\":\"%s\",\"dsk.version\":\"%d\"", DSK_CKPT_FORMAT, DSK_CKPT_VERSION);
+    dsk__ckpt_putf(b, "{\"__metadata__\":{\"dsk.format\":\"%s\",\"dsk.version\":\"%d\"", DSK_CKPT_FORMAT,
+                   DSK_CKPT_VERSION);
     if (p->rank_file)
-        dsk__ckpt_putf(b, ",\"dsk.step\":\"%lld\",\"dsk.rank\":\"%d\",\"dsk.world_size\":\"%d\",\"dsk.attempt\":\"%016llx\"",
-                       (long long)p->step, p->rank, p->world, (unsigned long long)p->attempt);
+        dsk__ckpt_putf(
+            b, ",\"dsk.step\":\"%lld\",\"dsk.rank\":\"%d\",\"dsk.world_size\":\"%d\",\"dsk.attempt\":\"%016llx\"",
+            (long long)p->step, p->rank, p->world, (unsigned long long)p->attempt);
     for (int i = 0; i < p->n; i++) {
         const dsk__ckpt_seg *g = &p->segs[i];
         if (g->hashed) {
@@ -2099,13 +2214,15 @@ static void dsk__ckpt_header_json(dsk__ckpt_buf *b, const dsk__ckpt_plan *p) {
         dsk__ckpt_put_jstr(b, g->name);
         dsk__ckpt_putf(b, ":{\"dtype\":\"%s\",\"shape\":[", dsk__ckpt_stname(g->dtype));
         for (int d = 0; d < g->ndim; d++) dsk__ckpt_putf(b, d ? ",%lld" : "%lld", (long long)g->shape[d]);
-        dsk__ckpt_putf(b, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)g->begin, (unsigned long long)(g->begin + g->nbytes));
+        dsk__ckpt_putf(b, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)g->begin,
+                       (unsigned long long)(g->begin + g->nbytes));
     }
     dsk__ckpt_puts(b, "}");
     while (!b->oom && b->n % 8) dsk__ckpt_puts(b, " ");
 }
 
-static dsk_status dsk__ckpt_pwrite_all(const char *fn, int fd, const void *p, size_t n, uint64_t off, const char *path) {
+static dsk_status dsk__ckpt_pwrite_all(const char *fn, int fd, const void *p, size_t n, uint64_t off,
+                                       const char *path) {
     const char *q = (const char *)p;
     while (n) {
         ssize_t k = pwrite(fd, q, n, (off_t)off);
@@ -2167,8 +2284,8 @@ static dsk_status dsk__ckpt_write_body(const char *fn, int fd, dsk__ckpt_plan *p
     if (h.oom) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for the header", fn); goto done; }
     hlen = h.n - 8;
     if (hlen > DSK_CKPT_MAX_HEADER) {
-        s = dsk_set_error(DSK_ERR_ARG, "%s: a %zu-byte header (%d tensors) exceeds the safetensors limit of %llu bytes", fn, hlen, p->n,
-                          (unsigned long long)DSK_CKPT_MAX_HEADER);
+        s = dsk_set_error(DSK_ERR_ARG, "%s: a %zu-byte header (%d tensors) exceeds the safetensors limit of %llu bytes",
+                          fn, hlen, p->n, (unsigned long long)DSK_CKPT_MAX_HEADER);
         goto done;
     }
     if ((s = dsk__ckpt_write_all(fn, fd, h.p, h.n, tmp)) != DSK_OK) goto done;
@@ -2176,12 +2293,14 @@ static dsk_status dsk__ckpt_write_body(const char *fn, int fd, dsk__ckpt_plan *p
         dsk__ckpt_seg *g = &p->segs[i];
         const unsigned char *q = (const unsigned char *)g->data;
         for (uint64_t b = 0; b < g->n_blocks && s == DSK_OK; b++) {
-            size_t off = (size_t)(b * DSK__CKPT_BLOCK), k = g->nbytes - off < DSK__CKPT_BLOCK ? g->nbytes - off : DSK__CKPT_BLOCK;
+            size_t off = (size_t)(b * DSK__CKPT_BLOCK),
+                   k = g->nbytes - off < DSK__CKPT_BLOCK ? g->nbytes - off : DSK__CKPT_BLOCK;
             g->blocks[b] = dsk_ckpt_crc32c(0, q + off, k);
             g->crc = dsk__ckpt_mulmod(k == DSK__CKPT_BLOCK ? k_block : dsk__ckpt_xpow8n(k), g->crc) ^ g->blocks[b];
             s = dsk__ckpt_write_all(fn, fd, q + off, k, tmp);
             written += k;
-            if (s == DSK_OK && written - flushed >= DSK__CKPT_WRITEBACK) flushed = dsk__ckpt_start_writeback(fd, flushed, written);
+            if (s == DSK_OK && written - flushed >= DSK__CKPT_WRITEBACK)
+                flushed = dsk__ckpt_start_writeback(fd, flushed, written);
         }
     }
     if (s == DSK_OK) {
@@ -2202,8 +2321,8 @@ done:
 static dsk_status dsk__ckpt_write_plan(const char *fn, dsk__ckpt_plan *p, const char *dir, const char *base) {
     char *tmp = NULL;
     int fd = -1;
-    dsk_status s = dsk__ckpt_open_tmp(fn, dir, base, &tmp, &fd);
-    if (s != DSK_OK) return s;
+    dsk_status s;
+    DSK__TRY(dsk__ckpt_open_tmp(fn, dir, base, &tmp, &fd));
     if ((s = dsk__ckpt_write_body(fn, fd, p, tmp)) != DSK_OK) {
         close(fd);
         unlink(tmp);
@@ -2213,7 +2332,8 @@ static dsk_status dsk__ckpt_write_plan(const char *fn, dsk__ckpt_plan *p, const 
     return dsk__ckpt_commit_tmp(fn, fd, tmp, dir, base, DSK__CKPT_DURABLE | DSK__CKPT_WITHDRAW);
 }
 
-DSK_API dsk_status dsk_ckpt_file_save(dsk_ctx *ctx, const char *path, const dsk_ckpt_entry *entries, int n, const dsk_ckpt_kv *kv, int n_kv) {
+DSK_API dsk_status dsk_ckpt_file_save(dsk_ctx *ctx, const char *path, const dsk_ckpt_entry *entries, int n,
+                                      const dsk_ckpt_kv *kv, int n_kv) {
     const char *fn = "dsk_ckpt_file_save";
     dsk__ckpt_plan p;
     unsigned char *stage = NULL;
@@ -2221,7 +2341,7 @@ DSK_API dsk_status dsk_ckpt_file_save(dsk_ctx *ctx, const char *path, const dsk_
     dsk_status s;
     memset(&p, 0, sizeof p);
     if (!path) return dsk_set_error(DSK_ERR_ARG, "%s: path is NULL", fn);
-    if ((s = dsk__ckpt_split_path(fn, path, &dir, &base)) != DSK_OK) return s;
+    DSK__TRY(dsk__ckpt_split_path(fn, path, &dir, &base));
     s = dsk__ckpt_plan_build(fn, &p, entries, n, kv, n_kv, ctx);
     if (s == DSK_OK && dsk__ckpt_needs_stage(&p) && !(stage = (unsigned char *)DSK_MALLOC((size_t)p.total)))
         s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for a %llu-byte snapshot", fn, (unsigned long long)p.total);
@@ -2298,7 +2418,8 @@ static uint64_t dsk__ckpt_nonce(void) {
     if (!v) {
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
-        v = ((uint64_t)ts.tv_sec * 1000000007u) ^ (uint64_t)ts.tv_nsec ^ ((uint64_t)getpid() << 32) ^ (++counter * 0x9e3779b97f4a7c15ull);
+        v = ((uint64_t)ts.tv_sec * 1000000007u) ^ (uint64_t)ts.tv_nsec ^ ((uint64_t)getpid() << 32) ^
+            (++counter * 0x9e3779b97f4a7c15ull);
     }
     v &= 0x3fffffffffffffffull;
     return v ? v : 1;
@@ -2315,7 +2436,8 @@ static dsk_status dsk__ckpt_file_crc(const char *fn, const dsk_ckpt_file *f, uin
     qsort(order, (size_t)f->n_tensors, sizeof *order, dsk__ckpt_cmp_info_off);
     for (int i = 0; i < f->n_tensors && s == DSK_OK; i++) {
         if (!order[i]->has_crc)
-            s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": tensor \"%s\" has no dsk.crc32c entry", fn, f->path, order[i]->name);
+            s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": tensor \"%s\" has no dsk.crc32c entry", fn, f->path,
+                              order[i]->name);
         crc = dsk_ckpt_crc32c_combine(crc, order[i]->crc32c, order[i]->end - order[i]->begin);
     }
     DSK_FREE(order);
@@ -2349,7 +2471,8 @@ static int dsk__ckpt_parse_hex64(const char *s, uint64_t *out) {
 
 /* A rank file's header metadata must name the save that wrote it: step, rank, world size and
    nonce (attempt). */
-static dsk_status dsk__ckpt_check_rank_meta(const char *fn, const dsk_ckpt_file *f, int64_t step, int rank, int world, uint64_t attempt) {
+static dsk_status dsk__ckpt_check_rank_meta(const char *fn, const dsk_ckpt_file *f, int64_t step, int rank, int world,
+                                            uint64_t attempt) {
     int64_t v[3];
     uint64_t a = 0;
     const char *fmt = dsk_ckpt_file_meta(f, "dsk.format");
@@ -2357,12 +2480,16 @@ static dsk_status dsk__ckpt_check_rank_meta(const char *fn, const dsk_ckpt_file 
         !dsk__ckpt_parse_i64(dsk_ckpt_file_meta(f, "dsk.rank"), &v[1]) ||
         !dsk__ckpt_parse_i64(dsk_ckpt_file_meta(f, "dsk.world_size"), &v[2]) ||
         !dsk__ckpt_parse_hex64(dsk_ckpt_file_meta(f, "dsk.attempt"), &a))
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" lacks the dsk.format/step/rank/world_size/attempt metadata of a dsk checkpoint",
-                             fn, f->path);
+        return dsk_set_error(
+            DSK_ERR_CORRUPT,
+            "%s: \"%s\" lacks the dsk.format/step/rank/world_size/attempt metadata of a dsk checkpoint", fn, f->path);
     if (v[0] != step || v[1] != rank || v[2] != world || a != attempt)
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" says step %lld rank %lld of %lld, save %016llx; expected step %lld rank %d of %d, "
-                             "save %016llx", fn, f->path, (long long)v[0], (long long)v[1], (long long)v[2], (unsigned long long)a,
-                             (long long)step, rank, world, (unsigned long long)attempt);
+        return dsk_set_error(
+            DSK_ERR_CORRUPT,
+            "%s: \"%s\" says step %lld rank %lld of %lld, save %016llx; expected step %lld rank %d of %d, "
+            "save %016llx",
+            fn, f->path, (long long)v[0], (long long)v[1], (long long)v[2], (unsigned long long)a, (long long)step,
+            rank, world, (unsigned long long)attempt);
     return DSK_OK;
 }
 
@@ -2472,9 +2599,10 @@ static int dsk__ckpt_cmp_mtensor(const void *a, const void *b) {
     return strcmp(((const dsk__ckpt_mtensor *)a)->name, ((const dsk__ckpt_mtensor *)b)->name);
 }
 
-static dsk_status dsk__ckpt_bad_manifest(const char *fn, const dsk__ckpt_manifest *m, const char *what, const char *name) {
-    return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": %s%s%s%s", fn, m->path, what, name ? " (tensor \"" : "", name ? name : "",
-                         name ? "\")" : "");
+static dsk_status dsk__ckpt_bad_manifest(const char *fn, const dsk__ckpt_manifest *m, const char *what,
+                                         const char *name) {
+    return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": %s%s%s%s", fn, m->path, what, name ? " (tensor \"" : "",
+                         name ? name : "", name ? "\")" : "");
 }
 
 /* A box of pieces tiles the whole tensor: each inside it, none overlapping, and together as
@@ -2495,14 +2623,16 @@ static int dsk__ckpt_cmp_tbox(const void *a, const void *b) {
 static void dsk__ckpt_box_desc(char *buf, size_t n, int ndim, const int64_t *off, const int64_t *ext) {
     size_t k = (size_t)snprintf(buf, n, "[");
     for (int d = 0; d < ndim && k < n; d++)
-        k += (size_t)snprintf(buf + k, n - k, "%s%lld:%lld", d ? "," : "", (long long)off[d], (long long)(off[d] + ext[d]));
+        k += (size_t)snprintf(buf + k, n - k, "%s%lld:%lld", d ? "," : "", (long long)off[d],
+                              (long long)(off[d] + ext[d]));
     if (k < n) snprintf(buf + k, n - k, "]");
 }
 
 /* 0 when the boxes tile `shape`; else the two boxes (who) that overlap, or -1 and the
    element count when there is a gap. Boxes must lie inside shape. tile_dim is a file-scope
    variable for qsort: only called under the caller's single thread per process at a time. */
-static int dsk__ckpt_tiles(dsk__ckpt_tbox *b, int k, int ndim, const int64_t *shape, int *who_a, int *who_b, uint64_t *covered) {
+static int dsk__ckpt_tiles(dsk__ckpt_tbox *b, int k, int ndim, const int64_t *shape, int *who_a, int *who_b,
+                           uint64_t *covered) {
     int best = 0, best_n = -1;
     uint64_t sum = 0;
     for (int d = 0; d < ndim; d++) { /* distinct offsets per dim, by sorting */
@@ -2545,7 +2675,8 @@ static dsk_status dsk__ckpt_manifest_files(const char *fn, dsk__ckpt_manifest *m
             world < 1 || world > (1 << 20) || rank >= world || !dsk__ckpt_jget_int(j, c, "size", &size) || size < 8 ||
             !dsk__ckpt_parse_hex64(dsk__ckpt_jstr(j, dsk__ckpt_jget(j, c, "attempt")), &f->attempt) || !f->attempt ||
             !dsk__ckpt_parse_hex32(dsk__ckpt_jstr(j, dsk__ckpt_jget(j, c, "crc32c")), &f->crc))
-            return dsk__ckpt_bad_manifest(fn, m, "a \"files\" entry lacks step, rank, world_size, attempt, size or crc32c", NULL);
+            return dsk__ckpt_bad_manifest(
+                fn, m, "a \"files\" entry lacks step, rank, world_size, attempt, size or crc32c", NULL);
         f->step = step;
         f->rank = (int)rank;
         f->world = (int)world;
@@ -2553,23 +2684,26 @@ static dsk_status dsk__ckpt_manifest_files(const char *fn, dsk__ckpt_manifest *m
         /* the first world_size files are this save's own, one per rank; the rest earlier saves' */
         if (i < m->world ? (f->attempt != m->attempt || f->step != m->step || f->rank != i || f->world != m->world)
                          : f->attempt == m->attempt)
-            return dsk__ckpt_bad_manifest(fn, m, "\"files\" does not list this save's files first, in rank order", NULL);
+            return dsk__ckpt_bad_manifest(fn, m, "\"files\" does not list this save's files first, in rank order",
+                                          NULL);
     }
     return DSK_OK;
 }
 
 /* One tensor: dtype, whole shape, and slices [file, offset..., shape...] that tile it. */
-static dsk_status dsk__ckpt_manifest_tensor_parse(const char *fn, dsk__ckpt_manifest *m, int node, dsk__ckpt_mtensor *t, int *n_slices,
-                                                  int64_t **box_next) {
+static dsk_status dsk__ckpt_manifest_tensor_parse(const char *fn, dsk__ckpt_manifest *m, int node, dsk__ckpt_mtensor *t,
+                                                  int *n_slices, int64_t **box_next) {
     const dsk__ckpt_json *j = &m->json;
     int sh = dsk__ckpt_jget(j, node, "shape"), sl = dsk__ckpt_jget(j, node, "slices"), a = 0, b = 0;
-    const char *dtype = dsk__ckpt_jtype(j, node) == DSK__CKPT_J_OBJ ? dsk__ckpt_jstr(j, dsk__ckpt_jget(j, node, "dtype")) : NULL;
+    const char *dtype =
+        dsk__ckpt_jtype(j, node) == DSK__CKPT_J_OBJ ? dsk__ckpt_jstr(j, dsk__ckpt_jget(j, node, "dtype")) : NULL;
     dsk__ckpt_tbox *tb;
     uint64_t covered = 0;
     int r;
     t->name = dsk__ckpt_jkey(j, node);
     if (dsk__ckpt_jkey_nul(j, node)) return dsk__ckpt_bad_manifest(fn, m, "tensor name with a NUL character", NULL);
-    if (!dtype || !(t->dt = dsk__ckpt_stdtype_by_name(dtype))) return dsk__ckpt_bad_manifest(fn, m, "missing or unknown dtype", t->name);
+    if (!dtype || !(t->dt = dsk__ckpt_stdtype_by_name(dtype)))
+        return dsk__ckpt_bad_manifest(fn, m, "missing or unknown dtype", t->name);
     if (sh < 0 || dsk__ckpt_jtype(j, sh) != DSK__CKPT_J_ARR || dsk__ckpt_jcount(j, sh) > DSK_MAX_DIMS)
         return dsk__ckpt_bad_manifest(fn, m, "bad shape", t->name);
     t->ndim = 0;
@@ -2584,13 +2718,14 @@ static dsk_status dsk__ckpt_manifest_tensor_parse(const char *fn, dsk__ckpt_mani
         dsk__ckpt_mslice *x = &m->slices[(*n_slices)++];
         int64_t v, *box = *box_next;
         int e = dsk__ckpt_jchild(j, c), i = 0, len = dsk__ckpt_jcount(j, c);
-        if (dsk__ckpt_jtype(j, c) != DSK__CKPT_J_ARR || (len != 1 + 2 * t->ndim && len != 2 + 2 * t->ndim) || !dsk__ckpt_jsize(j, e, &v) ||
-            v >= m->n_files)
+        if (dsk__ckpt_jtype(j, c) != DSK__CKPT_J_ARR || (len != 1 + 2 * t->ndim && len != 2 + 2 * t->ndim) ||
+            !dsk__ckpt_jsize(j, e, &v) || v >= m->n_files)
             return dsk__ckpt_bad_manifest(fn, m, "a slice is not [file, offset..., shape... (, hash)]", t->name);
         x->file = (int)v;
         x->has_hash = len == 2 + 2 * t->ndim;
         for (e = dsk__ckpt_jnext(j, e); e >= 0; e = dsk__ckpt_jnext(j, e), i++)
-            if (i == 2 * t->ndim ? !dsk__ckpt_parse_hex64(dsk__ckpt_jstr(j, e), &x->hash) : !dsk__ckpt_jsize(j, e, &box[i]))
+            if (i == 2 * t->ndim ? !dsk__ckpt_parse_hex64(dsk__ckpt_jstr(j, e), &x->hash)
+                                 : !dsk__ckpt_jsize(j, e, &box[i]))
                 return dsk__ckpt_bad_manifest(fn, m, "a slice is not [file, offset..., shape... (, hash)]", t->name);
         for (int d = 0; d < t->ndim; d++)
             if (box[d] > t->shape[d] || box[t->ndim + d] > t->shape[d] - box[d])
@@ -2598,7 +2733,8 @@ static dsk_status dsk__ckpt_manifest_tensor_parse(const char *fn, dsk__ckpt_mani
         x->box = box;
         *box_next += 2 * t->ndim;
     }
-    if (!(tb = (dsk__ckpt_tbox *)DSK_MALLOC((size_t)t->n_slices * sizeof *tb))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if (!(tb = (dsk__ckpt_tbox *)DSK_MALLOC((size_t)t->n_slices * sizeof *tb)))
+        return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     for (int i = 0; i < t->n_slices; i++) {
         tb[i].off = m->slices[t->first + i].box;
         tb[i].ext = m->slices[t->first + i].box + t->ndim;
@@ -2620,12 +2756,14 @@ static dsk_status dsk__ckpt_manifest_parse(const char *fn, dsk__ckpt_manifest *m
     dsk__ckpt_json *j = &m->json;
     DSK__TRY(dsk__ckpt_json_parse(j, m->text, len, fn, m->path));
     fmt = dsk__ckpt_jstr(j, dsk__ckpt_jget(j, top, "format"));
-    if (!fmt || strcmp(fmt, DSK_CKPT_FORMAT) != 0) return dsk__ckpt_bad_manifest(fn, m, "not a dsk-ckpt manifest", NULL);
+    if (!fmt || strcmp(fmt, DSK_CKPT_FORMAT) != 0)
+        return dsk__ckpt_bad_manifest(fn, m, "not a dsk-ckpt manifest", NULL);
     if (!dsk__ckpt_jget_int(j, top, "version", &v) || v != DSK_CKPT_VERSION)
         return dsk__ckpt_bad_manifest(fn, m, "unsupported version (this dsk reads version 2)", NULL);
     if (!dsk__ckpt_jget_int(j, top, "step", &m->step) || m->step < 0 || (step >= 0 && m->step != step))
         return dsk__ckpt_bad_manifest(fn, m, "step does not match the directory", NULL);
-    if (!dsk__ckpt_jget_int(j, top, "generation", &v) || v < 1) return dsk__ckpt_bad_manifest(fn, m, "bad generation", NULL);
+    if (!dsk__ckpt_jget_int(j, top, "generation", &v) || v < 1)
+        return dsk__ckpt_bad_manifest(fn, m, "bad generation", NULL);
     m->generation = (uint64_t)v;
     if (!dsk__ckpt_parse_hex64(dsk__ckpt_jstr(j, dsk__ckpt_jget(j, top, "attempt")), &m->attempt) || !m->attempt)
         return dsk__ckpt_bad_manifest(fn, m, "bad attempt", NULL);
@@ -2635,7 +2773,8 @@ static dsk_status dsk__ckpt_manifest_parse(const char *fn, dsk__ckpt_manifest *m
     if ((files = dsk__ckpt_jget(j, top, "files")) < 0) return dsk__ckpt_bad_manifest(fn, m, "no \"files\"", NULL);
     DSK__TRY(dsk__ckpt_manifest_files(fn, m, files));
     tens = dsk__ckpt_jget(j, top, "tensors");
-    if (tens < 0 || dsk__ckpt_jtype(j, tens) != DSK__CKPT_J_OBJ) return dsk__ckpt_bad_manifest(fn, m, "no \"tensors\" object", NULL);
+    if (tens < 0 || dsk__ckpt_jtype(j, tens) != DSK__CKPT_J_OBJ)
+        return dsk__ckpt_bad_manifest(fn, m, "no \"tensors\" object", NULL);
     for (int c = dsk__ckpt_jchild(j, tens); c >= 0; c = dsk__ckpt_jnext(j, c)) {
         int k = dsk__ckpt_jget(j, c, "slices"), sh = dsk__ckpt_jget(j, c, "shape");
         uint64_t ns = k >= 0 ? (uint64_t)dsk__ckpt_jcount(j, k) : 0;
@@ -2655,7 +2794,8 @@ static dsk_status dsk__ckpt_manifest_parse(const char *fn, dsk__ckpt_manifest *m
     }
     qsort(m->tensors, (size_t)m->n_tensors, sizeof *m->tensors, dsk__ckpt_cmp_mtensor);
     for (int i = 1; i < m->n_tensors; i++)
-        if (strcmp(m->tensors[i].name, m->tensors[i - 1].name) == 0) return dsk__ckpt_bad_manifest(fn, m, "duplicate tensor", m->tensors[i].name);
+        if (strcmp(m->tensors[i].name, m->tensors[i - 1].name) == 0)
+            return dsk__ckpt_bad_manifest(fn, m, "duplicate tensor", m->tensors[i].name);
     return DSK_OK;
 }
 
@@ -2670,8 +2810,9 @@ static dsk_status dsk__ckpt_manifest_check_crc(const char *fn, const dsk__ckpt_m
     h[8] = 0;
     got = dsk_ckpt_crc32c(0, m->text, len - DSK__CKPT_TRAILER);
     if (!dsk__ckpt_parse_hex32(h, &want) || got != want)
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": manifest crc32c %08x, its last line says %s (altered or damaged)", fn, m->path,
-                             got, h);
+        return dsk_set_error(DSK_ERR_CORRUPT,
+                             "%s: \"%s\": manifest crc32c %08x, its last line says %s (altered or damaged)", fn,
+                             m->path, got, h);
     return DSK_OK;
 }
 
@@ -2679,9 +2820,12 @@ static dsk_status dsk__ckpt_manifest_check_crc(const char *fn, const dsk__ckpt_m
 static dsk_status dsk__ckpt_manifest_read(const char *fn, const char *step_dir, int64_t step, dsk__ckpt_manifest *m) {
     size_t len = 0;
     memset(m, 0, sizeof *m);
-    if (!(m->path = dsk__ckpt_join(step_dir, DSK__CKPT_MANIFEST))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if (!(m->path = dsk__ckpt_join(step_dir, DSK__CKPT_MANIFEST)))
+        return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     if (!dsk__ckpt_exists(m->path) && errno == ENOENT)
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" is missing: the checkpoint is incomplete (its save did not finish)", fn, m->path);
+        return dsk_set_error(DSK_ERR_CORRUPT,
+                             "%s: \"%s\" is missing: the checkpoint is incomplete (its save did not finish)", fn,
+                             m->path);
     DSK__TRY(dsk__ckpt_read_small(fn, m->path, (size_t)DSK_CKPT_MAX_HEADER, &m->text, &len));
     DSK__TRY(dsk__ckpt_manifest_check_crc(fn, m, len));
     return dsk__ckpt_manifest_parse(fn, m, len, step);
@@ -2722,7 +2866,8 @@ static int dsk__ckpt_cmp_piece(const void *a, const void *b) {
 
 /* Checks that the k pieces of one tensor agree on dtype and whole shape and tile it;
    appends the tensor's manifest entry. files: for messages (the writing rank of each). */
-static dsk_status dsk__ckpt_manifest_tensor(const char *fn, dsk__ckpt_buf *b, const dsk__ckpt_piece *pc, int k, const dsk__ckpt_mfile *files) {
+static dsk_status dsk__ckpt_manifest_tensor(const char *fn, dsk__ckpt_buf *b, const dsk__ckpt_piece *pc, int k,
+                                            const dsk__ckpt_mfile *files) {
     const dsk__ckpt_piece *p0 = &pc[0];
     dsk__ckpt_tbox *tb = (dsk__ckpt_tbox *)DSK_MALLOC((size_t)k * sizeof *tb);
     uint64_t covered = 0;
@@ -2730,10 +2875,12 @@ static dsk_status dsk__ckpt_manifest_tensor(const char *fn, dsk__ckpt_buf *b, co
     char x[200], y[200];
     if (!tb) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     for (int i = 0; i < k; i++) {
-        if (pc[i].dtype != p0->dtype || pc[i].ndim != p0->ndim || memcmp(pc[i].global, p0->global, (size_t)p0->ndim * sizeof(int64_t))) {
+        if (pc[i].dtype != p0->dtype || pc[i].ndim != p0->ndim ||
+            memcmp(pc[i].global, p0->global, (size_t)p0->ndim * sizeof(int64_t))) {
             DSK_FREE(tb);
-            return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": rank %d saved a piece of %s, rank %d of %s", fn, p0->name,
-                                 files[p0->file].rank, dsk__ckpt_desc(x, sizeof x, p0->ndim, p0->global, p0->dtype), files[pc[i].file].rank,
+            return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": rank %d saved a piece of %s, rank %d of %s", fn,
+                                 p0->name, files[p0->file].rank,
+                                 dsk__ckpt_desc(x, sizeof x, p0->ndim, p0->global, p0->dtype), files[pc[i].file].rank,
                                  dsk__ckpt_desc(y, sizeof y, pc[i].ndim, pc[i].global, pc[i].dtype));
         }
         tb[i].off = pc[i].off;
@@ -2745,13 +2892,14 @@ static dsk_status dsk__ckpt_manifest_tensor(const char *fn, dsk__ckpt_buf *b, co
     if (r > 0) {
         dsk__ckpt_box_desc(x, sizeof x, p0->ndim, pc[wa].off, pc[wa].ext);
         dsk__ckpt_box_desc(y, sizeof y, p0->ndim, pc[wb].off, pc[wb].ext);
-        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": rank %d's piece %s and rank %d's piece %s overlap", fn, p0->name,
-                             files[pc[wa].file].rank, x, files[pc[wb].file].rank, y);
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": rank %d's piece %s and rank %d's piece %s overlap", fn,
+                             p0->name, files[pc[wa].file].rank, x, files[pc[wb].file].rank, y);
     }
     if (r < 0)
-        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" %s: the ranks' pieces hold %llu of its %lld elements (a gap)", fn, p0->name,
-                             dsk__ckpt_desc(x, sizeof x, p0->ndim, p0->global, p0->dtype), (unsigned long long)covered,
-                             (long long)dsk__ckpt_numel(p0->ndim, p0->global));
+        return dsk_set_error(DSK_ERR_ARG,
+                             "%s: tensor \"%s\" %s: the ranks' pieces hold %llu of its %lld elements (a gap)", fn,
+                             p0->name, dsk__ckpt_desc(x, sizeof x, p0->ndim, p0->global, p0->dtype),
+                             (unsigned long long)covered, (long long)dsk__ckpt_numel(p0->ndim, p0->global));
     dsk__ckpt_puts(b, b->n && b->p[b->n - 1] == '{' ? "\n " : ",\n ");
     dsk__ckpt_put_jstr(b, p0->name);
     dsk__ckpt_putf(b, ":{\"dtype\":\"%s\",\"shape\":[", p0->dtype);
@@ -2770,21 +2918,27 @@ static dsk_status dsk__ckpt_manifest_tensor(const char *fn, dsk__ckpt_buf *b, co
 
 /* The pieces of every tensor in file f (the file-th of the manifest). Only rank 0 writes
    whole tensors. */
-static dsk_status dsk__ckpt_file_pieces(const char *fn, const dsk_ckpt_file *f, int file, int rank, dsk__ckpt_piece *out, int *np) {
+static dsk_status dsk__ckpt_file_pieces(const char *fn, const dsk_ckpt_file *f, int file, int rank,
+                                        dsk__ckpt_piece *out, int *np) {
     for (int i = 0; i < f->n_tensors; i++) {
         const dsk_ckpt_tensor_info *t = &f->tensors[i];
         dsk__ckpt_piece *pc = &out[(*np)++];
         int k = dsk__ckpt_box_of(f, t, pc->off, pc->global);
-        if (k < 0) return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": dsk.box.%s is malformed or outside its tensor", fn, f->path, t->name);
+        if (k < 0)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": dsk.box.%s is malformed or outside its tensor", fn,
+                                 f->path, t->name);
         if (k == 0 && rank != 0)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: whole tensor \"%s\" found in rank %d's file (only rank 0 writes it)", fn, t->name, rank);
+            return dsk_set_error(DSK_ERR_CORRUPT,
+                                 "%s: whole tensor \"%s\" found in rank %d's file (only rank 0 writes it)", fn, t->name,
+                                 rank);
         pc->name = t->name;
         pc->dtype = t->dtype_name;
         pc->ndim = t->ndim;
         memcpy(pc->ext, t->shape, sizeof pc->ext);
         pc->file = file;
         pc->has_hash = dsk__ckpt_meta_hash(f, "dsk.hash.", t->name, &pc->hash);
-        if (pc->has_hash < 0) return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": dsk.hash.%s is not 16 hex digits", fn, f->path, t->name);
+        if (pc->has_hash < 0)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": dsk.hash.%s is not 16 hex digits", fn, f->path, t->name);
     }
     return DSK_OK;
 }
@@ -2800,8 +2954,9 @@ static int dsk__ckpt_file_index(dsk__ckpt_mfile *mf, int *n, const dsk__ckpt_mfi
 /* The pieces an incremental save's file f (of rank `rank`) declares unchanged
    ("dsk.reuse.<name>" = their hash, "dsk.box.<name>" their box): each must be a slice of the
    base checkpoint with that box and hash; the piece then points to the base's file. */
-static dsk_status dsk__ckpt_reuse_pieces(const char *fn, const dsk_ckpt_file *f, int rank, const dsk__ckpt_manifest *base,
-                                         dsk__ckpt_piece *out, int *np, dsk__ckpt_mfile *mf, int *n_mf) {
+static dsk_status dsk__ckpt_reuse_pieces(const char *fn, const dsk_ckpt_file *f, int rank,
+                                         const dsk__ckpt_manifest *base, dsk__ckpt_piece *out, int *np,
+                                         dsk__ckpt_mfile *mf, int *n_mf) {
     for (int i = 0; i < f->n_meta; i++) {
         const char *name = f->meta_keys[i] + 10, *box;
         const dsk__ckpt_mtensor *t;
@@ -2813,7 +2968,8 @@ static dsk_status dsk__ckpt_reuse_pieces(const char *fn, const dsk_ckpt_file *f,
         if (!dsk__ckpt_parse_hex64(f->meta_values[i], &hash))
             return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": %s is not 16 hex digits", fn, f->path, f->meta_keys[i]);
         if (!base || !(t = dsk__ckpt_manifest_find(base, name)))
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" reuses \"%s\", which the base checkpoint lacks", fn, f->path, name);
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" reuses \"%s\", which the base checkpoint lacks", fn,
+                                 f->path, name);
         pc = &out[(*np)++];
         memset(pc, 0, sizeof *pc);
         memcpy(pc->global, t->shape, sizeof pc->global);
@@ -2821,7 +2977,8 @@ static dsk_status dsk__ckpt_reuse_pieces(const char *fn, const dsk_ckpt_file *f,
         if ((box = dsk_ckpt_file_meta(f, key)) != NULL && !dsk__ckpt_parse_box(box, t->ndim, pc->off, pc->global))
             return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": %s is malformed", fn, f->path, key);
         if (!box && rank != 0)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: whole tensor \"%s\" reused by rank %d (only rank 0 writes it)", fn, name, rank);
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: whole tensor \"%s\" reused by rank %d (only rank 0 writes it)",
+                                 fn, name, rank);
         for (k = 0; k < t->n_slices; k++) {
             const dsk__ckpt_mslice *sl = &base->slices[t->first + k];
             if (!memcmp(sl->box, pc->off, (size_t)t->ndim * sizeof(int64_t)) && sl->has_hash && sl->hash == hash &&
@@ -2832,8 +2989,9 @@ static dsk_status dsk__ckpt_reuse_pieces(const char *fn, const dsk_ckpt_file *f,
             }
         }
         if (k == t->n_slices)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" reuses a piece of \"%s\" the base checkpoint (step %lld) does not hold", fn,
-                                 f->path, name, (long long)base->step);
+            return dsk_set_error(DSK_ERR_CORRUPT,
+                                 "%s: \"%s\" reuses a piece of \"%s\" the base checkpoint (step %lld) does not hold",
+                                 fn, f->path, name, (long long)base->step);
         pc->name = t->name;
         pc->dtype = t->dt->name;
         pc->ndim = t->ndim;
@@ -2845,18 +3003,19 @@ static dsk_status dsk__ckpt_reuse_pieces(const char *fn, const dsk_ckpt_file *f,
 
 /* The manifest text of a save: header line, files, tensors from the pieces (sorted here),
    and the CRC line. */
-static dsk_status dsk__ckpt_manifest_text(const char *fn, dsk__ckpt_buf *b, int64_t step, uint64_t generation, uint64_t attempt, int world,
-                                          const dsk__ckpt_mfile *files, int n_files, dsk__ckpt_piece *pcs, int np) {
+static dsk_status dsk__ckpt_manifest_text(const char *fn, dsk__ckpt_buf *b, int64_t step, uint64_t generation,
+                                          uint64_t attempt, int world, const dsk__ckpt_mfile *files, int n_files,
+                                          dsk__ckpt_piece *pcs, int np) {
     uint32_t crc;
     dsk__ckpt_putf(b, "{\"format\":\"%s\",\"version\":%d,\"attempt\":\"%016llx\",", DSK_CKPT_FORMAT, DSK_CKPT_VERSION,
                    (unsigned long long)attempt);
     dsk__ckpt_putf(b, "\"step\":%lld,\"generation\":%llu,\"world_size\":%d,\n\"files\":[", (long long)step,
                    (unsigned long long)generation, world);
     for (int i = 0; i < n_files; i++) {
-        dsk__ckpt_putf(b, "%s\n {\"step\":%lld,\"rank\":%d,\"world_size\":%d,", i ? "," : "", (long long)files[i].step, files[i].rank,
-                       files[i].world);
-        dsk__ckpt_putf(b, "\"attempt\":\"%016llx\",\"size\":%llu,\"crc32c\":\"%08x\"}", (unsigned long long)files[i].attempt,
-                       (unsigned long long)files[i].size, files[i].crc);
+        dsk__ckpt_putf(b, "%s\n {\"step\":%lld,\"rank\":%d,\"world_size\":%d,", i ? "," : "", (long long)files[i].step,
+                       files[i].rank, files[i].world);
+        dsk__ckpt_putf(b, "\"attempt\":\"%016llx\",\"size\":%llu,\"crc32c\":\"%08x\"}",
+                       (unsigned long long)files[i].attempt, (unsigned long long)files[i].size, files[i].crc);
     }
     dsk__ckpt_puts(b, "],\n\"tensors\":{");
     qsort(pcs, (size_t)np, sizeof *pcs, dsk__ckpt_cmp_piece);
@@ -2874,9 +3033,10 @@ static dsk_status dsk__ckpt_manifest_text(const char *fn, dsk__ckpt_buf *b, int6
 
 /* Rank 0, after every rank's file is durable: reads their headers (never their data), checks
    that the pieces tile every tensor and writes the manifest: the commit point of the save. */
-static dsk_status dsk__ckpt_write_manifest(const char *fn, const char *root, const char *step_dir, int64_t step, int world,
-                                           uint64_t attempt, uint64_t generation, const dsk__ckpt_manifest *base,
-                                           dsk__ckpt_mfile **files_out, int *n_files_out) {
+static dsk_status dsk__ckpt_write_manifest(const char *fn, const char *root, const char *step_dir, int64_t step,
+                                           int world, uint64_t attempt, uint64_t generation,
+                                           const dsk__ckpt_manifest *base, dsk__ckpt_mfile **files_out,
+                                           int *n_files_out) {
     int n_mf = world, cap_mf = world + (base ? base->n_files : 0);
     dsk_ckpt_file *files = (dsk_ckpt_file *)DSK_MALLOC((size_t)world * sizeof *files);
     dsk__ckpt_mfile *mf = (dsk__ckpt_mfile *)DSK_MALLOC((size_t)cap_mf * sizeof *mf);
@@ -2996,7 +3156,8 @@ static dsk_status dsk__ckpt_scan_dir(const char *fn, const char *root, dsk__ckpt
         } else {
             x->state = DSK__CKPT_DAMAGED;
             if (x->error == DSK_ERR_OOM) s = x->error;
-            else if (x->error != DSK_ERR_CORRUPT && !sc->first_error[0]) snprintf(sc->first_error, sizeof sc->first_error, "%s", dsk_last_error());
+            else if (x->error != DSK_ERR_CORRUPT && !sc->first_error[0])
+                snprintf(sc->first_error, sizeof sc->first_error, "%s", dsk_last_error());
         }
         dsk__ckpt_manifest_free(&m);
         DSK_FREE(sd);
@@ -3013,21 +3174,24 @@ static int dsk__ckpt_file_live(const dsk__ckpt_scan *sc, int skip, int64_t step,
     for (int i = 0; i < sc->n; i++) {
         if (i == skip || sc->e[i].state != DSK__CKPT_COMPLETE) continue;
         for (int k = 0; k < sc->e[i].n_files; k++)
-            if (sc->e[i].files[k].attempt == attempt && sc->e[i].files[k].rank == rank && sc->e[i].files[k].step == step) return 1;
+            if (sc->e[i].files[k].attempt == attempt && sc->e[i].files[k].rank == rank &&
+                sc->e[i].files[k].step == step)
+                return 1;
     }
     return 0;
 }
 
 /* Removes the files of scan entry `dead` (a manifest just deleted or replaced) that no other
    complete checkpoint references, and its step directory if that leaves it empty. */
-static dsk_status dsk__ckpt_drop_files(const char *fn, const char *root, const dsk__ckpt_scan *sc, int dead, const dsk__ckpt_mfile *files,
-                                       int n_files) {
+static dsk_status dsk__ckpt_drop_files(const char *fn, const char *root, const dsk__ckpt_scan *sc, int dead,
+                                       const dsk__ckpt_mfile *files, int n_files) {
     dsk_status s = DSK_OK;
     for (int k = 0; k < n_files && s == DSK_OK; k++) {
         const dsk__ckpt_mfile *f = &files[k];
         char *path;
         if (dsk__ckpt_file_live(sc, dead, f->step, f->rank, f->attempt)) continue;
-        if (!(path = dsk__ckpt_file_path(root, f->step, f->rank, f->attempt))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        if (!(path = dsk__ckpt_file_path(root, f->step, f->rank, f->attempt)))
+            return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
         if (unlink(path) != 0 && errno != ENOENT) s = dsk__ckpt_io_error(fn, "remove", path);
         DSK_FREE(path);
     }
@@ -3058,7 +3222,8 @@ static dsk_status dsk__ckpt_delete_entry(const char *fn, const char *root, dsk__
 /* Indices of the complete checkpoints of the scan, most recent save first; *n of them. */
 static dsk_status dsk__ckpt_by_generation(const char *fn, const dsk__ckpt_scan *sc, int **order, int *n) {
     *n = 0;
-    if (!(*order = (int *)DSK_MALLOC(((size_t)sc->n + 1) * sizeof **order))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if (!(*order = (int *)DSK_MALLOC(((size_t)sc->n + 1) * sizeof **order)))
+        return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     for (int i = 0; i < sc->n; i++) {
         int k = (*n)++;
         if (sc->e[i].state != DSK__CKPT_COMPLETE) { (*n)--; continue; }
@@ -3135,13 +3300,16 @@ static dsk_status dsk__ckpt_lock_take(const char *fn, const char *root, int save
         if (!save) { DSK_FREE(path); return DSK_OK; }
         gethostname(host, sizeof host - 1);
         k = snprintf(owner, sizeof owner, "pid %d on %s, since %lld\n", (int)getpid(), host, (long long)time(NULL));
-        if (ftruncate(lk->fd, 0) != 0 || pwrite(lk->fd, owner, (size_t)k, 0) != k) { /* the owner text only helps messages */ }
+        if (ftruncate(lk->fd, 0) != 0 ||
+            pwrite(lk->fd, owner, (size_t)k, 0) != k) { /* the owner text only helps messages */
+        }
     } else if (errno == EAGAIN || errno == EACCES) {
         k = pread(lk->fd, owner, sizeof owner - 1, 0);
         owner[k > 0 ? k : 0] = 0;
         if (k > 0 && owner[k - 1] == '\n') owner[k - 1] = 0;
-        s = dsk_set_error(DSK_ERR_STATE, "%s: \"%s\" is locked by another writer (%s): one job saves into a directory at a time",
-                          fn, path, owner[0] ? owner : "unknown");
+        s = dsk_set_error(DSK_ERR_STATE,
+                          "%s: \"%s\" is locked by another writer (%s): one job saves into a directory at a time", fn,
+                          path, owner[0] ? owner : "unknown");
         dsk__ckpt_unlock(lk);
     } else if (errno == ENOLCK || errno == EINVAL || errno == EOPNOTSUPP || errno == ENOSYS) {
         dsk__ckpt_unlock(lk); /* no locks here: save without one, reclaim nothing */
@@ -3199,7 +3367,8 @@ static dsk_status dsk__ckpt_reclaim(const char *fn, const char *root, const dsk_
             size_t len = strlen(nm);
             int rank, ours;
             uint64_t att;
-            if (dsk__ckpt_parse_rank_name(nm, &rank, &att)) ours = !dsk__ckpt_file_live(sc, -1, sc->e[i].step, rank, att);
+            if (dsk__ckpt_parse_rank_name(nm, &rank, &att))
+                ours = !dsk__ckpt_file_live(sc, -1, sc->e[i].step, rank, att);
             else ours = nm[0] == '.' && len > 5 && strcmp(nm + len - 4, ".tmp") == 0;
             if (!ours) continue;
             if (!(p = dsk__ckpt_join(sd, nm))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
@@ -3279,8 +3448,8 @@ static dsk_status dsk__ckpt_barrier(const char *fn, const dsk_ckpt_opts *o, int 
     dsk_clear_error();
     if ((s = o->barrier(o->barrier_user)) == DSK_OK) return DSK_OK;
     snprintf(inner, sizeof inner, "%s", dsk_last_error());
-    return dsk_set_error(s, "%s: rank %d: barrier %d of 3 for step %lld failed: %s", fn, o->rank, which, (long long)step,
-                         inner[0] ? inner : dsk_status_str(s));
+    return dsk_set_error(s, "%s: rank %d: barrier %d of 3 for step %lld failed: %s", fn, o->rank, which,
+                         (long long)step, inner[0] ? inner : dsk_status_str(s));
 }
 
 /* ---- agreement (opts.agree): the outcome of the lowest failing rank, on every rank */
@@ -3295,8 +3464,8 @@ static int64_t dsk__ckpt_status_word(const dsk_ckpt_opts *o, dsk_status s) {
 /* Runs agreement `what` on words[0, n) (words[0] the status word): on return every rank holds
    the same *s and msg, the lowest failing rank's (a second round carries its message). A
    failing hook breaks the group: its status is returned. */
-static dsk_status dsk__ckpt_agree(const char *fn, const dsk_ckpt_opts *o, const char *what, int64_t *words, int n, dsk_status *s,
-                                  char *msg, size_t cap) {
+static dsk_status dsk__ckpt_agree(const char *fn, const dsk_ckpt_opts *o, const char *what, int64_t *words, int n,
+                                  dsk_status *s, char *msg, size_t cap) {
     int64_t text[DSK__CKPT_MSG_WORDS];
     char inner[1024];
     dsk_status e;
@@ -3308,7 +3477,8 @@ static dsk_status dsk__ckpt_agree(const char *fn, const dsk_ckpt_opts *o, const 
     f = o->world_size - (int)(words[0] >> 8);
     memset(text, 0, sizeof text);
     if (f == o->rank)
-        for (size_t i = 0; i < 7 * DSK__CKPT_MSG_WORDS && msg[i]; i++) text[i / 7] |= (int64_t)(unsigned char)msg[i] << (8 * (i % 7));
+        for (size_t i = 0; i < 7 * DSK__CKPT_MSG_WORDS && msg[i]; i++)
+            text[i / 7] |= (int64_t)(unsigned char)msg[i] << (8 * (i % 7));
     if ((e = o->agree(o->agree_user, text, DSK__CKPT_MSG_WORDS)) != DSK_OK) goto broken;
     if (f != o->rank) {
         char got[7 * DSK__CKPT_MSG_WORDS + 1];
@@ -3321,18 +3491,21 @@ static dsk_status dsk__ckpt_agree(const char *fn, const dsk_ckpt_opts *o, const 
     return DSK_OK;
 broken:
     snprintf(inner, sizeof inner, "%s", dsk_last_error());
-    return dsk_set_error(e, "%s: rank %d: agreement (%s) failed: %s", fn, o->rank, what, inner[0] ? inner : dsk_status_str(e));
+    return dsk_set_error(e, "%s: rank %d: agreement (%s) failed: %s", fn, o->rank, what,
+                         inner[0] ? inner : dsk_status_str(e));
 }
 
 /* DIR/.attempt: "dsk-attempt <step> <seq> <nonce> <status> <base step> <base nonce>\n<message>".
    Rank 0 writes it before the first barrier (status 0: go on with nonce, building on the base
    checkpoint when incremental; else its error), the others read it after. */
-static dsk_status dsk__ckpt_publish_attempt(const char *fn, const dsk__ckpt_job *job, uint64_t nonce, dsk_status s, const char *msg) {
+static dsk_status dsk__ckpt_publish_attempt(const char *fn, const dsk__ckpt_job *job, uint64_t nonce, dsk_status s,
+                                            const char *msg) {
     char text[1200];
-    int n = snprintf(text, sizeof text, "dsk-attempt %lld %llu %016llx %d %lld %016llx\n%.1000s", (long long)job->plan.step,
-                     (unsigned long long)job->seq, (unsigned long long)nonce, (int)s, (long long)job->base_step,
-                     (unsigned long long)job->base_attempt, s == DSK_OK ? "" : msg);
-    return dsk__ckpt_write_small(fn, job->root, DSK__CKPT_ATTEMPT, text, (size_t)n < sizeof text ? (size_t)n : sizeof text - 1, 0);
+    int n = snprintf(text, sizeof text, "dsk-attempt %lld %llu %016llx %d %lld %016llx\n%.1000s",
+                     (long long)job->plan.step, (unsigned long long)job->seq, (unsigned long long)nonce, (int)s,
+                     (long long)job->base_step, (unsigned long long)job->base_attempt, s == DSK_OK ? "" : msg);
+    return dsk__ckpt_write_small(fn, job->root, DSK__CKPT_ATTEMPT, text,
+                                 (size_t)n < sizeof text ? (size_t)n : sizeof text - 1, 0);
 }
 
 /* A non-zero rank: the nonce (and base) rank 0 published for this save, or rank 0's error. */
@@ -3345,13 +3518,16 @@ static dsk_status dsk__ckpt_read_attempt(const char *fn, dsk__ckpt_job *job, uin
     dsk_status s;
     if (!path) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     s = dsk__ckpt_read_small(fn, path, 4096, &text, &len);
-    if (s == DSK_OK && (sscanf(text, "dsk-attempt %lld %llu %llx %d %lld %llx%n", &step, &seq, &a, &st, &bstep, &batt, &k) != 6 ||
-                        step != job->plan.step || seq != job->seq || text[k] != '\n'))
-        s = dsk_set_error(DSK_ERR_PEER, "%s: rank %d: \"%s\" is not rank 0's for save %llu of step %lld: rank 0 failed before it",
-                          fn, job->opts.rank, path, (unsigned long long)job->seq, (long long)job->plan.step);
+    if (s == DSK_OK &&
+        (sscanf(text, "dsk-attempt %lld %llu %llx %d %lld %llx%n", &step, &seq, &a, &st, &bstep, &batt, &k) != 6 ||
+         step != job->plan.step || seq != job->seq || text[k] != '\n'))
+        s = dsk_set_error(DSK_ERR_PEER,
+                          "%s: rank %d: \"%s\" is not rank 0's for save %llu of step %lld: rank 0 failed before it", fn,
+                          job->opts.rank, path, (unsigned long long)job->seq, (long long)job->plan.step);
     else if (s != DSK_OK)
-        s = dsk_set_error(DSK_ERR_PEER, "%s: rank %d: rank 0 published no \"%s\" for step %lld: it failed before the first barrier", fn,
-                          job->opts.rank, path, (long long)job->plan.step);
+        s = dsk_set_error(DSK_ERR_PEER,
+                          "%s: rank %d: rank 0 published no \"%s\" for step %lld: it failed before the first barrier",
+                          fn, job->opts.rank, path, (long long)job->plan.step);
     else if (st != DSK_OK) {
         nl = text + k + 1;
         s = dsk_set_error(st > 0 && st < DSK_STATUS_COUNT ? (dsk_status)st : DSK_ERR_PEER, "%s", nl);
@@ -3367,9 +3543,12 @@ static dsk_status dsk__ckpt_read_attempt(const char *fn, dsk__ckpt_job *job, uin
 
 /* DIR/.outcome.<nonce>: "<status>\n<message>", written by rank 0 when a save fails (barrier
    mode), read by the others after the last barrier, so every rank reports the same. */
-static void dsk__ckpt_outcome_name(char *buf, size_t n, uint64_t nonce) { snprintf(buf, n, ".outcome.%016llx", (unsigned long long)nonce); }
+static void dsk__ckpt_outcome_name(char *buf, size_t n, uint64_t nonce) {
+    snprintf(buf, n, ".outcome.%016llx", (unsigned long long)nonce);
+}
 
-static void dsk__ckpt_write_outcome(const char *fn, const dsk__ckpt_job *job, uint64_t nonce, dsk_status s, const char *msg) {
+static void dsk__ckpt_write_outcome(const char *fn, const dsk__ckpt_job *job, uint64_t nonce, dsk_status s,
+                                    const char *msg) {
     char name[48], text[1200];
     int n = snprintf(text, sizeof text, "%d\n%s", (int)s, msg);
     dsk__ckpt_outcome_name(name, sizeof name, nonce);
@@ -3378,8 +3557,8 @@ static void dsk__ckpt_write_outcome(const char *fn, const dsk__ckpt_job *job, ui
 
 /* A non-zero rank whose save did not commit: rank 0's outcome when it wrote one (with this
    rank's own error after it, when it had one), else what it has. */
-static void dsk__ckpt_read_outcome(const char *fn, const dsk__ckpt_job *job, uint64_t nonce, int own_failed, dsk_status *first, char *msg,
-                                   size_t cap) {
+static void dsk__ckpt_read_outcome(const char *fn, const dsk__ckpt_job *job, uint64_t nonce, int own_failed,
+                                   dsk_status *first, char *msg, size_t cap) {
     char name[48], *path, *text = NULL, own[1024];
     size_t len;
     int st = 0, k = 0;
@@ -3413,7 +3592,8 @@ static dsk_status dsk__ckpt_pick_base(const char *fn, dsk__ckpt_job *job) {
 static void dsk__ckpt_read_base(const char *fn, dsk__ckpt_job *job) {
     char *sd;
     if (!job->base_attempt || !(sd = dsk__ckpt_step_dir(job->root, job->base_step))) return;
-    job->base_ok = dsk__ckpt_manifest_read(fn, sd, job->base_step, &job->base) == DSK_OK && job->base.attempt == job->base_attempt;
+    job->base_ok =
+        dsk__ckpt_manifest_read(fn, sd, job->base_step, &job->base) == DSK_OK && job->base.attempt == job->base_attempt;
     DSK_FREE(sd);
 }
 
@@ -3424,7 +3604,8 @@ static void dsk__ckpt_mark_reused(dsk__ckpt_job *job) {
     const unsigned char none = 0;
     for (int i = 0; i < p->n; i++) {
         dsk__ckpt_seg *g = &p->segs[i];
-        const int64_t zero[DSK_MAX_DIMS] = {0}, *off = g->boxed ? g->off : zero, *global = g->boxed ? g->global : g->shape;
+        const int64_t zero[DSK_MAX_DIMS] = {0}, *off = g->boxed ? g->off : zero,
+                      *global = g->boxed ? g->global : g->shape;
         const dsk__ckpt_mtensor *t = job->base_ok ? dsk__ckpt_manifest_find(&job->base, g->name) : NULL;
         g->hash = dsk__ckpt_hash(g->nbytes ? (const unsigned char *)g->data : &none, g->nbytes);
         g->hashed = 1;
@@ -3433,7 +3614,8 @@ static void dsk__ckpt_mark_reused(dsk__ckpt_job *job) {
             continue;
         for (int k = 0; k < t->n_slices && !g->reused; k++) {
             const dsk__ckpt_mslice *sl = &job->base.slices[t->first + k];
-            g->reused = sl->has_hash && sl->hash == g->hash && !memcmp(sl->box, off, (size_t)g->ndim * sizeof(int64_t)) &&
+            g->reused = sl->has_hash && sl->hash == g->hash &&
+                        !memcmp(sl->box, off, (size_t)g->ndim * sizeof(int64_t)) &&
                         !memcmp(sl->box + g->ndim, g->shape, (size_t)g->ndim * sizeof(int64_t));
         }
         if (g->reused) { job->info.bytes_reused += g->nbytes; job->info.tensors_reused++; }
@@ -3517,14 +3699,15 @@ static dsk_status dsk__ckpt_commit(const char *fn, dsk__ckpt_job *job, const cha
     int64_t step = job->plan.step;
     int world = job->opts.world_size;
     job->info.generation = dsk__ckpt_max_generation(&job->scan) + 1;
-    DSK__TRY(dsk__ckpt_write_manifest(fn, job->root, step_dir, step, world, nonce, job->info.generation, job->base_ok ? &job->base : NULL,
-                                      &job->files, &job->n_files));
+    DSK__TRY(dsk__ckpt_write_manifest(fn, job->root, step_dir, step, world, nonce, job->info.generation,
+                                      job->base_ok ? &job->base : NULL, &job->files, &job->n_files));
     return DSK_OK;
 }
 
 /* A non-zero rank after the last barrier: the save succeeded when the step's manifest is the
    one of this save (its first line names the nonce). */
-static dsk_status dsk__ckpt_check_committed(const char *fn, const dsk__ckpt_job *job, const char *step_dir, uint64_t nonce) {
+static dsk_status dsk__ckpt_check_committed(const char *fn, const dsk__ckpt_job *job, const char *step_dir,
+                                            uint64_t nonce) {
     char *man = dsk__ckpt_join(step_dir, DSK__CKPT_MANIFEST), head[160], want[48];
     int fd;
     ssize_t k = -1;
@@ -3537,13 +3720,16 @@ static dsk_status dsk__ckpt_check_committed(const char *fn, const dsk__ckpt_job 
     snprintf(want, sizeof want, "\"attempt\":\"%016llx\"", (unsigned long long)nonce);
     DSK_FREE(man);
     if (strstr(head, want)) return DSK_OK;
-    return dsk_set_error(DSK_ERR_PEER, "%s: rank %d: step %lld has no manifest of this save after it: it failed on rank 0 or another rank",
-                         fn, job->opts.rank, (long long)job->plan.step);
+    return dsk_set_error(
+        DSK_ERR_PEER,
+        "%s: rank %d: step %lld has no manifest of this save after it: it failed on rank 0 or another rank", fn,
+        job->opts.rank, (long long)job->plan.step);
 }
 
 /* Sync point k of the save: the barrier, or with opts.agree an agreement that leaves every
    rank with the first failure (and at k = 1 with rank 0's nonce). */
-static dsk_status dsk__ckpt_sync(const char *fn, dsk__ckpt_job *job, int k, dsk_status *first, char *msg, size_t cap, uint64_t *nonce) {
+static dsk_status dsk__ckpt_sync(const char *fn, dsk__ckpt_job *job, int k, dsk_status *first, char *msg, size_t cap,
+                                 uint64_t *nonce) {
     const dsk_ckpt_opts *o = &job->opts;
     int64_t w[4] = {0, 0, 0, 0};
     char what[32];
@@ -3595,14 +3781,18 @@ static dsk_status dsk__ckpt_run(dsk__ckpt_job *job) {
     }
     if (first == DSK_OK) {
         dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_write_plan(fn, &job->plan, step_dir, name));
-        if (first == DSK_OK) { job->info.bytes_written = job->plan.total; job->info.tensors_written = job->plan.n - job->info.tensors_reused; }
+        if (first == DSK_OK) {
+            job->info.bytes_written = job->plan.total;
+            job->info.tensors_written = job->plan.n - job->info.tensors_reused;
+        }
     }
     if ((s = dsk__ckpt_sync(fn, job, 2, &first, msg, sizeof msg, &nonce)) != DSK_OK) goto broken;
     if (first == DSK_OK && o->rank == 0) {
         dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_commit(fn, job, step_dir, nonce));
         committed = first == DSK_OK;
     }
-    if (files_say && o->rank == 0 && first != DSK_OK && job->lock.held) dsk__ckpt_write_outcome(fn, job, nonce, first, msg);
+    if (files_say && o->rank == 0 && first != DSK_OK && job->lock.held)
+        dsk__ckpt_write_outcome(fn, job, nonce, first, msg);
     if ((s = dsk__ckpt_sync(fn, job, 3, &first, msg, sizeof msg, &nonce)) != DSK_OK) goto broken;
     if (files_say && o->rank != 0) {
         int own_failed = first != DSK_OK;
@@ -3728,7 +3918,8 @@ static dsk_status dsk__ckpt_save_begin(const char *fn, dsk_ckpt *ck, int64_t ste
     if ((s = dsk_ckpt_wait(ck)) != DSK_OK) {
         char inner[1024];
         snprintf(inner, sizeof inner, "%s", dsk_last_error());
-        return dsk_set_error(s, "%s: step %lld not saved: the previous async save failed: %s", fn, (long long)step, inner);
+        return dsk_set_error(s, "%s: step %lld not saved: the previous async save failed: %s", fn, (long long)step,
+                             inner);
     }
     if (step < 0) return dsk_set_error(DSK_ERR_ARG, "%s: step %lld < 0", fn, (long long)step);
     if (ck->opts.read_only) return dsk_set_error(DSK_ERR_STATE, "%s: \"%s\" was opened read_only", fn, ck->dir);
@@ -3738,10 +3929,13 @@ static dsk_status dsk__ckpt_save_begin(const char *fn, dsk_ckpt *ck, int64_t ste
         DSK_FREE(ck->stage);
         ck->stage_bytes = 0;
         if (!(ck->stage = DSK_MALLOC((size_t)job->plan.total)))
-            s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for a %llu-byte snapshot", fn, (unsigned long long)job->plan.total);
+            s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for a %llu-byte snapshot", fn,
+                              (unsigned long long)job->plan.total);
         else ck->stage_bytes = (size_t)job->plan.total;
     }
-    if (s == DSK_OK) s = dsk__ckpt_snapshot(&job->plan, ck->opts.ctx, (unsigned char *)ck->stage, copy_all, ck->opts.snapshot_threads);
+    if (s == DSK_OK)
+        s = dsk__ckpt_snapshot(&job->plan, ck->opts.ctx, (unsigned char *)ck->stage, copy_all,
+                               ck->opts.snapshot_threads);
     if (s != DSK_OK) { dsk__ckpt_job_free(job); return s; }
     *out = job;
     return DSK_OK;
@@ -3763,7 +3957,8 @@ static dsk_status dsk__ckpt_abstain(const char *fn, dsk_ckpt *ck, int64_t step, 
     return s;
 }
 
-DSK_API dsk_status dsk_ckpt_save(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n, const dsk_ckpt_kv *kv, int n_kv) {
+DSK_API dsk_status dsk_ckpt_save(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n,
+                                 const dsk_ckpt_kv *kv, int n_kv) {
     dsk__ckpt_job *job;
     dsk_status s = dsk__ckpt_save_begin("dsk_ckpt_save", ck, step, entries, n, kv, n_kv, 0, &job);
     if (s != DSK_OK) return dsk__ckpt_abstain("dsk_ckpt_save", ck, step, s);
@@ -3774,7 +3969,8 @@ DSK_API dsk_status dsk_ckpt_save(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entr
     return s;
 }
 
-DSK_API dsk_status dsk_ckpt_save_async(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n, const dsk_ckpt_kv *kv, int n_kv) {
+DSK_API dsk_status dsk_ckpt_save_async(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n,
+                                       const dsk_ckpt_kv *kv, int n_kv) {
     dsk__ckpt_job *job;
     int e;
     dsk_status s = dsk__ckpt_save_begin("dsk_ckpt_save_async", ck, step, entries, n, kv, n_kv, 1, &job);
@@ -3794,7 +3990,8 @@ DSK_API dsk_status dsk_ckpt_save_async(dsk_ckpt *ck, int64_t step, const dsk_ckp
 /* Opens file i of the manifest and checks it against its entry: size, metadata, whole-file
    CRC (from the header bytes and the recorded tensor CRCs, which reads check in turn). A file
    the manifest names but the disk lacks is damage (DSK_ERR_CORRUPT). */
-static dsk_status dsk__ckpt_open_file(const char *fn, const char *root, const dsk__ckpt_manifest *m, int i, dsk_ckpt_file *f) {
+static dsk_status dsk__ckpt_open_file(const char *fn, const char *root, const dsk__ckpt_manifest *m, int i,
+                                      dsk_ckpt_file *f) {
     const dsk__ckpt_mfile *e = &m->files[i];
     char *path = dsk__ckpt_file_path(root, e->step, e->rank, e->attempt);
     uint32_t crc;
@@ -3802,17 +3999,19 @@ static dsk_status dsk__ckpt_open_file(const char *fn, const char *root, const ds
     if (!path) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     s = dsk_ckpt_file_open(f, path);
     if (s == DSK_ERR_IO && !dsk__ckpt_exists(path) && errno == ENOENT)
-        s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\", named by \"%s\", is missing (the checkpoint is damaged)", fn, path, m->path);
+        s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\", named by \"%s\", is missing (the checkpoint is damaged)", fn,
+                          path, m->path);
     DSK_FREE(path);
     if (s != DSK_OK) return s;
     if (f->file_size != e->size)
-        s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" has %llu bytes, the manifest says %llu", fn, f->path, (unsigned long long)f->file_size,
-                          (unsigned long long)e->size);
+        s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" has %llu bytes, the manifest says %llu", fn, f->path,
+                          (unsigned long long)f->file_size, (unsigned long long)e->size);
     if (s == DSK_OK) s = dsk__ckpt_check_rank_meta(fn, f, e->step, e->rank, e->world, e->attempt);
     if (s == DSK_OK) s = dsk__ckpt_file_crc(fn, f, &crc);
     if (s == DSK_OK && crc != e->crc)
-        s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": header or recorded checksums altered: file crc32c %08x, the manifest says %08x", fn,
-                          f->path, crc, e->crc);
+        s = dsk_set_error(DSK_ERR_CORRUPT,
+                          "%s: \"%s\": header or recorded checksums altered: file crc32c %08x, the manifest says %08x",
+                          fn, f->path, crc, e->crc);
     if (s != DSK_OK) dsk_ckpt_file_close(f);
     return s;
 }
@@ -3854,20 +4053,23 @@ static dsk_status dsk__ckpt_reader_file(dsk__ckpt_reader *rd, int i, dsk_ckpt_fi
 }
 
 /* "[8,256,128] bf16" of the checkpoint's tensor and of what the entry asks for. */
-static dsk_status dsk__ckpt_mismatch(const char *fn, const dsk__ckpt_reader *rd, const dsk__ckpt_mtensor *t, const dsk_ckpt_entry *e,
-                                     const int64_t *global) {
+static dsk_status dsk__ckpt_mismatch(const char *fn, const dsk__ckpt_reader *rd, const dsk__ckpt_mtensor *t,
+                                     const dsk_ckpt_entry *e, const int64_t *global) {
     char a[160], b[160];
     const dsk_tensor *x = e->tensor;
     return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" (%s): file has %s, model has %s%s", fn, e->name, rd->man.path,
-                         dsk__ckpt_desc(a, sizeof a, t->ndim, t->shape, t->dt->dsk >= 0 ? dsk_dtype_name((dsk_dtype)t->dt->dsk) : t->dt->name),
+                         dsk__ckpt_desc(a, sizeof a, t->ndim, t->shape,
+                                        t->dt->dsk >= 0 ? dsk_dtype_name((dsk_dtype)t->dt->dsk) : t->dt->name),
                          dsk__ckpt_desc(b, sizeof b, x->ndim, global, dsk_dtype_name(x->dtype)),
-                         t->ndim == x->ndim && !memcmp(t->shape, global, (size_t)x->ndim * sizeof(int64_t)) ? " (set allow_cast to convert)" : "");
+                         t->ndim == x->ndim && !memcmp(t->shape, global, (size_t)x->ndim * sizeof(int64_t))
+                             ? " (set allow_cast to convert)"
+                             : "");
 }
 
 /* The piece of manifest tensor t that slice sl places in file f: it must be there, with the
    manifest's dtype and the slice's shape and box. */
-static dsk_status dsk__ckpt_find_piece(const char *fn, dsk_ckpt_file *f, const dsk__ckpt_mtensor *t, const dsk__ckpt_mslice *sl,
-                                       const dsk_ckpt_tensor_info **out) {
+static dsk_status dsk__ckpt_find_piece(const char *fn, dsk_ckpt_file *f, const dsk__ckpt_mtensor *t,
+                                       const dsk__ckpt_mslice *sl, const dsk_ckpt_tensor_info **out) {
     const dsk_ckpt_tensor_info *ft;
     int64_t off[DSK_MAX_DIMS], global[DSK_MAX_DIMS];
     int k = dsk_ckpt_file_find(f, t->name), b;
@@ -3875,20 +4077,25 @@ static dsk_status dsk__ckpt_find_piece(const char *fn, dsk_ckpt_file *f, const d
     if (k < 0) return dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" is missing from \"%s\"", fn, t->name, f->path);
     ft = &f->tensors[k];
     dsk__ckpt_box_desc(d3, sizeof d3, t->ndim, sl->box, sl->box + t->ndim);
-    if (ft->dtype_name != t->dt->name || ft->ndim != t->ndim || memcmp(ft->shape, sl->box + t->ndim, (size_t)t->ndim * sizeof(int64_t)))
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" in \"%s\" is %s, the manifest expects the box %s of %s", fn, t->name,
+    if (ft->dtype_name != t->dt->name || ft->ndim != t->ndim ||
+        memcmp(ft->shape, sl->box + t->ndim, (size_t)t->ndim * sizeof(int64_t)))
+        return dsk_set_error(DSK_ERR_CORRUPT,
+                             "%s: tensor \"%s\" in \"%s\" is %s, the manifest expects the box %s of %s", fn, t->name,
                              f->path, dsk__ckpt_desc(d1, sizeof d1, ft->ndim, ft->shape, ft->dtype_name), d3,
                              dsk__ckpt_desc(d2, sizeof d2, t->ndim, t->shape, t->dt->name));
     b = dsk__ckpt_box_of(f, ft, off, global);
-    if (b < 0 || memcmp(off, sl->box, (size_t)t->ndim * sizeof(int64_t)) || memcmp(global, t->shape, (size_t)t->ndim * sizeof(int64_t)))
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" in \"%s\" does not hold the box %s the manifest expects", fn, t->name,
+    if (b < 0 || memcmp(off, sl->box, (size_t)t->ndim * sizeof(int64_t)) ||
+        memcmp(global, t->shape, (size_t)t->ndim * sizeof(int64_t)))
+        return dsk_set_error(DSK_ERR_CORRUPT,
+                             "%s: tensor \"%s\" in \"%s\" does not hold the box %s the manifest expects", fn, t->name,
                              f->path, d3);
     *out = ft;
     return DSK_OK;
 }
 
 /* dst's view of the box (off, ext) of the whole tensor, given dst holds the box at `base`. */
-static dsk_status dsk__ckpt_sub_view(const dsk_tensor *dst, const int64_t *base, const int64_t *off, const int64_t *ext, dsk_tensor *v) {
+static dsk_status dsk__ckpt_sub_view(const dsk_tensor *dst, const int64_t *base, const int64_t *off, const int64_t *ext,
+                                     dsk_tensor *v) {
     *v = *dst;
     for (int d = 0; d < dst->ndim; d++) {
         dsk_tensor w;
@@ -3905,7 +4112,8 @@ static dsk_status dsk__ckpt_load_entry(dsk__ckpt_reader *rd, const dsk_ckpt_entr
     dsk_tensor *x = e->tensor;
     int64_t base[DSK_MAX_DIMS], global[DSK_MAX_DIMS];
     DSK__TRY(dsk__ckpt_entry_box(fn, e, base, global));
-    if (!t) return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" is not in the checkpoint (%s)", fn, e->name, rd->man.path);
+    if (!t)
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" is not in the checkpoint (%s)", fn, e->name, rd->man.path);
     if (t->ndim != x->ndim || memcmp(t->shape, global, (size_t)x->ndim * sizeof(int64_t)) != 0 ||
         (t->dt->dsk != (int)x->dtype && (!allow_cast || t->dt->dsk < 0)))
         return dsk__ckpt_mismatch(fn, rd, t, e, global);
@@ -3918,7 +4126,8 @@ static dsk_status dsk__ckpt_load_entry(dsk__ckpt_reader *rd, const dsk_ckpt_entr
         dsk_tensor view;
         int empty = 0;
         for (int d = 0; d < t->ndim; d++) { /* the intersection of the piece and the entry's box */
-            int64_t a = so[d] > base[d] ? so[d] : base[d], b = so[d] + se[d] < base[d] + x->shape[d] ? so[d] + se[d] : base[d] + x->shape[d];
+            int64_t a = so[d] > base[d] ? so[d] : base[d],
+                    b = so[d] + se[d] < base[d] + x->shape[d] ? so[d] + se[d] : base[d] + x->shape[d];
             lo[d] = a;
             ext[d] = b > a ? b - a : 0;
             in_piece[d] = a - so[d];
@@ -3933,7 +4142,8 @@ static dsk_status dsk__ckpt_load_entry(dsk__ckpt_reader *rd, const dsk_ckpt_entr
     return DSK_OK;
 }
 
-static dsk_status dsk__ckpt_fill_meta(const char *fn, const dsk_ckpt_file *f, const dsk__ckpt_manifest *m, int rank, dsk_ckpt_meta *meta) {
+static dsk_status dsk__ckpt_fill_meta(const char *fn, const dsk_ckpt_file *f, const dsk__ckpt_manifest *m, int rank,
+                                      dsk_ckpt_meta *meta) {
     int n = 0;
     meta->step = m->step;
     meta->generation = m->generation;
@@ -3958,7 +4168,8 @@ static dsk_status dsk__ckpt_load_step(const char *fn, dsk_ckpt *ck, int64_t step
                                       dsk_ckpt_meta *meta) {
     dsk__ckpt_reader rd;
     dsk_status s = dsk__ckpt_reader_open(fn, &rd, ck->dir, step);
-    for (int i = 0; i < n && s == DSK_OK; i++) s = dsk__ckpt_load_entry(&rd, &entries[i], ck->opts.ctx, ck->opts.allow_cast);
+    for (int i = 0; i < n && s == DSK_OK; i++)
+        s = dsk__ckpt_load_entry(&rd, &entries[i], ck->opts.ctx, ck->opts.allow_cast);
     if (s == DSK_OK && meta) {
         int r = ck->opts.rank < rd.man.world ? ck->opts.rank : 0; /* the first world_size files are the ranks' own */
         dsk_ckpt_file *f;
@@ -3972,7 +4183,8 @@ static dsk_status dsk__ckpt_load_step(const char *fn, dsk_ckpt *ck, int64_t step
 
 /* The most recent complete save that loads: damaged ones (DSK_ERR_CORRUPT) are passed over on
    a single rank and reported in meta. */
-static dsk_status dsk__ckpt_load_newest(const char *fn, dsk_ckpt *ck, const dsk_ckpt_entry *entries, int n, dsk_ckpt_meta *meta) {
+static dsk_status dsk__ckpt_load_newest(const char *fn, dsk_ckpt *ck, const dsk_ckpt_entry *entries, int n,
+                                        dsk_ckpt_meta *meta) {
     dsk_ckpt_info *list = NULL;
     int count = 0, skipped = 0;
     int64_t skipped_step = -1;
@@ -3980,15 +4192,18 @@ static dsk_status dsk__ckpt_load_newest(const char *fn, dsk_ckpt *ck, const dsk_
     dsk_status s;
     DSK__TRY(dsk_ckpt_list(ck->dir, NULL, 0, &count));
     if (!count) return dsk_set_error(DSK_ERR_IO, "%s: no complete checkpoint under \"%s\"", fn, ck->dir);
-    if (!(list = (dsk_ckpt_info *)DSK_MALLOC((size_t)count * sizeof *list))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if (!(list = (dsk_ckpt_info *)DSK_MALLOC((size_t)count * sizeof *list)))
+        return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     s = dsk_ckpt_list(ck->dir, list, count, &count);
     for (int k = 0; k < count && s == DSK_OK; k++) {
         if (meta) memset(meta, 0, sizeof *meta);
         s = dsk__ckpt_load_step(fn, ck, list[k].step, entries, n, meta);
         if (s != DSK_ERR_CORRUPT || k + 1 == count) break;
         if (ck->opts.world_size > 1) {
-            s = dsk_set_error(s, "%.800s (with world_size %d and no opts.agree, a rank does not fall back to an older checkpoint alone)",
-                              dsk_last_error(), ck->opts.world_size);
+            s = dsk_set_error(
+                s,
+                "%.800s (with world_size %d and no opts.agree, a rank does not fall back to an older checkpoint alone)",
+                dsk_last_error(), ck->opts.world_size);
             break;
         }
         if (!skipped++) { skipped_step = list[k].step; snprintf(first, sizeof first, "%s", dsk_last_error()); }
@@ -4007,8 +4222,8 @@ static dsk_status dsk__ckpt_load_newest(const char *fn, dsk_ckpt *ck, const dsk_
 }
 
 /* Loads `step` on every rank and agrees on the outcome (opts.agree). */
-static dsk_status dsk__ckpt_load_agreed_step(const char *fn, dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n,
-                                             dsk_ckpt_meta *meta) {
+static dsk_status dsk__ckpt_load_agreed_step(const char *fn, dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries,
+                                             int n, dsk_ckpt_meta *meta) {
     char msg[1024];
     int64_t w[1];
     dsk_status s = dsk__ckpt_load_step(fn, ck, step, entries, n, meta);
@@ -4021,7 +4236,8 @@ static dsk_status dsk__ckpt_load_agreed_step(const char *fn, dsk_ckpt *ck, int64
 
 /* The newest checkpoint every rank can load, rank 0's list deciding the order: a damaged one
    (on any rank) is passed over by all of them together. */
-static dsk_status dsk__ckpt_load_agreed_newest(const char *fn, dsk_ckpt *ck, const dsk_ckpt_entry *entries, int n, dsk_ckpt_meta *meta) {
+static dsk_status dsk__ckpt_load_agreed_newest(const char *fn, dsk_ckpt *ck, const dsk_ckpt_entry *entries, int n,
+                                               dsk_ckpt_meta *meta) {
     dsk_ckpt_info *list = NULL;
     int count = 0, skipped = 0;
     int64_t skipped_step = -1;
@@ -4041,7 +4257,8 @@ static dsk_status dsk__ckpt_load_agreed_newest(const char *fn, dsk_ckpt *ck, con
         if (s == DSK_OK && ls != DSK_OK) s = dsk_set_error(ls, "%s", msg);
         if (s != DSK_OK) break;
         if (!w[1]) {
-            s = k ? dsk_set_error(DSK_ERR_CORRUPT, "%s", first) : dsk_set_error(DSK_ERR_IO, "%s: no complete checkpoint under \"%s\"", fn, ck->dir);
+            s = k ? dsk_set_error(DSK_ERR_CORRUPT, "%s", first)
+                  : dsk_set_error(DSK_ERR_IO, "%s: no complete checkpoint under \"%s\"", fn, ck->dir);
             break;
         }
         if (meta) memset(meta, 0, sizeof *meta);
@@ -4060,18 +4277,22 @@ static dsk_status dsk__ckpt_load_agreed_newest(const char *fn, dsk_ckpt *ck, con
     return s;
 }
 
-DSK_API dsk_status dsk_ckpt_load(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n, dsk_ckpt_meta *meta) {
+DSK_API dsk_status dsk_ckpt_load(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n,
+                                 dsk_ckpt_meta *meta) {
     const char *fn = "dsk_ckpt_load";
     if (meta) { memset(meta, 0, sizeof *meta); meta->skipped_step = -1; }
     if (!ck || !ck->dir) return dsk_set_error(DSK_ERR_ARG, "%s: checkpointer is NULL or not initialised", fn);
-    if (n < 0 || (n && !entries)) return dsk_set_error(DSK_ERR_ARG, "%s: %d entries at %p", fn, n, (const void *)entries);
+    if (n < 0 || (n && !entries))
+        return dsk_set_error(DSK_ERR_ARG, "%s: %d entries at %p", fn, n, (const void *)entries);
     for (int i = 0; i < n; i++) {
-        if (!entries[i].name || !entries[i].tensor) return dsk_set_error(DSK_ERR_ARG, "%s: entry %d has no name or tensor", fn, i);
+        if (!entries[i].name || !entries[i].tensor)
+            return dsk_set_error(DSK_ERR_ARG, "%s: entry %d has no name or tensor", fn, i);
         DSK__TRY(dsk__ckpt_check_entry(fn, &entries[i], i, 1, ck->opts.ctx));
     }
     DSK__TRY(dsk_ckpt_wait(ck));
     if (ck->opts.agree && ck->opts.world_size > 1)
-        return step < 0 ? dsk__ckpt_load_agreed_newest(fn, ck, entries, n, meta) : dsk__ckpt_load_agreed_step(fn, ck, step, entries, n, meta);
+        return step < 0 ? dsk__ckpt_load_agreed_newest(fn, ck, entries, n, meta)
+                        : dsk__ckpt_load_agreed_step(fn, ck, step, entries, n, meta);
     if (step < 0) return dsk__ckpt_load_newest(fn, ck, entries, n, meta);
     return dsk__ckpt_load_step(fn, ck, step, entries, n, meta);
 }
@@ -4080,8 +4301,9 @@ DSK_API dsk_status dsk_ckpt_load(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entr
 
 /* The pieces of checkpoint rd held by files of rank r, read (checked) into one buffer, as the
    entries of a new rank file. */
-static dsk_status dsk__ckpt_merge_gather(const char *fn, dsk__ckpt_reader *rd, int r, unsigned char **buf, dsk_ckpt_entry **entries,
-                                         dsk_tensor **views, uint64_t **hashes, int **hashed, int *n) {
+static dsk_status dsk__ckpt_merge_gather(const char *fn, dsk__ckpt_reader *rd, int r, unsigned char **buf,
+                                         dsk_ckpt_entry **entries, dsk_tensor **views, uint64_t **hashes, int **hashed,
+                                         int *n) {
     const dsk__ckpt_manifest *m = &rd->man;
     uint64_t total = 0, at = 0;
     int k = 0, count = 0;
@@ -4091,8 +4313,8 @@ static dsk_status dsk__ckpt_merge_gather(const char *fn, dsk__ckpt_reader *rd, i
             size_t es = (size_t)(m->tensors[i].dt->bits / 8);
             if (m->files[sl->file].rank != r) continue;
             if (m->tensors[i].dt->dsk < 0)
-                return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: tensor \"%s\" is %s, a dtype dsk does not write", fn, m->tensors[i].name,
-                                     m->tensors[i].dt->name);
+                return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: tensor \"%s\" is %s, a dtype dsk does not write", fn,
+                                     m->tensors[i].name, m->tensors[i].dt->name);
             total += (uint64_t)dsk__ckpt_numel(m->tensors[i].ndim, sl->box + m->tensors[i].ndim) * es;
             count++;
         }
@@ -4101,8 +4323,8 @@ static dsk_status dsk__ckpt_merge_gather(const char *fn, dsk__ckpt_reader *rd, i
     *views = (dsk_tensor *)DSK_MALLOC(((size_t)count + 1) * sizeof **views);
     *hashes = (uint64_t *)DSK_MALLOC(((size_t)count + 1) * sizeof **hashes);
     *hashed = (int *)DSK_MALLOC(((size_t)count + 1) * sizeof **hashed);
-    if (!*buf || !*entries || !*views || !*hashes || !*hashed) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory for %llu bytes", fn,
-                                                                                     (unsigned long long)total);
+    if (!*buf || !*entries || !*views || !*hashes || !*hashed)
+        return dsk_set_error(DSK_ERR_OOM, "%s: out of memory for %llu bytes", fn, (unsigned long long)total);
     for (int i = 0; i < m->n_tensors; i++)
         for (int j = 0; j < m->tensors[i].n_slices; j++) {
             const dsk__ckpt_mtensor *t = &m->tensors[i];
@@ -4115,7 +4337,8 @@ static dsk_status dsk__ckpt_merge_gather(const char *fn, dsk__ckpt_reader *rd, i
             DSK__TRY(dsk__ckpt_reader_file(rd, sl->file, &f));
             DSK__TRY(dsk__ckpt_find_piece(fn, f, t, sl, &ft));
             DSK__TRY(dsk__ckpt_read_box_bytes(fn, f, ft, sl->box, sl->box + t->ndim, *buf + at));
-            DSK__TRY(dsk_tensor_wrap(&(*views)[k], *buf + at, (dsk_dtype)t->dt->dsk, dsk_cpu(), t->ndim, sl->box + t->ndim));
+            DSK__TRY(
+                dsk_tensor_wrap(&(*views)[k], *buf + at, (dsk_dtype)t->dt->dsk, dsk_cpu(), t->ndim, sl->box + t->ndim));
             memset(e, 0, sizeof *e);
             e->name = t->name;
             e->tensor = &(*views)[k];
@@ -4151,13 +4374,20 @@ static dsk_status dsk__ckpt_merge_rank(const char *fn, dsk__ckpt_reader *rd, int
     plan.attempt = nonce;
     s = dsk__ckpt_merge_gather(fn, rd, r, &buf, &entries, &views, &hashes, &hashed, &n);
     if (s == DSK_OK) s = dsk__ckpt_reader_file(rd, r, &own); /* the caller's pairs of this rank */
-    if (s == DSK_OK && !(kv = (dsk_ckpt_kv *)DSK_MALLOC(((size_t)own->n_meta + 1) * sizeof *kv))) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if (s == DSK_OK && !(kv = (dsk_ckpt_kv *)DSK_MALLOC(((size_t)own->n_meta + 1) * sizeof *kv)))
+        s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     for (int i = 0; s == DSK_OK && i < own->n_meta; i++)
-        if (strncmp(own->meta_keys[i], "dsk.", 4) != 0) { kv[n_kv].key = own->meta_keys[i]; kv[n_kv++].value = own->meta_values[i]; }
+        if (strncmp(own->meta_keys[i], "dsk.", 4) != 0) {
+            kv[n_kv].key = own->meta_keys[i];
+            kv[n_kv++].value = own->meta_values[i];
+        }
     if (s == DSK_OK) s = dsk__ckpt_plan_build(fn, &plan, entries, n, kv, n_kv, NULL);
     for (int i = 0; s == DSK_OK && i < plan.n; i++)
         for (int k = 0; k < n; k++)
-            if (strcmp(plan.segs[i].name, entries[k].name) == 0) { plan.segs[i].hashed = hashed[k]; plan.segs[i].hash = hashes[k]; }
+            if (strcmp(plan.segs[i].name, entries[k].name) == 0) {
+                plan.segs[i].hashed = hashed[k];
+                plan.segs[i].hash = hashes[k];
+            }
     if (s == DSK_OK) s = dsk__ckpt_snapshot(&plan, NULL, NULL, 0, 1);
     dsk__ckpt_rank_name(name, sizeof name, r, nonce);
     if (s == DSK_OK) s = dsk__ckpt_write_plan(fn, &plan, rd->step_dir, name);
@@ -4180,7 +4410,8 @@ DSK_API dsk_status dsk_ckpt_merge(dsk_ckpt *ck, int64_t step) {
     int n_old = 0;
     dsk_status s;
     memset(&rd, 0, sizeof rd);
-    if (!ck || !ck->dir || step < 0) return dsk_set_error(DSK_ERR_ARG, "%s: checkpointer not initialised or step %lld < 0", fn, (long long)step);
+    if (!ck || !ck->dir || step < 0)
+        return dsk_set_error(DSK_ERR_ARG, "%s: checkpointer not initialised or step %lld < 0", fn, (long long)step);
     if (ck->opts.read_only) return dsk_set_error(DSK_ERR_STATE, "%s: \"%s\" was opened read_only", fn, ck->dir);
     DSK__TRY(dsk_ckpt_wait(ck));
     DSK__TRY(dsk__ckpt_job_new(fn, ck, step, &job));
@@ -4192,8 +4423,8 @@ DSK_API dsk_status dsk_ckpt_merge(dsk_ckpt *ck, int64_t step) {
         job->plan.attempt = nonce;
         job->opts.world_size = rd.man.world;
         job->info.generation = rd.man.generation;
-        s = dsk__ckpt_write_manifest(fn, job->root, rd.step_dir, step, rd.man.world, nonce, rd.man.generation, NULL, &job->files,
-                                     &job->n_files);
+        s = dsk__ckpt_write_manifest(fn, job->root, rd.step_dir, step, rd.man.world, nonce, rd.man.generation, NULL,
+                                     &job->files, &job->n_files);
     }
     /* committed: drop the files only the old manifest used, then reclaim */
     if (s == DSK_OK) s = dsk__ckpt_scan_commit(fn, job, &old, &n_old);
@@ -4234,7 +4465,8 @@ DSK_API dsk_status dsk_ckpt_list(const char *dir, dsk_ckpt_info *out, int cap, i
     dsk__ckpt_scan sc;
     int *order;
     dsk_status s;
-    if (!dir || !n || cap < 0 || (cap && !out)) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument or cap %d", fn, cap);
+    if (!dir || !n || cap < 0 || (cap && !out))
+        return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument or cap %d", fn, cap);
     *n = 0;
     DSK__TRY(dsk__ckpt_scan_readable(fn, dir, &sc));
     if ((s = dsk__ckpt_by_generation(fn, &sc, &order, n)) == DSK_OK) {
@@ -4253,7 +4485,8 @@ DSK_API dsk_status dsk_ckpt_list(const char *dir, dsk_ckpt_info *out, int cap, i
 }
 
 /* Reads a whole tensor in chunks and compares its CRC with the header's. */
-static dsk_status dsk__ckpt_verify_tensor(const char *fn, dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t, unsigned char *buf, size_t chunk) {
+static dsk_status dsk__ckpt_verify_tensor(const char *fn, dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t,
+                                          unsigned char *buf, size_t chunk) {
     uint32_t crc = 0;
     for (uint64_t off = t->begin; off < t->end; off += chunk) {
         size_t k = (size_t)(t->end - off < chunk ? t->end - off : chunk);
@@ -4262,8 +4495,9 @@ static dsk_status dsk__ckpt_verify_tensor(const char *fn, dsk_ckpt_file *f, cons
         crc = dsk_ckpt_crc32c(crc, buf, k);
     }
     if (crc != t->crc32c)
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" in \"%s\": data crc32c %08x, header says %08x (data corrupt)", fn, t->name,
-                             f->path, crc, t->crc32c);
+        return dsk_set_error(DSK_ERR_CORRUPT,
+                             "%s: tensor \"%s\" in \"%s\": data crc32c %08x, header says %08x (data corrupt)", fn,
+                             t->name, f->path, crc, t->crc32c);
     return DSK_OK;
 }
 
@@ -4280,15 +4514,16 @@ static dsk_status dsk__ckpt_verify_layout(const char *fn, dsk__ckpt_reader *rd) 
             const dsk__ckpt_mslice *sl = &rd->man.slices[t->first + k];
             const dsk_ckpt_tensor_info *ft;
             dsk_ckpt_file *f;
-            if ((s = dsk__ckpt_reader_file(rd, sl->file, &f)) == DSK_OK && (s = dsk__ckpt_find_piece(fn, f, t, sl, &ft)) == DSK_OK)
+            if ((s = dsk__ckpt_reader_file(rd, sl->file, &f)) == DSK_OK &&
+                (s = dsk__ckpt_find_piece(fn, f, t, sl, &ft)) == DSK_OK)
                 pieces[sl->file]++;
         }
     }
     for (int i = 0; i < rd->man.world && s == DSK_OK; i++) {
         dsk_ckpt_file *f;
         if ((s = dsk__ckpt_reader_file(rd, i, &f)) == DSK_OK && f->n_tensors != pieces[i])
-            s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" holds %d tensors, the manifest places %d there", fn, f->path, f->n_tensors,
-                              pieces[i]);
+            s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" holds %d tensors, the manifest places %d there", fn, f->path,
+                              f->n_tensors, pieces[i]);
     }
     DSK_FREE(pieces);
     return s;
@@ -4307,7 +4542,8 @@ DSK_API dsk_status dsk_ckpt_verify(const char *dir, int64_t step) {
     for (int i = 0; s == DSK_OK && i < rd.man.n_files; i++) {
         dsk_ckpt_file *f;
         s = dsk__ckpt_reader_file(&rd, i, &f);
-        for (int k = 0; s == DSK_OK && k < f->n_tensors; k++) s = dsk__ckpt_verify_tensor(fn, f, &f->tensors[k], buf, chunk);
+        for (int k = 0; s == DSK_OK && k < f->n_tensors; k++)
+            s = dsk__ckpt_verify_tensor(fn, f, &f->tensors[k], buf, chunk);
         dsk_ckpt_file_close(f);
     }
     dsk__ckpt_reader_free(&rd);
@@ -4336,14 +4572,20 @@ DSK_API void dsk_ckpt_hf_close(dsk_ckpt_hf *h) {
 }
 
 /* A shard's file name from an index: a plain name inside dir. */
-static int dsk__ckpt_hf_plain_name(const char *s) { return s && *s && !strchr(s, '/') && strcmp(s, ".") && strcmp(s, ".."); }
+static int dsk__ckpt_hf_plain_name(const char *s) {
+    return s && *s && !strchr(s, '/') && strcmp(s, ".") && strcmp(s, "..");
+}
 
 /* Sorts names (with their shards) and refuses a name given twice. */
 static dsk_status dsk__ckpt_hf_sort(const char *fn, dsk_ckpt_hf *h, const char *where) {
     for (int i = 1; i < h->n_tensors; i++) { /* insertion of an index by name: usually sorted already */
         char *nm = h->names[i];
         int sh = h->shard_of[i], k = i;
-        while (k > 0 && strcmp(h->names[k - 1], nm) > 0) { h->names[k] = h->names[k - 1]; h->shard_of[k] = h->shard_of[k - 1]; k--; }
+        while (k > 0 && strcmp(h->names[k - 1], nm) > 0) {
+            h->names[k] = h->names[k - 1];
+            h->shard_of[k] = h->shard_of[k - 1];
+            k--;
+        }
         h->names[k] = nm;
         h->shard_of[k] = sh;
     }
@@ -4372,12 +4614,16 @@ static dsk_status dsk__ckpt_hf_read_index(const char *fn, dsk_ckpt_hf *h, const 
     h->names = (char **)DSK_MALLOC(((size_t)count + 1) * sizeof *h->names);
     h->shard_of = (int *)DSK_MALLOC(((size_t)count + 1) * sizeof *h->shard_of);
     h->shard_names = (char **)DSK_MALLOC(((size_t)count + 1) * sizeof *h->shard_names);
-    if (!h->names || !h->shard_of || !h->shard_names) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); goto done; }
+    if (!h->names || !h->shard_of || !h->shard_names) {
+        s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        goto done;
+    }
     for (int c = dsk__ckpt_jchild(&j, wm); c >= 0; c = dsk__ckpt_jnext(&j, c)) {
         const char *file = dsk__ckpt_jstr(&j, c);
         int k = 0;
         if (dsk__ckpt_jkey_nul(&j, c) || !dsk__ckpt_hf_plain_name(file)) {
-            s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": weight_map[\"%s\"] is not the name of a file in the directory", fn, path,
+            s = dsk_set_error(DSK_ERR_CORRUPT,
+                              "%s: \"%s\": weight_map[\"%s\"] is not the name of a file in the directory", fn, path,
                               dsk__ckpt_jkey(&j, c));
             goto done;
         }
@@ -4388,7 +4634,10 @@ static dsk_status dsk__ckpt_hf_read_index(const char *fn, dsk_ckpt_hf *h, const 
             goto done;
         }
         h->shard_of[h->n_tensors] = k;
-        if (!(h->names[h->n_tensors] = dsk__ckpt_strdup(dsk__ckpt_jkey(&j, c)))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); goto done; }
+        if (!(h->names[h->n_tensors] = dsk__ckpt_strdup(dsk__ckpt_jkey(&j, c)))) {
+            s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+            goto done;
+        }
         h->n_tensors++;
     }
     s = dsk__ckpt_hf_sort(fn, h, path);
@@ -4413,7 +4662,8 @@ static dsk_status dsk__ckpt_hf_read_single(const char *fn, dsk_ckpt_hf *h, const
     h->shard_of = (int *)DSK_MALLOC(((size_t)f->n_tensors + 1) * sizeof *h->shard_of);
     if (!h->names || !h->shard_of) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     for (int i = 0; i < f->n_tensors; i++) {
-        if (!(h->names[i] = dsk__ckpt_strdup(f->tensors[i].name))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        if (!(h->names[i] = dsk__ckpt_strdup(f->tensors[i].name)))
+            return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
         h->shard_of[i] = 0;
         h->n_tensors = i + 1;
     }
@@ -4431,7 +4681,9 @@ DSK_API dsk_status dsk_ckpt_hf_open(dsk_ckpt_hf *h, const char *dir) {
     if (!(h->dir = dsk__ckpt_strdup(dir)) || !idx || !single) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     else if (dsk__ckpt_exists(idx)) s = dsk__ckpt_hf_read_index(fn, h, idx);
     else if (dsk__ckpt_exists(single)) s = dsk__ckpt_hf_read_single(fn, h, single);
-    else s = dsk_set_error(DSK_ERR_IO, "%s: \"%s\" holds neither %s nor %s", fn, dir, DSK__CKPT_HF_INDEX, DSK__CKPT_HF_SINGLE);
+    else
+        s = dsk_set_error(DSK_ERR_IO, "%s: \"%s\" holds neither %s nor %s", fn, dir, DSK__CKPT_HF_INDEX,
+                          DSK__CKPT_HF_SINGLE);
     if (s == DSK_OK && !h->shards) {
         if (!(h->shards = (dsk_ckpt_file *)DSK_MALLOC(((size_t)h->n_shards + 1) * sizeof *h->shards)))
             s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
@@ -4443,10 +4695,12 @@ DSK_API dsk_status dsk_ckpt_hf_open(dsk_ckpt_hf *h, const char *dir) {
     return s;
 }
 
-DSK_API dsk_status dsk_ckpt_hf_find(dsk_ckpt_hf *h, const char *name, dsk_ckpt_file **file, const dsk_ckpt_tensor_info **info) {
+DSK_API dsk_status dsk_ckpt_hf_find(dsk_ckpt_hf *h, const char *name, dsk_ckpt_file **file,
+                                    const dsk_ckpt_tensor_info **info) {
     const char *fn = "dsk_ckpt_hf_find";
     int lo = 0, hi, k, t;
-    if (!h || !h->dir || !name || !file || !info) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument or closed set", fn);
+    if (!h || !h->dir || !name || !file || !info)
+        return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument or closed set", fn);
     hi = h->n_tensors - 1;
     while (lo <= hi) {
         int mid = lo + (hi - lo) / 2, c = strcmp(h->names[mid], name);
@@ -4465,7 +4719,8 @@ DSK_API dsk_status dsk_ckpt_hf_find(dsk_ckpt_hf *h, const char *name, dsk_ckpt_f
         if (s != DSK_OK) return s;
     }
     if ((t = dsk_ckpt_file_find(&h->shards[k], name)) < 0)
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: the index places \"%s\" in \"%s\", which does not hold it", fn, name, h->shards[k].path);
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: the index places \"%s\" in \"%s\", which does not hold it", fn, name,
+                             h->shards[k].path);
     *file = &h->shards[k];
     *info = &h->shards[k].tensors[t];
     return DSK_OK;
@@ -4486,17 +4741,21 @@ static dsk_status dsk__ckpt_hf_count(const char *fn, const dsk_ckpt_hf_entry *e,
     if (!e->name || !e->tensor) return dsk_set_error(DSK_ERR_ARG, "%s: entry %d has no name or tensor", fn, i);
     if (!e->stacked) { *count = 1; return DSK_OK; }
     if (e->tensor->ndim < 1 || e->expert0 < 0 || !strstr(e->name, "{E}"))
-        return dsk_set_error(DSK_ERR_ARG, "%s: stacked entry \"%s\" needs a tensor of at least one dim, expert0 >= 0 and \"{E}\" in its name",
-                             fn, e->name);
+        return dsk_set_error(
+            DSK_ERR_ARG,
+            "%s: stacked entry \"%s\" needs a tensor of at least one dim, expert0 >= 0 and \"{E}\" in its name", fn,
+            e->name);
     *count = e->tensor->shape[0];
     return DSK_OK;
 }
 
-DSK_API dsk_status dsk_ckpt_hf_read(dsk_ckpt_hf *h, dsk_ctx *ctx, const dsk_ckpt_hf_entry *entries, int n, int allow_cast) {
+DSK_API dsk_status dsk_ckpt_hf_read(dsk_ckpt_hf *h, dsk_ctx *ctx, const dsk_ckpt_hf_entry *entries, int n,
+                                    int allow_cast) {
     const char *fn = "dsk_ckpt_hf_read";
     dsk__ckpt_buf nm;
     dsk_status s = DSK_OK;
-    if (!h || !h->dir || n < 0 || (n && !entries)) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument or closed set", fn);
+    if (!h || !h->dir || n < 0 || (n && !entries))
+        return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument or closed set", fn);
     memset(&nm, 0, sizeof nm);
     for (int i = 0; i < n && s == DSK_OK; i++) {
         const dsk_ckpt_hf_entry *e = &entries[i];
@@ -4512,7 +4771,8 @@ DSK_API dsk_status dsk_ckpt_hf_read(dsk_ckpt_hf *h, dsk_ctx *ctx, const dsk_ckpt
                 if ((s = dsk_tensor_select(e->tensor, k, &view)) != DSK_OK) break;
                 name = nm.p;
             }
-            if ((s = dsk_ckpt_hf_find(h, name, &f, &t)) == DSK_OK) s = dsk_ckpt_file_read(f, ctx, name, &view, allow_cast);
+            if ((s = dsk_ckpt_hf_find(h, name, &f, &t)) == DSK_OK)
+                s = dsk_ckpt_file_read(f, ctx, name, &view, allow_cast);
         }
     }
     dsk__ckpt_buf_free(&nm);
@@ -4536,13 +4796,15 @@ static void dsk__ckpt_hf_shard_name(char *buf, size_t n, int k, int total) {
 }
 
 /* The index text of an export; items sorted by name here. */
-static dsk_status dsk__ckpt_hf_index_text(const char *fn, dsk__ckpt_buf *b, dsk__ckpt_hf_item *items, int n, int n_shards) {
+static dsk_status dsk__ckpt_hf_index_text(const char *fn, dsk__ckpt_buf *b, dsk__ckpt_hf_item *items, int n,
+                                          int n_shards) {
     dsk__ckpt_hf_item **order = (dsk__ckpt_hf_item **)DSK_MALLOC(((size_t)n + 1) * sizeof *order);
     uint64_t total = 0;
     if (!order) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     for (int i = 0; i < n; i++) { order[i] = &items[i]; total += dsk_tensor_nbytes(&items[i].view); }
     qsort(order, (size_t)n, sizeof *order, dsk__ckpt_cmp_hf_item);
-    dsk__ckpt_putf(b, "{\n  \"metadata\": {\n    \"total_size\": %llu\n  },\n  \"weight_map\": {", (unsigned long long)total);
+    dsk__ckpt_putf(b, "{\n  \"metadata\": {\n    \"total_size\": %llu\n  },\n  \"weight_map\": {",
+                   (unsigned long long)total);
     for (int i = 0; i < n; i++) {
         char shard[64];
         if (i && strcmp(order[i]->name, order[i - 1]->name) == 0) {
@@ -4571,7 +4833,8 @@ static dsk_status dsk__ckpt_hf_tidy(const char *fn, const char *dir, int n_shard
         int k, total, len = 0;
         char *p;
         if (strcmp(de->d_name, DSK__CKPT_HF_SINGLE) != 0 &&
-            (sscanf(de->d_name, "model-%5d-of-%5d.safetensors%n", &k, &total, &len) != 2 || de->d_name[len] || total == n_shards))
+            (sscanf(de->d_name, "model-%5d-of-%5d.safetensors%n", &k, &total, &len) != 2 || de->d_name[len] ||
+             total == n_shards))
             continue;
         if (!(p = dsk__ckpt_join(dir, de->d_name))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
         s = dsk__ckpt_remove(fn, p, &removed);
@@ -4598,7 +4861,8 @@ static dsk_status dsk__ckpt_hf_items(const char *fn, const dsk_ckpt_hf_entry *en
         total += c;
     }
     if (total > INT32_MAX / 2) return dsk_set_error(DSK_ERR_ARG, "%s: %lld tensors", fn, (long long)total);
-    if (!(*out = (dsk__ckpt_hf_item *)DSK_MALLOC(((size_t)total + 1) * sizeof **out))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if (!(*out = (dsk__ckpt_hf_item *)DSK_MALLOC(((size_t)total + 1) * sizeof **out)))
+        return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     memset(*out, 0, ((size_t)total + 1) * sizeof **out);
     memset(&nm, 0, sizeof nm);
     for (int i = 0; i < n && s == DSK_OK; i++) {
@@ -4611,7 +4875,10 @@ static dsk_status dsk__ckpt_hf_items(const char *fn, const dsk_ckpt_hf_entry *en
             if (e->stacked && (s = dsk__ckpt_hf_expert_name(fn, e->name, e->expert0 + x, &nm)) == DSK_OK)
                 s = dsk_tensor_select(e->tensor, x, &it->view);
             if (s != DSK_OK) break;
-            if (!(it->name = dsk__ckpt_strdup(e->stacked ? nm.p : e->name))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
+            if (!(it->name = dsk__ckpt_strdup(e->stacked ? nm.p : e->name))) {
+                s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+                break;
+            }
             *n_items = k + 1;
             bytes = dsk_tensor_nbytes(&it->view);
             if (fill && fill + bytes > max_bytes) { (*n_shards)++; fill = 0; }
@@ -4623,8 +4890,8 @@ static dsk_status dsk__ckpt_hf_items(const char *fn, const dsk_ckpt_hf_entry *en
     return s;
 }
 
-DSK_API dsk_status dsk_ckpt_hf_save(dsk_ctx *ctx, const char *dir, const dsk_ckpt_hf_entry *entries, int n, const dsk_ckpt_kv *kv,
-                                    int n_kv, uint64_t max_shard_bytes) {
+DSK_API dsk_status dsk_ckpt_hf_save(dsk_ctx *ctx, const char *dir, const dsk_ckpt_hf_entry *entries, int n,
+                                    const dsk_ckpt_kv *kv, int n_kv, uint64_t max_shard_bytes) {
     const char *fn = "dsk_ckpt_hf_save";
     dsk__ckpt_hf_item *items = NULL;
     dsk_ckpt_entry *fe = NULL;
@@ -4633,8 +4900,10 @@ DSK_API dsk_status dsk_ckpt_hf_save(dsk_ctx *ctx, const char *dir, const dsk_ckp
     int n_items = 0, n_shards = 0, has_format = 0;
     dsk_status s;
     memset(&idx, 0, sizeof idx);
-    if (!dir || n < 0 || (n && !entries) || n_kv < 0 || (n_kv && !kv)) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
-    s = dsk__ckpt_hf_items(fn, entries, n, max_shard_bytes ? max_shard_bytes : 5000000000ull, &items, &n_items, &n_shards);
+    if (!dir || n < 0 || (n && !entries) || n_kv < 0 || (n_kv && !kv))
+        return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
+    s = dsk__ckpt_hf_items(fn, entries, n, max_shard_bytes ? max_shard_bytes : 5000000000ull, &items, &n_items,
+                           &n_shards);
     for (int i = 0; i < n_kv; i++) has_format |= kv[i].key && strcmp(kv[i].key, "format") == 0;
     fe = (dsk_ckpt_entry *)DSK_MALLOC(((size_t)n_items + 1) * sizeof *fe);
     meta = (dsk_ckpt_kv *)DSK_MALLOC(((size_t)n_kv + 2) * sizeof *meta);
@@ -4683,14 +4952,17 @@ DSK_API dsk_status dsk_ckpt_hf_deepseek_name(char *buf, size_t n, int layer, con
         {"shared.w2", "mlp.shared_experts.down_proj.weight"},
     };
     int k;
-    if (!buf || !moe_param || layer < 0) return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_hf_deepseek_name: NULL argument or layer %d", layer);
+    if (!buf || !moe_param || layer < 0)
+        return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_hf_deepseek_name: NULL argument or layer %d", layer);
     for (size_t i = 0; i < sizeof map / sizeof map[0]; i++)
         if (strcmp(map[i][0], moe_param) == 0) {
             k = snprintf(buf, n, "model.layers.%d.%s", layer, map[i][1]);
-            if (k < 0 || (size_t)k >= n) return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_hf_deepseek_name: a buffer of %zu bytes is too small", n);
+            if (k < 0 || (size_t)k >= n)
+                return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_hf_deepseek_name: a buffer of %zu bytes is too small", n);
             return DSK_OK;
         }
-    return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_hf_deepseek_name: no DeepSeek name for dsk_moe parameter \"%s\"", moe_param);
+    return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_hf_deepseek_name: no DeepSeek name for dsk_moe parameter \"%s\"",
+                         moe_param);
 }
 
 /* ---------------------------------------------------------------- metadata */
@@ -4706,7 +4978,8 @@ DSK_API dsk_status dsk_ckpt_meta_i64(const dsk_ckpt_meta *m, const char *key, in
     const char *v = dsk_ckpt_meta_get(m, key);
     if (!out) return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_meta_i64: out is NULL");
     if (!v) return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_meta_i64: no key \"%s\"", key ? key : "(null)");
-    if (!dsk__ckpt_parse_i64(v, out)) return dsk_set_error(DSK_ERR_CORRUPT, "dsk_ckpt_meta_i64: \"%s\" = \"%s\" is not an int64", key, v);
+    if (!dsk__ckpt_parse_i64(v, out))
+        return dsk_set_error(DSK_ERR_CORRUPT, "dsk_ckpt_meta_i64: \"%s\" = \"%s\" is not an int64", key, v);
     return DSK_OK;
 }
 
@@ -4716,7 +4989,8 @@ DSK_API dsk_status dsk_ckpt_meta_f64(const dsk_ckpt_meta *m, const char *key, do
     if (!out) return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_meta_f64: out is NULL");
     if (!v) return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_meta_f64: no key \"%s\"", key ? key : "(null)");
     *out = strtod(v, &end);
-    if (!*v || *end) return dsk_set_error(DSK_ERR_CORRUPT, "dsk_ckpt_meta_f64: \"%s\" = \"%s\" is not a number", key, v);
+    if (!*v || *end)
+        return dsk_set_error(DSK_ERR_CORRUPT, "dsk_ckpt_meta_f64: \"%s\" = \"%s\" is not a number", key, v);
     return DSK_OK;
 }
 

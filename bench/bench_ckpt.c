@@ -88,7 +88,8 @@ static double raw_read(const char *path, void *buf, size_t n) {
     t0 = bench_now_s();
     if ((fd = open(path, O_RDONLY)) < 0) { perror(path); exit(1); }
     while (done < n) {
-        ssize_t k = pread(fd, (char *)buf + done, n - done < ((size_t)8 << 20) ? n - done : ((size_t)8 << 20), (off_t)done);
+        ssize_t k =
+            pread(fd, (char *)buf + done, n - done < ((size_t)8 << 20) ? n - done : ((size_t)8 << 20), (off_t)done);
         if (k <= 0) { perror("pread"); exit(1); }
         done += (size_t)k;
     }
@@ -135,8 +136,9 @@ static void write_then_fsync(const char *path, dsk_tensor *t, int n, double *dt_
 static void profile(dsk_tensor *t, dsk_ckpt_entry *e, int n, size_t total, int reps, const char *root, dsk_ckpt *ck) {
     char raw_path[700], ck_dir[700], small[700], cmd[1500];
     double *x = (double *)calloc((size_t)reps * 6, sizeof(double));
-    const char *names[6] = {"raw write+fsync", "dsk save", "crc32c of every byte", "write() alone (page cache)", "its fsync alone",
-                            "one small durable file"};
+    const char *names[6] = {"raw write+fsync",      "dsk save",
+                            "crc32c of every byte", "write() alone (page cache)",
+                            "its fsync alone",      "one small durable file"};
     snprintf(raw_path, sizeof raw_path, "%s/raw.bin", root);
     snprintf(ck_dir, sizeof ck_dir, "%s/ckpt", root);
     snprintf(small, sizeof small, "%s/small.safetensors", root);
@@ -192,8 +194,8 @@ static void incremental(dsk_tensor *t, dsk_ckpt_entry *e, int n, size_t total, c
     BENCH_CHECK(dsk_ckpt_save(&ck, 2, e, n, NULL, 0));
     t_inc = bench_now_s() - t0;
     written = dsk_ckpt_last_save(&ck)->bytes_written;
-    printf("incremental save  %7.3f s  wrote %.3f GB of %.3f GB (%d of %d tensors changed; the first, full: %.3f s)\n", t_inc,
-           written / 1e9, total / 1e9, dsk_ckpt_last_save(&ck)->tensors_written, n, t_full);
+    printf("incremental save  %7.3f s  wrote %.3f GB of %.3f GB (%d of %d tensors changed; the first, full: %.3f s)\n",
+           t_inc, written / 1e9, total / 1e9, dsk_ckpt_last_save(&ck)->tensors_written, n, t_full);
     dsk_ckpt_free(&ck);
     for (int i = 0; i < n; i += 4) BENCH_CHECK(dsk_tensor_uniform(NULL, &t[i], 7, (uint64_t)i << 32, -1.0f, 1.0f));
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
@@ -205,7 +207,8 @@ static int python_peer(int n, const char *dir, double *plain, double *synced) {
     char cmd[1200], line[512];
     FILE *p;
     int ok = 0;
-    snprintf(cmd, sizeof cmd, "%s bench/ckpt_peer.py %d 1 '%s' 1 2>&1", getenv("PYTHON") ? getenv("PYTHON") : "python3", n, dir);
+    snprintf(cmd, sizeof cmd, "%s bench/ckpt_peer.py %d 1 '%s' 1 2>&1", getenv("PYTHON") ? getenv("PYTHON") : "python3",
+             n, dir);
     if (!(p = popen(cmd, "r"))) return 0;
     while (fgets(line, sizeof line, p))
         if (sscanf(line, "peer save_file %lf fsync %lf", plain, synced) == 2) ok = 1;
@@ -221,11 +224,15 @@ int main(int argc, char **argv) {
     dsk_tensor *t;
     dsk_ckpt_entry *e;
     dsk_ckpt ck;
-    double *ts_raw, *ts_save, *ts_read, *ts_load, *ts_async_warm, *ts_copy, *ts_py, *ts_pys, async_first = 0, py_plain = 0, py_synced = 0;
+    double *ts_raw, *ts_save, *ts_read, *ts_load, *ts_async_warm, *ts_copy, *ts_py, *ts_pys,
+        async_first = 0, py_plain = 0, py_synced = 0;
     int py_ok = 1;
     size_t total = 0;
     void *readbuf;
-    if (n < 1 || n > 256 || reps < 1) { fprintf(stderr, "usage: bench_ckpt [MiB 16..4096] [repeats >= 1] [dir]\n"); return 2; }
+    if (n < 1 || n > 256 || reps < 1) {
+        fprintf(stderr, "usage: bench_ckpt [MiB 16..4096] [repeats >= 1] [dir]\n");
+        return 2;
+    }
     snprintf(root, sizeof root, "%s/dsk_bench_ckpt_%d", base, (int)getpid());
     mkdir(root, 0755);
     snprintf(ck_dir, sizeof ck_dir, "%s/ckpt", root);
@@ -305,20 +312,24 @@ int main(int argc, char **argv) {
         double rd = bench_median(ts_read, reps), ld = bench_median(ts_load, reps);
         double warm = bench_median(ts_async_warm, reps), gb = total / 1e9;
         printf("raw write+fsync   %7.3f s  %6.2f GB/s\n", raw, gb / raw);
-        printf("dsk save          %7.3f s  %6.2f GB/s   ratio vs raw write %.2f (target >= 0.95)\n", save, gb / save, raw / save);
+        printf("dsk save          %7.3f s  %6.2f GB/s   ratio vs raw write %.2f (target >= 0.95)\n", save, gb / save,
+               raw / save);
         if (py_ok) {
             double py_save = bench_median(ts_py, reps), py_fsync = bench_median(ts_pys, reps);
-            printf("python save_file  %7.3f s  %6.2f GB/s   dsk speed-up %.2fx (no fsync in safetensors)\n", py_save, gb / py_save, py_save / save);
-            printf("python +fsync     %7.3f s  %6.2f GB/s   dsk speed-up %.2fx\n", py_fsync, gb / py_fsync, py_fsync / save);
+            printf("python save_file  %7.3f s  %6.2f GB/s   dsk speed-up %.2fx (no fsync in safetensors)\n", py_save,
+                   gb / py_save, py_save / save);
+            printf("python +fsync     %7.3f s  %6.2f GB/s   dsk speed-up %.2fx\n", py_fsync, gb / py_fsync,
+                   py_fsync / save);
         } else {
             printf("python peer       unavailable (needs python3 with safetensors and numpy)\n");
         }
         printf("raw read (cold)   %7.3f s  %6.2f GB/s\n", rd, gb / rd);
         printf("dsk load (cold)   %7.3f s  %6.2f GB/s   ratio vs raw read %.2f\n", ld, gb / ld, rd / ld);
-        printf("async stall first %7.3f s  = %.3f of a sync save (allocates the snapshot buffer)\n", async_first, async_first / save);
+        printf("async stall first %7.3f s  = %.3f of a sync save (allocates the snapshot buffer)\n", async_first,
+               async_first / save);
         printf("async stall warm  %7.3f s  = %.3f of a sync save (target < 0.10)\n", warm, warm / save);
-        printf("memcpy same bytes %7.3f s  %6.2f GB/s   async stall / memcpy %.2f\n", bench_median(ts_copy, reps), gb / bench_median(ts_copy, reps),
-               warm / bench_median(ts_copy, reps));
+        printf("memcpy same bytes %7.3f s  %6.2f GB/s   async stall / memcpy %.2f\n", bench_median(ts_copy, reps),
+               gb / bench_median(ts_copy, reps), warm / bench_median(ts_copy, reps));
     }
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);
     run(cmd);

@@ -32,7 +32,8 @@ static void fuzz_manifest(const uint8_t *data, size_t size) {
                 const dsk__ckpt_mslice *sl = &m.slices[t->first + k];
                 if (sl->file < 0 || sl->file >= m.n_files) abort();
                 for (int d = 0; d < t->ndim; d++) /* the slice's box inside its tensor */
-                    if (sl->box[d] < 0 || sl->box[t->ndim + d] < 0 || sl->box[d] + sl->box[t->ndim + d] > t->shape[d]) abort();
+                    if (sl->box[d] < 0 || sl->box[t->ndim + d] < 0 || sl->box[d] + sl->box[t->ndim + d] > t->shape[d])
+                        abort();
             }
             if (dsk__ckpt_manifest_find(&m, t->name) != t) abort();
         }

@@ -86,7 +86,8 @@ static void test_save_load_device(int async) {
     DSK_TEST_OK(dsk_ckpt_init(&ckd, dir_d, &o));
     DSK_TEST_OK(dsk_ckpt_init(&ckh, dir_h, NULL));
     {
-        dsk_ckpt_entry ed[2] = {{"a", &da, 0, 0, 0, NULL, NULL}, {"bt", &dbt, 0, 0, 0, NULL, NULL}}, eh[2] = {{"a", &ha, 0, 0, 0, NULL, NULL}, {"bt", &hbt, 0, 0, 0, NULL, NULL}};
+        dsk_ckpt_entry ed[2] = {{"a", &da, 0, 0, 0, NULL, NULL}, {"bt", &dbt, 0, 0, 0, NULL, NULL}},
+                       eh[2] = {{"a", &ha, 0, 0, 0, NULL, NULL}, {"bt", &hbt, 0, 0, 0, NULL, NULL}};
         if (async) {
             DSK_TEST_OK(dsk_ckpt_save_async(&ckd, 1, ed, 2, NULL, 0));
             DSK_TEST_OK(dsk_tensor_fill(&G, &da, 0.0)); /* training overwrites the weights at once */
@@ -98,7 +99,8 @@ static void test_save_load_device(int async) {
         DSK_TEST_OK(dsk_ckpt_save(&ckh, 1, eh, 2, NULL, 0));
     }
     DSK_TEST_EXPECT(recorded_crc(dir_d, 1, "a") == recorded_crc(dir_h, 1, "a"), "device and host saves of a differ");
-    DSK_TEST_EXPECT(recorded_crc(dir_d, 1, "bt") == recorded_crc(dir_h, 1, "bt"), "device and host saves of the transposed b differ");
+    DSK_TEST_EXPECT(recorded_crc(dir_d, 1, "bt") == recorded_crc(dir_h, 1, "bt"),
+                    "device and host saves of the transposed b differ");
     /* load into device tensors and compare with the host originals */
     DSK_TEST_OK(dsk_tensor_alloc(&G, &la, DSK_F32, 2, sa));
     DSK_TEST_OK(dsk_tensor_alloc(&G, &lb, DSK_BF16, 2, hbt.shape));
@@ -157,7 +159,10 @@ static void test_cast_on_load(void) {
     to_host(&back, &dev_bf16);
     DSK_TEST_SAME_BYTES(back.data, host_bf16.data, dsk_tensor_nbytes(&back), "bf16 cast on load, device vs host");
     dsk_ckpt_free(&ck);
-    dsk_tensor_free(NULL, &h); dsk_tensor_free(&G, &dev_bf16); dsk_tensor_free(NULL, &host_bf16); dsk_tensor_free(NULL, &back);
+    dsk_tensor_free(NULL, &h);
+    dsk_tensor_free(&G, &dev_bf16);
+    dsk_tensor_free(NULL, &host_bf16);
+    dsk_tensor_free(NULL, &back);
 }
 
 int main(void) {

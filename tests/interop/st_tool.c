@@ -47,7 +47,9 @@ static int dsk_of(const char *st) {
     return -1;
 }
 
-static int numpy_native(dsk_dtype dt) { return dt == DSK_F32 || dt == DSK_F16 || dt == DSK_F64 || dt == DSK_I32 || dt == DSK_I64 || dt == DSK_U8; }
+static int numpy_native(dsk_dtype dt) {
+    return dt == DSK_F32 || dt == DSK_F16 || dt == DSK_F64 || dt == DSK_I32 || dt == DSK_I64 || dt == DSK_U8;
+}
 
 /* The values both sides compute: floats sin(0.37 i + 0.11 k) * 3, ints (7 i + 3 k) mod 200
    (minus 100 for signed types). The Python checker has its own copy of this formula. */
@@ -110,15 +112,16 @@ static int do_write(const char *dir) {
     snprintf(path, sizeof path, "%s/dsk_numpy.safetensors", dir);
     report(dsk_ckpt_file_save(NULL, path, np, n_np, kv, 2) == DSK_OK, "dsk writes the numpy dtypes", dsk_last_error());
     snprintf(path, sizeof path, "%s/ckpt", dir);
-    report(dsk_ckpt_init(&ck, path, NULL) == DSK_OK && dsk_ckpt_save(&ck, 42, all, n, kv, 2) == DSK_OK, "dsk writes a checkpoint",
-           dsk_last_error());
+    report(dsk_ckpt_init(&ck, path, NULL) == DSK_OK && dsk_ckpt_save(&ck, 42, all, n, kv, 2) == DSK_OK,
+           "dsk writes a checkpoint", dsk_last_error());
     dsk_ckpt_free(&ck);
     for (int i = 0; i < n; i++) dsk_tensor_free(NULL, &t[i]);
     return failures != 0;
 }
 
 /* Reads one tensor of a Python-written file and compares it with Python's raw bytes. */
-static void read_one(const char *dir, dsk_ckpt_file *f, const char *name, const char *st, int ndim, const int64_t *shape) {
+static void read_one(const char *dir, dsk_ckpt_file *f, const char *name, const char *st, int ndim,
+                     const int64_t *shape) {
     char path[1024], what[256], why[1200];
     int d = dsk_of(st);
     dsk_tensor t;
@@ -145,7 +148,8 @@ static void read_one(const char *dir, dsk_ckpt_file *f, const char *name, const 
     want = (unsigned char *)malloc(n + 1);
     raw = fopen(path, "rb");
     if (s != DSK_OK) snprintf(why, sizeof why, "%s", dsk_last_error());
-    else if (!raw || fread(want, 1, n + 1, raw) != n) snprintf(why, sizeof why, "raw file %s missing or of another size", path);
+    else if (!raw || fread(want, 1, n + 1, raw) != n)
+        snprintf(why, sizeof why, "raw file %s missing or of another size", path);
     else if (memcmp(want, t.data, n) != 0) snprintf(why, sizeof why, "bytes differ");
     else why[0] = 0;
     report(!why[0], what, why);
@@ -167,7 +171,8 @@ static int do_read(const char *dir) {
     }
     {
         const char *fw = dsk_ckpt_file_meta(&files[0], "framework");
-        report(fw && strcmp(fw, "numpy-interop") == 0, "dsk reads __metadata__ written by Python", fw ? fw : "(missing)");
+        report(fw && strcmp(fw, "numpy-interop") == 0, "dsk reads __metadata__ written by Python",
+               fw ? fw : "(missing)");
     }
     snprintf(path, sizeof path, "%s/py_index.txt", dir);
     if (!(idx = fopen(path, "r"))) { report(0, "read py_index.txt", path); return 1; }
@@ -240,8 +245,8 @@ typedef struct hf_model {
 
 static void hf_model_init(hf_model *m, int fill) {
     static const char *params[8] = {"router", "bias", "w1", "w3", "w2", "shared.w1", "shared.w3", "shared.w2"};
-    const int64_t shapes[8][3] = {{HF_E, HF_D}, {HF_E}, {HF_E, HF_F, HF_D}, {HF_E, HF_F, HF_D}, {HF_E, HF_D, HF_F}, {HF_F, HF_D}, {HF_F, HF_D},
-                                  {HF_D, HF_F}};
+    const int64_t shapes[8][3] = {{HF_E, HF_D},       {HF_E},       {HF_E, HF_F, HF_D}, {HF_E, HF_F, HF_D},
+                                  {HF_E, HF_D, HF_F}, {HF_F, HF_D}, {HF_F, HF_D},       {HF_D, HF_F}};
     const int ndims[8] = {2, 1, 3, 3, 3, 2, 2, 2};
     const int64_t se[2] = {HF_V, HF_D};
     m->n = 0;
@@ -254,7 +259,8 @@ static void hf_model_init(hf_model *m, int fill) {
             if (fill) {
                 dsk_tensor f64;
                 dsk_tensor_alloc(NULL, &f64, DSK_F64, ndims[i], shapes[i]);
-                for (int64_t k = 0; k < dsk_tensor_numel(&f64); k++) ((double *)f64.data)[k] = value(DSK_F32, k, 10 * l + i);
+                for (int64_t k = 0; k < dsk_tensor_numel(&f64); k++)
+                    ((double *)f64.data)[k] = value(DSK_F32, k, 10 * l + i);
                 dsk_tensor_copy(NULL, t, &f64);
                 dsk_tensor_free(NULL, &f64);
             }
@@ -293,7 +299,8 @@ static int do_hf_read(const char *dir) {
     if (s == DSK_OK) {
         s = dsk_ckpt_hf_read(&h, NULL, m.e, m.n, 0);
         snprintf(why, sizeof why, "%s", dsk_last_error());
-        report(s == DSK_OK && h.n_shards == 3, "dsk reads every tensor, per-expert ones into stacked (E, F, D) and (E, D, F)", why);
+        report(s == DSK_OK && h.n_shards == 3,
+               "dsk reads every tensor, per-expert ones into stacked (E, F, D) and (E, D, F)", why);
     }
     for (int i = 0; i < m.n && s == DSK_OK; i++) {
         const dsk_ckpt_hf_entry *e = &m.e[i];
@@ -301,9 +308,11 @@ static int do_hf_read(const char *dir) {
         size_t per = dsk_tensor_nbytes(e->tensor) / (size_t)count;
         for (int64_t x = 0; x < count; x++) {
             const char *at = strstr(e->name, "{E}");
-            if (e->stacked) snprintf(name, sizeof name, "%.*s%lld%s", (int)(at - e->name), e->name, (long long)x, at + 3);
+            if (e->stacked)
+                snprintf(name, sizeof name, "%.*s%lld%s", (int)(at - e->name), e->name, (long long)x, at + 3);
             else snprintf(name, sizeof name, "%s", e->name);
-            report(same_as_expect(dir, name, (const char *)e->tensor->data + x * per, per), name, "bytes differ from Python's");
+            report(same_as_expect(dir, name, (const char *)e->tensor->data + x * per, per), name,
+                   "bytes differ from Python's");
         }
     }
     dsk_ckpt_hf_close(&h);
@@ -323,7 +332,8 @@ static int do_hf_write(const char *dir) {
     mkdir(path, 0755);
     hf_model_init(&m, 1);
     s = dsk_ckpt_hf_save(NULL, dir, m.e, m.n, NULL, 0, 1024);
-    report(s == DSK_OK, "dsk exports the stacked experts in the DeepSeek layout, sharded, with an index", dsk_last_error());
+    report(s == DSK_OK, "dsk exports the stacked experts in the DeepSeek layout, sharded, with an index",
+           dsk_last_error());
     snprintf(path, sizeof path, "%s/hf_list.txt", dir);
     if (!(list = fopen(path, "w"))) { report(0, "write hf_list.txt", path); hf_model_free(&m); return 1; }
     for (int i = 0; i < m.n; i++) {
@@ -334,7 +344,8 @@ static int do_hf_write(const char *dir) {
             const char *at = strstr(e->name, "{E}");
             int nd = e->stacked ? e->tensor->ndim - 1 : e->tensor->ndim;
             const int64_t *sh = e->stacked ? e->tensor->shape + 1 : e->tensor->shape;
-            if (e->stacked) snprintf(name, sizeof name, "%.*s%lld%s", (int)(at - e->name), e->name, (long long)x, at + 3);
+            if (e->stacked)
+                snprintf(name, sizeof name, "%.*s%lld%s", (int)(at - e->name), e->name, (long long)x, at + 3);
             else snprintf(name, sizeof name, "%s", e->name);
             fprintf(list, "%s %s %d", name, st_name(e->tensor->dtype), nd);
             for (int d = 0; d < nd; d++) fprintf(list, " %lld", (long long)sh[d]);
@@ -342,7 +353,8 @@ static int do_hf_write(const char *dir) {
             snprintf(path, sizeof path, "%s/hf_expect/%s.bin", dir, name);
             {
                 FILE *f = fopen(path, "wb");
-                if (!f || fwrite((const char *)e->tensor->data + x * per, 1, per, f) != per) report(0, "write expected bytes", path);
+                if (!f || fwrite((const char *)e->tensor->data + x * per, 1, per, f) != per)
+                    report(0, "write expected bytes", path);
                 if (f) fclose(f);
             }
         }
@@ -353,8 +365,8 @@ static int do_hf_write(const char *dir) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 3 || (strcmp(argv[1], "write") && strcmp(argv[1], "read") && strcmp(argv[1], "cases") && strcmp(argv[1], "hf-read") &&
-                      strcmp(argv[1], "hf-write"))) {
+    if (argc != 3 || (strcmp(argv[1], "write") && strcmp(argv[1], "read") && strcmp(argv[1], "cases") &&
+                      strcmp(argv[1], "hf-read") && strcmp(argv[1], "hf-write"))) {
         fprintf(stderr, "usage: st_tool write|read|cases|hf-read|hf-write DIR\n");
         return 2;
     }
