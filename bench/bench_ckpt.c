@@ -1,7 +1,7 @@
 /* bench_ckpt.c - checkpoint save/load throughput against the disk itself and against Python's
    safetensors, and the stall an async save imposes on the caller.
 
-     build-x/bench/bench_ckpt [MiB=1024] [repeats=3] [dir=$TMPDIR or /tmp] [profile]
+     build-x/bench/bench_ckpt [MiB=1024] [repeats=3] [dir=$TMPDIR or /tmp] [profile|pairs]
 
    Tensors: MiB/16 tensors of 16 MiB, alternating f32 (2048, 2048) and bf16 (2048, 4096).
    Peers, measured in the same run on the same disk (one warm-up, then `repeats`, median;
@@ -20,7 +20,10 @@
    Incremental: an incremental save after changing a quarter of the tensors: bytes written
    and time against a full save.
    profile: where a save's time goes, each part timed alone on the same bytes (CRC32C, write()
-   without fsync, the fsync, one small durable file), next to the raw write and the save. */
+   without fsync, the fsync, one small durable file), next to the raw write and the save.
+   pairs: only the save against the raw write, `repeats` pairs, each write after a sync() and
+   a 1 s pause (a disk shared with other jobs recovers from the last burst), the order
+   alternating; the median of the pairs' ratios is the figure least moved by the disk's drift. */
 #define DSK_TENSOR_IMPLEMENTATION
 #define DSK_CKPT_IMPLEMENTATION
 #include "dsk_tensor.h"
@@ -186,6 +189,45 @@ static void profile(dsk_tensor *t, dsk_ckpt_entry *e, int n, size_t total, int r
     free(x);
 }
 
+/* The pairs protocol (see the top of the file). */
+static void pairs(dsk_tensor *t, dsk_ckpt_entry *e, int n, size_t total, int reps, const char *root, dsk_ckpt *ck) {
+    char raw_path[700], ck_dir[700], cmd[1500];
+    double *x = (double *)calloc((size_t)reps * 3, sizeof(double));
+    snprintf(raw_path, sizeof raw_path, "%s/raw.bin", root);
+    snprintf(ck_dir, sizeof ck_dir, "%s/ckpt", root);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", ck_dir);
+    for (int r = -1; r < reps; r++) {
+        double v[2] = {0, 0};
+        for (int k = 0; k < 2; k++) {
+            unlink(raw_path);
+            run(cmd);
+            sync();
+            sleep(1);
+            if ((k == 0) == (r % 2 == 0)) v[0] = raw_write(raw_path, t, n);
+            else {
+                double t0 = bench_now_s();
+                BENCH_CHECK(dsk_ckpt_save(ck, 1, e, n, NULL, 0));
+                v[1] = bench_now_s() - t0;
+            }
+        }
+        if (r < 0) continue;
+        x[r] = v[0];
+        x[reps + r] = v[1];
+        x[2 * reps + r] = v[0] / v[1];
+        printf("pair %2d (%s first): raw %.3f s, save %.3f s, ratio %.2f\n", r, r % 2 == 0 ? "raw" : "save", v[0], v[1],
+               v[0] / v[1]);
+    }
+    printf("# pairs: %.3f GB, %d pairs\n", total / 1e9, reps);
+    printf("raw write+fsync   %7.3f s  %6.2f GB/s (median)\n", bench_median(x, reps),
+           total / 1e9 / bench_median(x, reps));
+    printf("dsk save          %7.3f s  %6.2f GB/s (median)\n", bench_median(x + reps, reps),
+           total / 1e9 / bench_median(x + reps, reps));
+    printf("median of the pairs' ratios raw / save: %.2f (target >= 0.95)\n", bench_median(x + 2 * reps, reps));
+    unlink(raw_path);
+    run(cmd);
+    free(x);
+}
+
 /* An incremental save after a quarter of the tensors changed, against a full save. */
 static void incremental(dsk_tensor *t, dsk_ckpt_entry *e, int n, size_t total, const char *root) {
     char dir[700], cmd[1500];
@@ -272,8 +314,9 @@ int main(int argc, char **argv) {
         printf("# snapshot_threads %d (set SNAPSHOT_THREADS to change)\n", o.snapshot_threads ? o.snapshot_threads : 1);
     }
     printf("# bench_ckpt: %d tensors, %.3f GB, %d repeats (+1 warm-up), dir %s\n", n, total / 1e9, reps, root);
-    if (argc > 4 && strcmp(argv[4], "profile") == 0) {
-        profile(t, e, n, total, reps, root, &ck);
+    if (argc > 4 && (strcmp(argv[4], "profile") == 0 || strcmp(argv[4], "pairs") == 0)) {
+        if (argv[4][1] == 'r') profile(t, e, n, total, reps, root, &ck);
+        else pairs(t, e, n, total, reps, root, &ck);
         snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);
         run(cmd);
         return 0;
