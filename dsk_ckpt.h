@@ -2242,7 +2242,7 @@ static dsk_status dsk__ckpt_pwrite_all(const char *fn, int fd, const void *p, si
 
 /* Bytes written between two requests to start writing back: the disk works on what a save
    wrote while it computes CRCs and copies more, instead of all of it at the final fsync. */
-#define DSK__CKPT_WRITEBACK ((uint64_t)8 << 20)
+#define DSK__CKPT_WRITEBACK ((uint64_t)32 << 20)
 
 /* Asks the kernel to start writing [from, to) of fd's data back (no wait; advisory: where
    the call does not exist or fails, the final fsync does it all). Returns `to`. */
