@@ -1734,11 +1734,13 @@ static dsk_status dsk__ckpt_copy_range(dsk__ckpt_boxrd *rd, uint64_t lo, uint64_
         uint64_t end = hi < b1 ? hi : b1;
         if (lo == b0 && end == b1) { /* whole blocks: read in place, up to DSK__CKPT_READ_SPAN at once */
             uint64_t e = b1, next;
-            while (e - b0 < DSK__CKPT_READ_SPAN && (next = e + rd->bsz < rd->nbytes ? e + rd->bsz : rd->nbytes) <= hi && next > e)
+            while (e - b0 < DSK__CKPT_READ_SPAN && (next = e + rd->bsz < rd->nbytes ? e + rd->bsz : rd->nbytes) <= hi &&
+                   next > e)
                 e = next; /* the next block is wanted whole too */
             DSK__TRY(dsk__ckpt_pread_data(rd, out, b0, (size_t)(e - b0)));
             for (uint64_t k = b0; k < e; k += rd->bsz)
-                DSK__TRY(dsk__ckpt_check_block(rd, k / rd->bsz, out + (k - b0), (size_t)((e - k < rd->bsz) ? e - k : rd->bsz)));
+                DSK__TRY(dsk__ckpt_check_block(rd, k / rd->bsz, out + (k - b0),
+                                               (size_t)((e - k < rd->bsz) ? e - k : rd->bsz)));
             end = e;
         } else {
             if (rd->cached != (int64_t)b) {

@@ -2744,7 +2744,8 @@ static void sigkill_case(int trials, int inc) {
         /* one killed save leaves its own files and temporaries, and a rotation cut short the
            files of the checkpoint it dropped (with incremental saves, and of the earlier saves
            only that one referenced) */
-        DSK_TEST_EXPECT(garbage <= (inc ? 12 : 6), "trial %d: %d leftover files and directories (they pile up)", t, garbage);
+        DSK_TEST_EXPECT(garbage <= (inc ? 12 : 6), "trial %d: %d leftover files and directories (they pile up)", t,
+                        garbage);
         prev_latest = latest;
     }
     printf("     %d trials, %d killed with a save half-written, newest step %lld\n", trials, mid_save,
