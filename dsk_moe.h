@@ -766,7 +766,7 @@ static void dsk__moe_swiglu_fwd(int nt, int64_t n, int64_t D, int64_t F, const f
     if (n == 0) return;
     dsk__moe_gemm(nt, 0, 1, n, F, D, x, D, w1, D, 0.0f, h1, F);
     dsk__moe_gemm(nt, 0, 1, n, F, D, x, D, w3, D, 0.0f, h3, F);
-    for (int64_t i = 0; i < n * F; i++) a[i] = dsk_swiglu_f(h1[i], h3[i]);
+    dsk_swiglu_cpu(n * F, h1, h3, a);
     dsk__moe_gemm(nt, 0, 1, n, D, F, a, F, w2, F, 0.0f, out, D);
 }
 
@@ -778,7 +778,7 @@ static void dsk__moe_swiglu_bwd(int nt, int64_t n, int64_t D, int64_t F, const f
     if (n == 0) return;
     dsk__moe_gemm(nt, 0, 0, n, F, D, dout, D, w2, F, 0.0f, dh1, F); /* da, in dh1 */
     dsk__moe_gemm(nt, 1, 0, D, F, n, dout, D, a, F, 1.0f, dw2, F);
-    for (int64_t i = 0; i < n * F; i++) dsk_swiglu_grad_f(h1[i], h3[i], dh1[i], &dh1[i], &dh3[i]);
+    dsk_swiglu_grad_cpu(n * F, h1, h3, dh1, dh1, dh3);
     dsk__moe_gemm(nt, 0, 0, n, D, F, dh1, F, w1, D, 0.0f, dx, D);
     dsk__moe_gemm(nt, 0, 0, n, D, F, dh3, F, w3, D, 1.0f, dx, D);
     dsk__moe_gemm(nt, 1, 0, F, D, n, dh1, F, x, D, 1.0f, dw1, D);
