@@ -450,6 +450,29 @@ DSK_API uint32_t dsk_ckpt_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_
 #error "dsk_ckpt.h: safetensors is little-endian; big-endian hosts are not supported"
 #endif
 
+/* Two Linux calls used where present: open-file-description locks (a lock that belongs to the
+   open file, so a second handle in the same process conflicts with it and closing some other
+   descriptor of the file does not drop it) and sync_file_range (start writeback without
+   waiting). glibc declares them only under _GNU_SOURCE, and dsk_tensor.h asks for POSIX 2008;
+   their kernel interface is fixed, so on 64-bit Linux they are named here when hidden. */
+#if defined(F_OFD_SETLK)
+#define DSK__CKPT_SETLK F_OFD_SETLK
+#elif defined(__linux__) && defined(__LP64__)
+#define DSK__CKPT_SETLK 37 /* F_OFD_SETLK in every Linux architecture's fcntl.h */
+#else
+#define DSK__CKPT_SETLK F_SETLK
+#endif
+#if defined(SYNC_FILE_RANGE_WRITE)
+#define DSK__CKPT_SYNC_RANGE(fd, off, n) sync_file_range((fd), (off_t)(off), (off_t)(n), SYNC_FILE_RANGE_WRITE)
+#elif defined(__linux__) && defined(__LP64__)
+#ifdef __cplusplus
+extern "C" int sync_file_range(int fd, int64_t offset, int64_t nbytes, unsigned int flags);
+#else
+int sync_file_range(int fd, int64_t offset, int64_t nbytes, unsigned int flags); /* glibc's and musl's */
+#endif
+#define DSK__CKPT_SYNC_RANGE(fd, off, n) sync_file_range((fd), (int64_t)(off), (int64_t)(n), 2u /* _WRITE */)
+#endif
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(DSK_CKPT_NO_SSE42)
 #define DSK__CKPT_CRC_HW 1
 #include <nmmintrin.h>
@@ -2258,8 +2281,8 @@ static dsk_status dsk__ckpt_pwrite_all(const char *fn, int fd, const void *p, si
 /* Asks the kernel to start writing [from, to) of fd's data back (no wait; advisory: where
    the call does not exist or fails, the final fsync does it all). Returns `to`. */
 static uint64_t dsk__ckpt_start_writeback(int fd, uint64_t from, uint64_t to) {
-#ifdef SYNC_FILE_RANGE_WRITE
-    (void)sync_file_range(fd, (off_t)from, (off_t)(to - from), SYNC_FILE_RANGE_WRITE);
+#ifdef DSK__CKPT_SYNC_RANGE
+    (void)DSK__CKPT_SYNC_RANGE(fd, from, to - from);
 #else
     (void)fd;
     (void)from;
@@ -3277,12 +3300,6 @@ typedef struct dsk__ckpt_lock {
     int fd;
     int held; /* 0: not held, or the file system cannot lock (then nothing is reclaimed) */
 } dsk__ckpt_lock;
-
-#ifdef F_OFD_SETLK
-#define DSK__CKPT_SETLK F_OFD_SETLK
-#else
-#define DSK__CKPT_SETLK F_SETLK
-#endif
 
 static void dsk__ckpt_unlock(dsk__ckpt_lock *lk) {
     if (lk->fd >= 0) close(lk->fd); /* releases the lock */

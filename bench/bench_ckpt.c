@@ -24,6 +24,7 @@
    pairs: only the save against the raw write, `repeats` pairs, each write after a sync() and
    a 1 s pause (a disk shared with other jobs recovers from the last burst), the order
    alternating; the median of the pairs' ratios is the figure least moved by the disk's drift. */
+#define _XOPEN_SOURCE 700 /* sync(); dsk_ckpt.h names the Linux calls it uses itself */
 #define DSK_TENSOR_IMPLEMENTATION
 #define DSK_CKPT_IMPLEMENTATION
 #include "dsk_tensor.h"
