@@ -1,5 +1,6 @@
-/* dsk_ckpt.h - sharded, atomic, verified checkpoints in the safetensors format; async save
-   and resume, including resume with a different world size.
+/* dsk_ckpt.h - sharded, atomic, verified checkpoints in the safetensors format; async and
+   incremental saves; resume with any sharding (another world size, rows, columns, 2-D);
+   Hugging Face sharded weights (DeepSeek naming) in and out.
 
    Usage: #define DSK_CKPT_IMPLEMENTATION in exactly one .c file before including (after
    DSK_TENSOR_IMPLEMENTATION's file, or in the same one). Needs POSIX (files, pthreads): build
@@ -8,50 +9,99 @@
    forces the table-driven CRC32C even where SSE4.2 is present.
 
    Layout of a checkpoint directory DIR (shared by every rank, e.g. a network file system):
-     DIR/step_00001000/rank_00000.safetensors   one file per rank (safetensors format)
-     DIR/step_00001000/manifest.json             written last by rank 0: marks completeness
-     DIR/latest                                   "step_00001000\n": the last completed save
-                                                   (for people and scripts; dsk_ckpt_latest
-                                                   scans the step directories instead)
-   Every file is written to a temporary name in its directory, fsynced, renamed into place,
-   then the directory is fsynced. A step directory without manifest.json is incomplete and is
-   never loaded. Each rank file's __metadata__ holds "dsk.format", "dsk.step", "dsk.rank",
-   "dsk.world_size", "dsk.crc32c.<tensor>" (CRC32C of the tensor's bytes, 8 hex digits),
-   "dsk.split.<tensor>" ("start:end/rows" for tensors split along dim 0) and the caller's
-   key/value pairs (trainer state: loss scale, RNG state, data position, ...).
-   The manifest lists each file (rank, name, size, CRC32C of the whole file), the step, the
-   world size and each tensor's dtype, global shape and the rows each rank holds.
+     DIR/step_00001000/rank_00000.<nonce>.safetensors  one file per rank and save; the nonce
+                                                     (16 hex digits) is new for every save
+     DIR/step_00001000/manifest.json                 written last by rank 0: marks completeness
+     DIR/latest                   "step_00001000\n": the last completed save, for people and
+                                  scripts (dsk_ckpt_latest reads the manifests instead)
+   Every file is written to a temporary name in its directory and renamed into place; rank
+   files and manifests are fsynced, then their directory. A step directory without
+   manifest.json is incomplete and is never loaded. Each rank file's __metadata__ holds
+   "dsk.format", "dsk.version", "dsk.step", "dsk.rank", "dsk.world_size", "dsk.attempt" (the
+   nonce), "dsk.crc32c.<tensor>" (CRC32C of the tensor's bytes, 8 hex digits),
+   "dsk.blocks.<tensor>" (CRC32C of each 1 MiB of it: "1048576:" then 8 hex digits per block),
+   "dsk.box.<tensor>" (for a piece of a split tensor, "o0,o1,..;g0,g1,..": where it starts in
+   the whole tensor and the whole tensor's shape) and the caller's key/value pairs (trainer
+   state: loss scale, RNG state, data position, ...). The manifest lists the files (step,
+   rank, nonce, size, CRC32C of the whole file), the step, the save's generation (1 + the
+   largest in DIR, so it orders the saves), the world size and each tensor's dtype, whole
+   shape and slices [file, offset..., shape...]; its last line holds the CRC32C of the text
+   before it.
+   Incremental saves (opts.incremental): each piece's 64-bit content hash goes into its file
+   ("dsk.hash.<tensor>") and the manifest's slice; a piece whose hash, dtype and box equal the
+   base checkpoint's (the most recent complete save) is not written again: its file records
+   "dsk.reuse.<tensor>" and the manifest points to the earlier file, listed after this save's
+   own. Rotation and reclaiming keep every file a live checkpoint references; dsk_ckpt_merge
+   compacts a checkpoint back into its own directory.
 
-   Saving (every rank calls dsk_ckpt_save with the same step): a tensor is either replicated
-   (split = 0: written once, by rank 0) or split along dim 0 (split = 1: each rank writes its
-   rows [row0, row0 + shape[0]) of a tensor with global_rows rows). Ranks meet at three calls
-   of the barrier callback (prepare, files durable, manifest durable); every rank makes all
-   three calls even when its own part failed, so a failure anywhere leaves no manifest and
-   every rank sees an error. With dsk_ckpt_save_async the barrier runs on a background thread.
-   With dsk_comm.h the barrier is one line, on a communicator of its own (dsk_comm_split) so
-   that an async save never shares one with training's collectives:
+   The commit point of a save is the rename of manifest.json into place by rank 0 (and the
+   fsync of its directory). Before it nothing that exists is changed or removed, so a failure
+   anywhere (any rank, a full disk, a kill) leaves every earlier checkpoint loadable, an
+   earlier save of the same step included. From it on the save has happened and returns
+   DSK_OK: what follows (the `latest` pointer, the files of an earlier save of this step,
+   rotation) is housekeeping, reported by dsk_ckpt_last_save, never as the save's status.
+
+   Saving (every rank calls dsk_ckpt_save with the same step): a tensor is either whole
+   (DSK_CKPT_WHOLE: written once, by rank 0) or a piece of a split one (DSK_CKPT_ROWS: rows
+   [row0, row0 + shape[0]) of global_rows; DSK_CKPT_BOX: any box, for column-parallel or 2-D
+   sharding); the pieces of one name must tile the whole tensor. Ranks meet at three calls of
+   the barrier callback (prepare, files durable, manifest durable); every rank makes all three
+   calls even when its own part failed, so a failure anywhere leaves no manifest and every
+   rank sees an error. Rank 0 hands the save's nonce to the others in DIR/.attempt; one job
+   saves into a directory at a time (rank 0 holds DIR/.lock). With dsk_ckpt_save_async the
+   barrier runs on a background thread.
+   Collective outcome: with opts.agree (an all-reduce of a few int64 words, in place of the
+   barrier) a save and a load give every rank the same status and message: the first failing
+   rank's, named ("rank 3: ... \"step_00000100/rank_00003....safetensors\" is missing"); a
+   load of the newest falls back to an older checkpoint on every rank together. With the
+   barrier alone a save still ends alike on every rank (it succeeded exactly when the
+   manifest of this save exists; rank 0 writes why it failed to DIR/.outcome.<nonce>, which
+   the others report), but a load is each rank's own and never falls back on several ranks.
+   With dsk_comm.h the barrier and the agreement are one line each, on a communicator of their
+   own (dsk_comm_split) so that an async save never shares one with training's collectives:
      static dsk_status ckpt_barrier(void *c) { return dsk_comm_barrier((dsk_comm *)c, NULL); }
-   Loading reads any checkpoint into tensors of any split: a rank asks for rows of the global
-   tensor and the loader reads them from whichever rank files hold them (resharding 4 -> 2,
-   2 -> 4, ...), checking dtype, shape and every CRC32C on the way.
+   (the agreement: see dsk_ckpt_agree_fn; NCCL needs its words in device memory).
+   Loading reads any checkpoint into tensors of any split: a rank asks for a box of the whole
+   tensor and the loader reads it from whichever files hold it (resharding 4 -> 2, 2 -> 4,
+   rows -> columns, ...), reading only the 1 MiB blocks it needs and checking dtype, shape and
+   every block's CRC32C on the way.
 
    Example:
      dsk_ckpt ck; dsk_ckpt_opts o = {0}; o.keep_last = 3;
      dsk_ckpt_init(&ck, "runs/ckpt", &o);
-     dsk_ckpt_entry e[2] = {{"embed", &embed, 0, 0, 0}, {"moe.w1", &w1, 1, row0, n_experts}};
+     dsk_ckpt_entry e[2] = {{"embed", &embed, DSK_CKPT_WHOLE, 0, 0, NULL, NULL},
+                            {"moe.w1", &w1, DSK_CKPT_ROWS, row0, n_experts, NULL, NULL}};
      dsk_ckpt_kv kv[1] = {{"loss_scale", "65536"}};
      dsk_ckpt_save_async(&ck, step, e, 2, kv, 1);   ... train on ... dsk_ckpt_wait(&ck);
      int64_t last; dsk_ckpt_latest("runs/ckpt", &last);
      if (last >= 0) dsk_ckpt_load(&ck, last, e, 2, &meta);
-   Cost: a save passes over each byte once (CRC32C on 1 MiB pieces just before writing them,
+   Cost: a save passes over each byte once (CRC32C on 1 MiB blocks just before writing them,
    about 10 GB/s with SSE4.2), so it runs at the disk's write speed plus a few fsyncs; an
    async save stalls the caller for one memory copy of this rank's tensors (the snapshot
    buffer is kept for the next save). Loads read straight into contiguous host tensors of the
-   saved dtype and CRC each 1 MiB piece as it arrives.
-   Single files: dsk_ckpt_file_* read any safetensors file (validated as strictly as the
-   reference) and write one atomically, for interchange with Python and other tools.
+   saved dtype and check each 1 MiB block's CRC32C as it arrives.
+   Single files: dsk_ckpt_file_* read any safetensors file (validated as the reference does,
+   see dsk_ckpt_file), boxes of tensors and raw bytes of any dtype, and write one atomically,
+   for interchange with Python and other tools; dsk_ckpt_hf_* do the same for sharded sets.
    Byte order: little-endian hosts only (the format is little-endian).
    License: MIT, see the end of the file. */
+/* Contents
+     declarations
+       checkpoints               dsk_ckpt_kv, DSK_CKPT_WHOLE/ROWS/BOX, dsk_ckpt_entry, dsk_ckpt_barrier_fn,
+                                 dsk_ckpt_agree_fn, dsk_ckpt_opts, dsk_ckpt_save_info, dsk_ckpt, dsk_ckpt_meta,
+                                 dsk_ckpt_info, dsk_ckpt_init/free/save/save_async/wait/last_save/merge/load/
+                                 latest/list/verify, dsk_ckpt_meta_get/i64/f64/free
+       single safetensors files  dsk_ckpt_tensor_info, dsk_ckpt_file, dsk_ckpt_file_open/parse/find/meta/read/
+                                 read_box/read_raw/close/save
+       Hugging Face weights      dsk_ckpt_hf, dsk_ckpt_hf_entry, dsk_ckpt_hf_open/find/read/close/save,
+                                 dsk_ckpt_hf_deepseek_name
+       CRC32C                    dsk_ckpt_crc32c, dsk_ckpt_crc32c_combine
+     implementation (DSK_CKPT_IMPLEMENTATION)
+       CRC32C; content hash; small helpers; POSIX I/O; strict JSON (RFC 8259); safetensors files
+       (parse, box reads); writing: plan, snapshot, file; checkpoint directories; manifests; writing
+       manifests (rank 0); the directory's checkpoints (scan, rotation, lock, reclaiming); collective
+       save (agreement, protocol, incremental); reading checkpoints (load, fallback, merge, latest,
+       list, verify); Hugging Face sharded weights; metadata */
 #if defined(DSK_CKPT_IMPLEMENTATION) && !defined(_POSIX_C_SOURCE) && !defined(_GNU_SOURCE) && !defined(_XOPEN_SOURCE)
 #define _POSIX_C_SOURCE 200809L
 #endif
@@ -67,9 +117,11 @@
 extern "C" {
 #endif
 
+/* ---------------------------------------------------------------- checkpoints */
+
 #define DSK_CKPT_FORMAT "dsk-ckpt"
-#define DSK_CKPT_VERSION 1
-#define DSK_CKPT_MAX_HEADER 100000000ull /* safetensors' own limit on the JSON header */
+#define DSK_CKPT_VERSION 2
+#define DSK_CKPT_MAX_HEADER 100000000ull /* safetensors' own limit on the JSON header; manifests too */
 
 /* One string key/value pair of trainer state. Keys starting with "dsk." are reserved. */
 typedef struct dsk_ckpt_kv {
@@ -77,32 +129,70 @@ typedef struct dsk_ckpt_kv {
     const char *value;
 } dsk_ckpt_kv;
 
-/* One named tensor to save or to load into. */
+/* How a rank's tensor sits in the whole tensor (dsk_ckpt_entry.split). */
+enum {
+    DSK_CKPT_WHOLE = 0, /* the whole tensor, the same on every rank: rank 0 writes it */
+    DSK_CKPT_ROWS = 1,  /* rows [row0, row0 + shape[0]) of a tensor of global_rows rows */
+    DSK_CKPT_BOX = 2    /* the box [offset[d], offset[d] + shape[d]) of a tensor of global_shape */
+};
+
+/* One named tensor to save or to load into. Saving: the pieces the ranks pass for one name
+   must tile the whole tensor, each element saved by exactly one rank (with data parallelism,
+   let one replica pass the split entries). Loading: any rank asks for any box. */
 typedef struct dsk_ckpt_entry {
-    const char *name;     /* unique, non-empty UTF-8, not "__metadata__" */
-    dsk_tensor *tensor;   /* this rank's data: any device, dtype and strides */
-    int split;            /* 0: replicated (whole tensor); 1: rows of a tensor split along dim 0 */
-    int64_t row0;         /* split: first global row this rank holds */
-    int64_t global_rows;  /* split: rows of the whole tensor */
+    const char *name;            /* unique, non-empty UTF-8, not "__metadata__" */
+    dsk_tensor *tensor;          /* this rank's data: any device, dtype and strides */
+    int split;                   /* DSK_CKPT_WHOLE, DSK_CKPT_ROWS or DSK_CKPT_BOX */
+    int64_t row0;                /* DSK_CKPT_ROWS: first global row this rank holds */
+    int64_t global_rows;         /* DSK_CKPT_ROWS: rows of the whole tensor */
+    const int64_t *offset;       /* DSK_CKPT_BOX: tensor->ndim values, where this rank's box starts */
+    const int64_t *global_shape; /* DSK_CKPT_BOX: tensor->ndim values, the whole tensor's shape */
 } dsk_ckpt_entry;
 
 /* Blocks until every rank has called it (same count on every rank); DSK_OK or an error. */
 typedef dsk_status (*dsk_ckpt_barrier_fn)(void *user);
+/* Agreement: every rank passes n int64 words (each >= 0) and receives, in place, the
+   element-wise maximum over all ranks; called the same number of times with the same n on
+   every rank, so it is a barrier too. One all-reduce, e.g. with dsk_comm.h:
+     static dsk_status agree(void *c, int64_t *w, int n) {
+         return dsk_comm_all_reduce((dsk_comm *)c, NULL, w, w, n, DSK_I64, DSK_COMM_MAX); } */
+typedef dsk_status (*dsk_ckpt_agree_fn)(void *user, int64_t *words, int n);
 
 /* Zero fields take the defaults in brackets. */
 typedef struct dsk_ckpt_opts {
     int rank;                    /* [0] this process's rank */
     int world_size;              /* [1] ranks saving together */
-    dsk_ckpt_barrier_fn barrier; /* required when world_size > 1 */
+    dsk_ckpt_barrier_fn barrier; /* world_size > 1: this or agree is required */
     void *barrier_user;          /* passed to barrier */
-    int keep_last;               /* [0 = keep all] K > 0: after a save, rank 0 deletes complete
-                                    checkpoints older than the newest K; incomplete ones stay */
+    dsk_ckpt_agree_fn agree;     /* [NULL] makes saves and loads collective: every rank gets the
+                                    same status and message (see the top of the file) */
+    void *agree_user;            /* passed to agree */
+    int keep_last;               /* [0 = keep all] K > 0: after a save, rank 0 deletes the
+                                    complete checkpoints but the K most recently saved */
     int allow_cast;              /* [0] load: convert a saved dtype to the tensor's dtype
                                     instead of failing (floats round to nearest even) */
     dsk_ctx *ctx;                /* [NULL] context for CUDA tensors */
     int snapshot_threads;        /* [1] OpenMP threads copying host tensors for an async save
                                     (more help on an idle many-core node, hurt on a busy one) */
+    int read_only;               /* [0] 1: never write or remove anything (reading checkpoints
+                                    another job writes): init reclaims nothing, saves fail */
+    int incremental;             /* [0] 1: a save writes only the pieces whose content changed
+                                    since the most recent checkpoint and references the rest */
 } dsk_ckpt_opts;
+
+/* What the last save did (dsk_ckpt_last_save); counts are this rank's. */
+typedef struct dsk_ckpt_save_info {
+    int64_t step;                /* -1 before the first save */
+    uint64_t generation;         /* the save's place in the directory's history (rank 0) */
+    uint64_t bytes_written;      /* tensor bytes this rank wrote */
+    int tensors_written;
+    uint64_t bytes_reused;       /* incremental: tensor bytes unchanged since the base checkpoint,
+                                    referenced instead of written */
+    int tensors_reused;
+    dsk_status cleanup;          /* rank 0: housekeeping after the commit point (latest pointer,
+                                    rotation); never the save's status */
+    char cleanup_error[1024];    /* its message when cleanup != DSK_OK */
+} dsk_ckpt_save_info;
 
 /* A checkpointer for one directory. Caller-owned; fields are private. */
 typedef struct dsk_ckpt {
@@ -111,21 +201,37 @@ typedef struct dsk_ckpt {
     void *stage;         /* host snapshot buffer, reused across async saves */
     size_t stage_bytes;
     void *job;           /* the pending async save, NULL when idle */
+    uint64_t n_saves;    /* saves started, the same count on every rank */
+    dsk_ckpt_save_info last;
 } dsk_ckpt;
 
 /* Metadata of a loaded rank file (this rank's file if it exists in the checkpoint, else
    rank 0's): the caller's pairs plus "dsk.format", "dsk.step", "dsk.rank", "dsk.world_size". */
 typedef struct dsk_ckpt_meta {
     int64_t step;
+    uint64_t generation; /* the save's place in the directory's history */
     int world_size;      /* world size the checkpoint was saved with */
     int rank;            /* rank whose file the pairs come from */
     int n;
     char **keys;
     char **values;
+    int n_skipped;       /* a load of the newest: how many newer checkpoints were damaged */
+    int64_t skipped_step; /* the newest of those, or -1 */
+    char *skipped_error; /* why it could not be loaded, or NULL */
 } dsk_ckpt_meta;
 
+/* A complete checkpoint (dsk_ckpt_list). */
+typedef struct dsk_ckpt_info {
+    int64_t step;
+    uint64_t generation; /* larger: saved later */
+    int world_size;
+    int n_files;         /* files it reads, earlier saves' included */
+} dsk_ckpt_info;
+
 /* dir: the checkpoint root (rank 0 creates it at the first save; its parent must exist).
-   Checks the options; touches no file. */
+   Checks the options. Rank 0 (unless read_only) then reclaims what dead saves left in dir:
+   the files of every incomplete step directory and every file no complete checkpoint
+   references, when it can take dir's lock (a live writer holds it: nothing is touched). */
 DSK_API dsk_status dsk_ckpt_init(dsk_ckpt *ck, const char *dir, const dsk_ckpt_opts *opts);
 /* Waits for a pending async save (its error is dropped: call dsk_ckpt_wait first to see it)
    and releases everything. Zeroed or freed objects are fine. */
@@ -133,7 +239,8 @@ DSK_API void dsk_ckpt_free(dsk_ckpt *ck);
 
 /* Saves DIR/step_<step>/ collectively (see the top of the file) and returns when it is
    complete and durable on every rank. Waits first for a pending async save and returns its
-   error, if any, without saving. step >= 0. kv may be NULL when n_kv is 0. */
+   error, if any, without saving. step >= 0. kv may be NULL when n_kv is 0. Saving a step
+   that exists replaces it at the commit point; until then the old one stays loadable. */
 DSK_API dsk_status dsk_ckpt_save(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n,
                                  const dsk_ckpt_kv *kv, int n_kv);
 /* As dsk_ckpt_save, but returns once the tensors, names and pairs are copied to host memory
@@ -143,19 +250,39 @@ DSK_API dsk_status dsk_ckpt_save_async(dsk_ckpt *ck, int64_t step, const dsk_ckp
                                        const dsk_ckpt_kv *kv, int n_kv);
 /* Joins the pending async save, if any, and returns its status (its message in dsk_last_error). */
 DSK_API dsk_status dsk_ckpt_wait(dsk_ckpt *ck);
+/* What the last completed save did (step -1 before any); valid until the next save or wait. */
+DSK_API const dsk_ckpt_save_info *dsk_ckpt_last_save(const dsk_ckpt *ck);
+/* Compacts checkpoint `step` (of incremental saves: its manifest references earlier saves'
+   files) into one whose files all lie in its own step directory, one per rank, holding every
+   piece that rank's files held, each checked on the way. It keeps its step, generation and
+   metadata; the new manifest replaces the old one at once, then files no checkpoint
+   references any more are reclaimed. One process calls it (rank 0, or a tool) while no save
+   runs: it takes DIR's lock. */
+DSK_API dsk_status dsk_ckpt_merge(dsk_ckpt *ck, int64_t step);
 
-/* Loads DIR/step_<step>/ (step < 0: the newest complete checkpoint) into `entries`: each
-   tensor is looked up by name and must match the saved dtype (or opts.allow_cast) and the
-   saved global shape; split entries receive rows [row0, row0 + shape[0]). Every byte read is
-   checked against its CRC32C and every file header against the manifest. meta (may be NULL)
-   receives the metadata; free it with dsk_ckpt_meta_free. On error the entries' contents are
-   unspecified. Safe to call concurrently on several ranks; no barrier. */
+/* Loads DIR/step_<step>/ into `entries`: each tensor is looked up by name and must match the
+   saved dtype (or opts.allow_cast) and the saved global shape; DSK_CKPT_ROWS and DSK_CKPT_BOX
+   entries receive their box of it. Every byte read is checked against its CRC32C and every
+   file header against the manifest. step < 0: the most recent complete save; when its files
+   are damaged (a CRC32C fails, a file is missing) the next most recent, and so on, with
+   meta->n_skipped, skipped_step and skipped_error telling what was passed over (on one rank,
+   or on every rank together with opts.agree; without it a rank of several never falls back
+   alone: it returns the damage). meta (may be NULL) receives the metadata; free it with
+   dsk_ckpt_meta_free. On error the entries' contents are unspecified. With opts.agree and
+   world_size > 1 every rank must call it (it agrees on the outcome); else it is each rank's
+   own and safe to call concurrently on several ranks, with no barrier. */
 DSK_API dsk_status dsk_ckpt_load(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n, dsk_ckpt_meta *meta);
 
-/* Step of the newest complete checkpoint under dir (its manifest parses), or -1 when there is
-   none (dir missing included). Errors only when dir cannot be read. */
+/* Step of the most recent complete save under dir (the largest generation: after a rollback,
+   the step saved since, not a larger step saved before), or -1 when there is none (dir
+   missing included). Damaged or incomplete checkpoints are skipped; a directory or a
+   manifest that cannot be read (permissions, I/O error, out of memory) is an error. */
 DSK_API dsk_status dsk_ckpt_latest(const char *dir, int64_t *step);
-/* Reads every file of DIR/step_<step>/ in full and checks sizes, headers and all CRC32Cs. */
+/* The complete checkpoints under dir, most recent save first: *n of them, the first
+   min(*n, cap) written to out (out may be NULL when cap is 0). Errors as dsk_ckpt_latest. */
+DSK_API dsk_status dsk_ckpt_list(const char *dir, dsk_ckpt_info *out, int cap, int *n);
+/* Reads every file of checkpoint `step` in full and checks the manifest (its own CRC32C, its
+   tensors against the files), sizes, headers and all CRC32Cs. */
 DSK_API dsk_status dsk_ckpt_verify(const char *dir, int64_t step);
 
 /* Value of key or NULL. */
@@ -171,18 +298,26 @@ DSK_API void dsk_ckpt_meta_free(dsk_ckpt_meta *m);
 typedef struct dsk_ckpt_tensor_info {
     const char *name;
     const char *dtype_name;       /* as in the file: "BF16", "F8_E4M3", "I16", ... */
-    int dtype;                    /* the dsk_dtype, or -1 when dsk has none (BOOL, I8, I16, U16, U32, U64, C64, F4, ...) */
+    int dtype; /* the dsk_dtype, or -1 when dsk has none (BOOL, I8, I16, U16, U32, U64, C64, F4, ...) */
     int ndim;
     int64_t shape[DSK_MAX_DIMS];
     uint64_t begin, end;          /* byte range in the data buffer (which starts at 8 + header_len) */
     int has_crc;                  /* __metadata__ holds "dsk.crc32c.<name>" */
     uint32_t crc32c;
+    uint64_t block_bytes;         /* > 0: partial reads are checked block by block (dsk files); 0: unchecked */
+    const char *block_crcs;       /* 8 hex digits per block_bytes of data ("dsk.blocks.<name>"), or NULL when the
+                                     whole tensor is one block checked by crc32c */
 } dsk_ckpt_tensor_info;
 
-/* A parsed safetensors file: validated exactly as the reference implementation does
-   (header <= 100,000,000 bytes of UTF-8 JSON, offsets contiguous from 0 with no gap or
-   overlap, sizes matching shape and dtype, the last offset ending the file), and more
-   strictly (no duplicate names or keys, no unknown fields, at most 8 dims). */
+/* A parsed safetensors file, validated as the reference implementation (safetensors 0.8)
+   does: header <= 100,000,000 bytes of UTF-8 JSON, offsets contiguous from 0 with no gap or
+   overlap, sizes matching shape and dtype, the last offset ending the file, shapes and
+   offsets plain non-negative integers ("-0", "1.0" and "1e0" refused), "__metadata__" an
+   object of strings or null. Differences, each checked against the package by
+   tests/interop: dsk refuses duplicate tensor names or metadata keys, unknown fields in a
+   tensor entry (DSK_ERR_CORRUPT) and more than 8 dims (DSK_ERR_UNSUPPORTED), which the
+   reference accepts; a NUL character in a name or metadata string is DSK_ERR_UNSUPPORTED
+   (valid safetensors, but dsk names are C strings). */
 typedef struct dsk_ckpt_file {
     char *path;                   /* NULL for a header parsed from memory */
     int has_fd, fd;
@@ -193,6 +328,7 @@ typedef struct dsk_ckpt_file {
     int n_meta;
     const char **meta_keys;       /* __metadata__, sorted by key */
     const char **meta_values;
+    uint64_t bytes_read;          /* data bytes read from the file so far */
     void *mem;                    /* private: the decoded JSON */
 } dsk_ckpt_file;
 
@@ -207,12 +343,79 @@ DSK_API int dsk_ckpt_file_find(const dsk_ckpt_file *f, const char *name);
 DSK_API const char *dsk_ckpt_file_meta(const dsk_ckpt_file *f, const char *key);
 /* Reads tensor `name` into dst (any device and strides; same shape; same dtype unless
    allow_cast), checking its CRC32C when the file records one. */
-DSK_API dsk_status dsk_ckpt_file_read(dsk_ckpt_file *f, dsk_ctx *ctx, const char *name, dsk_tensor *dst, int allow_cast);
+DSK_API dsk_status dsk_ckpt_file_read(dsk_ckpt_file *f, dsk_ctx *ctx, const char *name, dsk_tensor *dst,
+                                      int allow_cast);
+/* Reads the box [offset[d], offset[d] + dst->shape[d]) of tensor `name` (offset NULL: all 0)
+   into dst (same ndim; any device and strides; same dtype unless allow_cast). Only the bytes
+   of the box are read, with one pread per contiguous run; in a dsk file, the 1 MiB blocks
+   that hold them, each checked against its CRC32C. Boxes of files without checksums (other
+   writers) are read unchecked. */
+DSK_API dsk_status dsk_ckpt_file_read_box(dsk_ckpt_file *f, dsk_ctx *ctx, const char *name, const int64_t *offset,
+                                          dsk_tensor *dst, int allow_cast);
+/* The raw little-endian bytes of the box (offset NULL: all 0; shape) of tensor `name`, whatever
+   its dtype (dsk_ckpt_tensor_info.dtype -1 included), row-major into buf of cap bytes, checked
+   as dsk_ckpt_file_read_box does. Packed dtypes of fewer than 8 bits (F4, F6_*) only whole. */
+DSK_API dsk_status dsk_ckpt_file_read_raw(dsk_ckpt_file *f, const char *name, const int64_t *offset,
+                                          const int64_t *shape, void *buf, size_t cap);
 DSK_API void dsk_ckpt_file_close(dsk_ckpt_file *f); /* zeroed/closed ok */
 /* Writes one safetensors file atomically and durably, with "dsk.format", per-tensor
    "dsk.crc32c.<name>" and the caller's pairs in __metadata__ (entries' split fields ignored). */
 DSK_API dsk_status dsk_ckpt_file_save(dsk_ctx *ctx, const char *path, const dsk_ckpt_entry *entries, int n,
                                       const dsk_ckpt_kv *kv, int n_kv);
+
+/* ---------------------------------------------------------------- Hugging Face sharded weights */
+
+/* A model in the layout Hugging Face writes: model.safetensors.index.json ("weight_map":
+   tensor name -> shard file) with its shards, or a single model.safetensors. Caller-owned;
+   fields are private. */
+typedef struct dsk_ckpt_hf {
+    char *dir;
+    int n_shards;
+    char **shard_names;      /* file names in dir */
+    dsk_ckpt_file *shards;   /* opened on first use */
+    int n_tensors;
+    char **names;            /* sorted */
+    int *shard_of;           /* shard of names[i] */
+} dsk_ckpt_hf;
+
+/* One tensor to read or write. stacked 1: `name` holds "{E}" and tensor (E, ...) holds the
+   experts expert0 .. expert0 + E - 1 along dim 0, each one tensor of the file under `name`
+   with "{E}" replaced by its number (dsk keeps experts stacked; published MoE checkpoints
+   name them one by one). */
+typedef struct dsk_ckpt_hf_entry {
+    const char *name;
+    dsk_tensor *tensor;
+    int stacked;
+    int expert0;
+} dsk_ckpt_hf_entry;
+
+/* Opens dir's index (or its single model.safetensors); shards are opened as they are used. */
+DSK_API dsk_status dsk_ckpt_hf_open(dsk_ckpt_hf *h, const char *dir);
+/* The open shard and header entry of tensor `name` (for boxes: dsk_ckpt_file_read_box). */
+DSK_API dsk_status dsk_ckpt_hf_find(dsk_ckpt_hf *h, const char *name, dsk_ckpt_file **file,
+                                    const dsk_ckpt_tensor_info **info);
+/* Reads every entry (same shape; same dtype unless allow_cast), checking CRC32Cs where the
+   files have them. */
+DSK_API dsk_status dsk_ckpt_hf_read(dsk_ckpt_hf *h, dsk_ctx *ctx, const dsk_ckpt_hf_entry *entries, int n,
+                                    int allow_cast);
+DSK_API void dsk_ckpt_hf_close(dsk_ckpt_hf *h); /* zeroed/closed ok */
+/* Writes the entries into dir (which must exist) as shards "model-00001-of-0000N.safetensors"
+   of at most max_shard_bytes of data each (0: 5 GB; a larger tensor gets a shard of its own),
+   in entry order, each written atomically, then model.safetensors.index.json ({"metadata":
+   {"total_size": bytes}, "weight_map": {...}}) last, atomically: the index is the commit point.
+   Shards of an earlier export that the new index does not name, and a model.safetensors, are
+   then removed. kv goes into every shard's __metadata__. */
+DSK_API dsk_status dsk_ckpt_hf_save(dsk_ctx *ctx, const char *dir, const dsk_ckpt_hf_entry *entries, int n,
+                                    const dsk_ckpt_kv *kv, int n_kv, uint64_t max_shard_bytes);
+/* The DeepSeek-V2/V3 name (transformers' DeepseekV3 layout) of dsk_moe parameter `moe_param`
+   of layer `layer`: "router" -> model.layers.L.mlp.gate.weight, "bias" -> ...mlp.gate.
+   e_score_correction_bias, "w1"/"w3"/"w2" -> ...mlp.experts.{E}.gate_proj/up_proj/down_proj.
+   weight (stacked: use with stacked 1), "shared.w1"/"shared.w3"/"shared.w2" -> ...mlp.
+   shared_experts.gate_proj/up_proj/down_proj.weight. dsk's (E, F, D) w1 and w3 and (E, D, F)
+   w2 hold the same matrices as those (F, D) and (D, F) tensors, expert by expert. */
+DSK_API dsk_status dsk_ckpt_hf_deepseek_name(char *buf, size_t n, int layer, const char *moe_param);
+
+/* ---------------------------------------------------------------- CRC32C */
 
 /* CRC32C (Castagnoli, as iSCSI and ext4), chainable: crc = dsk_ckpt_crc32c(0, p, n) then
    dsk_ckpt_crc32c(crc, q, m) = CRC of p||q. SSE4.2 when the CPU has it, else slicing-by-8. */
@@ -240,14 +443,38 @@ DSK_API uint32_t dsk_ckpt_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_
 #include <stdlib.h>
 #include <sys/stat.h>
 #include <sys/types.h>
+#include <time.h>
 #include <unistd.h>
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
 #error "dsk_ckpt.h: safetensors is little-endian; big-endian hosts are not supported"
 #endif
 
+/* Two Linux calls used where present: open-file-description locks (a lock that belongs to the
+   open file, so a second handle in the same process conflicts with it and closing some other
+   descriptor of the file does not drop it) and sync_file_range (start writeback without
+   waiting). glibc declares them only under _GNU_SOURCE, and dsk_tensor.h asks for POSIX 2008;
+   their kernel interface is fixed, so on 64-bit Linux they are named here when hidden. */
+#if defined(F_OFD_SETLK)
+#define DSK__CKPT_SETLK F_OFD_SETLK
+#elif defined(__linux__) && defined(__LP64__)
+#define DSK__CKPT_SETLK 37 /* F_OFD_SETLK in every Linux architecture's fcntl.h */
+#else
+#define DSK__CKPT_SETLK F_SETLK
+#endif
+#if defined(SYNC_FILE_RANGE_WRITE)
+#define DSK__CKPT_SYNC_RANGE(fd, off, n) sync_file_range((fd), (off_t)(off), (off_t)(n), SYNC_FILE_RANGE_WRITE)
+#elif defined(__linux__) && defined(__LP64__)
+#ifdef __cplusplus
+extern "C" int sync_file_range(int fd, int64_t offset, int64_t nbytes, unsigned int flags);
+#else
+int sync_file_range(int fd, int64_t offset, int64_t nbytes, unsigned int flags); /* glibc's and musl's */
+#endif
+#define DSK__CKPT_SYNC_RANGE(fd, off, n) sync_file_range((fd), (int64_t)(off), (int64_t)(n), 2u /* _WRITE */)
+#endif
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(DSK_CKPT_NO_SSE42)
-#define DSK__CK_CRC_HW 1
+#define DSK__CKPT_CRC_HW 1
 #include <nmmintrin.h>
 #endif
 
@@ -256,66 +483,67 @@ DSK_API uint32_t dsk_ckpt_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_
    and final inversion; the register is linear, so raw(s, A||B) = shift(raw(s, A), |B|) ^
    raw(0, B), where shift multiplies by x^(8|B|) modulo the polynomial. */
 
-#define DSK__CK_POLY 0x82F63B78u
+#define DSK__CKPT_POLY 0x82F63B78u
+#define DSK__CKPT_BLOCK ((uint64_t)1 << 20) /* bytes per block CRC in the files dsk writes */
 
-static uint32_t dsk__ck_crc_table[8][256];
-static pthread_once_t dsk__ck_crc_once = PTHREAD_ONCE_INIT;
+static uint32_t dsk__ckpt_crc_table[8][256];
+static pthread_once_t dsk__ckpt_crc_once = PTHREAD_ONCE_INIT;
 
-static void dsk__ck_crc_init(void) {
+static void dsk__ckpt_crc_init(void) {
     for (uint32_t i = 0; i < 256; i++) {
         uint32_t c = i;
-        for (int k = 0; k < 8; k++) c = (c & 1u) ? (c >> 1) ^ DSK__CK_POLY : c >> 1;
-        dsk__ck_crc_table[0][i] = c;
+        for (int k = 0; k < 8; k++) c = (c & 1u) ? (c >> 1) ^ DSK__CKPT_POLY : c >> 1;
+        dsk__ckpt_crc_table[0][i] = c;
     }
     for (uint32_t i = 0; i < 256; i++)
         for (int t = 1; t < 8; t++) {
-            uint32_t prev = dsk__ck_crc_table[t - 1][i];
-            dsk__ck_crc_table[t][i] = (prev >> 8) ^ dsk__ck_crc_table[0][prev & 0xffu];
+            uint32_t prev = dsk__ckpt_crc_table[t - 1][i];
+            dsk__ckpt_crc_table[t][i] = (prev >> 8) ^ dsk__ckpt_crc_table[0][prev & 0xffu];
         }
 }
 
 /* Slicing-by-8: eight table lookups per 8 bytes. */
-static uint32_t dsk__ck_crc_sw(uint32_t s, const unsigned char *p, size_t n) {
-    pthread_once(&dsk__ck_crc_once, dsk__ck_crc_init);
-    while (n && ((uintptr_t)p & 7u)) { s = (s >> 8) ^ dsk__ck_crc_table[0][(s ^ *p++) & 0xffu]; n--; }
+static uint32_t dsk__ckpt_crc_sw(uint32_t s, const unsigned char *p, size_t n) {
+    pthread_once(&dsk__ckpt_crc_once, dsk__ckpt_crc_init);
+    while (n && ((uintptr_t)p & 7u)) { s = (s >> 8) ^ dsk__ckpt_crc_table[0][(s ^ *p++) & 0xffu]; n--; }
     while (n >= 8) {
         uint64_t w;
         memcpy(&w, p, 8);
         uint32_t lo = (uint32_t)w ^ s, hi = (uint32_t)(w >> 32);
-        s = dsk__ck_crc_table[7][lo & 0xffu] ^ dsk__ck_crc_table[6][(lo >> 8) & 0xffu] ^
-            dsk__ck_crc_table[5][(lo >> 16) & 0xffu] ^ dsk__ck_crc_table[4][lo >> 24] ^
-            dsk__ck_crc_table[3][hi & 0xffu] ^ dsk__ck_crc_table[2][(hi >> 8) & 0xffu] ^
-            dsk__ck_crc_table[1][(hi >> 16) & 0xffu] ^ dsk__ck_crc_table[0][hi >> 24];
+        s = dsk__ckpt_crc_table[7][lo & 0xffu] ^ dsk__ckpt_crc_table[6][(lo >> 8) & 0xffu] ^
+            dsk__ckpt_crc_table[5][(lo >> 16) & 0xffu] ^ dsk__ckpt_crc_table[4][lo >> 24] ^
+            dsk__ckpt_crc_table[3][hi & 0xffu] ^ dsk__ckpt_crc_table[2][(hi >> 8) & 0xffu] ^
+            dsk__ckpt_crc_table[1][(hi >> 16) & 0xffu] ^ dsk__ckpt_crc_table[0][hi >> 24];
         p += 8; n -= 8;
     }
-    while (n--) s = (s >> 8) ^ dsk__ck_crc_table[0][(s ^ *p++) & 0xffu];
+    while (n--) s = (s >> 8) ^ dsk__ckpt_crc_table[0][(s ^ *p++) & 0xffu];
     return s;
 }
 
 /* a * b modulo the polynomial, both in reflected order (bit 31 = x^0). */
-static uint32_t dsk__ck_mulmod(uint32_t a, uint32_t b) {
+static uint32_t dsk__ckpt_mulmod(uint32_t a, uint32_t b) {
     uint32_t prod = 0;
     for (uint32_t m = 1u << 31; m; m >>= 1) {
         if (a & m) prod ^= b;
-        b = (b & 1u) ? (b >> 1) ^ DSK__CK_POLY : b >> 1;
+        b = (b & 1u) ? (b >> 1) ^ DSK__CKPT_POLY : b >> 1;
     }
     return prod;
 }
 
 /* x^(8n) modulo the polynomial: the operator that appends n zero bytes. */
-static uint32_t dsk__ck_xpow8n(uint64_t n) {
+static uint32_t dsk__ckpt_xpow8n(uint64_t n) {
     uint32_t result = 1u << 31, sq = 1u << 23; /* x^0 and x^8 */
     while (n) {
-        if (n & 1u) result = dsk__ck_mulmod(result, sq);
-        sq = dsk__ck_mulmod(sq, sq);
+        if (n & 1u) result = dsk__ckpt_mulmod(result, sq);
+        sq = dsk__ckpt_mulmod(sq, sq);
         n >>= 1;
     }
     return result;
 }
 
-#ifdef DSK__CK_CRC_HW
-#define DSK__CK_HW_BLOCK 16384u
-__attribute__((target("sse4.2"))) static uint32_t dsk__ck_crc_hw_run(uint32_t s, const unsigned char *p, size_t n) {
+#ifdef DSK__CKPT_CRC_HW
+#define DSK__CKPT_HW_BLOCK 16384u
+__attribute__((target("sse4.2"))) static uint32_t dsk__ckpt_crc_hw_run(uint32_t s, const unsigned char *p, size_t n) {
     uint64_t c = s;
     for (; n >= 8; p += 8, n -= 8) { uint64_t w; memcpy(&w, p, 8); c = _mm_crc32_u64(c, w); }
     s = (uint32_t)c;
@@ -324,10 +552,10 @@ __attribute__((target("sse4.2"))) static uint32_t dsk__ck_crc_hw_run(uint32_t s,
 }
 /* Three independent CRC chains over adjacent blocks hide the instruction's latency; the
    partial CRCs are then shifted into place. */
-__attribute__((target("sse4.2"))) static uint32_t dsk__ck_crc_hw(uint32_t s, const unsigned char *p, size_t n) {
-    const size_t B = DSK__CK_HW_BLOCK;
+__attribute__((target("sse4.2"))) static uint32_t dsk__ckpt_crc_hw(uint32_t s, const unsigned char *p, size_t n) {
+    const size_t B = DSK__CKPT_HW_BLOCK;
     if (n >= 3 * B) {
-        uint32_t k1 = dsk__ck_xpow8n(B), k2 = dsk__ck_xpow8n(2 * B);
+        uint32_t k1 = dsk__ckpt_xpow8n(B), k2 = dsk__ckpt_xpow8n(2 * B);
         while (n >= 3 * B) {
             uint64_t c0 = s, c1 = 0, c2 = 0;
             for (size_t i = 0; i < B; i += 8) {
@@ -335,41 +563,92 @@ __attribute__((target("sse4.2"))) static uint32_t dsk__ck_crc_hw(uint32_t s, con
                 memcpy(&w0, p + i, 8); memcpy(&w1, p + B + i, 8); memcpy(&w2, p + 2 * B + i, 8);
                 c0 = _mm_crc32_u64(c0, w0); c1 = _mm_crc32_u64(c1, w1); c2 = _mm_crc32_u64(c2, w2);
             }
-            s = dsk__ck_mulmod(k2, (uint32_t)c0) ^ dsk__ck_mulmod(k1, (uint32_t)c1) ^ (uint32_t)c2;
+            s = dsk__ckpt_mulmod(k2, (uint32_t)c0) ^ dsk__ckpt_mulmod(k1, (uint32_t)c1) ^ (uint32_t)c2;
             p += 3 * B; n -= 3 * B;
         }
     }
-    return dsk__ck_crc_hw_run(s, p, n);
+    return dsk__ckpt_crc_hw_run(s, p, n);
 }
-static int dsk__ck_have_sse42(void) { return __builtin_cpu_supports("sse4.2"); }
+static int dsk__ckpt_have_sse42(void) { return __builtin_cpu_supports("sse4.2"); }
 #endif
 
-static uint32_t dsk__ck_crc_raw(uint32_t s, const unsigned char *p, size_t n) {
-#ifdef DSK__CK_CRC_HW
-    if (dsk__ck_have_sse42()) return dsk__ck_crc_hw(s, p, n);
+static uint32_t dsk__ckpt_crc_raw(uint32_t s, const unsigned char *p, size_t n) {
+#ifdef DSK__CKPT_CRC_HW
+    if (dsk__ckpt_have_sse42()) return dsk__ckpt_crc_hw(s, p, n);
 #endif
-    return dsk__ck_crc_sw(s, p, n);
+    return dsk__ckpt_crc_sw(s, p, n);
 }
 
 DSK_API uint32_t dsk_ckpt_crc32c(uint32_t crc, const void *data, size_t n) {
     if (!n) return crc;
-    return ~dsk__ck_crc_raw(~crc, (const unsigned char *)data, n);
+    return ~dsk__ckpt_crc_raw(~crc, (const unsigned char *)data, n);
 }
 
 DSK_API uint32_t dsk_ckpt_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
-    return dsk__ck_mulmod(dsk__ck_xpow8n(len_b), crc_a) ^ crc_b;
+    return dsk__ckpt_mulmod(dsk__ckpt_xpow8n(len_b), crc_a) ^ crc_b;
+}
+
+/* ---------------------------------------------------------------- content hash
+   What an incremental save compares to find unchanged tensors (a CRC32C's 2^-32 chance to
+   miss a change is too much there): the polynomial hash over the field of p = 2^61 - 1 of
+   the bytes as little-endian 32-bit values v_0..v_{m-1}, zero-padded to a multiple of 4,
+   then the byte count n: H = (sum_i v_i B^(m-1-i)) B + n mod p, B fixed. Two different
+   contents of equal length collide for at most m/4 of the bases B < p, and carry the same
+   CRC32C too; four interleaved lanes (multiplier B^4) compute the same H. */
+
+#if !defined(__SIZEOF_INT128__)
+#error "dsk_ckpt.h: the content hash needs a compiler with unsigned __int128 (GCC, Clang)"
+#endif
+
+#define DSK__CKPT_P61 0x1fffffffffffffffull
+#define DSK__CKPT_HASH_B 0x0a5e3c9d17f2468bull /* < p */
+
+static uint64_t dsk__ckpt_mod61(uint64_t r) {
+    r = (r & DSK__CKPT_P61) + (r >> 61);
+    return r >= DSK__CKPT_P61 ? r - DSK__CKPT_P61 : r;
+}
+/* a * b + c mod p, for a, b < p and c < 2^32. */
+static uint64_t dsk__ckpt_muladd61(uint64_t a, uint64_t b, uint64_t c) {
+    unsigned __int128 x = (unsigned __int128)a * b + c;
+    return dsk__ckpt_mod61(((uint64_t)x & DSK__CKPT_P61) + (uint64_t)(x >> 61));
+}
+
+static uint64_t dsk__ckpt_hash(const unsigned char *p, size_t n) {
+    const uint64_t B = DSK__CKPT_HASH_B, B2 = dsk__ckpt_muladd61(B, B, 0), B3 = dsk__ckpt_muladd61(B2, B, 0);
+    const uint64_t B4 = dsk__ckpt_muladd61(B3, B, 0);
+    uint64_t l0 = 0, l1 = 0, l2 = 0, l3 = 0, h;
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        uint32_t v[4];
+        memcpy(v, p + i, 16); /* little-endian hosts only (see the top of the file) */
+        l0 = dsk__ckpt_muladd61(l0, B4, v[0]);
+        l1 = dsk__ckpt_muladd61(l1, B4, v[1]);
+        l2 = dsk__ckpt_muladd61(l2, B4, v[2]);
+        l3 = dsk__ckpt_muladd61(l3, B4, v[3]);
+    }
+    if (i < n) { /* the tail, zero-padded to 16 bytes */
+        uint32_t v[4] = {0, 0, 0, 0};
+        memcpy(v, p + i, n - i);
+        l0 = dsk__ckpt_muladd61(l0, B4, v[0]);
+        l1 = dsk__ckpt_muladd61(l1, B4, v[1]);
+        l2 = dsk__ckpt_muladd61(l2, B4, v[2]);
+        l3 = dsk__ckpt_muladd61(l3, B4, v[3]);
+    }
+    h = dsk__ckpt_mod61(dsk__ckpt_muladd61(l0, B3, 0) + dsk__ckpt_muladd61(l1, B2, 0));
+    h = dsk__ckpt_mod61(h + dsk__ckpt_muladd61(l2, B, 0) + l3);
+    return dsk__ckpt_mod61(dsk__ckpt_muladd61(h, B, 0) + (uint64_t)n % DSK__CKPT_P61);
 }
 
 /* ---------------------------------------------------------------- small helpers */
 
 /* Growable byte buffer; an allocation failure latches `oom` and later appends do nothing. */
-typedef struct dsk__ck_buf {
+typedef struct dsk__ckpt_buf {
     char *p;
     size_t n, cap;
     int oom;
-} dsk__ck_buf;
+} dsk__ckpt_buf;
 
-static void dsk__ck_put(dsk__ck_buf *b, const char *s, size_t n) {
+static void dsk__ckpt_put(dsk__ckpt_buf *b, const char *s, size_t n) {
     if (b->oom) return;
     if (b->n + n + 1 > b->cap) {
         size_t cap = b->cap ? b->cap : 256;
@@ -385,40 +664,40 @@ static void dsk__ck_put(dsk__ck_buf *b, const char *s, size_t n) {
     b->n += n;
     b->p[b->n] = 0;
 }
-static void dsk__ck_puts(dsk__ck_buf *b, const char *s) { dsk__ck_put(b, s, strlen(s)); }
-static void dsk__ck_putf(dsk__ck_buf *b, const char *fmt, ...)
+static void dsk__ckpt_puts(dsk__ckpt_buf *b, const char *s) { dsk__ckpt_put(b, s, strlen(s)); }
+static void dsk__ckpt_putf(dsk__ckpt_buf *b, const char *fmt, ...)
 #if defined(__GNUC__)
     __attribute__((format(printf, 2, 3)))
 #endif
     ;
-static void dsk__ck_putf(dsk__ck_buf *b, const char *fmt, ...) {
+static void dsk__ckpt_putf(dsk__ckpt_buf *b, const char *fmt, ...) {
     char tmp[128];
     va_list ap;
     va_start(ap, fmt);
     int k = vsnprintf(tmp, sizeof tmp, fmt, ap);
     va_end(ap);
     if (k < 0 || (size_t)k >= sizeof tmp) { b->oom = 1; return; }
-    dsk__ck_put(b, tmp, (size_t)k);
+    dsk__ckpt_put(b, tmp, (size_t)k);
 }
 /* A JSON string literal: quotes, backslash and control characters escaped. */
-static void dsk__ck_put_jstr(dsk__ck_buf *b, const char *s) {
-    dsk__ck_put(b, "\"", 1);
+static void dsk__ckpt_put_jstr(dsk__ckpt_buf *b, const char *s) {
+    dsk__ckpt_put(b, "\"", 1);
     while (*s) {
         size_t run = 0;
         unsigned char c;
         while (s[run] && (unsigned char)s[run] >= 0x20 && s[run] != '"' && s[run] != '\\') run++;
-        dsk__ck_put(b, s, run);
+        dsk__ckpt_put(b, s, run);
         s += run;
         if (!(c = (unsigned char)*s)) break;
-        if (c == '"' || c == '\\') { char e[2] = {'\\', (char)c}; dsk__ck_put(b, e, 2); }
-        else dsk__ck_putf(b, "\\u%04x", c);
+        if (c == '"' || c == '\\') { char e[2] = {'\\', (char)c}; dsk__ckpt_put(b, e, 2); }
+        else dsk__ckpt_putf(b, "\\u%04x", c);
         s++;
     }
-    dsk__ck_put(b, "\"", 1);
+    dsk__ckpt_put(b, "\"", 1);
 }
-static void dsk__ck_buf_free(dsk__ck_buf *b) { DSK_FREE(b->p); memset(b, 0, sizeof *b); }
+static void dsk__ckpt_buf_free(dsk__ckpt_buf *b) { DSK_FREE(b->p); memset(b, 0, sizeof *b); }
 
-static char *dsk__ck_strdup(const char *s) {
+static char *dsk__ckpt_strdup(const char *s) {
     size_t n = strlen(s) + 1;
     char *p = (char *)DSK_MALLOC(n);
     if (p) memcpy(p, s, n);
@@ -426,15 +705,16 @@ static char *dsk__ck_strdup(const char *s) {
 }
 
 /* "[8,256,128] bf16" for a shape and a dtype name. */
-static const char *dsk__ck_desc(char *buf, size_t n, int ndim, const int64_t *shape, const char *dtype) {
+static const char *dsk__ckpt_desc(char *buf, size_t n, int ndim, const int64_t *shape, const char *dtype) {
     size_t k = (size_t)snprintf(buf, n, "[");
-    for (int i = 0; i < ndim && k < n; i++) k += (size_t)snprintf(buf + k, n - k, i ? ",%lld" : "%lld", (long long)shape[i]);
+    for (int i = 0; i < ndim && k < n; i++)
+        k += (size_t)snprintf(buf + k, n - k, i ? ",%lld" : "%lld", (long long)shape[i]);
     if (k < n) snprintf(buf + k, n - k, "] %s", dtype);
     return buf;
 }
 
 /* Row-major element count with overflow check; -1 on overflow. */
-static int64_t dsk__ck_numel(int ndim, const int64_t *shape) {
+static int64_t dsk__ckpt_numel(int ndim, const int64_t *shape) {
     uint64_t n = 1;
     for (int i = 0; i < ndim; i++) {
         if (shape[i] < 0) return -1;
@@ -444,7 +724,7 @@ static int64_t dsk__ck_numel(int ndim, const int64_t *shape) {
     return (int64_t)n;
 }
 
-static int dsk__ck_valid_utf8(const unsigned char *s, size_t n) {
+static int dsk__ckpt_valid_utf8(const unsigned char *s, size_t n) {
     size_t i = 0;
     while (i < n) {
         unsigned char c = s[i];
@@ -468,19 +748,19 @@ static int dsk__ck_valid_utf8(const unsigned char *s, size_t n) {
 
 /* ---------------------------------------------------------------- POSIX I/O */
 
-static dsk_status dsk__ck_io_error(const char *fn, const char *what, const char *path) {
+static dsk_status dsk__ckpt_io_error(const char *fn, const char *what, const char *path) {
     int e = errno;
     return dsk_set_error(DSK_ERR_IO, "%s: %s \"%s\": %s (errno %d)", fn, what, path, strerror(e), e);
 }
 
-static dsk_status dsk__ck_write_all(const char *fn, int fd, const void *p, size_t n, const char *path) {
+static dsk_status dsk__ckpt_write_all(const char *fn, int fd, const void *p, size_t n, const char *path) {
     const char *q = (const char *)p;
     while (n) {
         ssize_t k = write(fd, q, n > ((size_t)1 << 30) ? ((size_t)1 << 30) : n);
         if (k < 0 && errno == EINTR) continue;
         if (k <= 0) {
             if (k == 0) errno = EIO;
-            return dsk__ck_io_error(fn, "write to", path);
+            return dsk__ckpt_io_error(fn, "write to", path);
         }
         q += k;
         n -= (size_t)k;
@@ -488,15 +768,16 @@ static dsk_status dsk__ck_write_all(const char *fn, int fd, const void *p, size_
     return DSK_OK;
 }
 
-static dsk_status dsk__ck_pread_all(const char *fn, int fd, void *p, size_t n, uint64_t off, const char *path) {
+static dsk_status dsk__ckpt_pread_all(const char *fn, int fd, void *p, size_t n, uint64_t off, const char *path) {
     char *q = (char *)p;
     while (n) {
         ssize_t k = pread(fd, q, n > ((size_t)1 << 30) ? ((size_t)1 << 30) : n, (off_t)off);
         if (k < 0 && errno == EINTR) continue;
-        if (k < 0) return dsk__ck_io_error(fn, "read from", path);
+        if (k < 0) return dsk__ckpt_io_error(fn, "read from", path);
         if (k == 0)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" ends early: %zu bytes missing at offset %llu (file truncated?)", fn,
-                                 path, n, (unsigned long long)off);
+            return dsk_set_error(DSK_ERR_CORRUPT,
+                                 "%s: \"%s\" ends early: %zu bytes missing at offset %llu (file truncated?)", fn, path,
+                                 n, (unsigned long long)off);
         q += k;
         n -= (size_t)k;
         off += (uint64_t)k;
@@ -504,12 +785,12 @@ static dsk_status dsk__ck_pread_all(const char *fn, int fd, void *p, size_t n, u
     return DSK_OK;
 }
 
-static dsk_status dsk__ck_fsync_dir(const char *fn, const char *dir) {
+static dsk_status dsk__ckpt_fsync_dir(const char *fn, const char *dir) {
     int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) return dsk__ck_io_error(fn, "open directory", dir);
+    if (fd < 0) return dsk__ckpt_io_error(fn, "open directory", dir);
     while (fsync(fd) != 0) {
         if (errno == EINTR) continue;
-        dsk_status s = dsk__ck_io_error(fn, "fsync directory", dir);
+        dsk_status s = dsk__ckpt_io_error(fn, "fsync directory", dir);
         close(fd);
         return s;
     }
@@ -518,7 +799,7 @@ static dsk_status dsk__ck_fsync_dir(const char *fn, const char *dir) {
 }
 
 /* dir + "/" + name, or NULL when out of memory. */
-static char *dsk__ck_join(const char *dir, const char *name) {
+static char *dsk__ckpt_join(const char *dir, const char *name) {
     size_t a = strlen(dir), b = strlen(name);
     char *p = (char *)DSK_MALLOC(a + b + 2);
     if (!p) return NULL;
@@ -529,16 +810,16 @@ static char *dsk__ck_join(const char *dir, const char *name) {
 }
 
 /* Splits path into its directory ("." when none) and base name, both allocated. */
-static dsk_status dsk__ck_split_path(const char *fn, const char *path, char **dir, char **base) {
+static dsk_status dsk__ckpt_split_path(const char *fn, const char *path, char **dir, char **base) {
     const char *slash = strrchr(path, '/');
     *dir = *base = NULL;
     if (!*path || (slash && !slash[1])) return dsk_set_error(DSK_ERR_ARG, "%s: path \"%s\" names no file", fn, path);
-    if (!slash) { *dir = dsk__ck_strdup("."); *base = dsk__ck_strdup(path); }
+    if (!slash) { *dir = dsk__ckpt_strdup("."); *base = dsk__ckpt_strdup(path); }
     else {
         size_t k = slash == path ? 1 : (size_t)(slash - path);
         *dir = (char *)DSK_MALLOC(k + 1);
         if (*dir) { memcpy(*dir, path, k); (*dir)[k] = 0; }
-        *base = dsk__ck_strdup(slash + 1);
+        *base = dsk__ckpt_strdup(slash + 1);
     }
     if (!*dir || !*base) {
         DSK_FREE(*dir); DSK_FREE(*base); *dir = *base = NULL;
@@ -548,7 +829,7 @@ static dsk_status dsk__ck_split_path(const char *fn, const char *path, char **di
 }
 
 /* Opens "<dir>/.<base>.tmp" for writing, truncating what a killed writer left. */
-static dsk_status dsk__ck_open_tmp(const char *fn, const char *dir, const char *base, char **tmp_path, int *fd) {
+static dsk_status dsk__ckpt_open_tmp(const char *fn, const char *dir, const char *base, char **tmp_path, int *fd) {
     size_t a = strlen(dir), b = strlen(base);
     char *p = (char *)DSK_MALLOC(a + b + 8);
     *tmp_path = NULL;
@@ -556,7 +837,7 @@ static dsk_status dsk__ck_open_tmp(const char *fn, const char *dir, const char *
     snprintf(p, a + b + 8, "%s/.%s.tmp", dir, base);
     *fd = open(p, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (*fd < 0) {
-        dsk_status s = dsk__ck_io_error(fn, "create", p);
+        dsk_status s = dsk__ckpt_io_error(fn, "create", p);
         DSK_FREE(p);
         return s;
     }
@@ -564,54 +845,77 @@ static dsk_status dsk__ck_open_tmp(const char *fn, const char *dir, const char *
     return DSK_OK;
 }
 
-/* fsync + close the temporary, rename it to dir/base, fsync dir. On failure the temporary
-   is removed. The fd is closed in every case. */
-static dsk_status dsk__ck_commit_tmp(const char *fn, int fd, char *tmp_path, const char *dir, const char *base) {
+#define DSK__CKPT_FSYNC_FILE 1 /* fsync the file before the rename */
+#define DSK__CKPT_FSYNC_DIR 2  /* fsync the directory after it */
+#define DSK__CKPT_DURABLE (DSK__CKPT_FSYNC_FILE | DSK__CKPT_FSYNC_DIR)
+#define DSK__CKPT_WITHDRAW 4   /* remove the renamed file again when the directory's fsync fails */
+
+/* Closes the temporary, renames it to dir/base, with the fsyncs `how` asks for. On failure the
+   temporary is removed. The fd is closed in every case. */
+static dsk_status dsk__ckpt_commit_tmp(const char *fn, int fd, char *tmp_path, const char *dir, const char *base,
+                                       int how) {
     dsk_status s = DSK_OK;
-    char *final_path = dsk__ck_join(dir, base);
+    char *final_path = dsk__ckpt_join(dir, base);
     if (!final_path) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    while (s == DSK_OK && fsync(fd) != 0)
-        if (errno != EINTR) s = dsk__ck_io_error(fn, "fsync", tmp_path);
-    if (close(fd) != 0 && s == DSK_OK && errno != EINTR) s = dsk__ck_io_error(fn, "close", tmp_path);
-    if (s == DSK_OK && rename(tmp_path, final_path) != 0) s = dsk__ck_io_error(fn, "rename into place", final_path);
-    if (s == DSK_OK) s = dsk__ck_fsync_dir(fn, dir);
-    else unlink(tmp_path);
+    while (s == DSK_OK && (how & DSK__CKPT_FSYNC_FILE) && fsync(fd) != 0)
+        if (errno != EINTR) s = dsk__ckpt_io_error(fn, "fsync", tmp_path);
+    if (close(fd) != 0 && s == DSK_OK && errno != EINTR) s = dsk__ckpt_io_error(fn, "close", tmp_path);
+    if (s == DSK_OK && rename(tmp_path, final_path) != 0) s = dsk__ckpt_io_error(fn, "rename into place", final_path);
+    if (s != DSK_OK) unlink(tmp_path);
+    else if ((how & DSK__CKPT_FSYNC_DIR) && (s = dsk__ckpt_fsync_dir(fn, dir)) != DSK_OK && (how & DSK__CKPT_WITHDRAW))
+        unlink(final_path);
     DSK_FREE(final_path);
     DSK_FREE(tmp_path);
     return s;
 }
 
-/* Writes bytes to dir/base atomically and durably. */
-static dsk_status dsk__ck_write_small(const char *fn, const char *dir, const char *base, const void *p, size_t n) {
+/* Writes bytes to dir/base atomically (and durably with DSK__CKPT_DURABLE). */
+static dsk_status dsk__ckpt_write_small(const char *fn, const char *dir, const char *base, const void *p, size_t n,
+                                        int how) {
     char *tmp = NULL;
     int fd = -1;
-    dsk_status s = dsk__ck_open_tmp(fn, dir, base, &tmp, &fd);
-    if (s != DSK_OK) return s;
-    s = dsk__ck_write_all(fn, fd, p, n, tmp);
+    dsk_status s;
+    DSK__TRY(dsk__ckpt_open_tmp(fn, dir, base, &tmp, &fd));
+    s = dsk__ckpt_write_all(fn, fd, p, n, tmp);
     if (s != DSK_OK) {
         close(fd);
         unlink(tmp);
         DSK_FREE(tmp);
         return s;
     }
-    return dsk__ck_commit_tmp(fn, fd, tmp, dir, base);
+    return dsk__ckpt_commit_tmp(fn, fd, tmp, dir, base, how);
 }
 
-/* Reads a whole small file (at most max bytes) into a NUL-terminated buffer. */
-static dsk_status dsk__ck_read_small(const char *fn, const char *path, size_t max, char **out, size_t *len) {
+/* Opens path for reading only if it is a regular file. O_NONBLOCK keeps open() from blocking
+   on a FIFO or a device before fstat can tell (it has no effect on regular files). */
+static dsk_status dsk__ckpt_open_regular(const char *fn, const char *path, int *fd, struct stat *st) {
+    dsk_status s;
+    *fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (*fd < 0) return dsk__ckpt_io_error(fn, "open", path);
+    if (fstat(*fd, st) != 0) s = dsk__ckpt_io_error(fn, "stat", path);
+    else if (!S_ISREG(st->st_mode)) s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" is not a regular file", fn, path);
+    else if (fcntl(*fd, F_SETFL, fcntl(*fd, F_GETFL) & ~O_NONBLOCK) != 0) s = dsk__ckpt_io_error(fn, "fcntl", path);
+    else return DSK_OK;
+    close(*fd);
+    *fd = -1;
+    return s;
+}
+
+/* Reads a whole small regular file (at most max bytes) into a NUL-terminated buffer. */
+static dsk_status dsk__ckpt_read_small(const char *fn, const char *path, size_t max, char **out, size_t *len) {
     struct stat st;
     dsk_status s;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    int fd;
     *out = NULL;
-    if (fd < 0) return dsk__ck_io_error(fn, "open", path);
-    if (fstat(fd, &st) != 0) { s = dsk__ck_io_error(fn, "stat", path); close(fd); return s; }
-    if (!S_ISREG(st.st_mode) || (uint64_t)st.st_size > max) {
+    DSK__TRY(dsk__ckpt_open_regular(fn, path, &fd, &st));
+    if ((uint64_t)st.st_size > max) {
         close(fd);
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" is not a regular file of at most %zu bytes", fn, path, max);
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" has %lld bytes, more than the limit of %zu", fn, path,
+                             (long long)st.st_size, max);
     }
     *out = (char *)DSK_MALLOC((size_t)st.st_size + 1);
     if (!*out) { close(fd); return dsk_set_error(DSK_ERR_OOM, "%s: out of memory for \"%s\"", fn, path); }
-    s = dsk__ck_pread_all(fn, fd, *out, (size_t)st.st_size, 0, path);
+    s = dsk__ckpt_pread_all(fn, fd, *out, (size_t)st.st_size, 0, path);
     close(fd);
     if (s != DSK_OK) { DSK_FREE(*out); *out = NULL; return s; }
     (*out)[st.st_size] = 0;
@@ -620,98 +924,150 @@ static dsk_status dsk__ck_read_small(const char *fn, const char *path, size_t ma
 }
 
 /* ---------------------------------------------------------------- strict JSON (RFC 8259)
-   Parses untrusted text into a flat node array: every read is bounds-checked, nesting is
-   limited, strings are decoded (escapes, surrogate pairs) into one pool, numbers keep their
-   text span and are converted on access. */
+   Parses untrusted text into a flat array of values in document order: every read is
+   bounds-checked, nesting is limited, strings are decoded (escapes, surrogate pairs) into one
+   pool, numbers keep their place in the text and are converted on access. A first pass counts
+   an upper bound of the values and string bytes, so memory is allocated once: at most 12 bytes
+   per value plus the string bytes, about 6x the text for the densest input ([0,0,0,...]). */
 
-enum { DSK__J_NULL, DSK__J_BOOL, DSK__J_NUM, DSK__J_STR, DSK__J_ARR, DSK__J_OBJ };
-#define DSK__J_MAX_DEPTH 32
+enum { DSK__CKPT_J_NULL, DSK__CKPT_J_BOOL, DSK__CKPT_J_NUM, DSK__CKPT_J_STR, DSK__CKPT_J_ARR, DSK__CKPT_J_OBJ };
+#define DSK__CKPT_J_MAX_DEPTH 32
+#define DSK__CKPT_J_NONE 0xffffffffu
+#define DSK__CKPT_J_OFF_MASK 0x07ffffffu /* pool offsets: texts are at most DSK_CKPT_MAX_HEADER bytes */
+#define DSK__CKPT_J_TYPE_SHIFT 27
+#define DSK__CKPT_J_KEY_NUL (1u << 30)   /* the member key holds a NUL character */
+#define DSK__CKPT_J_STR_NUL (1u << 31)   /* the string value holds a NUL character */
 
-typedef struct dsk__ck_jnode {
-    int type;
-    int child, next;      /* first child and next sibling, -1 when none */
-    int count;            /* members of an object or array */
-    const char *s;        /* string: decoded, NUL-terminated; number: source span */
-    size_t len;
-    const char *key;      /* member key (decoded) when the parent is an object */
-    size_t klen;
-} dsk__ck_jnode;
+/* One value. A container's first member is the value right after it. */
+typedef struct dsk__ckpt_jnode {
+    uint32_t next; /* next member of the same container, or DSK__CKPT_J_NONE */
+    uint32_t key;  /* pool offset of the member key (0: ""), the type, and the two NUL flags */
+    uint32_t val;  /* string: pool offset; number: text offset; bool: 0 or 1; container: member count */
+} dsk__ckpt_jnode;
 
-typedef struct dsk__ck_json {
-    dsk__ck_jnode *nodes;
-    int n, cap;
-    char *pool;           /* decoded strings */
-    size_t pool_used;
+typedef struct dsk__ckpt_json {
+    dsk__ckpt_jnode *nodes;
+    uint32_t n, cap;
+    char *pool;            /* decoded strings, each NUL-terminated; pool[0] = "" */
+    size_t pool_used, pool_cap;
     const char *src, *end, *p;
     const char *fn, *what; /* error context: function and object */
     dsk_status status;
-} dsk__ck_json;
+} dsk__ckpt_json;
 
-static void dsk__ck_json_free(dsk__ck_json *j) {
+static void dsk__ckpt_json_free(dsk__ckpt_json *j) {
     DSK_FREE(j->nodes);
     DSK_FREE(j->pool);
     memset(j, 0, sizeof *j);
 }
 
-static int dsk__ck_jfail(dsk__ck_json *j, const char *msg) {
+static int dsk__ckpt_jtype(const dsk__ckpt_json *j, int i) {
+    return (int)((j->nodes[i].key >> DSK__CKPT_J_TYPE_SHIFT) & 7u);
+}
+static int dsk__ckpt_jcount(const dsk__ckpt_json *j, int i) {
+    int t = dsk__ckpt_jtype(j, i);
+    return t == DSK__CKPT_J_ARR || t == DSK__CKPT_J_OBJ ? (int)j->nodes[i].val : 0;
+}
+static int dsk__ckpt_jchild(const dsk__ckpt_json *j, int i) { return dsk__ckpt_jcount(j, i) ? i + 1 : -1; }
+static int dsk__ckpt_jnext(const dsk__ckpt_json *j, int i) {
+    return j->nodes[i].next == DSK__CKPT_J_NONE ? -1 : (int)j->nodes[i].next;
+}
+/* The member key of value i; keys with a NUL are cut at it (see dsk__ckpt_jkey_nul). */
+static const char *dsk__ckpt_jkey(const dsk__ckpt_json *j, int i) {
+    return j->pool + (j->nodes[i].key & DSK__CKPT_J_OFF_MASK);
+}
+static int dsk__ckpt_jkey_nul(const dsk__ckpt_json *j, int i) { return (j->nodes[i].key & DSK__CKPT_J_KEY_NUL) != 0; }
+/* A string value without embedded NUL, or NULL. */
+static const char *dsk__ckpt_jstr(const dsk__ckpt_json *j, int i) {
+    if (i < 0 || dsk__ckpt_jtype(j, i) != DSK__CKPT_J_STR || (j->nodes[i].key & DSK__CKPT_J_STR_NUL)) return NULL;
+    return j->pool + j->nodes[i].val;
+}
+
+static int dsk__ckpt_jfail(dsk__ckpt_json *j, const char *msg) {
     if (j->status == DSK_OK)
         j->status = dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: invalid JSON: %s at byte %lld", j->fn, j->what, msg,
                                   (long long)(j->p - j->src));
     return -1;
 }
 
-static void dsk__ck_jws(dsk__ck_json *j) {
+static void dsk__ckpt_jws(dsk__ckpt_json *j) {
     while (j->p < j->end && (*j->p == ' ' || *j->p == '\t' || *j->p == '\n' || *j->p == '\r')) j->p++;
 }
 
-static int dsk__ck_jnew(dsk__ck_json *j, int type) {
-    if (j->n == j->cap) {
-        int cap = j->cap ? j->cap * 2 : 64;
-        dsk__ck_jnode *q;
-        if (cap > (1 << 28)) return dsk__ck_jfail(j, "too many values");
-        q = (dsk__ck_jnode *)DSK_MALLOC((size_t)cap * sizeof *q);
-        if (!q) {
-            if (j->status == DSK_OK) j->status = dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory parsing JSON", j->fn, j->what);
-            return -1;
-        }
-        if (j->n) memcpy(q, j->nodes, (size_t)j->n * sizeof *q);
-        DSK_FREE(j->nodes);
-        j->nodes = q;
-        j->cap = cap;
+/* First pass: an upper bound of the values (each one but the first follows a '[', ',' or
+   ':' outside strings) and of the pool bytes (every byte inside quotes, plus a NUL each). */
+static void dsk__ckpt_jcount_text(const char *p, const char *end, uint64_t *values, uint64_t *pool) {
+    int in_str = 0, esc = 0;
+    *values = 1;
+    *pool = 1;
+    for (; p < end; p++) {
+        char c = *p;
+        if (in_str) {
+            if (esc) esc = 0;
+            else if (c == '\\') esc = 1;
+            else if (c == '"') { in_str = 0; (*pool)++; continue; }
+            (*pool)++;
+        } else if (c == '"') in_str = 1;
+        else if (c == '[' || c == ',' || c == ':') (*values)++;
     }
-    memset(&j->nodes[j->n], 0, sizeof j->nodes[0]);
-    j->nodes[j->n].type = type;
-    j->nodes[j->n].child = j->nodes[j->n].next = -1;
-    return j->n++;
 }
 
-static int dsk__ck_jhex4(dsk__ck_json *j, uint32_t *out) {
+static int dsk__ckpt_jnew(dsk__ckpt_json *j, int type) {
+    dsk__ckpt_jnode *x;
+    if (j->n == j->cap)
+        return dsk__ckpt_jfail(j, "more values than the text can hold"); /* the count is an upper bound */
+    x = &j->nodes[j->n];
+    x->next = DSK__CKPT_J_NONE;
+    x->key = (uint32_t)type << DSK__CKPT_J_TYPE_SHIFT;
+    x->val = 0;
+    return (int)j->n++;
+}
+
+static int dsk__ckpt_jhex4(dsk__ckpt_json *j, uint32_t *out) {
     uint32_t v = 0;
-    if (j->end - j->p < 4) return dsk__ck_jfail(j, "short \\u escape");
+    if (j->end - j->p < 4) return dsk__ckpt_jfail(j, "short \\u escape");
     for (int i = 0; i < 4; i++) {
         char c = *j->p++;
         v <<= 4;
         if (c >= '0' && c <= '9') v |= (uint32_t)(c - '0');
         else if (c >= 'a' && c <= 'f') v |= (uint32_t)(c - 'a' + 10);
         else if (c >= 'A' && c <= 'F') v |= (uint32_t)(c - 'A' + 10);
-        else return dsk__ck_jfail(j, "bad hex digit in \\u escape");
+        else return dsk__ckpt_jfail(j, "bad hex digit in \\u escape");
     }
     *out = v;
     return 0;
 }
 
-/* Decodes the string at j->p (on its opening quote) into the pool. */
-static int dsk__ck_jstring(dsk__ck_json *j, const char **out, size_t *len) {
+/* Appends code point cp as UTF-8. */
+static char *dsk__ckpt_jutf8(char *dst, uint32_t cp) {
+    if (cp < 0x80u) *dst++ = (char)cp;
+    else if (cp < 0x800u) { *dst++ = (char)(0xc0u | (cp >> 6)); *dst++ = (char)(0x80u | (cp & 0x3fu)); }
+    else if (cp < 0x10000u) {
+        *dst++ = (char)(0xe0u | (cp >> 12)); *dst++ = (char)(0x80u | ((cp >> 6) & 0x3fu));
+        *dst++ = (char)(0x80u | (cp & 0x3fu));
+    } else {
+        *dst++ = (char)(0xf0u | (cp >> 18)); *dst++ = (char)(0x80u | ((cp >> 12) & 0x3fu));
+        *dst++ = (char)(0x80u | ((cp >> 6) & 0x3fu)); *dst++ = (char)(0x80u | (cp & 0x3fu));
+    }
+    return dst;
+}
+
+/* Decodes the string at j->p (on its opening quote) into the pool: its pool offset, and
+   whether it holds a NUL. An escape never decodes to more bytes than its text, so the pool
+   bound of the first pass holds. */
+static int dsk__ckpt_jstring(dsk__ckpt_json *j, uint32_t *off, int *has_nul) {
     char *dst = j->pool + j->pool_used, *start = dst;
+    *has_nul = 0;
     j->p++; /* opening quote */
     for (;;) {
         unsigned char c;
-        if (j->p >= j->end) return dsk__ck_jfail(j, "unterminated string");
+        uint32_t cp, lo;
+        if (j->p >= j->end) return dsk__ckpt_jfail(j, "unterminated string");
         c = (unsigned char)*j->p++;
         if (c == '"') break;
-        if (c < 0x20) return dsk__ck_jfail(j, "control character in string");
+        if (c < 0x20) return dsk__ckpt_jfail(j, "control character in string");
         if (c != '\\') { *dst++ = (char)c; continue; }
-        if (j->p >= j->end) return dsk__ck_jfail(j, "unterminated escape");
+        if (j->p >= j->end) return dsk__ckpt_jfail(j, "unterminated escape");
         c = (unsigned char)*j->p++;
         switch (c) {
         case '"': *dst++ = '"'; break;
@@ -722,233 +1078,239 @@ static int dsk__ck_jstring(dsk__ck_json *j, const char **out, size_t *len) {
         case 'n': *dst++ = '\n'; break;
         case 'r': *dst++ = '\r'; break;
         case 't': *dst++ = '\t'; break;
-        case 'u': {
-            uint32_t cp, lo;
-            if (dsk__ck_jhex4(j, &cp)) return -1;
-            if (cp >= 0xdc00u && cp <= 0xdfffu) return dsk__ck_jfail(j, "lone low surrogate");
+        case 'u':
+            if (dsk__ckpt_jhex4(j, &cp)) return -1;
+            if (cp >= 0xdc00u && cp <= 0xdfffu) return dsk__ckpt_jfail(j, "lone low surrogate");
             if (cp >= 0xd800u && cp <= 0xdbffu) {
-                if (j->end - j->p < 2 || j->p[0] != '\\' || j->p[1] != 'u') return dsk__ck_jfail(j, "lone high surrogate");
+                if (j->end - j->p < 2 || j->p[0] != '\\' || j->p[1] != 'u')
+                    return dsk__ckpt_jfail(j, "lone high surrogate");
                 j->p += 2;
-                if (dsk__ck_jhex4(j, &lo)) return -1;
-                if (lo < 0xdc00u || lo > 0xdfffu) return dsk__ck_jfail(j, "bad low surrogate");
+                if (dsk__ckpt_jhex4(j, &lo)) return -1;
+                if (lo < 0xdc00u || lo > 0xdfffu) return dsk__ckpt_jfail(j, "bad low surrogate");
                 cp = 0x10000u + ((cp - 0xd800u) << 10) + (lo - 0xdc00u);
             }
-            if (cp < 0x80u) *dst++ = (char)cp;
-            else if (cp < 0x800u) { *dst++ = (char)(0xc0u | (cp >> 6)); *dst++ = (char)(0x80u | (cp & 0x3fu)); }
-            else if (cp < 0x10000u) {
-                *dst++ = (char)(0xe0u | (cp >> 12)); *dst++ = (char)(0x80u | ((cp >> 6) & 0x3fu));
-                *dst++ = (char)(0x80u | (cp & 0x3fu));
-            } else {
-                *dst++ = (char)(0xf0u | (cp >> 18)); *dst++ = (char)(0x80u | ((cp >> 12) & 0x3fu));
-                *dst++ = (char)(0x80u | ((cp >> 6) & 0x3fu)); *dst++ = (char)(0x80u | (cp & 0x3fu));
-            }
+            if (cp == 0) *has_nul = 1;
+            dst = dsk__ckpt_jutf8(dst, cp);
             break;
-        }
-        default: return dsk__ck_jfail(j, "unknown escape");
+        default: return dsk__ckpt_jfail(j, "unknown escape");
         }
     }
     *dst = 0;
-    *out = start;
-    *len = (size_t)(dst - start);
-    j->pool_used += *len + 1;
+    *off = (uint32_t)(start - j->pool);
+    j->pool_used += (size_t)(dst - start) + 1;
     return 0;
 }
 
-static int dsk__ck_jnumber(dsk__ck_json *j, int node) {
+static int dsk__ckpt_jnumber(dsk__ckpt_json *j, int node) {
     const char *s = j->p;
     if (j->p < j->end && *j->p == '-') j->p++;
-    if (j->p >= j->end || *j->p < '0' || *j->p > '9') return dsk__ck_jfail(j, "bad number");
+    if (j->p >= j->end || *j->p < '0' || *j->p > '9') return dsk__ckpt_jfail(j, "bad number");
     if (*j->p == '0') j->p++;
     else while (j->p < j->end && *j->p >= '0' && *j->p <= '9') j->p++;
     if (j->p < j->end && *j->p == '.') {
         j->p++;
-        if (j->p >= j->end || *j->p < '0' || *j->p > '9') return dsk__ck_jfail(j, "bad fraction");
+        if (j->p >= j->end || *j->p < '0' || *j->p > '9') return dsk__ckpt_jfail(j, "bad fraction");
         while (j->p < j->end && *j->p >= '0' && *j->p <= '9') j->p++;
     }
     if (j->p < j->end && (*j->p == 'e' || *j->p == 'E')) {
         j->p++;
         if (j->p < j->end && (*j->p == '+' || *j->p == '-')) j->p++;
-        if (j->p >= j->end || *j->p < '0' || *j->p > '9') return dsk__ck_jfail(j, "bad exponent");
+        if (j->p >= j->end || *j->p < '0' || *j->p > '9') return dsk__ckpt_jfail(j, "bad exponent");
         while (j->p < j->end && *j->p >= '0' && *j->p <= '9') j->p++;
     }
-    j->nodes[node].s = s;
-    j->nodes[node].len = (size_t)(j->p - s);
+    j->nodes[node].val = (uint32_t)(s - j->src);
     return 0;
 }
 
-static int dsk__ck_jliteral(dsk__ck_json *j, const char *word) {
+static int dsk__ckpt_jliteral(dsk__ckpt_json *j, const char *word) {
     size_t n = strlen(word);
-    if ((size_t)(j->end - j->p) < n || memcmp(j->p, word, n) != 0) return dsk__ck_jfail(j, "unexpected character");
+    if ((size_t)(j->end - j->p) < n || memcmp(j->p, word, n) != 0) return dsk__ckpt_jfail(j, "unexpected character");
     j->p += n;
     return 0;
 }
 
-static int dsk__ck_jvalue(dsk__ck_json *j, int depth);
+static int dsk__ckpt_jvalue(dsk__ckpt_json *j, int depth);
 
-/* Array or object at j->p (on its bracket); children linked in order. */
-static int dsk__ck_jcontainer(dsk__ck_json *j, int depth, int is_obj) {
-    int node = dsk__ck_jnew(j, is_obj ? DSK__J_OBJ : DSK__J_ARR), last = -1;
+/* Array or object at j->p (on its bracket); members linked in order. */
+static int dsk__ckpt_jcontainer(dsk__ckpt_json *j, int depth, int is_obj) {
+    int node = dsk__ckpt_jnew(j, is_obj ? DSK__CKPT_J_OBJ : DSK__CKPT_J_ARR), last = -1;
     char close = is_obj ? '}' : ']';
     if (node < 0) return -1;
-    if (depth >= DSK__J_MAX_DEPTH) return dsk__ck_jfail(j, "nesting too deep");
+    if (depth >= DSK__CKPT_J_MAX_DEPTH) return dsk__ckpt_jfail(j, "nesting too deep");
     j->p++;
-    dsk__ck_jws(j);
+    dsk__ckpt_jws(j);
     if (j->p < j->end && *j->p == close) { j->p++; return node; }
     for (;;) {
-        const char *key = NULL;
-        size_t klen = 0;
-        int child;
+        uint32_t key = 0;
+        int key_nul = 0, child;
         if (is_obj) {
-            if (j->p >= j->end || *j->p != '"') return dsk__ck_jfail(j, "expected a string key");
-            if (dsk__ck_jstring(j, &key, &klen)) return -1;
-            dsk__ck_jws(j);
-            if (j->p >= j->end || *j->p != ':') return dsk__ck_jfail(j, "expected ':'");
+            if (j->p >= j->end || *j->p != '"') return dsk__ckpt_jfail(j, "expected a string key");
+            if (dsk__ckpt_jstring(j, &key, &key_nul)) return -1;
+            dsk__ckpt_jws(j);
+            if (j->p >= j->end || *j->p != ':') return dsk__ckpt_jfail(j, "expected ':'");
             j->p++;
         }
-        child = dsk__ck_jvalue(j, depth + 1);
+        child = dsk__ckpt_jvalue(j, depth + 1);
         if (child < 0) return -1;
-        j->nodes[child].key = key;
-        j->nodes[child].klen = klen;
-        if (last < 0) j->nodes[node].child = child;
-        else j->nodes[last].next = child;
+        j->nodes[child].key |= key | (key_nul ? DSK__CKPT_J_KEY_NUL : 0u);
+        if (last >= 0) j->nodes[last].next = (uint32_t)child;
         last = child;
-        j->nodes[node].count++;
-        dsk__ck_jws(j);
-        if (j->p < j->end && *j->p == ',') { j->p++; dsk__ck_jws(j); continue; }
+        j->nodes[node].val++;
+        dsk__ckpt_jws(j);
+        if (j->p < j->end && *j->p == ',') { j->p++; dsk__ckpt_jws(j); continue; }
         if (j->p < j->end && *j->p == close) { j->p++; return node; }
-        return dsk__ck_jfail(j, is_obj ? "expected ',' or '}'" : "expected ',' or ']'");
+        return dsk__ckpt_jfail(j, is_obj ? "expected ',' or '}'" : "expected ',' or ']'");
     }
 }
 
-static int dsk__ck_jvalue(dsk__ck_json *j, int depth) {
-    int node;
-    dsk__ck_jws(j);
-    if (j->p >= j->end) return dsk__ck_jfail(j, "unexpected end");
+static int dsk__ckpt_jvalue(dsk__ckpt_json *j, int depth) {
+    int node, nul;
+    dsk__ckpt_jws(j);
+    if (j->p >= j->end) return dsk__ckpt_jfail(j, "unexpected end");
     switch (*j->p) {
-    case '{': return dsk__ck_jcontainer(j, depth, 1);
-    case '[': return dsk__ck_jcontainer(j, depth, 0);
+    case '{': return dsk__ckpt_jcontainer(j, depth, 1);
+    case '[': return dsk__ckpt_jcontainer(j, depth, 0);
     case '"':
-        if ((node = dsk__ck_jnew(j, DSK__J_STR)) < 0) return -1;
-        return dsk__ck_jstring(j, &j->nodes[node].s, &j->nodes[node].len) ? -1 : node;
+        if ((node = dsk__ckpt_jnew(j, DSK__CKPT_J_STR)) < 0 || dsk__ckpt_jstring(j, &j->nodes[node].val, &nul))
+            return -1;
+        if (nul) j->nodes[node].key |= DSK__CKPT_J_STR_NUL;
+        return node;
     case 't': case 'f': case 'n':
-        if ((node = dsk__ck_jnew(j, *j->p == 'n' ? DSK__J_NULL : DSK__J_BOOL)) < 0) return -1;
-        return dsk__ck_jliteral(j, *j->p == 't' ? "true" : *j->p == 'f' ? "false" : "null") ? -1 : node;
+        if ((node = dsk__ckpt_jnew(j, *j->p == 'n' ? DSK__CKPT_J_NULL : DSK__CKPT_J_BOOL)) < 0) return -1;
+        j->nodes[node].val = *j->p == 't';
+        return dsk__ckpt_jliteral(j, *j->p == 't' ? "true" : *j->p == 'f' ? "false" : "null") ? -1 : node;
     default:
-        if ((node = dsk__ck_jnew(j, DSK__J_NUM)) < 0) return -1;
-        return dsk__ck_jnumber(j, node) ? -1 : node;
+        if ((node = dsk__ckpt_jnew(j, DSK__CKPT_J_NUM)) < 0) return -1;
+        return dsk__ckpt_jnumber(j, node) ? -1 : node;
     }
 }
 
-/* Parses text[0, n) (valid UTF-8 required) whose top level must be an object: node 0. */
-static dsk_status dsk__ck_json_parse(dsk__ck_json *j, const char *text, size_t n, const char *fn, const char *what) {
+/* Parses text[0, n) (valid UTF-8 required, n <= DSK_CKPT_MAX_HEADER) whose top level must be
+   an object: node 0. */
+static dsk_status dsk__ckpt_json_parse(dsk__ckpt_json *j, const char *text, size_t n, const char *fn,
+                                       const char *what) {
+    uint64_t values, pool;
     memset(j, 0, sizeof *j);
     j->src = j->p = text;
     j->end = text + n;
     j->fn = fn;
     j->what = what;
-    if (!dsk__ck_valid_utf8((const unsigned char *)text, n))
+    if (n > DSK_CKPT_MAX_HEADER)
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: %zu bytes of JSON exceed the limit of %llu", fn, what, n,
+                             (unsigned long long)DSK_CKPT_MAX_HEADER);
+    if (!dsk__ckpt_valid_utf8((const unsigned char *)text, n))
         return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: header is not valid UTF-8", fn, what);
-    j->pool = (char *)DSK_MALLOC(n + 1);
-    if (!j->pool) return dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory for %zu bytes of JSON", fn, what, n);
-    dsk__ck_jws(j);
-    if (j->p >= j->end || *j->p != '{') dsk__ck_jfail(j, "expected '{'");
-    else if (dsk__ck_jvalue(j, 0) >= 0) {
-        dsk__ck_jws(j);
-        if (j->p != j->end) dsk__ck_jfail(j, "trailing characters");
+    dsk__ckpt_jcount_text(text, text + n, &values, &pool);
+    j->cap = (uint32_t)values;
+    j->pool_cap = (size_t)pool;
+    j->nodes = (dsk__ckpt_jnode *)DSK_MALLOC((size_t)values * sizeof *j->nodes);
+    j->pool = (char *)DSK_MALLOC((size_t)pool);
+    if (!j->nodes || !j->pool) {
+        dsk__ckpt_json_free(j);
+        return dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory for %llu JSON values", fn, what,
+                             (unsigned long long)values);
+    }
+    j->pool[0] = 0;
+    j->pool_used = 1;
+    dsk__ckpt_jws(j);
+    if (j->p >= j->end || *j->p != '{') dsk__ckpt_jfail(j, "expected '{'");
+    else if (dsk__ckpt_jvalue(j, 0) >= 0) {
+        dsk__ckpt_jws(j);
+        if (j->p != j->end) dsk__ckpt_jfail(j, "trailing characters");
     }
     if (j->status != DSK_OK) {
         dsk_status s = j->status;
-        dsk__ck_json_free(j);
+        dsk__ckpt_json_free(j);
         return s;
     }
     return DSK_OK;
 }
 
 /* Member `key` of object node obj, or -1. */
-static int dsk__ck_jget(const dsk__ck_json *j, int obj, const char *key) {
-    size_t k = strlen(key);
-    for (int c = j->nodes[obj].child; c >= 0; c = j->nodes[c].next)
-        if (j->nodes[c].klen == k && memcmp(j->nodes[c].key, key, k) == 0) return c;
+static int dsk__ckpt_jget(const dsk__ckpt_json *j, int obj, const char *key) {
+    for (int c = dsk__ckpt_jchild(j, obj); c >= 0; c = dsk__ckpt_jnext(j, c))
+        if (!dsk__ckpt_jkey_nul(j, c) && strcmp(dsk__ckpt_jkey(j, c), key) == 0) return c;
     return -1;
 }
 
 /* A plain integer (optional '-', digits, no fraction or exponent) within int64. */
-static int dsk__ck_jint(const dsk__ck_json *j, int node, int64_t *out) {
-    const dsk__ck_jnode *x = &j->nodes[node];
-    size_t i = 0;
+static int dsk__ckpt_jint(const dsk__ckpt_json *j, int node, int64_t *out) {
+    const char *s, *e;
     int neg = 0;
     uint64_t v = 0;
-    if (x->type != DSK__J_NUM) return 0;
-    if (x->s[0] == '-') { neg = 1; i = 1; }
-    if (i >= x->len) return 0;
-    for (; i < x->len; i++) {
-        if (x->s[i] < '0' || x->s[i] > '9') return 0;
+    if (node < 0 || dsk__ckpt_jtype(j, node) != DSK__CKPT_J_NUM) return 0;
+    s = j->src + j->nodes[node].val;
+    if (*s == '-') { neg = 1; s++; }
+    for (e = s; e < j->end && *e >= '0' && *e <= '9'; e++) {
         if (v > (uint64_t)INT64_MAX / 10) return 0;
-        v = v * 10 + (uint64_t)(x->s[i] - '0');
+        v = v * 10 + (uint64_t)(*e - '0');
         if (v > (uint64_t)INT64_MAX) return 0;
     }
+    if (e == s || (e < j->end && (*e == '.' || *e == 'e' || *e == 'E'))) return 0;
     *out = neg ? -(int64_t)v : (int64_t)v;
     return 1;
 }
 
-/* Integer member `key` of object obj. */
-static int dsk__ck_jget_int(const dsk__ck_json *j, int obj, const char *key, int64_t *out) {
-    int c = dsk__ck_jget(j, obj, key);
-    return c >= 0 && dsk__ck_jint(j, c, out);
+/* Digits only, within int64: the JSON a usize field of the reference accepts ("-0" is the
+   float -0.0 to serde_json, so not a size). */
+static int dsk__ckpt_jsize(const dsk__ckpt_json *j, int node, int64_t *out) {
+    return dsk__ckpt_jint(j, node, out) && j->src[j->nodes[node].val] != '-';
 }
 
-/* A string node without embedded NUL. */
-static const char *dsk__ck_jstr(const dsk__ck_json *j, int node) {
-    if (node < 0 || j->nodes[node].type != DSK__J_STR || strlen(j->nodes[node].s) != j->nodes[node].len) return NULL;
-    return j->nodes[node].s;
+/* Integer member `key` of object obj. */
+static int dsk__ckpt_jget_int(const dsk__ckpt_json *j, int obj, const char *key, int64_t *out) {
+    int c = dsk__ckpt_jget(j, obj, key);
+    return c >= 0 && dsk__ckpt_jint(j, c, out);
 }
 
 /* ---------------------------------------------------------------- safetensors files */
 
-typedef struct dsk__ck_stdtype {
+typedef struct dsk__ckpt_stdtype {
     const char *name;
     int bits;
     int dsk; /* dsk_dtype or -1 */
-} dsk__ck_stdtype;
+} dsk__ckpt_stdtype;
 
 /* Every dtype of safetensors 0.8, with its width in bits (F4 and F6 are packed). */
-static const dsk__ck_stdtype dsk__ck_stdtypes[] = {
-    {"BOOL", 8, -1},         {"F4", 4, -1},           {"F6_E2M3", 6, -1},     {"F6_E3M2", 6, -1},   {"U8", 8, DSK_U8},
-    {"I8", 8, -1},           {"F8_E5M2", 8, DSK_E5M2}, {"F8_E4M3", 8, DSK_E4M3}, {"F8_E8M0", 8, -1},   {"F8_E4M3FNUZ", 8, -1},
-    {"F8_E5M2FNUZ", 8, -1},  {"I16", 16, -1},         {"U16", 16, -1},        {"F16", 16, DSK_F16}, {"BF16", 16, DSK_BF16},
-    {"I32", 32, DSK_I32},    {"U32", 32, -1},         {"F32", 32, DSK_F32},   {"C64", 64, -1},      {"F64", 64, DSK_F64},
-    {"I64", 64, DSK_I64},    {"U64", 64, -1}};
-#define DSK__CK_N_STDTYPES ((int)(sizeof dsk__ck_stdtypes / sizeof dsk__ck_stdtypes[0]))
+static const dsk__ckpt_stdtype dsk__ckpt_stdtypes[] = {
+    {"BOOL", 8, -1},      {"F4", 4, -1},          {"F6_E2M3", 6, -1},       {"F6_E3M2", 6, -1},
+    {"U8", 8, DSK_U8},    {"I8", 8, -1},          {"F8_E5M2", 8, DSK_E5M2}, {"F8_E4M3", 8, DSK_E4M3},
+    {"F8_E8M0", 8, -1},   {"F8_E4M3FNUZ", 8, -1}, {"F8_E5M2FNUZ", 8, -1},   {"I16", 16, -1},
+    {"U16", 16, -1},      {"F16", 16, DSK_F16},   {"BF16", 16, DSK_BF16},   {"I32", 32, DSK_I32},
+    {"U32", 32, -1},      {"F32", 32, DSK_F32},   {"C64", 64, -1},          {"F64", 64, DSK_F64},
+    {"I64", 64, DSK_I64}, {"U64", 64, -1}};
+#define DSK__CKPT_N_STDTYPES ((int)(sizeof dsk__ckpt_stdtypes / sizeof dsk__ckpt_stdtypes[0]))
 
-static const dsk__ck_stdtype *dsk__ck_stdtype_by_name(const char *name) {
-    for (int i = 0; i < DSK__CK_N_STDTYPES; i++)
-        if (strcmp(dsk__ck_stdtypes[i].name, name) == 0) return &dsk__ck_stdtypes[i];
+static const dsk__ckpt_stdtype *dsk__ckpt_stdtype_by_name(const char *name) {
+    for (int i = 0; i < DSK__CKPT_N_STDTYPES; i++)
+        if (strcmp(dsk__ckpt_stdtypes[i].name, name) == 0) return &dsk__ckpt_stdtypes[i];
     return NULL;
 }
-static const char *dsk__ck_stname(dsk_dtype dt) {
-    for (int i = 0; i < DSK__CK_N_STDTYPES; i++)
-        if (dsk__ck_stdtypes[i].dsk == (int)dt) return dsk__ck_stdtypes[i].name;
+static const char *dsk__ckpt_stname(dsk_dtype dt) {
+    for (int i = 0; i < DSK__CKPT_N_STDTYPES; i++)
+        if (dsk__ckpt_stdtypes[i].dsk == (int)dt) return dsk__ckpt_stdtypes[i].name;
     return "?";
 }
 
-static int dsk__ck_cmp_info_name(const void *a, const void *b) {
+static int dsk__ckpt_cmp_info_name(const void *a, const void *b) {
     return strcmp(((const dsk_ckpt_tensor_info *)a)->name, ((const dsk_ckpt_tensor_info *)b)->name);
 }
-static int dsk__ck_cmp_info_off(const void *a, const void *b) {
-    const dsk_ckpt_tensor_info *x = *(const dsk_ckpt_tensor_info *const *)a, *y = *(const dsk_ckpt_tensor_info *const *)b;
+static int dsk__ckpt_cmp_info_off(const void *a, const void *b) {
+    const dsk_ckpt_tensor_info *x = *(const dsk_ckpt_tensor_info *const *)a,
+                               *y = *(const dsk_ckpt_tensor_info *const *)b;
     if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
     return x->end < y->end ? -1 : x->end > y->end;
 }
 
-typedef struct dsk__ck_kvidx {
+typedef struct dsk__ckpt_kvidx {
     const char *k, *v;
-} dsk__ck_kvidx;
-static int dsk__ck_cmp_kvidx(const void *a, const void *b) {
-    return strcmp(((const dsk__ck_kvidx *)a)->k, ((const dsk__ck_kvidx *)b)->k);
+} dsk__ckpt_kvidx;
+static int dsk__ckpt_cmp_kvidx(const void *a, const void *b) {
+    return strcmp(((const dsk__ckpt_kvidx *)a)->k, ((const dsk__ckpt_kvidx *)b)->k);
 }
 
 /* Parses 8 lowercase or uppercase hex digits exactly. */
-static int dsk__ck_parse_hex32(const char *s, uint32_t *out) {
+static int dsk__ckpt_parse_hex32(const char *s, uint32_t *out) {
     uint32_t v = 0;
     if (!s || strlen(s) != 8) return 0;
     for (int i = 0; i < 8; i++) {
@@ -964,17 +1326,17 @@ static int dsk__ck_parse_hex32(const char *s, uint32_t *out) {
 }
 
 /* Private storage behind dsk_ckpt_file.mem. */
-typedef struct dsk__ck_filemem {
-    dsk__ck_json json;
+typedef struct dsk__ckpt_filemem {
+    dsk__ckpt_json json;
     char *header;   /* the first 8 + header_len bytes when read from a file */
-} dsk__ck_filemem;
+} dsk__ckpt_filemem;
 
 DSK_API void dsk_ckpt_file_close(dsk_ckpt_file *f) {
     if (!f) return;
     if (f->has_fd) close(f->fd);
     if (f->mem) {
-        dsk__ck_filemem *m = (dsk__ck_filemem *)f->mem;
-        dsk__ck_json_free(&m->json);
+        dsk__ckpt_filemem *m = (dsk__ckpt_filemem *)f->mem;
+        dsk__ckpt_json_free(&m->json);
         DSK_FREE(m->header);
         DSK_FREE(m);
     }
@@ -986,44 +1348,57 @@ DSK_API void dsk_ckpt_file_close(dsk_ckpt_file *f) {
 }
 
 /* One tensor entry {"dtype": .., "shape": [..], "data_offsets": [b, e]}. */
-static dsk_status dsk__ck_parse_entry(const char *fn, const char *where, const dsk__ck_json *j, int node, dsk_ckpt_tensor_info *t) {
+static dsk_status dsk__ckpt_parse_entry(const char *fn, const char *where, const dsk__ckpt_json *j, int node,
+                                        dsk_ckpt_tensor_info *t) {
     int seen[3] = {0, 0, 0};
-    const dsk__ck_stdtype *dt = NULL;
-    if (j->nodes[node].type != DSK__J_OBJ)
+    const dsk__ckpt_stdtype *dt = NULL;
+    if (dsk__ckpt_jtype(j, node) != DSK__CKPT_J_OBJ)
         return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" is not an object", fn, where, t->name);
-    for (int c = j->nodes[node].child; c >= 0; c = j->nodes[c].next) {
-        const dsk__ck_jnode *x = &j->nodes[c];
-        int which = strcmp(x->key, "dtype") == 0 ? 0 : strcmp(x->key, "shape") == 0 ? 1 : strcmp(x->key, "data_offsets") == 0 ? 2 : -1;
-        if (which < 0 || strlen(x->key) != x->klen)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" has unknown field \"%s\"", fn, where, t->name, x->key);
+    for (int c = dsk__ckpt_jchild(j, node); c >= 0; c = dsk__ckpt_jnext(j, c)) {
+        const char *key = dsk__ckpt_jkey(j, c);
+        int type = dsk__ckpt_jtype(j, c), count = dsk__ckpt_jcount(j, c);
+        int which = strcmp(key, "dtype") == 0          ? 0
+                    : strcmp(key, "shape") == 0        ? 1
+                    : strcmp(key, "data_offsets") == 0 ? 2
+                                                       : -1;
+        if (which < 0 || dsk__ckpt_jkey_nul(j, c))
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" has unknown field \"%s\"", fn, where, t->name,
+                                 key);
         if (seen[which]++)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" repeats field \"%s\"", fn, where, t->name, x->key);
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" repeats field \"%s\"", fn, where, t->name,
+                                 key);
         if (which == 0) {
-            const char *name = dsk__ck_jstr(j, c);
-            if (!name) return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": dtype is not a string", fn, where, t->name);
-            if (!(dt = dsk__ck_stdtype_by_name(name)))
-                return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": unknown dtype \"%s\"", fn, where, t->name, name);
+            const char *name = dsk__ckpt_jstr(j, c);
+            if (!name)
+                return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": dtype is not a string", fn, where,
+                                     t->name);
+            if (!(dt = dsk__ckpt_stdtype_by_name(name)))
+                return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": unknown dtype \"%s\"", fn, where, t->name,
+                                     name);
         } else if (which == 1) {
-            if (x->type != DSK__J_ARR)
-                return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape is not an array", fn, where, t->name);
-            if (x->count > DSK_MAX_DIMS)
-                return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: %s: tensor \"%s\" has %d dims, dsk supports %d", fn, where, t->name,
-                                     x->count, DSK_MAX_DIMS);
+            if (type != DSK__CKPT_J_ARR)
+                return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape is not an array", fn, where,
+                                     t->name);
+            if (count > DSK_MAX_DIMS)
+                return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: %s: tensor \"%s\" has %d dims, dsk supports %d", fn,
+                                     where, t->name, count, DSK_MAX_DIMS);
             t->ndim = 0;
-            for (int d = x->child; d >= 0; d = j->nodes[d].next) {
+            for (int d = dsk__ckpt_jchild(j, c); d >= 0; d = dsk__ckpt_jnext(j, d)) {
                 int64_t v;
-                if (!dsk__ck_jint(j, d, &v) || v < 0)
-                    return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape[%d] is not a non-negative integer", fn, where,
+                if (!dsk__ckpt_jsize(j, d, &v))
+                    return dsk_set_error(DSK_ERR_CORRUPT,
+                                         "%s: %s: tensor \"%s\": shape[%d] is not a non-negative integer", fn, where,
                                          t->name, t->ndim);
                 t->shape[t->ndim++] = v;
             }
         } else {
             int64_t v[2];
-            int d = x->child;
-            if (x->type != DSK__J_ARR || x->count != 2 || !dsk__ck_jint(j, d, &v[0]) || !dsk__ck_jint(j, j->nodes[d].next, &v[1]) ||
-                v[0] < 0 || v[1] < 0)
-                return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": data_offsets is not two non-negative integers", fn,
-                                     where, t->name);
+            int d = dsk__ckpt_jchild(j, c);
+            if (type != DSK__CKPT_J_ARR || count != 2 || !dsk__ckpt_jsize(j, d, &v[0]) ||
+                !dsk__ckpt_jsize(j, dsk__ckpt_jnext(j, d), &v[1]))
+                return dsk_set_error(DSK_ERR_CORRUPT,
+                                     "%s: %s: tensor \"%s\": data_offsets is not two non-negative integers", fn, where,
+                                     t->name);
             t->begin = (uint64_t)v[0];
             t->end = (uint64_t)v[1];
         }
@@ -1034,47 +1409,63 @@ static dsk_status dsk__ck_parse_entry(const char *fn, const char *where, const d
     t->dtype_name = dt->name;
     t->dtype = dt->dsk;
     {
-        int64_t numel = dsk__ck_numel(t->ndim, t->shape);
+        int64_t numel = dsk__ckpt_numel(t->ndim, t->shape);
         uint64_t bits;
         char b[160];
         if (numel < 0 || (uint64_t)numel > UINT64_MAX / (uint64_t)dt->bits)
             return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape %s overflows", fn, where, t->name,
-                                 dsk__ck_desc(b, sizeof b, t->ndim, t->shape, dt->name));
+                                 dsk__ckpt_desc(b, sizeof b, t->ndim, t->shape, dt->name));
         bits = (uint64_t)numel * (uint64_t)dt->bits;
         if (bits % 8)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape %s is not a whole number of bytes", fn, where, t->name,
-                                 dsk__ck_desc(b, sizeof b, t->ndim, t->shape, dt->name));
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape %s is not a whole number of bytes", fn,
+                                 where, t->name, dsk__ckpt_desc(b, sizeof b, t->ndim, t->shape, dt->name));
         if (t->end < t->begin || t->end - t->begin != bits / 8)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape %s needs %llu bytes, data_offsets [%llu, %llu] give %lld",
-                                 fn, where, t->name, dsk__ck_desc(b, sizeof b, t->ndim, t->shape, dt->name), (unsigned long long)(bits / 8),
-                                 (unsigned long long)t->begin, (unsigned long long)t->end, (long long)(t->end - t->begin));
+            return dsk_set_error(
+                DSK_ERR_CORRUPT,
+                "%s: %s: tensor \"%s\": shape %s needs %llu bytes, data_offsets [%llu, %llu] give %lld", fn, where,
+                t->name, dsk__ckpt_desc(b, sizeof b, t->ndim, t->shape, dt->name), (unsigned long long)(bits / 8),
+                (unsigned long long)t->begin, (unsigned long long)t->end, (long long)(t->end - t->begin));
     }
     return DSK_OK;
 }
 
 /* __metadata__: an object of string values. */
-static dsk_status dsk__ck_parse_meta(const char *fn, const char *where, const dsk__ck_json *j, int node, dsk_ckpt_file *f) {
-    const dsk__ck_jnode *m = &j->nodes[node];
-    dsk__ck_kvidx *kv;
-    int i = 0;
-    if (m->type != DSK__J_OBJ) return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ is not an object", fn, where);
-    kv = (dsk__ck_kvidx *)DSK_MALLOC(((size_t)m->count + 1) * sizeof *kv);
-    f->meta_keys = (const char **)DSK_MALLOC(((size_t)m->count + 1) * sizeof(char *));
-    f->meta_values = (const char **)DSK_MALLOC(((size_t)m->count + 1) * sizeof(char *));
-    if (!kv || !f->meta_keys || !f->meta_values) { DSK_FREE(kv); return dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory", fn, where); }
-    for (int c = m->child; c >= 0; c = j->nodes[c].next, i++) {
-        kv[i].k = j->nodes[c].key;
-        kv[i].v = dsk__ck_jstr(j, c);
-        if (!kv[i].v || strlen(kv[i].k) != j->nodes[c].klen) {
-            dsk_status s = dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ value of \"%s\" is not a string", fn, where, kv[i].k);
+static dsk_status dsk__ckpt_parse_meta(const char *fn, const char *where, const dsk__ckpt_json *j, int node,
+                                       dsk_ckpt_file *f) {
+    int type = dsk__ckpt_jtype(j, node), count = dsk__ckpt_jcount(j, node), i = 0;
+    dsk__ckpt_kvidx *kv;
+    if (type == DSK__CKPT_J_NULL) return DSK_OK; /* the reference reads null as no metadata */
+    if (type != DSK__CKPT_J_OBJ)
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ is not an object", fn, where);
+    kv = (dsk__ckpt_kvidx *)DSK_MALLOC(((size_t)count + 1) * sizeof *kv);
+    f->meta_keys = (const char **)DSK_MALLOC(((size_t)count + 1) * sizeof(char *));
+    f->meta_values = (const char **)DSK_MALLOC(((size_t)count + 1) * sizeof(char *));
+    if (!kv || !f->meta_keys || !f->meta_values) {
+        DSK_FREE(kv);
+        return dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory", fn, where);
+    }
+    for (int c = dsk__ckpt_jchild(j, node); c >= 0; c = dsk__ckpt_jnext(j, c), i++) {
+        dsk_status s = DSK_OK;
+        kv[i].k = dsk__ckpt_jkey(j, c);
+        kv[i].v = dsk__ckpt_jstr(j, c);
+        if (dsk__ckpt_jtype(j, c) != DSK__CKPT_J_STR)
+            s = dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ value of \"%s\" is not a string", fn, where,
+                              kv[i].k);
+        else if (!kv[i].v || dsk__ckpt_jkey_nul(j, c))
+            s = dsk_set_error(DSK_ERR_UNSUPPORTED,
+                              "%s: %s: __metadata__ pair \"%s\" holds a NUL character: valid safetensors, but "
+                              "dsk keys and values are C strings",
+                              fn, where, kv[i].k);
+        if (s != DSK_OK) {
             DSK_FREE(kv);
             return s;
         }
     }
-    qsort(kv, (size_t)i, sizeof *kv, dsk__ck_cmp_kvidx);
+    qsort(kv, (size_t)i, sizeof *kv, dsk__ckpt_cmp_kvidx);
     for (int k = 0; k < i; k++) {
         if (k && strcmp(kv[k].k, kv[k - 1].k) == 0) {
-            dsk_status s = dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ repeats key \"%s\"", fn, where, kv[k].k);
+            dsk_status s =
+                dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ repeats key \"%s\"", fn, where, kv[k].k);
             DSK_FREE(kv);
             return s;
         }
@@ -1087,104 +1478,160 @@ static dsk_status dsk__ck_parse_meta(const char *fn, const char *where, const ds
 }
 
 /* Offsets sorted must tile [0, data_len) exactly, and data_len must end the file. */
-static dsk_status dsk__ck_check_layout(const char *fn, const char *where, dsk_ckpt_file *f) {
+static dsk_status dsk__ckpt_check_layout(const char *fn, const char *where, dsk_ckpt_file *f) {
     dsk_ckpt_tensor_info **order = (dsk_ckpt_tensor_info **)DSK_MALLOC(((size_t)f->n_tensors + 1) * sizeof *order);
     uint64_t pos = 0;
     dsk_status s = DSK_OK;
     if (!order) return dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory", fn, where);
     for (int i = 0; i < f->n_tensors; i++) order[i] = &f->tensors[i];
-    qsort(order, (size_t)f->n_tensors, sizeof *order, dsk__ck_cmp_info_off);
+    qsort(order, (size_t)f->n_tensors, sizeof *order, dsk__ckpt_cmp_info_off);
     for (int i = 0; i < f->n_tensors && s == DSK_OK; i++) {
         if (order[i]->begin != pos)
-            s = dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" data_offsets [%llu, %llu] %s the previous tensor ending at %llu",
-                              fn, where, order[i]->name, (unsigned long long)order[i]->begin, (unsigned long long)order[i]->end,
+            s = dsk_set_error(DSK_ERR_CORRUPT,
+                              "%s: %s: tensor \"%s\" data_offsets [%llu, %llu] %s the previous tensor ending at %llu",
+                              fn, where, order[i]->name, (unsigned long long)order[i]->begin,
+                              (unsigned long long)order[i]->end,
                               order[i]->begin > pos ? "leave a gap after" : "overlap", (unsigned long long)pos);
         pos = order[i]->end;
     }
     if (s == DSK_OK && (f->file_size < 8 + f->header_len || pos != f->file_size - 8 - f->header_len))
-        s = dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensors end at data offset %llu but the file holds %llu data bytes (%s)", fn, where,
+        s = dsk_set_error(DSK_ERR_CORRUPT,
+                          "%s: %s: tensors end at data offset %llu but the file holds %llu data bytes (%s)", fn, where,
                           (unsigned long long)pos, (unsigned long long)(f->file_size - 8 - f->header_len),
                           pos > f->file_size - 8 - f->header_len ? "file truncated" : "trailing bytes");
     DSK_FREE(order);
     return s;
 }
 
-/* Per-tensor CRCs from "dsk.crc32c.<name>" when present. */
-static dsk_status dsk__ck_attach_crcs(const char *fn, const char *where, dsk_ckpt_file *f) {
+/* "dsk.blocks.<name>" = "<block bytes>:<8 hex digits per block>": a power of two from 4 KiB to
+   1 GiB, as many CRCs as blocks, and together they must make up the tensor's CRC. */
+static dsk_status dsk__ckpt_attach_blocks(const char *fn, const char *where, dsk_ckpt_tensor_info *t, const char *v) {
+    uint64_t bs = 0, nbytes = t->end - t->begin, nblocks;
+    uint32_t acc = 0, crc, k_full;
+    const char *hex;
+    while (*v >= '0' && *v <= '9' && bs <= ((uint64_t)1 << 30)) bs = bs * 10 + (uint64_t)(*v++ - '0');
+    if (*v != ':' || bs < 4096 || bs > ((uint64_t)1 << 30) || (bs & (bs - 1)))
+        return dsk_set_error(DSK_ERR_CORRUPT,
+                             "%s: %s: tensor \"%s\": dsk.blocks does not start with a block size (4096 .. 2^30)", fn,
+                             where, t->name);
+    hex = v + 1;
+    nblocks = (nbytes + bs - 1) / bs;
+    if (strlen(hex) != 8 * nblocks)
+        return dsk_set_error(DSK_ERR_CORRUPT,
+                             "%s: %s: tensor \"%s\": dsk.blocks holds %zu hex digits, %llu blocks need %llu", fn, where,
+                             t->name, strlen(hex), (unsigned long long)nblocks, (unsigned long long)(8 * nblocks));
+    k_full = dsk__ckpt_xpow8n(bs);
+    for (uint64_t b = 0; b < nblocks; b++) {
+        char h[9];
+        uint64_t len = b + 1 < nblocks ? bs : nbytes - b * bs;
+        memcpy(h, hex + 8 * b, 8);
+        h[8] = 0;
+        if (!dsk__ckpt_parse_hex32(h, &crc))
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": dsk.blocks has a non-hex digit", fn, where,
+                                 t->name);
+        acc = dsk__ckpt_mulmod(len == bs ? k_full : dsk__ckpt_xpow8n(len), acc) ^ crc;
+    }
+    if (acc != t->crc32c)
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": block CRCs make %08x, dsk.crc32c says %08x", fn,
+                             where, t->name, acc, t->crc32c);
+    t->block_bytes = bs;
+    t->block_crcs = hex;
+    return DSK_OK;
+}
+
+/* Per-tensor CRCs from "dsk.crc32c.<name>" and "dsk.blocks.<name>" when present. */
+static dsk_status dsk__ckpt_attach_crcs(const char *fn, const char *where, dsk_ckpt_file *f) {
     for (int i = 0; i < f->n_meta; i++) {
         int t;
         if (strncmp(f->meta_keys[i], "dsk.crc32c.", 11) != 0) continue;
         t = dsk_ckpt_file_find(f, f->meta_keys[i] + 11);
-        if (t < 0) return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ \"%s\" names no tensor", fn, where, f->meta_keys[i]);
-        if (!dsk__ck_parse_hex32(f->meta_values[i], &f->tensors[t].crc32c))
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ \"%s\" = \"%s\" is not 8 hex digits", fn, where, f->meta_keys[i],
-                                 f->meta_values[i]);
+        if (t < 0)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ \"%s\" names no tensor", fn, where,
+                                 f->meta_keys[i]);
+        if (!dsk__ckpt_parse_hex32(f->meta_values[i], &f->tensors[t].crc32c))
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ \"%s\" = \"%s\" is not 8 hex digits", fn, where,
+                                 f->meta_keys[i], f->meta_values[i]);
         f->tensors[t].has_crc = 1;
     }
+    for (int i = 0; i < f->n_meta; i++) {
+        int t;
+        if (strncmp(f->meta_keys[i], "dsk.blocks.", 11) != 0) continue;
+        t = dsk_ckpt_file_find(f, f->meta_keys[i] + 11);
+        if (t < 0 || !f->tensors[t].has_crc)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ \"%s\" names no tensor with a dsk.crc32c", fn,
+                                 where, f->meta_keys[i]);
+        DSK__TRY(dsk__ckpt_attach_blocks(fn, where, &f->tensors[t], f->meta_values[i]));
+    }
+    for (int i = 0; i < f->n_tensors; i++)
+        if (f->tensors[i].has_crc && !f->tensors[i].block_bytes)
+            f->tensors[i].block_bytes = f->tensors[i].end - f->tensors[i].begin;
     return DSK_OK;
 }
 
-static dsk_status dsk__ck_parse(const char *fn, const char *where, dsk_ckpt_file *f, const unsigned char *bytes, size_t n,
-                                uint64_t file_size) {
-    dsk__ck_filemem *m = (dsk__ck_filemem *)f->mem;
-    dsk__ck_json *j = &m->json;
+static dsk_status dsk__ckpt_parse(const char *fn, const char *where, dsk_ckpt_file *f, const unsigned char *bytes,
+                                  size_t n, uint64_t file_size) {
+    dsk__ckpt_filemem *m = (dsk__ckpt_filemem *)f->mem;
+    dsk__ckpt_json *j = &m->json;
     uint64_t hlen = 0;
-    dsk_status s;
     int top, nt = 0, meta = -1;
     if (n < 8 || file_size < 8)
         return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: %llu bytes is too short for a safetensors file", fn, where,
                              (unsigned long long)(n < file_size ? n : file_size));
     for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | bytes[i];
     if (hlen > DSK_CKPT_MAX_HEADER)
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: header length %llu exceeds the limit of %llu", fn, where, (unsigned long long)hlen,
-                             (unsigned long long)DSK_CKPT_MAX_HEADER);
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: header length %llu exceeds the limit of %llu", fn, where,
+                             (unsigned long long)hlen, (unsigned long long)DSK_CKPT_MAX_HEADER);
     if (8 + hlen > file_size || 8 + hlen > n)
         return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: header length %llu runs beyond the file size %llu", fn, where,
                              (unsigned long long)hlen, (unsigned long long)file_size);
     f->header_len = hlen;
     f->file_size = file_size;
     f->header_crc32c = dsk_ckpt_crc32c(0, bytes, (size_t)(8 + hlen));
-    if ((s = dsk__ck_json_parse(j, (const char *)bytes + 8, (size_t)hlen, fn, where)) != DSK_OK) return s;
+    DSK__TRY(dsk__ckpt_json_parse(j, (const char *)bytes + 8, (size_t)hlen, fn, where));
     top = 0;
-    f->tensors = (dsk_ckpt_tensor_info *)DSK_MALLOC(((size_t)j->nodes[top].count + 1) * sizeof *f->tensors);
+    f->tensors = (dsk_ckpt_tensor_info *)DSK_MALLOC(((size_t)dsk__ckpt_jcount(j, top) + 1) * sizeof *f->tensors);
     if (!f->tensors) return dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory", fn, where);
-    for (int c = j->nodes[top].child; c >= 0; c = j->nodes[c].next) {
+    for (int c = dsk__ckpt_jchild(j, top); c >= 0; c = dsk__ckpt_jnext(j, c)) {
         dsk_ckpt_tensor_info *t = &f->tensors[nt];
-        if (strlen(j->nodes[c].key) != j->nodes[c].klen)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: a tensor name contains a NUL character", fn, where);
-        if (strcmp(j->nodes[c].key, "__metadata__") == 0) {
+        if (dsk__ckpt_jkey_nul(j, c))
+            return dsk_set_error(DSK_ERR_UNSUPPORTED,
+                                 "%s: %s: tensor \"%s\\u0000...\" has a NUL character in its name: valid "
+                                 "safetensors, but dsk names are C strings",
+                                 fn, where, dsk__ckpt_jkey(j, c));
+        if (strcmp(dsk__ckpt_jkey(j, c), "__metadata__") == 0) {
             if (meta >= 0) return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ appears twice", fn, where);
             meta = c;
             continue;
         }
         memset(t, 0, sizeof *t);
-        t->name = j->nodes[c].key;
-        if ((s = dsk__ck_parse_entry(fn, where, j, c, t)) != DSK_OK) return s;
+        t->name = dsk__ckpt_jkey(j, c);
+        DSK__TRY(dsk__ckpt_parse_entry(fn, where, j, c, t));
         nt++;
     }
     f->n_tensors = nt;
-    qsort(f->tensors, (size_t)nt, sizeof *f->tensors, dsk__ck_cmp_info_name);
+    qsort(f->tensors, (size_t)nt, sizeof *f->tensors, dsk__ckpt_cmp_info_name);
     for (int i = 1; i < nt; i++)
         if (strcmp(f->tensors[i].name, f->tensors[i - 1].name) == 0)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: duplicate tensor name \"%s\"", fn, where, f->tensors[i].name);
-    if (meta >= 0 && (s = dsk__ck_parse_meta(fn, where, j, meta, f)) != DSK_OK) return s;
-    if ((s = dsk__ck_check_layout(fn, where, f)) != DSK_OK) return s;
-    return dsk__ck_attach_crcs(fn, where, f);
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: duplicate tensor name \"%s\"", fn, where,
+                                 f->tensors[i].name);
+    if (meta >= 0) DSK__TRY(dsk__ckpt_parse_meta(fn, where, j, meta, f));
+    DSK__TRY(dsk__ckpt_check_layout(fn, where, f));
+    return dsk__ckpt_attach_crcs(fn, where, f);
 }
 
-static dsk_status dsk__ck_file_begin(dsk_ckpt_file *f, const char *fn) {
+static dsk_status dsk__ckpt_file_begin(dsk_ckpt_file *f, const char *fn) {
     memset(f, 0, sizeof *f);
-    f->mem = DSK_MALLOC(sizeof(dsk__ck_filemem));
+    f->mem = DSK_MALLOC(sizeof(dsk__ckpt_filemem));
     if (!f->mem) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    memset(f->mem, 0, sizeof(dsk__ck_filemem));
+    memset(f->mem, 0, sizeof(dsk__ckpt_filemem));
     return DSK_OK;
 }
 
 DSK_API dsk_status dsk_ckpt_file_parse(dsk_ckpt_file *f, const void *bytes, size_t n, uint64_t file_size) {
     dsk_status s;
     if (!f || (!bytes && n)) return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_file_parse: NULL argument");
-    if ((s = dsk__ck_file_begin(f, "dsk_ckpt_file_parse")) != DSK_OK) return s;
-    s = dsk__ck_parse("dsk_ckpt_file_parse", "buffer", f, (const unsigned char *)bytes, n, file_size);
+    DSK__TRY(dsk__ckpt_file_begin(f, "dsk_ckpt_file_parse"));
+    s = dsk__ckpt_parse("dsk_ckpt_file_parse", "buffer", f, (const unsigned char *)bytes, n, file_size);
     if (s != DSK_OK) dsk_ckpt_file_close(f);
     return s;
 }
@@ -1194,33 +1641,34 @@ DSK_API dsk_status dsk_ckpt_file_open(dsk_ckpt_file *f, const char *path) {
     struct stat st;
     unsigned char len8[8];
     uint64_t hlen = 0;
-    dsk__ck_filemem *m;
+    dsk__ckpt_filemem *m;
     dsk_status s;
     if (!f || !path) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
-    if ((s = dsk__ck_file_begin(f, fn)) != DSK_OK) return s;
-    m = (dsk__ck_filemem *)f->mem;
-    if (!(f->path = dsk__ck_strdup(path))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); goto fail; }
-    f->fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (f->fd < 0) { s = dsk__ck_io_error(fn, "open", path); goto fail; }
+    DSK__TRY(dsk__ckpt_file_begin(f, fn));
+    m = (dsk__ckpt_filemem *)f->mem;
+    if (!(f->path = dsk__ckpt_strdup(path))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); goto fail; }
+    if ((s = dsk__ckpt_open_regular(fn, path, &f->fd, &st)) != DSK_OK) goto fail;
     f->has_fd = 1;
-    if (fstat(f->fd, &st) != 0) { s = dsk__ck_io_error(fn, "stat", path); goto fail; }
-    if (!S_ISREG(st.st_mode)) { s = dsk_set_error(DSK_ERR_IO, "%s: \"%s\" is not a regular file", fn, path); goto fail; }
     if (st.st_size < 8) {
-        s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": %lld bytes is too short for a safetensors file", fn, path, (long long)st.st_size);
+        s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": %lld bytes is too short for a safetensors file", fn, path,
+                          (long long)st.st_size);
         goto fail;
     }
-    if ((s = dsk__ck_pread_all(fn, f->fd, len8, 8, 0, path)) != DSK_OK) goto fail;
+    if ((s = dsk__ckpt_pread_all(fn, f->fd, len8, 8, 0, path)) != DSK_OK) goto fail;
     for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | len8[i];
     if (hlen > DSK_CKPT_MAX_HEADER || 8 + hlen > (uint64_t)st.st_size) {
-        s = dsk__ck_parse(fn, path, f, len8, 8, (uint64_t)st.st_size); /* reports the length error */
+        s = dsk__ckpt_parse(fn, path, f, len8, 8, (uint64_t)st.st_size); /* reports the length error */
         goto fail;
     }
     if (!(m->header = (char *)DSK_MALLOC((size_t)(8 + hlen)))) {
-        s = dsk_set_error(DSK_ERR_OOM, "%s: \"%s\": out of memory for a %llu-byte header", fn, path, (unsigned long long)hlen);
+        s = dsk_set_error(DSK_ERR_OOM, "%s: \"%s\": out of memory for a %llu-byte header", fn, path,
+                          (unsigned long long)hlen);
         goto fail;
     }
-    if ((s = dsk__ck_pread_all(fn, f->fd, m->header, (size_t)(8 + hlen), 0, path)) != DSK_OK) goto fail;
-    if ((s = dsk__ck_parse(fn, path, f, (const unsigned char *)m->header, (size_t)(8 + hlen), (uint64_t)st.st_size)) != DSK_OK) goto fail;
+    if ((s = dsk__ckpt_pread_all(fn, f->fd, m->header, (size_t)(8 + hlen), 0, path)) != DSK_OK) goto fail;
+    if ((s = dsk__ckpt_parse(fn, path, f, (const unsigned char *)m->header, (size_t)(8 + hlen),
+                             (uint64_t)st.st_size)) != DSK_OK)
+        goto fail;
     return DSK_OK;
 fail:
     dsk_ckpt_file_close(f);
@@ -1250,105 +1698,284 @@ DSK_API const char *dsk_ckpt_file_meta(const dsk_ckpt_file *f, const char *key) 
 }
 
 /* Device tensors are copied through ctx's stream: a CUDA tensor needs a CUDA ctx. */
-static dsk_status dsk__ck_check_device(const char *fn, const char *name, const dsk_tensor *t, const dsk_ctx *ctx) {
+static dsk_status dsk__ckpt_check_device(const char *fn, const char *name, const dsk_tensor *t, const dsk_ctx *ctx) {
     if (t->device.type == DSK_DEV_CPU) return DSK_OK;
-    if (t->device.type != DSK_DEV_CUDA || !ctx || ctx->device.type != DSK_DEV_CUDA || ctx->device.index != t->device.index)
-        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" is on device type %d index %d: pass a ctx on that CUDA device (dsk_ckpt_opts.ctx)",
-                             fn, name, (int)t->device.type, t->device.index);
+    if (t->device.type != DSK_DEV_CUDA || !ctx || ctx->device.type != DSK_DEV_CUDA ||
+        ctx->device.index != t->device.index)
+        return dsk_set_error(
+            DSK_ERR_ARG,
+            "%s: tensor \"%s\" is on device type %d index %d: pass a ctx on that CUDA device (dsk_ckpt_opts.ctx)", fn,
+            name, (int)t->device.type, t->device.index);
     return DSK_OK;
 }
 
-/* Reads tensor t's bytes into buf and checks its CRC when the file has one; in 1 MiB pieces,
-   each checked while it is still in cache. */
-static dsk_status dsk__ck_read_tensor_bytes(const char *fn, dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t, void *buf) {
-    const size_t piece = (size_t)1 << 20;
-    size_t n = (size_t)(t->end - t->begin);
-    dsk_status s;
-    uint32_t crc = 0;
-    if (!f->has_fd) return dsk_set_error(DSK_ERR_STATE, "%s: tensor \"%s\": the file was parsed from memory, not opened", fn, t->name);
-    for (size_t off = 0; off < n; off += piece) {
-        size_t k = n - off < piece ? n - off : piece;
-        if ((s = dsk__ck_pread_all(fn, f->fd, (char *)buf + off, k, 8 + f->header_len + t->begin + off, f->path)) != DSK_OK) return s;
-        crc = dsk_ckpt_crc32c(crc, (char *)buf + off, k);
+/* Reading a box of a tensor: the box is cut into runs of contiguous bytes in the file (the
+   dims where it spans the whole tensor merge with the first one where it does not); each run
+   is read with pread, straight into the output where a run covers a whole checked block, else
+   through one cached block. */
+typedef struct dsk__ckpt_boxrd {
+    const char *fn;
+    dsk_ckpt_file *f;
+    const dsk_ckpt_tensor_info *t;
+    uint64_t nbytes;        /* the tensor's bytes */
+    uint64_t bsz;           /* bytes per checked block, 0: unchecked */
+    unsigned char *bounce;  /* one block, read and checked */
+    int64_t cached;         /* the block in bounce, -1: none */
+} dsk__ckpt_boxrd;
+
+static dsk_status dsk__ckpt_pread_data(dsk__ckpt_boxrd *rd, void *dst, uint64_t off, size_t n) {
+    dsk_ckpt_file *f = rd->f;
+    f->bytes_read += n;
+    return dsk__ckpt_pread_all(rd->fn, f->fd, dst, n, 8 + f->header_len + rd->t->begin + off, f->path);
+}
+
+static dsk_status dsk__ckpt_check_block(dsk__ckpt_boxrd *rd, uint64_t b, const unsigned char *p, size_t n) {
+    const dsk_ckpt_tensor_info *t = rd->t;
+    uint32_t want = t->crc32c, got = dsk_ckpt_crc32c(0, p, n);
+    char h[9];
+    if (t->block_crcs) {
+        memcpy(h, t->block_crcs + 8 * b, 8);
+        h[8] = 0;
+        dsk__ckpt_parse_hex32(h, &want); /* validated when the file was opened */
     }
-    if (t->has_crc && crc != t->crc32c)
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" in \"%s\": data crc32c %08x, header says %08x (data corrupt)", fn, t->name,
-                             f->path, crc, t->crc32c);
+    if (got == want) return DSK_OK;
+    return dsk_set_error(
+        DSK_ERR_CORRUPT,
+        "%s: tensor \"%s\" in \"%s\": bytes [%llu, %llu): crc32c %08x, header says %08x (data corrupt)", rd->fn,
+        t->name, rd->f->path, (unsigned long long)(b * rd->bsz), (unsigned long long)(b * rd->bsz + n), got, want);
+}
+
+/* Bytes of whole blocks read with one pread: large requests keep a cold read at the disk's
+   speed (1 MiB reads trail by a third on this virtual disk). */
+#define DSK__CKPT_READ_SPAN ((uint64_t)8 << 20)
+
+/* Tensor bytes [lo, hi) into out, every block they touch read and checked. */
+static dsk_status dsk__ckpt_copy_range(dsk__ckpt_boxrd *rd, uint64_t lo, uint64_t hi, unsigned char *out) {
+    if (!rd->bsz) return dsk__ckpt_pread_data(rd, out, lo, (size_t)(hi - lo));
+    while (lo < hi) {
+        uint64_t b = lo / rd->bsz, b0 = b * rd->bsz, b1 = b0 + rd->bsz < rd->nbytes ? b0 + rd->bsz : rd->nbytes;
+        uint64_t end = hi < b1 ? hi : b1;
+        if (lo == b0 && end == b1) { /* whole blocks: read in place, up to DSK__CKPT_READ_SPAN at once */
+            uint64_t e = b1, next;
+            while (e - b0 < DSK__CKPT_READ_SPAN && (next = e + rd->bsz < rd->nbytes ? e + rd->bsz : rd->nbytes) <= hi &&
+                   next > e)
+                e = next; /* the next block is wanted whole too */
+            DSK__TRY(dsk__ckpt_pread_data(rd, out, b0, (size_t)(e - b0)));
+            for (uint64_t k = b0; k < e; k += rd->bsz)
+                DSK__TRY(dsk__ckpt_check_block(rd, k / rd->bsz, out + (k - b0),
+                                               (size_t)((e - k < rd->bsz) ? e - k : rd->bsz)));
+            end = e;
+        } else {
+            if (rd->cached != (int64_t)b) {
+                if (!rd->bounce && !(rd->bounce = (unsigned char *)DSK_MALLOC((size_t)rd->bsz)))
+                    return dsk_set_error(DSK_ERR_OOM, "%s: tensor \"%s\": out of memory for a %llu-byte block", rd->fn,
+                                         rd->t->name, (unsigned long long)rd->bsz);
+                rd->cached = -1;
+                DSK__TRY(dsk__ckpt_pread_data(rd, rd->bounce, b0, (size_t)(b1 - b0)));
+                DSK__TRY(dsk__ckpt_check_block(rd, b, rd->bounce, (size_t)(b1 - b0)));
+                rd->cached = (int64_t)b;
+            }
+            memcpy(out, rd->bounce + (lo - b0), (size_t)(end - lo));
+        }
+        out += end - lo;
+        lo = end;
+    }
     return DSK_OK;
 }
 
-/* Copies rows [r0, r0 + dst rows) of the file tensor (or all of it when rows_view is 0)
-   into dst, reading straight into dst when layouts match. */
-static dsk_status dsk__ck_read_into(const char *fn, dsk_ckpt_file *f, dsk_ctx *ctx, const dsk_ckpt_tensor_info *t, dsk_tensor *dst,
-                                    int rows_view, int64_t r0, int allow_cast) {
-    dsk_tensor src, view;
+/* Bytes per element of t, or 0 for packed dtypes of fewer than 8 bits. */
+static size_t dsk__ckpt_elem_bytes(const dsk_ckpt_tensor_info *t) {
+    const dsk__ckpt_stdtype *d = dsk__ckpt_stdtype_by_name(t->dtype_name);
+    return d && d->bits % 8 == 0 ? (size_t)(d->bits / 8) : 0;
+}
+
+/* Checks that box (off, shape) lies inside t; *bytes = its size. */
+static dsk_status dsk__ckpt_check_box(const char *fn, dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t,
+                                      const int64_t *off, const int64_t *shape, uint64_t *bytes) {
+    size_t es = dsk__ckpt_elem_bytes(t);
+    int whole = 1;
+    for (int d = 0; d < t->ndim; d++) {
+        if (off[d] < 0 || shape[d] < 0 || off[d] > t->shape[d] || shape[d] > t->shape[d] - off[d])
+            return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" in \"%s\": dim %d: [%lld, %lld) is outside [0, %lld)",
+                                 fn, t->name, f->path ? f->path : "buffer", d, (long long)off[d],
+                                 (long long)(off[d] + shape[d]), (long long)t->shape[d]);
+        whole &= off[d] == 0 && shape[d] == t->shape[d];
+    }
+    if (!es && !whole)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED,
+                             "%s: tensor \"%s\": %s packs elements into fewer than 8 bits: only whole reads", fn,
+                             t->name, t->dtype_name);
+    *bytes = es ? (uint64_t)dsk__ckpt_numel(t->ndim, shape) * es : t->end - t->begin;
+    if (!f->has_fd)
+        return dsk_set_error(DSK_ERR_STATE, "%s: tensor \"%s\": the file was parsed from memory, not opened", fn,
+                             t->name);
+    return DSK_OK;
+}
+
+/* Reads box (off, shape) of t, checked, row-major into out (dsk__ckpt_check_box first). */
+static dsk_status dsk__ckpt_read_box_bytes(const char *fn, dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t,
+                                           const int64_t *off, const int64_t *shape, unsigned char *out) {
+    dsk__ckpt_boxrd rd;
+    int64_t stride[DSK_MAX_DIMS], idx[DSK_MAX_DIMS];
+    uint64_t run;
+    size_t es = dsk__ckpt_elem_bytes(t);
+    int k = t->ndim - 1;
+    dsk_status s = DSK_OK;
+    memset(&rd, 0, sizeof rd);
+    rd.fn = fn;
+    rd.f = f;
+    rd.t = t;
+    rd.nbytes = t->end - t->begin;
+    rd.bsz = t->block_bytes;
+    rd.cached = -1;
+    if (!es || dsk__ckpt_numel(t->ndim, t->shape) == 0) { /* packed dtype (whole only) or no elements */
+        s = dsk__ckpt_copy_range(&rd, 0, rd.nbytes, out);
+        DSK_FREE(rd.bounce);
+        return s;
+    }
+    if (dsk__ckpt_numel(t->ndim, shape) == 0) return DSK_OK;
+    for (int d = t->ndim - 1; d >= 0; d--) stride[d] = d == t->ndim - 1 ? 1 : stride[d + 1] * t->shape[d + 1];
+    run = es;
+    while (k >= 0 && off[k] == 0 && shape[k] == t->shape[k]) run *= (uint64_t)shape[k--];
+    if (k >= 0) run *= (uint64_t)shape[k];
+    for (int d = 0; d < k; d++) idx[d] = off[d];
+    for (;;) {
+        uint64_t start = k >= 0 ? (uint64_t)(off[k] * stride[k]) : 0;
+        int d;
+        for (d = 0; d < k; d++) start += (uint64_t)(idx[d] * stride[d]);
+        if ((s = dsk__ckpt_copy_range(&rd, start * es, start * es + run, out)) != DSK_OK) break;
+        out += run;
+        for (d = k - 1; d >= 0 && ++idx[d] == off[d] + shape[d]; d--) idx[d] = off[d];
+        if (d < 0) break;
+    }
+    DSK_FREE(rd.bounce);
+    return s;
+}
+
+/* Copies box (off, dst's shape) of the file tensor into dst, reading straight into dst when
+   layouts match, else through a buffer and dsk_tensor_copy (which casts). */
+static dsk_status dsk__ckpt_read_into(const char *fn, dsk_ckpt_file *f, dsk_ctx *ctx, const dsk_ckpt_tensor_info *t,
+                                      const int64_t *off, dsk_tensor *dst, int allow_cast) {
+    dsk_tensor src;
     void *buf;
+    uint64_t bytes;
     dsk_status s;
-    int whole = !rows_view || (r0 == 0 && dst->ndim > 0 && dst->shape[0] == t->shape[0]);
-    if (t->dtype < 0) return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: tensor \"%s\" in \"%s\": dtype %s has no dsk dtype", fn, t->name, f->path, t->dtype_name);
+    if (t->dtype < 0)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED,
+                             "%s: tensor \"%s\" in \"%s\": dtype %s has no dsk dtype (dsk_ckpt_file_read_raw reads "
+                             "its bytes)",
+                             fn, t->name, f->path, t->dtype_name);
     if ((int)dst->dtype != t->dtype && !allow_cast)
-        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" in \"%s\": file has dtype %s, model has %s (set allow_cast to convert)", fn,
-                             t->name, f->path, dsk_dtype_name((dsk_dtype)t->dtype), dsk_dtype_name(dst->dtype));
-    if (whole && dst->device.type == DSK_DEV_CPU && (int)dst->dtype == t->dtype && dsk_tensor_is_contiguous(dst) &&
-        (dst->data || t->end == t->begin))
-        return dsk__ck_read_tensor_bytes(fn, f, t, dst->data);
-    buf = DSK_MALLOC(t->end - t->begin ? (size_t)(t->end - t->begin) : 1);
-    if (!buf) return dsk_set_error(DSK_ERR_OOM, "%s: tensor \"%s\": out of memory for %llu bytes", fn, t->name, (unsigned long long)(t->end - t->begin));
-    s = dsk__ck_read_tensor_bytes(fn, f, t, buf);
-    if (s == DSK_OK) s = dsk_tensor_wrap(&src, buf, (dsk_dtype)t->dtype, dsk_cpu(), t->ndim, t->shape);
-    if (s == DSK_OK && rows_view) s = dsk_tensor_slice(&src, 0, r0, dst->shape[0], &view);
-    else view = src;
-    if (s == DSK_OK) s = dsk_tensor_copy(ctx, dst, &view);
+        return dsk_set_error(DSK_ERR_ARG,
+                             "%s: tensor \"%s\" in \"%s\": file has dtype %s, model has %s (set allow_cast to convert)",
+                             fn, t->name, f->path, dsk_dtype_name((dsk_dtype)t->dtype), dsk_dtype_name(dst->dtype));
+    DSK__TRY(dsk__ckpt_check_box(fn, f, t, off, dst->shape, &bytes));
+    if (dst->device.type == DSK_DEV_CPU && (int)dst->dtype == t->dtype && dsk_tensor_is_contiguous(dst) &&
+        (dst->data || !bytes))
+        return dsk__ckpt_read_box_bytes(fn, f, t, off, dst->shape, (unsigned char *)dst->data);
+    if (!(buf = DSK_MALLOC(bytes ? (size_t)bytes : 1)))
+        return dsk_set_error(DSK_ERR_OOM, "%s: tensor \"%s\": out of memory for %llu bytes", fn, t->name,
+                             (unsigned long long)bytes);
+    s = dsk__ckpt_read_box_bytes(fn, f, t, off, dst->shape, (unsigned char *)buf);
+    if (s == DSK_OK) s = dsk_tensor_wrap(&src, buf, (dsk_dtype)t->dtype, dsk_cpu(), dst->ndim, dst->shape);
+    if (s == DSK_OK) s = dsk_tensor_copy(ctx, dst, &src);
     DSK_FREE(buf);
     return s;
 }
 
-DSK_API dsk_status dsk_ckpt_file_read(dsk_ckpt_file *f, dsk_ctx *ctx, const char *name, dsk_tensor *dst, int allow_cast) {
-    const char *fn = "dsk_ckpt_file_read";
-    const dsk_ckpt_tensor_info *t;
-    dsk_status s;
+/* The file tensor `name`, for the public readers. */
+static dsk_status dsk__ckpt_file_tensor(const char *fn, dsk_ckpt_file *f, const char *name,
+                                        const dsk_ckpt_tensor_info **t) {
     int i;
-    char a[160], b[160];
-    if (!f || !name || !dst) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
+    if (!f || !name) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
     if ((i = dsk_ckpt_file_find(f, name)) < 0)
         return dsk_set_error(DSK_ERR_ARG, "%s: no tensor \"%s\" in \"%s\"", fn, name, f->path ? f->path : "buffer");
-    t = &f->tensors[i];
-    if ((s = dsk__ck_check_device(fn, name, dst, ctx)) != DSK_OK) return s;
+    *t = &f->tensors[i];
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_ckpt_file_read(dsk_ckpt_file *f, dsk_ctx *ctx, const char *name, dsk_tensor *dst,
+                                      int allow_cast) {
+    const char *fn = "dsk_ckpt_file_read";
+    const dsk_ckpt_tensor_info *t = NULL;
+    const int64_t zero[DSK_MAX_DIMS] = {0};
+    char a[160], b[160];
+    DSK__TRY(dsk__ckpt_file_tensor(fn, f, name, &t));
+    if (!dst) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
+    DSK__TRY(dsk__ckpt_check_device(fn, name, dst, ctx));
     if (t->ndim != dst->ndim || memcmp(t->shape, dst->shape, (size_t)t->ndim * sizeof(int64_t)) != 0)
-        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" in \"%s\": file has %s, model has %s", fn, name, f->path ? f->path : "buffer",
-                             dsk__ck_desc(a, sizeof a, t->ndim, t->shape, t->dtype >= 0 ? dsk_dtype_name((dsk_dtype)t->dtype) : t->dtype_name),
-                             dsk__ck_desc(b, sizeof b, dst->ndim, dst->shape, dsk_dtype_name(dst->dtype)));
-    return dsk__ck_read_into(fn, f, ctx, t, dst, 0, 0, allow_cast);
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" in \"%s\": file has %s, model has %s", fn, name,
+                             f->path ? f->path : "buffer",
+                             dsk__ckpt_desc(a, sizeof a, t->ndim, t->shape,
+                                            t->dtype >= 0 ? dsk_dtype_name((dsk_dtype)t->dtype) : t->dtype_name),
+                             dsk__ckpt_desc(b, sizeof b, dst->ndim, dst->shape, dsk_dtype_name(dst->dtype)));
+    return dsk__ckpt_read_into(fn, f, ctx, t, zero, dst, allow_cast);
+}
+
+DSK_API dsk_status dsk_ckpt_file_read_box(dsk_ckpt_file *f, dsk_ctx *ctx, const char *name, const int64_t *offset,
+                                          dsk_tensor *dst, int allow_cast) {
+    const char *fn = "dsk_ckpt_file_read_box";
+    const dsk_ckpt_tensor_info *t = NULL;
+    const int64_t zero[DSK_MAX_DIMS] = {0};
+    DSK__TRY(dsk__ckpt_file_tensor(fn, f, name, &t));
+    if (!dst) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
+    DSK__TRY(dsk__ckpt_check_device(fn, name, dst, ctx));
+    if (t->ndim != dst->ndim)
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" has %d dims, the destination %d", fn, name, t->ndim,
+                             dst->ndim);
+    return dsk__ckpt_read_into(fn, f, ctx, t, offset ? offset : zero, dst, allow_cast);
+}
+
+DSK_API dsk_status dsk_ckpt_file_read_raw(dsk_ckpt_file *f, const char *name, const int64_t *offset,
+                                          const int64_t *shape, void *buf, size_t cap) {
+    const char *fn = "dsk_ckpt_file_read_raw";
+    const dsk_ckpt_tensor_info *t = NULL;
+    const int64_t zero[DSK_MAX_DIMS] = {0};
+    uint64_t bytes;
+    DSK__TRY(dsk__ckpt_file_tensor(fn, f, name, &t));
+    if (!shape && t->ndim) return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": shape is NULL", fn, name);
+    if (!offset) offset = zero;
+    DSK__TRY(dsk__ckpt_check_box(fn, f, t, offset, shape ? shape : zero, &bytes));
+    if (bytes > cap || (bytes && !buf))
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": the box holds %llu bytes, the buffer %zu", fn, name,
+                             (unsigned long long)bytes, buf ? cap : 0);
+    return dsk__ckpt_read_box_bytes(fn, f, t, offset, shape ? shape : zero, (unsigned char *)buf);
 }
 
 /* ---------------------------------------------------------------- writing: plan, snapshot, file */
 
-typedef struct dsk__ck_seg {
+typedef struct dsk__ckpt_seg {
     char *name;
     const dsk_tensor *src;
     dsk_dtype dtype;
     int ndim;
     int64_t shape[DSK_MAX_DIMS];
-    int split;
-    int64_t row0, global_rows;
+    int boxed;           /* a box of a larger tensor (rank files: DSK_CKPT_ROWS and DSK_CKPT_BOX entries) */
+    int64_t off[DSK_MAX_DIMS], global[DSK_MAX_DIMS];
     const void *data;    /* contiguous bytes to write: the tensor itself or its snapshot */
     size_t nbytes;
     uint64_t begin;      /* offset in the data buffer */
     uint32_t crc;
-} dsk__ck_seg;
+    uint32_t *blocks;    /* CRC32C of each DSK__CKPT_BLOCK bytes, while the file is written */
+    uint64_t n_blocks;
+    int hashed;          /* incremental saves: hash holds the content hash */
+    uint64_t hash;
+    int reused;          /* the content is unchanged since the base checkpoint: referenced, not written */
+} dsk__ckpt_seg;
 
-typedef struct dsk__ck_plan {
+typedef struct dsk__ckpt_plan {
     int rank_file;       /* 1: a rank file of a checkpoint; 0: a single file */
     int64_t step;
     int rank, world;
-    dsk__ck_seg *segs;
+    uint64_t attempt;    /* rank files: the save's nonce */
+    dsk__ckpt_seg *segs;
     int n;
     char **keys, **values;
     int n_kv;
     uint64_t total;      /* data bytes */
-} dsk__ck_plan;
+} dsk__ckpt_plan;
 
-static void dsk__ck_plan_free(dsk__ck_plan *p) {
+static void dsk__ckpt_plan_free(dsk__ckpt_plan *p) {
     for (int i = 0; i < p->n; i++) DSK_FREE(p->segs[i].name);
     for (int i = 0; i < p->n_kv; i++) { DSK_FREE(p->keys[i]); DSK_FREE(p->values[i]); }
     DSK_FREE(p->segs);
@@ -1357,62 +1984,101 @@ static void dsk__ck_plan_free(dsk__ck_plan *p) {
     memset(p, 0, sizeof *p);
 }
 
-static int dsk__ck_cmp_str(const void *a, const void *b) { return strcmp(*(const char *const *)a, *(const char *const *)b); }
+static int dsk__ckpt_cmp_str(const void *a, const void *b) {
+    return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
 
 /* Larger elements first (keeps every tensor aligned to its element size, as the reference
    writer does), then by name. */
-static int dsk__ck_cmp_seg(const void *a, const void *b) {
-    const dsk__ck_seg *x = (const dsk__ck_seg *)a, *y = (const dsk__ck_seg *)b;
+static int dsk__ckpt_cmp_seg(const void *a, const void *b) {
+    const dsk__ckpt_seg *x = (const dsk__ckpt_seg *)a, *y = (const dsk__ckpt_seg *)b;
     size_t sx = dsk_dtype_size(x->dtype), sy = dsk_dtype_size(y->dtype);
     if (sx != sy) return sx > sy ? -1 : 1;
     return strcmp(x->name, y->name);
 }
 
 /* First duplicate among n strings, or NULL. */
-static const char *dsk__ck_find_dup(const char **names, int n) {
-    qsort((void *)names, (size_t)n, sizeof *names, dsk__ck_cmp_str);
+static const char *dsk__ckpt_find_dup(const char **names, int n) {
+    qsort((void *)names, (size_t)n, sizeof *names, dsk__ckpt_cmp_str);
     for (int i = 1; i < n; i++)
         if (strcmp(names[i], names[i - 1]) == 0) return names[i];
     return NULL;
 }
 
-static dsk_status dsk__ck_check_entry(const char *fn, const dsk_ckpt_entry *e, int i, int rank_file, const dsk_ctx *ctx) {
+/* The box entry e covers in its whole tensor: offset and whole shape (see dsk_ckpt_entry). */
+static dsk_status dsk__ckpt_entry_box(const char *fn, const dsk_ckpt_entry *e, int64_t *off, int64_t *global) {
     const dsk_tensor *t = e->tensor;
-    dsk_status s;
     char b[160];
-    if (!e->name || !*e->name) return dsk_set_error(DSK_ERR_ARG, "%s: entry %d has no name", fn, i);
-    if (strcmp(e->name, "__metadata__") == 0 || !dsk__ck_valid_utf8((const unsigned char *)e->name, strlen(e->name)))
-        return dsk_set_error(DSK_ERR_ARG, "%s: entry %d: name \"%s\" is reserved or not UTF-8", fn, i, e->name);
-    if (!t) return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" is NULL", fn, e->name);
-    if (!dsk_dtype_size(t->dtype) || t->ndim < 0 || t->ndim > DSK_MAX_DIMS || dsk__ck_numel(t->ndim, t->shape) < 0)
-        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": bad dtype %d or shape (ndim %d)", fn, e->name, (int)t->dtype, t->ndim);
-    if (!t->data && dsk_tensor_numel(t) > 0) return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" has no data", fn, e->name);
-    if ((s = dsk__ck_check_device(fn, e->name, t, ctx)) != DSK_OK) return s;
-    if (!rank_file) return DSK_OK;
-    if (e->split != 0 && e->split != 1) return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": split %d is neither 0 nor 1", fn, e->name, e->split);
-    if (e->split && (t->ndim < 1 || e->row0 < 0 || e->global_rows < 0 || e->row0 > e->global_rows - t->shape[0]))
-        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" %s: rows [%lld, %lld) do not fit a split tensor of %lld rows", fn, e->name,
-                             dsk_tensor_describe(t, b, sizeof b), (long long)e->row0,
-                             (long long)(e->row0 + (t->ndim ? t->shape[0] : 0)), (long long)e->global_rows);
+    memset(off, 0, DSK_MAX_DIMS * sizeof *off);
+    memcpy(global, t->shape, DSK_MAX_DIMS * sizeof *global);
+    if (e->split == DSK_CKPT_WHOLE) return DSK_OK;
+    if (e->split == DSK_CKPT_ROWS) {
+        if (t->ndim < 1 || e->row0 < 0 || e->global_rows < 0 || e->row0 > e->global_rows - t->shape[0])
+            return dsk_set_error(DSK_ERR_ARG,
+                                 "%s: tensor \"%s\" %s: rows [%lld, %lld) do not fit a split tensor of %lld rows", fn,
+                                 e->name, dsk_tensor_describe(t, b, sizeof b), (long long)e->row0,
+                                 (long long)(e->row0 + (t->ndim ? t->shape[0] : 0)), (long long)e->global_rows);
+        off[0] = e->row0;
+        global[0] = e->global_rows;
+        return DSK_OK;
+    }
+    if (e->split != DSK_CKPT_BOX)
+        return dsk_set_error(DSK_ERR_ARG,
+                             "%s: tensor \"%s\": split %d is none of DSK_CKPT_WHOLE, DSK_CKPT_ROWS, DSK_CKPT_BOX", fn,
+                             e->name, e->split);
+    if (!e->offset || !e->global_shape)
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": a DSK_CKPT_BOX entry needs offset and global_shape", fn,
+                             e->name);
+    for (int d = 0; d < t->ndim; d++) {
+        off[d] = e->offset[d];
+        global[d] = e->global_shape[d];
+        if (off[d] < 0 || global[d] < 0 || off[d] > global[d] - t->shape[d])
+            return dsk_set_error(DSK_ERR_ARG,
+                                 "%s: tensor \"%s\" %s: dim %d: [%lld, %lld) does not fit the whole tensor's %lld", fn,
+                                 e->name, dsk_tensor_describe(t, b, sizeof b), d, (long long)off[d],
+                                 (long long)(off[d] + t->shape[d]), (long long)global[d]);
+    }
+    if (dsk__ckpt_numel(t->ndim, global) < 0)
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": the whole shape overflows", fn, e->name);
     return DSK_OK;
 }
 
-static dsk_status dsk__ck_check_kv(const char *fn, const dsk_ckpt_kv *kv, int n_kv) {
+static dsk_status dsk__ckpt_check_entry(const char *fn, const dsk_ckpt_entry *e, int i, int rank_file,
+                                        const dsk_ctx *ctx) {
+    const dsk_tensor *t = e->tensor;
+    int64_t off[DSK_MAX_DIMS], global[DSK_MAX_DIMS];
+    if (!e->name || !*e->name) return dsk_set_error(DSK_ERR_ARG, "%s: entry %d has no name", fn, i);
+    if (strcmp(e->name, "__metadata__") == 0 || !dsk__ckpt_valid_utf8((const unsigned char *)e->name, strlen(e->name)))
+        return dsk_set_error(DSK_ERR_ARG, "%s: entry %d: name \"%s\" is reserved or not UTF-8", fn, i, e->name);
+    if (!t) return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" is NULL", fn, e->name);
+    if (!dsk_dtype_size(t->dtype) || t->ndim < 0 || t->ndim > DSK_MAX_DIMS || dsk__ckpt_numel(t->ndim, t->shape) < 0)
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": bad dtype %d or shape (ndim %d)", fn, e->name,
+                             (int)t->dtype, t->ndim);
+    if (!t->data && dsk_tensor_numel(t) > 0)
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" has no data", fn, e->name);
+    DSK__TRY(dsk__ckpt_check_device(fn, e->name, t, ctx));
+    return rank_file ? dsk__ckpt_entry_box(fn, e, off, global) : DSK_OK;
+}
+
+static dsk_status dsk__ckpt_check_kv(const char *fn, const dsk_ckpt_kv *kv, int n_kv) {
     const char **keys;
     const char *dup;
-    if (n_kv < 0 || (n_kv && !kv)) return dsk_set_error(DSK_ERR_ARG, "%s: %d key/value pairs at %p", fn, n_kv, (const void *)kv);
+    if (n_kv < 0 || (n_kv && !kv))
+        return dsk_set_error(DSK_ERR_ARG, "%s: %d key/value pairs at %p", fn, n_kv, (const void *)kv);
     for (int i = 0; i < n_kv; i++) {
-        if (!kv[i].key || !*kv[i].key || !kv[i].value) return dsk_set_error(DSK_ERR_ARG, "%s: pair %d has a NULL or empty key or NULL value", fn, i);
-        if (strncmp(kv[i].key, "dsk.", 4) == 0) return dsk_set_error(DSK_ERR_ARG, "%s: key \"%s\": the prefix \"dsk.\" is reserved", fn, kv[i].key);
-        if (!dsk__ck_valid_utf8((const unsigned char *)kv[i].key, strlen(kv[i].key)) ||
-            !dsk__ck_valid_utf8((const unsigned char *)kv[i].value, strlen(kv[i].value)))
+        if (!kv[i].key || !*kv[i].key || !kv[i].value)
+            return dsk_set_error(DSK_ERR_ARG, "%s: pair %d has a NULL or empty key or NULL value", fn, i);
+        if (strncmp(kv[i].key, "dsk.", 4) == 0)
+            return dsk_set_error(DSK_ERR_ARG, "%s: key \"%s\": the prefix \"dsk.\" is reserved", fn, kv[i].key);
+        if (!dsk__ckpt_valid_utf8((const unsigned char *)kv[i].key, strlen(kv[i].key)) ||
+            !dsk__ckpt_valid_utf8((const unsigned char *)kv[i].value, strlen(kv[i].value)))
             return dsk_set_error(DSK_ERR_ARG, "%s: pair \"%s\" is not UTF-8", fn, kv[i].key);
     }
     if (!n_kv) return DSK_OK;
     keys = (const char **)DSK_MALLOC((size_t)n_kv * sizeof *keys);
     if (!keys) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     for (int i = 0; i < n_kv; i++) keys[i] = kv[i].key;
-    dup = dsk__ck_find_dup(keys, n_kv);
+    dup = dsk__ckpt_find_dup(keys, n_kv);
     if (dup) {
         dsk_status s = dsk_set_error(DSK_ERR_ARG, "%s: key \"%s\" appears twice", fn, dup);
         DSK_FREE((void *)keys);
@@ -1422,60 +2088,70 @@ static dsk_status dsk__ck_check_kv(const char *fn, const dsk_ckpt_kv *kv, int n_
     return DSK_OK;
 }
 
+/* Places the segments the file holds (not the reused ones) one after the other. */
+static void dsk__ckpt_plan_layout(dsk__ckpt_plan *p) {
+    p->total = 0;
+    for (int i = 0; i < p->n; i++) {
+        p->segs[i].begin = p->total;
+        if (!p->segs[i].reused) p->total += p->segs[i].nbytes;
+    }
+}
+
 /* Validates the entries and pairs and copies what the file needs (names, pairs, shapes).
    A rank file holds the split entries and, on rank 0 only, the replicated ones. */
-static dsk_status dsk__ck_plan_build(const char *fn, dsk__ck_plan *p, const dsk_ckpt_entry *entries, int n, const dsk_ckpt_kv *kv,
-                                     int n_kv, const dsk_ctx *ctx) {
+static dsk_status dsk__ckpt_plan_build(const char *fn, dsk__ckpt_plan *p, const dsk_ckpt_entry *entries, int n,
+                                       const dsk_ckpt_kv *kv, int n_kv, const dsk_ctx *ctx) {
     dsk_status s;
     const char **names;
     const char *dup;
-    if (n < 0 || (n && !entries)) return dsk_set_error(DSK_ERR_ARG, "%s: %d entries at %p", fn, n, (const void *)entries);
+    if (n < 0 || (n && !entries))
+        return dsk_set_error(DSK_ERR_ARG, "%s: %d entries at %p", fn, n, (const void *)entries);
     for (int i = 0; i < n; i++)
-        if ((s = dsk__ck_check_entry(fn, &entries[i], i, p->rank_file, ctx)) != DSK_OK) return s;
-    if ((s = dsk__ck_check_kv(fn, kv, n_kv)) != DSK_OK) return s;
+        DSK__TRY(dsk__ckpt_check_entry(fn, &entries[i], i, p->rank_file, ctx));
+    DSK__TRY(dsk__ckpt_check_kv(fn, kv, n_kv));
     names = (const char **)DSK_MALLOC(((size_t)n + 1) * sizeof *names);
     if (!names) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     for (int i = 0; i < n; i++) names[i] = entries[i].name;
-    dup = dsk__ck_find_dup(names, n);
-    if (dup) { s = dsk_set_error(DSK_ERR_ARG, "%s: tensor name \"%s\" appears twice", fn, dup); DSK_FREE((void *)names); return s; }
+    dup = dsk__ckpt_find_dup(names, n);
+    if (dup) {
+        s = dsk_set_error(DSK_ERR_ARG, "%s: tensor name \"%s\" appears twice", fn, dup);
+        DSK_FREE((void *)names);
+        return s;
+    }
     DSK_FREE((void *)names);
-    p->segs = (dsk__ck_seg *)DSK_MALLOC(((size_t)n + 1) * sizeof *p->segs);
+    p->segs = (dsk__ckpt_seg *)DSK_MALLOC(((size_t)n + 1) * sizeof *p->segs);
     p->keys = (char **)DSK_MALLOC(((size_t)n_kv + 1) * sizeof(char *));
     p->values = (char **)DSK_MALLOC(((size_t)n_kv + 1) * sizeof(char *));
     if (!p->segs || !p->keys || !p->values) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     for (int i = 0; i < n; i++) {
         const dsk_ckpt_entry *e = &entries[i];
-        dsk__ck_seg *g = &p->segs[p->n];
-        if (p->rank_file && !e->split && p->rank != 0) continue;
+        dsk__ckpt_seg *g = &p->segs[p->n];
+        if (p->rank_file && e->split == DSK_CKPT_WHOLE && p->rank != 0) continue;
         memset(g, 0, sizeof *g);
-        if (!(g->name = dsk__ck_strdup(e->name))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        if (!(g->name = dsk__ckpt_strdup(e->name))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
         p->n++;
         g->src = e->tensor;
         g->dtype = e->tensor->dtype;
         g->ndim = e->tensor->ndim;
         memcpy(g->shape, e->tensor->shape, sizeof g->shape);
-        g->split = p->rank_file && e->split;
-        g->row0 = e->row0;
-        g->global_rows = e->global_rows;
+        g->boxed = p->rank_file && e->split != DSK_CKPT_WHOLE;
+        if (g->boxed) dsk__ckpt_entry_box(fn, e, g->off, g->global); /* checked above */
         g->nbytes = dsk_tensor_nbytes(e->tensor);
     }
     for (int i = 0; i < n_kv; i++) {
-        p->keys[i] = dsk__ck_strdup(kv[i].key);
-        p->values[i] = dsk__ck_strdup(kv[i].value);
+        p->keys[i] = dsk__ckpt_strdup(kv[i].key);
+        p->values[i] = dsk__ckpt_strdup(kv[i].value);
         p->n_kv = i + 1;
         if (!p->keys[i] || !p->values[i]) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     }
-    qsort(p->segs, (size_t)p->n, sizeof *p->segs, dsk__ck_cmp_seg);
-    for (int i = 0; i < p->n; i++) {
-        p->segs[i].begin = p->total;
-        p->total += p->segs[i].nbytes;
-    }
+    qsort(p->segs, (size_t)p->n, sizeof *p->segs, dsk__ckpt_cmp_seg);
+    dsk__ckpt_plan_layout(p);
     return DSK_OK;
 }
 
 /* memcpy in 4 MiB pieces over `threads` OpenMP threads: an async save's snapshot is the
    caller's stall. */
-static void dsk__ck_copy_par(void *dst, const void *src, size_t n, int threads) {
+static void dsk__ckpt_copy_par(void *dst, const void *src, size_t n, int threads) {
     const size_t piece = (size_t)4 << 20;
     long long pieces = (long long)((n + piece - 1) / piece);
     if (threads <= 1 || pieces <= 1) { memcpy(dst, src, n); return; }
@@ -1490,160 +2166,226 @@ static void dsk__ck_copy_par(void *dst, const void *src, size_t n, int threads) 
 
 /* Points each segment at bytes to write: contiguous host tensors directly (unless copy_all),
    everything else copied into stage (at least p->total bytes). */
-static dsk_status dsk__ck_snapshot(dsk__ck_plan *p, dsk_ctx *ctx, unsigned char *stage, int copy_all, int threads) {
+static dsk_status dsk__ckpt_snapshot(dsk__ckpt_plan *p, dsk_ctx *ctx, unsigned char *stage, int copy_all, int threads) {
     for (int i = 0; i < p->n; i++) {
-        dsk__ck_seg *g = &p->segs[i];
+        dsk__ckpt_seg *g = &p->segs[i];
         dsk_tensor h;
-        dsk_status s;
         int host_contig = g->src->device.type == DSK_DEV_CPU && dsk_tensor_is_contiguous(g->src);
         if (!g->nbytes) { g->data = NULL; continue; }
         if (host_contig && !copy_all) { g->data = g->src->data; continue; }
         g->data = stage + g->begin;
-        if (host_contig) { dsk__ck_copy_par(stage + g->begin, g->src->data, g->nbytes, threads); continue; }
-        if ((s = dsk_tensor_wrap(&h, stage + g->begin, g->dtype, dsk_cpu(), g->ndim, g->shape)) != DSK_OK) return s;
-        if ((s = dsk_tensor_copy(ctx, &h, g->src)) != DSK_OK) return s;
+        if (host_contig) { dsk__ckpt_copy_par(stage + g->begin, g->src->data, g->nbytes, threads); continue; }
+        DSK__TRY(dsk_tensor_wrap(&h, stage + g->begin, g->dtype, dsk_cpu(), g->ndim, g->shape));
+        DSK__TRY(dsk_tensor_copy(ctx, &h, g->src));
     }
     return DSK_OK;
 }
 
-static int dsk__ck_needs_stage(const dsk__ck_plan *p) {
+static int dsk__ckpt_needs_stage(const dsk__ckpt_plan *p) {
     for (int i = 0; i < p->n; i++)
-        if (p->segs[i].nbytes && (p->segs[i].src->device.type != DSK_DEV_CPU || !dsk_tensor_is_contiguous(p->segs[i].src))) return 1;
+        if (p->segs[i].nbytes &&
+            (p->segs[i].src->device.type != DSK_DEV_CPU || !dsk_tensor_is_contiguous(p->segs[i].src)))
+            return 1;
     return 0;
 }
 
 /* A JSON string of prefix followed by s. */
-static void dsk__ck_put_jstr2(dsk__ck_buf *b, const char *prefix, const char *s) {
-    dsk__ck_buf t;
+static void dsk__ckpt_put_jstr2(dsk__ckpt_buf *b, const char *prefix, const char *s) {
+    dsk__ckpt_buf t;
     memset(&t, 0, sizeof t);
-    dsk__ck_puts(&t, prefix);
-    dsk__ck_puts(&t, s);
+    dsk__ckpt_puts(&t, prefix);
+    dsk__ckpt_puts(&t, s);
     if (t.oom) b->oom = 1;
-    else dsk__ck_put_jstr(b, t.p);
-    dsk__ck_buf_free(&t);
+    else dsk__ckpt_put_jstr(b, t.p);
+    dsk__ckpt_buf_free(&t);
 }
 
 /* The JSON header, padded with spaces to a multiple of 8 bytes. CRCs are 8 hex digits, so
    the length does not depend on their values. */
-static void dsk__ck_header_json(dsk__ck_buf *b, const dsk__ck_plan *p) {
-    dsk__ck_putf(b, "{\"__metadata__\":{\"dsk.format\":\"%s\",\"dsk.version\":\"%d\"", DSK_CKPT_FORMAT, DSK_CKPT_VERSION);
+static void dsk__ckpt_header_json(dsk__ckpt_buf *b, const dsk__ckpt_plan *p) {
+    dsk__ckpt_putf(b, "{\"__metadata__\":{\"dsk.format\":\"%s\",\"dsk.version\":\"%d\"", DSK_CKPT_FORMAT,
+                   DSK_CKPT_VERSION);
     if (p->rank_file)
-        dsk__ck_putf(b, ",\"dsk.step\":\"%lld\",\"dsk.rank\":\"%d\",\"dsk.world_size\":\"%d\"", (long long)p->step, p->rank, p->world);
+        dsk__ckpt_putf(
+            b, ",\"dsk.step\":\"%lld\",\"dsk.rank\":\"%d\",\"dsk.world_size\":\"%d\",\"dsk.attempt\":\"%016llx\"",
+            (long long)p->step, p->rank, p->world, (unsigned long long)p->attempt);
     for (int i = 0; i < p->n; i++) {
-        const dsk__ck_seg *g = &p->segs[i];
-        dsk__ck_puts(b, ",");
-        dsk__ck_put_jstr2(b, "dsk.crc32c.", g->name);
-        dsk__ck_putf(b, ":\"%08x\"", g->crc);
-        if (g->split) {
-            dsk__ck_puts(b, ",");
-            dsk__ck_put_jstr2(b, "dsk.split.", g->name);
-            dsk__ck_putf(b, ":\"%lld:%lld/%lld\"", (long long)g->row0, (long long)(g->row0 + g->shape[0]), (long long)g->global_rows);
+        const dsk__ckpt_seg *g = &p->segs[i];
+        if (g->hashed) {
+            dsk__ckpt_puts(b, ",");
+            dsk__ckpt_put_jstr2(b, g->reused ? "dsk.reuse." : "dsk.hash.", g->name);
+            dsk__ckpt_putf(b, ":\"%016llx\"", (unsigned long long)g->hash);
+        }
+        if (!g->reused) {
+            dsk__ckpt_puts(b, ",");
+            dsk__ckpt_put_jstr2(b, "dsk.crc32c.", g->name);
+            dsk__ckpt_putf(b, ":\"%08x\"", g->crc);
+        }
+        if (g->n_blocks > 1) {
+            dsk__ckpt_puts(b, ",");
+            dsk__ckpt_put_jstr2(b, "dsk.blocks.", g->name);
+            dsk__ckpt_putf(b, ":\"%llu:", (unsigned long long)DSK__CKPT_BLOCK);
+            for (uint64_t k = 0; k < g->n_blocks; k++) dsk__ckpt_putf(b, "%08x", g->blocks[k]);
+            dsk__ckpt_puts(b, "\"");
+        }
+        if (g->boxed) {
+            dsk__ckpt_puts(b, ",");
+            dsk__ckpt_put_jstr2(b, "dsk.box.", g->name);
+            dsk__ckpt_puts(b, ":\"");
+            for (int d = 0; d < g->ndim; d++) dsk__ckpt_putf(b, d ? ",%lld" : "%lld", (long long)g->off[d]);
+            dsk__ckpt_puts(b, ";");
+            for (int d = 0; d < g->ndim; d++) dsk__ckpt_putf(b, d ? ",%lld" : "%lld", (long long)g->global[d]);
+            dsk__ckpt_puts(b, "\"");
         }
     }
     for (int i = 0; i < p->n_kv; i++) {
-        dsk__ck_puts(b, ",");
-        dsk__ck_put_jstr(b, p->keys[i]);
-        dsk__ck_puts(b, ":");
-        dsk__ck_put_jstr(b, p->values[i]);
+        dsk__ckpt_puts(b, ",");
+        dsk__ckpt_put_jstr(b, p->keys[i]);
+        dsk__ckpt_puts(b, ":");
+        dsk__ckpt_put_jstr(b, p->values[i]);
     }
-    dsk__ck_puts(b, "}");
+    dsk__ckpt_puts(b, "}");
     for (int i = 0; i < p->n; i++) {
-        const dsk__ck_seg *g = &p->segs[i];
-        dsk__ck_puts(b, ",");
-        dsk__ck_put_jstr(b, g->name);
-        dsk__ck_putf(b, ":{\"dtype\":\"%s\",\"shape\":[", dsk__ck_stname(g->dtype));
-        for (int d = 0; d < g->ndim; d++) dsk__ck_putf(b, d ? ",%lld" : "%lld", (long long)g->shape[d]);
-        dsk__ck_putf(b, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)g->begin, (unsigned long long)(g->begin + g->nbytes));
+        const dsk__ckpt_seg *g = &p->segs[i];
+        if (g->reused) continue;
+        dsk__ckpt_puts(b, ",");
+        dsk__ckpt_put_jstr(b, g->name);
+        dsk__ckpt_putf(b, ":{\"dtype\":\"%s\",\"shape\":[", dsk__ckpt_stname(g->dtype));
+        for (int d = 0; d < g->ndim; d++) dsk__ckpt_putf(b, d ? ",%lld" : "%lld", (long long)g->shape[d]);
+        dsk__ckpt_putf(b, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)g->begin,
+                       (unsigned long long)(g->begin + g->nbytes));
     }
-    dsk__ck_puts(b, "}");
-    while (!b->oom && b->n % 8) dsk__ck_puts(b, " ");
+    dsk__ckpt_puts(b, "}");
+    while (!b->oom && b->n % 8) dsk__ckpt_puts(b, " ");
 }
 
-static dsk_status dsk__ck_pwrite_all(const char *fn, int fd, const void *p, size_t n, uint64_t off, const char *path) {
+static dsk_status dsk__ckpt_pwrite_all(const char *fn, int fd, const void *p, size_t n, uint64_t off,
+                                       const char *path) {
     const char *q = (const char *)p;
     while (n) {
         ssize_t k = pwrite(fd, q, n, (off_t)off);
         if (k < 0 && errno == EINTR) continue;
         if (k <= 0) {
             if (k == 0) errno = EIO;
-            return dsk__ck_io_error(fn, "write to", path);
+            return dsk__ckpt_io_error(fn, "write to", path);
         }
         q += k; n -= (size_t)k; off += (uint64_t)k;
     }
     return DSK_OK;
 }
 
-/* Writes header (with placeholder CRCs) then the data, computing each segment's CRC on
-   cache-sized chunks just before writing them, then rewrites the header with the CRCs. */
-static dsk_status dsk__ck_write_body(const char *fn, int fd, dsk__ck_plan *p, const char *tmp) {
-    const size_t chunk = (size_t)1 << 20;
-    dsk__ck_buf h;
+/* Bytes written between two requests to start writing back: the disk works on what a save
+   wrote while it computes CRCs and copies more, instead of all of it at the final fsync. */
+#define DSK__CKPT_WRITEBACK ((uint64_t)32 << 20)
+
+/* Asks the kernel to start writing [from, to) of fd's data back (no wait; advisory: where
+   the call does not exist or fails, the final fsync does it all). Returns `to`. */
+static uint64_t dsk__ckpt_start_writeback(int fd, uint64_t from, uint64_t to) {
+#ifdef DSK__CKPT_SYNC_RANGE
+    (void)DSK__CKPT_SYNC_RANGE(fd, from, to - from);
+#else
+    (void)fd;
+    (void)from;
+#endif
+    return to;
+}
+
+/* Per-block CRC arrays of every segment (zeros: the placeholders of the first header). */
+static dsk_status dsk__ckpt_alloc_blocks(const char *fn, dsk__ckpt_plan *p) {
+    for (int i = 0; i < p->n; i++) {
+        dsk__ckpt_seg *g = &p->segs[i];
+        g->crc = 0;
+        g->n_blocks = g->reused ? 0 : (g->nbytes + DSK__CKPT_BLOCK - 1) / DSK__CKPT_BLOCK;
+        if (!(g->blocks = (uint32_t *)DSK_MALLOC((size_t)(g->n_blocks + 1) * sizeof(uint32_t))))
+            return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        memset(g->blocks, 0, (size_t)(g->n_blocks + 1) * sizeof(uint32_t));
+    }
+    return DSK_OK;
+}
+static void dsk__ckpt_free_blocks(dsk__ckpt_plan *p) {
+    for (int i = 0; i < p->n; i++) { DSK_FREE(p->segs[i].blocks); p->segs[i].blocks = NULL; }
+}
+
+/* Writes the header (with placeholder CRCs) then the data, computing each block's CRC just
+   before writing it, then rewrites the header with the CRCs (their length is fixed). */
+static dsk_status dsk__ckpt_write_body(const char *fn, int fd, dsk__ckpt_plan *p, const char *tmp) {
+    const uint32_t k_block = dsk__ckpt_xpow8n(DSK__CKPT_BLOCK);
+    uint64_t written = 0, flushed = 0;
+    dsk__ckpt_buf h;
     size_t hlen;
     unsigned char len8[8];
     dsk_status s;
     memset(&h, 0, sizeof h);
-    for (int i = 0; i < p->n; i++) p->segs[i].crc = 0;
-    dsk__ck_put(&h, "\0\0\0\0\0\0\0\0", 8);
-    dsk__ck_header_json(&h, p);
-    if (h.oom) { dsk__ck_buf_free(&h); return dsk_set_error(DSK_ERR_OOM, "%s: out of memory for the header", fn); }
+    if ((s = dsk__ckpt_alloc_blocks(fn, p)) != DSK_OK) goto done;
+    dsk__ckpt_put(&h, "\0\0\0\0\0\0\0\0", 8);
+    dsk__ckpt_header_json(&h, p);
+    if (h.oom) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for the header", fn); goto done; }
     hlen = h.n - 8;
     if (hlen > DSK_CKPT_MAX_HEADER) {
-        dsk__ck_buf_free(&h);
-        return dsk_set_error(DSK_ERR_ARG, "%s: a %zu-byte header (%d tensors) exceeds the safetensors limit of %llu bytes", fn, hlen, p->n,
-                             (unsigned long long)DSK_CKPT_MAX_HEADER);
+        s = dsk_set_error(DSK_ERR_ARG, "%s: a %zu-byte header (%d tensors) exceeds the safetensors limit of %llu bytes",
+                          fn, hlen, p->n, (unsigned long long)DSK_CKPT_MAX_HEADER);
+        goto done;
     }
-    if ((s = dsk__ck_write_all(fn, fd, h.p, h.n, tmp)) != DSK_OK) { dsk__ck_buf_free(&h); return s; }
+    if ((s = dsk__ckpt_write_all(fn, fd, h.p, h.n, tmp)) != DSK_OK) goto done;
     for (int i = 0; i < p->n && s == DSK_OK; i++) {
-        dsk__ck_seg *g = &p->segs[i];
+        dsk__ckpt_seg *g = &p->segs[i];
         const unsigned char *q = (const unsigned char *)g->data;
-        for (size_t off = 0; off < g->nbytes && s == DSK_OK; off += chunk) {
-            size_t k = g->nbytes - off < chunk ? g->nbytes - off : chunk;
-            g->crc = dsk_ckpt_crc32c(g->crc, q + off, k);
-            s = dsk__ck_write_all(fn, fd, q + off, k, tmp);
+        for (uint64_t b = 0; b < g->n_blocks && s == DSK_OK; b++) {
+            size_t off = (size_t)(b * DSK__CKPT_BLOCK),
+                   k = g->nbytes - off < DSK__CKPT_BLOCK ? g->nbytes - off : DSK__CKPT_BLOCK;
+            g->blocks[b] = dsk_ckpt_crc32c(0, q + off, k);
+            g->crc = dsk__ckpt_mulmod(k == DSK__CKPT_BLOCK ? k_block : dsk__ckpt_xpow8n(k), g->crc) ^ g->blocks[b];
+            s = dsk__ckpt_write_all(fn, fd, q + off, k, tmp);
+            written += k;
+            if (s == DSK_OK && written - flushed >= DSK__CKPT_WRITEBACK)
+                flushed = dsk__ckpt_start_writeback(fd, flushed, written);
         }
     }
     if (s == DSK_OK) {
         h.n = 0;
         for (int i = 0; i < 8; i++) len8[i] = (unsigned char)((uint64_t)hlen >> (8 * i));
-        dsk__ck_put(&h, (const char *)len8, 8);
-        dsk__ck_header_json(&h, p);
+        dsk__ckpt_put(&h, (const char *)len8, 8);
+        dsk__ckpt_header_json(&h, p);
         if (h.oom || h.n != hlen + 8) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for the header", fn);
-        else s = dsk__ck_pwrite_all(fn, fd, h.p, h.n, 0, tmp);
+        else s = dsk__ckpt_pwrite_all(fn, fd, h.p, h.n, 0, tmp);
     }
-    dsk__ck_buf_free(&h);
+done:
+    dsk__ckpt_free_blocks(p);
+    dsk__ckpt_buf_free(&h);
     return s;
 }
 
 /* Writes the plan as dir/base, atomically and durably. */
-static dsk_status dsk__ck_write_plan(const char *fn, dsk__ck_plan *p, const char *dir, const char *base) {
+static dsk_status dsk__ckpt_write_plan(const char *fn, dsk__ckpt_plan *p, const char *dir, const char *base, int how) {
     char *tmp = NULL;
     int fd = -1;
-    dsk_status s = dsk__ck_open_tmp(fn, dir, base, &tmp, &fd);
-    if (s != DSK_OK) return s;
-    if ((s = dsk__ck_write_body(fn, fd, p, tmp)) != DSK_OK) {
+    dsk_status s;
+    DSK__TRY(dsk__ckpt_open_tmp(fn, dir, base, &tmp, &fd));
+    if ((s = dsk__ckpt_write_body(fn, fd, p, tmp)) != DSK_OK) {
         close(fd);
         unlink(tmp);
         DSK_FREE(tmp);
         return s;
     }
-    return dsk__ck_commit_tmp(fn, fd, tmp, dir, base);
+    return dsk__ckpt_commit_tmp(fn, fd, tmp, dir, base, how);
 }
 
-DSK_API dsk_status dsk_ckpt_file_save(dsk_ctx *ctx, const char *path, const dsk_ckpt_entry *entries, int n, const dsk_ckpt_kv *kv, int n_kv) {
+DSK_API dsk_status dsk_ckpt_file_save(dsk_ctx *ctx, const char *path, const dsk_ckpt_entry *entries, int n,
+                                      const dsk_ckpt_kv *kv, int n_kv) {
     const char *fn = "dsk_ckpt_file_save";
-    dsk__ck_plan p;
+    dsk__ckpt_plan p;
     unsigned char *stage = NULL;
     char *dir = NULL, *base = NULL;
     dsk_status s;
     memset(&p, 0, sizeof p);
     if (!path) return dsk_set_error(DSK_ERR_ARG, "%s: path is NULL", fn);
-    if ((s = dsk__ck_split_path(fn, path, &dir, &base)) != DSK_OK) return s;
-    s = dsk__ck_plan_build(fn, &p, entries, n, kv, n_kv, ctx);
-    if (s == DSK_OK && dsk__ck_needs_stage(&p) && !(stage = (unsigned char *)DSK_MALLOC((size_t)p.total)))
+    DSK__TRY(dsk__ckpt_split_path(fn, path, &dir, &base));
+    s = dsk__ckpt_plan_build(fn, &p, entries, n, kv, n_kv, ctx);
+    if (s == DSK_OK && dsk__ckpt_needs_stage(&p) && !(stage = (unsigned char *)DSK_MALLOC((size_t)p.total)))
         s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for a %llu-byte snapshot", fn, (unsigned long long)p.total);
-    if (s == DSK_OK) s = dsk__ck_snapshot(&p, ctx, stage, 0, 1);
-    if (s == DSK_OK) s = dsk__ck_write_plan(fn, &p, dir, base);
-    dsk__ck_plan_free(&p);
+    if (s == DSK_OK) s = dsk__ckpt_snapshot(&p, ctx, stage, 0, 1);
+    if (s == DSK_OK) s = dsk__ckpt_write_plan(fn, &p, dir, base, DSK__CKPT_DURABLE | DSK__CKPT_WITHDRAW);
+    dsk__ckpt_plan_free(&p);
     DSK_FREE(stage);
     DSK_FREE(dir);
     DSK_FREE(base);
@@ -1652,78 +2394,88 @@ DSK_API dsk_status dsk_ckpt_file_save(dsk_ctx *ctx, const char *path, const dsk_
 
 /* ---------------------------------------------------------------- checkpoint directories */
 
-#define DSK__CK_MANIFEST "manifest.json"
+#define DSK__CKPT_MANIFEST "manifest.json"
+#define DSK__CKPT_ATTEMPT ".attempt"            /* rank 0 -> the other ranks: the save's nonce */
+#define DSK__CKPT_TRAILER 22                    /* bytes of the manifest's last line ,"crc32c":"..."}\n */
 
-static char *dsk__ck_step_dir(const char *root, int64_t step) {
+static void dsk__ckpt_step_name(char *buf, size_t n, int64_t step) { snprintf(buf, n, "step_%08lld", (long long)step); }
+
+static char *dsk__ckpt_step_dir(const char *root, int64_t step) {
     char name[40];
-    snprintf(name, sizeof name, "step_%08lld", (long long)step);
-    return dsk__ck_join(root, name);
+    dsk__ckpt_step_name(name, sizeof name, step);
+    return dsk__ckpt_join(root, name);
 }
-static void dsk__ck_rank_name(char *buf, size_t n, int rank) { snprintf(buf, n, "rank_%05d.safetensors", rank); }
 
-/* "step_<digits>" -> step, else -1. */
-static int64_t dsk__ck_parse_step_name(const char *name) {
-    int64_t v = 0;
+/* A rank file's name: rank and the nonce of the save that wrote it. */
+static void dsk__ckpt_rank_name(char *buf, size_t n, int rank, uint64_t attempt) {
+    snprintf(buf, n, "rank_%05d.%016llx.safetensors", rank, (unsigned long long)attempt);
+}
+
+/* root/step_<step>/<rank file> for a file of a manifest. */
+static char *dsk__ckpt_file_path(const char *root, int64_t step, int rank, uint64_t attempt) {
+    char name[80], *sd = dsk__ckpt_step_dir(root, step), *p;
+    if (!sd) return NULL;
+    dsk__ckpt_rank_name(name, sizeof name, rank, attempt);
+    p = dsk__ckpt_join(sd, name);
+    DSK_FREE(sd);
+    return p;
+}
+
+/* "step_<digits>" -> step, else -1. Only the canonical spelling (dsk__ckpt_step_dir's: at
+   least 8 digits, no extra leading zeros) counts, so every step has exactly one directory;
+   19-digit steps up to INT64_MAX included. */
+static int64_t dsk__ckpt_parse_step_name(const char *name) {
+    char canon[40];
+    uint64_t v = 0;
     const char *p = name + 5;
-    if (strncmp(name, "step_", 5) != 0 || !*p || strlen(p) > 18) return -1;
+    if (strncmp(name, "step_", 5) != 0 || !*p || strlen(p) > 19) return -1;
     for (; *p; p++) {
         if (*p < '0' || *p > '9') return -1;
-        v = v * 10 + (*p - '0');
+        v = v * 10 + (uint64_t)(*p - '0'); /* 19 digits cannot overflow uint64 */
     }
-    return v;
+    if (v > (uint64_t)INT64_MAX) return -1;
+    dsk__ckpt_step_name(canon, sizeof canon, (int64_t)v);
+    return strcmp(canon, name) == 0 ? (int64_t)v : -1;
 }
 
-static int dsk__ck_exists(const char *path) {
+static int dsk__ckpt_exists(const char *path) {
     struct stat st;
     return stat(path, &st) == 0;
 }
 
-/* Removes every regular entry of dir (the manifest first, made durable, so a crash midway
-   leaves an incomplete checkpoint, never a complete-looking partial one). */
-static dsk_status dsk__ck_empty_dir(const char *fn, const char *dir) {
-    DIR *d;
-    struct dirent *de;
-    dsk_status s = DSK_OK;
-    char *man = dsk__ck_join(dir, DSK__CK_MANIFEST);
-    if (!man) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    if (unlink(man) == 0) s = dsk__ck_fsync_dir(fn, dir);
-    else if (errno != ENOENT) s = dsk__ck_io_error(fn, "remove", man);
-    DSK_FREE(man);
-    if (s != DSK_OK) return s;
-    if (!(d = opendir(dir))) return dsk__ck_io_error(fn, "open directory", dir);
-    while (s == DSK_OK && (de = readdir(d)) != NULL) {
-        char *p;
-        if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0) continue;
-        if (!(p = dsk__ck_join(dir, de->d_name))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
-        if (unlink(p) != 0 && errno != ENOENT) s = dsk__ck_io_error(fn, "remove", p);
-        DSK_FREE(p);
+/* A fresh 62-bit nonce (non-zero) naming one save's files: from /dev/urandom, else the clock,
+   the process and a counter. */
+static uint64_t dsk__ckpt_nonce(void) {
+    static uint64_t counter;
+    uint64_t v = 0;
+    int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        if (read(fd, &v, sizeof v) != (ssize_t)sizeof v) v = 0;
+        close(fd);
     }
-    closedir(d);
-    return s;
-}
-
-/* Rank 0, before the first barrier: the root and step directories exist and the step
-   directory is empty (a previous attempt at this step may have left files). */
-static dsk_status dsk__ck_prepare(const char *fn, const char *root, const char *step_dir) {
-    dsk_status s;
-    if (mkdir(root, 0755) != 0 && errno != EEXIST) return dsk__ck_io_error(fn, "create directory", root);
-    if (mkdir(step_dir, 0755) == 0) return dsk__ck_fsync_dir(fn, root);
-    if (errno != EEXIST) return dsk__ck_io_error(fn, "create directory", step_dir);
-    if ((s = dsk__ck_empty_dir(fn, step_dir)) != DSK_OK) return s;
-    return dsk__ck_fsync_dir(fn, step_dir);
+    if (!v) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        v = ((uint64_t)ts.tv_sec * 1000000007u) ^ (uint64_t)ts.tv_nsec ^ ((uint64_t)getpid() << 32) ^
+            (++counter * 0x9e3779b97f4a7c15ull);
+    }
+    v &= 0x3fffffffffffffffull;
+    return v ? v : 1;
 }
 
 /* CRC32C of a whole file from its parsed header: the header bytes' CRC combined with each
    tensor's recorded CRC in data order. Every tensor must record one. */
-static dsk_status dsk__ck_file_crc(const char *fn, const dsk_ckpt_file *f, uint32_t *out) {
+static dsk_status dsk__ckpt_file_crc(const char *fn, const dsk_ckpt_file *f, uint32_t *out) {
     dsk_ckpt_tensor_info **order = (dsk_ckpt_tensor_info **)DSK_MALLOC(((size_t)f->n_tensors + 1) * sizeof *order);
     uint32_t crc = f->header_crc32c;
     dsk_status s = DSK_OK;
     if (!order) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     for (int i = 0; i < f->n_tensors; i++) order[i] = &f->tensors[i];
-    qsort(order, (size_t)f->n_tensors, sizeof *order, dsk__ck_cmp_info_off);
+    qsort(order, (size_t)f->n_tensors, sizeof *order, dsk__ckpt_cmp_info_off);
     for (int i = 0; i < f->n_tensors && s == DSK_OK; i++) {
-        if (!order[i]->has_crc) s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": tensor \"%s\" has no dsk.crc32c entry", fn, f->path, order[i]->name);
+        if (!order[i]->has_crc)
+            s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": tensor \"%s\" has no dsk.crc32c entry", fn, f->path,
+                              order[i]->name);
         crc = dsk_ckpt_crc32c_combine(crc, order[i]->crc32c, order[i]->end - order[i]->begin);
     }
     DSK_FREE(order);
@@ -1732,7 +2484,7 @@ static dsk_status dsk__ck_file_crc(const char *fn, const dsk_ckpt_file *f, uint3
 }
 
 /* The metadata value as a whole decimal int64. */
-static int dsk__ck_parse_i64(const char *v, int64_t *out) {
+static int dsk__ckpt_parse_i64(const char *v, int64_t *out) {
     char *end;
     long long x;
     if (!v || !*v || (*v != '-' && (*v < '0' || *v > '9'))) return 0;
@@ -1743,589 +2495,381 @@ static int dsk__ck_parse_i64(const char *v, int64_t *out) {
     return 1;
 }
 
-/* A rank file's header metadata must name this checkpoint and rank. */
-static dsk_status dsk__ck_check_rank_meta(const char *fn, const dsk_ckpt_file *f, int64_t step, int rank, int world) {
-    int64_t v[3];
-    const char *fmt = dsk_ckpt_file_meta(f, "dsk.format");
-    if (!fmt || strcmp(fmt, DSK_CKPT_FORMAT) != 0 || !dsk__ck_parse_i64(dsk_ckpt_file_meta(f, "dsk.step"), &v[0]) ||
-        !dsk__ck_parse_i64(dsk_ckpt_file_meta(f, "dsk.rank"), &v[1]) || !dsk__ck_parse_i64(dsk_ckpt_file_meta(f, "dsk.world_size"), &v[2]))
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" lacks the dsk.format/step/rank/world_size metadata of a dsk checkpoint", fn, f->path);
-    if (v[0] != step || v[1] != rank || v[2] != world)
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" says step %lld rank %lld of %lld, expected step %lld rank %d of %d", fn, f->path,
-                             (long long)v[0], (long long)v[1], (long long)v[2], (long long)step, rank, world);
-    return DSK_OK;
-}
-
-/* Rows "start:end/rows" of a split tensor's piece. */
-static int dsk__ck_parse_split(const char *v, int64_t *start, int64_t *end, int64_t *rows) {
-    long long a, b, c;
-    int k = 0;
-    if (!v || sscanf(v, "%lld:%lld/%lld%n", &a, &b, &c, &k) != 3 || v[k] || a < 0 || b < a || c < b) return 0;
-    *start = a; *end = b; *rows = c;
+/* 16 hex digits exactly. */
+static int dsk__ckpt_parse_hex64(const char *s, uint64_t *out) {
+    uint32_t hi, lo;
+    char h[9];
+    if (!s || strlen(s) != 16) return 0;
+    memcpy(h, s, 8);
+    h[8] = 0;
+    if (!dsk__ckpt_parse_hex32(h, &hi) || !dsk__ckpt_parse_hex32(s + 8, &lo)) return 0;
+    *out = (uint64_t)hi << 32 | lo;
     return 1;
 }
 
-/* The "dsk.split.<name>" rows a rank file records for a tensor: 1 found and valid, 0 absent
-   (a replicated tensor), -1 malformed or out of memory. */
-static int dsk__ck_split_of(const dsk_ckpt_file *f, const char *name, int64_t *start, int64_t *end, int64_t *rows) {
-    dsk__ck_buf kb;
+/* A rank file's header metadata must name the save that wrote it: step, rank, world size and
+   nonce (attempt). */
+static dsk_status dsk__ckpt_check_rank_meta(const char *fn, const dsk_ckpt_file *f, int64_t step, int rank, int world,
+                                            uint64_t attempt) {
+    int64_t v[3];
+    uint64_t a = 0;
+    const char *fmt = dsk_ckpt_file_meta(f, "dsk.format");
+    if (!fmt || strcmp(fmt, DSK_CKPT_FORMAT) != 0 || !dsk__ckpt_parse_i64(dsk_ckpt_file_meta(f, "dsk.step"), &v[0]) ||
+        !dsk__ckpt_parse_i64(dsk_ckpt_file_meta(f, "dsk.rank"), &v[1]) ||
+        !dsk__ckpt_parse_i64(dsk_ckpt_file_meta(f, "dsk.world_size"), &v[2]) ||
+        !dsk__ckpt_parse_hex64(dsk_ckpt_file_meta(f, "dsk.attempt"), &a))
+        return dsk_set_error(
+            DSK_ERR_CORRUPT,
+            "%s: \"%s\" lacks the dsk.format/step/rank/world_size/attempt metadata of a dsk checkpoint", fn, f->path);
+    if (v[0] != step || v[1] != rank || v[2] != world || a != attempt)
+        return dsk_set_error(
+            DSK_ERR_CORRUPT,
+            "%s: \"%s\" says step %lld rank %lld of %lld, save %016llx; expected step %lld rank %d of %d, "
+            "save %016llx",
+            fn, f->path, (long long)v[0], (long long)v[1], (long long)v[2], (unsigned long long)a, (long long)step,
+            rank, world, (unsigned long long)attempt);
+    return DSK_OK;
+}
+
+/* "o0,o1,..;g0,g1,..": a box's offset and its whole tensor's shape, ndim values each. */
+static int dsk__ckpt_parse_box(const char *v, int ndim, int64_t *off, int64_t *global) {
+    for (int part = 0; part < 2; part++) {
+        int64_t *dst = part ? global : off;
+        for (int d = 0; d < ndim; d++) {
+            char *end;
+            long long x;
+            if (*v < '0' || *v > '9') return 0;
+            errno = 0;
+            x = strtoll(v, &end, 10);
+            if (errno || x < 0) return 0;
+            dst[d] = x;
+            v = end;
+            if (d + 1 < ndim && *v++ != ',') return 0;
+        }
+        if (part == 0 && *v++ != ';') return 0;
+    }
+    return *v == 0;
+}
+
+/* The content hash a rank file records under prefix + name: 1 found, 0 absent, -1 malformed. */
+static int dsk__ckpt_meta_hash(const dsk_ckpt_file *f, const char *prefix, const char *name, uint64_t *hash) {
+    char key[1100];
     const char *v;
-    int r;
+    snprintf(key, sizeof key, "%s%s", prefix, name);
+    if (!(v = dsk_ckpt_file_meta(f, key))) return 0;
+    return dsk__ckpt_parse_hex64(v, hash) ? 1 : -1;
+}
+
+/* The box a rank file records for a tensor ("dsk.box.<name>"): 1 found and valid, 0 absent
+   (the whole tensor), -1 malformed, outside its whole tensor, or out of memory. */
+static int dsk__ckpt_box_of(const dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t, int64_t *off, int64_t *global) {
+    dsk__ckpt_buf kb;
+    const char *v;
+    int r = 1;
     memset(&kb, 0, sizeof kb);
-    dsk__ck_puts(&kb, "dsk.split.");
-    dsk__ck_puts(&kb, name);
+    dsk__ckpt_puts(&kb, "dsk.box.");
+    dsk__ckpt_puts(&kb, t->name);
     v = kb.oom ? NULL : dsk_ckpt_file_meta(f, kb.p);
-    r = kb.oom ? -1 : !v ? 0 : dsk__ck_parse_split(v, start, end, rows) ? 1 : -1;
-    dsk__ck_buf_free(&kb);
+    memset(off, 0, DSK_MAX_DIMS * sizeof *off);
+    memcpy(global, t->shape, DSK_MAX_DIMS * sizeof *global);
+    if (kb.oom) r = -1;
+    else if (!v) r = 0;
+    else if (!dsk__ckpt_parse_box(v, t->ndim, off, global) || dsk__ckpt_numel(t->ndim, global) < 0) r = -1;
+    for (int d = 0; r == 1 && d < t->ndim; d++)
+        if (off[d] > global[d] - t->shape[d]) r = -1;
+    dsk__ckpt_buf_free(&kb);
     return r;
 }
 
-typedef struct dsk__ck_piece {
+/* ---------------------------------------------------------------- manifests
+   The manifest lists the files of a checkpoint (the `world` files this save wrote first) and
+   where each piece of each tensor is: a slice [file, offset..., shape...] per piece. Its last
+   line carries the CRC32C of everything before it. */
+
+typedef struct dsk__ckpt_mfile {
+    int64_t step;
+    int rank, world;
+    uint64_t attempt, size;
+    uint32_t crc;
+} dsk__ckpt_mfile;
+
+typedef struct dsk__ckpt_mslice {
+    int file;
+    const int64_t *box; /* offset[ndim] then shape[ndim] */
+    int has_hash;       /* written by an incremental save: the content hash */
+    uint64_t hash;
+} dsk__ckpt_mslice;
+
+typedef struct dsk__ckpt_mtensor {
     const char *name;
-    int rank, split;
-    const dsk_ckpt_tensor_info *t;
-    int64_t start, end, rows;
-} dsk__ck_piece;
-
-static int dsk__ck_cmp_piece(const void *a, const void *b) {
-    const dsk__ck_piece *x = (const dsk__ck_piece *)a, *y = (const dsk__ck_piece *)b;
-    int c = strcmp(x->name, y->name);
-    if (c) return c;
-    if (x->start != y->start) return x->start < y->start ? -1 : 1;
-    return x->end < y->end ? -1 : x->end > y->end;
-}
-
-/* Checks that the pieces of one tensor (sorted by rows) form a whole tensor; appends its
-   manifest entry. */
-static dsk_status dsk__ck_manifest_tensor(const char *fn, dsk__ck_buf *b, const dsk__ck_piece *pc, int k) {
-    const dsk_ckpt_tensor_info *t0 = pc[0].t;
-    int64_t pos = 0;
-    char x[160], y[160];
-    if (!pc[0].split) {
-        if (k != 1 || pc[0].rank != 0)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: replicated tensor \"%s\" found in rank %d's file (only rank 0 writes it)", fn, pc[0].name,
-                                 pc[k - 1].rank);
-    } else {
-        for (int i = 0; i < k; i++) {
-            const dsk_ckpt_tensor_info *t = pc[i].t;
-            if (!pc[i].split || t->dtype_name != t0->dtype_name || t->ndim != t0->ndim || pc[i].rows != pc[0].rows ||
-                memcmp(t->shape + 1, t0->shape + 1, (size_t)(t->ndim - 1) * sizeof(int64_t)) != 0)
-                return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": rank %d saved %s of %lld rows, rank %d saved %s of %lld rows", fn,
-                                     pc[0].name, pc[0].rank, dsk__ck_desc(x, sizeof x, t0->ndim, t0->shape, t0->dtype_name),
-                                     (long long)pc[0].rows, pc[i].rank, dsk__ck_desc(y, sizeof y, t->ndim, t->shape, t->dtype_name),
-                                     (long long)pc[i].rows);
-            if (pc[i].start != pos)
-                return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": rank %d holds rows [%lld, %lld) but the rows before end at %lld (%s)", fn,
-                                     pc[0].name, pc[i].rank, (long long)pc[i].start, (long long)pc[i].end, (long long)pos,
-                                     pc[i].start > pos ? "gap" : "overlap");
-            pos = pc[i].end;
-        }
-        if (pos != pc[0].rows)
-            return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": the ranks hold rows [0, %lld) of %lld", fn, pc[0].name, (long long)pos,
-                                 (long long)pc[0].rows);
-    }
-    dsk__ck_puts(b, b->n && b->p[b->n - 1] == '{' ? "\n " : ",\n ");
-    dsk__ck_put_jstr(b, pc[0].name);
-    dsk__ck_putf(b, ":{\"dtype\":\"%s\",\"shape\":[", t0->dtype_name);
-    for (int d = 0; d < t0->ndim; d++)
-        dsk__ck_putf(b, d ? ",%lld" : "%lld", (long long)(d == 0 && pc[0].split ? pc[0].rows : t0->shape[d]));
-    if (!pc[0].split) { dsk__ck_puts(b, "],\"split_dim\":-1,\"rank\":0}"); return DSK_OK; }
-    dsk__ck_puts(b, "],\"split_dim\":0,\"slices\":[");
-    for (int i = 0; i < k; i++) dsk__ck_putf(b, "%s[%d,%lld,%lld]", i ? "," : "", pc[i].rank, (long long)pc[i].start, (long long)pc[i].end);
-    dsk__ck_puts(b, "]}");
-    return DSK_OK;
-}
-
-/* Rank 0, after every rank file is durable: reads their headers (never their data) and
-   writes the manifest. */
-static dsk_status dsk__ck_write_manifest(const char *fn, const char *step_dir, int64_t step, int world) {
-    dsk_ckpt_file *files = (dsk_ckpt_file *)DSK_MALLOC((size_t)world * sizeof *files);
-    dsk__ck_piece *pcs = NULL;
-    dsk__ck_buf b;
-    dsk_status s = DSK_OK;
-    int np = 0, total = 0;
-    memset(&b, 0, sizeof b);
-    if (!files) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    memset(files, 0, (size_t)world * sizeof *files);
-    dsk__ck_putf(&b, "{\"format\":\"%s\",\"version\":%d,\"step\":%lld,\"world_size\":%d,\n\"files\":[", DSK_CKPT_FORMAT, DSK_CKPT_VERSION,
-                 (long long)step, world);
-    for (int r = 0; r < world && s == DSK_OK; r++) {
-        char name[48], *path;
-        uint32_t crc = 0;
-        dsk__ck_rank_name(name, sizeof name, r);
-        if (!(path = dsk__ck_join(step_dir, name))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
-        s = dsk_ckpt_file_open(&files[r], path);
-        if (s != DSK_OK && !dsk__ck_exists(path))
-            s = dsk_set_error(DSK_ERR_PEER, "%s: rank %d did not write \"%s\" (its save failed)", fn, r, path);
-        DSK_FREE(path);
-        if (s == DSK_OK) { close(files[r].fd); files[r].has_fd = 0; }
-        if (s == DSK_OK) s = dsk__ck_check_rank_meta(fn, &files[r], step, r, world);
-        if (s == DSK_OK) s = dsk__ck_file_crc(fn, &files[r], &crc);
-        dsk__ck_putf(&b, "%s\n {\"rank\":%d,\"name\":\"%s\",\"size\":%llu,\"crc32c\":\"%08x\"}", r ? "," : "", r, name,
-                     (unsigned long long)files[r].file_size, crc);
-        total += files[r].n_tensors;
-    }
-    if (s == DSK_OK && !(pcs = (dsk__ck_piece *)DSK_MALLOC(((size_t)total + 1) * sizeof *pcs))) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    for (int r = 0; r < world && s == DSK_OK; r++)
-        for (int i = 0; i < files[r].n_tensors && s == DSK_OK; i++) {
-            dsk__ck_piece *pc = &pcs[np++];
-            int k;
-            pc->name = files[r].tensors[i].name;
-            pc->rank = r;
-            pc->t = &files[r].tensors[i];
-            pc->start = 0;
-            pc->end = pc->rows = pc->t->ndim ? pc->t->shape[0] : 1;
-            k = dsk__ck_split_of(&files[r], pc->name, &pc->start, &pc->end, &pc->rows);
-            pc->split = k == 1;
-            if (k < 0 || (k == 1 && (pc->t->ndim < 1 || pc->end - pc->start != pc->t->shape[0])))
-                s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": dsk.split.%s is malformed or does not match its shape", fn, files[r].path, pc->name);
-        }
-    if (s == DSK_OK) {
-        qsort(pcs, (size_t)np, sizeof *pcs, dsk__ck_cmp_piece);
-        dsk__ck_puts(&b, "],\n\"tensors\":{");
-        for (int i = 0, k; i < np && s == DSK_OK; i += k) {
-            for (k = 1; i + k < np && strcmp(pcs[i + k].name, pcs[i].name) == 0; k++) {}
-            s = dsk__ck_manifest_tensor(fn, &b, pcs + i, k);
-        }
-        dsk__ck_puts(&b, "}}\n");
-        if (s == DSK_OK && b.oom) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for the manifest", fn);
-    }
-    if (s == DSK_OK) s = dsk__ck_write_small(fn, step_dir, DSK__CK_MANIFEST, b.p, b.n);
-    for (int r = 0; r < world; r++) dsk_ckpt_file_close(&files[r]);
-    DSK_FREE(files);
-    DSK_FREE(pcs);
-    dsk__ck_buf_free(&b);
-    return s;
-}
-
-static int dsk__ck_cmp_i64_desc(const void *a, const void *b) {
-    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
-    return x > y ? -1 : x < y;
-}
-
-/* Steps of the step_* directories under root, newest first; those with a manifest only
-   when `complete`. *n = 0 and DSK_OK when root does not exist. */
-static dsk_status dsk__ck_list_steps(const char *fn, const char *root, int complete, int64_t **steps, int *n) {
-    DIR *d = opendir(root);
-    struct dirent *de;
-    int cap = 0;
-    *steps = NULL;
-    *n = 0;
-    if (!d) return errno == ENOENT ? DSK_OK : dsk__ck_io_error(fn, "open directory", root);
-    while ((de = readdir(d)) != NULL) {
-        int64_t st = dsk__ck_parse_step_name(de->d_name);
-        if (st < 0) continue;
-        if (complete) {
-            char *sd = dsk__ck_step_dir(root, st), *man = sd ? dsk__ck_join(sd, DSK__CK_MANIFEST) : NULL;
-            int ok = man && dsk__ck_exists(man);
-            DSK_FREE(sd);
-            DSK_FREE(man);
-            if (!ok) continue;
-        }
-        if (*n == cap) {
-            int64_t *q = (int64_t *)DSK_MALLOC((size_t)(cap ? cap * 2 : 16) * sizeof *q);
-            if (!q) { closedir(d); DSK_FREE(*steps); *steps = NULL; *n = 0; return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); }
-            if (*n) memcpy(q, *steps, (size_t)*n * sizeof *q);
-            DSK_FREE(*steps);
-            *steps = q;
-            cap = cap ? cap * 2 : 16;
-        }
-        (*steps)[(*n)++] = st;
-    }
-    closedir(d);
-    if (*n) qsort(*steps, (size_t)*n, sizeof **steps, dsk__ck_cmp_i64_desc);
-    return DSK_OK;
-}
-
-/* Deletes a complete checkpoint: manifest first (durably), then its files, then the directory. */
-static dsk_status dsk__ck_delete_step(const char *fn, const char *root, int64_t step) {
-    char *sd = dsk__ck_step_dir(root, step);
-    dsk_status s;
-    if (!sd) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    s = dsk__ck_empty_dir(fn, sd);
-    if (s == DSK_OK && rmdir(sd) != 0) s = dsk__ck_io_error(fn, "remove directory", sd);
-    if (s == DSK_OK) s = dsk__ck_fsync_dir(fn, root);
-    DSK_FREE(sd);
-    return s;
-}
-
-/* Keeps the newest keep_last complete checkpoints at or below `step`. */
-static dsk_status dsk__ck_rotate(const char *fn, const char *root, int64_t step, int keep_last) {
-    int64_t *steps;
-    int n, kept = 0;
-    dsk_status s = dsk__ck_list_steps(fn, root, 1, &steps, &n);
-    for (int i = 0; i < n && s == DSK_OK; i++) {
-        if (steps[i] > step) continue;
-        if (kept++ < keep_last) continue;
-        s = dsk__ck_delete_step(fn, root, steps[i]);
-    }
-    DSK_FREE(steps);
-    return s;
-}
-
-/* ---------------------------------------------------------------- collective save */
-
-typedef struct dsk__ck_job {
-    dsk__ck_plan plan;
-    char *root;
-    dsk_ckpt_opts opts;
-    pthread_t thread;
-    dsk_status status;
-    char msg[1024];
-} dsk__ck_job;
-
-static void dsk__ck_job_free(dsk__ck_job *job) {
-    if (!job) return;
-    dsk__ck_plan_free(&job->plan);
-    DSK_FREE(job->root);
-    DSK_FREE(job);
-}
-
-/* Keeps the first error of a sequence with its message. */
-static void dsk__ck_keep(dsk_status *first, char *msg, size_t n, dsk_status s) {
-    if (s == DSK_OK || *first != DSK_OK) return;
-    *first = s;
-    snprintf(msg, n, "%s", dsk_last_error());
-}
-
-static dsk_status dsk__ck_barrier(const char *fn, const dsk_ckpt_opts *o, int which, int64_t step) {
-    dsk_status s;
-    char inner[1024];
-    if (o->world_size <= 1) return DSK_OK;
-    dsk_clear_error();
-    if ((s = o->barrier(o->barrier_user)) == DSK_OK) return DSK_OK;
-    snprintf(inner, sizeof inner, "%s", dsk_last_error());
-    return dsk_set_error(s, "%s: rank %d: barrier %d of 3 for step %lld failed: %s", fn, o->rank, which, (long long)step,
-                         inner[0] ? inner : dsk_status_str(s));
-}
-
-/* The save protocol (see the top of the file). A barrier failure ends it at once: the
-   group is broken. Any other failure is kept and reported after the remaining barriers. */
-static dsk_status dsk__ck_run(dsk__ck_job *job) {
-    const char *fn = "dsk_ckpt_save";
-    const dsk_ckpt_opts *o = &job->opts;
-    int64_t step = job->plan.step;
-    char *step_dir = dsk__ck_step_dir(job->root, step), name[48], msg[1024] = "";
-    dsk_status first = DSK_OK, s;
-    if (!step_dir) dsk__ck_keep(&first, msg, sizeof msg, dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn));
-    if (first == DSK_OK && o->rank == 0) dsk__ck_keep(&first, msg, sizeof msg, dsk__ck_prepare(fn, job->root, step_dir));
-    if ((s = dsk__ck_barrier(fn, o, 1, step)) != DSK_OK) { DSK_FREE(step_dir); return s; }
-    dsk__ck_rank_name(name, sizeof name, o->rank);
-    if (first == DSK_OK) dsk__ck_keep(&first, msg, sizeof msg, dsk__ck_write_plan(fn, &job->plan, step_dir, name));
-    if ((s = dsk__ck_barrier(fn, o, 2, step)) != DSK_OK) { DSK_FREE(step_dir); return s; }
-    if (first == DSK_OK && o->rank == 0) {
-        char latest[40];
-        dsk__ck_keep(&first, msg, sizeof msg, dsk__ck_write_manifest(fn, step_dir, step, o->world_size));
-        snprintf(latest, sizeof latest, "step_%08lld\n", (long long)step);
-        if (first == DSK_OK) dsk__ck_keep(&first, msg, sizeof msg, dsk__ck_write_small(fn, job->root, "latest", latest, strlen(latest)));
-        if (first == DSK_OK && o->keep_last > 0) dsk__ck_keep(&first, msg, sizeof msg, dsk__ck_rotate(fn, job->root, step, o->keep_last));
-    }
-    if ((s = dsk__ck_barrier(fn, o, 3, step)) != DSK_OK) { DSK_FREE(step_dir); return s; }
-    if (first == DSK_OK && o->rank != 0) {
-        char *man = dsk__ck_join(step_dir, DSK__CK_MANIFEST);
-        if (!man || !dsk__ck_exists(man))
-            dsk__ck_keep(&first, msg, sizeof msg,
-                         dsk_set_error(DSK_ERR_PEER, "%s: rank %d: step %lld has no manifest after the save: it failed on rank 0 or another rank",
-                                       fn, o->rank, (long long)step));
-        DSK_FREE(man);
-    }
-    DSK_FREE(step_dir);
-    if (first != DSK_OK) return dsk_set_error(first, "%s", msg);
-    return DSK_OK;
-}
-
-static void *dsk__ck_thread(void *arg) {
-    dsk__ck_job *job = (dsk__ck_job *)arg;
-    job->status = dsk__ck_run(job);
-    if (job->status != DSK_OK) snprintf(job->msg, sizeof job->msg, "%s", dsk_last_error());
-    return NULL;
-}
-
-DSK_API dsk_status dsk_ckpt_init(dsk_ckpt *ck, const char *dir, const dsk_ckpt_opts *opts) {
-    const char *fn = "dsk_ckpt_init";
-    dsk_ckpt_opts o;
-    if (!ck) return dsk_set_error(DSK_ERR_ARG, "%s: ck is NULL", fn);
-    memset(ck, 0, sizeof *ck);
-    memset(&o, 0, sizeof o);
-    if (opts) o = *opts;
-    if (!dir || !*dir) return dsk_set_error(DSK_ERR_ARG, "%s: directory is NULL or empty", fn);
-    if (o.world_size == 0) o.world_size = 1;
-    if (o.world_size < 0 || o.rank < 0 || o.rank >= o.world_size)
-        return dsk_set_error(DSK_ERR_ARG, "%s: rank %d outside world size %d", fn, o.rank, o.world_size);
-    if (o.world_size > 1 && !o.barrier)
-        return dsk_set_error(DSK_ERR_ARG, "%s: world size %d needs a barrier callback", fn, o.world_size);
-    if (o.keep_last < 0) return dsk_set_error(DSK_ERR_ARG, "%s: keep_last %d < 0", fn, o.keep_last);
-    if (o.snapshot_threads < 0 || o.snapshot_threads > 1024)
-        return dsk_set_error(DSK_ERR_ARG, "%s: snapshot_threads %d outside [0, 1024]", fn, o.snapshot_threads);
-    if (!(ck->dir = dsk__ck_strdup(dir))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    ck->opts = o;
-    return DSK_OK;
-}
-
-DSK_API dsk_status dsk_ckpt_wait(dsk_ckpt *ck) {
-    dsk__ck_job *job;
-    dsk_status s;
-    if (!ck) return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_wait: ck is NULL");
-    if (!(job = (dsk__ck_job *)ck->job)) return DSK_OK;
-    pthread_join(job->thread, NULL);
-    ck->job = NULL;
-    s = job->status;
-    if (s != DSK_OK) dsk_set_error(s, "%s", job->msg);
-    dsk__ck_job_free(job);
-    return s;
-}
-
-DSK_API void dsk_ckpt_free(dsk_ckpt *ck) {
-    if (!ck) return;
-    if (ck->job) dsk_ckpt_wait(ck);
-    DSK_FREE(ck->dir);
-    DSK_FREE(ck->stage);
-    memset(ck, 0, sizeof *ck);
-}
-
-/* Shared front half of the two saves: wait for the previous one, validate, snapshot. */
-static dsk_status dsk__ck_save_begin(const char *fn, dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n,
-                                     const dsk_ckpt_kv *kv, int n_kv, int copy_all, dsk__ck_job **out) {
-    dsk__ck_job *job;
-    dsk_status s;
-    *out = NULL;
-    if (!ck || !ck->dir) return dsk_set_error(DSK_ERR_ARG, "%s: checkpointer is NULL or not initialised", fn);
-    if ((s = dsk_ckpt_wait(ck)) != DSK_OK) {
-        char inner[1024];
-        snprintf(inner, sizeof inner, "%s", dsk_last_error());
-        return dsk_set_error(s, "%s: step %lld not saved: the previous async save failed: %s", fn, (long long)step, inner);
-    }
-    if (step < 0) return dsk_set_error(DSK_ERR_ARG, "%s: step %lld < 0", fn, (long long)step);
-    if (!(job = (dsk__ck_job *)DSK_MALLOC(sizeof *job))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    memset(job, 0, sizeof *job);
-    job->opts = ck->opts;
-    job->plan.rank_file = 1;
-    job->plan.step = step;
-    job->plan.rank = ck->opts.rank;
-    job->plan.world = ck->opts.world_size;
-    if (!(job->root = dsk__ck_strdup(ck->dir))) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    if (s == DSK_OK) s = dsk__ck_plan_build(fn, &job->plan, entries, n, kv, n_kv, ck->opts.ctx);
-    if (s == DSK_OK && (copy_all || dsk__ck_needs_stage(&job->plan)) && ck->stage_bytes < job->plan.total) {
-        DSK_FREE(ck->stage);
-        ck->stage_bytes = 0;
-        if (!(ck->stage = DSK_MALLOC((size_t)job->plan.total)))
-            s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for a %llu-byte snapshot", fn, (unsigned long long)job->plan.total);
-        else ck->stage_bytes = (size_t)job->plan.total;
-    }
-    if (s == DSK_OK) s = dsk__ck_snapshot(&job->plan, ck->opts.ctx, (unsigned char *)ck->stage, copy_all, ck->opts.snapshot_threads);
-    if (s != DSK_OK) { dsk__ck_job_free(job); return s; }
-    *out = job;
-    return DSK_OK;
-}
-
-/* A rank that cannot take part in a save still meets the others at the three barriers, so
-   they fail (rank 0 finds its file missing and writes no manifest) instead of waiting. */
-static dsk_status dsk__ck_abstain(const char *fn, const dsk_ckpt *ck, int64_t step, dsk_status s) {
-    char msg[1024];
-    if (!ck || !ck->dir || ck->opts.world_size <= 1) return s;
-    snprintf(msg, sizeof msg, "%s", dsk_last_error());
-    for (int i = 1; i <= 3; i++)
-        if (dsk__ck_barrier(fn, &ck->opts, i, step) != DSK_OK) break;
-    return dsk_set_error(s, "%s", msg);
-}
-
-DSK_API dsk_status dsk_ckpt_save(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n, const dsk_ckpt_kv *kv, int n_kv) {
-    dsk__ck_job *job;
-    dsk_status s = dsk__ck_save_begin("dsk_ckpt_save", ck, step, entries, n, kv, n_kv, 0, &job);
-    if (s != DSK_OK) return dsk__ck_abstain("dsk_ckpt_save", ck, step, s);
-    s = dsk__ck_run(job);
-    dsk__ck_job_free(job);
-    return s;
-}
-
-DSK_API dsk_status dsk_ckpt_save_async(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n, const dsk_ckpt_kv *kv, int n_kv) {
-    dsk__ck_job *job;
-    int e;
-    dsk_status s = dsk__ck_save_begin("dsk_ckpt_save_async", ck, step, entries, n, kv, n_kv, 1, &job);
-    if (s != DSK_OK) return dsk__ck_abstain("dsk_ckpt_save_async", ck, step, s);
-    if ((e = pthread_create(&job->thread, NULL, dsk__ck_thread, job)) != 0) {
-        dsk__ck_job_free(job);
-        s = dsk_set_error(DSK_ERR_STATE, "dsk_ckpt_save_async: cannot start the writer thread: %s", strerror(e));
-        return dsk__ck_abstain("dsk_ckpt_save_async", ck, step, s);
-    }
-    ck->job = job;
-    return DSK_OK;
-}
-
-/* ---------------------------------------------------------------- reading checkpoints */
-
-typedef struct dsk__ck_mslice {
-    int rank;
-    int64_t start, end;
-} dsk__ck_mslice;
-
-typedef struct dsk__ck_mtensor {
-    const char *name;
-    const dsk__ck_stdtype *dt;
+    const dsk__ckpt_stdtype *dt;
     int ndim;
     int64_t shape[DSK_MAX_DIMS];
-    int split;
     int first, n_slices;
-} dsk__ck_mtensor;
+} dsk__ckpt_mtensor;
 
-typedef struct dsk__ck_manifest {
+typedef struct dsk__ckpt_manifest {
     char *path, *text;
-    dsk__ck_json json;
+    dsk__ckpt_json json;
     int64_t step;
+    uint64_t generation, attempt;
     int world;
-    uint64_t *sizes;
-    uint32_t *crcs;
-    dsk__ck_mtensor *tensors; /* sorted by name */
+    dsk__ckpt_mfile *files;
+    int n_files;
+    dsk__ckpt_mtensor *tensors; /* sorted by name */
     int n_tensors;
-    dsk__ck_mslice *slices;
-} dsk__ck_manifest;
+    dsk__ckpt_mslice *slices;
+    int64_t *boxes;
+} dsk__ckpt_manifest;
 
-static void dsk__ck_manifest_free(dsk__ck_manifest *m) {
+static void dsk__ckpt_manifest_free(dsk__ckpt_manifest *m) {
     DSK_FREE(m->path);
     DSK_FREE(m->text);
-    dsk__ck_json_free(&m->json);
-    DSK_FREE(m->sizes);
-    DSK_FREE(m->crcs);
+    dsk__ckpt_json_free(&m->json);
+    DSK_FREE(m->files);
     DSK_FREE(m->tensors);
     DSK_FREE(m->slices);
+    DSK_FREE(m->boxes);
     memset(m, 0, sizeof *m);
 }
 
-static int dsk__ck_cmp_mtensor(const void *a, const void *b) {
-    return strcmp(((const dsk__ck_mtensor *)a)->name, ((const dsk__ck_mtensor *)b)->name);
+static int dsk__ckpt_cmp_mtensor(const void *a, const void *b) {
+    return strcmp(((const dsk__ckpt_mtensor *)a)->name, ((const dsk__ckpt_mtensor *)b)->name);
 }
 
-static dsk_status dsk__ck_bad_manifest(const char *fn, const dsk__ck_manifest *m, const char *what, const char *name) {
-    return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": %s%s%s%s", fn, m->path, what, name ? " (tensor \"" : "", name ? name : "", name ? "\")" : "");
+static dsk_status dsk__ckpt_bad_manifest(const char *fn, const dsk__ckpt_manifest *m, const char *what,
+                                         const char *name) {
+    return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": %s%s%s%s", fn, m->path, what, name ? " (tensor \"" : "",
+                         name ? name : "", name ? "\")" : "");
 }
 
-static dsk_status dsk__ck_manifest_files(const char *fn, dsk__ck_manifest *m, int files) {
-    const dsk__ck_json *j = &m->json;
+/* A box of pieces tiles the whole tensor: each inside it, none overlapping, and together as
+   many elements as it has. Overlaps are found by sorting on the dim with the most distinct
+   offsets and comparing each box only with those that start before it ends there. */
+typedef struct dsk__ckpt_tbox {
+    const int64_t *off, *ext;
+    int who;
+} dsk__ckpt_tbox;
+
+static int dsk__ckpt_tile_dim;
+static int dsk__ckpt_cmp_tbox(const void *a, const void *b) {
+    const dsk__ckpt_tbox *x = (const dsk__ckpt_tbox *)a, *y = (const dsk__ckpt_tbox *)b;
+    int64_t u = x->off[dsk__ckpt_tile_dim], v = y->off[dsk__ckpt_tile_dim];
+    return u < v ? -1 : u > v;
+}
+
+static void dsk__ckpt_box_desc(char *buf, size_t n, int ndim, const int64_t *off, const int64_t *ext) {
+    size_t k = (size_t)snprintf(buf, n, "[");
+    for (int d = 0; d < ndim && k < n; d++)
+        k += (size_t)snprintf(buf + k, n - k, "%s%lld:%lld", d ? "," : "", (long long)off[d],
+                              (long long)(off[d] + ext[d]));
+    if (k < n) snprintf(buf + k, n - k, "]");
+}
+
+/* 0 when the boxes tile `shape`; else the two boxes (who) that overlap, or -1 and the
+   element count when there is a gap. Boxes must lie inside shape. tile_dim is a file-scope
+   variable for qsort: only called under the caller's single thread per process at a time. */
+static int dsk__ckpt_tiles(dsk__ckpt_tbox *b, int k, int ndim, const int64_t *shape, int *who_a, int *who_b,
+                           uint64_t *covered) {
+    int best = 0, best_n = -1;
+    uint64_t sum = 0;
+    for (int d = 0; d < ndim; d++) { /* distinct offsets per dim, by sorting */
+        int distinct = 0;
+        dsk__ckpt_tile_dim = d;
+        qsort(b, (size_t)k, sizeof *b, dsk__ckpt_cmp_tbox);
+        for (int i = 0; i < k; i++) distinct += i == 0 || b[i].off[d] != b[i - 1].off[d];
+        if (distinct > best_n) { best_n = distinct; best = d; }
+    }
+    dsk__ckpt_tile_dim = best;
+    if (ndim) qsort(b, (size_t)k, sizeof *b, dsk__ckpt_cmp_tbox);
+    for (int i = 0; i < k; i++) {
+        uint64_t vol = (uint64_t)dsk__ckpt_numel(ndim, b[i].ext);
+        sum += vol;
+        for (int j = i + 1; ndim && j < k && b[j].off[best] < b[i].off[best] + b[i].ext[best]; j++) {
+            int disjoint = vol == 0 || dsk__ckpt_numel(ndim, b[j].ext) == 0;
+            for (int d = 0; d < ndim && !disjoint; d++)
+                disjoint = b[j].off[d] >= b[i].off[d] + b[i].ext[d] || b[i].off[d] >= b[j].off[d] + b[j].ext[d];
+            if (!disjoint) { *who_a = b[i].who; *who_b = b[j].who; return 1; }
+        }
+        if (!ndim && i > 0) { *who_a = b[0].who; *who_b = b[i].who; return 1; }
+    }
+    *covered = sum;
+    return sum == (uint64_t)dsk__ckpt_numel(ndim, shape) ? 0 : -1;
+}
+
+static dsk_status dsk__ckpt_manifest_files(const char *fn, dsk__ckpt_manifest *m, int files) {
+    const dsk__ckpt_json *j = &m->json;
     int i = 0;
-    if (j->nodes[files].type != DSK__J_ARR || j->nodes[files].count != m->world)
-        return dsk__ck_bad_manifest(fn, m, "\"files\" is not an array of world_size entries", NULL);
-    for (int c = j->nodes[files].child; c >= 0; c = j->nodes[c].next, i++) {
-        int64_t rank, size;
-        char want[48];
-        const char *name;
-        if (j->nodes[c].type != DSK__J_OBJ || !dsk__ck_jget_int(j, c, "rank", &rank) || rank != i ||
-            !dsk__ck_jget_int(j, c, "size", &size) || size < 8 ||
-            !dsk__ck_parse_hex32(dsk__ck_jstr(j, dsk__ck_jget(j, c, "crc32c")), &m->crcs[i]))
-            return dsk__ck_bad_manifest(fn, m, "a \"files\" entry lacks rank (in order), size or crc32c", NULL);
-        dsk__ck_rank_name(want, sizeof want, i);
-        name = dsk__ck_jstr(j, dsk__ck_jget(j, c, "name"));
-        if (!name || strcmp(name, want) != 0) return dsk__ck_bad_manifest(fn, m, "a \"files\" entry has an unexpected name", name);
-        m->sizes[i] = (uint64_t)size;
+    m->n_files = dsk__ckpt_jcount(j, files);
+    if (dsk__ckpt_jtype(j, files) != DSK__CKPT_J_ARR || m->n_files < m->world)
+        return dsk__ckpt_bad_manifest(fn, m, "\"files\" is not an array of at least world_size entries", NULL);
+    if (!(m->files = (dsk__ckpt_mfile *)DSK_MALLOC((size_t)m->n_files * sizeof *m->files)))
+        return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    for (int c = dsk__ckpt_jchild(j, files); c >= 0; c = dsk__ckpt_jnext(j, c), i++) {
+        dsk__ckpt_mfile *f = &m->files[i];
+        int64_t step, rank, world, size;
+        if (dsk__ckpt_jtype(j, c) != DSK__CKPT_J_OBJ || !dsk__ckpt_jget_int(j, c, "step", &step) || step < 0 ||
+            !dsk__ckpt_jget_int(j, c, "rank", &rank) || rank < 0 || !dsk__ckpt_jget_int(j, c, "world_size", &world) ||
+            world < 1 || world > (1 << 20) || rank >= world || !dsk__ckpt_jget_int(j, c, "size", &size) || size < 8 ||
+            !dsk__ckpt_parse_hex64(dsk__ckpt_jstr(j, dsk__ckpt_jget(j, c, "attempt")), &f->attempt) || !f->attempt ||
+            !dsk__ckpt_parse_hex32(dsk__ckpt_jstr(j, dsk__ckpt_jget(j, c, "crc32c")), &f->crc))
+            return dsk__ckpt_bad_manifest(
+                fn, m, "a \"files\" entry lacks step, rank, world_size, attempt, size or crc32c", NULL);
+        f->step = step;
+        f->rank = (int)rank;
+        f->world = (int)world;
+        f->size = (uint64_t)size;
+        /* the first world_size files are this save's own, one per rank; the rest earlier saves' */
+        if (i < m->world ? (f->attempt != m->attempt || f->step != m->step || f->rank != i || f->world != m->world)
+                         : f->attempt == m->attempt)
+            return dsk__ckpt_bad_manifest(fn, m, "\"files\" does not list this save's files first, in rank order",
+                                          NULL);
     }
     return DSK_OK;
 }
 
-/* One tensor: dtype, global shape, and either split_dim -1 with rank 0 or split_dim 0 with
-   slices [[rank, start, end], ...] covering the rows in order. */
-static dsk_status dsk__ck_manifest_tensor_parse(const char *fn, dsk__ck_manifest *m, int node, dsk__ck_mtensor *t, int *n_slices) {
-    const dsk__ck_json *j = &m->json;
-    int sh = dsk__ck_jget(j, node, "shape"), sd = dsk__ck_jget(j, node, "split_dim"), sl;
-    int64_t split_dim, pos = 0;
-    t->name = j->nodes[node].key;
-    if (strlen(t->name) != j->nodes[node].klen) return dsk__ck_bad_manifest(fn, m, "tensor name with a NUL character", NULL);
-    const char *dtype = j->nodes[node].type == DSK__J_OBJ ? dsk__ck_jstr(j, dsk__ck_jget(j, node, "dtype")) : NULL;
-    if (!dtype || !(t->dt = dsk__ck_stdtype_by_name(dtype))) return dsk__ck_bad_manifest(fn, m, "missing or unknown dtype", t->name);
-    if (sh < 0 || j->nodes[sh].type != DSK__J_ARR || j->nodes[sh].count > DSK_MAX_DIMS) return dsk__ck_bad_manifest(fn, m, "bad shape", t->name);
+/* One tensor: dtype, whole shape, and slices [file, offset..., shape...] that tile it. */
+static dsk_status dsk__ckpt_manifest_tensor_parse(const char *fn, dsk__ckpt_manifest *m, int node, dsk__ckpt_mtensor *t,
+                                                  int *n_slices, int64_t **box_next) {
+    const dsk__ckpt_json *j = &m->json;
+    int sh = dsk__ckpt_jget(j, node, "shape"), sl = dsk__ckpt_jget(j, node, "slices"), a = 0, b = 0;
+    const char *dtype =
+        dsk__ckpt_jtype(j, node) == DSK__CKPT_J_OBJ ? dsk__ckpt_jstr(j, dsk__ckpt_jget(j, node, "dtype")) : NULL;
+    dsk__ckpt_tbox *tb;
+    uint64_t covered = 0;
+    int r;
+    t->name = dsk__ckpt_jkey(j, node);
+    if (dsk__ckpt_jkey_nul(j, node)) return dsk__ckpt_bad_manifest(fn, m, "tensor name with a NUL character", NULL);
+    if (!dtype || !(t->dt = dsk__ckpt_stdtype_by_name(dtype)))
+        return dsk__ckpt_bad_manifest(fn, m, "missing or unknown dtype", t->name);
+    if (sh < 0 || dsk__ckpt_jtype(j, sh) != DSK__CKPT_J_ARR || dsk__ckpt_jcount(j, sh) > DSK_MAX_DIMS)
+        return dsk__ckpt_bad_manifest(fn, m, "bad shape", t->name);
     t->ndim = 0;
-    for (int d = j->nodes[sh].child; d >= 0; d = j->nodes[d].next)
-        if (!dsk__ck_jint(j, d, &t->shape[t->ndim++]) || t->shape[t->ndim - 1] < 0) return dsk__ck_bad_manifest(fn, m, "bad shape", t->name);
-    if (dsk__ck_numel(t->ndim, t->shape) < 0) return dsk__ck_bad_manifest(fn, m, "shape overflows", t->name);
-    if (sd < 0 || !dsk__ck_jint(j, sd, &split_dim) || (split_dim != -1 && split_dim != 0) || (split_dim == 0 && t->ndim < 1))
-        return dsk__ck_bad_manifest(fn, m, "split_dim is neither -1 nor 0", t->name);
-    t->split = split_dim == 0;
+    for (int d = dsk__ckpt_jchild(j, sh); d >= 0; d = dsk__ckpt_jnext(j, d))
+        if (!dsk__ckpt_jsize(j, d, &t->shape[t->ndim++])) return dsk__ckpt_bad_manifest(fn, m, "bad shape", t->name);
+    if (dsk__ckpt_numel(t->ndim, t->shape) < 0) return dsk__ckpt_bad_manifest(fn, m, "shape overflows", t->name);
+    if (sl < 0 || dsk__ckpt_jtype(j, sl) != DSK__CKPT_J_ARR || dsk__ckpt_jcount(j, sl) < 1)
+        return dsk__ckpt_bad_manifest(fn, m, "a tensor without slices", t->name);
     t->first = *n_slices;
-    if (!t->split) {
-        int64_t r;
-        if (!dsk__ck_jget_int(j, node, "rank", &r) || r != 0) return dsk__ck_bad_manifest(fn, m, "replicated tensor not held by rank 0", t->name);
-        m->slices[*n_slices].rank = 0;
-        m->slices[*n_slices].start = 0;
-        m->slices[*n_slices].end = t->ndim ? t->shape[0] : 1;
-        (*n_slices)++;
-        t->n_slices = 1;
-        return DSK_OK;
+    t->n_slices = dsk__ckpt_jcount(j, sl);
+    for (int c = dsk__ckpt_jchild(j, sl); c >= 0; c = dsk__ckpt_jnext(j, c)) {
+        dsk__ckpt_mslice *x = &m->slices[(*n_slices)++];
+        int64_t v, *box = *box_next;
+        int e = dsk__ckpt_jchild(j, c), i = 0, len = dsk__ckpt_jcount(j, c);
+        if (dsk__ckpt_jtype(j, c) != DSK__CKPT_J_ARR || (len != 1 + 2 * t->ndim && len != 2 + 2 * t->ndim) ||
+            !dsk__ckpt_jsize(j, e, &v) || v >= m->n_files)
+            return dsk__ckpt_bad_manifest(fn, m, "a slice is not [file, offset..., shape... (, hash)]", t->name);
+        x->file = (int)v;
+        x->has_hash = len == 2 + 2 * t->ndim;
+        for (e = dsk__ckpt_jnext(j, e); e >= 0; e = dsk__ckpt_jnext(j, e), i++)
+            if (i == 2 * t->ndim ? !dsk__ckpt_parse_hex64(dsk__ckpt_jstr(j, e), &x->hash)
+                                 : !dsk__ckpt_jsize(j, e, &box[i]))
+                return dsk__ckpt_bad_manifest(fn, m, "a slice is not [file, offset..., shape... (, hash)]", t->name);
+        for (int d = 0; d < t->ndim; d++)
+            if (box[d] > t->shape[d] || box[t->ndim + d] > t->shape[d] - box[d])
+                return dsk__ckpt_bad_manifest(fn, m, "a slice lies outside its tensor", t->name);
+        x->box = box;
+        *box_next += 2 * t->ndim;
     }
-    sl = dsk__ck_jget(j, node, "slices");
-    if (sl < 0 || j->nodes[sl].type != DSK__J_ARR || j->nodes[sl].count < 1) return dsk__ck_bad_manifest(fn, m, "split tensor without slices", t->name);
-    for (int c = j->nodes[sl].child; c >= 0; c = j->nodes[c].next) {
-        int64_t v[3];
-        int e = j->nodes[c].child, k = 0;
-        if (j->nodes[c].type != DSK__J_ARR || j->nodes[c].count != 3) return dsk__ck_bad_manifest(fn, m, "a slice is not [rank, start, end]", t->name);
-        for (; e >= 0; e = j->nodes[e].next, k++)
-            if (!dsk__ck_jint(j, e, &v[k])) return dsk__ck_bad_manifest(fn, m, "a slice is not [rank, start, end]", t->name);
-        if (v[0] < 0 || v[0] >= m->world || v[1] != pos || v[2] < v[1] || v[2] > t->shape[0])
-            return dsk__ck_bad_manifest(fn, m, "slices do not tile the rows in order", t->name);
-        pos = v[2];
-        m->slices[*n_slices].rank = (int)v[0];
-        m->slices[*n_slices].start = v[1];
-        m->slices[*n_slices].end = v[2];
-        (*n_slices)++;
+    if (!(tb = (dsk__ckpt_tbox *)DSK_MALLOC((size_t)t->n_slices * sizeof *tb)))
+        return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    for (int i = 0; i < t->n_slices; i++) {
+        tb[i].off = m->slices[t->first + i].box;
+        tb[i].ext = m->slices[t->first + i].box + t->ndim;
+        tb[i].who = i;
     }
-    if (pos != t->shape[0]) return dsk__ck_bad_manifest(fn, m, "slices do not cover every row", t->name);
-    t->n_slices = *n_slices - t->first;
+    r = dsk__ckpt_tiles(tb, t->n_slices, t->ndim, t->shape, &a, &b, &covered);
+    DSK_FREE(tb);
+    if (r) return dsk__ckpt_bad_manifest(fn, m, r > 0 ? "slices overlap" : "slices leave a gap", t->name);
     return DSK_OK;
 }
 
-/* Validates the manifest text m->text[0, len) of checkpoint `step` (any step when step < 0). */
-static dsk_status dsk__ck_manifest_parse(const char *fn, dsk__ck_manifest *m, size_t len, int64_t step) {
-    int64_t v;
-    int top = 0, tens, n_slices = 0, cap = 0;
+/* Validates the manifest text m->text[0, len) of checkpoint `step` (any step when step < 0).
+   The trailing "crc32c" member is checked by dsk__ckpt_manifest_read, not here. */
+static dsk_status dsk__ckpt_manifest_parse(const char *fn, dsk__ckpt_manifest *m, size_t len, int64_t step) {
+    int64_t v, *box_next;
+    int top = 0, tens, files, n_slices = 0;
+    uint64_t n_box = 0, n_sl = 0;
     const char *fmt;
-    dsk_status s;
-    dsk__ck_json *j = &m->json;
-    if ((s = dsk__ck_json_parse(j, m->text, len, fn, m->path)) != DSK_OK) return s;
-    fmt = dsk__ck_jstr(j, dsk__ck_jget(j, top, "format"));
-    if (!fmt || strcmp(fmt, DSK_CKPT_FORMAT) != 0) return dsk__ck_bad_manifest(fn, m, "not a dsk-ckpt manifest", NULL);
-    if (!dsk__ck_jget_int(j, top, "version", &v) || v != DSK_CKPT_VERSION)
-        return dsk__ck_bad_manifest(fn, m, "unsupported version", NULL);
-    if (!dsk__ck_jget_int(j, top, "step", &m->step) || m->step < 0 || (step >= 0 && m->step != step))
-        return dsk__ck_bad_manifest(fn, m, "step does not match the directory", NULL);
-    if (!dsk__ck_jget_int(j, top, "world_size", &v) || v < 1 || v > (1 << 20))
-        return dsk__ck_bad_manifest(fn, m, "bad world_size", NULL);
+    dsk__ckpt_json *j = &m->json;
+    DSK__TRY(dsk__ckpt_json_parse(j, m->text, len, fn, m->path));
+    fmt = dsk__ckpt_jstr(j, dsk__ckpt_jget(j, top, "format"));
+    if (!fmt || strcmp(fmt, DSK_CKPT_FORMAT) != 0)
+        return dsk__ckpt_bad_manifest(fn, m, "not a dsk-ckpt manifest", NULL);
+    if (!dsk__ckpt_jget_int(j, top, "version", &v) || v != DSK_CKPT_VERSION)
+        return dsk__ckpt_bad_manifest(fn, m, "unsupported version (this dsk reads version 2)", NULL);
+    if (!dsk__ckpt_jget_int(j, top, "step", &m->step) || m->step < 0 || (step >= 0 && m->step != step))
+        return dsk__ckpt_bad_manifest(fn, m, "step does not match the directory", NULL);
+    if (!dsk__ckpt_jget_int(j, top, "generation", &v) || v < 1)
+        return dsk__ckpt_bad_manifest(fn, m, "bad generation", NULL);
+    m->generation = (uint64_t)v;
+    if (!dsk__ckpt_parse_hex64(dsk__ckpt_jstr(j, dsk__ckpt_jget(j, top, "attempt")), &m->attempt) || !m->attempt)
+        return dsk__ckpt_bad_manifest(fn, m, "bad attempt", NULL);
+    if (!dsk__ckpt_jget_int(j, top, "world_size", &v) || v < 1 || v > (1 << 20))
+        return dsk__ckpt_bad_manifest(fn, m, "bad world_size", NULL);
     m->world = (int)v;
-    m->sizes = (uint64_t *)DSK_MALLOC((size_t)m->world * sizeof *m->sizes);
-    m->crcs = (uint32_t *)DSK_MALLOC((size_t)m->world * sizeof *m->crcs);
-    if (!m->sizes || !m->crcs) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    if (dsk__ck_jget(j, top, "files") < 0) return dsk__ck_bad_manifest(fn, m, "no \"files\"", NULL);
-    if ((s = dsk__ck_manifest_files(fn, m, dsk__ck_jget(j, top, "files"))) != DSK_OK) return s;
-    tens = dsk__ck_jget(j, top, "tensors");
-    if (tens < 0 || j->nodes[tens].type != DSK__J_OBJ) return dsk__ck_bad_manifest(fn, m, "no \"tensors\" object", NULL);
-    for (int c = j->nodes[tens].child; c >= 0; c = j->nodes[c].next) {
-        int k = dsk__ck_jget(j, c, "slices");
-        cap += 1 + (k >= 0 ? j->nodes[k].count : 0);
+    if ((files = dsk__ckpt_jget(j, top, "files")) < 0) return dsk__ckpt_bad_manifest(fn, m, "no \"files\"", NULL);
+    DSK__TRY(dsk__ckpt_manifest_files(fn, m, files));
+    tens = dsk__ckpt_jget(j, top, "tensors");
+    if (tens < 0 || dsk__ckpt_jtype(j, tens) != DSK__CKPT_J_OBJ)
+        return dsk__ckpt_bad_manifest(fn, m, "no \"tensors\" object", NULL);
+    for (int c = dsk__ckpt_jchild(j, tens); c >= 0; c = dsk__ckpt_jnext(j, c)) {
+        int k = dsk__ckpt_jget(j, c, "slices"), sh = dsk__ckpt_jget(j, c, "shape");
+        uint64_t ns = k >= 0 ? (uint64_t)dsk__ckpt_jcount(j, k) : 0;
+        n_sl += ns;
+        n_box += ns * 2 * (uint64_t)(sh >= 0 ? dsk__ckpt_jcount(j, sh) : 0);
     }
-    m->tensors = (dsk__ck_mtensor *)DSK_MALLOC(((size_t)j->nodes[tens].count + 1) * sizeof *m->tensors);
-    m->slices = (dsk__ck_mslice *)DSK_MALLOC(((size_t)cap + 1) * sizeof *m->slices);
-    if (!m->tensors || !m->slices) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    for (int c = j->nodes[tens].child; c >= 0; c = j->nodes[c].next) {
-        dsk__ck_mtensor *t = &m->tensors[m->n_tensors];
+    m->tensors = (dsk__ckpt_mtensor *)DSK_MALLOC(((size_t)dsk__ckpt_jcount(j, tens) + 1) * sizeof *m->tensors);
+    m->slices = (dsk__ckpt_mslice *)DSK_MALLOC(((size_t)n_sl + 1) * sizeof *m->slices);
+    m->boxes = (int64_t *)DSK_MALLOC(((size_t)n_box + 1) * sizeof *m->boxes);
+    if (!m->tensors || !m->slices || !m->boxes) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    box_next = m->boxes;
+    for (int c = dsk__ckpt_jchild(j, tens); c >= 0; c = dsk__ckpt_jnext(j, c)) {
+        dsk__ckpt_mtensor *t = &m->tensors[m->n_tensors];
         memset(t, 0, sizeof *t);
-        if ((s = dsk__ck_manifest_tensor_parse(fn, m, c, t, &n_slices)) != DSK_OK) return s;
+        DSK__TRY(dsk__ckpt_manifest_tensor_parse(fn, m, c, t, &n_slices, &box_next));
         m->n_tensors++;
     }
-    qsort(m->tensors, (size_t)m->n_tensors, sizeof *m->tensors, dsk__ck_cmp_mtensor);
+    qsort(m->tensors, (size_t)m->n_tensors, sizeof *m->tensors, dsk__ckpt_cmp_mtensor);
     for (int i = 1; i < m->n_tensors; i++)
-        if (strcmp(m->tensors[i].name, m->tensors[i - 1].name) == 0) return dsk__ck_bad_manifest(fn, m, "duplicate tensor", m->tensors[i].name);
+        if (strcmp(m->tensors[i].name, m->tensors[i - 1].name) == 0)
+            return dsk__ckpt_bad_manifest(fn, m, "duplicate tensor", m->tensors[i].name);
+    return DSK_OK;
+}
+
+/* The manifest's last line: ,"crc32c":"<CRC32C of every byte before it>"}\n */
+static dsk_status dsk__ckpt_manifest_check_crc(const char *fn, const dsk__ckpt_manifest *m, size_t len) {
+    const char *tail = m->text + len - DSK__CKPT_TRAILER;
+    uint32_t want = 0, got;
+    char h[9];
+    if (len < DSK__CKPT_TRAILER || strncmp(tail, ",\"crc32c\":\"", 11) != 0 || strcmp(tail + 19, "\"}\n") != 0)
+        return dsk__ckpt_bad_manifest(fn, m, "no crc32c line at its end (cut short?)", NULL);
+    memcpy(h, tail + 11, 8);
+    h[8] = 0;
+    got = dsk_ckpt_crc32c(0, m->text, len - DSK__CKPT_TRAILER);
+    if (!dsk__ckpt_parse_hex32(h, &want) || got != want)
+        return dsk_set_error(DSK_ERR_CORRUPT,
+                             "%s: \"%s\": manifest crc32c %08x, its last line says %s (altered or damaged)", fn,
+                             m->path, got, h);
     return DSK_OK;
 }
 
 /* Reads and validates step_dir/manifest.json for `step`. */
-static dsk_status dsk__ck_manifest_read(const char *fn, const char *step_dir, int64_t step, dsk__ck_manifest *m) {
+static dsk_status dsk__ckpt_manifest_read(const char *fn, const char *step_dir, int64_t step, dsk__ckpt_manifest *m) {
     size_t len = 0;
-    dsk_status s;
     memset(m, 0, sizeof *m);
-    if (!(m->path = dsk__ck_join(step_dir, DSK__CK_MANIFEST))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    if (!dsk__ck_exists(m->path) && errno == ENOENT)
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" is missing: the checkpoint is incomplete (its save did not finish)", fn, m->path);
-    if ((s = dsk__ck_read_small(fn, m->path, (size_t)1 << 30, &m->text, &len)) != DSK_OK) return s;
-    return dsk__ck_manifest_parse(fn, m, len, step);
+    if (!(m->path = dsk__ckpt_join(step_dir, DSK__CKPT_MANIFEST)))
+        return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if (!dsk__ckpt_exists(m->path) && errno == ENOENT)
+        return dsk_set_error(DSK_ERR_CORRUPT,
+                             "%s: \"%s\" is missing: the checkpoint is incomplete (its save did not finish)", fn,
+                             m->path);
+    DSK__TRY(dsk__ckpt_read_small(fn, m->path, (size_t)DSK_CKPT_MAX_HEADER, &m->text, &len));
+    DSK__TRY(dsk__ckpt_manifest_check_crc(fn, m, len));
+    return dsk__ckpt_manifest_parse(fn, m, len, step);
 }
 
-static const dsk__ck_mtensor *dsk__ck_manifest_find(const dsk__ck_manifest *m, const char *name) {
+static const dsk__ckpt_mtensor *dsk__ckpt_manifest_find(const dsk__ckpt_manifest *m, const char *name) {
     int lo = 0, hi = m->n_tensors - 1;
     while (lo <= hi) {
         int mid = lo + (hi - lo) / 2, c = strcmp(m->tensors[mid].name, name);
@@ -2336,231 +2880,2124 @@ static const dsk__ck_mtensor *dsk__ck_manifest_find(const dsk__ck_manifest *m, c
     return NULL;
 }
 
-/* Opens rank r's file and checks it against the manifest: size, metadata, whole-file CRC
-   (from the header bytes and the recorded tensor CRCs, which reads check in turn). */
-static dsk_status dsk__ck_open_rank(const char *fn, const char *step_dir, const dsk__ck_manifest *m, int r, dsk_ckpt_file *f) {
-    char name[48], *path;
-    uint32_t crc;
-    dsk_status s;
-    dsk__ck_rank_name(name, sizeof name, r);
-    if (!(path = dsk__ck_join(step_dir, name))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    s = dsk_ckpt_file_open(f, path);
-    DSK_FREE(path);
-    if (s != DSK_OK) return s;
-    if (f->file_size != m->sizes[r])
-        s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" has %llu bytes, the manifest says %llu", fn, f->path, (unsigned long long)f->file_size,
-                          (unsigned long long)m->sizes[r]);
-    if (s == DSK_OK) s = dsk__ck_check_rank_meta(fn, f, m->step, r, m->world);
-    if (s == DSK_OK) s = dsk__ck_file_crc(fn, f, &crc);
-    if (s == DSK_OK && crc != m->crcs[r])
-        s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": header or recorded checksums altered: file crc32c %08x, the manifest says %08x", fn,
-                          f->path, crc, m->crcs[r]);
-    if (s != DSK_OK) dsk_ckpt_file_close(f);
-    return s;
+/* ---------------------------------------------------------------- writing manifests (rank 0) */
+
+/* One piece of a tensor as rank 0 finds it in a rank file. */
+typedef struct dsk__ckpt_piece {
+    const char *name;
+    const char *dtype;     /* the safetensors dtype name (interned in the dtype table) */
+    int ndim;
+    int64_t off[DSK_MAX_DIMS], ext[DSK_MAX_DIMS], global[DSK_MAX_DIMS];
+    int file;
+    int has_hash;
+    uint64_t hash;
+} dsk__ckpt_piece;
+
+static int dsk__ckpt_cmp_piece(const void *a, const void *b) {
+    const dsk__ckpt_piece *x = (const dsk__ckpt_piece *)a, *y = (const dsk__ckpt_piece *)b;
+    int c = strcmp(x->name, y->name);
+    if (c) return c;
+    for (int d = 0; d < x->ndim && d < y->ndim; d++)
+        if (x->off[d] != y->off[d]) return x->off[d] < y->off[d] ? -1 : 1;
+    return x->file < y->file ? -1 : x->file > y->file;
 }
 
-typedef struct dsk__ck_reader {
-    const char *fn;
-    char *step_dir;
-    dsk__ck_manifest man;
-    dsk_ckpt_file *files; /* opened on first use */
-} dsk__ck_reader;
-
-static void dsk__ck_reader_free(dsk__ck_reader *rd) {
-    if (rd->files)
-        for (int r = 0; r < rd->man.world; r++) dsk_ckpt_file_close(&rd->files[r]);
-    DSK_FREE(rd->files);
-    DSK_FREE(rd->step_dir);
-    dsk__ck_manifest_free(&rd->man);
-    memset(rd, 0, sizeof *rd);
-}
-
-static dsk_status dsk__ck_reader_open(const char *fn, dsk__ck_reader *rd, const char *root, int64_t step) {
-    dsk_status s;
-    memset(rd, 0, sizeof *rd);
-    rd->fn = fn;
-    if (!(rd->step_dir = dsk__ck_step_dir(root, step))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    if ((s = dsk__ck_manifest_read(fn, rd->step_dir, step, &rd->man)) != DSK_OK) return s;
-    rd->files = (dsk_ckpt_file *)DSK_MALLOC((size_t)rd->man.world * sizeof *rd->files);
-    if (!rd->files) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    memset(rd->files, 0, (size_t)rd->man.world * sizeof *rd->files);
+/* Checks that the k pieces of one tensor agree on dtype and whole shape and tile it;
+   appends the tensor's manifest entry. files: for messages (the writing rank of each). */
+static dsk_status dsk__ckpt_manifest_tensor(const char *fn, dsk__ckpt_buf *b, const dsk__ckpt_piece *pc, int k,
+                                            const dsk__ckpt_mfile *files) {
+    const dsk__ckpt_piece *p0 = &pc[0];
+    dsk__ckpt_tbox *tb = (dsk__ckpt_tbox *)DSK_MALLOC((size_t)k * sizeof *tb);
+    uint64_t covered = 0;
+    int wa = 0, wb = 0, r;
+    char x[200], y[200];
+    if (!tb) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    for (int i = 0; i < k; i++) {
+        if (pc[i].dtype != p0->dtype || pc[i].ndim != p0->ndim ||
+            memcmp(pc[i].global, p0->global, (size_t)p0->ndim * sizeof(int64_t))) {
+            DSK_FREE(tb);
+            return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": rank %d saved a piece of %s, rank %d of %s", fn,
+                                 p0->name, files[p0->file].rank,
+                                 dsk__ckpt_desc(x, sizeof x, p0->ndim, p0->global, p0->dtype), files[pc[i].file].rank,
+                                 dsk__ckpt_desc(y, sizeof y, pc[i].ndim, pc[i].global, pc[i].dtype));
+        }
+        tb[i].off = pc[i].off;
+        tb[i].ext = pc[i].ext;
+        tb[i].who = i;
+    }
+    r = dsk__ckpt_tiles(tb, k, p0->ndim, p0->global, &wa, &wb, &covered);
+    DSK_FREE(tb);
+    if (r > 0) {
+        dsk__ckpt_box_desc(x, sizeof x, p0->ndim, pc[wa].off, pc[wa].ext);
+        dsk__ckpt_box_desc(y, sizeof y, p0->ndim, pc[wb].off, pc[wb].ext);
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": rank %d's piece %s and rank %d's piece %s overlap", fn,
+                             p0->name, files[pc[wa].file].rank, x, files[pc[wb].file].rank, y);
+    }
+    if (r < 0)
+        return dsk_set_error(DSK_ERR_ARG,
+                             "%s: tensor \"%s\" %s: the ranks' pieces hold %llu of its %lld elements (a gap)", fn,
+                             p0->name, dsk__ckpt_desc(x, sizeof x, p0->ndim, p0->global, p0->dtype),
+                             (unsigned long long)covered, (long long)dsk__ckpt_numel(p0->ndim, p0->global));
+    dsk__ckpt_puts(b, b->n && b->p[b->n - 1] == '{' ? "\n " : ",\n ");
+    dsk__ckpt_put_jstr(b, p0->name);
+    dsk__ckpt_putf(b, ":{\"dtype\":\"%s\",\"shape\":[", p0->dtype);
+    for (int d = 0; d < p0->ndim; d++) dsk__ckpt_putf(b, d ? ",%lld" : "%lld", (long long)p0->global[d]);
+    dsk__ckpt_puts(b, "],\"slices\":[");
+    for (int i = 0; i < k; i++) {
+        dsk__ckpt_putf(b, "%s[%d", i ? "," : "", pc[i].file);
+        for (int d = 0; d < p0->ndim; d++) dsk__ckpt_putf(b, ",%lld", (long long)pc[i].off[d]);
+        for (int d = 0; d < p0->ndim; d++) dsk__ckpt_putf(b, ",%lld", (long long)pc[i].ext[d]);
+        if (pc[i].has_hash) dsk__ckpt_putf(b, ",\"%016llx\"", (unsigned long long)pc[i].hash);
+        dsk__ckpt_puts(b, "]");
+    }
+    dsk__ckpt_puts(b, "]}");
     return DSK_OK;
 }
 
-static dsk_status dsk__ck_reader_file(dsk__ck_reader *rd, int r, dsk_ckpt_file **f) {
-    dsk_status s = DSK_OK;
-    if (!rd->files[r].mem) s = dsk__ck_open_rank(rd->fn, rd->step_dir, &rd->man, r, &rd->files[r]);
-    *f = &rd->files[r];
-    return s;
+/* The pieces of every tensor in file f (the file-th of the manifest). Only rank 0 writes
+   whole tensors. */
+static dsk_status dsk__ckpt_file_pieces(const char *fn, const dsk_ckpt_file *f, int file, int rank,
+                                        dsk__ckpt_piece *out, int *np) {
+    for (int i = 0; i < f->n_tensors; i++) {
+        const dsk_ckpt_tensor_info *t = &f->tensors[i];
+        dsk__ckpt_piece *pc = &out[(*np)++];
+        int k = dsk__ckpt_box_of(f, t, pc->off, pc->global);
+        if (k < 0)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": dsk.box.%s is malformed or outside its tensor", fn,
+                                 f->path, t->name);
+        if (k == 0 && rank != 0)
+            return dsk_set_error(DSK_ERR_CORRUPT,
+                                 "%s: whole tensor \"%s\" found in rank %d's file (only rank 0 writes it)", fn, t->name,
+                                 rank);
+        pc->name = t->name;
+        pc->dtype = t->dtype_name;
+        pc->ndim = t->ndim;
+        memcpy(pc->ext, t->shape, sizeof pc->ext);
+        pc->file = file;
+        pc->has_hash = dsk__ckpt_meta_hash(f, "dsk.hash.", t->name, &pc->hash);
+        if (pc->has_hash < 0)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": dsk.hash.%s is not 16 hex digits", fn, f->path, t->name);
+    }
+    return DSK_OK;
 }
 
-/* "[8,256,128] bf16" of the checkpoint's tensor and of what the entry asks for. */
-static dsk_status dsk__ck_mismatch(const char *fn, const dsk__ck_reader *rd, const dsk__ck_mtensor *t, const dsk_ckpt_entry *e) {
-    char a[160], b[160];
-    int64_t shape[DSK_MAX_DIMS];
-    const dsk_tensor *x = e->tensor;
-    memcpy(shape, x->shape, sizeof shape);
-    if (e->split && x->ndim > 0) shape[0] = e->global_rows;
-    return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" (%s): file has %s, model has %s%s", fn, e->name, rd->man.path,
-                         dsk__ck_desc(a, sizeof a, t->ndim, t->shape, t->dt->dsk >= 0 ? dsk_dtype_name((dsk_dtype)t->dt->dsk) : t->dt->name),
-                         dsk__ck_desc(b, sizeof b, x->ndim, shape, dsk_dtype_name(x->dtype)),
-                         t->ndim == x->ndim && !memcmp(t->shape, shape, (size_t)x->ndim * sizeof(int64_t)) ? " (set allow_cast to convert)" : "");
+/* The index of file e in the manifest's file list, appended when new. */
+static int dsk__ckpt_file_index(dsk__ckpt_mfile *mf, int *n, const dsk__ckpt_mfile *e) {
+    for (int i = 0; i < *n; i++)
+        if (mf[i].step == e->step && mf[i].rank == e->rank && mf[i].attempt == e->attempt) return i;
+    mf[*n] = *e;
+    return (*n)++;
 }
 
-/* Copies the rows [a, b) an entry asks for out of every piece that overlaps them. */
-static dsk_status dsk__ck_load_entry(dsk__ck_reader *rd, const dsk_ckpt_entry *e, dsk_ctx *ctx, int allow_cast) {
-    const char *fn = rd->fn;
-    const dsk__ck_mtensor *t = dsk__ck_manifest_find(&rd->man, e->name);
-    dsk_tensor *x = e->tensor;
-    int64_t a, b, shape[DSK_MAX_DIMS];
-    dsk_status s = DSK_OK;
-    if (!t) return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" is not in the checkpoint (%s)", fn, e->name, rd->man.path);
-    memcpy(shape, x->shape, sizeof shape);
-    if (e->split && x->ndim > 0) shape[0] = e->global_rows;
-    if (t->ndim != x->ndim || memcmp(t->shape, shape, (size_t)x->ndim * sizeof(int64_t)) != 0 ||
-        (t->dt->dsk != (int)x->dtype && (!allow_cast || t->dt->dsk < 0)))
-        return dsk__ck_mismatch(fn, rd, t, e);
-    a = e->split ? e->row0 : 0;
-    b = x->ndim ? a + x->shape[0] : 1;
-    for (int i = 0; i < t->n_slices && s == DSK_OK; i++) {
-        const dsk__ck_mslice *sl = &rd->man.slices[t->first + i];
-        int64_t lo = sl->start > a ? sl->start : a, hi = sl->end < b ? sl->end : b;
-        dsk_ckpt_file *f;
-        const dsk_ckpt_tensor_info *ft;
-        dsk_tensor view;
+/* The pieces an incremental save's file f (of rank `rank`) declares unchanged
+   ("dsk.reuse.<name>" = their hash, "dsk.box.<name>" their box): each must be a slice of the
+   base checkpoint with that box and hash; the piece then points to the base's file. */
+static dsk_status dsk__ckpt_reuse_pieces(const char *fn, const dsk_ckpt_file *f, int rank,
+                                         const dsk__ckpt_manifest *base, dsk__ckpt_piece *out, int *np,
+                                         dsk__ckpt_mfile *mf, int *n_mf) {
+    for (int i = 0; i < f->n_meta; i++) {
+        const char *name = f->meta_keys[i] + 10, *box;
+        const dsk__ckpt_mtensor *t;
+        dsk__ckpt_piece *pc;
+        uint64_t hash;
         int k;
-        char d1[160], d2[160];
-        if (t->ndim && lo >= hi) continue; /* no overlap */
-        if ((s = dsk__ck_reader_file(rd, sl->rank, &f)) != DSK_OK) break;
-        if ((k = dsk_ckpt_file_find(f, t->name)) < 0) {
-            s = dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" is missing from \"%s\"", fn, t->name, f->path);
-            break;
-        }
-        ft = &f->tensors[k];
-        {
-            int64_t fs = 0, fe = 0, fr = 0;
-            int sp = dsk__ck_split_of(f, t->name, &fs, &fe, &fr);
-            if (sp != t->split || (sp == 1 && (fs != sl->start || fe != sl->end || fr != t->shape[0]))) {
-                s = dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" in \"%s\" does not hold the rows [%lld, %lld) the manifest expects", fn,
-                                  t->name, f->path, (long long)sl->start, (long long)sl->end);
+        char key[1100];
+        if (strncmp(f->meta_keys[i], "dsk.reuse.", 10) != 0) continue;
+        if (!dsk__ckpt_parse_hex64(f->meta_values[i], &hash))
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": %s is not 16 hex digits", fn, f->path, f->meta_keys[i]);
+        if (!base || !(t = dsk__ckpt_manifest_find(base, name)))
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" reuses \"%s\", which the base checkpoint lacks", fn,
+                                 f->path, name);
+        pc = &out[(*np)++];
+        memset(pc, 0, sizeof *pc);
+        memcpy(pc->global, t->shape, sizeof pc->global);
+        snprintf(key, sizeof key, "dsk.box.%s", name);
+        if ((box = dsk_ckpt_file_meta(f, key)) != NULL && !dsk__ckpt_parse_box(box, t->ndim, pc->off, pc->global))
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": %s is malformed", fn, f->path, key);
+        if (!box && rank != 0)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: whole tensor \"%s\" reused by rank %d (only rank 0 writes it)",
+                                 fn, name, rank);
+        for (k = 0; k < t->n_slices; k++) {
+            const dsk__ckpt_mslice *sl = &base->slices[t->first + k];
+            if (!memcmp(sl->box, pc->off, (size_t)t->ndim * sizeof(int64_t)) && sl->has_hash && sl->hash == hash &&
+                !memcmp(pc->global, t->shape, (size_t)t->ndim * sizeof(int64_t))) {
+                memcpy(pc->ext, sl->box + t->ndim, (size_t)t->ndim * sizeof(int64_t));
+                pc->file = dsk__ckpt_file_index(mf, n_mf, &base->files[sl->file]);
                 break;
             }
         }
-        if (ft->dtype_name != t->dt->name || ft->ndim != t->ndim || (t->ndim && ft->shape[0] != sl->end - sl->start) ||
-            (t->ndim > 1 && memcmp(ft->shape + 1, t->shape + 1, (size_t)(t->ndim - 1) * sizeof(int64_t)) != 0)) {
-            s = dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" in \"%s\" is %s, the manifest expects rows [%lld, %lld) of %s", fn, t->name,
-                              f->path, dsk__ck_desc(d1, sizeof d1, ft->ndim, ft->shape, ft->dtype_name), (long long)sl->start,
-                              (long long)sl->end, dsk__ck_desc(d2, sizeof d2, t->ndim, t->shape, t->dt->name));
-            break;
+        if (k == t->n_slices)
+            return dsk_set_error(DSK_ERR_CORRUPT,
+                                 "%s: \"%s\" reuses a piece of \"%s\" the base checkpoint (step %lld) does not hold",
+                                 fn, f->path, name, (long long)base->step);
+        pc->name = t->name;
+        pc->dtype = t->dt->name;
+        pc->ndim = t->ndim;
+        pc->has_hash = 1;
+        pc->hash = hash;
+    }
+    return DSK_OK;
+}
+
+/* The manifest text of a save: header line, files, tensors from the pieces (sorted here),
+   and the CRC line. */
+static dsk_status dsk__ckpt_manifest_text(const char *fn, dsk__ckpt_buf *b, int64_t step, uint64_t generation,
+                                          uint64_t attempt, int world, const dsk__ckpt_mfile *files, int n_files,
+                                          dsk__ckpt_piece *pcs, int np) {
+    uint32_t crc;
+    dsk__ckpt_putf(b, "{\"format\":\"%s\",\"version\":%d,\"attempt\":\"%016llx\",", DSK_CKPT_FORMAT, DSK_CKPT_VERSION,
+                   (unsigned long long)attempt);
+    dsk__ckpt_putf(b, "\"step\":%lld,\"generation\":%llu,\"world_size\":%d,\n\"files\":[", (long long)step,
+                   (unsigned long long)generation, world);
+    for (int i = 0; i < n_files; i++) {
+        dsk__ckpt_putf(b, "%s\n {\"step\":%lld,\"rank\":%d,\"world_size\":%d,", i ? "," : "", (long long)files[i].step,
+                       files[i].rank, files[i].world);
+        dsk__ckpt_putf(b, "\"attempt\":\"%016llx\",\"size\":%llu,\"crc32c\":\"%08x\"}",
+                       (unsigned long long)files[i].attempt, (unsigned long long)files[i].size, files[i].crc);
+    }
+    dsk__ckpt_puts(b, "],\n\"tensors\":{");
+    qsort(pcs, (size_t)np, sizeof *pcs, dsk__ckpt_cmp_piece);
+    for (int i = 0, k; i < np; i += k) {
+        for (k = 1; i + k < np && strcmp(pcs[i + k].name, pcs[i].name) == 0; k++) {}
+        DSK__TRY(dsk__ckpt_manifest_tensor(fn, b, pcs + i, k, files));
+    }
+    dsk__ckpt_puts(b, "}");
+    if (b->oom) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory for the manifest", fn);
+    crc = dsk_ckpt_crc32c(0, b->p, b->n);
+    dsk__ckpt_putf(b, ",\"crc32c\":\"%08x\"}\n", crc);
+    if (b->oom) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory for the manifest", fn);
+    return DSK_OK;
+}
+
+/* Rank 0, after every rank's file is durable: reads their headers (never their data), checks
+   that the pieces tile every tensor and writes the manifest: the commit point of the save. */
+static dsk_status dsk__ckpt_write_manifest(const char *fn, const char *root, const char *step_dir, int64_t step,
+                                           int world, uint64_t attempt, uint64_t generation,
+                                           const dsk__ckpt_manifest *base, dsk__ckpt_mfile **files_out,
+                                           int *n_files_out) {
+    int n_mf = world, cap_mf = world + (base ? base->n_files : 0);
+    dsk_ckpt_file *files = (dsk_ckpt_file *)DSK_MALLOC((size_t)world * sizeof *files);
+    dsk__ckpt_mfile *mf = (dsk__ckpt_mfile *)DSK_MALLOC((size_t)cap_mf * sizeof *mf);
+    dsk__ckpt_piece *pcs = NULL;
+    dsk__ckpt_buf b;
+    dsk_status s = DSK_OK;
+    int np = 0, total = 0;
+    memset(&b, 0, sizeof b);
+    if (!files || !mf) { DSK_FREE(files); DSK_FREE(mf); return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); }
+    memset(files, 0, (size_t)world * sizeof *files);
+    for (int r = 0; r < world && s == DSK_OK; r++) {
+        char *path = dsk__ckpt_file_path(root, step, r, attempt);
+        if (!path) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
+        s = dsk_ckpt_file_open(&files[r], path);
+        if (s != DSK_OK && !dsk__ckpt_exists(path))
+            s = dsk_set_error(DSK_ERR_PEER, "%s: rank %d did not write \"%s\" (its save failed)", fn, r, path);
+        DSK_FREE(path);
+        if (s == DSK_OK) { close(files[r].fd); files[r].has_fd = 0; }
+        if (s == DSK_OK) s = dsk__ckpt_check_rank_meta(fn, &files[r], step, r, world, attempt);
+        if (s == DSK_OK) s = dsk__ckpt_file_crc(fn, &files[r], &mf[r].crc);
+        mf[r].step = step;
+        mf[r].rank = r;
+        mf[r].world = world;
+        mf[r].attempt = attempt;
+        mf[r].size = files[r].file_size;
+        total += files[r].n_tensors + files[r].n_meta; /* pieces written or reused */
+    }
+    if (s == DSK_OK && !(pcs = (dsk__ckpt_piece *)DSK_MALLOC(((size_t)total + 1) * sizeof *pcs)))
+        s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    for (int r = 0; r < world && s == DSK_OK; r++) {
+        s = dsk__ckpt_file_pieces(fn, &files[r], r, r, pcs, &np);
+        if (s == DSK_OK) s = dsk__ckpt_reuse_pieces(fn, &files[r], r, base, pcs, &np, mf, &n_mf);
+    }
+    if (s == DSK_OK) s = dsk__ckpt_manifest_text(fn, &b, step, generation, attempt, world, mf, n_mf, pcs, np);
+    if (s == DSK_OK) s = dsk__ckpt_write_small(fn, step_dir, DSK__CKPT_MANIFEST, b.p, b.n, DSK__CKPT_DURABLE);
+    if (s == DSK_OK) { *files_out = mf; *n_files_out = n_mf; mf = NULL; }
+    for (int r = 0; r < world; r++) dsk_ckpt_file_close(&files[r]);
+    DSK_FREE(files);
+    DSK_FREE(mf);
+    DSK_FREE(pcs);
+    dsk__ckpt_buf_free(&b);
+    return s;
+}
+
+/* ---------------------------------------------------------------- the directory's checkpoints */
+
+/* A step directory as a scan finds it. */
+enum { DSK__CKPT_INCOMPLETE, DSK__CKPT_COMPLETE, DSK__CKPT_DAMAGED };
+typedef struct dsk__ckpt_scan_ent {
+    int64_t step;
+    int state;
+    dsk_status error;      /* DAMAGED: why (DSK_ERR_CORRUPT: damaged; others: unreadable) */
+    uint64_t generation;   /* COMPLETE */
+    uint64_t attempt;      /* COMPLETE: its manifest's nonce */
+    int world;
+    int n_files;
+    dsk__ckpt_mfile *files; /* COMPLETE: the files its manifest references */
+} dsk__ckpt_scan_ent;
+
+typedef struct dsk__ckpt_scan {
+    dsk__ckpt_scan_ent *e;
+    int n;
+    char first_error[1024]; /* the message of the first unreadable manifest */
+} dsk__ckpt_scan;
+
+static void dsk__ckpt_scan_free(dsk__ckpt_scan *sc) {
+    for (int i = 0; i < sc->n; i++) DSK_FREE(sc->e[i].files);
+    DSK_FREE(sc->e);
+    memset(sc, 0, sizeof *sc);
+}
+
+static int dsk__ckpt_cmp_scan_step(const void *a, const void *b) {
+    int64_t x = ((const dsk__ckpt_scan_ent *)a)->step, y = ((const dsk__ckpt_scan_ent *)b)->step;
+    return x > y ? -1 : x < y; /* newest step first */
+}
+
+/* Every step directory under root with the state of its manifest; DSK_OK and none when root
+   does not exist. Only a failure to list root (or memory) is an error: manifests that cannot
+   be read are DAMAGED entries with their status. */
+static dsk_status dsk__ckpt_scan_dir(const char *fn, const char *root, dsk__ckpt_scan *sc) {
+    DIR *d = opendir(root);
+    struct dirent *de;
+    int cap = 0;
+    dsk_status s = DSK_OK;
+    memset(sc, 0, sizeof *sc);
+    if (!d) return errno == ENOENT ? DSK_OK : dsk__ckpt_io_error(fn, "open directory", root);
+    while (s == DSK_OK && (de = readdir(d)) != NULL) {
+        int64_t st = dsk__ckpt_parse_step_name(de->d_name);
+        dsk__ckpt_scan_ent *x;
+        dsk__ckpt_manifest m;
+        char *sd, *man;
+        if (st < 0) continue;
+        if (sc->n == cap) {
+            dsk__ckpt_scan_ent *q = (dsk__ckpt_scan_ent *)DSK_MALLOC((size_t)(cap ? cap * 2 : 16) * sizeof *q);
+            if (!q) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
+            if (sc->n) memcpy(q, sc->e, (size_t)sc->n * sizeof *q);
+            DSK_FREE(sc->e);
+            sc->e = q;
+            cap = cap ? cap * 2 : 16;
         }
-        if (!t->ndim) { s = dsk__ck_read_into(fn, f, ctx, ft, x, 0, 0, allow_cast); break; }
-        if ((s = dsk_tensor_slice(x, 0, lo - a, hi - lo, &view)) != DSK_OK) break;
-        s = dsk__ck_read_into(fn, f, ctx, ft, &view, 1, lo - sl->start, allow_cast);
+        x = &sc->e[sc->n++];
+        memset(x, 0, sizeof *x);
+        memset(&m, 0, sizeof m);
+        x->step = st;
+        sd = dsk__ckpt_step_dir(root, st);
+        man = sd ? dsk__ckpt_join(sd, DSK__CKPT_MANIFEST) : NULL;
+        if (!man) { DSK_FREE(sd); s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
+        if (!dsk__ckpt_exists(man) && errno == ENOENT) x->state = DSK__CKPT_INCOMPLETE;
+        else if ((x->error = dsk__ckpt_manifest_read(fn, sd, st, &m)) == DSK_OK) {
+            x->state = DSK__CKPT_COMPLETE;
+            x->generation = m.generation;
+            x->attempt = m.attempt;
+            x->world = m.world;
+            x->n_files = m.n_files;
+            x->files = m.files; /* kept */
+            m.files = NULL;
+        } else {
+            x->state = DSK__CKPT_DAMAGED;
+            if (x->error == DSK_ERR_OOM) s = x->error;
+            else if (x->error != DSK_ERR_CORRUPT && !sc->first_error[0])
+                snprintf(sc->first_error, sizeof sc->first_error, "%s", dsk_last_error());
+        }
+        dsk__ckpt_manifest_free(&m);
+        DSK_FREE(sd);
+        DSK_FREE(man);
+    }
+    closedir(d);
+    if (s != DSK_OK) { dsk__ckpt_scan_free(sc); return s; }
+    if (sc->n) qsort(sc->e, (size_t)sc->n, sizeof *sc->e, dsk__ckpt_cmp_scan_step);
+    return DSK_OK;
+}
+
+/* 1 when (step, rank, attempt) is among the files of a COMPLETE entry other than `skip`. */
+static int dsk__ckpt_file_live(const dsk__ckpt_scan *sc, int skip, int64_t step, int rank, uint64_t attempt) {
+    for (int i = 0; i < sc->n; i++) {
+        if (i == skip || sc->e[i].state != DSK__CKPT_COMPLETE) continue;
+        for (int k = 0; k < sc->e[i].n_files; k++)
+            if (sc->e[i].files[k].attempt == attempt && sc->e[i].files[k].rank == rank &&
+                sc->e[i].files[k].step == step)
+                return 1;
+    }
+    return 0;
+}
+
+/* Removes the files of scan entry `dead` (a manifest just deleted or replaced) that no other
+   complete checkpoint references, and its step directory if that leaves it empty. */
+static dsk_status dsk__ckpt_drop_files(const char *fn, const char *root, const dsk__ckpt_scan *sc, int dead,
+                                       const dsk__ckpt_mfile *files, int n_files) {
+    dsk_status s = DSK_OK;
+    for (int k = 0; k < n_files && s == DSK_OK; k++) {
+        const dsk__ckpt_mfile *f = &files[k];
+        char *path;
+        if (dsk__ckpt_file_live(sc, dead, f->step, f->rank, f->attempt)) continue;
+        if (!(path = dsk__ckpt_file_path(root, f->step, f->rank, f->attempt)))
+            return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        if (unlink(path) != 0 && errno != ENOENT) s = dsk__ckpt_io_error(fn, "remove", path);
+        DSK_FREE(path);
+    }
+    for (int k = 0; k < n_files && s == DSK_OK; k++) { /* rmdir fails harmlessly on a directory still in use */
+        char *sd = dsk__ckpt_step_dir(root, files[k].step);
+        if (!sd) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        if (rmdir(sd) == 0) s = dsk__ckpt_fsync_dir(fn, root);
+        DSK_FREE(sd);
     }
     return s;
 }
 
-static dsk_status dsk__ck_fill_meta(const char *fn, const dsk_ckpt_file *f, const dsk__ck_manifest *m, int rank, dsk_ckpt_meta *meta) {
+/* Deletes complete checkpoint `i` of the scan: its manifest first (made durable), then its
+   files that no other checkpoint references. */
+static dsk_status dsk__ckpt_delete_entry(const char *fn, const char *root, dsk__ckpt_scan *sc, int i) {
+    char *sd = dsk__ckpt_step_dir(root, sc->e[i].step), *man = sd ? dsk__ckpt_join(sd, DSK__CKPT_MANIFEST) : NULL;
+    dsk_status s = DSK_OK;
+    if (!man) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    else if (unlink(man) != 0 && errno != ENOENT) s = dsk__ckpt_io_error(fn, "remove", man);
+    else s = dsk__ckpt_fsync_dir(fn, sd);
+    sc->e[i].state = DSK__CKPT_INCOMPLETE;
+    if (s == DSK_OK) s = dsk__ckpt_drop_files(fn, root, sc, i, sc->e[i].files, sc->e[i].n_files);
+    DSK_FREE(sd);
+    DSK_FREE(man);
+    return s;
+}
+
+/* Indices of the complete checkpoints of the scan, most recent save first; *n of them. */
+static dsk_status dsk__ckpt_by_generation(const char *fn, const dsk__ckpt_scan *sc, int **order, int *n) {
+    *n = 0;
+    if (!(*order = (int *)DSK_MALLOC(((size_t)sc->n + 1) * sizeof **order)))
+        return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    for (int i = 0; i < sc->n; i++) {
+        int k = (*n)++;
+        if (sc->e[i].state != DSK__CKPT_COMPLETE) { (*n)--; continue; }
+        while (k > 0 && sc->e[(*order)[k - 1]].generation < sc->e[i].generation) { (*order)[k] = (*order)[k - 1]; k--; }
+        (*order)[k] = i;
+    }
+    return DSK_OK;
+}
+
+/* Keeps the keep_last most recently saved complete checkpoints (the scan holds the new one). */
+static dsk_status dsk__ckpt_rotate(const char *fn, const char *root, dsk__ckpt_scan *sc, int keep_last) {
+    int *order, n;
+    dsk_status s = dsk__ckpt_by_generation(fn, sc, &order, &n);
+    for (int k = keep_last; k < n && s == DSK_OK; k++) s = dsk__ckpt_delete_entry(fn, root, sc, order[k]);
+    DSK_FREE(order);
+    return s;
+}
+
+/* "rank_<5 digits>.<16 hex>.safetensors" -> rank and nonce; 0 if name is not one. */
+static int dsk__ckpt_parse_rank_name(const char *name, int *rank, uint64_t *attempt) {
+    char canon[80];
+    unsigned long long a;
+    int r, k = 0;
+    if (sscanf(name, "rank_%d.%16llx.safetensors%n", &r, &a, &k) != 2 || name[k] || r < 0) return 0;
+    dsk__ckpt_rank_name(canon, sizeof canon, r, (uint64_t)a);
+    if (strcmp(canon, name) != 0) return 0;
+    *rank = r;
+    *attempt = (uint64_t)a;
+    return 1;
+}
+
+/* DIR/.lock: rank 0 holds an exclusive lock on it (an open-file-description lock where the
+   system has them, else a POSIX record lock) while it saves or reclaims, so no other writer
+   is ever inside the directory at the same time and what a dead save left can be removed. */
+typedef struct dsk__ckpt_lock {
+    int fd;
+    int held; /* 0: not held, or the file system cannot lock (then nothing is reclaimed) */
+} dsk__ckpt_lock;
+
+static void dsk__ckpt_unlock(dsk__ckpt_lock *lk) {
+    if (lk->fd >= 0) close(lk->fd); /* releases the lock */
+    lk->fd = -1;
+    lk->held = 0;
+}
+
+/* Takes the lock without waiting: DSK_ERR_STATE naming the holder when another writer has
+   it; DSK_OK with held 0 when the file system has no locks. A saver (`save` 1) creates the
+   lock file and writes who holds it; init's reclaiming only takes an existing one (no save
+   ever ran where there is none) and leaves its text alone. */
+static dsk_status dsk__ckpt_lock_take(const char *fn, const char *root, int save, dsk__ckpt_lock *lk) {
+    char *path = dsk__ckpt_join(root, ".lock"), owner[256] = "", host[128] = "?";
+    struct flock fl;
+    ssize_t k;
+    dsk_status s = DSK_OK;
+    lk->fd = -1;
+    lk->held = 0;
+    if (!path) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if ((lk->fd = open(path, O_RDWR | O_CLOEXEC | (save ? O_CREAT : 0), 0644)) < 0) {
+        s = !save && errno == ENOENT ? DSK_OK : dsk__ckpt_io_error(fn, "open the lock file", path);
+        DSK_FREE(path);
+        return s;
+    }
+    memset(&fl, 0, sizeof fl);
+    fl.l_type = F_WRLCK;
+    fl.l_whence = SEEK_SET;
+    if (fcntl(lk->fd, DSK__CKPT_SETLK, &fl) == 0) {
+        lk->held = 1;
+        if (!save) { DSK_FREE(path); return DSK_OK; }
+        gethostname(host, sizeof host - 1);
+        k = snprintf(owner, sizeof owner, "pid %d on %s, since %lld\n", (int)getpid(), host, (long long)time(NULL));
+        if (ftruncate(lk->fd, 0) != 0 ||
+            pwrite(lk->fd, owner, (size_t)k, 0) != k) { /* the owner text only helps messages */
+        }
+    } else if (errno == EAGAIN || errno == EACCES) {
+        k = pread(lk->fd, owner, sizeof owner - 1, 0);
+        owner[k > 0 ? k : 0] = 0;
+        if (k > 0 && owner[k - 1] == '\n') owner[k - 1] = 0;
+        s = dsk_set_error(DSK_ERR_STATE,
+                          "%s: \"%s\" is locked by another writer (%s): one job saves into a directory at a time", fn,
+                          path, owner[0] ? owner : "unknown");
+        dsk__ckpt_unlock(lk);
+    } else if (errno == ENOLCK || errno == EINVAL || errno == EOPNOTSUPP || errno == ENOSYS) {
+        dsk__ckpt_unlock(lk); /* no locks here: save without one, reclaim nothing */
+    } else {
+        s = dsk__ckpt_io_error(fn, "lock", path);
+        dsk__ckpt_unlock(lk);
+    }
+    DSK_FREE(path);
+    return s;
+}
+
+/* Removes path when it is a regular file; counts what it removed. */
+static dsk_status dsk__ckpt_remove(const char *fn, const char *path, int *removed) {
+    struct stat st;
+    if (lstat(path, &st) != 0 || !S_ISREG(st.st_mode)) return DSK_OK; /* gone, or not one of ours */
+    if (unlink(path) == 0) { (*removed)++; return DSK_OK; }
+    return errno == ENOENT ? DSK_OK : dsk__ckpt_io_error(fn, "remove", path);
+}
+
+/* The outcome files of failed saves in DIR (with the lock held no save is live, and every
+   rank has read them: they do so before their save returns). */
+static dsk_status dsk__ckpt_reclaim_outcomes(const char *fn, const char *root, int *removed) {
+    DIR *d = opendir(root);
+    struct dirent *de;
+    dsk_status s = DSK_OK;
+    while (d && s == DSK_OK && (de = readdir(d)) != NULL) {
+        char *p;
+        if (strncmp(de->d_name, ".outcome.", 9) != 0) continue;
+        if (!(p = dsk__ckpt_join(root, de->d_name))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
+        s = dsk__ckpt_remove(fn, p, removed);
+        DSK_FREE(p);
+    }
+    if (d) closedir(d);
+    return s;
+}
+
+/* Rank 0 holding the lock (so no save is live): removes what no complete checkpoint
+   references from every step directory whose manifest is absent or readable: rank files of
+   saves that did not finish or were dropped, and temporaries of killed writers; then the
+   directories this empties, and stale temporaries of DIR itself. A directory whose manifest
+   is damaged, and files dsk did not name, are left alone. */
+static dsk_status dsk__ckpt_reclaim(const char *fn, const char *root, const dsk__ckpt_scan *sc) {
+    static const char *root_junk[] = {DSK__CKPT_ATTEMPT, ".latest.tmp", "." DSK__CKPT_ATTEMPT ".tmp"};
+    dsk_status s = DSK_OK;
+    int rmdirs = 0, removed = 0;
+    for (int i = 0; i < sc->n && s == DSK_OK; i++) {
+        char *sd, *p;
+        DIR *d;
+        struct dirent *de;
+        if (sc->e[i].state == DSK__CKPT_DAMAGED) continue;
+        if (!(sd = dsk__ckpt_step_dir(root, sc->e[i].step))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        if (!(d = opendir(sd))) { DSK_FREE(sd); continue; } /* gone meanwhile */
+        while (s == DSK_OK && (de = readdir(d)) != NULL) {
+            const char *nm = de->d_name;
+            size_t len = strlen(nm);
+            int rank, ours;
+            uint64_t att;
+            if (dsk__ckpt_parse_rank_name(nm, &rank, &att))
+                ours = !dsk__ckpt_file_live(sc, -1, sc->e[i].step, rank, att);
+            else ours = nm[0] == '.' && len > 5 && strcmp(nm + len - 4, ".tmp") == 0;
+            if (!ours) continue;
+            if (!(p = dsk__ckpt_join(sd, nm))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
+            s = dsk__ckpt_remove(fn, p, &removed);
+            DSK_FREE(p);
+        }
+        closedir(d);
+        if (s == DSK_OK && sc->e[i].state == DSK__CKPT_INCOMPLETE && rmdir(sd) == 0) rmdirs++;
+        DSK_FREE(sd);
+    }
+    if (s == DSK_OK) s = dsk__ckpt_reclaim_outcomes(fn, root, &removed);
+    for (size_t k = 0; k < sizeof root_junk / sizeof root_junk[0] && s == DSK_OK; k++) {
+        char *p = dsk__ckpt_join(root, root_junk[k]);
+        if (!p) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        s = dsk__ckpt_remove(fn, p, &removed);
+        DSK_FREE(p);
+    }
+    if (s == DSK_OK && rmdirs) s = dsk__ckpt_fsync_dir(fn, root);
+    return s;
+}
+
+/* The largest generation among complete checkpoints, 0 when none. */
+static uint64_t dsk__ckpt_max_generation(const dsk__ckpt_scan *sc) {
+    uint64_t g = 0;
+    for (int i = 0; i < sc->n; i++)
+        if (sc->e[i].state == DSK__CKPT_COMPLETE && sc->e[i].generation > g) g = sc->e[i].generation;
+    return g;
+}
+
+/* ---------------------------------------------------------------- collective save
+   Rank 0 prepares (directories, the save's nonce, published in DIR/.attempt for the others),
+   every rank writes its file, rank 0 writes the manifest (the commit point), then tidies up
+   (latest pointer, rotation). The ranks meet at a barrier between the phases; every rank makes
+   all three calls even when its own part failed. */
+
+typedef struct dsk__ckpt_job {
+    dsk__ckpt_plan plan;
+    char *root;
+    dsk_ckpt_opts opts;
+    uint64_t seq;            /* the save's number on this checkpointer, the same on every rank */
+    pthread_t thread;
+    dsk_status status;       /* preset: a rank that cannot take part (bad arguments) */
+    char msg[1024];
+    dsk_ckpt_save_info info;
+    dsk__ckpt_lock lock;      /* rank 0: held from prepare to the end */
+    dsk__ckpt_scan scan;      /* rank 0: the directory as prepare found it (the lock keeps it so) */
+    dsk__ckpt_mfile *files;   /* rank 0: the new manifest's files */
+    int n_files;
+    int64_t base_step;        /* incremental: the checkpoint the save builds on (its manifest's */
+    uint64_t base_attempt;    /* nonce; 0: none) */
+    dsk__ckpt_manifest base;
+    int base_ok;              /* base holds that manifest */
+} dsk__ckpt_job;
+
+static void dsk__ckpt_job_free(dsk__ckpt_job *job) {
+    if (!job) return;
+    dsk__ckpt_plan_free(&job->plan);
+    dsk__ckpt_unlock(&job->lock);
+    dsk__ckpt_scan_free(&job->scan);
+    dsk__ckpt_manifest_free(&job->base);
+    DSK_FREE(job->files);
+    DSK_FREE(job->root);
+    DSK_FREE(job);
+}
+
+/* Keeps the first error of a sequence with its message. */
+static void dsk__ckpt_keep(dsk_status *first, char *msg, size_t n, dsk_status s) {
+    if (s == DSK_OK || *first != DSK_OK) return;
+    *first = s;
+    snprintf(msg, n, "%s", dsk_last_error());
+}
+
+static dsk_status dsk__ckpt_barrier(const char *fn, const dsk_ckpt_opts *o, int which, int64_t step) {
+    dsk_status s;
+    char inner[1024];
+    if (o->world_size <= 1) return DSK_OK;
+    dsk_clear_error();
+    if ((s = o->barrier(o->barrier_user)) == DSK_OK) return DSK_OK;
+    snprintf(inner, sizeof inner, "%s", dsk_last_error());
+    return dsk_set_error(s, "%s: rank %d: barrier %d of 3 for step %lld failed: %s", fn, o->rank, which,
+                         (long long)step, inner[0] ? inner : dsk_status_str(s));
+}
+
+/* ---- agreement (opts.agree): the outcome of the lowest failing rank, on every rank */
+
+#define DSK__CKPT_MSG_WORDS 147 /* 7 message bytes per word: 1029 bytes */
+
+/* The status word of a rank: its rank (lower wins) and status; 0 when it is fine. */
+static int64_t dsk__ckpt_status_word(const dsk_ckpt_opts *o, dsk_status s) {
+    return s == DSK_OK ? 0 : ((int64_t)(o->world_size - o->rank) << 8) | (int64_t)s;
+}
+
+/* Runs agreement `what` on words[0, n) (words[0] the status word): on return every rank holds
+   the same *s and msg, the lowest failing rank's (a second round carries its message). A
+   failing hook breaks the group: its status is returned. */
+static dsk_status dsk__ckpt_agree(const char *fn, const dsk_ckpt_opts *o, const char *what, int64_t *words, int n,
+                                  dsk_status *s, char *msg, size_t cap) {
+    int64_t text[DSK__CKPT_MSG_WORDS];
+    char inner[1024];
+    dsk_status e;
+    int f;
+    words[0] = dsk__ckpt_status_word(o, *s);
+    dsk_clear_error();
+    if ((e = o->agree(o->agree_user, words, n)) != DSK_OK) goto broken;
+    if (!words[0]) return DSK_OK;
+    f = o->world_size - (int)(words[0] >> 8);
+    memset(text, 0, sizeof text);
+    if (f == o->rank)
+        for (size_t i = 0; i < 7 * DSK__CKPT_MSG_WORDS && msg[i]; i++)
+            text[i / 7] |= (int64_t)(unsigned char)msg[i] << (8 * (i % 7));
+    if ((e = o->agree(o->agree_user, text, DSK__CKPT_MSG_WORDS)) != DSK_OK) goto broken;
+    if (f != o->rank) {
+        char got[7 * DSK__CKPT_MSG_WORDS + 1];
+        size_t i;
+        for (i = 0; i < 7 * DSK__CKPT_MSG_WORDS && (got[i] = (char)(text[i / 7] >> (8 * (i % 7)))); i++) {}
+        got[i] = 0;
+        *s = (dsk_status)(words[0] & 0xff);
+        snprintf(msg, cap, "%s: rank %d of %d failed: %.900s", fn, f, o->world_size, got);
+    }
+    return DSK_OK;
+broken:
+    snprintf(inner, sizeof inner, "%s", dsk_last_error());
+    return dsk_set_error(e, "%s: rank %d: agreement (%s) failed: %s", fn, o->rank, what,
+                         inner[0] ? inner : dsk_status_str(e));
+}
+
+/* DIR/.attempt: "dsk-attempt <step> <seq> <nonce> <status> <base step> <base nonce>\n<message>".
+   Rank 0 writes it before the first barrier (status 0: go on with nonce, building on the base
+   checkpoint when incremental; else its error), the others read it after. */
+static dsk_status dsk__ckpt_publish_attempt(const char *fn, const dsk__ckpt_job *job, uint64_t nonce, dsk_status s,
+                                            const char *msg) {
+    char text[1200];
+    int n = snprintf(text, sizeof text, "dsk-attempt %lld %llu %016llx %d %lld %016llx\n%.1000s",
+                     (long long)job->plan.step, (unsigned long long)job->seq, (unsigned long long)nonce, (int)s,
+                     (long long)job->base_step, (unsigned long long)job->base_attempt, s == DSK_OK ? "" : msg);
+    return dsk__ckpt_write_small(fn, job->root, DSK__CKPT_ATTEMPT, text,
+                                 (size_t)n < sizeof text ? (size_t)n : sizeof text - 1, 0);
+}
+
+/* A non-zero rank: the nonce (and base) rank 0 published for this save, or rank 0's error. */
+static dsk_status dsk__ckpt_read_attempt(const char *fn, dsk__ckpt_job *job, uint64_t *nonce) {
+    char *path = dsk__ckpt_join(job->root, DSK__CKPT_ATTEMPT), *text = NULL, *nl;
+    long long step, bstep;
+    unsigned long long seq, a, batt;
+    int st = -1, k = 0;
+    size_t len;
+    dsk_status s;
+    if (!path) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    s = dsk__ckpt_read_small(fn, path, 4096, &text, &len);
+    if (s == DSK_OK &&
+        (sscanf(text, "dsk-attempt %lld %llu %llx %d %lld %llx%n", &step, &seq, &a, &st, &bstep, &batt, &k) != 6 ||
+         step != job->plan.step || seq != job->seq || text[k] != '\n'))
+        s = dsk_set_error(DSK_ERR_PEER,
+                          "%s: rank %d: \"%s\" is not rank 0's for save %llu of step %lld: rank 0 failed before it", fn,
+                          job->opts.rank, path, (unsigned long long)job->seq, (long long)job->plan.step);
+    else if (s != DSK_OK)
+        s = dsk_set_error(DSK_ERR_PEER,
+                          "%s: rank %d: rank 0 published no \"%s\" for step %lld: it failed before the first barrier",
+                          fn, job->opts.rank, path, (long long)job->plan.step);
+    else if (st != DSK_OK) {
+        nl = text + k + 1;
+        s = dsk_set_error(st > 0 && st < DSK_STATUS_COUNT ? (dsk_status)st : DSK_ERR_PEER, "%s", nl);
+    } else {
+        *nonce = (uint64_t)a;
+        job->base_step = bstep;
+        job->base_attempt = (uint64_t)batt;
+    }
+    DSK_FREE(path);
+    DSK_FREE(text);
+    return s;
+}
+
+/* DIR/.outcome.<nonce>: "<status>\n<message>", written by rank 0 when a save fails (barrier
+   mode), read by the others after the last barrier, so every rank reports the same. */
+static void dsk__ckpt_outcome_name(char *buf, size_t n, uint64_t nonce) {
+    snprintf(buf, n, ".outcome.%016llx", (unsigned long long)nonce);
+}
+
+static void dsk__ckpt_write_outcome(const char *fn, const dsk__ckpt_job *job, uint64_t nonce, dsk_status s,
+                                    const char *msg) {
+    char name[48], text[1200];
+    int n = snprintf(text, sizeof text, "%d\n%s", (int)s, msg);
+    dsk__ckpt_outcome_name(name, sizeof name, nonce);
+    dsk__ckpt_write_small(fn, job->root, name, text, (size_t)n < sizeof text ? (size_t)n : sizeof text - 1, 0);
+}
+
+/* A non-zero rank whose save did not commit: rank 0's outcome when it wrote one (with this
+   rank's own error after it, when it had one), else what it has. */
+static void dsk__ckpt_read_outcome(const char *fn, const dsk__ckpt_job *job, uint64_t nonce, int own_failed,
+                                   dsk_status *first, char *msg, size_t cap) {
+    char name[48], *path, *text = NULL, own[1024];
+    size_t len;
+    int st = 0, k = 0;
+    dsk__ckpt_outcome_name(name, sizeof name, nonce);
+    if (!nonce || !(path = dsk__ckpt_join(job->root, name))) return;
+    if (dsk__ckpt_read_small(fn, path, 4096, &text, &len) == DSK_OK && sscanf(text, "%d%n", &st, &k) == 1 && st > 0 &&
+        st < DSK_STATUS_COUNT && text[k] == '\n') {
+        snprintf(own, sizeof own, "%s", own_failed ? msg : "");
+        snprintf(msg, cap, "%s: rank %d: step %lld not saved: rank 0 reported: %.600s%s%.300s", fn, job->opts.rank,
+                 (long long)job->plan.step, text + k + 1, own[0] ? "; this rank: " : "", own);
+        *first = (dsk_status)st;
+    }
+    DSK_FREE(text);
+    DSK_FREE(path);
+}
+
+/* Rank 0, incremental: the save builds on the most recent complete checkpoint. */
+static dsk_status dsk__ckpt_pick_base(const char *fn, dsk__ckpt_job *job) {
+    int *order, n;
+    DSK__TRY(dsk__ckpt_by_generation(fn, &job->scan, &order, &n));
+    if (n) {
+        job->base_step = job->scan.e[order[0]].step;
+        job->base_attempt = job->scan.e[order[0]].attempt;
+    }
+    DSK_FREE(order);
+    return DSK_OK;
+}
+
+/* Every rank, incremental: the base checkpoint's manifest, if it is still the one rank 0
+   chose (else nothing is reused: always safe). */
+static void dsk__ckpt_read_base(const char *fn, dsk__ckpt_job *job) {
+    char *sd;
+    if (!job->base_attempt || !(sd = dsk__ckpt_step_dir(job->root, job->base_step))) return;
+    job->base_ok =
+        dsk__ckpt_manifest_read(fn, sd, job->base_step, &job->base) == DSK_OK && job->base.attempt == job->base_attempt;
+    DSK_FREE(sd);
+}
+
+/* Incremental: hashes every piece and marks the ones the base checkpoint holds with the same
+   dtype, box and hash as reused (referenced, not written). */
+static void dsk__ckpt_mark_reused(dsk__ckpt_job *job) {
+    dsk__ckpt_plan *p = &job->plan;
+    const unsigned char none = 0;
+    for (int i = 0; i < p->n; i++) {
+        dsk__ckpt_seg *g = &p->segs[i];
+        const int64_t zero[DSK_MAX_DIMS] = {0}, *off = g->boxed ? g->off : zero,
+                      *global = g->boxed ? g->global : g->shape;
+        const dsk__ckpt_mtensor *t = job->base_ok ? dsk__ckpt_manifest_find(&job->base, g->name) : NULL;
+        g->hash = dsk__ckpt_hash(g->nbytes ? (const unsigned char *)g->data : &none, g->nbytes);
+        g->hashed = 1;
+        if (!t || t->dt->name != dsk__ckpt_stname(g->dtype) || t->ndim != g->ndim ||
+            memcmp(t->shape, global, (size_t)g->ndim * sizeof(int64_t)))
+            continue;
+        for (int k = 0; k < t->n_slices && !g->reused; k++) {
+            const dsk__ckpt_mslice *sl = &job->base.slices[t->first + k];
+            g->reused = sl->has_hash && sl->hash == g->hash &&
+                        !memcmp(sl->box, off, (size_t)g->ndim * sizeof(int64_t)) &&
+                        !memcmp(sl->box + g->ndim, g->shape, (size_t)g->ndim * sizeof(int64_t));
+        }
+        if (g->reused) { job->info.bytes_reused += g->nbytes; job->info.tensors_reused++; }
+    }
+    dsk__ckpt_plan_layout(p);
+}
+
+/* Rank 0, before the first barrier: the lock, the scan of the directory (and with the lock,
+   reclaiming what dead saves left, so a full disk frees up), the step directory, the save's
+   nonce. Nothing a complete checkpoint uses is changed: an earlier save of this step stays
+   loadable until the new manifest replaces it. */
+static dsk_status dsk__ckpt_prepare(const char *fn, dsk__ckpt_job *job, const char *step_dir, uint64_t *nonce) {
+    if (mkdir(job->root, 0755) != 0 && errno != EEXIST) return dsk__ckpt_io_error(fn, "create directory", job->root);
+    DSK__TRY(dsk__ckpt_lock_take(fn, job->root, 1, &job->lock));
+    DSK__TRY(dsk__ckpt_scan_dir(fn, job->root, &job->scan));
+    if (job->lock.held) DSK__TRY(dsk__ckpt_reclaim(fn, job->root, &job->scan));
+    if (job->opts.incremental) DSK__TRY(dsk__ckpt_pick_base(fn, job));
+    if (mkdir(step_dir, 0755) == 0) DSK__TRY(dsk__ckpt_fsync_dir(fn, job->root));
+    else if (errno != EEXIST) return dsk__ckpt_io_error(fn, "create directory", step_dir);
+    *nonce = dsk__ckpt_nonce();
+    return DSK_OK;
+}
+
+/* Puts the committed checkpoint (job->files) into the scan in place of its step's entry;
+   *old gets that entry's files (an earlier save of the step), to be dropped. */
+static dsk_status dsk__ckpt_scan_commit(const char *fn, dsk__ckpt_job *job, dsk__ckpt_mfile **old, int *n_old) {
+    dsk__ckpt_scan *sc = &job->scan;
+    dsk__ckpt_scan_ent *x = NULL;
+    *old = NULL;
+    *n_old = 0;
+    for (int i = 0; i < sc->n && !x; i++)
+        if (sc->e[i].step == job->plan.step) x = &sc->e[i];
+    if (!x) {
+        dsk__ckpt_scan_ent *q = (dsk__ckpt_scan_ent *)DSK_MALLOC((size_t)(sc->n + 1) * sizeof *q);
+        if (!q) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        if (sc->n) memcpy(q, sc->e, (size_t)sc->n * sizeof *q);
+        DSK_FREE(sc->e);
+        sc->e = q;
+        x = &sc->e[sc->n++];
+        memset(x, 0, sizeof *x);
+    } else if (x->state == DSK__CKPT_COMPLETE) {
+        *old = x->files;
+        *n_old = x->n_files;
+    } else DSK_FREE(x->files);
+    x->step = job->plan.step;
+    x->state = DSK__CKPT_COMPLETE;
+    x->generation = job->info.generation;
+    x->attempt = job->plan.attempt;
+    x->world = job->opts.world_size;
+    x->files = job->files;
+    x->n_files = job->n_files;
+    job->files = NULL;
+    qsort(sc->e, (size_t)sc->n, sizeof *sc->e, dsk__ckpt_cmp_scan_step);
+    return DSK_OK;
+}
+
+/* Rank 0, after the commit point: `latest` (for people; not made durable), the files of an
+   earlier save of this step, rotation, reclaiming (what a rotation cut off mid-way left, the
+   directories it emptied). Failures go to info.cleanup, never to the save. */
+static void dsk__ckpt_tidy(const char *fn, dsk__ckpt_job *job) {
+    char latest[40];
+    dsk__ckpt_mfile *old = NULL;
+    int n_old = 0;
+    dsk_status s = DSK_OK;
+    snprintf(latest, sizeof latest, "step_%08lld\n", (long long)job->plan.step);
+    s = dsk__ckpt_write_small(fn, job->root, "latest", latest, strlen(latest), 0);
+    if (s == DSK_OK) s = dsk__ckpt_scan_commit(fn, job, &old, &n_old);
+    if (s == DSK_OK && old) s = dsk__ckpt_drop_files(fn, job->root, &job->scan, -1, old, n_old);
+    if (s == DSK_OK && job->opts.keep_last > 0) s = dsk__ckpt_rotate(fn, job->root, &job->scan, job->opts.keep_last);
+    if (s == DSK_OK && job->lock.held) s = dsk__ckpt_reclaim(fn, job->root, &job->scan);
+    if (s != DSK_OK) {
+        job->info.cleanup = s;
+        snprintf(job->info.cleanup_error, sizeof job->info.cleanup_error, "%s", dsk_last_error());
+    }
+    DSK_FREE(old);
+}
+
+/* Rank 0 between the second and the third barrier: the manifest, its generation one above
+   the largest prepare's scan found. */
+static dsk_status dsk__ckpt_commit(const char *fn, dsk__ckpt_job *job, const char *step_dir, uint64_t nonce) {
+    int64_t step = job->plan.step;
+    int world = job->opts.world_size;
+    job->info.generation = dsk__ckpt_max_generation(&job->scan) + 1;
+    DSK__TRY(dsk__ckpt_write_manifest(fn, job->root, step_dir, step, world, nonce, job->info.generation,
+                                      job->base_ok ? &job->base : NULL, &job->files, &job->n_files));
+    return DSK_OK;
+}
+
+/* A non-zero rank after the last barrier: the save succeeded when the step's manifest is the
+   one of this save (its first line names the nonce). */
+static dsk_status dsk__ckpt_check_committed(const char *fn, const dsk__ckpt_job *job, const char *step_dir,
+                                            uint64_t nonce) {
+    char *man = dsk__ckpt_join(step_dir, DSK__CKPT_MANIFEST), head[160], want[48];
+    int fd;
+    ssize_t k = -1;
+    if (!man) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if ((fd = open(man, O_RDONLY | O_CLOEXEC | O_NONBLOCK)) >= 0) {
+        k = pread(fd, head, sizeof head - 1, 0);
+        close(fd);
+    }
+    head[k > 0 ? k : 0] = 0;
+    snprintf(want, sizeof want, "\"attempt\":\"%016llx\"", (unsigned long long)nonce);
+    DSK_FREE(man);
+    if (strstr(head, want)) return DSK_OK;
+    return dsk_set_error(
+        DSK_ERR_PEER,
+        "%s: rank %d: step %lld has no manifest of this save after it: it failed on rank 0 or another rank", fn,
+        job->opts.rank, (long long)job->plan.step);
+}
+
+/* Sync point k of the save: the barrier, or with opts.agree an agreement that leaves every
+   rank with the first failure (and at k = 1 with rank 0's nonce). */
+static dsk_status dsk__ckpt_sync(const char *fn, dsk__ckpt_job *job, int k, dsk_status *first, char *msg, size_t cap,
+                                 uint64_t *nonce) {
+    const dsk_ckpt_opts *o = &job->opts;
+    int64_t w[4] = {0, 0, 0, 0};
+    char what[32];
+    if (o->world_size <= 1) return DSK_OK;
+    if (!o->agree) return dsk__ckpt_barrier(fn, o, k, job->plan.step);
+    if (k == 1 && o->rank == 0) { /* rank 0's nonce and base; the others' words are 0 */
+        w[1] = (int64_t)*nonce;
+        w[2] = (int64_t)(job->base_attempt & 0x3fffffffffffffffull);
+        w[3] = job->base_attempt ? job->base_step : 0;
+    }
+    snprintf(what, sizeof what, "%d of 3", k);
+    DSK__TRY(dsk__ckpt_agree(fn, o, what, w, 4, first, msg, cap));
+    if (k == 1) {
+        *nonce = (uint64_t)w[1];
+        job->base_attempt = (uint64_t)w[2];
+        job->base_step = job->base_attempt ? w[3] : -1;
+    }
+    return DSK_OK;
+}
+
+/* The save protocol. A failing barrier or agreement ends it at once: the group is broken. Any
+   other failure is kept and reported after the remaining sync points. */
+static dsk_status dsk__ckpt_run(dsk__ckpt_job *job) {
+    const char *fn = "dsk_ckpt_save";
+    const dsk_ckpt_opts *o = &job->opts;
+    int64_t step = job->plan.step;
+    char *step_dir = dsk__ckpt_step_dir(job->root, step), name[80], msg[1024] = "";
+    dsk_status first = DSK_OK, s = DSK_OK;
+    uint64_t nonce = 0;
+    int committed = 0, files_say = o->world_size > 1 && !o->agree; /* barrier mode: the file system carries the rest */
+    job->info.step = step;
+    if (job->status != DSK_OK) dsk__ckpt_keep(&first, msg, sizeof msg, dsk_set_error(job->status, "%s", job->msg));
+    if (!step_dir) dsk__ckpt_keep(&first, msg, sizeof msg, dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn));
+    if (o->rank == 0) {
+        if (first == DSK_OK) dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_prepare(fn, job, step_dir, &nonce));
+        if (files_say && (first == DSK_OK || job->lock.held))
+            dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_publish_attempt(fn, job, nonce, first, msg));
+    }
+    if ((s = dsk__ckpt_sync(fn, job, 1, &first, msg, sizeof msg, &nonce)) != DSK_OK) goto broken;
+    if (files_say && o->rank != 0) {
+        dsk_status a = dsk__ckpt_read_attempt(fn, job, &nonce);
+        if (first == DSK_OK) dsk__ckpt_keep(&first, msg, sizeof msg, a);
+    }
+    job->plan.attempt = nonce;
+    dsk__ckpt_rank_name(name, sizeof name, o->rank, nonce);
+    if (first == DSK_OK && o->incremental) {
+        dsk__ckpt_read_base(fn, job);
+        dsk__ckpt_mark_reused(job);
+    }
+    if (first == DSK_OK) {
+        /* rank 0's file is in the manifest's directory: the fsync of that directory after the
+           manifest's rename makes both names durable at once (one fsync fewer per save) */
+        int how = o->rank == 0 ? DSK__CKPT_FSYNC_FILE : DSK__CKPT_DURABLE | DSK__CKPT_WITHDRAW;
+        dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_write_plan(fn, &job->plan, step_dir, name, how));
+        if (first == DSK_OK) {
+            job->info.bytes_written = job->plan.total;
+            job->info.tensors_written = job->plan.n - job->info.tensors_reused;
+        }
+    }
+    if ((s = dsk__ckpt_sync(fn, job, 2, &first, msg, sizeof msg, &nonce)) != DSK_OK) goto broken;
+    if (first == DSK_OK && o->rank == 0) {
+        dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_commit(fn, job, step_dir, nonce));
+        committed = first == DSK_OK;
+    }
+    if (files_say && o->rank == 0 && first != DSK_OK && job->lock.held)
+        dsk__ckpt_write_outcome(fn, job, nonce, first, msg);
+    if ((s = dsk__ckpt_sync(fn, job, 3, &first, msg, sizeof msg, &nonce)) != DSK_OK) goto broken;
+    if (files_say && o->rank != 0) {
+        int own_failed = first != DSK_OK;
+        if (!own_failed) dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_check_committed(fn, job, step_dir, nonce));
+        if (first != DSK_OK) dsk__ckpt_read_outcome(fn, job, nonce, own_failed, &first, msg, sizeof msg);
+    }
+    if (files_say && o->rank == 0) { /* every rank has read it */
+        char *att = dsk__ckpt_join(job->root, DSK__CKPT_ATTEMPT);
+        if (att) unlink(att);
+        DSK_FREE(att);
+    }
+    if (committed) dsk__ckpt_tidy(fn, job);
+    dsk__ckpt_unlock(&job->lock);
+    DSK_FREE(step_dir);
+    if (first != DSK_OK) return dsk_set_error(first, "%s", msg);
+    return DSK_OK;
+broken:
+    dsk__ckpt_unlock(&job->lock);
+    DSK_FREE(step_dir);
+    return s;
+}
+
+/* Reclaims dir when its lock is free (init): a live writer, or a file system without locks,
+   means nothing is touched. */
+static dsk_status dsk__ckpt_reclaim_now(const char *fn, const char *dir) {
+    dsk__ckpt_lock lk;
+    dsk__ckpt_scan sc;
+    dsk_status s = dsk__ckpt_lock_take(fn, dir, 0, &lk);
+    if (s == DSK_ERR_STATE) { dsk_clear_error(); return DSK_OK; }
+    if (s != DSK_OK || !lk.held) { dsk__ckpt_unlock(&lk); return s; }
+    if ((s = dsk__ckpt_scan_dir(fn, dir, &sc)) == DSK_OK) s = dsk__ckpt_reclaim(fn, dir, &sc);
+    dsk__ckpt_scan_free(&sc);
+    dsk__ckpt_unlock(&lk);
+    return s;
+}
+
+static void *dsk__ckpt_thread(void *arg) {
+    dsk__ckpt_job *job = (dsk__ckpt_job *)arg;
+    job->status = dsk__ckpt_run(job);
+    if (job->status != DSK_OK) snprintf(job->msg, sizeof job->msg, "%s", dsk_last_error());
+    return NULL;
+}
+
+DSK_API dsk_status dsk_ckpt_init(dsk_ckpt *ck, const char *dir, const dsk_ckpt_opts *opts) {
+    const char *fn = "dsk_ckpt_init";
+    dsk_ckpt_opts o;
+    if (!ck) return dsk_set_error(DSK_ERR_ARG, "%s: ck is NULL", fn);
+    memset(ck, 0, sizeof *ck);
+    ck->last.step = -1;
+    memset(&o, 0, sizeof o);
+    if (opts) o = *opts;
+    if (!dir || !*dir) return dsk_set_error(DSK_ERR_ARG, "%s: directory is NULL or empty", fn);
+    if (o.world_size == 0) o.world_size = 1;
+    if (o.world_size < 0 || o.rank < 0 || o.rank >= o.world_size)
+        return dsk_set_error(DSK_ERR_ARG, "%s: rank %d outside world size %d", fn, o.rank, o.world_size);
+    if (o.world_size > 1 && !o.barrier && !o.agree)
+        return dsk_set_error(DSK_ERR_ARG, "%s: world size %d needs a barrier or an agree callback", fn, o.world_size);
+    if (o.keep_last < 0) return dsk_set_error(DSK_ERR_ARG, "%s: keep_last %d < 0", fn, o.keep_last);
+    if (o.snapshot_threads < 0 || o.snapshot_threads > 1024)
+        return dsk_set_error(DSK_ERR_ARG, "%s: snapshot_threads %d outside [0, 1024]", fn, o.snapshot_threads);
+    if (!(ck->dir = dsk__ckpt_strdup(dir))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    ck->opts = o;
+    if (o.rank == 0 && !o.read_only && dsk__ckpt_exists(dir)) {
+        dsk_status s = dsk__ckpt_reclaim_now(fn, dir);
+        if (s != DSK_OK) { DSK_FREE(ck->dir); ck->dir = NULL; return s; }
+    }
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_ckpt_wait(dsk_ckpt *ck) {
+    dsk__ckpt_job *job;
+    dsk_status s;
+    if (!ck) return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_wait: ck is NULL");
+    if (!(job = (dsk__ckpt_job *)ck->job)) return DSK_OK;
+    pthread_join(job->thread, NULL);
+    ck->job = NULL;
+    s = job->status;
+    if (s == DSK_OK) ck->last = job->info;
+    else dsk_set_error(s, "%s", job->msg);
+    dsk__ckpt_job_free(job);
+    return s;
+}
+
+DSK_API const dsk_ckpt_save_info *dsk_ckpt_last_save(const dsk_ckpt *ck) { return ck ? &ck->last : NULL; }
+
+DSK_API void dsk_ckpt_free(dsk_ckpt *ck) {
+    if (!ck) return;
+    if (ck->job) dsk_ckpt_wait(ck);
+    DSK_FREE(ck->dir);
+    DSK_FREE(ck->stage);
+    memset(ck, 0, sizeof *ck);
+}
+
+/* A job saving `step` (plan empty; the caller numbers it). */
+static dsk_status dsk__ckpt_job_new(const char *fn, dsk_ckpt *ck, int64_t step, dsk__ckpt_job **out) {
+    dsk__ckpt_job *job = (dsk__ckpt_job *)DSK_MALLOC(sizeof *job);
+    *out = NULL;
+    if (!job) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    memset(job, 0, sizeof *job);
+    job->lock.fd = -1;
+    job->opts = ck->opts;
+    job->plan.rank_file = 1;
+    job->plan.step = step;
+    job->plan.rank = ck->opts.rank;
+    job->plan.world = ck->opts.world_size;
+    job->info.step = -1;
+    job->base_step = -1;
+    if (!(job->root = dsk__ckpt_strdup(ck->dir))) {
+        DSK_FREE(job);
+        return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    }
+    *out = job;
+    return DSK_OK;
+}
+
+/* Shared front half of the two saves: wait for the previous one, validate, snapshot. */
+static dsk_status dsk__ckpt_save_begin(const char *fn, dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n,
+                                       const dsk_ckpt_kv *kv, int n_kv, int copy_all, dsk__ckpt_job **out) {
+    dsk__ckpt_job *job;
+    dsk_status s;
+    *out = NULL;
+    if (!ck || !ck->dir) return dsk_set_error(DSK_ERR_ARG, "%s: checkpointer is NULL or not initialised", fn);
+    if ((s = dsk_ckpt_wait(ck)) != DSK_OK) {
+        char inner[1024];
+        snprintf(inner, sizeof inner, "%s", dsk_last_error());
+        return dsk_set_error(s, "%s: step %lld not saved: the previous async save failed: %s", fn, (long long)step,
+                             inner);
+    }
+    if (step < 0) return dsk_set_error(DSK_ERR_ARG, "%s: step %lld < 0", fn, (long long)step);
+    if (ck->opts.read_only) return dsk_set_error(DSK_ERR_STATE, "%s: \"%s\" was opened read_only", fn, ck->dir);
+    DSK__TRY(dsk__ckpt_job_new(fn, ck, step, &job));
+    s = dsk__ckpt_plan_build(fn, &job->plan, entries, n, kv, n_kv, ck->opts.ctx);
+    if (s == DSK_OK && (copy_all || dsk__ckpt_needs_stage(&job->plan)) && ck->stage_bytes < job->plan.total) {
+        DSK_FREE(ck->stage);
+        ck->stage_bytes = 0;
+        if (!(ck->stage = DSK_MALLOC((size_t)job->plan.total)))
+            s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for a %llu-byte snapshot", fn,
+                              (unsigned long long)job->plan.total);
+        else ck->stage_bytes = (size_t)job->plan.total;
+    }
+    if (s == DSK_OK)
+        s = dsk__ckpt_snapshot(&job->plan, ck->opts.ctx, (unsigned char *)ck->stage, copy_all,
+                               ck->opts.snapshot_threads);
+    if (s != DSK_OK) { dsk__ckpt_job_free(job); return s; }
+    *out = job;
+    return DSK_OK;
+}
+
+/* A rank that cannot take part in a save still runs the protocol with its error, so the
+   others fail (no manifest) instead of waiting, and it reports the common outcome. */
+static dsk_status dsk__ckpt_abstain(const char *fn, dsk_ckpt *ck, int64_t step, dsk_status s) {
+    dsk__ckpt_job *job;
+    char msg[1024];
+    if (!ck || !ck->dir || ck->opts.world_size <= 1) return s;
+    snprintf(msg, sizeof msg, "%s", dsk_last_error());
+    if (ck->job || dsk__ckpt_job_new(fn, ck, step < 0 ? 0 : step, &job) != DSK_OK) return dsk_set_error(s, "%s", msg);
+    job->seq = ++ck->n_saves;
+    job->status = s;
+    snprintf(job->msg, sizeof job->msg, "%s", msg);
+    s = dsk__ckpt_run(job); /* fails: with the ranks' common outcome */
+    dsk__ckpt_job_free(job);
+    return s;
+}
+
+DSK_API dsk_status dsk_ckpt_save(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n,
+                                 const dsk_ckpt_kv *kv, int n_kv) {
+    dsk__ckpt_job *job;
+    dsk_status s = dsk__ckpt_save_begin("dsk_ckpt_save", ck, step, entries, n, kv, n_kv, 0, &job);
+    if (s != DSK_OK) return dsk__ckpt_abstain("dsk_ckpt_save", ck, step, s);
+    job->seq = ++ck->n_saves;
+    s = dsk__ckpt_run(job);
+    if (s == DSK_OK) ck->last = job->info;
+    dsk__ckpt_job_free(job);
+    return s;
+}
+
+DSK_API dsk_status dsk_ckpt_save_async(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n,
+                                       const dsk_ckpt_kv *kv, int n_kv) {
+    dsk__ckpt_job *job;
+    int e;
+    dsk_status s = dsk__ckpt_save_begin("dsk_ckpt_save_async", ck, step, entries, n, kv, n_kv, 1, &job);
+    if (s != DSK_OK) return dsk__ckpt_abstain("dsk_ckpt_save_async", ck, step, s);
+    job->seq = ++ck->n_saves;
+    if ((e = pthread_create(&job->thread, NULL, dsk__ckpt_thread, job)) != 0) {
+        dsk__ckpt_job_free(job);
+        s = dsk_set_error(DSK_ERR_STATE, "dsk_ckpt_save_async: cannot start the writer thread: %s", strerror(e));
+        return dsk__ckpt_abstain("dsk_ckpt_save_async", ck, step, s);
+    }
+    ck->job = job;
+    return DSK_OK;
+}
+
+/* ---------------------------------------------------------------- reading checkpoints */
+
+/* Opens file i of the manifest and checks it against its entry: size, metadata, whole-file
+   CRC (from the header bytes and the recorded tensor CRCs, which reads check in turn). A file
+   the manifest names but the disk lacks is damage (DSK_ERR_CORRUPT). */
+static dsk_status dsk__ckpt_open_file(const char *fn, const char *root, const dsk__ckpt_manifest *m, int i,
+                                      dsk_ckpt_file *f) {
+    const dsk__ckpt_mfile *e = &m->files[i];
+    char *path = dsk__ckpt_file_path(root, e->step, e->rank, e->attempt);
+    uint32_t crc;
+    dsk_status s;
+    if (!path) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    s = dsk_ckpt_file_open(f, path);
+    if (s == DSK_ERR_IO && !dsk__ckpt_exists(path) && errno == ENOENT)
+        s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\", named by \"%s\", is missing (the checkpoint is damaged)", fn,
+                          path, m->path);
+    DSK_FREE(path);
+    if (s != DSK_OK) return s;
+    if (f->file_size != e->size)
+        s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" has %llu bytes, the manifest says %llu", fn, f->path,
+                          (unsigned long long)f->file_size, (unsigned long long)e->size);
+    if (s == DSK_OK) s = dsk__ckpt_check_rank_meta(fn, f, e->step, e->rank, e->world, e->attempt);
+    if (s == DSK_OK) s = dsk__ckpt_file_crc(fn, f, &crc);
+    if (s == DSK_OK && crc != e->crc)
+        s = dsk_set_error(DSK_ERR_CORRUPT,
+                          "%s: \"%s\": header or recorded checksums altered: file crc32c %08x, the manifest says %08x",
+                          fn, f->path, crc, e->crc);
+    if (s != DSK_OK) dsk_ckpt_file_close(f);
+    return s;
+}
+
+typedef struct dsk__ckpt_reader {
+    const char *fn;
+    const char *root;
+    char *step_dir;
+    dsk__ckpt_manifest man;
+    dsk_ckpt_file *files; /* opened on first use */
+} dsk__ckpt_reader;
+
+static void dsk__ckpt_reader_free(dsk__ckpt_reader *rd) {
+    if (rd->files)
+        for (int i = 0; i < rd->man.n_files; i++) dsk_ckpt_file_close(&rd->files[i]);
+    DSK_FREE(rd->files);
+    DSK_FREE(rd->step_dir);
+    dsk__ckpt_manifest_free(&rd->man);
+    memset(rd, 0, sizeof *rd);
+}
+
+static dsk_status dsk__ckpt_reader_open(const char *fn, dsk__ckpt_reader *rd, const char *root, int64_t step) {
+    memset(rd, 0, sizeof *rd);
+    rd->fn = fn;
+    rd->root = root;
+    if (!(rd->step_dir = dsk__ckpt_step_dir(root, step))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    DSK__TRY(dsk__ckpt_manifest_read(fn, rd->step_dir, step, &rd->man));
+    rd->files = (dsk_ckpt_file *)DSK_MALLOC((size_t)rd->man.n_files * sizeof *rd->files);
+    if (!rd->files) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    memset(rd->files, 0, (size_t)rd->man.n_files * sizeof *rd->files);
+    return DSK_OK;
+}
+
+static dsk_status dsk__ckpt_reader_file(dsk__ckpt_reader *rd, int i, dsk_ckpt_file **f) {
+    dsk_status s = DSK_OK;
+    if (!rd->files[i].mem) s = dsk__ckpt_open_file(rd->fn, rd->root, &rd->man, i, &rd->files[i]);
+    *f = &rd->files[i];
+    return s;
+}
+
+/* "[8,256,128] bf16" of the checkpoint's tensor and of what the entry asks for. */
+static dsk_status dsk__ckpt_mismatch(const char *fn, const dsk__ckpt_reader *rd, const dsk__ckpt_mtensor *t,
+                                     const dsk_ckpt_entry *e, const int64_t *global) {
+    char a[160], b[160];
+    const dsk_tensor *x = e->tensor;
+    return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" (%s): file has %s, model has %s%s", fn, e->name, rd->man.path,
+                         dsk__ckpt_desc(a, sizeof a, t->ndim, t->shape,
+                                        t->dt->dsk >= 0 ? dsk_dtype_name((dsk_dtype)t->dt->dsk) : t->dt->name),
+                         dsk__ckpt_desc(b, sizeof b, x->ndim, global, dsk_dtype_name(x->dtype)),
+                         t->ndim == x->ndim && !memcmp(t->shape, global, (size_t)x->ndim * sizeof(int64_t))
+                             ? " (set allow_cast to convert)"
+                             : "");
+}
+
+/* The piece of manifest tensor t that slice sl places in file f: it must be there, with the
+   manifest's dtype and the slice's shape and box. */
+static dsk_status dsk__ckpt_find_piece(const char *fn, dsk_ckpt_file *f, const dsk__ckpt_mtensor *t,
+                                       const dsk__ckpt_mslice *sl, const dsk_ckpt_tensor_info **out) {
+    const dsk_ckpt_tensor_info *ft;
+    int64_t off[DSK_MAX_DIMS], global[DSK_MAX_DIMS];
+    int k = dsk_ckpt_file_find(f, t->name), b;
+    char d1[160], d2[160], d3[200];
+    if (k < 0) return dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" is missing from \"%s\"", fn, t->name, f->path);
+    ft = &f->tensors[k];
+    dsk__ckpt_box_desc(d3, sizeof d3, t->ndim, sl->box, sl->box + t->ndim);
+    if (ft->dtype_name != t->dt->name || ft->ndim != t->ndim ||
+        memcmp(ft->shape, sl->box + t->ndim, (size_t)t->ndim * sizeof(int64_t)))
+        return dsk_set_error(DSK_ERR_CORRUPT,
+                             "%s: tensor \"%s\" in \"%s\" is %s, the manifest expects the box %s of %s", fn, t->name,
+                             f->path, dsk__ckpt_desc(d1, sizeof d1, ft->ndim, ft->shape, ft->dtype_name), d3,
+                             dsk__ckpt_desc(d2, sizeof d2, t->ndim, t->shape, t->dt->name));
+    b = dsk__ckpt_box_of(f, ft, off, global);
+    if (b < 0 || memcmp(off, sl->box, (size_t)t->ndim * sizeof(int64_t)) ||
+        memcmp(global, t->shape, (size_t)t->ndim * sizeof(int64_t)))
+        return dsk_set_error(DSK_ERR_CORRUPT,
+                             "%s: tensor \"%s\" in \"%s\" does not hold the box %s the manifest expects", fn, t->name,
+                             f->path, d3);
+    *out = ft;
+    return DSK_OK;
+}
+
+/* dst's view of the box (off, ext) of the whole tensor, given dst holds the box at `base`. */
+static dsk_status dsk__ckpt_sub_view(const dsk_tensor *dst, const int64_t *base, const int64_t *off, const int64_t *ext,
+                                     dsk_tensor *v) {
+    *v = *dst;
+    for (int d = 0; d < dst->ndim; d++) {
+        dsk_tensor w;
+        DSK__TRY(dsk_tensor_slice(v, d, off[d] - base[d], ext[d], &w));
+        *v = w;
+    }
+    return DSK_OK;
+}
+
+/* Copies the box an entry asks for out of every piece that overlaps it. */
+static dsk_status dsk__ckpt_load_entry(dsk__ckpt_reader *rd, const dsk_ckpt_entry *e, dsk_ctx *ctx, int allow_cast) {
+    const char *fn = rd->fn;
+    const dsk__ckpt_mtensor *t = dsk__ckpt_manifest_find(&rd->man, e->name);
+    dsk_tensor *x = e->tensor;
+    int64_t base[DSK_MAX_DIMS], global[DSK_MAX_DIMS];
+    DSK__TRY(dsk__ckpt_entry_box(fn, e, base, global));
+    if (!t)
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" is not in the checkpoint (%s)", fn, e->name, rd->man.path);
+    if (t->ndim != x->ndim || memcmp(t->shape, global, (size_t)x->ndim * sizeof(int64_t)) != 0 ||
+        (t->dt->dsk != (int)x->dtype && (!allow_cast || t->dt->dsk < 0)))
+        return dsk__ckpt_mismatch(fn, rd, t, e, global);
+    for (int i = 0; i < t->n_slices; i++) {
+        const dsk__ckpt_mslice *sl = &rd->man.slices[t->first + i];
+        const int64_t *so = sl->box, *se = sl->box + t->ndim;
+        int64_t lo[DSK_MAX_DIMS], ext[DSK_MAX_DIMS], in_piece[DSK_MAX_DIMS];
+        const dsk_ckpt_tensor_info *ft = NULL;
+        dsk_ckpt_file *f;
+        dsk_tensor view;
+        int empty = 0;
+        for (int d = 0; d < t->ndim; d++) { /* the intersection of the piece and the entry's box */
+            int64_t a = so[d] > base[d] ? so[d] : base[d],
+                    b = so[d] + se[d] < base[d] + x->shape[d] ? so[d] + se[d] : base[d] + x->shape[d];
+            lo[d] = a;
+            ext[d] = b > a ? b - a : 0;
+            in_piece[d] = a - so[d];
+            empty |= b <= a;
+        }
+        if (empty) continue; /* no overlap (or no elements): nothing to read there */
+        DSK__TRY(dsk__ckpt_reader_file(rd, sl->file, &f));
+        DSK__TRY(dsk__ckpt_find_piece(fn, f, t, sl, &ft));
+        DSK__TRY(dsk__ckpt_sub_view(x, base, lo, ext, &view));
+        DSK__TRY(dsk__ckpt_read_into(fn, f, ctx, ft, in_piece, &view, allow_cast));
+    }
+    return DSK_OK;
+}
+
+static dsk_status dsk__ckpt_fill_meta(const char *fn, const dsk_ckpt_file *f, const dsk__ckpt_manifest *m, int rank,
+                                      dsk_ckpt_meta *meta) {
     int n = 0;
     meta->step = m->step;
+    meta->generation = m->generation;
     meta->world_size = m->world;
     meta->rank = rank;
     meta->keys = (char **)DSK_MALLOC(((size_t)f->n_meta + 1) * sizeof(char *));
     meta->values = (char **)DSK_MALLOC(((size_t)f->n_meta + 1) * sizeof(char *));
     if (!meta->keys || !meta->values) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     for (int i = 0; i < f->n_meta; i++) {
-        if (!strncmp(f->meta_keys[i], "dsk.crc32c.", 11) || !strncmp(f->meta_keys[i], "dsk.split.", 10)) continue;
-        meta->keys[n] = dsk__ck_strdup(f->meta_keys[i]);
-        meta->values[n] = dsk__ck_strdup(f->meta_values[i]);
+        const char *k = f->meta_keys[i];
+        if (!strncmp(k, "dsk.crc32c.", 11) || !strncmp(k, "dsk.blocks.", 11) || !strncmp(k, "dsk.box.", 8)) continue;
+        meta->keys[n] = dsk__ckpt_strdup(k);
+        meta->values[n] = dsk__ckpt_strdup(f->meta_values[i]);
         meta->n = ++n;
         if (!meta->keys[n - 1] || !meta->values[n - 1]) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     }
     return DSK_OK;
 }
 
-DSK_API dsk_status dsk_ckpt_load(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n, dsk_ckpt_meta *meta) {
-    const char *fn = "dsk_ckpt_load";
-    dsk__ck_reader rd;
-    dsk_status s;
-    if (meta) memset(meta, 0, sizeof *meta);
-    if (!ck || !ck->dir) return dsk_set_error(DSK_ERR_ARG, "%s: checkpointer is NULL or not initialised", fn);
-    if (n < 0 || (n && !entries)) return dsk_set_error(DSK_ERR_ARG, "%s: %d entries at %p", fn, n, (const void *)entries);
-    for (int i = 0; i < n; i++) {
-        if (!entries[i].name || !entries[i].tensor) return dsk_set_error(DSK_ERR_ARG, "%s: entry %d has no name or tensor", fn, i);
-        if ((s = dsk__ck_check_entry(fn, &entries[i], i, 1, ck->opts.ctx)) != DSK_OK) return s;
-    }
-    if ((s = dsk_ckpt_wait(ck)) != DSK_OK) return s;
-    if (step < 0) {
-        if ((s = dsk_ckpt_latest(ck->dir, &step)) != DSK_OK) return s;
-        if (step < 0) return dsk_set_error(DSK_ERR_IO, "%s: no complete checkpoint under \"%s\"", fn, ck->dir);
-    }
-    s = dsk__ck_reader_open(fn, &rd, ck->dir, step);
-    for (int i = 0; i < n && s == DSK_OK; i++) s = dsk__ck_load_entry(&rd, &entries[i], ck->opts.ctx, ck->opts.allow_cast);
+/* Loads checkpoint `step` (see dsk_ckpt_load). */
+static dsk_status dsk__ckpt_load_step(const char *fn, dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n,
+                                      dsk_ckpt_meta *meta) {
+    dsk__ckpt_reader rd;
+    dsk_status s = dsk__ckpt_reader_open(fn, &rd, ck->dir, step);
+    for (int i = 0; i < n && s == DSK_OK; i++)
+        s = dsk__ckpt_load_entry(&rd, &entries[i], ck->opts.ctx, ck->opts.allow_cast);
     if (s == DSK_OK && meta) {
-        int r = ck->opts.rank < rd.man.world ? ck->opts.rank : 0;
+        int r = ck->opts.rank < rd.man.world ? ck->opts.rank : 0; /* the first world_size files are the ranks' own */
         dsk_ckpt_file *f;
-        s = dsk__ck_reader_file(&rd, r, &f);
-        if (s == DSK_OK) s = dsk__ck_fill_meta(fn, f, &rd.man, r, meta);
+        s = dsk__ckpt_reader_file(&rd, r, &f);
+        if (s == DSK_OK) s = dsk__ckpt_fill_meta(fn, f, &rd.man, r, meta);
         if (s != DSK_OK) dsk_ckpt_meta_free(meta);
     }
-    dsk__ck_reader_free(&rd);
+    dsk__ckpt_reader_free(&rd);
     return s;
+}
+
+/* The most recent complete save that loads: damaged ones (DSK_ERR_CORRUPT) are passed over on
+   a single rank and reported in meta. */
+static dsk_status dsk__ckpt_load_newest(const char *fn, dsk_ckpt *ck, const dsk_ckpt_entry *entries, int n,
+                                        dsk_ckpt_meta *meta) {
+    dsk_ckpt_info *list = NULL;
+    int count = 0, skipped = 0;
+    int64_t skipped_step = -1;
+    char first[1024] = "";
+    dsk_status s;
+    DSK__TRY(dsk_ckpt_list(ck->dir, NULL, 0, &count));
+    if (!count) return dsk_set_error(DSK_ERR_IO, "%s: no complete checkpoint under \"%s\"", fn, ck->dir);
+    if (!(list = (dsk_ckpt_info *)DSK_MALLOC((size_t)count * sizeof *list)))
+        return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    s = dsk_ckpt_list(ck->dir, list, count, &count);
+    for (int k = 0; k < count && s == DSK_OK; k++) {
+        if (meta) memset(meta, 0, sizeof *meta);
+        s = dsk__ckpt_load_step(fn, ck, list[k].step, entries, n, meta);
+        if (s != DSK_ERR_CORRUPT || k + 1 == count) break;
+        if (ck->opts.world_size > 1) {
+            s = dsk_set_error(
+                s,
+                "%.800s (with world_size %d and no opts.agree, a rank does not fall back to an older checkpoint alone)",
+                dsk_last_error(), ck->opts.world_size);
+            break;
+        }
+        if (!skipped++) { skipped_step = list[k].step; snprintf(first, sizeof first, "%s", dsk_last_error()); }
+        s = DSK_OK;
+    }
+    if (s == DSK_OK && meta) {
+        meta->n_skipped = skipped;
+        meta->skipped_step = skipped_step;
+        if (skipped && !(meta->skipped_error = dsk__ckpt_strdup(first))) {
+            dsk_ckpt_meta_free(meta);
+            s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        }
+    }
+    DSK_FREE(list);
+    return s;
+}
+
+/* Loads `step` on every rank and agrees on the outcome (opts.agree). */
+static dsk_status dsk__ckpt_load_agreed_step(const char *fn, dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries,
+                                             int n, dsk_ckpt_meta *meta) {
+    char msg[1024];
+    int64_t w[1];
+    dsk_status s = dsk__ckpt_load_step(fn, ck, step, entries, n, meta);
+    snprintf(msg, sizeof msg, "%s", s == DSK_OK ? "" : dsk_last_error());
+    DSK__TRY(dsk__ckpt_agree(fn, &ck->opts, "load", w, 1, &s, msg, sizeof msg));
+    if (s == DSK_OK) return DSK_OK;
+    if (meta) dsk_ckpt_meta_free(meta);
+    return dsk_set_error(s, "%s", msg);
+}
+
+/* The newest checkpoint every rank can load, rank 0's list deciding the order: a damaged one
+   (on any rank) is passed over by all of them together. */
+static dsk_status dsk__ckpt_load_agreed_newest(const char *fn, dsk_ckpt *ck, const dsk_ckpt_entry *entries, int n,
+                                               dsk_ckpt_meta *meta) {
+    dsk_ckpt_info *list = NULL;
+    int count = 0, skipped = 0;
+    int64_t skipped_step = -1;
+    char first[1024] = "", msg[1024] = "";
+    dsk_status s = DSK_OK, ls = DSK_OK;
+    if (ck->opts.rank == 0) { /* the candidates, most recent first */
+        ls = dsk_ckpt_list(ck->dir, NULL, 0, &count);
+        if (ls == DSK_OK && count && !(list = (dsk_ckpt_info *)DSK_MALLOC((size_t)count * sizeof *list)))
+            ls = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        if (ls == DSK_OK && count) ls = dsk_ckpt_list(ck->dir, list, count, &count);
+        if (ls != DSK_OK) snprintf(msg, sizeof msg, "%s", dsk_last_error());
+    }
+    for (int k = 0;; k++) {
+        int64_t w[3] = {0, 0, 0};
+        if (ck->opts.rank == 0 && k < count) { w[1] = 1; w[2] = list[k].step; }
+        s = dsk__ckpt_agree(fn, &ck->opts, "load", w, 3, &ls, msg, sizeof msg);
+        if (s == DSK_OK && ls != DSK_OK) s = dsk_set_error(ls, "%s", msg);
+        if (s != DSK_OK) break;
+        if (!w[1]) {
+            s = k ? dsk_set_error(DSK_ERR_CORRUPT, "%s", first)
+                  : dsk_set_error(DSK_ERR_IO, "%s: no complete checkpoint under \"%s\"", fn, ck->dir);
+            break;
+        }
+        if (meta) memset(meta, 0, sizeof *meta);
+        if ((s = dsk__ckpt_load_agreed_step(fn, ck, w[2], entries, n, meta)) != DSK_ERR_CORRUPT) break;
+        if (!skipped++) { skipped_step = w[2]; snprintf(first, sizeof first, "%s", dsk_last_error()); }
+    }
+    if (s == DSK_OK && meta) {
+        meta->n_skipped = skipped;
+        meta->skipped_step = skipped_step;
+        if (skipped && !(meta->skipped_error = dsk__ckpt_strdup(first))) {
+            dsk_ckpt_meta_free(meta);
+            s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        }
+    }
+    DSK_FREE(list);
+    return s;
+}
+
+DSK_API dsk_status dsk_ckpt_load(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n,
+                                 dsk_ckpt_meta *meta) {
+    const char *fn = "dsk_ckpt_load";
+    if (meta) { memset(meta, 0, sizeof *meta); meta->skipped_step = -1; }
+    if (!ck || !ck->dir) return dsk_set_error(DSK_ERR_ARG, "%s: checkpointer is NULL or not initialised", fn);
+    if (n < 0 || (n && !entries))
+        return dsk_set_error(DSK_ERR_ARG, "%s: %d entries at %p", fn, n, (const void *)entries);
+    for (int i = 0; i < n; i++) {
+        if (!entries[i].name || !entries[i].tensor)
+            return dsk_set_error(DSK_ERR_ARG, "%s: entry %d has no name or tensor", fn, i);
+        DSK__TRY(dsk__ckpt_check_entry(fn, &entries[i], i, 1, ck->opts.ctx));
+    }
+    DSK__TRY(dsk_ckpt_wait(ck));
+    if (ck->opts.agree && ck->opts.world_size > 1)
+        return step < 0 ? dsk__ckpt_load_agreed_newest(fn, ck, entries, n, meta)
+                        : dsk__ckpt_load_agreed_step(fn, ck, step, entries, n, meta);
+    if (step < 0) return dsk__ckpt_load_newest(fn, ck, entries, n, meta);
+    return dsk__ckpt_load_step(fn, ck, step, entries, n, meta);
+}
+
+/* ---- merging an incremental chain into one checkpoint */
+
+/* The pieces of checkpoint rd held by files of rank r, read (checked) into one buffer, as the
+   entries of a new rank file. */
+static dsk_status dsk__ckpt_merge_gather(const char *fn, dsk__ckpt_reader *rd, int r, unsigned char **buf,
+                                         dsk_ckpt_entry **entries, dsk_tensor **views, uint64_t **hashes, int **hashed,
+                                         int *n) {
+    const dsk__ckpt_manifest *m = &rd->man;
+    uint64_t total = 0, at = 0;
+    int k = 0, count = 0;
+    for (int i = 0; i < m->n_tensors; i++)
+        for (int j = 0; j < m->tensors[i].n_slices; j++) {
+            const dsk__ckpt_mslice *sl = &m->slices[m->tensors[i].first + j];
+            size_t es = (size_t)(m->tensors[i].dt->bits / 8);
+            if (m->files[sl->file].rank != r) continue;
+            if (m->tensors[i].dt->dsk < 0)
+                return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: tensor \"%s\" is %s, a dtype dsk does not write", fn,
+                                     m->tensors[i].name, m->tensors[i].dt->name);
+            total += (uint64_t)dsk__ckpt_numel(m->tensors[i].ndim, sl->box + m->tensors[i].ndim) * es;
+            count++;
+        }
+    *buf = (unsigned char *)DSK_MALLOC((size_t)total + 1);
+    *entries = (dsk_ckpt_entry *)DSK_MALLOC(((size_t)count + 1) * sizeof **entries);
+    *views = (dsk_tensor *)DSK_MALLOC(((size_t)count + 1) * sizeof **views);
+    *hashes = (uint64_t *)DSK_MALLOC(((size_t)count + 1) * sizeof **hashes);
+    *hashed = (int *)DSK_MALLOC(((size_t)count + 1) * sizeof **hashed);
+    if (!*buf || !*entries || !*views || !*hashes || !*hashed)
+        return dsk_set_error(DSK_ERR_OOM, "%s: out of memory for %llu bytes", fn, (unsigned long long)total);
+    for (int i = 0; i < m->n_tensors; i++)
+        for (int j = 0; j < m->tensors[i].n_slices; j++) {
+            const dsk__ckpt_mtensor *t = &m->tensors[i];
+            const dsk__ckpt_mslice *sl = &m->slices[t->first + j];
+            const dsk_ckpt_tensor_info *ft;
+            dsk_ckpt_file *f;
+            dsk_ckpt_entry *e = &(*entries)[k];
+            int whole = r == 0 && !memcmp(sl->box + t->ndim, t->shape, (size_t)t->ndim * sizeof(int64_t));
+            if (m->files[sl->file].rank != r) continue;
+            DSK__TRY(dsk__ckpt_reader_file(rd, sl->file, &f));
+            DSK__TRY(dsk__ckpt_find_piece(fn, f, t, sl, &ft));
+            DSK__TRY(dsk__ckpt_read_box_bytes(fn, f, ft, sl->box, sl->box + t->ndim, *buf + at));
+            DSK__TRY(
+                dsk_tensor_wrap(&(*views)[k], *buf + at, (dsk_dtype)t->dt->dsk, dsk_cpu(), t->ndim, sl->box + t->ndim));
+            memset(e, 0, sizeof *e);
+            e->name = t->name;
+            e->tensor = &(*views)[k];
+            e->split = whole ? DSK_CKPT_WHOLE : DSK_CKPT_BOX;
+            e->offset = sl->box;
+            e->global_shape = t->shape;
+            (*hashes)[k] = sl->hash;
+            (*hashed)[k] = sl->has_hash;
+            at += dsk_tensor_nbytes(&(*views)[k]);
+            k++;
+        }
+    *n = k;
+    return DSK_OK;
+}
+
+/* Writes rank r's file of the merged checkpoint: its pieces, hashes and its own metadata. */
+static dsk_status dsk__ckpt_merge_rank(const char *fn, dsk__ckpt_reader *rd, int r, uint64_t nonce) {
+    unsigned char *buf = NULL;
+    dsk_ckpt_entry *entries = NULL;
+    dsk_tensor *views = NULL;
+    uint64_t *hashes = NULL;
+    int *hashed = NULL, n = 0, n_kv = 0;
+    dsk_ckpt_kv *kv = NULL;
+    dsk__ckpt_plan plan;
+    dsk_ckpt_file *own;
+    char name[80];
+    dsk_status s;
+    memset(&plan, 0, sizeof plan);
+    plan.rank_file = 1;
+    plan.step = rd->man.step;
+    plan.rank = r;
+    plan.world = rd->man.world;
+    plan.attempt = nonce;
+    s = dsk__ckpt_merge_gather(fn, rd, r, &buf, &entries, &views, &hashes, &hashed, &n);
+    if (s == DSK_OK) s = dsk__ckpt_reader_file(rd, r, &own); /* the caller's pairs of this rank */
+    if (s == DSK_OK && !(kv = (dsk_ckpt_kv *)DSK_MALLOC(((size_t)own->n_meta + 1) * sizeof *kv)))
+        s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    for (int i = 0; s == DSK_OK && i < own->n_meta; i++)
+        if (strncmp(own->meta_keys[i], "dsk.", 4) != 0) {
+            kv[n_kv].key = own->meta_keys[i];
+            kv[n_kv++].value = own->meta_values[i];
+        }
+    if (s == DSK_OK) s = dsk__ckpt_plan_build(fn, &plan, entries, n, kv, n_kv, NULL);
+    for (int i = 0; s == DSK_OK && i < plan.n; i++)
+        for (int k = 0; k < n; k++)
+            if (strcmp(plan.segs[i].name, entries[k].name) == 0) {
+                plan.segs[i].hashed = hashed[k];
+                plan.segs[i].hash = hashes[k];
+            }
+    if (s == DSK_OK) s = dsk__ckpt_snapshot(&plan, NULL, NULL, 0, 1);
+    dsk__ckpt_rank_name(name, sizeof name, r, nonce);
+    if (s == DSK_OK) s = dsk__ckpt_write_plan(fn, &plan, rd->step_dir, name, DSK__CKPT_DURABLE | DSK__CKPT_WITHDRAW);
+    dsk__ckpt_plan_free(&plan);
+    DSK_FREE(buf);
+    DSK_FREE(entries);
+    DSK_FREE(views);
+    DSK_FREE(hashes);
+    DSK_FREE(hashed);
+    DSK_FREE(kv);
+    return s;
+}
+
+DSK_API dsk_status dsk_ckpt_merge(dsk_ckpt *ck, int64_t step) {
+    const char *fn = "dsk_ckpt_merge";
+    dsk__ckpt_job *job = NULL;
+    dsk__ckpt_reader rd;
+    dsk__ckpt_mfile *old = NULL;
+    uint64_t nonce = dsk__ckpt_nonce();
+    int n_old = 0;
+    dsk_status s;
+    memset(&rd, 0, sizeof rd);
+    if (!ck || !ck->dir || step < 0)
+        return dsk_set_error(DSK_ERR_ARG, "%s: checkpointer not initialised or step %lld < 0", fn, (long long)step);
+    if (ck->opts.read_only) return dsk_set_error(DSK_ERR_STATE, "%s: \"%s\" was opened read_only", fn, ck->dir);
+    DSK__TRY(dsk_ckpt_wait(ck));
+    DSK__TRY(dsk__ckpt_job_new(fn, ck, step, &job));
+    s = dsk__ckpt_lock_take(fn, job->root, 1, &job->lock);
+    if (s == DSK_OK) s = dsk__ckpt_scan_dir(fn, job->root, &job->scan);
+    if (s == DSK_OK) s = dsk__ckpt_reader_open(fn, &rd, job->root, step);
+    for (int r = 0; s == DSK_OK && r < rd.man.world; r++) s = dsk__ckpt_merge_rank(fn, &rd, r, nonce);
+    if (s == DSK_OK) {
+        job->plan.attempt = nonce;
+        job->opts.world_size = rd.man.world;
+        job->info.generation = rd.man.generation;
+        s = dsk__ckpt_write_manifest(fn, job->root, rd.step_dir, step, rd.man.world, nonce, rd.man.generation, NULL,
+                                     &job->files, &job->n_files);
+    }
+    /* committed: drop the files only the old manifest used, then reclaim */
+    if (s == DSK_OK) s = dsk__ckpt_scan_commit(fn, job, &old, &n_old);
+    if (s == DSK_OK && old) s = dsk__ckpt_drop_files(fn, job->root, &job->scan, -1, old, n_old);
+    if (s == DSK_OK && job->lock.held) s = dsk__ckpt_reclaim(fn, job->root, &job->scan);
+    DSK_FREE(old);
+    dsk__ckpt_reader_free(&rd);
+    dsk__ckpt_job_free(job);
+    return s;
+}
+
+/* The scan of dir for latest, list and load: every manifest must be readable (a damaged one
+   is skipped, one that cannot be read is an error). */
+static dsk_status dsk__ckpt_scan_readable(const char *fn, const char *dir, dsk__ckpt_scan *sc) {
+    DSK__TRY(dsk__ckpt_scan_dir(fn, dir, sc));
+    for (int i = 0; i < sc->n; i++)
+        if (sc->e[i].state == DSK__CKPT_DAMAGED && sc->e[i].error != DSK_ERR_CORRUPT) {
+            dsk_status s = dsk_set_error(sc->e[i].error, "%s", sc->first_error);
+            dsk__ckpt_scan_free(sc);
+            return s;
+        }
+    return DSK_OK;
 }
 
 DSK_API dsk_status dsk_ckpt_latest(const char *dir, int64_t *step) {
     const char *fn = "dsk_ckpt_latest";
-    int64_t *steps;
-    int n;
-    dsk_status s;
+    dsk_ckpt_info info;
+    int n = 0;
     if (!dir || !step) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
     *step = -1;
-    if ((s = dsk__ck_list_steps(fn, dir, 1, &steps, &n)) != DSK_OK) return s;
-    for (int i = 0; i < n && *step < 0; i++) {
-        dsk__ck_manifest m;
-        char *sd = dsk__ck_step_dir(dir, steps[i]);
-        if (!sd) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
-        if (dsk__ck_manifest_read(fn, sd, steps[i], &m) == DSK_OK) *step = steps[i];
-        dsk__ck_manifest_free(&m);
-        DSK_FREE(sd);
+    DSK__TRY(dsk_ckpt_list(dir, &info, 1, &n));
+    if (n) *step = info.step;
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_ckpt_list(const char *dir, dsk_ckpt_info *out, int cap, int *n) {
+    const char *fn = "dsk_ckpt_list";
+    dsk__ckpt_scan sc;
+    int *order;
+    dsk_status s;
+    if (!dir || !n || cap < 0 || (cap && !out))
+        return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument or cap %d", fn, cap);
+    *n = 0;
+    DSK__TRY(dsk__ckpt_scan_readable(fn, dir, &sc));
+    if ((s = dsk__ckpt_by_generation(fn, &sc, &order, n)) == DSK_OK) {
+        for (int k = 0; k < *n && k < cap; k++) {
+            const dsk__ckpt_scan_ent *x = &sc.e[order[k]];
+            out[k].step = x->step;
+            out[k].generation = x->generation;
+            out[k].world_size = x->world;
+            out[k].n_files = x->n_files;
+        }
+        DSK_FREE(order);
+        dsk_clear_error();
     }
-    DSK_FREE(steps);
-    if (s == DSK_OK) dsk_clear_error();
+    dsk__ckpt_scan_free(&sc);
     return s;
 }
 
 /* Reads a whole tensor in chunks and compares its CRC with the header's. */
-static dsk_status dsk__ck_verify_tensor(const char *fn, dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t, unsigned char *buf, size_t chunk) {
+static dsk_status dsk__ckpt_verify_tensor(const char *fn, dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t,
+                                          unsigned char *buf, size_t chunk) {
     uint32_t crc = 0;
-    dsk_status s;
     for (uint64_t off = t->begin; off < t->end; off += chunk) {
         size_t k = (size_t)(t->end - off < chunk ? t->end - off : chunk);
-        if ((s = dsk__ck_pread_all(fn, f->fd, buf, k, 8 + f->header_len + off, f->path)) != DSK_OK) return s;
+        DSK__TRY(dsk__ckpt_pread_all(fn, f->fd, buf, k, 8 + f->header_len + off, f->path));
+        f->bytes_read += k;
         crc = dsk_ckpt_crc32c(crc, buf, k);
     }
     if (crc != t->crc32c)
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" in \"%s\": data crc32c %08x, header says %08x (data corrupt)", fn, t->name,
-                             f->path, crc, t->crc32c);
+        return dsk_set_error(DSK_ERR_CORRUPT,
+                             "%s: tensor \"%s\" in \"%s\": data crc32c %08x, header says %08x (data corrupt)", fn,
+                             t->name, f->path, crc, t->crc32c);
     return DSK_OK;
+}
+
+/* Every tensor of the manifest is in the files its slices name, as the manifest describes it,
+   and every tensor of one of this save's own files is one of those pieces. */
+static dsk_status dsk__ckpt_verify_layout(const char *fn, dsk__ckpt_reader *rd) {
+    int *pieces = (int *)DSK_MALLOC((size_t)rd->man.n_files * sizeof(int));
+    dsk_status s = DSK_OK;
+    if (!pieces) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    memset(pieces, 0, (size_t)rd->man.n_files * sizeof(int));
+    for (int i = 0; i < rd->man.n_tensors && s == DSK_OK; i++) {
+        const dsk__ckpt_mtensor *t = &rd->man.tensors[i];
+        for (int k = 0; k < t->n_slices && s == DSK_OK; k++) {
+            const dsk__ckpt_mslice *sl = &rd->man.slices[t->first + k];
+            const dsk_ckpt_tensor_info *ft;
+            dsk_ckpt_file *f;
+            if ((s = dsk__ckpt_reader_file(rd, sl->file, &f)) == DSK_OK &&
+                (s = dsk__ckpt_find_piece(fn, f, t, sl, &ft)) == DSK_OK)
+                pieces[sl->file]++;
+        }
+    }
+    for (int i = 0; i < rd->man.world && s == DSK_OK; i++) {
+        dsk_ckpt_file *f;
+        if ((s = dsk__ckpt_reader_file(rd, i, &f)) == DSK_OK && f->n_tensors != pieces[i])
+            s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" holds %d tensors, the manifest places %d there", fn, f->path,
+                              f->n_tensors, pieces[i]);
+    }
+    DSK_FREE(pieces);
+    return s;
 }
 
 DSK_API dsk_status dsk_ckpt_verify(const char *dir, int64_t step) {
     const char *fn = "dsk_ckpt_verify";
     const size_t chunk = (size_t)4 << 20;
-    dsk__ck_reader rd;
+    dsk__ckpt_reader rd;
     unsigned char *buf;
     dsk_status s;
     if (!dir || step < 0) return dsk_set_error(DSK_ERR_ARG, "%s: bad directory or step %lld", fn, (long long)step);
     if (!(buf = (unsigned char *)DSK_MALLOC(chunk))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    s = dsk__ck_reader_open(fn, &rd, dir, step);
-    for (int r = 0; s == DSK_OK && r < rd.man.world; r++) {
+    s = dsk__ckpt_reader_open(fn, &rd, dir, step);
+    if (s == DSK_OK) s = dsk__ckpt_verify_layout(fn, &rd);
+    for (int i = 0; s == DSK_OK && i < rd.man.n_files; i++) {
         dsk_ckpt_file *f;
-        s = dsk__ck_reader_file(&rd, r, &f);
-        for (int i = 0; s == DSK_OK && i < f->n_tensors; i++) s = dsk__ck_verify_tensor(fn, f, &f->tensors[i], buf, chunk);
+        s = dsk__ckpt_reader_file(&rd, i, &f);
+        for (int k = 0; s == DSK_OK && k < f->n_tensors; k++)
+            s = dsk__ckpt_verify_tensor(fn, f, &f->tensors[k], buf, chunk);
         dsk_ckpt_file_close(f);
     }
-    dsk__ck_reader_free(&rd);
+    dsk__ckpt_reader_free(&rd);
     DSK_FREE(buf);
     return s;
+}
+
+/* ---------------------------------------------------------------- Hugging Face sharded weights */
+
+#define DSK__CKPT_HF_INDEX "model.safetensors.index.json"
+#define DSK__CKPT_HF_SINGLE "model.safetensors"
+
+DSK_API void dsk_ckpt_hf_close(dsk_ckpt_hf *h) {
+    if (!h) return;
+    for (int i = 0; i < h->n_shards; i++) {
+        if (h->shards) dsk_ckpt_file_close(&h->shards[i]);
+        if (h->shard_names) DSK_FREE(h->shard_names[i]);
+    }
+    for (int i = 0; i < h->n_tensors; i++) DSK_FREE(h->names[i]);
+    DSK_FREE(h->shards);
+    DSK_FREE(h->shard_names);
+    DSK_FREE(h->names);
+    DSK_FREE(h->shard_of);
+    DSK_FREE(h->dir);
+    memset(h, 0, sizeof *h);
+}
+
+/* A shard's file name from an index: a plain name inside dir. */
+static int dsk__ckpt_hf_plain_name(const char *s) {
+    return s && *s && !strchr(s, '/') && strcmp(s, ".") && strcmp(s, "..");
+}
+
+/* Sorts names (with their shards) and refuses a name given twice. */
+static dsk_status dsk__ckpt_hf_sort(const char *fn, dsk_ckpt_hf *h, const char *where) {
+    for (int i = 1; i < h->n_tensors; i++) { /* insertion of an index by name: usually sorted already */
+        char *nm = h->names[i];
+        int sh = h->shard_of[i], k = i;
+        while (k > 0 && strcmp(h->names[k - 1], nm) > 0) {
+            h->names[k] = h->names[k - 1];
+            h->shard_of[k] = h->shard_of[k - 1];
+            k--;
+        }
+        h->names[k] = nm;
+        h->shard_of[k] = sh;
+    }
+    for (int i = 1; i < h->n_tensors; i++)
+        if (strcmp(h->names[i], h->names[i - 1]) == 0)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" names tensor \"%s\" twice", fn, where, h->names[i]);
+    return DSK_OK;
+}
+
+/* The index's weight_map: its names and the distinct shard files they name. */
+static dsk_status dsk__ckpt_hf_read_index(const char *fn, dsk_ckpt_hf *h, const char *path) {
+    char *text = NULL;
+    size_t len = 0;
+    dsk__ckpt_json j;
+    dsk_status s;
+    int wm, count;
+    memset(&j, 0, sizeof j);
+    DSK__TRY(dsk__ckpt_read_small(fn, path, (size_t)DSK_CKPT_MAX_HEADER, &text, &len));
+    if ((s = dsk__ckpt_json_parse(&j, text, len, fn, path)) != DSK_OK) goto done;
+    wm = dsk__ckpt_jget(&j, 0, "weight_map");
+    if (wm < 0 || dsk__ckpt_jtype(&j, wm) != DSK__CKPT_J_OBJ) {
+        s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" has no \"weight_map\" object", fn, path);
+        goto done;
+    }
+    count = dsk__ckpt_jcount(&j, wm);
+    h->names = (char **)DSK_MALLOC(((size_t)count + 1) * sizeof *h->names);
+    h->shard_of = (int *)DSK_MALLOC(((size_t)count + 1) * sizeof *h->shard_of);
+    h->shard_names = (char **)DSK_MALLOC(((size_t)count + 1) * sizeof *h->shard_names);
+    if (!h->names || !h->shard_of || !h->shard_names) {
+        s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        goto done;
+    }
+    for (int c = dsk__ckpt_jchild(&j, wm); c >= 0; c = dsk__ckpt_jnext(&j, c)) {
+        const char *file = dsk__ckpt_jstr(&j, c);
+        int k = 0;
+        if (dsk__ckpt_jkey_nul(&j, c) || !dsk__ckpt_hf_plain_name(file)) {
+            s = dsk_set_error(DSK_ERR_CORRUPT,
+                              "%s: \"%s\": weight_map[\"%s\"] is not the name of a file in the directory", fn, path,
+                              dsk__ckpt_jkey(&j, c));
+            goto done;
+        }
+        while (k < h->n_shards && strcmp(h->shard_names[k], file) != 0) k++;
+        if (k == h->n_shards && !(h->shard_names[h->n_shards++] = dsk__ckpt_strdup(file))) {
+            h->n_shards--;
+            s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+            goto done;
+        }
+        h->shard_of[h->n_tensors] = k;
+        if (!(h->names[h->n_tensors] = dsk__ckpt_strdup(dsk__ckpt_jkey(&j, c)))) {
+            s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+            goto done;
+        }
+        h->n_tensors++;
+    }
+    s = dsk__ckpt_hf_sort(fn, h, path);
+done:
+    dsk__ckpt_json_free(&j);
+    DSK_FREE(text);
+    return s;
+}
+
+/* A single model.safetensors: its tensors, from its header. */
+static dsk_status dsk__ckpt_hf_read_single(const char *fn, dsk_ckpt_hf *h, const char *path) {
+    dsk_ckpt_file *f;
+    h->shard_names = (char **)DSK_MALLOC(sizeof *h->shard_names);
+    h->shards = (dsk_ckpt_file *)DSK_MALLOC(sizeof *h->shards);
+    if (!h->shard_names || !h->shards || !(h->shard_names[0] = dsk__ckpt_strdup(DSK__CKPT_HF_SINGLE)))
+        return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    h->n_shards = 1;
+    f = &h->shards[0];
+    memset(f, 0, sizeof *f);
+    DSK__TRY(dsk_ckpt_file_open(f, path));
+    h->names = (char **)DSK_MALLOC(((size_t)f->n_tensors + 1) * sizeof *h->names);
+    h->shard_of = (int *)DSK_MALLOC(((size_t)f->n_tensors + 1) * sizeof *h->shard_of);
+    if (!h->names || !h->shard_of) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    for (int i = 0; i < f->n_tensors; i++) {
+        if (!(h->names[i] = dsk__ckpt_strdup(f->tensors[i].name)))
+            return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        h->shard_of[i] = 0;
+        h->n_tensors = i + 1;
+    }
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_ckpt_hf_open(dsk_ckpt_hf *h, const char *dir) {
+    const char *fn = "dsk_ckpt_hf_open";
+    char *idx, *single;
+    dsk_status s;
+    if (!h || !dir) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
+    memset(h, 0, sizeof *h);
+    idx = dsk__ckpt_join(dir, DSK__CKPT_HF_INDEX);
+    single = dsk__ckpt_join(dir, DSK__CKPT_HF_SINGLE);
+    if (!(h->dir = dsk__ckpt_strdup(dir)) || !idx || !single) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    else if (dsk__ckpt_exists(idx)) s = dsk__ckpt_hf_read_index(fn, h, idx);
+    else if (dsk__ckpt_exists(single)) s = dsk__ckpt_hf_read_single(fn, h, single);
+    else
+        s = dsk_set_error(DSK_ERR_IO, "%s: \"%s\" holds neither %s nor %s", fn, dir, DSK__CKPT_HF_INDEX,
+                          DSK__CKPT_HF_SINGLE);
+    if (s == DSK_OK && !h->shards) {
+        if (!(h->shards = (dsk_ckpt_file *)DSK_MALLOC(((size_t)h->n_shards + 1) * sizeof *h->shards)))
+            s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        else memset(h->shards, 0, ((size_t)h->n_shards + 1) * sizeof *h->shards);
+    }
+    DSK_FREE(idx);
+    DSK_FREE(single);
+    if (s != DSK_OK) dsk_ckpt_hf_close(h);
+    return s;
+}
+
+DSK_API dsk_status dsk_ckpt_hf_find(dsk_ckpt_hf *h, const char *name, dsk_ckpt_file **file,
+                                    const dsk_ckpt_tensor_info **info) {
+    const char *fn = "dsk_ckpt_hf_find";
+    int lo = 0, hi, k, t;
+    if (!h || !h->dir || !name || !file || !info)
+        return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument or closed set", fn);
+    hi = h->n_tensors - 1;
+    while (lo <= hi) {
+        int mid = lo + (hi - lo) / 2, c = strcmp(h->names[mid], name);
+        if (c == 0) { lo = mid; break; }
+        if (c < 0) lo = mid + 1;
+        else hi = mid - 1;
+    }
+    if (lo > hi) return dsk_set_error(DSK_ERR_ARG, "%s: no tensor \"%s\" in \"%s\"", fn, name, h->dir);
+    k = h->shard_of[lo];
+    if (!h->shards[k].mem) {
+        char *path = dsk__ckpt_join(h->dir, h->shard_names[k]);
+        dsk_status s;
+        if (!path) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        s = dsk_ckpt_file_open(&h->shards[k], path);
+        DSK_FREE(path);
+        if (s != DSK_OK) return s;
+    }
+    if ((t = dsk_ckpt_file_find(&h->shards[k], name)) < 0)
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: the index places \"%s\" in \"%s\", which does not hold it", fn, name,
+                             h->shards[k].path);
+    *file = &h->shards[k];
+    *info = &h->shards[k].tensors[t];
+    return DSK_OK;
+}
+
+/* pattern (holding "{E}": dsk__ckpt_hf_count checked) with "{E}" replaced by e. */
+static dsk_status dsk__ckpt_hf_expert_name(const char *fn, const char *pattern, int64_t e, dsk__ckpt_buf *out) {
+    const char *at = strstr(pattern, "{E}");
+    out->n = 0;
+    dsk__ckpt_put(out, pattern, (size_t)(at - pattern));
+    dsk__ckpt_putf(out, "%lld", (long long)e);
+    dsk__ckpt_puts(out, at + 3);
+    return out->oom ? dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn) : DSK_OK;
+}
+
+/* The number of file tensors behind an entry (its experts when stacked), checked. */
+static dsk_status dsk__ckpt_hf_count(const char *fn, const dsk_ckpt_hf_entry *e, int i, int64_t *count) {
+    if (!e->name || !e->tensor) return dsk_set_error(DSK_ERR_ARG, "%s: entry %d has no name or tensor", fn, i);
+    if (!e->stacked) { *count = 1; return DSK_OK; }
+    if (e->tensor->ndim < 1 || e->expert0 < 0 || !strstr(e->name, "{E}"))
+        return dsk_set_error(
+            DSK_ERR_ARG,
+            "%s: stacked entry \"%s\" needs a tensor of at least one dim, expert0 >= 0 and \"{E}\" in its name", fn,
+            e->name);
+    *count = e->tensor->shape[0];
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_ckpt_hf_read(dsk_ckpt_hf *h, dsk_ctx *ctx, const dsk_ckpt_hf_entry *entries, int n,
+                                    int allow_cast) {
+    const char *fn = "dsk_ckpt_hf_read";
+    dsk__ckpt_buf nm;
+    dsk_status s = DSK_OK;
+    if (!h || !h->dir || n < 0 || (n && !entries))
+        return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument or closed set", fn);
+    memset(&nm, 0, sizeof nm);
+    for (int i = 0; i < n && s == DSK_OK; i++) {
+        const dsk_ckpt_hf_entry *e = &entries[i];
+        int64_t count = 0;
+        if ((s = dsk__ckpt_hf_count(fn, e, i, &count)) != DSK_OK) break;
+        for (int64_t k = 0; k < count && s == DSK_OK; k++) {
+            dsk_ckpt_file *f = NULL;
+            const dsk_ckpt_tensor_info *t = NULL;
+            dsk_tensor view = *e->tensor;
+            const char *name = e->name;
+            if (e->stacked) {
+                if ((s = dsk__ckpt_hf_expert_name(fn, e->name, e->expert0 + k, &nm)) != DSK_OK) break;
+                if ((s = dsk_tensor_select(e->tensor, k, &view)) != DSK_OK) break;
+                name = nm.p;
+            }
+            if ((s = dsk_ckpt_hf_find(h, name, &f, &t)) == DSK_OK)
+                s = dsk_ckpt_file_read(f, ctx, name, &view, allow_cast);
+        }
+    }
+    dsk__ckpt_buf_free(&nm);
+    return s;
+}
+
+/* One file tensor of an export: its name and a view of the caller's tensor. */
+typedef struct dsk__ckpt_hf_item {
+    char *name;
+    dsk_tensor view;
+    int shard;
+} dsk__ckpt_hf_item;
+
+static int dsk__ckpt_cmp_hf_item(const void *a, const void *b) {
+    return strcmp((*(const dsk__ckpt_hf_item *const *)a)->name, (*(const dsk__ckpt_hf_item *const *)b)->name);
+}
+
+/* "model-<5 digits>-of-<5 digits>.safetensors" */
+static void dsk__ckpt_hf_shard_name(char *buf, size_t n, int k, int total) {
+    snprintf(buf, n, "model-%05d-of-%05d.safetensors", k + 1, total);
+}
+
+/* The index text of an export; items sorted by name here. */
+static dsk_status dsk__ckpt_hf_index_text(const char *fn, dsk__ckpt_buf *b, dsk__ckpt_hf_item *items, int n,
+                                          int n_shards) {
+    dsk__ckpt_hf_item **order = (dsk__ckpt_hf_item **)DSK_MALLOC(((size_t)n + 1) * sizeof *order);
+    uint64_t total = 0;
+    if (!order) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    for (int i = 0; i < n; i++) { order[i] = &items[i]; total += dsk_tensor_nbytes(&items[i].view); }
+    qsort(order, (size_t)n, sizeof *order, dsk__ckpt_cmp_hf_item);
+    dsk__ckpt_putf(b, "{\n  \"metadata\": {\n    \"total_size\": %llu\n  },\n  \"weight_map\": {",
+                   (unsigned long long)total);
+    for (int i = 0; i < n; i++) {
+        char shard[64];
+        if (i && strcmp(order[i]->name, order[i - 1]->name) == 0) {
+            dsk_status s = dsk_set_error(DSK_ERR_ARG, "%s: tensor name \"%s\" appears twice", fn, order[i]->name);
+            DSK_FREE(order);
+            return s;
+        }
+        dsk__ckpt_hf_shard_name(shard, sizeof shard, order[i]->shard, n_shards);
+        dsk__ckpt_puts(b, i ? ",\n    " : "\n    ");
+        dsk__ckpt_put_jstr(b, order[i]->name);
+        dsk__ckpt_putf(b, ": \"%s\"", shard);
+    }
+    dsk__ckpt_puts(b, "\n  }\n}\n");
+    DSK_FREE(order);
+    return b->oom ? dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn) : DSK_OK;
+}
+
+/* After the index: removes model.safetensors and shards of an earlier export it does not name. */
+static dsk_status dsk__ckpt_hf_tidy(const char *fn, const char *dir, int n_shards) {
+    DIR *d = opendir(dir);
+    struct dirent *de;
+    dsk_status s = DSK_OK;
+    int removed = 0;
+    if (!d) return dsk__ckpt_io_error(fn, "open directory", dir);
+    while (s == DSK_OK && (de = readdir(d)) != NULL) {
+        int k, total, len = 0;
+        char *p;
+        if (strcmp(de->d_name, DSK__CKPT_HF_SINGLE) != 0 &&
+            (sscanf(de->d_name, "model-%5d-of-%5d.safetensors%n", &k, &total, &len) != 2 || de->d_name[len] ||
+             total == n_shards))
+            continue;
+        if (!(p = dsk__ckpt_join(dir, de->d_name))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
+        s = dsk__ckpt_remove(fn, p, &removed);
+        DSK_FREE(p);
+    }
+    closedir(d);
+    return s;
+}
+
+/* The export's file tensors in entry order (stacked entries expanded), each given a shard. */
+static dsk_status dsk__ckpt_hf_items(const char *fn, const dsk_ckpt_hf_entry *entries, int n, uint64_t max_bytes,
+                                     dsk__ckpt_hf_item **out, int *n_items, int *n_shards) {
+    int64_t total = 0;
+    uint64_t fill = 0;
+    dsk__ckpt_buf nm;
+    dsk_status s = DSK_OK;
+    int k = 0;
+    *out = NULL;
+    *n_items = 0;
+    *n_shards = 1;
+    for (int i = 0; i < n; i++) {
+        int64_t c = 0;
+        DSK__TRY(dsk__ckpt_hf_count(fn, &entries[i], i, &c));
+        total += c;
+    }
+    if (total > INT32_MAX / 2) return dsk_set_error(DSK_ERR_ARG, "%s: %lld tensors", fn, (long long)total);
+    if (!(*out = (dsk__ckpt_hf_item *)DSK_MALLOC(((size_t)total + 1) * sizeof **out)))
+        return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    memset(*out, 0, ((size_t)total + 1) * sizeof **out);
+    memset(&nm, 0, sizeof nm);
+    for (int i = 0; i < n && s == DSK_OK; i++) {
+        const dsk_ckpt_hf_entry *e = &entries[i];
+        int64_t count = e->stacked ? e->tensor->shape[0] : 1;
+        for (int64_t x = 0; x < count && s == DSK_OK; x++, k++) {
+            dsk__ckpt_hf_item *it = &(*out)[k];
+            uint64_t bytes;
+            it->view = *e->tensor;
+            if (e->stacked && (s = dsk__ckpt_hf_expert_name(fn, e->name, e->expert0 + x, &nm)) == DSK_OK)
+                s = dsk_tensor_select(e->tensor, x, &it->view);
+            if (s != DSK_OK) break;
+            if (!(it->name = dsk__ckpt_strdup(e->stacked ? nm.p : e->name))) {
+                s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+                break;
+            }
+            *n_items = k + 1;
+            bytes = dsk_tensor_nbytes(&it->view);
+            if (fill && fill + bytes > max_bytes) { (*n_shards)++; fill = 0; }
+            it->shard = *n_shards - 1;
+            fill += bytes;
+        }
+    }
+    dsk__ckpt_buf_free(&nm);
+    return s;
+}
+
+DSK_API dsk_status dsk_ckpt_hf_save(dsk_ctx *ctx, const char *dir, const dsk_ckpt_hf_entry *entries, int n,
+                                    const dsk_ckpt_kv *kv, int n_kv, uint64_t max_shard_bytes) {
+    const char *fn = "dsk_ckpt_hf_save";
+    dsk__ckpt_hf_item *items = NULL;
+    dsk_ckpt_entry *fe = NULL;
+    dsk_ckpt_kv *meta = NULL;
+    dsk__ckpt_buf idx;
+    int n_items = 0, n_shards = 0, has_format = 0;
+    dsk_status s;
+    memset(&idx, 0, sizeof idx);
+    if (!dir || n < 0 || (n && !entries) || n_kv < 0 || (n_kv && !kv))
+        return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
+    s = dsk__ckpt_hf_items(fn, entries, n, max_shard_bytes ? max_shard_bytes : 5000000000ull, &items, &n_items,
+                           &n_shards);
+    for (int i = 0; i < n_kv; i++) has_format |= kv[i].key && strcmp(kv[i].key, "format") == 0;
+    fe = (dsk_ckpt_entry *)DSK_MALLOC(((size_t)n_items + 1) * sizeof *fe);
+    meta = (dsk_ckpt_kv *)DSK_MALLOC(((size_t)n_kv + 2) * sizeof *meta);
+    if (s == DSK_OK && (!fe || !meta)) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if (s == DSK_OK) { /* names unique across shards, and the index text, before any file is written */
+        if (n_kv) memcpy(meta, kv, (size_t)n_kv * sizeof *meta);
+        meta[n_kv].key = "format"; /* what transformers requires of a PyTorch shard */
+        meta[n_kv].value = "pt";
+        s = dsk__ckpt_hf_index_text(fn, &idx, items, n_items, n_shards);
+    }
+    for (int k = 0, first = 0; k < n_shards && s == DSK_OK; k++) {
+        char shard[64], *path;
+        int cnt = 0;
+        while (first + cnt < n_items && items[first + cnt].shard == k) {
+            dsk_ckpt_entry *e = &fe[cnt];
+            memset(e, 0, sizeof *e);
+            e->name = items[first + cnt].name;
+            e->tensor = &items[first + cnt].view;
+            cnt++;
+        }
+        dsk__ckpt_hf_shard_name(shard, sizeof shard, k, n_shards);
+        if (!(path = dsk__ckpt_join(dir, shard))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
+        s = dsk_ckpt_file_save(ctx, path, fe, cnt, meta, n_kv + !has_format);
+        DSK_FREE(path);
+        first += cnt;
+    }
+    if (s == DSK_OK) s = dsk__ckpt_write_small(fn, dir, DSK__CKPT_HF_INDEX, idx.p, idx.n, DSK__CKPT_DURABLE);
+    if (s == DSK_OK) s = dsk__ckpt_hf_tidy(fn, dir, n_shards);
+    for (int i = 0; i < n_items; i++) DSK_FREE(items[i].name);
+    DSK_FREE(items);
+    DSK_FREE(fe);
+    DSK_FREE(meta);
+    dsk__ckpt_buf_free(&idx);
+    return s;
+}
+
+DSK_API dsk_status dsk_ckpt_hf_deepseek_name(char *buf, size_t n, int layer, const char *moe_param) {
+    static const char *const map[][2] = {
+        {"router", "mlp.gate.weight"},
+        {"bias", "mlp.gate.e_score_correction_bias"},
+        {"w1", "mlp.experts.{E}.gate_proj.weight"},
+        {"w3", "mlp.experts.{E}.up_proj.weight"},
+        {"w2", "mlp.experts.{E}.down_proj.weight"},
+        {"shared.w1", "mlp.shared_experts.gate_proj.weight"},
+        {"shared.w3", "mlp.shared_experts.up_proj.weight"},
+        {"shared.w2", "mlp.shared_experts.down_proj.weight"},
+    };
+    int k;
+    if (!buf || !moe_param || layer < 0)
+        return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_hf_deepseek_name: NULL argument or layer %d", layer);
+    for (size_t i = 0; i < sizeof map / sizeof map[0]; i++)
+        if (strcmp(map[i][0], moe_param) == 0) {
+            k = snprintf(buf, n, "model.layers.%d.%s", layer, map[i][1]);
+            if (k < 0 || (size_t)k >= n)
+                return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_hf_deepseek_name: a buffer of %zu bytes is too small", n);
+            return DSK_OK;
+        }
+    return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_hf_deepseek_name: no DeepSeek name for dsk_moe parameter \"%s\"",
+                         moe_param);
 }
 
 /* ---------------------------------------------------------------- metadata */
@@ -2576,7 +5013,8 @@ DSK_API dsk_status dsk_ckpt_meta_i64(const dsk_ckpt_meta *m, const char *key, in
     const char *v = dsk_ckpt_meta_get(m, key);
     if (!out) return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_meta_i64: out is NULL");
     if (!v) return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_meta_i64: no key \"%s\"", key ? key : "(null)");
-    if (!dsk__ck_parse_i64(v, out)) return dsk_set_error(DSK_ERR_CORRUPT, "dsk_ckpt_meta_i64: \"%s\" = \"%s\" is not an int64", key, v);
+    if (!dsk__ckpt_parse_i64(v, out))
+        return dsk_set_error(DSK_ERR_CORRUPT, "dsk_ckpt_meta_i64: \"%s\" = \"%s\" is not an int64", key, v);
     return DSK_OK;
 }
 
@@ -2586,7 +5024,8 @@ DSK_API dsk_status dsk_ckpt_meta_f64(const dsk_ckpt_meta *m, const char *key, do
     if (!out) return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_meta_f64: out is NULL");
     if (!v) return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_meta_f64: no key \"%s\"", key ? key : "(null)");
     *out = strtod(v, &end);
-    if (!*v || *end) return dsk_set_error(DSK_ERR_CORRUPT, "dsk_ckpt_meta_f64: \"%s\" = \"%s\" is not a number", key, v);
+    if (!*v || *end)
+        return dsk_set_error(DSK_ERR_CORRUPT, "dsk_ckpt_meta_f64: \"%s\" = \"%s\" is not a number", key, v);
     return DSK_OK;
 }
 
@@ -2595,7 +5034,9 @@ DSK_API void dsk_ckpt_meta_free(dsk_ckpt_meta *m) {
     for (int i = 0; i < m->n; i++) { DSK_FREE(m->keys[i]); DSK_FREE(m->values[i]); }
     DSK_FREE(m->keys);
     DSK_FREE(m->values);
+    DSK_FREE(m->skipped_error);
     memset(m, 0, sizeof *m);
+    m->skipped_step = -1;
 }
 
 #endif /* DSK_CKPT_IMPLEMENTATION_DONE */

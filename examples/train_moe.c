@@ -904,6 +904,13 @@ static dsk_status ck_barrier(void *user) {
     return dsk_comm_barrier(&t->ck_comm, NULL);
 }
 
+/* Every rank gets the same checkpoint outcome: a max all-reduce of a few host words (the host
+   backend; NCCL would need device buffers, so it keeps the barrier). */
+static dsk_status ck_agree(void *user, int64_t *w, int n) {
+    trainer *t = (trainer *)user;
+    return dsk_comm_all_reduce(&t->ck_comm, NULL, w, w, n, DSK_I64, DSK_COMM_MAX);
+}
+
 static void ck_add(ck_names *c, const char *name, const char *suffix, dsk_tensor *tensor, const tm_param *p, const trainer *t) {
     snprintf(c->name[c->n], sizeof c->name[c->n], "%s%s", name, suffix);
     dsk_ckpt_entry *e = &c->e[c->n++];
@@ -1075,6 +1082,8 @@ static void setup_ckpt(trainer *t) {
     co.world_size = t->world;
     co.barrier = t->world > 1 ? ck_barrier : NULL;
     co.barrier_user = t;
+    co.agree = t->world > 1 && t->ck_comm.backend == DSK_COMM_HOST ? ck_agree : NULL;
+    co.agree_user = t;
     co.keep_last = o->keep;
     co.ctx = &t->ctx;
     CHECK(dsk_ckpt_init(&t->ck, o->ckpt_dir, &co));

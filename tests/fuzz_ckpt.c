@@ -2,7 +2,7 @@
    the JSON reader behind them: every input is parsed as a whole safetensors file
    (dsk_ckpt_file_parse) and as a checkpoint manifest. They must return a status with a
    message, never crash, leak or read out of bounds; what they accept must be consistent
-   (tensors inside the file, slices inside their tensor's rows and ranks).
+   (tensors inside the file, slices inside their tensor and naming one of the files).
    Build and run: `make fuzz` (scripts/fuzz.sh; clang -fsanitize=fuzzer,address,undefined).
    Seeds: tests/fuzz_corpus/. */
 #define DSK_TENSOR_IMPLEMENTATION
@@ -15,7 +15,7 @@
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 static void fuzz_manifest(const uint8_t *data, size_t size) {
-    dsk__ck_manifest m;
+    dsk__ckpt_manifest m;
     char path[] = "fuzz/manifest.json";
     dsk_clear_error();
     memset(&m, 0, sizeof m);
@@ -25,19 +25,22 @@ static void fuzz_manifest(const uint8_t *data, size_t size) {
     memcpy(m.path, path, sizeof path);
     if (size) memcpy(m.text, data, size);
     m.text[size] = 0;
-    if (dsk__ck_manifest_parse("fuzz", &m, size, -1) == DSK_OK) {
+    if (dsk__ckpt_manifest_parse("fuzz", &m, size, -1) == DSK_OK) {
         for (int i = 0; i < m.n_tensors; i++) {
-            const dsk__ck_mtensor *t = &m.tensors[i];
+            const dsk__ckpt_mtensor *t = &m.tensors[i];
             for (int k = 0; k < t->n_slices; k++) {
-                const dsk__ck_mslice *sl = &m.slices[t->first + k];
-                if (sl->rank < 0 || sl->rank >= m.world || sl->start > sl->end || (t->ndim && sl->end > t->shape[0])) abort();
+                const dsk__ckpt_mslice *sl = &m.slices[t->first + k];
+                if (sl->file < 0 || sl->file >= m.n_files) abort();
+                for (int d = 0; d < t->ndim; d++) /* the slice's box inside its tensor */
+                    if (sl->box[d] < 0 || sl->box[t->ndim + d] < 0 || sl->box[d] + sl->box[t->ndim + d] > t->shape[d])
+                        abort();
             }
-            if (dsk__ck_manifest_find(&m, t->name) != t) abort();
+            if (dsk__ckpt_manifest_find(&m, t->name) != t) abort();
         }
     } else if (!dsk_last_error()[0]) {
         abort();
     }
-    dsk__ck_manifest_free(&m);
+    dsk__ckpt_manifest_free(&m);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {

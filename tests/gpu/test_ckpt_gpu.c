@@ -45,13 +45,21 @@ static void poison_device(dsk_tensor *d) {
     dsk_tensor_free(NULL, &h);
 }
 
-/* CRC32C the file records for tensor name of checkpoint dir/step_<step>. */
+/* CRC32C the file records for tensor name of checkpoint dir/step_<step> (one rank: its only
+   file, "rank_00000.<nonce>.safetensors"). */
 static uint32_t recorded_crc(const char *dir, int64_t step, const char *name) {
-    char p[600];
+    char sd[600], p[900] = "";
     dsk_ckpt_file f;
     uint32_t crc = 0;
     int i;
-    snprintf(p, sizeof p, "%s/step_%08lld/rank_00000.safetensors", dir, (long long)step);
+    DIR *d;
+    struct dirent *de;
+    snprintf(sd, sizeof sd, "%s/step_%08lld", dir, (long long)step);
+    if ((d = opendir(sd)) != NULL) {
+        while ((de = readdir(d)) != NULL)
+            if (strncmp(de->d_name, "rank_00000.", 11) == 0) snprintf(p, sizeof p, "%s/%s", sd, de->d_name);
+        closedir(d);
+    }
     if (dsk_ckpt_file_open(&f, p) != DSK_OK) return 0;
     if ((i = dsk_ckpt_file_find(&f, name)) >= 0) crc = f.tensors[i].crc32c;
     dsk_ckpt_file_close(&f);
@@ -78,7 +86,8 @@ static void test_save_load_device(int async) {
     DSK_TEST_OK(dsk_ckpt_init(&ckd, dir_d, &o));
     DSK_TEST_OK(dsk_ckpt_init(&ckh, dir_h, NULL));
     {
-        dsk_ckpt_entry ed[2] = {{"a", &da, 0, 0, 0}, {"bt", &dbt, 0, 0, 0}}, eh[2] = {{"a", &ha, 0, 0, 0}, {"bt", &hbt, 0, 0, 0}};
+        dsk_ckpt_entry ed[2] = {{"a", &da, 0, 0, 0, NULL, NULL}, {"bt", &dbt, 0, 0, 0, NULL, NULL}},
+                       eh[2] = {{"a", &ha, 0, 0, 0, NULL, NULL}, {"bt", &hbt, 0, 0, 0, NULL, NULL}};
         if (async) {
             DSK_TEST_OK(dsk_ckpt_save_async(&ckd, 1, ed, 2, NULL, 0));
             DSK_TEST_OK(dsk_tensor_fill(&G, &da, 0.0)); /* training overwrites the weights at once */
@@ -90,14 +99,15 @@ static void test_save_load_device(int async) {
         DSK_TEST_OK(dsk_ckpt_save(&ckh, 1, eh, 2, NULL, 0));
     }
     DSK_TEST_EXPECT(recorded_crc(dir_d, 1, "a") == recorded_crc(dir_h, 1, "a"), "device and host saves of a differ");
-    DSK_TEST_EXPECT(recorded_crc(dir_d, 1, "bt") == recorded_crc(dir_h, 1, "bt"), "device and host saves of the transposed b differ");
+    DSK_TEST_EXPECT(recorded_crc(dir_d, 1, "bt") == recorded_crc(dir_h, 1, "bt"),
+                    "device and host saves of the transposed b differ");
     /* load into device tensors and compare with the host originals */
     DSK_TEST_OK(dsk_tensor_alloc(&G, &la, DSK_F32, 2, sa));
     DSK_TEST_OK(dsk_tensor_alloc(&G, &lb, DSK_BF16, 2, hbt.shape));
     poison_device(&la);
     poison_device(&lb);
     {
-        dsk_ckpt_entry el[2] = {{"a", &la, 0, 0, 0}, {"bt", &lb, 0, 0, 0}};
+        dsk_ckpt_entry el[2] = {{"a", &la, 0, 0, 0, NULL, NULL}, {"bt", &lb, 0, 0, 0, NULL, NULL}};
         DSK_TEST_OK(dsk_ckpt_load(&ckd, 1, el, 2, NULL));
     }
     to_host(&back_a, &la);
@@ -134,7 +144,7 @@ static void test_cast_on_load(void) {
     o.allow_cast = 1;
     DSK_TEST_OK(dsk_ckpt_init(&ck, dir, &o));
     {
-        dsk_ckpt_entry e = {"w", &h, 0, 0, 0};
+        dsk_ckpt_entry e = {"w", &h, 0, 0, 0, NULL, NULL};
         DSK_TEST_OK(dsk_ckpt_save(&ck, 3, &e, 1, NULL, 0));
     }
     DSK_TEST_OK(dsk_tensor_alloc(&G, &dev_bf16, DSK_BF16, 2, s));
@@ -142,14 +152,17 @@ static void test_cast_on_load(void) {
     poison_device(&dev_bf16);
     dsk_test_poison_bytes(host_bf16.data, dsk_tensor_nbytes(&host_bf16));
     {
-        dsk_ckpt_entry ed = {"w", &dev_bf16, 0, 0, 0}, eh = {"w", &host_bf16, 0, 0, 0};
+        dsk_ckpt_entry ed = {"w", &dev_bf16, 0, 0, 0, NULL, NULL}, eh = {"w", &host_bf16, 0, 0, 0, NULL, NULL};
         DSK_TEST_OK(dsk_ckpt_load(&ck, 3, &ed, 1, NULL));
         DSK_TEST_OK(dsk_ckpt_load(&ck, 3, &eh, 1, NULL));
     }
     to_host(&back, &dev_bf16);
     DSK_TEST_SAME_BYTES(back.data, host_bf16.data, dsk_tensor_nbytes(&back), "bf16 cast on load, device vs host");
     dsk_ckpt_free(&ck);
-    dsk_tensor_free(NULL, &h); dsk_tensor_free(&G, &dev_bf16); dsk_tensor_free(NULL, &host_bf16); dsk_tensor_free(NULL, &back);
+    dsk_tensor_free(NULL, &h);
+    dsk_tensor_free(&G, &dev_bf16);
+    dsk_tensor_free(NULL, &host_bf16);
+    dsk_tensor_free(NULL, &back);
 }
 
 int main(void) {

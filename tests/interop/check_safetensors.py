@@ -2,6 +2,9 @@
 
     check_safetensors.py read-dsk DIR   checks the files st_tool wrote with dsk
     check_safetensors.py write-py DIR   writes files for st_tool to read with dsk
+    check_safetensors.py edge-cases DIR writes header edge cases with the reference's verdicts
+    check_safetensors.py hf-write-py DIR writes a DeepSeek-layout sharded model with its index
+    check_safetensors.py hf-read-dsk DIR checks the sharded model st_tool exported
 
 Prints one "ok <case>" or "FAIL <case>: <why>" line per case. numpy has no bfloat16 or fp8,
 so safetensors.numpy.load_file refuses those files; they are read through the package's
@@ -146,15 +149,18 @@ def read_dsk(d):
         report(f.metadata().get("purpose") == "interop", "safe_open reads the metadata", str(f.metadata()))
     # 3. a dsk checkpoint: its rank file is a safetensors file, its manifest is JSON
     step = os.path.join(d, "ckpt", "step_00000042")
-    rank0 = os.path.join(step, "rank_00000.safetensors")
+    text = open(os.path.join(step, "manifest.json"), "rb").read()
+    man = json.loads(text)
+    fe = man["files"][0]
+    rank0 = os.path.join(step, f"rank_{fe['rank']:05d}.{fe['attempt']}.safetensors")
+    report(text.endswith(b'"}\n') and int(text[-11:-3], 16) == crc32c(text[:-22]) and int(man["crc32c"], 16) == crc32c(text[:-22]),
+           "manifest: its last line holds the CRC32C of the text before it", text[-24:].decode())
     parsed = dict(safetensors.deserialize(open(rank0, "rb").read()))
     report(all(bytes(parsed[n]["data"]) == open(os.path.join(d, "expect", n + ".bin"), "rb").read() for n, _, _, _ in idx),
            "safetensors.deserialize reads the checkpoint's rank file")
     with safe_open(rank0, framework="numpy") as f:
         m = f.metadata()
         report(m.get("dsk.step") == "42" and m.get("dsk.rank") == "0" and m.get("dsk.world_size") == "1", "rank file metadata", str(m)[:200])
-    man = json.load(open(os.path.join(step, "manifest.json")))
-    fe = man["files"][0]
     whole = open(rank0, "rb").read()
     report(man["step"] == 42 and man["world_size"] == 1 and fe["size"] == len(whole) and int(fe["crc32c"], 16) == crc32c(whole),
            "manifest: step, world size, file size and whole-file CRC32C", json.dumps(fe))
@@ -199,6 +205,143 @@ def write_py(d):
     report(True, "python writes safetensors files for dsk")
 
 
+def raw_file(header, data=b""):
+    """A safetensors file from a header string, padded with spaces as the reference pads."""
+    hb = header.encode()
+    hb += b" " * ((8 - len(hb) % 8) % 8)
+    return len(hb).to_bytes(8, "little") + hb + data
+
+
+# Edge cases of the header format: the reference parser's verdict is taken from the package at
+# run time; the last column is what dsk must answer: "same" (accept what it accepts, refuse
+# with DSK_ERR_CORRUPT what it refuses) or a documented difference (dsk_ckpt.h, dsk_ckpt_file).
+EDGE_CASES = [
+    ("minus_zero_dim", '{"a":{"dtype":"U8","shape":[-0],"data_offsets":[0,0]}}', b"", "same"),
+    ("minus_zero_offset", '{"a":{"dtype":"U8","shape":[0],"data_offsets":[-0,0]}}', b"", "same"),
+    ("metadata_null", '{"__metadata__":null,"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"x", "same"),
+    ("float_dim", '{"a":{"dtype":"U8","shape":[1.0],"data_offsets":[0,1]}}', b"x", "same"),
+    ("exponent_dim", '{"a":{"dtype":"U8","shape":[1e0],"data_offsets":[0,1]}}', b"x", "same"),
+    ("bool_dim", '{"a":{"dtype":"U8","shape":[true],"data_offsets":[0,1]}}', b"x", "same"),
+    ("dim_beyond_u64", '{"a":{"dtype":"U8","shape":[18446744073709551616],"data_offsets":[0,1]}}', b"x", "same"),
+    ("metadata_twice", '{"__metadata__":{},"__metadata__":{}}', b"", "same"),
+    ("metadata_number", '{"__metadata__":{"k":1}}', b"", "same"),
+    ("leading_space", ' {"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"x", "same"),
+    ("empty_name", '{"":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"x", "same"),
+    ("scalar", '{"a":{"dtype":"F32","shape":[],"data_offsets":[0,4]}}', b"abcd", "same"),
+    ("gap", '{"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}', b"xx", "same"),
+    ("trailing_bytes", '{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"xy", "same"),
+    ("unknown_dtype", '{"a":{"dtype":"F7","shape":[1],"data_offsets":[0,1]}}', b"x", "same"),
+    ("nul_in_name", '{"a\\u0000b":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"x", "UNSUPPORTED"),
+    ("nul_in_metadata", '{"__metadata__":{"k":"a\\u0000b"}}', b"", "UNSUPPORTED"),
+    ("nine_dims", '{"a":{"dtype":"U8","shape":[1,1,1,1,1,1,1,1,1],"data_offsets":[0,1]}}', b"x", "UNSUPPORTED"),
+    ("duplicate_name", '{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
+     b"x", "CORRUPT"),
+    ("unknown_field", '{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":1}}', b"x", "CORRUPT"),
+    ("duplicate_metadata_key", '{"__metadata__":{"k":"a","k":"b"}}', b"", "CORRUPT"),
+]
+
+
+def edge_cases(d):
+    """Writes each edge case, asks the reference parser for its verdict, and lists both for st_tool."""
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "edge_cases.txt"), "w") as out:
+        for name, header, data, dsk_answer in EDGE_CASES:
+            blob = raw_file(header, data)
+            open(os.path.join(d, f"edge_{name}.safetensors"), "wb").write(blob)
+            try:
+                safetensors.deserialize(blob)
+                verdict = "ACCEPT"
+            except Exception:  # the reference refuses the file
+                verdict = "REJECT"
+            if dsk_answer != "same":  # a documented difference: the reference must accept it
+                report(verdict == "ACCEPT", f"reference accepts edge case {name} (dsk answers {dsk_answer})", verdict)
+            out.write(f"edge_{name}.safetensors {verdict} {dsk_answer}\n")
+    report(True, f"python wrote {len(EDGE_CASES)} header edge cases with the reference's verdicts")
+
+
+# A DeepSeek-V3-style model, as transformers lays its weights out: layer 0 dense, layers 1-2
+# MoE with 4 routed experts (one tensor per expert and projection) and one shared expert.
+HF_E, HF_D, HF_F, HF_V = 4, 8, 6, 16
+
+
+def hf_tensors():
+    """(name, safetensors dtype, shape) of the model, in transformers' order."""
+    out = [("model.embed_tokens.weight", "F32", [HF_V, HF_D])]
+    for layer in (1, 2):
+        p = f"model.layers.{layer}.mlp"
+        out += [(f"{p}.gate.weight", "F32", [HF_E, HF_D]), (f"{p}.gate.e_score_correction_bias", "F32", [HF_E])]
+        for e in range(HF_E):
+            out += [(f"{p}.experts.{e}.gate_proj.weight", "BF16", [HF_F, HF_D]), (f"{p}.experts.{e}.up_proj.weight", "BF16", [HF_F, HF_D]),
+                    (f"{p}.experts.{e}.down_proj.weight", "BF16", [HF_D, HF_F])]
+        out += [(f"{p}.shared_experts.gate_proj.weight", "BF16", [HF_F, HF_D]), (f"{p}.shared_experts.up_proj.weight", "BF16", [HF_F, HF_D]),
+                (f"{p}.shared_experts.down_proj.weight", "BF16", [HF_D, HF_F])]
+    return out
+
+
+def hf_write_py(d):
+    """Writes the model as 3 shards and model.safetensors.index.json, as save_pretrained does,
+    with the raw bytes of every tensor in hf_expect/ for st_tool to compare."""
+    os.makedirs(os.path.join(d, "hf_expect"), exist_ok=True)
+    rng = np.random.default_rng(int(os.environ.get("DSK_TEST_SEED", "20261129")) + 17)
+    tensors = hf_tensors()
+    n_shards = 3
+    weight_map, total = {}, 0
+    for k in range(n_shards):
+        part = tensors[k::n_shards]
+        arrays = {}
+        for name, st, shape in part:
+            if st == "F32":
+                a = rng.standard_normal(shape).astype(np.float32)
+                arrays[name] = ("float32", a)
+            else:  # bf16: random bit patterns of finite values (numpy has no bfloat16)
+                a = (rng.integers(0, 2**15, shape, dtype=np.int64) | (rng.integers(0, 2, shape) << 15)).astype(np.uint16)
+                a[(a & 0x7F80) == 0x7F80] &= 0xBFFF
+                arrays[name] = ("bfloat16", a)
+            open(os.path.join(d, "hf_expect", name + ".bin"), "wb").write(np.ascontiguousarray(arrays[name][1]).tobytes())
+            total += arrays[name][1].nbytes
+        shard = f"model-{k + 1:05d}-of-{n_shards:05d}.safetensors"
+        specs = {n: safetensors.TensorSpec(dtype=t, shape=list(a.shape), data_ptr=a.ctypes.data, data_len=a.nbytes) for n, (t, a) in arrays.items()}
+        safetensors.serialize_file(specs, os.path.join(d, shard), metadata={"format": "pt"})
+        for name in arrays:
+            weight_map[name] = shard
+    with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    report(True, f"python writes a DeepSeek-layout model: {len(tensors)} tensors in {n_shards} shards with an index")
+
+
+def hf_read_dsk(d):
+    """Checks dsk's export as transformers would read it: the index, every shard through the
+    package's parser, names, dtypes, shapes and bytes against what st_tool says it wrote."""
+    index = json.load(open(os.path.join(d, "model.safetensors.index.json")))
+    wm = index["weight_map"]
+    expect = {}
+    with open(os.path.join(d, "hf_list.txt")) as f:
+        for line in f:
+            p = line.split()
+            expect[p[0]] = (p[1], [int(x) for x in p[3 : 3 + int(p[2])]])
+    report(set(wm) == set(expect), "index weight_map names every tensor dsk wrote, no more", f"{len(wm)} vs {len(expect)}")
+    seen, total = {}, 0
+    for shard in sorted(set(wm.values())):
+        path = os.path.join(d, shard)
+        try:
+            parsed = dict(safetensors.deserialize(open(path, "rb").read()))
+        except Exception as e:  # the reference refused dsk's shard
+            report(False, f"safetensors.deserialize reads {shard}", repr(e))
+            continue
+        with safe_open(path, framework="numpy") as f:
+            report(f.metadata().get("format") == "pt", f"{shard} has the metadata format=pt transformers asks for", str(f.metadata())[:120])
+        for name, t in parsed.items():
+            seen[name] = shard
+            total += len(bytes(t["data"]))
+            st, shape = expect.get(name, ("?", []))
+            raw = open(os.path.join(d, "hf_expect", name + ".bin"), "rb").read() if name in expect else b""
+            ok = t["dtype"] == st and list(t["shape"]) == shape and bytes(t["data"]) == raw
+            report(ok, f"{shard}: {name} {st} {shape}", f"file has {t['dtype']} {t['shape']}")
+    report(seen == wm, "every tensor sits in the shard the index names", "")
+    report(index["metadata"]["total_size"] == total, "index total_size is the tensors' bytes", f"{index['metadata']['total_size']} vs {total}")
+
+
 if __name__ == "__main__":
-    {"read-dsk": read_dsk, "write-py": write_py}[sys.argv[1]](sys.argv[2])
+    {"read-dsk": read_dsk, "write-py": write_py, "edge-cases": edge_cases, "hf-write-py": hf_write_py,
+     "hf-read-dsk": hf_read_dsk}[sys.argv[1]](sys.argv[2])
     sys.exit(1 if failures else 0)

@@ -3,6 +3,10 @@
                          of every tensor (plain fwrite) and an index for the Python checker
      st_tool read DIR    reads the files the Python package wrote into DIR with dsk and
                          compares every tensor with the raw bytes Python left beside them
+     st_tool cases DIR   opens the header edge cases Python wrote and checks dsk's answer
+                         against the reference parser's verdict
+     st_tool hf-read DIR reads the DeepSeek-layout sharded model Python wrote, experts stacked
+     st_tool hf-write DIR exports stacked experts in that layout, sharded, for Python to check
    Prints one "ok <case>" or "FAIL <case>: <why>" line per case. */
 #define DSK_TENSOR_IMPLEMENTATION
 #define DSK_CKPT_IMPLEMENTATION
@@ -43,7 +47,9 @@ static int dsk_of(const char *st) {
     return -1;
 }
 
-static int numpy_native(dsk_dtype dt) { return dt == DSK_F32 || dt == DSK_F16 || dt == DSK_F64 || dt == DSK_I32 || dt == DSK_I64 || dt == DSK_U8; }
+static int numpy_native(dsk_dtype dt) {
+    return dt == DSK_F32 || dt == DSK_F16 || dt == DSK_F64 || dt == DSK_I32 || dt == DSK_I64 || dt == DSK_U8;
+}
 
 /* The values both sides compute: floats sin(0.37 i + 0.11 k) * 3, ints (7 i + 3 k) mod 200
    (minus 100 for signed types). The Python checker has its own copy of this formula. */
@@ -106,15 +112,16 @@ static int do_write(const char *dir) {
     snprintf(path, sizeof path, "%s/dsk_numpy.safetensors", dir);
     report(dsk_ckpt_file_save(NULL, path, np, n_np, kv, 2) == DSK_OK, "dsk writes the numpy dtypes", dsk_last_error());
     snprintf(path, sizeof path, "%s/ckpt", dir);
-    report(dsk_ckpt_init(&ck, path, NULL) == DSK_OK && dsk_ckpt_save(&ck, 42, all, n, kv, 2) == DSK_OK, "dsk writes a checkpoint",
-           dsk_last_error());
+    report(dsk_ckpt_init(&ck, path, NULL) == DSK_OK && dsk_ckpt_save(&ck, 42, all, n, kv, 2) == DSK_OK,
+           "dsk writes a checkpoint", dsk_last_error());
     dsk_ckpt_free(&ck);
     for (int i = 0; i < n; i++) dsk_tensor_free(NULL, &t[i]);
     return failures != 0;
 }
 
 /* Reads one tensor of a Python-written file and compares it with Python's raw bytes. */
-static void read_one(const char *dir, dsk_ckpt_file *f, const char *name, const char *st, int ndim, const int64_t *shape) {
+static void read_one(const char *dir, dsk_ckpt_file *f, const char *name, const char *st, int ndim,
+                     const int64_t *shape) {
     char path[1024], what[256], why[1200];
     int d = dsk_of(st);
     dsk_tensor t;
@@ -141,7 +148,8 @@ static void read_one(const char *dir, dsk_ckpt_file *f, const char *name, const 
     want = (unsigned char *)malloc(n + 1);
     raw = fopen(path, "rb");
     if (s != DSK_OK) snprintf(why, sizeof why, "%s", dsk_last_error());
-    else if (!raw || fread(want, 1, n + 1, raw) != n) snprintf(why, sizeof why, "raw file %s missing or of another size", path);
+    else if (!raw || fread(want, 1, n + 1, raw) != n)
+        snprintf(why, sizeof why, "raw file %s missing or of another size", path);
     else if (memcmp(want, t.data, n) != 0) snprintf(why, sizeof why, "bytes differ");
     else why[0] = 0;
     report(!why[0], what, why);
@@ -163,7 +171,8 @@ static int do_read(const char *dir) {
     }
     {
         const char *fw = dsk_ckpt_file_meta(&files[0], "framework");
-        report(fw && strcmp(fw, "numpy-interop") == 0, "dsk reads __metadata__ written by Python", fw ? fw : "(missing)");
+        report(fw && strcmp(fw, "numpy-interop") == 0, "dsk reads __metadata__ written by Python",
+               fw ? fw : "(missing)");
     }
     snprintf(path, sizeof path, "%s/py_index.txt", dir);
     if (!(idx = fopen(path, "r"))) { report(0, "read py_index.txt", path); return 1; }
@@ -179,10 +188,190 @@ static int do_read(const char *dir) {
     return failures != 0;
 }
 
+/* Opens each edge-case file Python wrote and compares dsk's answer with the reference's
+   verdict, or with the documented difference the case names. */
+static int do_cases(const char *dir) {
+    char path[1024], file[256], verdict[16], want[16], what[400], why[1400];
+    FILE *idx;
+    int n = 0;
+    snprintf(path, sizeof path, "%s/edge_cases.txt", dir);
+    if (!(idx = fopen(path, "r"))) { report(0, "read edge_cases.txt", path); return 1; }
+    while (fscanf(idx, "%255s %15s %15s", file, verdict, want) == 3) {
+        dsk_ckpt_file f;
+        dsk_status s, expect;
+        snprintf(path, sizeof path, "%s/%s", dir, file);
+        s = dsk_ckpt_file_open(&f, path);
+        if (strcmp(want, "same") == 0) expect = strcmp(verdict, "ACCEPT") == 0 ? DSK_OK : DSK_ERR_CORRUPT;
+        else expect = strcmp(want, "UNSUPPORTED") == 0 ? DSK_ERR_UNSUPPORTED : DSK_ERR_CORRUPT;
+        snprintf(what, sizeof what, "dsk answers %s on %s (reference: %s)", dsk_status_str(expect), file, verdict);
+        snprintf(why, sizeof why, "dsk: %s: %s", dsk_status_str(s), s == DSK_OK ? "" : dsk_last_error());
+        report(s == expect, what, why);
+        dsk_ckpt_file_close(&f);
+        n++;
+    }
+    fclose(idx);
+    report(n > 0, "edge cases read", "none listed");
+    return failures != 0;
+}
+
+/* The DeepSeek-layout model of check_safetensors.py (hf_tensors): 4 experts, d 8, f 6. */
+#define HF_E 4
+#define HF_D 8
+#define HF_F 6
+#define HF_V 16
+
+/* Bytes of file `name`.bin in dir/hf_expect, compared with n bytes at p. */
+static int same_as_expect(const char *dir, const char *name, const void *p, size_t n) {
+    char path[1200];
+    unsigned char *want = (unsigned char *)malloc(n + 1);
+    FILE *f;
+    int ok;
+    snprintf(path, sizeof path, "%s/hf_expect/%s.bin", dir, name);
+    f = fopen(path, "rb");
+    ok = f && want && fread(want, 1, n + 1, f) == n && memcmp(want, p, n) == 0;
+    if (f) fclose(f);
+    free(want);
+    return ok;
+}
+
+/* The dsk side of the model: each layer's router, bias, stacked w1 w3 (E, F, D) and w2
+   (E, D, F), shared w1 w3 (F, D) and w2 (D, F), plus the embedding. */
+typedef struct hf_model {
+    dsk_tensor t[2][8], embed;
+    char names[2][8][160];
+    dsk_ckpt_hf_entry e[17];
+    int n;
+} hf_model;
+
+static void hf_model_init(hf_model *m, int fill) {
+    static const char *params[8] = {"router", "bias", "w1", "w3", "w2", "shared.w1", "shared.w3", "shared.w2"};
+    const int64_t shapes[8][3] = {{HF_E, HF_D},       {HF_E},       {HF_E, HF_F, HF_D}, {HF_E, HF_F, HF_D},
+                                  {HF_E, HF_D, HF_F}, {HF_F, HF_D}, {HF_F, HF_D},       {HF_D, HF_F}};
+    const int ndims[8] = {2, 1, 3, 3, 3, 2, 2, 2};
+    const int64_t se[2] = {HF_V, HF_D};
+    m->n = 0;
+    for (int l = 0; l < 2; l++)
+        for (int i = 0; i < 8; i++) {
+            dsk_tensor *t = &m->t[l][i];
+            dsk_ckpt_hf_entry *e = &m->e[m->n++];
+            dsk_tensor_alloc(NULL, t, i < 2 ? DSK_F32 : DSK_BF16, ndims[i], shapes[i]);
+            memset(t->data, 0xA5, dsk_tensor_nbytes(t));
+            if (fill) {
+                dsk_tensor f64;
+                dsk_tensor_alloc(NULL, &f64, DSK_F64, ndims[i], shapes[i]);
+                for (int64_t k = 0; k < dsk_tensor_numel(&f64); k++)
+                    ((double *)f64.data)[k] = value(DSK_F32, k, 10 * l + i);
+                dsk_tensor_copy(NULL, t, &f64);
+                dsk_tensor_free(NULL, &f64);
+            }
+            dsk_ckpt_hf_deepseek_name(m->names[l][i], sizeof m->names[l][i], l + 1, params[i]);
+            e->name = m->names[l][i];
+            e->tensor = t;
+            e->stacked = i >= 2 && i <= 4;
+            e->expert0 = 0;
+        }
+    dsk_tensor_alloc(NULL, &m->embed, DSK_F32, 2, se);
+    memset(m->embed.data, 0xA5, dsk_tensor_nbytes(&m->embed));
+    if (fill)
+        for (int64_t k = 0; k < HF_V * HF_D; k++) ((float *)m->embed.data)[k] = (float)value(DSK_F32, k, 99);
+    m->e[m->n].name = "model.embed_tokens.weight";
+    m->e[m->n].tensor = &m->embed;
+    m->e[m->n].stacked = 0;
+    m->e[m->n++].expert0 = 0;
+}
+
+static void hf_model_free(hf_model *m) {
+    for (int l = 0; l < 2; l++)
+        for (int i = 0; i < 8; i++) dsk_tensor_free(NULL, &m->t[l][i]);
+    dsk_tensor_free(NULL, &m->embed);
+}
+
+/* Reads the model Python wrote in the DeepSeek layout, experts stacked as dsk keeps them,
+   and compares every expert's rows with Python's bytes. */
+static int do_hf_read(const char *dir) {
+    hf_model m;
+    dsk_ckpt_hf h;
+    char name[200], why[1200];
+    dsk_status s;
+    hf_model_init(&m, 0);
+    s = dsk_ckpt_hf_open(&h, dir);
+    report(s == DSK_OK, "dsk opens the sharded model through its index", dsk_last_error());
+    if (s == DSK_OK) {
+        s = dsk_ckpt_hf_read(&h, NULL, m.e, m.n, 0);
+        snprintf(why, sizeof why, "%s", dsk_last_error());
+        report(s == DSK_OK && h.n_shards == 3,
+               "dsk reads every tensor, per-expert ones into stacked (E, F, D) and (E, D, F)", why);
+    }
+    for (int i = 0; i < m.n && s == DSK_OK; i++) {
+        const dsk_ckpt_hf_entry *e = &m.e[i];
+        int64_t count = e->stacked ? e->tensor->shape[0] : 1;
+        size_t per = dsk_tensor_nbytes(e->tensor) / (size_t)count;
+        for (int64_t x = 0; x < count; x++) {
+            const char *at = strstr(e->name, "{E}");
+            if (e->stacked)
+                snprintf(name, sizeof name, "%.*s%lld%s", (int)(at - e->name), e->name, (long long)x, at + 3);
+            else snprintf(name, sizeof name, "%s", e->name);
+            report(same_as_expect(dir, name, (const char *)e->tensor->data + x * per, per), name,
+                   "bytes differ from Python's");
+        }
+    }
+    dsk_ckpt_hf_close(&h);
+    hf_model_free(&m);
+    return failures != 0;
+}
+
+/* Exports the model in the DeepSeek layout in shards of at most 1 KB, with the bytes of each
+   per-expert tensor and a list of names, dtypes and shapes for the Python checker. */
+static int do_hf_write(const char *dir) {
+    hf_model m;
+    char path[1200], name[200];
+    FILE *list;
+    dsk_status s;
+    mkdir(dir, 0755);
+    snprintf(path, sizeof path, "%s/hf_expect", dir);
+    mkdir(path, 0755);
+    hf_model_init(&m, 1);
+    s = dsk_ckpt_hf_save(NULL, dir, m.e, m.n, NULL, 0, 1024);
+    report(s == DSK_OK, "dsk exports the stacked experts in the DeepSeek layout, sharded, with an index",
+           dsk_last_error());
+    snprintf(path, sizeof path, "%s/hf_list.txt", dir);
+    if (!(list = fopen(path, "w"))) { report(0, "write hf_list.txt", path); hf_model_free(&m); return 1; }
+    for (int i = 0; i < m.n; i++) {
+        const dsk_ckpt_hf_entry *e = &m.e[i];
+        int64_t count = e->stacked ? e->tensor->shape[0] : 1;
+        size_t per = dsk_tensor_nbytes(e->tensor) / (size_t)count;
+        for (int64_t x = 0; x < count; x++) {
+            const char *at = strstr(e->name, "{E}");
+            int nd = e->stacked ? e->tensor->ndim - 1 : e->tensor->ndim;
+            const int64_t *sh = e->stacked ? e->tensor->shape + 1 : e->tensor->shape;
+            if (e->stacked)
+                snprintf(name, sizeof name, "%.*s%lld%s", (int)(at - e->name), e->name, (long long)x, at + 3);
+            else snprintf(name, sizeof name, "%s", e->name);
+            fprintf(list, "%s %s %d", name, st_name(e->tensor->dtype), nd);
+            for (int d = 0; d < nd; d++) fprintf(list, " %lld", (long long)sh[d]);
+            fprintf(list, "\n");
+            snprintf(path, sizeof path, "%s/hf_expect/%s.bin", dir, name);
+            {
+                FILE *f = fopen(path, "wb");
+                if (!f || fwrite((const char *)e->tensor->data + x * per, 1, per, f) != per)
+                    report(0, "write expected bytes", path);
+                if (f) fclose(f);
+            }
+        }
+    }
+    fclose(list);
+    hf_model_free(&m);
+    return failures != 0;
+}
+
 int main(int argc, char **argv) {
-    if (argc != 3 || (strcmp(argv[1], "write") && strcmp(argv[1], "read"))) {
-        fprintf(stderr, "usage: st_tool write|read DIR\n");
+    if (argc != 3 || (strcmp(argv[1], "write") && strcmp(argv[1], "read") && strcmp(argv[1], "cases") &&
+                      strcmp(argv[1], "hf-read") && strcmp(argv[1], "hf-write"))) {
+        fprintf(stderr, "usage: st_tool write|read|cases|hf-read|hf-write DIR\n");
         return 2;
     }
+    if (strcmp(argv[1], "cases") == 0) return do_cases(argv[2]);
+    if (strcmp(argv[1], "hf-read") == 0) return do_hf_read(argv[2]);
+    if (strcmp(argv[1], "hf-write") == 0) return do_hf_write(argv[2]);
     return strcmp(argv[1], "write") == 0 ? do_write(argv[2]) : do_read(argv[2]);
 }
