@@ -1,9 +1,11 @@
 /* dsk_comm.h - ranks, bootstrap, backends (host TCP, NCCL), collectives, groups, gradient buckets.
 
    Usage: #define DSK_COMM_IMPLEMENTATION in exactly one .c file before including. The
-   implementation needs POSIX (sockets, poll, pthreads): include this header first in that
-   file, or compile with -D_GNU_SOURCE / -D_POSIX_C_SOURCE=200809L. Link with -lpthread
-   (and -lnccl -lcudart under DSK_CUDA).
+   implementation needs POSIX (sockets, poll, pthreads, shm_open) and GCC or Clang (the shared-
+   memory rings use the __atomic builtins, the C11 memory model in C and C++ alike): include
+   this header first in that file, or compile with -D_GNU_SOURCE (Linux: enables the one-copy
+   pull of large messages) or -D_POSIX_C_SOURCE=200809L. Link with -lpthread (and -lnccl
+   -lcudart under DSK_CUDA).
    Options: DSK_STATIC, DSK_MALLOC/DSK_FREE, DSK_CUDA (adds the nccl backend), DSK_NO_CUDA.
 
        dsk_comm c;
@@ -20,9 +22,22 @@
    pass through it. dsk_comm_spawn_local() starts n ranks on this machine with the
    environment filled in, the way torchrun does.
 
-   Backends, one API. host: CPU buffers over TCP between every pair of ranks (works across
-   machines). nccl (DSK_CUDA): device buffers on ctx->stream, a nonblocking communicator so
-   init and every call is bounded by the timeout, ncclCommAbort on timeout or error.
+   Backends, one API. host: CPU buffers; ranks on one host exchange through shared memory,
+   ranks on different hosts over TCP, and a communicator mixes both (see "shared memory" in
+   the implementation). nccl (DSK_CUDA): device buffers on ctx->stream, a nonblocking
+   communicator so init and every call is bounded by the timeout, ncclCommAbort on timeout or
+   error.
+
+   Nodes. Ranks that report the same host identity (opts.host_id) form a node; nodes are
+   numbered in the order of their lowest rank (dsk_comm.node, n_nodes, node_rank, node_size).
+   Host backend: ranks of one node share memory unless opts.transport says TCP.
+
+   Expert-parallel routes (dsk_comm_route_*): rows with up to k destination ranks each, sent
+   in one flat all-to-all-v or, on a communicator that spans nodes, in two hops: a row crosses
+   to each destination node once, to the rank with the same node_rank there, which fans it
+   out inside the node (DeepSeek-V3 / DeepEP). Node-limited routing (at most M nodes per
+   token) needs nothing here: give dsk_moe's router n_group = n_nodes groups in rank order
+   (experts of node g = group g, as expert parallelism places them) and topk_group = M.
 
    Semantics of the host backend (the reference the tests check exactly):
    - Counts are elements, never bytes. send == recv means in place.
@@ -43,7 +58,9 @@
      mismatched calls on different ranks fail with DSK_ERR_PEER naming both sides. Rooted
      collectives exchange at least a header between every pair of ranks, so ranks that name
      different roots all fail in that call.
-   - Every wait ends by opts.timeout_s: DSK_ERR_TIMEOUT or DSK_ERR_PEER naming the rank.
+   - Every wait ends by opts.timeout_s: DSK_ERR_TIMEOUT or DSK_ERR_PEER naming the rank. A
+     shared-memory wait spins for 20 us (no system call), then yields the CPU between looks
+     up to 2 ms, then sleeps until a peer wakes it.
      After such an error the communicator is unusable (DSK_ERR_STATE) until freed; the
      error is published in the store and the sockets are half-closed, so peers fail fast
      and report the root cause ("rank 1 hung up ... after its own error: ..."). Rank 0
@@ -56,13 +73,13 @@
    License: MIT, see the end of the file. */
 /* Contents. Each section starts with a rule comment "---- <title>"; search for the title.
    Declarations: types and options; communicators: init, free, split; collectives; tensor
-   forms; the bootstrap store; local launcher; gradient buckets.
+   forms; expert-parallel routes; the bootstrap store; local launcher; gradient buckets.
    Implementation (after the "implementation" rule): small helpers; the key-value store
-   server; communicator state; store client; the host backend's I/O engine; reductions (fixed
-   rank order); host collectives; bootstrap and mesh; init; collectives; split; tensor forms;
-   local launcher; gradient buckets. */
+   server; communicator state; store client; shared memory; the host backend's I/O engine;
+   reductions (fixed rank order); host collectives; bootstrap and mesh; init; collectives;
+   split; tensor forms; expert-parallel routes; local launcher; gradient buckets. */
 #if defined(DSK_COMM_IMPLEMENTATION) && !defined(_GNU_SOURCE) && !defined(_POSIX_C_SOURCE)
-#define _POSIX_C_SOURCE 200809L
+#define _GNU_SOURCE
 #endif
 /* With DSK_STATIC every dsk function is static, so this file must also compile dsk_tensor.h's. */
 #if defined(DSK_STATIC) && defined(DSK_COMM_IMPLEMENTATION) && !defined(DSK_TENSOR_IMPLEMENTATION)
@@ -87,6 +104,12 @@ typedef enum dsk_comm_op { DSK_COMM_SUM = 0, DSK_COMM_AVG, DSK_COMM_MAX, DSK_COM
 
 #define DSK_COMM_NO_COLOR (-1) /* dsk_comm_split: this rank joins no sub-group */
 
+/* How the host backend reaches the other ranks. */
+typedef enum dsk_comm_transport {
+    DSK_COMM_TRANSPORT_AUTO = 0, /* shared memory with ranks of this node, TCP with the others */
+    DSK_COMM_TRANSPORT_TCP       /* TCP with every rank (a pair uses shared memory only if both allow it) */
+} dsk_comm_transport;
+
 /* Zero fields take the defaults in brackets. */
 typedef struct dsk_comm_opts {
     dsk_comm_backend backend; /* [DSK_COMM_AUTO] */
@@ -102,11 +125,19 @@ typedef struct dsk_comm_opts {
        init_env: [DSK_JOB_ID, else the launcher's: TORCHELASTIC_RUN_ID, PMIX_NAMESPACE or
        OMPI_MCA_orte_hnp_uri (Open MPI), SLURM_JOB_ID.SLURM_STEP_ID]. At most 200 characters. */
     const char *job_id;
+    dsk_comm_transport transport; /* [DSK_COMM_TRANSPORT_AUTO] host backend */
+    /* Identity of this rank's host: ranks with the same one form a node and (host backend)
+       share memory. [DSK_HOST_ID, else the kernel's boot id and the host name]. Setting it
+       emulates several hosts on one machine (tests do). At most 120 characters. */
+    const char *host_id;
 } dsk_comm_opts;
 
-/* Bytes this rank sent and received, calls, and seconds spent inside collectives. */
+/* Bytes this rank sent and received (headers included), calls, and seconds spent inside
+   collectives. bytes_sent_off_node: the part of bytes_sent that went to ranks on other nodes
+   (host backend; the routes count their rows on nccl too). */
 typedef struct dsk_comm_stats {
     uint64_t bytes_sent, bytes_received;
+    uint64_t bytes_sent_off_node;
     int64_t calls;
     double seconds;
 } dsk_comm_stats;
@@ -115,7 +146,10 @@ typedef struct dsk__comm_impl dsk__comm_impl;
 /* A communicator; the caller owns the struct, dsk_comm_init fills it. */
 typedef struct dsk_comm {
     int rank, world_size;
-    int local_rank, local_world_size;
+    int local_rank, local_world_size; /* as the launcher (or opts) gave them: GPU selection */
+    int node, n_nodes;                /* this rank's node (same host identity) and the node count */
+    int node_rank, node_size;         /* index among its node's ranks (in rank order) and their count */
+    int shm_peers;                    /* host: peers reached through shared memory (the others: TCP) */
     dsk_comm_backend backend; /* DSK_COMM_HOST or DSK_COMM_NCCL once initialised */
     dsk_comm_stats stats;     /* host backend: updated by every call */
     dsk__comm_impl *impl;
@@ -292,10 +326,14 @@ DSK_API const char *dsk_comm_op_name(dsk_comm_op op); /* "sum", "avg", "max", "m
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#include <dirent.h>
+#include <sched.h>
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/uio.h>
 #include <sys/wait.h>
@@ -783,6 +821,7 @@ typedef struct dsk__comm_wire {
     int64_t count;  /* the call's count (all_to_all_v, send: this message's count) */
     uint64_t seq;   /* collective calls before this one (send/recv: messages to this peer) */
     int64_t expect; /* all_to_all_v: the count the sender expects back from the receiver, else 0 */
+    uint64_t addr;  /* shared memory: the payload's address in the sender for the receiver to pull, else 0 */
 } dsk__comm_wire;
 
 #define DSK__COMM_WIRE_MAGIC 0x6b736431u /* "1dsk" */
@@ -799,13 +838,26 @@ static const char *dsk__comm_kind_name(unsigned k) {
 }
 
 #define DSK__COMM_JOB_MAX 200 /* characters of a job id */
+#define DSK__COMM_HOST_MAX 120 /* characters of a host identity */
+
+typedef struct dsk__comm_link dsk__comm_link;
 
 struct dsk__comm_impl {
+    int world;
+    int32_t *cpu;                /* this rank's CPU in the segment (NULL without shared memory) */
+    int crowded;                 /* more ranks share this node's memory than this rank has CPUs: never spin */
     double timeout_s;
     size_t small_bytes, piece_bytes;
     char master_addr[256];
     int master_port;
     char ns[96];                 /* store key namespace of this communicator ("w": the world) */
+    int *node_of;                /* [world] node of each rank */
+    unsigned char *shm_ok;       /* [world] the rank allows shared memory (transport AUTO, host backend) */
+    dsk__comm_link *links;       /* [world] shared-memory view of each peer; tx NULL: TCP */
+    void *shm;                   /* the mapped segment, NULL if none */
+    size_t shm_bytes;
+    uint64_t ring;               /* bytes of each ring (a power of two) */
+    uint64_t probe;              /* a word peers read to test that they can pull from this process */
     int store_gone;              /* the store hung up: rank 0, its host, is gone */
     char job_id[DSK__COMM_JOB_MAX + 4]; /* opts.job_id, "" for none */
     char my_ip[64];              /* where peers reach this rank */
@@ -1028,6 +1080,298 @@ DSK_API dsk_status dsk_comm_store_barrier(dsk_comm *c) {
     return dsk__comm_store_barrier(c, "dsk_comm_store_barrier");
 }
 
+/* ---------------------------------------------------------------- shared memory
+   The ranks of one communicator on one node share a segment: a block per rank (its pid and
+   the CPU it last waited on) and a channel per ordered pair, a single-producer single-consumer byte
+   ring that carries the stream a TCP connection would (headers, then payloads), so every
+   guarantee of the protocol holds unchanged. A payload of DSK__COMM_PULL_MIN bytes or more is
+   pulled by the receiver straight from the sender's memory (process_vm_readv, one copy) when
+   the kernel lets it read this sender, which it checks at init on a word of known value; the
+   ring then carries the header alone and the send completes when the receiver counts the pull.
+   A wait spins on the CPU for DSK__COMM_PAUSE_S (no system call: a peer that runs on another
+   CPU answers in that time), then yields the CPU between looks until DSK__COMM_SPIN_S (with
+   more runnable processes than CPUs the peer may need this CPU to answer), then sleeps in
+   poll() on the TCP connections of the peers it waits for. A rank that starts to wait writes
+   its CPU in its block; a waiter whose peer last waited on the same CPU yields at once, and so
+   does every waiter when the node's group has more ranks than a rank has CPUs.
+   The TCP connections stay open for two purposes: a peer that moves data while this rank
+   sleeps on it (the flag of the pair is set) clears the flag and sends one byte; a peer that
+   exits, crashes or breaks closes it, so a dead peer is seen as on TCP, and what it wrote
+   before is still read. One flag per pair, so only a peer this rank listens to can clear it.
+   Memory order: indices are published with release stores and read with acquire loads; the
+   sleep flags and the indices are ordered by sequentially consistent fences on both sides (a
+   sleeper sets its flags then re-reads the rings; a waker publishes then reads the flag), so
+   one of them always sees the other. Segments are named after the job, the communicator and
+   the creating process ("/dsk-<pid namespace>-<pid>-<hash>") and unlinked as soon as every
+   rank of the node has mapped them, so a crash leaves nothing behind; one whose creator died
+   before that is removed by the next segment created in the same pid namespace. */
+
+#define DSK__COMM_SHM_MAGIC 0x314d48534b5344ull /* "DSKSHM1" */
+#define DSK__COMM_LINE 128                       /* keeps indices of the two sides on separate cache lines */
+#define DSK__COMM_PULL_MIN ((size_t)32768)       /* payloads pulled from the sender's memory from this size */
+#define DSK__COMM_PULL_PIECE ((size_t)1 << 20)   /* bytes pulled per step, so other transfers interleave */
+#define DSK__COMM_PAUSE_S 20e-6                  /* spin this long on the CPU ... */
+#define DSK__COMM_SPIN_S 2e-3                    /* ... then yield it until this long, then sleep */
+
+typedef struct dsk__comm_shm_head {
+    uint64_t magic, bytes, ring;
+    int32_t members, mapped; /* mapped: ranks that mapped the segment; the last one unlinks it */
+} dsk__comm_shm_head;
+
+typedef struct dsk__comm_shm_rank { /* written by its rank */
+    int32_t pid, cpu;                  /* cpu: where the rank last started to wait (-1: unknown) */
+    uint64_t probe_addr, probe_value;
+} dsk__comm_shm_rank;
+
+typedef struct dsk__comm_chan { /* one direction of one pair; the ring's bytes follow */
+    uint64_t head;              /* bytes written, by the producer */
+    char pad0[DSK__COMM_LINE - 8];
+    uint64_t tail;              /* bytes read, by the consumer */
+    char pad1[DSK__COMM_LINE - 8];
+    uint64_t pulled;            /* payloads the consumer pulled from the producer's memory */
+    uint32_t pull_ok;           /* the consumer can pull from the producer */
+    uint32_t sleeping;          /* the consumer sleeps until the producer moves data either way */
+    char pad2[DSK__COMM_LINE - 16];
+} dsk__comm_chan;
+
+/* This rank's view of one peer that shares memory with it. */
+struct dsk__comm_link {
+    dsk__comm_chan *tx, *rx;    /* the channel to the peer, from the peer; NULL: TCP */
+    char *txd, *rxd;            /* their rings */
+    uint64_t tx_head, tx_tail;  /* own index, last tail seen */
+    uint64_t rx_tail, rx_head;  /* own index, last head seen */
+    uint64_t pulls_posted;      /* payloads offered to the peer for pulling */
+    uint64_t pulled;            /* payloads pulled from the peer */
+    int32_t *peer_cpu;          /* the CPU the peer last waited on */
+    int pid, gone;              /* gone: the peer closed its TCP connection */
+};
+
+static uint64_t dsk__comm_load64(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+static void dsk__comm_store64(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+
+static void dsk__comm_cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* The CPU this thread runs on, -1 if unknown. */
+static int dsk__comm_cpu(void) {
+#if defined(__linux__) && defined(_GNU_SOURCE)
+    return sched_getcpu();
+#else
+    return -1;
+#endif
+}
+
+static uint64_t dsk__comm_fnv(uint64_t h, const void *p, size_t n) {
+    for (size_t i = 0; i < n; i++) h = (h ^ ((const unsigned char *)p)[i]) * 0x100000001b3ull;
+    return h;
+}
+
+/* The identity that decides which ranks share a node: opts.host_id, DSK_HOST_ID, else the
+   host name and the kernel's boot id (two machines never share both). */
+static void dsk__comm_host_identity(const char *given, char *buf, size_t cap) {
+    const char *v = given && *given ? given : getenv("DSK_HOST_ID");
+    char host[128] = "?", boot[64] = "";
+    FILE *f;
+    if (v && *v) {
+        snprintf(buf, cap, "id %.*s", DSK__COMM_HOST_MAX, v);
+        return;
+    }
+    gethostname(host, sizeof host - 1);
+    host[sizeof host - 1] = 0;
+    if ((f = fopen("/proc/sys/kernel/random/boot_id", "r")) != NULL) {
+        if (!fgets(boot, sizeof boot, f)) boot[0] = 0;
+        fclose(f);
+        boot[strcspn(boot, "\n")] = 0;
+    }
+    snprintf(buf, cap, "host %.64s boot %.40s", host, boot);
+}
+
+/* The inode of this process's pid namespace (0 if unknown): pids in segment names mean
+   something only inside it. */
+static unsigned long long dsk__comm_pid_ns(void) {
+    char link[64] = "";
+    unsigned long long ino = 0;
+    ssize_t k = readlink("/proc/self/ns/pid", link, sizeof link - 1);
+    if (k > 0) {
+        link[k] = 0;
+        if (sscanf(link, "pid:[%llu]", &ino) != 1) ino = 0;
+    }
+    return ino;
+}
+
+/* Removes segments whose creator (in this pid namespace) is dead: it died before every rank
+   had mapped its segment, the only window in which a segment exists under its name. */
+static void dsk__comm_shm_clean_stale(unsigned long long ns) {
+    DIR *d = opendir("/dev/shm");
+    struct dirent *e;
+    if (!d) return;
+    while ((e = readdir(d)) != NULL) {
+        unsigned long long ens;
+        int pid, used = 0;
+        char name[300];
+        if (sscanf(e->d_name, "dsk-%llu-%d-%*16[0-9a-f]%n", &ens, &pid, &used) != 2 || used == 0 ||
+            e->d_name[used] != 0 || ens != ns || pid <= 0 || pid == (int)getpid())
+            continue;
+        if (kill(pid, 0) == 0 || errno != ESRCH) continue;
+        snprintf(name, sizeof name, "/%.250s", e->d_name);
+        shm_unlink(name);
+    }
+    closedir(d);
+}
+
+static size_t dsk__comm_shm_layout(int L, uint64_t ring, size_t *ranks_at, size_t *chans_at) {
+    size_t chan = sizeof(dsk__comm_chan) + (size_t)ring;
+    *ranks_at = DSK__COMM_LINE;
+    *chans_at = *ranks_at + (size_t)L * DSK__COMM_LINE;
+    return *chans_at + (size_t)L * (size_t)L * chan;
+}
+
+static dsk__comm_chan *dsk__comm_shm_chan(void *seg, int L, uint64_t ring, int from, int to) {
+    size_t ra, ca;
+    dsk__comm_shm_layout(L, ring, &ra, &ca);
+    return (dsk__comm_chan *)((char *)seg + ca + ((size_t)from * (size_t)L + (size_t)to) *
+                                                     (sizeof(dsk__comm_chan) + (size_t)ring));
+}
+
+static dsk__comm_shm_rank *dsk__comm_shm_block(void *seg, int j) {
+    return (dsk__comm_shm_rank *)((char *)seg + DSK__COMM_LINE + (size_t)j * DSK__COMM_LINE);
+}
+
+/* Ring bytes per channel: 256 KiB, less when many ranks share the node (at most 64 MiB of rings). */
+static uint64_t dsk__comm_ring_bytes(int L) {
+    uint64_t r = (uint64_t)256 << 10;
+    while (r > 16384 && (uint64_t)L * (uint64_t)L * r > ((uint64_t)64 << 20)) r >>= 1;
+    return r;
+}
+
+/* Whether this process can read peer `pid`'s memory: the word at addr must hold value. */
+static int dsk__comm_can_pull(int pid, uint64_t addr, uint64_t value) {
+#if defined(__linux__) && defined(_GNU_SOURCE)
+    uint64_t got = ~value;
+    struct iovec lv, rv;
+    lv.iov_base = &got;
+    lv.iov_len = sizeof got;
+    rv.iov_base = (void *)(uintptr_t)addr;
+    rv.iov_len = sizeof got;
+    return addr && process_vm_readv((pid_t)pid, &lv, 1, &rv, 1, 0) == (ssize_t)sizeof got && got == value;
+#else
+    (void)pid; (void)addr; (void)value;
+    return 0;
+#endif
+}
+
+/* Copies len bytes at addr in process pid into dst: 0, or -1 with errno set. */
+static int dsk__comm_pull(int pid, void *dst, uint64_t addr, size_t len) {
+#if defined(__linux__) && defined(_GNU_SOURCE)
+    while (len > 0) {
+        struct iovec lv, rv;
+        ssize_t r;
+        lv.iov_base = dst;
+        lv.iov_len = len;
+        rv.iov_base = (void *)(uintptr_t)addr;
+        rv.iov_len = len;
+        r = process_vm_readv((pid_t)pid, &lv, 1, &rv, 1, 0);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) {
+            if (r == 0) errno = EFAULT;
+            return -1;
+        }
+        dst = (char *)dst + r;
+        addr += (uint64_t)r;
+        len -= (size_t)r;
+    }
+    return 0;
+#else
+    (void)pid; (void)dst; (void)addr; (void)len;
+    errno = ENOSYS;
+    return -1;
+#endif
+}
+
+/* Writes what fits of src[0..len) into the ring to the peer; returns the bytes written. The
+   head is published every 64 KiB so the reader starts on a large payload early. */
+static size_t dsk__comm_ring_put(dsk__comm_link *l, uint64_t R, const char *src, size_t len) {
+    size_t put = 0;
+    while (put < len) {
+        uint64_t space = R - (l->tx_head - l->tx_tail), off;
+        size_t n = len - put, first;
+        if (space < n && space < 65536) {
+            l->tx_tail = dsk__comm_load64(&l->tx->tail);
+            space = R - (l->tx_head - l->tx_tail);
+        }
+        if (n > space) n = (size_t)space;
+        if (n > 65536) n = 65536;
+        if (n == 0) break;
+        off = l->tx_head & (R - 1);
+        first = n < R - off ? n : (size_t)(R - off);
+        memcpy(l->txd + off, src + put, first);
+        if (n > first) memcpy(l->txd, src + put + first, n - first);
+        l->tx_head += n;
+        dsk__comm_store64(&l->tx->head, l->tx_head);
+        put += n;
+    }
+    return put;
+}
+
+/* Reads up to len bytes from the ring from the peer into dst; returns the bytes read. */
+static size_t dsk__comm_ring_get(dsk__comm_link *l, uint64_t R, char *dst, size_t len) {
+    size_t got = 0;
+    while (got < len) {
+        uint64_t avail = l->rx_head - l->rx_tail, off;
+        size_t n = len - got, first;
+        if (avail < n) {
+            l->rx_head = dsk__comm_load64(&l->rx->head);
+            avail = l->rx_head - l->rx_tail;
+        }
+        if (n > avail) n = (size_t)avail;
+        if (n > 65536) n = 65536;
+        if (n == 0) break;
+        off = l->rx_tail & (R - 1);
+        first = n < R - off ? n : (size_t)(R - off);
+        memcpy(dst + got, l->rxd + off, first);
+        if (n > first) memcpy(dst + got + first, l->rxd, n - first);
+        l->rx_tail += n;
+        dsk__comm_store64(&l->rx->tail, l->rx_tail);
+        got += n;
+    }
+    return got;
+}
+
+/* After moving data with `peer`: if it sleeps on this rank, clear the flag and send it a byte. */
+static void dsk__comm_shm_wake(dsk__comm_impl *m, int peer) {
+    uint32_t *f = &m->links[peer].tx->sleeping;
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (__atomic_load_n(f, __ATOMIC_RELAXED) && __atomic_exchange_n(f, 0, __ATOMIC_ACQ_REL)) {
+        char b = 1;
+        ssize_t w = send(m->fds[peer], &b, 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+        (void)w; /* a full socket already holds a wake-up; a closed one belongs to a peer that is gone */
+    }
+}
+
+/* Reads the wake-up bytes on peer's connection; marks the peer gone at end of stream. */
+static void dsk__comm_shm_drain(dsk__comm_impl *m, int peer) {
+    char b[64];
+    for (;;) {
+        ssize_t r = recv(m->fds[peer], b, sizeof b, MSG_DONTWAIT);
+        if (r > 0) continue;
+        if (r < 0 && errno == EINTR) continue;
+        if (r == 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) m->links[peer].gone = 1;
+        return;
+    }
+}
+
+static void dsk__comm_shm_unmap(dsk__comm_impl *m) {
+    if (m->shm) munmap(m->shm, m->shm_bytes);
+    m->shm = NULL;
+    m->cpu = NULL;
+    for (int r = 0; m->links && r < m->world; r++) memset(&m->links[r], 0, sizeof m->links[r]);
+}
+
 /* ---------------------------------------------------------------- the host backend's I/O engine
    A call posts one message per (peer, direction) and progresses them all at once with
    poll(), so no order of sends and receives can deadlock. */
@@ -1038,6 +1382,7 @@ typedef struct dsk__comm_io {
     dsk__comm_wire got;      /* received */
     char *buf;
     size_t len, done;   /* done counts header + payload bytes */
+    uint64_t ticket;    /* shared memory, a pulled payload: the peer's pull count that completes it */
 } dsk__comm_io;
 
 static void dsk__comm_wire_describe(const dsk__comm_wire *h, char *buf, size_t n) {
@@ -1078,6 +1423,9 @@ static dsk_status dsk__comm_check_header(dsk_comm *c, const char *fn, const dsk_
     if (g->magic != DSK__COMM_WIRE_MAGIC)
         return dsk_set_error(DSK_ERR_CORRUPT, "%s: rank %d sent a message without the dsk header (magic %08x)", fn,
                              op->peer, (unsigned)g->magic);
+    if (g->addr && (!c->impl->links || !c->impl->links[op->peer].rx))
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: rank %d offered a payload to pull but shares no memory with rank %d",
+                             fn, op->peer, c->rank);
     if (g->kind == DSK__COMM_ALL_TO_ALL_V && w->kind == g->kind && g->seq == w->seq && g->dtype == w->dtype &&
         (g->count != w->count || g->expect != w->expect))
         return dsk__comm_a2av_mismatch(c, fn, op->peer, g, w);
@@ -1131,11 +1479,17 @@ static int dsk__comm_io_progress(dsk_comm *c, const char *fn, dsk__comm_io *op, 
             mh.msg_iov = iov;
             mh.msg_iovlen = (size_t)k;
             r = sendmsg(fd, &mh, MSG_NOSIGNAL);
-            if (r > 0) { op->done += (size_t)r; c->stats.bytes_sent += (uint64_t)r; continue; }
+            if (r > 0) {
+                op->done += (size_t)r;
+                c->stats.bytes_sent += (uint64_t)r;
+                if (c->impl->node_of[op->peer] != c->node) c->stats.bytes_sent_off_node += (uint64_t)r;
+                continue;
+            }
         } else if (op->done < H) {
             r = recv(fd, (char *)&op->got + op->done, H - op->done, 0);
             if (r > 0) {
                 op->done += (size_t)r;
+                c->stats.bytes_received += (uint64_t)r;
                 if (op->done == H && (*err = dsk__comm_check_header(c, fn, op)) != DSK_OK) return -1;
                 continue;
             }
@@ -1177,48 +1531,213 @@ static void dsk__comm_fold_slice(dsk__comm_fold_job *job, const void **tmp_srcs,
     job->done += len;
 }
 
+static int dsk__comm_is_shm(const dsk__comm_impl *m, int peer) { return m->links && m->links[peer].tx; }
+
+/* Whether an op on a shared-memory peer can move now (reads the peer's indices, moves nothing). */
+static int dsk__comm_shm_ready(dsk__comm_impl *m, const dsk__comm_io *op) {
+    dsk__comm_link *l = &m->links[op->peer];
+    const size_t H = sizeof(dsk__comm_wire);
+    if (op->is_send) {
+        if (op->done >= H && op->hdr.addr) return dsk__comm_load64(&l->tx->pulled) >= op->ticket;
+        return m->ring - (l->tx_head - dsk__comm_load64(&l->tx->tail)) > 0;
+    }
+    if (op->done >= H && op->got.addr) return 1;
+    return dsk__comm_load64(&l->rx->head) != l->rx_tail;
+}
+
+/* Moves what one op on a shared-memory peer allows: 1 if anything moved, 0 if not, -1 on error
+   (*err set). A send to a peer that is gone fails; a receive fails once the peer's ring is empty. */
+static int dsk__comm_shm_step(dsk_comm *c, const char *fn, dsk__comm_io *op, dsk_status *err) {
+    dsk__comm_impl *m = c->impl;
+    dsk__comm_link *l = &m->links[op->peer];
+    const size_t H = sizeof(dsk__comm_wire);
+    size_t before = op->done, k;
+    if (l->gone && op->is_send && !(op->done >= H && op->hdr.addr)) {
+        /* the peer will not read what is not in its ring yet; only a pull it made may complete */
+        *err = dsk__comm_hangup(c, fn, op, "it closed its connection");
+        return -1;
+    }
+    if (op->is_send) {
+        if (op->done == 0 && op->len >= DSK__COMM_PULL_MIN && __atomic_load_n(&l->tx->pull_ok, __ATOMIC_ACQUIRE))
+            op->hdr.addr = (uint64_t)(uintptr_t)op->buf;
+        if (op->done < H) {
+            k = dsk__comm_ring_put(l, m->ring, (const char *)&op->hdr + op->done, H - op->done);
+            op->done += k;
+            c->stats.bytes_sent += k;
+            if (op->done == H && op->hdr.addr) op->ticket = ++l->pulls_posted;
+        }
+        if (op->done >= H && op->done < H + op->len) {
+            if (!op->hdr.addr) {
+                k = dsk__comm_ring_put(l, m->ring, op->buf + (op->done - H), H + op->len - op->done);
+                op->done += k;
+                c->stats.bytes_sent += k;
+            } else if (dsk__comm_load64(&l->tx->pulled) >= op->ticket) {
+                c->stats.bytes_sent += op->len;
+                op->done = H + op->len;
+            }
+        }
+    } else {
+        if (op->done < H) {
+            op->done += dsk__comm_ring_get(l, m->ring, (char *)&op->got + op->done, H - op->done);
+            c->stats.bytes_received += op->done - before;
+            if (op->done == H && (*err = dsk__comm_check_header(c, fn, op)) != DSK_OK) return -1;
+        }
+        if (op->done >= H && op->done < H + op->len) {
+            size_t off = op->done - H;
+            if (op->got.addr) {
+                k = op->len - off < DSK__COMM_PULL_PIECE ? op->len - off : DSK__COMM_PULL_PIECE;
+                if (dsk__comm_pull(l->pid, op->buf + off, op->got.addr + off, k) != 0) {
+                    *err = dsk__comm_hangup(c, fn, op, strerror(errno));
+                    return -1;
+                }
+                if ((op->done += k) == H + op->len) dsk__comm_store64(&l->rx->pulled, ++l->pulled);
+            } else {
+                k = dsk__comm_ring_get(l, m->ring, op->buf + off, op->len - off);
+                op->done += k;
+            }
+            c->stats.bytes_received += k;
+        }
+    }
+    if (op->done != before) {
+        dsk__comm_shm_wake(m, op->peer);
+        return 1;
+    }
+    if (l->gone && !dsk__comm_io_finished(op)) {
+        *err = dsk__comm_hangup(c, fn, op, "it closed its connection");
+        return -1;
+    }
+    return 0;
+}
+
+/* The error for a call that reached its deadline, naming a peer it waits for (a receive
+   first: that peer has not sent). */
+static dsk_status dsk__comm_io_timeout(dsk_comm *c, const char *fn, const dsk__comm_io *ops, int n, double t0) {
+    int w = -1;
+    char what[160];
+    for (int i = 0; i < n; i++)
+        if (!dsk__comm_io_finished(&ops[i]) && (w < 0 || (ops[w].is_send && !ops[i].is_send))) w = i;
+    if (w < 0) w = 0;
+    dsk__comm_wire_describe(&ops[w].hdr, what, sizeof what);
+    dsk_set_error(DSK_ERR_TIMEOUT,
+                  "%s: timed out after %.2f s waiting for rank %d to %s (%zu of %zu bytes) in %s; "
+                  "rank %d may be stopped, overloaded or in a different call",
+                  fn, dsk__comm_now() - t0, ops[w].peer, ops[w].is_send ? "accept data" : "send", ops[w].done,
+                  sizeof(dsk__comm_wire) + ops[w].len, what, ops[w].peer);
+    return dsk__comm_break(c, DSK_ERR_TIMEOUT);
+}
+
+/* Waits in poll() until a TCP op can move, a shared-memory peer wakes this rank (or closes its
+   connection) or `ms` pass; TCP ops that can move are progressed. Before sleeping on shared-
+   memory peers the flags of those pairs are set and the rings checked again, so no wake-up is
+   lost. Returns -1 on error (*err set), else the number of descriptors that were ready. */
+static int dsk__comm_io_wait(dsk_comm *c, const char *fn, dsk__comm_io *ops, int n, int ms, dsk_status *err) {
+    dsk__comm_impl *m = c->impl;
+    int k = 0, shm = 0, r;
+    for (int i = 0; i < n; i++) {
+        int p = ops[i].peer;
+        if (dsk__comm_io_finished(&ops[i])) continue;
+        if (dsk__comm_is_shm(m, p)) {
+            shm = 1;
+            if (ms != 0) __atomic_store_n(&m->links[p].rx->sleeping, 1u, __ATOMIC_RELAXED);
+        }
+        m->pfd[k].fd = m->fds[p];
+        m->pfd[k].events = dsk__comm_is_shm(m, p) || !ops[i].is_send ? POLLIN : POLLOUT;
+        m->pfd[k].revents = 0;
+        m->pidx[k++] = i;
+    }
+    if (shm && ms != 0) {
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);
+        for (int j = 0; j < k && ms != 0; j++)
+            if (dsk__comm_is_shm(m, ops[m->pidx[j]].peer) && dsk__comm_shm_ready(m, &ops[m->pidx[j]])) ms = 0;
+    }
+    r = poll(m->pfd, (nfds_t)k, ms);
+    for (int j = 0; shm && j < k; j++)
+        if (dsk__comm_is_shm(m, ops[m->pidx[j]].peer))
+            __atomic_store_n(&m->links[ops[m->pidx[j]].peer].rx->sleeping, 0u, __ATOMIC_RELAXED);
+    if (r < 0 && errno != EINTR) {
+        *err = dsk_set_error(DSK_ERR_IO, "%s: poll: %s", fn, strerror(errno));
+        return -1;
+    }
+    for (int j = 0; r > 0 && j < k; j++) {
+        dsk__comm_io *op = &ops[m->pidx[j]];
+        if (!m->pfd[j].revents) continue;
+        if (dsk__comm_is_shm(m, op->peer)) dsk__comm_shm_drain(m, op->peer);
+        else if (dsk__comm_io_progress(c, fn, op, err) < 0) return -1;
+    }
+    return r > 0 ? r : 0;
+}
+
 /* Runs ops[0..n) to completion or to the deadline (t0 + timeout), folding `job` (may be
-   NULL) whenever no socket is ready; the job is complete on return. Errors break the comm. */
+   NULL) whenever nothing can move; the job is complete on return. Errors break the comm.
+   Shared-memory ops move without system calls; when none can, the engine spins, then yields
+   (looking at TCP ops without waiting, if any) until DSK__COMM_SPIN_S, then sleeps in poll(). */
 static dsk_status dsk__comm_io_run(dsk_comm *c, const char *fn, dsk__comm_io *ops, int n, double t0,
                                    dsk__comm_fold_job *job) {
     dsk__comm_impl *m = c->impl;
-    double deadline = t0 + m->timeout_s;
+    double deadline = t0 + m->timeout_s, spin_from = 0;
+    unsigned looks = 0; /* idle looks since data last moved */
+    int shared_cpu = 0; /* a peer this rank waits for last waited on this CPU: spinning would keep it off */
     for (;;) {
-        int k = 0, r, idle = job && job->done < job->len;
+        int shm_wait = 0, tcp_wait = 0, moved = 0, idle = job && job->done < job->len, r;
+        dsk_status err = DSK_OK;
         for (int i = 0; i < n; i++) {
             if (dsk__comm_io_finished(&ops[i])) continue;
-            m->pfd[k].fd = m->fds[ops[i].peer];
-            m->pfd[k].events = ops[i].is_send ? POLLOUT : POLLIN;
-            m->pfd[k].revents = 0;
-            m->pidx[k++] = i;
+            if (!dsk__comm_is_shm(m, ops[i].peer)) {
+                tcp_wait++;
+                continue;
+            }
+            if ((r = dsk__comm_shm_step(c, fn, &ops[i], &err)) < 0) return dsk__comm_break(c, err);
+            moved |= r;
+            shm_wait += !dsk__comm_io_finished(&ops[i]);
         }
-        if (k == 0) {
+        if (!shm_wait && !tcp_wait) {
             if (idle) dsk__comm_fold_slice(job, m->srcs + c->world_size, 0);
             return DSK_OK;
         }
-        r = poll(m->pfd, (nfds_t)k, idle ? 0 : dsk__comm_ms_left(deadline));
-        if (r < 0 && errno != EINTR)
-            return dsk__comm_break(c, dsk_set_error(DSK_ERR_IO, "%s: poll: %s", fn, strerror(errno)));
-        if (r == 0 && dsk__comm_now() >= deadline) {
-            /* name the peer we wait for; prefer a receive: that peer has not sent */
-            int w = m->pidx[0];
-            char what[160];
-            for (int j = 0; j < k; j++)
-                if (!ops[m->pidx[j]].is_send) { w = m->pidx[j]; break; }
-            dsk__comm_wire_describe(&ops[w].hdr, what, sizeof what);
-            dsk_set_error(DSK_ERR_TIMEOUT,
-                          "%s: timed out after %.2f s waiting for rank %d to %s (%zu of %zu bytes) in %s; "
-                          "rank %d may be stopped, overloaded or in a different call",
-                          fn, dsk__comm_now() - t0, ops[w].peer, ops[w].is_send ? "accept data" : "send", ops[w].done,
-                          sizeof(dsk__comm_wire) + ops[w].len, what, ops[w].peer);
-            return dsk__comm_break(c, DSK_ERR_TIMEOUT);
+        if (tcp_wait && (shm_wait || idle)) { /* TCP next to other work: look without waiting */
+            if ((r = dsk__comm_io_wait(c, fn, ops, n, 0, &err)) < 0) return dsk__comm_break(c, err);
+            moved |= r > 0;
         }
-        for (int j = 0; r > 0 && j < k; j++) {
-            dsk_status err = DSK_OK;
-            if (m->pfd[j].revents && dsk__comm_io_progress(c, fn, &ops[m->pidx[j]], &err) < 0)
-                return dsk__comm_break(c, err);
+        if (idle) { /* a slice of the fold between every look at the transfers */
+            dsk__comm_fold_slice(job, m->srcs + c->world_size, 32768);
+            continue;
         }
-        if (idle) dsk__comm_fold_slice(job, m->srcs + c->world_size, 32768);
+        if (moved) {
+            spin_from = 0;
+            looks = 0;
+            continue;
+        }
+        if (shm_wait && looks == 0) { /* a wait starts: say where, and see whether a peer waited here */
+            int cpu = dsk__comm_cpu();
+            __atomic_store_n(m->cpu, cpu, __ATOMIC_RELAXED);
+            shared_cpu = 0;
+            for (int i = 0; i < n && cpu >= 0; i++)
+                if (!dsk__comm_io_finished(&ops[i]) && dsk__comm_is_shm(m, ops[i].peer) &&
+                    __atomic_load_n(m->links[ops[i].peer].peer_cpu, __ATOMIC_RELAXED) == cpu)
+                    shared_cpu = 1;
+        }
+        if (shm_wait && (++looks & 7) && !shared_cpu && !m->crowded) { /* the clock every 8th idle look */
+            dsk__comm_cpu_relax();
+            continue;
+        }
+        {
+            double now = dsk__comm_now();
+            if (now >= deadline) return dsk__comm_io_timeout(c, fn, ops, n, t0);
+            if (shm_wait) {
+                if (spin_from == 0) spin_from = now;
+                if (now - spin_from < DSK__COMM_PAUSE_S && !shared_cpu && !m->crowded) {
+                    dsk__comm_cpu_relax();
+                    continue;
+                }
+                if (now - spin_from < DSK__COMM_SPIN_S) {
+                    sched_yield();
+                    continue;
+                }
+            }
+        }
+        if (dsk__comm_io_wait(c, fn, ops, n, dsk__comm_ms_left(deadline), &err) < 0) return dsk__comm_break(c, err);
+        spin_from = 0;
+        looks = 0;
     }
 }
 
@@ -1638,10 +2157,184 @@ static dsk_status dsk__comm_impl_alloc(dsk_comm *c, const char *fn, const dsk_co
     m->ops = (dsk__comm_io *)DSK_MALLOC((size_t)2 * n * sizeof(dsk__comm_io));
     m->srcs = (const void **)DSK_MALLOC((size_t)2 * n * sizeof(void *)); /* a fold's sources, then a slice's */
     m->off = (int64_t *)DSK_MALLOC((size_t)(n + 1) * sizeof(int64_t));
-    if (!m->fds || !m->p2p_sent || !m->p2p_recvd || !m->pfd || !m->pidx || !m->ops || !m->srcs || !m->off)
+    m->node_of = (int *)DSK_MALLOC((size_t)n * sizeof(int));
+    m->shm_ok = (unsigned char *)DSK_MALLOC((size_t)n);
+    m->links = (dsk__comm_link *)DSK_MALLOC((size_t)n * sizeof(dsk__comm_link));
+    m->world = n;
+    if (!m->fds || !m->p2p_sent || !m->p2p_recvd || !m->pfd || !m->pidx || !m->ops || !m->srcs || !m->off ||
+        !m->node_of || !m->shm_ok || !m->links)
         return dsk_set_error(DSK_ERR_OOM, "%s: communicator arrays for %d ranks", fn, n);
-    for (int r = 0; r < n; r++) { m->fds[r] = -1; m->p2p_sent[r] = m->p2p_recvd[r] = 0; }
+    for (int r = 0; r < n; r++) {
+        m->fds[r] = -1;
+        m->p2p_sent[r] = m->p2p_recvd[r] = 0;
+        m->node_of[r] = 0;
+        m->shm_ok[r] = 0;
+    }
+    memset(m->links, 0, (size_t)n * sizeof(dsk__comm_link));
+    c->n_nodes = c->node_size = 1;
     return DSK_OK;
+}
+
+/* Numbers the nodes in the order of their lowest rank: ranks r and s share a node when
+   same[r] == same[s]; fills node_of and the node fields of c. */
+static void dsk__comm_set_nodes(dsk_comm *c, const int *same) {
+    dsk__comm_impl *m = c->impl;
+    int n = c->world_size, nodes = 0;
+    for (int r = 0; r < n; r++) {
+        int j = 0;
+        while (j < r && same[j] != same[r]) j++;
+        m->node_of[r] = j < r ? m->node_of[j] : nodes++;
+    }
+    c->n_nodes = nodes;
+    c->node = m->node_of[c->rank];
+    c->node_rank = c->node_size = 0;
+    for (int r = 0; r < n; r++) {
+        if (m->node_of[r] != c->node) continue;
+        c->node_rank += r < c->rank;
+        c->node_size++;
+    }
+}
+
+/* CPUs this process may run on. */
+static int dsk__comm_cpus(void) {
+#if defined(__linux__) && defined(_GNU_SOURCE)
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+#endif
+    return (int)sysconf(_SC_NPROCESSORS_ONLN);
+}
+
+/* Points this rank's links to the members g[0..L) of its node group (this rank is g[me])
+   inside the mapped segment, and says which members it can pull payloads from. */
+static void dsk__comm_shm_link(dsk_comm *c, const int *g, int L, int me) {
+    dsk__comm_impl *m = c->impl;
+    m->cpu = &dsk__comm_shm_block(m->shm, me)->cpu;
+    for (int j = 0; j < L; j++) {
+        dsk__comm_link *l = &m->links[g[j]];
+        dsk__comm_shm_rank *b = dsk__comm_shm_block(m->shm, j);
+        if (j == me) continue;
+        memset(l, 0, sizeof *l);
+        l->tx = dsk__comm_shm_chan(m->shm, L, m->ring, me, j);
+        l->rx = dsk__comm_shm_chan(m->shm, L, m->ring, j, me);
+        l->txd = (char *)(l->tx + 1);
+        l->rxd = (char *)(l->rx + 1);
+        l->pid = b->pid;
+        l->peer_cpu = &b->cpu;
+        if (dsk__comm_can_pull(b->pid, b->probe_addr, b->probe_value))
+            __atomic_store_n(&l->rx->pull_ok, 1u, __ATOMIC_RELEASE);
+    }
+    c->shm_peers = L - 1;
+    m->crowded = L > dsk__comm_cpus();
+}
+
+/* Creates (g[0]) or opens (the others) the segment of this rank's node group: members g[0..L)
+   in rank order, this rank is g[me]. *seg_out: the mapping or NULL; name: its name ("" if the
+   creator failed). The last member to map it unlinks it (*unlinked = 1). */
+static dsk_status dsk__comm_shm_map(dsk_comm *c, const char *fn, int L, int me, char *name, size_t cap,
+                                    void **seg_out, int *unlinked) {
+    dsk__comm_impl *m = c->impl;
+    char key[200];
+    size_t ra, ca, bytes = dsk__comm_shm_layout(L, m->ring, &ra, &ca), len = 0;
+    dsk__comm_shm_head *head;
+    struct stat sb;
+    void *seg = MAP_FAILED;
+    int fd = -1;
+    snprintf(key, sizeof key, "dsk/%s/shm/%d", m->ns, m->node_of[c->rank]);
+    if (me == 0) {
+        unsigned long long ns = dsk__comm_pid_ns();
+        uint64_t h = dsk__comm_fnv(0xcbf29ce484222325ull, m->job_id, strlen(m->job_id));
+        h = dsk__comm_fnv(h, m->ns, strlen(m->ns));
+        h = dsk__comm_fnv(h, &m->tag, sizeof m->tag);
+        snprintf(name, cap, "/dsk-%llu-%d-%016llx", ns, (int)getpid(), (unsigned long long)h);
+        dsk__comm_shm_clean_stale(ns);
+        fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
+        if (fd >= 0 && ftruncate(fd, (off_t)bytes) == 0)
+            seg = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (seg != MAP_FAILED) {
+            head = (dsk__comm_shm_head *)seg;
+            head->bytes = bytes;
+            head->ring = m->ring;
+            head->members = L;
+            head->magic = DSK__COMM_SHM_MAGIC;
+        } else {
+            if (fd >= 0) shm_unlink(name);
+            name[0] = 0; /* the others fall back to TCP */
+        }
+        if (fd >= 0) close(fd);
+        *seg_out = seg == MAP_FAILED ? NULL : seg;
+        DSK__TRY(dsk__comm_store_set(c, fn, key, name, strlen(name) + 1));
+    } else {
+        DSK__TRY(dsk__comm_store_get(c, fn, key, name, cap - 1, &len));
+        name[len < cap ? len : cap - 1] = 0;
+        if (name[0] && (fd = shm_open(name, O_RDWR, 0)) >= 0 && fstat(fd, &sb) == 0 && (size_t)sb.st_size == bytes)
+            seg = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (fd >= 0) close(fd);
+        head = (dsk__comm_shm_head *)seg;
+        if (seg != MAP_FAILED && (head->magic != DSK__COMM_SHM_MAGIC || head->bytes != bytes ||
+                                  head->ring != m->ring || head->members != L)) {
+            munmap(seg, bytes);
+            seg = MAP_FAILED;
+        }
+        *seg_out = seg == MAP_FAILED ? NULL : seg;
+    }
+    if (*seg_out) {
+        dsk__comm_shm_rank *b = dsk__comm_shm_block(*seg_out, me);
+        b->pid = (int32_t)getpid();
+        b->cpu = -1;
+        b->probe_addr = (uint64_t)(uintptr_t)&m->probe;
+        b->probe_value = m->probe;
+        if (__atomic_add_fetch(&((dsk__comm_shm_head *)*seg_out)->mapped, 1, __ATOMIC_ACQ_REL) == L) {
+            shm_unlink(name);
+            *unlinked = 1;
+        }
+    }
+    return DSK_OK;
+}
+
+/* Shared memory for this rank's node group (ranks of its node that allow it). Every member
+   says through the store whether it mapped the segment; if one did not (another /dev/shm, no
+   memory), the whole group keeps TCP. */
+static dsk_status dsk__comm_shm_setup(dsk_comm *c, const char *fn) {
+    dsk__comm_impl *m = c->impl;
+    int n = c->world_size, L = 0, me = -1, ok = 1, unlinked = 0, *g;
+    char name[128] = "", key[200];
+    void *seg = NULL;
+    dsk_status st;
+    if (!m->shm_ok[c->rank]) return DSK_OK;
+    if (!(g = (int *)DSK_MALLOC((size_t)n * sizeof(int))))
+        return dsk_set_error(DSK_ERR_OOM, "%s: node group of %d ranks", fn, n);
+    for (int r = 0; r < n; r++) {
+        if (m->node_of[r] != c->node || !m->shm_ok[r]) continue;
+        if (r == c->rank) me = L;
+        g[L++] = r;
+    }
+    if (L < 2) {
+        DSK_FREE(g);
+        return DSK_OK;
+    }
+    m->ring = dsk__comm_ring_bytes(L);
+    m->probe = dsk__comm_fnv(m->tag ^ 0x9E3779B97F4A7C15ull, &m, sizeof m) | 1;
+    st = dsk__comm_shm_map(c, fn, L, me, name, sizeof name, &seg, &unlinked);
+    if (seg) {
+        size_t ra, ca;
+        m->shm = seg;
+        m->shm_bytes = dsk__comm_shm_layout(L, m->ring, &ra, &ca);
+    }
+    if (st == DSK_OK) {
+        char v = seg ? 1 : 0;
+        snprintf(key, sizeof key, "dsk/%s/shm/%d/ok/%d", m->ns, c->node, c->rank);
+        st = dsk__comm_store_set(c, fn, key, &v, 1);
+        for (int j = 0; st == DSK_OK && j < L; j++) {
+            size_t len = 0;
+            snprintf(key, sizeof key, "dsk/%s/shm/%d/ok/%d", m->ns, c->node, g[j]);
+            if ((st = dsk__comm_store_get(c, fn, key, &v, 1, &len)) == DSK_OK && (len != 1 || !v)) ok = 0;
+        }
+    }
+    if (name[0] && !unlinked && (st != DSK_OK || !ok)) shm_unlink(name);
+    if (st == DSK_OK && ok) dsk__comm_shm_link(c, g, L, me);
+    else dsk__comm_shm_unmap(m);
+    DSK_FREE(g);
+    return st;
 }
 
 static void dsk__comm_impl_free(dsk_comm *c) {
@@ -1665,12 +2358,14 @@ static void dsk__comm_impl_free(dsk_comm *c) {
     }
     if (m->nccl_flag) cudaFree(m->nccl_flag);
 #endif
+    dsk__comm_shm_unmap(m);
     for (int r = 0; m->fds && r < c->world_size; r++)
         if (m->fds[r] >= 0) close(m->fds[r]);
     if (m->store_fd >= 0) close(m->store_fd); /* before the server, which waits for its clients to leave */
     dsk__comm_store_server_free(m->server);
     DSK_FREE(m->fds); DSK_FREE(m->p2p_sent); DSK_FREE(m->p2p_recvd); DSK_FREE(m->pfd); DSK_FREE(m->pidx);
     DSK_FREE(m->ops); DSK_FREE((void *)m->srcs); DSK_FREE(m->off); DSK_FREE(m->scratch);
+    DSK_FREE(m->node_of); DSK_FREE(m->shm_ok); DSK_FREE(m->links);
     DSK_FREE(m);
     c->impl = NULL;
 }
@@ -1923,7 +2618,8 @@ static dsk_status dsk__comm_join(dsk_comm *c, const char *fn, const struct socka
 typedef struct dsk__comm_rank_rec {
     char ep[DSK__COMM_EP_LEN];
     uint64_t small_bytes, piece_bytes;
-    int32_t backend, pad;
+    int32_t backend, transport;
+    char host[DSK__COMM_HOST_MAX + 16]; /* host identity: same string, same node */
 } dsk__comm_rank_rec;
 
 static dsk_status dsk__comm_same_options(dsk_comm *c, const char *fn, const dsk__comm_rank_rec *mine,
@@ -1940,6 +2636,22 @@ static dsk_status dsk__comm_same_options(dsk_comm *c, const char *fn, const dsk_
                          "small_bytes and piece_bytes (they shape the wire protocol)",
                          fn, r, what, (unsigned long long)(what[0] == 's' ? theirs->small_bytes : theirs->piece_bytes),
                          c->rank, (unsigned long long)(what[0] == 's' ? mine->small_bytes : mine->piece_bytes));
+}
+
+/* Nodes from the host identities in the rank records; which ranks allow shared memory. */
+static dsk_status dsk__comm_world_nodes(dsk_comm *c, const char *fn, const dsk__comm_rank_rec *recs) {
+    dsk__comm_impl *m = c->impl;
+    int n = c->world_size, *same = (int *)DSK_MALLOC((size_t)n * sizeof(int));
+    if (!same) return dsk_set_error(DSK_ERR_OOM, "%s: nodes of %d ranks", fn, n);
+    for (int r = 0; r < n; r++) {
+        int j = 0;
+        while (j < r && strncmp(recs[j].host, recs[r].host, sizeof recs[r].host) != 0) j++;
+        same[r] = j;
+        m->shm_ok[r] = recs[r].backend == DSK_COMM_HOST && recs[r].transport == DSK_COMM_TRANSPORT_AUTO;
+    }
+    dsk__comm_set_nodes(c, same);
+    DSK_FREE(same);
+    return DSK_OK;
 }
 
 static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, int world, const dsk_comm_opts *o,
@@ -1992,6 +2704,8 @@ static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, in
     mine.backend = (int32_t)be;
     mine.small_bytes = m->small_bytes;
     mine.piece_bytes = m->piece_bytes;
+    mine.transport = (int32_t)(o ? o->transport : DSK_COMM_TRANSPORT_AUTO);
+    dsk__comm_host_identity(o ? o->host_id : NULL, mine.host, sizeof mine.host);
     if (be == DSK_COMM_HOST) DSK__TRY(dsk__comm_mesh_listen(c, fn, &lfd, mine.ep));
     snprintf(key, sizeof key, "dsk/w/rank/%d", rank);
     if ((st = dsk__comm_store_set(c, fn, key, &mine, sizeof mine)) != DSK_OK) goto done;
@@ -2013,10 +2727,12 @@ static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, in
         else if (st == DSK_OK)
             st = dsk__comm_same_options(c, fn, &mine, &recs[r], r);
     }
+    if (st == DSK_OK) st = dsk__comm_world_nodes(c, fn, recs);
 #ifdef DSK_CUDA
     if (st == DSK_OK && be == DSK_COMM_NCCL) st = dsk__comm_nccl_init(c, fn, t0);
 #endif
     if (st == DSK_OK && be == DSK_COMM_HOST) st = dsk__comm_mesh_connect(c, fn, lfd, recs->ep, sizeof *recs, deadline);
+    if (st == DSK_OK && be == DSK_COMM_HOST) st = dsk__comm_shm_setup(c, fn);
 done:
     if (lfd >= 0) close(lfd);
     DSK_FREE(recs);
@@ -2039,6 +2755,11 @@ static dsk_status dsk__comm_init(dsk_comm *c, int rank, int world_size, const ds
     if (opts && opts->job_id && strlen(opts->job_id) > DSK__COMM_JOB_MAX)
         return dsk_set_error(DSK_ERR_ARG, "%s: job_id of %zu characters exceeds %d", fn, strlen(opts->job_id),
                              DSK__COMM_JOB_MAX);
+    if (opts && opts->host_id && strlen(opts->host_id) > DSK__COMM_HOST_MAX)
+        return dsk_set_error(DSK_ERR_ARG, "%s: host_id of %zu characters exceeds %d", fn, strlen(opts->host_id),
+                             DSK__COMM_HOST_MAX);
+    if (opts && opts->transport != DSK_COMM_TRANSPORT_AUTO && opts->transport != DSK_COMM_TRANSPORT_TCP)
+        return dsk_set_error(DSK_ERR_ARG, "%s: unknown transport %d", fn, (int)opts->transport);
     st = dsk__comm_init_world(c, fn, rank, world_size, opts, busy);
     if (st != DSK_OK) {
         dsk__comm_impl_free(c);
@@ -2657,9 +3378,23 @@ static dsk_status dsk__comm_nccl_split(dsk_comm *c, const char *fn, int color, i
 }
 #endif
 
+/* A sub-group's nodes and shared-memory permissions, from its parent's: member j of sub is
+   rank parents[j] of c. */
+static dsk_status dsk__comm_sub_nodes(dsk_comm *c, const char *fn, dsk_comm *sub, const int *parents) {
+    int *same = (int *)DSK_MALLOC((size_t)sub->world_size * sizeof(int));
+    if (!same) return dsk_set_error(DSK_ERR_OOM, "%s: nodes of %d ranks", fn, sub->world_size);
+    for (int j = 0; j < sub->world_size; j++) {
+        same[j] = c->impl->node_of[parents[j]];
+        sub->impl->shm_ok[j] = c->impl->shm_ok[parents[j]];
+    }
+    dsk__comm_set_nodes(sub, same);
+    DSK_FREE(same);
+    return DSK_OK;
+}
+
 static dsk_status dsk__comm_host_split(dsk_comm *c, const char *fn, int color, int key, dsk_comm *sub, double t0) {
     dsk__comm_impl *pm = c->impl, *m;
-    int n = c->world_size, lfd = -1, cnt = 0, me = -1;
+    int n = c->world_size, lfd = -1, cnt = 0, me = -1, *parents = NULL;
     dsk__comm_split_rec mine, *all;
     char *eps = NULL;
     dsk_status st;
@@ -2693,7 +3428,8 @@ static dsk_status dsk__comm_host_split(dsk_comm *c, const char *fn, int color, i
             memcpy(eps + (size_t)j * DSK__COMM_EP_LEN, all[order[j]].ep, DSK__COMM_EP_LEN);
             if (order[j] == c->rank) me = j;
         }
-        DSK_FREE(order);
+        for (int j = 0; j < cnt; j++) order[j] = (int)all[order[j]].rank; /* now: parent rank of member j */
+        parents = order;
     }
     sub->rank = me;
     sub->world_size = cnt;
@@ -2708,16 +3444,19 @@ static dsk_status dsk__comm_host_split(dsk_comm *c, const char *fn, int color, i
     memcpy(m->my_ip, pm->my_ip, sizeof m->my_ip);
     snprintf(m->ns, sizeof m->ns, "%.40s/%llu.%d", pm->ns, (unsigned long long)pm->splits, color);
     m->tag = pm->tag ^ (0x9E3779B97F4A7C15ull * (pm->splits * 65536u + (uint64_t)color + 1));
+    if ((st = dsk__comm_sub_nodes(c, fn, sub, parents)) != DSK_OK) goto out;
     if ((st = dsk__comm_mesh_connect(sub, fn, lfd, eps, DSK__COMM_EP_LEN, t0 + pm->timeout_s)) != DSK_OK) goto out;
     if (pm->store_fd >= 0 || pm->server) {
         struct sockaddr_in sa;
         if ((st = dsk__comm_resolve(fn, pm->master_addr, pm->master_port, &sa)) == DSK_OK)
             st = dsk__comm_connect(fn, &sa, t0 + pm->timeout_s, "key-value store (served by rank 0)", &m->store_fd);
+        if (st == DSK_OK) st = dsk__comm_shm_setup(sub, fn);
     }
 out:
     if (lfd >= 0) close(lfd);
     DSK_FREE(all);
     DSK_FREE(eps);
+    DSK_FREE(parents);
     return st;
 }
 
