@@ -3,8 +3,8 @@
    Usage: #define DSK_COMM_IMPLEMENTATION in exactly one .c file before including. The
    implementation needs POSIX (sockets, poll, pthreads, shm_open) and GCC or Clang (the shared-
    memory rings use the __atomic builtins, the C11 memory model in C and C++ alike): include
-   this header first in that file, or compile with -D_GNU_SOURCE (Linux: enables the one-copy
-   pull of large messages) or -D_POSIX_C_SOURCE=200809L. Link with -lpthread (and -lnccl
+   this header first in that file, or compile with -D_GNU_SOURCE (Linux: lets a waiting rank see
+   which CPU it runs on) or -D_POSIX_C_SOURCE=200809L. Link with -lpthread (and -lnccl
    -lcudart under DSK_CUDA).
    Options: DSK_STATIC, DSK_MALLOC/DSK_FREE, DSK_CUDA (adds the nccl backend), DSK_NO_CUDA.
 
@@ -60,7 +60,7 @@
      different roots all fail in that call.
    - Every wait ends by opts.timeout_s: DSK_ERR_TIMEOUT or DSK_ERR_PEER naming the rank. A
      shared-memory wait spins for 20 us (no system call), then yields the CPU between looks
-     up to 2 ms, then sleeps until a peer wakes it.
+     up to 10 ms, then sleeps until a peer wakes it.
      After such an error the communicator is unusable (DSK_ERR_STATE) until freed; the
      error is published in the store and the sockets are half-closed, so peers fail fast
      and report the root cause ("rank 1 hung up ... after its own error: ..."). Rank 0
@@ -821,7 +821,6 @@ typedef struct dsk__comm_wire {
     int64_t count;  /* the call's count (all_to_all_v, send: this message's count) */
     uint64_t seq;   /* collective calls before this one (send/recv: messages to this peer) */
     int64_t expect; /* all_to_all_v: the count the sender expects back from the receiver, else 0 */
-    uint64_t addr;  /* shared memory: the payload's address in the sender for the receiver to pull, else 0 */
 } dsk__comm_wire;
 
 #define DSK__COMM_WIRE_MAGIC 0x6b736431u /* "1dsk" */
@@ -845,7 +844,7 @@ typedef struct dsk__comm_link dsk__comm_link;
 struct dsk__comm_impl {
     int world;
     int32_t *cpu;                /* this rank's CPU in the segment (NULL without shared memory) */
-    int crowded;                 /* more ranks share this node's memory than this rank has CPUs: never spin */
+    int crowded;                 /* more ranks share this node's memory than it has CPUs: never spin */
     double timeout_s;
     size_t small_bytes, piece_bytes;
     char master_addr[256];
@@ -857,7 +856,6 @@ struct dsk__comm_impl {
     void *shm;                   /* the mapped segment, NULL if none */
     size_t shm_bytes;
     uint64_t ring;               /* bytes of each ring (a power of two) */
-    uint64_t probe;              /* a word peers read to test that they can pull from this process */
     int store_gone;              /* the store hung up: rank 0, its host, is gone */
     char job_id[DSK__COMM_JOB_MAX + 4]; /* opts.job_id, "" for none */
     char my_ip[64];              /* where peers reach this rank */
@@ -1084,16 +1082,16 @@ DSK_API dsk_status dsk_comm_store_barrier(dsk_comm *c) {
    The ranks of one communicator on one node share a segment: a block per rank (its pid and
    the CPU it last waited on) and a channel per ordered pair, a single-producer single-consumer byte
    ring that carries the stream a TCP connection would (headers, then payloads), so every
-   guarantee of the protocol holds unchanged. A payload of DSK__COMM_PULL_MIN bytes or more is
-   pulled by the receiver straight from the sender's memory (process_vm_readv, one copy) when
-   the kernel lets it read this sender, which it checks at init on a word of known value; the
-   ring then carries the header alone and the send completes when the receiver counts the pull.
+   guarantee of the protocol holds unchanged. Two copies (into the ring, out of it) but no
+   system call: pulling large payloads straight from the sender's memory (process_vm_readv, one
+   copy) was slower at every size measured (bench/RESULTS.md), rendezvous and page pinning
+   included, so it is not done.
    A wait spins on the CPU for DSK__COMM_PAUSE_S (no system call: a peer that runs on another
    CPU answers in that time), then yields the CPU between looks until DSK__COMM_SPIN_S (with
    more runnable processes than CPUs the peer may need this CPU to answer), then sleeps in
    poll() on the TCP connections of the peers it waits for. A rank that starts to wait writes
    its CPU in its block; a waiter whose peer last waited on the same CPU yields at once, and so
-   does every waiter when the node's group has more ranks than a rank has CPUs.
+   does every waiter when the node's group has more ranks than the machine has CPUs.
    The TCP connections stay open for two purposes: a peer that moves data while this rank
    sleeps on it (the flag of the pair is set) clears the flag and sends one byte; a peer that
    exits, crashes or breaks closes it, so a dead peer is seen as on TCP, and what it wrote
@@ -1107,11 +1105,14 @@ DSK_API dsk_status dsk_comm_store_barrier(dsk_comm *c) {
    before that is removed by the next segment created in the same pid namespace. */
 
 #define DSK__COMM_SHM_MAGIC 0x314d48534b5344ull /* "DSKSHM1" */
+#ifdef MAP_POPULATE /* fault the rings in at init, not in the first lap of small messages */
+#define DSK__COMM_MAP_FLAGS (MAP_SHARED | MAP_POPULATE)
+#else
+#define DSK__COMM_MAP_FLAGS MAP_SHARED
+#endif
 #define DSK__COMM_LINE 128                       /* keeps indices of the two sides on separate cache lines */
-#define DSK__COMM_PULL_MIN ((size_t)32768)       /* payloads pulled from the sender's memory from this size */
-#define DSK__COMM_PULL_PIECE ((size_t)1 << 20)   /* bytes pulled per step, so other transfers interleave */
 #define DSK__COMM_PAUSE_S 20e-6                  /* spin this long on the CPU ... */
-#define DSK__COMM_SPIN_S 2e-3                    /* ... then yield it until this long, then sleep */
+#define DSK__COMM_SPIN_S 10e-3                   /* ... then yield it until this long, then sleep */
 
 typedef struct dsk__comm_shm_head {
     uint64_t magic, bytes, ring;
@@ -1119,8 +1120,7 @@ typedef struct dsk__comm_shm_head {
 } dsk__comm_shm_head;
 
 typedef struct dsk__comm_shm_rank { /* written by its rank */
-    int32_t pid, cpu;                  /* cpu: where the rank last started to wait (-1: unknown) */
-    uint64_t probe_addr, probe_value;
+    int32_t cpu; /* where the rank last started to wait (-1: unknown) */
 } dsk__comm_shm_rank;
 
 typedef struct dsk__comm_chan { /* one direction of one pair; the ring's bytes follow */
@@ -1128,11 +1128,32 @@ typedef struct dsk__comm_chan { /* one direction of one pair; the ring's bytes f
     char pad0[DSK__COMM_LINE - 8];
     uint64_t tail;              /* bytes read, by the consumer */
     char pad1[DSK__COMM_LINE - 8];
-    uint64_t pulled;            /* payloads the consumer pulled from the producer's memory */
-    uint32_t pull_ok;           /* the consumer can pull from the producer */
     uint32_t sleeping;          /* the consumer sleeps until the producer moves data either way */
-    char pad2[DSK__COMM_LINE - 16];
+    char pad2[DSK__COMM_LINE - 4];
 } dsk__comm_chan;
+
+/* A message in a ring: a frame at a 64-byte boundary, then its payload padded to the next
+   boundary (unless it has 16 bytes or less and rides in the frame).
+   The receiver polls the stamp, written last: (messages in the channel so far << 1) | 1 when
+   the payload is already in the ring behind the frame (up to DSK__COMM_EAGER bytes that fit;
+   otherwise it streams after the frame, published through the head). So a small message costs
+   the receiver the frame's cache line and its payload's, not the head's. Every word at a 64-byte
+   boundary of a ring is zero or a live stamp: the receiver clears the boundary words it reads
+   before it frees them, so stale bytes never pass for a stamp. */
+typedef struct dsk__comm_frame {
+    uint64_t stamp;
+    dsk__comm_wire hdr;
+    char inl[16]; /* a payload of 16 bytes or less */
+} dsk__comm_frame;
+
+#define DSK__COMM_FRAME ((uint64_t)sizeof(dsk__comm_frame))
+#define DSK__COMM_EAGER ((size_t)16384)
+typedef char dsk__comm_frame_is_a_line[sizeof(dsk__comm_frame) == 64 ? 1 : -1];
+
+/* Ring bytes behind the frame for a payload of len bytes (0: in the frame). */
+static size_t dsk__comm_ring_payload(size_t len) {
+    return len <= sizeof(((dsk__comm_frame *)0)->inl) ? 0 : (len + 63) & ~(size_t)63;
+}
 
 /* This rank's view of one peer that shares memory with it. */
 struct dsk__comm_link {
@@ -1140,10 +1161,9 @@ struct dsk__comm_link {
     char *txd, *rxd;            /* their rings */
     uint64_t tx_head, tx_tail;  /* own index, last tail seen */
     uint64_t rx_tail, rx_head;  /* own index, last head seen */
-    uint64_t pulls_posted;      /* payloads offered to the peer for pulling */
-    uint64_t pulled;            /* payloads pulled from the peer */
+    uint64_t sent, received;    /* messages (frames) */
     int32_t *peer_cpu;          /* the CPU the peer last waited on */
-    int pid, gone;              /* gone: the peer closed its TCP connection */
+    int gone;                   /* the peer closed its TCP connection */
 };
 
 static uint64_t dsk__comm_load64(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
@@ -1249,81 +1269,55 @@ static uint64_t dsk__comm_ring_bytes(int L) {
     return r;
 }
 
-/* Whether this process can read peer `pid`'s memory: the word at addr must hold value. */
-static int dsk__comm_can_pull(int pid, uint64_t addr, uint64_t value) {
-#if defined(__linux__) && defined(_GNU_SOURCE)
-    uint64_t got = ~value;
-    struct iovec lv, rv;
-    lv.iov_base = &got;
-    lv.iov_len = sizeof got;
-    rv.iov_base = (void *)(uintptr_t)addr;
-    rv.iov_len = sizeof got;
-    return addr && process_vm_readv((pid_t)pid, &lv, 1, &rv, 1, 0) == (ssize_t)sizeof got && got == value;
-#else
-    (void)pid; (void)addr; (void)value;
-    return 0;
-#endif
+/* Copies n bytes into the ring at stream position pos (wrapping). */
+static void dsk__comm_ring_write(char *ring, uint64_t R, uint64_t pos, const char *src, size_t n) {
+    size_t off = (size_t)(pos & (R - 1)), first = n < R - off ? n : (size_t)(R - off);
+    memcpy(ring + off, src, first);
+    if (n > first) memcpy(ring, src + first, n - first);
 }
 
-/* Copies len bytes at addr in process pid into dst: 0, or -1 with errno set. */
-static int dsk__comm_pull(int pid, void *dst, uint64_t addr, size_t len) {
-#if defined(__linux__) && defined(_GNU_SOURCE)
-    while (len > 0) {
-        struct iovec lv, rv;
-        ssize_t r;
-        lv.iov_base = dst;
-        lv.iov_len = len;
-        rv.iov_base = (void *)(uintptr_t)addr;
-        rv.iov_len = len;
-        r = process_vm_readv((pid_t)pid, &lv, 1, &rv, 1, 0);
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) {
-            if (r == 0) errno = EFAULT;
-            return -1;
-        }
-        dst = (char *)dst + r;
-        addr += (uint64_t)r;
-        len -= (size_t)r;
-    }
-    return 0;
-#else
-    (void)pid; (void)dst; (void)addr; (void)len;
-    errno = ENOSYS;
-    return -1;
-#endif
+/* Copies n bytes out of the ring at stream position pos (wrapping) and clears the words at the
+   64-byte boundaries it consumed, so they can never pass for a frame's stamp. */
+static void dsk__comm_ring_read(char *ring, uint64_t R, uint64_t pos, char *dst, size_t n) {
+    size_t off = (size_t)(pos & (R - 1)), first = n < R - off ? n : (size_t)(R - off);
+    memcpy(dst, ring + off, first);
+    if (n > first) memcpy(dst + first, ring, n - first);
+    for (uint64_t b = (pos + 63) & ~(uint64_t)63; b < pos + n; b += 64)
+        __atomic_store_n((uint64_t *)(ring + (b & (R - 1))), 0, __ATOMIC_RELAXED);
 }
 
-/* Writes what fits of src[0..len) into the ring to the peer; returns the bytes written. The
-   head is published every 64 KiB so the reader starts on a large payload early. */
-static size_t dsk__comm_ring_put(dsk__comm_link *l, uint64_t R, const char *src, size_t len) {
+/* Streams what fits of src[0..len) into the ring; returns the bytes written. `pad` more bytes
+   are counted into the head with the last byte (the gap to the next frame). The head is
+   published every 64 KiB so the reader starts on a large payload early. */
+static size_t dsk__comm_ring_put(dsk__comm_link *l, uint64_t R, const char *src, size_t len, size_t pad) {
     size_t put = 0;
     while (put < len) {
-        uint64_t space = R - (l->tx_head - l->tx_tail), off;
-        size_t n = len - put, first;
-        if (space < n && space < 65536) {
+        uint64_t space = R - (l->tx_head - l->tx_tail);
+        size_t n = len - put < 65536 ? len - put : 65536, extra = put + n == len ? pad : 0;
+        if (space < n + extra) {
             l->tx_tail = dsk__comm_load64(&l->tx->tail);
             space = R - (l->tx_head - l->tx_tail);
         }
-        if (n > space) n = (size_t)space;
-        if (n > 65536) n = 65536;
+        if (space < n + extra) { /* the last byte goes with the pad: hold it back until both fit */
+            n = extra ? (space > pad ? (size_t)space - pad : 0) : (size_t)space;
+            if (n > len - put) n = len - put;
+        }
         if (n == 0) break;
-        off = l->tx_head & (R - 1);
-        first = n < R - off ? n : (size_t)(R - off);
-        memcpy(l->txd + off, src + put, first);
-        if (n > first) memcpy(l->txd, src + put + first, n - first);
-        l->tx_head += n;
-        dsk__comm_store64(&l->tx->head, l->tx_head);
+        dsk__comm_ring_write(l->txd, R, l->tx_head, src + put, n);
         put += n;
+        l->tx_head += n + (put == len ? pad : 0);
+        dsk__comm_store64(&l->tx->head, l->tx_head);
     }
     return put;
 }
 
-/* Reads up to len bytes from the ring from the peer into dst; returns the bytes read. */
-static size_t dsk__comm_ring_get(dsk__comm_link *l, uint64_t R, char *dst, size_t len) {
+/* Reads up to len bytes of a streamed payload; returns the bytes read. `pad` more bytes are
+   skipped after the last one (the writer counted them into the head with it). */
+static size_t dsk__comm_ring_get(dsk__comm_link *l, uint64_t R, char *dst, size_t len, size_t pad) {
     size_t got = 0;
     while (got < len) {
-        uint64_t avail = l->rx_head - l->rx_tail, off;
-        size_t n = len - got, first;
+        uint64_t avail = l->rx_head - l->rx_tail;
+        size_t n = len - got;
         if (avail < n) {
             l->rx_head = dsk__comm_load64(&l->rx->head);
             avail = l->rx_head - l->rx_tail;
@@ -1331,13 +1325,10 @@ static size_t dsk__comm_ring_get(dsk__comm_link *l, uint64_t R, char *dst, size_
         if (n > avail) n = (size_t)avail;
         if (n > 65536) n = 65536;
         if (n == 0) break;
-        off = l->rx_tail & (R - 1);
-        first = n < R - off ? n : (size_t)(R - off);
-        memcpy(dst + got, l->rxd + off, first);
-        if (n > first) memcpy(dst + got + first, l->rxd, n - first);
-        l->rx_tail += n;
-        dsk__comm_store64(&l->rx->tail, l->rx_tail);
+        dsk__comm_ring_read(l->rxd, R, l->rx_tail, dst + got, n);
         got += n;
+        l->rx_tail += n + (got == len ? pad : 0);
+        dsk__comm_store64(&l->rx->tail, l->rx_tail);
     }
     return got;
 }
@@ -1382,7 +1373,6 @@ typedef struct dsk__comm_io {
     dsk__comm_wire got;      /* received */
     char *buf;
     size_t len, done;   /* done counts header + payload bytes */
-    uint64_t ticket;    /* shared memory, a pulled payload: the peer's pull count that completes it */
 } dsk__comm_io;
 
 static void dsk__comm_wire_describe(const dsk__comm_wire *h, char *buf, size_t n) {
@@ -1423,9 +1413,6 @@ static dsk_status dsk__comm_check_header(dsk_comm *c, const char *fn, const dsk_
     if (g->magic != DSK__COMM_WIRE_MAGIC)
         return dsk_set_error(DSK_ERR_CORRUPT, "%s: rank %d sent a message without the dsk header (magic %08x)", fn,
                              op->peer, (unsigned)g->magic);
-    if (g->addr && (!c->impl->links || !c->impl->links[op->peer].rx))
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: rank %d offered a payload to pull but shares no memory with rank %d",
-                             fn, op->peer, c->rank);
     if (g->kind == DSK__COMM_ALL_TO_ALL_V && w->kind == g->kind && g->seq == w->seq && g->dtype == w->dtype &&
         (g->count != w->count || g->expect != w->expect))
         return dsk__comm_a2av_mismatch(c, fn, op->peer, g, w);
@@ -1533,73 +1520,103 @@ static void dsk__comm_fold_slice(dsk__comm_fold_job *job, const void **tmp_srcs,
 
 static int dsk__comm_is_shm(const dsk__comm_impl *m, int peer) { return m->links && m->links[peer].tx; }
 
-/* Whether an op on a shared-memory peer can move now (reads the peer's indices, moves nothing). */
+/* Whether an op on a shared-memory peer can move now (reads the peer's side, moves nothing). */
 static int dsk__comm_shm_ready(dsk__comm_impl *m, const dsk__comm_io *op) {
     dsk__comm_link *l = &m->links[op->peer];
-    const size_t H = sizeof(dsk__comm_wire);
     if (op->is_send) {
-        if (op->done >= H && op->hdr.addr) return dsk__comm_load64(&l->tx->pulled) >= op->ticket;
-        return m->ring - (l->tx_head - dsk__comm_load64(&l->tx->tail)) > 0;
+        uint64_t space = m->ring - (l->tx_head - dsk__comm_load64(&l->tx->tail));
+        return op->done == 0 ? space >= DSK__COMM_FRAME : space > 0;
     }
-    if (op->done >= H && op->got.addr) return 1;
+    if (op->done == 0) {
+        const dsk__comm_frame *f = (const dsk__comm_frame *)(l->rxd + (l->rx_tail & (m->ring - 1)));
+        return __atomic_load_n(&f->stamp, __ATOMIC_ACQUIRE) >> 1 == l->received + 1;
+    }
     return dsk__comm_load64(&l->rx->head) != l->rx_tail;
+}
+
+/* A send on shared memory: the frame, with the payload behind it when it fits (or in it when
+   tiny), then the rest of the payload streamed. */
+static void dsk__comm_shm_send(dsk_comm *c, dsk__comm_io *op) {
+    dsk__comm_impl *m = c->impl;
+    dsk__comm_link *l = &m->links[op->peer];
+    const size_t H = sizeof(dsk__comm_wire), pay = dsk__comm_ring_payload(op->len);
+    uint64_t R = m->ring;
+    if (op->done == 0) {
+        uint64_t space = R - (l->tx_head - l->tx_tail), eager;
+        dsk__comm_frame *f;
+        if (space < DSK__COMM_FRAME + (pay <= DSK__COMM_EAGER ? pay : 0)) {
+            l->tx_tail = dsk__comm_load64(&l->tx->tail);
+            space = R - (l->tx_head - l->tx_tail);
+        }
+        if (space < DSK__COMM_FRAME) return;
+        eager = pay && pay <= DSK__COMM_EAGER && space >= DSK__COMM_FRAME + pay;
+        if (eager) dsk__comm_ring_write(l->txd, R, l->tx_head + DSK__COMM_FRAME, op->buf, op->len);
+        f = (dsk__comm_frame *)(l->txd + (l->tx_head & (R - 1)));
+        f->hdr = op->hdr;
+        if (op->len && !pay) memcpy(f->inl, op->buf, op->len);
+        __atomic_store_n(&f->stamp, (++l->sent << 1) | eager, __ATOMIC_RELEASE);
+        l->tx_head += DSK__COMM_FRAME + (eager ? pay : 0);
+        dsk__comm_store64(&l->tx->head, l->tx_head);
+        op->done = pay && !eager ? H : H + op->len;
+        c->stats.bytes_sent += op->done;
+        return;
+    }
+    {
+        size_t off = op->done - H, k = dsk__comm_ring_put(l, R, op->buf + off, op->len - off, pay - op->len);
+        op->done += k;
+        c->stats.bytes_sent += k;
+    }
+}
+
+/* A receive on shared memory: the frame when its stamp shows (the payload with it when it is
+   there), then the rest of the payload streamed. -1 on error (*err set). */
+static int dsk__comm_shm_recv(dsk_comm *c, const char *fn, dsk__comm_io *op, dsk_status *err) {
+    dsk__comm_impl *m = c->impl;
+    dsk__comm_link *l = &m->links[op->peer];
+    const size_t H = sizeof(dsk__comm_wire), pay = dsk__comm_ring_payload(op->len);
+    uint64_t R = m->ring;
+    size_t k, off = op->done - H;
+    if (op->done == 0) {
+        dsk__comm_frame *f = (dsk__comm_frame *)(l->rxd + (l->rx_tail & (R - 1)));
+        uint64_t stamp = __atomic_load_n(&f->stamp, __ATOMIC_ACQUIRE);
+        if (stamp >> 1 != l->received + 1) return 0;
+        l->received++;
+        memcpy(&op->got, &f->hdr, H);
+        op->done = H;
+        c->stats.bytes_received += H;
+        if ((*err = dsk__comm_check_header(c, fn, op)) != DSK_OK) return -1;
+        if (op->len && !pay) memcpy(op->buf, f->inl, op->len);
+        __atomic_store_n(&f->stamp, 0, __ATOMIC_RELAXED);
+        l->rx_tail += DSK__COMM_FRAME;
+        if (stamp & 1) { /* the boundaries of the padded payload all lie before its end */
+            dsk__comm_ring_read(l->rxd, R, l->rx_tail, op->buf, op->len);
+            l->rx_tail += pay;
+        }
+        if (!pay || (stamp & 1)) op->done = H + op->len;
+        if (l->rx_head < l->rx_tail) l->rx_head = l->rx_tail; /* the cached head: never behind the tail */
+        c->stats.bytes_received += op->done - H;
+        dsk__comm_store64(&l->rx->tail, l->rx_tail);
+        return 1;
+    }
+    k = dsk__comm_ring_get(l, R, op->buf + off, op->len - off, pay - op->len);
+    op->done += k;
+    c->stats.bytes_received += k;
+    return k > 0;
 }
 
 /* Moves what one op on a shared-memory peer allows: 1 if anything moved, 0 if not, -1 on error
    (*err set). A send to a peer that is gone fails; a receive fails once the peer's ring is empty. */
 static int dsk__comm_shm_step(dsk_comm *c, const char *fn, dsk__comm_io *op, dsk_status *err) {
-    dsk__comm_impl *m = c->impl;
-    dsk__comm_link *l = &m->links[op->peer];
-    const size_t H = sizeof(dsk__comm_wire);
-    size_t before = op->done, k;
-    if (l->gone && op->is_send && !(op->done >= H && op->hdr.addr)) {
-        /* the peer will not read what is not in its ring yet; only a pull it made may complete */
+    dsk__comm_link *l = &c->impl->links[op->peer];
+    size_t before = op->done;
+    if (l->gone && op->is_send) { /* the peer will not read what is not in its ring yet */
         *err = dsk__comm_hangup(c, fn, op, "it closed its connection");
         return -1;
     }
-    if (op->is_send) {
-        if (op->done == 0 && op->len >= DSK__COMM_PULL_MIN && __atomic_load_n(&l->tx->pull_ok, __ATOMIC_ACQUIRE))
-            op->hdr.addr = (uint64_t)(uintptr_t)op->buf;
-        if (op->done < H) {
-            k = dsk__comm_ring_put(l, m->ring, (const char *)&op->hdr + op->done, H - op->done);
-            op->done += k;
-            c->stats.bytes_sent += k;
-            if (op->done == H && op->hdr.addr) op->ticket = ++l->pulls_posted;
-        }
-        if (op->done >= H && op->done < H + op->len) {
-            if (!op->hdr.addr) {
-                k = dsk__comm_ring_put(l, m->ring, op->buf + (op->done - H), H + op->len - op->done);
-                op->done += k;
-                c->stats.bytes_sent += k;
-            } else if (dsk__comm_load64(&l->tx->pulled) >= op->ticket) {
-                c->stats.bytes_sent += op->len;
-                op->done = H + op->len;
-            }
-        }
-    } else {
-        if (op->done < H) {
-            op->done += dsk__comm_ring_get(l, m->ring, (char *)&op->got + op->done, H - op->done);
-            c->stats.bytes_received += op->done - before;
-            if (op->done == H && (*err = dsk__comm_check_header(c, fn, op)) != DSK_OK) return -1;
-        }
-        if (op->done >= H && op->done < H + op->len) {
-            size_t off = op->done - H;
-            if (op->got.addr) {
-                k = op->len - off < DSK__COMM_PULL_PIECE ? op->len - off : DSK__COMM_PULL_PIECE;
-                if (dsk__comm_pull(l->pid, op->buf + off, op->got.addr + off, k) != 0) {
-                    *err = dsk__comm_hangup(c, fn, op, strerror(errno));
-                    return -1;
-                }
-                if ((op->done += k) == H + op->len) dsk__comm_store64(&l->rx->pulled, ++l->pulled);
-            } else {
-                k = dsk__comm_ring_get(l, m->ring, op->buf + off, op->len - off);
-                op->done += k;
-            }
-            c->stats.bytes_received += k;
-        }
-    }
+    if (op->is_send) dsk__comm_shm_send(c, op);
+    else if (dsk__comm_shm_recv(c, fn, op, err) < 0) return -1;
     if (op->done != before) {
-        dsk__comm_shm_wake(m, op->peer);
+        dsk__comm_shm_wake(c->impl, op->peer);
         return 1;
     }
     if (l->gone && !dsk__comm_io_finished(op)) {
@@ -2195,17 +2212,8 @@ static void dsk__comm_set_nodes(dsk_comm *c, const int *same) {
     }
 }
 
-/* CPUs this process may run on. */
-static int dsk__comm_cpus(void) {
-#if defined(__linux__) && defined(_GNU_SOURCE)
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
-#endif
-    return (int)sysconf(_SC_NPROCESSORS_ONLN);
-}
-
 /* Points this rank's links to the members g[0..L) of its node group (this rank is g[me])
-   inside the mapped segment, and says which members it can pull payloads from. */
+   inside the mapped segment. */
 static void dsk__comm_shm_link(dsk_comm *c, const int *g, int L, int me) {
     dsk__comm_impl *m = c->impl;
     m->cpu = &dsk__comm_shm_block(m->shm, me)->cpu;
@@ -2218,13 +2226,10 @@ static void dsk__comm_shm_link(dsk_comm *c, const int *g, int L, int me) {
         l->rx = dsk__comm_shm_chan(m->shm, L, m->ring, j, me);
         l->txd = (char *)(l->tx + 1);
         l->rxd = (char *)(l->rx + 1);
-        l->pid = b->pid;
         l->peer_cpu = &b->cpu;
-        if (dsk__comm_can_pull(b->pid, b->probe_addr, b->probe_value))
-            __atomic_store_n(&l->rx->pull_ok, 1u, __ATOMIC_RELEASE);
     }
     c->shm_peers = L - 1;
-    m->crowded = L > dsk__comm_cpus();
+    m->crowded = L > (int)sysconf(_SC_NPROCESSORS_ONLN); /* the machine's, not this rank's affinity */
 }
 
 /* Creates (g[0]) or opens (the others) the segment of this rank's node group: members g[0..L)
@@ -2249,7 +2254,7 @@ static dsk_status dsk__comm_shm_map(dsk_comm *c, const char *fn, int L, int me, 
         dsk__comm_shm_clean_stale(ns);
         fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
         if (fd >= 0 && ftruncate(fd, (off_t)bytes) == 0)
-            seg = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+            seg = mmap(NULL, bytes, PROT_READ | PROT_WRITE, DSK__COMM_MAP_FLAGS, fd, 0);
         if (seg != MAP_FAILED) {
             head = (dsk__comm_shm_head *)seg;
             head->bytes = bytes;
@@ -2267,7 +2272,7 @@ static dsk_status dsk__comm_shm_map(dsk_comm *c, const char *fn, int L, int me, 
         DSK__TRY(dsk__comm_store_get(c, fn, key, name, cap - 1, &len));
         name[len < cap ? len : cap - 1] = 0;
         if (name[0] && (fd = shm_open(name, O_RDWR, 0)) >= 0 && fstat(fd, &sb) == 0 && (size_t)sb.st_size == bytes)
-            seg = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+            seg = mmap(NULL, bytes, PROT_READ | PROT_WRITE, DSK__COMM_MAP_FLAGS, fd, 0);
         if (fd >= 0) close(fd);
         head = (dsk__comm_shm_head *)seg;
         if (seg != MAP_FAILED && (head->magic != DSK__COMM_SHM_MAGIC || head->bytes != bytes ||
@@ -2279,10 +2284,7 @@ static dsk_status dsk__comm_shm_map(dsk_comm *c, const char *fn, int L, int me, 
     }
     if (*seg_out) {
         dsk__comm_shm_rank *b = dsk__comm_shm_block(*seg_out, me);
-        b->pid = (int32_t)getpid();
         b->cpu = -1;
-        b->probe_addr = (uint64_t)(uintptr_t)&m->probe;
-        b->probe_value = m->probe;
         if (__atomic_add_fetch(&((dsk__comm_shm_head *)*seg_out)->mapped, 1, __ATOMIC_ACQ_REL) == L) {
             shm_unlink(name);
             *unlinked = 1;
@@ -2313,7 +2315,6 @@ static dsk_status dsk__comm_shm_setup(dsk_comm *c, const char *fn) {
         return DSK_OK;
     }
     m->ring = dsk__comm_ring_bytes(L);
-    m->probe = dsk__comm_fnv(m->tag ^ 0x9E3779B97F4A7C15ull, &m, sizeof m) | 1;
     st = dsk__comm_shm_map(c, fn, L, me, name, sizeof name, &seg, &unlinked);
     if (seg) {
         size_t ra, ca;

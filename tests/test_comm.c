@@ -2004,7 +2004,7 @@ static void mode_begin(const char *fmt, ...) {
    memory inside each, TCP across). The fault cases that only wait out a timeout run where the
    transport changes what they test. Kept so to hold test_comm near 40 s on a loaded 2-core box. */
 static void run_suite(void) {
-    int n0 = g_mode == MODE_SHM ? 1 : g_mode == MODE_TCP ? 2 : 4, n1 = g_mode == MODE_TCP ? 3 : 4;
+    int n0 = g_mode == MODE_SHM ? 1 : g_mode == MODE_TWO_HOSTS ? 4 : 2, n1 = g_mode == MODE_TCP ? 3 : 4;
     for (int n = n0; n <= n1; n++) {
         coll_case("all_reduce: 7 dtypes x 4 ops x sizes 0..70001 + 6 MB, exact rank-order fold", rank_all_reduce, n,
                   65536);
