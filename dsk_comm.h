@@ -1276,14 +1276,24 @@ static void dsk__comm_ring_write(char *ring, uint64_t R, uint64_t pos, const cha
     if (n > first) memcpy(ring, src + first, n - first);
 }
 
-/* Copies n bytes out of the ring at stream position pos (wrapping) and clears the words at the
-   64-byte boundaries it consumed, so they can never pass for a frame's stamp. */
-static void dsk__comm_ring_read(char *ring, uint64_t R, uint64_t pos, char *dst, size_t n) {
+/* Copies n bytes out of the ring at stream position pos (wrapping), then clears the words at
+   64-byte boundaries that end in [pos, pos + n + pad] (pad: bytes the writer skipped, the
+   reader's to clear too), so they can never pass for a frame's stamp. A word that the read
+   only began is cleared by the read that ends it: the writer may be filling its other bytes,
+   and the tail stays before it until then (dsk__comm_publish_tail). */
+static void dsk__comm_ring_read(char *ring, uint64_t R, uint64_t pos, char *dst, size_t n, size_t pad) {
     size_t off = (size_t)(pos & (R - 1)), first = n < R - off ? n : (size_t)(R - off);
     memcpy(dst, ring + off, first);
     if (n > first) memcpy(dst + first, ring, n - first);
-    for (uint64_t b = (pos + 63) & ~(uint64_t)63; b < pos + n; b += 64)
+    for (uint64_t b = (pos + 56) & ~(uint64_t)63; b + 8 <= pos + n + pad; b += 64)
         __atomic_store_n((uint64_t *)(ring + (b & (R - 1))), 0, __ATOMIC_RELAXED);
+}
+
+/* Publishes the reader's tail, short of a line whose first word was only partly read: that
+   word is cleared by the read that ends it, and the writer must not reuse its bytes before. */
+static void dsk__comm_publish_tail(dsk__comm_link *l) {
+    uint64_t t = l->rx_tail, in = t & 63;
+    dsk__comm_store64(&l->rx->tail, in > 0 && in < 8 ? t - in : t);
 }
 
 /* Streams what fits of src[0..len) into the ring; returns the bytes written. `pad` more bytes
@@ -1316,19 +1326,19 @@ static size_t dsk__comm_ring_put(dsk__comm_link *l, uint64_t R, const char *src,
 static size_t dsk__comm_ring_get(dsk__comm_link *l, uint64_t R, char *dst, size_t len, size_t pad) {
     size_t got = 0;
     while (got < len) {
-        uint64_t avail = l->rx_head - l->rx_tail;
+        uint64_t avail = l->rx_head > l->rx_tail ? l->rx_head - l->rx_tail : 0;
         size_t n = len - got;
         if (avail < n) {
             l->rx_head = dsk__comm_load64(&l->rx->head);
-            avail = l->rx_head - l->rx_tail;
+            avail = l->rx_head > l->rx_tail ? l->rx_head - l->rx_tail : 0;
         }
         if (n > avail) n = (size_t)avail;
         if (n > 65536) n = 65536;
         if (n == 0) break;
-        dsk__comm_ring_read(l->rxd, R, l->rx_tail, dst + got, n);
         got += n;
+        dsk__comm_ring_read(l->rxd, R, l->rx_tail, dst + got - n, n, got == len ? pad : 0);
         l->rx_tail += n + (got == len ? pad : 0);
-        dsk__comm_store64(&l->rx->tail, l->rx_tail);
+        dsk__comm_publish_tail(l);
     }
     return got;
 }
@@ -1531,7 +1541,7 @@ static int dsk__comm_shm_ready(dsk__comm_impl *m, const dsk__comm_io *op) {
         const dsk__comm_frame *f = (const dsk__comm_frame *)(l->rxd + (l->rx_tail & (m->ring - 1)));
         return __atomic_load_n(&f->stamp, __ATOMIC_ACQUIRE) >> 1 == l->received + 1;
     }
-    return dsk__comm_load64(&l->rx->head) != l->rx_tail;
+    return dsk__comm_load64(&l->rx->head) > l->rx_tail;
 }
 
 /* A send on shared memory: the frame, with the payload behind it when it fits (or in it when
@@ -1554,9 +1564,10 @@ static void dsk__comm_shm_send(dsk_comm *c, dsk__comm_io *op) {
         f = (dsk__comm_frame *)(l->txd + (l->tx_head & (R - 1)));
         f->hdr = op->hdr;
         if (op->len && !pay) memcpy(f->inl, op->buf, op->len);
-        __atomic_store_n(&f->stamp, (++l->sent << 1) | eager, __ATOMIC_RELEASE);
+        /* the head first: a reader that sees the stamp must never find the head behind the frame */
         l->tx_head += DSK__COMM_FRAME + (eager ? pay : 0);
         dsk__comm_store64(&l->tx->head, l->tx_head);
+        __atomic_store_n(&f->stamp, (++l->sent << 1) | eager, __ATOMIC_RELEASE);
         op->done = pay && !eager ? H : H + op->len;
         c->stats.bytes_sent += op->done;
         return;
@@ -1588,14 +1599,14 @@ static int dsk__comm_shm_recv(dsk_comm *c, const char *fn, dsk__comm_io *op, dsk
         if (op->len && !pay) memcpy(op->buf, f->inl, op->len);
         __atomic_store_n(&f->stamp, 0, __ATOMIC_RELAXED);
         l->rx_tail += DSK__COMM_FRAME;
-        if (stamp & 1) { /* the boundaries of the padded payload all lie before its end */
-            dsk__comm_ring_read(l->rxd, R, l->rx_tail, op->buf, op->len);
+        if (stamp & 1) {
+            dsk__comm_ring_read(l->rxd, R, l->rx_tail, op->buf, op->len, pay - op->len);
             l->rx_tail += pay;
         }
         if (!pay || (stamp & 1)) op->done = H + op->len;
         if (l->rx_head < l->rx_tail) l->rx_head = l->rx_tail; /* the cached head: never behind the tail */
         c->stats.bytes_received += op->done - H;
-        dsk__comm_store64(&l->rx->tail, l->rx_tail);
+        dsk__comm_publish_tail(l);
         return 1;
     }
     k = dsk__comm_ring_get(l, R, op->buf + off, op->len - off, pay - op->len);
