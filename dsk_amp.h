@@ -9,19 +9,19 @@
    the host except the reads dsk_amp_scale_get and dsk_amp_stats_get, 12 and 16 bytes; the
    trainer needs them on the host anyway, for its loss gradient and for AdamW's grad_mult):
 
-       float s; dsk_amp_scale_get(ctx, &sc, &s);               // loss scale of this step
+       float s; dsk_amp_scale_get(&sc, ctx, &s);               // loss scale of this step
        forward, loss; backward with the loss gradient times s   // e.g. dsk_cross_entropy(..., s)
-       dsk_amp_unscale(ctx, &sc, grads, n);                    // grads *= 1/s; local stats
+       dsk_amp_unscale(&sc, ctx, grads, n);                    // grads *= 1/s; local stats
        // Where ranks hold different gradients (sharded or expert-parallel), ONE all-reduce SUM
        // joins the local stats, two f64 in sc's memory at dsk_amp_stats_data(&sc), in place:
        // ncclAllReduce(p, p, 2, ncclFloat64, ncclSum, comm, stream) keeps it on the device;
        // or on the host: dsk_amp_stats_get, all-reduce the two numbers, dsk_amp_stats_set.
        // found_inf becomes the number of ranks that saw NaN/Inf, sumsq the global sum of squares.
-       dsk_amp_stats st; dsk_amp_stats_get(ctx, &sc, &st);
+       dsk_amp_stats st; dsk_amp_stats_get(&sc, ctx, &st);
        dsk_amp_decision d = dsk_amp_decide(st, max_norm);      // skip? clip coefficient
-       dsk_amp_step(ctx, params, n, &adamw, step, &d, DSK_ROUND_NEAREST, seed); // no-op if d.skip
+       dsk_amp_step(ctx, params, n, &adamw, step, &d, DSK_AMP_ROUND_NEAREST, seed); // no-op if d.skip
        if (!d.skip) step++;
-       dsk_amp_update(ctx, &sc);                               // scale rule on sc's device
+       dsk_amp_update(&sc, ctx);                               // scale rule on sc's device
 
    Loss scaling follows PyTorch GradScaler (aten AmpKernels.cu _amp_update_scale_, grad_scaler.py):
    on overflow the step is skipped, scale *= backoff and the growth tracker resets; after
@@ -33,7 +33,26 @@
    FP8: e4m3 (max 448, saturating) and e5m2 (max 57344, Inf) with per-tensor current
    scaling, delayed scaling from an amax history (TransformerEngine's rule), and DeepSeek-V3
    fine-grained block scaling (1x128 activations, 128x128 weights, f32 dequantisation scales).
+   Per-tensor casts saturate an Inf to +-448 in e4m3 (as TransformerEngine does); the block
+   path keeps a block with an Inf or NaN non-finite (as DeepSeek's kernel does).
+
+   Arguments: a call on an object takes it first, then ctx (dsk_amp_unscale(&sc, ctx, ...),
+   dsk_amp_fp8_delayed_update(&d, ctx)); a free-standing op takes ctx first (dsk_amp_cast,
+   dsk_amp_step, dsk_amp_amax, the fp8 quantize/dequantize functions).
    License: MIT, see the end of the file. */
+
+/* Contents
+     declarations
+       loss scaler                dsk_amp_scaler_opts/state/stats, dsk_amp_scaler_rule, dsk_amp_scaler_init/free,
+                                  dsk_amp_state_get/set, dsk_amp_scale_get, dsk_amp_unscale, dsk_amp_stats_*,
+                                  dsk_amp_update
+       clipping and skip          dsk_amp_decision, dsk_amp_decide
+       master weights and casts   dsk_amp_round, stochastic rounding (dsk_amp_sr_key, dsk_f32_to_bf16_sr,
+                                  dsk_f32_to_f16_sr), dsk_amp_cast, dsk_amp_param, dsk_amp_step
+       FP8 scaling                scale rules (dsk_amp_fp8_scale, dsk_amp_fp8_block_scale), dsk_amp_amax,
+                                  per-tensor current scaling and quantize, delayed scaling, DeepSeek-V3 blocks
+     implementation (DSK_AMP_IMPLEMENTATION)
+       checks, loss scaler, unscale + check, casts and optimizer step, FP8 */
 #ifndef DSK_AMP_H
 #define DSK_AMP_H
 
@@ -125,32 +144,32 @@ static inline DSK_HD void dsk_amp_scaler_rule(dsk_amp_scaler_state *s, int overf
 static inline DSK_HD float dsk_amp_inv_scale(float scale) { return (float)(1.0 / (double)scale); }
 
 /* Fills defaults and checks ranges; on CUDA the state lives in device memory of ctx's device. */
-DSK_API dsk_status dsk_amp_scaler_init(dsk_ctx *ctx, dsk_amp_scaler *sc, const dsk_amp_scaler_opts *opts);
-DSK_API void dsk_amp_scaler_free(dsk_ctx *ctx, dsk_amp_scaler *sc); /* zeroed/freed ok */
+DSK_API dsk_status dsk_amp_scaler_init(dsk_amp_scaler *sc, dsk_ctx *ctx, const dsk_amp_scaler_opts *opts);
+DSK_API void dsk_amp_scaler_free(dsk_amp_scaler *sc, dsk_ctx *ctx); /* zeroed/freed ok */
 /* Reads the state (CUDA: copies 12 bytes and syncs the stream). */
-DSK_API dsk_status dsk_amp_state_get(dsk_ctx *ctx, const dsk_amp_scaler *sc, dsk_amp_scaler_state *out);
+DSK_API dsk_status dsk_amp_state_get(const dsk_amp_scaler *sc, dsk_ctx *ctx, dsk_amp_scaler_state *out);
 /* Restores a saved state; checks scale > 0 finite, tracker in [0, interval), hysteresis_left in [1, hysteresis]. */
-DSK_API dsk_status dsk_amp_state_set(dsk_ctx *ctx, dsk_amp_scaler *sc, const dsk_amp_scaler_state *st);
+DSK_API dsk_status dsk_amp_state_set(dsk_amp_scaler *sc, dsk_ctx *ctx, const dsk_amp_scaler_state *st);
 /* Current loss scale (dsk_amp_state_get's scale). */
-DSK_API dsk_status dsk_amp_scale_get(dsk_ctx *ctx, const dsk_amp_scaler *sc, float *scale);
+DSK_API dsk_status dsk_amp_scale_get(const dsk_amp_scaler *sc, dsk_ctx *ctx, float *scale);
 
 /* One fused pass over n gradients (each contiguous f32, bf16 or f16 on sc's device, any
    sizes, empty ok, no two sharing memory): g <- g * inv_scale, stored in g's dtype (RNE); sets the scaler's stats
    for this step: found_inf = 1 if any stored value is NaN or Inf, sumsq = sum of the squares
    of the stored values in f64, in a fixed order (deterministic for any thread count).
    16-bit gradients round once more when stored: prefer f32 gradients with large scales. */
-DSK_API dsk_status dsk_amp_unscale(dsk_ctx *ctx, dsk_amp_scaler *sc, dsk_tensor *const *grads, int n);
+DSK_API dsk_status dsk_amp_unscale(dsk_amp_scaler *sc, dsk_ctx *ctx, dsk_tensor *const *grads, int n);
 /* The scaler's stats as two f64 in its device memory (found_inf, sumsq): the buffer to
    all-reduce (SUM) across ranks between dsk_amp_unscale and dsk_amp_stats_get/update. */
 DSK_API double *dsk_amp_stats_data(dsk_amp_scaler *sc);
 /* Reads the stats (CUDA: copies 16 bytes and syncs the stream). */
-DSK_API dsk_status dsk_amp_stats_get(dsk_ctx *ctx, const dsk_amp_scaler *sc, dsk_amp_stats *out);
+DSK_API dsk_status dsk_amp_stats_get(const dsk_amp_scaler *sc, dsk_ctx *ctx, dsk_amp_stats *out);
 /* Overwrites the stats, e.g. with values joined across ranks on the host, so that
    dsk_amp_update sees them (CUDA: copies 16 bytes and syncs the stream). */
-DSK_API dsk_status dsk_amp_stats_set(dsk_ctx *ctx, dsk_amp_scaler *sc, const dsk_amp_stats *st);
+DSK_API dsk_status dsk_amp_stats_set(dsk_amp_scaler *sc, dsk_ctx *ctx, const dsk_amp_stats *st);
 /* Applies the rule with overflow = dsk_amp_stats_overflow(stats), on the scaler's device
    (CUDA: one single-thread kernel, no host sync). Call once per step after the optimizer. */
-DSK_API dsk_status dsk_amp_update(dsk_ctx *ctx, dsk_amp_scaler *sc);
+DSK_API dsk_status dsk_amp_update(dsk_amp_scaler *sc, dsk_ctx *ctx);
 
 /* ------------------------------------------------------------------ clipping and skip */
 
@@ -177,8 +196,8 @@ static inline DSK_HD dsk_amp_decision dsk_amp_decide(dsk_amp_stats st, double ma
 /* ------------------------------------------------------------------ master weights and casts */
 
 typedef enum dsk_amp_round {
-    DSK_ROUND_NEAREST = 0, /* round to nearest even */
-    DSK_ROUND_STOCHASTIC   /* round up with probability (x - down) / (up - down), unbiased */
+    DSK_AMP_ROUND_NEAREST = 0, /* round to nearest even */
+    DSK_AMP_ROUND_STOCHASTIC   /* round up with probability (x - down) / (up - down), unbiased */
 } dsk_amp_round;
 
 /* Key of the stochastic-rounding stream of tensor `tensor_id` at optimizer `step`: element i
@@ -205,7 +224,7 @@ static inline DSK_HD uint16_t dsk_f32_to_bf16_sr(float f, uint32_t rnd) {
 }
 /* f32 -> f16 magnitude code with stochastic rounding (cf. dsk__round_minifloat): rounds up
    with probability rem / 2^shift from the 32 random bits; exact for shifts up to 32. */
-static inline DSK_HD uint32_t dsk__sr_minifloat(float f, int mbits, int bias, uint32_t rnd) {
+static inline DSK_HD uint32_t dsk__amp_sr_minifloat(float f, int mbits, int bias, uint32_t rnd) {
     uint32_t u = dsk_f32_bits(f) & 0x7fffffffu;
     int e32 = (int)(u >> 23), e = e32 - 127, emin = 1 - bias, shift;
     uint32_t sig, q, thr;
@@ -228,7 +247,7 @@ static inline DSK_HD uint16_t dsk_f32_to_f16_sr(float f, uint32_t rnd) {
     uint32_t u = dsk_f32_bits(f), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
     if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
     if (a == 0x7f800000u) return (uint16_t)(sign | 0x7c00u);
-    uint32_t mag = dsk__sr_minifloat(f, 10, 15, rnd);
+    uint32_t mag = dsk__amp_sr_minifloat(f, 10, 15, rnd);
     return (uint16_t)(sign | (mag >= 0x7c00u ? 0x7c00u : mag));
 }
 
@@ -247,7 +266,8 @@ typedef struct dsk_amp_param {
 } dsk_amp_param;
 
 /* One optimizer step over params[0..n) unless dec->skip (then nothing is read or written):
-   dsk_adamw_step(master, grad, m, v, opts, step, dec->grad_mult), then the copy is refreshed
+   dsk_adamw_step(master, grad, m, v, opts, step, dec->grad_mult) (opts taken literally, NULL for
+   dsk_adamw_defaults()), then the copy is refreshed
    from the master with `round` (stochastic stream: seed, tensor id = index in params, step;
    give each group of params its own seed when calling once per group).
    `step` is 1-based and counts applied steps only. */
@@ -293,11 +313,14 @@ static inline DSK_HD float dsk_amp_fp8_scale(float amax, float fp8_max, int marg
     return pow2 ? dsk_amp_pow2_floor(s) : s;
 }
 /* DeepSeek-V3 block dequantisation scale from a block amax: amax / fp8_max (x ~ q * d), 1
-   when amax is 0 or not finite, at least the smallest normal f32; pow2 rounds it up to a
-   power of two (so |x| / d <= fp8_max still holds). */
+   when amax is 0, at least the smallest normal f32; pow2 rounds it up to a power of two (so
+   |x| / d <= fp8_max still holds). A non-finite amax stays non-finite (Inf, or NaN for a NaN
+   in the block), as in DeepSeek's act_quant kernel (s = amax / 448, y = x / s): the block
+   quantises to 0 and NaN codes and dequantises to NaN, which the non-finite check sees. */
 static inline DSK_HD float dsk_amp_fp8_block_scale(float amax, float fp8_max, int pow2) {
     float d;
-    if (!(amax > 0.0f) || !dsk_amp_isfinite(amax)) return 1.0f;
+    if (amax == 0.0f) return 1.0f;
+    if (!dsk_amp_isfinite(amax)) return amax / fp8_max;
     d = amax / fp8_max;
     if (d < 1.17549435e-38f) d = 1.17549435e-38f;
     if (pow2) {
@@ -316,18 +339,19 @@ DSK_API dsk_status dsk_amp_amax(dsk_ctx *ctx, dsk_tensor *amax, const dsk_tensor
 DSK_API dsk_status dsk_amp_fp8_current_scale(dsk_ctx *ctx, dsk_tensor *scale, dsk_tensor *amax, const dsk_tensor *x,
                                              dsk_dtype fmt, int margin, int pow2);
 /* q (e4m3/e5m2) = fp8(x * scale), x f32/bf16/f16, scale a scalar f32 tensor; e4m3 saturates
-   at +-448 (Inf too), e5m2 overflows to Inf; NaN stays NaN. */
+   at +-448 (Inf too, as TransformerEngine's per-tensor cast: check x or its amax for overflow,
+   not q), e5m2 overflows to Inf; NaN stays NaN. The block path below keeps Inf non-finite. */
 DSK_API dsk_status dsk_amp_fp8_quantize(dsk_ctx *ctx, dsk_tensor *q, const dsk_tensor *x, const dsk_tensor *scale);
 /* y (f32/bf16/f16) = f32(q) * (1 / scale), the reciprocal rounded to f32. */
 DSK_API dsk_status dsk_amp_fp8_dequantize(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *q, const dsk_tensor *scale);
 
-typedef enum dsk_amp_amax_algo { DSK_AMAX_MAX = 0, DSK_AMAX_MOST_RECENT } dsk_amp_amax_algo;
+typedef enum dsk_amp_amax_algo { DSK_AMP_AMAX_MAX = 0, DSK_AMP_AMAX_MOST_RECENT } dsk_amp_amax_algo;
 
 typedef struct dsk_amp_fp8_delayed_opts {
     dsk_dtype fmt;          /* [DSK_E4M3]; DSK_E4M3 or DSK_E5M2 (0, i.e. DSK_F32, means the default) */
     int history_len;        /* [1024] */
     int margin;             /* [0] */
-    dsk_amp_amax_algo algo; /* [DSK_AMAX_MAX] over the history, or the most recent amax */
+    dsk_amp_amax_algo algo; /* [DSK_AMP_AMAX_MAX] over the history, or the most recent amax */
     int pow2;               /* [0] 1: power-of-two scales */
 } dsk_amp_fp8_delayed_opts;
 
@@ -340,23 +364,25 @@ typedef struct dsk_amp_fp8_delayed {
     int64_t pos;
 } dsk_amp_fp8_delayed;
 
-DSK_API dsk_status dsk_amp_fp8_delayed_init(dsk_ctx *ctx, dsk_amp_fp8_delayed *d, const dsk_amp_fp8_delayed_opts *opts);
-DSK_API void dsk_amp_fp8_delayed_free(dsk_ctx *ctx, dsk_amp_fp8_delayed *d); /* zeroed/freed ok */
+DSK_API dsk_status dsk_amp_fp8_delayed_init(dsk_amp_fp8_delayed *d, dsk_ctx *ctx, const dsk_amp_fp8_delayed_opts *opts);
+DSK_API void dsk_amp_fp8_delayed_free(dsk_amp_fp8_delayed *d, dsk_ctx *ctx); /* zeroed/freed ok */
 /* q = fp8(x * scale) with the current scale; history[pos] = max(history[pos], max |x|). */
-DSK_API dsk_status dsk_amp_fp8_delayed_quantize(dsk_ctx *ctx, dsk_amp_fp8_delayed *d, dsk_tensor *q, const dsk_tensor *x);
+DSK_API dsk_status dsk_amp_fp8_delayed_quantize(dsk_amp_fp8_delayed *d, dsk_ctx *ctx, dsk_tensor *q,
+                                                const dsk_tensor *x);
 /* End of step: amax = max of the history (or history[pos]); scale = dsk_amp_fp8_scale(amax,
    fp8_max, margin, pow2, scale); then pos advances and its slot is zeroed. */
-DSK_API dsk_status dsk_amp_fp8_delayed_update(dsk_ctx *ctx, dsk_amp_fp8_delayed *d);
+DSK_API dsk_status dsk_amp_fp8_delayed_update(dsk_amp_fp8_delayed *d, dsk_ctx *ctx);
 
 /* Fine-grained block scaling of a 2-D x (R, C) in blocks of (br, bc) elements (DeepSeek-V3:
    1x128 for activations, 128x128 for weights; edge blocks may be partial): scales
    (ceil(R/br), ceil(C/bc)) f32 = dsk_amp_fp8_block_scale(block amax, fmt max, pow2), and
-   q (R, C) e4m3/e5m2 = fp8(x / scale of its block). */
+   q (R, C) e4m3/e5m2 = fp8(x / scale of its block). A block holding an Inf or a NaN gets a
+   non-finite scale and dequantises to NaN everywhere (DeepSeek's kernel), never to +-448. */
 DSK_API dsk_status dsk_amp_fp8_block_quantize(dsk_ctx *ctx, dsk_tensor *q, dsk_tensor *scales, const dsk_tensor *x,
                                               int br, int bc, int pow2);
 /* y (R, C) f32/bf16/f16 = f32(q) * scale of its block. */
-DSK_API dsk_status dsk_amp_fp8_block_dequantize(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *q, const dsk_tensor *scales,
-                                                int br, int bc);
+DSK_API dsk_status dsk_amp_fp8_block_dequantize(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *q,
+                                                const dsk_tensor *scales, int br, int bc);
 
 #ifdef __cplusplus
 }
@@ -384,21 +410,24 @@ extern "C" {
 #endif
 
 /* Elements per CPU chunk: the fixed unit of every f64 partial sum (thread-count independent). */
-#define DSK_AMP__CHUNK 16384
+#define DSK__AMP_CHUNK 16384
 
-static int dsk_amp__is_grad_dtype(dsk_dtype dt) { return dt == DSK_F32 || dt == DSK_BF16 || dt == DSK_F16; }
-static int dsk_amp__is_fp8(dsk_dtype dt) { return dt == DSK_E4M3 || dt == DSK_E5M2; }
+static int dsk__amp_is_grad_dtype(dsk_dtype dt) { return dt == DSK_F32 || dt == DSK_BF16 || dt == DSK_F16; }
+static int dsk__amp_is_fp8(dsk_dtype dt) { return dt == DSK_E4M3 || dt == DSK_E5M2; }
 
 /* A tensor an amp op can use: non-NULL, contiguous, data if non-empty, on `dev`, and on a
    device this build supports. `what` names it in messages. */
-static dsk_status dsk_amp__check(const char *fn, const char *what, const dsk_tensor *t, dsk_device dev) {
+static dsk_status dsk__amp_check(const char *fn, const char *what, const dsk_tensor *t, dsk_device dev) {
     char b[96];
     if (!t) return dsk_set_error(DSK_ERR_ARG, "%s: %s is NULL", fn, what);
-    if (!t->data && dsk_tensor_numel(t) > 0) return dsk_set_error(DSK_ERR_ARG, "%s: %s %s has no data", fn, what, dsk_tensor_describe(t, b, sizeof b));
-    if (!dsk_tensor_is_contiguous(t)) return dsk_set_error(DSK_ERR_ARG, "%s: %s %s is not contiguous", fn, what, dsk_tensor_describe(t, b, sizeof b));
+    if (!t->data && dsk_tensor_numel(t) > 0)
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s %s has no data", fn, what, dsk_tensor_describe(t, b, sizeof b));
+    if (!dsk_tensor_is_contiguous(t))
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s %s is not contiguous", fn, what, dsk_tensor_describe(t, b, sizeof b));
     if (t->device.type != dev.type || t->device.index != dev.index)
-        return dsk_set_error(DSK_ERR_ARG, "%s: %s %s is on %s:%d, expected %s:%d", fn, what, dsk_tensor_describe(t, b, sizeof b),
-                             t->device.type == DSK_DEV_CUDA ? "cuda" : "cpu", t->device.index, dev.type == DSK_DEV_CUDA ? "cuda" : "cpu", dev.index);
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s %s is on %s:%d, expected %s:%d", fn, what,
+                             dsk_tensor_describe(t, b, sizeof b), t->device.type == DSK_DEV_CUDA ? "cuda" : "cpu",
+                             t->device.index, dev.type == DSK_DEV_CUDA ? "cuda" : "cpu", dev.index);
 #ifndef DSK_CUDA
     if (t->device.type != DSK_DEV_CPU)
         return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: %s is a CUDA tensor in a build without DSK_CUDA", fn, what);
@@ -407,29 +436,31 @@ static dsk_status dsk_amp__check(const char *fn, const char *what, const dsk_ten
 }
 
 /* CUDA ops need a ctx on the tensor's device. */
-static dsk_status dsk_amp__need_ctx(const char *fn, const dsk_ctx *ctx, dsk_device dev) {
+static dsk_status dsk__amp_need_ctx(const char *fn, const dsk_ctx *ctx, dsk_device dev) {
     if (dev.type != DSK_DEV_CUDA) return DSK_OK;
     if (!ctx || ctx->device.type != DSK_DEV_CUDA || ctx->device.index != dev.index)
         return dsk_set_error(DSK_ERR_ARG, "%s: CUDA device %d needs a ctx on that device", fn, dev.index);
     return DSK_OK;
 }
 
-static dsk_status dsk_amp__scalar_f32(const char *fn, const char *what, const dsk_tensor *t, dsk_device dev) {
+static dsk_status dsk__amp_scalar_f32(const char *fn, const char *what, const dsk_tensor *t, dsk_device dev) {
     char b[96];
-    dsk_status s = dsk_amp__check(fn, what, t, dev);
+    dsk_status s = dsk__amp_check(fn, what, t, dev);
     if (s != DSK_OK) return s;
     if (t->dtype != DSK_F32 || dsk_tensor_numel(t) != 1)
-        return dsk_set_error(DSK_ERR_ARG, "%s: %s is %s, want one f32 element", fn, what, dsk_tensor_describe(t, b, sizeof b));
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s is %s, want one f32 element", fn, what,
+                             dsk_tensor_describe(t, b, sizeof b));
     return DSK_OK;
 }
 
 /* ---------------------------------------------------------------- loss scaler */
 
-static dsk_status dsk_amp__resolve(const dsk_amp_scaler_opts *in, dsk_amp_scaler_opts *o) {
+static dsk_status dsk__amp_resolve(const dsk_amp_scaler_opts *in, dsk_amp_scaler_opts *o) {
     const char *fn = "dsk_amp_scaler_init";
     memset(o, 0, sizeof *o);
     if (in) *o = *in;
-    if ((int)o->mode < DSK_AMP_DYNAMIC || (int)o->mode > DSK_AMP_NONE) return dsk_set_error(DSK_ERR_ARG, "%s: unknown mode %d", fn, (int)o->mode);
+    if ((int)o->mode < DSK_AMP_DYNAMIC || (int)o->mode > DSK_AMP_NONE)
+        return dsk_set_error(DSK_ERR_ARG, "%s: unknown mode %d", fn, (int)o->mode);
     if (o->init_scale == 0.0f) o->init_scale = 65536.0f;
     if (o->growth_factor == 0.0) o->growth_factor = 2.0;
     if (o->backoff_factor == 0.0) o->backoff_factor = 0.5;
@@ -442,24 +473,27 @@ static dsk_status dsk_amp__resolve(const dsk_amp_scaler_opts *in, dsk_amp_scaler
         return dsk_set_error(DSK_ERR_ARG, "%s: growth_factor %g must be finite and > 1", fn, o->growth_factor);
     if (!(o->backoff_factor > 0.0 && o->backoff_factor < 1.0))
         return dsk_set_error(DSK_ERR_ARG, "%s: backoff_factor %g must be in (0, 1)", fn, o->backoff_factor);
-    if (o->growth_interval < 1) return dsk_set_error(DSK_ERR_ARG, "%s: growth_interval %d must be >= 1", fn, (int)o->growth_interval);
+    if (o->growth_interval < 1)
+        return dsk_set_error(DSK_ERR_ARG, "%s: growth_interval %d must be >= 1", fn, (int)o->growth_interval);
     if (o->hysteresis < 1) return dsk_set_error(DSK_ERR_ARG, "%s: hysteresis %d must be >= 1", fn, (int)o->hysteresis);
-    if (!(o->min_scale >= 0.0f) || !(o->max_scale >= 0.0f) || !dsk_amp_isfinite(o->min_scale) || !dsk_amp_isfinite(o->max_scale))
-        return dsk_set_error(DSK_ERR_ARG, "%s: min_scale %g and max_scale %g must be finite and >= 0", fn, (double)o->min_scale,
-                             (double)o->max_scale);
-    if (o->max_scale > 0.0f && o->min_scale > o->max_scale)
-        return dsk_set_error(DSK_ERR_ARG, "%s: min_scale %g > max_scale %g", fn, (double)o->min_scale, (double)o->max_scale);
-    if (o->mode == DSK_AMP_DYNAMIC && ((o->min_scale > 0.0f && o->init_scale < o->min_scale) || (o->max_scale > 0.0f && o->init_scale > o->max_scale)))
-        return dsk_set_error(DSK_ERR_ARG, "%s: init_scale %g outside [min_scale %g, max_scale %g]", fn, (double)o->init_scale,
+    if (!(o->min_scale >= 0.0f) || !(o->max_scale >= 0.0f) || !dsk_amp_isfinite(o->min_scale) ||
+        !dsk_amp_isfinite(o->max_scale))
+        return dsk_set_error(DSK_ERR_ARG, "%s: min_scale %g and max_scale %g must be finite and >= 0", fn,
                              (double)o->min_scale, (double)o->max_scale);
+    if (o->max_scale > 0.0f && o->min_scale > o->max_scale)
+        return dsk_set_error(DSK_ERR_ARG, "%s: min_scale %g > max_scale %g", fn, (double)o->min_scale,
+                             (double)o->max_scale);
+    if (o->mode == DSK_AMP_DYNAMIC && ((o->min_scale > 0.0f && o->init_scale < o->min_scale) ||
+                                       (o->max_scale > 0.0f && o->init_scale > o->max_scale)))
+        return dsk_set_error(DSK_ERR_ARG, "%s: init_scale %g outside [min_scale %g, max_scale %g]", fn,
+                             (double)o->init_scale, (double)o->min_scale, (double)o->max_scale);
     return DSK_OK;
 }
 
-DSK_API dsk_status dsk_amp_scaler_init(dsk_ctx *ctx, dsk_amp_scaler *sc, const dsk_amp_scaler_opts *opts) {
-    dsk_status s;
+DSK_API dsk_status dsk_amp_scaler_init(dsk_amp_scaler *sc, dsk_ctx *ctx, const dsk_amp_scaler_opts *opts) {
     if (!sc) return dsk_set_error(DSK_ERR_ARG, "dsk_amp_scaler_init: scaler is NULL");
     memset(sc, 0, sizeof *sc);
-    if ((s = dsk_amp__resolve(opts, &sc->opts)) != DSK_OK) return s;
+    DSK__TRY(dsk__amp_resolve(opts, &sc->opts));
     sc->device = ctx ? ctx->device : dsk_cpu();
     sc->state.scale = sc->opts.init_scale;
     sc->state.growth_tracker = 0;
@@ -469,20 +503,25 @@ DSK_API dsk_status dsk_amp_scaler_init(dsk_ctx *ctx, dsk_amp_scaler *sc, const d
         char blk[sizeof(dsk_amp_stats) + sizeof(dsk_amp_scaler_state)];
         memcpy(blk, &sc->stats, sizeof sc->stats);
         memcpy(blk + sizeof sc->stats, &sc->state, sizeof sc->state);
-        if ((s = dsk_cuda_malloc(ctx, sizeof blk, &sc->dev_block)) != DSK_OK) { memset(sc, 0, sizeof *sc); return s; }
-        if ((s = dsk_cuda_memcpy(ctx, sc->dev_block, blk, sizeof blk, 1)) == DSK_OK) s = dsk_cuda_sync(ctx);
-        if (s != DSK_OK) { dsk_cuda_free(ctx, sc->dev_block); memset(sc, 0, sizeof *sc); }
+        dsk_status s = dsk_cuda_malloc(ctx, sizeof blk, &sc->dev_block);
+        if (s == DSK_OK) s = dsk_cuda_memcpy(ctx, sc->dev_block, blk, sizeof blk, 1);
+        if (s == DSK_OK) s = dsk_cuda_sync(ctx);
+        if (s != DSK_OK) {
+            if (sc->dev_block) dsk_cuda_free(ctx, sc->dev_block);
+            memset(sc, 0, sizeof *sc);
+        }
         return s;
     }
 #endif
     if (sc->device.type != DSK_DEV_CPU) {
         memset(sc, 0, sizeof *sc);
-        return dsk_set_error(DSK_ERR_UNSUPPORTED, "dsk_amp_scaler_init: ctx device type %d not available in this build", (int)(ctx ? ctx->device.type : 0));
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "dsk_amp_scaler_init: ctx device type %d not available in this build",
+                             (int)(ctx ? ctx->device.type : 0));
     }
     return DSK_OK;
 }
 
-DSK_API void dsk_amp_scaler_free(dsk_ctx *ctx, dsk_amp_scaler *sc) {
+DSK_API void dsk_amp_scaler_free(dsk_amp_scaler *sc, dsk_ctx *ctx) {
     if (!sc) return;
 #ifdef DSK_CUDA
     if (sc->dev_block) dsk_cuda_free(ctx, sc->dev_block);
@@ -491,20 +530,21 @@ DSK_API void dsk_amp_scaler_free(dsk_ctx *ctx, dsk_amp_scaler *sc) {
     memset(sc, 0, sizeof *sc);
 }
 
-static dsk_status dsk_amp__need_scaler(const char *fn, const dsk_ctx *ctx, const dsk_amp_scaler *sc) {
+static dsk_status dsk__amp_need_scaler(const char *fn, const dsk_ctx *ctx, const dsk_amp_scaler *sc) {
     if (!sc) return dsk_set_error(DSK_ERR_ARG, "%s: scaler is NULL", fn);
     if (sc->opts.growth_interval < 1) return dsk_set_error(DSK_ERR_STATE, "%s: scaler is not initialised", fn);
-    if (sc->device.type == DSK_DEV_CUDA && !sc->dev_block) return dsk_set_error(DSK_ERR_STATE, "%s: CUDA scaler without device state", fn);
-    return dsk_amp__need_ctx(fn, ctx, sc->device);
+    if (sc->device.type == DSK_DEV_CUDA && !sc->dev_block)
+        return dsk_set_error(DSK_ERR_STATE, "%s: CUDA scaler without device state", fn);
+    return dsk__amp_need_ctx(fn, ctx, sc->device);
 }
 
 /* Copies `bytes` at `offset` of the scaler's device block to or from host memory, synced. */
-static dsk_status dsk_amp__block_io(dsk_ctx *ctx, const dsk_amp_scaler *sc, size_t offset, void *host, size_t bytes, int to_device) {
+static dsk_status dsk__amp_block_io(dsk_ctx *ctx, const dsk_amp_scaler *sc, size_t offset, void *host, size_t bytes,
+                                    int to_device) {
 #ifdef DSK_CUDA
-    dsk_status s;
     char *dev = (char *)sc->dev_block + offset;
-    if ((s = dsk_cuda_memcpy(ctx, to_device ? (void *)dev : host, to_device ? (const void *)host : (const void *)dev, bytes, to_device)) != DSK_OK)
-        return s;
+    DSK__TRY(dsk_cuda_memcpy(ctx, to_device ? (void *)dev : host, to_device ? (const void *)host : (const void *)dev,
+                             bytes, to_device));
     return dsk_cuda_sync(ctx);
 #else
     (void)ctx; (void)sc; (void)offset; (void)host; (void)bytes; (void)to_device;
@@ -512,38 +552,39 @@ static dsk_status dsk_amp__block_io(dsk_ctx *ctx, const dsk_amp_scaler *sc, size
 #endif
 }
 
-DSK_API dsk_status dsk_amp_state_get(dsk_ctx *ctx, const dsk_amp_scaler *sc, dsk_amp_scaler_state *out) {
-    dsk_status s;
-    if ((s = dsk_amp__need_scaler("dsk_amp_state_get", ctx, sc)) != DSK_OK) return s;
+DSK_API dsk_status dsk_amp_state_get(const dsk_amp_scaler *sc, dsk_ctx *ctx, dsk_amp_scaler_state *out) {
+    DSK__TRY(dsk__amp_need_scaler("dsk_amp_state_get", ctx, sc));
     if (!out) return dsk_set_error(DSK_ERR_ARG, "dsk_amp_state_get: out is NULL");
     if (sc->device.type == DSK_DEV_CPU) { *out = sc->state; return DSK_OK; }
-    return dsk_amp__block_io(ctx, sc, sizeof(dsk_amp_stats), out, sizeof *out, 0);
+    return dsk__amp_block_io(ctx, sc, sizeof(dsk_amp_stats), out, sizeof *out, 0);
 }
 
-DSK_API dsk_status dsk_amp_state_set(dsk_ctx *ctx, dsk_amp_scaler *sc, const dsk_amp_scaler_state *st) {
+DSK_API dsk_status dsk_amp_state_set(dsk_amp_scaler *sc, dsk_ctx *ctx, const dsk_amp_scaler_state *st) {
     const char *fn = "dsk_amp_state_set";
-    dsk_status s;
     dsk_amp_scaler_state v;
-    if ((s = dsk_amp__need_scaler(fn, ctx, sc)) != DSK_OK) return s;
+    DSK__TRY(dsk__amp_need_scaler(fn, ctx, sc));
     if (!st) return dsk_set_error(DSK_ERR_ARG, "%s: state is NULL", fn);
     v = *st;
-    if (!(v.scale > 0.0f) || !dsk_amp_isfinite(v.scale)) return dsk_set_error(DSK_ERR_ARG, "%s: scale %g must be finite and > 0", fn, (double)v.scale);
+    if (!(v.scale > 0.0f) || !dsk_amp_isfinite(v.scale))
+        return dsk_set_error(DSK_ERR_ARG, "%s: scale %g must be finite and > 0", fn, (double)v.scale);
     if (v.growth_tracker < 0 || v.growth_tracker >= sc->opts.growth_interval)
-        return dsk_set_error(DSK_ERR_ARG, "%s: growth_tracker %d outside [0, growth_interval %d)", fn, (int)v.growth_tracker, (int)sc->opts.growth_interval);
+        return dsk_set_error(DSK_ERR_ARG, "%s: growth_tracker %d outside [0, growth_interval %d)", fn,
+                             (int)v.growth_tracker, (int)sc->opts.growth_interval);
     if (v.hysteresis_left < 1 || v.hysteresis_left > sc->opts.hysteresis)
-        return dsk_set_error(DSK_ERR_ARG, "%s: hysteresis_left %d outside [1, hysteresis %d]", fn, (int)v.hysteresis_left, (int)sc->opts.hysteresis);
+        return dsk_set_error(DSK_ERR_ARG, "%s: hysteresis_left %d outside [1, hysteresis %d]", fn,
+                             (int)v.hysteresis_left, (int)sc->opts.hysteresis);
     if (sc->opts.mode == DSK_AMP_NONE && v.scale != 1.0f)
-        return dsk_set_error(DSK_ERR_ARG, "%s: scale %g in mode DSK_AMP_NONE, which keeps scale 1", fn, (double)v.scale);
+        return dsk_set_error(DSK_ERR_ARG, "%s: scale %g in mode DSK_AMP_NONE, which keeps scale 1", fn,
+                             (double)v.scale);
     if (sc->device.type == DSK_DEV_CPU) { sc->state = v; return DSK_OK; }
-    return dsk_amp__block_io(ctx, sc, sizeof(dsk_amp_stats), &v, sizeof v, 1);
+    return dsk__amp_block_io(ctx, sc, sizeof(dsk_amp_stats), &v, sizeof v, 1);
 }
 
-DSK_API dsk_status dsk_amp_scale_get(dsk_ctx *ctx, const dsk_amp_scaler *sc, float *scale) {
+DSK_API dsk_status dsk_amp_scale_get(const dsk_amp_scaler *sc, dsk_ctx *ctx, float *scale) {
     dsk_amp_scaler_state st;
-    dsk_status s;
     memset(&st, 0, sizeof st);
     if (!scale) return dsk_set_error(DSK_ERR_ARG, "dsk_amp_scale_get: out is NULL");
-    if ((s = dsk_amp_state_get(ctx, sc, &st)) != DSK_OK) return s;
+    DSK__TRY(dsk_amp_state_get(sc, ctx, &st));
     *scale = st.scale;
     return DSK_OK;
 }
@@ -553,27 +594,24 @@ DSK_API double *dsk_amp_stats_data(dsk_amp_scaler *sc) {
     return sc->device.type == DSK_DEV_CPU ? &sc->stats.found_inf : (double *)sc->dev_block;
 }
 
-DSK_API dsk_status dsk_amp_stats_get(dsk_ctx *ctx, const dsk_amp_scaler *sc, dsk_amp_stats *out) {
-    dsk_status s;
-    if ((s = dsk_amp__need_scaler("dsk_amp_stats_get", ctx, sc)) != DSK_OK) return s;
+DSK_API dsk_status dsk_amp_stats_get(const dsk_amp_scaler *sc, dsk_ctx *ctx, dsk_amp_stats *out) {
+    DSK__TRY(dsk__amp_need_scaler("dsk_amp_stats_get", ctx, sc));
     if (!out) return dsk_set_error(DSK_ERR_ARG, "dsk_amp_stats_get: out is NULL");
     if (sc->device.type == DSK_DEV_CPU) { *out = sc->stats; return DSK_OK; }
-    return dsk_amp__block_io(ctx, sc, 0, out, sizeof *out, 0);
+    return dsk__amp_block_io(ctx, sc, 0, out, sizeof *out, 0);
 }
 
-DSK_API dsk_status dsk_amp_stats_set(dsk_ctx *ctx, dsk_amp_scaler *sc, const dsk_amp_stats *st) {
-    dsk_status s;
+DSK_API dsk_status dsk_amp_stats_set(dsk_amp_scaler *sc, dsk_ctx *ctx, const dsk_amp_stats *st) {
     dsk_amp_stats v;
-    if ((s = dsk_amp__need_scaler("dsk_amp_stats_set", ctx, sc)) != DSK_OK) return s;
+    DSK__TRY(dsk__amp_need_scaler("dsk_amp_stats_set", ctx, sc));
     if (!st) return dsk_set_error(DSK_ERR_ARG, "dsk_amp_stats_set: stats is NULL");
     v = *st;
     if (sc->device.type == DSK_DEV_CPU) { sc->stats = v; return DSK_OK; }
-    return dsk_amp__block_io(ctx, sc, 0, &v, sizeof v, 1);
+    return dsk__amp_block_io(ctx, sc, 0, &v, sizeof v, 1);
 }
 
-DSK_API dsk_status dsk_amp_update(dsk_ctx *ctx, dsk_amp_scaler *sc) {
-    dsk_status s;
-    if ((s = dsk_amp__need_scaler("dsk_amp_update", ctx, sc)) != DSK_OK) return s;
+DSK_API dsk_status dsk_amp_update(dsk_amp_scaler *sc, dsk_ctx *ctx) {
+    DSK__TRY(dsk__amp_need_scaler("dsk_amp_update", ctx, sc));
 #ifdef DSK_CUDA
     if (sc->device.type == DSK_DEV_CUDA) return dsk_cuda_amp_update(ctx, sc->dev_block, &sc->opts);
 #endif
@@ -584,17 +622,17 @@ DSK_API dsk_status dsk_amp_update(dsk_ctx *ctx, dsk_amp_scaler *sc) {
 /* ---------------------------------------------------------------- unscale + check */
 
 /* A list of (tensor, first element, count) chunks over all gradients, in gradient order. */
-typedef struct dsk_amp__chunk { int t; int64_t start, len; } dsk_amp__chunk;
+typedef struct dsk__amp_chunk { int t; int64_t start, len; } dsk__amp_chunk;
 
-static int64_t dsk_amp__count_chunks(dsk_tensor *const *g, int n) {
+static int64_t dsk__amp_count_chunks(dsk_tensor *const *g, int n) {
     int64_t c = 0;
-    for (int i = 0; i < n; i++) c += (dsk_tensor_numel(g[i]) + DSK_AMP__CHUNK - 1) / DSK_AMP__CHUNK;
+    for (int i = 0; i < n; i++) c += (dsk_tensor_numel(g[i]) + DSK__AMP_CHUNK - 1) / DSK__AMP_CHUNK;
     return c;
 }
 
 /* One chunk: four f64 lanes (element i in lane i % 4) summed as (l0 + l1) + (l2 + l3), a fixed
    order that lets the compiler vectorise; f32 gets a loop without the dtype switch. */
-static void dsk_amp__unscale_chunk(dsk_tensor *g, int64_t start, int64_t len, float inv, double *sumsq, int *found) {
+static void dsk__amp_unscale_chunk(dsk_tensor *g, int64_t start, int64_t len, float inv, double *sumsq, int *found) {
     double acc[4] = {0.0, 0.0, 0.0, 0.0};
     uint32_t bad = 0;
     if (g->dtype == DSK_F32) {
@@ -624,14 +662,14 @@ static void dsk_amp__unscale_chunk(dsk_tensor *g, int64_t start, int64_t len, fl
     *found = bad != 0;
 }
 
-static dsk_status dsk_amp__unscale_cpu(dsk_amp_scaler *sc, dsk_tensor *const *g, int n) {
-    int64_t nc = dsk_amp__count_chunks(g, n), c = 0;
+static dsk_status dsk__amp_unscale_cpu(dsk_amp_scaler *sc, dsk_tensor *const *g, int n) {
+    int64_t nc = dsk__amp_count_chunks(g, n), c = 0;
     float inv = dsk_amp_inv_scale(sc->state.scale);
-    dsk_amp__chunk *ch;
+    dsk__amp_chunk *ch;
     double *part, sum = 0.0;
     int *bad, found = 0;
     if (nc == 0) { sc->stats.found_inf = 0.0; sc->stats.sumsq = 0.0; return DSK_OK; }
-    ch = (dsk_amp__chunk *)DSK_MALLOC((size_t)nc * sizeof *ch);
+    ch = (dsk__amp_chunk *)DSK_MALLOC((size_t)nc * sizeof *ch);
     part = (double *)DSK_MALLOC((size_t)nc * sizeof *part);
     bad = (int *)DSK_MALLOC((size_t)nc * sizeof *bad);
     if (!ch || !part || !bad) {
@@ -639,13 +677,13 @@ static dsk_status dsk_amp__unscale_cpu(dsk_amp_scaler *sc, dsk_tensor *const *g,
         return dsk_set_error(DSK_ERR_OOM, "dsk_amp_unscale: out of host memory for %lld chunk partials", (long long)nc);
     }
     for (int i = 0; i < n; i++)
-        for (int64_t s = 0, m = dsk_tensor_numel(g[i]); s < m; s += DSK_AMP__CHUNK, c++) {
-            ch[c].t = i; ch[c].start = s; ch[c].len = m - s < DSK_AMP__CHUNK ? m - s : DSK_AMP__CHUNK;
+        for (int64_t s = 0, m = dsk_tensor_numel(g[i]); s < m; s += DSK__AMP_CHUNK, c++) {
+            ch[c].t = i; ch[c].start = s; ch[c].len = m - s < DSK__AMP_CHUNK ? m - s : DSK__AMP_CHUNK;
         }
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) if (nc > 1)
 #endif
-    for (int64_t k = 0; k < nc; k++) dsk_amp__unscale_chunk(g[ch[k].t], ch[k].start, ch[k].len, inv, &part[k], &bad[k]);
+    for (int64_t k = 0; k < nc; k++) dsk__amp_unscale_chunk(g[ch[k].t], ch[k].start, ch[k].len, inv, &part[k], &bad[k]);
     for (int64_t k = 0; k < nc; k++) { sum += part[k]; found |= bad[k]; }
     sc->stats.found_inf = found ? 1.0 : 0.0;
     sc->stats.sumsq = sum;
@@ -654,19 +692,19 @@ static dsk_status dsk_amp__unscale_cpu(dsk_amp_scaler *sc, dsk_tensor *const *g,
 }
 
 /* Byte range of gradient `i`, for the overlap check. */
-typedef struct dsk_amp__range { uintptr_t lo, hi; int i; } dsk_amp__range;
-static int dsk_amp__cmp_range(const void *a, const void *b) {
-    const dsk_amp__range *x = (const dsk_amp__range *)a, *y = (const dsk_amp__range *)b;
+typedef struct dsk__amp_range { uintptr_t lo, hi; int i; } dsk__amp_range;
+static int dsk__amp_cmp_range(const void *a, const void *b) {
+    const dsk__amp_range *x = (const dsk__amp_range *)a, *y = (const dsk__amp_range *)b;
     return (x->lo > y->lo) - (x->lo < y->lo);
 }
 /* Gradients are unscaled in place, in parallel: two that share memory would be scaled twice
    and raced on, so overlapping ones are refused. */
-static dsk_status dsk_amp__no_overlap(const char *fn, dsk_tensor *const *g, int n) {
-    dsk_amp__range *r;
+static dsk_status dsk__amp_no_overlap(const char *fn, dsk_tensor *const *g, int n) {
+    dsk__amp_range *r;
     int m = 0;
     dsk_status s = DSK_OK;
     if (n < 2) return DSK_OK;
-    r = (dsk_amp__range *)DSK_MALLOC((size_t)n * sizeof *r);
+    r = (dsk__amp_range *)DSK_MALLOC((size_t)n * sizeof *r);
     if (!r) return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for %d gradient ranges", fn, n);
     for (int i = 0; i < n; i++)
         if (dsk_tensor_numel(g[i]) > 0) {
@@ -674,7 +712,7 @@ static dsk_status dsk_amp__no_overlap(const char *fn, dsk_tensor *const *g, int 
             r[m].hi = r[m].lo + dsk_tensor_nbytes(g[i]);
             r[m++].i = i;
         }
-    qsort(r, (size_t)m, sizeof *r, dsk_amp__cmp_range);
+    qsort(r, (size_t)m, sizeof *r, dsk__amp_cmp_range);
     for (int k = 1; k < m && s == DSK_OK; k++)
         if (r[k].lo < r[k - 1].hi) {
             int a = r[k - 1].i < r[k].i ? r[k - 1].i : r[k].i, b = r[k - 1].i < r[k].i ? r[k].i : r[k - 1].i;
@@ -684,31 +722,32 @@ static dsk_status dsk_amp__no_overlap(const char *fn, dsk_tensor *const *g, int 
     return s;
 }
 
-DSK_API dsk_status dsk_amp_unscale(dsk_ctx *ctx, dsk_amp_scaler *sc, dsk_tensor *const *grads, int n) {
+DSK_API dsk_status dsk_amp_unscale(dsk_amp_scaler *sc, dsk_ctx *ctx, dsk_tensor *const *grads, int n) {
     const char *fn = "dsk_amp_unscale";
-    dsk_status s;
     char what[32], b[96];
-    if ((s = dsk_amp__need_scaler(fn, ctx, sc)) != DSK_OK) return s;
-    if (n < 0 || (n > 0 && !grads)) return dsk_set_error(DSK_ERR_ARG, "%s: %d gradients with list %p", fn, n, (const void *)grads);
+    DSK__TRY(dsk__amp_need_scaler(fn, ctx, sc));
+    if (n < 0 || (n > 0 && !grads))
+        return dsk_set_error(DSK_ERR_ARG, "%s: %d gradients with list %p", fn, n, (const void *)grads);
     for (int i = 0; i < n; i++) {
         snprintf(what, sizeof what, "grads[%d]", i);
-        if ((s = dsk_amp__check(fn, what, grads[i], sc->device)) != DSK_OK) return s;
-        if (!dsk_amp__is_grad_dtype(grads[i]->dtype))
-            return dsk_set_error(DSK_ERR_ARG, "%s: grads[%d] is %s, want f32, bf16 or f16", fn, i, dsk_tensor_describe(grads[i], b, sizeof b));
+        DSK__TRY(dsk__amp_check(fn, what, grads[i], sc->device));
+        if (!dsk__amp_is_grad_dtype(grads[i]->dtype))
+            return dsk_set_error(DSK_ERR_ARG, "%s: grads[%d] is %s, want f32, bf16 or f16", fn, i,
+                                 dsk_tensor_describe(grads[i], b, sizeof b));
     }
-    if ((s = dsk_amp__no_overlap(fn, grads, n)) != DSK_OK) return s;
+    DSK__TRY(dsk__amp_no_overlap(fn, grads, n));
 #ifdef DSK_CUDA
     if (sc->device.type == DSK_DEV_CUDA) return dsk_cuda_amp_unscale(ctx, grads, n, sc->dev_block);
 #endif
-    return dsk_amp__unscale_cpu(sc, grads, n);
+    return dsk__amp_unscale_cpu(sc, grads, n);
 }
 
 /* ---------------------------------------------------------------- casts and optimizer step */
 
-static void dsk_amp__cast_cpu(dsk_tensor *dst, const dsk_tensor *src, dsk_amp_round mode, uint64_t key) {
+static void dsk__amp_cast_cpu(dsk_tensor *dst, const dsk_tensor *src, dsk_amp_round mode, uint64_t key) {
     const float *x = (const float *)src->data;
     int64_t n = dsk_tensor_numel(src);
-    if (mode == DSK_ROUND_NEAREST || dst->dtype == DSK_F32) {
+    if (mode == DSK_AMP_ROUND_NEAREST || dst->dtype == DSK_F32) {
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) if (n > 65536)
 #endif
@@ -732,47 +771,50 @@ static void dsk_amp__cast_cpu(dsk_tensor *dst, const dsk_tensor *src, dsk_amp_ro
 DSK_API dsk_status dsk_amp_cast(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor *src, dsk_amp_round mode,
                                 uint64_t seed, uint64_t tensor_id, uint64_t step) {
     const char *fn = "dsk_amp_cast";
-    dsk_status s;
     char a[96], b[96];
-    if ((s = dsk_amp__check(fn, "src", src, src ? src->device : dsk_cpu())) != DSK_OK) return s;
-    if ((s = dsk_amp__check(fn, "dst", dst, src->device)) != DSK_OK) return s;
-    if ((s = dsk_amp__need_ctx(fn, ctx, src->device)) != DSK_OK) return s;
-    if (src->dtype != DSK_F32) return dsk_set_error(DSK_ERR_ARG, "%s: src %s must be f32", fn, dsk_tensor_describe(src, a, sizeof a));
-    if (!dsk_amp__is_grad_dtype(dst->dtype) || !dsk_tensor_same_shape(dst, src))
-        return dsk_set_error(DSK_ERR_ARG, "%s: dst %s must be bf16, f16 or f32 of src's shape %s", fn, dsk_tensor_describe(dst, a, sizeof a),
-                             dsk_tensor_describe(src, b, sizeof b));
-    if (mode != DSK_ROUND_NEAREST && mode != DSK_ROUND_STOCHASTIC) return dsk_set_error(DSK_ERR_ARG, "%s: unknown rounding mode %d", fn, (int)mode);
+    DSK__TRY(dsk__amp_check(fn, "src", src, src ? src->device : dsk_cpu()));
+    DSK__TRY(dsk__amp_check(fn, "dst", dst, src->device));
+    DSK__TRY(dsk__amp_need_ctx(fn, ctx, src->device));
+    if (src->dtype != DSK_F32)
+        return dsk_set_error(DSK_ERR_ARG, "%s: src %s must be f32", fn, dsk_tensor_describe(src, a, sizeof a));
+    if (!dsk__amp_is_grad_dtype(dst->dtype) || !dsk_tensor_same_shape(dst, src))
+        return dsk_set_error(DSK_ERR_ARG, "%s: dst %s must be bf16, f16 or f32 of src's shape %s", fn,
+                             dsk_tensor_describe(dst, a, sizeof a), dsk_tensor_describe(src, b, sizeof b));
+    if (mode != DSK_AMP_ROUND_NEAREST && mode != DSK_AMP_ROUND_STOCHASTIC)
+        return dsk_set_error(DSK_ERR_ARG, "%s: unknown rounding mode %d", fn, (int)mode);
 #ifdef DSK_CUDA
     if (src->device.type == DSK_DEV_CUDA)
-        return dsk_cuda_amp_cast(ctx, dst, src, mode == DSK_ROUND_STOCHASTIC, dsk_amp_sr_key(seed, tensor_id, step));
+        return dsk_cuda_amp_cast(ctx, dst, src, mode == DSK_AMP_ROUND_STOCHASTIC,
+                                 dsk_amp_sr_key(seed, tensor_id, step));
 #endif
-    dsk_amp__cast_cpu(dst, src, mode, dsk_amp_sr_key(seed, tensor_id, step));
+    dsk__amp_cast_cpu(dst, src, mode, dsk_amp_sr_key(seed, tensor_id, step));
     return DSK_OK;
 }
 
 /* Checks every parameter before anything is written, so an error leaves all tensors as they were. */
-static dsk_status dsk_amp__check_param(const dsk_amp_param *p, int i) {
+static dsk_status dsk__amp_check_param(const dsk_amp_param *p, int i) {
     const char *fn = "dsk_amp_step";
     char what[160], a[96], b[96];
     const char *nm = p->name ? p->name : "";
-    dsk_status s;
     dsk_device dev;
     const dsk_tensor *ts[4];
     static const char *roles[4] = {"grad", "m", "v", "copy"};
     if (!p->master) return dsk_set_error(DSK_ERR_ARG, "%s: params[%d] \"%s\": master is NULL", fn, i, nm);
     dev = p->master->device;
     snprintf(what, sizeof what, "params[%d] \"%s\" master", i, nm);
-    if ((s = dsk_amp__check(fn, what, p->master, dev)) != DSK_OK) return s;
-    if (p->master->dtype != DSK_F32) return dsk_set_error(DSK_ERR_ARG, "%s: %s is %s, want f32", fn, what, dsk_tensor_describe(p->master, a, sizeof a));
+    DSK__TRY(dsk__amp_check(fn, what, p->master, dev));
+    if (p->master->dtype != DSK_F32)
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s is %s, want f32", fn, what,
+                             dsk_tensor_describe(p->master, a, sizeof a));
     ts[0] = p->grad; ts[1] = p->m; ts[2] = p->v; ts[3] = p->copy;
     for (int k = 0; k < 4; k++) {
         if (k == 3 && !ts[k]) continue;
         snprintf(what, sizeof what, "params[%d] \"%s\" %s", i, nm, roles[k]);
-        if ((s = dsk_amp__check(fn, what, ts[k], dev)) != DSK_OK) return s;
+        DSK__TRY(dsk__amp_check(fn, what, ts[k], dev));
         if (!dsk_tensor_same_shape(ts[k], p->master))
-            return dsk_set_error(DSK_ERR_ARG, "%s: %s is %s, master is %s", fn, what, dsk_tensor_describe(ts[k], a, sizeof a),
-                                 dsk_tensor_describe(p->master, b, sizeof b));
-        if ((k == 1 || k == 2) ? ts[k]->dtype != DSK_F32 : !dsk_amp__is_grad_dtype(ts[k]->dtype))
+            return dsk_set_error(DSK_ERR_ARG, "%s: %s is %s, master is %s", fn, what,
+                                 dsk_tensor_describe(ts[k], a, sizeof a), dsk_tensor_describe(p->master, b, sizeof b));
+        if ((k == 1 || k == 2) ? ts[k]->dtype != DSK_F32 : !dsk__amp_is_grad_dtype(ts[k]->dtype))
             return dsk_set_error(DSK_ERR_ARG, "%s: %s has dtype %s", fn, what, dsk_dtype_name(ts[k]->dtype));
     }
     return DSK_OK;
@@ -781,36 +823,41 @@ static dsk_status dsk_amp__check_param(const dsk_amp_param *p, int i) {
 DSK_API dsk_status dsk_amp_step(dsk_ctx *ctx, const dsk_amp_param *params, int n, const dsk_adamw_opts *opts,
                                 int64_t step, const dsk_amp_decision *dec, dsk_amp_round round, uint64_t seed) {
     const char *fn = "dsk_amp_step";
-    dsk_status s;
     if (!dec) return dsk_set_error(DSK_ERR_ARG, "%s: decision is NULL", fn);
-    if (n < 0 || (n > 0 && !params)) return dsk_set_error(DSK_ERR_ARG, "%s: %d params with list %p", fn, n, (const void *)params);
+    if (n < 0 || (n > 0 && !params))
+        return dsk_set_error(DSK_ERR_ARG, "%s: %d params with list %p", fn, n, (const void *)params);
     if (step < 1) return dsk_set_error(DSK_ERR_ARG, "%s: step %lld must be >= 1", fn, (long long)step);
-    if (round != DSK_ROUND_NEAREST && round != DSK_ROUND_STOCHASTIC) return dsk_set_error(DSK_ERR_ARG, "%s: unknown rounding mode %d", fn, (int)round);
+    if (round != DSK_AMP_ROUND_NEAREST && round != DSK_AMP_ROUND_STOCHASTIC)
+        return dsk_set_error(DSK_ERR_ARG, "%s: unknown rounding mode %d", fn, (int)round);
     if (!dec->skip && !(dsk_amp_isfinite(dec->grad_mult) && dec->grad_mult >= 0.0f))
         return dsk_set_error(DSK_ERR_ARG, "%s: grad_mult %g must be finite and >= 0", fn, (double)dec->grad_mult);
     for (int i = 0; i < n; i++)
-        if ((s = dsk_amp__check_param(&params[i], i)) != DSK_OK) return s;
+        DSK__TRY(dsk__amp_check_param(&params[i], i));
     if (dec->skip) return DSK_OK;
     for (int i = 0; i < n; i++) {
         const dsk_amp_param *p = &params[i];
-        int rne_copy = p->copy && round == DSK_ROUND_NEAREST;
-        if ((s = dsk_adamw_step(ctx, p->master, p->grad, p->m, p->v, opts, step, dec->grad_mult, rne_copy ? p->copy : NULL)) != DSK_OK) return s;
-        if (p->copy && !rne_copy && (s = dsk_amp_cast(ctx, p->copy, p->master, round, seed, (uint64_t)i, (uint64_t)step)) != DSK_OK) return s;
+        int rne_copy = p->copy && round == DSK_AMP_ROUND_NEAREST;
+        dsk_tensor *copy = rne_copy ? p->copy : NULL; /* refreshed by the AdamW pass itself */
+        DSK__TRY(dsk_adamw_step(ctx, p->master, p->grad, p->m, p->v, opts, step, dec->grad_mult, copy));
+        if (p->copy && !rne_copy)
+            DSK__TRY(dsk_amp_cast(ctx, p->copy, p->master, round, seed, (uint64_t)i, (uint64_t)step));
     }
     return DSK_OK;
 }
 
 /* ---------------------------------------------------------------- FP8 */
 
-static dsk_status dsk_amp__fp8_in(const char *fn, const char *what, const dsk_tensor *t, dsk_device dev) {
+static dsk_status dsk__amp_fp8_in(const char *fn, const char *what, const dsk_tensor *t, dsk_device dev) {
     char b[96];
-    dsk_status s = dsk_amp__check(fn, what, t, dev);
+    dsk_status s = dsk__amp_check(fn, what, t, dev);
     if (s != DSK_OK) return s;
-    if (!dsk_amp__is_grad_dtype(t->dtype)) return dsk_set_error(DSK_ERR_ARG, "%s: %s is %s, want f32, bf16 or f16", fn, what, dsk_tensor_describe(t, b, sizeof b));
+    if (!dsk__amp_is_grad_dtype(t->dtype))
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s is %s, want f32, bf16 or f16", fn, what,
+                             dsk_tensor_describe(t, b, sizeof b));
     return DSK_OK;
 }
 
-static float dsk_amp__amax_cpu(const dsk_tensor *x) {
+static float dsk__amp_amax_cpu(const dsk_tensor *x) {
     uint32_t m = 0;
     for (int64_t i = 0, n = dsk_tensor_numel(x); i < n; i++) {
         uint32_t a = dsk_amp_abs_bits(dsk_load_f32(x->data, x->dtype, i));
@@ -821,27 +868,27 @@ static float dsk_amp__amax_cpu(const dsk_tensor *x) {
 
 DSK_API dsk_status dsk_amp_amax(dsk_ctx *ctx, dsk_tensor *amax, const dsk_tensor *x, int accumulate) {
     const char *fn = "dsk_amp_amax";
-    dsk_status s;
-    if ((s = dsk_amp__fp8_in(fn, "x", x, x ? x->device : dsk_cpu())) != DSK_OK) return s;
-    if ((s = dsk_amp__scalar_f32(fn, "amax", amax, x->device)) != DSK_OK) return s;
-    if ((s = dsk_amp__need_ctx(fn, ctx, x->device)) != DSK_OK) return s;
+    DSK__TRY(dsk__amp_fp8_in(fn, "x", x, x ? x->device : dsk_cpu()));
+    DSK__TRY(dsk__amp_scalar_f32(fn, "amax", amax, x->device));
+    DSK__TRY(dsk__amp_need_ctx(fn, ctx, x->device));
 #ifdef DSK_CUDA
     if (x->device.type == DSK_DEV_CUDA) return dsk_cuda_amp_amax(ctx, (float *)amax->data, x, accumulate);
 #endif
     {
         float *out = (float *)amax->data;
-        uint32_t m = dsk_f32_bits(dsk_amp__amax_cpu(x)), prior = dsk_f32_bits(*out);
+        uint32_t m = dsk_f32_bits(dsk__amp_amax_cpu(x)), prior = dsk_f32_bits(*out);
         *out = dsk_bits_f32(accumulate && prior > m ? prior : m); /* the GPU's atomicMax on the bits */
     }
     return DSK_OK;
 }
 
-static dsk_status dsk_amp__fp8_fmt(const char *fn, dsk_dtype fmt) {
-    if (!dsk_amp__is_fp8(fmt)) return dsk_set_error(DSK_ERR_ARG, "%s: format %s is not e4m3 or e5m2", fn, dsk_dtype_name(fmt));
+static dsk_status dsk__amp_fp8_fmt(const char *fn, dsk_dtype fmt) {
+    if (!dsk__amp_is_fp8(fmt))
+        return dsk_set_error(DSK_ERR_ARG, "%s: format %s is not e4m3 or e5m2", fn, dsk_dtype_name(fmt));
     return DSK_OK;
 }
 
-static dsk_status dsk_amp__margin(const char *fn, int margin) {
+static dsk_status dsk__amp_margin(const char *fn, int margin) {
     if (margin < 0 || margin > 64) return dsk_set_error(DSK_ERR_ARG, "%s: margin %d outside [0, 64]", fn, margin);
     return DSK_OK;
 }
@@ -849,21 +896,22 @@ static dsk_status dsk_amp__margin(const char *fn, int margin) {
 DSK_API dsk_status dsk_amp_fp8_current_scale(dsk_ctx *ctx, dsk_tensor *scale, dsk_tensor *amax, const dsk_tensor *x,
                                              dsk_dtype fmt, int margin, int pow2) {
     const char *fn = "dsk_amp_fp8_current_scale";
-    dsk_status s;
-    if ((s = dsk_amp__fp8_fmt(fn, fmt)) != DSK_OK || (s = dsk_amp__margin(fn, margin)) != DSK_OK) return s;
-    if ((s = dsk_amp__fp8_in(fn, "x", x, x ? x->device : dsk_cpu())) != DSK_OK) return s;
-    if ((s = dsk_amp__scalar_f32(fn, "scale", scale, x->device)) != DSK_OK) return s;
-    if (amax && (s = dsk_amp__scalar_f32(fn, "amax", amax, x->device)) != DSK_OK) return s;
-    if ((s = dsk_amp__need_ctx(fn, ctx, x->device)) != DSK_OK) return s;
+    DSK__TRY(dsk__amp_fp8_fmt(fn, fmt));
+    DSK__TRY(dsk__amp_margin(fn, margin));
+    DSK__TRY(dsk__amp_fp8_in(fn, "x", x, x ? x->device : dsk_cpu()));
+    DSK__TRY(dsk__amp_scalar_f32(fn, "scale", scale, x->device));
+    if (amax) DSK__TRY(dsk__amp_scalar_f32(fn, "amax", amax, x->device));
+    DSK__TRY(dsk__amp_need_ctx(fn, ctx, x->device));
 #ifdef DSK_CUDA
     if (x->device.type == DSK_DEV_CUDA) {
-        float *am = amax ? (float *)amax->data : (float *)scale->data; /* the scale kernel may read and write one slot */
-        if ((s = dsk_cuda_amp_amax(ctx, am, x, 0)) != DSK_OK) return s;
+        /* without amax, the scale slot holds it: the scale kernel may read and write one slot */
+        float *am = amax ? (float *)amax->data : (float *)scale->data;
+        DSK__TRY(dsk_cuda_amp_amax(ctx, am, x, 0));
         return dsk_cuda_amp_fp8_scale(ctx, (float *)scale->data, am, 1, dsk_amp_fp8_max(fmt), margin, pow2, 0, NULL);
     }
 #endif
     {
-        float a = dsk_amp__amax_cpu(x);
+        float a = dsk__amp_amax_cpu(x);
         if (amax) *(float *)amax->data = a;
         *(float *)scale->data = dsk_amp_fp8_scale(a, dsk_amp_fp8_max(fmt), margin, pow2, 1.0f);
     }
@@ -872,49 +920,50 @@ DSK_API dsk_status dsk_amp_fp8_current_scale(dsk_ctx *ctx, dsk_tensor *scale, ds
 
 DSK_API dsk_status dsk_amp_fp8_quantize(dsk_ctx *ctx, dsk_tensor *q, const dsk_tensor *x, const dsk_tensor *scale) {
     const char *fn = "dsk_amp_fp8_quantize";
-    dsk_status s;
     char a[96], b[96];
-    if ((s = dsk_amp__fp8_in(fn, "x", x, x ? x->device : dsk_cpu())) != DSK_OK) return s;
-    if ((s = dsk_amp__check(fn, "q", q, x->device)) != DSK_OK) return s;
-    if ((s = dsk_amp__scalar_f32(fn, "scale", scale, x->device)) != DSK_OK) return s;
-    if ((s = dsk_amp__need_ctx(fn, ctx, x->device)) != DSK_OK) return s;
-    if (!dsk_amp__is_fp8(q->dtype) || !dsk_tensor_same_shape(q, x))
-        return dsk_set_error(DSK_ERR_ARG, "%s: q %s must be e4m3 or e5m2 of x's shape %s", fn, dsk_tensor_describe(q, a, sizeof a),
-                             dsk_tensor_describe(x, b, sizeof b));
+    DSK__TRY(dsk__amp_fp8_in(fn, "x", x, x ? x->device : dsk_cpu()));
+    DSK__TRY(dsk__amp_check(fn, "q", q, x->device));
+    DSK__TRY(dsk__amp_scalar_f32(fn, "scale", scale, x->device));
+    DSK__TRY(dsk__amp_need_ctx(fn, ctx, x->device));
+    if (!dsk__amp_is_fp8(q->dtype) || !dsk_tensor_same_shape(q, x))
+        return dsk_set_error(DSK_ERR_ARG, "%s: q %s must be e4m3 or e5m2 of x's shape %s", fn,
+                             dsk_tensor_describe(q, a, sizeof a), dsk_tensor_describe(x, b, sizeof b));
 #ifdef DSK_CUDA
     if (x->device.type == DSK_DEV_CUDA) return dsk_cuda_amp_fp8_quantize(ctx, q, x, (const float *)scale->data);
 #endif
     {
         float sc = *(const float *)scale->data;
         uint8_t *o = (uint8_t *)q->data;
-        for (int64_t i = 0, n = dsk_tensor_numel(x); i < n; i++) o[i] = dsk_amp_to_fp8(dsk_load_f32(x->data, x->dtype, i) * sc, q->dtype);
+        for (int64_t i = 0, n = dsk_tensor_numel(x); i < n; i++)
+            o[i] = dsk_amp_to_fp8(dsk_load_f32(x->data, x->dtype, i) * sc, q->dtype);
     }
     return DSK_OK;
 }
 
 DSK_API dsk_status dsk_amp_fp8_dequantize(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *q, const dsk_tensor *scale) {
     const char *fn = "dsk_amp_fp8_dequantize";
-    dsk_status s;
     char a[96], b[96];
-    if ((s = dsk_amp__check(fn, "q", q, q ? q->device : dsk_cpu())) != DSK_OK) return s;
-    if ((s = dsk_amp__fp8_in(fn, "y", y, q->device)) != DSK_OK) return s;
-    if ((s = dsk_amp__scalar_f32(fn, "scale", scale, q->device)) != DSK_OK) return s;
-    if ((s = dsk_amp__need_ctx(fn, ctx, q->device)) != DSK_OK) return s;
-    if (!dsk_amp__is_fp8(q->dtype) || !dsk_tensor_same_shape(q, y))
-        return dsk_set_error(DSK_ERR_ARG, "%s: q %s must be e4m3 or e5m2 of y's shape %s", fn, dsk_tensor_describe(q, a, sizeof a),
-                             dsk_tensor_describe(y, b, sizeof b));
+    DSK__TRY(dsk__amp_check(fn, "q", q, q ? q->device : dsk_cpu()));
+    DSK__TRY(dsk__amp_fp8_in(fn, "y", y, q->device));
+    DSK__TRY(dsk__amp_scalar_f32(fn, "scale", scale, q->device));
+    DSK__TRY(dsk__amp_need_ctx(fn, ctx, q->device));
+    if (!dsk__amp_is_fp8(q->dtype) || !dsk_tensor_same_shape(q, y))
+        return dsk_set_error(DSK_ERR_ARG, "%s: q %s must be e4m3 or e5m2 of y's shape %s", fn,
+                             dsk_tensor_describe(q, a, sizeof a), dsk_tensor_describe(y, b, sizeof b));
 #ifdef DSK_CUDA
     if (q->device.type == DSK_DEV_CUDA) return dsk_cuda_amp_fp8_dequantize(ctx, y, q, (const float *)scale->data);
 #endif
     {
         float inv = 1.0f / *(const float *)scale->data;
         const uint8_t *in = (const uint8_t *)q->data;
-        for (int64_t i = 0, n = dsk_tensor_numel(q); i < n; i++) dsk_store_f32(y->data, y->dtype, i, dsk_amp_from_fp8(in[i], q->dtype) * inv);
+        for (int64_t i = 0, n = dsk_tensor_numel(q); i < n; i++)
+            dsk_store_f32(y->data, y->dtype, i, dsk_amp_from_fp8(in[i], q->dtype) * inv);
     }
     return DSK_OK;
 }
 
-DSK_API dsk_status dsk_amp_fp8_delayed_init(dsk_ctx *ctx, dsk_amp_fp8_delayed *d, const dsk_amp_fp8_delayed_opts *opts) {
+DSK_API dsk_status dsk_amp_fp8_delayed_init(dsk_amp_fp8_delayed *d, dsk_ctx *ctx,
+                                            const dsk_amp_fp8_delayed_opts *opts) {
     const char *fn = "dsk_amp_fp8_delayed_init";
     dsk_status s;
     dsk_amp_fp8_delayed_opts o;
@@ -925,59 +974,65 @@ DSK_API dsk_status dsk_amp_fp8_delayed_init(dsk_ctx *ctx, dsk_amp_fp8_delayed *d
     if (opts) o = *opts;
     if (o.fmt == DSK_F32) o.fmt = DSK_E4M3;
     if (o.history_len == 0) o.history_len = 1024;
-    if ((s = dsk_amp__fp8_fmt(fn, o.fmt)) != DSK_OK || (s = dsk_amp__margin(fn, o.margin)) != DSK_OK) return s;
+    DSK__TRY(dsk__amp_fp8_fmt(fn, o.fmt));
+    DSK__TRY(dsk__amp_margin(fn, o.margin));
     if (o.history_len < 1) return dsk_set_error(DSK_ERR_ARG, "%s: history_len %d must be >= 1", fn, o.history_len);
-    if (o.algo != DSK_AMAX_MAX && o.algo != DSK_AMAX_MOST_RECENT) return dsk_set_error(DSK_ERR_ARG, "%s: unknown amax algo %d", fn, (int)o.algo);
+    if (o.algo != DSK_AMP_AMAX_MAX && o.algo != DSK_AMP_AMAX_MOST_RECENT)
+        return dsk_set_error(DSK_ERR_ARG, "%s: unknown amax algo %d", fn, (int)o.algo);
     len = o.history_len;
-    if ((s = dsk_tensor_alloc(ctx, &d->history, DSK_F32, 1, &len)) != DSK_OK) return s;
-    if ((s = dsk_tensor_alloc(ctx, &d->scale, DSK_F32, 0, NULL)) != DSK_OK) { dsk_tensor_free(ctx, &d->history); return s; }
-    if ((s = dsk_tensor_fill(ctx, &d->history, 0.0)) != DSK_OK || (s = dsk_tensor_fill(ctx, &d->scale, 1.0)) != DSK_OK) {
-        dsk_amp_fp8_delayed_free(ctx, d);
+    s = dsk_tensor_alloc(ctx, &d->history, DSK_F32, 1, &len);
+    if (s == DSK_OK) s = dsk_tensor_alloc(ctx, &d->scale, DSK_F32, 0, NULL);
+    if (s == DSK_OK) s = dsk_tensor_fill(ctx, &d->history, 0.0);
+    if (s == DSK_OK) s = dsk_tensor_fill(ctx, &d->scale, 1.0);
+    if (s != DSK_OK) {
+        dsk_amp_fp8_delayed_free(d, ctx); /* frees what was made (zeroed tensors are fine) */
         return s;
     }
     d->opts = o;
     return DSK_OK;
 }
 
-DSK_API void dsk_amp_fp8_delayed_free(dsk_ctx *ctx, dsk_amp_fp8_delayed *d) {
+DSK_API void dsk_amp_fp8_delayed_free(dsk_amp_fp8_delayed *d, dsk_ctx *ctx) {
     if (!d) return;
     dsk_tensor_free(ctx, &d->history);
     dsk_tensor_free(ctx, &d->scale);
     memset(d, 0, sizeof *d);
 }
 
-static dsk_status dsk_amp__need_delayed(const char *fn, const dsk_amp_fp8_delayed *d) {
+static dsk_status dsk__amp_need_delayed(const char *fn, const dsk_amp_fp8_delayed *d) {
     if (!d) return dsk_set_error(DSK_ERR_ARG, "%s: object is NULL", fn);
-    if (!d->history.data || !d->scale.data) return dsk_set_error(DSK_ERR_STATE, "%s: delayed scaling state is not initialised", fn);
+    if (!d->history.data || !d->scale.data)
+        return dsk_set_error(DSK_ERR_STATE, "%s: delayed scaling state is not initialised", fn);
     return DSK_OK;
 }
 
-DSK_API dsk_status dsk_amp_fp8_delayed_quantize(dsk_ctx *ctx, dsk_amp_fp8_delayed *d, dsk_tensor *q, const dsk_tensor *x) {
+DSK_API dsk_status dsk_amp_fp8_delayed_quantize(dsk_amp_fp8_delayed *d, dsk_ctx *ctx, dsk_tensor *q,
+                                                const dsk_tensor *x) {
     const char *fn = "dsk_amp_fp8_delayed_quantize";
-    dsk_status s;
     dsk_tensor slot;
-    if ((s = dsk_amp__need_delayed(fn, d)) != DSK_OK) return s;
-    if (q && q->dtype != d->opts.fmt && dsk_amp__is_fp8(q->dtype))
-        return dsk_set_error(DSK_ERR_ARG, "%s: q is %s, the delayed scaling format is %s", fn, dsk_dtype_name(q->dtype), dsk_dtype_name(d->opts.fmt));
-    if ((s = dsk_amp_fp8_quantize(ctx, q, x, &d->scale)) != DSK_OK) return s;
-    if ((s = dsk_tensor_slice(&d->history, 0, d->pos, 1, &slot)) != DSK_OK) return s;
+    DSK__TRY(dsk__amp_need_delayed(fn, d));
+    if (q && q->dtype != d->opts.fmt && dsk__amp_is_fp8(q->dtype))
+        return dsk_set_error(DSK_ERR_ARG, "%s: q is %s, the delayed scaling format is %s", fn, dsk_dtype_name(q->dtype),
+                             dsk_dtype_name(d->opts.fmt));
+    DSK__TRY(dsk_amp_fp8_quantize(ctx, q, x, &d->scale));
+    DSK__TRY(dsk_tensor_slice(&d->history, 0, d->pos, 1, &slot));
     return dsk_amp_amax(ctx, &slot, x, 1);
 }
 
-DSK_API dsk_status dsk_amp_fp8_delayed_update(dsk_ctx *ctx, dsk_amp_fp8_delayed *d) {
+DSK_API dsk_status dsk_amp_fp8_delayed_update(dsk_amp_fp8_delayed *d, dsk_ctx *ctx) {
     const char *fn = "dsk_amp_fp8_delayed_update";
-    dsk_status s;
     float *h;
     int64_t next;
-    if ((s = dsk_amp__need_delayed(fn, d)) != DSK_OK) return s;
-    if ((s = dsk_amp__need_ctx(fn, ctx, d->history.device)) != DSK_OK) return s;
+    DSK__TRY(dsk__amp_need_delayed(fn, d));
+    DSK__TRY(dsk__amp_need_ctx(fn, ctx, d->history.device));
     h = (float *)d->history.data;
     next = (d->pos + 1) % d->opts.history_len;
 #ifdef DSK_CUDA
     if (d->history.device.type == DSK_DEV_CUDA) {
-        int most_recent = d->opts.algo == DSK_AMAX_MOST_RECENT;
-        s = dsk_cuda_amp_fp8_scale(ctx, (float *)d->scale.data, most_recent ? h + d->pos : h, most_recent ? 1 : d->opts.history_len,
-                                   dsk_amp_fp8_max(d->opts.fmt), d->opts.margin, d->opts.pow2, 1, h + next);
+        int most_recent = d->opts.algo == DSK_AMP_AMAX_MOST_RECENT;
+        dsk_status s = dsk_cuda_amp_fp8_scale(ctx, (float *)d->scale.data, most_recent ? h + d->pos : h,
+                                              most_recent ? 1 : d->opts.history_len, dsk_amp_fp8_max(d->opts.fmt),
+                                              d->opts.margin, d->opts.pow2, 1, h + next);
         if (s == DSK_OK) d->pos = next;
         return s;
     }
@@ -985,7 +1040,7 @@ DSK_API dsk_status dsk_amp_fp8_delayed_update(dsk_ctx *ctx, dsk_amp_fp8_delayed 
     {
         uint32_t m = 0;
         float *sc = (float *)d->scale.data;
-        if (d->opts.algo == DSK_AMAX_MOST_RECENT) m = dsk_amp_abs_bits(h[d->pos]);
+        if (d->opts.algo == DSK_AMP_AMAX_MOST_RECENT) m = dsk_amp_abs_bits(h[d->pos]);
         else
             for (int i = 0; i < d->opts.history_len; i++)
                 if (dsk_amp_abs_bits(h[i]) > m) m = dsk_amp_abs_bits(h[i]);
@@ -996,32 +1051,41 @@ DSK_API dsk_status dsk_amp_fp8_delayed_update(dsk_ctx *ctx, dsk_amp_fp8_delayed 
     return DSK_OK;
 }
 
-static dsk_status dsk_amp__block_args(const char *fn, const dsk_tensor *x, const dsk_tensor *q, const dsk_tensor *scales, int br, int bc) {
+static dsk_status dsk__amp_block_args(const char *fn, const dsk_tensor *x, const dsk_tensor *q,
+                                      const dsk_tensor *scales, int br, int bc) {
     char a[96], b[96], c[96];
     int64_t R, C;
     if (br < 1 || bc < 1) return dsk_set_error(DSK_ERR_ARG, "%s: block %dx%d must be at least 1x1", fn, br, bc);
-    if (x->ndim != 2) return dsk_set_error(DSK_ERR_ARG, "%s: tensor %s must be 2-D (R, C)", fn, dsk_tensor_describe(x, a, sizeof a));
+    if (x->ndim != 2)
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor %s must be 2-D (R, C)", fn, dsk_tensor_describe(x, a, sizeof a));
     R = x->shape[0]; C = x->shape[1];
-    if (!dsk_amp__is_fp8(q->dtype) || !dsk_tensor_same_shape(q, x))
-        return dsk_set_error(DSK_ERR_ARG, "%s: q %s must be e4m3 or e5m2 of shape %s", fn, dsk_tensor_describe(q, a, sizeof a), dsk_tensor_describe(x, b, sizeof b));
-    if (scales->dtype != DSK_F32 || scales->ndim != 2 || scales->shape[0] != (R + br - 1) / br || scales->shape[1] != (C + bc - 1) / bc)
-        return dsk_set_error(DSK_ERR_ARG, "%s: scales %s, want [%lld,%lld] f32 for %s in %dx%d blocks", fn, dsk_tensor_describe(scales, c, sizeof c),
-                             (long long)((R + br - 1) / br), (long long)((C + bc - 1) / bc), dsk_tensor_describe(x, b, sizeof b), br, bc);
+    if (!dsk__amp_is_fp8(q->dtype) || !dsk_tensor_same_shape(q, x))
+        return dsk_set_error(DSK_ERR_ARG, "%s: q %s must be e4m3 or e5m2 of shape %s", fn,
+                             dsk_tensor_describe(q, a, sizeof a), dsk_tensor_describe(x, b, sizeof b));
+    if (scales->dtype != DSK_F32 || scales->ndim != 2 || scales->shape[0] != (R + br - 1) / br ||
+        scales->shape[1] != (C + bc - 1) / bc)
+        return dsk_set_error(DSK_ERR_ARG, "%s: scales %s, want [%lld,%lld] f32 for %s in %dx%d blocks", fn,
+                             dsk_tensor_describe(scales, c, sizeof c), (long long)((R + br - 1) / br),
+                             (long long)((C + bc - 1) / bc), dsk_tensor_describe(x, b, sizeof b), br, bc);
     return DSK_OK;
 }
 
 /* Block rows of the CPU path, with loops free of the dtype switch for f32 input. */
-static uint32_t dsk_amp__row_amax(const void *x, dsk_dtype dt, int64_t off, int64_t len) {
+static uint32_t dsk__amp_row_amax(const void *x, dsk_dtype dt, int64_t off, int64_t len) {
     uint32_t m = 0;
     if (dt == DSK_F32) {
         const float *p = (const float *)x + off;
         for (int64_t i = 0; i < len; i++) { uint32_t a = dsk_amp_abs_bits(p[i]); m = a > m ? a : m; }
     } else {
-        for (int64_t i = 0; i < len; i++) { uint32_t a = dsk_amp_abs_bits(dsk_load_f32(x, dt, off + i)); m = a > m ? a : m; }
+        for (int64_t i = 0; i < len; i++) {
+            uint32_t a = dsk_amp_abs_bits(dsk_load_f32(x, dt, off + i));
+            m = a > m ? a : m;
+        }
     }
     return m;
 }
-static void dsk_amp__row_quantize(uint8_t *o, dsk_dtype fmt, const void *x, dsk_dtype dt, int64_t off, int64_t len, float d) {
+static void dsk__amp_row_quantize(uint8_t *o, dsk_dtype fmt, const void *x, dsk_dtype dt, int64_t off, int64_t len,
+                                  float d) {
     if (dt == DSK_F32 && fmt == DSK_E4M3) {
         const float *p = (const float *)x + off;
         for (int64_t i = 0; i < len; i++) o[i] = dsk_f32_to_e4m3(p[i] / d);
@@ -1030,13 +1094,14 @@ static void dsk_amp__row_quantize(uint8_t *o, dsk_dtype fmt, const void *x, dsk_
     }
 }
 
-DSK_API dsk_status dsk_amp_fp8_block_quantize(dsk_ctx *ctx, dsk_tensor *q, dsk_tensor *scales, const dsk_tensor *x, int br, int bc, int pow2) {
+DSK_API dsk_status dsk_amp_fp8_block_quantize(dsk_ctx *ctx, dsk_tensor *q, dsk_tensor *scales, const dsk_tensor *x,
+                                              int br, int bc, int pow2) {
     const char *fn = "dsk_amp_fp8_block_quantize";
-    dsk_status s;
-    if ((s = dsk_amp__fp8_in(fn, "x", x, x ? x->device : dsk_cpu())) != DSK_OK) return s;
-    if ((s = dsk_amp__check(fn, "q", q, x->device)) != DSK_OK || (s = dsk_amp__check(fn, "scales", scales, x->device)) != DSK_OK) return s;
-    if ((s = dsk_amp__need_ctx(fn, ctx, x->device)) != DSK_OK) return s;
-    if ((s = dsk_amp__block_args(fn, x, q, scales, br, bc)) != DSK_OK) return s;
+    DSK__TRY(dsk__amp_fp8_in(fn, "x", x, x ? x->device : dsk_cpu()));
+    DSK__TRY(dsk__amp_check(fn, "q", q, x->device));
+    DSK__TRY(dsk__amp_check(fn, "scales", scales, x->device));
+    DSK__TRY(dsk__amp_need_ctx(fn, ctx, x->device));
+    DSK__TRY(dsk__amp_block_args(fn, x, q, scales, br, bc));
 #ifdef DSK_CUDA
     if (x->device.type == DSK_DEV_CUDA) return dsk_cuda_amp_fp8_block_quantize(ctx, q, scales, x, br, bc, pow2);
 #endif
@@ -1048,29 +1113,31 @@ DSK_API dsk_status dsk_amp_fp8_block_quantize(dsk_ctx *ctx, dsk_tensor *q, dsk_t
 #pragma omp parallel for schedule(static) if (SR * SC > 16)
 #endif
         for (int64_t blk = 0; blk < SR * SC; blk++) {
-            int64_t r0 = (blk / SC) * br, c0 = (blk % SC) * bc, r1 = r0 + br < R ? r0 + br : R, c1 = c0 + bc < C ? c0 + bc : C;
+            int64_t r0 = (blk / SC) * br, c0 = (blk % SC) * bc, r1 = r0 + br < R ? r0 + br : R,
+                    c1 = c0 + bc < C ? c0 + bc : C;
             uint32_t m = 0;
             float d;
             for (int64_t r = r0; r < r1; r++) {
-                uint32_t a = dsk_amp__row_amax(x->data, x->dtype, r * C + c0, c1 - c0);
+                uint32_t a = dsk__amp_row_amax(x->data, x->dtype, r * C + c0, c1 - c0);
                 if (a > m) m = a;
             }
             d = dsk_amp_fp8_block_scale(dsk_bits_f32(m), fmax, pow2);
             sc[blk] = d;
-            for (int64_t r = r0; r < r1; r++) dsk_amp__row_quantize(o + r * C + c0, q->dtype, x->data, x->dtype, r * C + c0, c1 - c0, d);
+            for (int64_t r = r0; r < r1; r++)
+                dsk__amp_row_quantize(o + r * C + c0, q->dtype, x->data, x->dtype, r * C + c0, c1 - c0, d);
         }
     }
     return DSK_OK;
 }
 
-DSK_API dsk_status dsk_amp_fp8_block_dequantize(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *q, const dsk_tensor *scales, int br, int bc) {
+DSK_API dsk_status dsk_amp_fp8_block_dequantize(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *q,
+                                                const dsk_tensor *scales, int br, int bc) {
     const char *fn = "dsk_amp_fp8_block_dequantize";
-    dsk_status s;
-    if ((s = dsk_amp__check(fn, "q", q, q ? q->device : dsk_cpu())) != DSK_OK) return s;
-    if ((s = dsk_amp__fp8_in(fn, "y", y, q->device)) != DSK_OK) return s;
-    if ((s = dsk_amp__check(fn, "scales", scales, q->device)) != DSK_OK) return s;
-    if ((s = dsk_amp__need_ctx(fn, ctx, q->device)) != DSK_OK) return s;
-    if ((s = dsk_amp__block_args(fn, y, q, scales, br, bc)) != DSK_OK) return s;
+    DSK__TRY(dsk__amp_check(fn, "q", q, q ? q->device : dsk_cpu()));
+    DSK__TRY(dsk__amp_fp8_in(fn, "y", y, q->device));
+    DSK__TRY(dsk__amp_check(fn, "scales", scales, q->device));
+    DSK__TRY(dsk__amp_need_ctx(fn, ctx, q->device));
+    DSK__TRY(dsk__amp_block_args(fn, y, q, scales, br, bc));
 #ifdef DSK_CUDA
     if (q->device.type == DSK_DEV_CUDA) return dsk_cuda_amp_fp8_block_dequantize(ctx, y, q, scales, br, bc);
 #endif
@@ -1080,7 +1147,8 @@ DSK_API dsk_status dsk_amp_fp8_block_dequantize(dsk_ctx *ctx, dsk_tensor *y, con
         const uint8_t *in = (const uint8_t *)q->data;
         for (int64_t r = 0; r < R; r++)
             for (int64_t c = 0; c < C; c++)
-                dsk_store_f32(y->data, y->dtype, r * C + c, dsk_amp_from_fp8(in[r * C + c], q->dtype) * sc[(r / br) * SC + c / bc]);
+                dsk_store_f32(y->data, y->dtype, r * C + c,
+                              dsk_amp_from_fp8(in[r * C + c], q->dtype) * sc[(r / br) * SC + c / bc]);
     }
     return DSK_OK;
 }

@@ -65,10 +65,10 @@ int main(int argc, char **argv) {
     memset(&so, 0, sizeof so);
     so.mode = DSK_AMP_STATIC;
     so.init_scale = 1.0f; /* x * 1 keeps the data stable across repeats; the work is the same */
-    BENCH_CHECK(dsk_amp_scaler_init(NULL, &sc, &so));
+    BENCH_CHECK(dsk_amp_scaler_init(&sc, NULL, &so));
     double bytes = (double)(per * NT) * 4.0, t_fused, t_copy, t_unfused;
     printf("# bench_amp: %d gradients of %lld f32 (%.0f MiB), median of %d, OpenMP threads %d\n", NT, (long long)per, bytes / 1048576.0, reps, threads());
-    TIME(&t_fused, reps, BENCH_CHECK(dsk_amp_unscale(NULL, &sc, gl, NT)));
+    TIME(&t_fused, reps, BENCH_CHECK(dsk_amp_unscale(&sc, NULL, gl, NT)));
     TIME(&t_copy, reps, memcpy(copy, buf, (size_t)bytes));
     TIME(&t_unfused, reps, for (int i = 0; i < NT; i++) {
         BENCH_CHECK(dsk_scale(NULL, &g[i], 1.0f));
@@ -85,8 +85,8 @@ int main(int argc, char **argv) {
         double t_sr, t_rne;
         BENCH_CHECK(dsk_tensor_wrap(&master, buf, DSK_F32, dsk_cpu(), 1, &n));
         BENCH_CHECK(dsk_tensor_alloc(NULL, &dst, DSK_BF16, 1, &n));
-        TIME(&t_rne, reps, BENCH_CHECK(dsk_amp_cast(NULL, &dst, &master, DSK_ROUND_NEAREST, 1, 2, 3)));
-        TIME(&t_sr, reps, BENCH_CHECK(dsk_amp_cast(NULL, &dst, &master, DSK_ROUND_STOCHASTIC, 1, 2, 3)));
+        TIME(&t_rne, reps, BENCH_CHECK(dsk_amp_cast(NULL, &dst, &master, DSK_AMP_ROUND_NEAREST, 1, 2, 3)));
+        TIME(&t_sr, reps, BENCH_CHECK(dsk_amp_cast(NULL, &dst, &master, DSK_AMP_ROUND_STOCHASTIC, 1, 2, 3)));
         printf("f32->bf16 nearest           %8.2f ms  %6.2f GB/s\n", 1e3 * t_rne, 6.0 * n / t_rne / 1e9);
         printf("f32->bf16 stochastic        %8.2f ms  %6.2f GB/s   SR/RNE time ratio %.2f\n", 1e3 * t_sr, 6.0 * n / t_sr / 1e9, t_sr / t_rne);
         dsk_tensor_free(NULL, &dst);
@@ -101,12 +101,12 @@ int main(int argc, char **argv) {
         BENCH_CHECK(dsk_tensor_alloc(NULL, &s, DSK_F32, 2, ss));
         BENCH_CHECK(dsk_tensor_alloc(NULL, &b, DSK_BF16, 2, shape));
         TIME(&t_q, reps, BENCH_CHECK(dsk_amp_fp8_block_quantize(NULL, &q, &s, &w, 128, 128, 0)));
-        TIME(&t_c, reps, BENCH_CHECK(dsk_amp_cast(NULL, &b, &w, DSK_ROUND_NEAREST, 0, 0, 0)));
+        TIME(&t_c, reps, BENCH_CHECK(dsk_amp_cast(NULL, &b, &w, DSK_AMP_ROUND_NEAREST, 0, 0, 0)));
         printf("fp8 e4m3 128x128 blocks     %8.2f ms  %6.2f GB/s (read+write)\n", 1e3 * t_q, 5.0 * R * C / t_q / 1e9);
         printf("f32->bf16 nearest, same W   %8.2f ms  %6.2f GB/s   fp8/bf16 time ratio %.2f\n", 1e3 * t_c, 6.0 * R * C / t_c / 1e9, t_q / t_c);
         dsk_tensor_free(NULL, &q); dsk_tensor_free(NULL, &s); dsk_tensor_free(NULL, &b);
     }
-    dsk_amp_scaler_free(NULL, &sc);
+    dsk_amp_scaler_free(&sc, NULL);
     dsk_tensor_free(NULL, &sq);
     free(buf); free(copy);
     return 0;

@@ -98,8 +98,7 @@ static void run_softmax(void *p) { op_args *o = (op_args *)p; BENCH_CHECK(dsk_so
 /* param y, grad x, moments m and v, bf16 copy ybf. */
 static void run_adamw(void *p) {
     op_args *o = (op_args *)p;
-    dsk_adamw_opts opts;
-    memset(&opts, 0, sizeof opts);
+    dsk_adamw_opts opts = dsk_adamw_defaults();
     BENCH_CHECK(dsk_adamw_step(&G, &o->y, &o->x, &o->m, &o->v, &opts, ++o->step, 1.0f, &o->ybf));
 }
 

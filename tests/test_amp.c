@@ -91,20 +91,20 @@ static void run_trajectory(const dsk_amp_scaler_opts *opts, const ref_scaler *re
     dsk_tensor g = new_1d(DSK_F32, 3);
     dsk_tensor *gl[1] = {&g};
     int bad = 0;
-    DSK_TEST_OK(dsk_amp_scaler_init(NULL, &sc, opts));
+    DSK_TEST_OK(dsk_amp_scaler_init(&sc, NULL, opts));
     for (int t = 0; t < steps && !bad; t++) {
         dsk_amp_stats st = {NAN, NAN};
         dsk_amp_scaler_state s = {NAN, -1, -1};
         fill_rand(&g, 0.5, 2.0);
         if (script[t]) put(&g, t % 3, t % 2 ? INFINITY : NAN);
-        DSK_TEST_OK(dsk_amp_state_get(NULL, &sc, &s));
-        if (real && s.scale > 0x1p-100f) DSK_TEST_OK(dsk_amp_unscale(NULL, &sc, gl, 1));
+        DSK_TEST_OK(dsk_amp_state_get(&sc, NULL, &s));
+        if (real && s.scale > 0x1p-100f) DSK_TEST_OK(dsk_amp_unscale(&sc, NULL, gl, 1));
         else { sc.stats.found_inf = script[t]; sc.stats.sumsq = 1.0; }
-        DSK_TEST_OK(dsk_amp_stats_get(NULL, &sc, &st));
+        DSK_TEST_OK(dsk_amp_stats_get(&sc, NULL, &st));
         if (dsk_amp_stats_overflow(st) != script[t]) { DSK_TEST_EXPECT(0, "step %d: overflow %d, script %d", t, dsk_amp_stats_overflow(st), script[t]); bad = 1; }
-        DSK_TEST_OK(dsk_amp_update(NULL, &sc));
+        DSK_TEST_OK(dsk_amp_update(&sc, NULL));
         ref_update(&r, script[t]);
-        DSK_TEST_OK(dsk_amp_state_get(NULL, &sc, &s));
+        DSK_TEST_OK(dsk_amp_state_get(&sc, NULL, &s));
         {
             long want_tracker = r.o.mode == DSK_AMP_DYNAMIC ? (r.cur_iter - 1 - r.last_overflow) % r.o.growth_interval : 0;
             if (s.scale != r.scale || s.growth_tracker != want_tracker || (r.o.mode == DSK_AMP_DYNAMIC && s.hysteresis_left != r.cur_h)) {
@@ -115,7 +115,7 @@ static void run_trajectory(const dsk_amp_scaler_opts *opts, const ref_scaler *re
             if (isinf(s.scale) || !(s.scale > 0)) { DSK_TEST_EXPECT(0, "step %d: scale %g", t, (double)s.scale); bad = 1; }
         }
     }
-    dsk_amp_scaler_free(NULL, &sc);
+    dsk_amp_scaler_free(&sc, NULL);
     dsk_tensor_free(NULL, &g);
 }
 
@@ -140,14 +140,14 @@ static void make_script(int *s, int n, double p) {
 static void test_scaler_defaults(void) {
     dsk_amp_scaler sc;
     dsk_amp_scaler_state s = {NAN, -1, -1};
-    DSK_TEST_OK(dsk_amp_scaler_init(NULL, &sc, NULL));
-    DSK_TEST_OK(dsk_amp_state_get(NULL, &sc, &s));
+    DSK_TEST_OK(dsk_amp_scaler_init(&sc, NULL, NULL));
+    DSK_TEST_OK(dsk_amp_state_get(&sc, NULL, &s));
     DSK_TEST_EXPECT(s.scale == 65536.0f && s.growth_tracker == 0 && s.hysteresis_left == 1, "state %g %d %d", (double)s.scale,
                     (int)s.growth_tracker, (int)s.hysteresis_left);
     DSK_TEST_EXPECT(sc.opts.growth_factor == 2.0 && sc.opts.backoff_factor == 0.5 && sc.opts.growth_interval == 2000 && sc.opts.mode == DSK_AMP_DYNAMIC,
                     "defaults %g %g %d", sc.opts.growth_factor, sc.opts.backoff_factor, (int)sc.opts.growth_interval);
-    dsk_amp_scaler_free(NULL, &sc);
-    dsk_amp_scaler_free(NULL, &sc); /* freed twice is fine */
+    dsk_amp_scaler_free(&sc, NULL);
+    dsk_amp_scaler_free(&sc, NULL); /* freed twice is fine */
 }
 
 static void test_trajectories(void) {
@@ -181,7 +181,7 @@ static void test_trajectory_by_hand(void) {
     dsk_amp_scaler_state s = {NAN, -1, -1};
     memset(&o, 0, sizeof o);
     o.init_scale = 1024; o.growth_interval = 2; o.hysteresis = 2;
-    DSK_TEST_OK(dsk_amp_scaler_init(NULL, &sc, &o));
+    DSK_TEST_OK(dsk_amp_scaler_init(&sc, NULL, &o));
     {
         /* overflow: absorbed (hyst 2 -> 1); overflow: 512; clean; clean: grow to 1024 and refill */
         int script[] = {1, 1, 0, 0, 1, 0};
@@ -189,9 +189,9 @@ static void test_trajectory_by_hand(void) {
         int want_tr[] = {0, 0, 1, 0, 0, 1}, want_h[] = {1, 1, 1, 2, 1, 1};
         for (int t = 0; t < 6; t++) {
             dsk_amp_stats st = {script[t], 1.0};
-            DSK_TEST_OK(dsk_amp_stats_set(NULL, &sc, &st));
-            DSK_TEST_OK(dsk_amp_update(NULL, &sc));
-            DSK_TEST_OK(dsk_amp_state_get(NULL, &sc, &s));
+            DSK_TEST_OK(dsk_amp_stats_set(&sc, NULL, &st));
+            DSK_TEST_OK(dsk_amp_update(&sc, NULL));
+            DSK_TEST_OK(dsk_amp_state_get(&sc, NULL, &s));
             DSK_TEST_EXPECT(s.scale == want_scale[t] && s.growth_tracker == want_tr[t] && s.hysteresis_left == want_h[t],
                             "step %d: %g %d %d, want %g %d %d", t, (double)s.scale, (int)s.growth_tracker, (int)s.hysteresis_left,
                             (double)want_scale[t], want_tr[t], want_h[t]);
@@ -199,12 +199,12 @@ static void test_trajectory_by_hand(void) {
     }
     /* A non-finite sum of squares counts as overflow even with found_inf 0. */
     sc.stats.found_inf = 0; sc.stats.sumsq = INFINITY;
-    DSK_TEST_OK(dsk_amp_update(NULL, &sc));
+    DSK_TEST_OK(dsk_amp_update(&sc, NULL));
     sc.stats.sumsq = NAN;
-    DSK_TEST_OK(dsk_amp_update(NULL, &sc));
-    DSK_TEST_OK(dsk_amp_state_get(NULL, &sc, &s));
+    DSK_TEST_OK(dsk_amp_update(&sc, NULL));
+    DSK_TEST_OK(dsk_amp_state_get(&sc, NULL, &s));
     DSK_TEST_EXPECT(s.scale == 256.0f, "scale %g after two non-finite norms, want 256", (double)s.scale);
-    dsk_amp_scaler_free(NULL, &sc);
+    dsk_amp_scaler_free(&sc, NULL);
 }
 
 static void test_state_resume(void) {
@@ -216,26 +216,26 @@ static void test_state_resume(void) {
     memset(&o, 0, sizeof o);
     o.growth_interval = 7; o.hysteresis = 3; o.init_scale = 8192;
     make_script(script, N, 0.2);
-    DSK_TEST_OK(dsk_amp_scaler_init(NULL, &a, &o));
-    DSK_TEST_OK(dsk_amp_scaler_init(NULL, &b, &o));
+    DSK_TEST_OK(dsk_amp_scaler_init(&a, NULL, &o));
+    DSK_TEST_OK(dsk_amp_scaler_init(&b, NULL, &o));
     for (int t = 0; t < N; t++) {
         a.stats.found_inf = script[t]; a.stats.sumsq = 2.0;
-        DSK_TEST_OK(dsk_amp_update(NULL, &a));
+        DSK_TEST_OK(dsk_amp_update(&a, NULL));
         if (t == N / 2) {
             /* checkpoint a's state into a fresh scaler b and continue there */
-            DSK_TEST_OK(dsk_amp_state_get(NULL, &a, &mid));
-            DSK_TEST_OK(dsk_amp_state_set(NULL, &b, &mid));
+            DSK_TEST_OK(dsk_amp_state_get(&a, NULL, &mid));
+            DSK_TEST_OK(dsk_amp_state_set(&b, NULL, &mid));
         } else if (t > N / 2) {
             b.stats.found_inf = script[t]; b.stats.sumsq = 2.0;
-            DSK_TEST_OK(dsk_amp_update(NULL, &b));
+            DSK_TEST_OK(dsk_amp_update(&b, NULL));
         }
     }
-    DSK_TEST_OK(dsk_amp_state_get(NULL, &a, &sa));
-    DSK_TEST_OK(dsk_amp_state_get(NULL, &b, &sb));
+    DSK_TEST_OK(dsk_amp_state_get(&a, NULL, &sa));
+    DSK_TEST_OK(dsk_amp_state_get(&b, NULL, &sb));
     DSK_TEST_SAME_BYTES(&sa, &sb, sizeof sa, "resumed state");
     DSK_TEST_EXPECT(sa.scale != 8192.0f || sa.growth_tracker != 0, "trajectory did not move");
-    dsk_amp_scaler_free(NULL, &a);
-    dsk_amp_scaler_free(NULL, &b);
+    dsk_amp_scaler_free(&a, NULL);
+    dsk_amp_scaler_free(&b, NULL);
 }
 
 /* ---------------------------------------------------------------- unscale, check, norm */
@@ -260,15 +260,15 @@ static void test_unscale_matches_f64(dsk_dtype dt, float scale) {
     double inv = (double)(float)(1.0 / (double)scale);
     memset(&o, 0, sizeof o);
     o.init_scale = scale;
-    DSK_TEST_OK(dsk_amp_scaler_init(NULL, &sc, &o));
+    DSK_TEST_OK(dsk_amp_scaler_init(&sc, NULL, &o));
     make_grads(g, dt, 1e-3 * scale, 4.0 * scale);
     for (int i = 0; i < NG; i++) {
         gl[i] = &g[i];
         before[i] = (double *)malloc((size_t)g_sizes[i] * sizeof(double));
         for (int64_t k = 0; k < g_sizes[i]; k++) before[i][k] = get(&g[i], k);
     }
-    DSK_TEST_OK(dsk_amp_unscale(NULL, &sc, gl, NG));
-    DSK_TEST_OK(dsk_amp_stats_get(NULL, &sc, &st));
+    DSK_TEST_OK(dsk_amp_unscale(&sc, NULL, gl, NG));
+    DSK_TEST_OK(dsk_amp_stats_get(&sc, NULL, &st));
     for (int i = 0; i < NG; i++) {
         int64_t n = g_sizes[i], bad = 0, worst = -1;
         for (int64_t k = 0; k < n; k++) {
@@ -289,7 +289,7 @@ static void test_unscale_matches_f64(dsk_dtype dt, float scale) {
     DSK_TEST_EXPECT(fabs(st.sumsq - got_sumsq) <= 1e-12 * got_sumsq, "sumsq %.17g, f64 of stored values %.17g", st.sumsq, got_sumsq);
     DSK_TEST_EXPECT(fabs(st.sumsq - want_sumsq) <= 4 * unit_roundoff(dt) * want_sumsq, "sumsq %.17g, exact %.17g", st.sumsq, want_sumsq);
     free_grads(g);
-    dsk_amp_scaler_free(NULL, &sc);
+    dsk_amp_scaler_free(&sc, NULL);
 }
 
 static void test_nonfinite_always_found(void) {
@@ -307,16 +307,16 @@ static void test_nonfinite_always_found(void) {
                     make_grads(g, dts[d], 0.1, 100.0);
                     for (int i = 0; i < NG; i++) gl[i] = &g[i];
                     put(&g[ti], pos, vals[v]);
-                    DSK_TEST_OK(dsk_amp_scaler_init(NULL, &sc, NULL));
-                    DSK_TEST_OK(dsk_amp_unscale(NULL, &sc, gl, NG));
-                    DSK_TEST_OK(dsk_amp_stats_get(NULL, &sc, &st));
+                    DSK_TEST_OK(dsk_amp_scaler_init(&sc, NULL, NULL));
+                    DSK_TEST_OK(dsk_amp_unscale(&sc, NULL, gl, NG));
+                    DSK_TEST_OK(dsk_amp_stats_get(&sc, NULL, &st));
                     cases++;
                     if (!(st.found_inf > 0) || !dsk_amp_decide(st, 1.0).skip) {
                         missed++;
                         DSK_TEST_EXPECT(0, "%s: %g at grads[%d][%lld] not found (found_inf %g)", dsk_dtype_name(dts[d]), vals[v], ti, (long long)pos, st.found_inf);
                     }
                     free_grads(g);
-                    dsk_amp_scaler_free(NULL, &sc);
+                    dsk_amp_scaler_free(&sc, NULL);
                 }
     DSK_TEST_EXPECT(missed == 0 && cases == 3 * NG * 3 * 3, "%d of %d missed", missed, cases);
 }
@@ -331,11 +331,11 @@ static void test_overflow_by_unscaling(void) {
     o.mode = DSK_AMP_STATIC; o.init_scale = 0.5f;
     fill_rand(&g, 1.0, 10.0);
     put(&g, 4, 40000.0);
-    DSK_TEST_OK(dsk_amp_scaler_init(NULL, &sc, &o));
-    DSK_TEST_OK(dsk_amp_unscale(NULL, &sc, gl, 1));
-    DSK_TEST_OK(dsk_amp_stats_get(NULL, &sc, &st));
+    DSK_TEST_OK(dsk_amp_scaler_init(&sc, NULL, &o));
+    DSK_TEST_OK(dsk_amp_unscale(&sc, NULL, gl, 1));
+    DSK_TEST_OK(dsk_amp_stats_get(&sc, NULL, &st));
     DSK_TEST_EXPECT(st.found_inf > 0 && isinf(get(&g, 4)), "found_inf %g, element %g", st.found_inf, get(&g, 4));
-    dsk_amp_scaler_free(NULL, &sc);
+    dsk_amp_scaler_free(&sc, NULL);
     dsk_tensor_free(NULL, &g);
 }
 
@@ -353,9 +353,9 @@ static void test_norm_and_clip(void) {
         for (int64_t k = 0; k < g_sizes[i]; k++) ref += get(&g[i], k) * get(&g[i], k);
     }
     ref = sqrt(ref);
-    DSK_TEST_OK(dsk_amp_scaler_init(NULL, &sc, &o));
-    DSK_TEST_OK(dsk_amp_unscale(NULL, &sc, gl, NG));
-    DSK_TEST_OK(dsk_amp_stats_get(NULL, &sc, &st));
+    DSK_TEST_OK(dsk_amp_scaler_init(&sc, NULL, &o));
+    DSK_TEST_OK(dsk_amp_unscale(&sc, NULL, gl, NG));
+    DSK_TEST_OK(dsk_amp_stats_get(&sc, NULL, &st));
     {
         double maxes[4] = {0.0, 1e9, ref * 0.25, ref * 0.999};
         for (int k = 0; k < 4; k++) {
@@ -372,19 +372,19 @@ static void test_norm_and_clip(void) {
         int nt = omp_get_max_threads();
         for (int i = 0; i < NG; i++) fill_rand(&g[i], 1e-3, 0.5);
         omp_set_num_threads(1);
-        DSK_TEST_OK(dsk_amp_unscale(NULL, &sc, gl, NG));
-        DSK_TEST_OK(dsk_amp_stats_get(NULL, &sc, &s1));
+        DSK_TEST_OK(dsk_amp_unscale(&sc, NULL, gl, NG));
+        DSK_TEST_OK(dsk_amp_stats_get(&sc, NULL, &s1));
         omp_set_num_threads(3);
-        DSK_TEST_OK(dsk_amp_unscale(NULL, &sc, gl, NG));
-        DSK_TEST_OK(dsk_amp_stats_get(NULL, &sc, &s2));
+        DSK_TEST_OK(dsk_amp_unscale(&sc, NULL, gl, NG));
+        DSK_TEST_OK(dsk_amp_stats_get(&sc, NULL, &s2));
         omp_set_num_threads(nt);
         DSK_TEST_SAME_BYTES(&s1.sumsq, &s2.sumsq, sizeof s1.sumsq, "sumsq with 1 and 3 threads");
     }
 #endif
     /* a tensor holding Inf gives a non-finite norm, which is an overflow */
     put(&g[2], 5, INFINITY);
-    DSK_TEST_OK(dsk_amp_unscale(NULL, &sc, gl, NG));
-    DSK_TEST_OK(dsk_amp_stats_get(NULL, &sc, &st));
+    DSK_TEST_OK(dsk_amp_unscale(&sc, NULL, gl, NG));
+    DSK_TEST_OK(dsk_amp_stats_get(&sc, NULL, &st));
     {
         dsk_amp_decision d = dsk_amp_decide(st, 1.0);
         DSK_TEST_EXPECT(!isfinite(d.norm) && d.skip, "norm %g skip %d", d.norm, d.skip);
@@ -396,7 +396,7 @@ static void test_norm_and_clip(void) {
         DSK_TEST_EXPECT(!d.skip && fabs(d.grad_mult - 1e-30) <= 1e-36, "grad_mult %g, want 1e-30", (double)d.grad_mult);
     }
     free_grads(g);
-    dsk_amp_scaler_free(NULL, &sc);
+    dsk_amp_scaler_free(&sc, NULL);
 }
 
 /* Two ranks holding different shards: each exposes its local stats, one SUM joins them (here
@@ -410,28 +410,28 @@ static void test_sharded_ranks_join(void) {
         make_grads(g, DSK_F32, 1.0, 100.0);
         if (inject) put(&g[4], 17, INFINITY);
         for (int i = 0; i < NG; i++) gl[i] = &g[i];
-        DSK_TEST_OK(dsk_amp_scaler_init(NULL, &rank[0], NULL));
-        DSK_TEST_OK(dsk_amp_scaler_init(NULL, &rank[1], NULL));
-        DSK_TEST_OK(dsk_amp_scaler_init(NULL, &whole, NULL));
+        DSK_TEST_OK(dsk_amp_scaler_init(&rank[0], NULL, NULL));
+        DSK_TEST_OK(dsk_amp_scaler_init(&rank[1], NULL, NULL));
+        DSK_TEST_OK(dsk_amp_scaler_init(&whole, NULL, NULL));
         {
             /* the single rank sees copies of all shards */
             dsk_tensor c[NG], *cl[NG];
             for (int i = 0; i < NG; i++) { c[i] = new_1d(DSK_F32, g_sizes[i]); memcpy(c[i].data, g[i].data, dsk_tensor_nbytes(&g[i])); cl[i] = &c[i]; }
-            DSK_TEST_OK(dsk_amp_unscale(NULL, &whole, cl, NG));
-            DSK_TEST_OK(dsk_amp_stats_get(NULL, &whole, &all));
+            DSK_TEST_OK(dsk_amp_unscale(&whole, NULL, cl, NG));
+            DSK_TEST_OK(dsk_amp_stats_get(&whole, NULL, &all));
             free_grads(c);
         }
-        DSK_TEST_OK(dsk_amp_unscale(NULL, &rank[0], gl, 3));
-        DSK_TEST_OK(dsk_amp_unscale(NULL, &rank[1], gl + 3, NG - 3));
-        for (int r = 0; r < 2; r++) DSK_TEST_OK(dsk_amp_stats_get(NULL, &rank[r], &loc[r]));
+        DSK_TEST_OK(dsk_amp_unscale(&rank[0], NULL, gl, 3));
+        DSK_TEST_OK(dsk_amp_unscale(&rank[1], NULL, gl + 3, NG - 3));
+        for (int r = 0; r < 2; r++) DSK_TEST_OK(dsk_amp_stats_get(&rank[r], NULL, &loc[r]));
         joined.found_inf = loc[0].found_inf + loc[1].found_inf;
         joined.sumsq = loc[0].sumsq + loc[1].sumsq;
         for (int r = 0; r < 2; r++) {
             dsk_amp_stats back = {NAN, NAN};
             dsk_amp_decision d, w = dsk_amp_decide(all, 0.1);
             dsk_amp_scaler_state s = {NAN, -1, -1};
-            DSK_TEST_OK(dsk_amp_stats_set(NULL, &rank[r], &joined));
-            DSK_TEST_OK(dsk_amp_stats_get(NULL, &rank[r], &back));
+            DSK_TEST_OK(dsk_amp_stats_set(&rank[r], NULL, &joined));
+            DSK_TEST_OK(dsk_amp_stats_get(&rank[r], NULL, &back));
             DSK_TEST_SAME_BYTES(&back, &joined, sizeof back, "stats set and read back");
             d = dsk_amp_decide(back, 0.1);
             DSK_TEST_EXPECT(d.skip == w.skip && d.skip == inject, "rank %d: skip %d, one rank %d, injected %d", r, d.skip, w.skip, inject);
@@ -439,17 +439,17 @@ static void test_sharded_ranks_join(void) {
                 DSK_TEST_EXPECT(fabs(d.norm - w.norm) <= 1e-14 * w.norm && fabs(d.grad_mult - w.grad_mult) <= 1e-7f * w.grad_mult && d.grad_mult < 1.0f,
                                 "rank %d: norm %.17g mult %.9g, one rank %.17g %.9g", r, d.norm, (double)d.grad_mult, w.norm, (double)w.grad_mult);
             }
-            DSK_TEST_OK(dsk_amp_update(NULL, &rank[r]));
-            DSK_TEST_OK(dsk_amp_state_get(NULL, &rank[r], &s));
+            DSK_TEST_OK(dsk_amp_update(&rank[r], NULL));
+            DSK_TEST_OK(dsk_amp_state_get(&rank[r], NULL, &s));
             DSK_TEST_EXPECT(s.scale == (inject ? 32768.0f : 65536.0f) && s.growth_tracker == (inject ? 0 : 1), "rank %d: scale %g tracker %d", r,
                             (double)s.scale, (int)s.growth_tracker);
         }
         DSK_TEST_EXPECT(!inject || (loc[0].found_inf == 0.0 && loc[1].found_inf == 1.0), "local flags %g %g", loc[0].found_inf, loc[1].found_inf);
-        for (int r = 0; r < 2; r++) dsk_amp_scaler_free(NULL, &rank[r]);
-        dsk_amp_scaler_free(NULL, &whole);
+        for (int r = 0; r < 2; r++) dsk_amp_scaler_free(&rank[r], NULL);
+        dsk_amp_scaler_free(&whole, NULL);
         free_grads(g);
     }
-    DSK_TEST_STATUS(dsk_amp_stats_set(NULL, &rank[0], NULL), DSK_ERR_STATE);
+    DSK_TEST_STATUS(dsk_amp_stats_set(&rank[0], NULL, NULL), DSK_ERR_STATE);
     DSK_TEST_ERROR_MENTIONS("dsk_amp_stats_set: scaler is not initialised");
 }
 
@@ -501,13 +501,13 @@ static void test_step_skip_and_apply(void) {
     size_t na, nb;
     dsk_amp_stats bad = {1.0, 3.0}, good = {0.0, 3.0};
     dsk_amp_decision skip = dsk_amp_decide(bad, 1.0), go = dsk_amp_decide(good, 0.5);
-    memset(&ao, 0, sizeof ao);
+    ao = dsk_adamw_defaults();
     ao.lr = 1e-2f; ao.weight_decay = 0.1f;
     make_params(p, ap, NP, sizes, DSK_BF16);
     na = snapshot(p, NP, a);
     DSK_TEST_EXPECT(skip.skip && !go.skip, "decisions %d %d", skip.skip, go.skip);
-    DSK_TEST_OK(dsk_amp_step(NULL, ap, NP, &ao, 5, &skip, DSK_ROUND_NEAREST, 1));
-    DSK_TEST_OK(dsk_amp_step(NULL, ap, NP, &ao, 5, &skip, DSK_ROUND_STOCHASTIC, 1));
+    DSK_TEST_OK(dsk_amp_step(NULL, ap, NP, &ao, 5, &skip, DSK_AMP_ROUND_NEAREST, 1));
+    DSK_TEST_OK(dsk_amp_step(NULL, ap, NP, &ao, 5, &skip, DSK_AMP_ROUND_STOCHASTIC, 1));
     nb = snapshot(p, NP, b);
     DSK_TEST_EXPECT(na == nb, "snapshot sizes");
     DSK_TEST_SAME_BYTES(a, b, na, "masters, moments and copies after a skipped step");
@@ -525,7 +525,7 @@ static void test_step_skip_and_apply(void) {
                 want[i][k] = w - lr * wd * w - lr * (m / bc1) / (sqrt(v / bc2) + eps);
             }
         }
-        DSK_TEST_OK(dsk_amp_step(NULL, ap, NP, &ao, step, &go, DSK_ROUND_NEAREST, 1));
+        DSK_TEST_OK(dsk_amp_step(NULL, ap, NP, &ao, step, &go, DSK_AMP_ROUND_NEAREST, 1));
         for (int i = 0; i < NP; i++) {
             int64_t off = 0;
             DSK_TEST_CLOSE((const float *)p[i].master.data, want[i], sizes[i], 1e-5, 1e-7, "master after AdamW");
@@ -552,15 +552,15 @@ static void test_step_resume_stochastic(void) {
     dsk_amp_decision d = dsk_amp_decide(good, 0.0);
     int differs_from_rne = 0;
     uint64_t saved = dsk_test_g.rng;
-    memset(&ao, 0, sizeof ao);
-    ao.lr = 3e-3f;
+    ao = dsk_adamw_defaults();
+    ao.lr = 3e-3f; ao.weight_decay = 0.0f;
     make_params(a, pa, NP, sizes, DSK_F16);
     dsk_test_g.rng = saved; /* the same random start for run b */
     make_params(b, pb, NP, sizes, DSK_F16);
     pa[1].copy = pb[1].copy = NULL;
     for (int64_t step = 1; step <= STEPS; step++) {
-        DSK_TEST_OK(dsk_amp_step(NULL, pa, NP, &ao, step, &d, DSK_ROUND_STOCHASTIC, 99));
-        if (step <= STOP) DSK_TEST_OK(dsk_amp_step(NULL, pb, NP, &ao, step, &d, DSK_ROUND_STOCHASTIC, 99));
+        DSK_TEST_OK(dsk_amp_step(NULL, pa, NP, &ao, step, &d, DSK_AMP_ROUND_STOCHASTIC, 99));
+        if (step <= STOP) DSK_TEST_OK(dsk_amp_step(NULL, pb, NP, &ao, step, &d, DSK_AMP_ROUND_STOCHASTIC, 99));
     }
     {
         /* "checkpoint" run b: fresh tensors holding its masters and moments, copies not saved */
@@ -574,7 +574,8 @@ static void test_step_resume_stochastic(void) {
             memcpy(c[i].grad.data, a[i].grad.data, dsk_tensor_nbytes(&a[i].grad));
         }
         pc[1].copy = NULL;
-        for (int64_t step = STOP + 1; step <= STEPS; step++) DSK_TEST_OK(dsk_amp_step(NULL, pc, NP, &ao, step, &d, DSK_ROUND_STOCHASTIC, 99));
+        for (int64_t step = STOP + 1; step <= STEPS; step++)
+            DSK_TEST_OK(dsk_amp_step(NULL, pc, NP, &ao, step, &d, DSK_AMP_ROUND_STOCHASTIC, 99));
         for (int i = 0; i < NP; i++) {
             DSK_TEST_SAME_BYTES(a[i].master.data, c[i].master.data, dsk_tensor_nbytes(&a[i].master), "resumed master");
             DSK_TEST_SAME_BYTES(a[i].v.data, c[i].v.data, dsk_tensor_nbytes(&a[i].v), "resumed v");
@@ -614,7 +615,7 @@ static void test_stochastic_rounding(dsk_dtype dt) {
         double lo, hi, sum = 0.0, p, sigma, mean;
         int64_t n_lo = 0, n_hi = 0;
         for (int64_t i = 0; i < N; i++) ((float *)src.data)[i] = vals[j];
-        DSK_TEST_OK(dsk_amp_cast(NULL, &dst, &src, DSK_ROUND_STOCHASTIC, 1234, (uint64_t)j, 77));
+        DSK_TEST_OK(dsk_amp_cast(NULL, &dst, &src, DSK_AMP_ROUND_STOCHASTIC, 1234, (uint64_t)j, 77));
         neighbours(dt, vals[j], &lo, &hi);
         for (int64_t i = 0; i < N; i++) {
             double y = get(&dst, i);
@@ -631,9 +632,9 @@ static void test_stochastic_rounding(dsk_dtype dt) {
         }
         DSK_TEST_EXPECT(p < 0.02 || p > 0.98 || (n_lo > 0 && n_hi > 0), "value %g: both neighbours must occur (p %.3f)", (double)vals[j], p);
         /* repeatable for the same (seed, tensor, step); another step gives other draws */
-        DSK_TEST_OK(dsk_amp_cast(NULL, &again, &src, DSK_ROUND_STOCHASTIC, 1234, (uint64_t)j, 77));
+        DSK_TEST_OK(dsk_amp_cast(NULL, &again, &src, DSK_AMP_ROUND_STOCHASTIC, 1234, (uint64_t)j, 77));
         DSK_TEST_SAME_BYTES(dst.data, again.data, dsk_tensor_nbytes(&dst), "same seed, tensor and step");
-        DSK_TEST_OK(dsk_amp_cast(NULL, &other, &src, DSK_ROUND_STOCHASTIC, 1234, (uint64_t)j, 78));
+        DSK_TEST_OK(dsk_amp_cast(NULL, &other, &src, DSK_AMP_ROUND_STOCHASTIC, 1234, (uint64_t)j, 78));
         if (p > 0.01 && p < 0.99) DSK_TEST_EXPECT(memcmp(dst.data, other.data, dsk_tensor_nbytes(&dst)) != 0, "step 77 and 78 drew the same bits");
     }
     /* representable values, NaN and Inf pass unchanged; nearest mode is RNE */
@@ -641,14 +642,14 @@ static void test_stochastic_rounding(dsk_dtype dt) {
         float specials[5] = {1.0f, -0.0f, INFINITY, -INFINITY, NAN};
         for (int k = 0; k < 5; k++) {
             for (int64_t i = 0; i < N; i++) ((float *)src.data)[i] = specials[k];
-            DSK_TEST_OK(dsk_amp_cast(NULL, &dst, &src, DSK_ROUND_STOCHASTIC, 9, 1, 1));
+            DSK_TEST_OK(dsk_amp_cast(NULL, &dst, &src, DSK_AMP_ROUND_STOCHASTIC, 9, 1, 1));
             for (int64_t i = 0; i < N; i += 997) {
                 double y = get(&dst, i);
                 if (!(y == specials[k] || (isnan(y) && isnan(specials[k])))) { DSK_TEST_EXPECT(0, "%g became %g", (double)specials[k], y); break; }
             }
         }
         fill_rand(&src, 1e-3, 1e3);
-        DSK_TEST_OK(dsk_amp_cast(NULL, &dst, &src, DSK_ROUND_NEAREST, 9, 1, 1));
+        DSK_TEST_OK(dsk_amp_cast(NULL, &dst, &src, DSK_AMP_ROUND_NEAREST, 9, 1, 1));
         for (int64_t i = 0; i < N; i++) {
             float x = ((float *)src.data)[i];
             double lo, hi, y = get(&dst, i);
@@ -661,7 +662,7 @@ static void test_stochastic_rounding(dsk_dtype dt) {
         uint64_t key = dsk_amp_sr_key(5, 6, 7);
         int64_t off = 0;
         fill_rand(&src, 1e-6, 1e4);
-        DSK_TEST_OK(dsk_amp_cast(NULL, &dst, &src, DSK_ROUND_STOCHASTIC, 5, 6, 7));
+        DSK_TEST_OK(dsk_amp_cast(NULL, &dst, &src, DSK_AMP_ROUND_STOCHASTIC, 5, 6, 7));
         for (int64_t i = 0; i < N; i++) {
             float x = ((float *)src.data)[i];
             uint32_t r = dsk_amp_sr_bits(key, (uint64_t)i);
@@ -792,7 +793,7 @@ static void test_fp8_delayed(dsk_amp_amax_algo algo, int margin, int pow2) {
     double hist[STEPS], ref_scale = 1.0;
     memset(&o, 0, sizeof o);
     o.history_len = L; o.margin = margin; o.algo = algo; o.pow2 = pow2;
-    DSK_TEST_OK(dsk_amp_fp8_delayed_init(NULL, &d, &o));
+    DSK_TEST_OK(dsk_amp_fp8_delayed_init(&d, NULL, &o));
     DSK_TEST_EXPECT(d.opts.fmt == DSK_E4M3, "default format %s", dsk_dtype_name(d.opts.fmt));
     for (int t = 0; t < STEPS; t++) {
         double a = 0.0;
@@ -803,16 +804,16 @@ static void test_fp8_delayed(dsk_amp_amax_algo algo, int margin, int pow2) {
         for (int64_t i = 0; i < 129; i++) a = fmax(a, fabs(get(&x, i)));
         hist[t] = a;
         /* two quantisations in a step: the history keeps the larger amax */
-        DSK_TEST_OK(dsk_amp_fp8_delayed_quantize(NULL, &d, &q2, &x));
+        DSK_TEST_OK(dsk_amp_fp8_delayed_quantize(&d, NULL, &q2, &x));
         for (int64_t i = 0; i < 129; i++) put(&x, i, get(&x, i) * 0.5);
-        DSK_TEST_OK(dsk_amp_fp8_delayed_quantize(NULL, &d, &q, &x));
+        DSK_TEST_OK(dsk_amp_fp8_delayed_quantize(&d, NULL, &q, &x));
         /* quantised with the previous step's scale */
         DSK_TEST_OK(dsk_amp_fp8_quantize(NULL, &q2, &x, &prev));
         DSK_TEST_SAME_BYTES(q.data, q2.data, 129, "delayed quantise uses the current scale");
-        DSK_TEST_OK(dsk_amp_fp8_delayed_update(NULL, &d));
+        DSK_TEST_OK(dsk_amp_fp8_delayed_update(&d, NULL));
         {
             double am = 0.0, s;
-            if (algo == DSK_AMAX_MOST_RECENT) am = hist[t];
+            if (algo == DSK_AMP_AMAX_MOST_RECENT) am = hist[t];
             else for (int k = t - L + 1; k <= t; k++) if (k >= 0) am = fmax(am, hist[k]);
             if (am > 0) {
                 s = (double)((448.0f / (float)am) / (float)pow(2.0, margin));
@@ -823,8 +824,8 @@ static void test_fp8_delayed(dsk_amp_amax_algo algo, int margin, int pow2) {
         }
         dsk_tensor_free(NULL, &prev);
     }
-    dsk_amp_fp8_delayed_free(NULL, &d);
-    dsk_amp_fp8_delayed_free(NULL, &d);
+    dsk_amp_fp8_delayed_free(&d, NULL);
+    dsk_amp_fp8_delayed_free(&d, NULL);
     dsk_tensor_free(NULL, &x); dsk_tensor_free(NULL, &q); dsk_tensor_free(NULL, &q2);
 }
 
@@ -866,6 +867,58 @@ static void test_fp8_blocks(dsk_dtype fmt, dsk_dtype xdt, int64_t R, int64_t C, 
     dsk_tensor_free(NULL, &x); dsk_tensor_free(NULL, &q); dsk_tensor_free(NULL, &sc); dsk_tensor_free(NULL, &y);
 }
 
+/* An Inf or a NaN inside a block stays non-finite through the block path, as in DeepSeek's
+   act_quant (s = amax / 448, y = x / s): that block's scale is Inf (NaN for a NaN), its q holds
+   0 and NaN codes, it dequantises to NaN, and the unscale check finds it. The other blocks
+   are untouched by it and round-trip as usual. */
+static void test_fp8_block_nonfinite(dsk_dtype fmt, int pow2) {
+    const int64_t R = 4, C = 256;
+    const float bad[3] = {INFINITY, -INFINITY, NAN};
+    dsk_tensor x = new_2d(DSK_F32, R, C), q = new_2d(fmt, R, C), sc = new_2d(DSK_F32, R, 2), y = new_2d(DSK_F32, R, C);
+    dsk_tensor *gl[1] = {&y};
+    dsk_amp_scaler s;
+    dsk_amp_stats st;
+    double fmx = fmt == DSK_E4M3 ? 448.0 : 57344.0;
+    fill_rand(&x, -1.0, 1.0);
+    for (int b = 0; b < 3; b++) ((float *)x.data)[b * C + 5 + 40 * b] = bad[b]; /* blocks (0,0), (1,0), (2,0) */
+    dsk_test_poison_f32((float *)sc.data, R * 2);
+    dsk_test_poison_f32((float *)y.data, R * C);
+    DSK_TEST_OK(dsk_amp_fp8_block_quantize(NULL, &q, &sc, &x, 1, 128, pow2));
+    DSK_TEST_OK(dsk_amp_fp8_block_dequantize(NULL, &y, &q, &sc, 1, 128));
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t cb = 0; cb < 2; cb++) {
+            float d = ((float *)sc.data)[r * 2 + cb];
+            int hit = r < 3 && cb == 0, finite_y = 0, nan_codes = 0, bad_round = 0;
+            for (int64_t c = cb * 128; c < (cb + 1) * 128; c++) {
+                double xi = ((float *)x.data)[r * C + c], yi = ((float *)y.data)[r * C + c];
+                finite_y += isfinite(yi) != 0;
+                nan_codes += isnan(fmt == DSK_E4M3 ? dsk_e4m3_to_f32(((uint8_t *)q.data)[r * C + c])
+                                                   : dsk_e5m2_to_f32(((uint8_t *)q.data)[r * C + c]));
+                if (!hit) bad_round += !(fabs(yi - xi) <= fp8_bound(fmt, xi, 1.0 / d));
+            }
+            if (hit) {
+                DSK_TEST_EXPECT(r == 2 ? isnan(d) : d == INFINITY, "row %lld with %g: scale %g", (long long)r,
+                                (double)bad[r], (double)d);
+                DSK_TEST_EXPECT(finite_y == 0, "row %lld with %g: %d finite values after the round trip", (long long)r,
+                                (double)bad[r], finite_y);
+                DSK_TEST_EXPECT(nan_codes == (r == 2 ? 128 : 1), "row %lld with %g: %d NaN codes", (long long)r,
+                                (double)bad[r], nan_codes);
+            } else {
+                DSK_TEST_EXPECT(isfinite(d) && d > 0 && d <= 1.0 / fmx * 4, "row %lld block %lld: scale %g",
+                                (long long)r, (long long)cb, (double)d);
+                DSK_TEST_EXPECT(finite_y == 128 && bad_round == 0, "row %lld block %lld: %d finite, %d off",
+                                (long long)r, (long long)cb, finite_y, bad_round);
+            }
+        }
+    /* what the block path produced is caught by the overflow check */
+    DSK_TEST_OK(dsk_amp_scaler_init(&s, NULL, NULL));
+    DSK_TEST_OK(dsk_amp_unscale(&s, NULL, gl, 1));
+    DSK_TEST_OK(dsk_amp_stats_get(&s, NULL, &st));
+    DSK_TEST_EXPECT(st.found_inf > 0, "the unscale check missed the non-finite blocks");
+    dsk_amp_scaler_free(&s, NULL);
+    dsk_tensor_free(NULL, &x); dsk_tensor_free(NULL, &q); dsk_tensor_free(NULL, &sc); dsk_tensor_free(NULL, &y);
+}
+
 /* ---------------------------------------------------------------- end to end */
 
 /* Linear regression trained with fp16 compute: the forward uses the f16 copy of the weights,
@@ -887,9 +940,10 @@ static void test_end_to_end_fp16(void) {
     float scale_before_inject = 0, scale_after_recovery = 0;
     double loss0 = 0, loss_end = 0;
     unsigned char before[4 * D * 4];
-    memset(&o, 0, sizeof o); memset(&ao, 0, sizeof ao);
+    memset(&o, 0, sizeof o);
+    ao = dsk_adamw_defaults();
     o.init_scale = 0x1p22f; o.growth_interval = INTERVAL;
-    ao.lr = 0.05f;
+    ao.lr = 0.05f; ao.weight_decay = 0.0f;
     for (int j = 0; j < D; j++) wt[j] = dsk_test_rand(-2, 2);
     for (int i = 0; i < B; i++) {
         tgt[i] = 0;
@@ -897,15 +951,15 @@ static void test_end_to_end_fp16(void) {
     }
     fill_rand(&w, 0.01, 0.1);
     memset(m.data, 0, dsk_tensor_nbytes(&m)); memset(v.data, 0, dsk_tensor_nbytes(&v));
-    DSK_TEST_OK(dsk_amp_cast(NULL, &w16, &w, DSK_ROUND_NEAREST, 0, 0, 0));
-    DSK_TEST_OK(dsk_amp_scaler_init(NULL, &sc, &o));
+    DSK_TEST_OK(dsk_amp_cast(NULL, &w16, &w, DSK_AMP_ROUND_NEAREST, 0, 0, 0));
+    DSK_TEST_OK(dsk_amp_scaler_init(&sc, NULL, &o));
     for (int t = 0; t < STEPS; t++) {
         double grad[D] = {0}, loss = 0;
         float s = NAN;
         int any_inf = 0;
         dsk_amp_stats st = {NAN, NAN};
         dsk_amp_decision dec;
-        DSK_TEST_OK(dsk_amp_scale_get(NULL, &sc, &s));
+        DSK_TEST_OK(dsk_amp_scale_get(&sc, NULL, &s));
         for (int i = 0; i < B; i++) {
             double pred = 0, r;
             for (int j = 0; j < D; j++) pred += X[i][j] * get(&w16, j);
@@ -920,11 +974,11 @@ static void test_end_to_end_fp16(void) {
         if (t == 0) loss0 = loss;
         if (t != INJECT) loss_end = loss;
         if (t == INJECT) { scale_before_inject = s; memcpy(before, w.data, 4 * D); memcpy(before + 4 * D, w16.data, 2 * D); memcpy(before + 6 * D, m.data, 4 * D); memcpy(before + 10 * D, v.data, 4 * D); }
-        DSK_TEST_OK(dsk_amp_unscale(NULL, &sc, gl, 1));
-        DSK_TEST_OK(dsk_amp_stats_get(NULL, &sc, &st));
+        DSK_TEST_OK(dsk_amp_unscale(&sc, NULL, gl, 1));
+        DSK_TEST_OK(dsk_amp_stats_get(&sc, NULL, &st));
         dec = dsk_amp_decide(st, 10.0);
         mismatched += dec.skip != any_inf;
-        DSK_TEST_OK(dsk_amp_step(NULL, &ap, 1, &ao, step, &dec, DSK_ROUND_NEAREST, 0));
+        DSK_TEST_OK(dsk_amp_step(NULL, &ap, 1, &ao, step, &dec, DSK_AMP_ROUND_NEAREST, 0));
         if (!dec.skip) step++;
         skipped += dec.skip;
         if (t == INJECT) {
@@ -933,12 +987,12 @@ static void test_end_to_end_fp16(void) {
             memcpy(after, w.data, 4 * D); memcpy(after + 4 * D, w16.data, 2 * D); memcpy(after + 6 * D, m.data, 4 * D); memcpy(after + 10 * D, v.data, 4 * D);
             DSK_TEST_SAME_BYTES(before, after, 14 * D, "weights, copy and moments at the injected overflow");
         }
-        DSK_TEST_OK(dsk_amp_update(NULL, &sc));
+        DSK_TEST_OK(dsk_amp_update(&sc, NULL));
         if (t == INJECT) {
-            DSK_TEST_OK(dsk_amp_scale_get(NULL, &sc, &s));
+            DSK_TEST_OK(dsk_amp_scale_get(&sc, NULL, &s));
             DSK_TEST_EXPECT(s == scale_before_inject * 0.5f, "scale %g after the injected overflow, want %g", (double)s, (double)scale_before_inject * 0.5);
         }
-        if (t == INJECT + INTERVAL) DSK_TEST_OK(dsk_amp_scale_get(NULL, &sc, &scale_after_recovery));
+        if (t == INJECT + INTERVAL) DSK_TEST_OK(dsk_amp_scale_get(&sc, NULL, &scale_after_recovery));
     }
     DSK_TEST_EXPECT(mismatched == 0, "%d steps where skip differs from the gradient's overflow", mismatched);
     DSK_TEST_EXPECT(skipped_inject, "the injected overflow step was not skipped");
@@ -946,7 +1000,7 @@ static void test_end_to_end_fp16(void) {
     DSK_TEST_EXPECT(scale_after_recovery == scale_before_inject, "scale %g after %d clean steps, before the overflow %g", (double)scale_after_recovery,
                     INTERVAL, (double)scale_before_inject);
     DSK_TEST_EXPECT(loss_end < 0.05 * loss0, "loss %g -> %g did not fall", loss0, loss_end);
-    dsk_amp_scaler_free(NULL, &sc);
+    dsk_amp_scaler_free(&sc, NULL);
     dsk_tensor_free(NULL, &w); dsk_tensor_free(NULL, &w16); dsk_tensor_free(NULL, &g16); dsk_tensor_free(NULL, &m); dsk_tensor_free(NULL, &v);
 }
 
@@ -961,67 +1015,67 @@ static void test_errors(void) {
     DSK_TEST_STATUS(dsk_amp_scaler_init(NULL, NULL, NULL), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("dsk_amp_scaler_init: scaler is NULL");
     memset(&o, 0, sizeof o); o.growth_factor = 0.5;
-    DSK_TEST_STATUS(dsk_amp_scaler_init(NULL, &sc, &o), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_amp_scaler_init(&sc, NULL, &o), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("growth_factor 0.5");
     memset(&o, 0, sizeof o); o.backoff_factor = 1.5;
-    DSK_TEST_STATUS(dsk_amp_scaler_init(NULL, &sc, &o), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_amp_scaler_init(&sc, NULL, &o), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("backoff_factor 1.5");
     memset(&o, 0, sizeof o); o.growth_interval = -3;
-    DSK_TEST_STATUS(dsk_amp_scaler_init(NULL, &sc, &o), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_amp_scaler_init(&sc, NULL, &o), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("growth_interval -3");
     memset(&o, 0, sizeof o); o.hysteresis = -1;
-    DSK_TEST_STATUS(dsk_amp_scaler_init(NULL, &sc, &o), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_amp_scaler_init(&sc, NULL, &o), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("hysteresis -1");
     memset(&o, 0, sizeof o); o.init_scale = NAN;
-    DSK_TEST_STATUS(dsk_amp_scaler_init(NULL, &sc, &o), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_amp_scaler_init(&sc, NULL, &o), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("init_scale nan");
     memset(&o, 0, sizeof o); o.min_scale = 10; o.max_scale = 5;
-    DSK_TEST_STATUS(dsk_amp_scaler_init(NULL, &sc, &o), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_amp_scaler_init(&sc, NULL, &o), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("min_scale 10 > max_scale 5");
     memset(&o, 0, sizeof o); o.max_scale = 100;
-    DSK_TEST_STATUS(dsk_amp_scaler_init(NULL, &sc, &o), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_amp_scaler_init(&sc, NULL, &o), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("init_scale 65536 outside");
     memset(&o, 0, sizeof o); o.mode = (dsk_amp_mode)7;
-    DSK_TEST_STATUS(dsk_amp_scaler_init(NULL, &sc, &o), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_amp_scaler_init(&sc, NULL, &o), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("unknown mode 7");
 
-    DSK_TEST_STATUS(dsk_amp_update(NULL, &zero), DSK_ERR_STATE);
+    DSK_TEST_STATUS(dsk_amp_update(&zero, NULL), DSK_ERR_STATE);
     DSK_TEST_ERROR_MENTIONS("dsk_amp_update: scaler is not initialised");
     DSK_TEST_STATUS(dsk_amp_state_get(NULL, NULL, &st), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("dsk_amp_state_get: scaler is NULL");
 
     memset(&o, 0, sizeof o); o.growth_interval = 10; o.hysteresis = 2;
-    DSK_TEST_OK(dsk_amp_scaler_init(NULL, &sc, &o));
+    DSK_TEST_OK(dsk_amp_scaler_init(&sc, NULL, &o));
     st.scale = 0; st.growth_tracker = 0; st.hysteresis_left = 1;
-    DSK_TEST_STATUS(dsk_amp_state_set(NULL, &sc, &st), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_amp_state_set(&sc, NULL, &st), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("dsk_amp_state_set: scale 0");
     st.scale = INFINITY;
-    DSK_TEST_STATUS(dsk_amp_state_set(NULL, &sc, &st), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_amp_state_set(&sc, NULL, &st), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("scale inf");
     st.scale = 4; st.growth_tracker = 10;
-    DSK_TEST_STATUS(dsk_amp_state_set(NULL, &sc, &st), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_amp_state_set(&sc, NULL, &st), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("growth_tracker 10 outside [0, growth_interval 10)");
     st.growth_tracker = 3; st.hysteresis_left = 3;
-    DSK_TEST_STATUS(dsk_amp_state_set(NULL, &sc, &st), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_amp_state_set(&sc, NULL, &st), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("hysteresis_left 3 outside [1, hysteresis 2]");
 
     gl[0] = &g; gl[1] = &gi;
-    DSK_TEST_STATUS(dsk_amp_unscale(NULL, &sc, gl, 2), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_amp_unscale(&sc, NULL, gl, 2), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("dsk_amp_unscale: grads[1] is [8] i32, want f32, bf16 or f16");
-    DSK_TEST_STATUS(dsk_amp_unscale(NULL, &sc, gl, -1), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_amp_unscale(&sc, NULL, gl, -1), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("dsk_amp_unscale: -1 gradients");
     gl[1] = NULL;
-    DSK_TEST_STATUS(dsk_amp_unscale(NULL, &sc, gl, 2), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_amp_unscale(&sc, NULL, gl, 2), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("grads[1] is NULL");
     DSK_TEST_OK(dsk_tensor_transpose(&g2, 0, 1, &gt));
     gl[1] = &gt;
-    DSK_TEST_STATUS(dsk_amp_unscale(NULL, &sc, gl, 2), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_amp_unscale(&sc, NULL, gl, 2), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("grads[1] [5,3] f32 is not contiguous");
     {
         dsk_tensor fake = g;
         fake.device.type = DSK_DEV_CUDA;
         gl[1] = &fake;
-        DSK_TEST_STATUS(dsk_amp_unscale(NULL, &sc, gl, 2), DSK_ERR_ARG);
+        DSK_TEST_STATUS(dsk_amp_unscale(&sc, NULL, gl, 2), DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("grads[1] [8] f32 cuda is on cuda:0, expected cpu:0");
     }
     {
@@ -1029,26 +1083,26 @@ static void test_errors(void) {
         dsk_tensor tail;
         DSK_TEST_OK(dsk_tensor_slice(&g, 0, 6, 2, &tail));
         gl[0] = &tail; gl[1] = &g;
-        DSK_TEST_STATUS(dsk_amp_unscale(NULL, &sc, gl, 2), DSK_ERR_ARG);
+        DSK_TEST_STATUS(dsk_amp_unscale(&sc, NULL, gl, 2), DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("dsk_amp_unscale: grads[0] and grads[1] share memory");
         DSK_TEST_OK(dsk_tensor_slice(&g, 0, 0, 6, &tail));
         gl[0] = &g; gl[1] = &tail;
-        DSK_TEST_STATUS(dsk_amp_unscale(NULL, &sc, gl, 2), DSK_ERR_ARG);
+        DSK_TEST_STATUS(dsk_amp_unscale(&sc, NULL, gl, 2), DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("grads[0] and grads[1] share memory");
     }
-    DSK_TEST_STATUS(dsk_amp_stats_set(NULL, &sc, NULL), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_amp_stats_set(&sc, NULL, NULL), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("dsk_amp_stats_set: stats is NULL");
-    DSK_TEST_STATUS(dsk_amp_scale_get(NULL, &sc, NULL), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_amp_scale_get(&sc, NULL, NULL), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("dsk_amp_scale_get: out is NULL");
 
     /* casts */
     {
         dsk_tensor h = new_1d(DSK_BF16, 8), h7 = new_1d(DSK_BF16, 7), e = new_1d(DSK_E4M3, 8);
-        DSK_TEST_STATUS(dsk_amp_cast(NULL, &h, &h7, DSK_ROUND_NEAREST, 0, 0, 0), DSK_ERR_ARG);
+        DSK_TEST_STATUS(dsk_amp_cast(NULL, &h, &h7, DSK_AMP_ROUND_NEAREST, 0, 0, 0), DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("dsk_amp_cast: src [7] bf16 must be f32");
-        DSK_TEST_STATUS(dsk_amp_cast(NULL, &h7, &g, DSK_ROUND_NEAREST, 0, 0, 0), DSK_ERR_ARG);
+        DSK_TEST_STATUS(dsk_amp_cast(NULL, &h7, &g, DSK_AMP_ROUND_NEAREST, 0, 0, 0), DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("dst [7] bf16 must be bf16, f16 or f32 of src's shape [8] f32");
-        DSK_TEST_STATUS(dsk_amp_cast(NULL, &e, &g, DSK_ROUND_NEAREST, 0, 0, 0), DSK_ERR_ARG);
+        DSK_TEST_STATUS(dsk_amp_cast(NULL, &e, &g, DSK_AMP_ROUND_NEAREST, 0, 0, 0), DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("dst [8] e4m3 must be bf16");
         DSK_TEST_STATUS(dsk_amp_cast(NULL, &h, &g, (dsk_amp_round)5, 0, 0, 0), DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("unknown rounding mode 5");
@@ -1067,21 +1121,21 @@ static void test_errors(void) {
         ap[1].name = "layer1.w";
         ap[1].v = &wrong;
         size_t na = snapshot(p, 2, a);
-        DSK_TEST_STATUS(dsk_amp_step(NULL, ap, 2, NULL, 1, &d, DSK_ROUND_NEAREST, 0), DSK_ERR_ARG);
+        DSK_TEST_STATUS(dsk_amp_step(NULL, ap, 2, NULL, 1, &d, DSK_AMP_ROUND_NEAREST, 0), DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("dsk_amp_step: params[1] \"layer1.w\" v is [6] f32, master is [5] f32");
         DSK_TEST_EXPECT(snapshot(p, 2, b) == na, "snapshot size");
         DSK_TEST_SAME_BYTES(a, b, na, "params after a rejected step");
         ap[1].v = &p[1].v;
         ap[1].m = &gi;
-        DSK_TEST_STATUS(dsk_amp_step(NULL, ap, 2, NULL, 1, &d, DSK_ROUND_NEAREST, 0), DSK_ERR_ARG);
+        DSK_TEST_STATUS(dsk_amp_step(NULL, ap, 2, NULL, 1, &d, DSK_AMP_ROUND_NEAREST, 0), DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("params[1] \"layer1.w\" m is [8] i32, master is [5] f32");
         ap[1].m = &p[1].m;
-        DSK_TEST_STATUS(dsk_amp_step(NULL, ap, 2, NULL, 0, &d, DSK_ROUND_NEAREST, 0), DSK_ERR_ARG);
+        DSK_TEST_STATUS(dsk_amp_step(NULL, ap, 2, NULL, 0, &d, DSK_AMP_ROUND_NEAREST, 0), DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("dsk_amp_step: step 0 must be >= 1");
         d.grad_mult = NAN;
-        DSK_TEST_STATUS(dsk_amp_step(NULL, ap, 2, NULL, 1, &d, DSK_ROUND_NEAREST, 0), DSK_ERR_ARG);
+        DSK_TEST_STATUS(dsk_amp_step(NULL, ap, 2, NULL, 1, &d, DSK_AMP_ROUND_NEAREST, 0), DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("grad_mult nan");
-        DSK_TEST_STATUS(dsk_amp_step(NULL, ap, 2, NULL, 1, NULL, DSK_ROUND_NEAREST, 0), DSK_ERR_ARG);
+        DSK_TEST_STATUS(dsk_amp_step(NULL, ap, 2, NULL, 1, NULL, DSK_AMP_ROUND_NEAREST, 0), DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("dsk_amp_step: decision is NULL");
         free_params(p, 2);
         dsk_tensor_free(NULL, &wrong);
@@ -1109,21 +1163,21 @@ static void test_errors(void) {
         DSK_TEST_STATUS(dsk_amp_fp8_block_dequantize(NULL, &g, &q, &bs, 1, 4), DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("dsk_amp_fp8_block_dequantize: tensor [8] f32 must be 2-D");
         memset(&dop, 0, sizeof dop); dop.fmt = DSK_F16;
-        DSK_TEST_STATUS(dsk_amp_fp8_delayed_init(NULL, &d, &dop), DSK_ERR_ARG);
+        DSK_TEST_STATUS(dsk_amp_fp8_delayed_init(&d, NULL, &dop), DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("dsk_amp_fp8_delayed_init: format f16 is not e4m3 or e5m2");
         dop.fmt = DSK_E5M2; dop.history_len = -4;
-        DSK_TEST_STATUS(dsk_amp_fp8_delayed_init(NULL, &d, &dop), DSK_ERR_ARG);
+        DSK_TEST_STATUS(dsk_amp_fp8_delayed_init(&d, NULL, &dop), DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("history_len -4 must be >= 1");
-        DSK_TEST_STATUS(dsk_amp_fp8_delayed_update(NULL, &dz), DSK_ERR_STATE);
+        DSK_TEST_STATUS(dsk_amp_fp8_delayed_update(&dz, NULL), DSK_ERR_STATE);
         DSK_TEST_ERROR_MENTIONS("dsk_amp_fp8_delayed_update: delayed scaling state is not initialised");
         dop.history_len = 2;
-        DSK_TEST_OK(dsk_amp_fp8_delayed_init(NULL, &d, &dop));
-        DSK_TEST_STATUS(dsk_amp_fp8_delayed_quantize(NULL, &d, &q, &g), DSK_ERR_ARG);
+        DSK_TEST_OK(dsk_amp_fp8_delayed_init(&d, NULL, &dop));
+        DSK_TEST_STATUS(dsk_amp_fp8_delayed_quantize(&d, NULL, &q, &g), DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("q is e4m3, the delayed scaling format is e5m2");
-        dsk_amp_fp8_delayed_free(NULL, &d);
+        dsk_amp_fp8_delayed_free(&d, NULL);
         dsk_tensor_free(NULL, &q); dsk_tensor_free(NULL, &q2); dsk_tensor_free(NULL, &s1); dsk_tensor_free(NULL, &s2); dsk_tensor_free(NULL, &bs);
     }
-    dsk_amp_scaler_free(NULL, &sc);
+    dsk_amp_scaler_free(&sc, NULL);
     dsk_tensor_free(NULL, &g); dsk_tensor_free(NULL, &gi); dsk_tensor_free(NULL, &g2);
 }
 
@@ -1161,14 +1215,22 @@ int main(void) {
                 dsk_test_end();
             }
     }
-    dsk_test_begin("fp8 delayed scaling, max of 4"); test_fp8_delayed(DSK_AMAX_MAX, 0, 0); dsk_test_end();
-    dsk_test_begin("fp8 delayed scaling, most recent, margin 1"); test_fp8_delayed(DSK_AMAX_MOST_RECENT, 1, 0); dsk_test_end();
-    dsk_test_begin("fp8 delayed scaling, max, pow2"); test_fp8_delayed(DSK_AMAX_MAX, 0, 1); dsk_test_end();
+    dsk_test_begin("fp8 delayed scaling, max of 4"); test_fp8_delayed(DSK_AMP_AMAX_MAX, 0, 0); dsk_test_end();
+    dsk_test_begin("fp8 delayed scaling, most recent, margin 1");
+    test_fp8_delayed(DSK_AMP_AMAX_MOST_RECENT, 1, 0);
+    dsk_test_end();
+    dsk_test_begin("fp8 delayed scaling, max, pow2"); test_fp8_delayed(DSK_AMP_AMAX_MAX, 0, 1); dsk_test_end();
     dsk_test_begin("fp8 blocks 1x128 activations (7, 300) e4m3"); test_fp8_blocks(DSK_E4M3, DSK_BF16, 7, 300, 1, 128, 0); dsk_test_end();
     dsk_test_begin("fp8 blocks 128x128 weights (257, 129) e4m3"); test_fp8_blocks(DSK_E4M3, DSK_F32, 257, 129, 128, 128, 0); dsk_test_end();
     dsk_test_begin("fp8 blocks 128x128 weights (130, 256) e4m3 pow2"); test_fp8_blocks(DSK_E4M3, DSK_F32, 130, 256, 128, 128, 1); dsk_test_end();
     dsk_test_begin("fp8 blocks 1x128 (1, 1) e5m2"); test_fp8_blocks(DSK_E5M2, DSK_F16, 1, 1, 1, 128, 0); dsk_test_end();
     dsk_test_begin("fp8 blocks 3x5 (7, 11) e5m2 pow2"); test_fp8_blocks(DSK_E5M2, DSK_F32, 7, 11, 3, 5, 1); dsk_test_end();
+    dsk_test_begin("fp8 e4m3 block with Inf/NaN stays non-finite");
+    test_fp8_block_nonfinite(DSK_E4M3, 0);
+    dsk_test_end();
+    dsk_test_begin("fp8 e5m2 block with Inf/NaN stays non-finite, pow2");
+    test_fp8_block_nonfinite(DSK_E5M2, 1);
+    dsk_test_end();
     DSK_TEST_RUN(test_end_to_end_fp16);
     DSK_TEST_RUN(test_errors);
     return dsk_test_finish();

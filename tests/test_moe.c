@@ -2,6 +2,7 @@
    (softmax, sigmoid, groups, bias, normalisation), capacity, shared experts, loss terms, the
    bias update, gradients by central finite differences, bf16, expert parallelism over forked
    host-backend ranks, and bad configurations. */
+#define _DEFAULT_SOURCE /* MAP_ANONYMOUS for the ranks' shared results (POSIX alone lacks it) */
 #define DSK_TENSOR_IMPLEMENTATION
 #define DSK_COMM_IMPLEMENTATION
 #define DSK_MOE_IMPLEMENTATION
@@ -17,6 +18,9 @@
 typedef struct cfg {
     int T, D, E, K, F, n_shared, Fs; /* Fs: total shared hidden */
     int sigmoid, norm, n_group, topk_group, seq_len, drop_pos;
+    int group_rule; /* dsk_moe_group_rule */
+    int count_sel;  /* losses count the actual selections (DSK_MOE_COUNT_SELECTED), not the plain top-K */
+    double min_margin; /* inputs are redrawn until routing is this far from any tie [1e-4] */
     double scale, aux, seq_aux, z, cf;
 } cfg;
 
@@ -32,9 +36,30 @@ typedef struct refout {
     double aux, seq_aux, z;
     double margin;   /* smallest selection gap (distance from a tie) */
     int *load;       /* (E) selections */
+    int *lcnt;       /* (T,E) 1 where the balancing losses count expert e for token t */
 } refout;
 
 static double silu64(double h) { return h / (1.0 + exp(-h)); }
+
+/* Sum of the w largest of v (n), from the published rules: DeepSeek-V3's Gate sums
+   scores.topk(2) of a group when a bias exists (the layer always has one), Megatron-Core's
+   group_limited_topk scores.topk(topk // group_topk), DeepSeek-V2's group-limited greedy the max. */
+static double ref_top_sum(const double *v, int n, int w) {
+    double s[512], sum = 0;
+    memcpy(s, v, sizeof(double) * n);
+    for (int i = 0; i < w; i++) { /* selection sort, largest first */
+        int b = i;
+        for (int j = i + 1; j < n; j++) if (s[j] > s[b]) b = j;
+        { double t = s[i]; s[i] = s[b]; s[b] = t; }
+        sum += s[i];
+    }
+    return sum;
+}
+
+static int ref_group_width(const cfg *c) {
+    int w = c->group_rule == DSK_MOE_GROUP_MAX ? 1 : c->group_rule == DSK_MOE_GROUP_MEGATRON ? c->K / c->topk_group : 2;
+    return w < c->E / c->n_group ? w : c->E / c->n_group;
+}
 
 /* Routes token x (D): writes sel (K), g (K), p (E) and returns its selection margin. */
 static double ref_route(const cfg *c, const refp *w, const double *x, int *sel, double *g, double *p) {
@@ -54,11 +79,7 @@ static double ref_route(const cfg *c, const refp *w, const double *x, int *sel, 
     for (int j = 0; j < E; j++) { cs[j] = p[j] + w->b[j]; allowed[j] = 1; }
     if (G > 1) {
         for (int q = 0; q < G; q++) {
-            double a = -1e300, b2 = -1e300;
-            for (int j = q * gs; j < (q + 1) * gs; j++) {
-                if (cs[j] > a) { b2 = a; a = cs[j]; } else if (cs[j] > b2) b2 = cs[j];
-            }
-            gsc[q] = c->sigmoid && gs > 1 ? a + b2 : a;
+            gsc[q] = ref_top_sum(cs + q * gs, gs, ref_group_width(c));
             gkeep[q] = 0;
         }
         for (int r = 0; r < c->topk_group; r++) {
@@ -116,6 +137,27 @@ static void ref_swiglu(const double *x, const double *w1, const double *w2, cons
     }
 }
 
+/* What the balancing losses count for one token (lcnt (E) = 0/1): its selections, or the
+   published rule (DeepSeek-V3 paper, Megatron-Core): the top K of its unbiased scores p over all
+   experts. Returns the gap between the K-th and the (K+1)-th score (a tie margin). */
+static double ref_loss_count(const cfg *c, const double *p, const int *sel, int *lcnt) {
+    int E = c->E, K = c->K, taken[512] = {0};
+    double kth = 0, next = -1e300;
+    memset(lcnt, 0, sizeof(int) * E);
+    if (c->count_sel) {
+        for (int k = 0; k < K; k++) lcnt[sel[k]] = 1;
+        return 1e300;
+    }
+    for (int k = 0; k < K; k++) {
+        int b = -1;
+        for (int j = 0; j < E; j++) if (!taken[j] && (b < 0 || p[j] > p[b])) b = j;
+        taken[b] = lcnt[b] = 1;
+        kth = p[b];
+    }
+    for (int j = 0; j < E; j++) if (!taken[j] && p[j] > next) next = p[j];
+    return kth - next;
+}
+
 /* y (T,D); returns sum(y * R) + loss terms (R may be NULL: just the loss terms). */
 static double ref_forward(const cfg *c, const refp *w, const double *x, double *y, const double *R, refout *o) {
     int T = c->T, D = c->D, E = c->E, K = c->K, F = c->F;
@@ -127,6 +169,10 @@ static double ref_forward(const cfg *c, const refp *w, const double *x, double *
     for (int t = 0; t < T; t++) {
         double m = ref_route(c, w, x + t * D, o->sel + t * K, o->g + t * K, p + t * E), tot = 0;
         if (m < o->margin) o->margin = m;
+        if (c->aux > 0 || c->seq_aux > 0) {
+            m = ref_loss_count(c, p + t * E, o->sel + t * K, o->lcnt + t * E);
+            if (m < o->margin) o->margin = m;
+        }
         for (int k = 0; k < K; k++) { o->kept[t * K + k] = 1; o->load[o->sel[t * K + k]]++; }
         for (int j = 0; j < E; j++) tot += p[t * E + j];
         for (int j = 0; j < E; j++) pn[t * E + j] = c->sigmoid ? p[t * E + j] / tot : p[t * E + j];
@@ -156,9 +202,9 @@ static double ref_forward(const cfg *c, const refp *w, const double *x, double *
     o->aux = o->seq_aux = o->z = 0;
     if (c->aux > 0) {
         for (int e = 0; e < E; e++) {
-            double P = 0;
-            for (int t = 0; t < T; t++) P += pn[t * E + e] / T;
-            o->aux += c->aux * E * ((double)o->load[e] / (T * K)) * P;
+            double P = 0, cnt = 0;
+            for (int t = 0; t < T; t++) { P += pn[t * E + e] / T; cnt += o->lcnt[t * E + e]; }
+            o->aux += c->aux * E * (cnt / (T * K)) * P;
         }
     }
     if (c->seq_aux > 0) {
@@ -168,7 +214,7 @@ static double ref_forward(const cfg *c, const refp *w, const double *x, double *
                 double P = 0, cnt = 0;
                 for (int t = q * L; t < (q + 1) * L; t++) {
                     P += pn[t * E + e] / L;
-                    for (int k = 0; k < K; k++) cnt += o->sel[t * K + k] == e;
+                    cnt += o->lcnt[t * E + e];
                 }
                 o->seq_aux += c->seq_aux * ((double)E / (K * L) * cnt) * P / ns;
             }
@@ -209,6 +255,8 @@ static dsk_moe_opts opts_of(const cfg *c, dsk_dtype dt) {
     o.score = c->sigmoid ? DSK_MOE_SIGMOID : DSK_MOE_SOFTMAX;
     o.norm = c->norm ? DSK_MOE_NORM_ON : DSK_MOE_NORM_OFF;
     o.routed_scale = (float)c->scale; o.n_group = c->n_group; o.topk_group = c->topk_group;
+    o.group_rule = (dsk_moe_group_rule)c->group_rule;
+    o.loss_count = c->count_sel ? DSK_MOE_COUNT_SELECTED : DSK_MOE_COUNT_TOPK;
     o.aux_alpha = (float)c->aux; o.seq_aux_alpha = (float)c->seq_aux; o.seq_len = c->seq_len; o.z_beta = (float)c->z;
     o.capacity_factor = (float)c->cf; o.drop = c->drop_pos ? DSK_MOE_DROP_POSITION : DSK_MOE_DROP_PROB;
     o.dtype = dt;
@@ -234,11 +282,26 @@ static void fill_param(dsk_moe_param *p, double **mirror, double lo, double hi) 
 static void free_fixture(fixture *f) {
     double *ws[] = {f->w.wr, f->w.b, f->w.w1, f->w.w2, f->w.w3, f->w.s1, f->w.s2, f->w.s3};
     for (int i = 0; i < 8; i++) free(ws[i]);
-    free(f->x); free(f->y); free(f->R); free(f->o.sel); free(f->o.g); free(f->o.kept); free(f->o.load);
+    free(f->x); free(f->y); free(f->R); free(f->o.sel); free(f->o.g); free(f->o.kept); free(f->o.load); free(f->o.lcnt);
     dsk_tensor_free(NULL, &f->tx); dsk_tensor_free(NULL, &f->ty);
     free(f->xf); free(f->yf);
     dsk_moe_free(&f->m, NULL);
     memset(f, 0, sizeof *f);
+}
+
+/* Fresh random x (rounded to the layer's dtype, mirrored in double) and R. */
+static void draw_x(fixture *f) {
+    for (int i = 0; i < f->c.T * f->c.D; i++) {
+        float v = (float)dsk_test_rand(-1.0, 1.0);
+        if (f->tx.dtype == DSK_BF16) {
+            ((uint16_t *)f->tx.data)[i] = dsk_f32_to_bf16(v);
+            v = dsk_bf16_to_f32(((uint16_t *)f->tx.data)[i]);
+        } else {
+            ((float *)f->tx.data)[i] = v;
+        }
+        f->x[i] = v;
+        f->R[i] = dsk_test_rand(-1.0, 1.0);
+    }
 }
 
 /* Builds the layer with random parameters and inputs whose routing is at least 1e-4 away
@@ -269,24 +332,15 @@ static int setup(fixture *f, const cfg *c, dsk_dtype dt, double bias_mag) {
     f->o.g = (double *)calloc((size_t)c->T * c->K + 1, sizeof(double));
     f->o.kept = (int *)calloc((size_t)c->T * c->K + 1, sizeof(int));
     f->o.load = (int *)calloc((size_t)c->E, sizeof(int));
+    f->o.lcnt = (int *)calloc((size_t)c->T * c->E + 1, sizeof(int));
     f->xf = (float *)calloc((size_t)c->T * c->D + 1, sizeof(float));
     f->yf = (float *)calloc((size_t)c->T * c->D + 1, sizeof(float));
     dsk_tensor_alloc(NULL, &f->tx, dt, 2, shp);
     dsk_tensor_alloc(NULL, &f->ty, dt, 2, shp);
     for (int tries = 0; tries < 50; tries++) {
-        for (int i = 0; i < c->T * c->D; i++) {
-            float v = (float)dsk_test_rand(-1.0, 1.0);
-            if (dt == DSK_BF16) {
-                ((uint16_t *)f->tx.data)[i] = dsk_f32_to_bf16(v);
-                v = dsk_bf16_to_f32(((uint16_t *)f->tx.data)[i]);
-            } else {
-                ((float *)f->tx.data)[i] = v;
-            }
-            f->x[i] = v;
-            f->R[i] = dsk_test_rand(-1.0, 1.0);
-        }
+        draw_x(f);
         ref_forward(c, &f->w, f->x, f->y, f->R, &f->o);
-        if (f->o.margin > 1e-4) return 1;
+        if (f->o.margin > (c->min_margin > 0 ? c->min_margin : 1e-4)) return 1;
     }
     dsk_test_fail_at(__FILE__, __LINE__, "could not draw inputs away from routing ties");
     return 0;
@@ -346,7 +400,12 @@ static void test_forward_variants(void) {
         check_forward("sigmoid no-norm", c, 0.05);
         c = base_cfg(Ts[i], 20, 10, 4, 8);
         c.n_group = 5; c.topk_group = 3;
-        check_forward("softmax+groups(max)", c, 0.0);
+        check_forward("softmax+groups, DeepSeek-V3 rule (top-2 sum)", c, 0.05);
+        c.group_rule = DSK_MOE_GROUP_MAX;
+        check_forward("softmax+groups, max rule", c, 0.05);
+        c = base_cfg(Ts[i], 16, 16, 6, 8);
+        c.sigmoid = 1; c.norm = 1; c.n_group = 4; c.topk_group = 2; c.group_rule = DSK_MOE_GROUP_MEGATRON;
+        check_forward("sigmoid+groups, Megatron rule (top-3 sum)", c, 0.05);
     }
     {
         cfg c = base_cfg(129, 16, 7, 3, 8);
@@ -387,6 +446,49 @@ static void test_group_mask_is_neg_inf(void) {
         DSK_TEST_EXPECT(outside == 0, "%d tokens use more than topk_group groups", outside);
     }
     free_fixture(&f);
+}
+
+/* The three group rules on the same layer and inputs: each matches its float64 reference, and
+   they route some tokens differently (so the checks above tell them apart): 4 groups of 4
+   experts, keep 2, top-6 (Megatron sums a group's top 3; with V3's own top-8 of 4 kept groups
+   it would sum the top 2, as V3 does), softmax and sigmoid, with a bias. */
+static void test_group_rules(void) {
+    static const char *names[3] = {"DeepSeek-V3", "max", "Megatron"};
+    for (int sig = 0; sig < 2; sig++) {
+        cfg c = base_cfg(129, 16, 16, 6, 6);
+        fixture f;
+        int *sel0 = (int *)malloc(sizeof(int) * 129 * 6);
+        c.sigmoid = sig; c.norm = sig; c.n_group = 4; c.topk_group = 2; c.scale = 2.5;
+        dsk_test_begin("group rules, %s", sig ? "sigmoid" : "softmax");
+        if (setup(&f, &c, DSK_F32, 0.05)) {
+            int tries = 0;
+            double margin = 0;
+            for (; tries < 50 && margin <= 1e-4; tries++) { /* inputs away from ties under every rule */
+                margin = 1e300;
+                if (tries) draw_x(&f);
+                for (int rule = 2; rule >= 0; rule--) {
+                    f.c.group_rule = rule;
+                    ref_forward(&f.c, &f.w, f.x, f.y, NULL, &f.o);
+                    margin = f.o.margin < margin ? f.o.margin : margin;
+                }
+            }
+            DSK_TEST_EXPECT(margin > 1e-4, "no inputs away from ties under every rule in %d draws", tries);
+            memcpy(sel0, f.o.sel, sizeof(int) * 129 * 6); /* rule 0, DeepSeek-V3's */
+            for (int rule = 0; rule < 3; rule++) {
+                int differ = 0;
+                f.c.group_rule = rule;
+                f.m.routing.group_rule = (dsk_moe_group_rule)rule;
+                ref_forward(&f.c, &f.w, f.x, f.y, NULL, &f.o);
+                for (int t = 0; t < 129; t++) differ += memcmp(f.o.sel + t * 6, sel0 + t * 6, sizeof(int) * 6) != 0;
+                if (rule > 0)
+                    DSK_TEST_EXPECT(differ > 0, "the %s rule routes every token as DeepSeek-V3's does", names[rule]);
+                if (run_forward(&f, NULL)) DSK_TEST_CLOSE(f.yf, f.y, 129 * 16, 1e-4, 1e-5, names[rule]);
+            }
+        }
+        free(sel0);
+        free_fixture(&f);
+        dsk_test_end();
+    }
 }
 
 /* The bias moves selection only: a uniform shift leaves y bitwise the same; a bias that
@@ -431,6 +533,49 @@ static void test_loss_terms(void) {
             free_fixture(&f);
             dsk_test_end();
         }
+    }
+}
+
+/* What the balancing losses count, on a DeepSeek-V3-like router (64 experts, top-8, 8 groups
+   keep 4, sigmoid, a bias): by default the plain top-K of the unbiased scores (V3 paper,
+   Megatron-Core), optionally the actual selections; both against float64 references, and the
+   two count vectors differ (so the check tells the rules apart). */
+static void test_loss_counts(void) {
+    for (int sel = 0; sel < 2; sel++) {
+        cfg c = base_cfg(64, 16, 64, 8, 4);
+        fixture f;
+        dsk_moe_stats st;
+        dsk_test_begin("loss counts %s, V3-like router", sel ? "the selections" : "the plain top-K (default)");
+        c.sigmoid = 1; c.norm = 1; c.n_group = 8; c.topk_group = 4; c.scale = 2.5;
+        c.aux = 0.01; c.seq_aux = 0.003; c.seq_len = 16; c.count_sel = sel; c.min_margin = 2e-6;
+        if (setup(&f, &c, DSK_F32, 0.2) && run_forward(&f, &st)) {
+            double got[3] = {st.aux_loss, st.seq_aux_loss, st.loss},
+                   want[3] = {f.o.aux, f.o.seq_aux, f.o.aux + f.o.seq_aux};
+            double topk[64] = {0}, chosen[64] = {0}, diff = 0;
+            DSK_TEST_CLOSE64(got, want, 3, 1e-5, 0, "aux, seq_aux, total");
+            for (int t = 0; t < c.T; t++) {
+                int one[64];
+                double p[64];
+                cfg pub = c;
+                pub.count_sel = 0;
+                for (int k = 0; k < c.K; k++) chosen[f.o.sel[t * c.K + k]] += 1;
+                for (int e = 0; e < c.E; e++) { /* p from the reference: recompute the token's scores */
+                    double u = 0;
+                    for (int d = 0; d < c.D; d++) u += f.x[t * c.D + d] * f.w.wr[e * c.D + d];
+                    p[e] = 1.0 / (1.0 + exp(-u));
+                }
+                ref_loss_count(&pub, p, f.o.sel + t * c.K, one);
+                for (int e = 0; e < c.E; e++) topk[e] += one[e];
+            }
+            for (int e = 0; e < c.E; e++) diff += fabs(topk[e] - chosen[e]) / (c.T * c.K);
+            DSK_TEST_EXPECT(diff > 0.1, "count vectors differ by only %.3f of the slots", diff);
+            /* the loads for the bias update are the selections under either rule */
+            for (int e = 0; e < c.E; e++)
+                DSK_TEST_EXPECT(st.tokens_per_expert[e] == (int64_t)chosen[e], "expert %d load %lld, selected %g", e,
+                                (long long)st.tokens_per_expert[e], chosen[e]);
+        }
+        free_fixture(&f);
+        dsk_test_end();
     }
 }
 
@@ -543,6 +688,8 @@ static void test_backward_variants(void) {
     check_backward("sigmoid+groups+bias+seq_aux+aux+z+shared", c, 0.05);
     c.norm = 0;
     check_backward("sigmoid no-norm", c, 0.05);
+    c.norm = 1; c.count_sel = 1;
+    check_backward("sigmoid+groups+bias+seq_aux+aux, losses count the selections", c, 0.05);
     c = base_cfg(1, 8, 5, 3, 4);
     c.sigmoid = 1; c.norm = 1;
     check_backward("T=1 sigmoid", c, 0.05);
@@ -551,6 +698,27 @@ static void test_backward_variants(void) {
     check_backward("capacity by position", c, 0.0);
     c.drop_pos = 0; c.norm = 1;
     check_backward("capacity by prob", c, 0.0);
+}
+
+/* seq_len belongs to the sequence-wise loss only: with the Switch loss and z-loss alone, a T
+   that is not a multiple of seq_len is fine, and loss values and gradients ignore seq_len
+   (the trailing tokens' gradients read past the coefficients before). */
+static void test_switch_loss_ignores_seq_len(void) {
+    for (int sig = 0; sig < 2; sig++) {
+        cfg c = base_cfg(9, 8, 5, 2, 4);
+        fixture f;
+        dsk_moe_stats st;
+        c.sigmoid = sig; c.norm = sig; c.aux = 0.05; c.z = 0.01; c.seq_len = 5;
+        dsk_test_begin("Switch loss, seq_len 5 not dividing T 9, %s", sig ? "sigmoid" : "softmax");
+        if (setup(&f, &c, DSK_F32, sig ? 0.05 : 0.0) && run_forward(&f, &st)) {
+            double got[2] = {st.aux_loss, st.z_loss}, want[2] = {f.o.aux, f.o.z};
+            DSK_TEST_CLOSE64(got, want, 2, 1e-5, 0, "Switch and z losses");
+        }
+        free_fixture(&f);
+        dsk_test_end();
+        check_backward(sig ? "Switch aux, seq_len 5, T 9, sigmoid" : "Switch aux, seq_len 5, T 9, softmax", c,
+                       sig ? 0.05 : 0.0);
+    }
 }
 
 /* Gradients accumulate across backward calls (micro-batches). */
@@ -670,6 +838,9 @@ static void test_bad_config(void) {
     b = o; b.dtype = DSK_F16; expect_init_error(b, "dtype f16 not supported");
     b = o; b.capacity_factor = -1; expect_init_error(b, "capacity_factor -1");
     b = o; b.score = (dsk_moe_score)7; expect_init_error(b, "unknown score function 7");
+    b = o; b.group_rule = (dsk_moe_group_rule)3; expect_init_error(b, "unknown group rule 3");
+    b = o; b.n_group = 4; b.topk_group = 3; b.group_rule = DSK_MOE_GROUP_MEGATRON;
+    expect_init_error(b, "top_k 2 < topk_group 3 sums none");
     b = o; b.name = "x"; b.n_routed = 0; expect_init_error(b, "layer \"x\": n_routed 0");
     {
         dsk_moe m;
@@ -742,7 +913,27 @@ static size_t ep_per_rank(int n) {
 }
 
 /* One layer step on rows [r*EP_T, (r+1)*EP_T) of the global batch; results into out. */
-static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx, const float *gdy, float *out, int *bad_cfg_ok) {
+/* A NaN in token 3 of rank 0's rows only: every rank fails with DSK_ERR_NONFINITE (rank 0
+   naming the token, the others the group), none hangs, and the next forward runs. */
+static int ep_nonfinite(dsk_moe *m, int rank, const float *x_rows) {
+    float *xb = (float *)malloc(sizeof(float) * EP_T * EP_D), *yb = (float *)malloc(sizeof(float) * EP_T * EP_D);
+    int64_t shp[2] = {EP_T, EP_D};
+    dsk_tensor x, y;
+    int ok;
+    memcpy(xb, x_rows, sizeof(float) * EP_T * EP_D);
+    if (rank == 0) xb[3 * EP_D + 1] = NAN;
+    dsk_tensor_wrap(&x, xb, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&y, yb, DSK_F32, dsk_cpu(), 2, shp);
+    ok = dsk_moe_forward(m, NULL, &y, &x, NULL) == DSK_ERR_NONFINITE &&
+         strstr(dsk_last_error(), rank == 0 ? "token 3 of 13" : "1 tokens on other ranks") != NULL;
+    memcpy(xb, x_rows, sizeof(float) * EP_T * EP_D);
+    ok = ok && dsk_moe_forward(m, NULL, &y, &x, NULL) == DSK_OK;
+    free(xb); free(yb);
+    return ok;
+}
+
+static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx, const float *gdy, float *out,
+                        int *bad_cfg_ok, int *nonfinite_ok) {
     dsk_comm c;
     dsk_comm_opts co;
     dsk_moe m;
@@ -774,6 +965,7 @@ static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx,
     for (int e = 0; e < EP_E; e++) out[ep_per_rank(n) - 2 * EP_E + e] = (float)st.tokens_per_expert[e];
     if (dsk_moe_update_bias(&m, NULL, &c) != DSK_OK) return 7;
     memcpy(out + ep_per_rank(n) - EP_E, m.bias->value.data, sizeof(float) * EP_E);
+    *nonfinite_ok = ep_nonfinite(&m, rank, gx + rank * EP_T * EP_D);
     dsk_moe_free(&m, NULL);
     dsk_comm_free(&c);
     return 0;
@@ -784,7 +976,7 @@ typedef struct ep_job {
     int n, sigmoid, NT;
     size_t per_rank, bytes;
     float *shm, *gx, *gdy;
-    int *flags;      /* [r]: rank r exit status, [32 + r]: bad EP configuration reported */
+    int *flags;      /* [r]: rank r exit status, [32 + r]: bad EP configuration reported, [48 + r]: NaN reported */
     int port_ok;
 } ep_job;
 
@@ -807,7 +999,8 @@ static void ep_run(ep_job *j, int n, int sigmoid) {
     for (int r = 0; r < n; r++) {
         pid_t pid = fork();
         if (pid == 0) {
-            int rc = ep_rank_main(r, n, port, sigmoid, j->gx, j->gdy, ep_result(j, r), &j->flags[32 + r]);
+            int rc = ep_rank_main(r, n, port, sigmoid, j->gx, j->gdy, ep_result(j, r), &j->flags[32 + r],
+                                  &j->flags[48 + r]);
             if (rc) fprintf(stderr, "rank %d: step %d failed: %s\n", r, rc, dsk_last_error());
             _exit(rc);
         }
@@ -834,6 +1027,8 @@ static void ep_check(ep_job *j) {
     for (int r = 0; r < n; r++) {
         DSK_TEST_EXPECT(j->flags[r] == 0, "a rank failed with status %d", j->flags[r]);
         DSK_TEST_EXPECT(j->flags[32 + r] == 1, "rank %d: E not divisible by the EP size was not reported", r);
+        DSK_TEST_EXPECT(j->flags[48 + r] == 1, "rank %d: a NaN token on rank 0 did not fail the forward on every rank",
+                        r);
     }
     dsk_tensor_wrap(&x, j->gx, DSK_F32, dsk_cpu(), 2, shp);
     dsk_tensor_wrap(&dy, j->gdy, DSK_F32, dsk_cpu(), 2, shp);
@@ -885,6 +1080,101 @@ out:
     dsk_test_end();
 }
 
+/* ---------------------------------------------------------------- non-finite input */
+
+/* The routing function on NaN/Inf logits or biases: flags the token, selects experts 0..K-1
+   (valid indices, no -1), NaN weights; on finite logits it returns 0 and ranks as before. */
+static void test_route_token_nonfinite(void) {
+    const float bad_vals[3] = {NAN, INFINITY, -INFINITY};
+    for (int sig = 0; sig < 2; sig++)
+        for (int grp = 0; grp < 2; grp++) {
+            dsk_moe_router r;
+            float u[12], b[12], prob[12], scr[12 + 4], gate[3];
+            int32_t sel[3];
+            memset(&r, 0, sizeof r);
+            r.n_experts = 12; r.top_k = 3; r.score = sig ? DSK_MOE_SIGMOID : DSK_MOE_SOFTMAX;
+            r.norm = 1; r.scale = 1.5f;
+            r.n_group = grp ? 4 : 1; r.topk_group = grp ? 2 : 1;
+            dsk_test_fill_f32(u, 12, -2, 2);
+            dsk_test_fill_f32(b, 12, -0.1, 0.1);
+            DSK_TEST_EXPECT(dsk_moe_route_token(&r, u, b, prob, scr, sel, gate) == 0, "finite logits flagged");
+            for (int k = 0; k < 3; k++)
+                DSK_TEST_EXPECT(sel[k] >= 0 && sel[k] < 12 && gate[k] == gate[k], "finite: slot %d", k);
+            for (int v = 0; v < 3; v++)
+                for (int where = 0; where < 2; where++) { /* a logit, or a bias value */
+                    float u2[12], b2[12];
+                    int j = (int)dsk_test_rand_int(12);
+                    memcpy(u2, u, sizeof u2); memcpy(b2, b, sizeof b2);
+                    if (where) b2[j] = bad_vals[v]; else u2[j] = bad_vals[v];
+                    for (int k = 0; k < 3; k++) { sel[k] = -7; gate[k] = 0.5f; }
+                    DSK_TEST_EXPECT(dsk_moe_route_token(&r, u2, b2, prob, scr, sel, gate) == 1,
+                                    "%s %g at %d not flagged (%s, %d groups)", where ? "bias" : "logit",
+                                    (double)bad_vals[v], j, sig ? "sigmoid" : "softmax", r.n_group);
+                    for (int k = 0; k < 3; k++)
+                        DSK_TEST_EXPECT(sel[k] == k && gate[k] != gate[k], "slot %d: expert %d gate %g", k, sel[k],
+                                        (double)gate[k]);
+                }
+        }
+}
+
+/* A layer forward on NaN/Inf input fails with DSK_ERR_NONFINITE naming the first bad token,
+   writes no y, zero stats, counts no loads, leaves no forward; the layer works afterwards. */
+static void check_forward_nonfinite(const char *what, int sig, double cf, int kind) {
+    cfg c = base_cfg(7, 8, 6, 2, 5);
+    fixture f;
+    dsk_moe_stats st;
+    dsk_test_begin("non-finite %s, %s%s", what, sig ? "sigmoid" : "softmax", cf > 0 ? ", capacity" : "");
+    c.sigmoid = sig; c.norm = sig; c.cf = cf; c.aux = 0.01; c.z = 0.01;
+    if (c.sigmoid) { c.n_group = 3; c.topk_group = 2; }
+    if (setup(&f, &c, DSK_F32, 0.02) && run_forward(&f, &st)) {
+        int64_t n = (int64_t)c.T * c.D, loads[6];
+        float *x = (float *)f.tx.data, *wr = (float *)f.m.router->value.data, *bias = (float *)f.m.bias->value.data;
+        float saved_x = x[5 * c.D + 3], saved_w = wr[4 * c.D + 1], saved_b = bias[2], b0[6], want[6];
+        dsk_tensor dx;
+        int64_t shp[2] = {c.T, c.D};
+        double mean = 0;
+        char needle[64];
+        for (int e = 0; e < 6; e++) loads[e] = st.tokens_per_expert[e];
+        memcpy(b0, bias, sizeof b0);
+        if (kind == 0) x[5 * c.D + 3] = NAN;           /* token 5 */
+        else if (kind == 1) x[5 * c.D + 3] = INFINITY; /* token 5 (softmax: NaN inside) */
+        else if (kind == 2) wr[4 * c.D + 1] = NAN;     /* every token */
+        else bias[2] = INFINITY;                       /* every token */
+        for (int64_t i = 0; i < n; i++) ((float *)f.ty.data)[i] = 1234.5f;
+        memset(&st, 0x5a, sizeof st);
+        DSK_TEST_STATUS(dsk_moe_forward(&f.m, NULL, &f.ty, &f.tx, &st), DSK_ERR_NONFINITE);
+        snprintf(needle, sizeof needle, "token %d of 7", kind < 2 ? 5 : 0);
+        DSK_TEST_ERROR_MENTIONS(needle);
+        DSK_TEST_ERROR_MENTIONS(kind < 2 ? "1 such tokens" : "7 such tokens");
+        {
+            int wrote = 0;
+            for (int64_t i = 0; i < n; i++) wrote += ((float *)f.ty.data)[i] != 1234.5f;
+            DSK_TEST_EXPECT(wrote == 0, "%d elements of y written", wrote);
+        }
+        DSK_TEST_EXPECT(st.tokens == 0 && st.loss == 0 && st.tokens_per_expert == NULL, "stats not zeroed");
+        dsk_tensor_alloc(NULL, &dx, DSK_F32, 2, shp);
+        DSK_TEST_STATUS(dsk_moe_backward(&f.m, NULL, &dx, &f.ty, 1.0f), DSK_ERR_STATE);
+        dsk_tensor_free(NULL, &dx);
+        /* only the clean forward's loads count */
+        x[5 * c.D + 3] = saved_x; wr[4 * c.D + 1] = saved_w; bias[2] = saved_b;
+        for (int e = 0; e < 6; e++) mean += (double)loads[e] / 6;
+        for (int e = 0; e < 6; e++) want[e] = b0[e] + 1e-3f * (float)((mean > loads[e]) - (mean < loads[e]));
+        DSK_TEST_OK(dsk_moe_update_bias(&f.m, NULL, NULL));
+        DSK_TEST_SAME_BYTES(bias, want, sizeof want, "bias updated from the clean forward's loads only");
+        /* repaired input: the layer runs again and matches the reference */
+        memcpy(bias, b0, sizeof b0);
+        if (run_forward(&f, &st)) DSK_TEST_CLOSE(f.yf, f.y, n, 1e-4, 1e-5, "y after the repair");
+    }
+    free_fixture(&f);
+    dsk_test_end();
+}
+
+static void test_forward_nonfinite(void) {
+    static const char *kinds[4] = {"NaN in x", "+Inf in x", "NaN in a router weight", "+Inf in the bias"};
+    for (int sig = 0; sig < 2; sig++)
+        for (int kind = 0; kind < 4; kind++) check_forward_nonfinite(kinds[kind], sig, kind == 1 ? 0.5 : 0.0, kind);
+}
+
 /* An empty batch is valid: nothing routed, zero losses, gradients untouched. */
 static void test_empty_batch(void) {
     dsk_moe m;
@@ -922,14 +1212,19 @@ int main(void) {
     test_forward_variants();
     DSK_TEST_RUN(test_group_mask_is_neg_inf);
     DSK_TEST_RUN(test_bias_not_in_weights);
+    test_group_rules();
     test_loss_terms();
+    test_loss_counts();
     test_bias_update();
     test_backward_variants();
+    test_switch_loss_ignores_seq_len();
     DSK_TEST_RUN(test_grad_accumulates);
     test_bf16_forward_backward();
     DSK_TEST_RUN(test_params_by_name);
     DSK_TEST_RUN(test_bad_config);
     DSK_TEST_RUN(test_bad_calls);
     DSK_TEST_RUN(test_empty_batch);
+    test_forward_nonfinite();
+    DSK_TEST_RUN(test_route_token_nonfinite);
     return dsk_test_finish();
 }

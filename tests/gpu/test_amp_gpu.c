@@ -61,17 +61,17 @@ static void test_unscale(int n, float scale, int poison_at) {
         }
         dg[i] = dev(hc[i]);
     }
-    DSK_TEST_OK(dsk_amp_scaler_init(NULL, &hs, &o));
-    DSK_TEST_OK(dsk_amp_scaler_init(&G, &ds, &o));
-    DSK_TEST_OK(dsk_amp_unscale(NULL, &hs, hc, n));
-    DSK_TEST_OK(dsk_amp_unscale(&G, &ds, dg, n));
-    DSK_TEST_OK(dsk_amp_stats_get(NULL, &hs, &a));
-    DSK_TEST_OK(dsk_amp_stats_get(&G, &ds, &b));
+    DSK_TEST_OK(dsk_amp_scaler_init(&hs, NULL, &o));
+    DSK_TEST_OK(dsk_amp_scaler_init(&ds, &G, &o));
+    DSK_TEST_OK(dsk_amp_unscale(&hs, NULL, hc, n));
+    DSK_TEST_OK(dsk_amp_unscale(&ds, &G, dg, n));
+    DSK_TEST_OK(dsk_amp_stats_get(&hs, NULL, &a));
+    DSK_TEST_OK(dsk_amp_stats_get(&ds, &G, &b));
     for (int i = 0; i < n; i++) same(dg[i], hc[i], "unscaled gradient");
     DSK_TEST_EXPECT(a.found_inf == b.found_inf && a.found_inf == (poison_at >= 0 ? 1.0 : 0.0), "found_inf cpu %g gpu %g", a.found_inf, b.found_inf);
     if (poison_at < 0) DSK_TEST_CLOSE64(&b.sumsq, &a.sumsq, 1, 1e-12, 0, "sumsq");
-    dsk_amp_scaler_free(NULL, &hs);
-    dsk_amp_scaler_free(&G, &ds);
+    dsk_amp_scaler_free(&hs, NULL);
+    dsk_amp_scaler_free(&ds, &G);
     free(hc); free(dg);
 }
 
@@ -82,20 +82,20 @@ static void test_trajectory(int hysteresis, int consecutive) {
     dsk_tensor *hg = h1(DSK_F32, 5), *dg;
     memset(&o, 0, sizeof o);
     o.init_scale = 1024; o.growth_interval = 3; o.hysteresis = hysteresis; o.hysteresis_consecutive = consecutive; o.max_scale = 1e6f;
-    DSK_TEST_OK(dsk_amp_scaler_init(NULL, &hs, &o));
-    DSK_TEST_OK(dsk_amp_scaler_init(&G, &ds, &o));
+    DSK_TEST_OK(dsk_amp_scaler_init(&hs, NULL, &o));
+    DSK_TEST_OK(dsk_amp_scaler_init(&ds, &G, &o));
     for (int t = 0; t < 200; t++) {
         dsk_amp_scaler_state a = {NAN, -1, -1}, b = {NAN, -2, -2};
         int over = dsk_test_rand(0, 1) < 0.3;
         for (int k = 0; k < 5; k++) ((float *)hg->data)[k] = (float)dsk_test_rand(0.5, 2.0);
         if (over) ((float *)hg->data)[t % 5] = t % 2 ? NAN : -INFINITY;
         dg = dev(hg);
-        DSK_TEST_OK(dsk_amp_unscale(NULL, &hs, &hg, 1));
-        DSK_TEST_OK(dsk_amp_unscale(&G, &ds, &dg, 1));
-        DSK_TEST_OK(dsk_amp_update(NULL, &hs));
-        DSK_TEST_OK(dsk_amp_update(&G, &ds));
-        DSK_TEST_OK(dsk_amp_state_get(NULL, &hs, &a));
-        DSK_TEST_OK(dsk_amp_state_get(&G, &ds, &b));
+        DSK_TEST_OK(dsk_amp_unscale(&hs, NULL, &hg, 1));
+        DSK_TEST_OK(dsk_amp_unscale(&ds, &G, &dg, 1));
+        DSK_TEST_OK(dsk_amp_update(&hs, NULL));
+        DSK_TEST_OK(dsk_amp_update(&ds, &G));
+        DSK_TEST_OK(dsk_amp_state_get(&hs, NULL, &a));
+        DSK_TEST_OK(dsk_amp_state_get(&ds, &G, &b));
         if (memcmp(&a, &b, sizeof a) != 0) {
             DSK_TEST_EXPECT(0, "step %d: cpu %g %d %d, gpu %g %d %d", t, (double)a.scale, (int)a.growth_tracker, (int)a.hysteresis_left, (double)b.scale,
                             (int)b.growth_tracker, (int)b.hysteresis_left);
@@ -106,25 +106,25 @@ static void test_trajectory(int hysteresis, int consecutive) {
         /* joined stats written from the host drive the device rule like the host rule */
         dsk_amp_stats joined = {1.0, 2.0}, back = {NAN, NAN};
         dsk_amp_scaler_state a = {NAN, -1, -1}, b = {NAN, -2, -2};
-        DSK_TEST_OK(dsk_amp_stats_set(NULL, &hs, &joined));
-        DSK_TEST_OK(dsk_amp_stats_set(&G, &ds, &joined));
-        DSK_TEST_OK(dsk_amp_stats_get(&G, &ds, &back));
+        DSK_TEST_OK(dsk_amp_stats_set(&hs, NULL, &joined));
+        DSK_TEST_OK(dsk_amp_stats_set(&ds, &G, &joined));
+        DSK_TEST_OK(dsk_amp_stats_get(&ds, &G, &back));
         DSK_TEST_SAME_BYTES(&back, &joined, sizeof back, "stats set/get on the device");
-        DSK_TEST_OK(dsk_amp_update(NULL, &hs));
-        DSK_TEST_OK(dsk_amp_update(&G, &ds));
-        DSK_TEST_OK(dsk_amp_state_get(NULL, &hs, &a));
-        DSK_TEST_OK(dsk_amp_state_get(&G, &ds, &b));
+        DSK_TEST_OK(dsk_amp_update(&hs, NULL));
+        DSK_TEST_OK(dsk_amp_update(&ds, &G));
+        DSK_TEST_OK(dsk_amp_state_get(&hs, NULL, &a));
+        DSK_TEST_OK(dsk_amp_state_get(&ds, &G, &b));
         DSK_TEST_SAME_BYTES(&a, &b, sizeof a, "state after joined stats");
     }
     {
         /* restore on the device and read back */
         dsk_amp_scaler_state st = {123.5f, 2, 1}, back = {NAN, -1, -1};
-        DSK_TEST_OK(dsk_amp_state_set(&G, &ds, &st));
-        DSK_TEST_OK(dsk_amp_state_get(&G, &ds, &back));
+        DSK_TEST_OK(dsk_amp_state_set(&ds, &G, &st));
+        DSK_TEST_OK(dsk_amp_state_get(&ds, &G, &back));
         DSK_TEST_SAME_BYTES(&st, &back, sizeof st, "state set/get on the device");
     }
-    dsk_amp_scaler_free(NULL, &hs);
-    dsk_amp_scaler_free(&G, &ds);
+    dsk_amp_scaler_free(&hs, NULL);
+    dsk_amp_scaler_free(&ds, &G);
 }
 
 /* ---------------------------------------------------------------- casts and optimizer step */
@@ -143,7 +143,7 @@ static void test_step(dsk_amp_round mode) {
     dsk_adamw_opts ao;
     dsk_amp_stats good = {0.0, 4.0}, bad = {1.0, 4.0};
     dsk_amp_decision go = dsk_amp_decide(good, 1.0), skip = dsk_amp_decide(bad, 1.0);
-    memset(&ao, 0, sizeof ao);
+    ao = dsk_adamw_defaults();
     ao.lr = 1e-2f; ao.weight_decay = 0.01f;
     for (int i = 0; i < NP; i++) {
         dsk_tensor *v = hrand(DSK_F32, 1, &sizes[i], 1e-4, 1e-2);
@@ -215,21 +215,21 @@ static void test_fp8_delayed(dsk_amp_amax_algo algo) {
     int64_t n = 1000;
     memset(&o, 0, sizeof o);
     o.fmt = DSK_E5M2; o.history_len = 3; o.algo = algo; o.margin = 2;
-    DSK_TEST_OK(dsk_amp_fp8_delayed_init(NULL, &hd, &o));
-    DSK_TEST_OK(dsk_amp_fp8_delayed_init(&G, &dd, &o));
+    DSK_TEST_OK(dsk_amp_fp8_delayed_init(&hd, NULL, &o));
+    DSK_TEST_OK(dsk_amp_fp8_delayed_init(&dd, &G, &o));
     for (int t = 0; t < 9; t++) {
         double mag = pow(10.0, (double)((t * 5) % 7) - 3);
         dsk_tensor *x = hrand(DSK_F32, 1, &n, 0.01 * mag, mag), *dx = dev(x), *hq = h1(DSK_E5M2, n), *dq = dpoison(hq);
-        DSK_TEST_OK(dsk_amp_fp8_delayed_quantize(NULL, &hd, hq, x));
-        DSK_TEST_OK(dsk_amp_fp8_delayed_quantize(&G, &dd, dq, dx));
+        DSK_TEST_OK(dsk_amp_fp8_delayed_quantize(&hd, NULL, hq, x));
+        DSK_TEST_OK(dsk_amp_fp8_delayed_quantize(&dd, &G, dq, dx));
         same(dq, hq, "delayed codes");
-        DSK_TEST_OK(dsk_amp_fp8_delayed_update(NULL, &hd));
-        DSK_TEST_OK(dsk_amp_fp8_delayed_update(&G, &dd));
+        DSK_TEST_OK(dsk_amp_fp8_delayed_update(&hd, NULL));
+        DSK_TEST_OK(dsk_amp_fp8_delayed_update(&dd, &G));
         same(&dd.scale, &hd.scale, "delayed scale");
         same(&dd.history, &hd.history, "amax history");
     }
-    dsk_amp_fp8_delayed_free(NULL, &hd);
-    dsk_amp_fp8_delayed_free(&G, &dd);
+    dsk_amp_fp8_delayed_free(&hd, NULL);
+    dsk_amp_fp8_delayed_free(&dd, &G);
 }
 
 static void test_fp8_blocks(dsk_dtype fmt, dsk_dtype xdt, int64_t R, int64_t C, int br, int bc, int pow2) {
@@ -246,16 +246,78 @@ static void test_fp8_blocks(dsk_dtype fmt, dsk_dtype xdt, int64_t R, int64_t C, 
     same(dy, hy, "block dequantised");
 }
 
+/* Element-wise equal as f32 values, bit for bit, except that any NaN equals any NaN (the CPU
+   and the GPU make NaNs with different signs and payloads). */
+static void same_or_nan(const dsk_tensor *gpu, const dsk_tensor *cpu, const char *what) {
+    dsk_tensor *g = host(gpu);
+    int64_t n = dsk_tensor_numel(cpu), bad = 0, first = -1;
+    for (int64_t i = 0; i < n; i++) {
+        float a = dsk_load_f32(g->data, g->dtype, i), b = dsk_load_f32(cpu->data, cpu->dtype, i);
+        if (!((a != a && b != b) || dsk_f32_bits(a) == dsk_f32_bits(b)) && !bad++) first = i;
+    }
+    DSK_TEST_EXPECT(bad == 0, "%s: %lld of %lld differ, first [%lld]", what, (long long)bad, (long long)n,
+                    (long long)first);
+}
+
+/* Blocks holding +Inf, -Inf and NaN: the GPU keeps them non-finite exactly as the CPU does
+   (non-finite scale, NaN codes, NaN after dequantising); the other blocks are bitwise equal. */
+static void test_fp8_blocks_nonfinite(dsk_dtype fmt) {
+    int64_t shape[2] = {4, 256};
+    dsk_tensor *x = hrand(DSK_F32, 2, shape, -2.0, 2.0), *dx;
+    dsk_tensor *hq = h2(fmt, 4, 256), *dq = dpoison(hq), *hs = h2(DSK_F32, 4, 2), *dsc = dpoison(hs);
+    dsk_tensor *hy = h2(DSK_F32, 4, 256), *dy = dpoison(hy);
+    ((float *)x->data)[0 * 256 + 3] = INFINITY;
+    ((float *)x->data)[1 * 256 + 200] = -INFINITY;
+    ((float *)x->data)[2 * 256 + 77] = NAN;
+    dx = dev(x);
+    DSK_TEST_OK(dsk_amp_fp8_block_quantize(NULL, hq, hs, x, 1, 128, 0));
+    DSK_TEST_OK(dsk_amp_fp8_block_quantize(&G, dq, dsc, dx, 1, 128, 0));
+    DSK_TEST_EXPECT(isinf(((float *)hs->data)[0]) && isinf(((float *)hs->data)[3]) && isnan(((float *)hs->data)[4]),
+                    "CPU block scales %g %g %g", (double)((float *)hs->data)[0], (double)((float *)hs->data)[3],
+                    (double)((float *)hs->data)[4]);
+    same_or_nan(dsc, hs, "block scales");
+    same_or_nan(dq, hq, "block codes");
+    DSK_TEST_OK(dsk_amp_fp8_block_dequantize(NULL, hy, hq, hs, 1, 128));
+    DSK_TEST_OK(dsk_amp_fp8_block_dequantize(&G, dy, dq, dsc, 1, 128));
+    same_or_nan(dy, hy, "block dequantised");
+}
+
+/* One thread drives two devices: every call makes its context's device current (a launch
+   on a stream of another device than the current one fails). */
+static void test_two_devices(void) {
+    int64_t n = 4099;
+    dsk_ctx G1;
+    dsk_tensor d1, c1, back;
+    dsk_tensor *src = hrand(DSK_F32, 1, &n, 1e-3, 10.0), *want = h1(DSK_BF16, n), *d0 = dev(src), *c0 = dpoison(want);
+    if (!gpu_test_ctx_on(1, &G1)) { dsk_test_skip("needs 2 CUDA devices, driven by one thread"); return; }
+    DSK_TEST_OK(dsk_amp_cast(NULL, want, src, DSK_AMP_ROUND_NEAREST, 0, 0, 0));
+    DSK_TEST_OK(dsk_tensor_alloc(&G1, &d1, DSK_F32, 1, &n));
+    DSK_TEST_OK(dsk_tensor_alloc(&G1, &c1, DSK_BF16, 1, &n));
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &back, DSK_BF16, 1, &n));
+    DSK_TEST_OK(dsk_tensor_copy(&G1, &d1, src));
+    for (int r = 0; r < 2; r++) { /* each call follows one on the other device */
+        DSK_TEST_OK(dsk_amp_cast(&G1, &c1, &d1, DSK_AMP_ROUND_NEAREST, 0, 0, 0));
+        DSK_TEST_OK(dsk_amp_cast(&G, c0, d0, DSK_AMP_ROUND_NEAREST, 0, 0, 0));
+    }
+    same(c0, want, "cast on device 0 after one on device 1");
+    DSK_TEST_OK(dsk_tensor_copy(&G1, &back, &c1));
+    DSK_TEST_SAME_BYTES(back.data, want->data, dsk_tensor_nbytes(want), "cast on device 1");
+    dsk_tensor_free(&G1, &d1);
+    dsk_tensor_free(&G1, &c1);
+    dsk_tensor_free(NULL, &back);
+    dsk_ctx_free(&G1);
+}
+
 /* A CPU tensor handed to a CUDA scaler is an argument error, named. */
 static void test_device_mismatch(void) {
     dsk_amp_scaler ds;
     dsk_tensor *hg = h1(DSK_F32, 4);
-    DSK_TEST_OK(dsk_amp_scaler_init(&G, &ds, NULL));
-    DSK_TEST_STATUS(dsk_amp_unscale(&G, &ds, &hg, 1), DSK_ERR_ARG);
+    DSK_TEST_OK(dsk_amp_scaler_init(&ds, &G, NULL));
+    DSK_TEST_STATUS(dsk_amp_unscale(&ds, &G, &hg, 1), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("grads[0] [4] f32 is on cpu:0, expected cuda:0");
-    DSK_TEST_STATUS(dsk_amp_update(NULL, &ds), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_amp_update(&ds, NULL), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("dsk_amp_update: CUDA device 0 needs a ctx on that device");
-    dsk_amp_scaler_free(&G, &ds);
+    dsk_amp_scaler_free(&ds, &G);
 }
 
 int main(void) {
@@ -268,21 +330,24 @@ int main(void) {
     CASE(test_trajectory(1, 0), "scale trajectory on the device, no hysteresis");
     CASE(test_trajectory(3, 0), "scale trajectory on the device, hysteresis 3");
     CASE(test_trajectory(2, 1), "scale trajectory on the device, consecutive hysteresis 2");
-    CASE(test_cast(DSK_BF16, DSK_ROUND_NEAREST, 100003), "cast f32 -> bf16 nearest");
-    CASE(test_cast(DSK_F16, DSK_ROUND_NEAREST, 7), "cast f32 -> f16 nearest");
-    CASE(test_cast(DSK_BF16, DSK_ROUND_STOCHASTIC, 100003), "cast f32 -> bf16 stochastic");
-    CASE(test_cast(DSK_F16, DSK_ROUND_STOCHASTIC, 4099), "cast f32 -> f16 stochastic");
-    CASE(test_step(DSK_ROUND_NEAREST), "optimizer step and skip, nearest copies");
-    CASE(test_step(DSK_ROUND_STOCHASTIC), "optimizer step and skip, stochastic copies");
+    CASE(test_cast(DSK_BF16, DSK_AMP_ROUND_NEAREST, 100003), "cast f32 -> bf16 nearest");
+    CASE(test_cast(DSK_F16, DSK_AMP_ROUND_NEAREST, 7), "cast f32 -> f16 nearest");
+    CASE(test_cast(DSK_BF16, DSK_AMP_ROUND_STOCHASTIC, 100003), "cast f32 -> bf16 stochastic");
+    CASE(test_cast(DSK_F16, DSK_AMP_ROUND_STOCHASTIC, 4099), "cast f32 -> f16 stochastic");
+    CASE(test_step(DSK_AMP_ROUND_NEAREST), "optimizer step and skip, nearest copies");
+    CASE(test_step(DSK_AMP_ROUND_STOCHASTIC), "optimizer step and skip, stochastic copies");
     CASE(test_fp8_tensor(DSK_E4M3, DSK_F32, 100003, 0, 0), "fp8 e4m3 per-tensor, f32 x");
     CASE(test_fp8_tensor(DSK_E5M2, DSK_BF16, 129, 1, 1), "fp8 e5m2 per-tensor, bf16 x, pow2, margin 1");
     CASE(test_fp8_tensor(DSK_E4M3, DSK_F16, 1, 0, 0), "fp8 e4m3 per-tensor, one f16 element");
-    CASE(test_fp8_delayed(DSK_AMAX_MAX), "fp8 delayed scaling, max");
-    CASE(test_fp8_delayed(DSK_AMAX_MOST_RECENT), "fp8 delayed scaling, most recent");
+    CASE(test_fp8_delayed(DSK_AMP_AMAX_MAX), "fp8 delayed scaling, max");
+    CASE(test_fp8_delayed(DSK_AMP_AMAX_MOST_RECENT), "fp8 delayed scaling, most recent");
     CASE(test_fp8_blocks(DSK_E4M3, DSK_BF16, 33, 1000, 1, 128, 0), "fp8 blocks 1x128 (33, 1000)");
     CASE(test_fp8_blocks(DSK_E4M3, DSK_F32, 300, 257, 128, 128, 1), "fp8 blocks 128x128 (300, 257) pow2");
     CASE(test_fp8_blocks(DSK_E5M2, DSK_F16, 7, 5, 3, 2, 0), "fp8 blocks 3x2 (7, 5) e5m2");
+    CASE(test_fp8_blocks_nonfinite(DSK_E4M3), "fp8 e4m3 blocks with Inf, -Inf, NaN stay non-finite");
+    CASE(test_fp8_blocks_nonfinite(DSK_E5M2), "fp8 e5m2 blocks with Inf, -Inf, NaN stay non-finite");
     CASE(test_device_mismatch(), "CPU tensor with a CUDA scaler");
+    CASE(test_two_devices(), "one thread, two devices: casts alternate between contexts");
     gpu_test_teardown();
     return dsk_test_finish();
 }
