@@ -118,7 +118,9 @@ typedef struct dsk_comm_opts {
     int master_port;          /* init: [MASTER_PORT or 29500]; init_env: used if MASTER_PORT is unset */
     int local_rank;           /* init only, read when local_world_size > 0 */
     int local_world_size;     /* init only: [world_size, local_rank = rank] */
-    size_t small_bytes;       /* [65536] host: messages up to this size use the one-round algorithm */
+    /* host: messages up to this size use the one-round algorithm [16 KiB when every rank is on
+       one node and allows shared memory, else 64 KiB] */
+    size_t small_bytes;
     size_t piece_bytes;       /* [4 MiB] host: pipelining piece of the large-message algorithm */
     /* Identity of the job: a rank whose job id differs from rank 0's fails init instead of
        joining (two jobs that share MASTER_ADDR:MASTER_PORT never merge). init: [none];
@@ -2223,7 +2225,7 @@ static dsk_status dsk__comm_impl_alloc(dsk_comm *c, const char *fn, const dsk_co
     c->impl = m;
     m->store_fd = -1;
     m->timeout_s = o && o->timeout_s > 0 ? o->timeout_s : 300.0;
-    m->small_bytes = o && o->small_bytes ? o->small_bytes : 65536;
+    m->small_bytes = o ? o->small_bytes : 0; /* 0: the default, chosen once the nodes are known */
     m->piece_bytes = o && o->piece_bytes ? o->piece_bytes : ((size_t)4 << 20);
     snprintf(m->master_addr, sizeof m->master_addr, "%s", addr);
     m->master_port = port;
@@ -2698,11 +2700,17 @@ static dsk_status dsk__comm_same_options(dsk_comm *c, const char *fn, const dsk_
                              theirs->backend >= 0 && theirs->backend < 3 ? names[theirs->backend] : "an unknown",
                              c->rank, names[mine->backend]);
     if (theirs->small_bytes == mine->small_bytes && theirs->piece_bytes == mine->piece_bytes) return DSK_OK;
-    return dsk_set_error(DSK_ERR_ARG,
-                         "%s: rank %d has %s %llu but this rank (%d) has %llu; every rank must use the same "
-                         "small_bytes and piece_bytes (they shape the wire protocol)",
-                         fn, r, what, (unsigned long long)(what[0] == 's' ? theirs->small_bytes : theirs->piece_bytes),
-                         c->rank, (unsigned long long)(what[0] == 's' ? mine->small_bytes : mine->piece_bytes));
+    {
+        uint64_t t = what[0] == 's' ? theirs->small_bytes : theirs->piece_bytes;
+        uint64_t m = what[0] == 's' ? mine->small_bytes : mine->piece_bytes;
+        char ts[32], ms[32];
+        snprintf(ts, sizeof ts, t ? "%llu" : "the default", (unsigned long long)t);
+        snprintf(ms, sizeof ms, m ? "%llu" : "the default", (unsigned long long)m);
+        return dsk_set_error(DSK_ERR_ARG,
+                             "%s: rank %d has %s %s but this rank (%d) has %s; every rank must use the same "
+                             "small_bytes and piece_bytes (they shape the wire protocol)",
+                             fn, r, what, ts, c->rank, ms);
+    }
 }
 
 /* Nodes from the host identities in the rank records; which ranks allow shared memory. */
@@ -2710,6 +2718,7 @@ static dsk_status dsk__comm_world_nodes(dsk_comm *c, const char *fn, const dsk__
     dsk__comm_impl *m = c->impl;
     int n = c->world_size, *same = (int *)DSK_MALLOC((size_t)n * sizeof(int));
     if (!same) return dsk_set_error(DSK_ERR_OOM, "%s: nodes of %d ranks", fn, n);
+    memset(same, 0, (size_t)n * sizeof(int));
     for (int r = 0; r < n; r++) {
         int j = 0;
         while (j < r && strncmp(recs[j].host, recs[r].host, sizeof recs[r].host) != 0) j++;
@@ -2718,6 +2727,11 @@ static dsk_status dsk__comm_world_nodes(dsk_comm *c, const char *fn, const dsk__
     }
     dsk__comm_set_nodes(c, same);
     DSK_FREE(same);
+    if (!m->small_bytes) { /* one round for larger messages when TCP latency dominates */
+        int all_shm = c->n_nodes == 1;
+        for (int r = 0; r < n; r++) all_shm &= m->shm_ok[r];
+        m->small_bytes = all_shm ? 16384 : 65536;
+    }
     return DSK_OK;
 }
 

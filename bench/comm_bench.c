@@ -44,6 +44,7 @@ static const char *coll_names[NCOLL] = {"all_reduce", "reduce_scatter", "all_gat
 
 typedef struct cfg {
     int n, which, mpi, nccl, tcp, factor, rounds, bind; /* bind: 1 core, 0 none, -1 as mpirun */
+    long long small_bytes;                               /* opts.small_bytes (0: the default) */
     long long lo, hi;
 } cfg;
 
@@ -347,6 +348,7 @@ static int run_dsk(const cfg *g, results *res, int r) {
             memset(&o, 0, sizeof o);
             o.backend = DSK_COMM_HOST;
             o.transport = g->tcp ? DSK_COMM_TRANSPORT_TCP : DSK_COMM_TRANSPORT_AUTO;
+            o.small_bytes = (size_t)g->small_bytes;
             o.timeout_s = 120;
             o.master_addr = "127.0.0.1";
             o.master_port = port;
@@ -463,6 +465,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "-e") && i + 1 < argc) g.hi = atoll(argv[++i]);
         else if (!strcmp(argv[i], "-f") && i + 1 < argc) g.factor = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--rounds") && i + 1 < argc) g.rounds = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "-s") && i + 1 < argc) g.small_bytes = atoll(argv[++i]);
         else if (!strcmp(argv[i], "--mpi")) g.mpi = 1;
         else if (!strcmp(argv[i], "--tcp")) g.tcp = 1;
         else if (!strcmp(argv[i], "--nccl")) g.nccl = 1;

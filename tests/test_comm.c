@@ -1251,8 +1251,8 @@ static void case_options_differ(void) {
     memset(&e, 0, sizeof e);
     for (int r = 0; r < 2; r++) { e.world[r] = 2; e.want[r] = DSK_ERR_ARG; }
     e.small[1] = 1024;
-    e.needle[0] = "rank 1 has small_bytes 1024 but this rank (0) has 65536";
-    e.needle[1] = "rank 0 has small_bytes 65536 but this rank (1) has 1024";
+    e.needle[0] = "rank 1 has small_bytes 1024 but this rank (0) has the default";
+    e.needle[1] = "rank 0 has small_bytes the default but this rank (1) has 1024";
     expect_init_failures(&e);
     memset(&e, 0, sizeof e);
     e.n = 3;

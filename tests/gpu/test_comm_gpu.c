@@ -253,6 +253,8 @@ static void part_routes(void) {
     int32_t *dest = (int32_t *)malloc((size_t)rows * k * sizeof(int32_t));
     for (int64_t q = 0; q < rows * k; q++)
         dest[q] = (int32_t)(mix64(55 + (uint64_t)me * 1000 + (uint64_t)q) % (uint64_t)(n + 1)) - 1;
+    DSK_TEST_EXPECT(NC.n_nodes == HC.n_nodes && NC.n_nodes == (n > 1 ? 2 : 1), "nodes: nccl %d, host %d",
+                    NC.n_nodes, HC.n_nodes);
     for (int two = 0; two < 2; two++)
         for (int d = 0; d < 2; d++) {
             dsk_comm_route nr, hr;
@@ -267,7 +269,10 @@ static void part_routes(void) {
             DSK_TEST_OK(dsk_comm_route_init(&hr, &HC, NULL, rows, k, dest, &o));
             DSK_TEST_OK(dsk_comm_route_init(&nr, &NC, &G, rows, k, dest, &o));
             if (!hr.impl || !nr.impl) return;
-            DSK_TEST_EXPECT(nr.recv_rows == hr.recv_rows && nr.slots == hr.slots, "route sizes differ");
+            DSK_TEST_EXPECT(nr.recv_rows == hr.recv_rows && nr.slots == hr.slots &&
+                                nr.dispatch_rows_off_node == hr.dispatch_rows_off_node &&
+                                nr.combine_rows_off_node == hr.combine_rows_off_node,
+                            "route sizes differ");
             in = (char *)malloc((size_t)rows * row);
             want = (char *)malloc((size_t)(hr.recv_rows + 1) * row);
             got = (char *)malloc((size_t)(hr.recv_rows + 1) * row);
@@ -300,10 +305,12 @@ static void part_routes(void) {
 static int child_main(const char *part) {
     dsk_comm_opts o;
     dsk_ctx_opts co;
-    const char *port = getenv("MASTER_PORT");
+    const char *port = getenv("MASTER_PORT"), *rank = getenv("RANK"), *world = getenv("WORLD_SIZE");
     memset(&o, 0, sizeof o);
     o.backend = DSK_COMM_NCCL;
     o.timeout_s = 120;
+    /* two emulated hosts (halves of the ranks) on both communicators: routes cross them in two hops */
+    o.host_id = atoi(rank ? rank : "0") < atoi(world ? world : "1") / 2 ? "gpu-host-a" : "gpu-host-b";
     if (dsk_comm_init_env(&NC, &o) != DSK_OK) { printf("nccl init: %s\n", dsk_last_error()); return 3; }
     o.backend = DSK_COMM_HOST;
     o.master_addr = "127.0.0.1";
