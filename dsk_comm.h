@@ -1,9 +1,11 @@
 /* dsk_comm.h - ranks, bootstrap, backends (host TCP, NCCL), collectives, groups, gradient buckets.
 
    Usage: #define DSK_COMM_IMPLEMENTATION in exactly one .c file before including. The
-   implementation needs POSIX (sockets, poll, pthreads): include this header first in that
-   file, or compile with -D_GNU_SOURCE / -D_POSIX_C_SOURCE=200809L. Link with -lpthread
-   (and -lnccl -lcudart under DSK_CUDA).
+   implementation needs POSIX (sockets, poll, pthreads, shm_open) and GCC or Clang (the shared-
+   memory rings use the __atomic builtins, the C11 memory model in C and C++ alike): include
+   this header first in that file, or compile with -D_GNU_SOURCE (Linux: lets a waiting rank see
+   which CPU it runs on) or -D_POSIX_C_SOURCE=200809L. Link with -lpthread (and -lnccl
+   -lcudart under DSK_CUDA).
    Options: DSK_STATIC, DSK_MALLOC/DSK_FREE, DSK_CUDA (adds the nccl backend), DSK_NO_CUDA.
 
        dsk_comm c;
@@ -20,9 +22,22 @@
    pass through it. dsk_comm_spawn_local() starts n ranks on this machine with the
    environment filled in, the way torchrun does.
 
-   Backends, one API. host: CPU buffers over TCP between every pair of ranks (works across
-   machines). nccl (DSK_CUDA): device buffers on ctx->stream, a nonblocking communicator so
-   init and every call is bounded by the timeout, ncclCommAbort on timeout or error.
+   Backends, one API. host: CPU buffers; ranks on one host exchange through shared memory,
+   ranks on different hosts over TCP, and a communicator mixes both (see "shared memory" in
+   the implementation). nccl (DSK_CUDA): device buffers on ctx->stream, a nonblocking
+   communicator so init and every call is bounded by the timeout, ncclCommAbort on timeout or
+   error.
+
+   Nodes. Ranks that report the same host identity (opts.host_id) form a node; nodes are
+   numbered in the order of their lowest rank (dsk_comm.node, n_nodes, node_rank, node_size).
+   Host backend: ranks of one node share memory unless opts.transport says TCP.
+
+   Expert-parallel routes (dsk_comm_route_*): rows with up to k destination ranks each, sent
+   in one flat all-to-all-v or, on a communicator that spans nodes, in two hops: a row crosses
+   to each destination node once, to the rank with the same node_rank there, which fans it
+   out inside the node (DeepSeek-V3 / DeepEP). Node-limited routing (at most M nodes per
+   token) needs nothing here: give dsk_moe's router n_group = n_nodes groups in rank order
+   (experts of node g = group g, as expert parallelism places them) and topk_group = M.
 
    Semantics of the host backend (the reference the tests check exactly):
    - Counts are elements, never bytes. send == recv means in place.
@@ -43,7 +58,9 @@
      mismatched calls on different ranks fail with DSK_ERR_PEER naming both sides. Rooted
      collectives exchange at least a header between every pair of ranks, so ranks that name
      different roots all fail in that call.
-   - Every wait ends by opts.timeout_s: DSK_ERR_TIMEOUT or DSK_ERR_PEER naming the rank.
+   - Every wait ends by opts.timeout_s: DSK_ERR_TIMEOUT or DSK_ERR_PEER naming the rank. A
+     shared-memory wait spins for 20 us (no system call), then yields the CPU between looks
+     up to 10 ms, then sleeps until a peer wakes it.
      After such an error the communicator is unusable (DSK_ERR_STATE) until freed; the
      error is published in the store and the sockets are half-closed, so peers fail fast
      and report the root cause ("rank 1 hung up ... after its own error: ..."). Rank 0
@@ -56,13 +73,13 @@
    License: MIT, see the end of the file. */
 /* Contents. Each section starts with a rule comment "---- <title>"; search for the title.
    Declarations: types and options; communicators: init, free, split; collectives; tensor
-   forms; the bootstrap store; local launcher; gradient buckets.
+   forms; expert-parallel routes; the bootstrap store; local launcher; gradient buckets.
    Implementation (after the "implementation" rule): small helpers; the key-value store
-   server; communicator state; store client; the host backend's I/O engine; reductions (fixed
-   rank order); host collectives; bootstrap and mesh; init; collectives; split; tensor forms;
-   local launcher; gradient buckets. */
+   server; communicator state; store client; shared memory; the host backend's I/O engine;
+   reductions (fixed rank order); host collectives; bootstrap and mesh; init; collectives;
+   split; tensor forms; expert-parallel routes; local launcher; gradient buckets. */
 #if defined(DSK_COMM_IMPLEMENTATION) && !defined(_GNU_SOURCE) && !defined(_POSIX_C_SOURCE)
-#define _POSIX_C_SOURCE 200809L
+#define _GNU_SOURCE
 #endif
 /* With DSK_STATIC every dsk function is static, so this file must also compile dsk_tensor.h's. */
 #if defined(DSK_STATIC) && defined(DSK_COMM_IMPLEMENTATION) && !defined(DSK_TENSOR_IMPLEMENTATION)
@@ -87,6 +104,12 @@ typedef enum dsk_comm_op { DSK_COMM_SUM = 0, DSK_COMM_AVG, DSK_COMM_MAX, DSK_COM
 
 #define DSK_COMM_NO_COLOR (-1) /* dsk_comm_split: this rank joins no sub-group */
 
+/* How the host backend reaches the other ranks. */
+typedef enum dsk_comm_transport {
+    DSK_COMM_TRANSPORT_AUTO = 0, /* shared memory with ranks of this node, TCP with the others */
+    DSK_COMM_TRANSPORT_TCP       /* TCP with every rank (a pair uses shared memory only if both allow it) */
+} dsk_comm_transport;
+
 /* Zero fields take the defaults in brackets. */
 typedef struct dsk_comm_opts {
     dsk_comm_backend backend; /* [DSK_COMM_AUTO] */
@@ -95,18 +118,28 @@ typedef struct dsk_comm_opts {
     int master_port;          /* init: [MASTER_PORT or 29500]; init_env: used if MASTER_PORT is unset */
     int local_rank;           /* init only, read when local_world_size > 0 */
     int local_world_size;     /* init only: [world_size, local_rank = rank] */
-    size_t small_bytes;       /* [65536] host: messages up to this size use the one-round algorithm */
+    /* host: messages up to this size use the one-round algorithm [16 KiB when every rank is on
+       one node and allows shared memory, else 64 KiB] */
+    size_t small_bytes;
     size_t piece_bytes;       /* [4 MiB] host: pipelining piece of the large-message algorithm */
     /* Identity of the job: a rank whose job id differs from rank 0's fails init instead of
        joining (two jobs that share MASTER_ADDR:MASTER_PORT never merge). init: [none];
        init_env: [DSK_JOB_ID, else the launcher's: TORCHELASTIC_RUN_ID, PMIX_NAMESPACE or
        OMPI_MCA_orte_hnp_uri (Open MPI), SLURM_JOB_ID.SLURM_STEP_ID]. At most 200 characters. */
     const char *job_id;
+    dsk_comm_transport transport; /* [DSK_COMM_TRANSPORT_AUTO] host backend */
+    /* Identity of this rank's host: ranks with the same one form a node and (host backend)
+       share memory. [DSK_HOST_ID, else the kernel's boot id and the host name]. Setting it
+       emulates several hosts on one machine (tests do). At most 120 characters. */
+    const char *host_id;
 } dsk_comm_opts;
 
-/* Bytes this rank sent and received, calls, and seconds spent inside collectives. */
+/* Bytes this rank sent and received (headers included), calls, and seconds spent inside
+   collectives. bytes_sent_off_node: the part of bytes_sent that went to ranks on other nodes
+   (host backend; the routes count their rows on nccl too). */
 typedef struct dsk_comm_stats {
     uint64_t bytes_sent, bytes_received;
+    uint64_t bytes_sent_off_node;
     int64_t calls;
     double seconds;
 } dsk_comm_stats;
@@ -115,7 +148,10 @@ typedef struct dsk__comm_impl dsk__comm_impl;
 /* A communicator; the caller owns the struct, dsk_comm_init fills it. */
 typedef struct dsk_comm {
     int rank, world_size;
-    int local_rank, local_world_size;
+    int local_rank, local_world_size; /* as the launcher (or opts) gave them: GPU selection */
+    int node, n_nodes;                /* this rank's node (same host identity) and the node count */
+    int node_rank, node_size;         /* index among its node's ranks (in rank order) and their count */
+    int shm_peers;                    /* host: peers reached through shared memory (the others: TCP) */
     dsk_comm_backend backend; /* DSK_COMM_HOST or DSK_COMM_NCCL once initialised */
     dsk_comm_stats stats;     /* host backend: updated by every call */
     dsk__comm_impl *impl;
@@ -202,6 +238,56 @@ DSK_API dsk_status dsk_comm_all_gather_tensor(dsk_comm *c, dsk_ctx *ctx, dsk_ten
 DSK_API dsk_status dsk_comm_broadcast_tensor(dsk_comm *c, dsk_ctx *ctx, dsk_tensor *t, int root); /* in place */
 /* out, in: same shape and dtype, numel divisible by world_size. */
 DSK_API dsk_status dsk_comm_all_to_all_tensor(dsk_comm *c, dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *in);
+
+/* ---- expert-parallel routes: token dispatch and combine, flat or in two hops
+   A route sends each of this rank's n_rows rows (row_elems elements of one dtype) to up to k
+   ranks and brings one row back from each (the expert outputs). Build it once per routing
+   decision (collective over c; every rank passes the same opts), then dispatch and combine
+   any number of times, with any dtype. c must outlive the route.
+   dest (n_rows, k) int32, host memory: the rank each slot (row i, slot j) goes to, -1 for an
+   unused slot. A rank may appear in several slots of a row (two of its experts): each slot is
+   a row of its own at the receiver. S = the used slots of this rank.
+   dispatch: recv (recv_rows, row_elems) = the rows sent to this rank, by source rank, then by
+   (row, slot) at the source: exactly what a flat all-to-all-v gives when every rank packs its
+   rows for each destination in (row, slot) order (recv_counts[p] rows from rank p).
+   combine: rows (recv_rows, row_elems) in the order dispatch delivered go back to their
+   sources; out (S, row_elems) = the row that came back for each used slot, in (row, slot) order.
+   two_hop (a communicator whose nodes all have the same number of ranks): a row crosses to
+   each destination node once, to the rank with this rank's node_rank there, which copies it to
+   its slots on that node (DeepSeek-V3, DeepEP); results are bitwise those of the flat route,
+   and fewer rows cross nodes when a row has several slots on one node. The way back crosses
+   once per slot (the outputs differ). The two hops run on a node communicator and a cross-
+   node one (node_rank alike) that c splits off at the first two-hop route and keeps (NCCL:
+   ncclCommSplit). Node-limited routing (at most M nodes per token) is dsk_moe's group-limited
+   routing with n_group = n_nodes and topk_group = M, when node g holds the experts of group g
+   (expert parallelism places experts in rank order; launchers number ranks node by node).
+   Host backend: CPU buffers. nccl: device buffers on ctx's stream, rows of an even number of
+   bytes (gathered as 16- or 32-bit words). */
+typedef struct dsk_comm_route_opts {
+    int two_hop; /* [0]: one all-to-all-v over c; 1: across nodes, then inside them */
+} dsk_comm_route_opts;
+
+typedef struct dsk__comm_route_impl dsk__comm_route_impl;
+typedef struct dsk_comm_route {
+    int64_t n_rows, slots;        /* rows this rank sends, its used slots (rows combine returns) */
+    int k, two_hop;
+    int64_t recv_rows;            /* rows dispatch delivers to this rank */
+    const int64_t *recv_counts;   /* [world_size] of them from each rank (the route owns the array) */
+    /* rows this rank sends to other nodes in one dispatch and in one combine */
+    int64_t dispatch_rows_off_node, combine_rows_off_node;
+    dsk__comm_route_impl *impl;
+} dsk_comm_route;
+
+/* Collective over c. ctx: nccl keeps the route's index arrays on its GPU (host: unused, may be NULL). */
+DSK_API dsk_status dsk_comm_route_init(dsk_comm_route *rt, dsk_comm *c, dsk_ctx *ctx, int64_t n_rows, int k,
+                                       const int32_t *dest, const dsk_comm_route_opts *opts);
+/* rows (n_rows, row_elems) -> recv (recv_rows, row_elems). Collective over c. */
+DSK_API dsk_status dsk_comm_route_dispatch(dsk_comm_route *rt, dsk_ctx *ctx, const void *rows, int64_t row_elems,
+                                           dsk_dtype dt, void *recv);
+/* rows (recv_rows, row_elems) -> out (slots, row_elems). Collective over c. */
+DSK_API dsk_status dsk_comm_route_combine(dsk_comm_route *rt, dsk_ctx *ctx, const void *rows, int64_t row_elems,
+                                          dsk_dtype dt, void *out);
+DSK_API void dsk_comm_route_free(dsk_comm_route *rt); /* zeroed/freed ok */
 
 /* ---- the bootstrap store (world communicators and their sub-groups). Keys starting with
    "dsk/" are reserved. */
@@ -292,10 +378,14 @@ DSK_API const char *dsk_comm_op_name(dsk_comm_op op); /* "sum", "avg", "max", "m
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#include <dirent.h>
+#include <sched.h>
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/uio.h>
 #include <sys/wait.h>
@@ -799,13 +889,26 @@ static const char *dsk__comm_kind_name(unsigned k) {
 }
 
 #define DSK__COMM_JOB_MAX 200 /* characters of a job id */
+#define DSK__COMM_HOST_MAX 120 /* characters of a host identity */
+
+typedef struct dsk__comm_link dsk__comm_link;
 
 struct dsk__comm_impl {
+    int world;
+    dsk_comm *route_node, *route_cross; /* two-hop routes: split off at the first one, freed with this */
+    int32_t *cpu;                /* this rank's CPU in the segment (NULL without shared memory) */
+    int crowded;                 /* more ranks share this node's memory than it has CPUs: never spin */
     double timeout_s;
     size_t small_bytes, piece_bytes;
     char master_addr[256];
     int master_port;
     char ns[96];                 /* store key namespace of this communicator ("w": the world) */
+    int *node_of;                /* [world] node of each rank */
+    unsigned char *shm_ok;       /* [world] the rank allows shared memory (transport AUTO, host backend) */
+    dsk__comm_link *links;       /* [world] shared-memory view of each peer; tx NULL: TCP */
+    void *shm;                   /* the mapped segment, NULL if none */
+    size_t shm_bytes;
+    uint64_t ring;               /* bytes of each ring (a power of two) */
     int store_gone;              /* the store hung up: rank 0, its host, is gone */
     char job_id[DSK__COMM_JOB_MAX + 4]; /* opts.job_id, "" for none */
     char my_ip[64];              /* where peers reach this rank */
@@ -1028,6 +1131,301 @@ DSK_API dsk_status dsk_comm_store_barrier(dsk_comm *c) {
     return dsk__comm_store_barrier(c, "dsk_comm_store_barrier");
 }
 
+/* ---------------------------------------------------------------- shared memory
+   The ranks of one communicator on one node share a segment: a block per rank (its pid and
+   the CPU it last waited on) and a channel per ordered pair, a single-producer single-consumer byte
+   ring that carries the stream a TCP connection would (headers, then payloads), so every
+   guarantee of the protocol holds unchanged. Two copies (into the ring, out of it) but no
+   system call: pulling large payloads straight from the sender's memory (process_vm_readv, one
+   copy) was slower at every size measured (bench/RESULTS.md), rendezvous and page pinning
+   included, so it is not done.
+   A wait spins on the CPU for DSK__COMM_PAUSE_S (no system call: a peer that runs on another
+   CPU answers in that time), then yields the CPU between looks until DSK__COMM_SPIN_S (with
+   more runnable processes than CPUs the peer may need this CPU to answer), then sleeps in
+   poll() on the TCP connections of the peers it waits for. A rank that starts to wait writes
+   its CPU in its block; a waiter whose peer last waited on the same CPU yields at once, and so
+   does every waiter when the node's group has more ranks than the machine has CPUs.
+   The TCP connections stay open for two purposes: a peer that moves data while this rank
+   sleeps on it (the flag of the pair is set) clears the flag and sends one byte; a peer that
+   exits, crashes or breaks closes it, so a dead peer is seen as on TCP, and what it wrote
+   before is still read. One flag per pair, so only a peer this rank listens to can clear it.
+   Memory order: indices are published with release stores and read with acquire loads; the
+   sleep flags and the indices are ordered by sequentially consistent fences on both sides (a
+   sleeper sets its flags then re-reads the rings; a waker publishes then reads the flag), so
+   one of them always sees the other. Segments are named after the job, the communicator and
+   the creating process ("/dsk-<pid namespace>-<pid>-<hash>") and unlinked as soon as every
+   rank of the node has mapped them, so a crash leaves nothing behind; one whose creator died
+   before that is removed by the next segment created in the same pid namespace. */
+
+#define DSK__COMM_SHM_MAGIC 0x314d48534b5344ull /* "DSKSHM1" */
+#ifdef MAP_POPULATE /* fault the rings in at init, not in the first lap of small messages */
+#define DSK__COMM_MAP_FLAGS (MAP_SHARED | MAP_POPULATE)
+#else
+#define DSK__COMM_MAP_FLAGS MAP_SHARED
+#endif
+#define DSK__COMM_LINE 128                       /* keeps indices of the two sides on separate cache lines */
+#define DSK__COMM_PAUSE_S 20e-6                  /* spin this long on the CPU ... */
+#define DSK__COMM_SPIN_S 10e-3                   /* ... then yield it until this long, then sleep */
+
+typedef struct dsk__comm_shm_head {
+    uint64_t magic, bytes, ring;
+    int32_t members, mapped; /* mapped: ranks that mapped the segment; the last one unlinks it */
+} dsk__comm_shm_head;
+
+typedef struct dsk__comm_shm_rank { /* written by its rank */
+    int32_t cpu; /* where the rank last started to wait (-1: unknown) */
+} dsk__comm_shm_rank;
+
+typedef struct dsk__comm_chan { /* one direction of one pair; the ring's bytes follow */
+    uint64_t head;              /* bytes written, by the producer */
+    char pad0[DSK__COMM_LINE - 8];
+    uint64_t tail;              /* bytes read, by the consumer */
+    char pad1[DSK__COMM_LINE - 8];
+    uint32_t sleeping;          /* the consumer sleeps until the producer moves data either way */
+    char pad2[DSK__COMM_LINE - 4];
+} dsk__comm_chan;
+
+/* A message in a ring: a frame at a 64-byte boundary, then its payload padded to the next
+   boundary (unless it has 16 bytes or less and rides in the frame).
+   The receiver polls the stamp, written last: (messages in the channel so far << 1) | 1 when
+   the payload is already in the ring behind the frame (up to DSK__COMM_EAGER bytes that fit;
+   otherwise it streams after the frame, published through the head). So a small message costs
+   the receiver the frame's cache line and its payload's, not the head's. Every word at a 64-byte
+   boundary of a ring is zero or a live stamp: the receiver clears the boundary words it reads
+   before it frees them, so stale bytes never pass for a stamp. */
+typedef struct dsk__comm_frame {
+    uint64_t stamp;
+    dsk__comm_wire hdr;
+    char inl[16]; /* a payload of 16 bytes or less */
+} dsk__comm_frame;
+
+#define DSK__COMM_FRAME ((uint64_t)sizeof(dsk__comm_frame))
+#define DSK__COMM_EAGER ((size_t)16384)
+typedef char dsk__comm_frame_is_a_line[sizeof(dsk__comm_frame) == 64 ? 1 : -1];
+
+/* Ring bytes behind the frame for a payload of len bytes (0: in the frame). */
+static size_t dsk__comm_ring_payload(size_t len) {
+    return len <= sizeof(((dsk__comm_frame *)0)->inl) ? 0 : (len + 63) & ~(size_t)63;
+}
+
+/* This rank's view of one peer that shares memory with it. */
+struct dsk__comm_link {
+    dsk__comm_chan *tx, *rx;    /* the channel to the peer, from the peer; NULL: TCP */
+    char *txd, *rxd;            /* their rings */
+    uint64_t tx_head, tx_tail;  /* own index, last tail seen */
+    uint64_t rx_tail, rx_head;  /* own index, last head seen */
+    uint64_t sent, received;    /* messages (frames) */
+    int32_t *peer_cpu;          /* the CPU the peer last waited on */
+    int gone;                   /* the peer closed its TCP connection */
+};
+
+static uint64_t dsk__comm_load64(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+static void dsk__comm_store64(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+
+static void dsk__comm_cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* The CPU this thread runs on, -1 if unknown. */
+static int dsk__comm_cpu(void) {
+#if defined(__linux__) && defined(_GNU_SOURCE)
+    return sched_getcpu();
+#else
+    return -1;
+#endif
+}
+
+static uint64_t dsk__comm_fnv(uint64_t h, const void *p, size_t n) {
+    for (size_t i = 0; i < n; i++) h = (h ^ ((const unsigned char *)p)[i]) * 0x100000001b3ull;
+    return h;
+}
+
+/* The identity that decides which ranks share a node: opts.host_id, DSK_HOST_ID, else the
+   host name and the kernel's boot id (two machines never share both). */
+static void dsk__comm_host_identity(const char *given, char *buf, size_t cap) {
+    const char *v = given && *given ? given : getenv("DSK_HOST_ID");
+    char host[128] = "?", boot[64] = "";
+    FILE *f;
+    if (v && *v) {
+        snprintf(buf, cap, "id %.*s", DSK__COMM_HOST_MAX, v);
+        return;
+    }
+    gethostname(host, sizeof host - 1);
+    host[sizeof host - 1] = 0;
+    if ((f = fopen("/proc/sys/kernel/random/boot_id", "r")) != NULL) {
+        if (!fgets(boot, sizeof boot, f)) boot[0] = 0;
+        fclose(f);
+        boot[strcspn(boot, "\n")] = 0;
+    }
+    snprintf(buf, cap, "host %.64s boot %.40s", host, boot);
+}
+
+/* The inode of this process's pid namespace (0 if unknown): pids in segment names mean
+   something only inside it. */
+static unsigned long long dsk__comm_pid_ns(void) {
+    char link[64] = "";
+    unsigned long long ino = 0;
+    ssize_t k = readlink("/proc/self/ns/pid", link, sizeof link - 1);
+    if (k > 0) {
+        link[k] = 0;
+        if (sscanf(link, "pid:[%llu]", &ino) != 1) ino = 0;
+    }
+    return ino;
+}
+
+/* Removes segments whose creator (in this pid namespace) is dead: it died before every rank
+   had mapped its segment, the only window in which a segment exists under its name. */
+static void dsk__comm_shm_clean_stale(unsigned long long ns) {
+    DIR *d = opendir("/dev/shm");
+    struct dirent *e;
+    if (!d) return;
+    while ((e = readdir(d)) != NULL) {
+        unsigned long long ens;
+        int pid, used = 0;
+        char name[300];
+        if (sscanf(e->d_name, "dsk-%llu-%d-%*16[0-9a-f]%n", &ens, &pid, &used) != 2 || used == 0 ||
+            e->d_name[used] != 0 || ens != ns || pid <= 0 || pid == (int)getpid())
+            continue;
+        if (kill(pid, 0) == 0 || errno != ESRCH) continue;
+        snprintf(name, sizeof name, "/%.250s", e->d_name);
+        shm_unlink(name);
+    }
+    closedir(d);
+}
+
+static size_t dsk__comm_shm_layout(int L, uint64_t ring, size_t *ranks_at, size_t *chans_at) {
+    size_t chan = sizeof(dsk__comm_chan) + (size_t)ring;
+    *ranks_at = DSK__COMM_LINE;
+    *chans_at = *ranks_at + (size_t)L * DSK__COMM_LINE;
+    return *chans_at + (size_t)L * (size_t)L * chan;
+}
+
+static dsk__comm_chan *dsk__comm_shm_chan(void *seg, int L, uint64_t ring, int from, int to) {
+    size_t ra, ca;
+    dsk__comm_shm_layout(L, ring, &ra, &ca);
+    return (dsk__comm_chan *)((char *)seg + ca + ((size_t)from * (size_t)L + (size_t)to) *
+                                                     (sizeof(dsk__comm_chan) + (size_t)ring));
+}
+
+static dsk__comm_shm_rank *dsk__comm_shm_block(void *seg, int j) {
+    return (dsk__comm_shm_rank *)((char *)seg + DSK__COMM_LINE + (size_t)j * DSK__COMM_LINE);
+}
+
+/* Ring bytes per channel: 256 KiB, less when many ranks share the node (at most 64 MiB of rings). */
+static uint64_t dsk__comm_ring_bytes(int L) {
+    uint64_t r = (uint64_t)256 << 10;
+    while (r > 16384 && (uint64_t)L * (uint64_t)L * r > ((uint64_t)64 << 20)) r >>= 1;
+    return r;
+}
+
+/* Copies n bytes into the ring at stream position pos (wrapping). */
+static void dsk__comm_ring_write(char *ring, uint64_t R, uint64_t pos, const char *src, size_t n) {
+    size_t off = (size_t)(pos & (R - 1)), first = n < R - off ? n : (size_t)(R - off);
+    memcpy(ring + off, src, first);
+    if (n > first) memcpy(ring, src + first, n - first);
+}
+
+/* Copies n bytes out of the ring at stream position pos (wrapping), then clears the words at
+   64-byte boundaries that end in [pos, pos + n + pad] (pad: bytes the writer skipped, the
+   reader's to clear too), so they can never pass for a frame's stamp. A word that the read
+   only began is cleared by the read that ends it: the writer may be filling its other bytes,
+   and the tail stays before it until then (dsk__comm_publish_tail). */
+static void dsk__comm_ring_read(char *ring, uint64_t R, uint64_t pos, char *dst, size_t n, size_t pad) {
+    size_t off = (size_t)(pos & (R - 1)), first = n < R - off ? n : (size_t)(R - off);
+    memcpy(dst, ring + off, first);
+    if (n > first) memcpy(dst + first, ring, n - first);
+    for (uint64_t b = (pos + 56) & ~(uint64_t)63; b + 8 <= pos + n + pad; b += 64)
+        __atomic_store_n((uint64_t *)(ring + (b & (R - 1))), 0, __ATOMIC_RELAXED);
+}
+
+/* Publishes the reader's tail, short of a line whose first word was only partly read: that
+   word is cleared by the read that ends it, and the writer must not reuse its bytes before. */
+static void dsk__comm_publish_tail(dsk__comm_link *l) {
+    uint64_t t = l->rx_tail, in = t & 63;
+    dsk__comm_store64(&l->rx->tail, in > 0 && in < 8 ? t - in : t);
+}
+
+/* Streams what fits of src[0..len) into the ring; returns the bytes written. `pad` more bytes
+   are counted into the head with the last byte (the gap to the next frame). The head is
+   published every 64 KiB so the reader starts on a large payload early. */
+static size_t dsk__comm_ring_put(dsk__comm_link *l, uint64_t R, const char *src, size_t len, size_t pad) {
+    size_t put = 0;
+    while (put < len) {
+        uint64_t space = R - (l->tx_head - l->tx_tail);
+        size_t n = len - put < 65536 ? len - put : 65536, extra = put + n == len ? pad : 0;
+        if (space < n + extra) {
+            l->tx_tail = dsk__comm_load64(&l->tx->tail);
+            space = R - (l->tx_head - l->tx_tail);
+        }
+        if (space < n + extra) { /* the last byte goes with the pad: hold it back until both fit */
+            n = extra ? (space > pad ? (size_t)space - pad : 0) : (size_t)space;
+            if (n > len - put) n = len - put;
+        }
+        if (n == 0) break;
+        dsk__comm_ring_write(l->txd, R, l->tx_head, src + put, n);
+        put += n;
+        l->tx_head += n + (put == len ? pad : 0);
+        dsk__comm_store64(&l->tx->head, l->tx_head);
+    }
+    return put;
+}
+
+/* Reads up to len bytes of a streamed payload; returns the bytes read. `pad` more bytes are
+   skipped after the last one (the writer counted them into the head with it). */
+static size_t dsk__comm_ring_get(dsk__comm_link *l, uint64_t R, char *dst, size_t len, size_t pad) {
+    size_t got = 0;
+    while (got < len) {
+        uint64_t avail = l->rx_head > l->rx_tail ? l->rx_head - l->rx_tail : 0;
+        size_t n = len - got;
+        if (avail < n) {
+            l->rx_head = dsk__comm_load64(&l->rx->head);
+            avail = l->rx_head > l->rx_tail ? l->rx_head - l->rx_tail : 0;
+        }
+        if (n > avail) n = (size_t)avail;
+        if (n > 65536) n = 65536;
+        if (n == 0) break;
+        got += n;
+        dsk__comm_ring_read(l->rxd, R, l->rx_tail, dst + got - n, n, got == len ? pad : 0);
+        l->rx_tail += n + (got == len ? pad : 0);
+        dsk__comm_publish_tail(l);
+    }
+    return got;
+}
+
+/* After moving data with `peer`: if it sleeps on this rank, clear the flag and send it a byte. */
+static void dsk__comm_shm_wake(dsk__comm_impl *m, int peer) {
+    uint32_t *f = &m->links[peer].tx->sleeping;
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (__atomic_load_n(f, __ATOMIC_RELAXED) && __atomic_exchange_n(f, 0, __ATOMIC_ACQ_REL)) {
+        char b = 1;
+        ssize_t w = send(m->fds[peer], &b, 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+        (void)w; /* a full socket already holds a wake-up; a closed one belongs to a peer that is gone */
+    }
+}
+
+/* Reads the wake-up bytes on peer's connection; marks the peer gone at end of stream. */
+static void dsk__comm_shm_drain(dsk__comm_impl *m, int peer) {
+    char b[64];
+    for (;;) {
+        ssize_t r = recv(m->fds[peer], b, sizeof b, MSG_DONTWAIT);
+        if (r > 0) continue;
+        if (r < 0 && errno == EINTR) continue;
+        if (r == 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) m->links[peer].gone = 1;
+        return;
+    }
+}
+
+static void dsk__comm_shm_unmap(dsk__comm_impl *m) {
+    if (m->shm) munmap(m->shm, m->shm_bytes);
+    m->shm = NULL;
+    m->cpu = NULL;
+    for (int r = 0; m->links && r < m->world; r++) memset(&m->links[r], 0, sizeof m->links[r]);
+}
+
 /* ---------------------------------------------------------------- the host backend's I/O engine
    A call posts one message per (peer, direction) and progresses them all at once with
    poll(), so no order of sends and receives can deadlock. */
@@ -1131,11 +1529,17 @@ static int dsk__comm_io_progress(dsk_comm *c, const char *fn, dsk__comm_io *op, 
             mh.msg_iov = iov;
             mh.msg_iovlen = (size_t)k;
             r = sendmsg(fd, &mh, MSG_NOSIGNAL);
-            if (r > 0) { op->done += (size_t)r; c->stats.bytes_sent += (uint64_t)r; continue; }
+            if (r > 0) {
+                op->done += (size_t)r;
+                c->stats.bytes_sent += (uint64_t)r;
+                if (c->impl->node_of[op->peer] != c->node) c->stats.bytes_sent_off_node += (uint64_t)r;
+                continue;
+            }
         } else if (op->done < H) {
             r = recv(fd, (char *)&op->got + op->done, H - op->done, 0);
             if (r > 0) {
                 op->done += (size_t)r;
+                c->stats.bytes_received += (uint64_t)r;
                 if (op->done == H && (*err = dsk__comm_check_header(c, fn, op)) != DSK_OK) return -1;
                 continue;
             }
@@ -1177,48 +1581,244 @@ static void dsk__comm_fold_slice(dsk__comm_fold_job *job, const void **tmp_srcs,
     job->done += len;
 }
 
+static int dsk__comm_is_shm(const dsk__comm_impl *m, int peer) { return m->links && m->links[peer].tx; }
+
+/* Whether an op on a shared-memory peer can move now (reads the peer's side, moves nothing). */
+static int dsk__comm_shm_ready(dsk__comm_impl *m, const dsk__comm_io *op) {
+    dsk__comm_link *l = &m->links[op->peer];
+    if (op->is_send) {
+        uint64_t space = m->ring - (l->tx_head - dsk__comm_load64(&l->tx->tail));
+        return op->done == 0 ? space >= DSK__COMM_FRAME : space > 0;
+    }
+    if (op->done == 0) {
+        const dsk__comm_frame *f = (const dsk__comm_frame *)(l->rxd + (l->rx_tail & (m->ring - 1)));
+        return __atomic_load_n(&f->stamp, __ATOMIC_ACQUIRE) >> 1 == l->received + 1;
+    }
+    return dsk__comm_load64(&l->rx->head) > l->rx_tail;
+}
+
+/* A send on shared memory: the frame, with the payload behind it when it fits (or in it when
+   tiny), then the rest of the payload streamed. */
+static void dsk__comm_shm_send(dsk_comm *c, dsk__comm_io *op) {
+    dsk__comm_impl *m = c->impl;
+    dsk__comm_link *l = &m->links[op->peer];
+    const size_t H = sizeof(dsk__comm_wire), pay = dsk__comm_ring_payload(op->len);
+    uint64_t R = m->ring;
+    if (op->done == 0) {
+        uint64_t space = R - (l->tx_head - l->tx_tail), eager;
+        dsk__comm_frame *f;
+        if (space < DSK__COMM_FRAME + (pay <= DSK__COMM_EAGER ? pay : 0)) {
+            l->tx_tail = dsk__comm_load64(&l->tx->tail);
+            space = R - (l->tx_head - l->tx_tail);
+        }
+        if (space < DSK__COMM_FRAME) return;
+        eager = pay && pay <= DSK__COMM_EAGER && space >= DSK__COMM_FRAME + pay;
+        if (eager) dsk__comm_ring_write(l->txd, R, l->tx_head + DSK__COMM_FRAME, op->buf, op->len);
+        f = (dsk__comm_frame *)(l->txd + (l->tx_head & (R - 1)));
+        f->hdr = op->hdr;
+        if (op->len && !pay) memcpy(f->inl, op->buf, op->len);
+        /* the head first: a reader that sees the stamp must never find the head behind the frame */
+        l->tx_head += DSK__COMM_FRAME + (eager ? pay : 0);
+        dsk__comm_store64(&l->tx->head, l->tx_head);
+        __atomic_store_n(&f->stamp, (++l->sent << 1) | eager, __ATOMIC_RELEASE);
+        op->done = pay && !eager ? H : H + op->len;
+        c->stats.bytes_sent += op->done;
+        return;
+    }
+    {
+        size_t off = op->done - H, k = dsk__comm_ring_put(l, R, op->buf + off, op->len - off, pay - op->len);
+        op->done += k;
+        c->stats.bytes_sent += k;
+    }
+}
+
+/* A receive on shared memory: the frame when its stamp shows (the payload with it when it is
+   there), then the rest of the payload streamed. -1 on error (*err set). */
+static int dsk__comm_shm_recv(dsk_comm *c, const char *fn, dsk__comm_io *op, dsk_status *err) {
+    dsk__comm_impl *m = c->impl;
+    dsk__comm_link *l = &m->links[op->peer];
+    const size_t H = sizeof(dsk__comm_wire), pay = dsk__comm_ring_payload(op->len);
+    uint64_t R = m->ring;
+    size_t k, off = op->done - H;
+    if (op->done == 0) {
+        dsk__comm_frame *f = (dsk__comm_frame *)(l->rxd + (l->rx_tail & (R - 1)));
+        uint64_t stamp = __atomic_load_n(&f->stamp, __ATOMIC_ACQUIRE);
+        if (stamp >> 1 != l->received + 1) return 0;
+        l->received++;
+        memcpy(&op->got, &f->hdr, H);
+        op->done = H;
+        c->stats.bytes_received += H;
+        if ((*err = dsk__comm_check_header(c, fn, op)) != DSK_OK) return -1;
+        if (op->len && !pay) memcpy(op->buf, f->inl, op->len);
+        __atomic_store_n(&f->stamp, 0, __ATOMIC_RELAXED);
+        l->rx_tail += DSK__COMM_FRAME;
+        if (stamp & 1) {
+            dsk__comm_ring_read(l->rxd, R, l->rx_tail, op->buf, op->len, pay - op->len);
+            l->rx_tail += pay;
+        }
+        if (!pay || (stamp & 1)) op->done = H + op->len;
+        if (l->rx_head < l->rx_tail) l->rx_head = l->rx_tail; /* the cached head: never behind the tail */
+        c->stats.bytes_received += op->done - H;
+        dsk__comm_publish_tail(l);
+        return 1;
+    }
+    k = dsk__comm_ring_get(l, R, op->buf + off, op->len - off, pay - op->len);
+    op->done += k;
+    c->stats.bytes_received += k;
+    return k > 0;
+}
+
+/* Moves what one op on a shared-memory peer allows: 1 if anything moved, 0 if not, -1 on error
+   (*err set). A send to a peer that is gone fails; a receive fails once the peer's ring is empty. */
+static int dsk__comm_shm_step(dsk_comm *c, const char *fn, dsk__comm_io *op, dsk_status *err) {
+    dsk__comm_link *l = &c->impl->links[op->peer];
+    size_t before = op->done;
+    if (l->gone && op->is_send) { /* the peer will not read what is not in its ring yet */
+        *err = dsk__comm_hangup(c, fn, op, "it closed its connection");
+        return -1;
+    }
+    if (op->is_send) dsk__comm_shm_send(c, op);
+    else if (dsk__comm_shm_recv(c, fn, op, err) < 0) return -1;
+    if (op->done != before) {
+        dsk__comm_shm_wake(c->impl, op->peer);
+        return 1;
+    }
+    if (l->gone && !dsk__comm_io_finished(op)) {
+        *err = dsk__comm_hangup(c, fn, op, "it closed its connection");
+        return -1;
+    }
+    return 0;
+}
+
+/* The error for a call that reached its deadline, naming a peer it waits for (a receive
+   first: that peer has not sent). */
+static dsk_status dsk__comm_io_timeout(dsk_comm *c, const char *fn, const dsk__comm_io *ops, int n, double t0) {
+    int w = -1;
+    char what[160];
+    for (int i = 0; i < n; i++)
+        if (!dsk__comm_io_finished(&ops[i]) && (w < 0 || (ops[w].is_send && !ops[i].is_send))) w = i;
+    if (w < 0) w = 0;
+    dsk__comm_wire_describe(&ops[w].hdr, what, sizeof what);
+    dsk_set_error(DSK_ERR_TIMEOUT,
+                  "%s: timed out after %.2f s waiting for rank %d to %s (%zu of %zu bytes) in %s; "
+                  "rank %d may be stopped, overloaded or in a different call",
+                  fn, dsk__comm_now() - t0, ops[w].peer, ops[w].is_send ? "accept data" : "send", ops[w].done,
+                  sizeof(dsk__comm_wire) + ops[w].len, what, ops[w].peer);
+    return dsk__comm_break(c, DSK_ERR_TIMEOUT);
+}
+
+/* Waits in poll() until a TCP op can move, a shared-memory peer wakes this rank (or closes its
+   connection) or `ms` pass; TCP ops that can move are progressed. Before sleeping on shared-
+   memory peers the flags of those pairs are set and the rings checked again, so no wake-up is
+   lost. Returns -1 on error (*err set), else the number of descriptors that were ready. */
+static int dsk__comm_io_wait(dsk_comm *c, const char *fn, dsk__comm_io *ops, int n, int ms, dsk_status *err) {
+    dsk__comm_impl *m = c->impl;
+    int k = 0, shm = 0, r;
+    for (int i = 0; i < n; i++) {
+        int p = ops[i].peer;
+        if (dsk__comm_io_finished(&ops[i])) continue;
+        if (dsk__comm_is_shm(m, p)) {
+            shm = 1;
+            if (ms != 0) __atomic_store_n(&m->links[p].rx->sleeping, 1u, __ATOMIC_RELAXED);
+        }
+        m->pfd[k].fd = m->fds[p];
+        m->pfd[k].events = dsk__comm_is_shm(m, p) || !ops[i].is_send ? POLLIN : POLLOUT;
+        m->pfd[k].revents = 0;
+        m->pidx[k++] = i;
+    }
+    if (shm && ms != 0) {
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);
+        for (int j = 0; j < k && ms != 0; j++)
+            if (dsk__comm_is_shm(m, ops[m->pidx[j]].peer) && dsk__comm_shm_ready(m, &ops[m->pidx[j]])) ms = 0;
+    }
+    r = poll(m->pfd, (nfds_t)k, ms);
+    for (int j = 0; shm && j < k; j++)
+        if (dsk__comm_is_shm(m, ops[m->pidx[j]].peer))
+            __atomic_store_n(&m->links[ops[m->pidx[j]].peer].rx->sleeping, 0u, __ATOMIC_RELAXED);
+    if (r < 0 && errno != EINTR) {
+        *err = dsk_set_error(DSK_ERR_IO, "%s: poll: %s", fn, strerror(errno));
+        return -1;
+    }
+    for (int j = 0; r > 0 && j < k; j++) {
+        dsk__comm_io *op = &ops[m->pidx[j]];
+        if (!m->pfd[j].revents) continue;
+        if (dsk__comm_is_shm(m, op->peer)) dsk__comm_shm_drain(m, op->peer);
+        else if (dsk__comm_io_progress(c, fn, op, err) < 0) return -1;
+    }
+    return r > 0 ? r : 0;
+}
+
 /* Runs ops[0..n) to completion or to the deadline (t0 + timeout), folding `job` (may be
-   NULL) whenever no socket is ready; the job is complete on return. Errors break the comm. */
+   NULL) whenever nothing can move; the job is complete on return. Errors break the comm.
+   Shared-memory ops move without system calls; when none can, the engine spins, then yields
+   (looking at TCP ops without waiting, if any) until DSK__COMM_SPIN_S, then sleeps in poll(). */
 static dsk_status dsk__comm_io_run(dsk_comm *c, const char *fn, dsk__comm_io *ops, int n, double t0,
                                    dsk__comm_fold_job *job) {
     dsk__comm_impl *m = c->impl;
-    double deadline = t0 + m->timeout_s;
+    double deadline = t0 + m->timeout_s, spin_from = 0;
+    unsigned looks = 0; /* idle looks since data last moved */
+    int shared_cpu = 0; /* a peer this rank waits for last waited on this CPU: spinning would keep it off */
     for (;;) {
-        int k = 0, r, idle = job && job->done < job->len;
+        int shm_wait = 0, tcp_wait = 0, moved = 0, idle = job && job->done < job->len, r;
+        dsk_status err = DSK_OK;
         for (int i = 0; i < n; i++) {
             if (dsk__comm_io_finished(&ops[i])) continue;
-            m->pfd[k].fd = m->fds[ops[i].peer];
-            m->pfd[k].events = ops[i].is_send ? POLLOUT : POLLIN;
-            m->pfd[k].revents = 0;
-            m->pidx[k++] = i;
+            if (!dsk__comm_is_shm(m, ops[i].peer)) {
+                tcp_wait++;
+                continue;
+            }
+            if ((r = dsk__comm_shm_step(c, fn, &ops[i], &err)) < 0) return dsk__comm_break(c, err);
+            moved |= r;
+            shm_wait += !dsk__comm_io_finished(&ops[i]);
         }
-        if (k == 0) {
+        if (!shm_wait && !tcp_wait) {
             if (idle) dsk__comm_fold_slice(job, m->srcs + c->world_size, 0);
             return DSK_OK;
         }
-        r = poll(m->pfd, (nfds_t)k, idle ? 0 : dsk__comm_ms_left(deadline));
-        if (r < 0 && errno != EINTR)
-            return dsk__comm_break(c, dsk_set_error(DSK_ERR_IO, "%s: poll: %s", fn, strerror(errno)));
-        if (r == 0 && dsk__comm_now() >= deadline) {
-            /* name the peer we wait for; prefer a receive: that peer has not sent */
-            int w = m->pidx[0];
-            char what[160];
-            for (int j = 0; j < k; j++)
-                if (!ops[m->pidx[j]].is_send) { w = m->pidx[j]; break; }
-            dsk__comm_wire_describe(&ops[w].hdr, what, sizeof what);
-            dsk_set_error(DSK_ERR_TIMEOUT,
-                          "%s: timed out after %.2f s waiting for rank %d to %s (%zu of %zu bytes) in %s; "
-                          "rank %d may be stopped, overloaded or in a different call",
-                          fn, dsk__comm_now() - t0, ops[w].peer, ops[w].is_send ? "accept data" : "send", ops[w].done,
-                          sizeof(dsk__comm_wire) + ops[w].len, what, ops[w].peer);
-            return dsk__comm_break(c, DSK_ERR_TIMEOUT);
+        if (tcp_wait && (shm_wait || idle)) { /* TCP next to other work: look without waiting */
+            if ((r = dsk__comm_io_wait(c, fn, ops, n, 0, &err)) < 0) return dsk__comm_break(c, err);
+            moved |= r > 0;
         }
-        for (int j = 0; r > 0 && j < k; j++) {
-            dsk_status err = DSK_OK;
-            if (m->pfd[j].revents && dsk__comm_io_progress(c, fn, &ops[m->pidx[j]], &err) < 0)
-                return dsk__comm_break(c, err);
+        if (idle) { /* a slice of the fold between every look at the transfers */
+            dsk__comm_fold_slice(job, m->srcs + c->world_size, 32768);
+            continue;
         }
-        if (idle) dsk__comm_fold_slice(job, m->srcs + c->world_size, 32768);
+        if (moved) {
+            spin_from = 0;
+            looks = 0;
+            continue;
+        }
+        if (shm_wait && looks == 0) { /* a wait starts: say where, and see whether a peer waited here */
+            int cpu = dsk__comm_cpu();
+            __atomic_store_n(m->cpu, cpu, __ATOMIC_RELAXED);
+            shared_cpu = 0;
+            for (int i = 0; i < n && cpu >= 0; i++)
+                if (!dsk__comm_io_finished(&ops[i]) && dsk__comm_is_shm(m, ops[i].peer) &&
+                    __atomic_load_n(m->links[ops[i].peer].peer_cpu, __ATOMIC_RELAXED) == cpu)
+                    shared_cpu = 1;
+        }
+        if (shm_wait && (++looks & 7) && !shared_cpu && !m->crowded) { /* the clock every 8th idle look */
+            dsk__comm_cpu_relax();
+            continue;
+        }
+        {
+            double now = dsk__comm_now();
+            if (now >= deadline) return dsk__comm_io_timeout(c, fn, ops, n, t0);
+            if (shm_wait) {
+                if (spin_from == 0) spin_from = now;
+                if (now - spin_from < DSK__COMM_PAUSE_S && !shared_cpu && !m->crowded) {
+                    dsk__comm_cpu_relax();
+                    continue;
+                }
+                if (now - spin_from < DSK__COMM_SPIN_S) {
+                    sched_yield();
+                    continue;
+                }
+            }
+        }
+        if (dsk__comm_io_wait(c, fn, ops, n, dsk__comm_ms_left(deadline), &err) < 0) return dsk__comm_break(c, err);
+        spin_from = 0;
+        looks = 0;
     }
 }
 
@@ -1625,7 +2225,7 @@ static dsk_status dsk__comm_impl_alloc(dsk_comm *c, const char *fn, const dsk_co
     c->impl = m;
     m->store_fd = -1;
     m->timeout_s = o && o->timeout_s > 0 ? o->timeout_s : 300.0;
-    m->small_bytes = o && o->small_bytes ? o->small_bytes : 65536;
+    m->small_bytes = o ? o->small_bytes : 0; /* 0: the default, chosen once the nodes are known */
     m->piece_bytes = o && o->piece_bytes ? o->piece_bytes : ((size_t)4 << 20);
     snprintf(m->master_addr, sizeof m->master_addr, "%s", addr);
     m->master_port = port;
@@ -1638,15 +2238,177 @@ static dsk_status dsk__comm_impl_alloc(dsk_comm *c, const char *fn, const dsk_co
     m->ops = (dsk__comm_io *)DSK_MALLOC((size_t)2 * n * sizeof(dsk__comm_io));
     m->srcs = (const void **)DSK_MALLOC((size_t)2 * n * sizeof(void *)); /* a fold's sources, then a slice's */
     m->off = (int64_t *)DSK_MALLOC((size_t)(n + 1) * sizeof(int64_t));
-    if (!m->fds || !m->p2p_sent || !m->p2p_recvd || !m->pfd || !m->pidx || !m->ops || !m->srcs || !m->off)
+    m->node_of = (int *)DSK_MALLOC((size_t)n * sizeof(int));
+    m->shm_ok = (unsigned char *)DSK_MALLOC((size_t)n);
+    m->links = (dsk__comm_link *)DSK_MALLOC((size_t)n * sizeof(dsk__comm_link));
+    m->world = n;
+    if (!m->fds || !m->p2p_sent || !m->p2p_recvd || !m->pfd || !m->pidx || !m->ops || !m->srcs || !m->off ||
+        !m->node_of || !m->shm_ok || !m->links)
         return dsk_set_error(DSK_ERR_OOM, "%s: communicator arrays for %d ranks", fn, n);
-    for (int r = 0; r < n; r++) { m->fds[r] = -1; m->p2p_sent[r] = m->p2p_recvd[r] = 0; }
+    for (int r = 0; r < n; r++) {
+        m->fds[r] = -1;
+        m->p2p_sent[r] = m->p2p_recvd[r] = 0;
+        m->node_of[r] = 0;
+        m->shm_ok[r] = 0;
+    }
+    memset(m->links, 0, (size_t)n * sizeof(dsk__comm_link));
+    c->n_nodes = c->node_size = 1;
     return DSK_OK;
+}
+
+/* Numbers the nodes in the order of their lowest rank: ranks r and s share a node when
+   same[r] == same[s]; fills node_of and the node fields of c. */
+static void dsk__comm_set_nodes(dsk_comm *c, const int *same) {
+    dsk__comm_impl *m = c->impl;
+    int n = c->world_size, nodes = 0;
+    for (int r = 0; r < n; r++) {
+        int j = 0;
+        while (j < r && same[j] != same[r]) j++;
+        m->node_of[r] = j < r ? m->node_of[j] : nodes++;
+    }
+    c->n_nodes = nodes;
+    c->node = m->node_of[c->rank];
+    c->node_rank = c->node_size = 0;
+    for (int r = 0; r < n; r++) {
+        if (m->node_of[r] != c->node) continue;
+        c->node_rank += r < c->rank;
+        c->node_size++;
+    }
+}
+
+/* Points this rank's links to the members g[0..L) of its node group (this rank is g[me])
+   inside the mapped segment. */
+static void dsk__comm_shm_link(dsk_comm *c, const int *g, int L, int me) {
+    dsk__comm_impl *m = c->impl;
+    m->cpu = &dsk__comm_shm_block(m->shm, me)->cpu;
+    for (int j = 0; j < L; j++) {
+        dsk__comm_link *l = &m->links[g[j]];
+        dsk__comm_shm_rank *b = dsk__comm_shm_block(m->shm, j);
+        if (j == me) continue;
+        memset(l, 0, sizeof *l);
+        l->tx = dsk__comm_shm_chan(m->shm, L, m->ring, me, j);
+        l->rx = dsk__comm_shm_chan(m->shm, L, m->ring, j, me);
+        l->txd = (char *)(l->tx + 1);
+        l->rxd = (char *)(l->rx + 1);
+        l->peer_cpu = &b->cpu;
+    }
+    c->shm_peers = L - 1;
+    m->crowded = L > (int)sysconf(_SC_NPROCESSORS_ONLN); /* the machine's, not this rank's affinity */
+}
+
+/* Creates (g[0]) or opens (the others) the segment of this rank's node group: members g[0..L)
+   in rank order, this rank is g[me]. *seg_out: the mapping or NULL; name: its name ("" if the
+   creator failed). The last member to map it unlinks it (*unlinked = 1). */
+static dsk_status dsk__comm_shm_map(dsk_comm *c, const char *fn, int L, int me, char *name, size_t cap,
+                                    void **seg_out, int *unlinked) {
+    dsk__comm_impl *m = c->impl;
+    char key[200];
+    size_t ra, ca, bytes = dsk__comm_shm_layout(L, m->ring, &ra, &ca), len = 0;
+    dsk__comm_shm_head *head;
+    struct stat sb;
+    void *seg = MAP_FAILED;
+    int fd = -1;
+    snprintf(key, sizeof key, "dsk/%s/shm/%d", m->ns, m->node_of[c->rank]);
+    if (me == 0) {
+        unsigned long long ns = dsk__comm_pid_ns();
+        uint64_t h = dsk__comm_fnv(0xcbf29ce484222325ull, m->job_id, strlen(m->job_id));
+        h = dsk__comm_fnv(h, m->ns, strlen(m->ns));
+        h = dsk__comm_fnv(h, &m->tag, sizeof m->tag);
+        snprintf(name, cap, "/dsk-%llu-%d-%016llx", ns, (int)getpid(), (unsigned long long)h);
+        dsk__comm_shm_clean_stale(ns);
+        fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
+        if (fd >= 0 && ftruncate(fd, (off_t)bytes) == 0)
+            seg = mmap(NULL, bytes, PROT_READ | PROT_WRITE, DSK__COMM_MAP_FLAGS, fd, 0);
+        if (seg != MAP_FAILED) {
+            head = (dsk__comm_shm_head *)seg;
+            head->bytes = bytes;
+            head->ring = m->ring;
+            head->members = L;
+            head->magic = DSK__COMM_SHM_MAGIC;
+        } else {
+            if (fd >= 0) shm_unlink(name);
+            name[0] = 0; /* the others fall back to TCP */
+        }
+        if (fd >= 0) close(fd);
+        *seg_out = seg == MAP_FAILED ? NULL : seg;
+        DSK__TRY(dsk__comm_store_set(c, fn, key, name, strlen(name) + 1));
+    } else {
+        DSK__TRY(dsk__comm_store_get(c, fn, key, name, cap - 1, &len));
+        name[len < cap ? len : cap - 1] = 0;
+        if (name[0] && (fd = shm_open(name, O_RDWR, 0)) >= 0 && fstat(fd, &sb) == 0 && (size_t)sb.st_size == bytes)
+            seg = mmap(NULL, bytes, PROT_READ | PROT_WRITE, DSK__COMM_MAP_FLAGS, fd, 0);
+        if (fd >= 0) close(fd);
+        head = (dsk__comm_shm_head *)seg;
+        if (seg != MAP_FAILED && (head->magic != DSK__COMM_SHM_MAGIC || head->bytes != bytes ||
+                                  head->ring != m->ring || head->members != L)) {
+            munmap(seg, bytes);
+            seg = MAP_FAILED;
+        }
+        *seg_out = seg == MAP_FAILED ? NULL : seg;
+    }
+    if (*seg_out) {
+        dsk__comm_shm_rank *b = dsk__comm_shm_block(*seg_out, me);
+        b->cpu = -1;
+        if (__atomic_add_fetch(&((dsk__comm_shm_head *)*seg_out)->mapped, 1, __ATOMIC_ACQ_REL) == L) {
+            shm_unlink(name);
+            *unlinked = 1;
+        }
+    }
+    return DSK_OK;
+}
+
+/* Shared memory for this rank's node group (ranks of its node that allow it). Every member
+   says through the store whether it mapped the segment; if one did not (another /dev/shm, no
+   memory), the whole group keeps TCP. */
+static dsk_status dsk__comm_shm_setup(dsk_comm *c, const char *fn) {
+    dsk__comm_impl *m = c->impl;
+    int n = c->world_size, L = 0, me = -1, ok = 1, unlinked = 0, *g;
+    char name[128] = "", key[200];
+    void *seg = NULL;
+    dsk_status st;
+    if (!m->shm_ok[c->rank]) return DSK_OK;
+    if (!(g = (int *)DSK_MALLOC((size_t)n * sizeof(int))))
+        return dsk_set_error(DSK_ERR_OOM, "%s: node group of %d ranks", fn, n);
+    for (int r = 0; r < n; r++) {
+        if (m->node_of[r] != c->node || !m->shm_ok[r]) continue;
+        if (r == c->rank) me = L;
+        g[L++] = r;
+    }
+    if (L < 2) {
+        DSK_FREE(g);
+        return DSK_OK;
+    }
+    m->ring = dsk__comm_ring_bytes(L);
+    st = dsk__comm_shm_map(c, fn, L, me, name, sizeof name, &seg, &unlinked);
+    if (seg) {
+        size_t ra, ca;
+        m->shm = seg;
+        m->shm_bytes = dsk__comm_shm_layout(L, m->ring, &ra, &ca);
+    }
+    if (st == DSK_OK) {
+        char v = seg ? 1 : 0;
+        snprintf(key, sizeof key, "dsk/%s/shm/%d/ok/%d", m->ns, c->node, c->rank);
+        st = dsk__comm_store_set(c, fn, key, &v, 1);
+        for (int j = 0; st == DSK_OK && j < L; j++) {
+            size_t len = 0;
+            snprintf(key, sizeof key, "dsk/%s/shm/%d/ok/%d", m->ns, c->node, g[j]);
+            if ((st = dsk__comm_store_get(c, fn, key, &v, 1, &len)) == DSK_OK && (len != 1 || !v)) ok = 0;
+        }
+    }
+    if (name[0] && !unlinked && (st != DSK_OK || !ok)) shm_unlink(name);
+    if (st == DSK_OK && ok) dsk__comm_shm_link(c, g, L, me);
+    else dsk__comm_shm_unmap(m);
+    DSK_FREE(g);
+    return st;
 }
 
 static void dsk__comm_impl_free(dsk_comm *c) {
     dsk__comm_impl *m = c->impl;
     if (!m) return;
+    if (m->route_node) dsk_comm_free(m->route_node);
+    if (m->route_cross) dsk_comm_free(m->route_cross);
+    DSK_FREE(m->route_node);
+    DSK_FREE(m->route_cross);
 #ifdef DSK_CUDA
     if (m->nccl) {
         if (m->broken) ncclCommAbort(m->nccl);
@@ -1665,12 +2427,14 @@ static void dsk__comm_impl_free(dsk_comm *c) {
     }
     if (m->nccl_flag) cudaFree(m->nccl_flag);
 #endif
+    dsk__comm_shm_unmap(m);
     for (int r = 0; m->fds && r < c->world_size; r++)
         if (m->fds[r] >= 0) close(m->fds[r]);
     if (m->store_fd >= 0) close(m->store_fd); /* before the server, which waits for its clients to leave */
     dsk__comm_store_server_free(m->server);
     DSK_FREE(m->fds); DSK_FREE(m->p2p_sent); DSK_FREE(m->p2p_recvd); DSK_FREE(m->pfd); DSK_FREE(m->pidx);
     DSK_FREE(m->ops); DSK_FREE((void *)m->srcs); DSK_FREE(m->off); DSK_FREE(m->scratch);
+    DSK_FREE(m->node_of); DSK_FREE(m->shm_ok); DSK_FREE(m->links);
     DSK_FREE(m);
     c->impl = NULL;
 }
@@ -1923,7 +2687,8 @@ static dsk_status dsk__comm_join(dsk_comm *c, const char *fn, const struct socka
 typedef struct dsk__comm_rank_rec {
     char ep[DSK__COMM_EP_LEN];
     uint64_t small_bytes, piece_bytes;
-    int32_t backend, pad;
+    int32_t backend, transport;
+    char host[DSK__COMM_HOST_MAX + 16]; /* host identity: same string, same node */
 } dsk__comm_rank_rec;
 
 static dsk_status dsk__comm_same_options(dsk_comm *c, const char *fn, const dsk__comm_rank_rec *mine,
@@ -1935,11 +2700,39 @@ static dsk_status dsk__comm_same_options(dsk_comm *c, const char *fn, const dsk_
                              theirs->backend >= 0 && theirs->backend < 3 ? names[theirs->backend] : "an unknown",
                              c->rank, names[mine->backend]);
     if (theirs->small_bytes == mine->small_bytes && theirs->piece_bytes == mine->piece_bytes) return DSK_OK;
-    return dsk_set_error(DSK_ERR_ARG,
-                         "%s: rank %d has %s %llu but this rank (%d) has %llu; every rank must use the same "
-                         "small_bytes and piece_bytes (they shape the wire protocol)",
-                         fn, r, what, (unsigned long long)(what[0] == 's' ? theirs->small_bytes : theirs->piece_bytes),
-                         c->rank, (unsigned long long)(what[0] == 's' ? mine->small_bytes : mine->piece_bytes));
+    {
+        uint64_t t = what[0] == 's' ? theirs->small_bytes : theirs->piece_bytes;
+        uint64_t m = what[0] == 's' ? mine->small_bytes : mine->piece_bytes;
+        char ts[32], ms[32];
+        snprintf(ts, sizeof ts, t ? "%llu" : "the default", (unsigned long long)t);
+        snprintf(ms, sizeof ms, m ? "%llu" : "the default", (unsigned long long)m);
+        return dsk_set_error(DSK_ERR_ARG,
+                             "%s: rank %d has %s %s but this rank (%d) has %s; every rank must use the same "
+                             "small_bytes and piece_bytes (they shape the wire protocol)",
+                             fn, r, what, ts, c->rank, ms);
+    }
+}
+
+/* Nodes from the host identities in the rank records; which ranks allow shared memory. */
+static dsk_status dsk__comm_world_nodes(dsk_comm *c, const char *fn, const dsk__comm_rank_rec *recs) {
+    dsk__comm_impl *m = c->impl;
+    int n = c->world_size, *same = (int *)DSK_MALLOC((size_t)n * sizeof(int));
+    if (!same) return dsk_set_error(DSK_ERR_OOM, "%s: nodes of %d ranks", fn, n);
+    memset(same, 0, (size_t)n * sizeof(int));
+    for (int r = 0; r < n; r++) {
+        int j = 0;
+        while (j < r && strncmp(recs[j].host, recs[r].host, sizeof recs[r].host) != 0) j++;
+        same[r] = j;
+        m->shm_ok[r] = recs[r].backend == DSK_COMM_HOST && recs[r].transport == DSK_COMM_TRANSPORT_AUTO;
+    }
+    dsk__comm_set_nodes(c, same);
+    DSK_FREE(same);
+    if (!m->small_bytes) { /* one round for larger messages when TCP latency dominates */
+        int all_shm = c->n_nodes == 1;
+        for (int r = 0; r < n; r++) all_shm &= m->shm_ok[r];
+        m->small_bytes = all_shm ? 16384 : 65536;
+    }
+    return DSK_OK;
 }
 
 static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, int world, const dsk_comm_opts *o,
@@ -1992,6 +2785,8 @@ static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, in
     mine.backend = (int32_t)be;
     mine.small_bytes = m->small_bytes;
     mine.piece_bytes = m->piece_bytes;
+    mine.transport = (int32_t)(o ? o->transport : DSK_COMM_TRANSPORT_AUTO);
+    dsk__comm_host_identity(o ? o->host_id : NULL, mine.host, sizeof mine.host);
     if (be == DSK_COMM_HOST) DSK__TRY(dsk__comm_mesh_listen(c, fn, &lfd, mine.ep));
     snprintf(key, sizeof key, "dsk/w/rank/%d", rank);
     if ((st = dsk__comm_store_set(c, fn, key, &mine, sizeof mine)) != DSK_OK) goto done;
@@ -2013,10 +2808,12 @@ static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, in
         else if (st == DSK_OK)
             st = dsk__comm_same_options(c, fn, &mine, &recs[r], r);
     }
+    if (st == DSK_OK) st = dsk__comm_world_nodes(c, fn, recs);
 #ifdef DSK_CUDA
     if (st == DSK_OK && be == DSK_COMM_NCCL) st = dsk__comm_nccl_init(c, fn, t0);
 #endif
     if (st == DSK_OK && be == DSK_COMM_HOST) st = dsk__comm_mesh_connect(c, fn, lfd, recs->ep, sizeof *recs, deadline);
+    if (st == DSK_OK && be == DSK_COMM_HOST) st = dsk__comm_shm_setup(c, fn);
 done:
     if (lfd >= 0) close(lfd);
     DSK_FREE(recs);
@@ -2039,6 +2836,11 @@ static dsk_status dsk__comm_init(dsk_comm *c, int rank, int world_size, const ds
     if (opts && opts->job_id && strlen(opts->job_id) > DSK__COMM_JOB_MAX)
         return dsk_set_error(DSK_ERR_ARG, "%s: job_id of %zu characters exceeds %d", fn, strlen(opts->job_id),
                              DSK__COMM_JOB_MAX);
+    if (opts && opts->host_id && strlen(opts->host_id) > DSK__COMM_HOST_MAX)
+        return dsk_set_error(DSK_ERR_ARG, "%s: host_id of %zu characters exceeds %d", fn, strlen(opts->host_id),
+                             DSK__COMM_HOST_MAX);
+    if (opts && opts->transport != DSK_COMM_TRANSPORT_AUTO && opts->transport != DSK_COMM_TRANSPORT_TCP)
+        return dsk_set_error(DSK_ERR_ARG, "%s: unknown transport %d", fn, (int)opts->transport);
     st = dsk__comm_init_world(c, fn, rank, world_size, opts, busy);
     if (st != DSK_OK) {
         dsk__comm_impl_free(c);
@@ -2617,8 +3419,47 @@ DSK_API dsk_status dsk_comm_barrier(dsk_comm *c, dsk_ctx *ctx) {
 
 typedef struct dsk__comm_split_rec { int64_t color, key, rank; char ep[DSK__COMM_EP_LEN]; } dsk__comm_split_rec;
 
+/* A sub-group's nodes and shared-memory permissions, from its parent's: member j of sub is
+   rank parents[j] of c. */
+static dsk_status dsk__comm_sub_nodes(dsk_comm *c, const char *fn, dsk_comm *sub, const int *parents) {
+    int *same = (int *)DSK_MALLOC((size_t)sub->world_size * sizeof(int));
+    if (!same) return dsk_set_error(DSK_ERR_OOM, "%s: nodes of %d ranks", fn, sub->world_size);
+    for (int j = 0; j < sub->world_size; j++) {
+        same[j] = c->impl->node_of[parents[j]];
+        sub->impl->shm_ok[j] = c->impl->shm_ok[parents[j]];
+    }
+    dsk__comm_set_nodes(sub, same);
+    DSK_FREE(same);
+    return DSK_OK;
+}
+
 #ifdef DSK_CUDA
-static dsk_status dsk__comm_nccl_split(dsk_comm *c, const char *fn, int color, int key, dsk_comm *sub, double t0) {
+/* Every rank's (color, key) through NCCL (all[2 r], all[2 r + 1]), for the sub-group's nodes. */
+static dsk_status dsk__comm_nccl_split_records(dsk_comm *c, const char *fn, int color, int key, int64_t *all,
+                                               double t0) {
+    int64_t mine[2], *d = NULL;
+    size_t bytes = (size_t)2 * c->world_size * sizeof(int64_t);
+    cudaError_t e = cudaMalloc((void **)&d, bytes);
+    dsk_status st = DSK_OK;
+    mine[0] = color;
+    mine[1] = key;
+    if (e != cudaSuccess)
+        return dsk_set_error(DSK_ERR_CUDA, "%s: cudaMalloc(%zu): %s", fn, bytes, cudaGetErrorString(e));
+    if ((e = cudaMemcpy(d + 2 * c->rank, mine, sizeof mine, cudaMemcpyHostToDevice)) != cudaSuccess)
+        st = dsk_set_error(DSK_ERR_CUDA, "%s: cudaMemcpy of the split record: %s", fn, cudaGetErrorString(e));
+    if (st == DSK_OK)
+        st = dsk__comm_nccl_done(c, fn, ncclAllGather(d + 2 * c->rank, d, 2, ncclInt64, c->impl->nccl, 0),
+                                 "ncclAllGather (split records)", t0);
+    if (st == DSK_OK) st = dsk_comm_sync(c, NULL);
+    if (st == DSK_OK && (e = cudaMemcpy(all, d, bytes, cudaMemcpyDeviceToHost)) != cudaSuccess)
+        st = dsk_set_error(DSK_ERR_CUDA, "%s: cudaMemcpy of the split records: %s", fn, cudaGetErrorString(e));
+    cudaFree(d);
+    return st;
+}
+
+/* The NCCL split itself; parents[0..cnt): the parent ranks of the new group's members. */
+static dsk_status dsk__comm_nccl_split_make(dsk_comm *c, const char *fn, int color, int key, dsk_comm *sub, double t0,
+                                            const int *parents, int cnt) {
     ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
     ncclComm_t nc = NULL;
     dsk_status st;
@@ -2653,13 +3494,41 @@ static dsk_status dsk__comm_nccl_split(dsk_comm *c, const char *fn, int color, i
         sub->impl->nccl_flag = NULL;
         return dsk_set_error(DSK_ERR_CUDA, "%s: cudaMalloc(4) for the sub-group", fn);
     }
-    return DSK_OK;
+    if (n != cnt || parents[r] != c->rank)
+        return dsk_set_error(DSK_ERR_NCCL, "%s: ncclCommSplit made rank %d member %d of %d; the split records say %d "
+                             "members", fn, c->rank, r, n, cnt);
+    return dsk__comm_sub_nodes(c, fn, sub, parents);
+}
+
+static dsk_status dsk__comm_nccl_split(dsk_comm *c, const char *fn, int color, int key, dsk_comm *sub, double t0) {
+    dsk_status st;
+    int cnt = 0, *parents = (int *)DSK_MALLOC((size_t)c->world_size * sizeof(int));
+    int64_t *all = (int64_t *)DSK_MALLOC((size_t)2 * c->world_size * sizeof(int64_t));
+    if (!all || !parents) {
+        DSK_FREE(all);
+        DSK_FREE(parents);
+        return dsk_set_error(DSK_ERR_OOM, "%s: %d split records", fn, c->world_size);
+    }
+    st = dsk__comm_nccl_split_records(c, fn, color, key, all, t0);
+    /* members of this color in (key, rank) order, as NCCL orders them: their parent ranks */
+    for (int q = 0; st == DSK_OK && q < c->world_size; q++) {
+        int64_t cq = all[2 * q], kq = all[2 * q + 1];
+        int j;
+        if (color < 0 || cq != color) continue;
+        for (j = cnt; j > 0 && all[2 * parents[j - 1] + 1] > kq; j--) parents[j] = parents[j - 1];
+        parents[j] = q;
+        cnt++;
+    }
+    DSK_FREE(all);
+    if (st == DSK_OK) st = dsk__comm_nccl_split_make(c, fn, color, key, sub, t0, parents, cnt);
+    DSK_FREE(parents);
+    return st;
 }
 #endif
 
 static dsk_status dsk__comm_host_split(dsk_comm *c, const char *fn, int color, int key, dsk_comm *sub, double t0) {
     dsk__comm_impl *pm = c->impl, *m;
-    int n = c->world_size, lfd = -1, cnt = 0, me = -1;
+    int n = c->world_size, lfd = -1, cnt = 0, me = -1, *parents = NULL;
     dsk__comm_split_rec mine, *all;
     char *eps = NULL;
     dsk_status st;
@@ -2693,7 +3562,8 @@ static dsk_status dsk__comm_host_split(dsk_comm *c, const char *fn, int color, i
             memcpy(eps + (size_t)j * DSK__COMM_EP_LEN, all[order[j]].ep, DSK__COMM_EP_LEN);
             if (order[j] == c->rank) me = j;
         }
-        DSK_FREE(order);
+        for (int j = 0; j < cnt; j++) order[j] = (int)all[order[j]].rank; /* now: parent rank of member j */
+        parents = order;
     }
     sub->rank = me;
     sub->world_size = cnt;
@@ -2708,16 +3578,19 @@ static dsk_status dsk__comm_host_split(dsk_comm *c, const char *fn, int color, i
     memcpy(m->my_ip, pm->my_ip, sizeof m->my_ip);
     snprintf(m->ns, sizeof m->ns, "%.40s/%llu.%d", pm->ns, (unsigned long long)pm->splits, color);
     m->tag = pm->tag ^ (0x9E3779B97F4A7C15ull * (pm->splits * 65536u + (uint64_t)color + 1));
+    if ((st = dsk__comm_sub_nodes(c, fn, sub, parents)) != DSK_OK) goto out;
     if ((st = dsk__comm_mesh_connect(sub, fn, lfd, eps, DSK__COMM_EP_LEN, t0 + pm->timeout_s)) != DSK_OK) goto out;
     if (pm->store_fd >= 0 || pm->server) {
         struct sockaddr_in sa;
         if ((st = dsk__comm_resolve(fn, pm->master_addr, pm->master_port, &sa)) == DSK_OK)
             st = dsk__comm_connect(fn, &sa, t0 + pm->timeout_s, "key-value store (served by rank 0)", &m->store_fd);
+        if (st == DSK_OK) st = dsk__comm_shm_setup(sub, fn);
     }
 out:
     if (lfd >= 0) close(lfd);
     DSK_FREE(all);
     DSK_FREE(eps);
+    DSK_FREE(parents);
     return st;
 }
 
@@ -2809,6 +3682,661 @@ DSK_API dsk_status dsk_comm_all_to_all_tensor(dsk_comm *c, dsk_ctx *ctx, dsk_ten
         return dsk_set_error(DSK_ERR_ARG, "%s: in %s does not split into %d equal blocks", fn,
                              dsk_tensor_describe(in, d, sizeof d), c->world_size);
     return dsk_comm_all_to_all(c, ctx, in->data, out->data, dsk_tensor_numel(in) / c->world_size, in->dtype);
+}
+
+/* ---------------------------------------------------------------- expert-parallel routes
+   A route is a plan of gathers and all-to-all-v's over row indices (int32), built on the host
+   by dsk_comm_route_init; dispatch and combine replay it on the rows.
+   Flat: dispatch gathers the slot rows in (destination, row, slot) order and all-to-all-v's
+   them over c; combine all-to-all-v's the rows back and gathers them into slot order.
+   Two hops, this rank on node a with node_rank i: hop 1 (cross communicator, one rank per node,
+   rank = node) sends each row once to every other node it has slots on, with the local
+   destinations of its slots there (k int32 per row, exchanged at init); hop 2 (node
+   communicator) sends each local rank d the blocks of every source this rank relays (itself,
+   and the ranks with node_rank i on other nodes), in source order, each block in (row, slot)
+   order; d places each block where the flat route would have put it. Combine runs it back:
+   hop 2 returns each forwarded row to its relay, hop 1 returns the relayed slots' rows to
+   their sources in (row, slot) order, and every rank gathers its slots from the two. */
+
+struct dsk__comm_route_impl {
+    dsk_comm *c, *node, *cross;    /* node, cross: c's two-hop communicators (NULL when flat) */
+    int64_t *recv_counts;          /* [world] */
+    /* row counts per peer; flat uses a (rows to each rank) and b (rows from each rank) */
+    int64_t *c1s, *c1r;            /* hop 1: rows to / from each node (cross communicator) */
+    int64_t *c2s, *c2r;            /* hop 2: rows to / from each local rank (node communicator) */
+    int64_t *v1s, *w1r;            /* combine, hop 1: rows back to / from each node */
+    int64_t n1, h1, s2, r2, v1, w1; /* their totals */
+    /* gathers: dst row q = src row idx[q] */
+    int32_t *g1;                   /* (n1) hop-1 send <- rows */
+    int32_t *g2;                   /* (s2) hop-2 send <- [rows | hop-1 received]; flat: (slots) send <- rows */
+    int32_t *p2;                   /* (recv_rows) recv <- hop-2 received */
+    int32_t *q2;                   /* (recv_rows) hop-2 back send <- rows given to combine */
+    int32_t *q1;                   /* (v1) hop-1 back send <- hop-2 back received */
+    int32_t *qo;                   /* (slots) out <- [hop-2 back received | hop-1 back received]; flat: <- returned */
+    int64_t *tmp;                  /* [2 * world] element counts of one all-to-all-v */
+    char *scratch;                 /* host: reused buffer for the intermediate rows */
+    size_t scratch_bytes;
+#ifdef DSK_CUDA
+    dsk_tensor dev[6];             /* nccl: g1, g2, p2, q2, q1, qo on the device */
+#endif
+};
+
+enum { DSK__ROUTE_G1, DSK__ROUTE_G2, DSK__ROUTE_P2, DSK__ROUTE_Q2, DSK__ROUTE_Q1, DSK__ROUTE_QO };
+
+DSK_API void dsk_comm_route_free(dsk_comm_route *rt) {
+    dsk__comm_route_impl *ri;
+    if (!rt) return;
+    ri = rt->impl;
+    if (ri) {
+#ifdef DSK_CUDA
+        for (int i = 0; i < 6; i++) dsk_tensor_free(NULL, &ri->dev[i]);
+#endif
+        DSK_FREE(ri->recv_counts); DSK_FREE(ri->c1s); DSK_FREE(ri->g1); DSK_FREE(ri->g2); DSK_FREE(ri->p2);
+        DSK_FREE(ri->q2); DSK_FREE(ri->q1); DSK_FREE(ri->qo); DSK_FREE(ri->tmp); DSK_FREE(ri->scratch);
+        DSK_FREE(ri);
+    }
+    memset(rt, 0, sizeof *rt);
+}
+
+static int32_t *dsk__comm_route_idx(int64_t n) { return (int32_t *)DSK_MALLOC((size_t)(n ? n : 1) * sizeof(int32_t)); }
+
+/* c's node and cross-node communicators, split off the first time (collective over c). */
+static dsk_status dsk__comm_route_comms(dsk_comm *c, const char *fn) {
+    dsk__comm_impl *m = c->impl;
+    if (m->route_node) return DSK_OK;
+    m->route_node = (dsk_comm *)DSK_MALLOC(sizeof(dsk_comm));
+    m->route_cross = (dsk_comm *)DSK_MALLOC(sizeof(dsk_comm));
+    if (!m->route_node || !m->route_cross) {
+        DSK_FREE(m->route_node);
+        DSK_FREE(m->route_cross);
+        m->route_node = m->route_cross = NULL;
+        return dsk_set_error(DSK_ERR_OOM, "%s: two-hop communicators", fn);
+    }
+    memset(m->route_node, 0, sizeof(dsk_comm));
+    memset(m->route_cross, 0, sizeof(dsk_comm));
+    if (dsk_comm_split(c, c->node, c->rank, m->route_node) != DSK_OK ||
+        dsk_comm_split(c, c->node_rank, c->node, m->route_cross) != DSK_OK) {
+        char msg[1200];
+        snprintf(msg, sizeof msg, "%s: splitting the node and cross-node communicators: %s", fn, dsk_last_error());
+        dsk_comm_free(m->route_node);
+        dsk_comm_free(m->route_cross);
+        DSK_FREE(m->route_node);
+        DSK_FREE(m->route_cross);
+        m->route_node = m->route_cross = NULL;
+        return dsk_set_error(DSK_ERR_PEER, "%s", msg);
+    }
+    return DSK_OK;
+}
+
+/* An all-to-all of `per` elements of host memory with every rank of comm (nccl: staged
+   through device memory on ctx's stream; the wait is bounded by the timeout). */
+static dsk_status dsk__comm_route_meta(dsk_comm *comm, dsk_ctx *ctx, const void *send, const int64_t *scnt,
+                                       void *recv, const int64_t *rcnt, dsk_dtype dt) {
+#ifdef DSK_CUDA
+    if (DSK__COMM_NCCL(comm)) {
+        int64_t ns = 0, nr = 0, sh[1];
+        size_t esz = dsk_dtype_size(dt);
+        dsk_tensor hs, hr, ds, dr;
+        dsk_status st;
+        for (int p = 0; p < comm->world_size; p++) { ns += scnt[p]; nr += rcnt[p]; }
+        memset(&ds, 0, sizeof ds);
+        memset(&dr, 0, sizeof dr);
+        sh[0] = (int64_t)(ns * (int64_t)esz);
+        st = dsk_tensor_wrap(&hs, (void *)send, DSK_U8, dsk_cpu(), 1, sh);
+        if (st == DSK_OK) st = dsk_tensor_alloc(ctx, &ds, DSK_U8, 1, sh);
+        if (st == DSK_OK) st = dsk_tensor_copy(ctx, &ds, &hs);
+        sh[0] = (int64_t)(nr * (int64_t)esz);
+        if (st == DSK_OK) st = dsk_tensor_wrap(&hr, recv, DSK_U8, dsk_cpu(), 1, sh);
+        if (st == DSK_OK) st = dsk_tensor_alloc(ctx, &dr, DSK_U8, 1, sh);
+        if (st == DSK_OK) st = dsk_comm_all_to_all_v(comm, ctx, ds.data, scnt, NULL, dr.data, rcnt, NULL, dt);
+        if (st == DSK_OK) st = dsk_comm_sync(comm, ctx);
+        if (st == DSK_OK) st = dsk_tensor_copy(ctx, &hr, &dr);
+        dsk_tensor_free(ctx, &ds);
+        dsk_tensor_free(ctx, &dr);
+        return st;
+    }
+#endif
+    (void)ctx;
+    return dsk_comm_all_to_all_v(comm, NULL, send, scnt, NULL, recv, rcnt, NULL, dt);
+}
+
+/* One int64 to and from every rank of comm: recv[p] = what rank p put in its send[me]. */
+static dsk_status dsk__comm_route_counts(dsk_comm *comm, dsk_ctx *ctx, const int64_t *send, int64_t *recv,
+                                         int64_t *ones) {
+    for (int p = 0; p < comm->world_size; p++) ones[p] = 1;
+    return dsk__comm_route_meta(comm, ctx, send, ones, recv, ones, DSK_I64);
+}
+
+/* rank_at[b * L + j]: the j-th rank (in rank order) of node b. */
+static void dsk__comm_node_ranks(const dsk_comm *c, int L, int *rank_at) {
+    int *fill = rank_at + (size_t)c->n_nodes * (size_t)L;
+    for (int b = 0; b < c->n_nodes; b++) fill[b] = 0;
+    for (int r = 0; r < c->world_size; r++) {
+        int b = c->impl->node_of[r];
+        rank_at[(size_t)b * L + fill[b]++] = r;
+    }
+}
+
+/* The flat plan: send in (destination, row, slot) order; combine's returned rows, grouped the
+   same way, go back to slot order. cnt: slots per destination. */
+static dsk_status dsk__comm_route_flat(dsk_comm_route *rt, const char *fn, const int32_t *dest, const int64_t *cnt) {
+    dsk__comm_route_impl *ri = rt->impl;
+    int n = ri->c->world_size;
+    int64_t *at = ri->tmp, s = 0;
+    if (!(ri->g2 = dsk__comm_route_idx(rt->slots)) || !(ri->qo = dsk__comm_route_idx(rt->slots)))
+        return dsk_set_error(DSK_ERR_OOM, "%s: route of %lld slots", fn, (long long)rt->slots);
+    dsk__comm_prefix(cnt, n, at);
+    for (int64_t i = 0; i < rt->n_rows; i++)
+        for (int j = 0; j < rt->k; j++) {
+            int d = dest[i * rt->k + j];
+            if (d < 0) continue;
+            ri->g2[at[d]] = (int32_t)i;
+            ri->qo[s++] = (int32_t)at[d]++;
+        }
+    memcpy(ri->c1s, cnt, (size_t)n * sizeof(int64_t)); /* flat: rows to / from each rank in c1s / c1r */
+    memcpy(ri->c1r, ri->recv_counts, (size_t)n * sizeof(int64_t));
+    for (int p = 0; p < n; p++)
+        if (ri->c->impl->node_of[p] != ri->c->node) rt->dispatch_rows_off_node += cnt[p];
+    rt->combine_rows_off_node = 0;
+    for (int p = 0; p < n; p++)
+        if (ri->c->impl->node_of[p] != ri->c->node) rt->combine_rows_off_node += ri->recv_counts[p];
+    return DSK_OK;
+}
+
+/* The sources a relay on node a with node_rank l carries in hop 2: the rank with node_rank l on
+   every node (on node a: the relay itself), in rank order. src[0..N). */
+static void dsk__comm_relay_sources(const dsk_comm *c, const int *rank_at, int l, int *src) {
+    int N = c->n_nodes, L = c->node_size;
+    for (int b = 0; b < N; b++) {
+        int r = rank_at[(size_t)b * L + l], j = b;
+        while (j > 0 && src[j - 1] > r) {
+            src[j] = src[j - 1];
+            j--;
+        }
+        src[j] = r;
+    }
+}
+
+/* The two-hop plan (see the section comment). Collective over the node and cross communicators.
+   slot_id[i * k + j]: the index of used slot (i, j) in (row, slot) order, -1 if unused. */
+static dsk_status dsk__comm_route_plan2(dsk_comm_route *rt, dsk_ctx *ctx, const char *fn, const int32_t *dest,
+                                        const int64_t *slot_id, int *rank_at, int *local_of) {
+    dsk__comm_route_impl *ri = rt->impl;
+    dsk_comm *c = ri->c;
+    const int N = c->n_nodes, L = c->node_size, a = c->node, me_l = c->node_rank, K = rt->k;
+    const int *node_of = c->impl->node_of;
+    int64_t *off1 = ri->tmp, *at = ri->tmp + c->world_size, *ones = ri->tmp + 3 * c->world_size;
+    int64_t *seen = NULL, *v1pos = NULL, y = 0;
+    int32_t *m1s = NULL, *m1r = NULL;
+    int *src = (int *)(rank_at + (size_t)N * L + N); /* N more ints, allocated by the caller */
+    dsk_status st = DSK_OK;
+    /* hop 1: each row once to every other node it has slots on, with its slots' local ranks there */
+    if (!(seen = (int64_t *)DSK_MALLOC((size_t)N * sizeof(int64_t))))
+        return dsk_set_error(DSK_ERR_OOM, "%s: %d nodes", fn, N);
+    for (int b = 0; b < N; b++) { ri->c1s[b] = 0; seen[b] = -1; }
+    for (int64_t i = 0; i < rt->n_rows; i++)
+        for (int j = 0; j < K; j++) {
+            int d = dest[i * K + j], b = d < 0 ? a : node_of[d];
+            if (b != a && seen[b] != i) { seen[b] = i; ri->c1s[b]++; }
+        }
+    ri->n1 = 0;
+    for (int b = 0; b < N; b++) ri->n1 += ri->c1s[b];
+    if (!(ri->g1 = dsk__comm_route_idx(ri->n1)) ||
+        !(m1s = (int32_t *)DSK_MALLOC((size_t)(ri->n1 ? ri->n1 : 1) * K * sizeof(int32_t)))) {
+        st = dsk_set_error(DSK_ERR_OOM, "%s: %lld hop-1 rows", fn, (long long)ri->n1);
+        goto done;
+    }
+    dsk__comm_prefix(ri->c1s, N, at);
+    for (int b = 0; b < N; b++) seen[b] = -1;
+    for (int64_t i = 0; i < rt->n_rows; i++)
+        for (int j = 0; j < K; j++) {
+            int d = dest[i * K + j], b = d < 0 ? a : node_of[d];
+            int64_t pos;
+            if (b == a || seen[b] == i) continue;
+            seen[b] = i;
+            pos = at[b]++;
+            ri->g1[pos] = (int32_t)i;
+            for (int jj = 0; jj < K; jj++) {
+                int dd = dest[i * K + jj];
+                m1s[pos * K + jj] = dd >= 0 && node_of[dd] == b ? local_of[dd] : -1;
+            }
+        }
+    if ((st = dsk__comm_route_counts(ri->cross, ctx, ri->c1s, ri->c1r, ones)) != DSK_OK) goto done;
+    ri->h1 = 0;
+    for (int b = 0; b < N; b++) { off1[b] = ri->h1; ri->h1 += ri->c1r[b]; }
+    if (!(m1r = (int32_t *)DSK_MALLOC((size_t)(ri->h1 ? ri->h1 : 1) * K * sizeof(int32_t))) ||
+        !(v1pos = (int64_t *)DSK_MALLOC((size_t)(ri->h1 ? ri->h1 : 1) * K * sizeof(int64_t)))) {
+        st = dsk_set_error(DSK_ERR_OOM, "%s: %lld hop-1 rows received", fn, (long long)ri->h1);
+        goto done;
+    }
+    for (int b = 0; b < N; b++) { at[b] = ri->c1s[b] * K; at[N + b] = ri->c1r[b] * K; }
+    if ((st = dsk__comm_route_meta(ri->cross, ctx, m1s, at, m1r, at + N, DSK_I32)) != DSK_OK) goto done;
+    /* where the relayed slots go back in combine: per source node, in (row, slot) order */
+    ri->v1 = 0;
+    for (int b = 0; b < N; b++) {
+        ri->v1s[b] = 0;
+        for (int64_t t = off1[b]; t < off1[b] + ri->c1r[b]; t++)
+            for (int j = 0; j < K; j++) {
+                v1pos[t * K + j] = m1r[t * K + j] >= 0 ? ri->v1 + ri->v1s[b]++ : -1;
+                if (m1r[t * K + j] < -1 || m1r[t * K + j] >= L) {
+                    st = dsk_set_error(DSK_ERR_CORRUPT, "%s: node %d sent local rank %d for a node of %d ranks", fn, b,
+                                       (int)m1r[t * K + j], L);
+                    goto done;
+                }
+            }
+        ri->v1 += ri->v1s[b];
+    }
+    /* hop 2: to each local rank, the blocks of the sources this rank relays, in rank order */
+    ri->s2 = ri->v1;
+    for (int64_t i = 0; i < rt->n_rows; i++)
+        for (int j = 0; j < K; j++) ri->s2 += dest[i * K + j] >= 0 && node_of[dest[i * K + j]] == a;
+    if (!(ri->g2 = dsk__comm_route_idx(ri->s2)) || !(ri->q1 = dsk__comm_route_idx(ri->v1)) ||
+        !(ri->qo = dsk__comm_route_idx(rt->slots)) || !(ri->p2 = dsk__comm_route_idx(rt->recv_rows)) ||
+        !(ri->q2 = dsk__comm_route_idx(rt->recv_rows))) {
+        st = dsk_set_error(DSK_ERR_OOM, "%s: %lld hop-2 rows", fn, (long long)ri->s2);
+        goto done;
+    }
+    dsk__comm_relay_sources(c, rank_at, me_l, src);
+    for (int ld = 0; ld < L; ld++) {
+        int d = rank_at[(size_t)a * L + ld];
+        int64_t x0 = y;
+        for (int e = 0; e < N; e++) {
+            int b = node_of[src[e]];
+            if (b == a) { /* this rank's own slots on d */
+                for (int64_t i = 0; i < rt->n_rows; i++)
+                    for (int j = 0; j < K; j++)
+                        if (dest[i * K + j] == d) {
+                            ri->g2[y] = (int32_t)i;
+                            ri->qo[slot_id[i * K + j]] = (int32_t)y++;
+                        }
+                continue;
+            }
+            for (int64_t t = off1[b]; t < off1[b] + ri->c1r[b]; t++)
+                for (int j = 0; j < K; j++)
+                    if (m1r[t * K + j] == ld) {
+                        ri->g2[y] = (int32_t)(rt->n_rows + t);
+                        ri->q1[v1pos[t * K + j]] = (int32_t)y++;
+                    }
+        }
+        ri->c2s[ld] = y - x0;
+    }
+    if ((st = dsk__comm_route_counts(ri->node, ctx, ri->c2s, ri->c2r, ones)) != DSK_OK) goto done;
+    /* what arrives from each local relay: its sources' blocks (every rank is the source of one
+       relay: the one with its node_rank), placed where the flat route puts them */
+    y = 0;
+    for (int lr = 0; lr < L; lr++) y += ri->c2r[lr];
+    if (y != rt->recv_rows) {
+        st = dsk_set_error(DSK_ERR_CORRUPT, "%s: the relays of rank %d send it %lld rows, its sources %lld", fn,
+                           c->rank, (long long)y, (long long)rt->recv_rows);
+        goto done;
+    }
+    dsk__comm_prefix(ri->recv_counts, c->world_size, at);
+    y = 0;
+    for (int lr = 0; lr < L; lr++) {
+        int64_t y0 = y;
+        dsk__comm_relay_sources(c, rank_at, lr, src);
+        for (int e = 0; e < N; e++)
+            for (int64_t q = 0; q < ri->recv_counts[src[e]]; q++) {
+                ri->p2[at[src[e]] + q] = (int32_t)y;
+                ri->q2[y++] = (int32_t)(at[src[e]] + q);
+            }
+        if (y - y0 != ri->c2r[lr]) {
+            st = dsk_set_error(DSK_ERR_CORRUPT, "%s: local rank %d relays %lld rows to rank %d, which expects %lld", fn,
+                               lr, (long long)ri->c2r[lr], c->rank, (long long)(y - y0));
+            goto done;
+        }
+    }
+    ri->r2 = y;
+    /* combine, hop 1 back: this rank's slots on other nodes, from the relay there */
+    if ((st = dsk__comm_route_counts(ri->cross, ctx, ri->v1s, ri->w1r, ones)) != DSK_OK) goto done;
+    ri->w1 = 0;
+    for (int b = 0; b < N; b++) {
+        at[b] = 0;
+        off1[b] = ri->w1;
+        ri->w1 += ri->w1r[b];
+    }
+    for (int64_t i = 0; i < rt->n_rows; i++)
+        for (int j = 0; j < K; j++) {
+            int d = dest[i * K + j], b = d < 0 ? a : node_of[d];
+            if (b != a) ri->qo[slot_id[i * K + j]] = (int32_t)(ri->s2 + off1[b] + at[b]++);
+        }
+    for (int b = 0; b < N; b++)
+        if (at[b] != ri->w1r[b]) {
+            st = dsk_set_error(DSK_ERR_CORRUPT, "%s: rank %d has %lld slots on node %d, whose relay returns %lld", fn,
+                               c->rank, (long long)at[b], b, (long long)ri->w1r[b]);
+            goto done;
+        }
+    rt->dispatch_rows_off_node = ri->n1;
+    rt->combine_rows_off_node = ri->v1;
+done:
+    DSK_FREE(seen);
+    DSK_FREE(m1s);
+    DSK_FREE(m1r);
+    DSK_FREE(v1pos);
+    return st;
+}
+
+/* How dispatch and combine move rows: host memcpy, or (nccl) device gathers of the rows seen
+   as 32- or 16-bit words, and all-to-all-v's in elements of the caller's dtype. */
+typedef struct dsk__comm_rows {
+    dsk_comm_route *rt;
+    dsk_ctx *ctx;
+    dsk_dtype dt, word; /* word: the dtype the device gathers rows as */
+    int64_t row_elems, words;
+    size_t row;         /* bytes */
+    int dev;
+} dsk__comm_rows;
+
+/* dst rows q = src rows idx[q], q < n; which: the index array's slot on the device. */
+static dsk_status dsk__comm_rows_gather(dsk__comm_rows *rw, void *dst, const void *src, int64_t src_rows,
+                                        const int32_t *idx, int which, int64_t n) {
+    if (n == 0) return DSK_OK;
+#ifdef DSK_CUDA
+    if (rw->dev) {
+        dsk_tensor o, s;
+        int64_t so[2] = {n, rw->words}, ss[2] = {src_rows, rw->words};
+        DSK__TRY(dsk_tensor_wrap(&o, dst, rw->word, rw->ctx->device, 2, so));
+        DSK__TRY(dsk_tensor_wrap(&s, (void *)src, rw->word, rw->ctx->device, 2, ss));
+        return dsk_gather_rows(rw->ctx, &o, &s, &rw->rt->impl->dev[which]);
+    }
+#endif
+    (void)which;
+    (void)src_rows;
+    for (int64_t q = 0; q < n; q++)
+        memcpy((char *)dst + (size_t)q * rw->row, (const char *)src + (size_t)idx[q] * rw->row, rw->row);
+    return DSK_OK;
+}
+
+static dsk_status dsk__comm_rows_copy(dsk__comm_rows *rw, void *dst, const void *src, int64_t n) {
+    if (n == 0) return DSK_OK;
+#ifdef DSK_CUDA
+    if (rw->dev) {
+        dsk_tensor o, s;
+        int64_t sh[2] = {n, rw->words};
+        DSK__TRY(dsk_tensor_wrap(&o, dst, rw->word, rw->ctx->device, 2, sh));
+        DSK__TRY(dsk_tensor_wrap(&s, (void *)src, rw->word, rw->ctx->device, 2, sh));
+        return dsk_tensor_copy(rw->ctx, &o, &s);
+    }
+#endif
+    memcpy(dst, src, (size_t)n * rw->row);
+    return DSK_OK;
+}
+
+/* All-to-all-v over comm of scnt[p] rows to p and rcnt[p] rows from p, packed. */
+static dsk_status dsk__comm_rows_a2av(dsk__comm_rows *rw, dsk_comm *comm, const void *send, const int64_t *scnt,
+                                      void *recv, const int64_t *rcnt) {
+    int64_t *e = rw->rt->impl->tmp;
+    int n = comm->world_size;
+    for (int p = 0; p < n; p++) {
+        e[p] = scnt[p] * rw->row_elems;
+        e[n + p] = rcnt[p] * rw->row_elems;
+    }
+    return dsk_comm_all_to_all_v(comm, rw->ctx, send, e, NULL, recv, e + n, NULL, rw->dt);
+}
+
+/* n bytes for intermediate rows: the route's reused host buffer, or (nccl) device memory. */
+static dsk_status dsk__comm_rows_buffer(dsk__comm_rows *rw, const char *fn, size_t n, void *devbuf, char **out) {
+    dsk__comm_route_impl *ri = rw->rt->impl;
+#ifdef DSK_CUDA
+    if (rw->dev) {
+        dsk_tensor *t = (dsk_tensor *)devbuf;
+        int64_t sh[1] = {(int64_t)(n ? n : 1)};
+        DSK__TRY(dsk_tensor_alloc(rw->ctx, t, DSK_U8, 1, sh));
+        *out = (char *)t->data;
+        return DSK_OK;
+    }
+#endif
+    (void)devbuf;
+    if (n > ri->scratch_bytes || !ri->scratch) {
+        char *p = (char *)DSK_MALLOC(n ? n : 1);
+        if (!p) return dsk_set_error(DSK_ERR_OOM, "%s: %zu bytes of intermediate rows", fn, n);
+        DSK_FREE(ri->scratch);
+        ri->scratch = p;
+        ri->scratch_bytes = n;
+    }
+    *out = ri->scratch;
+    return DSK_OK;
+}
+
+/* Checks a dispatch or combine call and fills rw; n_in, n_out: the rows of its two buffers. */
+static dsk_status dsk__comm_rows_begin(dsk__comm_rows *rw, const char *fn, dsk_comm_route *rt, dsk_ctx *ctx,
+                                       const void *in, int64_t n_in, int64_t row_elems, dsk_dtype dt, const void *out,
+                                       int64_t n_out) {
+    memset(rw, 0, sizeof *rw);
+    if (!rt || !rt->impl) return dsk_set_error(DSK_ERR_ARG, "%s: route is NULL or not initialised", fn);
+    DSK__TRY(dsk__comm_check(rt->impl->c, fn));
+    if (!dsk__comm_dtype_ok(dt))
+        return dsk_set_error(DSK_ERR_ARG, "%s: dtype %s is not supported (f32, f16, bf16, f64, i32, i64, u8)", fn,
+                             dsk_dtype_name(dt));
+    if (row_elems < 0) return dsk_set_error(DSK_ERR_ARG, "%s: row_elems %lld is negative", fn, (long long)row_elems);
+    if ((n_in && row_elems && !in) || (n_out && row_elems && !out))
+        return dsk_set_error(DSK_ERR_ARG, "%s: NULL buffer for %lld rows in, %lld out", fn, (long long)n_in,
+                             (long long)n_out);
+    rw->rt = rt;
+    rw->ctx = ctx;
+    rw->dt = dt;
+    rw->row_elems = row_elems;
+    rw->row = (size_t)row_elems * dsk_dtype_size(dt);
+    rw->dev = DSK__COMM_NCCL(rt->impl->c);
+    if (rw->dev) {
+        rw->word = rw->row % 4 == 0 ? DSK_F32 : DSK_BF16;
+        rw->words = (int64_t)(rw->row / dsk_dtype_size(rw->word));
+        if (rw->row % 2)
+            return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: rows of %zu bytes on the nccl backend (it gathers rows as "
+                                 "16-bit words)", fn, rw->row);
+    }
+    return DSK_OK;
+}
+
+/* Adds what the two-hop communicators moved since *before to c's statistics (host), or the rows
+   that left the node (nccl, which counts no bytes). */
+static void dsk__comm_route_stats(dsk__comm_rows *rw, const dsk_comm_stats *before, int64_t rows_off_node, double t0) {
+    dsk__comm_route_impl *ri = rw->rt->impl;
+    dsk_comm_stats *s = &ri->c->stats;
+    s->calls++;
+    s->seconds += dsk__comm_now() - t0;
+    if (rw->dev) {
+        s->bytes_sent_off_node += (uint64_t)rows_off_node * rw->row;
+        return;
+    }
+    for (int h = 0; h < 2; h++) {
+        const dsk_comm_stats *now = h ? &ri->cross->stats : &ri->node->stats;
+        s->bytes_sent += now->bytes_sent - before[h].bytes_sent;
+        s->bytes_received += now->bytes_received - before[h].bytes_received;
+        s->bytes_sent_off_node += now->bytes_sent_off_node - before[h].bytes_sent_off_node;
+    }
+}
+
+DSK_API dsk_status dsk_comm_route_dispatch(dsk_comm_route *rt, dsk_ctx *ctx, const void *rows, int64_t row_elems,
+                                           dsk_dtype dt, void *recv) {
+    const char *fn = "dsk_comm_route_dispatch";
+    dsk__comm_rows rw;
+    dsk__comm_route_impl *ri;
+    dsk_comm_stats before[2];
+    double t0 = dsk__comm_now();
+    dsk_tensor buf;
+    char *s1 = NULL, *cat, *s2 = NULL, *r2;
+    dsk_status st;
+    DSK__TRY(dsk__comm_rows_begin(&rw, fn, rt, ctx, rows, rt ? rt->n_rows : 0, row_elems, dt, recv,
+                                  rt ? rt->recv_rows : 0));
+    ri = rt->impl;
+    memset(&buf, 0, sizeof buf);
+    if (!rt->two_hop) { /* send <- rows in (destination, row, slot) order; all-to-all-v into recv */
+        DSK__TRY(dsk__comm_rows_buffer(&rw, fn, (size_t)rt->slots * rw.row, &buf, &s2));
+        if ((st = dsk__comm_rows_gather(&rw, s2, rows, rt->n_rows, ri->g2, DSK__ROUTE_G2, rt->slots)) == DSK_OK)
+            st = dsk__comm_rows_a2av(&rw, ri->c, s2, ri->c1s, recv, ri->c1r);
+        if (rw.dev && st == DSK_OK) ri->c->stats.bytes_sent_off_node += (uint64_t)rt->dispatch_rows_off_node * rw.row;
+        dsk_tensor_free(ctx, &buf);
+        return st;
+    }
+    before[0] = ri->node->stats;
+    before[1] = ri->cross->stats;
+    /* the parts are 64 bytes apart, so a send and a receive never share an address, even empty */
+    DSK__TRY(dsk__comm_rows_buffer(&rw, fn, (size_t)(ri->n1 + rt->n_rows + ri->h1 + ri->s2 + ri->r2) * rw.row + 192,
+                                   &buf, &s1));
+    cat = s1 + (size_t)ri->n1 * rw.row + 64; /* [rows | hop 1 received] */
+    s2 = cat + (size_t)(rt->n_rows + ri->h1) * rw.row + 64;
+    r2 = s2 + (size_t)ri->s2 * rw.row + 64;
+    st = dsk__comm_rows_gather(&rw, s1, rows, rt->n_rows, ri->g1, DSK__ROUTE_G1, ri->n1);
+    if (st == DSK_OK) st = dsk__comm_rows_copy(&rw, cat, rows, rt->n_rows);
+    if (st == DSK_OK)
+        st = dsk__comm_rows_a2av(&rw, ri->cross, s1, ri->c1s, cat + (size_t)rt->n_rows * rw.row, ri->c1r);
+    if (st == DSK_OK) st = dsk__comm_rows_gather(&rw, s2, cat, rt->n_rows + ri->h1, ri->g2, DSK__ROUTE_G2, ri->s2);
+    if (st == DSK_OK) st = dsk__comm_rows_a2av(&rw, ri->node, s2, ri->c2s, r2, ri->c2r);
+    if (st == DSK_OK) st = dsk__comm_rows_gather(&rw, recv, r2, ri->r2, ri->p2, DSK__ROUTE_P2, rt->recv_rows);
+    if (st == DSK_OK) dsk__comm_route_stats(&rw, before, rt->dispatch_rows_off_node, t0);
+    dsk_tensor_free(ctx, &buf);
+    return st;
+}
+
+DSK_API dsk_status dsk_comm_route_combine(dsk_comm_route *rt, dsk_ctx *ctx, const void *rows, int64_t row_elems,
+                                          dsk_dtype dt, void *out) {
+    const char *fn = "dsk_comm_route_combine";
+    dsk__comm_rows rw;
+    dsk__comm_route_impl *ri;
+    dsk_comm_stats before[2];
+    double t0 = dsk__comm_now();
+    dsk_tensor buf;
+    char *t2 = NULL, *u2, *v1;
+    dsk_status st;
+    DSK__TRY(dsk__comm_rows_begin(&rw, fn, rt, ctx, rows, rt ? rt->recv_rows : 0, row_elems, dt, out,
+                                  rt ? rt->slots : 0));
+    ri = rt->impl;
+    memset(&buf, 0, sizeof buf);
+    if (!rt->two_hop) { /* all-to-all-v back, grouped by destination; then slot order */
+        DSK__TRY(dsk__comm_rows_buffer(&rw, fn, (size_t)rt->slots * rw.row, &buf, &t2));
+        if ((st = dsk__comm_rows_a2av(&rw, ri->c, rows, ri->c1r, t2, ri->c1s)) == DSK_OK)
+            st = dsk__comm_rows_gather(&rw, out, t2, rt->slots, ri->qo, DSK__ROUTE_QO, rt->slots);
+        if (rw.dev && st == DSK_OK) ri->c->stats.bytes_sent_off_node += (uint64_t)rt->combine_rows_off_node * rw.row;
+        dsk_tensor_free(ctx, &buf);
+        return st;
+    }
+    before[0] = ri->node->stats;
+    before[1] = ri->cross->stats;
+    DSK__TRY(dsk__comm_rows_buffer(&rw, fn, (size_t)(rt->recv_rows + ri->s2 + ri->w1 + ri->v1) * rw.row + 128, &buf,
+                                   &t2));
+    u2 = t2 + (size_t)rt->recv_rows * rw.row + 64; /* [hop 2 back | hop 1 back] */
+    v1 = u2 + (size_t)(ri->s2 + ri->w1) * rw.row + 64;
+    st = dsk__comm_rows_gather(&rw, t2, rows, rt->recv_rows, ri->q2, DSK__ROUTE_Q2, rt->recv_rows);
+    if (st == DSK_OK) st = dsk__comm_rows_a2av(&rw, ri->node, t2, ri->c2r, u2, ri->c2s);
+    if (st == DSK_OK) st = dsk__comm_rows_gather(&rw, v1, u2, ri->s2, ri->q1, DSK__ROUTE_Q1, ri->v1);
+    if (st == DSK_OK) st = dsk__comm_rows_a2av(&rw, ri->cross, v1, ri->v1s, u2 + (size_t)ri->s2 * rw.row, ri->w1r);
+    if (st == DSK_OK) st = dsk__comm_rows_gather(&rw, out, u2, ri->s2 + ri->w1, ri->qo, DSK__ROUTE_QO, rt->slots);
+    if (st == DSK_OK) dsk__comm_route_stats(&rw, before, rt->combine_rows_off_node, t0);
+    dsk_tensor_free(ctx, &buf);
+    return st;
+}
+
+#ifdef DSK_CUDA
+/* nccl: the index arrays on ctx's device. */
+static dsk_status dsk__comm_route_upload(dsk_comm_route *rt, dsk_ctx *ctx) {
+    dsk__comm_route_impl *ri = rt->impl;
+    const int32_t *idx[6] = {ri->g1, ri->g2, ri->p2, ri->q2, ri->q1, ri->qo};
+    int64_t len[6] = {ri->n1, rt->two_hop ? ri->s2 : rt->slots, rt->recv_rows, rt->recv_rows, ri->v1, rt->slots};
+    for (int i = 0; i < 6; i++) {
+        dsk_tensor h;
+        int64_t sh[1] = {len[i]};
+        if (!idx[i] || !len[i]) continue;
+        DSK__TRY(dsk_tensor_wrap(&h, (void *)idx[i], DSK_I32, dsk_cpu(), 1, sh));
+        DSK__TRY(dsk_tensor_alloc(ctx, &ri->dev[i], DSK_I32, 1, sh));
+        DSK__TRY(dsk_tensor_copy(ctx, &ri->dev[i], &h));
+    }
+    return dsk_ctx_sync(ctx); /* the host arrays may change after init returns */
+}
+#endif
+
+DSK_API dsk_status dsk_comm_route_init(dsk_comm_route *rt, dsk_comm *c, dsk_ctx *ctx, int64_t n_rows, int k,
+                                       const int32_t *dest, const dsk_comm_route_opts *opts) {
+    const char *fn = "dsk_comm_route_init";
+    dsk__comm_route_impl *ri;
+    int64_t *pairs, *slot_id = NULL;
+    int n, two = opts && opts->two_hop, *rank_at = NULL;
+    dsk_status st = DSK_OK;
+    if (!rt) return dsk_set_error(DSK_ERR_ARG, "%s: route is NULL", fn);
+    memset(rt, 0, sizeof *rt);
+    DSK__TRY(dsk__comm_check(c, fn));
+    n = c->world_size;
+    if (n_rows < 0 || k < 1 || n_rows * (int64_t)k > INT32_MAX || (n_rows && !dest))
+        return dsk_set_error(DSK_ERR_ARG, "%s: need n_rows >= 0 (got %lld), 1 <= k, n_rows * k <= 2^31 - 1 (k %d) and "
+                             "dest", fn, (long long)n_rows, k);
+    for (int64_t i = 0; i < n_rows * k; i++)
+        if (dest[i] < -1 || dest[i] >= n)
+            return dsk_set_error(DSK_ERR_ARG, "%s: row %lld slot %d goes to rank %d, not in [-1, %d)", fn,
+                                 (long long)(i / k), (int)(i % k), (int)dest[i], n);
+    if (DSK__COMM_NCCL(c) && (!ctx || ctx->device.type != DSK_DEV_CUDA))
+        return dsk_set_error(DSK_ERR_ARG, "%s: the nccl backend needs a ctx on the GPU (its index arrays live there)",
+                             fn);
+    if (two)
+        for (int r = 0; r < n; r++) {
+            int size = 0;
+            for (int q = 0; q < n; q++) size += c->impl->node_of[q] == c->impl->node_of[r];
+            if (size != c->node_size)
+                return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: two hops need nodes of one size, but node %d has %d "
+                                     "ranks and node %d has %d", fn, c->node, c->node_size, c->impl->node_of[r], size);
+        }
+    if (!(ri = (dsk__comm_route_impl *)DSK_MALLOC(sizeof *ri))) return dsk_set_error(DSK_ERR_OOM, "%s: route", fn);
+    memset(ri, 0, sizeof *ri);
+    rt->impl = ri;
+    rt->n_rows = n_rows;
+    rt->k = k;
+    rt->two_hop = two;
+    ri->c = c;
+    ri->recv_counts = (int64_t *)DSK_MALLOC((size_t)n * sizeof(int64_t));
+    ri->c1s = (int64_t *)DSK_MALLOC((size_t)6 * n * sizeof(int64_t));
+    ri->tmp = (int64_t *)DSK_MALLOC((size_t)4 * n * sizeof(int64_t));
+    slot_id = (int64_t *)DSK_MALLOC((size_t)(n_rows * k + 1) * sizeof(int64_t));
+    if (!ri->recv_counts || !ri->c1s || !ri->tmp || !slot_id) {
+        st = dsk_set_error(DSK_ERR_OOM, "%s: route of %lld rows over %d ranks", fn, (long long)n_rows, n);
+        goto done;
+    }
+    ri->c1r = ri->c1s + n;
+    ri->c2s = ri->c1s + 2 * n;
+    ri->c2r = ri->c1s + 3 * n;
+    ri->v1s = ri->c1s + 4 * n;
+    ri->w1r = ri->c1s + 5 * n;
+    rt->recv_counts = ri->recv_counts;
+    /* slots to each rank, and the kind of route, to every rank: all must have built the same kind */
+    pairs = ri->tmp;
+    for (int p = 0; p < 2 * n; p++) pairs[p] = p % 2 ? two : 0;
+    for (int64_t i = 0; i < n_rows * k; i++) {
+        slot_id[i] = dest[i] < 0 ? -1 : rt->slots++;
+        if (dest[i] >= 0) pairs[2 * dest[i]]++;
+    }
+    for (int p = 0; p < n; p++) ri->c2s[p] = pairs[2 * p]; /* kept: c2s is rewritten by the two-hop plan */
+    for (int p = 0; p < n; p++) ri->c1s[p] = 2; /* elements to and from each rank */
+    if ((st = dsk__comm_route_meta(c, ctx, pairs, ri->c1s, pairs + 2 * n, ri->c1s, DSK_I64)) != DSK_OK) goto done;
+    for (int p = 0; p < n; p++) {
+        ri->recv_counts[p] = pairs[2 * n + 2 * p];
+        rt->recv_rows += ri->recv_counts[p];
+        if (pairs[2 * n + 2 * p + 1] != two) {
+            st = dsk_set_error(DSK_ERR_ARG, "%s: rank %d built a %s route but this rank (%d) a %s one", fn, p,
+                               two ? "flat" : "two-hop", c->rank, two ? "two-hop" : "flat");
+            goto done;
+        }
+    }
+    if (!two) st = dsk__comm_route_flat(rt, fn, dest, ri->c2s);
+    else if ((st = dsk__comm_route_comms(c, fn)) == DSK_OK) {
+        int L = c->node_size, N = c->n_nodes;
+        ri->node = c->impl->route_node;
+        ri->cross = c->impl->route_cross;
+        if (!(rank_at = (int *)DSK_MALLOC(((size_t)N * L + 2 * (size_t)N + (size_t)n) * sizeof(int))))
+            st = dsk_set_error(DSK_ERR_OOM, "%s: %d nodes of %d ranks", fn, N, L);
+        else {
+            int *local_of = rank_at + (size_t)N * L + 2 * (size_t)N;
+            dsk__comm_node_ranks(c, L, rank_at);
+            for (int b = 0; b < N; b++)
+                for (int j = 0; j < L; j++) local_of[rank_at[(size_t)b * L + j]] = j;
+            st = dsk__comm_route_plan2(rt, ctx, fn, dest, slot_id, rank_at, local_of);
+        }
+    }
+#ifdef DSK_CUDA
+    if (st == DSK_OK && DSK__COMM_NCCL(c)) st = dsk__comm_route_upload(rt, ctx);
+#endif
+done:
+    DSK_FREE(slot_id);
+    DSK_FREE(rank_at);
+    if (st != DSK_OK) dsk_comm_route_free(rt);
+    return st;
 }
 
 /* ---------------------------------------------------------------- local launcher */

@@ -15,6 +15,9 @@
 #include "tests/dsk_test.h"
 
 #include <dirent.h>
+#include <stdarg.h>
+#include <pthread.h>
+#include <sys/mman.h>
 
 /* ------------------------------------------------------------------ rank processes */
 
@@ -23,6 +26,8 @@ typedef void (*rank_fn)(dsk_comm *c, void *arg);
 typedef struct group {
     int n;
     dsk_comm_opts opts;
+    unsigned tcp_ranks;    /* bit r: rank r asks for TCP with everyone (opts.transport) */
+    pid_t pid[8];          /* the ranks' process ids, for the shared-memory segment checks */
     int world_override[8]; /* world size each rank passes to init (0: n) */
     int no_init;           /* ranks call fn with c = NULL and init themselves */
     double limit_s;        /* parent kills the ranks after this long */
@@ -39,6 +44,64 @@ static void group_defaults(group *g, int n) {
 }
 
 static int g_rank; /* this process's rank inside a group (children only) */
+
+/* How the ranks of a group reach each other: every collective and fault case runs in each. */
+enum { MODE_SHM, MODE_TCP, MODE_TWO_HOSTS, N_MODES };
+static const char *k_mode_names[N_MODES] = {"shared memory", "TCP", "2 emulated hosts"};
+static int g_mode;
+
+/* Mode MODE_TWO_HOSTS: ranks [0, (n+1)/2) report one host identity, the others another. */
+static int host_of(int r, int n) { return g_mode == MODE_TWO_HOSTS && r >= (n + 1) / 2; }
+
+static int allows_shm(const group *g, int r) { return g_mode != MODE_TCP && !(g->tcp_ranks >> r & 1u); }
+
+static void apply_mode(const group *g, int r, dsk_comm_opts *o) {
+    if (!allows_shm(g, r)) o->transport = DSK_COMM_TRANSPORT_TCP;
+    if (g_mode == MODE_TWO_HOSTS) o->host_id = host_of(r, g->n) ? "emulated-host-b" : "emulated-host-a";
+}
+
+/* Segments in /dev/shm named after one of the processes pids[0..n) ("dsk-<pid ns>-<pid>-<hash>"). */
+static int segments_of(const pid_t *pids, int n) {
+    DIR *d = opendir("/dev/shm");
+    struct dirent *e;
+    int found = 0;
+    if (!d) return 0;
+    while ((e = readdir(d)) != NULL) {
+        unsigned long long ns;
+        int pid;
+        if (sscanf(e->d_name, "dsk-%llu-%d-", &ns, &pid) != 2) continue;
+        for (int i = 0; i < n; i++)
+            if (pid == (int)pids[i]) {
+                printf("     left in /dev/shm: %s\n", e->d_name);
+                found++;
+            }
+    }
+    closedir(d);
+    return found;
+}
+
+/* The nodes and the shared-memory peers rank r must see after init; the segment (if any) is
+   already unlinked, as every rank of the node has mapped it. */
+static void check_transport(const group *g, const dsk_comm *c) {
+    int n = g->n, r = c->rank, shm = 0, node_rank = 0, node_size = 0, two = g_mode == MODE_TWO_HOSTS && n > 1;
+    for (int s = 0; s < n; s++) {
+        if (host_of(s, n) != host_of(r, n)) continue;
+        node_rank += s < r;
+        node_size++;
+        shm += s != r && allows_shm(g, s) && allows_shm(g, r);
+    }
+    DSK_TEST_EXPECT(c->shm_peers == shm, "%s: rank %d reaches %d peers through shared memory, want %d",
+                    k_mode_names[g_mode], r, c->shm_peers, shm);
+    DSK_TEST_EXPECT(c->n_nodes == (two ? 2 : 1) && c->node == host_of(r, n) && c->node_rank == node_rank &&
+                        c->node_size == node_size,
+                    "%s: rank %d is node %d of %d, index %d of %d; want node %d of %d, index %d of %d",
+                    k_mode_names[g_mode], r, c->node, c->n_nodes, c->node_rank, c->node_size, host_of(r, n),
+                    two ? 2 : 1, node_rank, node_size);
+    {
+        pid_t me = getpid();
+        DSK_TEST_EXPECT(segments_of(&me, 1) == 0, "rank %d: its segment is still linked after init", r);
+    }
+}
 
 /* Forks g->n ranks that init a host communicator on a fresh port, run fn and exit with
    status 1 if any check failed. Fills g->status; returns 1 if all exited 0. */
@@ -62,11 +125,15 @@ static int run_group(group *g, rank_fn fn, void *arg) {
             g_rank = r;
             if (g->no_init) fn(NULL, arg);
             else {
-                dsk_status st = dsk_comm_init(&c, r, g->world_override[r] ? g->world_override[r] : g->n, &g->opts);
+                dsk_comm_opts o = g->opts;
+                dsk_status st;
+                apply_mode(g, r, &o);
+                st = dsk_comm_init(&c, r, g->world_override[r] ? g->world_override[r] : g->n, &o);
                 if (st != DSK_OK)
                     dsk_test_fail_at(__FILE__, __LINE__, "rank %d: dsk_comm_init: %s: %s", r, dsk_status_str(st),
                                      dsk_last_error());
                 else {
+                    check_transport(g, &c);
                     fn(&c, arg);
                     dsk_comm_free(&c);
                 }
@@ -74,6 +141,7 @@ static int run_group(group *g, rank_fn fn, void *arg) {
             fflush(stdout);
             _exit(dsk_test_g.checks_failed_total > failed_before ? 1 : 0);
         }
+        g->pid[r] = pid[r];
     }
     for (int r = 0; r < g->n; r++) g->status[r] = -1;
     for (int left = g->n; left > 0;) {
@@ -526,6 +594,7 @@ static void rank_all_to_all_v(dsk_comm *c, void *arg) {
 /* Ring: each rank sends to rank + 1 and receives from rank - 1 (even ranks send first). */
 static void rank_send_recv(dsk_comm *c, void *arg) {
     int n = c->world_size, me = c->rank, next = (me + 1) % n, prev = (me + n - 1) % n;
+    uint64_t sent_next = 0;
     (void)arg;
     if (n == 1) {
         float x = 1;
@@ -550,11 +619,22 @@ static void rank_send_recv(dsk_comm *c, void *arg) {
         }
         snprintf(label, sizeof label, "rank %d: recv %s from rank %d", me, dsk_dtype_name(dt), prev);
         DSK_TEST_SAME_BYTES(got, in[prev], bytes, label);
+        sent_next += bytes;
         free(got);
         free_all(n, in);
     }
     DSK_TEST_OK(dsk_comm_barrier(c, NULL));
     DSK_TEST_EXPECT(c->stats.calls > 0 && c->stats.bytes_sent > 0 && c->stats.bytes_received > 0, "stats not counted");
+    /* bytes to the other emulated host: at least the payloads if `next` is there, headers anyway */
+    if (g_mode != MODE_TWO_HOSTS)
+        DSK_TEST_EXPECT(c->stats.bytes_sent_off_node == 0, "%llu bytes counted as sent off the node",
+                        (unsigned long long)c->stats.bytes_sent_off_node);
+    else
+        DSK_TEST_EXPECT(c->stats.bytes_sent_off_node > 0 && c->stats.bytes_sent_off_node < c->stats.bytes_sent &&
+                            (host_of(next, n) == host_of(me, n) || c->stats.bytes_sent_off_node > sent_next),
+                        "rank %d: %llu of %llu bytes sent off the node, %llu of payload to rank %d", me,
+                        (unsigned long long)c->stats.bytes_sent_off_node, (unsigned long long)c->stats.bytes_sent,
+                        (unsigned long long)sent_next, next);
 }
 
 /* Sub-groups: parity groups with reversed keys, a rank outside every group, a nested split. */
@@ -1171,8 +1251,8 @@ static void case_options_differ(void) {
     memset(&e, 0, sizeof e);
     for (int r = 0; r < 2; r++) { e.world[r] = 2; e.want[r] = DSK_ERR_ARG; }
     e.small[1] = 1024;
-    e.needle[0] = "rank 1 has small_bytes 1024 but this rank (0) has 65536";
-    e.needle[1] = "rank 0 has small_bytes 65536 but this rank (1) has 1024";
+    e.needle[0] = "rank 1 has small_bytes 1024 but this rank (0) has the default";
+    e.needle[1] = "rank 0 has small_bytes the default but this rank (1) has 1024";
     expect_init_failures(&e);
     memset(&e, 0, sizeof e);
     e.n = 3;
@@ -1416,6 +1496,19 @@ static void case_bad_args(void) {
     o.backend = DSK_COMM_HOST;
     DSK_TEST_STATUS(dsk_comm_init(&c, 2, 2, &o), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("dsk_comm_init: rank 2 is not in [0, world_size 2)");
+    {
+        char id[130];
+        memset(id, 'h', sizeof id - 1);
+        id[sizeof id - 1] = 0;
+        o.host_id = id;
+        DSK_TEST_STATUS(dsk_comm_init(&c, 0, 1, &o), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("host_id of 129 characters exceeds 120");
+        o.host_id = NULL;
+        o.transport = (dsk_comm_transport)7;
+        DSK_TEST_STATUS(dsk_comm_init(&c, 0, 1, &o), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("unknown transport 7");
+        o.transport = DSK_COMM_TRANSPORT_AUTO;
+    }
     o.backend = DSK_COMM_NCCL;
     DSK_TEST_STATUS(dsk_comm_init(&c, 0, 1, &o), DSK_ERR_UNSUPPORTED);
     DSK_TEST_ERROR_MENTIONS("nccl backend");
@@ -1481,6 +1574,17 @@ static int count_dir(const char *path) {
     return n;
 }
 
+/* Mappings of dsk segments in this process. */
+static int mapped_segments(void) {
+    FILE *f = fopen("/proc/self/maps", "r");
+    char line[512];
+    int n = 0;
+    if (!f) return -1;
+    while (fgets(line, sizeof line, f)) n += strstr(line, "/dsk-") != NULL;
+    fclose(f);
+    return n;
+}
+
 static void rank_reinit(dsk_comm *unused, void *argp) {
     const group *g = (const group *)argp;
     int fds0 = count_dir("/proc/self/fd"), thr0 = count_dir("/proc/self/task");
@@ -1493,6 +1597,8 @@ static void rank_reinit(dsk_comm *unused, void *argp) {
         float v = (float)g_rank, s = 0;
         DSK_TEST_OK(dsk_comm_init(&c, g_rank, g->n, &g->opts));
         if (!c.impl) { free(flat); return; }
+        DSK_TEST_EXPECT(c.shm_peers == 1 && mapped_segments() == 1, "round %d: %d shared-memory peers, %d mappings",
+                        round, c.shm_peers, mapped_segments());
         DSK_TEST_OK(dsk_comm_all_reduce(&c, NULL, &v, &s, 1, DSK_F32, DSK_COMM_SUM));
         DSK_TEST_EXPECT(s == 1.0f, "round %d sum %g", round, s);
         DSK_TEST_OK(dsk_comm_split(&c, 0, 0, &sub));
@@ -1509,6 +1615,8 @@ static void rank_reinit(dsk_comm *unused, void *argp) {
                     g_rank, fds0, count_dir("/proc/self/fd"));
     DSK_TEST_EXPECT(count_dir("/proc/self/task") == thr0, "rank %d: %d threads before, %d after", g_rank, thr0,
                     count_dir("/proc/self/task"));
+    DSK_TEST_EXPECT(mapped_segments() == 0, "rank %d: %d shared-memory mappings left after 3 init/free rounds",
+                    g_rank, mapped_segments());
 }
 
 static void case_reinit(void) {
@@ -1761,22 +1869,515 @@ static void case_mpirun_two_jobs(void) {
     DSK_TEST_EXPECT(done >= 1, "neither job completed");
 }
 
+/* Payloads that end 1 to 7 bytes past a 64-byte line, larger than a ring, both ways at once: the
+   writer holds back the last bytes until their padding fits, so a read can end inside the first
+   word of a line whose other bytes the writer is still filling (a reader that cleared that word
+   then erased them). */
+static void rank_stream_tails(dsk_comm *c, void *arg) {
+    int me = c->rank, peer = 1 - me;
+    (void)arg;
+    for (int i = 0; i < 24; i++) {
+        int64_t len = 300000 + 64 * (i % 5) + 1 + i % 7, cnt[2];
+        uint8_t *x = (uint8_t *)malloc((size_t)len), *y = (uint8_t *)malloc((size_t)len);
+        uint8_t *want = (uint8_t *)malloc((size_t)len);
+        char label[64];
+        gen(x, DSK_U8, len, 9100 + (uint64_t)i, me);
+        gen(want, DSK_U8, len, 9100 + (uint64_t)i, peer);
+        memset(y, 0xa5, (size_t)len);
+        cnt[me] = 0;
+        cnt[peer] = len;
+        DSK_TEST_OK(dsk_comm_all_to_all_v(c, NULL, x, cnt, NULL, y, cnt, NULL, DSK_U8));
+        snprintf(label, sizeof label, "rank %d: message %d of %lld bytes", me, i, (long long)len);
+        DSK_TEST_SAME_BYTES(y, want, (size_t)len, label);
+        free(x);
+        free(y);
+        free(want);
+    }
+}
+
+/* The ring protocol in one process, the interleaving made explicit: a read that ends 2 bytes
+   into the first word of a line (the writer held its last bytes back), while the writer has
+   already filled the rest of that word but not published it. The read must not clear that word
+   (it would erase the writer's bytes); the read that ends past it must, and every boundary word
+   the reader consumed is zero afterwards, so no stale byte passes for a frame's stamp. */
+static void case_ring_partial_word(void) {
+    const uint64_t R = 4096;
+    size_t bytes = sizeof(dsk__comm_chan) + R;
+    char *mem = (char *)aligned_alloc(128, bytes), src[70], dst[70];
+    dsk__comm_link w, r;
+    uint64_t word0 = 1, word64 = 1;
+    memset(mem, 0, bytes);
+    memset(&w, 0, sizeof w);
+    memset(&r, 0, sizeof r);
+    w.tx = r.rx = (dsk__comm_chan *)mem;
+    w.txd = r.rxd = mem + sizeof(dsk__comm_chan);
+    for (int i = 0; i < 70; i++) src[i] = (char)(i + 1);
+    memset(dst, 0, sizeof dst);
+    /* a payload of 70 bytes padded to 128: the writer publishes 66, fills 66..69, the reader reads 66 */
+    DSK_TEST_EXPECT(dsk__comm_ring_put(&w, R, src, 66, 0) == 66, "put 66 bytes");
+    dsk__comm_ring_write(w.txd, R, 66, src + 66, 4);
+    DSK_TEST_EXPECT(dsk__comm_ring_get(&r, R, dst, 70, 58) == 66, "the reader took what was published");
+    w.tx_head = 70 + 58;
+    dsk__comm_store64(&w.tx->head, w.tx_head);
+    DSK_TEST_EXPECT(dsk__comm_ring_get(&r, R, dst + 66, 4, 58) == 4, "the reader took the rest");
+    DSK_TEST_SAME_BYTES(dst, src, sizeof src, "payload read across the writer's hold-back");
+    memcpy(&word0, r.rxd, 8);
+    memcpy(&word64, r.rxd + 64, 8);
+    DSK_TEST_EXPECT(word0 == 0 && word64 == 0 && r.rx_tail == 128, "boundary words %llx %llx, tail %llu",
+                    (unsigned long long)word0, (unsigned long long)word64, (unsigned long long)r.rx_tail);
+    free(mem);
+}
+
+/* One ring, writer and reader stepped in a random order in this process: random message
+   lengths (empty, inline, eager, streamed, several times the ring), the writer blocked by a full
+   ring and the reader by an empty one at arbitrary points. Every payload arrives intact (a reader
+   that cleared a line's first word after the writer had reused its bytes failed this). */
+static char ring_byte(int m, size_t i) { return (char)(((unsigned)m * 131u + (unsigned)i * 7u) | 1u); }
+
+static void case_ring_interleavings(void) {
+    static const uint64_t rings[3] = {1024, 4096, 16384};
+    for (int cfg = 0; cfg < 3; cfg++) {
+        const uint64_t R = rings[cfg];
+        const int msgs = 20000;
+        size_t bytes = sizeof(dsk__comm_chan) + R;
+        char *mem = (char *)aligned_alloc(128, bytes), *back = (char *)aligned_alloc(128, bytes);
+        size_t *lens = (size_t *)malloc((size_t)msgs * sizeof(size_t));
+        dsk_comm a, b;
+        dsk__comm_link *w, *r;
+        dsk__comm_io wop, rop;
+        char *wbuf = NULL, *rbuf = NULL;
+        int sent = 0, got = 0, wbusy = 0, rbusy = 0, bad = 0;
+        uint64_t rng = g_seed ^ (uint64_t)(cfg + 1), steps = 0;
+        memset(mem, 0, bytes);
+        memset(back, 0, bytes);
+        memset(&a, 0, sizeof a);
+        memset(&b, 0, sizeof b);
+        a.world_size = b.world_size = 2;
+        b.rank = 1;
+        DSK_TEST_OK(dsk__comm_impl_alloc(&a, "test", NULL, "127.0.0.1", 1));
+        DSK_TEST_OK(dsk__comm_impl_alloc(&b, "test", NULL, "127.0.0.1", 1));
+        a.impl->ring = b.impl->ring = R;
+        w = &a.impl->links[1];
+        r = &b.impl->links[0];
+        w->tx = r->rx = (dsk__comm_chan *)mem;
+        w->txd = r->rxd = mem + sizeof(dsk__comm_chan);
+        w->rx = r->tx = (dsk__comm_chan *)back;
+        w->rxd = r->txd = back + sizeof(dsk__comm_chan);
+        for (int m = 0; m < msgs; m++) {
+            uint64_t u = mix64(rng ^ (uint64_t)m);
+            lens[m] = u % 5 == 0 ? u % 64 : u % 3 == 0 ? u % (R / 2) : u % (3 * R);
+        }
+        while (got < msgs) {
+            if (mix64(rng ^ ++steps) & 1) {
+                if (!wbusy && sent < msgs) {
+                    dsk__comm_wire h = dsk__comm_wire_make(a.impl, DSK__COMM_SEND, DSK_U8, 0, -1, (int64_t)lens[sent]);
+                    wbuf = (char *)malloc(lens[sent] + 1);
+                    for (size_t i = 0; i < lens[sent]; i++) wbuf[i] = ring_byte(sent, i);
+                    h.seq = (uint64_t)sent;
+                    dsk__comm_io_post(&wop, 1, 1, &h, wbuf, lens[sent]);
+                    wbusy = 1;
+                }
+                if (wbusy) dsk__comm_shm_send(&a, &wop);
+                if (wbusy && dsk__comm_io_finished(&wop)) {
+                    free(wbuf);
+                    wbusy = 0;
+                    sent++;
+                }
+            } else {
+                dsk_status err = DSK_OK;
+                if (!rbusy && got < sent + wbusy) {
+                    dsk__comm_wire h = dsk__comm_wire_make(b.impl, DSK__COMM_SEND, DSK_U8, 0, -1, (int64_t)lens[got]);
+                    rbuf = (char *)malloc(lens[got] + 1);
+                    memset(rbuf, 0xa5, lens[got]);
+                    h.seq = (uint64_t)got;
+                    dsk__comm_io_post(&rop, 0, 0, &h, rbuf, lens[got]);
+                    rbusy = 1;
+                }
+                if (rbusy && dsk__comm_shm_recv(&b, "test", &rop, &err) < 0) {
+                    DSK_TEST_OK(err);
+                    break;
+                }
+                if (rbusy && dsk__comm_io_finished(&rop)) {
+                    for (size_t i = 0; i < lens[got] && bad < 3; i++)
+                        if (rbuf[i] != ring_byte(got, i)) {
+                            DSK_TEST_EXPECT(0, "ring of %llu bytes, message %d of %zu bytes: byte %zu is %02x",
+                                            (unsigned long long)R, got, lens[got], i, (unsigned)(unsigned char)rbuf[i]);
+                            bad++;
+                            break;
+                        }
+                    free(rbuf);
+                    rbusy = 0;
+                    got++;
+                }
+            }
+        }
+        if (wbusy) free(wbuf);
+        if (rbusy) free(rbuf);
+        DSK_TEST_EXPECT(got == msgs && bad == 0, "ring of %llu bytes: %d of %d messages, %d damaged",
+                        (unsigned long long)R, got, msgs, bad);
+        dsk__comm_impl_free(&a);
+        dsk__comm_impl_free(&b);
+        free(lens);
+        free(mem);
+        free(back);
+    }
+}
+
+/* ------------------------------------------------------------------ expert-parallel routes */
+
+#define ROUTE_K 3
+#define ROUTE_E 5 /* f32 elements per row */
+
+static int64_t route_rows(int r) { return r == 1 ? 0 : 17 + 5 * r; } /* rank 1 sends nothing */
+
+/* Rank r's destinations: random ranks or -1 (unused), a rank repeated in a row now and then;
+   row 0 has two slots on the last two ranks (one node with two emulated hosts), so a two-hop
+   route sends that row across once where the flat one sends it twice. */
+static void route_dest(int r, int n, int32_t *dest) {
+    for (int64_t q = 0; q < route_rows(r) * ROUTE_K; q++)
+        dest[q] = (int32_t)(mix64(g_seed ^ mix64(777 + (uint64_t)r) ^ (uint64_t)q) % (uint64_t)(n + 1)) - 1;
+    if (route_rows(r) == 0) return;
+    dest[0] = n - 1;
+    dest[1] = n > 1 ? n - 2 : n - 1;
+}
+
+/* What an expert on rank d makes of received row q: deterministic, different per rank and row. */
+static void route_expert(int d, int64_t q, const float *in, float *out) {
+    for (int e = 0; e < ROUTE_E; e++) out[e] = in[e] * 2.0f + (float)(d * 1000 + q);
+}
+
+typedef struct route_world {
+    int n;
+    int32_t *dest[8];
+    float *rows[8];
+    uint8_t *bytes[8]; /* 3-byte rows: an odd row size */
+} route_world;
+
+static void route_world_make(route_world *w, int n) {
+    w->n = n;
+    for (int p = 0; p < n; p++) {
+        w->dest[p] = (int32_t *)malloc((size_t)(route_rows(p) + 1) * ROUTE_K * sizeof(int32_t));
+        w->rows[p] = (float *)malloc((size_t)(route_rows(p) + 1) * ROUTE_E * sizeof(float));
+        w->bytes[p] = (uint8_t *)malloc((size_t)(route_rows(p) + 1) * 3);
+        route_dest(p, n, w->dest[p]);
+        gen(w->rows[p], DSK_F32, route_rows(p) * ROUTE_E, 4242, p);
+        gen(w->bytes[p], DSK_U8, route_rows(p) * 3, 4343, p);
+    }
+}
+
+static void route_world_free(route_world *w) {
+    for (int p = 0; p < w->n; p++) { free(w->dest[p]); free(w->rows[p]); free(w->bytes[p]); }
+}
+
+/* The rows rank me must receive (source order, then (row, slot) order), row_bytes each, from
+   the sources' buffers src[p]; returns their number, counts[p] per source. */
+static int64_t route_want(const route_world *w, int me, void *const *src, size_t row_bytes, char *out,
+                          int64_t *counts) {
+    int64_t q = 0;
+    for (int p = 0; p < w->n; p++) {
+        counts[p] = 0;
+        for (int64_t s = 0; s < route_rows(p) * ROUTE_K; s++)
+            if (w->dest[p][s] == me) {
+                if (out) memcpy(out + (size_t)q * row_bytes, (const char *)src[p] + (size_t)(s / ROUTE_K) * row_bytes,
+                                row_bytes);
+                counts[p]++;
+                q++;
+            }
+    }
+    return q;
+}
+
+/* Rows (per row, per slot) rank me sends off its node: a flat route sends one per slot, a
+   two-hop one per (row, destination node). */
+static int64_t route_off_node(const route_world *w, int me, int two_hop) {
+    int64_t rows = 0;
+    for (int64_t i = 0; i < route_rows(me); i++) {
+        int seen = 0; /* bit: a node this row already went to */
+        for (int j = 0; j < ROUTE_K; j++) {
+            int d = w->dest[me][i * ROUTE_K + j], b;
+            if (d < 0 || (b = host_of(d, w->n)) == host_of(me, w->n)) continue;
+            if (!two_hop || !(seen >> b & 1)) rows++;
+            seen |= 1 << b;
+        }
+    }
+    return rows;
+}
+
+/* Dispatch and combine through a flat and a two-hop route: both bitwise what the flat
+   all-to-all-v semantics give; with two emulated hosts the two-hop route sends fewer rows and
+   bytes off the node. */
+static void rank_routes(dsk_comm *c, void *arg) {
+    int n = c->world_size, me = c->rank;
+    route_world w;
+    int64_t counts[8], want_counts[8], R = route_rows(me), slots = 0, nrecv;
+    uint64_t off_bytes[2] = {0, 0};
+    float *want, *got, *experts, *want_out, *out;
+    uint8_t *wantb, *gotb;
+    (void)arg;
+    route_world_make(&w, n);
+    nrecv = route_want(&w, me, (void *const *)w.rows, ROUTE_E * sizeof(float), NULL, want_counts);
+    want = (float *)malloc((size_t)(nrecv + 1) * ROUTE_E * sizeof(float));
+    got = (float *)malloc((size_t)(nrecv + 1) * ROUTE_E * sizeof(float));
+    experts = (float *)malloc((size_t)(nrecv + 1) * ROUTE_E * sizeof(float));
+    wantb = (uint8_t *)malloc((size_t)(nrecv + 1) * 3);
+    gotb = (uint8_t *)malloc((size_t)(nrecv + 1) * 3);
+    route_want(&w, me, (void *const *)w.rows, ROUTE_E * sizeof(float), (char *)want, counts);
+    route_want(&w, me, (void *const *)w.bytes, 3, (char *)wantb, counts);
+    for (int64_t s = 0; s < R * ROUTE_K; s++) slots += w.dest[me][s] >= 0;
+    want_out = (float *)malloc((size_t)(slots + 1) * ROUTE_E * sizeof(float));
+    out = (float *)malloc((size_t)(slots + 1) * ROUTE_E * sizeof(float));
+    /* what comes back for slot (i, j): the expert on d applied to row i at its place in d's rows */
+    {
+        int64_t s = 0, sent[8] = {0};
+        for (int64_t q = 0; q < R * ROUTE_K; q++) {
+            int d = w.dest[me][q];
+            int64_t at = 0, cd[8];
+            if (d < 0) continue;
+            route_want(&w, d, (void *const *)w.rows, ROUTE_E * sizeof(float), NULL, cd);
+            for (int p = 0; p < me; p++) at += cd[p];
+            route_expert(d, at + sent[d]++, w.rows[me] + (q / ROUTE_K) * ROUTE_E, want_out + s++ * ROUTE_E);
+        }
+    }
+    for (int two = 0; two < 2; two++) {
+        dsk_comm_route rt;
+        dsk_comm_route_opts o;
+        uint64_t before;
+        char label[96];
+        memset(&o, 0, sizeof o);
+        o.two_hop = two;
+        snprintf(label, sizeof label, "rank %d: %s route", me, two ? "two-hop" : "flat");
+        DSK_TEST_OK(dsk_comm_route_init(&rt, c, NULL, R, ROUTE_K, w.dest[me], &o));
+        if (!rt.impl) continue;
+        DSK_TEST_EXPECT(rt.recv_rows == nrecv && rt.slots == slots && rt.two_hop == two,
+                        "%s: %lld rows received, %lld slots; want %lld, %lld", label, (long long)rt.recv_rows,
+                        (long long)rt.slots, (long long)nrecv, (long long)slots);
+        for (int p = 0; p < n; p++)
+            DSK_TEST_EXPECT(rt.recv_counts[p] == want_counts[p], "%s: %lld rows from rank %d, want %lld", label,
+                            (long long)rt.recv_counts[p], p, (long long)want_counts[p]);
+        DSK_TEST_EXPECT(rt.dispatch_rows_off_node == route_off_node(&w, me, two),
+                        "%s: %lld rows off the node, want %lld", label, (long long)rt.dispatch_rows_off_node,
+                        (long long)route_off_node(&w, me, two));
+        for (int rep = 0; rep < 2; rep++) { /* a route is reused */
+            dsk_test_poison_bytes(got, (size_t)nrecv * ROUTE_E * sizeof(float));
+            before = c->stats.bytes_sent_off_node;
+            DSK_TEST_OK(dsk_comm_route_dispatch(&rt, NULL, w.rows[me], ROUTE_E, DSK_F32, got));
+            off_bytes[two] = c->stats.bytes_sent_off_node - before;
+            DSK_TEST_SAME_BYTES(got, want, (size_t)nrecv * ROUTE_E * sizeof(float), label);
+        }
+        memset(gotb, 0xa5, (size_t)nrecv * 3);
+        DSK_TEST_OK(dsk_comm_route_dispatch(&rt, NULL, w.bytes[me], 3, DSK_U8, gotb));
+        DSK_TEST_SAME_BYTES(gotb, wantb, (size_t)nrecv * 3, label);
+        for (int64_t q = 0; q < nrecv; q++) route_expert(me, q, got + q * ROUTE_E, experts + q * ROUTE_E);
+        dsk_test_poison_bytes(out, (size_t)slots * ROUTE_E * sizeof(float));
+        DSK_TEST_OK(dsk_comm_route_combine(&rt, NULL, experts, ROUTE_E, DSK_F32, out));
+        DSK_TEST_SAME_BYTES(out, want_out, (size_t)slots * ROUTE_E * sizeof(float), label);
+        DSK_TEST_EXPECT(off_bytes[two] >= (uint64_t)rt.dispatch_rows_off_node * ROUTE_E * sizeof(float),
+                        "%s: %llu bytes off the node for %lld rows", label, (unsigned long long)off_bytes[two],
+                        (long long)rt.dispatch_rows_off_node);
+        dsk_comm_route_free(&rt);
+        dsk_comm_route_free(&rt); /* freed twice is fine */
+    }
+    if (c->n_nodes == 1)
+        DSK_TEST_EXPECT(off_bytes[0] == 0 && off_bytes[1] == 0, "one node, yet %llu and %llu bytes off it",
+                        (unsigned long long)off_bytes[0], (unsigned long long)off_bytes[1]);
+    else
+        DSK_TEST_EXPECT(off_bytes[1] < off_bytes[0] && route_off_node(&w, me, 1) <= route_off_node(&w, me, 0),
+                        "rank %d: two hops sent %llu bytes (%lld rows) off the node, flat %llu (%lld rows)", me,
+                        (unsigned long long)off_bytes[1], (long long)route_off_node(&w, me, 1),
+                        (unsigned long long)off_bytes[0], (long long)route_off_node(&w, me, 0));
+    if (c->n_nodes > 1 && host_of(me, n) == 0 && R > 0)
+        DSK_TEST_EXPECT(route_off_node(&w, me, 1) < route_off_node(&w, me, 0),
+                        "rank %d: row 0 has two slots on the other node, yet two hops send as many rows", me);
+    free(want); free(got); free(experts); free(wantb); free(gotb); free(want_out); free(out);
+    route_world_free(&w);
+}
+
+/* Misuse: bad destinations and arguments fail at once; ranks that build different kinds of
+   route all fail, and the communicator still works. */
+static void rank_route_misuse(dsk_comm *c, void *arg) {
+    int32_t dest[6] = {0, -1, 0, 0, -1, -1};
+    dsk_comm_route rt;
+    dsk_comm_route_opts o;
+    float x[4] = {1, 2, 3, 4};
+    (void)arg;
+    memset(&o, 0, sizeof o);
+    dest[3] = c->world_size;
+    DSK_TEST_STATUS(dsk_comm_route_init(&rt, c, NULL, 2, 3, dest, &o), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("row 1 slot 0 goes to rank");
+    DSK_TEST_EXPECT(rt.impl == NULL, "a failed init left a route");
+    DSK_TEST_STATUS(dsk_comm_route_init(&rt, c, NULL, 2, 0, dest, &o), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_comm_route_init(&rt, c, NULL, 2, 3, NULL, &o), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_comm_route_dispatch(&rt, NULL, x, 1, DSK_F32, x), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("route is NULL or not initialised");
+    dest[3] = 0;
+    o.two_hop = c->rank == 0;
+    DSK_TEST_STATUS(dsk_comm_route_init(&rt, c, NULL, 2, 3, dest, &o), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS(c->rank == 0 ? "a flat route but this rank (0) a two-hop one"
+                                         : "rank 0 built a two-hop route");
+    o.two_hop = 0;
+    DSK_TEST_OK(dsk_comm_route_init(&rt, c, NULL, 2, 3, dest, &o));
+    DSK_TEST_STATUS(dsk_comm_route_dispatch(&rt, NULL, x, -1, DSK_F32, x), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("row_elems -1 is negative");
+    DSK_TEST_STATUS(dsk_comm_route_combine(&rt, NULL, x, 1, DSK_E4M3, x), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dtype e4m3 is not supported");
+    dsk_comm_route_free(&rt);
+    DSK_TEST_OK(dsk_comm_barrier(c, NULL));
+}
+
+/* Two hosts of 2 and 1 ranks: a two-hop route needs nodes of one size. */
+static void rank_route_uneven(dsk_comm *c, void *arg) {
+    int32_t dest[2] = {0, (c->rank + 1) % c->world_size};
+    dsk_comm_route rt;
+    dsk_comm_route_opts o;
+    (void)arg;
+    memset(&o, 0, sizeof o);
+    o.two_hop = 1;
+    DSK_TEST_STATUS(dsk_comm_route_init(&rt, c, NULL, 1, 2, dest, &o), DSK_ERR_UNSUPPORTED);
+    DSK_TEST_ERROR_MENTIONS("two hops need nodes of one size");
+    o.two_hop = 0;
+    DSK_TEST_OK(dsk_comm_route_init(&rt, c, NULL, 1, 2, dest, &o));
+    dsk_comm_route_free(&rt);
+}
+
+/* ------------------------------------------------------------------ shared memory */
+
+static void *kill_soon(void *arg) {
+    struct timespec ts = {0, 30000000};
+    (void)arg;
+    nanosleep(&ts, NULL);
+    raise(SIGKILL);
+    return NULL;
+}
+
+/* Rank 1 is killed 30 ms into a run of 16 MB all-reduces, inside one of them: the others
+   fail within the timeout, naming it. */
+static void rank_killed_inside(dsk_comm *c, void *arg) {
+    int64_t n = 4 << 20;
+    float *x = (float *)malloc((size_t)n * sizeof(float));
+    dsk_status st = DSK_OK;
+    double t0 = 0;
+    (void)arg;
+    gen(x, DSK_F32, n, 31, c->rank);
+    DSK_TEST_OK(dsk_comm_barrier(c, NULL));
+    if (c->rank == 1) {
+        pthread_t t;
+        pthread_create(&t, NULL, kill_soon, NULL);
+    }
+    for (int i = 0; i < 50 && st == DSK_OK; i++) {
+        t0 = dsk_test_now();
+        st = dsk_comm_all_reduce(c, NULL, x, x, n, DSK_F32, DSK_COMM_SUM);
+    }
+    printf("     rank %d: %s after %.2f s: %s\n", c->rank, dsk_status_str(st), dsk_test_now() - t0, dsk_last_error());
+    DSK_TEST_EXPECT(st == DSK_ERR_PEER || st == DSK_ERR_TIMEOUT, "rank %d got %s", c->rank, dsk_status_str(st));
+    DSK_TEST_ERROR_MENTIONS("rank 1");
+    DSK_TEST_ERROR_MENTIONS("dsk_comm_all_reduce");
+    DSK_TEST_EXPECT(dsk_test_now() - t0 < 1.0 + 1.0, "the failing call took %.2f s for a 1 s timeout",
+                    dsk_test_now() - t0);
+    free(x);
+}
+
+static void case_killed_inside(void) {
+    group g;
+    group_defaults(&g, 3);
+    g.opts = fault_opts(1.0);
+    run_group(&g, rank_killed_inside, NULL);
+    DSK_TEST_EXPECT(g.status[0] == 0 && g.status[2] == 0, "surviving ranks exited %d %d", g.status[0], g.status[2]);
+    DSK_TEST_EXPECT(g.status[1] == 128 + SIGKILL, "victim exited %d", g.status[1]);
+    DSK_TEST_EXPECT(segments_of(g.pid, g.n) == 0, "segments left behind by the job");
+}
+
+static void rank_barrier(dsk_comm *c, void *arg) {
+    (void)arg;
+    DSK_TEST_OK(dsk_comm_barrier(c, NULL));
+}
+
+static unsigned long long pid_namespace(void) {
+    char link[64] = "";
+    unsigned long long ino = 0;
+    ssize_t k = readlink("/proc/self/ns/pid", link, sizeof link - 1);
+    if (k > 0) {
+        link[k] = 0;
+        if (sscanf(link, "pid:[%llu]", &ino) != 1) ino = 0;
+    }
+    return ino;
+}
+
+static int shm_exists(const char *name) {
+    int fd = shm_open(name, O_RDONLY, 0);
+    if (fd < 0) return 0;
+    close(fd);
+    return 1;
+}
+
+/* A segment left by a dead creator (in this pid namespace) is removed when the next one is
+   created; one of a live process, or of another pid namespace, is kept. */
+static void case_stale_segments(void) {
+    unsigned long long ns = pid_namespace();
+    pid_t dead = fork();
+    char stale[96], live[96], other[96];
+    const char *names[3] = {stale, live, other};
+    group g;
+    if (dead == 0) _exit(0);
+    waitpid(dead, NULL, 0);
+    snprintf(stale, sizeof stale, "/dsk-%llu-%d-00000000000000aa", ns, (int)dead);
+    snprintf(live, sizeof live, "/dsk-%llu-%d-00000000000000bb", ns, (int)getpid());
+    snprintf(other, sizeof other, "/dsk-%llu-%d-00000000000000cc", ns + 1, (int)dead);
+    for (int i = 0; i < 3; i++) {
+        int fd = shm_open(names[i], O_CREAT | O_RDWR, 0600);
+        DSK_TEST_EXPECT(fd >= 0, "shm_open %s: %s", names[i], strerror(errno));
+        if (fd >= 0) close(fd);
+    }
+    group_defaults(&g, 2);
+    expect_group_ok(&g, rank_barrier, NULL);
+    DSK_TEST_EXPECT(!shm_exists(stale), "%s (creator %d is dead) was not removed", stale, (int)dead);
+    DSK_TEST_EXPECT(shm_exists(live), "%s (creator alive) was removed", live);
+    DSK_TEST_EXPECT(shm_exists(other), "%s (another pid namespace) was removed", other);
+    for (int i = 0; i < 3; i++) shm_unlink(names[i]);
+}
+
+/* Rank 1 asks for TCP: it reaches everyone over TCP, ranks 0 and 2 share memory. */
+static void rank_mixed_pairs(dsk_comm *c, void *arg) {
+    rank_all_to_all_v(c, arg);
+    rank_send_recv(c, arg);
+}
+
+static void case_tcp_rank(void) {
+    group g;
+    group_defaults(&g, 3);
+    g.tcp_ranks = 1u << 1;
+    expect_group_ok(&g, rank_mixed_pairs, NULL);
+}
+
 /* ------------------------------------------------------------------ main */
 
 static void coll_case(const char *name, rank_fn fn, int n, size_t piece) {
     group g;
     group_defaults(&g, n);
     g.opts.piece_bytes = piece;
-    dsk_test_begin("%s, %d rank%s", name, n, n > 1 ? "s" : "");
+    dsk_test_begin("[%s] %s, %d rank%s", k_mode_names[g_mode], name, n, n > 1 ? "s" : "");
     expect_group_ok(&g, fn, NULL);
     dsk_test_end();
 }
 
-int main(int argc, char **argv) {
-    if (argc > 1 && strcmp(argv[1], "--rank-child") == 0) return child_main();
-    dsk_test_init("test_comm");
-    g_seed = dsk_test_rand_u64();
-    for (int n = 1; n <= 4; n++) {
+/* dsk_test_begin with the transport mode in front of the name. */
+static void mode_begin(const char *fmt, ...) {
+    char name[400];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(name, sizeof name, fmt, ap);
+    va_end(ap);
+    dsk_test_begin("[%s] %s", k_mode_names[g_mode], name);
+}
+
+/* Every collective and fault case in the current transport mode. Shared memory (the default)
+   runs the collectives on 1 to 4 ranks; TCP on 2 (several TCP peers per rank: the splits, the
+   faults and the rounds with two emulated hosts); two emulated hosts on 4 (2 + 2: shared memory
+   inside each, TCP across).
+   The fault cases that only wait out a timeout run where the transport changes what they test.
+   Kept so to hold test_comm near 40 s on a loaded 2-core machine. */
+static void run_suite(void) {
+    int n0 = g_mode == MODE_SHM ? 1 : g_mode == MODE_TWO_HOSTS ? 4 : 2, n1 = g_mode == MODE_TCP ? 2 : 4;
+    for (int n = n0; n <= n1; n++) {
         coll_case("all_reduce: 7 dtypes x 4 ops x sizes 0..70001 + 6 MB, exact rank-order fold", rank_all_reduce, n,
                   65536);
         coll_case("reduce_scatter: 7 dtypes x 4 ops x 6 sizes", rank_reduce_scatter, n, 65536);
@@ -1790,9 +2391,11 @@ int main(int argc, char **argv) {
         coll_case("all_to_all_v: uneven counts with zeros, packed and with gaps", rank_all_to_all_v, n, 0);
         coll_case("send/recv ring and barrier", rank_send_recv, n, 0);
         coll_case("tensor forms", rank_tensors, n, 0);
-        coll_case("store set/get/add/barrier", rank_store, n, 0);
+        coll_case("routes: flat and two-hop dispatch and combine, bitwise the flat all-to-all-v; rows off the node",
+                  rank_routes, n, 0);
+        if (g_mode == MODE_SHM) coll_case("store set/get/add/barrier", rank_store, n, 0);
     }
-    coll_case("split: parity groups, NO_COLOR, nested", rank_split, 3, 0);
+    if (g_mode != MODE_TWO_HOSTS) coll_case("split: parity groups, NO_COLOR, nested", rank_split, 3, 0);
     coll_case("split: parity groups, NO_COLOR, nested", rank_split, 4, 0);
     {
         bucket_arg a;
@@ -1802,78 +2405,101 @@ int main(int argc, char **argv) {
         memcpy(a.counts, counts, sizeof counts);
         a.first = 40000;
         a.cap = 150000;
-        for (int n = 2; n <= 3; n++)
+        for (int n = g_mode == MODE_TWO_HOSTS ? 4 : 2; n <= (g_mode == MODE_TWO_HOSTS ? 4 : 3); n++)
             for (int d = 0; d < 2; d++) {
                 group g;
                 a.dt = d ? DSK_BF16 : DSK_F32;
                 group_defaults(&g, n);
-                dsk_test_begin("buckets vs plain all_reduce, %s, %d ranks, accumulation and misuse",
-                               dsk_dtype_name(a.dt), n);
+                mode_begin("buckets vs plain all_reduce, %s, %d ranks, accumulation and misuse",
+                           dsk_dtype_name(a.dt), n);
                 expect_group_ok(&g, rank_buckets, &a);
                 dsk_test_end();
             }
     }
     coll_case("NaN propagates through sum, avg, max, min; ranks agree bitwise", rank_nan, 3, 0);
-    {
+    if (g_mode == MODE_SHM)
+        coll_case("routes: bad arguments, ranks that build different kinds", rank_route_misuse, 3, 0);
+    if (g_mode == MODE_SHM)
+        coll_case("rings: payloads ending 1 to 7 bytes into a line, larger than a ring", rank_stream_tails, 2, 0);
+    if (g_mode == MODE_TWO_HOSTS) coll_case("routes: two hops over nodes of 2 and 1 ranks", rank_route_uneven, 3, 0);
+    if (g_mode != MODE_TWO_HOSTS) {
         group g;
         group_defaults(&g, 2);
         g.opts = fault_opts(2.0);
-        dsk_test_begin("fault: rank 1 SIGKILLed with buckets in flight -> buckets_wait names it");
+        mode_begin("fault: rank 1 SIGKILLed with buckets in flight -> buckets_wait names it");
         run_group(&g, rank_bucket_fault, NULL);
         DSK_TEST_EXPECT(g.status[0] == 0 && g.status[1] == 128 + SIGKILL, "exit statuses %d %d", g.status[0],
                         g.status[1]);
     }
-    DSK_TEST_RUN(case_store_timeout);
-    dsk_test_begin("fault: rank 2 of 3 SIGKILLed mid-run, small messages");
+    mode_begin("fault: rank 2 of 3 SIGKILLed mid-run, small messages");
     case_rank_dies(SIGKILL, 100);
-    dsk_test_begin("fault: rank 2 of 3 SIGKILLed mid-run, 8 MB messages");
+    mode_begin("fault: rank 2 of 3 SIGKILLed mid-run, 8 MB messages");
     case_rank_dies(SIGKILL, 2 << 20);
-    dsk_test_begin("fault: rank 2 of 3 SIGSTOPped mid-run -> timeout naming it");
-    case_rank_dies(SIGSTOP, 1000);
-    dsk_test_begin("fault: rank 2 of 3 SIGSTOPped mid-run, 8 MB messages (sends block too)");
-    case_rank_dies(SIGSTOP, 2 << 20);
-    dsk_test_begin(
-        "fault: rank 0 of 4 SIGKILLed, chain of receives: every survivor blames rank 0 (it hosts the store)");
+    if (g_mode != MODE_TCP) {
+        mode_begin("fault: rank 2 of 3 SIGSTOPped mid-run -> timeout naming it");
+        case_rank_dies(SIGSTOP, 1000);
+    }
+    if (g_mode != MODE_TWO_HOSTS) {
+        mode_begin("fault: rank 2 of 3 SIGSTOPped mid-run, 8 MB messages (sends block too)");
+        case_rank_dies(SIGSTOP, 2 << 20);
+    }
+    mode_begin("fault: rank 0 of 4 SIGKILLed, chain of receives: every survivor blames rank 0 (it hosts the store)");
     case_zero_dies(1);
-    dsk_test_begin("fault: rank 0 of 4 SIGKILLed in a 4 MB all_reduce: every survivor blames rank 0");
+    mode_begin("fault: rank 0 of 4 SIGKILLed in a 4 MB all_reduce: every survivor blames rank 0");
     case_zero_dies(0);
-    {
+    if (g_mode == MODE_SHM) {
         group g;
         group_defaults(&g, 3);
         g.opts = fault_opts(1.0);
         g.reap = 1;
-        dsk_test_begin(
-            "fault: rank 0 of 3 SIGSTOPped: survivors fail in the timeout, the message tells the time taken");
+        mode_begin("fault: rank 0 of 3 SIGSTOPped: survivors fail in the timeout, the message tells the time taken");
         run_group(&g, rank_zero_stops, NULL);
         DSK_TEST_EXPECT(g.status[1] == 0 && g.status[2] == 0, "surviving ranks exited %d %d", g.status[1], g.status[2]);
     }
-    dsk_test_begin("fault: mismatched count (2 ranks)");
+    mode_begin("fault: mismatched count (2 ranks)");
     case_mismatch(2, 0);
-    dsk_test_begin("fault: mismatched dtype (3 ranks)");
+    mode_begin("fault: mismatched dtype (3 ranks)");
     case_mismatch(3, 1);
-    dsk_test_begin("fault: mismatched collective (3 ranks)");
+    mode_begin("fault: mismatched collective (3 ranks)");
     case_mismatch(3, 2);
-    dsk_test_begin("fault: mismatched all_to_all_v counts fail the receiver and the sender, naming both (2 ranks)");
+    mode_begin("fault: mismatched all_to_all_v counts fail the receiver and the sender, naming both (2 ranks)");
     case_mismatch(2, 3);
-    dsk_test_begin("fault: mismatched broadcast roots fail every rank in that call (2 ranks)");
+    mode_begin("fault: mismatched broadcast roots fail every rank in that call (2 ranks)");
     case_mismatch(2, 4);
-    dsk_test_begin("fault: mismatched broadcast roots fail every rank in that call (3 ranks, scatter + all-gather)");
+    mode_begin("fault: mismatched broadcast roots fail every rank in that call (3 ranks, scatter + all-gather)");
     case_mismatch(3, 5);
-    dsk_test_begin("fault: mismatched reduce roots fail every rank in that call (3 ranks)");
+    mode_begin("fault: mismatched reduce roots fail every rank in that call (3 ranks)");
     case_mismatch(3, 6);
-    dsk_test_begin("fault: mismatched reduce roots fail every rank in that call (3 ranks, reduce-scatter + gather)");
+    mode_begin("fault: mismatched reduce roots fail every rank in that call (3 ranks, reduce-scatter + gather)");
     case_mismatch(3, 7);
-    dsk_test_begin("fault: mismatched gather roots fail every rank in that call (3 ranks)");
+    mode_begin("fault: mismatched gather roots fail every rank in that call (3 ranks)");
     case_mismatch(3, 8);
-    dsk_test_begin("fault: mismatched scatter roots fail every rank in that call (3 ranks)");
+    mode_begin("fault: mismatched scatter roots fail every rank in that call (3 ranks)");
     case_mismatch(3, 9);
-    {
+    if (g_mode != MODE_TWO_HOSTS) {
         group g;
         group_defaults(&g, 2);
         g.opts = fault_opts(3.0);
-        dsk_test_begin("fault: peer closed mid-send gives DSK_ERR_PEER, not SIGPIPE");
+        mode_begin("fault: peer closed mid-send gives DSK_ERR_PEER, not SIGPIPE");
         expect_group_ok(&g, rank_leaves, NULL);
     }
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1 && strcmp(argv[1], "--rank-child") == 0) return child_main();
+    dsk_test_init("test_comm");
+    g_seed = dsk_test_rand_u64();
+    for (g_mode = 0; g_mode < N_MODES; g_mode++) run_suite();
+    g_mode = MODE_SHM;
+    mode_begin("fault: rank 1 of 3 SIGKILLed inside a 16 MB all_reduce: the others name it, no segment is left");
+    case_killed_inside();
+    DSK_TEST_RUN(case_ring_partial_word);
+    DSK_TEST_RUN(case_ring_interleavings);
+    mode_begin("segments of dead creators are removed, others kept");
+    case_stale_segments();
+    mode_begin("a rank that asks for TCP: pairs with it use TCP, the others shared memory (3 ranks)");
+    case_tcp_rank();
+    DSK_TEST_RUN(case_store_timeout);
     dsk_test_begin(
         "job identity: a rank of another job (opts.job_id) reaching this job's store fails, the job runs on");
     case_two_jobs(0);

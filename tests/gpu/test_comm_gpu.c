@@ -195,6 +195,10 @@ static void part_split(void) {
     DSK_TEST_OK(dsk_comm_split(&HC, me % 2, -me, &hs));
     DSK_TEST_EXPECT(ns.rank == hs.rank && ns.world_size == hs.world_size && ns.backend == DSK_COMM_NCCL,
                     "nccl sub-group rank %d of %d, host %d of %d", ns.rank, ns.world_size, hs.rank, hs.world_size);
+    DSK_TEST_EXPECT(ns.n_nodes == hs.n_nodes && ns.node == hs.node && ns.node_rank == hs.node_rank &&
+                        ns.node_size == hs.node_size,
+                    "nccl sub-group node %d of %d (index %d of %d), host %d of %d (%d of %d)", ns.node, ns.n_nodes,
+                    ns.node_rank, ns.node_size, hs.node, hs.n_nodes, hs.node_rank, hs.node_size);
     gen(x, DSK_F32, 33, 77, me);
     d = dev_from(x, sizeof x);
     DSK_TEST_OK(dsk_comm_all_reduce(&hs, NULL, x, want, 33, DSK_F32, DSK_COMM_MAX));
@@ -241,13 +245,72 @@ static void part_buckets(void) {
     free(got);
 }
 
+/* Routes on device rows (nccl) vs host rows: flat and two-hop, dispatch and combine, bitwise;
+   f32 rows of 5 (gathered as 32-bit words) and bf16 rows of 3 (6 bytes, 16-bit words). */
+static void part_routes(void) {
+    int n = NC.world_size, me = NC.rank, k = 3;
+    int64_t rows = 23 + 4 * me;
+    int32_t *dest = (int32_t *)malloc((size_t)rows * k * sizeof(int32_t));
+    for (int64_t q = 0; q < rows * k; q++)
+        dest[q] = (int32_t)(mix64(55 + (uint64_t)me * 1000 + (uint64_t)q) % (uint64_t)(n + 1)) - 1;
+    DSK_TEST_EXPECT(NC.n_nodes == HC.n_nodes && NC.n_nodes == (n > 1 ? 2 : 1), "nodes: nccl %d, host %d",
+                    NC.n_nodes, HC.n_nodes);
+    for (int two = 0; two < 2; two++)
+        for (int d = 0; d < 2; d++) {
+            dsk_comm_route nr, hr;
+            dsk_comm_route_opts o;
+            dsk_dtype dt = d ? DSK_BF16 : DSK_F32;
+            int64_t E = d ? 3 : 5;
+            size_t row = (size_t)E * dsk_dtype_size(dt);
+            char *in, *want, *got, *back_want, *back_got, label[96];
+            void *din, *drecv, *dback;
+            memset(&o, 0, sizeof o);
+            o.two_hop = two;
+            DSK_TEST_OK(dsk_comm_route_init(&hr, &HC, NULL, rows, k, dest, &o));
+            DSK_TEST_OK(dsk_comm_route_init(&nr, &NC, &G, rows, k, dest, &o));
+            if (!hr.impl || !nr.impl) return;
+            DSK_TEST_EXPECT(nr.recv_rows == hr.recv_rows && nr.slots == hr.slots &&
+                                nr.dispatch_rows_off_node == hr.dispatch_rows_off_node &&
+                                nr.combine_rows_off_node == hr.combine_rows_off_node,
+                            "route sizes differ");
+            in = (char *)malloc((size_t)rows * row);
+            want = (char *)malloc((size_t)(hr.recv_rows + 1) * row);
+            got = (char *)malloc((size_t)(hr.recv_rows + 1) * row);
+            back_want = (char *)malloc((size_t)(hr.slots + 1) * row);
+            back_got = (char *)malloc((size_t)(hr.slots + 1) * row);
+            gen(in, dt, rows * E, 600 + (uint64_t)d, me);
+            din = dev_from(in, (size_t)rows * row);
+            drecv = dev_from(in, (size_t)hr.recv_rows * row);
+            dback = dev_from(in, (size_t)hr.slots * row);
+            snprintf(label, sizeof label, "rank %d: %s route, %s rows", me, two ? "two-hop" : "flat",
+                     dsk_dtype_name(dt));
+            DSK_TEST_OK(dsk_comm_route_dispatch(&hr, NULL, in, E, dt, want));
+            DSK_TEST_OK(dsk_comm_route_dispatch(&nr, &G, din, E, dt, drecv));
+            to_host(got, drecv, (size_t)hr.recv_rows * row);
+            DSK_TEST_SAME_BYTES(got, want, (size_t)hr.recv_rows * row, label);
+            DSK_TEST_OK(dsk_comm_route_combine(&hr, NULL, want, E, dt, back_want));
+            DSK_TEST_OK(dsk_comm_route_combine(&nr, &G, drecv, E, dt, dback));
+            to_host(back_got, dback, (size_t)hr.slots * row);
+            DSK_TEST_SAME_BYTES(back_got, back_want, (size_t)hr.slots * row, label);
+            cudaFree(din);
+            cudaFree(drecv);
+            cudaFree(dback);
+            free(in); free(want); free(got); free(back_want); free(back_got);
+            dsk_comm_route_free(&nr);
+            dsk_comm_route_free(&hr);
+        }
+    free(dest);
+}
+
 static int child_main(const char *part) {
     dsk_comm_opts o;
     dsk_ctx_opts co;
-    const char *port = getenv("MASTER_PORT");
+    const char *port = getenv("MASTER_PORT"), *rank = getenv("RANK"), *world = getenv("WORLD_SIZE");
     memset(&o, 0, sizeof o);
     o.backend = DSK_COMM_NCCL;
     o.timeout_s = 120;
+    /* two emulated hosts (halves of the ranks) on both communicators: routes cross them in two hops */
+    o.host_id = atoi(rank ? rank : "0") < atoi(world ? world : "1") / 2 ? "gpu-host-a" : "gpu-host-b";
     if (dsk_comm_init_env(&NC, &o) != DSK_OK) { printf("nccl init: %s\n", dsk_last_error()); return 3; }
     o.backend = DSK_COMM_HOST;
     o.master_addr = "127.0.0.1";
@@ -262,6 +325,7 @@ static int child_main(const char *part) {
     if (dsk_ctx_init(&G, &co) != DSK_OK) { printf("ctx: %s\n", dsk_last_error()); return 3; }
     if (!strcmp(part, "collectives")) part_collectives();
     else if (!strcmp(part, "split")) part_split();
+    else if (!strcmp(part, "routes")) part_routes();
     else part_buckets();
     dsk_ctx_free(&G);
     dsk_comm_free(&HC);
@@ -271,7 +335,7 @@ static int child_main(const char *part) {
 #endif
 
 int main(int argc, char **argv) {
-    static const char *parts[] = {"collectives", "split", "buckets"};
+    static const char *parts[] = {"collectives", "split", "buckets", "routes"};
     int ndev = 0, worlds[2] = {0, 0};
 #ifdef DSK_CUDA
     if (argc > 2 && !strcmp(argv[1], "--rank-child")) return child_main(argv[2]);
@@ -284,7 +348,7 @@ int main(int argc, char **argv) {
     worlds[0] = ndev >= 2 ? 2 : ndev;
     worlds[1] = ndev >= 4 ? 4 : 0;
     for (int w = 0; w < 2; w++)
-        for (int p = 0; p < 3; p++) {
+        for (int p = 0; p < 4; p++) {
             if (w == 1 && worlds[1] == 0) continue;
             dsk_test_begin("nccl vs host backend, %d ranks: %s", worlds[w] ? worlds[w] : 1, parts[p]);
             if (ndev == 0) {
