@@ -452,7 +452,9 @@ DSK_API void dsk_sgemm_cpu(int trans_a, int trans_b, int64_t M, int64_t N, int64
 DSK_API dsk_status dsk_add(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *a, const dsk_tensor *b); /* out = a + b (out may alias) */
 DSK_API dsk_status dsk_mul(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *a, const dsk_tensor *b); /* out = a * b */
 DSK_API dsk_status dsk_scale(dsk_ctx *ctx, dsk_tensor *t, float alpha);                            /* t *= alpha */
-DSK_API dsk_status dsk_axpy(dsk_ctx *ctx, dsk_tensor *y, float alpha, const dsk_tensor *x);        /* y += alpha x */
+/* y += alpha x; x has y's dtype, or is f32 for a bf16/f16 y (an f32 partial result added with
+   one rounding). */
+DSK_API dsk_status dsk_axpy(dsk_ctx *ctx, dsk_tensor *y, float alpha, const dsk_tensor *x);
 
 typedef enum dsk_reduce_op { DSK_REDUCE_SUM = 0, DSK_REDUCE_MEAN, DSK_REDUCE_MAX } dsk_reduce_op;
 /* out = reduce of `in` along `axis` (negative counts from the end); out has in's shape without
@@ -517,6 +519,40 @@ DSK_API dsk_status dsk_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *prob
 DSK_API dsk_status dsk_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tensor *dk, dsk_tensor *dv,
                                           const dsk_tensor *dout, const dsk_tensor *q, const dsk_tensor *k,
                                           const dsk_tensor *v, const dsk_tensor *probs, float scale);
+
+/* ------------------------------------------------------------------ grouped rows
+   Building blocks of Mixture-of-Experts layers (dsk_moe.h), usable for any computation on rows
+   grouped into contiguous segments. Segment g of a 2-D tensor with R rows is rows
+   [offsets[g], offsets[g + 1]) for offsets (G + 1) i32, non-decreasing, offsets[0] >= 0 and
+   offsets[G] <= R. The offsets live on the tensors' device and are read there: a CUDA launch
+   is sized from the shapes (bounds) alone and never copies them to the host, so a GPU caller
+   can compute them on the device and never wait for them. The CPU path checks them; rows
+   outside [offsets[0], offsets[G]) are neither read nor written. Every result has a fixed
+   summation order (no float atomics), the same on every run. */
+
+/* Stable counting sort of keys (N) i32 by key into G = offsets.shape[0] - 1 groups: offsets
+   (G + 1) i32 gets offsets[g] = the number of keys < g among the keys in [0, G); perm (N) i32
+   gets, at position j < offsets[G], the index of the j-th such key in (key, index) order, and
+   -1 at j >= offsets[G]. Keys outside [0, G) (-1 say) are left out. */
+DSK_API dsk_status dsk_group_by_key(dsk_ctx *ctx, dsk_tensor *perm, dsk_tensor *offsets, const dsk_tensor *keys);
+
+/* Grouped matmul over row segments (A, B: f32, bf16 or f16 alike; C: f32 or A's dtype; f32
+   accumulation; alpha, beta and beta == 0 as in dsk_matmul). Two forms:
+     rows:    C (R, N), A (R, K), trans_a = 0, B (G, K, N) or with trans_b (G, N, K):
+              row r of segment g: C[r] = alpha * A[r] op(B[g]) + beta * C[r];
+     weights: C (G, M, N), A (R, M) with trans_a = 1, B (R, N) with trans_b = 0:
+              C[g] = alpha * A[seg g]^T B[seg g] + beta * C[g] (beta * C[g] for an empty segment).
+   The rows form gives an expert layer's forward and input gradient, the weights form its weight
+   gradients. CPU: the segments' GEMMs run in parallel, each with dsk_matmul's kernel and its bits. */
+DSK_API dsk_status dsk_matmul_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, int trans_a,
+                                      const dsk_tensor *B, int trans_b, const dsk_tensor *offsets, float alpha,
+                                      float beta);
+
+/* out (N, D) row i = scale[i] * src (R, D) row idx[i], math in f32 and rounded once; scale (N)
+   f32 or NULL (a plain copy of the row); idx (N) i32, a negative idx[i] gives a zero row (the
+   padding of a buffer sized by a bound). out and src share a dtype. */
+DSK_API dsk_status dsk_gather_rows_scaled(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *src, const dsk_tensor *idx,
+                                          const dsk_tensor *scale);
 
 /* ------------------------------------------------------------------ AdamW */
 
@@ -1610,7 +1646,8 @@ DSK_API dsk_status dsk_axpy(dsk_ctx *ctx, dsk_tensor *y, float alpha, const dsk_
     const char *names[2] = {"y", "x"};
     DSK__TRY(dsk__need_float("dsk_axpy", "y", y));
     DSK__TRY(dsk__need_float("dsk_axpy", "x", x));
-    DSK__TRY(dsk__need_like("dsk_axpy", "x", x, "y", y));
+    DSK__TRY(dsk__need_same_shape("dsk_axpy", "x", x, "y", y));
+    if (x->dtype != DSK_F32) DSK__TRY(dsk__need_same_dtype("dsk_axpy", "x", x, "y", y));
     DSK__TRY(dsk__need_devices("dsk_axpy", ctx, 2, ts, names, &cuda));
 #ifdef DSK_CUDA
     if (cuda) return dsk_cuda_axpy(ctx, y, alpha, x);
@@ -2405,6 +2442,230 @@ DSK_API dsk_status dsk_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tens
                 }
     }
     DSK_FREE(scratch);
+    return DSK_OK;
+}
+
+/* ---------------------------------------------------------------- grouped rows */
+
+/* offsets (G + 1) i32, contiguous; *G = its length - 1 >= 0. */
+static dsk_status dsk__need_offsets(const char *fn, const dsk_tensor *offsets, int64_t *G) {
+    char b[96];
+    DSK__TRY(dsk__need_dtype(fn, "offsets", offsets, DSK_I32));
+    if (offsets->ndim != 1 || offsets->shape[0] < 1)
+        return dsk_set_error(DSK_ERR_ARG, "%s: offsets %s must be (G + 1) with G >= 0", fn,
+                             dsk_tensor_describe(offsets, b, sizeof b));
+    *G = offsets->shape[0] - 1;
+    return DSK_OK;
+}
+
+/* CPU: offsets non-decreasing within [0, R]. */
+static dsk_status dsk__check_offsets(const char *fn, const dsk_tensor *offsets, int64_t G, int64_t R) {
+    const int32_t *o = (const int32_t *)offsets->data;
+    if (o[0] < 0 || o[G] > R)
+        return dsk_set_error(DSK_ERR_ARG, "%s: offsets run from %d to %d, outside the %lld rows", fn, (int)o[0],
+                             (int)o[G], (long long)R);
+    for (int64_t g = 0; g < G; g++)
+        if (o[g + 1] < o[g])
+            return dsk_set_error(DSK_ERR_ARG, "%s: offsets[%lld] = %d > offsets[%lld] = %d (must not decrease)", fn,
+                                 (long long)g, (int)o[g], (long long)(g + 1), (int)o[g + 1]);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_group_by_key(dsk_ctx *ctx, dsk_tensor *perm, dsk_tensor *offsets, const dsk_tensor *keys) {
+    const char *fn = "dsk_group_by_key";
+    const dsk_tensor *ts[3] = {keys, perm, offsets};
+    const char *names[3] = {"keys", "perm", "offsets"};
+    int cuda;
+    int64_t G, N;
+    int32_t *off, *pm;
+    const int32_t *k;
+    DSK__TRY(dsk__need_dtype(fn, "keys", keys, DSK_I32));
+    DSK__TRY(dsk__need_ndim(fn, "keys", keys, 1));
+    DSK__TRY(dsk__need_dtype(fn, "perm", perm, DSK_I32));
+    DSK__TRY(dsk__need_like(fn, "perm", perm, "keys", keys));
+    DSK__TRY(dsk__need_offsets(fn, offsets, &G));
+    N = keys->shape[0];
+    if (N > INT32_MAX || G > INT32_MAX)
+        return dsk_set_error(DSK_ERR_ARG, "%s: %lld keys into %lld groups exceed i32 positions", fn, (long long)N,
+                             (long long)G);
+    DSK__TRY(dsk__need_devices(fn, ctx, 3, ts, names, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: CUDA tensors are not supported yet", fn);
+#endif
+    off = (int32_t *)offsets->data;
+    pm = (int32_t *)perm->data;
+    k = (const int32_t *)keys->data;
+    /* counts at off[g + 1], exclusive prefix sums, then each key's next slot at off[g + 1] */
+    for (int64_t g = 0; g <= G; g++) off[g] = 0;
+    for (int64_t i = 0; i < N; i++)
+        if (k[i] >= 0 && k[i] < G) off[k[i] + 1]++;
+    for (int64_t g = 0; g < G; g++) off[g + 1] += off[g];
+    for (int64_t j = off[G]; j < N; j++) pm[j] = -1;
+    for (int64_t g = G; g > 0; g--) off[g] = off[g - 1];
+    for (int64_t i = 0; i < N; i++)
+        if (k[i] >= 0 && k[i] < G) pm[off[k[i] + 1]++] = (int32_t)i;
+    return DSK_OK; /* off[g + 1] ended at the end of group g: the offsets again */
+}
+
+/* The shapes of a grouped matmul: *weights 1 for the weights form; M, N, K of one product. */
+static dsk_status dsk__matmul_grouped_check(const dsk_tensor *C, const dsk_tensor *A, int trans_a, const dsk_tensor *B,
+                                            int trans_b, int64_t G, int *weights) {
+    const char *fn = "dsk_matmul_grouped";
+    char a[96], b[96], c[96];
+    int ok;
+    DSK__TRY(dsk__need_contig(fn, "C", C));
+    DSK__TRY(dsk__need_contig(fn, "A", A));
+    DSK__TRY(dsk__need_contig(fn, "B", B));
+    if (!dsk__is_cfloat(A->dtype))
+        return dsk_set_error(DSK_ERR_ARG, "%s: A %s: dtype must be f32, bf16 or f16", fn, dsk_tensor_describe(A, a, sizeof a));
+    DSK__TRY(dsk__need_same_dtype(fn, "B", B, "A", A));
+    if (C->dtype != DSK_F32 && C->dtype != A->dtype)
+        return dsk_set_error(DSK_ERR_ARG, "%s: C %s: dtype must be f32 or A's dtype %s", fn,
+                             dsk_tensor_describe(C, c, sizeof c), dsk_dtype_name(A->dtype));
+    *weights = C->ndim == 3;
+    if (*weights) /* C (G, M, N) = A (R, M)^T B (R, N) per segment */
+        ok = trans_a && !trans_b && A->ndim == 2 && B->ndim == 2 && A->shape[0] == B->shape[0] &&
+             C->shape[0] == G && C->shape[1] == A->shape[1] && C->shape[2] == B->shape[1];
+    else /* C (R, N) = A (R, K) op(B[g]) */
+        ok = !trans_a && C->ndim == 2 && A->ndim == 2 && B->ndim == 3 && B->shape[0] == G &&
+             A->shape[0] == C->shape[0] && A->shape[1] == B->shape[trans_b ? 2 : 1] &&
+             C->shape[1] == B->shape[trans_b ? 1 : 2];
+    if (!ok)
+        return dsk_set_error(DSK_ERR_ARG,
+                             "%s: C %s, A %s%s, B %s%s with %lld groups fit neither form: rows C (R, N) = A (R, K) "
+                             "op(B) (G, K, N), or weights C (G, M, N) = A (R, M)^T B (R, N) with trans_a",
+                             fn, dsk_tensor_describe(C, c, sizeof c), dsk_tensor_describe(A, a, sizeof a),
+                             trans_a ? " (transposed)" : "", dsk_tensor_describe(B, b, sizeof b),
+                             trans_b ? " (transposed)" : "", (long long)G);
+    return DSK_OK;
+}
+
+/* One product of a grouped matmul on the CPU, into the f32 matrix c (leading dim ldc). */
+static dsk_status dsk__grouped_one(const dsk_tensor *A, int trans_a, const dsk_tensor *B, int trans_b, int weights,
+                                   int64_t g, int64_t r0, int64_t r1, float alpha, float beta, float *c, int64_t ldc,
+                                   int n_threads) {
+    dsk__gemm_args a;
+    size_t ae = dsk_dtype_size(A->dtype), be = dsk_dtype_size(B->dtype);
+    int64_t n = r1 - r0;
+    a.alpha = alpha; a.beta = beta; a.a_dt = A->dtype; a.b_dt = B->dtype; a.C = c; a.ldc = ldc;
+    if (weights) { /* (M, N) = A[r0:r1]^T (M x n) B[r0:r1] (n x N) */
+        int64_t M = A->shape[1], N = B->shape[1];
+        a.M = M; a.N = N; a.K = n;
+        a.A = (const char *)A->data + (size_t)(r0 * M) * ae; a.a_rs = 1; a.a_cs = M;
+        a.B = (const char *)B->data + (size_t)(r0 * N) * be; a.b_rs = N; a.b_cs = 1;
+    } else { /* (n, N) = A[r0:r1] (n x K) op(B[g]) (K x N) */
+        int64_t K = A->shape[1], N = B->shape[trans_b ? 1 : 2];
+        a.M = n; a.N = N; a.K = K;
+        a.A = (const char *)A->data + (size_t)(r0 * K) * ae; a.a_rs = K; a.a_cs = 1;
+        a.B = (const char *)B->data + (size_t)(g * K * N) * be;
+        a.b_rs = trans_b ? 1 : N; a.b_cs = trans_b ? K : 1;
+    }
+    (void)trans_a;
+    return dsk__gemm(&a, n_threads);
+}
+
+DSK_API dsk_status dsk_matmul_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, int trans_a,
+                                      const dsk_tensor *B, int trans_b, const dsk_tensor *offsets, float alpha,
+                                      float beta) {
+    const char *fn = "dsk_matmul_grouped";
+    const dsk_tensor *ts[4] = {C, A, B, offsets};
+    const char *names[4] = {"C", "A", "B", "offsets"};
+    int cuda, weights, failed = 0, nt;
+    int64_t G, R, per, cols, first, last;
+    const int32_t *off;
+    float *tmp = NULL;
+    DSK__TRY(dsk__need(fn, "C", C));
+    DSK__TRY(dsk__need(fn, "A", A));
+    DSK__TRY(dsk__need(fn, "B", B));
+    DSK__TRY(dsk__need_offsets(fn, offsets, &G));
+    DSK__TRY(dsk__matmul_grouped_check(C, A, trans_a, B, trans_b, G, &weights));
+    DSK__TRY(dsk__need_devices(fn, ctx, 4, ts, names, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: CUDA tensors are not supported yet", fn);
+#endif
+    R = A->shape[0];
+    DSK__TRY(dsk__check_offsets(fn, offsets, G, R));
+    off = (const int32_t *)offsets->data;
+    /* the f32 matrices written: C's rows [first, last) (rows form) or all of C (weights form) */
+    cols = C->shape[C->ndim - 1];
+    per = weights ? C->shape[1] * cols : 0;
+    first = weights ? 0 : off[0];
+    last = weights ? G * C->shape[1] : off[G];
+    if (C->dtype != DSK_F32 && last > first) {
+        tmp = (float *)DSK_MALLOC((size_t)((last - first) * cols) * sizeof(float));
+        if (!tmp)
+            return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for an f32 copy of C (%lld elements)", fn,
+                                 (long long)((last - first) * cols));
+        if (beta != 0.0f)
+            for (int64_t i = 0; i < (last - first) * cols; i++) tmp[i] = dsk_load_f32(C->data, C->dtype, first * cols + i);
+    }
+    /* many small products run side by side, one thread each; a single one uses them all */
+    nt = G > 1 ? 1 : dsk__threads(ctx);
+    DSK__OMP(parallel for schedule(dynamic, 1) num_threads(dsk__threads(ctx)) if (G > 1) reduction(|| : failed))
+    for (int64_t g = 0; g < G; g++) {
+        float *c = tmp ? tmp + (weights ? g * per : (off[g] - first) * cols)
+                       : (float *)C->data + (weights ? g * per : off[g] * cols);
+        if (!weights && off[g + 1] == off[g]) continue;
+        failed = failed || dsk__grouped_one(A, trans_a, B, trans_b, weights, g, off[g], off[g + 1], alpha, beta, c,
+                                            cols, nt) != DSK_OK;
+    }
+    if (tmp) {
+        for (int64_t i = 0; i < (last - first) * cols; i++) dsk_store_f32(C->data, C->dtype, first * cols + i, tmp[i]);
+        DSK_FREE(tmp);
+    }
+    if (failed) return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for the GEMM packing buffers", fn);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_gather_rows_scaled(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *src, const dsk_tensor *idx,
+                                          const dsk_tensor *scale) {
+    const char *fn = "dsk_gather_rows_scaled";
+    char a[96], b[96];
+    int cuda;
+    int64_t N, D, R;
+    size_t row;
+    const int32_t *ix;
+    const dsk_tensor *ts[4] = {src, out, idx, scale};
+    const char *names[4] = {"src", "out", "idx", "scale"};
+    DSK__TRY(dsk__need_float(fn, "src", src));
+    DSK__TRY(dsk__need_ndim(fn, "src", src, 2));
+    DSK__TRY(dsk__need_float(fn, "out", out));
+    DSK__TRY(dsk__need_ndim(fn, "out", out, 2));
+    DSK__TRY(dsk__need_same_dtype(fn, "out", out, "src", src));
+    DSK__TRY(dsk__need_dtype(fn, "idx", idx, DSK_I32));
+    DSK__TRY(dsk__need_ndim(fn, "idx", idx, 1));
+    if (out->shape[0] != idx->shape[0] || out->shape[1] != src->shape[1])
+        return dsk_set_error(DSK_ERR_ARG, "%s: out %s must be (%lld, %lld) for idx %s", fn,
+                             dsk_tensor_describe(out, a, sizeof a), (long long)idx->shape[0], (long long)src->shape[1],
+                             dsk_tensor_describe(idx, b, sizeof b));
+    if (scale) {
+        DSK__TRY(dsk__need_dtype(fn, "scale", scale, DSK_F32));
+        DSK__TRY(dsk__need_same_shape(fn, "scale", scale, "idx", idx));
+    }
+    DSK__TRY(dsk__need_devices(fn, ctx, 4, ts, names, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: CUDA tensors are not supported yet", fn);
+#endif
+    N = out->shape[0]; D = out->shape[1]; R = src->shape[0];
+    ix = (const int32_t *)idx->data;
+    for (int64_t i = 0; i < N; i++)
+        if (ix[i] >= R)
+            return dsk_set_error(DSK_ERR_ARG, "%s: idx[%lld] = %d outside [0, %lld) (negative: a zero row)", fn,
+                                 (long long)i, (int)ix[i], (long long)R);
+    row = (size_t)D * dsk_dtype_size(src->dtype);
+    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (N * D > DSK__PAR_MIN))
+    for (int64_t i = 0; i < N; i++) {
+        char *o = (char *)out->data + (size_t)i * row;
+        if (ix[i] < 0) {
+            memset(o, 0, row);
+        } else if (!scale) {
+            memcpy(o, (const char *)src->data + (size_t)ix[i] * row, row);
+        } else {
+            float sc = ((const float *)scale->data)[i];
+            for (int64_t d = 0; d < D; d++)
+                dsk_store_f32(o, out->dtype, d, sc * dsk_load_f32(src->data, src->dtype, (int64_t)ix[i] * D + d));
+        }
+    }
     return DSK_OK;
 }
 
