@@ -52,7 +52,7 @@ static void report_dense_gemm(dsk_ctx *ctx, const shape *sh, int T, double layer
     BENCH_CHECK(dsk_tensor_uniform(ctx, &b, 8, 0, -1, 1));
     for (int i = 0; i < 12; i++) {
         double t0 = bench_now_s();
-        BENCH_CHECK(dsk_cuda_moe_gemm(ctx, 0, 1, M, N, Kd, a.data, Kd, b.data, Kd, DSK_BF16, 0.0f, c.data, N, DSK_F32));
+        BENCH_CHECK(dsk_matmul(ctx, &c, &a, 0, &b, 1, 1.0f, 0.0f));
         BENCH_CHECK(dsk_ctx_sync(ctx));
         if (i >= 2) t[i - 2] = bench_now_s() - t0;
     }
@@ -69,6 +69,8 @@ static void report_dense_gemm(dsk_ctx *ctx, const shape *sh, int T, double layer
 
 static void run_shape(const shape *sh, int T, int warmup, int repeats, const char *python, dsk_ctx *ctx) {
     dsk_moe m;
+    dsk_tensor values, grads;
+    int64_t vb, gd, gs;
     dsk_moe_opts o;
     dsk_moe_stats st;
     dsk_tensor x, y, dx, dy;
@@ -83,6 +85,13 @@ static void run_shape(const shape *sh, int T, int warmup, int repeats, const cha
     o.score = sh->score; o.n_group = sh->n_group; o.topk_group = sh->topk_group; o.routed_scale = sh->scale;
     o.dtype = dt; o.seed = 1234;
     BENCH_CHECK(dsk_moe_init(&m, ctx, &o));
+    dsk_moe_slab_sizes(&m, &vb, &gd, &gs);
+    gd += gs;
+    BENCH_CHECK(dsk_tensor_alloc(ctx, &values, DSK_U8, 1, &vb));
+    BENCH_CHECK(dsk_tensor_alloc(ctx, &grads, DSK_F32, 1, &gd));
+    BENCH_CHECK(dsk_moe_bind_slabs(&m, ctx, &values, &grads));
+    BENCH_CHECK(dsk_moe_init_params(&m, ctx));
+    BENCH_CHECK(dsk_tensor_fill(ctx, &grads, 0.0));
     BENCH_CHECK(dsk_tensor_alloc(ctx, &x, dt, 2, shp));
     BENCH_CHECK(dsk_tensor_alloc(ctx, &y, dt, 2, shp));
     BENCH_CHECK(dsk_tensor_alloc(ctx, &dx, dt, 2, shp));
@@ -93,12 +102,15 @@ static void run_shape(const shape *sh, int T, int warmup, int repeats, const cha
     BENCH_CHECK(dsk_tensor_uniform(ctx, &m.bias->value, 3, 0, -1e-3f, 1e-3f));
     for (int it = 0; it < warmup + repeats; it++) {
         double t0 = bench_now_s();
-        BENCH_CHECK(dsk_moe_forward(&m, ctx, &y, &x, &st));
+        BENCH_CHECK(dsk_moe_forward(&m, ctx, &y, &x, NULL));
         BENCH_CHECK(dsk_moe_backward(&m, ctx, &dx, &dy, 1.0f));
         BENCH_CHECK(dsk_ctx_sync(ctx));
         if (it >= warmup) times[it - warmup] = bench_now_s() - t0;
     }
     dsk_ms = 1e3 * bench_median(times, repeats);
+    BENCH_CHECK(dsk_moe_stats_request(&m, ctx)); /* the loads of every timed call, read after their sync */
+    BENCH_CHECK(dsk_ctx_sync(ctx));
+    BENCH_CHECK(dsk_moe_stats_collect(&m, ctx, &st));
     /* 3 GEMMs forward, 6 backward, 2 flops per multiply-add */
     flops_tok = 18.0 * sh->D * ((double)sh->K * sh->F + Fs) + 6.0 * sh->D * sh->E;
     printf("%-7s T=%d D=%d E=%d K=%d F=%d shared=%d %s%s: dsk %.1f ms/step, %.0f tokens/s, %.1f GFLOP/s, max/mean load %.2f\n",
@@ -138,6 +150,8 @@ static void run_shape(const shape *sh, int T, int warmup, int repeats, const cha
     fflush(stdout);
     dsk_tensor_free(ctx, &x); dsk_tensor_free(ctx, &y); dsk_tensor_free(ctx, &dx); dsk_tensor_free(ctx, &dy);
     dsk_moe_free(&m, ctx);
+    dsk_tensor_free(ctx, &values);
+    dsk_tensor_free(ctx, &grads);
     free(times);
 }
 

@@ -57,6 +57,8 @@ typedef struct tm_block {
     /* MoE blocks */
     int is_moe;
     dsk_moe moe;
+    dsk_tensor moe_values, moe_grads;   /* the layer's parameters and gradients, bound into the layer */
+    int64_t moe_grad_dense;             /* moe_grads[0, moe_grad_dense): router and shared experts */
     dsk_moe_stats stats;                /* of the last forward */
     dsk_tensor mx, my;                  /* (N, D) MoE input/output in the layer's dtype */
 } tm_block;
@@ -329,12 +331,22 @@ static dsk_status tm_init_moe(tm_model *m, int l, char *name, size_t name_size) 
     o.seed = c->seed + 1000003ull * (uint64_t)(l + 1);
     TM_TRY(dsk_moe_init(&b->moe, m->ctx, &o));
     b->is_moe = 1;
+    {
+        int64_t vb, gs;
+        dsk_moe_slab_sizes(&b->moe, &vb, &b->moe_grad_dense, &gs);
+        gs += b->moe_grad_dense;
+        TM_TRY(dsk_tensor_alloc(m->ctx, &b->moe_values, DSK_U8, 1, &vb));
+        TM_TRY(dsk_tensor_alloc(m->ctx, &b->moe_grads, DSK_F32, 1, &gs));
+        TM_TRY(dsk_moe_bind_slabs(&b->moe, m->ctx, &b->moe_values, &b->moe_grads));
+        TM_TRY(dsk_moe_init_params(&b->moe, m->ctx));
+        TM_TRY(dsk_tensor_fill(m->ctx, &b->moe_grads, 0.0));
+    }
     if (o.dtype != c->cdt) {
         TM_TRY(tm_alloc2(m, &b->mx, o.dtype, N, c->d_model));
         TM_TRY(tm_alloc2(m, &b->my, o.dtype, N, c->d_model));
     }
     for (int i = 0; i < b->moe.n_params; i++)
-        if (dsk_tensor_numel(&b->moe.params[i].grad) > 0) TM_TRY(tm_add_moe_param(m, &b->moe.params[i]));
+        if (b->moe.params[i].trainable) TM_TRY(tm_add_moe_param(m, &b->moe.params[i]));
     return DSK_OK;
 }
 
@@ -382,6 +394,8 @@ static void tm_free(tm_model *m) {
                                 &b->h2, &b->rstd2, &b->probs, &b->g, &b->u, &b->a, &b->mx, &b->my};
             for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
             dsk_moe_free(&b->moe, ctx);
+            dsk_tensor_free(ctx, &b->moe_values);
+            dsk_tensor_free(ctx, &b->moe_grads);
         }
     dsk_tensor *ts[] = {&m->slab_w, &m->slab_g, &m->slab_m, &m->slab_v, &m->slab_wc, &m->x_final, &m->hf, &m->rstdf,
                         &m->logits, &m->dlogits, &m->ids, &m->targets, &m->loss, &m->dx, &m->dh, &m->dq, &m->dk,

@@ -604,15 +604,15 @@ static dsk_status reduce_moe_grads(trainer *t) {
     tm_model *m = &t->model;
     if (!t->have_comm || t->world <= 1) return DSK_OK;
     for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++) {
-        dsk_moe *moe = &m->blocks[l].moe;
-        float *g = (float *)moe->grad_slab.data;
-        TM_TRY(dsk_comm_all_reduce(&t->comm, &t->ctx, g, g, moe->grad_dense_numel, DSK_F32, DSK_COMM_AVG));
+        tm_block *b = &m->blocks[l];
+        float *g = (float *)b->moe_grads.data;
+        int64_t nd = b->moe_grad_dense, ne = dsk_tensor_numel(&b->moe_grads) - nd;
+        TM_TRY(dsk_comm_all_reduce(&t->comm, &t->ctx, g, g, nd, DSK_F32, DSK_COMM_AVG));
         if (t->rep_comm.world_size > 1)
-            TM_TRY(dsk_comm_all_reduce(&t->rep_comm, &t->ctx, g + moe->grad_dense_numel, g + moe->grad_dense_numel,
-                                       moe->grad_expert_numel, DSK_F32, DSK_COMM_SUM));
-        if (moe->grad_expert_numel > 0 && t->world > 1) {
+            TM_TRY(dsk_comm_all_reduce(&t->rep_comm, &t->ctx, g + nd, g + nd, ne, DSK_F32, DSK_COMM_SUM));
+        if (ne > 0 && t->world > 1) {
             dsk_tensor e;
-            TM_TRY(dsk_tensor_slice(&moe->grad_slab, 0, moe->grad_dense_numel, moe->grad_expert_numel, &e));
+            TM_TRY(dsk_tensor_slice(&b->moe_grads, 0, nd, ne, &e));
             TM_TRY(dsk_scale(&t->ctx, &e, 1.0f / (float)t->world));
         }
         TM_TRY(dsk_comm_sync(&t->comm, &t->ctx));
