@@ -261,8 +261,9 @@ DSK_API void dsk_moe_slab_sizes(const dsk_moe *m, int64_t *value_bytes, int64_t 
    and grads (f32, grad_dense + grad_sharded elements). */
 DSK_API dsk_status dsk_moe_bind_slabs(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *values, dsk_tensor *grads);
 /* dst (parameter index's shape, any float dtype, on the layer's device) <- its initial values:
-   N(0, init_std) from opts.seed (stream 2^40 * index, element at its global position, so an
-   expert gets the same numbers at any EP size), zeros for the bias. */
+   N(0, init_std) from opts.seed at offset 2^40 * s (s = 0 router, 1 w1, 2 w2, 3 w3, 4 shared.w1,
+   5 shared.w2, 6 shared.w3) + the element's global position (an expert gets the same numbers at
+   any EP size), zeros for the bias. */
 DSK_API dsk_status dsk_moe_init_param(dsk_moe *m, dsk_ctx *ctx, int index, dsk_tensor *dst);
 /* dsk_moe_init_param into every bound value. */
 DSK_API dsk_status dsk_moe_init_params(dsk_moe *m, dsk_ctx *ctx);
@@ -1218,8 +1219,9 @@ DSK_API dsk_status dsk_moe_init_param(dsk_moe *m, dsk_ctx *ctx, int index, dsk_t
         return dsk_set_error(DSK_ERR_ARG, "%s: parameter \"%s\": dst must be a float tensor", fn, p->name);
     DSK__TRY(dsk__moe_need_view(m, fn, p, "dst", dst, dst->dtype));
     if (index == DSK_MOE_P_BIAS) return dsk_tensor_fill(ctx, dst, 0.0);
-    /* streams 2^40 apart; an expert slice starts at its global element */
-    offset = ((uint64_t)index << 40) +
+    /* streams 2^40 apart (router 0, w1 1, w2 2, w3 3, shared.w1 4, ...); an expert slice starts at its global
+       element */
+    offset = ((uint64_t)(index == DSK_MOE_P_ROUTER ? 0 : index - 1) << 40) +
              (p->expert_sharded ? (uint64_t)m->expert0 * (uint64_t)(p->shape[1] * p->shape[2]) : 0);
     return dsk_tensor_normal(ctx, dst, m->opts.seed, offset, 0.0f, m->opts.init_std);
 }

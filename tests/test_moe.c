@@ -923,6 +923,20 @@ static void test_params_by_name(void) {
                         (float *)m.w1->grad.data == (float *)own.grads.data + gd, "views not where the layout says");
         DSK_TEST_OK(dsk_moe_forward(&m, NULL, &y, &x, NULL));
     }
+    {   /* the documented streams: w3 at 3 * 2^40, shared.w2 at 6 * 2^40 ... router at 0 */
+        static const int idx[3] = {DSK_MOE_P_ROUTER, DSK_MOE_P_W3, DSK_MOE_P_SW2};
+        static const uint64_t stream[3] = {0, 3, 5};
+        for (int k = 0; k < 3; k++) {
+            dsk_moe_param *p = &m.params[idx[k]];
+            dsk_tensor got, want;
+            dsk_tensor_alloc(NULL, &got, DSK_F32, p->ndim, p->shape);
+            dsk_tensor_alloc(NULL, &want, DSK_F32, p->ndim, p->shape);
+            DSK_TEST_OK(dsk_moe_init_param(&m, NULL, idx[k], &got));
+            dsk_tensor_normal(NULL, &want, o.seed, stream[k] << 40, 0.0f, 0.02f);
+            DSK_TEST_SAME_BYTES(got.data, want.data, dsk_tensor_nbytes(&got), p->name);
+            dsk_tensor_free(NULL, &got); dsk_tensor_free(NULL, &want);
+        }
+    }
     drop_layer(&m, &own);
     dsk_tensor_free(NULL, &v); dsk_tensor_free(NULL, &g); dsk_tensor_free(NULL, &gb);
     dsk_tensor_free(NULL, &x); dsk_tensor_free(NULL, &y);
