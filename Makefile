@@ -14,12 +14,13 @@ SAN     ?=
 GENCODE ?= -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90
 
 WARN     = -Wall -Wextra -Werror
-CFLAGS  += -std=c11 $(OPT) $(ARCH) -g -fopenmp $(WARN) -D_GNU_SOURCE -I. $(SAN)
+C_BASE   = -std=c11 $(OPT) $(ARCH) -g -fopenmp $(WARN) -I. $(SAN)
+CFLAGS  += $(C_BASE)
 CXXFLAGS+= -std=c++17 $(OPT) $(ARCH) -g -fopenmp $(WARN) -I. $(SAN)
 LDLIBS  += -lm -lpthread
 NVFLAGS ?= -O2 -std=c++17 $(GENCODE) -I. -Xcompiler -Wall,-Wextra,-Werror,-fPIC
 
-HEADERS  = $(wildcard dsk_*.h) kernels/dsk_kernels.h
+HEADERS  = $(wildcard dsk_*.h) kernels/dsk_kernels.h $(wildcard kernels/*.cuh)
 KSRC     = $(wildcard kernels/*.cu)
 KOBJ     = $(patsubst kernels/%.cu,$(BUILD)/kernels/%.o,$(KSRC))
 KLIB     = $(BUILD)/libdsk_kernels.a
@@ -27,7 +28,7 @@ KLIB     = $(BUILD)/libdsk_kernels.a
 ifeq ($(CUDA),1)
 CFLAGS  += -DDSK_CUDA -I$(CUDA_HOME)/include
 CXXFLAGS+= -DDSK_CUDA -I$(CUDA_HOME)/include
-LDLIBS  := $(KLIB) -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcublasLt -lnccl -lcudart -lstdc++ $(LDLIBS)
+LDLIBS  := $(KLIB) -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lnccl -lcudart -lstdc++ $(LDLIBS)
 DEPS     = $(HEADERS) $(KLIB)
 else
 DEPS     = $(HEADERS)
@@ -39,10 +40,26 @@ EXAMPLES  = $(patsubst examples/%.c,$(BUILD)/examples/%,$(wildcard examples/*.c)
 BENCH_SRC = $(wildcard bench/*.c)
 BENCHES   = $(patsubst bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 
+# The CPU emulation of CUDA, cuBLAS and NCCL (tests/cuda_emu, a test double that never links
+# into the library or the examples): the kernels compiled as host C++ and every GPU test
+# linked against it, in $(BUILD)/emu. Needs no nvcc; `make test` runs these (EMULATE=0: not built).
+EMULATE   ?= 1
+EMU        = $(BUILD)/emu
+EMU_INC    = -Itests/cuda_emu/include
+EMU_HDR    = $(wildcard tests/cuda_emu/*.h tests/cuda_emu/include/*.h tests/cuda_emu/include/cub/*.cuh)
+EMU_OBJ    = $(patsubst tests/cuda_emu/%.cpp,$(EMU)/obj/%.o,$(filter-out tests/cuda_emu/test_%,$(wildcard tests/cuda_emu/*.cpp)))
+EMU_LIB    = $(EMU)/libcuda_emu.a
+EMU_KLIB   = $(EMU)/libdsk_kernels.a
+EMU_CXX    = -std=c++17 $(OPT) $(ARCH) -g $(WARN) -ffp-contract=off -I. $(EMU_INC) $(SAN)
+EMU_CFLAGS = $(C_BASE) -DDSK_CUDA $(EMU_INC)
+EMU_LIBS   = $(EMU_KLIB) $(EMU_LIB) -lstdc++ -lm -lpthread -lrt
+EMU_TESTS  = $(patsubst tests/cuda_emu/%.cpp,$(EMU)/tests/%,$(wildcard tests/cuda_emu/test_*.cpp)) \
+             $(patsubst tests/gpu/%.c,$(EMU)/tests/gpu/%,$(wildcard tests/gpu/test_*.c))
+
 .PHONY: all tests examples bench run test test-gpu sanitize fuzz clean
 all: tests examples
 
-tests: $(TESTS) $(GPU_TESTS)
+tests: $(TESTS) $(GPU_TESTS) $(if $(filter 1,$(EMULATE)),$(EMU_TESTS))
 examples: $(EXAMPLES)
 bench: $(BENCHES)
 
@@ -53,6 +70,28 @@ $(BUILD)/kernels/%.o: kernels/%.cu $(HEADERS)
 $(KLIB): $(KOBJ)
 	@mkdir -p $(dir $@)
 	rm -f $@ && ar rcs $@ $^
+
+$(EMU)/obj/%.o: tests/cuda_emu/%.cpp $(EMU_HDR)
+	@mkdir -p $(dir $@)
+	$(CXX) $(EMU_CXX) -c $< -o $@
+
+$(EMU_LIB): $(EMU_OBJ)
+	rm -f $@ && ar rcs $@ $^
+
+$(EMU)/kernels/%.o: kernels/%.cu $(HEADERS) $(EMU_HDR)
+	@mkdir -p $(dir $@)
+	$(CXX) -x c++ $(EMU_CXX) -DDSK_CUDA -DDSK_CUDA_EMU -c $< -o $@
+
+$(EMU_KLIB): $(patsubst kernels/%.cu,$(EMU)/kernels/%.o,$(KSRC))
+	rm -f $@ && ar rcs $@ $^
+
+$(EMU)/tests/gpu/%: tests/gpu/%.c tests/dsk_test.h $(wildcard tests/gpu/*.h) $(HEADERS) $(EMU_KLIB) $(EMU_LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(EMU_CFLAGS) -o $@ $< $(EMU_LIBS)
+
+$(EMU)/tests/%: tests/cuda_emu/%.cpp tests/dsk_test.h $(EMU_HDR) $(EMU_LIB)
+	@mkdir -p $(dir $@)
+	$(CXX) $(EMU_CXX) -o $@ $< $(EMU_LIB) -lpthread -lrt
 
 $(BUILD)/tests/%: tests/%.c tests/dsk_test.h $(wildcard tests/gpu/*.h) $(DEPS)
 	@mkdir -p $(dir $@)
@@ -88,7 +127,7 @@ test: tests examples
 test-gpu: $(GPU_TESTS)
 	@BUILD=$(BUILD) bash scripts/run_tests.sh gpu
 
-# ASan + UBSan on the CPU build (CUDA's runtime does not run under ASan).
+# ASan + UBSan on the CPU build and on the emulated GPU path (CUDA's runtime does not run under ASan).
 sanitize:
 	$(MAKE) BUILD=build-san CUDA=0 OPT=-O1 SAN="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" test
 

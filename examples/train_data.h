@@ -1,4 +1,4 @@
-/* train_data.h - the data side of examples/train_moe.c: corpus loading and batches.
+/* train_data.h - the data side of examples/train_moe.c: corpus, sampler, background loader.
 
    A corpus is one stream of tokens made of segments:
      - plain files, read as bytes (vocabulary 256), memory-mapped;
@@ -8,10 +8,21 @@
        directory's files sorted by name, then its subdirectories sorted by name), copied
        into one buffer and capped at `cap_bytes`.
    The stream is cut into windows of T + 1 tokens; every `val_every`-th window is held out
-   for validation, the rest are training windows. Training draws windows with the
-   counter-based Philox RNG: global sequence j of the run reads training window
-   philox(seed, j) mod n_train, so the data position is just j (saved in checkpoints), and
-   rank r of R reads sequences [j + r*B/R, j + (r+1)*B/R) of every global batch of B.
+   for validation, the rest are the N training samples.
+
+   Sampler: exactly PyTorch's DistributedSampler(range(N), world, rank, shuffle, seed,
+   drop_last) with set_epoch(e): the permutation is torch.randperm(N) from a generator
+   seeded with seed + e (MT19937, torch's Fisher-Yates), padded by repeating its first
+   indices (or cut, with drop_last) to a multiple of the world size, and rank r takes
+   positions r, r + world, ... Each rank reads its epochs back to back as one stream of
+   samples; batch k of a rank is positions [k*b, (k+1)*b) of that stream, so every rank
+   crosses an epoch at the same batch and the data position is one number (the batch index).
+
+   Loader: a thread fills a ring of `depth` batches ahead of the trainer; the trainer's
+   wait for a batch is measured (the data-wait time of the step line).
+
+   Contents: 1. corpus  2. windows  3. MT19937 and torch.randperm  4. DistributedSampler
+             5. background loader
    Only for the example: errors go through dsk_set_error like the library's. */
 #ifndef TRAIN_DATA_H
 #define TRAIN_DATA_H
@@ -19,6 +30,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,6 +42,8 @@
 
 #define TD_SHARD_MAGIC 20240520
 #define TD_SHARD_HEADER_BYTES 1024
+
+/* ------------------------------------------------------------------ 1. corpus */
 
 typedef struct td_segment {
     const uint8_t *tokens; /* 1 byte per token (bytes) or 2 (shard, little-endian uint16) */
@@ -207,6 +221,8 @@ static dsk_status td_load(td_corpus *c, char **paths, int n, int shard_vocab, co
     return DSK_OK;
 }
 
+/* ------------------------------------------------------------------ 2. windows */
+
 /* Cuts the stream into windows of T + 1 tokens and checks there is enough of it: at least
    `min_train` training windows (one global batch) and one validation window. */
 static dsk_status td_set_windows(td_corpus *c, int64_t T, int64_t val_every, int64_t min_train) {
@@ -247,12 +263,292 @@ static void td_read_window(const td_corpus *c, int64_t w, int32_t *inputs, int32
     memcpy(targets, scratch + 1, (size_t)c->T * sizeof *targets);
 }
 
-/* The training window global sequence j reads. */
-static int64_t td_sample(const td_corpus *c, uint64_t seed, int64_t j) {
-    uint32_t r[4];
-    dsk_philox4x32(seed ^ 0x5DEECE66Dull, (uint64_t)j, r);
-    uint64_t x = (uint64_t)r[0] | (uint64_t)r[1] << 32;
-    return td_train_window(c, (int64_t)(x % (uint64_t)c->n_train));
+/* ------------------------------------------------------------------ 3. MT19937 and torch.randperm */
+
+/* The Mersenne Twister MT19937 (Matsumoto and Nishimura), 32-bit outputs, its state set by
+   the reference init_genrand from the low 32 bits of the seed: the CPU engine behind
+   torch.Generator().manual_seed(seed). */
+typedef struct td_mt19937 {
+    uint32_t s[624];
+    int i;
+} td_mt19937;
+
+static void td_mt_seed(td_mt19937 *m, uint64_t seed) {
+    m->s[0] = (uint32_t)seed;
+    for (int j = 1; j < 624; j++) m->s[j] = 1812433253u * (m->s[j - 1] ^ (m->s[j - 1] >> 30)) + (uint32_t)j;
+    m->i = 624;
+}
+
+static uint32_t td_mt_next(td_mt19937 *m) {
+    if (m->i == 624) { /* the next 624 words of state at once */
+        for (int k = 0; k < 624; k++) {
+            uint32_t y = (m->s[k] & 0x80000000u) | (m->s[(k + 1) % 624] & 0x7fffffffu);
+            m->s[k] = m->s[(k + 397) % 624] ^ (y >> 1) ^ ((y & 1u) ? 0x9908b0dfu : 0u);
+        }
+        m->i = 0;
+    }
+    uint32_t y = m->s[m->i++];
+    y ^= y >> 11;
+    y ^= (y << 7) & 0x9d2c5680u;
+    y ^= (y << 15) & 0xefc60000u;
+    return y ^ (y >> 18);
+}
+
+/* torch.randperm shuffles n < UINT32_MAX / 20 with the loop of td_randperm; newer PyTorch
+   takes another path above that, so the sampler stops there. */
+#define TD_RANDPERM_MAX_N 214748364
+
+/* perm (n) = torch.randperm(n, generator=torch.Generator().manual_seed(seed)): swap element
+   i with element i + (next 32-bit output mod (n - i)), for i = 0 .. n - 2. */
+static void td_randperm(uint32_t *perm, int64_t n, uint64_t seed) {
+    td_mt19937 m;
+    td_mt_seed(&m, seed);
+    for (int64_t i = 0; i < n; i++) perm[i] = (uint32_t)i;
+    for (int64_t i = 0; i + 1 < n; i++) {
+        int64_t z = i + (int64_t)(td_mt_next(&m) % (uint64_t)(n - i));
+        uint32_t x = perm[i];
+        perm[i] = perm[z];
+        perm[z] = x;
+    }
+}
+
+/* ------------------------------------------------------------------ 4. DistributedSampler */
+
+typedef struct td_sampler {
+    int64_t n;            /* samples in the dataset */
+    int world, rank, shuffle, drop_last;
+    uint64_t seed;
+    int64_t num_samples;  /* per rank and epoch */
+    int64_t total_size;   /* num_samples * world: n plus the padding, or n less the cut tail */
+    int64_t epoch;        /* epoch whose order perm holds, -1: none yet */
+    uint32_t *perm;       /* (n) with shuffle */
+} td_sampler;
+
+static void td_sampler_free(td_sampler *s) {
+    free(s->perm);
+    memset(s, 0, sizeof *s);
+}
+
+/* DistributedSampler's sizes: num_samples = ceil(n / world), or floor(n / world) with
+   drop_last (its ceil((n - world) / world) when world does not divide n). */
+static dsk_status td_sampler_init(td_sampler *s, int64_t n, int world, int rank, uint64_t seed, int shuffle,
+                                  int drop_last) {
+    memset(s, 0, sizeof *s);
+    if (n < 1 || n >= TD_RANDPERM_MAX_N)
+        return dsk_set_error(DSK_ERR_ARG, "td_sampler_init: %lld samples; the sampler reproduces torch.randperm for "
+                             "1 to %d", (long long)n, TD_RANDPERM_MAX_N - 1);
+    if (world < 1 || rank < 0 || rank >= world)
+        return dsk_set_error(DSK_ERR_ARG, "td_sampler_init: rank %d of world %d", rank, world);
+    s->n = n;
+    s->world = world;
+    s->rank = rank;
+    s->seed = seed;
+    s->shuffle = shuffle;
+    s->drop_last = drop_last;
+    s->num_samples = drop_last ? n / world : (n + world - 1) / world;
+    s->total_size = s->num_samples * world;
+    s->epoch = -1;
+    if (s->num_samples < 1)
+        return dsk_set_error(DSK_ERR_ARG, "--drop-last: %lld training samples over %d ranks leave none per rank",
+                             (long long)n, world);
+    return DSK_OK;
+}
+
+/* *index = the sample at position p of this rank's stream: item p % num_samples of
+   DistributedSampler's iteration in epoch p / num_samples. Padding repeats the permutation
+   from its start, so global position g reads perm[g mod n]. */
+static dsk_status td_sampler_at(td_sampler *s, int64_t p, int64_t *index) {
+    int64_t epoch = p / s->num_samples, g = s->rank + (p % s->num_samples) * s->world;
+    if (!s->shuffle) {
+        *index = g % s->n;
+        return DSK_OK;
+    }
+    if (epoch != s->epoch) {
+        if (!s->perm && !(s->perm = (uint32_t *)malloc((size_t)s->n * sizeof *s->perm)))
+            return dsk_set_error(DSK_ERR_OOM, "td_sampler_at: out of memory for a permutation of %lld samples",
+                                 (long long)s->n);
+        td_randperm(s->perm, s->n, s->seed + (uint64_t)epoch);
+        s->epoch = epoch;
+    }
+    *index = s->perm[g % s->n];
+    return DSK_OK;
+}
+
+/* ------------------------------------------------------------------ 5. background loader */
+
+typedef struct td_loader {
+    const td_corpus *c;
+    td_sampler smp;       /* read by the filling thread only while it runs */
+    int b, depth;         /* sequences per batch; batches filled ahead (0: in the caller, no thread) */
+    int32_t *ids, *tgt;   /* (max(depth, 1), b, T) */
+    int64_t *index;       /* (max(depth, 1), b) sample of each sequence */
+    int64_t *slot;        /* (max(depth, 1)) batch each slot holds, -1: none */
+    int32_t *win;         /* (T + 1) scratch of the filling thread */
+    int64_t next_fill, next_take;
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int sync_ready, running, stop;
+    dsk_status err;       /* the filling thread's failure; its message in msg */
+    char msg[1024];
+} td_loader;
+
+static void td_loader_halt(td_loader *L) {
+    if (!L->running) return;
+    pthread_mutex_lock(&L->mu);
+    L->stop = 1;
+    pthread_cond_broadcast(&L->cv);
+    pthread_mutex_unlock(&L->mu);
+    pthread_join(L->thread, NULL);
+    L->running = 0;
+}
+
+static void td_loader_free(td_loader *L) {
+    td_loader_halt(L);
+    if (L->sync_ready) {
+        pthread_mutex_destroy(&L->mu);
+        pthread_cond_destroy(&L->cv);
+    }
+    td_sampler_free(&L->smp);
+    free(L->ids);
+    free(L->tgt);
+    free(L->index);
+    free(L->slot);
+    free(L->win);
+    memset(L, 0, sizeof *L);
+}
+
+/* A loader of batches of b sequences for `rank` of `world`, `depth` batches ahead. */
+static dsk_status td_loader_init(td_loader *L, const td_corpus *c, int b, int depth, int world, int rank, uint64_t seed,
+                                 int shuffle, int drop_last) {
+    memset(L, 0, sizeof *L);
+    if (b < 1 || depth < 0) return dsk_set_error(DSK_ERR_ARG, "td_loader_init: batch %d, depth %d", b, depth);
+    dsk_status s = td_sampler_init(&L->smp, c->n_train, world, rank, seed, shuffle, drop_last);
+    if (s != DSK_OK) return s;
+    L->c = c;
+    L->b = b;
+    L->depth = depth;
+    size_t slots = (size_t)(depth > 0 ? depth : 1), seqs = slots * (size_t)b;
+    L->ids = (int32_t *)malloc(seqs * (size_t)c->T * sizeof *L->ids);
+    L->tgt = (int32_t *)malloc(seqs * (size_t)c->T * sizeof *L->tgt);
+    L->index = (int64_t *)malloc(seqs * sizeof *L->index);
+    L->slot = (int64_t *)malloc(slots * sizeof *L->slot);
+    L->win = (int32_t *)malloc((size_t)(c->T + 1) * sizeof *L->win);
+    if (!L->ids || !L->tgt || !L->index || !L->slot || !L->win) {
+        td_loader_free(L);
+        return dsk_set_error(DSK_ERR_OOM, "td_loader_init: out of memory for %zu batches of %d x %lld tokens", slots, b,
+                             (long long)c->T);
+    }
+    if (pthread_mutex_init(&L->mu, NULL) != 0 || pthread_cond_init(&L->cv, NULL) != 0) {
+        td_loader_free(L);
+        return dsk_set_error(DSK_ERR_OOM, "td_loader_init: cannot create the loader's mutex");
+    }
+    L->sync_ready = 1;
+    return DSK_OK;
+}
+
+/* Reads batch k into slot k mod depth. */
+static dsk_status td_loader_fill(td_loader *L, int64_t k) {
+    int64_t T = L->c->T, slot = k % (L->depth > 0 ? L->depth : 1);
+    for (int j = 0; j < L->b; j++) {
+        int64_t seq = slot * L->b + j;
+        dsk_status s = td_sampler_at(&L->smp, k * L->b + j, &L->index[seq]);
+        if (s != DSK_OK) return s;
+        td_read_window(L->c, td_train_window(L->c, L->index[seq]), L->ids + seq * T, L->tgt + seq * T, L->win);
+    }
+    return DSK_OK;
+}
+
+/* The filling thread: keeps batches [next_take, next_take + depth) ready. */
+static void *td_loader_main(void *arg) {
+    td_loader *L = (td_loader *)arg;
+    pthread_mutex_lock(&L->mu);
+    while (!L->stop) {
+        if (L->next_fill - L->next_take >= L->depth) {
+            pthread_cond_wait(&L->cv, &L->mu);
+            continue;
+        }
+        int64_t k = L->next_fill;
+        pthread_mutex_unlock(&L->mu);
+        dsk_status s = td_loader_fill(L, k);
+        pthread_mutex_lock(&L->mu);
+        if (s != DSK_OK) {
+            L->err = s;
+            snprintf(L->msg, sizeof L->msg, "%s", dsk_last_error());
+            pthread_cond_broadcast(&L->cv);
+            break;
+        }
+        L->slot[k % L->depth] = k;
+        L->next_fill = k + 1;
+        pthread_cond_broadcast(&L->cv);
+    }
+    pthread_mutex_unlock(&L->mu);
+    return NULL;
+}
+
+/* Drops what was prepared and prepares from batch k on. */
+static dsk_status td_loader_seek(td_loader *L, int64_t k) {
+    td_loader_halt(L);
+    for (int i = 0; i < (L->depth > 0 ? L->depth : 1); i++) L->slot[i] = -1;
+    L->next_fill = L->next_take = k;
+    L->stop = 0;
+    L->err = DSK_OK;
+    if (L->depth == 0) return DSK_OK;
+    int e = pthread_create(&L->thread, NULL, td_loader_main, L);
+    if (e != 0) return dsk_set_error(DSK_ERR_OOM, "td_loader_seek: cannot start the loader thread: %s", strerror(e));
+    L->running = 1;
+    return DSK_OK;
+}
+
+/* Copies batch k (b sequences of T inputs and T targets) into ids and tgt, and its
+   samples into index (b, may be NULL); waits for the filling thread when it is behind.
+   Any k works: a k other than the next one (a resume) restarts the filling there. */
+static dsk_status td_loader_next(td_loader *L, int64_t k, int32_t *ids, int32_t *tgt, int64_t *index) {
+    if (k < 0) return dsk_set_error(DSK_ERR_ARG, "td_loader_next: batch %lld", (long long)k);
+    if (k != L->next_take || (L->depth > 0 && !L->running)) {
+        dsk_status s = td_loader_seek(L, k);
+        if (s != DSK_OK) return s;
+    }
+    int64_t slot = 0;
+    if (L->depth == 0) {
+        dsk_status s = td_loader_fill(L, k);
+        if (s != DSK_OK) return s;
+    } else {
+        slot = k % L->depth;
+        pthread_mutex_lock(&L->mu);
+        while (L->slot[slot] != k && L->err == DSK_OK) pthread_cond_wait(&L->cv, &L->mu);
+        int ready = L->slot[slot] == k;
+        pthread_mutex_unlock(&L->mu);
+        if (!ready) return dsk_set_error(L->err, "%s", L->msg);
+    }
+    size_t n = (size_t)L->b * (size_t)L->c->T;
+    memcpy(ids, L->ids + (size_t)slot * n, n * sizeof *ids);
+    memcpy(tgt, L->tgt + (size_t)slot * n, n * sizeof *tgt);
+    if (index) memcpy(index, L->index + slot * L->b, (size_t)L->b * sizeof *index);
+    pthread_mutex_lock(&L->mu);
+    L->slot[slot] = -1;
+    L->next_take = k + 1;
+    pthread_cond_broadcast(&L->cv);
+    pthread_mutex_unlock(&L->mu);
+    return DSK_OK;
+}
+
+/* One JSON line per batch for --sample-log: {"rank":r,"batch":k,"samples":[[epoch,sample],...]},
+   written with one write() so ranks appending to one file (O_APPEND) never interleave. */
+static dsk_status td_log_batch(int fd, int rank, const td_sampler *smp, int64_t k, int b, const int64_t *index) {
+    size_t cap = 64 + (size_t)b * 48, len = 0;
+    char *line = (char *)malloc(cap);
+    if (!line) return dsk_set_error(DSK_ERR_OOM, "--sample-log: out of memory");
+    len += (size_t)snprintf(line, cap, "{\"rank\":%d,\"batch\":%lld,\"samples\":[", rank, (long long)k);
+    for (int j = 0; j < b; j++)
+        len += (size_t)snprintf(line + len, cap - len, "%s[%lld,%lld]", j ? "," : "",
+                                (long long)((k * b + j) / smp->num_samples), (long long)index[j]);
+    len += (size_t)snprintf(line + len, cap - len, "]}\n");
+    ssize_t w = write(fd, line, len);
+    free(line);
+    if (w != (ssize_t)len)
+        return dsk_set_error(DSK_ERR_IO, "--sample-log: write failed: %s", w < 0 ? strerror(errno) : "short write");
+    return DSK_OK;
 }
 
 #endif /* TRAIN_DATA_H */

@@ -14,16 +14,15 @@
      dsk_comm.h    ranks, data-parallel gradient buckets, expert parallelism
    A step reads the data, runs forward and backward for each micro-batch, all-reduces the
    gradients, unscales and clips them, applies AdamW, updates the expert biases, logs, and
-   every --ckpt-every steps hands a checkpoint to a background writer. */
-#if defined(__GNUC__) && !defined(__clang__) /* dsk_comm.h trips -Wformat-truncation when inlined here */
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wformat-truncation"
-#endif
+   every --ckpt-every steps hands a checkpoint to a background writer.
+   Running it in production (README: Running in production):
+     train_data.h     corpus, PyTorch's DistributedSampler order, a loader thread reading ahead
+     train_metrics.h  Prometheus /metrics (--metrics-port) and the node_exporter file (--metrics)
+     train_signals.h  SIGTERM/SIGINT: finish the step, save, exit 0; SIGUSR1: save; --max-restarts
+     train_bind.h     --bind core | numa */
+#define _GNU_SOURCE /* before any header: train_bind.h's CPU affinity calls (sched_setaffinity, CPU_SET) are GNU */
 #define DSK_COMM_IMPLEMENTATION
 #include "../dsk_comm.h"
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
 #define DSK_TENSOR_IMPLEMENTATION
 #include "../dsk_tensor.h"
 #define DSK_AMP_IMPLEMENTATION
@@ -38,10 +37,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
 
+#include "train_bind.h"
 #include "train_data.h"
 #include "train_model.h"
+#include "train_metrics.h"
+#include "train_signals.h"
 
 /* ------------------------------------------------------------------ options */
 
@@ -52,6 +55,8 @@ typedef struct options {
     int vocab;                /* token shards only; bytes are 256 */
     int val_every;            /* every n-th window is held out */
     double corpus_mb;         /* cap of the default corpus */
+    int prefetch, drop_last, no_shuffle;
+    char *sample_log;
     /* model */
     int seq, d_model, heads, layers, dense_layers, ffn_hidden;
     int experts, shared, top_k, expert_hidden, groups, topk_groups;
@@ -68,16 +73,20 @@ typedef struct options {
     char prompt[256];
     double temperature, peak_tflops;
     char *log_path, *metrics_path;
+    int metrics_port;
+    char metrics_addr[64];
     /* checkpoints */
     int ckpt_every, keep, sync_ckpt, resume, stop_at;
     char *ckpt_dir;
     /* parallelism */
-    int nproc, ep;
+    int nproc, ep, max_restarts;
+    char bind[8];
     int grad_check;
     int help;
 } options;
 
-typedef enum { OPT_INT, OPT_DOUBLE, OPT_LL, OPT_STR, OPT_STRBUF, OPT_FLAG, OPT_LIST } opt_kind;
+/* OPT_AUTO: a flag that may be followed by the word "auto" */
+typedef enum { OPT_INT, OPT_DOUBLE, OPT_LL, OPT_STR, OPT_STRBUF, OPT_FLAG, OPT_AUTO, OPT_LIST } opt_kind;
 
 typedef struct opt_spec {
     const char *name;
@@ -93,6 +102,10 @@ static const opt_spec OPTS[] = {
     {"--vocab", OPT_INT, O_(vocab), 0, "vocabulary of token shards"},
     {"--val-every", OPT_INT, O_(val_every), 0, "hold out every n-th window for validation"},
     {"--corpus-mb", OPT_DOUBLE, O_(corpus_mb), 0, "size cap of the default corpus in MB"},
+    {"--prefetch", OPT_INT, O_(prefetch), 0, "batches a loader thread prepares ahead (0 = read in the step)"},
+    {"--drop-last", OPT_FLAG, O_(drop_last), 0, "cut the epoch to a multiple of the world size instead of padding it"},
+    {"--no-shuffle", OPT_FLAG, O_(no_shuffle), 0, "read the training windows in order (no per-epoch shuffle)"},
+    {"--sample-log", OPT_STR, O_(sample_log), 0, "FILE: JSON line per batch and rank with the (epoch, sample) pairs read"},
     {"--seq", OPT_INT, O_(seq), 0, "sequence length T"},
     {"--d-model", OPT_INT, O_(d_model), 0, "model width D"},
     {"--heads", OPT_INT, O_(heads), 0, "attention heads"},
@@ -132,15 +145,19 @@ static const opt_spec OPTS[] = {
     {"--temperature", OPT_DOUBLE, O_(temperature), 0, "sampling temperature (0 = greedy)"},
     {"--log-every", OPT_INT, O_(log_every), 0, "print every n-th step"},
     {"--log", OPT_STR, O_(log_path), 0, "FILE: JSON lines, one per step and validation"},
-    {"--metrics", OPT_STR, O_(metrics_path), 0, "FILE: Prometheus text file, rewritten every step"},
+    {"--metrics", OPT_STR, O_(metrics_path), 0, "FILE: Prometheus text file (node_exporter), rewritten every step; rank r > 0: FILE.rank<r>"},
+    {"--metrics-port", OPT_INT, O_(metrics_port), 0, "serve http://ADDR:PORT/metrics (PORT + local rank on each rank; 0 = off)"},
+    {"--metrics-addr", OPT_STRBUF, O_(metrics_addr), sizeof(((options *)0)->metrics_addr), "address of the metrics server"},
     {"--peak-tflops", OPT_DOUBLE, O_(peak_tflops), 0, "device peak for MFU [CPU: measured; GPU: 989]"},
     {"--ckpt-every", OPT_INT, O_(ckpt_every), 0, "steps between checkpoints (0 = only at the end)"},
     {"--ckpt-dir", OPT_STR, O_(ckpt_dir), 0, "DIR of checkpoints (none when unset)"},
     {"--keep", OPT_INT, O_(keep), 0, "checkpoints kept (0 = all)"},
     {"--sync-ckpt", OPT_FLAG, O_(sync_ckpt), 0, "write checkpoints synchronously"},
-    {"--resume", OPT_FLAG, O_(resume), 0, "continue from the newest complete checkpoint in --ckpt-dir"},
+    {"--resume", OPT_AUTO, O_(resume), 0, "[auto] continue from the newest complete checkpoint in --ckpt-dir, if any"},
     {"--stop-at", OPT_INT, O_(stop_at), 0, "stop after this step as if interrupted (0 = run to --steps)"},
     {"--nproc", OPT_INT, O_(nproc), 0, "start N local ranks (data parallel)"},
+    {"--max-restarts", OPT_INT, O_(max_restarts), 0, "with --nproc: run a failed job again up to K times, resuming"},
+    {"--bind", OPT_STRBUF, O_(bind), sizeof(((options *)0)->bind), "none | core | numa: pin each local rank (sysfs topology)"},
     {"--ep", OPT_INT, O_(ep), 0, "expert-parallel ranks (divides the world size and --experts)"},
     {"--grad-check", OPT_INT, O_(grad_check), 0, "check N elements of every gradient against central differences, then exit"},
     {"--help", OPT_FLAG, O_(help), 0, "this text"},
@@ -152,6 +169,7 @@ static void set_defaults(options *o) {
     o->vocab = 50257;
     o->val_every = 20;
     o->corpus_mb = 4.0;
+    o->prefetch = 4;
     o->seq = 128;
     o->d_model = 128;
     o->heads = 4;
@@ -186,8 +204,10 @@ static void set_defaults(options *o) {
     strcpy(o->prompt, "#include <");
     o->temperature = 0.8;
     o->log_every = 1;
+    strcpy(o->metrics_addr, "127.0.0.1");
     o->ckpt_every = 0;
     o->ep = 1;
+    strcpy(o->bind, "none");
     o->nproc = 0;
 }
 
@@ -222,7 +242,11 @@ static int parse_args(options *o, int argc, char **argv) {
             return 2;
         }
         char *p = (char *)o + s->offset;
-        if (s->kind == OPT_FLAG) { *(int *)p = 1; continue; }
+        if (s->kind == OPT_FLAG || s->kind == OPT_AUTO) {
+            *(int *)p = 1;
+            if (s->kind == OPT_AUTO && i + 1 < argc && strcmp(argv[i + 1], "auto") == 0) i++;
+            continue;
+        }
         if (s->kind == OPT_LIST) {
             o->data = &argv[i + 1];
             while (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0) { i++; o->n_data++; }
@@ -291,7 +315,13 @@ typedef struct trainer {
     int have_ck;
     int64_t step;                 /* completed steps (skipped ones included) */
     int64_t applied;              /* optimizer steps applied (AdamW's step counter) */
-    int64_t data_pos;             /* global training sequences consumed */
+    int64_t data_pos;             /* global training sequences consumed (batch index x --batch) */
+    td_loader loader;             /* this rank's DistributedSampler slice, read ahead by a thread */
+    double data_wait_s;           /* time the steps waited for the loader */
+    int sample_log;               /* --sample-log file descriptor, -1 when unset */
+    int64_t *h_index;             /* samples of the current batch */
+    ts_signals sig;               /* SIGTERM/SIGINT (stop after the step), SIGUSR1 (save now) */
+    int bind_cpus;                /* CPUs --bind left this rank (0: not bound) */
     int batch_local;              /* sequences per micro-batch on this rank */
     int32_t *h_ids, *h_tgt, *h_win;
     dsk_tensor h_ids_t, h_tgt_t;  /* host tensors over h_ids, h_tgt */
@@ -300,6 +330,14 @@ typedef struct trainer {
     double t_start, train_seconds;
     int64_t steps_timed;
     float last_val;
+    /* metrics (--metrics, --metrics-port) */
+    int metrics_on;
+    tmx_values mv;
+    tmx_text mtext;
+    tmx_server msrv;
+    tmx_gpu gpu;
+    int *moe_layer;               /* (MoE layers) block index */
+    double *moe_load, *moe_imbalance;
 } trainer;
 
 static double now_s(void) {
@@ -396,6 +434,16 @@ static void setup_comm(trainer *t) {
     }
 }
 
+/* --bind: pins this rank (every thread so far, and those started later) and prints where. */
+static void setup_bind(trainer *t) {
+    int local = t->have_comm ? t->comm.local_rank : 0, local_world = t->have_comm ? t->comm.local_world_size : 1, cpus = 0;
+    char line[1400];
+    CHECK(tb_bind(t->o->bind, local, local_world, &cpus, line, sizeof line));
+    if (strcmp(t->o->bind, "none") != 0) t->bind_cpus = cpus;
+    printf("%s\n", line);
+    fflush(stdout);
+}
+
 static void setup_device(trainer *t) {
     const options *o = t->o;
     dsk_ctx_opts co;
@@ -405,7 +453,7 @@ static void setup_device(trainer *t) {
     else if (strcmp(o->device, "auto") != 0) fail(t, "--device \"%s\": use auto, cpu or cuda", o->device);
     co.cuda_index = t->have_comm ? t->comm.local_rank : 0;
     if (o->threads < 0) fail(t, "--threads %d: must be >= 0", o->threads);
-    co.n_threads = o->threads;
+    co.n_threads = o->threads ? o->threads : t->bind_cpus; /* OpenMP counted the CPUs before --bind */
     CHECK(dsk_ctx_init(&t->ctx, &co));
 }
 
@@ -430,7 +478,14 @@ static void setup_data(trainer *t) {
     t->h_ids = (int32_t *)malloc(n * sizeof(int32_t));
     t->h_tgt = (int32_t *)malloc(n * sizeof(int32_t));
     t->h_win = (int32_t *)malloc((size_t)(o->seq + 1) * sizeof(int32_t));
-    if (!t->h_ids || !t->h_tgt || !t->h_win) fail(t, "out of memory for the batch buffers");
+    t->h_index = (int64_t *)malloc((size_t)t->batch_local * sizeof(int64_t));
+    if (!t->h_ids || !t->h_tgt || !t->h_win || !t->h_index) fail(t, "out of memory for the batch buffers");
+    if (o->prefetch < 0) fail(t, "--prefetch %d: must be >= 0", o->prefetch);
+    CHECK(td_loader_init(&t->loader, &t->data, t->batch_local, o->prefetch, t->world, t->rank, (uint64_t)o->seed,
+                         !o->no_shuffle, o->drop_last));
+    t->sample_log = -1;
+    if (o->sample_log && (t->sample_log = open(o->sample_log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644)) < 0)
+        fail(t, "--sample-log: cannot open %s: %s", o->sample_log, strerror(errno));
     int64_t nn = (int64_t)n;
     CHECK(dsk_tensor_wrap(&t->h_ids_t, t->h_ids, DSK_I32, dsk_cpu(), 1, &nn));
     CHECK(dsk_tensor_wrap(&t->h_tgt_t, t->h_tgt, DSK_I32, dsk_cpu(), 1, &nn));
@@ -442,12 +497,14 @@ static dsk_status upload_batch(trainer *t) {
     return dsk_tensor_copy(&t->ctx, &t->model.targets, &t->h_tgt_t);
 }
 
-/* This rank's sequences of the next global training batch: global sequence j reads window
-   td_sample(j), rank r takes j in [pos + r*B_local, pos + (r+1)*B_local). */
+/* This rank's sequences of the next global training batch: batch data_pos / --batch of the
+   loader (this rank's DistributedSampler stream), waiting for its thread if it is behind. */
 static dsk_status load_train_batch(trainer *t) {
-    int64_t T = t->o->seq, first = t->data_pos + (int64_t)t->rank * t->batch_local;
-    for (int b = 0; b < t->batch_local; b++)
-        td_read_window(&t->data, td_sample(&t->data, (uint64_t)t->o->seed, first + b), t->h_ids + b * T, t->h_tgt + b * T, t->h_win);
+    int64_t k = t->data_pos / t->o->batch;
+    double t0 = now_s();
+    TM_TRY(td_loader_next(&t->loader, k, t->h_ids, t->h_tgt, t->h_index));
+    t->data_wait_s += now_s() - t0;
+    if (t->sample_log >= 0) TM_TRY(td_log_batch(t->sample_log, t->rank, &t->loader.smp, k, t->batch_local, t->h_index));
     t->data_pos += t->o->batch;
     return upload_batch(t);
 }
@@ -607,6 +664,8 @@ static double measure_cpu_peak(const trainer *t) {
 
 typedef struct step_info {
     double loss, aux_loss, norm, lr, ms, tokens_per_s, mfu, comm_share, load_ratio;
+    double data_ms;           /* waiting for the loader (set by the caller of train_step) */
+    double sync_ms;           /* waiting for the gradient all-reduces after backward */
     float scale;
     int64_t dropped;
     int skipped;
@@ -692,7 +751,9 @@ static dsk_status train_step(trainer *t, step_info *si) {
         if (t->have_ebuckets) TM_TRY(dsk_comm_buckets_begin(&t->ebuckets, a == o->accum - 1));
         TM_TRY(tm_backward(m));
     }
+    double sync0 = now_s();
     TM_TRY(finish_grads(t));
+    si->sync_ms = 1e3 * (now_s() - sync0);
     float l2[1] = {(float)si->loss};
     TM_TRY(allreduce_host(t, &t->comm, l2, 1, DSK_F32, DSK_COMM_AVG));
     si->loss = l2[0];
@@ -871,8 +932,39 @@ static void config_string(const trainer *t, char *buf, size_t n) {
              o->expert_hidden, o->score, o->batch, o->accum, dsk_dtype_name(t->model.cfg.cdt), o->seed);
 }
 
+/* Epoch of the next training sample and its place in this rank's part of that epoch. */
+static void data_epoch(const trainer *t, int64_t *epoch, int64_t *offset) {
+    int64_t p = t->data_pos / t->world, n = t->loader.smp.num_samples;
+    *epoch = p / n;
+    *offset = p % n;
+}
+
+/* What fixes the order of the samples, apart from the world size. */
+static void data_order_string(const trainer *t, char *buf, size_t n) {
+    snprintf(buf, n, "DistributedSampler samples=%lld shuffle=%d drop_last=%d seed=%lld", (long long)t->data.n_train,
+             !t->o->no_shuffle, t->o->drop_last, t->o->seed);
+}
+
+/* A resume continues the same sample order: the corpus and the sampler settings must match.
+   A different world size keeps the position (global sequences consumed) but not the order
+   DistributedSampler gives each rank: say so. */
+static dsk_status check_data_order(trainer *t, const dsk_ckpt_meta *meta, int64_t step) {
+    char order[160];
+    data_order_string(t, order, sizeof order);
+    const char *saved = dsk_ckpt_meta_get(meta, "train.data_order");
+    if (!saved || strcmp(saved, order) != 0)
+        return dsk_set_error(DSK_ERR_ARG, "checkpoint step %lld in %s read its data as \"%s\", this run as \"%s\"", (long long)step,
+                             t->o->ckpt_dir, saved ? saved : "(not recorded)", order);
+    int64_t world = 0;
+    TM_TRY(dsk_ckpt_meta_i64(meta, "train.data_world", &world));
+    if (world != t->world)
+        say(t, "resume: the checkpoint was written by %lld ranks, this run has %d: DistributedSampler gives each rank another "
+               "slice, so the samples of the current epoch are not those of an uninterrupted run\n", (long long)world, t->world);
+    return DSK_OK;
+}
+
 static dsk_status save_checkpoint(trainer *t) {
-    char kv_val[8][64], cfg[512];
+    char kv_val[10][64], cfg[512], order[160];
     dsk_amp_scaler_state st;
     memset(&st, 0, sizeof st);
     TM_TRY(dsk_amp_state_get(&t->scaler, &t->ctx, &st));
@@ -884,12 +976,19 @@ static dsk_status save_checkpoint(trainer *t) {
     snprintf(kv_val[4], 64, "%d", (int)st.growth_tracker);
     snprintf(kv_val[5], 64, "%d", (int)st.hysteresis_left);
     snprintf(kv_val[6], 64, "%lld", (long long)t->o->seed);
-    dsk_ckpt_kv kv[8] = {{"train.step", kv_val[0]}, {"train.applied", kv_val[1]}, {"train.data_pos", kv_val[2]},
-                         {"amp.scale", kv_val[3]}, {"amp.growth_tracker", kv_val[4]}, {"amp.hysteresis_left", kv_val[5]},
-                         {"train.data_seed", kv_val[6]}, {"train.config", cfg}};
+    int64_t epoch, offset;
+    data_epoch(t, &epoch, &offset);
+    snprintf(kv_val[7], 64, "%lld", (long long)epoch);
+    snprintf(kv_val[8], 64, "%lld", (long long)offset);
+    snprintf(kv_val[9], 64, "%d", t->world);
+    data_order_string(t, order, sizeof order);
+    dsk_ckpt_kv kv[12] = {{"train.step", kv_val[0]}, {"train.applied", kv_val[1]}, {"train.data_pos", kv_val[2]},
+                          {"amp.scale", kv_val[3]}, {"amp.growth_tracker", kv_val[4]}, {"amp.hysteresis_left", kv_val[5]},
+                          {"train.data_seed", kv_val[6]}, {"train.config", cfg}, {"train.data_epoch", kv_val[7]},
+                          {"train.data_offset", kv_val[8]}, {"train.data_world", kv_val[9]}, {"train.data_order", order}};
     ck_names c = ck_entries(t);
-    dsk_status s = t->o->sync_ckpt ? dsk_ckpt_save(&t->ck, t->step, c.e, c.n, kv, 8)
-                                   : dsk_ckpt_save_async(&t->ck, t->step, c.e, c.n, kv, 8);
+    dsk_status s = t->o->sync_ckpt ? dsk_ckpt_save(&t->ck, t->step, c.e, c.n, kv, 12)
+                                   : dsk_ckpt_save_async(&t->ck, t->step, c.e, c.n, kv, 12);
     free(c.name);
     free(c.e);
     return s;
@@ -910,6 +1009,7 @@ static dsk_status load_checkpoint(trainer *t, int64_t step) {
     if (s == DSK_OK && (!saved || strcmp(saved, cfg) != 0))
         s = dsk_set_error(DSK_ERR_ARG, "checkpoint step %lld in %s was written with \"%s\", this run has \"%s\"", (long long)step,
                           t->o->ckpt_dir, saved ? saved : "(no configuration)", cfg);
+    if (s == DSK_OK) s = check_data_order(t, &meta, step);
     dsk_ckpt_meta_free(&meta);
     if (s != DSK_OK) return s;
     ck_names c = ck_entries(t);
@@ -943,10 +1043,16 @@ static dsk_status load_checkpoint(trainer *t, int64_t step) {
    resume exits before it could write anything; a fresh run refuses a directory that holds
    checkpoints, so no run ever overwrites one by accident. */
 static void setup_ckpt(trainer *t) {
-    const options *o = t->o;
+    options *o = t->o;
+    int restart = ts_restart_count();
     if (!o->ckpt_dir) {
         if (o->resume) fail(t, "--resume needs --ckpt-dir");
+        if (restart > 0) say(t, "restart %d: no --ckpt-dir, starting again from step 0\n", restart);
         return;
+    }
+    if (restart > 0 && !o->resume) {
+        say(t, "restart %d: resuming from the newest complete checkpoint in %s (as --resume auto)\n", restart, o->ckpt_dir);
+        o->resume = 1;
     }
     dsk_ckpt_opts co;
     memset(&co, 0, sizeof co);
@@ -972,7 +1078,10 @@ static void setup_ckpt(trainer *t) {
     }
     dsk_status s = load_checkpoint(t, last);
     if (s != DSK_OK) fail(t, "--resume from %s failed, nothing was written: %s: %s", o->ckpt_dir, dsk_status_str(s), dsk_last_error());
-    say(t, "resume: step %lld from %s (data position %lld)\n", (long long)t->step, o->ckpt_dir, (long long)t->data_pos);
+    int64_t epoch, offset;
+    data_epoch(t, &epoch, &offset);
+    say(t, "resume: step %lld from %s (data position %lld: epoch %lld, sample %lld of %lld on each rank)\n", (long long)t->step,
+        o->ckpt_dir, (long long)t->data_pos, (long long)epoch, (long long)offset, (long long)t->loader.smp.num_samples);
 }
 
 /* ---- output */
@@ -991,19 +1100,20 @@ static void log_step(trainer *t, const step_info *si) {
     double eta = t->train_seconds / (double)t->steps_timed * (double)(o->steps - t->step);
     if (t->rank == 0 && (t->step % o->log_every == 0 || t->step == o->steps || t->step == 1))
         printf("step %5lld/%d | loss %.4f | lr %.2e | norm %6.3f | scale %g | %7.1f ms | %7.0f tok/s | mfu %5.2f%% | comm %4.1f%% | "
-               "load %.2f | drop %lld | eta %dm%02ds%s\n",
+               "data %4.1f%% | load %.2f | drop %lld | eta %dm%02ds%s\n",
                (long long)t->step, o->steps, si->loss, si->lr, si->norm, (double)si->scale, si->ms, si->tokens_per_s,
-               100 * si->mfu, 100 * si->comm_share, si->load_ratio, (long long)si->dropped, (int)eta / 60, (int)eta % 60,
-               si->skipped ? " | skipped (non-finite gradients)" : "");
+               100 * si->mfu, 100 * si->comm_share, 100 * si->data_ms / si->ms, si->load_ratio, (long long)si->dropped,
+               (int)eta / 60, (int)eta % 60, si->skipped ? " | skipped (non-finite gradients)" : "");
     fflush(stdout);
     if (t->log) {
         char loss[32], norm[32];
         fprintf(t->log,
                 "{\"type\":\"step\",\"step\":%lld,\"loss\":%s,\"aux_loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%s,\"loss_scale\":%.9g,"
-                "\"ms\":%.3f,\"tokens_per_s\":%.1f,\"mfu\":%.6f,\"comm_share\":%.6f,\"load_max_mean\":%.6f,\"dropped\":%lld,"
-                "\"skipped\":%d,\"eta_s\":%.1f}\n",
+                "\"ms\":%.3f,\"data_wait_ms\":%.3f,\"grad_sync_ms\":%.3f,\"tokens_per_s\":%.1f,\"mfu\":%.6f,"
+                "\"comm_share\":%.6f,\"load_max_mean\":%.6f,\"dropped\":%lld,\"skipped\":%d,\"eta_s\":%.1f}\n",
                 (long long)t->step, json_num(loss, si->loss), si->aux_loss, si->lr, json_num(norm, si->norm), (double)si->scale, si->ms,
-                si->tokens_per_s, si->mfu, si->comm_share, si->load_ratio, (long long)si->dropped, si->skipped, eta);
+                si->data_ms, si->sync_ms, si->tokens_per_s, si->mfu, si->comm_share, si->load_ratio, (long long)si->dropped,
+                si->skipped, eta);
     }
     if (t->log) fflush(t->log);
 }
@@ -1018,32 +1128,112 @@ static void log_val(trainer *t, float v) {
     }
 }
 
-/* Rewrites the Prometheus text file (temporary file + rename, so a scraper never reads half). */
+/* --metrics FILE of this rank: FILE on rank 0, FILE.rank<r> (before a .prom suffix) on the others. */
+static void metrics_file_name(const trainer *t, char *buf, size_t n) {
+    const char *f = t->o->metrics_path;
+    size_t k = strlen(f);
+    int prom = k > 5 && strcmp(f + k - 5, ".prom") == 0;
+    if (t->rank == 0) snprintf(buf, n, "%s", f);
+    else snprintf(buf, n, "%.*s.rank%d%s", (int)(prom ? k - 5 : k), f, t->rank, prom ? ".prom" : "");
+}
+
+/* Starts the metrics server (--metrics-port + local rank) and the GPU probes. */
+static void setup_metrics(trainer *t) {
+    const options *o = t->o;
+    tm_model *m = &t->model;
+    t->metrics_on = o->metrics_path || o->metrics_port;
+    if (!t->metrics_on) return;
+    if (o->metrics_port < 0) fail(t, "--metrics-port %d: must be in 1..65535 (0 = off)", o->metrics_port);
+    int n_moe = m->cfg.n_layers - m->cfg.n_dense, local = t->have_comm ? t->comm.local_rank : 0;
+    size_t layers = (size_t)(n_moe > 0 ? n_moe : 1), experts = (size_t)(o->experts > 0 ? o->experts : 1);
+    t->moe_layer = (int *)calloc(layers, sizeof *t->moe_layer);
+    t->moe_load = (double *)calloc(layers * experts, sizeof *t->moe_load);
+    t->moe_imbalance = (double *)calloc(layers, sizeof *t->moe_imbalance);
+    if (!t->moe_layer || !t->moe_load || !t->moe_imbalance) fail(t, "out of memory for the metrics");
+    tmx_values *v = &t->mv;
+    v->rank = t->rank;
+    v->n_layers = n_moe;
+    v->n_experts = o->experts;
+    v->layer = t->moe_layer;
+    v->expert_load = t->moe_load;
+    v->imbalance = t->moe_imbalance;
+    v->val_loss = NAN;
+    v->restarts = ts_restart_count();
+    for (int l = 0; l < n_moe; l++) t->moe_layer[l] = m->cfg.n_dense + l;
+    tmx_gpu_open(&t->gpu, local);
+    if (o->metrics_port) {
+        CHECK(tmx_server_start(&t->msrv, o->metrics_addr, o->metrics_port + local));
+        printf("metrics: rank %d serves http://%s:%d/metrics\n", t->rank, o->metrics_addr, o->metrics_port + local);
+        fflush(stdout);
+    }
+}
+
+/* Bytes of the tensors one checkpoint of this rank holds. */
+static double checkpoint_bytes(trainer *t) {
+    ck_names c = ck_entries(t);
+    double bytes = 0;
+    for (int i = 0; i < c.n; i++) bytes += (double)dsk_tensor_nbytes(c.e[i].tensor);
+    free(c.name);
+    free(c.e);
+    return bytes;
+}
+
+/* save_checkpoint, counted for the metrics. */
+static dsk_status save_counted(trainer *t) {
+    double t0 = now_s();
+    dsk_status s = save_checkpoint(t);
+    t->mv.checkpoint_s += now_s() - t0;
+    if (s == DSK_OK) {
+        t->mv.checkpoints++;
+        if (t->metrics_on) t->mv.checkpoint_bytes += checkpoint_bytes(t);
+    }
+    return s;
+}
+
+/* Counts the step (si may be NULL: no new step) and publishes the metrics: the server's
+   page and the --metrics file. */
 static void write_metrics(trainer *t, const step_info *si) {
     const options *o = t->o;
-    if (!o->metrics_path || t->rank != 0) return;
-    char tmp[4096];
-    snprintf(tmp, sizeof tmp, "%s.tmp", o->metrics_path);
-    FILE *f = fopen(tmp, "w");
-    if (!f) fail(t, "--metrics: cannot write %s: %s", tmp, strerror(errno));
-    fprintf(f, "# HELP dsk_train_step Optimizer steps completed.\n# TYPE dsk_train_step counter\ndsk_train_step %lld\n", (long long)t->step);
-    fprintf(f, "# HELP dsk_train_loss Training loss of the last step (nats per token).\n# TYPE dsk_train_loss gauge\ndsk_train_loss %.9g\n", si->loss);
-    if (t->last_val > 0)
-        fprintf(f, "# HELP dsk_train_val_loss Last validation loss.\n# TYPE dsk_train_val_loss gauge\ndsk_train_val_loss %.9g\n", (double)t->last_val);
-    fprintf(f, "# HELP dsk_train_tokens_per_second Training throughput of the last step.\n# TYPE dsk_train_tokens_per_second gauge\ndsk_train_tokens_per_second %.1f\n", si->tokens_per_s);
-    fprintf(f, "# HELP dsk_train_comm_seconds_total Seconds spent in collectives on rank 0.\n# TYPE dsk_train_comm_seconds_total counter\ndsk_train_comm_seconds_total %.6f\n", comm_seconds(t));
-    fprintf(f, "# HELP dsk_train_loss_scale Loss scale of the last step.\n# TYPE dsk_train_loss_scale gauge\ndsk_train_loss_scale %g\n", (double)si->scale);
-    fprintf(f, "# HELP dsk_train_mfu Model FLOPs utilisation of the last step.\n# TYPE dsk_train_mfu gauge\ndsk_train_mfu %.6f\n", si->mfu);
-    fprintf(f, "# HELP dsk_train_dropped_slots Routed slots dropped by capacity in the last step.\n# TYPE dsk_train_dropped_slots gauge\ndsk_train_dropped_slots %lld\n", (long long)si->dropped);
-    fprintf(f, "# HELP dsk_train_expert_load Share of the routed slots each expert received in the last micro-batch.\n# TYPE dsk_train_expert_load gauge\n");
-    for (int l = t->model.cfg.n_dense; l < t->model.cfg.n_layers; l++) {
-        const dsk_moe_stats *st = &t->model.blocks[l].stats;
-        for (int e = 0; e < o->experts && st->tokens_per_expert; e++)
-            fprintf(f, "dsk_train_expert_load{layer=\"%d\",expert=\"%d\"} %.6f\n", l, e,
-                    st->slots > 0 ? (double)st->tokens_per_expert[e] / (double)st->slots : 0.0);
+    tmx_values *v = &t->mv;
+    if (!t->metrics_on) return;
+    if (si) {
+        v->steps = t->step;
+        v->skipped_steps += si->skipped;
+        v->tokens += (int64_t)t->batch_local * o->accum * o->seq;
+        v->dropped_slots += si->dropped;
+        v->data_wait_s += si->data_ms * 1e-3;
+        v->grad_sync_s += si->sync_ms * 1e-3;
+        tmx_hist_observe(&v->step_time, si->ms * 1e-3);
+        v->loss = si->loss;
+        v->lr = si->lr;
+        v->grad_norm = si->norm;
+        v->loss_scale = si->scale;
+        v->mfu = si->mfu;
+        v->comm_ratio = si->comm_share;
+        v->data_ratio = si->data_ms / si->ms;
     }
-    fclose(f);
-    if (rename(tmp, o->metrics_path) != 0) fail(t, "--metrics: cannot rename %s: %s", tmp, strerror(errno));
+    int64_t epoch, offset;
+    data_epoch(t, &epoch, &offset);
+    v->epoch = (double)epoch;
+    v->comm_s = comm_seconds(t);
+    if (t->last_val > 0) v->val_loss = t->last_val;
+    struct rusage ru;
+    if (getrusage(RUSAGE_SELF, &ru) == 0) v->host_memory_high_water_bytes = 1024.0 * (double)ru.ru_maxrss;
+    tmx_gpu_read(&t->gpu, t->ctx.device.type == DSK_DEV_CUDA, v);
+    for (int l = 0; l < v->n_layers; l++) {
+        const dsk_moe_stats *st = &t->model.blocks[v->layer[l]].stats;
+        for (int e = 0; e < v->n_experts; e++)
+            t->moe_load[l * v->n_experts + e] =
+                st->tokens_per_expert && st->slots > 0 ? (double)st->tokens_per_expert[e] / (double)st->slots : 0;
+        t->moe_imbalance[l] = st->mean_load > 0 ? st->max_load / st->mean_load : 1;
+    }
+    tmx_render(&t->mtext, v);
+    tmx_server_publish(&t->msrv, &t->mtext);
+    if (o->metrics_path) {
+        char path[4096];
+        metrics_file_name(t, path, sizeof path);
+        CHECK(tmx_write_file(path, &t->mtext));
+    }
 }
 
 static void banner(trainer *t) {
@@ -1055,6 +1245,10 @@ static void banner(trainer *t) {
         t->ctx.device.type == DSK_DEV_CUDA ? "CUDA" : "CPU", dsk_dtype_name(m->cfg.cdt));
     say(t, "data: %s; %lld training and %lld held-out windows of %d tokens\n", t->data.source, (long long)t->data.n_train,
         (long long)t->data.n_val, o->seq + 1);
+    const td_sampler *smp = &t->loader.smp;
+    say(t, "data order: DistributedSampler over %d rank%s, %lld samples per rank and epoch (%lld %s), %s; %d batches read ahead\n",
+        t->world, t->world > 1 ? "s" : "", (long long)smp->num_samples, (long long)llabs(smp->total_size - smp->n),
+        smp->drop_last ? "cut" : "padded", smp->shuffle ? "shuffled by seed + epoch" : "in order", o->prefetch);
     say(t, "model: %d blocks (%d dense), d_model %d, %d heads, vocab %d; MoE %d routed (%s, top-%d) + %d shared, expert hidden %d; "
            "%.2fM parameters on rank 0, %.1f MFLOP/token (active)\n",
         o->layers, o->dense_layers, o->d_model, o->heads, m->cfg.vocab, o->experts, o->score, o->top_k, o->shared, o->expert_hidden,
@@ -1133,7 +1327,8 @@ static int grad_check(trainer *t) {
 
 /* ---- launcher and main */
 
-/* --nproc N: re-runs this binary N times through dsk_comm's local launcher. */
+/* --nproc N: re-runs this binary N times through dsk_comm's local launcher (restarting the
+   job after a failure up to --max-restarts times). */
 static int launch_local(const options *o, int argc, char **argv) {
     char exe[4096];
     ssize_t k = readlink("/proc/self/exe", exe, sizeof exe - 1);
@@ -1147,14 +1342,30 @@ static int launch_local(const options *o, int argc, char **argv) {
         if (strcmp(argv[i], "--nproc") == 0) { i++; continue; }
         args[n++] = argv[i];
     }
-    int worst = 0;
-    dsk_status s = dsk_comm_spawn_local(o->nproc, args, NULL, &worst);
+    int rc = ts_launch(o->nproc > 1 ? o->nproc : 1, o->max_restarts, args);
     free(args);
-    if (s != DSK_OK) {
-        fprintf(stderr, "train_moe: --nproc %d: %s: %s\n", o->nproc, dsk_status_str(s), dsk_last_error());
-        return worst ? worst : 1;
-    }
-    return worst;
+    return rc;
+}
+
+/* SIGTERM or SIGINT on any rank, SIGUSR1 on any rank: agreed by every rank at the end of
+   each step (a MAX over ranks), so all stop or save at the same step. */
+static void poll_signals(trainer *t, int *stop, int *save) {
+    int32_t v[2] = {ts_stop_signal(&t->sig), ts_take_save(&t->sig)};
+    CHECK(allreduce_host(t, &t->comm, v, 2, DSK_I32, DSK_COMM_MAX));
+    *stop = v[0];
+    *save = v[1];
+}
+
+/* The line a pre-empted job ends with. */
+static void report_stop(trainer *t, int sig) {
+    char after[64] = "";
+    if (ts_stop_signal(&t->sig)) snprintf(after, sizeof after, ", %.2f s after the signal", ts_now() - t->sig.stop_at);
+    if (t->have_ck)
+        say(t, "pre-empted: %s, stopped after step %lld, checkpoint of step %lld saved in %s; exiting with status 0%s\n",
+            ts_signal_name(sig), (long long)t->step, (long long)t->step, t->o->ckpt_dir, after);
+    else
+        say(t, "pre-empted: %s, stopped after step %lld; no --ckpt-dir, nothing saved; exiting with status 0%s\n",
+            ts_signal_name(sig), (long long)t->step, after);
 }
 
 static void cleanup(trainer *t) {
@@ -1165,11 +1376,20 @@ static void cleanup(trainer *t) {
     dsk_amp_scaler_free(&t->scaler, &t->ctx);
     free(t->amp_decay);
     free(t->amp_plain);
+    td_loader_free(&t->loader);
     td_free(&t->data);
+    free(t->h_index);
+    if (t->sample_log >= 0) close(t->sample_log);
     free(t->h_ids);
     free(t->h_tgt);
     free(t->h_win);
     if (t->log) fclose(t->log);
+    tmx_server_stop(&t->msrv);
+    tmx_gpu_close(&t->gpu);
+    tmx_text_free(&t->mtext);
+    free(t->moe_layer);
+    free(t->moe_load);
+    free(t->moe_imbalance);
     if (t->have_comm) {
         dsk_comm_free(&t->ck_comm);
         dsk_comm_free(&t->rep_comm);
@@ -1177,6 +1397,7 @@ static void cleanup(trainer *t) {
         dsk_comm_free(&t->comm);
     }
     dsk_ctx_free(&t->ctx);
+    ts_stop(&t->sig);
 }
 
 static void check_options(trainer *t) {
@@ -1200,18 +1421,23 @@ int main(int argc, char **argv) {
     if (rc) return rc;
     if (o.help) { usage(stdout); return 0; }
     if (o.nproc < 0) { fprintf(stderr, "train_moe: --nproc %d: must be >= 1\n", o.nproc); return 2; }
-    if (o.nproc > 1 && !getenv("RANK")) return launch_local(&o, argc, argv);
+    if (o.max_restarts < 0) { fprintf(stderr, "train_moe: --max-restarts %d: must be >= 0\n", o.max_restarts); return 2; }
+    if ((o.nproc > 1 || o.max_restarts > 0) && !getenv("RANK")) return launch_local(&o, argc, argv);
 
     trainer tr, *t = &tr;
     memset(t, 0, sizeof *t);
     t->o = &o;
+    int e = ts_start(&t->sig); /* before any thread starts */
+    if (e != 0) fail(t, "cannot start the signal thread: %s", strerror(e));
     check_options(t);
     setup_comm(t);
+    setup_bind(t);
     setup_device(t);
     setup_data(t);
     setup_model(t);
     setup_optimizer(t);
     setup_buckets(t);
+    setup_metrics(t);
     t->flops_per_token = flops_per_token(t);
     t->peak_flops = o.peak_tflops > 0 ? o.peak_tflops * 1e12 : t->ctx.device.type == DSK_DEV_CUDA ? 989e12 : measure_cpu_peak(t);
     if (o.grad_check > 0) {
@@ -1232,29 +1458,52 @@ int main(int argc, char **argv) {
     }
     t->t_start = now_s();
     int64_t last_saved = t->step;
+    int stop_sig = 0;
     while (t->step < o.steps && !(o.stop_at > 0 && t->step >= o.stop_at)) {
         step_info si;
+        double waited = t->data_wait_s;
         CHECK(train_step(t, &si));
+        si.data_ms = 1e3 * (t->data_wait_s - waited);
         log_step(t, &si);
-        write_metrics(t, &si);
         if (t->step % o.val_interval == 0 || t->step == o.steps) {
             float v;
             CHECK(validate(t, &v));
             log_val(t, v);
         }
         if (t->have_ck && o.ckpt_every > 0 && t->step % o.ckpt_every == 0) {
-            CHECK(save_checkpoint(t));
+            CHECK(save_counted(t));
             last_saved = t->step;
         }
+        write_metrics(t, &si);
+        int save;
+        poll_signals(t, &stop_sig, &save);
+        if (save) {
+            if (t->have_ck && last_saved != t->step) {
+                CHECK(save_counted(t));
+                last_saved = t->step;
+            }
+            if (t->have_ck) say(t, "SIGUSR1: checkpoint of step %lld saved; training goes on\n", (long long)t->step);
+            else say(t, "SIGUSR1 at step %lld: no --ckpt-dir, nothing saved; training goes on\n", (long long)t->step);
+        }
+        if (stop_sig) break;
     }
     if (t->have_ck) {
-        if (last_saved != t->step) CHECK(save_checkpoint(t));
+        if (last_saved != t->step) CHECK(save_counted(t));
+        double t0 = now_s();
         CHECK(dsk_ckpt_wait(&t->ck));
+        t->mv.checkpoint_s += now_s() - t0;
+    }
+    write_metrics(t, NULL);
+    if (stop_sig) {
+        report_stop(t, stop_sig);
+        cleanup(t);
+        return 0;
     }
     double wall = now_s() - t->t_start;
     if (t->step == o.steps) CHECK(generate(t));
-    say(t, "done: %lld steps in %.1f s (%.0f tokens/s), final validation loss %.4f\n", (long long)t->step, wall,
-        t->steps_timed ? (double)o.batch * o.accum * o.seq * t->steps_timed / t->train_seconds : 0.0, (double)t->last_val);
+    say(t, "done: %lld steps in %.1f s (%.0f tokens/s, %.2f%% of step time waiting for data), final validation loss %.4f\n",
+        (long long)t->step, wall, t->steps_timed ? (double)o.batch * o.accum * o.seq * t->steps_timed / t->train_seconds : 0.0,
+        t->train_seconds > 0 ? 100 * t->data_wait_s / t->train_seconds : 0.0, (double)t->last_val);
     cleanup(t);
     return 0;
 }

@@ -1,9 +1,15 @@
 /* dsk_kernels.h - C prototypes of every CUDA launcher behind the dsk headers.
-   Built by nvcc from the kernels/ .cu files into the dsk kernel library; the headers call these
-   under DSK_CUDA after validating their arguments (shapes, dtypes, devices), so a launcher
-   may assume valid input. Each returns DSK_OK or DSK_ERR_CUDA with dsk_last_error() set,
-   checking every CUDA call and cudaGetLastError() after every launch. Work is enqueued
-   on ctx->stream; launchers do not synchronise unless their comment says so. */
+   Built by nvcc from the kernels/ .cu files into the dsk kernel library (and, for the tests,
+   as host C++ against the CUDA emulation in tests/cuda_emu); the headers call these under
+   DSK_CUDA after validating their arguments (shapes, dtypes, devices), so a launcher may
+   assume valid input. Every launcher makes ctx's device current on the calling thread and
+   enqueues on ctx->stream; launchers do not synchronise unless their comment says so. Each
+   returns DSK_OK or, with dsk_last_error() set: DSK_ERR_ARG (ctx is not an initialised CUDA
+   ctx, or a launcher's own argument check), DSK_ERR_OOM (device scratch memory),
+   DSK_ERR_UNSUPPORTED (sizes beyond a grid or cuBLAS limit), DSK_ERR_CUDA (a failed CUDA or
+   cuBLAS call; every call is checked, and cudaGetLastError() follows every launch).
+   kernels/dsk_cuda.cuh holds what the .cu files share to do so.
+   Contents: runtime (tensor.cu), tensor ops (tensor.cu), amp (amp.cu), moe (moe.cu). */
 #ifndef DSK_KERNELS_H
 #define DSK_KERNELS_H
 #include "../dsk_tensor.h"
@@ -53,7 +59,7 @@ dsk_status dsk_cuda_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *probs, 
 dsk_status dsk_cuda_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tensor *dk, dsk_tensor *dv, const dsk_tensor *dout, const dsk_tensor *q, const dsk_tensor *k, const dsk_tensor *v, const dsk_tensor *probs, float scale);
 dsk_status dsk_cuda_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_tensor *grad, dsk_tensor *m, dsk_tensor *v, const dsk_adamw_opts *opts, int64_t step, float grad_mult, dsk_tensor *param_copy);
 
-/* ---- amp (kernels/amp.cu): prototypes added by dsk_amp.h's author */
+/* ---- amp (kernels/amp.cu) */
 /* `block` is a scaler's device state: {double found_inf, sumsq; float scale; int32 growth, hysteresis}. */
 struct dsk_amp_scaler_opts;
 dsk_status dsk_cuda_amp_unscale(dsk_ctx *ctx, dsk_tensor *const *grads, int n, void *block); /* multi-tensor; writes found_inf, sumsq */
@@ -67,7 +73,7 @@ dsk_status dsk_cuda_amp_fp8_dequantize(dsk_ctx *ctx, dsk_tensor *y, const dsk_te
 dsk_status dsk_cuda_amp_fp8_block_quantize(dsk_ctx *ctx, dsk_tensor *q, dsk_tensor *scales, const dsk_tensor *x, int br, int bc, int pow2);
 dsk_status dsk_cuda_amp_fp8_block_dequantize(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *q, const dsk_tensor *scales, int br, int bc);
 
-/* ---- moe (kernels/moe.cu): prototypes added by dsk_moe.h's author */
+/* ---- moe (kernels/moe.cu) */
 /* Row-major buffers; `dt` is the layer's compute dtype (f32 or bf16); slot i = t*K + k. */
 /* C (M,N) = op(A) op(B) + beta C; A, B in ab_dt (f32/bf16), C f32 or ab_dt; f32 accumulation (cublasGemmEx). */
 dsk_status dsk_cuda_moe_gemm(dsk_ctx *ctx, int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, const void *A, int64_t lda,

@@ -1,76 +1,21 @@
 /* kernels/tensor.cu - the CUDA path of dsk_tensor.h: runtime (devices, streams, cuBLAS,
    memory) and one launcher per tensor op, with the contracts of kernels/dsk_kernels.h.
 
-   Conventions: every launcher enqueues on ctx->stream and returns without synchronising;
-   every CUDA and cuBLAS call is checked and cudaGetLastError() follows every launch.
-   Elementwise math comes from the DSK_HD functions of dsk_tensor.h so the CPU and the GPU
-   run the same formulas. Reductions use block trees of a fixed shape (the block size and
+   Conventions (kernels/dsk_cuda.cuh): every launcher checks its ctx and makes its device
+   current, enqueues on ctx->stream and returns without synchronising; every CUDA and cuBLAS
+   call is checked and cudaGetLastError() follows every launch. Elements are read and
+   written through dsk_tensor.h's element-access layer (dsk_load_f32, dsk_store_f64, ...)
+   and the elementwise math comes from its DSK_HD functions, so the CPU and the GPU run the
+   same formulas. Reductions use block trees of a fixed shape (the block size and
    the partition depend only on the tensor's shape), never float atomics, so results are
    bitwise reproducible on a given device. Scratch memory comes from cudaMallocAsync on the
-   context's stream and is freed stream-ordered before the launcher returns.
-   Each launcher makes the context's device current on the calling thread. Indices are
+   context's stream and is freed stream-ordered before the launcher returns. Indices are
    validated on the CPU path only; here an out-of-range index never touches memory out of
    bounds: gathers write NaN rows, scatters skip the row, and cross-entropy yields a NaN loss
    and NaN gradient row. */
-#include <cuda_runtime.h>
-#include <cublas_v2.h>
 #include <cub/cub.cuh>
-#include <limits.h>
 #include <math.h>
-#include <stdio.h>
-#include "dsk_kernels.h"
-
-/* ======================================================================= errors */
-
-/* Records a failed CUDA runtime call (and clears it from the runtime's last-error slot). */
-static dsk_status dsk__cuda_fail(const char *fn, const char *call, cudaError_t e, const char *detail) {
-    (void)cudaGetLastError();
-    return dsk_set_error(DSK_ERR_CUDA, "%s: %s failed: %s (%s)%s%s", fn, call, cudaGetErrorName(e), cudaGetErrorString(e),
-                         detail && *detail ? "; " : "", detail ? detail : "");
-}
-
-static dsk_status dsk__cublas_fail(const char *fn, const char *call, cublasStatus_t st, const char *detail) {
-    return dsk_set_error(DSK_ERR_CUDA, "%s: %s failed: %s (%d)%s%s", fn, call, cublasGetStatusString(st), (int)st,
-                         detail && *detail ? "; " : "", detail ? detail : "");
-}
-
-/* Checks the launch just made; `n` is the work size for the message. */
-static dsk_status dsk__launched(const char *fn, const char *kernel, dim3 grid, dim3 block, int64_t n) {
-    cudaError_t e = cudaGetLastError();
-    if (e == cudaSuccess) return DSK_OK;
-    return dsk_set_error(DSK_ERR_CUDA, "%s: launch of %s (grid %u,%u block %u, %lld elements) failed: %s (%s)", fn, kernel,
-                         grid.x, grid.y, block.x * block.y, (long long)n, cudaGetErrorName(e), cudaGetErrorString(e));
-}
-
-#define DSK__CU(fn, call, detail)                                                         \
-    do {                                                                                  \
-        cudaError_t dsk__e_ = (call);                                                     \
-        if (dsk__e_ != cudaSuccess) return dsk__cuda_fail(fn, #call, dsk__e_, detail);    \
-    } while (0)
-/* Launches kernel<<<grid, block, 0, stream>>>(args...) and checks it. */
-#define DSK__LAUNCH(fn, kernel, grid, block, stream, n, ...)                           \
-    do {                                                                               \
-        kernel<<<(grid), (block), 0, (stream)>>>(__VA_ARGS__);                         \
-        DSK__TRY(dsk__launched(fn, #kernel, dim3(grid), dim3(block), (int64_t)(n)));   \
-    } while (0)
-
-static cudaStream_t dsk__stream(const dsk_ctx *ctx) { return (cudaStream_t)ctx->stream; }
-
-/* A CUDA ctx, its device made current on this thread (several devices may share a thread). */
-static dsk_status dsk__need_ctx(const char *fn, const dsk_ctx *ctx) {
-    int cur = -1;
-    if (!ctx || ctx->device.type != DSK_DEV_CUDA || !ctx->stream)
-        return dsk_set_error(DSK_ERR_ARG, "%s: CUDA tensors need an initialised CUDA ctx", fn);
-    if (cudaGetDevice(&cur) != cudaSuccess || cur != ctx->device.index) {
-        cudaError_t e = cudaSetDevice(ctx->device.index);
-        if (e != cudaSuccess) {
-            char detail[48];
-            snprintf(detail, sizeof detail, "device %d (current %d)", ctx->device.index, cur);
-            return dsk__cuda_fail(fn, "cudaSetDevice", e, detail);
-        }
-    }
-    return DSK_OK;
-}
+#include "dsk_cuda.cuh"
 
 /* ======================================================================= runtime */
 
@@ -100,27 +45,29 @@ extern "C" dsk_status dsk_cuda_ctx_init(dsk_ctx *ctx, int index) {
     if (index < 0 || index >= n)
         return dsk_set_error(DSK_ERR_ARG, "%s: CUDA device %d requested, %d present", fn, index, n);
     snprintf(detail, sizeof detail, "device %d", index);
-    DSK__CU(fn, cudaSetDevice(index), detail);
+    DSK__CUDA_CHECK(fn, cudaSetDevice(index), detail);
     ctx->device.type = DSK_DEV_CUDA;
     ctx->device.index = index;
-    DSK__CU(fn, cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), detail);
+    DSK__CUDA_CHECK(fn, cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), detail);
     ctx->stream = stream;
     /* Keep freed blocks in the pool across synchronisations instead of returning them to the
        driver, so per-op scratch allocations stay cheap. */
-    DSK__CU(fn, cudaDeviceGetDefaultMemPool(&pool, index), detail);
-    DSK__CU(fn, cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep), detail);
-    if ((st = cublasCreate(&handle)) != CUBLAS_STATUS_SUCCESS) return dsk__cublas_fail(fn, "cublasCreate", st, detail);
+    DSK__CUDA_CHECK(fn, cudaDeviceGetDefaultMemPool(&pool, index), detail);
+    DSK__CUDA_CHECK(fn, cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep), detail);
+    if ((st = cublasCreate(&handle)) != CUBLAS_STATUS_SUCCESS)
+        return dsk__cuda_cublas_fail(fn, "cublasCreate", st, detail);
     ctx->cublas = handle;
-    if ((st = cublasSetStream(handle, stream)) != CUBLAS_STATUS_SUCCESS) return dsk__cublas_fail(fn, "cublasSetStream", st, detail);
+    if ((st = cublasSetStream(handle, stream)) != CUBLAS_STATUS_SUCCESS)
+        return dsk__cuda_cublas_fail(fn, "cublasSetStream", st, detail);
     if (ctx->workspace_bytes) {
         void *ws = NULL;
         snprintf(detail, sizeof detail, "device %d, workspace of %zu bytes", index, ctx->workspace_bytes);
-        DSK__CU(fn, cudaMallocAsync(&ws, ctx->workspace_bytes, stream), detail);
+        DSK__CUDA_CHECK(fn, cudaMallocAsync(&ws, ctx->workspace_bytes, stream), detail);
         ctx->workspace = ws;
         if ((st = cublasSetWorkspace(handle, ws, ctx->workspace_bytes)) != CUBLAS_STATUS_SUCCESS)
-            return dsk__cublas_fail(fn, "cublasSetWorkspace", st, detail);
+            return dsk__cuda_cublas_fail(fn, "cublasSetWorkspace", st, detail);
     }
-    DSK__CU(fn, cudaStreamSynchronize(stream), detail);
+    DSK__CUDA_CHECK(fn, cudaStreamSynchronize(stream), detail);
     return DSK_OK;
 }
 
@@ -145,17 +92,17 @@ extern "C" void dsk_cuda_ctx_free(dsk_ctx *ctx) {
 }
 
 extern "C" dsk_status dsk_cuda_sync(dsk_ctx *ctx) {
-    DSK__TRY(dsk__need_ctx("dsk_ctx_sync", ctx));
-    DSK__CU("dsk_ctx_sync", cudaStreamSynchronize(dsk__stream(ctx)), "");
+    DSK__TRY(dsk__cuda_need_ctx("dsk_ctx_sync", ctx));
+    DSK__CUDA_CHECK("dsk_ctx_sync", cudaStreamSynchronize(dsk__cuda_stream(ctx)), "");
     return DSK_OK;
 }
 
 extern "C" dsk_status dsk_cuda_malloc(dsk_ctx *ctx, size_t bytes, void **p) {
     cudaError_t e;
     char detail[64];
-    DSK__TRY(dsk__need_ctx("dsk_cuda_malloc", ctx));
+    DSK__TRY(dsk__cuda_need_ctx("dsk_cuda_malloc", ctx));
     *p = NULL;
-    e = cudaMallocAsync(p, bytes, dsk__stream(ctx));
+    e = cudaMallocAsync(p, bytes, dsk__cuda_stream(ctx));
     if (e == cudaSuccess) return DSK_OK;
     snprintf(detail, sizeof detail, "%zu bytes on device %d", bytes, ctx->device.index);
     (void)dsk__cuda_fail("dsk_cuda_malloc", "cudaMallocAsync", e, detail);
@@ -172,127 +119,21 @@ extern "C" void dsk_cuda_free(dsk_ctx *ctx, void *p) {
 
 extern "C" dsk_status dsk_cuda_memcpy(dsk_ctx *ctx, void *dst, const void *src, size_t bytes, int to_device) {
     char detail[64];
-    DSK__TRY(dsk__need_ctx("dsk_cuda_memcpy", ctx));
+    DSK__TRY(dsk__cuda_need_ctx("dsk_cuda_memcpy", ctx));
     if (!bytes) return DSK_OK;
     snprintf(detail, sizeof detail, "%zu bytes %s", bytes, to_device ? "host to device" : "device to host");
-    DSK__CU("dsk_cuda_memcpy",
-            cudaMemcpyAsync(dst, src, bytes, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, dsk__stream(ctx)),
-            detail);
+    DSK__CUDA_CHECK("dsk_cuda_memcpy",
+                    cudaMemcpyAsync(dst, src, bytes, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost,
+                                    dsk__cuda_stream(ctx)),
+                    detail);
     return DSK_OK;
 }
 
 /* Scratch buffer of `bytes` freed stream-ordered by dsk__scratch_free. */
-static dsk_status dsk__scratch(dsk_ctx *ctx, size_t bytes, void **p) { return dsk_cuda_malloc(ctx, bytes ? bytes : 1, p); }
+static dsk_status dsk__scratch(dsk_ctx *ctx, size_t bytes, void **p) {
+    return dsk_cuda_malloc(ctx, bytes ? bytes : 1, p);
+}
 static void dsk__scratch_free(dsk_ctx *ctx, void *p) { dsk_cuda_free(ctx, p); }
-
-/* ======================================================================= launch shapes */
-
-#define DSK__THREADS 256
-/* Grid of a grid-stride loop over n elements (capped: extra blocks only add overhead). */
-static unsigned dsk__grid(int64_t n) {
-    int64_t g = (n + DSK__THREADS - 1) / DSK__THREADS;
-    return (unsigned)(g < 1 ? 1 : g > 8192 ? 8192 : g);
-}
-/* Threads of a row kernel: a power of two in [32, 256] covering the row when it is short.
-   A function of the row length only, so reductions have the same shape on every run. */
-static unsigned dsk__row_threads(int64_t cols) {
-    unsigned t = 32;
-    while (t < DSK__THREADS && (int64_t)t < cols) t *= 2;
-    return t;
-}
-/* Rows of a row kernel go to blockIdx.x (up to 2^31 - 1). */
-static dsk_status dsk__check_rows(const char *fn, int64_t rows) {
-    if (rows > INT_MAX) return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: %lld rows exceed the grid limit %d", fn, (long long)rows, INT_MAX);
-    return DSK_OK;
-}
-
-#define DSK__FOR(i, n) for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (int64_t)gridDim.x * blockDim.x)
-
-/* ======================================================================= element access */
-
-/* f32/bf16/f16 element i as f32 (the op dtypes), and the rounding store. */
-__device__ __forceinline__ float dsk__ldf(const void *p, int dt, int64_t i) {
-    switch (dt) {
-    case DSK_BF16: return dsk_bf16_to_f32(((const uint16_t *)p)[i]);
-    case DSK_F16: return dsk_f16_to_f32(((const uint16_t *)p)[i]);
-    default: return ((const float *)p)[i];
-    }
-}
-__device__ __forceinline__ void dsk__stf(void *p, int dt, int64_t i, float x) {
-    switch (dt) {
-    case DSK_BF16: ((uint16_t *)p)[i] = dsk_f32_to_bf16(x); break;
-    case DSK_F16: ((uint16_t *)p)[i] = dsk_f32_to_f16(x); break;
-    default: ((float *)p)[i] = x; break;
-    }
-}
-
-/* x rounded to dtype dt (f32/bf16/f16) and back: what a store and a load would give. */
-__device__ __forceinline__ float dsk__round(int dt, float x) {
-    switch (dt) {
-    case DSK_BF16: return dsk_bf16_to_f32(dsk_f32_to_bf16(x));
-    case DSK_F16: return dsk_f16_to_f32(dsk_f32_to_f16(x));
-    default: return x;
-    }
-}
-
-/* f32 <-> f64 keeping a NaN's sign and payload as the CPU's conversions do (quiet bit set,
-   payload shifted), where the device's own conversion gives the canonical NaN. */
-__device__ __forceinline__ double dsk__f32_to_f64(float x) {
-    uint32_t u;
-    if (x == x) return (double)x;
-    u = __float_as_uint(x);
-    return __longlong_as_double((long long)(((uint64_t)(u & 0x80000000u) << 32) | 0x7ff8000000000000ull | ((uint64_t)(u & 0x3fffffu) << 29)));
-}
-__device__ __forceinline__ float dsk__f64_to_f32(double x) {
-    uint64_t u;
-    if (x == x) return (float)x;
-    u = (uint64_t)__double_as_longlong(x);
-    return __uint_as_float((uint32_t)((u >> 32) & 0x80000000u) | 0x7fc00000u | (uint32_t)((u >> 29) & 0x3fffffu));
-}
-
-/* Any dtype as double and back: the cast engine, identical to dsk_tensor.h's CPU copy. */
-__device__ __forceinline__ double dsk__ld_any(const void *p, int dt, int64_t i) {
-    switch (dt) {
-    case DSK_F32: return dsk__f32_to_f64(((const float *)p)[i]);
-    case DSK_F16: return dsk__f32_to_f64(dsk_f16_to_f32(((const uint16_t *)p)[i]));
-    case DSK_BF16: return dsk__f32_to_f64(dsk_bf16_to_f32(((const uint16_t *)p)[i]));
-    case DSK_E4M3: return dsk__f32_to_f64(dsk_e4m3_to_f32(((const uint8_t *)p)[i]));
-    case DSK_E5M2: return dsk__f32_to_f64(dsk_e5m2_to_f32(((const uint8_t *)p)[i]));
-    case DSK_F64: return ((const double *)p)[i];
-    case DSK_I32: return ((const int32_t *)p)[i];
-    case DSK_I64: return (double)((const int64_t *)p)[i];
-    default: return ((const uint8_t *)p)[i];
-    }
-}
-/* Float -> int truncates toward zero and saturates (NaN -> 0), as on the CPU. */
-__device__ __forceinline__ int64_t dsk__to_int(double x, double lo, double hi) {
-    if (x != x) return 0;
-    if (x <= lo) return (int64_t)lo;
-    if (x >= hi) return (int64_t)hi;
-    return (int64_t)x;
-}
-__device__ __forceinline__ void dsk__st_any(void *p, int dt, int64_t i, double x) {
-    switch (dt) {
-    case DSK_F32: ((float *)p)[i] = dsk__f64_to_f32(x); break;
-    case DSK_F16: ((uint16_t *)p)[i] = dsk_f32_to_f16(dsk__f64_to_f32(x)); break;
-    case DSK_BF16: ((uint16_t *)p)[i] = dsk_f32_to_bf16(dsk__f64_to_f32(x)); break;
-    case DSK_E4M3: ((uint8_t *)p)[i] = dsk_f32_to_e4m3(dsk__f64_to_f32(x)); break;
-    case DSK_E5M2: ((uint8_t *)p)[i] = dsk_f32_to_e5m2(dsk__f64_to_f32(x)); break;
-    case DSK_F64: ((double *)p)[i] = x; break;
-    case DSK_I32: ((int32_t *)p)[i] = (int32_t)dsk__to_int(x, -2147483648.0, 2147483647.0); break;
-    case DSK_I64: ((int64_t *)p)[i] = dsk__to_int(x, -9223372036854775808.0, 9223372036854774784.0); break;
-    default: ((uint8_t *)p)[i] = (uint8_t)dsk__to_int(x, 0.0, 255.0); break;
-    }
-}
-/* Same-dtype element copy, bit exact (int64 beyond 2^53, NaN payloads). */
-__device__ __forceinline__ void dsk__mov(void *d, int64_t di, const void *s, int64_t si, int es) {
-    switch (es) {
-    case 8: ((uint64_t *)d)[di] = ((const uint64_t *)s)[si]; break;
-    case 4: ((uint32_t *)d)[di] = ((const uint32_t *)s)[si]; break;
-    case 2: ((uint16_t *)d)[di] = ((const uint16_t *)s)[si]; break;
-    default: ((uint8_t *)d)[di] = ((const uint8_t *)s)[si]; break;
-    }
-}
 
 /* ======================================================================= strided layouts */
 
@@ -347,31 +188,33 @@ __device__ __forceinline__ void dsk__offsets(const dsk__lay &L, int64_t i, int64
 /* ======================================================================= copy, fill, RNG */
 
 /* Element-wise strided copy: a thread per element (for short innermost rows). */
-__global__ void dsk__k_copy_elems(void *dst, int dtd, const void *src, int dts, int es, dsk__lay L, int64_t n) {
-    DSK__FOR(i, n) {
+__global__ void dsk__k_copy_elems(void *dst, dsk_dtype dtd, const void *src, dsk_dtype dts, int es, dsk__lay L,
+                                  int64_t n) {
+    DSK__CUDA_FOR(i, n) {
         int64_t od, os;
         dsk__offsets(L, i, &od, &os);
-        if (dtd == dts) dsk__mov(dst, od, src, os, es);
-        else dsk__st_any(dst, dtd, od, dsk__ld_any(src, dts, os));
+        if (dtd == dts) dsk_move_elem(dst, od, src, os, es);
+        else dsk_store_f64(dst, dtd, od, dsk_load_f64(src, dts, os));
     }
 }
 
 /* Row-wise strided copy: a block per row of the innermost dim (`outer` indexes the rows), the
    row's start offsets computed once, threads along the row. */
-__global__ void dsk__k_copy_rows(void *dst, int dtd, const void *src, int dts, int es, dsk__lay outer, int64_t rows, int64_t len,
-                                 int64_t sd, int64_t ss) {
+__global__ void dsk__k_copy_rows(void *dst, dsk_dtype dtd, const void *src, dsk_dtype dts, int es, dsk__lay outer,
+                                 int64_t rows, int64_t len, int64_t sd, int64_t ss) {
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
         int64_t od, os;
         dsk__offsets(outer, r, &od, &os);
         for (int64_t j = threadIdx.x; j < len; j += blockDim.x) {
-            if (dtd == dts) dsk__mov(dst, od + j * sd, src, os + j * ss, es);
-            else dsk__st_any(dst, dtd, od + j * sd, dsk__ld_any(src, dts, os + j * ss));
+            if (dtd == dts) dsk_move_elem(dst, od + j * sd, src, os + j * ss, es);
+            else dsk_store_f64(dst, dtd, od + j * sd, dsk_load_f64(src, dts, os + j * ss));
         }
     }
 }
 
 /* Strided copy (with a cast when the dtypes differ) over the merged layout L. */
-static dsk_status dsk__copy_strided(dsk_ctx *ctx, const char *fn, dsk_tensor *dst, const dsk_tensor *src, dsk__lay L, int64_t n) {
+static dsk_status dsk__copy_strided(dsk_ctx *ctx, const char *fn, dsk_tensor *dst, const dsk_tensor *src, dsk__lay L,
+                                    int64_t n) {
     int es = (int)dsk_dtype_size(src->dtype);
     int64_t len = L.nd ? L.shape[L.nd - 1] : 1;
     if (L.nd >= 2 && len >= 32) {
@@ -379,12 +222,12 @@ static dsk_status dsk__copy_strided(dsk_ctx *ctx, const char *fn, dsk_tensor *ds
         int64_t rows = n / len;
         unsigned grid = (unsigned)(rows < 16384 ? rows : 16384);
         outer.nd = L.nd - 1;
-        DSK__LAUNCH(fn, dsk__k_copy_rows, grid, dsk__row_threads(len), dsk__stream(ctx), n, dst->data, (int)dst->dtype, src->data,
-                    (int)src->dtype, es, outer, rows, len, L.sa[L.nd - 1], L.sb[L.nd - 1]);
+        DSK__CUDA_LAUNCH(fn, dsk__k_copy_rows, grid, dsk__cuda_row_threads(len), dsk__cuda_stream(ctx), n, dst->data,
+                         dst->dtype, src->data, src->dtype, es, outer, rows, len, L.sa[L.nd - 1], L.sb[L.nd - 1]);
         return DSK_OK;
     }
-    DSK__LAUNCH(fn, dsk__k_copy_elems, dsk__grid(n), DSK__THREADS, dsk__stream(ctx), n, dst->data, (int)dst->dtype, src->data,
-                (int)src->dtype, es, L, n);
+    DSK__CUDA_LAUNCH(fn, dsk__k_copy_elems, dsk__cuda_grid(n), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), n, dst->data,
+                     dst->dtype, src->data, src->dtype, es, L, n);
     return DSK_OK;
 }
 
@@ -392,81 +235,90 @@ extern "C" dsk_status dsk_cuda_tensor_copy(dsk_ctx *ctx, dsk_tensor *dst, const 
     static const char *fn = "dsk_tensor_copy";
     int64_t n = dsk_tensor_numel(src);
     dsk__lay L;
-    DSK__TRY(dsk__need_ctx(fn, ctx));
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     if (n == 0) return DSK_OK;
     L = dsk__layout(dst, src);
     if (dst->dtype == src->dtype) {
-        if (dst->data == src->data && (L.nd == 0 || memcmp(L.sa, L.sb, sizeof L.sa) == 0)) return DSK_OK; /* a copy onto itself */
+        if (dst->data == src->data && (L.nd == 0 || memcmp(L.sa, L.sb, sizeof L.sa) == 0))
+            return DSK_OK; /* a copy onto itself */
         if (dsk_tensor_is_contiguous(dst) && dsk_tensor_is_contiguous(src)) {
             char detail[64];
             snprintf(detail, sizeof detail, "%zu bytes device to device", dsk_tensor_nbytes(src));
-            DSK__CU(fn, cudaMemcpyAsync(dst->data, src->data, dsk_tensor_nbytes(src), cudaMemcpyDeviceToDevice, dsk__stream(ctx)), detail);
+            DSK__CUDA_CHECK(fn,
+                            cudaMemcpyAsync(dst->data, src->data, dsk_tensor_nbytes(src), cudaMemcpyDeviceToDevice,
+                                            dsk__cuda_stream(ctx)),
+                            detail);
             return DSK_OK;
         }
     }
     return dsk__copy_strided(ctx, fn, dst, src, L, n);
 }
 
-__global__ void dsk__k_fill(void *t, int dt, dsk__lay L, int64_t n, double value) {
-    DSK__FOR(i, n) {
+__global__ void dsk__k_fill(void *t, dsk_dtype dt, dsk__lay L, int64_t n, double value) {
+    DSK__CUDA_FOR(i, n) {
         int64_t o, unused;
         dsk__offsets(L, i, &o, &unused);
-        dsk__st_any(t, dt, o, value);
+        dsk_store_f64(t, dt, o, value);
     }
 }
 
 extern "C" dsk_status dsk_cuda_tensor_fill(dsk_ctx *ctx, dsk_tensor *t, double value) {
     static const char *fn = "dsk_tensor_fill";
     int64_t n = dsk_tensor_numel(t);
-    DSK__TRY(dsk__need_ctx(fn, ctx));
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     if (n == 0) return DSK_OK;
     if (value == 0.0 && !signbit(value) && dsk_tensor_is_contiguous(t)) { /* +0 is all-zero bytes in every dtype */
         char detail[48];
         snprintf(detail, sizeof detail, "%zu bytes", dsk_tensor_nbytes(t));
-        DSK__CU(fn, cudaMemsetAsync(t->data, 0, dsk_tensor_nbytes(t), dsk__stream(ctx)), detail);
+        DSK__CUDA_CHECK(fn, cudaMemsetAsync(t->data, 0, dsk_tensor_nbytes(t), dsk__cuda_stream(ctx)), detail);
         return DSK_OK;
     }
-    DSK__LAUNCH(fn, dsk__k_fill, dsk__grid(n), DSK__THREADS, dsk__stream(ctx), n, t->data, (int)t->dtype, dsk__layout(t, t), n, value);
+    DSK__CUDA_LAUNCH(fn, dsk__k_fill, dsk__cuda_grid(n), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), n, t->data, t->dtype,
+                     dsk__layout(t, t), n, value);
     return DSK_OK;
 }
 
 /* lo + (hi - lo) u and mean + std z with explicit roundings: no fused multiply-add, so the
    numbers match the CPU path (C11 without contraction) bit for bit for the same u. */
-__global__ void dsk__k_uniform(void *t, int dt, dsk__lay L, int64_t n, uint64_t seed, uint64_t offset, float lo, float hi) {
-    DSK__FOR(i, n) {
+__global__ void dsk__k_uniform(void *t, dsk_dtype dt, dsk__lay L, int64_t n, uint64_t seed, uint64_t offset, float lo,
+                               float hi) {
+    DSK__CUDA_FOR(i, n) {
         int64_t o, unused;
         float u = dsk_rng_uniform_at(seed, offset, (uint64_t)i);
         dsk__offsets(L, i, &o, &unused);
-        dsk__st_any(t, dt, o, (double)__fadd_rn(lo, __fmul_rn(__fsub_rn(hi, lo), u)));
+        dsk_store_f64(t, dt, o, (double)__fadd_rn(lo, __fmul_rn(__fsub_rn(hi, lo), u)));
     }
 }
 
-__global__ void dsk__k_normal(void *t, int dt, dsk__lay L, int64_t n, uint64_t seed, uint64_t offset, float mean, float std) {
-    DSK__FOR(i, n) {
+__global__ void dsk__k_normal(void *t, dsk_dtype dt, dsk__lay L, int64_t n, uint64_t seed, uint64_t offset, float mean,
+                              float std) {
+    DSK__CUDA_FOR(i, n) {
         int64_t o, unused;
         float z = dsk_rng_normal_at(seed, offset, (uint64_t)i);
         dsk__offsets(L, i, &o, &unused);
-        dsk__st_any(t, dt, o, (double)__fadd_rn(mean, __fmul_rn(std, z)));
+        dsk_store_f64(t, dt, o, (double)__fadd_rn(mean, __fmul_rn(std, z)));
     }
 }
 
-extern "C" dsk_status dsk_cuda_tensor_uniform(dsk_ctx *ctx, dsk_tensor *t, uint64_t seed, uint64_t offset, float lo, float hi) {
+extern "C" dsk_status dsk_cuda_tensor_uniform(dsk_ctx *ctx, dsk_tensor *t, uint64_t seed, uint64_t offset, float lo,
+                                              float hi) {
     static const char *fn = "dsk_tensor_uniform";
     int64_t n = dsk_tensor_numel(t);
-    DSK__TRY(dsk__need_ctx(fn, ctx));
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     if (n == 0) return DSK_OK;
-    DSK__LAUNCH(fn, dsk__k_uniform, dsk__grid(n), DSK__THREADS, dsk__stream(ctx), n, t->data, (int)t->dtype, dsk__layout(t, t), n,
-                seed, offset, lo, hi);
+    DSK__CUDA_LAUNCH(fn, dsk__k_uniform, dsk__cuda_grid(n), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), n, t->data,
+                     t->dtype, dsk__layout(t, t), n, seed, offset, lo, hi);
     return DSK_OK;
 }
 
-extern "C" dsk_status dsk_cuda_tensor_normal(dsk_ctx *ctx, dsk_tensor *t, uint64_t seed, uint64_t offset, float mean, float std) {
+extern "C" dsk_status dsk_cuda_tensor_normal(dsk_ctx *ctx, dsk_tensor *t, uint64_t seed, uint64_t offset, float mean,
+                                             float std) {
     static const char *fn = "dsk_tensor_normal";
     int64_t n = dsk_tensor_numel(t);
-    DSK__TRY(dsk__need_ctx(fn, ctx));
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     if (n == 0) return DSK_OK;
-    DSK__LAUNCH(fn, dsk__k_normal, dsk__grid(n), DSK__THREADS, dsk__stream(ctx), n, t->data, (int)t->dtype, dsk__layout(t, t), n,
-                seed, offset, mean, std);
+    DSK__CUDA_LAUNCH(fn, dsk__k_normal, dsk__cuda_grid(n), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), n, t->data,
+                     t->dtype, dsk__layout(t, t), n, seed, offset, mean, std);
     return DSK_OK;
 }
 
@@ -485,10 +337,11 @@ struct dsk__mat {
 };
 
 /* Sets C[b] = beta * C[b] (beta == 0 writes zeros, NaN included) for a product with K == 0. */
-__global__ void dsk__k_scale_mat(void *c, int dt, int64_t rows, int64_t cols, int64_t ld, int64_t bs, int64_t n, float beta) {
-    DSK__FOR(i, n) {
+__global__ void dsk__k_scale_mat(void *c, dsk_dtype dt, int64_t rows, int64_t cols, int64_t ld, int64_t bs, int64_t n,
+                                 float beta) {
+    DSK__CUDA_FOR(i, n) {
         int64_t b = i / (rows * cols), r = (i / cols) % rows, j = i % cols, o = b * bs + r * ld + j;
-        dsk__stf(c, dt, o, beta == 0.0f ? 0.0f : __fmul_rn(beta, dsk__ldf(c, dt, o)));
+        dsk_store_f32(c, dt, o, beta == 0.0f ? 0.0f : __fmul_rn(beta, dsk_load_f32(c, dt, o)));
     }
 }
 
@@ -496,15 +349,17 @@ __global__ void dsk__k_scale_mat(void *c, int dt, int64_t rows, int64_t cols, in
    cuBLAS is column-major, where a row-major X is X^T: so it computes C^T = op(B)^T op(A)^T,
    i.e. B is its first operand and A its second, with the transposes unchanged. */
 static dsk_status dsk__gemm(dsk_ctx *ctx, const char *fn, int ta, int tb, int64_t M, int64_t N, int64_t K, float alpha,
-                            dsk__mat A, dsk__mat B, float beta, void *C, dsk_dtype cdt, int64_t ldc, int64_t sc, int64_t batch) {
+                            dsk__mat A, dsk__mat B, float beta, void *C, dsk_dtype cdt, int64_t ldc, int64_t sc,
+                            int64_t batch) {
     cublasStatus_t st;
     char detail[192];
     if (M == 0 || N == 0 || batch == 0) return DSK_OK;
-    snprintf(detail, sizeof detail, "M %lld N %lld K %lld batch %lld, lda %lld ldb %lld ldc %lld", (long long)M, (long long)N,
-             (long long)K, (long long)batch, (long long)A.ld, (long long)B.ld, (long long)ldc);
+    snprintf(detail, sizeof detail, "M %lld N %lld K %lld batch %lld, lda %lld ldb %lld ldc %lld", (long long)M,
+             (long long)N, (long long)K, (long long)batch, (long long)A.ld, (long long)B.ld, (long long)ldc);
     if (K == 0) {
         int64_t n = M * N * batch;
-        DSK__LAUNCH(fn, dsk__k_scale_mat, dsk__grid(n), DSK__THREADS, dsk__stream(ctx), n, C, (int)cdt, M, N, ldc, sc, n, beta);
+        DSK__CUDA_LAUNCH(fn, dsk__k_scale_mat, dsk__cuda_grid(n), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), n, C, cdt,
+                         M, N, ldc, sc, n, beta);
         return DSK_OK;
     }
     /* A single-row matrix may carry any leading stride; cuBLAS wants ld >= its row length. */
@@ -513,13 +368,14 @@ static dsk_status dsk__gemm(dsk_ctx *ctx, const char *fn, int ta, int tb, int64_
     if (M == 1 && ldc < N) ldc = N;
     if (A.ld < A.cols || B.ld < B.cols || ldc < N)
         return dsk_set_error(DSK_ERR_ARG, "%s: overlapping rows (leading stride below the row length): %s", fn, detail);
-    if (M > INT_MAX || N > INT_MAX || K > INT_MAX || batch > INT_MAX || A.ld > INT_MAX || B.ld > INT_MAX || ldc > INT_MAX)
+    if (M > INT_MAX || N > INT_MAX || K > INT_MAX || batch > INT_MAX || A.ld > INT_MAX || B.ld > INT_MAX ||
+        ldc > INT_MAX)
         return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: sizes beyond cuBLAS's int range: %s", fn, detail);
-    st = cublasGemmStridedBatchedEx((cublasHandle_t)ctx->cublas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
-                                    (int)N, (int)M, (int)K, &alpha, B.p, B.dt, (int)B.ld, (long long)B.bs, A.p, A.dt, (int)A.ld,
-                                    (long long)A.bs, &beta, C, dsk__cuda_dtype(cdt), (int)ldc, (long long)sc, (int)batch,
-                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-    if (st != CUBLAS_STATUS_SUCCESS) return dsk__cublas_fail(fn, "cublasGemmStridedBatchedEx", st, detail);
+    st = cublasGemmStridedBatchedEx(
+        (cublasHandle_t)ctx->cublas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)N, (int)M,
+        (int)K, &alpha, B.p, B.dt, (int)B.ld, (long long)B.bs, A.p, A.dt, (int)A.ld, (long long)A.bs, &beta, C,
+        dsk__cuda_dtype(cdt), (int)ldc, (long long)sc, (int)batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    if (st != CUBLAS_STATUS_SUCCESS) return dsk__cuda_cublas_fail(fn, "cublasGemmStridedBatchedEx", st, detail);
     return DSK_OK;
 }
 
@@ -536,12 +392,12 @@ static dsk__mat dsk__mat_of(const dsk_tensor *t) {
     return m;
 }
 
-extern "C" dsk_status dsk_cuda_matmul(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, int trans_a, const dsk_tensor *B, int trans_b,
-                                      float alpha, float beta) {
+extern "C" dsk_status dsk_cuda_matmul(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, int trans_a,
+                                      const dsk_tensor *B, int trans_b, float alpha, float beta) {
     static const char *fn = "dsk_matmul";
     dsk__mat a, b;
     int64_t M, N, K, batch;
-    DSK__TRY(dsk__need_ctx(fn, ctx));
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     a = dsk__mat_of(A);
     b = dsk__mat_of(B);
     M = trans_a ? a.cols : a.rows;
@@ -556,19 +412,21 @@ extern "C" dsk_status dsk_cuda_matmul(dsk_ctx *ctx, dsk_tensor *C, const dsk_ten
 
 enum { DSK__ADD = 0, DSK__MUL = 1 };
 
-__global__ void dsk__k_binary(void *out, int dto, const void *a, int dta, const void *b, int dtb, int64_t n, int op) {
-    DSK__FOR(i, n) {
-        float x = dsk__ldf(a, dta, i), y = dsk__ldf(b, dtb, i);
-        dsk__stf(out, dto, i, op == DSK__ADD ? __fadd_rn(x, y) : __fmul_rn(x, y));
+__global__ void dsk__k_binary(void *out, dsk_dtype dto, const void *a, dsk_dtype dta, const void *b, dsk_dtype dtb,
+                              int64_t n, int op) {
+    DSK__CUDA_FOR(i, n) {
+        float x = dsk_load_f32(a, dta, i), y = dsk_load_f32(b, dtb, i);
+        dsk_store_f32(out, dto, i, op == DSK__ADD ? __fadd_rn(x, y) : __fmul_rn(x, y));
     }
 }
 
-static dsk_status dsk__binary(dsk_ctx *ctx, const char *fn, dsk_tensor *out, const dsk_tensor *a, const dsk_tensor *b, int op) {
+static dsk_status dsk__binary(dsk_ctx *ctx, const char *fn, dsk_tensor *out, const dsk_tensor *a, const dsk_tensor *b,
+                              int op) {
     int64_t n = dsk_tensor_numel(out);
-    DSK__TRY(dsk__need_ctx(fn, ctx));
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     if (n == 0) return DSK_OK;
-    DSK__LAUNCH(fn, dsk__k_binary, dsk__grid(n), DSK__THREADS, dsk__stream(ctx), n, out->data, (int)out->dtype, a->data,
-                (int)a->dtype, b->data, (int)b->dtype, n, op);
+    DSK__CUDA_LAUNCH(fn, dsk__k_binary, dsk__cuda_grid(n), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), n, out->data,
+                     out->dtype, a->data, a->dtype, b->data, b->dtype, n, op);
     return DSK_OK;
 }
 
@@ -580,81 +438,85 @@ extern "C" dsk_status dsk_cuda_mul(dsk_ctx *ctx, dsk_tensor *out, const dsk_tens
 }
 
 /* y = beta_y * y + alpha * x (x may be NULL: y = alpha * y); rounded per operation. */
-__global__ void dsk__k_axpby(void *y, int dty, float alpha, const void *x, int dtx, int64_t n) {
-    DSK__FOR(i, n) {
-        float v = dsk__ldf(y, dty, i);
-        dsk__stf(y, dty, i, x ? __fadd_rn(v, __fmul_rn(alpha, dsk__ldf(x, dtx, i))) : __fmul_rn(alpha, v));
+__global__ void dsk__k_axpby(void *y, dsk_dtype dty, float alpha, const void *x, dsk_dtype dtx, int64_t n) {
+    DSK__CUDA_FOR(i, n) {
+        float v = dsk_load_f32(y, dty, i);
+        dsk_store_f32(y, dty, i, x ? __fadd_rn(v, __fmul_rn(alpha, dsk_load_f32(x, dtx, i))) : __fmul_rn(alpha, v));
     }
 }
 
 extern "C" dsk_status dsk_cuda_scale(dsk_ctx *ctx, dsk_tensor *t, float alpha) {
     static const char *fn = "dsk_scale";
     int64_t n = dsk_tensor_numel(t);
-    DSK__TRY(dsk__need_ctx(fn, ctx));
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     if (n == 0) return DSK_OK;
-    DSK__LAUNCH(fn, dsk__k_axpby, dsk__grid(n), DSK__THREADS, dsk__stream(ctx), n, t->data, (int)t->dtype, alpha, (const void *)NULL,
-                (int)t->dtype, n);
+    DSK__CUDA_LAUNCH(fn, dsk__k_axpby, dsk__cuda_grid(n), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), n, t->data,
+                     t->dtype, alpha, (const void *)NULL, t->dtype, n);
     return DSK_OK;
 }
 
 extern "C" dsk_status dsk_cuda_axpy(dsk_ctx *ctx, dsk_tensor *y, float alpha, const dsk_tensor *x) {
     static const char *fn = "dsk_axpy";
     int64_t n = dsk_tensor_numel(y);
-    DSK__TRY(dsk__need_ctx(fn, ctx));
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     if (n == 0) return DSK_OK;
-    DSK__LAUNCH(fn, dsk__k_axpby, dsk__grid(n), DSK__THREADS, dsk__stream(ctx), n, y->data, (int)y->dtype, alpha, x->data,
-                (int)x->dtype, n);
+    DSK__CUDA_LAUNCH(fn, dsk__k_axpby, dsk__cuda_grid(n), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), n, y->data,
+                     y->dtype, alpha, x->data, x->dtype, n);
     return DSK_OK;
 }
 
-__global__ void dsk__k_silu(void *y, int dty, const void *x, int dtx, int64_t n) {
-    DSK__FOR(i, n) dsk__stf(y, dty, i, dsk_silu_f(dsk__ldf(x, dtx, i)));
+__global__ void dsk__k_silu(void *y, dsk_dtype dty, const void *x, dsk_dtype dtx, int64_t n) {
+    DSK__CUDA_FOR(i, n) dsk_store_f32(y, dty, i, dsk_silu_f(dsk_load_f32(x, dtx, i)));
 }
-__global__ void dsk__k_silu_bwd(void *dx, int dtdx, const void *dy, int dtdy, const void *x, int dtx, int64_t n) {
-    DSK__FOR(i, n) {
-        float g = dsk__ldf(dy, dtdy, i) * dsk_silu_grad_f(dsk__ldf(x, dtx, i));
-        dsk__stf(dx, dtdx, i, dsk__ldf(dx, dtdx, i) + g);
+__global__ void dsk__k_silu_bwd(void *dx, dsk_dtype dtdx, const void *dy, dsk_dtype dtdy, const void *x, dsk_dtype dtx,
+                                int64_t n) {
+    DSK__CUDA_FOR(i, n) {
+        float g = dsk_load_f32(dy, dtdy, i) * dsk_silu_grad_f(dsk_load_f32(x, dtx, i));
+        dsk_store_f32(dx, dtdx, i, dsk_load_f32(dx, dtdx, i) + g);
     }
 }
-__global__ void dsk__k_swiglu(void *out, int dto, const void *gate, int dtg, const void *up, int dtu, int64_t n) {
-    DSK__FOR(i, n) dsk__stf(out, dto, i, dsk_swiglu_f(dsk__ldf(gate, dtg, i), dsk__ldf(up, dtu, i)));
+__global__ void dsk__k_swiglu(void *out, dsk_dtype dto, const void *gate, dsk_dtype dtg, const void *up, dsk_dtype dtu,
+                              int64_t n) {
+    DSK__CUDA_FOR(i, n) dsk_store_f32(out, dto, i, dsk_swiglu_f(dsk_load_f32(gate, dtg, i), dsk_load_f32(up, dtu, i)));
 }
-__global__ void dsk__k_swiglu_bwd(void *dgate, int dtdg, void *dup, int dtdu, const void *dout, int dtdo, const void *gate, int dtg,
-                                  const void *up, int dtu, int64_t n) {
-    DSK__FOR(i, n) {
+__global__ void dsk__k_swiglu_bwd(void *dgate, dsk_dtype dtdg, void *dup, dsk_dtype dtdu, const void *dout,
+                                  dsk_dtype dtdo, const void *gate, dsk_dtype dtg, const void *up, dsk_dtype dtu,
+                                  int64_t n) {
+    DSK__CUDA_FOR(i, n) {
         float dg, du;
-        dsk_swiglu_grad_f(dsk__ldf(gate, dtg, i), dsk__ldf(up, dtu, i), dsk__ldf(dout, dtdo, i), &dg, &du);
-        if (dgate) dsk__stf(dgate, dtdg, i, dsk__ldf(dgate, dtdg, i) + dg);
-        if (dup) dsk__stf(dup, dtdu, i, dsk__ldf(dup, dtdu, i) + du);
+        dsk_swiglu_grad_f(dsk_load_f32(gate, dtg, i), dsk_load_f32(up, dtu, i), dsk_load_f32(dout, dtdo, i), &dg, &du);
+        if (dgate) dsk_store_f32(dgate, dtdg, i, dsk_load_f32(dgate, dtdg, i) + dg);
+        if (dup) dsk_store_f32(dup, dtdu, i, dsk_load_f32(dup, dtdu, i) + du);
     }
 }
 
 extern "C" dsk_status dsk_cuda_silu(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x) {
     static const char *fn = "dsk_silu";
     int64_t n = dsk_tensor_numel(x);
-    DSK__TRY(dsk__need_ctx(fn, ctx));
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     if (n == 0) return DSK_OK;
-    DSK__LAUNCH(fn, dsk__k_silu, dsk__grid(n), DSK__THREADS, dsk__stream(ctx), n, y->data, (int)y->dtype, x->data, (int)x->dtype, n);
+    DSK__CUDA_LAUNCH(fn, dsk__k_silu, dsk__cuda_grid(n), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), n, y->data, y->dtype,
+                     x->data, x->dtype, n);
     return DSK_OK;
 }
 
 extern "C" dsk_status dsk_cuda_silu_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, const dsk_tensor *x) {
     static const char *fn = "dsk_silu_backward";
     int64_t n = dsk_tensor_numel(x);
-    DSK__TRY(dsk__need_ctx(fn, ctx));
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     if (n == 0) return DSK_OK;
-    DSK__LAUNCH(fn, dsk__k_silu_bwd, dsk__grid(n), DSK__THREADS, dsk__stream(ctx), n, dx->data, (int)dx->dtype, dy->data,
-                (int)dy->dtype, x->data, (int)x->dtype, n);
+    DSK__CUDA_LAUNCH(fn, dsk__k_silu_bwd, dsk__cuda_grid(n), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), n, dx->data,
+                     dx->dtype, dy->data, dy->dtype, x->data, x->dtype, n);
     return DSK_OK;
 }
 
 extern "C" dsk_status dsk_cuda_swiglu(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *gate, const dsk_tensor *up) {
     static const char *fn = "dsk_swiglu";
     int64_t n = dsk_tensor_numel(gate);
-    DSK__TRY(dsk__need_ctx(fn, ctx));
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     if (n == 0) return DSK_OK;
-    DSK__LAUNCH(fn, dsk__k_swiglu, dsk__grid(n), DSK__THREADS, dsk__stream(ctx), n, out->data, (int)out->dtype, gate->data,
-                (int)gate->dtype, up->data, (int)up->dtype, n);
+    DSK__CUDA_LAUNCH(fn, dsk__k_swiglu, dsk__cuda_grid(n), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), n, out->data,
+                     out->dtype, gate->data, gate->dtype, up->data, up->dtype, n);
     return DSK_OK;
 }
 
@@ -662,11 +524,12 @@ extern "C" dsk_status dsk_cuda_swiglu_backward(dsk_ctx *ctx, dsk_tensor *dgate, 
                                                const dsk_tensor *gate, const dsk_tensor *up) {
     static const char *fn = "dsk_swiglu_backward";
     int64_t n = dsk_tensor_numel(gate);
-    DSK__TRY(dsk__need_ctx(fn, ctx));
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     if (n == 0 || (!dgate && !dup)) return DSK_OK;
-    DSK__LAUNCH(fn, dsk__k_swiglu_bwd, dsk__grid(n), DSK__THREADS, dsk__stream(ctx), n, dgate ? dgate->data : NULL,
-                dgate ? (int)dgate->dtype : 0, dup ? dup->data : NULL, dup ? (int)dup->dtype : 0, dout->data, (int)dout->dtype,
-                gate->data, (int)gate->dtype, up->data, (int)up->dtype, n);
+    DSK__CUDA_LAUNCH(fn, dsk__k_swiglu_bwd, dsk__cuda_grid(n), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), n,
+                     dgate ? dgate->data : NULL, dgate ? dgate->dtype : DSK_F32, dup ? dup->data : NULL,
+                     dup ? dup->dtype : DSK_F32, dout->data, dout->dtype, gate->data, gate->dtype, up->data, up->dtype,
+                     n);
     return DSK_OK;
 }
 
@@ -701,36 +564,38 @@ template <typename T, typename Op> __device__ T dsk__block_reduce(T v, Op op, T 
 /* ======================================================================= reduce, sum of squares */
 
 /* in viewed as (outer, n, inner); out (outer, inner). Rows (inner == 1): a block per row. */
-__global__ void dsk__k_reduce_rows(void *out, int dto, const void *in, int dti, int64_t n, int op) {
+__global__ void dsk__k_reduce_rows(void *out, dsk_dtype dto, const void *in, dsk_dtype dti, int64_t n,
+                                   dsk_reduce_op op) {
     __shared__ double shd[32];
     __shared__ float shf[32];
     int64_t row = blockIdx.x;
     const int64_t base = row * n;
     if (op == DSK_REDUCE_MAX) {
         float m = -INFINITY;
-        for (int64_t j = threadIdx.x; j < n; j += blockDim.x) m = dsk__op_max()(m, dsk__ldf(in, dti, base + j));
+        for (int64_t j = threadIdx.x; j < n; j += blockDim.x) m = dsk__op_max()(m, dsk_load_f32(in, dti, base + j));
         m = dsk__block_reduce(m, dsk__op_max(), -INFINITY, shf);
-        if (threadIdx.x == 0) dsk__stf(out, dto, row, m);
+        if (threadIdx.x == 0) dsk_store_f32(out, dto, row, m);
         return;
     }
     double s = 0;
-    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) s += dsk__ldf(in, dti, base + j);
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) s += dsk_load_f32(in, dti, base + j);
     s = dsk__block_reduce(s, dsk__op_sum(), 0.0, shd);
-    if (threadIdx.x == 0) dsk__stf(out, dto, row, (float)(op == DSK_REDUCE_MEAN ? s / (double)n : s));
+    if (threadIdx.x == 0) dsk_store_f32(out, dto, row, (float)(op == DSK_REDUCE_MEAN ? s / (double)n : s));
 }
 
 /* inner > 1: a thread per output, summing along n in order (coalesced across inner). */
-__global__ void dsk__k_reduce_cols(void *out, int dto, const void *in, int dti, int64_t outer, int64_t n, int64_t inner, int op) {
-    DSK__FOR(i, outer * inner) {
+__global__ void dsk__k_reduce_cols(void *out, dsk_dtype dto, const void *in, dsk_dtype dti, int64_t outer, int64_t n,
+                                   int64_t inner, dsk_reduce_op op) {
+    DSK__CUDA_FOR(i, outer * inner) {
         int64_t o = i / inner, j = i - o * inner, base = o * n * inner + j;
         if (op == DSK_REDUCE_MAX) {
             float m = -INFINITY;
-            for (int64_t k = 0; k < n; k++) m = dsk__op_max()(m, dsk__ldf(in, dti, base + k * inner));
-            dsk__stf(out, dto, i, m);
+            for (int64_t k = 0; k < n; k++) m = dsk__op_max()(m, dsk_load_f32(in, dti, base + k * inner));
+            dsk_store_f32(out, dto, i, m);
         } else {
             double s = 0;
-            for (int64_t k = 0; k < n; k++) s += dsk__ldf(in, dti, base + k * inner);
-            dsk__stf(out, dto, i, (float)(op == DSK_REDUCE_MEAN ? s / (double)n : s));
+            for (int64_t k = 0; k < n; k++) s += dsk_load_f32(in, dti, base + k * inner);
+            dsk_store_f32(out, dto, i, (float)(op == DSK_REDUCE_MEAN ? s / (double)n : s));
         }
     }
 }
@@ -738,7 +603,7 @@ __global__ void dsk__k_reduce_cols(void *out, int dto, const void *in, int dti, 
 extern "C" dsk_status dsk_cuda_reduce(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *in, int axis, dsk_reduce_op op) {
     static const char *fn = "dsk_reduce";
     int64_t outer = 1, n, inner = 1, nout;
-    DSK__TRY(dsk__need_ctx(fn, ctx));
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     if (axis < 0) axis += in->ndim;
     if (in->ndim == 0) axis = 0; /* a scalar reduces to itself */
     n = in->ndim ? in->shape[axis] : 1;
@@ -747,25 +612,25 @@ extern "C" dsk_status dsk_cuda_reduce(dsk_ctx *ctx, dsk_tensor *out, const dsk_t
     nout = outer * inner;
     if (nout == 0) return DSK_OK;
     if (inner == 1 && n > 1) {
-        DSK__TRY(dsk__check_rows(fn, outer));
-        unsigned th = dsk__row_threads(n);
-        DSK__LAUNCH(fn, dsk__k_reduce_rows, (unsigned)outer, th, dsk__stream(ctx), outer * n, out->data, (int)out->dtype, in->data,
-                    (int)in->dtype, n, (int)op);
+        DSK__TRY(dsk__cuda_check_rows(fn, outer));
+        unsigned th = dsk__cuda_row_threads(n);
+        DSK__CUDA_LAUNCH(fn, dsk__k_reduce_rows, (unsigned)outer, th, dsk__cuda_stream(ctx), outer * n, out->data,
+                         out->dtype, in->data, in->dtype, n, op);
         return DSK_OK;
     }
-    DSK__LAUNCH(fn, dsk__k_reduce_cols, dsk__grid(nout), DSK__THREADS, dsk__stream(ctx), nout * n, out->data, (int)out->dtype,
-                in->data, (int)in->dtype, outer, n, inner, (int)op);
+    DSK__CUDA_LAUNCH(fn, dsk__k_reduce_cols, dsk__cuda_grid(nout), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), nout * n,
+                     out->data, out->dtype, in->data, in->dtype, outer, n, inner, op);
     return DSK_OK;
 }
 
 /* Sum of squares: pass 1 gives one f32 partial per block over a fixed partition (the block
    count depends on n only), pass 2 adds the partials in order in one block. */
 #define DSK__SS_BLOCKS_MAX 1024
-__global__ void dsk__k_sumsq_partial(float *part, const void *in, int dt, int64_t n) {
+__global__ void dsk__k_sumsq_partial(float *part, const void *in, dsk_dtype dt, int64_t n) {
     __shared__ float sh[32];
     float s = 0;
-    DSK__FOR(i, n) {
-        float x = dsk__ldf(in, dt, i);
+    DSK__CUDA_FOR(i, n) {
+        float x = dsk_load_f32(in, dt, i);
         s = __fmaf_rn(x, x, s);
     }
     s = dsk__block_reduce(s, dsk__op_sum(), 0.0f, sh);
@@ -782,18 +647,20 @@ __global__ void dsk__k_sumsq_final(float *out, const float *part, int nparts) {
 extern "C" dsk_status dsk_cuda_sum_squares(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *in) {
     static const char *fn = "dsk_sum_squares";
     int64_t n = dsk_tensor_numel(in);
-    int64_t nb = (n + DSK__THREADS * 16 - 1) / (DSK__THREADS * 16);
+    int64_t nb = (n + DSK__CUDA_THREADS * 16 - 1) / (DSK__CUDA_THREADS * 16);
     float *part = NULL;
     dsk_status s;
-    DSK__TRY(dsk__need_ctx(fn, ctx));
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     if (nb < 1) nb = 1;
     if (nb > DSK__SS_BLOCKS_MAX) nb = DSK__SS_BLOCKS_MAX;
     DSK__TRY(dsk__scratch(ctx, (size_t)nb * sizeof(float), (void **)&part));
-    dsk__k_sumsq_partial<<<(unsigned)nb, DSK__THREADS, 0, dsk__stream(ctx)>>>(part, in->data, (int)in->dtype, n);
-    s = dsk__launched(fn, "dsk__k_sumsq_partial", dim3((unsigned)nb), dim3(DSK__THREADS), n);
+    DSK__CUDA_KERNEL(dsk__k_sumsq_partial, (unsigned)nb, DSK__CUDA_THREADS, 0, dsk__cuda_stream(ctx), part, in->data,
+                     in->dtype, n);
+    s = dsk__cuda_launched(fn, "dsk__k_sumsq_partial", dim3((unsigned)nb), dim3(DSK__CUDA_THREADS), n);
     if (s == DSK_OK) {
-        dsk__k_sumsq_final<<<1, DSK__THREADS, 0, dsk__stream(ctx)>>>((float *)out->data, part, (int)nb);
-        s = dsk__launched(fn, "dsk__k_sumsq_final", dim3(1), dim3(DSK__THREADS), nb);
+        DSK__CUDA_KERNEL(dsk__k_sumsq_final, 1, DSK__CUDA_THREADS, 0, dsk__cuda_stream(ctx), (float *)out->data, part,
+                         (int)nb);
+        s = dsk__cuda_launched(fn, "dsk__k_sumsq_final", dim3(1), dim3(DSK__CUDA_THREADS), nb);
     }
     dsk__scratch_free(ctx, part);
     return s;
@@ -801,26 +668,29 @@ extern "C" dsk_status dsk_cuda_sum_squares(dsk_ctx *ctx, dsk_tensor *out, const 
 
 /* ======================================================================= softmax */
 
-__global__ void dsk__k_softmax(void *y, int dty, const void *x, int dtx, int64_t C) {
+__global__ void dsk__k_softmax(void *y, dsk_dtype dty, const void *x, dsk_dtype dtx, int64_t C) {
     __shared__ float sh[32];
     const int64_t base = (int64_t)blockIdx.x * C;
     float m = -INFINITY, s = 0;
-    for (int64_t j = threadIdx.x; j < C; j += blockDim.x) m = dsk__op_max()(m, dsk__ldf(x, dtx, base + j));
+    for (int64_t j = threadIdx.x; j < C; j += blockDim.x) m = dsk__op_max()(m, dsk_load_f32(x, dtx, base + j));
     m = dsk__block_reduce(m, dsk__op_max(), -INFINITY, sh);
-    for (int64_t j = threadIdx.x; j < C; j += blockDim.x) s += expf(dsk__ldf(x, dtx, base + j) - m);
+    for (int64_t j = threadIdx.x; j < C; j += blockDim.x) s += expf(dsk_load_f32(x, dtx, base + j) - m);
     s = dsk__block_reduce(s, dsk__op_sum(), 0.0f, sh);
-    for (int64_t j = threadIdx.x; j < C; j += blockDim.x) dsk__stf(y, dty, base + j, expf(dsk__ldf(x, dtx, base + j) - m) / s);
+    for (int64_t j = threadIdx.x; j < C; j += blockDim.x)
+        dsk_store_f32(y, dty, base + j, expf(dsk_load_f32(x, dtx, base + j) - m) / s);
 }
 
-__global__ void dsk__k_softmax_bwd(void *dx, int dtdx, const void *y, int dty, const void *dy, int dtdy, int64_t C) {
+__global__ void dsk__k_softmax_bwd(void *dx, dsk_dtype dtdx, const void *y, dsk_dtype dty, const void *dy,
+                                   dsk_dtype dtdy, int64_t C) {
     __shared__ float sh[32];
     const int64_t base = (int64_t)blockIdx.x * C;
     float dot = 0;
-    for (int64_t j = threadIdx.x; j < C; j += blockDim.x) dot += dsk__ldf(dy, dtdy, base + j) * dsk__ldf(y, dty, base + j);
+    for (int64_t j = threadIdx.x; j < C; j += blockDim.x)
+        dot += dsk_load_f32(dy, dtdy, base + j) * dsk_load_f32(y, dty, base + j);
     dot = dsk__block_reduce(dot, dsk__op_sum(), 0.0f, sh);
     for (int64_t j = threadIdx.x; j < C; j += blockDim.x) {
-        float g = dsk__ldf(y, dty, base + j) * (dsk__ldf(dy, dtdy, base + j) - dot);
-        dsk__stf(dx, dtdx, base + j, dsk__ldf(dx, dtdx, base + j) + g);
+        float g = dsk_load_f32(y, dty, base + j) * (dsk_load_f32(dy, dtdy, base + j) - dot);
+        dsk_store_f32(dx, dtdx, base + j, dsk_load_f32(dx, dtdx, base + j) + g);
     }
 }
 
@@ -833,57 +703,60 @@ static void dsk__rows_of(const dsk_tensor *t, int64_t *rows, int64_t *cols) {
 extern "C" dsk_status dsk_cuda_softmax(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x) {
     static const char *fn = "dsk_softmax";
     int64_t R, C;
-    DSK__TRY(dsk__need_ctx(fn, ctx));
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     dsk__rows_of(x, &R, &C);
     if (R == 0) return DSK_OK;
-    DSK__TRY(dsk__check_rows(fn, R));
-    DSK__LAUNCH(fn, dsk__k_softmax, (unsigned)R, dsk__row_threads(C), dsk__stream(ctx), R * C, y->data, (int)y->dtype, x->data,
-                (int)x->dtype, C);
+    DSK__TRY(dsk__cuda_check_rows(fn, R));
+    DSK__CUDA_LAUNCH(fn, dsk__k_softmax, (unsigned)R, dsk__cuda_row_threads(C), dsk__cuda_stream(ctx), R * C, y->data,
+                     y->dtype, x->data, x->dtype, C);
     return DSK_OK;
 }
 
-extern "C" dsk_status dsk_cuda_softmax_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *y, const dsk_tensor *dy) {
+extern "C" dsk_status dsk_cuda_softmax_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *y,
+                                                const dsk_tensor *dy) {
     static const char *fn = "dsk_softmax_backward";
     int64_t R, C;
-    DSK__TRY(dsk__need_ctx(fn, ctx));
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     dsk__rows_of(y, &R, &C);
     if (R == 0) return DSK_OK;
-    DSK__TRY(dsk__check_rows(fn, R));
-    DSK__LAUNCH(fn, dsk__k_softmax_bwd, (unsigned)R, dsk__row_threads(C), dsk__stream(ctx), R * C, dx->data, (int)dx->dtype,
-                y->data, (int)y->dtype, dy->data, (int)dy->dtype, C);
+    DSK__TRY(dsk__cuda_check_rows(fn, R));
+    DSK__CUDA_LAUNCH(fn, dsk__k_softmax_bwd, (unsigned)R, dsk__cuda_row_threads(C), dsk__cuda_stream(ctx), R * C,
+                     dx->data, dx->dtype, y->data, y->dtype, dy->data, dy->dtype, C);
     return DSK_OK;
 }
 
 /* ======================================================================= RMSNorm */
 
-__global__ void dsk__k_rmsnorm(void *y, int dty, float *rstd, const void *x, int dtx, const void *w, int dtw, int64_t D, float eps) {
+__global__ void dsk__k_rmsnorm(void *y, dsk_dtype dty, float *rstd, const void *x, dsk_dtype dtx, const void *w,
+                               dsk_dtype dtw, int64_t D, float eps) {
     __shared__ float sh[32];
     const int64_t row = blockIdx.x, base = row * D;
     float ss = 0, r;
     for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
-        float v = dsk__ldf(x, dtx, base + j);
+        float v = dsk_load_f32(x, dtx, base + j);
         ss += v * v;
     }
     ss = dsk__block_reduce(ss, dsk__op_sum(), 0.0f, sh);
     r = 1.0f / sqrtf(ss / (float)D + eps);
     if (rstd && threadIdx.x == 0) rstd[row] = r;
-    for (int64_t j = threadIdx.x; j < D; j += blockDim.x) dsk__stf(y, dty, base + j, dsk__ldf(x, dtx, base + j) * r * dsk__ldf(w, dtw, j));
+    for (int64_t j = threadIdx.x; j < D; j += blockDim.x)
+        dsk_store_f32(y, dty, base + j, dsk_load_f32(x, dtx, base + j) * r * dsk_load_f32(w, dtw, j));
 }
 
 /* dx += r w dy - x r^3 / D * sum_j(dy_j w_j x_j). */
-__global__ void dsk__k_rmsnorm_bwd_dx(void *dx, int dtdx, const void *dy, int dtdy, const void *x, int dtx, const void *w, int dtw,
-                                      const float *rstd, int64_t D) {
+__global__ void dsk__k_rmsnorm_bwd_dx(void *dx, dsk_dtype dtdx, const void *dy, dsk_dtype dtdy, const void *x,
+                                      dsk_dtype dtx, const void *w, dsk_dtype dtw, const float *rstd, int64_t D) {
     __shared__ float sh[32];
     const int64_t row = blockIdx.x, base = row * D;
     const float r = rstd[row];
     float dot = 0, c;
     for (int64_t j = threadIdx.x; j < D; j += blockDim.x)
-        dot += dsk__ldf(dy, dtdy, base + j) * dsk__ldf(w, dtw, j) * dsk__ldf(x, dtx, base + j);
+        dot += dsk_load_f32(dy, dtdy, base + j) * dsk_load_f32(w, dtw, j) * dsk_load_f32(x, dtx, base + j);
     dot = dsk__block_reduce(dot, dsk__op_sum(), 0.0f, sh);
     c = r * r * r * dot / (float)D;
     for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
-        float g = r * dsk__ldf(w, dtw, j) * dsk__ldf(dy, dtdy, base + j) - c * dsk__ldf(x, dtx, base + j);
-        dsk__stf(dx, dtdx, base + j, dsk__ldf(dx, dtdx, base + j) + g);
+        float g = r * dsk_load_f32(w, dtw, j) * dsk_load_f32(dy, dtdy, base + j) - c * dsk_load_f32(x, dtx, base + j);
+        dsk_store_f32(dx, dtdx, base + j, dsk_load_f32(dx, dtdx, base + j) + g);
     }
 }
 
@@ -891,15 +764,15 @@ __global__ void dsk__k_rmsnorm_bwd_dx(void *dx, int dtdx, const void *dy, int dt
    rows; part[chunk][col] = sum over the chunk in a fixed order. */
 #define DSK__COL_TX 32
 #define DSK__COL_TY 8
-__global__ void dsk__k_rmsnorm_dw_partial(float *part, const void *dy, int dtdy, const void *x, int dtx, const float *rstd, int64_t R,
-                                          int64_t D, int64_t rows_per_chunk) {
+__global__ void dsk__k_rmsnorm_dw_partial(float *part, const void *dy, dsk_dtype dtdy, const void *x, dsk_dtype dtx,
+                                          const float *rstd, int64_t R, int64_t D, int64_t rows_per_chunk) {
     __shared__ float sh[DSK__COL_TY][DSK__COL_TX];
     const int64_t col = (int64_t)blockIdx.x * DSK__COL_TX + threadIdx.x, chunk = blockIdx.y;
     const int64_t r0 = chunk * rows_per_chunk, r1 = r0 + rows_per_chunk < R ? r0 + rows_per_chunk : R;
     float s = 0;
     if (col < D)
         for (int64_t r = r0 + threadIdx.y; r < r1; r += DSK__COL_TY)
-            s += dsk__ldf(dy, dtdy, r * D + col) * dsk__ldf(x, dtx, r * D + col) * rstd[r];
+            s += dsk_load_f32(dy, dtdy, r * D + col) * dsk_load_f32(x, dtx, r * D + col) * rstd[r];
     sh[threadIdx.y][threadIdx.x] = s;
     __syncthreads();
     if (threadIdx.y == 0 && col < D) {
@@ -907,16 +780,16 @@ __global__ void dsk__k_rmsnorm_dw_partial(float *part, const void *dy, int dtdy,
         part[chunk * D + col] = s;
     }
 }
-__global__ void dsk__k_col_finish(void *dw, int dtdw, const float *part, int64_t chunks, int64_t D) {
-    DSK__FOR(col, D) {
+__global__ void dsk__k_col_finish(void *dw, dsk_dtype dtdw, const float *part, int64_t chunks, int64_t D) {
+    DSK__CUDA_FOR(col, D) {
         float s = 0;
         for (int64_t c = 0; c < chunks; c++) s += part[c * D + col];
-        dsk__stf(dw, dtdw, col, dsk__ldf(dw, dtdw, col) + s);
+        dsk_store_f32(dw, dtdw, col, dsk_load_f32(dw, dtdw, col) + s);
     }
 }
 
-static dsk_status dsk__rmsnorm_dw(dsk_ctx *ctx, const char *fn, dsk_tensor *dw, const dsk_tensor *dy, const dsk_tensor *x,
-                                  const float *rstd, int64_t R, int64_t D) {
+static dsk_status dsk__rmsnorm_dw(dsk_ctx *ctx, const char *fn, dsk_tensor *dw, const dsk_tensor *dy,
+                                  const dsk_tensor *x, const float *rstd, int64_t R, int64_t D) {
     int64_t chunks = (R + 63) / 64, per;
     float *part = NULL;
     dsk_status s;
@@ -926,40 +799,44 @@ static dsk_status dsk__rmsnorm_dw(dsk_ctx *ctx, const char *fn, dsk_tensor *dw, 
     per = (R + chunks - 1) / chunks;
     grid = dim3((unsigned)((D + DSK__COL_TX - 1) / DSK__COL_TX), (unsigned)chunks);
     DSK__TRY(dsk__scratch(ctx, (size_t)(chunks * D) * sizeof(float), (void **)&part));
-    dsk__k_rmsnorm_dw_partial<<<grid, block, 0, dsk__stream(ctx)>>>(part, dy->data, (int)dy->dtype, x->data, (int)x->dtype, rstd, R,
-                                                                      D, per);
-    s = dsk__launched(fn, "dsk__k_rmsnorm_dw_partial", grid, block, R * D);
+    DSK__CUDA_KERNEL(dsk__k_rmsnorm_dw_partial, grid, block, 0, dsk__cuda_stream(ctx), part, dy->data, dy->dtype,
+                     x->data, x->dtype, rstd, R, D, per);
+    s = dsk__cuda_launched(fn, "dsk__k_rmsnorm_dw_partial", grid, block, R * D);
     if (s == DSK_OK) {
-        dsk__k_col_finish<<<dsk__grid(D), DSK__THREADS, 0, dsk__stream(ctx)>>>(dw->data, (int)dw->dtype, part, chunks, D);
-        s = dsk__launched(fn, "dsk__k_col_finish", dim3(dsk__grid(D)), dim3(DSK__THREADS), D);
+        DSK__CUDA_KERNEL(dsk__k_col_finish, dsk__cuda_grid(D), DSK__CUDA_THREADS, 0, dsk__cuda_stream(ctx), dw->data,
+                         dw->dtype, part, chunks, D);
+        s = dsk__cuda_launched(fn, "dsk__k_col_finish", dim3(dsk__cuda_grid(D)), dim3(DSK__CUDA_THREADS), D);
     }
     dsk__scratch_free(ctx, part);
     return s;
 }
 
-extern "C" dsk_status dsk_cuda_rmsnorm(dsk_ctx *ctx, dsk_tensor *y, dsk_tensor *rstd, const dsk_tensor *x, const dsk_tensor *w, float eps) {
+extern "C" dsk_status dsk_cuda_rmsnorm(dsk_ctx *ctx, dsk_tensor *y, dsk_tensor *rstd, const dsk_tensor *x,
+                                       const dsk_tensor *w, float eps) {
     static const char *fn = "dsk_rmsnorm";
     int64_t R, D;
-    DSK__TRY(dsk__need_ctx(fn, ctx));
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     dsk__rows_of(x, &R, &D);
     if (R == 0) return DSK_OK;
-    DSK__TRY(dsk__check_rows(fn, R));
-    DSK__LAUNCH(fn, dsk__k_rmsnorm, (unsigned)R, dsk__row_threads(D), dsk__stream(ctx), R * D, y->data, (int)y->dtype,
-                rstd ? (float *)rstd->data : (float *)NULL, x->data, (int)x->dtype, w->data, (int)w->dtype, D, eps);
+    DSK__TRY(dsk__cuda_check_rows(fn, R));
+    DSK__CUDA_LAUNCH(fn, dsk__k_rmsnorm, (unsigned)R, dsk__cuda_row_threads(D), dsk__cuda_stream(ctx), R * D, y->data,
+                     y->dtype, rstd ? (float *)rstd->data : (float *)NULL, x->data, x->dtype, w->data, w->dtype, D,
+                     eps);
     return DSK_OK;
 }
 
-extern "C" dsk_status dsk_cuda_rmsnorm_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk_tensor *dw, const dsk_tensor *dy, const dsk_tensor *x,
-                                                const dsk_tensor *w, const dsk_tensor *rstd) {
+extern "C" dsk_status dsk_cuda_rmsnorm_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk_tensor *dw, const dsk_tensor *dy,
+                                                const dsk_tensor *x, const dsk_tensor *w, const dsk_tensor *rstd) {
     static const char *fn = "dsk_rmsnorm_backward";
     int64_t R, D;
-    DSK__TRY(dsk__need_ctx(fn, ctx));
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     dsk__rows_of(x, &R, &D);
     if (R == 0 || D == 0) return DSK_OK;
-    DSK__TRY(dsk__check_rows(fn, R));
+    DSK__TRY(dsk__cuda_check_rows(fn, R));
     if (dx)
-        DSK__LAUNCH(fn, dsk__k_rmsnorm_bwd_dx, (unsigned)R, dsk__row_threads(D), dsk__stream(ctx), R * D, dx->data, (int)dx->dtype,
-                    dy->data, (int)dy->dtype, x->data, (int)x->dtype, w->data, (int)w->dtype, (const float *)rstd->data, D);
+        DSK__CUDA_LAUNCH(fn, dsk__k_rmsnorm_bwd_dx, (unsigned)R, dsk__cuda_row_threads(D), dsk__cuda_stream(ctx), R * D,
+                         dx->data, dx->dtype, dy->data, dy->dtype, x->data, x->dtype, w->data, w->dtype,
+                         (const float *)rstd->data, D);
     if (dw) return dsk__rmsnorm_dw(ctx, fn, dw, dy, x, (const float *)rstd->data, R, D);
     return DSK_OK;
 }
@@ -967,19 +844,22 @@ extern "C" dsk_status dsk_cuda_rmsnorm_backward(dsk_ctx *ctx, dsk_tensor *dx, ds
 /* ======================================================================= rows by index */
 
 /* out[i] = src[idx[i]] for i < N (a block per row); an index outside [0, R) gives a NaN row. */
-__global__ void dsk__k_gather(void *out, int dto, const void *src, int dts, const int32_t *idx, int64_t R, int64_t D) {
+__global__ void dsk__k_gather(void *out, dsk_dtype dto, const void *src, dsk_dtype dts, const int32_t *idx, int64_t R,
+                              int64_t D) {
     const int64_t i = blockIdx.x, r = idx[i];
     const int ok = r >= 0 && r < R;
-    for (int64_t j = threadIdx.x; j < D; j += blockDim.x) dsk__stf(out, dto, i * D + j, ok ? dsk__ldf(src, dts, r * D + j) : NAN);
+    for (int64_t j = threadIdx.x; j < D; j += blockDim.x)
+        dsk_store_f32(out, dto, i * D + j, ok ? dsk_load_f32(src, dts, r * D + j) : NAN);
 }
 
-static dsk_status dsk__gather(dsk_ctx *ctx, const char *fn, dsk_tensor *out, const dsk_tensor *src, const dsk_tensor *idx) {
+static dsk_status dsk__gather(dsk_ctx *ctx, const char *fn, dsk_tensor *out, const dsk_tensor *src,
+                              const dsk_tensor *idx) {
     int64_t N = dsk_tensor_numel(idx), R = src->shape[0], D = R ? dsk_tensor_numel(src) / R : 0;
-    DSK__TRY(dsk__need_ctx(fn, ctx));
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     if (N == 0 || D == 0) return DSK_OK;
-    DSK__TRY(dsk__check_rows(fn, N));
-    DSK__LAUNCH(fn, dsk__k_gather, (unsigned)N, dsk__row_threads(D), dsk__stream(ctx), N * D, out->data, (int)out->dtype, src->data,
-                (int)src->dtype, (const int32_t *)idx->data, R, D);
+    DSK__TRY(dsk__cuda_check_rows(fn, N));
+    DSK__CUDA_LAUNCH(fn, dsk__k_gather, (unsigned)N, dsk__cuda_row_threads(D), dsk__cuda_stream(ctx), N * D, out->data,
+                     out->dtype, src->data, src->dtype, (const int32_t *)idx->data, R, D);
     return DSK_OK;
 }
 
@@ -987,27 +867,29 @@ static dsk_status dsk__gather(dsk_ctx *ctx, const char *fn, dsk_tensor *out, con
    each destination row in increasing i; the first position of each group adds them in that
    order onto the row, rounding to dst's dtype after each addition as the CPU path does. */
 __global__ void dsk__k_scatter_keys(int32_t *keys, int32_t *vals, const int32_t *idx, int64_t N, int32_t R) {
-    DSK__FOR(i, N) {
+    DSK__CUDA_FOR(i, N) {
         int32_t r = idx[i];
         keys[i] = (r >= 0 && r < R) ? r : R; /* out-of-range rows sort last and are skipped */
         vals[i] = (int32_t)i;
     }
 }
-__global__ void dsk__k_scatter_segments(void *dst, int dtd, const void *src, int dts, const int32_t *keys, const int32_t *order,
-                                        int64_t N, int32_t R, int64_t D) {
+__global__ void dsk__k_scatter_segments(void *dst, dsk_dtype dtd, const void *src, dsk_dtype dts, const int32_t *keys,
+                                        const int32_t *order, int64_t N, int32_t R, int64_t D) {
     const int64_t p = blockIdx.x;
     const int32_t r = keys[p];
     if (r == R || (p > 0 && keys[p - 1] == r)) return; /* invalid row, or not the first of its group */
     for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
-        float acc = dsk__ldf(dst, dtd, (int64_t)r * D + j);
-        for (int64_t q = p; q < N && keys[q] == r; q++) acc = dsk__round(dtd, acc + dsk__ldf(src, dts, (int64_t)order[q] * D + j));
-        dsk__stf(dst, dtd, (int64_t)r * D + j, acc);
+        float acc = dsk_load_f32(dst, dtd, (int64_t)r * D + j);
+        for (int64_t q = p; q < N && keys[q] == r; q++)
+            acc = dsk_round_f32(dtd, acc + dsk_load_f32(src, dts, (int64_t)order[q] * D + j));
+        dsk_store_f32(dst, dtd, (int64_t)r * D + j, acc);
     }
 }
 
 static size_t dsk__align256(size_t n) { return (n + 255) & ~(size_t)255; }
 
-static dsk_status dsk__scatter_add(dsk_ctx *ctx, const char *fn, dsk_tensor *dst, const dsk_tensor *src, const dsk_tensor *idx) {
+static dsk_status dsk__scatter_add(dsk_ctx *ctx, const char *fn, dsk_tensor *dst, const dsk_tensor *src,
+                                   const dsk_tensor *idx) {
     int64_t N = dsk_tensor_numel(idx), R = dst->shape[0], D = R ? dsk_tensor_numel(dst) / R : 0;
     size_t sort_bytes = 0, ib;
     int bits = 1;
@@ -1016,15 +898,15 @@ static dsk_status dsk__scatter_add(dsk_ctx *ctx, const char *fn, dsk_tensor *dst
     cudaError_t e;
     dsk_status s = DSK_OK;
     char detail[96];
-    DSK__TRY(dsk__need_ctx(fn, ctx));
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     if (N == 0 || D == 0) return DSK_OK;
     if (N > INT_MAX || R >= INT_MAX)
-        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: %lld indices into %lld rows exceed the int32 sort range", fn, (long long)N,
-                             (long long)R);
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: %lld indices into %lld rows exceed the int32 sort range", fn,
+                             (long long)N, (long long)R);
     while (bits < 31 && (1ll << bits) <= R) bits++; /* keys take values 0..R */
     snprintf(detail, sizeof detail, "%lld keys of %d bits", (long long)N, bits);
     e = cub::DeviceRadixSort::SortPairs(NULL, sort_bytes, (const int32_t *)NULL, (int32_t *)NULL, (const int32_t *)NULL,
-                                        (int32_t *)NULL, (int)N, 0, bits, dsk__stream(ctx));
+                                        (int32_t *)NULL, (int)N, 0, bits, dsk__cuda_stream(ctx));
     if (e != cudaSuccess) return dsk__cuda_fail(fn, "cub::DeviceRadixSort::SortPairs (size query)", e, detail);
     ib = dsk__align256((size_t)N * sizeof(int32_t));
     DSK__TRY(dsk__scratch(ctx, 4 * ib + sort_bytes, (void **)&buf));
@@ -1032,33 +914,38 @@ static dsk_status dsk__scatter_add(dsk_ctx *ctx, const char *fn, dsk_tensor *dst
     vals = (int32_t *)(buf + ib);
     keys_sorted = (int32_t *)(buf + 2 * ib);
     vals_sorted = (int32_t *)(buf + 3 * ib);
-    dsk__k_scatter_keys<<<dsk__grid(N), DSK__THREADS, 0, dsk__stream(ctx)>>>(keys, vals, (const int32_t *)idx->data, N, (int32_t)R);
-    s = dsk__launched(fn, "dsk__k_scatter_keys", dim3(dsk__grid(N)), dim3(DSK__THREADS), N);
+    DSK__CUDA_KERNEL(dsk__k_scatter_keys, dsk__cuda_grid(N), DSK__CUDA_THREADS, 0, dsk__cuda_stream(ctx), keys, vals,
+                     (const int32_t *)idx->data, N, (int32_t)R);
+    s = dsk__cuda_launched(fn, "dsk__k_scatter_keys", dim3(dsk__cuda_grid(N)), dim3(DSK__CUDA_THREADS), N);
     if (s == DSK_OK) {
-        e = cub::DeviceRadixSort::SortPairs(buf + 4 * ib, sort_bytes, keys, keys_sorted, vals, vals_sorted, (int)N, 0, bits,
-                                            dsk__stream(ctx));
+        e = cub::DeviceRadixSort::SortPairs(buf + 4 * ib, sort_bytes, keys, keys_sorted, vals, vals_sorted, (int)N, 0,
+                                            bits, dsk__cuda_stream(ctx));
         if (e != cudaSuccess) s = dsk__cuda_fail(fn, "cub::DeviceRadixSort::SortPairs", e, detail);
     }
     if (s == DSK_OK) {
-        unsigned th = dsk__row_threads(D);
-        dsk__k_scatter_segments<<<(unsigned)N, th, 0, dsk__stream(ctx)>>>(dst->data, (int)dst->dtype, src->data, (int)src->dtype,
-                                                                          keys_sorted, vals_sorted, N, (int32_t)R, D);
-        s = dsk__launched(fn, "dsk__k_scatter_segments", dim3((unsigned)N), dim3(th), N * D);
+        unsigned th = dsk__cuda_row_threads(D);
+        DSK__CUDA_KERNEL(dsk__k_scatter_segments, (unsigned)N, th, 0, dsk__cuda_stream(ctx), dst->data, dst->dtype,
+                         src->data, src->dtype, keys_sorted, vals_sorted, N, (int32_t)R, D);
+        s = dsk__cuda_launched(fn, "dsk__k_scatter_segments", dim3((unsigned)N), dim3(th), N * D);
     }
     dsk__scratch_free(ctx, buf);
     return s;
 }
 
-extern "C" dsk_status dsk_cuda_embedding(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *table, const dsk_tensor *ids) {
+extern "C" dsk_status dsk_cuda_embedding(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *table,
+                                         const dsk_tensor *ids) {
     return dsk__gather(ctx, "dsk_embedding", out, table, ids);
 }
-extern "C" dsk_status dsk_cuda_embedding_backward(dsk_ctx *ctx, dsk_tensor *dtable, const dsk_tensor *dout, const dsk_tensor *ids) {
+extern "C" dsk_status dsk_cuda_embedding_backward(dsk_ctx *ctx, dsk_tensor *dtable, const dsk_tensor *dout,
+                                                  const dsk_tensor *ids) {
     return dsk__scatter_add(ctx, "dsk_embedding_backward", dtable, dout, ids);
 }
-extern "C" dsk_status dsk_cuda_gather_rows(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *src, const dsk_tensor *idx) {
+extern "C" dsk_status dsk_cuda_gather_rows(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *src,
+                                           const dsk_tensor *idx) {
     return dsk__gather(ctx, "dsk_gather_rows", out, src, idx);
 }
-extern "C" dsk_status dsk_cuda_scatter_add_rows(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor *src, const dsk_tensor *idx) {
+extern "C" dsk_status dsk_cuda_scatter_add_rows(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor *src,
+                                                const dsk_tensor *idx) {
     return dsk__scatter_add(ctx, "dsk_scatter_add_rows", dst, src, idx);
 }
 
@@ -1075,8 +962,9 @@ __global__ void dsk__k_ce_count(int64_t *count, const int32_t *targets, int64_t 
 
 /* A block per token: rowloss[t] = logsumexp(x) - x[target] (0 if ignored, NaN if the target
    is out of range); dlogits row = scale (softmax - onehot) / count, or zeros if ignored. */
-__global__ void dsk__k_ce_rows(float *rowloss, void *dl, int dtdl, const void *x, int dtx, const int32_t *targets, const int64_t *count,
-                               int64_t V, int32_t ignore, float grad_scale) {
+__global__ void dsk__k_ce_rows(float *rowloss, void *dl, dsk_dtype dtdl, const void *x, dsk_dtype dtx,
+                               const int32_t *targets, const int64_t *count, int64_t V, int32_t ignore,
+                               float grad_scale) {
     __shared__ float sh[32];
     const int64_t t = blockIdx.x, base = t * V;
     const int32_t y = targets[t];
@@ -1084,20 +972,20 @@ __global__ void dsk__k_ce_rows(float *rowloss, void *dl, int dtdl, const void *x
     float m = -INFINITY, s = 0, coef;
     if (ignored) {
         if (dl)
-            for (int64_t j = threadIdx.x; j < V; j += blockDim.x) dsk__stf(dl, dtdl, base + j, 0.0f);
+            for (int64_t j = threadIdx.x; j < V; j += blockDim.x) dsk_store_f32(dl, dtdl, base + j, 0.0f);
         if (threadIdx.x == 0) rowloss[t] = 0.0f;
         return;
     }
-    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) m = dsk__op_max()(m, dsk__ldf(x, dtx, base + j));
+    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) m = dsk__op_max()(m, dsk_load_f32(x, dtx, base + j));
     m = dsk__block_reduce(m, dsk__op_max(), -INFINITY, sh);
-    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) s += expf(dsk__ldf(x, dtx, base + j) - m);
+    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) s += expf(dsk_load_f32(x, dtx, base + j) - m);
     s = dsk__block_reduce(s, dsk__op_sum(), 0.0f, sh);
-    if (threadIdx.x == 0) rowloss[t] = ok ? m + logf(s) - dsk__ldf(x, dtx, base + y) : NAN;
+    if (threadIdx.x == 0) rowloss[t] = ok ? m + logf(s) - dsk_load_f32(x, dtx, base + y) : NAN;
     if (!dl) return;
     coef = ok ? grad_scale / (float)*count : NAN;
     for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
-        float p = expf(dsk__ldf(x, dtx, base + j) - m) / s;
-        dsk__stf(dl, dtdl, base + j, (p - (j == y ? 1.0f : 0.0f)) * coef);
+        float p = expf(dsk_load_f32(x, dtx, base + j) - m) / s;
+        dsk_store_f32(dl, dtdl, base + j, (p - (j == y ? 1.0f : 0.0f)) * coef);
     }
 }
 
@@ -1110,8 +998,9 @@ __global__ void dsk__k_ce_loss(float *loss, const float *rowloss, const int64_t 
     if (threadIdx.x == 0) *loss = *count ? (float)(s / (double)*count) : 0.0f;
 }
 
-extern "C" dsk_status dsk_cuda_cross_entropy(dsk_ctx *ctx, dsk_tensor *loss, dsk_tensor *dlogits, const dsk_tensor *logits,
-                                             const dsk_tensor *targets, int32_t ignore_index, float grad_scale) {
+extern "C" dsk_status dsk_cuda_cross_entropy(dsk_ctx *ctx, dsk_tensor *loss, dsk_tensor *dlogits,
+                                             const dsk_tensor *logits, const dsk_tensor *targets, int32_t ignore_index,
+                                             float grad_scale) {
     static const char *fn = "dsk_cross_entropy";
     int64_t T, V;
     char *buf = NULL;
@@ -1119,25 +1008,26 @@ extern "C" dsk_status dsk_cuda_cross_entropy(dsk_ctx *ctx, dsk_tensor *loss, dsk
     float *rowloss;
     dsk_status s;
     cudaStream_t st;
-    DSK__TRY(dsk__need_ctx(fn, ctx));
-    st = dsk__stream(ctx);
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
+    st = dsk__cuda_stream(ctx);
     dsk__rows_of(logits, &T, &V);
-    DSK__TRY(dsk__check_rows(fn, T));
+    DSK__TRY(dsk__cuda_check_rows(fn, T));
     DSK__TRY(dsk__scratch(ctx, 256 + (size_t)T * sizeof(float), (void **)&buf));
     count = (int64_t *)buf;
     rowloss = (float *)(buf + 256);
-    dsk__k_ce_count<<<1, DSK__THREADS, 0, st>>>(count, (const int32_t *)targets->data, T, ignore_index);
-    s = dsk__launched(fn, "dsk__k_ce_count", dim3(1), dim3(DSK__THREADS), T);
+    DSK__CUDA_KERNEL(dsk__k_ce_count, 1, DSK__CUDA_THREADS, 0, st, count, (const int32_t *)targets->data, T,
+                     ignore_index);
+    s = dsk__cuda_launched(fn, "dsk__k_ce_count", dim3(1), dim3(DSK__CUDA_THREADS), T);
     if (s == DSK_OK && T > 0) {
-        unsigned th = dsk__row_threads(V);
-        dsk__k_ce_rows<<<(unsigned)T, th, 0, st>>>(rowloss, dlogits ? dlogits->data : NULL, dlogits ? (int)dlogits->dtype : 0,
-                                                   logits->data, (int)logits->dtype, (const int32_t *)targets->data, count, V,
-                                                   ignore_index, grad_scale);
-        s = dsk__launched(fn, "dsk__k_ce_rows", dim3((unsigned)T), dim3(th), T * V);
+        unsigned th = dsk__cuda_row_threads(V);
+        DSK__CUDA_KERNEL(dsk__k_ce_rows, (unsigned)T, th, 0, st, rowloss, dlogits ? dlogits->data : NULL,
+                         dlogits ? dlogits->dtype : DSK_F32, logits->data, logits->dtype,
+                         (const int32_t *)targets->data, count, V, ignore_index, grad_scale);
+        s = dsk__cuda_launched(fn, "dsk__k_ce_rows", dim3((unsigned)T), dim3(th), T * V);
     }
     if (s == DSK_OK) {
-        dsk__k_ce_loss<<<1, DSK__THREADS, 0, st>>>((float *)loss->data, rowloss, count, T);
-        s = dsk__launched(fn, "dsk__k_ce_loss", dim3(1), dim3(DSK__THREADS), T);
+        DSK__CUDA_KERNEL(dsk__k_ce_loss, 1, DSK__CUDA_THREADS, 0, st, (float *)loss->data, rowloss, count, T);
+        s = dsk__cuda_launched(fn, "dsk__k_ce_loss", dim3(1), dim3(DSK__CUDA_THREADS), T);
     }
     dsk__scratch_free(ctx, buf);
     return s;
@@ -1207,68 +1097,73 @@ __global__ void dsk__k_topk(float *values, int32_t *indices, const float *x, int
 extern "C" dsk_status dsk_cuda_topk(dsk_ctx *ctx, dsk_tensor *values, dsk_tensor *indices, const dsk_tensor *x, int k) {
     static const char *fn = "dsk_topk";
     int64_t R, C;
-    DSK__TRY(dsk__need_ctx(fn, ctx));
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     dsk__rows_of(x, &R, &C);
     if (R == 0 || k <= 0) return DSK_OK;
-    DSK__TRY(dsk__check_rows(fn, R));
-    if (C > INT_MAX) return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: rows of %lld columns exceed int32 indices", fn, (long long)C);
-    DSK__LAUNCH(fn, dsk__k_topk, (unsigned)R, dsk__row_threads(C), dsk__stream(ctx), R * C, (float *)values->data,
-                (int32_t *)indices->data, (const float *)x->data, C, k);
+    DSK__TRY(dsk__cuda_check_rows(fn, R));
+    if (C > INT_MAX)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: rows of %lld columns exceed int32 indices", fn, (long long)C);
+    DSK__CUDA_LAUNCH(fn, dsk__k_topk, (unsigned)R, dsk__cuda_row_threads(C), dsk__cuda_stream(ctx), R * C,
+                     (float *)values->data, (int32_t *)indices->data, (const float *)x->data, C, k);
     return DSK_OK;
 }
 
 /* ======================================================================= RoPE */
 
 /* A thread per pair (b, t, h, i) of x (B, T, H, Dh); sign -1 rotates backward and adds into y. */
-__global__ void dsk__k_rope(void *y, int dty, const void *x, int dtx, int64_t T, int64_t H, int64_t Dh, int64_t pos0, float theta,
-                            int64_t npairs, int backward) {
+__global__ void dsk__k_rope(void *y, dsk_dtype dty, const void *x, dsk_dtype dtx, int64_t T, int64_t H, int64_t Dh,
+                            int64_t pos0, float theta, int64_t npairs, int backward) {
     const int64_t half = Dh / 2;
-    DSK__FOR(e, npairs) {
+    DSK__CUDA_FOR(e, npairs) {
         int64_t i = e % half, t = (e / (half * H)) % T, o = 2 * e;
         float a = dsk_rope_angle(pos0 + t, i, Dh, theta), c = cosf(a), s = sinf(a), y0, y1;
-        float x0 = dsk__ldf(x, dtx, o), x1 = dsk__ldf(x, dtx, o + 1);
+        float x0 = dsk_load_f32(x, dtx, o), x1 = dsk_load_f32(x, dtx, o + 1);
         if (backward) {
             dsk_rope_rotate(x0, x1, c, -s, &y0, &y1);
-            y0 += dsk__ldf(y, dty, o);
-            y1 += dsk__ldf(y, dty, o + 1);
+            y0 += dsk_load_f32(y, dty, o);
+            y1 += dsk_load_f32(y, dty, o + 1);
         } else {
             dsk_rope_rotate(x0, x1, c, s, &y0, &y1);
         }
-        dsk__stf(y, dty, o, y0);
-        dsk__stf(y, dty, o + 1, y1);
+        dsk_store_f32(y, dty, o, y0);
+        dsk_store_f32(y, dty, o + 1, y1);
     }
 }
 
-static dsk_status dsk__rope(dsk_ctx *ctx, const char *fn, dsk_tensor *y, const dsk_tensor *x, int64_t pos0, float theta, int backward) {
+static dsk_status dsk__rope(dsk_ctx *ctx, const char *fn, dsk_tensor *y, const dsk_tensor *x, int64_t pos0, float theta,
+                            int backward) {
     int64_t T = x->shape[1], H = x->shape[2], Dh = x->shape[3], npairs = dsk_tensor_numel(x) / 2;
-    DSK__TRY(dsk__need_ctx(fn, ctx));
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     if (npairs == 0) return DSK_OK;
-    DSK__LAUNCH(fn, dsk__k_rope, dsk__grid(npairs), DSK__THREADS, dsk__stream(ctx), npairs, y->data, (int)y->dtype, x->data,
-                (int)x->dtype, T, H, Dh, pos0, theta, npairs, backward);
+    DSK__CUDA_LAUNCH(fn, dsk__k_rope, dsk__cuda_grid(npairs), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), npairs, y->data,
+                     y->dtype, x->data, x->dtype, T, H, Dh, pos0, theta, npairs, backward);
     return DSK_OK;
 }
 
 extern "C" dsk_status dsk_cuda_rope(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, int64_t pos0, float theta) {
     return dsk__rope(ctx, "dsk_rope", y, x, pos0, theta, 0);
 }
-extern "C" dsk_status dsk_cuda_rope_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, int64_t pos0, float theta) {
+extern "C" dsk_status dsk_cuda_rope_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, int64_t pos0,
+                                             float theta) {
     return dsk__rope(ctx, "dsk_rope_backward", dx, dy, pos0, theta, 1);
 }
 
 /* ======================================================================= attention */
 
 /* (B, T, H, Dh) of any op dtype <-> (B, H, T, Dh) f32 scratch; `accumulate` adds into dst. */
-__global__ void dsk__k_to_bhtd(float *dst, const void *src, int dts, int64_t T, int64_t H, int64_t Dh, int64_t n) {
-    DSK__FOR(e, n) {
+__global__ void dsk__k_to_bhtd(float *dst, const void *src, dsk_dtype dts, int64_t T, int64_t H, int64_t Dh,
+                               int64_t n) {
+    DSK__CUDA_FOR(e, n) {
         int64_t d = e % Dh, t = (e / Dh) % T, h = (e / (Dh * T)) % H, b = e / (Dh * T * H);
-        dst[e] = dsk__ldf(src, dts, ((b * T + t) * H + h) * Dh + d);
+        dst[e] = dsk_load_f32(src, dts, ((b * T + t) * H + h) * Dh + d);
     }
 }
-__global__ void dsk__k_from_bhtd(void *dst, int dtd, const float *src, int64_t T, int64_t H, int64_t Dh, int64_t n, int accumulate) {
-    DSK__FOR(e, n) {
+__global__ void dsk__k_from_bhtd(void *dst, dsk_dtype dtd, const float *src, int64_t T, int64_t H, int64_t Dh,
+                                 int64_t n, int accumulate) {
+    DSK__CUDA_FOR(e, n) {
         int64_t d = e % Dh, t = (e / Dh) % T, h = (e / (Dh * T)) % H, b = e / (Dh * T * H);
         int64_t o = ((b * T + t) * H + h) * Dh + d;
-        dsk__stf(dst, dtd, o, accumulate ? dsk__ldf(dst, dtd, o) + src[e] : src[e]);
+        dsk_store_f32(dst, dtd, o, accumulate ? dsk_load_f32(dst, dtd, o) + src[e] : src[e]);
     }
 }
 
@@ -1311,19 +1206,20 @@ static dsk__mat dsk__att_mat(const float *p, int64_t rows, int64_t cols) {
     return m;
 }
 /* C[bh] = alpha op(A[bh]) op(B[bh]) + beta C[bh] over the BH matrices of an attention call. */
-static dsk_status dsk__att_gemm(dsk_ctx *ctx, const char *fn, const dsk__att *g, int ta, int tb, int64_t M, int64_t N, int64_t K,
-                                float alpha, dsk__mat A, dsk__mat B, float *C) {
+static dsk_status dsk__att_gemm(dsk_ctx *ctx, const char *fn, const dsk__att *g, int ta, int tb, int64_t M, int64_t N,
+                                int64_t K, float alpha, dsk__mat A, dsk__mat B, float *C) {
     return dsk__gemm(ctx, fn, ta, tb, M, N, K, alpha, A, B, 0.0f, C, DSK_F32, N, M * N, g->BH);
 }
 
 static dsk_status dsk__to_f32(dsk_ctx *ctx, const char *fn, const dsk__att *g, float *dst, const dsk_tensor *src) {
-    DSK__LAUNCH(fn, dsk__k_to_bhtd, dsk__grid(g->n), DSK__THREADS, dsk__stream(ctx), g->n, dst, src->data, (int)src->dtype, g->T, g->H,
-                g->Dh, g->n);
+    DSK__CUDA_LAUNCH(fn, dsk__k_to_bhtd, dsk__cuda_grid(g->n), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), g->n, dst,
+                     src->data, src->dtype, g->T, g->H, g->Dh, g->n);
     return DSK_OK;
 }
-static dsk_status dsk__from_f32(dsk_ctx *ctx, const char *fn, const dsk__att *g, dsk_tensor *dst, const float *src, int accumulate) {
-    DSK__LAUNCH(fn, dsk__k_from_bhtd, dsk__grid(g->n), DSK__THREADS, dsk__stream(ctx), g->n, dst->data, (int)dst->dtype, src, g->T,
-                g->H, g->Dh, g->n, accumulate);
+static dsk_status dsk__from_f32(dsk_ctx *ctx, const char *fn, const dsk__att *g, dsk_tensor *dst, const float *src,
+                                int accumulate) {
+    DSK__CUDA_LAUNCH(fn, dsk__k_from_bhtd, dsk__cuda_grid(g->n), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), g->n,
+                     dst->data, dst->dtype, src, g->T, g->H, g->Dh, g->n, accumulate);
     return DSK_OK;
 }
 
@@ -1338,8 +1234,9 @@ static dsk__att dsk__att_of(const dsk_tensor *q) {
     return g;
 }
 
-static dsk_status dsk__attention_fwd(dsk_ctx *ctx, const char *fn, const dsk__att *g, float *buf, dsk_tensor *out, float *P,
-                                     const dsk_tensor *q, const dsk_tensor *k, const dsk_tensor *v, float scale) {
+static dsk_status dsk__attention_fwd(dsk_ctx *ctx, const char *fn, const dsk__att *g, float *buf, dsk_tensor *out,
+                                     float *P, const dsk_tensor *q, const dsk_tensor *k, const dsk_tensor *v,
+                                     float scale) {
     float *Q = buf, *K = buf + g->n, *V = buf + 2 * g->n, *O = buf + 3 * g->n;
     int64_t T = g->T, Dh = g->Dh;
     DSK__TRY(dsk__to_f32(ctx, fn, g, Q, q));
@@ -1347,20 +1244,21 @@ static dsk_status dsk__attention_fwd(dsk_ctx *ctx, const char *fn, const dsk__at
     DSK__TRY(dsk__to_f32(ctx, fn, g, V, v));
     /* S = scale Q K^T (T, T), then the causal softmax in place: P. */
     DSK__TRY(dsk__att_gemm(ctx, fn, g, 0, 1, T, T, Dh, scale, dsk__att_mat(Q, T, Dh), dsk__att_mat(K, T, Dh), P));
-    DSK__TRY(dsk__check_rows(fn, g->BH * T));
-    DSK__LAUNCH(fn, dsk__k_causal_softmax, (unsigned)(g->BH * T), dsk__row_threads(T), dsk__stream(ctx), g->BH * T * T, P, T);
+    DSK__TRY(dsk__cuda_check_rows(fn, g->BH * T));
+    DSK__CUDA_LAUNCH(fn, dsk__k_causal_softmax, (unsigned)(g->BH * T), dsk__cuda_row_threads(T), dsk__cuda_stream(ctx),
+                     g->BH * T * T, P, T);
     /* O = P V (T, Dh). */
     DSK__TRY(dsk__att_gemm(ctx, fn, g, 0, 0, T, Dh, T, 1.0f, dsk__att_mat(P, T, T), dsk__att_mat(V, T, Dh), O));
     return dsk__from_f32(ctx, fn, g, out, O, 0);
 }
 
-extern "C" dsk_status dsk_cuda_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *probs, const dsk_tensor *q, const dsk_tensor *k,
-                                         const dsk_tensor *v, float scale) {
+extern "C" dsk_status dsk_cuda_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *probs, const dsk_tensor *q,
+                                         const dsk_tensor *k, const dsk_tensor *v, float scale) {
     static const char *fn = "dsk_attention";
     dsk__att g;
     float *buf = NULL;
     dsk_status s;
-    DSK__TRY(dsk__need_ctx(fn, ctx));
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     g = dsk__att_of(q);
     if (g.n == 0) return DSK_OK;
     DSK__TRY(dsk__scratch(ctx, (size_t)(4 * g.n) * sizeof(float), (void **)&buf));
@@ -1369,11 +1267,12 @@ extern "C" dsk_status dsk_cuda_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tens
     return s;
 }
 
-static dsk_status dsk__attention_bwd(dsk_ctx *ctx, const char *fn, const dsk__att *g, float *buf, dsk_tensor *dq, dsk_tensor *dk,
-                                     dsk_tensor *dv, const dsk_tensor *dout, const dsk_tensor *q, const dsk_tensor *k,
-                                     const dsk_tensor *v, const float *P, float scale) {
+static dsk_status dsk__attention_bwd(dsk_ctx *ctx, const char *fn, const dsk__att *g, float *buf, dsk_tensor *dq,
+                                     dsk_tensor *dk, dsk_tensor *dv, const dsk_tensor *dout, const dsk_tensor *q,
+                                     const dsk_tensor *k, const dsk_tensor *v, const float *P, float scale) {
     int64_t T = g->T, Dh = g->Dh;
-    float *Q = buf, *K = buf + g->n, *V = buf + 2 * g->n, *dO = buf + 3 * g->n, *dX = buf + 4 * g->n, *dP = buf + 5 * g->n;
+    float *Q = buf, *K = buf + g->n, *V = buf + 2 * g->n, *dO = buf + 3 * g->n, *dX = buf + 4 * g->n,
+          *dP = buf + 5 * g->n;
     DSK__TRY(dsk__to_f32(ctx, fn, g, dO, dout));
     if (dv) { /* dV = P^T dO */
         DSK__TRY(dsk__att_gemm(ctx, fn, g, 1, 0, T, Dh, T, 1.0f, dsk__att_mat(P, T, T), dsk__att_mat(dO, T, Dh), dX));
@@ -1385,8 +1284,9 @@ static dsk_status dsk__attention_bwd(dsk_ctx *ctx, const char *fn, const dsk__at
     DSK__TRY(dsk__to_f32(ctx, fn, g, V, v));
     /* dP = dO V^T, then dS = P (dP - rowsum(dP P)) in place. */
     DSK__TRY(dsk__att_gemm(ctx, fn, g, 0, 1, T, T, Dh, 1.0f, dsk__att_mat(dO, T, Dh), dsk__att_mat(V, T, Dh), dP));
-    DSK__TRY(dsk__check_rows(fn, g->BH * T));
-    DSK__LAUNCH(fn, dsk__k_softmax_grad_inplace, (unsigned)(g->BH * T), dsk__row_threads(T), dsk__stream(ctx), g->BH * T * T, dP, P, T);
+    DSK__TRY(dsk__cuda_check_rows(fn, g->BH * T));
+    DSK__CUDA_LAUNCH(fn, dsk__k_softmax_grad_inplace, (unsigned)(g->BH * T), dsk__cuda_row_threads(T),
+                     dsk__cuda_stream(ctx), g->BH * T * T, dP, P, T);
     if (dq) { /* dQ = scale dS K */
         DSK__TRY(dsk__att_gemm(ctx, fn, g, 0, 0, T, Dh, T, scale, dsk__att_mat(dP, T, T), dsk__att_mat(K, T, Dh), dX));
         DSK__TRY(dsk__from_f32(ctx, fn, g, dq, dX, 1));
@@ -1398,14 +1298,14 @@ static dsk_status dsk__attention_bwd(dsk_ctx *ctx, const char *fn, const dsk__at
     return DSK_OK;
 }
 
-extern "C" dsk_status dsk_cuda_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tensor *dk, dsk_tensor *dv, const dsk_tensor *dout,
-                                                  const dsk_tensor *q, const dsk_tensor *k, const dsk_tensor *v, const dsk_tensor *probs,
-                                                  float scale) {
+extern "C" dsk_status dsk_cuda_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tensor *dk, dsk_tensor *dv,
+                                                  const dsk_tensor *dout, const dsk_tensor *q, const dsk_tensor *k,
+                                                  const dsk_tensor *v, const dsk_tensor *probs, float scale) {
     static const char *fn = "dsk_attention_backward";
     dsk__att g;
     float *buf = NULL;
     dsk_status s;
-    DSK__TRY(dsk__need_ctx(fn, ctx));
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     g = dsk__att_of(q);
     if (g.n == 0 || (!dq && !dk && !dv)) return DSK_OK;
     /* Q, K, V, dO, one gradient at a time, and dP (BH, T, T). */
@@ -1417,27 +1317,30 @@ extern "C" dsk_status dsk_cuda_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, 
 
 /* ======================================================================= AdamW */
 
-__global__ void dsk__k_adamw(float *p, const void *grad, int dtg, float *m, float *v, int64_t n, float lr, float b1, float b2, float eps,
-                             float wd, float bc1, float bc2, float grad_mult, void *copy, int dtc) {
-    DSK__FOR(i, n) {
+__global__ void dsk__k_adamw(float *p, const void *grad, dsk_dtype dtg, float *m, float *v, int64_t n, float lr,
+                             float b1, float b2, float eps, float wd, float bc1, float bc2, float grad_mult, void *copy,
+                             dsk_dtype dtc) {
+    DSK__CUDA_FOR(i, n) {
         float pi = p[i], mi = m[i], vi = v[i];
-        dsk_adamw_update(&pi, &mi, &vi, dsk__ldf(grad, dtg, i) * grad_mult, lr, b1, b2, eps, wd, bc1, bc2);
+        dsk_adamw_update(&pi, &mi, &vi, dsk_load_f32(grad, dtg, i) * grad_mult, lr, b1, b2, eps, wd, bc1, bc2);
         p[i] = pi;
         m[i] = mi;
         v[i] = vi;
-        if (copy) dsk__stf(copy, dtc, i, pi);
+        if (copy) dsk_store_f32(copy, dtc, i, pi);
     }
 }
 
-extern "C" dsk_status dsk_cuda_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_tensor *grad, dsk_tensor *m, dsk_tensor *v,
-                                          const dsk_adamw_opts *opts, int64_t step, float grad_mult, dsk_tensor *param_copy) {
+extern "C" dsk_status dsk_cuda_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_tensor *grad, dsk_tensor *m,
+                                          dsk_tensor *v, const dsk_adamw_opts *opts, int64_t step, float grad_mult,
+                                          dsk_tensor *param_copy) {
     static const char *fn = "dsk_adamw_step";
     int64_t n = dsk_tensor_numel(param);
     float bc1 = dsk_adamw_bias_correction(opts->beta1, step), bc2 = dsk_adamw_bias_correction(opts->beta2, step);
-    DSK__TRY(dsk__need_ctx(fn, ctx));
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     if (n == 0) return DSK_OK;
-    DSK__LAUNCH(fn, dsk__k_adamw, dsk__grid(n), DSK__THREADS, dsk__stream(ctx), n, (float *)param->data, grad->data, (int)grad->dtype,
-                (float *)m->data, (float *)v->data, n, opts->lr, opts->beta1, opts->beta2, opts->eps, opts->weight_decay, bc1, bc2,
-                grad_mult, param_copy ? param_copy->data : NULL, param_copy ? (int)param_copy->dtype : 0);
+    DSK__CUDA_LAUNCH(fn, dsk__k_adamw, dsk__cuda_grid(n), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), n,
+                     (float *)param->data, grad->data, grad->dtype, (float *)m->data, (float *)v->data, n, opts->lr,
+                     opts->beta1, opts->beta2, opts->eps, opts->weight_decay, bc1, bc2, grad_mult,
+                     param_copy ? param_copy->data : NULL, param_copy ? param_copy->dtype : DSK_F32);
     return DSK_OK;
 }

@@ -3,12 +3,17 @@
 # last; exits non-zero when anything failed. `run_tests.sh gpu` runs only the GPU tests.
 # Each program prints `[name] totals: P passed / F failed / S skipped`; one that dies or
 # exits non-zero without failing a case counts as one failed case.
+# GPU tests run against the CPU emulation of CUDA (build/emu) and, on a machine with a GPU
+# (or when there is no emulated build), as built by nvcc (build/tests/gpu). The emulated runs record
+# every kernel launch; the coverage line names the kernels of kernels/*.cu none of them
+# launched, and a non-empty list counts as a failure.
 set -u
 BUILD=${BUILD:-build}
 cd "$(dirname "$0")/.."
 passed=0 failed=0 skipped=0
 log=$(mktemp)
-trap 'rm -f "$log"' EXIT
+cov=$(mktemp -d)
+trap 'rm -rf "$log" "$cov"' EXIT
 
 run_one() { # name, command...
   local name=$1; shift
@@ -31,14 +36,34 @@ run_one() { # name, command...
   echo "# $name: $((SECONDS - start)) s"
 }
 
+# Kernels defined in kernels/*.cu that no emulated run launched.
+coverage() {
+  local all launched never
+  all=$(grep -ohE '__global__[^(;]*\(' kernels/*.cu | sed -E 's/.*[^A-Za-z0-9_]([A-Za-z_][A-Za-z0-9_]*)[[:space:]]*\($/\1/' | sort -u)
+  launched=$(cat "$cov"/* 2>/dev/null | awk '{print $1}' | sort -u)
+  never=$(comm -23 <(echo "$all") <(echo "$launched") | tr '\n' ' ')
+  echo "cuda_emu coverage: $(comm -12 <(echo "$all") <(echo "$launched") | grep -c .) of $(echo "$all" | grep -c .) kernels in kernels/*.cu launched; never launched: ${never:-(none)}"
+  if [ -n "$never" ]; then echo "FAIL kernels never launched by the emulated GPU tests: $never"; failed=$((failed + 1)); fi
+}
+
 if [ "${1:-}" = gpu ]; then
-  progs=$(ls "$BUILD"/tests/gpu/test_* 2>/dev/null)
+  progs=""
   scripts=""
 else
-  progs=$(ls "$BUILD"/tests/test_* "$BUILD"/tests/gpu/test_* 2>/dev/null)
+  progs=$(ls "$BUILD"/tests/test_* 2>/dev/null)
   scripts=$(ls tests/test_*.sh tests/interop/test_*.sh 2>/dev/null)
 fi
+if { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; } ||
+   ! ls "$BUILD"/emu/tests/gpu/test_* >/dev/null 2>&1; then
+  progs="$progs $(ls "$BUILD"/tests/gpu/test_* 2>/dev/null)"
+elif ls "$BUILD"/tests/gpu/test_* >/dev/null 2>&1; then
+  echo "# no GPU here: the nvcc-built GPU tests ($BUILD/tests/gpu) do not run; their emulated builds ($BUILD/emu) do"
+fi
+emu_progs=$(ls "$BUILD"/emu/tests/test_* "$BUILD"/emu/tests/gpu/test_* 2>/dev/null)
+
 for p in $progs; do [ -x "$p" ] && run_one "$(basename "$p")" "$p"; done
+for p in $emu_progs; do [ -x "$p" ] && run_one "emu/$(basename "$p")" env CUDA_EMU_COVERAGE_DIR="$cov" "$p"; done
+ls "$BUILD"/emu/tests/gpu/test_* >/dev/null 2>&1 && coverage
 for s in $scripts; do run_one "$(basename "$s")" env BUILD="$BUILD" bash "$s"; done
 
 echo "$passed passed, $failed failed, $skipped skipped"

@@ -75,18 +75,18 @@ EOF
 fi
 
 # ---- 2. the per-step line and the output files
-if grep -qE '^step +30/30 \| loss [0-9.]+ \| lr .* \| norm .* \| scale .* ms \| .* tok/s \| mfu .*% \| comm .*% \| load [0-9.]+ \| drop [0-9]+ \| eta ' "$work/learn.out" &&
+if grep -qE '^step +30/30 \| loss [0-9.]+ \| lr .* \| norm .* \| scale .* ms \| .* tok/s \| mfu .*% \| comm .*% \| data +[0-9.]+% \| load [0-9.]+ \| drop [0-9]+ \| eta ' "$work/learn.out" &&
    grep -q 'validation loss' "$work/learn.out"; then
-    ok "per-step line carries loss, lr, norm, scale, time, tokens/s, MFU, comm, load, drops, ETA"
+    ok "per-step line carries loss, lr, norm, scale, time, tokens/s, MFU, comm, data wait, load, drops, ETA"
 else
     bad "per-step line format" "$(grep '^step' "$work/learn.out" | tail -2)"
 fi
-if [ -f "$work/learn.prom" ] && grep -q '^dsk_train_step 30$' "$work/learn.prom" &&
+if [ -f "$work/learn.prom" ] && grep -q '^dsk_train_steps_total{rank="0"} 30$' "$work/learn.prom" &&
    grep -q '^# TYPE dsk_train_loss gauge$' "$work/learn.prom" &&
-   [ "$(grep -c '^dsk_train_expert_load{layer="[0-9]*",expert="[0-9]*"} ' "$work/learn.prom")" -eq 8 ] &&
-   grep -q '^dsk_train_tokens_per_second ' "$work/learn.prom" && grep -q '^dsk_train_comm_seconds_total ' "$work/learn.prom" &&
-   grep -q '^dsk_train_loss_scale ' "$work/learn.prom"; then
-    ok "--metrics writes a Prometheus text file (step, loss, tokens/s, comm seconds, loss scale, 2x4 expert loads)"
+   [ "$(grep -c '^dsk_train_expert_load_ratio{rank="0",layer="[0-9]*",expert="[0-9]*"} ' "$work/learn.prom")" -eq 8 ] &&
+   grep -q '^dsk_train_tokens_total{rank="0"} 7680$' "$work/learn.prom" && grep -q '^dsk_train_comm_seconds_total{rank="0"} ' "$work/learn.prom" &&
+   grep -q '^dsk_train_loss_scale{rank="0"} 1$' "$work/learn.prom" && grep -q '^dsk_train_step_seconds_count{rank="0"} 30$' "$work/learn.prom"; then
+    ok "--metrics writes a Prometheus text file (steps, loss, tokens, comm seconds, loss scale, step-time histogram, 2x4 expert loads)"
 else
     bad "--metrics Prometheus file" "$(head -c 600 "$work/learn.prom" 2>/dev/null)"
 fi

@@ -18,19 +18,41 @@ static inline void gpu_test_setup(void) {
     have_gpu = dsk_cuda_available() && dsk_ctx_init(&G, &o) == DSK_OK;
     if (!have_gpu) printf("# no usable CUDA device (%s): GPU cases are skipped\n", dsk_last_error()[0] ? dsk_last_error() : "none");
 }
+/* A second context, on CUDA device `index`, for cases where one thread drives two devices;
+   0 when there is no such device (the case then skips). */
+static inline int gpu_test_ctx_on(int index, dsk_ctx *c) {
+    dsk_ctx_opts o;
+    int n = 0;
+    memset(c, 0, sizeof *c);
+#ifdef DSK_CUDA
+    if (!have_gpu || dsk_cuda_device_count(&n) != DSK_OK || n <= index) return 0;
+#endif
+    memset(&o, 0, sizeof o);
+    o.device = DSK_PREFER_CUDA;
+    o.cuda_index = index;
+    return n > index && dsk_ctx_init(c, &o) == DSK_OK;
+}
+
+static dsk_tensor **gpu_test_pool;
+static int gpu_test_pool_n, gpu_test_pool_cap;
+
 static inline void gpu_test_teardown(void) {
     if (have_gpu) dsk_ctx_free(&G);
+    free(gpu_test_pool);
+    gpu_test_pool = NULL;
+    gpu_test_pool_cap = 0;
 }
 
 /* ---- tensor pool: every tensor a case makes through these is freed by release() */
 
-#define GPU_TEST_POOL 512
-static dsk_tensor *gpu_test_pool[GPU_TEST_POOL];
-static int gpu_test_pool_n;
-
 static inline dsk_tensor *keep(dsk_tensor t) {
     dsk_tensor *p = (dsk_tensor *)malloc(sizeof *p);
-    if (!p || gpu_test_pool_n == GPU_TEST_POOL) { fprintf(stderr, "%s: tensor pool exhausted\n", dsk_test_g.program); exit(2); }
+    if (p && gpu_test_pool_n == gpu_test_pool_cap) { /* a case may keep any number of tensors */
+        int cap = gpu_test_pool_cap ? 2 * gpu_test_pool_cap : 256;
+        dsk_tensor **grown = (dsk_tensor **)realloc(gpu_test_pool, (size_t)cap * sizeof *grown);
+        if (grown) gpu_test_pool = grown, gpu_test_pool_cap = cap;
+    }
+    if (!p || gpu_test_pool_n == gpu_test_pool_cap) { fprintf(stderr, "%s: out of memory for the tensor pool\n", dsk_test_g.program); exit(2); }
     *p = t;
     gpu_test_pool[gpu_test_pool_n++] = p;
     return p;

@@ -282,6 +282,32 @@ static void test_fp8_blocks_nonfinite(dsk_dtype fmt) {
     same_or_nan(dy, hy, "block dequantised");
 }
 
+/* One thread drives two devices: every call makes its context's device current (a launch
+   on a stream of another device than the current one fails). */
+static void test_two_devices(void) {
+    int64_t n = 4099;
+    dsk_ctx G1;
+    dsk_tensor d1, c1, back;
+    dsk_tensor *src = hrand(DSK_F32, 1, &n, 1e-3, 10.0), *want = h1(DSK_BF16, n), *d0 = dev(src), *c0 = dpoison(want);
+    if (!gpu_test_ctx_on(1, &G1)) { dsk_test_skip("needs 2 CUDA devices, driven by one thread"); return; }
+    DSK_TEST_OK(dsk_amp_cast(NULL, want, src, DSK_AMP_ROUND_NEAREST, 0, 0, 0));
+    DSK_TEST_OK(dsk_tensor_alloc(&G1, &d1, DSK_F32, 1, &n));
+    DSK_TEST_OK(dsk_tensor_alloc(&G1, &c1, DSK_BF16, 1, &n));
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &back, DSK_BF16, 1, &n));
+    DSK_TEST_OK(dsk_tensor_copy(&G1, &d1, src));
+    for (int r = 0; r < 2; r++) { /* each call follows one on the other device */
+        DSK_TEST_OK(dsk_amp_cast(&G1, &c1, &d1, DSK_AMP_ROUND_NEAREST, 0, 0, 0));
+        DSK_TEST_OK(dsk_amp_cast(&G, c0, d0, DSK_AMP_ROUND_NEAREST, 0, 0, 0));
+    }
+    same(c0, want, "cast on device 0 after one on device 1");
+    DSK_TEST_OK(dsk_tensor_copy(&G1, &back, &c1));
+    DSK_TEST_SAME_BYTES(back.data, want->data, dsk_tensor_nbytes(want), "cast on device 1");
+    dsk_tensor_free(&G1, &d1);
+    dsk_tensor_free(&G1, &c1);
+    dsk_tensor_free(NULL, &back);
+    dsk_ctx_free(&G1);
+}
+
 /* A CPU tensor handed to a CUDA scaler is an argument error, named. */
 static void test_device_mismatch(void) {
     dsk_amp_scaler ds;
@@ -321,6 +347,7 @@ int main(void) {
     CASE(test_fp8_blocks_nonfinite(DSK_E4M3), "fp8 e4m3 blocks with Inf, -Inf, NaN stay non-finite");
     CASE(test_fp8_blocks_nonfinite(DSK_E5M2), "fp8 e5m2 blocks with Inf, -Inf, NaN stay non-finite");
     CASE(test_device_mismatch(), "CPU tensor with a CUDA scaler");
+    CASE(test_two_devices(), "one thread, two devices: casts alternate between contexts");
     gpu_test_teardown();
     return dsk_test_finish();
 }

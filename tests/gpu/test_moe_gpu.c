@@ -124,6 +124,214 @@ static void run_case(dsk_ctx *gctx, const gcase *c) {
     dsk_test_end();
 }
 
+/* ---------------------------------------------------------------- one thread, two devices */
+
+/* The same layer on device 0 and device 1, forward and backward alternating between them:
+   every launcher makes its context's device current (a launch on a stream of another device
+   than the current one fails), and both give the same results. */
+static void test_two_devices(dsk_ctx *g0, int ndev) {
+    gcase c = {"softmax+shared", 33, 64, 8, 2, 32, 1, 0, 0, DSK_MOE_SOFTMAX, 0, 0.01f, 0, 0, 0, DSK_F32,
+               DSK_MOE_GROUP_DEEPSEEK_V3};
+    dsk_ctx g1;
+    dsk_ctx_opts co;
+    dsk_moe m[2];
+    dsk_moe_opts o;
+    dsk_tensor hx, x[2], y[2], dx[2];
+    dsk_ctx *ctx[2] = {g0, &g1};
+    int64_t shp[2] = {c.T, c.D};
+    dsk_test_begin("one thread, two devices: forward and backward alternate between contexts");
+    memset(&co, 0, sizeof co);
+    co.device = DSK_PREFER_CUDA;
+    co.cuda_index = 1;
+    if (ndev < 2 || dsk_ctx_init(&g1, &co) != DSK_OK) {
+        dsk_test_skip("needs 2 CUDA devices, driven by one thread");
+        dsk_test_end();
+        return;
+    }
+    memset(&o, 0, sizeof o);
+    o.d_model = c.D; o.n_routed = c.E; o.top_k = c.K; o.d_expert = c.F; o.n_shared = c.n_shared; o.aux_alpha = c.aux;
+    o.init_std = 0.3f; o.seed = 5;
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &hx, DSK_F32, 2, shp));
+    dsk_tensor_uniform(NULL, &hx, 21, 0, -1, 1);
+    for (int d = 0; d < 2; d++) {
+        DSK_TEST_OK(dsk_moe_init(&m[d], ctx[d], &o));
+        DSK_TEST_OK(dsk_tensor_alloc(ctx[d], &x[d], DSK_F32, 2, shp));
+        DSK_TEST_OK(dsk_tensor_alloc(ctx[d], &y[d], DSK_F32, 2, shp));
+        DSK_TEST_OK(dsk_tensor_alloc(ctx[d], &dx[d], DSK_F32, 2, shp));
+        DSK_TEST_OK(dsk_tensor_copy(ctx[d], &x[d], &hx));
+        DSK_TEST_OK(dsk_tensor_fill(ctx[d], &dx[d], 0.0));
+    }
+    for (int i = 0; i < m[0].n_params; i++) { /* device 0's parameters on device 1, through the host */
+        dsk_tensor h;
+        DSK_TEST_OK(dsk_tensor_alloc(NULL, &h, m[0].params[i].value.dtype, m[0].params[i].value.ndim, m[0].params[i].value.shape));
+        DSK_TEST_OK(dsk_tensor_copy(ctx[0], &h, &m[0].params[i].value));
+        DSK_TEST_OK(dsk_tensor_copy(ctx[1], &m[1].params[i].value, &h));
+        dsk_tensor_free(NULL, &h);
+    }
+    for (int d = 1; d >= 0; d--) DSK_TEST_OK(dsk_moe_forward(&m[d], ctx[d], &y[d], &x[d], NULL));
+    for (int d = 1; d >= 0; d--) DSK_TEST_OK(dsk_moe_backward(&m[d], ctx[d], &dx[d], &y[d], 1.0f));
+    {
+        dsk_tensor h1y;
+        DSK_TEST_OK(dsk_tensor_alloc(NULL, &h1y, DSK_F32, 2, shp));
+        DSK_TEST_OK(dsk_tensor_copy(ctx[1], &h1y, &y[1]));
+        compare(ctx[0], &y[0], &h1y, 0, 0, "y on device 0 vs device 1");
+        DSK_TEST_OK(dsk_tensor_copy(ctx[1], &h1y, &dx[1]));
+        compare(ctx[0], &dx[0], &h1y, 0, 0, "dx on device 0 vs device 1");
+        dsk_tensor_free(NULL, &h1y);
+    }
+#ifdef DSK_CUDA
+    { /* the launchers themselves, each called right after work on the other device */
+        int64_t cs[2] = {c.T, c.T};
+        dsk_tensor C, hC, hw, hx2;
+        DSK_TEST_OK(dsk_tensor_alloc(ctx[0], &C, DSK_F32, 2, cs));
+        DSK_TEST_OK(dsk_tensor_alloc(NULL, &hC, DSK_F32, 2, cs));
+        DSK_TEST_OK(dsk_tensor_alloc(NULL, &hw, DSK_F32, 2, cs));
+        DSK_TEST_OK(dsk_tensor_alloc(NULL, &hx2, DSK_F32, 2, shp));
+        DSK_TEST_OK(dsk_tensor_fill(ctx[1], &dx[1], 0.0));
+        DSK_TEST_OK(dsk_cuda_moe_gemm(ctx[0], 0, 1, c.T, c.T, c.D, x[0].data, c.D, x[0].data, c.D, DSK_F32, 0.0f, C.data, c.T, DSK_F32));
+        DSK_TEST_OK(dsk_tensor_fill(ctx[1], &dx[1], 0.0));
+        DSK_TEST_OK(dsk_cuda_moe_accumulate(ctx[0], x[0].data, DSK_F32, (const float *)x[0].data, c.T * c.D)); /* x += x */
+        DSK_TEST_OK(dsk_tensor_copy(ctx[0], &hC, &C));
+        DSK_TEST_OK(dsk_tensor_copy(ctx[0], &hx2, &x[0]));
+        DSK_TEST_OK(dsk_matmul(NULL, &hw, &hx, 0, &hx, 1, 1.0f, 0.0f));
+        compare(NULL, &hC, &hw, 1e-5, 1e-5, "dsk_cuda_moe_gemm on device 0 right after device 1");
+        DSK_TEST_OK(dsk_scale(NULL, &hx, 2.0f));
+        compare(NULL, &hx2, &hx, 0, 0, "dsk_cuda_moe_accumulate on device 0 right after device 1");
+        dsk_tensor_free(ctx[0], &C); dsk_tensor_free(NULL, &hC); dsk_tensor_free(NULL, &hw); dsk_tensor_free(NULL, &hx2);
+    }
+#endif
+    for (int d = 0; d < 2; d++) {
+        dsk_tensor_free(ctx[d], &x[d]); dsk_tensor_free(ctx[d], &y[d]); dsk_tensor_free(ctx[d], &dx[d]);
+        dsk_moe_free(&m[d], ctx[d]);
+    }
+    dsk_tensor_free(NULL, &hx);
+    dsk_ctx_free(&g1);
+    dsk_test_end();
+}
+
+/* ---------------------------------------------------------------- expert parallelism (nccl) */
+
+enum { EP_T = 13, EP_D = 16, EP_E = 8, EP_K = 3, EP_F = 12, EP_FS = 10 };
+
+static dsk_moe_opts ep_opts(int sigmoid) {
+    dsk_moe_opts o;
+    memset(&o, 0, sizeof o);
+    o.d_model = EP_D; o.n_routed = EP_E; o.top_k = EP_K; o.d_expert = EP_F; o.n_shared = 1; o.d_shared = EP_FS;
+    o.init_std = 0.5f; o.seed = 77; o.aux_alpha = 0.01f;
+    if (sigmoid) { o.score = DSK_MOE_SIGMOID; o.n_group = 4; o.topk_group = 2; o.routed_scale = 2.5f; }
+    return o;
+}
+
+/* One rank of an expert-parallel step: the global batch (every rank draws the same one),
+   one CPU layer over all of it as the reference, and this rank's CUDA layer (its experts
+   copied from the reference) over its rows; compares y, dx, its experts' gradients, the
+   dense gradients summed over ranks (an nccl all-reduce) and the EP-group loads. */
+static int ep_rank(int sigmoid) {
+    dsk_comm c;
+    dsk_comm_opts co;
+    dsk_ctx g;
+    dsk_ctx_opts go;
+    dsk_moe ref, m;
+    dsk_moe_opts o = ep_opts(sigmoid);
+    dsk_moe_stats rs, gs;
+    dsk_tensor x, dy, y, dx, gx, gdy, gy, gdx, xs, dys, ys, dxs;
+    int64_t NT, shp[2];
+    int n, me;
+    memset(&co, 0, sizeof co);
+    co.backend = DSK_COMM_NCCL;
+    co.timeout_s = 120;
+    if (dsk_comm_init_env(&c, &co) != DSK_OK) { printf("nccl init: %s\n", dsk_last_error()); return 3; }
+    n = c.world_size;
+    me = c.rank;
+    NT = (int64_t)EP_T * n;
+    memset(&go, 0, sizeof go);
+    go.device = DSK_PREFER_CUDA;
+    go.cuda_index = c.local_rank;
+    if (dsk_ctx_init(&g, &go) != DSK_OK) { printf("ctx: %s\n", dsk_last_error()); return 3; }
+    dsk_test_begin("expert parallel rank %d of %d", me, n);
+    shp[0] = NT; shp[1] = EP_D;
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &x, DSK_F32, 2, shp));
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &dy, DSK_F32, 2, shp));
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &y, DSK_F32, 2, shp));
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &dx, DSK_F32, 2, shp));
+    dsk_tensor_uniform(NULL, &x, 31, 0, -1, 1);
+    dsk_tensor_uniform(NULL, &dy, 32, 0, -1, 1);
+    dsk_tensor_fill(NULL, &dx, 0.0);
+    DSK_TEST_OK(dsk_moe_init(&ref, NULL, &o));
+    DSK_TEST_OK(dsk_moe_forward(&ref, NULL, &y, &x, &rs));
+    DSK_TEST_OK(dsk_moe_backward(&ref, NULL, &dx, &dy, 1.0f));
+    o.ep = &c;
+    DSK_TEST_OK(dsk_moe_init(&m, &g, &o));
+    for (int i = 0; i < m.n_params; i++) { /* the reference's parameters; experts: this rank's slice */
+        dsk_tensor src = ref.params[i].value;
+        if (src.ndim == 3) DSK_TEST_OK(dsk_tensor_slice(&ref.params[i].value, 0, m.expert0, m.n_local, &src));
+        DSK_TEST_OK(dsk_tensor_copy(&g, &m.params[i].value, &src));
+    }
+    DSK_TEST_OK(dsk_tensor_slice(&x, 0, me * EP_T, EP_T, &xs));
+    DSK_TEST_OK(dsk_tensor_slice(&dy, 0, me * EP_T, EP_T, &dys));
+    DSK_TEST_OK(dsk_tensor_slice(&y, 0, me * EP_T, EP_T, &ys));
+    DSK_TEST_OK(dsk_tensor_slice(&dx, 0, me * EP_T, EP_T, &dxs));
+    shp[0] = EP_T;
+    DSK_TEST_OK(dsk_tensor_alloc(&g, &gx, DSK_F32, 2, shp));
+    DSK_TEST_OK(dsk_tensor_alloc(&g, &gdy, DSK_F32, 2, shp));
+    DSK_TEST_OK(dsk_tensor_alloc(&g, &gy, DSK_F32, 2, shp));
+    DSK_TEST_OK(dsk_tensor_alloc(&g, &gdx, DSK_F32, 2, shp));
+    DSK_TEST_OK(dsk_tensor_copy(&g, &gx, &xs));
+    DSK_TEST_OK(dsk_tensor_copy(&g, &gdy, &dys));
+    DSK_TEST_OK(dsk_tensor_fill(&g, &gy, NAN));
+    DSK_TEST_OK(dsk_tensor_fill(&g, &gdx, 0.0));
+    DSK_TEST_OK(dsk_moe_forward(&m, &g, &gy, &gx, &gs));
+    DSK_TEST_OK(dsk_moe_backward(&m, &g, &gdx, &gdy, 1.0f));
+    compare(&g, &gy, &ys, 2e-4, 2e-5, "y of this rank's rows");
+    compare(&g, &gdx, &dxs, 2e-4, 2e-5, "dx of this rank's rows");
+    DSK_TEST_EXPECT(gs.tokens == NT, "tokens %lld, want %lld", (long long)gs.tokens, (long long)NT);
+    for (int e = 0; e < EP_E; e++)
+        DSK_TEST_EXPECT(gs.tokens_per_expert[e] == rs.tokens_per_expert[e], "expert %d: EP-group load %lld, one layer %lld", e,
+                        (long long)gs.tokens_per_expert[e], (long long)rs.tokens_per_expert[e]);
+    for (int i = 0; i < m.n_params; i++) {
+        dsk_tensor want = ref.params[i].grad;
+        char what[128];
+        if (!dsk_tensor_numel(&m.params[i].grad)) continue;
+        if (want.ndim == 3) DSK_TEST_OK(dsk_tensor_slice(&ref.params[i].grad, 0, m.expert0, m.n_local, &want));
+        else DSK_TEST_OK(dsk_comm_all_reduce(&c, &g, m.params[i].grad.data, m.params[i].grad.data, dsk_tensor_numel(&want), DSK_F32,
+                                             DSK_COMM_SUM)); /* dense: partial sums over this rank's tokens */
+        DSK_TEST_OK(dsk_comm_sync(&c, &g));
+        snprintf(what, sizeof what, "grad %s", ref.params[i].name);
+        compare(&g, &m.params[i].grad, &want, 1e-3, 1e-4, what);
+    }
+    dsk_tensor_free(NULL, &x); dsk_tensor_free(NULL, &dy); dsk_tensor_free(NULL, &y); dsk_tensor_free(NULL, &dx);
+    dsk_tensor_free(&g, &gx); dsk_tensor_free(&g, &gdy); dsk_tensor_free(&g, &gy); dsk_tensor_free(&g, &gdx);
+    dsk_moe_free(&m, &g);
+    dsk_moe_free(&ref, NULL);
+    dsk_test_end();
+    dsk_ctx_free(&g);
+    dsk_comm_free(&c);
+    return dsk_test_g.failed ? 1 : 0;
+}
+
+/* Starts `ranks` processes of this program, each one rank of ep_rank(). */
+static void run_ep(int ranks, int ndev, int sigmoid) {
+    char self[4096], *av[] = {self, (char *)"--ep-rank", (char *)(sigmoid ? "1" : "0"), NULL};
+    ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
+    dsk_comm_spawn_opts so;
+    int worst = -1, port = 0;
+    dsk_test_begin("expert parallel over %d ranks on the nccl backend (%s) = one CPU layer", ranks, sigmoid ? "sigmoid+groups" : "softmax");
+    if (ndev < ranks) {
+        dsk_test_skip("needs %d CUDA devices (one per rank), %d present", ranks, ndev);
+        dsk_test_end();
+        return;
+    }
+    self[k > 0 ? k : 0] = 0;
+    DSK_TEST_OK(dsk_comm_free_port("127.0.0.1", &port));
+    memset(&so, 0, sizeof so);
+    so.master_port = port;
+    so.timeout_s = 300;
+    fflush(stdout);
+    DSK_TEST_OK(dsk_comm_spawn_local(ranks, av, &so, &worst));
+    DSK_TEST_EXPECT(worst == 0, "ranks exited with status %d", worst);
+    dsk_test_end();
+}
+
 /* NaN/Inf in x: the CUDA forward fails like the CPU one (DSK_ERR_NONFINITE naming the token),
    routes nothing out of range and runs again on repaired input. */
 static void run_nonfinite(dsk_ctx *gctx, dsk_moe_score score, float bad) {
@@ -155,10 +363,10 @@ static void run_nonfinite(dsk_ctx *gctx, dsk_moe_score score, float bad) {
     dsk_test_end();
 }
 
-int main(void) {
+int main(int argc, char **argv) {
     dsk_ctx gctx;
     dsk_ctx_opts co;
-    int have = dsk_cuda_available();
+    int have = dsk_cuda_available(), ndev = 0;
     const gcase cases[] = {
         {"softmax", 129, 64, 12, 2, 32, 0, 0, 0, DSK_MOE_SOFTMAX, 0, 0, 0, 0, 0, DSK_F32, DSK_MOE_GROUP_DEEPSEEK_V3},
         {"softmax+aux+z+shared", 7, 64, 6, 3, 48, 2, 0, 0, DSK_MOE_SOFTMAX, 0, 0.01f, 0, 0.001f, 0, DSK_F32,
@@ -177,6 +385,10 @@ int main(void) {
         {"sigmoid+groups+shared", 200, 128, 16, 4, 64, 1, 4, 2, DSK_MOE_SIGMOID, 0, 0.01f, 0, 0.001f, 0, DSK_BF16,
          DSK_MOE_GROUP_DEEPSEEK_V3},
     };
+    if (argc == 3 && !strcmp(argv[1], "--ep-rank")) {
+        dsk_test_init("test_moe_gpu rank");
+        return ep_rank(atoi(argv[2]));
+    }
     dsk_test_init("test_moe_gpu");
     memset(&co, 0, sizeof co);
     co.device = DSK_PREFER_CUDA;
@@ -187,9 +399,15 @@ int main(void) {
         dsk_test_end();
         return dsk_test_finish();
     }
+#ifdef DSK_CUDA
+    if (have) dsk_cuda_device_count(&ndev);
+#endif
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&gctx, &cases[i]);
     run_nonfinite(&gctx, DSK_MOE_SOFTMAX, INFINITY);
     run_nonfinite(&gctx, DSK_MOE_SIGMOID, NAN);
+    test_two_devices(&gctx, ndev);
     dsk_ctx_free(&gctx);
+    run_ep(2, ndev, 0);
+    run_ep(4, ndev, 1);
     return dsk_test_finish();
 }

@@ -5,11 +5,17 @@
    uniform RNG, top-k, scatter-add), else within the dtype's tolerance (f32 about 1e-5
    relative, bf16 about 1e-2). GPU outputs are NaN-poisoned first; accumulated outputs start
    from the same random values on both devices. Without a usable CUDA device every GPU case
-   reports as skipped; the runtime checks that need no device still run in CUDA builds. */
+   reports as skipped; the runtime checks that need no device still run in CUDA builds, and
+   the no-device fallback runs in a child process that sees no device (CUDA_VISIBLE_DEVICES
+   empty). */
+#define _POSIX_C_SOURCE 200809L /* readlink, setenv (the no-device child) */
 #define DSK_TENSOR_IMPLEMENTATION
 #include "dsk_tensor.h"
 #include "tests/dsk_test.h"
 #include "tests/gpu/gpu_test_util.h" /* G, have_gpu, the tensor pool (halloc, dalloc, dev, host_as), CASE */
+
+#include <sys/wait.h>
+#include <unistd.h>
 
 /* ------------------------------------------------------------------ tensor helpers */
 
@@ -75,12 +81,29 @@ static void test_no_device_fallback(void) {
     dsk_ctx_opts o;
     memset(&o, 0, sizeof o);
     o.device = DSK_PREFER_CUDA;
+    DSK_TEST_EXPECT(!dsk_cuda_available(), "a device is visible with CUDA_VISIBLE_DEVICES empty");
     DSK_TEST_STATUS(dsk_ctx_init(&c, &o), DSK_ERR_UNSUPPORTED);
     DSK_TEST_ERROR_MENTIONS("dsk_ctx_init");
     o.device = DSK_PREFER_AUTO;
     DSK_TEST_OK(dsk_ctx_init(&c, &o));
     DSK_TEST_EXPECT(c.device.type == DSK_DEV_CPU, "device type %d", (int)c.device.type);
     dsk_ctx_free(&c);
+}
+
+/* Runs this program as `--no-device-child` with CUDA_VISIBLE_DEVICES empty; the child runs
+   test_no_device_fallback and exits with the number of failed checks. */
+static void test_no_device_child(const char *self) {
+    int status = 0;
+    pid_t pid;
+    fflush(stdout);
+    pid = fork();
+    if (pid == 0) {
+        setenv("CUDA_VISIBLE_DEVICES", "", 1);
+        execl(self, self, "--no-device-child", (char *)NULL);
+        _exit(127);
+    }
+    DSK_TEST_EXPECT(pid > 0 && waitpid(pid, &status, 0) == pid, "fork or wait failed");
+    DSK_TEST_EXPECT(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the child without a device failed (status 0x%x)", status);
 }
 
 /* Launchers called without a CUDA ctx fail with DSK_ERR_ARG naming the op (no device needed);
@@ -162,6 +185,35 @@ static void test_ctx_errors(void) {
     DSK_TEST_OK(dsk_ctx_sync(&G));
 }
 #endif
+
+/* One thread drives two devices: each op makes its context's device current (a launch on a
+   stream of another device than the current one fails). */
+static void test_two_devices(void) {
+    dsk_ctx G1;
+    dsk_tensor a1, b1, o1, back;
+    dsk_tensor *a = hrand(DSK_F32, SH(3, 129), -1, 1), *b = hrand(DSK_F32, SH(3, 129), -1, 1), *want = halloc(DSK_F32, SH(3, 129));
+    dsk_tensor *a0 = dev(a), *b0 = dev(b), *o0 = dpoison(want);
+    if (!gpu_test_ctx_on(1, &G1)) { dsk_test_skip("needs 2 CUDA devices, driven by one thread"); return; }
+    DSK_TEST_OK(dsk_add(NULL, want, a, b));
+    DSK_TEST_OK(dsk_tensor_alloc(&G1, &a1, DSK_F32, a->ndim, a->shape));
+    DSK_TEST_OK(dsk_tensor_alloc(&G1, &b1, DSK_F32, a->ndim, a->shape));
+    DSK_TEST_OK(dsk_tensor_alloc(&G1, &o1, DSK_F32, a->ndim, a->shape));
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &back, DSK_F32, a->ndim, a->shape));
+    DSK_TEST_OK(dsk_tensor_copy(&G1, &a1, a));
+    DSK_TEST_OK(dsk_tensor_copy(&G1, &b1, b));
+    for (int r = 0; r < 2; r++) { /* each op follows one on the other device */
+        DSK_TEST_OK(dsk_add(&G1, &o1, &a1, &b1));
+        DSK_TEST_OK(dsk_add(&G, o0, a0, b0));
+    }
+    check_same(o0, want, "add on device 0 after one on device 1");
+    DSK_TEST_OK(dsk_tensor_copy(&G1, &back, &o1));
+    DSK_TEST_SAME_BYTES(back.data, want->data, dsk_tensor_nbytes(want), "add on device 1");
+    dsk_tensor_free(&G1, &a1);
+    dsk_tensor_free(&G1, &b1);
+    dsk_tensor_free(&G1, &o1);
+    dsk_tensor_free(NULL, &back);
+    dsk_ctx_free(&G1);
+}
 
 /* ------------------------------------------------------------------ copies, casts, fill, RNG */
 
@@ -534,8 +586,19 @@ static void test_adamw(dsk_dtype gdt, dsk_dtype copy_dt, int64_t n) {
 
 /* ------------------------------------------------------------------ main */
 
-int main(void) {
+int main(int argc, char **argv) {
     static const dsk_dtype fdt[] = {DSK_F32, DSK_BF16};
+    char self[4096];
+    ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
+    self[k > 0 ? k : 0] = 0;
+#ifdef DSK_CUDA
+    if (argc == 2 && !strcmp(argv[1], "--no-device-child")) {
+        test_no_device_fallback();
+        return dsk_test_g.checks_failed_total ? 1 : 0;
+    }
+#endif
+    (void)argc;
+    (void)argv;
     dsk_test_init("test_tensor_gpu");
     gpu_test_setup();
 
@@ -543,11 +606,12 @@ int main(void) {
     DSK_TEST_RUN(test_device_count);
     DSK_TEST_RUN(test_launchers_need_ctx);
     dsk_test_begin("no device: PREFER_CUDA fails, AUTO uses the CPU");
-    if (have_gpu) dsk_test_skip("a CUDA device is present");
+    if (have_gpu) test_no_device_child(self);
     else test_no_device_fallback();
     dsk_test_end();
     CASE(test_ctx_errors(), "ctx and allocation errors");
 #endif
+    CASE(test_two_devices(), "one thread, two devices: ops alternate between contexts");
 
     for (int i = 0; i < N_DTYPES; i++) CASE(test_copy_roundtrip(all_dtypes[i]), "copy round trip %s", dsk_dtype_name(all_dtypes[i]));
     CASE(test_cast_all(), "casts between all %d dtypes, specials included", N_DTYPES);
