@@ -759,7 +759,7 @@ struct dsk__moe_state {
     dsk_dtype act;           /* activation dtype */
     dsk__moe_slot buf[DSK__MOE_NBUF];
     /* host side */
-    int64_t *h_cnt;          /* (3 + 2E) counts read back (CPU: unused) */
+    int64_t *h_cnt;          /* (3 + 2E) counts on the host (CUDA: copied back when asked for) */
     int64_t *h_recv_cnt;     /* (P * n_local) EP counts on the host */
     int64_t *a2a;            /* (4P) all-to-all-v counts and displacements, forward direction (elements) */
     int64_t *send_rows, *recv_rows; /* (P) */
@@ -877,6 +877,15 @@ static dsk_tensor dsk__moe_rows(const dsk_tensor *t, int64_t n) {
 static void dsk__moe_state_free(dsk_moe *m, dsk_ctx *ctx) {
     struct dsk__moe_state *st = m->st;
     for (int i = 0; i < DSK__MOE_NBUF; i++) dsk_tensor_free(ctx, &st->buf[i].mem);
+#ifdef DSK_CUDA
+    if (m->device.type == DSK_DEV_CUDA) { /* pinned, not DSK_MALLOC'd */
+        dsk_cuda_host_free(st->col_acc_i);
+        dsk_cuda_host_free(st->col_acc_f);
+        dsk_cuda_event_destroy(st->event);
+        st->col_acc_i = NULL;
+        st->col_acc_f = NULL;
+    }
+#endif
     DSK_FREE(st->h_cnt); DSK_FREE(st->h_recv_cnt); DSK_FREE(st->a2a); DSK_FREE(st->send_rows);
     DSK_FREE(st->recv_rows); DSK_FREE(st->local_off); DSK_FREE(st->h_rg); DSK_FREE(st->fwd_loads);
     DSK_FREE(st->col_acc_i); DSK_FREE(st->col_acc_f);
@@ -1037,8 +1046,17 @@ static dsk_status dsk__moe_alloc_state(dsk_moe *m, dsk_ctx *ctx) {
     st->recv_rows = (int64_t *)DSK_MALLOC((size_t)P * sizeof(int64_t));
     st->local_off = (int64_t *)DSK_MALLOC((size_t)(El + 1) * sizeof(int64_t));
     st->fwd_loads = (int64_t *)DSK_MALLOC((size_t)E * sizeof(int64_t));
-    st->col_acc_i = (int64_t *)DSK_MALLOC((size_t)(5 + E) * sizeof(int64_t));
-    st->col_acc_f = (double *)DSK_MALLOC(3 * sizeof(double));
+#ifdef DSK_CUDA
+    if (m->device.type == DSK_DEV_CUDA) { /* statistics come back into pinned memory after an event */
+        st->col_acc_i = (int64_t *)dsk_cuda_host_alloc((size_t)(5 + E) * sizeof(int64_t));
+        st->col_acc_f = (double *)dsk_cuda_host_alloc(3 * sizeof(double));
+        DSK__TRY(dsk_cuda_event_create(&st->event));
+    } else
+#endif
+    {
+        st->col_acc_i = (int64_t *)DSK_MALLOC((size_t)(5 + E) * sizeof(int64_t));
+        st->col_acc_f = (double *)DSK_MALLOC(3 * sizeof(double));
+    }
     if (!st->h_cnt || !st->h_recv_cnt || !st->a2a || !st->send_rows || !st->recv_rows || !st->local_off ||
         !st->fwd_loads || !st->col_acc_i || !st->col_acc_f)
         return dsk_set_error(DSK_ERR_OOM, "dsk_moe_init: out of host memory");
@@ -1084,10 +1102,12 @@ DSK_API dsk_status dsk_moe_init(dsk_moe *m, dsk_ctx *ctx, const dsk_moe_opts *op
             opts->name ? opts->name : "moe", ctx && ctx->device.type == DSK_DEV_CUDA ? "CUDA" : "CPU",
             ctx && ctx->device.type == DSK_DEV_CUDA ? "nccl" : "host");
     }
+#ifndef DSK_CUDA
     if (m->device.type != DSK_DEV_CPU) {
         memset(m, 0, sizeof *m);
-        return dsk_set_error(DSK_ERR_UNSUPPORTED, "dsk_moe_init: a CUDA layer needs the CUDA MoE kernels");
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "dsk_moe_init: CUDA context in a build without DSK_CUDA");
     }
+#endif
     dsk__moe_declare(m);
     s = dsk__moe_alloc_state(m, ctx);
     if (s != DSK_OK) { /* free what was made, keep the first error's message */
@@ -1290,6 +1310,16 @@ static int dsk__moe_threads(const dsk_ctx *ctx) {
 #endif
 }
 
+/* The layer's steps run on its device: CUDA layers call the kernels of kernels/moe.cu. */
+#ifdef DSK_CUDA
+#define DSK__MOE_ON_CUDA(m, call)                              \
+    do {                                                       \
+        if ((m)->device.type == DSK_DEV_CUDA) return (call);   \
+    } while (0)
+#else
+#define DSK__MOE_ON_CUDA(m, call) (void)ctx
+#endif
+
 #define DSK__MOE_F32(t) ((float *)(t).data)
 #define DSK__MOE_I32(t) ((int32_t *)(t).data)
 #define DSK__MOE_I64(t) ((int64_t *)(t).data)
@@ -1300,6 +1330,9 @@ static dsk_status dsk__moe_route(dsk_moe *m, dsk_ctx *ctx, int64_t T, const dsk_
                                  dsk_tensor *scr, dsk_tensor *sel, dsk_tensor *gate, dsk_tensor *keys) {
     int nt = dsk__moe_threads(ctx);
     const float *bias = (const float *)m->bias->value.data;
+    DSK__MOE_ON_CUDA(m, dsk_cuda_moe_route(ctx, &m->routing, T, DSK__MOE_F32(*u), bias, DSK__MOE_F32(*prob),
+                                           DSK__MOE_F32(*scr), DSK__MOE_I32(*sel), DSK__MOE_F32(*gate),
+                                           DSK__MOE_I32(*keys)));
     (void)nt;
     DSK__MOE_OMP(omp parallel for schedule(static) num_threads(nt))
     for (int64_t t = 0; t < T; t++)
@@ -1323,6 +1356,18 @@ static dsk_status dsk__moe_losses(dsk_moe *m, dsk_ctx *ctx, int64_t T, int64_t L
     const float *p = DSK__MOE_F32(*prob);
     const double *ptot = DSK__MOE_F64(lb->ptot);
     const int32_t *lsel = DSK__MOE_I32(lb->lsel);
+#ifdef DSK_CUDA
+    if (m->device.type == DSK_DEV_CUDA) {
+        dsk_cuda_moe_loss_args a;
+        a.T = T; a.L = L; a.nseq = nseq; a.E = E; a.K = K; a.sigmoid = sig; a.count_topk = topk;
+        a.aux_alpha = o->aux_alpha; a.seq_alpha = o->seq_aux_alpha; a.z_beta = o->z_beta;
+        a.prob = p; a.u = DSK__MOE_F32(*u); a.sel = DSK__MOE_I32(*sel);
+        a.ptot = DSK__MOE_F64(lb->ptot); a.term_s = DSK__MOE_F64(lb->term_s); a.term_q = DSK__MOE_F64(lb->term_q);
+        a.loss = DSK__MOE_F64(lb->loss); a.lse = DSK__MOE_F32(lb->lse); a.coef_s = DSK__MOE_F32(lb->coef_s);
+        a.coef_q = DSK__MOE_F32(lb->coef_q); a.aux = DSK__MOE_F32(lb->aux); a.lsel = DSK__MOE_I32(lb->lsel);
+        return dsk_cuda_moe_losses(ctx, &a);
+    }
+#endif
     (void)nt;
     DSK__MOE_OMP(omp parallel for schedule(static) num_threads(nt))
     for (int64_t t = 0; t < T; t++)
@@ -1344,8 +1389,9 @@ static dsk_status dsk__moe_losses(dsk_moe *m, dsk_ctx *ctx, int64_t T, int64_t L
     dsk__moe_loss_finish(E, T, nseq, o->aux_alpha, o->seq_aux_alpha, o->z_beta, DSK__MOE_F64(lb->term_s),
                          DSK__MOE_F64(lb->term_q), DSK__MOE_F32(lb->lse), DSK__MOE_F64(lb->loss));
     for (int64_t qj = 0; qj < nseq * E; qj++)
-        DSK__MOE_F32(lb->aux)[qj] = dsk__moe_aux_coef(has_s && T > 0, has_q && T > 0, DSK__MOE_F32(lb->coef_s)[qj % E],
-                                                      DSK__MOE_F32(lb->coef_q)[qj]);
+        DSK__MOE_F32(lb->aux)[qj] =
+            dsk__moe_aux_coef(has_s && T > 0, has_q && T > 0, has_s && T > 0 ? DSK__MOE_F32(lb->coef_s)[qj % E] : 0.0f,
+                              has_q && T > 0 ? DSK__MOE_F32(lb->coef_q)[qj] : 0.0f);
     return DSK_OK;
 }
 
@@ -1355,6 +1401,8 @@ static dsk_status dsk__moe_capacity(dsk_moe *m, dsk_ctx *ctx, int64_t cap, const
     int E = m->opts.n_routed, nt = dsk__moe_threads(ctx);
     const int32_t *pa = DSK__MOE_I32(*perm_all), *oa = DSK__MOE_I32(*off_all);
     int32_t *k2 = DSK__MOE_I32(*keys2);
+    DSK__MOE_ON_CUDA(m, dsk_cuda_moe_capacity(ctx, E, m->opts.drop, cap, dsk_tensor_numel(keys2), pa, oa,
+                                              DSK__MOE_F32(*gate), k2));
     (void)nt;
     for (int64_t i = 0; i < dsk_tensor_numel(keys2); i++) k2[i] = -1;
     DSK__MOE_OMP(omp parallel for schedule(dynamic, 1) num_threads(nt))
@@ -1368,9 +1416,12 @@ static dsk_status dsk__moe_capacity(dsk_moe *m, dsk_ctx *ctx, int64_t cap, const
 /* The kept order's rows: pos (slot -> row or -1), row_tok and row_gate over n rows. */
 static dsk_status dsk__moe_plan(dsk_moe *m, dsk_ctx *ctx, int64_t n, const dsk_tensor *perm, const dsk_tensor *off,
                                 const dsk_tensor *gate, dsk_tensor *pos, dsk_tensor *row_tok, dsk_tensor *row_gate) {
-    int32_t n_kept = DSK__MOE_I32(*off)[m->opts.n_routed], *ps = DSK__MOE_I32(*pos);
+    int32_t n_kept, *ps = DSK__MOE_I32(*pos);
     const int32_t *pm = DSK__MOE_I32(*perm);
-    (void)ctx;
+    DSK__MOE_ON_CUDA(m, dsk_cuda_moe_plan(ctx, m->opts.n_routed, m->opts.top_k, dsk_tensor_numel(pos), n, pm,
+                                          DSK__MOE_I32(*off), DSK__MOE_F32(*gate), ps, DSK__MOE_I32(*row_tok),
+                                          DSK__MOE_F32(*row_gate)));
+    n_kept = DSK__MOE_I32(*off)[m->opts.n_routed];
     for (int64_t i = 0; i < dsk_tensor_numel(pos); i++) ps[i] = -1;
     for (int64_t j = 0; j < n_kept; j++) ps[pm[j]] = (int32_t)j;
     for (int64_t j = 0; j < n; j++)
@@ -1381,7 +1432,8 @@ static dsk_status dsk__moe_plan(dsk_moe *m, dsk_ctx *ctx, int64_t n, const dsk_t
 
 static dsk_status dsk__moe_count(dsk_moe *m, dsk_ctx *ctx, int64_t T, const dsk_tensor *off_all,
                                  const dsk_tensor *off, dsk_tensor *cnt) {
-    (void)ctx;
+    DSK__MOE_ON_CUDA(m, dsk_cuda_moe_counts(ctx, T, m->opts.top_k, m->opts.n_routed, DSK__MOE_I32(*off_all),
+                                            DSK__MOE_I32(*off), DSK__MOE_I64(*cnt)));
     dsk__moe_counts(T, m->opts.top_k, m->opts.n_routed, DSK__MOE_I32(*off_all), DSK__MOE_I32(*off), DSK__MOE_I64(*cnt));
     return DSK_OK;
 }
@@ -1389,7 +1441,11 @@ static dsk_status dsk__moe_count(dsk_moe *m, dsk_ctx *ctx, int64_t T, const dsk_
 static dsk_status dsk__moe_accumulate_step(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *cnt, const dsk_tensor *cntg,
                                            const dsk_tensor *loss) {
     struct dsk__moe_state *st = m->st;
-    (void)ctx;
+    DSK__MOE_ON_CUDA(m, dsk_cuda_moe_accumulate(ctx, m->opts.n_routed, m->opts.top_k, DSK__MOE_I64(*cnt),
+                                                DSK__MOE_I64(*cntg), DSK__MOE_F64(*loss),
+                                                DSK__MOE_I64(st->buf[DSK__MOE_LOAD].mem),
+                                                DSK__MOE_I64(st->buf[DSK__MOE_ACC_I].mem),
+                                                DSK__MOE_F64(st->buf[DSK__MOE_ACC_F].mem)));
     dsk__moe_accumulate(m->opts.n_routed, m->opts.top_k, DSK__MOE_I64(*cnt), DSK__MOE_I64(*cntg), DSK__MOE_F64(*loss),
                         DSK__MOE_I64(st->buf[DSK__MOE_LOAD].mem), DSK__MOE_I64(st->buf[DSK__MOE_ACC_I].mem),
                         DSK__MOE_F64(st->buf[DSK__MOE_ACC_F].mem));
@@ -1401,6 +1457,9 @@ static dsk_status dsk__moe_combine(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, cons
                                    const dsk_tensor *gate, const dsk_tensor *rows, const dsk_tensor *shared) {
     int64_t T = y->shape[0], D = y->shape[1];
     int K = m->opts.top_k, nt = dsk__moe_threads(ctx);
+    DSK__MOE_ON_CUDA(m, dsk_cuda_moe_combine(ctx, K, T, D, y->data, y->dtype, DSK__MOE_I32(*pos), DSK__MOE_F32(*gate),
+                                             rows->data, rows->dtype, shared ? shared->data : NULL,
+                                             shared ? shared->dtype : DSK_F32));
     (void)nt;
     DSK__MOE_OMP(omp parallel for schedule(static) num_threads(nt))
     for (int64_t t = 0; t < T; t++)
@@ -1417,6 +1476,8 @@ static dsk_status dsk__moe_dgate(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dgate, co
                                  const dsk_tensor *pos, const dsk_tensor *rows) {
     int64_t TK = dsk_tensor_numel(dgate), D = dy->shape[1];
     int K = m->opts.top_k, nt = dsk__moe_threads(ctx);
+    DSK__MOE_ON_CUDA(m, dsk_cuda_moe_dgate(ctx, K, TK, D, DSK__MOE_F32(*dgate), dy->data, dy->dtype, DSK__MOE_I32(*pos),
+                                           rows->data, rows->dtype));
     (void)nt;
     DSK__MOE_OMP(omp parallel for schedule(static) num_threads(nt))
     for (int64_t i = 0; i < TK; i++) {
@@ -1434,6 +1495,10 @@ static dsk_status dsk__moe_route_backward(dsk_moe *m, dsk_ctx *ctx, int64_t T, c
                                           const dsk_tensor *aux, int64_t seq_len, float aux_scale, float zcoef,
                                           dsk_tensor *du) {
     int E = m->opts.n_routed, K = m->opts.top_k, nt = dsk__moe_threads(ctx);
+    DSK__MOE_ON_CUDA(m, dsk_cuda_moe_route_backward(ctx, &m->routing, T, DSK__MOE_F32(*u), DSK__MOE_F32(*prob),
+                                                    DSK__MOE_I32(*sel), DSK__MOE_F32(*dgate),
+                                                    aux ? DSK__MOE_F32(*aux) : NULL, seq_len, aux_scale, zcoef,
+                                                    DSK__MOE_F32(*du)));
     (void)nt;
     DSK__MOE_OMP(omp parallel for schedule(static) num_threads(nt))
     for (int64_t t = 0; t < T; t++)
@@ -1449,6 +1514,8 @@ static dsk_status dsk__moe_uncombine(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dxf, 
                                      const dsk_tensor *rows) {
     int64_t T = dxf->shape[0], D = dxf->shape[1];
     int K = m->opts.top_k, nt = dsk__moe_threads(ctx);
+    DSK__MOE_ON_CUDA(m, dsk_cuda_moe_uncombine(ctx, K, T, D, DSK__MOE_F32(*dxf), DSK__MOE_I32(*pos), rows->data,
+                                               rows->dtype));
     (void)nt;
     DSK__MOE_OMP(omp parallel for schedule(static) num_threads(nt))
     for (int64_t t = 0; t < T; t++)
@@ -1459,7 +1526,9 @@ static dsk_status dsk__moe_uncombine(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dxf, 
 }
 
 static dsk_status dsk__moe_bias_step(dsk_moe *m, dsk_ctx *ctx) {
-    (void)ctx;
+    DSK__MOE_ON_CUDA(m, dsk_cuda_moe_bias_update(ctx, m->opts.n_routed, m->opts.bias_rate, m->opts.bias_recenter,
+                                                 DSK__MOE_I64(m->st->buf[DSK__MOE_LOAD].mem),
+                                                 (float *)m->bias->value.data));
     dsk__moe_bias_update(m->opts.n_routed, m->opts.bias_rate, m->opts.bias_recenter,
                          DSK__MOE_I64(m->st->buf[DSK__MOE_LOAD].mem), (float *)m->bias->value.data);
     return dsk_tensor_fill(ctx, &m->st->buf[DSK__MOE_LOAD].mem, 0.0);
@@ -1486,22 +1555,74 @@ static dsk_status dsk__moe_check_io(const dsk_moe *m, const char *fn, const char
 
 /* ---------------------------------------------------------------- expert-parallel exchange */
 
+/* Host copies of small device arrays: the CPU reads its buffers where they are; CUDA copies
+   them back (asynchronously: the caller syncs once for all of them). */
+static dsk_status dsk__moe_to_host(dsk_moe *m, dsk_ctx *ctx, void *dst, const void *src, size_t bytes) {
+#ifdef DSK_CUDA
+    if (m->device.type == DSK_DEV_CUDA) return dsk_cuda_memcpy(ctx, dst, src, bytes, 0);
+#endif
+    (void)m;
+    (void)ctx;
+    memcpy(dst, src, bytes);
+    return DSK_OK;
+}
+
+/* ... and host arrays into device buffers (pageable host memory: the copy has consumed the
+   source when it returns, so the host array may change at once). */
+static dsk_status dsk__moe_to_device(dsk_moe *m, dsk_ctx *ctx, void *dst, const void *src, size_t bytes) {
+#ifdef DSK_CUDA
+    if (m->device.type == DSK_DEV_CUDA) return dsk_cuda_memcpy(ctx, dst, src, bytes, 1);
+#endif
+    (void)m;
+    (void)ctx;
+    memcpy(dst, src, bytes);
+    return DSK_OK;
+}
+
+/* The regroup index of expert parallelism on the host: expert-major row q <- received
+   (rank-major) row rg[q], and rg's inverse after it (2R entries in st->h_rg). */
+static dsk_status dsk__moe_regroup_index(dsk_moe *m, const int64_t *recv, int64_t R) {
+    struct dsk__moe_state *st = m->st;
+    int P = m->ep_size, El = m->n_local;
+    int64_t src = 0;
+    int32_t *g, *gi;
+    if (2 * R > st->h_rg_cap) {
+        DSK_FREE(st->h_rg);
+        st->h_rg = (int32_t *)DSK_MALLOC((size_t)(2 * R + 1) * sizeof(int32_t));
+        st->h_rg_cap = st->h_rg ? 2 * R : 0;
+        if (!st->h_rg) return dsk_set_error(DSK_ERR_OOM, "dsk_moe_forward: out of host memory for %lld rows", (long long)R);
+    }
+    g = st->h_rg;
+    gi = st->h_rg + R;
+    for (int r = 0; r < P; r++)
+        for (int e = 0; e < El; e++) {
+            int64_t before = 0; /* rows of expert e from ranks < r */
+            for (int r2 = 0; r2 < r; r2++) before += recv[r2 * El + e];
+            for (int64_t j = 0; j < recv[r * El + e]; j++) g[st->local_off[e] + before + j] = (int32_t)(src + j);
+            src += recv[r * El + e];
+        }
+    for (int64_t q = 0; q < R; q++) gi[g[q]] = (int32_t)q;
+    return DSK_OK;
+}
+
 /* After the dispatch: the kept slots per expert go to their owners (all-to-all of the counts),
    the group's totals are summed (cntg), and the host learns the layout of the row exchange:
-   st->send_rows, recv_rows, local_off, the regroup index and *n_kept, *R. CUDA: one host sync
-   here (the counts), the only one of a forward with expert parallelism. */
+   st->send_rows, recv_rows, a2a, local_off, the regroup index and *n_kept, *R. CUDA: one host
+   sync here (the counts), the only one of a forward with expert parallelism. */
 static dsk_status dsk__moe_ep_counts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *cnt, dsk_tensor *cntg,
                                      int64_t *n_kept, int64_t *R) {
     struct dsk__moe_state *st = m->st;
     dsk_comm *c = m->opts.ep;
     int P = m->ep_size, El = m->n_local, E = m->opts.n_routed;
-    int64_t D = m->opts.d_model, src = 0, so = 0, ro = 0;
-    const int64_t *kept = DSK__MOE_I64(*cnt) + 3 + E, *recv;
-    dsk_tensor recv_cnt;
+    int64_t D = m->opts.d_model, so = 0, ro = 0, *kept = st->h_cnt + 3 + E, *recv = st->h_recv_cnt;
+    dsk_tensor recv_cnt, rg, rgi, loff;
+    int32_t lo[1024], *lop;
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RECV_CNT, 0, 0, &recv_cnt));
-    DSK__TRY(dsk_comm_all_to_all(c, ctx, kept, recv_cnt.data, El, DSK_I64));
+    DSK__TRY(dsk_comm_all_to_all(c, ctx, DSK__MOE_I64(*cnt) + 3 + E, recv_cnt.data, El, DSK_I64));
     DSK__TRY(dsk_comm_all_reduce(c, ctx, cnt->data, cntg->data, 3 + E, DSK_I64, DSK_COMM_SUM));
-    recv = DSK__MOE_I64(recv_cnt);
+    DSK__TRY(dsk__moe_to_host(m, ctx, kept, DSK__MOE_I64(*cnt) + 3 + E, (size_t)E * sizeof(int64_t)));
+    DSK__TRY(dsk__moe_to_host(m, ctx, recv, recv_cnt.data, (size_t)(P * El) * sizeof(int64_t)));
+    DSK__TRY(dsk_ctx_sync(ctx)); /* CUDA: the counts are on the host now (CPU: nothing to wait for) */
     *n_kept = 0;
     for (int e = 0; e < E; e++) *n_kept += kept[e];
     for (int r = 0; r < P; r++) {
@@ -1520,24 +1641,20 @@ static dsk_status dsk__moe_ep_counts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor 
         for (int r = 0; r < P; r++) st->local_off[e + 1] += recv[r * El + e];
     }
     *R = st->local_off[El];
-    {   /* regroup index: expert-major row q <- received (rank-major) row rg[q]; rgi its inverse */
-        dsk_tensor rg, rgi, loff;
-        int32_t *g, *gi, *lo;
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RG, 0, *R, &rg));
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RGI, 0, *R, &rgi));
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_LOCAL_OFF, 0, 0, &loff));
-        g = DSK__MOE_I32(rg); gi = DSK__MOE_I32(rgi); lo = DSK__MOE_I32(loff);
-        for (int r = 0; r < P; r++)
-            for (int e = 0; e < El; e++) {
-                int64_t before = 0; /* rows of expert e from ranks < r */
-                for (int r2 = 0; r2 < r; r2++) before += recv[r2 * El + e];
-                for (int64_t j = 0; j < recv[r * El + e]; j++) g[st->local_off[e] + before + j] = (int32_t)(src + j);
-                src += recv[r * El + e];
-            }
-        for (int64_t q = 0; q < *R; q++) gi[g[q]] = (int32_t)q;
-        for (int e = 0; e <= El; e++) lo[e] = (int32_t)st->local_off[e];
+    DSK__TRY(dsk__moe_regroup_index(m, recv, *R));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RG, 0, *R, &rg));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RGI, 0, *R, &rgi));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_LOCAL_OFF, 0, 0, &loff));
+    lop = El + 1 <= 1024 ? lo : (int32_t *)DSK_MALLOC((size_t)(El + 1) * sizeof(int32_t));
+    if (!lop) return dsk_set_error(DSK_ERR_OOM, "dsk_moe_forward: out of host memory");
+    for (int e = 0; e <= El; e++) lop[e] = (int32_t)st->local_off[e];
+    {
+        dsk_status s = dsk__moe_to_device(m, ctx, loff.data, lop, (size_t)(El + 1) * sizeof(int32_t));
+        if (lop != lo) DSK_FREE(lop);
+        DSK__TRY(s);
     }
-    return DSK_OK;
+    DSK__TRY(dsk__moe_to_device(m, ctx, rg.data, st->h_rg, (size_t)*R * sizeof(int32_t)));
+    return dsk__moe_to_device(m, ctx, rgi.data, st->h_rg + *R, (size_t)*R * sizeof(int32_t));
 }
 
 /* Rows (n_kept of them, kept order) to their experts' ranks, regrouped expert-major into dst (R). */
@@ -1627,11 +1744,11 @@ static dsk_status dsk__moe_fill_stats(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor
                                       dsk_moe_stats *s) {
     struct dsk__moe_state *st = m->st;
     int E = m->opts.n_routed;
-    const int64_t *c = DSK__MOE_I64(*cntg);
-    const double *l = DSK__MOE_F64(*loss);
+    int64_t *c = st->h_cnt;
     double hl[4];
-    (void)ctx;
-    memcpy(hl, l, sizeof hl);
+    DSK__TRY(dsk__moe_to_host(m, ctx, c, cntg->data, (size_t)(3 + E) * sizeof(int64_t)));
+    DSK__TRY(dsk__moe_to_host(m, ctx, hl, loss->data, sizeof hl));
+    DSK__TRY(dsk_ctx_sync(ctx)); /* CUDA: a forward asked for its statistics now */
     memset(s, 0, sizeof *s);
     s->calls = 1;
     s->tokens = c[0];
@@ -1871,8 +1988,11 @@ DSK_API dsk_status dsk_moe_stats_request(dsk_moe *m, dsk_ctx *ctx) {
     DSK__TRY(dsk__moe_need_layer(m, "dsk_moe_stats_request"));
     st = m->st;
     E = m->opts.n_routed;
-    memcpy(st->col_acc_i, st->buf[DSK__MOE_ACC_I].mem.data, (size_t)(5 + E) * sizeof(int64_t));
-    memcpy(st->col_acc_f, st->buf[DSK__MOE_ACC_F].mem.data, 3 * sizeof(double));
+    DSK__TRY(dsk__moe_to_host(m, ctx, st->col_acc_i, st->buf[DSK__MOE_ACC_I].mem.data, (size_t)(5 + E) * sizeof(int64_t)));
+    DSK__TRY(dsk__moe_to_host(m, ctx, st->col_acc_f, st->buf[DSK__MOE_ACC_F].mem.data, 3 * sizeof(double)));
+#ifdef DSK_CUDA
+    if (m->device.type == DSK_DEV_CUDA) DSK__TRY(dsk_cuda_event_record(ctx, st->event));
+#endif
     st->requested = 1;
     DSK__TRY(dsk_tensor_fill(ctx, &st->buf[DSK__MOE_ACC_I].mem, 0.0));
     return dsk_tensor_fill(ctx, &st->buf[DSK__MOE_ACC_F].mem, 0.0);
@@ -1883,10 +2003,14 @@ DSK_API dsk_status dsk_moe_stats_collect(dsk_moe *m, dsk_ctx *ctx, dsk_moe_stats
     const int64_t *a;
     const double *f;
     int E;
-    (void)ctx;
     DSK__TRY(dsk__moe_need_layer(m, "dsk_moe_stats_collect"));
     if (!out) return dsk_set_error(DSK_ERR_ARG, "dsk_moe_stats_collect: layer \"%s\": out is NULL", m->opts.name);
     st = m->st;
+#ifdef DSK_CUDA
+    if (m->device.type == DSK_DEV_CUDA && st->requested) DSK__TRY(dsk_cuda_event_wait(ctx, st->event));
+#else
+    (void)ctx;
+#endif
     a = st->col_acc_i;
     f = st->col_acc_f;
     E = m->opts.n_routed;

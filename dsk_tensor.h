@@ -336,6 +336,16 @@ typedef struct dsk_ctx_opts {
 } dsk_ctx_opts;
 
 /* Execution context passed to every op. CPU ops accept ctx == NULL. */
+/* What the host waited for on a CUDA context: every stream synchronisation made through the
+   dsk wrappers (dsk_ctx_sync and the library's own) and every device-to-host copy (each also
+   waits, or is waited for). A test reads them before and after a call to prove the call made
+   the device stop for nothing. */
+typedef struct dsk_ctx_counters {
+    int64_t syncs;          /* cudaStreamSynchronize on the context's stream */
+    int64_t d2h_copies;     /* device-to-host copies */
+    int64_t d2h_bytes;
+} dsk_ctx_counters;
+
 typedef struct dsk_ctx {
     dsk_device device;       /* where ops run and tensors are allocated by default */
     void *stream;            /* cudaStream_t of the context (CUDA only) */
@@ -343,6 +353,7 @@ typedef struct dsk_ctx {
     void *workspace;         /* device workspace (CUDA only) */
     size_t workspace_bytes;
     int n_threads;
+    dsk_ctx_counters counters; /* host waits on the device, counted (CUDA only) */
 } dsk_ctx;
 
 /* 1 if this build has CUDA and a device and driver are usable at run time, else 0. */
@@ -351,6 +362,16 @@ DSK_API dsk_status dsk_ctx_init(dsk_ctx *ctx, const dsk_ctx_opts *opts); /* opts
 DSK_API void dsk_ctx_free(dsk_ctx *ctx);                                  /* zeroed/freed ok */
 DSK_API dsk_status dsk_ctx_sync(dsk_ctx *ctx); /* waits for the context's stream */
 DSK_API dsk_device dsk_cpu(void);
+
+/* CUDA graphs: everything enqueued on ctx's stream between begin and end is recorded (not run)
+   and replayed by dsk_graph_launch as one launch. A captured call must neither synchronise nor
+   copy to pageable host memory nor allocate outside the stream's pool; the CUDA runtime fails
+   the capture if it does (DSK_ERR_CUDA naming the call). CPU ctx: DSK_ERR_UNSUPPORTED. */
+typedef struct dsk_graph { void *graph, *exec; } dsk_graph;
+DSK_API dsk_status dsk_graph_begin(dsk_ctx *ctx);
+DSK_API dsk_status dsk_graph_end(dsk_ctx *ctx, dsk_graph *g); /* g: the instantiated graph */
+DSK_API dsk_status dsk_graph_launch(dsk_ctx *ctx, const dsk_graph *g);
+DSK_API void dsk_graph_free(dsk_graph *g);                     /* zeroed/freed ok */
 
 /* ------------------------------------------------------------------ tensors */
 
@@ -741,6 +762,51 @@ DSK_API dsk_status dsk_ctx_sync(dsk_ctx *ctx) {
 #endif
     (void)ctx;
     return DSK_OK;
+}
+
+static dsk_status dsk__need_cuda_ctx(const char *fn, const dsk_ctx *ctx) {
+    if (!ctx || ctx->device.type != DSK_DEV_CUDA)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: CUDA graphs need a CUDA ctx (got %s)", fn,
+                             ctx ? "a CPU ctx" : "NULL");
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_graph_begin(dsk_ctx *ctx) {
+    DSK__TRY(dsk__need_cuda_ctx("dsk_graph_begin", ctx));
+#ifdef DSK_CUDA
+    return dsk_cuda_graph_begin(ctx);
+#else
+    return DSK_OK;
+#endif
+}
+
+DSK_API dsk_status dsk_graph_end(dsk_ctx *ctx, dsk_graph *g) {
+    if (!g) return dsk_set_error(DSK_ERR_ARG, "dsk_graph_end: graph is NULL");
+    memset(g, 0, sizeof *g);
+    DSK__TRY(dsk__need_cuda_ctx("dsk_graph_end", ctx));
+#ifdef DSK_CUDA
+    return dsk_cuda_graph_end(ctx, &g->graph, &g->exec);
+#else
+    return DSK_OK;
+#endif
+}
+
+DSK_API dsk_status dsk_graph_launch(dsk_ctx *ctx, const dsk_graph *g) {
+    DSK__TRY(dsk__need_cuda_ctx("dsk_graph_launch", ctx));
+    if (!g || !g->exec) return dsk_set_error(DSK_ERR_ARG, "dsk_graph_launch: no instantiated graph");
+#ifdef DSK_CUDA
+    return dsk_cuda_graph_launch(ctx, g->exec);
+#else
+    return DSK_OK;
+#endif
+}
+
+DSK_API void dsk_graph_free(dsk_graph *g) {
+    if (!g) return;
+#ifdef DSK_CUDA
+    if (g->graph || g->exec) dsk_cuda_graph_free(g->graph, g->exec);
+#endif
+    memset(g, 0, sizeof *g);
 }
 
 static int dsk__threads(const dsk_ctx *ctx) { return ctx && ctx->n_threads > 0 ? ctx->n_threads : dsk__default_threads(); }
@@ -2490,7 +2556,7 @@ DSK_API dsk_status dsk_group_by_key(dsk_ctx *ctx, dsk_tensor *perm, dsk_tensor *
                              (long long)G);
     DSK__TRY(dsk__need_devices(fn, ctx, 3, ts, names, &cuda));
 #ifdef DSK_CUDA
-    if (cuda) return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: CUDA tensors are not supported yet", fn);
+    if (cuda) return dsk_cuda_group_by_key(ctx, perm, offsets, keys);
 #endif
     off = (int32_t *)offsets->data;
     pm = (int32_t *)perm->data;
@@ -2581,7 +2647,7 @@ DSK_API dsk_status dsk_matmul_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk_ten
     DSK__TRY(dsk__matmul_grouped_check(C, A, trans_a, B, trans_b, G, &weights));
     DSK__TRY(dsk__need_devices(fn, ctx, 4, ts, names, &cuda));
 #ifdef DSK_CUDA
-    if (cuda) return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: CUDA tensors are not supported yet", fn);
+    if (cuda) return dsk_cuda_matmul_grouped(ctx, C, A, trans_a, B, trans_b, offsets, alpha, beta);
 #endif
     R = A->shape[0];
     DSK__TRY(dsk__check_offsets(fn, offsets, G, R));
@@ -2644,7 +2710,7 @@ DSK_API dsk_status dsk_gather_rows_scaled(dsk_ctx *ctx, dsk_tensor *out, const d
     }
     DSK__TRY(dsk__need_devices(fn, ctx, 4, ts, names, &cuda));
 #ifdef DSK_CUDA
-    if (cuda) return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: CUDA tensors are not supported yet", fn);
+    if (cuda) return dsk_cuda_gather_rows_scaled(ctx, out, src, idx, scale);
 #endif
     N = out->shape[0]; D = out->shape[1]; R = src->shape[0];
     ix = (const int32_t *)idx->data;
