@@ -782,6 +782,7 @@ int main(int argc, char **argv) {
     CASE(test_matmul_grouped(DSK_F32, DSK_F32, 1, 0, 4, 150, 33, 70, 0, 1.0f), "matmul_grouped weights f32 beta 1");
     CASE(test_matmul_grouped(DSK_BF16, DSK_F32, 1, 0, 6, 200, 64, 17, 0, 1.0f), "matmul_grouped weights bf16 -> f32");
     CASE(test_matmul_grouped(DSK_F16, DSK_F16, 1, 0, 3, 60, 9, 20, 0, 0.0f), "matmul_grouped weights f16");
+    CASE(test_matmul_grouped(DSK_F16, DSK_F32, 0, 1, 4, 90, 0, 40, 48, 0.25f), "matmul_grouped rows f16 -> f32 tb beta");
     for (int d = 0; d < 3; d++)
         CASE(test_gather_rows_scaled(d == 0 ? DSK_F32 : d == 1 ? DSK_BF16 : DSK_F16, 13, 50, 129),
              "gather_rows_scaled %s", d == 0 ? "f32" : d == 1 ? "bf16" : "f16");
