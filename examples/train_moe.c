@@ -68,6 +68,7 @@ typedef struct options {
     long long seed;
     char dtype[8], device[8];
     int threads;
+    int cuda_graph;
     /* evaluation and output */
     int val_interval, val_batches, sample_len, log_every;
     char prompt[256];
@@ -138,6 +139,8 @@ static const opt_spec OPTS[] = {
     {"--dtype", OPT_STRBUF, O_(dtype), sizeof(((options *)0)->dtype), "f32 | bf16 | fp16 [bf16 on a GPU, f32 on the CPU]"},
     {"--threads", OPT_INT, O_(threads), 0, "CPU threads per rank (0 = OpenMP's default)"},
     {"--device", OPT_STRBUF, O_(device), sizeof(((options *)0)->device), "auto | cpu | cuda"},
+    {"--cuda-graph", OPT_FLAG, O_(cuda_graph), 0,
+     "capture a micro-batch's forward, loss and backward as a CUDA graph once and replay it (one GPU rank)"},
     {"--val-interval", OPT_INT, O_(val_interval), 0, "steps between validation runs"},
     {"--val-batches", OPT_INT, O_(val_batches), 0, "global batches per validation run"},
     {"--sample-len", OPT_INT, O_(sample_len), 0, "tokens generated at the end (0 = none)"},
@@ -305,6 +308,8 @@ typedef struct trainer {
     dsk_comm_buckets buckets;     /* data-parallel buckets over the replicated gradients (every rank) */
     dsk_comm_buckets ebuckets;    /* buckets over the expert-sharded gradients (ranks holding the same experts) */
     int have_buckets, have_ebuckets;
+    dsk_graph graph;              /* --cuda-graph: forward, loss and backward of one micro-batch */
+    float graph_scale;            /* the loss scale it was captured with (a new scale captures again) */
     dsk_ctx ctx;
     td_corpus data;
     tm_model model;
@@ -732,6 +737,34 @@ static double comm_seconds(const trainer *t) {
            t->ebuckets.seconds;
 }
 
+/* Forward, loss and backward of the micro-batch in the model's input tensors, loss gradient
+   scaled by gscale. With --cuda-graph they run as a CUDA graph captured the first time (and
+   again when gscale changes: a dynamic f16 loss scale moved); every launch replays the same
+   kernels on the same buffers, which the step fills before it (the batch upload). */
+static dsk_status micro_batch(trainer *t, float gscale) {
+    tm_model *m = &t->model;
+    dsk_status s1, s2, s3, s;
+    if (!t->o->cuda_graph) {
+        TM_TRY(tm_forward(m, t->batch_local));
+        TM_TRY(tm_loss(m, gscale));
+        return tm_backward(m);
+    }
+    if (!t->graph.exec || t->graph_scale != gscale) {
+        dsk_graph_free(&t->graph);
+        TM_TRY(dsk_graph_begin(&t->ctx));
+        s1 = tm_forward(m, t->batch_local);
+        s2 = s1 == DSK_OK ? tm_loss(m, gscale) : DSK_OK;
+        s3 = s1 == DSK_OK && s2 == DSK_OK ? tm_backward(m) : DSK_OK;
+        s = dsk_graph_end(&t->ctx, &t->graph); /* ends the capture whatever happened inside it */
+        TM_TRY(s1);
+        TM_TRY(s2);
+        TM_TRY(s3);
+        TM_TRY(s);
+        t->graph_scale = gscale;
+    }
+    return dsk_graph_launch(&t->ctx, &t->graph);
+}
+
 static dsk_status train_step(trainer *t, step_info *si) {
     const options *o = t->o;
     tm_model *m = &t->model;
@@ -743,13 +776,11 @@ static dsk_status train_step(trainer *t, step_info *si) {
     memset(si, 0, sizeof *si);
     for (int a = 0; a < o->accum; a++) {
         TM_TRY(load_train_batch(t));
-        TM_TRY(tm_forward(m, t->batch_local));
-        TM_TRY(tm_loss(m, scale / (float)o->accum));
-        TM_TRY(read_loss(t, &loss));
-        si->loss += loss / o->accum;
         if (t->have_buckets) TM_TRY(dsk_comm_buckets_begin(&t->buckets, a == o->accum - 1));
         if (t->have_ebuckets) TM_TRY(dsk_comm_buckets_begin(&t->ebuckets, a == o->accum - 1));
-        TM_TRY(tm_backward(m));
+        TM_TRY(micro_batch(t, scale / (float)o->accum));
+        TM_TRY(read_loss(t, &loss));
+        si->loss += loss / o->accum;
     }
     double sync0 = now_s();
     TM_TRY(finish_grads(t));
@@ -1253,6 +1284,9 @@ static void banner(trainer *t) {
            "%.2fM parameters on rank 0, %.1f MFLOP/token (active)\n",
         o->layers, o->dense_layers, o->d_model, o->heads, m->cfg.vocab, o->experts, o->score, o->top_k, o->shared, o->expert_hidden,
         total / 1e6, t->flops_per_token / 1e6);
+    if (o->cuda_graph)
+        say(t, "cuda graph: each micro-batch's forward, loss and backward replay one captured graph; the "
+               "optimizer step runs after it\n");
     say(t, "batch %d x %d tokens x %d accum, %d steps, lr %g (warm-up %d, cosine to %g), clip %g, peak %.1f GFLOP/s (%s)\n",
         o->batch, o->seq, o->accum, o->steps, o->lr, o->warmup, o->min_lr, o->clip, t->peak_flops / 1e9,
         o->peak_tflops > 0 ? "given" : t->ctx.device.type == DSK_DEV_CUDA ? "H100/H200 bf16 datasheet" : "measured CPU GEMM");
@@ -1372,6 +1406,7 @@ static void cleanup(trainer *t) {
     if (t->have_ck) dsk_ckpt_free(&t->ck);
     if (t->have_buckets) dsk_comm_buckets_free(&t->buckets);
     if (t->have_ebuckets) dsk_comm_buckets_free(&t->ebuckets);
+    dsk_graph_free(&t->graph);
     tm_free(&t->model);
     dsk_amp_scaler_free(&t->scaler, &t->ctx);
     free(t->amp_decay);
@@ -1437,6 +1472,10 @@ int main(int argc, char **argv) {
     setup_model(t);
     setup_optimizer(t);
     setup_buckets(t);
+    if (o.cuda_graph && (t->ctx.device.type != DSK_DEV_CUDA || t->world > 1))
+        fail(t, "--cuda-graph needs one rank on a GPU (this run: %d ranks on %s): the gradient buckets of several "
+                "ranks synchronise through host-side events that a graph cannot hold", t->world,
+             t->ctx.device.type == DSK_DEV_CUDA ? "GPUs" : "the CPU");
     setup_metrics(t);
     t->flops_per_token = flops_per_token(t);
     t->peak_flops = o.peak_tflops > 0 ? o.peak_tflops * 1e12 : t->ctx.device.type == DSK_DEV_CUDA ? 989e12 : measure_cpu_peak(t);
