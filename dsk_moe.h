@@ -1864,10 +1864,7 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_H3, T, R, &h3));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_A, T, R, &a));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_O, T, R, &ob));
-    DSK__TRY(dsk_matmul_grouped(ctx, &h1, &xr, 0, &w[0], 1, &offsets, 1.0f, 0.0f));
-    DSK__TRY(dsk_matmul_grouped(ctx, &h3, &xr, 0, &w[2], 1, &offsets, 1.0f, 0.0f));
-    DSK__TRY(dsk_swiglu(ctx, &a, &h1, &h3));
-    DSK__TRY(dsk_matmul_grouped(ctx, &ob, &a, 0, &w[1], 1, &offsets, 1.0f, 0.0f));
+    DSK__TRY(dsk_swiglu_grouped(ctx, &ob, &h1, &h3, &a, &xr, &w[0], &w[1], &w[2], &offsets));
     if (ep) {
         dsk_tensor back;
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_OB, T, R, &back));
@@ -1953,15 +1950,8 @@ static dsk_status dsk__moe_backward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *d
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DH1, T, R, &dh1));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DH3, T, R, &dh3));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DXR, T, R, &dxr));
-    DSK__TRY(dsk_matmul_grouped(ctx, &da, &dor, 0, &w[1], 0, &offsets, 1.0f, 0.0f));
-    DSK__TRY(dsk_matmul_grouped(ctx, &m->w2->grad, &dor, 1, &a, 0, &offsets, 1.0f, 1.0f));
-    DSK__TRY(dsk_tensor_fill(ctx, &dh1, 0.0));
-    DSK__TRY(dsk_tensor_fill(ctx, &dh3, 0.0));
-    DSK__TRY(dsk_swiglu_backward(ctx, &dh1, &dh3, &da, &h1, &h3));
-    DSK__TRY(dsk_matmul_grouped(ctx, &dxr, &dh1, 0, &w[0], 0, &offsets, 1.0f, 0.0f));
-    DSK__TRY(dsk_matmul_grouped(ctx, &dxr, &dh3, 0, &w[2], 0, &offsets, 1.0f, 1.0f));
-    DSK__TRY(dsk_matmul_grouped(ctx, &m->w1->grad, &dh1, 1, &xr, 0, &offsets, 1.0f, 1.0f));
-    DSK__TRY(dsk_matmul_grouped(ctx, &m->w3->grad, &dh3, 1, &xr, 0, &offsets, 1.0f, 1.0f));
+    DSK__TRY(dsk_swiglu_grouped_backward(ctx, &dxr, &m->w1->grad, &m->w2->grad, &m->w3->grad, &da, &dh1, &dh3, &dor,
+                                         &xr, &h1, &h3, &a, &w[0], &w[1], &w[2], &offsets));
     if (ep) {
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DXP, T, R, &dxp));
         dxp = dsk__moe_rows(&dxp, st->n_kept);

@@ -569,6 +569,25 @@ DSK_API dsk_status dsk_matmul_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk_ten
                                       const dsk_tensor *B, int trans_b, const dsk_tensor *offsets, float alpha,
                                       float beta);
 
+/* A SwiGLU MLP per row segment (the routed experts of an MoE layer): for the rows r of segment g,
+   h1[r] = x[r] W1[g]^T and h3[r] = x[r] W3[g]^T (F each), a[r] = silu(h1[r]) h3[r], out[r] =
+   a[r] W2[g]^T (D). x, out (R, D); h1, h3, a (R, F), saved for the backward; w1, w3 (G, F, D),
+   w2 (G, D, F); one dtype (f32, bf16 or f16: GEMMs accumulate in f32 and round their results
+   to it). out's rows outside the segments are not written; h1, h3 and a there are scratch.
+   The CPU runs each segment's whole MLP on one thread, segments side by side (each GEMM as
+   dsk_matmul would: the same bits); CUDA three grouped matmuls and dsk_swiglu. */
+DSK_API dsk_status dsk_swiglu_grouped(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *h1, dsk_tensor *h3, dsk_tensor *a,
+                                      const dsk_tensor *x, const dsk_tensor *w1, const dsk_tensor *w2,
+                                      const dsk_tensor *w3, const dsk_tensor *offsets);
+/* Its backward from dout (R, D): dx (R, D) WRITTEN on the segments' rows (an intermediate, as
+   dsk_cross_entropy's dlogits); dw1, dw3 (G, F, D) and dw2 (G, D, F), f32 or x's dtype,
+   accumulated; da, dh1, dh3 (R, F) of x's dtype are scratch (overwritten). */
+DSK_API dsk_status dsk_swiglu_grouped_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk_tensor *dw1, dsk_tensor *dw2,
+                                               dsk_tensor *dw3, dsk_tensor *da, dsk_tensor *dh1, dsk_tensor *dh3,
+                                               const dsk_tensor *dout, const dsk_tensor *x, const dsk_tensor *h1,
+                                               const dsk_tensor *h3, const dsk_tensor *a, const dsk_tensor *w1,
+                                               const dsk_tensor *w2, const dsk_tensor *w3, const dsk_tensor *offsets);
+
 /* out (N, D) row i = scale[i] * src (R, D) row idx[i], math in f32 and rounded once; scale (N)
    f32 or NULL (a plain copy of the row); idx (N) i32, a negative idx[i] gives a zero row (the
    padding of a buffer sized by a bound). out and src share a dtype. */
@@ -2678,6 +2697,163 @@ DSK_API dsk_status dsk_matmul_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk_ten
     if (tmp) {
         for (int64_t i = 0; i < (last - first) * cols; i++) dsk_store_f32(C->data, C->dtype, first * cols + i, tmp[i]);
         DSK_FREE(tmp);
+    }
+    if (failed) return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for the GEMM packing buffers", fn);
+    return DSK_OK;
+}
+
+/* One raw f32 GEMM on `nt` threads (dsk_sgemm_cpu's convention); 0 or the packing failure. */
+static int dsk__sgemm_nt(int ta, int tb, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
+                         int64_t ldb, float beta, float *C, int64_t ldc, int nt) {
+    dsk__gemm_args g;
+    if (M == 0 || N == 0) return 0;
+    g.M = M; g.N = N; g.K = K; g.alpha = 1.0f; g.beta = beta;
+    g.A = A; g.a_dt = DSK_F32; g.a_rs = ta ? 1 : lda; g.a_cs = ta ? lda : 1;
+    g.B = B; g.b_dt = DSK_F32; g.b_rs = tb ? 1 : ldb; g.b_cs = tb ? ldb : 1;
+    g.C = C; g.ldc = ldc;
+    return dsk__gemm(&g, nt) != DSK_OK;
+}
+
+/* The shapes of a grouped SwiGLU MLP: x (R, D), w1, w3 (G, F, D), w2 (G, D, F); *F, *D. */
+static dsk_status dsk__swiglu_grouped_check(const char *fn, const dsk_tensor *x, const dsk_tensor *w1,
+                                            const dsk_tensor *w2, const dsk_tensor *w3, int64_t G, int64_t *F,
+                                            int64_t *D) {
+    char a[96], b[96], c[96], d[96];
+    DSK__TRY(dsk__need_float(fn, "x", x));
+    DSK__TRY(dsk__need_float(fn, "w1", w1));
+    DSK__TRY(dsk__need_like(fn, "w3", w3, "w1", w1));
+    DSK__TRY(dsk__need_same_dtype(fn, "w1", w1, "x", x));
+    DSK__TRY(dsk__need_same_dtype(fn, "w2", w2, "x", x));
+    DSK__TRY(dsk__need_contig(fn, "w2", w2));
+    if (x->ndim != 2 || w1->ndim != 3 || w2->ndim != 3 || w1->shape[0] != G || w2->shape[0] != G ||
+        w1->shape[2] != x->shape[1] || w2->shape[1] != x->shape[1] || w2->shape[2] != w1->shape[1])
+        return dsk_set_error(DSK_ERR_ARG, "%s: x %s, w1 %s, w2 %s, w3 %s: want x (R, D), w1 and w3 (%lld, F, D), w2 "
+                             "(%lld, D, F)", fn, dsk_tensor_describe(x, a, sizeof a), dsk_tensor_describe(w1, b, sizeof b),
+                             dsk_tensor_describe(w2, c, sizeof c), dsk_tensor_describe(w3, d, sizeof d), (long long)G,
+                             (long long)G);
+    *F = w1->shape[1];
+    *D = x->shape[1];
+    return DSK_OK;
+}
+
+/* t is (rows, cols) like x's dtype or, for a weight gradient (grad), f32 too. */
+static dsk_status dsk__need_mat(const char *fn, const char *what, const dsk_tensor *t, const dsk_tensor *x, int grad,
+                                int ndim, const int64_t *shape) {
+    char a[96];
+    int ok = t && t->ndim == ndim;
+    DSK__TRY(dsk__need_float(fn, what, t));
+    for (int d = 0; ok && d < ndim; d++) ok = t->shape[d] == shape[d];
+    if (!ok || !(t->dtype == x->dtype || (grad && t->dtype == DSK_F32)))
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s %s: want (%lld, %lld%s%lld) %s%s", fn, what,
+                             dsk_tensor_describe(t, a, sizeof a), (long long)shape[0], (long long)shape[1],
+                             ndim == 3 ? ", " : ")", ndim == 3 ? (long long)shape[2] : 0LL, dsk_dtype_name(x->dtype),
+                             grad ? " or f32" : "");
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_swiglu_grouped(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *h1, dsk_tensor *h3, dsk_tensor *a,
+                                      const dsk_tensor *x, const dsk_tensor *w1, const dsk_tensor *w2,
+                                      const dsk_tensor *w3, const dsk_tensor *offsets) {
+    const char *fn = "dsk_swiglu_grouped";
+    const dsk_tensor *ts[8] = {x, out, h1, h3, a, w1, w2, w3};
+    const char *names[8] = {"x", "out", "h1", "h3", "a", "w1", "w2", "w3"};
+    int64_t G, F, D, R, rf[2], rd[2];
+    int cuda, failed = 0, nt;
+    const int32_t *off;
+    DSK__TRY(dsk__need_offsets(fn, offsets, &G));
+    DSK__TRY(dsk__swiglu_grouped_check(fn, x, w1, w2, w3, G, &F, &D));
+    R = x->shape[0];
+    rf[0] = R; rf[1] = F; rd[0] = R; rd[1] = D;
+    DSK__TRY(dsk__need_mat(fn, "out", out, x, 0, 2, rd));
+    DSK__TRY(dsk__need_mat(fn, "h1", h1, x, 0, 2, rf));
+    DSK__TRY(dsk__need_mat(fn, "h3", h3, x, 0, 2, rf));
+    DSK__TRY(dsk__need_mat(fn, "a", a, x, 0, 2, rf));
+    DSK__TRY(dsk__need_devices(fn, ctx, 8, ts, names, &cuda));
+    if (cuda || x->dtype != DSK_F32) { /* three grouped GEMMs and the activation */
+        DSK__TRY(dsk_matmul_grouped(ctx, h1, x, 0, w1, 1, offsets, 1.0f, 0.0f));
+        DSK__TRY(dsk_matmul_grouped(ctx, h3, x, 0, w3, 1, offsets, 1.0f, 0.0f));
+        DSK__TRY(dsk_swiglu(ctx, a, h1, h3));
+        return dsk_matmul_grouped(ctx, out, a, 0, w2, 1, offsets, 1.0f, 0.0f);
+    }
+    DSK__TRY(dsk__check_offsets(fn, offsets, G, R));
+    off = (const int32_t *)offsets->data;
+    nt = G > 1 ? 1 : dsk__threads(ctx);
+    /* each segment's MLP on one thread: many small GEMMs scale better side by side */
+    DSK__OMP(parallel for schedule(dynamic, 1) num_threads(dsk__threads(ctx)) if (G > 1) reduction(|| : failed))
+    for (int64_t g = 0; g < G; g++) {
+        int64_t r0 = off[g], n = off[g + 1] - r0;
+        const float *xs = (const float *)x->data + r0 * D;
+        float *p1 = (float *)h1->data + r0 * F, *p3 = (float *)h3->data + r0 * F, *pa = (float *)a->data + r0 * F;
+        if (n == 0) continue;
+        failed = failed || dsk__sgemm_nt(0, 1, n, F, D, xs, D, (const float *)w1->data + g * F * D, D, 0.0f, p1, F, nt);
+        failed = failed || dsk__sgemm_nt(0, 1, n, F, D, xs, D, (const float *)w3->data + g * F * D, D, 0.0f, p3, F, nt);
+        for (int64_t i = 0; i < n * F; i++) pa[i] = dsk_swiglu_f(p1[i], p3[i]);
+        failed = failed || dsk__sgemm_nt(0, 1, n, D, F, pa, F, (const float *)w2->data + g * D * F, F, 0.0f,
+                                         (float *)out->data + r0 * D, D, nt);
+    }
+    if (failed) return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for the GEMM packing buffers", fn);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_swiglu_grouped_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk_tensor *dw1, dsk_tensor *dw2,
+                                               dsk_tensor *dw3, dsk_tensor *da, dsk_tensor *dh1, dsk_tensor *dh3,
+                                               const dsk_tensor *dout, const dsk_tensor *x, const dsk_tensor *h1,
+                                               const dsk_tensor *h3, const dsk_tensor *a, const dsk_tensor *w1,
+                                               const dsk_tensor *w2, const dsk_tensor *w3, const dsk_tensor *offsets) {
+    const char *fn = "dsk_swiglu_grouped_backward";
+    const dsk_tensor *ts[15] = {x, dx, dw1, dw2, dw3, da, dh1, dh3, dout, h1, h3, a, w1, w2, w3};
+    const char *names[15] = {"x", "dx", "dw1", "dw2", "dw3", "da", "dh1", "dh3", "dout", "h1", "h3", "a", "w1", "w2", "w3"};
+    int64_t G, F, D, R, rf[2], rd[2], gfd[3], gdf[3];
+    int cuda, failed = 0, nt;
+    const int32_t *off;
+    DSK__TRY(dsk__need_offsets(fn, offsets, &G));
+    DSK__TRY(dsk__swiglu_grouped_check(fn, x, w1, w2, w3, G, &F, &D));
+    R = x->shape[0];
+    rf[0] = R; rf[1] = F; rd[0] = R; rd[1] = D;
+    gfd[0] = G; gfd[1] = F; gfd[2] = D; gdf[0] = G; gdf[1] = D; gdf[2] = F;
+    DSK__TRY(dsk__need_mat(fn, "dx", dx, x, 0, 2, rd));
+    DSK__TRY(dsk__need_mat(fn, "dout", dout, x, 0, 2, rd));
+    DSK__TRY(dsk__need_mat(fn, "h1", h1, x, 0, 2, rf));
+    DSK__TRY(dsk__need_mat(fn, "h3", h3, x, 0, 2, rf));
+    DSK__TRY(dsk__need_mat(fn, "a", a, x, 0, 2, rf));
+    DSK__TRY(dsk__need_mat(fn, "da", da, x, 0, 2, rf));
+    DSK__TRY(dsk__need_mat(fn, "dh1", dh1, x, 0, 2, rf));
+    DSK__TRY(dsk__need_mat(fn, "dh3", dh3, x, 0, 2, rf));
+    DSK__TRY(dsk__need_mat(fn, "dw1", dw1, x, 1, 3, gfd));
+    DSK__TRY(dsk__need_mat(fn, "dw3", dw3, x, 1, 3, gfd));
+    DSK__TRY(dsk__need_mat(fn, "dw2", dw2, x, 1, 3, gdf));
+    DSK__TRY(dsk__need_devices(fn, ctx, 15, ts, names, &cuda));
+    if (cuda || x->dtype != DSK_F32 || dw1->dtype != DSK_F32 || dw2->dtype != DSK_F32 || dw3->dtype != DSK_F32) {
+        DSK__TRY(dsk_matmul_grouped(ctx, da, dout, 0, w2, 0, offsets, 1.0f, 0.0f));
+        DSK__TRY(dsk_matmul_grouped(ctx, dw2, dout, 1, a, 0, offsets, 1.0f, 1.0f));
+        DSK__TRY(dsk_tensor_fill(ctx, dh1, 0.0));
+        DSK__TRY(dsk_tensor_fill(ctx, dh3, 0.0));
+        DSK__TRY(dsk_swiglu_backward(ctx, dh1, dh3, da, h1, h3));
+        DSK__TRY(dsk_matmul_grouped(ctx, dx, dh1, 0, w1, 0, offsets, 1.0f, 0.0f));
+        DSK__TRY(dsk_matmul_grouped(ctx, dx, dh3, 0, w3, 0, offsets, 1.0f, 1.0f));
+        DSK__TRY(dsk_matmul_grouped(ctx, dw1, dh1, 1, x, 0, offsets, 1.0f, 1.0f));
+        return dsk_matmul_grouped(ctx, dw3, dh3, 1, x, 0, offsets, 1.0f, 1.0f);
+    }
+    DSK__TRY(dsk__check_offsets(fn, offsets, G, R));
+    off = (const int32_t *)offsets->data;
+    nt = G > 1 ? 1 : dsk__threads(ctx);
+    DSK__OMP(parallel for schedule(dynamic, 1) num_threads(dsk__threads(ctx)) if (G > 1) reduction(|| : failed))
+    for (int64_t g = 0; g < G; g++) {
+        int64_t r0 = off[g], n = off[g + 1] - r0;
+        const float *xs = (const float *)x->data + r0 * D, *dy = (const float *)dout->data + r0 * D;
+        const float *p1 = (const float *)h1->data + r0 * F, *p3 = (const float *)h3->data + r0 * F;
+        const float *w1g = (const float *)w1->data + g * F * D, *w3g = (const float *)w3->data + g * F * D;
+        float *pda = (float *)da->data + r0 * F, *q1 = (float *)dh1->data + r0 * F, *q3 = (float *)dh3->data + r0 * F;
+        float *dxs = (float *)dx->data + r0 * D;
+        if (n == 0) continue;
+        failed = failed || dsk__sgemm_nt(0, 0, n, F, D, dy, D, (const float *)w2->data + g * D * F, F, 0.0f, pda, F, nt);
+        failed = failed || dsk__sgemm_nt(1, 0, D, F, n, dy, D, (const float *)a->data + r0 * F, F, 1.0f,
+                                         (float *)dw2->data + g * D * F, F, nt);
+        for (int64_t i = 0; i < n * F; i++) dsk_swiglu_grad_f(p1[i], p3[i], pda[i], &q1[i], &q3[i]);
+        failed = failed || dsk__sgemm_nt(0, 0, n, D, F, q1, F, w1g, D, 0.0f, dxs, D, nt);
+        failed = failed || dsk__sgemm_nt(0, 0, n, D, F, q3, F, w3g, D, 1.0f, dxs, D, nt);
+        failed = failed || dsk__sgemm_nt(1, 0, F, D, n, q1, F, xs, D, 1.0f, (float *)dw1->data + g * F * D, D, nt);
+        failed = failed || dsk__sgemm_nt(1, 0, F, D, n, q3, F, xs, D, 1.0f, (float *)dw3->data + g * F * D, D, nt);
     }
     if (failed) return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for the GEMM packing buffers", fn);
     return DSK_OK;

@@ -1188,6 +1188,97 @@ static void test_matmul_grouped(void) {
     }
 }
 
+/* The grouped SwiGLU MLP and its backward against float64, f32 (one thread per segment) and
+   bf16 (grouped GEMMs and the activation): out, dx on the segments' rows, weight gradients
+   accumulated; rows outside the segments of out and dx untouched; 1 and 3 threads alike. */
+static void test_swiglu_grouped(dsk_dtype dt) {
+    int64_t G = 5, R = 60, D = 12, F = 9;
+    dsk_tensor *off = tt_offsets(G, 1, R - 1);
+    const int32_t *o = (const int32_t *)off->data;
+    dsk_tensor *x = tt_rand(dt, 2, SH(R, D), -1, 1), *dy = tt_rand(dt, 2, SH(R, D), -1, 1);
+    dsk_tensor *w1 = tt_rand(dt, 3, SH(G, F, D), -0.5, 0.5), *w3 = tt_rand(dt, 3, SH(G, F, D), -0.5, 0.5);
+    dsk_tensor *w2 = tt_rand(dt, 3, SH(G, D, F), -0.5, 0.5), *out[2], *dx[2], *dw[2][3], *h1, *h3, *a, *da, *dh1, *dh3;
+    double *xv = tt_vals(x), *dyv = tt_vals(dy), *v1 = tt_vals(w1), *v2 = tt_vals(w2), *v3 = tt_vals(w3);
+    double *wo = tt_zeros(R * D), *wdx = tt_zeros(R * D), *wd1 = tt_zeros(G * F * D), *wd2 = tt_zeros(G * D * F),
+           *wd3 = tt_zeros(G * F * D), *g0 = NULL;
+    double tol = dt == DSK_F32 ? 1e-4 : 3e-2;
+    h1 = tt_new(dt, 2, SH(R, F)); h3 = tt_new(dt, 2, SH(R, F)); a = tt_new(dt, 2, SH(R, F));
+    da = tt_new(dt, 2, SH(R, F)); dh1 = tt_new(dt, 2, SH(R, F)); dh3 = tt_new(dt, 2, SH(R, F));
+    for (int t = 0; t < 2; t++) {
+        out[t] = tt_rand(dt, 2, SH(R, D), -1, 1);
+        dx[t] = tt_rand(dt, 2, SH(R, D), -1, 1);
+        for (int k = 0; k < 3; k++) dw[t][k] = tt_rand(DSK_F32, 3, k == 1 ? SH(G, D, F) : SH(G, F, D), -1, 1);
+        if (t) {
+            DSK_TEST_OK(dsk_tensor_copy(NULL, out[1], out[0]));
+            DSK_TEST_OK(dsk_tensor_copy(NULL, dx[1], dx[0]));
+            for (int k = 0; k < 3; k++) DSK_TEST_OK(dsk_tensor_copy(NULL, dw[1][k], dw[0][k]));
+        }
+    }
+    g0 = tt_vals(dw[0][0]);
+    memcpy(wd1, g0, sizeof(double) * G * F * D);
+    memcpy(wd2, tt_vals(dw[0][1]), sizeof(double) * G * D * F);
+    memcpy(wd3, tt_vals(dw[0][2]), sizeof(double) * G * F * D);
+    memcpy(wo, tt_vals(out[0]), sizeof(double) * R * D);
+    memcpy(wdx, tt_vals(dx[0]), sizeof(double) * R * D);
+    for (int64_t g = 0; g < G; g++) /* float64 reference, row by row */
+        for (int64_t r = o[g]; r < o[g + 1]; r++) {
+            double hh1[9], hh3[9], aa[9], dd[9], q1[9], q3[9];
+            for (int64_t f = 0; f < F; f++) {
+                hh1[f] = hh3[f] = 0;
+                for (int64_t d = 0; d < D; d++) {
+                    hh1[f] += xv[r * D + d] * v1[(g * F + f) * D + d];
+                    hh3[f] += xv[r * D + d] * v3[(g * F + f) * D + d];
+                }
+                aa[f] = hh1[f] / (1 + exp(-hh1[f])) * hh3[f];
+            }
+            for (int64_t d = 0; d < D; d++) {
+                wo[r * D + d] = 0;
+                for (int64_t f = 0; f < F; f++) wo[r * D + d] += aa[f] * v2[(g * D + d) * F + f];
+            }
+            for (int64_t f = 0; f < F; f++) {
+                double sg = 1 / (1 + exp(-hh1[f]));
+                dd[f] = 0;
+                for (int64_t d = 0; d < D; d++) dd[f] += dyv[r * D + d] * v2[(g * D + d) * F + f];
+                q1[f] = dd[f] * hh3[f] * sg * (1 + hh1[f] * (1 - sg));
+                q3[f] = dd[f] * hh1[f] * sg;
+                for (int64_t d = 0; d < D; d++) {
+                    wd2[(g * D + d) * F + f] += dyv[r * D + d] * aa[f];
+                    wd1[(g * F + f) * D + d] += q1[f] * xv[r * D + d];
+                    wd3[(g * F + f) * D + d] += q3[f] * xv[r * D + d];
+                }
+            }
+            for (int64_t d = 0; d < D; d++) {
+                wdx[r * D + d] = 0;
+                for (int64_t f = 0; f < F; f++)
+                    wdx[r * D + d] += q1[f] * v1[(g * F + f) * D + d] + q3[f] * v3[(g * F + f) * D + d];
+            }
+        }
+    for (int t = 0; t < 2; t++) {
+        dsk_ctx c;
+        dsk_ctx_opts co;
+        memset(&co, 0, sizeof co);
+        co.device = DSK_PREFER_CPU;
+        co.n_threads = t ? 3 : 1;
+        dsk_ctx_init(&c, &co);
+        DSK_TEST_OK(dsk_swiglu_grouped(&c, out[t], h1, h3, a, x, w1, w2, w3, off));
+        DSK_TEST_OK(dsk_swiglu_grouped_backward(&c, dx[t], dw[t][0], dw[t][1], dw[t][2], da, dh1, dh3, dy, x, h1, h3, a,
+                                                w1, w2, w3, off));
+        dsk_ctx_free(&c);
+    }
+    TT_CHECK(out[0], wo, tol, tol, "out (rows outside the segments untouched)");
+    TT_CHECK(dx[0], wdx, tol, tol, "dx (rows outside the segments untouched)");
+    TT_CHECK(dw[0][0], wd1, tol, tol, "dw1 accumulated");
+    TT_CHECK(dw[0][1], wd2, tol, tol, "dw2 accumulated");
+    TT_CHECK(dw[0][2], wd3, tol, tol, "dw3 accumulated");
+    DSK_TEST_SAME_BYTES(out[0]->data, out[1]->data, dsk_tensor_nbytes(out[0]), "out, 1 vs 3 threads");
+    DSK_TEST_SAME_BYTES(dx[0]->data, dx[1]->data, dsk_tensor_nbytes(dx[0]), "dx, 1 vs 3 threads");
+    for (int k = 0; k < 3; k++) DSK_TEST_SAME_BYTES(dw[0][k]->data, dw[1][k]->data, dsk_tensor_nbytes(dw[0][k]), "dw, 1 vs 3 threads");
+    TT_ERR(dsk_swiglu_grouped(NULL, out[0], h1, h3, a, x, w1, w3, w3, off), DSK_ERR_ARG, "want x (R, D), w1 and w3 (5, F, D), w2 (5, D, F)");
+    TT_ERR(dsk_swiglu_grouped(NULL, h1, h1, h3, a, x, w1, w2, w3, off), DSK_ERR_ARG, "dsk_swiglu_grouped: out");
+    TT_ERR(dsk_swiglu_grouped_backward(NULL, dx[0], dw[0][1], dw[0][1], dw[0][2], da, dh1, dh3, dy, x, h1, h3, a, w1, w2,
+                                       w3, off), DSK_ERR_ARG, "dsk_swiglu_grouped_backward: dw1");
+}
+
 /* Scaled rows, plain copies (bit for bit, NaN payloads too) and zero rows for negative indices. */
 static void test_gather_rows_scaled(dsk_dtype dt) {
     static const int64_t cfg[3][3] = {{1, 1, 1}, {9, 7, 20}, {129, 70, 300}}; /* R, D, N */
@@ -1905,6 +1996,8 @@ int main(void) {
     TT_CASE("embedding backward, rmsnorm dw, reduce: same bits on 1, 2, 3 threads"); test_reductions_thread_independent();
     TT_CASE("topk signed zeros, infinities, NaN"); test_topk_special();
     TT_CASE("group_by_key: stable counting sort, keys left out"); test_group_by_key();
+    TT_CASE("swiglu_grouped + backward f32 (a thread per segment) vs float64"); test_swiglu_grouped(DSK_F32);
+    TT_CASE("swiglu_grouped + backward bf16 (grouped GEMMs) vs float64"); test_swiglu_grouped(DSK_BF16);
     test_matmul_grouped();
     for (int d = 0; d < 3; d++) {
         TT_CASE("gather_rows_scaled %s: scaled, plain copies, zero rows", dsk_dtype_name(tt_floats[d]));

@@ -528,6 +528,33 @@ static void test_matmul_grouped(dsk_dtype dt, dsk_dtype cdt, int weights, int tb
           weights ? "grouped weights" : "grouped rows");
 }
 
+/* The grouped SwiGLU MLP and its backward against the CPU. */
+static void test_swiglu_grouped(dsk_dtype dt) {
+    int64_t ng = 4, R = 70, D = 40, F = 24;
+    dsk_tensor *off = hoffsets(ng, R), *x = hrand(dt, SH(R, D), -1, 1), *dy = hrand(dt, SH(R, D), -1, 1);
+    dsk_tensor *w1 = hrand(dt, SH(ng, F, D), -0.5, 0.5), *w2 = hrand(dt, SH(ng, D, F), -0.5, 0.5);
+    dsk_tensor *w3 = hrand(dt, SH(ng, F, D), -0.5, 0.5), *out = hrand(dt, SH(R, D), -1, 1), *dx = hrand(dt, SH(R, D), -1, 1);
+    dsk_tensor *dw1 = hrand(DSK_F32, SH(ng, F, D), -1, 1), *dw2 = hrand(DSK_F32, SH(ng, D, F), -1, 1);
+    dsk_tensor *dw3 = hrand(DSK_F32, SH(ng, F, D), -1, 1);
+    dsk_tensor *g[9] = {dev(out), dev(dx), dev(dw1), dev(dw2), dev(dw3)}, *hs[6], *ds[6];
+    double rt = dt == DSK_F32 ? 1e-4 : 3e-2;
+    for (int i = 0; i < 6; i++) { hs[i] = halloc(dt, SH(R, F)); ds[i] = dalloc(dt, SH(R, F)); }
+    DSK_TEST_OK(dsk_swiglu_grouped(NULL, out, hs[0], hs[1], hs[2], x, w1, w2, w3, off));
+    DSK_TEST_OK(dsk_swiglu_grouped_backward(NULL, dx, dw1, dw2, dw3, hs[3], hs[4], hs[5], dy, x, hs[0], hs[1], hs[2], w1, w2,
+                                            w3, off));
+    {
+        dsk_tensor *gx = dev(x), *gdy = dev(dy), *gw1 = dev(w1), *gw2 = dev(w2), *gw3 = dev(w3), *goff = dev(off);
+        DSK_TEST_OK(dsk_swiglu_grouped(&G, g[0], ds[0], ds[1], ds[2], gx, gw1, gw2, gw3, goff));
+        DSK_TEST_OK(dsk_swiglu_grouped_backward(&G, g[1], g[2], g[3], g[4], ds[3], ds[4], ds[5], gdy, gx, ds[0], ds[1],
+                                                ds[2], gw1, gw2, gw3, goff));
+    }
+    check(g[0], out, rt, rt, "out");
+    check(g[1], dx, rt, rt, "dx");
+    check(g[2], dw1, rt, rt, "dw1");
+    check(g[3], dw2, rt, rt, "dw2");
+    check(g[4], dw3, rt, rt, "dw3");
+}
+
 /* Scaled, plain (bit copies) and zero rows. */
 static void test_gather_rows_scaled(dsk_dtype dt, int64_t R, int64_t N, int64_t D) {
     dsk_tensor *src = hrand(dt, SH(R, D), -1, 1), *idx = hints(SH(N), R), *scale = hrand(DSK_F32, SH(N), -2, 2);
@@ -783,6 +810,8 @@ int main(int argc, char **argv) {
     CASE(test_matmul_grouped(DSK_BF16, DSK_F32, 1, 0, 6, 200, 64, 17, 0, 1.0f), "matmul_grouped weights bf16 -> f32");
     CASE(test_matmul_grouped(DSK_F16, DSK_F16, 1, 0, 3, 60, 9, 20, 0, 0.0f), "matmul_grouped weights f16");
     CASE(test_matmul_grouped(DSK_F16, DSK_F32, 0, 1, 4, 90, 0, 40, 48, 0.25f), "matmul_grouped rows f16 -> f32 tb beta");
+    CASE(test_swiglu_grouped(DSK_F32), "swiglu_grouped + backward f32");
+    CASE(test_swiglu_grouped(DSK_BF16), "swiglu_grouped + backward bf16");
     for (int d = 0; d < 3; d++)
         CASE(test_gather_rows_scaled(d == 0 ? DSK_F32 : d == 1 ? DSK_BF16 : DSK_F16, 13, 50, 129),
              "gather_rows_scaled %s", d == 0 ? "f32" : d == 1 ? "bf16" : "f16");
