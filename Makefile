@@ -103,10 +103,6 @@ $(BUILD)/tests/%: tests/%.c tests/dsk_test.h $(wildcard tests/gpu/*.h) $(DEPS)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $< $(LDLIBS)
 
-# The MoE golden test holds the CPU layer to records made with the GEMM's portable micro-kernel
-# (tests/golden/): built without -march, it gives those bits on any x86-64, AVX2 or AVX-512.
-$(BUILD)/tests/test_moe_golden: ARCH =
-
 $(BUILD)/examples/%: examples/%.c $(wildcard examples/*.h) $(DEPS)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $< $(LDLIBS)

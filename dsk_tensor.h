@@ -328,14 +328,22 @@ typedef enum dsk_device_pref {
     DSK_PREFER_CUDA      /* fail with DSK_ERR_UNSUPPORTED when no CUDA device is usable */
 } dsk_device_pref;
 
+/* Instruction set of the CPU GEMM micro-kernel (and so of every CPU product). */
+typedef enum dsk_cpu_isa {
+    DSK_CPU_ISA_AUTO = 0,    /* the best this CPU and build have */
+    DSK_CPU_ISA_PORTABLE,    /* plain C, 4 x 16 tiles */
+    DSK_CPU_ISA_AVX2,        /* AVX2 + FMA, 6 x 16 tiles */
+    DSK_CPU_ISA_AVX512       /* AVX-512F, 12 x 32 tiles */
+} dsk_cpu_isa;
+
 typedef struct dsk_ctx_opts {
     dsk_device_pref device;  /* default DSK_PREFER_AUTO */
     int cuda_index;          /* CUDA device ordinal, default 0 */
     size_t workspace_bytes;  /* device workspace for cuBLAS and reductions, default 32 MiB */
     int n_threads;           /* CPU threads for ops, default: OpenMP's maximum */
+    dsk_cpu_isa cpu_isa;     /* CPU GEMM kernel, default DSK_CPU_ISA_AUTO; one the CPU lacks is an error */
 } dsk_ctx_opts;
 
-/* Execution context passed to every op. CPU ops accept ctx == NULL. */
 /* What the host waited for on a CUDA context: every stream synchronisation made through the
    dsk wrappers (dsk_ctx_sync and the library's own) and every device-to-host copy (each also
    waits, or is waited for). A test reads them before and after a call to prove the call made
@@ -346,6 +354,7 @@ typedef struct dsk_ctx_counters {
     int64_t d2h_bytes;
 } dsk_ctx_counters;
 
+/* Execution context passed to every op. CPU ops accept ctx == NULL. */
 typedef struct dsk_ctx {
     dsk_device device;       /* where ops run and tensors are allocated by default */
     void *stream;            /* cudaStream_t of the context (CUDA only) */
@@ -354,6 +363,7 @@ typedef struct dsk_ctx {
     size_t workspace_bytes;
     int n_threads;
     dsk_ctx_counters counters; /* host waits on the device, counted (CUDA only) */
+    dsk_cpu_isa cpu_isa;     /* resolved: never DSK_CPU_ISA_AUTO after dsk_ctx_init */
 } dsk_ctx;
 
 /* 1 if this build has CUDA and a device and driver are usable at run time, else 0. */
@@ -362,6 +372,12 @@ DSK_API dsk_status dsk_ctx_init(dsk_ctx *ctx, const dsk_ctx_opts *opts); /* opts
 DSK_API void dsk_ctx_free(dsk_ctx *ctx);                                  /* zeroed/freed ok */
 DSK_API dsk_status dsk_ctx_sync(dsk_ctx *ctx); /* waits for the context's stream */
 DSK_API dsk_device dsk_cpu(void);
+/* The best CPU GEMM instruction set this CPU and build have (checked at run time). */
+DSK_API dsk_cpu_isa dsk_cpu_isa_best(void);
+DSK_API int dsk_cpu_isa_supported(dsk_cpu_isa isa); /* 1 if usable here (AUTO: 0) */
+DSK_API const char *dsk_cpu_isa_name(dsk_cpu_isa isa); /* "avx512", ...; "invalid" */
+/* Writes the kernel `isa` selects, e.g. "avx512 12x32", into buf (terminated); returns buf. */
+DSK_API const char *dsk_cpu_gemm_describe(dsk_cpu_isa isa, char *buf, size_t n);
 
 /* CUDA graphs: everything enqueued on ctx's stream between begin and end is recorded (not run)
    and replayed by dsk_graph_launch as one launch. A captured call must neither synchronise nor
@@ -424,12 +440,33 @@ DSK_API dsk_status dsk_tensor_normal(dsk_ctx *ctx, dsk_tensor *t, uint64_t seed,
    Shared by the CPU ops below and the CUDA kernels (kernels/tensor.cu), so both paths
    run the same arithmetic. */
 
-static inline DSK_HD float dsk_sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+/* e^x in f32 within 2 ulp: x = n ln2 + r with |r| <= ln2/2 (Cody-Waite, two FMAs), e^r by
+   Cephes' degree-6 polynomial, 2^n applied in two halves so subnormal results round once; NaN
+   stays NaN, x > 88.73 gives Inf, x < -103.98 gives 0. The vector CPU kernels repeat these
+   operations lane by lane, so scalar and vector paths give the same bits. */
+static inline DSK_HD float dsk_exp_f(float x) {
+    float xc = x > -104.0f ? (x < 89.0f ? x : 89.0f) : -104.0f; /* NaN -> -104, replaced below */
+    float t = fmaf(xc, 1.44269504088896341f, 12582912.0f);      /* 1.5 * 2^23: rounds to an integer */
+    float n = t - 12582912.0f, r, p, y;
+    int32_t ni = (int32_t)n, n1 = (ni - (ni & 1)) / 2, n2 = ni - n1; /* n1 = floor(n / 2) */
+    r = fmaf(n, -0.693359375f, xc);
+    r = fmaf(n, 2.12194440e-4f, r);
+    p = fmaf(1.9875691500e-4f, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    y = fmaf(p, r * r, r) + 1.0f;
+    y = y * dsk_bits_f32((uint32_t)(n1 + 127) << 23) * dsk_bits_f32((uint32_t)(n2 + 127) << 23);
+    return x != x ? x : y;
+}
+static inline DSK_HD float dsk_sigmoid_f(float x) { return 1.0f / (1.0f + dsk_exp_f(-x)); }
 static inline DSK_HD float dsk_silu_f(float x) { return x * dsk_sigmoid_f(x); }
-/* d silu(x) / dx = s (1 + x (1 - s)), s = sigmoid(x). */
+/* d silu(x) / dx = s (1 + x (1 - s)), s = sigmoid(x); one explicit FMA, so no compiler's
+   contraction choice can make the vector kernels' bits differ. */
 static inline DSK_HD float dsk_silu_grad_f(float x) {
     float s = dsk_sigmoid_f(x);
-    return s * (1.0f + x * (1.0f - s));
+    return s * fmaf(x, 1.0f - s, 1.0f);
 }
 static inline DSK_HD float dsk_swiglu_f(float gate, float up) { return dsk_silu_f(gate) * up; }
 /* Gradients of out = silu(gate) * up given dout (to be accumulated by the caller). */
@@ -463,12 +500,19 @@ static inline DSK_HD void dsk_rope_rotate(float x0, float x1, float c, float s, 
 DSK_API dsk_status dsk_matmul(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, int trans_a,
                               const dsk_tensor *B, int trans_b, float alpha, float beta);
 /* Raw row-major f32 GEMM on the CPU: C = alpha*op(A)op(B) + beta*C with leading dims
-   (op(A) is M x K, op(B) K x N); n_threads <= 0 means OpenMP's maximum. Packed, cache-blocked,
-   AVX2/FMA when compiled for it; same bits for any thread count. Cannot fail: without memory
-   for its packing buffers it computes the product unpacked. */
+   (op(A) is M x K, op(B) K x N); n_threads <= 0 means OpenMP's maximum. Cache-blocked, on the
+   micro-kernel of dsk_cpu_isa_best() (AVX-512, AVX2/FMA or portable, chosen at run time); same
+   bits for any thread count. Cannot fail: without memory for its buffers it computes the
+   product with plain loops. */
 DSK_API void dsk_sgemm_cpu(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha,
                            const float *A, int64_t lda, const float *B, int64_t ldb, float beta,
                            float *C, int64_t ldc, int n_threads);
+
+/* Raw f32 SwiGLU on the CPU for i < n, vectorised for dsk_cpu_isa_best() with the same bits as
+   dsk_swiglu_f / dsk_swiglu_grad_f: out = silu(gate) up; dgate, dup = the gradients for dout,
+   WRITTEN (dgate may be dout). One thread; for callers that own their loops (dsk_moe.h). */
+DSK_API void dsk_swiglu_cpu(int64_t n, const float *gate, const float *up, float *out);
+DSK_API void dsk_swiglu_grad_cpu(int64_t n, const float *gate, const float *up, const float *dout, float *dgate, float *dup);
 
 DSK_API dsk_status dsk_add(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *a, const dsk_tensor *b); /* out = a + b (out may alias) */
 DSK_API dsk_status dsk_mul(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *a, const dsk_tensor *b); /* out = a * b */
@@ -742,8 +786,14 @@ DSK_API dsk_status dsk_ctx_init(dsk_ctx *ctx, const dsk_ctx_opts *opts) {
     memset(ctx, 0, sizeof *ctx);
     if (o.n_threads < 0) return dsk_set_error(DSK_ERR_ARG, "dsk_ctx_init: n_threads %d < 0", o.n_threads);
     if (o.cuda_index < 0) return dsk_set_error(DSK_ERR_ARG, "dsk_ctx_init: cuda_index %d < 0", o.cuda_index);
+    if ((int)o.cpu_isa < 0 || o.cpu_isa > DSK_CPU_ISA_AVX512)
+        return dsk_set_error(DSK_ERR_ARG, "dsk_ctx_init: unknown cpu_isa %d", (int)o.cpu_isa);
+    if (o.cpu_isa != DSK_CPU_ISA_AUTO && !dsk_cpu_isa_supported(o.cpu_isa))
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "dsk_ctx_init: cpu_isa %s requested but this CPU or build lacks it (best: %s)",
+                             dsk_cpu_isa_name(o.cpu_isa), dsk_cpu_isa_name(dsk_cpu_isa_best()));
     ctx->device = dsk_cpu();
     ctx->n_threads = o.n_threads ? o.n_threads : dsk__default_threads();
+    ctx->cpu_isa = o.cpu_isa != DSK_CPU_ISA_AUTO ? o.cpu_isa : dsk_cpu_isa_best();
     if (o.device == DSK_PREFER_CPU) return DSK_OK;
     if (o.device != DSK_PREFER_AUTO && o.device != DSK_PREFER_CUDA)
         return dsk_set_error(DSK_ERR_ARG, "dsk_ctx_init: unknown device preference %d", (int)o.device);
@@ -1191,8 +1241,10 @@ DSK_API dsk_status dsk_tensor_normal(dsk_ctx *ctx, dsk_tensor *t, uint64_t seed,
 #define DSK__OMP(x)
 #endif
 
-/* Below this many elements (or flops) an op runs on one thread. */
-#define DSK__PAR_MIN 32768
+/* Below this many elements (or flops) an op runs on one thread: a 1 MB row op takes ~0.1 ms on
+   one core, while a fork and join costs microseconds on an idle machine and milliseconds when
+   the team's threads must wait for a core (bench/RESULTS.md, Training). */
+#define DSK__PAR_MIN 262144
 
 static int dsk__thread_id(void) {
 #ifdef _OPENMP
@@ -1327,17 +1379,24 @@ static void dsk__rows_cols(const dsk_tensor *t, int64_t *rows, int64_t *cols) {
 }
 
 /* ---------------------------------------------------------------- CPU GEMM
-   BLIS-style: C is cut into NC-wide column panels and K into KC-deep slices; each slice of
-   op(B) is packed (converted to f32) into NR-wide micro-panels, each MC-tall block of op(A)
-   into MR-tall micro-panels; a register-blocked MR x NR micro-kernel runs over the tiles.
-   Threads own disjoint blocks of C and never split the K loop, so every element of C sums
-   its products in the same order whatever the thread count. */
+   One register-blocked micro-kernel computes an MR x NR tile of C from k steps of A (MR
+   broadcasts) and B (NR-wide rows) with f32 FMAs; it is picked at run time from the CPU:
+   AVX-512 (12 x 32), AVX2 + FMA (6 x 16) or portable C (4 x 16). Two loop nests feed it:
+   direct  f32 operands and N <= DSK__DIRECT_N (every product of a small model): A is read in
+           place through its strides (a bottom edge tile is copied), op(B) in place when its
+           rows are contiguous, else each KC slice is packed once per thread; no copy of A.
+   packed  everything else (bf16/f16 operands, wide N): BLIS-style, C cut into NC-wide column
+           panels and K into KC-deep slices, op(B) packed into NR-wide micro-panels and each
+           MC-tall block of op(A) into MR-tall micro-panels (converted to f32).
+   Threads own disjoint blocks of C and never split K; the loop nest and the K slices depend on
+   the shape only, so every element of C sums its products in the same order whatever the
+   thread count. */
 
-#define DSK__MR 6
-#define DSK__NR 16
 #define DSK__KC 256
 #define DSK__MC 144
 #define DSK__NC 3072
+#define DSK__DIRECT_N 512  /* widest op(B) the direct nest takes */
+#define DSK__DIRECT_KC 512 /* K slice of the direct nest */
 
 typedef struct dsk__gemm_args {
     int64_t M, N, K;
@@ -1347,6 +1406,17 @@ typedef struct dsk__gemm_args {
     const void *B; dsk_dtype b_dt; int64_t b_rs, b_cs;
     float *C; int64_t ldc;
 } dsk__gemm_args;
+
+/* C[0:m, 0:n] = alpha * sum_{p < k} A[i][p] B[p][j] + beta * C (beta == 0: C is not read), with
+   A[i][p] = a[i * a_rs + p * a_cs] for every i < MR (callers pad a short tile) and row p of B
+   at b + p * b_rs, of which only the first n columns are read. */
+typedef void (*dsk__ukernel_fn)(int64_t k, const float *a, int64_t a_rs, int64_t a_cs, const float *b, int64_t b_rs, float *c,
+                                int64_t ldc, int m, int n, float alpha, float beta);
+typedef struct dsk__ukernel {
+    dsk_cpu_isa isa;
+    int mr, nr;
+    dsk__ukernel_fn fn;
+} dsk__ukernel;
 
 /* Packs rows [0, rows) x cols [0, kc) of X (X[i][p] = src[i * rs + p * cs]) into micro-panels
    of width w: panel c holds dst[c * w * kc + p * w + r] = X[c * w + r][p], zero past `rows`.
@@ -1383,74 +1453,195 @@ static void dsk__pack(float *dst, const void *src, dsk_dtype dt, int64_t rs, int
     else DSK__PACK_LOOP(uint16_t, DSK__LOAD_F16);
 }
 
-/* Writes one tile: c = alpha * acc + beta * c (beta == 0: c is not read). */
-static void dsk__store_tile(const float *acc, float *c, int64_t ldc, int64_t m, int64_t n, float alpha, float beta) {
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t j = 0; j < n; j++) {
-            float v = alpha * acc[i * DSK__NR + j];
+/* Portable micro-kernel, 4 x 16; the compiler vectorises the j loops where it can. */
+static void dsk__ukernel_portable(int64_t k, const float *a, int64_t a_rs, int64_t a_cs, const float *b, int64_t b_rs, float *c,
+                                  int64_t ldc, int m, int n, float alpha, float beta) {
+    float t[4][16];
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 16; j++) t[i][j] = 0.0f;
+    for (int64_t p = 0; p < k; p++, a += a_cs, b += b_rs)
+        for (int i = 0; i < 4; i++) {
+            float av = a[i * a_rs];
+            for (int j = 0; j < n; j++) t[i][j] += av * b[j];
+        }
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < n; j++) {
+            float v = alpha * t[i][j];
             c[i * ldc + j] = beta == 0.0f ? v : v + beta * c[i * ldc + j];
         }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && !defined(__CUDACC__)
+#define DSK__X86 1
+/* g++ 12 flags the intrinsics' own _mm512_undefined_* as maybe-uninitialized (GCC bug 105593). */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
 #include <immintrin.h>
-/* 6 x 16 micro-kernel: 12 accumulators, 2 B vectors, 1 broadcast of A. m, n <= 6, 16;
-   a full tile is updated in C directly, an edge tile through a buffer. */
-static void dsk__ukernel(int64_t kc, const float *a, const float *b, float *c, int64_t ldc, int64_t m, int64_t n, float alpha,
-                         float beta) {
-    __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
-    __m256 c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(), c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
-    __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
-    __m256 b0, b1, av;
-    int64_t p = 0;
-    for (int64_t i = 0; i < m; i++) { /* C rows are often 4 KiB apart: fetch them early */
-        _mm_prefetch((const char *)(c + i * ldc), _MM_HINT_T0);
-        _mm_prefetch((const char *)(c + i * ldc + n - 1), _MM_HINT_T0);
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+/* Compiled for these instruction sets whatever the build flags; called only when the CPU has them. */
+#define DSK__TARGET_AVX2 __attribute__((target("avx2,fma")))
+#define DSK__TARGET_AVX512 __attribute__((target("avx512f,fma")))
+#define DSK__INLINE static inline __attribute__((always_inline))
+
+#define DSK__ROWS6(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#define DSK__ROWS12(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+
+/* AVX-512, 12 x 32: 24 accumulators, 2 B vectors, 1 broadcast; short rows of B load masked
+   (masked-off lanes are never read), the tile stores masked. a_rs and `masked` are constants
+   at each call site below, so the compiler builds four specialised loops. */
+#define DSK__K512_ZERO(i) __m512 c##i##a = _mm512_setzero_ps(), c##i##b = _mm512_setzero_ps();
+#define DSK__K512_FMA(i)                                                                          \
+    {                                                                                             \
+        __m512 av_ = _mm512_set1_ps(a[(i) * a_rs]);                                               \
+        c##i##a = _mm512_fmadd_ps(av_, b0, c##i##a);                                              \
+        c##i##b = _mm512_fmadd_ps(av_, b1, c##i##b);                                              \
     }
-#define DSK__UK_STEP(k)                                                                                         \
-    b0 = _mm256_loadu_ps(b + DSK__NR * (k)); b1 = _mm256_loadu_ps(b + DSK__NR * (k) + 8);                      \
-    av = _mm256_broadcast_ss(a + DSK__MR * (k) + 0); c00 = _mm256_fmadd_ps(av, b0, c00); c01 = _mm256_fmadd_ps(av, b1, c01); \
-    av = _mm256_broadcast_ss(a + DSK__MR * (k) + 1); c10 = _mm256_fmadd_ps(av, b0, c10); c11 = _mm256_fmadd_ps(av, b1, c11); \
-    av = _mm256_broadcast_ss(a + DSK__MR * (k) + 2); c20 = _mm256_fmadd_ps(av, b0, c20); c21 = _mm256_fmadd_ps(av, b1, c21); \
-    av = _mm256_broadcast_ss(a + DSK__MR * (k) + 3); c30 = _mm256_fmadd_ps(av, b0, c30); c31 = _mm256_fmadd_ps(av, b1, c31); \
-    av = _mm256_broadcast_ss(a + DSK__MR * (k) + 4); c40 = _mm256_fmadd_ps(av, b0, c40); c41 = _mm256_fmadd_ps(av, b1, c41); \
-    av = _mm256_broadcast_ss(a + DSK__MR * (k) + 5); c50 = _mm256_fmadd_ps(av, b0, c50); c51 = _mm256_fmadd_ps(av, b1, c51);
-    for (; p + 4 <= kc; p += 4, a += 4 * DSK__MR, b += 4 * DSK__NR) {
-        _mm_prefetch((const char *)(a + 96), _MM_HINT_T0);
-        DSK__UK_STEP(0) DSK__UK_STEP(1) DSK__UK_STEP(2) DSK__UK_STEP(3)
+#define DSK__K512_STORE(i)                                                                        \
+    if ((i) < m) {                                                                                \
+        float *cr_ = c + (i) * ldc;                                                               \
+        __m512 v0_ = _mm512_mul_ps(va, c##i##a), v1_ = _mm512_mul_ps(va, c##i##b);                \
+        if (beta != 0.0f) {                                                                       \
+            v0_ = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(k0, cr_), v0_);                       \
+            v1_ = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(k1, cr_ + 16), v1_);                  \
+        }                                                                                         \
+        _mm512_mask_storeu_ps(cr_, k0, v0_);                                                      \
+        _mm512_mask_storeu_ps(cr_ + 16, k1, v1_);                                                 \
     }
-    for (; p < kc; p++, a += DSK__MR, b += DSK__NR) { DSK__UK_STEP(0) }
-#undef DSK__UK_STEP
-    if (m == DSK__MR && n == DSK__NR) {
-        __m256 va = _mm256_set1_ps(alpha), vb = _mm256_set1_ps(beta);
-        __m256 acc[12] = {c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51};
-        for (int i = 0; i < DSK__MR; i++)
-            for (int h = 0; h < 2; h++) {
-                float *cp = c + i * ldc + 8 * h;
-                __m256 v = _mm256_mul_ps(va, acc[2 * i + h]);
-                if (beta != 0.0f) v = _mm256_add_ps(v, _mm256_mul_ps(vb, _mm256_loadu_ps(cp)));
-                _mm256_storeu_ps(cp, v);
-            }
+DSK__INLINE DSK__TARGET_AVX512 void dsk__ukernel_avx512_body(int64_t k, const float *a, int64_t a_rs, int64_t a_cs, const float *b,
+                                                            int64_t b_rs, float *c, int64_t ldc, int m, int n, float alpha,
+                                                            float beta, int masked) {
+    __mmask16 k0 = (__mmask16)(n >= 16 ? 0xffffu : (1u << n) - 1u), k1 = (__mmask16)(n >= 32 ? 0xffffu : n > 16 ? (1u << (n - 16)) - 1u : 0u);
+    __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta), b0, b1;
+    DSK__ROWS12(DSK__K512_ZERO)
+    for (int64_t p = 0; p < k; p++, a += a_cs, b += b_rs) {
+        if (masked) {
+            b0 = _mm512_maskz_loadu_ps(k0, b);
+            b1 = _mm512_maskz_loadu_ps(k1, b + 16);
+        } else {
+            b0 = _mm512_loadu_ps(b);
+            b1 = _mm512_loadu_ps(b + 16);
+        }
+        DSK__ROWS12(DSK__K512_FMA)
+    }
+    DSK__ROWS12(DSK__K512_STORE)
+}
+static DSK__TARGET_AVX512 void dsk__ukernel_avx512(int64_t k, const float *a, int64_t a_rs, int64_t a_cs, const float *b, int64_t b_rs,
+                                                   float *c, int64_t ldc, int m, int n, float alpha, float beta) {
+    if (a_rs == 1) {
+        if (n == 32) dsk__ukernel_avx512_body(k, a, 1, a_cs, b, b_rs, c, ldc, m, n, alpha, beta, 0);
+        else dsk__ukernel_avx512_body(k, a, 1, a_cs, b, b_rs, c, ldc, m, n, alpha, beta, 1);
     } else {
-        float t[DSK__MR * DSK__NR];
-        _mm256_storeu_ps(t + 0, c00); _mm256_storeu_ps(t + 8, c01); _mm256_storeu_ps(t + 16, c10); _mm256_storeu_ps(t + 24, c11);
-        _mm256_storeu_ps(t + 32, c20); _mm256_storeu_ps(t + 40, c21); _mm256_storeu_ps(t + 48, c30); _mm256_storeu_ps(t + 56, c31);
-        _mm256_storeu_ps(t + 64, c40); _mm256_storeu_ps(t + 72, c41); _mm256_storeu_ps(t + 80, c50); _mm256_storeu_ps(t + 88, c51);
-        dsk__store_tile(t, c, ldc, m, n, alpha, beta);
+        if (n == 32) dsk__ukernel_avx512_body(k, a, a_rs, a_cs, b, b_rs, c, ldc, m, n, alpha, beta, 0);
+        else dsk__ukernel_avx512_body(k, a, a_rs, a_cs, b, b_rs, c, ldc, m, n, alpha, beta, 1);
+    }
+}
+
+/* AVX2 + FMA, 6 x 16: 12 accumulators, 2 B vectors, 1 broadcast; the same scheme with
+   vmaskmov for short rows (masked-off lanes are never read). */
+#define DSK__K256_ZERO(i) __m256 c##i##a = _mm256_setzero_ps(), c##i##b = _mm256_setzero_ps();
+#define DSK__K256_FMA(i)                                                                          \
+    {                                                                                             \
+        __m256 av_ = _mm256_broadcast_ss(a + (i) * a_rs);                                         \
+        c##i##a = _mm256_fmadd_ps(av_, b0, c##i##a);                                              \
+        c##i##b = _mm256_fmadd_ps(av_, b1, c##i##b);                                              \
+    }
+#define DSK__K256_STORE(i)                                                                        \
+    if ((i) < m) {                                                                                \
+        float *cr_ = c + (i) * ldc;                                                               \
+        __m256 v0_ = _mm256_mul_ps(va, c##i##a), v1_ = _mm256_mul_ps(va, c##i##b);                \
+        if (beta != 0.0f) {                                                                       \
+            v0_ = _mm256_fmadd_ps(vb, _mm256_maskload_ps(cr_, k0), v0_);                          \
+            v1_ = _mm256_fmadd_ps(vb, _mm256_maskload_ps(cr_ + 8, k1), v1_);                      \
+        }                                                                                         \
+        _mm256_maskstore_ps(cr_, k0, v0_);                                                        \
+        _mm256_maskstore_ps(cr_ + 8, k1, v1_);                                                    \
+    }
+DSK__INLINE DSK__TARGET_AVX2 void dsk__ukernel_avx2_body(int64_t k, const float *a, int64_t a_rs, int64_t a_cs, const float *b,
+                                                        int64_t b_rs, float *c, int64_t ldc, int m, int n, float alpha, float beta,
+                                                        int masked) {
+    __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i k0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane), k1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8), lane);
+    __m256 va = _mm256_set1_ps(alpha), vb = _mm256_set1_ps(beta), b0, b1;
+    DSK__ROWS6(DSK__K256_ZERO)
+    for (int64_t p = 0; p < k; p++, a += a_cs, b += b_rs) {
+        if (masked) {
+            b0 = _mm256_maskload_ps(b, k0);
+            b1 = _mm256_maskload_ps(b + 8, k1);
+        } else {
+            b0 = _mm256_loadu_ps(b);
+            b1 = _mm256_loadu_ps(b + 8);
+        }
+        DSK__ROWS6(DSK__K256_FMA)
+    }
+    DSK__ROWS6(DSK__K256_STORE)
+}
+static DSK__TARGET_AVX2 void dsk__ukernel_avx2(int64_t k, const float *a, int64_t a_rs, int64_t a_cs, const float *b, int64_t b_rs,
+                                               float *c, int64_t ldc, int m, int n, float alpha, float beta) {
+    if (a_rs == 1) {
+        if (n == 16) dsk__ukernel_avx2_body(k, a, 1, a_cs, b, b_rs, c, ldc, m, n, alpha, beta, 0);
+        else dsk__ukernel_avx2_body(k, a, 1, a_cs, b, b_rs, c, ldc, m, n, alpha, beta, 1);
+    } else {
+        if (n == 16) dsk__ukernel_avx2_body(k, a, a_rs, a_cs, b, b_rs, c, ldc, m, n, alpha, beta, 0);
+        else dsk__ukernel_avx2_body(k, a, a_rs, a_cs, b, b_rs, c, ldc, m, n, alpha, beta, 1);
     }
 }
 #else
-/* Portable micro-kernel; the compiler vectorises the inner loop where it can. */
-static void dsk__ukernel(int64_t kc, const float *a, const float *b, float *c, int64_t ldc, int64_t m, int64_t n, float alpha,
-                         float beta) {
-    float t[DSK__MR * DSK__NR];
-    for (int i = 0; i < DSK__MR * DSK__NR; i++) t[i] = 0.0f;
-    for (int64_t p = 0; p < kc; p++, a += DSK__MR, b += DSK__NR)
-        for (int i = 0; i < DSK__MR; i++)
-            for (int j = 0; j < DSK__NR; j++) t[i * DSK__NR + j] += a[i] * b[j];
-    dsk__store_tile(t, c, ldc, m, n, alpha, beta);
-}
+#define DSK__X86 0
 #endif
+
+/* The instruction sets this build and this CPU both have, as a bit per dsk_cpu_isa. */
+static unsigned dsk__cpu_isa_mask(void) {
+    unsigned m = 1u << DSK_CPU_ISA_PORTABLE;
+#if DSK__X86
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) m |= 1u << DSK_CPU_ISA_AVX2;
+    if (__builtin_cpu_supports("avx512f")) m |= 1u << DSK_CPU_ISA_AVX512;
+#endif
+    return m;
+}
+
+DSK_API dsk_cpu_isa dsk_cpu_isa_best(void) {
+    unsigned m = dsk__cpu_isa_mask();
+    return (m >> DSK_CPU_ISA_AVX512) & 1u ? DSK_CPU_ISA_AVX512 : (m >> DSK_CPU_ISA_AVX2) & 1u ? DSK_CPU_ISA_AVX2 : DSK_CPU_ISA_PORTABLE;
+}
+
+DSK_API int dsk_cpu_isa_supported(dsk_cpu_isa isa) { return (int)isa > 0 && (int)isa < 32 && ((dsk__cpu_isa_mask() >> isa) & 1u); }
+
+DSK_API const char *dsk_cpu_isa_name(dsk_cpu_isa isa) {
+    switch (isa) {
+    case DSK_CPU_ISA_AUTO: return "auto";
+    case DSK_CPU_ISA_PORTABLE: return "portable";
+    case DSK_CPU_ISA_AVX2: return "avx2";
+    case DSK_CPU_ISA_AVX512: return "avx512";
+    default: return "invalid";
+    }
+}
+
+/* The micro-kernel of `isa` (AUTO or one this CPU lacks: the best it has). */
+static dsk__ukernel dsk__ukernel_for(dsk_cpu_isa isa) {
+    dsk__ukernel u;
+    if (!dsk_cpu_isa_supported(isa)) isa = dsk_cpu_isa_best();
+    u.isa = isa;
+    u.mr = 4; u.nr = 16; u.fn = dsk__ukernel_portable;
+#if DSK__X86
+    if (isa == DSK_CPU_ISA_AVX512) { u.mr = 12; u.nr = 32; u.fn = dsk__ukernel_avx512; }
+    if (isa == DSK_CPU_ISA_AVX2) { u.mr = 6; u.nr = 16; u.fn = dsk__ukernel_avx2; }
+#endif
+    return u;
+}
+
+DSK_API const char *dsk_cpu_gemm_describe(dsk_cpu_isa isa, char *buf, size_t n) {
+    dsk__ukernel u = dsk__ukernel_for(isa);
+    if (n) snprintf(buf, n, "%s %dx%d", dsk_cpu_isa_name(u.isa), u.mr, u.nr);
+    return buf;
+}
+
+static int64_t dsk__round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+static int64_t dsk__min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* C = beta * C (beta == 0 writes zeros, NaN in C included). */
 static void dsk__scale_c(const dsk__gemm_args *g) {
@@ -1461,31 +1652,78 @@ static void dsk__scale_c(const dsk__gemm_args *g) {
         }
 }
 
-static int64_t dsk__round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+/* The direct nest serves f32 products whose op(B) is at most DSK__DIRECT_N wide. */
+static int dsk__gemm_is_direct(const dsk__gemm_args *g) {
+    return g->a_dt == DSK_F32 && g->b_dt == DSK_F32 && g->N <= DSK__DIRECT_N;
+}
+/* op(B)'s rows are contiguous f32: the direct nest reads them in place. */
+static int dsk__gemm_b_in_place(const dsk__gemm_args *g) { return g->b_dt == DSK_F32 && (g->b_cs == 1 || g->N == 1); }
 
-/* Serial BLIS loops over the block C[i0:i1, j0:j1] with the caller's packing buffers
-   (ap: KC x MC, bp: KC x NC rounded up to the tile). */
-static void dsk__gemm_block(const dsk__gemm_args *g, int64_t i0, int64_t i1, int64_t j0, int64_t j1, float *ap, float *bp) {
+/* Floats of scratch one thread needs for a block of C nc columns wide. */
+static int64_t dsk__gemm_scratch(const dsk__gemm_args *g, const dsk__ukernel *uk, int64_t nc) {
+    if (dsk__gemm_is_direct(g)) {
+        int64_t kc = dsk__min64(g->K, DSK__DIRECT_KC);
+        return kc * uk->mr + (dsk__gemm_b_in_place(g) ? 0 : kc * dsk__round_up(nc, uk->nr));
+    }
+    return dsk__min64(g->K, DSK__KC) * (DSK__MC + dsk__round_up(dsk__min64(nc, DSK__NC), uk->nr));
+}
+
+/* Direct nest over the block C[i0:i1, j0:j1]; ws: dsk__gemm_scratch floats. */
+static void dsk__gemm_direct(const dsk__gemm_args *g, const dsk__ukernel *uk, int64_t i0, int64_t i1, int64_t j0, int64_t j1, float *ws) {
+    const float *A = (const float *)g->A, *B = (const float *)g->B;
+    int64_t MR = uk->mr, NR = uk->nr, nc = j1 - j0, in_place = dsk__gemm_b_in_place(g);
+    float *ap = ws, *bp = ws + dsk__min64(g->K, DSK__DIRECT_KC) * MR;
+    for (int64_t pc = 0; pc < g->K; pc += DSK__DIRECT_KC) {
+        int64_t kc = dsk__min64(g->K - pc, DSK__DIRECT_KC), b_rs = in_place ? g->b_rs : NR;
+        float beta = pc == 0 ? g->beta : 1.0f;
+        if (!in_place) /* X[j][p] = op(B)[pc + p][j0 + j]: rows step b_cs, columns b_rs */
+            dsk__pack(bp, B + pc * g->b_rs + j0 * g->b_cs, DSK_F32, g->b_cs, g->b_rs, nc, kc, NR, 0, (nc + NR - 1) / NR);
+        for (int64_t it = i0; it < i1; it += MR) {
+            int64_t m = dsk__min64(MR, i1 - it), a_rs = g->a_rs, a_cs = g->a_cs;
+            const float *a = A + it * g->a_rs + pc * g->a_cs;
+            if (m < MR) { /* rows past M must not be read: copy the short tile, zero padded */
+                dsk__pack(ap, a, DSK_F32, g->a_rs, g->a_cs, m, kc, MR, 0, 1);
+                a = ap; a_rs = 1; a_cs = MR;
+            }
+            for (int64_t jt = j0; jt < j1; jt += NR) {
+                const float *b = in_place ? B + pc * g->b_rs + jt * g->b_cs : bp + (jt - j0) * kc;
+                uk->fn(kc, a, a_rs, a_cs, b, b_rs, g->C + it * g->ldc + jt, g->ldc, (int)m, (int)dsk__min64(NR, j1 - jt), g->alpha, beta);
+            }
+        }
+    }
+}
+
+/* Packed (BLIS) nest over the block C[i0:i1, j0:j1]; ws: dsk__gemm_scratch floats. */
+static void dsk__gemm_packed(const dsk__gemm_args *g, const dsk__ukernel *uk, int64_t i0, int64_t i1, int64_t j0, int64_t j1, float *ws) {
     size_t ae = dsk_dtype_size(g->a_dt), be = dsk_dtype_size(g->b_dt);
+    int64_t MR = uk->mr, NR = uk->nr;
+    float *ap = ws, *bp = ws + dsk__min64(g->K, DSK__KC) * DSK__MC;
     for (int64_t jc = j0; jc < j1; jc += DSK__NC) {
-        int64_t nc = j1 - jc < DSK__NC ? j1 - jc : DSK__NC, n_jr = (nc + DSK__NR - 1) / DSK__NR;
+        int64_t nc = dsk__min64(j1 - jc, DSK__NC), n_jr = (nc + NR - 1) / NR;
         for (int64_t pc = 0; pc < g->K; pc += DSK__KC) {
-            int64_t kc = g->K - pc < DSK__KC ? g->K - pc : DSK__KC;
+            int64_t kc = dsk__min64(g->K - pc, DSK__KC);
             float beta = pc == 0 ? g->beta : 1.0f;
             /* X[j][p] = op(B)[pc + p][jc + j]: panel rows step b_cs, columns b_rs */
-            dsk__pack(bp, (const char *)g->B + (size_t)(pc * g->b_rs + jc * g->b_cs) * be, g->b_dt, g->b_cs, g->b_rs, nc, kc, DSK__NR, 0, n_jr);
+            dsk__pack(bp, (const char *)g->B + (size_t)(pc * g->b_rs + jc * g->b_cs) * be, g->b_dt, g->b_cs, g->b_rs, nc, kc, NR, 0, n_jr);
             for (int64_t ic = i0; ic < i1; ic += DSK__MC) {
-                int64_t mc = i1 - ic < DSK__MC ? i1 - ic : DSK__MC, n_ir = (mc + DSK__MR - 1) / DSK__MR;
-                dsk__pack(ap, (const char *)g->A + (size_t)(ic * g->a_rs + pc * g->a_cs) * ae, g->a_dt, g->a_rs, g->a_cs, mc, kc, DSK__MR, 0, n_ir);
+                int64_t mc = dsk__min64(i1 - ic, DSK__MC), n_ir = (mc + MR - 1) / MR;
+                dsk__pack(ap, (const char *)g->A + (size_t)(ic * g->a_rs + pc * g->a_cs) * ae, g->a_dt, g->a_rs, g->a_cs, mc, kc, MR, 0, n_ir);
                 for (int64_t jr = 0; jr < n_jr; jr++)
                     for (int64_t ir = 0; ir < n_ir; ir++) {
-                        int64_t r0 = ir * DSK__MR, c0 = jr * DSK__NR;
-                        int64_t m = mc - r0 < DSK__MR ? mc - r0 : DSK__MR, n = nc - c0 < DSK__NR ? nc - c0 : DSK__NR;
-                        dsk__ukernel(kc, ap + ir * DSK__MR * kc, bp + jr * DSK__NR * kc, g->C + (ic + r0) * g->ldc + jc + c0, g->ldc, m, n, g->alpha, beta);
+                        int64_t r0 = ir * MR, c0 = jr * NR;
+                        uk->fn(kc, ap + ir * MR * kc, 1, MR, bp + jr * NR * kc, NR, g->C + (ic + r0) * g->ldc + jc + c0, g->ldc,
+                               (int)dsk__min64(MR, mc - r0), (int)dsk__min64(NR, nc - c0), g->alpha, beta);
                     }
             }
         }
     }
+}
+
+/* One thread's share of a product: the block C[i0:i1, j0:j1] (ws: dsk__gemm_scratch floats). */
+static void dsk__gemm_block(const dsk__gemm_args *g, const dsk__ukernel *uk, int64_t i0, int64_t i1, int64_t j0, int64_t j1, float *ws) {
+    if (i0 >= i1 || j0 >= j1) return;
+    if (dsk__gemm_is_direct(g)) dsk__gemm_direct(g, uk, i0, i1, j0, j1, ws);
+    else dsk__gemm_packed(g, uk, i0, i1, j0, j1, ws);
 }
 
 /* Splits `units` tiles into `parts` near-equal ranges; range p is [*lo, *hi). */
@@ -1496,45 +1734,52 @@ static void dsk__split(int64_t units, int64_t parts, int64_t p, int64_t *lo, int
 
 /* Threads own disjoint blocks of C (a tm x tn grid) and pack their own operands, so they never
    wait for each other; the grid minimises the padded tile work of the largest block. */
-static void dsk__gemm_grid(int64_t M, int64_t N, int nt, int64_t *tm, int64_t *tn) {
-    int64_t mu = (M + DSK__MR - 1) / DSK__MR, nu = (N + DSK__NR - 1) / DSK__NR, best = -1;
+static void dsk__gemm_grid(int64_t M, int64_t N, int nt, int64_t mr, int64_t nr, int64_t *tm, int64_t *tn) {
+    int64_t mu = (M + mr - 1) / mr, nu = (N + nr - 1) / nr, best = -1;
     *tm = 1; *tn = 1;
     for (int64_t a = 1; a <= nt; a++) {
         int64_t b = nt / a, work;
         if (a * b != nt || a > mu || b > nu) continue;
-        work = ((mu + a - 1) / a) * DSK__MR * ((nu + b - 1) / b) * DSK__NR;
+        work = ((mu + a - 1) / a) * mr * ((nu + b - 1) / b) * nr;
         if (best < 0 || work < best) { best = work; *tm = a; *tn = b; }
     }
 }
 
-static dsk_status dsk__gemm(const dsk__gemm_args *g, int n_threads) {
+/* The product on one thread with the caller's scratch (dsk__gemm_scratch(g, uk, g->N) floats). */
+static void dsk__gemm_serial(const dsk__gemm_args *g, const dsk__ukernel *uk, float *ws) {
+    if (g->M <= 0 || g->N <= 0) return;
+    if (g->K <= 0 || g->alpha == 0.0f) { dsk__scale_c(g); return; }
+    dsk__gemm_block(g, uk, 0, g->M, 0, g->N, ws);
+}
+
+/* Below ~160^3 multiply-adds one thread finishes before a team would be worth waking. */
+static int dsk__gemm_threaded(const dsk__gemm_args *g) { return (double)g->M * g->N * g->K >= 4194304.0; }
+
+static dsk_status dsk__gemm(const dsk__gemm_args *g, const dsk__ukernel *uk, int n_threads) {
     int64_t M = g->M, N = g->N, K = g->K;
     int failed = 0;
     if (M <= 0 || N <= 0) return DSK_OK;
     if (K <= 0 || g->alpha == 0.0f) { dsk__scale_c(g); return DSK_OK; }
     (void)n_threads;
-    /* below ~160^3 one thread finishes before a team would be worth waking */
-    DSK__OMP(parallel num_threads(n_threads) if ((double)M * N * K >= 4194304.0) reduction(|| : failed))
+    DSK__OMP(parallel num_threads(n_threads) if (dsk__gemm_threaded(g)) reduction(|| : failed))
     {
         int nt = 1, tid = 0;
-        int64_t tm, tn, mlo, mhi, nlo, nhi, kc = K < DSK__KC ? K : DSK__KC;
-        float *ap, *bp;
+        int64_t tm, tn, mlo, mhi, nlo, nhi;
+        float *ws;
 #ifdef _OPENMP
         nt = omp_get_num_threads();
         tid = omp_get_thread_num();
 #endif
-        dsk__gemm_grid(M, N, nt, &tm, &tn);
+        dsk__gemm_grid(M, N, nt, uk->mr, uk->nr, &tm, &tn);
         if (tid < tm * tn) {
-            dsk__split((M + DSK__MR - 1) / DSK__MR, tm, tid / tn, &mlo, &mhi);
-            dsk__split((N + DSK__NR - 1) / DSK__NR, tn, tid % tn, &nlo, &nhi);
-            mlo *= DSK__MR; mhi = mhi * DSK__MR < M ? mhi * DSK__MR : M;
-            nlo *= DSK__NR; nhi = nhi * DSK__NR < N ? nhi * DSK__NR : N;
-            ap = (float *)DSK_MALLOC((size_t)(kc * DSK__MC) * sizeof(float));
-            bp = (float *)DSK_MALLOC((size_t)(kc * dsk__round_up(nhi - nlo < DSK__NC ? nhi - nlo : DSK__NC, DSK__NR)) * sizeof(float));
-            if (ap && bp && mlo < mhi && nlo < nhi) dsk__gemm_block(g, mlo, mhi, nlo, nhi, ap, bp);
-            failed = (!ap || !bp) && mlo < mhi && nlo < nhi;
-            if (ap) DSK_FREE(ap);
-            if (bp) DSK_FREE(bp);
+            dsk__split((M + uk->mr - 1) / uk->mr, tm, tid / tn, &mlo, &mhi);
+            dsk__split((N + uk->nr - 1) / uk->nr, tn, tid % tn, &nlo, &nhi);
+            mlo *= uk->mr; mhi = dsk__min64(mhi * uk->mr, M);
+            nlo *= uk->nr; nhi = dsk__min64(nhi * uk->nr, N);
+            ws = (float *)DSK_MALLOC((size_t)dsk__gemm_scratch(g, uk, nhi - nlo) * sizeof(float) + 1);
+            if (ws) dsk__gemm_block(g, uk, mlo, mhi, nlo, nhi, ws);
+            failed = !ws && mlo < mhi && nlo < nhi;
+            if (ws) DSK_FREE(ws);
         }
     }
     if (failed) return dsk_set_error(DSK_ERR_OOM, "dsk_matmul: out of host memory for the GEMM packing buffers (K %lld)", (long long)K);
@@ -1552,14 +1797,322 @@ static void dsk__gemm_unpacked(const dsk__gemm_args *g) {
         }
 }
 
-DSK_API void dsk_sgemm_cpu(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
-                           const float *B, int64_t ldb, float beta, float *C, int64_t ldc, int n_threads) {
+/* Raw f32 GEMM arguments (dsk_sgemm_cpu's convention). */
+static dsk__gemm_args dsk__sgemm_args(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+                                      const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
     dsk__gemm_args g;
     g.M = M; g.N = N; g.K = K; g.alpha = alpha; g.beta = beta;
     g.A = A; g.a_dt = DSK_F32; g.a_rs = trans_a ? 1 : lda; g.a_cs = trans_a ? lda : 1;
     g.B = B; g.b_dt = DSK_F32; g.b_rs = trans_b ? 1 : ldb; g.b_cs = trans_b ? ldb : 1;
     g.C = C; g.ldc = ldc;
-    if (dsk__gemm(&g, n_threads > 0 ? n_threads : dsk__default_threads()) != DSK_OK) dsk__gemm_unpacked(&g);
+    return g;
+}
+
+DSK_API void dsk_sgemm_cpu(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+                           const float *B, int64_t ldb, float beta, float *C, int64_t ldc, int n_threads) {
+    dsk__gemm_args g = dsk__sgemm_args(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    dsk__ukernel uk = dsk__ukernel_for(DSK_CPU_ISA_AUTO);
+    if (dsk__gemm(&g, &uk, n_threads > 0 ? n_threads : dsk__default_threads()) != DSK_OK) dsk__gemm_unpacked(&g);
+}
+
+/* ---------------------------------------------------------------- CPU row primitives
+   The f32 inner loops of the row ops (softmax, attention, norms, SwiGLU, cross-entropy) in
+   portable C and in AVX-512 and AVX2 versions, picked with the GEMM kernel (ctx->cpu_isa).
+   The vector exp repeats dsk_exp_f's operations lane by lane (the same bits as the scalar
+   path); the vector loops cover a row's tail with masked loads and stores, and sums and maxima
+   reduce lane-wise, then across lanes in a fixed order: a result depends on the instruction
+   set, never on the thread count. */
+
+typedef struct dsk__rowk {
+    float (*max)(const float *x, int64_t n);                                   /* NaN if any is NaN; -Inf if n == 0 */
+    float (*exp_sum)(float *y, const float *x, int64_t n, float sub);          /* y = e^(x - sub), returns sum y; y may be x */
+    void (*scale)(float *y, const float *x, float s, int64_t n);               /* y = s x; y may be x */
+    float (*dot)(const float *a, const float *b, int64_t n);
+    void (*mul_scale)(float *y, const float *x, const float *w, float s, int64_t n); /* y = x s w */
+    void (*sub_mul)(float *y, const float *p, const float *d, float c, int64_t n, int acc); /* y (+)= p (d - c) */
+    void (*swiglu)(float *out, const float *g, const float *u, int64_t n);     /* out = silu(g) u */
+    void (*swiglu_bwd)(float *dg, float *du, const float *dout, const float *g, const float *u, int64_t n, int acc); /* dg, du (+)= */
+} dsk__rowk;
+
+static float dsk__max_c(const float *x, int64_t n) {
+    float m = -INFINITY;
+    for (int64_t i = 0; i < n; i++) m = (x[i] > m || x[i] != x[i]) && m == m ? x[i] : m;
+    return m;
+}
+static float dsk__exp_sum_c(float *y, const float *x, int64_t n, float sub) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; i++) s += (y[i] = dsk_exp_f(x[i] - sub));
+    return s;
+}
+static void dsk__scale_c32(float *y, const float *x, float s, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = s * x[i];
+}
+static float dsk__dot_c(const float *a, const float *b, int64_t n) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+static void dsk__mul_scale_c(float *y, const float *x, const float *w, float s, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] * s * w[i];
+}
+static void dsk__sub_mul_c(float *y, const float *p, const float *d, float c, int64_t n, int acc) {
+    for (int64_t i = 0; i < n; i++) y[i] = (acc ? y[i] : 0.0f) + p[i] * (d[i] - c);
+}
+static void dsk__swiglu_c(float *out, const float *g, const float *u, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = dsk_swiglu_f(g[i], u[i]);
+}
+static void dsk__swiglu_bwd_c(float *dg, float *du, const float *dout, const float *g, const float *u, int64_t n, int acc) {
+    for (int64_t i = 0; i < n; i++) {
+        float a, b;
+        dsk_swiglu_grad_f(g[i], u[i], dout[i], &a, &b);
+        dg[i] = acc ? dg[i] + a : a;
+        du[i] = acc ? du[i] + b : b;
+    }
+}
+
+#if DSK__X86
+/* dsk_exp_f on 16 lanes, operation for operation. */
+DSK__INLINE DSK__TARGET_AVX512 __m512 dsk__exp512(__m512 x) {
+    __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f)); /* NaN -> -104 */
+    __m512 t = _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(12582912.0f));
+    __m512 n = _mm512_sub_ps(t, _mm512_set1_ps(12582912.0f)), r, p, y;
+    __m512i ni = _mm512_cvtps_epi32(n), n1 = _mm512_srai_epi32(ni, 1), n2 = _mm512_sub_epi32(ni, n1), e = _mm512_set1_epi32(127);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), xc);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    p = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500e-4f), r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    y = _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, e), 23)));
+    y = _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, e), 23)));
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, x);
+}
+DSK__INLINE DSK__TARGET_AVX512 __mmask16 dsk__tail512(int64_t left) { return (__mmask16)(left >= 16 ? 0xffffu : (1u << left) - 1u); }
+/* sigmoid(g) = 1 / (1 + e^-g), as dsk_sigmoid_f. */
+DSK__INLINE DSK__TARGET_AVX512 __m512 dsk__sigmoid512(__m512 g) {
+    __m512 one = _mm512_set1_ps(1.0f);
+    __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32((int)0x80000000u)));
+    return _mm512_div_ps(one, _mm512_add_ps(one, dsk__exp512(neg)));
+}
+
+static DSK__TARGET_AVX512 float dsk__max_avx512(const float *x, int64_t n) {
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan = 0;
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 k = dsk__tail512(n - i);
+        __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, x + i);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        m = _mm512_max_ps(m, v);
+    }
+    return nan ? NAN : _mm512_reduce_max_ps(m);
+}
+static DSK__TARGET_AVX512 float dsk__exp_sum_avx512(float *y, const float *x, int64_t n, float sub) {
+    __m512 s = _mm512_setzero_ps(), vs = _mm512_set1_ps(sub);
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 k = dsk__tail512(n - i);
+        __m512 e = dsk__exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), vs));
+        _mm512_mask_storeu_ps(y + i, k, e);
+        s = _mm512_mask_add_ps(s, k, s, e);
+    }
+    return _mm512_reduce_add_ps(s);
+}
+static DSK__TARGET_AVX512 void dsk__scale_avx512(float *y, const float *x, float s, int64_t n) {
+    __m512 vs = _mm512_set1_ps(s);
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 k = dsk__tail512(n - i);
+        _mm512_mask_storeu_ps(y + i, k, _mm512_mul_ps(vs, _mm512_maskz_loadu_ps(k, x + i)));
+    }
+}
+static DSK__TARGET_AVX512 float dsk__dot_avx512(const float *a, const float *b, int64_t n) {
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 k = dsk__tail512(n - i);
+        s = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a + i), _mm512_maskz_loadu_ps(k, b + i), s);
+    }
+    return _mm512_reduce_add_ps(s);
+}
+static DSK__TARGET_AVX512 void dsk__mul_scale_avx512(float *y, const float *x, const float *w, float s, int64_t n) {
+    __m512 vs = _mm512_set1_ps(s);
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 k = dsk__tail512(n - i);
+        _mm512_mask_storeu_ps(y + i, k, _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), vs), _mm512_maskz_loadu_ps(k, w + i)));
+    }
+}
+static DSK__TARGET_AVX512 void dsk__sub_mul_avx512(float *y, const float *p, const float *d, float c, int64_t n, int acc) {
+    __m512 vc = _mm512_set1_ps(c);
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 k = dsk__tail512(n - i);
+        __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, p + i), _mm512_sub_ps(_mm512_maskz_loadu_ps(k, d + i), vc));
+        if (acc) v = _mm512_add_ps(_mm512_maskz_loadu_ps(k, y + i), v);
+        _mm512_mask_storeu_ps(y + i, k, v);
+    }
+}
+static DSK__TARGET_AVX512 void dsk__swiglu_avx512(float *out, const float *g, const float *u, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 k = dsk__tail512(n - i);
+        __m512 vg = _mm512_maskz_loadu_ps(k, g + i);
+        _mm512_mask_storeu_ps(out + i, k, _mm512_mul_ps(_mm512_mul_ps(vg, dsk__sigmoid512(vg)), _mm512_maskz_loadu_ps(k, u + i)));
+    }
+}
+static DSK__TARGET_AVX512 void dsk__swiglu_bwd_avx512(float *dg, float *du, const float *dout, const float *g, const float *u, int64_t n,
+                                                      int acc) {
+    __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 k = dsk__tail512(n - i);
+        __m512 vg = _mm512_maskz_loadu_ps(k, g + i), vu = _mm512_maskz_loadu_ps(k, u + i), vd = _mm512_maskz_loadu_ps(k, dout + i);
+        __m512 s = dsk__sigmoid512(vg), grad = _mm512_mul_ps(s, _mm512_fmadd_ps(vg, _mm512_sub_ps(one, s), one));
+        __m512 a = _mm512_mul_ps(_mm512_mul_ps(vd, vu), grad), b = _mm512_mul_ps(vd, _mm512_mul_ps(vg, s));
+        if (acc) {
+            a = _mm512_add_ps(_mm512_maskz_loadu_ps(k, dg + i), a);
+            b = _mm512_add_ps(_mm512_maskz_loadu_ps(k, du + i), b);
+        }
+        _mm512_mask_storeu_ps(dg + i, k, a);
+        _mm512_mask_storeu_ps(du + i, k, b);
+    }
+}
+
+/* dsk_exp_f on 8 lanes, operation for operation. */
+DSK__INLINE DSK__TARGET_AVX2 __m256 dsk__exp256(__m256 x) {
+    __m256 xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.0f)), _mm256_set1_ps(89.0f)); /* NaN -> -104 */
+    __m256 t = _mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(12582912.0f));
+    __m256 n = _mm256_sub_ps(t, _mm256_set1_ps(12582912.0f)), r, p, y;
+    __m256i ni = _mm256_cvtps_epi32(n), n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1), e = _mm256_set1_epi32(127);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), xc);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    p = _mm256_fmadd_ps(_mm256_set1_ps(1.9875691500e-4f), r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, e), 23)));
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, e), 23)));
+    return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+/* Lanes [0, left) of 8 set: the vmaskmov mask of a row's tail. */
+DSK__INLINE DSK__TARGET_AVX2 __m256i dsk__tail256(int64_t left) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left < 8 ? left : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+DSK__INLINE DSK__TARGET_AVX2 __m256 dsk__sigmoid256(__m256 g) {
+    __m256 one = _mm256_set1_ps(1.0f);
+    return _mm256_div_ps(one, _mm256_add_ps(one, dsk__exp256(_mm256_xor_ps(g, _mm256_set1_ps(-0.0f)))));
+}
+static DSK__TARGET_AVX2 float dsk__hsum256(__m256 v) {
+    float t[8], s = 0.0f;
+    _mm256_storeu_ps(t, v);
+    for (int i = 0; i < 8; i++) s += t[i];
+    return s;
+}
+
+static DSK__TARGET_AVX2 float dsk__max_avx2(const float *x, int64_t n) {
+    __m256 m = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+    float t[8], r = -INFINITY;
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256i k = dsk__tail256(n - i);
+        __m256 v = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_maskload_ps(x + i, k), _mm256_castsi256_ps(k));
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        m = _mm256_max_ps(m, v);
+    }
+    if (_mm256_movemask_ps(nan)) return NAN;
+    _mm256_storeu_ps(t, m);
+    for (int i = 0; i < 8; i++) r = t[i] > r ? t[i] : r;
+    return r;
+}
+static DSK__TARGET_AVX2 float dsk__exp_sum_avx2(float *y, const float *x, int64_t n, float sub) {
+    __m256 s = _mm256_setzero_ps(), vs = _mm256_set1_ps(sub);
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256i k = dsk__tail256(n - i);
+        __m256 e = dsk__exp256(_mm256_sub_ps(_mm256_maskload_ps(x + i, k), vs));
+        e = _mm256_and_ps(e, _mm256_castsi256_ps(k));
+        _mm256_maskstore_ps(y + i, k, e);
+        s = _mm256_add_ps(s, e);
+    }
+    return dsk__hsum256(s);
+}
+static DSK__TARGET_AVX2 void dsk__scale_avx2(float *y, const float *x, float s, int64_t n) {
+    __m256 vs = _mm256_set1_ps(s);
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256i k = dsk__tail256(n - i);
+        _mm256_maskstore_ps(y + i, k, _mm256_mul_ps(vs, _mm256_maskload_ps(x + i, k)));
+    }
+}
+static DSK__TARGET_AVX2 float dsk__dot_avx2(const float *a, const float *b, int64_t n) {
+    __m256 s = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256i k = dsk__tail256(n - i);
+        s = _mm256_fmadd_ps(_mm256_maskload_ps(a + i, k), _mm256_maskload_ps(b + i, k), s);
+    }
+    return dsk__hsum256(s);
+}
+static DSK__TARGET_AVX2 void dsk__mul_scale_avx2(float *y, const float *x, const float *w, float s, int64_t n) {
+    __m256 vs = _mm256_set1_ps(s);
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256i k = dsk__tail256(n - i);
+        _mm256_maskstore_ps(y + i, k, _mm256_mul_ps(_mm256_mul_ps(_mm256_maskload_ps(x + i, k), vs), _mm256_maskload_ps(w + i, k)));
+    }
+}
+static DSK__TARGET_AVX2 void dsk__sub_mul_avx2(float *y, const float *p, const float *d, float c, int64_t n, int acc) {
+    __m256 vc = _mm256_set1_ps(c);
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256i k = dsk__tail256(n - i);
+        __m256 v = _mm256_mul_ps(_mm256_maskload_ps(p + i, k), _mm256_sub_ps(_mm256_maskload_ps(d + i, k), vc));
+        if (acc) v = _mm256_add_ps(_mm256_maskload_ps(y + i, k), v);
+        _mm256_maskstore_ps(y + i, k, v);
+    }
+}
+static DSK__TARGET_AVX2 void dsk__swiglu_avx2(float *out, const float *g, const float *u, int64_t n) {
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256i k = dsk__tail256(n - i);
+        __m256 vg = _mm256_maskload_ps(g + i, k);
+        _mm256_maskstore_ps(out + i, k, _mm256_mul_ps(_mm256_mul_ps(vg, dsk__sigmoid256(vg)), _mm256_maskload_ps(u + i, k)));
+    }
+}
+static DSK__TARGET_AVX2 void dsk__swiglu_bwd_avx2(float *dg, float *du, const float *dout, const float *g, const float *u, int64_t n,
+                                                  int acc) {
+    __m256 one = _mm256_set1_ps(1.0f);
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256i k = dsk__tail256(n - i);
+        __m256 vg = _mm256_maskload_ps(g + i, k), vu = _mm256_maskload_ps(u + i, k), vd = _mm256_maskload_ps(dout + i, k);
+        __m256 s = dsk__sigmoid256(vg), grad = _mm256_mul_ps(s, _mm256_fmadd_ps(vg, _mm256_sub_ps(one, s), one));
+        __m256 a = _mm256_mul_ps(_mm256_mul_ps(vd, vu), grad), b = _mm256_mul_ps(vd, _mm256_mul_ps(vg, s));
+        if (acc) {
+            a = _mm256_add_ps(_mm256_maskload_ps(dg + i, k), a);
+            b = _mm256_add_ps(_mm256_maskload_ps(du + i, k), b);
+        }
+        _mm256_maskstore_ps(dg + i, k, a);
+        _mm256_maskstore_ps(du + i, k, b);
+    }
+}
+#endif
+
+/* The row primitives of `isa` (AUTO or one this CPU lacks: the best it has). */
+static dsk__rowk dsk__rowk_for(dsk_cpu_isa isa) {
+    dsk__rowk r;
+    if (!dsk_cpu_isa_supported(isa)) isa = dsk_cpu_isa_best();
+    r.max = dsk__max_c; r.exp_sum = dsk__exp_sum_c; r.scale = dsk__scale_c32; r.dot = dsk__dot_c;
+    r.mul_scale = dsk__mul_scale_c; r.sub_mul = dsk__sub_mul_c; r.swiglu = dsk__swiglu_c; r.swiglu_bwd = dsk__swiglu_bwd_c;
+#if DSK__X86
+    if (isa == DSK_CPU_ISA_AVX512) {
+        r.max = dsk__max_avx512; r.exp_sum = dsk__exp_sum_avx512; r.scale = dsk__scale_avx512; r.dot = dsk__dot_avx512;
+        r.mul_scale = dsk__mul_scale_avx512; r.sub_mul = dsk__sub_mul_avx512; r.swiglu = dsk__swiglu_avx512;
+        r.swiglu_bwd = dsk__swiglu_bwd_avx512;
+    }
+    if (isa == DSK_CPU_ISA_AVX2) {
+        r.max = dsk__max_avx2; r.exp_sum = dsk__exp_sum_avx2; r.scale = dsk__scale_avx2; r.dot = dsk__dot_avx2;
+        r.mul_scale = dsk__mul_scale_avx2; r.sub_mul = dsk__sub_mul_avx2; r.swiglu = dsk__swiglu_avx2; r.swiglu_bwd = dsk__swiglu_bwd_avx2;
+    }
+#endif
+    return r;
+}
+static dsk__rowk dsk__rowk_ctx(const dsk_ctx *ctx) { return dsk__rowk_for(ctx ? ctx->cpu_isa : DSK_CPU_ISA_AUTO); }
+
+DSK_API void dsk_swiglu_cpu(int64_t n, const float *gate, const float *up, float *out) {
+    dsk__rowk_for(DSK_CPU_ISA_AUTO).swiglu(out, gate, up, n);
+}
+DSK_API void dsk_swiglu_grad_cpu(int64_t n, const float *gate, const float *up, const float *dout, float *dgate, float *dup) {
+    dsk__rowk_for(DSK_CPU_ISA_AUTO).swiglu_bwd(dgate, dup, dout, gate, up, n, 0);
 }
 
 /* ---------------------------------------------------------------- matmul */
@@ -1620,10 +2173,36 @@ static dsk_status dsk__matmul_check(const dsk_tensor *C, const dsk_tensor *A, in
     return DSK_OK;
 }
 
+/* A batch of products too small for a team each (f32 C): one parallel region, each product on one
+   thread with that thread's scratch, so the bits are those of a one-thread run. */
+static dsk_status dsk__matmul_batched(dsk_ctx *ctx, const dsk__gemm_args *g0, const dsk__ukernel *uk, const dsk__mat *mc,
+                                      const dsk__mat *ma, const dsk__mat *mb, size_t ae, size_t be) {
+    int failed = 0;
+    (void)ctx; /* used by the OpenMP clause only */
+    DSK__OMP(parallel num_threads(dsk__threads(ctx)) if (mc->batch * g0->M * g0->N * g0->K >= 4194304) reduction(|| : failed))
+    {
+        float *ws = (float *)DSK_MALLOC((size_t)dsk__gemm_scratch(g0, uk, g0->N) * sizeof(float) + 1);
+        failed = !ws;
+        DSK__OMP(for schedule(static))
+        for (int64_t bi = 0; bi < mc->batch; bi++) {
+            dsk__gemm_args g = *g0;
+            if (!ws) continue;
+            g.A = (const char *)g0->A + (size_t)(bi * ma->bstride) * ae;
+            g.B = (const char *)g0->B + (size_t)(bi * mb->bstride) * be;
+            g.C = g0->C + bi * mc->bstride;
+            dsk__gemm_serial(&g, uk, ws);
+        }
+        if (ws) DSK_FREE(ws);
+    }
+    if (failed) return dsk_set_error(DSK_ERR_OOM, "dsk_matmul: out of host memory for the GEMM buffers of a batch of %lld", (long long)mc->batch);
+    return DSK_OK;
+}
+
 DSK_API dsk_status dsk_matmul(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, int trans_a, const dsk_tensor *B, int trans_b,
                               float alpha, float beta) {
     dsk__mat mc, ma, mb;
     dsk__gemm_args g;
+    dsk__ukernel uk = dsk__ukernel_for(ctx ? ctx->cpu_isa : DSK_CPU_ISA_AUTO);
     float *tmp = NULL;
     size_t ce = 0, ae, be;
     int cuda;
@@ -1646,6 +2225,10 @@ DSK_API dsk_status dsk_matmul(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, 
     g.alpha = alpha; g.beta = beta;
     g.a_dt = A->dtype; g.a_rs = trans_a ? 1 : ma.ld; g.a_cs = trans_a ? ma.ld : 1;
     g.b_dt = B->dtype; g.b_rs = trans_b ? 1 : mb.ld; g.b_cs = trans_b ? mb.ld : 1;
+    if (!tmp && mc.batch > 1 && !dsk__gemm_threaded(&g)) {
+        g.A = A->data; g.B = B->data; g.C = (float *)C->data; g.ldc = mc.ld;
+        return dsk__matmul_batched(ctx, &g, &uk, &mc, &ma, &mb, ae, be);
+    }
     for (int64_t bi = 0; bi < mc.batch; bi++) {
         dsk_status s;
         char *cdata = (char *)C->data + (size_t)(bi * mc.bstride) * ce;
@@ -1659,7 +2242,7 @@ DSK_API dsk_status dsk_matmul(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, 
         } else {
             g.C = (float *)cdata; g.ldc = mc.ld;
         }
-        s = dsk__gemm(&g, dsk__threads(ctx));
+        s = dsk__gemm(&g, &uk, dsk__threads(ctx));
         if (s != DSK_OK) { if (tmp) DSK_FREE(tmp); return s; }
         if (tmp)
             for (int64_t i = 0; i < mc.rows; i++)
@@ -1667,6 +2250,78 @@ DSK_API dsk_status dsk_matmul(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, 
     }
     if (tmp) DSK_FREE(tmp);
     return DSK_OK;
+}
+
+/* ---------------------------------------------------------------- f32 rows of any float dtype
+   The row ops below compute in f32 on whole rows: f32 data in place, bf16/f16 converted into a
+   per-thread row buffer with the dtype switch outside the element loop, and stored back once. */
+
+/* dst[i] = element off + i of a contiguous buffer of float dtype dt, as f32. */
+static void dsk__load_row(float *dst, const void *src, dsk_dtype dt, int64_t off, int64_t n) {
+    if (dt == DSK_F32) { memcpy(dst, (const float *)src + off, (size_t)n * sizeof(float)); return; }
+    if (dt == DSK_BF16) { const uint16_t *q = (const uint16_t *)src + off; for (int64_t i = 0; i < n; i++) dst[i] = dsk_bf16_to_f32(q[i]); return; }
+    if (dt == DSK_F16) { const uint16_t *q = (const uint16_t *)src + off; for (int64_t i = 0; i < n; i++) dst[i] = dsk_f16_to_f32(q[i]); return; }
+    for (int64_t i = 0; i < n; i++) dst[i] = dsk_load_f32(src, dt, off + i);
+}
+/* Element off + i of dst (float dtype dt) = src[i], rounded to nearest even. */
+static void dsk__store_row(void *dst, dsk_dtype dt, int64_t off, const float *src, int64_t n) {
+    if (dt == DSK_F32) { memcpy((float *)dst + off, src, (size_t)n * sizeof(float)); return; }
+    if (dt == DSK_BF16) { uint16_t *q = (uint16_t *)dst + off; for (int64_t i = 0; i < n; i++) q[i] = dsk_f32_to_bf16(src[i]); return; }
+    if (dt == DSK_F16) { uint16_t *q = (uint16_t *)dst + off; for (int64_t i = 0; i < n; i++) q[i] = dsk_f32_to_f16(src[i]); return; }
+    for (int64_t i = 0; i < n; i++) dsk_store_f32(dst, dt, off + i, src[i]);
+}
+/* Elements [off, off + n) of t as f32: t's own data when f32, else a converted copy in buf. */
+static const float *dsk__row_in(const dsk_tensor *t, int64_t off, int64_t n, float *buf) {
+    if (t->dtype == DSK_F32) return (const float *)t->data + off;
+    dsk__load_row(buf, t->data, t->dtype, off, n);
+    return buf;
+}
+/* Where to write elements [off, off + n) of t in f32 (t's data or buf); dsk__row_out_done stores buf. */
+static float *dsk__row_out(dsk_tensor *t, int64_t off, float *buf) { return t->dtype == DSK_F32 ? (float *)t->data + off : buf; }
+static void dsk__row_out_done(dsk_tensor *t, int64_t off, int64_t n, const float *buf) {
+    if (t->dtype != DSK_F32) dsk__store_row(t->data, t->dtype, off, buf, n);
+}
+/* The same for an output that accumulates (+=): buf starts as the current values. */
+static float *dsk__row_acc(dsk_tensor *t, int64_t off, int64_t n, float *buf) {
+    if (t->dtype == DSK_F32) return (float *)t->data + off;
+    dsk__load_row(buf, t->data, t->dtype, off, n);
+    return buf;
+}
+/* Per-thread f32 scratch: n_threads blocks of `per` floats (thread t uses block t). */
+static float *dsk__scratch(const char *fn, dsk_ctx *ctx, int64_t per, dsk_status *s) {
+    float *p = (float *)DSK_MALLOC((size_t)(per * dsk__threads(ctx)) * sizeof(float) + 1);
+    *s = p ? DSK_OK : dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for %lld scratch floats", fn, (long long)(per * dsk__threads(ctx)));
+    return p;
+}
+
+/* Elementwise ops run over chunks of this many elements, each a row of the helpers above. */
+#define DSK__EW_CHUNK 1024
+
+typedef enum dsk__ew_op { DSK__EW_ADD, DSK__EW_MUL, DSK__EW_AXPY, DSK__EW_SCALE } dsk__ew_op;
+
+/* o = x + y, x * y, x + alpha y, alpha x on n f32 elements (o may be x). */
+static void dsk__ew_f32(dsk__ew_op op, float *o, const float *x, const float *y, float alpha, int64_t n) {
+    switch (op) {
+    case DSK__EW_ADD: DSK__OMP(simd) for (int64_t i = 0; i < n; i++) o[i] = x[i] + y[i]; break;
+    case DSK__EW_MUL: DSK__OMP(simd) for (int64_t i = 0; i < n; i++) o[i] = x[i] * y[i]; break;
+    case DSK__EW_AXPY: DSK__OMP(simd) for (int64_t i = 0; i < n; i++) o[i] = x[i] + alpha * y[i]; break;
+    default: DSK__OMP(simd) for (int64_t i = 0; i < n; i++) o[i] = alpha * x[i]; break;
+    }
+}
+
+/* out = op(x, y) over every element, in f32 chunks (y NULL for DSK__EW_SCALE). */
+static void dsk__ew(dsk_ctx *ctx, dsk__ew_op op, dsk_tensor *out, const dsk_tensor *x, const dsk_tensor *y, float alpha) {
+    int64_t n = dsk_tensor_numel(out), n_chunks = (n + DSK__EW_CHUNK - 1) / DSK__EW_CHUNK;
+    (void)ctx; /* used by the OpenMP clause only */
+    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
+    for (int64_t c = 0; c < n_chunks; c++) {
+        float bo[DSK__EW_CHUNK], bx[DSK__EW_CHUNK], by[DSK__EW_CHUNK];
+        int64_t off = c * DSK__EW_CHUNK, len = n - off < DSK__EW_CHUNK ? n - off : DSK__EW_CHUNK;
+        const float *px = dsk__row_in(x, off, len, bx), *py = y ? dsk__row_in(y, off, len, by) : NULL;
+        float *po = dsk__row_out(out, off, bo);
+        dsk__ew_f32(op, po, px, py, alpha, len);
+        dsk__row_out_done(out, off, len, bo);
+    }
 }
 
 /* ---------------------------------------------------------------- elementwise */
@@ -1684,33 +2339,26 @@ static dsk_status dsk__binary(const char *fn, dsk_ctx *ctx, dsk_tensor *out, con
 
 DSK_API dsk_status dsk_add(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *a, const dsk_tensor *b) {
     int cuda;
-    int64_t n;
     DSK__TRY(dsk__binary("dsk_add", ctx, out, a, b, &cuda));
 #ifdef DSK_CUDA
     if (cuda) return dsk_cuda_add(ctx, out, a, b);
 #endif
-    n = dsk_tensor_numel(out);
-    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
-    for (int64_t i = 0; i < n; i++) dsk_store_f32(out->data, out->dtype, i, dsk_load_f32(a->data, a->dtype, i) + dsk_load_f32(b->data, b->dtype, i));
+    dsk__ew(ctx, DSK__EW_ADD, out, a, b, 0.0f);
     return DSK_OK;
 }
 
 DSK_API dsk_status dsk_mul(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *a, const dsk_tensor *b) {
     int cuda;
-    int64_t n;
     DSK__TRY(dsk__binary("dsk_mul", ctx, out, a, b, &cuda));
 #ifdef DSK_CUDA
     if (cuda) return dsk_cuda_mul(ctx, out, a, b);
 #endif
-    n = dsk_tensor_numel(out);
-    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
-    for (int64_t i = 0; i < n; i++) dsk_store_f32(out->data, out->dtype, i, dsk_load_f32(a->data, a->dtype, i) * dsk_load_f32(b->data, b->dtype, i));
+    dsk__ew(ctx, DSK__EW_MUL, out, a, b, 0.0f);
     return DSK_OK;
 }
 
 DSK_API dsk_status dsk_scale(dsk_ctx *ctx, dsk_tensor *t, float alpha) {
     int cuda;
-    int64_t n;
     const dsk_tensor *ts[1] = {t};
     const char *names[1] = {"t"};
     DSK__TRY(dsk__need_float("dsk_scale", "t", t));
@@ -1718,15 +2366,12 @@ DSK_API dsk_status dsk_scale(dsk_ctx *ctx, dsk_tensor *t, float alpha) {
 #ifdef DSK_CUDA
     if (cuda) return dsk_cuda_scale(ctx, t, alpha);
 #endif
-    n = dsk_tensor_numel(t);
-    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
-    for (int64_t i = 0; i < n; i++) dsk_store_f32(t->data, t->dtype, i, alpha * dsk_load_f32(t->data, t->dtype, i));
+    dsk__ew(ctx, DSK__EW_SCALE, t, t, NULL, alpha);
     return DSK_OK;
 }
 
 DSK_API dsk_status dsk_axpy(dsk_ctx *ctx, dsk_tensor *y, float alpha, const dsk_tensor *x) {
     int cuda;
-    int64_t n;
     const dsk_tensor *ts[2] = {y, x};
     const char *names[2] = {"y", "x"};
     DSK__TRY(dsk__need_float("dsk_axpy", "y", y));
@@ -1737,9 +2382,7 @@ DSK_API dsk_status dsk_axpy(dsk_ctx *ctx, dsk_tensor *y, float alpha, const dsk_
 #ifdef DSK_CUDA
     if (cuda) return dsk_cuda_axpy(ctx, y, alpha, x);
 #endif
-    n = dsk_tensor_numel(y);
-    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
-    for (int64_t i = 0; i < n; i++) dsk_store_f32(y->data, y->dtype, i, dsk_load_f32(y->data, y->dtype, i) + alpha * dsk_load_f32(x->data, x->dtype, i));
+    dsk__ew(ctx, DSK__EW_AXPY, y, y, x, alpha);
     return DSK_OK;
 }
 
@@ -1850,8 +2493,11 @@ DSK_API dsk_status dsk_sum_squares(dsk_ctx *ctx, dsk_tensor *out, const dsk_tens
 
 DSK_API dsk_status dsk_softmax(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x) {
     const char *fn = "dsk_softmax";
-    int cuda;
+    int cuda, half;
     int64_t R, C;
+    float *scratch;
+    dsk_status s;
+    dsk__rowk rk = dsk__rowk_ctx(ctx);
     const dsk_tensor *ts[2] = {y, x};
     const char *names[2] = {"y", "x"};
     DSK__TRY(dsk__need_float(fn, "y", y));
@@ -1863,25 +2509,28 @@ DSK_API dsk_status dsk_softmax(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x)
     if (cuda) return dsk_cuda_softmax(ctx, y, x);
 #endif
     dsk__rows_cols(x, &R, &C);
+    half = x->dtype != DSK_F32;
+    if (!(scratch = dsk__scratch(fn, ctx, half ? 2 * C : 0, &s))) return s;
+    /* one exp per element: y = e^(x - max), then y *= 1 / sum y (y may alias x) */
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (R * C > DSK__PAR_MIN))
     for (int64_t r = 0; r < R; r++) {
-        float mx = -INFINITY;
-        double sum = 0.0;
-        for (int64_t j = 0; j < C; j++) {
-            float v = dsk_load_f32(x->data, x->dtype, r * C + j);
-            if (v > mx || v != v) mx = v;
-        }
-        for (int64_t j = 0; j < C; j++) sum += expf(dsk_load_f32(x->data, x->dtype, r * C + j) - mx);
-        /* y may alias x: element j is read before it is written */
-        for (int64_t j = 0; j < C; j++) dsk_store_f32(y->data, y->dtype, r * C + j, (float)(expf(dsk_load_f32(x->data, x->dtype, r * C + j) - mx) / sum));
+        float *buf = scratch + (half ? 2 * C : 0) * dsk__thread_id();
+        const float *xr = dsk__row_in(x, r * C, C, buf);
+        float *yr = dsk__row_out(y, r * C, buf + C);
+        rk.scale(yr, yr, 1.0f / rk.exp_sum(yr, xr, C, rk.max(xr, C)), C);
+        dsk__row_out_done(y, r * C, C, yr);
     }
+    DSK_FREE(scratch);
     return DSK_OK;
 }
 
 DSK_API dsk_status dsk_softmax_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *y, const dsk_tensor *dy) {
     const char *fn = "dsk_softmax_backward";
-    int cuda;
+    int cuda, half;
     int64_t R, C;
+    float *scratch;
+    dsk_status s;
+    dsk__rowk rk = dsk__rowk_ctx(ctx);
     const dsk_tensor *ts[3] = {dx, y, dy};
     const char *names[3] = {"dx", "y", "dy"};
     DSK__TRY(dsk__need_float(fn, "dx", dx));
@@ -1895,16 +2544,17 @@ DSK_API dsk_status dsk_softmax_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_
     if (cuda) return dsk_cuda_softmax_backward(ctx, dx, y, dy);
 #endif
     dsk__rows_cols(y, &R, &C);
+    half = y->dtype != DSK_F32;
+    if (!(scratch = dsk__scratch(fn, ctx, half ? 3 * C : 0, &s))) return s;
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (R * C > DSK__PAR_MIN))
     for (int64_t r = 0; r < R; r++) {
-        double dot = 0.0;
-        for (int64_t j = 0; j < C; j++) dot += (double)dsk_load_f32(y->data, y->dtype, r * C + j) * dsk_load_f32(dy->data, dy->dtype, r * C + j);
-        for (int64_t j = 0; j < C; j++) {
-            int64_t i = r * C + j;
-            float g = dsk_load_f32(y->data, y->dtype, i) * (dsk_load_f32(dy->data, dy->dtype, i) - (float)dot);
-            dsk_store_f32(dx->data, dx->dtype, i, dsk_load_f32(dx->data, dx->dtype, i) + g);
-        }
+        float *buf = scratch + (half ? 3 * C : 0) * dsk__thread_id();
+        const float *yr = dsk__row_in(y, r * C, C, buf), *dyr = dsk__row_in(dy, r * C, C, buf + C);
+        float *dxr = dsk__row_acc(dx, r * C, C, buf + 2 * C);
+        rk.sub_mul(dxr, yr, dyr, rk.dot(yr, dyr, C), C, 1);
+        dsk__row_out_done(dx, r * C, C, dxr);
     }
+    DSK_FREE(scratch);
     return DSK_OK;
 }
 
@@ -1919,8 +2569,11 @@ static dsk_status dsk__need_vec(const char *fn, const char *what, const dsk_tens
 
 DSK_API dsk_status dsk_rmsnorm(dsk_ctx *ctx, dsk_tensor *y, dsk_tensor *rstd, const dsk_tensor *x, const dsk_tensor *w, float eps) {
     const char *fn = "dsk_rmsnorm";
-    int cuda;
+    int cuda, half;
     int64_t R, D;
+    float *scratch;
+    dsk_status s;
+    dsk__rowk rk = dsk__rowk_ctx(ctx);
     const dsk_tensor *ts[4] = {y, x, w, rstd};
     const char *names[4] = {"y", "x", "w", "rstd"};
     DSK__TRY(dsk__need_float(fn, "y", y));
@@ -1940,19 +2593,19 @@ DSK_API dsk_status dsk_rmsnorm(dsk_ctx *ctx, dsk_tensor *y, dsk_tensor *rstd, co
 #ifdef DSK_CUDA
     if (cuda) return dsk_cuda_rmsnorm(ctx, y, rstd, x, w, eps);
 #endif
+    half = x->dtype != DSK_F32;
+    if (!(scratch = dsk__scratch(fn, ctx, half ? 3 * D : 0, &s))) return s;
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (R * D > DSK__PAR_MIN))
     for (int64_t r = 0; r < R; r++) {
-        double ss = 0.0;
-        float rs;
-        for (int64_t j = 0; j < D; j++) {
-            double v = dsk_load_f32(x->data, x->dtype, r * D + j);
-            ss += v * v;
-        }
-        rs = (float)(1.0 / sqrt(ss / (double)D + (double)eps));
+        float *buf = scratch + (half ? 3 * D : 0) * dsk__thread_id();
+        const float *xr = dsk__row_in(x, r * D, D, buf), *wr = dsk__row_in(w, 0, D, buf + D);
+        float *yr = dsk__row_out(y, r * D, buf + 2 * D);
+        float rs = (float)(1.0 / sqrt((double)rk.dot(xr, xr, D) / (double)D + (double)eps));
         if (rstd) ((float *)rstd->data)[r] = rs;
-        for (int64_t j = 0; j < D; j++)
-            dsk_store_f32(y->data, y->dtype, r * D + j, dsk_load_f32(x->data, x->dtype, r * D + j) * rs * dsk_load_f32(w->data, w->dtype, j));
+        rk.mul_scale(yr, xr, wr, rs, D);
+        dsk__row_out_done(y, r * D, D, yr);
     }
+    DSK_FREE(scratch);
     return DSK_OK;
 }
 
@@ -1961,9 +2614,12 @@ DSK_API dsk_status dsk_rmsnorm(dsk_ctx *ctx, dsk_tensor *y, dsk_tensor *rstd, co
 DSK_API dsk_status dsk_rmsnorm_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk_tensor *dw, const dsk_tensor *dy, const dsk_tensor *x,
                                         const dsk_tensor *w, const dsk_tensor *rstd) {
     const char *fn = "dsk_rmsnorm_backward";
-    int cuda;
+    int cuda, half;
     int64_t R, D, n_chunks;
     const float *rs;
+    float *scratch;
+    dsk_status s;
+    dsk__rowk rk = dsk__rowk_ctx(ctx);
     const dsk_tensor *ts[6] = {dy, x, w, rstd, dx, dw};
     const char *names[6] = {"dy", "x", "w", "rstd", "dx", "dw"};
     DSK__TRY(dsk__need_float(fn, "dy", dy));
@@ -1989,22 +2645,23 @@ DSK_API dsk_status dsk_rmsnorm_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk_tensor
     if (cuda) return dsk_cuda_rmsnorm_backward(ctx, dx, dw, dy, x, w, rstd);
 #endif
     rs = (const float *)rstd->data;
+    half = x->dtype != DSK_F32;
+    if (!(scratch = dsk__scratch(fn, ctx, half ? 4 * D : D, &s))) return s;
     if (dx) {
         /* xh = x rstd, g = dy w: dx += rstd (g - xh mean(g xh)) */
         DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (R * D > DSK__PAR_MIN))
         for (int64_t r = 0; r < R; r++) {
-            double dot = 0.0;
-            float mean;
-            for (int64_t j = 0; j < D; j++)
-                dot += (double)dsk_load_f32(dy->data, dy->dtype, r * D + j) * dsk_load_f32(w->data, w->dtype, j) *
-                       dsk_load_f32(x->data, x->dtype, r * D + j) * rs[r];
-            mean = (float)(dot / (double)D);
-            for (int64_t j = 0; j < D; j++) {
-                int64_t i = r * D + j;
-                float g = dsk_load_f32(dy->data, dy->dtype, i) * dsk_load_f32(w->data, w->dtype, j);
-                float xh = dsk_load_f32(x->data, x->dtype, i) * rs[r];
-                dsk_store_f32(dx->data, dx->dtype, i, dsk_load_f32(dx->data, dx->dtype, i) + rs[r] * (g - xh * mean));
-            }
+            float *buf = scratch + (half ? 4 * D : D) * dsk__thread_id(), *g = buf + (half ? 3 * D : 0);
+            const float *xr = dsk__row_in(x, r * D, D, buf), *dyr = dsk__row_in(dy, r * D, D, buf + D), *wr;
+            float *dxr, c;
+            wr = dsk__row_in(w, 0, D, g); /* g doubles as w's buffer until it is written */
+            DSK__OMP(simd)
+            for (int64_t j = 0; j < D; j++) g[j] = dyr[j] * wr[j];
+            c = rs[r] * (rk.dot(g, xr, D) * rs[r] / (float)D); /* rstd * mean(g xh) */
+            dxr = dsk__row_acc(dx, r * D, D, buf + 2 * D);
+            DSK__OMP(simd)
+            for (int64_t j = 0; j < D; j++) dxr[j] += rs[r] * (g[j] - xr[j] * c);
+            dsk__row_out_done(dx, r * D, D, dxr);
         }
     }
     if (dw) {
@@ -2013,14 +2670,22 @@ DSK_API dsk_status dsk_rmsnorm_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk_tensor
         DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (R * D > DSK__PAR_MIN))
         for (int64_t c = 0; c < n_chunks; c++) {
             double acc[DSK__COL_CHUNK];
+            float bx[DSK__COL_CHUNK], bdy[DSK__COL_CHUNK], bdw[DSK__COL_CHUNK];
             int64_t j0 = c * DSK__COL_CHUNK, nj = D - j0 < DSK__COL_CHUNK ? D - j0 : DSK__COL_CHUNK;
+            float *dwr;
             for (int64_t j = 0; j < nj; j++) acc[j] = 0.0;
-            for (int64_t r = 0; r < R; r++)
-                for (int64_t j = 0; j < nj; j++)
-                    acc[j] += (double)dsk_load_f32(dy->data, dy->dtype, r * D + j0 + j) * (dsk_load_f32(x->data, x->dtype, r * D + j0 + j) * rs[r]);
-            for (int64_t j = 0; j < nj; j++) dsk_store_f32(dw->data, dw->dtype, j0 + j, (float)(dsk_load_f32(dw->data, dw->dtype, j0 + j) + acc[j]));
+            for (int64_t r = 0; r < R; r++) {
+                const float *xr = dsk__row_in(x, r * D + j0, nj, bx), *dyr = dsk__row_in(dy, r * D + j0, nj, bdy);
+                float rr = rs[r];
+                DSK__OMP(simd)
+                for (int64_t j = 0; j < nj; j++) acc[j] += (double)dyr[j] * (xr[j] * rr);
+            }
+            dwr = dsk__row_acc(dw, j0, nj, bdw);
+            for (int64_t j = 0; j < nj; j++) dwr[j] = (float)(dwr[j] + acc[j]);
+            dsk__row_out_done(dw, j0, nj, dwr);
         }
     }
+    DSK_FREE(scratch);
     return DSK_OK;
 }
 
@@ -2031,72 +2696,82 @@ static dsk_status dsk__need_all_like(const char *fn, dsk_ctx *ctx, int n, const 
     return dsk__need_devices(fn, ctx, n, ts, names, cuda);
 }
 
+/* The activations run over f32 chunks of DSK__EW_CHUNK elements (dsk__ew's scheme). */
+typedef enum dsk__act_op { DSK__ACT_SILU, DSK__ACT_SILU_BWD, DSK__ACT_SWIGLU, DSK__ACT_SWIGLU_BWD } dsk__act_op;
+
+/* o0 (and o1) = op(a, b, c): silu(a); dx o0 += a silu'(b); swiglu(gate a, up b); dgate o0, dup o1
+   += the SwiGLU gradients for gate a, up b, dout c. */
+static void dsk__act(dsk_ctx *ctx, dsk__act_op op, dsk_tensor *o0, dsk_tensor *o1, const dsk_tensor *a, const dsk_tensor *b,
+                     const dsk_tensor *c) {
+    int64_t n = dsk_tensor_numel(a), n_chunks = (n + DSK__EW_CHUNK - 1) / DSK__EW_CHUNK;
+    dsk__rowk rk = dsk__rowk_ctx(ctx);
+    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
+    for (int64_t ch = 0; ch < n_chunks; ch++) {
+        float b0[DSK__EW_CHUNK], b1[DSK__EW_CHUNK], ba[DSK__EW_CHUNK], bb[DSK__EW_CHUNK], bc[DSK__EW_CHUNK];
+        int64_t off = ch * DSK__EW_CHUNK, len = n - off < DSK__EW_CHUNK ? n - off : DSK__EW_CHUNK;
+        const float *pa = dsk__row_in(a, off, len, ba), *pb = b ? dsk__row_in(b, off, len, bb) : NULL;
+        const float *pc = c ? dsk__row_in(c, off, len, bc) : NULL;
+        int acc = op == DSK__ACT_SILU_BWD || op == DSK__ACT_SWIGLU_BWD;
+        float *p0 = acc ? dsk__row_acc(o0, off, len, b0) : dsk__row_out(o0, off, b0), *p1 = o1 ? dsk__row_acc(o1, off, len, b1) : NULL;
+        if (op == DSK__ACT_SILU)
+            for (int64_t i = 0; i < len; i++) p0[i] = dsk_silu_f(pa[i]);
+        else if (op == DSK__ACT_SILU_BWD) /* a = dy, b = x */
+            for (int64_t i = 0; i < len; i++) p0[i] += pa[i] * dsk_silu_grad_f(pb[i]);
+        else if (op == DSK__ACT_SWIGLU) /* a = gate, b = up */
+            rk.swiglu(p0, pa, pb, len);
+        else /* a = gate, b = up, c = dout */
+            rk.swiglu_bwd(p0, p1, pc, pa, pb, len, 1);
+        dsk__row_out_done(o0, off, len, p0);
+        if (o1) dsk__row_out_done(o1, off, len, p1);
+    }
+}
+
 DSK_API dsk_status dsk_silu(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x) {
     int cuda;
-    int64_t n;
     const dsk_tensor *ts[2] = {y, x};
     const char *names[2] = {"y", "x"};
     DSK__TRY(dsk__need_all_like("dsk_silu", ctx, 2, ts, names, &cuda));
 #ifdef DSK_CUDA
     if (cuda) return dsk_cuda_silu(ctx, y, x);
 #endif
-    n = dsk_tensor_numel(x);
-    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
-    for (int64_t i = 0; i < n; i++) dsk_store_f32(y->data, y->dtype, i, dsk_silu_f(dsk_load_f32(x->data, x->dtype, i)));
+    dsk__act(ctx, DSK__ACT_SILU, y, NULL, x, NULL, NULL);
     return DSK_OK;
 }
 
 DSK_API dsk_status dsk_silu_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, const dsk_tensor *x) {
     int cuda;
-    int64_t n;
     const dsk_tensor *ts[3] = {dx, dy, x};
     const char *names[3] = {"dx", "dy", "x"};
     DSK__TRY(dsk__need_all_like("dsk_silu_backward", ctx, 3, ts, names, &cuda));
 #ifdef DSK_CUDA
     if (cuda) return dsk_cuda_silu_backward(ctx, dx, dy, x);
 #endif
-    n = dsk_tensor_numel(x);
-    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
-    for (int64_t i = 0; i < n; i++)
-        dsk_store_f32(dx->data, dx->dtype, i,
-                 dsk_load_f32(dx->data, dx->dtype, i) + dsk_load_f32(dy->data, dy->dtype, i) * dsk_silu_grad_f(dsk_load_f32(x->data, x->dtype, i)));
+    dsk__act(ctx, DSK__ACT_SILU_BWD, dx, NULL, dy, x, NULL);
     return DSK_OK;
 }
 
 DSK_API dsk_status dsk_swiglu(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *gate, const dsk_tensor *up) {
     int cuda;
-    int64_t n;
     const dsk_tensor *ts[3] = {out, gate, up};
     const char *names[3] = {"out", "gate", "up"};
     DSK__TRY(dsk__need_all_like("dsk_swiglu", ctx, 3, ts, names, &cuda));
 #ifdef DSK_CUDA
     if (cuda) return dsk_cuda_swiglu(ctx, out, gate, up);
 #endif
-    n = dsk_tensor_numel(out);
-    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
-    for (int64_t i = 0; i < n; i++)
-        dsk_store_f32(out->data, out->dtype, i, dsk_swiglu_f(dsk_load_f32(gate->data, gate->dtype, i), dsk_load_f32(up->data, up->dtype, i)));
+    dsk__act(ctx, DSK__ACT_SWIGLU, out, NULL, gate, up, NULL);
     return DSK_OK;
 }
 
 DSK_API dsk_status dsk_swiglu_backward(dsk_ctx *ctx, dsk_tensor *dgate, dsk_tensor *dup, const dsk_tensor *dout, const dsk_tensor *gate,
                                        const dsk_tensor *up) {
     int cuda;
-    int64_t n;
     const dsk_tensor *ts[5] = {dgate, dup, dout, gate, up};
     const char *names[5] = {"dgate", "dup", "dout", "gate", "up"};
     DSK__TRY(dsk__need_all_like("dsk_swiglu_backward", ctx, 5, ts, names, &cuda));
 #ifdef DSK_CUDA
     if (cuda) return dsk_cuda_swiglu_backward(ctx, dgate, dup, dout, gate, up);
 #endif
-    n = dsk_tensor_numel(gate);
-    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
-    for (int64_t i = 0; i < n; i++) {
-        float dg, du;
-        dsk_swiglu_grad_f(dsk_load_f32(gate->data, gate->dtype, i), dsk_load_f32(up->data, up->dtype, i), dsk_load_f32(dout->data, dout->dtype, i), &dg, &du);
-        dsk_store_f32(dgate->data, dgate->dtype, i, dsk_load_f32(dgate->data, dgate->dtype, i) + dg);
-        dsk_store_f32(dup->data, dup->dtype, i, dsk_load_f32(dup->data, dup->dtype, i) + du);
-    }
+    dsk__act(ctx, DSK__ACT_SWIGLU_BWD, dgate, dup, gate, up, dout);
     return DSK_OK;
 }
 
@@ -2216,6 +2891,9 @@ DSK_API dsk_status dsk_cross_entropy(dsk_ctx *ctx, dsk_tensor *loss, dsk_tensor 
     const char *fn = "dsk_cross_entropy";
     int cuda;
     int64_t R, V, count = 0;
+    float *scratch;
+    dsk_status s;
+    dsk__rowk rk = dsk__rowk_ctx(ctx);
     const int32_t *tg;
     double *row_loss, total = 0.0;
     const dsk_tensor *ts[4] = {logits, targets, loss, dlogits};
@@ -2239,30 +2917,36 @@ DSK_API dsk_status dsk_cross_entropy(dsk_ctx *ctx, dsk_tensor *loss, dsk_tensor 
     for (int64_t r = 0; r < R; r++) count += tg[r] != ignore_index;
     row_loss = (double *)DSK_MALLOC((size_t)(R ? R : 1) * sizeof(double));
     if (!row_loss) return dsk_set_error(DSK_ERR_OOM, "dsk_cross_entropy: out of host memory for %lld row losses", (long long)R);
+    if (!(scratch = dsk__scratch(fn, ctx, 2 * V, &s))) { DSK_FREE(row_loss); return s; }
+    /* In f64 per logit (dsk_par_cross_entropy follows these bits): lse = max + log(sum e^(x - max)),
+       dlogits = grad_scale (e^(x - lse) - onehot) / count; rows in f32, the dtype switch hoisted. */
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (R * V > DSK__PAR_MIN))
     for (int64_t r = 0; r < R; r++) {
-        const void *x = logits->data;
-        float mx = -INFINITY;
+        float *buf = scratch + 2 * V * dsk__thread_id(), *d, mx;
+        const float *xr;
         double sum = 0.0, lse;
         row_loss[r] = 0.0;
         if (tg[r] == ignore_index) {
-            if (dlogits)
-                for (int64_t j = 0; j < V; j++) dsk_store_f32(dlogits->data, dlogits->dtype, r * V + j, 0.0f);
+            if (dlogits) {
+                d = dsk__row_out(dlogits, r * V, buf);
+                memset(d, 0, (size_t)V * sizeof(float));
+                dsk__row_out_done(dlogits, r * V, V, d);
+            }
             continue;
         }
-        for (int64_t j = 0; j < V; j++) {
-            float v = dsk_load_f32(x, logits->dtype, r * V + j);
-            if (v > mx || v != v) mx = v;
-        }
-        for (int64_t j = 0; j < V; j++) sum += exp((double)dsk_load_f32(x, logits->dtype, r * V + j) - mx);
+        xr = dsk__row_in(logits, r * V, V, buf);
+        mx = rk.max(xr, V);
+        for (int64_t j = 0; j < V; j++) sum += exp((double)xr[j] - mx);
         lse = mx + log(sum);
-        row_loss[r] = lse - dsk_load_f32(x, logits->dtype, r * V + tg[r]);
-        if (dlogits)
-            for (int64_t j = 0; j < V; j++) {
-                double p = exp((double)dsk_load_f32(x, logits->dtype, r * V + j) - lse) - (j == tg[r] ? 1.0 : 0.0);
-                dsk_store_f32(dlogits->data, dlogits->dtype, r * V + j, (float)((double)grad_scale * p / (double)count));
-            }
+        row_loss[r] = lse - xr[tg[r]];
+        if (dlogits) {
+            d = dsk__row_out(dlogits, r * V, buf + V);
+            for (int64_t j = 0; j < V; j++)
+                d[j] = (float)((double)grad_scale * (exp((double)xr[j] - lse) - (j == tg[r] ? 1.0 : 0.0)) / (double)count);
+            dsk__row_out_done(dlogits, r * V, V, d);
+        }
     }
+    DSK_FREE(scratch);
     for (int64_t r = 0; r < R; r++) total += row_loss[r];
     *(float *)loss->data = count ? (float)(total / (double)count) : 0.0f;
     DSK_FREE(row_loss);
@@ -2341,28 +3025,42 @@ static dsk_status dsk__rope_check(const char *fn, dsk_ctx *ctx, const char *yn, 
     return dsk__need_devices(fn, ctx, 2, ts, names, cuda);
 }
 
-/* y (B,T,H,Dh) = rotate(x) by sign * angle; accumulate adds into y instead of writing. */
-static void dsk__rope_cpu(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, int64_t pos0, float theta, float sign, int accumulate) {
-    (void)ctx; /* used by the OpenMP clause only */
-    int64_t B = x->shape[0], T = x->shape[1], H = x->shape[2], Dh = x->shape[3];
+/* y (B,T,H,Dh) = rotate(x) by sign * angle; accumulate adds into y instead of writing. The
+   cosines and sines of the T x Dh/2 angles are computed once per call. */
+static dsk_status dsk__rope_cpu(const char *fn, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, int64_t pos0, float theta, float sign,
+                                int accumulate) {
+    int64_t B = x->shape[0], T = x->shape[1], H = x->shape[2], Dh = x->shape[3], per = x->dtype == DSK_F32 ? 0 : 2 * Dh;
+    dsk_status s;
+    float *tab = (float *)DSK_MALLOC((size_t)(T * Dh) * sizeof(float) + 1), *scratch;
+    if (!tab) return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for %lld angles", fn, (long long)(T * Dh / 2));
+    if (!(scratch = dsk__scratch(fn, ctx, per, &s))) { DSK_FREE(tab); return s; }
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < Dh / 2; i++) {
+            float ang = dsk_rope_angle(pos0 + t, i, Dh, theta);
+            tab[t * Dh + 2 * i] = cosf(ang);
+            tab[t * Dh + 2 * i + 1] = sign * sinf(ang);
+        }
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (B * T * H * Dh > DSK__PAR_MIN))
     for (int64_t bt = 0; bt < B * T; bt++) {
-        int64_t t = bt % T;
-        for (int64_t i = 0; i < Dh / 2; i++) {
-            float ang = dsk_rope_angle(pos0 + t, i, Dh, theta), c = cosf(ang), s = sign * sinf(ang);
-            for (int64_t h = 0; h < H; h++) {
-                int64_t o = (bt * H + h) * Dh + 2 * i;
+        const float *cs = tab + (bt % T) * Dh;
+        float *buf = scratch + per * dsk__thread_id();
+        for (int64_t h = 0; h < H; h++) {
+            int64_t o = (bt * H + h) * Dh;
+            const float *xr = dsk__row_in(x, o, Dh, buf);
+            float *yr = accumulate ? dsk__row_acc(y, o, Dh, buf + per / 2) : dsk__row_out(y, o, buf + per / 2);
+            for (int64_t i = 0; i < Dh; i += 2) {
                 float y0, y1;
-                dsk_rope_rotate(dsk_load_f32(x->data, x->dtype, o), dsk_load_f32(x->data, x->dtype, o + 1), c, s, &y0, &y1);
-                if (accumulate) {
-                    y0 += dsk_load_f32(y->data, y->dtype, o);
-                    y1 += dsk_load_f32(y->data, y->dtype, o + 1);
-                }
-                dsk_store_f32(y->data, y->dtype, o, y0);
-                dsk_store_f32(y->data, y->dtype, o + 1, y1);
+                dsk_rope_rotate(xr[i], xr[i + 1], cs[i], cs[i + 1], &y0, &y1);
+                if (accumulate) { y0 += yr[i]; y1 += yr[i + 1]; }
+                yr[i] = y0;
+                yr[i + 1] = y1;
             }
+            dsk__row_out_done(y, o, Dh, yr);
         }
     }
+    DSK_FREE(scratch);
+    DSK_FREE(tab);
+    return DSK_OK;
 }
 
 DSK_API dsk_status dsk_rope(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, int64_t pos0, float theta) {
@@ -2371,8 +3069,7 @@ DSK_API dsk_status dsk_rope(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, in
 #ifdef DSK_CUDA
     if (cuda) return dsk_cuda_rope(ctx, y, x, pos0, theta);
 #endif
-    dsk__rope_cpu(ctx, y, x, pos0, theta, 1.0f, 0);
-    return DSK_OK;
+    return dsk__rope_cpu("dsk_rope", ctx, y, x, pos0, theta, 1.0f, 0);
 }
 
 DSK_API dsk_status dsk_rope_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, int64_t pos0, float theta) {
@@ -2381,8 +3078,7 @@ DSK_API dsk_status dsk_rope_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_ten
 #ifdef DSK_CUDA
     if (cuda) return dsk_cuda_rope_backward(ctx, dx, dy, pos0, theta);
 #endif
-    dsk__rope_cpu(ctx, dx, dy, pos0, theta, -1.0f, 1);
-    return DSK_OK;
+    return dsk__rope_cpu("dsk_rope_backward", ctx, dx, dy, pos0, theta, -1.0f, 1);
 }
 
 /* q, k, v (and `o`) (B, T, H, Dh) alike; probs (B, H, T, T) f32. */
@@ -2406,13 +3102,6 @@ static dsk_status dsk__attention_check(const char *fn, const dsk_tensor *o, cons
     return DSK_OK;
 }
 
-/* Per-thread f32 scratch for the attention loops: n_threads blocks of `per` floats. */
-static float *dsk__scratch(const char *fn, dsk_ctx *ctx, int64_t per, dsk_status *s) {
-    float *p = (float *)DSK_MALLOC((size_t)(per * dsk__threads(ctx)) * sizeof(float) + 1);
-    *s = p ? DSK_OK : dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for %lld scratch floats", fn, (long long)(per * dsk__threads(ctx)));
-    return p;
-}
-
 /* The (b, h) slice of a (B, T, H, Dh) tensor as a T x Dh f32 matrix: the tensor itself (row
    stride H * Dh) when it is f32, else converted into `buf` (row stride Dh). */
 static const float *dsk__attn_in(const dsk_tensor *t, int64_t b, int64_t h, float *buf, int64_t *ld) {
@@ -2424,13 +3113,36 @@ static const float *dsk__attn_in(const dsk_tensor *t, int64_t b, int64_t h, floa
     return buf;
 }
 
+/* dst (Dh x T) = src (T x Dh, row stride ld) transposed, so products with it read rows in place. */
+static void dsk__attn_transpose(float *dst, const float *src, int64_t ld, int64_t T, int64_t Dh) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t d = 0; d < Dh; d++) dst[d * T + t] = src[t * ld + d];
+}
+
+/* C (M x N, ldc) = alpha A B + beta C on one thread; A (M x K) at a with strides (a_rs, a_cs), B
+   (K x N) rows of stride ldb: the direct GEMM nest (ws: DSK__DIRECT_KC * MR floats). */
+static void dsk__attn_gemm(const dsk__ukernel *uk, int64_t M, int64_t N, int64_t K, float alpha, const float *a, int64_t a_rs,
+                           int64_t a_cs, const float *b, int64_t ldb, float beta, float *c, int64_t ldc, float *ws) {
+    dsk__gemm_args g;
+    g.M = M; g.N = N; g.K = K; g.alpha = alpha; g.beta = beta;
+    g.A = a; g.a_dt = DSK_F32; g.a_rs = a_rs; g.a_cs = a_cs;
+    g.B = b; g.b_dt = DSK_F32; g.b_rs = ldb; g.b_cs = 1;
+    g.C = c; g.ldc = ldc;
+    dsk__gemm_serial(&g, uk, ws);
+}
+
+/* Floats of GEMM scratch the attention products need. */
+static int64_t dsk__attn_ws(const dsk__ukernel *uk) { return (int64_t)DSK__DIRECT_KC * uk->mr; }
+
 DSK_API dsk_status dsk_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *probs, const dsk_tensor *q, const dsk_tensor *k, const dsk_tensor *v,
                                  float scale) {
     const char *fn = "dsk_attention";
     int cuda, half;
-    int64_t B, T, H, Dh, per;
+    int64_t B, T, H, Dh, per, RB;
     float *scratch;
     dsk_status s;
+    dsk__ukernel uk = dsk__ukernel_for(ctx ? ctx->cpu_isa : DSK_CPU_ISA_AUTO);
+    dsk__rowk rk = dsk__rowk_ctx(ctx);
     const dsk_tensor *ts[5] = {q, k, v, out, probs};
     const char *names[5] = {"q", "k", "v", "out", "probs"};
     DSK__TRY(dsk__attention_check(fn, out, "out", probs, q, k, v, scale));
@@ -2440,28 +3152,32 @@ DSK_API dsk_status dsk_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *prob
 #endif
     B = q->shape[0]; T = q->shape[1]; H = q->shape[2]; Dh = q->shape[3];
     half = q->dtype != DSK_F32;
-    per = half ? 4 * T * Dh : 0; /* bf16/f16: f32 copies of q, k, v and out */
+    RB = 2 * uk.mr; /* query rows per block: the causal products stop at the block's last row */
+    per = Dh * T + dsk__attn_ws(&uk) + (half ? 4 * T * Dh : 0); /* K^T, GEMM scratch; bf16/f16: f32 q, k, v, out */
     if (!(scratch = dsk__scratch(fn, ctx, per, &s))) return s;
-    /* One (b, h) per thread with its own scratch and a one-thread GEMM: the same bits for any
-       thread count. S = scale Q K^T goes straight into probs, softmax in place, out = P V. */
+    /* One (b, h) per thread with its own scratch and one-thread GEMMs: the same bits for any
+       thread count. Per block of query rows [i0, i1): S = scale Q K^T for the columns j < i1
+       straight into probs, a softmax over j <= i in place (the masked entries are never
+       exponentiated, and written as 0), then out = P V over those columns. */
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (B * H * T * T * Dh > DSK__PAR_MIN))
     for (int64_t bh = 0; bh < B * H; bh++) {
         int64_t b = bh / H, h = bh % H, ldq, ldk, ldv, ldo = H * Dh, base = (b * T * H + h) * Dh;
-        float *sc = scratch + per * dsk__thread_id();
+        float *Kt = scratch + per * dsk__thread_id(), *ws = Kt + Dh * T, *sc = ws + dsk__attn_ws(&uk);
         const float *Q = dsk__attn_in(q, b, h, sc, &ldq), *K = dsk__attn_in(k, b, h, sc + T * Dh, &ldk);
         const float *V = dsk__attn_in(v, b, h, sc + 2 * T * Dh, &ldv);
         float *P = (float *)probs->data + bh * T * T, *O = half ? sc + 3 * T * Dh : (float *)out->data + base;
         if (half) ldo = Dh;
-        dsk_sgemm_cpu(0, 1, T, T, Dh, scale, Q, ldq, K, ldk, 0.0f, P, T, 1);
-        for (int64_t i = 0; i < T; i++) {
-            float *prow = P + i * T, mx = -INFINITY, sum = 0.0f, inv;
-            for (int64_t j = 0; j <= i; j++) mx = prow[j] > mx ? prow[j] : mx;
-            for (int64_t j = 0; j <= i; j++) sum += (prow[j] = expf(prow[j] - mx));
-            inv = 1.0f / sum;
-            for (int64_t j = 0; j <= i; j++) prow[j] *= inv;
-            for (int64_t j = i + 1; j < T; j++) prow[j] = 0.0f;
+        dsk__attn_transpose(Kt, K, ldk, T, Dh);
+        for (int64_t i0 = 0; i0 < T; i0 += RB) {
+            int64_t i1 = i0 + RB < T ? i0 + RB : T;
+            dsk__attn_gemm(&uk, i1 - i0, i1, Dh, scale, Q + i0 * ldq, ldq, 1, Kt, T, 0.0f, P + i0 * T, T, ws);
+            for (int64_t i = i0; i < i1; i++) {
+                float *row = P + i * T, mx = rk.max(row, i + 1);
+                rk.scale(row, row, 1.0f / rk.exp_sum(row, row, i + 1, mx), i + 1);
+                memset(row + i + 1, 0, (size_t)(T - i - 1) * sizeof(float));
+            }
+            dsk__attn_gemm(&uk, i1 - i0, Dh, i1, 1.0f, P + i0 * T, T, 1, V, ldv, 0.0f, O + i0 * ldo, ldo, ws);
         }
-        dsk_sgemm_cpu(0, 0, T, Dh, T, 1.0f, P, T, V, ldv, 0.0f, O, ldo, 1);
         if (half)
             for (int64_t i = 0; i < T; i++)
                 for (int64_t d = 0; d < Dh; d++) dsk_store_f32(out->data, out->dtype, base + i * H * Dh + d, O[i * Dh + d]);
@@ -2474,9 +3190,11 @@ DSK_API dsk_status dsk_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tens
                                           const dsk_tensor *q, const dsk_tensor *k, const dsk_tensor *v, const dsk_tensor *probs, float scale) {
     const char *fn = "dsk_attention_backward";
     int cuda, half;
-    int64_t B, T, H, Dh, per;
+    int64_t B, T, H, Dh, per, RB;
     float *scratch;
     dsk_status s;
+    dsk__ukernel uk = dsk__ukernel_for(ctx ? ctx->cpu_isa : DSK_CPU_ISA_AUTO);
+    dsk__rowk rk = dsk__rowk_ctx(ctx);
     const dsk_tensor *ts[8] = {q, k, v, dout, probs, dq, dk, dv};
     const char *names[8] = {"q", "k", "v", "dout", "probs", "dq", "dk", "dv"};
     DSK__TRY(dsk__attention_check(fn, dout, "dout", probs, q, k, v, scale));
@@ -2492,31 +3210,41 @@ DSK_API dsk_status dsk_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tens
 #endif
     B = q->shape[0]; T = q->shape[1]; H = q->shape[2]; Dh = q->shape[3];
     half = q->dtype != DSK_F32;
-    /* dS (T x T); bf16/f16 add f32 copies of q, k, v, dout and the gradients gq, gk, gv */
-    per = T * T + (half ? 7 * T * Dh : 0);
+    RB = 2 * uk.mr;
+    /* dS (T x T), V^T, GEMM scratch; bf16/f16 add f32 copies of q, k, v, dout and the gradients gq, gk, gv */
+    per = T * T + Dh * T + dsk__attn_ws(&uk) + (half ? 7 * T * Dh : 0);
     if (!(scratch = dsk__scratch(fn, ctx, per, &s))) return s;
     /* Each (b, h) owns its slices of dq, dk, dv. f32: the GEMMs accumulate into them (beta 1);
-       bf16/f16: the gradient is formed in f32 and added once, rounding once. */
+       bf16/f16: the gradient is formed in f32 and added once, rounding once. Causal structure:
+       row i of dP, dS and dQ needs columns j <= i; row j of dK and dV needs rows i >= j of dS, P. */
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (B * H * T * T * Dh > DSK__PAR_MIN))
     for (int64_t bh = 0; bh < B * H; bh++) {
         int64_t b = bh / H, h = bh % H, ldq, ldk, ldv, ldo, ldg = half ? Dh : H * Dh, base = (b * T * H + h) * Dh;
-        float *dS = scratch + per * dsk__thread_id(), *sc = dS + T * T, beta = half ? 0.0f : 1.0f;
+        float *dS = scratch + per * dsk__thread_id(), *Vt = dS + T * T, *ws = Vt + Dh * T, *sc = ws + dsk__attn_ws(&uk);
+        float beta = half ? 0.0f : 1.0f;
         const float *P = (const float *)probs->data + bh * T * T;
         const float *Q = dsk__attn_in(q, b, h, sc, &ldq), *K = dsk__attn_in(k, b, h, sc + T * Dh, &ldk);
         const float *V = dsk__attn_in(v, b, h, sc + 2 * T * Dh, &ldv), *dO = dsk__attn_in(dout, b, h, sc + 3 * T * Dh, &ldo);
         float *gq = half ? sc + 4 * T * Dh : (float *)dq->data + base, *gk = half ? sc + 5 * T * Dh : (float *)dk->data + base;
         float *gv = half ? sc + 6 * T * Dh : (float *)dv->data + base;
-        dsk_sgemm_cpu(0, 1, T, T, Dh, 1.0f, dO, ldo, V, ldv, 0.0f, dS, T, 1); /* dP = dO V^T */
-        for (int64_t i = 0; i < T; i++) {                                       /* dS = P (dP - rowsum(P dP)) */
-            const float *prow = P + i * T;
-            float *drow = dS + i * T, pdp = 0.0f;
-            for (int64_t j = 0; j <= i; j++) pdp += prow[j] * drow[j];
-            for (int64_t j = 0; j <= i; j++) drow[j] = prow[j] * (drow[j] - pdp);
-            for (int64_t j = i + 1; j < T; j++) drow[j] = 0.0f;
+        dsk__attn_transpose(Vt, V, ldv, T, Dh);
+        for (int64_t i0 = 0; i0 < T; i0 += RB) {
+            int64_t i1 = i0 + RB < T ? i0 + RB : T;
+            dsk__attn_gemm(&uk, i1 - i0, i1, Dh, 1.0f, dO + i0 * ldo, ldo, 1, Vt, T, 0.0f, dS + i0 * T, T, ws); /* dP = dO V^T */
+            for (int64_t i = i0; i < i1; i++) { /* dS = P (dP - rowsum(P dP)) */
+                float *drow = dS + i * T;
+                const float *prow = P + i * T;
+                rk.sub_mul(drow, prow, drow, rk.dot(prow, drow, i + 1), i + 1, 0);
+                memset(drow + i + 1, 0, (size_t)(T - i - 1) * sizeof(float));
+            }
+            dsk__attn_gemm(&uk, i1 - i0, Dh, i1, scale, dS + i0 * T, T, 1, K, ldk, beta, gq + i0 * ldg, ldg, ws); /* dQ += scale dS K */
         }
-        dsk_sgemm_cpu(0, 0, T, Dh, T, scale, dS, T, K, ldk, beta, gq, ldg, 1); /* dQ += scale dS K */
-        dsk_sgemm_cpu(1, 0, T, Dh, T, scale, dS, T, Q, ldq, beta, gk, ldg, 1); /* dK += scale dS^T Q */
-        dsk_sgemm_cpu(1, 0, T, Dh, T, 1.0f, P, T, dO, ldo, beta, gv, ldg, 1);  /* dV += P^T dO */
+        for (int64_t j0 = 0; j0 < T; j0 += RB) {
+            int64_t j1 = j0 + RB < T ? j0 + RB : T;
+            /* dK += scale dS^T Q, dV += P^T dO over rows i >= j0 */
+            dsk__attn_gemm(&uk, j1 - j0, Dh, T - j0, scale, dS + j0 * T + j0, 1, T, Q + j0 * ldq, ldq, beta, gk + j0 * ldg, ldg, ws);
+            dsk__attn_gemm(&uk, j1 - j0, Dh, T - j0, 1.0f, P + j0 * T + j0, 1, T, dO + j0 * ldo, ldo, beta, gv + j0 * ldg, ldg, ws);
+        }
         if (half)
             for (int64_t t = 0; t < T; t++)
                 for (int64_t d = 0; d < Dh; d++) {
@@ -2628,7 +3356,7 @@ static dsk_status dsk__matmul_grouped_check(const dsk_tensor *C, const dsk_tenso
 /* One product of a grouped matmul on the CPU, into the f32 matrix c (leading dim ldc). */
 static dsk_status dsk__grouped_one(const dsk_tensor *A, int trans_a, const dsk_tensor *B, int trans_b, int weights,
                                    int64_t g, int64_t r0, int64_t r1, float alpha, float beta, float *c, int64_t ldc,
-                                   int n_threads) {
+                                   const dsk__ukernel *uk, int n_threads) {
     dsk__gemm_args a;
     size_t ae = dsk_dtype_size(A->dtype), be = dsk_dtype_size(B->dtype);
     int64_t n = r1 - r0;
@@ -2646,7 +3374,7 @@ static dsk_status dsk__grouped_one(const dsk_tensor *A, int trans_a, const dsk_t
         a.b_rs = trans_b ? 1 : N; a.b_cs = trans_b ? K : 1;
     }
     (void)trans_a;
-    return dsk__gemm(&a, n_threads);
+    return dsk__gemm(&a, uk, n_threads);
 }
 
 DSK_API dsk_status dsk_matmul_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, int trans_a,
@@ -2659,6 +3387,7 @@ DSK_API dsk_status dsk_matmul_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk_ten
     int64_t G, R, per, cols, first, last;
     const int32_t *off;
     float *tmp = NULL;
+    dsk__ukernel uk = dsk__ukernel_for(ctx ? ctx->cpu_isa : DSK_CPU_ISA_AUTO);
     DSK__TRY(dsk__need(fn, "C", C));
     DSK__TRY(dsk__need(fn, "A", A));
     DSK__TRY(dsk__need(fn, "B", B));
@@ -2692,7 +3421,7 @@ DSK_API dsk_status dsk_matmul_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk_ten
                        : (float *)C->data + (weights ? g * per : off[g] * cols);
         if (!weights && off[g + 1] == off[g]) continue;
         failed = failed || dsk__grouped_one(A, trans_a, B, trans_b, weights, g, off[g], off[g + 1], alpha, beta, c,
-                                            cols, nt) != DSK_OK;
+                                            cols, &uk, nt) != DSK_OK;
     }
     if (tmp) {
         for (int64_t i = 0; i < (last - first) * cols; i++) dsk_store_f32(C->data, C->dtype, first * cols + i, tmp[i]);
@@ -2704,14 +3433,14 @@ DSK_API dsk_status dsk_matmul_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk_ten
 
 /* One raw f32 GEMM on `nt` threads (dsk_sgemm_cpu's convention); 0 or the packing failure. */
 static int dsk__sgemm_nt(int ta, int tb, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
-                         int64_t ldb, float beta, float *C, int64_t ldc, int nt) {
+                         int64_t ldb, float beta, float *C, int64_t ldc, const dsk__ukernel *uk, int nt) {
     dsk__gemm_args g;
     if (M == 0 || N == 0) return 0;
     g.M = M; g.N = N; g.K = K; g.alpha = 1.0f; g.beta = beta;
     g.A = A; g.a_dt = DSK_F32; g.a_rs = ta ? 1 : lda; g.a_cs = ta ? lda : 1;
     g.B = B; g.b_dt = DSK_F32; g.b_rs = tb ? 1 : ldb; g.b_cs = tb ? ldb : 1;
     g.C = C; g.ldc = ldc;
-    return dsk__gemm(&g, nt) != DSK_OK;
+    return dsk__gemm(&g, uk, nt) != DSK_OK;
 }
 
 /* The shapes of a grouped SwiGLU MLP: x (R, D), w1, w3 (G, F, D), w2 (G, D, F); *F, *D. */
@@ -2760,6 +3489,8 @@ DSK_API dsk_status dsk_swiglu_grouped(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor 
     int64_t G, F, D, R, rf[2], rd[2];
     int cuda, failed = 0, nt;
     const int32_t *off;
+    dsk__ukernel uk = dsk__ukernel_for(ctx ? ctx->cpu_isa : DSK_CPU_ISA_AUTO);
+    dsk__rowk rk = dsk__rowk_ctx(ctx);
     DSK__TRY(dsk__need_offsets(fn, offsets, &G));
     DSK__TRY(dsk__swiglu_grouped_check(fn, x, w1, w2, w3, G, &F, &D));
     R = x->shape[0];
@@ -2785,11 +3516,11 @@ DSK_API dsk_status dsk_swiglu_grouped(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor 
         const float *xs = (const float *)x->data + r0 * D;
         float *p1 = (float *)h1->data + r0 * F, *p3 = (float *)h3->data + r0 * F, *pa = (float *)a->data + r0 * F;
         if (n == 0) continue;
-        failed = failed || dsk__sgemm_nt(0, 1, n, F, D, xs, D, (const float *)w1->data + g * F * D, D, 0.0f, p1, F, nt);
-        failed = failed || dsk__sgemm_nt(0, 1, n, F, D, xs, D, (const float *)w3->data + g * F * D, D, 0.0f, p3, F, nt);
-        for (int64_t i = 0; i < n * F; i++) pa[i] = dsk_swiglu_f(p1[i], p3[i]);
+        failed = failed || dsk__sgemm_nt(0, 1, n, F, D, xs, D, (const float *)w1->data + g * F * D, D, 0.0f, p1, F, &uk, nt);
+        failed = failed || dsk__sgemm_nt(0, 1, n, F, D, xs, D, (const float *)w3->data + g * F * D, D, 0.0f, p3, F, &uk, nt);
+        rk.swiglu(pa, p1, p3, n * F);
         failed = failed || dsk__sgemm_nt(0, 1, n, D, F, pa, F, (const float *)w2->data + g * D * F, F, 0.0f,
-                                         (float *)out->data + r0 * D, D, nt);
+                                         (float *)out->data + r0 * D, D, &uk, nt);
     }
     if (failed) return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for the GEMM packing buffers", fn);
     return DSK_OK;
@@ -2806,6 +3537,8 @@ DSK_API dsk_status dsk_swiglu_grouped_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk
     int64_t G, F, D, R, rf[2], rd[2], gfd[3], gdf[3];
     int cuda, failed = 0, nt;
     const int32_t *off;
+    dsk__ukernel uk = dsk__ukernel_for(ctx ? ctx->cpu_isa : DSK_CPU_ISA_AUTO);
+    dsk__rowk rk = dsk__rowk_ctx(ctx);
     DSK__TRY(dsk__need_offsets(fn, offsets, &G));
     DSK__TRY(dsk__swiglu_grouped_check(fn, x, w1, w2, w3, G, &F, &D));
     R = x->shape[0];
@@ -2846,14 +3579,14 @@ DSK_API dsk_status dsk_swiglu_grouped_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk
         float *pda = (float *)da->data + r0 * F, *q1 = (float *)dh1->data + r0 * F, *q3 = (float *)dh3->data + r0 * F;
         float *dxs = (float *)dx->data + r0 * D;
         if (n == 0) continue;
-        failed = failed || dsk__sgemm_nt(0, 0, n, F, D, dy, D, (const float *)w2->data + g * D * F, F, 0.0f, pda, F, nt);
+        failed = failed || dsk__sgemm_nt(0, 0, n, F, D, dy, D, (const float *)w2->data + g * D * F, F, 0.0f, pda, F, &uk, nt);
         failed = failed || dsk__sgemm_nt(1, 0, D, F, n, dy, D, (const float *)a->data + r0 * F, F, 1.0f,
-                                         (float *)dw2->data + g * D * F, F, nt);
-        for (int64_t i = 0; i < n * F; i++) dsk_swiglu_grad_f(p1[i], p3[i], pda[i], &q1[i], &q3[i]);
-        failed = failed || dsk__sgemm_nt(0, 0, n, D, F, q1, F, w1g, D, 0.0f, dxs, D, nt);
-        failed = failed || dsk__sgemm_nt(0, 0, n, D, F, q3, F, w3g, D, 1.0f, dxs, D, nt);
-        failed = failed || dsk__sgemm_nt(1, 0, F, D, n, q1, F, xs, D, 1.0f, (float *)dw1->data + g * F * D, D, nt);
-        failed = failed || dsk__sgemm_nt(1, 0, F, D, n, q3, F, xs, D, 1.0f, (float *)dw3->data + g * F * D, D, nt);
+                                         (float *)dw2->data + g * D * F, F, &uk, nt);
+        rk.swiglu_bwd(q1, q3, pda, p1, p3, n * F, 0);
+        failed = failed || dsk__sgemm_nt(0, 0, n, D, F, q1, F, w1g, D, 0.0f, dxs, D, &uk, nt);
+        failed = failed || dsk__sgemm_nt(0, 0, n, D, F, q3, F, w3g, D, 1.0f, dxs, D, &uk, nt);
+        failed = failed || dsk__sgemm_nt(1, 0, F, D, n, q1, F, xs, D, 1.0f, (float *)dw1->data + g * F * D, D, &uk, nt);
+        failed = failed || dsk__sgemm_nt(1, 0, F, D, n, q3, F, xs, D, 1.0f, (float *)dw3->data + g * F * D, D, &uk, nt);
     }
     if (failed) return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for the GEMM packing buffers", fn);
     return DSK_OK;
@@ -2913,6 +3646,40 @@ DSK_API dsk_status dsk_gather_rows_scaled(dsk_ctx *ctx, dsk_tensor *out, const d
 
 /* ---------------------------------------------------------------- AdamW */
 
+#if DSK__X86
+/* dsk_adamw_update on 16 lanes, operation for operation (no contraction: the same bits). */
+static DSK__TARGET_AVX512 void dsk__adamw_avx512(float *p, float *m, float *v, const float *g, int64_t n, float gm, const dsk_adamw_opts *o,
+                                                 float bc1, float bc2) {
+    __m512 b1 = _mm512_set1_ps(o->beta1), b2 = _mm512_set1_ps(o->beta2), c1 = _mm512_set1_ps(1.0f - o->beta1), c2 = _mm512_set1_ps(1.0f - o->beta2);
+    __m512 lr = _mm512_set1_ps(o->lr), lrwd = _mm512_set1_ps(o->lr * o->weight_decay), eps = _mm512_set1_ps(o->eps);
+    __m512 vbc1 = _mm512_set1_ps(bc1), vbc2 = _mm512_set1_ps(bc2), vgm = _mm512_set1_ps(gm);
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 k = dsk__tail512(n - i);
+        __m512 gi = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, g + i), vgm), pi = _mm512_maskz_loadu_ps(k, p + i);
+        __m512 mn = _mm512_add_ps(_mm512_mul_ps(b1, _mm512_maskz_loadu_ps(k, m + i)), _mm512_mul_ps(c1, gi));
+        __m512 vn = _mm512_add_ps(_mm512_mul_ps(b2, _mm512_maskz_loadu_ps(k, v + i)), _mm512_mul_ps(_mm512_mul_ps(c2, gi), gi));
+        __m512 pn = _mm512_sub_ps(pi, _mm512_mul_ps(lrwd, pi));
+        __m512 den = _mm512_add_ps(_mm512_sqrt_ps(_mm512_div_ps(vn, vbc2)), eps);
+        pn = _mm512_sub_ps(pn, _mm512_div_ps(_mm512_mul_ps(lr, _mm512_div_ps(mn, vbc1)), den));
+        _mm512_mask_storeu_ps(m + i, k, mn);
+        _mm512_mask_storeu_ps(v + i, k, vn);
+        _mm512_mask_storeu_ps(p + i, k, pn);
+    }
+}
+#endif
+
+/* AdamW on n f32 elements with gradient g times gm: vectorised where the ISA allows. */
+static void dsk__adamw_rows(dsk_cpu_isa isa, float *p, float *m, float *v, const float *g, int64_t n, float gm, const dsk_adamw_opts *o,
+                            float bc1, float bc2) {
+#if DSK__X86
+    if (!dsk_cpu_isa_supported(isa)) isa = dsk_cpu_isa_best();
+    if (isa == DSK_CPU_ISA_AVX512) { dsk__adamw_avx512(p, m, v, g, n, gm, o, bc1, bc2); return; }
+#else
+    (void)isa;
+#endif
+    for (int64_t i = 0; i < n; i++) dsk_adamw_update(p + i, m + i, v + i, g[i] * gm, o->lr, o->beta1, o->beta2, o->eps, o->weight_decay, bc1, bc2);
+}
+
 /* The options in force (opts, or the defaults for NULL), range-checked; nothing is replaced. */
 static dsk_status dsk__adamw_resolve(const dsk_adamw_opts *in, dsk_adamw_opts *o) {
     const char *fn = "dsk_adamw_step";
@@ -2962,9 +3729,12 @@ DSK_API dsk_status dsk_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_ten
     n = dsk_tensor_numel(param);
     p = (float *)param->data; mm = (float *)m->data; vv = (float *)v->data;
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
-    for (int64_t i = 0; i < n; i++) {
-        dsk_adamw_update(p + i, mm + i, vv + i, dsk_load_f32(grad->data, grad->dtype, i) * grad_mult, o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, bc1, bc2);
-        if (param_copy) dsk_store_f32(param_copy->data, param_copy->dtype, i, p[i]);
+    for (int64_t c = 0; c < (n + DSK__EW_CHUNK - 1) / DSK__EW_CHUNK; c++) {
+        float bg[DSK__EW_CHUNK];
+        int64_t off = c * DSK__EW_CHUNK, len = n - off < DSK__EW_CHUNK ? n - off : DSK__EW_CHUNK;
+        dsk__adamw_rows(ctx ? ctx->cpu_isa : DSK_CPU_ISA_AUTO, p + off, mm + off, vv + off, dsk__row_in(grad, off, len, bg), len, grad_mult, &o,
+                        bc1, bc2);
+        if (param_copy) dsk__store_row(param_copy->data, param_copy->dtype, off, p + off, len);
     }
     return DSK_OK;
 }

@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "../dsk_moe.h"
 #include "../dsk_tensor.h"
@@ -56,7 +57,7 @@ typedef struct tm_block {
     /* saved activations, N = B*T rows */
     dsk_tensor x;                       /* (N, D) block input */
     dsk_tensor h1, rstd1, q, k, v, qr, kr, att, x2, h2, rstd2; /* (N, D) or (N) for rstd */
-    dsk_tensor probs;                   /* (B, H, T, T) attention probabilities */
+    dsk_tensor probs;                   /* (B, H, T, T) f32 attention probabilities */
     dsk_tensor g, u, a;                 /* (N, F) dense FFN */
     /* MoE blocks */
     int is_moe;
@@ -66,12 +67,22 @@ typedef struct tm_block {
     dsk_tensor mx, my;                  /* (N, D) MoE input/output in the layer's dtype */
 } tm_block;
 
+/* Phases of a step whose time --profile reports (train_moe adds data and optimizer). */
+typedef enum tm_phase {
+    TM_PH_EMBED, TM_PH_NORM, TM_PH_LINEAR, TM_PH_ROPE, TM_PH_ATTN, TM_PH_FFN, TM_PH_MOE, TM_PH_HEAD, TM_PH_MOVE, TM_PH_COUNT
+} tm_phase;
+static const char *const tm_phase_names[TM_PH_COUNT] = {
+    "embedding", "rmsnorm", "attention projections (q k v o)", "rope", "attention core (causal softmax, per head GEMMs)",
+    "dense FFN (block 0)", "MoE layers (router, dispatch, experts, combine)", "LM head + cross-entropy", "residual adds, copies, zeroing"};
+
 typedef struct tm_model {
     tm_config cfg;
     dsk_ctx *ctx;
     int n_params, n_dense_params;       /* params[0, n_dense_params) replicated, the rest expert-sharded */
     int64_t numel_dense;                /* slab elements of the replicated parameters */
     int want_stats;                     /* 1: each MoE forward fills its block's stats (a host read) */
+    int profile;                        /* 1: time each op into phase_s (synchronising the device) */
+    double phase_s[TM_PH_COUNT];        /* seconds per phase since the caller last cleared them */
     tm_param params[1024];
     float aux_scale;                    /* weight of the MoE losses' gradients: loss scale / accum */
     /* called by backward when a slab parameter's gradient is final for this micro-batch
@@ -88,10 +99,28 @@ typedef struct tm_model {
     dsk_tensor loss;                    /* scalar f32 */
     /* backward scratch */
     dsk_tensor dx, dh, dq, dk, dv, dqr, dkr, datt, dg, du, da;
-    dsk_tensor mask, dp, ds;            /* (H, T, T): causal mask (0 / -inf), attention backward scratch */
     dsk_tensor zeros;                   /* flat zeros in the compute dtype: tm_zero copies from it */
     dsk_tensor dx32;                    /* (N, D) f32 copy of dx for the embedding gradient (bf16/f16 only) */
 } tm_model;
+
+/* ------------------------------------------------------------------ phase timer */
+
+static double tm_clock(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Runs `call` (returning from the caller on failure); with m->profile its time goes to phase ph. */
+#define TM_T(ph, call)                                                           \
+    do {                                                                         \
+        double tm_t0_ = m->profile ? tm_clock() : 0.0;                           \
+        TM_TRY(call);                                                            \
+        if (m->profile) {                                                        \
+            TM_TRY(dsk_ctx_sync(m->ctx));                                        \
+            m->phase_s[ph] += tm_clock() - tm_t0_;                               \
+        }                                                                        \
+    } while (0)
 
 /* ------------------------------------------------------------------ views */
 
@@ -109,17 +138,6 @@ static dsk_tensor tm_heads(const tm_model *m, const dsk_tensor *t, int nb) {
     dsk_tensor r = tm_rows(t, (int64_t)nb * c->seq), v;
     dsk_tensor_reshape(&r, 4, sh, &v);
     return v;
-}
-
-/* Sequence s of an (N, D) tensor as (H, T, Dh): a strided view, one matrix per head. */
-static dsk_tensor tm_seq_heads(const tm_model *m, const dsk_tensor *t, int s) {
-    const tm_config *c = &m->cfg;
-    int64_t T = c->seq, sh[3] = {T, c->n_heads, c->d_model / c->n_heads};
-    dsk_tensor r, v, o;
-    dsk_tensor_slice(t, 0, (int64_t)s * T, T, &r);
-    dsk_tensor_reshape(&r, 3, sh, &v);
-    dsk_tensor_transpose(&v, 0, 1, &o);
-    return o;
 }
 
 static dsk_status tm_mm(tm_model *m, dsk_tensor *C, const dsk_tensor *A, int ta, const dsk_tensor *B, int tb, float beta) {
@@ -265,24 +283,6 @@ static dsk_status tm_alloc2(tm_model *m, dsk_tensor *t, dsk_dtype dt, int64_t r,
     return dsk_tensor_alloc(m->ctx, t, dt, c ? 2 : 1, sh);
 }
 
-/* The causal mask added to attention scores, and the backward scratch of the same shape. */
-static dsk_status tm_alloc_mask(tm_model *m) {
-    const tm_config *c = &m->cfg;
-    int64_t H = c->n_heads, T = c->seq, sh[3] = {H, T, T};
-    dsk_tensor host;
-    TM_TRY(dsk_tensor_alloc(NULL, &host, DSK_F32, 3, sh));
-    float *p = (float *)host.data;
-    for (int64_t h = 0; h < H; h++)
-        for (int64_t i = 0; i < T; i++)
-            for (int64_t j = 0; j < T; j++) p[(h * T + i) * T + j] = j <= i ? 0.0f : -INFINITY;
-    dsk_status s = dsk_tensor_alloc(m->ctx, &m->mask, c->cdt, 3, sh);
-    if (s == DSK_OK) s = dsk_tensor_copy(m->ctx, &m->mask, &host);
-    dsk_tensor_free(NULL, &host);
-    TM_TRY(s);
-    TM_TRY(dsk_tensor_alloc(m->ctx, &m->dp, c->cdt, 3, sh));
-    return dsk_tensor_alloc(m->ctx, &m->ds, c->cdt, 3, sh);
-}
-
 static dsk_status tm_alloc_acts(tm_model *m) {
     const tm_config *c = &m->cfg;
     int64_t N = (int64_t)c->batch * c->seq, D = c->d_model, F = c->ffn_hidden, V = c->vocab;
@@ -294,7 +294,7 @@ static dsk_status tm_alloc_acts(tm_model *m) {
         TM_TRY(tm_alloc2(m, &b->rstd1, DSK_F32, N, 0));
         TM_TRY(tm_alloc2(m, &b->rstd2, DSK_F32, N, 0));
         int64_t ps[4] = {c->batch, c->n_heads, c->seq, c->seq};
-        TM_TRY(dsk_tensor_alloc(m->ctx, &b->probs, dt, 4, ps));
+        TM_TRY(dsk_tensor_alloc(m->ctx, &b->probs, DSK_F32, 4, ps));
         if (l < c->n_dense) {
             TM_TRY(tm_alloc2(m, &b->g, dt, N, F));
             TM_TRY(tm_alloc2(m, &b->u, dt, N, F));
@@ -311,7 +311,6 @@ static dsk_status tm_alloc_acts(tm_model *m) {
         TM_TRY(tm_alloc2(m, &m->du, dt, N, F));
         TM_TRY(tm_alloc2(m, &m->da, dt, N, F));
     }
-    TM_TRY(tm_alloc_mask(m));
     int64_t nz = (int64_t)c->n_heads * c->seq * c->seq;
     if (N * F > nz) nz = N * F;
     if (N * D > nz) nz = N * D;
@@ -416,7 +415,7 @@ static void tm_free(tm_model *m) {
         }
     dsk_tensor *ts[] = {&m->slab_w, &m->slab_g, &m->slab_m, &m->slab_v, &m->slab_wc, &m->x_final, &m->hf, &m->rstdf,
                         &m->logits, &m->dlogits, &m->ids, &m->targets, &m->loss, &m->dx, &m->dh, &m->dq, &m->dk,
-                        &m->dv, &m->dqr, &m->dkr, &m->datt, &m->dg, &m->du, &m->da, &m->mask, &m->dp, &m->ds, &m->zeros, &m->dx32};
+                        &m->dv, &m->dqr, &m->dkr, &m->datt, &m->dg, &m->du, &m->da, &m->zeros, &m->dx32};
     for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
     free(m->blocks);
     free(m->moe_names);
@@ -473,11 +472,12 @@ static dsk_status tm_init(tm_model *m, dsk_ctx *ctx, const tm_config *cfg) {
 static dsk_status tm_dense_forward(tm_model *m, tm_block *b, int64_t N, dsk_tensor *y) {
     dsk_tensor h2 = tm_rows(&b->h2, N), g = tm_rows(&b->g, N), u = tm_rows(&b->u, N), a = tm_rows(&b->a, N);
     dsk_tensor x2 = tm_rows(&b->x2, N);
-    TM_TRY(tm_mm(m, &g, &h2, 0, &b->w1->wc, 1, 0.0f));
-    TM_TRY(tm_mm(m, &u, &h2, 0, &b->w3->wc, 1, 0.0f));
-    TM_TRY(dsk_swiglu(m->ctx, &a, &g, &u));
-    TM_TRY(dsk_tensor_copy(m->ctx, y, &x2));
-    return tm_mm(m, y, &a, 0, &b->w2->wc, 1, 1.0f);
+    TM_T(TM_PH_FFN, tm_mm(m, &g, &h2, 0, &b->w1->wc, 1, 0.0f));
+    TM_T(TM_PH_FFN, tm_mm(m, &u, &h2, 0, &b->w3->wc, 1, 0.0f));
+    TM_T(TM_PH_FFN, dsk_swiglu(m->ctx, &a, &g, &u));
+    TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, y, &x2));
+    TM_T(TM_PH_FFN, tm_mm(m, y, &a, 0, &b->w2->wc, 1, 1.0f));
+    return DSK_OK;
 }
 
 /* Attention half of block b: x -> x2, with everything backward needs saved. */
@@ -487,29 +487,24 @@ static dsk_status tm_attn_forward(tm_model *m, tm_block *b, int nb) {
     dsk_tensor x = tm_rows(&b->x, N), h1 = tm_rows(&b->h1, N), rstd1 = tm_rows(&b->rstd1, N);
     dsk_tensor q = tm_rows(&b->q, N), k = tm_rows(&b->k, N), v = tm_rows(&b->v, N), att = tm_rows(&b->att, N);
     dsk_tensor x2 = tm_rows(&b->x2, N);
-    TM_TRY(dsk_rmsnorm(m->ctx, &h1, &rstd1, &x, &b->ln1->wc, c->norm_eps));
-    TM_TRY(tm_mm(m, &q, &h1, 0, &b->wq->wc, 1, 0.0f));
-    TM_TRY(tm_mm(m, &k, &h1, 0, &b->wk->wc, 1, 0.0f));
-    TM_TRY(tm_mm(m, &v, &h1, 0, &b->wv->wc, 1, 0.0f));
+    TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &h1, &rstd1, &x, &b->ln1->wc, c->norm_eps));
+    TM_T(TM_PH_LINEAR, tm_mm(m, &q, &h1, 0, &b->wq->wc, 1, 0.0f));
+    TM_T(TM_PH_LINEAR, tm_mm(m, &k, &h1, 0, &b->wk->wc, 1, 0.0f));
+    TM_T(TM_PH_LINEAR, tm_mm(m, &v, &h1, 0, &b->wv->wc, 1, 0.0f));
     dsk_tensor q4 = tm_heads(m, &q, nb), k4 = tm_heads(m, &k, nb);
     dsk_tensor qr4 = tm_heads(m, &b->qr, nb), kr4 = tm_heads(m, &b->kr, nb);
-    TM_TRY(dsk_rope(m->ctx, &qr4, &q4, 0, c->rope_theta));
-    TM_TRY(dsk_rope(m->ctx, &kr4, &k4, 0, c->rope_theta));
-    /* causal attention per sequence, all heads in one batched GEMM: P = softmax(scale Q K^T + mask), O = P V */
+    TM_T(TM_PH_ROPE, dsk_rope(m->ctx, &qr4, &q4, 0, c->rope_theta));
+    TM_T(TM_PH_ROPE, dsk_rope(m->ctx, &kr4, &k4, 0, c->rope_theta));
+    /* causal attention, every (sequence, head) in one call: P = softmax(scale Q K^T, causal), O = P V */
     float scale = 1.0f / sqrtf((float)(c->d_model / c->n_heads));
-    for (int s = 0; s < nb; s++) {
-        dsk_tensor qs = tm_seq_heads(m, &b->qr, s), ks = tm_seq_heads(m, &b->kr, s), vs = tm_seq_heads(m, &b->v, s);
-        dsk_tensor os = tm_seq_heads(m, &b->att, s), p;
-        TM_TRY(dsk_tensor_select(&b->probs, s, &p));
-        TM_TRY(dsk_matmul(m->ctx, &p, &qs, 0, &ks, 1, scale, 0.0f));
-        TM_TRY(dsk_add(m->ctx, &p, &p, &m->mask));
-        TM_TRY(dsk_softmax(m->ctx, &p, &p));
-        TM_TRY(dsk_matmul(m->ctx, &os, &p, 0, &vs, 0, 1.0f, 0.0f));
-    }
-    TM_TRY(dsk_tensor_copy(m->ctx, &x2, &x));
-    TM_TRY(tm_mm(m, &x2, &att, 0, &b->wo->wc, 1, 1.0f));
+    dsk_tensor v4 = tm_heads(m, &b->v, nb), att4 = tm_heads(m, &b->att, nb), probs;
+    TM_TRY(dsk_tensor_slice(&b->probs, 0, 0, nb, &probs));
+    TM_T(TM_PH_ATTN, dsk_attention(m->ctx, &att4, &probs, &qr4, &kr4, &v4, scale));
+    TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &x2, &x));
+    TM_T(TM_PH_LINEAR, tm_mm(m, &x2, &att, 0, &b->wo->wc, 1, 1.0f));
     dsk_tensor h2 = tm_rows(&b->h2, N), rstd2 = tm_rows(&b->rstd2, N);
-    return dsk_rmsnorm(m->ctx, &h2, &rstd2, &x2, &b->ln2->wc, c->norm_eps);
+    TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &h2, &rstd2, &x2, &b->ln2->wc, c->norm_eps));
+    return DSK_OK;
 }
 
 /* Forward pass over the first nb sequences of m->ids; writes m->logits rows [0, nb*T).
@@ -524,22 +519,25 @@ static dsk_status tm_forward(tm_model *m, int nb) {
     const tm_config *c = &m->cfg;
     int64_t N = (int64_t)nb * c->seq;
     dsk_tensor ids = tm_rows(&m->ids, N), x0 = tm_rows(&m->blocks[0].x, N);
-    TM_TRY(dsk_embedding(m->ctx, &x0, &m->embed->wc, &ids));
+    TM_T(TM_PH_EMBED, dsk_embedding(m->ctx, &x0, &m->embed->wc, &ids));
     for (int l = 0; l < c->n_layers; l++) {
         tm_block *b = &m->blocks[l];
         dsk_tensor y = tm_rows(l + 1 < c->n_layers ? &m->blocks[l + 1].x : &m->x_final, N);
         TM_TRY(tm_attn_forward(m, b, nb));
-        TM_TRY(l < c->n_dense ? tm_dense_forward(m, b, N, &y) : tm_moe_forward(m, l, N, &y));
+        if (l < c->n_dense) TM_TRY(tm_dense_forward(m, b, N, &y));
+        else TM_T(TM_PH_MOE, tm_moe_forward(m, l, N, &y));
     }
     dsk_tensor xf = tm_rows(&m->x_final, N), hf = tm_rows(&m->hf, N), rstdf = tm_rows(&m->rstdf, N);
     dsk_tensor logits = tm_rows(&m->logits, N);
-    TM_TRY(dsk_rmsnorm(m->ctx, &hf, &rstdf, &xf, &m->ln_f->wc, c->norm_eps));
-    return tm_mm(m, &logits, &hf, 0, &m->lm_head->wc, 1, 0.0f);
+    TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &hf, &rstdf, &xf, &m->ln_f->wc, c->norm_eps));
+    TM_T(TM_PH_HEAD, tm_mm(m, &logits, &hf, 0, &m->lm_head->wc, 1, 0.0f));
+    return DSK_OK;
 }
 
 /* Mean cross-entropy of the full micro-batch into m->loss; dlogits = grad_scale * dloss/dlogits. */
 static dsk_status tm_loss(tm_model *m, float grad_scale) {
-    return dsk_cross_entropy(m->ctx, &m->loss, &m->dlogits, &m->logits, &m->targets, -1, grad_scale);
+    TM_T(TM_PH_HEAD, dsk_cross_entropy(m->ctx, &m->loss, &m->dlogits, &m->logits, &m->targets, -1, grad_scale));
+    return DSK_OK;
 }
 
 /* ------------------------------------------------------------------ backward */
@@ -563,86 +561,84 @@ static dsk_status tm_zero_grads(tm_model *m) {
 
 /* dx holds d(block output); adds the dense FFN's weight gradients, leaves d(h2) in dh. */
 static dsk_status tm_dense_backward(tm_model *m, tm_block *b) {
-    TM_TRY(tm_mm(m, &m->da, &m->dx, 0, &b->w2->wc, 0, 0.0f));  /* da (N,F) = dy (N,D) W2 (D,F) */
-    TM_TRY(tm_mm(m, &b->w2->g, &m->dx, 1, &b->a, 0, 1.0f));    /* dW2 (D,F) += dy^T a */
-    TM_TRY(tm_ready(m, b->w2));
-    TM_TRY(tm_zero(m, &m->dg));
-    TM_TRY(tm_zero(m, &m->du));
-    TM_TRY(dsk_swiglu_backward(m->ctx, &m->dg, &m->du, &m->da, &b->g, &b->u));
-    TM_TRY(tm_mm(m, &b->w1->g, &m->dg, 1, &b->h2, 0, 1.0f));   /* dW1 (F,D) += dg^T h2 */
-    TM_TRY(tm_mm(m, &b->w3->g, &m->du, 1, &b->h2, 0, 1.0f));
-    TM_TRY(tm_ready(m, b->w1));
-    TM_TRY(tm_ready(m, b->w3));
-    TM_TRY(tm_mm(m, &m->dh, &m->dg, 0, &b->w1->wc, 0, 0.0f));  /* dh2 = dg W1 + du W3 */
-    return tm_mm(m, &m->dh, &m->du, 0, &b->w3->wc, 0, 1.0f);
+    TM_T(TM_PH_FFN, tm_mm(m, &m->da, &m->dx, 0, &b->w2->wc, 0, 0.0f));  /* da (N,F) = dy (N,D) W2 (D,F) */
+    TM_T(TM_PH_FFN, tm_mm(m, &b->w2->g, &m->dx, 1, &b->a, 0, 1.0f));    /* dW2 (D,F) += dy^T a */
+    TM_T(TM_PH_MOVE, tm_ready(m, b->w2));
+    TM_T(TM_PH_MOVE, tm_zero(m, &m->dg));
+    TM_T(TM_PH_MOVE, tm_zero(m, &m->du));
+    TM_T(TM_PH_FFN, dsk_swiglu_backward(m->ctx, &m->dg, &m->du, &m->da, &b->g, &b->u));
+    TM_T(TM_PH_FFN, tm_mm(m, &b->w1->g, &m->dg, 1, &b->h2, 0, 1.0f));   /* dW1 (F,D) += dg^T h2 */
+    TM_T(TM_PH_FFN, tm_mm(m, &b->w3->g, &m->du, 1, &b->h2, 0, 1.0f));
+    TM_T(TM_PH_MOVE, tm_ready(m, b->w1));
+    TM_T(TM_PH_MOVE, tm_ready(m, b->w3));
+    TM_T(TM_PH_FFN, tm_mm(m, &m->dh, &m->dg, 0, &b->w1->wc, 0, 0.0f));  /* dh2 = dg W1 + du W3 */
+    TM_T(TM_PH_FFN, tm_mm(m, &m->dh, &m->du, 0, &b->w3->wc, 0, 1.0f));
+    return DSK_OK;
 }
 
 /* dx holds d(x2); turns it into d(x) and adds the attention weights' gradients. */
 static dsk_status tm_attn_backward(tm_model *m, tm_block *b) {
     const tm_config *c = &m->cfg;
     int nb = c->batch;
-    TM_TRY(tm_mm(m, &b->wo->g, &m->dx, 1, &b->att, 0, 1.0f));  /* dWo += dx2^T att */
-    TM_TRY(tm_ready(m, b->wo));
-    TM_TRY(tm_mm(m, &m->datt, &m->dx, 0, &b->wo->wc, 0, 0.0f));
-    /* per sequence: dP = dO V^T, dV = P^T dO, dS = softmax'(P) dP, dQ = scale dS K, dK = scale dS^T Q */
+    TM_T(TM_PH_LINEAR, tm_mm(m, &b->wo->g, &m->dx, 1, &b->att, 0, 1.0f));  /* dWo += dx2^T att */
+    TM_T(TM_PH_MOVE, tm_ready(m, b->wo));
+    TM_T(TM_PH_LINEAR, tm_mm(m, &m->datt, &m->dx, 0, &b->wo->wc, 0, 0.0f));
+    /* dQ, dK, dV of the causal attention (accumulated: cleared first) */
     float scale = 1.0f / sqrtf((float)(c->d_model / c->n_heads));
-    for (int s = 0; s < nb; s++) {
-        dsk_tensor qs = tm_seq_heads(m, &b->qr, s), ks = tm_seq_heads(m, &b->kr, s), vs = tm_seq_heads(m, &b->v, s);
-        dsk_tensor dos = tm_seq_heads(m, &m->datt, s), dqs = tm_seq_heads(m, &m->dqr, s), dks = tm_seq_heads(m, &m->dkr, s);
-        dsk_tensor dvs = tm_seq_heads(m, &m->dv, s), p;
-        TM_TRY(dsk_tensor_select(&b->probs, s, &p));
-        TM_TRY(dsk_matmul(m->ctx, &m->dp, &dos, 0, &vs, 1, 1.0f, 0.0f));
-        TM_TRY(dsk_matmul(m->ctx, &dvs, &p, 1, &dos, 0, 1.0f, 0.0f));
-        TM_TRY(tm_zero(m, &m->ds));
-        TM_TRY(dsk_softmax_backward(m->ctx, &m->ds, &p, &m->dp));
-        TM_TRY(dsk_matmul(m->ctx, &dqs, &m->ds, 0, &ks, 0, scale, 0.0f));
-        TM_TRY(dsk_matmul(m->ctx, &dks, &m->ds, 1, &qs, 0, scale, 0.0f));
-    }
+    dsk_tensor qr4 = tm_heads(m, &b->qr, nb), kr4 = tm_heads(m, &b->kr, nb), v4 = tm_heads(m, &b->v, nb);
+    dsk_tensor do4 = tm_heads(m, &m->datt, nb), dv4 = tm_heads(m, &m->dv, nb);
+    TM_T(TM_PH_MOVE, tm_zero(m, &m->dqr));
+    TM_T(TM_PH_MOVE, tm_zero(m, &m->dkr));
+    TM_T(TM_PH_MOVE, tm_zero(m, &m->dv));
     dsk_tensor dqr4 = tm_heads(m, &m->dqr, nb), dkr4 = tm_heads(m, &m->dkr, nb);
-    TM_TRY(tm_zero(m, &m->dq));
-    TM_TRY(tm_zero(m, &m->dk));
+    TM_T(TM_PH_ATTN, dsk_attention_backward(m->ctx, &dqr4, &dkr4, &dv4, &do4, &qr4, &kr4, &v4, &b->probs, scale));
+    TM_T(TM_PH_MOVE, tm_zero(m, &m->dq));
+    TM_T(TM_PH_MOVE, tm_zero(m, &m->dk));
     dsk_tensor dq4 = tm_heads(m, &m->dq, nb), dk4 = tm_heads(m, &m->dk, nb);
-    TM_TRY(dsk_rope_backward(m->ctx, &dq4, &dqr4, 0, c->rope_theta));
-    TM_TRY(dsk_rope_backward(m->ctx, &dk4, &dkr4, 0, c->rope_theta));
-    TM_TRY(tm_mm(m, &b->wq->g, &m->dq, 1, &b->h1, 0, 1.0f));   /* dWq (D,D) += dq^T h1 */
-    TM_TRY(tm_mm(m, &b->wk->g, &m->dk, 1, &b->h1, 0, 1.0f));
-    TM_TRY(tm_mm(m, &b->wv->g, &m->dv, 1, &b->h1, 0, 1.0f));
-    TM_TRY(tm_ready(m, b->wq));
-    TM_TRY(tm_ready(m, b->wk));
-    TM_TRY(tm_ready(m, b->wv));
-    TM_TRY(tm_mm(m, &m->dh, &m->dq, 0, &b->wq->wc, 0, 0.0f)); /* dh1 = dq Wq + dk Wk + dv Wv */
-    TM_TRY(tm_mm(m, &m->dh, &m->dk, 0, &b->wk->wc, 0, 1.0f));
-    TM_TRY(tm_mm(m, &m->dh, &m->dv, 0, &b->wv->wc, 0, 1.0f));
-    TM_TRY(dsk_rmsnorm_backward(m->ctx, &m->dx, tm_grad(b->ln1), &m->dh, &b->x, &b->ln1->wc, &b->rstd1));
-    return tm_ready(m, b->ln1);
+    TM_T(TM_PH_ROPE, dsk_rope_backward(m->ctx, &dq4, &dqr4, 0, c->rope_theta));
+    TM_T(TM_PH_ROPE, dsk_rope_backward(m->ctx, &dk4, &dkr4, 0, c->rope_theta));
+    TM_T(TM_PH_LINEAR, tm_mm(m, &b->wq->g, &m->dq, 1, &b->h1, 0, 1.0f));   /* dWq (D,D) += dq^T h1 */
+    TM_T(TM_PH_LINEAR, tm_mm(m, &b->wk->g, &m->dk, 1, &b->h1, 0, 1.0f));
+    TM_T(TM_PH_LINEAR, tm_mm(m, &b->wv->g, &m->dv, 1, &b->h1, 0, 1.0f));
+    TM_T(TM_PH_MOVE, tm_ready(m, b->wq));
+    TM_T(TM_PH_MOVE, tm_ready(m, b->wk));
+    TM_T(TM_PH_MOVE, tm_ready(m, b->wv));
+    TM_T(TM_PH_LINEAR, tm_mm(m, &m->dh, &m->dq, 0, &b->wq->wc, 0, 0.0f)); /* dh1 = dq Wq + dk Wk + dv Wv */
+    TM_T(TM_PH_LINEAR, tm_mm(m, &m->dh, &m->dk, 0, &b->wk->wc, 0, 1.0f));
+    TM_T(TM_PH_LINEAR, tm_mm(m, &m->dh, &m->dv, 0, &b->wv->wc, 0, 1.0f));
+    TM_T(TM_PH_NORM, dsk_rmsnorm_backward(m->ctx, &m->dx, tm_grad(b->ln1), &m->dh, &b->x, &b->ln1->wc, &b->rstd1));
+    TM_T(TM_PH_MOVE, tm_ready(m, b->ln1));
+    return DSK_OK;
 }
 
 /* Backward of the full micro-batch from m->dlogits; gradients accumulate into the slab. The
    residual stream's gradient runs through m->dx, each norm adding its branch to it. */
 static dsk_status tm_backward(tm_model *m) {
     const tm_config *c = &m->cfg;
-    TM_TRY(tm_mm(m, &m->lm_head->g, &m->dlogits, 1, &m->hf, 0, 1.0f)); /* dWlm (V,D) += dlogits^T hf */
-    TM_TRY(tm_ready(m, m->lm_head));
-    TM_TRY(tm_mm(m, &m->dh, &m->dlogits, 0, &m->lm_head->wc, 0, 0.0f)); /* dhf (N,D) = dlogits Wlm */
-    TM_TRY(tm_zero(m, &m->dx));
-    TM_TRY(dsk_rmsnorm_backward(m->ctx, &m->dx, tm_grad(m->ln_f), &m->dh, &m->x_final, &m->ln_f->wc, &m->rstdf));
-    TM_TRY(tm_ready(m, m->ln_f));
+    TM_T(TM_PH_HEAD, tm_mm(m, &m->lm_head->g, &m->dlogits, 1, &m->hf, 0, 1.0f)); /* dWlm (V,D) += dlogits^T hf */
+    TM_T(TM_PH_MOVE, tm_ready(m, m->lm_head));
+    TM_T(TM_PH_HEAD, tm_mm(m, &m->dh, &m->dlogits, 0, &m->lm_head->wc, 0, 0.0f)); /* dhf (N,D) = dlogits Wlm */
+    TM_T(TM_PH_MOVE, tm_zero(m, &m->dx));
+    TM_T(TM_PH_NORM, dsk_rmsnorm_backward(m->ctx, &m->dx, tm_grad(m->ln_f), &m->dh, &m->x_final, &m->ln_f->wc, &m->rstdf));
+    TM_T(TM_PH_MOVE, tm_ready(m, m->ln_f));
     for (int l = c->n_layers - 1; l >= 0; l--) {
         tm_block *b = &m->blocks[l];
-        TM_TRY(l < c->n_dense ? tm_dense_backward(m, b) : tm_moe_backward(m, l));
+        if (l < c->n_dense) TM_TRY(tm_dense_backward(m, b));
+        else TM_T(TM_PH_MOE, tm_moe_backward(m, l));
         for (int i = 0; l >= c->n_dense && i < m->n_params; i++) /* the MoE layer's gradients are final */
-            if (m->params[i].moe_layer == l) TM_TRY(tm_ready(m, &m->params[i]));
-        TM_TRY(dsk_rmsnorm_backward(m->ctx, &m->dx, tm_grad(b->ln2), &m->dh, &b->x2, &b->ln2->wc, &b->rstd2));
-        TM_TRY(tm_ready(m, b->ln2));
+            if (m->params[i].moe_layer == l) TM_T(TM_PH_MOVE, tm_ready(m, &m->params[i]));
+        TM_T(TM_PH_NORM, dsk_rmsnorm_backward(m->ctx, &m->dx, tm_grad(b->ln2), &m->dh, &b->x2, &b->ln2->wc, &b->rstd2));
+        TM_T(TM_PH_MOVE, tm_ready(m, b->ln2));
         TM_TRY(tm_attn_backward(m, b));
     }
     if (m->dx32.data) { /* the table's gradient is f32: accumulate it from an f32 copy of dx */
-        TM_TRY(dsk_tensor_copy(m->ctx, &m->dx32, &m->dx));
-        TM_TRY(dsk_embedding_backward(m->ctx, &m->embed->g, &m->dx32, &m->ids));
+        TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &m->dx32, &m->dx));
+        TM_T(TM_PH_EMBED, dsk_embedding_backward(m->ctx, &m->embed->g, &m->dx32, &m->ids));
     } else {
-        TM_TRY(dsk_embedding_backward(m->ctx, &m->embed->g, &m->dx, &m->ids));
+        TM_T(TM_PH_EMBED, dsk_embedding_backward(m->ctx, &m->embed->g, &m->dx, &m->ids));
     }
-    return tm_ready(m, m->embed);
+    TM_T(TM_PH_MOVE, tm_ready(m, m->embed));
+    return DSK_OK;
 }
 
 #endif /* TRAIN_MODEL_H */

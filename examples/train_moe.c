@@ -39,6 +39,9 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <time.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "train_bind.h"
 #include "train_data.h"
@@ -70,7 +73,7 @@ typedef struct options {
     int threads;
     int cuda_graph;
     /* evaluation and output */
-    int val_interval, val_batches, sample_len, log_every;
+    int val_interval, val_batches, sample_len, log_every, profile;
     char prompt[256];
     double temperature, peak_tflops;
     char *log_path, *metrics_path;
@@ -147,6 +150,7 @@ static const opt_spec OPTS[] = {
     {"--prompt", OPT_STRBUF, O_(prompt), sizeof(((options *)0)->prompt), "prompt of the final sample"},
     {"--temperature", OPT_DOUBLE, O_(temperature), 0, "sampling temperature (0 = greedy)"},
     {"--log-every", OPT_INT, O_(log_every), 0, "print every n-th step"},
+    {"--profile", OPT_FLAG, O_(profile), 0, "time each phase of the step; print the breakdown at the end"},
     {"--log", OPT_STR, O_(log_path), 0, "FILE: JSON lines, one per step and validation"},
     {"--metrics", OPT_STR, O_(metrics_path), 0, "FILE: Prometheus text file (node_exporter), rewritten every step; rank r > 0: FILE.rank<r>"},
     {"--metrics-port", OPT_INT, O_(metrics_port), 0, "serve http://ADDR:PORT/metrics (PORT + local rank on each rank; 0 = off)"},
@@ -334,6 +338,8 @@ typedef struct trainer {
     double peak_flops, flops_per_token;
     double t_start, train_seconds;
     int64_t steps_timed;
+    double prof_data, prof_opt, prof_step; /* --profile: seconds of data loading, optimizer, whole steps */
+    int64_t prof_steps;
     float last_val;
     /* metrics (--metrics, --metrics-port) */
     int metrics_on;
@@ -459,6 +465,9 @@ static void setup_device(trainer *t) {
     co.cuda_index = t->have_comm ? t->comm.local_rank : 0;
     if (o->threads < 0) fail(t, "--threads %d: must be >= 0", o->threads);
     co.n_threads = o->threads ? o->threads : t->bind_cpus; /* OpenMP counted the CPUs before --bind */
+#ifdef _OPENMP
+    if (co.n_threads > 0) omp_set_num_threads(co.n_threads); /* the parallel loops that take no ctx follow OpenMP's default */
+#endif
     CHECK(dsk_ctx_init(&t->ctx, &co));
 }
 
@@ -668,7 +677,7 @@ static double measure_cpu_peak(const trainer *t) {
 /* ---- one training step */
 
 typedef struct step_info {
-    double loss, aux_loss, norm, lr, ms, tokens_per_s, mfu, comm_share, load_ratio;
+    double loss, aux_loss, norm, lr, ms, cpu_ms, tokens_per_s, mfu, comm_share, load_ratio;
     double data_ms;           /* waiting for the loader (set by the caller of train_step) */
     double sync_ms;           /* waiting for the gradient all-reduces after backward */
     float scale;
@@ -765,17 +774,27 @@ static dsk_status micro_batch(trainer *t, float gscale) {
     return dsk_graph_launch(&t->ctx, &t->graph);
 }
 
+/* CPU seconds of this process, every thread (wall time on a shared machine also counts the
+   time other programs hold the cores). */
+static double cpu_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 static dsk_status train_step(trainer *t, step_info *si) {
     const options *o = t->o;
     tm_model *m = &t->model;
-    double t0 = now_s(), comm0 = comm_seconds(t);
+    double t0 = now_s(), c0 = cpu_s(), comm0 = comm_seconds(t);
     float scale, loss;
     TM_TRY(dsk_amp_scale_get(&t->scaler, &t->ctx, &scale));
     m->aux_scale = scale / (float)o->accum;
     TM_TRY(tm_zero_grads(&t->model));
     memset(si, 0, sizeof *si);
     for (int a = 0; a < o->accum; a++) {
+        double td = now_s();
         TM_TRY(load_train_batch(t));
+        t->prof_data += now_s() - td;
         if (t->have_buckets) TM_TRY(dsk_comm_buckets_begin(&t->buckets, a == o->accum - 1));
         if (t->have_ebuckets) TM_TRY(dsk_comm_buckets_begin(&t->ebuckets, a == o->accum - 1));
         TM_TRY(micro_batch(t, scale / (float)o->accum));
@@ -784,6 +803,7 @@ static dsk_status train_step(trainer *t, step_info *si) {
     }
     double sync0 = now_s();
     TM_TRY(finish_grads(t));
+    double t_opt = now_s();
     si->sync_ms = 1e3 * (now_s() - sync0);
     float l2[1] = {(float)si->loss};
     TM_TRY(allreduce_host(t, &t->comm, l2, 1, DSK_F32, DSK_COMM_AVG));
@@ -817,11 +837,15 @@ static dsk_status train_step(trainer *t, step_info *si) {
         si->dropped += st->dropped;
         if (st->mean_load > 0 && st->max_load / st->mean_load > si->load_ratio) si->load_ratio = st->max_load / st->mean_load;
     }
+    t->prof_opt += now_s() - t_opt;
     t->step++;
     si->skipped = dec.skip;
     si->norm = dec.norm;
     si->scale = scale;
     si->ms = 1e3 * (now_s() - t0);
+    si->cpu_ms = 1e3 * (cpu_s() - c0);
+    t->prof_step += si->ms * 1e-3;
+    t->prof_steps++;
     si->tokens_per_s = (double)o->batch * o->accum * o->seq / (si->ms * 1e-3);
     si->mfu = t->peak_flops > 0 ? si->tokens_per_s * t->flops_per_token / t->peak_flops : 0;
     si->comm_share = (comm_seconds(t) - comm0) / (si->ms * 1e-3);
@@ -1140,10 +1164,10 @@ static void log_step(trainer *t, const step_info *si) {
         char loss[32], norm[32];
         fprintf(t->log,
                 "{\"type\":\"step\",\"step\":%lld,\"loss\":%s,\"aux_loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%s,\"loss_scale\":%.9g,"
-                "\"ms\":%.3f,\"data_wait_ms\":%.3f,\"grad_sync_ms\":%.3f,\"tokens_per_s\":%.1f,\"mfu\":%.6f,"
+                "\"ms\":%.3f,\"cpu_ms\":%.3f,\"data_wait_ms\":%.3f,\"grad_sync_ms\":%.3f,\"tokens_per_s\":%.1f,\"mfu\":%.6f,"
                 "\"comm_share\":%.6f,\"load_max_mean\":%.6f,\"dropped\":%lld,\"skipped\":%d,\"eta_s\":%.1f}\n",
                 (long long)t->step, json_num(loss, si->loss), si->aux_loss, si->lr, json_num(norm, si->norm), (double)si->scale, si->ms,
-                si->data_ms, si->sync_ms, si->tokens_per_s, si->mfu, si->comm_share, si->load_ratio, (long long)si->dropped,
+                si->cpu_ms, si->data_ms, si->sync_ms, si->tokens_per_s, si->mfu, si->comm_share, si->load_ratio, (long long)si->dropped,
                 si->skipped, eta);
     }
     if (t->log) fflush(t->log);
@@ -1290,6 +1314,37 @@ static void banner(trainer *t) {
     say(t, "batch %d x %d tokens x %d accum, %d steps, lr %g (warm-up %d, cosine to %g), clip %g, peak %.1f GFLOP/s (%s)\n",
         o->batch, o->seq, o->accum, o->steps, o->lr, o->warmup, o->min_lr, o->clip, t->peak_flops / 1e9,
         o->peak_tflops > 0 ? "given" : t->ctx.device.type == DSK_DEV_CUDA ? "H100/H200 bf16 datasheet" : "measured CPU GEMM");
+    if (t->ctx.device.type == DSK_DEV_CPU) {
+        char isa[64];
+        say(t, "cpu gemm: %s, %d thread%s per rank, OpenMP spin %s\n", dsk_cpu_gemm_describe(t->ctx.cpu_isa, isa, sizeof isa),
+            t->ctx.n_threads, t->ctx.n_threads > 1 ? "s" : "", getenv("GOMP_SPINCOUNT") ? getenv("GOMP_SPINCOUNT") : "default");
+    }
+}
+
+/* --profile: clears the phase times (after the warm-up steps) and prints their means. */
+static void profile_clear(trainer *t) {
+    memset(t->model.phase_s, 0, sizeof t->model.phase_s);
+    t->prof_data = t->prof_opt = t->prof_step = 0;
+    t->prof_steps = 0;
+}
+
+static void profile_report(const trainer *t) {
+    const tm_model *m = &t->model;
+    double n = (double)(t->prof_steps > 0 ? t->prof_steps : 1), step = t->prof_step / n * 1e3, known = 0;
+    char isa[64];
+    if (t->prof_steps == 0) return;
+    say(t, "profile: %lld steps after the warm-up, %.1f ms/step, %d thread%s, cpu gemm: %s\n", (long long)t->prof_steps, step,
+        t->ctx.n_threads, t->ctx.n_threads > 1 ? "s" : "", dsk_cpu_gemm_describe(t->ctx.cpu_isa, isa, sizeof isa));
+    for (int p = 0; p < TM_PH_COUNT; p++) {
+        double ms = m->phase_s[p] / n * 1e3;
+        known += ms;
+        say(t, "  %-52s %7.2f ms  %5.1f%%\n", tm_phase_names[p], ms, 100 * ms / step);
+    }
+    say(t, "  %-52s %7.2f ms  %5.1f%%\n", "data (batch loading)", t->prof_data / n * 1e3, 100 * t->prof_data / n * 1e3 / step);
+    say(t, "  %-52s %7.2f ms  %5.1f%%\n", "optimizer (reduce, unscale, clip, AdamW, bias)", t->prof_opt / n * 1e3,
+        100 * t->prof_opt / n * 1e3 / step);
+    known += (t->prof_data + t->prof_opt) / n * 1e3;
+    say(t, "  %-52s %7.2f ms  %5.1f%%\n", "other (zero grads, loss read, step bookkeeping)", step - known, 100 * (step - known) / step);
 }
 
 /* ---- gradient check */
@@ -1360,6 +1415,17 @@ static int grad_check(trainer *t) {
 }
 
 /* ---- launcher and main */
+
+/* OpenMP threads that spin for a while at every join hold a core the other threads of a busy
+   machine need: with 2 threads on 2 shared cores a step took 5x longer under load (bench/RESULTS.md,
+   Training). Unless the user chose a wait policy, re-run this program once with a short spin
+   (libgomp) and block time (LLVM's libomp); the runtimes read these only at start-up. */
+static void short_omp_spin(char **argv) {
+    if (getenv("OMP_WAIT_POLICY") || getenv("GOMP_SPINCOUNT") || getenv("KMP_BLOCKTIME")) return;
+    setenv("GOMP_SPINCOUNT", "1000", 1);
+    setenv("KMP_BLOCKTIME", "1", 1);
+    execv("/proc/self/exe", argv); /* returns only on failure: then run on as we are */
+}
 
 /* --nproc N: re-runs this binary N times through dsk_comm's local launcher (restarting the
    job after a failure up to --max-restarts times). */
@@ -1455,6 +1521,7 @@ int main(int argc, char **argv) {
     int rc = parse_args(&o, argc, argv);
     if (rc) return rc;
     if (o.help) { usage(stdout); return 0; }
+    short_omp_spin(argv);
     if (o.nproc < 0) { fprintf(stderr, "train_moe: --nproc %d: must be >= 1\n", o.nproc); return 2; }
     if (o.max_restarts < 0) { fprintf(stderr, "train_moe: --max-restarts %d: must be >= 0\n", o.max_restarts); return 2; }
     if ((o.nproc > 1 || o.max_restarts > 0) && !getenv("RANK")) return launch_local(&o, argc, argv);
@@ -1476,6 +1543,9 @@ int main(int argc, char **argv) {
         fail(t, "--cuda-graph needs one rank on a GPU (this run: %d ranks on %s): the gradient buckets of several "
                 "ranks synchronise through host-side events that a graph cannot hold", t->world,
              t->ctx.device.type == DSK_DEV_CUDA ? "GPUs" : "the CPU");
+    if (o.cuda_graph && o.profile)
+        fail(t, "--cuda-graph and --profile exclude each other: --profile synchronises the device after each op, "
+                "which a graph capture cannot hold");
     setup_metrics(t);
     t->flops_per_token = flops_per_token(t);
     t->peak_flops = o.peak_tflops > 0 ? o.peak_tflops * 1e12 : t->ctx.device.type == DSK_DEV_CUDA ? 989e12 : measure_cpu_peak(t);
@@ -1498,15 +1568,19 @@ int main(int argc, char **argv) {
     t->t_start = now_s();
     int64_t last_saved = t->step;
     int stop_sig = 0;
+    t->model.profile = o.profile;
     while (t->step < o.steps && !(o.stop_at > 0 && t->step >= o.stop_at)) {
         step_info si;
         double waited = t->data_wait_s;
+        if (o.profile && t->step == (o.steps >= 20 ? 10 : o.steps / 2)) profile_clear(t); /* warm-up done */
         CHECK(train_step(t, &si));
         si.data_ms = 1e3 * (t->data_wait_s - waited);
         log_step(t, &si);
         if (t->step % o.val_interval == 0 || t->step == o.steps) {
             float v;
+            t->model.profile = 0; /* --profile times training steps only */
             CHECK(validate(t, &v));
+            t->model.profile = o.profile;
             log_val(t, v);
         }
         if (t->have_ck && o.ckpt_every > 0 && t->step % o.ckpt_every == 0) {
@@ -1539,6 +1613,7 @@ int main(int argc, char **argv) {
         return 0;
     }
     double wall = now_s() - t->t_start;
+    if (o.profile) profile_report(t);
     if (t->step == o.steps) CHECK(generate(t));
     say(t, "done: %lld steps in %.1f s (%.0f tokens/s, %.2f%% of step time waiting for data), final validation loss %.4f\n",
         (long long)t->step, wall, t->steps_timed ? (double)o.batch * o.accum * o.seq * t->steps_timed / t->train_seconds : 0.0,

@@ -9,7 +9,8 @@
    DSK_ERR_UNSUPPORTED (sizes beyond a grid or cuBLAS limit), DSK_ERR_CUDA (a failed CUDA or
    cuBLAS call; every call is checked, and cudaGetLastError() follows every launch).
    kernels/dsk_cuda.cuh holds what the .cu files share to do so.
-   Contents: runtime (tensor.cu), tensor ops (tensor.cu), amp (amp.cu), grouped rows (grouped.cu), moe (moe.cu). */
+   Contents: runtime (tensor.cu), tensor ops (tensor.cu), amp (amp.cu), grouped rows (grouped.cu), moe (moe.cu),
+   par (par.cu). */
 #ifndef DSK_KERNELS_H
 #define DSK_KERNELS_H
 #include "../dsk_tensor.h"
@@ -142,6 +143,19 @@ dsk_status dsk_cuda_moe_uncombine(dsk_ctx *ctx, int K, int64_t T, int64_t D, flo
                                   const void *rows, dsk_dtype rdt);
 /* dsk__moe_bias_update (one thread), then load (E) zeroed. */
 dsk_status dsk_cuda_moe_bias_update(dsk_ctx *ctx, int E, float rate, int recenter, int64_t *load, float *bias);
+
+/* ---- par (kernels/par.cu): dsk_par_cross_entropy's passes on logits (R, Vl), columns
+   [lo, lo + Vl) of the full vocabulary, around its two all-reduces. */
+/* mx (R) f32 = row max over this rank's columns; *count (device i64) = targets != ignore_index. */
+dsk_status dsk_cuda_par_ce_max(dsk_ctx *ctx, float *mx, int64_t *count, const dsk_tensor *logits,
+                               const dsk_tensor *targets, int32_t ignore_index);
+/* acc (2R) f64: per row the sum of exp(x - mx) and the target's logit if this rank holds it (0 if not, or ignored). */
+dsk_status dsk_cuda_par_ce_sums(dsk_ctx *ctx, double *acc, const float *mx, const dsk_tensor *logits,
+                                const dsk_tensor *targets, int64_t lo, int32_t ignore_index);
+/* From the all-reduced mx and acc: loss (device scalar f32) and dlogits (or NULL) as dsk_par_cross_entropy. */
+dsk_status dsk_cuda_par_ce_finish(dsk_ctx *ctx, dsk_tensor *loss, dsk_tensor *dlogits, const float *mx, const double *acc,
+                                  const int64_t *count, const dsk_tensor *logits, const dsk_tensor *targets, int64_t lo,
+                                  int32_t ignore_index, float grad_scale);
 
 #ifdef __cplusplus
 }

@@ -23,9 +23,9 @@ for h in dsk_*.h; do
     check "$h alone, DSK_CUDA ($std)" $lang -DDSK_CUDA -I"$cuda_inc" <<<"$src"
   done
 done
-# All five implementations in one translation unit, compiled for real: warnings that only
+# All six implementations in one translation unit, compiled for real: warnings that only
 # optimisation finds (maybe-uninitialized, format-truncation) must not break an embedder's -Werror.
-all_src=$(printf '#define %s_IMPLEMENTATION\n' DSK_TENSOR DSK_COMM DSK_MOE DSK_AMP DSK_CKPT; printf '#include "%s"\n' dsk_*.h)
+all_src=$(printf '#define %s_IMPLEMENTATION\n' DSK_TENSOR DSK_COMM DSK_MOE DSK_AMP DSK_CKPT DSK_PAR; printf '#include "%s"\n' dsk_*.h)
 compile() { # label, compiler..., reads the source from stdin
   local label=$1; shift
   local out

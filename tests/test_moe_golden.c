@@ -3,8 +3,9 @@
    tests/golden/gen_moe_golden.c from dsk_moe.h of commit 7a9d942) over 12 configurations:
    routing modes, group rules, loss rules, capacity by weight and by position, shared experts,
    bf16, expert parallelism over 2 and 4 ranks; two calls each (gradients accumulating, T
-   changing), then the bias update. Built without -march (see the Makefile) so the CPU GEMM
-   uses its portable micro-kernel, whose bits the golden file holds on any machine. */
+   changing), then the bias update. The layer runs on a context with cpu_isa =
+   DSK_CPU_ISA_PORTABLE, the GEMM micro-kernel the generator used: its bits are the same on any
+   x86-64 (AVX2 or AVX-512 would change them; see tests/golden/gen_moe_golden.c). */
 #define DSK_TENSOR_IMPLEMENTATION
 #define DSK_COMM_IMPLEMENTATION
 #define DSK_MOE_IMPLEMENTATION
@@ -27,12 +28,18 @@ static int run_rank(const golden_case *c, int rank, dsk_comm *ep, FILE *f) {
     dsk_moe_opts o = golden_opts(c);
     dsk_tensor values, grads;
     int64_t vb, gd, gs;
+    dsk_ctx ctx;
+    dsk_ctx_opts co;
+    memset(&co, 0, sizeof co);
+    co.device = DSK_PREFER_CPU;
+    co.cpu_isa = DSK_CPU_ISA_PORTABLE; /* the generator's micro-kernel */
+    if (dsk_ctx_init(&ctx, &co) != DSK_OK) return fail_msg(f, "ctx");
     o.ep = ep;
-    if (dsk_moe_init(&m, NULL, &o) != DSK_OK) return fail_msg(f, "init");
+    if (dsk_moe_init(&m, &ctx, &o) != DSK_OK) return fail_msg(f, "init");
     dsk_moe_slab_sizes(&m, &vb, &gd, &gs);
     gs += gd;
     if (dsk_tensor_alloc(NULL, &values, DSK_U8, 1, &vb) != DSK_OK || dsk_tensor_alloc(NULL, &grads, DSK_F32, 1, &gs) != DSK_OK ||
-        dsk_moe_bind_slabs(&m, NULL, &values, &grads) != DSK_OK || dsk_tensor_fill(NULL, &grads, 0.0) != DSK_OK)
+        dsk_moe_bind_slabs(&m, &ctx, &values, &grads) != DSK_OK || dsk_tensor_fill(NULL, &grads, 0.0) != DSK_OK)
         return fail_msg(f, "bind");
     for (int i = 0; i < m.n_params; i++) {
         dsk_moe_param *p = &m.params[i];
@@ -56,12 +63,12 @@ static int run_rank(const golden_case *c, int rank, dsk_comm *ep, FILE *f) {
         golden_input(c, call, rank, "dy", dy.data);
         dsk_tensor_fill(NULL, &dx, 0.0);
         dsk_tensor_fill(NULL, &y, NAN);
-        if (dsk_moe_forward(&m, NULL, &y, &x, &st) != DSK_OK) return fail_msg(f, "forward");
+        if (dsk_moe_forward(&m, &ctx, &y, &x, &st) != DSK_OK) return fail_msg(f, "forward");
         snprintf(w, sizeof w, "call%d.y", call);
         golden_emit(f, c, rank, w, y.data, c->dtype, (int64_t)T * c->D);
         snprintf(w, sizeof w, "call%d.stats", call);
         golden_emit_stats(f, c, rank, w, &st);
-        if (dsk_moe_backward(&m, NULL, &dx, &dy, 0.75f) != DSK_OK) return fail_msg(f, "backward");
+        if (dsk_moe_backward(&m, &ctx, &dx, &dy, 0.75f) != DSK_OK) return fail_msg(f, "backward");
         snprintf(w, sizeof w, "call%d.dx", call);
         golden_emit(f, c, rank, w, dx.data, c->dtype, (int64_t)T * c->D);
         for (int i = 0; i < m.n_params; i++) {
@@ -72,11 +79,12 @@ static int run_rank(const golden_case *c, int rank, dsk_comm *ep, FILE *f) {
         }
         dsk_tensor_free(NULL, &x); dsk_tensor_free(NULL, &y); dsk_tensor_free(NULL, &dx); dsk_tensor_free(NULL, &dy);
     }
-    if (dsk_moe_update_bias(&m, NULL, ep) != DSK_OK) return fail_msg(f, "update_bias");
+    if (dsk_moe_update_bias(&m, &ctx, ep) != DSK_OK) return fail_msg(f, "update_bias");
     golden_emit(f, c, rank, "bias", m.bias->value.data, DSK_F32, c->E);
-    dsk_moe_free(&m, NULL);
+    dsk_moe_free(&m, &ctx);
     dsk_tensor_free(NULL, &values);
     dsk_tensor_free(NULL, &grads);
+    dsk_ctx_free(&ctx);
     return 0;
 }
 

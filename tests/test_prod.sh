@@ -175,10 +175,13 @@ run prefetch_bad "${DATA[@]}" --prefetch -1
 if [ "$(rc prefetch_bad)" -eq 1 ] && grep -q -- '--prefetch -1: must be >= 0' "$work/prefetch_bad.out"; then ok "--prefetch -1 fails cleanly"
 else bad "--prefetch -1 fails cleanly" "exit $(rc prefetch_bad)" "$(tail -2 "$work/prefetch_bad.out")"; fi
 
-# ---- 2. pre-emption. One rank, 60 steps: SIGUSR1 after step 6 saves and goes on, SIGTERM 8 steps
-#         later (the run is frozen by SIGSTOP while it is sent, so it cannot finish first) stops
-#         after that step with a checkpoint and exit 0; --resume auto continues bitwise.
-PRE=("${TINY[@]}" --corpus-mb 0.3 --batch 8 --steps 60)
+# ---- 2. pre-emption. One rank: SIGUSR1 after step 6 saves and goes on, SIGTERM 8 steps later
+#         (the run is frozen by SIGSTOP while it is sent) stops after that step with a checkpoint
+#         and exit 0; --resume auto continues bitwise. A tiny step takes a few ms, so the signalled
+#         runs are scheduled for 3000 steps (they cannot end before the signals land however slow
+#         the test's polling is under load), and the reference runs stop at step 200 (--stop-at).
+PRE=("${TINY[@]}" --corpus-mb 0.3 --batch 8 --steps 3000)
+REF_STEPS=200
 field() { # LOG FIELD [TYPE]: "step value" lines of a JSONL log
     $PY - "$1" "$2" "${3:-step}" <<'EOF'
 import json, sys
@@ -209,7 +212,7 @@ start_bg() { # NAME ARGS...: starts the trainer in the background (not under tim
 last_step() { $PY -c "import json,sys; print([r['step'] for r in map(json.loads, open(sys.argv[1])) if r['type']=='step'][-1])" "$1"; }
 complete() { [ -f "$1/$(printf 'step_%08d' "$2")/manifest.json" ]; }
 
-run straight "${PRE[@]}" --log "$work/straight.jsonl"
+run straight "${PRE[@]}" --stop-at $REF_STEPS --log "$work/straight.jsonl"
 start_bg pre "${PRE[@]}" --ckpt-dir "$work/ck_pre" --log "$work/pre.jsonl"
 usr1_step=none term_step=none
 if wait_for "$work/pre.jsonl" '"step":6,' $pid; then
@@ -225,17 +228,17 @@ wait $pid
 pre_rc=$?
 [ -s "$work/pre.jsonl" ] && term_step=$(last_step "$work/pre.jsonl")
 what="SIGUSR1 saves (step $usr1_step) and goes on; SIGTERM stops after the step (step $term_step), saves it, exits 0"
-if [ $pre_rc -eq 0 ] && [ "$usr1_step" != none ] && [ "$term_step" != none ] && [ "$term_step" -lt 60 ] &&
+if [ $pre_rc -eq 0 ] && [ "$usr1_step" != none ] && [ "$term_step" != none ] && [ "$term_step" -lt $REF_STEPS ] &&
    grep -qE "^pre-empted: SIGTERM, stopped after step $term_step, checkpoint of step $term_step saved in .*; exiting with status 0, [0-9.]+ s after the signal" "$work/pre.out" &&
    complete "$work/ck_pre" "$usr1_step" && complete "$work/ck_pre" "$term_step"; then
     ok "$what ($(grep -oE '[0-9.]+ s after the signal' "$work/pre.out"))"
 else
     bad "$what" "exit $pre_rc" "$(grep -E 'SIGUSR1|pre-empted|rank' "$work/pre.out" | head -3)" "$(ls "$work/ck_pre" 2>&1 | tr '\n' ' ')"
 fi
-run pre_resumed "${PRE[@]}" --ckpt-dir "$work/ck_pre" --resume auto --log "$work/pre.jsonl"
-what="--resume auto after the SIGTERM: steps 1-60 bitwise equal to an uninterrupted run (loss, norm, validation)"
+run pre_resumed "${PRE[@]}" --stop-at $REF_STEPS --ckpt-dir "$work/ck_pre" --resume auto --log "$work/pre.jsonl"
+what="--resume auto after the SIGTERM: steps 1-$REF_STEPS bitwise equal to an uninterrupted run (loss, norm, validation)"
 if [ "$(rc straight)" -eq 0 ] && [ "$(rc pre_resumed)" -eq 0 ] && grep -q "^resume: step $term_step " "$work/pre_resumed.out" &&
-   [ "$(trace "$work/straight.jsonl")" = "$(trace "$work/pre.jsonl")" ] && [ "$(field "$work/pre.jsonl" loss | wc -l)" -eq 60 ]; then
+   [ "$(trace "$work/straight.jsonl")" = "$(trace "$work/pre.jsonl")" ] && [ "$(field "$work/pre.jsonl" loss | wc -l)" -eq $REF_STEPS ]; then
     ok "$what"
 else
     bad "$what" "exit $(rc straight)/$(rc pre_resumed)" "$(diff <(trace "$work/straight.jsonl") <(trace "$work/pre.jsonl") | head -4)"
@@ -259,7 +262,7 @@ wait $pid
 pre2_rc=$?
 s2=$( [ -s "$work/pre2.jsonl" ] && last_step "$work/pre2.jsonl")
 what="2 ranks, SIGTERM to rank 1 alone: both stop after step ${s2:-?} with its checkpoint, exit 0"
-if [ $pre2_rc -eq 0 ] && [ -n "$s2" ] && [ "$s2" -lt 60 ] && complete "$work/ck_pre2" "$s2" &&
+if [ $pre2_rc -eq 0 ] && [ -n "$s2" ] && [ "$s2" -lt 3000 ] && complete "$work/ck_pre2" "$s2" &&
    grep -q "^\[rank 0\] pre-empted: SIGTERM, stopped after step $s2, checkpoint of step $s2 saved" "$work/pre2.out"; then
     ok "$what"
 else
@@ -333,13 +336,13 @@ if [ "$(rc norestart)" -eq 2 ] && grep -q -- '--max-restarts -1: must be >= 0' "
 else bad "--max-restarts -1 fails cleanly" "exit $(rc norestart)" "$(tail -2 "$work/norestart.out")"; fi
 
 # SIGTERM to the launcher: it forwards it to the ranks, they stop together and save; no restart.
-start_bg fwd "${KILL[@]}" --nproc 2 --max-restarts 1 --ckpt-dir "$work/ck_fwd" --log "$work/fwd.jsonl"
+start_bg fwd "${KILL[@]}" --steps 3000 --nproc 2 --max-restarts 1 --ckpt-dir "$work/ck_fwd" --log "$work/fwd.jsonl"
 if wait_for "$work/fwd.jsonl" '"step":5,' $pid; then kill -STOP $pid; kill -TERM $pid; kill -CONT $pid; fi
 wait $pid
 fwd_rc=$?
 s3=$( [ -s "$work/fwd.jsonl" ] && last_step "$work/fwd.jsonl")
 what="SIGTERM to the --nproc launcher reaches the ranks: they stop after step ${s3:-?} with its checkpoint, exit 0, no restart"
-if [ $fwd_rc -eq 0 ] && [ -n "$s3" ] && [ "$s3" -lt 50 ] && complete "$work/ck_fwd" "$s3" && ! grep -q 'restart' "$work/fwd.out" &&
+if [ $fwd_rc -eq 0 ] && [ -n "$s3" ] && [ "$s3" -lt 3000 ] && complete "$work/ck_fwd" "$s3" && ! grep -q 'restart' "$work/fwd.out" &&
    grep -q "^\[rank 0\] pre-empted: SIGTERM, stopped after step $s3" "$work/fwd.out"; then
     ok "$what"
 else

@@ -29,6 +29,11 @@ static void tt_release(void) {
     while (tt_nptrs) free(tt_ptrs[--tt_nptrs]);
 }
 #define TT_CASE(...) (tt_release(), dsk_test_begin(__VA_ARGS__))
+
+/* The CPU kernels under test: the ops' context (NULL: the best this CPU has) and its ISA. The
+   op tests run once per instruction set this CPU has (main). */
+static dsk_ctx *tt_cx;
+static dsk_cpu_isa tt_isa;
 #define SH(...) ((const int64_t[]){__VA_ARGS__})
 
 static int64_t tt_offset(const dsk_tensor *t, int64_t lin) {
@@ -620,6 +625,7 @@ static int tt_matmul_run(const tt_mm *c, int n_threads) {
     memset(&o, 0, sizeof o);
     o.device = DSK_PREFER_CPU;
     o.n_threads = n_threads;
+    o.cpu_isa = tt_isa;
     dsk_ctx_init(&ctx, &o);
     if (c->beta == 0.0f)
         for (int64_t i = 0; i < dsk_tensor_numel(C); i++) tt_set(C, i, NAN);
@@ -683,10 +689,10 @@ static void test_matmul_k0_and_alpha0(void) {
     dsk_tensor *A2 = tt_rand(DSK_F32, 2, SH(4, 5), -1, 1), *B2 = tt_rand(DSK_F32, 2, SH(5, 3), -1, 1);
     double *c0 = tt_vals(C), *want = tt_zeros(12);
     for (int i = 0; i < 12; i++) want[i] = 0.5 * c0[i];
-    DSK_TEST_OK(dsk_matmul(NULL, C, A, 0, B, 0, 1.0f, 0.5f));
+    DSK_TEST_OK(dsk_matmul(tt_cx, C, A, 0, B, 0, 1.0f, 0.5f));
     TT_CHECK(C, want, 1e-7, 0, "K = 0 scales C by beta");
     for (int i = 0; i < 12; i++) { tt_set(C, i, NAN); want[i] = 0; }
-    DSK_TEST_OK(dsk_matmul(NULL, C, A2, 0, B2, 0, 0.0f, 0.0f));
+    DSK_TEST_OK(dsk_matmul(tt_cx, C, A2, 0, B2, 0, 0.0f, 0.0f));
     TT_CHECK(C, want, 0, 0, "alpha = beta = 0 writes zeros over NaN");
 }
 
@@ -724,6 +730,219 @@ static void test_sgemm_raw(void) {
     DSK_TEST_CLOSE(got, want, M * ldc, 1e-5, 1e-5, "sgemm trans/trans with leading dims");
 }
 
+/* Every CPU GEMM path of the ISA under test against float64: the direct nest (f32, N <= 512)
+   with K across its 512-deep slices, the packed nest (N > 512), short edge tiles (M, N of 1, 7,
+   129), all four transpositions, alpha/beta and padded (strided) operands. */
+static void test_gemm_paths(void) {
+    static const int64_t ms[3] = {1, 7, 129}, ns[4] = {1, 7, 33, 600}, ks[4] = {1, 7, 129, 700};
+    int i = 0;
+    for (int a = 0; a < 3; a++)
+        for (int b = 0; b < 4; b++)
+            for (int k = 0; k < 4; k++, i++) {
+                int t = i % 4;
+                tt_mm c = {ms[a], ns[b], ks[k], 1, t >> 1, t & 1, 0, 0, i % 3 == 0, DSK_F32, DSK_F32, i % 5 ? 1.0f : -0.5f,
+                           i % 7 == 0 ? 0.5f : 0.0f};
+                if ((double)c.M * c.N * c.K > 2e7) c.K = 129;
+                if (!tt_matmul_run(&c, 1 + i % 3)) return;
+            }
+}
+
+/* The same bits for 1, 2 and 3 threads on the ISA under test, in the direct and the packed nest. */
+static void test_gemm_threads(void) {
+    static const int64_t shapes[2][3] = {{157, 301, 530}, {157, 700, 300}};
+    for (int s = 0; s < 2; s++) {
+        int64_t M = shapes[s][0], N = shapes[s][1], K = shapes[s][2];
+        dsk_tensor *A = tt_rand(DSK_F32, 2, SH(M, K), -1, 1), *B = tt_rand(DSK_F32, 2, SH(N, K), -1, 1), *C[3];
+        for (int t = 0; t < 3; t++) {
+            dsk_ctx ctx;
+            dsk_ctx_opts o;
+            memset(&o, 0, sizeof o);
+            o.device = DSK_PREFER_CPU;
+            o.n_threads = t + 1;
+            o.cpu_isa = tt_isa;
+            DSK_TEST_OK(dsk_ctx_init(&ctx, &o));
+            C[t] = tt_poisoned(DSK_F32, 2, SH(M, N));
+            DSK_TEST_OK(dsk_matmul(&ctx, C[t], A, 0, B, 1, 1.0f, 0.0f));
+            dsk_ctx_free(&ctx);
+        }
+        DSK_TEST_SAME_BYTES(C[0]->data, C[1]->data, (size_t)(M * N) * 4, "1 vs 2 threads");
+        DSK_TEST_SAME_BYTES(C[0]->data, C[2]->data, (size_t)(M * N) * 4, "1 vs 3 threads");
+    }
+}
+
+/* A batch of small products (each below the one-product team threshold) runs as one parallel
+   region over the batch: against float64, and the same bits for 1, 2 and 3 threads. */
+static void test_matmul_batched_small(void) {
+    tt_mm c = {64, 48, 80, 24, 0, 1, 1, 1, 1, DSK_F32, DSK_F32, 0.5f, 0.25f}; /* 24 x 246k multiply-adds */
+    dsk_tensor *A = tt_rand(DSK_F32, 3, SH(24, 64, 80), -1, 1), *B = tt_rand(DSK_F32, 2, SH(80, 48), -1, 1), *C[3];
+    if (!tt_matmul_run(&c, 2)) return;
+    for (int t = 0; t < 3; t++) {
+        dsk_ctx ctx;
+        dsk_ctx_opts o;
+        memset(&o, 0, sizeof o);
+        o.device = DSK_PREFER_CPU;
+        o.n_threads = t + 1;
+        o.cpu_isa = tt_isa;
+        DSK_TEST_OK(dsk_ctx_init(&ctx, &o));
+        C[t] = tt_poisoned(DSK_F32, 3, SH(24, 64, 48));
+        DSK_TEST_OK(dsk_matmul(&ctx, C[t], A, 0, B, 0, 1.0f, 0.0f));
+        dsk_ctx_free(&ctx);
+    }
+    DSK_TEST_SAME_BYTES(C[0]->data, C[1]->data, dsk_tensor_nbytes(C[0]), "batch of 24 small products, 1 vs 2 threads");
+    DSK_TEST_SAME_BYTES(C[0]->data, C[2]->data, dsk_tensor_nbytes(C[0]), "batch of 24 small products, 1 vs 3 threads");
+}
+
+/* dsk_exp_f against exp in float64: within 2 ulp for normal results, 1 subnormal step below;
+   NaN, infinities, overflow and underflow; dsk_sigmoid_f alike. */
+static void test_exp(void) {
+    int64_t bad = 0, worst_i = -1;
+    double worst = 0;
+    static const float special[8] = {0.0f, -0.0f, 88.72f, 88.73f, -87.4f, -103.9f, -104.5f, 1e-30f};
+    for (int64_t i = 0; i <= 400000; i++) {
+        float x = i < 8 ? special[i] : (float)(-105.0 + 195.0 * (double)i / 400000.0 + dsk_test_rand(0, 1e-4));
+        double want = exp((double)x), got = dsk_exp_f(x), err;
+        if (want > 3.4028234663852886e38) err = isinf(got) ? 0 : INFINITY;
+        else if (want >= 1.1754943508222875e-38) err = fabs(got - want) / (want * 5.9604644775390625e-8); /* in ulp */
+        else err = fabs(got - want) / 1.401298464324817e-45 / 2.0;                                        /* in subnormal steps */
+        if (err > 2.0) bad++;
+        if (err > worst) { worst = err; worst_i = i; }
+    }
+    DSK_TEST_EXPECT(bad == 0, "%lld arguments off by more than 2 ulp; worst %.2f ulp at sample %lld", (long long)bad, worst, (long long)worst_i);
+    DSK_TEST_EXPECT(isnan(dsk_exp_f(NAN)), "exp(NaN) = %g", (double)dsk_exp_f(NAN));
+    DSK_TEST_EXPECT(dsk_exp_f(INFINITY) == INFINITY && dsk_exp_f(-INFINITY) == 0.0f && dsk_exp_f(1000.0f) == INFINITY && dsk_exp_f(-1000.0f) == 0.0f,
+                    "exp(+-inf) = %g %g, exp(+-1000) = %g %g", (double)dsk_exp_f(INFINITY), (double)dsk_exp_f(-INFINITY),
+                    (double)dsk_exp_f(1000.0f), (double)dsk_exp_f(-1000.0f));
+    DSK_TEST_EXPECT(dsk_exp_f(0.0f) == 1.0f && dsk_exp_f(1.0f) == expf(1.0f), "exp(0) = %.9g, exp(1) = %.9g", (double)dsk_exp_f(0.0f), (double)dsk_exp_f(1.0f));
+    for (int i = 0; i < 2000; i++) {
+        float x = (float)dsk_test_rand(-40, 40);
+        double want = 1.0 / (1.0 + exp(-(double)x));
+        if (fabs(dsk_sigmoid_f(x) - want) > 3e-7 * want) { DSK_TEST_EXPECT(0, "sigmoid(%.9g) = %.9g, want %.9g", (double)x, (double)dsk_sigmoid_f(x), want); break; }
+    }
+}
+
+/* The row primitives of the ISA under test (the loops inside softmax, attention, norms, SwiGLU,
+   cross-entropy): exp and SwiGLU bitwise equal to the scalar dsk_exp_f / dsk_swiglu_f /
+   dsk_swiglu_grad_f, the rest against float64; lengths around the vector widths, specials in the
+   exp input, and a sentinel after each output that must stay untouched. */
+static void test_row_kernels(void) {
+    static const int64_t lens[7] = {1, 7, 8, 16, 17, 129, 1000};
+    dsk__rowk rk = dsk__rowk_for(tt_isa);
+    for (int li = 0; li < 7; li++) {
+        int64_t n = lens[li];
+        float *x = (float *)tt_alloc((size_t)(n + 1) * 4), *y = (float *)tt_alloc((size_t)(n + 1) * 4), *u = (float *)tt_alloc((size_t)n * 4);
+        float *d = (float *)tt_alloc((size_t)n * 4), *dg = (float *)tt_alloc((size_t)(n + 1) * 4), *du = (float *)tt_alloc((size_t)(n + 1) * 4);
+        double *want = tt_zeros(n), ws = 0, wd = 0, wm = -INFINITY;
+        float sum, got;
+        int same = 1;
+        dsk_test_fill_f32(x, n, -30, 30);
+        dsk_test_fill_f32(u, n, -2, 2);
+        dsk_test_fill_f32(d, n, -1, 1);
+        if (n > 100) { x[3] = NAN; x[5] = INFINITY; x[6] = -INFINITY; x[7] = -200.0f; x[8] = 120.0f; }
+        /* exp_sum: lane results bitwise the scalar function's, sum over the finite ones */
+        dsk_test_poison_f32(y, n);
+        y[n] = 12345.0f;
+        sum = rk.exp_sum(y, x, n, 1.5f);
+        for (int64_t i = 0; i < n; i++) {
+            float e = dsk_exp_f(x[i] - 1.5f);
+            same &= memcmp(&e, &y[i], 4) == 0;
+            ws += e;
+        }
+        DSK_TEST_EXPECT(same, "%s exp_sum n %lld: lanes differ from dsk_exp_f", dsk_cpu_isa_name(tt_isa), (long long)n);
+        DSK_TEST_EXPECT(y[n] == 12345.0f, "exp_sum n %lld wrote past the row", (long long)n);
+        DSK_TEST_EXPECT((isnan(ws) && isnan(sum)) || (isinf(ws) && isinf(sum)) || fabs(sum - ws) <= 1e-6 * fabs(ws),
+                        "exp_sum n %lld: sum %.9g, want %.9g", (long long)n, (double)sum, ws);
+        /* max (NaN wins), dot, scale, mul_scale, sub_mul on finite inputs */
+        got = rk.max(x, n);
+        for (int64_t i = 0; i < n; i++) wm = x[i] != x[i] || wm != wm ? NAN : x[i] > wm ? x[i] : wm;
+        DSK_TEST_EXPECT((isnan(wm) && isnan(got)) || got == wm, "max n %lld: %.9g, want %.9g", (long long)n, (double)got, wm);
+        dsk_test_fill_f32(x, n, -3, 3);
+        wm = -INFINITY;
+        for (int64_t i = 0; i < n; i++) wm = x[i] > wm ? x[i] : wm;
+        DSK_TEST_EXPECT(rk.max(x, n) == wm, "max n %lld of finite values: %.9g, want %.9g", (long long)n, (double)rk.max(x, n), wm);
+        for (int64_t i = 0; i < n; i++) wd += (double)x[i] * u[i];
+        got = rk.dot(x, u, n);
+        DSK_TEST_EXPECT(fabs(got - wd) <= 1e-5 * (1.0 + fabs(wd)), "dot n %lld: %.9g, want %.9g", (long long)n, (double)got, wd);
+        dsk_test_poison_f32(y, n);
+        rk.scale(y, x, 0.75f, n);
+        for (int64_t i = 0; i < n; i++) want[i] = 0.75 * x[i];
+        DSK_TEST_CLOSE(y, want, n, 1e-7, 0, "scale");
+        dsk_test_poison_f32(y, n);
+        rk.mul_scale(y, x, u, 1.25f, n);
+        for (int64_t i = 0; i < n; i++) want[i] = (double)x[i] * 1.25 * u[i];
+        DSK_TEST_CLOSE(y, want, n, 3e-7, 0, "mul_scale");
+        for (int64_t i = 0; i < n; i++) { y[i] = d[i]; want[i] = d[i] + (double)x[i] * ((double)u[i] - 0.3f); }
+        rk.sub_mul(y, x, u, 0.3f, n, 1);
+        DSK_TEST_CLOSE(y, want, n, 1e-6, 1e-6, "sub_mul accumulating");
+        DSK_TEST_EXPECT(y[n] == 12345.0f, "sub_mul n %lld wrote past the row", (long long)n);
+        /* swiglu and its gradient (written and accumulated): bitwise the scalar functions */
+        dsk_test_fill_f32(x, n, -12, 12);
+        dsk_test_poison_f32(y, n);
+        rk.swiglu(y, x, u, n);
+        same = 1;
+        for (int64_t i = 0; i < n; i++) { float e = dsk_swiglu_f(x[i], u[i]); same &= memcmp(&e, &y[i], 4) == 0; }
+        DSK_TEST_EXPECT(same && y[n] == 12345.0f, "%s swiglu n %lld: differs from dsk_swiglu_f or wrote past the row", dsk_cpu_isa_name(tt_isa), (long long)n);
+        for (int acc = 0; acc < 2; acc++) {
+            same = 1;
+            for (int64_t i = 0; i < n; i++) { dg[i] = acc ? 0.5f : NAN; du[i] = acc ? -0.25f : NAN; }
+            dg[n] = du[n] = 12345.0f;
+            rk.swiglu_bwd(dg, du, d, x, u, n, acc);
+            for (int64_t i = 0; i < n; i++) {
+                float a, b;
+                dsk_swiglu_grad_f(x[i], u[i], d[i], &a, &b);
+                if (acc) { a = 0.5f + a; b = -0.25f + b; }
+                same &= memcmp(&a, &dg[i], 4) == 0 && memcmp(&b, &du[i], 4) == 0;
+            }
+            DSK_TEST_EXPECT(same && dg[n] == 12345.0f && du[n] == 12345.0f, "%s swiglu_bwd acc %d n %lld: differs from dsk_swiglu_grad_f",
+                            dsk_cpu_isa_name(tt_isa), acc, (long long)n);
+        }
+    }
+    {   /* the public raw helpers (best ISA), gradient written over dout in place */
+        float g[37], up[37], out[37], dgo[37], dup[37];
+        int same = 1;
+        dsk_test_fill_f32(g, 37, -8, 8);
+        dsk_test_fill_f32(up, 37, -2, 2);
+        dsk_test_fill_f32(dgo, 37, -1, 1);
+        dsk_swiglu_cpu(37, g, up, out);
+        for (int i = 0; i < 37; i++) { float e = dsk_swiglu_f(g[i], up[i]); same &= memcmp(&e, &out[i], 4) == 0; }
+        DSK_TEST_EXPECT(same, "dsk_swiglu_cpu differs from dsk_swiglu_f");
+        for (int i = 0; i < 37; i++) { float a, b; dsk_swiglu_grad_f(g[i], up[i], dgo[i], &a, &b); out[i] = a; dup[i] = b; }
+        {
+            float want_dup[37];
+            memcpy(want_dup, dup, sizeof dup);
+            dsk_swiglu_grad_cpu(37, g, up, dgo, dgo, dup);
+            DSK_TEST_SAME_BYTES(dgo, out, sizeof out, "dsk_swiglu_grad_cpu dgate (in place over dout)");
+            DSK_TEST_SAME_BYTES(dup, want_dup, sizeof dup, "dsk_swiglu_grad_cpu dup");
+        }
+    }
+}
+
+/* dsk_adamw_step on the ISA under test against dsk_adamw_update element by element (f32 and
+   bf16 gradients, with a bf16 copy), lengths around the vector width and the op's chunks. */
+static void test_adamw_isa(void) {
+    static const int64_t lens[4] = {1, 17, 1000, 5000};
+    dsk_adamw_opts o;
+    memset(&o, 0, sizeof o);
+    o.lr = 3e-3f; o.beta1 = 0.9f; o.beta2 = 0.95f; o.eps = 1e-8f; o.weight_decay = 0.1f;
+    for (int li = 0; li < 4; li++)
+        for (int d = 0; d < 2; d++) {
+            int64_t n = lens[li];
+            dsk_tensor *p = tt_rand(DSK_F32, 1, SH(n), -1, 1), *g = tt_rand(tt_floats[d], 1, SH(n), -1, 1), *m = tt_rand(DSK_F32, 1, SH(n), -0.1, 0.1);
+            dsk_tensor *v = tt_rand(DSK_F32, 1, SH(n), 0, 0.01), *cp = tt_poisoned(DSK_BF16, 1, SH(n));
+            double *wp = tt_zeros(n), *wm = tt_zeros(n), *wv = tt_zeros(n), *wc = tt_zeros(n);
+            float bc1 = dsk_adamw_bias_correction(0.9f, 7), bc2 = dsk_adamw_bias_correction(0.95f, 7);
+            for (int64_t i = 0; i < n; i++) {
+                float pi = ((float *)p->data)[i], mi = ((float *)m->data)[i], vi = ((float *)v->data)[i];
+                dsk_adamw_update(&pi, &mi, &vi, (float)tt_get(g, i) * 0.5f, o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, bc1, bc2);
+                wp[i] = pi; wm[i] = mi; wv[i] = vi; wc[i] = dsk_bf16_to_f32(dsk_f32_to_bf16(pi));
+            }
+            DSK_TEST_OK(dsk_adamw_step(tt_cx, p, g, m, v, &o, 7, 0.5f, cp));
+            TT_CHECK(p, wp, 1e-6, 1e-9, "AdamW param vs dsk_adamw_update");
+            TT_CHECK(m, wm, 1e-6, 1e-12, "AdamW m");
+            TT_CHECK(v, wv, 1e-6, 1e-15, "AdamW v");
+            TT_CHECK(cp, wc, 8e-3, 0, "AdamW bf16 copy");
+        }
+}
+
 /* ------------------------------------------------------------------ elementwise and reductions */
 
 static const int64_t tt_shapes[4][3] = {{1, 1, 1}, {7, 1, 1}, {129, 1, 1}, {3, 5, 7}};
@@ -737,28 +956,28 @@ static void test_elementwise(dsk_dtype dt) {
         int64_t n = dsk_tensor_numel(a);
         double *x = tt_vals(a), *y = tt_vals(b), *w = tt_zeros(n);
         for (int64_t i = 0; i < n; i++) w[i] = x[i] + y[i];
-        DSK_TEST_OK(dsk_add(NULL, out, a, b));
+        DSK_TEST_OK(dsk_add(tt_cx, out, a, b));
         TT_CHECK(out, w, tt_tol(dt), 1e-6, "add");
         for (int64_t i = 0; i < n; i++) w[i] = x[i] * y[i];
-        DSK_TEST_OK(dsk_mul(NULL, out, a, b));
+        DSK_TEST_OK(dsk_mul(tt_cx, out, a, b));
         TT_CHECK(out, w, tt_tol(dt), 1e-6, "mul");
         for (int64_t i = 0; i < n; i++) w[i] = -0.75 * x[i];
-        DSK_TEST_OK(dsk_scale(NULL, a, -0.75f));
+        DSK_TEST_OK(dsk_scale(tt_cx, a, -0.75f));
         TT_CHECK(a, w, tt_tol(dt), 0, "scale");
         x = tt_vals(a);
         for (int64_t i = 0; i < n; i++) w[i] = x[i] + 1.25 * y[i];
-        DSK_TEST_OK(dsk_axpy(NULL, a, 1.25f, b));
+        DSK_TEST_OK(dsk_axpy(tt_cx, a, 1.25f, b));
         TT_CHECK(a, w, tt_tol(dt), 1e-6, "axpy");
         x = tt_vals(a);
         for (int64_t i = 0; i < n; i++) w[i] = x[i] + x[i];
-        DSK_TEST_OK(dsk_add(NULL, a, a, a));
+        DSK_TEST_OK(dsk_add(tt_cx, a, a, a));
         TT_CHECK(a, w, tt_tol(dt), 1e-6, "add in place");
     }
     {   /* large enough to run on several threads */
         dsk_tensor *a = tt_rand(dt, 2, SH(300, 301), -2, 2), *b = tt_rand(dt, 2, SH(300, 301), -2, 2), *out = tt_poisoned(dt, 2, SH(300, 301));
         double *x = tt_vals(a), *y = tt_vals(b), *w = tt_zeros(300 * 301);
         for (int64_t i = 0; i < 300 * 301; i++) w[i] = x[i] * y[i];
-        DSK_TEST_OK(dsk_mul(NULL, out, a, b));
+        DSK_TEST_OK(dsk_mul(tt_cx, out, a, b));
         TT_CHECK(out, w, tt_tol(dt), 1e-6, "mul 300x301");
     }
 }
@@ -871,13 +1090,13 @@ static void test_softmax(dsk_dtype dt) {
         tt_ud u;
         memset(&u, 0, sizeof u);
         tt_softmax_ref(xv, R, C, w);
-        DSK_TEST_OK(dsk_softmax(NULL, y, x));
+        DSK_TEST_OK(dsk_softmax(tt_cx, y, x));
         TT_CHECK(y, w, tt_tol(dt), 1e-7, "softmax");
         if (R * C > 2000) continue;
         /* backward from the saved y against central differences of the reference */
         u.R = R; u.C = C; u.g = tt_vals(dy);
         g = tt_numgrad(tt_softmax_loss, xv, R * C, &u);
-        DSK_TEST_OK(dsk_softmax_backward(NULL, dx, y, dy));
+        DSK_TEST_OK(dsk_softmax_backward(tt_cx, dx, y, dy));
         TT_CHECK(dx, tt_plus(dx0, g, R * C), dt == DSK_F32 ? 1e-4 : 3 * tt_tol(dt), dt == DSK_F32 ? 1e-6 : 1e-2, "softmax backward vs finite differences");
     }
     {   /* in place, with huge logits */
@@ -886,7 +1105,7 @@ static void test_softmax(dsk_dtype dt) {
         tt_set(x, 4, 1e4); tt_set(x, 13, -1e4);
         xv = tt_vals(x);
         tt_softmax_ref(xv, 3, 9, w);
-        DSK_TEST_OK(dsk_softmax(NULL, x, x));
+        DSK_TEST_OK(dsk_softmax(tt_cx, x, x));
         TT_CHECK(x, w, tt_tol(dt), 1e-7, "softmax in place, large logits");
     }
 }
@@ -922,7 +1141,7 @@ static void test_rmsnorm(dsk_dtype dt) {
         memcpy(xw, tt_vals(x), (size_t)(R * D) * sizeof(double));
         memcpy(xw + R * D, tt_vals(w), (size_t)D * sizeof(double));
         tt_rmsnorm_ref(xw, xw + R * D, R, D, eps, yw, rw);
-        DSK_TEST_OK(dsk_rmsnorm(NULL, y, rstd, x, w, (float)eps));
+        DSK_TEST_OK(dsk_rmsnorm(tt_cx, y, rstd, x, w, (float)eps));
         TT_CHECK(y, yw, tt_tol(dt), 1e-6, "rmsnorm y");
         TT_CHECK(rstd, rw, 1e-5, 0, "rmsnorm rstd");
         memset(&u, 0, sizeof u);
@@ -934,12 +1153,12 @@ static void test_rmsnorm(dsk_dtype dt) {
                 want[j] = dw0[j];
                 for (int64_t r = 0; r < R; r++) want[j] += u.g[r * D + j] * xw[r * D + j] * rw[r];
             }
-            DSK_TEST_OK(dsk_rmsnorm_backward(NULL, NULL, dw, dy, x, w, rstd));
+            DSK_TEST_OK(dsk_rmsnorm_backward(tt_cx, NULL, dw, dy, x, w, rstd));
             TT_CHECK(dw, want, tol, atol, "rmsnorm dw (dx NULL)");
             continue;
         }
         g = tt_numgrad(tt_rmsnorm_loss, xw, R * D + D, &u);
-        DSK_TEST_OK(dsk_rmsnorm_backward(NULL, dx, dw, dy, x, w, rstd));
+        DSK_TEST_OK(dsk_rmsnorm_backward(tt_cx, dx, dw, dy, x, w, rstd));
         TT_CHECK(dx, tt_plus(dx0, g, R * D), tol, atol, "rmsnorm dx vs finite differences");
         TT_CHECK(dw, tt_plus(dw0, g + R * D, D), tol, atol, "rmsnorm dw vs finite differences");
     }
@@ -973,19 +1192,19 @@ static void test_silu_swiglu(dsk_dtype dt) {
         memset(&u, 0, sizeof u);
         u.n = n; u.g = tt_vals(dy);
         for (int64_t i = 0; i < n; i++) w[i] = tt_silu_ref(xv[i]);
-        DSK_TEST_OK(dsk_silu(NULL, y, x));
+        DSK_TEST_OK(dsk_silu(tt_cx, y, x));
         TT_CHECK(y, w, tt_tol(dt), 1e-7, "silu");
         g = tt_numgrad(tt_silu_loss, xv, n, &u);
-        DSK_TEST_OK(dsk_silu_backward(NULL, dx, dy, x));
+        DSK_TEST_OK(dsk_silu_backward(tt_cx, dx, dy, x));
         TT_CHECK(dx, tt_plus(dx0, g, n), tol, atol, "silu backward vs finite differences");
         for (int64_t i = 0; i < n; i++) w[i] = tt_silu_ref(xv[i]) * uv[i];
-        DSK_TEST_OK(dsk_swiglu(NULL, y, x, up));
+        DSK_TEST_OK(dsk_swiglu(tt_cx, y, x, up));
         TT_CHECK(y, w, tt_tol(dt), 1e-7, "swiglu");
         memcpy(both, xv, (size_t)n * sizeof(double));
         memcpy(both + n, uv, (size_t)n * sizeof(double));
         g = tt_numgrad(tt_swiglu_loss, both, 2 * n, &u);
         dx0 = tt_vals(dx);
-        DSK_TEST_OK(dsk_swiglu_backward(NULL, dx, dup, dy, x, up));
+        DSK_TEST_OK(dsk_swiglu_backward(tt_cx, dx, dup, dy, x, up));
         TT_CHECK(dx, tt_plus(dx0, g, n), tol, atol, "swiglu dgate vs finite differences");
         TT_CHECK(dup, tt_plus(du0, g + n, n), tol, atol, "swiglu dup vs finite differences");
     }
@@ -1383,21 +1602,21 @@ static void test_cross_entropy(dsk_dtype dt) {
         memset(&u, 0, sizeof u);
         u.R = R; u.V = V; u.ids = (const int32_t *)tg->data; u.ignore = -100;
         want = tt_ce_loss(x, &u);
-        DSK_TEST_OK(dsk_cross_entropy(NULL, loss, dl, logits, tg, -100, (float)gs));
+        DSK_TEST_OK(dsk_cross_entropy(tt_cx, loss, dl, logits, tg, -100, (float)gs));
         TT_CHECK(loss, &want, 1e-5, 1e-6, "cross_entropy loss");
         if (R * V <= 1000) {
             g = tt_numgrad(tt_ce_loss, x, R * V, &u);
             for (int64_t i = 0; i < R * V; i++) g[i] *= gs;
             TT_CHECK(dl, g, dt == DSK_F32 ? 1e-4 : 3 * tt_tol(dt), dt == DSK_F32 ? 1e-6 : 1e-3, "dlogits vs finite differences");
         }
-        DSK_TEST_OK(dsk_cross_entropy(NULL, loss, NULL, logits, tg, -100, 1.0f));
+        DSK_TEST_OK(dsk_cross_entropy(tt_cx, loss, NULL, logits, tg, -100, 1.0f));
         TT_CHECK(loss, &want, 1e-5, 1e-6, "cross_entropy loss without dlogits");
     }
     {   /* every token ignored: loss 0, zero gradient */
         dsk_tensor *logits = tt_rand(dt, 2, SH(3, 4), -1, 1), *tg = tt_new(DSK_I32, 1, SH(3)), *loss = tt_poisoned(DSK_F32, 0, NULL), *dl = tt_poisoned(dt, 2, SH(3, 4));
         double z = 0, *zs = tt_zeros(12);
         for (int i = 0; i < 3; i++) ((int32_t *)tg->data)[i] = 7;
-        DSK_TEST_OK(dsk_cross_entropy(NULL, loss, dl, logits, tg, 7, 1.0f));
+        DSK_TEST_OK(dsk_cross_entropy(tt_cx, loss, dl, logits, tg, 7, 1.0f));
         TT_CHECK(loss, &z, 0, 0, "all ignored: loss");
         TT_CHECK(dl, zs, 0, 0, "all ignored: dlogits");
     }
@@ -1475,12 +1694,12 @@ static void test_rope(dsk_dtype dt) {
         memset(&u, 0, sizeof u);
         u.B = cfg[s][0]; u.T = cfg[s][1]; u.H = cfg[s][2]; u.D = cfg[s][3]; u.n = n; u.pos0 = 3 + s; u.theta = 10000.0; u.g = tt_vals(dy);
         tt_rope_ref(xv, &u, 1.0, w);
-        DSK_TEST_OK(dsk_rope(NULL, y, x, u.pos0, 10000.0f));
+        DSK_TEST_OK(dsk_rope(tt_cx, y, x, u.pos0, 10000.0f));
         TT_CHECK(y, w, tt_tol(dt), dt == DSK_F32 ? 2e-5 : 1e-2, "rope");
         g = tt_numgrad(tt_rope_loss, xv, n, &u);
-        DSK_TEST_OK(dsk_rope_backward(NULL, dx, dy, u.pos0, 10000.0f));
+        DSK_TEST_OK(dsk_rope_backward(tt_cx, dx, dy, u.pos0, 10000.0f));
         TT_CHECK(dx, tt_plus(dx0, g, n), dt == DSK_F32 ? 1e-4 : 3 * tt_tol(dt), dt == DSK_F32 ? 2e-5 : 2e-2, "rope backward vs finite differences");
-        DSK_TEST_OK(dsk_rope(NULL, x, x, u.pos0, 10000.0f));
+        DSK_TEST_OK(dsk_rope(tt_cx, x, x, u.pos0, 10000.0f));
         TT_CHECK(x, w, tt_tol(dt), dt == DSK_F32 ? 2e-5 : 1e-2, "rope in place");
     }
 }
@@ -1536,11 +1755,11 @@ static void test_attention(dsk_dtype dt) {
         memcpy(x + n, tt_vals(k), (size_t)n * sizeof(double));
         memcpy(x + 2 * n, tt_vals(v), (size_t)n * sizeof(double));
         tt_attention_ref(x, x + n, x + 2 * n, &u, wo, wp);
-        DSK_TEST_OK(dsk_attention(NULL, out, probs, q, k, v, (float)u.scale));
+        DSK_TEST_OK(dsk_attention(tt_cx, out, probs, q, k, v, (float)u.scale));
         TT_CHECK(out, wo, tt_tol(dt), 1e-6, "attention out");
         TT_CHECK(probs, wp, 1e-5, 1e-7, "attention probs (zero above the diagonal)");
         g = tt_numgrad(tt_attention_loss, x, 3 * n, &u);
-        DSK_TEST_OK(dsk_attention_backward(NULL, dq, dk, dv, dout, q, k, v, probs, (float)u.scale));
+        DSK_TEST_OK(dsk_attention_backward(tt_cx, dq, dk, dv, dout, q, k, v, probs, (float)u.scale));
         TT_CHECK(dq, tt_plus(q0, g, n), tol, atol, "attention dq vs finite differences");
         TT_CHECK(dk, tt_plus(k0, g + n, n), tol, atol, "attention dk vs finite differences");
         TT_CHECK(dv, tt_plus(v0, g + 2 * n, n), tol, atol, "attention dv vs finite differences");
@@ -1595,6 +1814,7 @@ static void test_attention_threads(dsk_dtype dt) {
     u.B = 2; u.T = 67; u.H = 3; u.D = 16; u.n = n; u.scale = 0.25;
     memset(&o, 0, sizeof o);
     o.device = DSK_PREFER_CPU;
+    o.cpu_isa = tt_isa;
     for (int t = 0; t < 2; t++) {
         o.n_threads = t + 1;
         DSK_TEST_OK(dsk_ctx_init(&c[t], &o));
@@ -1655,8 +1875,8 @@ static void test_matmul_backward(void) {
     memcpy(x, tt_vals(A), (size_t)(M * K) * sizeof(double));
     memcpy(x + M * K, tt_vals(B), (size_t)(K * N) * sizeof(double));
     g = tt_numgrad(tt_matmul_loss, x, M * K + K * N, &u);
-    DSK_TEST_OK(dsk_matmul(NULL, dA, dC, 0, B, 1, 1.0f, 1.0f));
-    DSK_TEST_OK(dsk_matmul(NULL, dB, A, 1, dC, 0, 1.0f, 1.0f));
+    DSK_TEST_OK(dsk_matmul(tt_cx, dA, dC, 0, B, 1, 1.0f, 1.0f));
+    DSK_TEST_OK(dsk_matmul(tt_cx, dB, A, 1, dC, 0, 1.0f, 1.0f));
     TT_CHECK(dA, tt_plus(a0, g, M * K), 1e-5, 1e-6, "dA = dC B^T vs finite differences");
     TT_CHECK(dB, tt_plus(b0, g + M * K, K * N), 1e-5, 1e-6, "dB = A^T dC vs finite differences");
 }
@@ -1674,8 +1894,8 @@ static void test_matmul_half_shapes(dsk_dtype dt, int ta, int tb) {
 
 /* Deterministic reductions: the same bits with 1, 2 and 3 threads. */
 static void test_reductions_thread_independent(void) {
-    dsk_tensor *dout = tt_rand(DSK_F32, 2, SH(3000, 70), -1, 1), *ids = tt_ids(1, SH(3000), 17), *x = tt_rand(DSK_F32, 2, SH(3000, 70), -1, 1);
-    dsk_tensor *w = tt_rand(DSK_F32, 1, SH(70), 0.5, 1.5), *rstd = tt_new(DSK_F32, 1, SH(3000)), *y = tt_new(DSK_F32, 2, SH(3000, 70));
+    dsk_tensor *dout = tt_rand(DSK_F32, 2, SH(4000, 70), -1, 1), *ids = tt_ids(1, SH(4000), 17), *x = tt_rand(DSK_F32, 2, SH(4000, 70), -1, 1);
+    dsk_tensor *w = tt_rand(DSK_F32, 1, SH(70), 0.5, 1.5), *rstd = tt_new(DSK_F32, 1, SH(4000)), *y = tt_new(DSK_F32, 2, SH(4000, 70));
     dsk_tensor *tab[3], *dw[3], *red[3];
     for (int t = 0; t < 3; t++) {
         dsk_ctx ctx;
@@ -1987,6 +2207,53 @@ int main(void) {
         TT_CASE("attention + backward %s", n); test_attention(dt);
         TT_CASE("attention (2, 67, 3, 16) %s vs float64, same bits on 1 and 2 threads", n); test_attention_threads(dt);
         TT_CASE("AdamW 6 steps, grad %s", n); test_adamw(dt, 0, 0);
+    }
+    TT_CASE("dsk_exp_f within 2 ulp of exp, specials; dsk_sigmoid_f"); test_exp();
+    for (int i = DSK_CPU_ISA_PORTABLE; i <= DSK_CPU_ISA_AVX512; i++) {
+        dsk_ctx cx;
+        dsk_ctx_opts o;
+        const char *n = dsk_cpu_isa_name((dsk_cpu_isa)i);
+        memset(&o, 0, sizeof o);
+        o.device = DSK_PREFER_CPU;
+        o.cpu_isa = (dsk_cpu_isa)i;
+        if (!dsk_cpu_isa_supported((dsk_cpu_isa)i)) {
+            TT_CASE("%s kernels", n);
+            DSK_TEST_STATUS(dsk_ctx_init(&cx, &o), DSK_ERR_UNSUPPORTED);
+            dsk_test_skip("this CPU has no %s", n);
+            continue;
+        }
+        DSK_TEST_OK(dsk_ctx_init(&cx, &o));
+        tt_cx = &cx;
+        tt_isa = (dsk_cpu_isa)i;
+        TT_CASE("%s GEMM: direct and packed nests, edges, K slices, vs float64", n); test_gemm_paths();
+        TT_CASE("%s GEMM: same bits on 1, 2, 3 threads (direct and packed)", n); test_gemm_threads();
+        TT_CASE("%s matmul: a batch of small products in one parallel region, vs float64 and 1/2/3 threads", n);
+        test_matmul_batched_small();
+        TT_CASE("%s row primitives: exp and SwiGLU bitwise the scalar math, the rest vs float64", n); test_row_kernels();
+        TT_CASE("%s AdamW vs dsk_adamw_update, f32 and bf16 gradients, bf16 copy", n); test_adamw_isa();
+        if (i != (int)dsk_cpu_isa_best()) /* the best ran every op test above */
+            for (int d = 0; d < 2; d++) {
+                dsk_dtype dt = tt_floats[d];
+                for (int t = 0; t < 4 && d == 0; t++) {
+                    TT_CASE("%s matmul f32 all shapes in {1,5,17,67,130}^3, trans_a %d trans_b %d", n, t >> 1, t & 1);
+                    test_matmul_shapes(t >> 1, t & 1);
+                }
+                if (d == 1) {
+                    TT_CASE("%s matmul bf16 shapes in {1,7,33,130}^3, trans_a 1", n);
+                    test_matmul_half_shapes(dt, 1, 0);
+                }
+                TT_CASE("%s add/mul/scale/axpy %s", n, dsk_dtype_name(dt)); test_elementwise(dt);
+                TT_CASE("%s softmax + backward %s", n, dsk_dtype_name(dt)); test_softmax(dt);
+                TT_CASE("%s rmsnorm + backward %s", n, dsk_dtype_name(dt)); test_rmsnorm(dt);
+                TT_CASE("%s silu, swiglu + backward %s", n, dsk_dtype_name(dt)); test_silu_swiglu(dt);
+                TT_CASE("%s cross_entropy %s", n, dsk_dtype_name(dt)); test_cross_entropy(dt);
+                TT_CASE("%s rope + backward %s", n, dsk_dtype_name(dt)); test_rope(dt);
+                TT_CASE("%s attention + backward %s", n, dsk_dtype_name(dt)); test_attention(dt);
+                TT_CASE("%s attention (2, 67, 3, 16) %s, same bits on 1 and 2 threads", n, dsk_dtype_name(dt)); test_attention_threads(dt);
+            }
+        tt_cx = NULL;
+        tt_isa = DSK_CPU_ISA_AUTO;
+        dsk_ctx_free(&cx);
     }
     TT_CASE("sum_squares f64 accumulation, thread-count independent"); test_sum_squares();
     TT_CASE("topk ties, NaN, k = 1 and k = C"); test_topk();

@@ -5,11 +5,27 @@
        git show 7a9d942:dsk_moe.h > OLD/dsk_moe.h
        gcc -std=c11 -O2 -fopenmp -D_GNU_SOURCE -IOLD -I. tests/golden/gen_moe_golden.c -lm -lpthread
        ./a.out > tests/golden/moe_cpu.txt
-   No -march: the build has no AVX2/FMA, so the CPU GEMM runs its portable micro-kernel, whose
-   bits do not depend on the machine (test_moe_golden is built the same way). The layer's own
-   code has no FMA contraction either (-std=c11 keeps -ffp-contract=off). */
+   The old layer builds against this tree's dsk_tensor.h, whose scalar math (dsk_swiglu_grad_f,
+   ...) it shares with the new one; its only CPU product, dsk_sgemm_cpu, is redirected below to
+   the portable micro-kernel (dsk_sgemm_cpu picks the best one this CPU has), and the test runs
+   the new layer on a context with cpu_isa = DSK_CPU_ISA_PORTABLE: the records then hold on any
+   x86-64, AVX2 or AVX-512. The layer's own code has no FMA contraction (-std=c11 keeps
+   -ffp-contract=off). Rerun the script when dsk_tensor.h's portable GEMM or scalar math change
+   their bits (it was last rerun for perf's dsk_silu_grad_f with one explicit FMA). */
 #define DSK_TENSOR_IMPLEMENTATION
 #define DSK_COMM_IMPLEMENTATION
+#include "dsk_tensor.h"
+#include "dsk_comm.h"
+
+/* dsk_sgemm_cpu on the portable micro-kernel (the old layer calls it for every product). */
+static void gen_sgemm_portable(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
+                               int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc,
+                               int n_threads) {
+    dsk__gemm_args g = dsk__sgemm_args(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    dsk__ukernel uk = dsk__ukernel_for(DSK_CPU_ISA_PORTABLE);
+    if (dsk__gemm(&g, &uk, n_threads > 0 ? n_threads : dsk__default_threads()) != DSK_OK) dsk__gemm_unpacked(&g);
+}
+#define dsk_sgemm_cpu gen_sgemm_portable
 #define DSK_MOE_IMPLEMENTATION
 #include "dsk_moe.h"
 #include "tests/golden/moe_golden_cases.h"

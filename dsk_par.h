@@ -1,0 +1,1201 @@
+/* dsk_par.h - tensor, sequence and pipeline parallelism: the rank grid, Megatron's collective
+   mappings, column- and row-parallel linears, vocabulary-parallel embedding and cross-entropy,
+   pipeline schedules as data and a pipeline executor.
+
+   Usage: #define DSK_PAR_IMPLEMENTATION in exactly one .c file before including (with
+   DSK_TENSOR_IMPLEMENTATION and DSK_COMM_IMPLEMENTATION somewhere in the program).
+   Options: DSK_STATIC, DSK_MALLOC/DSK_FREE, DSK_CUDA, DSK_NO_CUDA as in dsk_tensor.h.
+
+       dsk_par_dims d = {0};  d.tp = 2; d.pp = 2;           // dp = world / (tp * pp)
+       dsk_par_grid g;  dsk_par_grid_init(&g, &world, &d);  // collective over world
+       dsk_par_schedule s;  dsk_par_schedule_init(&s, DSK_PAR_1F1B, g.dims.pp, 8, 1, g.at.pp);
+       dsk_par_pipeline_run(&s, &g.pp, ctx, &fns);          // fns: forward, backward, buffers
+       ...  dsk_par_schedule_free(&s);  dsk_par_grid_free(&g);
+
+   The rank grid. world = tp * dp * pp; world rank = tp_i + tp * (dp_i + dp * pp_i): tensor
+     parallelism varies fastest, then data parallelism, then the pipeline stage. Expert
+     parallelism splits the data-parallel dimension: ep divides dp, dp_i = ep_i + ep * edp_i
+     (edp_i: the expert-data-parallel index, the replicas of one expert shard).
+     Why this order: tensor parallelism communicates inside every layer on the critical path
+     (two all-reduces or all-gather/reduce-scatter pairs per block, forward and backward), so its
+     ranks are neighbours (one node, NVLink); expert parallelism's all-to-all runs twice per MoE
+     layer and comes next, then data parallelism's gradient all-reduce, once per step and
+     overlapped with backward; the pipeline sends one activation per micro-batch between
+     adjacent stages, the least traffic, so stages may sit on different nodes. This is
+     Megatron-Core's default order (tp-cp-ep-dp-pp without context parallelism).
+     Groups (each a dsk_comm split from the world, ranks ordered by their index in it):
+       tp  same (dp_i, pp_i), ordered by tp_i     pp  same (tp_i, dp_i), ordered by pp_i
+       dp  same (tp_i, pp_i), ordered by dp_i     ep  same (tp_i, pp_i, edp_i), by ep_i
+       edp same (tp_i, pp_i, ep_i), by edp_i: all-reduce expert gradients here, dense ones on dp.
+
+   Tensor-parallel mappings (Megatron-LM's mappings.py). tp may be NULL or of one rank: then
+     every mapping is the identity (a copy) and every linear is a plain one.
+       COPY    f: forward identity,             backward all-reduce (sum)
+       REDUCE  g: forward all-reduce (sum),     backward identity
+       GATHER  forward all-gather along dim,    backward reduce-scatter (sum) along dim
+       SCATTER forward reduce-scatter along dim, backward all-gather along dim
+       SPLIT   forward keeps this rank's block, backward all-gather along dim
+     Sequence parallelism replaces f/g around a block by GATHER before the column-parallel
+     linears and SCATTER after the row-parallel ones, so the norms and residual adds in between
+     run on N/tp tokens. "Along dim" means blocks of shape[dim] / tp in rank order; the tensors
+     are contiguous; dim 0 is one collective, another dim adds a strided copy through a
+     temporary. Mappings WRITE their outputs (they are not gradients of weights); COPY and
+     REDUCE may run in place.
+
+   Parallel linears (weights (out, in) as nn.Linear: y = x W^T), thin compositions of
+     dsk_matmul and dsk_comm; weight gradients ACCUMULATE (+=), input gradients are WRITTEN:
+       column  W (out/tp, in): Y (N, out/tp) = X W^T. Several weights that share one input
+               (q, k, v; gate and up) go in one call so backward reduces their input gradient
+               once. Sequence parallel: X (N/tp, in) is all-gathered into xg (N, in) first.
+       row     W (out, in/tp): Y = sum over tp of X W^T with X (N, in/tp); all-reduced into
+               Y (N, out), or with sequence parallelism reduce-scattered into Y (N/tp, out)
+               through the scratch yp (N, out).
+     Pass the scratch (xg, dxg, yp, dyg) to select sequence parallelism, NULL for none.
+
+   Vocabulary parallelism. Rank r of tp holds vocabulary rows [r Vl, (r + 1) Vl) of the
+     embedding table and of the LM head (Vl = V / tp). Embedding: local rows gathered, others
+     0, then all-reduced (or reduce-scattered with sequence parallelism); exactly one rank
+     contributes each row, so the result is bitwise one rank's. Cross-entropy from logits
+     (N, Vl): the row max is all-reduced (max, f32), then the sum of exp(logit - max) and the
+     target's logit (f64, one all-reduce of 2N values); the full (N, V) logits are never formed.
+     Loss and gradient follow dsk_cross_entropy exactly (mean over non-ignored tokens,
+     dlogits written with grad_scale * (softmax - onehot) / count). Every function runs on CPU
+     tensors over the host backend and on CUDA tensors over nccl (the cross-entropy's passes in
+     kernels/par.cu); a tensor on one and a communicator of the other is DSK_ERR_ARG.
+
+   Pipeline schedules as data. p stages (pipeline ranks), m micro-batches, v chunks (virtual
+     stages) per rank; rank r runs the global stages s = c p + r, c < v (v = 1 except for the
+     interleaved schedule). dsk_par_schedule_init gives rank r its ordered action list:
+     FORWARD / BACKWARD of (micro-batch, chunk), SEND / RECV of an activation or a gradient
+     with the pipeline peer. Compute orders:
+       GPipe        every forward (micro-batches 0..m-1), then every backward (0..m-1)
+       1F1B         min(p - r - 1, m) warm-up forwards, then one forward and one backward
+                    alternately, then the remaining backwards (PipeDream-Flush, Megatron)
+       interleaved  Megatron's interleaved 1F1B: forward k runs chunk (k mod pv) / p of
+                    micro-batch (k / pv) p + k mod p (backward: chunk v - 1 - that); warm-up
+                    2 (p - r - 1) + (v - 1) p forwards (all of them when m = p); m must be a
+                    multiple of p. With v = 1 it is 1F1B.
+     Transfers are placed by running all ranks' compute orders together in unit time steps (a
+     forward or a backward each takes one step; a rank runs its next computation as soon as
+     its input has arrived) and appending the messages produced in a step, on both ends, in
+     one global order. Every rank's list is then a projection of one global sequence, so the
+     lists run with blocking (rendezvous) sends and receives without deadlock, on the host
+     backend and on NCCL alike, and every input arrives before the computation that needs it.
+     Bounds: micro-batch chunks whose forward ran and whose backward has not (activations kept)
+       GPipe m; 1F1B min(p - r, m); interleaved min(2 (p - r - 1) + (v - 1) p + 1, m v)
+       (m v when m = p). Bubble (idle share of the ideal compute time): (p - 1) / m for GPipe
+       and 1F1B, (p - 1) / (v m) interleaved; the unit-step run reaches exactly these.
+   License: MIT, see the end of the file. */
+/* Contents. Each section starts with a rule comment "---- <title>"; search for the title.
+   Declarations: the rank grid; tensor-parallel mappings; parallel linears; vocabulary
+   parallelism; pipeline schedules; the pipeline executor.
+   Implementation (after the "implementation" rule): checks and helpers; the rank grid;
+   mappings; parallel linears; vocabulary-parallel embedding; vocabulary-parallel
+   cross-entropy; schedules: compute orders; schedules: placing the transfers; the executor. */
+#if defined(DSK_STATIC) && defined(DSK_PAR_IMPLEMENTATION) && !defined(DSK_COMM_IMPLEMENTATION)
+#define DSK_COMM_IMPLEMENTATION
+#endif
+#ifndef DSK_PAR_H
+#define DSK_PAR_H
+#include "dsk_comm.h"
+#include "dsk_tensor.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- the rank grid */
+
+/* Zero fields take the defaults in brackets. */
+typedef struct dsk_par_dims {
+    int tp; /* [1] tensor-parallel ranks */
+    int ep; /* [1] expert-parallel ranks; divides dp */
+    int dp; /* [world / (tp pp)] data-parallel ranks */
+    int pp; /* [1] pipeline stages */
+} dsk_par_dims;
+
+/* A rank's place in the grid. */
+typedef struct dsk_par_coords {
+    int tp, dp, pp; /* the three dimensions */
+    int ep, edp;    /* dp = ep + dims.ep * edp */
+} dsk_par_coords;
+
+typedef struct dsk_par_grid {
+    dsk_par_dims dims;  /* resolved: every field set */
+    int rank, world_size;
+    dsk_par_coords at;  /* this rank's coordinates */
+    dsk_comm tp, dp, pp, ep, edp;
+} dsk_par_grid;
+
+/* Fills the defaults of d for world_size ranks and checks that tp * dp * pp == world_size and
+   that ep divides dp; DSK_ERR_ARG names the sizes. */
+DSK_API dsk_status dsk_par_dims_resolve(dsk_par_dims *d, int world_size);
+/* Coordinates of world rank `rank` in resolved dims d. */
+DSK_API dsk_status dsk_par_coords_of(const dsk_par_dims *d, int rank, dsk_par_coords *at);
+/* The world rank at (tp_i, dp_i, pp_i) of resolved dims d; -1 when out of range. */
+DSK_API int dsk_par_rank_of(const dsk_par_dims *d, int tp_i, int dp_i, int pp_i);
+/* Collective over world: resolves dims and splits the five groups. On failure *g is zeroed. */
+DSK_API dsk_status dsk_par_grid_init(dsk_par_grid *g, dsk_comm *world, const dsk_par_dims *dims);
+DSK_API void dsk_par_grid_free(dsk_par_grid *g); /* zeroed/freed ok */
+
+/* ---- tensor-parallel mappings */
+
+typedef enum dsk_par_map {
+    DSK_PAR_MAP_COPY = 0, /* f */
+    DSK_PAR_MAP_REDUCE,   /* g */
+    DSK_PAR_MAP_GATHER,   /* sequence parallel: all-gather forward, reduce-scatter backward */
+    DSK_PAR_MAP_SCATTER,  /* sequence parallel: reduce-scatter forward, all-gather backward */
+    DSK_PAR_MAP_SPLIT     /* this rank's block forward, all-gather backward */
+} dsk_par_map;
+
+/* out = map(in) along dim (see the top of the file for shapes). Same dtype and device. */
+DSK_API dsk_status dsk_par_map_forward(dsk_comm *tp, dsk_ctx *ctx, dsk_par_map map, int dim, dsk_tensor *out,
+                                       const dsk_tensor *in);
+/* din = the backward of map applied to dout: din has in's shape, dout out's. */
+DSK_API dsk_status dsk_par_map_backward(dsk_comm *tp, dsk_ctx *ctx, dsk_par_map map, int dim, dsk_tensor *din,
+                                        const dsk_tensor *dout);
+DSK_API const char *dsk_par_map_name(dsk_par_map map); /* "copy", "reduce", ... */
+
+/* ---- parallel linears (2-D tensors (rows, features), float dtypes as dsk_matmul) */
+
+/* Y[i] (N, O_i) = Xf W[i]^T for i < n, W[i] (O_i, K): this rank's rows of each full weight.
+   xg NULL: Xf = X (N, K) (f's forward is the identity). xg (N, K): sequence parallel, X
+   (N/tp, K) is all-gathered into xg and Xf = xg (keep it for backward). */
+DSK_API dsk_status dsk_par_column_forward(dsk_comm *tp, dsk_ctx *ctx, int n, dsk_tensor *const *Y,
+                                          const dsk_tensor *const *W, const dsk_tensor *X, dsk_tensor *xg);
+/* dW[i] += dY[i]^T Xf (dW[i] may be NULL: not computed); the input gradient sum_i dY[i] W[i]
+   summed over tp: all-reduced into dX (N, K) (dxg NULL), or computed in the scratch dxg (N, K)
+   and reduce-scattered into dX (N/tp, K) (sequence parallel). Xf: the forward's Xf. */
+DSK_API dsk_status dsk_par_column_backward(dsk_comm *tp, dsk_ctx *ctx, int n, dsk_tensor *dX, dsk_tensor *dxg,
+                                           dsk_tensor *const *dW, const dsk_tensor *const *dY,
+                                           const dsk_tensor *const *W, const dsk_tensor *Xf);
+/* X (N, K/tp), W (O, K/tp). yp NULL: Y (N, O) = X W^T all-reduced over tp. yp (N, O): the
+   partial product goes there and is reduce-scattered into Y (N/tp, O) (sequence parallel). */
+DSK_API dsk_status dsk_par_row_forward(dsk_comm *tp, dsk_ctx *ctx, dsk_tensor *Y, dsk_tensor *yp, const dsk_tensor *X,
+                                       const dsk_tensor *W);
+/* dyg NULL: dY (N, O); dyg (N, O): dY (N/tp, O) is all-gathered into it (sequence parallel).
+   With dYf the full gradient: dX (N, K/tp) = dYf W (written), dW += dYf^T X (dW may be NULL). */
+DSK_API dsk_status dsk_par_row_backward(dsk_comm *tp, dsk_ctx *ctx, dsk_tensor *dX, dsk_tensor *dW,
+                                        const dsk_tensor *dY, dsk_tensor *dyg, const dsk_tensor *X,
+                                        const dsk_tensor *W);
+
+/* ---- vocabulary parallelism */
+
+/* table (Vl, D): rows [r Vl, (r+1) Vl) of the full table on rank r of tp; ids (N) i32 in
+   [0, Vl tp). part NULL: out (N, D) = full-table rows at ids (all-reduced). part (N, D)
+   scratch: sequence parallel, the partial rows go there and out (N/tp, D) is their reduce-scatter. */
+DSK_API dsk_status dsk_par_embedding_forward(dsk_comm *tp, dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *part,
+                                             const dsk_tensor *table, const dsk_tensor *ids);
+/* dtable (Vl, D) += the rows of the full dout at this rank's ids, in token order. dg NULL:
+   dout (N, D). dg (N, D) scratch: sequence parallel, dout (N/tp, D) is all-gathered into it. */
+DSK_API dsk_status dsk_par_embedding_backward(dsk_comm *tp, dsk_ctx *ctx, dsk_tensor *dtable, const dsk_tensor *dout,
+                                              dsk_tensor *dg, const dsk_tensor *ids);
+/* logits (N, Vl): columns [r Vl, (r+1) Vl) of the full logits; targets (N) i32 in [0, Vl tp)
+   or ignore_index. loss (scalar f32) and dlogits ((N, Vl) or NULL) as dsk_cross_entropy
+   gives them for the full logits. CPU tensors on the host backend, CUDA tensors on nccl
+   (kernels/par.cu; target ranges are checked on the CPU path only). Collective over tp
+   (every rank, same targets). */
+DSK_API dsk_status dsk_par_cross_entropy(dsk_comm *tp, dsk_ctx *ctx, dsk_tensor *loss, dsk_tensor *dlogits,
+                                         const dsk_tensor *logits, const dsk_tensor *targets, int32_t ignore_index,
+                                         float grad_scale);
+
+/* The per-element math of dsk_par_cross_entropy, shared by its CPU path and kernels/par.cu:
+   log-sum-exp from the row max and the summed exp(x - max); the gradient of one logit. */
+static inline DSK_HD double dsk_par_ce_lse(float mx, double sum_exp) { return (double)mx + log(sum_exp); }
+static inline DSK_HD float dsk_par_ce_grad(float x, double lse, int is_target, float grad_scale, int64_t count) {
+    double p = exp((double)x - lse) - (is_target ? 1.0 : 0.0);
+    return (float)((double)grad_scale * p / (double)count);
+}
+
+/* ---- pipeline schedules */
+
+typedef enum dsk_par_schedule_kind { DSK_PAR_GPIPE = 0, DSK_PAR_1F1B, DSK_PAR_INTERLEAVED } dsk_par_schedule_kind;
+
+typedef enum dsk_par_action_kind {
+    DSK_PAR_FORWARD = 0,
+    DSK_PAR_BACKWARD,
+    DSK_PAR_SEND_ACT,  /* the output activation of (micro, chunk) to the next stage's rank */
+    DSK_PAR_RECV_ACT,  /* the input activation of (micro, chunk) from the previous stage's rank */
+    DSK_PAR_SEND_GRAD, /* the input gradient of (micro, chunk) to the previous stage's rank */
+    DSK_PAR_RECV_GRAD  /* the output gradient of (micro, chunk) from the next stage's rank */
+} dsk_par_action_kind;
+
+typedef struct dsk_par_action {
+    dsk_par_action_kind kind;
+    int micro; /* micro-batch, 0 .. m-1 */
+    int chunk; /* this rank's chunk, 0 .. v-1 */
+    int stage; /* its global stage chunk * p + rank */
+    int peer;  /* pipeline rank sent to / received from; -1 for FORWARD and BACKWARD */
+} dsk_par_action;
+
+typedef struct dsk_par_schedule {
+    dsk_par_schedule_kind kind;
+    int stages, micro, chunks, rank; /* p, m, v, r */
+    int n;                           /* actions */
+    dsk_par_action *actions;         /* owned */
+    int in_flight;                   /* dsk_par_in_flight_bound for this rank */
+    double bubble;                   /* dsk_par_bubble_fraction */
+} dsk_par_schedule;
+
+/* Rank `rank`'s action list for p stages, m micro-batches, v chunks (v must be 1 for GPipe
+   and 1F1B; m a multiple of p for the interleaved schedule with v > 1). */
+DSK_API dsk_status dsk_par_schedule_init(dsk_par_schedule *s, dsk_par_schedule_kind kind, int stages, int micro,
+                                         int chunks, int rank);
+DSK_API void dsk_par_schedule_free(dsk_par_schedule *s); /* zeroed/freed ok */
+/* (p - 1) / m for GPipe and 1F1B, (p - 1) / (v m) for the interleaved schedule. */
+DSK_API double dsk_par_bubble_fraction(dsk_par_schedule_kind kind, int stages, int micro, int chunks);
+/* The most micro-batch chunks rank `rank` holds activations of (formulas at the top). */
+DSK_API int dsk_par_in_flight_bound(dsk_par_schedule_kind kind, int stages, int micro, int chunks, int rank);
+DSK_API const char *dsk_par_schedule_name(dsk_par_schedule_kind kind); /* "gpipe", "1f1b", "interleaved" */
+/* "gpipe", "1f1b" or "interleaved" into *kind; DSK_ERR_ARG otherwise. */
+DSK_API dsk_status dsk_par_schedule_parse(const char *name, dsk_par_schedule_kind *kind);
+DSK_API const char *dsk_par_action_name(dsk_par_action_kind kind); /* "forward", "send activation", ... */
+
+/* ---- the pipeline executor */
+
+/* The model side of a pipeline run. Every callback returns DSK_OK or an error with its message. */
+typedef struct dsk_par_stage_fns {
+    void *user;
+    dsk_status (*forward)(void *user, int micro, int chunk);
+    dsk_status (*backward)(void *user, int micro, int chunk);
+    /* The contiguous buffer action a (a send or receive) reads or fills: CPU memory on the host
+       backend, device memory on nccl. Both ends must give the same count and dtype. */
+    dsk_status (*buffer)(void *user, const dsk_par_action *a, dsk_tensor *t);
+} dsk_par_stage_fns;
+
+/* Runs s's actions in order on pp (the pipeline group: pp->rank == s->rank, pp->world_size ==
+   s->stages). Sends and receives are blocking. An error stops the run and names the action,
+   the micro-batch, the chunk and the peer, after the cause (a dead peer is named by the
+   communicator's message); the communicator is then unusable as after any dsk_comm error. */
+DSK_API dsk_status dsk_par_pipeline_run(const dsk_par_schedule *s, dsk_comm *pp, dsk_ctx *ctx,
+                                        const dsk_par_stage_fns *fns);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DSK_PAR_H */
+
+/* ==================================================================== implementation */
+#ifdef DSK_PAR_IMPLEMENTATION
+#ifndef DSK_PAR_IMPLEMENTATION_DONE
+#define DSK_PAR_IMPLEMENTATION_DONE
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef DSK_CUDA
+#include "kernels/dsk_kernels.h"
+#endif
+
+/* ---------------------------------------------------------------- checks and helpers */
+
+static int dsk__par_n(const dsk_comm *tp) { return tp && tp->world_size > 1 ? tp->world_size : 1; }
+static int dsk__par_r(const dsk_comm *tp) { return tp && tp->world_size > 1 ? tp->rank : 0; }
+
+static dsk_status dsk__par_need_tensor(const char *fn, const char *name, const dsk_tensor *t) {
+    char d[96];
+    if (!t || !t->data) return dsk_set_error(DSK_ERR_ARG, "%s: tensor %s is NULL or empty", fn, name);
+    if (!dsk_tensor_is_contiguous(t))
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor %s %s is not contiguous", fn, name,
+                             dsk_tensor_describe(t, d, sizeof d));
+    return DSK_OK;
+}
+
+/* A contiguous 2-D float tensor of shape (rows, cols); a negative size is not checked. */
+static dsk_status dsk__par_need_2d(const char *fn, const char *name, const dsk_tensor *t, int64_t rows,
+                                   int64_t cols) {
+    char d[96];
+    DSK__TRY(dsk__par_need_tensor(fn, name, t));
+    if (t->ndim != 2 || !dsk_dtype_is_float(t->dtype) || (rows >= 0 && t->shape[0] != rows) ||
+        (cols >= 0 && t->shape[1] != cols))
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s is %s, want a float (%lld, %lld) matrix (-1: any)", fn, name,
+                             dsk_tensor_describe(t, d, sizeof d), (long long)rows, (long long)cols);
+    return DSK_OK;
+}
+
+static dsk_status dsk__par_need_same_dtype(const char *fn, const char *a, const dsk_tensor *x, const char *b,
+                                           const dsk_tensor *y) {
+    if (x->dtype != y->dtype || x->device.type != y->device.type || x->device.index != y->device.index)
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s (%s) and %s (%s) differ in dtype or device", fn, a,
+                             dsk_dtype_name(x->dtype), b, dsk_dtype_name(y->dtype));
+    return DSK_OK;
+}
+
+/* Tensors on the CPU travel over the host backend, CUDA tensors over nccl (tp of one rank: any). */
+static dsk_status dsk__par_need_backend(const char *fn, const dsk_comm *tp, const char *name, const dsk_tensor *t) {
+    int cuda = t->device.type == DSK_DEV_CUDA;
+    if (dsk__par_n(tp) == 1 || cuda == (tp->backend == DSK_COMM_NCCL)) return DSK_OK;
+    return dsk_set_error(DSK_ERR_ARG, "%s: %s is on %s but the tensor-parallel communicator uses the %s backend", fn,
+                         name, cuda ? "a CUDA device" : "the CPU", tp->backend == DSK_COMM_NCCL ? "nccl" : "host");
+}
+
+/* A contiguous temporary like `like` with shape sh (on like's device). */
+static dsk_status dsk__par_temp(dsk_ctx *ctx, const dsk_tensor *like, dsk_tensor *t, dsk_dtype dt, int ndim,
+                                const int64_t *sh) {
+    return dsk_tensor_alloc_on(ctx, like->device, t, dt, ndim, sh);
+}
+
+/* ---------------------------------------------------------------- the rank grid */
+
+DSK_API dsk_status dsk_par_dims_resolve(dsk_par_dims *d, int world_size) {
+    const char *fn = "dsk_par_dims_resolve";
+    if (!d) return dsk_set_error(DSK_ERR_ARG, "%s: dims is NULL", fn);
+    if (world_size < 1) return dsk_set_error(DSK_ERR_ARG, "%s: world size %d", fn, world_size);
+    if (d->tp == 0) d->tp = 1;
+    if (d->pp == 0) d->pp = 1;
+    if (d->ep == 0) d->ep = 1;
+    if (d->tp < 0 || d->pp < 0 || d->ep < 0 || d->dp < 0)
+        return dsk_set_error(DSK_ERR_ARG, "%s: negative size (tp %d, dp %d, pp %d, ep %d)", fn, d->tp, d->dp, d->pp,
+                             d->ep);
+    if (d->dp == 0) {
+        if (world_size % (d->tp * d->pp) != 0)
+            return dsk_set_error(DSK_ERR_ARG, "%s: tp %d x pp %d = %d does not divide the world size %d", fn, d->tp,
+                                 d->pp, d->tp * d->pp, world_size);
+        d->dp = world_size / (d->tp * d->pp);
+    }
+    if ((int64_t)d->tp * d->dp * d->pp != world_size)
+        return dsk_set_error(DSK_ERR_ARG, "%s: tp %d x dp %d x pp %d = %lld ranks, the world has %d", fn, d->tp, d->dp,
+                             d->pp, (long long)d->tp * d->dp * d->pp, world_size);
+    if (d->dp % d->ep != 0)
+        return dsk_set_error(DSK_ERR_ARG, "%s: ep %d does not divide dp %d (expert parallelism splits the "
+                             "data-parallel ranks)", fn, d->ep, d->dp);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_par_coords_of(const dsk_par_dims *d, int rank, dsk_par_coords *at) {
+    if (!d || !at || d->tp < 1 || d->dp < 1 || d->pp < 1 || d->ep < 1)
+        return dsk_set_error(DSK_ERR_ARG, "dsk_par_coords_of: dims NULL or not resolved");
+    if (rank < 0 || rank >= d->tp * d->dp * d->pp)
+        return dsk_set_error(DSK_ERR_ARG, "dsk_par_coords_of: rank %d outside [0, %d)", rank,
+                             d->tp * d->dp * d->pp);
+    at->tp = rank % d->tp;
+    at->dp = rank / d->tp % d->dp;
+    at->pp = rank / (d->tp * d->dp);
+    at->ep = at->dp % d->ep;
+    at->edp = at->dp / d->ep;
+    return DSK_OK;
+}
+
+DSK_API int dsk_par_rank_of(const dsk_par_dims *d, int tp_i, int dp_i, int pp_i) {
+    if (!d || tp_i < 0 || tp_i >= d->tp || dp_i < 0 || dp_i >= d->dp || pp_i < 0 || pp_i >= d->pp) return -1;
+    return tp_i + d->tp * (dp_i + d->dp * pp_i);
+}
+
+DSK_API void dsk_par_grid_free(dsk_par_grid *g) {
+    if (!g) return;
+    dsk_comm_free(&g->edp);
+    dsk_comm_free(&g->ep);
+    dsk_comm_free(&g->pp);
+    dsk_comm_free(&g->dp);
+    dsk_comm_free(&g->tp);
+    memset(g, 0, sizeof *g);
+}
+
+DSK_API dsk_status dsk_par_grid_init(dsk_par_grid *g, dsk_comm *world, const dsk_par_dims *dims) {
+    const char *fn = "dsk_par_grid_init";
+    dsk_par_dims d;
+    dsk_par_coords a;
+    dsk_status st;
+    if (!g || !world || !world->impl) return dsk_set_error(DSK_ERR_ARG, "%s: grid or world communicator is NULL", fn);
+    memset(g, 0, sizeof *g);
+    memset(&d, 0, sizeof d);
+    if (dims) d = *dims;
+    DSK__TRY(dsk_par_dims_resolve(&d, world->world_size));
+    DSK__TRY(dsk_par_coords_of(&d, world->rank, &a));
+    g->dims = d;
+    g->rank = world->rank;
+    g->world_size = world->world_size;
+    g->at = a;
+    /* colors enumerate the other coordinates; keys order each group by its own coordinate */
+    st = dsk_comm_split(world, a.dp + d.dp * a.pp, a.tp, &g->tp);
+    if (st == DSK_OK) st = dsk_comm_split(world, a.tp + d.tp * a.pp, a.dp, &g->dp);
+    if (st == DSK_OK) st = dsk_comm_split(world, a.tp + d.tp * a.dp, a.pp, &g->pp);
+    if (st == DSK_OK) st = dsk_comm_split(world, a.tp + d.tp * (a.edp + (d.dp / d.ep) * a.pp), a.ep, &g->ep);
+    if (st == DSK_OK) st = dsk_comm_split(world, a.tp + d.tp * (a.ep + d.ep * a.pp), a.edp, &g->edp);
+    if (st != DSK_OK) {
+        char msg[1024];
+        snprintf(msg, sizeof msg, "%s", dsk_last_error());
+        dsk_par_grid_free(g);
+        return dsk_set_error(st, "%s: rank %d (tp %d, dp %d, pp %d): %s", fn, world->rank, a.tp, a.dp, a.pp, msg);
+    }
+    return DSK_OK;
+}
+
+/* ---------------------------------------------------------------- mappings */
+
+DSK_API const char *dsk_par_map_name(dsk_par_map map) {
+    static const char *names[] = {"copy", "reduce", "gather", "scatter", "split"};
+    return (int)map >= 0 && (int)map <= (int)DSK_PAR_MAP_SPLIT ? names[map] : "invalid";
+}
+
+/* Outer (product of dims before dim), extent of dim, inner (product after). */
+static void dsk__par_dim_split(const dsk_tensor *t, int dim, int64_t *outer, int64_t *len, int64_t *inner) {
+    *outer = 1;
+    *inner = 1;
+    for (int i = 0; i < dim; i++) *outer *= t->shape[i];
+    for (int i = dim + 1; i < t->ndim; i++) *inner *= t->shape[i];
+    *len = t->shape[dim];
+}
+
+/* `big` has `small`'s shape except along dim, where it is n times longer. */
+static dsk_status dsk__par_need_blocks(const char *fn, const char *bn, const dsk_tensor *big, const char *sn,
+                                       const dsk_tensor *small, int dim, int n) {
+    char a[96], b[96];
+    int ok = big->ndim == small->ndim && dim >= 0 && dim < big->ndim;
+    for (int i = 0; ok && i < big->ndim; i++) ok = big->shape[i] == small->shape[i] * (i == dim ? n : 1);
+    if (!ok)
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s %s must be %s %s with dim %d times %d", fn, bn,
+                             dsk_tensor_describe(big, a, sizeof a), sn, dsk_tensor_describe(small, b, sizeof b), dim,
+                             n);
+    return DSK_OK;
+}
+
+/* Block b of `big` along dim (a strided view) */
+static dsk_status dsk__par_block(const dsk_tensor *big, int dim, int64_t len, int b, dsk_tensor *v) {
+    return dsk_tensor_slice(big, dim, (int64_t)b * len, len, v);
+}
+
+/* big (.., n len, ..) <- all-gather along dim of small (.., len, ..). */
+static dsk_status dsk__par_all_gather_dim(dsk_comm *tp, dsk_ctx *ctx, dsk_tensor *big, const dsk_tensor *small,
+                                          int dim) {
+    int n = dsk__par_n(tp);
+    int64_t outer, len, inner, sh[DSK_MAX_DIMS + 1];
+    dsk_tensor tmp, blk, src;
+    dsk_status st = DSK_OK;
+    dsk__par_dim_split(small, dim, &outer, &len, &inner);
+    if (n == 1) return dsk_tensor_copy(ctx, big, small);
+    if (outer == 1)
+        return dsk_comm_all_gather(tp, ctx, small->data, big->data, dsk_tensor_numel(small), small->dtype);
+    sh[0] = n;
+    for (int i = 0; i < small->ndim; i++) sh[i + 1] = small->shape[i];
+    DSK__TRY(dsk__par_temp(ctx, small, &tmp, small->dtype, small->ndim + 1, sh));
+    st = dsk_comm_all_gather(tp, ctx, small->data, tmp.data, dsk_tensor_numel(small), small->dtype);
+    for (int b = 0; st == DSK_OK && b < n; b++) {
+        st = dsk_tensor_select(&tmp, b, &src);
+        if (st == DSK_OK) st = dsk__par_block(big, dim, len, b, &blk);
+        if (st == DSK_OK) st = dsk_tensor_copy(ctx, &blk, &src);
+    }
+    dsk_tensor_free(ctx, &tmp);
+    return st;
+}
+
+/* small (.., len, ..) <- block `rank` of the sum over ranks of big (.., n len, ..) along dim. */
+static dsk_status dsk__par_reduce_scatter_dim(dsk_comm *tp, dsk_ctx *ctx, dsk_tensor *small, const dsk_tensor *big,
+                                              int dim) {
+    int n = dsk__par_n(tp);
+    int64_t outer, len, inner, sh[DSK_MAX_DIMS + 1];
+    dsk_tensor tmp, blk, dst;
+    dsk_status st = DSK_OK;
+    dsk__par_dim_split(small, dim, &outer, &len, &inner);
+    if (n == 1) return dsk_tensor_copy(ctx, small, big);
+    if (outer == 1)
+        return dsk_comm_reduce_scatter(tp, ctx, big->data, small->data, dsk_tensor_numel(small), small->dtype,
+                                       DSK_COMM_SUM);
+    sh[0] = n;
+    for (int i = 0; i < small->ndim; i++) sh[i + 1] = small->shape[i];
+    DSK__TRY(dsk__par_temp(ctx, small, &tmp, small->dtype, small->ndim + 1, sh));
+    for (int b = 0; st == DSK_OK && b < n; b++) {
+        st = dsk_tensor_select(&tmp, b, &dst);
+        if (st == DSK_OK) st = dsk__par_block(big, dim, len, b, &blk);
+        if (st == DSK_OK) st = dsk_tensor_copy(ctx, &dst, &blk);
+    }
+    if (st == DSK_OK)
+        st = dsk_comm_reduce_scatter(tp, ctx, tmp.data, small->data, dsk_tensor_numel(small), small->dtype,
+                                     DSK_COMM_SUM);
+    dsk_tensor_free(ctx, &tmp);
+    return st;
+}
+
+/* dst <- src, or the in-place all-reduce of dst after it. */
+static dsk_status dsk__par_all_reduce_into(dsk_comm *tp, dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor *src) {
+    if (dst->data != src->data) DSK__TRY(dsk_tensor_copy(ctx, dst, src));
+    if (dsk__par_n(tp) == 1) return DSK_OK;
+    return dsk_comm_all_reduce(tp, ctx, dst->data, dst->data, dsk_tensor_numel(dst), dst->dtype, DSK_COMM_SUM);
+}
+
+static dsk_status dsk__par_map_check(const char *fn, dsk_comm *tp, dsk_par_map map, int dim, const dsk_tensor *big,
+                                     const char *bn, const dsk_tensor *small, const char *sn) {
+    char a[96], b[96];
+    if ((int)map < 0 || (int)map > (int)DSK_PAR_MAP_SPLIT)
+        return dsk_set_error(DSK_ERR_ARG, "%s: unknown mapping %d", fn, (int)map);
+    DSK__TRY(dsk__par_need_tensor(fn, bn, big));
+    DSK__TRY(dsk__par_need_tensor(fn, sn, small));
+    DSK__TRY(dsk__par_need_same_dtype(fn, bn, big, sn, small));
+    DSK__TRY(dsk__par_need_backend(fn, tp, bn, big));
+    if (map == DSK_PAR_MAP_COPY || map == DSK_PAR_MAP_REDUCE) {
+        if (!dsk_tensor_same_shape(big, small))
+            return dsk_set_error(DSK_ERR_ARG, "%s: %s mapping: %s %s and %s %s differ in shape", fn,
+                                 dsk_par_map_name(map), bn, dsk_tensor_describe(big, a, sizeof a), sn,
+                                 dsk_tensor_describe(small, b, sizeof b));
+        return DSK_OK;
+    }
+    if (dim < 0 || dim >= small->ndim)
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s mapping: dim %d outside [0, %d)", fn, dsk_par_map_name(map), dim,
+                             small->ndim);
+    return dsk__par_need_blocks(fn, bn, big, sn, small, dim, dsk__par_n(tp));
+}
+
+DSK_API dsk_status dsk_par_map_forward(dsk_comm *tp, dsk_ctx *ctx, dsk_par_map map, int dim, dsk_tensor *out,
+                                       const dsk_tensor *in) {
+    const char *fn = "dsk_par_map_forward";
+    dsk_tensor blk;
+    int gather = map == DSK_PAR_MAP_GATHER;
+    /* the full-size side: out for GATHER, in for SCATTER/SPLIT, either for COPY/REDUCE */
+    DSK__TRY(dsk__par_map_check(fn, tp, map, dim, gather ? out : in, gather ? "out" : "in", gather ? in : out,
+                                gather ? "in" : "out"));
+    switch (map) {
+    case DSK_PAR_MAP_COPY: return out->data == in->data ? DSK_OK : dsk_tensor_copy(ctx, out, in);
+    case DSK_PAR_MAP_REDUCE: return dsk__par_all_reduce_into(tp, ctx, out, in);
+    case DSK_PAR_MAP_GATHER: return dsk__par_all_gather_dim(tp, ctx, out, in, dim);
+    case DSK_PAR_MAP_SCATTER: return dsk__par_reduce_scatter_dim(tp, ctx, out, in, dim);
+    default:
+        DSK__TRY(dsk__par_block(in, dim, out->shape[dim], dsk__par_r(tp), &blk));
+        return dsk_tensor_copy(ctx, out, &blk);
+    }
+}
+
+DSK_API dsk_status dsk_par_map_backward(dsk_comm *tp, dsk_ctx *ctx, dsk_par_map map, int dim, dsk_tensor *din,
+                                        const dsk_tensor *dout) {
+    const char *fn = "dsk_par_map_backward";
+    int gather = map == DSK_PAR_MAP_GATHER;
+    /* din has in's shape: the full-size side is dout for GATHER, din for SCATTER/SPLIT */
+    DSK__TRY(dsk__par_map_check(fn, tp, map, dim, gather ? dout : din, gather ? "dout" : "din", gather ? din : dout,
+                                gather ? "din" : "dout"));
+    switch (map) {
+    case DSK_PAR_MAP_COPY: return dsk__par_all_reduce_into(tp, ctx, din, dout);
+    case DSK_PAR_MAP_REDUCE: return din->data == dout->data ? DSK_OK : dsk_tensor_copy(ctx, din, dout);
+    case DSK_PAR_MAP_GATHER: return dsk__par_reduce_scatter_dim(tp, ctx, din, dout, dim);
+    default: return dsk__par_all_gather_dim(tp, ctx, din, dout, dim);
+    }
+}
+
+/* ---------------------------------------------------------------- parallel linears */
+
+/* X (rows, K) full or, with scratch xg, (rows / n, K) gathered into xg (rows, K). */
+static dsk_status dsk__par_gathered(const char *fn, dsk_comm *tp, const dsk_tensor *X, const dsk_tensor *xg,
+                                    const char *xn, const char *gn) {
+    int n = dsk__par_n(tp);
+    DSK__TRY(dsk__par_need_2d(fn, xn, X, -1, -1));
+    DSK__TRY(dsk__par_need_backend(fn, tp, xn, X));
+    if (!xg) return DSK_OK;
+    DSK__TRY(dsk__par_need_2d(fn, gn, xg, X->shape[0] * n, X->shape[1]));
+    return dsk__par_need_same_dtype(fn, xn, X, gn, xg);
+}
+
+DSK_API dsk_status dsk_par_column_forward(dsk_comm *tp, dsk_ctx *ctx, int n, dsk_tensor *const *Y,
+                                          const dsk_tensor *const *W, const dsk_tensor *X, dsk_tensor *xg) {
+    const char *fn = "dsk_par_column_forward";
+    const dsk_tensor *Xf;
+    if (n < 1 || !Y || !W) return dsk_set_error(DSK_ERR_ARG, "%s: %d weights (need at least one)", fn, n);
+    DSK__TRY(dsk__par_gathered(fn, tp, X, xg, "X", "xg"));
+    Xf = xg ? xg : X;
+    for (int i = 0; i < n; i++) {
+        char wn[16], yn[16];
+        snprintf(wn, sizeof wn, "W[%d]", i);
+        snprintf(yn, sizeof yn, "Y[%d]", i);
+        DSK__TRY(dsk__par_need_2d(fn, wn, W[i], -1, Xf->shape[1]));
+        DSK__TRY(dsk__par_need_2d(fn, yn, Y[i], Xf->shape[0], W[i]->shape[0]));
+    }
+    if (xg) DSK__TRY(dsk__par_all_gather_dim(tp, ctx, xg, X, 0));
+    for (int i = 0; i < n; i++) DSK__TRY(dsk_matmul(ctx, Y[i], Xf, 0, W[i], 1, 1.0f, 0.0f));
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_par_column_backward(dsk_comm *tp, dsk_ctx *ctx, int n, dsk_tensor *dX, dsk_tensor *dxg,
+                                           dsk_tensor *const *dW, const dsk_tensor *const *dY,
+                                           const dsk_tensor *const *W, const dsk_tensor *Xf) {
+    const char *fn = "dsk_par_column_backward";
+    dsk_tensor *acc;
+    if (n < 1 || !dY || !W) return dsk_set_error(DSK_ERR_ARG, "%s: %d weights (need at least one)", fn, n);
+    DSK__TRY(dsk__par_need_2d(fn, "Xf", Xf, -1, -1));
+    DSK__TRY(dsk__par_gathered(fn, tp, dX, dxg, "dX", "dxg"));
+    acc = dxg ? dxg : dX;
+    DSK__TRY(dsk__par_need_2d(fn, dxg ? "dxg" : "dX", acc, Xf->shape[0], Xf->shape[1]));
+    for (int i = 0; i < n; i++) {
+        char wn[16], yn[16], gn[16];
+        snprintf(wn, sizeof wn, "W[%d]", i);
+        snprintf(yn, sizeof yn, "dY[%d]", i);
+        snprintf(gn, sizeof gn, "dW[%d]", i);
+        DSK__TRY(dsk__par_need_2d(fn, wn, W[i], -1, Xf->shape[1]));
+        DSK__TRY(dsk__par_need_2d(fn, yn, dY[i], Xf->shape[0], W[i]->shape[0]));
+        if (dW && dW[i]) DSK__TRY(dsk__par_need_2d(fn, gn, dW[i], W[i]->shape[0], W[i]->shape[1]));
+    }
+    for (int i = 0; i < n; i++) {
+        if (dW && dW[i]) DSK__TRY(dsk_matmul(ctx, dW[i], dY[i], 1, Xf, 0, 1.0f, 1.0f));
+        DSK__TRY(dsk_matmul(ctx, acc, dY[i], 0, W[i], 0, 1.0f, i ? 1.0f : 0.0f));
+    }
+    if (dxg) return dsk__par_reduce_scatter_dim(tp, ctx, dX, dxg, 0);
+    return dsk__par_all_reduce_into(tp, ctx, dX, dX);
+}
+
+DSK_API dsk_status dsk_par_row_forward(dsk_comm *tp, dsk_ctx *ctx, dsk_tensor *Y, dsk_tensor *yp, const dsk_tensor *X,
+                                       const dsk_tensor *W) {
+    const char *fn = "dsk_par_row_forward";
+    dsk_tensor *part;
+    DSK__TRY(dsk__par_need_2d(fn, "X", X, -1, -1));
+    DSK__TRY(dsk__par_need_2d(fn, "W", W, -1, X->shape[1]));
+    DSK__TRY(dsk__par_gathered(fn, tp, Y, yp, "Y", "yp"));
+    part = yp ? yp : Y;
+    DSK__TRY(dsk__par_need_2d(fn, yp ? "yp" : "Y", part, X->shape[0], W->shape[0]));
+    DSK__TRY(dsk_matmul(ctx, part, X, 0, W, 1, 1.0f, 0.0f));
+    if (yp) return dsk__par_reduce_scatter_dim(tp, ctx, Y, yp, 0);
+    return dsk__par_all_reduce_into(tp, ctx, Y, Y);
+}
+
+DSK_API dsk_status dsk_par_row_backward(dsk_comm *tp, dsk_ctx *ctx, dsk_tensor *dX, dsk_tensor *dW,
+                                        const dsk_tensor *dY, dsk_tensor *dyg, const dsk_tensor *X,
+                                        const dsk_tensor *W) {
+    const char *fn = "dsk_par_row_backward";
+    const dsk_tensor *dYf;
+    DSK__TRY(dsk__par_need_2d(fn, "X", X, -1, -1));
+    DSK__TRY(dsk__par_need_2d(fn, "W", W, -1, X->shape[1]));
+    DSK__TRY(dsk__par_gathered(fn, tp, dY, dyg, "dY", "dyg"));
+    dYf = dyg ? dyg : dY;
+    DSK__TRY(dsk__par_need_2d(fn, dyg ? "dyg" : "dY", dYf, X->shape[0], W->shape[0]));
+    DSK__TRY(dsk__par_need_2d(fn, "dX", dX, X->shape[0], X->shape[1]));
+    if (dW) DSK__TRY(dsk__par_need_2d(fn, "dW", dW, W->shape[0], W->shape[1]));
+    if (dyg) DSK__TRY(dsk__par_all_gather_dim(tp, ctx, dyg, dY, 0));
+    if (dW) DSK__TRY(dsk_matmul(ctx, dW, dYf, 1, X, 0, 1.0f, 1.0f));
+    return dsk_matmul(ctx, dX, dYf, 0, W, 0, 1.0f, 0.0f);
+}
+
+/* ---------------------------------------------------------------- vocabulary-parallel embedding */
+
+/* The tokens whose id falls in this rank's rows [lo, lo + Vl): their positions and local rows,
+   as i32 tensors on `dev` (*k = how many; the tensors are left empty when k = 0). */
+typedef struct dsk__par_hits {
+    int64_t k;
+    dsk_tensor tok, row;
+} dsk__par_hits;
+
+static void dsk__par_hits_free(dsk_ctx *ctx, dsk__par_hits *h) {
+    dsk_tensor_free(ctx, &h->tok);
+    dsk_tensor_free(ctx, &h->row);
+}
+
+static dsk_status dsk__par_hits_find(const char *fn, dsk_ctx *ctx, const dsk_tensor *ids, int64_t lo, int64_t vl,
+                                     int64_t v_full, dsk_device dev, dsk__par_hits *h) {
+    int64_t n = dsk_tensor_numel(ids), k = 0;
+    dsk_tensor host, ht, hr;
+    const int32_t *id;
+    int32_t *tok, *row;
+    dsk_status st = DSK_OK;
+    memset(h, 0, sizeof *h);
+    memset(&host, 0, sizeof host);
+    if (ids->device.type == DSK_DEV_CPU) host = *ids;
+    else {
+        DSK__TRY(dsk_tensor_alloc_on(ctx, dsk_cpu(), &host, DSK_I32, 1, &n));
+        if ((st = dsk_tensor_copy(ctx, &host, ids)) != DSK_OK) goto done;
+    }
+    id = (const int32_t *)host.data;
+    for (int64_t t = 0; t < n; t++) {
+        if (id[t] < 0 || id[t] >= v_full) {
+            st = dsk_set_error(DSK_ERR_ARG, "%s: ids[%lld] = %d outside the vocabulary [0, %lld)", fn, (long long)t,
+                               (int)id[t], (long long)v_full);
+            goto done;
+        }
+        k += id[t] >= lo && id[t] < lo + vl;
+    }
+    h->k = k;
+    if (k == 0) goto done;
+    if ((st = dsk_tensor_alloc_on(ctx, dsk_cpu(), &ht, DSK_I32, 1, &k)) != DSK_OK) goto done;
+    if ((st = dsk_tensor_alloc_on(ctx, dsk_cpu(), &hr, DSK_I32, 1, &k)) != DSK_OK) {
+        dsk_tensor_free(ctx, &ht);
+        goto done;
+    }
+    tok = (int32_t *)ht.data;
+    row = (int32_t *)hr.data;
+    for (int64_t t = 0, j = 0; t < n; t++)
+        if (id[t] >= lo && id[t] < lo + vl) { tok[j] = (int32_t)t; row[j] = (int32_t)(id[t] - lo); j++; }
+    if (dev.type == DSK_DEV_CPU) { h->tok = ht; h->row = hr; goto done; }
+    st = dsk_tensor_alloc_on(ctx, dev, &h->tok, DSK_I32, 1, &k);
+    if (st == DSK_OK) st = dsk_tensor_alloc_on(ctx, dev, &h->row, DSK_I32, 1, &k);
+    if (st == DSK_OK) st = dsk_tensor_copy(ctx, &h->tok, &ht);
+    if (st == DSK_OK) st = dsk_tensor_copy(ctx, &h->row, &hr);
+    dsk_tensor_free(ctx, &ht);
+    dsk_tensor_free(ctx, &hr);
+done:
+    if (host.data != ids->data) dsk_tensor_free(ctx, &host);
+    if (st != DSK_OK) dsk__par_hits_free(ctx, h);
+    return st;
+}
+
+static dsk_status dsk__par_need_ids(const char *fn, const dsk_tensor *ids, int64_t rows) {
+    char d[96];
+    DSK__TRY(dsk__par_need_tensor(fn, "ids", ids));
+    if (ids->dtype != DSK_I32 || dsk_tensor_numel(ids) != rows)
+        return dsk_set_error(DSK_ERR_ARG, "%s: ids %s must be %lld i32 values", fn,
+                             dsk_tensor_describe(ids, d, sizeof d), (long long)rows);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_par_embedding_forward(dsk_comm *tp, dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *part,
+                                             const dsk_tensor *table, const dsk_tensor *ids) {
+    const char *fn = "dsk_par_embedding_forward";
+    int n = dsk__par_n(tp);
+    dsk_tensor *rows_out, rows;
+    dsk__par_hits h;
+    dsk_status st;
+    int64_t sh[2];
+    DSK__TRY(dsk__par_need_2d(fn, "table", table, -1, -1));
+    DSK__TRY(dsk__par_gathered(fn, tp, out, part, "out", "part"));
+    rows_out = part ? part : out;
+    DSK__TRY(dsk__par_need_2d(fn, part ? "part" : "out", rows_out, -1, table->shape[1]));
+    DSK__TRY(dsk__par_need_same_dtype(fn, "out", out, "table", table));
+    DSK__TRY(dsk__par_need_ids(fn, ids, rows_out->shape[0]));
+    DSK__TRY(dsk__par_hits_find(fn, ctx, ids, dsk__par_r(tp) * table->shape[0], table->shape[0],
+                                table->shape[0] * n, table->device, &h));
+    st = dsk_tensor_fill(ctx, rows_out, 0.0);
+    if (st == DSK_OK && h.k > 0) {
+        sh[0] = h.k;
+        sh[1] = table->shape[1];
+        st = dsk__par_temp(ctx, table, &rows, table->dtype, 2, sh);
+        if (st == DSK_OK) {
+            st = dsk_gather_rows(ctx, &rows, table, &h.row);
+            if (st == DSK_OK) st = dsk_scatter_add_rows(ctx, rows_out, &rows, &h.tok); /* 0 + x = x exactly */
+            dsk_tensor_free(ctx, &rows);
+        }
+    }
+    dsk__par_hits_free(ctx, &h);
+    DSK__TRY(st);
+    if (part) return dsk__par_reduce_scatter_dim(tp, ctx, out, part, 0);
+    return dsk__par_all_reduce_into(tp, ctx, out, out);
+}
+
+DSK_API dsk_status dsk_par_embedding_backward(dsk_comm *tp, dsk_ctx *ctx, dsk_tensor *dtable, const dsk_tensor *dout,
+                                              dsk_tensor *dg, const dsk_tensor *ids) {
+    const char *fn = "dsk_par_embedding_backward";
+    int n = dsk__par_n(tp);
+    const dsk_tensor *full;
+    dsk_tensor rows;
+    dsk__par_hits h;
+    dsk_status st = DSK_OK;
+    int64_t sh[2];
+    DSK__TRY(dsk__par_need_2d(fn, "dtable", dtable, -1, -1));
+    DSK__TRY(dsk__par_gathered(fn, tp, dout, dg, "dout", "dg"));
+    full = dg ? dg : dout;
+    DSK__TRY(dsk__par_need_2d(fn, dg ? "dg" : "dout", full, -1, dtable->shape[1]));
+    DSK__TRY(dsk__par_need_same_dtype(fn, "dout", dout, "dtable", dtable));
+    DSK__TRY(dsk__par_need_ids(fn, ids, full->shape[0]));
+    if (dg) DSK__TRY(dsk__par_all_gather_dim(tp, ctx, dg, dout, 0));
+    DSK__TRY(dsk__par_hits_find(fn, ctx, ids, dsk__par_r(tp) * dtable->shape[0], dtable->shape[0],
+                                dtable->shape[0] * n, dtable->device, &h));
+    if (h.k > 0) {
+        sh[0] = h.k;
+        sh[1] = dtable->shape[1];
+        st = dsk__par_temp(ctx, dtable, &rows, dtable->dtype, 2, sh);
+        if (st == DSK_OK) {
+            st = dsk_gather_rows(ctx, &rows, full, &h.tok);
+            if (st == DSK_OK) st = dsk_scatter_add_rows(ctx, dtable, &rows, &h.row); /* token order */
+            dsk_tensor_free(ctx, &rows);
+        }
+    }
+    dsk__par_hits_free(ctx, &h);
+    return st;
+}
+
+/* ---------------------------------------------------------------- vocabulary-parallel cross-entropy */
+
+/* The CPU path: row max, all-reduce (max), sums, all-reduce (sum, f64), loss and gradient. */
+static dsk_status dsk__par_ce_cpu(dsk_comm *tp, dsk_ctx *ctx, dsk_tensor *loss, dsk_tensor *dlogits,
+                                  const dsk_tensor *logits, const int32_t *tg, int64_t lo, int64_t count,
+                                  int32_t ignore_index, float grad_scale) {
+    const char *fn = "dsk_par_cross_entropy";
+    int64_t R = logits->shape[0], V = logits->shape[1];
+    const void *x = logits->data;
+    float *mx = (float *)DSK_MALLOC((size_t)(R ? R : 1) * sizeof(float));
+    double *acc = (double *)DSK_MALLOC((size_t)(R ? R : 1) * 2 * sizeof(double)), total = 0.0;
+    dsk_status st = DSK_OK;
+    if (!mx || !acc) {
+        st = dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for %lld rows", fn, (long long)R);
+        goto done;
+    }
+    for (int64_t r = 0; r < R; r++) { /* NaN propagates, as in dsk_cross_entropy */
+        float m = -INFINITY;
+        for (int64_t j = 0; j < V; j++) {
+            float v = dsk_load_f32(x, logits->dtype, r * V + j);
+            if (v > m || v != v) m = v;
+        }
+        mx[r] = m;
+    }
+    if (dsk__par_n(tp) > 1 && (st = dsk_comm_all_reduce(tp, ctx, mx, mx, R, DSK_F32, DSK_COMM_MAX)) != DSK_OK)
+        goto done;
+    for (int64_t r = 0; r < R; r++) {
+        double s = 0.0, z = 0.0;
+        if (tg[r] != ignore_index) {
+            for (int64_t j = 0; j < V; j++) s += exp((double)dsk_load_f32(x, logits->dtype, r * V + j) - mx[r]);
+            if (tg[r] >= lo && tg[r] < lo + V) z = (double)dsk_load_f32(x, logits->dtype, r * V + tg[r] - lo);
+        }
+        acc[2 * r] = s;
+        acc[2 * r + 1] = z;
+    }
+    if (dsk__par_n(tp) > 1 && (st = dsk_comm_all_reduce(tp, ctx, acc, acc, 2 * R, DSK_F64, DSK_COMM_SUM)) != DSK_OK)
+        goto done;
+    for (int64_t r = 0; r < R; r++) {
+        double lse;
+        if (tg[r] == ignore_index) {
+            if (dlogits)
+                for (int64_t j = 0; j < V; j++) dsk_store_f32(dlogits->data, dlogits->dtype, r * V + j, 0.0f);
+            continue;
+        }
+        lse = dsk_par_ce_lse(mx[r], acc[2 * r]);
+        total += lse - acc[2 * r + 1];
+        if (dlogits)
+            for (int64_t j = 0; j < V; j++)
+                dsk_store_f32(dlogits->data, dlogits->dtype, r * V + j,
+                              dsk_par_ce_grad(dsk_load_f32(x, logits->dtype, r * V + j), lse, lo + j == tg[r],
+                                              grad_scale, count));
+    }
+    *(float *)loss->data = count ? (float)(total / (double)count) : 0.0f;
+done:
+    DSK_FREE(mx);
+    DSK_FREE(acc);
+    return st;
+}
+
+#ifdef DSK_CUDA
+/* The CUDA path: the same passes in kernels/par.cu, the all-reduces on device buffers. */
+static dsk_status dsk__par_ce_cuda(dsk_comm *tp, dsk_ctx *ctx, dsk_tensor *loss, dsk_tensor *dlogits,
+                                   const dsk_tensor *logits, const dsk_tensor *targets, int64_t lo,
+                                   int32_t ignore_index, float grad_scale) {
+    int64_t R = logits->shape[0], two_r = 2 * R, one = 1;
+    dsk_tensor mx, acc, count;
+    dsk_status st;
+    if (R == 0) return dsk_tensor_fill(ctx, loss, 0.0);
+    memset(&mx, 0, sizeof mx);
+    memset(&acc, 0, sizeof acc);
+    memset(&count, 0, sizeof count);
+    st = dsk_tensor_alloc(ctx, &mx, DSK_F32, 1, &R);
+    if (st == DSK_OK) st = dsk_tensor_alloc(ctx, &acc, DSK_F64, 1, &two_r);
+    if (st == DSK_OK) st = dsk_tensor_alloc(ctx, &count, DSK_I64, 1, &one);
+    if (st == DSK_OK)
+        st = dsk_cuda_par_ce_max(ctx, (float *)mx.data, (int64_t *)count.data, logits, targets, ignore_index);
+    if (st == DSK_OK && dsk__par_n(tp) > 1)
+        st = dsk_comm_all_reduce(tp, ctx, mx.data, mx.data, R, DSK_F32, DSK_COMM_MAX);
+    if (st == DSK_OK)
+        st = dsk_cuda_par_ce_sums(ctx, (double *)acc.data, (const float *)mx.data, logits, targets, lo, ignore_index);
+    if (st == DSK_OK && dsk__par_n(tp) > 1)
+        st = dsk_comm_all_reduce(tp, ctx, acc.data, acc.data, two_r, DSK_F64, DSK_COMM_SUM);
+    if (st == DSK_OK)
+        st = dsk_cuda_par_ce_finish(ctx, loss, dlogits, (const float *)mx.data, (const double *)acc.data,
+                                    (const int64_t *)count.data, logits, targets, lo, ignore_index, grad_scale);
+    dsk_tensor_free(ctx, &mx);
+    dsk_tensor_free(ctx, &acc);
+    dsk_tensor_free(ctx, &count);
+    return st;
+}
+#endif
+
+DSK_API dsk_status dsk_par_cross_entropy(dsk_comm *tp, dsk_ctx *ctx, dsk_tensor *loss, dsk_tensor *dlogits,
+                                         const dsk_tensor *logits, const dsk_tensor *targets, int32_t ignore_index,
+                                         float grad_scale) {
+    const char *fn = "dsk_par_cross_entropy";
+    int n = dsk__par_n(tp);
+    int64_t R, V, lo, count = 0;
+    const int32_t *tg;
+    char d[96];
+    DSK__TRY(dsk__par_need_2d(fn, "logits", logits, -1, -1));
+    R = logits->shape[0];
+    V = logits->shape[1];
+    lo = (int64_t)dsk__par_r(tp) * V;
+    DSK__TRY(dsk__par_need_ids(fn, targets, R));
+    if (!loss || !loss->data || loss->dtype != DSK_F32 || dsk_tensor_numel(loss) != 1)
+        return dsk_set_error(DSK_ERR_ARG, "%s: loss must be one f32 value", fn);
+    if (dlogits) {
+        DSK__TRY(dsk__par_need_2d(fn, "dlogits", dlogits, R, V));
+        DSK__TRY(dsk__par_need_same_dtype(fn, "dlogits", dlogits, "logits", logits));
+    }
+    if (targets->device.type != logits->device.type || loss->device.type != logits->device.type)
+        return dsk_set_error(DSK_ERR_ARG, "%s: logits %s, targets and loss must be on one device", fn,
+                             dsk_tensor_describe(logits, d, sizeof d));
+    DSK__TRY(dsk__par_need_backend(fn, tp, "logits", logits));
+    if (logits->device.type == DSK_DEV_CUDA) {
+#ifdef DSK_CUDA
+        return dsk__par_ce_cuda(tp, ctx, loss, dlogits, logits, targets, lo, ignore_index, grad_scale);
+#else
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: logits %s on a CUDA device in a build without DSK_CUDA", fn,
+                             dsk_tensor_describe(logits, d, sizeof d));
+#endif
+    }
+    tg = (const int32_t *)targets->data;
+    for (int64_t r = 0; r < R; r++) {
+        if (tg[r] == ignore_index) continue;
+        if (tg[r] < 0 || tg[r] >= V * n)
+            return dsk_set_error(DSK_ERR_ARG, "%s: targets[%lld] = %d outside [0, %lld) (ignore_index %d)", fn,
+                                 (long long)r, (int)tg[r], (long long)(V * n), (int)ignore_index);
+        count++;
+    }
+    return dsk__par_ce_cpu(tp, ctx, loss, dlogits, logits, tg, lo, count, ignore_index, grad_scale);
+}
+
+/* ---------------------------------------------------------------- schedules: compute orders */
+
+DSK_API const char *dsk_par_schedule_name(dsk_par_schedule_kind kind) {
+    static const char *names[] = {"gpipe", "1f1b", "interleaved"};
+    return (int)kind >= 0 && (int)kind <= (int)DSK_PAR_INTERLEAVED ? names[kind] : "invalid";
+}
+
+DSK_API dsk_status dsk_par_schedule_parse(const char *name, dsk_par_schedule_kind *kind) {
+    for (int k = 0; k <= (int)DSK_PAR_INTERLEAVED; k++)
+        if (name && kind && strcmp(name, dsk_par_schedule_name((dsk_par_schedule_kind)k)) == 0) {
+            *kind = (dsk_par_schedule_kind)k;
+            return DSK_OK;
+        }
+    return dsk_set_error(DSK_ERR_ARG, "dsk_par_schedule_parse: \"%s\" is not a schedule (gpipe, 1f1b, interleaved)",
+                         name ? name : "(null)");
+}
+
+DSK_API const char *dsk_par_action_name(dsk_par_action_kind kind) {
+    static const char *names[] = {"forward", "backward", "send activation", "receive activation", "send gradient",
+                                  "receive gradient"};
+    return (int)kind >= 0 && (int)kind <= (int)DSK_PAR_RECV_GRAD ? names[kind] : "invalid";
+}
+
+static dsk_status dsk__par_sched_check(const char *fn, dsk_par_schedule_kind kind, int p, int m, int v, int r) {
+    if ((int)kind < 0 || (int)kind > (int)DSK_PAR_INTERLEAVED)
+        return dsk_set_error(DSK_ERR_ARG, "%s: unknown schedule %d", fn, (int)kind);
+    if (p < 1 || m < 1 || v < 1 || r < 0 || r >= p)
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s with %d stages, %d micro-batches, %d chunks, rank %d: need "
+                             "positive sizes and 0 <= rank < stages", fn, dsk_par_schedule_name(kind), p, m, v, r);
+    if (kind != DSK_PAR_INTERLEAVED && v != 1)
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s runs one chunk per rank, not %d (use the interleaved schedule)", fn,
+                             dsk_par_schedule_name(kind), v);
+    if (kind == DSK_PAR_INTERLEAVED && v > 1 && m % p != 0)
+        return dsk_set_error(DSK_ERR_ARG, "%s: interleaved schedule with %d chunks: %d micro-batches is not a "
+                             "multiple of the %d stages", fn, v, m, p);
+    if ((int64_t)m * v > 1000000 || (int64_t)p * v > 1000000)
+        return dsk_set_error(DSK_ERR_ARG, "%s: %d micro-batches x %d chunks x %d stages is too large", fn, m, v, p);
+    return DSK_OK;
+}
+
+DSK_API double dsk_par_bubble_fraction(dsk_par_schedule_kind kind, int stages, int micro, int chunks) {
+    int v = kind == DSK_PAR_INTERLEAVED && chunks > 1 ? chunks : 1;
+    if (stages < 1 || micro < 1) return 0.0;
+    return (double)(stages - 1) / ((double)v * micro);
+}
+
+/* Warm-up forwards of rank r (forwards before the first backward, steady state aside). */
+static int dsk__par_warmup(dsk_par_schedule_kind kind, int p, int m, int v, int r) {
+    int total = m * v, w;
+    if (kind == DSK_PAR_GPIPE) return m;
+    if (kind == DSK_PAR_1F1B || v == 1) return p - r - 1 < m ? p - r - 1 : m;
+    if (m == p) return total; /* Megatron: every forward first when m equals p */
+    w = 2 * (p - r - 1) + (v - 1) * p;
+    return w < total ? w : total;
+}
+
+DSK_API int dsk_par_in_flight_bound(dsk_par_schedule_kind kind, int stages, int micro, int chunks, int rank) {
+    int total, w;
+    if (dsk__par_sched_check("dsk_par_in_flight_bound", kind, stages, micro, chunks, rank) != DSK_OK) return -1;
+    total = micro * chunks;
+    w = dsk__par_warmup(kind, stages, micro, chunks, rank);
+    return w + 1 < total ? w + 1 : total;
+}
+
+/* Compute i of rank r's order as (backward?, micro, chunk). */
+typedef struct dsk__par_op { int bwd, micro, chunk; } dsk__par_op;
+
+/* The k-th forward (or backward) of a rank: (micro, chunk) in Megatron's interleaved order;
+   with v = 1 simply micro-batch k. */
+static dsk__par_op dsk__par_kth(int p, int v, int k, int bwd) {
+    dsk__par_op o;
+    int c = (k % (p * v)) / p;
+    o.bwd = bwd;
+    o.micro = v == 1 ? k : (k / (p * v)) * p + k % p;
+    o.chunk = v == 1 ? 0 : bwd ? v - 1 - c : c;
+    return o;
+}
+
+/* Rank r's compute order: 2 m v operations. */
+static void dsk__par_order(dsk_par_schedule_kind kind, int p, int m, int v, int r, dsk__par_op *ops) {
+    int total = m * v, w = dsk__par_warmup(kind, p, m, v, r), n = 0;
+    if (kind == DSK_PAR_GPIPE) {
+        for (int k = 0; k < total; k++) ops[n++] = dsk__par_kth(p, v, k, 0);
+        for (int k = 0; k < total; k++) ops[n++] = dsk__par_kth(p, v, k, 1);
+        return;
+    }
+    for (int k = 0; k < w; k++) ops[n++] = dsk__par_kth(p, v, k, 0);
+    for (int k = 0; k < total - w; k++) {
+        ops[n++] = dsk__par_kth(p, v, w + k, 0);
+        ops[n++] = dsk__par_kth(p, v, k, 1);
+    }
+    for (int k = total - w; k < total; k++) ops[n++] = dsk__par_kth(p, v, k, 1);
+}
+
+/* ---------------------------------------------------------------- schedules: placing the transfers */
+
+DSK_API void dsk_par_schedule_free(dsk_par_schedule *s) {
+    if (!s) return;
+    DSK_FREE(s->actions);
+    memset(s, 0, sizeof *s);
+}
+
+typedef struct dsk__par_sim {
+    int p, m, v, S;            /* S = p v global stages */
+    dsk__par_op *order;        /* [p][2 m v] */
+    int *pos;                  /* [p] next operation of each rank */
+    unsigned char *act, *grad; /* [S][m]: input activation / output gradient available */
+    int *msg;                  /* messages of the current step: (is_grad, micro, from stage) triples */
+    dsk_par_action *out;       /* the requested rank's list */
+    int n_out, rank;
+} dsk__par_sim;
+
+static void dsk__par_emit(dsk__par_sim *z, int rank, dsk_par_action_kind kind, int micro, int stage, int peer) {
+    dsk_par_action *a;
+    if (rank != z->rank) return;
+    a = &z->out[z->n_out++];
+    a->kind = kind;
+    a->micro = micro;
+    a->stage = stage;
+    a->chunk = stage / z->p;
+    a->peer = peer;
+}
+
+/* Whether rank r's next operation has its input. */
+static int dsk__par_ready(const dsk__par_sim *z, int r, const dsk__par_op *o) {
+    int s = o->chunk * z->p + r;
+    if (!o->bwd) return s == 0 || z->act[(size_t)s * z->m + o->micro];
+    return s == z->S - 1 || z->grad[(size_t)s * z->m + o->micro];
+}
+
+/* Runs every rank's order in unit steps and writes rank z->rank's actions. */
+static dsk_status dsk__par_simulate(dsk__par_sim *z) {
+    int per = 2 * z->m * z->v, left = z->p * per;
+    while (left > 0) {
+        int n_msg = 0, ran = 0;
+        for (int r = 0; r < z->p; r++) {
+            const dsk__par_op *o;
+            int s;
+            if (z->pos[r] == per) continue;
+            o = &z->order[(size_t)r * per + z->pos[r]];
+            if (!dsk__par_ready(z, r, o)) continue;
+            s = o->chunk * z->p + r;
+            dsk__par_emit(z, r, o->bwd ? DSK_PAR_BACKWARD : DSK_PAR_FORWARD, o->micro, s, -1);
+            z->pos[r]++;
+            left--;
+            ran++;
+            if (o->bwd ? s > 0 : s < z->S - 1) {
+                z->msg[3 * n_msg] = o->bwd;
+                z->msg[3 * n_msg + 1] = o->micro;
+                z->msg[3 * n_msg + 2] = s;
+                n_msg++;
+            }
+        }
+        if (!ran)
+            return dsk_set_error(DSK_ERR_STATE, "dsk_par_schedule_init: the compute orders of %d stages, %d "
+                                 "micro-batches, %d chunks wait on each other", z->p, z->m, z->v);
+        /* this step's messages, in producer-rank order, on both ends */
+        for (int i = 0; i < n_msg; i++) {
+            int bwd = z->msg[3 * i], mb = z->msg[3 * i + 1], s = z->msg[3 * i + 2];
+            int to = bwd ? s - 1 : s + 1, rs = s % z->p, rt = to % z->p;
+            if (bwd) z->grad[(size_t)to * z->m + mb] = 1;
+            else z->act[(size_t)to * z->m + mb] = 1;
+            if (rs == rt) continue; /* one rank (p = 1): a local hand-over */
+            dsk__par_emit(z, rs, bwd ? DSK_PAR_SEND_GRAD : DSK_PAR_SEND_ACT, mb, s, rt);
+            dsk__par_emit(z, rt, bwd ? DSK_PAR_RECV_GRAD : DSK_PAR_RECV_ACT, mb, to, rs);
+        }
+    }
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_par_schedule_init(dsk_par_schedule *s, dsk_par_schedule_kind kind, int stages, int micro,
+                                         int chunks, int rank) {
+    const char *fn = "dsk_par_schedule_init";
+    dsk__par_sim z;
+    dsk_status st;
+    size_t per;
+    if (!s) return dsk_set_error(DSK_ERR_ARG, "%s: schedule is NULL", fn);
+    memset(s, 0, sizeof *s);
+    DSK__TRY(dsk__par_sched_check(fn, kind, stages, micro, chunks, rank));
+    if (kind == DSK_PAR_INTERLEAVED && chunks == 1) kind = DSK_PAR_1F1B;
+    memset(&z, 0, sizeof z);
+    z.p = stages;
+    z.m = micro;
+    z.v = chunks;
+    z.S = stages * chunks;
+    z.rank = rank;
+    per = (size_t)2 * micro * chunks;
+    z.order = (dsk__par_op *)DSK_MALLOC((size_t)stages * per * sizeof *z.order);
+    z.pos = (int *)DSK_MALLOC((size_t)stages * sizeof(int));
+    z.act = (unsigned char *)DSK_MALLOC((size_t)z.S * micro);
+    z.grad = (unsigned char *)DSK_MALLOC((size_t)z.S * micro);
+    z.msg = (int *)DSK_MALLOC((size_t)stages * 3 * sizeof(int));
+    z.out = (dsk_par_action *)DSK_MALLOC(per * 3 * sizeof *z.out); /* each op: itself + at most one send, one recv */
+    if (!z.order || !z.pos || !z.act || !z.grad || !z.msg || !z.out) {
+        st = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for %d stages x %zu operations", fn, stages, per);
+        goto done;
+    }
+    memset(z.pos, 0, (size_t)stages * sizeof(int));
+    memset(z.act, 0, (size_t)z.S * micro);
+    memset(z.grad, 0, (size_t)z.S * micro);
+    for (int r = 0; r < stages; r++) dsk__par_order(kind, stages, micro, chunks, r, z.order + (size_t)r * per);
+    st = dsk__par_simulate(&z);
+    if (st != DSK_OK) goto done;
+    s->kind = kind;
+    s->stages = stages;
+    s->micro = micro;
+    s->chunks = chunks;
+    s->rank = rank;
+    s->n = z.n_out;
+    s->actions = z.out;
+    z.out = NULL;
+    s->in_flight = dsk_par_in_flight_bound(kind, stages, micro, chunks, rank);
+    s->bubble = dsk_par_bubble_fraction(kind, stages, micro, chunks);
+done:
+    DSK_FREE(z.order);
+    DSK_FREE(z.pos);
+    DSK_FREE(z.act);
+    DSK_FREE(z.grad);
+    DSK_FREE(z.msg);
+    DSK_FREE(z.out);
+    return st;
+}
+
+/* ---------------------------------------------------------------- the executor */
+
+DSK_API dsk_status dsk_par_pipeline_run(const dsk_par_schedule *s, dsk_comm *pp, dsk_ctx *ctx,
+                                        const dsk_par_stage_fns *fns) {
+    const char *fn = "dsk_par_pipeline_run";
+    if (!s || !s->actions || !fns || !fns->forward || !fns->backward || !fns->buffer)
+        return dsk_set_error(DSK_ERR_ARG, "%s: schedule, its actions or a callback is NULL", fn);
+    if (s->stages > 1 && (!pp || pp->world_size != s->stages || pp->rank != s->rank))
+        return dsk_set_error(DSK_ERR_ARG, "%s: the schedule is rank %d of %d stages, the communicator rank %d of %d",
+                             fn, s->rank, s->stages, pp ? pp->rank : -1, pp ? pp->world_size : 0);
+    for (int i = 0; i < s->n; i++) {
+        const dsk_par_action *a = &s->actions[i];
+        dsk_tensor t;
+        dsk_status st;
+        memset(&t, 0, sizeof t);
+        switch (a->kind) {
+        case DSK_PAR_FORWARD: st = fns->forward(fns->user, a->micro, a->chunk); break;
+        case DSK_PAR_BACKWARD: st = fns->backward(fns->user, a->micro, a->chunk); break;
+        default:
+            st = fns->buffer(fns->user, a, &t);
+            if (st == DSK_OK && (!t.data || !dsk_tensor_is_contiguous(&t)))
+                st = dsk_set_error(DSK_ERR_ARG, "the buffer callback gave an empty or non-contiguous tensor");
+            if (st != DSK_OK) break;
+            if (a->kind == DSK_PAR_SEND_ACT || a->kind == DSK_PAR_SEND_GRAD)
+                st = dsk_comm_send(pp, ctx, t.data, dsk_tensor_numel(&t), t.dtype, a->peer);
+            else
+                st = dsk_comm_recv(pp, ctx, t.data, dsk_tensor_numel(&t), t.dtype, a->peer);
+        }
+        if (st != DSK_OK) {
+            char why[1024], peer[48] = "";
+            snprintf(why, sizeof why, "%s", dsk_last_error());
+            if (a->peer >= 0)
+                snprintf(peer, sizeof peer, " %s pipeline rank %d",
+                         a->kind == DSK_PAR_SEND_ACT || a->kind == DSK_PAR_SEND_GRAD ? "to" : "from", a->peer);
+            return dsk_set_error(st, "%s: pipeline rank %d, action %d of %d (%s of micro-batch %d, chunk %d, stage "
+                                 "%d%s): %s", fn, s->rank, i, s->n, dsk_par_action_name(a->kind), a->micro, a->chunk,
+                                 a->stage, peer, why);
+        }
+    }
+    return DSK_OK;
+}
+
+#endif /* DSK_PAR_IMPLEMENTATION_DONE */
+#endif /* DSK_PAR_IMPLEMENTATION */
+
+/* MIT License. Copyright (c) 2026 the dsk authors. Permission is hereby granted, free of
+   charge, to any person obtaining a copy of this software, to deal in the software without
+   restriction, subject to including this notice. THE SOFTWARE IS PROVIDED "AS IS", WITHOUT
+   WARRANTY OF ANY KIND. */
