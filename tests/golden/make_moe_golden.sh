@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerates tests/golden/moe_cpu.txt from the MoE layer before issue 13's redesign (commit
 # 7a9d942 by default; REV=... for another) built against this tree's dsk_tensor.h and
-# dsk_comm.h, without -march so the CPU GEMM uses its portable micro-kernel. Run from anywhere.
+# dsk_comm.h, its GEMM on the portable micro-kernel (see gen_moe_golden.c). Run from anywhere.
 set -eu
 cd "$(dirname "$0")/../.."
 REV=${REV:-7a9d942}
