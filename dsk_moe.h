@@ -54,7 +54,9 @@
      are one SwiGLU of hidden n_shared * d_shared, always added: y = sum_k g_k o_k + shared(x).
    Dispatch: the kept (token, slot) pairs, flat index t*K + k, stably counting-sorted by expert
      (dsk_group_by_key); the experts run as grouped GEMMs over those row segments
-     (dsk_matmul_grouped); combine sums a token's slots in slot order (no float atomics).
+     (dsk_matmul_grouped; on CUDA a tensor-core kernel of our own that reads the offsets on the
+     device: kernels/grouped.cu says why not cuBLAS's grouped GEMM); combine sums a token's
+     slots in slot order (no float atomics).
    Losses (over this call's T tokens, added to the model loss by the caller; their gradients
      enter backward scaled by its aux_scale), with p' = p for softmax and s / sum_j s_j for sigmoid:
      Switch/GShard  aux_alpha * E * sum_i f_i P_i, f_i = cnt_i / (T K), P_i = mean_t p'_ti;
@@ -1139,7 +1141,8 @@ static dsk_status dsk__moe_need_view(const dsk_moe *m, const char *fn, const dsk
              t->device.index == m->device.index && t->data;
     for (int d = 0; ok && d < p->ndim; d++) ok = t->shape[d] == p->shape[d];
     if (ok) return DSK_OK;
-    for (int d = 0; d < p->ndim; d++) k += (size_t)snprintf(want + k, sizeof want - k, d ? ",%lld" : "[%lld", (long long)p->shape[d]);
+    for (int d = 0; d < p->ndim; d++)
+        k += (size_t)snprintf(want + k, sizeof want - k, d ? ",%lld" : "[%lld", (long long)p->shape[d]);
     snprintf(want + k, sizeof want - k, "] %s", dsk_dtype_name(dt));
     return dsk_set_error(DSK_ERR_ARG, "%s: parameter \"%s\": %s is %s%s on %s, want %s, contiguous with data on %s", fn,
                          p->name, what, dsk_tensor_describe(t, b, sizeof b), t->data ? "" : " without data",

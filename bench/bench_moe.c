@@ -22,6 +22,13 @@
 #include <string.h>
 #include <unistd.h>
 
+/* CPU seconds of every thread of the process (a load-independent view of the CPU's work). */
+static double cpu_now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 typedef struct shape {
     const char *name;
     int D, E, K, F, n_shared, n_group, topk_group;
@@ -127,7 +134,8 @@ static void run_shape(const shape *sh, int T, int warmup, int repeats, const cha
     dsk_tensor x, y, dx, dy;
     int64_t shp[2] = {T, sh->D};
     dsk_dtype dt = ctx->device.type == DSK_DEV_CUDA ? DSK_BF16 : DSK_F32;
-    double *times = (double *)malloc(sizeof(double) * (size_t)repeats), dsk_ms, torch_ms = 0, maxrel = -1;
+    double *times = (double *)malloc(sizeof(double) * (size_t)repeats), dsk_ms, cpu_ms, torch_ms = 0, maxrel = -1;
+    double *cpu_times = (double *)malloc(sizeof(double) * (size_t)repeats);
     double flops_tok, Fs = (double)sh->n_shared * sh->F;
     char path[256], cmd[1024], line[256];
     FILE *f, *p;
@@ -152,21 +160,23 @@ static void run_shape(const shape *sh, int T, int warmup, int repeats, const cha
     BENCH_CHECK(dsk_tensor_fill(ctx, &dx, 0.0));
     BENCH_CHECK(dsk_tensor_uniform(ctx, &m.bias->value, 3, 0, -1e-3f, 1e-3f));
     for (int it = 0; it < warmup + repeats; it++) {
-        double t0 = bench_now_s();
+        double t0 = bench_now_s(), c0 = cpu_now_s();
         BENCH_CHECK(dsk_moe_forward(&m, ctx, &y, &x, NULL));
         BENCH_CHECK(dsk_moe_backward(&m, ctx, &dx, &dy, 1.0f));
         BENCH_CHECK(dsk_ctx_sync(ctx));
         if (it >= warmup) times[it - warmup] = bench_now_s() - t0;
+        if (it >= warmup) cpu_times[it - warmup] = cpu_now_s() - c0;
     }
     dsk_ms = 1e3 * bench_median(times, repeats);
+    cpu_ms = 1e3 * bench_median(cpu_times, repeats);
     BENCH_CHECK(dsk_moe_stats_request(&m, ctx)); /* the loads of every timed call, read after their sync */
     BENCH_CHECK(dsk_ctx_sync(ctx));
     BENCH_CHECK(dsk_moe_stats_collect(&m, ctx, &st));
     /* 3 GEMMs forward, 6 backward, 2 flops per multiply-add */
     flops_tok = 18.0 * sh->D * ((double)sh->K * sh->F + Fs) + 6.0 * sh->D * sh->E;
-    printf("%-7s T=%d D=%d E=%d K=%d F=%d shared=%d %s%s: dsk %.1f ms/step, %.0f tokens/s, %.1f GFLOP/s, max/mean load %.2f\n",
+    printf("%-7s T=%d D=%d E=%d K=%d F=%d shared=%d %s%s: dsk %.1f ms/step, %.0f tokens/s, %.1f GFLOP/s, max/mean load %.2f; CPU time %.1f ms/step\n",
            sh->name, T, sh->D, sh->E, sh->K, sh->F, sh->n_shared, dsk_dtype_name(dt), ctx->device.type == DSK_DEV_CUDA ? " cuda" : "",
-           dsk_ms, T / (dsk_ms * 1e-3), flops_tok * T / (dsk_ms * 1e-3) * 1e-9, st.max_load / st.mean_load);
+           dsk_ms, T / (dsk_ms * 1e-3), flops_tok * T / (dsk_ms * 1e-3) * 1e-9, st.max_load / st.mean_load, cpu_ms);
     /* the same inputs and weights for the PyTorch peer */
     snprintf(path, sizeof path, "/tmp/dsk_bench_moe_%d.bin", (int)getpid());
     f = fopen(path, "wb");
@@ -207,6 +217,7 @@ static void run_shape(const shape *sh, int T, int warmup, int repeats, const cha
     dsk_tensor_free(ctx, &values);
     dsk_tensor_free(ctx, &grads);
     free(times);
+    free(cpu_times);
 }
 
 int main(int argc, char **argv) {
