@@ -55,11 +55,13 @@ EMU_CFLAGS = $(C_BASE) -DDSK_CUDA $(EMU_INC)
 EMU_LIBS   = $(EMU_KLIB) $(EMU_LIB) -lstdc++ -lm -lpthread -lrt
 EMU_TESTS  = $(patsubst tests/cuda_emu/%.cpp,$(EMU)/tests/%,$(wildcard tests/cuda_emu/test_*.cpp)) \
              $(patsubst tests/gpu/%.c,$(EMU)/tests/gpu/%,$(wildcard tests/gpu/test_*.c))
+# The trainer on the emulated GPU, for the scripts that test its CUDA path (tests/test_train_graph.sh).
+EMU_EXAMPLES = $(EMU)/examples/train_moe
 
 .PHONY: all tests examples bench run test test-gpu sanitize fuzz clean
 all: tests examples
 
-tests: $(TESTS) $(GPU_TESTS) $(if $(filter 1,$(EMULATE)),$(EMU_TESTS))
+tests: $(TESTS) $(GPU_TESTS) $(if $(filter 1,$(EMULATE)),$(EMU_TESTS) $(EMU_EXAMPLES))
 examples: $(EXAMPLES)
 bench: $(BENCHES)
 
@@ -86,6 +88,10 @@ $(EMU_KLIB): $(patsubst kernels/%.cu,$(EMU)/kernels/%.o,$(KSRC))
 	rm -f $@ && ar rcs $@ $^
 
 $(EMU)/tests/gpu/%: tests/gpu/%.c tests/dsk_test.h $(wildcard tests/gpu/*.h) $(HEADERS) $(EMU_KLIB) $(EMU_LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(EMU_CFLAGS) -o $@ $< $(EMU_LIBS)
+
+$(EMU)/examples/%: examples/%.c $(wildcard examples/*.h) $(HEADERS) $(EMU_KLIB) $(EMU_LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(EMU_CFLAGS) -o $@ $< $(EMU_LIBS)
 

@@ -8,16 +8,28 @@
        dsk_moe_opts o = {0};
        o.d_model = 512; o.n_routed = 16; o.top_k = 4; o.d_expert = 256; o.n_shared = 1;
        o.score = DSK_MOE_SIGMOID; o.n_group = 4; o.topk_group = 2;
-       dsk_moe moe;  dsk_moe_init(&moe, ctx, &o);
+       dsk_moe moe;  dsk_moe_init(&moe, ctx, &o);          // sizes only: no parameter memory yet
+       for (int i = 0; i < moe.n_params; i++)               // name, shape, dtype, sharded, decay
+           dsk_moe_bind(&moe, ctx, i, &my_value_view[i], &my_grad_view[i]);  // views into YOUR slabs
+       dsk_moe_init_param(&moe, ctx, i, &master[i]);         // fresh values (or load a checkpoint)
        for each micro-batch:
-           dsk_moe_forward(&moe, ctx, &y, &x, &stats);      // y (T, D) from x (T, D)
-           loss += stats.loss;                              // the layer's balancing losses
+           dsk_moe_forward(&moe, ctx, &y, &x, NULL);        // y (T, D) from x (T, D)
            ... dsk_moe_backward(&moe, ctx, &dx, &dy, 1.0f); // dx += ..., grads += ...
-       all-reduce moe.grad_slab (dense part over every data-parallel rank, expert part over
-       the ranks holding the same experts), optimizer step on the named parameters, then
-       dsk_moe_update_bias(&moe, ctx, dp_comm);            // aux-loss-free balancing
+       dsk_moe_stats_request(&moe, ctx);                    // the step's statistics, asynchronously
+       reduce the gradients (dense ones over every data-parallel rank, expert-sharded ones over
+       the ranks holding the same experts), optimizer step, then
+       dsk_moe_update_bias(&moe, ctx, dp_comm);             // aux-loss-free balancing
+       dsk_moe_stats_collect(&moe, ctx, &stats);            // after the step's last sync: no wait
        dsk_moe_free(&moe, ctx);
 
+   Parameters (sizes, then bind). dsk_moe_init reports the layer's named parameters in params[]
+     (name, shape, dtype, expert_sharded, weight_decay, trainable) and allocates no parameter
+     memory. The caller binds a value view (and, for a trainable one, an f32 gradient view) for
+     each into its own memory, typically one slab per role as llm.c does, so the layer's
+     parameters take the same gradient buckets, optimizer, sharding and checkpoint path as every
+     other parameter. dsk_moe_bind_slabs lays them all out in two caller slabs for callers who
+     want nothing else. Names are "<name>.router", ".bias", ".w1", ".w2", ".w3", ".shared.w1",
+     ".shared.w2", ".shared.w3" as before (checkpoints written before the redesign load).
    Routing (router always f32; W_r (E, D), bias b (E)):
      u = x W_r^T.  Softmax: p = softmax(u).  Sigmoid (DeepSeek-V3): p = sigmoid(u).
      Selection scores c = p + b. With n_group > 1 the experts form n_group equal groups; a group
@@ -31,14 +43,20 @@
      with normalisation, g_k = scale * p_k without; the bias never enters g or its gradient.
    Non-finite input: a token whose logits u or scores c hold a NaN or an Inf (from x, W_r or b)
      has no ranking; routing gives it experts 0 .. K-1 with NaN weights (never an index out of
-     range), and dsk_moe_forward fails with DSK_ERR_NONFINITE naming the first such token, on
-     the CPU and on CUDA alike (the CUDA forward reads the routing back to the host anyway) and,
-     with expert parallelism, on every rank of the group together. Such a call writes no y,
-     counts nothing toward the bias update and leaves no forward for backward.
+     range). CPU: dsk_moe_forward fails with DSK_ERR_NONFINITE naming the first such token (with
+     expert parallelism on every rank of the group together); the call writes no y, counts
+     nothing toward the bias update and leaves no forward for backward. CUDA: the forward does
+     not stop the device to look; such a token is dispatched to no expert and counted nowhere,
+     its row of y is NaN (so the loss is, and a loss scaler's non-finite check skips the step),
+     and the statistics count it (stats.nonfinite, from dsk_moe_stats_collect or a forward's
+     stats): the device flag the caller reads a step later.
    Experts: SwiGLU o = W2 (silu(W1 x) * (W3 x)), w1, w3 (E, F, D), w2 (E, D, F). Shared experts
      are one SwiGLU of hidden n_shared * d_shared, always added: y = sum_k g_k o_k + shared(x).
-   Dispatch: the kept (token, slot) pairs, flat index t*K + k, stably counting-sorted by expert;
-     combine sums a token's slots in slot order (deterministic, no float atomics).
+   Dispatch: the kept (token, slot) pairs, flat index t*K + k, stably counting-sorted by expert
+     (dsk_group_by_key); the experts run as grouped GEMMs over those row segments
+     (dsk_matmul_grouped; on CUDA a tensor-core kernel of our own that reads the offsets on the
+     device: kernels/grouped.cu says why not cuBLAS's grouped GEMM); combine sums a token's
+     slots in slot order (no float atomics).
    Losses (over this call's T tokens, added to the model loss by the caller; their gradients
      enter backward scaled by its aux_scale), with p' = p for softmax and s / sum_j s_j for sigmoid:
      Switch/GShard  aux_alpha * E * sum_i f_i P_i, f_i = cnt_i / (T K), P_i = mean_t p'_ti;
@@ -49,31 +67,44 @@
        experts (opts.loss_count, default, as the V3 paper and Megatron-Core count), or among their
        actual selections (DSK_MOE_COUNT_SELECTED); counts carry no gradient;
      z-loss         z_beta * mean_t (logsumexp_j u_tj)^2.
+     The sums run in f64 in a fixed order on both devices (the same code): CPU and CUDA agree.
    Capacity (capacity_factor > 0): C = ceil(T K / E * capacity_factor) slots per expert from this
      rank's tokens; the rest are dropped (lowest weight first, or latest position first) and
      contribute zero. Default: dropless.
    Expert parallelism (opts.ep with P ranks): rank r holds experts [r E/P, (r+1) E/P); each rank
      routes its own tokens, sends rows by all-to-all-v (counts first), the owners compute and
      send the outputs back; backward runs the reverse exchanges. Every rank must call forward
-     and backward together (collectives).
-   Devices: the layer lives on ctx's device. CPU: f32 math (bf16 layers convert their weights
-     and round y, dx to bf16). CUDA (kernels/moe.cu): activations stay on the device, expert
-     GEMMs run through cuBLAS in the compute dtype with f32 accumulation; each forward brings the
-     routing decisions back to the host once (one stream sync) for the dispatch plan, capacity,
-     losses and the per-expert row counts of the GEMMs. Expert parallelism: CPU layers with a
-     host-backend communicator, CUDA layers with an nccl one (rows regrouped on the device).
+     and backward together (collectives). CPU layers take a host-backend communicator, CUDA
+     layers an nccl one. On CUDA the counts exchange keeps one host sync per forward: NCCL's
+     all-to-all-v takes its row counts on the host, and sizing the exchange by the exact counts
+     moves P times fewer bytes than a bounded buffer of T*K rows per peer (see bench/RESULTS.md).
+     Backward reuses the forward's counts and does not sync.
+   Devices: one pipeline for both. The same sequence of calls runs on either device (dsk_tensor
+     ops; the MoE-specific steps run a CPU loop or a CUDA kernel over the same DSK_HD functions
+     below), with one buffer registry. Activations are f32 on the CPU (a bf16 layer converts x and
+     its weights once per call and rounds y and dx; the CPU is the reference) and in the layer's
+     dtype on CUDA (f32 accumulation in every GEMM). On CUDA a forward and backward without
+     expert parallelism make no synchronising call and no device-to-host copy (ctx->counters
+     proves it): routing, counts, offsets (a device prefix sum), the dispatch permutation, the
+     capacity decisions, the losses and the bias-update counts stay on the device; buffers are
+     sized by bounds (T*K routed rows) and the grouped GEMM reads its segment offsets there. So a
+     whole training step can be captured as a CUDA graph (dsk_moe_reserve first, so that the
+     captured calls allocate nothing). Statistics come back asynchronously
+     (dsk_moe_stats_request / dsk_moe_stats_collect: a pinned buffer and an event).
    License: MIT, see the end of the file. */
 
 /* Contents
      declarations
        options                   dsk_moe_score, dsk_moe_norm, dsk_moe_group_rule, dsk_moe_loss_count, dsk_moe_drop,
                                  dsk_moe_router, dsk_moe_opts
-       the layer                 dsk_moe_param, dsk_moe_stats, dsk_moe, dsk_moe_init/free/find_param/forward/
-                                 backward/zero_grad/update_bias
-       per-token routing math    dsk_moe_route_token, dsk_moe_route_token_backward (DSK_HD: CPU and CUDA kernels)
+       the layer                 dsk_moe_param, dsk_moe_stats, dsk_moe, dsk_moe_init/bind/bind_slabs/init_param/
+                                 init_params/reserve/free/find_param/forward/backward/zero_grad/update_bias/
+                                 stats_request/stats_collect
+       per-token routing math    dsk_moe_route_token, dsk_moe_route_token_backward
+       the rest of the MoE math  losses, capacity, combine, gate gradient, bias update (DSK_HD: CPU and CUDA)
      implementation (DSK_MOE_IMPLEMENTATION)
-       state; options and init; CPU building blocks; routing, losses, capacity; expert-parallel exchange;
-       forward and backward (CPU); CUDA path; public entry points */
+       state and buffer registry; options and init; parameters; MoE steps (CPU loops, CUDA launchers);
+       expert-parallel exchange; forward; backward; statistics and bias; public entry points */
 /* With DSK_STATIC every dsk function is static, so this file must also compile its dependencies. */
 #if defined(DSK_STATIC) && defined(DSK_MOE_IMPLEMENTATION)
 #ifndef DSK_TENSOR_IMPLEMENTATION
@@ -116,8 +147,9 @@ typedef enum dsk_moe_loss_count {
 /* Which slots capacity mode drops: the lowest routing weights, or the latest tokens. */
 typedef enum dsk_moe_drop { DSK_MOE_DROP_PROB = 0, DSK_MOE_DROP_POSITION = 1 } dsk_moe_drop;
 
-/* The routing configuration the per-token routing functions and the CUDA router take (the
-   layer resolves it from its options into dsk_moe.routing). */
+/* The routing configuration: what every MoE step of the math below takes instead of positional
+   flags (the layer resolves it from its options into dsk_moe.routing). A new score function is
+   a new enum value here and a case in dsk_moe_route_token / dsk_moe_route_token_backward. */
 typedef struct dsk_moe_router {
     int n_experts;          /* E */
     int top_k;              /* K, 1 <= K <= E */
@@ -158,27 +190,39 @@ typedef struct dsk_moe_opts {
     dsk_moe_drop drop;       /* [DSK_MOE_DROP_PROB] */
     dsk_dtype dtype;         /* parameters, x, y, dx, dy: DSK_F32 or DSK_BF16 [DSK_F32] */
     dsk_comm *ep;            /* expert-parallel group [NULL = every expert local] */
-    float init_std;          /* weights ~ N(0, init_std) [0.02] (router, experts, shared) */
-    uint64_t seed;           /* weight init stream [0]; expert e uses the same numbers at any EP size */
+    float init_std;          /* dsk_moe_init_param: weights ~ N(0, init_std) [0.02] (router, experts, shared) */
+    uint64_t seed;           /* dsk_moe_init_param's stream [0]; expert e gets the same numbers at any EP size */
 } dsk_moe_opts;
 
 /* ---- the layer */
 
-/* A named parameter: value in the parameter slab, gradient (f32) in the gradient slab. */
+/* A named parameter: what dsk_moe_init reports, and the views the caller binds. */
 typedef struct dsk_moe_param {
     char name[96];           /* "<prefix>.w1" */
-    dsk_tensor value;        /* view into param_slab (router and bias f32, the rest opts.dtype) */
-    dsk_tensor grad;         /* f32 view into grad_slab; zero-size for the bias (not a gradient parameter) */
-    int expert_sharded;      /* 1: this rank's slice of the experts (w1 w2 w3), 0: replicated */
+    int ndim;
+    int64_t shape[3];        /* this rank's shape (expert-sharded: n_local experts on dim 0) */
+    dsk_dtype dtype;         /* of the value: router and bias f32, the rest opts.dtype */
+    int expert_sharded;      /* 1: experts [expert0, expert0 + n_local) of n_routed on dim 0 (w1 w2 w3): their
+                                gradients reduce over the ranks holding the same experts; 0: replicated */
+    int weight_decay;        /* 1: a matrix (weight decay applies), 0: the bias */
+    int trainable;           /* 1: has a gradient; 0: the expert bias (dsk_moe_update_bias changes it) */
+    dsk_tensor value;        /* bound by the caller (data NULL until then) */
+    dsk_tensor grad;         /* f32, bound by the caller for a trainable parameter */
 } dsk_moe_param;
 
 #define DSK_MOE_N_PARAMS 8
+/* params[] indices (the shared experts exist when n_shared > 0: n_params 8, else 5). */
+enum { DSK_MOE_P_ROUTER = 0, DSK_MOE_P_BIAS, DSK_MOE_P_W1, DSK_MOE_P_W2, DSK_MOE_P_W3, DSK_MOE_P_SW1, DSK_MOE_P_SW2,
+       DSK_MOE_P_SW3 };
 
-/* Per-call statistics, written by dsk_moe_forward. */
+/* Statistics: of one forward (dsk_moe_forward's stats) or summed over the forwards since the
+   previous request (dsk_moe_stats_collect). Counts are over the EP group, losses this rank's. */
 typedef struct dsk_moe_stats {
+    int64_t calls;                    /* forwards summed (1 for a forward's own stats) */
     int64_t tokens;                   /* tokens over the EP group */
     int64_t slots;                    /* routed (token, expert) pairs over the EP group, T*K summed */
     int64_t dropped;                  /* slots dropped by capacity over the EP group */
+    int64_t nonfinite;                /* tokens with NaN/Inf routing (CUDA; the CPU fails the forward) */
     const int64_t *tokens_per_expert; /* (E) slots each expert was selected for, EP group; owned by the layer */
     double max_load, mean_load;       /* max and mean of tokens_per_expert */
     double aux_loss, seq_aux_loss, z_loss; /* this rank's loss terms (coefficients included) */
@@ -195,41 +239,64 @@ typedef struct dsk_moe {
     int n_local;              /* experts on this rank: E / ep_size */
     int expert0;              /* first local expert */
     dsk_device device;
-    dsk_tensor param_slab;    /* u8 bytes: every parameter */
-    dsk_tensor grad_slab;     /* f32, every gradient in this order: router, shared.w1, shared.w2, shared.w3
-                                 (dense), then w1, w2, w3 (this rank's experts); params[i].grad point in */
-    int64_t grad_dense_numel; /* grad_slab[0, grad_dense_numel): all-reduce over every DP rank */
-    int64_t grad_expert_numel;/* the rest: all-reduce over the ranks holding the same experts */
     dsk_moe_param params[DSK_MOE_N_PARAMS];
     int n_params;
     /* shortcuts into params[] */
     dsk_moe_param *router, *bias, *w1, *w2, *w3, *sw1, *sw2, *sw3;
-    struct dsk__moe_state *st; /* saved activations and workspace */
-    int eval;                 /* 1: forward passes are not counted toward the bias update
-                                 (validation, generation); set and clear it around them [0] */
+    struct dsk__moe_state *st; /* saved activations, workspace, device statistics */
+    int eval;                 /* 1: forward passes count toward neither the bias update nor the collected
+                                 statistics (validation, generation); set and clear it around them [0] */
 } dsk_moe;
 
-/* Validates opts, allocates parameters (initialised from opts.seed), zeroed gradients and the
-   state on ctx's device (ctx NULL = CPU). With opts.ep the call is collective on that group. */
+/* Validates opts and reports the parameters (params[], unbound) of a layer on ctx's device
+   (ctx NULL = CPU); allocates its workspace registry and device statistics, no parameters. */
 DSK_API dsk_status dsk_moe_init(dsk_moe *m, dsk_ctx *ctx, const dsk_moe_opts *opts);
-DSK_API void dsk_moe_free(dsk_moe *m, dsk_ctx *ctx); /* zeroed/freed ok */
+DSK_API void dsk_moe_free(dsk_moe *m, dsk_ctx *ctx); /* zeroed/freed ok; never frees bound memory */
+/* Binds parameter `index`: value with the parameter's shape and dtype, grad f32 of that shape
+   (NULL for the bias; required for a trainable parameter), both contiguous on the layer's
+   device. The layer keeps views; the memory stays the caller's and must outlive the binding. */
+DSK_API dsk_status dsk_moe_bind(dsk_moe *m, dsk_ctx *ctx, int index, const dsk_tensor *value, const dsk_tensor *grad);
+/* Sizes for dsk_moe_bind_slabs: value bytes (parameters in params[] order, each 256-byte
+   aligned) and f32 gradient elements (dense parameters first, then the expert-sharded ones). */
+DSK_API void dsk_moe_slab_sizes(const dsk_moe *m, int64_t *value_bytes, int64_t *grad_dense, int64_t *grad_sharded);
+/* Binds every parameter into two caller slabs on the layer's device: values (u8, value_bytes)
+   and grads (f32, grad_dense + grad_sharded elements). */
+DSK_API dsk_status dsk_moe_bind_slabs(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *values, dsk_tensor *grads);
+/* dst (parameter index's shape, any float dtype, on the layer's device) <- its initial values:
+   N(0, init_std) from opts.seed at offset 2^40 * s (s = 0 router, 1 w1, 2 w2, 3 w3, 4 shared.w1,
+   5 shared.w2, 6 shared.w3) + the element's global position (an expert gets the same numbers at
+   any EP size), zeros for the bias. */
+DSK_API dsk_status dsk_moe_init_param(dsk_moe *m, dsk_ctx *ctx, int index, dsk_tensor *dst);
+/* dsk_moe_init_param into every bound value. */
+DSK_API dsk_status dsk_moe_init_params(dsk_moe *m, dsk_ctx *ctx);
+/* Allocates the workspace for calls of up to max_tokens tokens now, so later forwards and
+   backwards allocate nothing (before a CUDA graph capture). Expert parallelism sizes its
+   received rows per call. */
+DSK_API dsk_status dsk_moe_reserve(dsk_moe *m, dsk_ctx *ctx, int64_t max_tokens);
 /* The parameter named `name` (full name, e.g. "moe.w1"), or NULL. */
 DSK_API dsk_moe_param *dsk_moe_find_param(dsk_moe *m, const char *name);
 /* y (T, D) = MoE(x (T, D)), both opts.dtype on the layer's device; saves what backward needs
-   (one forward in flight per layer). stats may be NULL (zeroed on error). DSK_ERR_NONFINITE when
-   a token's router logits are NaN/Inf (see "Non-finite input" above). */
+   (one forward in flight per layer). stats may be NULL; given on CUDA it costs one sync (the
+   statistics are read back at once): pass NULL and use dsk_moe_stats_collect to stay sync-free.
+   CPU: DSK_ERR_NONFINITE when a token's router logits are NaN/Inf (see "Non-finite input"). */
 DSK_API dsk_status dsk_moe_forward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, dsk_moe_stats *stats);
 /* dx (T, D) += d/dx, every parameter gradient += its part, for the last forward; dy (T, D).
    aux_scale weights the gradients of the layer's loss terms (1; the loss scale under amp;
    divided by the micro-batch count when the model loss is). */
 DSK_API dsk_status dsk_moe_backward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, float aux_scale);
-/* Zeroes every gradient. */
+/* Zeroes every bound gradient. */
 DSK_API dsk_status dsk_moe_zero_grad(dsk_moe *m, dsk_ctx *ctx);
 /* Aux-loss-free balancing, after the optimizer step: loads = selections per expert counted by
    every forward since the last update (except those run with m->eval set), summed over `comm`
    (the data-parallel world, NULL = this rank only); b_i += bias_rate * sign(mean load - load_i);
-   re-centred if asked. */
+   re-centred if asked. Runs on the layer's device (CUDA: no host sync). */
 DSK_API dsk_status dsk_moe_update_bias(dsk_moe *m, dsk_ctx *ctx, dsk_comm *comm);
+/* Statistics of the forwards since the previous request (m->eval ones excepted): takes them and
+   starts over. CUDA: an asynchronous copy into pinned memory and an event; collect waits for
+   that event only, so called after a later sync of the stream it does not wait at all. */
+DSK_API dsk_status dsk_moe_stats_request(dsk_moe *m, dsk_ctx *ctx);
+/* The statistics of the last request (all zero before the first). */
+DSK_API dsk_status dsk_moe_stats_collect(dsk_moe *m, dsk_ctx *ctx, dsk_moe_stats *out);
 
 /* ---- per-token routing math shared by the CPU path and the CUDA kernels */
 
@@ -360,6 +427,233 @@ static inline DSK_HD void dsk_moe_route_token_backward(const dsk_moe_router *r, 
     }
 }
 
+/* ---- the rest of the MoE math, shared by the CPU loops and the CUDA kernels (one place each) */
+
+/* Score of expert j in the balancing losses: p' = p (softmax) or s / sum_j s_j (sigmoid). */
+static inline DSK_HD double dsk__moe_pnorm(int sigmoid, float p, double ptot) { return sigmoid ? p / ptot : p; }
+
+/* Token t's part of the balancing losses: *ptot = sum of its scores (f64, expert order),
+   *lse = logsumexp of its logits (when need_lse), lsel (K) = the experts its loss counts: the
+   top K of its unbiased scores over all experts (count_topk; ties: lower index), else its
+   selections sel (K). */
+static inline DSK_HD void dsk__moe_loss_token(int E, int K, int count_topk, int need_lse, const float *prob,
+                                              const float *u, const int32_t *sel, double *ptot, float *lse,
+                                              int32_t *lsel) {
+    double tot = 0;
+    for (int j = 0; j < E; j++) tot += prob[j];
+    *ptot = tot;
+    if (need_lse) *lse = dsk_moe_logsumexp(u, E);
+    if (!count_topk) {
+        for (int k = 0; k < K; k++) lsel[k] = sel[k];
+        return;
+    }
+    {
+        float pv = INFINITY;
+        int pi = -1;
+        for (int k = 0; k < K; k++) { /* pass k: the largest (value, index) ranked after pass k-1's */
+            int best = -1;
+            for (int j = 0; j < E; j++)
+                if ((prob[j] < pv || (prob[j] == pv && j > pi)) && (best < 0 || prob[j] > prob[best])) best = j;
+            lsel[k] = best;
+            pv = prob[best];
+            pi = best;
+        }
+    }
+}
+
+/* Expert j over tokens [t0, t0 + n) (one sequence, or the whole call): P = sum_t p'_tj / n and
+   cnt = the tokens counting j (lsel), in token order. */
+static inline DSK_HD void dsk__moe_loss_sums(int j, int64_t t0, int64_t n, int E, int K, int sigmoid, const float *prob,
+                                             const double *ptot, const int32_t *lsel, double *P, double *cnt) {
+    double p = 0, c = 0;
+    for (int64_t t = t0; t < t0 + n; t++) {
+        p += dsk__moe_pnorm(sigmoid, prob[t * E + j], ptot[t]) / (double)n;
+        for (int k = 0; k < K; k++) c += lsel[t * K + k] == j ? 1.0 : 0.0;
+    }
+    *P = p;
+    *cnt = c;
+}
+
+/* Switch/GShard term of expert j over the call's T tokens: term = f_j P_j, and the coefficient
+   of d loss / d p'_tj (every token): alpha E f_j / T. */
+static inline DSK_HD void dsk__moe_switch_expert(int j, int64_t T, int E, int K, int sigmoid, float alpha,
+                                                 const float *prob, const double *ptot, const int32_t *lsel,
+                                                 double *term, float *coef) {
+    double P, cnt, f;
+    dsk__moe_loss_sums(j, 0, T, E, K, sigmoid, prob, ptot, lsel, &P, &cnt);
+    f = cnt / (double)(T * K);
+    *term = f * P;
+    *coef = (float)(alpha * E * f / (double)T);
+}
+
+/* DeepSeek-V3 sequence-wise term of expert j in sequence q (L tokens, nseq sequences). */
+static inline DSK_HD void dsk__moe_seq_expert(int j, int64_t q, int64_t L, int64_t nseq, int E, int K, int sigmoid,
+                                              float alpha, const float *prob, const double *ptot,
+                                              const int32_t *lsel, double *term, float *coef) {
+    double P, cnt, f;
+    dsk__moe_loss_sums(j, q * L, L, E, K, sigmoid, prob, ptot, lsel, &P, &cnt);
+    f = (double)E / (double)(K * L) * cnt;
+    *term = f * P;
+    *coef = (float)(alpha * f / (double)L / (double)nseq);
+}
+
+/* The loss values (one thread): out = {aux, seq_aux, z, their sum}, each summed in a fixed order
+   (experts, then sequences, then tokens). term_s (E), term_q (nseq, E), lse (T) as above. */
+static inline DSK_HD void dsk__moe_loss_finish(int E, int64_t T, int64_t nseq, float alpha, float seq_alpha,
+                                               float z_beta, const double *term_s, const double *term_q,
+                                               const float *lse, double *out) {
+    out[0] = out[1] = out[2] = out[3] = 0.0;
+    if (T == 0) return;
+    if (alpha > 0) {
+        double loss = 0;
+        for (int j = 0; j < E; j++) loss += term_s[j];
+        out[0] = alpha * E * loss;
+    }
+    if (seq_alpha > 0) {
+        double total = 0;
+        for (int64_t q = 0; q < nseq; q++) {
+            double loss = 0;
+            for (int j = 0; j < E; j++) loss += term_q[q * E + j];
+            total += seq_alpha * loss;
+        }
+        out[1] = total / (double)nseq;
+    }
+    if (z_beta > 0) {
+        double z = 0;
+        for (int64_t t = 0; t < T; t++) {
+            double l = lse[t];
+            z += l * l;
+        }
+        out[2] = z_beta * z / (double)T;
+    }
+    out[3] = out[0] + out[1] + out[2];
+}
+
+/* d loss / d p' per unit weight for expert j of sequence q: the Switch and sequence-wise parts. */
+static inline DSK_HD float dsk__moe_aux_coef(int has_switch, int has_seq, float coef_s, float coef_q) {
+    float c = 0.0f;
+    if (has_switch) c += coef_s;
+    if (has_seq) c += coef_q;
+    return c;
+}
+
+/* Capacity order: 1 if slot a (weight ga, flat index ia) is kept before slot b: larger weight
+   first (a NaN weight lowest), then the earlier position. */
+static inline DSK_HD int dsk__moe_kept_before(float ga, int32_t ia, float gb, int32_t ib) {
+    ga = ga == ga ? ga : -INFINITY;
+    gb = gb == gb ? gb : -INFINITY;
+    if (ga != gb) return ga > gb;
+    return ia < ib;
+}
+
+/* 1 if the slot at position j of its expert's segment seg (n flat slot indices in position
+   order) keeps its place under capacity cap: by position, or by rank of its weight. */
+static inline DSK_HD int dsk__moe_capacity_keep(int drop, const float *gate, const int32_t *seg, int64_t n, int64_t j,
+                                                int64_t cap) {
+    int64_t rank = 0;
+    if (drop == DSK_MOE_DROP_POSITION || n <= cap) return j < cap;
+    for (int64_t i = 0; i < n; i++) rank += dsk__moe_kept_before(gate[seg[i]], seg[i], gate[seg[j]], seg[j]);
+    return rank < cap;
+}
+
+/* Position j of the kept order (n_kept = offsets[E]): its source token and weight; -1 and 0
+   past the kept rows (the zero padding of a buffer sized by a bound). */
+static inline DSK_HD void dsk__moe_plan_row(int64_t j, int K, int32_t n_kept, const int32_t *perm, const float *gate,
+                                            int32_t *row_tok, float *row_gate) {
+    row_tok[j] = j < n_kept ? perm[j] / K : -1;
+    row_gate[j] = j < n_kept ? gate[perm[j]] : 0.0f;
+}
+
+/* The counts of a forward (one thread): cnt[0] tokens, [1] slots dropped by capacity, [2]
+   tokens with non-finite routing (their K slots were left out of the sort), [3, 3 + E)
+   selections per expert, [3 + E, 3 + 2E) kept slots per expert; from the offsets of the full
+   sort (off_all) and of the kept one (off). */
+static inline DSK_HD void dsk__moe_counts(int64_t T, int K, int E, const int32_t *off_all, const int32_t *off,
+                                          int64_t *cnt) {
+    cnt[0] = T;
+    cnt[1] = (int64_t)off_all[E] - off[E];
+    cnt[2] = (T * K - off_all[E]) / K;
+    for (int e = 0; e < E; e++) {
+        cnt[3 + e] = (int64_t)off_all[e + 1] - off_all[e];
+        cnt[3 + E + e] = (int64_t)off[e + 1] - off[e];
+    }
+}
+
+/* Adds a training forward to the bias-update loads (this rank's selections, cnt_local) and to
+   the statistics (acc_i: calls, tokens, slots, dropped, non-finite tokens, loads (E) of the EP
+   group, cnt_group; acc_f: aux, seq_aux, z of this rank). One thread. */
+static inline DSK_HD void dsk__moe_accumulate(int E, int K, const int64_t *cnt_local, const int64_t *cnt_group,
+                                              const double *loss, int64_t *load, int64_t *acc_i, double *acc_f) {
+    for (int e = 0; e < E; e++) load[e] += cnt_local[3 + e];
+    acc_i[0] += 1;
+    acc_i[1] += cnt_group[0];
+    acc_i[2] += cnt_group[0] * K;
+    acc_i[3] += cnt_group[1];
+    acc_i[4] += cnt_group[2];
+    for (int e = 0; e < E; e++) acc_i[5 + e] += cnt_group[3 + e];
+    for (int i = 0; i < 3; i++) acc_f[i] += loss[i];
+}
+
+/* Element (t, d) of y: token t's kept slots in slot order (pos, gate (K)), then the shared
+   experts' row; NaN for a token with non-finite routing (its gates are NaN). */
+static inline DSK_HD float dsk__moe_combine_elem(int K, const int32_t *pos, const float *gate, const void *rows,
+                                                 dsk_dtype rdt, int64_t D, int64_t d, const void *shared,
+                                                 dsk_dtype sdt, int64_t shared_i) {
+    float acc = 0.0f;
+    if (gate[0] != gate[0]) return NAN;
+    for (int k = 0; k < K; k++) {
+        int32_t p = pos[k];
+        if (p < 0) continue;
+        acc += gate[k] * dsk_load_f32(rows, rdt, (int64_t)p * D + d);
+    }
+    if (shared) acc += dsk_load_f32(shared, sdt, shared_i);
+    return acc;
+}
+
+/* Backward of the combine into element (t, d) of dx (f32, value acc): its kept slots' rows in
+   slot order. */
+static inline DSK_HD float dsk__moe_uncombine_elem(int K, const int32_t *pos, const void *rows, dsk_dtype rdt,
+                                                   int64_t D, int64_t d, float acc) {
+    for (int k = 0; k < K; k++)
+        if (pos[k] >= 0) acc += dsk_load_f32(rows, rdt, (int64_t)pos[k] * D + d);
+    return acc;
+}
+
+/* Part of a gate gradient d loss / d g = dy_t . o_slot: elements lane, lane + stride, ... of the
+   two rows, in f64 (the CPU takes lane 0 of stride 1; a CUDA warp sums 32 lanes in a fixed tree). */
+static inline DSK_HD double dsk__moe_dot_part(const void *a, dsk_dtype adt, int64_t a0, const void *b, dsk_dtype bdt,
+                                              int64_t b0, int64_t D, int64_t lane, int64_t stride) {
+    double acc = 0;
+    for (int64_t d = lane; d < D; d += stride) acc += (double)dsk_load_f32(a, adt, a0 + d) * dsk_load_f32(b, bdt, b0 + d);
+    return acc;
+}
+
+/* Aux-loss-free bias update (one thread): b_i += rate * sign(mean load - load_i), re-centred to
+   mean 0 when asked. */
+static inline DSK_HD void dsk__moe_bias_update(int E, float rate, int recenter, const int64_t *load, float *b) {
+    double mean = 0, bmean = 0;
+    for (int e = 0; e < E; e++) mean += (double)load[e] / E;
+    for (int e = 0; e < E; e++) {
+        double l = (double)load[e];
+        b[e] += rate * (float)((mean > l) - (mean < l));
+    }
+    if (recenter) {
+        for (int e = 0; e < E; e++) bmean += b[e];
+        bmean /= E;
+        for (int e = 0; e < E; e++) b[e] -= (float)bmean;
+    }
+}
+
+/* Routes token t (dsk_moe_route_token) and writes its sort keys: its experts, or -1 for a
+   token with non-finite routing (dispatched nowhere). */
+static inline DSK_HD void dsk__moe_route_one(const dsk_moe_router *r, int64_t t, const float *u, const float *bias,
+                                             float *prob, float *scratch, int32_t *sel, float *gate, int32_t *keys) {
+    int E = r->n_experts, K = r->top_k;
+    int bad = dsk_moe_route_token(r, u + t * E, bias, prob + t * E, scratch + t * (E + r->n_group), sel + t * K,
+                                  gate + t * K);
+    for (int k = 0; k < K; k++) keys[t * K + k] = bad ? -1 : sel[t * K + k];
+}
+
 #ifdef __cplusplus
 }
 #endif
@@ -376,19 +670,7 @@ static inline DSK_HD void dsk_moe_route_token_backward(const dsk_moe_router *r, 
 #include "kernels/dsk_kernels.h"
 #endif
 
-/* ---------------------------------------------------------------- state */
-
-#ifdef DSK_CUDA
-/* Device buffers of the CUDA path (cd = compute dtype). */
-enum dsk__moe_dev_id {
-    DSK__MOE_D_XC, DSK__MOE_D_XF, DSK__MOE_D_U, DSK__MOE_D_PROB, DSK__MOE_D_SCR, DSK__MOE_D_SEL, DSK__MOE_D_GATE,
-    DSK__MOE_D_CNT, DSK__MOE_D_PERM, DSK__MOE_D_POS, DSK__MOE_D_AUX, DSK__MOE_D_XS, DSK__MOE_D_H1, DSK__MOE_D_H3,
-    DSK__MOE_D_A, DSK__MOE_D_O, DSK__MOE_D_HS1, DSK__MOE_D_HS3, DSK__MOE_D_AS, DSK__MOE_D_YS, DSK__MOE_D_DXF,
-    DSK__MOE_D_DGATE, DSK__MOE_D_DOS, DSK__MOE_D_DA, DSK__MOE_D_DH1, DSK__MOE_D_DH3, DSK__MOE_D_DXR, DSK__MOE_D_DU,
-    DSK__MOE_D_DAS, DSK__MOE_D_DHS1, DSK__MOE_D_DHS3, DSK__MOE_D_COMM, DSK__MOE_D_XR, DSK__MOE_D_OB, DSK__MOE_D_DOR,
-    DSK__MOE_D_DXP, DSK__MOE_D_RG, DSK__MOE_D_RGI, DSK__MOE_D_RT, DSK__MOE_D_RTMP, DSK__MOE_NDEV
-};
-#endif
+/* ---------------------------------------------------------------- state and buffer registry */
 
 /* OpenMP pragmas only when compiled with -fopenmp (no unknown-pragma warnings without). */
 #ifdef _OPENMP
@@ -397,58 +679,220 @@ enum dsk__moe_dev_id {
 #define DSK__MOE_OMP(x)
 #endif
 
-/* Host scratch grown on demand. */
-typedef struct dsk__moe_buf { void *p; size_t cap; } dsk__moe_buf;
+/* Every buffer of the pipeline, on the layer's device (act: f32 on the CPU, the layer's dtype on
+   CUDA; TK = T * K slots; R = rows of expert work: the kept slots, or their bound T*K on CUDA). */
+enum dsk__moe_buf_id {
+    /* forward, kept for backward */
+    DSK__MOE_XF,       /* (T, D) f32 x: the router's input */
+    DSK__MOE_XA,       /* (T, D) act x, when act is not f32 (else XF) */
+    DSK__MOE_U,        /* (T, E) f32 logits */
+    DSK__MOE_PROB,     /* (T, E) f32 scores */
+    DSK__MOE_SCR,      /* (T, E + n_group) f32 routing scratch */
+    DSK__MOE_SEL,      /* (T, K) i32 experts in slot order */
+    DSK__MOE_GATE,     /* (T, K) f32 weights */
+    DSK__MOE_KEYS,     /* (TK) i32 sort keys: the experts, -1 for non-finite tokens */
+    DSK__MOE_PTOT,     /* (T) f64 sum of a token's scores (losses) */
+    DSK__MOE_LSE,      /* (T) f32 logsumexp (z-loss) */
+    DSK__MOE_LSEL,     /* (T, K) i32 experts the losses count */
+    DSK__MOE_TERM_S,   /* (E) f64 Switch terms */
+    DSK__MOE_COEF_S,   /* (E) f32 Switch coefficients */
+    DSK__MOE_TERM_Q,   /* (nseq, E) f64 sequence-wise terms */
+    DSK__MOE_COEF_Q,   /* (nseq, E) f32 sequence-wise coefficients */
+    DSK__MOE_AUX,      /* (nseq, E) f32 d loss / d p' coefficients for backward */
+    DSK__MOE_LOSS,     /* (4) f64 aux, seq_aux, z, total */
+    DSK__MOE_PERM_ALL, /* (TK) i32 every routed slot by expert */
+    DSK__MOE_OFF_ALL,  /* (E + 1) i32 its offsets */
+    DSK__MOE_KEYS2,    /* (TK) i32 keys after capacity */
+    DSK__MOE_PERM,     /* (TK) i32 kept slots by expert (-1 past them) */
+    DSK__MOE_OFF,      /* (E + 1) i32 their offsets: the experts' row segments */
+    DSK__MOE_POS,      /* (TK) i32 slot -> kept row, -1 dropped */
+    DSK__MOE_ROW_TOK,  /* (TK) i32 kept row -> token, -1 past the kept rows */
+    DSK__MOE_ROW_GATE, /* (TK) f32 kept row -> weight */
+    DSK__MOE_CNT,      /* (3 + 2E) i64 this rank's counts (dsk__moe_counts) */
+    DSK__MOE_CNTG,     /* (3 + 2E) i64 counts summed over the EP group */
+    DSK__MOE_XS,       /* (TK, D) act token rows in kept order */
+    DSK__MOE_XR,       /* (R, D) act rows received by this rank's experts, expert-major (EP) */
+    DSK__MOE_STAGE,    /* (max(R, TK), D) act rows of an all-to-all-v (EP) */
+    DSK__MOE_H1,       /* (R, F) act */
+    DSK__MOE_H3,       /* (R, F) act */
+    DSK__MOE_A,        /* (R, F) act silu(h1) h3 */
+    DSK__MOE_O,        /* (R, D) act expert outputs */
+    DSK__MOE_OB,       /* (TK, D) act expert outputs back in kept order (EP) */
+    DSK__MOE_HS1,      /* (T, Fs) act shared experts */
+    DSK__MOE_HS3,
+    DSK__MOE_AS,
+    DSK__MOE_YS,       /* (T, D) act shared output */
+    DSK__MOE_RECV_CNT, /* (P, n_local) i64 rows each rank sends to each local expert (EP) */
+    DSK__MOE_LOCAL_OFF,/* (n_local + 1) i32 local experts' row segments (EP) */
+    DSK__MOE_RG,       /* (R) i32 expert-major row -> received row (EP) */
+    DSK__MOE_RGI,      /* (R) i32 its inverse (EP) */
+    DSK__MOE_WA,       /* act copies of w1 w2 w3 sw1 sw2 sw3 when their dtype is not act: 6 ids */
+    DSK__MOE_WA_END = DSK__MOE_WA + 6,
+    /* backward */
+    DSK__MOE_DYA = DSK__MOE_WA_END, /* (T, D) act dy, when act is not the layer's dtype */
+    DSK__MOE_DXF,      /* (T, D) f32 d x accumulated */
+    DSK__MOE_DGATE,    /* (T, K) f32 */
+    DSK__MOE_DU,       /* (T, E) f32 */
+    DSK__MOE_DOS,      /* (TK, D) act g * dy rows in kept order */
+    DSK__MOE_DOR,      /* (R, D) act at the experts (EP) */
+    DSK__MOE_DA,       /* (R, F) act */
+    DSK__MOE_DH1,
+    DSK__MOE_DH3,
+    DSK__MOE_DXR,      /* (R, D) act d expert input */
+    DSK__MOE_DXP,      /* (TK, D) act back in kept order (EP) */
+    DSK__MOE_DAS,      /* (T, Fs) act shared experts */
+    DSK__MOE_DHS1,
+    DSK__MOE_DHS3,
+    /* persistent (allocated once by init) */
+    DSK__MOE_LOAD,     /* (E) i64 selections since the last bias update */
+    DSK__MOE_ACC_I,    /* (5 + E) i64 statistics since the last request */
+    DSK__MOE_ACC_F,    /* (3) f64 */
+    DSK__MOE_NBUF
+};
+
+typedef struct dsk__moe_slot { dsk_tensor mem; size_t cap; } dsk__moe_slot;
 
 struct dsk__moe_state {
     int have_fwd;            /* a forward's activations are saved */
-    int64_t T, n_kept, R;    /* tokens, kept slots sent, rows received */
+    int64_t T;               /* tokens of the saved forward */
+    int64_t n_kept;          /* kept slots of this rank, when the host knows it (CPU; EP), else -1 */
+    int64_t R;               /* rows of expert work in the buffers: exact (CPU, EP) or T*K's bound (CUDA) */
     int64_t n_seq, seq_len;  /* sequences of the sequence-wise loss */
-    int64_t n_bad, first_bad; /* tokens routed as non-finite this call, the first of them (-1: none) */
-    /* T-sized (host) */
-    dsk__moe_buf xf, u, prob, gate, sel, slot_pos, perm, xs, ob, hs1, hs3, as, ys, aux_coef;
-    /* R-sized */
-    dsk__moe_buf xr, h1, h3, a, orr, rg;
-    /* backward scratch */
-    dsk__moe_buf dyf, dxf, du, dgate, dos, dor, dh1, dh3, dxr, dxp, das, dhs1, dhs3;
-    dsk__moe_buf wf; /* f32 copies of bf16 weights, per forward */
-#ifdef DSK_CUDA
-    dsk__moe_buf dev[DSK__MOE_NDEV]; /* device buffers of the CUDA path, see dsk__moe_dev_id */
-#endif
-    int64_t *sel_count;      /* (E) local selections this call */
-    int64_t *kept_count;     /* (E) local kept slots this call */
-    int64_t *global_count;   /* (E) selections over the EP group this call */
-    int64_t *load_accum;     /* (E) local selections since the last bias update */
-    int64_t *send_rows, *recv_rows;   /* (P) rows to / from each EP rank */
-    int64_t *recv_cnt;       /* (P, n_local) rows from each rank for each local expert */
-    int64_t *local_off;      /* (n_local + 1) row offsets of local experts in the regrouped buffer */
-    int n_threads;
+    dsk_dtype act;           /* activation dtype */
+    dsk__moe_slot buf[DSK__MOE_NBUF];
+    /* host side */
+    int64_t *h_cnt;          /* (3 + 2E) counts on the host (CUDA: copied back when asked for) */
+    int64_t *h_recv_cnt;     /* (P * n_local) EP counts on the host */
+    int64_t *a2a;            /* (4P) all-to-all-v counts and displacements, forward direction (elements) */
+    int64_t *send_rows, *recv_rows; /* (P) */
+    int64_t *local_off;      /* (n_local + 1) */
+    int32_t *h_rg;           /* (R, 2) regroup index and its inverse on the host (EP), grown */
+    int64_t h_rg_cap;
+    int64_t *fwd_loads;      /* (E) the last forward's stats.tokens_per_expert */
+    int64_t *col_acc_i;      /* (5 + E) the last collected statistics (CUDA: pinned) */
+    double *col_acc_f;       /* (3) */
+    void *event;             /* CUDA: the event after the last request's copy */
+    int requested;           /* a request is pending or collected */
 };
 
-static dsk_status dsk__moe_reserve(dsk__moe_buf *b, size_t bytes) {
-    if (bytes <= b->cap) return DSK_OK;
-    DSK_FREE(b->p);
-    b->p = DSK_MALLOC(bytes);
-    b->cap = b->p ? bytes : 0;
-    if (!b->p) return dsk_set_error(DSK_ERR_OOM, "dsk_moe: out of host memory for %zu bytes of workspace", bytes);
-    return DSK_OK;
+/* The dtype and (rows, cols) of buffer id for T tokens and R expert rows (cols 0: 1-D). */
+static void dsk__moe_spec(const dsk_moe *m, int id, int64_t T, int64_t R, dsk_dtype *dt, int64_t *rows, int64_t *cols) {
+    const dsk_moe_opts *o = &m->opts;
+    dsk_dtype act = m->st->act;
+    int64_t D = o->d_model, E = o->n_routed, K = o->top_k, F = o->d_expert, Fs = m->d_shared_total, TK = T * K;
+    int64_t L = o->seq_aux_alpha > 0 && o->seq_len ? o->seq_len : (T > 0 ? T : 1), NS = T / L > 0 ? T / L : 1;
+    int ep = m->ep_size > 1, shared = Fs > 0, losses = o->aux_alpha > 0 || o->seq_aux_alpha > 0 || o->z_beta > 0;
+    *dt = act;
+    *cols = 0;
+    *rows = 0;
+    switch (id) {
+    case DSK__MOE_XF: *dt = DSK_F32; *rows = T; *cols = D; break;
+    case DSK__MOE_XA: *rows = act == DSK_F32 ? 0 : T; *cols = D; break;
+    case DSK__MOE_U: case DSK__MOE_PROB: *dt = DSK_F32; *rows = T; *cols = E; break;
+    case DSK__MOE_SCR: *dt = DSK_F32; *rows = T; *cols = E + o->n_group; break;
+    case DSK__MOE_SEL: case DSK__MOE_LSEL: *dt = DSK_I32; *rows = id == DSK__MOE_SEL || losses ? T : 0; *cols = K; break;
+    case DSK__MOE_GATE: case DSK__MOE_DGATE: *dt = DSK_F32; *rows = T; *cols = K; break;
+    case DSK__MOE_KEYS: case DSK__MOE_PERM_ALL: case DSK__MOE_PERM: case DSK__MOE_POS: case DSK__MOE_ROW_TOK:
+        *dt = DSK_I32; *rows = TK; break;
+    case DSK__MOE_KEYS2: *dt = DSK_I32; *rows = o->capacity_factor > 0 ? TK : 0; break;
+    case DSK__MOE_ROW_GATE: *dt = DSK_F32; *rows = TK; break;
+    case DSK__MOE_PTOT: *dt = DSK_F64; *rows = losses ? T : 0; break;
+    case DSK__MOE_LSE: *dt = DSK_F32; *rows = o->z_beta > 0 ? T : 0; break;
+    case DSK__MOE_TERM_S: *dt = DSK_F64; *rows = E; break;
+    case DSK__MOE_COEF_S: *dt = DSK_F32; *rows = E; break;
+    case DSK__MOE_TERM_Q: *dt = DSK_F64; *rows = NS; *cols = E; break;
+    case DSK__MOE_COEF_Q: case DSK__MOE_AUX: *dt = DSK_F32; *rows = NS; *cols = E; break;
+    case DSK__MOE_LOSS: *dt = DSK_F64; *rows = 4; break;
+    case DSK__MOE_OFF_ALL: case DSK__MOE_OFF: *dt = DSK_I32; *rows = E + 1; break;
+    case DSK__MOE_CNT: *dt = DSK_I64; *rows = 3 + 2 * E; break;
+    case DSK__MOE_CNTG: *dt = DSK_I64; *rows = ep ? 3 + 2 * E : 0; break;
+    case DSK__MOE_XS: case DSK__MOE_DOS: *rows = TK; *cols = D; break;
+    case DSK__MOE_XR: case DSK__MOE_DOR: *rows = ep ? R : 0; *cols = D; break;
+    case DSK__MOE_STAGE: *rows = ep ? (R > TK ? R : TK) : 0; *cols = D; break;
+    case DSK__MOE_OB: case DSK__MOE_DXP: *rows = ep ? TK : 0; *cols = D; break;
+    case DSK__MOE_H1: case DSK__MOE_H3: case DSK__MOE_A: case DSK__MOE_DA: case DSK__MOE_DH1: case DSK__MOE_DH3:
+        *rows = R; *cols = F; break;
+    case DSK__MOE_O: case DSK__MOE_DXR: *rows = R; *cols = D; break;
+    case DSK__MOE_HS1: case DSK__MOE_HS3: case DSK__MOE_AS: case DSK__MOE_DAS: case DSK__MOE_DHS1: case DSK__MOE_DHS3:
+        *rows = shared ? T : 0; *cols = Fs; break;
+    case DSK__MOE_YS: *rows = shared ? T : 0; *cols = D; break;
+    case DSK__MOE_RECV_CNT: *dt = DSK_I64; *rows = ep ? (int64_t)m->ep_size * m->n_local : 0; break;
+    case DSK__MOE_LOCAL_OFF: *dt = DSK_I32; *rows = ep ? m->n_local + 1 : 0; break;
+    case DSK__MOE_RG: case DSK__MOE_RGI: *dt = DSK_I32; *rows = ep ? R : 0; break;
+    case DSK__MOE_DYA: *rows = act != o->dtype ? T : 0; *cols = D; break;
+    case DSK__MOE_DXF: *dt = DSK_F32; *rows = T; *cols = D; break;
+    case DSK__MOE_DU: *dt = DSK_F32; *rows = T; *cols = E; break;
+    case DSK__MOE_LOAD: *dt = DSK_I64; *rows = E; break;
+    case DSK__MOE_ACC_I: *dt = DSK_I64; *rows = 5 + E; break;
+    case DSK__MOE_ACC_F: *dt = DSK_F64; *rows = 3; break;
+    default: { /* act copies of the weights */
+        const dsk_moe_param *p = id >= DSK__MOE_WA && id < DSK__MOE_WA_END ? &m->params[DSK_MOE_P_W1 + id - DSK__MOE_WA]
+                                                                          : NULL;
+        if (p && DSK_MOE_P_W1 + id - DSK__MOE_WA < m->n_params && p->dtype != act)
+            *rows = p->shape[0] * p->shape[1] * (p->ndim == 3 ? p->shape[2] : 1);
+        break;
+    }
+    }
 }
-#define DSK__MOE_F(b) ((float *)(b).p)
-#define DSK__MOE_I(b) ((int32_t *)(b).p)
 
-static void dsk__moe_state_free(struct dsk__moe_state *st, dsk_ctx *ctx) {
-    dsk__moe_buf *bufs[] = {&st->xf, &st->u, &st->prob, &st->gate, &st->sel, &st->slot_pos, &st->perm, &st->xs,
-                            &st->ob, &st->hs1, &st->hs3, &st->as, &st->ys, &st->aux_coef, &st->xr, &st->h1,
-                            &st->h3, &st->a, &st->orr, &st->rg, &st->dyf, &st->dxf, &st->du, &st->dgate, &st->dos,
-                            &st->dor, &st->dh1, &st->dh3, &st->dxr, &st->dxp, &st->das, &st->dhs1, &st->dhs3, &st->wf};
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) DSK_FREE(bufs[i]->p);
+/* Buffer id as a tensor for T tokens and R expert rows, grown when too small. Never called for
+   a buffer whose contents must survive (forward activations from backward use dsk__moe_saved). */
+static dsk_status dsk__moe_buf(dsk_moe *m, dsk_ctx *ctx, int id, int64_t T, int64_t R, dsk_tensor *out) {
+    dsk__moe_slot *b = &m->st->buf[id];
+    dsk_dtype dt;
+    int64_t rows, cols, shape[2];
+    size_t bytes;
+    dsk__moe_spec(m, id, T, R, &dt, &rows, &cols);
+    bytes = (size_t)(rows * (cols ? cols : 1)) * dsk_dtype_size(dt);
+    if (bytes > b->cap || !b->mem.data) {
+        int64_t n = (int64_t)(bytes ? bytes : 1);
+        dsk_tensor_free(ctx, &b->mem);
+        b->cap = 0;
+        DSK__TRY(dsk_tensor_alloc_on(ctx, m->device, &b->mem, DSK_U8, 1, &n));
+        b->cap = bytes;
+    }
+    shape[0] = rows;
+    shape[1] = cols;
+    return dsk_tensor_wrap(out, b->mem.data, dt, m->device, cols ? 2 : 1, shape);
+}
+
+/* A buffer the saved forward wrote, as a tensor of its forward shape (never reallocated). */
+static dsk_tensor dsk__moe_saved(const dsk_moe *m, int id) {
+    const struct dsk__moe_state *st = m->st;
+    dsk_tensor t;
+    dsk_dtype dt;
+    int64_t rows, cols, shape[2];
+    dsk__moe_spec(m, id, st->T, st->R, &dt, &rows, &cols);
+    shape[0] = rows;
+    shape[1] = cols;
+    dsk_tensor_wrap(&t, st->buf[id].mem.data, dt, m->device, cols ? 2 : 1, shape);
+    return t;
+}
+
+/* The first n rows of t (a view). */
+static dsk_tensor dsk__moe_rows(const dsk_tensor *t, int64_t n) {
+    dsk_tensor v;
+    dsk_tensor_slice(t, 0, 0, n, &v);
+    return v;
+}
+
+static void dsk__moe_state_free(dsk_moe *m, dsk_ctx *ctx) {
+    struct dsk__moe_state *st = m->st;
+    for (int i = 0; i < DSK__MOE_NBUF; i++) dsk_tensor_free(ctx, &st->buf[i].mem);
 #ifdef DSK_CUDA
-    for (int i = 0; i < DSK__MOE_NDEV; i++) if (st->dev[i].p) dsk_cuda_free(ctx, st->dev[i].p);
+    if (m->device.type == DSK_DEV_CUDA) { /* pinned, not DSK_MALLOC'd */
+        dsk_cuda_host_free(st->col_acc_i);
+        dsk_cuda_host_free(st->col_acc_f);
+        dsk_cuda_event_destroy(st->event);
+        st->col_acc_i = NULL;
+        st->col_acc_f = NULL;
+    }
 #endif
-    (void)ctx;
-    DSK_FREE(st->sel_count); DSK_FREE(st->kept_count); DSK_FREE(st->global_count); DSK_FREE(st->load_accum);
-    DSK_FREE(st->send_rows); DSK_FREE(st->recv_rows); DSK_FREE(st->recv_cnt); DSK_FREE(st->local_off);
+    DSK_FREE(st->h_cnt); DSK_FREE(st->h_recv_cnt); DSK_FREE(st->a2a); DSK_FREE(st->send_rows);
+    DSK_FREE(st->recv_rows); DSK_FREE(st->local_off); DSK_FREE(st->h_rg); DSK_FREE(st->fwd_loads);
+    DSK_FREE(st->col_acc_i); DSK_FREE(st->col_acc_f);
     DSK_FREE(st);
+    m->st = NULL;
 }
 
 /* ---------------------------------------------------------------- options and init */
@@ -549,107 +993,84 @@ static dsk_moe_router dsk__moe_router_of(const dsk_moe_opts *o) {
     return r;
 }
 
-/* Lays out one parameter: value at *poff bytes in the param slab, grad at *goff floats. */
-typedef struct dsk__moe_spec {
-    const char *suffix;
-    dsk_dtype dt;
-    int ndim;
-    int64_t shape[3];
-    int has_grad, sharded;
-    uint64_t rng_offset; /* element offset of this rank's slice in the init stream */
-} dsk__moe_spec;
+/* ---------------------------------------------------------------- parameters */
 
-static int64_t dsk__moe_numel(const dsk__moe_spec *s) {
+/* Reports the parameters: names, this rank's shapes, dtypes, flags; nothing bound. */
+static void dsk__moe_declare(dsk_moe *m) {
+    const dsk_moe_opts *o = &m->opts;
+    int64_t D = o->d_model, E = o->n_routed, F = o->d_expert, Fs = m->d_shared_total, El = m->n_local;
+    static const char *suffix[DSK_MOE_N_PARAMS] = {"router", "bias", "w1", "w2", "w3", "shared.w1", "shared.w2",
+                                                   "shared.w3"};
+    const int64_t shapes[DSK_MOE_N_PARAMS][3] = {{E, D, 0}, {E, 0, 0}, {El, F, D}, {El, D, F},
+                                                 {El, F, D}, {Fs, D, 0}, {D, Fs, 0}, {Fs, D, 0}};
+    m->n_params = o->n_shared > 0 ? DSK_MOE_N_PARAMS : DSK_MOE_P_SW1;
+    for (int i = 0; i < m->n_params; i++) {
+        dsk_moe_param *p = &m->params[i];
+        memset(p, 0, sizeof *p);
+        snprintf(p->name, sizeof p->name, "%s.%s", o->name, suffix[i]);
+        p->ndim = i == DSK_MOE_P_BIAS ? 1 : i >= DSK_MOE_P_W1 && i <= DSK_MOE_P_W3 ? 3 : 2;
+        for (int d = 0; d < p->ndim; d++) p->shape[d] = shapes[i][d];
+        p->dtype = i <= DSK_MOE_P_BIAS ? DSK_F32 : o->dtype;
+        p->expert_sharded = i >= DSK_MOE_P_W1 && i <= DSK_MOE_P_W3;
+        p->weight_decay = i != DSK_MOE_P_BIAS;
+        p->trainable = i != DSK_MOE_P_BIAS;
+        p->value.dtype = p->dtype;
+        p->value.device = m->device;
+        p->grad.dtype = DSK_F32;
+        p->grad.device = m->device;
+    }
+    m->router = &m->params[DSK_MOE_P_ROUTER]; m->bias = &m->params[DSK_MOE_P_BIAS];
+    m->w1 = &m->params[DSK_MOE_P_W1]; m->w2 = &m->params[DSK_MOE_P_W2]; m->w3 = &m->params[DSK_MOE_P_W3];
+    m->sw1 = m->n_params > DSK_MOE_P_SW1 ? &m->params[DSK_MOE_P_SW1] : NULL;
+    m->sw2 = m->n_params > DSK_MOE_P_SW1 ? &m->params[DSK_MOE_P_SW2] : NULL;
+    m->sw3 = m->n_params > DSK_MOE_P_SW1 ? &m->params[DSK_MOE_P_SW3] : NULL;
+}
+
+static int64_t dsk__moe_param_numel(const dsk_moe_param *p) {
     int64_t n = 1;
-    for (int i = 0; i < s->ndim; i++) n *= s->shape[i];
+    for (int d = 0; d < p->ndim; d++) n *= p->shape[d];
     return n;
 }
 
-static dsk_status dsk__moe_alloc_params(dsk_moe *m, dsk_ctx *ctx) {
-    const dsk_moe_opts *o = &m->opts;
-    int64_t D = o->d_model, E = o->n_routed, F = o->d_expert, Fs = m->d_shared_total, El = m->n_local;
-    /* Init streams are spaced 2^40 apart; expert slices start at their global element. */
-    uint64_t big = (uint64_t)1 << 40, e0 = (uint64_t)m->expert0;
-    dsk__moe_spec specs[DSK_MOE_N_PARAMS] = {
-        {"router", DSK_F32, 2, {E, D, 0}, 1, 0, 0},
-        {"bias", DSK_F32, 1, {E, 0, 0}, 0, 0, 0},
-        {"w1", o->dtype, 3, {El, F, D}, 1, 1, 1 * big + e0 * (uint64_t)(F * D)},
-        {"w2", o->dtype, 3, {El, D, F}, 1, 1, 2 * big + e0 * (uint64_t)(F * D)},
-        {"w3", o->dtype, 3, {El, F, D}, 1, 1, 3 * big + e0 * (uint64_t)(F * D)},
-        {"shared.w1", o->dtype, 2, {Fs, D, 0}, 1, 0, 4 * big},
-        {"shared.w2", o->dtype, 2, {D, Fs, 0}, 1, 0, 5 * big},
-        {"shared.w3", o->dtype, 2, {Fs, D, 0}, 1, 0, 6 * big},
-    };
-    /* grad order: dense (router, shared.*) first, then experts */
-    static const int grad_order[DSK_MOE_N_PARAMS] = {0, 5, 6, 7, 2, 3, 4, 1};
-    size_t poff[DSK_MOE_N_PARAMS], pbytes = 0;
-    int64_t goff[DSK_MOE_N_PARAMS], gtot = 0;
-    int n = o->n_shared > 0 ? DSK_MOE_N_PARAMS : 5;
-    dsk_status s;
-    int64_t one;
-    for (int i = 0; i < n; i++) {
-        poff[i] = pbytes;
-        pbytes += ((size_t)dsk__moe_numel(&specs[i]) * dsk_dtype_size(specs[i].dt) + 255) & ~(size_t)255;
-    }
-    for (int j = 0; j < DSK_MOE_N_PARAMS; j++) {
-        int i = grad_order[j];
-        if (i >= n || !specs[i].has_grad) continue;
-        goff[i] = gtot;
-        gtot += dsk__moe_numel(&specs[i]);
-        if (!specs[i].sharded) m->grad_dense_numel = gtot;
-    }
-    m->grad_expert_numel = gtot - m->grad_dense_numel;
-    one = (int64_t)pbytes;
-    DSK__TRY(dsk_tensor_alloc_on(ctx, m->device, &m->param_slab, DSK_U8, 1, &one));
-    DSK__TRY(dsk_tensor_alloc_on(ctx, m->device, &m->grad_slab, DSK_F32, 1, &gtot));
-    for (int i = 0; i < n; i++) {
-        dsk_moe_param *p = &m->params[i];
-        snprintf(p->name, sizeof p->name, "%s.%s", o->name, specs[i].suffix);
-        DSK__TRY(dsk_tensor_wrap(&p->value, (char *)m->param_slab.data + poff[i], specs[i].dt, m->device, specs[i].ndim,
-                                 specs[i].shape));
-        if (specs[i].has_grad) {
-            DSK__TRY(dsk_tensor_wrap(&p->grad, (float *)m->grad_slab.data + goff[i], DSK_F32, m->device, specs[i].ndim,
-                                     specs[i].shape));
-        } else {
-            memset(&p->grad, 0, sizeof p->grad);
-            p->grad.device = m->device;
-            p->grad.dtype = DSK_F32;
-            p->grad.ndim = 1; /* shape [0] */
-        }
-        p->expert_sharded = specs[i].sharded;
-        if (i == 1) s = dsk_tensor_fill(ctx, &p->value, 0.0);
-        else s = dsk_tensor_normal(ctx, &p->value, o->seed, specs[i].rng_offset, 0.0f, o->init_std);
-        if (s != DSK_OK) return s;
-    }
-    m->n_params = n;
-    m->router = &m->params[0]; m->bias = &m->params[1];
-    m->w1 = &m->params[2]; m->w2 = &m->params[3]; m->w3 = &m->params[4];
-    m->sw1 = n > 5 ? &m->params[5] : NULL;
-    m->sw2 = n > 5 ? &m->params[6] : NULL;
-    m->sw3 = n > 5 ? &m->params[7] : NULL;
-    return dsk_tensor_fill(ctx, &m->grad_slab, 0.0);
-}
-
-static dsk_status dsk__moe_alloc_state(dsk_moe *m) {
+static dsk_status dsk__moe_alloc_state(dsk_moe *m, dsk_ctx *ctx) {
     struct dsk__moe_state *st;
-    int64_t E = m->opts.n_routed, P = m->ep_size;
+    int64_t E = m->opts.n_routed, P = m->ep_size, El = m->n_local;
+    dsk_tensor t;
     m->st = st = (struct dsk__moe_state *)DSK_MALLOC(sizeof *st);
     if (!st) return dsk_set_error(DSK_ERR_OOM, "dsk_moe_init: out of host memory");
     memset(st, 0, sizeof *st);
-    st->sel_count = (int64_t *)DSK_MALLOC((size_t)E * sizeof(int64_t));
-    st->kept_count = (int64_t *)DSK_MALLOC((size_t)E * sizeof(int64_t));
-    st->global_count = (int64_t *)DSK_MALLOC((size_t)E * sizeof(int64_t));
-    st->load_accum = (int64_t *)DSK_MALLOC((size_t)E * sizeof(int64_t));
+    st->act = m->device.type == DSK_DEV_CPU ? DSK_F32 : m->opts.dtype;
+    st->n_kept = -1;
+    st->h_cnt = (int64_t *)DSK_MALLOC((size_t)(3 + 2 * E) * sizeof(int64_t));
+    st->h_recv_cnt = (int64_t *)DSK_MALLOC((size_t)(P * El) * sizeof(int64_t));
+    st->a2a = (int64_t *)DSK_MALLOC((size_t)(4 * P) * sizeof(int64_t));
     st->send_rows = (int64_t *)DSK_MALLOC((size_t)P * sizeof(int64_t));
     st->recv_rows = (int64_t *)DSK_MALLOC((size_t)P * sizeof(int64_t));
-    st->recv_cnt = (int64_t *)DSK_MALLOC((size_t)(P * m->n_local) * sizeof(int64_t));
-    st->local_off = (int64_t *)DSK_MALLOC((size_t)(m->n_local + 1) * sizeof(int64_t));
-    if (!st->sel_count || !st->kept_count || !st->global_count || !st->load_accum || !st->send_rows || !st->recv_rows ||
-        !st->recv_cnt || !st->local_off)
+    st->local_off = (int64_t *)DSK_MALLOC((size_t)(El + 1) * sizeof(int64_t));
+    st->fwd_loads = (int64_t *)DSK_MALLOC((size_t)E * sizeof(int64_t));
+#ifdef DSK_CUDA
+    if (m->device.type == DSK_DEV_CUDA) { /* statistics come back into pinned memory after an event */
+        st->col_acc_i = (int64_t *)dsk_cuda_host_alloc((size_t)(5 + E) * sizeof(int64_t));
+        st->col_acc_f = (double *)dsk_cuda_host_alloc(3 * sizeof(double));
+        DSK__TRY(dsk_cuda_event_create(&st->event));
+    } else
+#endif
+    {
+        st->col_acc_i = (int64_t *)DSK_MALLOC((size_t)(5 + E) * sizeof(int64_t));
+        st->col_acc_f = (double *)DSK_MALLOC(3 * sizeof(double));
+    }
+    if (!st->h_cnt || !st->h_recv_cnt || !st->a2a || !st->send_rows || !st->recv_rows || !st->local_off ||
+        !st->fwd_loads || !st->col_acc_i || !st->col_acc_f)
         return dsk_set_error(DSK_ERR_OOM, "dsk_moe_init: out of host memory");
-    memset(st->load_accum, 0, (size_t)E * sizeof(int64_t));
-    memset(st->global_count, 0, (size_t)E * sizeof(int64_t));
-    return DSK_OK;
+    memset(st->col_acc_i, 0, (size_t)(5 + E) * sizeof(int64_t));
+    memset(st->col_acc_f, 0, 3 * sizeof(double));
+    /* the persistent device state: bias-update loads and statistics, from zero */
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_LOAD, 0, 0, &t));
+    DSK__TRY(dsk_tensor_fill(ctx, &t, 0.0));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_ACC_I, 0, 0, &t));
+    DSK__TRY(dsk_tensor_fill(ctx, &t, 0.0));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_ACC_F, 0, 0, &t));
+    return dsk_tensor_fill(ctx, &t, 0.0);
 }
 
 DSK_API dsk_status dsk_moe_init(dsk_moe *m, dsk_ctx *ctx, const dsk_moe_opts *opts) {
@@ -689,24 +1110,149 @@ DSK_API dsk_status dsk_moe_init(dsk_moe *m, dsk_ctx *ctx, const dsk_moe_opts *op
         return dsk_set_error(DSK_ERR_UNSUPPORTED, "dsk_moe_init: CUDA context in a build without DSK_CUDA");
     }
 #endif
-    s = dsk__moe_alloc_params(m, ctx);
-    if (s == DSK_OK) s = dsk__moe_alloc_state(m);
+    dsk__moe_declare(m);
+    s = dsk__moe_alloc_state(m, ctx);
     if (s != DSK_OK) { /* free what was made, keep the first error's message */
         char msg[1024];
         snprintf(msg, sizeof msg, "%s", dsk_last_error());
         dsk_moe_free(m, ctx);
         return dsk_set_error(s, "%s", msg);
     }
-    m->st->n_threads = ctx && ctx->n_threads > 0 ? ctx->n_threads : 0;
     return DSK_OK;
 }
 
 DSK_API void dsk_moe_free(dsk_moe *m, dsk_ctx *ctx) {
     if (!m) return;
-    if (m->st) dsk__moe_state_free(m->st, ctx);
-    dsk_tensor_free(ctx, &m->param_slab);
-    dsk_tensor_free(ctx, &m->grad_slab);
+    if (m->st) dsk__moe_state_free(m, ctx);
     memset(m, 0, sizeof *m);
+}
+
+static dsk_status dsk__moe_need_layer(const dsk_moe *m, const char *fn) {
+    if (!m || !m->st) return dsk_set_error(DSK_ERR_STATE, "%s: layer not initialised", fn);
+    return DSK_OK;
+}
+
+/* t is a contiguous tensor of p's shape and dtype dt with data on the layer's device. */
+static dsk_status dsk__moe_need_view(const dsk_moe *m, const char *fn, const dsk_moe_param *p, const char *what,
+                                     const dsk_tensor *t, dsk_dtype dt) {
+    char b[96], want[96];
+    size_t k = 0;
+    int ok = t->ndim == p->ndim && t->dtype == dt && dsk_tensor_is_contiguous(t) && t->device.type == m->device.type &&
+             t->device.index == m->device.index && t->data;
+    for (int d = 0; ok && d < p->ndim; d++) ok = t->shape[d] == p->shape[d];
+    if (ok) return DSK_OK;
+    for (int d = 0; d < p->ndim; d++)
+        k += (size_t)snprintf(want + k, sizeof want - k, d ? ",%lld" : "[%lld", (long long)p->shape[d]);
+    snprintf(want + k, sizeof want - k, "] %s", dsk_dtype_name(dt));
+    return dsk_set_error(DSK_ERR_ARG, "%s: parameter \"%s\": %s is %s%s on %s, want %s, contiguous with data on %s", fn,
+                         p->name, what, dsk_tensor_describe(t, b, sizeof b), t->data ? "" : " without data",
+                         t->device.type == DSK_DEV_CUDA ? "CUDA" : "the CPU", want,
+                         m->device.type == DSK_DEV_CUDA ? "CUDA" : "the CPU");
+}
+
+DSK_API dsk_status dsk_moe_bind(dsk_moe *m, dsk_ctx *ctx, int index, const dsk_tensor *value, const dsk_tensor *grad) {
+    const char *fn = "dsk_moe_bind";
+    dsk_moe_param *p;
+    (void)ctx;
+    DSK__TRY(dsk__moe_need_layer(m, fn));
+    if (index < 0 || index >= m->n_params)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": parameter index %d outside [0, %d)", fn, m->opts.name,
+                             index, m->n_params);
+    p = &m->params[index];
+    if (!value) return dsk_set_error(DSK_ERR_ARG, "%s: parameter \"%s\": value is NULL", fn, p->name);
+    DSK__TRY(dsk__moe_need_view(m, fn, p, "value", value, p->dtype));
+    if (p->trainable && !grad)
+        return dsk_set_error(DSK_ERR_ARG, "%s: parameter \"%s\" is trainable: its f32 gradient is required", fn,
+                             p->name);
+    if (!p->trainable && grad)
+        return dsk_set_error(DSK_ERR_ARG, "%s: parameter \"%s\" has no gradient: pass NULL", fn, p->name);
+    if (grad) DSK__TRY(dsk__moe_need_view(m, fn, p, "grad", grad, DSK_F32));
+    p->value = *value;
+    p->value.owns = 0;
+    if (grad) {
+        p->grad = *grad;
+        p->grad.owns = 0;
+    }
+    m->st->have_fwd = 0;
+    return DSK_OK;
+}
+
+/* Byte offset of each value in the value slab, and element offset of each gradient. */
+static void dsk__moe_slab_layout(const dsk_moe *m, int64_t *voff, int64_t *goff, int64_t *vbytes, int64_t *gdense,
+                                 int64_t *gsharded) {
+    static const int grad_order[DSK_MOE_N_PARAMS] = {0, 5, 6, 7, 2, 3, 4, 1}; /* dense first, then the experts */
+    int64_t vb = 0, g = 0;
+    *gdense = 0;
+    for (int i = 0; i < m->n_params; i++) {
+        voff[i] = vb;
+        vb += (dsk__moe_param_numel(&m->params[i]) * (int64_t)dsk_dtype_size(m->params[i].dtype) + 255) & ~(int64_t)255;
+    }
+    for (int j = 0; j < DSK_MOE_N_PARAMS; j++) {
+        int i = grad_order[j];
+        if (i >= m->n_params || !m->params[i].trainable) continue;
+        goff[i] = g;
+        g += dsk__moe_param_numel(&m->params[i]);
+        if (!m->params[i].expert_sharded) *gdense = g;
+    }
+    *vbytes = vb;
+    *gsharded = g - *gdense;
+}
+
+DSK_API void dsk_moe_slab_sizes(const dsk_moe *m, int64_t *value_bytes, int64_t *grad_dense, int64_t *grad_sharded) {
+    int64_t voff[DSK_MOE_N_PARAMS], goff[DSK_MOE_N_PARAMS], vb = 0, gd = 0, gs = 0;
+    if (m && m->st) dsk__moe_slab_layout(m, voff, goff, &vb, &gd, &gs);
+    if (value_bytes) *value_bytes = vb;
+    if (grad_dense) *grad_dense = gd;
+    if (grad_sharded) *grad_sharded = gs;
+}
+
+DSK_API dsk_status dsk_moe_bind_slabs(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *values, dsk_tensor *grads) {
+    const char *fn = "dsk_moe_bind_slabs";
+    int64_t voff[DSK_MOE_N_PARAMS], goff[DSK_MOE_N_PARAMS], vb, gd, gs;
+    char a[96], b[96];
+    DSK__TRY(dsk__moe_need_layer(m, fn));
+    if (!values || !grads) return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": a slab is NULL", fn, m->opts.name);
+    dsk__moe_slab_layout(m, voff, goff, &vb, &gd, &gs);
+    if (values->dtype != DSK_U8 || dsk_tensor_numel(values) < vb || !dsk_tensor_is_contiguous(values) ||
+        grads->dtype != DSK_F32 || dsk_tensor_numel(grads) < gd + gs || !dsk_tensor_is_contiguous(grads))
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": slabs %s and %s, want at least %lld u8 and %lld f32", fn,
+                             m->opts.name, dsk_tensor_describe(values, a, sizeof a),
+                             dsk_tensor_describe(grads, b, sizeof b), (long long)vb, (long long)(gd + gs));
+    for (int i = 0; i < m->n_params; i++) {
+        dsk_moe_param *p = &m->params[i];
+        dsk_tensor v, g;
+        DSK__TRY(dsk_tensor_wrap(&v, (char *)values->data + voff[i], p->dtype, values->device, p->ndim, p->shape));
+        if (p->trainable)
+            DSK__TRY(dsk_tensor_wrap(&g, (float *)grads->data + goff[i], DSK_F32, grads->device, p->ndim, p->shape));
+        DSK__TRY(dsk_moe_bind(m, ctx, i, &v, p->trainable ? &g : NULL));
+    }
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_moe_init_param(dsk_moe *m, dsk_ctx *ctx, int index, dsk_tensor *dst) {
+    const char *fn = "dsk_moe_init_param";
+    const dsk_moe_param *p;
+    uint64_t offset;
+    DSK__TRY(dsk__moe_need_layer(m, fn));
+    if (index < 0 || index >= m->n_params)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": parameter index %d outside [0, %d)", fn, m->opts.name,
+                             index, m->n_params);
+    p = &m->params[index];
+    if (!dst || !dsk_dtype_is_float(dst->dtype))
+        return dsk_set_error(DSK_ERR_ARG, "%s: parameter \"%s\": dst must be a float tensor", fn, p->name);
+    DSK__TRY(dsk__moe_need_view(m, fn, p, "dst", dst, dst->dtype));
+    if (index == DSK_MOE_P_BIAS) return dsk_tensor_fill(ctx, dst, 0.0);
+    /* streams 2^40 apart (router 0, w1 1, w2 2, w3 3, shared.w1 4, ...); an expert slice starts at its global
+       element */
+    offset = ((uint64_t)(index == DSK_MOE_P_ROUTER ? 0 : index - 1) << 40) +
+             (p->expert_sharded ? (uint64_t)m->expert0 * (uint64_t)(p->shape[1] * p->shape[2]) : 0);
+    return dsk_tensor_normal(ctx, dst, m->opts.seed, offset, 0.0f, m->opts.init_std);
+}
+
+DSK_API dsk_status dsk_moe_init_params(dsk_moe *m, dsk_ctx *ctx) {
+    DSK__TRY(dsk__moe_need_layer(m, "dsk_moe_init_params"));
+    for (int i = 0; i < m->n_params; i++) DSK__TRY(dsk_moe_init_param(m, ctx, i, &m->params[i].value));
+    return DSK_OK;
 }
 
 DSK_API dsk_moe_param *dsk_moe_find_param(dsk_moe *m, const char *name) {
@@ -716,446 +1262,282 @@ DSK_API dsk_moe_param *dsk_moe_find_param(dsk_moe *m, const char *name) {
     return NULL;
 }
 
+/* Every parameter bound (forward, backward, bias update need them). */
+static dsk_status dsk__moe_need_bound(const dsk_moe *m, const char *fn) {
+    for (int i = 0; i < m->n_params; i++)
+        if (!m->params[i].value.data || (m->params[i].trainable && !m->params[i].grad.data))
+            return dsk_set_error(DSK_ERR_STATE, "%s: layer \"%s\": parameter \"%s\" is not bound (dsk_moe_bind)", fn,
+                                 m->opts.name, m->params[i].name);
+    return DSK_OK;
+}
+
 DSK_API dsk_status dsk_moe_zero_grad(dsk_moe *m, dsk_ctx *ctx) {
-    if (!m || !m->st) return dsk_set_error(DSK_ERR_STATE, "dsk_moe_zero_grad: layer not initialised");
-    return dsk_tensor_fill(ctx, &m->grad_slab, 0.0);
-}
-
-/* ---------------------------------------------------------------- CPU building blocks */
-
-/* nt: GEMM threads (0 = OpenMP's default; 1 inside the per-expert parallel loops). */
-static void dsk__moe_gemm(int nt, int ta, int tb, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
-                          const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
-    if (M == 0 || N == 0) return;
-    dsk_sgemm_cpu(ta, tb, M, N, K, 1.0f, A, lda, B, ldb, beta, C, ldc, nt);
-}
-
-/* rows (n, D) of a tensor in f32 or bf16 -> f32 */
-static void dsk__moe_to_f32(float *dst, const void *src, dsk_dtype dt, int64_t n) {
-    if (dt == DSK_F32) { memcpy(dst, src, (size_t)n * sizeof(float)); return; }
-    for (int64_t i = 0; i < n; i++) dst[i] = dsk_load_f32(src, dt, i);
-}
-
-/* Per-expert f32 weight pointers: the parameters themselves (f32) or converted copies (bf16). */
-typedef struct dsk__moe_w { const float *w1, *w2, *w3, *sw1, *sw2, *sw3; } dsk__moe_w;
-
-static dsk_status dsk__moe_weights_f32(dsk_moe *m, dsk__moe_w *w) {
-    struct dsk__moe_state *st = m->st;
-    dsk_moe_param *ps[6] = {m->w1, m->w2, m->w3, m->sw1, m->sw2, m->sw3};
-    const float **out[6] = {&w->w1, &w->w2, &w->w3, &w->sw1, &w->sw2, &w->sw3};
-    int64_t tot = 0, off = 0;
-    memset(w, 0, sizeof *w);
-    for (int i = 0; i < 6; i++) if (ps[i]) tot += dsk_tensor_numel(&ps[i]->value);
-    if (m->opts.dtype == DSK_F32) {
-        for (int i = 0; i < 6; i++) if (ps[i]) *out[i] = (const float *)ps[i]->value.data;
-        return DSK_OK;
-    }
-    DSK__TRY(dsk__moe_reserve(&st->wf, (size_t)tot * sizeof(float)));
-    for (int i = 0; i < 6; i++) {
-        if (!ps[i]) continue;
-        dsk__moe_to_f32(DSK__MOE_F(st->wf) + off, ps[i]->value.data, DSK_BF16, dsk_tensor_numel(&ps[i]->value));
-        *out[i] = DSK__MOE_F(st->wf) + off;
-        off += dsk_tensor_numel(&ps[i]->value);
-    }
+    DSK__TRY(dsk__moe_need_layer(m, "dsk_moe_zero_grad"));
+    DSK__TRY(dsk__moe_need_bound(m, "dsk_moe_zero_grad"));
+    for (int i = 0; i < m->n_params; i++)
+        if (m->params[i].trainable) DSK__TRY(dsk_tensor_fill(ctx, &m->params[i].grad, 0.0));
     return DSK_OK;
 }
 
-/* SwiGLU forward on n rows: h1 = x W1^T, h3 = x W3^T (n, F); a = silu(h1) h3; out = a W2^T (n, D). */
-static void dsk__moe_swiglu_fwd(int nt, int64_t n, int64_t D, int64_t F, const float *x, const float *w1,
-                                const float *w2, const float *w3, float *h1, float *h3, float *a, float *out) {
-    if (n == 0) return;
-    dsk__moe_gemm(nt, 0, 1, n, F, D, x, D, w1, D, 0.0f, h1, F);
-    dsk__moe_gemm(nt, 0, 1, n, F, D, x, D, w3, D, 0.0f, h3, F);
-    dsk_swiglu_cpu(n * F, h1, h3, a);
-    dsk__moe_gemm(nt, 0, 1, n, D, F, a, F, w2, F, 0.0f, out, D);
+/* Rows of expert work for T tokens without expert parallelism: T*K, or fewer under capacity. */
+static int64_t dsk__moe_rows_bound(const dsk_moe *m, int64_t T) {
+    int64_t TK = T * m->opts.top_k, cap;
+    if (m->opts.capacity_factor <= 0) return TK;
+    cap = (int64_t)ceil((double)TK / m->opts.n_routed * m->opts.capacity_factor);
+    return cap * m->opts.n_routed < TK ? cap * m->opts.n_routed : TK;
 }
 
-/* SwiGLU backward on n rows: dx (n, D) = (written), dW1, dW3 (F, D), dW2 (D, F) += . */
-static void dsk__moe_swiglu_bwd(int nt, int64_t n, int64_t D, int64_t F, const float *x, const float *w1,
-                                const float *w2, const float *w3, const float *h1, const float *h3, const float *a,
-                                const float *dout, float *dh1, float *dh3, float *dx, float *dw1, float *dw2,
-                                float *dw3) {
-    if (n == 0) return;
-    dsk__moe_gemm(nt, 0, 0, n, F, D, dout, D, w2, F, 0.0f, dh1, F); /* da, in dh1 */
-    dsk__moe_gemm(nt, 1, 0, D, F, n, dout, D, a, F, 1.0f, dw2, F);
-    dsk_swiglu_grad_cpu(n * F, h1, h3, dh1, dh1, dh3);
-    dsk__moe_gemm(nt, 0, 0, n, D, F, dh1, F, w1, D, 0.0f, dx, D);
-    dsk__moe_gemm(nt, 0, 0, n, D, F, dh3, F, w3, D, 1.0f, dx, D);
-    dsk__moe_gemm(nt, 1, 0, F, D, n, dh1, F, x, D, 1.0f, dw1, D);
-    dsk__moe_gemm(nt, 1, 0, F, D, n, dh3, F, x, D, 1.0f, dw3, D);
+DSK_API dsk_status dsk_moe_reserve(dsk_moe *m, dsk_ctx *ctx, int64_t max_tokens) {
+    dsk_tensor t;
+    DSK__TRY(dsk__moe_need_layer(m, "dsk_moe_reserve"));
+    if (max_tokens < 0)
+        return dsk_set_error(DSK_ERR_ARG, "dsk_moe_reserve: layer \"%s\": max_tokens %lld < 0", m->opts.name,
+                             (long long)max_tokens);
+    m->st->have_fwd = 0; /* buffers may move */
+    for (int id = 0; id < DSK__MOE_LOAD; id++)
+        DSK__TRY(dsk__moe_buf(m, ctx, id, max_tokens, m->ep_size > 1 ? max_tokens * m->opts.top_k
+                                                                     : dsk__moe_rows_bound(m, max_tokens), &t));
+    return DSK_OK;
 }
 
-/* ---------------------------------------------------------------- routing, losses, capacity */
+/* ---------------------------------------------------------------- MoE steps
+   Each step runs the DSK_HD math of the declarations: a loop here on the CPU, a kernel of
+   kernels/moe.cu on CUDA. Tensors are the registry's buffers on the layer's device. */
 
-static dsk_status dsk__moe_route(dsk_moe *m, int64_t T) {
-    struct dsk__moe_state *st = m->st;
-    const dsk_moe_opts *o = &m->opts;
-    int E = o->n_routed, K = o->top_k;
+static int dsk__moe_threads(const dsk_ctx *ctx) {
+#ifdef _OPENMP
+    return ctx && ctx->n_threads > 0 ? ctx->n_threads : omp_get_max_threads();
+#else
+    (void)ctx;
+    return 1;
+#endif
+}
+
+/* The layer's steps run on its device: CUDA layers call the kernels of kernels/moe.cu. */
+#ifdef DSK_CUDA
+#define DSK__MOE_ON_CUDA(m, call)                              \
+    do {                                                       \
+        if ((m)->device.type == DSK_DEV_CUDA) return (call);   \
+    } while (0)
+#else
+#define DSK__MOE_ON_CUDA(m, call) (void)ctx
+#endif
+
+#define DSK__MOE_F32(t) ((float *)(t).data)
+#define DSK__MOE_I32(t) ((int32_t *)(t).data)
+#define DSK__MOE_I64(t) ((int64_t *)(t).data)
+#define DSK__MOE_F64(t) ((double *)(t).data)
+
+/* Routing of T tokens from the logits u: prob, sel, gate and the sort keys. */
+static dsk_status dsk__moe_route(dsk_moe *m, dsk_ctx *ctx, int64_t T, const dsk_tensor *u, dsk_tensor *prob,
+                                 dsk_tensor *scr, dsk_tensor *sel, dsk_tensor *gate, dsk_tensor *keys) {
+    int nt = dsk__moe_threads(ctx);
     const float *bias = (const float *)m->bias->value.data;
-    float *u = DSK__MOE_F(st->u), *prob = DSK__MOE_F(st->prob), *gate = DSK__MOE_F(st->gate);
-    int32_t *sel = DSK__MOE_I(st->sel);
-    float *scratch = DSK__MOE_F(st->du); /* (T, E + n_group), free during forward */
-    dsk__moe_gemm(st->n_threads, 0, 1, T, E, o->d_model, DSK__MOE_F(st->xf), o->d_model,
-                  (const float *)m->router->value.data, o->d_model, 0.0f, u, E);
-    DSK__MOE_OMP(omp parallel for schedule(static))
+    DSK__MOE_ON_CUDA(m, dsk_cuda_moe_route(ctx, &m->routing, T, DSK__MOE_F32(*u), bias, DSK__MOE_F32(*prob),
+                                           DSK__MOE_F32(*scr), DSK__MOE_I32(*sel), DSK__MOE_F32(*gate),
+                                           DSK__MOE_I32(*keys)));
+    (void)nt;
+    DSK__MOE_OMP(omp parallel for schedule(static) num_threads(nt))
     for (int64_t t = 0; t < T; t++)
-        dsk_moe_route_token(&m->routing, u + t * E, bias, prob + t * E, scratch + t * (E + o->n_group), sel + t * K,
-                            gate + t * K);
-    memset(st->sel_count, 0, (size_t)E * sizeof(int64_t));
-    for (int64_t i = 0; i < T * K; i++) st->sel_count[sel[i]]++;
+        dsk__moe_route_one(&m->routing, t, DSK__MOE_F32(*u), bias, DSK__MOE_F32(*prob), DSK__MOE_F32(*scr),
+                           DSK__MOE_I32(*sel), DSK__MOE_F32(*gate), DSK__MOE_I32(*keys));
     return DSK_OK;
 }
 
-/* Finds the tokens routing marked non-finite (their gates are NaN; finite routing never gives
-   a NaN gate): st->n_bad and st->first_bad. */
-static void dsk__moe_find_nonfinite(dsk_moe *m, int64_t T) {
-    struct dsk__moe_state *st = m->st;
-    const float *gate = DSK__MOE_F(st->gate);
-    int K = m->opts.top_k;
-    st->n_bad = 0;
-    st->first_bad = -1;
-    for (int64_t t = 0; t < T; t++)
-        if (gate[t * K] != gate[t * K]) {
-            if (!st->n_bad++) st->first_bad = t;
-        }
-}
+/* The loss tensors of one forward. */
+typedef struct dsk__moe_loss_bufs {
+    dsk_tensor ptot, lse, lsel, term_s, coef_s, term_q, coef_q, aux, loss;
+} dsk__moe_loss_bufs;
 
-/* After a successful forward: its selections count toward the next bias update. */
-static void dsk__moe_count_loads(dsk_moe *m) {
-    if (m->eval) return;
-    for (int e = 0; e < m->opts.n_routed; e++) m->st->load_accum[e] += m->st->sel_count[e];
-}
-
-/* p' row of token t: p for softmax, s / sum s for sigmoid (into out, E). */
-static void dsk__moe_prob_norm(const dsk_moe *m, const float *prob, double *out) {
-    int E = m->opts.n_routed;
-    double tot = 0;
-    for (int j = 0; j < E; j++) tot += prob[j];
-    for (int j = 0; j < E; j++) out[j] = m->opts.score == DSK_MOE_SIGMOID ? prob[j] / tot : prob[j];
-}
-
-/* cnt (E) += token t's count vector for the balancing losses: its K selections, or (the
-   published rule) the K experts with the largest unbiased scores over all E, ties to the lower
-   index, whatever the bias and the group limit chose. */
-static void dsk__moe_loss_count(const dsk_moe *m, int64_t t, double *cnt) {
-    const struct dsk__moe_state *st = m->st;
-    int E = m->opts.n_routed, K = m->opts.top_k, pi = -1;
-    const float *p = DSK__MOE_F(st->prob) + t * E;
-    float pv = INFINITY;
-    if (m->opts.loss_count == DSK_MOE_COUNT_SELECTED) {
-        for (int k = 0; k < K; k++) cnt[DSK__MOE_I(st->sel)[t * K + k]] += 1.0;
-        return;
+/* The balancing losses of T tokens (nseq sequences of L): values into lb->loss, the backward's
+   coefficients into lb->aux. */
+static dsk_status dsk__moe_losses(dsk_moe *m, dsk_ctx *ctx, int64_t T, int64_t L, int64_t nseq, const dsk_tensor *prob,
+                                  const dsk_tensor *u, const dsk_tensor *sel, dsk__moe_loss_bufs *lb) {
+    const dsk_moe_opts *o = &m->opts;
+    int E = o->n_routed, K = o->top_k, sig = o->score == DSK_MOE_SIGMOID, nt = dsk__moe_threads(ctx);
+    int has_s = o->aux_alpha > 0, has_q = o->seq_aux_alpha > 0, topk = o->loss_count == DSK_MOE_COUNT_TOPK;
+    const float *p = DSK__MOE_F32(*prob);
+    const double *ptot = DSK__MOE_F64(lb->ptot);
+    const int32_t *lsel = DSK__MOE_I32(lb->lsel);
+#ifdef DSK_CUDA
+    if (m->device.type == DSK_DEV_CUDA) {
+        dsk_cuda_moe_loss_args a;
+        a.T = T; a.L = L; a.nseq = nseq; a.E = E; a.K = K; a.sigmoid = sig; a.count_topk = topk;
+        a.aux_alpha = o->aux_alpha; a.seq_alpha = o->seq_aux_alpha; a.z_beta = o->z_beta;
+        a.prob = p; a.u = DSK__MOE_F32(*u); a.sel = DSK__MOE_I32(*sel);
+        a.ptot = DSK__MOE_F64(lb->ptot); a.term_s = DSK__MOE_F64(lb->term_s); a.term_q = DSK__MOE_F64(lb->term_q);
+        a.loss = DSK__MOE_F64(lb->loss); a.lse = DSK__MOE_F32(lb->lse); a.coef_s = DSK__MOE_F32(lb->coef_s);
+        a.coef_q = DSK__MOE_F32(lb->coef_q); a.aux = DSK__MOE_F32(lb->aux); a.lsel = DSK__MOE_I32(lb->lsel);
+        return dsk_cuda_moe_losses(ctx, &a);
     }
-    for (int k = 0; k < K; k++) { /* pass k: the largest (value, index) ranked after pass k-1's */
-        int best = -1;
+#endif
+    (void)nt;
+    DSK__MOE_OMP(omp parallel for schedule(static) num_threads(nt))
+    for (int64_t t = 0; t < T; t++)
+        dsk__moe_loss_token(E, K, topk, o->z_beta > 0, p + t * E, DSK__MOE_F32(*u) + t * E, DSK__MOE_I32(*sel) + t * K,
+                            DSK__MOE_F64(lb->ptot) + t, o->z_beta > 0 ? DSK__MOE_F32(lb->lse) + t : NULL,
+                            DSK__MOE_I32(lb->lsel) + t * K);
+    if (has_s && T > 0) {
+        DSK__MOE_OMP(omp parallel for schedule(static) num_threads(nt))
         for (int j = 0; j < E; j++)
-            if ((p[j] < pv || (p[j] == pv && j > pi)) && (best < 0 || p[j] > p[best])) best = j;
-        cnt[best] += 1.0;
-        pv = p[best];
-        pi = best;
+            dsk__moe_switch_expert(j, T, E, K, sig, o->aux_alpha, p, ptot, lsel, DSK__MOE_F64(lb->term_s) + j,
+                                   DSK__MOE_F32(lb->coef_s) + j);
     }
-}
-
-/* Loss values and the per-expert d loss / d p' coefficients (aux_coef: (n_seq, E), row q for
-   tokens of sequence q; Switch and sequence-wise parts summed). Only the sequence-wise loss has
-   sequences (the forward checked that T is a multiple of seq_len); otherwise the whole call is
-   one row, whatever seq_len says. */
-static dsk_status dsk__moe_losses(dsk_moe *m, int64_t T, dsk_moe_stats *stats) {
-    struct dsk__moe_state *st = m->st;
-    const dsk_moe_opts *o = &m->opts;
-    int E = o->n_routed, K = o->top_k;
-    int64_t L = o->seq_aux_alpha > 0 && o->seq_len ? o->seq_len : (T > 0 ? T : 1), nseq = T / L > 0 ? T / L : 1;
-    const float *prob = DSK__MOE_F(st->prob), *u = DSK__MOE_F(st->u);
-    double *P, *pn, *cnt;
-    float *coef;
-    st->n_seq = nseq;
-    st->seq_len = L;
-    DSK__TRY(dsk__moe_reserve(&st->aux_coef, (size_t)(nseq * E) * sizeof(float)));
-    coef = DSK__MOE_F(st->aux_coef);
-    memset(coef, 0, (size_t)(nseq * E) * sizeof(float));
-    if (T == 0) return DSK_OK; /* no tokens: every loss term is 0 */
-    P = (double *)DSK_MALLOC((size_t)(3 * E) * sizeof(double));
-    if (!P) return dsk_set_error(DSK_ERR_OOM, "dsk_moe_forward: out of host memory");
-    pn = P + E; cnt = P + 2 * E;
-    if (o->aux_alpha > 0) { /* Switch: alpha E sum f_i P_i */
-        double loss = 0;
-        memset(P, 0, (size_t)E * sizeof(double));
-        memset(cnt, 0, (size_t)E * sizeof(double));
-        for (int64_t t = 0; t < T; t++) {
-            dsk__moe_prob_norm(m, prob + t * E, pn);
-            for (int j = 0; j < E; j++) P[j] += pn[j] / (double)T;
-            dsk__moe_loss_count(m, t, cnt);
-        }
-        for (int j = 0; j < E; j++) {
-            double f = cnt[j] / (double)(T * K);
-            loss += f * P[j];
-            for (int64_t q = 0; q < nseq; q++) coef[q * E + j] += (float)(o->aux_alpha * E * f / (double)T);
-        }
-        stats->aux_loss = o->aux_alpha * E * loss;
+    if (has_q && T > 0) {
+        DSK__MOE_OMP(omp parallel for schedule(static) num_threads(nt))
+        for (int64_t qj = 0; qj < nseq * E; qj++)
+            dsk__moe_seq_expert((int)(qj % E), qj / E, L, nseq, E, K, sig, o->seq_aux_alpha, p, ptot, lsel,
+                                DSK__MOE_F64(lb->term_q) + qj, DSK__MOE_F32(lb->coef_q) + qj);
     }
-    if (o->seq_aux_alpha > 0) { /* per sequence: alpha sum_i (E/(K L)) cnt_i * (1/L) sum_t p'_ti, averaged */
-        double total = 0;
-        for (int64_t q = 0; q < nseq; q++) {
-            double loss = 0;
-            memset(P, 0, (size_t)E * sizeof(double));
-            memset(cnt, 0, (size_t)E * sizeof(double));
-            for (int64_t t = q * L; t < (q + 1) * L; t++) {
-                dsk__moe_prob_norm(m, prob + t * E, pn);
-                for (int j = 0; j < E; j++) P[j] += pn[j] / (double)L;
-                dsk__moe_loss_count(m, t, cnt);
-            }
-            for (int j = 0; j < E; j++) {
-                double f = (double)E / (double)(K * L) * cnt[j];
-                loss += f * P[j];
-                coef[q * E + j] += (float)(o->seq_aux_alpha * f / (double)L / (double)nseq);
-            }
-            total += o->seq_aux_alpha * loss;
-        }
-        stats->seq_aux_loss = total / (double)nseq;
-    }
-    if (o->z_beta > 0) {
-        double z = 0;
-        for (int64_t t = 0; t < T; t++) {
-            double l = dsk_moe_logsumexp(u + t * E, E);
-            z += l * l;
-        }
-        stats->z_loss = o->z_beta * z / (double)T;
-    }
-    DSK_FREE(P);
-    stats->loss = stats->aux_loss + stats->seq_aux_loss + stats->z_loss;
+    dsk__moe_loss_finish(E, T, nseq, o->aux_alpha, o->seq_aux_alpha, o->z_beta, DSK__MOE_F64(lb->term_s),
+                         DSK__MOE_F64(lb->term_q), DSK__MOE_F32(lb->lse), DSK__MOE_F64(lb->loss));
+    for (int64_t qj = 0; qj < nseq * E; qj++)
+        DSK__MOE_F32(lb->aux)[qj] =
+            dsk__moe_aux_coef(has_s && T > 0, has_q && T > 0, has_s && T > 0 ? DSK__MOE_F32(lb->coef_s)[qj % E] : 0.0f,
+                              has_q && T > 0 ? DSK__MOE_F32(lb->coef_q)[qj] : 0.0f);
     return DSK_OK;
 }
 
-typedef struct dsk__moe_cand { float g; int32_t i; } dsk__moe_cand;
-/* By weight (descending), then position; a NaN weight (a non-finite token, which fails the
-   call later) ranks last so the order stays total. */
-static int dsk__moe_cand_cmp(const void *pa, const void *pb) {
-    const dsk__moe_cand *a = (const dsk__moe_cand *)pa, *b = (const dsk__moe_cand *)pb;
-    float ga = a->g == a->g ? a->g : -INFINITY, gb = b->g == b->g ? b->g : -INFINITY;
-    if (ga != gb) return ga > gb ? -1 : 1;
-    return a->i < b->i ? -1 : a->i > b->i;
-}
-
-/* Stable counting sort of the (token, slot) pairs by expert, applying capacity: perm (n_kept)
-   flat slot indices, slot_pos (T*K) position in perm or -1 when dropped, kept_count (E). */
-static dsk_status dsk__moe_dispatch_plan(dsk_moe *m, int64_t T, int64_t *dropped) {
-    struct dsk__moe_state *st = m->st;
-    const dsk_moe_opts *o = &m->opts;
-    int E = o->n_routed, K = o->top_k;
-    int64_t N = T * K, cap = INT64_MAX, pos = 0;
-    const int32_t *sel = DSK__MOE_I(st->sel);
-    const float *gate = DSK__MOE_F(st->gate);
-    int32_t *perm = DSK__MOE_I(st->perm), *slot_pos = DSK__MOE_I(st->slot_pos);
-    int64_t *off = st->kept_count; /* first: start offsets of each expert in the full sort */
-    if (o->capacity_factor > 0) cap = (int64_t)ceil((double)N / E * o->capacity_factor);
-    memset(off, 0, (size_t)E * sizeof(int64_t));
-    for (int64_t i = 0; i < N; i++) off[sel[i]]++;
-    for (int e = 0; e < E; e++) { int64_t c = off[e]; off[e] = pos; pos += c; }
-    for (int64_t i = 0; i < N; i++) slot_pos[i] = (int32_t)(off[sel[i]]++); /* full sort positions, off -> ends */
-    for (int64_t i = 0; i < N; i++) perm[slot_pos[i]] = (int32_t)i;
-    /* capacity: per expert, keep the first `cap` by position or the `cap` largest weights */
-    *dropped = 0;
-    pos = 0;
-    {
-        int64_t start = 0;
-        dsk__moe_cand *cand = NULL;
-        if (o->drop == DSK_MOE_DROP_PROB && cap < N) {
-            cand = (dsk__moe_cand *)DSK_MALLOC((size_t)N * sizeof *cand);
-            if (!cand) return dsk_set_error(DSK_ERR_OOM, "dsk_moe_forward: out of host memory");
-        }
-        for (int e = 0; e < E; e++) {
-            int64_t end = off[e], n = end - start, keep = n < cap ? n : cap;
-            if (keep < n && cand) { /* sort by weight (desc), then position; keep the best, in position order */
-                for (int64_t j = 0; j < n; j++) { cand[j].i = perm[start + j]; cand[j].g = gate[perm[start + j]]; }
-                qsort(cand, (size_t)n, sizeof *cand, dsk__moe_cand_cmp);
-                for (int64_t j = 0; j < n; j++) slot_pos[cand[j].i] = j < keep ? 0 : -1;
-                for (int64_t j = start; j < end; j++) {
-                    int32_t i = perm[j];
-                    if (slot_pos[i] == 0) { slot_pos[i] = (int32_t)pos; perm[pos++] = i; }
-                }
-            } else {
-                for (int64_t j = start; j < end; j++) {
-                    int32_t i = perm[j];
-                    if (j - start < keep) { slot_pos[i] = (int32_t)pos; perm[pos++] = i; }
-                    else slot_pos[i] = -1;
-                }
-            }
-            *dropped += n - keep;
-            off[e] = keep; /* kept_count */
-            start = end;
-        }
-        DSK_FREE(cand);
-    }
-    st->n_kept = pos;
+/* Capacity: keys2[slot] = its expert when it keeps its place, else -1 (from the full sort). */
+static dsk_status dsk__moe_capacity(dsk_moe *m, dsk_ctx *ctx, int64_t cap, const dsk_tensor *perm_all,
+                                    const dsk_tensor *off_all, const dsk_tensor *gate, dsk_tensor *keys2) {
+    int E = m->opts.n_routed, nt = dsk__moe_threads(ctx);
+    const int32_t *pa = DSK__MOE_I32(*perm_all), *oa = DSK__MOE_I32(*off_all);
+    int32_t *k2 = DSK__MOE_I32(*keys2);
+    DSK__MOE_ON_CUDA(m, dsk_cuda_moe_capacity(ctx, E, m->opts.drop, cap, dsk_tensor_numel(keys2), pa, oa,
+                                              DSK__MOE_F32(*gate), k2));
+    (void)nt;
+    for (int64_t i = 0; i < dsk_tensor_numel(keys2); i++) k2[i] = -1;
+    DSK__MOE_OMP(omp parallel for schedule(dynamic, 1) num_threads(nt))
+    for (int e = 0; e < E; e++)
+        for (int64_t j = 0; j < oa[e + 1] - oa[e]; j++)
+            if (dsk__moe_capacity_keep(m->opts.drop, DSK__MOE_F32(*gate), pa + oa[e], oa[e + 1] - oa[e], j, cap))
+                k2[pa[oa[e] + j]] = e;
     return DSK_OK;
 }
 
-/* ---------------------------------------------------------------- expert-parallel exchange */
-
-#ifdef DSK_CUDA
-static dsk_status dsk__moe_dev(dsk_moe *m, dsk_ctx *ctx, int id, size_t bytes, void **p);
-#endif
-
-/* Small int64 collectives on host arrays: all-to-all of n per rank (all_to_all = 1) or an
-   in-place sum of n. The nccl backend of a CUDA layer needs device memory: staged through it. */
-static dsk_status dsk__moe_host_i64(dsk_moe *m, dsk_ctx *ctx, dsk_comm *c, int all_to_all, const int64_t *send,
-                                    int64_t *recv, int64_t n) {
-    dsk_status s;
-#ifdef DSK_CUDA
-    if (m->device.type == DSK_DEV_CUDA && c->backend == DSK_COMM_NCCL) {
-        int64_t total = all_to_all ? n * c->world_size : n;
-        size_t bytes = (size_t)total * sizeof(int64_t);
-        void *d;
-        DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_COMM, 2 * bytes, &d));
-        DSK__TRY(dsk_cuda_memcpy(ctx, d, send, bytes, 1));
-        DSK__TRY(all_to_all ? dsk_comm_all_to_all(c, ctx, d, (char *)d + bytes, n, DSK_I64)
-                            : dsk_comm_all_reduce(c, ctx, d, (char *)d + bytes, n, DSK_I64, DSK_COMM_SUM));
-        DSK__TRY(dsk_cuda_memcpy(ctx, recv, (char *)d + bytes, bytes, 0));
-        return dsk_cuda_sync(ctx);
-    }
-#endif
-    if (c->backend != DSK_COMM_HOST)
-        return dsk_set_error(DSK_ERR_UNSUPPORTED,
-                             "dsk_moe: layer \"%s\" is on the CPU: its communicators must use the host backend",
-                             m->opts.name);
-    s = all_to_all ? dsk_comm_all_to_all(c, ctx, send, recv, n, DSK_I64)
-                   : dsk_comm_all_reduce(c, ctx, send, recv, n, DSK_I64, DSK_COMM_SUM);
-    return s;
+/* The kept order's rows: pos (slot -> row or -1), row_tok and row_gate over n rows. */
+static dsk_status dsk__moe_plan(dsk_moe *m, dsk_ctx *ctx, int64_t n, const dsk_tensor *perm, const dsk_tensor *off,
+                                const dsk_tensor *gate, dsk_tensor *pos, dsk_tensor *row_tok, dsk_tensor *row_gate) {
+    int32_t n_kept, *ps = DSK__MOE_I32(*pos);
+    const int32_t *pm = DSK__MOE_I32(*perm);
+    DSK__MOE_ON_CUDA(m, dsk_cuda_moe_plan(ctx, m->opts.n_routed, m->opts.top_k, dsk_tensor_numel(pos), n, pm,
+                                          DSK__MOE_I32(*off), DSK__MOE_F32(*gate), ps, DSK__MOE_I32(*row_tok),
+                                          DSK__MOE_F32(*row_gate)));
+    n_kept = DSK__MOE_I32(*off)[m->opts.n_routed];
+    for (int64_t i = 0; i < dsk_tensor_numel(pos); i++) ps[i] = -1;
+    for (int64_t j = 0; j < n_kept; j++) ps[pm[j]] = (int32_t)j;
+    for (int64_t j = 0; j < n; j++)
+        dsk__moe_plan_row(j, m->opts.top_k, n_kept, pm, DSK__MOE_F32(*gate), DSK__MOE_I32(*row_tok),
+                          DSK__MOE_F32(*row_gate));
+    return DSK_OK;
 }
 
-/* All-to-all-v of `width`-element rows over the EP group: rows_to[r] rows go to rank r in
-   rank order from `send`, rows_from[r] arrive from rank r into `recv` in rank order. */
-static dsk_status dsk__moe_exchange(dsk_moe *m, dsk_ctx *ctx, const void *send, const int64_t *rows_to, void *recv,
-                                    const int64_t *rows_from, int64_t width, dsk_dtype dt) {
-    int P = m->ep_size;
-    int64_t *cnt, so = 0, ro = 0;
-    dsk_status s;
-    if (P == 1) {
-        memcpy(recv, send, (size_t)(rows_to[0] * width) * dsk_dtype_size(dt));
-        return DSK_OK;
-    }
-    cnt = (int64_t *)DSK_MALLOC((size_t)(4 * P) * sizeof(int64_t));
-    if (!cnt) return dsk_set_error(DSK_ERR_OOM, "dsk_moe: out of host memory");
-    for (int r = 0; r < P; r++) {
-        cnt[r] = rows_to[r] * width; cnt[P + r] = so; so += cnt[r];
-        cnt[2 * P + r] = rows_from[r] * width; cnt[3 * P + r] = ro; ro += cnt[2 * P + r];
-    }
-    s = dsk_comm_all_to_all_v(m->opts.ep, ctx, send, cnt, cnt + P, recv, cnt + 2 * P, cnt + 3 * P, dt);
-    DSK_FREE(cnt);
-    return s;
+static dsk_status dsk__moe_count(dsk_moe *m, dsk_ctx *ctx, int64_t T, const dsk_tensor *off_all,
+                                 const dsk_tensor *off, dsk_tensor *cnt) {
+    DSK__MOE_ON_CUDA(m, dsk_cuda_moe_counts(ctx, T, m->opts.top_k, m->opts.n_routed, DSK__MOE_I32(*off_all),
+                                            DSK__MOE_I32(*off), DSK__MOE_I64(*cnt)));
+    dsk__moe_counts(T, m->opts.top_k, m->opts.n_routed, DSK__MOE_I32(*off_all), DSK__MOE_I32(*off), DSK__MOE_I64(*cnt));
+    return DSK_OK;
 }
 
-/* Counts first: every rank learns how many rows each peer sends for each of its experts
-   (recv_cnt (P, n_local)), and the EP-group totals of the statistics. Non-finite tokens on any
-   rank fail the call on every rank here, after the collectives, so the group stays in step. */
-static dsk_status dsk__moe_exchange_counts(dsk_moe *m, dsk_ctx *ctx, int64_t T, int64_t dropped, dsk_moe_stats *stats) {
+static dsk_status dsk__moe_accumulate_step(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *cnt, const dsk_tensor *cntg,
+                                           const dsk_tensor *loss) {
     struct dsk__moe_state *st = m->st;
-    int P = m->ep_size, El = m->n_local, E = m->opts.n_routed;
-    int64_t *tot;
-    dsk_status s = DSK_OK;
-    for (int r = 0; r < P; r++) {
-        st->send_rows[r] = 0;
-        for (int e = r * El; e < (r + 1) * El; e++) st->send_rows[r] += st->kept_count[e];
-    }
-    tot = (int64_t *)DSK_MALLOC((size_t)(E + 3) * sizeof(int64_t));
-    if (!tot) return dsk_set_error(DSK_ERR_OOM, "dsk_moe: out of host memory");
-    if (P == 1) memcpy(st->recv_cnt, st->kept_count, (size_t)E * sizeof(int64_t));
-    else if ((s = dsk__moe_host_i64(m, ctx, m->opts.ep, 1, st->kept_count, st->recv_cnt, El)) != DSK_OK) goto done;
-    memcpy(tot, st->sel_count, (size_t)E * sizeof(int64_t));
-    tot[E] = dropped;
-    tot[E + 1] = T;
-    tot[E + 2] = st->n_bad;
-    if (P > 1 && (s = dsk__moe_host_i64(m, ctx, m->opts.ep, 0, tot, tot, E + 3)) != DSK_OK) goto done;
-    if (st->n_bad > 0) {
-        s = dsk_set_error(
-            DSK_ERR_NONFINITE,
-            "dsk_moe_forward: layer \"%s\": token %lld of %lld has a NaN or Inf router logit or "
-            "selection score (from x, the router weights or the expert bias), %lld such tokens; nothing was "
-            "computed",
-            m->opts.name, (long long)st->first_bad, (long long)T, (long long)st->n_bad);
-        goto done;
-    }
-    if (tot[E + 2] > 0) {
-        s = dsk_set_error(DSK_ERR_NONFINITE, "dsk_moe_forward: layer \"%s\": %lld tokens on other ranks of the "
-                          "expert-parallel group have NaN or Inf router logits; nothing was computed", m->opts.name,
-                          (long long)tot[E + 2]);
-        goto done;
-    }
-    memcpy(st->global_count, tot, (size_t)E * sizeof(int64_t));
-    stats->tokens = tot[E + 1];
-    stats->dropped = tot[E];
-    stats->slots = tot[E + 1] * m->opts.top_k;
-    stats->tokens_per_expert = st->global_count;
-    stats->max_load = 0;
-    for (int e = 0; e < E; e++) stats->max_load = (double)tot[e] > stats->max_load ? (double)tot[e] : stats->max_load;
-    stats->mean_load = (double)stats->slots / E;
-    /* regrouped layout: local expert e, then source rank r */
-    st->R = 0;
-    for (int r = 0; r < P; r++) {
-        st->recv_rows[r] = 0;
-        for (int e = 0; e < El; e++) st->recv_rows[r] += st->recv_cnt[r * El + e];
-        st->R += st->recv_rows[r];
-    }
-    st->local_off[0] = 0;
-    for (int e = 0; e < El; e++) {
-        st->local_off[e + 1] = st->local_off[e];
-        for (int r = 0; r < P; r++) st->local_off[e + 1] += st->recv_cnt[r * El + e];
-    }
-done:
-    DSK_FREE(tot);
-    return s;
+    DSK__MOE_ON_CUDA(m, dsk_cuda_moe_accumulate(ctx, m->opts.n_routed, m->opts.top_k, DSK__MOE_I64(*cnt),
+                                                DSK__MOE_I64(*cntg), DSK__MOE_F64(*loss),
+                                                DSK__MOE_I64(st->buf[DSK__MOE_LOAD].mem),
+                                                DSK__MOE_I64(st->buf[DSK__MOE_ACC_I].mem),
+                                                DSK__MOE_F64(st->buf[DSK__MOE_ACC_F].mem)));
+    dsk__moe_accumulate(m->opts.n_routed, m->opts.top_k, DSK__MOE_I64(*cnt), DSK__MOE_I64(*cntg), DSK__MOE_F64(*loss),
+                        DSK__MOE_I64(st->buf[DSK__MOE_LOAD].mem), DSK__MOE_I64(st->buf[DSK__MOE_ACC_I].mem),
+                        DSK__MOE_F64(st->buf[DSK__MOE_ACC_F].mem));
+    return DSK_OK;
 }
 
-/* rg (R): regrouped row q (expert-major) -> row in the received (rank-major) buffer. */
-static dsk_status dsk__moe_regroup_index(dsk_moe *m) {
-    struct dsk__moe_state *st = m->st;
-    int P = m->ep_size, El = m->n_local;
-    int64_t src = 0;
-    int32_t *rg;
-    DSK__TRY(dsk__moe_reserve(&st->rg, (size_t)(st->R + 1) * sizeof(int32_t)));
-    rg = DSK__MOE_I(st->rg);
-    for (int r = 0; r < P; r++) {
-        for (int e = 0; e < El; e++) {
-            int64_t before = 0; /* rows of expert e from ranks < r */
-            for (int r2 = 0; r2 < r; r2++) before += st->recv_cnt[r2 * El + e];
-            for (int64_t j = 0; j < st->recv_cnt[r * El + e]; j++)
-                rg[st->local_off[e] + before + j] = (int32_t)(src + j);
-            src += st->recv_cnt[r * El + e];
-        }
+/* y (T, D) in the layer's dtype = combine of the expert rows (kept order) + the shared rows. */
+static dsk_status dsk__moe_combine(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *pos,
+                                   const dsk_tensor *gate, const dsk_tensor *rows, const dsk_tensor *shared) {
+    int64_t T = y->shape[0], D = y->shape[1];
+    int K = m->opts.top_k, nt = dsk__moe_threads(ctx);
+    DSK__MOE_ON_CUDA(m, dsk_cuda_moe_combine(ctx, K, T, D, y->data, y->dtype, DSK__MOE_I32(*pos), DSK__MOE_F32(*gate),
+                                             rows->data, rows->dtype, shared ? shared->data : NULL,
+                                             shared ? shared->dtype : DSK_F32));
+    (void)nt;
+    DSK__MOE_OMP(omp parallel for schedule(static) num_threads(nt))
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t d = 0; d < D; d++)
+            dsk_store_f32(y->data, y->dtype, t * D + d,
+                          dsk__moe_combine_elem(K, DSK__MOE_I32(*pos) + t * K, DSK__MOE_F32(*gate) + t * K, rows->data,
+                                                rows->dtype, D, d, shared ? shared->data : NULL,
+                                                shared ? shared->dtype : DSK_F32, t * D + d));
+    return DSK_OK;
+}
+
+/* dgate (T, K) = dy_t . o_slot for kept slots, 0 for dropped ones. */
+static dsk_status dsk__moe_dgate(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dgate, const dsk_tensor *dy,
+                                 const dsk_tensor *pos, const dsk_tensor *rows) {
+    int64_t TK = dsk_tensor_numel(dgate), D = dy->shape[1];
+    int K = m->opts.top_k, nt = dsk__moe_threads(ctx);
+    DSK__MOE_ON_CUDA(m, dsk_cuda_moe_dgate(ctx, K, TK, D, DSK__MOE_F32(*dgate), dy->data, dy->dtype, DSK__MOE_I32(*pos),
+                                           rows->data, rows->dtype));
+    (void)nt;
+    DSK__MOE_OMP(omp parallel for schedule(static) num_threads(nt))
+    for (int64_t i = 0; i < TK; i++) {
+        int32_t p = DSK__MOE_I32(*pos)[i];
+        DSK__MOE_F32(*dgate)[i] = p < 0 ? 0.0f
+                                        : (float)dsk__moe_dot_part(dy->data, dy->dtype, (i / K) * D, rows->data,
+                                                                   rows->dtype, (int64_t)p * D, D, 0, 1);
     }
     return DSK_OK;
 }
 
-/* dst[q] = src[rg[q]] (to_expert_major) or dst[rg[q]] = src[q] (back), rows of D floats. */
-static void dsk__moe_regroup(const dsk_moe *m, float *dst, const float *src, int to_expert_major) {
-    const struct dsk__moe_state *st = m->st;
-    const int32_t *rg = DSK__MOE_I(st->rg);
-    int64_t D = m->opts.d_model;
-    DSK__MOE_OMP(omp parallel for schedule(static))
-    for (int64_t q = 0; q < st->R; q++) {
-        if (to_expert_major) memcpy(dst + q * D, src + (int64_t)rg[q] * D, (size_t)D * sizeof(float));
-        else memcpy(dst + (int64_t)rg[q] * D, src + q * D, (size_t)D * sizeof(float));
-    }
-}
-
-/* Sends rows (n_kept, D) in perm order to their experts' ranks; regrouped into dst (R, D). */
-static dsk_status dsk__moe_to_experts(dsk_moe *m, dsk_ctx *ctx, const float *rows, float *tmp, float *dst) {
-    struct dsk__moe_state *st = m->st;
-    if (m->ep_size == 1) { memcpy(dst, rows, (size_t)(st->R * m->opts.d_model) * sizeof(float)); return DSK_OK; }
-    DSK__TRY(dsk__moe_exchange(m, ctx, rows, st->send_rows, tmp, st->recv_rows, m->opts.d_model, DSK_F32));
-    dsk__moe_regroup(m, dst, tmp, 1);
+/* du (T, E) written from dgate, the loss coefficients (aux or NULL) and the z-loss. */
+static dsk_status dsk__moe_route_backward(dsk_moe *m, dsk_ctx *ctx, int64_t T, const dsk_tensor *u,
+                                          const dsk_tensor *prob, const dsk_tensor *sel, const dsk_tensor *dgate,
+                                          const dsk_tensor *aux, int64_t seq_len, float aux_scale, float zcoef,
+                                          dsk_tensor *du) {
+    int E = m->opts.n_routed, K = m->opts.top_k, nt = dsk__moe_threads(ctx);
+    DSK__MOE_ON_CUDA(m, dsk_cuda_moe_route_backward(ctx, &m->routing, T, DSK__MOE_F32(*u), DSK__MOE_F32(*prob),
+                                                    DSK__MOE_I32(*sel), DSK__MOE_F32(*dgate),
+                                                    aux ? DSK__MOE_F32(*aux) : NULL, seq_len, aux_scale, zcoef,
+                                                    DSK__MOE_F32(*du)));
+    (void)nt;
+    DSK__MOE_OMP(omp parallel for schedule(static) num_threads(nt))
+    for (int64_t t = 0; t < T; t++)
+        dsk_moe_route_token_backward(&m->routing, DSK__MOE_F32(*u) + t * E, DSK__MOE_F32(*prob) + t * E,
+                                     DSK__MOE_I32(*sel) + t * K, DSK__MOE_F32(*dgate) + t * K,
+                                     aux ? DSK__MOE_F32(*aux) + (t / seq_len) * E : NULL, aux_scale, zcoef,
+                                     DSK__MOE_F32(*du) + t * E);
     return DSK_OK;
 }
 
-/* The reverse: rows (R, D) expert-major back to their tokens' ranks, into dst (n_kept, D) in perm order. */
-static dsk_status dsk__moe_from_experts(dsk_moe *m, dsk_ctx *ctx, const float *rows, float *tmp, float *dst) {
-    struct dsk__moe_state *st = m->st;
-    if (m->ep_size == 1) { memcpy(dst, rows, (size_t)(st->R * m->opts.d_model) * sizeof(float)); return DSK_OK; }
-    dsk__moe_regroup(m, tmp, rows, 0);
-    return dsk__moe_exchange(m, ctx, tmp, st->recv_rows, dst, st->send_rows, m->opts.d_model, DSK_F32);
+/* dxf (T, D) f32 += each token's kept rows (kept order) in slot order. */
+static dsk_status dsk__moe_uncombine(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dxf, const dsk_tensor *pos,
+                                     const dsk_tensor *rows) {
+    int64_t T = dxf->shape[0], D = dxf->shape[1];
+    int K = m->opts.top_k, nt = dsk__moe_threads(ctx);
+    DSK__MOE_ON_CUDA(m, dsk_cuda_moe_uncombine(ctx, K, T, D, DSK__MOE_F32(*dxf), DSK__MOE_I32(*pos), rows->data,
+                                               rows->dtype));
+    (void)nt;
+    DSK__MOE_OMP(omp parallel for schedule(static) num_threads(nt))
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t d = 0; d < D; d++)
+            DSK__MOE_F32(*dxf)[t * D + d] = dsk__moe_uncombine_elem(K, DSK__MOE_I32(*pos) + t * K, rows->data,
+                                                                     rows->dtype, D, d, DSK__MOE_F32(*dxf)[t * D + d]);
+    return DSK_OK;
 }
 
-/* ---------------------------------------------------------------- forward and backward (CPU) */
+static dsk_status dsk__moe_bias_step(dsk_moe *m, dsk_ctx *ctx) {
+    DSK__MOE_ON_CUDA(m, dsk_cuda_moe_bias_update(ctx, m->opts.n_routed, m->opts.bias_rate, m->opts.bias_recenter,
+                                                 DSK__MOE_I64(m->st->buf[DSK__MOE_LOAD].mem),
+                                                 (float *)m->bias->value.data));
+    dsk__moe_bias_update(m->opts.n_routed, m->opts.bias_rate, m->opts.bias_recenter,
+                         DSK__MOE_I64(m->st->buf[DSK__MOE_LOAD].mem), (float *)m->bias->value.data);
+    return dsk_tensor_fill(ctx, &m->st->buf[DSK__MOE_LOAD].mem, 0.0);
+}
+
+/* ---------------------------------------------------------------- argument checks */
 
 static dsk_status dsk__moe_check_io(const dsk_moe *m, const char *fn, const char *what, const dsk_tensor *t,
                                     int64_t T) {
@@ -1174,555 +1556,529 @@ static dsk_status dsk__moe_check_io(const dsk_moe *m, const char *fn, const char
     return DSK_OK;
 }
 
-static dsk_status dsk__moe_reserve_T(dsk_moe *m, int64_t T) {
-    struct dsk__moe_state *st = m->st;
-    int64_t D = m->opts.d_model, E = m->opts.n_routed, K = m->opts.top_k, Fs = m->d_shared_total;
-    size_t f = sizeof(float), T1 = (size_t)(T > 0 ? T : 1);
-    DSK__TRY(dsk__moe_reserve(&st->xf, T1 * D * f));
-    DSK__TRY(dsk__moe_reserve(&st->u, T1 * E * f));
-    DSK__TRY(dsk__moe_reserve(&st->prob, T1 * E * f));
-    DSK__TRY(dsk__moe_reserve(&st->gate, T1 * K * f));
-    DSK__TRY(dsk__moe_reserve(&st->sel, T1 * K * 4));
-    DSK__TRY(dsk__moe_reserve(&st->slot_pos, T1 * K * 4));
-    DSK__TRY(dsk__moe_reserve(&st->perm, T1 * K * 4));
-    DSK__TRY(dsk__moe_reserve(&st->xs, T1 * K * D * f));
-    DSK__TRY(dsk__moe_reserve(&st->du, T1 * (size_t)(E + m->opts.n_group) * f));
-    DSK__TRY(dsk__moe_reserve(&st->ob, T1 * K * D * f));
-    DSK__TRY(dsk__moe_reserve(&st->ys, T1 * D * f));
-    if (Fs > 0) DSK__TRY(dsk__moe_reserve(&st->hs1, T1 * Fs * f));
-    if (Fs > 0) DSK__TRY(dsk__moe_reserve(&st->hs3, T1 * Fs * f));
-    if (Fs > 0) DSK__TRY(dsk__moe_reserve(&st->as, T1 * Fs * f));
-    return DSK_OK;
-}
+/* ---------------------------------------------------------------- expert-parallel exchange */
 
-static dsk_status dsk__moe_reserve_R(dsk_moe *m) {
-    struct dsk__moe_state *st = m->st;
-    size_t R1 = (size_t)(st->R > 0 ? st->R : 1), D = (size_t)m->opts.d_model, F = (size_t)m->opts.d_expert,
-           f = sizeof(float);
-    DSK__TRY(dsk__moe_reserve(&st->xr, R1 * D * f));
-    DSK__TRY(dsk__moe_reserve(&st->h1, R1 * F * f));
-    DSK__TRY(dsk__moe_reserve(&st->h3, R1 * F * f));
-    DSK__TRY(dsk__moe_reserve(&st->a, R1 * F * f));
-    DSK__TRY(dsk__moe_reserve(&st->orr, R1 * D * f));
-    DSK__TRY(dsk__moe_reserve(&st->dxr, R1 * D * f));
-    return DSK_OK;
-}
-
-/* Writes a (T, D) f32 result into y (opts.dtype); accumulate: y += r. */
-static void dsk__moe_store(const dsk_moe *m, dsk_tensor *y, const float *r, int64_t n, int accumulate) {
-    if (m->opts.dtype == DSK_F32) {
-        float *p = (float *)y->data;
-        if (accumulate) for (int64_t i = 0; i < n; i++) p[i] += r[i];
-        else memcpy(p, r, (size_t)n * sizeof(float));
-    } else {
-        for (int64_t i = 0; i < n; i++)
-            dsk_store_f32(y->data, y->dtype, i, (accumulate ? dsk_load_f32(y->data, y->dtype, i) : 0.0f) + r[i]);
-    }
-}
-
-static dsk_status dsk__moe_forward_cpu(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, int64_t T,
-                                       dsk_moe_stats *stats) {
-    struct dsk__moe_state *st = m->st;
-    const dsk_moe_opts *o = &m->opts;
-    int64_t D = o->d_model, F = o->d_expert, K = o->top_k, Fs = m->d_shared_total, dropped = 0;
-    dsk__moe_w w;
-    float *xf, *xs, *ob, *ys;
-    const float *gate;
-    const int32_t *perm, *slot_pos;
-    DSK__TRY(dsk__moe_reserve_T(m, T));
-    xf = DSK__MOE_F(st->xf); xs = DSK__MOE_F(st->xs); ob = DSK__MOE_F(st->ob); ys = DSK__MOE_F(st->ys);
-    dsk__moe_to_f32(xf, x->data, o->dtype, T * D);
-    DSK__TRY(dsk__moe_weights_f32(m, &w));
-    DSK__TRY(dsk__moe_route(m, T));
-    dsk__moe_find_nonfinite(m, T);
-    if (!st->n_bad) DSK__TRY(dsk__moe_losses(m, T, stats));
-    DSK__TRY(dsk__moe_dispatch_plan(m, T, &dropped));
-    perm = DSK__MOE_I(st->perm); slot_pos = DSK__MOE_I(st->slot_pos); gate = DSK__MOE_F(st->gate);
-    DSK__MOE_OMP(omp parallel for schedule(static))
-    for (int64_t p = 0; p < st->n_kept; p++) memcpy(xs + p * D, xf + (perm[p] / K) * D, (size_t)D * sizeof(float));
-    DSK__TRY(dsk__moe_exchange_counts(m, ctx, T, dropped, stats));
-    dsk__moe_count_loads(m);
-    DSK__TRY(dsk__moe_reserve_R(m));
-    DSK__TRY(dsk__moe_regroup_index(m));
-    DSK__TRY(dsk__moe_to_experts(m, ctx, xs, DSK__MOE_F(st->orr), DSK__MOE_F(st->xr)));
-    /* experts in parallel, one thread each (many small GEMMs scale better this way); each
-       expert's rows and results are its own, so the order of the threads does not matter */
-    DSK__MOE_OMP(omp parallel for schedule(dynamic, 1) if (m->n_local > 1))
-    for (int e = 0; e < m->n_local; e++) {
-        int64_t r0 = st->local_off[e], n = st->local_off[e + 1] - r0;
-        dsk__moe_swiglu_fwd(m->n_local > 1 ? 1 : st->n_threads, n, D, F, DSK__MOE_F(st->xr) + r0 * D, w.w1 + e * F * D,
-                            w.w2 + e * D * F, w.w3 + e * F * D, DSK__MOE_F(st->h1) + r0 * F,
-                            DSK__MOE_F(st->h3) + r0 * F, DSK__MOE_F(st->a) + r0 * F, DSK__MOE_F(st->orr) + r0 * D);
-    }
-    DSK__TRY(dsk__moe_from_experts(m, ctx, DSK__MOE_F(st->orr), DSK__MOE_F(st->dxr), ob));
-    if (Fs > 0)
-        dsk__moe_swiglu_fwd(st->n_threads, T, D, Fs, xf, w.sw1, w.sw2, w.sw3, DSK__MOE_F(st->hs1), DSK__MOE_F(st->hs3),
-                            DSK__MOE_F(st->as), ys);
-    /* combine: slots in slot order, then the shared experts */
-    DSK__MOE_OMP(omp parallel for schedule(static))
-    for (int64_t t = 0; t < T; t++) {
-        float *out = xs + t * D; /* xs is free now; reuse it for the f32 result */
-        for (int64_t d = 0; d < D; d++) out[d] = 0.0f;
-        for (int64_t k = 0; k < K; k++) {
-            int32_t p = slot_pos[t * K + k];
-            float g = gate[t * K + k];
-            if (p < 0) continue;
-            for (int64_t d = 0; d < D; d++) out[d] += g * ob[(int64_t)p * D + d];
-        }
-        if (Fs > 0) for (int64_t d = 0; d < D; d++) out[d] += ys[t * D + d];
-    }
-    dsk__moe_store(m, y, xs, T * D, 0);
-    st->T = T;
-    st->have_fwd = 1;
-    return DSK_OK;
-}
-
-static dsk_status dsk__moe_reserve_bwd(dsk_moe *m) {
-    struct dsk__moe_state *st = m->st;
-    size_t f = sizeof(float), T1 = (size_t)(st->T > 0 ? st->T : 1), R1 = (size_t)(st->R > 0 ? st->R : 1);
-    size_t D = (size_t)m->opts.d_model, F = (size_t)m->opts.d_expert, E = (size_t)m->opts.n_routed,
-           K = (size_t)m->opts.top_k;
-    size_t Fs = (size_t)m->d_shared_total;
-    DSK__TRY(dsk__moe_reserve(&st->dyf, T1 * D * f));
-    DSK__TRY(dsk__moe_reserve(&st->dxf, T1 * D * f));
-    DSK__TRY(dsk__moe_reserve(&st->du, T1 * E * f));
-    DSK__TRY(dsk__moe_reserve(&st->dgate, T1 * K * f));
-    DSK__TRY(dsk__moe_reserve(&st->dos, T1 * K * D * f));
-    DSK__TRY(dsk__moe_reserve(&st->dor, R1 * D * f));
-    DSK__TRY(dsk__moe_reserve(&st->dh1, R1 * F * f));
-    DSK__TRY(dsk__moe_reserve(&st->dh3, R1 * F * f));
-    DSK__TRY(dsk__moe_reserve(&st->dxp, T1 * K * D * f));
-    if (Fs > 0) DSK__TRY(dsk__moe_reserve(&st->dhs1, T1 * Fs * f));
-    if (Fs > 0) DSK__TRY(dsk__moe_reserve(&st->dhs3, T1 * Fs * f));
-    return DSK_OK;
-}
-
-static dsk_status dsk__moe_backward_cpu(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy,
-                                        float aux_scale) {
-    struct dsk__moe_state *st = m->st;
-    const dsk_moe_opts *o = &m->opts;
-    int64_t T = st->T, D = o->d_model, F = o->d_expert, K = o->top_k, E = o->n_routed, Fs = m->d_shared_total;
-    float zcoef = T > 0 ? o->z_beta * 2.0f / (float)T * aux_scale : 0.0f;
-    int has_aux = o->aux_alpha > 0 || o->seq_aux_alpha > 0;
-    dsk__moe_w w;
-    float *dyf, *dxf, *ob, *dos, *dgate, *du, *dxp;
-    const float *gate;
-    const int32_t *perm, *slot_pos, *sel;
-    DSK__TRY(dsk__moe_reserve_bwd(m));
-    DSK__TRY(dsk__moe_weights_f32(m, &w));
-    dyf = DSK__MOE_F(st->dyf); dxf = DSK__MOE_F(st->dxf); ob = DSK__MOE_F(st->ob); dos = DSK__MOE_F(st->dos);
-    dgate = DSK__MOE_F(st->dgate); du = DSK__MOE_F(st->du); dxp = DSK__MOE_F(st->dxp);
-    gate = DSK__MOE_F(st->gate);
-    perm = DSK__MOE_I(st->perm);
-    slot_pos = DSK__MOE_I(st->slot_pos);
-    sel = DSK__MOE_I(st->sel);
-    dsk__moe_to_f32(dyf, dy->data, o->dtype, T * D);
-    /* shared experts: dxf written here (or zeroed) */
-    if (Fs > 0)
-        dsk__moe_swiglu_bwd(st->n_threads, T, D, Fs, DSK__MOE_F(st->xf), w.sw1, w.sw2, w.sw3, DSK__MOE_F(st->hs1),
-                            DSK__MOE_F(st->hs3), DSK__MOE_F(st->as), dyf, DSK__MOE_F(st->dhs1), DSK__MOE_F(st->dhs3),
-                            dxf, (float *)m->sw1->grad.data, (float *)m->sw2->grad.data, (float *)m->sw3->grad.data);
-    else
-        memset(dxf, 0, (size_t)(T * D) * sizeof(float));
-    /* d gate = dy . o (kept slots), rows sent back to the experts: g * dy */
-    DSK__MOE_OMP(omp parallel for schedule(static))
-    for (int64_t i = 0; i < T * K; i++) {
-        int32_t p = slot_pos[i];
-        double acc = 0;
-        if (p >= 0)
-            for (int64_t d = 0; d < D; d++) acc += (double)dyf[(i / K) * D + d] * ob[(int64_t)p * D + d];
-        dgate[i] = (float)acc;
-    }
-    DSK__MOE_OMP(omp parallel for schedule(static))
-    for (int64_t p = 0; p < st->n_kept; p++) {
-        int64_t i = perm[p];
-        float g = gate[i];
-        for (int64_t d = 0; d < D; d++) dos[p * D + d] = g * dyf[(i / K) * D + d];
-    }
-    DSK__TRY(dsk__moe_to_experts(m, ctx, dos, DSK__MOE_F(st->dxr), DSK__MOE_F(st->dor)));
-    DSK__MOE_OMP(omp parallel for schedule(dynamic, 1) if (m->n_local > 1))
-    for (int e = 0; e < m->n_local; e++) {
-        int64_t r0 = st->local_off[e], n = st->local_off[e + 1] - r0;
-        dsk__moe_swiglu_bwd(m->n_local > 1 ? 1 : st->n_threads, n, D, F, DSK__MOE_F(st->xr) + r0 * D, w.w1 + e * F * D,
-                            w.w2 + e * D * F, w.w3 + e * F * D, DSK__MOE_F(st->h1) + r0 * F,
-                            DSK__MOE_F(st->h3) + r0 * F, DSK__MOE_F(st->a) + r0 * F, DSK__MOE_F(st->dor) + r0 * D,
-                            DSK__MOE_F(st->dh1) + r0 * F, DSK__MOE_F(st->dh3) + r0 * F, DSK__MOE_F(st->dxr) + r0 * D,
-                            (float *)m->w1->grad.data + e * F * D, (float *)m->w2->grad.data + e * D * F,
-                            (float *)m->w3->grad.data + e * F * D);
-    }
-    /* dxr -> back to the tokens' ranks (dor is free now as the staging buffer) */
-    DSK__TRY(dsk__moe_from_experts(m, ctx, DSK__MOE_F(st->dxr), DSK__MOE_F(st->dor), dxp));
-    /* router: du (T, E) per token, then dx += du W_r, dW_r += du^T x */
-    DSK__MOE_OMP(omp parallel for schedule(static))
-    for (int64_t t = 0; t < T; t++) {
-        const float *aux = has_aux ? DSK__MOE_F(st->aux_coef) + (t / st->seq_len) * E : NULL;
-        dsk_moe_route_token_backward(&m->routing, DSK__MOE_F(st->u) + t * E, DSK__MOE_F(st->prob) + t * E, sel + t * K,
-                                     dgate + t * K, aux, aux_scale, zcoef, du + t * E);
-        /* routed contributions to dx in slot order */
-        for (int64_t k = 0; k < K; k++) {
-            int32_t p = slot_pos[t * K + k];
-            if (p < 0) continue;
-            for (int64_t d = 0; d < D; d++) dxf[t * D + d] += dxp[(int64_t)p * D + d];
-        }
-    }
-    dsk__moe_gemm(st->n_threads, 0, 0, T, D, E, du, E, (const float *)m->router->value.data, D, 1.0f, dxf, D);
-    dsk__moe_gemm(st->n_threads, 1, 0, E, D, T, du, E, DSK__MOE_F(st->xf), D, 1.0f, (float *)m->router->grad.data, D);
-    dsk__moe_store(m, dx, dxf, T * D, 1);
-    return DSK_OK;
-}
-
-/* ---------------------------------------------------------------- CUDA path */
+/* Host copies of small device arrays: the CPU reads its buffers where they are; CUDA copies
+   them back (asynchronously: the caller syncs once for all of them). */
+static dsk_status dsk__moe_to_host(dsk_moe *m, dsk_ctx *ctx, void *dst, const void *src, size_t bytes) {
 #ifdef DSK_CUDA
-
-static dsk_status dsk__moe_dev(dsk_moe *m, dsk_ctx *ctx, int id, size_t bytes, void **p) {
-    dsk__moe_buf *b = &m->st->dev[id];
-    if (bytes == 0) bytes = 1;
-    if (bytes > b->cap) {
-        if (b->p) dsk_cuda_free(ctx, b->p);
-        b->p = NULL;
-        b->cap = 0;
-        DSK__TRY(dsk_cuda_malloc(ctx, bytes, &b->p));
-        b->cap = bytes;
-    }
-    *p = b->p;
+    if (m->device.type == DSK_DEV_CUDA) return dsk_cuda_memcpy(ctx, dst, src, bytes, 0);
+#endif
+    (void)m;
+    (void)ctx;
+    memcpy(dst, src, bytes);
     return DSK_OK;
 }
 
-/* Device <-> device copy (with a cast when the dtypes differ) of n elements. */
-static dsk_status dsk__moe_dcopy(dsk_ctx *ctx, dsk_device dev, void *dst, dsk_dtype ddt, const void *src, dsk_dtype sdt,
-                                 int64_t n) {
-    dsk_tensor a, b;
-    if (n == 0) return DSK_OK;
-    DSK__TRY(dsk_tensor_wrap(&a, dst, ddt, dev, 1, &n));
-    DSK__TRY(dsk_tensor_wrap(&b, (void *)src, sdt, dev, 1, &n));
-    return dsk_tensor_copy(ctx, &a, &b);
+/* ... and host arrays into device buffers (pageable host memory: the copy has consumed the
+   source when it returns, so the host array may change at once). */
+static dsk_status dsk__moe_to_device(dsk_moe *m, dsk_ctx *ctx, void *dst, const void *src, size_t bytes) {
+#ifdef DSK_CUDA
+    if (m->device.type == DSK_DEV_CUDA) return dsk_cuda_memcpy(ctx, dst, src, bytes, 1);
+#endif
+    (void)m;
+    (void)ctx;
+    memcpy(dst, src, bytes);
+    return DSK_OK;
 }
 
-static dsk_status dsk__moe_dzero(dsk_ctx *ctx, dsk_device dev, float *p, int64_t n) {
-    dsk_tensor a;
-    if (n == 0) return DSK_OK;
-    DSK__TRY(dsk_tensor_wrap(&a, p, DSK_F32, dev, 1, &n));
-    return dsk_tensor_fill(ctx, &a, 0.0);
-}
-
-/* Expert parallelism on the device: regroup indices (rg: expert-major row -> received row, and
-   its inverse) uploaded once per forward. */
-static dsk_status dsk__moe_cuda_ep_index(dsk_moe *m, dsk_ctx *ctx) {
+/* The regroup index of expert parallelism on the host: expert-major row q <- received
+   (rank-major) row rg[q], and rg's inverse after it (2R entries in st->h_rg). */
+static dsk_status dsk__moe_regroup_index(dsk_moe *m, const int64_t *recv, int64_t R) {
     struct dsk__moe_state *st = m->st;
-    int32_t *rg, *rgi;
-    void *drg, *drgi;
-    DSK__TRY(dsk__moe_regroup_index(m));
-    DSK__TRY(dsk__moe_reserve(&st->dxr, (size_t)(st->R + 1) * sizeof(int32_t))); /* host scratch */
-    rg = DSK__MOE_I(st->rg);
-    rgi = DSK__MOE_I(st->dxr);
-    for (int64_t q = 0; q < st->R; q++) rgi[rg[q]] = (int32_t)q;
-    DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_RG, (size_t)(st->R + 1) * 4, &drg));
-    DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_RGI, (size_t)(st->R + 1) * 4, &drgi));
-    DSK__TRY(dsk_cuda_memcpy(ctx, drg, rg, (size_t)st->R * 4, 1));
-    DSK__TRY(dsk_cuda_memcpy(ctx, drgi, rgi, (size_t)st->R * 4, 1));
-    return dsk_cuda_sync(ctx); /* the host index buffers are reused */
+    int P = m->ep_size, El = m->n_local;
+    int64_t src = 0;
+    int32_t *g, *gi;
+    if (2 * R > st->h_rg_cap) {
+        DSK_FREE(st->h_rg);
+        st->h_rg = (int32_t *)DSK_MALLOC((size_t)(2 * R + 1) * sizeof(int32_t));
+        st->h_rg_cap = st->h_rg ? 2 * R : 0;
+        if (!st->h_rg) return dsk_set_error(DSK_ERR_OOM, "dsk_moe_forward: out of host memory for %lld rows", (long long)R);
+    }
+    g = st->h_rg;
+    gi = st->h_rg + R;
+    for (int r = 0; r < P; r++)
+        for (int e = 0; e < El; e++) {
+            int64_t before = 0; /* rows of expert e from ranks < r */
+            for (int r2 = 0; r2 < r; r2++) before += recv[r2 * El + e];
+            for (int64_t j = 0; j < recv[r * El + e]; j++) g[st->local_off[e] + before + j] = (int32_t)(src + j);
+            src += recv[r * El + e];
+        }
+    for (int64_t q = 0; q < R; q++) gi[g[q]] = (int32_t)q;
+    return DSK_OK;
 }
 
-/* rows (n_kept, D) in perm order, dtype dt -> all-to-all-v -> regrouped expert-major dst (R, D). */
-static dsk_status dsk__moe_cuda_to_experts(dsk_moe *m, dsk_ctx *ctx, const void *rows, void *dst, dsk_dtype dt) {
+/* After the dispatch: the kept slots per expert go to their owners (all-to-all of the counts),
+   the group's totals are summed (cntg), and the host learns the layout of the row exchange:
+   st->send_rows, recv_rows, a2a, local_off, the regroup index and *n_kept, *R. CUDA: one host
+   sync here (the counts), the only one of a forward with expert parallelism. */
+static dsk_status dsk__moe_ep_counts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *cnt, dsk_tensor *cntg,
+                                     int64_t *n_kept, int64_t *R) {
     struct dsk__moe_state *st = m->st;
-    void *rt;
-    DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_RT, (size_t)(st->R * m->opts.d_model) * dsk_dtype_size(dt), &rt));
-    DSK__TRY(dsk__moe_exchange(m, ctx, rows, st->send_rows, rt, st->recv_rows, m->opts.d_model, dt));
-    return dsk_cuda_moe_gather(ctx, dst, rt, dt, (const int32_t *)st->dev[DSK__MOE_D_RG].p, 1, NULL, st->R,
-                               m->opts.d_model);
+    dsk_comm *c = m->opts.ep;
+    int P = m->ep_size, El = m->n_local, E = m->opts.n_routed;
+    int64_t D = m->opts.d_model, so = 0, ro = 0, *kept = st->h_cnt + 3 + E, *recv = st->h_recv_cnt;
+    dsk_tensor recv_cnt, rg, rgi, loff;
+    int32_t lo[1024], *lop;
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RECV_CNT, 0, 0, &recv_cnt));
+    DSK__TRY(dsk_comm_all_to_all(c, ctx, DSK__MOE_I64(*cnt) + 3 + E, recv_cnt.data, El, DSK_I64));
+    DSK__TRY(dsk_comm_all_reduce(c, ctx, cnt->data, cntg->data, 3 + E, DSK_I64, DSK_COMM_SUM));
+    DSK__TRY(dsk__moe_to_host(m, ctx, kept, DSK__MOE_I64(*cnt) + 3 + E, (size_t)E * sizeof(int64_t)));
+    DSK__TRY(dsk__moe_to_host(m, ctx, recv, recv_cnt.data, (size_t)(P * El) * sizeof(int64_t)));
+    DSK__TRY(dsk_ctx_sync(ctx)); /* CUDA: the counts are on the host now (CPU: nothing to wait for) */
+    *n_kept = 0;
+    for (int e = 0; e < E; e++) *n_kept += kept[e];
+    for (int r = 0; r < P; r++) {
+        st->send_rows[r] = 0;
+        st->recv_rows[r] = 0;
+        for (int e = 0; e < El; e++) {
+            st->send_rows[r] += kept[r * El + e];
+            st->recv_rows[r] += recv[r * El + e];
+        }
+        st->a2a[r] = st->send_rows[r] * D; st->a2a[P + r] = so; so += st->a2a[r];
+        st->a2a[2 * P + r] = st->recv_rows[r] * D; st->a2a[3 * P + r] = ro; ro += st->a2a[2 * P + r];
+    }
+    st->local_off[0] = 0;
+    for (int e = 0; e < El; e++) {
+        st->local_off[e + 1] = st->local_off[e];
+        for (int r = 0; r < P; r++) st->local_off[e + 1] += recv[r * El + e];
+    }
+    *R = st->local_off[El];
+    DSK__TRY(dsk__moe_regroup_index(m, recv, *R));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RG, 0, *R, &rg));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RGI, 0, *R, &rgi));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_LOCAL_OFF, 0, 0, &loff));
+    lop = El + 1 <= 1024 ? lo : (int32_t *)DSK_MALLOC((size_t)(El + 1) * sizeof(int32_t));
+    if (!lop) return dsk_set_error(DSK_ERR_OOM, "dsk_moe_forward: out of host memory");
+    for (int e = 0; e <= El; e++) lop[e] = (int32_t)st->local_off[e];
+    {
+        dsk_status s = dsk__moe_to_device(m, ctx, loff.data, lop, (size_t)(El + 1) * sizeof(int32_t));
+        if (lop != lo) DSK_FREE(lop);
+        DSK__TRY(s);
+    }
+    DSK__TRY(dsk__moe_to_device(m, ctx, rg.data, st->h_rg, (size_t)*R * sizeof(int32_t)));
+    return dsk__moe_to_device(m, ctx, rgi.data, st->h_rg + *R, (size_t)*R * sizeof(int32_t));
 }
 
-/* f32 rows (R, D) expert-major -> rank-major -> all-to-all-v back -> dst (n_kept, D) in perm order. */
-static dsk_status dsk__moe_cuda_from_experts(dsk_moe *m, dsk_ctx *ctx, const void *rows, void *dst) {
+/* Rows (n_kept of them, kept order) to their experts' ranks, regrouped expert-major into dst (R). */
+static dsk_status dsk__moe_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
     struct dsk__moe_state *st = m->st;
-    void *rt;
-    DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_RTMP, (size_t)(st->R * m->opts.d_model) * sizeof(float), &rt));
-    DSK__TRY(dsk_cuda_moe_gather(ctx, rt, rows, DSK_F32, (const int32_t *)st->dev[DSK__MOE_D_RGI].p, 1, NULL, st->R,
-                                 m->opts.d_model));
-    return dsk__moe_exchange(m, ctx, rt, st->recv_rows, dst, st->send_rows, m->opts.d_model, DSK_F32);
+    int P = m->ep_size;
+    dsk_tensor stage, rg;
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->T, st->R, &stage));
+    rg = dsk__moe_saved(m, DSK__MOE_RG);
+    DSK__TRY(dsk_comm_all_to_all_v(m->opts.ep, ctx, rows->data, st->a2a, st->a2a + P, stage.data, st->a2a + 2 * P,
+                                   st->a2a + 3 * P, rows->dtype));
+    stage = dsk__moe_rows(&stage, st->R);
+    return dsk_gather_rows(ctx, dst, &stage, &rg);
 }
 
-/* The CUDA forward keeps its activations on the device; routing decisions come back to the
-   host once per call (the dispatch plan, capacity and the losses run there, as on the CPU),
-   which also gives the per-expert row counts the expert GEMMs need. */
-static dsk_status dsk__moe_forward_cuda(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, int64_t T,
+/* The reverse: rows (R, expert-major) back to their tokens' ranks, into dst (n_kept, kept order). */
+static dsk_status dsk__moe_from_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
+    struct dsk__moe_state *st = m->st;
+    int P = m->ep_size;
+    dsk_tensor stage, rgi;
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->T, st->R, &stage));
+    rgi = dsk__moe_saved(m, DSK__MOE_RGI);
+    stage = dsk__moe_rows(&stage, st->R);
+    DSK__TRY(dsk_gather_rows(ctx, &stage, rows, &rgi));
+    return dsk_comm_all_to_all_v(m->opts.ep, ctx, stage.data, st->a2a + 2 * P, st->a2a + 3 * P, dst->data, st->a2a,
+                                 st->a2a + P, rows->dtype);
+}
+
+/* ---------------------------------------------------------------- forward */
+
+/* The layer's weights in the activation dtype: the parameters, or converted copies (a bf16 layer
+   on the CPU), indexed by param - DSK_MOE_P_W1. */
+static dsk_status dsk__moe_weights_act(dsk_moe *m, dsk_ctx *ctx, dsk_tensor w[6]) {
+    for (int i = 0; i < 6; i++) {
+        const dsk_moe_param *p = &m->params[DSK_MOE_P_W1 + i];
+        dsk_tensor flat;
+        memset(&w[i], 0, sizeof w[i]);
+        if (DSK_MOE_P_W1 + i >= m->n_params) continue;
+        if (p->dtype == m->st->act) { w[i] = p->value; continue; }
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_WA + i, 0, 0, &flat));
+        DSK__TRY(dsk_tensor_reshape(&flat, p->ndim, p->shape, &w[i]));
+        DSK__TRY(dsk_tensor_copy(ctx, &w[i], &p->value));
+    }
+    return DSK_OK;
+}
+
+/* x (T, D) in the layer's dtype as act (the f32 copy xf when act is f32). */
+static dsk_status dsk__moe_act_input(dsk_moe *m, dsk_ctx *ctx, int id, const dsk_tensor *x, const dsk_tensor *xf,
+                                     dsk_tensor *out) {
+    if (m->st->act == DSK_F32 && xf) { *out = *xf; return DSK_OK; }
+    if (m->st->act == x->dtype && !xf) { *out = *x; return DSK_OK; }
+    DSK__TRY(dsk__moe_buf(m, ctx, id, x->shape[0], 0, out));
+    return dsk_tensor_copy(ctx, out, x);
+}
+
+/* A SwiGLU of the rows of x with w1, w3 (N, D) and w2 (D, N) (the shared experts): h1, h3, a
+   (T, N), out (T, D). */
+static dsk_status dsk__moe_shared_forward(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *x, const dsk_tensor *w,
+                                          dsk_tensor *h1, dsk_tensor *h3, dsk_tensor *a, dsk_tensor *out) {
+    (void)m;
+    DSK__TRY(dsk_matmul(ctx, h1, x, 0, &w[3], 1, 1.0f, 0.0f));
+    DSK__TRY(dsk_matmul(ctx, h3, x, 0, &w[5], 1, 1.0f, 0.0f));
+    DSK__TRY(dsk_swiglu(ctx, a, h1, h3));
+    return dsk_matmul(ctx, out, a, 0, &w[4], 1, 1.0f, 0.0f);
+}
+
+/* The CPU fails a forward on non-finite routing (every rank of an EP group together). */
+static dsk_status dsk__moe_nonfinite_error(const dsk_moe *m, int64_t T, const int64_t *cnt_group) {
+    const int32_t *keys = (const int32_t *)m->st->buf[DSK__MOE_KEYS].mem.data;
+    int64_t first = -1, n_bad = 0, K = m->opts.top_k;
+    for (int64_t t = 0; t < T; t++)
+        if (keys[t * K] < 0 && !n_bad++) first = t;
+    if (n_bad)
+        return dsk_set_error(DSK_ERR_NONFINITE,
+                             "dsk_moe_forward: layer \"%s\": token %lld of %lld has a NaN or Inf router logit or "
+                             "selection score (from x, the router weights or the expert bias), %lld such tokens; "
+                             "nothing was computed",
+                             m->opts.name, (long long)first, (long long)T, (long long)n_bad);
+    return dsk_set_error(DSK_ERR_NONFINITE,
+                         "dsk_moe_forward: layer \"%s\": %lld tokens on other ranks of the expert-parallel group have "
+                         "NaN or Inf router logits; nothing was computed",
+                         m->opts.name, (long long)cnt_group[2]);
+}
+
+/* A forward's statistics from its counts (EP group) and this rank's losses, on the host. */
+static dsk_status dsk__moe_fill_stats(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *cntg, const dsk_tensor *loss,
+                                      dsk_moe_stats *s) {
+    struct dsk__moe_state *st = m->st;
+    int E = m->opts.n_routed;
+    int64_t *c = st->h_cnt;
+    double hl[4];
+    DSK__TRY(dsk__moe_to_host(m, ctx, c, cntg->data, (size_t)(3 + E) * sizeof(int64_t)));
+    DSK__TRY(dsk__moe_to_host(m, ctx, hl, loss->data, sizeof hl));
+    DSK__TRY(dsk_ctx_sync(ctx)); /* CUDA: a forward asked for its statistics now */
+    memset(s, 0, sizeof *s);
+    s->calls = 1;
+    s->tokens = c[0];
+    s->slots = c[0] * m->opts.top_k;
+    s->dropped = c[1];
+    s->nonfinite = c[2];
+    for (int e = 0; e < E; e++) {
+        st->fwd_loads[e] = c[3 + e];
+        s->max_load = (double)c[3 + e] > s->max_load ? (double)c[3 + e] : s->max_load;
+    }
+    s->tokens_per_expert = st->fwd_loads;
+    s->mean_load = (double)s->slots / E;
+    s->aux_loss = hl[0];
+    s->seq_aux_loss = hl[1];
+    s->z_loss = hl[2];
+    s->loss = hl[3];
+    return DSK_OK;
+}
+
+static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, int64_t T,
                                         dsk_moe_stats *stats) {
     struct dsk__moe_state *st = m->st;
     const dsk_moe_opts *o = &m->opts;
-    int64_t D = o->d_model, F = o->d_expert, E = o->n_routed, K = o->top_k, G = o->n_group, Fs = m->d_shared_total,
-            dropped = 0;
-    dsk_dtype cd = o->dtype;
-    size_t es = dsk_dtype_size(cd), f4 = sizeof(float);
-    int need_losses = o->aux_alpha > 0 || o->seq_aux_alpha > 0 || o->z_beta > 0;
-    void *xc, *xf, *u, *prob, *scr, *sel, *gate, *cnt, *perm, *pos, *xs, *xr, *h1, *h3, *a, *orr, *ob,
-        *hs1 = NULL, *hs3 = NULL, *as = NULL, *ys = NULL;
-    int P = m->ep_size;
-    int32_t *hcnt;
-    const char *w1 = (const char *)m->w1->value.data, *w2 = (const char *)m->w2->value.data,
-               *w3 = (const char *)m->w3->value.data;
-    if (!ctx || ctx->device.type != DSK_DEV_CUDA)
-        return dsk_set_error(DSK_ERR_ARG, "dsk_moe_forward: layer \"%s\" is on CUDA: pass its CUDA ctx", o->name);
-    DSK__TRY(dsk__moe_reserve_T(m, T));
-    DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_XC, (size_t)(T * D) * es, &xc));
-    DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_XF, (size_t)(T * D) * f4, &xf));
-    DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_U, (size_t)(T * E) * f4, &u));
-    DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_PROB, (size_t)(T * E) * f4, &prob));
-    DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_SCR, (size_t)(T * (E + G)) * f4, &scr));
-    DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_SEL, (size_t)(T * K) * 4, &sel));
-    DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_GATE, (size_t)(T * K) * f4, &gate));
-    DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_CNT, (size_t)E * 4, &cnt));
-    DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_PERM, (size_t)(T * K) * 4, &perm));
-    DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_POS, (size_t)(T * K) * 4, &pos));
-    DSK__TRY(dsk__moe_dcopy(ctx, m->device, xc, cd, x->data, cd, T * D));
-    DSK__TRY(dsk__moe_dcopy(ctx, m->device, xf, DSK_F32, x->data, cd, T * D));
-    DSK__TRY(dsk_cuda_moe_gemm(ctx, 0, 1, T, E, D, xf, D, m->router->value.data, D, DSK_F32, 0.0f, u, E, DSK_F32));
-    DSK__TRY(dsk_cuda_moe_route(ctx, &m->routing, (const float *)u, (const float *)m->bias->value.data, T,
-                                (float *)prob, (float *)scr, (int32_t *)sel, (float *)gate, (int32_t *)cnt));
-    /* routing decisions to the host */
-    hcnt = (int32_t *)st->du.p; /* host scratch of (T, E + n_group) floats, unused by the CUDA forward */
-    DSK__TRY(dsk_cuda_memcpy(ctx, st->sel.p, sel, (size_t)(T * K) * 4, 0));
-    DSK__TRY(dsk_cuda_memcpy(ctx, st->gate.p, gate, (size_t)(T * K) * f4, 0));
-    DSK__TRY(dsk_cuda_memcpy(ctx, hcnt, cnt, (size_t)E * 4, 0));
-    if (need_losses) DSK__TRY(dsk_cuda_memcpy(ctx, st->u.p, u, (size_t)(T * E) * f4, 0));
-    if (need_losses) DSK__TRY(dsk_cuda_memcpy(ctx, st->prob.p, prob, (size_t)(T * E) * f4, 0));
-    DSK__TRY(dsk_cuda_sync(ctx));
-    for (int64_t e = 0; e < E; e++) st->sel_count[e] = hcnt[e];
-    dsk__moe_find_nonfinite(m, T);
-    if (need_losses && !st->n_bad) DSK__TRY(dsk__moe_losses(m, T, stats));
-    if (!need_losses) { st->n_seq = 1; st->seq_len = T > 0 ? T : 1; }
-    DSK__TRY(dsk__moe_dispatch_plan(m, T, &dropped));
-    DSK__TRY(dsk__moe_exchange_counts(m, ctx, T, dropped, stats));
-    dsk__moe_count_loads(m);
-    DSK__TRY(dsk_cuda_memcpy(ctx, perm, st->perm.p, (size_t)(st->n_kept > 0 ? st->n_kept : 0) * 4, 1));
-    DSK__TRY(dsk_cuda_memcpy(ctx, pos, st->slot_pos.p, (size_t)(T * K) * 4, 1));
-    if (need_losses && (o->aux_alpha > 0 || o->seq_aux_alpha > 0)) {
-        void *aux;
-        DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_AUX, (size_t)(st->n_seq * E) * f4, &aux));
-        DSK__TRY(dsk_cuda_memcpy(ctx, aux, st->aux_coef.p, (size_t)(st->n_seq * E) * f4, 1));
-    }
-    /* experts: rows in expert order (one rank: perm order) */
-    DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_XS, (size_t)(st->n_kept * D) * es, &xs));
-    DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_H1, (size_t)(st->R * F) * f4, &h1));
-    DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_H3, (size_t)(st->R * F) * f4, &h3));
-    DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_A, (size_t)(st->R * F) * es, &a));
-    DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_O, (size_t)(st->R * D) * f4, &orr));
-    DSK__TRY(dsk_cuda_moe_gather(ctx, xs, xc, cd, (const int32_t *)perm, (int)K, NULL, st->n_kept, D));
-    xr = xs; /* one rank: the rows are already in expert order */
-    ob = orr;
-    if (P > 1) {
-        DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_XR, (size_t)(st->R * D) * es, &xr));
-        DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_OB, (size_t)(st->n_kept * D) * f4, &ob));
-        DSK__TRY(dsk__moe_cuda_ep_index(m, ctx));
-        DSK__TRY(dsk__moe_cuda_to_experts(m, ctx, xs, xr, cd));
-    }
-    for (int e = 0; e < m->n_local; e++) {
-        int64_t r0 = st->local_off[e], n = st->local_off[e + 1] - r0;
-        const char *xe = (const char *)xr + (size_t)(r0 * D) * es;
-        DSK__TRY(dsk_cuda_moe_gemm(ctx, 0, 1, n, F, D, xe, D, w1 + (size_t)(e * F * D) * es, D, cd, 0.0f,
-                                   (float *)h1 + r0 * F, F, DSK_F32));
-        DSK__TRY(dsk_cuda_moe_gemm(ctx, 0, 1, n, F, D, xe, D, w3 + (size_t)(e * F * D) * es, D, cd, 0.0f,
-                                   (float *)h3 + r0 * F, F, DSK_F32));
-    }
-    DSK__TRY(dsk_cuda_moe_swiglu(ctx, a, cd, (const float *)h1, (const float *)h3, st->R * F));
-    for (int e = 0; e < m->n_local; e++) {
-        int64_t r0 = st->local_off[e], n = st->local_off[e + 1] - r0;
-        DSK__TRY(dsk_cuda_moe_gemm(ctx, 0, 1, n, D, F, (const char *)a + (size_t)(r0 * F) * es, F,
-                                   w2 + (size_t)(e * D * F) * es, F, cd, 0.0f, (float *)orr + r0 * D, D, DSK_F32));
-    }
-    if (P > 1) DSK__TRY(dsk__moe_cuda_from_experts(m, ctx, orr, ob));
-    if (Fs > 0) {
-        DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_HS1, (size_t)(T * Fs) * f4, &hs1));
-        DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_HS3, (size_t)(T * Fs) * f4, &hs3));
-        DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_AS, (size_t)(T * Fs) * es, &as));
-        DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_YS, (size_t)(T * D) * f4, &ys));
-        DSK__TRY(dsk_cuda_moe_gemm(ctx, 0, 1, T, Fs, D, xc, D, m->sw1->value.data, D, cd, 0.0f, hs1, Fs, DSK_F32));
-        DSK__TRY(dsk_cuda_moe_gemm(ctx, 0, 1, T, Fs, D, xc, D, m->sw3->value.data, D, cd, 0.0f, hs3, Fs, DSK_F32));
-        DSK__TRY(dsk_cuda_moe_swiglu(ctx, as, cd, (const float *)hs1, (const float *)hs3, T * Fs));
-        DSK__TRY(dsk_cuda_moe_gemm(ctx, 0, 1, T, D, Fs, as, Fs, m->sw2->value.data, Fs, cd, 0.0f, ys, D, DSK_F32));
-    }
-    DSK__TRY(dsk_cuda_moe_combine(ctx, y->data, cd, (const float *)ob, (const int32_t *)pos, (const float *)gate,
-                                  (const float *)ys, T, (int)K, D));
+    int64_t K = o->top_k, E = o->n_routed, TK = T * K, Fs = m->d_shared_total, n_kept, R, n_rows;
+    int64_t L = o->seq_aux_alpha > 0 && o->seq_len ? o->seq_len : (T > 0 ? T : 1), nseq = T / L > 0 ? T / L : 1;
+    int cpu = m->device.type == DSK_DEV_CPU, ep = m->ep_size > 1;
+    int losses = o->aux_alpha > 0 || o->seq_aux_alpha > 0 || o->z_beta > 0;
+    dsk_tensor xf, xa, u, prob, scr, sel, gate, keys, perm_all, off_all, perm, off, pos, row_tok, row_gate, cnt, cntg;
+    dsk_tensor xs, xr, h1, h3, a, ob, hs1, hs3, as, ys, w[6], offsets;
+    dsk__moe_loss_bufs lb;
+    R = ep ? TK : dsk__moe_rows_bound(m, T); /* sizes the buffers until the counts say more */
     st->T = T;
+    st->R = R;
+    st->seq_len = L;
+    st->n_seq = nseq;
+    /* router: u = x W_r^T in f32 */
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_XF, T, R, &xf));
+    DSK__TRY(dsk_tensor_copy(ctx, &xf, x));
+    DSK__TRY(dsk__moe_act_input(m, ctx, DSK__MOE_XA, x, &xf, &xa));
+    DSK__TRY(dsk__moe_weights_act(m, ctx, w));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_U, T, R, &u));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_PROB, T, R, &prob));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_SCR, T, R, &scr));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_SEL, T, R, &sel));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_GATE, T, R, &gate));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_KEYS, T, R, &keys));
+    DSK__TRY(dsk_matmul(ctx, &u, &xf, 0, &m->router->value, 1, 1.0f, 0.0f));
+    DSK__TRY(dsk__moe_route(m, ctx, T, &u, &prob, &scr, &sel, &gate, &keys));
+    /* balancing losses */
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_LOSS, T, R, &lb.loss));
+    if (losses) {
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_PTOT, T, R, &lb.ptot));
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_LSE, T, R, &lb.lse));
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_LSEL, T, R, &lb.lsel));
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_TERM_S, T, R, &lb.term_s));
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_COEF_S, T, R, &lb.coef_s));
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_TERM_Q, T, R, &lb.term_q));
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_COEF_Q, T, R, &lb.coef_q));
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_AUX, T, R, &lb.aux));
+        DSK__TRY(dsk__moe_losses(m, ctx, T, L, nseq, &prob, &u, &sel, &lb));
+    } else {
+        DSK__TRY(dsk_tensor_fill(ctx, &lb.loss, 0.0));
+    }
+    /* dispatch: every slot by expert, then the kept ones (capacity) */
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_PERM_ALL, T, R, &perm_all));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_OFF_ALL, T, R, &off_all));
+    DSK__TRY(dsk_group_by_key(ctx, &perm_all, &off_all, &keys));
+    if (o->capacity_factor > 0) {
+        dsk_tensor keys2;
+        int64_t cap = (int64_t)ceil((double)TK / E * o->capacity_factor);
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_KEYS2, T, R, &keys2));
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_PERM, T, R, &perm));
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_OFF, T, R, &off));
+        DSK__TRY(dsk__moe_capacity(m, ctx, cap, &perm_all, &off_all, &gate, &keys2));
+        DSK__TRY(dsk_group_by_key(ctx, &perm, &off, &keys2));
+    } else {
+        perm = perm_all;
+        off = off_all;
+    }
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_CNT, T, R, &cnt));
+    DSK__TRY(dsk__moe_count(m, ctx, T, &off_all, &off, &cnt));
+    cntg = cnt;
+    offsets = off;
+    n_kept = cpu ? DSK__MOE_I32(off)[E] : -1;
+    if (ep) {
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_CNTG, T, R, &cntg));
+        DSK__TRY(dsk__moe_ep_counts(m, ctx, &cnt, &cntg, &n_kept, &R));
+        st->R = R;
+        offsets = dsk__moe_saved(m, DSK__MOE_LOCAL_OFF);
+    } else if (cpu) {
+        R = st->R = n_kept;
+    }
+    if (cpu && DSK__MOE_I64(cntg)[2] > 0) return dsk__moe_nonfinite_error(m, T, DSK__MOE_I64(cntg));
+    if (!m->eval) DSK__TRY(dsk__moe_accumulate_step(m, ctx, &cnt, &cntg, &lb.loss));
+    /* the kept rows: tokens gathered in kept order (zero rows past them) */
+    n_rows = n_kept >= 0 ? n_kept : TK;
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_POS, T, R, &pos));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_ROW_TOK, T, R, &row_tok));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_ROW_GATE, T, R, &row_gate));
+    DSK__TRY(dsk__moe_plan(m, ctx, n_rows, &perm, &off, &gate, &pos, &row_tok, &row_gate));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_XS, T, R, &xs));
+    xs = dsk__moe_rows(&xs, n_rows);
+    row_tok = dsk__moe_rows(&row_tok, n_rows);
+    DSK__TRY(dsk_gather_rows_scaled(ctx, &xs, &xa, &row_tok, NULL));
+    /* routed experts: grouped GEMMs over the experts' row segments */
+    if (ep) {
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_XR, T, R, &xr));
+        DSK__TRY(dsk__moe_to_experts(m, ctx, &xs, &xr));
+    } else {
+        xr = dsk__moe_rows(&xs, R);
+    }
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_H1, T, R, &h1));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_H3, T, R, &h3));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_A, T, R, &a));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_O, T, R, &ob));
+    DSK__TRY(dsk_swiglu_grouped(ctx, &ob, &h1, &h3, &a, &xr, &w[0], &w[1], &w[2], &offsets));
+    if (ep) {
+        dsk_tensor back;
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_OB, T, R, &back));
+        back = dsk__moe_rows(&back, n_kept);
+        DSK__TRY(dsk__moe_from_experts(m, ctx, &ob, &back));
+        ob = back;
+    }
+    /* shared experts, then the combine */
+    if (Fs > 0) {
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_HS1, T, R, &hs1));
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_HS3, T, R, &hs3));
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_AS, T, R, &as));
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_YS, T, R, &ys));
+        DSK__TRY(dsk__moe_shared_forward(m, ctx, &xa, w, &hs1, &hs3, &as, &ys));
+    }
+    DSK__TRY(dsk__moe_combine(m, ctx, y, &pos, &gate, &ob, Fs > 0 ? &ys : NULL));
+    st->n_kept = n_kept;
     st->have_fwd = 1;
-    return DSK_OK;
+    return stats ? dsk__moe_fill_stats(m, ctx, &cntg, &lb.loss, stats) : DSK_OK;
 }
 
-static dsk_status dsk__moe_backward_cuda(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy,
+/* ---------------------------------------------------------------- backward */
+
+static dsk_status dsk__moe_backward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy,
                                          float aux_scale) {
     struct dsk__moe_state *st = m->st;
     const dsk_moe_opts *o = &m->opts;
-    int64_t T = st->T, D = o->d_model, F = o->d_expert, E = o->n_routed, K = o->top_k, Fs = m->d_shared_total,
-            R = st->R;
-    dsk_dtype cd = o->dtype;
-    size_t es = dsk_dtype_size(cd), f4 = sizeof(float);
-    void *dxf, *dgate, *dos, *da, *dh1, *dh3, *dxr, *du;
-    const char *w1 = (const char *)m->w1->value.data, *w2 = (const char *)m->w2->value.data,
-               *w3 = (const char *)m->w3->value.data;
-    float *g1 = (float *)m->w1->grad.data, *g2 = (float *)m->w2->grad.data, *g3 = (float *)m->w3->grad.data;
-    int P = m->ep_size;
-    const void *xr = st->dev[P > 1 ? DSK__MOE_D_XR : DSK__MOE_D_XS].p, *a = st->dev[DSK__MOE_D_A].p,
-               *ob = st->dev[P > 1 ? DSK__MOE_D_OB : DSK__MOE_D_O].p;
-    void *dor, *dxp;
-    const float *h1 = (const float *)st->dev[DSK__MOE_D_H1].p, *h3 = (const float *)st->dev[DSK__MOE_D_H3].p;
-    const int32_t *perm = (const int32_t *)st->dev[DSK__MOE_D_PERM].p,
-                  *pos = (const int32_t *)st->dev[DSK__MOE_D_POS].p;
-    const float *gate = (const float *)st->dev[DSK__MOE_D_GATE].p;
-    const float *aux = (o->aux_alpha > 0 || o->seq_aux_alpha > 0) ? (const float *)st->dev[DSK__MOE_D_AUX].p : NULL;
+    int64_t T = st->T, R = st->R, K = o->top_k, Fs = m->d_shared_total;
+    int64_t n_rows = st->n_kept >= 0 ? st->n_kept : T * K;
+    int ep = m->ep_size > 1;
     float zcoef = T > 0 ? o->z_beta * 2.0f / (float)T * aux_scale : 0.0f;
-    if (!ctx || ctx->device.type != DSK_DEV_CUDA)
-        return dsk_set_error(DSK_ERR_ARG, "dsk_moe_backward: layer \"%s\" is on CUDA: pass its CUDA ctx", o->name);
-    DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_DXF, (size_t)(T * D) * f4, &dxf));
-    DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_DGATE, (size_t)(T * K) * f4, &dgate));
-    DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_DOS, (size_t)(st->n_kept * D) * es, &dos));
-    DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_DA, (size_t)(R * F) * f4, &da));
-    DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_DH1, (size_t)(R * F) * es, &dh1));
-    DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_DH3, (size_t)(R * F) * es, &dh3));
-    DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_DXR, (size_t)(R * D) * f4, &dxr));
-    DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_DU, (size_t)(T * E) * f4, &du));
-    /* shared experts write dxf (or it starts at zero) */
+    /* what the forward saved */
+    dsk_tensor xf = dsk__moe_saved(m, DSK__MOE_XF), xa = st->act == DSK_F32 ? xf : dsk__moe_saved(m, DSK__MOE_XA);
+    dsk_tensor u = dsk__moe_saved(m, DSK__MOE_U), prob = dsk__moe_saved(m, DSK__MOE_PROB);
+    dsk_tensor sel = dsk__moe_saved(m, DSK__MOE_SEL), pos = dsk__moe_saved(m, DSK__MOE_POS);
+    dsk_tensor aux = dsk__moe_saved(m, DSK__MOE_AUX), xs = dsk__moe_saved(m, DSK__MOE_XS);
+    dsk_tensor row_tok = dsk__moe_saved(m, DSK__MOE_ROW_TOK), row_gate = dsk__moe_saved(m, DSK__MOE_ROW_GATE);
+    dsk_tensor h1 = dsk__moe_saved(m, DSK__MOE_H1), h3 = dsk__moe_saved(m, DSK__MOE_H3), a = dsk__moe_saved(m, DSK__MOE_A);
+    dsk_tensor xr = ep ? dsk__moe_saved(m, DSK__MOE_XR) : dsk__moe_rows(&xs, R);
+    dsk_tensor ob = dsk__moe_saved(m, ep ? DSK__MOE_OB : DSK__MOE_O);
+    dsk_tensor offsets = dsk__moe_saved(m, ep ? DSK__MOE_LOCAL_OFF : o->capacity_factor > 0 ? DSK__MOE_OFF
+                                                                                          : DSK__MOE_OFF_ALL);
+    dsk_tensor w[6], dya, dxf, dgate, du, dos, dor, da, dh1, dh3, dxr, dxp;
+    row_tok = dsk__moe_rows(&row_tok, n_rows);
+    row_gate = dsk__moe_rows(&row_gate, n_rows);
+    if (ep) ob = dsk__moe_rows(&ob, st->n_kept);
+    DSK__TRY(dsk__moe_weights_act(m, ctx, w));
+    DSK__TRY(dsk__moe_act_input(m, ctx, DSK__MOE_DYA, dy, NULL, &dya));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DXF, T, R, &dxf));
+    /* shared experts: dxf written here (or zeroed) */
     if (Fs > 0) {
-        void *das, *dhs1, *dhs3;
-        const void *xc = st->dev[DSK__MOE_D_XC].p, *as = st->dev[DSK__MOE_D_AS].p;
-        DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_DAS, (size_t)(T * Fs) * f4, &das));
-        DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_DHS1, (size_t)(T * Fs) * es, &dhs1));
-        DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_DHS3, (size_t)(T * Fs) * es, &dhs3));
-        DSK__TRY(dsk_cuda_moe_gemm(ctx, 0, 0, T, Fs, D, dy->data, D, m->sw2->value.data, Fs, cd, 0.0f, das, Fs,
-                                   DSK_F32));
-        DSK__TRY(dsk_cuda_moe_gemm(ctx, 1, 0, D, Fs, T, dy->data, D, as, Fs, cd, 1.0f, m->sw2->grad.data, Fs, DSK_F32));
-        DSK__TRY(dsk_cuda_moe_swiglu_backward(ctx, dhs1, dhs3, cd, (const float *)st->dev[DSK__MOE_D_HS1].p,
-                                              (const float *)st->dev[DSK__MOE_D_HS3].p, (const float *)das, T * Fs));
-        DSK__TRY(dsk_cuda_moe_gemm(ctx, 0, 0, T, D, Fs, dhs1, Fs, m->sw1->value.data, D, cd, 0.0f, dxf, D, DSK_F32));
-        DSK__TRY(dsk_cuda_moe_gemm(ctx, 0, 0, T, D, Fs, dhs3, Fs, m->sw3->value.data, D, cd, 1.0f, dxf, D, DSK_F32));
-        DSK__TRY(dsk_cuda_moe_gemm(ctx, 1, 0, Fs, D, T, dhs1, Fs, xc, D, cd, 1.0f, m->sw1->grad.data, D, DSK_F32));
-        DSK__TRY(dsk_cuda_moe_gemm(ctx, 1, 0, Fs, D, T, dhs3, Fs, xc, D, cd, 1.0f, m->sw3->grad.data, D, DSK_F32));
+        dsk_tensor das, dhs1, dhs3, hs1 = dsk__moe_saved(m, DSK__MOE_HS1), hs3 = dsk__moe_saved(m, DSK__MOE_HS3);
+        dsk_tensor as = dsk__moe_saved(m, DSK__MOE_AS);
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DAS, T, R, &das));
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DHS1, T, R, &dhs1));
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DHS3, T, R, &dhs3));
+        DSK__TRY(dsk_matmul(ctx, &das, &dya, 0, &w[4], 0, 1.0f, 0.0f));
+        DSK__TRY(dsk_matmul(ctx, &m->sw2->grad, &dya, 1, &as, 0, 1.0f, 1.0f));
+        DSK__TRY(dsk_tensor_fill(ctx, &dhs1, 0.0));
+        DSK__TRY(dsk_tensor_fill(ctx, &dhs3, 0.0));
+        DSK__TRY(dsk_swiglu_backward(ctx, &dhs1, &dhs3, &das, &hs1, &hs3));
+        DSK__TRY(dsk_matmul(ctx, &dxf, &dhs1, 0, &w[3], 0, 1.0f, 0.0f));
+        DSK__TRY(dsk_matmul(ctx, &dxf, &dhs3, 0, &w[5], 0, 1.0f, 1.0f));
+        DSK__TRY(dsk_matmul(ctx, &m->sw1->grad, &dhs1, 1, &xa, 0, 1.0f, 1.0f));
+        DSK__TRY(dsk_matmul(ctx, &m->sw3->grad, &dhs3, 1, &xa, 0, 1.0f, 1.0f));
     } else {
-        DSK__TRY(dsk__moe_dzero(ctx, m->device, (float *)dxf, T * D));
+        DSK__TRY(dsk_tensor_fill(ctx, &dxf, 0.0));
+    }
+    /* d gate = dy . o for the kept slots; rows back to the experts: g * dy */
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DGATE, T, R, &dgate));
+    DSK__TRY(dsk__moe_dgate(m, ctx, &dgate, &dya, &pos, &ob));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DOS, T, R, &dos));
+    dos = dsk__moe_rows(&dos, n_rows);
+    DSK__TRY(dsk_gather_rows_scaled(ctx, &dos, &dya, &row_tok, &row_gate));
+    if (ep) {
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DOR, T, R, &dor));
+        DSK__TRY(dsk__moe_to_experts(m, ctx, &dos, &dor));
+    } else {
+        dor = dsk__moe_rows(&dos, R);
     }
     /* routed experts */
-    DSK__TRY(dsk_cuda_moe_dgate(ctx, (float *)dgate, dy->data, cd, (const float *)ob, pos, T, (int)K, D));
-    DSK__TRY(dsk_cuda_moe_gather(ctx, dos, dy->data, cd, perm, (int)K, gate, st->n_kept, D));
-    dor = dos;
-    dxp = dxr;
-    if (P > 1) DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_DOR, (size_t)(R * D) * es, &dor));
-    if (P > 1) DSK__TRY(dsk__moe_dev(m, ctx, DSK__MOE_D_DXP, (size_t)(st->n_kept * D) * f4, &dxp));
-    if (P > 1) DSK__TRY(dsk__moe_cuda_to_experts(m, ctx, dos, dor, cd));
-    for (int e = 0; e < m->n_local; e++) {
-        int64_t r0 = st->local_off[e], n = st->local_off[e + 1] - r0;
-        const char *de = (const char *)dor + (size_t)(r0 * D) * es;
-        DSK__TRY(dsk_cuda_moe_gemm(ctx, 0, 0, n, F, D, de, D, w2 + (size_t)(e * D * F) * es, F, cd, 0.0f,
-                                   (float *)da + r0 * F, F, DSK_F32));
-        DSK__TRY(dsk_cuda_moe_gemm(ctx, 1, 0, D, F, n, de, D, (const char *)a + (size_t)(r0 * F) * es, F, cd, 1.0f,
-                                   g2 + e * D * F, F, DSK_F32));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DA, T, R, &da));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DH1, T, R, &dh1));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DH3, T, R, &dh3));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DXR, T, R, &dxr));
+    DSK__TRY(dsk_swiglu_grouped_backward(ctx, &dxr, &m->w1->grad, &m->w2->grad, &m->w3->grad, &da, &dh1, &dh3, &dor,
+                                         &xr, &h1, &h3, &a, &w[0], &w[1], &w[2], &offsets));
+    if (ep) {
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DXP, T, R, &dxp));
+        dxp = dsk__moe_rows(&dxp, st->n_kept);
+        DSK__TRY(dsk__moe_from_experts(m, ctx, &dxr, &dxp));
+    } else {
+        dxp = dxr;
     }
-    DSK__TRY(dsk_cuda_moe_swiglu_backward(ctx, dh1, dh3, cd, h1, h3, (const float *)da, R * F));
-    for (int e = 0; e < m->n_local; e++) {
-        int64_t r0 = st->local_off[e], n = st->local_off[e + 1] - r0;
-        const char *d1 = (const char *)dh1 + (size_t)(r0 * F) * es, *d3 = (const char *)dh3 + (size_t)(r0 * F) * es;
-        const char *xe = (const char *)xr + (size_t)(r0 * D) * es;
-        DSK__TRY(dsk_cuda_moe_gemm(ctx, 0, 0, n, D, F, d1, F, w1 + (size_t)(e * F * D) * es, D, cd, 0.0f,
-                                   (float *)dxr + r0 * D, D, DSK_F32));
-        DSK__TRY(dsk_cuda_moe_gemm(ctx, 0, 0, n, D, F, d3, F, w3 + (size_t)(e * F * D) * es, D, cd, 1.0f,
-                                   (float *)dxr + r0 * D, D, DSK_F32));
-        DSK__TRY(dsk_cuda_moe_gemm(ctx, 1, 0, F, D, n, d1, F, xe, D, cd, 1.0f, g1 + e * F * D, D, DSK_F32));
-        DSK__TRY(dsk_cuda_moe_gemm(ctx, 1, 0, F, D, n, d3, F, xe, D, cd, 1.0f, g3 + e * F * D, D, DSK_F32));
-    }
-    if (P > 1) DSK__TRY(dsk__moe_cuda_from_experts(m, ctx, dxr, dxp));
-    DSK__TRY(dsk_cuda_moe_scatter(ctx, (float *)dxf, (const float *)dxp, pos, T, (int)K, D));
-    /* router */
-    DSK__TRY(dsk_cuda_moe_route_backward(ctx, &m->routing, (const float *)st->dev[DSK__MOE_D_U].p,
-                                         (const float *)st->dev[DSK__MOE_D_PROB].p, T,
-                                         (const int32_t *)st->dev[DSK__MOE_D_SEL].p, (const float *)dgate, aux,
-                                         st->seq_len, aux_scale, zcoef, (float *)du));
-    DSK__TRY(dsk_cuda_moe_gemm(ctx, 0, 0, T, D, E, du, E, m->router->value.data, D, DSK_F32, 1.0f, dxf, D, DSK_F32));
-    DSK__TRY(dsk_cuda_moe_gemm(ctx, 1, 0, E, D, T, du, E, st->dev[DSK__MOE_D_XF].p, D, DSK_F32, 1.0f,
-                               m->router->grad.data, D, DSK_F32));
-    return dsk_cuda_moe_accumulate(ctx, dx->data, cd, (const float *)dxf, T * D);
+    /* router: du (T, E) per token, the routed rows into dxf, then dx += du W_r, dW_r += du^T x */
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DU, T, R, &du));
+    DSK__TRY(dsk__moe_route_backward(m, ctx, T, &u, &prob, &sel, &dgate,
+                                     o->aux_alpha > 0 || o->seq_aux_alpha > 0 ? &aux : NULL, st->seq_len, aux_scale,
+                                     zcoef, &du));
+    DSK__TRY(dsk__moe_uncombine(m, ctx, &dxf, &pos, &dxp));
+    DSK__TRY(dsk_matmul(ctx, &dxf, &du, 0, &m->router->value, 0, 1.0f, 1.0f));
+    DSK__TRY(dsk_matmul(ctx, &m->router->grad, &du, 1, &xf, 0, 1.0f, 1.0f));
+    return dsk_axpy(ctx, dx, 1.0f, &dxf);
 }
-#endif /* DSK_CUDA */
+
+/* ---------------------------------------------------------------- statistics and bias */
+
+DSK_API dsk_status dsk_moe_stats_request(dsk_moe *m, dsk_ctx *ctx) {
+    struct dsk__moe_state *st;
+    int64_t E;
+    DSK__TRY(dsk__moe_need_layer(m, "dsk_moe_stats_request"));
+    st = m->st;
+    E = m->opts.n_routed;
+    DSK__TRY(dsk__moe_to_host(m, ctx, st->col_acc_i, st->buf[DSK__MOE_ACC_I].mem.data, (size_t)(5 + E) * sizeof(int64_t)));
+    DSK__TRY(dsk__moe_to_host(m, ctx, st->col_acc_f, st->buf[DSK__MOE_ACC_F].mem.data, 3 * sizeof(double)));
+#ifdef DSK_CUDA
+    if (m->device.type == DSK_DEV_CUDA) DSK__TRY(dsk_cuda_event_record(ctx, st->event));
+#endif
+    st->requested = 1;
+    DSK__TRY(dsk_tensor_fill(ctx, &st->buf[DSK__MOE_ACC_I].mem, 0.0));
+    return dsk_tensor_fill(ctx, &st->buf[DSK__MOE_ACC_F].mem, 0.0);
+}
+
+DSK_API dsk_status dsk_moe_stats_collect(dsk_moe *m, dsk_ctx *ctx, dsk_moe_stats *out) {
+    struct dsk__moe_state *st;
+    const int64_t *a;
+    const double *f;
+    int E;
+    DSK__TRY(dsk__moe_need_layer(m, "dsk_moe_stats_collect"));
+    if (!out) return dsk_set_error(DSK_ERR_ARG, "dsk_moe_stats_collect: layer \"%s\": out is NULL", m->opts.name);
+    st = m->st;
+#ifdef DSK_CUDA
+    if (m->device.type == DSK_DEV_CUDA && st->requested) DSK__TRY(dsk_cuda_event_wait(ctx, st->event));
+#else
+    (void)ctx;
+#endif
+    a = st->col_acc_i;
+    f = st->col_acc_f;
+    E = m->opts.n_routed;
+    memset(out, 0, sizeof *out);
+    out->calls = a[0];
+    out->tokens = a[1];
+    out->slots = a[2];
+    out->dropped = a[3];
+    out->nonfinite = a[4];
+    out->tokens_per_expert = a + 5;
+    for (int e = 0; e < E; e++) out->max_load = (double)a[5 + e] > out->max_load ? (double)a[5 + e] : out->max_load;
+    out->mean_load = (double)out->slots / E;
+    out->aux_loss = f[0];
+    out->seq_aux_loss = f[1];
+    out->z_loss = f[2];
+    out->loss = f[0] + f[1] + f[2];
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_moe_update_bias(dsk_moe *m, dsk_ctx *ctx, dsk_comm *comm) {
+    const char *fn = "dsk_moe_update_bias";
+    dsk_tensor *load;
+    DSK__TRY(dsk__moe_need_layer(m, fn));
+    DSK__TRY(dsk__moe_need_bound(m, fn));
+    load = &m->st->buf[DSK__MOE_LOAD].mem;
+    if (comm && comm->world_size > 1) {
+        if ((m->device.type == DSK_DEV_CUDA) != (comm->backend == DSK_COMM_NCCL))
+            return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: layer \"%s\" is on %s: its communicator must use the %s backend",
+                                 fn, m->opts.name, m->device.type == DSK_DEV_CUDA ? "CUDA" : "the CPU",
+                                 m->device.type == DSK_DEV_CUDA ? "nccl" : "host");
+        DSK__TRY(dsk_comm_all_reduce(comm, ctx, load->data, load->data, m->opts.n_routed, DSK_I64, DSK_COMM_SUM));
+    }
+    return dsk__moe_bias_step(m, ctx);
+}
 
 /* ---------------------------------------------------------------- public entry points */
 
 DSK_API dsk_status dsk_moe_forward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, dsk_moe_stats *stats) {
     const char *fn = "dsk_moe_forward";
-    dsk_moe_stats local;
     int64_t T;
     dsk_status s;
-    if (!m || !m->st) return dsk_set_error(DSK_ERR_STATE, "%s: layer not initialised", fn);
+    if (stats) memset(stats, 0, sizeof *stats);
+    DSK__TRY(dsk__moe_need_layer(m, fn));
+    DSK__TRY(dsk__moe_need_bound(m, fn));
     DSK__TRY(dsk__moe_check_io(m, fn, "x", x, -1));
     T = x->shape[0];
     DSK__TRY(dsk__moe_check_io(m, fn, "y", y, T));
     if (m->opts.seq_aux_alpha > 0 && m->opts.seq_len > 0 && T % m->opts.seq_len)
         return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": %lld tokens are not whole sequences of seq_len %lld", fn,
                              m->opts.name, (long long)T, (long long)m->opts.seq_len);
-    if (!stats) stats = &local;
-    memset(stats, 0, sizeof *stats);
+    if (m->device.type == DSK_DEV_CUDA && (!ctx || ctx->device.type != DSK_DEV_CUDA))
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\" is on CUDA: pass its CUDA ctx", fn, m->opts.name);
     m->st->have_fwd = 0;
-#ifdef DSK_CUDA
-    if (m->device.type == DSK_DEV_CUDA) s = dsk__moe_forward_cuda(m, ctx, y, x, T, stats);
-    else s = dsk__moe_forward_cpu(m, ctx, y, x, T, stats);
-#else
-    s = dsk__moe_forward_cpu(m, ctx, y, x, T, stats);
-#endif
-    if (s != DSK_OK) memset(stats, 0, sizeof *stats);
+    s = dsk__moe_forward_impl(m, ctx, y, x, T, stats);
+    if (s != DSK_OK) {
+        m->st->have_fwd = 0;
+        if (stats) memset(stats, 0, sizeof *stats);
+    }
     return s;
 }
 
 DSK_API dsk_status dsk_moe_backward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, float aux_scale) {
     const char *fn = "dsk_moe_backward";
-    if (!m || !m->st) return dsk_set_error(DSK_ERR_STATE, "%s: layer not initialised", fn);
+    DSK__TRY(dsk__moe_need_layer(m, fn));
     if (!m->st->have_fwd)
         return dsk_set_error(DSK_ERR_STATE, "%s: layer \"%s\": no forward to differentiate", fn, m->opts.name);
+    DSK__TRY(dsk__moe_need_bound(m, fn));
     DSK__TRY(dsk__moe_check_io(m, fn, "dy", dy, m->st->T));
     DSK__TRY(dsk__moe_check_io(m, fn, "dx", dx, m->st->T));
     if (!isfinite(aux_scale))
         return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": aux_scale %g is not finite", fn, m->opts.name,
                              (double)aux_scale);
-#ifdef DSK_CUDA
-    if (m->device.type == DSK_DEV_CUDA) return dsk__moe_backward_cuda(m, ctx, dx, dy, aux_scale);
-#endif
-    return dsk__moe_backward_cpu(m, ctx, dx, dy, aux_scale);
-}
-
-DSK_API dsk_status dsk_moe_update_bias(dsk_moe *m, dsk_ctx *ctx, dsk_comm *comm) {
-    struct dsk__moe_state *st;
-    int E;
-    float *b;
-    double mean = 0, bmean = 0;
-    dsk_status s = DSK_OK;
-    if (!m || !m->st) return dsk_set_error(DSK_ERR_STATE, "dsk_moe_update_bias: layer not initialised");
-    st = m->st;
-    E = m->opts.n_routed;
-    if (comm && comm->world_size > 1) DSK__TRY(dsk__moe_host_i64(m, ctx, comm, 0, st->load_accum, st->load_accum, E));
-    b = (float *)DSK_MALLOC((size_t)E * sizeof(float));
-    if (!b) return dsk_set_error(DSK_ERR_OOM, "dsk_moe_update_bias: out of host memory");
-    if (m->device.type == DSK_DEV_CPU) memcpy(b, m->bias->value.data, (size_t)E * sizeof(float));
-#ifdef DSK_CUDA
-    else {
-        s = dsk_cuda_memcpy(ctx, b, m->bias->value.data, (size_t)E * sizeof(float), 0);
-        if (s == DSK_OK) s = dsk_cuda_sync(ctx);
-        if (s != DSK_OK) goto done;
-    }
-#endif
-    for (int e = 0; e < E; e++) mean += (double)st->load_accum[e] / E;
-    for (int e = 0; e < E; e++) {
-        double l = (double)st->load_accum[e];
-        b[e] += m->opts.bias_rate * (float)((mean > l) - (mean < l));
-    }
-    if (m->opts.bias_recenter) {
-        for (int e = 0; e < E; e++) bmean += b[e];
-        bmean /= E;
-        for (int e = 0; e < E; e++) b[e] -= (float)bmean;
-    }
-    memset(st->load_accum, 0, (size_t)E * sizeof(int64_t));
-    if (m->device.type == DSK_DEV_CPU) memcpy(m->bias->value.data, b, (size_t)E * sizeof(float));
-#ifdef DSK_CUDA
-    else if ((s = dsk_cuda_memcpy(ctx, m->bias->value.data, b, (size_t)E * sizeof(float), 1)) == DSK_OK)
-        s = dsk_cuda_sync(ctx);
-done:
-#endif
-    DSK_FREE(b);
-    return s;
+    if (m->device.type == DSK_DEV_CUDA && (!ctx || ctx->device.type != DSK_DEV_CUDA))
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\" is on CUDA: pass its CUDA ctx", fn, m->opts.name);
+    return dsk__moe_backward_impl(m, ctx, dx, dy, aux_scale);
 }
 
 #endif /* DSK_MOE_IMPLEMENTATION_DONE */

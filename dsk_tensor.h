@@ -345,6 +345,16 @@ typedef struct dsk_ctx_opts {
     dsk_cpu_isa cpu_isa;     /* CPU GEMM kernel, default DSK_CPU_ISA_AUTO; one the CPU lacks is an error */
 } dsk_ctx_opts;
 
+/* What the host waited for on a CUDA context: every stream synchronisation made through the
+   dsk wrappers (dsk_ctx_sync and the library's own) and every device-to-host copy (each also
+   waits, or is waited for). A test reads them before and after a call to prove the call made
+   the device stop for nothing. */
+typedef struct dsk_ctx_counters {
+    int64_t syncs;          /* cudaStreamSynchronize on the context's stream */
+    int64_t d2h_copies;     /* device-to-host copies */
+    int64_t d2h_bytes;
+} dsk_ctx_counters;
+
 /* Execution context passed to every op. CPU ops accept ctx == NULL. */
 typedef struct dsk_ctx {
     dsk_device device;       /* where ops run and tensors are allocated by default */
@@ -353,6 +363,7 @@ typedef struct dsk_ctx {
     void *workspace;         /* device workspace (CUDA only) */
     size_t workspace_bytes;
     int n_threads;
+    dsk_ctx_counters counters; /* host waits on the device, counted (CUDA only) */
     dsk_cpu_isa cpu_isa;     /* resolved: never DSK_CPU_ISA_AUTO after dsk_ctx_init */
 } dsk_ctx;
 
@@ -368,6 +379,16 @@ DSK_API int dsk_cpu_isa_supported(dsk_cpu_isa isa); /* 1 if usable here (AUTO: 0
 DSK_API const char *dsk_cpu_isa_name(dsk_cpu_isa isa); /* "avx512", ...; "invalid" */
 /* Writes the kernel `isa` selects, e.g. "avx512 12x32", into buf (terminated); returns buf. */
 DSK_API const char *dsk_cpu_gemm_describe(dsk_cpu_isa isa, char *buf, size_t n);
+
+/* CUDA graphs: everything enqueued on ctx's stream between begin and end is recorded (not run)
+   and replayed by dsk_graph_launch as one launch. A captured call must neither synchronise nor
+   copy to pageable host memory nor allocate outside the stream's pool; the CUDA runtime fails
+   the capture if it does (DSK_ERR_CUDA naming the call). CPU ctx: DSK_ERR_UNSUPPORTED. */
+typedef struct dsk_graph { void *graph, *exec; } dsk_graph;
+DSK_API dsk_status dsk_graph_begin(dsk_ctx *ctx);
+DSK_API dsk_status dsk_graph_end(dsk_ctx *ctx, dsk_graph *g); /* g: the instantiated graph */
+DSK_API dsk_status dsk_graph_launch(dsk_ctx *ctx, const dsk_graph *g);
+DSK_API void dsk_graph_free(dsk_graph *g);                     /* zeroed/freed ok */
 
 /* ------------------------------------------------------------------ tensors */
 
@@ -510,7 +531,9 @@ DSK_API void dsk_swiglu_grad_cpu(int64_t n, const float *gate, const float *up, 
 DSK_API dsk_status dsk_add(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *a, const dsk_tensor *b); /* out = a + b (out may alias) */
 DSK_API dsk_status dsk_mul(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *a, const dsk_tensor *b); /* out = a * b */
 DSK_API dsk_status dsk_scale(dsk_ctx *ctx, dsk_tensor *t, float alpha);                            /* t *= alpha */
-DSK_API dsk_status dsk_axpy(dsk_ctx *ctx, dsk_tensor *y, float alpha, const dsk_tensor *x);        /* y += alpha x */
+/* y += alpha x; x has y's dtype, or is f32 for a bf16/f16 y (an f32 partial result added with
+   one rounding). */
+DSK_API dsk_status dsk_axpy(dsk_ctx *ctx, dsk_tensor *y, float alpha, const dsk_tensor *x);
 
 typedef enum dsk_reduce_op { DSK_REDUCE_SUM = 0, DSK_REDUCE_MEAN, DSK_REDUCE_MAX } dsk_reduce_op;
 /* out = reduce of `in` along `axis` (negative counts from the end); out has in's shape without
@@ -575,6 +598,59 @@ DSK_API dsk_status dsk_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *prob
 DSK_API dsk_status dsk_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tensor *dk, dsk_tensor *dv,
                                           const dsk_tensor *dout, const dsk_tensor *q, const dsk_tensor *k,
                                           const dsk_tensor *v, const dsk_tensor *probs, float scale);
+
+/* ------------------------------------------------------------------ grouped rows
+   Building blocks of Mixture-of-Experts layers (dsk_moe.h), usable for any computation on rows
+   grouped into contiguous segments. Segment g of a 2-D tensor with R rows is rows
+   [offsets[g], offsets[g + 1]) for offsets (G + 1) i32, non-decreasing, offsets[0] >= 0 and
+   offsets[G] <= R. The offsets live on the tensors' device and are read there: a CUDA launch
+   is sized from the shapes (bounds) alone and never copies them to the host, so a GPU caller
+   can compute them on the device and never wait for them. The CPU path checks them; rows
+   outside [offsets[0], offsets[G]) are neither read nor written. Every result has a fixed
+   summation order (no float atomics), the same on every run. */
+
+/* Stable counting sort of keys (N) i32 by key into G = offsets.shape[0] - 1 groups: offsets
+   (G + 1) i32 gets offsets[g] = the number of keys < g among the keys in [0, G); perm (N) i32
+   gets, at position j < offsets[G], the index of the j-th such key in (key, index) order, and
+   -1 at j >= offsets[G]. Keys outside [0, G) (-1 say) are left out. */
+DSK_API dsk_status dsk_group_by_key(dsk_ctx *ctx, dsk_tensor *perm, dsk_tensor *offsets, const dsk_tensor *keys);
+
+/* Grouped matmul over row segments (A, B: f32, bf16 or f16 alike; C: f32 or A's dtype; f32
+   accumulation; alpha, beta and beta == 0 as in dsk_matmul). Two forms:
+     rows:    C (R, N), A (R, K), trans_a = 0, B (G, K, N) or with trans_b (G, N, K):
+              row r of segment g: C[r] = alpha * A[r] op(B[g]) + beta * C[r];
+     weights: C (G, M, N), A (R, M) with trans_a = 1, B (R, N) with trans_b = 0:
+              C[g] = alpha * A[seg g]^T B[seg g] + beta * C[g] (beta * C[g] for an empty segment).
+   The rows form gives an expert layer's forward and input gradient, the weights form its weight
+   gradients. CPU: the segments' GEMMs run in parallel, each with dsk_matmul's kernel and its bits. */
+DSK_API dsk_status dsk_matmul_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, int trans_a,
+                                      const dsk_tensor *B, int trans_b, const dsk_tensor *offsets, float alpha,
+                                      float beta);
+
+/* A SwiGLU MLP per row segment (the routed experts of an MoE layer): for the rows r of segment g,
+   h1[r] = x[r] W1[g]^T and h3[r] = x[r] W3[g]^T (F each), a[r] = silu(h1[r]) h3[r], out[r] =
+   a[r] W2[g]^T (D). x, out (R, D); h1, h3, a (R, F), saved for the backward; w1, w3 (G, F, D),
+   w2 (G, D, F); one dtype (f32, bf16 or f16: GEMMs accumulate in f32 and round their results
+   to it). out's rows outside the segments are not written; h1, h3 and a there are scratch.
+   The CPU runs each segment's whole MLP on one thread, segments side by side (each GEMM as
+   dsk_matmul would: the same bits); CUDA three grouped matmuls and dsk_swiglu. */
+DSK_API dsk_status dsk_swiglu_grouped(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *h1, dsk_tensor *h3, dsk_tensor *a,
+                                      const dsk_tensor *x, const dsk_tensor *w1, const dsk_tensor *w2,
+                                      const dsk_tensor *w3, const dsk_tensor *offsets);
+/* Its backward from dout (R, D): dx (R, D) WRITTEN on the segments' rows (an intermediate, as
+   dsk_cross_entropy's dlogits); dw1, dw3 (G, F, D) and dw2 (G, D, F), f32 or x's dtype,
+   accumulated; da, dh1, dh3 (R, F) of x's dtype are scratch (overwritten). */
+DSK_API dsk_status dsk_swiglu_grouped_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk_tensor *dw1, dsk_tensor *dw2,
+                                               dsk_tensor *dw3, dsk_tensor *da, dsk_tensor *dh1, dsk_tensor *dh3,
+                                               const dsk_tensor *dout, const dsk_tensor *x, const dsk_tensor *h1,
+                                               const dsk_tensor *h3, const dsk_tensor *a, const dsk_tensor *w1,
+                                               const dsk_tensor *w2, const dsk_tensor *w3, const dsk_tensor *offsets);
+
+/* out (N, D) row i = scale[i] * src (R, D) row idx[i], math in f32 and rounded once; scale (N)
+   f32 or NULL (a plain copy of the row); idx (N) i32, a negative idx[i] gives a zero row (the
+   padding of a buffer sized by a bound). out and src share a dtype. */
+DSK_API dsk_status dsk_gather_rows_scaled(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *src, const dsk_tensor *idx,
+                                          const dsk_tensor *scale);
 
 /* ------------------------------------------------------------------ AdamW */
 
@@ -804,6 +880,51 @@ DSK_API dsk_status dsk_ctx_sync(dsk_ctx *ctx) {
 #endif
     (void)ctx;
     return DSK_OK;
+}
+
+static dsk_status dsk__need_cuda_ctx(const char *fn, const dsk_ctx *ctx) {
+    if (!ctx || ctx->device.type != DSK_DEV_CUDA)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: CUDA graphs need a CUDA ctx (got %s)", fn,
+                             ctx ? "a CPU ctx" : "NULL");
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_graph_begin(dsk_ctx *ctx) {
+    DSK__TRY(dsk__need_cuda_ctx("dsk_graph_begin", ctx));
+#ifdef DSK_CUDA
+    return dsk_cuda_graph_begin(ctx);
+#else
+    return DSK_OK;
+#endif
+}
+
+DSK_API dsk_status dsk_graph_end(dsk_ctx *ctx, dsk_graph *g) {
+    if (!g) return dsk_set_error(DSK_ERR_ARG, "dsk_graph_end: graph is NULL");
+    memset(g, 0, sizeof *g);
+    DSK__TRY(dsk__need_cuda_ctx("dsk_graph_end", ctx));
+#ifdef DSK_CUDA
+    return dsk_cuda_graph_end(ctx, &g->graph, &g->exec);
+#else
+    return DSK_OK;
+#endif
+}
+
+DSK_API dsk_status dsk_graph_launch(dsk_ctx *ctx, const dsk_graph *g) {
+    DSK__TRY(dsk__need_cuda_ctx("dsk_graph_launch", ctx));
+    if (!g || !g->exec) return dsk_set_error(DSK_ERR_ARG, "dsk_graph_launch: no instantiated graph");
+#ifdef DSK_CUDA
+    return dsk_cuda_graph_launch(ctx, g->exec);
+#else
+    return DSK_OK;
+#endif
+}
+
+DSK_API void dsk_graph_free(dsk_graph *g) {
+    if (!g) return;
+#ifdef DSK_CUDA
+    if (g->graph || g->exec) dsk_cuda_graph_free(g->graph, g->exec);
+#endif
+    memset(g, 0, sizeof *g);
 }
 
 static int dsk__threads(const dsk_ctx *ctx) { return ctx && ctx->n_threads > 0 ? ctx->n_threads : dsk__default_threads(); }
@@ -2345,7 +2466,8 @@ DSK_API dsk_status dsk_axpy(dsk_ctx *ctx, dsk_tensor *y, float alpha, const dsk_
     const char *names[2] = {"y", "x"};
     DSK__TRY(dsk__need_float("dsk_axpy", "y", y));
     DSK__TRY(dsk__need_float("dsk_axpy", "x", x));
-    DSK__TRY(dsk__need_like("dsk_axpy", "x", x, "y", y));
+    DSK__TRY(dsk__need_same_shape("dsk_axpy", "x", x, "y", y));
+    if (x->dtype != DSK_F32) DSK__TRY(dsk__need_same_dtype("dsk_axpy", "x", x, "y", y));
     DSK__TRY(dsk__need_devices("dsk_axpy", ctx, 2, ts, names, &cuda));
 #ifdef DSK_CUDA
     if (cuda) return dsk_cuda_axpy(ctx, y, alpha, x);
@@ -3227,6 +3349,392 @@ DSK_API dsk_status dsk_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tens
                 }
     }
     DSK_FREE(scratch);
+    return DSK_OK;
+}
+
+/* ---------------------------------------------------------------- grouped rows */
+
+/* offsets (G + 1) i32, contiguous; *G = its length - 1 >= 0. */
+static dsk_status dsk__need_offsets(const char *fn, const dsk_tensor *offsets, int64_t *G) {
+    char b[96];
+    DSK__TRY(dsk__need_dtype(fn, "offsets", offsets, DSK_I32));
+    if (offsets->ndim != 1 || offsets->shape[0] < 1)
+        return dsk_set_error(DSK_ERR_ARG, "%s: offsets %s must be (G + 1) with G >= 0", fn,
+                             dsk_tensor_describe(offsets, b, sizeof b));
+    *G = offsets->shape[0] - 1;
+    return DSK_OK;
+}
+
+/* CPU: offsets non-decreasing within [0, R]. */
+static dsk_status dsk__check_offsets(const char *fn, const dsk_tensor *offsets, int64_t G, int64_t R) {
+    const int32_t *o = (const int32_t *)offsets->data;
+    if (o[0] < 0 || o[G] > R)
+        return dsk_set_error(DSK_ERR_ARG, "%s: offsets run from %d to %d, outside the %lld rows", fn, (int)o[0],
+                             (int)o[G], (long long)R);
+    for (int64_t g = 0; g < G; g++)
+        if (o[g + 1] < o[g])
+            return dsk_set_error(DSK_ERR_ARG, "%s: offsets[%lld] = %d > offsets[%lld] = %d (must not decrease)", fn,
+                                 (long long)g, (int)o[g], (long long)(g + 1), (int)o[g + 1]);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_group_by_key(dsk_ctx *ctx, dsk_tensor *perm, dsk_tensor *offsets, const dsk_tensor *keys) {
+    const char *fn = "dsk_group_by_key";
+    const dsk_tensor *ts[3] = {keys, perm, offsets};
+    const char *names[3] = {"keys", "perm", "offsets"};
+    int cuda;
+    int64_t G, N;
+    int32_t *off, *pm;
+    const int32_t *k;
+    DSK__TRY(dsk__need_dtype(fn, "keys", keys, DSK_I32));
+    DSK__TRY(dsk__need_ndim(fn, "keys", keys, 1));
+    DSK__TRY(dsk__need_dtype(fn, "perm", perm, DSK_I32));
+    DSK__TRY(dsk__need_like(fn, "perm", perm, "keys", keys));
+    DSK__TRY(dsk__need_offsets(fn, offsets, &G));
+    N = keys->shape[0];
+    if (N > INT32_MAX || G > INT32_MAX)
+        return dsk_set_error(DSK_ERR_ARG, "%s: %lld keys into %lld groups exceed i32 positions", fn, (long long)N,
+                             (long long)G);
+    DSK__TRY(dsk__need_devices(fn, ctx, 3, ts, names, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_group_by_key(ctx, perm, offsets, keys);
+#endif
+    off = (int32_t *)offsets->data;
+    pm = (int32_t *)perm->data;
+    k = (const int32_t *)keys->data;
+    /* counts at off[g + 1], exclusive prefix sums, then each key's next slot at off[g + 1] */
+    for (int64_t g = 0; g <= G; g++) off[g] = 0;
+    for (int64_t i = 0; i < N; i++)
+        if (k[i] >= 0 && k[i] < G) off[k[i] + 1]++;
+    for (int64_t g = 0; g < G; g++) off[g + 1] += off[g];
+    for (int64_t j = off[G]; j < N; j++) pm[j] = -1;
+    for (int64_t g = G; g > 0; g--) off[g] = off[g - 1];
+    for (int64_t i = 0; i < N; i++)
+        if (k[i] >= 0 && k[i] < G) pm[off[k[i] + 1]++] = (int32_t)i;
+    return DSK_OK; /* off[g + 1] ended at the end of group g: the offsets again */
+}
+
+/* The shapes of a grouped matmul: *weights 1 for the weights form; M, N, K of one product. */
+static dsk_status dsk__matmul_grouped_check(const dsk_tensor *C, const dsk_tensor *A, int trans_a, const dsk_tensor *B,
+                                            int trans_b, int64_t G, int *weights) {
+    const char *fn = "dsk_matmul_grouped";
+    char a[96], b[96], c[96];
+    int ok;
+    DSK__TRY(dsk__need_contig(fn, "C", C));
+    DSK__TRY(dsk__need_contig(fn, "A", A));
+    DSK__TRY(dsk__need_contig(fn, "B", B));
+    if (!dsk__is_cfloat(A->dtype))
+        return dsk_set_error(DSK_ERR_ARG, "%s: A %s: dtype must be f32, bf16 or f16", fn, dsk_tensor_describe(A, a, sizeof a));
+    DSK__TRY(dsk__need_same_dtype(fn, "B", B, "A", A));
+    if (C->dtype != DSK_F32 && C->dtype != A->dtype)
+        return dsk_set_error(DSK_ERR_ARG, "%s: C %s: dtype must be f32 or A's dtype %s", fn,
+                             dsk_tensor_describe(C, c, sizeof c), dsk_dtype_name(A->dtype));
+    *weights = C->ndim == 3;
+    if (*weights) /* C (G, M, N) = A (R, M)^T B (R, N) per segment */
+        ok = trans_a && !trans_b && A->ndim == 2 && B->ndim == 2 && A->shape[0] == B->shape[0] &&
+             C->shape[0] == G && C->shape[1] == A->shape[1] && C->shape[2] == B->shape[1];
+    else /* C (R, N) = A (R, K) op(B[g]) */
+        ok = !trans_a && C->ndim == 2 && A->ndim == 2 && B->ndim == 3 && B->shape[0] == G &&
+             A->shape[0] == C->shape[0] && A->shape[1] == B->shape[trans_b ? 2 : 1] &&
+             C->shape[1] == B->shape[trans_b ? 1 : 2];
+    if (!ok)
+        return dsk_set_error(DSK_ERR_ARG,
+                             "%s: C %s, A %s%s, B %s%s with %lld groups fit neither form: rows C (R, N) = A (R, K) "
+                             "op(B) (G, K, N), or weights C (G, M, N) = A (R, M)^T B (R, N) with trans_a",
+                             fn, dsk_tensor_describe(C, c, sizeof c), dsk_tensor_describe(A, a, sizeof a),
+                             trans_a ? " (transposed)" : "", dsk_tensor_describe(B, b, sizeof b),
+                             trans_b ? " (transposed)" : "", (long long)G);
+    return DSK_OK;
+}
+
+/* One product of a grouped matmul on the CPU, into the f32 matrix c (leading dim ldc). */
+static dsk_status dsk__grouped_one(const dsk_tensor *A, int trans_a, const dsk_tensor *B, int trans_b, int weights,
+                                   int64_t g, int64_t r0, int64_t r1, float alpha, float beta, float *c, int64_t ldc,
+                                   const dsk__ukernel *uk, int n_threads) {
+    dsk__gemm_args a;
+    size_t ae = dsk_dtype_size(A->dtype), be = dsk_dtype_size(B->dtype);
+    int64_t n = r1 - r0;
+    a.alpha = alpha; a.beta = beta; a.a_dt = A->dtype; a.b_dt = B->dtype; a.C = c; a.ldc = ldc;
+    if (weights) { /* (M, N) = A[r0:r1]^T (M x n) B[r0:r1] (n x N) */
+        int64_t M = A->shape[1], N = B->shape[1];
+        a.M = M; a.N = N; a.K = n;
+        a.A = (const char *)A->data + (size_t)(r0 * M) * ae; a.a_rs = 1; a.a_cs = M;
+        a.B = (const char *)B->data + (size_t)(r0 * N) * be; a.b_rs = N; a.b_cs = 1;
+    } else { /* (n, N) = A[r0:r1] (n x K) op(B[g]) (K x N) */
+        int64_t K = A->shape[1], N = B->shape[trans_b ? 1 : 2];
+        a.M = n; a.N = N; a.K = K;
+        a.A = (const char *)A->data + (size_t)(r0 * K) * ae; a.a_rs = K; a.a_cs = 1;
+        a.B = (const char *)B->data + (size_t)(g * K * N) * be;
+        a.b_rs = trans_b ? 1 : N; a.b_cs = trans_b ? K : 1;
+    }
+    (void)trans_a;
+    return dsk__gemm(&a, uk, n_threads);
+}
+
+DSK_API dsk_status dsk_matmul_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, int trans_a,
+                                      const dsk_tensor *B, int trans_b, const dsk_tensor *offsets, float alpha,
+                                      float beta) {
+    const char *fn = "dsk_matmul_grouped";
+    const dsk_tensor *ts[4] = {C, A, B, offsets};
+    const char *names[4] = {"C", "A", "B", "offsets"};
+    int cuda, weights, failed = 0, nt;
+    int64_t G, R, per, cols, first, last;
+    const int32_t *off;
+    float *tmp = NULL;
+    dsk__ukernel uk = dsk__ukernel_for(ctx ? ctx->cpu_isa : DSK_CPU_ISA_AUTO);
+    DSK__TRY(dsk__need(fn, "C", C));
+    DSK__TRY(dsk__need(fn, "A", A));
+    DSK__TRY(dsk__need(fn, "B", B));
+    DSK__TRY(dsk__need_offsets(fn, offsets, &G));
+    DSK__TRY(dsk__matmul_grouped_check(C, A, trans_a, B, trans_b, G, &weights));
+    DSK__TRY(dsk__need_devices(fn, ctx, 4, ts, names, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_matmul_grouped(ctx, C, A, trans_a, B, trans_b, offsets, alpha, beta);
+#endif
+    R = A->shape[0];
+    DSK__TRY(dsk__check_offsets(fn, offsets, G, R));
+    off = (const int32_t *)offsets->data;
+    /* the f32 matrices written: C's rows [first, last) (rows form) or all of C (weights form) */
+    cols = C->shape[C->ndim - 1];
+    per = weights ? C->shape[1] * cols : 0;
+    first = weights ? 0 : off[0];
+    last = weights ? G * C->shape[1] : off[G];
+    if (C->dtype != DSK_F32 && last > first) {
+        tmp = (float *)DSK_MALLOC((size_t)((last - first) * cols) * sizeof(float));
+        if (!tmp)
+            return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for an f32 copy of C (%lld elements)", fn,
+                                 (long long)((last - first) * cols));
+        if (beta != 0.0f)
+            for (int64_t i = 0; i < (last - first) * cols; i++) tmp[i] = dsk_load_f32(C->data, C->dtype, first * cols + i);
+    }
+    /* many small products run side by side, one thread each; a single one uses them all */
+    nt = G > 1 ? 1 : dsk__threads(ctx);
+    DSK__OMP(parallel for schedule(dynamic, 1) num_threads(dsk__threads(ctx)) if (G > 1) reduction(|| : failed))
+    for (int64_t g = 0; g < G; g++) {
+        float *c = tmp ? tmp + (weights ? g * per : (off[g] - first) * cols)
+                       : (float *)C->data + (weights ? g * per : off[g] * cols);
+        if (!weights && off[g + 1] == off[g]) continue;
+        failed = failed || dsk__grouped_one(A, trans_a, B, trans_b, weights, g, off[g], off[g + 1], alpha, beta, c,
+                                            cols, &uk, nt) != DSK_OK;
+    }
+    if (tmp) {
+        for (int64_t i = 0; i < (last - first) * cols; i++) dsk_store_f32(C->data, C->dtype, first * cols + i, tmp[i]);
+        DSK_FREE(tmp);
+    }
+    if (failed) return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for the GEMM packing buffers", fn);
+    return DSK_OK;
+}
+
+/* One raw f32 GEMM on `nt` threads (dsk_sgemm_cpu's convention); 0 or the packing failure. */
+static int dsk__sgemm_nt(int ta, int tb, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
+                         int64_t ldb, float beta, float *C, int64_t ldc, const dsk__ukernel *uk, int nt) {
+    dsk__gemm_args g;
+    if (M == 0 || N == 0) return 0;
+    g.M = M; g.N = N; g.K = K; g.alpha = 1.0f; g.beta = beta;
+    g.A = A; g.a_dt = DSK_F32; g.a_rs = ta ? 1 : lda; g.a_cs = ta ? lda : 1;
+    g.B = B; g.b_dt = DSK_F32; g.b_rs = tb ? 1 : ldb; g.b_cs = tb ? ldb : 1;
+    g.C = C; g.ldc = ldc;
+    return dsk__gemm(&g, uk, nt) != DSK_OK;
+}
+
+/* The shapes of a grouped SwiGLU MLP: x (R, D), w1, w3 (G, F, D), w2 (G, D, F); *F, *D. */
+static dsk_status dsk__swiglu_grouped_check(const char *fn, const dsk_tensor *x, const dsk_tensor *w1,
+                                            const dsk_tensor *w2, const dsk_tensor *w3, int64_t G, int64_t *F,
+                                            int64_t *D) {
+    char a[96], b[96], c[96], d[96];
+    DSK__TRY(dsk__need_float(fn, "x", x));
+    DSK__TRY(dsk__need_float(fn, "w1", w1));
+    DSK__TRY(dsk__need_like(fn, "w3", w3, "w1", w1));
+    DSK__TRY(dsk__need_same_dtype(fn, "w1", w1, "x", x));
+    DSK__TRY(dsk__need_same_dtype(fn, "w2", w2, "x", x));
+    DSK__TRY(dsk__need_contig(fn, "w2", w2));
+    if (x->ndim != 2 || w1->ndim != 3 || w2->ndim != 3 || w1->shape[0] != G || w2->shape[0] != G ||
+        w1->shape[2] != x->shape[1] || w2->shape[1] != x->shape[1] || w2->shape[2] != w1->shape[1])
+        return dsk_set_error(DSK_ERR_ARG, "%s: x %s, w1 %s, w2 %s, w3 %s: want x (R, D), w1 and w3 (%lld, F, D), w2 "
+                             "(%lld, D, F)", fn, dsk_tensor_describe(x, a, sizeof a), dsk_tensor_describe(w1, b, sizeof b),
+                             dsk_tensor_describe(w2, c, sizeof c), dsk_tensor_describe(w3, d, sizeof d), (long long)G,
+                             (long long)G);
+    *F = w1->shape[1];
+    *D = x->shape[1];
+    return DSK_OK;
+}
+
+/* t is (rows, cols) like x's dtype or, for a weight gradient (grad), f32 too. */
+static dsk_status dsk__need_mat(const char *fn, const char *what, const dsk_tensor *t, const dsk_tensor *x, int grad,
+                                int ndim, const int64_t *shape) {
+    char a[96];
+    int ok = t && t->ndim == ndim;
+    DSK__TRY(dsk__need_float(fn, what, t));
+    for (int d = 0; ok && d < ndim; d++) ok = t->shape[d] == shape[d];
+    if (!ok || !(t->dtype == x->dtype || (grad && t->dtype == DSK_F32)))
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s %s: want (%lld, %lld%s%lld) %s%s", fn, what,
+                             dsk_tensor_describe(t, a, sizeof a), (long long)shape[0], (long long)shape[1],
+                             ndim == 3 ? ", " : ")", ndim == 3 ? (long long)shape[2] : 0LL, dsk_dtype_name(x->dtype),
+                             grad ? " or f32" : "");
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_swiglu_grouped(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *h1, dsk_tensor *h3, dsk_tensor *a,
+                                      const dsk_tensor *x, const dsk_tensor *w1, const dsk_tensor *w2,
+                                      const dsk_tensor *w3, const dsk_tensor *offsets) {
+    const char *fn = "dsk_swiglu_grouped";
+    const dsk_tensor *ts[8] = {x, out, h1, h3, a, w1, w2, w3};
+    const char *names[8] = {"x", "out", "h1", "h3", "a", "w1", "w2", "w3"};
+    int64_t G, F, D, R, rf[2], rd[2];
+    int cuda, failed = 0, nt;
+    const int32_t *off;
+    dsk__ukernel uk = dsk__ukernel_for(ctx ? ctx->cpu_isa : DSK_CPU_ISA_AUTO);
+    dsk__rowk rk = dsk__rowk_ctx(ctx);
+    DSK__TRY(dsk__need_offsets(fn, offsets, &G));
+    DSK__TRY(dsk__swiglu_grouped_check(fn, x, w1, w2, w3, G, &F, &D));
+    R = x->shape[0];
+    rf[0] = R; rf[1] = F; rd[0] = R; rd[1] = D;
+    DSK__TRY(dsk__need_mat(fn, "out", out, x, 0, 2, rd));
+    DSK__TRY(dsk__need_mat(fn, "h1", h1, x, 0, 2, rf));
+    DSK__TRY(dsk__need_mat(fn, "h3", h3, x, 0, 2, rf));
+    DSK__TRY(dsk__need_mat(fn, "a", a, x, 0, 2, rf));
+    DSK__TRY(dsk__need_devices(fn, ctx, 8, ts, names, &cuda));
+    if (cuda || x->dtype != DSK_F32) { /* three grouped GEMMs and the activation */
+        DSK__TRY(dsk_matmul_grouped(ctx, h1, x, 0, w1, 1, offsets, 1.0f, 0.0f));
+        DSK__TRY(dsk_matmul_grouped(ctx, h3, x, 0, w3, 1, offsets, 1.0f, 0.0f));
+        DSK__TRY(dsk_swiglu(ctx, a, h1, h3));
+        return dsk_matmul_grouped(ctx, out, a, 0, w2, 1, offsets, 1.0f, 0.0f);
+    }
+    DSK__TRY(dsk__check_offsets(fn, offsets, G, R));
+    off = (const int32_t *)offsets->data;
+    nt = G > 1 ? 1 : dsk__threads(ctx);
+    /* each segment's MLP on one thread: many small GEMMs scale better side by side */
+    DSK__OMP(parallel for schedule(dynamic, 1) num_threads(dsk__threads(ctx)) if (G > 1) reduction(|| : failed))
+    for (int64_t g = 0; g < G; g++) {
+        int64_t r0 = off[g], n = off[g + 1] - r0;
+        const float *xs = (const float *)x->data + r0 * D;
+        float *p1 = (float *)h1->data + r0 * F, *p3 = (float *)h3->data + r0 * F, *pa = (float *)a->data + r0 * F;
+        if (n == 0) continue;
+        failed = failed || dsk__sgemm_nt(0, 1, n, F, D, xs, D, (const float *)w1->data + g * F * D, D, 0.0f, p1, F, &uk, nt);
+        failed = failed || dsk__sgemm_nt(0, 1, n, F, D, xs, D, (const float *)w3->data + g * F * D, D, 0.0f, p3, F, &uk, nt);
+        rk.swiglu(pa, p1, p3, n * F);
+        failed = failed || dsk__sgemm_nt(0, 1, n, D, F, pa, F, (const float *)w2->data + g * D * F, F, 0.0f,
+                                         (float *)out->data + r0 * D, D, &uk, nt);
+    }
+    if (failed) return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for the GEMM packing buffers", fn);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_swiglu_grouped_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk_tensor *dw1, dsk_tensor *dw2,
+                                               dsk_tensor *dw3, dsk_tensor *da, dsk_tensor *dh1, dsk_tensor *dh3,
+                                               const dsk_tensor *dout, const dsk_tensor *x, const dsk_tensor *h1,
+                                               const dsk_tensor *h3, const dsk_tensor *a, const dsk_tensor *w1,
+                                               const dsk_tensor *w2, const dsk_tensor *w3, const dsk_tensor *offsets) {
+    const char *fn = "dsk_swiglu_grouped_backward";
+    const dsk_tensor *ts[15] = {x, dx, dw1, dw2, dw3, da, dh1, dh3, dout, h1, h3, a, w1, w2, w3};
+    const char *names[15] = {"x", "dx", "dw1", "dw2", "dw3", "da", "dh1", "dh3", "dout", "h1", "h3", "a", "w1", "w2", "w3"};
+    int64_t G, F, D, R, rf[2], rd[2], gfd[3], gdf[3];
+    int cuda, failed = 0, nt;
+    const int32_t *off;
+    dsk__ukernel uk = dsk__ukernel_for(ctx ? ctx->cpu_isa : DSK_CPU_ISA_AUTO);
+    dsk__rowk rk = dsk__rowk_ctx(ctx);
+    DSK__TRY(dsk__need_offsets(fn, offsets, &G));
+    DSK__TRY(dsk__swiglu_grouped_check(fn, x, w1, w2, w3, G, &F, &D));
+    R = x->shape[0];
+    rf[0] = R; rf[1] = F; rd[0] = R; rd[1] = D;
+    gfd[0] = G; gfd[1] = F; gfd[2] = D; gdf[0] = G; gdf[1] = D; gdf[2] = F;
+    DSK__TRY(dsk__need_mat(fn, "dx", dx, x, 0, 2, rd));
+    DSK__TRY(dsk__need_mat(fn, "dout", dout, x, 0, 2, rd));
+    DSK__TRY(dsk__need_mat(fn, "h1", h1, x, 0, 2, rf));
+    DSK__TRY(dsk__need_mat(fn, "h3", h3, x, 0, 2, rf));
+    DSK__TRY(dsk__need_mat(fn, "a", a, x, 0, 2, rf));
+    DSK__TRY(dsk__need_mat(fn, "da", da, x, 0, 2, rf));
+    DSK__TRY(dsk__need_mat(fn, "dh1", dh1, x, 0, 2, rf));
+    DSK__TRY(dsk__need_mat(fn, "dh3", dh3, x, 0, 2, rf));
+    DSK__TRY(dsk__need_mat(fn, "dw1", dw1, x, 1, 3, gfd));
+    DSK__TRY(dsk__need_mat(fn, "dw3", dw3, x, 1, 3, gfd));
+    DSK__TRY(dsk__need_mat(fn, "dw2", dw2, x, 1, 3, gdf));
+    DSK__TRY(dsk__need_devices(fn, ctx, 15, ts, names, &cuda));
+    if (cuda || x->dtype != DSK_F32 || dw1->dtype != DSK_F32 || dw2->dtype != DSK_F32 || dw3->dtype != DSK_F32) {
+        DSK__TRY(dsk_matmul_grouped(ctx, da, dout, 0, w2, 0, offsets, 1.0f, 0.0f));
+        DSK__TRY(dsk_matmul_grouped(ctx, dw2, dout, 1, a, 0, offsets, 1.0f, 1.0f));
+        DSK__TRY(dsk_tensor_fill(ctx, dh1, 0.0));
+        DSK__TRY(dsk_tensor_fill(ctx, dh3, 0.0));
+        DSK__TRY(dsk_swiglu_backward(ctx, dh1, dh3, da, h1, h3));
+        DSK__TRY(dsk_matmul_grouped(ctx, dx, dh1, 0, w1, 0, offsets, 1.0f, 0.0f));
+        DSK__TRY(dsk_matmul_grouped(ctx, dx, dh3, 0, w3, 0, offsets, 1.0f, 1.0f));
+        DSK__TRY(dsk_matmul_grouped(ctx, dw1, dh1, 1, x, 0, offsets, 1.0f, 1.0f));
+        return dsk_matmul_grouped(ctx, dw3, dh3, 1, x, 0, offsets, 1.0f, 1.0f);
+    }
+    DSK__TRY(dsk__check_offsets(fn, offsets, G, R));
+    off = (const int32_t *)offsets->data;
+    nt = G > 1 ? 1 : dsk__threads(ctx);
+    DSK__OMP(parallel for schedule(dynamic, 1) num_threads(dsk__threads(ctx)) if (G > 1) reduction(|| : failed))
+    for (int64_t g = 0; g < G; g++) {
+        int64_t r0 = off[g], n = off[g + 1] - r0;
+        const float *xs = (const float *)x->data + r0 * D, *dy = (const float *)dout->data + r0 * D;
+        const float *p1 = (const float *)h1->data + r0 * F, *p3 = (const float *)h3->data + r0 * F;
+        const float *w1g = (const float *)w1->data + g * F * D, *w3g = (const float *)w3->data + g * F * D;
+        float *pda = (float *)da->data + r0 * F, *q1 = (float *)dh1->data + r0 * F, *q3 = (float *)dh3->data + r0 * F;
+        float *dxs = (float *)dx->data + r0 * D;
+        if (n == 0) continue;
+        failed = failed || dsk__sgemm_nt(0, 0, n, F, D, dy, D, (const float *)w2->data + g * D * F, F, 0.0f, pda, F, &uk, nt);
+        failed = failed || dsk__sgemm_nt(1, 0, D, F, n, dy, D, (const float *)a->data + r0 * F, F, 1.0f,
+                                         (float *)dw2->data + g * D * F, F, &uk, nt);
+        rk.swiglu_bwd(q1, q3, pda, p1, p3, n * F, 0);
+        failed = failed || dsk__sgemm_nt(0, 0, n, D, F, q1, F, w1g, D, 0.0f, dxs, D, &uk, nt);
+        failed = failed || dsk__sgemm_nt(0, 0, n, D, F, q3, F, w3g, D, 1.0f, dxs, D, &uk, nt);
+        failed = failed || dsk__sgemm_nt(1, 0, F, D, n, q1, F, xs, D, 1.0f, (float *)dw1->data + g * F * D, D, &uk, nt);
+        failed = failed || dsk__sgemm_nt(1, 0, F, D, n, q3, F, xs, D, 1.0f, (float *)dw3->data + g * F * D, D, &uk, nt);
+    }
+    if (failed) return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for the GEMM packing buffers", fn);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_gather_rows_scaled(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *src, const dsk_tensor *idx,
+                                          const dsk_tensor *scale) {
+    const char *fn = "dsk_gather_rows_scaled";
+    char a[96], b[96];
+    int cuda;
+    int64_t N, D, R;
+    size_t row;
+    const int32_t *ix;
+    const dsk_tensor *ts[4] = {src, out, idx, scale};
+    const char *names[4] = {"src", "out", "idx", "scale"};
+    DSK__TRY(dsk__need_float(fn, "src", src));
+    DSK__TRY(dsk__need_ndim(fn, "src", src, 2));
+    DSK__TRY(dsk__need_float(fn, "out", out));
+    DSK__TRY(dsk__need_ndim(fn, "out", out, 2));
+    DSK__TRY(dsk__need_same_dtype(fn, "out", out, "src", src));
+    DSK__TRY(dsk__need_dtype(fn, "idx", idx, DSK_I32));
+    DSK__TRY(dsk__need_ndim(fn, "idx", idx, 1));
+    if (out->shape[0] != idx->shape[0] || out->shape[1] != src->shape[1])
+        return dsk_set_error(DSK_ERR_ARG, "%s: out %s must be (%lld, %lld) for idx %s", fn,
+                             dsk_tensor_describe(out, a, sizeof a), (long long)idx->shape[0], (long long)src->shape[1],
+                             dsk_tensor_describe(idx, b, sizeof b));
+    if (scale) {
+        DSK__TRY(dsk__need_dtype(fn, "scale", scale, DSK_F32));
+        DSK__TRY(dsk__need_same_shape(fn, "scale", scale, "idx", idx));
+    }
+    DSK__TRY(dsk__need_devices(fn, ctx, 4, ts, names, &cuda));
+#ifdef DSK_CUDA
+    if (cuda) return dsk_cuda_gather_rows_scaled(ctx, out, src, idx, scale);
+#endif
+    N = out->shape[0]; D = out->shape[1]; R = src->shape[0];
+    ix = (const int32_t *)idx->data;
+    for (int64_t i = 0; i < N; i++)
+        if (ix[i] >= R)
+            return dsk_set_error(DSK_ERR_ARG, "%s: idx[%lld] = %d outside [0, %lld) (negative: a zero row)", fn,
+                                 (long long)i, (int)ix[i], (long long)R);
+    row = (size_t)D * dsk_dtype_size(src->dtype);
+    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (N * D > DSK__PAR_MIN))
+    for (int64_t i = 0; i < N; i++) {
+        char *o = (char *)out->data + (size_t)i * row;
+        if (ix[i] < 0) {
+            memset(o, 0, row);
+        } else if (!scale) {
+            memcpy(o, (const char *)src->data + (size_t)ix[i] * row, row);
+        } else {
+            float sc = ((const float *)scale->data)[i];
+            for (int64_t d = 0; d < D; d++)
+                dsk_store_f32(o, out->dtype, d, sc * dsk_load_f32(src->data, src->dtype, (int64_t)ix[i] * D + d));
+        }
+    }
     return DSK_OK;
 }
 

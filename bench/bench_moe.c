@@ -1,13 +1,16 @@
 /* bench/bench_moe.c - forward + backward tokens/s of the dsk MoE layer against the same layer in
    PyTorch (bench/moe_torch.py, a Hugging Face style loop over experts) on the same inputs and
    weights, in one run: warm-up, repeats, median, ratio. CPU f32 by default; with a GPU
-   (`--cuda`, CUDA build) the dsk layer runs on the device in bf16 (the PyTorch peer then stays
-   on the CPU: compare with a CUDA PyTorch by hand).
+   (`--cuda`, CUDA build) the dsk layer runs on the device in bf16 (the PyTorch peer too, when its
+   torch has CUDA; else no ratio), and two more lines per shape: the grouped expert GEMM
+   (dsk_matmul_grouped, balanced segments) in TFLOP/s against one dense cuBLAS GEMM of the same
+   FLOPs, and the step time of forward + backward replayed as one CUDA graph against eager.
    Shapes (scaled to a 2-core machine; pass --full for the real widths):
      v2lite: softmax, 64 routed, top-6, 2 shared, no normalisation   D 1024, F 704  (full: 2048, 1408)
      v3:     sigmoid, 64 routed, 8 groups, top-4 groups, top-8, 1 shared, norm, scale 2.5
                                                                       D 1024, F 256  (full: 7168, 2048)
-   Usage: bench_moe [--tokens T] [--repeats N] [--full] [--python /usr/bin/python3] [--cuda] */
+   --tiny: D 64, F 32 (a smoke run of every path, e.g. on the emulated GPU of tests/cuda_emu).
+   Usage: bench_moe [--tokens T] [--repeats N] [--full | --tiny] [--python /usr/bin/python3] [--cuda] */
 #define DSK_TENSOR_IMPLEMENTATION
 #define DSK_COMM_IMPLEMENTATION
 #define DSK_MOE_IMPLEMENTATION
@@ -18,6 +21,13 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+
+/* CPU seconds of every thread of the process (a load-independent view of the CPU's work). */
+static double cpu_now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
 
 typedef struct shape {
     const char *name;
@@ -38,43 +48,94 @@ static void write_f32(dsk_ctx *ctx, FILE *f, const dsk_tensor *t) {
 }
 
 #ifdef DSK_CUDA
-/* The expert GEMMs against dense cuBLAS: one bf16 GEMM of all T*K routed rows (M = T*K, N = F,
-   K = D) timed alone gives the throughput a perfectly batched layer could reach. */
-static void report_dense_gemm(dsk_ctx *ctx, const shape *sh, int T, double layer_flops_s) {
-    int64_t M = (int64_t)T * sh->K, N = sh->F, Kd = sh->D;
-    int64_t sa[2] = {M, Kd}, sb[2] = {N, Kd}, sc[2] = {M, N};
-    dsk_tensor a, b, c;
+/* Median seconds of `reps` timed calls of one GEMM (after 2 warm-up calls); grouped: offsets given. */
+static double time_gemm(dsk_ctx *ctx, dsk_tensor *c, const dsk_tensor *a, const dsk_tensor *b, const dsk_tensor *off) {
     double t[10];
-    BENCH_CHECK(dsk_tensor_alloc(ctx, &a, DSK_BF16, 2, sa));
-    BENCH_CHECK(dsk_tensor_alloc(ctx, &b, DSK_BF16, 2, sb));
-    BENCH_CHECK(dsk_tensor_alloc(ctx, &c, DSK_F32, 2, sc));
-    BENCH_CHECK(dsk_tensor_uniform(ctx, &a, 7, 0, -1, 1));
-    BENCH_CHECK(dsk_tensor_uniform(ctx, &b, 8, 0, -1, 1));
     for (int i = 0; i < 12; i++) {
         double t0 = bench_now_s();
-        BENCH_CHECK(dsk_cuda_moe_gemm(ctx, 0, 1, M, N, Kd, a.data, Kd, b.data, Kd, DSK_BF16, 0.0f, c.data, N, DSK_F32));
+        if (off) BENCH_CHECK(dsk_matmul_grouped(ctx, c, a, 0, b, 1, off, 1.0f, 0.0f));
+        else BENCH_CHECK(dsk_matmul(ctx, c, a, 0, b, 1, 1.0f, 0.0f));
         BENCH_CHECK(dsk_ctx_sync(ctx));
         if (i >= 2) t[i - 2] = bench_now_s() - t0;
     }
-    {
-        double dense = 2.0 * (double)M * N * Kd / bench_median(t, 10);
-        printf("%-7s dense cuBLAS bf16 GEMM %lldx%lldx%lld: %.1f TFLOP/s; the whole layer runs at %.1f TFLOP/s = %.0f%% of it\n",
-               sh->name, (long long)M, (long long)N, (long long)Kd, dense * 1e-12, layer_flops_s * 1e-12, 100.0 * layer_flops_s / dense);
-        printf("summary: moe %s cuda: layer %.1f TFLOP/s = %.0f%% of dense cuBLAS %.1f TFLOP/s\n", sh->name, layer_flops_s * 1e-12,
-               100.0 * layer_flops_s / dense, dense * 1e-12);
+    return bench_median(t, 10);
+}
+
+/* The routed experts' first GEMM as the layer runs it, dsk_matmul_grouped over E segments of
+   the T*K routed rows (balanced: T*K/E rows each; offsets on the device), against one dense
+   cuBLAS GEMM of the same FLOPs (M = T*K, N = F, K = D): bf16 in and out, f32 accumulation. */
+static void report_gemms(dsk_ctx *ctx, const shape *sh, int T, double layer_flops_s) {
+    int64_t M = (int64_t)T * sh->K, N = sh->F, Kd = sh->D, E = sh->E;
+    int64_t sa[2] = {M, Kd}, sb[2] = {N, Kd}, sg[3] = {E, N, Kd}, sc[2] = {M, N}, so = E + 1;
+    int32_t *ho = (int32_t *)malloc(sizeof(int32_t) * (size_t)so);
+    dsk_tensor a, b, bg, c, off, hoff;
+    double dense, grouped;
+    for (int64_t g = 0; g <= E; g++) ho[g] = (int32_t)(M * g / E);
+    BENCH_CHECK(dsk_tensor_alloc(ctx, &a, DSK_BF16, 2, sa));
+    BENCH_CHECK(dsk_tensor_alloc(ctx, &b, DSK_BF16, 2, sb));
+    BENCH_CHECK(dsk_tensor_alloc(ctx, &bg, DSK_BF16, 3, sg));
+    BENCH_CHECK(dsk_tensor_alloc(ctx, &c, DSK_BF16, 2, sc));
+    BENCH_CHECK(dsk_tensor_alloc(ctx, &off, DSK_I32, 1, &so));
+    BENCH_CHECK(dsk_tensor_wrap(&hoff, ho, DSK_I32, dsk_cpu(), 1, &so));
+    BENCH_CHECK(dsk_tensor_copy(ctx, &off, &hoff));
+    BENCH_CHECK(dsk_tensor_uniform(ctx, &a, 7, 0, -1, 1));
+    BENCH_CHECK(dsk_tensor_uniform(ctx, &b, 8, 0, -1, 1));
+    BENCH_CHECK(dsk_tensor_uniform(ctx, &bg, 9, 0, -1, 1));
+    dense = 2.0 * (double)M * N * Kd / time_gemm(ctx, &c, &a, &b, NULL);
+    grouped = 2.0 * (double)M * N * Kd / time_gemm(ctx, &c, &a, &bg, &off);
+    printf("%-7s grouped bf16 GEMM (%lld segments of %lld rows) x (%lld x %lld): %.1f TFLOP/s; dense cuBLAS %lldx%lldx%lld: "
+           "%.1f TFLOP/s (grouped = %.0f%%); the whole layer: %.1f TFLOP/s\n",
+           sh->name, (long long)E, (long long)(M / E), (long long)Kd, (long long)N, grouped * 1e-12, (long long)M, (long long)N,
+           (long long)Kd, dense * 1e-12, 100.0 * grouped / dense, layer_flops_s * 1e-12);
+    printf("summary: moe %s cuda: grouped GEMM %.1f TFLOP/s = %.0f%% of dense cuBLAS %.1f TFLOP/s; layer %.1f TFLOP/s\n", sh->name,
+           grouped * 1e-12, 100.0 * grouped / dense, dense * 1e-12, layer_flops_s * 1e-12);
+    dsk_tensor_free(ctx, &a); dsk_tensor_free(ctx, &b); dsk_tensor_free(ctx, &bg); dsk_tensor_free(ctx, &c);
+    dsk_tensor_free(ctx, &off);
+    free(ho);
+}
+
+/* Forward + backward captured once as a CUDA graph (buffers reserved first), then replayed:
+   the median step against the eager one (what train_moe --cuda-graph saves per layer). */
+static void report_graph(dsk_ctx *ctx, const char *label, dsk_moe *m, dsk_tensor *y, dsk_tensor *dx, const dsk_tensor *x,
+                         const dsk_tensor *dy, int T, int repeats, double eager_ms) {
+    dsk_graph g;
+    dsk_status s1, s2, s3;
+    double *t = (double *)malloc(sizeof(double) * (size_t)repeats), ms;
+    memset(&g, 0, sizeof g);
+    BENCH_CHECK(dsk_moe_reserve(m, ctx, T));
+    BENCH_CHECK(dsk_graph_begin(ctx));
+    s1 = dsk_tensor_fill(ctx, dx, 0.0);
+    s2 = dsk_moe_forward(m, ctx, y, x, NULL);
+    s3 = dsk_moe_backward(m, ctx, dx, dy, 1.0f);
+    BENCH_CHECK(dsk_graph_end(ctx, &g));
+    BENCH_CHECK(s1); BENCH_CHECK(s2); BENCH_CHECK(s3);
+    for (int it = 0; it < 1 + repeats; it++) {
+        double t0 = bench_now_s();
+        BENCH_CHECK(dsk_graph_launch(ctx, &g));
+        BENCH_CHECK(dsk_ctx_sync(ctx));
+        if (it >= 1) t[it - 1] = bench_now_s() - t0;
     }
-    dsk_tensor_free(ctx, &a); dsk_tensor_free(ctx, &b); dsk_tensor_free(ctx, &c);
+    ms = 1e3 * bench_median(t, repeats);
+    printf("%-7s forward+backward as one CUDA graph: %.2f ms/step (eager %.2f ms, %.0f%%)\n", label, ms, eager_ms,
+           100.0 * ms / eager_ms);
+    printf("summary: moe %s cuda: step eager %.2f ms, graph %.2f ms, %.0f tok/s eager\n", label, eager_ms, ms,
+           T / (eager_ms * 1e-3));
+    dsk_graph_free(&g);
+    free(t);
 }
 #endif
 
 static void run_shape(const shape *sh, int T, int warmup, int repeats, const char *python, dsk_ctx *ctx) {
     dsk_moe m;
+    dsk_tensor values, grads;
+    int64_t vb, gd, gs;
     dsk_moe_opts o;
     dsk_moe_stats st;
     dsk_tensor x, y, dx, dy;
     int64_t shp[2] = {T, sh->D};
     dsk_dtype dt = ctx->device.type == DSK_DEV_CUDA ? DSK_BF16 : DSK_F32;
-    double *times = (double *)malloc(sizeof(double) * (size_t)repeats), dsk_ms, torch_ms = 0, maxrel = -1;
+    double *times = (double *)malloc(sizeof(double) * (size_t)repeats), dsk_ms, cpu_ms, torch_ms = 0, maxrel = -1;
+    double *cpu_times = (double *)malloc(sizeof(double) * (size_t)repeats);
     double flops_tok, Fs = (double)sh->n_shared * sh->F;
     char path[256], cmd[1024], line[256];
     FILE *f, *p;
@@ -83,6 +144,13 @@ static void run_shape(const shape *sh, int T, int warmup, int repeats, const cha
     o.score = sh->score; o.n_group = sh->n_group; o.topk_group = sh->topk_group; o.routed_scale = sh->scale;
     o.dtype = dt; o.seed = 1234;
     BENCH_CHECK(dsk_moe_init(&m, ctx, &o));
+    dsk_moe_slab_sizes(&m, &vb, &gd, &gs);
+    gd += gs;
+    BENCH_CHECK(dsk_tensor_alloc(ctx, &values, DSK_U8, 1, &vb));
+    BENCH_CHECK(dsk_tensor_alloc(ctx, &grads, DSK_F32, 1, &gd));
+    BENCH_CHECK(dsk_moe_bind_slabs(&m, ctx, &values, &grads));
+    BENCH_CHECK(dsk_moe_init_params(&m, ctx));
+    BENCH_CHECK(dsk_tensor_fill(ctx, &grads, 0.0));
     BENCH_CHECK(dsk_tensor_alloc(ctx, &x, dt, 2, shp));
     BENCH_CHECK(dsk_tensor_alloc(ctx, &y, dt, 2, shp));
     BENCH_CHECK(dsk_tensor_alloc(ctx, &dx, dt, 2, shp));
@@ -92,18 +160,23 @@ static void run_shape(const shape *sh, int T, int warmup, int repeats, const cha
     BENCH_CHECK(dsk_tensor_fill(ctx, &dx, 0.0));
     BENCH_CHECK(dsk_tensor_uniform(ctx, &m.bias->value, 3, 0, -1e-3f, 1e-3f));
     for (int it = 0; it < warmup + repeats; it++) {
-        double t0 = bench_now_s();
-        BENCH_CHECK(dsk_moe_forward(&m, ctx, &y, &x, &st));
+        double t0 = bench_now_s(), c0 = cpu_now_s();
+        BENCH_CHECK(dsk_moe_forward(&m, ctx, &y, &x, NULL));
         BENCH_CHECK(dsk_moe_backward(&m, ctx, &dx, &dy, 1.0f));
         BENCH_CHECK(dsk_ctx_sync(ctx));
         if (it >= warmup) times[it - warmup] = bench_now_s() - t0;
+        if (it >= warmup) cpu_times[it - warmup] = cpu_now_s() - c0;
     }
     dsk_ms = 1e3 * bench_median(times, repeats);
+    cpu_ms = 1e3 * bench_median(cpu_times, repeats);
+    BENCH_CHECK(dsk_moe_stats_request(&m, ctx)); /* the loads of every timed call, read after their sync */
+    BENCH_CHECK(dsk_ctx_sync(ctx));
+    BENCH_CHECK(dsk_moe_stats_collect(&m, ctx, &st));
     /* 3 GEMMs forward, 6 backward, 2 flops per multiply-add */
     flops_tok = 18.0 * sh->D * ((double)sh->K * sh->F + Fs) + 6.0 * sh->D * sh->E;
-    printf("%-7s T=%d D=%d E=%d K=%d F=%d shared=%d %s%s: dsk %.1f ms/step, %.0f tokens/s, %.1f GFLOP/s, max/mean load %.2f\n",
+    printf("%-7s T=%d D=%d E=%d K=%d F=%d shared=%d %s%s: dsk %.1f ms/step, %.0f tokens/s, %.1f GFLOP/s, max/mean load %.2f; CPU time %.1f ms/step\n",
            sh->name, T, sh->D, sh->E, sh->K, sh->F, sh->n_shared, dsk_dtype_name(dt), ctx->device.type == DSK_DEV_CUDA ? " cuda" : "",
-           dsk_ms, T / (dsk_ms * 1e-3), flops_tok * T / (dsk_ms * 1e-3) * 1e-9, st.max_load / st.mean_load);
+           dsk_ms, T / (dsk_ms * 1e-3), flops_tok * T / (dsk_ms * 1e-3) * 1e-9, st.max_load / st.mean_load, cpu_ms);
     /* the same inputs and weights for the PyTorch peer */
     snprintf(path, sizeof path, "/tmp/dsk_bench_moe_%d.bin", (int)getpid());
     f = fopen(path, "wb");
@@ -133,16 +206,22 @@ static void run_shape(const shape *sh, int T, int warmup, int repeats, const cha
                T / (dsk_ms * 1e-3));
     }
 #ifdef DSK_CUDA
-    if (ctx->device.type == DSK_DEV_CUDA) report_dense_gemm(ctx, sh, T, flops_tok * T / (dsk_ms * 1e-3));
+    if (ctx->device.type == DSK_DEV_CUDA) {
+        report_gemms(ctx, sh, T, flops_tok * T / (dsk_ms * 1e-3));
+        report_graph(ctx, sh->name, &m, &y, &dx, &x, &dy, T, repeats, dsk_ms);
+    }
 #endif
     fflush(stdout);
     dsk_tensor_free(ctx, &x); dsk_tensor_free(ctx, &y); dsk_tensor_free(ctx, &dx); dsk_tensor_free(ctx, &dy);
     dsk_moe_free(&m, ctx);
+    dsk_tensor_free(ctx, &values);
+    dsk_tensor_free(ctx, &grads);
     free(times);
+    free(cpu_times);
 }
 
 int main(int argc, char **argv) {
-    int T = 1024, repeats = 5, warmup = 1, full = 0, cuda = 0;
+    int T = 1024, repeats = 5, warmup = 1, full = 0, tiny = 0, cuda = 0;
     const char *python = "/usr/bin/python3";
     dsk_ctx ctx;
     dsk_ctx_opts co;
@@ -151,8 +230,9 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--repeats") && i + 1 < argc) repeats = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--python") && i + 1 < argc) python = argv[++i];
         else if (!strcmp(argv[i], "--full")) full = 1;
+        else if (!strcmp(argv[i], "--tiny")) tiny = 1;
         else if (!strcmp(argv[i], "--cuda")) cuda = 1;
-        else { fprintf(stderr, "usage: %s [--tokens T] [--repeats N] [--full] [--python PATH] [--cuda]\n", argv[0]); return 2; }
+        else { fprintf(stderr, "usage: %s [--tokens T] [--repeats N] [--full | --tiny] [--python PATH] [--cuda]\n", argv[0]); return 2; }
     }
     if (T < 1 || repeats < 1) { fprintf(stderr, "bench_moe: --tokens and --repeats must be >= 1\n"); return 2; }
     memset(&co, 0, sizeof co);
@@ -161,6 +241,7 @@ int main(int argc, char **argv) {
     {
         shape v2 = {"v2lite", full ? 2048 : 1024, 64, 6, full ? 1408 : 704, 2, 1, 1, DSK_MOE_SOFTMAX, 1.0f};
         shape v3 = {"v3", full ? 7168 : 1024, 64, 8, full ? 2048 : 256, 1, 8, 4, DSK_MOE_SIGMOID, 2.5f};
+        if (tiny) { v2.D = v3.D = 64; v2.F = v3.F = 32; }
         printf("# bench_moe: forward+backward, %d tokens, median of %d after %d warm-up, %d threads\n", T, repeats, warmup, ctx.n_threads);
         run_shape(&v2, T, warmup, repeats, python, &ctx);
         run_shape(&v3, T, warmup, repeats, python, &ctx);

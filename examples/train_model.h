@@ -8,10 +8,13 @@
 
    Parameters live in slabs (llm.c style): one f32 slab each for master weights, gradients
    and the two AdamW moments, plus a compute-dtype copy when that is not f32; every
-   parameter is a view into them. The
-   MoE layers own their expert and router tensors (dsk_moe's slabs) and expose them by
-   name; the trainer treats both kinds alike through tm_param. Activations are kept per
-   block for backward; backward accumulates into the gradient slab (+=). */
+   parameter is a view into them, the MoE layers' too: a layer reports its parameters
+   (dsk_moe_init) and the model binds views of these slabs into it (dsk_moe_bind), so every
+   parameter takes the same buckets, optimizer and checkpoint path. The slabs hold the
+   replicated parameters first (the model's and the MoE routers and shared experts, in the
+   order backward finishes them in reverse), then the expert-sharded ones (every MoE layer's
+   w1, w2, w3), whose gradients reduce over the ranks holding the same experts. Activations
+   are kept per block for backward; backward accumulates into the gradient slab (+=). */
 #ifndef TRAIN_MODEL_H
 #define TRAIN_MODEL_H
 
@@ -44,8 +47,9 @@ typedef struct tm_param {
     dsk_tensor w, g, m, v, wc; /* wc: the weights the forward pass reads (== w when cdt is f32) */
     dsk_tensor gc;      /* norm weights under bf16/f16: the gradient in the compute dtype, which
                            dsk_rmsnorm_backward accumulates into; copied to g when final */
-    int in_slab;        /* 1: views into the model's slabs; 0: an MoE parameter (w, m, v owned here) */
-    dsk_moe_param *moe; /* the MoE layer's parameter (value = wc, grad = g), or NULL */
+    int moe_layer;      /* the block of an MoE parameter, or -1 */
+    int moe_index;      /* its index in that layer's params[] */
+    int sharded;        /* 1: an expert-sharded MoE parameter (after every replicated one in the slabs) */
 } tm_param;
 
 typedef struct tm_block {
@@ -58,7 +62,8 @@ typedef struct tm_block {
     /* MoE blocks */
     int is_moe;
     dsk_moe moe;
-    dsk_moe_stats stats;                /* of the last forward */
+    dsk_tensor moe_bias;                /* (E) f32 the layer's expert bias (not a gradient parameter) */
+    dsk_moe_stats stats;                /* of the last step (training) or forward (want_stats) */
     dsk_tensor mx, my;                  /* (N, D) MoE input/output in the layer's dtype */
 } tm_block;
 
@@ -73,9 +78,11 @@ static const char *const tm_phase_names[TM_PH_COUNT] = {
 typedef struct tm_model {
     tm_config cfg;
     dsk_ctx *ctx;
+    int n_params, n_dense_params;       /* params[0, n_dense_params) replicated, the rest expert-sharded */
+    int64_t numel_dense;                /* slab elements of the replicated parameters */
+    int want_stats;                     /* 1: each MoE forward fills its block's stats (a host read) */
     int profile;                        /* 1: time each op into phase_s (synchronising the device) */
     double phase_s[TM_PH_COUNT];        /* seconds per phase since the caller last cleared them */
-    int n_params, n_slab_params;        /* params[0, n_slab_params) live in the slabs */
     tm_param params[1024];
     float aux_scale;                    /* weight of the MoE losses' gradients: loss scale / accum */
     /* called by backward when a slab parameter's gradient is final for this micro-batch
@@ -154,6 +161,7 @@ static tm_param *tm_add_param(tm_model *m, int decay, float std, int ndim, int64
     tm_param *p = &m->params[m->n_params++];
     memset(p, 0, sizeof *p);
     snprintf(p->name, sizeof p->name, fmt, layer);
+    p->moe_layer = -1;
     p->decay = decay;
     p->init_std = std;
     p->ndim = ndim;
@@ -162,7 +170,25 @@ static tm_param *tm_add_param(tm_model *m, int decay, float std, int ndim, int64
     return p;
 }
 
-static int64_t tm_param_numel(const tm_param *p) { return p->ndim == 1 ? p->shape[0] : p->shape[0] * p->shape[1]; }
+static int64_t tm_param_numel(const tm_param *p) {
+    int64_t n = 1;
+    for (int d = 0; d < p->ndim; d++) n *= p->shape[d];
+    return n;
+}
+
+/* Parameter i of MoE block l as a tm_param: shape, flags and name from the layer. */
+static void tm_add_moe_param(tm_model *m, int l, int i) {
+    const dsk_moe_param *mp = &m->blocks[l].moe.params[i];
+    tm_param *p = &m->params[m->n_params++];
+    memset(p, 0, sizeof *p);
+    snprintf(p->name, sizeof p->name, "%s", mp->name);
+    p->ndim = mp->ndim;
+    for (int d = 0; d < mp->ndim; d++) p->shape[d] = mp->shape[d];
+    p->decay = mp->weight_decay;
+    p->moe_layer = l;
+    p->moe_index = i;
+    p->sharded = mp->expert_sharded;
+}
 
 /* Declares the dense parameters in slab order, which is also the order backward finishes
    them in reverse (lm_head first, embed last), so data-parallel gradient buckets, which take
@@ -184,10 +210,23 @@ static void tm_declare(tm_model *m) {
             b->w1 = tm_add_param(m, 1, std, 2, F, D, "blocks.%d.ffn.w1", l);
             b->w3 = tm_add_param(m, 1, std, 2, F, D, "blocks.%d.ffn.w3", l);
             b->w2 = tm_add_param(m, 1, out_std, 2, D, F, "blocks.%d.ffn.w2", l);
+        } else { /* the MoE layer's replicated parameters: router, shared experts */
+            for (int i = 0; i < b->moe.n_params; i++)
+                if (b->moe.params[i].trainable && !b->moe.params[i].expert_sharded) tm_add_moe_param(m, l, i);
         }
     }
     m->ln_f = tm_add_param(m, 0, 0, 1, D, 0, "ln_f", 0);
     m->lm_head = tm_add_param(m, 1, std, 2, V, D, "lm_head", 0);
+    m->n_dense_params = m->n_params;
+    for (int l = c->n_dense; l < c->n_layers; l++) /* then every expert-sharded one */
+        for (int i = 0; i < m->blocks[l].moe.n_params; i++)
+            if (m->blocks[l].moe.params[i].expert_sharded) tm_add_moe_param(m, l, i);
+}
+
+/* The dtype the forward pass reads a parameter in (its compute copy wc; f32: the master):
+   an MoE parameter's is the layer's (routers are always f32). */
+static dsk_dtype tm_param_dtype(const tm_model *m, const tm_param *p) {
+    return p->moe_layer >= 0 ? m->blocks[p->moe_layer].moe.params[p->moe_index].dtype : m->cfg.cdt;
 }
 
 static dsk_status tm_alloc_slab(tm_model *m, dsk_tensor *slab, dsk_dtype dt) {
@@ -205,7 +244,8 @@ static dsk_status tm_bind(tm_model *m) {
         const dsk_tensor *slabs[5] = {&m->slab_w, &m->slab_g, &m->slab_m, &m->slab_v, &m->slab_wc};
         dsk_tensor *views[5] = {&p->w, &p->g, &p->m, &p->v, &p->wc};
         for (int k = 0; k < 5; k++) {
-            if (!slabs[k]->data) { *views[k] = p->w; continue; } /* no separate compute copy */
+            int own_copy = k < 4 || tm_param_dtype(m, p) != DSK_F32;
+            if (!slabs[k]->data || !own_copy) { *views[k] = p->w; continue; } /* no separate compute copy */
             TM_TRY(dsk_tensor_slice(slabs[k], 0, off, n, &s));
             TM_TRY(dsk_tensor_reshape(&s, p->ndim, p->shape, views[k]));
         }
@@ -215,11 +255,16 @@ static dsk_status tm_bind(tm_model *m) {
 }
 
 /* Fresh weights: normal(0, std) from the counter-based RNG (each element its own counter,
-   so the result does not depend on the device), ones for norm weights. */
+   so the result does not depend on the device), ones for norm weights; an MoE layer's from
+   its own streams (dsk_moe_init_param: an expert's numbers do not depend on the EP size). */
 static dsk_status tm_init_weights(tm_model *m) {
     uint64_t off = 0;
     for (int i = 0; i < m->n_params; i++) {
         tm_param *p = &m->params[i];
+        if (p->moe_layer >= 0) {
+            TM_TRY(dsk_moe_init_param(&m->blocks[p->moe_layer].moe, m->ctx, p->moe_index, &p->w));
+            continue;
+        }
         if (p->init_std > 0) TM_TRY(dsk_tensor_normal(m->ctx, &p->w, m->cfg.seed, off, 0.0f, p->init_std));
         else TM_TRY(dsk_tensor_fill(m->ctx, &p->w, 1.0));
         off += (uint64_t)tm_param_numel(p);
@@ -288,37 +333,12 @@ static dsk_status tm_alloc_acts(tm_model *m) {
 /* dsk_moe computes in f32 or bf16; an f16 model runs its MoE layers in f32. */
 static dsk_dtype tm_moe_dtype(dsk_dtype cdt) { return cdt == DSK_BF16 ? DSK_BF16 : DSK_F32; }
 
-/* A trainable MoE tensor as a tm_param: the layer keeps the compute weights and the
-   gradient; the f32 master copy (unless the layer is f32 already) and moments live here. */
-static dsk_status tm_add_moe_param(tm_model *m, dsk_moe_param *mp) {
-    if (m->n_params >= (int)(sizeof m->params / sizeof m->params[0]))
-        return dsk_set_error(DSK_ERR_ARG, "tm_init: more than %d parameters", (int)(sizeof m->params / sizeof m->params[0]));
-    tm_param *p = &m->params[m->n_params++];
-    memset(p, 0, sizeof *p);
-    snprintf(p->name, sizeof p->name, "%s", mp->name);
-    p->moe = mp;
-    p->ndim = mp->value.ndim;
-    p->decay = mp->value.ndim >= 2;
-    p->wc = mp->value;
-    p->wc.owns = 0;
-    p->g = mp->grad;
-    p->g.owns = 0;
-    if (mp->value.dtype == DSK_F32) p->w = p->wc;
-    else {
-        TM_TRY(dsk_tensor_alloc(m->ctx, &p->w, DSK_F32, mp->value.ndim, mp->value.shape));
-        TM_TRY(dsk_tensor_copy(m->ctx, &p->w, &mp->value));
-    }
-    TM_TRY(dsk_tensor_alloc(m->ctx, &p->m, DSK_F32, mp->value.ndim, mp->value.shape));
-    TM_TRY(dsk_tensor_alloc(m->ctx, &p->v, DSK_F32, mp->value.ndim, mp->value.shape));
-    TM_TRY(dsk_tensor_fill(m->ctx, &p->m, 0.0));
-    return dsk_tensor_fill(m->ctx, &p->v, 0.0);
-}
-
+/* Sizes only: the MoE layer of block l reports its parameters (bound by tm_bind_moe). */
 static dsk_status tm_init_moe(tm_model *m, int l, char *name, size_t name_size) {
     const tm_config *c = &m->cfg;
     tm_block *b = &m->blocks[l];
     dsk_moe_opts o = c->moe;
-    int64_t N = (int64_t)c->batch * c->seq;
+    int64_t N = (int64_t)c->batch * c->seq, E = c->moe.n_routed;
     snprintf(name, name_size, "blocks.%d.moe", l);
     o.name = name;
     o.d_model = c->d_model;
@@ -328,12 +348,27 @@ static dsk_status tm_init_moe(tm_model *m, int l, char *name, size_t name_size) 
     o.seed = c->seed + 1000003ull * (uint64_t)(l + 1);
     TM_TRY(dsk_moe_init(&b->moe, m->ctx, &o));
     b->is_moe = 1;
+    TM_TRY(dsk_tensor_alloc(m->ctx, &b->moe_bias, DSK_F32, 1, &E));
     if (o.dtype != c->cdt) {
         TM_TRY(tm_alloc2(m, &b->mx, o.dtype, N, c->d_model));
         TM_TRY(tm_alloc2(m, &b->my, o.dtype, N, c->d_model));
     }
-    for (int i = 0; i < b->moe.n_params; i++)
-        if (dsk_tensor_numel(&b->moe.params[i].grad) > 0) TM_TRY(tm_add_moe_param(m, &b->moe.params[i]));
+    return DSK_OK;
+}
+
+/* Binds every MoE layer's parameters: the compute copies and gradients in the model's slabs,
+   the expert bias in its own small tensor (zero). Then the workspace for a full micro-batch. */
+static dsk_status tm_bind_moe(tm_model *m) {
+    for (int i = 0; i < m->n_params; i++) {
+        tm_param *p = &m->params[i];
+        if (p->moe_layer >= 0) TM_TRY(dsk_moe_bind(&m->blocks[p->moe_layer].moe, m->ctx, p->moe_index, &p->wc, &p->g));
+    }
+    for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++) {
+        tm_block *b = &m->blocks[l];
+        TM_TRY(dsk_moe_bind(&b->moe, m->ctx, DSK_MOE_P_BIAS, &b->moe_bias, NULL));
+        TM_TRY(dsk_moe_init_param(&b->moe, m->ctx, DSK_MOE_P_BIAS, &b->moe_bias));
+        TM_TRY(dsk_moe_reserve(&b->moe, m->ctx, (int64_t)m->cfg.batch * m->cfg.seq));
+    }
     return DSK_OK;
 }
 
@@ -341,12 +376,13 @@ static dsk_status tm_init_moe(tm_model *m, int l, char *name, size_t name_size) 
 static dsk_status tm_moe_forward(tm_model *m, int layer, int64_t N, dsk_tensor *y) {
     tm_block *b = &m->blocks[layer];
     dsk_tensor x2 = tm_rows(&b->x2, N), h2 = tm_rows(&b->h2, N);
+    dsk_moe_stats *st = m->want_stats ? &b->stats : NULL;
     if (!b->mx.data) {
-        TM_TRY(dsk_moe_forward(&b->moe, m->ctx, y, &h2, &b->stats));
+        TM_TRY(dsk_moe_forward(&b->moe, m->ctx, y, &h2, st));
     } else {
         dsk_tensor mx = tm_rows(&b->mx, N), my = tm_rows(&b->my, N);
         TM_TRY(dsk_tensor_copy(m->ctx, &mx, &h2));
-        TM_TRY(dsk_moe_forward(&b->moe, m->ctx, &my, &mx, &b->stats));
+        TM_TRY(dsk_moe_forward(&b->moe, m->ctx, &my, &mx, st));
         TM_TRY(dsk_tensor_copy(m->ctx, y, &my));
     }
     return dsk_add(m->ctx, y, y, &x2);
@@ -368,12 +404,6 @@ static dsk_status tm_moe_backward(tm_model *m, int layer) {
 static void tm_free(tm_model *m) {
     dsk_ctx *ctx = m->ctx;
     for (int i = 0; i < m->n_params; i++) dsk_tensor_free(ctx, &m->params[i].gc);
-    for (int i = m->n_slab_params; i < m->n_params; i++) {
-        tm_param *p = &m->params[i];
-        if (p->w.owns) dsk_tensor_free(ctx, &p->w);
-        dsk_tensor_free(ctx, &p->m);
-        dsk_tensor_free(ctx, &p->v);
-    }
     if (m->blocks)
         for (int l = 0; l < m->cfg.n_layers; l++) {
             tm_block *b = &m->blocks[l];
@@ -381,6 +411,7 @@ static void tm_free(tm_model *m) {
                                 &b->h2, &b->rstd2, &b->probs, &b->g, &b->u, &b->a, &b->mx, &b->my};
             for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
             dsk_moe_free(&b->moe, ctx);
+            dsk_tensor_free(ctx, &b->moe_bias);
         }
     dsk_tensor *ts[] = {&m->slab_w, &m->slab_g, &m->slab_m, &m->slab_v, &m->slab_wc, &m->x_final, &m->hf, &m->rstdf,
                         &m->logits, &m->dlogits, &m->ids, &m->targets, &m->loss, &m->dx, &m->dh, &m->dq, &m->dk,
@@ -416,8 +447,14 @@ static dsk_status tm_init(tm_model *m, dsk_ctx *ctx, const tm_config *cfg) {
     TM_TRY(tm_check_config(cfg));
     m->blocks = (tm_block *)calloc((size_t)cfg->n_layers, sizeof *m->blocks);
     if (!m->blocks) return dsk_set_error(DSK_ERR_OOM, "tm_init: out of memory for %d blocks", cfg->n_layers);
+    m->moe_names = (char(*)[32])calloc((size_t)cfg->n_layers, sizeof *m->moe_names);
+    if (!m->moe_names) return dsk_set_error(DSK_ERR_OOM, "tm_init: out of memory");
+    for (int l = cfg->n_dense; l < cfg->n_layers; l++) TM_TRY(tm_init_moe(m, l, m->moe_names[l], sizeof m->moe_names[l]));
     tm_declare(m);
-    for (int i = 0; i < m->n_params; i++) m->numel += tm_param_numel(&m->params[i]);
+    for (int i = 0; i < m->n_params; i++) {
+        m->numel += tm_param_numel(&m->params[i]);
+        if (i < m->n_dense_params) m->numel_dense = m->numel;
+    }
     TM_TRY(tm_alloc_slab(m, &m->slab_w, DSK_F32));
     TM_TRY(tm_alloc_slab(m, &m->slab_g, DSK_F32));
     TM_TRY(tm_alloc_slab(m, &m->slab_m, DSK_F32));
@@ -426,11 +463,7 @@ static dsk_status tm_init(tm_model *m, dsk_ctx *ctx, const tm_config *cfg) {
     TM_TRY(tm_bind(m));
     TM_TRY(tm_init_weights(m));
     TM_TRY(tm_alloc_acts(m));
-    m->n_slab_params = m->n_params;
-    m->moe_names = (char(*)[32])calloc((size_t)cfg->n_layers, sizeof *m->moe_names);
-    if (!m->moe_names) return dsk_set_error(DSK_ERR_OOM, "tm_init: out of memory");
-    for (int l = cfg->n_dense; l < cfg->n_layers; l++) TM_TRY(tm_init_moe(m, l, m->moe_names[l], sizeof m->moe_names[l]));
-    return DSK_OK;
+    return tm_bind_moe(m);
 }
 
 /* ------------------------------------------------------------------ forward */
@@ -523,7 +556,6 @@ static dsk_status tm_zero_grads(tm_model *m) {
     TM_TRY(tm_zero(m, &m->slab_g));
     for (int i = 0; i < m->n_params; i++)
         if (m->params[i].gc.data) TM_TRY(dsk_tensor_fill(m->ctx, &m->params[i].gc, 0.0));
-    for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++) TM_TRY(dsk_moe_zero_grad(&m->blocks[l].moe, m->ctx));
     return DSK_OK;
 }
 
@@ -593,6 +625,8 @@ static dsk_status tm_backward(tm_model *m) {
         tm_block *b = &m->blocks[l];
         if (l < c->n_dense) TM_TRY(tm_dense_backward(m, b));
         else TM_T(TM_PH_MOE, tm_moe_backward(m, l));
+        for (int i = 0; l >= c->n_dense && i < m->n_params; i++) /* the MoE layer's gradients are final */
+            if (m->params[i].moe_layer == l) TM_T(TM_PH_MOVE, tm_ready(m, &m->params[i]));
         TM_T(TM_PH_NORM, dsk_rmsnorm_backward(m->ctx, &m->dx, tm_grad(b->ln2), &m->dh, &b->x2, &b->ln2->wc, &b->rstd2));
         TM_T(TM_PH_MOVE, tm_ready(m, b->ln2));
         TM_TRY(tm_attn_backward(m, b));

@@ -71,6 +71,7 @@ typedef struct options {
     long long seed;
     char dtype[8], device[8];
     int threads;
+    int cuda_graph;
     /* evaluation and output */
     int val_interval, val_batches, sample_len, log_every, profile;
     char prompt[256];
@@ -141,6 +142,8 @@ static const opt_spec OPTS[] = {
     {"--dtype", OPT_STRBUF, O_(dtype), sizeof(((options *)0)->dtype), "f32 | bf16 | fp16 [bf16 on a GPU, f32 on the CPU]"},
     {"--threads", OPT_INT, O_(threads), 0, "CPU threads per rank (0 = OpenMP's default)"},
     {"--device", OPT_STRBUF, O_(device), sizeof(((options *)0)->device), "auto | cpu | cuda"},
+    {"--cuda-graph", OPT_FLAG, O_(cuda_graph), 0,
+     "capture a micro-batch's forward, loss and backward as a CUDA graph once and replay it (one GPU rank)"},
     {"--val-interval", OPT_INT, O_(val_interval), 0, "steps between validation runs"},
     {"--val-batches", OPT_INT, O_(val_batches), 0, "global batches per validation run"},
     {"--sample-len", OPT_INT, O_(sample_len), 0, "tokens generated at the end (0 = none)"},
@@ -306,8 +309,11 @@ typedef struct trainer {
     dsk_comm ep_comm;             /* ranks that share tokens by all-to-all (hold different experts) */
     dsk_comm rep_comm;            /* ranks that hold the same experts (expert gradients reduce here) */
     dsk_comm ck_comm;             /* checkpoint barriers, used from the async writer's thread */
-    dsk_comm_buckets buckets;     /* data-parallel buckets over the dense gradient slab */
-    int have_buckets;
+    dsk_comm_buckets buckets;     /* data-parallel buckets over the replicated gradients (every rank) */
+    dsk_comm_buckets ebuckets;    /* buckets over the expert-sharded gradients (ranks holding the same experts) */
+    int have_buckets, have_ebuckets;
+    dsk_graph graph;              /* --cuda-graph: forward, loss and backward of one micro-batch */
+    float graph_scale;            /* the loss scale it was captured with (a new scale captures again) */
     dsk_ctx ctx;
     td_corpus data;
     tm_model model;
@@ -585,23 +591,51 @@ static void setup_optimizer(trainer *t) {
     CHECK(dsk_amp_scaler_init(&t->scaler, &t->ctx, &so));
 }
 
+/* A gradient is final: its bucket set (replicated or expert-sharded parameters) learns it. */
 static dsk_status on_grad_ready(void *user, int param) {
     trainer *t = (trainer *)user;
-    return dsk_comm_buckets_mark_ready(&t->buckets, param);
+    int nd = t->model.n_dense_params;
+    if (param < nd) return t->have_buckets ? dsk_comm_buckets_mark_ready(&t->buckets, param) : DSK_OK;
+    return t->have_ebuckets ? dsk_comm_buckets_mark_ready(&t->ebuckets, param - nd) : DSK_OK;
 }
 
-/* Data-parallel buckets over the dense gradient slab (parameters in slab order). */
+/* Gradient buckets over the slab: the replicated parameters (the first n_dense_params)
+   average over every rank; the expert-sharded ones (the rest: each MoE layer's w1, w2, w3)
+   sum over the ranks holding the same experts, since each expert's gradient already gathers
+   every token of its expert-parallel group, and are divided by the world size after the wait
+   (finish_grads). Both overlap backward. */
 static void setup_buckets(trainer *t) {
     tm_model *m = &t->model;
+    int nd = m->n_dense_params, ns = m->n_params - nd;
     if (!t->have_comm || t->world <= 1) return;
-    int64_t *counts = (int64_t *)malloc((size_t)m->n_slab_params * sizeof *counts);
+    int64_t *counts = (int64_t *)malloc((size_t)m->n_params * sizeof *counts);
     if (!counts) fail(t, "out of memory");
-    for (int i = 0; i < m->n_slab_params; i++) counts[i] = tm_param_numel(&m->params[i]);
-    CHECK(dsk_comm_buckets_init(&t->buckets, &t->comm, &t->ctx, m->slab_g.data, DSK_F32, m->n_slab_params, counts, NULL));
-    free(counts);
+    for (int i = 0; i < m->n_params; i++) counts[i] = tm_param_numel(&m->params[i]);
+    CHECK(dsk_comm_buckets_init(&t->buckets, &t->comm, &t->ctx, m->slab_g.data, DSK_F32, nd, counts, NULL));
     t->have_buckets = 1;
+    if (ns > 0 && t->rep_comm.world_size > 1) {
+        dsk_comm_bucket_opts bo;
+        memset(&bo, 0, sizeof bo);
+        bo.sum_only = 1;
+        CHECK(dsk_comm_buckets_init(&t->ebuckets, &t->rep_comm, &t->ctx, (float *)m->slab_g.data + m->numel_dense,
+                                    DSK_F32, ns, counts + nd, &bo));
+        t->have_ebuckets = 1;
+    }
+    free(counts);
     m->grad_ready = on_grad_ready;
     m->grad_ready_user = t;
+}
+
+/* After the buckets: the expert-sharded gradients hold sums over the ranks holding the same
+   experts; divided by the world size they are the average over every token of every rank. */
+static dsk_status finish_grads(trainer *t) {
+    tm_model *m = &t->model;
+    dsk_tensor e;
+    if (t->have_buckets) TM_TRY(dsk_comm_buckets_wait(&t->buckets));
+    if (t->have_ebuckets) TM_TRY(dsk_comm_buckets_wait(&t->ebuckets));
+    if (!t->have_comm || t->world <= 1 || m->numel == m->numel_dense) return DSK_OK;
+    TM_TRY(dsk_tensor_slice(&m->slab_g, 0, m->numel_dense, m->numel - m->numel_dense, &e));
+    return dsk_scale(&t->ctx, &e, 1.0f / (float)t->world);
 }
 
 /* ---- FLOPs and the device peak */
@@ -665,29 +699,6 @@ static dsk_status read_loss(trainer *t, float *out) {
     return dsk_tensor_copy(&t->ctx, &h, &t->model.loss);
 }
 
-/* MoE gradients: the dense part (router, shared experts) averages over every rank; the
-   expert part sums over the ranks holding the same experts and divides by the world size,
-   since each expert's gradient already gathers every token of its expert-parallel group. */
-static dsk_status reduce_moe_grads(trainer *t) {
-    tm_model *m = &t->model;
-    if (!t->have_comm || t->world <= 1) return DSK_OK;
-    for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++) {
-        dsk_moe *moe = &m->blocks[l].moe;
-        float *g = (float *)moe->grad_slab.data;
-        TM_TRY(dsk_comm_all_reduce(&t->comm, &t->ctx, g, g, moe->grad_dense_numel, DSK_F32, DSK_COMM_AVG));
-        if (t->rep_comm.world_size > 1)
-            TM_TRY(dsk_comm_all_reduce(&t->rep_comm, &t->ctx, g + moe->grad_dense_numel, g + moe->grad_dense_numel,
-                                       moe->grad_expert_numel, DSK_F32, DSK_COMM_SUM));
-        if (moe->grad_expert_numel > 0 && t->world > 1) {
-            dsk_tensor e;
-            TM_TRY(dsk_tensor_slice(&moe->grad_slab, 0, moe->grad_dense_numel, moe->grad_expert_numel, &e));
-            TM_TRY(dsk_scale(&t->ctx, &e, 1.0f / (float)t->world));
-        }
-        TM_TRY(dsk_comm_sync(&t->comm, &t->ctx));
-    }
-    return DSK_OK;
-}
-
 /* Unscale + non-finite check + global norm over every gradient. Dense gradients are the
    same on every rank after the reductions; expert gradients differ across an expert-
    parallel group, so their statistics are summed over it. */
@@ -698,7 +709,7 @@ static dsk_status unscale_and_decide(trainer *t, dsk_amp_decision *dec) {
     if (!rep || !shard) { free(rep); free(shard); return dsk_set_error(DSK_ERR_OOM, "unscale: out of memory"); }
     for (int i = 0; i < n; i++) {
         tm_param *p = &m->params[i];
-        if (p->moe && p->moe->expert_sharded && t->ep > 1) shard[n_shard++] = &p->g;
+        if (p->sharded && t->ep > 1) shard[n_shard++] = &p->g;
         else rep[n_rep++] = &p->g;
     }
     dsk_amp_stats a, b;
@@ -731,7 +742,36 @@ static dsk_status unscale_and_decide(trainer *t, dsk_amp_decision *dec) {
 
 /* Seconds spent in collectives so far, every communicator of this rank. */
 static double comm_seconds(const trainer *t) {
-    return t->comm.stats.seconds + t->ep_comm.stats.seconds + t->rep_comm.stats.seconds + t->buckets.seconds;
+    return t->comm.stats.seconds + t->ep_comm.stats.seconds + t->rep_comm.stats.seconds + t->buckets.seconds +
+           t->ebuckets.seconds;
+}
+
+/* Forward, loss and backward of the micro-batch in the model's input tensors, loss gradient
+   scaled by gscale. With --cuda-graph they run as a CUDA graph captured the first time (and
+   again when gscale changes: a dynamic f16 loss scale moved); every launch replays the same
+   kernels on the same buffers, which the step fills before it (the batch upload). */
+static dsk_status micro_batch(trainer *t, float gscale) {
+    tm_model *m = &t->model;
+    dsk_status s1, s2, s3, s;
+    if (!t->o->cuda_graph) {
+        TM_TRY(tm_forward(m, t->batch_local));
+        TM_TRY(tm_loss(m, gscale));
+        return tm_backward(m);
+    }
+    if (!t->graph.exec || t->graph_scale != gscale) {
+        dsk_graph_free(&t->graph);
+        TM_TRY(dsk_graph_begin(&t->ctx));
+        s1 = tm_forward(m, t->batch_local);
+        s2 = s1 == DSK_OK ? tm_loss(m, gscale) : DSK_OK;
+        s3 = s1 == DSK_OK && s2 == DSK_OK ? tm_backward(m) : DSK_OK;
+        s = dsk_graph_end(&t->ctx, &t->graph); /* ends the capture whatever happened inside it */
+        TM_TRY(s1);
+        TM_TRY(s2);
+        TM_TRY(s3);
+        TM_TRY(s);
+        t->graph_scale = gscale;
+    }
+    return dsk_graph_launch(&t->ctx, &t->graph);
 }
 
 /* CPU seconds of this process, every thread (wall time on a shared machine also counts the
@@ -755,23 +795,15 @@ static dsk_status train_step(trainer *t, step_info *si) {
         double td = now_s();
         TM_TRY(load_train_batch(t));
         t->prof_data += now_s() - td;
-        TM_TRY(tm_forward(m, t->batch_local));
-        TM_TRY(tm_loss(m, scale / (float)o->accum));
+        if (t->have_buckets) TM_TRY(dsk_comm_buckets_begin(&t->buckets, a == o->accum - 1));
+        if (t->have_ebuckets) TM_TRY(dsk_comm_buckets_begin(&t->ebuckets, a == o->accum - 1));
+        TM_TRY(micro_batch(t, scale / (float)o->accum));
         TM_TRY(read_loss(t, &loss));
         si->loss += loss / o->accum;
-        for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++) {
-            const dsk_moe_stats *st = &m->blocks[l].stats;
-            si->aux_loss += st->loss / o->accum;
-            si->dropped += st->dropped;
-            if (st->mean_load > 0 && st->max_load / st->mean_load > si->load_ratio) si->load_ratio = st->max_load / st->mean_load;
-        }
-        if (t->have_buckets) TM_TRY(dsk_comm_buckets_begin(&t->buckets, a == o->accum - 1));
-        TM_TRY(tm_backward(m));
     }
     double sync0 = now_s();
-    if (t->have_buckets) TM_TRY(dsk_comm_buckets_wait(&t->buckets));
+    TM_TRY(finish_grads(t));
     double t_opt = now_s();
-    TM_TRY(reduce_moe_grads(t));
     si->sync_ms = 1e3 * (now_s() - sync0);
     float l2[1] = {(float)si->loss};
     TM_TRY(allreduce_host(t, &t->comm, l2, 1, DSK_F32, DSK_COMM_AVG));
@@ -796,7 +828,15 @@ static dsk_status train_step(trainer *t, step_info *si) {
                 TM_TRY(dsk_moe_update_bias(&m->blocks[l].moe, &t->ctx, t->have_comm ? &t->comm : NULL));
     }
     TM_TRY(dsk_amp_update(&t->scaler, &t->ctx));
+    for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++) TM_TRY(dsk_moe_stats_request(&m->blocks[l].moe, &t->ctx));
     TM_TRY(dsk_ctx_sync(&t->ctx));
+    for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++) { /* the step's MoE statistics, arrived by now */
+        dsk_moe_stats *st = &m->blocks[l].stats;
+        TM_TRY(dsk_moe_stats_collect(&m->blocks[l].moe, &t->ctx, st));
+        si->aux_loss += st->loss / o->accum;
+        si->dropped += st->dropped;
+        if (st->mean_load > 0 && st->max_load / st->mean_load > si->load_ratio) si->load_ratio = st->max_load / st->mean_load;
+    }
     t->prof_opt += now_s() - t_opt;
     t->step++;
     si->skipped = dec.skip;
@@ -917,7 +957,7 @@ static void ck_add(ck_names *c, const char *name, const char *suffix, dsk_tensor
     memset(e, 0, sizeof *e);
     e->name = c->name[c->n - 1];
     e->tensor = tensor;
-    if (p && p->moe && p->moe->expert_sharded && t->ep > 1) {
+    if (p && p->sharded && t->ep > 1) {
         const dsk_moe *moe = &t->model.blocks[t->model.cfg.n_layers - 1].moe; /* every MoE layer splits alike */
         e->split = 1;
         e->row0 = moe->expert0;
@@ -1277,6 +1317,9 @@ static void banner(trainer *t) {
            "%.2fM parameters on rank 0, %.1f MFLOP/token (active)\n",
         o->layers, o->dense_layers, o->d_model, o->heads, m->cfg.vocab, o->experts, o->score, o->top_k, o->shared, o->expert_hidden,
         total / 1e6, t->flops_per_token / 1e6);
+    if (o->cuda_graph)
+        say(t, "cuda graph: each micro-batch's forward, loss and backward replay one captured graph; the "
+               "optimizer step runs after it\n");
     say(t, "batch %d x %d tokens x %d accum, %d steps, lr %g (warm-up %d, cosine to %g), clip %g, peak %.1f GFLOP/s (%s)\n",
         o->batch, o->seq, o->accum, o->steps, o->lr, o->warmup, o->min_lr, o->clip, t->peak_flops / 1e9,
         o->peak_tflops > 0 ? "given" : t->ctx.device.type == DSK_DEV_CUDA ? "H100/H200 bf16 datasheet" : "measured CPU GEMM");
@@ -1351,6 +1394,7 @@ static int grad_check(trainer *t) {
     CHECK(load_train_batch(t));
     CHECK(tm_zero_grads(m));
     m->aux_scale = 1.0f;
+    m->want_stats = 1; /* the objective reads each forward's MoE loss terms */
     CHECK(tm_forward(m, t->batch_local));
     CHECK(tm_loss(m, 1.0f));
     CHECK(tm_backward(m));
@@ -1359,7 +1403,7 @@ static int grad_check(trainer *t) {
         tm_param *p = &m->params[i];
         float *w = (float *)p->w.data, *g = (float *)p->g.data;
         int64_t n = dsk_tensor_numel(&p->w);
-        double gmax = 0, worst = 0, h = p->moe && strstr(p->name, ".router") ? 3e-3 : 1e-2;
+        double gmax = 0, worst = 0, h = p->moe_layer >= 0 && strstr(p->name, ".router") ? 3e-3 : 1e-2;
         int checked = 0, kinks = 0;
         for (int64_t j = 0; j < n; j++) gmax = fmax(gmax, fabs(g[j]));
         for (int k = 0; k < 4 * n_check && checked < n_check; k++) {
@@ -1436,6 +1480,8 @@ static void report_stop(trainer *t, int sig) {
 static void cleanup(trainer *t) {
     if (t->have_ck) dsk_ckpt_free(&t->ck);
     if (t->have_buckets) dsk_comm_buckets_free(&t->buckets);
+    if (t->have_ebuckets) dsk_comm_buckets_free(&t->ebuckets);
+    dsk_graph_free(&t->graph);
     tm_free(&t->model);
     dsk_amp_scaler_free(&t->scaler, &t->ctx);
     free(t->amp_decay);
@@ -1502,6 +1548,13 @@ int main(int argc, char **argv) {
     setup_model(t);
     setup_optimizer(t);
     setup_buckets(t);
+    if (o.cuda_graph && (t->ctx.device.type != DSK_DEV_CUDA || t->world > 1))
+        fail(t, "--cuda-graph needs one rank on a GPU (this run: %d ranks on %s): the gradient buckets of several "
+                "ranks synchronise through host-side events that a graph cannot hold", t->world,
+             t->ctx.device.type == DSK_DEV_CUDA ? "GPUs" : "the CPU");
+    if (o.cuda_graph && o.profile)
+        fail(t, "--cuda-graph and --profile exclude each other: --profile synchronises the device after each op, "
+                "which a graph capture cannot hold");
     setup_metrics(t);
     t->flops_per_token = flops_per_token(t);
     t->peak_flops = o.peak_tflops > 0 ? o.peak_tflops * 1e12 : t->ctx.device.type == DSK_DEV_CUDA ? 989e12 : measure_cpu_peak(t);

@@ -10,7 +10,7 @@
    cuBLAS call; every call is checked, and cudaGetLastError() follows every launch).
    kernels/dsk_cuda.cuh holds what the .cu files share to do so.
    Contents: runtime (tensor.cu), tensor ops (tensor.cu), fused attention (attention.cu), amp (amp.cu),
-   moe (moe.cu), par (par.cu). */
+   grouped rows (grouped.cu), moe (moe.cu), par (par.cu). */
 #ifndef DSK_KERNELS_H
 #define DSK_KERNELS_H
 #include "../dsk_tensor.h"
@@ -25,8 +25,23 @@ void dsk_cuda_ctx_free(dsk_ctx *ctx);                     /* releases what ctx_i
 dsk_status dsk_cuda_sync(dsk_ctx *ctx);                   /* cudaStreamSynchronize(ctx->stream) */
 dsk_status dsk_cuda_malloc(dsk_ctx *ctx, size_t bytes, void **p); /* cudaMallocAsync on ctx->stream */
 void dsk_cuda_free(dsk_ctx *ctx, void *p);                /* cudaFreeAsync on ctx->stream (sync free if ctx NULL) */
-/* to_device = 1: host -> device, 0: device -> host; asynchronous on ctx->stream. */
+/* to_device = 1: host -> device, 0: device -> host; asynchronous on ctx->stream. A device-to-host
+   copy counts in ctx->counters (d2h_copies, d2h_bytes), as dsk_cuda_sync counts in syncs. */
 dsk_status dsk_cuda_memcpy(dsk_ctx *ctx, void *dst, const void *src, size_t bytes, int to_device);
+/* Pinned host memory (cudaHostAlloc; NULL on failure) and its release. */
+void *dsk_cuda_host_alloc(size_t bytes);
+void dsk_cuda_host_free(void *p);
+/* Events on ctx->stream (timing disabled): record one; wait on the host for one (counted as a
+   sync unless it had completed already). */
+dsk_status dsk_cuda_event_create(void **ev);
+dsk_status dsk_cuda_event_record(dsk_ctx *ctx, void *ev);
+dsk_status dsk_cuda_event_wait(dsk_ctx *ctx, void *ev);
+void dsk_cuda_event_destroy(void *ev);
+/* Capture of ctx->stream into a graph (global mode), instantiation, launch, release. */
+dsk_status dsk_cuda_graph_begin(dsk_ctx *ctx);
+dsk_status dsk_cuda_graph_end(dsk_ctx *ctx, void **graph, void **exec);
+dsk_status dsk_cuda_graph_launch(dsk_ctx *ctx, void *exec);
+void dsk_cuda_graph_free(void *graph, void *exec);
 
 /* ---- tensor ops (kernels/tensor.cu): same contracts as the dsk_tensor.h function of the same name */
 dsk_status dsk_cuda_tensor_copy(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor *src); /* same device, any dtypes/strides */
@@ -84,37 +99,60 @@ dsk_status dsk_cuda_amp_fp8_dequantize(dsk_ctx *ctx, dsk_tensor *y, const dsk_te
 dsk_status dsk_cuda_amp_fp8_block_quantize(dsk_ctx *ctx, dsk_tensor *q, dsk_tensor *scales, const dsk_tensor *x, int br, int bc, int pow2);
 dsk_status dsk_cuda_amp_fp8_block_dequantize(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *q, const dsk_tensor *scales, int br, int bc);
 
-/* ---- moe (kernels/moe.cu) */
-/* Row-major buffers; `dt` is the layer's compute dtype (f32 or bf16); slot i = t*K + k. */
-/* C (M,N) = op(A) op(B) + beta C; A, B in ab_dt (f32/bf16), C f32 or ab_dt; f32 accumulation (cublasGemmEx). */
-dsk_status dsk_cuda_moe_gemm(dsk_ctx *ctx, int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, const void *A, int64_t lda,
-                             const void *B, int64_t ldb, dsk_dtype ab_dt, float beta, void *C, int64_t ldc, dsk_dtype c_dt);
-/* Fused router, one token per thread (dsk_moe_route_token with *r): u (T,E) -> prob (T,E), sel (T,K), gate (T,K),
-   counts (E) selections (zeroed first; integer atomics). bias (E) or NULL; scratch (T, E + n_group). */
+/* ---- grouped rows (kernels/grouped.cu): same contracts as the dsk_tensor.h function of the same name;
+   the offsets are read on the device, the grids sized by bounds from the shapes */
+dsk_status dsk_cuda_group_by_key(dsk_ctx *ctx, dsk_tensor *perm, dsk_tensor *offsets, const dsk_tensor *keys);
+dsk_status dsk_cuda_matmul_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, int trans_a, const dsk_tensor *B,
+                                   int trans_b, const dsk_tensor *offsets, float alpha, float beta);
+dsk_status dsk_cuda_gather_rows_scaled(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *src, const dsk_tensor *idx,
+                                       const dsk_tensor *scale);
+
+/* ---- moe (kernels/moe.cu): the MoE steps of dsk_moe.h, each a kernel over the DSK_HD function of
+   the same name there; row-major buffers, slot i = t * K + k, T tokens, E experts, K slots */
 struct dsk_moe_router;
-dsk_status dsk_cuda_moe_route(dsk_ctx *ctx, const struct dsk_moe_router *r, const float *u, const float *bias,
-                              int64_t T, float *prob, float *scratch, int32_t *sel, float *gate, int32_t *counts);
+/* dsk__moe_route_one per token: u (T,E) -> prob (T,E), scratch (T, E + n_group), sel, gate (T,K), keys (T*K). */
+dsk_status dsk_cuda_moe_route(dsk_ctx *ctx, const struct dsk_moe_router *r, int64_t T, const float *u, const float *bias,
+                              float *prob, float *scratch, int32_t *sel, float *gate, int32_t *keys);
+/* The balancing losses: dsk__moe_loss_token per token, dsk__moe_switch_expert per expert (aux_alpha > 0),
+   dsk__moe_seq_expert per (sequence, expert) (seq_alpha > 0), then dsk__moe_loss_finish and the coefficients. */
+typedef struct dsk_cuda_moe_loss_args {
+    int64_t T, L, nseq;
+    int E, K, sigmoid, count_topk;
+    float aux_alpha, seq_alpha, z_beta;
+    const float *prob, *u;
+    const int32_t *sel;
+    double *ptot, *term_s, *term_q, *loss;
+    float *lse, *coef_s, *coef_q, *aux;
+    int32_t *lsel;
+} dsk_cuda_moe_loss_args;
+dsk_status dsk_cuda_moe_losses(dsk_ctx *ctx, const dsk_cuda_moe_loss_args *a);
+/* keys2 (TK) = the expert of each slot that keeps its place under capacity cap (dsk__moe_capacity_keep), else -1. */
+dsk_status dsk_cuda_moe_capacity(dsk_ctx *ctx, int E, int drop, int64_t cap, int64_t TK, const int32_t *perm_all,
+                                 const int32_t *off_all, const float *gate, int32_t *keys2);
+/* pos (TK) = kept row of each slot or -1; row_tok, row_gate (n_rows) by dsk__moe_plan_row. */
+dsk_status dsk_cuda_moe_plan(dsk_ctx *ctx, int E, int K, int64_t TK, int64_t n_rows, const int32_t *perm,
+                             const int32_t *off, const float *gate, int32_t *pos, int32_t *row_tok, float *row_gate);
+/* cnt (3 + 2E) by dsk__moe_counts (one thread). */
+dsk_status dsk_cuda_moe_counts(dsk_ctx *ctx, int64_t T, int K, int E, const int32_t *off_all, const int32_t *off,
+                               int64_t *cnt);
+/* dsk__moe_accumulate (one thread). */
+dsk_status dsk_cuda_moe_accumulate(dsk_ctx *ctx, int E, int K, const int64_t *cnt, const int64_t *cnt_group,
+                                   const double *loss, int64_t *load, int64_t *acc_i, double *acc_f);
+/* y (T, D) in ydt by dsk__moe_combine_elem; rows (kept order) in rdt, shared (T, D) in sdt or NULL. */
+dsk_status dsk_cuda_moe_combine(dsk_ctx *ctx, int K, int64_t T, int64_t D, void *y, dsk_dtype ydt, const int32_t *pos,
+                                const float *gate, const void *rows, dsk_dtype rdt, const void *shared, dsk_dtype sdt);
+/* dgate (TK) = dy_t . row_pos (0 for dropped slots): a warp per slot, dsk__moe_dot_part per lane, a fixed tree. */
+dsk_status dsk_cuda_moe_dgate(dsk_ctx *ctx, int K, int64_t TK, int64_t D, float *dgate, const void *dy, dsk_dtype dydt,
+                              const int32_t *pos, const void *rows, dsk_dtype rdt);
 /* du (T,E) WRITTEN by dsk_moe_route_token_backward per token; aux (T/seq_len, E) or NULL. */
-dsk_status dsk_cuda_moe_route_backward(dsk_ctx *ctx, const struct dsk_moe_router *r, const float *u,
-                                       const float *prob, int64_t T, const int32_t *sel, const float *dgate,
-                                       const float *aux, int64_t seq_len, float aux_mult, float zcoef, float *du);
-/* dst (n,D) row p = (gate ? gate[idx[p]] : 1) * src row idx[p] / div; dst, src in dt. */
-dsk_status dsk_cuda_moe_gather(dsk_ctx *ctx, void *dst, const void *src, dsk_dtype dt, const int32_t *idx, int div,
-                               const float *gate, int64_t n, int64_t D);
-/* y (T,D) in dt = sum over kept slots in slot order of gate * rows[slot_pos] (f32) + shared (T,D) f32 or NULL. */
-dsk_status dsk_cuda_moe_combine(dsk_ctx *ctx, void *y, dsk_dtype dt, const float *rows, const int32_t *slot_pos,
-                                const float *gate, const float *shared, int64_t T, int K, int64_t D);
-/* dx (T,D) f32 += sum over kept slots in slot order of rows[slot_pos]. */
-dsk_status dsk_cuda_moe_scatter(dsk_ctx *ctx, float *dx, const float *rows, const int32_t *slot_pos, int64_t T, int K, int64_t D);
-/* dgate (T*K) = dy (T,D, dt) row . rows[slot_pos] (0 when dropped); fixed-order warp sums. */
-dsk_status dsk_cuda_moe_dgate(dsk_ctx *ctx, float *dgate, const void *dy, dsk_dtype dt, const float *rows, const int32_t *slot_pos,
-                              int64_t T, int K, int64_t D);
-/* a (n) in dt = silu(h1) * h3; backward: dh1, dh3 (n) in dt from h1, h3, da (f32). */
-dsk_status dsk_cuda_moe_swiglu(dsk_ctx *ctx, void *a, dsk_dtype dt, const float *h1, const float *h3, int64_t n);
-dsk_status dsk_cuda_moe_swiglu_backward(dsk_ctx *ctx, void *dh1, void *dh3, dsk_dtype dt, const float *h1, const float *h3,
-                                        const float *da, int64_t n);
-/* dst (n) in dt += src (n) f32. */
-dsk_status dsk_cuda_moe_accumulate(dsk_ctx *ctx, void *dst, dsk_dtype dt, const float *src, int64_t n);
+dsk_status dsk_cuda_moe_route_backward(dsk_ctx *ctx, const struct dsk_moe_router *r, int64_t T, const float *u,
+                                       const float *prob, const int32_t *sel, const float *dgate, const float *aux,
+                                       int64_t seq_len, float aux_mult, float zcoef, float *du);
+/* dxf (T, D) f32 by dsk__moe_uncombine_elem from rows (kept order) in rdt. */
+dsk_status dsk_cuda_moe_uncombine(dsk_ctx *ctx, int K, int64_t T, int64_t D, float *dxf, const int32_t *pos,
+                                  const void *rows, dsk_dtype rdt);
+/* dsk__moe_bias_update (one thread), then load (E) zeroed. */
+dsk_status dsk_cuda_moe_bias_update(dsk_ctx *ctx, int E, float rate, int recenter, int64_t *load, float *bias);
 
 /* ---- par (kernels/par.cu): dsk_par_cross_entropy's passes on logits (R, Vl), columns
    [lo, lo + Vl) of the full vocabulary, around its two all-reduces. */

@@ -1,13 +1,14 @@
-/* kernels/moe.cu - the CUDA path of dsk_moe.h: fused router, row gather (dispatch), SwiGLU
-   activation, combine, and their backwards; expert GEMMs through cublasGemmEx.
+/* kernels/moe.cu - the CUDA path of dsk_moe.h's MoE steps: routing, balancing losses, capacity,
+   the dispatch plan and counts, combine, gate gradient, routing backward and the bias update.
+   Everything generic (GEMMs, grouped GEMMs, gathers, the sort by expert, SwiGLU) runs through
+   dsk_tensor.h ops; this file holds only what is MoE.
 
    Conventions (kernels/dsk_cuda.cuh): launchers check their ctx and make its device current,
-   enqueue on ctx->stream, never synchronise, check every CUDA/cuBLAS call and
-   cudaGetLastError() after every launch; elements go through dsk_tensor.h's element-access
-   layer. The routing math is
-   dsk_moe_route_token / dsk_moe_route_token_backward from dsk_moe.h, the same code the CPU
-   runs. No float atomics: every sum has a fixed order (slot order for combine and scatter,
-   a fixed warp tree for dot products); per-expert counts use integer atomics (exact). */
+   enqueue on ctx->stream, never synchronise, check cudaGetLastError() after every launch.
+   Each kernel runs a DSK_HD function of dsk_moe.h, the code the CPU path runs in a loop, so the
+   two devices compute the same arithmetic (the losses in f64 in the same order: the same bits).
+   No float atomics: every sum has a fixed order (slot order for combine and its backward, a
+   fixed warp tree for the gate gradient, one thread for the loss totals and the counts). */
 #include "dsk_cuda.cuh"
 #include "dsk_moe.h"
 
@@ -19,57 +20,26 @@
                              dsk__cuda_stream(ctx), (n), __VA_ARGS__);                                 \
     } while (0)
 
-/* ======================================================================= GEMM */
+/* ======================================================================= routing */
 
-extern "C" dsk_status dsk_cuda_moe_gemm(dsk_ctx *ctx, int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, const void *A,
-                                        int64_t lda, const void *B, int64_t ldb, dsk_dtype ab_dt, float beta, void *C, int64_t ldc,
-                                        dsk_dtype c_dt) {
-    const char *fn = "dsk_cuda_moe_gemm";
-    float alpha = 1.0f;
-    cublasStatus_t st;
-    cudaDataType_t abt = ab_dt == DSK_BF16 ? CUDA_R_16BF : CUDA_R_32F, ct = c_dt == DSK_BF16 ? CUDA_R_16BF : CUDA_R_32F;
-    char detail[96];
-    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
-    if (!ctx->cublas) return dsk_set_error(DSK_ERR_ARG, "%s: the CUDA ctx has no cuBLAS handle", fn);
-    if (M == 0 || N == 0) return DSK_OK;
-    if (M > INT32_MAX || N > INT32_MAX || K > INT32_MAX)
-        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: GEMM %lld x %lld x %lld exceeds cuBLAS int sizes", fn, (long long)M,
-                             (long long)N, (long long)K);
-    /* Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T. */
-    st = cublasGemmEx((cublasHandle_t)ctx->cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, (int)N,
-                      (int)M, (int)K, &alpha, B, abt, (int)ldb, A, abt, (int)lda, &beta, C, ct, (int)ldc, CUBLAS_COMPUTE_32F,
-                      CUBLAS_GEMM_DEFAULT);
-    if (st == CUBLAS_STATUS_SUCCESS) return DSK_OK;
-    snprintf(detail, sizeof detail, "%lld x %lld x %lld, ta %d tb %d", (long long)M, (long long)N, (long long)K,
-             trans_a, trans_b);
-    return dsk__cuda_cublas_fail(fn, "cublasGemmEx", st, detail);
-}
-
-/* ======================================================================= router */
-
-static __global__ void dsk__moe_route_kernel(dsk_moe_router r, const float *u, const float *bias, int64_t T,
-                                             float *prob, float *scratch, int32_t *sel, float *gate, int32_t *counts) {
+__global__ void dsk__moe_k_route(dsk_moe_router r, int64_t T, const float *u, const float *bias, float *prob,
+                                 float *scratch, int32_t *sel, float *gate, int32_t *keys) {
     int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    int E = r.n_experts, K = r.top_k;
-    if (t >= T) return;
-    dsk_moe_route_token(&r, u + t * E, bias, prob + t * E, scratch + t * (E + r.n_group), sel + t * K, gate + t * K);
-    for (int k = 0; k < K; k++) atomicAdd(&counts[sel[t * K + k]], 1); /* integer: exact in any order */
+    if (t < T) dsk__moe_route_one(&r, t, u, bias, prob, scratch, sel, gate, keys);
 }
 
-extern "C" dsk_status dsk_cuda_moe_route(dsk_ctx *ctx, const dsk_moe_router *r, const float *u, const float *bias,
-                                         int64_t T, float *prob, float *scratch, int32_t *sel, float *gate,
-                                         int32_t *counts) {
-    const char *fn = "dsk_cuda_moe_route";
+extern "C" dsk_status dsk_cuda_moe_route(dsk_ctx *ctx, const dsk_moe_router *r, int64_t T, const float *u,
+                                         const float *bias, float *prob, float *scratch, int32_t *sel, float *gate,
+                                         int32_t *keys) {
+    static const char *fn = "dsk_moe_forward (routing)";
     DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
-    DSK__CUDA_CHECK(fn, cudaMemsetAsync(counts, 0, (size_t)r->n_experts * sizeof(int32_t), dsk__cuda_stream(ctx)),
-                    "zeroing the counts");
-    DSK__MOE_LAUNCH(fn, dsk__moe_route_kernel, T, 128, *r, u, bias, T, prob, scratch, sel, gate, counts);
+    DSK__MOE_LAUNCH(fn, dsk__moe_k_route, T, 128, *r, T, u, bias, prob, scratch, sel, gate, keys);
     return DSK_OK;
 }
 
-static __global__ void dsk__moe_route_backward_kernel(dsk_moe_router r, const float *u, const float *prob, int64_t T,
-                                                      const int32_t *sel, const float *dgate, const float *aux,
-                                                      int64_t seq_len, float aux_mult, float zcoef, float *du) {
+__global__ void dsk__moe_k_route_backward(dsk_moe_router r, int64_t T, const float *u, const float *prob,
+                                          const int32_t *sel, const float *dgate, const float *aux, int64_t seq_len,
+                                          float aux_mult, float zcoef, float *du) {
     int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     int E = r.n_experts, K = r.top_k;
     if (t >= T) return;
@@ -77,156 +47,210 @@ static __global__ void dsk__moe_route_backward_kernel(dsk_moe_router r, const fl
                                  aux ? aux + (t / seq_len) * E : NULL, aux_mult, zcoef, du + t * E);
 }
 
-extern "C" dsk_status dsk_cuda_moe_route_backward(dsk_ctx *ctx, const dsk_moe_router *r, const float *u,
-                                                  const float *prob, int64_t T, const int32_t *sel,
-                                                  const float *dgate, const float *aux, int64_t seq_len, float aux_mult,
-                                                  float zcoef, float *du) {
-    const char *fn = "dsk_cuda_moe_route_backward";
+extern "C" dsk_status dsk_cuda_moe_route_backward(dsk_ctx *ctx, const dsk_moe_router *r, int64_t T, const float *u,
+                                                  const float *prob, const int32_t *sel, const float *dgate,
+                                                  const float *aux, int64_t seq_len, float aux_mult, float zcoef,
+                                                  float *du) {
+    static const char *fn = "dsk_moe_backward (routing)";
     DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
-    if (aux && seq_len <= 0) return dsk_set_error(DSK_ERR_ARG, "%s: seq_len %lld must be > 0 with aux coefficients", fn, (long long)seq_len);
-    DSK__MOE_LAUNCH(fn, dsk__moe_route_backward_kernel, T, 128, *r, u, prob, T, sel, dgate, aux, seq_len, aux_mult,
-                    zcoef, du);
+    if (aux && seq_len <= 0)
+        return dsk_set_error(DSK_ERR_ARG, "%s: seq_len %lld must be > 0 with loss coefficients", fn, (long long)seq_len);
+    DSK__MOE_LAUNCH(fn, dsk__moe_k_route_backward, T, 128, *r, T, u, prob, sel, dgate, aux, seq_len, aux_mult, zcoef,
+                    du);
     return DSK_OK;
 }
 
-/* ======================================================================= dispatch and combine */
+/* ======================================================================= balancing losses */
 
-/* dst row p = (gate ? gate[idx[p]] : 1) * src row idx[p] / div. One block per row. */
-static __global__ void dsk__moe_gather_kernel(void *dst, const void *src, dsk_dtype dt, const int32_t *idx, int div,
-                                              const float *gate, int64_t D) {
-    int64_t p = blockIdx.x;
-    int32_t i = idx[p];
-    int64_t row = i / div;
-    float g = gate ? gate[i] : 1.0f;
-    for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
-        float v = dsk_load_f32(src, dt, row * D + d);
-        dsk_store_f32(dst, dt, p * D + d, gate ? g * v : v);
+__global__ void dsk__moe_k_loss_token(dsk_cuda_moe_loss_args a) {
+    int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= a.T) return;
+    dsk__moe_loss_token(a.E, a.K, a.count_topk, a.z_beta > 0, a.prob + t * a.E, a.u + t * a.E, a.sel + t * a.K,
+                        a.ptot + t, a.z_beta > 0 ? a.lse + t : NULL, a.lsel + t * a.K);
+}
+
+__global__ void dsk__moe_k_switch(dsk_cuda_moe_loss_args a) {
+    int j = (int)(blockIdx.x * blockDim.x + threadIdx.x);
+    if (j < a.E)
+        dsk__moe_switch_expert(j, a.T, a.E, a.K, a.sigmoid, a.aux_alpha, a.prob, a.ptot, a.lsel, a.term_s + j,
+                               a.coef_s + j);
+}
+
+__global__ void dsk__moe_k_seq(dsk_cuda_moe_loss_args a) {
+    int64_t qj = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (qj < a.nseq * a.E)
+        dsk__moe_seq_expert((int)(qj % a.E), qj / a.E, a.L, a.nseq, a.E, a.K, a.sigmoid, a.seq_alpha, a.prob, a.ptot,
+                            a.lsel, a.term_q + qj, a.coef_q + qj);
+}
+
+/* One block: thread 0 sums the loss totals; every thread writes coefficients. */
+__global__ void dsk__moe_k_loss_finish(dsk_cuda_moe_loss_args a) {
+    int has_s = a.aux_alpha > 0 && a.T > 0, has_q = a.seq_alpha > 0 && a.T > 0;
+    if (threadIdx.x == 0)
+        dsk__moe_loss_finish(a.E, a.T, a.nseq, a.aux_alpha, a.seq_alpha, a.z_beta, a.term_s, a.term_q, a.lse, a.loss);
+    for (int64_t qj = threadIdx.x; qj < a.nseq * a.E; qj += blockDim.x)
+        a.aux[qj] = dsk__moe_aux_coef(has_s, has_q, has_s ? a.coef_s[qj % a.E] : 0.0f, has_q ? a.coef_q[qj] : 0.0f);
+}
+
+extern "C" dsk_status dsk_cuda_moe_losses(dsk_ctx *ctx, const dsk_cuda_moe_loss_args *a) {
+    static const char *fn = "dsk_moe_forward (balancing losses)";
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
+    DSK__MOE_LAUNCH(fn, dsk__moe_k_loss_token, a->T, 128, *a);
+    if (a->aux_alpha > 0 && a->T > 0) DSK__MOE_LAUNCH(fn, dsk__moe_k_switch, (int64_t)a->E, 64, *a);
+    if (a->seq_alpha > 0 && a->T > 0) DSK__MOE_LAUNCH(fn, dsk__moe_k_seq, a->nseq * a->E, 128, *a);
+    DSK__CUDA_LAUNCH(fn, dsk__moe_k_loss_finish, 1, 256, dsk__cuda_stream(ctx), a->nseq * a->E, *a);
+    return DSK_OK;
+}
+
+/* ======================================================================= dispatch plan */
+
+__global__ void dsk__moe_k_fill_i32(int32_t *p, int64_t n, int32_t v) {
+    DSK__CUDA_FOR(i, n) p[i] = v;
+}
+
+/* One block per expert: each slot of its segment (in position order) keeps its place or not. */
+__global__ void dsk__moe_k_capacity(int drop, int64_t cap, const int32_t *perm_all, const int32_t *off_all,
+                                    const float *gate, int32_t *keys2) {
+    int e = blockIdx.x;
+    int64_t o = off_all[e], n = off_all[e + 1] - o;
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x)
+        if (dsk__moe_capacity_keep(drop, gate, perm_all + o, n, j, cap)) keys2[perm_all[o + j]] = e;
+}
+
+extern "C" dsk_status dsk_cuda_moe_capacity(dsk_ctx *ctx, int E, int drop, int64_t cap, int64_t TK,
+                                            const int32_t *perm_all, const int32_t *off_all, const float *gate,
+                                            int32_t *keys2) {
+    static const char *fn = "dsk_moe_forward (capacity)";
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
+    if (TK == 0) return DSK_OK;
+    DSK__CUDA_LAUNCH(fn, dsk__moe_k_fill_i32, dsk__cuda_grid(TK), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), TK, keys2,
+                     TK, (int32_t)-1);
+    DSK__CUDA_LAUNCH(fn, dsk__moe_k_capacity, (unsigned)E, 128, dsk__cuda_stream(ctx), TK, drop, cap, perm_all, off_all,
+                     gate, keys2);
+    return DSK_OK;
+}
+
+__global__ void dsk__moe_k_plan(int E, int K, int64_t TK, int64_t n_rows, const int32_t *perm, const int32_t *off,
+                                const float *gate, int32_t *pos, int32_t *row_tok, float *row_gate) {
+    int32_t n_kept = off[E];
+    DSK__CUDA_FOR(j, TK) {
+        if (j < n_kept) pos[perm[j]] = (int32_t)j;
+        if (j < n_rows) dsk__moe_plan_row(j, K, n_kept, perm, gate, row_tok, row_gate);
     }
 }
 
-extern "C" dsk_status dsk_cuda_moe_gather(dsk_ctx *ctx, void *dst, const void *src, dsk_dtype dt, const int32_t *idx, int div,
-                                          const float *gate, int64_t n, int64_t D) {
-    const char *fn = "dsk_cuda_moe_gather";
+extern "C" dsk_status dsk_cuda_moe_plan(dsk_ctx *ctx, int E, int K, int64_t TK, int64_t n_rows, const int32_t *perm,
+                                        const int32_t *off, const float *gate, int32_t *pos, int32_t *row_tok,
+                                        float *row_gate) {
+    static const char *fn = "dsk_moe_forward (dispatch plan)";
     DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
-    if (n <= 0 || D <= 0) return DSK_OK;
-    return DSK__CUDA_LAUNCHED(fn, dsk__moe_gather_kernel, (unsigned)n, 256u, dsk__cuda_stream(ctx), n * D, dst, src, dt,
-                              idx, div, gate, D);
+    if (TK == 0) return DSK_OK;
+    DSK__CUDA_LAUNCH(fn, dsk__moe_k_fill_i32, dsk__cuda_grid(TK), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), TK, pos, TK,
+                     (int32_t)-1);
+    DSK__CUDA_LAUNCH(fn, dsk__moe_k_plan, dsk__cuda_grid(TK), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), TK, E, K, TK,
+                     n_rows, perm, off, gate, pos, row_tok, row_gate);
+    return DSK_OK;
 }
 
-/* y[t] = sum over slots k in order of gate * rows[slot_pos] (dropped: skipped) + shared[t]. */
-static __global__ void dsk__moe_combine_kernel(void *y, dsk_dtype dt, const float *rows, const int32_t *slot_pos,
-                                               const float *gate, const float *shared, int K, int64_t D) {
+__global__ void dsk__moe_k_counts(int64_t T, int K, int E, const int32_t *off_all, const int32_t *off, int64_t *cnt) {
+    if (threadIdx.x == 0) dsk__moe_counts(T, K, E, off_all, off, cnt);
+}
+
+extern "C" dsk_status dsk_cuda_moe_counts(dsk_ctx *ctx, int64_t T, int K, int E, const int32_t *off_all,
+                                          const int32_t *off, int64_t *cnt) {
+    static const char *fn = "dsk_moe_forward (counts)";
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
+    DSK__CUDA_LAUNCH(fn, dsk__moe_k_counts, 1, 32, dsk__cuda_stream(ctx), E, T, K, E, off_all, off, cnt);
+    return DSK_OK;
+}
+
+__global__ void dsk__moe_k_accumulate(int E, int K, const int64_t *cnt, const int64_t *cnt_group, const double *loss,
+                                      int64_t *load, int64_t *acc_i, double *acc_f) {
+    if (threadIdx.x == 0) dsk__moe_accumulate(E, K, cnt, cnt_group, loss, load, acc_i, acc_f);
+}
+
+extern "C" dsk_status dsk_cuda_moe_accumulate(dsk_ctx *ctx, int E, int K, const int64_t *cnt, const int64_t *cnt_group,
+                                              const double *loss, int64_t *load, int64_t *acc_i, double *acc_f) {
+    static const char *fn = "dsk_moe_forward (statistics)";
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
+    DSK__CUDA_LAUNCH(fn, dsk__moe_k_accumulate, 1, 32, dsk__cuda_stream(ctx), E, E, K, cnt, cnt_group, loss, load, acc_i,
+                     acc_f);
+    return DSK_OK;
+}
+
+/* ======================================================================= combine and its backward */
+
+/* A block per token, threads over the row. */
+__global__ void dsk__moe_k_combine(int K, int64_t D, void *y, dsk_dtype ydt, const int32_t *pos, const float *gate,
+                                   const void *rows, dsk_dtype rdt, const void *shared, dsk_dtype sdt) {
     int64_t t = blockIdx.x;
-    for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
-        float acc = 0.0f;
-        for (int k = 0; k < K; k++) {
-            int32_t p = slot_pos[t * K + k];
-            if (p >= 0) acc += gate[t * K + k] * rows[(int64_t)p * D + d];
-        }
-        if (shared) acc += shared[t * D + d];
-        dsk_store_f32(y, dt, t * D + d, acc);
-    }
+    for (int64_t d = threadIdx.x; d < D; d += blockDim.x)
+        dsk_store_f32(y, ydt, t * D + d,
+                      dsk__moe_combine_elem(K, pos + t * K, gate + t * K, rows, rdt, D, d, shared, sdt, t * D + d));
 }
 
-extern "C" dsk_status dsk_cuda_moe_combine(dsk_ctx *ctx, void *y, dsk_dtype dt, const float *rows, const int32_t *slot_pos,
-                                           const float *gate, const float *shared, int64_t T, int K, int64_t D) {
-    const char *fn = "dsk_cuda_moe_combine";
+extern "C" dsk_status dsk_cuda_moe_combine(dsk_ctx *ctx, int K, int64_t T, int64_t D, void *y, dsk_dtype ydt,
+                                           const int32_t *pos, const float *gate, const void *rows, dsk_dtype rdt,
+                                           const void *shared, dsk_dtype sdt) {
+    static const char *fn = "dsk_moe_forward (combine)";
     DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
-    if (T <= 0 || D <= 0) return DSK_OK;
-    return DSK__CUDA_LAUNCHED(fn, dsk__moe_combine_kernel, (unsigned)T, 256u, dsk__cuda_stream(ctx), T * D, y, dt, rows,
-                              slot_pos, gate, shared, K, D);
+    DSK__TRY(dsk__cuda_check_rows(fn, T));
+    if (T == 0 || D == 0) return DSK_OK;
+    DSK__CUDA_LAUNCH(fn, dsk__moe_k_combine, (unsigned)T, dsk__cuda_row_threads(D), dsk__cuda_stream(ctx), T * D, K, D,
+                     y, ydt, pos, gate, rows, rdt, shared, sdt);
+    return DSK_OK;
 }
 
-/* dx[t] += sum over kept slots k in order of rows[slot_pos] (f32). */
-static __global__ void dsk__moe_scatter_kernel(float *dx, const float *rows, const int32_t *slot_pos, int K, int64_t D) {
+__global__ void dsk__moe_k_uncombine(int K, int64_t D, float *dxf, const int32_t *pos, const void *rows,
+                                     dsk_dtype rdt) {
     int64_t t = blockIdx.x;
-    for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
-        float acc = dx[t * D + d];
-        for (int k = 0; k < K; k++) {
-            int32_t p = slot_pos[t * K + k];
-            if (p >= 0) acc += rows[(int64_t)p * D + d];
-        }
-        dx[t * D + d] = acc;
-    }
+    for (int64_t d = threadIdx.x; d < D; d += blockDim.x)
+        dxf[t * D + d] = dsk__moe_uncombine_elem(K, pos + t * K, rows, rdt, D, d, dxf[t * D + d]);
 }
 
-extern "C" dsk_status dsk_cuda_moe_scatter(dsk_ctx *ctx, float *dx, const float *rows, const int32_t *slot_pos, int64_t T, int K,
-                                           int64_t D) {
-    const char *fn = "dsk_cuda_moe_scatter";
+extern "C" dsk_status dsk_cuda_moe_uncombine(dsk_ctx *ctx, int K, int64_t T, int64_t D, float *dxf, const int32_t *pos,
+                                             const void *rows, dsk_dtype rdt) {
+    static const char *fn = "dsk_moe_backward (combine)";
     DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
-    if (T <= 0 || D <= 0) return DSK_OK;
-    return DSK__CUDA_LAUNCHED(fn, dsk__moe_scatter_kernel, (unsigned)T, 256u, dsk__cuda_stream(ctx), T * D, dx, rows,
-                              slot_pos, K, D);
+    DSK__TRY(dsk__cuda_check_rows(fn, T));
+    if (T == 0 || D == 0) return DSK_OK;
+    DSK__CUDA_LAUNCH(fn, dsk__moe_k_uncombine, (unsigned)T, dsk__cuda_row_threads(D), dsk__cuda_stream(ctx), T * D, K, D,
+                     dxf, pos, rows, rdt);
+    return DSK_OK;
 }
 
-/* dgate[i] = dy[i / K] . rows[slot_pos[i]] (0 for dropped). One warp per slot; lanes stride
-   over D and reduce by a fixed butterfly, so the sum order is fixed. */
-static __global__ void dsk__moe_dgate_kernel(float *dgate, const void *dy, dsk_dtype dt, const float *rows,
-                                             const int32_t *slot_pos, int64_t n, int K, int64_t D) {
+/* A warp per slot: lanes take every 32nd element, then a fixed butterfly sums the partials. */
+__global__ void dsk__moe_k_dgate(int K, int64_t TK, int64_t D, float *dgate, const void *dy, dsk_dtype dydt,
+                                 const int32_t *pos, const void *rows, dsk_dtype rdt) {
     int64_t i = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
     int lane = threadIdx.x & 31;
-    float acc = 0.0f;
-    if (i >= n) return; /* whole warps leave together: n is per warp */
-    {
-        int32_t p = slot_pos[i];
-        if (p >= 0)
-            for (int64_t d = lane; d < D; d += 32)
-                acc += dsk_load_f32(dy, dt, (i / K) * D + d) * rows[(int64_t)p * D + d];
-    }
+    double acc = 0;
+    if (i >= TK) return; /* whole warps leave together: TK is counted in warps */
+    if (pos[i] >= 0) acc = dsk__moe_dot_part(dy, dydt, (i / K) * D, rows, rdt, (int64_t)pos[i] * D, D, lane, 32);
     for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (lane == 0) dgate[i] = acc;
+    if (lane == 0) dgate[i] = (float)acc;
 }
 
-extern "C" dsk_status dsk_cuda_moe_dgate(dsk_ctx *ctx, float *dgate, const void *dy, dsk_dtype dt, const float *rows,
-                                         const int32_t *slot_pos, int64_t T, int K, int64_t D) {
-    const char *fn = "dsk_cuda_moe_dgate";
-    int64_t n = T * K;
+extern "C" dsk_status dsk_cuda_moe_dgate(dsk_ctx *ctx, int K, int64_t TK, int64_t D, float *dgate, const void *dy,
+                                         dsk_dtype dydt, const int32_t *pos, const void *rows, dsk_dtype rdt) {
+    static const char *fn = "dsk_moe_backward (gate gradient)";
     DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
-    DSK__MOE_LAUNCH(fn, dsk__moe_dgate_kernel, n * 32, 256, dgate, dy, dt, rows, slot_pos, n, K, D);
+    DSK__MOE_LAUNCH(fn, dsk__moe_k_dgate, TK * 32, 256, K, TK, D, dgate, dy, dydt, pos, rows, rdt);
     return DSK_OK;
 }
 
-/* ======================================================================= SwiGLU */
+/* ======================================================================= bias update */
 
-static __global__ void dsk__moe_swiglu_kernel(void *a, dsk_dtype dt, const float *h1, const float *h3, int64_t n) {
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) dsk_store_f32(a, dt, i, dsk_swiglu_f(h1[i], h3[i]));
+__global__ void dsk__moe_k_bias_update(int E, float rate, int recenter, int64_t *load, float *bias) {
+    if (threadIdx.x != 0) return;
+    dsk__moe_bias_update(E, rate, recenter, load, bias);
+    for (int e = 0; e < E; e++) load[e] = 0;
 }
 
-extern "C" dsk_status dsk_cuda_moe_swiglu(dsk_ctx *ctx, void *a, dsk_dtype dt, const float *h1, const float *h3, int64_t n) {
-    const char *fn = "dsk_cuda_moe_swiglu";
+extern "C" dsk_status dsk_cuda_moe_bias_update(dsk_ctx *ctx, int E, float rate, int recenter, int64_t *load,
+                                               float *bias) {
+    static const char *fn = "dsk_moe_update_bias";
     DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
-    DSK__MOE_LAUNCH(fn, dsk__moe_swiglu_kernel, n, 256, a, dt, h1, h3, n);
-    return DSK_OK;
-}
-
-static __global__ void dsk__moe_swiglu_backward_kernel(void *dh1, void *dh3, dsk_dtype dt, const float *h1,
-                                                       const float *h3, const float *da, int64_t n) {
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    float g1, g3;
-    if (i >= n) return;
-    dsk_swiglu_grad_f(h1[i], h3[i], da[i], &g1, &g3);
-    dsk_store_f32(dh1, dt, i, g1);
-    dsk_store_f32(dh3, dt, i, g3);
-}
-
-extern "C" dsk_status dsk_cuda_moe_swiglu_backward(dsk_ctx *ctx, void *dh1, void *dh3, dsk_dtype dt, const float *h1,
-                                                   const float *h3, const float *da, int64_t n) {
-    const char *fn = "dsk_cuda_moe_swiglu_backward";
-    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
-    DSK__MOE_LAUNCH(fn, dsk__moe_swiglu_backward_kernel, n, 256, dh1, dh3, dt, h1, h3, da, n);
-    return DSK_OK;
-}
-
-/* dst (compute dtype) += src (f32), elementwise. */
-static __global__ void dsk__moe_accumulate_kernel(void *dst, dsk_dtype dt, const float *src, int64_t n) {
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) dsk_store_f32(dst, dt, i, dsk_load_f32(dst, dt, i) + src[i]);
-}
-
-extern "C" dsk_status dsk_cuda_moe_accumulate(dsk_ctx *ctx, void *dst, dsk_dtype dt, const float *src, int64_t n) {
-    const char *fn = "dsk_cuda_moe_accumulate";
-    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
-    DSK__MOE_LAUNCH(fn, dsk__moe_accumulate_kernel, n, 256, dst, dt, src, n);
+    DSK__CUDA_LAUNCH(fn, dsk__moe_k_bias_update, 1, 32, dsk__cuda_stream(ctx), E, E, rate, recenter, load, bias);
     return DSK_OK;
 }

@@ -93,6 +93,7 @@ extern "C" void dsk_cuda_ctx_free(dsk_ctx *ctx) {
 
 extern "C" dsk_status dsk_cuda_sync(dsk_ctx *ctx) {
     DSK__TRY(dsk__cuda_need_ctx("dsk_ctx_sync", ctx));
+    ctx->counters.syncs++;
     DSK__CUDA_CHECK("dsk_ctx_sync", cudaStreamSynchronize(dsk__cuda_stream(ctx)), "");
     return DSK_OK;
 }
@@ -121,12 +122,97 @@ extern "C" dsk_status dsk_cuda_memcpy(dsk_ctx *ctx, void *dst, const void *src, 
     char detail[64];
     DSK__TRY(dsk__cuda_need_ctx("dsk_cuda_memcpy", ctx));
     if (!bytes) return DSK_OK;
+    if (!to_device) {
+        ctx->counters.d2h_copies++;
+        ctx->counters.d2h_bytes += (int64_t)bytes;
+    }
     snprintf(detail, sizeof detail, "%zu bytes %s", bytes, to_device ? "host to device" : "device to host");
     DSK__CUDA_CHECK("dsk_cuda_memcpy",
                     cudaMemcpyAsync(dst, src, bytes, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost,
                                     dsk__cuda_stream(ctx)),
                     detail);
     return DSK_OK;
+}
+
+extern "C" void *dsk_cuda_host_alloc(size_t bytes) {
+    void *p = NULL;
+    if (cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocDefault) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    return p;
+}
+
+extern "C" void dsk_cuda_host_free(void *p) {
+    if (p) (void)cudaFreeHost(p);
+    (void)cudaGetLastError();
+}
+
+extern "C" dsk_status dsk_cuda_event_create(void **ev) {
+    cudaEvent_t e = NULL;
+    DSK__CUDA_CHECK("dsk_cuda_event_create", cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "");
+    *ev = e;
+    return DSK_OK;
+}
+
+extern "C" dsk_status dsk_cuda_event_record(dsk_ctx *ctx, void *ev) {
+    DSK__TRY(dsk__cuda_need_ctx("dsk_cuda_event_record", ctx));
+    DSK__CUDA_CHECK("dsk_cuda_event_record", cudaEventRecord((cudaEvent_t)ev, dsk__cuda_stream(ctx)), "");
+    return DSK_OK;
+}
+
+extern "C" dsk_status dsk_cuda_event_wait(dsk_ctx *ctx, void *ev) {
+    cudaError_t e;
+    DSK__TRY(dsk__cuda_need_ctx("dsk_cuda_event_wait", ctx));
+    e = cudaEventQuery((cudaEvent_t)ev);
+    if (e == cudaSuccess) return DSK_OK;
+    if (e != cudaErrorNotReady) return dsk__cuda_fail("dsk_cuda_event_wait", "cudaEventQuery", e, "");
+    ctx->counters.syncs++; /* the host waits */
+    DSK__CUDA_CHECK("dsk_cuda_event_wait", cudaEventSynchronize((cudaEvent_t)ev), "");
+    return DSK_OK;
+}
+
+extern "C" void dsk_cuda_event_destroy(void *ev) {
+    if (ev) (void)cudaEventDestroy((cudaEvent_t)ev);
+    (void)cudaGetLastError();
+}
+
+extern "C" dsk_status dsk_cuda_graph_begin(dsk_ctx *ctx) {
+    DSK__TRY(dsk__cuda_need_ctx("dsk_graph_begin", ctx));
+    DSK__CUDA_CHECK("dsk_graph_begin", cudaStreamBeginCapture(dsk__cuda_stream(ctx), cudaStreamCaptureModeGlobal), "");
+    return DSK_OK;
+}
+
+extern "C" dsk_status dsk_cuda_graph_end(dsk_ctx *ctx, void **graph, void **exec) {
+    cudaGraph_t g = NULL;
+    cudaGraphExec_t x = NULL;
+    cudaError_t e;
+    DSK__TRY(dsk__cuda_need_ctx("dsk_graph_end", ctx));
+    e = cudaStreamEndCapture(dsk__cuda_stream(ctx), &g);
+    if (e != cudaSuccess) {
+        if (g) (void)cudaGraphDestroy(g);
+        return dsk__cuda_fail("dsk_graph_end", "cudaStreamEndCapture", e, "a captured call failed or synchronised");
+    }
+    e = cudaGraphInstantiateWithFlags(&x, g, 0);
+    if (e != cudaSuccess) {
+        (void)cudaGraphDestroy(g);
+        return dsk__cuda_fail("dsk_graph_end", "cudaGraphInstantiateWithFlags", e, "");
+    }
+    *graph = g;
+    *exec = x;
+    return DSK_OK;
+}
+
+extern "C" dsk_status dsk_cuda_graph_launch(dsk_ctx *ctx, void *exec) {
+    DSK__TRY(dsk__cuda_need_ctx("dsk_graph_launch", ctx));
+    DSK__CUDA_CHECK("dsk_graph_launch", cudaGraphLaunch((cudaGraphExec_t)exec, dsk__cuda_stream(ctx)), "");
+    return DSK_OK;
+}
+
+extern "C" void dsk_cuda_graph_free(void *graph, void *exec) {
+    if (exec) (void)cudaGraphExecDestroy((cudaGraphExec_t)exec);
+    if (graph) (void)cudaGraphDestroy((cudaGraph_t)graph);
+    (void)cudaGetLastError();
 }
 
 /* Scratch buffer of `bytes` freed stream-ordered by dsk__scratch_free. */

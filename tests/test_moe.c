@@ -237,9 +237,37 @@ static double ref_forward(const cfg *c, const refp *w, const double *x, double *
 
 /* ---------------------------------------------------------------- layer <-> reference plumbing */
 
+/* A layer whose parameters live in two slabs this test owns (sizes, then bind): values and f32
+   gradients (dense parameters first, then the expert-sharded ones); initialised from opts.seed,
+   gradients zero. */
+typedef struct owned {
+    dsk_tensor values, grads;
+    int64_t grad_dense, grad_sharded;
+} owned;
+
+static dsk_status make_layer(dsk_moe *m, owned *s, const dsk_moe_opts *o) {
+    int64_t vb, ng;
+    memset(s, 0, sizeof *s);
+    DSK__TRY(dsk_moe_init(m, NULL, o));
+    dsk_moe_slab_sizes(m, &vb, &s->grad_dense, &s->grad_sharded);
+    ng = s->grad_dense + s->grad_sharded;
+    DSK__TRY(dsk_tensor_alloc(NULL, &s->values, DSK_U8, 1, &vb));
+    DSK__TRY(dsk_tensor_alloc(NULL, &s->grads, DSK_F32, 1, &ng));
+    DSK__TRY(dsk_moe_bind_slabs(m, NULL, &s->values, &s->grads));
+    DSK__TRY(dsk_moe_init_params(m, NULL));
+    return dsk_tensor_fill(NULL, &s->grads, 0.0);
+}
+
+static void drop_layer(dsk_moe *m, owned *s) {
+    dsk_moe_free(m, NULL);
+    dsk_tensor_free(NULL, &s->values);
+    dsk_tensor_free(NULL, &s->grads);
+}
+
 typedef struct fixture {
     cfg c;
     dsk_moe m;
+    owned own;
     refp w;
     double *x, *y, *R;
     refout o;
@@ -285,7 +313,7 @@ static void free_fixture(fixture *f) {
     free(f->x); free(f->y); free(f->R); free(f->o.sel); free(f->o.g); free(f->o.kept); free(f->o.load); free(f->o.lcnt);
     dsk_tensor_free(NULL, &f->tx); dsk_tensor_free(NULL, &f->ty);
     free(f->xf); free(f->yf);
-    dsk_moe_free(&f->m, NULL);
+    drop_layer(&f->m, &f->own);
     memset(f, 0, sizeof *f);
 }
 
@@ -311,8 +339,8 @@ static int setup(fixture *f, const cfg *c, dsk_dtype dt, double bias_mag) {
     int64_t shp[2] = {c->T, c->D};
     memset(f, 0, sizeof *f);
     f->c = *c;
-    if (dsk_moe_init(&f->m, NULL, &o) != DSK_OK) {
-        dsk_test_fail_at(__FILE__, __LINE__, "dsk_moe_init: %s", dsk_last_error());
+    if (make_layer(&f->m, &f->own, &o) != DSK_OK) {
+        dsk_test_fail_at(__FILE__, __LINE__, "making the layer: %s", dsk_last_error());
         return 0;
     }
     fill_param(f->m.router, &f->w.wr, -1.0, 1.0);
@@ -727,7 +755,7 @@ static void test_grad_accumulates(void) {
     fixture f;
     c.n_shared = 1; c.Fs = 6;
     if (setup(&f, &c, DSK_F32, 0.0) && run_forward(&f, NULL)) {
-        int64_t n = (int64_t)c.T * c.D, ng = dsk_tensor_numel(&f.m.grad_slab);
+        int64_t n = (int64_t)c.T * c.D, ng = dsk_tensor_numel(&f.own.grads);
         dsk_tensor dx, dy;
         int64_t shp[2] = {c.T, c.D};
         float *g1 = (float *)malloc(sizeof(float) * ng);
@@ -736,14 +764,54 @@ static void test_grad_accumulates(void) {
         dsk_tensor_alloc(NULL, &dy, DSK_F32, 2, shp);
         for (int64_t i = 0; i < n; i++) { ((float *)dy.data)[i] = (float)f.R[i]; ((float *)dx.data)[i] = 0; }
         DSK_TEST_OK(dsk_moe_backward(&f.m, NULL, &dx, &dy, 1.0f));
-        memcpy(g1, f.m.grad_slab.data, sizeof(float) * ng);
+        memcpy(g1, f.own.grads.data, sizeof(float) * ng);
         DSK_TEST_OK(dsk_moe_backward(&f.m, NULL, &dx, &dy, 1.0f));
         for (int64_t i = 0; i < ng; i++) twice[i] = 2.0 * g1[i];
-        DSK_TEST_CLOSE((const float *)f.m.grad_slab.data, twice, ng, 1e-6, 0, "grad after two backward calls");
-        DSK_TEST_EXPECT(f.m.grad_dense_numel + f.m.grad_expert_numel == ng, "slab parts %lld + %lld != %lld",
-                        (long long)f.m.grad_dense_numel, (long long)f.m.grad_expert_numel, (long long)ng);
+        DSK_TEST_CLOSE((const float *)f.own.grads.data, twice, ng, 1e-6, 0, "grad after two backward calls");
+        DSK_TEST_EXPECT(f.own.grad_dense == (int64_t)(c.E + 3 * c.Fs) * c.D &&
+                        f.own.grad_sharded == (int64_t)3 * c.E * c.F * c.D, "slab parts %lld + %lld",
+                        (long long)f.own.grad_dense, (long long)f.own.grad_sharded);
         free(g1); free(twice);
         dsk_tensor_free(NULL, &dx); dsk_tensor_free(NULL, &dy);
+    }
+    free_fixture(&f);
+}
+
+/* Statistics come back by request: the sums over the training forwards since the previous
+   request (eval forwards left out), then zero until the next forwards. */
+static void test_stats_request(void) {
+    cfg c = base_cfg(12, 8, 6, 2, 5);
+    fixture f;
+    c.aux = 0.01; c.seq_aux = 0.02; c.seq_len = 4; c.z = 0.01; c.cf = 0.75;
+    if (setup(&f, &c, DSK_F32, 0.05)) {
+        dsk_moe_stats a, b, sum, none;
+        int64_t a_loads[6];
+        int bad = 0;
+        DSK_TEST_OK(dsk_moe_stats_request(&f.m, NULL)); /* what setup's forwards left */
+        DSK_TEST_OK(dsk_moe_forward(&f.m, NULL, &f.ty, &f.tx, &a));
+        memcpy(a_loads, a.tokens_per_expert, sizeof a_loads); /* the layer's array: the next forward's */
+        draw_x(&f);
+        f.m.eval = 1;
+        DSK_TEST_OK(dsk_moe_forward(&f.m, NULL, &f.ty, &f.tx, NULL)); /* not counted */
+        f.m.eval = 0;
+        DSK_TEST_OK(dsk_moe_forward(&f.m, NULL, &f.ty, &f.tx, &b));
+        DSK_TEST_OK(dsk_moe_stats_request(&f.m, NULL));
+        DSK_TEST_OK(dsk_moe_stats_collect(&f.m, NULL, &sum));
+        DSK_TEST_EXPECT(sum.calls == 2 && sum.tokens == a.tokens + b.tokens && sum.slots == a.slots + b.slots &&
+                        sum.dropped == a.dropped + b.dropped && a.dropped > 0 && sum.nonfinite == 0,
+                        "calls %lld tokens %lld slots %lld dropped %lld (per call %lld, %lld)", (long long)sum.calls,
+                        (long long)sum.tokens, (long long)sum.slots, (long long)sum.dropped, (long long)a.dropped,
+                        (long long)b.dropped);
+        for (int e = 0; e < c.E; e++) bad += sum.tokens_per_expert[e] != a_loads[e] + b.tokens_per_expert[e];
+        DSK_TEST_EXPECT(bad == 0, "%d experts' loads are not the sums of the two forwards'", bad);
+        DSK_TEST_EXPECT(sum.aux_loss == a.aux_loss + b.aux_loss && sum.seq_aux_loss == a.seq_aux_loss + b.seq_aux_loss &&
+                        sum.z_loss == a.z_loss + b.z_loss && a.aux_loss > 0 && a.seq_aux_loss > 0 && a.z_loss > 0,
+                        "loss sums %g %g %g", sum.aux_loss, sum.seq_aux_loss, sum.z_loss);
+        DSK_TEST_OK(dsk_moe_stats_request(&f.m, NULL));
+        DSK_TEST_OK(dsk_moe_stats_collect(&f.m, NULL, &none));
+        DSK_TEST_EXPECT(none.calls == 0 && none.tokens == 0 && none.loss == 0, "a request after none: %lld calls",
+                        (long long)none.calls);
+        DSK_TEST_STATUS(dsk_moe_stats_collect(&f.m, NULL, NULL), DSK_ERR_ARG);
     }
     free_fixture(&f);
 }
@@ -785,9 +853,15 @@ static void test_bf16_forward_backward(void) {
 
 /* ---------------------------------------------------------------- API and errors */
 
+/* Sizes, then bind: the parameters are reported (names, shapes, dtypes, flags) with no memory;
+   the layer refuses to run until every one is bound; binding checks shapes, dtypes, devices and
+   gradients; fresh values come from dsk_moe_init_param into any caller tensor. */
 static void test_params_by_name(void) {
     dsk_moe m;
     dsk_moe_opts o;
+    owned own;
+    dsk_tensor x, y, v, g, gb;
+    int64_t sx[2] = {4, 24}, s2[2] = {10, 24}, s1 = 10;
     const char *names[8] = {"blk3.moe.router", "blk3.moe.bias", "blk3.moe.w1", "blk3.moe.w2", "blk3.moe.w3",
                             "blk3.moe.shared.w1", "blk3.moe.shared.w2", "blk3.moe.shared.w3"};
     int64_t want[8][3] = {{10, 24, 0}, {10, 0, 0}, {10, 16, 24}, {10, 24, 16}, {10, 16, 24}, {40, 24, 0}, {24, 40, 0}, {40, 24, 0}};
@@ -798,23 +872,75 @@ static void test_params_by_name(void) {
     DSK_TEST_EXPECT(m.n_params == 8, "%d parameters", m.n_params);
     for (int i = 0; i < 8; i++) {
         dsk_moe_param *p = dsk_moe_find_param(&m, names[i]);
-        DSK_TEST_EXPECT(p != NULL, "no parameter %s", names[i]);
+        DSK_TEST_EXPECT(p == &m.params[i], "parameter %s not at index %d", names[i], i);
         if (!p) continue;
-        for (int d = 0; d < p->value.ndim; d++) DSK_TEST_EXPECT(p->value.shape[d] == want[i][d], "%s dim %d = %lld", names[i], d, (long long)p->value.shape[d]);
-        DSK_TEST_EXPECT(p->value.dtype == (i < 2 ? DSK_F32 : DSK_BF16), "%s dtype %s", names[i], dsk_dtype_name(p->value.dtype));
-        DSK_TEST_EXPECT(i == 1 || dsk_tensor_numel(&p->grad) == dsk_tensor_numel(&p->value), "%s grad size", names[i]);
+        DSK_TEST_EXPECT(p->ndim == (i == 1 ? 1 : i >= 2 && i <= 4 ? 3 : 2), "%s has %d dims", names[i], p->ndim);
+        for (int d = 0; d < p->ndim; d++) DSK_TEST_EXPECT(p->shape[d] == want[i][d], "%s dim %d = %lld", names[i], d, (long long)p->shape[d]);
+        DSK_TEST_EXPECT(p->dtype == (i < 2 ? DSK_F32 : DSK_BF16), "%s dtype %s", names[i], dsk_dtype_name(p->dtype));
+        DSK_TEST_EXPECT(p->expert_sharded == (i >= 2 && i <= 4) && p->trainable == (i != 1) && p->weight_decay == (i != 1),
+                        "%s flags sharded %d trainable %d decay %d", names[i], p->expert_sharded, p->trainable, p->weight_decay);
+        DSK_TEST_EXPECT(p->value.data == NULL && p->grad.data == NULL, "%s has memory before any bind", names[i]);
     }
     DSK_TEST_EXPECT(dsk_moe_find_param(&m, "blk3.moe.w4") == NULL, "found a parameter that does not exist");
-    /* weights start N(0, 0.02), not zero; bias and gradients zero */
-    {
-        double ss = 0;
-        int64_t n = dsk_tensor_numel(&m.w1->value);
-        for (int64_t i = 0; i < n; i++) { double v = dsk_bf16_to_f32(((uint16_t *)m.w1->value.data)[i]); ss += v * v; }
-        DSK_TEST_EXPECT(fabs(sqrt(ss / n) - 0.02) < 0.002, "w1 std %g", sqrt(ss / n));
-        DSK_TEST_EXPECT(((float *)m.bias->value.data)[3] == 0.0f && ((float *)m.grad_slab.data)[5] == 0.0f, "bias or grad not zero");
-    }
+    dsk_tensor_alloc(NULL, &x, DSK_BF16, 2, sx);
+    dsk_tensor_alloc(NULL, &y, DSK_BF16, 2, sx);
+    dsk_tensor_fill(NULL, &x, 0.25);
+    DSK_TEST_STATUS(dsk_moe_forward(&m, NULL, &y, &x, NULL), DSK_ERR_STATE);
+    DSK_TEST_ERROR_MENTIONS("parameter \"blk3.moe.router\" is not bound");
+    /* bind errors */
+    dsk_tensor_alloc(NULL, &v, DSK_F32, 2, s2);
+    dsk_tensor_alloc(NULL, &g, DSK_F32, 2, s2);
+    dsk_tensor_alloc(NULL, &gb, DSK_BF16, 2, s2);
+    DSK_TEST_STATUS(dsk_moe_bind(&m, NULL, 8, &v, &g), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("parameter index 8 outside [0, 8)");
+    DSK_TEST_STATUS(dsk_moe_bind(&m, NULL, DSK_MOE_P_ROUTER, &v, NULL), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("is trainable: its f32 gradient is required");
+    DSK_TEST_STATUS(dsk_moe_bind(&m, NULL, DSK_MOE_P_ROUTER, &v, &gb), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("grad is [10,24] bf16 on the CPU, want [10,24] f32");
+    DSK_TEST_STATUS(dsk_moe_bind(&m, NULL, DSK_MOE_P_W1, &v, &g), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("parameter \"blk3.moe.w1\": value is [10,24] f32 on the CPU, want [10,16,24] bf16");
+    DSK_TEST_STATUS(dsk_moe_bind(&m, NULL, DSK_MOE_P_BIAS, &v, NULL), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("want [10] f32");
+    dsk_tensor_free(NULL, &v);
+    dsk_tensor_alloc(NULL, &v, DSK_F32, 1, &s1);
+    DSK_TEST_STATUS(dsk_moe_bind(&m, NULL, DSK_MOE_P_BIAS, &v, &g), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("has no gradient: pass NULL");
+    DSK_TEST_OK(dsk_moe_bind(&m, NULL, DSK_MOE_P_BIAS, &v, NULL));
     dsk_moe_free(&m, NULL);
     dsk_moe_free(&m, NULL); /* freed twice is fine */
+    /* the slabs: values where the layer says, weights N(0, 0.02) from init_param, bias zero */
+    DSK_TEST_OK(make_layer(&m, &own, &o));
+    {
+        double ss = 0;
+        int64_t n = dsk_tensor_numel(&m.w1->value), vb, gd, gs;
+        dsk_moe_slab_sizes(&m, &vb, &gd, &gs);
+        for (int64_t i = 0; i < n; i++) { double d = dsk_bf16_to_f32(((uint16_t *)m.w1->value.data)[i]); ss += d * d; }
+        DSK_TEST_EXPECT(fabs(sqrt(ss / n) - 0.02) < 0.002, "w1 std %g", sqrt(ss / n));
+        DSK_TEST_EXPECT(((float *)m.bias->value.data)[3] == 0.0f, "bias not zero");
+        DSK_TEST_EXPECT(gd == (10 + 3 * 40) * 24 && gs == 3 * 10 * 16 * 24, "gradient slab parts %lld + %lld",
+                        (long long)gd, (long long)gs);
+        DSK_TEST_EXPECT((char *)m.router->value.data == (char *)own.values.data &&
+                        (float *)m.router->grad.data == (float *)own.grads.data &&
+                        (float *)m.w1->grad.data == (float *)own.grads.data + gd, "views not where the layout says");
+        DSK_TEST_OK(dsk_moe_forward(&m, NULL, &y, &x, NULL));
+    }
+    {   /* the documented streams: w3 at 3 * 2^40, shared.w2 at 6 * 2^40 ... router at 0 */
+        static const int idx[3] = {DSK_MOE_P_ROUTER, DSK_MOE_P_W3, DSK_MOE_P_SW2};
+        static const uint64_t stream[3] = {0, 3, 5};
+        for (int k = 0; k < 3; k++) {
+            dsk_moe_param *p = &m.params[idx[k]];
+            dsk_tensor got, want;
+            dsk_tensor_alloc(NULL, &got, DSK_F32, p->ndim, p->shape);
+            dsk_tensor_alloc(NULL, &want, DSK_F32, p->ndim, p->shape);
+            DSK_TEST_OK(dsk_moe_init_param(&m, NULL, idx[k], &got));
+            dsk_tensor_normal(NULL, &want, o.seed, stream[k] << 40, 0.0f, 0.02f);
+            DSK_TEST_SAME_BYTES(got.data, want.data, dsk_tensor_nbytes(&got), p->name);
+            dsk_tensor_free(NULL, &got); dsk_tensor_free(NULL, &want);
+        }
+    }
+    drop_layer(&m, &own);
+    dsk_tensor_free(NULL, &v); dsk_tensor_free(NULL, &g); dsk_tensor_free(NULL, &gb);
+    dsk_tensor_free(NULL, &x); dsk_tensor_free(NULL, &y);
 }
 
 static void expect_init_error(dsk_moe_opts o, const char *needle) {
@@ -850,12 +976,13 @@ static void test_bad_config(void) {
 
 static void test_bad_calls(void) {
     dsk_moe m;
+    owned own;
     dsk_moe_opts o;
     dsk_tensor x, y, yb, x3;
     int64_t s2[2] = {5, 16}, s2b[2] = {4, 16}, s3[2] = {5, 12};
     memset(&o, 0, sizeof o);
     o.d_model = 16; o.n_routed = 4; o.top_k = 2; o.d_expert = 8; o.seq_aux_alpha = 0.1f; o.seq_len = 2;
-    DSK_TEST_OK(dsk_moe_init(&m, NULL, &o));
+    DSK_TEST_OK(make_layer(&m, &own, &o));
     dsk_tensor_alloc(NULL, &x, DSK_F32, 2, s2); dsk_tensor_alloc(NULL, &y, DSK_F32, 2, s2);
     dsk_tensor_alloc(NULL, &yb, DSK_BF16, 2, s2); dsk_tensor_alloc(NULL, &x3, DSK_F32, 2, s3);
     dsk_tensor_fill(NULL, &x, 0.5);
@@ -879,7 +1006,7 @@ static void test_bad_calls(void) {
     DSK_TEST_STATUS(dsk_moe_backward(&m, NULL, &x, &y, NAN), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("aux_scale nan is not finite");
     dsk_tensor_free(NULL, &x); dsk_tensor_free(NULL, &y); dsk_tensor_free(NULL, &yb); dsk_tensor_free(NULL, &x3);
-    dsk_moe_free(&m, NULL);
+    drop_layer(&m, &own);
     DSK_TEST_STATUS(dsk_moe_forward(&m, NULL, &y, &x, NULL), DSK_ERR_STATE);
 }
 
@@ -937,6 +1064,7 @@ static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx,
     dsk_comm c;
     dsk_comm_opts co;
     dsk_moe m;
+    owned own;
     dsk_moe_opts o = ep_opts(sigmoid);
     dsk_tensor x, y, dx, dy;
     int64_t shp[2] = {EP_T, EP_D};
@@ -951,7 +1079,7 @@ static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx,
         b.n_routed = n * 2 + 1; b.top_k = 1; b.n_group = 0; b.topk_group = 0;
         *bad_cfg_ok = dsk_moe_init(&bad, NULL, &b) == DSK_ERR_ARG && strstr(dsk_last_error(), "not divisible by the expert-parallel size") != NULL;
     }
-    if (dsk_moe_init(&m, NULL, &o) != DSK_OK) return 3;
+    if (make_layer(&m, &own, &o) != DSK_OK) return 3;
     dsk_tensor_wrap(&x, (void *)(gx + rank * EP_T * EP_D), DSK_F32, dsk_cpu(), 2, shp);
     dsk_tensor_wrap(&dy, (void *)(gdy + rank * EP_T * EP_D), DSK_F32, dsk_cpu(), 2, shp);
     dsk_tensor_wrap(&y, out, DSK_F32, dsk_cpu(), 2, shp);
@@ -960,13 +1088,13 @@ static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx,
     if (dsk_moe_forward(&m, NULL, &y, &x, &st) != DSK_OK) return 4;
     if (st.tokens != (int64_t)EP_T * n) return 5;
     if (dsk_moe_backward(&m, NULL, &dx, &dy, 1.0f) != DSK_OK) return 6;
-    memcpy(out + 2 * EP_T * EP_D, m.grad_slab.data, sizeof(float) * (size_t)dsk_tensor_numel(&m.grad_slab));
+    memcpy(out + 2 * EP_T * EP_D, own.grads.data, sizeof(float) * (size_t)dsk_tensor_numel(&own.grads));
     /* per-expert loads over the EP group, then the bias update from loads summed over every rank */
     for (int e = 0; e < EP_E; e++) out[ep_per_rank(n) - 2 * EP_E + e] = (float)st.tokens_per_expert[e];
     if (dsk_moe_update_bias(&m, NULL, &c) != DSK_OK) return 7;
     memcpy(out + ep_per_rank(n) - EP_E, m.bias->value.data, sizeof(float) * EP_E);
     *nonfinite_ok = ep_nonfinite(&m, rank, gx + rank * EP_T * EP_D);
-    dsk_moe_free(&m, NULL);
+    drop_layer(&m, &own);
     dsk_comm_free(&c);
     return 0;
 }
@@ -1016,13 +1144,14 @@ static void ep_run(ep_job *j, int n, int sigmoid) {
 static void ep_check(ep_job *j) {
     int n = j->n, NT = j->NT;
     dsk_moe ref;
+    owned own;
     dsk_moe_opts o = ep_opts(j->sigmoid);
     dsk_tensor x, y, dx, dy;
     dsk_moe_stats st;
     int64_t shp[2] = {NT, EP_D};
     dsk_test_begin("expert parallel %s over %d ranks = 1 rank", j->sigmoid ? "sigmoid+groups" : "softmax", n);
     memset(&y, 0, sizeof y); memset(&dx, 0, sizeof dx);
-    DSK_TEST_OK(dsk_moe_init(&ref, NULL, &o));
+    DSK_TEST_OK(make_layer(&ref, &own, &o));
     if (!j->port_ok) { dsk_test_fail_at(__FILE__, __LINE__, "no free port: %s", dsk_last_error()); goto out; }
     for (int r = 0; r < n; r++) {
         DSK_TEST_EXPECT(j->flags[r] == 0, "a rank failed with status %d", j->flags[r]);
@@ -1047,9 +1176,9 @@ static void ep_check(ep_job *j) {
     }
     {
         int El = EP_E / n;
-        int64_t nd = ref.grad_dense_numel, w1n = (int64_t)EP_E * EP_F * EP_D;
+        int64_t nd = own.grad_dense, w1n = (int64_t)EP_E * EP_F * EP_D;
         double *dense = (double *)calloc((size_t)nd, sizeof(double)), *want = (double *)calloc((size_t)(w1n + nd), sizeof(double));
-        const float *rg = (const float *)ref.grad_slab.data;
+        const float *rg = (const float *)own.grads.data;
         double mx = 0;
         for (int r = 0; r < n; r++) {
             const float *res = ep_result(j, r);
@@ -1075,7 +1204,7 @@ static void ep_check(ep_job *j) {
     }
 out:
     dsk_tensor_free(NULL, &y); dsk_tensor_free(NULL, &dx);
-    dsk_moe_free(&ref, NULL);
+    drop_layer(&ref, &own);
     munmap(j->shm, j->bytes);
     dsk_test_end();
 }
@@ -1178,6 +1307,7 @@ static void test_forward_nonfinite(void) {
 /* An empty batch is valid: nothing routed, zero losses, gradients untouched. */
 static void test_empty_batch(void) {
     dsk_moe m;
+    owned own;
     dsk_moe_opts o;
     dsk_moe_stats st;
     dsk_tensor x, y;
@@ -1185,20 +1315,20 @@ static void test_empty_batch(void) {
     memset(&o, 0, sizeof o);
     o.d_model = 8; o.n_routed = 4; o.top_k = 2; o.d_expert = 4; o.n_shared = 1;
     o.aux_alpha = 0.1f; o.seq_aux_alpha = 0.1f; o.z_beta = 0.1f; o.capacity_factor = 1.0f;
-    DSK_TEST_OK(dsk_moe_init(&m, NULL, &o));
+    DSK_TEST_OK(make_layer(&m, &own, &o));
     dsk_tensor_alloc(NULL, &x, DSK_F32, 2, shp);
     dsk_tensor_alloc(NULL, &y, DSK_F32, 2, shp);
     DSK_TEST_OK(dsk_moe_forward(&m, NULL, &y, &x, &st));
     DSK_TEST_EXPECT(st.tokens == 0 && st.slots == 0 && st.dropped == 0 && st.loss == 0, "tokens %lld loss %g", (long long)st.tokens, st.loss);
     DSK_TEST_OK(dsk_moe_backward(&m, NULL, &x, &y, 1.0f));
     {
-        int64_t n = dsk_tensor_numel(&m.grad_slab);
+        int64_t n = dsk_tensor_numel(&own.grads);
         double *want = (double *)calloc((size_t)n, sizeof(double));
-        DSK_TEST_CLOSE((const float *)m.grad_slab.data, want, n, 0, 0, "gradients after an empty batch");
+        DSK_TEST_CLOSE((const float *)own.grads.data, want, n, 0, 0, "gradients after an empty batch");
         free(want);
     }
     dsk_tensor_free(NULL, &x); dsk_tensor_free(NULL, &y);
-    dsk_moe_free(&m, NULL);
+    drop_layer(&m, &own);
 }
 
 int main(void) {
@@ -1219,6 +1349,7 @@ int main(void) {
     test_backward_variants();
     test_switch_loss_ignores_seq_len();
     DSK_TEST_RUN(test_grad_accumulates);
+    DSK_TEST_RUN(test_stats_request);
     test_bf16_forward_backward();
     DSK_TEST_RUN(test_params_by_name);
     DSK_TEST_RUN(test_bad_config);

@@ -1302,6 +1302,319 @@ static void test_gather_scatter(dsk_dtype dt) {
     }
 }
 
+/* ------------------------------------------------------------------ grouped rows */
+
+/* Random keys in [-1, G + 1) (some outside [0, G): left out); perm and offsets poisoned. */
+static void test_group_by_key(void) {
+    static const int64_t cfg[6][2] = {{0, 3}, {1, 1}, {7, 3}, {129, 8}, {1000, 64}, {300, 1}}; /* N, G */
+    for (int s = 0; s < 6; s++) {
+        int64_t N = cfg[s][0], G = cfg[s][1], j = 0;
+        dsk_tensor *keys = tt_new(DSK_I32, 1, SH(N)), *perm = tt_new(DSK_I32, 1, SH(N)), *off = tt_new(DSK_I32, 1, SH(G + 1));
+        int32_t *k = (int32_t *)keys->data, *pm = (int32_t *)perm->data, *o = (int32_t *)off->data;
+        int bad_perm = 0, bad_off = 0;
+        for (int64_t i = 0; i < N; i++) { k[i] = (int32_t)dsk_test_rand_int(G + 2) - 1; pm[i] = 0x5a5a5a5a; }
+        for (int64_t g = 0; g <= G; g++) o[g] = 0x5a5a5a5a;
+        DSK_TEST_OK(dsk_group_by_key(NULL, perm, off, keys));
+        for (int64_t g = 0; g < G; g++) { /* group g: its keys' indices in increasing order */
+            bad_off += o[g] != j;
+            for (int64_t i = 0; i < N; i++)
+                if (k[i] == g) bad_perm += pm[j++] != i;
+        }
+        bad_off += o[G] != j;
+        for (; j < N; j++) bad_perm += pm[j] != -1;
+        DSK_TEST_EXPECT(bad_off == 0 && bad_perm == 0, "N %lld G %lld: %d offsets and %d perm entries wrong", (long long)N,
+                        (long long)G, bad_off, bad_perm);
+    }
+}
+
+/* Random non-decreasing offsets over [lo, hi) within R rows, some segments empty. */
+static dsk_tensor *tt_offsets(int64_t G, int64_t lo, int64_t hi) {
+    dsk_tensor *t = tt_new(DSK_I32, 1, SH(G + 1));
+    int32_t *o = (int32_t *)t->data;
+    o[0] = (int32_t)lo;
+    o[G] = (int32_t)hi;
+    for (int64_t g = 1; g < G; g++) o[g] = (int32_t)(lo + dsk_test_rand_int(hi - lo + 1));
+    for (int64_t g = 1; g < G; g++) /* insertion sort of the inner offsets */
+        for (int64_t h = g; h > 1 && o[h] < o[h - 1]; h--) { int32_t x = o[h]; o[h] = o[h - 1]; o[h - 1] = x; }
+    if (G > 2) o[2] = o[1]; /* one empty segment for sure */
+    return t;
+}
+
+typedef struct tt_gmm {
+    int64_t G, R, M, N, K; /* rows form: C (R, N) = A (R, K) op(B) (G, K, N); weights: C (G, M, N) = A (R, M)^T B (R, N) */
+    int weights, tb;
+    dsk_dtype in, out;
+    float alpha, beta;
+} tt_gmm;
+
+/* Against float64; rows outside the segments keep their (poison) values; same bits with 1
+   and 3 threads and as dsk_matmul on each segment. */
+static void tt_grouped_run(const tt_gmm *c) {
+    int64_t G = c->G, R = c->R, lo = R > 2 ? 1 : 0, hi = R > 2 ? R - 1 : R;
+    dsk_tensor *off = tt_offsets(G, lo, hi), *A, *B, *C, *C1, *C3;
+    const int32_t *o = (const int32_t *)off->data;
+    double *want, *c0, *a, *b;
+    int64_t nc;
+    dsk_ctx ctx1, ctx3;
+    dsk_ctx_opts co;
+    char what[160];
+    memset(&co, 0, sizeof co);
+    co.device = DSK_PREFER_CPU;
+    co.n_threads = 1; dsk_ctx_init(&ctx1, &co);
+    co.n_threads = 3; dsk_ctx_init(&ctx3, &co);
+    if (c->weights) {
+        A = tt_rand(c->in, 2, SH(R, c->M), -1, 1); B = tt_rand(c->in, 2, SH(R, c->N), -1, 1);
+        C = tt_rand(c->out, 3, SH(G, c->M, c->N), -1, 1);
+    } else {
+        A = tt_rand(c->in, 2, SH(R, c->K), -1, 1);
+        B = c->tb ? tt_rand(c->in, 3, SH(G, c->N, c->K), -1, 1) : tt_rand(c->in, 3, SH(G, c->K, c->N), -1, 1);
+        C = tt_rand(c->out, 2, SH(R, c->N), -1, 1);
+    }
+    nc = dsk_tensor_numel(C);
+    if (c->beta == 0.0f) /* poison the rows the op writes; the others keep random values */
+        for (int64_t i = c->weights ? 0 : o[0] * c->N; i < (c->weights ? nc : o[G] * c->N); i++) tt_set(C, i, NAN);
+    C1 = tt_new(c->out, C->ndim, C->shape); C3 = tt_new(c->out, C->ndim, C->shape);
+    DSK_TEST_OK(dsk_tensor_copy(NULL, C1, C));
+    DSK_TEST_OK(dsk_tensor_copy(NULL, C3, C));
+    c0 = tt_vals(C); a = tt_vals(A); b = tt_vals(B);
+    want = tt_zeros(nc);
+    memcpy(want, c0, (size_t)nc * sizeof(double));
+    for (int64_t g = 0; g < G; g++) {
+        if (c->weights) {
+            for (int64_t i = 0; i < c->M; i++)
+                for (int64_t j = 0; j < c->N; j++) {
+                    double acc = 0, *w = &want[(g * c->M + i) * c->N + j];
+                    for (int64_t r = o[g]; r < o[g + 1]; r++) acc += a[r * c->M + i] * b[r * c->N + j];
+                    *w = c->alpha * acc + (c->beta == 0.0f ? 0.0 : c->beta * *w);
+                }
+        } else {
+            for (int64_t r = o[g]; r < o[g + 1]; r++)
+                for (int64_t j = 0; j < c->N; j++) {
+                    double acc = 0, *w = &want[r * c->N + j];
+                    for (int64_t p = 0; p < c->K; p++)
+                        acc += a[r * c->K + p] * b[g * c->K * c->N + (c->tb ? j * c->K + p : p * c->N + j)];
+                    *w = c->alpha * acc + (c->beta == 0.0f ? 0.0 : c->beta * *w);
+                }
+        }
+    }
+    DSK_TEST_OK(dsk_matmul_grouped(&ctx1, C1, A, c->weights, B, c->tb, off, c->alpha, c->beta));
+    DSK_TEST_OK(dsk_matmul_grouped(&ctx3, C3, A, c->weights, B, c->tb, off, c->alpha, c->beta));
+    snprintf(what, sizeof what, "grouped %s G %lld R %lld M %lld N %lld K %lld tb %d %s->%s alpha %g beta %g",
+             c->weights ? "weights" : "rows", (long long)G, (long long)R, (long long)c->M, (long long)c->N,
+             (long long)c->K, c->tb, dsk_dtype_name(c->in), dsk_dtype_name(c->out), (double)c->alpha, (double)c->beta);
+    TT_CHECK(C1, want, tt_tol(c->out), 2e-6 * (double)(c->weights ? R : c->K) + (c->out == DSK_F32 ? 0 : tt_tol(c->out)),
+             what);
+    DSK_TEST_SAME_BYTES(C1->data, C3->data, dsk_tensor_nbytes(C1), "1 and 3 threads");
+    for (int64_t g = 0; g < G; g++) { /* each segment bit for bit as dsk_matmul */
+        dsk_tensor cs, as, bs, seg;
+        int64_t n = o[g + 1] - o[g];
+        if (c->weights) {
+            DSK_TEST_OK(dsk_tensor_select(C, g, &cs));
+            DSK_TEST_OK(dsk_tensor_slice(A, 0, o[g], n, &as));
+            DSK_TEST_OK(dsk_tensor_slice(B, 0, o[g], n, &bs));
+            DSK_TEST_OK(dsk_matmul(&ctx1, &cs, &as, 1, &bs, 0, c->alpha, c->beta));
+        } else if (n > 0) {
+            DSK_TEST_OK(dsk_tensor_slice(C, 0, o[g], n, &cs));
+            DSK_TEST_OK(dsk_tensor_slice(A, 0, o[g], n, &as));
+            DSK_TEST_OK(dsk_tensor_select(B, g, &bs));
+            DSK_TEST_OK(dsk_matmul(&ctx1, &cs, &as, 0, &bs, c->tb, c->alpha, c->beta));
+        }
+        (void)seg;
+    }
+    DSK_TEST_SAME_BYTES(C1->data, C->data, dsk_tensor_nbytes(C1), "the same bits as dsk_matmul per segment");
+    dsk_ctx_free(&ctx1);
+    dsk_ctx_free(&ctx3);
+}
+
+static void test_matmul_grouped(void) {
+    tt_gmm cs[] = {
+        /* G, R, M, N, K, weights, tb, in, out, alpha, beta */
+        {1, 7, 0, 5, 9, 0, 1, DSK_F32, DSK_F32, 1.0f, 0.0f},
+        {4, 40, 0, 17, 33, 0, 1, DSK_F32, DSK_F32, 1.0f, 0.0f},
+        {5, 130, 0, 70, 19, 0, 0, DSK_F32, DSK_F32, -0.5f, 1.0f},
+        {8, 300, 0, 24, 260, 0, 1, DSK_BF16, DSK_F32, 1.0f, 0.0f}, /* crosses KC */
+        {3, 50, 0, 31, 12, 0, 0, DSK_BF16, DSK_BF16, 1.0f, 0.0f},
+        {3, 50, 0, 31, 12, 0, 1, DSK_F16, DSK_F16, 2.0f, 0.5f},
+        {1, 9, 6, 5, 0, 1, 0, DSK_F32, DSK_F32, 1.0f, 1.0f},
+        {6, 70, 17, 33, 0, 1, 0, DSK_F32, DSK_F32, 1.0f, 1.0f},    /* weight gradients accumulate */
+        {4, 300, 12, 8, 0, 1, 0, DSK_F32, DSK_F32, 0.75f, 0.0f},   /* segments longer than KC */
+        {5, 60, 9, 14, 0, 1, 0, DSK_BF16, DSK_F32, 1.0f, 1.0f},
+        {3, 40, 7, 6, 0, 1, 0, DSK_BF16, DSK_BF16, 1.0f, 0.0f},
+    };
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+        TT_CASE("matmul_grouped %s %zu: G %lld R %lld %s->%s", cs[i].weights ? "weights" : "rows", i, (long long)cs[i].G,
+                (long long)cs[i].R, dsk_dtype_name(cs[i].in), dsk_dtype_name(cs[i].out));
+        tt_grouped_run(&cs[i]);
+    }
+}
+
+/* The grouped SwiGLU MLP and its backward against float64, f32 (one thread per segment) and
+   bf16 (grouped GEMMs and the activation): out, dx on the segments' rows, weight gradients
+   accumulated; rows outside the segments of out and dx untouched; 1 and 3 threads alike. */
+static void test_swiglu_grouped(dsk_dtype dt) {
+    int64_t G = 5, R = 60, D = 12, F = 9;
+    dsk_tensor *off = tt_offsets(G, 1, R - 1);
+    const int32_t *o = (const int32_t *)off->data;
+    dsk_tensor *x = tt_rand(dt, 2, SH(R, D), -1, 1), *dy = tt_rand(dt, 2, SH(R, D), -1, 1);
+    dsk_tensor *w1 = tt_rand(dt, 3, SH(G, F, D), -0.5, 0.5), *w3 = tt_rand(dt, 3, SH(G, F, D), -0.5, 0.5);
+    dsk_tensor *w2 = tt_rand(dt, 3, SH(G, D, F), -0.5, 0.5), *out[2], *dx[2], *dw[2][3], *h1, *h3, *a, *da, *dh1, *dh3;
+    double *xv = tt_vals(x), *dyv = tt_vals(dy), *v1 = tt_vals(w1), *v2 = tt_vals(w2), *v3 = tt_vals(w3);
+    double *wo = tt_zeros(R * D), *wdx = tt_zeros(R * D), *wd1 = tt_zeros(G * F * D), *wd2 = tt_zeros(G * D * F),
+           *wd3 = tt_zeros(G * F * D), *g0 = NULL;
+    double tol = dt == DSK_F32 ? 1e-4 : 3e-2;
+    h1 = tt_new(dt, 2, SH(R, F)); h3 = tt_new(dt, 2, SH(R, F)); a = tt_new(dt, 2, SH(R, F));
+    da = tt_new(dt, 2, SH(R, F)); dh1 = tt_new(dt, 2, SH(R, F)); dh3 = tt_new(dt, 2, SH(R, F));
+    for (int t = 0; t < 2; t++) {
+        out[t] = tt_rand(dt, 2, SH(R, D), -1, 1);
+        dx[t] = tt_rand(dt, 2, SH(R, D), -1, 1);
+        for (int k = 0; k < 3; k++) dw[t][k] = tt_rand(DSK_F32, 3, k == 1 ? SH(G, D, F) : SH(G, F, D), -1, 1);
+        if (t) {
+            DSK_TEST_OK(dsk_tensor_copy(NULL, out[1], out[0]));
+            DSK_TEST_OK(dsk_tensor_copy(NULL, dx[1], dx[0]));
+            for (int k = 0; k < 3; k++) DSK_TEST_OK(dsk_tensor_copy(NULL, dw[1][k], dw[0][k]));
+        }
+    }
+    g0 = tt_vals(dw[0][0]);
+    memcpy(wd1, g0, sizeof(double) * G * F * D);
+    memcpy(wd2, tt_vals(dw[0][1]), sizeof(double) * G * D * F);
+    memcpy(wd3, tt_vals(dw[0][2]), sizeof(double) * G * F * D);
+    memcpy(wo, tt_vals(out[0]), sizeof(double) * R * D);
+    memcpy(wdx, tt_vals(dx[0]), sizeof(double) * R * D);
+    for (int64_t g = 0; g < G; g++) /* float64 reference, row by row */
+        for (int64_t r = o[g]; r < o[g + 1]; r++) {
+            double hh1[9], hh3[9], aa[9], dd[9], q1[9], q3[9];
+            for (int64_t f = 0; f < F; f++) {
+                hh1[f] = hh3[f] = 0;
+                for (int64_t d = 0; d < D; d++) {
+                    hh1[f] += xv[r * D + d] * v1[(g * F + f) * D + d];
+                    hh3[f] += xv[r * D + d] * v3[(g * F + f) * D + d];
+                }
+                aa[f] = hh1[f] / (1 + exp(-hh1[f])) * hh3[f];
+            }
+            for (int64_t d = 0; d < D; d++) {
+                wo[r * D + d] = 0;
+                for (int64_t f = 0; f < F; f++) wo[r * D + d] += aa[f] * v2[(g * D + d) * F + f];
+            }
+            for (int64_t f = 0; f < F; f++) {
+                double sg = 1 / (1 + exp(-hh1[f]));
+                dd[f] = 0;
+                for (int64_t d = 0; d < D; d++) dd[f] += dyv[r * D + d] * v2[(g * D + d) * F + f];
+                q1[f] = dd[f] * hh3[f] * sg * (1 + hh1[f] * (1 - sg));
+                q3[f] = dd[f] * hh1[f] * sg;
+                for (int64_t d = 0; d < D; d++) {
+                    wd2[(g * D + d) * F + f] += dyv[r * D + d] * aa[f];
+                    wd1[(g * F + f) * D + d] += q1[f] * xv[r * D + d];
+                    wd3[(g * F + f) * D + d] += q3[f] * xv[r * D + d];
+                }
+            }
+            for (int64_t d = 0; d < D; d++) {
+                wdx[r * D + d] = 0;
+                for (int64_t f = 0; f < F; f++)
+                    wdx[r * D + d] += q1[f] * v1[(g * F + f) * D + d] + q3[f] * v3[(g * F + f) * D + d];
+            }
+        }
+    for (int t = 0; t < 2; t++) {
+        dsk_ctx c;
+        dsk_ctx_opts co;
+        memset(&co, 0, sizeof co);
+        co.device = DSK_PREFER_CPU;
+        co.n_threads = t ? 3 : 1;
+        dsk_ctx_init(&c, &co);
+        DSK_TEST_OK(dsk_swiglu_grouped(&c, out[t], h1, h3, a, x, w1, w2, w3, off));
+        DSK_TEST_OK(dsk_swiglu_grouped_backward(&c, dx[t], dw[t][0], dw[t][1], dw[t][2], da, dh1, dh3, dy, x, h1, h3, a,
+                                                w1, w2, w3, off));
+        dsk_ctx_free(&c);
+    }
+    TT_CHECK(out[0], wo, tol, tol, "out (rows outside the segments untouched)");
+    TT_CHECK(dx[0], wdx, tol, tol, "dx (rows outside the segments untouched)");
+    TT_CHECK(dw[0][0], wd1, tol, tol, "dw1 accumulated");
+    TT_CHECK(dw[0][1], wd2, tol, tol, "dw2 accumulated");
+    TT_CHECK(dw[0][2], wd3, tol, tol, "dw3 accumulated");
+    DSK_TEST_SAME_BYTES(out[0]->data, out[1]->data, dsk_tensor_nbytes(out[0]), "out, 1 vs 3 threads");
+    DSK_TEST_SAME_BYTES(dx[0]->data, dx[1]->data, dsk_tensor_nbytes(dx[0]), "dx, 1 vs 3 threads");
+    for (int k = 0; k < 3; k++) DSK_TEST_SAME_BYTES(dw[0][k]->data, dw[1][k]->data, dsk_tensor_nbytes(dw[0][k]), "dw, 1 vs 3 threads");
+    TT_ERR(dsk_swiglu_grouped(NULL, out[0], h1, h3, a, x, w1, w3, w3, off), DSK_ERR_ARG, "want x (R, D), w1 and w3 (5, F, D), w2 (5, D, F)");
+    TT_ERR(dsk_swiglu_grouped(NULL, h1, h1, h3, a, x, w1, w2, w3, off), DSK_ERR_ARG, "dsk_swiglu_grouped: out");
+    TT_ERR(dsk_swiglu_grouped_backward(NULL, dx[0], dw[0][1], dw[0][1], dw[0][2], da, dh1, dh3, dy, x, h1, h3, a, w1, w2,
+                                       w3, off), DSK_ERR_ARG, "dsk_swiglu_grouped_backward: dw1");
+}
+
+/* Scaled rows, plain copies (bit for bit, NaN payloads too) and zero rows for negative indices. */
+static void test_gather_rows_scaled(dsk_dtype dt) {
+    static const int64_t cfg[3][3] = {{1, 1, 1}, {9, 7, 20}, {129, 70, 300}}; /* R, D, N */
+    for (int s = 0; s < 3; s++) {
+        int64_t R = cfg[s][0], D = cfg[s][1], N = cfg[s][2];
+        dsk_tensor *src = tt_rand(dt, 2, SH(R, D), -1, 1), *idx = tt_ids(1, SH(N), R), *sc = tt_rand(DSK_F32, 1, SH(N), -2, 2);
+        dsk_tensor *out = tt_poisoned(dt, 2, SH(N, D)), *out2 = tt_poisoned(dt, 2, SH(N, D));
+        int32_t *ix = (int32_t *)idx->data;
+        size_t es = dsk_dtype_size(dt);
+        int bad = 0;
+        ix[N - 1] = -1;
+        if (N > 3) ix[2] = -5;
+        tt_set(src, (R - 1) * D, NAN);
+        ((uint8_t *)src->data)[((R - 1) * D) * es] ^= 1; /* a NaN payload that must survive the plain copy */
+        DSK_TEST_OK(dsk_gather_rows_scaled(NULL, out, src, idx, sc));
+        DSK_TEST_OK(dsk_gather_rows_scaled(NULL, out2, src, idx, NULL));
+        for (int64_t i = 0; i < N; i++)
+            for (int64_t j = 0; j < D; j++) {
+                float g = (float)tt_get(out, i * D + j), w;
+                const char *o2 = (const char *)out2->data + (size_t)(i * D + j) * es;
+                if (ix[i] < 0) {
+                    bad += g != 0.0f || tt_get(out2, i * D + j) != 0.0;
+                    continue;
+                }
+                w = dsk_round_f32(dt, ((const float *)sc->data)[i] * (float)tt_get(src, ix[i] * D + j));
+                bad += memcmp(&g, &w, 4) != 0 && !(g != g && w != w);
+                bad += memcmp(o2, (const char *)src->data + (size_t)(ix[i] * D + j) * es, es) != 0;
+            }
+        DSK_TEST_EXPECT(bad == 0, "R %lld D %lld N %lld: %d elements wrong", (long long)R, (long long)D, (long long)N, bad);
+    }
+}
+
+/* y (bf16 / f16) += alpha x (f32): one rounding of the f32 sum. */
+static void test_axpy_mixed(dsk_dtype dt) {
+    dsk_tensor *y = tt_rand(dt, 2, SH(37, 11), -2, 2), *x = tt_rand(DSK_F32, 2, SH(37, 11), -2, 2);
+    double *y0 = tt_vals(y);
+    int bad = 0;
+    DSK_TEST_OK(dsk_axpy(NULL, y, 0.5f, x));
+    for (int64_t i = 0; i < 37 * 11; i++) {
+        float w = dsk_round_f32(dt, (float)y0[i] + 0.5f * ((const float *)x->data)[i]);
+        bad += (float)tt_get(y, i) != w;
+    }
+    DSK_TEST_EXPECT(bad == 0, "%d elements differ from one rounding of the f32 sum", bad);
+}
+
+static void test_errors_grouped(void) {
+    dsk_tensor *keys = tt_ids(1, SH(6), 3), *perm = tt_new(DSK_I32, 1, SH(6)), *perm5 = tt_new(DSK_I32, 1, SH(5));
+    dsk_tensor *off = tt_new(DSK_I32, 1, SH(4)), *off0 = tt_new(DSK_I32, 1, SH(0)), *offf = tt_new(DSK_F32, 1, SH(4));
+    dsk_tensor *A = tt_rand(DSK_F32, 2, SH(6, 5), -1, 1), *B = tt_rand(DSK_F32, 3, SH(3, 5, 4), -1, 1);
+    dsk_tensor *C = tt_new(DSK_F32, 2, SH(6, 4)), *Cw = tt_new(DSK_F32, 3, SH(3, 5, 4)), *Bb = tt_rand(DSK_BF16, 3, SH(3, 5, 4), -1, 1);
+    dsk_tensor *Bw = tt_rand(DSK_F32, 2, SH(6, 4), -1, 1), *src = tt_rand(DSK_F32, 2, SH(5, 4), -1, 1);
+    dsk_tensor *out = tt_new(DSK_F32, 2, SH(6, 4)), *outb = tt_new(DSK_BF16, 2, SH(6, 4)), *sc = tt_new(DSK_F32, 1, SH(5));
+    int32_t *o = (int32_t *)off->data;
+    o[0] = 0; o[1] = 2; o[2] = 5; o[3] = 6;
+    TT_ERR(dsk_group_by_key(NULL, perm5, off, keys), DSK_ERR_ARG, "dsk_group_by_key: perm [5] i32 does not match the shape of keys");
+    TT_ERR(dsk_group_by_key(NULL, perm, off0, keys), DSK_ERR_ARG, "offsets [0] i32 must be (G + 1) with G >= 0");
+    TT_ERR(dsk_group_by_key(NULL, perm, offf, keys), DSK_ERR_ARG, "offsets [4] f32: dtype must be i32");
+    DSK_TEST_OK(dsk_matmul_grouped(NULL, C, A, 0, B, 0, off, 1.0f, 0.0f));
+    DSK_TEST_OK(dsk_matmul_grouped(NULL, Cw, A, 1, Bw, 0, off, 1.0f, 0.0f));
+    TT_ERR(dsk_matmul_grouped(NULL, C, A, 0, B, 1, off, 1.0f, 0.0f), DSK_ERR_ARG, "fit neither form");
+    TT_ERR(dsk_matmul_grouped(NULL, Cw, A, 0, Bw, 0, off, 1.0f, 0.0f), DSK_ERR_ARG, "fit neither form");
+    TT_ERR(dsk_matmul_grouped(NULL, C, A, 0, Bb, 0, off, 1.0f, 0.0f), DSK_ERR_ARG, "must have the dtype of A");
+    o[2] = 1;
+    TT_ERR(dsk_matmul_grouped(NULL, C, A, 0, B, 0, off, 1.0f, 0.0f), DSK_ERR_ARG,
+           "dsk_matmul_grouped: offsets[1] = 2 > offsets[2] = 1 (must not decrease)");
+    o[2] = 5; o[3] = 7;
+    TT_ERR(dsk_matmul_grouped(NULL, Cw, A, 1, Bw, 0, off, 1.0f, 0.0f), DSK_ERR_ARG, "offsets run from 0 to 7, outside the 6 rows");
+    o[3] = 6; o[0] = -1;
+    TT_ERR(dsk_matmul_grouped(NULL, C, A, 0, B, 0, off, 1.0f, 0.0f), DSK_ERR_ARG, "offsets run from -1 to 6");
+    ((int32_t *)keys->data)[4] = 5;
+    TT_ERR(dsk_gather_rows_scaled(NULL, out, src, keys, NULL), DSK_ERR_ARG, "dsk_gather_rows_scaled: idx[4] = 5 outside [0, 5)");
+    TT_ERR(dsk_gather_rows_scaled(NULL, outb, src, keys, NULL), DSK_ERR_ARG, "out [6,4] bf16 must have the dtype of src");
+    TT_ERR(dsk_gather_rows_scaled(NULL, out, src, keys, sc), DSK_ERR_ARG, "scale [5] f32 does not match the shape of idx");
+    TT_ERR(dsk_axpy(NULL, out, 1.0f, outb), DSK_ERR_ARG, "dsk_axpy: x [6,4] bf16 must have the dtype of y [6,4] f32");
+}
+
 /* ------------------------------------------------------------------ cross-entropy */
 
 static double tt_ce_loss(const double *x, void *p) {
@@ -2245,12 +2558,25 @@ int main(void) {
     TT_CASE("AdamW options of 0 honoured: beta1, beta2 0, lr decaying to 0"); test_adamw(DSK_F32, 0, 2);
     TT_CASE("embedding backward, rmsnorm dw, reduce: same bits on 1, 2, 3 threads"); test_reductions_thread_independent();
     TT_CASE("topk signed zeros, infinities, NaN"); test_topk_special();
+    TT_CASE("group_by_key: stable counting sort, keys left out"); test_group_by_key();
+    TT_CASE("swiglu_grouped + backward f32 (a thread per segment) vs float64"); test_swiglu_grouped(DSK_F32);
+    TT_CASE("swiglu_grouped + backward bf16 (grouped GEMMs) vs float64"); test_swiglu_grouped(DSK_BF16);
+    test_matmul_grouped();
+    for (int d = 0; d < 3; d++) {
+        TT_CASE("gather_rows_scaled %s: scaled, plain copies, zero rows", dsk_dtype_name(tt_floats[d]));
+        test_gather_rows_scaled(tt_floats[d]);
+    }
+    for (int d = 1; d < 3; d++) {
+        TT_CASE("axpy %s += f32", dsk_dtype_name(tt_floats[d]));
+        test_axpy_mixed(tt_floats[d]);
+    }
     TT_CASE("out of host memory"); test_out_of_memory();
     TT_CASE("errors: matmul"); test_errors_matmul();
     TT_CASE("errors: elementwise and reductions"); test_errors_elementwise();
     TT_CASE("errors: softmax, rmsnorm, activations"); test_errors_norms();
     TT_CASE("errors: indices (embedding, gather, scatter, cross_entropy)"); test_errors_indices();
     TT_CASE("errors: topk, rope, attention"); test_errors_topk_rope_attention();
+    TT_CASE("errors: group_by_key, matmul_grouped, gather_rows_scaled"); test_errors_grouped();
     TT_CASE("errors: AdamW"); test_errors_adamw();
     for (int d = 0; d < 3; d++) {
         dsk_dtype dt = tt_floats[d];

@@ -585,6 +585,15 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int device) {
     return cudaSuccess;
 }
 
+cudaError_t cudaDeviceGetPCIBusId(char *pciBusId, int len, int device) {
+    cudaDeviceProp p;
+    cudaError_t e = cudaGetDeviceProperties(&p, device);
+    if (e) return e;
+    if (!pciBusId || len < 13) return fail(cudaErrorInvalidValue, "cudaDeviceGetPCIBusId: buffer of %d bytes", len);
+    snprintf(pciBusId, (size_t)len, "0000:%02x:00.0", p.pciBusID);
+    return cudaSuccess;
+}
+
 cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int device) {
     cudaDeviceProp p;
     cudaError_t e = cudaGetDeviceProperties(&p, device);

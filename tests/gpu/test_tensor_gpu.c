@@ -485,6 +485,127 @@ static void test_rows(dsk_dtype dt, int64_t R, int64_t N, int64_t D) {
     check_same(gacc2, acc, "embedding_backward");
 }
 
+/* ------------------------------------------------------------------ grouped rows */
+
+/* Keys with some outside [0, G); the device sort equals the CPU's exactly. */
+static void test_group_by_key(int64_t N, int64_t ng) {
+    dsk_tensor *keys = halloc(DSK_I32, SH(N)), *perm = halloc(DSK_I32, SH(N)), *off = halloc(DSK_I32, SH(ng + 1));
+    dsk_tensor *gkeys, *gperm, *goff;
+    for (int64_t i = 0; i < N; i++) ((int32_t *)keys->data)[i] = (int32_t)dsk_test_rand_int(ng + 2) - 1;
+    gkeys = dev(keys);
+    gperm = dpoison(perm);
+    goff = dpoison(off);
+    DSK_TEST_OK(dsk_group_by_key(NULL, perm, off, keys));
+    DSK_TEST_OK(dsk_group_by_key(&G, gperm, goff, gkeys));
+    check_same(goff, off, "offsets");
+    check_same(gperm, perm, "permutation");
+}
+
+/* Random non-decreasing offsets over [1, R - 1) with an empty segment. */
+static dsk_tensor *hoffsets(int64_t ng, int64_t R) {
+    dsk_tensor *t = halloc(DSK_I32, SH(ng + 1));
+    int32_t *o = (int32_t *)t->data;
+    o[0] = R > 2 ? 1 : 0;
+    o[ng] = (int32_t)(R > 2 ? R - 1 : R);
+    for (int64_t g = 1; g < ng; g++) o[g] = (int32_t)(o[0] + dsk_test_rand_int(o[ng] - o[0] + 1));
+    for (int64_t g = 1; g < ng; g++)
+        for (int64_t h = g; h > 1 && o[h] < o[h - 1]; h--) { int32_t x = o[h]; o[h] = o[h - 1]; o[h - 1] = x; }
+    if (ng > 2) o[2] = o[1];
+    return t;
+}
+
+/* Both forms against the CPU, poison outside the segments kept (rows form). */
+static void test_matmul_grouped(dsk_dtype dt, dsk_dtype cdt, int weights, int tb, int64_t ng, int64_t R, int64_t M,
+                                int64_t N, int64_t K, float beta) {
+    dsk_tensor *off = hoffsets(ng, R), *A, *B, *C, *gC;
+    if (weights) {
+        A = hrand(dt, SH(R, M), -1, 1); B = hrand(dt, SH(R, N), -1, 1); C = hrand(cdt, SH(ng, M, N), -1, 1);
+    } else {
+        A = hrand(dt, SH(R, K), -1, 1);
+        B = tb ? hrand(dt, SH(ng, N, K), -1, 1) : hrand(dt, SH(ng, K, N), -1, 1);
+        C = hrand(cdt, SH(R, N), -1, 1);
+    }
+    gC = dev(C);
+    DSK_TEST_OK(dsk_matmul_grouped(NULL, C, A, weights, B, tb, off, 0.75f, beta));
+    DSK_TEST_OK(dsk_matmul_grouped(&G, gC, dev(A), weights, dev(B), tb, dev(off), 0.75f, beta));
+    check(gC, C, 4 * rtol_of(cdt) + (dt == DSK_F32 ? 0 : 4e-3), 4 * atol_of(cdt) + (dt == DSK_F32 ? 1e-5 : 4e-3),
+          weights ? "grouped weights" : "grouped rows");
+}
+
+/* The grouped SwiGLU MLP and its backward against the CPU. */
+static void test_swiglu_grouped(dsk_dtype dt) {
+    int64_t ng = 4, R = 70, D = 40, F = 24;
+    dsk_tensor *off = hoffsets(ng, R), *x = hrand(dt, SH(R, D), -1, 1), *dy = hrand(dt, SH(R, D), -1, 1);
+    dsk_tensor *w1 = hrand(dt, SH(ng, F, D), -0.5, 0.5), *w2 = hrand(dt, SH(ng, D, F), -0.5, 0.5);
+    dsk_tensor *w3 = hrand(dt, SH(ng, F, D), -0.5, 0.5), *out = hrand(dt, SH(R, D), -1, 1), *dx = hrand(dt, SH(R, D), -1, 1);
+    dsk_tensor *dw1 = hrand(DSK_F32, SH(ng, F, D), -1, 1), *dw2 = hrand(DSK_F32, SH(ng, D, F), -1, 1);
+    dsk_tensor *dw3 = hrand(DSK_F32, SH(ng, F, D), -1, 1);
+    dsk_tensor *g[9] = {dev(out), dev(dx), dev(dw1), dev(dw2), dev(dw3)}, *hs[6], *ds[6];
+    double rt = dt == DSK_F32 ? 1e-4 : 3e-2;
+    for (int i = 0; i < 6; i++) { hs[i] = halloc(dt, SH(R, F)); ds[i] = dalloc(dt, SH(R, F)); }
+    DSK_TEST_OK(dsk_swiglu_grouped(NULL, out, hs[0], hs[1], hs[2], x, w1, w2, w3, off));
+    DSK_TEST_OK(dsk_swiglu_grouped_backward(NULL, dx, dw1, dw2, dw3, hs[3], hs[4], hs[5], dy, x, hs[0], hs[1], hs[2], w1, w2,
+                                            w3, off));
+    {
+        dsk_tensor *gx = dev(x), *gdy = dev(dy), *gw1 = dev(w1), *gw2 = dev(w2), *gw3 = dev(w3), *goff = dev(off);
+        DSK_TEST_OK(dsk_swiglu_grouped(&G, g[0], ds[0], ds[1], ds[2], gx, gw1, gw2, gw3, goff));
+        DSK_TEST_OK(dsk_swiglu_grouped_backward(&G, g[1], g[2], g[3], g[4], ds[3], ds[4], ds[5], gdy, gx, ds[0], ds[1],
+                                                ds[2], gw1, gw2, gw3, goff));
+    }
+    check(g[0], out, rt, rt, "out");
+    check(g[1], dx, rt, rt, "dx");
+    check(g[2], dw1, rt, rt, "dw1");
+    check(g[3], dw2, rt, rt, "dw2");
+    check(g[4], dw3, rt, rt, "dw3");
+}
+
+/* Scaled, plain (bit copies) and zero rows. */
+static void test_gather_rows_scaled(dsk_dtype dt, int64_t R, int64_t N, int64_t D) {
+    dsk_tensor *src = hrand(dt, SH(R, D), -1, 1), *idx = hints(SH(N), R), *scale = hrand(DSK_F32, SH(N), -2, 2);
+    dsk_tensor *out = halloc(dt, SH(N, D)), *gout = dpoison(out);
+    ((int32_t *)idx->data)[N - 1] = -1;
+    DSK_TEST_OK(dsk_gather_rows_scaled(NULL, out, src, idx, scale));
+    DSK_TEST_OK(dsk_gather_rows_scaled(&G, gout, dev(src), dev(idx), dev(scale)));
+    check_same(gout, out, "gather_rows_scaled");
+    DSK_TEST_OK(dsk_gather_rows_scaled(NULL, out, src, idx, NULL));
+    DSK_TEST_OK(dsk_gather_rows_scaled(&G, gout, dev(src), dev(idx), NULL));
+    check_same(gout, out, "gather_rows_scaled, plain rows");
+}
+
+/* ctx->counters: a sync and a device-to-host copy count, a launch or an upload does not; a
+   graph replays what was captured and refuses a sync inside the capture. */
+static void test_counters_and_graph(void) {
+    dsk_tensor *h = hrand(DSK_F32, SH(7, 9), -1, 1), *d = dev(h), *back = halloc(DSK_F32, SH(7, 9));
+    dsk_ctx_counters c0 = G.counters;
+    dsk_graph g;
+    DSK_TEST_OK(dsk_scale(&G, d, 2.0f));
+    DSK_TEST_OK(dsk_tensor_copy(&G, d, h)); /* upload */
+    DSK_TEST_EXPECT(G.counters.syncs - c0.syncs == 1 && G.counters.d2h_copies == c0.d2h_copies,
+                    "an upload: %lld syncs (its staging buffer), %lld copies back", (long long)(G.counters.syncs - c0.syncs),
+                    (long long)(G.counters.d2h_copies - c0.d2h_copies));
+    c0 = G.counters;
+    DSK_TEST_OK(dsk_tensor_copy(&G, back, d));
+    DSK_TEST_EXPECT(G.counters.syncs - c0.syncs == 1 && G.counters.d2h_copies - c0.d2h_copies == 1 &&
+                    G.counters.d2h_bytes - c0.d2h_bytes == 7 * 9 * 4, "a download: %lld syncs %lld copies %lld bytes",
+                    (long long)(G.counters.syncs - c0.syncs), (long long)(G.counters.d2h_copies - c0.d2h_copies),
+                    (long long)(G.counters.d2h_bytes - c0.d2h_bytes));
+    DSK_TEST_OK(dsk_graph_begin(&G));
+    DSK_TEST_OK(dsk_scale(&G, d, 3.0f));
+    DSK_TEST_OK(dsk_graph_end(&G, &g));
+    for (int i = 0; i < 2; i++) DSK_TEST_OK(dsk_graph_launch(&G, &g));
+    DSK_TEST_OK(dsk_scale(NULL, h, 3.0f));
+    DSK_TEST_OK(dsk_scale(NULL, h, 3.0f));
+    check_same(d, h, "two replays of a captured scale by 3");
+    dsk_graph_free(&g);
+    dsk_graph_free(&g); /* freed twice is fine */
+    DSK_TEST_OK(dsk_graph_begin(&G));
+    DSK_TEST_STATUS(dsk_ctx_sync(&G), DSK_ERR_CUDA); /* the runtime refuses it; the capture is invalid */
+    DSK_TEST_STATUS(dsk_graph_end(&G, &g), DSK_ERR_CUDA);
+    DSK_TEST_EXPECT(g.exec == NULL, "an invalid capture gave a graph");
+    DSK_TEST_STATUS(dsk_graph_begin(NULL), DSK_ERR_UNSUPPORTED);
+    DSK_TEST_STATUS(dsk_graph_launch(&G, &g), DSK_ERR_ARG);
+}
+
 /* ------------------------------------------------------------------ cross-entropy */
 
 static void test_cross_entropy(dsk_dtype dt, int64_t T, int64_t V, int n_ignored, int with_grad) {
@@ -749,6 +870,23 @@ int main(int argc, char **argv) {
     CASE(test_attention_fused(DSK_BF16, 1, 9, 1, 256, 200, 0, 1), "fused attention bf16 (1, 9, 1) Dk 256 Dv 200: smaller tiles");
     CASE(test_attention_fused_limits(), "fused attention: head dims beyond 256");
     CASE(test_elementwise(DSK_F16, SH(33, 7)), "add/mul/scale/axpy f16 (33, 7)");
+    CASE(test_group_by_key(0, 3), "group_by_key N 0");
+    CASE(test_group_by_key(7, 1), "group_by_key N 7 G 1");
+    CASE(test_group_by_key(3000, 64), "group_by_key N 3000 G 64 (3 chunks)");
+    CASE(test_matmul_grouped(DSK_F32, DSK_F32, 0, 1, 4, 150, 0, 70, 33, 0.0f), "matmul_grouped rows f32 tb");
+    CASE(test_matmul_grouped(DSK_F32, DSK_F32, 0, 0, 3, 40, 0, 129, 17, 0.5f), "matmul_grouped rows f32 beta");
+    CASE(test_matmul_grouped(DSK_BF16, DSK_F32, 0, 1, 8, 300, 0, 48, 80, 0.0f), "matmul_grouped rows bf16 -> f32");
+    CASE(test_matmul_grouped(DSK_BF16, DSK_BF16, 0, 0, 5, 100, 0, 32, 64, 0.0f), "matmul_grouped rows bf16 -> bf16");
+    CASE(test_matmul_grouped(DSK_F32, DSK_F32, 1, 0, 4, 150, 33, 70, 0, 1.0f), "matmul_grouped weights f32 beta 1");
+    CASE(test_matmul_grouped(DSK_BF16, DSK_F32, 1, 0, 6, 200, 64, 17, 0, 1.0f), "matmul_grouped weights bf16 -> f32");
+    CASE(test_matmul_grouped(DSK_F16, DSK_F16, 1, 0, 3, 60, 9, 20, 0, 0.0f), "matmul_grouped weights f16");
+    CASE(test_matmul_grouped(DSK_F16, DSK_F32, 0, 1, 4, 90, 0, 40, 48, 0.25f), "matmul_grouped rows f16 -> f32 tb beta");
+    CASE(test_swiglu_grouped(DSK_F32), "swiglu_grouped + backward f32");
+    CASE(test_swiglu_grouped(DSK_BF16), "swiglu_grouped + backward bf16");
+    for (int d = 0; d < 3; d++)
+        CASE(test_gather_rows_scaled(d == 0 ? DSK_F32 : d == 1 ? DSK_BF16 : DSK_F16, 13, 50, 129),
+             "gather_rows_scaled %s", d == 0 ? "f32" : d == 1 ? "bf16" : "f16");
+    CASE(test_counters_and_graph(), "ctx counters; graph capture and replay; a sync inside a capture fails");
     CASE(test_topk(7, 1, 1, 0), "topk R 7 C 1 k 1");
     CASE(test_topk(7, 8, 8, 1), "topk R 7 C 8 k 8, NaN and -Inf");
     CASE(test_topk(33, 129, 6, 1), "topk R 33 C 129 k 6, NaN and -Inf");

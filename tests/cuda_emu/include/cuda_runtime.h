@@ -134,6 +134,8 @@ cudaError_t cudaSetDevice(int device);
 cudaError_t cudaGetDevice(int *device);
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp *prop, int device);
 cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int device);
+/* "0000:NN:00.0" with NN = the emulated device's pciBusID (device + 1). */
+cudaError_t cudaDeviceGetPCIBusId(char *pciBusId, int len, int device);
 cudaError_t cudaDeviceSynchronize(void);
 cudaError_t cudaDeviceReset(void);
 cudaError_t cudaDriverGetVersion(int *version);
