@@ -3477,7 +3477,7 @@ DSK_API dsk_status dsk_matmul_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk_ten
     const char *fn = "dsk_matmul_grouped";
     const dsk_tensor *ts[4] = {C, A, B, offsets};
     const char *names[4] = {"C", "A", "B", "offsets"};
-    int cuda, weights, failed = 0, nt;
+    int cuda, weights = 0, failed = 0, nt;
     int64_t G, R, per, cols, first, last;
     const int32_t *off;
     float *tmp = NULL;
