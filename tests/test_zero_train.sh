@@ -1,0 +1,227 @@
+#!/usr/bin/env bash
+# The trainer's sharded data parallelism (examples/train_moe.c --zero, --grad-compress; issue 14):
+# 50 steps of --zero 1, 2 and 3 at 2 and 4 ranks and with expert parallelism (2 data x 2 expert)
+# log the losses of --zero 0 bit for bit, and their checkpoints hold its weights and moments bit
+# for bit; gradient accumulation stays within 1e-6; a checkpoint resumes at another data-parallel
+# size (4 -> 2, 2 -> 3, 3 -> 1) exactly as the unsharded run resumes; PowerSGD rank 4 ends within
+# 3% of the uncompressed validation loss with the bytes of its reductions cut by the factor its
+# shapes give; each rank prints its memory; bad flags and a mismatched checkpoint fail cleanly.
+# Prints `[test_zero_train] totals: P passed / F failed / S skipped`.
+set -u
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+BIN=$BUILD/examples/train_moe
+PY=python3
+export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
+passed=0 failed=0 skipped=0
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+ok() { echo "ok   $1"; passed=$((passed + 1)); }
+bad() { echo "FAIL $1"; shift; for l in "$@"; do echo "     $l"; done; failed=$((failed + 1)); }
+
+if ! make --no-print-directory -s BUILD="$BUILD" "$BIN" >"$work/build.log" 2>&1; then
+    cat "$work/build.log"
+    bad "build $BIN" "make failed"
+    echo "[test_zero_train] totals: $passed passed / $failed failed / $skipped skipped"
+    exit 1
+fi
+
+TINY=(--seq 32 --d-model 32 --heads 2 --layers 3 --dense-layers 1 --ffn-hidden 64 --experts 4 --top-k 2
+      --expert-hidden 32 --shared 1 --batch 12 --lr 3e-3 --warmup 5 --corpus-mb 0.3 --val-every 10
+      --val-interval 10 --val-batches 2 --sample-len 0 --peak-tflops 0.1)
+
+# run NAME ARGS...: output in $work/NAME.out, JSON lines in $work/NAME.jsonl, status in $work/NAME.rc
+run() {
+    local name=$1; shift
+    rm -f "$work/$name.jsonl"
+    timeout 120 "$BIN" "$@" --log "$work/$name.jsonl" >"$work/$name.out" 2>&1
+    echo $? >"$work/$name.rc"
+}
+rc() { cat "$work/$1.rc"; }
+ran() { # NAME: 0 if the run exited 0, else reports it
+    [ "$(rc "$1")" -eq 0 ] && return 0
+    bad "$2" "$1 exited $(rc "$1")" "$(tail -3 "$work/$1.out")"
+    return 1
+}
+
+# same_log A B [TOL]: the step losses, norms' absence aside, and validation losses of two logs:
+# bit for bit (TOL unset) or within TOL relative; prints "ok ..." or the first difference.
+same_log() {
+    $PY - "$work/$1.jsonl" "$work/$2.jsonl" "${3:-0}" <<'EOF'
+import json, sys
+def rows(p):
+    return [(r["type"], r["step"], r["loss"] if r["type"] == "step" else r["val_loss"])
+            for r in map(json.loads, open(p)) if r["type"] in ("step", "val")]
+a, b, tol = rows(sys.argv[1]), rows(sys.argv[2]), float(sys.argv[3])
+if len(a) != len(b) or not a: print("%d and %d records" % (len(a), len(b))); sys.exit()
+worst = 0.0
+for x, y in zip(a, b):
+    if x[:2] != y[:2]: print("records %s vs %s" % (x[:2], y[:2])); sys.exit()
+    d = abs(x[2] - y[2]) / max(abs(x[2]), 1e-30)
+    worst = max(worst, d)
+    if (tol == 0 and x[2] != y[2]) or d > tol:
+        print("%s %d: %.9g vs %.9g" % (x[0], x[1], x[2], y[2])); sys.exit()
+print("ok %d records, largest relative difference %.2g" % (len(a), worst))
+EOF
+}
+
+# same_ckpt DIR_A DIR_B: every tensor of the newest checkpoint of each, rebuilt whole from the
+# rank files its manifest lists (whole tensors, or pieces placed by their "dsk.box.<name>"
+# metadata: expert rows, flattened dsk_zero pieces), equal byte for byte.
+same_ckpt() {
+    $PY - "$1" "$2" <<'EOF'
+import json, os, struct, sys
+import numpy as np
+DT = {"F32": np.float32, "F64": np.float64, "BF16": np.uint16, "F16": np.float16, "I32": np.int32, "I64": np.int64}
+def newest(d):
+    steps = sorted(s for s in os.listdir(d) if s.startswith("step_") and os.path.exists(os.path.join(d, s, "manifest.json")))
+    return os.path.join(d, steps[-1])
+def tensors(d):
+    man = json.load(open(os.path.join(d, "manifest.json")))
+    out = {}
+    for f in man["files"]:
+        path = os.path.join(os.path.dirname(d), "step_%08d" % f["step"], "rank_%05d.%s.safetensors" % (f["rank"], f["attempt"]))
+        raw = open(path, "rb").read()
+        n = struct.unpack("<Q", raw[:8])[0]
+        head = json.loads(raw[8:8 + n])
+        meta = head.pop("__metadata__", {})
+        for name, t in head.items():
+            a = np.frombuffer(raw[8 + n + t["data_offsets"][0]:8 + n + t["data_offsets"][1]], DT[t["dtype"]])
+            a = a.reshape(t["shape"])
+            box = meta.get("dsk.box." + name)
+            if box is None:
+                out[name] = a.copy(); continue
+            org, whole = ([int(x) for x in part.split(",")] for part in box.split(";"))
+            if name not in out: out[name] = np.full(whole, np.nan, a.dtype)
+            out[name][tuple(slice(o, o + s) for o, s in zip(org, a.shape))] = a
+    for k, v in out.items():
+        if v.dtype.kind == "f" and np.isnan(v).any(): print("%s: the pieces leave a gap" % k); sys.exit()
+    return {k: v.reshape(-1) for k, v in out.items()}
+a, b = tensors(newest(sys.argv[1])), tensors(newest(sys.argv[2]))
+if sorted(a) != sorted(b): print("names differ: %s" % sorted(set(a) ^ set(b))[:5]); sys.exit()
+for k in sorted(a):
+    if a[k].shape != b[k].shape or a[k].tobytes() != b[k].tobytes():
+        i = int(np.argmax(a[k] != b[k])) if a[k].shape == b[k].shape else -1
+        print("%s differs (%s vs %s, element %d)" % (k, a[k].shape, b[k].shape, i)); sys.exit()
+print("ok %d tensors" % len(a))
+EOF
+}
+
+echo "# section 1 at ${SECONDS}s"
+# ---- 1. 50 steps: every stage logs --zero 0's losses and checkpoints its state, bit for bit
+for cfg in "2 1" "4 1" "4 2"; do
+    set -- $cfg; n=$1; ep=$2
+    for z in 0 1 2 3; do
+        run "s${n}e${ep}z$z" "${TINY[@]}" --steps 50 --nproc "$n" --ep "$ep" --zero "$z" --ckpt-dir "$work/ck_${n}_${ep}_$z"
+    done
+    for z in 1 2 3; do
+        what="--zero $z at $n ranks$( [ "$ep" -gt 1 ] && echo " (2 data x 2 expert)"): 50 steps equal --zero 0"
+        ran "s${n}e${ep}z0" "$what" && ran "s${n}e${ep}z$z" "$what" || continue
+        v=$(same_log "s${n}e${ep}z0" "s${n}e${ep}z$z")
+        c=$(same_ckpt "$work/ck_${n}_${ep}_0" "$work/ck_${n}_${ep}_$z")
+        case "$v $c" in "ok "*" ok "*) ok "$what: losses bit for bit ($v), weights and moments bit for bit ($c)";;
+                        *) bad "$what" "log: $v" "checkpoint: $c";; esac
+    done
+done
+
+echo "# section 2 at ${SECONDS}s"
+# ---- 2. gradient accumulation: ZeRO-2 and 3 reduce each micro-batch (another order)
+run acc0 "${TINY[@]}" --steps 30 --nproc 2 --accum 2
+for z in 2 3; do
+    run "acc$z" "${TINY[@]}" --steps 30 --nproc 2 --accum 2 --zero "$z"
+    what="--zero $z --accum 2 at 2 ranks: within 1e-6 of --zero 0"
+    ran acc0 "$what" && ran "acc$z" "$what" || continue
+    v=$(same_log acc0 "acc$z" 1e-6)
+    case $v in ok*) ok "$what ($v)";; *) bad "$what" "$v";; esac
+done
+
+echo "# section 3 at ${SECONDS}s"
+# ---- 3. resume at another data-parallel size, as the unsharded run resumes
+for cfg in "4 2 2 3" "2 3 3 1" "3 1 1 2"; do
+    set -- $cfg; n1=$1; z1=$2; n2=$3; z2=$4
+    what="--zero $z1 checkpoint at $n1 ranks resumed by --zero $z2 at $n2: continues as --zero 0 does"
+    for mode in ref zero; do
+        a=$z1; b=$z2; [ $mode = ref ] && a=0 && b=0
+        run "r${n1}${n2}${mode}a" "${TINY[@]}" --steps 20 --stop-at 10 --nproc "$n1" --zero "$a" --ckpt-dir "$work/r${n1}${n2}$mode"
+        run "r${n1}${n2}${mode}b" "${TINY[@]}" --steps 20 --nproc "$n2" --zero "$b" --ckpt-dir "$work/r${n1}${n2}$mode" --resume
+    done
+    ran "r${n1}${n2}refb" "$what" && ran "r${n1}${n2}zerob" "$what" || continue
+    v=$(same_log "r${n1}${n2}refb" "r${n1}${n2}zerob")
+    c=$(same_ckpt "$work/r${n1}${n2}ref" "$work/r${n1}${n2}zero")
+    case "$v $c" in "ok "*" ok "*) ok "$what ($v; final checkpoints $c)";; *) bad "$what" "log: $v" "checkpoint: $c";; esac
+done
+
+echo "# section 4 at ${SECONDS}s"
+# ---- 4. PowerSGD rank 4 on the default corpus: validation loss within 3%, bytes cut as expected
+P=(--seq 32 --d-model 32 --heads 2 --layers 3 --dense-layers 1 --ffn-hidden 64 --experts 4 --top-k 2
+   --expert-hidden 32 --shared 1 --batch 8 --lr 3e-3 --warmup 5 --corpus-mb 0.3 --val-every 10
+   --val-interval 50 --val-batches 4 --sample-len 0 --peak-tflops 0.1 --steps 150 --nproc 2)
+run psgd0 "${P[@]}"
+run psgd4 "${P[@]}" --grad-compress powersgd:4
+if ran psgd0 "PowerSGD rank 4" && ran psgd4 "PowerSGD rank 4"; then
+    expect=$(sed -n 's/.*zero: .* from pass \([0-9]*\): \([0-9]*\) of \([0-9]*\) elements.*/\1 \2 \3/p' "$work/psgd4.out")
+    verdict=$($PY - "$work/psgd0.jsonl" "$work/psgd4.jsonl" $expect <<'EOF'
+import json, sys
+def rows(p): return [json.loads(l) for l in open(p)]
+a, b = rows(sys.argv[1]), rows(sys.argv[2])
+start, comp, full = int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5])
+va = [r["val_loss"] for r in a if r["type"] == "val"][-1]
+vb = [r["val_loss"] for r in b if r["type"] == "val"][-1]
+problems = []
+if not vb <= va * 1.03: problems.append("validation loss %.4f against %.4f uncompressed (> 3%%)" % (vb, va))
+sa = [r for r in a if r["type"] == "step"]
+sb = [r for r in b if r["type"] == "step"]
+for r0, r in zip(sa, sb):
+    if r["reduce_bytes_uncompressed"] != r0["reduce_bytes"]: problems.append("step %d: uncompressed %s, --zero 0 moved %s" % (r["step"], r["reduce_bytes_uncompressed"], r0["reduce_bytes"])); break
+    want = r0["reduce_bytes"] * (comp / full if r["step"] > start else 1.0)
+    if abs(r["reduce_bytes"] - want) > 1e-9 * want: problems.append("step %d: %s bytes, want %.0f" % (r["step"], r["reduce_bytes"], want)); break
+if not full / comp > 1.5: problems.append("expected factor %.3f" % (full / comp))
+print("; ".join(problems) if problems else "ok validation loss %.4f vs %.4f (%+.2f%%), %.3fx fewer bytes per reduction" % (vb, va, 100 * (vb / va - 1), full / comp))
+EOF
+)
+    case $verdict in ok*) ok "PowerSGD rank 4, 150 steps at 2 ranks: ${verdict#ok }";; *) bad "PowerSGD rank 4" "$verdict";; esac
+fi
+
+echo "# section 5 at ${SECONDS}s"
+# ---- 5. memory per rank at start (parameters, gradients, optimizer state, activations)
+run mem0 "${TINY[@]}" --steps 1 --nproc 4
+run mem1 "${TINY[@]}" --steps 1 --nproc 4 --zero 1
+run mem3 "${TINY[@]}" --steps 1 --nproc 4 --zero 3
+if ran mem0 "memory lines" && ran mem1 "memory lines" && ran mem3 "memory lines"; then
+    verdict=$($PY - "$work/mem0.out" "$work/mem1.out" "$work/mem3.out" <<'EOF'
+import re, sys
+pat = re.compile(r"memory, rank (\d+): parameters ([\d.]+) MiB, gradients ([\d.]+) MiB, optimizer state ([\d.]+) MiB, "
+                 r"compression buffers ([\d.]+) MiB, activations \(high-water mark\) ([\d.]+) MiB")
+def lines(p):
+    return {int(m.group(1)): [float(x) for x in m.groups()[1:]] for m in map(pat.search, open(p)) if m}
+z0, z1, z3 = (lines(p) for p in sys.argv[1:4])
+problems = []
+if sorted(z0) != [0, 1, 2, 3] or sorted(z1) != [0, 1, 2, 3] or sorted(z3) != [0, 1, 2, 3]: problems.append("not every rank printed its memory: %s %s %s" % (sorted(z0), sorted(z1), sorted(z3)))
+else:
+    for r in range(4):
+        if not z1[r][2] <= z0[r][2] / 4 + 0.01: problems.append("rank %d: --zero 1 optimizer %.3f MiB, --zero 0 %.3f" % (r, z1[r][2], z0[r][2]))
+        if not z3[r][0] < z0[r][0]: problems.append("rank %d: --zero 3 parameters %.3f MiB, --zero 0 %.3f" % (r, z3[r][0], z0[r][0]))
+        if not z0[r][4] > 0: problems.append("rank %d: no activations" % r)
+print("; ".join(problems) if problems else "ok optimizer %.3f -> %.3f MiB (--zero 1), parameters %.3f -> %.3f MiB (--zero 3) on rank 0" % (z0[0][2], z1[0][2], z0[0][0], z3[0][0]))
+EOF
+)
+    case $verdict in ok*) ok "each rank prints its memory at start: ${verdict#ok }";; *) bad "memory lines" "$verdict";; esac
+fi
+
+echo "# section 6 at ${SECONDS}s"
+# ---- 6. errors: bad flags, a checkpoint of the other format, --grad-check
+expect_fail() { # NAME TEXT ARGS...: exits 2 or 1 with TEXT in its output
+    local name=$1 text=$2; shift 2
+    run "$name" "$@"
+    if [ "$(rc "$name")" -ne 0 ] && grep -qF -- "$text" "$work/$name.out"; then ok "$name fails cleanly: $text"
+    else bad "$name fails cleanly" "exit $(rc "$name")" "$(tail -2 "$work/$name.out")"; fi
+}
+expect_fail bad_zero "--zero 5: use 0, 1, 2 or 3" "${TINY[@]}" --steps 1 --zero 5
+expect_fail bad_compress "--grad-compress \"powersgd:0\": use none, bf16 or powersgd:R[:START]" "${TINY[@]}" --steps 1 --grad-compress powersgd:0
+expect_fail bad_compress2 "--grad-compress \"zip\"" "${TINY[@]}" --steps 1 --grad-compress zip
+expect_fail bad_check "--grad-check needs --dtype f32, one rank, the CPU and --zero 0 --grad-compress none" "${TINY[@]}" --steps 1 --zero 2 --grad-check 2
+expect_fail other_format "holds dsk_zero pieces; this run (--zero 0 --grad-compress none) reads whole tensors" "${TINY[@]}" --steps 20 --zero 0 --ckpt-dir "$work/r42zero" --resume
+
+echo "[test_zero_train] totals: $passed passed / $failed failed / $skipped skipped"
+[ "$failed" -eq 0 ]
