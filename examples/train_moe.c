@@ -743,8 +743,8 @@ static dsk_status unscale_and_decide(trainer *t, dsk_amp_decision *dec) {
     if (s == DSK_OK && n_shard > 0) {
         s = dsk_amp_unscale(&t->scaler, &t->ctx, shard, n_shard);
         if (s == DSK_OK) s = dsk_amp_stats_get(&t->scaler, &t->ctx, &b);
-        float f[2] = {(float)b.found_inf, (float)b.sumsq}; /* dsk_comm reduces no f64 */
-        if (s == DSK_OK) s = allreduce_host(t, &t->ep_comm, f, 2, DSK_F32, DSK_COMM_SUM);
+        double f[2] = {b.found_inf, b.sumsq}; /* f64, as dsk_zero_unscale_decide joins them (--zero) */
+        if (s == DSK_OK) s = allreduce_host(t, &t->ep_comm, f, 2, DSK_F64, DSK_COMM_SUM);
         a.found_inf += f[0];
         a.sumsq += f[1];
         /* the scaler's next update reads its stats: give it the joined ones */
@@ -766,7 +766,7 @@ static dsk_status unscale_and_decide(trainer *t, dsk_amp_decision *dec) {
 /* Seconds spent in collectives so far, every communicator of this rank. */
 static double comm_seconds(const trainer *t) {
     return t->comm.stats.seconds + t->ep_comm.stats.seconds + t->rep_comm.stats.seconds + t->buckets.seconds +
-           t->ebuckets.seconds;
+           t->ebuckets.seconds + (t->use_zero ? tz_seconds(&t->zero) : 0.0);
 }
 
 /* Forward, loss and backward of the micro-batch in the model's input tensors, loss gradient

@@ -102,6 +102,8 @@ static dsk_status tz_unit_hook(void *user, int unit, int phase) {
     tz *t = (tz *)user;
     for (int k = 0; k < t->n_obj; k++) {
         dsk_zero *z = &t->z[k];
+        /* an evaluation forward (no backward) left the last unit gathered: free its buffer for the prefetches */
+        if (phase == TM_FWD_BEGIN && unit == 0) TM_TRY(dsk_zero_forward_end(z, t->ctx, t->m->cfg.n_layers + 1));
         if (phase == TM_FWD_BEGIN) TM_TRY(dsk_zero_forward_begin(z, t->ctx, unit));
         else if (phase == TM_FWD_END) TM_TRY(dsk_zero_forward_end(z, t->ctx, unit));
         else if (phase == TM_BWD_BEGIN) TM_TRY(dsk_zero_backward_begin(z, t->ctx, unit));
@@ -291,6 +293,14 @@ static void tz_memory(const tz *t, dsk_zero_memory *out) {
         out->optimizer += t->z[k].memory.optimizer;
         out->comm += t->z[k].memory.comm;
     }
+    if (t->scratch.data) out->grads += (int64_t)dsk_tensor_nbytes(&t->scratch); /* the MoE layers' stand-in gradient */
+}
+
+/* Seconds the objects' progress threads spent in collectives so far. */
+static double tz_seconds(const tz *t) {
+    double s = 0;
+    for (int k = 0; k < t->n_obj; k++) s += t->z[k].stats.seconds;
+    return s;
 }
 
 /* Cumulative bytes handed to the gradient reductions and what they would be uncompressed. */
