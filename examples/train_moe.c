@@ -319,6 +319,8 @@ typedef struct trainer {
     dsk_comm ep_comm;             /* ranks that share tokens by all-to-all (hold different experts) */
     dsk_comm rep_comm;            /* ranks that hold the same experts (expert gradients reduce here) */
     dsk_comm ck_comm;             /* checkpoint barriers, used from the async writer's thread */
+    dsk_ctx ck_ctx;               /* CUDA: a stream of this rank's device for those barriers (the writer's thread
+                                     has no current device of its own, and the training stream is not its to use) */
     dsk_comm_buckets buckets;     /* data-parallel buckets over the replicated gradients (every rank) */
     dsk_comm_buckets ebuckets;    /* buckets over the expert-sharded gradients (ranks holding the same experts) */
     int have_buckets, have_ebuckets;
@@ -981,7 +983,7 @@ typedef struct ck_names { char (*name)[112]; dsk_ckpt_entry *e; int n; } ck_name
 
 static dsk_status ck_barrier(void *user) {
     trainer *t = (trainer *)user;
-    return dsk_comm_barrier(&t->ck_comm, NULL);
+    return dsk_comm_barrier(&t->ck_comm, t->ck_ctx.device.type == DSK_DEV_CUDA ? &t->ck_ctx : NULL);
 }
 
 /* Every rank gets the same checkpoint outcome: a max all-reduce of a few host words (the host
@@ -1181,6 +1183,14 @@ static void setup_ckpt(trainer *t) {
     co.agree_user = t;
     co.keep_last = o->keep;
     co.ctx = &t->ctx;
+    if (t->world > 1 && t->ctx.device.type == DSK_DEV_CUDA) {
+        dsk_ctx_opts xo;
+        memset(&xo, 0, sizeof xo);
+        xo.device = DSK_PREFER_CUDA;
+        xo.cuda_index = t->ctx.device.index;
+        xo.workspace_bytes = 1 << 20;
+        CHECK(dsk_ctx_init(&t->ck_ctx, &xo));
+    }
     CHECK(dsk_ckpt_init(&t->ck, o->ckpt_dir, &co));
     t->have_ck = 1;
     int64_t last = -1;
@@ -1578,6 +1588,7 @@ static void report_stop(trainer *t, int sig) {
 
 static void cleanup(trainer *t) {
     if (t->have_ck) dsk_ckpt_free(&t->ck);
+    dsk_ctx_free(&t->ck_ctx);
     if (t->use_zero) tz_free(&t->zero);
     if (t->have_buckets) dsk_comm_buckets_free(&t->buckets);
     if (t->have_ebuckets) dsk_comm_buckets_free(&t->ebuckets);

@@ -21,6 +21,9 @@
 #      gradients a quarter plus two units' buffers and one chunk (and the MoE layers' stand-in
 #      gradient), --zero 3's parameters a quarter plus two units' gather buffers.
 #   6. Bad flags and a checkpoint of the other format fail with a message naming them.
+#   7. The CUDA path (nccl, the communication stream) on the emulated GPU: 2 ranks with expert
+#      parallelism in bf16 give --zero 0's losses and norms bit for bit in every stage; a sharded
+#      checkpoint resumes on another world size as --zero 0's does.
 # Prints `[test_zero_train] totals: P passed / F failed / S skipped`.
 set -u
 cd "$(dirname "$0")/.."
@@ -60,14 +63,18 @@ ran() { # NAME: 0 if the run exited 0, else reports it
     return 1
 }
 
-# same_log A B [TOL]: the step losses, norms' absence aside, and validation losses of two logs:
-# bit for bit (TOL unset) or within TOL relative; prints "ok ..." or the first difference.
+# same_log A B [TOL]: the step losses, the steps' gradient norms (as logged, 9 digits) and the
+# validation losses of two logs: bit for bit (TOL unset) or within TOL relative; prints "ok ..."
+# or the first difference.
 same_log() {
     $PY - "$work/$1.jsonl" "$work/$2.jsonl" "${3:-0}" <<'EOF'
 import json, sys
 def rows(p):
-    return [(r["type"], r["step"], r["loss"] if r["type"] == "step" else r["val_loss"])
-            for r in map(json.loads, open(p)) if r["type"] in ("step", "val")]
+    out = []
+    for r in map(json.loads, open(p)):
+        if r["type"] == "step": out += [("step", r["step"], r["loss"]), ("norm", r["step"], r["grad_norm"])]
+        elif r["type"] == "val": out.append(("val", r["step"], r["val_loss"]))
+    return out
 a, b, tol = rows(sys.argv[1]), rows(sys.argv[2]), float(sys.argv[3])
 if len(a) != len(b) or not a: print("%d and %d records" % (len(a), len(b))); sys.exit()
 worst = 0.0
@@ -276,6 +283,42 @@ expect_fail bad_check "--grad-check needs --dtype f32, one rank, the CPU and --z
 expect_fail bad_graph "--cuda-graph runs without --zero and --grad-compress" "${TINY[@]}" --steps 1 --zero 1 --cuda-graph
 expect_fail zero_reads_whole "holds whole tensors; this run (--zero 2 --grad-compress none) reads dsk_zero pieces" "${TINY[@]}" --steps 20 --zero 2 --ckpt-dir "$work/r42ref" --resume
 expect_fail whole_reads_zero "holds dsk_zero pieces; this run (--zero 0 --grad-compress none) reads whole tensors" "${TINY[@]}" --steps 20 --zero 0 --ckpt-dir "$work/r42zero" --resume
+
+echo "# section 7 at ${SECONDS}s"
+# ---- 7. the CUDA path on the emulated GPU (tests/cuda_emu: kernels, nccl, streams and events on the CPU):
+# 2 ranks (1 data x 2 expert), bf16: --zero 1, 2 and 3 log --zero 0's losses and norms bit for bit; the
+# --zero 2 checkpoint resumed by --zero 3 on one rank continues as --zero 0's resumed by --zero 0;
+# PowerSGD, CPU-only, fails with the library's message.
+EMU_BIN=$BUILD/emu/examples/train_moe
+if [ "${EMULATE:-1}" = 0 ]; then
+    echo "skip the emulated GPU is not built (EMULATE=0)"; skipped=$((skipped + 1))
+elif ! make --no-print-directory -s BUILD="$BUILD" "$EMU_BIN" >"$work/emu_build.log" 2>&1; then
+    cat "$work/emu_build.log"; bad "build $EMU_BIN" "make failed"
+else
+    G=(--seq 16 --d-model 32 --heads 2 --layers 3 --dense-layers 1 --ffn-hidden 32 --experts 4 --top-k 2
+       --expert-hidden 16 --shared 1 --batch 4 --lr 3e-3 --warmup 2 --corpus-mb 0.05 --val-every 10
+       --val-interval 3 --val-batches 1 --sample-len 0 --peak-tflops 0.1 --device cuda --dtype bf16)
+    BIN_SAVED=$BIN; BIN=$EMU_BIN
+    for z in 0 1 2 3; do run "g$z" "${G[@]}" --steps 6 --nproc 2 --ep 2 --zero "$z" --ckpt-dir "$work/g$z"; done
+    for z in 0 3; do
+        from=$z; [ "$z" -eq 3 ] && from=2
+        run "g${z}r" "${G[@]}" --steps 9 --zero "$z" --ckpt-dir "$work/g$from" --resume
+    done
+    expect_fail g_psgd "PowerSGD runs on CPU tensors only" "${G[@]}" --steps 1 --grad-compress powersgd:2
+    BIN=$BIN_SAVED
+    for z in 1 2 3; do
+        what="emulated GPU, 2 ranks (1 data x 2 expert), bf16: --zero $z equals --zero 0"
+        ran g0 "$what" && ran "g$z" "$what" || continue
+        if ! grep -q "memory, rank 1: " "$work/g$z.out"; then bad "$what" "rank 1 printed no memory line"; continue; fi
+        v=$(same_log g0 "g$z")
+        case $v in ok*) ok "$what ($v)";; *) bad "$what" "$v";; esac
+    done
+    what="emulated GPU: the --zero 2 checkpoint of 2 ranks resumed by --zero 3 on 1 rank continues as --zero 0 does"
+    if ran g0r "$what" && ran g3r "$what"; then
+        v=$(same_log g0r g3r)
+        case $v in ok*) ok "$what ($v)";; *) bad "$what" "$v";; esac
+    fi
+fi
 
 echo "[test_zero_train] totals: $passed passed / $failed failed / $skipped skipped"
 [ "$failed" -eq 0 ]
