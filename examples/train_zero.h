@@ -10,7 +10,13 @@
    driven by the model's unit hook; the MoE layers are bound to their parameters' views again
    whenever ZeRO moves them (stage 3 gathers, stage 2-3 gradient buffers). Weights start as the
    trainer's (the same counter-based streams, element by element), so every stage trains the
-   same model; checkpoints hold the objects' pieces (dsk_zero's format: flattened tensors). */
+   same model; checkpoints hold the objects' pieces (dsk_zero's format: flattened tensors).
+
+   In train_moe.c:
+       tm_init with cfg.external = 1; tz_init(&z, &model, ctx, &dp, &rep, world, &opts, seed);
+       each step: for each micro-batch a: tz_begin(&z, a == last); forward, loss, backward (the hooks);
+                  tz_wait; tz_decide (unscale, clip, skip: one all-reduce); tz_step; dsk_amp_update
+       checkpoints: tz_ckpt_entries(SAVE or LOAD) next to the other entries; after a load tz_refresh */
 #ifndef TRAIN_ZERO_H
 #define TRAIN_ZERO_H
 
@@ -278,7 +284,8 @@ static dsk_status tz_ckpt_entries(tz *t, dsk_zero_ckpt_mode mode, dsk_ckpt_entry
         const dsk_ckpt_entry *ze;
         int nz;
         TM_TRY(dsk_zero_ckpt_entries(&t->z[k], t->ctx, mode, &ze, &nz));
-        if (*n + nz > cap) return dsk_set_error(DSK_ERR_ARG, "tz_ckpt_entries: %d entries do not fit in %d", *n + nz, cap);
+        if (*n + nz > cap)
+            return dsk_set_error(DSK_ERR_ARG, "tz_ckpt_entries: %d entries do not fit in %d", *n + nz, cap);
         memcpy(e + *n, ze, (size_t)nz * sizeof *ze);
         *n += nz;
     }

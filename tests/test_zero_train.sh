@@ -150,11 +150,14 @@ for cfg in "2 1 f32" "4 1 f32" "4 2 f32" "2 1 bf16"; do
         v=$(same_log "s${n}e${ep}${dt}z0" "s${n}e${ep}${dt}z$z")
         c=$(same_ckpt "$work/ck_${n}_${ep}_${dt}_0" "$work/ck_${n}_${ep}_${dt}_$z")
         smp=ok
-        if [ -z "$(sample_of "s${n}e${ep}${dt}z0")" ] || [ "$(sample_of "s${n}e${ep}${dt}z0")" != "$(sample_of "s${n}e${ep}${dt}z$z")" ]; then
+        s0=$(sample_of "s${n}e${ep}${dt}z0")
+        if [ -z "$s0" ] || [ "$s0" != "$(sample_of "s${n}e${ep}${dt}z$z")" ]; then
             smp="samples differ or are missing"
         fi
-        case "$v|$c|$smp" in "ok "*"|ok "*"|ok") ok "$what: losses bit for bit ($v), weights and moments bit for bit ($c), same sample";;
-                             *) bad "$what" "log: $v" "checkpoint: $c" "sample: $smp";; esac
+        case "$v|$c|$smp" in
+            "ok "*"|ok "*"|ok") ok "$what: losses bit for bit ($v), weights and moments bit for bit ($c), same sample";;
+            *) bad "$what" "log: $v" "checkpoint: $c" "sample: $smp";;
+        esac
     done
 done
 
@@ -215,12 +218,19 @@ sa = [r for r in a if r["type"] == "step"]
 sb = [r for r in b if r["type"] == "step"]
 if len(sa) != len(sb) or not sa: problems.append("%d and %d steps" % (len(sa), len(sb)))
 for r0, r in zip(sa, sb):
-    if r["reduce_bytes_uncompressed"] != r0["reduce_bytes"]: problems.append("step %d: uncompressed %s, --grad-compress none moved %s" % (r["step"], r["reduce_bytes_uncompressed"], r0["reduce_bytes"])); break
+    if r["reduce_bytes_uncompressed"] != r0["reduce_bytes"]:
+        problems.append("step %d: uncompressed %s, --grad-compress none moved %s"
+                        % (r["step"], r["reduce_bytes_uncompressed"], r0["reduce_bytes"]))
+        break
     want = r0["reduce_bytes"] * (comp / full if r["step"] > start else 1.0)
-    if abs(r["reduce_bytes"] - want) > 1e-9 * want: problems.append("step %d: %s bytes, want %.0f" % (r["step"], r["reduce_bytes"], want)); break
+    if abs(r["reduce_bytes"] - want) > 1e-9 * want:
+        problems.append("step %d: %s bytes, want %.0f" % (r["step"], r["reduce_bytes"], want))
+        break
 if not full / comp > 1.5: problems.append("expected factor %.3f" % (full / comp))
 last0, last = sa[-1]["reduce_bytes"], sb[-1]["reduce_bytes"]
-print("; ".join(problems) if problems else "ok validation loss %.4f vs %.4f uncompressed (%+.2f%%); %.0f vs %.0f bytes per step and rank (%.3fx fewer, expected %.3fx)" % (vb, va, 100 * (vb / va - 1), last, last0, last0 / last, full / comp))
+print("; ".join(problems) if problems else
+      "ok validation loss %.4f vs %.4f uncompressed (%+.2f%%); %.0f vs %.0f bytes per step and rank (%.3fx fewer, "
+      "expected %.3fx)" % (vb, va, 100 * (vb / va - 1), last, last0, last0 / last, full / comp))
 EOF
 )
     case $verdict in ok*) ok "--grad-compress $c, 150 steps at 2 ranks: ${verdict#ok }";; *) bad "--grad-compress $c" "$verdict";; esac
@@ -251,17 +261,24 @@ chunk = 4 * (max(dense_units) + expert_unit) // 4 + 8  # ZeRO-2/3: one chunk of 
 scratch = 4 * E * Fe * D                               # the MoE layers' stand-in gradient while theirs do not exist
 pad = 4 * 4 * 3 * (len(dense_units) + 8)               # < 4 padding elements per unit, 3 f32 arrays
 problems = []
-if any(sorted(x) != [0, 1, 2, 3] for x in z): problems.append("not every rank printed its memory: %s" % [sorted(x) for x in z])
+if any(sorted(x) != [0, 1, 2, 3] for x in z):
+    problems.append("not every rank printed its memory: %s" % [sorted(x) for x in z])
 else:
     for r in range(4):
         p0, g0, o0, c0, a0 = z[0][r]
-        if not z[1][r][2] <= o0 / 4 + pad: problems.append("rank %d: --zero 1 optimizer %.0f B > %.0f / 4 + %d" % (r, z[1][r][2], o0, pad))
-        if not z[2][r][1] <= g0 / 4 + two_units + chunk + scratch + pad: problems.append("rank %d: --zero 2 gradients %.0f B > %.0f / 4 + %d" % (r, z[2][r][1], g0, two_units + chunk + scratch + pad))
-        if not z[3][r][0] <= p0 / 4 + two_units: problems.append("rank %d: --zero 3 parameters %.0f B > %.0f / 4 + %d" % (r, z[3][r][0], p0, two_units))
+        for what, got, whole, extra in (("--zero 1 optimizer", z[1][r][2], o0, pad),
+                                        ("--zero 2 gradients", z[2][r][1], g0, two_units + chunk + scratch + pad),
+                                        ("--zero 3 parameters", z[3][r][0], p0, two_units)):
+            if not got <= whole / 4 + extra:
+                problems.append("rank %d: %s %.0f B > %.0f / 4 + %d" % (r, what, got, whole, extra))
         if not (z[3][r][0] < p0 and z[2][r][1] < g0): problems.append("rank %d: no saving" % r)
-        if not (0 < z[1][r][4] == z[2][r][4] == z[3][r][4] <= a0): problems.append("rank %d: activations %s" % (r, [x[r][4] for x in z]))
+        if not (0 < z[1][r][4] == z[2][r][4] == z[3][r][4] <= a0):
+            problems.append("rank %d: activations %s" % (r, [x[r][4] for x in z]))
 f = lambda v: "%.3f" % (v / 1048576)
-print("; ".join(problems) if problems else "ok rank 0, MiB: optimizer %s -> %s (--zero 1), gradients %s -> %s (--zero 2), parameters %s -> %s (--zero 3); activations %s" % (f(z[0][0][2]), f(z[1][0][2]), f(z[0][0][1]), f(z[2][0][1]), f(z[0][0][0]), f(z[3][0][0]), f(z[3][0][4])))
+print("; ".join(problems) if problems else
+      "ok rank 0, MiB: optimizer %s -> %s (--zero 1), gradients %s -> %s (--zero 2), parameters %s -> %s (--zero 3); "
+      "activations %s" % (f(z[0][0][2]), f(z[1][0][2]), f(z[0][0][1]), f(z[2][0][1]), f(z[0][0][0]), f(z[3][0][0]),
+                          f(z[3][0][4])))
 EOF
 )
     case $verdict in ok*) ok "each rank prints its memory at start (4 ranks, 8 blocks): ${verdict#ok }";; *) bad "memory lines" "$verdict";; esac
@@ -281,8 +298,10 @@ expect_fail bad_compress2 "--grad-compress \"zip\"" "${TINY[@]}" --steps 1 --gra
 expect_fail bad_compress3 "--grad-compress \"powersgd:2:x\"" "${TINY[@]}" --steps 1 --grad-compress powersgd:2:x
 expect_fail bad_check "--grad-check needs --dtype f32, one rank, the CPU and --zero 0 --grad-compress none" "${TINY[@]}" --steps 1 --zero 2 --grad-check 2
 expect_fail bad_graph "--cuda-graph runs without --zero and --grad-compress" "${TINY[@]}" --steps 1 --zero 1 --cuda-graph
-expect_fail zero_reads_whole "holds whole tensors; this run (--zero 2 --grad-compress none) reads dsk_zero pieces" "${TINY[@]}" --steps 20 --zero 2 --ckpt-dir "$work/r42ref" --resume
-expect_fail whole_reads_zero "holds dsk_zero pieces; this run (--zero 0 --grad-compress none) reads whole tensors" "${TINY[@]}" --steps 20 --zero 0 --ckpt-dir "$work/r42zero" --resume
+expect_fail zero_reads_whole "holds whole tensors; this run (--zero 2 --grad-compress none) reads dsk_zero pieces" \
+    "${TINY[@]}" --steps 20 --zero 2 --ckpt-dir "$work/r42ref" --resume
+expect_fail whole_reads_zero "holds dsk_zero pieces; this run (--zero 0 --grad-compress none) reads whole tensors" \
+    "${TINY[@]}" --steps 20 --zero 0 --ckpt-dir "$work/r42zero" --resume
 
 echo "# section 7 at ${SECONDS}s"
 # ---- 7. the CUDA path on the emulated GPU (tests/cuda_emu: kernels, nccl, streams and events on the CPU):
