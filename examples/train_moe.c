@@ -1401,16 +1401,8 @@ static void banner(trainer *t) {
         o->layers, o->dense_layers, o->d_model, o->heads, m->cfg.vocab, o->experts, o->score, o->top_k, o->shared, o->expert_hidden,
         total / 1e6, t->flops_per_token / 1e6);
     if (t->use_zero) {
-        double all = 0, comp = 0;
-        for (int i = 0; i < m->n_params; i++) { /* PowerSGD's rule on each tensor viewed as (shape[0], rest) */
-            const tm_param *p = &m->params[i];
-            int64_t n = tm_param_numel(p), rows = p->shape[0], cols = n / rows, r = t->zopts.psgd_rank;
-            r = r < rows ? r : rows;
-            r = r < cols ? r : cols;
-            all += (double)n;
-            comp += dsk_zero_powersgd_compresses(p->ndim, rows, cols, t->zopts.psgd_rank, 2.0) ? (double)((rows + cols) * r)
-                                                                                               : (double)n;
-        }
+        double all, comp;
+        tz_powersgd_elements(m, t->zopts.psgd_rank, &comp, &all);
         say(t, "zero: stage %d over %d rank%s (experts over %d), gradient reductions %s", o->zero, t->world,
             t->world > 1 ? "s" : "", t->have_comm ? t->rep_comm.world_size : 1, o->grad_compress);
         if (t->zopts.compress == DSK_ZERO_COMPRESS_POWERSGD)

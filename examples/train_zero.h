@@ -303,6 +303,20 @@ static void tz_memory(const tz *t, dsk_zero_memory *out) {
     if (t->scratch.data) out->grads += (int64_t)dsk_tensor_nbytes(&t->scratch); /* the MoE layers' stand-in gradient */
 }
 
+/* Elements a PowerSGD reduction of rank r hands over for the model's gradients (*comp), and
+   uncompressed (*all): PyTorch's rule (dsk_zero_powersgd_compresses, its default minimum
+   compression rate 2) on each tensor viewed as (shape[0], rest), P and Q of (rows + cols) r'. */
+static void tz_powersgd_elements(const tm_model *m, int r, double *comp, double *all) {
+    *comp = *all = 0;
+    for (int i = 0; i < m->n_params; i++) {
+        const tm_param *p = &m->params[i];
+        int64_t n = tm_param_numel(p), rows = p->shape[0], cols = n / rows, rr = r < rows ? r : rows;
+        if (cols < rr) rr = cols;
+        *all += (double)n;
+        *comp += dsk_zero_powersgd_compresses(p->ndim, rows, cols, r, 2.0) ? (double)((rows + cols) * rr) : (double)n;
+    }
+}
+
 /* Seconds the objects' progress threads spent in collectives so far. */
 static double tz_seconds(const tz *t) {
     double s = 0;
