@@ -25,6 +25,7 @@ GPU_BENCHES=(
   "comm_bench|60|env RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 $BUILD/bench/comm_bench --nccl -b 8 -e 268435456"
   "bench_moe|150|$BUILD/bench/bench_moe --cuda --tokens 8192 --repeats 5"
   "bench_attention|60|$BUILD/bench/bench_attention --gpu --repeats 5"
+  "bench_zero|60|$BUILD/bench/bench_zero --cuda --units 8 --dim 2048 --batch 512 --dtype bf16 --steps 20 --warmup 3"
 )
 # ---- end of the GPU benchmark list
 
