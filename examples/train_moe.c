@@ -821,7 +821,7 @@ static dsk_status graph_step(trainer *t, float gscale, step_info *si) {
 /* The decision the replayed step made on the device, for the log and the applied-step count:
    dsk_amp_decide on the scaler's stats, the same function on the same numbers. */
 static dsk_status graph_decision(trainer *t, dsk_amp_decision *dec) {
-    dsk_amp_stats st;
+    dsk_amp_stats st = {0.0, 0.0};
     TM_TRY(dsk_amp_stats_get(&t->scaler, &t->ctx, &st));
     *dec = dsk_amp_decide(st, t->o->clip);
     if (!dec->skip) t->applied++;
