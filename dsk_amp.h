@@ -1015,8 +1015,8 @@ DSK_API dsk_status dsk_amp_dstep_upload(dsk_amp_dstep *ds, dsk_ctx *ctx) {
     DSK__TRY(dsk__amp_need_dstep("dsk_amp_dstep_upload", ctx, ds));
 #ifdef DSK_CUDA
     if (ds->device.type == DSK_DEV_CUDA)
-        return dsk_cuda_memcpy(ctx, (char *)ds->vals + DSK__AMP_SCHED_OFF, (const char *)ds->pinned + DSK__AMP_SCHED_OFF,
-                               DSK__AMP_SCHED_BYTES, 1);
+        return dsk_cuda_memcpy(ctx, (char *)ds->vals + DSK__AMP_SCHED_OFF,
+                               (const char *)ds->pinned + DSK__AMP_SCHED_OFF, DSK__AMP_SCHED_BYTES, 1);
 #endif
     return DSK_OK;
 }
@@ -1058,7 +1058,8 @@ DSK_API dsk_status dsk_amp_step_dev(dsk_ctx *ctx, const dsk_amp_param *params, i
     const char *fn = "dsk_amp_step_dev";
     DSK__TRY(dsk__amp_need_dstep(fn, ctx, ds));
     DSK__TRY(dsk__amp_check_betas(fn, opts));
-    if (ds->beta1 < 0.0f) return dsk_set_error(DSK_ERR_STATE, "%s: the dstep has no schedule (dsk_amp_dstep_schedule)", fn);
+    if (ds->beta1 < 0.0f)
+        return dsk_set_error(DSK_ERR_STATE, "%s: the dstep has no schedule (dsk_amp_dstep_schedule)", fn);
     if (opts->beta1 != ds->beta1 || opts->beta2 != ds->beta2)
         return dsk_set_error(DSK_ERR_ARG, "%s: betas (%g, %g) differ from the schedule's (%g, %g), whose bias "
                              "corrections the step would use", fn, (double)opts->beta1, (double)opts->beta2,
@@ -1078,8 +1079,10 @@ DSK_API dsk_status dsk_amp_step_dev(dsk_ctx *ctx, const dsk_amp_param *params, i
         for (int i = 0; i < n; i++) {
             const dsk_amp_param *p = &params[i];
             int rne_copy = p->copy && round == DSK_AMP_ROUND_NEAREST;
-            DSK__TRY(dsk_cuda_amp_adamw_dev(ctx, p->master, p->grad, p->m, p->v, opts, ds->vals, rne_copy ? p->copy : NULL));
-            if (p->copy && !rne_copy) DSK__TRY(dsk_cuda_amp_cast_dev(ctx, p->copy, p->master, seed, (uint64_t)i, ds->vals));
+            dsk_tensor *copy = rne_copy ? p->copy : NULL; /* refreshed by the AdamW pass itself */
+            DSK__TRY(dsk_cuda_amp_adamw_dev(ctx, p->master, p->grad, p->m, p->v, opts, ds->vals, copy));
+            if (p->copy && !rne_copy)
+                DSK__TRY(dsk_cuda_amp_cast_dev(ctx, p->copy, p->master, seed, (uint64_t)i, ds->vals));
         }
         return DSK_OK;
     }

@@ -244,7 +244,8 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--cuda")) cuda = 1;
         else if (!strcmp(argv[i], "--no-peer")) peer = 0;
         else {
-            fprintf(stderr, "usage: %s [--tokens T] [--repeats N] [--full | --tiny] [--python PATH] [--cuda] [--no-peer]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--tokens T] [--repeats N] [--full | --tiny] [--python PATH] [--cuda] "
+                            "[--no-peer]\n", argv[0]);
             return 2;
         }
     }

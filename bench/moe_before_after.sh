@@ -32,9 +32,13 @@ run_new() { # bench_moe's lines, as "new <shape> wall_ms=.. cpu_ms=.. ysum=.."
     echo "load $(load)" >>"$log"
     "$BUILD/bench/bench_moe" --tokens "$TOKENS" --repeats "$REPEATS" --no-peer | awk '
         $2 ~ /^ysum=/ { y[$1] = $2 }
-        / dsk .* ms\/step/ { for (i = 1; i <= NF; i++) { if ($i == "dsk") w[$1] = $(i + 1); if ($i == "time") c[$1] = $(i + 1) }
-                             order[++n] = $1 }
-        END { for (i = 1; i <= n; i++) { s = order[i]; printf "new %s wall_ms=%s cpu_ms=%s %s\n", s, w[s], c[s], y[s] } }' >>"$log"
+        / dsk .* ms\/step/ {
+            for (i = 1; i <= NF; i++) { if ($i == "dsk") w[$1] = $(i + 1); if ($i == "time") c[$1] = $(i + 1) }
+            order[++n] = $1
+        }
+        END {
+            for (i = 1; i <= n; i++) { s = order[i]; printf "new %s wall_ms=%s cpu_ms=%s %s\n", s, w[s], c[s], y[s] }
+        }' >>"$log"
 }
 for r in $(seq 1 "$ROUNDS"); do
     echo "round $r" >>"$log"
@@ -60,8 +64,10 @@ for shape in ("v2lite", "v3"):
     oc, nc = statistics.median(c for _, c in o), statistics.median(c for _, c in n)
     print("%-7s %12.1f %12.1f %12.1f %12.1f %8.2fx %8.2fx" % (shape, ow, nw, oc, nc, ow / nw, oc / nc))
 for shape, s in ys.items():
-    print("%s: old and new y %s" % (shape, "identical (sum %s)" % next(iter(s)) if len(s) == 1 else "DIFFER: %s" % sorted(s)))
-print("load average (1 min) before the runs: min %.2f, median %.2f, max %.2f" % (min(loads), statistics.median(loads), max(loads)))
+    same = "identical (sum %s)" % next(iter(s)) if len(s) == 1 else "DIFFER: %s" % sorted(s)
+    print("%s: old and new y %s" % (shape, same))
+print("load average (1 min) before the runs: min %.2f, median %.2f, max %.2f"
+      % (min(loads), statistics.median(loads), max(loads)))
 PYEOF
 echo "load $(load) before the PyTorch run"
 "$BUILD/bench/bench_moe" --tokens "$TOKENS" --repeats "$REPEATS"

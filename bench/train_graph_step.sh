@@ -36,7 +36,8 @@ ms = {m: statistics.median([r["ms"] for r in s[3:]] or [r["ms"] for r in s]) for
 key = lambda s: [(r["step"], repr(r["loss"]), repr(r["grad_norm"]), repr(r["loss_scale"]), r["skipped"]) for r in s]
 same = key(runs["eager"]) == key(runs["graph"])
 print("train_moe %s" % args)
-print("step time: eager %.3f ms, --cuda-graph %.3f ms (%.0f%% of eager), median of steps 4..%d; logged steps bitwise equal: %s"
+print("step time: eager %.3f ms, --cuda-graph %.3f ms (%.0f%% of eager), median of steps 4..%d; "
+      "logged steps bitwise equal: %s"
       % (ms["eager"], ms["graph"], 100.0 * ms["graph"] / ms["eager"], len(runs["eager"]), "yes" if same else "NO"))
 print("summary: train_moe step eager %.3f ms, --cuda-graph %.3f ms (%.0f%%), replay = eager bitwise: %s"
       % (ms["eager"], ms["graph"], 100.0 * ms["graph"] / ms["eager"], "yes" if same else "NO"))

@@ -716,8 +716,8 @@ static dsk_status read_loss(trainer *t, float *out) {
 /* The i-th of the step's staged micro-batches: views of row i of (accum, n) device buffers. */
 static dsk_status graph_row(const dsk_tensor *buf, const dsk_tensor *like, int i, dsk_tensor *out) {
     int64_t n = dsk_tensor_numel(like);
-    return dsk_tensor_wrap(out, (char *)buf->data + (size_t)(i * n) * dsk_dtype_size(buf->dtype), buf->dtype, buf->device,
-                           like->ndim, like->shape);
+    char *row = (char *)buf->data + (size_t)(i * n) * dsk_dtype_size(buf->dtype);
+    return dsk_tensor_wrap(out, row, buf->dtype, buf->device, like->ndim, like->shape);
 }
 
 /* Copies the micro-batch load_train_batch put in the model's inputs to the next staging row. */
@@ -779,9 +779,11 @@ static dsk_status graph_record(trainer *t, float gscale) {
     free(grads);
     TM_TRY(s);
     TM_TRY(dsk_amp_decide_dev(&t->dstep, &t->ctx, &t->scaler, o->clip));
-    TM_TRY(dsk_amp_step_dev(&t->ctx, t->amp_decay, t->n_decay, &ao, &t->dstep, DSK_AMP_ROUND_NEAREST, (uint64_t)o->seed));
+    TM_TRY(dsk_amp_step_dev(&t->ctx, t->amp_decay, t->n_decay, &ao, &t->dstep, DSK_AMP_ROUND_NEAREST,
+                            (uint64_t)o->seed));
     ao.weight_decay = 0.0f;
-    TM_TRY(dsk_amp_step_dev(&t->ctx, t->amp_plain, t->n_plain, &ao, &t->dstep, DSK_AMP_ROUND_NEAREST, (uint64_t)o->seed));
+    TM_TRY(dsk_amp_step_dev(&t->ctx, t->amp_plain, t->n_plain, &ao, &t->dstep, DSK_AMP_ROUND_NEAREST,
+                            (uint64_t)o->seed));
     if (o->bias_rate > 0)
         for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++)
             TM_TRY(dsk_moe_update_bias_unless(&m->blocks[l].moe, &t->ctx, &t->dstep.skip));

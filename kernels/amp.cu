@@ -209,14 +209,14 @@ __global__ static void dsk__amp_decide_kernel(const dsk__amp_block *blk, dsk_amp
 extern "C" dsk_status dsk_cuda_amp_decide(dsk_ctx *ctx, const void *block, dsk_amp_step_vals *vals, double max_norm) {
     const char *fn = "dsk_amp_decide_dev";
     DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
-    return DSK__CUDA_LAUNCHED(fn, dsk__amp_decide_kernel, 1u, 1u, dsk__cuda_stream(ctx), 1, (const dsk__amp_block *)block,
-                              vals, max_norm);
+    return DSK__CUDA_LAUNCHED(fn, dsk__amp_decide_kernel, 1u, 1u, dsk__cuda_stream(ctx), 1,
+                              (const dsk__amp_block *)block, vals, max_norm);
 }
 
 /* dsk_adamw_step's kernel (kernels/tensor.cu) with lr, bias corrections and grad_mult read from the device. */
-__global__ static void dsk__amp_adamw_dev_kernel(float *p, const void *grad, dsk_dtype dtg, float *m, float *v, int64_t n,
-                                                 float b1, float b2, float eps, float wd, const dsk_amp_step_vals *sv,
-                                                 void *copy, dsk_dtype dtc) {
+__global__ static void dsk__amp_adamw_dev_kernel(float *p, const void *grad, dsk_dtype dtg, float *m, float *v,
+                                                 int64_t n, float b1, float b2, float eps, float wd,
+                                                 const dsk_amp_step_vals *sv, void *copy, dsk_dtype dtc) {
     if (sv->skip) return;
     float lr = sv->lr, bc1 = sv->bc1, bc2 = sv->bc2, grad_mult = sv->grad_mult;
     DSK__CUDA_FOR(i, n) {

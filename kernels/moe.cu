@@ -241,7 +241,8 @@ extern "C" dsk_status dsk_cuda_moe_dgate(dsk_ctx *ctx, int K, int64_t TK, int64_
 
 /* ======================================================================= bias update */
 
-__global__ void dsk__moe_k_bias_update(int E, float rate, int recenter, int64_t *load, float *bias, const int32_t *skip) {
+__global__ void dsk__moe_k_bias_update(int E, float rate, int recenter, int64_t *load, float *bias,
+                                       const int32_t *skip) {
     if (threadIdx.x != 0 || (skip && *skip)) return;
     dsk__moe_bias_update(E, rate, recenter, load, bias);
     for (int e = 0; e < E; e++) load[e] = 0;

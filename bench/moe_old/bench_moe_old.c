@@ -37,7 +37,8 @@ static void run_shape(const shape *sh, int T, int warmup, int repeats, dsk_ctx *
     dsk_moe_stats st;
     dsk_tensor x, y, dx, dy;
     int64_t shp[2] = {T, sh->D};
-    double *wall = (double *)malloc(sizeof(double) * (size_t)repeats), *cpu = (double *)malloc(sizeof(double) * (size_t)repeats);
+    double *wall = (double *)malloc(sizeof(double) * (size_t)repeats);
+    double *cpu = (double *)malloc(sizeof(double) * (size_t)repeats);
     double ysum = 0;
     memset(&o, 0, sizeof o);
     o.d_model = sh->D; o.n_routed = sh->E; o.top_k = sh->K; o.d_expert = sh->F; o.n_shared = sh->n_shared;
@@ -62,8 +63,8 @@ static void run_shape(const shape *sh, int T, int warmup, int repeats, dsk_ctx *
         }
     }
     for (int64_t i = 0; i < (int64_t)T * sh->D; i++) ysum += ((const float *)y.data)[i];
-    printf("old %s T=%d wall_ms=%.1f cpu_ms=%.1f load=%.2f ysum=%.17g\n", sh->name, T, 1e3 * bench_median(wall, repeats),
-           1e3 * bench_median(cpu, repeats), st.max_load / st.mean_load, ysum);
+    printf("old %s T=%d wall_ms=%.1f cpu_ms=%.1f load=%.2f ysum=%.17g\n", sh->name, T,
+           1e3 * bench_median(wall, repeats), 1e3 * bench_median(cpu, repeats), st.max_load / st.mean_load, ysum);
     fflush(stdout);
     dsk_tensor_free(ctx, &x); dsk_tensor_free(ctx, &y); dsk_tensor_free(ctx, &dx); dsk_tensor_free(ctx, &dy);
     dsk_moe_free(&m, ctx);
