@@ -6,8 +6,8 @@
 # bit for bit: bf16 with gradient accumulation; fp16 with its dynamic loss scale; fp16 with
 # --init-std 0.5, whose steps 1 and 3 overflow (skipped on the device, the scale backs off and
 # the step is captured again) and steps 2 and 4 apply. A capture fails on any host sync inside
-# it, so the runs also prove the captured steps make none. And --cuda-graph on the CPU fails
-# with a message.
+# it, so the runs also prove the captured steps make none. And --cuda-graph on the CPU or with
+# --zero fails with a message.
 # Prints `[test_train_graph] totals: P passed / F failed / S skipped`; exits non-zero on failure.
 set -u
 cd "$(dirname "$0")/.."
@@ -72,6 +72,13 @@ for variant in "bf16 --accum 2" "fp16" "fp16 --init-std 0.5"; do
         else bad "$what" "skip flags seen: '$skips', loss scales: $scales" "$b"; fi
     fi
 done
+
+run zero "${TINY[@]}" --zero 1 --cuda-graph
+if [ "$(cat "$work/zero.rc")" -ne 0 ] && grep -q -- "--cuda-graph runs without --zero" "$work/zero.out"; then
+    ok "--cuda-graph with --zero fails with a message"
+else
+    bad "--cuda-graph with --zero fails with a message" "exit $(cat "$work/zero.rc")" "$(tail -2 "$work/zero.out")"
+fi
 
 run cpu "${TINY[@]}" --device cpu --cuda-graph
 if [ "$(cat "$work/cpu.rc")" -ne 0 ] && grep -q -- "--cuda-graph needs one rank on a GPU" "$work/cpu.out"; then
