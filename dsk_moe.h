@@ -464,7 +464,6 @@ static inline DSK_HD void dsk__moe_loss_token(int E, int K, int count_topk, int 
             for (int j = 0; j < E; j++)
                 if ((prob[j] < pv || (prob[j] == pv && j > pi)) && (best < 0 || prob[j] > prob[best])) best = j;
             lsel[k] = best;
-            if (best < 0) continue; /* NaN scores rank nothing: the token counts nowhere (-1) */
             pv = prob[best];
             pi = best;
         }
