@@ -240,13 +240,15 @@ static void record(const cfg *c, int stage, const result *r0, double step, doubl
     snprintf(check, 320,
              "check ZeRO-%d, rank 0: weights + grads + optimizer + comm = %.2f MiB, %s the allocator's %.2f MiB "
              "for dsk_zero_init; + activations %.2f MiB = %.2f MiB, peak %.2f MiB",
-             stage, mb((double)roles), roles == r0->zero_bytes ? "equal to" : "NOT EQUAL to", mb((double)r0->zero_bytes),
+             stage, mb((double)roles), roles == r0->zero_bytes ? "equal to" : "NOT EQUAL to",
+             mb((double)r0->zero_bytes),
              mb((double)r0->act_bytes), mb((double)(roles + r0->act_bytes)), mb((double)r0->peak));
     snprintf(summary, 320,
-             "summary: ZeRO-%d %s x%d: %.3f ms/step (%.2fx ZeRO-0), state %.2f MiB/rank (w %.2f g %.2f opt %.2f comm %.2f), "
-             "peak %.2f MiB, reduce %.2f + gather %.2f MiB/step",
+             "summary: ZeRO-%d %s x%d: %.3f ms/step (%.2fx ZeRO-0), state %.2f MiB/rank "
+             "(w %.2f g %.2f opt %.2f comm %.2f), peak %.2f MiB, reduce %.2f + gather %.2f MiB/step",
              stage, c->cuda ? "cuda" : "cpu", c->n, 1e3 * step, step / base, mb((double)roles), mb((double)m->params),
-             mb((double)m->grads), mb((double)m->optimizer), mb((double)m->comm), mb((double)r0->peak), mb(r0->reduce_b), mb(r0->gather_b));
+             mb((double)m->grads), mb((double)m->optimizer), mb((double)m->comm), mb((double)r0->peak),
+             mb(r0->reduce_b), mb(r0->gather_b));
 }
 
 int main(int argc, char **argv) {
