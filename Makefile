@@ -95,6 +95,12 @@ $(EMU)/examples/%: examples/%.c $(wildcard examples/*.h) $(HEADERS) $(EMU_KLIB) 
 	@mkdir -p $(dir $@)
 	$(CC) $(EMU_CFLAGS) -o $@ $< $(EMU_LIBS)
 
+# A benchmark on the emulated GPU (on demand, e.g. make build/emu/bench/bench_zero): shows every
+# line of its CUDA path prints; the emulator's timings mean nothing.
+$(EMU)/bench/%: bench/%.c bench/bench_util.h $(HEADERS) $(EMU_KLIB) $(EMU_LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(EMU_CFLAGS) -o $@ $< $(EMU_LIBS)
+
 $(EMU)/tests/%: tests/cuda_emu/%.cpp tests/dsk_test.h $(EMU_HDR) $(EMU_LIB)
 	@mkdir -p $(dir $@)
 	$(CXX) $(EMU_CXX) -o $@ $< $(EMU_LIB) -lpthread -lrt

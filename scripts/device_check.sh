@@ -26,6 +26,7 @@ GPU_BENCHES=(
   "bench_moe|150|$BUILD/bench/bench_moe --cuda --tokens 8192 --repeats 5"
   "train_graph|120|bash bench/train_graph_step.sh $BUILD/examples/train_moe"
   "bench_attention|60|$BUILD/bench/bench_attention --gpu --repeats 5"
+  "bench_zero|60|$BUILD/bench/bench_zero --cuda --units 8 --dim 2048 --batch 512 --dtype bf16 --steps 20 --warmup 3"
 )
 # ---- end of the GPU benchmark list
 
