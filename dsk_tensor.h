@@ -3716,6 +3716,7 @@ DSK_API dsk_status dsk_gather_rows_scaled(dsk_ctx *ctx, dsk_tensor *out, const d
     const int32_t *ix;
     const dsk_tensor *ts[4] = {src, out, idx, scale};
     const char *names[4] = {"src", "out", "idx", "scale"};
+    dsk__rowk rk;
     DSK__TRY(dsk__need_float(fn, "src", src));
     DSK__TRY(dsk__need_ndim(fn, "src", src, 2));
     DSK__TRY(dsk__need_float(fn, "out", out));
@@ -3742,6 +3743,7 @@ DSK_API dsk_status dsk_gather_rows_scaled(dsk_ctx *ctx, dsk_tensor *out, const d
             return dsk_set_error(DSK_ERR_ARG, "%s: idx[%lld] = %d outside [0, %lld) (negative: a zero row)", fn,
                                  (long long)i, (int)ix[i], (long long)R);
     row = (size_t)D * dsk_dtype_size(src->dtype);
+    rk = dsk__rowk_ctx(ctx);
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (N * D > DSK__PAR_MIN))
     for (int64_t i = 0; i < N; i++) {
         char *o = (char *)out->data + (size_t)i * row;
@@ -3749,6 +3751,8 @@ DSK_API dsk_status dsk_gather_rows_scaled(dsk_ctx *ctx, dsk_tensor *out, const d
             memset(o, 0, row);
         } else if (!scale) {
             memcpy(o, (const char *)src->data + (size_t)ix[i] * row, row);
+        } else if (src->dtype == DSK_F32) { /* out has src's dtype */
+            rk.scale((float *)o, (const float *)src->data + (int64_t)ix[i] * D, ((const float *)scale->data)[i], D);
         } else {
             float sc = ((const float *)scale->data)[i];
             for (int64_t d = 0; d < D; d++)
