@@ -1461,7 +1461,7 @@ static dsk_status dsk__moe_accumulate_step(dsk_moe *m, dsk_ctx *ctx, const dsk_t
    element in slot order; the gate gradient's f64 sums run over d in order, so DSK__MOE_DOT_CHAINS
    slots run side by side (independent chains) instead of vector lanes within one. */
 #define DSK__MOE_PAR_MIN 262144 /* elements below which a row loop stays on one thread */
-#define DSK__MOE_DOT_CHAINS 8
+#define DSK__MOE_DOT_CHAINS 4
 
 /* Row t of y: dsk__moe_combine_elem for d = 0 .. D-1. */
 static void dsk__moe_combine_row_f32(int K, const int32_t *pos, const float *gate, const float *rows, int64_t D,
@@ -1497,19 +1497,24 @@ static void dsk__moe_uncombine_row_f32(int K, const int32_t *pos, const float *r
 }
 
 /* dgate[i0 .. i0 + n) (n <= DSK__MOE_DOT_CHAINS): dsk__moe_dot_part (lane 0, stride 1) per kept slot,
-   the slots' sums interleaved; a dropped slot gets 0 (its chain reads its own dy row and is dropped). */
+   the slots' sums interleaved in named scalars (an array invites the vectoriser's gathers); a
+   dropped slot gets 0 (its chain reads its own dy row and is dropped). */
 static void dsk__moe_dgate_f32(int64_t i0, int n, int K, const int32_t *pos, const float *dy, const float *rows, int64_t D,
                                float *dgate) {
     const float *a[DSK__MOE_DOT_CHAINS], *b[DSK__MOE_DOT_CHAINS];
-    double acc[DSK__MOE_DOT_CHAINS];
+    double acc[DSK__MOE_DOT_CHAINS], s0 = 0, s1 = 0, s2 = 0, s3 = 0;
     for (int j = 0; j < DSK__MOE_DOT_CHAINS; j++) {
         int64_t i = i0 + (j < n ? j : 0);
         a[j] = dy + (i / K) * D;
         b[j] = pos[i] >= 0 ? rows + (int64_t)pos[i] * D : a[j];
-        acc[j] = 0;
     }
-    for (int64_t d = 0; d < D; d++)
-        for (int j = 0; j < DSK__MOE_DOT_CHAINS; j++) acc[j] += (double)a[j][d] * b[j][d];
+    for (int64_t d = 0; d < D; d++) {
+        s0 += (double)a[0][d] * b[0][d];
+        s1 += (double)a[1][d] * b[1][d];
+        s2 += (double)a[2][d] * b[2][d];
+        s3 += (double)a[3][d] * b[3][d];
+    }
+    acc[0] = s0; acc[1] = s1; acc[2] = s2; acc[3] = s3;
     for (int j = 0; j < n; j++) dgate[i0 + j] = pos[i0 + j] < 0 ? 0.0f : (float)acc[j];
 }
 
