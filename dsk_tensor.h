@@ -508,9 +508,11 @@ static inline DSK_HD void dsk_swiglu_grad_f(float gate, float up, float dout, fl
     *dgate = dout * up * dsk_silu_grad_f(gate);
     *dup = dout * dsk_silu_f(gate);
 }
-/* RoPE angle of pair i (0 <= i < dh/2) at position pos: pos * theta^(-2i/dh). */
+/* RoPE frequency of pair i (0 <= i < dh/2): theta^(-2i/dh). */
+static inline DSK_HD float dsk_rope_freq(int64_t i, int64_t dh, float theta) { return powf(theta, -2.0f * (float)i / (float)dh); }
+/* RoPE angle of pair i at position pos: pos * theta^(-2i/dh). */
 static inline DSK_HD float dsk_rope_angle(int64_t pos, int64_t i, int64_t dh, float theta) {
-    return (float)pos * powf(theta, -2.0f * (float)i / (float)dh);
+    return (float)pos * dsk_rope_freq(i, dh, theta);
 }
 /* Rotates (x0, x1) by the angle with cosine c and sine s; backward passes -s. */
 static inline DSK_HD void dsk_rope_rotate(float x0, float x1, float c, float s, float *y0, float *y1) {
@@ -1942,6 +1944,8 @@ typedef struct dsk__rowk {
     void (*sub_mul)(float *y, const float *p, const float *d, float c, int64_t n, int acc); /* y (+)= p (d - c) */
     void (*swiglu)(float *out, const float *g, const float *u, int64_t n);     /* out = silu(g) u */
     void (*swiglu_bwd)(float *dg, float *du, const float *dout, const float *g, const float *u, int64_t n, int acc); /* dg, du (+)= */
+    /* pairs (y[2i], y[2i+1]) (+)= dsk_rope_rotate(x[2i], x[2i+1], cs[2i], cs[2i+1]); n even */
+    void (*rope)(float *y, const float *x, const float *cs, int64_t n, int acc);
 } dsk__rowk;
 
 static float dsk__max_c(const float *x, int64_t n) {
@@ -1977,6 +1981,15 @@ static void dsk__swiglu_bwd_c(float *dg, float *du, const float *dout, const flo
         dsk_swiglu_grad_f(g[i], u[i], dout[i], &a, &b);
         dg[i] = acc ? dg[i] + a : a;
         du[i] = acc ? du[i] + b : b;
+    }
+}
+
+static void dsk__rope_c(float *y, const float *x, const float *cs, int64_t n, int acc) {
+    for (int64_t i = 0; i < n; i += 2) {
+        float y0, y1;
+        dsk_rope_rotate(x[i], x[i + 1], cs[i], cs[i + 1], &y0, &y1);
+        y[i] = acc ? y0 + y[i] : y0;
+        y[i + 1] = acc ? y1 + y[i + 1] : y1;
     }
 }
 
@@ -2080,6 +2093,19 @@ static DSK__TARGET_AVX512 void dsk__swiglu_bwd_avx512(float *dg, float *du, cons
         }
         _mm512_mask_storeu_ps(dg + i, k, a);
         _mm512_mask_storeu_ps(du + i, k, b);
+    }
+}
+/* dsk_rope_rotate on 8 pairs: y0 = x0 c + x1 (-s), y1 = x1 c + x0 s (the same products and sums:
+   a - b is a + (-b) and the sum commutes), a multiply and an add each (never fused). */
+static DSK__TARGET_AVX512 void dsk__rope_avx512(float *y, const float *x, const float *cs, int64_t n, int acc) {
+    __m512 neg_even = _mm512_castsi512_ps(_mm512_set4_epi32(0, (int)0x80000000u, 0, (int)0x80000000u));
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 k = dsk__tail512(n - i);
+        __m512 vx = _mm512_maskz_loadu_ps(k, x + i), vcs = _mm512_maskz_loadu_ps(k, cs + i);
+        __m512 c = _mm512_moveldup_ps(vcs), sn = _mm512_xor_ps(_mm512_movehdup_ps(vcs), neg_even);
+        __m512 v = _mm512_add_ps(_mm512_mul_ps(vx, c), _mm512_mul_ps(_mm512_permute_ps(vx, 0xB1), sn));
+        if (acc) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, y + i));
+        _mm512_mask_storeu_ps(y + i, k, v);
     }
 }
 
@@ -2195,6 +2221,18 @@ static DSK__TARGET_AVX2 void dsk__swiglu_bwd_avx2(float *dg, float *du, const fl
         _mm256_maskstore_ps(du + i, k, b);
     }
 }
+static DSK__TARGET_AVX2 void dsk__rope_avx2(float *y, const float *x, const float *cs, int64_t n, int acc) {
+    __m256 neg_even = _mm256_castsi256_ps(_mm256_setr_epi32((int)0x80000000u, 0, (int)0x80000000u, 0, (int)0x80000000u, 0,
+                                                            (int)0x80000000u, 0));
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256i k = dsk__tail256(n - i);
+        __m256 vx = _mm256_maskload_ps(x + i, k), vcs = _mm256_maskload_ps(cs + i, k);
+        __m256 c = _mm256_moveldup_ps(vcs), sn = _mm256_xor_ps(_mm256_movehdup_ps(vcs), neg_even);
+        __m256 v = _mm256_add_ps(_mm256_mul_ps(vx, c), _mm256_mul_ps(_mm256_permute_ps(vx, 0xB1), sn));
+        if (acc) v = _mm256_add_ps(v, _mm256_maskload_ps(y + i, k));
+        _mm256_maskstore_ps(y + i, k, v);
+    }
+}
 #endif
 
 /* The row primitives of `isa` (AUTO or one this CPU lacks: the best it has). */
@@ -2203,15 +2241,17 @@ static dsk__rowk dsk__rowk_for(dsk_cpu_isa isa) {
     if (!dsk_cpu_isa_supported(isa)) isa = dsk_cpu_isa_best();
     r.max = dsk__max_c; r.exp_sum = dsk__exp_sum_c; r.scale = dsk__scale_c32; r.dot = dsk__dot_c;
     r.mul_scale = dsk__mul_scale_c; r.sub_mul = dsk__sub_mul_c; r.swiglu = dsk__swiglu_c; r.swiglu_bwd = dsk__swiglu_bwd_c;
+    r.rope = dsk__rope_c;
 #if DSK__X86
     if (isa == DSK_CPU_ISA_AVX512) {
         r.max = dsk__max_avx512; r.exp_sum = dsk__exp_sum_avx512; r.scale = dsk__scale_avx512; r.dot = dsk__dot_avx512;
         r.mul_scale = dsk__mul_scale_avx512; r.sub_mul = dsk__sub_mul_avx512; r.swiglu = dsk__swiglu_avx512;
-        r.swiglu_bwd = dsk__swiglu_bwd_avx512;
+        r.swiglu_bwd = dsk__swiglu_bwd_avx512; r.rope = dsk__rope_avx512;
     }
     if (isa == DSK_CPU_ISA_AVX2) {
         r.max = dsk__max_avx2; r.exp_sum = dsk__exp_sum_avx2; r.scale = dsk__scale_avx2; r.dot = dsk__dot_avx2;
         r.mul_scale = dsk__mul_scale_avx2; r.sub_mul = dsk__sub_mul_avx2; r.swiglu = dsk__swiglu_avx2; r.swiglu_bwd = dsk__swiglu_bwd_avx2;
+        r.rope = dsk__rope_avx2;
     }
 #endif
     return r;
@@ -3141,12 +3181,16 @@ static dsk_status dsk__rope_cpu(const char *fn, dsk_ctx *ctx, dsk_tensor *y, con
                                 int accumulate) {
     int64_t B = x->shape[0], T = x->shape[1], H = x->shape[2], Dh = x->shape[3], per = x->dtype == DSK_F32 ? 0 : 2 * Dh;
     dsk_status s;
-    float *tab = (float *)DSK_MALLOC((size_t)(T * Dh) * sizeof(float) + 1), *scratch;
+    dsk__rowk rk = dsk__rowk_ctx(ctx);
+    float *tab = (float *)DSK_MALLOC((size_t)(T * Dh + Dh / 2) * sizeof(float) + 1), *inv, *scratch;
     if (!tab) return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for %lld angles", fn, (long long)(T * Dh / 2));
     if (!(scratch = dsk__scratch(fn, ctx, per, &s))) { DSK_FREE(tab); return s; }
+    /* dsk_rope_angle's angles, the frequency taken once per pair index */
+    inv = tab + T * Dh;
+    for (int64_t i = 0; i < Dh / 2; i++) inv[i] = dsk_rope_freq(i, Dh, theta);
     for (int64_t t = 0; t < T; t++)
         for (int64_t i = 0; i < Dh / 2; i++) {
-            float ang = dsk_rope_angle(pos0 + t, i, Dh, theta);
+            float ang = (float)(pos0 + t) * inv[i];
             tab[t * Dh + 2 * i] = cosf(ang);
             tab[t * Dh + 2 * i + 1] = sign * sinf(ang);
         }
@@ -3158,13 +3202,7 @@ static dsk_status dsk__rope_cpu(const char *fn, dsk_ctx *ctx, dsk_tensor *y, con
             int64_t o = (bt * H + h) * Dh;
             const float *xr = dsk__row_in(x, o, Dh, buf);
             float *yr = accumulate ? dsk__row_acc(y, o, Dh, buf + per / 2) : dsk__row_out(y, o, buf + per / 2);
-            for (int64_t i = 0; i < Dh; i += 2) {
-                float y0, y1;
-                dsk_rope_rotate(xr[i], xr[i + 1], cs[i], cs[i + 1], &y0, &y1);
-                if (accumulate) { y0 += yr[i]; y1 += yr[i + 1]; }
-                yr[i] = y0;
-                yr[i + 1] = y1;
-            }
+            rk.rope(yr, xr, cs, Dh, accumulate);
             dsk__row_out_done(y, o, Dh, yr);
         }
     }
