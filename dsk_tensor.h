@@ -3179,32 +3179,32 @@ static dsk_status dsk__rope_check(const char *fn, dsk_ctx *ctx, const char *yn, 
    cosines and sines of the T x Dh/2 angles are computed once per call. */
 static dsk_status dsk__rope_cpu(const char *fn, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, int64_t pos0, float theta, float sign,
                                 int accumulate) {
-    int64_t B = x->shape[0], T = x->shape[1], H = x->shape[2], Dh = x->shape[3], per = x->dtype == DSK_F32 ? 0 : 2 * Dh;
+    int64_t B = x->shape[0], T = x->shape[1], H = x->shape[2], Dh = x->shape[3], W = H * Dh, per = x->dtype == DSK_F32 ? 0 : 2 * W;
     dsk_status s;
     dsk__rowk rk = dsk__rowk_ctx(ctx);
-    float *tab = (float *)DSK_MALLOC((size_t)(T * Dh + Dh / 2) * sizeof(float) + 1), *inv, *scratch;
-    if (!tab) return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for %lld angles", fn, (long long)(T * Dh / 2));
+    float *tab = (float *)DSK_MALLOC((size_t)(T * W + Dh / 2) * sizeof(float) + 1), *inv, *scratch;
+    if (!tab) return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for %lld angles", fn, (long long)(T * W / 2));
     if (!(scratch = dsk__scratch(fn, ctx, per, &s))) { DSK_FREE(tab); return s; }
-    /* dsk_rope_angle's angles, the frequency taken once per pair index */
-    inv = tab + T * Dh;
+    /* dsk_rope_angle's cosines and sines per position, the frequency taken once per pair index, the
+       row repeated for every head: a position's H heads rotate as one row (one call, not H short ones) */
+    inv = tab + T * W;
     for (int64_t i = 0; i < Dh / 2; i++) inv[i] = dsk_rope_freq(i, Dh, theta);
-    for (int64_t t = 0; t < T; t++)
+    for (int64_t t = 0; t < T; t++) {
+        float *cs = tab + t * W;
         for (int64_t i = 0; i < Dh / 2; i++) {
             float ang = (float)(pos0 + t) * inv[i];
-            tab[t * Dh + 2 * i] = cosf(ang);
-            tab[t * Dh + 2 * i + 1] = sign * sinf(ang);
+            cs[2 * i] = cosf(ang);
+            cs[2 * i + 1] = sign * sinf(ang);
         }
-    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (B * T * H * Dh > DSK__PAR_MIN))
+        for (int64_t h = 1; h < H; h++) memcpy(cs + h * Dh, cs, (size_t)Dh * sizeof(float));
+    }
+    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (B * T * W > DSK__PAR_MIN))
     for (int64_t bt = 0; bt < B * T; bt++) {
-        const float *cs = tab + (bt % T) * Dh;
         float *buf = scratch + per * dsk__thread_id();
-        for (int64_t h = 0; h < H; h++) {
-            int64_t o = (bt * H + h) * Dh;
-            const float *xr = dsk__row_in(x, o, Dh, buf);
-            float *yr = accumulate ? dsk__row_acc(y, o, Dh, buf + per / 2) : dsk__row_out(y, o, buf + per / 2);
-            rk.rope(yr, xr, cs, Dh, accumulate);
-            dsk__row_out_done(y, o, Dh, yr);
-        }
+        const float *xr = dsk__row_in(x, bt * W, W, buf);
+        float *yr = accumulate ? dsk__row_acc(y, bt * W, W, buf + per / 2) : dsk__row_out(y, bt * W, buf + per / 2);
+        rk.rope(yr, xr, tab + (bt % T) * W, W, accumulate);
+        dsk__row_out_done(y, bt * W, W, yr);
     }
     DSK_FREE(scratch);
     DSK_FREE(tab);
