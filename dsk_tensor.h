@@ -3067,14 +3067,14 @@ DSK_API dsk_status dsk_cross_entropy(dsk_ctx *ctx, dsk_tensor *loss, dsk_tensor 
     for (int64_t r = 0; r < R; r++) count += tg[r] != ignore_index;
     row_loss = (double *)DSK_MALLOC((size_t)(R ? R : 1) * sizeof(double));
     if (!row_loss) return dsk_set_error(DSK_ERR_OOM, "dsk_cross_entropy: out of host memory for %lld row losses", (long long)R);
-    if (!(scratch = dsk__scratch(fn, ctx, 2 * V, &s))) { DSK_FREE(row_loss); return s; }
-    /* In f64 per logit (dsk_par_cross_entropy follows these bits): lse = max + log(sum e^(x - max)),
-       dlogits = grad_scale (e^(x - lse) - onehot) / count; rows in f32, the dtype switch hoisted. */
+    if (!(scratch = dsk__scratch(fn, ctx, 3 * V, &s))) { DSK_FREE(row_loss); return s; }
+    /* Rows in f32 through the row primitives (as the CUDA kernel, in f32): e = e^(x - max) by
+       dsk_exp_f, lse = max + log(sum e) (the row's loss in f64 from there), dlogits =
+       (grad_scale / count) (e / sum - onehot). */
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (R * V > DSK__PAR_MIN))
     for (int64_t r = 0; r < R; r++) {
-        float *buf = scratch + 2 * V * dsk__thread_id(), *d, mx;
+        float *buf = scratch + 3 * V * dsk__thread_id(), *e = buf + V, *d, mx, sum, coef;
         const float *xr;
-        double sum = 0.0, lse;
         row_loss[r] = 0.0;
         if (tg[r] == ignore_index) {
             if (dlogits) {
@@ -3086,13 +3086,13 @@ DSK_API dsk_status dsk_cross_entropy(dsk_ctx *ctx, dsk_tensor *loss, dsk_tensor 
         }
         xr = dsk__row_in(logits, r * V, V, buf);
         mx = rk.max(xr, V);
-        for (int64_t j = 0; j < V; j++) sum += exp((double)xr[j] - mx);
-        lse = mx + log(sum);
-        row_loss[r] = lse - xr[tg[r]];
-        if (dlogits) {
-            d = dsk__row_out(dlogits, r * V, buf + V);
-            for (int64_t j = 0; j < V; j++)
-                d[j] = (float)((double)grad_scale * (exp((double)xr[j] - lse) - (j == tg[r] ? 1.0 : 0.0)) / (double)count);
+        sum = rk.exp_sum(e, xr, V, mx);
+        row_loss[r] = (double)mx + log((double)sum) - (double)xr[tg[r]];
+        if (dlogits) { /* xr is read for the last time above: d may overwrite it */
+            coef = (float)((double)grad_scale / (double)count);
+            d = dsk__row_out(dlogits, r * V, buf + 2 * V);
+            rk.scale(d, e, coef / sum, V);
+            d[tg[r]] -= coef;
             dsk__row_out_done(dlogits, r * V, V, d);
         }
     }
