@@ -1557,9 +1557,19 @@ typedef struct dsk__ukernel {
 #define DSK__LOAD_F32(x) (x)
 #define DSK__LOAD_BF16(x) dsk_bf16_to_f32(x)
 #define DSK__LOAD_F16(x) dsk_f16_to_f32(x)
+static int64_t dsk__pack_min(int64_t a, int64_t b) { return a < b ? a : b; }
 
+static void dsk__pack_t_f32(float *dst, const float *src, int64_t rs, int64_t kc, int64_t w);
+
+/* vec: the f32 panels that transpose (cs == 1) and are full may go through dsk__pack_t_f32's
+   vector transposes (AVX2 and up; the same values either way). */
 static void dsk__pack(float *dst, const void *src, dsk_dtype dt, int64_t rs, int64_t cs, int64_t rows, int64_t kc, int64_t w,
-                      int64_t c0, int64_t c1) {
+                      int64_t c0, int64_t c1, int vec) {
+    if (dt == DSK_F32 && cs == 1 && rs != 1 && vec) {
+        int64_t full = dsk__pack_min(c1, rows / w);
+        for (; c0 < full; c0++) dsk__pack_t_f32(dst + c0 * w * kc, (const float *)src + c0 * w * rs, rs, kc, w);
+        if (c0 >= c1) return;
+    }
     if (dt == DSK_F32) DSK__PACK_LOOP(float, DSK__LOAD_F32);
     else if (dt == DSK_BF16) DSK__PACK_LOOP(uint16_t, DSK__LOAD_BF16);
     else DSK__PACK_LOOP(uint16_t, DSK__LOAD_F16);
@@ -1702,9 +1712,53 @@ static DSK__TARGET_AVX2 void dsk__ukernel_avx2(int64_t k, const float *a, int64_
         else dsk__ukernel_avx2_body(k, a, a_rs, a_cs, b, b_rs, c, ldc, m, n, alpha, beta, 1);
     }
 }
+/* dst[p * w + r] = src[r * rs + p] for r < w (a multiple of 8), p < kc: 8 x 8 blocks through
+   registers (unpack, shuffle, lane permute), the last kc % 8 columns one by one. */
+static DSK__TARGET_AVX2 void dsk__pack_t_avx2(float *dst, const float *src, int64_t rs, int64_t kc, int64_t w) {
+    int64_t p0 = 0;
+    for (; p0 + 8 <= kc; p0 += 8)
+        for (int64_t rb = 0; rb < w; rb += 8) {
+            const float *s0 = src + rb * rs + p0;
+            __m256 r0 = _mm256_loadu_ps(s0), r1 = _mm256_loadu_ps(s0 + rs), r2 = _mm256_loadu_ps(s0 + 2 * rs);
+            __m256 r3 = _mm256_loadu_ps(s0 + 3 * rs), r4 = _mm256_loadu_ps(s0 + 4 * rs), r5 = _mm256_loadu_ps(s0 + 5 * rs);
+            __m256 r6 = _mm256_loadu_ps(s0 + 6 * rs), r7 = _mm256_loadu_ps(s0 + 7 * rs);
+            __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1), t2 = _mm256_unpacklo_ps(r2, r3);
+            __m256 t3 = _mm256_unpackhi_ps(r2, r3), t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+            __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+            __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+            __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+            __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+            __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+            float *d = dst + p0 * w + rb;
+            _mm256_storeu_ps(d, _mm256_permute2f128_ps(u0, u4, 0x20));
+            _mm256_storeu_ps(d + w, _mm256_permute2f128_ps(u1, u5, 0x20));
+            _mm256_storeu_ps(d + 2 * w, _mm256_permute2f128_ps(u2, u6, 0x20));
+            _mm256_storeu_ps(d + 3 * w, _mm256_permute2f128_ps(u3, u7, 0x20));
+            _mm256_storeu_ps(d + 4 * w, _mm256_permute2f128_ps(u0, u4, 0x31));
+            _mm256_storeu_ps(d + 5 * w, _mm256_permute2f128_ps(u1, u5, 0x31));
+            _mm256_storeu_ps(d + 6 * w, _mm256_permute2f128_ps(u2, u6, 0x31));
+            _mm256_storeu_ps(d + 7 * w, _mm256_permute2f128_ps(u3, u7, 0x31));
+        }
+    for (; p0 < kc; p0++)
+        for (int64_t r = 0; r < w; r++) dst[p0 * w + r] = src[r * rs + p0];
+}
 #else
 #define DSK__X86 0
 #endif
+
+static void dsk__pack_t_f32(float *dst, const float *src, int64_t rs, int64_t kc, int64_t w) {
+#if DSK__X86
+    if (w % 8 == 0) {
+        dsk__pack_t_avx2(dst, src, rs, kc, w);
+        return;
+    }
+#endif
+    for (int64_t p = 0; p < kc; p++)
+        for (int64_t r = 0; r < w; r++) dst[p * w + r] = src[r * rs + p];
+}
+
+/* Whether dsk__pack may take its vector transposes with the micro-kernel of `isa`. */
+static int dsk__pack_vec(dsk_cpu_isa isa) { return isa == DSK_CPU_ISA_AVX2 || isa == DSK_CPU_ISA_AVX512; }
 
 /* The instruction sets this build and this CPU both have, as a bit per dsk_cpu_isa. */
 static unsigned dsk__cpu_isa_mask(void) {
@@ -1789,12 +1843,13 @@ static void dsk__gemm_direct(const dsk__gemm_args *g, const dsk__ukernel *uk, in
         int64_t kc = dsk__min64(g->K - pc, DSK__DIRECT_KC), b_rs = in_place ? g->b_rs : NR;
         float beta = pc == 0 ? g->beta : 1.0f;
         if (!in_place) /* X[j][p] = op(B)[pc + p][j0 + j]: rows step b_cs, columns b_rs */
-            dsk__pack(bp, B + pc * g->b_rs + j0 * g->b_cs, DSK_F32, g->b_cs, g->b_rs, nc, kc, NR, 0, (nc + NR - 1) / NR);
+            dsk__pack(bp, B + pc * g->b_rs + j0 * g->b_cs, DSK_F32, g->b_cs, g->b_rs, nc, kc, NR, 0, (nc + NR - 1) / NR,
+                      dsk__pack_vec(uk->isa));
         for (int64_t it = i0; it < i1; it += MR) {
             int64_t m = dsk__min64(MR, i1 - it), a_rs = g->a_rs, a_cs = g->a_cs;
             const float *a = A + it * g->a_rs + pc * g->a_cs;
             if (m < MR) { /* rows past M must not be read: copy the short tile, zero padded */
-                dsk__pack(ap, a, DSK_F32, g->a_rs, g->a_cs, m, kc, MR, 0, 1);
+                dsk__pack(ap, a, DSK_F32, g->a_rs, g->a_cs, m, kc, MR, 0, 1, 0);
                 a = ap; a_rs = 1; a_cs = MR;
             }
             for (int64_t jt = j0; jt < j1; jt += NR) {
@@ -1816,10 +1871,12 @@ static void dsk__gemm_packed(const dsk__gemm_args *g, const dsk__ukernel *uk, in
             int64_t kc = dsk__min64(g->K - pc, DSK__KC);
             float beta = pc == 0 ? g->beta : 1.0f;
             /* X[j][p] = op(B)[pc + p][jc + j]: panel rows step b_cs, columns b_rs */
-            dsk__pack(bp, (const char *)g->B + (size_t)(pc * g->b_rs + jc * g->b_cs) * be, g->b_dt, g->b_cs, g->b_rs, nc, kc, NR, 0, n_jr);
+            dsk__pack(bp, (const char *)g->B + (size_t)(pc * g->b_rs + jc * g->b_cs) * be, g->b_dt, g->b_cs, g->b_rs, nc, kc, NR, 0, n_jr,
+                      dsk__pack_vec(uk->isa));
             for (int64_t ic = i0; ic < i1; ic += DSK__MC) {
                 int64_t mc = dsk__min64(i1 - ic, DSK__MC), n_ir = (mc + MR - 1) / MR;
-                dsk__pack(ap, (const char *)g->A + (size_t)(ic * g->a_rs + pc * g->a_cs) * ae, g->a_dt, g->a_rs, g->a_cs, mc, kc, MR, 0, n_ir);
+                dsk__pack(ap, (const char *)g->A + (size_t)(ic * g->a_rs + pc * g->a_cs) * ae, g->a_dt, g->a_rs, g->a_cs, mc, kc, MR, 0, n_ir,
+                          dsk__pack_vec(uk->isa));
                 for (int64_t jr = 0; jr < n_jr; jr++)
                     for (int64_t ir = 0; ir < n_ir; ir++) {
                         int64_t r0 = ir * MR, c0 = jr * NR;
