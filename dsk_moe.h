@@ -1460,7 +1460,7 @@ static dsk_status dsk__moe_accumulate_step(dsk_moe *m, dsk_ctx *ctx, const dsk_t
    function in the same order (tests/test_moe_golden.c pins the bits): a sum over slots runs per
    element in slot order; the gate gradient's f64 sums run over d in order, so DSK__MOE_DOT_CHAINS
    slots run side by side (independent chains) instead of vector lanes within one. */
-#define DSK__MOE_PAR_MIN 262144 /* elements below which a row loop stays on one thread */
+#define DSK__MOE_PAR_MIN 65536 /* elements below which a row loop stays on one thread */
 #define DSK__MOE_DOT_CHAINS 4
 
 /* Row t of y: dsk__moe_combine_elem for d = 0 .. D-1. */

@@ -2992,6 +2992,15 @@ static void dsk__scatter_add_cpu(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (N * D > DSK__PAR_MIN))
     for (int64_t c = 0; c < n_chunks; c++) {
         int64_t j0 = c * DSK__COL_CHUNK, j1 = j0 + DSK__COL_CHUNK < D ? j0 + DSK__COL_CHUNK : D;
+        if (dst->dtype == DSK_F32 && src->dtype == DSK_F32) { /* the same adds, the dtype switch hoisted */
+            for (int64_t i = 0; i < N; i++) {
+                float *d = (float *)dst->data + (int64_t)idx[i] * D;
+                const float *x = (const float *)src->data + i * D;
+                DSK__OMP(simd)
+                for (int64_t j = j0; j < j1; j++) d[j] += x[j];
+            }
+            continue;
+        }
         for (int64_t i = 0; i < N; i++)
             for (int64_t j = j0; j < j1; j++) {
                 int64_t o = (int64_t)idx[i] * D + j;
