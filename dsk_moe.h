@@ -2009,9 +2009,14 @@ static dsk_status dsk__moe_backward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *d
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DHS3, T, R, &dhs3));
         DSK__TRY(dsk_matmul(ctx, &das, &dya, 0, &w[4], 0, 1.0f, 0.0f));
         DSK__TRY(dsk_matmul(ctx, &m->sw2->grad, &dya, 1, &as, 0, 1.0f, 1.0f));
-        DSK__TRY(dsk_tensor_fill(ctx, &dhs1, 0.0));
-        DSK__TRY(dsk_tensor_fill(ctx, &dhs3, 0.0));
-        DSK__TRY(dsk_swiglu_backward(ctx, &dhs1, &dhs3, &das, &hs1, &hs3));
+        if (m->device.type == DSK_DEV_CPU && st->act == DSK_F32) { /* written: no zeroing pass, no read-back */
+            dsk_swiglu_grad_cpu(dsk_tensor_numel(&das), DSK__MOE_F32(hs1), DSK__MOE_F32(hs3), DSK__MOE_F32(das),
+                                DSK__MOE_F32(dhs1), DSK__MOE_F32(dhs3));
+        } else {
+            DSK__TRY(dsk_tensor_fill(ctx, &dhs1, 0.0));
+            DSK__TRY(dsk_tensor_fill(ctx, &dhs3, 0.0));
+            DSK__TRY(dsk_swiglu_backward(ctx, &dhs1, &dhs3, &das, &hs1, &hs3));
+        }
         DSK__TRY(dsk_matmul(ctx, &dxf, &dhs1, 0, &w[3], 0, 1.0f, 0.0f));
         DSK__TRY(dsk_matmul(ctx, &dxf, &dhs3, 0, &w[5], 0, 1.0f, 1.0f));
         DSK__TRY(dsk_matmul(ctx, &m->sw1->grad, &dhs1, 1, &xa, 0, 1.0f, 1.0f));
