@@ -3328,7 +3328,11 @@ static const float *dsk__attn_in(const dsk_tensor *t, int64_t b, int64_t h, floa
 }
 
 /* dst (Dh x T) = src (T x Dh, row stride ld) transposed, so products with it read rows in place. */
-static void dsk__attn_transpose(float *dst, const float *src, int64_t ld, int64_t T, int64_t Dh) {
+static void dsk__attn_transpose(const dsk__ukernel *uk, float *dst, const float *src, int64_t ld, int64_t T, int64_t Dh) {
+    if (dsk__pack_vec(uk->isa) && T % 8 == 0) { /* the GEMM packing's register transposes */
+        dsk__pack_t_f32(dst, src, ld, Dh, T);
+        return;
+    }
     for (int64_t t = 0; t < T; t++)
         for (int64_t d = 0; d < Dh; d++) dst[d * T + t] = src[t * ld + d];
 }
@@ -3385,7 +3389,7 @@ DSK_API dsk_status dsk_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *prob
         const float *V = dsk__attn_in(v, b, h, sc + 2 * T * Dh, &ldv);
         float *P = (float *)probs->data + bh * T * T, *O = half ? sc + 3 * T * Dh : (float *)out->data + base;
         if (half) ldo = Dh;
-        dsk__attn_transpose(Kt, K, ldk, T, Dh);
+        dsk__attn_transpose(&uk, Kt, K, ldk, T, Dh);
         for (int64_t i0 = 0; i0 < T; i0 += RB) {
             int64_t i1 = i0 + RB < T ? i0 + RB : T;
             dsk__attn_gemm(&uk, i1 - i0, i1, Dh, scale, Q + i0 * ldq, ldq, 1, Kt, T, 0.0f, P + i0 * T, T, ws);
@@ -3445,7 +3449,7 @@ DSK_API dsk_status dsk_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tens
         const float *V = dsk__attn_in(v, b, h, sc + 2 * T * Dh, &ldv), *dO = dsk__attn_in(dout, b, h, sc + 3 * T * Dh, &ldo);
         float *gq = half ? sc + 4 * T * Dh : (float *)dq->data + base, *gk = half ? sc + 5 * T * Dh : (float *)dk->data + base;
         float *gv = half ? sc + 6 * T * Dh : (float *)dv->data + base;
-        dsk__attn_transpose(Vt, V, ldv, T, Dh);
+        dsk__attn_transpose(&uk, Vt, V, ldv, T, Dh);
         for (int64_t i0 = 0; i0 < T; i0 += RB) {
             int64_t i1 = i0 + RB < T ? i0 + RB : T;
             dsk__attn_gemm(&uk, i1 - i0, i1, Dh, 1.0f, dO + i0 * ldo, ldo, 1, Vt, T, 0.0f, dS + i0 * T, T, ws); /* dP = dO V^T */

@@ -1797,8 +1797,9 @@ static double tt_attention_loss(const double *x, void *p) {
 }
 
 static void test_attention(dsk_dtype dt) {
-    static const int64_t cfg[3][4] = {{1, 1, 1, 1}, {2, 7, 3, 5}, {1, 20, 2, 16}};
-    for (int s = 0; s < 3; s++) {
+    /* T 24: a multiple of 8, so K and V transpose through the vector path (Dh 12: a tail of 4) */
+    static const int64_t cfg[4][4] = {{1, 1, 1, 1}, {2, 7, 3, 5}, {1, 20, 2, 16}, {1, 24, 2, 12}};
+    for (int s = 0; s < 4; s++) {
         const int64_t *sh = cfg[s];
         int64_t n = sh[0] * sh[1] * sh[2] * sh[3], np = sh[0] * sh[2] * sh[1] * sh[1];
         dsk_tensor *q = tt_rand(dt, 4, sh, -1, 1), *k = tt_rand(dt, 4, sh, -1, 1), *v = tt_rand(dt, 4, sh, -1, 1), *out = tt_poisoned(dt, 4, sh);
