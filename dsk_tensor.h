@@ -2180,11 +2180,12 @@ static DSK__TARGET_AVX512 void dsk__swiglu_bwd_avx512(float *dg, float *du, cons
 /* dsk_rope_rotate on 8 pairs: y0 = x0 c + x1 (-s), y1 = x1 c + x0 s (the same products and sums:
    a - b is a + (-b) and the sum commutes), a multiply and an add each (never fused). */
 static DSK__TARGET_AVX512 void dsk__rope_avx512(float *y, const float *x, const float *cs, int64_t n, int acc) {
-    __m512 neg_even = _mm512_castsi512_ps(_mm512_set4_epi32(0, (int)0x80000000u, 0, (int)0x80000000u));
+    __m512i neg_even = _mm512_set4_epi32(0, (int)0x80000000u, 0, (int)0x80000000u); /* integer xor: AVX-512F only */
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 k = dsk__tail512(n - i);
         __m512 vx = _mm512_maskz_loadu_ps(k, x + i), vcs = _mm512_maskz_loadu_ps(k, cs + i);
-        __m512 c = _mm512_moveldup_ps(vcs), sn = _mm512_xor_ps(_mm512_movehdup_ps(vcs), neg_even);
+        __m512 c = _mm512_moveldup_ps(vcs);
+        __m512 sn = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_movehdup_ps(vcs)), neg_even));
         __m512 v = _mm512_add_ps(_mm512_mul_ps(vx, c), _mm512_mul_ps(_mm512_permute_ps(vx, 0xB1), sn));
         if (acc) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, y + i));
         _mm512_mask_storeu_ps(y + i, k, v);
