@@ -1470,6 +1470,69 @@ static dsk_status dsk__moe_accumulate_step(dsk_moe *m, dsk_ctx *ctx, const dsk_t
     return DSK_OK;
 }
 
+/* f32 rows on the CPU (the trainer's case): the combine, its backward and the gate gradient a row
+   at a time, vectorised where the order allows. Each repeats the operations of its DSK_HD element
+   function in the same order (tests/test_moe_golden.c pins the bits): a sum over slots runs per
+   element in slot order; the gate gradient's f64 sums run over d in order, so DSK__MOE_DOT_CHAINS
+   slots run side by side (independent chains) instead of vector lanes within one. */
+#define DSK__MOE_PAR_MIN 65536 /* elements below which a row loop stays on one thread */
+#define DSK__MOE_DOT_CHAINS 4
+
+/* Row t of y: dsk__moe_combine_elem for d = 0 .. D-1. */
+static void dsk__moe_combine_row_f32(int K, const int32_t *pos, const float *gate, const float *rows, int64_t D,
+                                     const float *shared, float *y) {
+    if (gate[0] != gate[0]) {
+        for (int64_t d = 0; d < D; d++) y[d] = NAN;
+        return;
+    }
+    for (int64_t d = 0; d < D; d++) y[d] = 0.0f;
+    for (int k = 0; k < K; k++) {
+        const float *r;
+        float g = gate[k];
+        if (pos[k] < 0) continue;
+        r = rows + (int64_t)pos[k] * D;
+        DSK__MOE_OMP(omp simd)
+        for (int64_t d = 0; d < D; d++) y[d] += g * r[d];
+    }
+    if (shared) {
+        DSK__MOE_OMP(omp simd)
+        for (int64_t d = 0; d < D; d++) y[d] += shared[d];
+    }
+}
+
+/* Row t of dxf: dsk__moe_uncombine_elem for d = 0 .. D-1. */
+static void dsk__moe_uncombine_row_f32(int K, const int32_t *pos, const float *rows, int64_t D, float *dxf) {
+    for (int k = 0; k < K; k++) {
+        const float *r;
+        if (pos[k] < 0) continue;
+        r = rows + (int64_t)pos[k] * D;
+        DSK__MOE_OMP(omp simd)
+        for (int64_t d = 0; d < D; d++) dxf[d] += r[d];
+    }
+}
+
+/* dgate[i0 .. i0 + n) (n <= DSK__MOE_DOT_CHAINS): dsk__moe_dot_part (lane 0, stride 1) per kept slot,
+   the slots' sums interleaved in named scalars (an array invites the vectoriser's gathers); a
+   dropped slot gets 0 (its chain reads its own dy row and is dropped). */
+static void dsk__moe_dgate_f32(int64_t i0, int n, int K, const int32_t *pos, const float *dy, const float *rows, int64_t D,
+                               float *dgate) {
+    const float *a[DSK__MOE_DOT_CHAINS], *b[DSK__MOE_DOT_CHAINS];
+    double acc[DSK__MOE_DOT_CHAINS], s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    for (int j = 0; j < DSK__MOE_DOT_CHAINS; j++) {
+        int64_t i = i0 + (j < n ? j : 0);
+        a[j] = dy + (i / K) * D;
+        b[j] = pos[i] >= 0 ? rows + (int64_t)pos[i] * D : a[j];
+    }
+    for (int64_t d = 0; d < D; d++) {
+        s0 += (double)a[0][d] * b[0][d];
+        s1 += (double)a[1][d] * b[1][d];
+        s2 += (double)a[2][d] * b[2][d];
+        s3 += (double)a[3][d] * b[3][d];
+    }
+    acc[0] = s0; acc[1] = s1; acc[2] = s2; acc[3] = s3;
+    for (int j = 0; j < n; j++) dgate[i0 + j] = pos[i0 + j] < 0 ? 0.0f : (float)acc[j];
+}
+
 /* y (T, D) in the layer's dtype = combine of the expert rows (kept order) + the shared rows. */
 static dsk_status dsk__moe_combine(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *pos,
                                    const dsk_tensor *gate, const dsk_tensor *rows, const dsk_tensor *shared) {
@@ -1479,6 +1542,13 @@ static dsk_status dsk__moe_combine(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, cons
                                              rows->data, rows->dtype, shared ? shared->data : NULL,
                                              shared ? shared->dtype : DSK_F32));
     (void)nt;
+    if (y->dtype == DSK_F32 && rows->dtype == DSK_F32 && (!shared || shared->dtype == DSK_F32)) {
+        DSK__MOE_OMP(omp parallel for schedule(static) num_threads(nt) if (T * D > DSK__MOE_PAR_MIN))
+        for (int64_t t = 0; t < T; t++)
+            dsk__moe_combine_row_f32(K, DSK__MOE_I32(*pos) + t * K, DSK__MOE_F32(*gate) + t * K, DSK__MOE_F32(*rows), D,
+                                     shared ? DSK__MOE_F32(*shared) + t * D : NULL, DSK__MOE_F32(*y) + t * D);
+        return DSK_OK;
+    }
     DSK__MOE_OMP(omp parallel for schedule(static) num_threads(nt))
     for (int64_t t = 0; t < T; t++)
         for (int64_t d = 0; d < D; d++)
@@ -1497,6 +1567,13 @@ static dsk_status dsk__moe_dgate(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dgate, co
     DSK__MOE_ON_CUDA(m, dsk_cuda_moe_dgate(ctx, K, TK, D, DSK__MOE_F32(*dgate), dy->data, dy->dtype, DSK__MOE_I32(*pos),
                                            rows->data, rows->dtype));
     (void)nt;
+    if (dy->dtype == DSK_F32 && rows->dtype == DSK_F32) {
+        DSK__MOE_OMP(omp parallel for schedule(static) num_threads(nt) if (TK * D > DSK__MOE_PAR_MIN))
+        for (int64_t i = 0; i < TK; i += DSK__MOE_DOT_CHAINS)
+            dsk__moe_dgate_f32(i, TK - i < DSK__MOE_DOT_CHAINS ? (int)(TK - i) : DSK__MOE_DOT_CHAINS, K,
+                               DSK__MOE_I32(*pos), DSK__MOE_F32(*dy), DSK__MOE_F32(*rows), D, DSK__MOE_F32(*dgate));
+        return DSK_OK;
+    }
     DSK__MOE_OMP(omp parallel for schedule(static) num_threads(nt))
     for (int64_t i = 0; i < TK; i++) {
         int32_t p = DSK__MOE_I32(*pos)[i];
@@ -1535,6 +1612,12 @@ static dsk_status dsk__moe_uncombine(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dxf, 
     DSK__MOE_ON_CUDA(m, dsk_cuda_moe_uncombine(ctx, K, T, D, DSK__MOE_F32(*dxf), DSK__MOE_I32(*pos), rows->data,
                                                rows->dtype));
     (void)nt;
+    if (rows->dtype == DSK_F32) {
+        DSK__MOE_OMP(omp parallel for schedule(static) num_threads(nt) if (T * D > DSK__MOE_PAR_MIN))
+        for (int64_t t = 0; t < T; t++)
+            dsk__moe_uncombine_row_f32(K, DSK__MOE_I32(*pos) + t * K, DSK__MOE_F32(*rows), D, DSK__MOE_F32(*dxf) + t * D);
+        return DSK_OK;
+    }
     DSK__MOE_OMP(omp parallel for schedule(static) num_threads(nt))
     for (int64_t t = 0; t < T; t++)
         for (int64_t d = 0; d < D; d++)
@@ -1945,9 +2028,14 @@ static dsk_status dsk__moe_backward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *d
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DHS3, T, R, &dhs3));
         DSK__TRY(dsk_matmul(ctx, &das, &dya, 0, &w[4], 0, 1.0f, 0.0f));
         DSK__TRY(dsk_matmul(ctx, &m->sw2->grad, &dya, 1, &as, 0, 1.0f, 1.0f));
-        DSK__TRY(dsk_tensor_fill(ctx, &dhs1, 0.0));
-        DSK__TRY(dsk_tensor_fill(ctx, &dhs3, 0.0));
-        DSK__TRY(dsk_swiglu_backward(ctx, &dhs1, &dhs3, &das, &hs1, &hs3));
+        if (m->device.type == DSK_DEV_CPU && st->act == DSK_F32) { /* written: no zeroing pass, no read-back */
+            dsk_swiglu_grad_cpu(dsk_tensor_numel(&das), DSK__MOE_F32(hs1), DSK__MOE_F32(hs3), DSK__MOE_F32(das),
+                                DSK__MOE_F32(dhs1), DSK__MOE_F32(dhs3));
+        } else {
+            DSK__TRY(dsk_tensor_fill(ctx, &dhs1, 0.0));
+            DSK__TRY(dsk_tensor_fill(ctx, &dhs3, 0.0));
+            DSK__TRY(dsk_swiglu_backward(ctx, &dhs1, &dhs3, &das, &hs1, &hs3));
+        }
         DSK__TRY(dsk_matmul(ctx, &dxf, &dhs1, 0, &w[3], 0, 1.0f, 0.0f));
         DSK__TRY(dsk_matmul(ctx, &dxf, &dhs3, 0, &w[5], 0, 1.0f, 1.0f));
         DSK__TRY(dsk_matmul(ctx, &m->sw1->grad, &dhs1, 1, &xa, 0, 1.0f, 1.0f));

@@ -58,8 +58,9 @@
      contributes each row, so the result is bitwise one rank's. Cross-entropy from logits
      (N, Vl): the row max is all-reduced (max, f32), then the sum of exp(logit - max) and the
      target's logit (f64, one all-reduce of 2N values); the full (N, V) logits are never formed.
-     Loss and gradient follow dsk_cross_entropy exactly (mean over non-ignored tokens,
-     dlogits written with grad_scale * (softmax - onehot) / count). Every function runs on CPU
+     Loss and gradient are dsk_cross_entropy's (mean over non-ignored tokens, dlogits written
+     with grad_scale * (softmax - onehot) / count): over several ranks the same math in f64,
+     on one CPU rank dsk_cross_entropy itself (its bits). Every function runs on CPU
      tensors over the host backend and on CUDA tensors over nccl (the cross-entropy's passes in
      kernels/par.cu); a tensor on one and a communicator of the other is DSK_ERR_ARG.
 
@@ -924,6 +925,7 @@ DSK_API dsk_status dsk_par_cross_entropy(dsk_comm *tp, dsk_ctx *ctx, dsk_tensor 
                                  (long long)r, (int)tg[r], (long long)(V * n), (int)ignore_index);
         count++;
     }
+    if (n == 1) return dsk_cross_entropy(ctx, loss, dlogits, logits, targets, ignore_index, grad_scale);
     return dsk__par_ce_cpu(tp, ctx, loss, dlogits, logits, tg, lo, count, ignore_index, grad_scale);
 }
 

@@ -508,9 +508,11 @@ static inline DSK_HD void dsk_swiglu_grad_f(float gate, float up, float dout, fl
     *dgate = dout * up * dsk_silu_grad_f(gate);
     *dup = dout * dsk_silu_f(gate);
 }
-/* RoPE angle of pair i (0 <= i < dh/2) at position pos: pos * theta^(-2i/dh). */
+/* RoPE frequency of pair i (0 <= i < dh/2): theta^(-2i/dh). */
+static inline DSK_HD float dsk_rope_freq(int64_t i, int64_t dh, float theta) { return powf(theta, -2.0f * (float)i / (float)dh); }
+/* RoPE angle of pair i at position pos: pos * theta^(-2i/dh). */
 static inline DSK_HD float dsk_rope_angle(int64_t pos, int64_t i, int64_t dh, float theta) {
-    return (float)pos * powf(theta, -2.0f * (float)i / (float)dh);
+    return (float)pos * dsk_rope_freq(i, dh, theta);
 }
 /* Rotates (x0, x1) by the angle with cosine c and sine s; backward passes -s. */
 static inline DSK_HD void dsk_rope_rotate(float x0, float x1, float c, float s, float *y0, float *y1) {
@@ -1580,9 +1582,19 @@ typedef struct dsk__ukernel {
 #define DSK__LOAD_F32(x) (x)
 #define DSK__LOAD_BF16(x) dsk_bf16_to_f32(x)
 #define DSK__LOAD_F16(x) dsk_f16_to_f32(x)
+static int64_t dsk__pack_min(int64_t a, int64_t b) { return a < b ? a : b; }
 
+static void dsk__pack_t_f32(float *dst, const float *src, int64_t rs, int64_t kc, int64_t w);
+
+/* vec: the f32 panels that transpose (cs == 1) and are full may go through dsk__pack_t_f32's
+   vector transposes (AVX2 and up; the same values either way). */
 static void dsk__pack(float *dst, const void *src, dsk_dtype dt, int64_t rs, int64_t cs, int64_t rows, int64_t kc, int64_t w,
-                      int64_t c0, int64_t c1) {
+                      int64_t c0, int64_t c1, int vec) {
+    if (dt == DSK_F32 && cs == 1 && rs != 1 && vec) {
+        int64_t full = dsk__pack_min(c1, rows / w);
+        for (; c0 < full; c0++) dsk__pack_t_f32(dst + c0 * w * kc, (const float *)src + c0 * w * rs, rs, kc, w);
+        if (c0 >= c1) return;
+    }
     if (dt == DSK_F32) DSK__PACK_LOOP(float, DSK__LOAD_F32);
     else if (dt == DSK_BF16) DSK__PACK_LOOP(uint16_t, DSK__LOAD_BF16);
     else DSK__PACK_LOOP(uint16_t, DSK__LOAD_F16);
@@ -1725,9 +1737,53 @@ static DSK__TARGET_AVX2 void dsk__ukernel_avx2(int64_t k, const float *a, int64_
         else dsk__ukernel_avx2_body(k, a, a_rs, a_cs, b, b_rs, c, ldc, m, n, alpha, beta, 1);
     }
 }
+/* dst[p * w + r] = src[r * rs + p] for r < w (a multiple of 8), p < kc: 8 x 8 blocks through
+   registers (unpack, shuffle, lane permute), the last kc % 8 columns one by one. */
+static DSK__TARGET_AVX2 void dsk__pack_t_avx2(float *dst, const float *src, int64_t rs, int64_t kc, int64_t w) {
+    int64_t p0 = 0;
+    for (; p0 + 8 <= kc; p0 += 8)
+        for (int64_t rb = 0; rb < w; rb += 8) {
+            const float *s0 = src + rb * rs + p0;
+            __m256 r0 = _mm256_loadu_ps(s0), r1 = _mm256_loadu_ps(s0 + rs), r2 = _mm256_loadu_ps(s0 + 2 * rs);
+            __m256 r3 = _mm256_loadu_ps(s0 + 3 * rs), r4 = _mm256_loadu_ps(s0 + 4 * rs), r5 = _mm256_loadu_ps(s0 + 5 * rs);
+            __m256 r6 = _mm256_loadu_ps(s0 + 6 * rs), r7 = _mm256_loadu_ps(s0 + 7 * rs);
+            __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1), t2 = _mm256_unpacklo_ps(r2, r3);
+            __m256 t3 = _mm256_unpackhi_ps(r2, r3), t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+            __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+            __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+            __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+            __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+            __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+            float *d = dst + p0 * w + rb;
+            _mm256_storeu_ps(d, _mm256_permute2f128_ps(u0, u4, 0x20));
+            _mm256_storeu_ps(d + w, _mm256_permute2f128_ps(u1, u5, 0x20));
+            _mm256_storeu_ps(d + 2 * w, _mm256_permute2f128_ps(u2, u6, 0x20));
+            _mm256_storeu_ps(d + 3 * w, _mm256_permute2f128_ps(u3, u7, 0x20));
+            _mm256_storeu_ps(d + 4 * w, _mm256_permute2f128_ps(u0, u4, 0x31));
+            _mm256_storeu_ps(d + 5 * w, _mm256_permute2f128_ps(u1, u5, 0x31));
+            _mm256_storeu_ps(d + 6 * w, _mm256_permute2f128_ps(u2, u6, 0x31));
+            _mm256_storeu_ps(d + 7 * w, _mm256_permute2f128_ps(u3, u7, 0x31));
+        }
+    for (; p0 < kc; p0++)
+        for (int64_t r = 0; r < w; r++) dst[p0 * w + r] = src[r * rs + p0];
+}
 #else
 #define DSK__X86 0
 #endif
+
+static void dsk__pack_t_f32(float *dst, const float *src, int64_t rs, int64_t kc, int64_t w) {
+#if DSK__X86
+    if (w % 8 == 0) {
+        dsk__pack_t_avx2(dst, src, rs, kc, w);
+        return;
+    }
+#endif
+    for (int64_t p = 0; p < kc; p++)
+        for (int64_t r = 0; r < w; r++) dst[p * w + r] = src[r * rs + p];
+}
+
+/* Whether dsk__pack may take its vector transposes with the micro-kernel of `isa`. */
+static int dsk__pack_vec(dsk_cpu_isa isa) { return isa == DSK_CPU_ISA_AVX2 || isa == DSK_CPU_ISA_AVX512; }
 
 /* The instruction sets this build and this CPU both have, as a bit per dsk_cpu_isa. */
 static unsigned dsk__cpu_isa_mask(void) {
@@ -1812,12 +1868,13 @@ static void dsk__gemm_direct(const dsk__gemm_args *g, const dsk__ukernel *uk, in
         int64_t kc = dsk__min64(g->K - pc, DSK__DIRECT_KC), b_rs = in_place ? g->b_rs : NR;
         float beta = pc == 0 ? g->beta : 1.0f;
         if (!in_place) /* X[j][p] = op(B)[pc + p][j0 + j]: rows step b_cs, columns b_rs */
-            dsk__pack(bp, B + pc * g->b_rs + j0 * g->b_cs, DSK_F32, g->b_cs, g->b_rs, nc, kc, NR, 0, (nc + NR - 1) / NR);
+            dsk__pack(bp, B + pc * g->b_rs + j0 * g->b_cs, DSK_F32, g->b_cs, g->b_rs, nc, kc, NR, 0, (nc + NR - 1) / NR,
+                      dsk__pack_vec(uk->isa));
         for (int64_t it = i0; it < i1; it += MR) {
             int64_t m = dsk__min64(MR, i1 - it), a_rs = g->a_rs, a_cs = g->a_cs;
             const float *a = A + it * g->a_rs + pc * g->a_cs;
             if (m < MR) { /* rows past M must not be read: copy the short tile, zero padded */
-                dsk__pack(ap, a, DSK_F32, g->a_rs, g->a_cs, m, kc, MR, 0, 1);
+                dsk__pack(ap, a, DSK_F32, g->a_rs, g->a_cs, m, kc, MR, 0, 1, 0);
                 a = ap; a_rs = 1; a_cs = MR;
             }
             for (int64_t jt = j0; jt < j1; jt += NR) {
@@ -1839,10 +1896,12 @@ static void dsk__gemm_packed(const dsk__gemm_args *g, const dsk__ukernel *uk, in
             int64_t kc = dsk__min64(g->K - pc, DSK__KC);
             float beta = pc == 0 ? g->beta : 1.0f;
             /* X[j][p] = op(B)[pc + p][jc + j]: panel rows step b_cs, columns b_rs */
-            dsk__pack(bp, (const char *)g->B + (size_t)(pc * g->b_rs + jc * g->b_cs) * be, g->b_dt, g->b_cs, g->b_rs, nc, kc, NR, 0, n_jr);
+            dsk__pack(bp, (const char *)g->B + (size_t)(pc * g->b_rs + jc * g->b_cs) * be, g->b_dt, g->b_cs, g->b_rs, nc, kc, NR, 0, n_jr,
+                      dsk__pack_vec(uk->isa));
             for (int64_t ic = i0; ic < i1; ic += DSK__MC) {
                 int64_t mc = dsk__min64(i1 - ic, DSK__MC), n_ir = (mc + MR - 1) / MR;
-                dsk__pack(ap, (const char *)g->A + (size_t)(ic * g->a_rs + pc * g->a_cs) * ae, g->a_dt, g->a_rs, g->a_cs, mc, kc, MR, 0, n_ir);
+                dsk__pack(ap, (const char *)g->A + (size_t)(ic * g->a_rs + pc * g->a_cs) * ae, g->a_dt, g->a_rs, g->a_cs, mc, kc, MR, 0, n_ir,
+                          dsk__pack_vec(uk->isa));
                 for (int64_t jr = 0; jr < n_jr; jr++)
                     for (int64_t ir = 0; ir < n_ir; ir++) {
                         int64_t r0 = ir * MR, c0 = jr * NR;
@@ -1967,6 +2026,8 @@ typedef struct dsk__rowk {
     void (*sub_mul)(float *y, const float *p, const float *d, float c, int64_t n, int acc); /* y (+)= p (d - c) */
     void (*swiglu)(float *out, const float *g, const float *u, int64_t n);     /* out = silu(g) u */
     void (*swiglu_bwd)(float *dg, float *du, const float *dout, const float *g, const float *u, int64_t n, int acc); /* dg, du (+)= */
+    /* pairs (y[2i], y[2i+1]) (+)= dsk_rope_rotate(x[2i], x[2i+1], cs[2i], cs[2i+1]); n even */
+    void (*rope)(float *y, const float *x, const float *cs, int64_t n, int acc);
 } dsk__rowk;
 
 static float dsk__max_c(const float *x, int64_t n) {
@@ -2002,6 +2063,15 @@ static void dsk__swiglu_bwd_c(float *dg, float *du, const float *dout, const flo
         dsk_swiglu_grad_f(g[i], u[i], dout[i], &a, &b);
         dg[i] = acc ? dg[i] + a : a;
         du[i] = acc ? du[i] + b : b;
+    }
+}
+
+static void dsk__rope_c(float *y, const float *x, const float *cs, int64_t n, int acc) {
+    for (int64_t i = 0; i < n; i += 2) {
+        float y0, y1;
+        dsk_rope_rotate(x[i], x[i + 1], cs[i], cs[i + 1], &y0, &y1);
+        y[i] = acc ? y0 + y[i] : y0;
+        y[i + 1] = acc ? y1 + y[i + 1] : y1;
     }
 }
 
@@ -2105,6 +2175,20 @@ static DSK__TARGET_AVX512 void dsk__swiglu_bwd_avx512(float *dg, float *du, cons
         }
         _mm512_mask_storeu_ps(dg + i, k, a);
         _mm512_mask_storeu_ps(du + i, k, b);
+    }
+}
+/* dsk_rope_rotate on 8 pairs: y0 = x0 c + x1 (-s), y1 = x1 c + x0 s (the same products and sums:
+   a - b is a + (-b) and the sum commutes), a multiply and an add each (never fused). */
+static DSK__TARGET_AVX512 void dsk__rope_avx512(float *y, const float *x, const float *cs, int64_t n, int acc) {
+    __m512i neg_even = _mm512_set4_epi32(0, (int)0x80000000u, 0, (int)0x80000000u); /* integer xor: AVX-512F only */
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 k = dsk__tail512(n - i);
+        __m512 vx = _mm512_maskz_loadu_ps(k, x + i), vcs = _mm512_maskz_loadu_ps(k, cs + i);
+        __m512 c = _mm512_moveldup_ps(vcs);
+        __m512 sn = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_movehdup_ps(vcs)), neg_even));
+        __m512 v = _mm512_add_ps(_mm512_mul_ps(vx, c), _mm512_mul_ps(_mm512_permute_ps(vx, 0xB1), sn));
+        if (acc) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, y + i));
+        _mm512_mask_storeu_ps(y + i, k, v);
     }
 }
 
@@ -2220,6 +2304,18 @@ static DSK__TARGET_AVX2 void dsk__swiglu_bwd_avx2(float *dg, float *du, const fl
         _mm256_maskstore_ps(du + i, k, b);
     }
 }
+static DSK__TARGET_AVX2 void dsk__rope_avx2(float *y, const float *x, const float *cs, int64_t n, int acc) {
+    __m256 neg_even = _mm256_castsi256_ps(_mm256_setr_epi32((int)0x80000000u, 0, (int)0x80000000u, 0, (int)0x80000000u, 0,
+                                                            (int)0x80000000u, 0));
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256i k = dsk__tail256(n - i);
+        __m256 vx = _mm256_maskload_ps(x + i, k), vcs = _mm256_maskload_ps(cs + i, k);
+        __m256 c = _mm256_moveldup_ps(vcs), sn = _mm256_xor_ps(_mm256_movehdup_ps(vcs), neg_even);
+        __m256 v = _mm256_add_ps(_mm256_mul_ps(vx, c), _mm256_mul_ps(_mm256_permute_ps(vx, 0xB1), sn));
+        if (acc) v = _mm256_add_ps(v, _mm256_maskload_ps(y + i, k));
+        _mm256_maskstore_ps(y + i, k, v);
+    }
+}
 #endif
 
 /* The row primitives of `isa` (AUTO or one this CPU lacks: the best it has). */
@@ -2228,15 +2324,17 @@ static dsk__rowk dsk__rowk_for(dsk_cpu_isa isa) {
     if (!dsk_cpu_isa_supported(isa)) isa = dsk_cpu_isa_best();
     r.max = dsk__max_c; r.exp_sum = dsk__exp_sum_c; r.scale = dsk__scale_c32; r.dot = dsk__dot_c;
     r.mul_scale = dsk__mul_scale_c; r.sub_mul = dsk__sub_mul_c; r.swiglu = dsk__swiglu_c; r.swiglu_bwd = dsk__swiglu_bwd_c;
+    r.rope = dsk__rope_c;
 #if DSK__X86
     if (isa == DSK_CPU_ISA_AVX512) {
         r.max = dsk__max_avx512; r.exp_sum = dsk__exp_sum_avx512; r.scale = dsk__scale_avx512; r.dot = dsk__dot_avx512;
         r.mul_scale = dsk__mul_scale_avx512; r.sub_mul = dsk__sub_mul_avx512; r.swiglu = dsk__swiglu_avx512;
-        r.swiglu_bwd = dsk__swiglu_bwd_avx512;
+        r.swiglu_bwd = dsk__swiglu_bwd_avx512; r.rope = dsk__rope_avx512;
     }
     if (isa == DSK_CPU_ISA_AVX2) {
         r.max = dsk__max_avx2; r.exp_sum = dsk__exp_sum_avx2; r.scale = dsk__scale_avx2; r.dot = dsk__dot_avx2;
         r.mul_scale = dsk__mul_scale_avx2; r.sub_mul = dsk__sub_mul_avx2; r.swiglu = dsk__swiglu_avx2; r.swiglu_bwd = dsk__swiglu_bwd_avx2;
+        r.rope = dsk__rope_avx2;
     }
 #endif
     return r;
@@ -2921,6 +3019,15 @@ static void dsk__scatter_add_cpu(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (N * D > DSK__PAR_MIN))
     for (int64_t c = 0; c < n_chunks; c++) {
         int64_t j0 = c * DSK__COL_CHUNK, j1 = j0 + DSK__COL_CHUNK < D ? j0 + DSK__COL_CHUNK : D;
+        if (dst->dtype == DSK_F32 && src->dtype == DSK_F32) { /* the same adds, the dtype switch hoisted */
+            for (int64_t i = 0; i < N; i++) {
+                float *d = (float *)dst->data + (int64_t)idx[i] * D;
+                const float *x = (const float *)src->data + i * D;
+                DSK__OMP(simd)
+                for (int64_t j = j0; j < j1; j++) d[j] += x[j];
+            }
+            continue;
+        }
         for (int64_t i = 0; i < N; i++)
             for (int64_t j = j0; j < j1; j++) {
                 int64_t o = (int64_t)idx[i] * D + j;
@@ -3053,14 +3160,14 @@ DSK_API dsk_status dsk_cross_entropy(dsk_ctx *ctx, dsk_tensor *loss, dsk_tensor 
     for (int64_t r = 0; r < R; r++) count += tg[r] != ignore_index;
     row_loss = (double *)DSK_MALLOC((size_t)(R ? R : 1) * sizeof(double));
     if (!row_loss) return dsk_set_error(DSK_ERR_OOM, "dsk_cross_entropy: out of host memory for %lld row losses", (long long)R);
-    if (!(scratch = dsk__scratch(fn, ctx, 2 * V, &s))) { DSK_FREE(row_loss); return s; }
-    /* In f64 per logit (dsk_par_cross_entropy follows these bits): lse = max + log(sum e^(x - max)),
-       dlogits = grad_scale (e^(x - lse) - onehot) / count; rows in f32, the dtype switch hoisted. */
+    if (!(scratch = dsk__scratch(fn, ctx, 3 * V, &s))) { DSK_FREE(row_loss); return s; }
+    /* Rows in f32 through the row primitives (as the CUDA kernel, in f32): e = e^(x - max) by
+       dsk_exp_f, lse = max + log(sum e) (the row's loss in f64 from there), dlogits =
+       (grad_scale / count) (e / sum - onehot). */
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (R * V > DSK__PAR_MIN))
     for (int64_t r = 0; r < R; r++) {
-        float *buf = scratch + 2 * V * dsk__thread_id(), *d, mx;
+        float *buf = scratch + 3 * V * dsk__thread_id(), *e = buf + V, *d, mx, sum, coef;
         const float *xr;
-        double sum = 0.0, lse;
         row_loss[r] = 0.0;
         if (tg[r] == ignore_index) {
             if (dlogits) {
@@ -3072,13 +3179,13 @@ DSK_API dsk_status dsk_cross_entropy(dsk_ctx *ctx, dsk_tensor *loss, dsk_tensor 
         }
         xr = dsk__row_in(logits, r * V, V, buf);
         mx = rk.max(xr, V);
-        for (int64_t j = 0; j < V; j++) sum += exp((double)xr[j] - mx);
-        lse = mx + log(sum);
-        row_loss[r] = lse - xr[tg[r]];
-        if (dlogits) {
-            d = dsk__row_out(dlogits, r * V, buf + V);
-            for (int64_t j = 0; j < V; j++)
-                d[j] = (float)((double)grad_scale * (exp((double)xr[j] - lse) - (j == tg[r] ? 1.0 : 0.0)) / (double)count);
+        sum = rk.exp_sum(e, xr, V, mx);
+        row_loss[r] = (double)mx + log((double)sum) - (double)xr[tg[r]];
+        if (dlogits) { /* xr is read for the last time above: d may overwrite it */
+            coef = (float)((double)grad_scale / (double)count);
+            d = dsk__row_out(dlogits, r * V, buf + 2 * V);
+            rk.scale(d, e, coef / sum, V);
+            d[tg[r]] -= coef;
             dsk__row_out_done(dlogits, r * V, V, d);
         }
     }
@@ -3165,34 +3272,32 @@ static dsk_status dsk__rope_check(const char *fn, dsk_ctx *ctx, const char *yn, 
    cosines and sines of the T x Dh/2 angles are computed once per call. */
 static dsk_status dsk__rope_cpu(const char *fn, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, int64_t pos0, float theta, float sign,
                                 int accumulate) {
-    int64_t B = x->shape[0], T = x->shape[1], H = x->shape[2], Dh = x->shape[3], per = x->dtype == DSK_F32 ? 0 : 2 * Dh;
+    int64_t B = x->shape[0], T = x->shape[1], H = x->shape[2], Dh = x->shape[3], W = H * Dh, per = x->dtype == DSK_F32 ? 0 : 2 * W;
     dsk_status s;
-    float *tab = (float *)DSK_MALLOC((size_t)(T * Dh) * sizeof(float) + 1), *scratch;
-    if (!tab) return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for %lld angles", fn, (long long)(T * Dh / 2));
+    dsk__rowk rk = dsk__rowk_ctx(ctx);
+    float *tab = (float *)DSK_MALLOC((size_t)(T * W + Dh / 2) * sizeof(float) + 1), *inv, *scratch;
+    if (!tab) return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for %lld angles", fn, (long long)(T * W / 2));
     if (!(scratch = dsk__scratch(fn, ctx, per, &s))) { DSK_FREE(tab); return s; }
-    for (int64_t t = 0; t < T; t++)
+    /* dsk_rope_angle's cosines and sines per position, the frequency taken once per pair index, the
+       row repeated for every head: a position's H heads rotate as one row (one call, not H short ones) */
+    inv = tab + T * W;
+    for (int64_t i = 0; i < Dh / 2; i++) inv[i] = dsk_rope_freq(i, Dh, theta);
+    for (int64_t t = 0; t < T; t++) {
+        float *cs = tab + t * W;
         for (int64_t i = 0; i < Dh / 2; i++) {
-            float ang = dsk_rope_angle(pos0 + t, i, Dh, theta);
-            tab[t * Dh + 2 * i] = cosf(ang);
-            tab[t * Dh + 2 * i + 1] = sign * sinf(ang);
+            float ang = (float)(pos0 + t) * inv[i];
+            cs[2 * i] = cosf(ang);
+            cs[2 * i + 1] = sign * sinf(ang);
         }
-    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (B * T * H * Dh > DSK__PAR_MIN))
+        for (int64_t h = 1; h < H; h++) memcpy(cs + h * Dh, cs, (size_t)Dh * sizeof(float));
+    }
+    DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (B * T * W > DSK__PAR_MIN))
     for (int64_t bt = 0; bt < B * T; bt++) {
-        const float *cs = tab + (bt % T) * Dh;
         float *buf = scratch + per * dsk__thread_id();
-        for (int64_t h = 0; h < H; h++) {
-            int64_t o = (bt * H + h) * Dh;
-            const float *xr = dsk__row_in(x, o, Dh, buf);
-            float *yr = accumulate ? dsk__row_acc(y, o, Dh, buf + per / 2) : dsk__row_out(y, o, buf + per / 2);
-            for (int64_t i = 0; i < Dh; i += 2) {
-                float y0, y1;
-                dsk_rope_rotate(xr[i], xr[i + 1], cs[i], cs[i + 1], &y0, &y1);
-                if (accumulate) { y0 += yr[i]; y1 += yr[i + 1]; }
-                yr[i] = y0;
-                yr[i + 1] = y1;
-            }
-            dsk__row_out_done(y, o, Dh, yr);
-        }
+        const float *xr = dsk__row_in(x, bt * W, W, buf);
+        float *yr = accumulate ? dsk__row_acc(y, bt * W, W, buf + per / 2) : dsk__row_out(y, bt * W, buf + per / 2);
+        rk.rope(yr, xr, tab + (bt % T) * W, W, accumulate);
+        dsk__row_out_done(y, bt * W, W, yr);
     }
     DSK_FREE(scratch);
     DSK_FREE(tab);
@@ -3250,7 +3355,11 @@ static const float *dsk__attn_in(const dsk_tensor *t, int64_t b, int64_t h, floa
 }
 
 /* dst (Dh x T) = src (T x Dh, row stride ld) transposed, so products with it read rows in place. */
-static void dsk__attn_transpose(float *dst, const float *src, int64_t ld, int64_t T, int64_t Dh) {
+static void dsk__attn_transpose(const dsk__ukernel *uk, float *dst, const float *src, int64_t ld, int64_t T, int64_t Dh) {
+    if (dsk__pack_vec(uk->isa) && T % 8 == 0) { /* the GEMM packing's register transposes */
+        dsk__pack_t_f32(dst, src, ld, Dh, T);
+        return;
+    }
     for (int64_t t = 0; t < T; t++)
         for (int64_t d = 0; d < Dh; d++) dst[d * T + t] = src[t * ld + d];
 }
@@ -3307,7 +3416,7 @@ DSK_API dsk_status dsk_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *prob
         const float *V = dsk__attn_in(v, b, h, sc + 2 * T * Dh, &ldv);
         float *P = (float *)probs->data + bh * T * T, *O = half ? sc + 3 * T * Dh : (float *)out->data + base;
         if (half) ldo = Dh;
-        dsk__attn_transpose(Kt, K, ldk, T, Dh);
+        dsk__attn_transpose(&uk, Kt, K, ldk, T, Dh);
         for (int64_t i0 = 0; i0 < T; i0 += RB) {
             int64_t i1 = i0 + RB < T ? i0 + RB : T;
             dsk__attn_gemm(&uk, i1 - i0, i1, Dh, scale, Q + i0 * ldq, ldq, 1, Kt, T, 0.0f, P + i0 * T, T, ws);
@@ -3367,7 +3476,7 @@ DSK_API dsk_status dsk_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tens
         const float *V = dsk__attn_in(v, b, h, sc + 2 * T * Dh, &ldv), *dO = dsk__attn_in(dout, b, h, sc + 3 * T * Dh, &ldo);
         float *gq = half ? sc + 4 * T * Dh : (float *)dq->data + base, *gk = half ? sc + 5 * T * Dh : (float *)dk->data + base;
         float *gv = half ? sc + 6 * T * Dh : (float *)dv->data + base;
-        dsk__attn_transpose(Vt, V, ldv, T, Dh);
+        dsk__attn_transpose(&uk, Vt, V, ldv, T, Dh);
         for (int64_t i0 = 0; i0 < T; i0 += RB) {
             int64_t i1 = i0 + RB < T ? i0 + RB : T;
             dsk__attn_gemm(&uk, i1 - i0, i1, Dh, 1.0f, dO + i0 * ldo, ldo, 1, Vt, T, 0.0f, dS + i0 * T, T, ws); /* dP = dO V^T */
@@ -3742,6 +3851,7 @@ DSK_API dsk_status dsk_gather_rows_scaled(dsk_ctx *ctx, dsk_tensor *out, const d
     const int32_t *ix;
     const dsk_tensor *ts[4] = {src, out, idx, scale};
     const char *names[4] = {"src", "out", "idx", "scale"};
+    dsk__rowk rk;
     DSK__TRY(dsk__need_float(fn, "src", src));
     DSK__TRY(dsk__need_ndim(fn, "src", src, 2));
     DSK__TRY(dsk__need_float(fn, "out", out));
@@ -3768,6 +3878,7 @@ DSK_API dsk_status dsk_gather_rows_scaled(dsk_ctx *ctx, dsk_tensor *out, const d
             return dsk_set_error(DSK_ERR_ARG, "%s: idx[%lld] = %d outside [0, %lld) (negative: a zero row)", fn,
                                  (long long)i, (int)ix[i], (long long)R);
     row = (size_t)D * dsk_dtype_size(src->dtype);
+    rk = dsk__rowk_ctx(ctx);
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (N * D > DSK__PAR_MIN))
     for (int64_t i = 0; i < N; i++) {
         char *o = (char *)out->data + (size_t)i * row;
@@ -3775,6 +3886,8 @@ DSK_API dsk_status dsk_gather_rows_scaled(dsk_ctx *ctx, dsk_tensor *out, const d
             memset(o, 0, row);
         } else if (!scale) {
             memcpy(o, (const char *)src->data + (size_t)ix[i] * row, row);
+        } else if (src->dtype == DSK_F32) { /* out has src's dtype */
+            rk.scale((float *)o, (const float *)src->data + (int64_t)ix[i] * D, ((const float *)scale->data)[i], D);
         } else {
             float sc = ((const float *)scale->data)[i];
             for (int64_t d = 0; d < D; d++)

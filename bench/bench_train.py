@@ -127,6 +127,11 @@ def main():
               % (c[1], c[0], med, tokens / (med * 1e-3), min(e["rounds"]), statistics.median(e["cpu"]), e["rss"],
                  min(e["load"]), max(e["load"]), e["info"]))
     print()
+    print("# columns: median ms/step = wall time per step over every timed step of every round; best round = the")
+    print("# least disturbed round's median; CPU ms/step = process CPU time per step (all threads), which other")
+    print("# programs on the cores disturb least (on a quiet machine at 1 thread it equals the wall time); load avg =")
+    print("# the 1-minute load average before and after each run; kernel = dsk's GEMM micro-kernel, PyTorch's OpenBLAS core.")
+    verdicts = []
     for n in threads:
         for what, key, pick in (("median step", "ms", statistics.median), ("best round", "rounds", min),
                                 ("CPU time per step", "cpu", statistics.median)):
@@ -134,6 +139,8 @@ def main():
             best = min((pick(res[c][key]), c[0]) for c in configs if c[1] == n and c[2] == "torch")
             print("ratio %d thread%s, %s: dsk %.0f tokens/s / PyTorch best (%s) %.0f tokens/s = %.2fx"
                   % (n, "s" if n > 1 else "", what, tokens / (d * 1e-3), best[1], tokens / (best[0] * 1e-3), best[0] / d))
+            verdicts.append("%d thr %s %.2fx %s" % (n, what, best[0] / d, "met" if best[0] / d >= 1.5 else "NOT met"))
+    print("# goal (issue 20): dsk at 1.5x or better of PyTorch's best split at each thread count: " + "; ".join(verdicts))
     print("# finished %s, load %.2f %.2f %.2f" % ((time.strftime("%Y-%m-%d %H:%M:%S %Z"),) + os.getloadavg()))
 
 

@@ -86,6 +86,7 @@ typedef struct tm_model {
     int want_stats;                     /* 1: each MoE forward fills its block's stats (a host read) */
     int profile;                        /* 1: time each op into phase_s (synchronising the device) */
     double phase_s[TM_PH_COUNT];        /* seconds per phase since the caller last cleared them */
+    double phase_cpu_s[TM_PH_COUNT];    /* the same in CPU time of the process (all threads) */
     tm_param params[1024];
     float aux_scale;                    /* weight of the MoE losses' gradients: loss scale / accum */
     /* called by backward when a slab parameter's gradient is final for this micro-batch
@@ -118,14 +119,23 @@ static double tm_clock(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+/* CPU time of the process (all threads): on a shared machine, what the phase itself cost. */
+static double tm_clock_cpu(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 /* Runs `call` (returning from the caller on failure); with m->profile its time goes to phase ph. */
 #define TM_T(ph, call)                                                           \
     do {                                                                         \
         double tm_t0_ = m->profile ? tm_clock() : 0.0;                           \
+        double tm_c0_ = m->profile ? tm_clock_cpu() : 0.0;                       \
         TM_TRY(call);                                                            \
         if (m->profile) {                                                        \
             TM_TRY(dsk_ctx_sync(m->ctx));                                        \
             m->phase_s[ph] += tm_clock() - tm_t0_;                               \
+            m->phase_cpu_s[ph] += tm_clock_cpu() - tm_c0_;                       \
         }                                                                        \
     } while (0)
 

@@ -359,6 +359,7 @@ typedef struct trainer {
     double t_start, train_seconds;
     int64_t steps_timed;
     double prof_data, prof_opt, prof_step; /* --profile: seconds of data loading, optimizer, whole steps */
+    double prof_data_cpu, prof_opt_cpu, prof_step_cpu; /* the same in process CPU time */
     int64_t prof_steps;
     float last_val;
     /* metrics (--metrics, --metrics-port) */
@@ -925,9 +926,10 @@ static dsk_status train_step(trainer *t, step_info *si) {
     if (!o->cuda_graph) TM_TRY(tm_zero_grads(&t->model)); /* --cuda-graph: in the step's graph */
     memset(si, 0, sizeof *si);
     for (int a = 0; a < o->accum; a++) {
-        double td = now_s();
+        double td = now_s(), tdc = cpu_s();
         TM_TRY(load_train_batch(t));
         t->prof_data += now_s() - td;
+        t->prof_data_cpu += cpu_s() - tdc;
         if (t->have_buckets) TM_TRY(dsk_comm_buckets_begin(&t->buckets, a == o->accum - 1));
         if (t->have_ebuckets) TM_TRY(dsk_comm_buckets_begin(&t->ebuckets, a == o->accum - 1));
         if (t->use_zero) TM_TRY(tz_begin(&t->zero, a == o->accum - 1));
@@ -938,7 +940,7 @@ static dsk_status train_step(trainer *t, step_info *si) {
     }
     double sync0 = now_s();
     TM_TRY(t->use_zero ? tz_wait(&t->zero) : finish_grads(t));
-    double t_opt = now_s();
+    double t_opt = now_s(), t_opt_cpu = cpu_s();
     si->sync_ms = 1e3 * (now_s() - sync0);
     float l2[1] = {(float)si->loss};
     TM_TRY(allreduce_host(t, &t->comm, l2, 1, DSK_F32, DSK_COMM_AVG));
@@ -991,6 +993,7 @@ stepped:
         if (st->mean_load > 0 && st->max_load / st->mean_load > si->load_ratio) si->load_ratio = st->max_load / st->mean_load;
     }
     t->prof_opt += now_s() - t_opt;
+    t->prof_opt_cpu += cpu_s() - t_opt_cpu;
     t->step++;
     si->skipped = dec.skip;
     si->norm = dec.norm;
@@ -998,6 +1001,7 @@ stepped:
     si->ms = 1e3 * (now_s() - t0);
     si->cpu_ms = 1e3 * (cpu_s() - c0);
     t->prof_step += si->ms * 1e-3;
+    t->prof_step_cpu += si->cpu_ms * 1e-3;
     t->prof_steps++;
     si->tokens_per_s = (double)o->batch * o->accum * o->seq / (si->ms * 1e-3);
     si->mfu = t->peak_flops > 0 ? si->tokens_per_s * t->flops_per_token / t->peak_flops : 0;
@@ -1545,27 +1549,37 @@ static void banner(trainer *t) {
 /* --profile: clears the phase times (after the warm-up steps) and prints their means. */
 static void profile_clear(trainer *t) {
     memset(t->model.phase_s, 0, sizeof t->model.phase_s);
+    memset(t->model.phase_cpu_s, 0, sizeof t->model.phase_cpu_s);
     t->prof_data = t->prof_opt = t->prof_step = 0;
+    t->prof_data_cpu = t->prof_opt_cpu = t->prof_step_cpu = 0;
     t->prof_steps = 0;
 }
 
 static void profile_report(const trainer *t) {
     const tm_model *m = &t->model;
     double n = (double)(t->prof_steps > 0 ? t->prof_steps : 1), step = t->prof_step / n * 1e3, known = 0;
+    double step_cpu = t->prof_step_cpu / n * 1e3, known_cpu = 0;
     char isa[64];
     if (t->prof_steps == 0) return;
-    say(t, "profile: %lld steps after the warm-up, %.1f ms/step, %d thread%s, cpu gemm: %s\n", (long long)t->prof_steps, step,
+    say(t, "profile: %lld steps after the warm-up, %.1f ms/step wall, %.1f ms/step CPU (all threads; what other programs "
+        "on the cores disturb least), %d thread%s, cpu gemm: %s\n", (long long)t->prof_steps, step, step_cpu,
         t->ctx.n_threads, t->ctx.n_threads > 1 ? "s" : "", dsk_cpu_gemm_describe(t->ctx.cpu_isa, isa, sizeof isa));
+    say(t, "  %-52s %10s  %6s %10s  %6s\n", "phase", "wall ms", "share", "CPU ms", "share");
     for (int p = 0; p < TM_PH_COUNT; p++) {
-        double ms = m->phase_s[p] / n * 1e3;
+        double ms = m->phase_s[p] / n * 1e3, cms = m->phase_cpu_s[p] / n * 1e3;
         known += ms;
-        say(t, "  %-52s %7.2f ms  %5.1f%%\n", tm_phase_names[p], ms, 100 * ms / step);
+        known_cpu += cms;
+        say(t, "  %-52s %10.2f  %5.1f%% %10.2f  %5.1f%%\n", tm_phase_names[p], ms, 100 * ms / step, cms, 100 * cms / step_cpu);
     }
-    say(t, "  %-52s %7.2f ms  %5.1f%%\n", "data (batch loading)", t->prof_data / n * 1e3, 100 * t->prof_data / n * 1e3 / step);
-    say(t, "  %-52s %7.2f ms  %5.1f%%\n", "optimizer (reduce, unscale, clip, AdamW, bias)", t->prof_opt / n * 1e3,
-        100 * t->prof_opt / n * 1e3 / step);
+    say(t, "  %-52s %10.2f  %5.1f%% %10.2f  %5.1f%%\n", "data (batch loading)", t->prof_data / n * 1e3,
+        100 * t->prof_data / n * 1e3 / step, t->prof_data_cpu / n * 1e3, 100 * t->prof_data_cpu / n * 1e3 / step_cpu);
+    say(t, "  %-52s %10.2f  %5.1f%% %10.2f  %5.1f%%\n", "optimizer (reduce, unscale, clip, AdamW, bias)",
+        t->prof_opt / n * 1e3, 100 * t->prof_opt / n * 1e3 / step, t->prof_opt_cpu / n * 1e3,
+        100 * t->prof_opt_cpu / n * 1e3 / step_cpu);
     known += (t->prof_data + t->prof_opt) / n * 1e3;
-    say(t, "  %-52s %7.2f ms  %5.1f%%\n", "other (zero grads, loss read, step bookkeeping)", step - known, 100 * (step - known) / step);
+    known_cpu += (t->prof_data_cpu + t->prof_opt_cpu) / n * 1e3;
+    say(t, "  %-52s %10.2f  %5.1f%% %10.2f  %5.1f%%\n", "other (zero grads, loss read, step bookkeeping)", step - known,
+        100 * (step - known) / step, step_cpu - known_cpu, 100 * (step_cpu - known_cpu) / step_cpu);
 }
 
 /* ---- gradient check */

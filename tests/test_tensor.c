@@ -862,8 +862,8 @@ static void test_exp(void) {
 }
 
 /* The row primitives of the ISA under test (the loops inside softmax, attention, norms, SwiGLU,
-   cross-entropy): exp and SwiGLU bitwise equal to the scalar dsk_exp_f / dsk_swiglu_f /
-   dsk_swiglu_grad_f, the rest against float64; lengths around the vector widths, specials in the
+   rope, cross-entropy): exp, SwiGLU and rope bitwise equal to the scalar dsk_exp_f / dsk_swiglu_f /
+   dsk_swiglu_grad_f / dsk_rope_rotate, the rest against float64; lengths around the vector widths, specials in the
    exp input, and a sentinel after each output that must stay untouched. */
 static void test_row_kernels(void) {
     static const int64_t lens[7] = {1, 7, 8, 16, 17, 129, 1000};
@@ -935,6 +935,23 @@ static void test_row_kernels(void) {
             }
             DSK_TEST_EXPECT(same && dg[n] == 12345.0f && du[n] == 12345.0f, "%s swiglu_bwd acc %d n %lld: differs from dsk_swiglu_grad_f",
                             dsk_cpu_isa_name(tt_isa), acc, (long long)n);
+        }
+        /* rope over the even part of the row (x pairs, u the (cos, sin) table), written in place and
+           accumulated: bitwise dsk_rope_rotate (plus the old value) */
+        for (int acc = 0; acc < 2; acc++) {
+            int64_t m = n - (n & 1);
+            same = 1;
+            for (int64_t i = 0; i < m; i++) y[i] = acc ? d[i] : x[i];
+            y[m] = 12345.0f;
+            rk.rope(y, acc ? x : y, u, m, acc);
+            for (int64_t i = 0; i < m; i += 2) {
+                float y0, y1;
+                dsk_rope_rotate(x[i], x[i + 1], u[i], u[i + 1], &y0, &y1);
+                if (acc) { y0 = y0 + d[i]; y1 = y1 + d[i + 1]; }
+                same &= memcmp(&y0, &y[i], 4) == 0 && memcmp(&y1, &y[i + 1], 4) == 0;
+            }
+            DSK_TEST_EXPECT(same && y[m] == 12345.0f, "%s rope acc %d n %lld: differs from dsk_rope_rotate or wrote past the row",
+                            dsk_cpu_isa_name(tt_isa), acc, (long long)m);
         }
     }
     {   /* the public raw helpers (best ISA), gradient written over dout in place */
@@ -1780,8 +1797,9 @@ static double tt_attention_loss(const double *x, void *p) {
 }
 
 static void test_attention(dsk_dtype dt) {
-    static const int64_t cfg[3][4] = {{1, 1, 1, 1}, {2, 7, 3, 5}, {1, 20, 2, 16}};
-    for (int s = 0; s < 3; s++) {
+    /* T 24: a multiple of 8, so K and V transpose through the vector path (Dh 12: a tail of 4) */
+    static const int64_t cfg[4][4] = {{1, 1, 1, 1}, {2, 7, 3, 5}, {1, 20, 2, 16}, {1, 24, 2, 12}};
+    for (int s = 0; s < 4; s++) {
         const int64_t *sh = cfg[s];
         int64_t n = sh[0] * sh[1] * sh[2] * sh[3], np = sh[0] * sh[2] * sh[1] * sh[1];
         dsk_tensor *q = tt_rand(dt, 4, sh, -1, 1), *k = tt_rand(dt, 4, sh, -1, 1), *v = tt_rand(dt, 4, sh, -1, 1), *out = tt_poisoned(dt, 4, sh);
@@ -2521,7 +2539,7 @@ int main(void) {
         TT_CASE("%s GEMM: same bits on 1, 2, 3 threads (direct and packed)", n); test_gemm_threads();
         TT_CASE("%s matmul: a batch of small products in one parallel region, vs float64 and 1/2/3 threads", n);
         test_matmul_batched_small();
-        TT_CASE("%s row primitives: exp and SwiGLU bitwise the scalar math, the rest vs float64", n); test_row_kernels();
+        TT_CASE("%s row primitives: exp, SwiGLU and rope bitwise the scalar math, the rest vs float64", n); test_row_kernels();
         TT_CASE("%s AdamW vs dsk_adamw_update, f32 and bf16 gradients, bf16 copy", n); test_adamw_isa();
         if (i != (int)dsk_cpu_isa_best()) /* the best ran every op test above */
             for (int d = 0; d < 2; d++) {
