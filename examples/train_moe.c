@@ -1069,6 +1069,19 @@ static ck_names ck_entries(trainer *t) {
     return c;
 }
 
+/* The entries this rank writes: ck_entries less the expert rows another replica (a rank of
+   the same experts with a lower expert-data-parallel index) writes, so the pieces of one
+   tensor tile it once (dp x ep saves failed with overlapping pieces). */
+static ck_names ck_entries_save(trainer *t) {
+    ck_names c = ck_entries(t);
+    int k = 0;
+    if (t->rep_comm.world_size <= 1 || t->rep_comm.rank == 0) return c;
+    for (int i = 0; i < c.n; i++)
+        if (c.e[i].split != DSK_CKPT_ROWS) c.e[k++] = c.e[i];
+    c.n = k;
+    return c;
+}
+
 /* --tp/--pp: every tensor is a box of its full tensor under the full tensor's name, so any
    layout loads it; a save lists the pieces this rank writes (one copy of each over the
    replicas), a load every piece this rank holds. */
@@ -1172,7 +1185,7 @@ static dsk_status save_checkpoint(trainer *t) {
                           {"amp.scale", kv_val[3]}, {"amp.growth_tracker", kv_val[4]}, {"amp.hysteresis_left", kv_val[5]},
                           {"train.data_seed", kv_val[6]}, {"train.config", cfg}, {"train.data_epoch", kv_val[7]},
                           {"train.data_offset", kv_val[8]}, {"train.data_world", kv_val[9]}, {"train.data_order", order}};
-    ck_names c = t->par.on ? ck_entries_par(t, 1) : ck_entries(t);
+    ck_names c = t->par.on ? ck_entries_par(t, 1) : ck_entries_save(t);
     dsk_status s = t->o->sync_ckpt ? dsk_ckpt_save(&t->ck, t->step, c.e, c.n, kv, 12)
                                    : dsk_ckpt_save_async(&t->ck, t->step, c.e, c.n, kv, 12);
     free(c.name);
@@ -1358,7 +1371,7 @@ static void setup_metrics(trainer *t) {
 
 /* Bytes of the tensors one checkpoint of this rank holds. */
 static double checkpoint_bytes(trainer *t) {
-    ck_names c = t->par.on ? ck_entries_par(t, 1) : ck_entries(t);
+    ck_names c = t->par.on ? ck_entries_par(t, 1) : ck_entries_save(t);
     double bytes = 0;
     for (int i = 0; i < c.n; i++) bytes += (double)dsk_tensor_nbytes(c.e[i].tensor);
     free(c.name);

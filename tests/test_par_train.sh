@@ -87,6 +87,17 @@ for spec in "${LAYOUTS[@]}"; do
     fi
 done
 
+# The same through the data/expert-parallel path (no --tp/--pp): dp4 with ep2 saves each
+# expert shard once (its two replicas both wrote it before: overlapping pieces, no checkpoint).
+run dp4ep2 "${TINY[@]}" --steps 30 --nproc 4 --ep 2 --ckpt-dir "$work/ck_dp4ep2"
+read -r pmax pmax_at pl2 pl2_at _ < <($PY tests/par_ckpt_compare.py "$work/ck_one" "$work/ck_dp4ep2" 2>&1)
+if [ "$(rc dp4ep2)" -eq 0 ] && within "${pl2:-x}" 1e-5; then
+    ok "4 ranks as dp4 x ep2 save a checkpoint whose weights match 1 rank's within 1e-5 (L2 $pl2, largest element $pmax)"
+else
+    bad "4 ranks as dp4 x ep2 save a checkpoint matching 1 rank" "exit $(rc dp4ep2), ${pmax:-?} ${pl2:-?}" \
+        "$(grep -E 'rank|error' "$work/dp4ep2.out" | tail -2)"
+fi
+
 # ---- 2. checkpoints across layouts: saved as tp2 x pp2 at step 15, resumed as tp1 x pp1 and as dp4
 run straight "${TINY[@]}" --steps 30 --nproc 4 --tp 2 --pp 2 --micro-batches 2 --ckpt-dir "$work/ck_s" --log "$work/straight.jsonl"
 run first "${TINY[@]}" --steps 30 --nproc 4 --tp 2 --pp 2 --micro-batches 2 --ckpt-dir "$work/ck_f" --stop-at 15
