@@ -19,7 +19,7 @@ export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
 MODEL=(${BENCH_ARGS:---seq 64 --d-model 128 --heads 8 --layers 8 --dense-layers 1 --ffn-hidden 384 --experts 8 --top-k 2
        --expert-hidden 128 --shared 1 --batch 64})
 COMMON=(--steps "$STEPS" --sample-len 0 --val-interval 100000 --dtype f32 --device cpu --corpus-mb 1 --peak-tflops 0.1)
-echo "machine: $(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')), load average" \
+echo "machine: $(getconf _NPROCESSORS_ONLN) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')), load average" \
      "$(cut -d' ' -f1-3 /proc/loadavg), $(date -u '+%Y-%m-%d %H:%M UTC')"
 echo "model: ${MODEL[*]}; 8 ranks, 1 thread each; $STEPS steps, median of steps 3..$STEPS"
 
@@ -38,7 +38,7 @@ LAYOUTS=(
     "tp2 x pp2 x dp2 (ep2), 1f1b, m 4|--tp 2 --pp 2 --ep 2 --micro-batches 4"
 )
 echo
-echo "| layout | step ms (median) | CPU ms per rank | comm share | bubble | step time / dp8 |"
+echo "| layout | step ms (median) | rank 0 CPU ms | comm share | bubble | step time / dp8 |"
 echo "| --- | --- | --- | --- | --- | --- |"
 base=""
 i=0

@@ -867,14 +867,16 @@ static dsk_status train_step(trainer *t, step_info *si) {
     TM_TRY(t->par.on ? tp_reduce_grads(&t->par) : finish_grads(t));
     double t_opt = now_s();
     si->sync_ms = 1e3 * (now_s() - sync0);
-    float l2[1] = {(float)si->loss};
-    if (t->par.on) TM_TRY(tp_loss_mean(&t->par, &t->comm, &si->loss));
-    else TM_TRY(allreduce_host(t, &t->comm, l2, 1, DSK_F32, DSK_COMM_AVG));
-    if (!t->par.on) si->loss = l2[0];
+    float l2[1] = {t->par.on ? tp_loss_part(&t->par, si->loss) : (float)si->loss};
+    TM_TRY(allreduce_host(t, &t->comm, l2, 1, DSK_F32, t->par.on ? DSK_COMM_SUM : DSK_COMM_AVG));
+    si->loss = l2[0];
     dsk_amp_decision dec;
-    if (t->par.on) {
+    if (t->par.on) { /* the norm of the whole model, its parts spread over the grid */
         dsk_amp_stats a;
-        TM_TRY(tp_unscale(&t->par, &t->scaler, &t->comm, &a));
+        float f[2];
+        TM_TRY(tp_unscale(&t->par, &t->scaler, f));
+        TM_TRY(allreduce_host(t, &t->comm, f, 2, DSK_F32, DSK_COMM_SUM));
+        TM_TRY(tp_unscale_join(&t->par, &t->scaler, f, &a));
         dec = dsk_amp_decide(a, o->clip);
     } else {
         TM_TRY(unscale_and_decide(t, &dec));
@@ -940,9 +942,9 @@ static dsk_status validate(trainer *t, float *out) {
     if (t->par.on) {
         tm_set_eval(m, 0);
         TM_TRY(s);
-        sum /= t->o->val_batches;
-        TM_TRY(tp_loss_mean(&t->par, &t->comm, &sum));
-        *out = (float)sum;
+        float v[1] = {tp_loss_part(&t->par, sum / t->o->val_batches)};
+        TM_TRY(allreduce_host(t, &t->comm, v, 1, DSK_F32, DSK_COMM_SUM));
+        *out = v[0];
         return DSK_OK;
     }
     for (int i = 0; i < t->o->val_batches && s == DSK_OK; i++) {

@@ -686,12 +686,13 @@ static int tp_norm_owner(const tp_state *ps, int g) {
     return at->tp == 0 && at->edp == 0;
 }
 
-/* Unscales every gradient and joins the statistics over the world into the scaler (the
-   global norm of the whole model, each element once). */
-static dsk_status tp_unscale(tp_state *ps, dsk_amp_scaler *sc, dsk_comm *world, dsk_amp_stats *out) {
+/* Unscales every gradient; f[0] = 1 when one is not finite, f[1] += this rank's share of the
+   squared norm (each distinct element counted once over the world). The caller sums f over
+   the world and hands it to tp_unscale_join. */
+static dsk_status tp_unscale(tp_state *ps, dsk_amp_scaler *sc, float f[2]) {
     tm_model *m = ps->m;
     dsk_tensor *gs[1024];
-    float f[2] = {0, 0};
+    f[0] = f[1] = 0;
     for (int g = 0; g < TP_G_COUNT; g++) {
         int n = 0;
         for (int i = ps->group_n[g]; i < ps->group_n[g + 1]; i++) gs[n++] = &m->params[i].g;
@@ -704,20 +705,21 @@ static dsk_status tp_unscale(tp_state *ps, dsk_amp_scaler *sc, dsk_comm *world, 
         if (a.found_inf > 0) f[0] = 1;
         if (tp_norm_owner(ps, g)) f[1] += (float)a.sumsq;
     }
-    if (world && world->world_size > 1) TM_TRY(dsk_comm_all_reduce(world, ps->ctx, f, f, 2, DSK_F32, DSK_COMM_SUM));
+    return DSK_OK;
+}
+
+/* The world's sums of tp_unscale's f into the scaler (its next update reads them) and *out. */
+static dsk_status tp_unscale_join(tp_state *ps, dsk_amp_scaler *sc, const float f[2], dsk_amp_stats *out) {
     memset(out, 0, sizeof *out);
     out->found_inf = f[0];
     out->sumsq = f[1];
     return dsk_amp_stats_set(sc, ps->ctx, out);
 }
 
-/* The world's mean of a value the last stage's ranks hold (one per data-parallel replica):
-   the others contribute 0. */
-static dsk_status tp_loss_mean(tp_state *ps, dsk_comm *world, double *v) {
-    float f[1] = {ps->last >= 0 && ps->grid.at.tp == 0 ? (float)(*v / ps->dp) : 0.0f};
-    if (world && world->world_size > 1) TM_TRY(dsk_comm_all_reduce(world, ps->ctx, f, f, 1, DSK_F32, DSK_COMM_SUM));
-    *v = f[0];
-    return DSK_OK;
+/* This rank's part of the world's mean of a value the last stage's ranks hold (one per
+   data-parallel replica; the others give 0): sum it over the world. */
+static float tp_loss_part(const tp_state *ps, double v) {
+    return ps->last >= 0 && ps->grid.at.tp == 0 ? (float)(v / ps->dp) : 0.0f;
 }
 
 /* Seconds in this layout's collectives and transfers. */

@@ -43,11 +43,13 @@ run() { # NAME ARGS...: output in $work/NAME.out, status in $work/NAME.rc
 }
 rc() { cat "$work/$1.rc"; }
 
-# worst relative loss difference of the common steps (at least $3 of them), or an error
+# worst relative difference of the common steps' losses and validation losses (at least $3
+# of them), or an error
 compare_losses() {
     $PY - "$work/$1.jsonl" "$work/$2.jsonl" "$3" <<'EOF'
 import json, sys
-def rows(p): return {r["step"]: r["loss"] for r in map(json.loads, open(p)) if r["type"] == "step"}
+def rows(p): # the loss of every step and every validation
+    return {(r["type"], r["step"]): r["loss" if r["type"] == "step" else "val_loss"] for r in map(json.loads, open(p))}
 a, b = rows(sys.argv[1]), rows(sys.argv[2])
 common = sorted(set(a) & set(b))
 if len(common) < int(sys.argv[3]) or any(a[k] is None or b[k] is None for k in common):
@@ -113,7 +115,7 @@ for target in "tp1pp1|1|" "dp4|4|"; do
     fi
     loss=$(compare_losses straight "res_$name" 15)
     read -r pmax pmax_at pl2 pl2_at _ < <($PY tests/par_ckpt_compare.py "$work/ck_s" "$work/ck_$name.r" 2>&1)
-    first_step=$($PY -c "import json; print(min(r['step'] for r in map(json.loads, open('$work/res_$name.jsonl')) if r['type'] == 'step'))")
+    first_step=$($PY -c "import json; print(min(r['step'] for r in map(json.loads, open('$work/res_$name.jsonl')) if r['type'] == 'step'))" 2>&1)
     if [ "$first_step" = 16 ] && grep -q "resume: step 15 " "$work/res_$name.out" && within "$loss" 1e-5 && within "${pl2:-x}" 1e-5; then
         ok "$what (loss $loss; parameters: L2 $pl2, largest element $pmax)"
     else
