@@ -33,8 +33,13 @@
      micro-batches sit in slots (micro mod the schedule's in-flight bound). An MoE layer keeps
      one forward for its backward; when another micro-batch ran through it since, backward runs
      its forward again first (in eval mode: counted once for the expert bias).
+   Balancing losses and expert capacity are per MoE call (a micro-batch's N/tp tokens on a
+     rank), as they are per rank under data parallelism; the tests run dropless without them.
    Limits (refused with a message): f32 only; --tp divides the heads, the FFN hidden size,
-     the vocabulary and the tokens of a micro-batch; every global stage holds a block. */
+     the vocabulary and the tokens of a micro-batch; every global stage holds a block.
+   Contents: layout (tp_layout, tp_model_init); views; one block (forward, backward); stages
+   (the executor's callbacks, tp_train_batch, tp_eval_batch); gradients (reduction, norm,
+   loss); checkpoints (who writes a piece). */
 #ifndef TRAIN_PAR_H
 #define TRAIN_PAR_H
 
