@@ -296,9 +296,6 @@ static dsk_status tp_alloc_acts(tp_state *ps) {
         dsk_tensor *bufs[] = {&ch->in_act, &ch->out_act, &ch->in_grad, &ch->out_grad};
         for (size_t i = 0; i < 4; i++) TM_TRY(tp_alloc(ps, bufs[i], DSK_F32, ps->M * Ns, D));
     }
-    int64_t one = 1; /* tm_zero fills what m->zeros cannot cover */
-    TM_TRY(dsk_tensor_alloc(m->ctx, &m->zeros, DSK_F32, 1, &one));
-    TM_TRY(dsk_tensor_fill(m->ctx, &m->zeros, 0.0));
     TM_TRY(dsk_tensor_alloc(m->ctx, &m->ids, DSK_I32, 1, &N));
     TM_TRY(dsk_tensor_alloc(m->ctx, &m->targets, DSK_I32, 1, &N));
     return dsk_tensor_alloc(m->ctx, &m->loss, DSK_F32, 0, NULL);
