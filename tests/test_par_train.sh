@@ -132,6 +132,26 @@ else
     bad "a one-rank checkpoint resumes as tp2 x pp2" "exit $(rc one_first)/$(rc one_res), loss $loss" "$(grep -E 'rank|error' "$work/one_res.out" | tail -3)"
 fi
 
+# ---- the CUDA path on the emulated GPU (tests/cuda_emu: CUDA, cuBLAS and NCCL on the CPU): tp2 x pp2
+#      over the nccl backend (device buffers in every mapping, send and receive) matches one emulated GPU
+EMU_BIN=$BUILD/emu/examples/train_moe
+if [ "${EMULATE:-1}" = 0 ]; then
+    echo "skip tp2 x pp2 on the emulated GPU: not built (EMULATE=0)"; skipped=$((skipped + 1))
+elif ! make --no-print-directory -s BUILD="$BUILD" "$EMU_BIN" >"$work/emu_build.log" 2>&1; then
+    bad "build $EMU_BIN" "$(tail -3 "$work/emu_build.log")"
+else
+    EMU=(--steps 6 --device cuda --dtype f32)
+    timeout 300 "$EMU_BIN" "${TINY[@]}" "${EMU[@]}" --log "$work/emu1.jsonl" >"$work/emu1.out" 2>&1; e1=$?
+    timeout 300 "$EMU_BIN" "${TINY[@]}" "${EMU[@]}" --nproc 4 --tp 2 --pp 2 --micro-batches 2 --log "$work/emu4.jsonl" \
+        >"$work/emu4.out" 2>&1; e4=$?
+    loss=$( [ $e1 -eq 0 ] && [ $e4 -eq 0 ] && compare_losses emu1 emu4 6)
+    if within "$loss" 1e-5 && grep -q "4 ranks (expert parallel 1), CUDA, f32" "$work/emu4.out"; then
+        ok "tp2 x pp2 on the emulated GPU (nccl backend) matches one emulated GPU over 6 steps within 1e-5 (worst $loss)"
+    else
+        bad "tp2 x pp2 on the emulated GPU matches one emulated GPU" "exit $e1/$e4, loss $loss" "$(grep -E 'rank|error' "$work/emu4.out" | tail -3)"
+    fi
+fi
+
 # ---- 3. unsupported combinations and bad sizes: a message naming the flags, a non-zero exit, no crash
 expect_fail() { # name, message regex, args...
     local name=$1 msg=$2; shift 2
