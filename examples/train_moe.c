@@ -866,9 +866,9 @@ static dsk_status train_step(trainer *t, step_info *si) {
     dsk_amp_decision dec;
     if (t->par.on) { /* the norm of the whole model, its parts spread over the grid */
         dsk_amp_stats a;
-        float f[2];
+        double f[2];
         TM_TRY(tp_unscale(&t->par, &t->scaler, f));
-        TM_TRY(allreduce_host(t, &t->comm, f, 2, DSK_F32, DSK_COMM_SUM));
+        TM_TRY(allreduce_host(t, &t->comm, f, 2, DSK_F64, DSK_COMM_SUM));
         TM_TRY(tp_unscale_join(&t->par, &t->scaler, f, &a));
         dec = dsk_amp_decide(a, o->clip);
     } else {

@@ -691,7 +691,7 @@ static int tp_norm_owner(const tp_state *ps, int g) {
 /* Unscales every gradient; f[0] = 1 when one is not finite, f[1] += this rank's share of the
    squared norm (each distinct element counted once over the world). The caller sums f over
    the world and hands it to tp_unscale_join. */
-static dsk_status tp_unscale(tp_state *ps, dsk_amp_scaler *sc, float f[2]) {
+static dsk_status tp_unscale(tp_state *ps, dsk_amp_scaler *sc, double f[2]) {
     tm_model *m = ps->m;
     dsk_tensor *gs[1024];
     f[0] = f[1] = 0;
@@ -705,13 +705,13 @@ static dsk_status tp_unscale(tp_state *ps, dsk_amp_scaler *sc, float f[2]) {
             TM_TRY(dsk_amp_stats_get(sc, ps->ctx, &a));
         }
         if (a.found_inf > 0) f[0] = 1;
-        if (tp_norm_owner(ps, g)) f[1] += (float)a.sumsq;
+        if (tp_norm_owner(ps, g)) f[1] += a.sumsq;
     }
     return DSK_OK;
 }
 
 /* The world's sums of tp_unscale's f into the scaler (its next update reads them) and *out. */
-static dsk_status tp_unscale_join(tp_state *ps, dsk_amp_scaler *sc, const float f[2], dsk_amp_stats *out) {
+static dsk_status tp_unscale_join(tp_state *ps, dsk_amp_scaler *sc, const double f[2], dsk_amp_stats *out) {
     memset(out, 0, sizeof *out);
     out->found_inf = f[0];
     out->sumsq = f[1];
