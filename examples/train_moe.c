@@ -175,7 +175,8 @@ static const opt_spec OPTS[] = {
     {"--tp", OPT_INT, O_(tp), 0, "tensor-parallel ranks (heads, FFN and vocabulary split; sequence parallel norms)"},
     {"--pp", OPT_INT, O_(pp), 0, "pipeline stages (the blocks split into contiguous stages)"},
     {"--pp-schedule", OPT_STRBUF, O_(pp_schedule), sizeof(((options *)0)->pp_schedule), "gpipe | 1f1b | interleaved"},
-    {"--micro-batches", OPT_INT, O_(micro), 0, "pipeline micro-batches per step (divides the sequences per data-parallel rank)"},
+    {"--micro-batches", OPT_INT, O_(micro), 0,
+     "pipeline micro-batches per step (divides the sequences per data-parallel rank)"},
     {"--virtual-stages", OPT_INT, O_(vstages), 0, "stages per pipeline rank (--pp-schedule interleaved)"},
     {"--grad-check", OPT_INT, O_(grad_check), 0, "check N elements of every gradient against central differences, then exit"},
     {"--help", OPT_FLAG, O_(help), 0, "this text"},
@@ -572,7 +573,8 @@ static dsk_status load_train_batch(trainer *t) {
     double t0 = now_s();
     TM_TRY(td_loader_next(&t->loader, k, t->h_ids, t->h_tgt, t->h_index));
     t->data_wait_s += now_s() - t0;
-    if (t->sample_log >= 0) TM_TRY(td_log_batch(t->sample_log, t->dp_rank, &t->loader.smp, k, t->batch_local, t->h_index));
+    if (t->sample_log >= 0)
+        TM_TRY(td_log_batch(t->sample_log, t->dp_rank, &t->loader.smp, k, t->batch_local, t->h_index));
     t->data_pos += t->o->batch;
     return upload_batch(t);
 }
@@ -887,10 +889,10 @@ static dsk_status train_step(trainer *t, step_info *si) {
     TM_TRY(dsk_amp_step(&t->ctx, t->amp_plain, t->n_plain, &ao, next, &dec, DSK_AMP_ROUND_NEAREST, (uint64_t)o->seed));
     if (!dec.skip) {
         t->applied = next;
+        dsk_comm *load_comm = t->par.on ? &t->par.stage : t->have_comm ? &t->comm : NULL;
         if (o->bias_rate > 0) /* loads summed over the ranks running the layer (with --pp: the stage's) */
             for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++)
-                if (m->blocks[l].is_moe)
-                    TM_TRY(dsk_moe_update_bias(&m->blocks[l].moe, &t->ctx, t->par.on ? &t->par.stage : t->have_comm ? &t->comm : NULL));
+                if (m->blocks[l].is_moe) TM_TRY(dsk_moe_update_bias(&m->blocks[l].moe, &t->ctx, load_comm));
     }
     TM_TRY(dsk_amp_update(&t->scaler, &t->ctx));
     for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++)
@@ -1151,9 +1153,9 @@ static dsk_status check_data_order(trainer *t, const dsk_ckpt_meta *meta, int64_
     int64_t world = 0;
     TM_TRY(dsk_ckpt_meta_i64(meta, "train.data_world", &world));
     if (world != t->dp_size)
-        say(t, "resume: the checkpoint's data was read by %lld data-parallel ranks, this run has %d: DistributedSampler gives "
-               "each rank another slice, so the samples of the current epoch are not those of an uninterrupted run (a global "
-               "batch holds the same samples while no epoch ends)\n", (long long)world, t->dp_size);
+        say(t, "resume: the checkpoint's data was read by %lld data-parallel ranks, this run has %d: DistributedSampler "
+               "gives each rank another slice, so the samples of the current epoch are not those of an uninterrupted "
+               "run (a global batch holds the same samples while no epoch ends)\n", (long long)world, t->dp_size);
     return DSK_OK;
 }
 
@@ -1459,8 +1461,8 @@ static void banner(trainer *t) {
         say(t, "parallel model: %d heads, FFN %d and vocabulary %d split over tp %d (sequence-parallel norms, "
                "vocabulary-parallel loss), MoE layers on each tp rank's tokens; pipeline %s, %d stage%s x %d virtual, "
                "%d micro-batches of %d sequences, bubble %.3f, at most %d in flight on rank 0 of the pipeline\n",
-            o->heads, o->ffn_hidden, m->cfg.vocab, ps->tp, dsk_par_schedule_name(ps->kind), ps->pp, ps->pp > 1 ? "s" : "", ps->v,
-            ps->M, ps->Bm, dsk_par_bubble_fraction(ps->kind, ps->pp, ps->M, ps->v),
+            o->heads, o->ffn_hidden, m->cfg.vocab, ps->tp, dsk_par_schedule_name(ps->kind), ps->pp, ps->pp > 1 ? "s" : "",
+            ps->v, ps->M, ps->Bm, dsk_par_bubble_fraction(ps->kind, ps->pp, ps->M, ps->v),
             dsk_par_in_flight_bound(ps->kind, ps->pp, ps->M, ps->v, 0));
     }
     if (o->cuda_graph)
@@ -1700,8 +1702,8 @@ int main(int argc, char **argv) {
                 "ranks synchronise through host-side events that a graph cannot hold", t->world,
              t->ctx.device.type == DSK_DEV_CUDA ? "GPUs" : "the CPU");
     if (t->par.on && o.sample_len > 0)
-        fail(t, "--sample-len %d: sampling is not wired for --tp/--pp (the logits are split over ranks); pass --sample-len 0",
-             o.sample_len);
+        fail(t, "--sample-len %d: sampling is not wired for --tp/--pp (the logits are split over ranks); "
+                "pass --sample-len 0", o.sample_len);
     if (o.cuda_graph && o.profile)
         fail(t, "--cuda-graph and --profile exclude each other: --profile synchronises the device after each op, "
                 "which a graph capture cannot hold");

@@ -231,7 +231,10 @@ static dsk_status tp_init_weights(tp_state *ps, tm_model *m) {
             continue;
         }
         if (!(p->init_std > 0)) { TM_TRY(dsk_tensor_fill(m->ctx, &p->w, 1.0)); continue; }
-        if (pi->split == TP_REPL) { TM_TRY(dsk_tensor_normal(m->ctx, &p->w, m->cfg.seed, pi->init_off, 0.0f, p->init_std)); continue; }
+        if (pi->split == TP_REPL) {
+            TM_TRY(dsk_tensor_normal(m->ctx, &p->w, m->cfg.seed, pi->init_off, 0.0f, p->init_std));
+            continue;
+        }
         dsk_tensor full, box;
         dsk_status s = dsk_tensor_alloc(m->ctx, &full, DSK_F32, p->ndim, pi->full);
         if (s != DSK_OK) return s;
@@ -506,7 +509,8 @@ static dsk_status tp_block_backward(tp_state *ps, int l, int slot, int micro) {
     const tm_config *c = &m->cfg;
     tp_acts s = tp_slot(ps, l, slot);
     if (!b->is_moe) {
-        TM_T(TM_PH_FFN, dsk_par_row_backward(tp, ctx, &ps->da, &b->w2->g, &ps->dx, tp_sp(ps, &ps->big), &s.a, &b->w2->w));
+        TM_T(TM_PH_FFN,
+             dsk_par_row_backward(tp, ctx, &ps->da, &b->w2->g, &ps->dx, tp_sp(ps, &ps->big), &s.a, &b->w2->w));
         TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, &ps->dg, 0.0));
         TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, &ps->du, 0.0));
         TM_T(TM_PH_FFN, dsk_swiglu_backward(ctx, &ps->dg, &ps->du, &ps->da, &s.g, &s.u));
@@ -527,7 +531,8 @@ static dsk_status tp_block_backward(tp_state *ps, int l, int slot, int micro) {
         TM_T(TM_PH_MOE, dsk_moe_backward(&b->moe, ctx, &ps->dh, &ps->dx, m->aux_scale));
     }
     TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &ps->dx, &b->ln2->g, &ps->dh, &s.x2, &b->ln2->w, &s.rstd2));
-    TM_T(TM_PH_LINEAR, dsk_par_row_backward(tp, ctx, &ps->datt, &b->wo->g, &ps->dx, tp_sp(ps, &ps->big), &s.att, &b->wo->w));
+    TM_T(TM_PH_LINEAR,
+         dsk_par_row_backward(tp, ctx, &ps->datt, &b->wo->g, &ps->dx, tp_sp(ps, &ps->big), &s.att, &b->wo->w));
     dsk_tensor *zs[] = {&ps->dqr, &ps->dkr, &ps->dv, &ps->dq, &ps->dk};
     for (size_t i = 0; i < 5; i++) TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, zs[i], 0.0));
     dsk_tensor qr4 = tp_heads(ps, &s.qr), kr4 = tp_heads(ps, &s.kr), v4 = tp_heads(ps, &s.v);
@@ -582,7 +587,8 @@ static dsk_status tp_forward_chunk(void *user, int micro, int chunk) {
     dsk_tensor x0 = tp_slot(ps, ch->lo, slot).x;
     if (ch->stage == 0) {
         dsk_tensor ids = tp_part(&m->ids, micro, ps->Nm);
-        TM_T(TM_PH_EMBED, dsk_par_embedding_forward(&ps->grid.tp, ps->ctx, &x0, tp_sp(ps, &ps->big), &m->embed->w, &ids));
+        TM_T(TM_PH_EMBED,
+             dsk_par_embedding_forward(&ps->grid.tp, ps->ctx, &x0, tp_sp(ps, &ps->big), &m->embed->w, &ids));
     } else {
         dsk_tensor in = tp_part(&ch->in_act, micro, ps->Ns);
         TM_T(TM_PH_MOVE, dsk_tensor_copy(ps->ctx, &x0, &in));
@@ -605,7 +611,8 @@ static dsk_status tp_backward_chunk(void *user, int micro, int chunk) {
     for (int l = ch->hi - 1; l >= ch->lo; l--) TM_TRY(tp_block_backward(ps, l, slot, micro));
     if (ch->stage == 0) {
         dsk_tensor ids = tp_part(&m->ids, micro, ps->Nm);
-        TM_T(TM_PH_EMBED, dsk_par_embedding_backward(&ps->grid.tp, ps->ctx, &m->embed->g, &ps->dx, tp_sp(ps, &ps->big), &ids));
+        TM_T(TM_PH_EMBED,
+             dsk_par_embedding_backward(&ps->grid.tp, ps->ctx, &m->embed->g, &ps->dx, tp_sp(ps, &ps->big), &ids));
         return DSK_OK;
     }
     dsk_tensor ig = tp_part(&ch->in_grad, micro, ps->Ns);
@@ -647,9 +654,11 @@ static dsk_status tp_eval_batch(tp_state *ps, double *loss) {
         for (int c = 0; c < ps->v; c++) {
             tp_chunk *ch = &ps->chunks[c];
             dsk_tensor in = tp_part(&ch->in_act, mi, ps->Ns), out = tp_part(&ch->out_act, mi, ps->Ns);
-            if (ch->stage > 0) TM_TRY(dsk_comm_recv(pp, ps->ctx, in.data, dsk_tensor_numel(&in), DSK_F32, (r + ps->pp - 1) % ps->pp));
+            if (ch->stage > 0)
+                TM_TRY(dsk_comm_recv(pp, ps->ctx, in.data, dsk_tensor_numel(&in), DSK_F32, (r + ps->pp - 1) % ps->pp));
             TM_TRY(tp_forward_chunk(ps, mi, c));
-            if (ch->stage < P - 1) TM_TRY(dsk_comm_send(pp, ps->ctx, out.data, dsk_tensor_numel(&out), DSK_F32, (r + 1) % ps->pp));
+            if (ch->stage < P - 1)
+                TM_TRY(dsk_comm_send(pp, ps->ctx, out.data, dsk_tensor_numel(&out), DSK_F32, (r + 1) % ps->pp));
         }
     *loss = ps->last >= 0 ? ps->loss_sum / ps->M : 0.0;
     return DSK_OK;
@@ -672,7 +681,8 @@ static dsk_status tp_reduce_grads(tp_state *ps) {
         TM_TRY(tp_grad_range(ps, g, &t));
         int64_t n = dsk_tensor_numel(&t);
         if (n == 0) continue;
-        if (comms[g]->world_size > 1) TM_TRY(dsk_comm_all_reduce(comms[g], ps->ctx, t.data, t.data, n, DSK_F32, DSK_COMM_SUM));
+        if (comms[g]->world_size > 1)
+            TM_TRY(dsk_comm_all_reduce(comms[g], ps->ctx, t.data, t.data, n, DSK_F32, DSK_COMM_SUM));
         if (ps->dp > 1) TM_TRY(dsk_scale(ps->ctx, &t, 1.0f / (float)ps->dp));
     }
     return DSK_OK;
