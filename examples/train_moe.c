@@ -932,7 +932,7 @@ static dsk_status validate(trainer *t, float *out) {
     tm_set_eval(m, 1);
     for (int i = 0; i < t->o->val_batches && s == DSK_OK && t->par.on; i++) { /* through the pipeline */
         double l = 0;
-        if ((s = load_val_batch(t, i)) == DSK_OK && (s = tp_eval_batch(&t->par, &l)) == DSK_OK) sum += l;
+        if ((s = load_val_batch(t, i)) == DSK_OK && (s = tp_eval_batch(&t->par, t->par.M, &l)) == DSK_OK) sum += l;
     }
     if (t->par.on) {
         tm_set_eval(m, 0);
@@ -972,7 +972,7 @@ static int sample_token(const float *logits, int V, double temperature, float u)
 }
 
 /* Generates --sample-len tokens after --prompt (bytes). Every rank runs the forward passes
-   (expert parallelism needs them all); rank 0 prints. Each new token reruns the last T
+   (expert, tensor and pipeline parallelism need them all); rank 0 prints. Each new token reruns the last T
    tokens as one sequence (positions past the end are padding the causal mask ignores). */
 static dsk_status generate(trainer *t) {
     const options *o = t->o;
@@ -994,6 +994,18 @@ static dsk_status generate(trainer *t) {
         int64_t Tl = T, Vl = V;
         if ((s = dsk_tensor_wrap(&hids, t->h_ids, DSK_I32, dsk_cpu(), 1, &Tl)) != DSK_OK) break;
         if ((s = dsk_tensor_copy(&t->ctx, &ids, &hids)) != DSK_OK) break;
+        if (t->par.on) { /* one micro-batch through the pipeline; the last stage samples, every rank learns the token */
+            const tp_state *ps = &t->par;
+            double l;
+            int32_t tok[1] = {0};
+            if ((s = tp_eval_batch(&t->par, 1, &l)) != DSK_OK) break;
+            if (ps->last >= 0 && (s = tp_logits_row(&t->par, len - 1, row)) != DSK_OK) break;
+            float u = dsk_rng_uniform_at((uint64_t)o->seed, 0x5A3B1Eull << 32, (uint64_t)n);
+            if (ps->last >= 0 && ps->grid.at.tp == 0 && ps->grid.at.dp == 0) tok[0] = sample_token(row, V, o->temperature, u);
+            if ((s = allreduce_host(t, &t->comm, tok, 1, DSK_I32, DSK_COMM_SUM)) != DSK_OK) break;
+            text[n] = tok[0];
+            continue;
+        }
         if ((s = tm_forward(m, 1)) != DSK_OK) break;
         if ((s = dsk_tensor_select(&m->logits, len - 1, &lrow)) != DSK_OK) break;
         if ((s = dsk_tensor_wrap(&hrow, row, DSK_F32, dsk_cpu(), 1, &Vl)) != DSK_OK) break;
@@ -1701,9 +1713,6 @@ int main(int argc, char **argv) {
         fail(t, "--cuda-graph needs one rank on a GPU (this run: %d ranks on %s): the gradient buckets of several "
                 "ranks synchronise through host-side events that a graph cannot hold", t->world,
              t->ctx.device.type == DSK_DEV_CUDA ? "GPUs" : "the CPU");
-    if (t->par.on && o.sample_len > 0)
-        fail(t, "--sample-len %d: sampling is not wired for --tp/--pp (the logits are split over ranks); "
-                "pass --sample-len 0", o.sample_len);
     if (o.cuda_graph && o.profile)
         fail(t, "--cuda-graph and --profile exclude each other: --profile synchronises the device after each op, "
                 "which a graph capture cannot hold");

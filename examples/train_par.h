@@ -35,6 +35,8 @@
      its forward again first (in eval mode: counted once for the expert bias).
    Balancing losses and expert capacity are per MoE call (a micro-batch's N/tp tokens on a
      rank), as they are per rank under data parallelism; the tests run dropless without them.
+   Sampling runs the prompt as sequence 0 of one micro-batch (the others hold the last batch's
+     tokens; with a capacity factor they share the experts' slots).
    Limits (refused with a message): f32 only; --tp divides the heads, the FFN hidden size,
      the vocabulary and the tokens of a micro-batch; every global stage holds a block.
    Contents: layout (tp_layout, tp_model_init); views; one block (forward, backward); stages
@@ -88,7 +90,7 @@ typedef struct tp_state {
     tp_chunk chunks[16];
     int first, last;                /* chunk holding global stage 0 / the last one, or -1 */
     dsk_tensor dx, dh, tmp, big, datt, dq, dk, dv, dqr, dkr, dg, du, da;
-    dsk_tensor xf, hf, rstdf, hfg, logits, dlogits;
+    dsk_tensor xf, hf, rstdf, hfg, logits, dlogits, vrow; /* vrow (V): a row of logits gathered over tp */
     int train;                      /* 1: forward keeps what backward needs and the head runs its backward */
     float gscale;                   /* loss gradient scale of one micro-batch */
     double loss_sum;                /* over this run's micro-batches (last stage) */
@@ -293,6 +295,7 @@ static dsk_status tp_alloc_acts(tp_state *ps) {
     if (ps->last >= 0) {
         TM_TRY(tp_alloc(ps, &ps->logits, DSK_F32, Nm, ps->Vl));
         TM_TRY(tp_alloc(ps, &ps->dlogits, DSK_F32, Nm, ps->Vl));
+        TM_TRY(tp_alloc(ps, &ps->vrow, DSK_F32, ps->Vl * ps->tp, 0));
     }
     for (int k = 0; k < ps->v; k++) {
         tp_chunk *ch = &ps->chunks[k];
@@ -402,7 +405,8 @@ static void tp_free(tp_state *ps) {
         for (size_t i = 0; i < 4; i++) dsk_tensor_free(ctx, ts[i]);
     }
     dsk_tensor *ts[] = {&ps->dx, &ps->dh, &ps->tmp, &ps->big, &ps->datt, &ps->dq, &ps->dk, &ps->dv, &ps->dqr, &ps->dkr,
-                        &ps->dg, &ps->du, &ps->da, &ps->xf, &ps->hf, &ps->rstdf, &ps->hfg, &ps->logits, &ps->dlogits};
+                        &ps->dg, &ps->du, &ps->da, &ps->xf, &ps->hf, &ps->rstdf, &ps->hfg, &ps->logits, &ps->dlogits,
+                        &ps->vrow};
     for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
     free(ps->layers);
     dsk_par_schedule_free(&ps->sched);
@@ -642,15 +646,16 @@ static dsk_status tp_train_batch(tp_state *ps, float gscale, double *loss) {
     return DSK_OK;
 }
 
-/* Forward only (validation): every micro-batch through the stages in order, micro-batch by
-   micro-batch and chunk by chunk (each rank's list is a projection of one global order, so
-   blocking sends cannot deadlock). *loss as tp_train_batch. */
-static dsk_status tp_eval_batch(tp_state *ps, double *loss) {
+/* Forward only (validation, sampling): the first n micro-batches through the stages in order,
+   micro-batch by micro-batch and chunk by chunk (each rank's list is a projection of one global
+   order, so blocking sends cannot deadlock). *loss: their mean loss on the last stage, else 0;
+   the last stage keeps the last micro-batch's logits (ps->logits, this rank's vocabulary). */
+static dsk_status tp_eval_batch(tp_state *ps, int n, double *loss) {
     dsk_comm *pp = &ps->grid.pp;
     int r = ps->grid.at.pp, P = ps->pp * ps->v;
     ps->train = 0;
     ps->loss_sum = 0;
-    for (int mi = 0; mi < ps->M; mi++)
+    for (int mi = 0; mi < n; mi++)
         for (int c = 0; c < ps->v; c++) {
             tp_chunk *ch = &ps->chunks[c];
             dsk_tensor in = tp_part(&ch->in_act, mi, ps->Ns), out = tp_part(&ch->out_act, mi, ps->Ns);
@@ -660,8 +665,20 @@ static dsk_status tp_eval_batch(tp_state *ps, double *loss) {
             if (ch->stage < P - 1)
                 TM_TRY(dsk_comm_send(pp, ps->ctx, out.data, dsk_tensor_numel(&out), DSK_F32, (r + 1) % ps->pp));
         }
-    *loss = ps->last >= 0 ? ps->loss_sum / ps->M : 0.0;
+    *loss = ps->last >= 0 ? ps->loss_sum / n : 0.0;
     return DSK_OK;
+}
+
+/* Row `row` of the last forward's logits over the whole vocabulary into out (V floats, host):
+   the tensor-parallel ranks' columns gathered in rank order. Last stage only (collective over tp). */
+static dsk_status tp_logits_row(tp_state *ps, int64_t row, float *out) {
+    dsk_tensor lrow, hrow;
+    int64_t V = ps->Vl * ps->tp;
+    TM_TRY(dsk_tensor_select(&ps->logits, row, &lrow));
+    TM_TRY(dsk_tensor_wrap(&hrow, out, DSK_F32, dsk_cpu(), 1, &V));
+    if (ps->tp == 1) return dsk_tensor_copy(ps->ctx, &hrow, &lrow);
+    TM_TRY(dsk_comm_all_gather(&ps->grid.tp, ps->ctx, lrow.data, ps->vrow.data, ps->Vl, DSK_F32));
+    return dsk_tensor_copy(ps->ctx, &hrow, &ps->vrow);
 }
 
 /* ------------------------------------------------------------------ gradients */

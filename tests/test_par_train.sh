@@ -9,6 +9,7 @@
 #   gradient elements counts twice; one rank against dp2 shows 7e-6 there, these layouts 2e-5);
 #   a checkpoint saved as tp2 x pp2 resumes as tp1 x pp1 and as dp4 and continues as the
 #   tp2 x pp2 run does; a one-rank checkpoint resumes as tp2 x pp2;
+#   the text sampled at the end through the pipeline is one rank's;
 #   the grid and the bubble are printed; unsupported combinations fail with a message.
 # Prints `[test_par_train] totals: P passed / F failed / S skipped`; exits non-zero on failure.
 set -u
@@ -60,7 +61,9 @@ EOF
 within() { $PY -c "import sys; sys.exit(0 if float('$1') <= $2 else 1)" 2>/dev/null; }
 
 # ---- 1. layouts against one rank: loss every step, weights and moments at the end
-run one "${TINY[@]}" --steps 30 --log "$work/one.jsonl" --ckpt-dir "$work/ck_one"
+run one "${TINY[@]}" --steps 30 --log "$work/one.jsonl" --ckpt-dir "$work/ck_one" --sample-len 40
+# the sample a run ends with (40 tokens drawn at temperature 0.8 through the pipeline), rank 0's lines
+sample() { sed -n '/---- sample/,/---- end of sample/p' "$work/$1.out" | sed 's/^\[rank 0\] //'; }
 LAYOUTS=(
     "tp2pp2dp2|8|--tp 2 --pp 2 --micro-batches 2|tp 2 x dp 2 (ep 1 inside) x pp 2|pipeline 1f1b, 2 stages x 1 virtual, 2 micro-batches of 2 sequences, bubble 0.500"
     "tp2pp2ep2|8|--tp 2 --pp 2 --ep 2 --micro-batches 2 --pp-schedule gpipe|tp 2 x dp 2 (ep 2 inside) x pp 2|pipeline gpipe, 2 stages x 1 virtual, 2 micro-batches of 2 sequences, bubble 0.500"
@@ -71,8 +74,9 @@ LAYOUTS=(
 for spec in "${LAYOUTS[@]}"; do
     IFS='|' read -r name n flags grid sched <<<"$spec"
     # shellcheck disable=SC2086
-    run "$name" "${TINY[@]}" --steps 30 --nproc "$n" $flags --log "$work/$name.jsonl" --ckpt-dir "$work/ck_$name"
-    what="$n ranks as $name ($flags) match 1 rank over 30 steps: loss every step and weights at the end within 1e-5 (moments 1e-4)"
+    run "$name" "${TINY[@]}" --steps 30 --nproc "$n" $flags --log "$work/$name.jsonl" --ckpt-dir "$work/ck_$name" --sample-len 40
+    what="$n ranks as $name ($flags) match 1 rank over 30 steps: loss every step and weights at the end within 1e-5"
+    what="$what (moments 1e-4), the same 40-token sample"
     if [ "$(rc one)" -ne 0 ] || [ "$(rc "$name")" -ne 0 ]; then
         bad "$what" "exit $(rc one)/$(rc "$name")" "$(grep -E 'rank|error' "$work/$name.out" | tail -3)"
         continue
@@ -81,10 +85,11 @@ for spec in "${LAYOUTS[@]}"; do
     read -r pmax pmax_at pl2 pl2_at _ < <($PY tests/par_ckpt_compare.py "$work/ck_one" "$work/ck_$name" 2>&1)
     read -r _ _ ml2 ml2_at _ < <($PY tests/par_ckpt_compare.py "$work/ck_one" "$work/ck_$name" --moments 2>&1)
     if within "$loss" 1e-5 && within "${pl2:-x}" 1e-5 && within "${ml2:-x}" 1e-4 && grep -qF "rank grid: $grid" "$work/$name.out" &&
-       grep -qF "$sched" "$work/$name.out"; then
+       grep -qF "$sched" "$work/$name.out" && [ -n "$(sample one)" ] && [ "$(sample one)" = "$(sample "$name")" ]; then
         ok "$what (loss $loss; weights: L2 $pl2 in $pl2_at, largest element difference / largest element $pmax in $pmax_at; moments L2 $ml2)"
     else
         bad "$what" "loss $loss, weights ${pmax:-?} ${pmax_at:-} ${pl2:-?} ${pl2_at:-}, moments ${ml2:-?} ${ml2_at:-}" \
+            "sample: $(sample "$name" | tr '\n' ' ' | cut -c1-100)" \
             "$(grep -E 'rank grid|parallel model' "$work/$name.out" | head -2)"
     fi
 done
@@ -173,7 +178,6 @@ expect_fail virtual_kind '--virtual-stages 2 needs --pp-schedule interleaved' "$
 expect_fail interleaved_m 'interleaved needs --micro-batches \(3\) to be a multiple of --pp 2' "${TINY[@]}" --nproc 2 --pp 2 --pp-schedule interleaved --micro-batches 3
 expect_fail bad_schedule '--pp-schedule "zigzag": use gpipe, 1f1b or interleaved' "${TINY[@]}" --nproc 2 --pp 2 --pp-schedule zigzag
 expect_fail tp_dtype 'run the model in f32 only \(--dtype bf16\)' "${TINY[@]}" --nproc 2 --tp 2 --dtype bf16
-expect_fail tp_sample 'sampling is not wired for --tp/--pp' "${TINY[@]}" --nproc 2 --tp 2 --sample-len 10
 
 echo "[test_par_train] totals: $passed passed / $failed failed / $skipped skipped"
 [ "$failed" -eq 0 ]
