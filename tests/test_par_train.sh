@@ -94,8 +94,8 @@ for spec in "${LAYOUTS[@]}"; do
     fi
 done
 
-# The same through the data/expert-parallel path (no --tp/--pp): dp4 with ep2 saves each
-# expert shard once (its two replicas both wrote it before: overlapping pieces, no checkpoint).
+# The same through the data/expert-parallel path (no --tp/--pp, the grid's groups): dp4 with ep2
+# saves each expert shard once (its two replicas once both wrote it: overlapping pieces).
 run dp4ep2 "${TINY[@]}" --steps 30 --nproc 4 --ep 2 --ckpt-dir "$work/ck_dp4ep2"
 read -r pmax pmax_at pl2 pl2_at _ < <($PY tests/par_ckpt_compare.py "$work/ck_one" "$work/ck_dp4ep2" 2>&1)
 if [ "$(rc dp4ep2)" -eq 0 ] && within "${pl2:-x}" 1e-5; then
@@ -177,6 +177,7 @@ expect_fail micro_divide '--micro-batches 3 must divide the 8 sequences' "${TINY
 expect_fail virtual_kind '--virtual-stages 2 needs --pp-schedule interleaved' "${TINY[@]}" --nproc 2 --pp 2 --virtual-stages 2
 expect_fail interleaved_m 'interleaved needs --micro-batches \(3\) to be a multiple of --pp 2' "${TINY[@]}" --nproc 2 --pp 2 --pp-schedule interleaved --micro-batches 3
 expect_fail bad_schedule '--pp-schedule "zigzag": use gpipe, 1f1b or interleaved' "${TINY[@]}" --nproc 2 --pp 2 --pp-schedule zigzag
+expect_fail zero_tp '--zero 1 --grad-compress none with --tp 2 --pp 1: sharded data parallelism runs without' "${TINY[@]}" --nproc 2 --tp 2 --zero 1
 expect_fail tp_dtype 'run the model in f32 only \(--dtype bf16\)' "${TINY[@]}" --nproc 2 --tp 2 --dtype bf16
 
 echo "[test_par_train] totals: $passed passed / $failed failed / $skipped skipped"
