@@ -373,6 +373,7 @@ static dsk_status tm_bind_moe(tm_model *m) {
     }
     for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++) {
         tm_block *b = &m->blocks[l];
+        if (!b->is_moe) continue; /* a pipeline stage (train_par.h) holds only its own blocks */
         TM_TRY(dsk_moe_bind(&b->moe, m->ctx, DSK_MOE_P_BIAS, &b->moe_bias, NULL));
         TM_TRY(dsk_moe_init_param(&b->moe, m->ctx, DSK_MOE_P_BIAS, &b->moe_bias));
         TM_TRY(dsk_moe_reserve(&b->moe, m->ctx, (int64_t)m->cfg.batch * m->cfg.seq));

@@ -12,6 +12,7 @@
      dsk_amp.h     loss scaling, non-finite check, clipping
      dsk_ckpt.h    async checkpoints and exact resume
      dsk_comm.h    ranks, data-parallel gradient buckets, expert parallelism
+     dsk_par.h     the rank grid; tensor, sequence and pipeline parallelism (examples/train_par.h)
      dsk_zero.h    --zero 1|2|3, --grad-compress: sharded data parallelism (examples/train_zero.h)
    A step reads the data, runs forward and backward for each micro-batch, all-reduces the
    gradients, unscales and clips them, applies AdamW, updates the expert biases, logs, and
@@ -32,6 +33,8 @@
 #include "../dsk_ckpt.h"
 #define DSK_MOE_IMPLEMENTATION
 #include "../dsk_moe.h"
+#define DSK_PAR_IMPLEMENTATION
+#include "../dsk_par.h"
 #define DSK_ZERO_IMPLEMENTATION
 #include "../dsk_zero.h"
 
@@ -50,6 +53,7 @@
 #include "train_data.h"
 #include "train_model.h"
 #include "train_metrics.h"
+#include "train_par.h"
 #include "train_signals.h"
 #include "train_zero.h"
 
@@ -88,6 +92,8 @@ typedef struct options {
     char *ckpt_dir;
     /* parallelism */
     int nproc, ep, max_restarts;
+    int tp, pp, micro, vstages;
+    char pp_schedule[16];
     int zero;                 /* ZeRO stage; 0 with --grad-compress none: the trainer's own data parallelism */
     char grad_compress[32];
     char bind[8];
@@ -171,7 +177,13 @@ static const opt_spec OPTS[] = {
     {"--nproc", OPT_INT, O_(nproc), 0, "start N local ranks (data parallel)"},
     {"--max-restarts", OPT_INT, O_(max_restarts), 0, "with --nproc: run a failed job again up to K times, resuming"},
     {"--bind", OPT_STRBUF, O_(bind), sizeof(((options *)0)->bind), "none | core | numa: pin each local rank (sysfs topology)"},
-    {"--ep", OPT_INT, O_(ep), 0, "expert-parallel ranks (divides the world size and --experts)"},
+    {"--ep", OPT_INT, O_(ep), 0, "expert-parallel ranks (divides the data-parallel ranks and --experts)"},
+    {"--tp", OPT_INT, O_(tp), 0, "tensor-parallel ranks (heads, FFN and vocabulary split; sequence parallel norms)"},
+    {"--pp", OPT_INT, O_(pp), 0, "pipeline stages (the blocks split into contiguous stages)"},
+    {"--pp-schedule", OPT_STRBUF, O_(pp_schedule), sizeof(((options *)0)->pp_schedule), "gpipe | 1f1b | interleaved"},
+    {"--micro-batches", OPT_INT, O_(micro), 0,
+     "pipeline micro-batches per step (divides the sequences per data-parallel rank)"},
+    {"--virtual-stages", OPT_INT, O_(vstages), 0, "stages per pipeline rank (--pp-schedule interleaved)"},
     {"--zero", OPT_INT, O_(zero), 0, "ZeRO stage 0-3: shard optimizer state (1), gradients (2), weights (3)"},
     {"--grad-compress", OPT_STRBUF, O_(grad_compress), sizeof(((options *)0)->grad_compress),
      "none | bf16 | powersgd:R[:START] gradient reductions (PowerSGD rank R from pass START [10])"},
@@ -223,6 +235,11 @@ static void set_defaults(options *o) {
     strcpy(o->metrics_addr, "127.0.0.1");
     o->ckpt_every = 0;
     o->ep = 1;
+    o->tp = 1;
+    o->pp = 1;
+    o->micro = 1;
+    o->vstages = 1;
+    strcpy(o->pp_schedule, "1f1b");
     strcpy(o->grad_compress, "none");
     strcpy(o->bind, "none");
     o->nproc = 0;
@@ -314,6 +331,8 @@ static int parse_args(options *o, int argc, char **argv) {
 typedef struct trainer {
     options *o;
     int rank, world, ep;          /* ep: expert-parallel group size */
+    int dp_size, dp_rank;         /* data-parallel replicas (each reads its own batches) and this rank's */
+    tp_state par;                 /* the rank grid; par.on: tensor/pipeline-parallel model (train_par.h) */
     int have_comm;
     dsk_comm comm;                /* every rank */
     dsk_comm ep_comm;             /* ranks that share tokens by all-to-all (hold different experts) */
@@ -437,8 +456,10 @@ static dsk_status allreduce_host(trainer *t, dsk_comm *c, void *vals, int64_t n,
 
 /* ---- parallel setup */
 
-/* Ranks r with the same r / ep form an expert-parallel group; ranks with the same r % ep
-   hold the same experts and reduce their gradients together. */
+/* The rank grid of dsk_par.h (tp fastest, then dp with ep inside, then pp): its expert-
+   parallel group shares tokens by all-to-all, its expert-data-parallel group holds the same
+   experts and reduces their gradients together. Without --tp/--pp the ep group is ranks r with
+   the same r / ep and the replicas those with the same r % ep. */
 static void setup_comm(trainer *t) {
     const options *o = t->o;
     t->rank = 0;
@@ -454,14 +475,48 @@ static void setup_comm(trainer *t) {
         t->world = t->comm.world_size;
     }
     t->ep = o->ep;
-    if (t->ep < 1 || t->world % t->ep != 0)
-        fail(t, "--ep %d must divide the world size %d", t->ep, t->world);
+    if (o->tp < 1 || o->pp < 1 || o->micro < 1 || o->vstages < 1)
+        fail(t, "--tp %d, --pp %d, --micro-batches %d, --virtual-stages %d: must be at least 1", o->tp, o->pp, o->micro,
+             o->vstages);
+    if (t->world % (o->tp * o->pp) != 0)
+        fail(t, "--tp %d x --pp %d = %d must divide the world size %d", o->tp, o->pp, o->tp * o->pp, t->world);
+    t->dp_size = t->world / (o->tp * o->pp);
+    if (t->ep < 1 || t->dp_size % t->ep != 0) {
+        if (o->tp * o->pp == 1) fail(t, "--ep %d must divide the world size %d", t->ep, t->world);
+        fail(t, "--ep %d must divide the %d data-parallel ranks (world %d / (--tp %d x --pp %d))", t->ep, t->dp_size,
+             t->world, o->tp, o->pp);
+    }
     if (o->experts % t->ep != 0) fail(t, "--ep %d must divide --experts %d", t->ep, o->experts);
-    if (o->batch % t->world != 0) fail(t, "--batch %d (global) must be a multiple of the world size %d", o->batch, t->world);
-    t->batch_local = o->batch / t->world;
+    if (o->batch % t->dp_size != 0)
+        fail(t, "--batch %d (global) must be a multiple of the %s %d", o->batch,
+             o->tp * o->pp > 1 ? "data-parallel ranks" : "world size", t->dp_size);
+    t->batch_local = o->batch / t->dp_size;
+    t->dp_rank = 0;
+    t->par.on = o->tp > 1 || o->pp > 1;
+    if (!t->par.on && (o->micro > 1 || o->vstages > 1 || strcmp(o->pp_schedule, "1f1b") != 0))
+        fail(t, "--micro-batches, --virtual-stages and --pp-schedule need --pp 2 or more (--accum accumulates "
+                "gradients without a pipeline)");
+    if (dsk_par_schedule_parse(o->pp_schedule, &t->par.kind) != DSK_OK)
+        fail(t, "--pp-schedule \"%s\": use gpipe, 1f1b or interleaved", o->pp_schedule);
+    if (o->vstages > 1 && t->par.kind != DSK_PAR_INTERLEAVED)
+        fail(t, "--virtual-stages %d needs --pp-schedule interleaved", o->vstages);
+    if (t->par.kind == DSK_PAR_INTERLEAVED && o->micro % o->pp != 0)
+        fail(t, "--pp-schedule interleaved needs --micro-batches (%d) to be a multiple of --pp %d", o->micro, o->pp);
+    t->par.M = o->micro;
+    t->par.v = o->vstages;
     if (t->have_comm) {
-        CHECK(dsk_comm_split(&t->comm, t->rank / t->ep, t->rank, &t->ep_comm));
-        CHECK(dsk_comm_split(&t->comm, t->rank % t->ep, t->rank, &t->rep_comm));
+        dsk_par_dims d;
+        memset(&d, 0, sizeof d);
+        d.tp = o->tp;
+        d.pp = o->pp;
+        d.ep = t->ep;
+        if (t->par.on) CHECK(tp_grid_init(&t->par, &t->comm, &d));
+        else CHECK(dsk_par_grid_init(&t->par.grid, &t->comm, &d));
+        t->dp_rank = t->par.grid.at.dp;
+        t->ep_comm = t->par.grid.ep; /* the trainer's groups from now on (moved: freed with the trainer's) */
+        t->rep_comm = t->par.grid.edp;
+        memset(&t->par.grid.ep, 0, sizeof t->par.grid.ep);
+        memset(&t->par.grid.edp, 0, sizeof t->par.grid.edp);
         CHECK(dsk_comm_split(&t->comm, 0, t->rank, &t->ck_comm));
     }
 }
@@ -516,7 +571,7 @@ static void setup_data(trainer *t) {
     t->h_index = (int64_t *)malloc((size_t)t->batch_local * sizeof(int64_t));
     if (!t->h_ids || !t->h_tgt || !t->h_win || !t->h_index) fail(t, "out of memory for the batch buffers");
     if (o->prefetch < 0) fail(t, "--prefetch %d: must be >= 0", o->prefetch);
-    CHECK(td_loader_init(&t->loader, &t->data, t->batch_local, o->prefetch, t->world, t->rank, (uint64_t)o->seed,
+    CHECK(td_loader_init(&t->loader, &t->data, t->batch_local, o->prefetch, t->dp_size, t->dp_rank, (uint64_t)o->seed,
                          !o->no_shuffle, o->drop_last));
     t->sample_log = -1;
     if (o->sample_log && (t->sample_log = open(o->sample_log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644)) < 0)
@@ -539,14 +594,15 @@ static dsk_status load_train_batch(trainer *t) {
     double t0 = now_s();
     TM_TRY(td_loader_next(&t->loader, k, t->h_ids, t->h_tgt, t->h_index));
     t->data_wait_s += now_s() - t0;
-    if (t->sample_log >= 0) TM_TRY(td_log_batch(t->sample_log, t->rank, &t->loader.smp, k, t->batch_local, t->h_index));
+    if (t->sample_log >= 0)
+        TM_TRY(td_log_batch(t->sample_log, t->dp_rank, &t->loader.smp, k, t->batch_local, t->h_index));
     t->data_pos += t->o->batch;
     return upload_batch(t);
 }
 
 /* This rank's part of validation batch i: the held-out windows in order. */
 static dsk_status load_val_batch(trainer *t, int64_t i) {
-    int64_t T = t->o->seq, first = i * t->o->batch + (int64_t)t->rank * t->batch_local;
+    int64_t T = t->o->seq, first = i * t->o->batch + (int64_t)t->dp_rank * t->batch_local;
     for (int b = 0; b < t->batch_local; b++)
         td_read_window(&t->data, td_val_window(&t->data, (first + b) % t->data.n_val), t->h_ids + b * T, t->h_tgt + b * T, t->h_win);
     return upload_batch(t);
@@ -588,7 +644,8 @@ static void setup_model(trainer *t) {
     c.moe.ep = t->have_comm && t->ep > 1 ? &t->ep_comm : NULL;
     c.external = t->use_zero;
     if (o->dense_layers < o->layers && o->experts < 1) fail(t, "--experts %d: MoE blocks need at least 1 expert", o->experts);
-    CHECK(tm_init(&t->model, &t->ctx, &c));
+    if (t->par.on) CHECK(tp_model_init(&t->par, &t->model, &t->ctx, &c));
+    else CHECK(tm_init(&t->model, &t->ctx, &c));
 }
 
 /* Two optimizer groups for dsk_amp_step: matrices (weight decay) and norm weights (none). */
@@ -630,6 +687,7 @@ static dsk_status on_grad_ready(void *user, int param) {
 static void setup_buckets(trainer *t) {
     tm_model *m = &t->model;
     int nd = m->n_dense_params, ns = m->n_params - nd;
+    if (t->par.on) return; /* train_par.h reduces its own gradient groups */
     if (t->use_zero) { /* the parameters, their initial weights and reductions go to dsk_zero */
         CHECK(tz_init(&t->zero, m, &t->ctx, t->have_comm ? &t->comm : NULL, t->have_comm ? &t->rep_comm : NULL,
                       t->world, &t->zopts, (uint64_t)t->o->seed));
@@ -894,7 +952,7 @@ static dsk_status unscale_and_decide(trainer *t, dsk_amp_decision *dec) {
 /* Seconds spent in collectives so far, every communicator of this rank. */
 static double comm_seconds(const trainer *t) {
     return t->comm.stats.seconds + t->ep_comm.stats.seconds + t->rep_comm.stats.seconds + t->buckets.seconds +
-           t->ebuckets.seconds + (t->use_zero ? tz_seconds(&t->zero) : 0.0);
+           t->ebuckets.seconds + tp_comm_seconds(&t->par) + (t->use_zero ? tz_seconds(&t->zero) : 0.0);
 }
 
 /* Forward, loss and backward of the micro-batch in the model's input tensors, loss gradient
@@ -930,6 +988,13 @@ static dsk_status train_step(trainer *t, step_info *si) {
         TM_TRY(load_train_batch(t));
         t->prof_data += now_s() - td;
         t->prof_data_cpu += cpu_s() - tdc;
+        if (t->par.on) { /* the pipeline's micro-batches (train_par.h) */
+            double l;
+            m->aux_scale = scale / (float)(o->accum * t->par.M);
+            TM_TRY(tp_train_batch(&t->par, scale / (float)(o->accum * t->par.M), &l));
+            si->loss += l / o->accum;
+            continue;
+        }
         if (t->have_buckets) TM_TRY(dsk_comm_buckets_begin(&t->buckets, a == o->accum - 1));
         if (t->have_ebuckets) TM_TRY(dsk_comm_buckets_begin(&t->ebuckets, a == o->accum - 1));
         if (t->use_zero) TM_TRY(tz_begin(&t->zero, a == o->accum - 1));
@@ -939,15 +1004,25 @@ static dsk_status train_step(trainer *t, step_info *si) {
         si->loss += loss / o->accum;
     }
     double sync0 = now_s();
-    TM_TRY(t->use_zero ? tz_wait(&t->zero) : finish_grads(t));
+    TM_TRY(t->par.on ? tp_reduce_grads(&t->par) : t->use_zero ? tz_wait(&t->zero) : finish_grads(t));
     double t_opt = now_s(), t_opt_cpu = cpu_s();
     si->sync_ms = 1e3 * (now_s() - sync0);
-    float l2[1] = {(float)si->loss};
-    TM_TRY(allreduce_host(t, &t->comm, l2, 1, DSK_F32, DSK_COMM_AVG));
+    float l2[1] = {t->par.on ? tp_loss_part(&t->par, si->loss) : (float)si->loss};
+    TM_TRY(allreduce_host(t, &t->comm, l2, 1, DSK_F32, t->par.on ? DSK_COMM_SUM : DSK_COMM_AVG));
     si->loss = l2[0];
     dsk_amp_decision dec;
-    if (t->use_zero) TM_TRY(tz_decide(&t->zero, &t->scaler, t->have_comm ? &t->comm : NULL, o->clip, &dec));
-    else TM_TRY(unscale_and_decide(t, &dec));
+    if (t->par.on) { /* the norm of the whole model, its parts spread over the grid */
+        dsk_amp_stats a;
+        double f[2];
+        TM_TRY(tp_unscale(&t->par, &t->scaler, f));
+        TM_TRY(allreduce_host(t, &t->comm, f, 2, DSK_F64, DSK_COMM_SUM));
+        TM_TRY(tp_unscale_join(&t->par, &t->scaler, f, &a));
+        dec = dsk_amp_decide(a, o->clip);
+    } else if (t->use_zero) {
+        TM_TRY(tz_decide(&t->zero, &t->scaler, t->have_comm ? &t->comm : NULL, o->clip, &dec));
+    } else {
+        TM_TRY(unscale_and_decide(t, &dec));
+    }
     si->lr = lr_at(o, t->step + 1);
     if (o->cuda_graph) goto stepped; /* the replayed graph applied AdamW, the bias and loss-scale updates */
     dsk_adamw_opts ao = dsk_adamw_defaults(); /* every field set below, taken literally (lr may reach 0) */
@@ -977,15 +1052,18 @@ static dsk_status train_step(trainer *t, step_info *si) {
     }
     if (!dec.skip) {
         t->applied = next;
-        if (o->bias_rate > 0)
+        dsk_comm *load_comm = t->par.on ? &t->par.stage : t->have_comm ? &t->comm : NULL;
+        if (o->bias_rate > 0) /* loads summed over the ranks running the layer (with --pp: the stage's) */
             for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++)
-                TM_TRY(dsk_moe_update_bias(&m->blocks[l].moe, &t->ctx, t->have_comm ? &t->comm : NULL));
+                if (m->blocks[l].is_moe) TM_TRY(dsk_moe_update_bias(&m->blocks[l].moe, &t->ctx, load_comm));
     }
     TM_TRY(dsk_amp_update(&t->scaler, &t->ctx));
 stepped:
-    for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++) TM_TRY(dsk_moe_stats_request(&m->blocks[l].moe, &t->ctx));
+    for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++)
+        if (m->blocks[l].is_moe) TM_TRY(dsk_moe_stats_request(&m->blocks[l].moe, &t->ctx));
     TM_TRY(dsk_ctx_sync(&t->ctx));
     for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++) { /* the step's MoE statistics, arrived by now */
+        if (!m->blocks[l].is_moe) continue;
         dsk_moe_stats *st = &m->blocks[l].stats;
         TM_TRY(dsk_moe_stats_collect(&m->blocks[l].moe, &t->ctx, st));
         si->aux_loss += st->loss / o->accum;
@@ -1018,6 +1096,18 @@ static dsk_status validate(trainer *t, float *out) {
     float loss;
     dsk_status s = DSK_OK;
     tm_set_eval(m, 1);
+    for (int i = 0; i < t->o->val_batches && s == DSK_OK && t->par.on; i++) { /* through the pipeline */
+        double l = 0;
+        if ((s = load_val_batch(t, i)) == DSK_OK && (s = tp_eval_batch(&t->par, t->par.M, &l)) == DSK_OK) sum += l;
+    }
+    if (t->par.on) {
+        tm_set_eval(m, 0);
+        TM_TRY(s);
+        float v[1] = {tp_loss_part(&t->par, sum / t->o->val_batches)};
+        TM_TRY(allreduce_host(t, &t->comm, v, 1, DSK_F32, DSK_COMM_SUM));
+        *out = v[0];
+        return DSK_OK;
+    }
     for (int i = 0; i < t->o->val_batches && s == DSK_OK; i++) {
         if ((s = load_val_batch(t, i)) == DSK_OK && (s = tm_forward(m, t->batch_local)) == DSK_OK &&
             (s = dsk_cross_entropy(&t->ctx, &m->loss, NULL, &m->logits, &m->targets, -1, 1.0f)) == DSK_OK &&
@@ -1048,7 +1138,7 @@ static int sample_token(const float *logits, int V, double temperature, float u)
 }
 
 /* Generates --sample-len tokens after --prompt (bytes). Every rank runs the forward passes
-   (expert parallelism needs them all); rank 0 prints. Each new token reruns the last T
+   (expert, tensor and pipeline parallelism need them all); rank 0 prints. Each new token reruns the last T
    tokens as one sequence (positions past the end are padding the causal mask ignores). */
 static dsk_status generate(trainer *t) {
     const options *o = t->o;
@@ -1070,6 +1160,18 @@ static dsk_status generate(trainer *t) {
         int64_t Tl = T, Vl = V;
         if ((s = dsk_tensor_wrap(&hids, t->h_ids, DSK_I32, dsk_cpu(), 1, &Tl)) != DSK_OK) break;
         if ((s = dsk_tensor_copy(&t->ctx, &ids, &hids)) != DSK_OK) break;
+        if (t->par.on) { /* one micro-batch through the pipeline; the last stage samples, every rank learns the token */
+            const tp_state *ps = &t->par;
+            double l;
+            int32_t tok[1] = {0};
+            if ((s = tp_eval_batch(&t->par, 1, &l)) != DSK_OK) break;
+            if (ps->last >= 0 && (s = tp_logits_row(&t->par, len - 1, row)) != DSK_OK) break;
+            float u = dsk_rng_uniform_at((uint64_t)o->seed, 0x5A3B1Eull << 32, (uint64_t)n);
+            if (ps->last >= 0 && ps->grid.at.tp == 0 && ps->grid.at.dp == 0) tok[0] = sample_token(row, V, o->temperature, u);
+            if ((s = allreduce_host(t, &t->comm, tok, 1, DSK_I32, DSK_COMM_SUM)) != DSK_OK) break;
+            text[n] = tok[0];
+            continue;
+        }
         if ((s = tm_forward(m, 1)) != DSK_OK) break;
         if ((s = dsk_tensor_select(&m->logits, len - 1, &lrow)) != DSK_OK) break;
         if ((s = dsk_tensor_wrap(&hrow, row, DSK_F32, dsk_cpu(), 1, &Vl)) != DSK_OK) break;
@@ -1148,6 +1250,45 @@ static ck_names ck_entries(trainer *t, int load) {
     return c;
 }
 
+/* --tp/--pp: every tensor is a box of its full tensor under the full tensor's name, so any
+   layout loads it; a save lists the pieces this rank writes (one copy of each over the
+   replicas), a load every piece this rank holds. */
+static void ck_box(ck_names *c, const char *name, const char *suffix, dsk_tensor *tensor, const int64_t *off,
+                   const int64_t *full) {
+    snprintf(c->name[c->n], sizeof c->name[c->n], "%s%s", name, suffix);
+    dsk_ckpt_entry *e = &c->e[c->n++];
+    memset(e, 0, sizeof *e);
+    e->name = c->name[c->n - 1];
+    e->tensor = tensor;
+    e->split = DSK_CKPT_BOX;
+    e->offset = off;
+    e->global_shape = full;
+}
+
+static ck_names ck_entries_par(trainer *t, int saving) {
+    tm_model *m = &t->model;
+    tp_state *ps = &t->par;
+    ck_names c;
+    int cap = 3 * m->n_params + m->cfg.n_layers + 1;
+    c.n = 0;
+    c.name = (char(*)[112])calloc((size_t)cap, sizeof *c.name);
+    c.e = (dsk_ckpt_entry *)calloc((size_t)cap, sizeof *c.e);
+    if (!c.name || !c.e) fail(t, "out of memory for the checkpoint list");
+    for (int i = 0; i < m->n_params; i++) {
+        tm_param *p = &m->params[i];
+        const tp_pinfo *pi = &ps->pinfo[i];
+        if (saving && !tp_writer(ps, pi->group)) continue;
+        ck_box(&c, p->name, "", &p->w, pi->off, pi->full);
+        ck_box(&c, p->name, ".adam_m", &p->m, pi->off, pi->full);
+        ck_box(&c, p->name, ".adam_v", &p->v, pi->off, pi->full);
+    }
+    for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++)
+        if (m->blocks[l].is_moe && (!saving || tp_writer(ps, TP_G_REPL)))
+            ck_box(&c, m->blocks[l].moe.bias->name, "", &m->blocks[l].moe.bias->value, ps->layers[l].bias_off,
+                   ps->layers[l].bias_full);
+    return c;
+}
+
 /* The settings a checkpoint must share with the run that resumes it. */
 static void config_string(const trainer *t, char *buf, size_t n) {
     const options *o = t->o;
@@ -1159,7 +1300,7 @@ static void config_string(const trainer *t, char *buf, size_t n) {
 
 /* Epoch of the next training sample and its place in this rank's part of that epoch. */
 static void data_epoch(const trainer *t, int64_t *epoch, int64_t *offset) {
-    int64_t p = t->data_pos / t->world, n = t->loader.smp.num_samples;
+    int64_t p = t->data_pos / t->dp_size, n = t->loader.smp.num_samples;
     *epoch = p / n;
     *offset = p % n;
 }
@@ -1182,9 +1323,10 @@ static dsk_status check_data_order(trainer *t, const dsk_ckpt_meta *meta, int64_
                              t->o->ckpt_dir, saved ? saved : "(not recorded)", order);
     int64_t world = 0;
     TM_TRY(dsk_ckpt_meta_i64(meta, "train.data_world", &world));
-    if (world != t->world)
-        say(t, "resume: the checkpoint was written by %lld ranks, this run has %d: DistributedSampler gives each rank another "
-               "slice, so the samples of the current epoch are not those of an uninterrupted run\n", (long long)world, t->world);
+    if (world != t->dp_size)
+        say(t, "resume: the checkpoint's data was read by %lld data-parallel ranks, this run has %d: DistributedSampler "
+               "gives each rank another slice, so the samples of the current epoch are not those of an uninterrupted "
+               "run (a global batch holds the same samples while no epoch ends)\n", (long long)world, t->dp_size);
     return DSK_OK;
 }
 
@@ -1205,14 +1347,14 @@ static dsk_status save_checkpoint(trainer *t) {
     data_epoch(t, &epoch, &offset);
     snprintf(kv_val[7], 64, "%lld", (long long)epoch);
     snprintf(kv_val[8], 64, "%lld", (long long)offset);
-    snprintf(kv_val[9], 64, "%d", t->world);
+    snprintf(kv_val[9], 64, "%d", t->dp_size);
     data_order_string(t, order, sizeof order);
     dsk_ckpt_kv kv[13] = {{"train.step", kv_val[0]}, {"train.applied", kv_val[1]}, {"train.data_pos", kv_val[2]},
                           {"amp.scale", kv_val[3]}, {"amp.growth_tracker", kv_val[4]}, {"amp.hysteresis_left", kv_val[5]},
                           {"train.data_seed", kv_val[6]}, {"train.config", cfg}, {"train.data_epoch", kv_val[7]},
                           {"train.data_offset", kv_val[8]}, {"train.data_world", kv_val[9]}, {"train.data_order", order},
                           {"train.params", t->use_zero ? "zero" : "whole"}};
-    ck_names c = ck_entries(t, 0);
+    ck_names c = t->par.on ? ck_entries_par(t, 1) : ck_entries(t, 0);
     dsk_status s = t->o->sync_ckpt ? dsk_ckpt_save(&t->ck, t->step, c.e, c.n, kv, 13)
                                    : dsk_ckpt_save_async(&t->ck, t->step, c.e, c.n, kv, 13);
     free(c.name);
@@ -1245,7 +1387,7 @@ static dsk_status load_checkpoint(trainer *t, int64_t step) {
                           "with --zero 1, 2 or 3 (or a --grad-compress)");
     dsk_ckpt_meta_free(&meta);
     if (s != DSK_OK) return s;
-    ck_names c = ck_entries(t, 1);
+    ck_names c = t->par.on ? ck_entries_par(t, 0) : ck_entries(t, 1);
     s = dsk_ckpt_load(&t->ck, step, c.e, c.n, &meta);
     free(c.name);
     free(c.e);
@@ -1415,7 +1557,7 @@ static void setup_metrics(trainer *t) {
 
 /* Bytes of the tensors one checkpoint of this rank holds. */
 static double checkpoint_bytes(trainer *t) {
-    ck_names c = ck_entries(t, 0);
+    ck_names c = t->par.on ? ck_entries_par(t, 1) : ck_entries(t, 0);
     double bytes = 0;
     for (int i = 0; i < c.n; i++) bytes += (double)dsk_tensor_nbytes(c.e[i].tensor);
     free(c.name);
@@ -1522,6 +1664,20 @@ static void banner(trainer *t) {
            "%.2fM parameters on rank 0, %.1f MFLOP/token (active)\n",
         o->layers, o->dense_layers, o->d_model, o->heads, m->cfg.vocab, o->experts, o->score, o->top_k, o->shared, o->expert_hidden,
         total / 1e6, t->flops_per_token / 1e6);
+    if (t->have_comm) {
+        const dsk_par_dims *d = &t->par.grid.dims;
+        say(t, "rank grid: tp %d x dp %d (ep %d inside) x pp %d = %d ranks; world rank = tp_i + tp (dp_i + dp pp_i)\n",
+            d->tp, d->dp, d->ep, d->pp, t->world);
+    }
+    if (t->par.on) {
+        const tp_state *ps = &t->par;
+        say(t, "parallel model: %d heads, FFN %d and vocabulary %d split over tp %d (sequence-parallel norms, "
+               "vocabulary-parallel loss), MoE layers on each tp rank's tokens; pipeline %s, %d stage%s x %d virtual, "
+               "%d micro-batches of %d sequences, bubble %.3f, at most %d in flight on rank 0 of the pipeline\n",
+            o->heads, o->ffn_hidden, m->cfg.vocab, ps->tp, dsk_par_schedule_name(ps->kind), ps->pp, ps->pp > 1 ? "s" : "",
+            ps->v, ps->M, ps->Bm, dsk_par_bubble_fraction(ps->kind, ps->pp, ps->M, ps->v),
+            dsk_par_in_flight_bound(ps->kind, ps->pp, ps->M, ps->v, 0));
+    }
     if (t->use_zero) {
         double all, comp;
         tz_powersgd_elements(m, t->zopts.psgd_rank, &comp, &all);
@@ -1710,6 +1866,7 @@ static void cleanup(trainer *t) {
     if (t->have_buckets) dsk_comm_buckets_free(&t->buckets);
     if (t->have_ebuckets) dsk_comm_buckets_free(&t->ebuckets);
     dsk_graph_free(&t->graph);
+    tp_free(&t->par);
     dsk_amp_dstep_free(&t->dstep, &t->ctx);
     dsk_tensor_free(&t->ctx, &t->g_ids);
     dsk_tensor_free(&t->ctx, &t->g_tgt);
@@ -1757,6 +1914,10 @@ static void check_options(trainer *t) {
     t->zopts.stage = o->zero;
     t->use_zero = o->zero > 0 || t->zopts.compress != DSK_ZERO_COMPRESS_NONE;
     if (t->use_zero && o->cuda_graph) fail(t, "--cuda-graph runs without --zero and --grad-compress");
+    if (t->use_zero && (o->tp > 1 || o->pp > 1))
+        fail(t, "--zero %d --grad-compress %s with --tp %d --pp %d: sharded data parallelism runs without tensor and "
+                "pipeline parallelism in this trainer (train_par.h reduces its own gradient groups)", o->zero,
+             o->grad_compress, o->tp, o->pp);
     if (!(o->lr > 0) || o->min_lr < 0 || o->wd < 0 || o->clip < 0 || o->beta1 < 0 || o->beta1 >= 1 || o->beta2 < 0 || o->beta2 >= 1)
         fail(t, "--lr %g (> 0), --min-lr %g, --wd %g, --clip %g (>= 0), --beta1 %g, --beta2 %g (in [0, 1)) out of range", o->lr,
              o->min_lr, o->wd, o->clip, o->beta1, o->beta2);

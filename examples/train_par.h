@@ -1,0 +1,766 @@
+/* train_par.h - tensor, sequence and pipeline parallelism for the model of train_model.h, on
+   dsk_par.h (the rank grid, Megatron's mappings, parallel linears, vocabulary parallelism,
+   pipeline schedules and executor). examples/train_moe.c turns it on with --tp, --pp,
+   --pp-schedule, --micro-batches and --virtual-stages.
+
+   Layout. The rank grid of dsk_par.h: world rank = tp_i + tp (dp_i + dp pp_i), expert
+     parallelism inside dp. A rank holds the blocks of its pipeline stages and, of each, its
+     tensor-parallel shard:
+       attention   wq, wk, wv column-parallel (rows [r D/tp, (r+1) D/tp): heads r H/tp ..),
+                   wo row-parallel (columns), so each rank runs H/tp heads on every token
+       dense FFN   w1, w3 column-parallel, w2 row-parallel
+       embedding   vocabulary-parallel rows; lm_head vocabulary-parallel rows, with the
+                   vocabulary-parallel cross-entropy (the full logits are never formed)
+       norms       replicated; they run under sequence parallelism on the rank's N/tp tokens
+                   (rows [r N/tp, (r+1) N/tp) of the micro-batch): all-gather before the
+                   column-parallel linears, reduce-scatter after the row-parallel ones
+       MoE layers  replicated over tp (router, shared experts, routed experts) and sharded by
+                   expert parallelism only: each tensor-parallel rank runs the layer on its own
+                   N/tp tokens (the sequence-parallel shard it already holds), so an MoE layer
+                   needs no tensor-parallel collective at all and its experts keep whole GEMMs;
+                   the price is that expert weights are not split over tp (EP does that).
+     Gradients: norms and MoE replicated parameters saw only this rank's tokens: summed over
+     the ranks of the stage (tp x dp); tensor-parallel shards over dp; expert shards over the
+     ranks of the stage holding the same experts (tp x edp); then each divided by dp (every
+     data-parallel replica's loss is its own micro-batch mean).
+   Initialisation: every dense tensor takes the numbers the one-rank model gives it (its full
+     tensor drawn from the same counter offset, then the rank's box copied), MoE layers their
+     own streams; so any layout starts from the one-rank model's weights.
+   Pipeline: the layers split into pp * v contiguous global stages (v virtual stages for the
+     interleaved schedule); rank r runs stages c pp + r. The embedding is on global stage 0, the
+     final norm, LM head and loss on the last; the residual stream (N/tp, D) of a micro-batch
+     travels between stages by send/receive of the executor. Activations of in-flight
+     micro-batches sit in slots (micro mod the schedule's in-flight bound). An MoE layer keeps
+     one forward for its backward; when another micro-batch ran through it since, backward runs
+     its forward again first (in eval mode: counted once for the expert bias).
+   Balancing losses and expert capacity are per MoE call (a micro-batch's N/tp tokens on a
+     rank), as they are per rank under data parallelism; the tests run dropless without them.
+   Sampling runs the prompt as sequence 0 of one micro-batch (the others hold the last batch's
+     tokens; with a capacity factor they share the experts' slots).
+   Limits (refused with a message): f32 only; --tp divides the heads, the FFN hidden size,
+     the vocabulary and the tokens of a micro-batch; every global stage holds a block.
+   Contents: layout (tp_layout, tp_model_init); views; one block (forward, backward); stages
+   (the executor's callbacks, tp_train_batch, tp_eval_batch); gradients (reduction, norm,
+   loss); checkpoints (who writes a piece). */
+#ifndef TRAIN_PAR_H
+#define TRAIN_PAR_H
+
+#include "../dsk_par.h"
+#include "train_model.h"
+
+typedef enum tp_split { TP_REPL = 0, TP_ROWS, TP_COLS } tp_split;
+/* How a gradient reduces; also the order of the parameters in the slabs. */
+typedef enum tp_group { TP_G_REPL = 0, TP_G_SHARD, TP_G_EXPERT, TP_G_COUNT } tp_group;
+
+typedef struct tp_pinfo {
+    int split, group;
+    int64_t off[3], full[3]; /* this rank's box in the full tensor */
+    uint64_t init_off;       /* the full tensor's counter offset in the one-rank model's initialisation */
+} tp_pinfo;
+
+typedef struct tp_layer {
+    int on, chunk;
+    /* per slot (S slots of rows each) */
+    dsk_tensor x, h1, rstd1, h1g, q, k, v, qr, kr, att, probs, x2, h2, rstd2, h2g, g, u, a;
+    int moe_micro; /* micro-batch of the MoE layer's saved forward (-1: none) */
+    int64_t bias_off[1], bias_full[1];
+} tp_layer;
+
+typedef struct tp_chunk {
+    int stage, lo, hi;
+    dsk_tensor in_act, out_act, in_grad, out_grad; /* (M Ns, D): one (Ns, D) per micro-batch */
+} tp_chunk;
+
+typedef struct tp_state {
+    int on;
+    int tp, pp, dp, ep, v, M, S;    /* S: activation slots (the schedule's in-flight bound) */
+    dsk_par_schedule_kind kind;
+    dsk_par_grid grid;              /* its ep and edp groups are the trainer's */
+    dsk_comm stage;                 /* same pipeline stage (tp x dp) */
+    dsk_comm xrep;                  /* same stage and same experts (tp x edp) */
+    dsk_par_schedule sched;
+    tm_model *m;
+    dsk_ctx *ctx;
+    int Bm;                         /* sequences per micro-batch */
+    int64_t T, Nm, Ns, D, Dl, Dh, Hl, Fl, Vl;
+    tp_pinfo pinfo[1024];
+    int64_t group_off[TP_G_COUNT + 1]; /* slab offsets of the gradient groups */
+    int group_n[TP_G_COUNT + 1];       /* first parameter of each group */
+    tp_layer *layers;               /* (n_layers) */
+    tp_chunk chunks[16];
+    int first, last;                /* chunk holding global stage 0 / the last one, or -1 */
+    dsk_tensor dx, dh, tmp, big, datt, dq, dk, dv, dqr, dkr, dg, du, da;
+    dsk_tensor xf, hf, rstdf, hfg, logits, dlogits, vrow; /* vrow (V): a row of logits gathered over tp */
+    int train;                      /* 1: forward keeps what backward needs and the head runs its backward */
+    float gscale;                   /* loss gradient scale of one micro-batch */
+    double loss_sum;                /* over this run's micro-batches (last stage) */
+} tp_state;
+
+/* ------------------------------------------------------------------ layout */
+
+static int tp_layers_lo(const tp_state *ps, int stage) {
+    return (int)((int64_t)stage * ps->m->cfg.n_layers / (ps->pp * ps->v));
+}
+
+/* The chunk of this rank that holds layer l, or -1. */
+static int tp_chunk_of(const tp_state *ps, int l) {
+    for (int c = 0; c < ps->v; c++)
+        if (l >= ps->chunks[c].lo && l < ps->chunks[c].hi) return c;
+    return -1;
+}
+
+/* Checks the sizes against the grid; every message names the flags. */
+static dsk_status tp_check(const tp_state *ps, const tm_config *c) {
+    int tp = ps->tp, S = ps->pp * ps->v;
+    if (c->cdt != DSK_F32)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "--tp/--pp/--micro-batches run the model in f32 only (--dtype %s)",
+                             dsk_dtype_name(c->cdt));
+    if (c->n_heads % tp || c->ffn_hidden % tp || c->vocab % tp)
+        return dsk_set_error(DSK_ERR_ARG, "--tp %d must divide --heads %d, --ffn-hidden %d and the vocabulary %d", tp,
+                             c->n_heads, c->ffn_hidden, c->vocab);
+    if (c->batch % ps->M)
+        return dsk_set_error(DSK_ERR_ARG, "--micro-batches %d must divide the %d sequences per data-parallel rank",
+                             ps->M, c->batch);
+    if ((int64_t)(c->batch / ps->M) * c->seq % tp)
+        return dsk_set_error(DSK_ERR_ARG, "--tp %d must divide the %lld tokens of a micro-batch (sequence parallelism)",
+                             tp, (long long)(c->batch / ps->M) * c->seq);
+    if (c->moe.seq_aux_alpha > 0 && (c->batch / ps->M) % tp)
+        return dsk_set_error(DSK_ERR_ARG, "the sequence-wise aux loss needs whole sequences per tensor-parallel rank: "
+                             "--tp %d must divide the %d sequences of a micro-batch", tp, c->batch / ps->M);
+    if (c->n_layers < S)
+        return dsk_set_error(DSK_ERR_ARG, "--layers %d cannot fill %d pipeline stages (--pp %d x --virtual-stages %d)",
+                             c->n_layers, S, ps->pp, ps->v);
+    if (ps->v > 16) return dsk_set_error(DSK_ERR_ARG, "--virtual-stages %d: at most 16", ps->v);
+    if (ps->v > 1 && ps->pp < 2) return dsk_set_error(DSK_ERR_ARG, "--virtual-stages %d needs --pp 2 or more", ps->v);
+    return DSK_OK;
+}
+
+/* The layer of a block parameter (by identity), -1 for the embedding, ln_f and lm_head. */
+static int tp_param_layer(const tm_model *m, const tm_param *p, int *split) {
+    *split = TP_REPL;
+    if (p->moe_layer >= 0) return p->moe_layer;
+    if (p == m->embed || p == m->lm_head) *split = TP_ROWS;
+    if (p == m->embed || p == m->lm_head || p == m->ln_f) return -1;
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        const tm_block *b = &m->blocks[l];
+        if (p == b->wq || p == b->wk || p == b->wv || p == b->w1 || p == b->w3) *split = TP_ROWS;
+        else if (p == b->wo || p == b->w2) *split = TP_COLS;
+        else if (p != b->ln1 && p != b->ln2) continue;
+        return l;
+    }
+    return -2;
+}
+
+/* Rewrites the declared full model (every layer, full shapes) into this rank's part: keeps
+   the parameters of its stages, shrinks each to its tensor-parallel box, orders them by
+   gradient group (replicated, tensor-parallel shards, expert shards) and repoints the model's
+   parameter pointers. */
+static dsk_status tp_layout(tp_state *ps, tm_model *m) {
+    tm_param *kept = (tm_param *)malloc((size_t)m->n_params * sizeof *kept);
+    int n = m->n_params, map[1024], k = 0, tp_i = ps->grid.at.tp;
+    uint64_t off = 0;
+    if (!kept) return dsk_set_error(DSK_ERR_OOM, "tp_layout: out of memory");
+    for (int i = 0; i < n; i++) map[i] = -1;
+    for (int g = 0; g < TP_G_COUNT; g++) {
+        ps->group_n[g] = k;
+        off = 0;
+        for (int i = 0; i < n; i++) {
+            tm_param *p = &m->params[i];
+            int split, l = tp_param_layer(m, p, &split), on;
+            uint64_t init_off = off;
+            if (p->moe_layer < 0) off += (uint64_t)tm_param_numel(p);
+            if (l == -2) {
+                free(kept);
+                return dsk_set_error(DSK_ERR_UNSUPPORTED, "parameter \"%s\" has no tensor/pipeline-parallel layout "
+                                     "(--tp/--pp support the standard attention, dense FFN and MoE blocks)", p->name);
+            }
+            int group = p->sharded ? TP_G_EXPERT : split == TP_REPL ? TP_G_REPL : TP_G_SHARD;
+            if (group != g) continue;
+            if (l >= 0) on = tp_chunk_of(ps, l) >= 0;
+            else if (p == m->embed) on = ps->first >= 0;
+            else on = ps->last >= 0;
+            if (!on) continue;
+            tp_pinfo *pi = &ps->pinfo[k];
+            memset(pi, 0, sizeof *pi);
+            pi->split = split;
+            pi->group = group;
+            pi->init_off = init_off;
+            for (int d = 0; d < p->ndim; d++) pi->full[d] = p->shape[d];
+            if (p->sharded) { /* the layer's local experts of n_routed */
+                const dsk_moe *moe = &m->blocks[p->moe_layer].moe;
+                pi->full[0] = moe->opts.n_routed;
+                pi->off[0] = moe->expert0;
+            }
+            kept[k] = *p;
+            if (split != TP_REPL) {
+                int d = split == TP_ROWS ? 0 : 1;
+                if (p->shape[d] % ps->tp) {
+                    free(kept);
+                    return dsk_set_error(DSK_ERR_ARG, "--tp %d does not divide dim %d (%lld) of \"%s\"", ps->tp, d,
+                                         (long long)p->shape[d], p->name);
+                }
+                kept[k].shape[d] = p->shape[d] / ps->tp;
+                pi->off[d] = (int64_t)tp_i * kept[k].shape[d];
+            }
+            map[i] = k++;
+        }
+    }
+    ps->group_n[TP_G_COUNT] = k;
+    tm_param *old = m->params;
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        tm_block *b = &m->blocks[l];
+        tm_param **ptrs[] = {&b->ln1, &b->wq, &b->wk, &b->wv, &b->wo, &b->ln2, &b->w1, &b->w3, &b->w2};
+        for (size_t j = 0; j < sizeof ptrs / sizeof ptrs[0]; j++)
+            if (*ptrs[j]) *ptrs[j] = map[*ptrs[j] - old] >= 0 ? &m->params[map[*ptrs[j] - old]] : NULL;
+    }
+    tm_param **top[] = {&m->embed, &m->ln_f, &m->lm_head};
+    for (size_t j = 0; j < 3; j++) *top[j] = map[*top[j] - old] >= 0 ? &m->params[map[*top[j] - old]] : NULL;
+    memcpy(m->params, kept, (size_t)k * sizeof *kept);
+    free(kept);
+    m->n_params = k;
+    m->n_dense_params = ps->group_n[TP_G_EXPERT];
+    return DSK_OK;
+}
+
+/* Fresh weights equal to the one-rank model's: the full tensor from its counter offset, then
+   this rank's box; MoE parameters from their layer's streams (expert-parallel aware). */
+static dsk_status tp_init_weights(tp_state *ps, tm_model *m) {
+    for (int i = 0; i < m->n_params; i++) {
+        tm_param *p = &m->params[i];
+        const tp_pinfo *pi = &ps->pinfo[i];
+        if (p->moe_layer >= 0) {
+            TM_TRY(dsk_moe_init_param(&m->blocks[p->moe_layer].moe, m->ctx, p->moe_index, &p->w));
+            continue;
+        }
+        if (!(p->init_std > 0)) { TM_TRY(dsk_tensor_fill(m->ctx, &p->w, 1.0)); continue; }
+        if (pi->split == TP_REPL) {
+            TM_TRY(dsk_tensor_normal(m->ctx, &p->w, m->cfg.seed, pi->init_off, 0.0f, p->init_std));
+            continue;
+        }
+        dsk_tensor full, box;
+        dsk_status s = dsk_tensor_alloc(m->ctx, &full, DSK_F32, p->ndim, pi->full);
+        if (s != DSK_OK) return s;
+        int d = pi->split == TP_ROWS ? 0 : 1;
+        s = dsk_tensor_normal(m->ctx, &full, m->cfg.seed, pi->init_off, 0.0f, p->init_std);
+        if (s == DSK_OK) s = dsk_tensor_slice(&full, d, pi->off[d], p->shape[d], &box);
+        if (s == DSK_OK) s = dsk_tensor_copy(m->ctx, &p->w, &box);
+        dsk_tensor_free(m->ctx, &full);
+        TM_TRY(s);
+    }
+    TM_TRY(dsk_tensor_fill(m->ctx, &m->slab_m, 0.0));
+    TM_TRY(dsk_tensor_fill(m->ctx, &m->slab_v, 0.0));
+    return dsk_tensor_fill(m->ctx, &m->slab_g, 0.0);
+}
+
+static dsk_status tp_alloc(tp_state *ps, dsk_tensor *t, dsk_dtype dt, int64_t r, int64_t c) {
+    return tm_alloc2(ps->m, t, dt, r, c);
+}
+
+/* Activations (S slots per layer), scratch, pipeline buffers, the batch tensors. */
+static dsk_status tp_alloc_acts(tp_state *ps) {
+    tm_model *m = ps->m;
+    const tm_config *c = &m->cfg;
+    int64_t S = ps->S, Nm = ps->Nm, Ns = ps->Ns, D = ps->D, Dl = ps->Dl, Fl = ps->Fl, N = (int64_t)c->batch * c->seq;
+    for (int l = 0; l < c->n_layers; l++) {
+        tp_layer *L = &ps->layers[l];
+        if (!L->on) continue;
+        dsk_tensor *ns[] = {&L->x, &L->h1, &L->x2, &L->h2};
+        for (size_t i = 0; i < 4; i++) TM_TRY(tp_alloc(ps, ns[i], DSK_F32, S * Ns, D));
+        TM_TRY(tp_alloc(ps, &L->rstd1, DSK_F32, S * Ns, 0));
+        TM_TRY(tp_alloc(ps, &L->rstd2, DSK_F32, S * Ns, 0));
+        dsk_tensor *nl[] = {&L->q, &L->k, &L->v, &L->qr, &L->kr, &L->att};
+        for (size_t i = 0; i < 6; i++) TM_TRY(tp_alloc(ps, nl[i], DSK_F32, S * Nm, Dl));
+        int64_t psh[4] = {S * ps->Bm, ps->Hl, c->seq, c->seq};
+        TM_TRY(dsk_tensor_alloc(m->ctx, &L->probs, DSK_F32, 4, psh));
+        if (ps->tp > 1) TM_TRY(tp_alloc(ps, &L->h1g, DSK_F32, S * Nm, D));
+        if (!m->blocks[l].is_moe) {
+            if (ps->tp > 1) TM_TRY(tp_alloc(ps, &L->h2g, DSK_F32, S * Nm, D));
+            dsk_tensor *nf[] = {&L->g, &L->u, &L->a};
+            for (size_t i = 0; i < 3; i++) TM_TRY(tp_alloc(ps, nf[i], DSK_F32, S * Nm, Fl));
+        }
+        L->moe_micro = -1;
+        L->bias_full[0] = c->moe.n_routed;
+    }
+    dsk_tensor *sd[] = {&ps->dx, &ps->dh, &ps->tmp, &ps->xf, &ps->hf};
+    for (size_t i = 0; i < 5; i++) TM_TRY(tp_alloc(ps, sd[i], DSK_F32, Ns, D));
+    TM_TRY(tp_alloc(ps, &ps->rstdf, DSK_F32, Ns, 0));
+    TM_TRY(tp_alloc(ps, &ps->big, DSK_F32, Nm, D));
+    if (ps->tp > 1) TM_TRY(tp_alloc(ps, &ps->hfg, DSK_F32, Nm, D));
+    dsk_tensor *sl[] = {&ps->datt, &ps->dq, &ps->dk, &ps->dv, &ps->dqr, &ps->dkr};
+    for (size_t i = 0; i < 6; i++) TM_TRY(tp_alloc(ps, sl[i], DSK_F32, Nm, Dl));
+    if (c->n_dense > 0) {
+        dsk_tensor *sf[] = {&ps->dg, &ps->du, &ps->da};
+        for (size_t i = 0; i < 3; i++) TM_TRY(tp_alloc(ps, sf[i], DSK_F32, Nm, Fl));
+    }
+    if (ps->last >= 0) {
+        TM_TRY(tp_alloc(ps, &ps->logits, DSK_F32, Nm, ps->Vl));
+        TM_TRY(tp_alloc(ps, &ps->dlogits, DSK_F32, Nm, ps->Vl));
+        TM_TRY(tp_alloc(ps, &ps->vrow, DSK_F32, ps->Vl * ps->tp, 0));
+    }
+    for (int k = 0; k < ps->v; k++) {
+        tp_chunk *ch = &ps->chunks[k];
+        dsk_tensor *bufs[] = {&ch->in_act, &ch->out_act, &ch->in_grad, &ch->out_grad};
+        for (size_t i = 0; i < 4; i++) TM_TRY(tp_alloc(ps, bufs[i], DSK_F32, ps->M * Ns, D));
+    }
+    TM_TRY(dsk_tensor_alloc(m->ctx, &m->ids, DSK_I32, 1, &N));
+    TM_TRY(dsk_tensor_alloc(m->ctx, &m->targets, DSK_I32, 1, &N));
+    return dsk_tensor_alloc(m->ctx, &m->loss, DSK_F32, 0, NULL);
+}
+
+/* The grid, the stage and expert-replica groups and the schedule; dims.ep set by the caller.
+   Collective over world. */
+static dsk_status tp_grid_init(tp_state *ps, dsk_comm *world, const dsk_par_dims *dims) {
+    TM_TRY(dsk_par_grid_init(&ps->grid, world, dims));
+    const dsk_par_dims *d = &ps->grid.dims;
+    const dsk_par_coords *at = &ps->grid.at;
+    ps->tp = d->tp;
+    ps->pp = d->pp;
+    ps->dp = d->dp;
+    ps->ep = d->ep;
+    TM_TRY(dsk_comm_split(world, at->pp, world->rank, &ps->stage));
+    return dsk_comm_split(world, at->pp * d->ep + at->ep, world->rank, &ps->xrep);
+}
+
+/* The model of this rank: like tm_init, for the stages and the tensor-parallel shard of the
+   grid. ps->tp/pp/v/M/kind and the grid are set. */
+static dsk_status tp_model_init(tp_state *ps, tm_model *m, dsk_ctx *ctx, const tm_config *cfg) {
+    memset(m, 0, sizeof *m);
+    m->cfg = *cfg;
+    m->ctx = ctx;
+    ps->m = m;
+    ps->ctx = ctx;
+    TM_TRY(tm_check_config(cfg));
+    TM_TRY(tp_check(ps, cfg));
+    int r = ps->grid.at.pp, P = ps->pp * ps->v;
+    ps->first = ps->last = -1;
+    for (int c = 0; c < ps->v; c++) {
+        tp_chunk *ch = &ps->chunks[c];
+        ch->stage = c * ps->pp + r;
+        ch->lo = tp_layers_lo(ps, ch->stage);
+        ch->hi = tp_layers_lo(ps, ch->stage + 1);
+        if (ch->stage == 0) ps->first = c;
+        if (ch->stage == P - 1) ps->last = c;
+    }
+    ps->T = cfg->seq;
+    ps->Bm = cfg->batch / ps->M;
+    ps->Nm = (int64_t)ps->Bm * cfg->seq;
+    ps->Ns = ps->Nm / ps->tp;
+    ps->D = cfg->d_model;
+    ps->Dh = cfg->d_model / cfg->n_heads;
+    ps->Hl = cfg->n_heads / ps->tp;
+    ps->Dl = ps->Hl * ps->Dh;
+    ps->Fl = cfg->ffn_hidden / ps->tp;
+    ps->Vl = cfg->vocab / ps->tp;
+    TM_TRY(dsk_par_schedule_init(&ps->sched, ps->kind, ps->pp, ps->M, ps->v, r));
+    ps->S = ps->sched.in_flight < ps->M ? ps->sched.in_flight : ps->M;
+    if (ps->S < 1) ps->S = 1;
+    m->blocks = (tm_block *)calloc((size_t)cfg->n_layers, sizeof *m->blocks);
+    ps->layers = (tp_layer *)calloc((size_t)cfg->n_layers, sizeof *ps->layers);
+    m->moe_names = (char(*)[32])calloc((size_t)cfg->n_layers, sizeof *m->moe_names);
+    if (!m->blocks || !ps->layers || !m->moe_names) return dsk_set_error(DSK_ERR_OOM, "tp_model_init: out of memory");
+    for (int l = 0; l < cfg->n_layers; l++) {
+        ps->layers[l].chunk = tp_chunk_of(ps, l);
+        ps->layers[l].on = ps->layers[l].chunk >= 0;
+        if (ps->layers[l].on && l >= cfg->n_dense) {
+            tm_config mc = *cfg;
+            mc.batch = ps->Bm; /* one call: the rank's N/tp tokens of a micro-batch */
+            m->cfg = mc;
+            TM_TRY(tm_init_moe(m, l, m->moe_names[l], sizeof m->moe_names[l]));
+            m->cfg = *cfg;
+        }
+    }
+    tm_declare(m);
+    TM_TRY(tp_layout(ps, m));
+    for (int i = 0; i < m->n_params; i++) {
+        m->numel += tm_param_numel(&m->params[i]);
+        if (i < m->n_dense_params) m->numel_dense = m->numel;
+    }
+    for (int g = 0; g <= TP_G_COUNT; g++) {
+        int64_t o = 0;
+        for (int j = 0; j < ps->group_n[g]; j++) o += tm_param_numel(&m->params[j]);
+        ps->group_off[g] = o;
+    }
+    TM_TRY(tm_alloc_slab(m, &m->slab_w, DSK_F32));
+    TM_TRY(tm_alloc_slab(m, &m->slab_g, DSK_F32));
+    TM_TRY(tm_alloc_slab(m, &m->slab_m, DSK_F32));
+    TM_TRY(tm_alloc_slab(m, &m->slab_v, DSK_F32));
+    TM_TRY(tm_bind(m));
+    TM_TRY(tp_init_weights(ps, m));
+    TM_TRY(tp_alloc_acts(ps));
+    return tm_bind_moe(m);
+}
+
+static void tp_free(tp_state *ps) {
+    dsk_ctx *ctx = ps->ctx;
+    if (ps->layers && ps->m)
+        for (int l = 0; l < ps->m->cfg.n_layers; l++) {
+            tp_layer *L = &ps->layers[l];
+            dsk_tensor *ts[] = {&L->x, &L->h1, &L->rstd1, &L->h1g, &L->q, &L->k, &L->v, &L->qr, &L->kr, &L->att,
+                                &L->probs, &L->x2, &L->h2, &L->rstd2, &L->h2g, &L->g, &L->u, &L->a};
+            for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
+        }
+    for (int c = 0; c < 16; c++) {
+        tp_chunk *ch = &ps->chunks[c];
+        dsk_tensor *ts[] = {&ch->in_act, &ch->out_act, &ch->in_grad, &ch->out_grad};
+        for (size_t i = 0; i < 4; i++) dsk_tensor_free(ctx, ts[i]);
+    }
+    dsk_tensor *ts[] = {&ps->dx, &ps->dh, &ps->tmp, &ps->big, &ps->datt, &ps->dq, &ps->dk, &ps->dv, &ps->dqr, &ps->dkr,
+                        &ps->dg, &ps->du, &ps->da, &ps->xf, &ps->hf, &ps->rstdf, &ps->hfg, &ps->logits, &ps->dlogits,
+                        &ps->vrow};
+    for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
+    free(ps->layers);
+    dsk_par_schedule_free(&ps->sched);
+    dsk_comm_free(&ps->xrep);
+    dsk_comm_free(&ps->stage);
+    dsk_par_grid_free(&ps->grid);
+    memset(ps, 0, sizeof *ps);
+}
+
+/* ------------------------------------------------------------------ views */
+
+/* Rows [i n, (i + 1) n) of t. */
+static dsk_tensor tp_part(const dsk_tensor *t, int64_t i, int64_t n) {
+    dsk_tensor v;
+    dsk_tensor_slice(t, 0, i * n, n, &v);
+    return v;
+}
+
+/* Rows of an (Nm, Dl) tensor as (Bm, T, Hl, Dh). */
+static dsk_tensor tp_heads(const tp_state *ps, const dsk_tensor *t) {
+    int64_t sh[4] = {ps->Bm, ps->T, ps->Hl, ps->Dh};
+    dsk_tensor v;
+    dsk_tensor_reshape(t, 4, sh, &v);
+    return v;
+}
+
+/* The sequence-parallel scratch when tp > 1, else NULL (the mappings are identities). */
+static dsk_tensor *tp_sp(tp_state *ps, dsk_tensor *t) { return ps->tp > 1 ? t : NULL; }
+
+/* ------------------------------------------------------------------ one block */
+
+typedef struct tp_acts { /* one slot of a layer */
+    dsk_tensor x, h1, rstd1, h1g, q, k, v, qr, kr, att, probs, x2, h2, rstd2, h2g, g, u, a;
+} tp_acts;
+
+static tp_acts tp_slot(tp_state *ps, int l, int slot) {
+    tp_layer *L = &ps->layers[l];
+    tp_acts s;
+    memset(&s, 0, sizeof s);
+    s.x = tp_part(&L->x, slot, ps->Ns);
+    s.h1 = tp_part(&L->h1, slot, ps->Ns);
+    s.rstd1 = tp_part(&L->rstd1, slot, ps->Ns);
+    s.x2 = tp_part(&L->x2, slot, ps->Ns);
+    s.h2 = tp_part(&L->h2, slot, ps->Ns);
+    s.rstd2 = tp_part(&L->rstd2, slot, ps->Ns);
+    s.h1g = ps->tp > 1 ? tp_part(&L->h1g, slot, ps->Nm) : s.h1;
+    s.q = tp_part(&L->q, slot, ps->Nm);
+    s.k = tp_part(&L->k, slot, ps->Nm);
+    s.v = tp_part(&L->v, slot, ps->Nm);
+    s.qr = tp_part(&L->qr, slot, ps->Nm);
+    s.kr = tp_part(&L->kr, slot, ps->Nm);
+    s.att = tp_part(&L->att, slot, ps->Nm);
+    s.probs = tp_part(&L->probs, slot, ps->Bm);
+    if (!ps->m->blocks[l].is_moe) {
+        s.h2g = ps->tp > 1 ? tp_part(&L->h2g, slot, ps->Nm) : s.h2;
+        s.g = tp_part(&L->g, slot, ps->Nm);
+        s.u = tp_part(&L->u, slot, ps->Nm);
+        s.a = tp_part(&L->a, slot, ps->Nm);
+    }
+    return s;
+}
+
+/* Block l on slot `slot` (its x filled): y = block(x), everything backward needs kept. */
+static dsk_status tp_block_forward(tp_state *ps, int l, int slot, int micro, dsk_tensor *y) {
+    tm_model *m = ps->m;
+    tm_block *b = &m->blocks[l];
+    dsk_ctx *ctx = ps->ctx;
+    dsk_comm *tp = &ps->grid.tp;
+    const tm_config *c = &m->cfg;
+    tp_acts s = tp_slot(ps, l, slot);
+    TM_T(TM_PH_NORM, dsk_rmsnorm(ctx, &s.h1, &s.rstd1, &s.x, &b->ln1->w, c->norm_eps));
+    dsk_tensor *Y3[3] = {&s.q, &s.k, &s.v};
+    const dsk_tensor *W3[3] = {&b->wq->w, &b->wk->w, &b->wv->w};
+    TM_T(TM_PH_LINEAR, dsk_par_column_forward(tp, ctx, 3, Y3, W3, &s.h1, tp_sp(ps, &s.h1g)));
+    dsk_tensor q4 = tp_heads(ps, &s.q), k4 = tp_heads(ps, &s.k), v4 = tp_heads(ps, &s.v);
+    dsk_tensor qr4 = tp_heads(ps, &s.qr), kr4 = tp_heads(ps, &s.kr), att4 = tp_heads(ps, &s.att);
+    TM_T(TM_PH_ROPE, dsk_rope(ctx, &qr4, &q4, 0, c->rope_theta));
+    TM_T(TM_PH_ROPE, dsk_rope(ctx, &kr4, &k4, 0, c->rope_theta));
+    TM_T(TM_PH_ATTN, dsk_attention(ctx, &att4, &s.probs, &qr4, &kr4, &v4, 1.0f / sqrtf((float)ps->Dh)));
+    TM_T(TM_PH_LINEAR, dsk_par_row_forward(tp, ctx, &ps->tmp, tp_sp(ps, &ps->big), &s.att, &b->wo->w));
+    TM_T(TM_PH_MOVE, dsk_add(ctx, &s.x2, &s.x, &ps->tmp));
+    TM_T(TM_PH_NORM, dsk_rmsnorm(ctx, &s.h2, &s.rstd2, &s.x2, &b->ln2->w, c->norm_eps));
+    if (!b->is_moe) {
+        dsk_tensor *Y2[2] = {&s.g, &s.u};
+        const dsk_tensor *W2[2] = {&b->w1->w, &b->w3->w};
+        TM_T(TM_PH_FFN, dsk_par_column_forward(tp, ctx, 2, Y2, W2, &s.h2, tp_sp(ps, &s.h2g)));
+        TM_T(TM_PH_FFN, dsk_swiglu(ctx, &s.a, &s.g, &s.u));
+        TM_T(TM_PH_FFN, dsk_par_row_forward(tp, ctx, &ps->tmp, tp_sp(ps, &ps->big), &s.a, &b->w2->w));
+        TM_T(TM_PH_MOVE, dsk_add(ctx, y, &s.x2, &ps->tmp));
+        return DSK_OK;
+    }
+    TM_T(TM_PH_MOE, dsk_moe_forward(&b->moe, ctx, y, &s.h2, m->want_stats ? &b->stats : NULL));
+    ps->layers[l].moe_micro = ps->train && !b->moe.eval ? micro : -1;
+    TM_T(TM_PH_MOVE, dsk_add(ctx, y, y, &s.x2));
+    return DSK_OK;
+}
+
+/* ps->dx holds d(block output) of slot `slot`; leaves d(block input) there, gradients added. */
+static dsk_status tp_block_backward(tp_state *ps, int l, int slot, int micro) {
+    tm_model *m = ps->m;
+    tm_block *b = &m->blocks[l];
+    dsk_ctx *ctx = ps->ctx;
+    dsk_comm *tp = &ps->grid.tp;
+    const tm_config *c = &m->cfg;
+    tp_acts s = tp_slot(ps, l, slot);
+    if (!b->is_moe) {
+        TM_T(TM_PH_FFN,
+             dsk_par_row_backward(tp, ctx, &ps->da, &b->w2->g, &ps->dx, tp_sp(ps, &ps->big), &s.a, &b->w2->w));
+        TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, &ps->dg, 0.0));
+        TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, &ps->du, 0.0));
+        TM_T(TM_PH_FFN, dsk_swiglu_backward(ctx, &ps->dg, &ps->du, &ps->da, &s.g, &s.u));
+        dsk_tensor *dW[2] = {&b->w1->g, &b->w3->g};
+        const dsk_tensor *dY[2] = {&ps->dg, &ps->du}, *W[2] = {&b->w1->w, &b->w3->w};
+        TM_T(TM_PH_FFN, dsk_par_column_backward(tp, ctx, 2, &ps->dh, tp_sp(ps, &ps->big), dW, dY, W, &s.h2g));
+    } else {
+        tp_layer *L = &ps->layers[l];
+        if (L->moe_micro != micro) { /* another micro-batch ran through the layer since: its forward again */
+            int eval = b->moe.eval;
+            b->moe.eval = 1;
+            dsk_status st = dsk_moe_forward(&b->moe, ctx, &ps->tmp, &s.h2, NULL);
+            b->moe.eval = eval;
+            TM_TRY(st);
+        }
+        L->moe_micro = -1;
+        TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, &ps->dh, 0.0));
+        TM_T(TM_PH_MOE, dsk_moe_backward(&b->moe, ctx, &ps->dh, &ps->dx, m->aux_scale));
+    }
+    TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &ps->dx, &b->ln2->g, &ps->dh, &s.x2, &b->ln2->w, &s.rstd2));
+    TM_T(TM_PH_LINEAR,
+         dsk_par_row_backward(tp, ctx, &ps->datt, &b->wo->g, &ps->dx, tp_sp(ps, &ps->big), &s.att, &b->wo->w));
+    dsk_tensor *zs[] = {&ps->dqr, &ps->dkr, &ps->dv, &ps->dq, &ps->dk};
+    for (size_t i = 0; i < 5; i++) TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, zs[i], 0.0));
+    dsk_tensor qr4 = tp_heads(ps, &s.qr), kr4 = tp_heads(ps, &s.kr), v4 = tp_heads(ps, &s.v);
+    dsk_tensor do4 = tp_heads(ps, &ps->datt), dqr4 = tp_heads(ps, &ps->dqr), dkr4 = tp_heads(ps, &ps->dkr);
+    dsk_tensor dv4 = tp_heads(ps, &ps->dv), dq4 = tp_heads(ps, &ps->dq), dk4 = tp_heads(ps, &ps->dk);
+    TM_T(TM_PH_ATTN, dsk_attention_backward(ctx, &dqr4, &dkr4, &dv4, &do4, &qr4, &kr4, &v4, &s.probs,
+                                            1.0f / sqrtf((float)ps->Dh)));
+    TM_T(TM_PH_ROPE, dsk_rope_backward(ctx, &dq4, &dqr4, 0, c->rope_theta));
+    TM_T(TM_PH_ROPE, dsk_rope_backward(ctx, &dk4, &dkr4, 0, c->rope_theta));
+    dsk_tensor *dW[3] = {&b->wq->g, &b->wk->g, &b->wv->g};
+    const dsk_tensor *dY[3] = {&ps->dq, &ps->dk, &ps->dv}, *W[3] = {&b->wq->w, &b->wk->w, &b->wv->w};
+    TM_T(TM_PH_LINEAR, dsk_par_column_backward(tp, ctx, 3, &ps->dh, tp_sp(ps, &ps->big), dW, dY, W, &s.h1g));
+    TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &ps->dx, &b->ln1->g, &ps->dh, &s.x, &b->ln1->w, &s.rstd1));
+    return DSK_OK;
+}
+
+/* ------------------------------------------------------------------ stages */
+
+/* The last global stage's head on ps->xf: loss (added to loss_sum); in training also its
+   backward, leaving d(xf) in the chunk's out_grad of this micro-batch. */
+static dsk_status tp_head(tp_state *ps, int micro) {
+    tm_model *m = ps->m;
+    dsk_ctx *ctx = ps->ctx;
+    dsk_comm *tp = &ps->grid.tp;
+    dsk_tensor tg = tp_part(&m->targets, micro, ps->Nm), hfx = ps->tp > 1 ? ps->hfg : ps->hf;
+    dsk_tensor *Y[1] = {&ps->logits};
+    const dsk_tensor *W[1] = {&m->lm_head->w};
+    float loss;
+    TM_T(TM_PH_NORM, dsk_rmsnorm(ctx, &ps->hf, &ps->rstdf, &ps->xf, &m->ln_f->w, m->cfg.norm_eps));
+    TM_T(TM_PH_HEAD, dsk_par_column_forward(tp, ctx, 1, Y, W, &ps->hf, tp_sp(ps, &ps->hfg)));
+    TM_T(TM_PH_HEAD, dsk_par_cross_entropy(tp, ctx, &m->loss, ps->train ? &ps->dlogits : NULL, &ps->logits, &tg, -1,
+                                           ps->gscale));
+    dsk_tensor hl;
+    TM_TRY(dsk_tensor_wrap(&hl, &loss, DSK_F32, dsk_cpu(), 0, NULL));
+    TM_TRY(dsk_tensor_copy(ctx, &hl, &m->loss));
+    ps->loss_sum += loss;
+    if (!ps->train) return DSK_OK;
+    dsk_tensor *dW[1] = {&m->lm_head->g};
+    const dsk_tensor *dY[1] = {&ps->dlogits};
+    TM_T(TM_PH_HEAD, dsk_par_column_backward(tp, ctx, 1, &ps->dh, tp_sp(ps, &ps->big), dW, dY, W, &hfx));
+    dsk_tensor og = tp_part(&ps->chunks[ps->last].out_grad, micro, ps->Ns);
+    TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, &og, 0.0));
+    TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &og, &m->ln_f->g, &ps->dh, &ps->xf, &m->ln_f->w, &ps->rstdf));
+    return DSK_OK;
+}
+
+static dsk_status tp_forward_chunk(void *user, int micro, int chunk) {
+    tp_state *ps = (tp_state *)user;
+    tm_model *m = ps->m;
+    const tp_chunk *ch = &ps->chunks[chunk];
+    int slot = ps->train ? micro % ps->S : 0;
+    dsk_tensor x0 = tp_slot(ps, ch->lo, slot).x;
+    if (ch->stage == 0) {
+        dsk_tensor ids = tp_part(&m->ids, micro, ps->Nm);
+        TM_T(TM_PH_EMBED,
+             dsk_par_embedding_forward(&ps->grid.tp, ps->ctx, &x0, tp_sp(ps, &ps->big), &m->embed->w, &ids));
+    } else {
+        dsk_tensor in = tp_part(&ch->in_act, micro, ps->Ns);
+        TM_T(TM_PH_MOVE, dsk_tensor_copy(ps->ctx, &x0, &in));
+    }
+    for (int l = ch->lo; l < ch->hi; l++) {
+        dsk_tensor y = l + 1 < ch->hi ? tp_slot(ps, l + 1, slot).x
+                       : chunk == ps->last ? ps->xf : tp_part(&ch->out_act, micro, ps->Ns);
+        TM_TRY(tp_block_forward(ps, l, slot, micro, &y));
+    }
+    return chunk == ps->last ? tp_head(ps, micro) : DSK_OK;
+}
+
+static dsk_status tp_backward_chunk(void *user, int micro, int chunk) {
+    tp_state *ps = (tp_state *)user;
+    tm_model *m = ps->m;
+    const tp_chunk *ch = &ps->chunks[chunk];
+    int slot = micro % ps->S;
+    dsk_tensor og = tp_part(&ch->out_grad, micro, ps->Ns);
+    TM_T(TM_PH_MOVE, dsk_tensor_copy(ps->ctx, &ps->dx, &og));
+    for (int l = ch->hi - 1; l >= ch->lo; l--) TM_TRY(tp_block_backward(ps, l, slot, micro));
+    if (ch->stage == 0) {
+        dsk_tensor ids = tp_part(&m->ids, micro, ps->Nm);
+        TM_T(TM_PH_EMBED,
+             dsk_par_embedding_backward(&ps->grid.tp, ps->ctx, &m->embed->g, &ps->dx, tp_sp(ps, &ps->big), &ids));
+        return DSK_OK;
+    }
+    dsk_tensor ig = tp_part(&ch->in_grad, micro, ps->Ns);
+    TM_T(TM_PH_MOVE, dsk_tensor_copy(ps->ctx, &ig, &ps->dx));
+    return DSK_OK;
+}
+
+static dsk_status tp_buffer(void *user, const dsk_par_action *a, dsk_tensor *t) {
+    tp_state *ps = (tp_state *)user;
+    tp_chunk *ch = &ps->chunks[a->chunk];
+    const dsk_tensor *src = a->kind == DSK_PAR_SEND_ACT ? &ch->out_act : a->kind == DSK_PAR_RECV_ACT ? &ch->in_act
+                            : a->kind == DSK_PAR_SEND_GRAD ? &ch->in_grad : &ch->out_grad;
+    *t = tp_part(src, a->micro, ps->Ns);
+    return DSK_OK;
+}
+
+/* Forward and backward of the M micro-batches in the model's ids/targets by the schedule; loss
+   gradients scaled by gscale each. *loss: the mean micro-batch loss on the last stage, else 0. */
+static dsk_status tp_train_batch(tp_state *ps, float gscale, double *loss) {
+    dsk_par_stage_fns f = {ps, tp_forward_chunk, tp_backward_chunk, tp_buffer};
+    ps->train = 1;
+    ps->gscale = gscale;
+    ps->loss_sum = 0;
+    for (int l = 0; l < ps->m->cfg.n_layers; l++) ps->layers[l].moe_micro = -1;
+    TM_TRY(dsk_par_pipeline_run(&ps->sched, &ps->grid.pp, ps->ctx, &f));
+    *loss = ps->last >= 0 ? ps->loss_sum / ps->M : 0.0;
+    return DSK_OK;
+}
+
+/* Forward only (validation, sampling): the first n micro-batches through the stages in order,
+   micro-batch by micro-batch and chunk by chunk (each rank's list is a projection of one global
+   order, so blocking sends cannot deadlock). *loss: their mean loss on the last stage, else 0;
+   the last stage keeps the last micro-batch's logits (ps->logits, this rank's vocabulary). */
+static dsk_status tp_eval_batch(tp_state *ps, int n, double *loss) {
+    dsk_comm *pp = &ps->grid.pp;
+    int r = ps->grid.at.pp, P = ps->pp * ps->v;
+    ps->train = 0;
+    ps->loss_sum = 0;
+    for (int mi = 0; mi < n; mi++)
+        for (int c = 0; c < ps->v; c++) {
+            tp_chunk *ch = &ps->chunks[c];
+            dsk_tensor in = tp_part(&ch->in_act, mi, ps->Ns), out = tp_part(&ch->out_act, mi, ps->Ns);
+            if (ch->stage > 0)
+                TM_TRY(dsk_comm_recv(pp, ps->ctx, in.data, dsk_tensor_numel(&in), DSK_F32, (r + ps->pp - 1) % ps->pp));
+            TM_TRY(tp_forward_chunk(ps, mi, c));
+            if (ch->stage < P - 1)
+                TM_TRY(dsk_comm_send(pp, ps->ctx, out.data, dsk_tensor_numel(&out), DSK_F32, (r + 1) % ps->pp));
+        }
+    *loss = ps->last >= 0 ? ps->loss_sum / n : 0.0;
+    return DSK_OK;
+}
+
+/* Row `row` of the last forward's logits over the whole vocabulary into out (V floats, host):
+   the tensor-parallel ranks' columns gathered in rank order. Last stage only (collective over tp). */
+static dsk_status tp_logits_row(tp_state *ps, int64_t row, float *out) {
+    dsk_tensor lrow, hrow;
+    int64_t V = ps->Vl * ps->tp;
+    TM_TRY(dsk_tensor_select(&ps->logits, row, &lrow));
+    TM_TRY(dsk_tensor_wrap(&hrow, out, DSK_F32, dsk_cpu(), 1, &V));
+    if (ps->tp == 1) return dsk_tensor_copy(ps->ctx, &hrow, &lrow);
+    TM_TRY(dsk_comm_all_gather(&ps->grid.tp, ps->ctx, lrow.data, ps->vrow.data, ps->Vl, DSK_F32));
+    return dsk_tensor_copy(ps->ctx, &hrow, &ps->vrow);
+}
+
+/* ------------------------------------------------------------------ gradients */
+
+/* Slab range [a, b) of the gradient as a flat tensor. */
+static dsk_status tp_grad_range(tp_state *ps, int g, dsk_tensor *t) {
+    int64_t a = ps->group_off[g], b = ps->group_off[g + 1];
+    return dsk_tensor_slice(&ps->m->slab_g, 0, a, b - a, t);
+}
+
+/* After backward: every gradient the mean over all data-parallel replicas' micro-batch means
+   (see the top of the file for the groups). */
+static dsk_status tp_reduce_grads(tp_state *ps) {
+    dsk_comm *comms[TP_G_COUNT] = {&ps->stage, &ps->grid.dp, &ps->xrep};
+    for (int g = 0; g < TP_G_COUNT; g++) {
+        dsk_tensor t;
+        TM_TRY(tp_grad_range(ps, g, &t));
+        int64_t n = dsk_tensor_numel(&t);
+        if (n == 0) continue;
+        if (comms[g]->world_size > 1)
+            TM_TRY(dsk_comm_all_reduce(comms[g], ps->ctx, t.data, t.data, n, DSK_F32, DSK_COMM_SUM));
+        if (ps->dp > 1) TM_TRY(dsk_scale(ps->ctx, &t, 1.0f / (float)ps->dp));
+    }
+    return DSK_OK;
+}
+
+/* Weight of a group's squared norm on this rank so that each distinct element counts once
+   over the world: replicated over tp and dp, tensor-parallel shards over dp, experts over tp
+   and edp. */
+static int tp_norm_owner(const tp_state *ps, int g) {
+    const dsk_par_coords *at = &ps->grid.at;
+    if (g == TP_G_REPL) return at->tp == 0 && at->dp == 0;
+    if (g == TP_G_SHARD) return at->dp == 0;
+    return at->tp == 0 && at->edp == 0;
+}
+
+/* Unscales every gradient; f[0] = 1 when one is not finite, f[1] += this rank's share of the
+   squared norm (each distinct element counted once over the world). The caller sums f over
+   the world and hands it to tp_unscale_join. */
+static dsk_status tp_unscale(tp_state *ps, dsk_amp_scaler *sc, double f[2]) {
+    tm_model *m = ps->m;
+    dsk_tensor *gs[1024];
+    f[0] = f[1] = 0;
+    for (int g = 0; g < TP_G_COUNT; g++) {
+        int n = 0;
+        for (int i = ps->group_n[g]; i < ps->group_n[g + 1]; i++) gs[n++] = &m->params[i].g;
+        dsk_amp_stats a;
+        memset(&a, 0, sizeof a);
+        if (n > 0) {
+            TM_TRY(dsk_amp_unscale(sc, ps->ctx, gs, n));
+            TM_TRY(dsk_amp_stats_get(sc, ps->ctx, &a));
+        }
+        if (a.found_inf > 0) f[0] = 1;
+        if (tp_norm_owner(ps, g)) f[1] += a.sumsq;
+    }
+    return DSK_OK;
+}
+
+/* The world's sums of tp_unscale's f into the scaler (its next update reads them) and *out. */
+static dsk_status tp_unscale_join(tp_state *ps, dsk_amp_scaler *sc, const double f[2], dsk_amp_stats *out) {
+    memset(out, 0, sizeof *out);
+    out->found_inf = f[0];
+    out->sumsq = f[1];
+    return dsk_amp_stats_set(sc, ps->ctx, out);
+}
+
+/* This rank's part of the world's mean of a value the last stage's ranks hold (one per
+   data-parallel replica; the others give 0): sum it over the world. */
+static float tp_loss_part(const tp_state *ps, double v) {
+    return ps->last >= 0 && ps->grid.at.tp == 0 ? (float)(v / ps->dp) : 0.0f;
+}
+
+/* Seconds in this layout's collectives and transfers. */
+static double tp_comm_seconds(const tp_state *ps) {
+    if (!ps->on) return 0;
+    return ps->grid.tp.stats.seconds + ps->grid.pp.stats.seconds + ps->grid.dp.stats.seconds + ps->stage.stats.seconds +
+           ps->xrep.stats.seconds;
+}
+
+/* ------------------------------------------------------------------ checkpoints */
+
+/* Is this rank the one that writes parameter group g's pieces? */
+static int tp_writer(const tp_state *ps, int g) { return tp_norm_owner(ps, g); }
+
+#endif /* TRAIN_PAR_H */

@@ -1,0 +1,184 @@
+#!/usr/bin/env bash
+# End-to-end tests of tensor, sequence and pipeline parallelism in examples/train_moe.c
+# (examples/train_par.h on dsk_par.h), tiny model on the CPU host backend:
+#   8 ranks as tp2 x pp2 x dp2 and tp2 x pp2 x ep2, 4 ranks as tp4 and as pp4, 2 ranks as pp2
+#   interleaved, each against one rank over 30 steps: the loss of every step within 1e-5
+#   relative, the weights at the end (assembled from the checkpoint's boxes by
+#   tests/par_ckpt_compare.py) within 1e-5 relative (L2 per tensor), the AdamW moments within
+#   1e-4 (v holds squared gradients: the rounding of another summation order in the small
+#   gradient elements counts twice; one rank against dp2 shows 7e-6 there, these layouts 2e-5);
+#   a checkpoint saved as tp2 x pp2 resumes as tp1 x pp1 and as dp4 and continues as the
+#   tp2 x pp2 run does; a one-rank checkpoint resumes as tp2 x pp2;
+#   the text sampled at the end through the pipeline is one rank's;
+#   the grid and the bubble are printed; unsupported combinations fail with a message.
+# Prints `[test_par_train] totals: P passed / F failed / S skipped`; exits non-zero on failure.
+set -u
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+BIN=$BUILD/examples/train_moe
+PY=python3
+export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
+passed=0 failed=0 skipped=0
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+ok() { echo "ok   $1"; passed=$((passed + 1)); }
+bad() { echo "FAIL $1"; shift; for l in "$@"; do echo "     $l"; done; failed=$((failed + 1)); }
+
+if ! make --no-print-directory -s BUILD="$BUILD" "$BIN" >"$work/build.log" 2>&1; then
+    cat "$work/build.log"
+    bad "build $BIN" "make failed"
+    echo "[test_par_train] totals: $passed passed / $failed failed / $skipped skipped"
+    exit 1
+fi
+
+# 4 heads and 4 blocks (1 dense, 3 MoE with 4 experts, a shared one) so that tp4 and pp4 fit.
+TINY=(--seq 32 --d-model 32 --heads 4 --layers 4 --dense-layers 1 --ffn-hidden 64 --experts 4 --top-k 2
+      --expert-hidden 32 --shared 1 --batch 8 --lr 3e-3 --warmup 5 --corpus-mb 0.3 --val-every 10
+      --val-interval 10 --val-batches 2 --sample-len 0 --peak-tflops 0.1)
+
+run() { # NAME ARGS...: output in $work/NAME.out, status in $work/NAME.rc
+    local name=$1; shift
+    timeout 120 "$BIN" "$@" >"$work/$name.out" 2>&1
+    echo $? >"$work/$name.rc"
+}
+rc() { cat "$work/$1.rc"; }
+
+# worst relative difference of the common steps' losses and validation losses (at least $3
+# of them), or an error
+compare_losses() {
+    $PY - "$work/$1.jsonl" "$work/$2.jsonl" "$3" <<'EOF'
+import json, sys
+def rows(p): # the loss of every step and every validation
+    return {(r["type"], r["step"]): r["loss" if r["type"] == "step" else "val_loss"] for r in map(json.loads, open(p))}
+a, b = rows(sys.argv[1]), rows(sys.argv[2])
+common = sorted(set(a) & set(b))
+if len(common) < int(sys.argv[3]) or any(a[k] is None or b[k] is None for k in common):
+    print("bad: %d common steps of %d and %d" % (len(common), len(a), len(b))); sys.exit()
+print("%.3g" % max(abs(a[k] - b[k]) / abs(a[k]) for k in common))
+EOF
+}
+within() { $PY -c "import sys; sys.exit(0 if float('$1') <= $2 else 1)" 2>/dev/null; }
+
+# ---- 1. layouts against one rank: loss every step, weights and moments at the end
+run one "${TINY[@]}" --steps 30 --log "$work/one.jsonl" --ckpt-dir "$work/ck_one" --sample-len 40
+# the sample a run ends with (40 tokens drawn at temperature 0.8 through the pipeline), rank 0's lines
+sample() { sed -n '/---- sample/,/---- end of sample/p' "$work/$1.out" | sed 's/^\[rank 0\] //'; }
+LAYOUTS=(
+    "tp2pp2dp2|8|--tp 2 --pp 2 --micro-batches 2|tp 2 x dp 2 (ep 1 inside) x pp 2|pipeline 1f1b, 2 stages x 1 virtual, 2 micro-batches of 2 sequences, bubble 0.500"
+    "tp2pp2ep2|8|--tp 2 --pp 2 --ep 2 --micro-batches 2 --pp-schedule gpipe|tp 2 x dp 2 (ep 2 inside) x pp 2|pipeline gpipe, 2 stages x 1 virtual, 2 micro-batches of 2 sequences, bubble 0.500"
+    "tp4|4|--tp 4|tp 4 x dp 1 (ep 1 inside) x pp 1|pipeline 1f1b, 1 stage x 1 virtual"
+    "pp4|4|--pp 4 --micro-batches 4|tp 1 x dp 1 (ep 1 inside) x pp 4|pipeline 1f1b, 4 stages x 1 virtual, 4 micro-batches of 2 sequences, bubble 0.750"
+    "pp2il|2|--pp 2 --pp-schedule interleaved --virtual-stages 2 --micro-batches 4|tp 1 x dp 1 (ep 1 inside) x pp 2|pipeline interleaved, 2 stages x 2 virtual, 4 micro-batches of 2 sequences, bubble 0.125"
+)
+for spec in "${LAYOUTS[@]}"; do
+    IFS='|' read -r name n flags grid sched <<<"$spec"
+    # shellcheck disable=SC2086
+    run "$name" "${TINY[@]}" --steps 30 --nproc "$n" $flags --log "$work/$name.jsonl" --ckpt-dir "$work/ck_$name" --sample-len 40
+    what="$n ranks as $name ($flags) match 1 rank over 30 steps: loss every step and weights at the end within 1e-5"
+    what="$what (moments 1e-4), the same 40-token sample"
+    if [ "$(rc one)" -ne 0 ] || [ "$(rc "$name")" -ne 0 ]; then
+        bad "$what" "exit $(rc one)/$(rc "$name")" "$(grep -E 'rank|error' "$work/$name.out" | tail -3)"
+        continue
+    fi
+    loss=$(compare_losses one "$name" 30)
+    read -r pmax pmax_at pl2 pl2_at _ < <($PY tests/par_ckpt_compare.py "$work/ck_one" "$work/ck_$name" 2>&1)
+    read -r _ _ ml2 ml2_at _ < <($PY tests/par_ckpt_compare.py "$work/ck_one" "$work/ck_$name" --moments 2>&1)
+    if within "$loss" 1e-5 && within "${pl2:-x}" 1e-5 && within "${ml2:-x}" 1e-4 && grep -qF "rank grid: $grid" "$work/$name.out" &&
+       grep -qF "$sched" "$work/$name.out" && [ -n "$(sample one)" ] && [ "$(sample one)" = "$(sample "$name")" ]; then
+        ok "$what (loss $loss; weights: L2 $pl2 in $pl2_at, largest element difference / largest element $pmax in $pmax_at; moments L2 $ml2)"
+    else
+        bad "$what" "loss $loss, weights ${pmax:-?} ${pmax_at:-} ${pl2:-?} ${pl2_at:-}, moments ${ml2:-?} ${ml2_at:-}" \
+            "sample: $(sample "$name" | tr '\n' ' ' | cut -c1-100)" \
+            "$(grep -E 'rank grid|parallel model' "$work/$name.out" | head -2)"
+    fi
+done
+
+# The same through the data/expert-parallel path (no --tp/--pp, the grid's groups): dp4 with ep2
+# saves each expert shard once (its two replicas once both wrote it: overlapping pieces).
+run dp4ep2 "${TINY[@]}" --steps 30 --nproc 4 --ep 2 --ckpt-dir "$work/ck_dp4ep2"
+read -r pmax pmax_at pl2 pl2_at _ < <($PY tests/par_ckpt_compare.py "$work/ck_one" "$work/ck_dp4ep2" 2>&1)
+if [ "$(rc dp4ep2)" -eq 0 ] && within "${pl2:-x}" 1e-5; then
+    ok "4 ranks as dp4 x ep2 save a checkpoint whose weights match 1 rank's within 1e-5 (L2 $pl2, largest element $pmax)"
+else
+    bad "4 ranks as dp4 x ep2 save a checkpoint matching 1 rank" "exit $(rc dp4ep2), ${pmax:-?} ${pl2:-?}" \
+        "$(grep -E 'rank|error' "$work/dp4ep2.out" | tail -2)"
+fi
+
+# ---- 2. checkpoints across layouts: saved as tp2 x pp2 at step 15, resumed as tp1 x pp1 and as dp4
+run straight "${TINY[@]}" --steps 30 --nproc 4 --tp 2 --pp 2 --micro-batches 2 --ckpt-dir "$work/ck_s" --log "$work/straight.jsonl"
+run first "${TINY[@]}" --steps 30 --nproc 4 --tp 2 --pp 2 --micro-batches 2 --ckpt-dir "$work/ck_f" --stop-at 15
+for target in "tp1pp1|1|" "dp4|4|"; do
+    IFS='|' read -r name n flags <<<"$target"
+    cp -r "$work/ck_f" "$work/ck_$name.r"
+    # shellcheck disable=SC2086
+    run "res_$name" "${TINY[@]}" --steps 30 --nproc "$n" $flags --ckpt-dir "$work/ck_$name.r" --resume --log "$work/res_$name.jsonl"
+    what="a checkpoint saved as tp2 x pp2 at step 15 resumes as $name; steps 16-30 and the final weights match the tp2 x pp2 run within 1e-5"
+    if [ "$(rc straight)" -ne 0 ] || [ "$(rc first)" -ne 0 ] || [ "$(rc "res_$name")" -ne 0 ]; then
+        bad "$what" "exit $(rc straight)/$(rc first)/$(rc "res_$name")" "$(grep -E 'rank|error' "$work/res_$name.out" | tail -3)"
+        continue
+    fi
+    loss=$(compare_losses straight "res_$name" 15)
+    read -r pmax pmax_at pl2 pl2_at _ < <($PY tests/par_ckpt_compare.py "$work/ck_s" "$work/ck_$name.r" 2>&1)
+    first_step=$($PY -c "import json; print(min(r['step'] for r in map(json.loads, open('$work/res_$name.jsonl')) if r['type'] == 'step'))" 2>&1)
+    if [ "$first_step" = 16 ] && grep -q "resume: step 15 " "$work/res_$name.out" && within "$loss" 1e-5 && within "${pl2:-x}" 1e-5; then
+        ok "$what (loss $loss; parameters: L2 $pl2, largest element $pmax)"
+    else
+        bad "$what" "first step $first_step, loss $loss, parameters ${pmax:-?} ${pl2:-?} ${pl2_at:-}" "$(grep resume "$work/res_$name.out")"
+    fi
+done
+# and the other way: a one-rank checkpoint resumes as tp2 x pp2 (each rank reads its boxes of the whole tensors)
+run one_first "${TINY[@]}" --steps 30 --ckpt-dir "$work/ck_of" --stop-at 15
+run one_res "${TINY[@]}" --steps 30 --nproc 4 --tp 2 --pp 2 --micro-batches 2 --ckpt-dir "$work/ck_of" --resume --log "$work/one_res.jsonl"
+loss=$( [ "$(rc one_res)" -eq 0 ] && compare_losses one one_res 15)
+if [ "$(rc one_first)" -eq 0 ] && [ "$(rc one_res)" -eq 0 ] && within "$loss" 1e-5 && grep -q "resume: step 15 " "$work/one_res.out"; then
+    ok "a one-rank checkpoint at step 15 resumes as tp2 x pp2 and steps 16-30 match one rank within 1e-5 (worst $loss)"
+else
+    bad "a one-rank checkpoint resumes as tp2 x pp2" "exit $(rc one_first)/$(rc one_res), loss $loss" "$(grep -E 'rank|error' "$work/one_res.out" | tail -3)"
+fi
+
+# ---- the CUDA path on the emulated GPU (tests/cuda_emu: CUDA, cuBLAS and NCCL on the CPU): tp2 x pp2
+#      over the nccl backend (device buffers in every mapping, send and receive) matches one emulated GPU
+EMU_BIN=$BUILD/emu/examples/train_moe
+if [ "${EMULATE:-1}" = 0 ]; then
+    echo "skip tp2 x pp2 on the emulated GPU: not built (EMULATE=0)"; skipped=$((skipped + 1))
+elif ! make --no-print-directory -s BUILD="$BUILD" "$EMU_BIN" >"$work/emu_build.log" 2>&1; then
+    bad "build $EMU_BIN" "$(tail -3 "$work/emu_build.log")"
+else
+    EMU=(--steps 6 --device cuda --dtype f32)
+    timeout 300 "$EMU_BIN" "${TINY[@]}" "${EMU[@]}" --log "$work/emu1.jsonl" >"$work/emu1.out" 2>&1; e1=$?
+    timeout 300 "$EMU_BIN" "${TINY[@]}" "${EMU[@]}" --nproc 4 --tp 2 --pp 2 --micro-batches 2 --log "$work/emu4.jsonl" \
+        >"$work/emu4.out" 2>&1; e4=$?
+    loss=$( [ $e1 -eq 0 ] && [ $e4 -eq 0 ] && compare_losses emu1 emu4 6)
+    if within "$loss" 1e-5 && grep -q "4 ranks (expert parallel 1), CUDA, f32" "$work/emu4.out"; then
+        ok "tp2 x pp2 on the emulated GPU (nccl backend) matches one emulated GPU over 6 steps within 1e-5 (worst $loss)"
+    else
+        bad "tp2 x pp2 on the emulated GPU matches one emulated GPU" "exit $e1/$e4, loss $loss" "$(grep -E 'rank|error' "$work/emu4.out" | tail -3)"
+    fi
+fi
+
+# ---- 3. unsupported combinations and bad sizes: a message naming the flags, a non-zero exit, no crash
+expect_fail() { # name, message regex, args...
+    local name=$1 msg=$2; shift 2
+    run "$name" "$@"
+    local code; code=$(rc "$name")
+    if [ "$code" -ne 0 ] && [ "$code" -lt 128 ] && grep -qE -e "$msg" "$work/$name.out" && ! grep -qiE 'sanitizer|segmentation|core dumped' "$work/$name.out"; then
+        ok "bad input fails cleanly: $name (exit $code: $(grep -E -e "$msg" "$work/$name.out" | head -1 | cut -c1-120))"
+    else
+        bad "bad input fails cleanly: $name" "exit $code, want non-zero with /$msg/" "$(head -3 "$work/$name.out")"
+    fi
+}
+expect_fail grid_divide '--tp 3 x --pp 1 = 3 must divide the world size 4' "${TINY[@]}" --nproc 4 --tp 3
+expect_fail ep_dp '--ep 2 must divide the 1 data-parallel ranks' "${TINY[@]}" --nproc 4 --tp 2 --pp 2 --ep 2
+expect_fail tp_heads '--tp 4 must divide --heads 2' "${TINY[@]}" --nproc 4 --tp 4 --heads 2
+expect_fail pp_layers '--layers 4 cannot fill 8 pipeline stages' "${TINY[@]}" --nproc 4 --pp 4 --pp-schedule interleaved --virtual-stages 2 --micro-batches 4
+expect_fail micro_no_pp '--micro-batches, --virtual-stages and --pp-schedule need --pp 2' "${TINY[@]}" --micro-batches 2
+expect_fail micro_divide '--micro-batches 3 must divide the 8 sequences' "${TINY[@]}" --nproc 2 --pp 2 --micro-batches 3
+expect_fail virtual_kind '--virtual-stages 2 needs --pp-schedule interleaved' "${TINY[@]}" --nproc 2 --pp 2 --virtual-stages 2
+expect_fail interleaved_m 'interleaved needs --micro-batches \(3\) to be a multiple of --pp 2' "${TINY[@]}" --nproc 2 --pp 2 --pp-schedule interleaved --micro-batches 3
+expect_fail bad_schedule '--pp-schedule "zigzag": use gpipe, 1f1b or interleaved' "${TINY[@]}" --nproc 2 --pp 2 --pp-schedule zigzag
+expect_fail zero_tp '--zero 1 --grad-compress none with --tp 2 --pp 1: sharded data parallelism runs without' "${TINY[@]}" --nproc 2 --tp 2 --zero 1
+expect_fail tp_dtype 'run the model in f32 only \(--dtype bf16\)' "${TINY[@]}" --nproc 2 --tp 2 --dtype bf16
+
+echo "[test_par_train] totals: $passed passed / $failed failed / $skipped skipped"
+[ "$failed" -eq 0 ]
