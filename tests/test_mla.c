@@ -217,6 +217,7 @@ static void check_forward(int q_lora, int mtp, int long_ctx) {
     dsk_test_begin("MLA%s + MTP %d forward vs float64%s", q_lora ? " (query latent)" : " (plain Wq)", mtp,
                    long_ctx ? ", mscale correction on" : "");
     tm_config c = small_config(q_lora, mtp, 2, 2);
+    c.init_std = 0.5f; /* scores of order 1: the softmax scale shows in the logits */
     if (long_ctx) { c.mla.original_seq = 8; c.mla.mscale = 0.7f; }
     tm_model m;
     DSK_TEST_OK(tm_init(&m, &g_ctx, &c));
@@ -332,7 +333,7 @@ static step_out one_step(const tm_config *c, int recompute, const int32_t *tok) 
 
 static void check_recompute(int mla) {
     dsk_test_begin("--recompute attn/full: %s gradients bitwise equal to none, peak full < attn < none", mla ? "MLA" : "MHA");
-    tm_config c = small_config(8, 1, 3, 1); /* dense block, 2 MoE blocks, one MTP module */
+    tm_config c = small_config(8, 1, 3, 2); /* 2 dense blocks (sharing FFN buffers), an MoE block, an MTP module */
     c.seq = 32;
     c.mla.attn = mla ? TMLA_ATTN_MLA : TMLA_ATTN_MHA;
     if (!mla) c.d_model = 24, c.n_heads = 2;
