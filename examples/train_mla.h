@@ -731,9 +731,9 @@ static void tmla_memory_line(const tm_model *m, const char *when, char *buf, siz
     tmla_mem r = tmla_memory(m);
     const double MiB = 1024.0 * 1024.0;
     snprintf(buf, n, "memory at %s (allocator, %s): parameters %.2f MiB, gradients %.2f MiB, optimizer state %.2f MiB, "
-             "activations and workspace %.2f MiB, peak activations %.2f MiB, peak of all %.2f MiB\n", when,
+             "activations and workspace %.2f MiB, peak activations %.3f MiB (%.0f B), peak of all %.2f MiB\n", when,
              m->slab_w.device.type == DSK_DEV_CUDA ? "GPU" : "CPU", r.params / MiB, r.grads / MiB, r.optim / MiB,
-             r.acts / MiB, r.peak_acts / MiB, r.peak / MiB);
+             r.acts / MiB, r.peak_acts / MiB, r.peak_acts, r.peak / MiB);
 }
 
 #endif /* TRAIN_MLA_H */
