@@ -124,7 +124,7 @@ $(BUILD)/bench/mpi_allreduce: bench/mpi_allreduce.c bench/bench_util.h
 	$(MPICC) -O2 -o $@ $<
 
 run: $(BUILD)/examples/train_moe
-	$(BUILD)/examples/train_moe $(ARGS)
+	$(BUILD)/examples/train_moe --preset tiny $(ARGS)
 
 test: tests examples
 	@BUILD=$(BUILD) bash scripts/run_tests.sh
