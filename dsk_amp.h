@@ -47,8 +47,8 @@
                                   dsk_amp_state_get/set, dsk_amp_scale_get, dsk_amp_unscale, dsk_amp_stats_*,
                                   dsk_amp_update
        clipping and skip          dsk_amp_decision, dsk_amp_decide
-       master weights and casts   dsk_amp_round, stochastic rounding (dsk_amp_sr_key, dsk_f32_to_bf16_sr,
-                                  dsk_f32_to_f16_sr), dsk_amp_cast, dsk_amp_param, dsk_amp_step
+       master weights and casts   dsk_amp_round, stochastic rounding (dsk_amp_sr_key, dsk_amp_f32_to_bf16_sr,
+                                  dsk_amp_f32_to_f16_sr), dsk_amp_cast, dsk_amp_param, dsk_amp_step
        FP8 scaling                scale rules (dsk_amp_fp8_scale, dsk_amp_fp8_block_scale), dsk_amp_amax,
                                   per-tensor current scaling and quantize, delayed scaling, DeepSeek-V3 blocks
      implementation (DSK_AMP_IMPLEMENTATION)
@@ -216,7 +216,7 @@ static inline DSK_HD uint32_t dsk_amp_sr_bits(uint64_t key, uint64_t i) {
 
 /* f32 -> bf16 rounding up with probability (low 16 bits)/2^16, from 32 random bits `rnd`;
    NaN stays NaN; Inf stays Inf; a finite value above the largest bf16 may round to Inf. */
-static inline DSK_HD uint16_t dsk_f32_to_bf16_sr(float f, uint32_t rnd) {
+static inline DSK_HD uint16_t dsk_amp_f32_to_bf16_sr(float f, uint32_t rnd) {
     uint32_t u = dsk_f32_bits(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);
     if ((u & 0x7fffffffu) == 0x7f800000u) return (uint16_t)(u >> 16);
@@ -243,7 +243,7 @@ static inline DSK_HD uint32_t dsk__amp_sr_minifloat(float f, int mbits, int bias
     if (e < emin) return q;
     return ((uint32_t)(e + bias) << mbits) + (q - (1u << mbits));
 }
-static inline DSK_HD uint16_t dsk_f32_to_f16_sr(float f, uint32_t rnd) {
+static inline DSK_HD uint16_t dsk_amp_f32_to_f16_sr(float f, uint32_t rnd) {
     uint32_t u = dsk_f32_bits(f), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
     if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
     if (a == 0x7f800000u) return (uint16_t)(sign | 0x7c00u);
@@ -764,7 +764,8 @@ static void dsk__amp_cast_cpu(dsk_tensor *dst, const dsk_tensor *src, dsk_amp_ro
         int64_t end = 4 * g + 4 < n ? 4 * g + 4 : n;
         dsk_philox4x32(key, (uint64_t)g, r);
         for (int64_t i = 4 * g; i < end; i++)
-            o[i] = dst->dtype == DSK_BF16 ? dsk_f32_to_bf16_sr(x[i], r[i & 3]) : dsk_f32_to_f16_sr(x[i], r[i & 3]);
+            o[i] = dst->dtype == DSK_BF16 ? dsk_amp_f32_to_bf16_sr(x[i], r[i & 3])
+                                          : dsk_amp_f32_to_f16_sr(x[i], r[i & 3]);
     }
 }
 

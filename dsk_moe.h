@@ -624,7 +624,8 @@ static inline DSK_HD float dsk__moe_uncombine_elem(int K, const int32_t *pos, co
 static inline DSK_HD double dsk__moe_dot_part(const void *a, dsk_dtype adt, int64_t a0, const void *b, dsk_dtype bdt,
                                               int64_t b0, int64_t D, int64_t lane, int64_t stride) {
     double acc = 0;
-    for (int64_t d = lane; d < D; d += stride) acc += (double)dsk_load_f32(a, adt, a0 + d) * dsk_load_f32(b, bdt, b0 + d);
+    for (int64_t d = lane; d < D; d += stride)
+        acc += (double)dsk_load_f32(a, adt, a0 + d) * dsk_load_f32(b, bdt, b0 + d);
     return acc;
 }
 
@@ -790,7 +791,12 @@ static void dsk__moe_spec(const dsk_moe *m, int id, int64_t T, int64_t R, dsk_dt
     case DSK__MOE_XA: *rows = act == DSK_F32 ? 0 : T; *cols = D; break;
     case DSK__MOE_U: case DSK__MOE_PROB: *dt = DSK_F32; *rows = T; *cols = E; break;
     case DSK__MOE_SCR: *dt = DSK_F32; *rows = T; *cols = E + o->n_group; break;
-    case DSK__MOE_SEL: case DSK__MOE_LSEL: *dt = DSK_I32; *rows = id == DSK__MOE_SEL || losses ? T : 0; *cols = K; break;
+    case DSK__MOE_SEL:
+    case DSK__MOE_LSEL:
+        *dt = DSK_I32;
+        *rows = id == DSK__MOE_SEL || losses ? T : 0;
+        *cols = K;
+        break;
     case DSK__MOE_GATE: case DSK__MOE_DGATE: *dt = DSK_F32; *rows = T; *cols = K; break;
     case DSK__MOE_KEYS: case DSK__MOE_PERM_ALL: case DSK__MOE_PERM: case DSK__MOE_POS: case DSK__MOE_ROW_TOK:
         *dt = DSK_I32; *rows = TK; break;
@@ -1593,7 +1599,8 @@ static dsk_status dsk__moe_regroup_index(dsk_moe *m, const int64_t *recv, int64_
         DSK_FREE(st->h_rg);
         st->h_rg = (int32_t *)DSK_MALLOC((size_t)(2 * R + 1) * sizeof(int32_t));
         st->h_rg_cap = st->h_rg ? 2 * R : 0;
-        if (!st->h_rg) return dsk_set_error(DSK_ERR_OOM, "dsk_moe_forward: out of host memory for %lld rows", (long long)R);
+        if (!st->h_rg)
+            return dsk_set_error(DSK_ERR_OOM, "dsk_moe_forward: out of host memory for %lld rows", (long long)R);
     }
     g = st->h_rg;
     gi = st->h_rg + R;
@@ -1905,7 +1912,8 @@ static dsk_status dsk__moe_backward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *d
     dsk_tensor sel = dsk__moe_saved(m, DSK__MOE_SEL), pos = dsk__moe_saved(m, DSK__MOE_POS);
     dsk_tensor aux = dsk__moe_saved(m, DSK__MOE_AUX), xs = dsk__moe_saved(m, DSK__MOE_XS);
     dsk_tensor row_tok = dsk__moe_saved(m, DSK__MOE_ROW_TOK), row_gate = dsk__moe_saved(m, DSK__MOE_ROW_GATE);
-    dsk_tensor h1 = dsk__moe_saved(m, DSK__MOE_H1), h3 = dsk__moe_saved(m, DSK__MOE_H3), a = dsk__moe_saved(m, DSK__MOE_A);
+    dsk_tensor h1 = dsk__moe_saved(m, DSK__MOE_H1), h3 = dsk__moe_saved(m, DSK__MOE_H3),
+               a = dsk__moe_saved(m, DSK__MOE_A);
     dsk_tensor xr = ep ? dsk__moe_saved(m, DSK__MOE_XR) : dsk__moe_rows(&xs, R);
     dsk_tensor ob = dsk__moe_saved(m, ep ? DSK__MOE_OB : DSK__MOE_O);
     dsk_tensor offsets = dsk__moe_saved(m, ep ? DSK__MOE_LOCAL_OFF : o->capacity_factor > 0 ? DSK__MOE_OFF
@@ -1981,7 +1989,8 @@ DSK_API dsk_status dsk_moe_stats_request(dsk_moe *m, dsk_ctx *ctx) {
     DSK__TRY(dsk__moe_need_layer(m, "dsk_moe_stats_request"));
     st = m->st;
     E = m->opts.n_routed;
-    DSK__TRY(dsk__moe_to_host(m, ctx, st->col_acc_i, st->buf[DSK__MOE_ACC_I].mem.data, (size_t)(5 + E) * sizeof(int64_t)));
+    DSK__TRY(
+        dsk__moe_to_host(m, ctx, st->col_acc_i, st->buf[DSK__MOE_ACC_I].mem.data, (size_t)(5 + E) * sizeof(int64_t)));
     DSK__TRY(dsk__moe_to_host(m, ctx, st->col_acc_f, st->buf[DSK__MOE_ACC_F].mem.data, 3 * sizeof(double)));
 #ifdef DSK_CUDA
     if (m->device.type == DSK_DEV_CUDA) DSK__TRY(dsk_cuda_event_record(ctx, st->event));
@@ -2031,8 +2040,9 @@ DSK_API dsk_status dsk_moe_update_bias(dsk_moe *m, dsk_ctx *ctx, dsk_comm *comm)
     load = &m->st->buf[DSK__MOE_LOAD].mem;
     if (comm && comm->world_size > 1) {
         if ((m->device.type == DSK_DEV_CUDA) != (comm->backend == DSK_COMM_NCCL))
-            return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: layer \"%s\" is on %s: its communicator must use the %s backend",
-                                 fn, m->opts.name, m->device.type == DSK_DEV_CUDA ? "CUDA" : "the CPU",
+            return dsk_set_error(DSK_ERR_UNSUPPORTED,
+                                 "%s: layer \"%s\" is on %s: its communicator must use the %s backend", fn,
+                                 m->opts.name, m->device.type == DSK_DEV_CUDA ? "CUDA" : "the CPU",
                                  m->device.type == DSK_DEV_CUDA ? "nccl" : "host");
         DSK__TRY(dsk_comm_all_reduce(comm, ctx, load->data, load->data, m->opts.n_routed, DSK_I64, DSK_COMM_SUM));
     }

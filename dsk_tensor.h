@@ -14,7 +14,27 @@
    thread-local message naming the function, the object and the values.
    Layout: tensors are row-major with element strides; shapes in comments are (T, D) style.
    Backward functions accumulate (+=) into their gradient outputs.
-   License: MIT, see the end of the file. */
+   License: MIT, see the end of the file.
+
+   Contents (declarations; the implementation follows the same order)
+     status and errors     dsk_status, dsk_status_str, dsk_last_error, dsk_set_error, DSK__TRY
+     dtypes                dsk_dtype, sizes and names, RNE conversions (bf16, f16, e4m3, e5m2)
+     element access        dsk_load_f32/f64, dsk_store_f32/f64, dsk_round_f32, dsk_move_elem
+     counter-based RNG     Philox4x32-10, dsk_rng_uniform_at, dsk_rng_normal_at
+     devices and context   dsk_device, dsk_ctx (stream, cuBLAS, workspace, CPU ISA, counters),
+                           CUDA graph capture (dsk_graph_begin/end/launch/free)
+     tensors               alloc/wrap/free, views (slice, reshape, transpose), copy/cast, fill,
+                           random fills, allocator statistics (dsk_tensor_mem_stats)
+     elementwise math      the DSK_HD functions the CPU loops and the CUDA kernels share
+     ops                   matmul, elementwise, reductions, softmax, RMSNorm, SwiGLU, RoPE,
+                           attention, embedding, cross-entropy, top-k, rows by index (forward and
+                           backward)
+     grouped rows          dsk_group_by_key, dsk_matmul_grouped, dsk_swiglu_grouped,
+                           dsk_gather_rows_scaled
+     AdamW                 dsk_adamw_opts, dsk_adamw_defaults, dsk_adamw_step
+     fused attention       dsk_attention_fused, dsk_attention_fused_backward
+   Implementation only: the CPU GEMM (packed and direct nests, run-time micro-kernels), the CPU
+   row primitives. */
 /* The comm and ckpt implementations need POSIX 2008 (sockets, pread, O_CLOEXEC). Feature
    macros only work before the first system header, and every module includes this header
    first, so ask for POSIX here when one of those implementations is being compiled. */
@@ -3477,7 +3497,7 @@ DSK_API dsk_status dsk_matmul_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk_ten
     const char *fn = "dsk_matmul_grouped";
     const dsk_tensor *ts[4] = {C, A, B, offsets};
     const char *names[4] = {"C", "A", "B", "offsets"};
-    int cuda, weights, failed = 0, nt;
+    int cuda, weights = 0, failed = 0, nt;
     int64_t G, R, per, cols, first, last;
     const int32_t *off;
     float *tmp = NULL;

@@ -688,7 +688,7 @@ static dsk_status tmla_seed_dx(tm_model *m) {
 /* ------------------------------------------------------------------ FLOPs */
 
 /* Attention weights per layer and the causal core's training FLOPs per token and layer
-   (6 T H (dqk + dv) / 2: the REFERENCE's 6 d_model T when dqk = dv = d_model / H). */
+   (6 T H (dqk + dv) / 2: Kaplan et al.'s 6 d_model T when dqk = dv = d_model / H). */
 static double tmla_attn_weights(const tm_config *c) {
     const tmla_config *a = &c->mla;
     double D = c->d_model, H = c->n_heads, dqk = a->qk_nope_dim + a->qk_rope_dim;

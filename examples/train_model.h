@@ -102,7 +102,6 @@ typedef struct tm_model {
     dsk_tensor loss;                    /* scalar f32 */
     /* backward scratch */
     dsk_tensor dx, dh, dq, dk, dv, dqr, dkr, datt, dg, du, da;
-    dsk_tensor zeros;                   /* flat zeros in the compute dtype: tm_zero copies from it */
     dsk_tensor dx32;                    /* (N, D) f32 copy of dx for the embedding gradient (bf16/f16 only) */
     tmla_model mla;                     /* MLA scratch and the MTP modules (train_mla.h) */
 } tm_model;
@@ -148,16 +147,8 @@ static dsk_status tm_mm(tm_model *m, dsk_tensor *C, const dsk_tensor *A, int ta,
     return dsk_matmul(m->ctx, C, A, ta, B, tb, 1.0f, beta);
 }
 
-/* t <- 0 for a contiguous tensor of the compute dtype: a plain copy from m->zeros (a memcpy
-   on either device), much cheaper than an element-wise fill for the many accumulators that
-   backward clears. */
-static dsk_status tm_zero(tm_model *m, dsk_tensor *t) {
-    dsk_tensor flat, z;
-    if (t->dtype != m->zeros.dtype || dsk_tensor_numel(t) > dsk_tensor_numel(&m->zeros)) return dsk_tensor_fill(m->ctx, t, 0.0);
-    TM_TRY(dsk_tensor_slice(&m->zeros, 0, 0, dsk_tensor_numel(t), &flat));
-    TM_TRY(dsk_tensor_reshape(&flat, t->ndim, t->shape, &z));
-    return dsk_tensor_copy(m->ctx, t, &z);
-}
+/* t <- 0 (dsk_tensor_fill clears +0 by memset on either device). */
+static dsk_status tm_zero(tm_model *m, dsk_tensor *t) { return dsk_tensor_fill(m->ctx, t, 0.0); }
 
 /* ------------------------------------------------------------------ parameters */
 
@@ -321,17 +312,11 @@ static dsk_status tm_alloc_acts(tm_model *m) {
         TM_TRY(tm_alloc2(m, &m->du, dt, N, F));
         TM_TRY(tm_alloc2(m, &m->da, dt, N, F));
     }
-    int64_t nz = tmla_is_mla(&c->mla) ? 0 : (int64_t)c->n_heads * c->seq * c->seq;
-    if (N * F > nz) nz = N * F;
-    if (N * D > nz) nz = N * D;
-    if (dt == DSK_F32 && m->numel > nz) nz = m->numel; /* the gradient slab too */
-    TM_TRY(dsk_tensor_alloc(m->ctx, &m->zeros, dt, 1, &nz));
     if (dt != DSK_F32) {
         TM_TRY(tm_alloc2(m, &m->dx32, DSK_F32, N, D));
         for (int i = 0; i < m->n_params; i++)
             if (m->params[i].ndim == 1) TM_TRY(dsk_tensor_alloc(m->ctx, &m->params[i].gc, dt, 1, m->params[i].shape));
     }
-    TM_TRY(dsk_tensor_fill(m->ctx, &m->zeros, 0.0));
     TM_TRY(dsk_tensor_alloc(m->ctx, &m->ids, DSK_I32, 1, &N));
     TM_TRY(dsk_tensor_alloc(m->ctx, &m->targets, DSK_I32, 1, &N));
     TM_TRY(dsk_tensor_alloc(m->ctx, &m->loss, DSK_F32, 0, NULL));
@@ -426,7 +411,7 @@ static void tm_free(tm_model *m) {
         }
     dsk_tensor *ts[] = {&m->slab_w, &m->slab_g, &m->slab_m, &m->slab_v, &m->slab_wc, &m->x_final, &m->hf, &m->rstdf,
                         &m->logits, &m->dlogits, &m->ids, &m->targets, &m->loss, &m->dx, &m->dh, &m->dq, &m->dk,
-                        &m->dv, &m->dqr, &m->dkr, &m->datt, &m->dg, &m->du, &m->da, &m->zeros, &m->dx32};
+                        &m->dv, &m->dqr, &m->dkr, &m->datt, &m->dg, &m->du, &m->da, &m->dx32};
     for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
     free(m->blocks);
     free(m->moe_names);

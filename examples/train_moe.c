@@ -728,7 +728,7 @@ static dsk_status finish_grads(trainer *t) {
 /* ---- FLOPs and the device peak */
 
 /* Training FLOPs per token: 6 x active parameters (embedding lookups excluded) + causal
-   attention 6 L D T (REFERENCE: 6N + 6 L d_model T). */
+   attention 6 L D T (Kaplan et al. 2020, arXiv:2001.08361, Table 1: 6N + 6 n_layer n_ctx d_model). */
 static double flops_per_token(const trainer *t) {
     const options *o = t->o;
     double D = o->d_model, active = 0;
@@ -807,19 +807,12 @@ static dsk_status unscale_and_decide(trainer *t, dsk_amp_decision *dec) {
     if (s == DSK_OK && n_shard > 0) {
         s = dsk_amp_unscale(&t->scaler, &t->ctx, shard, n_shard);
         if (s == DSK_OK) s = dsk_amp_stats_get(&t->scaler, &t->ctx, &b);
-        float f[2] = {(float)b.found_inf, (float)b.sumsq}; /* dsk_comm reduces no f64 */
-        if (s == DSK_OK) s = allreduce_host(t, &t->ep_comm, f, 2, DSK_F32, DSK_COMM_SUM);
+        double f[2] = {b.found_inf, b.sumsq};
+        if (s == DSK_OK) s = allreduce_host(t, &t->ep_comm, f, 2, DSK_F64, DSK_COMM_SUM);
         a.found_inf += f[0];
         a.sumsq += f[1];
         /* the scaler's next update reads its stats: give it the joined ones */
-        if (s == DSK_OK) {
-            double joined[2] = {a.found_inf, a.sumsq};
-            dsk_tensor h, d;
-            int64_t two = 2;
-            if ((s = dsk_tensor_wrap(&h, joined, DSK_F64, dsk_cpu(), 1, &two)) == DSK_OK &&
-                (s = dsk_tensor_wrap(&d, dsk_amp_stats_data(&t->scaler), DSK_F64, t->scaler.device, 1, &two)) == DSK_OK)
-                s = dsk_tensor_copy(&t->ctx, &d, &h);
-        }
+        if (s == DSK_OK) s = dsk_amp_stats_set(&t->scaler, &t->ctx, &a);
     }
     free(rep);
     free(shard);

@@ -174,8 +174,8 @@ __global__ static void dsk__amp_cast_sr_kernel(uint16_t *dst, dsk_dtype dt, cons
         uint32_t r[4];
         dsk_philox4x32(key, (uint64_t)g, r);
         for (int k = 0; k < 4 && 4 * g + k < n; k++)
-            dst[4 * g + k] =
-                dt == DSK_BF16 ? dsk_f32_to_bf16_sr(src[4 * g + k], r[k]) : dsk_f32_to_f16_sr(src[4 * g + k], r[k]);
+            dst[4 * g + k] = dt == DSK_BF16 ? dsk_amp_f32_to_bf16_sr(src[4 * g + k], r[k])
+                                            : dsk_amp_f32_to_f16_sr(src[4 * g + k], r[k]);
     }
 }
 

@@ -41,8 +41,8 @@ typedef struct dsk__fa_args {
 } dsk__fa_args;
 
 enum { DSK__FA_FWD, DSK__FA_KEYS, DSK__FA_QUERIES };
-enum { DSK__FA_Q, DSK__FA_K, DSK__FA_V, DSK__FA_DO, DSK__FA_LSE, DSK__FA_D, DSK__FA_S, DSK__FA_DP, DSK__FA_P, DSK__FA_DS,
-       DSK__FA_ACC1, DSK__FA_ACC2, DSK__FA_NBUF };
+enum { DSK__FA_Q, DSK__FA_K, DSK__FA_V, DSK__FA_DO, DSK__FA_LSE, DSK__FA_D, DSK__FA_S, DSK__FA_DP, DSK__FA_P,
+       DSK__FA_DS, DSK__FA_ACC1, DSK__FA_ACC2, DSK__FA_NBUF };
 
 /* Byte offsets of a kernel's shared buffers (128-byte aligned) and their total. Row pitches
    are padded by 16 bytes (fewer bank conflicts; WMMA wants pitches of 16 bytes and 32-byte
@@ -52,11 +52,13 @@ typedef struct dsk__fa_plan {
     int ldk, ldv, lds, ldp, ldak, ldav; /* elements */
 } dsk__fa_plan;
 
-__host__ __device__ static inline dsk__fa_plan dsk__fa_make_plan(int phase, int rows, int cols, int es, int Dkp, int Dvp) {
+__host__ __device__ static inline dsk__fa_plan dsk__fa_make_plan(int phase, int rows, int cols, int es, int Dkp,
+                                                                 int Dvp) {
     dsk__fa_plan p;
     size_t sz[DSK__FA_NBUF] = {0}, nw = (size_t)rows / 16, at = 0;
     int pad = 16 / es;
-    int tq = phase == DSK__FA_KEYS ? cols : rows, tk = phase == DSK__FA_KEYS ? rows : cols; /* query and key tile rows */
+    /* query and key tile rows */
+    int tq = phase == DSK__FA_KEYS ? cols : rows, tk = phase == DSK__FA_KEYS ? rows : cols;
     p.ldk = Dkp + pad; p.ldv = Dvp + pad; p.lds = cols + 4; p.ldp = cols + pad; p.ldak = Dkp + 4; p.ldav = Dvp + 4;
     sz[DSK__FA_Q] = (size_t)tq * p.ldk * es;
     sz[DSK__FA_K] = (size_t)tk * p.ldk * es;
@@ -97,7 +99,8 @@ template <> __device__ inline __nv_bfloat16 dsk__fa_from_f32<__nv_bfloat16>(floa
    of 16; the whole warp calls it and finds C complete (for every lane) when it returns.
    bf16/f16: tensor cores, f32 accumulation. */
 template <class T>
-__device__ void dsk__fa_mma(float *C, int ldc, const T *A, int lda, const T *B, int ldb, bool bt, int N, int K, bool accumulate) {
+__device__ void dsk__fa_mma(float *C, int ldc, const T *A, int lda, const T *B, int ldb, bool bt, int N, int K,
+                            bool accumulate) {
     using namespace nvcuda;
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
     wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
@@ -122,7 +125,8 @@ __device__ void dsk__fa_mma(float *C, int ldc, const T *A, int lda, const T *B, 
 }
 
 /* f32: CUDA cores, each lane a strided set of C's elements, k in order. */
-__device__ void dsk__fa_mma(float *C, int ldc, const float *A, int lda, const float *B, int ldb, bool bt, int N, int K, bool accumulate) {
+__device__ void dsk__fa_mma(float *C, int ldc, const float *A, int lda, const float *B, int ldb, bool bt, int N, int K,
+                            bool accumulate) {
     for (int e = (int)(threadIdx.x & 31); e < 16 * N; e += 32) {
         int r = e / N, c = e % N;
         const float *ar = A + (size_t)r * lda;
@@ -145,7 +149,8 @@ __device__ static inline unsigned char *dsk__fa_smem_base(unsigned char *raw) {
 /* Rows [r0, r0 + n) of the (b, h) matrix of `src` (row pitch rs, unit column stride) into dst
    (pitch ld) in type T, zero past T rows and past D columns up to Dp; the whole block. */
 template <class T>
-__device__ void dsk__fa_load(T *dst, int ld, const void *src, dsk_dtype dt, int64_t base, int64_t rs, int r0, int n, int T_, int D, int Dp) {
+__device__ void dsk__fa_load(T *dst, int ld, const void *src, dsk_dtype dt, int64_t base, int64_t rs, int r0, int n,
+                             int T_, int D, int Dp) {
     for (int e = (int)threadIdx.x; e < n * Dp; e += (int)blockDim.x) {
         int r = e / Dp, d = e % Dp;
         float x = r0 + r < T_ && d < D ? dsk_load_f32(src, dt, base + (int64_t)(r0 + r) * rs + d) : 0.0f;
@@ -154,7 +159,9 @@ __device__ void dsk__fa_load(T *dst, int ld, const void *src, dsk_dtype dt, int6
 }
 
 /* (b, h) base offset of a tensor with strides s (b, t, h). */
-__device__ static inline int64_t dsk__fa_base(const int64_t *s, int b, int h) { return (int64_t)b * s[0] + (int64_t)h * s[2]; }
+__device__ static inline int64_t dsk__fa_base(const int64_t *s, int b, int h) {
+    return (int64_t)b * s[0] + (int64_t)h * s[2];
+}
 
 /* Valid keys of query i in the key tile [j0, j0 + n): causal, j <= i. */
 __device__ static inline int dsk__fa_ncols(int i, int j0, int n) {
@@ -166,11 +173,13 @@ __device__ static inline int dsk__fa_ncols(int i, int j0, int n) {
 template <class T> __device__ void dsk__fa_forward(const dsk__fa_args &a) {
     DSK__CUDA_DYNAMIC_SHARED(dsk__fa_raw);
     unsigned char *sm = dsk__fa_smem_base(dsk__fa_raw);
-    const int BR = a.rows, BC = a.cols, w = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, h = (int)blockIdx.y, b = (int)blockIdx.z;
+    const int BR = a.rows, BC = a.cols, w = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, h = (int)blockIdx.y,
+              b = (int)blockIdx.z;
     const int ntiles = (a.T + BR - 1) / BR, i0 = (ntiles - 1 - (int)blockIdx.x) * BR;
     const dsk__fa_plan p = dsk__fa_make_plan(DSK__FA_FWD, BR, BC, (int)sizeof(T), a.Dkp, a.Dvp);
     T *Qs = (T *)(sm + p.off[DSK__FA_Q]), *Ks = (T *)(sm + p.off[DSK__FA_K]), *Vs = (T *)(sm + p.off[DSK__FA_V]);
-    float *S = (float *)(sm + p.off[DSK__FA_S]) + (size_t)w * 16 * p.lds, *O = (float *)(sm + p.off[DSK__FA_ACC1]) + (size_t)w * 16 * p.ldav;
+    float *S = (float *)(sm + p.off[DSK__FA_S]) + (size_t)w * 16 * p.lds,
+          *O = (float *)(sm + p.off[DSK__FA_ACC1]) + (size_t)w * 16 * p.ldav;
     T *P = (T *)(sm + p.off[DSK__FA_P]) + (size_t)w * 16 * p.ldp;
     const int r = lane >> 1, half = lane & 1, row0 = i0 + w * 16, i = row0 + r;
     const int last = (i0 + BR < a.T ? i0 + BR : a.T) - 1;
@@ -225,7 +234,8 @@ __global__ void dsk__fa_drow(dsk__fa_args a, int B) {
     const int64_t nrows = (int64_t)B * a.H * a.T, nwarps = (int64_t)gridDim.x * blockDim.x / 32;
     for (int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; row < nrows; row += nwarps) {
         const int i = (int)(row % a.T), h = (int)(row / a.T % a.H), b = (int)(row / ((int64_t)a.T * a.H));
-        const int64_t ob = dsk__fa_base(a.so, b, h) + (int64_t)i * a.so[1], db = dsk__fa_base(a.sdo, b, h) + (int64_t)i * a.sdo[1];
+        const int64_t ob = dsk__fa_base(a.so, b, h) + (int64_t)i * a.so[1],
+                      db = dsk__fa_base(a.sdo, b, h) + (int64_t)i * a.sdo[1];
         float s = 0.0f;
         for (int d = lane; d < a.Dv; d += 32) s += dsk_load_f32(a.dout, a.dt, db + d) * dsk_load_f32(a.o, a.dt, ob + d);
         for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
@@ -237,8 +247,8 @@ __global__ void dsk__fa_drow(dsk__fa_args a, int B) {
    dS = P (dP - D) is stored in T; P in T too when Pt is not NULL. qi/kj give the query and
    key of element (r, c); lse and D come per query. */
 template <class T, class Fq, class Fk, class Fs>
-__device__ void dsk__fa_dscores(const dsk__fa_args &a, const dsk__fa_plan &p, float *S, const float *dP, T *Pt, T *dS, int n, Fq qi, Fk kj,
-                                Fs stat) {
+__device__ void dsk__fa_dscores(const dsk__fa_args &a, const dsk__fa_plan &p, float *S, const float *dP, T *Pt, T *dS,
+                                int n, Fq qi, Fk kj, Fs stat) {
     for (int e = (int)(threadIdx.x & 31); e < 16 * n; e += 32) {
         const int r = e / n, c = e % n, q = qi(r, c), k = kj(r, c);
         float lse, d, pr;
@@ -260,8 +270,8 @@ __device__ static void dsk__fa_load_stats(const dsk__fa_args &a, float *lse, flo
 }
 
 /* rows of dst (pitch from its strides) += mult * acc (16 x D, pitch ld) for rows [row0, row0 + 16) below T. */
-__device__ static void dsk__fa_add_rows(void *dst, dsk_dtype dt, int64_t base, int64_t rs, const float *acc, int ld, int row0, int T_, int D,
-                                        float mult) {
+__device__ static void dsk__fa_add_rows(void *dst, dsk_dtype dt, int64_t base, int64_t rs, const float *acc, int ld,
+                                        int row0, int T_, int D, float mult) {
     for (int e = (int)(threadIdx.x & 31); e < 16 * D; e += 32) {
         const int r = e / D, d = e % D;
         if (row0 + r >= T_) continue;
@@ -276,15 +286,19 @@ __device__ static void dsk__fa_add_rows(void *dst, dsk_dtype dt, int64_t base, i
 template <class T> __device__ void dsk__fa_keys(const dsk__fa_args &a) {
     DSK__CUDA_DYNAMIC_SHARED(dsk__fa_raw);
     unsigned char *sm = dsk__fa_smem_base(dsk__fa_raw);
-    const int BK = a.rows, BQ = a.cols, w = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, h = (int)blockIdx.y, b = (int)blockIdx.z;
+    const int BK = a.rows, BQ = a.cols, w = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, h = (int)blockIdx.y,
+              b = (int)blockIdx.z;
     const int j0 = (int)blockIdx.x * BK, kw = j0 + w * 16;
     const dsk__fa_plan p = dsk__fa_make_plan(DSK__FA_KEYS, BK, BQ, (int)sizeof(T), a.Dkp, a.Dvp);
     T *Ks = (T *)(sm + p.off[DSK__FA_K]), *Vs = (T *)(sm + p.off[DSK__FA_V]), *Qs = (T *)(sm + p.off[DSK__FA_Q]);
     T *dOs = (T *)(sm + p.off[DSK__FA_DO]);
     float *lse = (float *)(sm + p.off[DSK__FA_LSE]), *drow = (float *)(sm + p.off[DSK__FA_D]);
-    float *S = (float *)(sm + p.off[DSK__FA_S]) + (size_t)w * 16 * p.lds, *dP = (float *)(sm + p.off[DSK__FA_DP]) + (size_t)w * 16 * p.lds;
-    T *Pt = (T *)(sm + p.off[DSK__FA_P]) + (size_t)w * 16 * p.ldp, *dSt = (T *)(sm + p.off[DSK__FA_DS]) + (size_t)w * 16 * p.ldp;
-    float *gk = (float *)(sm + p.off[DSK__FA_ACC1]) + (size_t)w * 16 * p.ldak, *gv = (float *)(sm + p.off[DSK__FA_ACC2]) + (size_t)w * 16 * p.ldav;
+    float *S = (float *)(sm + p.off[DSK__FA_S]) + (size_t)w * 16 * p.lds,
+          *dP = (float *)(sm + p.off[DSK__FA_DP]) + (size_t)w * 16 * p.lds;
+    T *Pt = (T *)(sm + p.off[DSK__FA_P]) + (size_t)w * 16 * p.ldp,
+      *dSt = (T *)(sm + p.off[DSK__FA_DS]) + (size_t)w * 16 * p.ldp;
+    float *gk = (float *)(sm + p.off[DSK__FA_ACC1]) + (size_t)w * 16 * p.ldak,
+          *gv = (float *)(sm + p.off[DSK__FA_ACC2]) + (size_t)w * 16 * p.ldav;
     dsk__fa_load(Ks, p.ldk, a.k, a.dt, dsk__fa_base(a.sk, b, h), a.sk[1], j0, BK, a.T, a.Dk, a.Dkp);
     dsk__fa_load(Vs, p.ldv, a.v, a.dt, dsk__fa_base(a.sv, b, h), a.sv[1], j0, BK, a.T, a.Dv, a.Dvp);
     for (int e = lane; e < 16 * a.Dkp; e += 32) gk[(size_t)(e / a.Dkp) * p.ldak + e % a.Dkp] = 0.0f;
@@ -298,8 +312,12 @@ template <class T> __device__ void dsk__fa_keys(const dsk__fa_args &a) {
         if (kw >= a.T || i0 + BQ - 1 < kw) continue; /* warp-uniform: every query of the tile is before these keys */
         dsk__fa_mma(S, p.lds, Ks + (size_t)w * 16 * p.ldk, p.ldk, Qs, p.ldk, true, BQ, a.Dkp, false);
         dsk__fa_mma(dP, p.lds, Vs + (size_t)w * 16 * p.ldv, p.ldv, dOs, p.ldv, true, BQ, a.Dvp, false);
-        dsk__fa_dscores<T>(a, p, S, dP, Pt, dSt, BQ, [&](int, int c) { return i0 + c; }, [&](int r, int) { return kw + r; },
-                           [&](int, int c, float *l, float *d) { *l = lse[c]; *d = drow[c]; });
+        dsk__fa_dscores<T>(
+            a, p, S, dP, Pt, dSt, BQ, [&](int, int c) { return i0 + c; }, [&](int r, int) { return kw + r; },
+            [&](int, int c, float *l, float *d) {
+                *l = lse[c];
+                *d = drow[c];
+            });
         dsk__fa_mma(gv, p.ldav, Pt, p.ldp, dOs, p.ldv, false, a.Dvp, BQ, true);
         dsk__fa_mma(gk, p.ldak, dSt, p.ldp, Qs, p.ldk, false, a.Dkp, BQ, true);
     }
@@ -316,14 +334,16 @@ __global__ void __launch_bounds__(128) dsk__fa_keys_f16(dsk__fa_args a) { dsk__f
 template <class T> __device__ void dsk__fa_queries(const dsk__fa_args &a) {
     DSK__CUDA_DYNAMIC_SHARED(dsk__fa_raw);
     unsigned char *sm = dsk__fa_smem_base(dsk__fa_raw);
-    const int BQ = a.rows, BK = a.cols, w = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, h = (int)blockIdx.y, b = (int)blockIdx.z;
+    const int BQ = a.rows, BK = a.cols, w = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, h = (int)blockIdx.y,
+              b = (int)blockIdx.z;
     const int ntiles = (a.T + BQ - 1) / BQ, i0 = (ntiles - 1 - (int)blockIdx.x) * BQ, qw = i0 + w * 16;
     const int last = (i0 + BQ < a.T ? i0 + BQ : a.T) - 1;
     const dsk__fa_plan p = dsk__fa_make_plan(DSK__FA_QUERIES, BQ, BK, (int)sizeof(T), a.Dkp, a.Dvp);
     T *Qs = (T *)(sm + p.off[DSK__FA_Q]), *dOs = (T *)(sm + p.off[DSK__FA_DO]), *Ks = (T *)(sm + p.off[DSK__FA_K]);
     T *Vs = (T *)(sm + p.off[DSK__FA_V]);
     float *lse = (float *)(sm + p.off[DSK__FA_LSE]), *drow = (float *)(sm + p.off[DSK__FA_D]);
-    float *S = (float *)(sm + p.off[DSK__FA_S]) + (size_t)w * 16 * p.lds, *dP = (float *)(sm + p.off[DSK__FA_DP]) + (size_t)w * 16 * p.lds;
+    float *S = (float *)(sm + p.off[DSK__FA_S]) + (size_t)w * 16 * p.lds,
+          *dP = (float *)(sm + p.off[DSK__FA_DP]) + (size_t)w * 16 * p.lds;
     T *dS = (T *)(sm + p.off[DSK__FA_DS]) + (size_t)w * 16 * p.ldp;
     float *gq = (float *)(sm + p.off[DSK__FA_ACC1]) + (size_t)w * 16 * p.ldak;
     dsk__fa_load(Qs, p.ldk, a.q, a.dt, dsk__fa_base(a.sq, b, h), a.sq[1], i0, BQ, a.T, a.Dk, a.Dkp);
@@ -338,8 +358,12 @@ template <class T> __device__ void dsk__fa_queries(const dsk__fa_args &a) {
         if (qw >= a.T || j0 > qw + 15) continue; /* warp-uniform */
         dsk__fa_mma(S, p.lds, Qs + (size_t)w * 16 * p.ldk, p.ldk, Ks, p.ldk, true, BK, a.Dkp, false);
         dsk__fa_mma(dP, p.lds, dOs + (size_t)w * 16 * p.ldv, p.ldv, Vs, p.ldv, true, BK, a.Dvp, false);
-        dsk__fa_dscores<T>(a, p, S, dP, (T *)NULL, dS, BK, [&](int r, int) { return qw + r; }, [&](int, int c) { return j0 + c; },
-                           [&](int r, int, float *l, float *d) { *l = lse[w * 16 + r]; *d = drow[w * 16 + r]; });
+        dsk__fa_dscores<T>(
+            a, p, S, dP, (T *)NULL, dS, BK, [&](int r, int) { return qw + r; }, [&](int, int c) { return j0 + c; },
+            [&](int r, int, float *l, float *d) {
+                *l = lse[w * 16 + r];
+                *d = drow[w * 16 + r];
+            });
         dsk__fa_mma(gq, p.ldak, dS, p.ldp, Ks, p.ldk, false, a.Dkp, BK, true);
     }
     dsk__fa_add_rows(a.dq, a.dt, dsk__fa_base(a.sdq, b, h), a.sdq[1], gq, p.ldak, qw, a.T, a.Dk, a.scale);
@@ -357,15 +381,16 @@ static void dsk__fa_strides(int64_t *dst, const dsk_tensor *t) {
     dst[2] = t->stride[2];
 }
 
-static dsk_status dsk__fa_common(const char *fn, dsk_ctx *ctx, dsk__fa_args *a, const dsk_tensor *q, const dsk_tensor *k, const dsk_tensor *v,
-                                 float scale) {
+static dsk_status dsk__fa_common(const char *fn, dsk_ctx *ctx, dsk__fa_args *a, const dsk_tensor *q,
+                                 const dsk_tensor *k, const dsk_tensor *v, float scale) {
     memset(a, 0, sizeof *a);
     DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     if (q->shape[3] > DSK__FA_MAX_DIM || v->shape[3] > DSK__FA_MAX_DIM)
-        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: head dims Dk %lld, Dv %lld: the CUDA kernels take at most %d", fn,
-                             (long long)q->shape[3], (long long)v->shape[3], DSK__FA_MAX_DIM);
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: head dims Dk %lld, Dv %lld: the CUDA kernels take at most %d",
+                             fn, (long long)q->shape[3], (long long)v->shape[3], DSK__FA_MAX_DIM);
     if (q->shape[1] > INT_MAX / 2 || q->shape[2] > 65535 || q->shape[0] > 65535)
-        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: B %lld, T %lld, H %lld exceed the grid (B, H <= 65535, T < 2^30)", fn,
+        return dsk_set_error(DSK_ERR_UNSUPPORTED,
+                             "%s: B %lld, T %lld, H %lld exceed the grid (B, H <= 65535, T < 2^30)", fn,
                              (long long)q->shape[0], (long long)q->shape[1], (long long)q->shape[2]);
     a->q = q->data; a->k = k->data; a->v = v->data;
     dsk__fa_strides(a->sq, q); dsk__fa_strides(a->sk, k); dsk__fa_strides(a->sv, v);
@@ -382,7 +407,8 @@ static dsk_status dsk__fa_common(const char *fn, dsk_ctx *ctx, dsk__fa_args *a, 
 static dsk_status dsk__fa_tiles(const char *fn, dsk_ctx *ctx, int phase, dsk__fa_args *a, size_t *bytes) {
     static const int cand[5][2] = {{64, 64}, {64, 32}, {32, 32}, {16, 32}, {16, 16}};
     int optin = 0;
-    DSK__CUDA_CHECK(fn, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, ctx->device.index), "shared memory limit");
+    DSK__CUDA_CHECK(fn, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, ctx->device.index),
+                    "shared memory limit");
     for (int c = 0; c < 5; c++) {
         dsk__fa_plan p = dsk__fa_make_plan(phase, cand[c][0], cand[c][1], (int)dsk_dtype_size(a->dt), a->Dkp, a->Dvp);
         if (p.bytes + 128 <= (size_t)optin) {
@@ -392,30 +418,33 @@ static dsk_status dsk__fa_tiles(const char *fn, dsk_ctx *ctx, int phase, dsk__fa
             return DSK_OK;
         }
     }
-    return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: head dims %d, %d need more shared memory than the device's %d bytes", fn, a->Dk, a->Dv,
-                         optin);
+    return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: head dims %d, %d need more shared memory than the device's %d bytes",
+                         fn, a->Dk, a->Dv, optin);
 }
 
 /* Allows `bytes` of dynamic shared memory for the kernel of dtype dt when above the default. */
-static dsk_status dsk__fa_allow(const char *fn, void (*f32)(dsk__fa_args), void (*bf16)(dsk__fa_args), void (*f16)(dsk__fa_args),
-                                dsk_dtype dt, size_t bytes) {
+static dsk_status dsk__fa_allow(const char *fn, void (*f32)(dsk__fa_args), void (*bf16)(dsk__fa_args),
+                                void (*f16)(dsk__fa_args), dsk_dtype dt, size_t bytes) {
     void (*k)(dsk__fa_args) = dt == DSK_BF16 ? bf16 : dt == DSK_F16 ? f16 : f32;
     if (bytes <= 48 * 1024) return DSK_OK;
-    DSK__CUDA_CHECK(fn, cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes), "dynamic shared memory");
+    DSK__CUDA_CHECK(fn, cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
+                    "dynamic shared memory");
     return DSK_OK;
 }
 
 /* kernel `phase`_<dtype> on (tiles, H, B) with rows / 16 warps, checked. */
-#define DSK__FA_LAUNCH(fn, phase, a, tiles, B, bytes, ctx)                                                                  \
-    ((a).dt == DSK_BF16   ? DSK__CUDA_LAUNCHED_SHMEM(fn, phase##_bf16, dim3((unsigned)(tiles), (unsigned)(a).H, (unsigned)(B)), \
-                                                     (unsigned)(a).rows * 2, bytes, dsk__cuda_stream(ctx), (tiles), a)           \
-     : (a).dt == DSK_F16  ? DSK__CUDA_LAUNCHED_SHMEM(fn, phase##_f16, dim3((unsigned)(tiles), (unsigned)(a).H, (unsigned)(B)),  \
-                                                     (unsigned)(a).rows * 2, bytes, dsk__cuda_stream(ctx), (tiles), a)           \
-                          : DSK__CUDA_LAUNCHED_SHMEM(fn, phase##_f32, dim3((unsigned)(tiles), (unsigned)(a).H, (unsigned)(B)),  \
-                                                     (unsigned)(a).rows * 2, bytes, dsk__cuda_stream(ctx), (tiles), a))
+#define DSK__FA_LAUNCH(fn, phase, a, tiles, B, bytes, ctx)                                                             \
+    ((a).dt == DSK_BF16                                                                                                \
+         ? DSK__CUDA_LAUNCHED_SHMEM(fn, phase##_bf16, dim3((unsigned)(tiles), (unsigned)(a).H, (unsigned)(B)),         \
+                                    (unsigned)(a).rows * 2, bytes, dsk__cuda_stream(ctx), (tiles), a)                  \
+     : (a).dt == DSK_F16                                                                                               \
+         ? DSK__CUDA_LAUNCHED_SHMEM(fn, phase##_f16, dim3((unsigned)(tiles), (unsigned)(a).H, (unsigned)(B)),          \
+                                    (unsigned)(a).rows * 2, bytes, dsk__cuda_stream(ctx), (tiles), a)                  \
+         : DSK__CUDA_LAUNCHED_SHMEM(fn, phase##_f32, dim3((unsigned)(tiles), (unsigned)(a).H, (unsigned)(B)),          \
+                                    (unsigned)(a).rows * 2, bytes, dsk__cuda_stream(ctx), (tiles), a))
 
-extern "C" dsk_status dsk_cuda_attention_fused(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *lse, const dsk_tensor *q, const dsk_tensor *k,
-                                               const dsk_tensor *v, float scale) {
+extern "C" dsk_status dsk_cuda_attention_fused(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *lse, const dsk_tensor *q,
+                                               const dsk_tensor *k, const dsk_tensor *v, float scale) {
     const char *fn = "dsk_attention_fused";
     dsk__fa_args a;
     size_t bytes;
@@ -432,8 +461,9 @@ extern "C" dsk_status dsk_cuda_attention_fused(dsk_ctx *ctx, dsk_tensor *out, ds
 }
 
 extern "C" dsk_status dsk_cuda_attention_fused_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tensor *dk, dsk_tensor *dv,
-                                                        const dsk_tensor *dout, const dsk_tensor *q, const dsk_tensor *k,
-                                                        const dsk_tensor *v, const dsk_tensor *out, const dsk_tensor *lse, float scale) {
+                                                        const dsk_tensor *dout, const dsk_tensor *q,
+                                                        const dsk_tensor *k, const dsk_tensor *v, const dsk_tensor *out,
+                                                        const dsk_tensor *lse, float scale) {
     const char *fn = "dsk_attention_fused_backward";
     dsk__fa_args a;
     size_t bytes;
@@ -452,7 +482,8 @@ extern "C" dsk_status dsk_cuda_attention_fused_backward(dsk_ctx *ctx, dsk_tensor
     snprintf(detail, sizeof detail, "%lld row statistics", (long long)nrows);
     DSK__CUDA_CHECK(fn, cudaMallocAsync(&drow, (size_t)nrows * sizeof(float), dsk__cuda_stream(ctx)), detail);
     a.drow = (float *)drow;
-    s = DSK__CUDA_LAUNCHED(fn, dsk__fa_drow, dsk__cuda_grid(nrows * 32), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), nrows, a, B);
+    s = DSK__CUDA_LAUNCHED(fn, dsk__fa_drow, dsk__cuda_grid(nrows * 32), DSK__CUDA_THREADS, dsk__cuda_stream(ctx),
+                           nrows, a, B);
     if (s == DSK_OK) s = dsk__fa_tiles(fn, ctx, DSK__FA_KEYS, &a, &bytes);
     if (s == DSK_OK) s = dsk__fa_allow(fn, dsk__fa_keys_f32, dsk__fa_keys_bf16, dsk__fa_keys_f16, a.dt, bytes);
     if (s == DSK_OK) s = DSK__FA_LAUNCH(fn, dsk__fa_keys, a, (a.T + a.rows - 1) / a.rows, B, bytes, ctx);

@@ -79,7 +79,8 @@ __global__ void dsk__k_gbk_tail(int32_t *perm, int64_t N, const int32_t *offsets
     DSK__CUDA_FOR(j, N) if (j >= end) perm[j] = -1;
 }
 
-extern "C" dsk_status dsk_cuda_group_by_key(dsk_ctx *ctx, dsk_tensor *perm, dsk_tensor *offsets, const dsk_tensor *keys) {
+extern "C" dsk_status dsk_cuda_group_by_key(dsk_ctx *ctx, dsk_tensor *perm, dsk_tensor *offsets,
+                                            const dsk_tensor *keys) {
     static const char *fn = "dsk_group_by_key";
     int64_t N = keys->shape[0], G = offsets->shape[0] - 1, nch = (N + DSK__GBK_CHUNK - 1) / DSK__GBK_CHUNK;
     int32_t *cnt = NULL, *base;
@@ -267,8 +268,9 @@ __device__ void dsk__gmm_weights(const int32_t *off, int64_t M, int64_t N, const
     int64_t s0 = off[g], n = off[g + 1] - s0;
     dsk__gview a = {(const char *)A + (size_t)(s0 * M + m0) * es, ab, 1, M};
     dsk__gview b = {(const char *)B + (size_t)(s0 * N + n0) * es, ab, N, 1};
-    dsk__gmm_tile_of<TILE>(a, b, M - m0 < DSK__GMM_BM ? M - m0 : DSK__GMM_BM, N - n0 < DSK__GMM_BN ? N - n0 : DSK__GMM_BN,
-                           n, (char *)C + (size_t)((g * M + m0) * N + n0) * ec, cdt, N, alpha, beta);
+    dsk__gmm_tile_of<TILE>(a, b, M - m0 < DSK__GMM_BM ? M - m0 : DSK__GMM_BM,
+                           N - n0 < DSK__GMM_BN ? N - n0 : DSK__GMM_BN, n,
+                           (char *)C + (size_t)((g * M + m0) * N + n0) * ec, cdt, N, alpha, beta);
 }
 
 /* One kernel per form and tile (plain names: the emulated tests' coverage check reads them). */
@@ -310,8 +312,8 @@ extern "C" dsk_status dsk_cuda_matmul_grouped(dsk_ctx *ctx, dsk_tensor *C, const
         int64_t tiles = ((M + DSK__GMM_BM - 1) / DSK__GMM_BM) * ((N + DSK__GMM_BN - 1) / DSK__GMM_BN);
         if (tiles == 0) return DSK_OK;
         if (tiles > INT_MAX || G > 65535)
-            return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: %lld tiles x %lld groups exceed the grid", fn, (long long)tiles,
-                                 (long long)G);
+            return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: %lld tiles x %lld groups exceed the grid", fn,
+                                 (long long)tiles, (long long)G);
         dim3 grid((unsigned)tiles, (unsigned)G);
         size_t es = dsk_dtype_size(A->dtype), ec = dsk_dtype_size(C->dtype);
         if (A->dtype == DSK_BF16)

@@ -54,7 +54,8 @@ extern "C" dsk_status dsk_cuda_moe_route_backward(dsk_ctx *ctx, const dsk_moe_ro
     static const char *fn = "dsk_moe_backward (routing)";
     DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     if (aux && seq_len <= 0)
-        return dsk_set_error(DSK_ERR_ARG, "%s: seq_len %lld must be > 0 with loss coefficients", fn, (long long)seq_len);
+        return dsk_set_error(DSK_ERR_ARG, "%s: seq_len %lld must be > 0 with loss coefficients", fn,
+                             (long long)seq_len);
     DSK__MOE_LAUNCH(fn, dsk__moe_k_route_backward, T, 128, *r, T, u, prob, sel, dgate, aux, seq_len, aux_mult, zcoef,
                     du);
     return DSK_OK;
@@ -173,8 +174,8 @@ extern "C" dsk_status dsk_cuda_moe_accumulate(dsk_ctx *ctx, int E, int K, const 
                                               const double *loss, int64_t *load, int64_t *acc_i, double *acc_f) {
     static const char *fn = "dsk_moe_forward (statistics)";
     DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
-    DSK__CUDA_LAUNCH(fn, dsk__moe_k_accumulate, 1, 32, dsk__cuda_stream(ctx), E, E, K, cnt, cnt_group, loss, load, acc_i,
-                     acc_f);
+    DSK__CUDA_LAUNCH(fn, dsk__moe_k_accumulate, 1, 32, dsk__cuda_stream(ctx), E, E, K, cnt, cnt_group, loss, load,
+                     acc_i, acc_f);
     return DSK_OK;
 }
 
@@ -214,8 +215,8 @@ extern "C" dsk_status dsk_cuda_moe_uncombine(dsk_ctx *ctx, int K, int64_t T, int
     DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     DSK__TRY(dsk__cuda_check_rows(fn, T));
     if (T == 0 || D == 0) return DSK_OK;
-    DSK__CUDA_LAUNCH(fn, dsk__moe_k_uncombine, (unsigned)T, dsk__cuda_row_threads(D), dsk__cuda_stream(ctx), T * D, K, D,
-                     dxf, pos, rows, rdt);
+    DSK__CUDA_LAUNCH(fn, dsk__moe_k_uncombine, (unsigned)T, dsk__cuda_row_threads(D), dsk__cuda_stream(ctx), T * D, K,
+                     D, dxf, pos, rows, rdt);
     return DSK_OK;
 }
 

@@ -666,7 +666,7 @@ static void test_stochastic_rounding(dsk_dtype dt) {
         for (int64_t i = 0; i < N; i++) {
             float x = ((float *)src.data)[i];
             uint32_t r = dsk_amp_sr_bits(key, (uint64_t)i);
-            off += ((uint16_t *)dst.data)[i] != (dt == DSK_BF16 ? dsk_f32_to_bf16_sr(x, r) : dsk_f32_to_f16_sr(x, r));
+            off += ((uint16_t *)dst.data)[i] != (dt == DSK_BF16 ? dsk_amp_f32_to_bf16_sr(x, r) : dsk_amp_f32_to_f16_sr(x, r));
         }
         DSK_TEST_EXPECT(off == 0, "%lld elements not rounded with their documented random word", (long long)off);
     }

@@ -17,11 +17,7 @@
 #define DSK_ZERO_IMPLEMENTATION
 #include "../../dsk_zero.h"
 #include "tests/dsk_test.h"
-
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
+#include "tests/gpu/gpu_test_spawn.h"
 
 #ifdef DSK_CUDA
 #include <cuda_runtime.h>
@@ -262,32 +258,7 @@ int main(int argc, char **argv) {
             dsk_test_skip("no usable CUDA device");
             continue;
         }
-        {
-            char self[4096], *av[] = {self, (char *)"--rank-child", (char *)parts[p], NULL};
-            ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
-            dsk_comm_spawn_opts so;
-            int worst = -1, port = 0;
-            self[k > 0 ? k : 0] = 0;
-            /* a free port whose successor is free too: nccl's store, then the host communicator's */
-            for (int tries = 0; tries < 50; tries++) {
-                struct sockaddr_in sa;
-                int fd = socket(AF_INET, SOCK_STREAM, 0), ok;
-                if (dsk_comm_free_port("127.0.0.1", &port) != DSK_OK) break;
-                memset(&sa, 0, sizeof sa);
-                sa.sin_family = AF_INET;
-                sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-                sa.sin_port = htons((uint16_t)(port + 1));
-                ok = bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
-                close(fd);
-                if (ok) break;
-            }
-            memset(&so, 0, sizeof so);
-            so.master_port = port;
-            so.timeout_s = 300;
-            fflush(stdout);
-            DSK_TEST_OK(dsk_comm_spawn_local(ndev >= 2 ? 2 : 1, av, &so, &worst));
-            DSK_TEST_EXPECT(worst == 0, "ranks exited with status %d", worst);
-        }
+        gpu_test_spawn_self(ndev >= 2 ? 2 : 1, parts[p]);
     }
     (void)argc;
     (void)argv;
