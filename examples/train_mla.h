@@ -703,6 +703,13 @@ static double tmla_core_flops(const tm_config *c) {
     return 6.0 * c->seq * c->n_heads * (a->qk_nope_dim + a->qk_rope_dim + a->v_head_dim) / 2.0;
 }
 
+/* Training FLOPs per token of the MTP modules: 6 x (projection, attention, dense FFN, shared
+   head) + their attention cores. */
+static double tmla_mtp_flops(const tm_config *c) {
+    double D = c->d_model, w = 2 * D * D + tmla_attn_weights(c) + 3 * D * c->ffn_hidden + D * c->vocab;
+    return c->mla.mtp_depth * (6 * w + tmla_core_flops(c));
+}
+
 /* ------------------------------------------------------------------ memory report */
 
 typedef struct tmla_mem {

@@ -738,7 +738,7 @@ static double flops_per_token(const trainer *t) {
         else active += D * o->experts + 3 * D * o->expert_hidden * (o->top_k + o->shared);
     }
     active += D * t->data.vocab; /* LM head */
-    return 6 * active + o->layers * tmla_core_flops(&t->model.cfg);
+    return 6 * active + o->layers * tmla_core_flops(&t->model.cfg) + tmla_mtp_flops(&t->model.cfg);
 }
 
 /* The CPU's f32 GEMM rate: best of eight 512^3 products with dsk_sgemm_cpu on this
