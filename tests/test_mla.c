@@ -290,7 +290,7 @@ static void check_forward(int q_lora, int mtp, int long_ctx) {
     DSK_TEST_EXPECT(nw == tmla_attn_weights(&c), "attention weights %g vs %g", nw, tmla_attn_weights(&c));
     DSK_TEST_EXPECT(tmla_core_flops(&c) == 6.0 * c.seq * c.n_heads * (c.mla.qk_nope_dim + c.mla.qk_rope_dim + c.mla.v_head_dim) / 2,
                     "core FLOPs");
-    double D = c.d_model, mw = 2 * D * D + nw + 3 * D * c.ffn_hidden + D * c.vocab;
+    double mw = 2.0 * D * D + nw + 3.0 * D * c.ffn_hidden + (double)D * c.vocab;
     DSK_TEST_EXPECT(tmla_mtp_flops(&c) == mtp * (6 * mw + tmla_core_flops(&c)), "MTP FLOPs %g", tmla_mtp_flops(&c));
     for (int i = 0; i < r->nkeep; i++) free(r->keep[i]);
     free(x); free(logits); free(hn); free(en); free(tgt); free(tok);
