@@ -518,6 +518,31 @@ static inline DSK_HD void dsk_rope_rotate(float x0, float x1, float c, float s, 
     *y1 = x0 * s + x1 * c;
 }
 
+/* The elementwise ops (value, public function), out = dsk_ew_f(op, x, y, alpha), one rounding per
+   f32 operation (no contraction into an FMA on either device). A new elementwise op is an entry
+   here, its case in dsk_ew_f and its public function: the CPU loop (dsk__ew) and the CUDA kernel
+   (dsk_cuda_elementwise) take every entry of the list as it is. */
+#define DSK_EW_OPS(X)                                                                                                  \
+    X(DSK_EW_ADD, "dsk_add") X(DSK_EW_MUL, "dsk_mul") X(DSK_EW_AXPY, "dsk_axpy") X(DSK_EW_SCALE, "dsk_scale")
+#define DSK__EW_ENUM(op, name) op,
+#define DSK__EW_NAME(op, name) name,
+typedef enum dsk_ew_op { DSK_EW_OPS(DSK__EW_ENUM) DSK_EW_COUNT } dsk_ew_op;
+#if defined(__CUDA_ARCH__)
+#define DSK__FADD_RN(a, b) __fadd_rn(a, b)
+#define DSK__FMUL_RN(a, b) __fmul_rn(a, b)
+#else
+#define DSK__FADD_RN(a, b) ((a) + (b))
+#define DSK__FMUL_RN(a, b) ((a) * (b))
+#endif
+static inline DSK_HD float dsk_ew_f(dsk_ew_op op, float x, float y, float alpha) {
+    switch (op) {
+    case DSK_EW_ADD: return DSK__FADD_RN(x, y);                        /* x + y */
+    case DSK_EW_MUL: return DSK__FMUL_RN(x, y);                        /* x * y */
+    case DSK_EW_AXPY: return DSK__FADD_RN(x, DSK__FMUL_RN(alpha, y));  /* x + alpha y */
+    default: return DSK__FMUL_RN(alpha, x);                            /* DSK_EW_SCALE: alpha x */
+    }
+}
+
 /* ------------------------------------------------------------------ ops
    Unless a comment says otherwise: tensors are contiguous and on one device (CUDA tensors
    need a ctx on that device; CPU ops accept ctx == NULL); float tensors are f32, bf16 or
@@ -2416,20 +2441,21 @@ static float *dsk__scratch(const char *fn, dsk_ctx *ctx, int64_t per, dsk_status
 /* Elementwise ops run over chunks of this many elements, each a row of the helpers above. */
 #define DSK__EW_CHUNK 1024
 
-typedef enum dsk__ew_op { DSK__EW_ADD, DSK__EW_MUL, DSK__EW_AXPY, DSK__EW_SCALE } dsk__ew_op;
-
-/* o = x + y, x * y, x + alpha y, alpha x on n f32 elements (o may be x). */
-static void dsk__ew_f32(dsk__ew_op op, float *o, const float *x, const float *y, float alpha, int64_t n) {
+/* o = dsk_ew_f(op, x, y, alpha) on n f32 elements (o may be x; y NULL for DSK_EW_SCALE): one
+   loop per op, so each vectorises with its op fixed. */
+static void dsk__ew_f32(dsk_ew_op op, float *o, const float *x, const float *y, float alpha, int64_t n) {
+    const float *yy = y ? y : x;
     switch (op) {
-    case DSK__EW_ADD: DSK__OMP(simd) for (int64_t i = 0; i < n; i++) o[i] = x[i] + y[i]; break;
-    case DSK__EW_MUL: DSK__OMP(simd) for (int64_t i = 0; i < n; i++) o[i] = x[i] * y[i]; break;
-    case DSK__EW_AXPY: DSK__OMP(simd) for (int64_t i = 0; i < n; i++) o[i] = x[i] + alpha * y[i]; break;
-    default: DSK__OMP(simd) for (int64_t i = 0; i < n; i++) o[i] = alpha * x[i]; break;
+#define DSK__EW_LOOP(OP, name)                                                                                         \
+    case OP: DSK__OMP(simd) for (int64_t i = 0; i < n; i++) o[i] = dsk_ew_f(OP, x[i], yy[i], alpha); break;
+        DSK_EW_OPS(DSK__EW_LOOP)
+#undef DSK__EW_LOOP
+    default: break;
     }
 }
 
-/* out = op(x, y) over every element, in f32 chunks (y NULL for DSK__EW_SCALE). */
-static void dsk__ew(dsk_ctx *ctx, dsk__ew_op op, dsk_tensor *out, const dsk_tensor *x, const dsk_tensor *y, float alpha) {
+/* out = op(x, y) over every element, in f32 chunks (y NULL for DSK_EW_SCALE). */
+static void dsk__ew(dsk_ctx *ctx, dsk_ew_op op, dsk_tensor *out, const dsk_tensor *x, const dsk_tensor *y, float alpha) {
     int64_t n = dsk_tensor_numel(out), n_chunks = (n + DSK__EW_CHUNK - 1) / DSK__EW_CHUNK;
     (void)ctx; /* used by the OpenMP clause only */
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
@@ -2460,9 +2486,9 @@ DSK_API dsk_status dsk_add(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *a, c
     int cuda;
     DSK__TRY(dsk__binary("dsk_add", ctx, out, a, b, &cuda));
 #ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_add(ctx, out, a, b);
+    if (cuda) return dsk_cuda_elementwise(ctx, DSK_EW_ADD, out, a, b, 0.0f);
 #endif
-    dsk__ew(ctx, DSK__EW_ADD, out, a, b, 0.0f);
+    dsk__ew(ctx, DSK_EW_ADD, out, a, b, 0.0f);
     return DSK_OK;
 }
 
@@ -2470,9 +2496,9 @@ DSK_API dsk_status dsk_mul(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *a, c
     int cuda;
     DSK__TRY(dsk__binary("dsk_mul", ctx, out, a, b, &cuda));
 #ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_mul(ctx, out, a, b);
+    if (cuda) return dsk_cuda_elementwise(ctx, DSK_EW_MUL, out, a, b, 0.0f);
 #endif
-    dsk__ew(ctx, DSK__EW_MUL, out, a, b, 0.0f);
+    dsk__ew(ctx, DSK_EW_MUL, out, a, b, 0.0f);
     return DSK_OK;
 }
 
@@ -2483,9 +2509,9 @@ DSK_API dsk_status dsk_scale(dsk_ctx *ctx, dsk_tensor *t, float alpha) {
     DSK__TRY(dsk__need_float("dsk_scale", "t", t));
     DSK__TRY(dsk__need_devices("dsk_scale", ctx, 1, ts, names, &cuda));
 #ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_scale(ctx, t, alpha);
+    if (cuda) return dsk_cuda_elementwise(ctx, DSK_EW_SCALE, t, t, NULL, alpha);
 #endif
-    dsk__ew(ctx, DSK__EW_SCALE, t, t, NULL, alpha);
+    dsk__ew(ctx, DSK_EW_SCALE, t, t, NULL, alpha);
     return DSK_OK;
 }
 
@@ -2499,9 +2525,9 @@ DSK_API dsk_status dsk_axpy(dsk_ctx *ctx, dsk_tensor *y, float alpha, const dsk_
     if (x->dtype != DSK_F32) DSK__TRY(dsk__need_same_dtype("dsk_axpy", "x", x, "y", y));
     DSK__TRY(dsk__need_devices("dsk_axpy", ctx, 2, ts, names, &cuda));
 #ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_axpy(ctx, y, alpha, x);
+    if (cuda) return dsk_cuda_elementwise(ctx, DSK_EW_AXPY, y, y, x, alpha);
 #endif
-    dsk__ew(ctx, DSK__EW_AXPY, y, y, x, alpha);
+    dsk__ew(ctx, DSK_EW_AXPY, y, y, x, alpha);
     return DSK_OK;
 }
 

@@ -49,10 +49,9 @@ dsk_status dsk_cuda_tensor_fill(dsk_ctx *ctx, dsk_tensor *t, double value);
 dsk_status dsk_cuda_tensor_uniform(dsk_ctx *ctx, dsk_tensor *t, uint64_t seed, uint64_t offset, float lo, float hi);
 dsk_status dsk_cuda_tensor_normal(dsk_ctx *ctx, dsk_tensor *t, uint64_t seed, uint64_t offset, float mean, float std);
 dsk_status dsk_cuda_matmul(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, int trans_a, const dsk_tensor *B, int trans_b, float alpha, float beta);
-dsk_status dsk_cuda_add(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *a, const dsk_tensor *b);
-dsk_status dsk_cuda_mul(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *a, const dsk_tensor *b);
-dsk_status dsk_cuda_scale(dsk_ctx *ctx, dsk_tensor *t, float alpha);
-dsk_status dsk_cuda_axpy(dsk_ctx *ctx, dsk_tensor *y, float alpha, const dsk_tensor *x);
+/* out = dsk_ew_f(op, x, y, alpha) per element (y NULL for DSK_EW_SCALE): every elementwise op */
+dsk_status dsk_cuda_elementwise(dsk_ctx *ctx, dsk_ew_op op, dsk_tensor *out, const dsk_tensor *x, const dsk_tensor *y,
+                                float alpha);
 dsk_status dsk_cuda_reduce(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *in, int axis, dsk_reduce_op op);
 dsk_status dsk_cuda_sum_squares(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *in);
 dsk_status dsk_cuda_softmax(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x);

@@ -496,58 +496,25 @@ extern "C" dsk_status dsk_cuda_matmul(dsk_ctx *ctx, dsk_tensor *C, const dsk_ten
 
 /* ======================================================================= elementwise */
 
-enum { DSK__ADD = 0, DSK__MUL = 1 };
-
-__global__ void dsk__k_binary(void *out, dsk_dtype dto, const void *a, dsk_dtype dta, const void *b, dsk_dtype dtb,
-                              int64_t n, int op) {
+/* Every elementwise op of dsk_tensor.h's DSK_EW_OPS through its one math, dsk_ew_f. */
+__global__ void dsk__k_ew(void *out, dsk_dtype dto, const void *x, dsk_dtype dtx, const void *y, dsk_dtype dty,
+                          int64_t n, dsk_ew_op op, float alpha) {
     DSK__CUDA_FOR(i, n) {
-        float x = dsk_load_f32(a, dta, i), y = dsk_load_f32(b, dtb, i);
-        dsk_store_f32(out, dto, i, op == DSK__ADD ? __fadd_rn(x, y) : __fmul_rn(x, y));
+        float b = y ? dsk_load_f32(y, dty, i) : 0.0f;
+        dsk_store_f32(out, dto, i, dsk_ew_f(op, dsk_load_f32(x, dtx, i), b, alpha));
     }
 }
 
-static dsk_status dsk__binary(dsk_ctx *ctx, const char *fn, dsk_tensor *out, const dsk_tensor *a, const dsk_tensor *b,
-                              int op) {
+extern "C" dsk_status dsk_cuda_elementwise(dsk_ctx *ctx, dsk_ew_op op, dsk_tensor *out, const dsk_tensor *x,
+                                           const dsk_tensor *y, float alpha) {
+    static const char *names[DSK_EW_COUNT] = {DSK_EW_OPS(DSK__EW_NAME)};
+    const char *fn = op >= 0 && op < DSK_EW_COUNT ? names[op] : "dsk_cuda_elementwise";
     int64_t n = dsk_tensor_numel(out);
     DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
+    if (op < 0 || op >= DSK_EW_COUNT) return dsk_set_error(DSK_ERR_ARG, "%s: op %d is not a dsk_ew_op", fn, (int)op);
     if (n == 0) return DSK_OK;
-    DSK__CUDA_LAUNCH(fn, dsk__k_binary, dsk__cuda_grid(n), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), n, out->data,
-                     out->dtype, a->data, a->dtype, b->data, b->dtype, n, op);
-    return DSK_OK;
-}
-
-extern "C" dsk_status dsk_cuda_add(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *a, const dsk_tensor *b) {
-    return dsk__binary(ctx, "dsk_add", out, a, b, DSK__ADD);
-}
-extern "C" dsk_status dsk_cuda_mul(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *a, const dsk_tensor *b) {
-    return dsk__binary(ctx, "dsk_mul", out, a, b, DSK__MUL);
-}
-
-/* y = beta_y * y + alpha * x (x may be NULL: y = alpha * y); rounded per operation. */
-__global__ void dsk__k_axpby(void *y, dsk_dtype dty, float alpha, const void *x, dsk_dtype dtx, int64_t n) {
-    DSK__CUDA_FOR(i, n) {
-        float v = dsk_load_f32(y, dty, i);
-        dsk_store_f32(y, dty, i, x ? __fadd_rn(v, __fmul_rn(alpha, dsk_load_f32(x, dtx, i))) : __fmul_rn(alpha, v));
-    }
-}
-
-extern "C" dsk_status dsk_cuda_scale(dsk_ctx *ctx, dsk_tensor *t, float alpha) {
-    static const char *fn = "dsk_scale";
-    int64_t n = dsk_tensor_numel(t);
-    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
-    if (n == 0) return DSK_OK;
-    DSK__CUDA_LAUNCH(fn, dsk__k_axpby, dsk__cuda_grid(n), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), n, t->data,
-                     t->dtype, alpha, (const void *)NULL, t->dtype, n);
-    return DSK_OK;
-}
-
-extern "C" dsk_status dsk_cuda_axpy(dsk_ctx *ctx, dsk_tensor *y, float alpha, const dsk_tensor *x) {
-    static const char *fn = "dsk_axpy";
-    int64_t n = dsk_tensor_numel(y);
-    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
-    if (n == 0) return DSK_OK;
-    DSK__CUDA_LAUNCH(fn, dsk__k_axpby, dsk__cuda_grid(n), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), n, y->data,
-                     y->dtype, alpha, x->data, x->dtype, n);
+    DSK__CUDA_LAUNCH(fn, dsk__k_ew, dsk__cuda_grid(n), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), n, out->data,
+                     out->dtype, x->data, x->dtype, y ? y->data : NULL, y ? y->dtype : x->dtype, n, op, alpha);
     return DSK_OK;
 }
 

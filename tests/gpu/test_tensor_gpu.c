@@ -130,7 +130,7 @@ static void test_launchers_need_ctx(void) {
         DSK_TEST_ERROR_MENTIONS("dsk_tensor_normal");
         DSK_TEST_STATUS(dsk_cuda_matmul(c, &t, &t, 0, &t, 0, 1.0f, 0.0f), DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("dsk_matmul");
-        DSK_TEST_STATUS(dsk_cuda_add(c, &t, &t, &t), DSK_ERR_ARG);
+        DSK_TEST_STATUS(dsk_cuda_elementwise(c, DSK_EW_ADD, &t, &t, &t, 0.0f), DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("dsk_add");
         DSK_TEST_STATUS(dsk_cuda_reduce(c, &t, &t, 0, DSK_REDUCE_SUM), DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("dsk_reduce");
