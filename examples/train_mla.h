@@ -180,7 +180,8 @@ static void tmla_declare_attn(tm_model *m, int l) {
     }
     p->wkv_a = tm_add_param(m, 1, std, 2, a->kv_lora_rank + a->qk_rope_dim, D, "blocks.%d.attn.wkv_a", l);
     p->kv_norm = tm_add_param(m, 0, 0, 1, a->kv_lora_rank, 0, "blocks.%d.attn.kv_norm", l);
-    p->wkv_b = tm_add_param(m, 1, std, 2, H * (a->qk_nope_dim + a->v_head_dim), a->kv_lora_rank, "blocks.%d.attn.wkv_b", l);
+    p->wkv_b =
+        tm_add_param(m, 1, std, 2, H * (a->qk_nope_dim + a->v_head_dim), a->kv_lora_rank, "blocks.%d.attn.wkv_b", l);
     p->wo = tm_add_param(m, 1, out_std, 2, D, H * a->v_head_dim, "blocks.%d.attn.wo", l);
 }
 
@@ -222,16 +223,21 @@ static dsk_status tmla_check_config(const void *cfg) {
     if (a->recompute < TMLA_RECOMPUTE_NONE || a->recompute > TMLA_RECOMPUTE_FULL)
         return dsk_set_error(DSK_ERR_ARG, "--recompute: none, attn or full");
     if (a->mtp_depth < 0 || a->mtp_depth > TMLA_MAX_MTP || a->mtp_depth >= c->seq)
-        return dsk_set_error(DSK_ERR_ARG, "--mtp %d: between 0 and %d, and below --seq %d", a->mtp_depth, TMLA_MAX_MTP, c->seq);
-    if (!(a->mtp_lambda >= 0.0f)) return dsk_set_error(DSK_ERR_ARG, "--mtp-lambda %g: must be >= 0", (double)a->mtp_lambda);
+        return dsk_set_error(DSK_ERR_ARG, "--mtp %d: between 0 and %d, and below --seq %d", a->mtp_depth, TMLA_MAX_MTP,
+                             c->seq);
+    if (!(a->mtp_lambda >= 0.0f))
+        return dsk_set_error(DSK_ERR_ARG, "--mtp-lambda %g: must be >= 0", (double)a->mtp_lambda);
     if (!tmla_is_mla(a)) return DSK_OK;
     if (a->q_lora_rank < 0 || a->kv_lora_rank < 1 || a->qk_nope_dim < 0 || a->qk_rope_dim < 2 || a->v_head_dim < 1)
-        return dsk_set_error(DSK_ERR_ARG, "MLA sizes: --q-lora-rank %d (>= 0), --kv-lora-rank %d (>= 1), --qk-nope-dim %d (>= 0), "
-                             "--qk-rope-dim %d (>= 2), --v-head-dim %d (>= 1)", a->q_lora_rank, a->kv_lora_rank,
-                             a->qk_nope_dim, a->qk_rope_dim, a->v_head_dim);
-    if (a->qk_rope_dim % 2 != 0) return dsk_set_error(DSK_ERR_ARG, "--qk-rope-dim %d must be even for rotary embeddings", a->qk_rope_dim);
+        return dsk_set_error(DSK_ERR_ARG,
+                             "MLA sizes: --q-lora-rank %d (>= 0), --kv-lora-rank %d (>= 1), --qk-nope-dim %d (>= 0), "
+                             "--qk-rope-dim %d (>= 2), --v-head-dim %d (>= 1)",
+                             a->q_lora_rank, a->kv_lora_rank, a->qk_nope_dim, a->qk_rope_dim, a->v_head_dim);
+    if (a->qk_rope_dim % 2 != 0)
+        return dsk_set_error(DSK_ERR_ARG, "--qk-rope-dim %d must be even for rotary embeddings", a->qk_rope_dim);
     if (a->original_seq < 0 || (a->original_seq > 0 && !(a->rope_factor >= 1.0f)))
-        return dsk_set_error(DSK_ERR_ARG, "--original-seq %d (>= 0) with --rope-factor %g (>= 1)", a->original_seq, (double)a->rope_factor);
+        return dsk_set_error(DSK_ERR_ARG, "--original-seq %d (>= 0) with --rope-factor %g (>= 1)", a->original_seq,
+                             (double)a->rope_factor);
     return DSK_OK;
 }
 
@@ -420,7 +426,8 @@ static dsk_status tmla_attn_forward(tm_model *m, tm_block *b, int nb) {
         TM_T(TM_PH_LINEAR, tm_mm(m, &q, &h1, 0, &p->wq->wc, 1, 0.0f));
     }
     /* rotate the rope part of every query head through a contiguous copy */
-    dsk_tensor q4 = tmla_heads(m, &p->q, nb, H, dqk), qpe = tmla_cols(&q4, dn, dr), pe4 = tmla_heads(m, &s->pe, nb, H, dr);
+    dsk_tensor q4 = tmla_heads(m, &p->q, nb, H, dqk), qpe = tmla_cols(&q4, dn, dr),
+               pe4 = tmla_heads(m, &s->pe, nb, H, dr);
     TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &pe4, &qpe));
     TM_T(TM_PH_ROPE, dsk_rope(m->ctx, &pe4, &pe4, 0, c->rope_theta));
     TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &qpe, &pe4));
@@ -440,7 +447,8 @@ static dsk_status tmla_attn_forward(tm_model *m, tm_block *b, int nb) {
     TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &kn, &kvn));
     TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &kr, &kb));
     TM_TRY(tmla_core(m, b, nb));
-    dsk_tensor att = tm_rows(&p->att, N), x2 = tm_rows(&b->x2, N), h2 = tm_rows(&b->h2, N), rstd2 = tm_rows(&b->rstd2, N);
+    dsk_tensor att = tm_rows(&p->att, N), x2 = tm_rows(&b->x2, N), h2 = tm_rows(&b->h2, N),
+               rstd2 = tm_rows(&b->rstd2, N);
     TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &x2, &x));
     TM_T(TM_PH_LINEAR, tm_mm(m, &x2, &att, 0, &p->wo->wc, 1, 1.0f));
     TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &h2, &rstd2, &x2, &b->ln2->wc, c->norm_eps));
@@ -462,7 +470,8 @@ static dsk_status tmla_query_backward(tm_model *m, tm_block *b) {
     TM_T(TM_PH_MOVE, tm_ready(m, p->wq_b));
     TM_T(TM_PH_LINEAR, tm_mm(m, &s->dcq, &s->dq, 0, &p->wq_b->wc, 0, 0.0f));
     TM_T(TM_PH_MOVE, tm_zero(m, &s->dcq2));
-    TM_T(TM_PH_NORM, dsk_rmsnorm_backward(m->ctx, &s->dcq2, tm_grad(p->q_norm), &s->dcq, &p->cq, &p->q_norm->wc, &p->rstd_q));
+    TM_T(TM_PH_NORM,
+         dsk_rmsnorm_backward(m->ctx, &s->dcq2, tm_grad(p->q_norm), &s->dcq, &p->cq, &p->q_norm->wc, &p->rstd_q));
     TM_T(TM_PH_MOVE, tm_ready(m, p->q_norm));
     TM_T(TM_PH_LINEAR, tm_mm(m, &p->wq_a->g, &s->dcq2, 1, &b->h1, 0, 1.0f));
     TM_T(TM_PH_MOVE, tm_ready(m, p->wq_a));
@@ -477,7 +486,8 @@ static dsk_status tmla_attn_backward(tm_model *m, tm_block *b) {
     tmla_block *p = &b->mla;
     tmla_model *s = &m->mla;
     int nb = c->batch;
-    int64_t H = c->n_heads, dn = a->qk_nope_dim, dr = a->qk_rope_dim, dv = a->v_head_dim, dqk = dn + dr, R = a->kv_lora_rank;
+    int64_t H = c->n_heads, dn = a->qk_nope_dim, dr = a->qk_rope_dim, dv = a->v_head_dim, dqk = dn + dr,
+            R = a->kv_lora_rank;
     if (p->recompute == TMLA_RECOMPUTE_ATTN) TM_TRY(tmla_core(m, b, nb));
     TM_T(TM_PH_LINEAR, tm_mm(m, &p->wo->g, &m->dx, 1, &p->att, 0, 1.0f)); /* dWo += dx2^T att */
     TM_T(TM_PH_MOVE, tm_ready(m, p->wo));
@@ -490,12 +500,14 @@ static dsk_status tmla_attn_backward(tm_model *m, tm_block *b) {
     dsk_tensor att4 = tmla_heads(m, &p->att, nb, H, dv), datt4 = tmla_heads(m, &s->datt, nb, H, dv);
     dsk_tensor dq4 = tmla_heads(m, &s->dq, nb, H, dqk), dk4 = tmla_heads(m, &s->dk, nb, H, dqk);
     dsk_tensor dkvb4 = tmla_heads(m, &s->dkvb, nb, H, dn + dv), dv4 = tmla_cols(&dkvb4, dn, dv);
-    TM_T(TM_PH_ATTN, dsk_attention_fused_backward(m->ctx, &dq4, &dk4, &dv4, &datt4, &q4, &k4, &v4, &att4, &p->lse, tmla_scale(c)));
+    TM_T(TM_PH_ATTN,
+         dsk_attention_fused_backward(m->ctx, &dq4, &dk4, &dv4, &datt4, &q4, &k4, &v4, &att4, &p->lse, tmla_scale(c)));
     /* k_nope's gradient goes to its place in Wkv_b's output */
     dsk_tensor dkn = tmla_cols(&dkvb4, 0, dn), dkn_src = tmla_cols(&dk4, 0, dn);
     TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &dkn, &dkn_src));
     /* the shared rope key: sum over heads, rotate back */
-    dsk_tensor pe4 = tmla_heads(m, &s->pe, nb, H, dr), pe24 = tmla_heads(m, &s->pe2, nb, H, dr), dkr = tmla_cols(&dk4, dn, dr);
+    dsk_tensor pe4 = tmla_heads(m, &s->pe, nb, H, dr), pe24 = tmla_heads(m, &s->pe2, nb, H, dr),
+               dkr = tmla_cols(&dk4, dn, dr);
     dsk_tensor dpe1 = tmla_heads(m, &s->dpe1, nb, 1, dr), dkpe4 = tmla_heads(m, &s->dkpe, nb, 1, dr);
     TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &pe4, &dkr));
     TM_T(TM_PH_ROPE, dsk_reduce(m->ctx, &dpe1, &pe4, 2, DSK_REDUCE_SUM));
@@ -512,7 +524,8 @@ static dsk_status tmla_attn_backward(tm_model *m, tm_block *b) {
     TM_T(TM_PH_MOVE, tm_ready(m, p->wkv_b));
     TM_T(TM_PH_LINEAR, tm_mm(m, &s->dc, &s->dkvb, 0, &p->wkv_b->wc, 0, 0.0f));
     TM_T(TM_PH_MOVE, tm_zero(m, &s->dc2));
-    TM_T(TM_PH_NORM, dsk_rmsnorm_backward(m->ctx, &s->dc2, tm_grad(p->kv_norm), &s->dc, &p->ckv, &p->kv_norm->wc, &p->rstd_kv));
+    TM_T(TM_PH_NORM,
+         dsk_rmsnorm_backward(m->ctx, &s->dc2, tm_grad(p->kv_norm), &s->dc, &p->ckv, &p->kv_norm->wc, &p->rstd_kv));
     TM_T(TM_PH_MOVE, tm_ready(m, p->kv_norm));
     dsk_tensor gc = tmla_wrows(&p->wkv_a->g, 0, R), gr = tmla_wrows(&p->wkv_a->g, R, dr);
     TM_T(TM_PH_LINEAR, tm_mm(m, &gc, &s->dc2, 1, &b->h1, 0, 1.0f));
@@ -586,8 +599,10 @@ static dsk_status tmla_mtp_forward(tm_model *m, int nb) {
         tmla_mtp *t = &m->mla.mtp[k - 1];
         tm_block *b = &m->blocks[c->n_layers + k - 1];
         dsk_tensor prev = tm_rows(k == 1 ? &m->x_final : &m->mla.mtp[k - 2].y, N);
-        dsk_tensor ids = tm_rows(&t->ids, N), emb = tm_rows(&t->emb, N), en = tm_rows(&t->en, N), hn = tm_rows(&t->hn, N);
-        dsk_tensor re = tm_rows(&t->rstd_e, N), rh = tm_rows(&t->rstd_h, N), x = tm_rows(&b->x, N), y = tm_rows(&t->y, N);
+        dsk_tensor ids = tm_rows(&t->ids, N), emb = tm_rows(&t->emb, N), en = tm_rows(&t->en, N),
+                   hn = tm_rows(&t->hn, N);
+        dsk_tensor re = tm_rows(&t->rstd_e, N), rh = tm_rows(&t->rstd_h, N), x = tm_rows(&b->x, N),
+                   y = tm_rows(&t->y, N);
         dsk_tensor ph = tmla_cols(&t->proj->wc, 0, D), pe = tmla_cols(&t->proj->wc, D, D);
         TM_T(TM_PH_MOVE, tmla_mtp_inputs(m, k, nb));
         TM_T(TM_PH_EMBED, dsk_embedding(m->ctx, &emb, &m->embed->wc, &ids));
@@ -656,7 +671,8 @@ static dsk_status tmla_mtp_backward(tm_model *m) {
         TM_T(TM_PH_HEAD, tm_mm(m, &m->lm_head->g, &t->dlogits, 1, &t->hf, 0, 1.0f));
         TM_T(TM_PH_HEAD, tm_mm(m, &m->dh, &t->dlogits, 0, &m->lm_head->wc, 0, 0.0f));
         TM_T(TM_PH_MOVE, k == c->mla.mtp_depth ? tm_zero(m, &m->dx) : dsk_tensor_copy(m->ctx, &m->dx, &s->dcarry));
-        TM_T(TM_PH_NORM, dsk_rmsnorm_backward(m->ctx, &m->dx, tm_grad(t->norm), &m->dh, &t->y, &t->norm->wc, &t->rstdf));
+        TM_T(TM_PH_NORM,
+             dsk_rmsnorm_backward(m->ctx, &m->dx, tm_grad(t->norm), &m->dh, &t->y, &t->norm->wc, &t->rstdf));
         TM_T(TM_PH_MOVE, tm_ready(m, t->norm));
         TM_TRY(tm_dense_backward(m, b));
         TM_T(TM_PH_NORM, dsk_rmsnorm_backward(m->ctx, &m->dx, tm_grad(b->ln2), &m->dh, &b->x2, &b->ln2->wc, &b->rstd2));
@@ -670,10 +686,12 @@ static dsk_status tmla_mtp_backward(tm_model *m) {
         TM_T(TM_PH_LINEAR, tm_mm(m, &m->dh, &m->dx, 0, &ph, 0, 0.0f));  /* d(hn) */
         TM_T(TM_PH_LINEAR, tm_mm(m, &s->dtmp, &m->dx, 0, &pe, 0, 0.0f)); /* d(en) */
         TM_T(TM_PH_MOVE, tm_zero(m, &s->demb));
-        TM_T(TM_PH_NORM, dsk_rmsnorm_backward(m->ctx, &s->demb, tm_grad(t->enorm), &s->dtmp, &t->emb, &t->enorm->wc, &t->rstd_e));
+        TM_T(TM_PH_NORM,
+             dsk_rmsnorm_backward(m->ctx, &s->demb, tm_grad(t->enorm), &s->dtmp, &t->emb, &t->enorm->wc, &t->rstd_e));
         TM_T(TM_PH_EMBED, tmla_mtp_embed_backward(m, t));
         TM_T(TM_PH_MOVE, tm_zero(m, &s->dcarry));
-        TM_T(TM_PH_NORM, dsk_rmsnorm_backward(m->ctx, &s->dcarry, tm_grad(t->hnorm), &m->dh, prev, &t->hnorm->wc, &t->rstd_h));
+        TM_T(TM_PH_NORM,
+             dsk_rmsnorm_backward(m->ctx, &s->dcarry, tm_grad(t->hnorm), &m->dh, prev, &t->hnorm->wc, &t->rstd_h));
         TM_T(TM_PH_MOVE, tm_ready(m, t->enorm));
         TM_T(TM_PH_MOVE, tm_ready(m, t->hnorm));
     }

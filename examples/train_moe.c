@@ -139,7 +139,8 @@ static const opt_spec OPTS[] = {
     {"--qk-nope-dim", OPT_INT, O_(qk_nope), 0, "MLA per-head query/key dims without rotary embedding"},
     {"--qk-rope-dim", OPT_INT, O_(qk_rope), 0, "MLA per-head (query) and shared (key) rotary dims"},
     {"--v-head-dim", OPT_INT, O_(v_head), 0, "MLA per-head value dims"},
-    {"--original-seq", OPT_INT, O_(original_seq), 0, "MLA: pre-training length; longer --seq applies the mscale softmax correction (0 = off)"},
+    {"--original-seq", OPT_INT, O_(original_seq), 0,
+     "MLA: pre-training length; longer --seq applies the mscale softmax correction (0 = off)"},
     {"--rope-factor", OPT_DOUBLE, O_(rope_factor), 0, "MLA: context extension factor of the mscale correction"},
     {"--mscale", OPT_DOUBLE, O_(mscale), 0, "MLA: mscale of the correction 0.1 mscale ln(factor) + 1"},
     {"--mtp", OPT_INT, O_(mtp), 0, "multi-token prediction depth D (0 = off)"},
@@ -1074,8 +1075,8 @@ static void config_string(const trainer *t, char *buf, size_t n) {
              o->expert_hidden, o->score, o->batch, o->accum, dsk_dtype_name(t->model.cfg.cdt), o->seed);
     if (t->model.cfg.mla.attn == TMLA_ATTN_MLA || o->mtp > 0) { /* MHA without MTP keeps the older string */
         size_t k = strlen(buf);
-        snprintf(buf + k, n - k, " attn=%s q_lora=%d kv_lora=%d qk_nope=%d qk_rope=%d v_head=%d mtp=%d", o->attn, o->q_lora,
-                 o->kv_lora, o->qk_nope, o->qk_rope, o->v_head, o->mtp);
+        snprintf(buf + k, n - k, " attn=%s q_lora=%d kv_lora=%d qk_nope=%d qk_rope=%d v_head=%d mtp=%d", o->attn,
+                 o->q_lora, o->kv_lora, o->qk_nope, o->qk_rope, o->v_head, o->mtp);
     }
 }
 
@@ -1391,8 +1392,9 @@ static void report_mla(trainer *t, const char *when) {
     char line[512];
     if (strcmp(when, "start") == 0) {
         if (t->model.cfg.mla.attn == TMLA_ATTN_MLA)
-            say(t, "attention: MLA, q_lora_rank %d, kv_lora_rank %d, qk dims %d nope + %d rope, v dims %d, softmax scale %.5f\n",
-                o->q_lora, o->kv_lora, o->qk_nope, o->qk_rope, o->v_head, (double)tmla_scale(&t->model.cfg));
+            say(t, "attention: MLA, q_lora_rank %d, kv_lora_rank %d, qk dims %d nope + %d rope, v dims %d, "
+                   "softmax scale %.5f\n", o->q_lora, o->kv_lora, o->qk_nope, o->qk_rope, o->v_head,
+                (double)tmla_scale(&t->model.cfg));
         else
             say(t, "attention: MHA, %d heads of %d\n", o->heads, o->d_model / o->heads);
         say(t, "multi-token prediction: depth %d%s, lambda %g; recompute: %s\n", o->mtp, o->mtp ? "" : " (off)",

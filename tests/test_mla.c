@@ -30,7 +30,8 @@ static const double *ref_w(const tm_param *p, double **keep, int *nkeep) {
 }
 
 /* y (n, o) = x (n, i) W^T, W (o, ld) read from column c0 */
-static void ref_linear(double *y, const double *x, int64_t n, int64_t in, const double *W, int64_t o, int64_t ld, int64_t c0) {
+static void ref_linear(double *y, const double *x, int64_t n, int64_t in, const double *W, int64_t o, int64_t ld,
+                       int64_t c0) {
     for (int64_t r = 0; r < n; r++)
         for (int64_t j = 0; j < o; j++) {
             double s = 0;
@@ -66,11 +67,13 @@ typedef struct ref_ctx { const tm_model *m; double *keep[512]; int nkeep; } ref_
 static void ref_mla(ref_ctx *r, const tm_block *b, double *x) {
     const tm_config *c = &r->m->cfg;
     const tmla_config *a = &c->mla;
-    int64_t B = c->batch, T = c->seq, N = B * T, D = c->d_model, H = c->n_heads, dn = a->qk_nope_dim, dr = a->qk_rope_dim;
+    int64_t B = c->batch, T = c->seq, N = B * T, D = c->d_model, H = c->n_heads, dn = a->qk_nope_dim,
+            dr = a->qk_rope_dim;
     int64_t dv = a->v_head_dim, dq = dn + dr, R = a->kv_lora_rank;
     double *h = calloc((size_t)(N * D), sizeof(double)), *q = calloc((size_t)(N * H * dq), sizeof(double));
     double *kv = calloc((size_t)(N * (R + dr)), sizeof(double)), *lat = calloc((size_t)(N * R), sizeof(double));
-    double *kvb = calloc((size_t)(N * H * (dn + dv)), sizeof(double)), *o = calloc((size_t)(N * H * dv), sizeof(double));
+    double *kvb = calloc((size_t)(N * H * (dn + dv)), sizeof(double)),
+           *o = calloc((size_t)(N * H * dv), sizeof(double));
     double *sc = calloc((size_t)T, sizeof(double));
     ref_rmsnorm(h, x, N, D, RW(b->ln1), c->norm_eps);
     if (a->q_lora_rank > 0) {
@@ -102,7 +105,8 @@ static void ref_mla(ref_ctx *r, const tm_block *b, double *x) {
                 const double *qi = q + ((bb * T + i) * H + hh) * dq;
                 double mx = -INFINITY, sum = 0;
                 for (int64_t j = 0; j <= i; j++) {
-                    const double *kn = kvb + ((bb * T + j) * H + hh) * (dn + dv), *kr = kv + (bb * T + j) * (R + dr) + R;
+                    const double *kn = kvb + ((bb * T + j) * H + hh) * (dn + dv),
+                                 *kr = kv + (bb * T + j) * (R + dr) + R;
                     double s = 0;
                     for (int64_t k = 0; k < dn; k++) s += qi[k] * kn[k];
                     for (int64_t k = 0; k < dr; k++) s += qi[dn + k] * kr[k];
@@ -139,7 +143,8 @@ static void ref_ffn(ref_ctx *r, const tm_block *b, double *x) {
 
 /* logits (N, V) of RMSNorm(x; w) and the shared head; returns the sum of -log p(target) over
    rows whose target is >= 0 and counts them. */
-static double ref_head(ref_ctx *r, const double *x, const tm_param *norm, const int32_t *tgt, double *logits, int64_t *count) {
+static double ref_head(ref_ctx *r, const double *x, const tm_param *norm, const int32_t *tgt, double *logits,
+                       int64_t *count) {
     const tm_config *c = &r->m->cfg;
     int64_t N = (int64_t)c->batch * c->seq, D = c->d_model, V = c->vocab;
     double *h = calloc((size_t)(N * D), sizeof(double)), nll = 0;
@@ -277,7 +282,8 @@ static void check_forward(int q_lora, int mtp, int long_ctx) {
         for (int64_t bb = 0; bb < c.batch; bb++) {
             char what[64];
             snprintf(what, sizeof what, "MTP module %d logits, sequence %lld", k, (long long)bb);
-            DSK_TEST_CLOSE((const float *)mt->logits.data + bb * T * V, logits + bb * T * V, (T - k + 1) * V, 1e-4, 1e-5, what);
+            DSK_TEST_CLOSE((const float *)mt->logits.data + bb * T * V, logits + bb * T * V, (T - k + 1) * V, 1e-4,
+                           1e-5, what);
         }
     }
     double got = (double)host_loss(&m) + mtp_obj;
@@ -288,7 +294,8 @@ static void check_forward(int q_lora, int mtp, int long_ctx) {
     const tm_param *ps[] = {p->wq, p->wq_a, p->wq_b, p->wkv_a, p->wkv_b, p->wo};
     for (size_t i = 0; i < sizeof ps / sizeof ps[0]; i++) nw += ps[i] ? (double)tm_param_numel(ps[i]) : 0;
     DSK_TEST_EXPECT(nw == tmla_attn_weights(&c), "attention weights %g vs %g", nw, tmla_attn_weights(&c));
-    DSK_TEST_EXPECT(tmla_core_flops(&c) == 6.0 * c.seq * c.n_heads * (c.mla.qk_nope_dim + c.mla.qk_rope_dim + c.mla.v_head_dim) / 2,
+    DSK_TEST_EXPECT(tmla_core_flops(&c) ==
+                        6.0 * c.seq * c.n_heads * (c.mla.qk_nope_dim + c.mla.qk_rope_dim + c.mla.v_head_dim) / 2,
                     "core FLOPs");
     double mw = 2.0 * D * D + nw + 3.0 * D * c.ffn_hidden + (double)D * c.vocab;
     DSK_TEST_EXPECT(tmla_mtp_flops(&c) == mtp * (6 * mw + tmla_core_flops(&c)), "MTP FLOPs %g", tmla_mtp_flops(&c));
@@ -334,7 +341,8 @@ static step_out one_step(const tm_config *c, int recompute, const int32_t *tok) 
 }
 
 static void check_recompute(int mla) {
-    dsk_test_begin("--recompute attn/full: %s gradients bitwise equal to none, peak full < attn < none", mla ? "MLA" : "MHA");
+    dsk_test_begin("--recompute attn/full: %s gradients bitwise equal to none, peak full < attn < none",
+                   mla ? "MLA" : "MHA");
     tm_config c = small_config(8, 1, 3, 2); /* 2 dense blocks (sharing FFN buffers), an MoE block, an MTP module */
     c.seq = 32;
     c.mla.attn = mla ? TMLA_ATTN_MLA : TMLA_ATTN_MHA;
@@ -345,11 +353,12 @@ static void check_recompute(int mla) {
     for (int r = 0; r < 3; r++) s[r] = one_step(&c, r, tok);
     for (int r = 1; r < 3; r++) {
         DSK_TEST_EXPECT(s[r].n == s[0].n, "gradient sizes %lld vs %lld", (long long)s[r].n, (long long)s[0].n);
-        DSK_TEST_SAME_BYTES(s[r].grad, s[0].grad, (size_t)s[0].n * sizeof(float), r == 1 ? "attn vs none gradients" : "full vs none gradients");
+        DSK_TEST_SAME_BYTES(s[r].grad, s[0].grad, (size_t)s[0].n * sizeof(float),
+                            r == 1 ? "attn vs none gradients" : "full vs none gradients");
         DSK_TEST_EXPECT(s[r].loss == s[0].loss, "loss %.9g vs %.9g", (double)s[r].loss, (double)s[0].loss);
     }
-    printf("     peak allocator growth: none %lld B, attn %lld B, full %lld B\n", (long long)s[0].peak, (long long)s[1].peak,
-           (long long)s[2].peak);
+    printf("     peak allocator growth: none %lld B, attn %lld B, full %lld B\n", (long long)s[0].peak,
+           (long long)s[1].peak, (long long)s[2].peak);
     DSK_TEST_EXPECT(s[2].peak < s[1].peak && s[1].peak < s[0].peak, "peaks full %lld < attn %lld < none %lld",
                     (long long)s[2].peak, (long long)s[1].peak, (long long)s[0].peak);
     for (int r = 0; r < 3; r++) free(s[r].grad);
@@ -375,9 +384,13 @@ static void check_long_sequence(void) {
     int64_t T = 1024;
     while ((double)c.batch * c.n_heads * (double)T * (double)T * 4.0 <= phys) T *= 2;
     double mat = (double)c.batch * c.n_heads * (double)T * (double)T * 4.0;
-    dsk_test_begin("MLA trains a step at T = %lld (materialised probabilities %.1f GiB > %.1f GiB of RAM)", (long long)T,
-                   mat / 1073741824.0, phys / 1073741824.0);
-    if (T > 131072) { dsk_test_skip("this machine's RAM asks for T = %lld: too slow for make test", (long long)T); dsk_test_end(); return; }
+    dsk_test_begin("MLA trains a step at T = %lld (materialised probabilities %.1f GiB > %.1f GiB of RAM)",
+                   (long long)T, mat / 1073741824.0, phys / 1073741824.0);
+    if (T > 131072) {
+        dsk_test_skip("this machine's RAM asks for T = %lld: too slow for make test", (long long)T);
+        dsk_test_end();
+        return;
+    }
     c.seq = (int)T;
     tm_model m;
     dsk_tensor_mem live0 = dsk_tensor_mem_stats(dsk_cpu());
@@ -404,8 +417,8 @@ static void check_long_sequence(void) {
     float l1 = host_loss(&m);
     double peak = (double)(dsk_tensor_mem_stats(dsk_cpu()).peak_bytes - live0.live_bytes);
     printf("     T %lld: step %.1f s, loss %.4f -> %.4f after one AdamW step, allocator peak %.1f MiB "
-           "(materialised probabilities alone: %.1f GiB)\n", (long long)T, step_s, (double)l0, (double)l1, peak / 1048576.0,
-           mat / 1073741824.0);
+           "(materialised probabilities alone: %.1f GiB)\n",
+           (long long)T, step_s, (double)l0, (double)l1, peak / 1048576.0, mat / 1073741824.0);
     char line[512];
     tmla_memory_line(&m, "the end of the step", line, sizeof line);
     printf("     %s", line);

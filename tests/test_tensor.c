@@ -620,7 +620,8 @@ static void test_copy_strided_exact(void) {
 /* Same-dtype copies between column slices, and from a broadcast (stride 0) view, of 4-D
    tensors (the row-at-a-time path): every element lands in place, nothing else is written. */
 static void test_copy_rows(void) {
-    dsk_tensor *a = tt_new(DSK_F32, 4, SH(2, 3, 4, 5)), *d = tt_new(DSK_F32, 4, SH(2, 3, 4, 7)), *e = tt_new(DSK_F32, 4, SH(2, 3, 1, 3));
+    dsk_tensor *a = tt_new(DSK_F32, 4, SH(2, 3, 4, 5)), *d = tt_new(DSK_F32, 4, SH(2, 3, 4, 7)),
+               *e = tt_new(DSK_F32, 4, SH(2, 3, 1, 3));
     dsk_tensor as, ds, eb;
     float *ap = (float *)a->data, *dp = (float *)d->data, *ep = (float *)e->data;
     dsk_test_fill_f32(ap, 120, -1, 1);
@@ -632,7 +633,9 @@ static void test_copy_rows(void) {
     for (int r = 0; r < 24; r++)
         for (int c = 0; c < 7; c++) {
             float got = dp[r * 7 + c];
-            if (c >= 2 && c < 5) DSK_TEST_EXPECT(got == ap[r * 5 + c - 1], "slice row %d col %d: %g want %g", r, c, got, ap[r * 5 + c - 1]);
+            if (c >= 2 && c < 5)
+                DSK_TEST_EXPECT(got == ap[r * 5 + c - 1], "slice row %d col %d: %g want %g", r, c, got,
+                                ap[r * 5 + c - 1]);
             else DSK_TEST_EXPECT(got != got, "row %d col %d outside the slice was written: %g", r, c, got);
         }
     eb = *e;
@@ -641,8 +644,8 @@ static void test_copy_rows(void) {
     DSK_TEST_OK(dsk_tensor_copy(NULL, &ds, &eb));
     for (int r = 0; r < 24; r++)
         for (int c = 2; c < 5; c++)
-            DSK_TEST_EXPECT(dp[r * 7 + c] == ep[(r / 4) * 3 + c - 2], "broadcast row %d col %d: %g want %g", r, c, dp[r * 7 + c],
-                            ep[(r / 4) * 3 + c - 2]);
+            DSK_TEST_EXPECT(dp[r * 7 + c] == ep[(r / 4) * 3 + c - 2], "broadcast row %d col %d: %g want %g", r, c,
+                            dp[r * 7 + c], ep[(r / 4) * 3 + c - 2]);
 }
 
 static void test_copy_rounding(void) {
