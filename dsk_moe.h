@@ -447,6 +447,10 @@ static inline DSK_HD void dsk__moe_loss_token(int E, int K, int count_topk, int 
         for (int k = 0; k < K; k++) lsel[k] = sel[k];
         return;
     }
+    if (tot != tot) { /* a NaN score ranks nothing: the router's fallback for such a token, experts 0 .. K-1 */
+        for (int k = 0; k < K; k++) lsel[k] = k;
+        return;
+    }
     {
         float pv = INFINITY;
         int pi = -1;

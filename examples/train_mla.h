@@ -81,6 +81,7 @@ typedef struct tmla_mtp {
     struct tm_param *hnorm, *enorm, *proj, *norm; /* proj (D, 2D): [RMSNorm(h) | RMSNorm(emb)] -> D */
     dsk_tensor ids, tgt;                /* (N) i32: t_{i+k} (0 past the end), t_{i+k+1} (-1 past the end) */
     dsk_tensor emb, en, rstd_e, hn, rstd_h; /* (N, D), (N) */
+    dsk_tensor demb;                    /* (N, D) d(emb), applied to the embedding in its own backward unit */
     dsk_tensor y, hf, rstdf, logits, dlogits; /* block output, final norm, head */
     dsk_tensor loss;                    /* scalar f32 */
 } tmla_mtp;
@@ -93,7 +94,7 @@ typedef struct tmla_model {
     dsk_tensor dc, dc2, dcq, dcq2;      /* latent gradients */
     dsk_tensor yscr;                    /* (N, D) --recompute full: dense FFN output while recomputing */
     tmla_mtp mtp[TMLA_MAX_MTP];
-    dsk_tensor dcarry, dtmp, demb;      /* (N, D) MTP backward */
+    dsk_tensor dcarry, dtmp;            /* (N, D) MTP backward */
     int eval;                           /* 1: forward passes skip the MTP modules */
 } tmla_model;
 
@@ -112,9 +113,11 @@ static dsk_status tmla_attn_forward(struct tm_model *m, struct tm_block *b, int 
 static dsk_status tmla_attn_backward(struct tm_model *m, struct tm_block *b);
 static dsk_status tmla_recompute_core(struct tm_model *m, struct tm_block *b);
 static dsk_status tmla_recompute_block(struct tm_model *m, int l);
+static dsk_status tmla_mtp_embed(struct tm_model *m, int nb);
 static dsk_status tmla_mtp_forward(struct tm_model *m, int nb);
 static dsk_status tmla_mtp_loss(struct tm_model *m, float grad_scale);
 static dsk_status tmla_mtp_backward(struct tm_model *m);
+static dsk_status tmla_mtp_embed_backward(struct tm_model *m);
 static dsk_status tmla_seed_dx(struct tm_model *m);
 
 #elif defined(TRAIN_MODEL_H_DONE) && !defined(TRAIN_MLA_BODY)
@@ -339,7 +342,7 @@ static dsk_status tmla_alloc(tm_model *m) {
     for (int k = 0; k < a->mtp_depth; k++) {
         tmla_mtp *t = &s->mtp[k];
         TM_TRY(tmla_alloc_block(m, c->n_layers + k));
-        dsk_tensor *nd[] = {&t->emb, &t->en, &t->hn, &t->y, &t->hf};
+        dsk_tensor *nd[] = {&t->emb, &t->en, &t->hn, &t->y, &t->hf, &t->demb};
         for (size_t i = 0; i < sizeof nd / sizeof nd[0]; i++) TM_TRY(tm_alloc2(m, nd[i], dt, N, D));
         TM_TRY(tm_alloc2(m, &t->rstd_e, DSK_F32, N, 0));
         TM_TRY(tm_alloc2(m, &t->rstd_h, DSK_F32, N, 0));
@@ -353,7 +356,6 @@ static dsk_status tmla_alloc(tm_model *m) {
     if (a->mtp_depth > 0) {
         TM_TRY(tm_alloc2(m, &s->dcarry, dt, N, D));
         TM_TRY(tm_alloc2(m, &s->dtmp, dt, N, D));
-        TM_TRY(tm_alloc2(m, &s->demb, dt, N, D));
     }
     return DSK_OK;
 }
@@ -382,11 +384,11 @@ static void tmla_free(tm_model *m) {
     for (int k = 0; k < TMLA_MAX_MTP; k++) {
         tmla_mtp *t = &s->mtp[k];
         dsk_tensor *ts[] = {&t->ids, &t->tgt, &t->emb, &t->en, &t->rstd_e, &t->hn, &t->rstd_h, &t->y, &t->hf, &t->rstdf,
-                            &t->logits, &t->dlogits, &t->loss};
+                            &t->logits, &t->dlogits, &t->loss, &t->demb};
         for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
     }
     dsk_tensor *ts[] = {&s->pe, &s->pe2, &s->dpe1, &s->dkpe, &s->dq, &s->dk, &s->dkvb, &s->datt, &s->dc, &s->dc2,
-                        &s->dcq, &s->dcq2, &s->yscr, &s->dcarry, &s->dtmp, &s->demb};
+                        &s->dcq, &s->dcq2, &s->yscr, &s->dcarry, &s->dtmp};
     for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
 }
 
@@ -590,6 +592,20 @@ static dsk_status tmla_mtp_inputs(tm_model *m, int k, int nb) {
     return dsk_tensor_fill(m->ctx, &dst, -1.0);
 }
 
+/* The modules' inputs and their embeddings, beside the main model's (in the embedding's unit:
+   ZeRO gathers the table around it); skipped by evaluation passes. */
+static dsk_status tmla_mtp_embed(tm_model *m, int nb) {
+    int64_t N = (int64_t)nb * m->cfg.seq;
+    if (m->mla.eval) return DSK_OK;
+    for (int k = 1; k <= m->cfg.mla.mtp_depth; k++) {
+        tmla_mtp *t = &m->mla.mtp[k - 1];
+        dsk_tensor ids = tm_rows(&t->ids, N), emb = tm_rows(&t->emb, N);
+        TM_T(TM_PH_MOVE, tmla_mtp_inputs(m, k, nb));
+        TM_T(TM_PH_EMBED, dsk_embedding(m->ctx, &emb, &m->embed->wc, &ids));
+    }
+    return DSK_OK;
+}
+
 /* The D modules after the main forward (nb sequences); skipped by evaluation passes. */
 static dsk_status tmla_mtp_forward(tm_model *m, int nb) {
     const tm_config *c = &m->cfg;
@@ -599,13 +615,10 @@ static dsk_status tmla_mtp_forward(tm_model *m, int nb) {
         tmla_mtp *t = &m->mla.mtp[k - 1];
         tm_block *b = &m->blocks[c->n_layers + k - 1];
         dsk_tensor prev = tm_rows(k == 1 ? &m->x_final : &m->mla.mtp[k - 2].y, N);
-        dsk_tensor ids = tm_rows(&t->ids, N), emb = tm_rows(&t->emb, N), en = tm_rows(&t->en, N),
-                   hn = tm_rows(&t->hn, N);
+        dsk_tensor emb = tm_rows(&t->emb, N), en = tm_rows(&t->en, N), hn = tm_rows(&t->hn, N);
         dsk_tensor re = tm_rows(&t->rstd_e, N), rh = tm_rows(&t->rstd_h, N), x = tm_rows(&b->x, N),
                    y = tm_rows(&t->y, N);
         dsk_tensor ph = tmla_cols(&t->proj->wc, 0, D), pe = tmla_cols(&t->proj->wc, D, D);
-        TM_T(TM_PH_MOVE, tmla_mtp_inputs(m, k, nb));
-        TM_T(TM_PH_EMBED, dsk_embedding(m->ctx, &emb, &m->embed->wc, &ids));
         TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &hn, &rh, &prev, &t->hnorm->wc, c->norm_eps));
         TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &en, &re, &emb, &t->enorm->wc, c->norm_eps));
         TM_T(TM_PH_LINEAR, tm_mm(m, &x, &hn, 0, &ph, 1, 0.0f)); /* M [hn | en] as two products */
@@ -651,15 +664,23 @@ static dsk_status tmla_mtp_objective(tm_model *m, double *out) {
     return DSK_OK;
 }
 
-/* Embedding gradient of module k's inputs from d(emb) in demb. */
-static dsk_status tmla_mtp_embed_backward(tm_model *m, tmla_mtp *t) {
-    if (!m->dx32.data) return dsk_embedding_backward(m->ctx, &m->embed->g, &m->mla.demb, &t->ids);
-    TM_TRY(dsk_tensor_copy(m->ctx, &m->dx32, &m->mla.demb));
-    return dsk_embedding_backward(m->ctx, &m->embed->g, &m->dx32, &t->ids);
+/* The embedding's gradient from every module's d(emb), depth D first, in the embedding's
+   backward unit before the main model's term (ZeRO binds the table's gradient there). */
+static dsk_status tmla_mtp_embed_backward(tm_model *m) {
+    for (int k = m->cfg.mla.mtp_depth; k >= 1; k--) {
+        tmla_mtp *t = &m->mla.mtp[k - 1];
+        if (!m->dx32.data) {
+            TM_T(TM_PH_EMBED, dsk_embedding_backward(m->ctx, &m->embed->g, &t->demb, &t->ids));
+            continue;
+        }
+        TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &m->dx32, &t->demb));
+        TM_T(TM_PH_EMBED, dsk_embedding_backward(m->ctx, &m->embed->g, &m->dx32, &t->ids));
+    }
+    return DSK_OK;
 }
 
-/* Backward of the modules, depth D first, before the main model's (the shared head's and
-   embedding's gradients are final only after it); leaves d(x_final) in dcarry. */
+/* Backward of the modules, depth D first, before the main model's (the shared head's gradient
+   is final only after it); leaves d(x_final) in dcarry and each d(emb) in its module. */
 static dsk_status tmla_mtp_backward(tm_model *m) {
     const tm_config *c = &m->cfg;
     tmla_model *s = &m->mla;
@@ -685,10 +706,9 @@ static dsk_status tmla_mtp_backward(tm_model *m) {
         TM_T(TM_PH_MOVE, tm_ready(m, t->proj));
         TM_T(TM_PH_LINEAR, tm_mm(m, &m->dh, &m->dx, 0, &ph, 0, 0.0f));  /* d(hn) */
         TM_T(TM_PH_LINEAR, tm_mm(m, &s->dtmp, &m->dx, 0, &pe, 0, 0.0f)); /* d(en) */
-        TM_T(TM_PH_MOVE, tm_zero(m, &s->demb));
+        TM_T(TM_PH_MOVE, tm_zero(m, &t->demb));
         TM_T(TM_PH_NORM,
-             dsk_rmsnorm_backward(m->ctx, &s->demb, tm_grad(t->enorm), &s->dtmp, &t->emb, &t->enorm->wc, &t->rstd_e));
-        TM_T(TM_PH_EMBED, tmla_mtp_embed_backward(m, t));
+             dsk_rmsnorm_backward(m->ctx, &t->demb, tm_grad(t->enorm), &s->dtmp, &t->emb, &t->enorm->wc, &t->rstd_e));
         TM_T(TM_PH_MOVE, tm_zero(m, &s->dcarry));
         TM_T(TM_PH_NORM,
              dsk_rmsnorm_backward(m->ctx, &s->dcarry, tm_grad(t->hnorm), &m->dh, prev, &t->hnorm->wc, &t->rstd_h));
@@ -731,34 +751,32 @@ static double tmla_mtp_flops(const tm_config *c) {
 /* ------------------------------------------------------------------ memory report */
 
 typedef struct tmla_mem {
-    double params, grads, optim, acts, peak, peak_acts; /* bytes */
+    double state, acts, peak, peak_acts; /* bytes */
 } tmla_mem;
 
-/* The model's memory on its device from the allocator (dsk_tensor_mem_stats): parameters (f32
-   masters and compute copies), gradients, AdamW moments, and the rest of what is allocated now
-   (activations and workspace); peak: the high-water mark of everything, peak_acts: of the rest. */
-static tmla_mem tmla_memory(const tm_model *m) {
+/* Memory on device `dev` from the allocator (dsk_tensor_mem_stats) given the training state's
+   bytes (params, grads, optim: parameters, gradients, optimizer state as the caller holds them,
+   in the model's slabs or in dsk_zero's pieces): the rest of what is allocated now (activations
+   and workspace), the high-water mark of everything and of the rest (peak activations). */
+static tmla_mem tmla_memory(dsk_device dev, double params, double grads, double optim) {
     tmla_mem r;
-    dsk_tensor_mem st = dsk_tensor_mem_stats(m->slab_w.device);
-    memset(&r, 0, sizeof r);
-    r.params = (double)dsk_tensor_nbytes(&m->slab_w) + (double)dsk_tensor_nbytes(&m->slab_wc);
-    r.grads = (double)dsk_tensor_nbytes(&m->slab_g);
-    for (int i = 0; i < m->n_params; i++) r.grads += (double)dsk_tensor_nbytes(&m->params[i].gc);
-    r.optim = (double)dsk_tensor_nbytes(&m->slab_m) + (double)dsk_tensor_nbytes(&m->slab_v);
-    r.acts = (double)st.live_bytes - r.params - r.grads - r.optim;
+    dsk_tensor_mem st = dsk_tensor_mem_stats(dev);
+    r.state = params + grads + optim;
+    r.acts = (double)st.live_bytes - r.state;
     r.peak = (double)st.peak_bytes;
-    r.peak_acts = r.peak - r.params - r.grads - r.optim;
+    r.peak_acts = r.peak - r.state;
     return r;
 }
 
-/* One line of tmla_memory for the trainer's log (`when`: "start", "end"). */
-static void tmla_memory_line(const tm_model *m, const char *when, char *buf, size_t n) {
-    tmla_mem r = tmla_memory(m);
+/* One line of tmla_memory for the trainer's log (`when`: "the end", ...). */
+static void tmla_memory_line(dsk_device dev, double params, double grads, double optim, int rank, const char *when,
+                             char *buf, size_t n) {
+    tmla_mem r = tmla_memory(dev, params, grads, optim);
     const double MiB = 1024.0 * 1024.0;
-    snprintf(buf, n, "memory at %s (allocator, %s): parameters %.2f MiB, gradients %.2f MiB, optimizer state %.2f MiB, "
-             "activations and workspace %.2f MiB, peak activations %.3f MiB (%.0f B), peak of all %.2f MiB\n", when,
-             m->slab_w.device.type == DSK_DEV_CUDA ? "GPU" : "CPU", r.params / MiB, r.grads / MiB, r.optim / MiB,
-             r.acts / MiB, r.peak_acts / MiB, r.peak_acts, r.peak / MiB);
+    snprintf(buf, n, "memory at %s, rank %d (allocator, %s): parameters %.2f MiB, gradients %.2f MiB, optimizer state "
+             "%.2f MiB, activations and workspace %.2f MiB, peak activations %.3f MiB (%.0f B), peak of all %.2f MiB\n",
+             when, rank, dev.type == DSK_DEV_CUDA ? "GPU" : "CPU", params / MiB, grads / MiB, optim / MiB, r.acts / MiB,
+             r.peak_acts / MiB, r.peak_acts, r.peak / MiB);
 }
 
 #endif /* TRAIN_MLA_H */

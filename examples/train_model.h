@@ -37,6 +37,8 @@ typedef struct tm_config {
     uint64_t seed;
     dsk_moe_opts moe;   /* template of every MoE layer (name, d_model, dtype, seed are set per layer) */
     tmla_config mla;    /* attention kind and MLA sizes, MTP depth, recomputation (train_mla.h) */
+    int external;       /* 1: no slabs: the caller binds every parameter's wc and g (and binds the MoE layers'),
+                           keeps masters and moments, initialises the weights (ZeRO, examples/train_zero.h) */
 } tm_config;
 
 /* One trainable tensor: master weights, gradient, moments (f32) and the compute copy. */
@@ -52,6 +54,7 @@ typedef struct tm_param {
     int moe_layer;      /* the block of an MoE parameter, or -1 */
     int moe_index;      /* its index in that layer's params[] */
     int sharded;        /* 1: an expert-sharded MoE parameter (after every replicated one in the slabs) */
+    int unit;           /* its unit: 0 the embedding, 1 + l block l, n_layers + 1 the final norm and head */
 } tm_param;
 
 typedef struct tm_block {
@@ -92,6 +95,11 @@ typedef struct tm_model {
        (data-parallel buckets start their all-reduce from it); may be NULL */
     dsk_status (*grad_ready)(void *user, int param_index);
     void *grad_ready_user;
+    /* called at the edges of each unit's forward and backward (ZeRO gathers, frees and binds there);
+       may be NULL. The last unit's forward has no end: backward begins with it. */
+    dsk_status (*unit_hook)(void *user, int unit, int phase);
+    void *unit_hook_user;
+    int unit_cur;                       /* tm_declare: the unit of the parameters being declared */
     int64_t numel;                      /* elements of each slab */
     dsk_tensor slab_w, slab_g, slab_m, slab_v, slab_wc;
     tm_param *embed, *ln_f, *lm_head;
@@ -157,6 +165,7 @@ static tm_param *tm_add_param(tm_model *m, int decay, float std, int ndim, int64
     memset(p, 0, sizeof *p);
     snprintf(p->name, sizeof p->name, fmt, layer);
     p->moe_layer = -1;
+    p->unit = m->unit_cur;
     p->decay = decay;
     p->init_std = std;
     p->ndim = ndim;
@@ -183,6 +192,7 @@ static void tm_add_moe_param(tm_model *m, int l, int i) {
     p->moe_layer = l;
     p->moe_index = i;
     p->sharded = mp->expert_sharded;
+    p->unit = l + 1;
 }
 
 /* Declares the dense parameters in slab order, which is also the order backward finishes
@@ -192,9 +202,11 @@ static void tm_declare(tm_model *m) {
     const tm_config *c = &m->cfg;
     int64_t D = c->d_model, F = c->ffn_hidden, V = c->vocab;
     float std = c->init_std, out_std = c->init_std / sqrtf(2.0f * (float)c->n_layers); /* GPT-2 residual scaling */
+    m->unit_cur = 0;
     m->embed = tm_add_param(m, 1, std, 2, V, D, "embed", 0);
     for (int l = 0; l < c->n_layers; l++) {
         tm_block *b = &m->blocks[l];
+        m->unit_cur = l + 1;
         b->ln1 = tm_add_param(m, 0, 0, 1, D, 0, "blocks.%d.ln1", l);
         if (tmla_is_mla(&c->mla)) {
             tmla_declare_attn(m, l);
@@ -214,6 +226,7 @@ static void tm_declare(tm_model *m) {
                 if (b->moe.params[i].trainable && !b->moe.params[i].expert_sharded) tm_add_moe_param(m, l, i);
         }
     }
+    m->unit_cur = c->n_layers + 1;
     m->ln_f = tm_add_param(m, 0, 0, 1, D, 0, "ln_f", 0);
     m->lm_head = tm_add_param(m, 1, std, 2, V, D, "lm_head", 0);
     tmla_declare_mtp(m);
@@ -354,7 +367,7 @@ static dsk_status tm_init_moe(tm_model *m, int l, char *name, size_t name_size) 
 /* Binds every MoE layer's parameters: the compute copies and gradients in the model's slabs,
    the expert bias in its own small tensor (zero). Then the workspace for a full micro-batch. */
 static dsk_status tm_bind_moe(tm_model *m) {
-    for (int i = 0; i < m->n_params; i++) {
+    for (int i = 0; !m->cfg.external && i < m->n_params; i++) {
         tm_param *p = &m->params[i];
         if (p->moe_layer >= 0) TM_TRY(dsk_moe_bind(&m->blocks[p->moe_layer].moe, m->ctx, p->moe_index, &p->wc, &p->g));
     }
@@ -451,13 +464,15 @@ static dsk_status tm_init(tm_model *m, dsk_ctx *ctx, const tm_config *cfg) {
         m->numel += tm_param_numel(&m->params[i]);
         if (i < m->n_dense_params) m->numel_dense = m->numel;
     }
-    TM_TRY(tm_alloc_slab(m, &m->slab_w, DSK_F32));
-    TM_TRY(tm_alloc_slab(m, &m->slab_g, DSK_F32));
-    TM_TRY(tm_alloc_slab(m, &m->slab_m, DSK_F32));
-    TM_TRY(tm_alloc_slab(m, &m->slab_v, DSK_F32));
-    if (cfg->cdt != DSK_F32) TM_TRY(tm_alloc_slab(m, &m->slab_wc, cfg->cdt));
-    TM_TRY(tm_bind(m));
-    TM_TRY(tm_init_weights(m));
+    if (!cfg->external) {
+        TM_TRY(tm_alloc_slab(m, &m->slab_w, DSK_F32));
+        TM_TRY(tm_alloc_slab(m, &m->slab_g, DSK_F32));
+        TM_TRY(tm_alloc_slab(m, &m->slab_m, DSK_F32));
+        TM_TRY(tm_alloc_slab(m, &m->slab_v, DSK_F32));
+        if (cfg->cdt != DSK_F32) TM_TRY(tm_alloc_slab(m, &m->slab_wc, cfg->cdt));
+        TM_TRY(tm_bind(m));
+        TM_TRY(tm_init_weights(m));
+    }
     TM_TRY(tm_alloc_acts(m));
     return tm_bind_moe(m);
 }
@@ -513,20 +528,32 @@ static void tm_set_eval(tm_model *m, int eval) {
     m->mla.eval = eval;
 }
 
+/* The edges of a unit's forward and backward, for m->unit_hook. */
+enum { TM_FWD_BEGIN = 0, TM_FWD_END, TM_BWD_BEGIN, TM_BWD_END };
+static dsk_status tm_unit(tm_model *m, int unit, int phase) {
+    return m->unit_hook ? m->unit_hook(m->unit_hook_user, unit, phase) : DSK_OK;
+}
+
 static dsk_status tm_forward(tm_model *m, int nb) {
     const tm_config *c = &m->cfg;
     int64_t N = (int64_t)nb * c->seq;
     dsk_tensor ids = tm_rows(&m->ids, N), x0 = tm_rows(&m->blocks[0].x, N);
+    TM_TRY(tm_unit(m, 0, TM_FWD_BEGIN));
     TM_T(TM_PH_EMBED, dsk_embedding(m->ctx, &x0, &m->embed->wc, &ids));
+    TM_TRY(tmla_mtp_embed(m, nb)); /* the MTP modules' inputs */
+    TM_TRY(tm_unit(m, 0, TM_FWD_END));
     for (int l = 0; l < c->n_layers; l++) {
         tm_block *b = &m->blocks[l];
         dsk_tensor y = tm_rows(l + 1 < c->n_layers ? &m->blocks[l + 1].x : &m->x_final, N);
+        TM_TRY(tm_unit(m, l + 1, TM_FWD_BEGIN));
         TM_TRY(tm_attn_forward(m, b, nb));
         if (l < c->n_dense) TM_TRY(tm_dense_forward(m, b, N, &y));
         else TM_T(TM_PH_MOE, tm_moe_forward(m, l, N, &y));
+        TM_TRY(tm_unit(m, l + 1, TM_FWD_END));
     }
     dsk_tensor xf = tm_rows(&m->x_final, N), hf = tm_rows(&m->hf, N), rstdf = tm_rows(&m->rstdf, N);
     dsk_tensor logits = tm_rows(&m->logits, N);
+    TM_TRY(tm_unit(m, c->n_layers + 1, TM_FWD_BEGIN));
     TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &hf, &rstdf, &xf, &m->ln_f->wc, c->norm_eps));
     TM_T(TM_PH_HEAD, tm_mm(m, &logits, &hf, 0, &m->lm_head->wc, 1, 0.0f));
     return tmla_mtp_forward(m, nb);
@@ -551,7 +578,7 @@ static dsk_status tm_ready(tm_model *m, tm_param *p) {
 
 /* Clears every gradient before a step's first micro-batch. */
 static dsk_status tm_zero_grads(tm_model *m) {
-    TM_TRY(tm_zero(m, &m->slab_g));
+    if (m->slab_g.data) TM_TRY(tm_zero(m, &m->slab_g));
     for (int i = 0; i < m->n_params; i++)
         if (m->params[i].gc.data) TM_TRY(dsk_tensor_fill(m->ctx, &m->params[i].gc, 0.0));
     return DSK_OK;
@@ -615,6 +642,7 @@ static dsk_status tm_attn_backward(tm_model *m, tm_block *b) {
    residual stream's gradient runs through m->dx, each norm adding its branch to it. */
 static dsk_status tm_backward(tm_model *m) {
     const tm_config *c = &m->cfg;
+    TM_TRY(tm_unit(m, c->n_layers + 1, TM_BWD_BEGIN));
     TM_TRY(tmla_mtp_backward(m)); /* the MTP modules first: they share the head and the embedding */
     TM_T(TM_PH_HEAD, tm_mm(m, &m->lm_head->g, &m->dlogits, 1, &m->hf, 0, 1.0f)); /* dWlm (V,D) += dlogits^T hf */
     TM_T(TM_PH_MOVE, tm_ready(m, m->lm_head));
@@ -622,8 +650,10 @@ static dsk_status tm_backward(tm_model *m) {
     TM_T(TM_PH_MOVE, tmla_seed_dx(m)); /* zero, or the MTP modules' d(x_final) */
     TM_T(TM_PH_NORM, dsk_rmsnorm_backward(m->ctx, &m->dx, tm_grad(m->ln_f), &m->dh, &m->x_final, &m->ln_f->wc, &m->rstdf));
     TM_T(TM_PH_MOVE, tm_ready(m, m->ln_f));
+    TM_TRY(tm_unit(m, c->n_layers + 1, TM_BWD_END));
     for (int l = c->n_layers - 1; l >= 0; l--) {
         tm_block *b = &m->blocks[l];
+        TM_TRY(tm_unit(m, l + 1, TM_BWD_BEGIN));
         TM_TRY(tmla_recompute_block(m, l)); /* --recompute full: the block's forward again */
         if (l < c->n_dense) TM_TRY(tm_dense_backward(m, b));
         else TM_T(TM_PH_MOE, tm_moe_backward(m, l));
@@ -632,7 +662,10 @@ static dsk_status tm_backward(tm_model *m) {
         TM_T(TM_PH_NORM, dsk_rmsnorm_backward(m->ctx, &m->dx, tm_grad(b->ln2), &m->dh, &b->x2, &b->ln2->wc, &b->rstd2));
         TM_T(TM_PH_MOVE, tm_ready(m, b->ln2));
         TM_TRY(tm_attn_backward(m, b));
+        TM_TRY(tm_unit(m, l + 1, TM_BWD_END));
     }
+    TM_TRY(tm_unit(m, 0, TM_BWD_BEGIN));
+    TM_TRY(tmla_mtp_embed_backward(m)); /* the MTP modules' inputs */
     if (m->dx32.data) { /* the table's gradient is f32: accumulate it from an f32 copy of dx */
         TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &m->dx32, &m->dx));
         TM_T(TM_PH_EMBED, dsk_embedding_backward(m->ctx, &m->embed->g, &m->dx32, &m->ids));
@@ -640,7 +673,7 @@ static dsk_status tm_backward(tm_model *m) {
         TM_T(TM_PH_EMBED, dsk_embedding_backward(m->ctx, &m->embed->g, &m->dx, &m->ids));
     }
     TM_T(TM_PH_MOVE, tm_ready(m, m->embed));
-    return DSK_OK;
+    return tm_unit(m, 0, TM_BWD_END);
 }
 
 #define TRAIN_MODEL_H_DONE

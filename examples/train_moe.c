@@ -12,6 +12,7 @@
      dsk_amp.h     loss scaling, non-finite check, clipping
      dsk_ckpt.h    async checkpoints and exact resume
      dsk_comm.h    ranks, data-parallel gradient buckets, expert parallelism
+     dsk_zero.h    --zero 1|2|3, --grad-compress: sharded data parallelism (examples/train_zero.h)
    A step reads the data, runs forward and backward for each micro-batch, all-reduces the
    gradients, unscales and clips them, applies AdamW, updates the expert biases, logs, and
    every --ckpt-every steps hands a checkpoint to a background writer.
@@ -31,6 +32,8 @@
 #include "../dsk_ckpt.h"
 #define DSK_MOE_IMPLEMENTATION
 #include "../dsk_moe.h"
+#define DSK_ZERO_IMPLEMENTATION
+#include "../dsk_zero.h"
 
 #include <errno.h>
 #include <stdarg.h>
@@ -48,6 +51,7 @@
 #include "train_model.h"
 #include "train_metrics.h"
 #include "train_signals.h"
+#include "train_zero.h"
 
 /* ------------------------------------------------------------------ options */
 
@@ -87,6 +91,8 @@ typedef struct options {
     char *ckpt_dir;
     /* parallelism */
     int nproc, ep, max_restarts;
+    int zero;                 /* ZeRO stage; 0 with --grad-compress none: the trainer's own data parallelism */
+    char grad_compress[32];
     char bind[8];
     int grad_check;
     int help;
@@ -185,6 +191,9 @@ static const opt_spec OPTS[] = {
     {"--max-restarts", OPT_INT, O_(max_restarts), 0, "with --nproc: run a failed job again up to K times, resuming"},
     {"--bind", OPT_STRBUF, O_(bind), sizeof(((options *)0)->bind), "none | core | numa: pin each local rank (sysfs topology)"},
     {"--ep", OPT_INT, O_(ep), 0, "expert-parallel ranks (divides the world size and --experts)"},
+    {"--zero", OPT_INT, O_(zero), 0, "ZeRO stage 0-3: shard optimizer state (1), gradients (2), weights (3)"},
+    {"--grad-compress", OPT_STRBUF, O_(grad_compress), sizeof(((options *)0)->grad_compress),
+     "none | bf16 | powersgd:R[:START] gradient reductions (PowerSGD rank R from pass START [10])"},
     {"--grad-check", OPT_INT, O_(grad_check), 0, "check N elements of every gradient against central differences, then exit"},
     {"--help", OPT_FLAG, O_(help), 0, "this text"},
 };
@@ -244,6 +253,7 @@ static void set_defaults(options *o) {
     strcpy(o->metrics_addr, "127.0.0.1");
     o->ckpt_every = 0;
     o->ep = 1;
+    strcpy(o->grad_compress, "none");
     strcpy(o->bind, "none");
     o->nproc = 0;
 }
@@ -381,6 +391,8 @@ typedef struct trainer {
     dsk_comm ep_comm;             /* ranks that share tokens by all-to-all (hold different experts) */
     dsk_comm rep_comm;            /* ranks that hold the same experts (expert gradients reduce here) */
     dsk_comm ck_comm;             /* checkpoint barriers, used from the async writer's thread */
+    dsk_ctx ck_ctx;               /* CUDA: a stream of this rank's device for those barriers (the writer's thread
+                                     has no current device of its own, and the training stream is not its to use) */
     dsk_comm_buckets buckets;     /* data-parallel buckets over the replicated gradients (every rank) */
     dsk_comm_buckets ebuckets;    /* buckets over the expert-sharded gradients (ranks holding the same experts) */
     int have_buckets, have_ebuckets;
@@ -392,6 +404,11 @@ typedef struct trainer {
     dsk_amp_scaler scaler;
     dsk_amp_param *amp_decay, *amp_plain; /* optimizer groups: with and without weight decay */
     int n_decay, n_plain;
+    int use_zero;                 /* --zero 1-3 or --grad-compress: the parameters live in dsk_zero objects */
+    tz_opts zopts;
+    tz zero;
+    double zero_bytes[2];         /* bytes handed to gradient reductions so far, and uncompressed (no --zero: buckets) */
+    int64_t mem_model;            /* allocator bytes the model's setup took (slabs, activations, MoE workspaces) */
     dsk_ckpt ck;
     int have_ck;
     int64_t step;                 /* completed steps (skipped ones included) */
@@ -653,6 +670,7 @@ static void setup_model(trainer *t) {
     else if (strcmp(o->recompute, "attn") == 0) c.mla.recompute = TMLA_RECOMPUTE_ATTN;
     else if (strcmp(o->recompute, "full") == 0) c.mla.recompute = TMLA_RECOMPUTE_FULL;
     else fail(t, "--recompute \"%s\": use none, attn or full", o->recompute);
+    c.external = t->use_zero;
     if (o->dense_layers < o->layers && o->experts < 1) fail(t, "--experts %d: MoE blocks need at least 1 expert", o->experts);
     CHECK(tm_init(&t->model, &t->ctx, &c));
 }
@@ -660,6 +678,11 @@ static void setup_model(trainer *t) {
 /* Two optimizer groups for dsk_amp_step: matrices (weight decay) and norm weights (none). */
 static void setup_optimizer(trainer *t) {
     tm_model *m = &t->model;
+    dsk_amp_scaler_opts so;
+    memset(&so, 0, sizeof so);
+    so.mode = m->cfg.cdt == DSK_F16 ? DSK_AMP_DYNAMIC : DSK_AMP_NONE;
+    CHECK(dsk_amp_scaler_init(&t->scaler, &t->ctx, &so));
+    if (t->use_zero) return; /* dsk_zero steps its own pieces */
     t->amp_decay = (dsk_amp_param *)calloc((size_t)m->n_params, sizeof(dsk_amp_param));
     t->amp_plain = (dsk_amp_param *)calloc((size_t)m->n_params, sizeof(dsk_amp_param));
     if (!t->amp_decay || !t->amp_plain) fail(t, "out of memory for the optimizer groups");
@@ -673,10 +696,6 @@ static void setup_optimizer(trainer *t) {
         a->v = &p->v;
         a->copy = p->wc.data != p->w.data ? &p->wc : NULL;
     }
-    dsk_amp_scaler_opts so;
-    memset(&so, 0, sizeof so);
-    so.mode = m->cfg.cdt == DSK_F16 ? DSK_AMP_DYNAMIC : DSK_AMP_NONE;
-    CHECK(dsk_amp_scaler_init(&t->scaler, &t->ctx, &so));
 }
 
 /* A gradient is final: its bucket set (replicated or expert-sharded parameters) learns it. */
@@ -695,6 +714,11 @@ static dsk_status on_grad_ready(void *user, int param) {
 static void setup_buckets(trainer *t) {
     tm_model *m = &t->model;
     int nd = m->n_dense_params, ns = m->n_params - nd;
+    if (t->use_zero) { /* the parameters, their initial weights and reductions go to dsk_zero */
+        CHECK(tz_init(&t->zero, m, &t->ctx, t->have_comm ? &t->comm : NULL, t->have_comm ? &t->rep_comm : NULL,
+                      t->world, &t->zopts, (uint64_t)t->o->seed));
+        return;
+    }
     if (!t->have_comm || t->world <= 1) return;
     int64_t *counts = (int64_t *)malloc((size_t)m->n_params * sizeof *counts);
     if (!counts) fail(t, "out of memory");
@@ -768,6 +792,7 @@ typedef struct step_info {
     double loss, aux_loss, norm, lr, ms, cpu_ms, tokens_per_s, mfu, comm_share, load_ratio;
     double data_ms;           /* waiting for the loader (set by the caller of train_step) */
     double sync_ms;           /* waiting for the gradient all-reduces after backward */
+    double reduce_bytes, plain_bytes; /* --zero/--grad-compress: handed to this step's reductions, uncompressed */
     float scale;
     int64_t dropped;
     int skipped;
@@ -824,7 +849,7 @@ static dsk_status unscale_and_decide(trainer *t, dsk_amp_decision *dec) {
 /* Seconds spent in collectives so far, every communicator of this rank. */
 static double comm_seconds(const trainer *t) {
     return t->comm.stats.seconds + t->ep_comm.stats.seconds + t->rep_comm.stats.seconds + t->buckets.seconds +
-           t->ebuckets.seconds;
+           t->ebuckets.seconds + (t->use_zero ? tz_seconds(&t->zero) : 0.0);
 }
 
 /* Forward, loss and backward of the micro-batch in the model's input tensors, loss gradient
@@ -878,19 +903,21 @@ static dsk_status train_step(trainer *t, step_info *si) {
         t->prof_data += now_s() - td;
         if (t->have_buckets) TM_TRY(dsk_comm_buckets_begin(&t->buckets, a == o->accum - 1));
         if (t->have_ebuckets) TM_TRY(dsk_comm_buckets_begin(&t->ebuckets, a == o->accum - 1));
+        if (t->use_zero) TM_TRY(tz_begin(&t->zero, a == o->accum - 1));
         TM_TRY(micro_batch(t, scale / (float)o->accum));
         TM_TRY(read_loss(t, &loss));
         si->loss += loss / o->accum;
     }
     double sync0 = now_s();
-    TM_TRY(finish_grads(t));
+    TM_TRY(t->use_zero ? tz_wait(&t->zero) : finish_grads(t));
     double t_opt = now_s();
     si->sync_ms = 1e3 * (now_s() - sync0);
     float l2[1] = {(float)si->loss};
     TM_TRY(allreduce_host(t, &t->comm, l2, 1, DSK_F32, DSK_COMM_AVG));
     si->loss = l2[0];
     dsk_amp_decision dec;
-    TM_TRY(unscale_and_decide(t, &dec));
+    if (t->use_zero) TM_TRY(tz_decide(&t->zero, &t->scaler, t->have_comm ? &t->comm : NULL, o->clip, &dec));
+    else TM_TRY(unscale_and_decide(t, &dec));
     si->lr = lr_at(o, t->step + 1);
     dsk_adamw_opts ao = dsk_adamw_defaults(); /* every field set below, taken literally (lr may reach 0) */
     ao.lr = (float)si->lr;
@@ -899,9 +926,24 @@ static dsk_status train_step(trainer *t, step_info *si) {
     ao.eps = 1e-8f;
     int64_t next = t->applied + 1;
     ao.weight_decay = (float)o->wd;
-    TM_TRY(dsk_amp_step(&t->ctx, t->amp_decay, t->n_decay, &ao, next, &dec, DSK_AMP_ROUND_NEAREST, (uint64_t)o->seed));
-    ao.weight_decay = 0.0f;
-    TM_TRY(dsk_amp_step(&t->ctx, t->amp_plain, t->n_plain, &ao, next, &dec, DSK_AMP_ROUND_NEAREST, (uint64_t)o->seed));
+    if (t->use_zero) { /* the norm weights' decay is 0 there: no_decay */
+        double b[3];
+        TM_TRY(tz_step(&t->zero, &ao, next, &dec));
+        tz_bytes(&t->zero, &b[0], &b[1], &b[2]);
+        si->reduce_bytes = b[0] - t->zero_bytes[0];
+        si->plain_bytes = b[1] - t->zero_bytes[1];
+        t->zero_bytes[0] = b[0];
+        t->zero_bytes[1] = b[1];
+    } else {
+        double b = (double)t->buckets.bytes + (double)t->ebuckets.bytes;
+        si->reduce_bytes = si->plain_bytes = b - t->zero_bytes[0];
+        t->zero_bytes[0] = b;
+        TM_TRY(dsk_amp_step(&t->ctx, t->amp_decay, t->n_decay, &ao, next, &dec, DSK_AMP_ROUND_NEAREST,
+                            (uint64_t)o->seed));
+        ao.weight_decay = 0.0f;
+        TM_TRY(dsk_amp_step(&t->ctx, t->amp_plain, t->n_plain, &ao, next, &dec, DSK_AMP_ROUND_NEAREST,
+                            (uint64_t)o->seed));
+    }
     if (!dec.skip) {
         t->applied = next;
         if (o->bias_rate > 0)
@@ -1022,7 +1064,7 @@ typedef struct ck_names { char (*name)[112]; dsk_ckpt_entry *e; int n; } ck_name
 
 static dsk_status ck_barrier(void *user) {
     trainer *t = (trainer *)user;
-    return dsk_comm_barrier(&t->ck_comm, NULL);
+    return dsk_comm_barrier(&t->ck_comm, t->ck_ctx.device.type == DSK_DEV_CUDA ? &t->ck_ctx : NULL);
 }
 
 /* Every rank gets the same checkpoint outcome: a max all-reduce of a few host words (the host
@@ -1047,8 +1089,10 @@ static void ck_add(ck_names *c, const char *name, const char *suffix, dsk_tensor
 }
 
 /* Everything a bitwise-exact resume needs: f32 master weights, both moments, the expert
-   biases (the compute copies are rebuilt from the masters by the same rounding). */
-static ck_names ck_entries(trainer *t) {
+   biases (the compute copies are rebuilt from the masters by the same rounding). With
+   --zero/--grad-compress the dsk_zero objects' pieces (flattened tensors; `load`: what this
+   rank reads back). */
+static ck_names ck_entries(trainer *t, int load) {
     tm_model *m = &t->model;
     ck_names c;
     int cap = 3 * m->n_params + m->cfg.n_layers;
@@ -1056,8 +1100,12 @@ static ck_names ck_entries(trainer *t) {
     c.name = (char(*)[112])calloc((size_t)cap, sizeof *c.name);
     c.e = (dsk_ckpt_entry *)calloc((size_t)cap, sizeof *c.e);
     if (!c.name || !c.e) fail(t, "out of memory for the checkpoint list");
-    for (int i = 0; i < m->n_params; i++) {
+    if (t->use_zero && tz_ckpt_entries(&t->zero, load ? DSK_ZERO_CKPT_LOAD : DSK_ZERO_CKPT_SAVE, c.e, cap, &c.n) != DSK_OK)
+        fail(t, "checkpoint entries: %s", dsk_last_error());
+    for (int i = 0; !t->use_zero && i < m->n_params; i++) {
         tm_param *p = &m->params[i];
+        if (!load && p->sharded && t->ep > 1 && t->rank >= t->ep) continue; /* the ranks holding the same experts
+                                                                               as rank r % ep write them once */
         ck_add(&c, p->name, "", &p->w, p, t);
         ck_add(&c, p->name, ".adam_m", &p->m, p, t);
         ck_add(&c, p->name, ".adam_v", &p->v, p, t);
@@ -1130,13 +1178,14 @@ static dsk_status save_checkpoint(trainer *t) {
     snprintf(kv_val[8], 64, "%lld", (long long)offset);
     snprintf(kv_val[9], 64, "%d", t->world);
     data_order_string(t, order, sizeof order);
-    dsk_ckpt_kv kv[12] = {{"train.step", kv_val[0]}, {"train.applied", kv_val[1]}, {"train.data_pos", kv_val[2]},
+    dsk_ckpt_kv kv[13] = {{"train.step", kv_val[0]}, {"train.applied", kv_val[1]}, {"train.data_pos", kv_val[2]},
                           {"amp.scale", kv_val[3]}, {"amp.growth_tracker", kv_val[4]}, {"amp.hysteresis_left", kv_val[5]},
                           {"train.data_seed", kv_val[6]}, {"train.config", cfg}, {"train.data_epoch", kv_val[7]},
-                          {"train.data_offset", kv_val[8]}, {"train.data_world", kv_val[9]}, {"train.data_order", order}};
-    ck_names c = ck_entries(t);
-    dsk_status s = t->o->sync_ckpt ? dsk_ckpt_save(&t->ck, t->step, c.e, c.n, kv, 12)
-                                   : dsk_ckpt_save_async(&t->ck, t->step, c.e, c.n, kv, 12);
+                          {"train.data_offset", kv_val[8]}, {"train.data_world", kv_val[9]}, {"train.data_order", order},
+                          {"train.params", t->use_zero ? "zero" : "whole"}};
+    ck_names c = ck_entries(t, 0);
+    dsk_status s = t->o->sync_ckpt ? dsk_ckpt_save(&t->ck, t->step, c.e, c.n, kv, 13)
+                                   : dsk_ckpt_save_async(&t->ck, t->step, c.e, c.n, kv, 13);
     free(c.name);
     free(c.e);
     return s;
@@ -1158,9 +1207,16 @@ static dsk_status load_checkpoint(trainer *t, int64_t step) {
         s = dsk_set_error(DSK_ERR_ARG, "checkpoint step %lld in %s was written with \"%s\", this run has \"%s\"", (long long)step,
                           t->o->ckpt_dir, saved ? saved : "(no configuration)", cfg);
     if (s == DSK_OK) s = check_data_order(t, &meta, step);
+    const char *fmt = s == DSK_OK ? dsk_ckpt_meta_get(&meta, "train.params") : NULL;
+    if (s == DSK_OK && strcmp(fmt ? fmt : "whole", t->use_zero ? "zero" : "whole") != 0)
+        s = dsk_set_error(DSK_ERR_ARG, "checkpoint step %lld in %s holds %s; this run (--zero %d --grad-compress %s) reads "
+                          "%s: resume it %s", (long long)step, t->o->ckpt_dir, t->use_zero ? "whole tensors" :
+                          "dsk_zero pieces", t->o->zero, t->o->grad_compress, t->use_zero ? "dsk_zero pieces" :
+                          "whole tensors", t->use_zero ? "with --zero 0 and --grad-compress none" :
+                          "with --zero 1, 2 or 3 (or a --grad-compress)");
     dsk_ckpt_meta_free(&meta);
     if (s != DSK_OK) return s;
-    ck_names c = ck_entries(t);
+    ck_names c = ck_entries(t, 1);
     s = dsk_ckpt_load(&t->ck, step, c.e, c.n, &meta);
     free(c.name);
     free(c.e);
@@ -1179,7 +1235,8 @@ static dsk_status load_checkpoint(trainer *t, int64_t step) {
     st.growth_tracker = (int32_t)tracker;
     st.hysteresis_left = (int32_t)hyst;
     TM_TRY(dsk_amp_state_set(&t->scaler, &t->ctx, &st));
-    for (int i = 0; i < m->n_params; i++)
+    if (t->use_zero) TM_TRY(tz_refresh(&t->zero));
+    for (int i = 0; !t->use_zero && i < m->n_params; i++)
         if (m->params[i].wc.data != m->params[i].w.data) TM_TRY(dsk_tensor_copy(&t->ctx, &m->params[i].wc, &m->params[i].w));
     t->step = st_step;
     t->applied = applied;
@@ -1212,6 +1269,14 @@ static void setup_ckpt(trainer *t) {
     co.agree_user = t;
     co.keep_last = o->keep;
     co.ctx = &t->ctx;
+    if (t->world > 1 && t->ctx.device.type == DSK_DEV_CUDA) {
+        dsk_ctx_opts xo;
+        memset(&xo, 0, sizeof xo);
+        xo.device = DSK_PREFER_CUDA;
+        xo.cuda_index = t->ctx.device.index;
+        xo.workspace_bytes = 1 << 20;
+        CHECK(dsk_ctx_init(&t->ck_ctx, &xo));
+    }
     CHECK(dsk_ckpt_init(&t->ck, o->ckpt_dir, &co));
     t->have_ck = 1;
     int64_t last = -1;
@@ -1260,10 +1325,11 @@ static void log_step(trainer *t, const step_info *si) {
         fprintf(t->log,
                 "{\"type\":\"step\",\"step\":%lld,\"loss\":%s,\"aux_loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%s,\"loss_scale\":%.9g,"
                 "\"ms\":%.3f,\"cpu_ms\":%.3f,\"data_wait_ms\":%.3f,\"grad_sync_ms\":%.3f,\"tokens_per_s\":%.1f,\"mfu\":%.6f,"
-                "\"comm_share\":%.6f,\"load_max_mean\":%.6f,\"dropped\":%lld,\"skipped\":%d,\"eta_s\":%.1f}\n",
+                "\"comm_share\":%.6f,\"load_max_mean\":%.6f,\"dropped\":%lld,\"skipped\":%d,\"eta_s\":%.1f,"
+                "\"reduce_bytes\":%.0f,\"reduce_bytes_uncompressed\":%.0f}\n",
                 (long long)t->step, json_num(loss, si->loss), si->aux_loss, si->lr, json_num(norm, si->norm), (double)si->scale, si->ms,
                 si->cpu_ms, si->data_ms, si->sync_ms, si->tokens_per_s, si->mfu, si->comm_share, si->load_ratio, (long long)si->dropped,
-                si->skipped, eta);
+                si->skipped, eta, si->reduce_bytes, si->plain_bytes);
     }
     if (t->log) fflush(t->log);
 }
@@ -1320,7 +1386,7 @@ static void setup_metrics(trainer *t) {
 
 /* Bytes of the tensors one checkpoint of this rank holds. */
 static double checkpoint_bytes(trainer *t) {
-    ck_names c = ck_entries(t);
+    ck_names c = ck_entries(t, 0);
     double bytes = 0;
     for (int i = 0; i < c.n; i++) bytes += (double)dsk_tensor_nbytes(c.e[i].tensor);
     free(c.name);
@@ -1386,7 +1452,35 @@ static void write_metrics(trainer *t, const step_info *si) {
     }
 }
 
-/* The attention, MTP and recomputation settings and the allocator's memory figures (train_mla.h). */
+static int64_t slab_bytes(const dsk_tensor *t) { return t->data ? (int64_t)dsk_tensor_nbytes(t) : 0; }
+
+/* Every rank: the bytes of its parameters, gradients and optimizer state (the allocator's
+   figures: dsk_zero's per role, or the model's slabs), and of the activations and MoE
+   workspaces, which this trainer allocates up front (the allocator's count over the model's
+   setup, less the slabs): their high-water mark. */
+static void memory_state(trainer *t, dsk_zero_memory *z) {
+    const tm_model *m = &t->model;
+    memset(z, 0, sizeof *z);
+    if (t->use_zero) tz_memory(&t->zero, z);
+    else {
+        z->params = slab_bytes(m->slab_wc.data ? &m->slab_wc : &m->slab_w);
+        z->grads = slab_bytes(&m->slab_g);
+        z->optimizer = slab_bytes(&m->slab_m) + slab_bytes(&m->slab_v) + (m->slab_wc.data ? slab_bytes(&m->slab_w) : 0);
+    }
+}
+static void print_memory(trainer *t) {
+    dsk_zero_memory z;
+    memory_state(t, &z);
+    int64_t slabs = t->use_zero ? 0 : z.params + z.grads + z.optimizer;
+    printf("memory, rank %d: parameters %.3f MiB, gradients %.3f MiB, optimizer state %.3f MiB, compression buffers "
+           "%.3f MiB, activations (high-water mark) %.3f MiB%s\n", t->rank, z.params / 1048576.0, z.grads / 1048576.0,
+           z.optimizer / 1048576.0, z.comm / 1048576.0, (double)(t->mem_model - slabs) / 1048576.0,
+           t->use_zero ? "" : " (no --zero: every rank holds everything)");
+    fflush(stdout);
+}
+
+/* At start: the attention, MTP and recomputation settings; at the end: every rank's training
+   state and the allocator's high-water mark over the run (train_mla.h). */
 static void report_mla(trainer *t, const char *when) {
     const options *o = t->o;
     char line[512];
@@ -1399,16 +1493,21 @@ static void report_mla(trainer *t, const char *when) {
             say(t, "attention: MHA, %d heads of %d\n", o->heads, o->d_model / o->heads);
         say(t, "multi-token prediction: depth %d%s, lambda %g; recompute: %s\n", o->mtp, o->mtp ? "" : " (off)",
             o->mtp_lambda, o->recompute);
+        return; /* print_memory gave the memory at start */
     }
-    tmla_memory_line(&t->model, when, line, sizeof line);
-    say(t, "%s", line);
+    dsk_zero_memory z;
+    memory_state(t, &z);
+    tmla_memory_line(t->ctx.device, (double)z.params, (double)z.grads, (double)z.optimizer + (double)z.comm, t->rank,
+                     when, line, sizeof line);
+    printf("%s", line);
+    fflush(stdout);
 }
 
 static void banner(trainer *t) {
     const options *o = t->o;
     const tm_model *m = &t->model;
     int64_t total = 0;
-    for (int i = 0; i < m->n_params; i++) total += dsk_tensor_numel(&m->params[i].w);
+    for (int i = 0; i < m->n_params; i++) total += tm_param_numel(&m->params[i]);
     say(t, "train_moe: %d rank%s (expert parallel %d), %s, %s compute\n", t->world, t->world > 1 ? "s" : "", t->ep,
         t->ctx.device.type == DSK_DEV_CUDA ? "CUDA" : "CPU", dsk_dtype_name(m->cfg.cdt));
     say(t, "data: %s; %lld training and %lld held-out windows of %d tokens\n", t->data.source, (long long)t->data.n_train,
@@ -1422,6 +1521,17 @@ static void banner(trainer *t) {
         o->layers, o->dense_layers, o->d_model, o->heads, m->cfg.vocab, o->experts, o->score, o->top_k, o->shared, o->expert_hidden,
         total / 1e6, t->flops_per_token / 1e6);
     report_mla(t, "start");
+    if (t->use_zero) {
+        double all, comp;
+        tz_powersgd_elements(m, t->zopts.psgd_rank, &comp, &all);
+        say(t, "zero: stage %d over %d rank%s (experts over %d), gradient reductions %s", o->zero, t->world,
+            t->world > 1 ? "s" : "", t->have_comm ? t->rep_comm.world_size : 1, o->grad_compress);
+        if (t->zopts.compress == DSK_ZERO_COMPRESS_POWERSGD)
+            say(t, " from pass %d: %.0f of %.0f elements, %.3fx fewer bytes", t->zopts.psgd_start, comp, all, all / comp);
+        else if (t->zopts.compress == DSK_ZERO_COMPRESS_BF16)
+            say(t, ": 2x fewer bytes");
+        say(t, "\n");
+    }
     if (o->cuda_graph)
         say(t, "cuda graph: each micro-batch's forward, loss and backward replay one captured graph; the "
                "optimizer step runs after it\n");
@@ -1497,8 +1607,8 @@ static double central_diff(trainer *t, float *w, int64_t j, double h) {
    of several times the bound; f32 rounding stays well below it. */
 static int grad_check(trainer *t) {
     tm_model *m = &t->model;
-    if (m->cfg.cdt != DSK_F32 || t->world != 1 || t->ctx.device.type != DSK_DEV_CPU)
-        fail(t, "--grad-check needs --dtype f32, one rank and the CPU");
+    if (m->cfg.cdt != DSK_F32 || t->world != 1 || t->ctx.device.type != DSK_DEV_CPU || t->use_zero)
+        fail(t, "--grad-check needs --dtype f32, one rank, the CPU and --zero 0 --grad-compress none");
     CHECK(load_train_batch(t));
     CHECK(tm_zero_grads(m));
     m->aux_scale = 1.0f;
@@ -1587,6 +1697,8 @@ static void report_stop(trainer *t, int sig) {
 
 static void cleanup(trainer *t) {
     if (t->have_ck) dsk_ckpt_free(&t->ck);
+    dsk_ctx_free(&t->ck_ctx);
+    if (t->use_zero) tz_free(&t->zero);
     if (t->have_buckets) dsk_comm_buckets_free(&t->buckets);
     if (t->have_ebuckets) dsk_comm_buckets_free(&t->ebuckets);
     dsk_graph_free(&t->graph);
@@ -1627,6 +1739,12 @@ static void check_options(trainer *t) {
         fail(t, "--val-interval %d, --val-batches %d, --log-every %d: must be at least 1", o->val_interval, o->val_batches, o->log_every);
     if (o->warmup < 0 || o->ckpt_every < 0 || o->keep < 0 || o->sample_len < 0 || o->stop_at < 0)
         fail(t, "--warmup, --ckpt-every, --keep, --sample-len, --stop-at must be >= 0");
+    if (o->zero < 0 || o->zero > 3) fail(t, "--zero %d: use 0, 1, 2 or 3", o->zero);
+    if (!tz_parse_compress(o->grad_compress, &t->zopts))
+        fail(t, "--grad-compress \"%s\": use none, bf16 or powersgd:R[:START] (R >= 1, START >= 0)", o->grad_compress);
+    t->zopts.stage = o->zero;
+    t->use_zero = o->zero > 0 || t->zopts.compress != DSK_ZERO_COMPRESS_NONE;
+    if (t->use_zero && o->cuda_graph) fail(t, "--cuda-graph runs without --zero and --grad-compress");
     if (!(o->lr > 0) || o->min_lr < 0 || o->wd < 0 || o->clip < 0 || o->beta1 < 0 || o->beta1 >= 1 || o->beta2 < 0 || o->beta2 >= 1)
         fail(t, "--lr %g (> 0), --min-lr %g, --wd %g, --clip %g (>= 0), --beta1 %g, --beta2 %g (in [0, 1)) out of range", o->lr,
              o->min_lr, o->wd, o->clip, o->beta1, o->beta2);
@@ -1654,7 +1772,9 @@ int main(int argc, char **argv) {
     setup_bind(t);
     setup_device(t);
     setup_data(t);
+    int64_t live0 = dsk_tensor_mem_stats(t->ctx.device).live_bytes;
     setup_model(t);
+    t->mem_model = dsk_tensor_mem_stats(t->ctx.device).live_bytes - live0;
     setup_optimizer(t);
     setup_buckets(t);
     if (o.cuda_graph && (t->ctx.device.type != DSK_DEV_CUDA || t->world > 1))
@@ -1676,6 +1796,7 @@ int main(int argc, char **argv) {
     if (o.log_path && t->rank == 0 && !(t->log = fopen(o.log_path, t->step > 0 ? "a" : "w")))
         fail(t, "--log: cannot open %s: %s", o.log_path, strerror(errno));
     banner(t);
+    print_memory(t);
     /* The straight run validated at this step before saving: print that line again so the
        resumed log reads the same (evaluation passes leave the training state alone). */
     if (t->step > 0 && t->step % o.val_interval == 0 && t->step < o.steps) {

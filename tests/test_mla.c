@@ -420,7 +420,8 @@ static void check_long_sequence(void) {
            "(materialised probabilities alone: %.1f GiB)\n",
            (long long)T, step_s, (double)l0, (double)l1, peak / 1048576.0, mat / 1073741824.0);
     char line[512];
-    tmla_memory_line(&m, "the end of the step", line, sizeof line);
+    tmla_memory_line(dsk_cpu(), (double)dsk_tensor_nbytes(&m.slab_w), (double)dsk_tensor_nbytes(&m.slab_g),
+                     2.0 * (double)dsk_tensor_nbytes(&m.slab_m), 0, "the end of the step", line, sizeof line);
     printf("     %s", line);
     DSK_TEST_EXPECT(isfinite(l0) && isfinite(l1) && l1 < l0, "loss %g -> %g", (double)l0, (double)l1);
     DSK_TEST_EXPECT(peak < mat / 64, "peak %.0f B against %.0f B materialised", peak, mat);

@@ -2,7 +2,7 @@
 # examples/train_moe.c with the DeepSeek-V3 parts of examples/train_mla.h, end to end on tiny
 # configurations: --grad-check of the whole model (MLA with a query latent, MoE blocks, two
 # MTP modules) against central differences; --recompute attn and full log the same losses and
-# gradient norms as none, bit for bit, on the CPU and on the emulated GPU (where they also
+# gradient norms as none, bit for bit, on the CPU (and under --zero 3 on 2 ranks) and on the emulated GPU (where they also
 # match the CPU's within f32 rounding, and --cuda-graph replays them bit for bit); the v2-lite
 # and v3 presets train a few steps and print the memory report at start and end; bad flags
 # fail with a message naming them.
@@ -69,10 +69,19 @@ for r in attn full; do
 done
 peaks=$(for r in none attn full; do grep 'memory at end' "$work/cpu_$r.out" | sed -E 's/.*peak activations [0-9.]+ MiB \(([0-9]+) B\).*/\1/'; done | tr '\n' ' ')
 if $PY -c "import sys; a = [float(x) for x in sys.argv[1:]]; sys.exit(0 if len(a) == 3 and a[2] < a[1] < a[0] else 1)" $peaks &&
-   grep -q 'memory at start (allocator, CPU): parameters' "$work/cpu_none.out"; then
+   grep -q 'memory, rank 0: parameters' "$work/cpu_none.out"; then
     ok "memory report at start and end; peak activations none > attn > full: $peaks bytes"
 else
     bad "memory report" "peaks: $peaks" "$(grep memory "$work/cpu_none.out" | head -2)"
+fi
+
+# ---- 2b. two ranks under ZeRO-3 (the MTP modules' embedding in the table's unit) log ZeRO-0's numbers
+for z in 0 3; do run "zero$z" "$BIN" "${TINY[@]}" --recompute full --nproc 2 --zero "$z" --log "$work/zero$z.jsonl"; done
+if [ "$(rc zero0)" -eq 0 ] && [ "$(rc zero3)" -eq 0 ] && [ -n "$(fields zero0)" ] && [ "$(fields zero0)" = "$(fields zero3)" ]; then
+    ok "2 ranks, MLA + MTP + --recompute full: --zero 3 logs --zero 0's numbers bit for bit"
+else
+    bad "MLA + MTP under --zero 3" "exit $(rc zero0) $(rc zero3)" "$(diff <(fields zero0) <(fields zero3) | head -3)" \
+        "$(grep -i error "$work/zero3.out" | head -2)"
 fi
 
 # ---- 3. the same on the emulated GPU (CUDA paths of every MLA/MTP op, graph capture)

@@ -51,6 +51,13 @@ static void *dev_from(const void *host, size_t bytes) {
     if (d && bytes) DSK_TEST_EXPECT(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice) == cudaSuccess, "to device");
     return d;
 }
+/* Device memory of `bytes` filled with 0xff bytes (NaN in every float dtype): outputs start poisoned. */
+static void *dev_poisoned(size_t bytes) {
+    void *d = NULL;
+    DSK_TEST_EXPECT(cudaMalloc(&d, bytes ? bytes : 1) == cudaSuccess, "cudaMalloc %zu", bytes);
+    if (d) DSK_TEST_EXPECT(cudaMemset(d, 0xff, bytes ? bytes : 1) == cudaSuccess, "cudaMemset");
+    return d;
+}
 static void to_host(void *host, const void *dev, size_t bytes) {
     DSK_TEST_OK(dsk_comm_sync(&NC, &G));
     if (bytes) DSK_TEST_EXPECT(cudaMemcpy(host, dev, bytes, cudaMemcpyDeviceToHost) == cudaSuccess, "to host");
@@ -281,8 +288,8 @@ static void part_routes(void) {
             back_got = (char *)malloc((size_t)(hr.slots + 1) * row);
             gen(in, dt, rows * E, 600 + (uint64_t)d, me);
             din = dev_from(in, (size_t)rows * row);
-            drecv = dev_from(in, (size_t)hr.recv_rows * row);
-            dback = dev_from(in, (size_t)hr.slots * row);
+            drecv = dev_poisoned((size_t)hr.recv_rows * row);
+            dback = dev_poisoned((size_t)hr.slots * row);
             snprintf(label, sizeof label, "rank %d: %s route, %s rows", me, two ? "two-hop" : "flat",
                      dsk_dtype_name(dt));
             DSK_TEST_OK(dsk_comm_route_dispatch(&hr, NULL, in, E, dt, want));

@@ -1,0 +1,337 @@
+/* train_zero.h - the sharded data parallelism of examples/train_moe.c (--zero 1|2|3,
+   --grad-compress): every model parameter lives in a dsk_zero object instead of the model's
+   slabs (tm_config.external), which binds its compute weights (wc) and f32 gradient (g).
+
+   Objects: one per (dense or expert-sharded, compute dtype), so at most four: the dense
+   parameters in the model's compute dtype and in f32 (MoE routers) over every rank, averaged;
+   the expert-sharded ones over the ranks holding the same experts, summed then times 1/world
+   (the same rule as the trainer's buckets: each expert's gradient already gathers every token
+   of its expert-parallel group). Units: the model's (embedding, each block, final norm and head),
+   driven by the model's unit hook; the MoE layers are bound to their parameters' views again
+   whenever ZeRO moves them (stage 3 gathers, stage 2-3 gradient buffers). Weights start as the
+   trainer's (the same counter-based streams, element by element), so every stage trains the
+   same model; checkpoints hold the objects' pieces (dsk_zero's format: flattened tensors).
+
+   In train_moe.c:
+       tm_init with cfg.external = 1; tz_init(&z, &model, ctx, &dp, &rep, world, &opts, seed);
+       each step: for each micro-batch a: tz_begin(&z, a == last); forward, loss, backward (the hooks);
+                  tz_wait; tz_decide (unscale, clip, skip: one all-reduce); tz_step; dsk_amp_update
+       checkpoints: tz_ckpt_entries(SAVE or LOAD) next to the other entries; after a load tz_refresh */
+#ifndef TRAIN_ZERO_H
+#define TRAIN_ZERO_H
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "../dsk_zero.h"
+#include "train_model.h"
+
+#define TZ_MAX_OBJ 4
+
+typedef struct tz_opts {
+    int stage;                  /* 0..3 */
+    dsk_zero_compress compress;
+    int psgd_rank, psgd_start;  /* PowerSGD rank and first compressed pass */
+} tz_opts;
+
+typedef struct tz {
+    tm_model *m;
+    dsk_ctx *ctx;
+    int stage, n_obj;
+    dsk_zero z[TZ_MAX_OBJ];
+    dsk_zero *zp[TZ_MAX_OBJ];
+    int obj_sharded[TZ_MAX_OBJ];
+    dsk_dtype obj_dt[TZ_MAX_OBJ];
+    int *obj_of, *idx_of;       /* [model params]: object and index in it */
+    dsk_tensor scratch;         /* f32, the largest MoE parameter: the gradient an MoE layer is bound to while its
+                                   real one does not exist (ZeRO-2/3 forward passes; nothing writes it) */
+} tz;
+
+/* "none", "bf16", "powersgd:R" or "powersgd:R:START" (START: first compressed pass, [10]). */
+static int tz_parse_compress(const char *s, tz_opts *o) {
+    char *end;
+    o->compress = DSK_ZERO_COMPRESS_NONE;
+    o->psgd_rank = 0;
+    o->psgd_start = 10;
+    if (!strcmp(s, "none")) return 1;
+    if (!strcmp(s, "bf16")) { o->compress = DSK_ZERO_COMPRESS_BF16; return 1; }
+    if (strncmp(s, "powersgd:", 9) != 0) return 0;
+    o->compress = DSK_ZERO_COMPRESS_POWERSGD;
+    o->psgd_rank = (int)strtol(s + 9, &end, 10);
+    if (end == s + 9 || o->psgd_rank < 1) return 0;
+    if (*end == ':') {
+        const char *st = end + 1;
+        o->psgd_start = (int)strtol(st, &end, 10);
+        if (end == st || o->psgd_start < 0) return 0;
+    }
+    return *end == 0;
+}
+
+/* The object a parameter goes to: by (expert-sharded, compute dtype), created in first-seen order. */
+static int tz_object_of(tz *t, const tm_param *p) {
+    dsk_dtype dt = tm_param_dtype(t->m, p);
+    for (int k = 0; k < t->n_obj; k++)
+        if (t->obj_sharded[k] == p->sharded && t->obj_dt[k] == dt) return k;
+    t->obj_sharded[t->n_obj] = p->sharded;
+    t->obj_dt[t->n_obj] = dt;
+    return t->n_obj++;
+}
+
+/* Binds the MoE parameters of unit `unit` (-1: all) to their current views, an absent gradient
+   to scratch. Before a forward. Between a forward and its backward (keep_forward) only the
+   views' addresses change: dsk_moe_bind would drop the saved forward, so the layer's views are
+   pointed at the new addresses directly (the same weights, now gathered elsewhere; the layer
+   reads its views afresh in backward). */
+static dsk_status tz_bind_moe(tz *t, int unit, int keep_forward) {
+    tm_model *m = t->m;
+    for (int i = 0; i < m->n_params; i++) {
+        tm_param *p = &m->params[i];
+        dsk_tensor g = p->g;
+        dsk_moe_param *mp;
+        if (p->moe_layer < 0 || (unit >= 0 && p->unit != unit)) continue;
+        mp = &m->blocks[p->moe_layer].moe.params[p->moe_index];
+        if (keep_forward) {
+            if (!p->wc.data || !p->g.data)
+                return dsk_set_error(DSK_ERR_STATE, "tz_bind_moe: \"%s\" has no weights or gradient in its backward",
+                                     p->name);
+            mp->value.data = p->wc.data;
+            mp->grad.data = p->g.data;
+            continue;
+        }
+        if (!g.data) TM_TRY(dsk_tensor_wrap(&g, t->scratch.data, DSK_F32, t->scratch.device, p->ndim, p->shape));
+        TM_TRY(dsk_moe_bind(&m->blocks[p->moe_layer].moe, t->ctx, p->moe_index, &p->wc, &g));
+    }
+    return DSK_OK;
+}
+
+static dsk_status tz_unit_hook(void *user, int unit, int phase) {
+    tz *t = (tz *)user;
+    for (int k = 0; k < t->n_obj; k++) {
+        dsk_zero *z = &t->z[k];
+        /* an evaluation forward (no backward) left the last unit gathered: free its buffer for the prefetches */
+        if (phase == TM_FWD_BEGIN && unit == 0) TM_TRY(dsk_zero_forward_end(z, t->ctx, t->m->cfg.n_layers + 1));
+        if (phase == TM_FWD_BEGIN) TM_TRY(dsk_zero_forward_begin(z, t->ctx, unit));
+        else if (phase == TM_FWD_END) TM_TRY(dsk_zero_forward_end(z, t->ctx, unit));
+        else if (phase == TM_BWD_BEGIN) TM_TRY(dsk_zero_backward_begin(z, t->ctx, unit));
+        else TM_TRY(dsk_zero_backward_end(z, t->ctx, unit));
+    }
+    if (phase == TM_BWD_BEGIN && t->stage >= 2) /* a compute-dtype norm gradient restarts every micro-batch too */
+        for (int i = 0; i < t->m->n_params; i++)
+            if (t->m->params[i].unit == unit && t->m->params[i].gc.data)
+                TM_TRY(dsk_tensor_fill(t->ctx, &t->m->params[i].gc, 0.0));
+    if (phase == TM_FWD_BEGIN && t->stage == 3) return tz_bind_moe(t, unit, 0);
+    if (phase == TM_BWD_BEGIN && t->stage >= 2) return tz_bind_moe(t, unit, 1);
+    return DSK_OK;
+}
+
+static dsk_status tz_grad_ready(void *user, int param) {
+    tz *t = (tz *)user;
+    return dsk_zero_grad_ready(&t->z[t->obj_of[param]], t->ctx, t->idx_of[param]);
+}
+
+/* Fresh weights in this rank's pieces, element for element the model's own initialisation
+   (tm_init_weights): the counter of element j of a dense parameter is its offset + j; an MoE
+   parameter comes from its layer's stream through a whole temporary tensor. */
+static dsk_status tz_init_weights(tz *t, uint64_t seed) {
+    tm_model *m = t->m;
+    uint64_t off = 0;
+    for (int i = 0; i < m->n_params; i++) {
+        tm_param *p = &m->params[i];
+        dsk_zero_piece pc;
+        TM_TRY(dsk_zero_get_piece(&t->z[t->obj_of[i]], t->idx_of[i], &pc));
+        if (p->moe_layer >= 0) {
+            dsk_tensor full, flat, part;
+            int64_t n = tm_param_numel(p);
+            dsk_status s;
+            if (pc.count == 0) continue;
+            TM_TRY(dsk_tensor_alloc(t->ctx, &full, DSK_F32, p->ndim, p->shape));
+            s = dsk_moe_init_param(&m->blocks[p->moe_layer].moe, t->ctx, p->moe_index, &full);
+            if (s == DSK_OK) s = dsk_tensor_reshape(&full, 1, &n, &flat);
+            if (s == DSK_OK) s = dsk_tensor_slice(&flat, 0, pc.first, pc.count, &part);
+            if (s == DSK_OK) s = dsk_tensor_copy(t->ctx, &pc.master, &part);
+            dsk_tensor_free(t->ctx, &full);
+            TM_TRY(s);
+            continue;
+        }
+        if (pc.count > 0 && p->init_std > 0)
+            TM_TRY(dsk_tensor_normal(t->ctx, &pc.master, seed, off + (uint64_t)pc.first, 0.0f, p->init_std));
+        else if (pc.count > 0)
+            TM_TRY(dsk_tensor_fill(t->ctx, &pc.master, 1.0));
+        off += (uint64_t)tm_param_numel(p);
+    }
+    return DSK_OK;
+}
+
+/* Rebuilds every object's compute weights from the masters (after initialisation or a load)
+   and points the MoE layers at them. */
+static dsk_status tz_refresh(tz *t) {
+    for (int k = 0; k < t->n_obj; k++) TM_TRY(dsk_zero_refresh(&t->z[k], t->ctx));
+    return t->stage <= 2 ? tz_bind_moe(t, -1, 0) : DSK_OK;
+}
+
+static void tz_free(tz *t) {
+    for (int k = 0; k < t->n_obj; k++) dsk_zero_free(&t->z[k], t->ctx);
+    if (t->ctx) dsk_tensor_free(t->ctx, &t->scratch);
+    free(t->obj_of);
+    free(t->idx_of);
+    memset(t, 0, sizeof *t);
+}
+
+/* Shards the model m (built with tm_config.external): dense parameters over dp, expert-sharded
+   ones over rep (the ranks holding the same experts; world: the data-parallel world size);
+   fresh weights from `seed`; installs the model's hooks. Collective over dp and rep. */
+static dsk_status tz_init(tz *t, tm_model *m, dsk_ctx *ctx, dsk_comm *dp, dsk_comm *rep, int world,
+                          const tz_opts *o, uint64_t seed) {
+    dsk_zero_param *ps;
+    int n[TZ_MAX_OBJ] = {0};
+    int64_t scratch = 1;
+    dsk_status s = DSK_OK;
+    memset(t, 0, sizeof *t);
+    t->m = m;
+    t->ctx = ctx;
+    t->stage = o->stage;
+    t->obj_of = (int *)calloc((size_t)m->n_params, sizeof(int));
+    t->idx_of = (int *)calloc((size_t)m->n_params, sizeof(int));
+    ps = (dsk_zero_param *)calloc((size_t)(TZ_MAX_OBJ * m->n_params), sizeof *ps);
+    if (!t->obj_of || !t->idx_of || !ps) {
+        free(ps);
+        return dsk_set_error(DSK_ERR_OOM, "tz_init: parameter tables");
+    }
+    /* each object's list in unit order (the model's order is not: its experts come last) */
+    for (int unit = 0; unit <= m->cfg.n_layers + 1; unit++)
+        for (int i = 0; i < m->n_params; i++) {
+            tm_param *p = &m->params[i];
+            int k;
+            dsk_zero_param *q;
+            if (p->unit != unit) continue;
+            k = tz_object_of(t, p);
+            q = &ps[k * m->n_params + n[k]];
+            t->obj_of[i] = k;
+            t->idx_of[i] = n[k]++;
+            q->name = p->name;
+            q->ndim = p->ndim;
+            for (int d = 0; d < p->ndim; d++) q->shape[d] = p->shape[d];
+            q->value = &p->wc;
+            q->grad = &p->g;
+            q->unit = p->unit;
+            q->no_decay = !p->decay;
+            if (p->sharded) { /* experts [expert0, expert0 + local) of n_routed along dim 0 */
+                const dsk_moe *moe = &m->blocks[p->moe_layer].moe;
+                q->global_rows = moe->opts.n_routed;
+                q->row0 = moe->expert0;
+            }
+            if (p->moe_layer >= 0 && tm_param_numel(p) > scratch) scratch = tm_param_numel(p);
+        }
+    for (int k = 0; k < t->n_obj && s == DSK_OK; k++) {
+        dsk_zero_opts zo;
+        memset(&zo, 0, sizeof zo);
+        zo.stage = o->stage;
+        zo.compute_dtype = t->obj_dt[k];
+        zo.compress = o->compress;
+        zo.powersgd_rank = o->psgd_rank;
+        zo.powersgd_start_iter = o->psgd_start;
+        if (t->obj_sharded[k]) {
+            zo.sum_only = 1;
+            zo.grad_post_scale = 1.0f / (float)world;
+        }
+        s = dsk_zero_init(&t->z[k], t->obj_sharded[k] ? rep : dp, ctx, &ps[k * m->n_params], n[k], &zo);
+        t->zp[k] = &t->z[k];
+    }
+    free(ps);
+    if (s == DSK_OK && o->stage >= 2) s = dsk_tensor_alloc(ctx, &t->scratch, DSK_F32, 1, &scratch);
+    if (s == DSK_OK && o->stage >= 2) s = dsk_tensor_fill(ctx, &t->scratch, 0.0);
+    if (s == DSK_OK) s = tz_init_weights(t, seed);
+    if (s == DSK_OK) s = tz_refresh(t);
+    if (s != DSK_OK) {
+        tz_free(t);
+        return s;
+    }
+    m->unit_hook = tz_unit_hook;
+    m->unit_hook_user = t;
+    m->grad_ready = tz_grad_ready;
+    m->grad_ready_user = t;
+    return DSK_OK;
+}
+
+/* ---- a step */
+
+static dsk_status tz_begin(tz *t, int sync) {
+    for (int k = 0; k < t->n_obj; k++) TM_TRY(dsk_zero_begin(&t->z[k], t->ctx, sync));
+    return DSK_OK;
+}
+
+static dsk_status tz_wait(tz *t) {
+    for (int k = 0; k < t->n_obj; k++) TM_TRY(dsk_zero_wait(&t->z[k], t->ctx));
+    return DSK_OK;
+}
+
+/* Unscale, norm and skip over every object's pieces, one all-reduce over `world`. */
+static dsk_status tz_decide(tz *t, dsk_amp_scaler *sc, dsk_comm *world, double clip, dsk_amp_decision *dec) {
+    return dsk_zero_unscale_decide(t->zp, t->n_obj, sc, world, t->ctx, clip, dec);
+}
+
+static dsk_status tz_step(tz *t, const dsk_adamw_opts *o, int64_t step, const dsk_amp_decision *dec) {
+    for (int k = 0; k < t->n_obj; k++) TM_TRY(dsk_zero_step(&t->z[k], t->ctx, o, step, dec));
+    return DSK_OK;
+}
+
+/* ---- checkpoints, figures */
+
+/* Appends every object's entries (mode: save or load) to e[*n..cap); the entries point into
+   the objects (valid until the next call). */
+static dsk_status tz_ckpt_entries(tz *t, dsk_zero_ckpt_mode mode, dsk_ckpt_entry *e, int cap, int *n) {
+    for (int k = 0; k < t->n_obj; k++) {
+        const dsk_ckpt_entry *ze;
+        int nz;
+        TM_TRY(dsk_zero_ckpt_entries(&t->z[k], t->ctx, mode, &ze, &nz));
+        if (*n + nz > cap)
+            return dsk_set_error(DSK_ERR_ARG, "tz_ckpt_entries: %d entries do not fit in %d", *n + nz, cap);
+        memcpy(e + *n, ze, (size_t)nz * sizeof *ze);
+        *n += nz;
+    }
+    return DSK_OK;
+}
+
+static void tz_memory(const tz *t, dsk_zero_memory *out) {
+    memset(out, 0, sizeof *out);
+    for (int k = 0; k < t->n_obj; k++) {
+        out->params += t->z[k].memory.params;
+        out->grads += t->z[k].memory.grads;
+        out->optimizer += t->z[k].memory.optimizer;
+        out->comm += t->z[k].memory.comm;
+    }
+    if (t->scratch.data) out->grads += (int64_t)dsk_tensor_nbytes(&t->scratch); /* the MoE layers' stand-in gradient */
+}
+
+/* Elements a PowerSGD reduction of rank r hands over for the model's gradients (*comp), and
+   uncompressed (*all): PyTorch's rule (dsk_zero_powersgd_compresses, its default minimum
+   compression rate 2) on each tensor viewed as (shape[0], rest), P and Q of (rows + cols) r'. */
+static void tz_powersgd_elements(const tm_model *m, int r, double *comp, double *all) {
+    *comp = *all = 0;
+    for (int i = 0; i < m->n_params; i++) {
+        const tm_param *p = &m->params[i];
+        int64_t n = tm_param_numel(p), rows = p->shape[0], cols = n / rows, rr = r < rows ? r : rows;
+        if (cols < rr) rr = cols;
+        *all += (double)n;
+        *comp += dsk_zero_powersgd_compresses(p->ndim, rows, cols, r, 2.0) ? (double)((rows + cols) * rr) : (double)n;
+    }
+}
+
+/* Seconds the objects' progress threads spent in collectives so far. */
+static double tz_seconds(const tz *t) {
+    double s = 0;
+    for (int k = 0; k < t->n_obj; k++) s += t->z[k].stats.seconds;
+    return s;
+}
+
+/* Cumulative bytes handed to the gradient reductions and what they would be uncompressed. */
+static void tz_bytes(const tz *t, double *reduce, double *plain, double *gather) {
+    *reduce = *plain = *gather = 0;
+    for (int k = 0; k < t->n_obj; k++) {
+        *reduce += (double)t->z[k].stats.reduce_bytes;
+        *plain += (double)t->z[k].stats.plain_bytes;
+        *gather += (double)t->z[k].stats.gather_bytes;
+    }
+}
+
+#endif /* TRAIN_ZERO_H */
