@@ -49,10 +49,12 @@
        clipping and skip          dsk_amp_decision, dsk_amp_decide
        master weights and casts   dsk_amp_round, stochastic rounding (dsk_amp_sr_key, dsk_amp_f32_to_bf16_sr,
                                   dsk_amp_f32_to_f16_sr), dsk_amp_cast, dsk_amp_param, dsk_amp_step
+       device-resident step       dsk_amp_step_vals, dsk_amp_dstep (init/free/schedule/upload/get),
+                                  dsk_amp_decide_dev, dsk_amp_step_dev: a whole step in a CUDA graph
        FP8 scaling                scale rules (dsk_amp_fp8_scale, dsk_amp_fp8_block_scale), dsk_amp_amax,
                                   per-tensor current scaling and quantize, delayed scaling, DeepSeek-V3 blocks
      implementation (DSK_AMP_IMPLEMENTATION)
-       checks, loss scaler, unscale + check, casts and optimizer step, FP8 */
+       checks, loss scaler, unscale + check, casts and optimizer step, device-resident step, FP8 */
 #ifndef DSK_AMP_H
 #define DSK_AMP_H
 
@@ -273,6 +275,74 @@ typedef struct dsk_amp_param {
    `step` is 1-based and counts applied steps only. */
 DSK_API dsk_status dsk_amp_step(dsk_ctx *ctx, const dsk_amp_param *params, int n, const dsk_adamw_opts *opts,
                                 int64_t step, const dsk_amp_decision *dec, dsk_amp_round round, uint64_t seed);
+
+/* ------------------------------------------------------------------ device-resident step
+
+   dsk_amp_decide and dsk_amp_step take the step's scalars from the host (lr, the AdamW step, the
+   skip decision and clip coefficient): a step captured once as a CUDA graph (dsk_graph_begin)
+   could not change them between replays. A dsk_amp_dstep keeps them in memory of its device:
+     schedule  lr, the AdamW step and its bias corrections, computed by the host exactly as
+               dsk_adamw_step does (dsk_amp_dstep_schedule writes them into pinned memory) and
+               copied to the device by dsk_amp_dstep_upload, a copy a capture records: every
+               replay copies what the host wrote last;
+     decision  skip, grad_mult, norm: dsk_amp_decide_dev runs dsk_amp_decide on the device on
+               the scaler's stats;
+   and dsk_amp_step_dev reads both there (a skipped step leaves every tensor untouched). On the
+   same gradients the result is bitwise that of dsk_amp_decide + dsk_amp_step given the same lr
+   and step from the host. On the CPU the calls work on host memory (upload does nothing), so one
+   code path serves both devices.
+
+   A captured step (the loss scale is a constant of the capture: capture again when it changes):
+       before each launch (host):  dsk_amp_dstep_schedule(&ds, ctx, lr, applied + 1, &adamw);
+       captured once:              dsk_amp_dstep_upload(&ds, ctx);
+                                   forward, backward with the loss gradient times the scale
+                                   dsk_amp_unscale(&sc, ctx, grads, n);
+                                   dsk_amp_decide_dev(&ds, ctx, &sc, max_norm);
+                                   dsk_amp_step_dev(ctx, params, n, &adamw, &ds, round, seed);
+                                   dsk_amp_update(&sc, ctx);
+       after the launch (host):    dsk_amp_stats_get + dsk_amp_decide give the same decision,
+                                   for the log and the applied-step count (applied += !skip).
+   The host must not rewrite the schedule while a launch that copies it may be pending: sync the
+   stream in between (reading the step's loss does). */
+
+typedef struct dsk_amp_step_vals {
+    double norm;     /* decision: global L2 norm of the unscaled gradients */
+    float grad_mult; /* decision: the clip coefficient (1 without clipping) */
+    int32_t skip;    /* decision: 1 = leave everything untouched this step */
+    int64_t step;    /* schedule: AdamW step, 1-based, counting applied steps (and the rounding stream's key) */
+    float lr;        /* schedule */
+    float bc1, bc2;  /* schedule: dsk_adamw_bias_correction(beta1 and beta2, step) */
+    float reserved;  /* zero (keeps the struct's size a multiple of 8 on every ABI) */
+} dsk_amp_step_vals;
+
+typedef struct dsk_amp_dstep {
+    dsk_device device;
+    float beta1, beta2;        /* of the last schedule: dsk_amp_step_dev's opts must carry them */
+    dsk_amp_step_vals *vals;   /* on `device` (CPU: host memory) */
+    dsk_amp_step_vals *pinned; /* CUDA: the schedule as the host wrote it, pinned; upload copies it to vals */
+    dsk_tensor skip;           /* i32 scalar view of vals->skip, e.g. for dsk_moe_update_bias_unless */
+} dsk_amp_dstep;
+
+/* On ctx's device (ctx NULL: CPU); starts with step 0 and skip = 1 until a decision. */
+DSK_API dsk_status dsk_amp_dstep_init(dsk_amp_dstep *ds, dsk_ctx *ctx);
+DSK_API void dsk_amp_dstep_free(dsk_amp_dstep *ds, dsk_ctx *ctx); /* zeroed/freed ok */
+/* Host side only (no device work): lr (finite, >= 0), step (>= 1) and the bias corrections of
+   opts' betas (ranges as dsk_adamw_step; its lr is not read) for the next upload. */
+DSK_API dsk_status dsk_amp_dstep_schedule(dsk_amp_dstep *ds, dsk_ctx *ctx, float lr, int64_t step,
+                                          const dsk_adamw_opts *opts);
+/* CUDA: enqueues the copy of the schedule from pinned memory to the device (no sync; capturable).
+   CPU: nothing (the schedule is in place). */
+DSK_API dsk_status dsk_amp_dstep_upload(dsk_amp_dstep *ds, dsk_ctx *ctx);
+/* Reads the values (CUDA: copies them and syncs the stream), e.g. to inspect a step. */
+DSK_API dsk_status dsk_amp_dstep_get(const dsk_amp_dstep *ds, dsk_ctx *ctx, dsk_amp_step_vals *out);
+/* The decision dsk_amp_decide(stats of sc, max_norm), made on the device (CUDA: one single-thread
+   kernel, no sync). sc and ds on the same device. */
+DSK_API dsk_status dsk_amp_decide_dev(dsk_amp_dstep *ds, dsk_ctx *ctx, const dsk_amp_scaler *sc, double max_norm);
+/* dsk_amp_step with lr, step and the decision read from ds on its device (CUDA: no sync; a
+   skipped step launches kernels that return at once). opts gives beta1, beta2 (those of the
+   schedule), eps and weight_decay; its lr is not read. Stochastic rounding keys on ds's step. */
+DSK_API dsk_status dsk_amp_step_dev(dsk_ctx *ctx, const dsk_amp_param *params, int n, const dsk_adamw_opts *opts,
+                                    const dsk_amp_dstep *ds, dsk_amp_round round, uint64_t seed);
 
 /* ------------------------------------------------------------------ FP8 scaling */
 
@@ -844,6 +914,191 @@ DSK_API dsk_status dsk_amp_step(dsk_ctx *ctx, const dsk_amp_param *params, int n
             DSK__TRY(dsk_amp_cast(ctx, p->copy, p->master, round, seed, (uint64_t)i, (uint64_t)step));
     }
     return DSK_OK;
+}
+
+/* ---------------------------------------------------------------- device-resident step */
+
+/* The bytes dsk_amp_dstep_upload copies: the schedule, from `step` to the end. */
+#define DSK__AMP_SCHED_OFF offsetof(dsk_amp_step_vals, step)
+#define DSK__AMP_SCHED_BYTES (sizeof(dsk_amp_step_vals) - DSK__AMP_SCHED_OFF)
+
+static dsk_status dsk__amp_need_dstep(const char *fn, const dsk_ctx *ctx, const dsk_amp_dstep *ds) {
+    if (!ds) return dsk_set_error(DSK_ERR_ARG, "%s: dstep is NULL", fn);
+    if (!ds->vals) return dsk_set_error(DSK_ERR_STATE, "%s: dstep is not initialised", fn);
+    return dsk__amp_need_ctx(fn, ctx, ds->device);
+}
+
+/* beta1, beta2, eps and weight_decay in dsk_adamw_step's ranges (lr is the schedule's). */
+static dsk_status dsk__amp_check_betas(const char *fn, const dsk_adamw_opts *o) {
+    if (!o) return dsk_set_error(DSK_ERR_ARG, "%s: AdamW options are NULL (start from dsk_adamw_defaults())", fn);
+    if (!(o->beta1 >= 0.0f && o->beta1 < 1.0f) || !(o->beta2 >= 0.0f && o->beta2 < 1.0f))
+        return dsk_set_error(DSK_ERR_ARG, "%s: beta1 %g and beta2 %g must be in [0, 1)", fn, (double)o->beta1,
+                             (double)o->beta2);
+    if (!(o->eps > 0.0f) || !dsk_amp_isfinite(o->eps))
+        return dsk_set_error(DSK_ERR_ARG, "%s: eps %g must be finite and > 0", fn, (double)o->eps);
+    if (!(o->weight_decay >= 0.0f) || !dsk_amp_isfinite(o->weight_decay))
+        return dsk_set_error(DSK_ERR_ARG, "%s: weight_decay %g must be finite and >= 0", fn, (double)o->weight_decay);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_amp_dstep_init(dsk_amp_dstep *ds, dsk_ctx *ctx) {
+    const char *fn = "dsk_amp_dstep_init";
+    dsk_amp_step_vals v;
+    dsk_status s = DSK_OK;
+    if (!ds) return dsk_set_error(DSK_ERR_ARG, "%s: dstep is NULL", fn);
+    memset(ds, 0, sizeof *ds);
+    memset(&v, 0, sizeof v);
+    v.skip = 1;
+    ds->device = ctx ? ctx->device : dsk_cpu();
+    ds->beta1 = ds->beta2 = -1.0f; /* no schedule yet */
+#ifdef DSK_CUDA
+    if (ds->device.type == DSK_DEV_CUDA) {
+        void *dev = NULL;
+        ds->pinned = (dsk_amp_step_vals *)dsk_cuda_host_alloc(sizeof v);
+        if (!ds->pinned) s = dsk_set_error(DSK_ERR_OOM, "%s: no pinned host memory for %zu bytes", fn, sizeof v);
+        if (s == DSK_OK) s = dsk_cuda_malloc(ctx, sizeof v, &dev);
+        ds->vals = (dsk_amp_step_vals *)dev;
+        if (s == DSK_OK) {
+            *ds->pinned = v;
+            s = dsk_cuda_memcpy(ctx, ds->vals, ds->pinned, sizeof v, 1);
+        }
+        if (s == DSK_OK) s = dsk_cuda_sync(ctx);
+    } else
+#endif
+    if (ds->device.type == DSK_DEV_CPU) {
+        ds->vals = (dsk_amp_step_vals *)DSK_MALLOC(sizeof v);
+        if (!ds->vals) s = dsk_set_error(DSK_ERR_OOM, "%s: out of host memory", fn);
+        else *ds->vals = v;
+    } else {
+        s = dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: ctx device type %d not available in this build", fn,
+                          (int)ds->device.type);
+    }
+    if (s == DSK_OK) s = dsk_tensor_wrap(&ds->skip, &ds->vals->skip, DSK_I32, ds->device, 0, NULL);
+    if (s != DSK_OK) dsk_amp_dstep_free(ds, ctx);
+    return s;
+}
+
+DSK_API void dsk_amp_dstep_free(dsk_amp_dstep *ds, dsk_ctx *ctx) {
+    if (!ds) return;
+#ifdef DSK_CUDA
+    if (ds->device.type == DSK_DEV_CUDA) {
+        if (ds->vals) dsk_cuda_free(ctx, ds->vals);
+        if (ds->pinned) dsk_cuda_host_free(ds->pinned);
+        ds->vals = NULL;
+    }
+#endif
+    if (ds->device.type == DSK_DEV_CPU) DSK_FREE(ds->vals);
+    (void)ctx;
+    memset(ds, 0, sizeof *ds);
+}
+
+DSK_API dsk_status dsk_amp_dstep_schedule(dsk_amp_dstep *ds, dsk_ctx *ctx, float lr, int64_t step,
+                                          const dsk_adamw_opts *opts) {
+    const char *fn = "dsk_amp_dstep_schedule";
+    dsk_amp_step_vals *v;
+    DSK__TRY(dsk__amp_need_dstep(fn, ctx, ds));
+    DSK__TRY(dsk__amp_check_betas(fn, opts));
+    if (!(lr >= 0.0f) || !dsk_amp_isfinite(lr))
+        return dsk_set_error(DSK_ERR_ARG, "%s: lr %g must be finite and >= 0", fn, (double)lr);
+    if (step < 1) return dsk_set_error(DSK_ERR_ARG, "%s: step %lld must be >= 1", fn, (long long)step);
+    v = ds->device.type == DSK_DEV_CUDA ? ds->pinned : ds->vals;
+    v->step = step;
+    v->lr = lr;
+    v->bc1 = dsk_adamw_bias_correction(opts->beta1, step);
+    v->bc2 = dsk_adamw_bias_correction(opts->beta2, step);
+    v->reserved = 0.0f;
+    ds->beta1 = opts->beta1;
+    ds->beta2 = opts->beta2;
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_amp_dstep_upload(dsk_amp_dstep *ds, dsk_ctx *ctx) {
+    DSK__TRY(dsk__amp_need_dstep("dsk_amp_dstep_upload", ctx, ds));
+#ifdef DSK_CUDA
+    if (ds->device.type == DSK_DEV_CUDA)
+        return dsk_cuda_memcpy(ctx, (char *)ds->vals + DSK__AMP_SCHED_OFF,
+                               (const char *)ds->pinned + DSK__AMP_SCHED_OFF, DSK__AMP_SCHED_BYTES, 1);
+#endif
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_amp_dstep_get(const dsk_amp_dstep *ds, dsk_ctx *ctx, dsk_amp_step_vals *out) {
+    DSK__TRY(dsk__amp_need_dstep("dsk_amp_dstep_get", ctx, ds));
+    if (!out) return dsk_set_error(DSK_ERR_ARG, "dsk_amp_dstep_get: out is NULL");
+#ifdef DSK_CUDA
+    if (ds->device.type == DSK_DEV_CUDA) {
+        DSK__TRY(dsk_cuda_memcpy(ctx, out, ds->vals, sizeof *out, 0));
+        return dsk_cuda_sync(ctx);
+    }
+#endif
+    *out = *ds->vals;
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_amp_decide_dev(dsk_amp_dstep *ds, dsk_ctx *ctx, const dsk_amp_scaler *sc, double max_norm) {
+    const char *fn = "dsk_amp_decide_dev";
+    dsk_amp_decision d;
+    DSK__TRY(dsk__amp_need_dstep(fn, ctx, ds));
+    DSK__TRY(dsk__amp_need_scaler(fn, ctx, sc));
+    if (sc->device.type != ds->device.type || sc->device.index != ds->device.index)
+        return dsk_set_error(DSK_ERR_ARG, "%s: the scaler is on %s:%d, the dstep on %s:%d", fn,
+                             sc->device.type == DSK_DEV_CUDA ? "cuda" : "cpu", sc->device.index,
+                             ds->device.type == DSK_DEV_CUDA ? "cuda" : "cpu", ds->device.index);
+#ifdef DSK_CUDA
+    if (ds->device.type == DSK_DEV_CUDA) return dsk_cuda_amp_decide(ctx, sc->dev_block, ds->vals, max_norm);
+#endif
+    d = dsk_amp_decide(sc->stats, max_norm);
+    ds->vals->skip = d.skip;
+    ds->vals->grad_mult = d.grad_mult;
+    ds->vals->norm = d.norm;
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_amp_step_dev(dsk_ctx *ctx, const dsk_amp_param *params, int n, const dsk_adamw_opts *opts,
+                                    const dsk_amp_dstep *ds, dsk_amp_round round, uint64_t seed) {
+    const char *fn = "dsk_amp_step_dev";
+    DSK__TRY(dsk__amp_need_dstep(fn, ctx, ds));
+    DSK__TRY(dsk__amp_check_betas(fn, opts));
+    if (ds->beta1 < 0.0f)
+        return dsk_set_error(DSK_ERR_STATE, "%s: the dstep has no schedule (dsk_amp_dstep_schedule)", fn);
+    if (opts->beta1 != ds->beta1 || opts->beta2 != ds->beta2)
+        return dsk_set_error(DSK_ERR_ARG, "%s: betas (%g, %g) differ from the schedule's (%g, %g), whose bias "
+                             "corrections the step would use", fn, (double)opts->beta1, (double)opts->beta2,
+                             (double)ds->beta1, (double)ds->beta2);
+    if (n < 0 || (n > 0 && !params))
+        return dsk_set_error(DSK_ERR_ARG, "%s: %d params with list %p", fn, n, (const void *)params);
+    if (round != DSK_AMP_ROUND_NEAREST && round != DSK_AMP_ROUND_STOCHASTIC)
+        return dsk_set_error(DSK_ERR_ARG, "%s: unknown rounding mode %d", fn, (int)round);
+    for (int i = 0; i < n; i++) {
+        DSK__TRY(dsk__amp_check_param(&params[i], i));
+        if (params[i].master->device.type != ds->device.type || params[i].master->device.index != ds->device.index)
+            return dsk_set_error(DSK_ERR_ARG, "%s: params[%d] \"%s\" is not on the dstep's device", fn, i,
+                                 params[i].name ? params[i].name : "");
+    }
+#ifdef DSK_CUDA
+    if (ds->device.type == DSK_DEV_CUDA) {
+        for (int i = 0; i < n; i++) {
+            const dsk_amp_param *p = &params[i];
+            int rne_copy = p->copy && round == DSK_AMP_ROUND_NEAREST;
+            dsk_tensor *copy = rne_copy ? p->copy : NULL; /* refreshed by the AdamW pass itself */
+            DSK__TRY(dsk_cuda_amp_adamw_dev(ctx, p->master, p->grad, p->m, p->v, opts, ds->vals, copy));
+            if (p->copy && !rne_copy)
+                DSK__TRY(dsk_cuda_amp_cast_dev(ctx, p->copy, p->master, seed, (uint64_t)i, ds->vals));
+        }
+        return DSK_OK;
+    }
+#endif
+    {
+        const dsk_amp_step_vals *v = ds->vals;
+        dsk_amp_decision d;
+        dsk_adamw_opts o = *opts;
+        if (v->skip) return DSK_OK;
+        d.skip = 0;
+        d.grad_mult = v->grad_mult;
+        d.norm = v->norm;
+        o.lr = v->lr;
+        return dsk_amp_step(ctx, params, n, &o, v->step, &d, round, seed);
+    }
 }
 
 /* ---------------------------------------------------------------- FP8 */

@@ -98,7 +98,7 @@
        options                   dsk_moe_score, dsk_moe_norm, dsk_moe_group_rule, dsk_moe_loss_count, dsk_moe_drop,
                                  dsk_moe_router, dsk_moe_opts
        the layer                 dsk_moe_param, dsk_moe_stats, dsk_moe, dsk_moe_init/bind/bind_slabs/init_param/
-                                 init_params/reserve/free/find_param/forward/backward/zero_grad/update_bias/
+                                 init_params/reserve/free/find_param/forward/backward/zero_grad/update_bias(_unless)/
                                  stats_request/stats_collect
        per-token routing math    dsk_moe_route_token, dsk_moe_route_token_backward
        the rest of the MoE math  losses, capacity, combine, gate gradient, bias update (DSK_HD: CPU and CUDA)
@@ -291,6 +291,11 @@ DSK_API dsk_status dsk_moe_zero_grad(dsk_moe *m, dsk_ctx *ctx);
    (the data-parallel world, NULL = this rank only); b_i += bias_rate * sign(mean load - load_i);
    re-centred if asked. Runs on the layer's device (CUDA: no host sync). */
 DSK_API dsk_status dsk_moe_update_bias(dsk_moe *m, dsk_ctx *ctx, dsk_comm *comm);
+/* dsk_moe_update_bias without a communicator, skipped on the device when *skip (an i32 scalar
+   on the layer's device, e.g. dsk_amp_dstep's skip) is not 0: the loads then keep counting into
+   the next update, as when the caller does not call dsk_moe_update_bias for a skipped step. For a
+   step captured as a CUDA graph, whose skip decision stays on the device. */
+DSK_API dsk_status dsk_moe_update_bias_unless(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *skip);
 /* Statistics of the forwards since the previous request (m->eval ones excepted): takes them and
    starts over. CUDA: an asynchronous copy into pinned memory and an event; collect waits for
    that event only, so called after a later sync of the stream it does not wait at all. */
@@ -1538,10 +1543,12 @@ static dsk_status dsk__moe_uncombine(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dxf, 
     return DSK_OK;
 }
 
-static dsk_status dsk__moe_bias_step(dsk_moe *m, dsk_ctx *ctx) {
+/* skip: NULL, or an i32 on the layer's device; nothing changes when it holds a non-zero value. */
+static dsk_status dsk__moe_bias_step(dsk_moe *m, dsk_ctx *ctx, const int32_t *skip) {
     DSK__MOE_ON_CUDA(m, dsk_cuda_moe_bias_update(ctx, m->opts.n_routed, m->opts.bias_rate, m->opts.bias_recenter,
                                                  DSK__MOE_I64(m->st->buf[DSK__MOE_LOAD].mem),
-                                                 (float *)m->bias->value.data));
+                                                 (float *)m->bias->value.data, skip));
+    if (skip && *skip) return DSK_OK;
     dsk__moe_bias_update(m->opts.n_routed, m->opts.bias_rate, m->opts.bias_recenter,
                          DSK__MOE_I64(m->st->buf[DSK__MOE_LOAD].mem), (float *)m->bias->value.data);
     return dsk_tensor_fill(ctx, &m->st->buf[DSK__MOE_LOAD].mem, 0.0);
@@ -2050,7 +2057,24 @@ DSK_API dsk_status dsk_moe_update_bias(dsk_moe *m, dsk_ctx *ctx, dsk_comm *comm)
                                  m->device.type == DSK_DEV_CUDA ? "nccl" : "host");
         DSK__TRY(dsk_comm_all_reduce(comm, ctx, load->data, load->data, m->opts.n_routed, DSK_I64, DSK_COMM_SUM));
     }
-    return dsk__moe_bias_step(m, ctx);
+    return dsk__moe_bias_step(m, ctx, NULL);
+}
+
+DSK_API dsk_status dsk_moe_update_bias_unless(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *skip) {
+    const char *fn = "dsk_moe_update_bias_unless";
+    char b[96];
+    DSK__TRY(dsk__moe_need_layer(m, fn));
+    DSK__TRY(dsk__moe_need_bound(m, fn));
+    if (!skip || skip->dtype != DSK_I32 || dsk_tensor_numel(skip) != 1 || !skip->data)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": skip %s must be one i32 element", fn, m->opts.name,
+                             skip ? dsk_tensor_describe(skip, b, sizeof b) : "(NULL)");
+    if (skip->device.type != m->device.type || skip->device.index != m->device.index)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": skip is on %s, the layer on %s", fn, m->opts.name,
+                             skip->device.type == DSK_DEV_CUDA ? "CUDA" : "the CPU",
+                             m->device.type == DSK_DEV_CUDA ? "CUDA" : "the CPU");
+    if (m->device.type == DSK_DEV_CUDA && (!ctx || ctx->device.type != DSK_DEV_CUDA))
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\" is on CUDA: pass its CUDA ctx", fn, m->opts.name);
+    return dsk__moe_bias_step(m, ctx, (const int32_t *)skip->data);
 }
 
 /* ---------------------------------------------------------------- public entry points */

@@ -10,7 +10,9 @@
      v3:     sigmoid, 64 routed, 8 groups, top-4 groups, top-8, 1 shared, norm, scale 2.5
                                                                       D 1024, F 256  (full: 7168, 2048)
    --tiny: D 64, F 32 (a smoke run of every path, e.g. on the emulated GPU of tests/cuda_emu).
-   Usage: bench_moe [--tokens T] [--repeats N] [--full | --tiny] [--python /usr/bin/python3] [--cuda] */
+   --no-peer: no PyTorch run (bench/moe_before_after.sh times the layer alone between runs of the
+   layer before the redesign, bench/moe_old/bench_moe_old.c).
+   Usage: bench_moe [--tokens T] [--repeats N] [--full | --tiny] [--python /usr/bin/python3] [--cuda] [--no-peer] */
 #define DSK_TENSOR_IMPLEMENTATION
 #define DSK_COMM_IMPLEMENTATION
 #define DSK_MOE_IMPLEMENTATION
@@ -126,6 +128,7 @@ static void report_graph(dsk_ctx *ctx, const char *label, dsk_moe *m, dsk_tensor
 #endif
 
 static void run_shape(const shape *sh, int T, int warmup, int repeats, const char *python, dsk_ctx *ctx) {
+    /* python NULL: no PyTorch peer */
     dsk_moe m;
     dsk_tensor values, grads;
     int64_t vb, gd, gs;
@@ -172,11 +175,17 @@ static void run_shape(const shape *sh, int T, int warmup, int repeats, const cha
     BENCH_CHECK(dsk_moe_stats_request(&m, ctx)); /* the loads of every timed call, read after their sync */
     BENCH_CHECK(dsk_ctx_sync(ctx));
     BENCH_CHECK(dsk_moe_stats_collect(&m, ctx, &st));
+    if (ctx->device.type == DSK_DEV_CPU) { /* the check bench/moe_before_after.sh makes: old and new gave the same y */
+        double ysum = 0;
+        for (int64_t i = 0; i < (int64_t)T * sh->D; i++) ysum += ((const float *)y.data)[i];
+        printf("%-7s ysum=%.17g\n", sh->name, ysum);
+    }
     /* 3 GEMMs forward, 6 backward, 2 flops per multiply-add */
     flops_tok = 18.0 * sh->D * ((double)sh->K * sh->F + Fs) + 6.0 * sh->D * sh->E;
     printf("%-7s T=%d D=%d E=%d K=%d F=%d shared=%d %s%s: dsk %.1f ms/step, %.0f tokens/s, %.1f GFLOP/s, max/mean load %.2f; CPU time %.1f ms/step\n",
            sh->name, T, sh->D, sh->E, sh->K, sh->F, sh->n_shared, dsk_dtype_name(dt), ctx->device.type == DSK_DEV_CUDA ? " cuda" : "",
            dsk_ms, T / (dsk_ms * 1e-3), flops_tok * T / (dsk_ms * 1e-3) * 1e-9, st.max_load / st.mean_load, cpu_ms);
+    if (!python) goto peer_done;
     /* the same inputs and weights for the PyTorch peer */
     snprintf(path, sizeof path, "/tmp/dsk_bench_moe_%d.bin", (int)getpid());
     f = fopen(path, "wb");
@@ -205,6 +214,7 @@ static void run_shape(const shape *sh, int T, int warmup, int repeats, const cha
         printf("summary: moe %s %s: dsk %.0f tok/s, no PyTorch peer\n", sh->name, ctx->device.type == DSK_DEV_CUDA ? "cuda bf16" : "cpu f32",
                T / (dsk_ms * 1e-3));
     }
+peer_done:
 #ifdef DSK_CUDA
     if (ctx->device.type == DSK_DEV_CUDA) {
         report_gemms(ctx, sh, T, flops_tok * T / (dsk_ms * 1e-3));
@@ -221,7 +231,7 @@ static void run_shape(const shape *sh, int T, int warmup, int repeats, const cha
 }
 
 int main(int argc, char **argv) {
-    int T = 1024, repeats = 5, warmup = 1, full = 0, tiny = 0, cuda = 0;
+    int T = 1024, repeats = 5, warmup = 1, full = 0, tiny = 0, cuda = 0, peer = 1;
     const char *python = "/usr/bin/python3";
     dsk_ctx ctx;
     dsk_ctx_opts co;
@@ -232,7 +242,12 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--full")) full = 1;
         else if (!strcmp(argv[i], "--tiny")) tiny = 1;
         else if (!strcmp(argv[i], "--cuda")) cuda = 1;
-        else { fprintf(stderr, "usage: %s [--tokens T] [--repeats N] [--full | --tiny] [--python PATH] [--cuda]\n", argv[0]); return 2; }
+        else if (!strcmp(argv[i], "--no-peer")) peer = 0;
+        else {
+            fprintf(stderr, "usage: %s [--tokens T] [--repeats N] [--full | --tiny] [--python PATH] [--cuda] "
+                            "[--no-peer]\n", argv[0]);
+            return 2;
+        }
     }
     if (T < 1 || repeats < 1) { fprintf(stderr, "bench_moe: --tokens and --repeats must be >= 1\n"); return 2; }
     memset(&co, 0, sizeof co);
@@ -243,8 +258,8 @@ int main(int argc, char **argv) {
         shape v3 = {"v3", full ? 7168 : 1024, 64, 8, full ? 2048 : 256, 1, 8, 4, DSK_MOE_SIGMOID, 2.5f};
         if (tiny) { v2.D = v3.D = 64; v2.F = v3.F = 32; }
         printf("# bench_moe: forward+backward, %d tokens, median of %d after %d warm-up, %d threads\n", T, repeats, warmup, ctx.n_threads);
-        run_shape(&v2, T, warmup, repeats, python, &ctx);
-        run_shape(&v3, T, warmup, repeats, python, &ctx);
+        run_shape(&v2, T, warmup, repeats, peer ? python : NULL, &ctx);
+        run_shape(&v3, T, warmup, repeats, peer ? python : NULL, &ctx);
     }
     dsk_ctx_free(&ctx);
     return 0;

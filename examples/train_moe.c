@@ -168,7 +168,7 @@ static const opt_spec OPTS[] = {
     {"--threads", OPT_INT, O_(threads), 0, "CPU threads per rank (0 = OpenMP's default)"},
     {"--device", OPT_STRBUF, O_(device), sizeof(((options *)0)->device), "auto | cpu | cuda"},
     {"--cuda-graph", OPT_FLAG, O_(cuda_graph), 0,
-     "capture a micro-batch's forward, loss and backward as a CUDA graph once and replay it (one GPU rank)"},
+     "capture a whole step (forward, backward, optimizer) as a CUDA graph once and replay it (one GPU rank)"},
     {"--val-interval", OPT_INT, O_(val_interval), 0, "steps between validation runs"},
     {"--val-batches", OPT_INT, O_(val_batches), 0, "global batches per validation run"},
     {"--sample-len", OPT_INT, O_(sample_len), 0, "tokens generated at the end (0 = none)"},
@@ -396,8 +396,11 @@ typedef struct trainer {
     dsk_comm_buckets buckets;     /* data-parallel buckets over the replicated gradients (every rank) */
     dsk_comm_buckets ebuckets;    /* buckets over the expert-sharded gradients (ranks holding the same experts) */
     int have_buckets, have_ebuckets;
-    dsk_graph graph;              /* --cuda-graph: forward, loss and backward of one micro-batch */
+    dsk_graph graph;              /* --cuda-graph: the whole step (graph_step) */
     float graph_scale;            /* the loss scale it was captured with (a new scale captures again) */
+    dsk_amp_dstep dstep;          /* --cuda-graph: lr, the AdamW step and the skip decision on the device */
+    dsk_tensor g_ids, g_tgt, g_loss; /* --cuda-graph: each micro-batch's inputs and loss, on the device */
+    int g_micro;                  /* --cuda-graph: micro-batches staged for this step's graph */
     dsk_ctx ctx;
     td_corpus data;
     tm_model model;
@@ -812,12 +815,141 @@ static dsk_status read_loss(trainer *t, float *out) {
     return dsk_tensor_copy(&t->ctx, &h, &t->model.loss);
 }
 
+/* ---- --cuda-graph: the whole step captured once and replayed
+
+   graph_step records, at the first step (and again when the loss scale moved: the loss gradient's
+   scale is a constant of the capture), every device operation of one step: the schedule's upload,
+   zeroing the gradients, for each micro-batch its inputs copied in, forward, loss (kept per
+   micro-batch) and backward, then unscale, the skip/clip decision, AdamW on both groups, the
+   expert-bias update (skipped on the device flag) and the loss-scale update, the eager step's
+   operations in its order. Each step launches it once: the host writes lr and the AdamW step
+   (dsk_amp_dstep_schedule) and stages the inputs before, reads the losses and the decision after,
+   and gets the eager run's bits (tests/test_train_graph.sh). */
+
+/* The i-th of the step's staged micro-batches: views of row i of (accum, n) device buffers. */
+static dsk_status graph_row(const dsk_tensor *buf, const dsk_tensor *like, int i, dsk_tensor *out) {
+    int64_t n = dsk_tensor_numel(like);
+    char *row = (char *)buf->data + (size_t)(i * n) * dsk_dtype_size(buf->dtype);
+    return dsk_tensor_wrap(out, row, buf->dtype, buf->device, like->ndim, like->shape);
+}
+
+/* Copies the micro-batch load_train_batch put in the model's inputs to the next staging row. */
+static dsk_status graph_stage(trainer *t) {
+    tm_model *m = &t->model;
+    dsk_tensor r;
+    if (!t->dstep.vals) { /* first use: the device state of the captured steps */
+        int64_t si[2] = {t->o->accum, dsk_tensor_numel(&m->ids)}, st[2] = {t->o->accum, dsk_tensor_numel(&m->targets)};
+        int64_t sl = t->o->accum;
+        TM_TRY(dsk_tensor_alloc(&t->ctx, &t->g_ids, m->ids.dtype, 2, si));
+        TM_TRY(dsk_tensor_alloc(&t->ctx, &t->g_tgt, m->targets.dtype, 2, st));
+        TM_TRY(dsk_tensor_alloc(&t->ctx, &t->g_loss, DSK_F32, 1, &sl));
+        TM_TRY(dsk_amp_dstep_init(&t->dstep, &t->ctx));
+    }
+    TM_TRY(graph_row(&t->g_ids, &m->ids, t->g_micro, &r));
+    TM_TRY(dsk_tensor_copy(&t->ctx, &r, &m->ids));
+    TM_TRY(graph_row(&t->g_tgt, &m->targets, t->g_micro, &r));
+    TM_TRY(dsk_tensor_copy(&t->ctx, &r, &m->targets));
+    t->g_micro++;
+    return DSK_OK;
+}
+
+/* AdamW's options of the step at learning rate lr, decay group (the other group has decay 0). */
+static dsk_adamw_opts graph_adamw(const options *o, double lr) {
+    dsk_adamw_opts ao = dsk_adamw_defaults();
+    ao.lr = (float)lr;
+    ao.beta1 = (float)o->beta1;
+    ao.beta2 = (float)o->beta2;
+    ao.eps = 1e-8f;
+    ao.weight_decay = (float)o->wd;
+    return ao;
+}
+
+/* What the graph holds: one step's device operations (see above), nothing that syncs. */
+static dsk_status graph_record(trainer *t, float gscale) {
+    const options *o = t->o;
+    tm_model *m = &t->model;
+    dsk_adamw_opts ao = graph_adamw(o, 0.0); /* lr comes from the dstep */
+    dsk_tensor r, **grads;
+    dsk_status s;
+    TM_TRY(dsk_amp_dstep_upload(&t->dstep, &t->ctx));
+    TM_TRY(tm_zero_grads(m));
+    for (int a = 0; a < o->accum; a++) {
+        TM_TRY(graph_row(&t->g_ids, &m->ids, a, &r));
+        TM_TRY(dsk_tensor_copy(&t->ctx, &m->ids, &r));
+        TM_TRY(graph_row(&t->g_tgt, &m->targets, a, &r));
+        TM_TRY(dsk_tensor_copy(&t->ctx, &m->targets, &r));
+        TM_TRY(tm_forward(m, t->batch_local));
+        TM_TRY(tm_loss(m, gscale));
+        TM_TRY(tm_backward(m));
+        TM_TRY(graph_row(&t->g_loss, &m->loss, a, &r));
+        TM_TRY(dsk_tensor_copy(&t->ctx, &r, &m->loss));
+    }
+    TM_TRY(finish_grads(t));
+    grads = (dsk_tensor **)malloc((size_t)m->n_params * sizeof *grads);
+    if (!grads) return dsk_set_error(DSK_ERR_OOM, "graph_record: out of memory");
+    for (int i = 0; i < m->n_params; i++) grads[i] = &m->params[i].g; /* the eager step's order (one rank: no shards) */
+    s = dsk_amp_unscale(&t->scaler, &t->ctx, grads, m->n_params);
+    free(grads);
+    TM_TRY(s);
+    TM_TRY(dsk_amp_decide_dev(&t->dstep, &t->ctx, &t->scaler, o->clip));
+    TM_TRY(dsk_amp_step_dev(&t->ctx, t->amp_decay, t->n_decay, &ao, &t->dstep, DSK_AMP_ROUND_NEAREST,
+                            (uint64_t)o->seed));
+    ao.weight_decay = 0.0f;
+    TM_TRY(dsk_amp_step_dev(&t->ctx, t->amp_plain, t->n_plain, &ao, &t->dstep, DSK_AMP_ROUND_NEAREST,
+                            (uint64_t)o->seed));
+    if (o->bias_rate > 0)
+        for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++)
+            TM_TRY(dsk_moe_update_bias_unless(&m->blocks[l].moe, &t->ctx, &t->dstep.skip));
+    return dsk_amp_update(&t->scaler, &t->ctx);
+}
+
+/* Launches the step's graph (capturing it first when needed) once every micro-batch is staged;
+   the micro-batches' mean loss goes to si->loss as the eager step sums it. */
+static dsk_status graph_step(trainer *t, float gscale, step_info *si) {
+    const options *o = t->o;
+    dsk_adamw_opts ao = graph_adamw(o, lr_at(o, t->step + 1));
+    float *loss;
+    dsk_tensor h;
+    int64_t n = o->accum;
+    dsk_status s;
+    t->g_micro = 0;
+    TM_TRY(dsk_amp_dstep_schedule(&t->dstep, &t->ctx, ao.lr, t->applied + 1, &ao));
+    if (!t->graph.exec || t->graph_scale != gscale) {
+        dsk_graph_free(&t->graph);
+        TM_TRY(dsk_graph_begin(&t->ctx));
+        s = graph_record(t, gscale);
+        dsk_status e = dsk_graph_end(&t->ctx, &t->graph); /* ends the capture whatever happened inside it */
+        TM_TRY(s);
+        TM_TRY(e);
+        t->graph_scale = gscale;
+    }
+    TM_TRY(dsk_graph_launch(&t->ctx, &t->graph));
+    loss = (float *)malloc((size_t)n * sizeof *loss);
+    if (!loss) return dsk_set_error(DSK_ERR_OOM, "graph_step: out of memory");
+    s = dsk_tensor_wrap(&h, loss, DSK_F32, dsk_cpu(), 1, &n);
+    if (s == DSK_OK) s = dsk_tensor_copy(&t->ctx, &h, &t->g_loss);
+    for (int a = 0; s == DSK_OK && a < o->accum; a++) si->loss += loss[a] / o->accum;
+    free(loss);
+    return s;
+}
+
+/* The decision the replayed step made on the device, for the log and the applied-step count:
+   dsk_amp_decide on the scaler's stats, the same function on the same numbers. */
+static dsk_status graph_decision(trainer *t, dsk_amp_decision *dec) {
+    dsk_amp_stats st = {0.0, 0.0};
+    TM_TRY(dsk_amp_stats_get(&t->scaler, &t->ctx, &st));
+    *dec = dsk_amp_decide(st, t->o->clip);
+    if (!dec->skip) t->applied++;
+    return DSK_OK;
+}
+
 /* Unscale + non-finite check + global norm over every gradient. Dense gradients are the
    same on every rank after the reductions; expert gradients differ across an expert-
    parallel group, so their statistics are summed over it. */
 static dsk_status unscale_and_decide(trainer *t, dsk_amp_decision *dec) {
     tm_model *m = &t->model;
     int n = m->n_params, n_rep = 0, n_shard = 0;
+    if (t->o->cuda_graph) return graph_decision(t, dec);
     dsk_tensor **rep = (dsk_tensor **)malloc((size_t)n * sizeof *rep), **shard = (dsk_tensor **)malloc((size_t)n * sizeof *shard);
     if (!rep || !shard) { free(rep); free(shard); return dsk_set_error(DSK_ERR_OOM, "unscale: out of memory"); }
     for (int i = 0; i < n; i++) {
@@ -853,31 +985,14 @@ static double comm_seconds(const trainer *t) {
 }
 
 /* Forward, loss and backward of the micro-batch in the model's input tensors, loss gradient
-   scaled by gscale. With --cuda-graph they run as a CUDA graph captured the first time (and
-   again when gscale changes: a dynamic f16 loss scale moved); every launch replays the same
-   kernels on the same buffers, which the step fills before it (the batch upload). */
+   scaled by gscale. With --cuda-graph they run later, in the step's graph (graph_step): here the
+   inputs are only staged for it. */
 static dsk_status micro_batch(trainer *t, float gscale) {
     tm_model *m = &t->model;
-    dsk_status s1, s2, s3, s;
-    if (!t->o->cuda_graph) {
-        TM_TRY(tm_forward(m, t->batch_local));
-        TM_TRY(tm_loss(m, gscale));
-        return tm_backward(m);
-    }
-    if (!t->graph.exec || t->graph_scale != gscale) {
-        dsk_graph_free(&t->graph);
-        TM_TRY(dsk_graph_begin(&t->ctx));
-        s1 = tm_forward(m, t->batch_local);
-        s2 = s1 == DSK_OK ? tm_loss(m, gscale) : DSK_OK;
-        s3 = s1 == DSK_OK && s2 == DSK_OK ? tm_backward(m) : DSK_OK;
-        s = dsk_graph_end(&t->ctx, &t->graph); /* ends the capture whatever happened inside it */
-        TM_TRY(s1);
-        TM_TRY(s2);
-        TM_TRY(s3);
-        TM_TRY(s);
-        t->graph_scale = gscale;
-    }
-    return dsk_graph_launch(&t->ctx, &t->graph);
+    if (t->o->cuda_graph) return graph_stage(t);
+    TM_TRY(tm_forward(m, t->batch_local));
+    TM_TRY(tm_loss(m, gscale));
+    return tm_backward(m);
 }
 
 /* CPU seconds of this process, every thread (wall time on a shared machine also counts the
@@ -895,7 +1010,7 @@ static dsk_status train_step(trainer *t, step_info *si) {
     float scale, loss;
     TM_TRY(dsk_amp_scale_get(&t->scaler, &t->ctx, &scale));
     m->aux_scale = scale / (float)o->accum;
-    TM_TRY(tm_zero_grads(&t->model));
+    if (!o->cuda_graph) TM_TRY(tm_zero_grads(&t->model)); /* --cuda-graph: in the step's graph */
     memset(si, 0, sizeof *si);
     for (int a = 0; a < o->accum; a++) {
         double td = now_s();
@@ -905,6 +1020,7 @@ static dsk_status train_step(trainer *t, step_info *si) {
         if (t->have_ebuckets) TM_TRY(dsk_comm_buckets_begin(&t->ebuckets, a == o->accum - 1));
         if (t->use_zero) TM_TRY(tz_begin(&t->zero, a == o->accum - 1));
         TM_TRY(micro_batch(t, scale / (float)o->accum));
+        if (o->cuda_graph) { if (a == o->accum - 1) TM_TRY(graph_step(t, scale / (float)o->accum, si)); continue; }
         TM_TRY(read_loss(t, &loss));
         si->loss += loss / o->accum;
     }
@@ -919,6 +1035,7 @@ static dsk_status train_step(trainer *t, step_info *si) {
     if (t->use_zero) TM_TRY(tz_decide(&t->zero, &t->scaler, t->have_comm ? &t->comm : NULL, o->clip, &dec));
     else TM_TRY(unscale_and_decide(t, &dec));
     si->lr = lr_at(o, t->step + 1);
+    if (o->cuda_graph) goto stepped; /* the replayed graph applied AdamW, the bias and loss-scale updates */
     dsk_adamw_opts ao = dsk_adamw_defaults(); /* every field set below, taken literally (lr may reach 0) */
     ao.lr = (float)si->lr;
     ao.beta1 = (float)o->beta1;
@@ -951,6 +1068,7 @@ static dsk_status train_step(trainer *t, step_info *si) {
                 TM_TRY(dsk_moe_update_bias(&m->blocks[l].moe, &t->ctx, t->have_comm ? &t->comm : NULL));
     }
     TM_TRY(dsk_amp_update(&t->scaler, &t->ctx));
+stepped:
     for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++) TM_TRY(dsk_moe_stats_request(&m->blocks[l].moe, &t->ctx));
     TM_TRY(dsk_ctx_sync(&t->ctx));
     for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++) { /* the step's MoE statistics, arrived by now */
@@ -1533,8 +1651,8 @@ static void banner(trainer *t) {
         say(t, "\n");
     }
     if (o->cuda_graph)
-        say(t, "cuda graph: each micro-batch's forward, loss and backward replay one captured graph; the "
-               "optimizer step runs after it\n");
+        say(t, "cuda graph: each step replays one captured graph (every micro-batch's forward, loss and backward, "
+               "unscale, skip/clip decision, AdamW, bias and loss-scale updates)\n");
     say(t, "batch %d x %d tokens x %d accum, %d steps, lr %g (warm-up %d, cosine to %g), clip %g, peak %.1f GFLOP/s (%s)\n",
         o->batch, o->seq, o->accum, o->steps, o->lr, o->warmup, o->min_lr, o->clip, t->peak_flops / 1e9,
         o->peak_tflops > 0 ? "given" : t->ctx.device.type == DSK_DEV_CUDA ? "H100/H200 bf16 datasheet" : "measured CPU GEMM");
@@ -1702,6 +1820,10 @@ static void cleanup(trainer *t) {
     if (t->have_buckets) dsk_comm_buckets_free(&t->buckets);
     if (t->have_ebuckets) dsk_comm_buckets_free(&t->ebuckets);
     dsk_graph_free(&t->graph);
+    dsk_amp_dstep_free(&t->dstep, &t->ctx);
+    dsk_tensor_free(&t->ctx, &t->g_ids);
+    dsk_tensor_free(&t->ctx, &t->g_tgt);
+    dsk_tensor_free(&t->ctx, &t->g_loss);
     tm_free(&t->model);
     dsk_amp_scaler_free(&t->scaler, &t->ctx);
     free(t->amp_decay);

@@ -169,7 +169,7 @@ __global__ static void dsk__amp_cast_kernel(void *dst, dsk_dtype dt, const float
 
 /* One thread per group of four elements: one Philox call gives the four words that
    dsk_amp_sr_bits hands to elements 4g .. 4g+3, as on the CPU. */
-__global__ static void dsk__amp_cast_sr_kernel(uint16_t *dst, dsk_dtype dt, const float *src, int64_t n, uint64_t key) {
+__device__ static void dsk__amp_cast_sr(uint16_t *dst, dsk_dtype dt, const float *src, int64_t n, uint64_t key) {
     for (int64_t g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; 4 * g < n; g += (int64_t)gridDim.x * blockDim.x) {
         uint32_t r[4];
         dsk_philox4x32(key, (uint64_t)g, r);
@@ -177,6 +177,9 @@ __global__ static void dsk__amp_cast_sr_kernel(uint16_t *dst, dsk_dtype dt, cons
             dst[4 * g + k] = dt == DSK_BF16 ? dsk_amp_f32_to_bf16_sr(src[4 * g + k], r[k])
                                             : dsk_amp_f32_to_f16_sr(src[4 * g + k], r[k]);
     }
+}
+__global__ static void dsk__amp_cast_sr_kernel(uint16_t *dst, dsk_dtype dt, const float *src, int64_t n, uint64_t key) {
+    dsk__amp_cast_sr(dst, dt, src, n, key);
 }
 
 extern "C" dsk_status dsk_cuda_amp_cast(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor *src, int stochastic,
@@ -191,6 +194,75 @@ extern "C" dsk_status dsk_cuda_amp_cast(dsk_ctx *ctx, dsk_tensor *dst, const dsk
     else
         DSK__CUDA_LAUNCH(fn, dsk__amp_cast_kernel, dsk__cuda_grid(n), DSK__AMP_THREADS, dsk__cuda_stream(ctx), n,
                          dst->data, dst->dtype, (const float *)src->data, n);
+    return DSK_OK;
+}
+
+/* ======================================================================= device-resident step */
+
+__global__ static void dsk__amp_decide_kernel(const dsk__amp_block *blk, dsk_amp_step_vals *sv, double max_norm) {
+    dsk_amp_decision d = dsk_amp_decide(blk->stats, max_norm);
+    sv->skip = d.skip;
+    sv->grad_mult = d.grad_mult;
+    sv->norm = d.norm;
+}
+
+extern "C" dsk_status dsk_cuda_amp_decide(dsk_ctx *ctx, const void *block, dsk_amp_step_vals *vals, double max_norm) {
+    const char *fn = "dsk_amp_decide_dev";
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
+    return DSK__CUDA_LAUNCHED(fn, dsk__amp_decide_kernel, 1u, 1u, dsk__cuda_stream(ctx), 1,
+                              (const dsk__amp_block *)block, vals, max_norm);
+}
+
+/* dsk_adamw_step's kernel (kernels/tensor.cu) with lr, bias corrections and grad_mult read from the device. */
+__global__ static void dsk__amp_adamw_dev_kernel(float *p, const void *grad, dsk_dtype dtg, float *m, float *v,
+                                                 int64_t n, float b1, float b2, float eps, float wd,
+                                                 const dsk_amp_step_vals *sv, void *copy, dsk_dtype dtc) {
+    if (sv->skip) return;
+    float lr = sv->lr, bc1 = sv->bc1, bc2 = sv->bc2, grad_mult = sv->grad_mult;
+    DSK__CUDA_FOR(i, n) {
+        float pi = p[i], mi = m[i], vi = v[i];
+        dsk_adamw_update(&pi, &mi, &vi, dsk_load_f32(grad, dtg, i) * grad_mult, lr, b1, b2, eps, wd, bc1, bc2);
+        p[i] = pi;
+        m[i] = mi;
+        v[i] = vi;
+        if (copy) dsk_store_f32(copy, dtc, i, pi);
+    }
+}
+
+extern "C" dsk_status dsk_cuda_amp_adamw_dev(dsk_ctx *ctx, dsk_tensor *param, const dsk_tensor *grad, dsk_tensor *m,
+                                             dsk_tensor *v, const dsk_adamw_opts *opts, const dsk_amp_step_vals *vals,
+                                             dsk_tensor *copy) {
+    const char *fn = "dsk_amp_step_dev";
+    int64_t n = dsk_tensor_numel(param);
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
+    if (n == 0) return DSK_OK;
+    DSK__CUDA_LAUNCH(fn, dsk__amp_adamw_dev_kernel, dsk__cuda_grid(n), DSK__AMP_THREADS, dsk__cuda_stream(ctx), n,
+                     (float *)param->data, grad->data, grad->dtype, (float *)m->data, (float *)v->data, n, opts->beta1,
+                     opts->beta2, opts->eps, opts->weight_decay, vals, copy ? copy->data : NULL,
+                     copy ? copy->dtype : DSK_F32);
+    return DSK_OK;
+}
+
+/* dsk_amp_cast with stochastic rounding keyed on the device's step (dsk_amp_sr_key(seed, tensor_id, step)); an
+   f32 copy is a plain copy, as in dsk_cuda_amp_cast. */
+__global__ static void dsk__amp_cast_sr_dev_kernel(void *dst, dsk_dtype dt, const float *src, int64_t n, uint64_t seed,
+                                                   uint64_t tensor_id, const dsk_amp_step_vals *sv) {
+    if (sv->skip) return;
+    if (dt == DSK_F32) {
+        DSK__CUDA_FOR(i, n) dsk_store_f32(dst, dt, i, src[i]);
+        return;
+    }
+    dsk__amp_cast_sr((uint16_t *)dst, dt, src, n, dsk_amp_sr_key(seed, tensor_id, (uint64_t)sv->step));
+}
+
+extern "C" dsk_status dsk_cuda_amp_cast_dev(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor *src, uint64_t seed,
+                                            uint64_t tensor_id, const dsk_amp_step_vals *vals) {
+    const char *fn = "dsk_amp_step_dev";
+    int64_t n = dsk_tensor_numel(src);
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
+    if (n == 0) return DSK_OK;
+    DSK__CUDA_LAUNCH(fn, dsk__amp_cast_sr_dev_kernel, dsk__cuda_grid(n), DSK__AMP_THREADS, dsk__cuda_stream(ctx), n,
+                     dst->data, dst->dtype, (const float *)src->data, n, seed, tensor_id, vals);
     return DSK_OK;
 }
 

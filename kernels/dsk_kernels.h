@@ -90,6 +90,15 @@ struct dsk_amp_scaler_opts;
 dsk_status dsk_cuda_amp_unscale(dsk_ctx *ctx, dsk_tensor *const *grads, int n, void *block); /* multi-tensor; writes found_inf, sumsq */
 dsk_status dsk_cuda_amp_update(dsk_ctx *ctx, void *block, const struct dsk_amp_scaler_opts *opts);  /* dsk_amp_scaler_rule, 1 thread */
 dsk_status dsk_cuda_amp_cast(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor *src, int stochastic, uint64_t key);
+/* The device-resident step (dsk_amp_dstep): `vals` is its device dsk_amp_step_vals. decide: one thread writes
+   dsk_amp_decide(block's stats, max_norm) into vals; adamw_dev and cast_dev return at once when vals->skip, else
+   run dsk_adamw_step / the stochastic dsk_amp_cast with lr, bias corrections, grad_mult and step from vals. */
+struct dsk_amp_step_vals;
+dsk_status dsk_cuda_amp_decide(dsk_ctx *ctx, const void *block, struct dsk_amp_step_vals *vals, double max_norm);
+dsk_status dsk_cuda_amp_adamw_dev(dsk_ctx *ctx, dsk_tensor *param, const dsk_tensor *grad, dsk_tensor *m, dsk_tensor *v,
+                                  const dsk_adamw_opts *opts, const struct dsk_amp_step_vals *vals, dsk_tensor *copy);
+dsk_status dsk_cuda_amp_cast_dev(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor *src, uint64_t seed,
+                                 uint64_t tensor_id, const struct dsk_amp_step_vals *vals);
 dsk_status dsk_cuda_amp_amax(dsk_ctx *ctx, float *amax, const dsk_tensor *x, int accumulate);   /* device f32 scalar */
 /* *scale = dsk_amp_fp8_scale(max of amax[0..n), fp8_max, margin, pow2, keep_prev ? *scale : 1); then *clear = 0 if non-NULL. */
 dsk_status dsk_cuda_amp_fp8_scale(dsk_ctx *ctx, float *scale, const float *amax, int n, float fp8_max, int margin, int pow2, int keep_prev, float *clear);
@@ -150,8 +159,9 @@ dsk_status dsk_cuda_moe_route_backward(dsk_ctx *ctx, const struct dsk_moe_router
 /* dxf (T, D) f32 by dsk__moe_uncombine_elem from rows (kept order) in rdt. */
 dsk_status dsk_cuda_moe_uncombine(dsk_ctx *ctx, int K, int64_t T, int64_t D, float *dxf, const int32_t *pos,
                                   const void *rows, dsk_dtype rdt);
-/* dsk__moe_bias_update (one thread), then load (E) zeroed. */
-dsk_status dsk_cuda_moe_bias_update(dsk_ctx *ctx, int E, float rate, int recenter, int64_t *load, float *bias);
+/* dsk__moe_bias_update (one thread), then load (E) zeroed; nothing when skip (device i32, may be NULL) is set. */
+dsk_status dsk_cuda_moe_bias_update(dsk_ctx *ctx, int E, float rate, int recenter, int64_t *load, float *bias,
+                                    const int32_t *skip);
 
 /* ---- par (kernels/par.cu): dsk_par_cross_entropy's passes on logits (R, Vl), columns
    [lo, lo + Vl) of the full vocabulary, around its two all-reduces. */

@@ -242,16 +242,17 @@ extern "C" dsk_status dsk_cuda_moe_dgate(dsk_ctx *ctx, int K, int64_t TK, int64_
 
 /* ======================================================================= bias update */
 
-__global__ void dsk__moe_k_bias_update(int E, float rate, int recenter, int64_t *load, float *bias) {
-    if (threadIdx.x != 0) return;
+__global__ void dsk__moe_k_bias_update(int E, float rate, int recenter, int64_t *load, float *bias,
+                                       const int32_t *skip) {
+    if (threadIdx.x != 0 || (skip && *skip)) return;
     dsk__moe_bias_update(E, rate, recenter, load, bias);
     for (int e = 0; e < E; e++) load[e] = 0;
 }
 
 extern "C" dsk_status dsk_cuda_moe_bias_update(dsk_ctx *ctx, int E, float rate, int recenter, int64_t *load,
-                                               float *bias) {
+                                               float *bias, const int32_t *skip) {
     static const char *fn = "dsk_moe_update_bias";
     DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
-    DSK__CUDA_LAUNCH(fn, dsk__moe_k_bias_update, 1, 32, dsk__cuda_stream(ctx), E, E, rate, recenter, load, bias);
+    DSK__CUDA_LAUNCH(fn, dsk__moe_k_bias_update, 1, 32, dsk__cuda_stream(ctx), E, E, rate, recenter, load, bias, skip);
     return DSK_OK;
 }

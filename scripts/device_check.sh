@@ -24,6 +24,7 @@ GPU_BENCHES=(
   "bench_gpu_ops|120|$BUILD/bench/bench_gpu_ops"
   "comm_bench|60|env RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 $BUILD/bench/comm_bench --nccl -b 8 -e 268435456"
   "bench_moe|150|$BUILD/bench/bench_moe --cuda --tokens 8192 --repeats 5"
+  "train_graph|120|bash bench/train_graph_step.sh $BUILD/examples/train_moe"
   "bench_attention|60|$BUILD/bench/bench_attention --gpu --repeats 5"
 )
 # ---- end of the GPU benchmark list
@@ -77,7 +78,7 @@ say "GPU: $gpu"
 
 # 1. Build (keep going past a broken target so the rest still builds). The emulated GPU tests
 #    (tests/cuda_emu) run in every `make test`; here the same programs run on the hardware.
-step build 300 last make -k BUILD=$BUILD CUDA=1 EMULATE=0 GENCODE=-gencode=arch=compute_90,code=sm_90 -j$JOBS tests bench
+step build 300 last make -k BUILD=$BUILD CUDA=1 EMULATE=0 GENCODE=-gencode=arch=compute_90,code=sm_90 -j$JOBS tests bench examples
 
 # 2. Every GPU test program.
 n_gpu_tests=0
@@ -112,5 +113,8 @@ step "all tests (run_tests.sh)" 240 totals env BUILD=$BUILD bash scripts/run_tes
     printf '%-26s %-10s %5s  %s\n' "$name" "$status" "$secs" "$result"
   done
   echo "GPU test programs: $gpu_p passed, $gpu_f failed, $gpu_s skipped; steps not ok: $failed_steps"
+  # issue 13's figures: V3-like tokens/s, grouped GEMM vs dense cuBLAS, step time with and without a CUDA graph
+  echo "MoE figures (issue 13):"
+  grep -E '^summary: (moe v3 |train_moe step)' "$LOG" | sed 's/^summary: /  /'
 } | tee "$LOGDIR/summary.txt" | tee -a "$LOG"
 [ "$failed_steps" -eq 0 ]

@@ -539,6 +539,143 @@ static void test_step_skip_and_apply(void) {
     free_params(p, NP);
 }
 
+/* The device-resident step's entry points on the CPU (host memory) give the host-argument
+   calls' bytes: four steps (the third with an Inf: skipped), stochastic copies keyed on the
+   scheduled step, lr only from the schedule. */
+static void test_step_dev_cpu(void) {
+    enum { NP = 3, STEPS = 4 };
+    const int64_t sizes[NP] = {7, 129, 1};
+    param_set pa[NP], pb[NP];
+    dsk_amp_param aa[NP], ab[NP];
+    dsk_amp_scaler sa, sb;
+    dsk_amp_scaler_opts so;
+    dsk_amp_dstep ds;
+    dsk_adamw_opts ao = dsk_adamw_defaults();
+    unsigned char *a = (unsigned char *)malloc(1 << 16), *b = (unsigned char *)malloc(1 << 16);
+    int64_t applied = 0;
+    memset(&so, 0, sizeof so);
+    so.init_scale = 256.0f;
+    make_params(pa, aa, NP, sizes, DSK_BF16);
+    make_params(pb, ab, NP, sizes, DSK_BF16);
+    for (int i = 0; i < NP; i++) {
+        const dsk_tensor *src[5] = {&pa[i].master, &pa[i].grad, &pa[i].m, &pa[i].v, &pa[i].copy};
+        dsk_tensor *dst[5] = {&pb[i].master, &pb[i].grad, &pb[i].m, &pb[i].v, &pb[i].copy};
+        for (int k = 0; k < 5; k++) memcpy(dst[k]->data, src[k]->data, dsk_tensor_nbytes(src[k]));
+    }
+    DSK_TEST_OK(dsk_amp_scaler_init(&sa, NULL, &so));
+    DSK_TEST_OK(dsk_amp_scaler_init(&sb, NULL, &so));
+    DSK_TEST_OK(dsk_amp_dstep_init(&ds, NULL));
+    for (int k = 0; k < STEPS; k++) {
+        dsk_tensor *ga[NP], *gb[NP];
+        dsk_amp_stats st = {NAN, NAN};
+        dsk_amp_decision dec;
+        dsk_amp_step_vals v;
+        size_t na, nb;
+        float lr = 3e-3f * (float)(k + 2) / 5.0f;
+        memset(&v, 0xff, sizeof v);
+        for (int i = 0; i < NP; i++) {
+            fill_rand(&pa[i].grad, 1.0, 300.0);
+            if (k == 2 && i == 1) put(&pa[i].grad, 5, INFINITY);
+            memcpy(pb[i].grad.data, pa[i].grad.data, dsk_tensor_nbytes(&pa[i].grad));
+            ga[i] = &pa[i].grad;
+            gb[i] = &pb[i].grad;
+        }
+        DSK_TEST_OK(dsk_amp_unscale(&sa, NULL, ga, NP));
+        DSK_TEST_OK(dsk_amp_stats_get(&sa, NULL, &st));
+        dec = dsk_amp_decide(st, 0.5);
+        ao.lr = lr;
+        DSK_TEST_OK(dsk_amp_step(NULL, aa, NP, &ao, applied + 1, &dec, DSK_AMP_ROUND_STOCHASTIC, 9));
+        DSK_TEST_OK(dsk_amp_update(&sa, NULL));
+        ao.lr = NAN; /* not read */
+        DSK_TEST_OK(dsk_amp_dstep_schedule(&ds, NULL, lr, applied + 1, &ao));
+        DSK_TEST_OK(dsk_amp_dstep_upload(&ds, NULL));
+        DSK_TEST_OK(dsk_amp_unscale(&sb, NULL, gb, NP));
+        DSK_TEST_OK(dsk_amp_decide_dev(&ds, NULL, &sb, 0.5));
+        DSK_TEST_OK(dsk_amp_step_dev(NULL, ab, NP, &ao, &ds, DSK_AMP_ROUND_STOCHASTIC, 9));
+        DSK_TEST_OK(dsk_amp_update(&sb, NULL));
+        DSK_TEST_OK(dsk_amp_dstep_get(&ds, NULL, &v));
+        DSK_TEST_EXPECT(v.skip == dec.skip && v.skip == (k == 2) && v.grad_mult == dec.grad_mult && v.norm == dec.norm &&
+                            v.step == applied + 1 && v.lr == lr,
+                        "step %d: dstep (skip %d, grad_mult %g, step %lld) vs host (%d, %g, %lld)", k, (int)v.skip,
+                        (double)v.grad_mult, (long long)v.step, dec.skip, (double)dec.grad_mult, (long long)(applied + 1));
+        na = snapshot(pa, NP, a);
+        nb = snapshot(pb, NP, b);
+        DSK_TEST_EXPECT(na == nb, "snapshot sizes %zu %zu", na, nb);
+        DSK_TEST_SAME_BYTES(b, a, na, "masters, moments and copies");
+        DSK_TEST_EXPECT(memcmp(&sa.state, &sb.state, sizeof sa.state) == 0, "step %d: scaler states differ", k);
+        applied += !dec.skip;
+    }
+    dsk_amp_dstep_free(&ds, NULL);
+    dsk_amp_scaler_free(&sa, NULL);
+    dsk_amp_scaler_free(&sb, NULL);
+    free_params(pa, NP);
+    free_params(pb, NP);
+    free(a); free(b);
+}
+
+/* Each error path of the device-resident step: nothing is written. */
+static void test_step_dev_errors(void) {
+    enum { NP = 1 };
+    const int64_t sizes[NP] = {5};
+    param_set p[NP];
+    dsk_amp_param ap[NP];
+    dsk_amp_dstep ds, none;
+    dsk_amp_scaler sc;
+    dsk_amp_step_vals v;
+    dsk_adamw_opts ao = dsk_adamw_defaults(), bad = ao;
+    unsigned char a[256], b[256];
+    size_t na;
+    memset(&none, 0, sizeof none);
+    make_params(p, ap, NP, sizes, DSK_BF16);
+    DSK_TEST_OK(dsk_amp_scaler_init(&sc, NULL, NULL));
+    DSK_TEST_STATUS(dsk_amp_dstep_init(NULL, NULL), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_amp_dstep_init: dstep is NULL");
+    DSK_TEST_STATUS(dsk_amp_dstep_upload(&none, NULL), DSK_ERR_STATE);
+    DSK_TEST_ERROR_MENTIONS("dsk_amp_dstep_upload: dstep is not initialised");
+    DSK_TEST_OK(dsk_amp_dstep_init(&ds, NULL));
+    memset(&v, 0xff, sizeof v);
+    DSK_TEST_OK(dsk_amp_dstep_get(&ds, NULL, &v));
+    DSK_TEST_EXPECT(v.skip == 1 && v.step == 0, "a new dstep: skip %d step %lld", (int)v.skip, (long long)v.step);
+    na = snapshot(p, NP, a);
+    DSK_TEST_OK(dsk_amp_decide_dev(&ds, NULL, &sc, 1.0)); /* stats 0: go */
+    DSK_TEST_STATUS(dsk_amp_step_dev(NULL, ap, NP, &ao, &ds, DSK_AMP_ROUND_NEAREST, 1), DSK_ERR_STATE);
+    DSK_TEST_ERROR_MENTIONS("dsk_amp_step_dev: the dstep has no schedule");
+    DSK_TEST_STATUS(dsk_amp_dstep_schedule(&ds, NULL, NAN, 1, &ao), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_amp_dstep_schedule: lr nan");
+    DSK_TEST_STATUS(dsk_amp_dstep_schedule(&ds, NULL, 1e-3f, 0, &ao), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("step 0 must be >= 1");
+    bad.beta2 = 1.0f;
+    DSK_TEST_STATUS(dsk_amp_dstep_schedule(&ds, NULL, 1e-3f, 1, &bad), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("beta2 1 must be in [0, 1)");
+    DSK_TEST_STATUS(dsk_amp_dstep_schedule(&ds, NULL, 1e-3f, 1, NULL), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("AdamW options are NULL");
+    DSK_TEST_OK(dsk_amp_dstep_schedule(&ds, NULL, 1e-3f, 1, &ao));
+    bad = ao;
+    bad.beta1 = 0.5f;
+    DSK_TEST_STATUS(dsk_amp_step_dev(NULL, ap, NP, &bad, &ds, DSK_AMP_ROUND_NEAREST, 1), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("betas (0.5, 0.999) differ from the schedule's (0.9, 0.999)");
+    bad = ao;
+    bad.eps = 0.0f;
+    DSK_TEST_STATUS(dsk_amp_step_dev(NULL, ap, NP, &bad, &ds, DSK_AMP_ROUND_NEAREST, 1), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("eps 0 must be finite and > 0");
+    DSK_TEST_STATUS(dsk_amp_step_dev(NULL, ap, NP, &ao, &ds, (dsk_amp_round)7, 1), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("unknown rounding mode 7");
+    DSK_TEST_STATUS(dsk_amp_step_dev(NULL, ap, -1, &ao, &ds, DSK_AMP_ROUND_NEAREST, 1), DSK_ERR_ARG);
+    ap[0].m = NULL;
+    DSK_TEST_STATUS(dsk_amp_step_dev(NULL, ap, NP, &ao, &ds, DSK_AMP_ROUND_NEAREST, 1), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("params[0] \"w\" m is NULL");
+    ap[0].m = &p[0].m;
+    DSK_TEST_EXPECT(snapshot(p, NP, b) == na, "snapshot size");
+    DSK_TEST_SAME_BYTES(b, a, na, "nothing written by the failed calls");
+    DSK_TEST_STATUS(dsk_amp_decide_dev(&ds, NULL, NULL, 1.0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_amp_decide_dev: scaler is NULL");
+    DSK_TEST_STATUS(dsk_amp_dstep_get(&ds, NULL, NULL), DSK_ERR_ARG);
+    dsk_amp_dstep_free(&ds, NULL);
+    dsk_amp_dstep_free(&ds, NULL); /* freed twice: fine */
+    dsk_amp_scaler_free(&sc, NULL);
+    free_params(p, NP);
+}
+
 /* Stochastic copies depend only on (seed, tensor, step): stopping after step 3, saving masters
    and moments and resuming in fresh tensors gives the straight run's bytes; a parameter
    without a copy is updated all the same. */
@@ -1201,6 +1338,8 @@ int main(void) {
     DSK_TEST_RUN(test_norm_and_clip);
     DSK_TEST_RUN(test_step_skip_and_apply);
     DSK_TEST_RUN(test_step_resume_stochastic);
+    DSK_TEST_RUN(test_step_dev_cpu);
+    DSK_TEST_RUN(test_step_dev_errors);
     dsk_test_begin("stochastic rounding bf16"); test_stochastic_rounding(DSK_BF16); dsk_test_end();
     dsk_test_begin("stochastic rounding f16"); test_stochastic_rounding(DSK_F16); dsk_test_end();
     dsk_test_begin("fp8 e4m3 round trip and overflow"); test_fp8_round_trip(DSK_E4M3); dsk_test_end();

@@ -628,7 +628,25 @@ static void test_bias_update(void) {
                 for (int e = 0; e < c.E; e++) bm += want[e] / c.E;
                 for (int e = 0; e < c.E; e++) want[e] -= bm;
             }
-            DSK_TEST_OK(dsk_moe_update_bias(&f.m, NULL, NULL));
+            { /* dsk_moe_update_bias_unless with the flag set changes nothing and keeps the loads; bad flags fail */
+                int32_t flag = 1;
+                float flag_f = 1.0f;
+                double b0[9];
+                dsk_tensor sk, skf;
+                DSK_TEST_OK(dsk_tensor_wrap(&sk, &flag, DSK_I32, dsk_cpu(), 0, NULL));
+                DSK_TEST_OK(dsk_tensor_wrap(&skf, &flag_f, DSK_F32, dsk_cpu(), 0, NULL));
+                DSK_TEST_OK(dsk_moe_update_bias_unless(&f.m, NULL, &sk));
+                memcpy(got, f.m.bias->value.data, sizeof got);
+                for (int e = 0; e < c.E; e++) b0[e] = f.w.b[e];
+                DSK_TEST_CLOSE(got, b0, c.E, 0, 0, "bias after a skipped update");
+                DSK_TEST_STATUS(dsk_moe_update_bias_unless(&f.m, NULL, &skf), DSK_ERR_ARG);
+                DSK_TEST_ERROR_MENTIONS("must be one i32 element");
+                DSK_TEST_STATUS(dsk_moe_update_bias_unless(&f.m, NULL, NULL), DSK_ERR_ARG);
+                DSK_TEST_ERROR_MENTIONS("dsk_moe_update_bias_unless: layer");
+                flag = rec; /* re-centring case: the same update through the flag */
+                if (rec) DSK_TEST_OK(dsk_moe_update_bias(&f.m, NULL, NULL));
+                else DSK_TEST_OK(dsk_moe_update_bias_unless(&f.m, NULL, &sk));
+            }
             memcpy(got, f.m.bias->value.data, sizeof got);
             DSK_TEST_CLOSE(got, want, c.E, 1e-6, 1e-7, "bias");
             /* loads were reset: an update with no forward in between changes nothing but re-centring */

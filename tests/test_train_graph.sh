@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# examples/train_moe.c on the emulated GPU (tests/cuda_emu): --cuda-graph, which captures a
-# micro-batch's forward, loss and backward as a CUDA graph once and replays it, gives the
-# eager run's logged losses, gradient norms and validation losses bit for bit (bf16 with
-# gradient accumulation, a replay per micro-batch; fp16 with its dynamic loss scale);
-# a capture would fail on any host sync inside it, so the runs also prove the captured steps
-# make none. And --cuda-graph on the CPU fails with a message.
+# examples/train_moe.c on the emulated GPU (tests/cuda_emu): --cuda-graph, which captures a whole
+# step (every micro-batch's forward, loss and backward, unscale, the skip/clip decision, AdamW,
+# the expert-bias and loss-scale updates) as a CUDA graph once and replays it each step, gives
+# the eager run's logged losses, gradient norms, loss scales, skip flags and validation losses
+# bit for bit: bf16 with gradient accumulation; fp16 with its dynamic loss scale; fp16 with
+# --init-std 0.5, whose steps 1 and 3 overflow (skipped on the device, the scale backs off and
+# the step is captured again) and steps 2 and 4 apply. A capture fails on any host sync inside
+# it, so the runs also prove the captured steps make none. And --cuda-graph on the CPU or with
+# --zero fails with a message.
 # Prints `[test_train_graph] totals: P passed / F failed / S skipped`; exits non-zero on failure.
 set -u
 cd "$(dirname "$0")/.."
@@ -40,26 +43,42 @@ fields() { # the logged numbers of a run, one line per record
 import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
-    if r["type"] == "step": print("step", r["step"], repr(r["loss"]), repr(r["grad_norm"]), repr(r["loss_scale"]))
+    if r["type"] == "step":
+        print("step", r["step"], repr(r["loss"]), repr(r["grad_norm"]), repr(r["loss_scale"]), r["skipped"])
     elif r["type"] == "val": print("val", r["step"], repr(r["val_loss"]))
 PYEOF
 }
 
-for variant in "bf16 --accum 2" "fp16"; do
+for variant in "bf16 --accum 2" "fp16" "fp16 --init-std 0.5"; do
     set -- $variant
     dt=$1; shift
-    run "eager_$dt" "${TINY[@]}" --dtype "$dt" "$@"
-    run "graph_$dt" "${TINY[@]}" --dtype "$dt" "$@" --cuda-graph
+    name="${dt}_$#"
+    run "eager_$name" "${TINY[@]}" --dtype "$dt" "$@"
+    run "graph_$name" "${TINY[@]}" --dtype "$dt" "$@" --cuda-graph
     what="--cuda-graph $dt${*:+ $*}: the logged steps and validation equal the eager run's bit for bit"
-    if [ "$(cat "$work/eager_$dt.rc")" -ne 0 ] || [ "$(cat "$work/graph_$dt.rc")" -ne 0 ]; then
-        bad "$what" "exit $(cat "$work/eager_$dt.rc")/$(cat "$work/graph_$dt.rc")" "$(tail -3 "$work/graph_$dt.out")"
+    if [ "$(cat "$work/eager_$name.rc")" -ne 0 ] || [ "$(cat "$work/graph_$name.rc")" -ne 0 ]; then
+        bad "$what" "exit $(cat "$work/eager_$name.rc")/$(cat "$work/graph_$name.rc")" "$(tail -3 "$work/graph_$name.out")"
         continue
     fi
-    a=$(fields "eager_$dt"); b=$(fields "graph_$dt")
+    a=$(fields "eager_$name"); b=$(fields "graph_$name")
     if [ -n "$a" ] && [ "$a" = "$b" ] && [ "$(echo "$a" | grep -c '^step')" -eq 4 ] &&
-       grep -q "cuda graph: each micro-batch" "$work/graph_$dt.out"; then ok "$what"
+       grep -q "cuda graph: each step replays one captured graph" "$work/graph_$name.out"; then ok "$what"
     else bad "$what" "$(diff <(echo "$a") <(echo "$b") | head -6)"; fi
+    if [[ " $* " == *" --init-std "* ]]; then # the overflow run: skipped and applied steps, more than one loss scale
+        skips=$(echo "$b" | awk '$1 == "step" { print $6 }' | sort -u | tr -d '\n')
+        scales=$(echo "$b" | awk '$1 == "step" { print $5 }' | sort -u | wc -l)
+        what="--cuda-graph $dt $*: the replayed run skipped and applied steps and moved its loss scale"
+        if [ "$skips" = "01" ] && [ "$scales" -ge 2 ]; then ok "$what"
+        else bad "$what" "skip flags seen: '$skips', loss scales: $scales" "$b"; fi
+    fi
 done
+
+run zero "${TINY[@]}" --zero 1 --cuda-graph
+if [ "$(cat "$work/zero.rc")" -ne 0 ] && grep -q -- "--cuda-graph runs without --zero" "$work/zero.out"; then
+    ok "--cuda-graph with --zero fails with a message"
+else
+    bad "--cuda-graph with --zero fails with a message" "exit $(cat "$work/zero.rc")" "$(tail -2 "$work/zero.out")"
+fi
 
 run cpu "${TINY[@]}" --device cpu --cuda-graph
 if [ "$(cat "$work/cpu.rc")" -ne 0 ] && grep -q -- "--cuda-graph needs one rank on a GPU" "$work/cpu.out"; then

@@ -2,7 +2,9 @@
 
    Bitwise where the GPU runs the same element math (unscaled gradients, found flag, the
    scale trajectory, RNE and stochastic casts, fp8 scales, codes and dequantised values,
-   block scales); the f64 sum of squares within 1e-12 relative (different tree order).
+   block scales); the f64 sum of squares within 1e-12 relative (different tree order). The
+   device-resident step (dsk_amp_dstep) against the host-argument one, both on the GPU, eager
+   and replayed from a CUDA graph: bitwise.
    GPU outputs are NaN-poisoned first. Without a usable CUDA device every case reports as
    skipped. */
 #define DSK_TENSOR_IMPLEMENTATION
@@ -182,6 +184,113 @@ static void test_step(dsk_amp_round mode) {
     }
 }
 
+/* ---------------------------------------------------------------- device-resident step */
+
+/* Six steps of unscale + decision + AdamW + scale update on two copies of the same tensors: the
+   host-argument calls (dsk_amp_decide on the host, dsk_amp_step with lr and step) and the
+   device-resident ones (dsk_amp_dstep_schedule/upload, dsk_amp_decide_dev, dsk_amp_step_dev),
+   run eagerly or captured once as a CUDA graph and replayed with a new schedule each step. Step 2
+   holds an Inf (skipped, the f16-style dynamic scale backs off); growth every 2 clean steps moves
+   the scale. Every tensor, the scaler's state and the device decision are compared bit for bit. */
+static void test_step_dev(dsk_amp_round mode, int captured) {
+    enum { NP = 3, STEPS = 6 };
+    const int64_t sizes[NP] = {7, 129, 4099};
+    const dsk_dtype gdt[NP] = {DSK_F32, DSK_BF16, DSK_F16};
+    dsk_amp_param pa[NP], pb[NP];
+    dsk_amp_scaler sa, sb;
+    dsk_amp_scaler_opts so;
+    dsk_amp_dstep ds;
+    dsk_adamw_opts ao = dsk_adamw_defaults();
+    dsk_graph g;
+    dsk_tensor *ga[NP], *gb[NP];
+    int64_t applied = 0;
+    int skips = 0, scale_moves = 0;
+    float prev_scale = 0.0f;
+    memset(&so, 0, sizeof so);
+    memset(&g, 0, sizeof g);
+    so.init_scale = 1024.0f;
+    so.growth_interval = 2;
+    ao.beta1 = 0.8f; ao.beta2 = 0.95f; ao.weight_decay = 0.05f;
+    for (int i = 0; i < NP; i++) {
+        dsk_tensor *master = hrand(DSK_F32, 1, &sizes[i], 0.01, 1.0), *m = hrand(DSK_F32, 1, &sizes[i], 1e-3, 0.1);
+        dsk_tensor *v = hrand(DSK_F32, 1, &sizes[i], 1e-4, 1e-2), *copy = h1(DSK_BF16, sizes[i]);
+        for (int64_t k = 0; k < sizes[i]; k++) ((float *)v->data)[k] = fabsf(((float *)v->data)[k]);
+        DSK_TEST_OK(dsk_tensor_copy(NULL, copy, master));
+        ga[i] = dalloc(gdt[i], 1, &sizes[i]);
+        gb[i] = dalloc(gdt[i], 1, &sizes[i]);
+        pa[i].name = pb[i].name = "w";
+        pa[i].master = dev(master); pa[i].m = dev(m); pa[i].v = dev(v); pa[i].copy = dev(copy); pa[i].grad = ga[i];
+        pb[i].master = dev(master); pb[i].m = dev(m); pb[i].v = dev(v); pb[i].copy = dev(copy); pb[i].grad = gb[i];
+    }
+    DSK_TEST_OK(dsk_amp_scaler_init(&sa, &G, &so));
+    DSK_TEST_OK(dsk_amp_scaler_init(&sb, &G, &so));
+    DSK_TEST_OK(dsk_amp_dstep_init(&ds, &G));
+    for (int k = 0; k < STEPS; k++) {
+        float scale = NAN;
+        dsk_amp_stats st;
+        dsk_amp_decision dec;
+        dsk_amp_step_vals vals;
+        dsk_amp_scaler_state qa, qb;
+        float lr = 1e-2f * (float)(k + 1) / 7.0f;
+        DSK_TEST_OK(dsk_amp_scale_get(&sa, &G, &scale));
+        scale_moves += k > 0 && scale != prev_scale;
+        prev_scale = scale;
+        for (int i = 0; i < NP; i++) { /* this step's scaled gradients, the same on both sides */
+            dsk_tensor *h = hrand(gdt[i], 1, &sizes[i], 0.01 * scale, 2.0 * scale);
+            if (k == 2 && i == 1) ((uint16_t *)h->data)[sizes[i] / 2] = 0x7f80; /* +Inf in bf16 */
+            DSK_TEST_OK(dsk_tensor_copy(&G, ga[i], h));
+            DSK_TEST_OK(dsk_tensor_copy(&G, gb[i], h));
+        }
+        /* host arguments */
+        DSK_TEST_OK(dsk_amp_unscale(&sa, &G, ga, NP));
+        DSK_TEST_OK(dsk_amp_stats_get(&sa, &G, &st));
+        dec = dsk_amp_decide(st, 1.0);
+        ao.lr = lr;
+        DSK_TEST_OK(dsk_amp_step(&G, pa, NP, &ao, applied + 1, &dec, mode, 11));
+        DSK_TEST_OK(dsk_amp_update(&sa, &G));
+        /* device-resident: lr poisoned in opts (not read) */
+        ao.lr = NAN;
+        DSK_TEST_OK(dsk_amp_dstep_schedule(&ds, &G, lr, applied + 1, &ao));
+        if (!captured || !g.exec) {
+            if (captured) DSK_TEST_OK(dsk_graph_begin(&G));
+            DSK_TEST_OK(dsk_amp_dstep_upload(&ds, &G));
+            DSK_TEST_OK(dsk_amp_unscale(&sb, &G, gb, NP));
+            DSK_TEST_OK(dsk_amp_decide_dev(&ds, &G, &sb, 1.0));
+            DSK_TEST_OK(dsk_amp_step_dev(&G, pb, NP, &ao, &ds, mode, 11));
+            DSK_TEST_OK(dsk_amp_update(&sb, &G));
+            if (captured) DSK_TEST_OK(dsk_graph_end(&G, &g));
+        }
+        if (captured) DSK_TEST_OK(dsk_graph_launch(&G, &g));
+        DSK_TEST_OK(dsk_amp_dstep_get(&ds, &G, &vals));
+        DSK_TEST_EXPECT(vals.skip == dec.skip && dsk_f32_bits(vals.grad_mult) == dsk_f32_bits(dec.grad_mult) &&
+                            memcmp(&vals.norm, &dec.norm, sizeof dec.norm) == 0 && vals.step == applied + 1 &&
+                            dsk_f32_bits(vals.lr) == dsk_f32_bits(lr),
+                        "step %d: device decision (skip %d, grad_mult %.9g, norm %.17g, step %lld) vs host (%d, %.9g, %.17g, %lld)",
+                        k, (int)vals.skip, (double)vals.grad_mult, vals.norm, (long long)vals.step, dec.skip,
+                        (double)dec.grad_mult, dec.norm, (long long)(applied + 1));
+        for (int i = 0; i < NP; i++) {
+            same(pb[i].master, host(pa[i].master), "master");
+            same(pb[i].m, host(pa[i].m), "m");
+            same(pb[i].v, host(pa[i].v), "v");
+            same(pb[i].copy, host(pa[i].copy), "copy");
+            same(gb[i], host(ga[i]), "unscaled gradient");
+        }
+        DSK_TEST_OK(dsk_amp_state_get(&sa, &G, &qa));
+        DSK_TEST_OK(dsk_amp_state_get(&sb, &G, &qb));
+        DSK_TEST_EXPECT(memcmp(&qa, &qb, sizeof qa) == 0, "step %d: scaler state host-argument (%g, %d, %d) vs device (%g, %d, %d)",
+                        k, (double)qa.scale, (int)qa.growth_tracker, (int)qa.hysteresis_left, (double)qb.scale,
+                        (int)qb.growth_tracker, (int)qb.hysteresis_left);
+        skips += dec.skip;
+        if (!dec.skip) applied++;
+    }
+    DSK_TEST_EXPECT(skips == 1 && scale_moves >= 2, "the run had %d skipped steps and %d scale changes (want 1 and >= 2)",
+                    skips, scale_moves);
+    dsk_graph_free(&g);
+    dsk_amp_dstep_free(&ds, &G);
+    dsk_amp_scaler_free(&sa, &G);
+    dsk_amp_scaler_free(&sb, &G);
+}
+
 /* ---------------------------------------------------------------- FP8 */
 
 static dsk_tensor *hscalar(float v) {
@@ -336,6 +445,10 @@ int main(void) {
     CASE(test_cast(DSK_F16, DSK_AMP_ROUND_STOCHASTIC, 4099), "cast f32 -> f16 stochastic");
     CASE(test_step(DSK_AMP_ROUND_NEAREST), "optimizer step and skip, nearest copies");
     CASE(test_step(DSK_AMP_ROUND_STOCHASTIC), "optimizer step and skip, stochastic copies");
+    CASE(test_step_dev(DSK_AMP_ROUND_NEAREST, 0), "device-resident step = host-argument step, 6 steps, nearest copies");
+    CASE(test_step_dev(DSK_AMP_ROUND_STOCHASTIC, 0), "device-resident step = host-argument step, 6 steps, stochastic copies");
+    CASE(test_step_dev(DSK_AMP_ROUND_NEAREST, 1), "device-resident step captured once, replayed 6 steps = host-argument");
+    CASE(test_step_dev(DSK_AMP_ROUND_STOCHASTIC, 1), "device-resident step captured once, replayed, stochastic copies");
     CASE(test_fp8_tensor(DSK_E4M3, DSK_F32, 100003, 0, 0), "fp8 e4m3 per-tensor, f32 x");
     CASE(test_fp8_tensor(DSK_E5M2, DSK_BF16, 129, 1, 1), "fp8 e5m2 per-tensor, bf16 x, pow2, margin 1");
     CASE(test_fp8_tensor(DSK_E4M3, DSK_F16, 1, 0, 0), "fp8 e4m3 per-tensor, one f16 element");

@@ -118,9 +118,21 @@ static void run_case(dsk_ctx *gctx, const gcase *c) {
         snprintf(what, sizeof what, "grad %s", cm.params[i].name);
         compare(gctx, &gm.params[i].grad, &cm.params[i].grad, bf ? 5e-2 : 1e-3, bf ? 5e-2 : 1e-4, what);
     }
-    DSK_TEST_OK(dsk_moe_update_bias(&cm, NULL, NULL));
-    DSK_TEST_OK(dsk_moe_update_bias(&gm, gctx, NULL));
-    compare(gctx, &gm.bias->value, &cm.bias->value, 0, 0, "bias after update");
+    { /* on a device flag: set, nothing changes and the loads keep counting; clear, dsk_moe_update_bias's bias */
+        int32_t flag = 1;
+        dsk_tensor hflag, dflag;
+        DSK_TEST_OK(dsk_tensor_wrap(&hflag, &flag, DSK_I32, dsk_cpu(), 0, NULL));
+        DSK_TEST_OK(dsk_tensor_alloc(gctx, &dflag, DSK_I32, 0, NULL));
+        DSK_TEST_OK(dsk_tensor_copy(gctx, &dflag, &hflag));
+        DSK_TEST_OK(dsk_moe_update_bias_unless(&gm, gctx, &dflag));
+        compare(gctx, &gm.bias->value, &cm.bias->value, 0, 0, "bias after an update skipped on the device");
+        flag = 0;
+        DSK_TEST_OK(dsk_tensor_copy(gctx, &dflag, &hflag));
+        DSK_TEST_OK(dsk_moe_update_bias(&cm, NULL, NULL));
+        DSK_TEST_OK(dsk_moe_update_bias_unless(&gm, gctx, &dflag));
+        compare(gctx, &gm.bias->value, &cm.bias->value, 0, 0, "bias after update");
+        dsk_tensor_free(gctx, &dflag);
+    }
     dsk_tensor_free(NULL, &hx); dsk_tensor_free(NULL, &hy); dsk_tensor_free(NULL, &hdy); dsk_tensor_free(NULL, &hdx);
     dsk_tensor_free(gctx, &gx); dsk_tensor_free(gctx, &gy); dsk_tensor_free(gctx, &gdy); dsk_tensor_free(gctx, &gdx);
     drop_layer(&cm, &co, NULL);
