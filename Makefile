@@ -109,6 +109,9 @@ $(BUILD)/tests/%: tests/%.c tests/dsk_test.h $(wildcard tests/gpu/*.h) $(DEPS)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $< $(LDLIBS)
 
+# test_mla tests the example model (examples/train_model.h, train_mla.h).
+$(BUILD)/tests/test_mla: $(wildcard examples/*.h)
+
 $(BUILD)/examples/%: examples/%.c $(wildcard examples/*.h) $(DEPS)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $< $(LDLIBS)
@@ -127,7 +130,7 @@ $(BUILD)/bench/mpi_allreduce: bench/mpi_allreduce.c bench/bench_util.h
 	$(MPICC) -O2 -o $@ $<
 
 run: $(BUILD)/examples/train_moe
-	$(BUILD)/examples/train_moe $(ARGS)
+	$(BUILD)/examples/train_moe --preset tiny $(ARGS)
 
 test: tests examples
 	@BUILD=$(BUILD) bash scripts/run_tests.sh

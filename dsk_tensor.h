@@ -1233,7 +1233,16 @@ static dsk_status dsk__copy_cpu(dsk_tensor *dst, const dsk_tensor *src) {
         return DSK_OK;
     }
     /* Element-wise (dst may alias src only when identical, handled by the memmove above).
-       Same dtype: move the bytes, so int64 beyond 2^53 and NaN payloads survive. */
+       Same dtype: move the bytes, so int64 beyond 2^53 and NaN payloads survive; rows whose
+       last dim has unit stride on both sides (column slices, broadcasts) move a row at a time. */
+    if (dst->dtype == src->dtype && src->ndim > 0 && src->shape[src->ndim - 1] > 1 && src->stride[src->ndim - 1] == 1 &&
+        dst->stride[dst->ndim - 1] == 1) {
+        int64_t len = src->shape[src->ndim - 1];
+        for (int64_t r = 0; r < n / len; r++)
+            memcpy((char *)dst->data + (size_t)dsk__offset(dst, r * len) * es,
+                   (const char *)src->data + (size_t)dsk__offset(src, r * len) * es, (size_t)len * es);
+        return DSK_OK;
+    }
     if (dst->dtype == src->dtype) {
         for (int64_t i = 0; i < n; i++)
             memcpy((char *)dst->data + (size_t)dsk__offset(dst, i) * es, (const char *)src->data + (size_t)dsk__offset(src, i) * es, es);

@@ -25,6 +25,7 @@
 
 #include "../dsk_moe.h"
 #include "../dsk_tensor.h"
+#include "train_mla.h" /* MLA, MTP, recomputation: types and prototypes here, definitions at the end */
 
 #define TM_TRY(call) do { dsk_status tm_s_ = (call); if (tm_s_ != DSK_OK) return tm_s_; } while (0)
 
@@ -35,6 +36,7 @@ typedef struct tm_config {
     dsk_dtype cdt;      /* compute dtype of weights copies and activations */
     uint64_t seed;
     dsk_moe_opts moe;   /* template of every MoE layer (name, d_model, dtype, seed are set per layer) */
+    tmla_config mla;    /* attention kind and MLA sizes, MTP depth, recomputation (train_mla.h) */
     int external;       /* 1: no slabs: the caller binds every parameter's wc and g (and binds the MoE layers'),
                            keeps masters and moments, initialises the weights (ZeRO, examples/train_zero.h) */
 } tm_config;
@@ -68,6 +70,7 @@ typedef struct tm_block {
     dsk_tensor moe_bias;                /* (E) f32 the layer's expert bias (not a gradient parameter) */
     dsk_moe_stats stats;                /* of the last step (training) or forward (want_stats) */
     dsk_tensor mx, my;                  /* (N, D) MoE input/output in the layer's dtype */
+    tmla_block mla;                     /* MLA parameters and activations (train_mla.h) */
 } tm_block;
 
 /* Phases of a step whose time --profile reports (train_moe adds data and optimizer). */
@@ -109,6 +112,7 @@ typedef struct tm_model {
     /* backward scratch */
     dsk_tensor dx, dh, dq, dk, dv, dqr, dkr, datt, dg, du, da;
     dsk_tensor dx32;                    /* (N, D) f32 copy of dx for the embedding gradient (bf16/f16 only) */
+    tmla_model mla;                     /* MLA scratch and the MTP modules (train_mla.h) */
 } tm_model;
 
 /* ------------------------------------------------------------------ phase timer */
@@ -214,10 +218,14 @@ static void tm_declare(tm_model *m) {
         tm_block *b = &m->blocks[l];
         m->unit_cur = l + 1;
         b->ln1 = tm_add_param(m, 0, 0, 1, D, 0, "blocks.%d.ln1", l);
-        b->wq = tm_add_param(m, 1, std, 2, D, D, "blocks.%d.attn.wq", l);
-        b->wk = tm_add_param(m, 1, std, 2, D, D, "blocks.%d.attn.wk", l);
-        b->wv = tm_add_param(m, 1, std, 2, D, D, "blocks.%d.attn.wv", l);
-        b->wo = tm_add_param(m, 1, out_std, 2, D, D, "blocks.%d.attn.wo", l);
+        if (tmla_is_mla(&c->mla)) {
+            tmla_declare_attn(m, l);
+        } else {
+            b->wq = tm_add_param(m, 1, std, 2, D, D, "blocks.%d.attn.wq", l);
+            b->wk = tm_add_param(m, 1, std, 2, D, D, "blocks.%d.attn.wk", l);
+            b->wv = tm_add_param(m, 1, std, 2, D, D, "blocks.%d.attn.wv", l);
+            b->wo = tm_add_param(m, 1, out_std, 2, D, D, "blocks.%d.attn.wo", l);
+        }
         b->ln2 = tm_add_param(m, 0, 0, 1, D, 0, "blocks.%d.ln2", l);
         if (l < c->n_dense) {
             b->w1 = tm_add_param(m, 1, std, 2, F, D, "blocks.%d.ffn.w1", l);
@@ -231,6 +239,7 @@ static void tm_declare(tm_model *m) {
     m->unit_cur = c->n_layers + 1;
     m->ln_f = tm_add_param(m, 0, 0, 1, D, 0, "ln_f", 0);
     m->lm_head = tm_add_param(m, 1, std, 2, V, D, "lm_head", 0);
+    tmla_declare_mtp(m);
     m->n_dense_params = m->n_params;
     for (int l = c->n_dense; l < c->n_layers; l++) /* then every expert-sharded one */
         for (int i = 0; i < m->blocks[l].moe.n_params; i++)
@@ -303,6 +312,7 @@ static dsk_status tm_alloc_acts(tm_model *m) {
     dsk_dtype dt = c->cdt;
     for (int l = 0; l < c->n_layers; l++) {
         tm_block *b = &m->blocks[l];
+        if (tmla_custom_alloc(m)) { TM_TRY(tmla_alloc_block(m, l)); continue; }
         dsk_tensor *nd[] = {&b->x, &b->h1, &b->q, &b->k, &b->v, &b->qr, &b->kr, &b->att, &b->x2, &b->h2};
         for (size_t i = 0; i < sizeof nd / sizeof nd[0]; i++) TM_TRY(tm_alloc2(m, nd[i], dt, N, D));
         TM_TRY(tm_alloc2(m, &b->rstd1, DSK_F32, N, 0));
@@ -320,7 +330,7 @@ static dsk_status tm_alloc_acts(tm_model *m) {
     TM_TRY(tm_alloc2(m, &m->rstdf, DSK_F32, N, 0));
     TM_TRY(tm_alloc2(m, &m->logits, dt, N, V));
     TM_TRY(tm_alloc2(m, &m->dlogits, dt, N, V));
-    if (c->n_dense > 0) {
+    if (c->n_dense > 0 || c->mla.mtp_depth > 0) {
         TM_TRY(tm_alloc2(m, &m->dg, dt, N, F));
         TM_TRY(tm_alloc2(m, &m->du, dt, N, F));
         TM_TRY(tm_alloc2(m, &m->da, dt, N, F));
@@ -333,7 +343,7 @@ static dsk_status tm_alloc_acts(tm_model *m) {
     TM_TRY(dsk_tensor_alloc(m->ctx, &m->ids, DSK_I32, 1, &N));
     TM_TRY(dsk_tensor_alloc(m->ctx, &m->targets, DSK_I32, 1, &N));
     TM_TRY(dsk_tensor_alloc(m->ctx, &m->loss, DSK_F32, 0, NULL));
-    return DSK_OK;
+    return tmla_alloc(m);
 }
 
 /* ------------------------------------------------------------------ MoE blocks */
@@ -412,6 +422,7 @@ static dsk_status tm_moe_backward(tm_model *m, int layer) {
 
 static void tm_free(tm_model *m) {
     dsk_ctx *ctx = m->ctx;
+    tmla_free(m);
     for (int i = 0; i < m->n_params; i++) dsk_tensor_free(ctx, &m->params[i].gc);
     if (m->blocks)
         for (int l = 0; l < m->cfg.n_layers; l++) {
@@ -445,7 +456,7 @@ static dsk_status tm_check_config(const tm_config *c) {
     if (c->n_dense < 0 || c->n_dense > c->n_layers)
         return dsk_set_error(DSK_ERR_ARG, "--dense-layers %d outside [0, --layers %d]", c->n_dense, c->n_layers);
     if (c->n_layers > 100) return dsk_set_error(DSK_ERR_ARG, "--layers %d: at most 100", c->n_layers);
-    return DSK_OK;
+    return tmla_check_config(c);
 }
 
 /* Builds the model's dense parameters and activations on ctx's device. */
@@ -454,7 +465,7 @@ static dsk_status tm_init(tm_model *m, dsk_ctx *ctx, const tm_config *cfg) {
     m->cfg = *cfg;
     m->ctx = ctx;
     TM_TRY(tm_check_config(cfg));
-    m->blocks = (tm_block *)calloc((size_t)cfg->n_layers, sizeof *m->blocks);
+    m->blocks = (tm_block *)calloc((size_t)(cfg->n_layers + cfg->mla.mtp_depth), sizeof *m->blocks); /* + MTP blocks */
     if (!m->blocks) return dsk_set_error(DSK_ERR_OOM, "tm_init: out of memory for %d blocks", cfg->n_layers);
     m->moe_names = (char(*)[32])calloc((size_t)cfg->n_layers, sizeof *m->moe_names);
     if (!m->moe_names) return dsk_set_error(DSK_ERR_OOM, "tm_init: out of memory");
@@ -494,6 +505,7 @@ static dsk_status tm_dense_forward(tm_model *m, tm_block *b, int64_t N, dsk_tens
 /* Attention half of block b: x -> x2, with everything backward needs saved. */
 static dsk_status tm_attn_forward(tm_model *m, tm_block *b, int nb) {
     const tm_config *c = &m->cfg;
+    if (tmla_is_mla(&c->mla)) return tmla_attn_forward(m, b, nb);
     int64_t N = (int64_t)nb * c->seq;
     dsk_tensor x = tm_rows(&b->x, N), h1 = tm_rows(&b->h1, N), rstd1 = tm_rows(&b->rstd1, N);
     dsk_tensor q = tm_rows(&b->q, N), k = tm_rows(&b->k, N), v = tm_rows(&b->v, N), att = tm_rows(&b->att, N);
@@ -524,6 +536,7 @@ static dsk_status tm_attn_forward(tm_model *m, tm_block *b, int nb) {
 static void tm_set_eval(tm_model *m, int eval) {
     for (int l = 0; l < m->cfg.n_layers; l++)
         if (m->blocks[l].is_moe) m->blocks[l].moe.eval = eval;
+    m->mla.eval = eval;
 }
 
 /* The edges of a unit's forward and backward, for m->unit_hook. */
@@ -538,6 +551,7 @@ static dsk_status tm_forward(tm_model *m, int nb) {
     dsk_tensor ids = tm_rows(&m->ids, N), x0 = tm_rows(&m->blocks[0].x, N);
     TM_TRY(tm_unit(m, 0, TM_FWD_BEGIN));
     TM_T(TM_PH_EMBED, dsk_embedding(m->ctx, &x0, &m->embed->wc, &ids));
+    TM_TRY(tmla_mtp_embed(m, nb)); /* the MTP modules' inputs */
     TM_TRY(tm_unit(m, 0, TM_FWD_END));
     for (int l = 0; l < c->n_layers; l++) {
         tm_block *b = &m->blocks[l];
@@ -553,13 +567,13 @@ static dsk_status tm_forward(tm_model *m, int nb) {
     TM_TRY(tm_unit(m, c->n_layers + 1, TM_FWD_BEGIN));
     TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &hf, &rstdf, &xf, &m->ln_f->wc, c->norm_eps));
     TM_T(TM_PH_HEAD, tm_mm(m, &logits, &hf, 0, &m->lm_head->wc, 1, 0.0f));
-    return DSK_OK;
+    return tmla_mtp_forward(m, nb);
 }
 
 /* Mean cross-entropy of the full micro-batch into m->loss; dlogits = grad_scale * dloss/dlogits. */
 static dsk_status tm_loss(tm_model *m, float grad_scale) {
     TM_T(TM_PH_HEAD, dsk_cross_entropy(m->ctx, &m->loss, &m->dlogits, &m->logits, &m->targets, -1, grad_scale));
-    return DSK_OK;
+    return tmla_mtp_loss(m, grad_scale);
 }
 
 /* ------------------------------------------------------------------ backward */
@@ -602,6 +616,8 @@ static dsk_status tm_dense_backward(tm_model *m, tm_block *b) {
 static dsk_status tm_attn_backward(tm_model *m, tm_block *b) {
     const tm_config *c = &m->cfg;
     int nb = c->batch;
+    if (tmla_is_mla(&c->mla)) return tmla_attn_backward(m, b);
+    TM_TRY(tmla_recompute_core(m, b));
     TM_T(TM_PH_LINEAR, tm_mm(m, &b->wo->g, &m->dx, 1, &b->att, 0, 1.0f));  /* dWo += dx2^T att */
     TM_T(TM_PH_MOVE, tm_ready(m, b->wo));
     TM_T(TM_PH_LINEAR, tm_mm(m, &m->datt, &m->dx, 0, &b->wo->wc, 0, 0.0f));
@@ -638,16 +654,18 @@ static dsk_status tm_attn_backward(tm_model *m, tm_block *b) {
 static dsk_status tm_backward(tm_model *m) {
     const tm_config *c = &m->cfg;
     TM_TRY(tm_unit(m, c->n_layers + 1, TM_BWD_BEGIN));
+    TM_TRY(tmla_mtp_backward(m)); /* the MTP modules first: they share the head and the embedding */
     TM_T(TM_PH_HEAD, tm_mm(m, &m->lm_head->g, &m->dlogits, 1, &m->hf, 0, 1.0f)); /* dWlm (V,D) += dlogits^T hf */
     TM_T(TM_PH_MOVE, tm_ready(m, m->lm_head));
     TM_T(TM_PH_HEAD, tm_mm(m, &m->dh, &m->dlogits, 0, &m->lm_head->wc, 0, 0.0f)); /* dhf (N,D) = dlogits Wlm */
-    TM_T(TM_PH_MOVE, tm_zero(m, &m->dx));
+    TM_T(TM_PH_MOVE, tmla_seed_dx(m)); /* zero, or the MTP modules' d(x_final) */
     TM_T(TM_PH_NORM, dsk_rmsnorm_backward(m->ctx, &m->dx, tm_grad(m->ln_f), &m->dh, &m->x_final, &m->ln_f->wc, &m->rstdf));
     TM_T(TM_PH_MOVE, tm_ready(m, m->ln_f));
     TM_TRY(tm_unit(m, c->n_layers + 1, TM_BWD_END));
     for (int l = c->n_layers - 1; l >= 0; l--) {
         tm_block *b = &m->blocks[l];
         TM_TRY(tm_unit(m, l + 1, TM_BWD_BEGIN));
+        TM_TRY(tmla_recompute_block(m, l)); /* --recompute full: the block's forward again */
         if (l < c->n_dense) TM_TRY(tm_dense_backward(m, b));
         else TM_T(TM_PH_MOE, tm_moe_backward(m, l));
         for (int i = 0; l >= c->n_dense && i < m->n_params; i++) /* the MoE layer's gradients are final */
@@ -658,6 +676,7 @@ static dsk_status tm_backward(tm_model *m) {
         TM_TRY(tm_unit(m, l + 1, TM_BWD_END));
     }
     TM_TRY(tm_unit(m, 0, TM_BWD_BEGIN));
+    TM_TRY(tmla_mtp_embed_backward(m)); /* the MTP modules' inputs */
     if (m->dx32.data) { /* the table's gradient is f32: accumulate it from an f32 copy of dx */
         TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &m->dx32, &m->dx));
         TM_T(TM_PH_EMBED, dsk_embedding_backward(m->ctx, &m->embed->g, &m->dx32, &m->ids));
@@ -667,5 +686,8 @@ static dsk_status tm_backward(tm_model *m) {
     TM_T(TM_PH_MOVE, tm_ready(m, m->embed));
     return tm_unit(m, 0, TM_BWD_END);
 }
+
+#define TRAIN_MODEL_H_DONE
+#include "train_mla.h" /* the definitions */
 
 #endif /* TRAIN_MODEL_H */

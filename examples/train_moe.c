@@ -73,6 +73,9 @@ typedef struct options {
     int experts, shared, top_k, expert_hidden, groups, topk_groups;
     char score[16];           /* sigmoid | softmax */
     double routed_scale, bias_rate, aux_loss, capacity, init_std;
+    char attn[8], recompute[8], preset[16]; /* train_mla.h: attention kind, recomputation; the preset applied */
+    int q_lora, kv_lora, qk_nope, qk_rope, v_head, original_seq, mtp;
+    double rope_factor, mscale, mtp_lambda;
     /* optimisation */
     int batch, accum, steps, warmup;
     double lr, min_lr, wd, clip, beta1, beta2;
@@ -140,6 +143,22 @@ static const opt_spec OPTS[] = {
     {"--aux-loss", OPT_DOUBLE, O_(aux_loss), 0, "Switch/GShard auxiliary loss coefficient"},
     {"--init-std", OPT_DOUBLE, O_(init_std), 0, "standard deviation of the initial weights"},
     {"--capacity", OPT_DOUBLE, O_(capacity), 0, "expert capacity factor (0 = dropless)"},
+    {"--preset", OPT_STRBUF, O_(preset), sizeof(((options *)0)->preset),
+     "tiny | v2-lite | v3: model sizes (flags given as well override them; v2-lite, v3: scaled-down DeepSeek ratios)"},
+    {"--attn", OPT_STRBUF, O_(attn), sizeof(((options *)0)->attn), "mha | mla (multi-head latent attention)"},
+    {"--q-lora-rank", OPT_INT, O_(q_lora), 0, "MLA query latent rank (0 = plain Wq)"},
+    {"--kv-lora-rank", OPT_INT, O_(kv_lora), 0, "MLA key-value latent rank"},
+    {"--qk-nope-dim", OPT_INT, O_(qk_nope), 0, "MLA per-head query/key dims without rotary embedding"},
+    {"--qk-rope-dim", OPT_INT, O_(qk_rope), 0, "MLA per-head (query) and shared (key) rotary dims"},
+    {"--v-head-dim", OPT_INT, O_(v_head), 0, "MLA per-head value dims"},
+    {"--original-seq", OPT_INT, O_(original_seq), 0,
+     "MLA: pre-training length; longer --seq applies the mscale softmax correction (0 = off)"},
+    {"--rope-factor", OPT_DOUBLE, O_(rope_factor), 0, "MLA: context extension factor of the mscale correction"},
+    {"--mscale", OPT_DOUBLE, O_(mscale), 0, "MLA: mscale of the correction 0.1 mscale ln(factor) + 1"},
+    {"--mtp", OPT_INT, O_(mtp), 0, "multi-token prediction depth D (0 = off)"},
+    {"--mtp-lambda", OPT_DOUBLE, O_(mtp_lambda), 0, "weight lambda of the MTP loss (lambda / D per module)"},
+    {"--recompute", OPT_STRBUF, O_(recompute), sizeof(((options *)0)->recompute),
+     "none | attn | full: recompute the attention core, or each whole block, in backward"},
     {"--batch", OPT_INT, O_(batch), 0, "global batch: sequences per micro-step over all ranks"},
     {"--accum", OPT_INT, O_(accum), 0, "micro-steps of gradient accumulation per step"},
     {"--steps", OPT_INT, O_(steps), 0, "optimizer steps"},
@@ -211,6 +230,17 @@ static void set_defaults(options *o) {
     o->groups = 1;
     o->topk_groups = 1;
     strcpy(o->score, "sigmoid");
+    strcpy(o->attn, "mha");
+    strcpy(o->recompute, "none");
+    strcpy(o->preset, "tiny");
+    o->q_lora = 0;
+    o->kv_lora = 32;
+    o->qk_nope = 16;
+    o->qk_rope = 16;
+    o->v_head = 32;
+    o->rope_factor = 40;
+    o->mscale = 1.0;
+    o->mtp_lambda = 0.3; /* DeepSeek-V3: 0.3 for the first 10T tokens */
     o->routed_scale = 1.0;
     o->init_std = 0.02;
     o->bias_rate = 1e-2; /* DeepSeek-V3 used 1e-3 over far longer runs; a few hundred steps need faster balancing */
@@ -262,6 +292,48 @@ static void usage(FILE *f) {
         }
         fprintf(f, "  %-16s %s %s\n", s->name, s->help, def);
     }
+}
+
+/* --preset NAME: model sizes before the other flags are parsed (so they override them). tiny is
+   the default model (make run). v2-lite and v3 scale DeepSeek-V2-Lite's and DeepSeek-V3's
+   published configurations down to d_model 128 keeping their structure: leading dense layers
+   (1 of 27 -> 1 of 4; 3 of 61 -> 1 of 4), routed : shared experts and top-k (64 : 2, top-6 ->
+   16 : 2, top-3 (V2-Lite); 256 : 1, top-8 -> 32 : 1, top-4 (V3)), groups and kept groups
+   (V3: 8 groups, 4 kept), score (softmax; sigmoid with routed scale 2.5), the MLA ranks and
+   head dims at d_model / 16 (kv_lora 512 -> 32, nope 128 -> 8, rope 64 -> 4, v 128 -> 8;
+   V3's q_lora 1536 -> 96; V2-Lite has none), their head counts (16; V3's 128 -> 16), and
+   V3's MTP depth 1. Returns 0, or 2 after printing what was wrong. */
+static int apply_preset(options *o, int argc, char **argv) {
+    const char *name = "tiny";
+    for (int i = 1; i + 1 < argc; i++)
+        if (strcmp(argv[i], "--preset") == 0) name = argv[i + 1];
+    if (strcmp(name, "tiny") == 0) return 0; /* set_defaults */
+    int v3 = strcmp(name, "v3") == 0;
+    if (!v3 && strcmp(name, "v2-lite") != 0) {
+        fprintf(stderr, "train_moe: --preset \"%s\": use tiny, v2-lite or v3\n", name);
+        return 2;
+    }
+    strcpy(o->attn, "mla");
+    o->d_model = 128;
+    o->heads = 16;
+    o->layers = 4;
+    o->dense_layers = 1;
+    o->kv_lora = 32;
+    o->qk_nope = 8;
+    o->qk_rope = 4;
+    o->v_head = 8;
+    o->q_lora = v3 ? 96 : 0;
+    o->ffn_hidden = v3 ? 288 : 684;    /* 18432 / 64 and 10944 / 16 */
+    o->expert_hidden = v3 ? 32 : 88;   /* 2048 / 64 and 1408 / 16 */
+    o->experts = v3 ? 32 : 16;
+    o->shared = v3 ? 1 : 2;
+    o->top_k = v3 ? 4 : 3;
+    o->groups = v3 ? 8 : 1;
+    o->topk_groups = v3 ? 4 : 1;
+    strcpy(o->score, v3 ? "sigmoid" : "softmax");
+    o->routed_scale = v3 ? 2.5 : 1.0;
+    o->mtp = v3 ? 1 : 0;
+    return 0;
 }
 
 /* Parses argv into o; returns 0, or 2 after printing what was wrong. */
@@ -642,6 +714,22 @@ static void setup_model(trainer *t) {
     c.moe.capacity_factor = (float)o->capacity;
     c.moe.bias_rate = (float)o->bias_rate;
     c.moe.ep = t->have_comm && t->ep > 1 ? &t->ep_comm : NULL;
+    if (strcmp(o->attn, "mha") != 0 && strcmp(o->attn, "mla") != 0) fail(t, "--attn \"%s\": use mha or mla", o->attn);
+    c.mla.attn = strcmp(o->attn, "mla") == 0 ? TMLA_ATTN_MLA : TMLA_ATTN_MHA;
+    c.mla.q_lora_rank = o->q_lora;
+    c.mla.kv_lora_rank = o->kv_lora;
+    c.mla.qk_nope_dim = o->qk_nope;
+    c.mla.qk_rope_dim = o->qk_rope;
+    c.mla.v_head_dim = o->v_head;
+    c.mla.original_seq = o->original_seq;
+    c.mla.rope_factor = (float)o->rope_factor;
+    c.mla.mscale = (float)o->mscale;
+    c.mla.mtp_depth = o->mtp;
+    c.mla.mtp_lambda = (float)o->mtp_lambda;
+    if (strcmp(o->recompute, "none") == 0) c.mla.recompute = TMLA_RECOMPUTE_NONE;
+    else if (strcmp(o->recompute, "attn") == 0) c.mla.recompute = TMLA_RECOMPUTE_ATTN;
+    else if (strcmp(o->recompute, "full") == 0) c.mla.recompute = TMLA_RECOMPUTE_FULL;
+    else fail(t, "--recompute \"%s\": use none, attn or full", o->recompute);
     c.external = t->use_zero;
     if (o->dense_layers < o->layers && o->experts < 1) fail(t, "--experts %d: MoE blocks need at least 1 expert", o->experts);
     if (t->par.on) CHECK(tp_model_init(&t->par, &t->model, &t->ctx, &c));
@@ -732,12 +820,12 @@ static double flops_per_token(const trainer *t) {
     const options *o = t->o;
     double D = o->d_model, active = 0;
     for (int l = 0; l < o->layers; l++) {
-        active += 4 * D * D;
+        active += tmla_attn_weights(&t->model.cfg);
         if (l < o->dense_layers) active += 3 * D * o->ffn_hidden;
         else active += D * o->experts + 3 * D * o->expert_hidden * (o->top_k + o->shared);
     }
     active += D * t->data.vocab; /* LM head */
-    return 6 * active + 6.0 * o->layers * D * o->seq;
+    return 6 * active + o->layers * tmla_core_flops(&t->model.cfg) + tmla_mtp_flops(&t->model.cfg);
 }
 
 /* The CPU's f32 GEMM rate: best of eight 512^3 products with dsk_sgemm_cpu on this
@@ -1296,6 +1384,11 @@ static void config_string(const trainer *t, char *buf, size_t n) {
              "top_k=%d expert_hidden=%d score=%s batch=%d accum=%d dtype=%s seed=%lld", t->model.cfg.vocab, o->seq,
              o->d_model, o->heads, o->layers, o->dense_layers, o->ffn_hidden, o->experts, o->shared, o->top_k,
              o->expert_hidden, o->score, o->batch, o->accum, dsk_dtype_name(t->model.cfg.cdt), o->seed);
+    if (t->model.cfg.mla.attn == TMLA_ATTN_MLA || o->mtp > 0) { /* MHA without MTP keeps the older string */
+        size_t k = strlen(buf);
+        snprintf(buf + k, n - k, " attn=%s q_lora=%d kv_lora=%d qk_nope=%d qk_rope=%d v_head=%d mtp=%d", o->attn,
+                 o->q_lora, o->kv_lora, o->qk_nope, o->qk_rope, o->v_head, o->mtp);
+    }
 }
 
 /* Epoch of the next training sample and its place in this rank's part of that epoch. */
@@ -1629,21 +1722,48 @@ static int64_t slab_bytes(const dsk_tensor *t) { return t->data ? (int64_t)dsk_t
    figures: dsk_zero's per role, or the model's slabs), and of the activations and MoE
    workspaces, which this trainer allocates up front (the allocator's count over the model's
    setup, less the slabs): their high-water mark. */
-static void print_memory(trainer *t) {
+static void memory_state(trainer *t, dsk_zero_memory *z) {
     const tm_model *m = &t->model;
-    dsk_zero_memory z;
-    memset(&z, 0, sizeof z);
-    if (t->use_zero) tz_memory(&t->zero, &z);
+    memset(z, 0, sizeof *z);
+    if (t->use_zero) tz_memory(&t->zero, z);
     else {
-        z.params = slab_bytes(m->slab_wc.data ? &m->slab_wc : &m->slab_w);
-        z.grads = slab_bytes(&m->slab_g);
-        z.optimizer = slab_bytes(&m->slab_m) + slab_bytes(&m->slab_v) + (m->slab_wc.data ? slab_bytes(&m->slab_w) : 0);
+        z->params = slab_bytes(m->slab_wc.data ? &m->slab_wc : &m->slab_w);
+        z->grads = slab_bytes(&m->slab_g);
+        z->optimizer = slab_bytes(&m->slab_m) + slab_bytes(&m->slab_v) + (m->slab_wc.data ? slab_bytes(&m->slab_w) : 0);
     }
+}
+static void print_memory(trainer *t) {
+    dsk_zero_memory z;
+    memory_state(t, &z);
     int64_t slabs = t->use_zero ? 0 : z.params + z.grads + z.optimizer;
     printf("memory, rank %d: parameters %.3f MiB, gradients %.3f MiB, optimizer state %.3f MiB, compression buffers "
            "%.3f MiB, activations (high-water mark) %.3f MiB%s\n", t->rank, z.params / 1048576.0, z.grads / 1048576.0,
            z.optimizer / 1048576.0, z.comm / 1048576.0, (double)(t->mem_model - slabs) / 1048576.0,
            t->use_zero ? "" : " (no --zero: every rank holds everything)");
+    fflush(stdout);
+}
+
+/* At start: the attention, MTP and recomputation settings; at the end: every rank's training
+   state and the allocator's high-water mark over the run (train_mla.h). */
+static void report_mla(trainer *t, const char *when) {
+    const options *o = t->o;
+    char line[512];
+    if (strcmp(when, "start") == 0) {
+        if (t->model.cfg.mla.attn == TMLA_ATTN_MLA)
+            say(t, "attention: MLA, q_lora_rank %d, kv_lora_rank %d, qk dims %d nope + %d rope, v dims %d, "
+                   "softmax scale %.5f\n", o->q_lora, o->kv_lora, o->qk_nope, o->qk_rope, o->v_head,
+                (double)tmla_scale(&t->model.cfg));
+        else
+            say(t, "attention: MHA, %d heads of %d\n", o->heads, o->d_model / o->heads);
+        say(t, "multi-token prediction: depth %d%s, lambda %g; recompute: %s\n", o->mtp, o->mtp ? "" : " (off)",
+            o->mtp_lambda, o->recompute);
+        return; /* print_memory gave the memory at start */
+    }
+    dsk_zero_memory z;
+    memory_state(t, &z);
+    tmla_memory_line(t->ctx.device, (double)z.params, (double)z.grads, (double)z.optimizer + (double)z.comm, t->rank,
+                     when, line, sizeof line);
+    printf("%s", line);
     fflush(stdout);
 }
 
@@ -1678,6 +1798,7 @@ static void banner(trainer *t) {
             ps->v, ps->M, ps->Bm, dsk_par_bubble_fraction(ps->kind, ps->pp, ps->M, ps->v),
             dsk_par_in_flight_bound(ps->kind, ps->pp, ps->M, ps->v, 0));
     }
+    report_mla(t, "start");
     if (t->use_zero) {
         double all, comp;
         tz_powersgd_elements(m, t->zopts.psgd_rank, &comp, &all);
@@ -1749,6 +1870,9 @@ static dsk_status objective(trainer *t, double *out) {
     TM_TRY(read_loss(t, &loss));
     *out = loss;
     for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++) *out += m->blocks[l].stats.loss;
+    double mtp;
+    TM_TRY(tmla_mtp_objective(m, &mtp)); /* lambda / D sum_k L_k */
+    *out += mtp;
     return DSK_OK;
 }
 
@@ -1926,6 +2050,7 @@ static void check_options(trainer *t) {
 int main(int argc, char **argv) {
     options o;
     set_defaults(&o);
+    if (apply_preset(&o, argc, argv) != 0) return 2;
     int rc = parse_args(&o, argc, argv);
     if (rc) return rc;
     if (o.help) { usage(stdout); return 0; }
@@ -2024,6 +2149,7 @@ int main(int argc, char **argv) {
         return 0;
     }
     double wall = now_s() - t->t_start;
+    report_mla(t, "end");
     if (o.profile) profile_report(t);
     if (t->step == o.steps) CHECK(generate(t));
     say(t, "done: %lld steps in %.1f s (%.0f tokens/s, %.2f%% of step time waiting for data), final validation loss %.4f\n",

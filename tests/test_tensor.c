@@ -617,6 +617,37 @@ static void test_copy_strided_exact(void) {
             DSK_TEST_EXPECT(gp[r * 4 + c] == fp[c * 2 + r], "NaN bits [%d,%d]: %08x want %08x", r, c, gp[r * 4 + c], fp[c * 2 + r]);
 }
 
+/* Same-dtype copies between column slices, and from a broadcast (stride 0) view, of 4-D
+   tensors (the row-at-a-time path): every element lands in place, nothing else is written. */
+static void test_copy_rows(void) {
+    dsk_tensor *a = tt_new(DSK_F32, 4, SH(2, 3, 4, 5)), *d = tt_new(DSK_F32, 4, SH(2, 3, 4, 7)),
+               *e = tt_new(DSK_F32, 4, SH(2, 3, 1, 3));
+    dsk_tensor as, ds, eb;
+    float *ap = (float *)a->data, *dp = (float *)d->data, *ep = (float *)e->data;
+    dsk_test_fill_f32(ap, 120, -1, 1);
+    dsk_test_fill_f32(ep, 18, -1, 1);
+    dsk_test_poison_f32(dp, 168);
+    DSK_TEST_OK(dsk_tensor_slice(a, 3, 1, 3, &as));
+    DSK_TEST_OK(dsk_tensor_slice(d, 3, 2, 3, &ds));
+    DSK_TEST_OK(dsk_tensor_copy(NULL, &ds, &as));
+    for (int r = 0; r < 24; r++)
+        for (int c = 0; c < 7; c++) {
+            float got = dp[r * 7 + c];
+            if (c >= 2 && c < 5)
+                DSK_TEST_EXPECT(got == ap[r * 5 + c - 1], "slice row %d col %d: %g want %g", r, c, got,
+                                ap[r * 5 + c - 1]);
+            else DSK_TEST_EXPECT(got != got, "row %d col %d outside the slice was written: %g", r, c, got);
+        }
+    eb = *e;
+    eb.shape[2] = 4;
+    eb.stride[2] = 0;
+    DSK_TEST_OK(dsk_tensor_copy(NULL, &ds, &eb));
+    for (int r = 0; r < 24; r++)
+        for (int c = 2; c < 5; c++)
+            DSK_TEST_EXPECT(dp[r * 7 + c] == ep[(r / 4) * 3 + c - 2], "broadcast row %d col %d: %g want %g", r, c,
+                            dp[r * 7 + c], ep[(r / 4) * 3 + c - 2]);
+}
+
 static void test_copy_rounding(void) {
     dsk_tensor *src = tt_new(DSK_F64, 1, SH(5000)), *b = tt_new(DSK_BF16, 1, SH(5000)), *i8 = tt_new(DSK_U8, 1, SH(5000)), *i32 = tt_new(DSK_I32, 1, SH(5000));
     uint32_t bad = 0;
@@ -2482,6 +2513,7 @@ int main(void) {
         test_copy_casts((dsk_dtype)d);
     }
     TT_CASE("strided same-dtype copy keeps int64 > 2^53 and NaN payloads"); test_copy_strided_exact();
+    TT_CASE("same-dtype copy between column slices and from a broadcast view"); test_copy_rows();
     TT_CASE("copy rounding: f64 to bf16, u8, i32 (saturation, NaN)");
     test_copy_rounding();
     for (int t = 0; t < 4; t++) {

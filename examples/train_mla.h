@@ -1,0 +1,782 @@
+/* train_mla.h - the DeepSeek-V2/V3 parts of the example model (examples/train_model.h):
+   multi-head latent attention (MLA), multi-token prediction (MTP) and activation
+   recomputation, forward and backward on dsk_tensor.h ops.
+
+   MLA, as class MLA of DeepSeek-V3's inference/model.py (attn_impl "naive", the form that
+   trains), with H heads, per head qk = nope + rope dims and v dims:
+     q    = Wq h                         q_lora_rank == 0
+     q    = Wq_b RMSNorm_q(Wq_a h)       q_lora_rank  > 0   (RMSNorm on the query latent)
+     [c | kr] = Wkv_a h                  c: kv_lora_rank latent, kr: qk_rope_head_dim
+     [k_nope | v] = Wkv_b RMSNorm_kv(c)  per head qk_nope_head_dim and v_head_dim
+     q_h = [q_nope_h | rope(q_rope_h)],  k_h = [k_nope_h | rope(kr)]  (one rope key for all heads)
+     out = Wo concat_h causal_softmax(scale q_h k_h^T) v_h
+   scale = (nope + rope)^-1/2, times mscale^2 with mscale = 0.1 * m * ln(rope_factor) + 1 when
+   the sequence is longer than the original one (the reference's long-context correction; its
+   YaRN frequency ramp belongs to the rotary op and is not applied here). The attention core is
+   dsk_attention_fused with Dk = nope + rope != Dv = v: O(T) memory, row log-sum-exp saved.
+
+   MTP (DeepSeek-V3 report, section 2.2): D modules after the main model; module k (1..D) at
+   position i combines RMSNorm(h^{k-1}_i) and RMSNorm(Emb(t_{i+k})) by a projection M_k (d x 2d),
+   runs one transformer block (this model's attention and a dense SwiGLU FFN) and predicts
+   t_{i+k+1} through its own RMSNorm and the shared output head; h^0 is the main model's last
+   block output. L = L_main + lambda / D sum_k L_k, L_k = -1/T sum_i log P_k(t_{i+k+1}) over the
+   T - k positions that have a target (the rest are masked: causal attention keeps them from
+   the others, so this equals running the shorter sequence).
+
+   Recomputation (--recompute): `attn` keeps the attention inputs of each block and recomputes
+   the core (output and row statistics, or the materialised probabilities for MHA) in backward;
+   `full` keeps each block's input only and reruns the block's forward (attention half and
+   dense FFN; an MoE layer keeps its own saved state) right before its backward. The blocks
+   then share one set of buffers; the same ops on the same inputs give the same bits, so the
+   gradients equal those of `none` bit for bit.
+
+   The header is read twice by train_model.h: first for the types and prototypes (before the
+   model's types), then, with TRAIN_MODEL_H_DONE defined, for the definitions.
+
+   Contents: types | prototypes | helpers | parameters | activations | MLA forward and
+   backward | recomputation | MTP | FLOPs | memory report */
+#ifndef TRAIN_MLA_H
+#define TRAIN_MLA_H
+
+#include "../dsk_tensor.h"
+
+/* ------------------------------------------------------------------ types */
+
+#define TMLA_MAX_MTP 4
+
+typedef enum tmla_attn { TMLA_ATTN_MHA = 0, TMLA_ATTN_MLA } tmla_attn;
+typedef enum tmla_recompute { TMLA_RECOMPUTE_NONE = 0, TMLA_RECOMPUTE_ATTN, TMLA_RECOMPUTE_FULL } tmla_recompute;
+
+typedef struct tmla_config {
+    int attn;                           /* tmla_attn */
+    int q_lora_rank;                    /* 0: plain Wq */
+    int kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim;
+    int original_seq;                   /* > 0 and < seq: the mscale correction applies */
+    float rope_factor, mscale;
+    int mtp_depth;                      /* D, 0 = off */
+    float mtp_lambda;
+    int recompute;                      /* tmla_recompute */
+} tmla_config;
+
+struct tm_param;
+struct tm_model;
+struct tm_block;
+
+/* MLA parameters and saved activations of one block (N = B*T rows). */
+typedef struct tmla_block {
+    struct tm_param *wq, *wq_a, *q_norm, *wq_b, *wkv_a, *kv_norm, *wkv_b, *wo;
+    dsk_tensor cq, cqn, rstd_q;         /* (N, q_lora), (N): query latent, normed */
+    dsk_tensor q;                       /* (N, H*(nope+rope)) queries, rope part rotated */
+    dsk_tensor ckv, ckvn, rstd_kv;      /* (N, kv_lora), (N): kv latent, normed */
+    dsk_tensor kpe;                     /* (N, rope) the shared rope key, rotated */
+    dsk_tensor kvb;                     /* (N, H*(nope+v)) Wkv_b output: k_nope and v per head */
+    dsk_tensor k;                       /* (N, H*(nope+rope)) keys */
+    dsk_tensor att;                     /* (N, H*v) attention output */
+    dsk_tensor lse;                     /* (B, H, T) f32 row log-sum-exp */
+    int recompute;                      /* this block's buffers are shared: tmla_recompute mode */
+} tmla_block;
+
+/* One MTP module: parameters, inputs and saved activations. */
+typedef struct tmla_mtp {
+    struct tm_param *hnorm, *enorm, *proj, *norm; /* proj (D, 2D): [RMSNorm(h) | RMSNorm(emb)] -> D */
+    dsk_tensor ids, tgt;                /* (N) i32: t_{i+k} (0 past the end), t_{i+k+1} (-1 past the end) */
+    dsk_tensor emb, en, rstd_e, hn, rstd_h; /* (N, D), (N) */
+    dsk_tensor demb;                    /* (N, D) d(emb), applied to the embedding in its own backward unit */
+    dsk_tensor y, hf, rstdf, logits, dlogits; /* block output, final norm, head */
+    dsk_tensor loss;                    /* scalar f32 */
+} tmla_mtp;
+
+/* Model-wide MLA/MTP state: backward scratch and the MTP modules. */
+typedef struct tmla_model {
+    dsk_tensor pe, pe2;                 /* (N, H*rope) contiguous rope parts */
+    dsk_tensor dpe1, dkpe;              /* (N, rope) */
+    dsk_tensor dq, dk, dkvb, datt;      /* MLA gradients */
+    dsk_tensor dc, dc2, dcq, dcq2;      /* latent gradients */
+    dsk_tensor yscr;                    /* (N, D) --recompute full: dense FFN output while recomputing */
+    tmla_mtp mtp[TMLA_MAX_MTP];
+    dsk_tensor dcarry, dtmp;            /* (N, D) MTP backward */
+    int eval;                           /* 1: forward passes skip the MTP modules */
+} tmla_model;
+
+static inline int tmla_is_mla(const tmla_config *a) { return a->attn == TMLA_ATTN_MLA; }
+
+/* ------------------------------------------------------------------ prototypes (train_model.h calls these) */
+
+static void tmla_declare_attn(struct tm_model *m, int l);
+static void tmla_declare_mtp(struct tm_model *m);
+static dsk_status tmla_check_config(const void *cfg);
+static int tmla_custom_alloc(const struct tm_model *m);
+static dsk_status tmla_alloc_block(struct tm_model *m, int l);
+static dsk_status tmla_alloc(struct tm_model *m);
+static void tmla_free(struct tm_model *m);
+static dsk_status tmla_attn_forward(struct tm_model *m, struct tm_block *b, int nb);
+static dsk_status tmla_attn_backward(struct tm_model *m, struct tm_block *b);
+static dsk_status tmla_recompute_core(struct tm_model *m, struct tm_block *b);
+static dsk_status tmla_recompute_block(struct tm_model *m, int l);
+static dsk_status tmla_mtp_embed(struct tm_model *m, int nb);
+static dsk_status tmla_mtp_forward(struct tm_model *m, int nb);
+static dsk_status tmla_mtp_loss(struct tm_model *m, float grad_scale);
+static dsk_status tmla_mtp_backward(struct tm_model *m);
+static dsk_status tmla_mtp_embed_backward(struct tm_model *m);
+static dsk_status tmla_seed_dx(struct tm_model *m);
+
+#elif defined(TRAIN_MODEL_H_DONE) && !defined(TRAIN_MLA_BODY)
+#define TRAIN_MLA_BODY
+
+/* ------------------------------------------------------------------ helpers */
+
+/* Rows [0, nb*T) of an (N, H*d) tensor as (nb, T, H, d). */
+static dsk_tensor tmla_heads(const tm_model *m, const dsk_tensor *t, int nb, int64_t H, int64_t d) {
+    int64_t sh[4] = {nb, m->cfg.seq, H, d};
+    dsk_tensor r = tm_rows(t, (int64_t)nb * m->cfg.seq), v;
+    dsk_tensor_reshape(&r, 4, sh, &v);
+    return v;
+}
+
+/* Columns [c0, c0 + n) of the last dim (a strided view). */
+static dsk_tensor tmla_cols(const dsk_tensor *t, int64_t c0, int64_t n) {
+    dsk_tensor v;
+    dsk_tensor_slice(t, t->ndim - 1, c0, n, &v);
+    return v;
+}
+
+/* Rows [r0, r0 + n) of a matrix (a weight's output rows: contiguous). */
+static dsk_tensor tmla_wrows(const dsk_tensor *t, int64_t r0, int64_t n) {
+    dsk_tensor v;
+    dsk_tensor_slice(t, 0, r0, n, &v);
+    return v;
+}
+
+/* The first nb sequences of a (B, H, T) row-statistics tensor. */
+static dsk_tensor tmla_lse(const dsk_tensor *lse, int nb) {
+    dsk_tensor v;
+    dsk_tensor_slice(lse, 0, 0, nb, &v);
+    return v;
+}
+
+/* Softmax scale of MLA: (nope + rope)^-1/2, with the reference's long-context factor mscale^2. */
+static float tmla_scale(const tm_config *c) {
+    const tmla_config *a = &c->mla;
+    float s = 1.0f / sqrtf((float)(a->qk_nope_dim + a->qk_rope_dim));
+    if (a->original_seq > 0 && c->seq > a->original_seq && a->rope_factor > 1.0f) {
+        float ms = 0.1f * a->mscale * logf(a->rope_factor) + 1.0f;
+        s *= ms * ms;
+    }
+    return s;
+}
+
+/* ------------------------------------------------------------------ parameters */
+
+/* The MLA parameters of block l in slab order (backward finishes them in reverse). */
+static void tmla_declare_attn(tm_model *m, int l) {
+    const tm_config *c = &m->cfg;
+    const tmla_config *a = &c->mla;
+    tmla_block *p = &m->blocks[l].mla;
+    int64_t D = c->d_model, H = c->n_heads, dqk = a->qk_nope_dim + a->qk_rope_dim;
+    float std = c->init_std, out_std = c->init_std / sqrtf(2.0f * (float)c->n_layers);
+    if (a->q_lora_rank > 0) {
+        p->wq_a = tm_add_param(m, 1, std, 2, a->q_lora_rank, D, "blocks.%d.attn.wq_a", l);
+        p->q_norm = tm_add_param(m, 0, 0, 1, a->q_lora_rank, 0, "blocks.%d.attn.q_norm", l);
+        p->wq_b = tm_add_param(m, 1, std, 2, H * dqk, a->q_lora_rank, "blocks.%d.attn.wq_b", l);
+    } else {
+        p->wq = tm_add_param(m, 1, std, 2, H * dqk, D, "blocks.%d.attn.wq", l);
+    }
+    p->wkv_a = tm_add_param(m, 1, std, 2, a->kv_lora_rank + a->qk_rope_dim, D, "blocks.%d.attn.wkv_a", l);
+    p->kv_norm = tm_add_param(m, 0, 0, 1, a->kv_lora_rank, 0, "blocks.%d.attn.kv_norm", l);
+    p->wkv_b =
+        tm_add_param(m, 1, std, 2, H * (a->qk_nope_dim + a->v_head_dim), a->kv_lora_rank, "blocks.%d.attn.wkv_b", l);
+    p->wo = tm_add_param(m, 1, out_std, 2, D, H * a->v_head_dim, "blocks.%d.attn.wo", l);
+}
+
+/* The MTP modules' parameters, after the LM head: backward finishes them first (depth D
+   first). Module k's block is blocks[n_layers + k - 1], named like a layer after the last. */
+static void tmla_declare_mtp(tm_model *m) {
+    const tm_config *c = &m->cfg;
+    int64_t D = c->d_model, F = c->ffn_hidden;
+    float std = c->init_std, out_std = c->init_std / sqrtf(2.0f * (float)c->n_layers);
+    for (int k = 0; k < c->mla.mtp_depth; k++) {
+        int l = c->n_layers + k;
+        tmla_mtp *t = &m->mla.mtp[k];
+        tm_block *b = &m->blocks[l];
+        t->hnorm = tm_add_param(m, 0, 0, 1, D, 0, "blocks.%d.mtp.hnorm", l);
+        t->enorm = tm_add_param(m, 0, 0, 1, D, 0, "blocks.%d.mtp.enorm", l);
+        t->proj = tm_add_param(m, 1, std, 2, D, 2 * D, "blocks.%d.mtp.proj", l);
+        b->ln1 = tm_add_param(m, 0, 0, 1, D, 0, "blocks.%d.ln1", l);
+        if (tmla_is_mla(&c->mla)) {
+            tmla_declare_attn(m, l);
+        } else {
+            b->wq = tm_add_param(m, 1, std, 2, D, D, "blocks.%d.attn.wq", l);
+            b->wk = tm_add_param(m, 1, std, 2, D, D, "blocks.%d.attn.wk", l);
+            b->wv = tm_add_param(m, 1, std, 2, D, D, "blocks.%d.attn.wv", l);
+            b->wo = tm_add_param(m, 1, out_std, 2, D, D, "blocks.%d.attn.wo", l);
+        }
+        b->ln2 = tm_add_param(m, 0, 0, 1, D, 0, "blocks.%d.ln2", l);
+        b->w1 = tm_add_param(m, 1, std, 2, F, D, "blocks.%d.ffn.w1", l);
+        b->w3 = tm_add_param(m, 1, std, 2, F, D, "blocks.%d.ffn.w3", l);
+        b->w2 = tm_add_param(m, 1, out_std, 2, D, F, "blocks.%d.ffn.w2", l);
+        t->norm = tm_add_param(m, 0, 0, 1, D, 0, "blocks.%d.mtp.norm", l);
+    }
+}
+
+/* Checks the MLA, MTP and recompute settings; every message names the flag. */
+static dsk_status tmla_check_config(const void *cfg) {
+    const tm_config *c = (const tm_config *)cfg;
+    const tmla_config *a = &c->mla;
+    if (a->attn != TMLA_ATTN_MHA && a->attn != TMLA_ATTN_MLA) return dsk_set_error(DSK_ERR_ARG, "--attn: mha or mla");
+    if (a->recompute < TMLA_RECOMPUTE_NONE || a->recompute > TMLA_RECOMPUTE_FULL)
+        return dsk_set_error(DSK_ERR_ARG, "--recompute: none, attn or full");
+    if (a->mtp_depth < 0 || a->mtp_depth > TMLA_MAX_MTP || a->mtp_depth >= c->seq)
+        return dsk_set_error(DSK_ERR_ARG, "--mtp %d: between 0 and %d, and below --seq %d", a->mtp_depth, TMLA_MAX_MTP,
+                             c->seq);
+    if (!(a->mtp_lambda >= 0.0f))
+        return dsk_set_error(DSK_ERR_ARG, "--mtp-lambda %g: must be >= 0", (double)a->mtp_lambda);
+    if (!tmla_is_mla(a)) return DSK_OK;
+    if (a->q_lora_rank < 0 || a->kv_lora_rank < 1 || a->qk_nope_dim < 0 || a->qk_rope_dim < 2 || a->v_head_dim < 1)
+        return dsk_set_error(DSK_ERR_ARG,
+                             "MLA sizes: --q-lora-rank %d (>= 0), --kv-lora-rank %d (>= 1), --qk-nope-dim %d (>= 0), "
+                             "--qk-rope-dim %d (>= 2), --v-head-dim %d (>= 1)",
+                             a->q_lora_rank, a->kv_lora_rank, a->qk_nope_dim, a->qk_rope_dim, a->v_head_dim);
+    if (a->qk_rope_dim % 2 != 0)
+        return dsk_set_error(DSK_ERR_ARG, "--qk-rope-dim %d must be even for rotary embeddings", a->qk_rope_dim);
+    if (a->original_seq < 0 || (a->original_seq > 0 && !(a->rope_factor >= 1.0f)))
+        return dsk_set_error(DSK_ERR_ARG, "--original-seq %d (>= 0) with --rope-factor %g (>= 1)", a->original_seq,
+                             (double)a->rope_factor);
+    return DSK_OK;
+}
+
+/* ------------------------------------------------------------------ activations */
+
+/* 1 when train_mla.h allocates the blocks' activations (MLA, or shared buffers). */
+static int tmla_custom_alloc(const tm_model *m) {
+    return tmla_is_mla(&m->cfg.mla) || m->cfg.mla.recompute != TMLA_RECOMPUTE_NONE || m->cfg.mla.mtp_depth > 0;
+}
+
+/* Allocates t (N rows by `cols`, or (N) when cols == 0), or with `share` makes it a view of
+   the same tensor of block 0 (the shared buffers of recomputation). */
+static dsk_status tmla_act(tm_model *m, tm_block *b, dsk_tensor *t, int share, dsk_dtype dt, int64_t cols) {
+    if (share && b != &m->blocks[0]) {
+        const dsk_tensor *src = (const dsk_tensor *)((const char *)&m->blocks[0] + ((const char *)t - (const char *)b));
+        *t = *src;
+        t->owns = 0;
+        return DSK_OK;
+    }
+    return tm_alloc2(m, t, dt, (int64_t)m->cfg.batch * m->cfg.seq, cols);
+}
+
+/* Block l's activations; main blocks share all but their input under --recompute full and
+   the attention core's output and statistics under --recompute attn. MTP blocks own theirs. */
+static dsk_status tmla_alloc_block(tm_model *m, int l) {
+    const tm_config *c = &m->cfg;
+    const tmla_config *a = &c->mla;
+    tm_block *b = &m->blocks[l];
+    tmla_block *p = &b->mla;
+    int mode = l < c->n_layers ? a->recompute : TMLA_RECOMPUTE_NONE;
+    int full = mode == TMLA_RECOMPUTE_FULL, core = mode != TMLA_RECOMPUTE_NONE;
+    int dense = l < c->n_dense || l >= c->n_layers;
+    int64_t D = c->d_model, F = c->ffn_hidden, H = c->n_heads, N = (int64_t)c->batch * c->seq;
+    dsk_dtype dt = c->cdt;
+    p->recompute = mode;
+    TM_TRY(tmla_act(m, b, &b->x, 0, dt, D));
+    dsk_tensor *nd[] = {&b->h1, &b->x2, &b->h2};
+    for (size_t i = 0; i < sizeof nd / sizeof nd[0]; i++) TM_TRY(tmla_act(m, b, nd[i], full, dt, D));
+    TM_TRY(tmla_act(m, b, &b->rstd1, full, DSK_F32, 0));
+    TM_TRY(tmla_act(m, b, &b->rstd2, full, DSK_F32, 0));
+    if (dense) {
+        TM_TRY(tmla_act(m, b, &b->g, full, dt, F));
+        TM_TRY(tmla_act(m, b, &b->u, full, dt, F));
+        TM_TRY(tmla_act(m, b, &b->a, full, dt, F));
+    }
+    if (!tmla_is_mla(a)) {
+        dsk_tensor *md[] = {&b->q, &b->k, &b->v, &b->qr, &b->kr};
+        for (size_t i = 0; i < sizeof md / sizeof md[0]; i++) TM_TRY(tmla_act(m, b, md[i], full, dt, D));
+        TM_TRY(tmla_act(m, b, &b->att, core, dt, D));
+        if (core && b != &m->blocks[0]) return tmla_act(m, b, &b->probs, 1, DSK_F32, 0);
+        int64_t ps[4] = {c->batch, H, c->seq, c->seq};
+        return dsk_tensor_alloc(m->ctx, &b->probs, DSK_F32, 4, ps);
+    }
+    int64_t dn = a->qk_nope_dim, dr = a->qk_rope_dim, dv = a->v_head_dim, dqk = dn + dr;
+    if (a->q_lora_rank > 0) {
+        TM_TRY(tmla_act(m, b, &p->cq, full, dt, a->q_lora_rank));
+        TM_TRY(tmla_act(m, b, &p->cqn, full, dt, a->q_lora_rank));
+        TM_TRY(tmla_act(m, b, &p->rstd_q, full, DSK_F32, 0));
+    }
+    TM_TRY(tmla_act(m, b, &p->q, full, dt, H * dqk));
+    TM_TRY(tmla_act(m, b, &p->ckv, full, dt, a->kv_lora_rank));
+    TM_TRY(tmla_act(m, b, &p->ckvn, full, dt, a->kv_lora_rank));
+    TM_TRY(tmla_act(m, b, &p->rstd_kv, full, DSK_F32, 0));
+    TM_TRY(tmla_act(m, b, &p->kpe, full, dt, dr));
+    TM_TRY(tmla_act(m, b, &p->kvb, full, dt, H * (dn + dv)));
+    TM_TRY(tmla_act(m, b, &p->k, full, dt, H * dqk));
+    TM_TRY(tmla_act(m, b, &p->att, core, dt, H * dv));
+    if (core && b != &m->blocks[0]) return tmla_act(m, b, &p->lse, 1, DSK_F32, 0);
+    int64_t ls[3] = {c->batch, H, c->seq};
+    (void)N;
+    return dsk_tensor_alloc(m->ctx, &p->lse, DSK_F32, 3, ls);
+}
+
+/* Model-wide MLA scratch, the MTP blocks and modules. */
+static dsk_status tmla_alloc(tm_model *m) {
+    const tm_config *c = &m->cfg;
+    const tmla_config *a = &c->mla;
+    tmla_model *s = &m->mla;
+    int64_t N = (int64_t)c->batch * c->seq, D = c->d_model, H = c->n_heads, V = c->vocab;
+    dsk_dtype dt = c->cdt;
+    if (tmla_is_mla(a)) {
+        int64_t dn = a->qk_nope_dim, dr = a->qk_rope_dim, dv = a->v_head_dim, dqk = dn + dr;
+        TM_TRY(tm_alloc2(m, &s->pe, dt, N, H * dr));
+        TM_TRY(tm_alloc2(m, &s->pe2, dt, N, H * dr));
+        TM_TRY(tm_alloc2(m, &s->dpe1, dt, N, dr));
+        TM_TRY(tm_alloc2(m, &s->dkpe, dt, N, dr));
+        TM_TRY(tm_alloc2(m, &s->dq, dt, N, H * dqk));
+        TM_TRY(tm_alloc2(m, &s->dk, dt, N, H * dqk));
+        TM_TRY(tm_alloc2(m, &s->dkvb, dt, N, H * (dn + dv)));
+        TM_TRY(tm_alloc2(m, &s->datt, dt, N, H * dv));
+        TM_TRY(tm_alloc2(m, &s->dc, dt, N, a->kv_lora_rank));
+        TM_TRY(tm_alloc2(m, &s->dc2, dt, N, a->kv_lora_rank));
+        if (a->q_lora_rank > 0) {
+            TM_TRY(tm_alloc2(m, &s->dcq, dt, N, a->q_lora_rank));
+            TM_TRY(tm_alloc2(m, &s->dcq2, dt, N, a->q_lora_rank));
+        }
+    }
+    if (a->recompute == TMLA_RECOMPUTE_FULL && c->n_dense > 0) TM_TRY(tm_alloc2(m, &s->yscr, dt, N, D));
+    for (int k = 0; k < a->mtp_depth; k++) {
+        tmla_mtp *t = &s->mtp[k];
+        TM_TRY(tmla_alloc_block(m, c->n_layers + k));
+        dsk_tensor *nd[] = {&t->emb, &t->en, &t->hn, &t->y, &t->hf, &t->demb};
+        for (size_t i = 0; i < sizeof nd / sizeof nd[0]; i++) TM_TRY(tm_alloc2(m, nd[i], dt, N, D));
+        TM_TRY(tm_alloc2(m, &t->rstd_e, DSK_F32, N, 0));
+        TM_TRY(tm_alloc2(m, &t->rstd_h, DSK_F32, N, 0));
+        TM_TRY(tm_alloc2(m, &t->rstdf, DSK_F32, N, 0));
+        TM_TRY(tm_alloc2(m, &t->logits, dt, N, V));
+        TM_TRY(tm_alloc2(m, &t->dlogits, dt, N, V));
+        TM_TRY(tm_alloc2(m, &t->ids, DSK_I32, N, 0));
+        TM_TRY(tm_alloc2(m, &t->tgt, DSK_I32, N, 0));
+        TM_TRY(dsk_tensor_alloc(m->ctx, &t->loss, DSK_F32, 0, NULL));
+    }
+    if (a->mtp_depth > 0) {
+        TM_TRY(tm_alloc2(m, &s->dcarry, dt, N, D));
+        TM_TRY(tm_alloc2(m, &s->dtmp, dt, N, D));
+    }
+    return DSK_OK;
+}
+
+static void tmla_free_block(dsk_ctx *ctx, tm_block *b) {
+    tmla_block *p = &b->mla;
+    dsk_tensor *ts[] = {&p->cq, &p->cqn, &p->rstd_q, &p->q, &p->ckv, &p->ckvn, &p->rstd_kv, &p->kpe, &p->kvb, &p->k,
+                        &p->att, &p->lse};
+    for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
+}
+
+/* Frees what train_mla.h allocated (views are only zeroed). Before tm_free's own loop. */
+static void tmla_free(tm_model *m) {
+    dsk_ctx *ctx = m->ctx;
+    tmla_model *s = &m->mla;
+    if (m->blocks) {
+        for (int l = 0; l < m->cfg.n_layers; l++) tmla_free_block(ctx, &m->blocks[l]);
+        for (int k = 0; k < m->cfg.mla.mtp_depth; k++) {
+            tm_block *b = &m->blocks[m->cfg.n_layers + k];
+            dsk_tensor *ts[] = {&b->x, &b->h1, &b->rstd1, &b->q, &b->k, &b->v, &b->qr, &b->kr, &b->att, &b->x2,
+                                &b->h2, &b->rstd2, &b->probs, &b->g, &b->u, &b->a};
+            for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
+            tmla_free_block(ctx, b);
+        }
+    }
+    for (int k = 0; k < TMLA_MAX_MTP; k++) {
+        tmla_mtp *t = &s->mtp[k];
+        dsk_tensor *ts[] = {&t->ids, &t->tgt, &t->emb, &t->en, &t->rstd_e, &t->hn, &t->rstd_h, &t->y, &t->hf, &t->rstdf,
+                            &t->logits, &t->dlogits, &t->loss, &t->demb};
+        for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
+    }
+    dsk_tensor *ts[] = {&s->pe, &s->pe2, &s->dpe1, &s->dkpe, &s->dq, &s->dk, &s->dkvb, &s->datt, &s->dc, &s->dc2,
+                        &s->dcq, &s->dcq2, &s->yscr, &s->dcarry, &s->dtmp};
+    for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
+}
+
+/* ------------------------------------------------------------------ MLA forward and backward */
+
+/* The attention core of an MLA block for nb sequences: att and lse from q, k and kvb. */
+static dsk_status tmla_core(tm_model *m, tm_block *b, int nb) {
+    const tm_config *c = &m->cfg;
+    const tmla_config *a = &c->mla;
+    tmla_block *p = &b->mla;
+    int64_t H = c->n_heads, dn = a->qk_nope_dim, dv = a->v_head_dim, dqk = dn + a->qk_rope_dim;
+    dsk_tensor q4 = tmla_heads(m, &p->q, nb, H, dqk), k4 = tmla_heads(m, &p->k, nb, H, dqk);
+    dsk_tensor kvb4 = tmla_heads(m, &p->kvb, nb, H, dn + dv), v4 = tmla_cols(&kvb4, dn, dv);
+    dsk_tensor att4 = tmla_heads(m, &p->att, nb, H, dv), lse = tmla_lse(&p->lse, nb);
+    TM_T(TM_PH_ATTN, dsk_attention_fused(m->ctx, &att4, &lse, &q4, &k4, &v4, tmla_scale(c)));
+    return DSK_OK;
+}
+
+/* Attention half of an MLA block: x -> x2 and h2 = RMSNorm(x2), everything backward needs saved. */
+static dsk_status tmla_attn_forward(tm_model *m, tm_block *b, int nb) {
+    const tm_config *c = &m->cfg;
+    const tmla_config *a = &c->mla;
+    tmla_block *p = &b->mla;
+    tmla_model *s = &m->mla;
+    int64_t N = (int64_t)nb * c->seq, H = c->n_heads, dn = a->qk_nope_dim, dr = a->qk_rope_dim, dqk = dn + dr;
+    int64_t R = a->kv_lora_rank;
+    dsk_tensor x = tm_rows(&b->x, N), h1 = tm_rows(&b->h1, N), rstd1 = tm_rows(&b->rstd1, N);
+    dsk_tensor q = tm_rows(&p->q, N), ckv = tm_rows(&p->ckv, N), ckvn = tm_rows(&p->ckvn, N);
+    dsk_tensor rkv = tm_rows(&p->rstd_kv, N), kpe = tm_rows(&p->kpe, N), kvb = tm_rows(&p->kvb, N);
+    TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &h1, &rstd1, &x, &b->ln1->wc, c->norm_eps));
+    if (a->q_lora_rank > 0) {
+        dsk_tensor cq = tm_rows(&p->cq, N), cqn = tm_rows(&p->cqn, N), rq = tm_rows(&p->rstd_q, N);
+        TM_T(TM_PH_LINEAR, tm_mm(m, &cq, &h1, 0, &p->wq_a->wc, 1, 0.0f));
+        TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &cqn, &rq, &cq, &p->q_norm->wc, c->norm_eps));
+        TM_T(TM_PH_LINEAR, tm_mm(m, &q, &cqn, 0, &p->wq_b->wc, 1, 0.0f));
+    } else {
+        TM_T(TM_PH_LINEAR, tm_mm(m, &q, &h1, 0, &p->wq->wc, 1, 0.0f));
+    }
+    /* rotate the rope part of every query head through a contiguous copy */
+    dsk_tensor q4 = tmla_heads(m, &p->q, nb, H, dqk), qpe = tmla_cols(&q4, dn, dr),
+               pe4 = tmla_heads(m, &s->pe, nb, H, dr);
+    TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &pe4, &qpe));
+    TM_T(TM_PH_ROPE, dsk_rope(m->ctx, &pe4, &pe4, 0, c->rope_theta));
+    TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &qpe, &pe4));
+    /* [c | kr] = Wkv_a h1 as two products over the weight's row blocks */
+    dsk_tensor wc = tmla_wrows(&p->wkv_a->wc, 0, R), wr = tmla_wrows(&p->wkv_a->wc, R, dr);
+    TM_T(TM_PH_LINEAR, tm_mm(m, &ckv, &h1, 0, &wc, 1, 0.0f));
+    TM_T(TM_PH_LINEAR, tm_mm(m, &kpe, &h1, 0, &wr, 1, 0.0f));
+    dsk_tensor kpe4 = tmla_heads(m, &p->kpe, nb, 1, dr);
+    TM_T(TM_PH_ROPE, dsk_rope(m->ctx, &kpe4, &kpe4, 0, c->rope_theta));
+    TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &ckvn, &rkv, &ckv, &p->kv_norm->wc, c->norm_eps));
+    TM_T(TM_PH_LINEAR, tm_mm(m, &kvb, &ckvn, 0, &p->wkv_b->wc, 1, 0.0f));
+    /* keys: [k_nope_h | rope key], the rope key broadcast over the heads (stride 0) */
+    dsk_tensor kvb4 = tmla_heads(m, &p->kvb, nb, H, dn + a->v_head_dim), k4 = tmla_heads(m, &p->k, nb, H, dqk);
+    dsk_tensor kn = tmla_cols(&k4, 0, dn), kr = tmla_cols(&k4, dn, dr), kvn = tmla_cols(&kvb4, 0, dn), kb = kpe4;
+    kb.shape[2] = H;
+    kb.stride[2] = 0;
+    TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &kn, &kvn));
+    TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &kr, &kb));
+    TM_TRY(tmla_core(m, b, nb));
+    dsk_tensor att = tm_rows(&p->att, N), x2 = tm_rows(&b->x2, N), h2 = tm_rows(&b->h2, N),
+               rstd2 = tm_rows(&b->rstd2, N);
+    TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &x2, &x));
+    TM_T(TM_PH_LINEAR, tm_mm(m, &x2, &att, 0, &p->wo->wc, 1, 1.0f));
+    TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &h2, &rstd2, &x2, &b->ln2->wc, c->norm_eps));
+    return DSK_OK;
+}
+
+/* The query path backward from dq (pre-rope gradient): weight gradients, dh = d(h1) written. */
+static dsk_status tmla_query_backward(tm_model *m, tm_block *b) {
+    const tmla_config *a = &m->cfg.mla;
+    tmla_block *p = &b->mla;
+    tmla_model *s = &m->mla;
+    if (a->q_lora_rank == 0) {
+        TM_T(TM_PH_LINEAR, tm_mm(m, &p->wq->g, &s->dq, 1, &b->h1, 0, 1.0f));
+        TM_T(TM_PH_MOVE, tm_ready(m, p->wq));
+        TM_T(TM_PH_LINEAR, tm_mm(m, &m->dh, &s->dq, 0, &p->wq->wc, 0, 0.0f));
+        return DSK_OK;
+    }
+    TM_T(TM_PH_LINEAR, tm_mm(m, &p->wq_b->g, &s->dq, 1, &p->cqn, 0, 1.0f));
+    TM_T(TM_PH_MOVE, tm_ready(m, p->wq_b));
+    TM_T(TM_PH_LINEAR, tm_mm(m, &s->dcq, &s->dq, 0, &p->wq_b->wc, 0, 0.0f));
+    TM_T(TM_PH_MOVE, tm_zero(m, &s->dcq2));
+    TM_T(TM_PH_NORM,
+         dsk_rmsnorm_backward(m->ctx, &s->dcq2, tm_grad(p->q_norm), &s->dcq, &p->cq, &p->q_norm->wc, &p->rstd_q));
+    TM_T(TM_PH_MOVE, tm_ready(m, p->q_norm));
+    TM_T(TM_PH_LINEAR, tm_mm(m, &p->wq_a->g, &s->dcq2, 1, &b->h1, 0, 1.0f));
+    TM_T(TM_PH_MOVE, tm_ready(m, p->wq_a));
+    TM_T(TM_PH_LINEAR, tm_mm(m, &m->dh, &s->dcq2, 0, &p->wq_a->wc, 0, 0.0f));
+    return DSK_OK;
+}
+
+/* dx holds d(x2); turns it into d(x) and adds the MLA weights' gradients (full micro-batch). */
+static dsk_status tmla_attn_backward(tm_model *m, tm_block *b) {
+    const tm_config *c = &m->cfg;
+    const tmla_config *a = &c->mla;
+    tmla_block *p = &b->mla;
+    tmla_model *s = &m->mla;
+    int nb = c->batch;
+    int64_t H = c->n_heads, dn = a->qk_nope_dim, dr = a->qk_rope_dim, dv = a->v_head_dim, dqk = dn + dr,
+            R = a->kv_lora_rank;
+    if (p->recompute == TMLA_RECOMPUTE_ATTN) TM_TRY(tmla_core(m, b, nb));
+    TM_T(TM_PH_LINEAR, tm_mm(m, &p->wo->g, &m->dx, 1, &p->att, 0, 1.0f)); /* dWo += dx2^T att */
+    TM_T(TM_PH_MOVE, tm_ready(m, p->wo));
+    TM_T(TM_PH_LINEAR, tm_mm(m, &s->datt, &m->dx, 0, &p->wo->wc, 0, 0.0f));
+    TM_T(TM_PH_MOVE, tm_zero(m, &s->dq));
+    TM_T(TM_PH_MOVE, tm_zero(m, &s->dk));
+    TM_T(TM_PH_MOVE, tm_zero(m, &s->dkvb));
+    dsk_tensor q4 = tmla_heads(m, &p->q, nb, H, dqk), k4 = tmla_heads(m, &p->k, nb, H, dqk);
+    dsk_tensor kvb4 = tmla_heads(m, &p->kvb, nb, H, dn + dv), v4 = tmla_cols(&kvb4, dn, dv);
+    dsk_tensor att4 = tmla_heads(m, &p->att, nb, H, dv), datt4 = tmla_heads(m, &s->datt, nb, H, dv);
+    dsk_tensor dq4 = tmla_heads(m, &s->dq, nb, H, dqk), dk4 = tmla_heads(m, &s->dk, nb, H, dqk);
+    dsk_tensor dkvb4 = tmla_heads(m, &s->dkvb, nb, H, dn + dv), dv4 = tmla_cols(&dkvb4, dn, dv);
+    TM_T(TM_PH_ATTN,
+         dsk_attention_fused_backward(m->ctx, &dq4, &dk4, &dv4, &datt4, &q4, &k4, &v4, &att4, &p->lse, tmla_scale(c)));
+    /* k_nope's gradient goes to its place in Wkv_b's output */
+    dsk_tensor dkn = tmla_cols(&dkvb4, 0, dn), dkn_src = tmla_cols(&dk4, 0, dn);
+    TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &dkn, &dkn_src));
+    /* the shared rope key: sum over heads, rotate back */
+    dsk_tensor pe4 = tmla_heads(m, &s->pe, nb, H, dr), pe24 = tmla_heads(m, &s->pe2, nb, H, dr),
+               dkr = tmla_cols(&dk4, dn, dr);
+    dsk_tensor dpe1 = tmla_heads(m, &s->dpe1, nb, 1, dr), dkpe4 = tmla_heads(m, &s->dkpe, nb, 1, dr);
+    TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &pe4, &dkr));
+    TM_T(TM_PH_ROPE, dsk_reduce(m->ctx, &dpe1, &pe4, 2, DSK_REDUCE_SUM));
+    TM_T(TM_PH_MOVE, tm_zero(m, &s->dkpe));
+    TM_T(TM_PH_ROPE, dsk_rope_backward(m->ctx, &dkpe4, &dpe1, 0, c->rope_theta));
+    /* the queries' rope part: rotate back in place through the scratch */
+    dsk_tensor dqr = tmla_cols(&dq4, dn, dr);
+    TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &pe4, &dqr));
+    TM_T(TM_PH_MOVE, tm_zero(m, &s->pe2));
+    TM_T(TM_PH_ROPE, dsk_rope_backward(m->ctx, &pe24, &pe4, 0, c->rope_theta));
+    TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &dqr, &pe24));
+    /* kv latent path */
+    TM_T(TM_PH_LINEAR, tm_mm(m, &p->wkv_b->g, &s->dkvb, 1, &p->ckvn, 0, 1.0f));
+    TM_T(TM_PH_MOVE, tm_ready(m, p->wkv_b));
+    TM_T(TM_PH_LINEAR, tm_mm(m, &s->dc, &s->dkvb, 0, &p->wkv_b->wc, 0, 0.0f));
+    TM_T(TM_PH_MOVE, tm_zero(m, &s->dc2));
+    TM_T(TM_PH_NORM,
+         dsk_rmsnorm_backward(m->ctx, &s->dc2, tm_grad(p->kv_norm), &s->dc, &p->ckv, &p->kv_norm->wc, &p->rstd_kv));
+    TM_T(TM_PH_MOVE, tm_ready(m, p->kv_norm));
+    dsk_tensor gc = tmla_wrows(&p->wkv_a->g, 0, R), gr = tmla_wrows(&p->wkv_a->g, R, dr);
+    TM_T(TM_PH_LINEAR, tm_mm(m, &gc, &s->dc2, 1, &b->h1, 0, 1.0f));
+    TM_T(TM_PH_LINEAR, tm_mm(m, &gr, &s->dkpe, 1, &b->h1, 0, 1.0f));
+    TM_T(TM_PH_MOVE, tm_ready(m, p->wkv_a));
+    TM_TRY(tmla_query_backward(m, b)); /* writes dh */
+    dsk_tensor wc = tmla_wrows(&p->wkv_a->wc, 0, R), wr = tmla_wrows(&p->wkv_a->wc, R, dr);
+    TM_T(TM_PH_LINEAR, tm_mm(m, &m->dh, &s->dc2, 0, &wc, 0, 1.0f));
+    TM_T(TM_PH_LINEAR, tm_mm(m, &m->dh, &s->dkpe, 0, &wr, 0, 1.0f));
+    TM_T(TM_PH_NORM, dsk_rmsnorm_backward(m->ctx, &m->dx, tm_grad(b->ln1), &m->dh, &b->x, &b->ln1->wc, &b->rstd1));
+    TM_T(TM_PH_MOVE, tm_ready(m, b->ln1));
+    return DSK_OK;
+}
+
+/* ------------------------------------------------------------------ recomputation */
+
+/* --recompute attn, MHA block: the materialised probabilities and output again, before backward. */
+static dsk_status tmla_recompute_core(tm_model *m, tm_block *b) {
+    const tm_config *c = &m->cfg;
+    int nb = c->batch;
+    if (b->mla.recompute != TMLA_RECOMPUTE_ATTN) return DSK_OK;
+    float scale = 1.0f / sqrtf((float)(c->d_model / c->n_heads));
+    dsk_tensor qr4 = tm_heads(m, &b->qr, nb), kr4 = tm_heads(m, &b->kr, nb), v4 = tm_heads(m, &b->v, nb);
+    dsk_tensor att4 = tm_heads(m, &b->att, nb);
+    TM_T(TM_PH_ATTN, dsk_attention(m->ctx, &att4, &b->probs, &qr4, &kr4, &v4, scale));
+    return DSK_OK;
+}
+
+/* --recompute full: block l's forward again from its saved input, before its backward (the
+   dense FFN's output goes to scratch; an MoE layer's saved state is its own and stays). */
+static dsk_status tmla_recompute_block(tm_model *m, int l) {
+    tm_block *b = &m->blocks[l];
+    if (b->mla.recompute != TMLA_RECOMPUTE_FULL) return DSK_OK;
+    TM_TRY(tm_attn_forward(m, b, m->cfg.batch));
+    if (l < m->cfg.n_dense) TM_TRY(tm_dense_forward(m, b, (int64_t)m->cfg.batch * m->cfg.seq, &m->mla.yscr));
+    return DSK_OK;
+}
+
+/* ------------------------------------------------------------------ MTP */
+
+/* Module k's inputs t_{i+k} = targets[i+k-1] and targets t_{i+k+1} = targets[i+k], per sequence;
+   positions past the window take token 0 and target -1 (ignored). */
+static dsk_status tmla_mtp_inputs(tm_model *m, int k, int nb) {
+    const tm_config *c = &m->cfg;
+    tmla_mtp *t = &m->mla.mtp[k - 1];
+    int64_t T = c->seq, sh[2] = {nb, T};
+    dsk_tensor tg, ids, tgt, src, dst;
+    dsk_tensor trows = tm_rows(&m->targets, (int64_t)nb * T), irows = tm_rows(&t->ids, (int64_t)nb * T);
+    dsk_tensor grows = tm_rows(&t->tgt, (int64_t)nb * T);
+    TM_TRY(dsk_tensor_reshape(&trows, 2, sh, &tg));
+    TM_TRY(dsk_tensor_reshape(&irows, 2, sh, &ids));
+    TM_TRY(dsk_tensor_reshape(&grows, 2, sh, &tgt));
+    TM_TRY(dsk_tensor_slice(&tg, 1, k - 1, T - k + 1, &src));
+    TM_TRY(dsk_tensor_slice(&ids, 1, 0, T - k + 1, &dst));
+    TM_TRY(dsk_tensor_copy(m->ctx, &dst, &src));
+    TM_TRY(dsk_tensor_slice(&ids, 1, T - k + 1, k - 1, &dst));
+    TM_TRY(dsk_tensor_fill(m->ctx, &dst, 0.0));
+    TM_TRY(dsk_tensor_slice(&tg, 1, k, T - k, &src));
+    TM_TRY(dsk_tensor_slice(&tgt, 1, 0, T - k, &dst));
+    TM_TRY(dsk_tensor_copy(m->ctx, &dst, &src));
+    TM_TRY(dsk_tensor_slice(&tgt, 1, T - k, k, &dst));
+    return dsk_tensor_fill(m->ctx, &dst, -1.0);
+}
+
+/* The modules' inputs and their embeddings, beside the main model's (in the embedding's unit:
+   ZeRO gathers the table around it); skipped by evaluation passes. */
+static dsk_status tmla_mtp_embed(tm_model *m, int nb) {
+    int64_t N = (int64_t)nb * m->cfg.seq;
+    if (m->mla.eval) return DSK_OK;
+    for (int k = 1; k <= m->cfg.mla.mtp_depth; k++) {
+        tmla_mtp *t = &m->mla.mtp[k - 1];
+        dsk_tensor ids = tm_rows(&t->ids, N), emb = tm_rows(&t->emb, N);
+        TM_T(TM_PH_MOVE, tmla_mtp_inputs(m, k, nb));
+        TM_T(TM_PH_EMBED, dsk_embedding(m->ctx, &emb, &m->embed->wc, &ids));
+    }
+    return DSK_OK;
+}
+
+/* The D modules after the main forward (nb sequences); skipped by evaluation passes. */
+static dsk_status tmla_mtp_forward(tm_model *m, int nb) {
+    const tm_config *c = &m->cfg;
+    int64_t N = (int64_t)nb * c->seq, D = c->d_model;
+    if (m->mla.eval) return DSK_OK;
+    for (int k = 1; k <= c->mla.mtp_depth; k++) {
+        tmla_mtp *t = &m->mla.mtp[k - 1];
+        tm_block *b = &m->blocks[c->n_layers + k - 1];
+        dsk_tensor prev = tm_rows(k == 1 ? &m->x_final : &m->mla.mtp[k - 2].y, N);
+        dsk_tensor emb = tm_rows(&t->emb, N), en = tm_rows(&t->en, N), hn = tm_rows(&t->hn, N);
+        dsk_tensor re = tm_rows(&t->rstd_e, N), rh = tm_rows(&t->rstd_h, N), x = tm_rows(&b->x, N),
+                   y = tm_rows(&t->y, N);
+        dsk_tensor ph = tmla_cols(&t->proj->wc, 0, D), pe = tmla_cols(&t->proj->wc, D, D);
+        TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &hn, &rh, &prev, &t->hnorm->wc, c->norm_eps));
+        TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &en, &re, &emb, &t->enorm->wc, c->norm_eps));
+        TM_T(TM_PH_LINEAR, tm_mm(m, &x, &hn, 0, &ph, 1, 0.0f)); /* M [hn | en] as two products */
+        TM_T(TM_PH_LINEAR, tm_mm(m, &x, &en, 0, &pe, 1, 1.0f));
+        TM_TRY(tm_attn_forward(m, b, nb));
+        TM_TRY(tm_dense_forward(m, b, N, &y));
+        dsk_tensor hf = tm_rows(&t->hf, N), rf = tm_rows(&t->rstdf, N), logits = tm_rows(&t->logits, N);
+        TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &hf, &rf, &y, &t->norm->wc, c->norm_eps));
+        TM_T(TM_PH_HEAD, tm_mm(m, &logits, &hf, 0, &m->lm_head->wc, 1, 0.0f));
+    }
+    return DSK_OK;
+}
+
+/* Weight of module k's mean cross-entropy: lambda / D, times (T - k) / T for the report's 1/T. */
+static float tmla_mtp_weight(const tm_config *c, int k) {
+    return c->mla.mtp_lambda / (float)c->mla.mtp_depth * (float)(c->seq - k) / (float)c->seq;
+}
+
+/* Every module's loss and dlogits = grad_scale * d(weighted loss)/dlogits (full micro-batch). */
+static dsk_status tmla_mtp_loss(tm_model *m, float grad_scale) {
+    const tm_config *c = &m->cfg;
+    for (int k = 1; k <= c->mla.mtp_depth; k++) {
+        tmla_mtp *t = &m->mla.mtp[k - 1];
+        TM_T(TM_PH_HEAD, dsk_cross_entropy(m->ctx, &t->loss, &t->dlogits, &t->logits, &t->tgt, -1,
+                                           grad_scale * tmla_mtp_weight(c, k)));
+    }
+    return DSK_OK;
+}
+
+/* lambda / D sum_k L_k of the last forward, on the host (the gradient check's objective). */
+static dsk_status tmla_mtp_objective(tm_model *m, double *out) {
+    const tm_config *c = &m->cfg;
+    *out = 0;
+    for (int k = 1; k <= c->mla.mtp_depth; k++) {
+        tmla_mtp *t = &m->mla.mtp[k - 1];
+        float v;
+        dsk_tensor h;
+        TM_TRY(dsk_cross_entropy(m->ctx, &t->loss, NULL, &t->logits, &t->tgt, -1, 1.0f));
+        TM_TRY(dsk_tensor_wrap(&h, &v, DSK_F32, dsk_cpu(), 0, NULL));
+        TM_TRY(dsk_tensor_copy(m->ctx, &h, &t->loss));
+        *out += (double)tmla_mtp_weight(c, k) * v;
+    }
+    return DSK_OK;
+}
+
+/* The embedding's gradient from every module's d(emb), depth D first, in the embedding's
+   backward unit before the main model's term (ZeRO binds the table's gradient there). */
+static dsk_status tmla_mtp_embed_backward(tm_model *m) {
+    for (int k = m->cfg.mla.mtp_depth; k >= 1; k--) {
+        tmla_mtp *t = &m->mla.mtp[k - 1];
+        if (!m->dx32.data) {
+            TM_T(TM_PH_EMBED, dsk_embedding_backward(m->ctx, &m->embed->g, &t->demb, &t->ids));
+            continue;
+        }
+        TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &m->dx32, &t->demb));
+        TM_T(TM_PH_EMBED, dsk_embedding_backward(m->ctx, &m->embed->g, &m->dx32, &t->ids));
+    }
+    return DSK_OK;
+}
+
+/* Backward of the modules, depth D first, before the main model's (the shared head's gradient
+   is final only after it); leaves d(x_final) in dcarry and each d(emb) in its module. */
+static dsk_status tmla_mtp_backward(tm_model *m) {
+    const tm_config *c = &m->cfg;
+    tmla_model *s = &m->mla;
+    int64_t D = c->d_model;
+    for (int k = c->mla.mtp_depth; k >= 1; k--) {
+        tmla_mtp *t = &s->mtp[k - 1];
+        tm_block *b = &m->blocks[c->n_layers + k - 1];
+        const dsk_tensor *prev = k == 1 ? &m->x_final : &s->mtp[k - 2].y;
+        TM_T(TM_PH_HEAD, tm_mm(m, &m->lm_head->g, &t->dlogits, 1, &t->hf, 0, 1.0f));
+        TM_T(TM_PH_HEAD, tm_mm(m, &m->dh, &t->dlogits, 0, &m->lm_head->wc, 0, 0.0f));
+        TM_T(TM_PH_MOVE, k == c->mla.mtp_depth ? tm_zero(m, &m->dx) : dsk_tensor_copy(m->ctx, &m->dx, &s->dcarry));
+        TM_T(TM_PH_NORM,
+             dsk_rmsnorm_backward(m->ctx, &m->dx, tm_grad(t->norm), &m->dh, &t->y, &t->norm->wc, &t->rstdf));
+        TM_T(TM_PH_MOVE, tm_ready(m, t->norm));
+        TM_TRY(tm_dense_backward(m, b));
+        TM_T(TM_PH_NORM, dsk_rmsnorm_backward(m->ctx, &m->dx, tm_grad(b->ln2), &m->dh, &b->x2, &b->ln2->wc, &b->rstd2));
+        TM_T(TM_PH_MOVE, tm_ready(m, b->ln2));
+        TM_TRY(tm_attn_backward(m, b)); /* dx = d(block input) */
+        dsk_tensor ph = tmla_cols(&t->proj->wc, 0, D), pe = tmla_cols(&t->proj->wc, D, D);
+        dsk_tensor gh = tmla_cols(&t->proj->g, 0, D), ge = tmla_cols(&t->proj->g, D, D);
+        TM_T(TM_PH_LINEAR, tm_mm(m, &gh, &m->dx, 1, &t->hn, 0, 1.0f));
+        TM_T(TM_PH_LINEAR, tm_mm(m, &ge, &m->dx, 1, &t->en, 0, 1.0f));
+        TM_T(TM_PH_MOVE, tm_ready(m, t->proj));
+        TM_T(TM_PH_LINEAR, tm_mm(m, &m->dh, &m->dx, 0, &ph, 0, 0.0f));  /* d(hn) */
+        TM_T(TM_PH_LINEAR, tm_mm(m, &s->dtmp, &m->dx, 0, &pe, 0, 0.0f)); /* d(en) */
+        TM_T(TM_PH_MOVE, tm_zero(m, &t->demb));
+        TM_T(TM_PH_NORM,
+             dsk_rmsnorm_backward(m->ctx, &t->demb, tm_grad(t->enorm), &s->dtmp, &t->emb, &t->enorm->wc, &t->rstd_e));
+        TM_T(TM_PH_MOVE, tm_zero(m, &s->dcarry));
+        TM_T(TM_PH_NORM,
+             dsk_rmsnorm_backward(m->ctx, &s->dcarry, tm_grad(t->hnorm), &m->dh, prev, &t->hnorm->wc, &t->rstd_h));
+        TM_T(TM_PH_MOVE, tm_ready(m, t->enorm));
+        TM_T(TM_PH_MOVE, tm_ready(m, t->hnorm));
+    }
+    return DSK_OK;
+}
+
+/* The residual gradient the main model's backward starts from: zero, or the MTP modules' d(x_final). */
+static dsk_status tmla_seed_dx(tm_model *m) {
+    return m->cfg.mla.mtp_depth > 0 ? dsk_tensor_copy(m->ctx, &m->dx, &m->mla.dcarry) : tm_zero(m, &m->dx);
+}
+
+/* ------------------------------------------------------------------ FLOPs */
+
+/* Attention weights per layer and the causal core's training FLOPs per token and layer
+   (6 T H (dqk + dv) / 2: Kaplan et al.'s 6 d_model T when dqk = dv = d_model / H). */
+static double tmla_attn_weights(const tm_config *c) {
+    const tmla_config *a = &c->mla;
+    double D = c->d_model, H = c->n_heads, dqk = a->qk_nope_dim + a->qk_rope_dim;
+    if (!tmla_is_mla(a)) return 4 * D * D;
+    double q = a->q_lora_rank > 0 ? D * a->q_lora_rank + a->q_lora_rank * H * dqk : D * H * dqk;
+    return q + D * (a->kv_lora_rank + a->qk_rope_dim) + a->kv_lora_rank * H * (a->qk_nope_dim + a->v_head_dim) +
+           H * a->v_head_dim * D;
+}
+static double tmla_core_flops(const tm_config *c) {
+    const tmla_config *a = &c->mla;
+    if (!tmla_is_mla(a)) return 6.0 * c->d_model * c->seq;
+    return 6.0 * c->seq * c->n_heads * (a->qk_nope_dim + a->qk_rope_dim + a->v_head_dim) / 2.0;
+}
+
+/* Training FLOPs per token of the MTP modules: 6 x (projection, attention, dense FFN, shared
+   head) + their attention cores. */
+static double tmla_mtp_flops(const tm_config *c) {
+    double D = c->d_model, w = 2 * D * D + tmla_attn_weights(c) + 3 * D * c->ffn_hidden + D * c->vocab;
+    return c->mla.mtp_depth * (6 * w + tmla_core_flops(c));
+}
+
+/* ------------------------------------------------------------------ memory report */
+
+typedef struct tmla_mem {
+    double state, acts, peak, peak_acts; /* bytes */
+} tmla_mem;
+
+/* Memory on device `dev` from the allocator (dsk_tensor_mem_stats) given the training state's
+   bytes (params, grads, optim: parameters, gradients, optimizer state as the caller holds them,
+   in the model's slabs or in dsk_zero's pieces): the rest of what is allocated now (activations
+   and workspace), the high-water mark of everything and of the rest (peak activations). */
+static tmla_mem tmla_memory(dsk_device dev, double params, double grads, double optim) {
+    tmla_mem r;
+    dsk_tensor_mem st = dsk_tensor_mem_stats(dev);
+    r.state = params + grads + optim;
+    r.acts = (double)st.live_bytes - r.state;
+    r.peak = (double)st.peak_bytes;
+    r.peak_acts = r.peak - r.state;
+    return r;
+}
+
+/* One line of tmla_memory for the trainer's log (`when`: "the end", ...). */
+static void tmla_memory_line(dsk_device dev, double params, double grads, double optim, int rank, const char *when,
+                             char *buf, size_t n) {
+    tmla_mem r = tmla_memory(dev, params, grads, optim);
+    const double MiB = 1024.0 * 1024.0;
+    snprintf(buf, n, "memory at %s, rank %d (allocator, %s): parameters %.2f MiB, gradients %.2f MiB, optimizer state "
+             "%.2f MiB, activations and workspace %.2f MiB, peak activations %.3f MiB (%.0f B), peak of all %.2f MiB\n",
+             when, rank, dev.type == DSK_DEV_CUDA ? "GPU" : "CPU", params / MiB, grads / MiB, optim / MiB, r.acts / MiB,
+             r.peak_acts / MiB, r.peak_acts, r.peak / MiB);
+}
+
+#endif /* TRAIN_MLA_H */
