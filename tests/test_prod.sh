@@ -394,7 +394,7 @@ if [ -n "$prom" ]; then
         curl -s "http://127.0.0.1:$pport/api/v1/targets" 2>/dev/null | grep -q "127.0.0.1:$((mport + 1))" && break
         sleep 0.05
     done
-    start_bg prom "${TINY[@]}" --corpus-mb 0.3 --batch 8 --steps 200 --nproc 2 --metrics-port "$mport" --log "$work/prom.jsonl"
+    start_bg prom "${TINY[@]}" --corpus-mb 0.3 --batch 8 --steps 1500 --nproc 2 --metrics-port "$mport" --log "$work/prom.jsonl"
     if wait_for "$work/prom.jsonl" '"step":20,' $pid; then
         curl -s "http://127.0.0.1:$mport/metrics" >"$work/scrape0.txt"
         curl -s "http://127.0.0.1:$((mport + 1))/metrics" >"$work/scrape1.txt"

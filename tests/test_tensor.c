@@ -903,7 +903,7 @@ static void test_row_kernels(void) {
         int64_t n = lens[li];
         float *x = (float *)tt_alloc((size_t)(n + 1) * 4), *y = (float *)tt_alloc((size_t)(n + 1) * 4), *u = (float *)tt_alloc((size_t)n * 4);
         float *d = (float *)tt_alloc((size_t)n * 4), *dg = (float *)tt_alloc((size_t)(n + 1) * 4), *du = (float *)tt_alloc((size_t)(n + 1) * 4);
-        double *want = tt_zeros(n), ws = 0, wd = 0, wm = -INFINITY;
+        double *want = tt_zeros(n), ws = 0, wd = 0, wabs = 0, wm = -INFINITY;
         float sum, got;
         int same = 1;
         dsk_test_fill_f32(x, n, -30, 30);
@@ -931,9 +931,12 @@ static void test_row_kernels(void) {
         wm = -INFINITY;
         for (int64_t i = 0; i < n; i++) wm = x[i] > wm ? x[i] : wm;
         DSK_TEST_EXPECT(rk.max(x, n) == wm, "max n %lld of finite values: %.9g, want %.9g", (long long)n, (double)rk.max(x, n), wm);
-        for (int64_t i = 0; i < n; i++) wd += (double)x[i] * u[i];
+        wabs = 0;
+        for (int64_t i = 0; i < n; i++) wd += (double)x[i] * u[i], wabs += fabs((double)x[i] * u[i]);
         got = rk.dot(x, u, n);
-        DSK_TEST_EXPECT(fabs(got - wd) <= 1e-5 * (1.0 + fabs(wd)), "dot n %lld: %.9g, want %.9g", (long long)n, (double)got, wd);
+        /* an f32 sum of n products in any order is within n u sum |x_i u_i| (u = 2^-24) of the exact one */
+        DSK_TEST_EXPECT(fabs(got - wd) <= (double)(n + 1) * 0x1p-24 * wabs + 1e-30, "dot n %lld: %.9g, want %.9g",
+                        (long long)n, (double)got, wd);
         dsk_test_poison_f32(y, n);
         rk.scale(y, x, 0.75f, n);
         for (int64_t i = 0; i < n; i++) want[i] = 0.75 * x[i];
