@@ -7,23 +7,10 @@
 # and v3 presets train a few steps and print the memory report at start and end; bad flags
 # fail with a message naming them.
 # Prints `[test_mla_sh] totals: P passed / F failed / S skipped`; exits non-zero on failure.
-set -u
-cd "$(dirname "$0")/.."
-BUILD=${BUILD:-build}
-BIN=$BUILD/examples/train_moe
+TEST_NAME=test_mla_sh
+source "$(dirname "$0")/train_test_lib.sh"
 EMU_BIN=$BUILD/emu/examples/train_moe
-PY=python3
-export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
-passed=0 failed=0 skipped=0
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-ok() { echo "ok   $1"; passed=$((passed + 1)); }
-bad() { echo "FAIL $1"; shift; for l in "$@"; do echo "     $l"; done; failed=$((failed + 1)); }
-finish() { echo "[test_mla_sh] totals: $passed passed / $failed failed / $skipped skipped"; [ "$failed" -eq 0 ]; exit $?; }
-
-if ! make --no-print-directory -s BUILD="$BUILD" "$BIN" >"$work/build.log" 2>&1; then
-    cat "$work/build.log"; bad "build $BIN" "make failed"; finish
-fi
+need_built "$BIN"
 
 run() { # name binary args...
     local name=$1 bin=$2; shift 2

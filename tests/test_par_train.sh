@@ -12,25 +12,9 @@
 #   the text sampled at the end through the pipeline is one rank's;
 #   the grid and the bubble are printed; unsupported combinations fail with a message.
 # Prints `[test_par_train] totals: P passed / F failed / S skipped`; exits non-zero on failure.
-set -u
-cd "$(dirname "$0")/.."
-BUILD=${BUILD:-build}
-BIN=$BUILD/examples/train_moe
-PY=python3
-export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
-passed=0 failed=0 skipped=0
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-
-ok() { echo "ok   $1"; passed=$((passed + 1)); }
-bad() { echo "FAIL $1"; shift; for l in "$@"; do echo "     $l"; done; failed=$((failed + 1)); }
-
-if ! make --no-print-directory -s BUILD="$BUILD" "$BIN" >"$work/build.log" 2>&1; then
-    cat "$work/build.log"
-    bad "build $BIN" "make failed"
-    echo "[test_par_train] totals: $passed passed / $failed failed / $skipped skipped"
-    exit 1
-fi
+TEST_NAME=test_par_train
+source "$(dirname "$0")/train_test_lib.sh"
+need_built "$BIN"
 
 # 4 heads and 4 blocks (1 dense, 3 MoE with 4 experts, a shared one) so that tp4 and pp4 fit.
 TINY=(--seq 32 --d-model 32 --heads 4 --layers 4 --dense-layers 1 --ffn-hidden 64 --experts 4 --top-k 2
@@ -180,5 +164,4 @@ expect_fail bad_schedule '--pp-schedule "zigzag": use gpipe, 1f1b or interleaved
 expect_fail zero_tp '--zero 1 --grad-compress none with --tp 2 --pp 1: sharded data parallelism runs without' "${TINY[@]}" --nproc 2 --tp 2 --zero 1
 expect_fail tp_dtype 'run the model in f32 only \(--dtype bf16\)' "${TINY[@]}" --nproc 2 --tp 2 --dtype bf16
 
-echo "[test_par_train] totals: $passed passed / $failed failed / $skipped skipped"
-[ "$failed" -eq 0 ]
+finish

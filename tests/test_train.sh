@@ -4,27 +4,9 @@
 # expert parallel) match 1 rank, token shards load, the log/metrics/plot outputs are
 # well formed, and bad inputs fail cleanly with a message and a non-zero exit.
 # Prints `[test_train] totals: P passed / F failed / S skipped`; exits non-zero on failure.
-set -u
-cd "$(dirname "$0")/.."
-BUILD=${BUILD:-build}
-BIN=$BUILD/examples/train_moe
-PY=python3
-# One thread per rank: tiny models gain nothing from more, and spinning OpenMP threads on a
-# busy machine cost far more than they give.
-export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
-passed=0 failed=0 skipped=0
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-
-ok() { echo "ok   $1"; passed=$((passed + 1)); }
-bad() { echo "FAIL $1"; shift; for l in "$@"; do echo "     $l"; done; failed=$((failed + 1)); }
-
-if ! make --no-print-directory -s BUILD="$BUILD" "$BIN" >"$work/build.log" 2>&1; then
-    cat "$work/build.log"
-    bad "build $BIN" "make failed"
-    echo "[test_train] totals: $passed passed / $failed failed / $skipped skipped"
-    exit 1
-fi
+TEST_NAME=test_train
+source "$(dirname "$0")/train_test_lib.sh"
+need_built "$BIN"
 
 # A tiny model on 0.3 MB of the default corpus: one step takes milliseconds.
 TINY=(--seq 32 --d-model 32 --heads 2 --layers 3 --dense-layers 1 --ffn-hidden 64 --experts 4 --top-k 2
@@ -267,5 +249,4 @@ else
     bad "corrupt checkpoint on --resume" "no checkpoint from the straight run"
 fi
 
-echo "[test_train] totals: $passed passed / $failed failed / $skipped skipped"
-[ "$failed" -eq 0 ]
+finish

@@ -9,25 +9,13 @@
 # it, so the runs also prove the captured steps make none. And --cuda-graph on the CPU or with
 # --zero fails with a message.
 # Prints `[test_train_graph] totals: P passed / F failed / S skipped`; exits non-zero on failure.
-set -u
-cd "$(dirname "$0")/.."
-BUILD=${BUILD:-build}
+TEST_NAME=test_train_graph
+source "$(dirname "$0")/train_test_lib.sh"
 BIN=$BUILD/emu/examples/train_moe
-PY=python3
-export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
-passed=0 failed=0 skipped=0
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-ok() { echo "ok   $1"; passed=$((passed + 1)); }
-bad() { echo "FAIL $1"; shift; for l in "$@"; do echo "     $l"; done; failed=$((failed + 1)); }
-finish() { echo "[test_train_graph] totals: $passed passed / $failed failed / $skipped skipped"; [ "$failed" -eq 0 ]; exit $?; }
-
 if [ "${EMULATE:-1}" = 0 ]; then
-    echo "skip the emulated GPU is not built (EMULATE=0)"; skipped=$((skipped + 1)); finish
+    skip "the emulated GPU is not built (EMULATE=0)"; finish
 fi
-if ! make --no-print-directory -s BUILD="$BUILD" "$BIN" >"$work/build.log" 2>&1; then
-    cat "$work/build.log"; bad "build $BIN" "make failed"; finish
-fi
+need_built "$BIN"
 
 TINY=(--seq 16 --d-model 32 --heads 2 --layers 2 --dense-layers 1 --ffn-hidden 32 --experts 4 --top-k 2
       --expert-hidden 16 --shared 1 --batch 4 --lr 3e-3 --warmup 2 --corpus-mb 0.05 --val-every 10

@@ -25,25 +25,9 @@
 #      parallelism in bf16 give --zero 0's losses and norms bit for bit in every stage; a sharded
 #      checkpoint resumes on another world size as --zero 0's does.
 # Prints `[test_zero_train] totals: P passed / F failed / S skipped`.
-set -u
-cd "$(dirname "$0")/.."
-BUILD=${BUILD:-build}
-BIN=$BUILD/examples/train_moe
-PY=python3
-export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
-passed=0 failed=0 skipped=0
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-
-ok() { echo "ok   $1"; passed=$((passed + 1)); }
-bad() { echo "FAIL $1"; shift; for l in "$@"; do echo "     $l"; done; failed=$((failed + 1)); }
-
-if ! make --no-print-directory -s BUILD="$BUILD" "$BIN" >"$work/build.log" 2>&1; then
-    cat "$work/build.log"
-    bad "build $BIN" "make failed"
-    echo "[test_zero_train] totals: $passed passed / $failed failed / $skipped skipped"
-    exit 1
-fi
+TEST_NAME=test_zero_train
+source "$(dirname "$0")/train_test_lib.sh"
+need_built "$BIN"
 
 TINY=(--seq 32 --d-model 32 --heads 2 --layers 3 --dense-layers 1 --ffn-hidden 64 --experts 4 --top-k 2
       --expert-hidden 32 --shared 1 --batch 12 --lr 3e-3 --warmup 5 --corpus-mb 0.3 --val-every 10
@@ -339,5 +323,4 @@ else
     fi
 fi
 
-echo "[test_zero_train] totals: $passed passed / $failed failed / $skipped skipped"
-[ "$failed" -eq 0 ]
+finish
