@@ -8,26 +8,10 @@
 # /metrics, a real Prometheus scrapes a run and returns the step counter and loss series);
 # placement (--bind core and numa from the sysfs topology, every thread moved).
 # Prints `[test_prod] totals: P passed / F failed / S skipped`; exits non-zero on failure.
-set -u
-cd "$(dirname "$0")/.."
-BUILD=${BUILD:-build}
-BIN=$BUILD/examples/train_moe
-PY=python3
-export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
-passed=0 failed=0 skipped=0
-work=$(mktemp -d)
+TEST_NAME=test_prod
+source "$(dirname "$0")/train_test_lib.sh"
 trap 'for w in ${watchdogs:-}; do pkill -P $w 2>/dev/null; kill $w 2>/dev/null; done; rm -rf "$work"' EXIT
-
-ok() { echo "ok   $1"; passed=$((passed + 1)); }
-bad() { echo "FAIL $1"; shift; for l in "$@"; do echo "     $l"; done; failed=$((failed + 1)); }
-skip() { echo "skip $1"; skipped=$((skipped + 1)); }
-
-if ! make --no-print-directory -s BUILD="$BUILD" "$BIN" >"$work/build.log" 2>&1; then
-    cat "$work/build.log"
-    bad "build $BIN" "make failed"
-    echo "[test_prod] totals: $passed passed / $failed failed / $skipped skipped"
-    exit 1
-fi
+need_built "$BIN"
 
 TINY=(--seq 32 --d-model 32 --heads 2 --layers 3 --dense-layers 1 --ffn-hidden 64 --experts 4 --top-k 2
       --expert-hidden 32 --shared 1 --lr 3e-3 --warmup 5 --val-every 10 --val-interval 10 --val-batches 2
@@ -191,7 +175,9 @@ for line in open(sys.argv[1]):
         print(r["step"], repr(r[sys.argv[2]]))
 EOF
 }
-trace() { (field "$1" loss; field "$1" grad_norm; field "$1" val_loss val) | sort -n -s -k1,1; }
+# A resumed run logs its checkpoint step's validation again (a log that continues after a stop
+# holds it twice, with the same bits): equal lines of one step count once; differing ones stay.
+trace() { (field "$1" loss; field "$1" grad_norm; field "$1" val_loss val) | sort -n -s -k1,1 | uniq; }
 wait_for() { # FILE REGEX PID: waits until FILE has a line matching REGEX (20 s at most, or until PID exits)
     local i
     for i in $(seq 4000); do
@@ -557,5 +543,4 @@ run bind_bad "${TINY[@]}" --corpus-mb 0.3 --batch 8 --steps 2 --bind socket
 if [ "$(rc bind_bad)" -eq 1 ] && grep -q -- '--bind "socket": use none, core or numa' "$work/bind_bad.out"; then ok "--bind socket fails cleanly"
 else bad "--bind socket fails cleanly" "exit $(rc bind_bad)" "$(tail -2 "$work/bind_bad.out")"; fi
 
-echo "[test_prod] totals: $passed passed / $failed failed / $skipped skipped"
-[ "$failed" -eq 0 ]
+finish
