@@ -1,14 +1,17 @@
 /* gpu_test_spawn.h - how the multi-rank GPU tests start their ranks: the test program runs
    itself again as `world` local ranks with `--rank-child part` (dsk_comm_spawn_local) on a
    fresh port whose successor is free too (nccl's store takes the port, the host communicator
-   the next), and checks that every rank exited with status 0. Include after dsk_comm.h and
-   tests/dsk_test.h. */
+   the next), and checks that every rank exited with status 0. Each rank opens an nccl and a
+   host communicator and a context on its device with gpu_test_rank_open. Include after
+   dsk_comm.h and tests/dsk_test.h. */
 #ifndef DSK_GPU_TEST_SPAWN_H
 #define DSK_GPU_TEST_SPAWN_H
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <unistd.h>
 
 /* A free port on 127.0.0.1 whose successor is free as well; 0 if none was found. */
@@ -44,6 +47,40 @@ static inline void gpu_test_spawn_self(int world, const char *part) {
     fflush(stdout);
     DSK_TEST_OK(dsk_comm_spawn_local(world, av, &so, &worst));
     DSK_TEST_EXPECT(worst == 0, "ranks exited with status %d", worst);
+}
+
+/* In a rank: nc over nccl from the launcher's environment, hc over the host backend on the
+   next port, g on the rank's local device; host_id (NULL: the machine's) names the emulated
+   host of both. 0, or 3 after printing what failed. */
+static inline int gpu_test_rank_open(dsk_comm *nc, dsk_comm *hc, dsk_ctx *g, const char *host_id) {
+    dsk_comm_opts o;
+    dsk_ctx_opts co;
+    const char *port = getenv("MASTER_PORT");
+    memset(&o, 0, sizeof o);
+    o.backend = DSK_COMM_NCCL;
+    o.timeout_s = 120;
+    o.host_id = host_id;
+    if (dsk_comm_init_env(nc, &o) != DSK_OK) { printf("nccl init: %s\n", dsk_last_error()); return 3; }
+    o.backend = DSK_COMM_HOST;
+    o.master_addr = "127.0.0.1";
+    o.master_port = atoi(port ? port : "0") + 1;
+    if (dsk_comm_init(hc, nc->rank, nc->world_size, &o) != DSK_OK) {
+        printf("host init: %s\n", dsk_last_error());
+        return 3;
+    }
+    memset(&co, 0, sizeof co);
+    co.device = DSK_PREFER_CUDA;
+    co.cuda_index = nc->local_rank;
+    if (dsk_ctx_init(g, &co) != DSK_OK) { printf("ctx: %s\n", dsk_last_error()); return 3; }
+    return 0;
+}
+
+/* Closes what gpu_test_rank_open opened; the rank's exit status (1 if a check failed). */
+static inline int gpu_test_rank_close(dsk_comm *nc, dsk_comm *hc, dsk_ctx *g) {
+    dsk_ctx_free(g);
+    dsk_comm_free(hc);
+    dsk_comm_free(nc);
+    return dsk_test_g.checks_failed_total ? 1 : 0;
 }
 
 #endif /* DSK_GPU_TEST_SPAWN_H */

@@ -311,34 +311,15 @@ static void part_routes(void) {
 }
 
 static int child_main(const char *part) {
-    dsk_comm_opts o;
-    dsk_ctx_opts co;
-    const char *port = getenv("MASTER_PORT"), *rank = getenv("RANK"), *world = getenv("WORLD_SIZE");
-    memset(&o, 0, sizeof o);
-    o.backend = DSK_COMM_NCCL;
-    o.timeout_s = 120;
+    const char *rank = getenv("RANK"), *world = getenv("WORLD_SIZE");
     /* two emulated hosts (halves of the ranks) on both communicators: routes cross them in two hops */
-    o.host_id = atoi(rank ? rank : "0") < atoi(world ? world : "1") / 2 ? "gpu-host-a" : "gpu-host-b";
-    if (dsk_comm_init_env(&NC, &o) != DSK_OK) { printf("nccl init: %s\n", dsk_last_error()); return 3; }
-    o.backend = DSK_COMM_HOST;
-    o.master_addr = "127.0.0.1";
-    o.master_port = atoi(port ? port : "0") + 1;
-    if (dsk_comm_init(&HC, NC.rank, NC.world_size, &o) != DSK_OK) {
-        printf("host init: %s\n", dsk_last_error());
-        return 3;
-    }
-    memset(&co, 0, sizeof co);
-    co.device = DSK_PREFER_CUDA;
-    co.cuda_index = NC.local_rank;
-    if (dsk_ctx_init(&G, &co) != DSK_OK) { printf("ctx: %s\n", dsk_last_error()); return 3; }
+    const char *host = atoi(rank ? rank : "0") < atoi(world ? world : "1") / 2 ? "gpu-host-a" : "gpu-host-b";
+    if (gpu_test_rank_open(&NC, &HC, &G, host)) return 3;
     if (!strcmp(part, "collectives")) part_collectives();
     else if (!strcmp(part, "split")) part_split();
     else if (!strcmp(part, "routes")) part_routes();
     else part_buckets();
-    dsk_ctx_free(&G);
-    dsk_comm_free(&HC);
-    dsk_comm_free(&NC);
-    return dsk_test_g.checks_failed_total ? 1 : 0;
+    return gpu_test_rank_close(&NC, &HC, &G);
 }
 #endif
 

@@ -214,30 +214,10 @@ static void part_errors(void) {
 }
 
 static int child_main(const char *part) {
-    dsk_comm_opts o;
-    dsk_ctx_opts co;
-    const char *port = getenv("MASTER_PORT");
-    memset(&o, 0, sizeof o);
-    o.backend = DSK_COMM_NCCL;
-    o.timeout_s = 120;
-    if (dsk_comm_init_env(&NC, &o) != DSK_OK) { printf("nccl init: %s\n", dsk_last_error()); return 3; }
-    o.backend = DSK_COMM_HOST;
-    o.master_addr = "127.0.0.1";
-    o.master_port = atoi(port ? port : "0") + 1;
-    if (dsk_comm_init(&HC, NC.rank, NC.world_size, &o) != DSK_OK) {
-        printf("host init: %s\n", dsk_last_error());
-        return 3;
-    }
-    memset(&co, 0, sizeof co);
-    co.device = DSK_PREFER_CUDA;
-    co.cuda_index = NC.local_rank;
-    if (dsk_ctx_init(&G, &co) != DSK_OK) { printf("ctx: %s\n", dsk_last_error()); return 3; }
+    if (gpu_test_rank_open(&NC, &HC, &G, NULL)) return 3;
     if (!strcmp(part, "train")) part_train();
     else part_errors();
-    dsk_ctx_free(&G);
-    dsk_comm_free(&HC);
-    dsk_comm_free(&NC);
-    return dsk_test_g.checks_failed_total ? 1 : 0;
+    return gpu_test_rank_close(&NC, &HC, &G);
 }
 #endif
 
