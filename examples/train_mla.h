@@ -201,16 +201,7 @@ static void tmla_declare_mtp(tm_model *m) {
         t->hnorm = tm_add_param(m, 0, 0, 1, D, 0, "blocks.%d.mtp.hnorm", l);
         t->enorm = tm_add_param(m, 0, 0, 1, D, 0, "blocks.%d.mtp.enorm", l);
         t->proj = tm_add_param(m, 1, std, 2, D, 2 * D, "blocks.%d.mtp.proj", l);
-        b->ln1 = tm_add_param(m, 0, 0, 1, D, 0, "blocks.%d.ln1", l);
-        if (tmla_is_mla(&c->mla)) {
-            tmla_declare_attn(m, l);
-        } else {
-            b->wq = tm_add_param(m, 1, std, 2, D, D, "blocks.%d.attn.wq", l);
-            b->wk = tm_add_param(m, 1, std, 2, D, D, "blocks.%d.attn.wk", l);
-            b->wv = tm_add_param(m, 1, std, 2, D, D, "blocks.%d.attn.wv", l);
-            b->wo = tm_add_param(m, 1, out_std, 2, D, D, "blocks.%d.attn.wo", l);
-        }
-        b->ln2 = tm_add_param(m, 0, 0, 1, D, 0, "blocks.%d.ln2", l);
+        tm_declare_attention(m, l, std, out_std);
         b->w1 = tm_add_param(m, 1, std, 2, F, D, "blocks.%d.ffn.w1", l);
         b->w3 = tm_add_param(m, 1, std, 2, F, D, "blocks.%d.ffn.w3", l);
         b->w2 = tm_add_param(m, 1, out_std, 2, D, F, "blocks.%d.ffn.w2", l);

@@ -208,6 +208,23 @@ static void tm_add_moe_param(tm_model *m, int l, int i) {
 /* Declares the dense parameters in slab order, which is also the order backward finishes
    them in reverse (lm_head first, embed last), so data-parallel gradient buckets, which take
    parameters in reverse order, fill while backward runs. */
+/* Block l's attention half and the norm after it: ln1, the attention's weights (MHA or MLA), ln2. */
+static void tm_declare_attention(tm_model *m, int l, float std, float out_std) {
+    const tm_config *c = &m->cfg;
+    tm_block *b = &m->blocks[l];
+    int64_t D = c->d_model;
+    b->ln1 = tm_add_param(m, 0, 0, 1, D, 0, "blocks.%d.ln1", l);
+    if (tmla_is_mla(&c->mla)) {
+        tmla_declare_attn(m, l);
+    } else {
+        b->wq = tm_add_param(m, 1, std, 2, D, D, "blocks.%d.attn.wq", l);
+        b->wk = tm_add_param(m, 1, std, 2, D, D, "blocks.%d.attn.wk", l);
+        b->wv = tm_add_param(m, 1, std, 2, D, D, "blocks.%d.attn.wv", l);
+        b->wo = tm_add_param(m, 1, out_std, 2, D, D, "blocks.%d.attn.wo", l);
+    }
+    b->ln2 = tm_add_param(m, 0, 0, 1, D, 0, "blocks.%d.ln2", l);
+}
+
 static void tm_declare(tm_model *m) {
     const tm_config *c = &m->cfg;
     int64_t D = c->d_model, F = c->ffn_hidden, V = c->vocab;
@@ -217,16 +234,7 @@ static void tm_declare(tm_model *m) {
     for (int l = 0; l < c->n_layers; l++) {
         tm_block *b = &m->blocks[l];
         m->unit_cur = l + 1;
-        b->ln1 = tm_add_param(m, 0, 0, 1, D, 0, "blocks.%d.ln1", l);
-        if (tmla_is_mla(&c->mla)) {
-            tmla_declare_attn(m, l);
-        } else {
-            b->wq = tm_add_param(m, 1, std, 2, D, D, "blocks.%d.attn.wq", l);
-            b->wk = tm_add_param(m, 1, std, 2, D, D, "blocks.%d.attn.wk", l);
-            b->wv = tm_add_param(m, 1, std, 2, D, D, "blocks.%d.attn.wv", l);
-            b->wo = tm_add_param(m, 1, out_std, 2, D, D, "blocks.%d.attn.wo", l);
-        }
-        b->ln2 = tm_add_param(m, 0, 0, 1, D, 0, "blocks.%d.ln2", l);
+        tm_declare_attention(m, l, std, out_std);
         if (l < c->n_dense) {
             b->w1 = tm_add_param(m, 1, std, 2, F, D, "blocks.%d.ffn.w1", l);
             b->w3 = tm_add_param(m, 1, std, 2, F, D, "blocks.%d.ffn.w3", l);
