@@ -65,7 +65,7 @@ typedef struct options {
     int n_data;
     int vocab;                /* token shards only; bytes are 256 */
     int val_every;            /* every n-th window is held out */
-    double corpus_mb;         /* cap of the default corpus */
+    double corpus_mb;         /* cap of the corpus (0: 4 MB of the default corpus, all of --data) */
     int prefetch, drop_last, no_shuffle;
     char *sample_log;
     /* model */
@@ -120,7 +120,8 @@ static const opt_spec OPTS[] = {
     {"--data", OPT_LIST, O_(data), 0, "PATH... byte files or llm.c token shards [C headers of /usr/include]"},
     {"--vocab", OPT_INT, O_(vocab), 0, "vocabulary of token shards"},
     {"--val-every", OPT_INT, O_(val_every), 0, "hold out every n-th window for validation"},
-    {"--corpus-mb", OPT_DOUBLE, O_(corpus_mb), 0, "size cap of the default corpus in MB"},
+    {"--corpus-mb", OPT_DOUBLE, O_(corpus_mb), 0,
+     "keep the first MB of the corpus' token data (0 = 4 of the default corpus, all of --data)"},
     {"--prefetch", OPT_INT, O_(prefetch), 0, "batches a loader thread prepares ahead (0 = read in the step)"},
     {"--drop-last", OPT_FLAG, O_(drop_last), 0, "cut the epoch to a multiple of the world size instead of padding it"},
     {"--no-shuffle", OPT_FLAG, O_(no_shuffle), 0, "read the training windows in order (no per-epoch shuffle)"},
@@ -215,7 +216,6 @@ static void set_defaults(options *o) {
     memset(o, 0, sizeof *o);
     o->vocab = 50257;
     o->val_every = 20;
-    o->corpus_mb = 4.0;
     o->prefetch = 4;
     o->seq = 128;
     o->d_model = 128;
@@ -354,7 +354,8 @@ static int parse_args(options *o, int argc, char **argv) {
             continue;
         }
         if (s->kind == OPT_LIST) {
-            o->data = &argv[i + 1];
+            o->data = &argv[i + 1]; /* the last --data wins, like any flag given twice */
+            o->n_data = 0;
             while (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0) { i++; o->n_data++; }
             if (o->n_data == 0) { fprintf(stderr, "train_moe: %s needs at least one PATH\n", a); return 2; }
             continue;
@@ -633,7 +634,7 @@ static dsk_dtype compute_dtype(const trainer *t) {
 static void setup_data(trainer *t) {
     const options *o = t->o;
     if (o->val_every < 2) fail(t, "--val-every %d: must be at least 2", o->val_every);
-    if (o->corpus_mb <= 0) fail(t, "--corpus-mb %g: must be > 0", o->corpus_mb);
+    if (o->corpus_mb < 0) fail(t, "--corpus-mb %g: must be >= 0 (0 = no cap on --data)", o->corpus_mb);
     CHECK(td_load(&t->data, o->data, o->n_data, o->vocab, "/usr/include", (size_t)(o->corpus_mb * 1e6)));
     CHECK(td_set_windows(&t->data, o->seq, o->val_every, o->batch));
     size_t n = (size_t)t->batch_local * (size_t)o->seq;

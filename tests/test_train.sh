@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # End-to-end tests of examples/train_moe.c (the main job) on tiny configurations:
 # the loss falls, stop + resume is bitwise equal to a straight run, 2 ranks (data and
-# expert parallel) match 1 rank, token shards load, the log/metrics/plot outputs are
-# well formed, and bad inputs fail cleanly with a message and a non-zero exit.
+# expert parallel) match 1 rank, token shards load, --corpus-mb caps --data, the log/metrics/plot
+# outputs are well formed, and bad inputs fail cleanly with a message and a non-zero exit.
 # Prints `[test_train] totals: P passed / F failed / S skipped`; exits non-zero on failure.
 TEST_NAME=test_train
 source "$(dirname "$0")/train_test_lib.sh"
 need_built "$BIN"
 
-# A tiny model on 0.3 MB of the default corpus: one step takes milliseconds.
+# A tiny model on 0.3 MB of the repository's corpus: one step takes milliseconds.
 TINY=(--seq 32 --d-model 32 --heads 2 --layers 3 --dense-layers 1 --ffn-hidden 64 --experts 4 --top-k 2
-      --expert-hidden 32 --shared 1 --batch 8 --lr 3e-3 --warmup 5 --corpus-mb 0.3 --val-every 10
+      --expert-hidden 32 --shared 1 --batch 8 --lr 3e-3 --warmup 5 --data "$CORPUS" --corpus-mb 0.3 --val-every 10
       --val-interval 10 --val-batches 2 --sample-len 0 --peak-tflops 0.1)
 
 # run NAME ARGS...: runs the trainer, output in $work/NAME.out, status in $work/NAME.rc
@@ -56,7 +56,14 @@ EOF
     case $verdict in ok*) ok "tiny model trains 30 steps, loss falls ($verdict)";; *) bad "tiny model trains 30 steps, loss falls" "$verdict";; esac
 fi
 
-# ---- 2. the per-step line and the output files
+# ---- 2. the per-step line and the output files; --corpus-mb 0.3 keeps 300000 bytes of the corpus:
+#         9090 windows of 33, every 10th held out
+want="^data: $CORPUS (1 byte file, 300000 of 473235 tokens); 8181 training and 909 held-out windows"
+if grep -q "$want" "$work/learn.out"; then
+    ok "the banner names the corpus; --corpus-mb 0.3 keeps its first 300000 of 473235 bytes (8181 + 909 windows)"
+else
+    bad "--corpus-mb caps --data" "$(grep '^data:' "$work/learn.out")"
+fi
 if grep -qE '^step +30/30 \| loss [0-9.]+ \| lr .* \| norm .* \| scale .* ms \| .* tok/s \| mfu .*% \| comm .*% \| data +[0-9.]+% \| load [0-9.]+ \| drop [0-9]+ \| eta ' "$work/learn.out" &&
    grep -q 'validation loss' "$work/learn.out"; then
     ok "per-step line carries loss, lr, norm, scale, time, tokens/s, MFU, comm, data wait, load, drops, ETA"
@@ -155,7 +162,7 @@ fi
 #         central differences (weights of std 0.1 give gradients well above f32 noise; dropping
 #         one backward term makes 6 parameters fail); bf16 and fp16 (dynamic loss scaling) training
 run gradcheck --seq 16 --d-model 16 --heads 2 --layers 3 --dense-layers 1 --ffn-hidden 24 --experts 4 --top-k 2 \
-    --expert-hidden 8 --batch 2 --corpus-mb 0.1 --aux-loss 0.01 --init-std 0.1 --grad-check 6
+    --expert-hidden 8 --batch 2 --data "$CORPUS" --corpus-mb 0.1 --aux-loss 0.01 --init-std 0.1 --grad-check 6
 if [ "$(rc gradcheck)" -eq 0 ] && grep -q 'grad-check: 0 of 38 parameters off' "$work/gradcheck.out"; then
     ok "--grad-check: 6 elements of each of 38 parameters match central differences"
 else
@@ -197,6 +204,15 @@ open(sys.argv[1] + "/empty.txt", "wb").close()
 open(sys.argv[1] + "/small.txt", "w").write("int main(void) { return 0; }\n" * 3)
 EOF
 run shards "${TINY[@]}" --steps 20 --data "$work/a.bin" "$work/b.bin" --vocab 300 --log "$work/shards.jsonl"
+# --corpus-mb counts 2 bytes a shard token: 0.05 MB = 25000 tokens, all of a.bin and 5000 of b.bin
+run shards_cap "${TINY[@]}" --steps 2 --data "$work/a.bin" "$work/b.bin" --vocab 300 --corpus-mb 0.05
+want="^data: $work/a.bin $work/b.bin (2 token shards, 25000 of 40000 tokens)"
+if [ "$(rc shards_cap)" -eq 0 ] && grep -q "$want" "$work/shards_cap.out"; then
+    ok "--corpus-mb 0.05 keeps the first 25000 of 40000 tokens of two shards (cut inside the second)"
+else
+    bad "--corpus-mb over token shards" "exit $(rc shards_cap)" \
+        "$(grep -E '^data|rror' "$work/shards_cap.out" | head -2)"
+fi
 if [ "$(rc shards)" -eq 0 ] && grep -q 'token shards' "$work/shards.out" && grep -q 'vocab 300' "$work/shards.out" &&
    $PY -c "
 import json,sys; s=[r['loss'] for r in map(json.loads, open('$work/shards.jsonl')) if r['type']=='step']
@@ -223,6 +239,8 @@ expect_fail bad_number '--lr "fast" is not a valid number' "${TINY[@]}" --lr fas
 expect_fail missing_data 'cannot open ".*/nope.txt"' "${TINY[@]}" --data "$work/nope.txt"
 expect_fail empty_data '".*/empty.txt" is empty' "${TINY[@]}" --data "$work/empty.txt"
 expect_fail tiny_corpus 'one global batch needs 8 training windows' "${TINY[@]}" --data "$work/small.txt"
+expect_fail corpus_cap_tiny 'one global batch needs 8 training windows' "${TINY[@]}" --corpus-mb 0.0003
+expect_fail corpus_mb_negative '--corpus-mb -1: must be >= 0' "${TINY[@]}" --corpus-mb -1
 expect_fail shard_version 'token shard ".*v2.bin" has version 2' "${TINY[@]}" --data "$work/v2.bin"
 expect_fail shard_truncated 'says 5000 tokens' "${TINY[@]}" --data "$work/short.bin"
 expect_fail shard_vocab 'token 400 at 2 is >= --vocab 300' "${TINY[@]}" --data "$work/big.bin" --vocab 300
