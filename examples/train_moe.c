@@ -117,7 +117,7 @@ typedef struct opt_spec {
 
 #define O_(field) offsetof(options, field)
 static const opt_spec OPTS[] = {
-    {"--data", OPT_LIST, O_(data), 0, "PATH... byte files or llm.c token shards [C headers of /usr/include]"},
+    {"--data", OPT_LIST, O_(data), 0, "PATH... byte files or llm.c token shards"},
     {"--vocab", OPT_INT, O_(vocab), 0, "vocabulary of token shards"},
     {"--val-every", OPT_INT, O_(val_every), 0, "hold out every n-th window for validation"},
     {"--corpus-mb", OPT_DOUBLE, O_(corpus_mb), 0,
@@ -171,7 +171,7 @@ static const opt_spec OPTS[] = {
     {"--beta1", OPT_DOUBLE, O_(beta1), 0, "AdamW beta1"},
     {"--beta2", OPT_DOUBLE, O_(beta2), 0, "AdamW beta2"},
     {"--seed", OPT_LL, O_(seed), 0, "seed of weights and data order"},
-    {"--dtype", OPT_STRBUF, O_(dtype), sizeof(((options *)0)->dtype), "f32 | bf16 | fp16 [bf16 on a GPU, f32 on the CPU]"},
+    {"--dtype", OPT_STRBUF, O_(dtype), sizeof(((options *)0)->dtype), "f32 | bf16 | fp16"},
     {"--threads", OPT_INT, O_(threads), 0, "CPU threads per rank (0 = OpenMP's default)"},
     {"--device", OPT_STRBUF, O_(device), sizeof(((options *)0)->device), "auto | cpu | cuda"},
     {"--cuda-graph", OPT_FLAG, O_(cuda_graph), 0,
@@ -187,12 +187,13 @@ static const opt_spec OPTS[] = {
     {"--metrics", OPT_STR, O_(metrics_path), 0, "FILE: Prometheus text file (node_exporter), rewritten every step; rank r > 0: FILE.rank<r>"},
     {"--metrics-port", OPT_INT, O_(metrics_port), 0, "serve http://ADDR:PORT/metrics (PORT + local rank on each rank; 0 = off)"},
     {"--metrics-addr", OPT_STRBUF, O_(metrics_addr), sizeof(((options *)0)->metrics_addr), "address of the metrics server"},
-    {"--peak-tflops", OPT_DOUBLE, O_(peak_tflops), 0, "device peak for MFU [CPU: measured; GPU: 989]"},
+    {"--peak-tflops", OPT_DOUBLE, O_(peak_tflops), 0, "device peak for MFU"},
     {"--ckpt-every", OPT_INT, O_(ckpt_every), 0, "steps between checkpoints (0 = only at the end)"},
     {"--ckpt-dir", OPT_STR, O_(ckpt_dir), 0, "DIR of checkpoints (none when unset)"},
     {"--keep", OPT_INT, O_(keep), 0, "checkpoints kept (0 = all)"},
     {"--sync-ckpt", OPT_FLAG, O_(sync_ckpt), 0, "write checkpoints synchronously"},
-    {"--resume", OPT_AUTO, O_(resume), 0, "[auto] continue from the newest complete checkpoint in --ckpt-dir, if any"},
+    {"--resume", OPT_AUTO, O_(resume), 0,
+     "continue from the newest complete checkpoint in --ckpt-dir, if any (--resume auto: the same)"},
     {"--stop-at", OPT_INT, O_(stop_at), 0, "stop after this step as if interrupted (0 = run to --steps)"},
     {"--nproc", OPT_INT, O_(nproc), 0, "start N local ranks (data parallel)"},
     {"--max-restarts", OPT_INT, O_(max_restarts), 0, "with --nproc: run a failed job again up to K times, resuming"},
@@ -206,7 +207,7 @@ static const opt_spec OPTS[] = {
     {"--virtual-stages", OPT_INT, O_(vstages), 0, "stages per pipeline rank (--pp-schedule interleaved)"},
     {"--zero", OPT_INT, O_(zero), 0, "ZeRO stage 0-3: shard optimizer state (1), gradients (2), weights (3)"},
     {"--grad-compress", OPT_STRBUF, O_(grad_compress), sizeof(((options *)0)->grad_compress),
-     "none | bf16 | powersgd:R[:START] gradient reductions (PowerSGD rank R from pass START [10])"},
+     "none | bf16 | powersgd:R[:START] gradient reductions (PowerSGD rank R from pass START, 10 if not given)"},
     {"--grad-check", OPT_INT, O_(grad_check), 0, "check N elements of every gradient against central differences, then exit"},
     {"--help", OPT_FLAG, O_(help), 0, "this text"},
 };
@@ -275,22 +276,42 @@ static void set_defaults(options *o) {
     o->nproc = 0;
 }
 
+/* Defaults the run decides (set_defaults leaves the flag unset): --help prints these. */
+static const struct {
+    const char *name, *text;
+} RUN_DEFAULTS[] = {
+    {"--data", "C headers of /usr/include"},
+    {"--dtype", "bf16 on a GPU, f32 on the CPU"},
+    {"--peak-tflops", "CPU: measured; GPU: 989"},
+};
+
+/* The default of flag s as --help prints it ("" when it has none): a run-decided one, or the
+   value set_defaults gives. */
+static void default_text(const opt_spec *s, const options *d, char *def, size_t n) {
+    const char *p = (const char *)d + s->offset;
+    def[0] = 0;
+    for (size_t i = 0; i < sizeof RUN_DEFAULTS / sizeof RUN_DEFAULTS[0]; i++)
+        if (strcmp(RUN_DEFAULTS[i].name, s->name) == 0) {
+            snprintf(def, n, "%s", RUN_DEFAULTS[i].text);
+            return;
+        }
+    switch (s->kind) {
+    case OPT_INT: snprintf(def, n, "%d", *(const int *)p); break;
+    case OPT_DOUBLE: snprintf(def, n, "%g", *(const double *)p); break;
+    case OPT_LL: snprintf(def, n, "%lld", *(const long long *)p); break;
+    case OPT_STRBUF: snprintf(def, n, "%s", p); break;
+    default: break;
+    }
+}
+
 static void usage(FILE *f) {
     options d;
     set_defaults(&d);
-    fprintf(f, "usage: train_moe [flags]\n");
+    fprintf(f, "usage: train_moe [flags]; [x]: the default\n");
     for (int i = 0; i < N_OPTS; i++) {
-        const opt_spec *s = &OPTS[i];
-        const char *p = (const char *)&d + s->offset;
-        char def[64] = "";
-        switch (s->kind) {
-        case OPT_INT: snprintf(def, sizeof def, "[%d]", *(const int *)p); break;
-        case OPT_DOUBLE: snprintf(def, sizeof def, "[%g]", *(const double *)p); break;
-        case OPT_LL: snprintf(def, sizeof def, "[%lld]", *(const long long *)p); break;
-        case OPT_STRBUF: snprintf(def, sizeof def, "[%s]", p); break;
-        default: break;
-        }
-        fprintf(f, "  %-16s %s %s\n", s->name, s->help, def);
+        char def[64];
+        default_text(&OPTS[i], &d, def, sizeof def);
+        fprintf(f, "  %-16s %s%s%s%s\n", OPTS[i].name, OPTS[i].help, def[0] ? " [" : "", def, def[0] ? "]" : "");
     }
 }
 

@@ -2,7 +2,8 @@
 # End-to-end tests of examples/train_moe.c (the main job) on tiny configurations:
 # the loss falls, stop + resume is bitwise equal to a straight run, 2 ranks (data and
 # expert parallel) match 1 rank, token shards load, --corpus-mb caps --data, the log/metrics/plot
-# outputs are well formed, and bad inputs fail cleanly with a message and a non-zero exit.
+# outputs are well formed, --help prints each default once, and bad inputs fail cleanly with a
+# message and a non-zero exit.
 # Prints `[test_train] totals: P passed / F failed / S skipped`; exits non-zero on failure.
 TEST_NAME=test_train
 source "$(dirname "$0")/train_test_lib.sh"
@@ -222,7 +223,20 @@ else
     bad "llm.c token shards" "exit $(rc shards)" "$(grep -E 'data|error|rank' "$work/shards.out" | head -3)"
 fi
 
-# ---- 7. bad input: clean message, non-zero exit, never a crash
+# ---- 7. --help prints each flag's default once: the run-decided ones (--dtype, --peak-tflops, --data)
+#         as words, the others as set_defaults holds them; never an empty or a second default
+"$BIN" --help >"$work/help.out" 2>&1
+doubled=$(grep -nE '\[\]|\] \[[^]]*\]$' "$work/help.out")
+if grep -qxE '  --dtype +f32 \| bf16 \| fp16 \[bf16 on a GPU, f32 on the CPU\]' "$work/help.out" &&
+   grep -qE '^  --peak-tflops .*[^]] \[CPU: measured; GPU: 989\]$' "$work/help.out" &&
+   grep -qE '^  --lr +peak learning rate \[0.003\]$' "$work/help.out" &&
+   grep -qE '^  --data +PATH\.\.\. .*[^]] \[C headers of /usr/include\]$' "$work/help.out" && [ -z "$doubled" ]; then
+    ok "--help: $(grep -E '^  --dtype' "$work/help.out" | tr -s ' '); no flag with an empty or a second default"
+else
+    bad "--help prints each default once" "$(grep -E '^  --(dtype|peak-tflops) ' "$work/help.out")" "doubled: $doubled"
+fi
+
+# ---- 8. bad input: clean message, non-zero exit, never a crash
 expect_fail() { # name, message regex, args...
     local name=$1 msg=$2; shift 2
     run "$name" "$@"
