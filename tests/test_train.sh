@@ -2,8 +2,8 @@
 # End-to-end tests of examples/train_moe.c (the main job) on tiny configurations:
 # the loss falls, stop + resume is bitwise equal to a straight run, 2 ranks (data and
 # expert parallel) match 1 rank, token shards load, --corpus-mb caps --data, the log/metrics/plot
-# outputs are well formed, --help prints each default once, and bad inputs fail cleanly with a
-# message and a non-zero exit.
+# outputs are well formed, --help prints each default once, MFU never reads above 100%, and bad
+# inputs fail cleanly with a message and a non-zero exit.
 # Prints `[test_train] totals: P passed / F failed / S skipped`; exits non-zero on failure.
 TEST_NAME=test_train
 source "$(dirname "$0")/train_test_lib.sh"
@@ -228,7 +228,7 @@ fi
 "$BIN" --help >"$work/help.out" 2>&1
 doubled=$(grep -nE '\[\]|\] \[[^]]*\]$' "$work/help.out")
 if grep -qxE '  --dtype +f32 \| bf16 \| fp16 \[bf16 on a GPU, f32 on the CPU\]' "$work/help.out" &&
-   grep -qE '^  --peak-tflops .*[^]] \[CPU: measured; GPU: 989\]$' "$work/help.out" &&
+   grep -qE '^  --peak-tflops .*[^]] \[CPU: measured at start; GPU: 989\]$' "$work/help.out" &&
    grep -qE '^  --lr +peak learning rate \[0.003\]$' "$work/help.out" &&
    grep -qE '^  --data +PATH\.\.\. .*[^]] \[C headers of /usr/include\]$' "$work/help.out" && [ -z "$doubled" ]; then
     ok "--help: $(grep -E '^  --dtype' "$work/help.out" | tr -s ' '); no flag with an empty or a second default"
@@ -236,7 +236,54 @@ else
     bad "--help prints each default once" "$(grep -E '^  --(dtype|peak-tflops) ' "$work/help.out")" "doubled: $doubled"
 fi
 
-# ---- 8. bad input: clean message, non-zero exit, never a crash
+# ---- 8. MFU. A peak given far below what a step does (1 MFLOP/s): the first step raises the
+#         peak to its rate, said once, and no step reads above 100%. Without --peak-tflops the
+#         banner says how the peak was measured. Two ranks divide by twice the peak: MFU per
+#         token/s of dp2 is half that of one rank (steps before any raise).
+run mfu_tiny "${TINY[@]}" --steps 10 --peak-tflops 1e-6 --log "$work/mfu_tiny.jsonl"
+run mfu_measured "${TINY[@]}" --steps 10 --peak-tflops 0 --log "$work/mfu_measured.jsonl"
+mfu_check() { # NAME: the largest MFU of the step lines and the log, or a problem
+    $PY - "$work/$1.out" "$work/$1.jsonl" <<'EOF'
+import json, re, sys
+printed = [float(x) for x in re.findall(r"^step .*\| mfu +([0-9.]+)% \|", open(sys.argv[1]).read(), re.M)]
+logged = [r["mfu"] for r in map(json.loads, open(sys.argv[2])) if r["type"] == "step"]
+if len(printed) != 10 or len(logged) != 10: print("%d printed and %d logged steps" % (len(printed), len(logged)))
+elif max(printed) > 100 or max(logged) > 1:
+    print("MFU above 100%%: printed %s, logged %s" % (max(printed), max(logged)))
+else: print("ok %.2f%%" % max(printed))
+EOF
+}
+v1=$(mfu_check mfu_tiny) v2=$(mfu_check mfu_measured)
+given='^mfu: .* per rank \(given by --peak-tflops\) x 1 rank'
+raised='^mfu: step 1 ran at [0-9.e+]+ GFLOP/s, above the peak of 0.001 GFLOP/s'
+measured='^mfu: .* per rank \(measured at start: best of 16 512\^3 f32 GEMMs on 1 thread\) x 1 rank'
+if [ "$(rc mfu_tiny)" -eq 0 ] && [ "${v1%% *}" = ok ] && [ "${v2%% *}" = ok ] &&
+   grep -qE "$given" "$work/mfu_tiny.out" && [ "$(grep -cE "$raised" "$work/mfu_tiny.out")" -eq 1 ] &&
+   grep -qE "$measured" "$work/mfu_measured.out"; then
+    what="--peak-tflops 1e-6 (raised to step 1's rate, said once; max ${v1#ok }), measured (max ${v2#ok })"
+    ok "MFU never above 100%: $what"
+else
+    bad "MFU never above 100%" "exit $(rc mfu_tiny)/$(rc mfu_measured): $v1; $v2" \
+        "$(grep '^mfu' "$work/mfu_tiny.out" | head -2)" "$(grep '^mfu' "$work/mfu_measured.out" | head -1)"
+fi
+verdict=$($PY - "$work/one.jsonl" "$work/one.out" "$work/dp2.jsonl" "$work/dp2.out" <<'EOF'
+import json, re, statistics, sys
+def per_tps(log, out):
+    m = re.search(r"mfu: step (\d+) ran at", open(out).read())
+    raised = int(m.group(1)) if m else 1 << 30
+    rows = [r for r in map(json.loads, open(log)) if r["type"] == "step" and r["step"] < raised]
+    return [r["mfu"] / r["tokens_per_s"] for r in rows]
+a, b = per_tps(sys.argv[1], sys.argv[2]), per_tps(sys.argv[3], sys.argv[4])
+if len(a) < 10 or len(b) < 10: print("only %d and %d steps before the peak was raised" % (len(a), len(b))); sys.exit()
+ratio = statistics.median(a) / statistics.median(b)
+print("%s 1 rank / 2 ranks: %.5f" % ("ok" if abs(ratio - 2) < 2e-3 else "bad", ratio))
+EOF
+)
+if [ "${verdict%% *}" = ok ] && grep -qE '^\[rank 0\] mfu: .* x 2 ranks' "$work/dp2.out"; then
+    ok "MFU divides by the peak of every rank: (MFU per token/s) ${verdict#ok }"
+else bad "MFU over 2 ranks" "$verdict" "$(grep 'mfu:' "$work/dp2.out" | head -2)"; fi
+
+# ---- 9. bad input: clean message, non-zero exit, never a crash
 expect_fail() { # name, message regex, args...
     local name=$1 msg=$2; shift 2
     run "$name" "$@"
