@@ -6,7 +6,10 @@
        count; then uint16 tokens), detected by the header, memory-mapped;
      - the default corpus: the C headers under /usr/include in a fixed order (each
        directory's files sorted by name, then its subdirectories sorted by name), copied
-       into one buffer and capped at `cap_bytes`.
+       into one buffer. Its text is whatever this machine has installed, so two machines
+       train on different data: tests pass --data tests/data/corpus.txt instead.
+   A cap (`cap_bytes`) keeps the first cap_bytes of token data of the stream (a shard token
+   is 2 bytes), whichever the source; without one the default corpus stops at 4 MB.
    The stream is cut into windows of T + 1 tokens; every `val_every`-th window is held out
    for validation, the rest are the N training samples.
 
@@ -60,7 +63,7 @@ typedef struct td_corpus {
     int64_t ntok;
     int vocab;             /* 256 for bytes; the shards' vocabulary otherwise */
     uint8_t *owned;        /* the default corpus buffer */
-    char source[256];      /* for messages: "/usr/include (C headers, 178 files)" */
+    char source[320];      /* for messages: "tests/data/corpus.txt (1 byte file, 300000 of 473235 tokens)" */
     /* windows */
     int64_t T;             /* window = T + 1 tokens */
     int64_t val_every;
@@ -202,22 +205,60 @@ static dsk_status td_load_default(td_corpus *c, const char *root, size_t cap_byt
     dsk_status s = td_walk_headers(root, c->owned, cap_bytes, &used, &nfiles, 0);
     if (s != DSK_OK) return s;
     if (used == 0) return dsk_set_error(DSK_ERR_IO, "default corpus: no .h files under %s; pass --data FILE", root);
-    snprintf(c->source, sizeof c->source, "%s (%d C header files, %.2f MB)", root, nfiles, used / 1e6);
+    snprintf(c->source, sizeof c->source, "default corpus, the C headers under %s (%d files, %.2f MB; "
+             "differs between machines)", root, nfiles, used / 1e6);
     c->token_bytes = 1;
     c->vocab = 256;
     return td_add_segment(c, c->owned, (int64_t)used, NULL, 0);
 }
 
-/* Loads the corpus: `paths` (n > 0) or the default one under `default_root`. */
-static dsk_status td_load(td_corpus *c, char **paths, int n, int shard_vocab, const char *default_root, size_t cap_bytes) {
+/* Keeps the first cap_bytes / token_bytes tokens of the stream: later segments are cut or
+   unmapped. */
+static void td_cap(td_corpus *c, size_t cap_bytes) {
+    int64_t keep = (int64_t)(cap_bytes / (size_t)c->token_bytes);
+    if (keep >= c->ntok) return;
+    int n = 0;
+    for (; n < c->nseg && c->seg[n].start < keep; n++)
+        if (c->seg[n].ntok > keep - c->seg[n].start) c->seg[n].ntok = keep - c->seg[n].start;
+    for (int i = n; i < c->nseg; i++) munmap(c->seg[i].map, c->seg[i].map_len);
+    c->nseg = n;
+    c->ntok = keep;
+}
+
+/* c->source for files: their names (or the first and a count when they are long), the kind
+   and the tokens kept of all (`all`). */
+static void td_describe_files(td_corpus *c, char **paths, int n, int64_t all) {
+    char tokens[96];
+    if (c->ntok < all) snprintf(tokens, sizeof tokens, "%lld of %lld tokens", (long long)c->ntok, (long long)all);
+    else snprintf(tokens, sizeof tokens, "%lld tokens", (long long)c->ntok);
+    size_t names = 0, len = 0, room = sizeof c->source - sizeof tokens - 32;
+    for (int i = 0; i < n; i++) names += strlen(paths[i]) + 1;
+    if (names <= room)
+        for (int i = 0; i < n; i++)
+            len += (size_t)snprintf(c->source + len, room - len, "%s%s", i ? " " : "", paths[i]);
+    else
+        len = (size_t)snprintf(c->source, room, "%.120s and %d more", paths[0], n - 1);
+    snprintf(c->source + len, sizeof c->source - len, " (%d %s%s, %s)", n,
+             c->token_bytes == 2 ? "token shard" : "byte file", n > 1 ? "s" : "", tokens);
+}
+
+/* The default corpus's cap when none is given. */
+#define TD_DEFAULT_CORPUS_BYTES 4000000
+
+/* Loads the corpus: `paths` (n > 0) or the default one under `default_root`. cap_bytes keeps
+   the first cap_bytes of token data; 0 keeps all of `paths`, TD_DEFAULT_CORPUS_BYTES of the
+   default corpus. */
+static dsk_status td_load(td_corpus *c, char **paths, int n, int shard_vocab, const char *default_root,
+                          size_t cap_bytes) {
     memset(c, 0, sizeof *c);
-    if (n == 0) return td_load_default(c, default_root, cap_bytes);
+    if (n == 0) return td_load_default(c, default_root, cap_bytes ? cap_bytes : TD_DEFAULT_CORPUS_BYTES);
     for (int i = 0; i < n; i++) {
         dsk_status s = td_add_file(c, paths[i], shard_vocab);
         if (s != DSK_OK) return s;
     }
-    snprintf(c->source, sizeof c->source, "%s%s (%d %s, %lld tokens)", paths[0], n > 1 ? ", ..." : "", n,
-             c->token_bytes == 2 ? "token shards" : "byte files", (long long)c->ntok);
+    int64_t all = c->ntok;
+    if (cap_bytes) td_cap(c, cap_bytes);
+    td_describe_files(c, paths, n, all);
     return DSK_OK;
 }
 

@@ -168,7 +168,9 @@ static void tmx_render(tmx_text *b, const tmx_values *v) {
             v->grad_norm);
     tmx_one(b, r, "dsk_train_loss_scale", "gauge", "Loss scale of the last step (1 without dynamic scaling).",
             v->loss_scale);
-    tmx_one(b, r, "dsk_train_mfu_ratio", "gauge", "Model FLOPs utilisation of the last step.", v->mfu);
+    tmx_one(b, r, "dsk_train_mfu_ratio", "gauge",
+            "Model FLOPs utilisation of the last step: over every rank's peak, or the fastest step's rate if higher.",
+            v->mfu);
     tmx_hist_write(b, r, "dsk_train_step_seconds", "Wall time of each step.", &v->step_time);
     tmx_one(b, r, "dsk_train_data_wait_seconds_total", "counter", "Time the steps waited for the data loader.",
             v->data_wait_s);

@@ -65,7 +65,7 @@ typedef struct options {
     int n_data;
     int vocab;                /* token shards only; bytes are 256 */
     int val_every;            /* every n-th window is held out */
-    double corpus_mb;         /* cap of the default corpus */
+    double corpus_mb;         /* cap of the corpus (0: 4 MB of the default corpus, all of --data) */
     int prefetch, drop_last, no_shuffle;
     char *sample_log;
     /* model */
@@ -117,10 +117,11 @@ typedef struct opt_spec {
 
 #define O_(field) offsetof(options, field)
 static const opt_spec OPTS[] = {
-    {"--data", OPT_LIST, O_(data), 0, "PATH... byte files or llm.c token shards [C headers of /usr/include]"},
+    {"--data", OPT_LIST, O_(data), 0, "PATH... byte files or llm.c token shards"},
     {"--vocab", OPT_INT, O_(vocab), 0, "vocabulary of token shards"},
     {"--val-every", OPT_INT, O_(val_every), 0, "hold out every n-th window for validation"},
-    {"--corpus-mb", OPT_DOUBLE, O_(corpus_mb), 0, "size cap of the default corpus in MB"},
+    {"--corpus-mb", OPT_DOUBLE, O_(corpus_mb), 0,
+     "keep the first MB of the corpus' token data (0 = 4 of the default corpus, all of --data)"},
     {"--prefetch", OPT_INT, O_(prefetch), 0, "batches a loader thread prepares ahead (0 = read in the step)"},
     {"--drop-last", OPT_FLAG, O_(drop_last), 0, "cut the epoch to a multiple of the world size instead of padding it"},
     {"--no-shuffle", OPT_FLAG, O_(no_shuffle), 0, "read the training windows in order (no per-epoch shuffle)"},
@@ -170,7 +171,7 @@ static const opt_spec OPTS[] = {
     {"--beta1", OPT_DOUBLE, O_(beta1), 0, "AdamW beta1"},
     {"--beta2", OPT_DOUBLE, O_(beta2), 0, "AdamW beta2"},
     {"--seed", OPT_LL, O_(seed), 0, "seed of weights and data order"},
-    {"--dtype", OPT_STRBUF, O_(dtype), sizeof(((options *)0)->dtype), "f32 | bf16 | fp16 [bf16 on a GPU, f32 on the CPU]"},
+    {"--dtype", OPT_STRBUF, O_(dtype), sizeof(((options *)0)->dtype), "f32 | bf16 | fp16"},
     {"--threads", OPT_INT, O_(threads), 0, "CPU threads per rank (0 = OpenMP's default)"},
     {"--device", OPT_STRBUF, O_(device), sizeof(((options *)0)->device), "auto | cpu | cuda"},
     {"--cuda-graph", OPT_FLAG, O_(cuda_graph), 0,
@@ -186,12 +187,13 @@ static const opt_spec OPTS[] = {
     {"--metrics", OPT_STR, O_(metrics_path), 0, "FILE: Prometheus text file (node_exporter), rewritten every step; rank r > 0: FILE.rank<r>"},
     {"--metrics-port", OPT_INT, O_(metrics_port), 0, "serve http://ADDR:PORT/metrics (PORT + local rank on each rank; 0 = off)"},
     {"--metrics-addr", OPT_STRBUF, O_(metrics_addr), sizeof(((options *)0)->metrics_addr), "address of the metrics server"},
-    {"--peak-tflops", OPT_DOUBLE, O_(peak_tflops), 0, "device peak for MFU [CPU: measured; GPU: 989]"},
+    {"--peak-tflops", OPT_DOUBLE, O_(peak_tflops), 0, "peak of one rank's device for MFU"},
     {"--ckpt-every", OPT_INT, O_(ckpt_every), 0, "steps between checkpoints (0 = only at the end)"},
     {"--ckpt-dir", OPT_STR, O_(ckpt_dir), 0, "DIR of checkpoints (none when unset)"},
     {"--keep", OPT_INT, O_(keep), 0, "checkpoints kept (0 = all)"},
     {"--sync-ckpt", OPT_FLAG, O_(sync_ckpt), 0, "write checkpoints synchronously"},
-    {"--resume", OPT_AUTO, O_(resume), 0, "[auto] continue from the newest complete checkpoint in --ckpt-dir, if any"},
+    {"--resume", OPT_AUTO, O_(resume), 0,
+     "continue from the newest complete checkpoint in --ckpt-dir, if any (--resume auto: the same)"},
     {"--stop-at", OPT_INT, O_(stop_at), 0, "stop after this step as if interrupted (0 = run to --steps)"},
     {"--nproc", OPT_INT, O_(nproc), 0, "start N local ranks (data parallel)"},
     {"--max-restarts", OPT_INT, O_(max_restarts), 0, "with --nproc: run a failed job again up to K times, resuming"},
@@ -205,7 +207,7 @@ static const opt_spec OPTS[] = {
     {"--virtual-stages", OPT_INT, O_(vstages), 0, "stages per pipeline rank (--pp-schedule interleaved)"},
     {"--zero", OPT_INT, O_(zero), 0, "ZeRO stage 0-3: shard optimizer state (1), gradients (2), weights (3)"},
     {"--grad-compress", OPT_STRBUF, O_(grad_compress), sizeof(((options *)0)->grad_compress),
-     "none | bf16 | powersgd:R[:START] gradient reductions (PowerSGD rank R from pass START [10])"},
+     "none | bf16 | powersgd:R[:START] gradient reductions (PowerSGD rank R from pass START, 10 if not given)"},
     {"--grad-check", OPT_INT, O_(grad_check), 0, "check N elements of every gradient against central differences, then exit"},
     {"--help", OPT_FLAG, O_(help), 0, "this text"},
 };
@@ -215,7 +217,6 @@ static void set_defaults(options *o) {
     memset(o, 0, sizeof *o);
     o->vocab = 50257;
     o->val_every = 20;
-    o->corpus_mb = 4.0;
     o->prefetch = 4;
     o->seq = 128;
     o->d_model = 128;
@@ -275,22 +276,42 @@ static void set_defaults(options *o) {
     o->nproc = 0;
 }
 
+/* Defaults the run decides (set_defaults leaves the flag unset): --help prints these. */
+static const struct {
+    const char *name, *text;
+} RUN_DEFAULTS[] = {
+    {"--data", "C headers of /usr/include"},
+    {"--dtype", "bf16 on a GPU, f32 on the CPU"},
+    {"--peak-tflops", "CPU: measured at start; GPU: 989"},
+};
+
+/* The default of flag s as --help prints it ("" when it has none): a run-decided one, or the
+   value set_defaults gives. */
+static void default_text(const opt_spec *s, const options *d, char *def, size_t n) {
+    const char *p = (const char *)d + s->offset;
+    def[0] = 0;
+    for (size_t i = 0; i < sizeof RUN_DEFAULTS / sizeof RUN_DEFAULTS[0]; i++)
+        if (strcmp(RUN_DEFAULTS[i].name, s->name) == 0) {
+            snprintf(def, n, "%s", RUN_DEFAULTS[i].text);
+            return;
+        }
+    switch (s->kind) {
+    case OPT_INT: snprintf(def, n, "%d", *(const int *)p); break;
+    case OPT_DOUBLE: snprintf(def, n, "%g", *(const double *)p); break;
+    case OPT_LL: snprintf(def, n, "%lld", *(const long long *)p); break;
+    case OPT_STRBUF: snprintf(def, n, "%s", p); break;
+    default: break;
+    }
+}
+
 static void usage(FILE *f) {
     options d;
     set_defaults(&d);
-    fprintf(f, "usage: train_moe [flags]\n");
+    fprintf(f, "usage: train_moe [flags]; [x]: the default\n");
     for (int i = 0; i < N_OPTS; i++) {
-        const opt_spec *s = &OPTS[i];
-        const char *p = (const char *)&d + s->offset;
-        char def[64] = "";
-        switch (s->kind) {
-        case OPT_INT: snprintf(def, sizeof def, "[%d]", *(const int *)p); break;
-        case OPT_DOUBLE: snprintf(def, sizeof def, "[%g]", *(const double *)p); break;
-        case OPT_LL: snprintf(def, sizeof def, "[%lld]", *(const long long *)p); break;
-        case OPT_STRBUF: snprintf(def, sizeof def, "[%s]", p); break;
-        default: break;
-        }
-        fprintf(f, "  %-16s %s %s\n", s->name, s->help, def);
+        char def[64];
+        default_text(&OPTS[i], &d, def, sizeof def);
+        fprintf(f, "  %-16s %s%s%s%s\n", OPTS[i].name, OPTS[i].help, def[0] ? " [" : "", def, def[0] ? "]" : "");
     }
 }
 
@@ -354,7 +375,8 @@ static int parse_args(options *o, int argc, char **argv) {
             continue;
         }
         if (s->kind == OPT_LIST) {
-            o->data = &argv[i + 1];
+            o->data = &argv[i + 1]; /* the last --data wins, like any flag given twice */
+            o->n_data = 0;
             while (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0) { i++; o->n_data++; }
             if (o->n_data == 0) { fprintf(stderr, "train_moe: %s needs at least one PATH\n", a); return 2; }
             continue;
@@ -446,7 +468,9 @@ typedef struct trainer {
     int32_t *h_ids, *h_tgt, *h_win;
     dsk_tensor h_ids_t, h_tgt_t;  /* host tensors over h_ids, h_tgt */
     FILE *log;
-    double peak_flops, flops_per_token;
+    double peak_flops, flops_per_token; /* peak_flops: one rank's device */
+    double job_peak;              /* what MFU divides by: world x peak_flops, or the fastest step's rate */
+    int peak_raised;              /* a step ran faster than world x peak_flops */
     double t_start, train_seconds;
     int64_t steps_timed;
     double prof_data, prof_opt, prof_step; /* --profile: seconds of data loading, optimizer, whole steps */
@@ -633,7 +657,7 @@ static dsk_dtype compute_dtype(const trainer *t) {
 static void setup_data(trainer *t) {
     const options *o = t->o;
     if (o->val_every < 2) fail(t, "--val-every %d: must be at least 2", o->val_every);
-    if (o->corpus_mb <= 0) fail(t, "--corpus-mb %g: must be > 0", o->corpus_mb);
+    if (o->corpus_mb < 0) fail(t, "--corpus-mb %g: must be >= 0 (0 = no cap on --data)", o->corpus_mb);
     CHECK(td_load(&t->data, o->data, o->n_data, o->vocab, "/usr/include", (size_t)(o->corpus_mb * 1e6)));
     CHECK(td_set_windows(&t->data, o->seq, o->val_every, o->batch));
     size_t n = (size_t)t->batch_local * (size_t)o->seq;
@@ -828,17 +852,17 @@ static double flops_per_token(const trainer *t) {
     return 6 * active + o->layers * tmla_core_flops(&t->model.cfg) + tmla_mtp_flops(&t->model.cfg);
 }
 
-/* The CPU's f32 GEMM rate: best of eight 512^3 products with dsk_sgemm_cpu on this
-   context's threads. A measured peak, so MFU reads as "share of what this CPU's GEMM does";
-   on a machine whose load changes during the run it can read above 100%: pass
-   --peak-tflops for a fixed reference. */
+/* The CPU's f32 GEMM rate on this context's threads: the best of CPU_PEAK_REPS 512^3 products
+   with dsk_sgemm_cpu, so MFU reads as "share of what this CPU's GEMM does". Other programs
+   running meanwhile make it low; step_mfu then raises it to the rate a step reaches. */
+#define CPU_PEAK_REPS 16
 static double measure_cpu_peak(const trainer *t) {
     const int64_t n = 512;
     float *a = (float *)malloc((size_t)(3 * n * n) * sizeof(float));
     if (!a) return 0;
     for (int64_t i = 0; i < 3 * n * n; i++) a[i] = (float)((i * 7919) % 1000) * 1e-3f;
     double best = 1e30;
-    for (int r = 0; r < 8; r++) {
+    for (int r = 0; r < CPU_PEAK_REPS; r++) {
         double t0 = now_s();
         dsk_sgemm_cpu(0, 0, n, n, n, 1.0f, a, n, a + n * n, n, 0.0f, a + 2 * n * n, n, t->ctx.n_threads);
         double dt = now_s() - t0;
@@ -846,6 +870,22 @@ static double measure_cpu_peak(const trainer *t) {
     }
     free(a);
     return 2.0 * (double)n * n * n / best;
+}
+
+/* MFU of a step: its model FLOP rate (over all ranks) against the job's peak, world x one
+   device's peak. That peak is measured or given, so a step can run faster than it (other
+   programs ran while it was measured, or the figure given is low): the job's peak then
+   becomes that step's rate, said once, so MFU never reads above 1. */
+static double step_mfu(trainer *t, double tokens_per_s) {
+    double rate = tokens_per_s * t->flops_per_token;
+    if (rate > t->job_peak) {
+        if (!t->peak_raised)
+            say(t, "mfu: step %lld ran at %.3g GFLOP/s, above the peak of %.3g GFLOP/s; MFU is relative to the fastest "
+                   "step from here on\n", (long long)t->step, rate / 1e9, t->job_peak / 1e9);
+        t->peak_raised = 1;
+        t->job_peak = rate;
+    }
+    return t->job_peak > 0 ? rate / t->job_peak : 0;
 }
 
 /* ---- one training step */
@@ -1170,7 +1210,7 @@ stepped:
     t->prof_step_cpu += si->cpu_ms * 1e-3;
     t->prof_steps++;
     si->tokens_per_s = (double)o->batch * o->accum * o->seq / (si->ms * 1e-3);
-    si->mfu = t->peak_flops > 0 ? si->tokens_per_s * t->flops_per_token / t->peak_flops : 0;
+    si->mfu = step_mfu(t, si->tokens_per_s);
     si->comm_share = (comm_seconds(t) - comm0) / (si->ms * 1e-3);
     return DSK_OK;
 }
@@ -1813,9 +1853,16 @@ static void banner(trainer *t) {
     if (o->cuda_graph)
         say(t, "cuda graph: each step replays one captured graph (every micro-batch's forward, loss and backward, "
                "unscale, skip/clip decision, AdamW, bias and loss-scale updates)\n");
-    say(t, "batch %d x %d tokens x %d accum, %d steps, lr %g (warm-up %d, cosine to %g), clip %g, peak %.1f GFLOP/s (%s)\n",
-        o->batch, o->seq, o->accum, o->steps, o->lr, o->warmup, o->min_lr, o->clip, t->peak_flops / 1e9,
-        o->peak_tflops > 0 ? "given" : t->ctx.device.type == DSK_DEV_CUDA ? "H100/H200 bf16 datasheet" : "measured CPU GEMM");
+    say(t, "batch %d x %d tokens x %d accum, %d steps, lr %g (warm-up %d, cosine to %g), clip %g\n", o->batch, o->seq,
+        o->accum, o->steps, o->lr, o->warmup, o->min_lr, o->clip);
+    char how[96];
+    if (o->peak_tflops > 0) snprintf(how, sizeof how, "given by --peak-tflops");
+    else if (t->ctx.device.type == DSK_DEV_CUDA) snprintf(how, sizeof how, "H100/H200 bf16 datasheet");
+    else
+        snprintf(how, sizeof how, "measured at start: best of %d 512^3 f32 GEMMs on %d thread%s", CPU_PEAK_REPS,
+                 t->ctx.n_threads, t->ctx.n_threads > 1 ? "s" : "");
+    say(t, "mfu: model FLOPs per second over a peak of %.3g GFLOP/s per rank (%s) x %d rank%s, or over the fastest "
+           "step's rate if a step runs faster\n", t->peak_flops / 1e9, how, t->world, t->world > 1 ? "s" : "");
     if (t->ctx.device.type == DSK_DEV_CPU) {
         char isa[64];
         say(t, "cpu gemm: %s, %d thread%s per rank, OpenMP spin %s\n", dsk_cpu_gemm_describe(t->ctx.cpu_isa, isa, sizeof isa),
@@ -2084,6 +2131,7 @@ int main(int argc, char **argv) {
     setup_metrics(t);
     t->flops_per_token = flops_per_token(t);
     t->peak_flops = o.peak_tflops > 0 ? o.peak_tflops * 1e12 : t->ctx.device.type == DSK_DEV_CUDA ? 989e12 : measure_cpu_peak(t);
+    t->job_peak = t->world * t->peak_flops;
     if (o.grad_check > 0) {
         rc = grad_check(t);
         cleanup(t);

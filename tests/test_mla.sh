@@ -29,12 +29,12 @@ PYEOF
 
 MLA=(--attn mla --q-lora-rank 12 --kv-lora-rank 10 --qk-nope-dim 6 --qk-rope-dim 4 --v-head-dim 8)
 TINY=(--seq 16 --d-model 32 --heads 2 --layers 3 --dense-layers 2 --ffn-hidden 32 --experts 4 --top-k 2
-      --expert-hidden 16 --shared 1 --batch 4 --lr 3e-3 --warmup 2 --corpus-mb 0.05 --val-every 10
+      --expert-hidden 16 --shared 1 --batch 4 --lr 3e-3 --warmup 2 --data "$CORPUS" --corpus-mb 0.05 --val-every 10
       --val-interval 3 --val-batches 1 --sample-len 0 --peak-tflops 0.1 --steps 4 "${MLA[@]}" --mtp 2)
 
 # ---- 1. whole-model gradients against central differences (every parameter, 4 elements each)
 run gradcheck "$BIN" --seq 16 --d-model 16 --heads 2 --layers 2 --dense-layers 1 --ffn-hidden 24 --experts 4 --top-k 2 \
-    --expert-hidden 8 --batch 2 --corpus-mb 0.1 --aux-loss 0.01 --init-std 0.1 --grad-check 4 \
+    --expert-hidden 8 --batch 2 --data "$CORPUS" --corpus-mb 0.1 --aux-loss 0.01 --init-std 0.1 --grad-check 4 \
     --attn mla --q-lora-rank 8 --kv-lora-rank 8 --qk-nope-dim 4 --qk-rope-dim 4 --v-head-dim 6 --mtp 2 --mtp-lambda 0.5
 n_params=$(grep -c '^grad-check ' "$work/gradcheck.out")
 if [ "$(rc gradcheck)" -eq 0 ] && grep -q "grad-check: 0 of 63 parameters off" "$work/gradcheck.out" &&
@@ -105,8 +105,8 @@ fi
 
 # ---- 4. presets train a few steps
 for p in v2-lite v3; do
-    run "preset_$p" "$BIN" --preset "$p" --steps 2 --seq 32 --batch 2 --corpus-mb 0.05 --val-every 10 --val-interval 2 \
-        --val-batches 1 --sample-len 0 --peak-tflops 0.1
+    run "preset_$p" "$BIN" --preset "$p" --steps 2 --seq 32 --batch 2 --data "$CORPUS" --corpus-mb 0.05 --val-every 10 \
+        --val-interval 2 --val-batches 1 --sample-len 0 --peak-tflops 0.1
     if [ "$(rc "preset_$p")" -eq 0 ] && grep -q 'attention: MLA' "$work/preset_$p.out" && grep -q 'memory at end' "$work/preset_$p.out" &&
        grep -q 'final validation loss [0-9]' "$work/preset_$p.out"; then
         ok "--preset $p: $(grep '^model:' "$work/preset_$p.out" | cut -c1-110)"
@@ -124,7 +124,7 @@ fi
 # ---- 5. bad flags
 check_bad() { # name expected-message args...
     local name=$1 msg=$2; shift 2
-    run "$name" "$BIN" "$@" --corpus-mb 0.05 --steps 1 --sample-len 0
+    run "$name" "$BIN" "$@" --data "$CORPUS" --corpus-mb 0.05 --steps 1 --sample-len 0
     if [ "$(rc "$name")" -ne 0 ] && grep -q -- "$msg" "$work/$name.out"; then ok "bad input fails: $msg"
     else bad "bad input $name" "exit $(rc "$name")" "$(tail -2 "$work/$name.out")"; fi
 }

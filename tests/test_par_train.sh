@@ -18,7 +18,7 @@ need_built "$BIN"
 
 # 4 heads and 4 blocks (1 dense, 3 MoE with 4 experts, a shared one) so that tp4 and pp4 fit.
 TINY=(--seq 32 --d-model 32 --heads 4 --layers 4 --dense-layers 1 --ffn-hidden 64 --experts 4 --top-k 2
-      --expert-hidden 32 --shared 1 --batch 8 --lr 3e-3 --warmup 5 --corpus-mb 0.3 --val-every 10
+      --expert-hidden 32 --shared 1 --batch 8 --lr 3e-3 --warmup 5 --data "$CORPUS" --corpus-mb 0.3 --val-every 10
       --val-interval 10 --val-batches 2 --sample-len 0 --peak-tflops 0.1)
 
 run() { # NAME ARGS...: output in $work/NAME.out, status in $work/NAME.rc

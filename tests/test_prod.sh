@@ -15,7 +15,7 @@ need_built "$BIN"
 
 TINY=(--seq 32 --d-model 32 --heads 2 --layers 3 --dense-layers 1 --ffn-hidden 64 --experts 4 --top-k 2
       --expert-hidden 32 --shared 1 --lr 3e-3 --warmup 5 --val-every 10 --val-interval 10 --val-batches 2
-      --sample-len 0 --peak-tflops 0.1)
+      --sample-len 0 --peak-tflops 0.1 --data "$CORPUS")
 
 run() { # NAME ARGS...: output in $work/NAME.out, status in $work/NAME.rc
     local name=$1; shift
@@ -71,7 +71,7 @@ done
 # ---- 1. data order: DistributedSampler. 67 windows of 33 bytes, every 10th held out: 61 training
 #         samples, a prime, so 2 and 3 ranks pad (1 and 2 samples) or cut with --drop-last.
 #         22 steps of 6 sequences read more than two epochs on every world size.
-head -c 2211 dsk_comm.h >"$work/small.txt"
+head -c 2211 "$CORPUS" >"$work/small.txt"
 DATA=("${TINY[@]}" --data "$work/small.txt" --batch 6 --steps 22 --seed 11)
 run_data() { # NAME NPROC ARGS...
     local name=$1 n=$2; shift 2

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # End-to-end tests of examples/train_moe.c (the main job) on tiny configurations:
 # the loss falls, stop + resume is bitwise equal to a straight run, 2 ranks (data and
-# expert parallel) match 1 rank, token shards load, the log/metrics/plot outputs are
-# well formed, and bad inputs fail cleanly with a message and a non-zero exit.
+# expert parallel) match 1 rank, token shards load, --corpus-mb caps --data, the log/metrics/plot
+# outputs are well formed, --help prints each default once, MFU never reads above 100%, and bad
+# inputs fail cleanly with a message and a non-zero exit.
 # Prints `[test_train] totals: P passed / F failed / S skipped`; exits non-zero on failure.
 TEST_NAME=test_train
 source "$(dirname "$0")/train_test_lib.sh"
 need_built "$BIN"
 
-# A tiny model on 0.3 MB of the default corpus: one step takes milliseconds.
+# A tiny model on 0.3 MB of the repository's corpus: one step takes milliseconds.
 TINY=(--seq 32 --d-model 32 --heads 2 --layers 3 --dense-layers 1 --ffn-hidden 64 --experts 4 --top-k 2
-      --expert-hidden 32 --shared 1 --batch 8 --lr 3e-3 --warmup 5 --corpus-mb 0.3 --val-every 10
+      --expert-hidden 32 --shared 1 --batch 8 --lr 3e-3 --warmup 5 --data "$CORPUS" --corpus-mb 0.3 --val-every 10
       --val-interval 10 --val-batches 2 --sample-len 0 --peak-tflops 0.1)
 
 # run NAME ARGS...: runs the trainer, output in $work/NAME.out, status in $work/NAME.rc
@@ -56,7 +57,14 @@ EOF
     case $verdict in ok*) ok "tiny model trains 30 steps, loss falls ($verdict)";; *) bad "tiny model trains 30 steps, loss falls" "$verdict";; esac
 fi
 
-# ---- 2. the per-step line and the output files
+# ---- 2. the per-step line and the output files; --corpus-mb 0.3 keeps 300000 bytes of the corpus:
+#         9090 windows of 33, every 10th held out
+want="^data: $CORPUS (1 byte file, 300000 of 473235 tokens); 8181 training and 909 held-out windows"
+if grep -q "$want" "$work/learn.out"; then
+    ok "the banner names the corpus; --corpus-mb 0.3 keeps its first 300000 of 473235 bytes (8181 + 909 windows)"
+else
+    bad "--corpus-mb caps --data" "$(grep '^data:' "$work/learn.out")"
+fi
 if grep -qE '^step +30/30 \| loss [0-9.]+ \| lr .* \| norm .* \| scale .* ms \| .* tok/s \| mfu .*% \| comm .*% \| data +[0-9.]+% \| load [0-9.]+ \| drop [0-9]+ \| eta ' "$work/learn.out" &&
    grep -q 'validation loss' "$work/learn.out"; then
     ok "per-step line carries loss, lr, norm, scale, time, tokens/s, MFU, comm, data wait, load, drops, ETA"
@@ -155,7 +163,7 @@ fi
 #         central differences (weights of std 0.1 give gradients well above f32 noise; dropping
 #         one backward term makes 6 parameters fail); bf16 and fp16 (dynamic loss scaling) training
 run gradcheck --seq 16 --d-model 16 --heads 2 --layers 3 --dense-layers 1 --ffn-hidden 24 --experts 4 --top-k 2 \
-    --expert-hidden 8 --batch 2 --corpus-mb 0.1 --aux-loss 0.01 --init-std 0.1 --grad-check 6
+    --expert-hidden 8 --batch 2 --data "$CORPUS" --corpus-mb 0.1 --aux-loss 0.01 --init-std 0.1 --grad-check 6
 if [ "$(rc gradcheck)" -eq 0 ] && grep -q 'grad-check: 0 of 38 parameters off' "$work/gradcheck.out"; then
     ok "--grad-check: 6 elements of each of 38 parameters match central differences"
 else
@@ -197,6 +205,15 @@ open(sys.argv[1] + "/empty.txt", "wb").close()
 open(sys.argv[1] + "/small.txt", "w").write("int main(void) { return 0; }\n" * 3)
 EOF
 run shards "${TINY[@]}" --steps 20 --data "$work/a.bin" "$work/b.bin" --vocab 300 --log "$work/shards.jsonl"
+# --corpus-mb counts 2 bytes a shard token: 0.05 MB = 25000 tokens, all of a.bin and 5000 of b.bin
+run shards_cap "${TINY[@]}" --steps 2 --data "$work/a.bin" "$work/b.bin" --vocab 300 --corpus-mb 0.05
+want="^data: $work/a.bin $work/b.bin (2 token shards, 25000 of 40000 tokens)"
+if [ "$(rc shards_cap)" -eq 0 ] && grep -q "$want" "$work/shards_cap.out"; then
+    ok "--corpus-mb 0.05 keeps the first 25000 of 40000 tokens of two shards (cut inside the second)"
+else
+    bad "--corpus-mb over token shards" "exit $(rc shards_cap)" \
+        "$(grep -E '^data|rror' "$work/shards_cap.out" | head -2)"
+fi
 if [ "$(rc shards)" -eq 0 ] && grep -q 'token shards' "$work/shards.out" && grep -q 'vocab 300' "$work/shards.out" &&
    $PY -c "
 import json,sys; s=[r['loss'] for r in map(json.loads, open('$work/shards.jsonl')) if r['type']=='step']
@@ -206,7 +223,67 @@ else
     bad "llm.c token shards" "exit $(rc shards)" "$(grep -E 'data|error|rank' "$work/shards.out" | head -3)"
 fi
 
-# ---- 7. bad input: clean message, non-zero exit, never a crash
+# ---- 7. --help prints each flag's default once: the run-decided ones (--dtype, --peak-tflops, --data)
+#         as words, the others as set_defaults holds them; never an empty or a second default
+"$BIN" --help >"$work/help.out" 2>&1
+doubled=$(grep -nE '\[\]|\] \[[^]]*\]$' "$work/help.out")
+if grep -qxE '  --dtype +f32 \| bf16 \| fp16 \[bf16 on a GPU, f32 on the CPU\]' "$work/help.out" &&
+   grep -qE '^  --peak-tflops .*[^]] \[CPU: measured at start; GPU: 989\]$' "$work/help.out" &&
+   grep -qE '^  --lr +peak learning rate \[0.003\]$' "$work/help.out" &&
+   grep -qE '^  --data +PATH\.\.\. .*[^]] \[C headers of /usr/include\]$' "$work/help.out" && [ -z "$doubled" ]; then
+    ok "--help: $(grep -E '^  --dtype' "$work/help.out" | tr -s ' '); no flag with an empty or a second default"
+else
+    bad "--help prints each default once" "$(grep -E '^  --(dtype|peak-tflops) ' "$work/help.out")" "doubled: $doubled"
+fi
+
+# ---- 8. MFU. A peak given far below what a step does (1 MFLOP/s): the first step raises the
+#         peak to its rate, said once, and no step reads above 100%. Without --peak-tflops the
+#         banner says how the peak was measured. Two ranks divide by twice the peak: MFU per
+#         token/s of dp2 is half that of one rank (steps before any raise).
+run mfu_tiny "${TINY[@]}" --steps 10 --peak-tflops 1e-6 --log "$work/mfu_tiny.jsonl"
+run mfu_measured "${TINY[@]}" --steps 10 --peak-tflops 0 --log "$work/mfu_measured.jsonl"
+mfu_check() { # NAME: the largest MFU of the step lines and the log, or a problem
+    $PY - "$work/$1.out" "$work/$1.jsonl" <<'EOF'
+import json, re, sys
+printed = [float(x) for x in re.findall(r"^step .*\| mfu +([0-9.]+)% \|", open(sys.argv[1]).read(), re.M)]
+logged = [r["mfu"] for r in map(json.loads, open(sys.argv[2])) if r["type"] == "step"]
+if len(printed) != 10 or len(logged) != 10: print("%d printed and %d logged steps" % (len(printed), len(logged)))
+elif max(printed) > 100 or max(logged) > 1:
+    print("MFU above 100%%: printed %s, logged %s" % (max(printed), max(logged)))
+else: print("ok %.2f%%" % max(printed))
+EOF
+}
+v1=$(mfu_check mfu_tiny) v2=$(mfu_check mfu_measured)
+given='^mfu: .* per rank \(given by --peak-tflops\) x 1 rank'
+raised='^mfu: step 1 ran at [0-9.e+]+ GFLOP/s, above the peak of 0.001 GFLOP/s'
+measured='^mfu: .* per rank \(measured at start: best of 16 512\^3 f32 GEMMs on 1 thread\) x 1 rank'
+if [ "$(rc mfu_tiny)" -eq 0 ] && [ "${v1%% *}" = ok ] && [ "${v2%% *}" = ok ] &&
+   grep -qE "$given" "$work/mfu_tiny.out" && [ "$(grep -cE "$raised" "$work/mfu_tiny.out")" -eq 1 ] &&
+   grep -qE "$measured" "$work/mfu_measured.out"; then
+    what="--peak-tflops 1e-6 (raised to step 1's rate, said once; max ${v1#ok }), measured (max ${v2#ok })"
+    ok "MFU never above 100%: $what"
+else
+    bad "MFU never above 100%" "exit $(rc mfu_tiny)/$(rc mfu_measured): $v1; $v2" \
+        "$(grep '^mfu' "$work/mfu_tiny.out" | head -2)" "$(grep '^mfu' "$work/mfu_measured.out" | head -1)"
+fi
+verdict=$($PY - "$work/one.jsonl" "$work/one.out" "$work/dp2.jsonl" "$work/dp2.out" <<'EOF'
+import json, re, statistics, sys
+def per_tps(log, out):
+    m = re.search(r"mfu: step (\d+) ran at", open(out).read())
+    raised = int(m.group(1)) if m else 1 << 30
+    rows = [r for r in map(json.loads, open(log)) if r["type"] == "step" and r["step"] < raised]
+    return [r["mfu"] / r["tokens_per_s"] for r in rows]
+a, b = per_tps(sys.argv[1], sys.argv[2]), per_tps(sys.argv[3], sys.argv[4])
+if len(a) < 10 or len(b) < 10: print("only %d and %d steps before the peak was raised" % (len(a), len(b))); sys.exit()
+ratio = statistics.median(a) / statistics.median(b)
+print("%s 1 rank / 2 ranks: %.5f" % ("ok" if abs(ratio - 2) < 2e-3 else "bad", ratio))
+EOF
+)
+if [ "${verdict%% *}" = ok ] && grep -qE '^\[rank 0\] mfu: .* x 2 ranks' "$work/dp2.out"; then
+    ok "MFU divides by the peak of every rank: (MFU per token/s) ${verdict#ok }"
+else bad "MFU over 2 ranks" "$verdict" "$(grep 'mfu:' "$work/dp2.out" | head -2)"; fi
+
+# ---- 9. bad input: clean message, non-zero exit, never a crash
 expect_fail() { # name, message regex, args...
     local name=$1 msg=$2; shift 2
     run "$name" "$@"
@@ -223,6 +300,8 @@ expect_fail bad_number '--lr "fast" is not a valid number' "${TINY[@]}" --lr fas
 expect_fail missing_data 'cannot open ".*/nope.txt"' "${TINY[@]}" --data "$work/nope.txt"
 expect_fail empty_data '".*/empty.txt" is empty' "${TINY[@]}" --data "$work/empty.txt"
 expect_fail tiny_corpus 'one global batch needs 8 training windows' "${TINY[@]}" --data "$work/small.txt"
+expect_fail corpus_cap_tiny 'one global batch needs 8 training windows' "${TINY[@]}" --corpus-mb 0.0003
+expect_fail corpus_mb_negative '--corpus-mb -1: must be >= 0' "${TINY[@]}" --corpus-mb -1
 expect_fail shard_version 'token shard ".*v2.bin" has version 2' "${TINY[@]}" --data "$work/v2.bin"
 expect_fail shard_truncated 'says 5000 tokens' "${TINY[@]}" --data "$work/short.bin"
 expect_fail shard_vocab 'token 400 at 2 is >= --vocab 300' "${TINY[@]}" --data "$work/big.bin" --vocab 300

@@ -18,7 +18,7 @@ fi
 need_built "$BIN"
 
 TINY=(--seq 16 --d-model 32 --heads 2 --layers 2 --dense-layers 1 --ffn-hidden 32 --experts 4 --top-k 2
-      --expert-hidden 16 --shared 1 --batch 4 --lr 3e-3 --warmup 2 --corpus-mb 0.05 --val-every 10
+      --expert-hidden 16 --shared 1 --batch 4 --lr 3e-3 --warmup 2 --data "$CORPUS" --corpus-mb 0.05 --val-every 10
       --val-interval 3 --val-batches 1 --sample-len 0 --peak-tflops 0.1 --steps 4 --device cuda)
 
 run() { # name args...

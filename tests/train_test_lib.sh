@@ -5,6 +5,10 @@
 # more than they give); $work is a scratch directory removed at exit; ok/bad/skip count cases,
 # finish prints the totals line and exits non-zero on a failure; need_built BIN builds BIN or
 # fails the program.
+# Every run trains on CORPUS (tests/data/corpus.txt, pass `--data "$CORPUS"`), text the repository
+# fixes, never on the default corpus (the C headers under /usr/include, which differ from machine
+# to machine): the program fails if the file is not the frozen one, and finish fails a case when
+# any output under $work says a run read the default corpus.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 BUILD=${BUILD:-build}
@@ -14,11 +18,37 @@ export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
 passed=0 failed=0 skipped=0
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+CORPUS=tests/data/corpus.txt
+CORPUS_SHA256=a8c75b5380b33d3cc5270667cb75b52fda82e7c4bd6ee35a1840bdcda54fb735
 
 ok() { echo "ok   $1"; passed=$((passed + 1)); }
 bad() { echo "FAIL $1"; shift; for l in "$@"; do echo "     $l"; done; failed=$((failed + 1)); }
 skip() { echo "skip $1"; skipped=$((skipped + 1)); }
-finish() { echo "[$TEST_NAME] totals: $passed passed / $failed failed / $skipped skipped"; [ "$failed" -eq 0 ]; exit $?; }
+# hermetic: one case when any run printed its banner under $work (its "data:" line, "[rank 0] "
+# before it under the launcher); fails when one names the default corpus
+hermetic() {
+    local default ours
+    default=$(grep -rIlE '^(\[rank [0-9]+\] )?data: default corpus' "$work" 2>/dev/null | head -3)
+    ours=$(grep -rIlE "^(\[rank [0-9]+\] )?data: $CORPUS " "$work" 2>/dev/null | wc -l)
+    [ -z "$default" ] && [ "$ours" -eq 0 ] && return
+    if [ -z "$default" ]; then
+        ok "hermetic: no run read the default corpus (/usr/include); $ours runs read $CORPUS"
+    else
+        bad "hermetic: every run reads the repository's corpus" "runs that read the default corpus: ${default:-none}" \
+            "runs that read $CORPUS: $ours"
+    fi
+}
+finish() {
+    hermetic
+    echo "[$TEST_NAME] totals: $passed passed / $failed failed / $skipped skipped"
+    [ "$failed" -eq 0 ]
+    exit $?
+}
+if [ "$(sha256sum "$CORPUS" 2>/dev/null | cut -d' ' -f1)" != "$CORPUS_SHA256" ]; then
+    bad "$CORPUS is the frozen corpus" "sha256 $(sha256sum "$CORPUS" 2>&1 | cut -d' ' -f1), want $CORPUS_SHA256" \
+        "the tests' expectations hold for that text only; restore it from git instead of regenerating it"
+    finish
+fi
 need_built() {
     if ! make --no-print-directory -s BUILD="$BUILD" "$1" >"$work/build.log" 2>&1; then
         cat "$work/build.log"
