@@ -349,7 +349,8 @@ typedef enum dsk_device_pref {
     DSK_PREFER_CUDA      /* fail with DSK_ERR_UNSUPPORTED when no CUDA device is usable */
 } dsk_device_pref;
 
-/* Instruction set of the CPU GEMM micro-kernel (and so of every CPU product). */
+/* Instruction set of the CPU kernels: the GEMM micro-kernel (and so every CPU product), the row
+   primitives (softmax, norms, SwiGLU, RoPE, attention, cross-entropy) and AdamW. */
 typedef enum dsk_cpu_isa {
     DSK_CPU_ISA_AUTO = 0,    /* the best this CPU and build have */
     DSK_CPU_ISA_PORTABLE,    /* plain C, 4 x 16 tiles */
@@ -362,7 +363,14 @@ typedef struct dsk_ctx_opts {
     int cuda_index;          /* CUDA device ordinal, default 0 */
     size_t workspace_bytes;  /* device workspace for cuBLAS and reductions, default 32 MiB */
     int n_threads;           /* CPU threads for ops, default: OpenMP's maximum */
-    dsk_cpu_isa cpu_isa;     /* CPU GEMM kernel, default DSK_CPU_ISA_AUTO; one the CPU lacks is an error */
+    /* CPU kernels, default DSK_CPU_ISA_AUTO; one the CPU lacks is an error (DSK_ERR_UNSUPPORTED).
+       AUTO reads the environment variable DSK_CPU_ISA = portable | avx2 | avx512 | auto (unset,
+       empty or auto: the best this CPU and build have); an explicit cpu_isa wins over it. An
+       unknown name is DSK_ERR_ARG, an ISA this CPU or build lacks DSK_ERR_UNSUPPORTED, both from
+       dsk_ctx_init naming the variable and its value. So DSK_CPU_ISA=avx2 runs a program on an
+       AVX-512 machine as on an AVX2 one. The calls without a ctx (dsk_sgemm_cpu, dsk_swiglu_cpu,
+       dsk_swiglu_grad_cpu, CPU ops given ctx NULL) read it too, through dsk_cpu_isa_auto(). */
+    dsk_cpu_isa cpu_isa;
 } dsk_ctx_opts;
 
 /* What the host waited for on a CUDA context: every stream synchronisation made through the
@@ -395,6 +403,10 @@ DSK_API dsk_status dsk_ctx_sync(dsk_ctx *ctx); /* waits for the context's stream
 DSK_API dsk_device dsk_cpu(void);
 /* The best CPU GEMM instruction set this CPU and build have (checked at run time). */
 DSK_API dsk_cpu_isa dsk_cpu_isa_best(void);
+/* What DSK_CPU_ISA_AUTO means now: DSK_CPU_ISA's value when it names an ISA this CPU and build
+   have, else dsk_cpu_isa_best() (a bad value falls back here; dsk_ctx_init reports it). Read
+   from the environment at each call, nothing cached. */
+DSK_API dsk_cpu_isa dsk_cpu_isa_auto(void);
 DSK_API int dsk_cpu_isa_supported(dsk_cpu_isa isa); /* 1 if usable here (AUTO: 0) */
 DSK_API const char *dsk_cpu_isa_name(dsk_cpu_isa isa); /* "avx512", ...; "invalid" */
 /* Writes the kernel `isa` selects, e.g. "avx512 12x32", into buf (terminated); returns buf. */
@@ -557,19 +569,28 @@ static inline DSK_HD float dsk_ew_f(dsk_ew_op op, float x, float y, float alpha)
    by every batch. A and B: same dtype, f32/bf16/f16; C: f32 or A's dtype; f32 accumulation.
    Each matrix needs unit stride in its last dim; leading strides are free (views work).
    beta == 0 ignores C's prior contents (NaN included). C must not overlap A or B. On the CPU
-   the result is bitwise the same for any ctx->n_threads (fixed summation order). */
+   the result is bitwise the same for any ctx->n_threads (fixed summation order).
+   Rows contract (CPU, every op here that works row by row: matmul, matmul_grouped and
+   swiglu_grouped, softmax, rmsnorm, silu, swiglu, cross-entropy's dlogits, rope, attention and
+   fused attention per sequence, gathers, elementwise ops, AdamW per element, and their backward
+   passes' per-row outputs): on a given ISA (ctx->cpu_isa), a row's result has the same bits
+   whatever the number of rows in the call, however a batch is split between calls (data,
+   pipeline and sequence parallelism cut it differently), and for any thread count. Tile edges,
+   short tiles and vector tails run the same arithmetic as full ones (masked lanes, the same
+   fused multiply-adds, dsk_exp_f's operations); only the ISA may change the bits. Sums over rows
+   (weight gradients, the loss) are not per-row results: their order follows the rows given. */
 DSK_API dsk_status dsk_matmul(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, int trans_a,
                               const dsk_tensor *B, int trans_b, float alpha, float beta);
 /* Raw row-major f32 GEMM on the CPU: C = alpha*op(A)op(B) + beta*C with leading dims
    (op(A) is M x K, op(B) K x N); n_threads <= 0 means OpenMP's maximum. Cache-blocked, on the
-   micro-kernel of dsk_cpu_isa_best() (AVX-512, AVX2/FMA or portable, chosen at run time); same
+   micro-kernel of dsk_cpu_isa_auto() (AVX-512, AVX2/FMA or portable, chosen at run time); same
    bits for any thread count. Cannot fail: without memory for its buffers it computes the
    product with plain loops. */
 DSK_API void dsk_sgemm_cpu(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha,
                            const float *A, int64_t lda, const float *B, int64_t ldb, float beta,
                            float *C, int64_t ldc, int n_threads);
 
-/* Raw f32 SwiGLU on the CPU for i < n, vectorised for dsk_cpu_isa_best() with the same bits as
+/* Raw f32 SwiGLU on the CPU for i < n, vectorised for dsk_cpu_isa_auto() with the same bits as
    dsk_swiglu_f / dsk_swiglu_grad_f: out = silu(gate) up; dgate, dup = the gradients for dout,
    WRITTEN (dgate may be dout). One thread; for callers that own their loops (dsk_moe.h). */
 DSK_API void dsk_swiglu_cpu(int64_t n, const float *gate, const float *up, float *out);
@@ -796,6 +817,7 @@ DSK_API dsk_status dsk_attention_fused_backward(dsk_ctx *ctx, dsk_tensor *dq, ds
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h> /* getenv (DSK_MALLOC may stand in for malloc without it) */
 #include <float.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -874,6 +896,29 @@ static int dsk__default_threads(void) {
 #endif
 }
 
+/* The ISA a DSK_CPU_ISA value names: AUTO for NULL, "" and "auto"; -1 for an unknown name. */
+static int dsk__cpu_isa_parse(const char *v) {
+    if (!v || !*v || !strcmp(v, "auto")) return DSK_CPU_ISA_AUTO;
+    for (int i = DSK_CPU_ISA_PORTABLE; i <= DSK_CPU_ISA_AVX512; i++)
+        if (!strcmp(v, dsk_cpu_isa_name((dsk_cpu_isa)i))) return i;
+    return -1;
+}
+
+/* The ISA the environment asks for (AUTO: none), or the error naming DSK_CPU_ISA's value. */
+static dsk_status dsk__cpu_isa_env(dsk_cpu_isa *isa) {
+    const char *v = getenv("DSK_CPU_ISA");
+    int i = dsk__cpu_isa_parse(v);
+    *isa = DSK_CPU_ISA_AUTO;
+    if (i < 0)
+        return dsk_set_error(DSK_ERR_ARG, "dsk_ctx_init: environment DSK_CPU_ISA=\"%.64s\" is not one of portable, "
+                             "avx2, avx512, auto", v);
+    if (i != DSK_CPU_ISA_AUTO && !dsk_cpu_isa_supported((dsk_cpu_isa)i))
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "dsk_ctx_init: environment DSK_CPU_ISA=%s but this CPU or build "
+                             "lacks %s (best: %s)", v, v, dsk_cpu_isa_name(dsk_cpu_isa_best()));
+    *isa = (dsk_cpu_isa)i;
+    return DSK_OK;
+}
+
 DSK_API dsk_status dsk_ctx_init(dsk_ctx *ctx, const dsk_ctx_opts *opts) {
     dsk_ctx_opts o;
     if (!ctx) return dsk_set_error(DSK_ERR_ARG, "dsk_ctx_init: ctx is NULL");
@@ -887,6 +932,7 @@ DSK_API dsk_status dsk_ctx_init(dsk_ctx *ctx, const dsk_ctx_opts *opts) {
     if (o.cpu_isa != DSK_CPU_ISA_AUTO && !dsk_cpu_isa_supported(o.cpu_isa))
         return dsk_set_error(DSK_ERR_UNSUPPORTED, "dsk_ctx_init: cpu_isa %s requested but this CPU or build lacks it (best: %s)",
                              dsk_cpu_isa_name(o.cpu_isa), dsk_cpu_isa_name(dsk_cpu_isa_best()));
+    if (o.cpu_isa == DSK_CPU_ISA_AUTO) DSK__TRY(dsk__cpu_isa_env(&o.cpu_isa));
     ctx->device = dsk_cpu();
     ctx->n_threads = o.n_threads ? o.n_threads : dsk__default_threads();
     ctx->cpu_isa = o.cpu_isa != DSK_CPU_ISA_AUTO ? o.cpu_isa : dsk_cpu_isa_best();
@@ -1809,6 +1855,11 @@ DSK_API dsk_cpu_isa dsk_cpu_isa_best(void) {
     return (m >> DSK_CPU_ISA_AVX512) & 1u ? DSK_CPU_ISA_AVX512 : (m >> DSK_CPU_ISA_AVX2) & 1u ? DSK_CPU_ISA_AVX2 : DSK_CPU_ISA_PORTABLE;
 }
 
+DSK_API dsk_cpu_isa dsk_cpu_isa_auto(void) {
+    int i = dsk__cpu_isa_parse(getenv("DSK_CPU_ISA"));
+    return i > 0 && dsk_cpu_isa_supported((dsk_cpu_isa)i) ? (dsk_cpu_isa)i : dsk_cpu_isa_best();
+}
+
 DSK_API int dsk_cpu_isa_supported(dsk_cpu_isa isa) { return (int)isa > 0 && (int)isa < 32 && ((dsk__cpu_isa_mask() >> isa) & 1u); }
 
 DSK_API const char *dsk_cpu_isa_name(dsk_cpu_isa isa) {
@@ -1821,10 +1872,10 @@ DSK_API const char *dsk_cpu_isa_name(dsk_cpu_isa isa) {
     }
 }
 
-/* The micro-kernel of `isa` (AUTO or one this CPU lacks: the best it has). */
+/* The micro-kernel of `isa` (AUTO or one this CPU lacks: dsk_cpu_isa_auto()'s). */
 static dsk__ukernel dsk__ukernel_for(dsk_cpu_isa isa) {
     dsk__ukernel u;
-    if (!dsk_cpu_isa_supported(isa)) isa = dsk_cpu_isa_best();
+    if (!dsk_cpu_isa_supported(isa)) isa = dsk_cpu_isa_auto();
     u.isa = isa;
     u.mr = 4; u.nr = 16; u.fn = dsk__ukernel_portable;
 #if DSK__X86
@@ -2327,10 +2378,10 @@ static DSK__TARGET_AVX2 void dsk__rope_avx2(float *y, const float *x, const floa
 }
 #endif
 
-/* The row primitives of `isa` (AUTO or one this CPU lacks: the best it has). */
+/* The row primitives of `isa` (AUTO or one this CPU lacks: dsk_cpu_isa_auto()'s). */
 static dsk__rowk dsk__rowk_for(dsk_cpu_isa isa) {
     dsk__rowk r;
-    if (!dsk_cpu_isa_supported(isa)) isa = dsk_cpu_isa_best();
+    if (!dsk_cpu_isa_supported(isa)) isa = dsk_cpu_isa_auto();
     r.max = dsk__max_c; r.exp_sum = dsk__exp_sum_c; r.scale = dsk__scale_c32; r.dot = dsk__dot_c;
     r.mul_scale = dsk__mul_scale_c; r.sub_mul = dsk__sub_mul_c; r.swiglu = dsk__swiglu_c; r.swiglu_bwd = dsk__swiglu_bwd_c;
     r.rope = dsk__rope_c;
@@ -3934,7 +3985,7 @@ static DSK__TARGET_AVX512 void dsk__adamw_avx512(float *p, float *m, float *v, c
 static void dsk__adamw_rows(dsk_cpu_isa isa, float *p, float *m, float *v, const float *g, int64_t n, float gm, const dsk_adamw_opts *o,
                             float bc1, float bc2) {
 #if DSK__X86
-    if (!dsk_cpu_isa_supported(isa)) isa = dsk_cpu_isa_best();
+    if (!dsk_cpu_isa_supported(isa)) isa = dsk_cpu_isa_auto();
     if (isa == DSK_CPU_ISA_AVX512) { dsk__adamw_avx512(p, m, v, g, n, gm, o, bc1, bc2); return; }
 #else
     (void)isa;
