@@ -437,7 +437,10 @@ typedef struct dsk_tensor {
 } dsk_tensor;
 
 /* Allocates a contiguous tensor on ctx's device (CPU if ctx is NULL); contents undefined.
-   Device memory comes from cudaMallocAsync on ctx's stream. */
+   Device memory comes from cudaMallocAsync on ctx's stream. Every constructor of a shape
+   (alloc, wrap, reshape, slice) refuses one whose size does not fit: the product of its
+   nonzero dims (so every contiguous stride) times the element size must be at most
+   PTRDIFF_MAX bytes, else DSK_ERR_ARG naming the shape (never a wrapped count of 0). */
 DSK_API dsk_status dsk_tensor_alloc(dsk_ctx *ctx, dsk_tensor *t, dsk_dtype dt, int ndim, const int64_t *shape);
 /* As dsk_tensor_alloc on an explicit device. */
 DSK_API dsk_status dsk_tensor_alloc_on(dsk_ctx *ctx, dsk_device dev, dsk_tensor *t, dsk_dtype dt, int ndim, const int64_t *shape);
@@ -1065,13 +1068,38 @@ DSK_API const char *dsk_tensor_describe(const dsk_tensor *t, char *buf, size_t n
     return buf;
 }
 
+/* Writes "[a,b,...]" into buf (terminated). */
+static const char *dsk__shape_str(char *buf, size_t n, int ndim, const int64_t *shape) {
+    size_t k = (size_t)snprintf(buf, n, "[");
+    for (int i = 0; i < ndim && k < n; i++)
+        k += (size_t)snprintf(buf + k, n - k, i ? ",%lld" : "%lld", (long long)shape[i]);
+    if (k < n) snprintf(buf + k, n - k, "]");
+    return buf;
+}
+
+/* The shape's nonzero dims (every contiguous stride) times the element size fit in PTRDIFF_MAX
+   bytes: numel, nbytes, strides and byte offsets cannot wrap (dims checked >= 0 already). */
+static dsk_status dsk__check_size(const char *fn, dsk_dtype dt, int ndim, const int64_t *shape) {
+    int64_t limit = (int64_t)(PTRDIFF_MAX / (ptrdiff_t)dsk_dtype_size(dt)), n = 1;
+    char b[192];
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] == 0) continue;
+        if (n > limit / shape[i])
+            return dsk_set_error(DSK_ERR_ARG, "%s: shape %s of %s is too large: its element or byte count overflows "
+                                 "(at most %lld elements of %zu bytes)", fn, dsk__shape_str(b, sizeof b, ndim, shape),
+                                 dsk_dtype_name(dt), (long long)limit, dsk_dtype_size(dt));
+        n *= shape[i];
+    }
+    return DSK_OK;
+}
+
 static dsk_status dsk__check_shape(const char *fn, dsk_dtype dt, int ndim, const int64_t *shape) {
     if (dsk_dtype_size(dt) == 0) return dsk_set_error(DSK_ERR_ARG, "%s: invalid dtype %d", fn, (int)dt);
     if (ndim < 0 || ndim > DSK_MAX_DIMS) return dsk_set_error(DSK_ERR_ARG, "%s: ndim %d outside [0, %d]", fn, ndim, DSK_MAX_DIMS);
     if (ndim > 0 && !shape) return dsk_set_error(DSK_ERR_ARG, "%s: shape is NULL for ndim %d", fn, ndim);
     for (int i = 0; i < ndim; i++)
         if (shape[i] < 0) return dsk_set_error(DSK_ERR_ARG, "%s: shape[%d] = %lld is negative", fn, i, (long long)shape[i]);
-    return DSK_OK;
+    return dsk__check_size(fn, dt, ndim, shape);
 }
 
 static void dsk__init_header(dsk_tensor *t, dsk_dtype dt, dsk_device dev, int ndim, const int64_t *shape) {
@@ -1220,9 +1248,9 @@ DSK_API dsk_status dsk_tensor_slice(const dsk_tensor *t, int dim, int64_t start,
     if (!t || !out) return dsk_set_error(DSK_ERR_ARG, "dsk_tensor_slice: NULL tensor");
     if (dim < 0 || dim >= t->ndim)
         return dsk_set_error(DSK_ERR_ARG, "dsk_tensor_slice: dim %d outside tensor %s", dim, dsk_tensor_describe(t, b, sizeof b));
-    if (start < 0 || len < 0 || start + len > t->shape[dim])
-        return dsk_set_error(DSK_ERR_ARG, "dsk_tensor_slice: [%lld, %lld) outside dim %d of size %lld", (long long)start,
-                             (long long)(start + len), dim, (long long)t->shape[dim]);
+    if (start < 0 || len < 0 || start > t->shape[dim] || len > t->shape[dim] - start) /* start + len may wrap */
+        return dsk_set_error(DSK_ERR_ARG, "dsk_tensor_slice: [%lld, %lld + %lld) outside dim %d of size %lld",
+                             (long long)start, (long long)start, (long long)len, dim, (long long)t->shape[dim]);
     v = dsk__view_of(t);
     if (v.data) v.data = (char *)v.data + (size_t)(start * t->stride[dim]) * dsk_dtype_size(t->dtype);
     v.shape[dim] = len;

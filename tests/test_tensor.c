@@ -501,6 +501,35 @@ static void test_tensor_alloc_errors(void) {
     dsk_tensor_free(NULL, &t);
 }
 
+/* A shape whose element count, byte count or contiguous strides do not fit (PTRDIFF_MAX bytes)
+   fails every constructor, naming it: before, [2^40, 2^30] allocated 0 elements and [2^31, 2^31]
+   f32 0 bytes (2^62 elements) that dsk_tensor_fill "filled". A size that fits but cannot be had
+   is DSK_ERR_OOM. */
+static void test_tensor_size_overflow(void) {
+    static const struct { dsk_dtype dt; int ndim; int64_t shape[3]; const char *text; } big[5] = {
+        {DSK_F32, 2, {1LL << 40, 1LL << 30}, "[1099511627776,1073741824] of f32"},
+        {DSK_F32, 2, {1LL << 62, 4}, "[4611686018427387904,4] of f32"},
+        {DSK_F32, 2, {1LL << 31, 1LL << 31}, "[2147483648,2147483648] of f32"},
+        {DSK_F64, 1, {1LL << 60}, "[1152921504606846976] of f64"},
+        {DSK_BF16, 3, {0, 1LL << 62, 1LL << 2}, "[0,4611686018427387904,4] of bf16"}};
+    dsk_tensor t, v, *small = tt_rand(DSK_F32, 1, SH(4), -1, 1);
+    char want[128];
+    for (int i = 0; i < 5; i++) {
+        snprintf(want, sizeof want, "shape %s is too large", big[i].text);
+        t.data = small; /* a failed constructor leaves a zeroed tensor */
+        TT_ERR(dsk_tensor_alloc(NULL, &t, big[i].dt, big[i].ndim, big[i].shape), DSK_ERR_ARG, want);
+        DSK_TEST_EXPECT(!t.data && t.ndim == 0, "failed alloc leaves a zeroed tensor");
+        TT_ERR(dsk_tensor_wrap(&t, small->data, big[i].dt, dsk_cpu(), big[i].ndim, big[i].shape), DSK_ERR_ARG, want);
+        if (big[i].dt == DSK_F32) TT_ERR(dsk_tensor_reshape(small, big[i].ndim, big[i].shape, &v), DSK_ERR_ARG, want);
+    }
+    /* the largest sizes that fit: no wrap, the allocator just cannot have them */
+    DSK_TEST_STATUS(dsk_tensor_alloc(NULL, &t, DSK_F64, 1, SH((1LL << 60) - 1)), DSK_ERR_OOM);
+    DSK_TEST_STATUS(dsk_tensor_alloc(NULL, &t, DSK_U8, 2, SH(1LL << 31, 1LL << 31)), DSK_ERR_OOM);
+    /* a slice whose end would wrap */
+    TT_ERR(dsk_tensor_slice(small, 0, 1, INT64_MAX, &v), DSK_ERR_ARG,
+           "[1, 1 + 9223372036854775807) outside dim 0 of size 4");
+}
+
 /* The allocator's accounting: live bytes, high-water mark and count move with every owning
    alloc and free on the CPU (views and wrapped memory do not count); reset_peak brings the
    mark down to what is live. Deltas, since the harness holds tensors of its own. */
@@ -610,7 +639,7 @@ static void test_views(void) {
     DSK_TEST_STATUS(dsk_tensor_reshape(t, 2, SH(7, 17), &v), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("dsk_tensor_reshape");
     DSK_TEST_STATUS(dsk_tensor_slice(t, 2, 4, 3, &v), DSK_ERR_ARG);
-    DSK_TEST_ERROR_MENTIONS("[4, 7) outside dim 2 of size 6");
+    DSK_TEST_ERROR_MENTIONS("[4, 4 + 3) outside dim 2 of size 6");
     DSK_TEST_STATUS(dsk_tensor_select(t, 4, &v), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("row 4 outside");
 }
@@ -2953,6 +2982,7 @@ int main(void) {
     TT_CASE("DSK_CPU_ISA: each name, auto, empty, unknown names, explicit options win, calls without a ctx follow");
     test_ctx_isa_env();
     TT_CASE("tensor alloc/wrap/free: errors, empty tensors, describe"); test_tensor_alloc_errors();
+    TT_CASE("tensor sizes that overflow: alloc, wrap, reshape, slice name the shape"); test_tensor_size_overflow();
     TT_CASE("allocator accounting: live bytes, high-water mark, reset"); test_tensor_mem();
     for (int d = 0; d < DSK_DTYPE_COUNT; d++) {
         TT_CASE("fill %s: contiguous and strided views, every element", dsk_dtype_name((dsk_dtype)d));
