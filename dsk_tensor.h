@@ -362,7 +362,12 @@ typedef struct dsk_ctx_opts {
     dsk_device_pref device;  /* default DSK_PREFER_AUTO */
     int cuda_index;          /* CUDA device ordinal, default 0 */
     size_t workspace_bytes;  /* device workspace for cuBLAS and reductions, default 32 MiB */
-    int n_threads;           /* CPU threads for ops, default: OpenMP's maximum */
+    /* CPU threads for ops. Default: OpenMP's maximum (omp_get_max_threads(), which
+       OMP_NUM_THREADS and omp_set_num_threads set); when OMP_NUM_THREADS is not set, at most
+       this rank's share of the cores, omp_get_num_procs() / LOCAL_WORLD_SIZE (at least 1), so
+       local ranks (torchrun, dsk_comm_spawn_local) do not each start a thread per core and
+       fight over them. A LOCAL_WORLD_SIZE that is not a positive integer counts as 1. */
+    int n_threads;
     /* CPU kernels, default DSK_CPU_ISA_AUTO; one the CPU lacks is an error (DSK_ERR_UNSUPPORTED).
        AUTO reads the environment variable DSK_CPU_ISA = portable | avx2 | avx512 | auto (unset,
        empty or auto: the best this CPU and build have); an explicit cpu_isa wins over it. An
@@ -585,7 +590,7 @@ static inline DSK_HD float dsk_ew_f(dsk_ew_op op, float x, float y, float alpha)
 DSK_API dsk_status dsk_matmul(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, int trans_a,
                               const dsk_tensor *B, int trans_b, float alpha, float beta);
 /* Raw row-major f32 GEMM on the CPU: C = alpha*op(A)op(B) + beta*C with leading dims
-   (op(A) is M x K, op(B) K x N); n_threads <= 0 means OpenMP's maximum. Cache-blocked, on the
+   (op(A) is M x K, op(B) K x N); n_threads <= 0 means dsk_ctx_opts' default. Cache-blocked, on the
    micro-kernel of dsk_cpu_isa_auto() (AVX-512, AVX2/FMA or portable, chosen at run time); same
    bits for any thread count. Cannot fail: without memory for its buffers it computes the
    product with plain loops. */
@@ -891,9 +896,25 @@ DSK_API int dsk_cuda_available(void) {
 #endif
 }
 
+#ifdef _OPENMP
+/* LOCAL_WORLD_SIZE as a positive count; 1 when unset or not one. */
+static int dsk__local_world_size(void) {
+    const char *v = getenv("LOCAL_WORLD_SIZE");
+    char *end;
+    long n = v ? strtol(v, &end, 10) : 0;
+    return v && *v && !*end && n > 0 && n < 1000000 ? (int)n : 1;
+}
+#endif
+
+/* dsk_ctx_opts.n_threads' default: OpenMP's maximum, without OMP_NUM_THREADS at most this local
+   rank's share of the cores. */
 static int dsk__default_threads(void) {
 #ifdef _OPENMP
-    return omp_get_max_threads();
+    const char *omp = getenv("OMP_NUM_THREADS");
+    int n = omp_get_max_threads(), share = omp_get_num_procs() / dsk__local_world_size();
+    if (omp && *omp) return n;
+    share = share > 1 ? share : 1;
+    return n < share ? n : share;
 #else
     return 1;
 #endif

@@ -426,17 +426,31 @@ static void test_ctx(void) {
     }
 }
 
+/* Restores an environment variable saved by tt_env_save. */
+typedef struct tt_env { const char *name; int set; char value[256]; } tt_env;
+static tt_env tt_env_save(const char *name) {
+    tt_env e;
+    const char *v = getenv(name);
+    e.name = name;
+    e.set = v != NULL;
+    snprintf(e.value, sizeof e.value, "%s", v ? v : "");
+    return e;
+}
+static void tt_env_restore(const tt_env *e) {
+    if (e->set) setenv(e->name, e->value, 1);
+    else unsetenv(e->name);
+}
+
 /* DSK_CPU_ISA names the kernels of a ctx whose cpu_isa is AUTO and of the calls without a ctx
    (dsk_cpu_gemm_describe(AUTO) shows which); explicit options win; an unknown name or an ISA this
    CPU lacks fails dsk_ctx_init naming the variable. The caller's value is restored. */
 static void test_ctx_isa_env(void) {
     static const char *bad[4] = {"avx3", "AVX2", " avx2", "avx2,fma"};
-    const char *was = getenv("DSK_CPU_ISA");
-    char keep[64], desc[32], want[64];
+    tt_env was = tt_env_save("DSK_CPU_ISA");
+    char desc[32], want[64];
     dsk_ctx ctx;
     dsk_ctx_opts o;
     dsk_cpu_isa best = dsk_cpu_isa_best();
-    snprintf(keep, sizeof keep, "%s", was ? was : "");
     memset(&o, 0, sizeof o);
     o.device = DSK_PREFER_CPU;
     for (int i = DSK_CPU_ISA_PORTABLE; i <= DSK_CPU_ISA_AVX512; i++) {
@@ -478,8 +492,62 @@ static void test_ctx_isa_env(void) {
         DSK_TEST_EXPECT(ctx.cpu_isa == DSK_CPU_ISA_PORTABLE, "cpu_isa portable over DSK_CPU_ISA=\"%s\"", bad[i]);
         o.cpu_isa = DSK_CPU_ISA_AUTO;
     }
-    if (was) setenv("DSK_CPU_ISA", keep, 1);
-    else unsetenv("DSK_CPU_ISA");
+    tt_env_restore(&was);
+}
+
+/* The default thread count: without OMP_NUM_THREADS each local rank gets its share of the cores,
+   omp_get_num_procs() / LOCAL_WORLD_SIZE, at least 1 (before, every rank took them all), or
+   OpenMP's maximum if the program set a lower one; with it, OpenMP's maximum; explicit options
+   win. OpenMP's maximum is set to the core count first and restored. */
+static void test_ctx_threads(void) {
+#ifdef _OPENMP
+    static const char *ignored[4] = {"0", "-2", "two", "2x"};
+    tt_env omp = tt_env_save("OMP_NUM_THREADS"), lws = tt_env_save("LOCAL_WORLD_SIZE");
+    int procs = omp_get_num_procs(), nt0 = omp_get_max_threads();
+    char v[32];
+    dsk_ctx ctx;
+    dsk_ctx_opts o;
+    omp_set_num_threads(procs);
+    memset(&o, 0, sizeof o);
+    o.device = DSK_PREFER_CPU;
+    unsetenv("OMP_NUM_THREADS");
+    unsetenv("LOCAL_WORLD_SIZE");
+    DSK_TEST_OK(dsk_ctx_init(&ctx, &o));
+    DSK_TEST_EXPECT(ctx.n_threads == procs, "one rank: %d threads, want the %d cores", ctx.n_threads, procs);
+    for (int k = 1; k <= 2 * procs + 1; k += 1 + k / 2) {
+        int want = procs / k > 1 ? procs / k : 1;
+        snprintf(v, sizeof v, "%d", k);
+        setenv("LOCAL_WORLD_SIZE", v, 1);
+        DSK_TEST_OK(dsk_ctx_init(&ctx, &o));
+        DSK_TEST_EXPECT(ctx.n_threads == want, "LOCAL_WORLD_SIZE=%d on %d cores: %d threads, want %d", k, procs,
+                        ctx.n_threads, want);
+    }
+    for (int i = 0; i < 4; i++) {
+        setenv("LOCAL_WORLD_SIZE", ignored[i], 1);
+        DSK_TEST_OK(dsk_ctx_init(&ctx, &o));
+        DSK_TEST_EXPECT(ctx.n_threads == procs, "LOCAL_WORLD_SIZE=\"%s\" counts as 1: %d threads, want %d", ignored[i],
+                        ctx.n_threads, procs);
+    }
+    unsetenv("LOCAL_WORLD_SIZE");
+    omp_set_num_threads(1); /* a program's lower maximum is kept */
+    DSK_TEST_OK(dsk_ctx_init(&ctx, &o));
+    DSK_TEST_EXPECT(ctx.n_threads == 1, "omp_set_num_threads(1): %d threads", ctx.n_threads);
+    omp_set_num_threads(procs);
+    setenv("LOCAL_WORLD_SIZE", "2", 1);
+    o.n_threads = 3;
+    DSK_TEST_OK(dsk_ctx_init(&ctx, &o));
+    DSK_TEST_EXPECT(ctx.n_threads == 3, "explicit n_threads 3 under LOCAL_WORLD_SIZE=2: %d", ctx.n_threads);
+    o.n_threads = 0;
+    setenv("OMP_NUM_THREADS", "3", 1); /* OpenMP read it at start: its maximum is what the user chose */
+    DSK_TEST_OK(dsk_ctx_init(&ctx, &o));
+    DSK_TEST_EXPECT(ctx.n_threads == omp_get_max_threads(), "OMP_NUM_THREADS set: %d threads, want OpenMP's %d",
+                    ctx.n_threads, omp_get_max_threads());
+    tt_env_restore(&omp);
+    tt_env_restore(&lws);
+    omp_set_num_threads(nt0);
+#else
+    dsk_test_skip("built without OpenMP");
+#endif
 }
 
 static void test_tensor_alloc_errors(void) {
@@ -2981,6 +3049,8 @@ int main(void) {
     TT_CASE("ctx options and errors"); test_ctx();
     TT_CASE("DSK_CPU_ISA: each name, auto, empty, unknown names, explicit options win, calls without a ctx follow");
     test_ctx_isa_env();
+    TT_CASE("default threads: the cores / LOCAL_WORLD_SIZE without OMP_NUM_THREADS, OpenMP's with it");
+    test_ctx_threads();
     TT_CASE("tensor alloc/wrap/free: errors, empty tensors, describe"); test_tensor_alloc_errors();
     TT_CASE("tensor sizes that overflow: alloc, wrap, reshape, slice name the shape"); test_tensor_size_overflow();
     TT_CASE("allocator accounting: live bytes, high-water mark, reset"); test_tensor_mem();
