@@ -16,6 +16,40 @@
    Backward functions accumulate (+=) into their gradient outputs.
    License: MIT, see the end of the file.
 
+   Example, one step of a linear layer y = x w^T with AdamW (after a failed call s holds its
+   status, the calls after it are skipped, and dsk_last_error() names the function, tensor and
+   values):
+
+       dsk_ctx ctx;
+       dsk_tensor x, w, y, dy, dw, m, v;
+       const int64_t xs[2] = {64, 128}, ws[2] = {256, 128}, ys[2] = {64, 256};
+       dsk_adamw_opts adamw = dsk_adamw_defaults();              // PyTorch's AdamW defaults
+       dsk_status s;
+       memset(&x, 0, sizeof x);
+       w = y = dy = dw = m = v = x;                              // zeroed: free accepts them
+       s = dsk_ctx_init(&ctx, NULL);                             // the GPU if usable, else the CPU
+       if (s == DSK_OK) s = dsk_tensor_alloc(&ctx, &x, DSK_F32, 2, xs);  // contents undefined
+       if (s == DSK_OK) s = dsk_tensor_alloc(&ctx, &w, DSK_F32, 2, ws);  // f32 master weights
+       if (s == DSK_OK) s = dsk_tensor_alloc(&ctx, &dw, DSK_F32, 2, ws);
+       if (s == DSK_OK) s = dsk_tensor_alloc(&ctx, &m, DSK_F32, 2, ws);
+       if (s == DSK_OK) s = dsk_tensor_alloc(&ctx, &v, DSK_F32, 2, ws);
+       if (s == DSK_OK) s = dsk_tensor_alloc(&ctx, &y, DSK_F32, 2, ys);
+       if (s == DSK_OK) s = dsk_tensor_alloc(&ctx, &dy, DSK_F32, 2, ys);
+       if (s == DSK_OK) s = dsk_tensor_normal(&ctx, &x, 1, 0, 0.0f, 1.0f);   // seed 1, offset 0
+       if (s == DSK_OK) s = dsk_tensor_normal(&ctx, &w, 2, 0, 0.0f, 0.02f);
+       if (s == DSK_OK) s = dsk_tensor_fill(&ctx, &dw, 0.0);     // gradients accumulate
+       if (s == DSK_OK) s = dsk_tensor_fill(&ctx, &m, 0.0);
+       if (s == DSK_OK) s = dsk_tensor_fill(&ctx, &v, 0.0);
+       if (s == DSK_OK) s = dsk_matmul(&ctx, &y, &x, 0, &w, 1, 1.0f, 0.0f);  // y = x w^T
+       if (s == DSK_OK) s = dsk_tensor_copy(&ctx, &dy, &y);      // the loss 0.5 |y|^2: dy = y
+       if (s == DSK_OK) s = dsk_matmul(&ctx, &dw, &dy, 1, &x, 0, 1.0f, 1.0f); // dw += dy^T x
+       if (s == DSK_OK) s = dsk_adamw_step(&ctx, &w, &dw, &m, &v, &adamw, 1, 1.0f, NULL); // step 1
+       if (s == DSK_OK) s = dsk_ctx_sync(&ctx);                  // CUDA: wait for the stream
+       dsk_tensor_free(&ctx, &x); dsk_tensor_free(&ctx, &w); dsk_tensor_free(&ctx, &y);
+       dsk_tensor_free(&ctx, &dy); dsk_tensor_free(&ctx, &dw); dsk_tensor_free(&ctx, &m);
+       dsk_tensor_free(&ctx, &v);
+       dsk_ctx_free(&ctx);
+
    Contents (declarations; the implementation follows the same order)
      status and errors     dsk_status, dsk_status_str, dsk_last_error, dsk_set_error, DSK__TRY
      dtypes                dsk_dtype, sizes and names, RNE conversions (bf16, f16, e4m3, e5m2)
