@@ -2655,9 +2655,17 @@ typedef struct tt_rows_io {
 } tt_rows_io;
 typedef dsk_status (*tt_rows_fn)(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n);
 
-/* The parts of cut pattern p of M rows (p < M + 1); returns their count. */
+/* How many cut patterns M rows get: every one below for M <= 80, else 4 chunk lengths. */
+static int64_t tt_rows_patterns(int64_t M) { return M <= 80 ? M + 1 : 4; }
+/* The parts of cut pattern p of M rows; returns their count (at most 80). M > 80: chunks of 7,
+   64 (the trainer's micro-batches), 144 (the packed nest's row block) and 145, then the rest. */
 static int tt_rows_cut(int64_t M, int64_t p, int64_t *len) {
+    static const int64_t chunk[4] = {7, 64, 144, 145};
     int k = 0;
+    if (M > 80) {
+        for (int64_t r = 0; r < M; r += len[k - 1]) len[k++] = chunk[p] < M - r ? chunk[p] : M - r;
+        return k;
+    }
     if (p == 0) { for (int64_t r = 0; r < M; r++) len[k++] = 1; return k; }
     if (p < M) { len[0] = p; len[1] = M - p; return 2; }
     for (int64_t r = 0, l = 1; r < M; r += len[k - 1], l += 2) len[k++] = l < M - r ? l : M - r;
@@ -2698,7 +2706,7 @@ static int tt_rows_differ(const char *op, tt_rows_io *io, unsigned char **ref, c
 }
 
 static void tt_rows_check(const char *op, tt_rows_fn fn, tt_rows_io *io) {
-    int64_t M = io->t[0]->shape[io->dim[0]], len[80]; /* M <= 80 */
+    int64_t M = io->t[0]->shape[io->dim[0]], len[80];
     unsigned char *ref[6];
     char how[96];
     dsk_ctx cx;
@@ -2716,7 +2724,7 @@ static void tt_rows_check(const char *op, tt_rows_fn fn, tt_rows_io *io) {
             for (int i = 0; i < io->nout; i++) memcpy(ref[i], io->t[i]->data, dsk_tensor_nbytes(io->t[i]));
         snprintf(how, sizeof how, "%d threads, one call of %lld rows", th, (long long)M);
         if (tt_rows_differ(op, io, ref, how)) return;
-        for (int64_t p = 0; p <= M; p++) {
+        for (int64_t p = 0; p < tt_rows_patterns(M); p++) {
             int parts = tt_rows_cut(M, p, len);
             int64_t r0 = 0;
             tt_rows_prepare(io);
@@ -2736,9 +2744,10 @@ static dsk_status tt_rows_matmul(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int
     (void)r0; (void)n;
     return dsk_matmul(cx, &v[0], &v[1], io->flag[0], io->w[0], io->flag[1], io->f, io->flag[2] ? 0.5f : 0.0f);
 }
-/* C (M, N) of dtype cdt = 1.25 op(A) op(B) (+ 0.5 C with beta), A, B of dtype dt. */
-static void test_rows_matmul(dsk_dtype dt, dsk_dtype cdt, int ta, int tb, int64_t K, int64_t N, int beta) {
-    int64_t M = tt_rows_m();
+/* C (M, N) of dtype cdt = 1.25 op(A) op(B) (+ 0.5 C with beta), A, B of dtype dt; M rows
+   (0: tt_rows_m()). */
+static void test_rows_matmul(dsk_dtype dt, dsk_dtype cdt, int ta, int tb, int64_t M, int64_t K, int64_t N, int beta) {
+    M = M ? M : tt_rows_m();
     tt_rows_io io;
     char op[96];
     memset(&io, 0, sizeof io);
@@ -3018,12 +3027,16 @@ static void test_rows_adamw(dsk_dtype gdt) {
 }
 
 /* Products of dt inputs on M rows: f32 C for every transpose and (K, N) (the direct nest, the
-   packed one past 512 columns, K slices past 256 and 512), a dt C with beta too. */
+   packed one past 512 columns, K slices past 256 and 512), a dt C with beta too, and 150 to 299
+   rows in chunks (past the packed nest's 144-row blocks). */
 static void test_rows_matmuls(dsk_dtype dt) {
     static const int64_t kn[5][2] = {{5, 7}, {37, 19}, {70, 600}, {300, 37}, {600, 33}};
     for (int t = 0; t < 4; t++)
-        for (int s = 0; s < 5; s++) test_rows_matmul(dt, DSK_F32, t >> 1, t & 1, kn[s][0], kn[s][1], 0);
-    test_rows_matmul(dt, dt, 0, 1, 37, 19, 1);
+        for (int s = 0; s < 5; s++) test_rows_matmul(dt, DSK_F32, t >> 1, t & 1, 0, kn[s][0], kn[s][1], 0);
+    test_rows_matmul(dt, dt, 0, 1, 0, 37, 19, 1);
+    for (int t = 0; t < 4; t++) /* the trainer's row counts: 256 tokens in one call or 64 in each */
+        test_rows_matmul(dt, DSK_F32, t >> 1, t & 1, 150 + dsk_test_rand_int(150), t & 1 ? 70 : 37, t & 1 ? 600 : 19,
+                         0);
 }
 
 /* ------------------------------------------------------------------ main */
