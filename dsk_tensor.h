@@ -16,6 +16,40 @@
    Backward functions accumulate (+=) into their gradient outputs.
    License: MIT, see the end of the file.
 
+   Example, one step of a linear layer y = x w^T with AdamW (after a failed call s holds its
+   status, the calls after it are skipped, and dsk_last_error() names the function, tensor and
+   values):
+
+       dsk_ctx ctx;
+       dsk_tensor x, w, y, dy, dw, m, v;
+       const int64_t xs[2] = {64, 128}, ws[2] = {256, 128}, ys[2] = {64, 256};
+       dsk_adamw_opts adamw = dsk_adamw_defaults();              // PyTorch's AdamW defaults
+       dsk_status s;
+       memset(&x, 0, sizeof x);
+       w = y = dy = dw = m = v = x;                              // zeroed: free accepts them
+       s = dsk_ctx_init(&ctx, NULL);                             // the GPU if usable, else the CPU
+       if (s == DSK_OK) s = dsk_tensor_alloc(&ctx, &x, DSK_F32, 2, xs);  // contents undefined
+       if (s == DSK_OK) s = dsk_tensor_alloc(&ctx, &w, DSK_F32, 2, ws);  // f32 master weights
+       if (s == DSK_OK) s = dsk_tensor_alloc(&ctx, &dw, DSK_F32, 2, ws);
+       if (s == DSK_OK) s = dsk_tensor_alloc(&ctx, &m, DSK_F32, 2, ws);
+       if (s == DSK_OK) s = dsk_tensor_alloc(&ctx, &v, DSK_F32, 2, ws);
+       if (s == DSK_OK) s = dsk_tensor_alloc(&ctx, &y, DSK_F32, 2, ys);
+       if (s == DSK_OK) s = dsk_tensor_alloc(&ctx, &dy, DSK_F32, 2, ys);
+       if (s == DSK_OK) s = dsk_tensor_normal(&ctx, &x, 1, 0, 0.0f, 1.0f);   // seed 1, offset 0
+       if (s == DSK_OK) s = dsk_tensor_normal(&ctx, &w, 2, 0, 0.0f, 0.02f);
+       if (s == DSK_OK) s = dsk_tensor_fill(&ctx, &dw, 0.0);     // gradients accumulate
+       if (s == DSK_OK) s = dsk_tensor_fill(&ctx, &m, 0.0);
+       if (s == DSK_OK) s = dsk_tensor_fill(&ctx, &v, 0.0);
+       if (s == DSK_OK) s = dsk_matmul(&ctx, &y, &x, 0, &w, 1, 1.0f, 0.0f);  // y = x w^T
+       if (s == DSK_OK) s = dsk_tensor_copy(&ctx, &dy, &y);      // the loss 0.5 |y|^2: dy = y
+       if (s == DSK_OK) s = dsk_matmul(&ctx, &dw, &dy, 1, &x, 0, 1.0f, 1.0f); // dw += dy^T x
+       if (s == DSK_OK) s = dsk_adamw_step(&ctx, &w, &dw, &m, &v, &adamw, 1, 1.0f, NULL); // step 1
+       if (s == DSK_OK) s = dsk_ctx_sync(&ctx);                  // CUDA: wait for the stream
+       dsk_tensor_free(&ctx, &x); dsk_tensor_free(&ctx, &w); dsk_tensor_free(&ctx, &y);
+       dsk_tensor_free(&ctx, &dy); dsk_tensor_free(&ctx, &dw); dsk_tensor_free(&ctx, &m);
+       dsk_tensor_free(&ctx, &v);
+       dsk_ctx_free(&ctx);
+
    Contents (declarations; the implementation follows the same order)
      status and errors     dsk_status, dsk_status_str, dsk_last_error, dsk_set_error, DSK__TRY
      dtypes                dsk_dtype, sizes and names, RNE conversions (bf16, f16, e4m3, e5m2)
@@ -349,7 +383,8 @@ typedef enum dsk_device_pref {
     DSK_PREFER_CUDA      /* fail with DSK_ERR_UNSUPPORTED when no CUDA device is usable */
 } dsk_device_pref;
 
-/* Instruction set of the CPU GEMM micro-kernel (and so of every CPU product). */
+/* Instruction set of the CPU kernels: the GEMM micro-kernel (and so every CPU product), the row
+   primitives (softmax, norms, SwiGLU, RoPE, attention, cross-entropy) and AdamW. */
 typedef enum dsk_cpu_isa {
     DSK_CPU_ISA_AUTO = 0,    /* the best this CPU and build have */
     DSK_CPU_ISA_PORTABLE,    /* plain C, 4 x 16 tiles */
@@ -361,8 +396,20 @@ typedef struct dsk_ctx_opts {
     dsk_device_pref device;  /* default DSK_PREFER_AUTO */
     int cuda_index;          /* CUDA device ordinal, default 0 */
     size_t workspace_bytes;  /* device workspace for cuBLAS and reductions, default 32 MiB */
-    int n_threads;           /* CPU threads for ops, default: OpenMP's maximum */
-    dsk_cpu_isa cpu_isa;     /* CPU GEMM kernel, default DSK_CPU_ISA_AUTO; one the CPU lacks is an error */
+    /* CPU threads for ops. Default: OpenMP's maximum (omp_get_max_threads(), which
+       OMP_NUM_THREADS and omp_set_num_threads set); when OMP_NUM_THREADS is not set, at most
+       this rank's share of the cores, omp_get_num_procs() / LOCAL_WORLD_SIZE (at least 1), so
+       local ranks (torchrun, dsk_comm_spawn_local) do not each start a thread per core and
+       fight over them. A LOCAL_WORLD_SIZE that is not a positive integer counts as 1. */
+    int n_threads;
+    /* CPU kernels, default DSK_CPU_ISA_AUTO; one the CPU lacks is an error (DSK_ERR_UNSUPPORTED).
+       AUTO reads the environment variable DSK_CPU_ISA = portable | avx2 | avx512 | auto (unset,
+       empty or auto: the best this CPU and build have); an explicit cpu_isa wins over it. An
+       unknown name is DSK_ERR_ARG, an ISA this CPU or build lacks DSK_ERR_UNSUPPORTED, both from
+       dsk_ctx_init naming the variable and its value. So DSK_CPU_ISA=avx2 runs a program on an
+       AVX-512 machine as on an AVX2 one. The calls without a ctx (dsk_sgemm_cpu, dsk_swiglu_cpu,
+       dsk_swiglu_grad_cpu, CPU ops given ctx NULL) read it too, through dsk_cpu_isa_auto(). */
+    dsk_cpu_isa cpu_isa;
 } dsk_ctx_opts;
 
 /* What the host waited for on a CUDA context: every stream synchronisation made through the
@@ -395,6 +442,10 @@ DSK_API dsk_status dsk_ctx_sync(dsk_ctx *ctx); /* waits for the context's stream
 DSK_API dsk_device dsk_cpu(void);
 /* The best CPU GEMM instruction set this CPU and build have (checked at run time). */
 DSK_API dsk_cpu_isa dsk_cpu_isa_best(void);
+/* What DSK_CPU_ISA_AUTO means now: DSK_CPU_ISA's value when it names an ISA this CPU and build
+   have, else dsk_cpu_isa_best() (a bad value falls back here; dsk_ctx_init reports it). Read
+   from the environment at each call, nothing cached. */
+DSK_API dsk_cpu_isa dsk_cpu_isa_auto(void);
 DSK_API int dsk_cpu_isa_supported(dsk_cpu_isa isa); /* 1 if usable here (AUTO: 0) */
 DSK_API const char *dsk_cpu_isa_name(dsk_cpu_isa isa); /* "avx512", ...; "invalid" */
 /* Writes the kernel `isa` selects, e.g. "avx512 12x32", into buf (terminated); returns buf. */
@@ -425,7 +476,10 @@ typedef struct dsk_tensor {
 } dsk_tensor;
 
 /* Allocates a contiguous tensor on ctx's device (CPU if ctx is NULL); contents undefined.
-   Device memory comes from cudaMallocAsync on ctx's stream. */
+   Device memory comes from cudaMallocAsync on ctx's stream. Every constructor of a shape
+   (alloc, wrap, reshape, slice) refuses one whose size does not fit: the product of its
+   nonzero dims (so every contiguous stride) times the element size must be at most
+   PTRDIFF_MAX bytes, else DSK_ERR_ARG naming the shape (never a wrapped count of 0). */
 DSK_API dsk_status dsk_tensor_alloc(dsk_ctx *ctx, dsk_tensor *t, dsk_dtype dt, int ndim, const int64_t *shape);
 /* As dsk_tensor_alloc on an explicit device. */
 DSK_API dsk_status dsk_tensor_alloc_on(dsk_ctx *ctx, dsk_device dev, dsk_tensor *t, dsk_dtype dt, int ndim, const int64_t *shape);
@@ -557,19 +611,28 @@ static inline DSK_HD float dsk_ew_f(dsk_ew_op op, float x, float y, float alpha)
    by every batch. A and B: same dtype, f32/bf16/f16; C: f32 or A's dtype; f32 accumulation.
    Each matrix needs unit stride in its last dim; leading strides are free (views work).
    beta == 0 ignores C's prior contents (NaN included). C must not overlap A or B. On the CPU
-   the result is bitwise the same for any ctx->n_threads (fixed summation order). */
+   the result is bitwise the same for any ctx->n_threads (fixed summation order).
+   Rows contract (CPU, every op here that works row by row: matmul, matmul_grouped and
+   swiglu_grouped, softmax, rmsnorm, silu, swiglu, cross-entropy's dlogits, rope, attention and
+   fused attention per sequence, gathers, elementwise ops, AdamW per element, and their backward
+   passes' per-row outputs): on a given ISA (ctx->cpu_isa), a row's result has the same bits
+   whatever the number of rows in the call, however a batch is split between calls (data,
+   pipeline and sequence parallelism cut it differently), and for any thread count. Tile edges,
+   short tiles and vector tails run the same arithmetic as full ones (masked lanes, the same
+   fused multiply-adds, dsk_exp_f's operations); only the ISA may change the bits. Sums over rows
+   (weight gradients, the loss) are not per-row results: their order follows the rows given. */
 DSK_API dsk_status dsk_matmul(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, int trans_a,
                               const dsk_tensor *B, int trans_b, float alpha, float beta);
 /* Raw row-major f32 GEMM on the CPU: C = alpha*op(A)op(B) + beta*C with leading dims
-   (op(A) is M x K, op(B) K x N); n_threads <= 0 means OpenMP's maximum. Cache-blocked, on the
-   micro-kernel of dsk_cpu_isa_best() (AVX-512, AVX2/FMA or portable, chosen at run time); same
+   (op(A) is M x K, op(B) K x N); n_threads <= 0 means dsk_ctx_opts' default. Cache-blocked, on the
+   micro-kernel of dsk_cpu_isa_auto() (AVX-512, AVX2/FMA or portable, chosen at run time); same
    bits for any thread count. Cannot fail: without memory for its buffers it computes the
    product with plain loops. */
 DSK_API void dsk_sgemm_cpu(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha,
                            const float *A, int64_t lda, const float *B, int64_t ldb, float beta,
                            float *C, int64_t ldc, int n_threads);
 
-/* Raw f32 SwiGLU on the CPU for i < n, vectorised for dsk_cpu_isa_best() with the same bits as
+/* Raw f32 SwiGLU on the CPU for i < n, vectorised for dsk_cpu_isa_auto() with the same bits as
    dsk_swiglu_f / dsk_swiglu_grad_f: out = silu(gate) up; dgate, dup = the gradients for dout,
    WRITTEN (dgate may be dout). One thread; for callers that own their loops (dsk_moe.h). */
 DSK_API void dsk_swiglu_cpu(int64_t n, const float *gate, const float *up, float *out);
@@ -796,6 +859,7 @@ DSK_API dsk_status dsk_attention_fused_backward(dsk_ctx *ctx, dsk_tensor *dq, ds
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h> /* getenv (DSK_MALLOC may stand in for malloc without it) */
 #include <float.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -866,12 +930,51 @@ DSK_API int dsk_cuda_available(void) {
 #endif
 }
 
+#ifdef _OPENMP
+/* LOCAL_WORLD_SIZE as a positive count; 1 when unset or not one. */
+static int dsk__local_world_size(void) {
+    const char *v = getenv("LOCAL_WORLD_SIZE");
+    char *end;
+    long n = v ? strtol(v, &end, 10) : 0;
+    return v && *v && !*end && n > 0 && n < 1000000 ? (int)n : 1;
+}
+#endif
+
+/* dsk_ctx_opts.n_threads' default: OpenMP's maximum, without OMP_NUM_THREADS at most this local
+   rank's share of the cores. */
 static int dsk__default_threads(void) {
 #ifdef _OPENMP
-    return omp_get_max_threads();
+    const char *omp = getenv("OMP_NUM_THREADS");
+    int n = omp_get_max_threads(), share = omp_get_num_procs() / dsk__local_world_size();
+    if (omp && *omp) return n;
+    share = share > 1 ? share : 1;
+    return n < share ? n : share;
 #else
     return 1;
 #endif
+}
+
+/* The ISA a DSK_CPU_ISA value names: AUTO for NULL, "" and "auto"; -1 for an unknown name. */
+static int dsk__cpu_isa_parse(const char *v) {
+    if (!v || !*v || !strcmp(v, "auto")) return DSK_CPU_ISA_AUTO;
+    for (int i = DSK_CPU_ISA_PORTABLE; i <= DSK_CPU_ISA_AVX512; i++)
+        if (!strcmp(v, dsk_cpu_isa_name((dsk_cpu_isa)i))) return i;
+    return -1;
+}
+
+/* The ISA the environment asks for (AUTO: none), or the error naming DSK_CPU_ISA's value. */
+static dsk_status dsk__cpu_isa_env(dsk_cpu_isa *isa) {
+    const char *v = getenv("DSK_CPU_ISA");
+    int i = dsk__cpu_isa_parse(v);
+    *isa = DSK_CPU_ISA_AUTO;
+    if (i < 0)
+        return dsk_set_error(DSK_ERR_ARG, "dsk_ctx_init: environment DSK_CPU_ISA=\"%.64s\" is not one of portable, "
+                             "avx2, avx512, auto", v);
+    if (i != DSK_CPU_ISA_AUTO && !dsk_cpu_isa_supported((dsk_cpu_isa)i))
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "dsk_ctx_init: environment DSK_CPU_ISA=%s but this CPU or build "
+                             "lacks %s (best: %s)", v, v, dsk_cpu_isa_name(dsk_cpu_isa_best()));
+    *isa = (dsk_cpu_isa)i;
+    return DSK_OK;
 }
 
 DSK_API dsk_status dsk_ctx_init(dsk_ctx *ctx, const dsk_ctx_opts *opts) {
@@ -887,6 +990,7 @@ DSK_API dsk_status dsk_ctx_init(dsk_ctx *ctx, const dsk_ctx_opts *opts) {
     if (o.cpu_isa != DSK_CPU_ISA_AUTO && !dsk_cpu_isa_supported(o.cpu_isa))
         return dsk_set_error(DSK_ERR_UNSUPPORTED, "dsk_ctx_init: cpu_isa %s requested but this CPU or build lacks it (best: %s)",
                              dsk_cpu_isa_name(o.cpu_isa), dsk_cpu_isa_name(dsk_cpu_isa_best()));
+    if (o.cpu_isa == DSK_CPU_ISA_AUTO) DSK__TRY(dsk__cpu_isa_env(&o.cpu_isa));
     ctx->device = dsk_cpu();
     ctx->n_threads = o.n_threads ? o.n_threads : dsk__default_threads();
     ctx->cpu_isa = o.cpu_isa != DSK_CPU_ISA_AUTO ? o.cpu_isa : dsk_cpu_isa_best();
@@ -1019,13 +1123,38 @@ DSK_API const char *dsk_tensor_describe(const dsk_tensor *t, char *buf, size_t n
     return buf;
 }
 
+/* Writes "[a,b,...]" into buf (terminated). */
+static const char *dsk__shape_str(char *buf, size_t n, int ndim, const int64_t *shape) {
+    size_t k = (size_t)snprintf(buf, n, "[");
+    for (int i = 0; i < ndim && k < n; i++)
+        k += (size_t)snprintf(buf + k, n - k, i ? ",%lld" : "%lld", (long long)shape[i]);
+    if (k < n) snprintf(buf + k, n - k, "]");
+    return buf;
+}
+
+/* The shape's nonzero dims (every contiguous stride) times the element size fit in PTRDIFF_MAX
+   bytes: numel, nbytes, strides and byte offsets cannot wrap (dims checked >= 0 already). */
+static dsk_status dsk__check_size(const char *fn, dsk_dtype dt, int ndim, const int64_t *shape) {
+    int64_t limit = (int64_t)(PTRDIFF_MAX / (ptrdiff_t)dsk_dtype_size(dt)), n = 1;
+    char b[192];
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] == 0) continue;
+        if (n > limit / shape[i])
+            return dsk_set_error(DSK_ERR_ARG, "%s: shape %s of %s is too large: its element or byte count overflows "
+                                 "(at most %lld elements of %zu bytes)", fn, dsk__shape_str(b, sizeof b, ndim, shape),
+                                 dsk_dtype_name(dt), (long long)limit, dsk_dtype_size(dt));
+        n *= shape[i];
+    }
+    return DSK_OK;
+}
+
 static dsk_status dsk__check_shape(const char *fn, dsk_dtype dt, int ndim, const int64_t *shape) {
     if (dsk_dtype_size(dt) == 0) return dsk_set_error(DSK_ERR_ARG, "%s: invalid dtype %d", fn, (int)dt);
     if (ndim < 0 || ndim > DSK_MAX_DIMS) return dsk_set_error(DSK_ERR_ARG, "%s: ndim %d outside [0, %d]", fn, ndim, DSK_MAX_DIMS);
     if (ndim > 0 && !shape) return dsk_set_error(DSK_ERR_ARG, "%s: shape is NULL for ndim %d", fn, ndim);
     for (int i = 0; i < ndim; i++)
         if (shape[i] < 0) return dsk_set_error(DSK_ERR_ARG, "%s: shape[%d] = %lld is negative", fn, i, (long long)shape[i]);
-    return DSK_OK;
+    return dsk__check_size(fn, dt, ndim, shape);
 }
 
 static void dsk__init_header(dsk_tensor *t, dsk_dtype dt, dsk_device dev, int ndim, const int64_t *shape) {
@@ -1174,9 +1303,9 @@ DSK_API dsk_status dsk_tensor_slice(const dsk_tensor *t, int dim, int64_t start,
     if (!t || !out) return dsk_set_error(DSK_ERR_ARG, "dsk_tensor_slice: NULL tensor");
     if (dim < 0 || dim >= t->ndim)
         return dsk_set_error(DSK_ERR_ARG, "dsk_tensor_slice: dim %d outside tensor %s", dim, dsk_tensor_describe(t, b, sizeof b));
-    if (start < 0 || len < 0 || start + len > t->shape[dim])
-        return dsk_set_error(DSK_ERR_ARG, "dsk_tensor_slice: [%lld, %lld) outside dim %d of size %lld", (long long)start,
-                             (long long)(start + len), dim, (long long)t->shape[dim]);
+    if (start < 0 || len < 0 || start > t->shape[dim] || len > t->shape[dim] - start) /* start + len may wrap */
+        return dsk_set_error(DSK_ERR_ARG, "dsk_tensor_slice: [%lld, %lld + %lld) outside dim %d of size %lld",
+                             (long long)start, (long long)start, (long long)len, dim, (long long)t->shape[dim]);
     v = dsk__view_of(t);
     if (v.data) v.data = (char *)v.data + (size_t)(start * t->stride[dim]) * dsk_dtype_size(t->dtype);
     v.shape[dim] = len;
@@ -1809,6 +1938,11 @@ DSK_API dsk_cpu_isa dsk_cpu_isa_best(void) {
     return (m >> DSK_CPU_ISA_AVX512) & 1u ? DSK_CPU_ISA_AVX512 : (m >> DSK_CPU_ISA_AVX2) & 1u ? DSK_CPU_ISA_AVX2 : DSK_CPU_ISA_PORTABLE;
 }
 
+DSK_API dsk_cpu_isa dsk_cpu_isa_auto(void) {
+    int i = dsk__cpu_isa_parse(getenv("DSK_CPU_ISA"));
+    return i > 0 && dsk_cpu_isa_supported((dsk_cpu_isa)i) ? (dsk_cpu_isa)i : dsk_cpu_isa_best();
+}
+
 DSK_API int dsk_cpu_isa_supported(dsk_cpu_isa isa) { return (int)isa > 0 && (int)isa < 32 && ((dsk__cpu_isa_mask() >> isa) & 1u); }
 
 DSK_API const char *dsk_cpu_isa_name(dsk_cpu_isa isa) {
@@ -1821,10 +1955,10 @@ DSK_API const char *dsk_cpu_isa_name(dsk_cpu_isa isa) {
     }
 }
 
-/* The micro-kernel of `isa` (AUTO or one this CPU lacks: the best it has). */
+/* The micro-kernel of `isa` (AUTO or one this CPU lacks: dsk_cpu_isa_auto()'s). */
 static dsk__ukernel dsk__ukernel_for(dsk_cpu_isa isa) {
     dsk__ukernel u;
-    if (!dsk_cpu_isa_supported(isa)) isa = dsk_cpu_isa_best();
+    if (!dsk_cpu_isa_supported(isa)) isa = dsk_cpu_isa_auto();
     u.isa = isa;
     u.mr = 4; u.nr = 16; u.fn = dsk__ukernel_portable;
 #if DSK__X86
@@ -2327,10 +2461,10 @@ static DSK__TARGET_AVX2 void dsk__rope_avx2(float *y, const float *x, const floa
 }
 #endif
 
-/* The row primitives of `isa` (AUTO or one this CPU lacks: the best it has). */
+/* The row primitives of `isa` (AUTO or one this CPU lacks: dsk_cpu_isa_auto()'s). */
 static dsk__rowk dsk__rowk_for(dsk_cpu_isa isa) {
     dsk__rowk r;
-    if (!dsk_cpu_isa_supported(isa)) isa = dsk_cpu_isa_best();
+    if (!dsk_cpu_isa_supported(isa)) isa = dsk_cpu_isa_auto();
     r.max = dsk__max_c; r.exp_sum = dsk__exp_sum_c; r.scale = dsk__scale_c32; r.dot = dsk__dot_c;
     r.mul_scale = dsk__mul_scale_c; r.sub_mul = dsk__sub_mul_c; r.swiglu = dsk__swiglu_c; r.swiglu_bwd = dsk__swiglu_bwd_c;
     r.rope = dsk__rope_c;
@@ -3934,7 +4068,7 @@ static DSK__TARGET_AVX512 void dsk__adamw_avx512(float *p, float *m, float *v, c
 static void dsk__adamw_rows(dsk_cpu_isa isa, float *p, float *m, float *v, const float *g, int64_t n, float gm, const dsk_adamw_opts *o,
                             float bc1, float bc2) {
 #if DSK__X86
-    if (!dsk_cpu_isa_supported(isa)) isa = dsk_cpu_isa_best();
+    if (!dsk_cpu_isa_supported(isa)) isa = dsk_cpu_isa_auto();
     if (isa == DSK_CPU_ISA_AVX512) { dsk__adamw_avx512(p, m, v, g, n, gm, o, bc1, bc2); return; }
 #else
     (void)isa;

@@ -1,6 +1,7 @@
 /* test_tensor.c - dsk_tensor.h: conversions, RNG, views and copies, every op against float64
    references written here, backward passes against central finite differences of those
    references, AdamW against PyTorch's formula, and the argument checks. */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #include <stdlib.h>
 /* Host allocations go through a switch so the out-of-memory paths can be tested. */
 static int tt_oom;
@@ -425,6 +426,130 @@ static void test_ctx(void) {
     }
 }
 
+/* Restores an environment variable saved by tt_env_save. */
+typedef struct tt_env { const char *name; int set; char value[256]; } tt_env;
+static tt_env tt_env_save(const char *name) {
+    tt_env e;
+    const char *v = getenv(name);
+    e.name = name;
+    e.set = v != NULL;
+    snprintf(e.value, sizeof e.value, "%s", v ? v : "");
+    return e;
+}
+static void tt_env_restore(const tt_env *e) {
+    if (e->set) setenv(e->name, e->value, 1);
+    else unsetenv(e->name);
+}
+
+/* DSK_CPU_ISA names the kernels of a ctx whose cpu_isa is AUTO and of the calls without a ctx
+   (dsk_cpu_gemm_describe(AUTO) shows which); explicit options win; an unknown name or an ISA this
+   CPU lacks fails dsk_ctx_init naming the variable. The caller's value is restored. */
+static void test_ctx_isa_env(void) {
+    static const char *bad[4] = {"avx3", "AVX2", " avx2", "avx2,fma"};
+    tt_env was = tt_env_save("DSK_CPU_ISA");
+    char desc[32], want[64];
+    dsk_ctx ctx;
+    dsk_ctx_opts o;
+    dsk_cpu_isa best = dsk_cpu_isa_best();
+    memset(&o, 0, sizeof o);
+    o.device = DSK_PREFER_CPU;
+    for (int i = DSK_CPU_ISA_PORTABLE; i <= DSK_CPU_ISA_AVX512; i++) {
+        const char *n = dsk_cpu_isa_name((dsk_cpu_isa)i);
+        setenv("DSK_CPU_ISA", n, 1);
+        if (!dsk_cpu_isa_supported((dsk_cpu_isa)i)) {
+            snprintf(want, sizeof want, "DSK_CPU_ISA=%s but this CPU or build lacks %s", n, n);
+            TT_ERR(dsk_ctx_init(&ctx, &o), DSK_ERR_UNSUPPORTED, want);
+            DSK_TEST_EXPECT(dsk_cpu_isa_auto() == best, "DSK_CPU_ISA=%s (missing here): calls without a ctx use %s", n,
+                            dsk_cpu_isa_name(best));
+            continue;
+        }
+        DSK_TEST_OK(dsk_ctx_init(&ctx, &o));
+        DSK_TEST_EXPECT(ctx.cpu_isa == (dsk_cpu_isa)i, "DSK_CPU_ISA=%s gives a ctx of %s", n,
+                        dsk_cpu_isa_name(ctx.cpu_isa));
+        dsk_cpu_gemm_describe(DSK_CPU_ISA_AUTO, desc, sizeof desc);
+        DSK_TEST_EXPECT(dsk_cpu_isa_auto() == (dsk_cpu_isa)i && !strncmp(desc, n, strlen(n)) && desc[strlen(n)] == ' ',
+                        "DSK_CPU_ISA=%s: calls without a ctx use %s (%s)", n, dsk_cpu_isa_name(dsk_cpu_isa_auto()),
+                        desc);
+        o.cpu_isa = i == DSK_CPU_ISA_PORTABLE ? best : DSK_CPU_ISA_PORTABLE; /* explicit options win */
+        DSK_TEST_OK(dsk_ctx_init(&ctx, &o));
+        DSK_TEST_EXPECT(ctx.cpu_isa == o.cpu_isa, "cpu_isa %s over DSK_CPU_ISA=%s gives %s",
+                        dsk_cpu_isa_name(o.cpu_isa), n, dsk_cpu_isa_name(ctx.cpu_isa));
+        o.cpu_isa = DSK_CPU_ISA_AUTO;
+    }
+    for (int i = 0; i < 2; i++) {
+        setenv("DSK_CPU_ISA", i ? "auto" : "", 1);
+        DSK_TEST_OK(dsk_ctx_init(&ctx, &o));
+        DSK_TEST_EXPECT(ctx.cpu_isa == best && dsk_cpu_isa_auto() == best, "DSK_CPU_ISA=\"%s\" gives %s, want %s",
+                        i ? "auto" : "", dsk_cpu_isa_name(ctx.cpu_isa), dsk_cpu_isa_name(best));
+    }
+    for (int i = 0; i < 4; i++) {
+        setenv("DSK_CPU_ISA", bad[i], 1);
+        snprintf(want, sizeof want, "DSK_CPU_ISA=\"%s\" is not one of", bad[i]);
+        TT_ERR(dsk_ctx_init(&ctx, &o), DSK_ERR_ARG, want);
+        DSK_TEST_EXPECT(dsk_cpu_isa_auto() == best, "DSK_CPU_ISA=\"%s\": calls without a ctx use the best", bad[i]);
+        o.cpu_isa = DSK_CPU_ISA_PORTABLE; /* not read when the options name an ISA */
+        DSK_TEST_OK(dsk_ctx_init(&ctx, &o));
+        DSK_TEST_EXPECT(ctx.cpu_isa == DSK_CPU_ISA_PORTABLE, "cpu_isa portable over DSK_CPU_ISA=\"%s\"", bad[i]);
+        o.cpu_isa = DSK_CPU_ISA_AUTO;
+    }
+    tt_env_restore(&was);
+}
+
+/* The default thread count: without OMP_NUM_THREADS each local rank gets its share of the cores,
+   omp_get_num_procs() / LOCAL_WORLD_SIZE, at least 1 (before, every rank took them all), or
+   OpenMP's maximum if the program set a lower one; with it, OpenMP's maximum; explicit options
+   win. OpenMP's maximum is set to the core count first and restored. */
+static void test_ctx_threads(void) {
+#ifdef _OPENMP
+    static const char *ignored[4] = {"0", "-2", "two", "2x"};
+    tt_env omp = tt_env_save("OMP_NUM_THREADS"), lws = tt_env_save("LOCAL_WORLD_SIZE");
+    int procs = omp_get_num_procs(), nt0 = omp_get_max_threads();
+    char v[32];
+    dsk_ctx ctx;
+    dsk_ctx_opts o;
+    omp_set_num_threads(procs);
+    memset(&o, 0, sizeof o);
+    o.device = DSK_PREFER_CPU;
+    unsetenv("OMP_NUM_THREADS");
+    unsetenv("LOCAL_WORLD_SIZE");
+    DSK_TEST_OK(dsk_ctx_init(&ctx, &o));
+    DSK_TEST_EXPECT(ctx.n_threads == procs, "one rank: %d threads, want the %d cores", ctx.n_threads, procs);
+    for (int k = 1; k <= 2 * procs + 1; k += 1 + k / 2) {
+        int want = procs / k > 1 ? procs / k : 1;
+        snprintf(v, sizeof v, "%d", k);
+        setenv("LOCAL_WORLD_SIZE", v, 1);
+        DSK_TEST_OK(dsk_ctx_init(&ctx, &o));
+        DSK_TEST_EXPECT(ctx.n_threads == want, "LOCAL_WORLD_SIZE=%d on %d cores: %d threads, want %d", k, procs,
+                        ctx.n_threads, want);
+    }
+    for (int i = 0; i < 4; i++) {
+        setenv("LOCAL_WORLD_SIZE", ignored[i], 1);
+        DSK_TEST_OK(dsk_ctx_init(&ctx, &o));
+        DSK_TEST_EXPECT(ctx.n_threads == procs, "LOCAL_WORLD_SIZE=\"%s\" counts as 1: %d threads, want %d", ignored[i],
+                        ctx.n_threads, procs);
+    }
+    unsetenv("LOCAL_WORLD_SIZE");
+    omp_set_num_threads(1); /* a program's lower maximum is kept */
+    DSK_TEST_OK(dsk_ctx_init(&ctx, &o));
+    DSK_TEST_EXPECT(ctx.n_threads == 1, "omp_set_num_threads(1): %d threads", ctx.n_threads);
+    omp_set_num_threads(procs);
+    setenv("LOCAL_WORLD_SIZE", "2", 1);
+    o.n_threads = 3;
+    DSK_TEST_OK(dsk_ctx_init(&ctx, &o));
+    DSK_TEST_EXPECT(ctx.n_threads == 3, "explicit n_threads 3 under LOCAL_WORLD_SIZE=2: %d", ctx.n_threads);
+    o.n_threads = 0;
+    setenv("OMP_NUM_THREADS", "3", 1); /* OpenMP read it at start: its maximum is what the user chose */
+    DSK_TEST_OK(dsk_ctx_init(&ctx, &o));
+    DSK_TEST_EXPECT(ctx.n_threads == omp_get_max_threads(), "OMP_NUM_THREADS set: %d threads, want OpenMP's %d",
+                    ctx.n_threads, omp_get_max_threads());
+    tt_env_restore(&omp);
+    tt_env_restore(&lws);
+    omp_set_num_threads(nt0);
+#else
+    dsk_test_skip("built without OpenMP");
+#endif
+}
+
 static void test_tensor_alloc_errors(void) {
     dsk_tensor t, z;
     int64_t nine[9] = {1, 1, 1, 1, 1, 1, 1, 1, 1};
@@ -442,6 +567,35 @@ static void test_tensor_alloc_errors(void) {
     DSK_TEST_OK(dsk_tensor_alloc(NULL, &t, DSK_F32, 3, SH(123, 456, 1)));
     DSK_TEST_EXPECT(!strcmp(dsk_tensor_describe(&t, buf, sizeof buf), "[123,45"), "describe truncates safely: \"%s\"", buf);
     dsk_tensor_free(NULL, &t);
+}
+
+/* A shape whose element count, byte count or contiguous strides do not fit (PTRDIFF_MAX bytes)
+   fails every constructor, naming it: before, [2^40, 2^30] allocated 0 elements and [2^31, 2^31]
+   f32 0 bytes (2^62 elements) that dsk_tensor_fill "filled". A size that fits but cannot be had
+   is DSK_ERR_OOM. */
+static void test_tensor_size_overflow(void) {
+    static const struct { dsk_dtype dt; int ndim; int64_t shape[3]; const char *text; } big[5] = {
+        {DSK_F32, 2, {1LL << 40, 1LL << 30}, "[1099511627776,1073741824] of f32"},
+        {DSK_F32, 2, {1LL << 62, 4}, "[4611686018427387904,4] of f32"},
+        {DSK_F32, 2, {1LL << 31, 1LL << 31}, "[2147483648,2147483648] of f32"},
+        {DSK_F64, 1, {1LL << 60}, "[1152921504606846976] of f64"},
+        {DSK_BF16, 3, {0, 1LL << 62, 1LL << 2}, "[0,4611686018427387904,4] of bf16"}};
+    dsk_tensor t, v, *small = tt_rand(DSK_F32, 1, SH(4), -1, 1);
+    char want[128];
+    for (int i = 0; i < 5; i++) {
+        snprintf(want, sizeof want, "shape %s is too large", big[i].text);
+        t.data = small; /* a failed constructor leaves a zeroed tensor */
+        TT_ERR(dsk_tensor_alloc(NULL, &t, big[i].dt, big[i].ndim, big[i].shape), DSK_ERR_ARG, want);
+        DSK_TEST_EXPECT(!t.data && t.ndim == 0, "failed alloc leaves a zeroed tensor");
+        TT_ERR(dsk_tensor_wrap(&t, small->data, big[i].dt, dsk_cpu(), big[i].ndim, big[i].shape), DSK_ERR_ARG, want);
+        if (big[i].dt == DSK_F32) TT_ERR(dsk_tensor_reshape(small, big[i].ndim, big[i].shape, &v), DSK_ERR_ARG, want);
+    }
+    /* the largest sizes that fit: no wrap, the allocator just cannot have them */
+    DSK_TEST_STATUS(dsk_tensor_alloc(NULL, &t, DSK_F64, 1, SH((1LL << 60) - 1)), DSK_ERR_OOM);
+    DSK_TEST_STATUS(dsk_tensor_alloc(NULL, &t, DSK_U8, 2, SH(1LL << 31, 1LL << 31)), DSK_ERR_OOM);
+    /* a slice whose end would wrap */
+    TT_ERR(dsk_tensor_slice(small, 0, 1, INT64_MAX, &v), DSK_ERR_ARG,
+           "[1, 1 + 9223372036854775807) outside dim 0 of size 4");
 }
 
 /* The allocator's accounting: live bytes, high-water mark and count move with every owning
@@ -553,7 +707,7 @@ static void test_views(void) {
     DSK_TEST_STATUS(dsk_tensor_reshape(t, 2, SH(7, 17), &v), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("dsk_tensor_reshape");
     DSK_TEST_STATUS(dsk_tensor_slice(t, 2, 4, 3, &v), DSK_ERR_ARG);
-    DSK_TEST_ERROR_MENTIONS("[4, 7) outside dim 2 of size 6");
+    DSK_TEST_ERROR_MENTIONS("[4, 4 + 3) outside dim 2 of size 6");
     DSK_TEST_STATUS(dsk_tensor_select(t, 4, &v), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("row 4 outside");
 }
@@ -2482,6 +2636,409 @@ static void test_errors_devices(void) {
 #endif
 }
 
+/* ------------------------------------------------------------------ rows: the same bits for any row count
+   The contract of dsk_matmul's comment: a row's result does not depend on how many rows a call
+   is given, how they are split between calls, or the thread count. Each case computes its op on
+   all M rows, then on the same rows cut into parts (one row each; two parts at every cut, so every
+   remainder of every tile height; odd lengths 1, 3, 5, ...), on 1 and 2 threads, and wants every
+   output byte of the whole call back. */
+
+/* An op's tensors: t[0, nout) outputs, then row inputs, each cut along dim[i]; w[] whole
+   inputs; init[o]: an accumulated output's value before each call (NULL: poisoned). */
+typedef struct tt_rows_io {
+    dsk_tensor *t[10];
+    int dim[10], nt, nout;
+    dsk_tensor *init[6];
+    dsk_tensor *w[8];
+    int flag[3];
+    float f;
+} tt_rows_io;
+typedef dsk_status (*tt_rows_fn)(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n);
+
+/* How many cut patterns M rows get: every one below for M <= 80, else 4 chunk lengths. */
+static int64_t tt_rows_patterns(int64_t M) { return M <= 80 ? M + 1 : 4; }
+/* The parts of cut pattern p of M rows; returns their count (at most 80). M > 80: chunks of 7,
+   64 (the trainer's micro-batches), 144 (the packed nest's row block) and 145, then the rest. */
+static int tt_rows_cut(int64_t M, int64_t p, int64_t *len) {
+    static const int64_t chunk[4] = {7, 64, 144, 145};
+    int k = 0;
+    if (M > 80) {
+        for (int64_t r = 0; r < M; r += len[k - 1]) len[k++] = chunk[p] < M - r ? chunk[p] : M - r;
+        return k;
+    }
+    if (p == 0) { for (int64_t r = 0; r < M; r++) len[k++] = 1; return k; }
+    if (p < M) { len[0] = p; len[1] = M - p; return 2; }
+    for (int64_t r = 0, l = 1; r < M; r += len[k - 1], l += 2) len[k++] = l < M - r ? l : M - r;
+    return k;
+}
+
+static void tt_rows_prepare(tt_rows_io *io) {
+    for (int o = 0; o < io->nout; o++) {
+        if (io->init[o]) memcpy(io->t[o]->data, io->init[o]->data, dsk_tensor_nbytes(io->t[o]));
+        else memset(io->t[o]->data, 0xff, dsk_tensor_nbytes(io->t[o])); /* NaN (and -1 for indices) */
+    }
+}
+
+/* Runs fn on rows [r0, r0 + n) of every cut tensor. */
+static dsk_status tt_rows_call(dsk_ctx *cx, tt_rows_fn fn, tt_rows_io *io, int64_t r0, int64_t n) {
+    dsk_tensor v[10];
+    for (int i = 0; i < io->nt; i++)
+        if (dsk_tensor_slice(io->t[i], io->dim[i], r0, n, &v[i]) != DSK_OK) return DSK_ERR_ARG;
+    return fn(cx, io, v, r0, n);
+}
+
+/* 0, or 1 after reporting the first output row whose bytes differ from ref. */
+static int tt_rows_differ(const char *op, tt_rows_io *io, unsigned char **ref, const char *how) {
+    for (int o = 0; o < io->nout; o++) {
+        const dsk_tensor *t = io->t[o];
+        size_t es = dsk_dtype_size(t->dtype), nb = dsk_tensor_nbytes(t);
+        const unsigned char *got = (const unsigned char *)t->data;
+        for (size_t b = 0; b < nb; b++)
+            if (got[b] != ref[o][b]) {
+                int64_t e = (int64_t)(b / es), row = e / t->stride[io->dim[o]] % t->shape[io->dim[o]];
+                DSK_TEST_EXPECT(0, "%s (%s, %s): output %d row %lld of %lld differs from the one call on all rows "
+                                "(element %lld)", op, dsk_cpu_isa_name(tt_isa), how, o, (long long)row,
+                                (long long)t->shape[io->dim[o]], (long long)e);
+                return 1;
+            }
+    }
+    return 0;
+}
+
+static void tt_rows_check(const char *op, tt_rows_fn fn, tt_rows_io *io) {
+    int64_t M = io->t[0]->shape[io->dim[0]], len[80];
+    unsigned char *ref[6];
+    char how[96];
+    dsk_ctx cx;
+    dsk_ctx_opts o;
+    memset(&o, 0, sizeof o);
+    o.device = DSK_PREFER_CPU;
+    o.cpu_isa = tt_isa;
+    for (int i = 0; i < io->nout; i++) ref[i] = (unsigned char *)tt_alloc(dsk_tensor_nbytes(io->t[i]));
+    for (int th = 1; th <= 2; th++) {
+        o.n_threads = th;
+        DSK_TEST_OK(dsk_ctx_init(&cx, &o));
+        tt_rows_prepare(io);
+        DSK_TEST_OK(tt_rows_call(&cx, fn, io, 0, M));
+        if (th == 1)
+            for (int i = 0; i < io->nout; i++) memcpy(ref[i], io->t[i]->data, dsk_tensor_nbytes(io->t[i]));
+        snprintf(how, sizeof how, "%d threads, one call of %lld rows", th, (long long)M);
+        if (tt_rows_differ(op, io, ref, how)) return;
+        for (int64_t p = 0; p < tt_rows_patterns(M); p++) {
+            int parts = tt_rows_cut(M, p, len);
+            int64_t r0 = 0;
+            tt_rows_prepare(io);
+            for (int k = 0; k < parts; r0 += len[k++]) DSK_TEST_OK(tt_rows_call(&cx, fn, io, r0, len[k]));
+            snprintf(how, sizeof how, "%d threads, %d calls of %lld%s rows", th, parts, (long long)len[0],
+                     parts > 2 ? ", ..." : parts == 2 ? " and the rest" : "");
+            if (tt_rows_differ(op, io, ref, how)) return;
+        }
+        dsk_ctx_free(&cx);
+    }
+}
+
+/* The rows: M in [24, 40]. */
+static int64_t tt_rows_m(void) { return 24 + dsk_test_rand_int(17); }
+
+static dsk_status tt_rows_matmul(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
+    (void)r0; (void)n;
+    return dsk_matmul(cx, &v[0], &v[1], io->flag[0], io->w[0], io->flag[1], io->f, io->flag[2] ? 0.5f : 0.0f);
+}
+/* C (M, N) of dtype cdt = 1.25 op(A) op(B) (+ 0.5 C with beta), A, B of dtype dt; M rows
+   (0: tt_rows_m()). */
+static void test_rows_matmul(dsk_dtype dt, dsk_dtype cdt, int ta, int tb, int64_t M, int64_t K, int64_t N, int beta) {
+    M = M ? M : tt_rows_m();
+    tt_rows_io io;
+    char op[96];
+    memset(&io, 0, sizeof io);
+    io.nt = 2; io.nout = 1; io.f = 1.25f; io.flag[0] = ta; io.flag[1] = tb; io.flag[2] = beta;
+    io.t[0] = tt_new(cdt, 2, SH(M, N));
+    io.t[1] = ta ? tt_rand(dt, 2, SH(K, M), -1, 1) : tt_rand(dt, 2, SH(M, K), -1, 1);
+    io.dim[1] = ta;
+    io.w[0] = tb ? tt_rand(dt, 2, SH(N, K), -1, 1) : tt_rand(dt, 2, SH(K, N), -1, 1);
+    if (beta) io.init[0] = tt_rand(cdt, 2, SH(M, N), -1, 1);
+    snprintf(op, sizeof op, "matmul %s -> %s trans_a %d trans_b %d K %lld N %lld%s", dsk_dtype_name(dt),
+             dsk_dtype_name(cdt), ta, tb, (long long)K, (long long)N, beta ? " beta 0.5" : "");
+    tt_rows_check(op, tt_rows_matmul, &io);
+}
+
+static dsk_status tt_rows_softmax(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
+    (void)io; (void)r0; (void)n;
+    return dsk_softmax(cx, &v[0], &v[1]);
+}
+static dsk_status tt_rows_softmax_bwd(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
+    (void)io; (void)r0; (void)n;
+    return dsk_softmax_backward(cx, &v[0], &v[1], &v[2]);
+}
+static dsk_status tt_rows_rmsnorm(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
+    (void)r0; (void)n;
+    return dsk_rmsnorm(cx, &v[0], &v[1], &v[2], io->w[0], 1e-5f);
+}
+static dsk_status tt_rows_rmsnorm_bwd(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
+    (void)r0; (void)n;
+    return dsk_rmsnorm_backward(cx, &v[0], NULL, &v[1], &v[2], io->w[0], &v[3]);
+}
+static dsk_status tt_rows_silu(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
+    (void)io; (void)r0; (void)n;
+    return dsk_silu(cx, &v[0], &v[1]);
+}
+static dsk_status tt_rows_swiglu(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
+    (void)io; (void)r0; (void)n;
+    return dsk_swiglu(cx, &v[0], &v[1], &v[2]);
+}
+static dsk_status tt_rows_swiglu_bwd(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
+    (void)io; (void)r0; (void)n;
+    return dsk_swiglu_backward(cx, &v[0], &v[1], &v[2], &v[3], &v[4]);
+}
+/* The raw f32 SwiGLU of dsk_moe.h (no ctx: dsk_cpu_isa_auto()'s kernels, so only for AUTO). */
+static dsk_status tt_rows_swiglu_grad_cpu(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
+    (void)cx; (void)io; (void)r0;
+    dsk_swiglu_grad_cpu(n * v[0].shape[1], (const float *)v[2].data, (const float *)v[3].data, (const float *)v[4].data,
+                        (float *)v[0].data, (float *)v[1].data);
+    return DSK_OK;
+}
+/* dlogits of the call's rows with grad_scale = its row count: the factor grad_scale / count is 1. */
+static dsk_status tt_rows_xent(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
+    (void)r0;
+    return dsk_cross_entropy(cx, io->w[0], &v[0], &v[1], &v[2], -1, (float)n);
+}
+static dsk_status tt_rows_rope(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
+    (void)io; (void)n;
+    return dsk_rope(cx, &v[0], &v[1], r0, 10000.0f);
+}
+static dsk_status tt_rows_rope_bwd(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
+    (void)io; (void)n;
+    return dsk_rope_backward(cx, &v[0], &v[1], r0, 10000.0f);
+}
+static dsk_status tt_rows_gather(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
+    (void)r0; (void)n;
+    return dsk_gather_rows_scaled(cx, &v[0], io->w[0], &v[1], &v[2]);
+}
+static dsk_status tt_rows_embedding(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
+    (void)r0; (void)n;
+    return dsk_embedding(cx, &v[0], io->w[0], &v[1]);
+}
+static dsk_status tt_rows_axpy(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
+    (void)r0; (void)n;
+    return dsk_axpy(cx, &v[0], io->f, &v[1]);
+}
+
+/* The row ops (dt) on M rows of odd widths (37, 2 x 9 for rope), cut every way. */
+static void test_rows_ops(dsk_dtype dt) {
+    int64_t M = tt_rows_m(), C = 37;
+    const int64_t *mc = SH(M, C);
+    tt_rows_io io;
+    char op[64];
+#define TT_ROWS_IO(NOUT) (memset(&io, 0, sizeof io), io.nout = (NOUT))
+#define TT_ROWS_OP(name, fn) (snprintf(op, sizeof op, "%s %s", name, dsk_dtype_name(dt)), tt_rows_check(op, fn, &io))
+    TT_ROWS_IO(1); io.nt = 2;
+    io.t[0] = tt_new(dt, 2, mc); io.t[1] = tt_rand(dt, 2, mc, -4, 4);
+    TT_ROWS_OP("softmax", tt_rows_softmax);
+    TT_ROWS_IO(1); io.nt = 3;
+    io.t[0] = tt_new(dt, 2, mc); io.t[1] = tt_rand(dt, 2, mc, 0, 0.2); io.t[2] = tt_rand(dt, 2, mc, -1, 1);
+    io.init[0] = tt_rand(dt, 2, mc, -1, 1);
+    TT_ROWS_OP("softmax_backward", tt_rows_softmax_bwd);
+    TT_ROWS_IO(2); io.nt = 3;
+    io.t[0] = tt_new(dt, 2, mc); io.t[1] = tt_new(DSK_F32, 1, SH(M)); io.t[2] = tt_rand(dt, 2, mc, -2, 2);
+    io.w[0] = tt_rand(dt, 1, SH(C), 0.5, 1.5);
+    TT_ROWS_OP("rmsnorm", tt_rows_rmsnorm);
+    TT_ROWS_IO(1); io.nt = 4;
+    io.t[0] = tt_new(dt, 2, mc); io.t[1] = tt_rand(dt, 2, mc, -1, 1); io.t[2] = tt_rand(dt, 2, mc, -2, 2);
+    io.t[3] = tt_rand(DSK_F32, 1, SH(M), 0.5, 2); io.w[0] = tt_rand(dt, 1, SH(C), 0.5, 1.5);
+    io.init[0] = tt_rand(dt, 2, mc, -1, 1);
+    TT_ROWS_OP("rmsnorm_backward dx", tt_rows_rmsnorm_bwd);
+    TT_ROWS_IO(1); io.nt = 2;
+    io.t[0] = tt_new(dt, 2, mc); io.t[1] = tt_rand(dt, 2, mc, -6, 6);
+    TT_ROWS_OP("silu", tt_rows_silu);
+    TT_ROWS_IO(1); io.nt = 3;
+    io.t[0] = tt_new(dt, 2, mc); io.t[1] = tt_rand(dt, 2, mc, -6, 6); io.t[2] = tt_rand(dt, 2, mc, -2, 2);
+    TT_ROWS_OP("swiglu", tt_rows_swiglu);
+    TT_ROWS_IO(2); io.nt = 5;
+    io.t[0] = tt_new(dt, 2, mc); io.t[1] = tt_new(dt, 2, mc); io.t[2] = tt_rand(dt, 2, mc, -1, 1);
+    io.t[3] = tt_rand(dt, 2, mc, -6, 6); io.t[4] = tt_rand(dt, 2, mc, -2, 2);
+    io.init[0] = tt_rand(dt, 2, mc, -1, 1); io.init[1] = tt_rand(dt, 2, mc, -1, 1);
+    TT_ROWS_OP("swiglu_backward", tt_rows_swiglu_bwd);
+    if (dt == DSK_F32 && tt_isa == dsk_cpu_isa_auto()) { /* dgate, dup written from dout, gate, up */
+        io.init[0] = io.init[1] = NULL;
+        TT_ROWS_OP("dsk_swiglu_grad_cpu", tt_rows_swiglu_grad_cpu);
+    }
+    TT_ROWS_IO(1); io.nt = 3;
+    io.t[0] = tt_new(dt, 2, mc); io.t[1] = tt_rand(dt, 2, mc, -4, 4); io.t[2] = tt_ids(1, SH(M), C);
+    io.w[0] = tt_new(DSK_F32, 0, NULL);
+    TT_ROWS_OP("cross_entropy dlogits", tt_rows_xent);
+    TT_ROWS_IO(1); io.nt = 2; io.dim[0] = io.dim[1] = 1;
+    io.t[0] = tt_new(dt, 4, SH(1, M, 2, 18)); io.t[1] = tt_rand(dt, 4, SH(1, M, 2, 18), -2, 2);
+    TT_ROWS_OP("rope (rows are positions)", tt_rows_rope);
+    io.init[0] = tt_rand(dt, 4, SH(1, M, 2, 18), -1, 1);
+    TT_ROWS_OP("rope_backward (rows are positions)", tt_rows_rope_bwd);
+    TT_ROWS_IO(1); io.nt = 3;
+    io.t[0] = tt_new(dt, 2, mc); io.t[1] = tt_ids(1, SH(M), 11); io.t[2] = tt_rand(DSK_F32, 1, SH(M), -2, 2);
+    io.w[0] = tt_rand(dt, 2, SH(11, C), -2, 2);
+    TT_ROWS_OP("gather_rows_scaled", tt_rows_gather);
+    TT_ROWS_IO(1); io.nt = 2;
+    io.t[0] = tt_new(dt, 2, mc); io.t[1] = tt_ids(1, SH(M), 11); io.w[0] = tt_rand(dt, 2, SH(11, C), -2, 2);
+    TT_ROWS_OP("embedding", tt_rows_embedding);
+    TT_ROWS_IO(1); io.nt = 2; io.f = -0.75f;
+    io.t[0] = tt_new(dt, 2, mc); io.t[1] = tt_rand(dt, 2, mc, -2, 2); io.init[0] = tt_rand(dt, 2, mc, -2, 2);
+    TT_ROWS_OP("axpy", tt_rows_axpy);
+#undef TT_ROWS_OP
+#undef TT_ROWS_IO
+}
+
+static dsk_status tt_rows_attn(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
+    (void)io; (void)r0; (void)n;
+    return dsk_attention(cx, &v[0], &v[1], &v[2], &v[3], &v[4], 0.3f);
+}
+static dsk_status tt_rows_attn_bwd(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
+    (void)io; (void)r0; (void)n;
+    return dsk_attention_backward(cx, &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6], &v[7], 0.3f);
+}
+static dsk_status tt_rows_fattn(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
+    (void)io; (void)r0; (void)n;
+    return dsk_attention_fused(cx, &v[0], &v[1], &v[2], &v[3], &v[4], 0.3f);
+}
+static dsk_status tt_rows_fattn_bwd(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
+    (void)io; (void)r0; (void)n;
+    return dsk_attention_fused_backward(cx, &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6], &v[7], &v[8], 0.3f);
+}
+
+/* Attention (dt) on a batch of B sequences of T = 21 (3 heads of 12), cut along the batch: a
+   sequence's bits do not depend on how many others share the call. */
+static void test_rows_attention(dsk_dtype dt, int fused) {
+    int64_t B = 5 + dsk_test_rand_int(4), T = 21, H = 3, D = 12;
+    const int64_t *sh = SH(B, T, H, D);
+    tt_rows_io io;
+    char op[64];
+    memset(&io, 0, sizeof io);
+    io.nout = 2; io.nt = 5;
+    io.t[0] = tt_new(dt, 4, sh);
+    io.t[1] = fused ? tt_new(DSK_F32, 3, SH(B, H, T)) : tt_new(DSK_F32, 4, SH(B, H, T, T));
+    for (int i = 2; i < 5; i++) io.t[i] = tt_rand(dt, 4, sh, -2, 2);
+    snprintf(op, sizeof op, "%s %s", fused ? "attention_fused" : "attention", dsk_dtype_name(dt));
+    tt_rows_check(op, fused ? tt_rows_fattn : tt_rows_attn, &io);
+    /* backward: dq, dk, dv accumulated from dout and the forward's saved tensors */
+    {
+        dsk_tensor *out = io.t[0], *saved = io.t[1], *q = io.t[2], *k = io.t[3], *v = io.t[4];
+        DSK_TEST_OK(fused ? dsk_attention_fused(tt_cx, out, saved, q, k, v, 0.3f)
+                          : dsk_attention(tt_cx, out, saved, q, k, v, 0.3f));
+        memset(&io, 0, sizeof io);
+        io.nout = 3;
+        for (int i = 0; i < 3; i++) { io.t[i] = tt_new(dt, 4, sh); io.init[i] = tt_rand(dt, 4, sh, -1, 1); }
+        io.t[3] = tt_rand(dt, 4, sh, -1, 1); io.t[4] = q; io.t[5] = k; io.t[6] = v;
+        if (fused) { io.t[7] = out; io.t[8] = saved; io.nt = 9; }
+        else { io.t[7] = saved; io.nt = 8; }
+        snprintf(op, sizeof op, "%s_backward %s", fused ? "attention_fused" : "attention", dsk_dtype_name(dt));
+        tt_rows_check(op, fused ? tt_rows_fattn_bwd : tt_rows_attn_bwd, &io);
+    }
+}
+
+/* Segments of the call's rows: segment g is the global rows [off[g], off[g + 1]) clipped to
+   [r0, r0 + n), shifted by r0 (io->w[3], G + 1 i32, is rewritten for each call). */
+static dsk_tensor *tt_rows_offsets(tt_rows_io *io, int64_t r0, int64_t n) {
+    const int32_t *off = (const int32_t *)io->w[2]->data;
+    int32_t *loc = (int32_t *)io->w[3]->data;
+    for (int64_t g = 0; g < io->w[2]->shape[0]; g++) {
+        int64_t o = off[g] - r0;
+        loc[g] = (int32_t)(o < 0 ? 0 : o > n ? n : o);
+    }
+    return io->w[3];
+}
+static dsk_status tt_rows_mm_grouped(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
+    return dsk_matmul_grouped(cx, &v[0], &v[1], 0, io->w[0], io->flag[1], tt_rows_offsets(io, r0, n), 1.0f, 0.0f);
+}
+static dsk_status tt_rows_swiglu_grouped(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
+    return dsk_swiglu_grouped(cx, &v[0], &v[1], &v[2], &v[3], &v[4], io->w[0], io->w[1], io->w[4],
+                              tt_rows_offsets(io, r0, n));
+}
+static dsk_status tt_rows_swiglu_grouped_bwd(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
+    return dsk_swiglu_grouped_backward(cx, &v[0], io->w[5], io->w[6], io->w[7], &v[1], &v[2], &v[3], &v[4], &v[5],
+                                       &v[6], &v[7], &v[8], io->w[0], io->w[1], io->w[4], tt_rows_offsets(io, r0, n));
+}
+
+/* Grouped products (dt) over 3 segments of M rows (one may be empty), cut along the rows: a
+   row's bits do not depend on how many rows its segment has in the call. */
+static void test_rows_grouped(dsk_dtype dt) {
+    int64_t M = tt_rows_m(), G = 3, K = 29, N = 21, F = 19;
+    int32_t *off;
+    tt_rows_io io;
+    char op[64];
+    dsk_tensor *x = tt_rand(dt, 2, SH(M, K), -1, 1), *offs = tt_new(DSK_I32, 1, SH(G + 1));
+    dsk_tensor *loc = tt_new(DSK_I32, 1, SH(G + 1));
+    off = (int32_t *)offs->data;
+    off[0] = 0;
+    off[1] = (int32_t)(M / 3 + dsk_test_rand_int(5));
+    off[2] = off[1] + (int32_t)dsk_test_rand_int(2) * (int32_t)(M / 4); /* segment 1 empty half the time */
+    off[3] = (int32_t)M;
+    for (int tb = 0; tb < 2; tb++) {
+        memset(&io, 0, sizeof io);
+        io.nout = 1; io.nt = 2; io.flag[1] = tb;
+        io.t[0] = tt_new(dt, 2, SH(M, N)); io.t[1] = x;
+        io.w[0] = tb ? tt_rand(dt, 3, SH(G, N, K), -1, 1) : tt_rand(dt, 3, SH(G, K, N), -1, 1);
+        io.w[2] = offs; io.w[3] = loc;
+        snprintf(op, sizeof op, "matmul_grouped %s trans_b %d", dsk_dtype_name(dt), tb);
+        tt_rows_check(op, tt_rows_mm_grouped, &io);
+    }
+    memset(&io, 0, sizeof io);
+    io.nout = 4; io.nt = 5;
+    io.t[0] = tt_new(dt, 2, SH(M, K));
+    for (int i = 1; i < 4; i++) io.t[i] = tt_new(dt, 2, SH(M, F));
+    io.t[4] = x;
+    io.w[0] = tt_rand(dt, 3, SH(G, F, K), -1, 1); io.w[1] = tt_rand(dt, 3, SH(G, K, F), -1, 1);
+    io.w[4] = tt_rand(dt, 3, SH(G, F, K), -1, 1); io.w[2] = offs; io.w[3] = loc;
+    snprintf(op, sizeof op, "swiglu_grouped %s", dsk_dtype_name(dt));
+    tt_rows_check(op, tt_rows_swiglu_grouped, &io);
+    {
+        dsk_tensor *h1 = tt_new(dt, 2, SH(M, F)), *h3 = tt_new(dt, 2, SH(M, F)), *a = tt_new(dt, 2, SH(M, F));
+        DSK_TEST_OK(dsk_swiglu_grouped(tt_cx, io.t[0], h1, h3, a, x, io.w[0], io.w[1], io.w[4], offs));
+        memset(io.t, 0, sizeof io.t);
+        io.nout = 4; io.nt = 9;
+        io.t[0] = tt_new(dt, 2, SH(M, K)); /* dx written; da, dh1, dh3 scratch written */
+        for (int i = 1; i < 4; i++) io.t[i] = tt_new(dt, 2, SH(M, F));
+        io.t[4] = tt_rand(dt, 2, SH(M, K), -1, 1); io.t[5] = x; io.t[6] = h1; io.t[7] = h3; io.t[8] = a;
+        io.w[5] = tt_new(DSK_F32, 3, SH(G, F, K)); /* dw1, dw2, dw3: sums over rows, not compared */
+        io.w[6] = tt_new(DSK_F32, 3, SH(G, K, F));
+        io.w[7] = tt_new(DSK_F32, 3, SH(G, F, K));
+        snprintf(op, sizeof op, "swiglu_grouped_backward dx %s", dsk_dtype_name(dt));
+        tt_rows_check(op, tt_rows_swiglu_grouped_bwd, &io);
+    }
+}
+
+static dsk_status tt_rows_adamw(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
+    dsk_adamw_opts o = dsk_adamw_defaults();
+    (void)io; (void)r0; (void)n;
+    o.lr = 0.01f;
+    return dsk_adamw_step(cx, &v[0], &v[4], &v[1], &v[2], &o, 3, 0.5f, &v[3]);
+}
+/* AdamW over a flat array of L elements cut anywhere: an element's bits do not depend on the
+   length of the array it is updated in (vector bodies and tails alike). */
+static void test_rows_adamw(dsk_dtype gdt) {
+    int64_t L = 40 + dsk_test_rand_int(30);
+    tt_rows_io io;
+    char op[64];
+    memset(&io, 0, sizeof io);
+    io.nout = 4; io.nt = 5;
+    for (int i = 0; i < 3; i++) io.t[i] = tt_new(DSK_F32, 1, SH(L));
+    io.t[3] = tt_new(DSK_BF16, 1, SH(L));
+    io.init[0] = tt_rand(DSK_F32, 1, SH(L), -1, 1); io.init[1] = tt_rand(DSK_F32, 1, SH(L), -0.1, 0.1);
+    io.init[2] = tt_rand(DSK_F32, 1, SH(L), 0, 0.01); io.init[3] = tt_rand(DSK_BF16, 1, SH(L), -1, 1);
+    io.t[4] = tt_rand(gdt, 1, SH(L), -1, 1);
+    snprintf(op, sizeof op, "adamw_step grad %s", dsk_dtype_name(gdt));
+    tt_rows_check(op, tt_rows_adamw, &io);
+}
+
+/* Products of dt inputs on M rows: f32 C for every transpose and (K, N) (the direct nest, the
+   packed one past 512 columns, K slices past 256 and 512), a dt C with beta too, and 150 to 299
+   rows in chunks (past the packed nest's 144-row blocks). */
+static void test_rows_matmuls(dsk_dtype dt) {
+    static const int64_t kn[5][2] = {{5, 7}, {37, 19}, {70, 600}, {300, 37}, {600, 33}};
+    for (int t = 0; t < 4; t++)
+        for (int s = 0; s < 5; s++) test_rows_matmul(dt, DSK_F32, t >> 1, t & 1, 0, kn[s][0], kn[s][1], 0);
+    test_rows_matmul(dt, dt, 0, 1, 0, 37, 19, 1);
+    for (int t = 0; t < 4; t++) /* the trainer's row counts: 256 tokens in one call or 64 in each */
+        test_rows_matmul(dt, DSK_F32, t >> 1, t & 1, 150 + dsk_test_rand_int(150), t & 1 ? 70 : 37, t & 1 ? 600 : 19,
+                         0);
+}
+
 /* ------------------------------------------------------------------ main */
 
 int main(void) {
@@ -2503,7 +3060,12 @@ int main(void) {
     test_rng_moments();
     TT_CASE("status and dtype names, error messages"); test_names();
     TT_CASE("ctx options and errors"); test_ctx();
+    TT_CASE("DSK_CPU_ISA: each name, auto, empty, unknown names, explicit options win, calls without a ctx follow");
+    test_ctx_isa_env();
+    TT_CASE("default threads: the cores / LOCAL_WORLD_SIZE without OMP_NUM_THREADS, OpenMP's with it");
+    test_ctx_threads();
     TT_CASE("tensor alloc/wrap/free: errors, empty tensors, describe"); test_tensor_alloc_errors();
+    TT_CASE("tensor sizes that overflow: alloc, wrap, reshape, slice name the shape"); test_tensor_size_overflow();
     TT_CASE("allocator accounting: live bytes, high-water mark, reset"); test_tensor_mem();
     for (int d = 0; d < DSK_DTYPE_COUNT; d++) {
         TT_CASE("fill %s: contiguous and strided views, every element", dsk_dtype_name((dsk_dtype)d));
@@ -2576,7 +3138,24 @@ int main(void) {
         test_matmul_batched_small();
         TT_CASE("%s row primitives: exp, SwiGLU and rope bitwise the scalar math, the rest vs float64", n); test_row_kernels();
         TT_CASE("%s AdamW vs dsk_adamw_update, f32 and bf16 gradients, bf16 copy", n); test_adamw_isa();
-        if (i != (int)dsk_cpu_isa_best()) /* the best ran every op test above */
+        for (int d = 0; d < 2; d++) {
+            const char *dn = dsk_dtype_name(tt_floats[d]);
+            TT_CASE("%s matmul %s, every trans_a/trans_b, N and K off the tiles: each row's bits for any row count, "
+                    "cut and thread count", n, dn);
+            test_rows_matmuls(tt_floats[d]);
+            TT_CASE("%s row ops %s (softmax, rmsnorm, silu, swiglu, cross-entropy, rope, gathers, axpy, forward and "
+                    "backward): each row's bits for any row count, cut and thread count", n, dn);
+            test_rows_ops(tt_floats[d]);
+            TT_CASE("%s attention and fused attention %s + backward: each sequence's bits for any batch, cut and "
+                    "thread count", n, dn);
+            test_rows_attention(tt_floats[d], 0);
+            test_rows_attention(tt_floats[d], 1);
+            TT_CASE("%s matmul_grouped, swiglu_grouped + backward %s: each row's bits for any segment length", n, dn);
+            test_rows_grouped(tt_floats[d]);
+            TT_CASE("%s AdamW grad %s: each element's bits for any array length", n, dn);
+            test_rows_adamw(tt_floats[d]);
+        }
+        if (i != (int)dsk_cpu_isa_auto()) /* the ISA of ctx NULL ran every op test above */
             for (int d = 0; d < 2; d++) {
                 dsk_dtype dt = tt_floats[d];
                 for (int t = 0; t < 4 && d == 0; t++) {
