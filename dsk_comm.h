@@ -1,11 +1,13 @@
 /* dsk_comm.h - ranks, bootstrap, backends (host TCP, NCCL), collectives, groups, gradient buckets.
 
    Usage: #define DSK_COMM_IMPLEMENTATION in exactly one .c file before including. The
-   implementation needs POSIX (sockets, poll, pthreads, shm_open) and GCC or Clang (the shared-
-   memory rings use the __atomic builtins, the C11 memory model in C and C++ alike): include
-   this header first in that file, or compile with -D_GNU_SOURCE (Linux: lets a waiting rank see
-   which CPU it runs on) or -D_POSIX_C_SOURCE=200809L. Link with -lpthread (and -lnccl
-   -lcudart under DSK_CUDA).
+   implementation needs POSIX 2008 (sockets, poll, pthreads, shm_open) and GCC or Clang (the
+   shared-memory rings use the __atomic builtins, the C11 memory model in C and C++ alike).
+   The dsk headers ask for POSIX themselves: in that file, put the DSK_*_IMPLEMENTATION defines
+   and the dsk includes (in any order among themselves) before any system header, or compile
+   with -D_GNU_SOURCE (Linux: lets a waiting rank see which CPU it runs on) or
+   -D_POSIX_C_SOURCE=200809L (a system header first without either is a compile-time #error
+   that says so). Link with -lpthread (and -lnccl -lcudart under DSK_CUDA).
    Options: DSK_STATIC, DSK_MALLOC/DSK_FREE, DSK_CUDA (adds the nccl backend), DSK_NO_CUDA.
 
        dsk_comm c;
@@ -20,7 +22,13 @@
    Bootstrap. Rank 0 serves a small key-value store over TCP at MASTER_ADDR:MASTER_PORT
    (set, get that waits, add, barrier). The host backend's endpoints and the NCCL unique id
    pass through it. dsk_comm_spawn_local() starts n ranks on this machine with the
-   environment filled in, the way torchrun does.
+   environment filled in, the way torchrun does. dsk_comm_check_agree() checks at setup that
+   every rank was given the same configuration and names the option that differs.
+
+   Threads. The ranks of one host share its cores: each rank's dsk_ctx (dsk_tensor.h) runs
+   cores / LOCAL_WORLD_SIZE OpenMP threads by default (at least 1), so ranks do not
+   oversubscribe the CPU; OMP_NUM_THREADS, when set, overrides that for every rank.
+   dsk_comm_spawn_local and torchrun set LOCAL_WORLD_SIZE in every rank's environment.
 
    Backends, one API. host: CPU buffers; ranks on one host exchange through shared memory,
    ranks on different hosts over TCP, and a communicator mixes both (see "shared memory" in
@@ -366,6 +374,11 @@ DSK_API const char *dsk_comm_op_name(dsk_comm_op op); /* "sum", "avg", "max", "m
 #ifdef DSK_COMM_IMPLEMENTATION
 #ifndef DSK_COMM_IMPLEMENTATION_DONE
 #define DSK_COMM_IMPLEMENTATION_DONE
+/* glibc hid POSIX 2008 when a system header came before the dsk headers in this file. */
+#if defined(__GLIBC__) && !defined(__USE_XOPEN2K8) /* glibc's mark of POSIX 2008 */
+#error "dsk_comm.h needs POSIX 2008: put the DSK_*_IMPLEMENTATION defines and dsk includes before any system header, \
+or compile with -D_GNU_SOURCE"
+#endif
 
 #include <errno.h>
 #include <fcntl.h>
