@@ -1265,24 +1265,31 @@ static void case_options_differ(void) {
 /* A duplicate RANK (issue 10 item 12): processes 1 and 2 both say rank 1 (process 2 a
    moment later). Process 2 must fail at once with the documented message; the others run.
    Before, it retried until the timeout and reported "no key-value store ... refused". */
+typedef struct duplicate_arg { group g; int dup; } duplicate_arg; /* dup: the rank process 2 claims too */
+
 static void rank_duplicate(dsk_comm *unused, void *argp) {
-    const group *g = (const group *)argp;
+    const duplicate_arg *d = (const duplicate_arg *)argp;
     dsk_comm c;
     dsk_status st;
     double t0;
     int64_t v = g_rank, sum = 0;
+    int rank = g_rank == 2 ? d->dup : g_rank;
     (void)unused;
     if (g_rank == 2) {
         struct timespec ts = {0, 200000000};
         nanosleep(&ts, NULL);
     }
     t0 = dsk_test_now();
-    st = dsk_comm_init(&c, g_rank ? 1 : 0, 2, &g->opts);
-    printf("     process %d (rank %d): %s after %.2f s: %s\n", g_rank, g_rank ? 1 : 0, dsk_status_str(st),
+    st = dsk_comm_init(&c, rank, 2, &d->g.opts);
+    printf("     process %d (rank %d): %s after %.2f s: %s\n", g_rank, rank, dsk_status_str(st),
            dsk_test_now() - t0, st ? dsk_last_error() : "");
     if (g_rank == 2) {
+        char want[64];
+        snprintf(want, sizeof want, "dsk_comm_init: rank %d is claimed by 2 processes: pid ", d->dup);
         DSK_TEST_STATUS(st, DSK_ERR_ARG);
-        DSK_TEST_ERROR_MENTIONS("dsk_comm_init: rank 1 is claimed by 2 processes: pid ");
+        DSK_TEST_ERROR_MENTIONS(want);
+        DSK_TEST_ERROR_MENTIONS(d->dup ? "is RANK 1 set twice?" : "is RANK 0 set twice?");
+        DSK_TEST_EXPECT(!strstr(dsk_last_error(), "pick another MASTER_PORT"), "told to pick another port");
         DSK_TEST_EXPECT(dsk_test_now() - t0 < 1.0, "the duplicate failed after %.2f s", dsk_test_now() - t0);
         if (st == DSK_OK) dsk_comm_free(&c);
         return;
@@ -1299,16 +1306,80 @@ static void rank_duplicate(dsk_comm *unused, void *argp) {
     dsk_comm_free(&c);
 }
 
-static void case_duplicate_rank(void) {
+static void duplicate_case(int dup) {
+    duplicate_arg d;
+    group_defaults(&d.g, 3);
+    d.dup = dup;
+    d.g.no_init = 1;
+    d.g.opts = fault_opts(3.0);
+    d.g.opts.backend = DSK_COMM_HOST;
+    d.g.opts.master_addr = "127.0.0.1";
+    DSK_TEST_OK(dsk_comm_free_port("127.0.0.1", &d.g.port));
+    d.g.opts.master_port = d.g.port;
+    expect_group_ok(&d.g, rank_duplicate, &d);
+}
+
+static void case_duplicate_rank(void) { duplicate_case(1); }
+
+/* Two processes both claiming rank 0 (same MASTER_ADDR:MASTER_PORT): the second finds the
+   port taken by the first's store, which holds rank 0's claim. It must say that a second
+   process claims rank 0; before, it said "port ... already in use: pick another MASTER_PORT". */
+static void case_duplicate_rank0(void) { duplicate_case(0); }
+
+/* dsk_comm_check_agree (issue: ranks given different --d-model failed later with "all_to_all_v
+   counts disagree"): 3 ranks, settings drawn fresh; every rank must get the same verdict, and
+   a mismatch must name the setting, both values and both ranks. */
+typedef struct agree_arg { unsigned d_model, experts; } agree_arg;
+
+static void agree_expect(dsk_comm *c, const char *config, const char *needle, const char *count) {
+    dsk_status st = dsk_comm_check_agree(c, "test options", config);
+    if (!needle) { DSK_TEST_OK(st); return; }
+    DSK_TEST_STATUS(st, DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_comm_check_agree: test options differ between ranks: ");
+    DSK_TEST_ERROR_MENTIONS(needle);
+    DSK_TEST_ERROR_MENTIONS(count);
+}
+
+static void rank_check_agree(dsk_comm *c, void *argp) {
+    const agree_arg *a = (const agree_arg *)argp;
+    char cfg[160], needle[200];
+    int64_t v = 1, sum = 0;
+    unsigned d = a->d_model, other = a->d_model + 16;
+    snprintf(cfg, sizeof cfg, "d_model=%u experts=%u dtype=bf16", d, a->experts);
+    agree_expect(c, cfg, NULL, NULL);
+    /* rank 1 has another d_model (as in the issue) */
+    snprintf(cfg, sizeof cfg, "d_model=%u  experts=%u dtype=bf16", c->rank == 1 ? other : d, a->experts);
+    snprintf(needle, sizeof needle, "d_model is \"%u\" on rank 0 but \"%u\" on rank 1", d, other);
+    agree_expect(c, cfg, needle, "(1 of 3 ranks differ from rank 0)");
+    /* ranks 1 and 2 lack a setting: the first of them to report is named */
+    snprintf(cfg, sizeof cfg, c->rank ? "d_model=%u dtype=bf16" : "d_model=%u experts=%u dtype=bf16", d, a->experts);
+    snprintf(needle, sizeof needle, "experts is \"%u\" on rank 0 but not given on rank ", a->experts);
+    agree_expect(c, cfg, needle, "(2 of 3 ranks differ from rank 0)");
+    /* rank 2 has one more */
+    snprintf(cfg, sizeof cfg, "d_model=%u dtype=bf16%s", d, c->rank == 2 ? " mtp=1" : "");
+    agree_expect(c, cfg, "mtp is not given on rank 0 but \"1\" on rank 2", "(1 of 3 ranks differ from rank 0)");
+    DSK_TEST_STATUS(dsk_comm_check_agree(c, NULL, NULL), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_comm_check_agree(NULL, "x", "a=1"), DSK_ERR_ARG);
+    /* a sub-communicator agrees on its own: groups {0, 2} and {1} with different texts */
+    {
+        dsk_comm sub;
+        DSK_TEST_OK(dsk_comm_split(c, c->rank % 2, 0, &sub));
+        snprintf(cfg, sizeof cfg, "group=%d", c->rank % 2);
+        DSK_TEST_OK(dsk_comm_check_agree(&sub, "group options", cfg));
+        dsk_comm_free(&sub);
+    }
+    /* the communicator is unharmed */
+    DSK_TEST_OK(dsk_comm_all_reduce(c, NULL, &v, &sum, 1, DSK_I64, DSK_COMM_SUM));
+    DSK_TEST_EXPECT(sum == 3, "sum %lld after the checks", (long long)sum);
+}
+
+static void case_check_agree(void) {
     group g;
+    agree_arg a;
+    a.d_model = 64 + 16 * (unsigned)dsk_test_rand_int(40);
+    a.experts = 2 + (unsigned)dsk_test_rand_int(60);
     group_defaults(&g, 3);
-    g.no_init = 1;
-    g.opts = fault_opts(3.0);
-    g.opts.backend = DSK_COMM_HOST;
-    g.opts.master_addr = "127.0.0.1";
-    DSK_TEST_OK(dsk_comm_free_port("127.0.0.1", &g.port));
-    g.opts.master_port = g.port;
-    expect_group_ok(&g, rank_duplicate, &g);
+    expect_group_ok(&g, rank_check_agree, &a);
 }
 
 static void case_missing_rank(void) {
@@ -1714,6 +1785,59 @@ static void case_spawn(void) {
     DSK_TEST_ERROR_MENTIONS("dsk_comm_spawn_local");
 }
 
+/* dsk_comm_spawn_local forwards whole lines (issue: a line was cut at 4 KiB and another rank's
+   line landed in the middle): 4 ranks each write 6 lines of L = 20000 + 1000 r bytes of their
+   own digit at once, then one without a newline; every forwarded line must be one rank's
+   prefix and exactly its L digits. */
+static void case_spawn_long_lines(void) {
+    char path[256], *out;
+    const char *tmp = getenv("TMPDIR");
+    char *argv_sh[] = {(char *)"/bin/sh", (char *)"-c",
+                       (char *)"n=$((20000 + 1000 * RANK)); for i in 1 2 3 4 5 6; do "
+                               "head -c $n /dev/zero | tr '\\0' \"$RANK\"; echo; done; "
+                               "head -c $n /dev/zero | tr '\\0' \"$RANK\"",
+                       NULL};
+    dsk_comm_spawn_opts so;
+    int worst = -1, fd, lines[4] = {0, 0, 0, 0}, bad = 0;
+    long size;
+    FILE *f;
+    snprintf(path, sizeof path, "%s/dsk_spawn_lines_XXXXXX", tmp && *tmp ? tmp : "/tmp");
+    fd = mkstemp(path);
+    DSK_TEST_EXPECT(fd >= 0, "mkstemp");
+    if (fd < 0) return;
+    memset(&so, 0, sizeof so);
+    so.out_fd = fd;
+    so.timeout_s = 60;
+    DSK_TEST_OK(dsk_comm_spawn_local(4, argv_sh, &so, &worst));
+    DSK_TEST_EXPECT(worst == 0, "worst exit %d", worst);
+    size = lseek(fd, 0, SEEK_END);
+    out = (char *)malloc((size_t)size + 1);
+    f = fdopen(fd, "r");
+    rewind(f);
+    DSK_TEST_EXPECT(fread(out, 1, (size_t)size, f) == (size_t)size, "read back");
+    out[size] = 0;
+    fclose(f);
+    unlink(path);
+    for (char *line = out, *nl; *line; line = nl + 1) {
+        int r = -1;
+        size_t k = 0, want;
+        if (!(nl = strchr(line, '\n'))) { bad++; break; }
+        if (sscanf(line, "[rank %d] ", &r) != 1 || r < 0 || r > 3) { bad++; continue; }
+        want = 20000 + 1000 * (size_t)r;
+        line += strlen("[rank 0] ");
+        while (line + k < nl && line[k] == '0' + r) k++;
+        if (line + k != nl || k != want) {
+            if (bad++ < 3) printf("     rank %d's line: %zu of its digits then %ld more bytes, want %zu\n", r, k,
+                                  (long)(nl - line) - (long)k, want);
+            continue;
+        }
+        lines[r]++;
+    }
+    for (int r = 0; r < 4; r++) DSK_TEST_EXPECT(lines[r] == 7, "rank %d: %d whole lines, want 7", r, lines[r]);
+    DSK_TEST_EXPECT(bad == 0, "%d forwarded lines were not one rank's whole line", bad);
+    free(out);
+}
+
 /* Open MPI's launcher: OMPI_COMM_WORLD_* only, no MASTER_ADDR (all ranks on this host). */
 static void case_mpirun(void) {
     char self[4096], cmd[8400], *out;
@@ -1858,7 +1982,8 @@ static void case_mpirun_two_jobs(void) {
             if (strstr(line, "of 2 local") && strstr(line, "sum 3")) ok_lines++;
             if (strstr(line, "init_env failed"))
                 DSK_TEST_EXPECT(strstr(line, "belongs to another job") || strstr(line, "already in use") ||
-                                    strstr(line, "no key-value store"),
+                                    strstr(line, "no key-value store") ||
+                                    strstr(line, "is taken by the key-value store of another job's rank 0"),
                                 "job %d: a rank failed without naming the cause: %s", j, line);
             DSK_TEST_EXPECT(!strstr(line, "all_reduce failed"), "job %d: a rank failed after init: %s", j, line);
         }
@@ -2510,12 +2635,15 @@ int main(int argc, char **argv) {
     DSK_TEST_RUN(case_missing_rank);
     DSK_TEST_RUN(case_options_differ);
     DSK_TEST_RUN(case_duplicate_rank);
+    DSK_TEST_RUN(case_duplicate_rank0);
+    DSK_TEST_RUN(case_check_agree);
     DSK_TEST_RUN(case_port_in_use);
     DSK_TEST_RUN(case_no_store);
     DSK_TEST_RUN(case_env);
     DSK_TEST_RUN(case_bad_args);
     DSK_TEST_RUN(case_reinit);
     DSK_TEST_RUN(case_spawn);
+    DSK_TEST_RUN(case_spawn_long_lines);
     DSK_TEST_RUN(case_mpirun);
     DSK_TEST_RUN(case_mpirun_two_jobs);
     DSK_TEST_RUN(case_torchrun);
