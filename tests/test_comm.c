@@ -1838,6 +1838,65 @@ static void case_spawn_long_lines(void) {
     free(out);
 }
 
+/* The trainer checks its options across ranks as soon as they meet: two ranks started by hand
+   (RANK 0 and 1) with different --d-model both stop naming the option and both values (they
+   used to fail later with "all_to_all_v counts disagree ... 160 elements ... expects 240"). */
+static void case_trainer_disagrees(void) {
+    char self[4096], trainer[4200], log[2][4300];
+    ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
+    int port = 0, d0 = 32 + 16 * (int)dsk_test_rand_int(4), d1 = d0 + 16;
+    pid_t pid[2];
+    self[k > 0 ? k : 0] = 0;
+    if (strrchr(self, '/')) *strrchr(self, '/') = 0;
+    snprintf(trainer, sizeof trainer, "%s/../examples/train_moe", self);
+    if (access(trainer, X_OK) != 0) {
+        dsk_test_skip("%s not built", trainer);
+        return;
+    }
+    DSK_TEST_OK(dsk_comm_free_port("127.0.0.1", &port));
+    fflush(stdout);
+    for (int r = 0; r < 2; r++) {
+        const char *tmp = getenv("TMPDIR");
+        snprintf(log[r], sizeof log[r], "%s/dsk_trainer_disagrees.%d.%d.log", tmp && *tmp ? tmp : "/tmp",
+                 (int)getpid(), r);
+        if ((pid[r] = fork()) == 0) {
+            char v[16], d[16];
+            int fd = open(log[r], O_WRONLY | O_CREAT | O_TRUNC, 0644);
+            dup2(fd, 1);
+            dup2(fd, 2);
+            snprintf(v, sizeof v, "%d", r); setenv("RANK", v, 1);
+            snprintf(v, sizeof v, "%d", port); setenv("MASTER_PORT", v, 1);
+            setenv("WORLD_SIZE", "2", 1); setenv("MASTER_ADDR", "127.0.0.1", 1); setenv("OMP_NUM_THREADS", "1", 1);
+            unsetenv("DSK_JOB_ID");
+            snprintf(d, sizeof d, "%d", r ? d1 : d0);
+            execl(trainer, trainer, "--d-model", d, "--steps", "1", (char *)NULL);
+            _exit(127);
+        }
+    }
+    for (int r = 0; r < 2; r++) {
+        int st = 0;
+        size_t n = 0;
+        char want[160], *out;
+        FILE *f;
+        double t0 = dsk_test_now();
+        while (waitpid(pid[r], &st, WNOHANG) == 0) { /* a run that trains on is killed after 60 s */
+            struct timespec ts = {0, 20000000};
+            if (dsk_test_now() - t0 > 60) kill(pid[r], SIGKILL);
+            nanosleep(&ts, NULL);
+        }
+        f = fopen(log[r], "r");
+        out = (char *)calloc(1, 1 << 16);
+        if (f) { n = fread(out, 1, (1 << 16) - 1, f); fclose(f); }
+        out[n] = 0;
+        unlink(log[r]);
+        snprintf(want, sizeof want, "train_moe options differ between ranks: d_model is \"%d\" on rank 0 but \"%d\" "
+                 "on rank 1", d0, d1);
+        DSK_TEST_EXPECT(WIFEXITED(st) && WEXITSTATUS(st) != 0 && strstr(out, want),
+                        "rank %d (status %d) lacks \"%s\":\n%.2000s", r, st, want, out);
+        free(out);
+    }
+}
+
 /* Open MPI's launcher: OMPI_COMM_WORLD_* only, no MASTER_ADDR (all ranks on this host). */
 static void case_mpirun(void) {
     char self[4096], cmd[8400], *out;
@@ -2644,6 +2703,7 @@ int main(int argc, char **argv) {
     DSK_TEST_RUN(case_reinit);
     DSK_TEST_RUN(case_spawn);
     DSK_TEST_RUN(case_spawn_long_lines);
+    DSK_TEST_RUN(case_trainer_disagrees);
     DSK_TEST_RUN(case_mpirun);
     DSK_TEST_RUN(case_mpirun_two_jobs);
     DSK_TEST_RUN(case_torchrun);
