@@ -116,6 +116,26 @@ static void reseal_manifest(const char *path) {
     free(b);
 }
 
+/* Replaces the first `from` in a file by `to` (same length or not); 0 when absent. */
+static int edit_file(const char *path, const char *from, const char *to) {
+    size_t n;
+    unsigned char *b = read_file(path, &n);
+    char *hit, *out;
+    size_t a, lf = strlen(from), lt = strlen(to);
+    if (!b) return 0;
+    b[n] = 0;
+    if (!(hit = strstr((char *)b, from))) { free(b); return 0; }
+    a = (size_t)(hit - (char *)b);
+    out = (char *)malloc(n - lf + lt + 1);
+    memcpy(out, b, a);
+    memcpy(out + a, to, lt);
+    memcpy(out + a + lt, b + a + lf, n - a - lf);
+    write_file(path, out, n - lf + lt);
+    free(out);
+    free(b);
+    return 1;
+}
+
 /* A raw safetensors file: 8-byte length, header padded with spaces to 8, data. */
 static void write_raw_st(const char *path, const char *header, const void *data, size_t n) {
     size_t h = strlen(header), pad = (8 - h % 8) % 8;
@@ -1314,13 +1334,14 @@ static int agree_save(int rank, int world, void *p) {
 
 /* Each rank loads its own rows (m->step, or the newest when m->step < 0) with or without the
    agreement; the outcome must be m->want_status with m->want_text, or the data of m->g with
-   m->want_skipped newer checkpoints passed over. */
+   want_n_skipped newer checkpoints passed over, the newest want_skipped_step. */
 typedef struct agree_load_arg {
     mr_arg m;
     int use_agree;
     dsk_status want_status;
     const char *want_text;
     int64_t want_step, want_skipped_step;
+    int want_n_skipped;
 } agree_load_arg;
 
 static int agree_load(int rank, int world, void *p) {
@@ -1342,9 +1363,10 @@ static int agree_load(int rank, int world, void *p) {
         bad = 1;
     } else if (s == DSK_OK) {
         bad = compare_entries(e, a->m.g, "agreed load");
-        if (meta.step != a->want_step || meta.skipped_step != a->want_skipped_step) {
-            printf("     rank %d: loaded step %lld skipping %lld\n", rank, (long long)meta.step,
-                   (long long)meta.skipped_step);
+        if (meta.step != a->want_step || meta.skipped_step != a->want_skipped_step ||
+            meta.n_skipped != a->want_n_skipped) {
+            printf("     rank %d: loaded step %lld skipping %d, newest %lld\n", rank, (long long)meta.step,
+                   meta.n_skipped, (long long)meta.skipped_step);
             bad = 1;
         }
         dsk_ckpt_meta_free(&meta);
@@ -1397,7 +1419,19 @@ static void test_collective_outcome(void) {
     a.m.step = -1;
     new_dir(a.m.bar, sizeof a.m.bar, "bar");
     a.want_skipped_step = 2;
+    a.want_n_skipped = 1;
     DSK_TEST_EXPECT(run_ranks(2, agree_load, &a) == 0, "ranks did not fall back together to step 1");
+    /* step 3 saved, then its manifest edited: passed over too, and counted on every rank */
+    dsk_test_begin("collective load of the newest: a damaged manifest is counted on every rank");
+    m.step = 3;
+    new_dir(m.bar, sizeof m.bar, "bar");
+    DSK_TEST_EXPECT(run_ranks(2, agree_save, &m) == 0, "save step 3 failed");
+    snprintf(sd, sizeof sd, "%s/step_00000003/manifest.json", m.dir);
+    DSK_TEST_EXPECT(edit_file(sd, "\"step\":3", "\"step\":4"), "edit step 3's manifest");
+    new_dir(a.m.bar, sizeof a.m.bar, "bar");
+    a.want_skipped_step = 3;
+    a.want_n_skipped = 2;
+    DSK_TEST_EXPECT(run_ranks(2, agree_load, &a) == 0, "ranks did not count step 3's manifest");
     /* step 2 asked for by number, rank 1's file missing: both fail, naming it */
     unlink(f1);
     dsk_test_begin("collective load: rank 1's file missing fails every rank, named");
@@ -1839,8 +1873,6 @@ static void test_load_falls_back(void) {
     dsk_tensor_free(NULL, &keep2);
     dsk_tensor_free(NULL, &back);
 }
-
-static int edit_file(const char *path, const char *from, const char *to);
 
 /* Steps 40 and 50 of one tensor (two 1 MiB blocks) in a fresh directory; keep40 receives
    step 40's bytes. Returns the path of step 50's rank file in f50. */
@@ -2478,26 +2510,6 @@ static void test_flipped_checkpoint_headers(void) {
     DSK_TEST_EXPECT(detected == trials / 2, "%d of %d header flips detected", detected, trials / 2);
     DSK_TEST_EXPECT(manifest_detected == trials / 2, "%d of %d manifest flips detected", manifest_detected, trials / 2);
     model_free(&g);
-}
-
-/* Replaces the first `from` in a file by `to` (same length or not); 0 when absent. */
-static int edit_file(const char *path, const char *from, const char *to) {
-    size_t n;
-    unsigned char *b = read_file(path, &n);
-    char *hit, *out;
-    size_t a, lf = strlen(from), lt = strlen(to);
-    if (!b) return 0;
-    b[n] = 0;
-    if (!(hit = strstr((char *)b, from))) { free(b); return 0; }
-    a = (size_t)(hit - (char *)b);
-    out = (char *)malloc(n - lf + lt + 1);
-    memcpy(out, b, a);
-    memcpy(out + a, to, lt);
-    memcpy(out + a + lt, b + a + lf, n - a - lf);
-    write_file(path, out, n - lf + lt);
-    free(out);
-    free(b);
-    return 1;
 }
 
 /* dsk_ckpt_verify checks the manifest's tensor list and dtypes against the rank files, not
