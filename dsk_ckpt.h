@@ -76,15 +76,16 @@
                             {"moe.w1", &w1, DSK_CKPT_ROWS, row0, n_experts, NULL, NULL}};
      dsk_ckpt_kv kv[1] = {{"loss_scale", "65536"}};
      dsk_ckpt_save_async(&ck, step, e, 2, kv, 1);   ... train on ... dsk_ckpt_wait(&ck);
-     Resuming: step -1 loads the newest checkpoint that loads, passing over damaged ones (a
-     truncated or altered file, a bad manifest: meta.n_skipped says how many); meta.step is the
-     step loaded. dsk_ckpt_latest only says whether there is a checkpoint at all: it reads the
-     manifests, not the files, so its step may be a damaged one that load(-1) passes over.
-     int64_t last; dsk_ckpt_meta meta;
-     dsk_ckpt_latest("runs/ckpt", &last);                     (-1: none yet, start at step 0)
-     if (last >= 0 && dsk_ckpt_load(&ck, -1, e, 2, &meta) == DSK_OK) {     (else: stop, and say why)
+     int64_t last; dsk_ckpt_meta meta;             // resuming:
+     dsk_ckpt_latest("runs/ckpt", &last);          // -1: no checkpoint yet, start at step 0
+     if (last >= 0) {                              // the newest checkpoint that loads
+         if (dsk_ckpt_load(&ck, -1, e, 2, &meta) != DSK_OK) return 1;  // why: dsk_last_error()
          step = meta.step; dsk_ckpt_meta_free(&meta);
      }
+   Resuming loads step -1, not the step dsk_ckpt_latest names: load(-1) passes over damaged
+   checkpoints (a truncated or altered file, a bad manifest; meta.n_skipped says how many) and
+   meta.step is the step it loaded, while dsk_ckpt_latest reads the manifests only, so its step
+   may be a checkpoint whose files are damaged.
    Cost: a save passes over each byte once (CRC32C on 1 MiB blocks just before writing them,
    about 10 GB/s with SSE4.2), so it runs at the disk's write speed plus a few fsyncs; an
    async save stalls the caller for one memory copy of this rank's tensors (the snapshot

@@ -1926,7 +1926,8 @@ static void test_resume_example_falls_back(void) {
             dsk_ckpt_latest(dir, &last);
             DSK_TEST_EXPECT(last == 50, "%s: latest says %lld, documented: 50 (manifests only)", kinds[kind],
                             (long long)last);
-            if (last >= 0 && dsk_ckpt_load(&ck, -1, e, 1, &meta) == DSK_OK) {
+            if (last >= 0) {
+                DSK_TEST_OK(dsk_ckpt_load(&ck, -1, e, 1, &meta));
                 step = meta.step;
                 DSK_TEST_EXPECT(meta.n_skipped == 1 && meta.skipped_step == 50 && meta.skipped_error,
                                 "%s: skipped %d (step %lld)", kinds[kind], meta.n_skipped,
