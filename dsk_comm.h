@@ -81,9 +81,10 @@
    License: MIT, see the end of the file. */
 /* Contents. Each section starts with a rule comment "---- <title>"; search for the title.
    Declarations: types and options; communicators: init, free, split; collectives; tensor
-   forms; expert-parallel routes; the bootstrap store; local launcher; gradient buckets.
+   forms; expert-parallel routes; the bootstrap store; configuration agreement; local
+   launcher; gradient buckets.
    Implementation (after the "implementation" rule): small helpers; the key-value store
-   server; communicator state; store client; shared memory; the host backend's I/O engine;
+   server; communicator state; store client; configuration agreement; shared memory; the host backend's I/O engine;
    reductions (fixed rank order); host collectives; bootstrap and mesh; init; collectives;
    split; tensor forms; expert-parallel routes; local launcher; gradient buckets. */
 #if defined(DSK_COMM_IMPLEMENTATION) && !defined(_GNU_SOURCE) && !defined(_POSIX_C_SOURCE)
@@ -307,13 +308,16 @@ DSK_API dsk_status dsk_comm_store_add(dsk_comm *c, const char *key, int64_t delt
 /* Through the store (no mesh traffic): returns when every rank of c has called it. */
 DSK_API dsk_status dsk_comm_store_barrier(dsk_comm *c);
 
+/* ---- configuration agreement */
 /* Setup check that every rank of c was given the same configuration. config: this rank's
    settings as "name=value" words separated by white space ("d_model=256 experts=8
    dtype=bf16"); what names them in the message ("train_moe options"). Collective, through the
-   store (any backend). DSK_OK when every rank passed the same text; else DSK_ERR_ARG on
-   every rank, naming the first setting that differs, its values and ranks: "what differ
-   between ranks: d_model is 256 on rank 0 but 160 on rank 1 (1 of 2 ranks differ from rank
-   0)". */
+   store (any backend). DSK_OK when every rank passed the same text (compared as it is);
+   else DSK_ERR_ARG on every rank, with the same message naming the first setting in which a
+   differing rank departs from rank 0, both values and both ranks, and how many ranks differ:
+   "dsk_comm_check_agree: train_moe options differ between ranks: d_model is "256" on rank 0
+   but "160" on rank 1 (1 of 2 ranks differ from rank 0)" (or "... is not given on rank 1").
+   The communicator stays usable. */
 DSK_API dsk_status dsk_comm_check_agree(dsk_comm *c, const char *what, const char *config);
 
 /* ---- local launcher */

@@ -1745,7 +1745,8 @@ static void case_spawn(void) {
     dsk_comm_spawn_opts so;
     int worst = -1;
     char *out, *argv_sh[] = {(char *)"/bin/sh", (char *)"-c",
-                             (char *)"echo \"r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK/$LOCAL_WORLD_SIZE a=$MASTER_ADDR\"; "
+                             (char *)"echo \"r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK/$LOCAL_WORLD_SIZE a=$MASTER_ADDR "
+                                     "t=${OMP_NUM_THREADS-unset}\"; "
                                      "printf partial; exit $RANK",
                              NULL};
     char self[4096], *argv_self[] = {self, (char *)"--rank-child", NULL};
@@ -1761,8 +1762,10 @@ static void case_spawn(void) {
     close(p[0]);
     DSK_TEST_EXPECT(worst == 2, "worst exit %d, want 2", worst);
     for (int r = 0; r < 3; r++) {
-        char line[128];
-        snprintf(line, sizeof line, "[rank %d] r=%d w=3 l=%d/3 a=127.0.0.1\n", r, r, r);
+        char line[256];
+        /* LOCAL_WORLD_SIZE divides the cores among the ranks; OMP_NUM_THREADS passes through as set */
+        snprintf(line, sizeof line, "[rank %d] r=%d w=3 l=%d/3 a=127.0.0.1 t=%s\n", r, r, r,
+                 getenv("OMP_NUM_THREADS") ? getenv("OMP_NUM_THREADS") : "unset");
         DSK_TEST_EXPECT(strstr(out, line) != NULL, "output lacks \"%s\":\n%s", line, out);
         snprintf(line, sizeof line, "[rank %d] partial\n", r);
         DSK_TEST_EXPECT(strstr(out, line) != NULL, "unterminated last line not forwarded: \"%s\":\n%s", line, out);
