@@ -317,7 +317,8 @@ DSK_API dsk_status dsk_comm_store_barrier(dsk_comm *c);
    differing rank departs from rank 0, both values and both ranks, and how many ranks differ:
    "dsk_comm_check_agree: train_moe options differ between ranks: d_model is "256" on rank 0
    but "160" on rank 1 (1 of 2 ranks differ from rank 0)" (or "... is not given on rank 1").
-   The communicator stays usable. */
+   The communicator stays usable. c: a world communicator or a host-backend sub-group (an
+   nccl sub-group has no store connection: DSK_ERR_STATE). */
 DSK_API dsk_status dsk_comm_check_agree(dsk_comm *c, const char *what, const char *config);
 
 /* ---- local launcher */
@@ -2807,6 +2808,15 @@ static dsk_status dsk__comm_second_zero(dsk_comm *c, const char *fn, const struc
     hello.job[DSK__COMM_JOB_MAX] = 0;
     gethostname(host, sizeof host - 1);
     host[sizeof host - 1] = 0;
+    {
+        char me[96];
+        int k = snprintf(me, sizeof me, "pid %ld on %s ", (long)getpid(), host);
+        if (k > 0 && (size_t)k < sizeof me && !strncmp(other, me, (size_t)k))
+            return dsk_set_error(DSK_ERR_ARG,
+                                 "%s: this process already serves rank 0's key-value store at %s:%d (a communicator "
+                                 "not freed yet): free it first or give the new one another port",
+                                 fn, m->master_addr, m->master_port);
+    }
     if (strcmp(hello.job, m->job_id) != 0)
         return dsk_set_error(DSK_ERR_ARG,
                              "%s: port %d on %s is taken by the key-value store of another job's rank 0 (%s, job id "

@@ -1326,6 +1326,22 @@ static void case_duplicate_rank(void) { duplicate_case(1); }
    process claims rank 0; before, it said "port ... already in use: pick another MASTER_PORT". */
 static void case_duplicate_rank0(void) { duplicate_case(0); }
 
+/* The same process starting a second rank 0 on the port its live communicator serves is told
+   that (free the first one or use another port), not that another process claims rank 0. */
+static void case_rank0_twice_in_process(void) {
+    dsk_comm a, b;
+    dsk_comm_opts o = fault_opts(2.0);
+    o.backend = DSK_COMM_HOST;
+    o.master_addr = "127.0.0.1";
+    DSK_TEST_OK(dsk_comm_free_port("127.0.0.1", &o.master_port));
+    DSK_TEST_OK(dsk_comm_init(&a, 0, 1, &o));
+    DSK_TEST_STATUS(dsk_comm_init(&b, 0, 1, &o), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("this process already serves rank 0's key-value store at 127.0.0.1:");
+    dsk_comm_free(&a);
+    DSK_TEST_OK(dsk_comm_init(&b, 0, 1, &o)); /* freed: the port is free again */
+    dsk_comm_free(&b);
+}
+
 /* dsk_comm_check_agree (issue: ranks given different --d-model failed later with "all_to_all_v
    counts disagree"): 3 ranks, settings drawn fresh; every rank must get the same verdict, and
    a mismatch must name the setting, both values and both ranks. */
@@ -2698,6 +2714,7 @@ int main(int argc, char **argv) {
     DSK_TEST_RUN(case_options_differ);
     DSK_TEST_RUN(case_duplicate_rank);
     DSK_TEST_RUN(case_duplicate_rank0);
+    DSK_TEST_RUN(case_rank0_twice_in_process);
     DSK_TEST_RUN(case_check_agree);
     DSK_TEST_RUN(case_port_in_use);
     DSK_TEST_RUN(case_no_store);
