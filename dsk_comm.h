@@ -84,9 +84,10 @@
    forms; expert-parallel routes; the bootstrap store; configuration agreement; local
    launcher; gradient buckets.
    Implementation (after the "implementation" rule): small helpers; the key-value store
-   server; communicator state; store client; configuration agreement; shared memory; the host backend's I/O engine;
-   reductions (fixed rank order); host collectives; bootstrap and mesh; init; collectives;
-   split; tensor forms; expert-parallel routes; local launcher; gradient buckets. */
+   server; communicator state; store client; configuration agreement; shared memory; the host
+   backend's I/O engine; reductions (fixed rank order); host collectives; bootstrap and mesh;
+   init; collectives; split; tensor forms; expert-parallel routes; local launcher; gradient
+   buckets. */
 #if defined(DSK_COMM_IMPLEMENTATION) && !defined(_GNU_SOURCE) && !defined(_POSIX_C_SOURCE)
 #define _GNU_SOURCE
 #endif
@@ -1214,18 +1215,21 @@ static int dsk__comm_first_difference(const char *a, int ra, const char *b, int 
     return 0;
 }
 
-/* This rank's text and rank r's, both from the store (r's: *text, to free). */
+/* Rank r's configuration text of agreement seq, from the store, NUL-terminated (*text, to free). */
 static dsk_status dsk__comm_agree_text(dsk_comm *c, const char *fn, uint64_t seq, int r, char **text) {
     char key[160];
     size_t len = 0;
+    dsk_status st;
     snprintf(key, sizeof key, "dsk/%s/agree/%llu/%d", c->impl->ns, (unsigned long long)seq, r);
     DSK__TRY(dsk__comm_store_get(c, fn, key, NULL, 0, &len));
     if (!(*text = (char *)DSK_MALLOC(len + 1))) return dsk_set_error(DSK_ERR_OOM, "%s: %zu bytes", fn, len + 1);
     (*text)[len] = 0;
-    return dsk__comm_store_get(c, fn, key, *text, len, &len);
+    if ((st = dsk__comm_store_get(c, fn, key, *text, len, &len)) != DSK_OK) { DSK_FREE(*text); *text = NULL; }
+    return st;
 }
 
-/* The message every rank returns when `differ` ranks differ from rank 0 (the first of them: *first). */
+/* The message every rank returns when `differ` ranks differ from rank 0: rank 0's text against
+   that of the first differing rank to count itself. */
 static dsk_status dsk__comm_disagree(dsk_comm *c, const char *fn, const char *what, uint64_t seq, int64_t differ) {
     char key[160], diff[700];
     int32_t first = -1;
