@@ -6,8 +6,8 @@
    DSK_TENSOR_IMPLEMENTATION's file, or in the same one). Needs POSIX 2008 (files, pthreads),
    which the dsk headers ask for themselves: in that file, put the DSK_*_IMPLEMENTATION defines
    and the dsk includes (in any order among themselves) before any system header, or build
-   with -D_GNU_SOURCE or -D_POSIX_C_SOURCE=200809L (a system header first without either is
-   a compile-time #error that says so).
+   with -D_GNU_SOURCE or -D_POSIX_C_SOURCE=200809L (where a system header came first and hid
+   POSIX, as under glibc with -std=c11, the build stops at an #error that says so).
    Options: DSK_STATIC, DSK_MALLOC/DSK_FREE, DSK_CUDA as in dsk_tensor.h; DSK_CKPT_NO_SSE42
    forces the table-driven CRC32C even where SSE4.2 is present.
 

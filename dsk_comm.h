@@ -6,8 +6,9 @@
    The dsk headers ask for POSIX themselves: in that file, put the DSK_*_IMPLEMENTATION defines
    and the dsk includes (in any order among themselves) before any system header, or compile
    with -D_GNU_SOURCE (Linux: lets a waiting rank see which CPU it runs on) or
-   -D_POSIX_C_SOURCE=200809L (a system header first without either is a compile-time #error
-   that says so). Link with -lpthread (and -lnccl -lcudart under DSK_CUDA).
+   -D_POSIX_C_SOURCE=200809L (where a system header came first and hid POSIX, as under glibc
+   with -std=c11, the build stops at an #error that says so). Link with -lpthread (and -lnccl
+   -lcudart under DSK_CUDA).
    Options: DSK_STATIC, DSK_MALLOC/DSK_FREE, DSK_CUDA (adds the nccl backend), DSK_NO_CUDA.
 
        dsk_comm c;
