@@ -3,8 +3,11 @@
    Hugging Face sharded weights (DeepSeek naming) in and out.
 
    Usage: #define DSK_CKPT_IMPLEMENTATION in exactly one .c file before including (after
-   DSK_TENSOR_IMPLEMENTATION's file, or in the same one). Needs POSIX (files, pthreads): build
-   with _GNU_SOURCE or _POSIX_C_SOURCE >= 200809L defined, or include this header first.
+   DSK_TENSOR_IMPLEMENTATION's file, or in the same one). Needs POSIX 2008 (files, pthreads),
+   which the dsk headers ask for themselves: in that file, put the DSK_*_IMPLEMENTATION defines
+   and the dsk includes (in any order among themselves) before any system header, or build
+   with -D_GNU_SOURCE or -D_POSIX_C_SOURCE=200809L (where a system header came first and hid
+   POSIX, as under glibc with -std=c11, the build stops at an #error that says so).
    Options: DSK_STATIC, DSK_MALLOC/DSK_FREE, DSK_CUDA as in dsk_tensor.h; DSK_CKPT_NO_SSE42
    forces the table-driven CRC32C even where SSE4.2 is present.
 
@@ -73,8 +76,16 @@
                             {"moe.w1", &w1, DSK_CKPT_ROWS, row0, n_experts, NULL, NULL}};
      dsk_ckpt_kv kv[1] = {{"loss_scale", "65536"}};
      dsk_ckpt_save_async(&ck, step, e, 2, kv, 1);   ... train on ... dsk_ckpt_wait(&ck);
-     int64_t last; dsk_ckpt_latest("runs/ckpt", &last);
-     if (last >= 0) dsk_ckpt_load(&ck, last, e, 2, &meta);
+     int64_t last; dsk_ckpt_meta meta;             // resuming:
+     dsk_ckpt_latest("runs/ckpt", &last);          // -1: no checkpoint yet, start at step 0
+     if (last >= 0) {                              // the newest checkpoint that loads
+         if (dsk_ckpt_load(&ck, -1, e, 2, &meta) != DSK_OK) return 1;  // why: dsk_last_error()
+         step = meta.step; dsk_ckpt_meta_free(&meta);
+     }
+   Resuming loads step -1, not the step dsk_ckpt_latest names: load(-1) passes over damaged
+   checkpoints (a truncated or altered file, a bad manifest; meta.n_skipped says how many) and
+   meta.step is the step it loaded, while dsk_ckpt_latest reads the manifests only, so its step
+   may be a checkpoint whose files are damaged.
    Cost: a save passes over each byte once (CRC32C on 1 MiB blocks just before writing them,
    about 10 GB/s with SSE4.2), so it runs at the disk's write speed plus a few fsyncs; an
    async save stalls the caller for one memory copy of this rank's tensors (the snapshot
@@ -215,8 +226,9 @@ typedef struct dsk_ckpt_meta {
     int n;
     char **keys;
     char **values;
-    int n_skipped;       /* a load of the newest: how many newer checkpoints were damaged */
-    int64_t skipped_step; /* the newest of those, or -1 */
+    int n_skipped;       /* a load of the newest: how many newer checkpoints were damaged (their
+                            files, or their manifests: those of larger steps) */
+    int64_t skipped_step; /* the largest step of those, or -1 */
     char *skipped_error; /* why it could not be loaded, or NULL */
 } dsk_ckpt_meta;
 
@@ -267,16 +279,22 @@ DSK_API dsk_status dsk_ckpt_merge(dsk_ckpt *ck, int64_t step);
    are damaged (a CRC32C fails, a file is missing) the next most recent, and so on, with
    meta->n_skipped, skipped_step and skipped_error telling what was passed over (on one rank,
    or on every rank together with opts.agree; without it a rank of several never falls back
-   alone: it returns the damage). meta (may be NULL) receives the metadata; free it with
-   dsk_ckpt_meta_free. On error the entries' contents are unspecified. With opts.agree and
+   alone: it returns the damage); manifests that fail their checks count as damaged saves of
+   their step. A step that was never saved is DSK_ERR_ARG, naming the checkpoints there are;
+   one whose save did not finish (no manifest) is DSK_ERR_CORRUPT. meta (may be NULL)
+   receives the metadata; free it with dsk_ckpt_meta_free. On error the entries' contents
+   are unspecified. With opts.agree and
    world_size > 1 every rank must call it (it agrees on the outcome); else it is each rank's
    own and safe to call concurrently on several ranks, with no barrier. */
 DSK_API dsk_status dsk_ckpt_load(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entry *entries, int n, dsk_ckpt_meta *meta);
 
 /* Step of the most recent complete save under dir (the largest generation: after a rollback,
    the step saved since, not a larger step saved before), or -1 when there is none (dir
-   missing included). Damaged or incomplete checkpoints are skipped; a directory or a
-   manifest that cannot be read (permissions, I/O error, out of memory) is an error. */
+   missing included). It reads the manifests only: an incomplete checkpoint or one whose
+   manifest is damaged is skipped, but the rank files are not opened, so the step may be of a
+   checkpoint whose files are damaged. To resume, load step -1 (dsk_ckpt_load), which passes
+   over those too; dsk_ckpt_verify reads a checkpoint in full. A directory or a manifest that
+   cannot be read (permissions, I/O error, out of memory) is an error. */
 DSK_API dsk_status dsk_ckpt_latest(const char *dir, int64_t *step);
 /* The complete checkpoints under dir, most recent save first: *n of them, the first
    min(*n, cap) written to out (out may be NULL when cap is 0). Errors as dsk_ckpt_latest. */
@@ -432,6 +450,11 @@ DSK_API uint32_t dsk_ckpt_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_
 #ifdef DSK_CKPT_IMPLEMENTATION
 #ifndef DSK_CKPT_IMPLEMENTATION_DONE
 #define DSK_CKPT_IMPLEMENTATION_DONE
+/* glibc hid POSIX 2008 when a system header came before the dsk headers in this file. */
+#if defined(__GLIBC__) && !defined(__USE_XOPEN2K8) /* glibc's mark of POSIX 2008 */
+#error "dsk_ckpt.h needs POSIX 2008: put the DSK_*_IMPLEMENTATION defines and dsk includes before any system header, \
+or compile with -D_GNU_SOURCE"
+#endif
 
 #include <dirent.h>
 #include <errno.h>
@@ -4068,11 +4091,44 @@ static void dsk__ckpt_reader_free(dsk__ckpt_reader *rd) {
     memset(rd, 0, sizeof *rd);
 }
 
+/* What root holds, for messages: "complete: step 50, 40 (most recent first); damaged manifests:
+   step 60" or "no checkpoint"; "" when root cannot be scanned. */
+static void dsk__ckpt_describe(const char *root, char *buf, size_t cap) {
+    dsk__ckpt_scan sc;
+    int *order = NULL, n = 0, bad = 0;
+    size_t k = 0;
+    buf[0] = 0;
+    if (dsk__ckpt_scan_dir("dsk_ckpt", root, &sc) != DSK_OK) return;
+    if (dsk__ckpt_by_generation("dsk_ckpt", &sc, &order, &n) == DSK_OK) {
+        for (int i = 0; i < n && i < 8 && k < cap; i++)
+            k += (size_t)snprintf(buf + k, cap - k, "%s%lld", i ? ", " : "complete: step ",
+                                  (long long)sc.e[order[i]].step);
+        if (n > 8 && k < cap) k += (size_t)snprintf(buf + k, cap - k, " and %d older", n - 8);
+        if (n > 1 && k < cap) k += (size_t)snprintf(buf + k, cap - k, " (most recent save first)");
+    }
+    for (int i = 0; i < sc.n && k < cap; i++)
+        if (sc.e[i].state == DSK__CKPT_DAMAGED && bad++ < 8)
+            k += (size_t)snprintf(buf + k, cap - k, "%s%lld", bad > 1 ? ", " : k ? "; damaged manifests: step "
+                                  : "damaged manifests: step ", (long long)sc.e[i].step);
+    if (!n && !bad) snprintf(buf, cap, "no checkpoint");
+    DSK_FREE(order);
+    dsk__ckpt_scan_free(&sc);
+}
+
+/* A load or verify of a step that was never saved (its step directory does not exist). */
+static dsk_status dsk__ckpt_no_such_step(const char *fn, const char *root, int64_t step) {
+    char what[512];
+    dsk__ckpt_describe(root, what, sizeof what);
+    return dsk_set_error(DSK_ERR_ARG, "%s: there is no checkpoint of step %lld under \"%s\" (%s)", fn,
+                         (long long)step, root, what[0] ? what : "the directory cannot be read");
+}
+
 static dsk_status dsk__ckpt_reader_open(const char *fn, dsk__ckpt_reader *rd, const char *root, int64_t step) {
     memset(rd, 0, sizeof *rd);
     rd->fn = fn;
     rd->root = root;
     if (!(rd->step_dir = dsk__ckpt_step_dir(root, step))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if (!dsk__ckpt_exists(rd->step_dir) && errno == ENOENT) return dsk__ckpt_no_such_step(fn, root, step);
     DSK__TRY(dsk__ckpt_manifest_read(fn, rd->step_dir, step, &rd->man));
     rd->files = (dsk_ckpt_file *)DSK_MALLOC((size_t)rd->man.n_files * sizeof *rd->files);
     if (!rd->files) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
@@ -4216,6 +4272,49 @@ static dsk_status dsk__ckpt_load_step(const char *fn, dsk_ckpt *ck, int64_t step
     return s;
 }
 
+/* A load of the newest where nothing is complete; damaged manifests are named. */
+static dsk_status dsk__ckpt_none_complete(const char *fn, const char *root) {
+    char what[512];
+    dsk__ckpt_describe(root, what, sizeof what);
+    return dsk_set_error(DSK_ERR_IO, "%s: no complete checkpoint under \"%s\" (%s)", fn, root, what);
+}
+
+/* meta's account of what a load of the newest passed over: the `skipped` checkpoints whose
+   files were damaged (the newest skipped_step, why: first) and every damaged manifest (its
+   save cannot be placed in time, so those of steps after the loaded one count). */
+static dsk_status dsk__ckpt_report_skipped(const char *fn, const char *root, dsk_ckpt_meta *meta, int skipped,
+                                           int64_t skipped_step, const char *first) {
+    dsk__ckpt_scan sc;
+    dsk__ckpt_manifest m;
+    char why[1024];
+    dsk_status s = dsk__ckpt_scan_dir(fn, root, &sc);
+    snprintf(why, sizeof why, "%s", first);
+    for (int i = 0; i < sc.n && s == DSK_OK; i++) { /* newest step first */
+        char *sd;
+        if (sc.e[i].state != DSK__CKPT_DAMAGED || sc.e[i].step <= meta->step) continue;
+        if (sc.e[i].step > skipped_step) {
+            if (!(sd = dsk__ckpt_step_dir(root, sc.e[i].step))) {
+                s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+                break;
+            }
+            dsk__ckpt_manifest_read(fn, sd, sc.e[i].step, &m); /* fails again: its message says why */
+            snprintf(why, sizeof why, "%s", dsk_last_error());
+            dsk__ckpt_manifest_free(&m);
+            DSK_FREE(sd);
+            skipped_step = sc.e[i].step;
+        }
+        skipped++;
+    }
+    dsk__ckpt_scan_free(&sc);
+    if (s == DSK_OK && skipped && !(meta->skipped_error = dsk__ckpt_strdup(why)))
+        s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if (s != DSK_OK) { dsk_ckpt_meta_free(meta); return s; }
+    meta->n_skipped = skipped;
+    meta->skipped_step = skipped_step;
+    dsk_clear_error();
+    return DSK_OK;
+}
+
 /* The most recent complete save that loads: damaged ones (DSK_ERR_CORRUPT) are passed over on
    a single rank and reported in meta. */
 static dsk_status dsk__ckpt_load_newest(const char *fn, dsk_ckpt *ck, const dsk_ckpt_entry *entries, int n,
@@ -4226,7 +4325,7 @@ static dsk_status dsk__ckpt_load_newest(const char *fn, dsk_ckpt *ck, const dsk_
     char first[1024] = "";
     dsk_status s;
     DSK__TRY(dsk_ckpt_list(ck->dir, NULL, 0, &count));
-    if (!count) return dsk_set_error(DSK_ERR_IO, "%s: no complete checkpoint under \"%s\"", fn, ck->dir);
+    if (!count) return dsk__ckpt_none_complete(fn, ck->dir);
     if (!(list = (dsk_ckpt_info *)DSK_MALLOC((size_t)count * sizeof *list)))
         return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     s = dsk_ckpt_list(ck->dir, list, count, &count);
@@ -4244,14 +4343,7 @@ static dsk_status dsk__ckpt_load_newest(const char *fn, dsk_ckpt *ck, const dsk_
         if (!skipped++) { skipped_step = list[k].step; snprintf(first, sizeof first, "%s", dsk_last_error()); }
         s = DSK_OK;
     }
-    if (s == DSK_OK && meta) {
-        meta->n_skipped = skipped;
-        meta->skipped_step = skipped_step;
-        if (skipped && !(meta->skipped_error = dsk__ckpt_strdup(first))) {
-            dsk_ckpt_meta_free(meta);
-            s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-        }
-    }
+    if (s == DSK_OK && meta) s = dsk__ckpt_report_skipped(fn, ck->dir, meta, skipped, skipped_step, first);
     DSK_FREE(list);
     return s;
 }
@@ -4293,21 +4385,14 @@ static dsk_status dsk__ckpt_load_agreed_newest(const char *fn, dsk_ckpt *ck, con
         if (s != DSK_OK) break;
         if (!w[1]) {
             s = k ? dsk_set_error(DSK_ERR_CORRUPT, "%s", first)
-                  : dsk_set_error(DSK_ERR_IO, "%s: no complete checkpoint under \"%s\"", fn, ck->dir);
+                  : dsk__ckpt_none_complete(fn, ck->dir);
             break;
         }
         if (meta) memset(meta, 0, sizeof *meta);
         if ((s = dsk__ckpt_load_agreed_step(fn, ck, w[2], entries, n, meta)) != DSK_ERR_CORRUPT) break;
         if (!skipped++) { skipped_step = w[2]; snprintf(first, sizeof first, "%s", dsk_last_error()); }
     }
-    if (s == DSK_OK && meta) {
-        meta->n_skipped = skipped;
-        meta->skipped_step = skipped_step;
-        if (skipped && !(meta->skipped_error = dsk__ckpt_strdup(first))) {
-            dsk_ckpt_meta_free(meta);
-            s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-        }
-    }
+    if (s == DSK_OK && meta) s = dsk__ckpt_report_skipped(fn, ck->dir, meta, skipped, skipped_step, first);
     DSK_FREE(list);
     return s;
 }

@@ -1,10 +1,13 @@
 /* dsk_comm.h - ranks, bootstrap, backends (host TCP, NCCL), collectives, groups, gradient buckets.
 
    Usage: #define DSK_COMM_IMPLEMENTATION in exactly one .c file before including. The
-   implementation needs POSIX (sockets, poll, pthreads, shm_open) and GCC or Clang (the shared-
-   memory rings use the __atomic builtins, the C11 memory model in C and C++ alike): include
-   this header first in that file, or compile with -D_GNU_SOURCE (Linux: lets a waiting rank see
-   which CPU it runs on) or -D_POSIX_C_SOURCE=200809L. Link with -lpthread (and -lnccl
+   implementation needs POSIX 2008 (sockets, poll, pthreads, shm_open) and GCC or Clang (the
+   shared-memory rings use the __atomic builtins, the C11 memory model in C and C++ alike).
+   The dsk headers ask for POSIX themselves: in that file, put the DSK_*_IMPLEMENTATION defines
+   and the dsk includes (in any order among themselves) before any system header, or compile
+   with -D_GNU_SOURCE (Linux: lets a waiting rank see which CPU it runs on) or
+   -D_POSIX_C_SOURCE=200809L (where a system header came first and hid POSIX, as under glibc
+   with -std=c11, the build stops at an #error that says so). Link with -lpthread (and -lnccl
    -lcudart under DSK_CUDA).
    Options: DSK_STATIC, DSK_MALLOC/DSK_FREE, DSK_CUDA (adds the nccl backend), DSK_NO_CUDA.
 
@@ -20,7 +23,13 @@
    Bootstrap. Rank 0 serves a small key-value store over TCP at MASTER_ADDR:MASTER_PORT
    (set, get that waits, add, barrier). The host backend's endpoints and the NCCL unique id
    pass through it. dsk_comm_spawn_local() starts n ranks on this machine with the
-   environment filled in, the way torchrun does.
+   environment filled in, the way torchrun does. dsk_comm_check_agree() checks at setup that
+   every rank was given the same configuration and names the option that differs.
+
+   Threads. The ranks of one host share its cores: each rank's dsk_ctx (dsk_tensor.h) runs
+   cores / LOCAL_WORLD_SIZE OpenMP threads by default (at least 1), so ranks do not
+   oversubscribe the CPU; OMP_NUM_THREADS, when set, overrides that for every rank.
+   dsk_comm_spawn_local and torchrun set LOCAL_WORLD_SIZE in every rank's environment.
 
    Backends, one API. host: CPU buffers; ranks on one host exchange through shared memory,
    ranks on different hosts over TCP, and a communicator mixes both (see "shared memory" in
@@ -73,11 +82,13 @@
    License: MIT, see the end of the file. */
 /* Contents. Each section starts with a rule comment "---- <title>"; search for the title.
    Declarations: types and options; communicators: init, free, split; collectives; tensor
-   forms; expert-parallel routes; the bootstrap store; local launcher; gradient buckets.
+   forms; expert-parallel routes; the bootstrap store; configuration agreement; local
+   launcher; gradient buckets.
    Implementation (after the "implementation" rule): small helpers; the key-value store
-   server; communicator state; store client; shared memory; the host backend's I/O engine;
-   reductions (fixed rank order); host collectives; bootstrap and mesh; init; collectives;
-   split; tensor forms; expert-parallel routes; local launcher; gradient buckets. */
+   server; communicator state; store client; configuration agreement; shared memory; the host
+   backend's I/O engine; reductions (fixed rank order); host collectives; bootstrap and mesh;
+   init; collectives; split; tensor forms; expert-parallel routes; local launcher; gradient
+   buckets. */
 #if defined(DSK_COMM_IMPLEMENTATION) && !defined(_GNU_SOURCE) && !defined(_POSIX_C_SOURCE)
 #define _GNU_SOURCE
 #endif
@@ -299,6 +310,19 @@ DSK_API dsk_status dsk_comm_store_add(dsk_comm *c, const char *key, int64_t delt
 /* Through the store (no mesh traffic): returns when every rank of c has called it. */
 DSK_API dsk_status dsk_comm_store_barrier(dsk_comm *c);
 
+/* ---- configuration agreement */
+/* Setup check that every rank of c was given the same configuration. config: this rank's
+   settings as "name=value" words separated by white space ("d_model=256 experts=8
+   dtype=bf16"); what names them in the message ("train_moe options"). Collective, through the
+   store (any backend). DSK_OK when every rank passed the same text (compared as it is);
+   else DSK_ERR_ARG on every rank, with the same message naming the first setting in which a
+   differing rank departs from rank 0, both values and both ranks, and how many ranks differ:
+   "dsk_comm_check_agree: train_moe options differ between ranks: d_model is "256" on rank 0
+   but "160" on rank 1 (1 of 2 ranks differ from rank 0)" (or "... is not given on rank 1").
+   The communicator stays usable. c: a world communicator or a host-backend sub-group (an
+   nccl sub-group has no store connection: DSK_ERR_STATE). */
+DSK_API dsk_status dsk_comm_check_agree(dsk_comm *c, const char *what, const char *config);
+
 /* ---- local launcher */
 typedef struct dsk_comm_spawn_opts {
     const char *master_addr; /* ["127.0.0.1"] */
@@ -308,7 +332,9 @@ typedef struct dsk_comm_spawn_opts {
 } dsk_comm_spawn_opts;
 /* Starts n copies of argv (argv[0] looked up in PATH) with RANK, WORLD_SIZE, LOCAL_RANK,
    LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and DSK_JOB_ID (new for every call) set,
-   forwards each output line (stdout and stderr) as "[rank r] line", and waits for all.
+   forwards each output line (stdout and stderr) as "[rank r] line", and waits for all. A
+   line goes out whole, whatever its length, never mixed with another rank's (a last line
+   without a newline gets one).
    *worst_exit = the largest exit status (128 + signal for a rank killed by a signal).
    DSK_ERR_TIMEOUT if the timeout killed them. */
 DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_comm_spawn_opts *opts, int *worst_exit);
@@ -366,6 +392,11 @@ DSK_API const char *dsk_comm_op_name(dsk_comm_op op); /* "sum", "avg", "max", "m
 #ifdef DSK_COMM_IMPLEMENTATION
 #ifndef DSK_COMM_IMPLEMENTATION_DONE
 #define DSK_COMM_IMPLEMENTATION_DONE
+/* glibc hid POSIX 2008 when a system header came before the dsk headers in this file. */
+#if defined(__GLIBC__) && !defined(__USE_XOPEN2K8) /* glibc's mark of POSIX 2008 */
+#error "dsk_comm.h needs POSIX 2008: put the DSK_*_IMPLEMENTATION defines and dsk includes before any system header, \
+or compile with -D_GNU_SOURCE"
+#endif
 
 #include <errno.h>
 #include <fcntl.h>
@@ -915,7 +946,7 @@ struct dsk__comm_impl {
     uint64_t tag;                /* identifies the mesh in connection hellos */
     int store_fd;                /* client connection to the store, -1 if none */
     dsk__comm_store_server *server;   /* rank 0 of a world communicator */
-    uint64_t store_barriers, splits;
+    uint64_t store_barriers, splits, agreements;
     int *fds;                    /* [world] mesh sockets, -1 for this rank */
     uint64_t seq;                /* collective calls so far */
     uint64_t *p2p_sent, *p2p_recvd; /* [world] */
@@ -1129,6 +1160,127 @@ DSK_API dsk_status dsk_comm_store_add(dsk_comm *c, const char *key, int64_t delt
 DSK_API dsk_status dsk_comm_store_barrier(dsk_comm *c) {
     DSK__TRY(dsk__comm_check(c, "dsk_comm_store_barrier"));
     return dsk__comm_store_barrier(c, "dsk_comm_store_barrier");
+}
+
+/* ---- configuration agreement (dsk_comm_check_agree) */
+
+/* The next white-space separated word of s from *pos: [*w, *w + *n); 0 at the end. */
+static int dsk__comm_word(const char *s, size_t *pos, const char **w, size_t *n) {
+    while (s[*pos] == ' ' || s[*pos] == '\t' || s[*pos] == '\n' || s[*pos] == '\r') (*pos)++;
+    if (!s[*pos]) return 0;
+    *w = s + *pos;
+    while (s[*pos] && s[*pos] != ' ' && s[*pos] != '\t' && s[*pos] != '\n' && s[*pos] != '\r') (*pos)++;
+    *n = (size_t)(s + *pos - *w);
+    return 1;
+}
+
+/* Length of a word's name (up to '='). */
+static size_t dsk__comm_name_len(const char *w, size_t n) {
+    const char *eq = (const char *)memchr(w, '=', n);
+    return eq ? (size_t)(eq - w) : n;
+}
+
+/* The word of s whose name is name[0, k), or NULL. */
+static const char *dsk__comm_find_word(const char *s, const char *name, size_t k, size_t *n) {
+    size_t pos = 0;
+    const char *w;
+    while (dsk__comm_word(s, &pos, &w, n))
+        if (dsk__comm_name_len(w, *n) == k && !memcmp(w, name, k)) return w;
+    return NULL;
+}
+
+/* The value of word w[0, n) whose name has k characters, quoted (at most 200 characters). */
+static void dsk__comm_value_desc(char *buf, size_t cap, const char *w, size_t n, size_t k) {
+    size_t v = k < n ? n - k - 1 : 0;
+    snprintf(buf, cap, "\"%.*s\"", (int)(v < 200 ? v : 200), k < n ? w + k + 1 : "");
+}
+
+/* Writes "NAME is A on rank ra but B on rank rb" for the first setting of a that b lacks or
+   gives another value (or that b has and a lacks); 0 when the words are the same. */
+static int dsk__comm_first_difference(const char *a, int ra, const char *b, int rb, char *out, size_t cap) {
+    for (int pass = 0; pass < 2; pass++) {
+        const char *x = pass ? b : a, *y = pass ? a : b, *w, *v;
+        size_t pos = 0, n, m;
+        while (dsk__comm_word(x, &pos, &w, &n)) {
+            size_t k = dsk__comm_name_len(w, n);
+            char xd[220], yd[220];
+            if ((v = dsk__comm_find_word(y, w, k, &m)) != NULL && m == n && !memcmp(v, w, n)) continue;
+            dsk__comm_value_desc(xd, sizeof xd, w, n, k);
+            if (v) dsk__comm_value_desc(yd, sizeof yd, v, m, k);
+            else snprintf(yd, sizeof yd, "not given");
+            snprintf(out, cap, "%.*s is %s on rank %d but %s on rank %d", (int)(k > 200 ? 200 : k), w, pass ? yd : xd,
+                     ra, pass ? xd : yd, rb);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Rank r's configuration text of agreement seq, from the store, NUL-terminated (*text, to free). */
+static dsk_status dsk__comm_agree_text(dsk_comm *c, const char *fn, uint64_t seq, int r, char **text) {
+    char key[160];
+    size_t len = 0;
+    dsk_status st;
+    snprintf(key, sizeof key, "dsk/%s/agree/%llu/%d", c->impl->ns, (unsigned long long)seq, r);
+    DSK__TRY(dsk__comm_store_get(c, fn, key, NULL, 0, &len));
+    if (!(*text = (char *)DSK_MALLOC(len + 1))) return dsk_set_error(DSK_ERR_OOM, "%s: %zu bytes", fn, len + 1);
+    (*text)[len] = 0;
+    if ((st = dsk__comm_store_get(c, fn, key, *text, len, &len)) != DSK_OK) { DSK_FREE(*text); *text = NULL; }
+    return st;
+}
+
+/* The message every rank returns when `differ` ranks differ from rank 0: rank 0's text against
+   that of the first differing rank to count itself. */
+static dsk_status dsk__comm_disagree(dsk_comm *c, const char *fn, const char *what, uint64_t seq, int64_t differ) {
+    char key[160], diff[700];
+    int32_t first = -1;
+    size_t len = 0;
+    char *zero = NULL, *other = NULL;
+    dsk_status st;
+    snprintf(key, sizeof key, "dsk/%s/agree/%llu/first", c->impl->ns, (unsigned long long)seq);
+    st = dsk__comm_store_get(c, fn, key, &first, sizeof first, &len);
+    if (st == DSK_OK) st = dsk__comm_agree_text(c, fn, seq, 0, &zero);
+    if (st == DSK_OK) st = dsk__comm_agree_text(c, fn, seq, first, &other);
+    if (st == DSK_OK && !dsk__comm_first_difference(zero, 0, other, first, diff, sizeof diff))
+        snprintf(diff, sizeof diff, "rank 0 has \"%.300s\" but rank %d has \"%.300s\"", zero, first, other);
+    if (st == DSK_OK)
+        st = dsk_set_error(DSK_ERR_ARG, "%s: %s differ between ranks: %s (%lld of %d ranks differ from rank 0)", fn,
+                           what, diff, (long long)differ, c->world_size);
+    DSK_FREE(zero);
+    DSK_FREE(other);
+    return st;
+}
+
+DSK_API dsk_status dsk_comm_check_agree(dsk_comm *c, const char *what, const char *config) {
+    const char *fn = "dsk_comm_check_agree";
+    dsk__comm_impl *m;
+    char key[160], *zero = NULL;
+    int64_t differ = 0, order = 0;
+    uint64_t seq;
+    DSK__TRY(dsk__comm_check(c, fn));
+    if (!config) return dsk_set_error(DSK_ERR_ARG, "%s: config is NULL", fn);
+    m = c->impl;
+    what = what ? what : "configurations";
+    seq = ++m->agreements;
+    snprintf(key, sizeof key, "dsk/%s/agree/%llu/%d", m->ns, (unsigned long long)seq, c->rank);
+    DSK__TRY(dsk__comm_store_set(c, fn, key, config, strlen(config)));
+    if (c->rank != 0) {
+        DSK__TRY(dsk__comm_agree_text(c, fn, seq, 0, &zero));
+        differ = strcmp(zero, config) != 0;
+        DSK_FREE(zero);
+    }
+    /* each rank that differs counts itself; the first one to do so names itself */
+    snprintf(key, sizeof key, "dsk/%s/agree/%llu/differ", m->ns, (unsigned long long)seq);
+    DSK__TRY(dsk__comm_store_add(c, fn, key, differ, &order));
+    if (differ && order == 1) {
+        int32_t me = c->rank;
+        char fkey[160];
+        snprintf(fkey, sizeof fkey, "dsk/%s/agree/%llu/first", m->ns, (unsigned long long)seq);
+        DSK__TRY(dsk__comm_store_set(c, fn, fkey, &me, sizeof me));
+    }
+    DSK__TRY(dsk__comm_store_barrier(c, fn));
+    DSK__TRY(dsk__comm_store_add(c, fn, key, 0, &differ));
+    return differ ? dsk__comm_disagree(c, fn, what, seq, differ) : DSK_OK;
 }
 
 /* ---------------------------------------------------------------- shared memory
@@ -2637,6 +2789,50 @@ static dsk_status dsk__comm_claim(dsk_comm *c, const char *fn) {
                          fn, m->master_addr, m->master_port, c->rank);
 }
 
+/* Rank 0 could not serve the store on its port (status st). When a dsk store whose rank 0 has
+   claimed its rank answers there, this process is a second rank 0 (or rank 0 of a second job
+   on the port): say so rather than "pick another port". Asks for at most a second. */
+static dsk_status dsk__comm_second_zero(dsk_comm *c, const char *fn, const struct sockaddr_in *sa, dsk_status st) {
+    dsk__comm_impl *m = c->impl;
+    dsk__comm_hello_rec hello;
+    char saved[1024], other[160], host[64] = "?";
+    double keep = m->timeout_s;
+    size_t len = 0, olen = 0;
+    int found;
+    snprintf(saved, sizeof saved, "%s", dsk_last_error());
+    memset(other, 0, sizeof other);
+    m->timeout_s = keep < 1.0 ? keep : 1.0;
+    found = dsk__comm_connect(fn, sa, dsk__comm_now() + 0.5, "key-value store", &m->store_fd) == DSK_OK &&
+            dsk__comm_store_get(c, fn, "dsk/w/hello", &hello, sizeof hello, &len) == DSK_OK &&
+            len == sizeof hello &&
+            dsk__comm_store_get(c, fn, "dsk/w/claimer/0", other, sizeof other - 1, &olen) == DSK_OK;
+    m->timeout_s = keep;
+    if (m->store_fd >= 0) close(m->store_fd);
+    m->store_fd = -1;
+    if (!found) return dsk_set_error(st, "%s", saved);
+    hello.job[DSK__COMM_JOB_MAX] = 0;
+    gethostname(host, sizeof host - 1);
+    host[sizeof host - 1] = 0;
+    {
+        char me[96];
+        int k = snprintf(me, sizeof me, "pid %ld on %s ", (long)getpid(), host);
+        if (k > 0 && (size_t)k < sizeof me && !strncmp(other, me, (size_t)k))
+            return dsk_set_error(DSK_ERR_ARG,
+                                 "%s: this process already serves rank 0's key-value store at %s:%d (a communicator "
+                                 "not freed yet): free it first or give the new one another port",
+                                 fn, m->master_addr, m->master_port);
+    }
+    if (strcmp(hello.job, m->job_id) != 0)
+        return dsk_set_error(DSK_ERR_ARG,
+                             "%s: port %d on %s is taken by the key-value store of another job's rank 0 (%s, job id "
+                             "\"%s\"; this process, pid %ld on %s, has \"%s\"): give each job its own MASTER_PORT",
+                             fn, m->master_port, m->master_addr, other, hello.job, (long)getpid(), host, m->job_id);
+    return dsk_set_error(DSK_ERR_ARG,
+                         "%s: rank 0 is claimed by 2 processes: %s serves the key-value store at %s:%d, and this "
+                         "one, pid %ld on %s, is rank 0 too (is RANK 0 set twice?)",
+                         fn, other, m->master_addr, m->master_port, (long)getpid(), host);
+}
+
 /* Connects to the store, checks the world size and claims this rank. A rank other than 0
    that reaches a store which then hangs up, or that already holds its claim, has met the
    store of a previous communicator on this port that is shutting down: it retries. */
@@ -2773,7 +2969,8 @@ static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, in
     m = c->impl;
     snprintf(m->ns, sizeof m->ns, "w");
     deadline = t0 + m->timeout_s;
-    if (rank == 0) DSK__TRY(dsk__comm_store_server_start(fn, &store_sa, busy, &m->server));
+    if (rank == 0 && (st = dsk__comm_store_server_start(fn, &store_sa, busy, &m->server)) != DSK_OK)
+        return dsk__comm_second_zero(c, fn, &store_sa, st);
     DSK__TRY(dsk__comm_join(c, fn, &store_sa, deadline));
     if (rank == 0) {
         uint64_t tag = ((uint64_t)getpid() << 32) ^ (uint64_t)(t0 * 1e9);
@@ -4362,20 +4559,43 @@ static void dsk__comm_write_fd(int fd, const char *p, size_t n) {
     }
 }
 
-/* Writes the complete lines of buf[0..*len) with a rank prefix; keeps the rest (all of it at EOF). */
-static void dsk__comm_forward_lines(int out_fd, int rank, char *buf, size_t *len, int eof) {
+/* One rank's output in the launcher: bytes read and not yet forwarded (the current line). */
+typedef struct dsk__comm_outbuf {
+    char *p;
+    size_t len, cap;
+    size_t seen; /* p[0, seen) holds no newline */
+} dsk__comm_outbuf;
+
+/* Writes the complete lines of b with a rank prefix, each whole, and keeps the rest (at `all`,
+   the rest too, as a line of its own). */
+static void dsk__comm_forward_lines(int out_fd, int rank, dsk__comm_outbuf *b, int all) {
     char prefix[32];
     size_t start = 0;
     int np = snprintf(prefix, sizeof prefix, "[rank %d] ", rank);
-    for (size_t i = 0; i < *len; i++) {
-        if (buf[i] != '\n' && !(i + 1 == *len && (eof || *len == 4096))) continue;
+    for (;;) {
+        char *nl = (char *)memchr(b->p + b->seen, '\n', b->len - b->seen);
+        size_t end = nl ? (size_t)(nl - b->p) + 1 : b->len;
+        if (!nl && (!all || start == b->len)) break;
         dsk__comm_write_fd(out_fd, prefix, (size_t)np);
-        dsk__comm_write_fd(out_fd, buf + start, i + 1 - start);
-        if (buf[i] != '\n') dsk__comm_write_fd(out_fd, "\n", 1);
-        start = i + 1;
+        dsk__comm_write_fd(out_fd, b->p + start, end - start);
+        if (!nl) dsk__comm_write_fd(out_fd, "\n", 1);
+        start = b->seen = end;
     }
-    memmove(buf, buf + start, *len - start);
-    *len -= start;
+    memmove(b->p, b->p + start, b->len - start);
+    b->len -= start;
+    b->seen = b->len;
+}
+
+/* Room for 4 KiB more in b (a line grows without bound); out of memory, the line so far is
+   forwarded as a line of its own rather than the child blocking. */
+static void dsk__comm_outbuf_room(dsk__comm_outbuf *b, int out_fd, int rank) {
+    char *q;
+    if (b->cap - b->len >= 4096) return;
+    if (!(q = (char *)DSK_MALLOC(b->cap * 2))) { dsk__comm_forward_lines(out_fd, rank, b, 1); return; }
+    memcpy(q, b->p, b->len);
+    DSK_FREE(b->p);
+    b->p = q;
+    b->cap *= 2;
 }
 
 static void dsk__comm_spawn_child(int rank, int n, int port, const char *addr, const char *job, int out,
@@ -4400,6 +4620,11 @@ static void dsk__comm_spawn_child(int rank, int n, int port, const char *addr, c
     _exit(127);
 }
 
+static void dsk__comm_spawn_free(pid_t *pids, int *fds, dsk__comm_outbuf *bufs, int n, struct pollfd *pf) {
+    for (int r = 0; bufs && r < n; r++) DSK_FREE(bufs[r].p);
+    DSK_FREE(pids); DSK_FREE(fds); DSK_FREE(bufs); DSK_FREE(pf);
+}
+
 DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_comm_spawn_opts *opts, int *worst_exit) {
     const char *fn = "dsk_comm_spawn_local";
     const char *addr = opts && opts->master_addr ? opts->master_addr : "127.0.0.1";
@@ -4407,8 +4632,7 @@ DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_com
     double deadline = opts && opts->timeout_s > 0 ? dsk__comm_now() + opts->timeout_s : 0;
     pid_t *pids;
     int *fds, open_fds = 0, worst = 0, killed = 0;
-    char *bufs;
-    size_t *lens;
+    dsk__comm_outbuf *bufs;
     struct pollfd *pf;
     dsk_status st;
     char job[64];
@@ -4424,11 +4648,15 @@ DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_com
     }
     pids = (pid_t *)DSK_MALLOC((size_t)n * sizeof *pids);
     fds = (int *)DSK_MALLOC((size_t)n * sizeof *fds);
-    bufs = (char *)DSK_MALLOC((size_t)n * 4096);
-    lens = (size_t *)DSK_MALLOC((size_t)n * sizeof *lens);
+    bufs = (dsk__comm_outbuf *)DSK_MALLOC((size_t)n * sizeof *bufs);
     pf = (struct pollfd *)DSK_MALLOC((size_t)n * sizeof *pf);
-    if (!pids || !fds || !bufs || !lens || !pf) {
-        DSK_FREE(pids); DSK_FREE(fds); DSK_FREE(bufs); DSK_FREE(lens); DSK_FREE(pf);
+    if (bufs) memset(bufs, 0, (size_t)n * sizeof *bufs);
+    for (int r = 0; bufs && r < n; r++) {
+        if (!(bufs[r].p = (char *)DSK_MALLOC(8192))) break;
+        bufs[r].cap = 8192;
+    }
+    if (!pids || !fds || !bufs || !bufs[n - 1].p || !pf) {
+        dsk__comm_spawn_free(pids, fds, bufs, n, pf);
         return dsk_set_error(DSK_ERR_OOM, "%s: %d ranks", fn, n);
     }
     st = DSK_OK;
@@ -4436,7 +4664,6 @@ DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_com
         int p[2];
         pids[r] = -1;
         fds[r] = -1;
-        lens[r] = 0;
         if (st != DSK_OK) continue;
         if (pipe(p) != 0) { st = dsk_set_error(DSK_ERR_IO, "%s: pipe: %s", fn, strerror(errno)); continue; }
         fcntl(p[0], F_SETFD, FD_CLOEXEC);
@@ -4465,15 +4692,16 @@ DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_com
             for (;;) {
                 ssize_t got;
                 if (fds[r] < 0) break;
-                got = read(fds[r], bufs + (size_t)r * 4096 + lens[r], 4096 - lens[r]);
+                dsk__comm_outbuf_room(&bufs[r], out_fd, r);
+                got = read(fds[r], bufs[r].p + bufs[r].len, bufs[r].cap - bufs[r].len);
                 if (got > 0) {
-                    lens[r] += (size_t)got;
-                    dsk__comm_forward_lines(out_fd, r, bufs + (size_t)r * 4096, &lens[r], 0);
+                    bufs[r].len += (size_t)got;
+                    dsk__comm_forward_lines(out_fd, r, &bufs[r], 0);
                     continue;
                 }
                 if (got < 0 && errno == EINTR) continue;
                 if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
-                dsk__comm_forward_lines(out_fd, r, bufs + (size_t)r * 4096, &lens[r], 1);
+                dsk__comm_forward_lines(out_fd, r, &bufs[r], 1);
                 close(fds[r]);
                 fds[r] = -1;
                 open_fds--;
@@ -4488,7 +4716,7 @@ DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_com
         if (code > worst) worst = code;
     }
     if (worst_exit) *worst_exit = worst;
-    DSK_FREE(pids); DSK_FREE(fds); DSK_FREE(bufs); DSK_FREE(lens); DSK_FREE(pf);
+    dsk__comm_spawn_free(pids, fds, bufs, n, pf);
     if (st == DSK_OK && killed)
         st = dsk_set_error(DSK_ERR_TIMEOUT, "%s: ranks still running after %.1f s were killed", fn, opts->timeout_s);
     return st;

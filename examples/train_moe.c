@@ -556,6 +556,19 @@ static dsk_status allreduce_host(trainer *t, dsk_comm *c, void *vals, int64_t n,
    parallel group shares tokens by all-to-all, its expert-data-parallel group holds the same
    experts and reduces their gradients together. Without --tp/--pp the ep group is ranks r with
    the same r / ep and the replicas those with the same r % ep. */
+/* The options every rank must share (model shape, MoE, dtype, batch, layout), checked as soon
+   as the ranks meet, so a mismatch names the option rather than a collective's symptom. */
+static void agreed_options(const options *o, char *buf, size_t n) {
+    snprintf(buf, n, "seq=%d d_model=%d heads=%d layers=%d dense_layers=%d ffn_hidden=%d experts=%d shared=%d "
+             "top_k=%d expert_hidden=%d groups=%d topk_groups=%d score=%s routed_scale=%.17g capacity=%.17g "
+             "attn=%s q_lora=%d kv_lora=%d qk_nope=%d qk_rope=%d v_head=%d mtp=%d dtype=%s batch=%d accum=%d "
+             "seed=%lld tp=%d pp=%d micro=%d vstages=%d pp_schedule=%s ep=%d zero=%d grad_compress=%s",
+             o->seq, o->d_model, o->heads, o->layers, o->dense_layers, o->ffn_hidden, o->experts, o->shared, o->top_k,
+             o->expert_hidden, o->groups, o->topk_groups, o->score, o->routed_scale, o->capacity, o->attn, o->q_lora,
+             o->kv_lora, o->qk_nope, o->qk_rope, o->v_head, o->mtp, o->dtype, o->batch, o->accum, o->seed, o->tp,
+             o->pp, o->micro, o->vstages, o->pp_schedule, o->ep, o->zero, o->grad_compress);
+}
+
 static void setup_comm(trainer *t) {
     const options *o = t->o;
     t->rank = 0;
@@ -569,6 +582,9 @@ static void setup_comm(trainer *t) {
         t->have_comm = 1;
         t->rank = t->comm.rank;
         t->world = t->comm.world_size;
+        char agree[1024];
+        agreed_options(o, agree, sizeof agree);
+        CHECK(dsk_comm_check_agree(&t->comm, "train_moe options", agree));
     }
     t->ep = o->ep;
     if (o->tp < 1 || o->pp < 1 || o->micro < 1 || o->vstages < 1)

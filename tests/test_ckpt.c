@@ -116,6 +116,26 @@ static void reseal_manifest(const char *path) {
     free(b);
 }
 
+/* Replaces the first `from` in a file by `to` (same length or not); 0 when absent. */
+static int edit_file(const char *path, const char *from, const char *to) {
+    size_t n;
+    unsigned char *b = read_file(path, &n);
+    char *hit, *out;
+    size_t a, lf = strlen(from), lt = strlen(to);
+    if (!b) return 0;
+    b[n] = 0;
+    if (!(hit = strstr((char *)b, from))) { free(b); return 0; }
+    a = (size_t)(hit - (char *)b);
+    out = (char *)malloc(n - lf + lt + 1);
+    memcpy(out, b, a);
+    memcpy(out + a, to, lt);
+    memcpy(out + a + lt, b + a + lf, n - a - lf);
+    write_file(path, out, n - lf + lt);
+    free(out);
+    free(b);
+    return 1;
+}
+
 /* A raw safetensors file: 8-byte length, header padded with spaces to 8, data. */
 static void write_raw_st(const char *path, const char *header, const void *data, size_t n) {
     size_t h = strlen(header), pad = (8 - h % 8) % 8;
@@ -1314,13 +1334,14 @@ static int agree_save(int rank, int world, void *p) {
 
 /* Each rank loads its own rows (m->step, or the newest when m->step < 0) with or without the
    agreement; the outcome must be m->want_status with m->want_text, or the data of m->g with
-   m->want_skipped newer checkpoints passed over. */
+   want_n_skipped newer checkpoints passed over, the newest want_skipped_step. */
 typedef struct agree_load_arg {
     mr_arg m;
     int use_agree;
     dsk_status want_status;
     const char *want_text;
     int64_t want_step, want_skipped_step;
+    int want_n_skipped;
 } agree_load_arg;
 
 static int agree_load(int rank, int world, void *p) {
@@ -1342,9 +1363,10 @@ static int agree_load(int rank, int world, void *p) {
         bad = 1;
     } else if (s == DSK_OK) {
         bad = compare_entries(e, a->m.g, "agreed load");
-        if (meta.step != a->want_step || meta.skipped_step != a->want_skipped_step) {
-            printf("     rank %d: loaded step %lld skipping %lld\n", rank, (long long)meta.step,
-                   (long long)meta.skipped_step);
+        if (meta.step != a->want_step || meta.skipped_step != a->want_skipped_step ||
+            meta.n_skipped != a->want_n_skipped) {
+            printf("     rank %d: loaded step %lld skipping %d, newest %lld\n", rank, (long long)meta.step,
+                   meta.n_skipped, (long long)meta.skipped_step);
             bad = 1;
         }
         dsk_ckpt_meta_free(&meta);
@@ -1397,7 +1419,19 @@ static void test_collective_outcome(void) {
     a.m.step = -1;
     new_dir(a.m.bar, sizeof a.m.bar, "bar");
     a.want_skipped_step = 2;
+    a.want_n_skipped = 1;
     DSK_TEST_EXPECT(run_ranks(2, agree_load, &a) == 0, "ranks did not fall back together to step 1");
+    /* step 3 saved, then its manifest edited: passed over too, and counted on every rank */
+    dsk_test_begin("collective load of the newest: a damaged manifest is counted on every rank");
+    m.step = 3;
+    new_dir(m.bar, sizeof m.bar, "bar");
+    DSK_TEST_EXPECT(run_ranks(2, agree_save, &m) == 0, "save step 3 failed");
+    snprintf(sd, sizeof sd, "%s/step_00000003/manifest.json", m.dir);
+    DSK_TEST_EXPECT(edit_file(sd, "\"step\":3", "\"step\":4"), "edit step 3's manifest");
+    new_dir(a.m.bar, sizeof a.m.bar, "bar");
+    a.want_skipped_step = 3;
+    a.want_n_skipped = 2;
+    DSK_TEST_EXPECT(run_ranks(2, agree_load, &a) == 0, "ranks did not count step 3's manifest");
     /* step 2 asked for by number, rank 1's file missing: both fail, naming it */
     unlink(f1);
     dsk_test_begin("collective load: rank 1's file missing fails every rank, named");
@@ -1840,6 +1874,137 @@ static void test_load_falls_back(void) {
     dsk_tensor_free(NULL, &back);
 }
 
+/* Steps 40 and 50 of one tensor (two 1 MiB blocks) in a fresh directory; keep40 receives
+   step 40's bytes. Returns the path of step 50's rank file in f50. */
+static void two_saves(char *dir, size_t dn, const char *tag, dsk_tensor *a, dsk_tensor *keep40, char *f50, size_t fn) {
+    const int64_t s1[2] = {300, 1000};
+    dsk_ckpt ck;
+    dsk_ckpt_entry e = {"a", a, 0, 0, 0, NULL, NULL};
+    char sd[600];
+    new_dir(dir, dn, tag);
+    alloc_t(a, DSK_F32, 2, s1);
+    alloc_t(keep40, DSK_F32, 2, s1);
+    DSK_TEST_OK(dsk_ckpt_init(&ck, dir, NULL));
+    fill_f32(a);
+    memcpy(keep40->data, a->data, dsk_tensor_nbytes(a));
+    DSK_TEST_OK(dsk_ckpt_save(&ck, 40, &e, 1, NULL, 0));
+    fill_f32(a);
+    DSK_TEST_OK(dsk_ckpt_save(&ck, 50, &e, 1, NULL, 0));
+    dsk_ckpt_free(&ck);
+    snprintf(sd, sizeof sd, "%s/step_00000050", dir);
+    rank_file(sd, 0, f50, fn);
+}
+
+/* The resume example at the top of dsk_ckpt.h, run on a newest checkpoint whose rank file is
+   truncated, has a flipped bit in its tensor data, or a garbage header: dsk_ckpt_latest still
+   names step 50 (it reads manifests only, as documented), and the example resumes from step 40
+   with the skip reported (the example used to load `last` and stop with DSK_ERR_CORRUPT). */
+static void test_resume_example_falls_back(void) {
+    static const char *kinds[3] = {"truncated", "flipped data bit", "garbage header"};
+    for (int kind = 0; kind < 3; kind++) {
+        char dir[400], f50[700];
+        dsk_tensor a, keep40, back;
+        dsk_ckpt ck;
+        unsigned char *bytes;
+        size_t n;
+        int64_t step = -7;
+        two_saves(dir, sizeof dir, "resume", &a, &keep40, f50, sizeof f50);
+        bytes = read_file(f50, &n);
+        if (kind == 0) n -= 1 + (size_t)dsk_test_rand_int(1000);
+        if (kind == 1) bytes[n - 1 - (size_t)dsk_test_rand_int(1 << 20)] ^= (unsigned char)(1u << dsk_test_rand_int(8));
+        if (kind == 2) memset(bytes + 8, '#', 24);
+        write_file(f50, bytes, n);
+        free(bytes);
+        DSK_TEST_STATUS(dsk_ckpt_verify(dir, 50), DSK_ERR_CORRUPT);
+        alloc_t(&back, DSK_F32, 2, a.shape);
+        for (int64_t i = 0; i < dsk_tensor_numel(&back); i++) ((float *)back.data)[i] = NAN; /* poison */
+        DSK_TEST_OK(dsk_ckpt_init(&ck, dir, NULL));
+        {
+            /* the example, as written in the header */
+            dsk_ckpt_entry e[1] = {{"a", &back, DSK_CKPT_WHOLE, 0, 0, NULL, NULL}};
+            int64_t last; dsk_ckpt_meta meta;
+            dsk_ckpt_latest(dir, &last);
+            DSK_TEST_EXPECT(last == 50, "%s: latest says %lld, documented: 50 (manifests only)", kinds[kind],
+                            (long long)last);
+            if (last >= 0) {
+                DSK_TEST_OK(dsk_ckpt_load(&ck, -1, e, 1, &meta));
+                step = meta.step;
+                DSK_TEST_EXPECT(meta.n_skipped == 1 && meta.skipped_step == 50 && meta.skipped_error,
+                                "%s: skipped %d (step %lld)", kinds[kind], meta.n_skipped,
+                                (long long)meta.skipped_step);
+                dsk_ckpt_meta_free(&meta);
+            }
+        }
+        DSK_TEST_EXPECT(step == 40, "%s: resumed at step %lld (%s)", kinds[kind], (long long)step, dsk_last_error());
+        DSK_TEST_SAME_BYTES(back.data, keep40.data, dsk_tensor_nbytes(&a), kinds[kind]);
+        dsk_ckpt_free(&ck);
+        dsk_tensor_free(NULL, &a); dsk_tensor_free(NULL, &keep40); dsk_tensor_free(NULL, &back);
+    }
+}
+
+/* A newest checkpoint whose manifest was edited is passed over like one with damaged files,
+   and counted: n_skipped, skipped_step and skipped_error say so (it used to be silent). */
+static void test_load_counts_damaged_manifest(void) {
+    char dir[400], f50[700], man[700];
+    dsk_tensor a, keep40, back;
+    dsk_ckpt ck;
+    dsk_ckpt_entry le;
+    dsk_ckpt_meta meta;
+    two_saves(dir, sizeof dir, "badman", &a, &keep40, f50, sizeof f50);
+    alloc_t(&back, DSK_F32, 2, a.shape);
+    le = (dsk_ckpt_entry){"a", &back, 0, 0, 0, NULL, NULL};
+    snprintf(man, sizeof man, "%s/step_00000050/manifest.json", dir);
+    DSK_TEST_EXPECT(edit_file(man, "\"step\":50", "\"step\":51"), "edit manifest");
+    DSK_TEST_OK(dsk_ckpt_init(&ck, dir, NULL));
+    DSK_TEST_OK(dsk_ckpt_load(&ck, -1, &le, 1, &meta));
+    DSK_TEST_EXPECT(meta.step == 40 && meta.n_skipped == 1 && meta.skipped_step == 50 && meta.skipped_error &&
+                        strstr(meta.skipped_error, "step_00000050/manifest.json"),
+                    "step %lld, skipped %d (step %lld): %s", (long long)meta.step, meta.n_skipped,
+                    (long long)meta.skipped_step, meta.skipped_error ? meta.skipped_error : "(none)");
+    DSK_TEST_SAME_BYTES(back.data, keep40.data, dsk_tensor_nbytes(&a), "step 40's data");
+    dsk_ckpt_meta_free(&meta);
+    /* step 40's file damaged too: nothing loads, and the message names the damaged manifest */
+    {
+        char sd[600], f40[700];
+        snprintf(sd, sizeof sd, "%s/step_00000040", dir);
+        rank_file(sd, 0, f40, sizeof f40);
+        unlink(f40);
+        DSK_TEST_STATUS(dsk_ckpt_load(&ck, -1, &le, 1, &meta), DSK_ERR_CORRUPT);
+        snprintf(sd, sizeof sd, "%s/step_00000040/manifest.json", dir);
+        unlink(sd);
+        DSK_TEST_STATUS(dsk_ckpt_load(&ck, -1, &le, 1, &meta), DSK_ERR_IO);
+        DSK_TEST_ERROR_MENTIONS("no complete checkpoint");
+        DSK_TEST_ERROR_MENTIONS("damaged manifests: step 50");
+    }
+    dsk_ckpt_free(&ck);
+    dsk_tensor_free(NULL, &a); dsk_tensor_free(NULL, &keep40); dsk_tensor_free(NULL, &back);
+}
+
+/* A step that was never saved is not "incomplete": the error says it does not exist and
+   lists the checkpoints there are. */
+static void test_load_missing_step(void) {
+    char dir[400], f50[700];
+    dsk_tensor a, keep40;
+    dsk_ckpt ck;
+    dsk_ckpt_entry le;
+    two_saves(dir, sizeof dir, "nostep", &a, &keep40, f50, sizeof f50);
+    le = (dsk_ckpt_entry){"a", &keep40, 0, 0, 0, NULL, NULL};
+    DSK_TEST_OK(dsk_ckpt_init(&ck, dir, NULL));
+    DSK_TEST_STATUS(dsk_ckpt_load(&ck, 70, &le, 1, NULL), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("there is no checkpoint of step 70");
+    DSK_TEST_ERROR_MENTIONS("complete: step 50, 40 (most recent save first)");
+    DSK_TEST_STATUS(dsk_ckpt_verify(dir, 45), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("there is no checkpoint of step 45");
+    dsk_ckpt_free(&ck);
+    /* in an empty directory */
+    new_dir(dir, sizeof dir, "nostep_empty");
+    DSK_TEST_OK(dsk_ckpt_init(&ck, dir, NULL));
+    DSK_TEST_STATUS(dsk_ckpt_load(&ck, 3, &le, 1, NULL), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("(no checkpoint)");
+    dsk_ckpt_free(&ck);
+    dsk_tensor_free(NULL, &a); dsk_tensor_free(NULL, &keep40);
+}
+
 static void test_latest_skips_incomplete(void) {
     char dir[400], p[600];
     const int64_t s1[1] = {5};
@@ -1876,8 +2041,9 @@ static void test_latest_skips_incomplete(void) {
     DSK_TEST_EXPECT(truncate(p, 100000001) == 0, "truncate");
     DSK_TEST_STATUS(dsk_ckpt_load(&ck, 30, &le, 1, NULL), DSK_ERR_CORRUPT);
     DSK_TEST_ERROR_MENTIONS("more than the limit of 100000000");
-    DSK_TEST_STATUS(dsk_ckpt_load(&ck, 40, &le, 1, NULL), DSK_ERR_CORRUPT);
-    DSK_TEST_ERROR_MENTIONS("step_00000040/manifest.json\" is missing");
+    DSK_TEST_STATUS(dsk_ckpt_load(&ck, 40, &le, 1, NULL), DSK_ERR_ARG); /* never saved */
+    DSK_TEST_ERROR_MENTIONS("there is no checkpoint of step 40");
+    DSK_TEST_ERROR_MENTIONS("(complete: step 10; damaged manifests: step 30, 20)");
     dsk_ckpt_free(&ck);
     dsk_tensor_free(NULL, &a);
     dsk_tensor_free(NULL, &b);
@@ -2345,26 +2511,6 @@ static void test_flipped_checkpoint_headers(void) {
     DSK_TEST_EXPECT(detected == trials / 2, "%d of %d header flips detected", detected, trials / 2);
     DSK_TEST_EXPECT(manifest_detected == trials / 2, "%d of %d manifest flips detected", manifest_detected, trials / 2);
     model_free(&g);
-}
-
-/* Replaces the first `from` in a file by `to` (same length or not); 0 when absent. */
-static int edit_file(const char *path, const char *from, const char *to) {
-    size_t n;
-    unsigned char *b = read_file(path, &n);
-    char *hit, *out;
-    size_t a, lf = strlen(from), lt = strlen(to);
-    if (!b) return 0;
-    b[n] = 0;
-    if (!(hit = strstr((char *)b, from))) { free(b); return 0; }
-    a = (size_t)(hit - (char *)b);
-    out = (char *)malloc(n - lf + lt + 1);
-    memcpy(out, b, a);
-    memcpy(out + a, to, lt);
-    memcpy(out + a + lt, b + a + lf, n - a - lf);
-    write_file(path, out, n - lf + lt);
-    free(out);
-    free(b);
-    return 1;
 }
 
 /* dsk_ckpt_verify checks the manifest's tensor list and dtypes against the rank files, not
@@ -3085,8 +3231,8 @@ static void test_incremental_chain(void) {
     DSK_TEST_EXPECT(dsk_ckpt_last_save(&ck)->bytes_written == b1 + b2 + 8, "step 12 wrote %llu bytes",
                     (unsigned long long)dsk_ckpt_last_save(&ck)->bytes_written);
     DSK_TEST_EXPECT(inc_check(&ck, 12) == 0, "step 12");
-    DSK_TEST_STATUS(dsk_ckpt_merge(&ck, 4), DSK_ERR_CORRUPT);
-    DSK_TEST_ERROR_MENTIONS("is missing: the checkpoint is incomplete");
+    DSK_TEST_STATUS(dsk_ckpt_merge(&ck, 4), DSK_ERR_ARG); /* its directory was reclaimed */
+    DSK_TEST_ERROR_MENTIONS("there is no checkpoint of step 4");
     dsk_ckpt_free(&ck);
     inc_model_free(&m);
 }
@@ -3288,6 +3434,9 @@ int main(void) {
     DSK_TEST_RUN(test_latest_skips_incomplete);
     DSK_TEST_RUN(test_latest_after_rollback);
     DSK_TEST_RUN(test_load_falls_back);
+    DSK_TEST_RUN(test_resume_example_falls_back);
+    DSK_TEST_RUN(test_load_counts_damaged_manifest);
+    DSK_TEST_RUN(test_load_missing_step);
     DSK_TEST_RUN(test_fifo_does_not_hang);
     DSK_TEST_RUN(test_huge_steps);
     DSK_TEST_RUN(test_latest_reports_read_errors);

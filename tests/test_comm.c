@@ -1265,24 +1265,31 @@ static void case_options_differ(void) {
 /* A duplicate RANK (issue 10 item 12): processes 1 and 2 both say rank 1 (process 2 a
    moment later). Process 2 must fail at once with the documented message; the others run.
    Before, it retried until the timeout and reported "no key-value store ... refused". */
+typedef struct duplicate_arg { group g; int dup; } duplicate_arg; /* dup: the rank process 2 claims too */
+
 static void rank_duplicate(dsk_comm *unused, void *argp) {
-    const group *g = (const group *)argp;
+    const duplicate_arg *d = (const duplicate_arg *)argp;
     dsk_comm c;
     dsk_status st;
     double t0;
     int64_t v = g_rank, sum = 0;
+    int rank = g_rank == 2 ? d->dup : g_rank;
     (void)unused;
     if (g_rank == 2) {
         struct timespec ts = {0, 200000000};
         nanosleep(&ts, NULL);
     }
     t0 = dsk_test_now();
-    st = dsk_comm_init(&c, g_rank ? 1 : 0, 2, &g->opts);
-    printf("     process %d (rank %d): %s after %.2f s: %s\n", g_rank, g_rank ? 1 : 0, dsk_status_str(st),
+    st = dsk_comm_init(&c, rank, 2, &d->g.opts);
+    printf("     process %d (rank %d): %s after %.2f s: %s\n", g_rank, rank, dsk_status_str(st),
            dsk_test_now() - t0, st ? dsk_last_error() : "");
     if (g_rank == 2) {
+        char want[64];
+        snprintf(want, sizeof want, "dsk_comm_init: rank %d is claimed by 2 processes: pid ", d->dup);
         DSK_TEST_STATUS(st, DSK_ERR_ARG);
-        DSK_TEST_ERROR_MENTIONS("dsk_comm_init: rank 1 is claimed by 2 processes: pid ");
+        DSK_TEST_ERROR_MENTIONS(want);
+        DSK_TEST_ERROR_MENTIONS(d->dup ? "is RANK 1 set twice?" : "is RANK 0 set twice?");
+        DSK_TEST_EXPECT(!strstr(dsk_last_error(), "pick another MASTER_PORT"), "told to pick another port");
         DSK_TEST_EXPECT(dsk_test_now() - t0 < 1.0, "the duplicate failed after %.2f s", dsk_test_now() - t0);
         if (st == DSK_OK) dsk_comm_free(&c);
         return;
@@ -1299,16 +1306,96 @@ static void rank_duplicate(dsk_comm *unused, void *argp) {
     dsk_comm_free(&c);
 }
 
-static void case_duplicate_rank(void) {
+static void duplicate_case(int dup) {
+    duplicate_arg d;
+    group_defaults(&d.g, 3);
+    d.dup = dup;
+    d.g.no_init = 1;
+    d.g.opts = fault_opts(3.0);
+    d.g.opts.backend = DSK_COMM_HOST;
+    d.g.opts.master_addr = "127.0.0.1";
+    DSK_TEST_OK(dsk_comm_free_port("127.0.0.1", &d.g.port));
+    d.g.opts.master_port = d.g.port;
+    expect_group_ok(&d.g, rank_duplicate, &d);
+}
+
+static void case_duplicate_rank(void) { duplicate_case(1); }
+
+/* Two processes both claiming rank 0 (same MASTER_ADDR:MASTER_PORT): the second finds the
+   port taken by the first's store, which holds rank 0's claim. It must say that a second
+   process claims rank 0; before, it said "port ... already in use: pick another MASTER_PORT". */
+static void case_duplicate_rank0(void) { duplicate_case(0); }
+
+/* The same process starting a second rank 0 on the port its live communicator serves is told
+   that (free the first one or use another port), not that another process claims rank 0. */
+static void case_rank0_twice_in_process(void) {
+    dsk_comm a, b;
+    dsk_comm_opts o = fault_opts(2.0);
+    o.backend = DSK_COMM_HOST;
+    o.master_addr = "127.0.0.1";
+    DSK_TEST_OK(dsk_comm_free_port("127.0.0.1", &o.master_port));
+    DSK_TEST_OK(dsk_comm_init(&a, 0, 1, &o));
+    DSK_TEST_STATUS(dsk_comm_init(&b, 0, 1, &o), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("this process already serves rank 0's key-value store at 127.0.0.1:");
+    dsk_comm_free(&a);
+    DSK_TEST_OK(dsk_comm_init(&b, 0, 1, &o)); /* freed: the port is free again */
+    dsk_comm_free(&b);
+}
+
+/* dsk_comm_check_agree (issue: ranks given different --d-model failed later with "all_to_all_v
+   counts disagree"): 3 ranks, settings drawn fresh; every rank must get the same verdict, and
+   a mismatch must name the setting, both values and both ranks. */
+typedef struct agree_arg { unsigned d_model, experts; } agree_arg;
+
+static void agree_expect(dsk_comm *c, const char *config, const char *needle, const char *count) {
+    dsk_status st = dsk_comm_check_agree(c, "test options", config);
+    if (!needle) { DSK_TEST_OK(st); return; }
+    DSK_TEST_STATUS(st, DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_comm_check_agree: test options differ between ranks: ");
+    DSK_TEST_ERROR_MENTIONS(needle);
+    DSK_TEST_ERROR_MENTIONS(count);
+}
+
+static void rank_check_agree(dsk_comm *c, void *argp) {
+    const agree_arg *a = (const agree_arg *)argp;
+    char cfg[160], needle[200];
+    int64_t v = 1, sum = 0;
+    unsigned d = a->d_model, other = a->d_model + 16;
+    snprintf(cfg, sizeof cfg, "d_model=%u experts=%u dtype=bf16", d, a->experts);
+    agree_expect(c, cfg, NULL, NULL);
+    /* rank 1 has another d_model (as in the issue) */
+    snprintf(cfg, sizeof cfg, "d_model=%u  experts=%u dtype=bf16", c->rank == 1 ? other : d, a->experts);
+    snprintf(needle, sizeof needle, "d_model is \"%u\" on rank 0 but \"%u\" on rank 1", d, other);
+    agree_expect(c, cfg, needle, "(1 of 3 ranks differ from rank 0)");
+    /* ranks 1 and 2 lack a setting: the first of them to report is named */
+    snprintf(cfg, sizeof cfg, c->rank ? "d_model=%u dtype=bf16" : "d_model=%u experts=%u dtype=bf16", d, a->experts);
+    snprintf(needle, sizeof needle, "experts is \"%u\" on rank 0 but not given on rank ", a->experts);
+    agree_expect(c, cfg, needle, "(2 of 3 ranks differ from rank 0)");
+    /* rank 2 has one more */
+    snprintf(cfg, sizeof cfg, "d_model=%u dtype=bf16%s", d, c->rank == 2 ? " mtp=1" : "");
+    agree_expect(c, cfg, "mtp is not given on rank 0 but \"1\" on rank 2", "(1 of 3 ranks differ from rank 0)");
+    DSK_TEST_STATUS(dsk_comm_check_agree(c, NULL, NULL), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_comm_check_agree(NULL, "x", "a=1"), DSK_ERR_ARG);
+    /* a sub-communicator agrees on its own: groups {0, 2} and {1} with different texts */
+    {
+        dsk_comm sub;
+        DSK_TEST_OK(dsk_comm_split(c, c->rank % 2, 0, &sub));
+        snprintf(cfg, sizeof cfg, "group=%d", c->rank % 2);
+        DSK_TEST_OK(dsk_comm_check_agree(&sub, "group options", cfg));
+        dsk_comm_free(&sub);
+    }
+    /* the communicator is unharmed */
+    DSK_TEST_OK(dsk_comm_all_reduce(c, NULL, &v, &sum, 1, DSK_I64, DSK_COMM_SUM));
+    DSK_TEST_EXPECT(sum == 3, "sum %lld after the checks", (long long)sum);
+}
+
+static void case_check_agree(void) {
     group g;
+    agree_arg a;
+    a.d_model = 64 + 16 * (unsigned)dsk_test_rand_int(40);
+    a.experts = 2 + (unsigned)dsk_test_rand_int(60);
     group_defaults(&g, 3);
-    g.no_init = 1;
-    g.opts = fault_opts(3.0);
-    g.opts.backend = DSK_COMM_HOST;
-    g.opts.master_addr = "127.0.0.1";
-    DSK_TEST_OK(dsk_comm_free_port("127.0.0.1", &g.port));
-    g.opts.master_port = g.port;
-    expect_group_ok(&g, rank_duplicate, &g);
+    expect_group_ok(&g, rank_check_agree, &a);
 }
 
 static void case_missing_rank(void) {
@@ -1674,7 +1761,8 @@ static void case_spawn(void) {
     dsk_comm_spawn_opts so;
     int worst = -1;
     char *out, *argv_sh[] = {(char *)"/bin/sh", (char *)"-c",
-                             (char *)"echo \"r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK/$LOCAL_WORLD_SIZE a=$MASTER_ADDR\"; "
+                             (char *)"echo \"r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK/$LOCAL_WORLD_SIZE a=$MASTER_ADDR "
+                                     "t=${OMP_NUM_THREADS-unset}\"; "
                                      "printf partial; exit $RANK",
                              NULL};
     char self[4096], *argv_self[] = {self, (char *)"--rank-child", NULL};
@@ -1690,8 +1778,10 @@ static void case_spawn(void) {
     close(p[0]);
     DSK_TEST_EXPECT(worst == 2, "worst exit %d, want 2", worst);
     for (int r = 0; r < 3; r++) {
-        char line[128];
-        snprintf(line, sizeof line, "[rank %d] r=%d w=3 l=%d/3 a=127.0.0.1\n", r, r, r);
+        char line[256];
+        /* LOCAL_WORLD_SIZE divides the cores among the ranks; OMP_NUM_THREADS passes through as set */
+        snprintf(line, sizeof line, "[rank %d] r=%d w=3 l=%d/3 a=127.0.0.1 t=%s\n", r, r, r,
+                 getenv("OMP_NUM_THREADS") ? getenv("OMP_NUM_THREADS") : "unset");
         DSK_TEST_EXPECT(strstr(out, line) != NULL, "output lacks \"%s\":\n%s", line, out);
         snprintf(line, sizeof line, "[rank %d] partial\n", r);
         DSK_TEST_EXPECT(strstr(out, line) != NULL, "unterminated last line not forwarded: \"%s\":\n%s", line, out);
@@ -1712,6 +1802,118 @@ static void case_spawn(void) {
     DSK_TEST_STATUS(dsk_comm_spawn_local(2, argv_sleep, &so, &worst), DSK_ERR_TIMEOUT);
     DSK_TEST_EXPECT(worst == 128 + SIGKILL, "worst exit %d after the timeout", worst);
     DSK_TEST_ERROR_MENTIONS("dsk_comm_spawn_local");
+}
+
+/* dsk_comm_spawn_local forwards whole lines (issue: a line was cut at 4 KiB and another rank's
+   line landed in the middle): 4 ranks each write 6 lines of L = 20000 + 1000 r bytes of their
+   own digit at once, then one without a newline; every forwarded line must be one rank's
+   prefix and exactly its L digits. */
+static void case_spawn_long_lines(void) {
+    char path[256], *out;
+    const char *tmp = getenv("TMPDIR");
+    char *argv_sh[] = {(char *)"/bin/sh", (char *)"-c",
+                       (char *)"n=$((20000 + 1000 * RANK)); for i in 1 2 3 4 5 6; do "
+                               "head -c $n /dev/zero | tr '\\0' \"$RANK\"; echo; done; "
+                               "head -c $n /dev/zero | tr '\\0' \"$RANK\"",
+                       NULL};
+    dsk_comm_spawn_opts so;
+    int worst = -1, fd, lines[4] = {0, 0, 0, 0}, bad = 0;
+    long size;
+    FILE *f;
+    snprintf(path, sizeof path, "%s/dsk_spawn_lines_XXXXXX", tmp && *tmp ? tmp : "/tmp");
+    fd = mkstemp(path);
+    DSK_TEST_EXPECT(fd >= 0, "mkstemp");
+    if (fd < 0) return;
+    memset(&so, 0, sizeof so);
+    so.out_fd = fd;
+    so.timeout_s = 60;
+    DSK_TEST_OK(dsk_comm_spawn_local(4, argv_sh, &so, &worst));
+    DSK_TEST_EXPECT(worst == 0, "worst exit %d", worst);
+    size = lseek(fd, 0, SEEK_END);
+    out = (char *)malloc((size_t)size + 1);
+    f = fdopen(fd, "r");
+    rewind(f);
+    DSK_TEST_EXPECT(fread(out, 1, (size_t)size, f) == (size_t)size, "read back");
+    out[size] = 0;
+    fclose(f);
+    unlink(path);
+    for (char *line = out, *nl; *line; line = nl + 1) {
+        int r = -1;
+        size_t k = 0, want;
+        if (!(nl = strchr(line, '\n'))) { bad++; break; }
+        if (sscanf(line, "[rank %d] ", &r) != 1 || r < 0 || r > 3) { bad++; continue; }
+        want = 20000 + 1000 * (size_t)r;
+        line += strlen("[rank 0] ");
+        while (line + k < nl && line[k] == '0' + r) k++;
+        if (line + k != nl || k != want) {
+            if (bad++ < 3) printf("     rank %d's line: %zu of its digits then %ld more bytes, want %zu\n", r, k,
+                                  (long)(nl - line) - (long)k, want);
+            continue;
+        }
+        lines[r]++;
+    }
+    for (int r = 0; r < 4; r++) DSK_TEST_EXPECT(lines[r] == 7, "rank %d: %d whole lines, want 7", r, lines[r]);
+    DSK_TEST_EXPECT(bad == 0, "%d forwarded lines were not one rank's whole line", bad);
+    free(out);
+}
+
+/* The trainer checks its options across ranks as soon as they meet: two ranks started by hand
+   (RANK 0 and 1) with different --d-model both stop naming the option and both values (they
+   used to fail later with "all_to_all_v counts disagree ... 160 elements ... expects 240"). */
+static void case_trainer_disagrees(void) {
+    char self[4096], trainer[4200], log[2][4300];
+    ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
+    int port = 0, d0 = 32 + 16 * (int)dsk_test_rand_int(4), d1 = d0 + 16;
+    pid_t pid[2];
+    self[k > 0 ? k : 0] = 0;
+    if (strrchr(self, '/')) *strrchr(self, '/') = 0;
+    snprintf(trainer, sizeof trainer, "%s/../examples/train_moe", self);
+    if (access(trainer, X_OK) != 0) {
+        dsk_test_skip("%s not built", trainer);
+        return;
+    }
+    DSK_TEST_OK(dsk_comm_free_port("127.0.0.1", &port));
+    fflush(stdout);
+    for (int r = 0; r < 2; r++) {
+        const char *tmp = getenv("TMPDIR");
+        snprintf(log[r], sizeof log[r], "%s/dsk_trainer_disagrees.%d.%d.log", tmp && *tmp ? tmp : "/tmp",
+                 (int)getpid(), r);
+        if ((pid[r] = fork()) == 0) {
+            char v[16], d[16];
+            int fd = open(log[r], O_WRONLY | O_CREAT | O_TRUNC, 0644);
+            dup2(fd, 1);
+            dup2(fd, 2);
+            snprintf(v, sizeof v, "%d", r); setenv("RANK", v, 1);
+            snprintf(v, sizeof v, "%d", port); setenv("MASTER_PORT", v, 1);
+            setenv("WORLD_SIZE", "2", 1); setenv("MASTER_ADDR", "127.0.0.1", 1); setenv("OMP_NUM_THREADS", "1", 1);
+            unsetenv("DSK_JOB_ID");
+            snprintf(d, sizeof d, "%d", r ? d1 : d0);
+            execl(trainer, trainer, "--d-model", d, "--steps", "1", (char *)NULL);
+            _exit(127);
+        }
+    }
+    for (int r = 0; r < 2; r++) {
+        int st = 0;
+        size_t n = 0;
+        char want[160], *out;
+        FILE *f;
+        double t0 = dsk_test_now();
+        while (waitpid(pid[r], &st, WNOHANG) == 0) { /* a run that trains on is killed after 60 s */
+            struct timespec ts = {0, 20000000};
+            if (dsk_test_now() - t0 > 60) kill(pid[r], SIGKILL);
+            nanosleep(&ts, NULL);
+        }
+        f = fopen(log[r], "r");
+        out = (char *)calloc(1, 1 << 16);
+        if (f) { n = fread(out, 1, (1 << 16) - 1, f); fclose(f); }
+        out[n] = 0;
+        unlink(log[r]);
+        snprintf(want, sizeof want, "train_moe options differ between ranks: d_model is \"%d\" on rank 0 but \"%d\" "
+                 "on rank 1", d0, d1);
+        DSK_TEST_EXPECT(WIFEXITED(st) && WEXITSTATUS(st) != 0 && strstr(out, want),
+                        "rank %d (status %d) lacks \"%s\":\n%.2000s", r, st, want, out);
+        free(out);
+    }
 }
 
 /* Open MPI's launcher: OMPI_COMM_WORLD_* only, no MASTER_ADDR (all ranks on this host). */
@@ -1858,7 +2060,8 @@ static void case_mpirun_two_jobs(void) {
             if (strstr(line, "of 2 local") && strstr(line, "sum 3")) ok_lines++;
             if (strstr(line, "init_env failed"))
                 DSK_TEST_EXPECT(strstr(line, "belongs to another job") || strstr(line, "already in use") ||
-                                    strstr(line, "no key-value store"),
+                                    strstr(line, "no key-value store") ||
+                                    strstr(line, "is taken by the key-value store of another job's rank 0"),
                                 "job %d: a rank failed without naming the cause: %s", j, line);
             DSK_TEST_EXPECT(!strstr(line, "all_reduce failed"), "job %d: a rank failed after init: %s", j, line);
         }
@@ -2510,12 +2713,17 @@ int main(int argc, char **argv) {
     DSK_TEST_RUN(case_missing_rank);
     DSK_TEST_RUN(case_options_differ);
     DSK_TEST_RUN(case_duplicate_rank);
+    DSK_TEST_RUN(case_duplicate_rank0);
+    DSK_TEST_RUN(case_rank0_twice_in_process);
+    DSK_TEST_RUN(case_check_agree);
     DSK_TEST_RUN(case_port_in_use);
     DSK_TEST_RUN(case_no_store);
     DSK_TEST_RUN(case_env);
     DSK_TEST_RUN(case_bad_args);
     DSK_TEST_RUN(case_reinit);
     DSK_TEST_RUN(case_spawn);
+    DSK_TEST_RUN(case_spawn_long_lines);
+    DSK_TEST_RUN(case_trainer_disagrees);
     DSK_TEST_RUN(case_mpirun);
     DSK_TEST_RUN(case_mpirun_two_jobs);
     DSK_TEST_RUN(case_torchrun);
