@@ -68,6 +68,18 @@
        actual selections (DSK_MOE_COUNT_SELECTED); counts carry no gradient;
      z-loss         z_beta * mean_t (logsumexp_j u_tj)^2.
      The sums run in f64 in a fixed order on both devices (the same code): CPU and CUDA agree.
+   Routing record and replay: dsk_moe_routing copies the last forward's decisions, each token's
+     K experts in slot order ((T, K) i32 on the host); dsk_moe_forward_replay takes such decisions
+     instead of selecting (no group limit, no bias in the choice): the weights g come from the
+     current scores p of the given experts by the formula above (so a recorded routing replayed on
+     the same input and parameters gives the same bits), the gradients flow through p as with
+     selection, and capacity, the losses (DSK_MOE_COUNT_SELECTED counts the replayed experts) and
+     the bias-update loads take the replayed experts. For reinforcement learning (recompute the
+     log-probabilities of a rollout with its routing) and for tests whose layouts must take the
+     same decisions (a near-tie decided differently by another summation order flips an expert).
+     Expert parallelism: each rank replays its own tokens. CUDA: the decisions are copied to the
+     device (no sync); a token whose routing is not finite keeps its NaN weights and the
+     recorded experts of such a token are 0 .. K-1.
    Capacity (capacity_factor > 0): C = ceil(T K / E * capacity_factor) slots per expert from this
      rank's tokens; the rest are dropped (lowest weight first, or latest position first) and
      contribute zero. Default: dropless.
@@ -280,9 +292,19 @@ DSK_API dsk_moe_param *dsk_moe_find_param(dsk_moe *m, const char *name);
    statistics are read back at once): pass NULL and use dsk_moe_stats_collect to stay sync-free.
    CPU: DSK_ERR_NONFINITE when a token's router logits are NaN/Inf (see "Non-finite input"). */
 DSK_API dsk_status dsk_moe_forward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, dsk_moe_stats *stats);
+/* dsk_moe_forward with the routing given instead of selected: experts (T, K) i32 on the CPU,
+   each row K distinct experts in [0, E) in slot order (see "Routing record and replay").
+   DSK_ERR_ARG for an index out of range, a repeated expert in a row or another shape, before
+   anything changes: the layer keeps its saved forward, loads and statistics. */
+DSK_API dsk_status dsk_moe_forward_replay(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x,
+                                          const dsk_tensor *experts, dsk_moe_stats *stats);
+/* The last forward's routing into experts ((T, K) i32 on the CPU): each token's experts in slot
+   order. CUDA: one copy and one sync. DSK_ERR_STATE before any forward (or after a failed one). */
+DSK_API dsk_status dsk_moe_routing(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *experts);
 /* dx (T, D) += d/dx, every parameter gradient += its part, for the last forward; dy (T, D).
    aux_scale weights the gradients of the layer's loss terms (1; the loss scale under amp;
-   divided by the micro-batch count when the model loss is). */
+   divided by the micro-batch count when the model loss is). One backward per forward: a second
+   one fails with DSK_ERR_STATE (its gradients would be added twice) until a forward runs. */
 DSK_API dsk_status dsk_moe_backward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, float aux_scale);
 /* Zeroes every bound gradient. */
 DSK_API dsk_status dsk_moe_zero_grad(dsk_moe *m, dsk_ctx *ctx);
@@ -341,16 +363,15 @@ static inline DSK_HD float dsk__moe_top_sum(const float *c, int n, int w) {
     return s;
 }
 
-/* Routes one token. u (E) logits; bias (E) or NULL; writes prob (E) (softmax p or sigmoid s),
-   sel (K) expert ids in slot order and gate (K) weights. scratch: E + n_group floats.
-   Returns 0, or 1 when a logit or a selection score (p + bias) is NaN or Inf: then sel holds
-   experts 0 .. K-1 (always valid indices) and every gate is NaN. */
-static inline DSK_HD int dsk_moe_route_token(const dsk_moe_router *r, const float *u, const float *bias, float *prob,
-                                             float *scratch, int32_t *sel, float *gate) {
-    const int E = r->n_experts, K = r->top_k, sigmoid = r->score == DSK_MOE_SIGMOID;
-    float *c = scratch, *gscore = scratch + E, sum = 0.0f;
+/* Scores of one token: prob (E) from its logits u (softmax p or sigmoid s), and its selection
+   scores c (E) = p + bias (bias NULL: none). Returns 1 when a logit or a selection score is NaN
+   or Inf, else 0. */
+static inline DSK_HD int dsk__moe_scores(const dsk_moe_router *r, const float *u, const float *bias, float *prob,
+                                         float *c) {
+    const int E = r->n_experts;
+    float sum = 0.0f;
     int bad = 0;
-    if (sigmoid) {
+    if (r->score == DSK_MOE_SIGMOID) {
         for (int j = 0; j < E; j++) prob[j] = dsk_sigmoid_f(u[j]);
     } else {
         float mx = u[0];
@@ -362,7 +383,26 @@ static inline DSK_HD int dsk_moe_route_token(const dsk_moe_router *r, const floa
         c[j] = prob[j] + (bias ? bias[j] : 0.0f);
         bad |= dsk__moe_nonfinite(u[j]) | dsk__moe_nonfinite(c[j]);
     }
-    if (bad) { /* no order among NaNs: a fixed, valid selection, and NaN weights */
+    return bad;
+}
+
+/* The weights gate (K) of the experts sel (K) from the scores prob (E), in slot order. */
+static inline DSK_HD void dsk__moe_gates(const dsk_moe_router *r, const float *prob, const int32_t *sel, float *gate) {
+    const int K = r->top_k;
+    float sum = 0.0f;
+    for (int k = 0; k < K; k++) sum += prob[sel[k]];
+    for (int k = 0; k < K; k++) gate[k] = r->scale * (r->norm ? prob[sel[k]] / (sum + 1e-20f) : prob[sel[k]]);
+}
+
+/* Routes one token. u (E) logits; bias (E) or NULL; writes prob (E) (softmax p or sigmoid s),
+   sel (K) expert ids in slot order and gate (K) weights. scratch: E + n_group floats.
+   Returns 0, or 1 when a logit or a selection score (p + bias) is NaN or Inf: then sel holds
+   experts 0 .. K-1 (always valid indices) and every gate is NaN. */
+static inline DSK_HD int dsk_moe_route_token(const dsk_moe_router *r, const float *u, const float *bias, float *prob,
+                                             float *scratch, int32_t *sel, float *gate) {
+    const int E = r->n_experts, K = r->top_k;
+    float *c = scratch, *gscore = scratch + E;
+    if (dsk__moe_scores(r, u, bias, prob, c)) { /* no order among NaNs: a fixed, valid selection, and NaN weights */
         for (int k = 0; k < K; k++) { sel[k] = k; gate[k] = NAN; }
         return 1;
     }
@@ -379,16 +419,27 @@ static inline DSK_HD int dsk_moe_route_token(const dsk_moe_router *r, const floa
             if (gscore[g] == gscore[g])
                 for (int j = g * gs; j < (g + 1) * gs; j++) c[j] = -INFINITY;
     }
-    sum = 0.0f;
     for (int k = 0; k < K; k++) {
         int best = -1;
         for (int j = 0; j < E; j++)
             if (c[j] == c[j] && (best < 0 || c[j] > c[best])) best = j;
         c[best] = NAN; /* taken */
         sel[k] = best;
-        sum += prob[best];
     }
-    for (int k = 0; k < K; k++) gate[k] = r->scale * (r->norm ? prob[sel[k]] / (sum + 1e-20f) : prob[sel[k]]);
+    dsk__moe_gates(r, prob, sel, gate);
+    return 0;
+}
+
+/* Replays one token's routing: sel (K) holds the given experts (valid, distinct) and is kept;
+   prob and gate are written as dsk_moe_route_token writes them for that selection (the same
+   operations in the same order), NaN weights when a logit or selection score is not finite. */
+static inline DSK_HD int dsk_moe_replay_token(const dsk_moe_router *r, const float *u, const float *bias, float *prob,
+                                              float *scratch, const int32_t *sel, float *gate) {
+    if (dsk__moe_scores(r, u, bias, prob, scratch)) {
+        for (int k = 0; k < r->top_k; k++) gate[k] = NAN;
+        return 1;
+    }
+    dsk__moe_gates(r, prob, sel, gate);
     return 0;
 }
 
@@ -654,13 +705,16 @@ static inline DSK_HD void dsk__moe_bias_update(int E, float rate, int recenter, 
     }
 }
 
-/* Routes token t (dsk_moe_route_token) and writes its sort keys: its experts, or -1 for a
-   token with non-finite routing (dispatched nowhere). */
+/* Routes token t (dsk_moe_route_token; replay: sel already holds its experts, dsk_moe_replay_token)
+   and writes its sort keys: its experts, or -1 for a token with non-finite routing (dispatched
+   nowhere). */
 static inline DSK_HD void dsk__moe_route_one(const dsk_moe_router *r, int64_t t, const float *u, const float *bias,
-                                             float *prob, float *scratch, int32_t *sel, float *gate, int32_t *keys) {
+                                             float *prob, float *scratch, int32_t *sel, float *gate, int32_t *keys,
+                                             int replay) {
     int E = r->n_experts, K = r->top_k;
-    int bad = dsk_moe_route_token(r, u + t * E, bias, prob + t * E, scratch + t * (E + r->n_group), sel + t * K,
-                                  gate + t * K);
+    float *scr = scratch + t * (E + r->n_group);
+    int bad = replay ? dsk_moe_replay_token(r, u + t * E, bias, prob + t * E, scr, sel + t * K, gate + t * K)
+                     : dsk_moe_route_token(r, u + t * E, bias, prob + t * E, scr, sel + t * K, gate + t * K);
     for (int k = 0; k < K; k++) keys[t * K + k] = bad ? -1 : sel[t * K + k];
 }
 
@@ -763,7 +817,9 @@ enum dsk__moe_buf_id {
 typedef struct dsk__moe_slot { dsk_tensor mem; size_t cap; } dsk__moe_slot;
 
 struct dsk__moe_state {
-    int have_fwd;            /* a forward's activations are saved */
+    int have_fwd;            /* a forward's activations are saved and no backward has used them */
+    int bwd_done;            /* a backward used the saved forward (a second one would add its gradients again) */
+    int have_route;          /* the last forward's routing is in SEL (dsk_moe_routing) */
     int64_t T;               /* tokens of the saved forward */
     int64_t n_kept;          /* kept slots of this rank, when the host knows it (CPU; EP), else -1 */
     int64_t R;               /* rows of expert work in the buffers: exact (CPU, EP) or T*K's bound (CUDA) */
@@ -1143,7 +1199,8 @@ DSK_API void dsk_moe_free(dsk_moe *m, dsk_ctx *ctx) {
 }
 
 static dsk_status dsk__moe_need_layer(const dsk_moe *m, const char *fn) {
-    if (!m || !m->st) return dsk_set_error(DSK_ERR_STATE, "%s: layer not initialised", fn);
+    if (!m) return dsk_set_error(DSK_ERR_ARG, "%s: layer is NULL", fn);
+    if (!m->st) return dsk_set_error(DSK_ERR_STATE, "%s: layer not initialised", fn);
     return DSK_OK;
 }
 
@@ -1188,7 +1245,7 @@ DSK_API dsk_status dsk_moe_bind(dsk_moe *m, dsk_ctx *ctx, int index, const dsk_t
         p->grad = *grad;
         p->grad.owns = 0;
     }
-    m->st->have_fwd = 0;
+    m->st->have_fwd = m->st->bwd_done = 0;
     return DSK_OK;
 }
 
@@ -1308,7 +1365,7 @@ DSK_API dsk_status dsk_moe_reserve(dsk_moe *m, dsk_ctx *ctx, int64_t max_tokens)
     if (max_tokens < 0)
         return dsk_set_error(DSK_ERR_ARG, "dsk_moe_reserve: layer \"%s\": max_tokens %lld < 0", m->opts.name,
                              (long long)max_tokens);
-    m->st->have_fwd = 0; /* buffers may move */
+    m->st->have_fwd = m->st->bwd_done = m->st->have_route = 0; /* buffers may move */
     for (int id = 0; id < DSK__MOE_LOAD; id++)
         DSK__TRY(dsk__moe_buf(m, ctx, id, max_tokens, m->ep_size > 1 ? max_tokens * m->opts.top_k
                                                                      : dsk__moe_rows_bound(m, max_tokens), &t));
@@ -1343,19 +1400,20 @@ static int dsk__moe_threads(const dsk_ctx *ctx) {
 #define DSK__MOE_I64(t) ((int64_t *)(t).data)
 #define DSK__MOE_F64(t) ((double *)(t).data)
 
-/* Routing of T tokens from the logits u: prob, sel, gate and the sort keys. */
+/* Routing of T tokens from the logits u: prob, sel, gate and the sort keys (replay: sel holds the
+   experts to take). */
 static dsk_status dsk__moe_route(dsk_moe *m, dsk_ctx *ctx, int64_t T, const dsk_tensor *u, dsk_tensor *prob,
-                                 dsk_tensor *scr, dsk_tensor *sel, dsk_tensor *gate, dsk_tensor *keys) {
+                                 dsk_tensor *scr, dsk_tensor *sel, dsk_tensor *gate, dsk_tensor *keys, int replay) {
     int nt = dsk__moe_threads(ctx);
     const float *bias = (const float *)m->bias->value.data;
     DSK__MOE_ON_CUDA(m, dsk_cuda_moe_route(ctx, &m->routing, T, DSK__MOE_F32(*u), bias, DSK__MOE_F32(*prob),
                                            DSK__MOE_F32(*scr), DSK__MOE_I32(*sel), DSK__MOE_F32(*gate),
-                                           DSK__MOE_I32(*keys)));
+                                           DSK__MOE_I32(*keys), replay));
     (void)nt;
     DSK__MOE_OMP(omp parallel for schedule(static) num_threads(nt))
     for (int64_t t = 0; t < T; t++)
         dsk__moe_route_one(&m->routing, t, DSK__MOE_F32(*u), bias, DSK__MOE_F32(*prob), DSK__MOE_F32(*scr),
-                           DSK__MOE_I32(*sel), DSK__MOE_F32(*gate), DSK__MOE_I32(*keys));
+                           DSK__MOE_I32(*sel), DSK__MOE_F32(*gate), DSK__MOE_I32(*keys), replay);
     return DSK_OK;
 }
 
@@ -1873,7 +1931,7 @@ static dsk_status dsk__moe_fill_stats(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor
 }
 
 static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, int64_t T,
-                                        dsk_moe_stats *stats) {
+                                        const dsk_tensor *replay, dsk_moe_stats *stats) {
     struct dsk__moe_state *st = m->st;
     const dsk_moe_opts *o = &m->opts;
     int64_t K = o->top_k, E = o->n_routed, TK = T * K, Fs = m->d_shared_total, n_kept, R, n_rows;
@@ -1900,7 +1958,8 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_GATE, T, R, &gate));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_KEYS, T, R, &keys));
     DSK__TRY(dsk_matmul(ctx, &u, &xf, 0, &m->router->value, 1, 1.0f, 0.0f));
-    DSK__TRY(dsk__moe_route(m, ctx, T, &u, &prob, &scr, &sel, &gate, &keys));
+    if (replay && TK > 0) DSK__TRY(dsk__moe_to_device(m, ctx, sel.data, replay->data, (size_t)TK * sizeof(int32_t)));
+    DSK__TRY(dsk__moe_route(m, ctx, T, &u, &prob, &scr, &sel, &gate, &keys, replay != NULL));
     /* balancing losses */
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_LOSS, T, R, &lb.loss));
     if (losses) {
@@ -1987,6 +2046,7 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     DSK__TRY(dsk__moe_combine(m, ctx, y, &pos, &gate, &ob, Fs > 0 ? &ys : NULL));
     st->n_kept = n_kept;
     st->have_fwd = 1;
+    st->have_route = 1;
     return stats ? dsk__moe_fill_stats(m, ctx, &cntg, &lb.loss, stats) : DSK_OK;
 }
 
@@ -2167,8 +2227,36 @@ DSK_API dsk_status dsk_moe_update_bias_unless(dsk_moe *m, dsk_ctx *ctx, const ds
 
 /* ---------------------------------------------------------------- public entry points */
 
-DSK_API dsk_status dsk_moe_forward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, dsk_moe_stats *stats) {
-    const char *fn = "dsk_moe_forward";
+/* experts: (T, K) i32, contiguous, on the CPU; every entry an expert in [0, E), none twice in a
+   row. Read on the host only, so a failure leaves the layer as it was. */
+static dsk_status dsk__moe_check_replay(const dsk_moe *m, const char *fn, const dsk_tensor *experts, int64_t T) {
+    const int K = m->opts.top_k, E = m->opts.n_routed;
+    const int32_t *sel;
+    char b[96];
+    if (!experts) return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": experts is NULL", fn, m->opts.name);
+    if (experts->dtype != DSK_I32 || experts->ndim != 2 || experts->shape[0] != T || experts->shape[1] != K ||
+        experts->device.type != DSK_DEV_CPU || !dsk_tensor_is_contiguous(experts) || (!experts->data && T > 0))
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": experts is %s, want [%lld,%d] i32, contiguous on the CPU",
+                             fn, m->opts.name, dsk_tensor_describe(experts, b, sizeof b), (long long)T, K);
+    sel = (const int32_t *)experts->data;
+    for (int64_t t = 0; t < T; t++)
+        for (int k = 0; k < K; k++) {
+            int32_t e = sel[t * K + k];
+            if (e < 0 || e >= E)
+                return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": experts[%lld][%d] = %d outside [0, %d)", fn,
+                                     m->opts.name, (long long)t, k, (int)e, E);
+            for (int j = 0; j < k; j++)
+                if (sel[t * K + j] == e)
+                    return dsk_set_error(DSK_ERR_ARG,
+                                         "%s: layer \"%s\": token %lld takes expert %d twice (slots %d and %d)", fn,
+                                         m->opts.name, (long long)t, (int)e, j, k);
+        }
+    return DSK_OK;
+}
+
+/* dsk_moe_forward and dsk_moe_forward_replay: every argument checked before the layer changes. */
+static dsk_status dsk__moe_forward_checked(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x,
+                                           const dsk_tensor *replay, dsk_moe_stats *stats, const char *fn) {
     int64_t T;
     dsk_status s;
     if (stats) memset(stats, 0, sizeof *stats);
@@ -2177,23 +2265,66 @@ DSK_API dsk_status dsk_moe_forward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, cons
     DSK__TRY(dsk__moe_check_io(m, fn, "x", x, -1));
     T = x->shape[0];
     DSK__TRY(dsk__moe_check_io(m, fn, "y", y, T));
+    if (replay) DSK__TRY(dsk__moe_check_replay(m, fn, replay, T));
     if (m->opts.seq_aux_alpha > 0 && m->opts.seq_len > 0 && T % m->opts.seq_len)
         return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": %lld tokens are not whole sequences of seq_len %lld", fn,
                              m->opts.name, (long long)T, (long long)m->opts.seq_len);
     if (m->device.type == DSK_DEV_CUDA && (!ctx || ctx->device.type != DSK_DEV_CUDA))
         return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\" is on CUDA: pass its CUDA ctx", fn, m->opts.name);
-    m->st->have_fwd = 0;
-    s = dsk__moe_forward_impl(m, ctx, y, x, T, stats);
+    m->st->have_fwd = m->st->bwd_done = m->st->have_route = 0;
+    s = dsk__moe_forward_impl(m, ctx, y, x, T, replay, stats);
     if (s != DSK_OK) {
-        m->st->have_fwd = 0;
+        m->st->have_fwd = m->st->have_route = 0;
         if (stats) memset(stats, 0, sizeof *stats);
     }
     return s;
 }
 
+DSK_API dsk_status dsk_moe_forward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, dsk_moe_stats *stats) {
+    return dsk__moe_forward_checked(m, ctx, y, x, NULL, stats, "dsk_moe_forward");
+}
+
+DSK_API dsk_status dsk_moe_forward_replay(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x,
+                                          const dsk_tensor *experts, dsk_moe_stats *stats) {
+    const char *fn = "dsk_moe_forward_replay";
+    if (!experts) {
+        if (stats) memset(stats, 0, sizeof *stats);
+        DSK__TRY(dsk__moe_need_layer(m, fn));
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": experts is NULL", fn, m->opts.name);
+    }
+    return dsk__moe_forward_checked(m, ctx, y, x, experts, stats, fn);
+}
+
+DSK_API dsk_status dsk_moe_routing(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *experts) {
+    const char *fn = "dsk_moe_routing";
+    const struct dsk__moe_state *st;
+    char b[96];
+    DSK__TRY(dsk__moe_need_layer(m, fn));
+    st = m->st;
+    if (!st->have_route)
+        return dsk_set_error(DSK_ERR_STATE, "%s: layer \"%s\": no forward has routed tokens since the layer was made "
+                             "or its workspace reserved", fn, m->opts.name);
+    if (!experts) return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": experts is NULL", fn, m->opts.name);
+    if (experts->dtype != DSK_I32 || experts->ndim != 2 || experts->shape[0] != st->T ||
+        experts->shape[1] != m->opts.top_k || experts->device.type != DSK_DEV_CPU ||
+        !dsk_tensor_is_contiguous(experts) || (!experts->data && st->T > 0))
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": experts is %s, want [%lld,%d] i32, contiguous on the CPU",
+                             fn, m->opts.name, dsk_tensor_describe(experts, b, sizeof b), (long long)st->T,
+                             m->opts.top_k);
+    if (st->T == 0) return DSK_OK;
+    DSK__TRY(dsk__moe_to_host(m, ctx, experts->data, st->buf[DSK__MOE_SEL].mem.data,
+                              (size_t)(st->T * m->opts.top_k) * sizeof(int32_t)));
+    return dsk_ctx_sync(ctx); /* CUDA: the copy is done when this returns */
+}
+
 DSK_API dsk_status dsk_moe_backward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, float aux_scale) {
     const char *fn = "dsk_moe_backward";
     DSK__TRY(dsk__moe_need_layer(m, fn));
+    if (m->st->bwd_done)
+        return dsk_set_error(DSK_ERR_STATE,
+                             "%s: layer \"%s\": a backward already used the last forward (its gradients would be "
+                             "added twice): run a forward first",
+                             fn, m->opts.name);
     if (!m->st->have_fwd)
         return dsk_set_error(DSK_ERR_STATE, "%s: layer \"%s\": no forward to differentiate", fn, m->opts.name);
     DSK__TRY(dsk__moe_need_bound(m, fn));
@@ -2204,6 +2335,9 @@ DSK_API dsk_status dsk_moe_backward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx, co
                              (double)aux_scale);
     if (m->device.type == DSK_DEV_CUDA && (!ctx || ctx->device.type != DSK_DEV_CUDA))
         return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\" is on CUDA: pass its CUDA ctx", fn, m->opts.name);
+    /* from here the gradients change: this forward is used up, even if a step below fails */
+    m->st->have_fwd = 0;
+    m->st->bwd_done = 1;
     return dsk__moe_backward_impl(m, ctx, dx, dy, aux_scale);
 }
 
