@@ -91,6 +91,22 @@
      all-to-all-v takes its row counts on the host, and sizing the exchange by the exact counts
      moves P times fewer bytes than a bounded buffer of T*K rows per peer (see bench/RESULTS.md).
      Backward reuses the forward's counts and does not sync.
+     The recipe of a data-parallel step with EP (W ranks in all, EP groups of P, each expert held
+     by the W/P ranks of equal ep rank, its "replica group"; each rank's loss the mean over its
+     own tokens, the step's loss their mean over W):
+       replicated gradients (router, shared experts, the rest of the model; the bias has none): mean over
+         all W ranks (all-reduce SUM / W, or AVG);
+       expert-sharded gradients (params[].expert_sharded: w1 w2 w3): SUM over the replica group
+         (W/P ranks), then / W: each rank's expert gradient already sums the tokens of its whole
+         EP group, so the replica sum holds every token of the world once;
+       dsk_moe_update_bias(m, ctx, comm): comm = all W ranks (every rank routes its own tokens,
+         and the bias must stay equal on all of them); a pipeline passes the ranks of its stage;
+       mixed-precision statistics: the replicated gradients are equal on every rank and must
+         count once, the expert-sharded ones differ across the EP group and count once per
+         group member: dsk_moe_amp_unscale (with dsk_amp.h) unscales both lists and leaves
+         (found_inf, sumsq) = stats(replicated) + SUM over ep of stats(sharded) in the scaler, the
+         same on every rank; one all-reduce SUM of every rank's stats over the world would count
+         the replicated ones W times.
    Devices: one pipeline for both. The same sequence of calls runs on either device (dsk_tensor
      ops; the MoE-specific steps run a CPU loop or a CUDA kernel over the same DSK_HD functions
      below), with one buffer registry. Activations are f32 on the CPU (a bf16 layer converts x and
@@ -227,6 +243,16 @@ typedef struct dsk_moe_param {
 enum { DSK_MOE_P_ROUTER = 0, DSK_MOE_P_BIAS, DSK_MOE_P_W1, DSK_MOE_P_W2, DSK_MOE_P_W3, DSK_MOE_P_SW1, DSK_MOE_P_SW2,
        DSK_MOE_P_SW3 };
 
+/* The layer's configuration as key/value strings for a checkpoint's metadata: "<prefix>.<option>"
+   = its resolved value, for every option that shapes the parameters or the math (not ep, seed,
+   init_std, name: a checkpoint may resume at another layout). */
+#define DSK_MOE_CONFIG_MAX 24
+typedef struct dsk_moe_config {
+    int n;
+    char key[DSK_MOE_CONFIG_MAX][96];
+    char value[DSK_MOE_CONFIG_MAX][32];
+} dsk_moe_config;
+
 /* Statistics: of one forward (dsk_moe_forward's stats) or summed over the forwards since the
    previous request (dsk_moe_stats_collect). Counts are over the EP group, losses this rank's. */
 typedef struct dsk_moe_stats {
@@ -324,6 +350,27 @@ DSK_API dsk_status dsk_moe_update_bias_unless(dsk_moe *m, dsk_ctx *ctx, const ds
 DSK_API dsk_status dsk_moe_stats_request(dsk_moe *m, dsk_ctx *ctx);
 /* The statistics of the last request (all zero before the first). */
 DSK_API dsk_status dsk_moe_stats_collect(dsk_moe *m, dsk_ctx *ctx, dsk_moe_stats *out);
+/* The layer's configuration under prefix (NULL: the layer's name), e.g. "moe.top_k" = "2". */
+DSK_API dsk_status dsk_moe_config_get(const dsk_moe *m, const char *prefix, dsk_moe_config *out);
+/* Checks n key/value pairs read from a checkpoint (e.g. dsk_ckpt_meta's keys, values, n) against
+   the layer's configuration under prefix: DSK_ERR_ARG naming the first option whose value
+   differs, with both values, or that is missing while others are present. Pairs without any of
+   the layer's keys (a checkpoint written before they were) pass. */
+DSK_API dsk_status dsk_moe_config_check(const dsk_moe *m, const char *prefix, const char *const *keys,
+                                        const char *const *values, int n);
+#ifdef DSK_AMP_H
+/* (Declared and defined where dsk_amp.h is included before this file, in the implementation's
+   file too.) Unscales a step's gradients under expert parallelism and leaves the statistics of
+   the whole model in sc, the same on every rank (then dsk_amp_stats_get, dsk_amp_decide,
+   dsk_amp_update as without EP): rep (n_rep) the replicated gradients after their reduction (equal
+   on every rank), sharded (n_sharded) this rank's expert-sharded ones after theirs (equal over a
+   replica group); found_inf and sumsq = those of rep + the SUM over ep of those of sharded, each
+   element of the world counted once. ep: the expert-parallel group on sc's backend (host for a
+   CPU scaler, nccl for a CUDA one; NULL or 1 rank: no exchange). Every rank of ep calls it
+   together. CUDA: two 16-byte reads of the statistics (host syncs), one all-reduce of 2 f64. */
+DSK_API dsk_status dsk_moe_amp_unscale(dsk_amp_scaler *sc, dsk_ctx *ctx, dsk_comm *ep, dsk_tensor *const *rep,
+                                       int n_rep, dsk_tensor *const *sharded, int n_sharded);
+#endif
 
 /* ---- per-token routing math shared by the CPU path and the CUDA kernels */
 
@@ -2224,6 +2271,117 @@ DSK_API dsk_status dsk_moe_update_bias_unless(dsk_moe *m, dsk_ctx *ctx, const ds
         return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\" is on CUDA: pass its CUDA ctx", fn, m->opts.name);
     return dsk__moe_bias_step(m, ctx, (const int32_t *)skip->data);
 }
+
+/* ---------------------------------------------------------------- configuration in checkpoints */
+
+static void dsk__moe_config_put(dsk_moe_config *c, const char *prefix, const char *name, const char *fmt, double v) {
+    snprintf(c->key[c->n], sizeof c->key[0], "%s.%s", prefix, name);
+    snprintf(c->value[c->n], sizeof c->value[0], fmt, v);
+    c->n++;
+}
+
+static void dsk__moe_config_str(dsk_moe_config *c, const char *prefix, const char *name, const char *v) {
+    snprintf(c->key[c->n], sizeof c->key[0], "%s.%s", prefix, name);
+    snprintf(c->value[c->n], sizeof c->value[0], "%s", v);
+    c->n++;
+}
+
+DSK_API dsk_status dsk_moe_config_get(const dsk_moe *m, const char *prefix, dsk_moe_config *out) {
+    const char *fn = "dsk_moe_config_get";
+    const dsk_moe_opts *o;
+    DSK__TRY(dsk__moe_need_layer(m, fn));
+    if (!out) return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": out is NULL", fn, m->opts.name);
+    if (!prefix) prefix = m->opts.name;
+    if (strlen(prefix) > 64)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": prefix \"%.20s...\" longer than 64 characters", fn,
+                             m->opts.name, prefix);
+    o = &m->opts;
+    memset(out, 0, sizeof *out);
+    /* integers print exactly as %.0f; floats as %.9g, which an f32 round-trips through */
+    dsk__moe_config_put(out, prefix, "d_model", "%.0f", (double)o->d_model);
+    dsk__moe_config_put(out, prefix, "n_routed", "%.0f", o->n_routed);
+    dsk__moe_config_put(out, prefix, "top_k", "%.0f", o->top_k);
+    dsk__moe_config_put(out, prefix, "d_expert", "%.0f", (double)o->d_expert);
+    dsk__moe_config_put(out, prefix, "n_shared", "%.0f", o->n_shared);
+    dsk__moe_config_put(out, prefix, "d_shared", "%.0f", (double)(o->n_shared > 0 ? o->d_shared : 0));
+    dsk__moe_config_str(out, prefix, "score", o->score == DSK_MOE_SIGMOID ? "sigmoid" : "softmax");
+    dsk__moe_config_str(out, prefix, "norm", o->norm == DSK_MOE_NORM_ON ? "on" : "off");
+    dsk__moe_config_put(out, prefix, "routed_scale", "%.9g", (double)o->routed_scale);
+    dsk__moe_config_put(out, prefix, "n_group", "%.0f", o->n_group);
+    dsk__moe_config_put(out, prefix, "topk_group", "%.0f", o->topk_group);
+    dsk__moe_config_str(out, prefix, "group_rule",
+                        o->group_rule == DSK_MOE_GROUP_MAX        ? "max"
+                        : o->group_rule == DSK_MOE_GROUP_MEGATRON ? "megatron"
+                                                                  : "deepseek_v3");
+    dsk__moe_config_put(out, prefix, "aux_alpha", "%.9g", (double)o->aux_alpha);
+    dsk__moe_config_put(out, prefix, "seq_aux_alpha", "%.9g", (double)o->seq_aux_alpha);
+    dsk__moe_config_put(out, prefix, "seq_len", "%.0f", (double)o->seq_len);
+    dsk__moe_config_put(out, prefix, "z_beta", "%.9g", (double)o->z_beta);
+    dsk__moe_config_str(out, prefix, "loss_count", o->loss_count == DSK_MOE_COUNT_SELECTED ? "selected" : "topk");
+    dsk__moe_config_put(out, prefix, "bias_rate", "%.9g", (double)o->bias_rate);
+    dsk__moe_config_put(out, prefix, "bias_recenter", "%.0f", o->bias_recenter);
+    dsk__moe_config_put(out, prefix, "capacity_factor", "%.9g", (double)o->capacity_factor);
+    dsk__moe_config_str(out, prefix, "drop", o->drop == DSK_MOE_DROP_POSITION ? "position" : "prob");
+    dsk__moe_config_str(out, prefix, "dtype", dsk_dtype_name(o->dtype));
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_moe_config_check(const dsk_moe *m, const char *prefix, const char *const *keys,
+                                        const char *const *values, int n) {
+    const char *fn = "dsk_moe_config_check";
+    dsk_moe_config c;
+    const char *missing = NULL;
+    int found = 0;
+    DSK__TRY(dsk__moe_need_layer(m, fn));
+    if (n < 0 || (n > 0 && (!keys || !values)))
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": %d pairs (keys %s, values %s)", fn, m->opts.name, n,
+                             keys ? "given" : "NULL", values ? "given" : "NULL");
+    DSK__TRY(dsk_moe_config_get(m, prefix, &c));
+    for (int i = 0; i < c.n; i++) {
+        const char *v = NULL;
+        for (int j = 0; j < n && !v; j++)
+            if (keys[j] && !strcmp(keys[j], c.key[i])) v = values[j] ? values[j] : "";
+        if (!v) {
+            if (!missing) missing = c.key[i];
+            continue;
+        }
+        found++;
+        if (strcmp(v, c.value[i]))
+            return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": %s: the checkpoint has %s, this layer %s", fn,
+                                 m->opts.name, c.key[i], v, c.value[i]);
+    }
+    if (found && missing)
+        return dsk_set_error(DSK_ERR_ARG,
+                             "%s: layer \"%s\": the checkpoint holds no %s (but other options of the layer)", fn,
+                             m->opts.name, missing);
+    return DSK_OK;
+}
+
+#ifdef DSK_AMP_H
+DSK_API dsk_status dsk_moe_amp_unscale(dsk_amp_scaler *sc, dsk_ctx *ctx, dsk_comm *ep, dsk_tensor *const *rep,
+                                       int n_rep, dsk_tensor *const *sharded, int n_sharded) {
+    const char *fn = "dsk_moe_amp_unscale";
+    dsk_amp_stats r = {0.0, 0.0}, g = {0.0, 0.0};
+    if (!sc) return dsk_set_error(DSK_ERR_ARG, "%s: scaler is NULL", fn);
+    if (n_rep < 0 || n_sharded < 0 || (n_rep > 0 && !rep) || (n_sharded > 0 && !sharded))
+        return dsk_set_error(DSK_ERR_ARG, "%s: %d replicated and %d expert-sharded gradients (lists %s, %s)", fn, n_rep,
+                             n_sharded, rep ? "given" : "NULL", sharded ? "given" : "NULL");
+    if (ep && ep->world_size > 1 && (sc->device.type == DSK_DEV_CUDA) != (ep->backend == DSK_COMM_NCCL))
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: the scaler is on %s: the expert-parallel group must use the %s "
+                             "backend", fn, sc->device.type == DSK_DEV_CUDA ? "CUDA" : "the CPU",
+                             sc->device.type == DSK_DEV_CUDA ? "nccl" : "host");
+    DSK__TRY(dsk_amp_unscale(sc, ctx, rep, n_rep));
+    DSK__TRY(dsk_amp_stats_get(sc, ctx, &r));
+    DSK__TRY(dsk_amp_unscale(sc, ctx, sharded, n_sharded));
+    if (ep && ep->world_size > 1) /* in place, in the scaler's memory on its device */
+        DSK__TRY(dsk_comm_all_reduce(ep, ctx, dsk_amp_stats_data(sc), dsk_amp_stats_data(sc), 2, DSK_F64,
+                                     DSK_COMM_SUM));
+    DSK__TRY(dsk_amp_stats_get(sc, ctx, &g));
+    g.found_inf += r.found_inf;
+    g.sumsq += r.sumsq;
+    return dsk_amp_stats_set(sc, ctx, &g);
+}
+#endif
 
 /* ---------------------------------------------------------------- public entry points */
 

@@ -1,12 +1,15 @@
 /* tests/test_moe.c - dsk_moe.h against an independent float64 reference written here: routing
    (softmax, sigmoid, groups, bias, normalisation), capacity, shared experts, loss terms, the
    bias update, gradients by central finite differences, bf16, expert parallelism over forked
-   host-backend ranks, and bad configurations. */
+   host-backend ranks (the layer, and the mixed-precision statistics' join), routing record and
+   replay, and bad configurations and calls. */
 #define _DEFAULT_SOURCE /* MAP_ANONYMOUS for the ranks' shared results (POSIX alone lacks it) */
 #define DSK_TENSOR_IMPLEMENTATION
 #define DSK_COMM_IMPLEMENTATION
 #define DSK_MOE_IMPLEMENTATION
+#define DSK_AMP_IMPLEMENTATION
 #include "dsk_comm.h"
+#include "dsk_amp.h" /* before dsk_moe.h: dsk_moe_amp_unscale */
 #include "dsk_moe.h"
 #include "tests/dsk_test.h"
 #include <sys/mman.h>
@@ -1647,14 +1650,214 @@ static void test_empty_batch(void) {
     drop_layer(&m, &own);
 }
 
+/* ---------------------------------------------------------------- configuration in checkpoints */
+
+/* dsk_moe_config_check of a layer made from o against the pairs of a layer made from base. */
+static dsk_status config_against(const dsk_moe_opts *base, const dsk_moe_opts *o, int drop_key) {
+    dsk_moe a, b;
+    dsk_moe_config c;
+    const char *keys[DSK_MOE_CONFIG_MAX], *values[DSK_MOE_CONFIG_MAX];
+    dsk_status s;
+    int n = 0;
+    if (dsk_moe_init(&a, NULL, base) != DSK_OK || dsk_moe_init(&b, NULL, o) != DSK_OK ||
+        dsk_moe_config_get(&a, "moe", &c) != DSK_OK)
+        return dsk_set_error(DSK_ERR_STATE, "config_against: setup: %s", dsk_last_error());
+    for (int i = 0; i < c.n; i++)
+        if (i != drop_key) { keys[n] = c.key[i]; values[n] = c.value[i]; n++; }
+    s = dsk_moe_config_check(&b, "moe", keys, values, n);
+    dsk_moe_free(&a, NULL);
+    dsk_moe_free(&b, NULL);
+    return s;
+}
+
+/* The configuration written for a checkpoint: every option, resolved (a default and its explicit
+   value agree); a layer that differs in one option fails naming it with both values; a partial
+   set fails naming the missing key; no pairs at all (an older checkpoint) pass. */
+static void test_config_check(void) {
+    dsk_moe_opts base, o;
+    dsk_moe m;
+    dsk_moe_config c;
+    memset(&base, 0, sizeof base);
+    base.d_model = 16; base.n_routed = 8; base.top_k = 2; base.d_expert = 8; base.n_shared = 1;
+    base.score = DSK_MOE_SIGMOID; base.routed_scale = 2.5f; base.n_group = 4; base.topk_group = 2;
+    DSK_TEST_OK(dsk_moe_init(&m, NULL, &base));
+    DSK_TEST_OK(dsk_moe_config_get(&m, "moe", &c));
+    DSK_TEST_EXPECT(c.n == 22, "%d pairs", c.n);
+    for (int i = 0; i < c.n; i++) {
+        if (!strcmp(c.key[i], "moe.top_k")) DSK_TEST_EXPECT(!strcmp(c.value[i], "2"), "top_k \"%s\"", c.value[i]);
+        if (!strcmp(c.key[i], "moe.routed_scale"))
+            DSK_TEST_EXPECT(!strcmp(c.value[i], "2.5"), "scale \"%s\"", c.value[i]);
+        if (!strcmp(c.key[i], "moe.norm")) DSK_TEST_EXPECT(!strcmp(c.value[i], "on"), "norm \"%s\"", c.value[i]);
+    }
+    DSK_TEST_OK(dsk_moe_config_get(&m, NULL, &c));
+    DSK_TEST_EXPECT(!strcmp(c.key[0], "moe.d_model"), "default prefix: key \"%s\"", c.key[0]);
+    o = base; o.norm = DSK_MOE_NORM_ON; o.bias_rate = 1e-3f; /* the defaults, explicit */
+    DSK_TEST_OK(config_against(&base, &o, -1));
+    o = base; o.top_k = 3;
+    DSK_TEST_STATUS(config_against(&base, &o, -1), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_moe_config_check: layer \"moe\": moe.top_k: the checkpoint has 2, this layer 3");
+    o = base; o.n_shared = 0;
+    DSK_TEST_STATUS(config_against(&base, &o, -1), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("moe.n_shared: the checkpoint has 1, this layer 0");
+    o = base; o.routed_scale = 0;
+    DSK_TEST_STATUS(config_against(&base, &o, -1), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("moe.routed_scale: the checkpoint has 2.5, this layer 1");
+    o = base; o.score = DSK_MOE_SOFTMAX; o.norm = DSK_MOE_NORM_ON;
+    DSK_TEST_STATUS(config_against(&base, &o, -1), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("moe.score: the checkpoint has sigmoid, this layer softmax");
+    o = base; o.group_rule = DSK_MOE_GROUP_MAX;
+    DSK_TEST_STATUS(config_against(&base, &o, -1), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("moe.group_rule: the checkpoint has deepseek_v3, this layer max");
+    DSK_TEST_STATUS(config_against(&base, &base, 5), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("the checkpoint holds no moe.d_shared (but other options of the layer)");
+    DSK_TEST_OK(dsk_moe_config_check(&m, "moe", NULL, NULL, 0));
+    DSK_TEST_STATUS(dsk_moe_config_check(&m, "moe", NULL, NULL, 3), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("3 pairs (keys NULL, values NULL)");
+    DSK_TEST_STATUS(dsk_moe_config_get(&m, "moe", NULL), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_moe_config_get(NULL, "moe", &c), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_moe_config_get: layer is NULL");
+    DSK_TEST_STATUS(dsk_moe_config_check(NULL, "moe", NULL, NULL, 0), DSK_ERR_ARG);
+    dsk_moe_free(&m, NULL);
+}
+
+/* ---------------------------------------------------------------- mixed-precision statistics under EP */
+
+/* dsk_moe_amp_unscale over P forked ranks (host backend): two replicated gradients, equal on
+   every rank, and two expert-sharded ones, each rank's own, all holding values v * scale. Three
+   cases: clean; an Inf in rank 1's sharded gradient; a NaN in the replicated one (on every
+   rank). Each rank returns its scaler's stats and whether its gradients came back to v. */
+enum { AJ_REP = 37, AJ_SH = 23, AJ_CASES = 3 };
+
+static float aj_value(uint64_t seed, int64_t i) { return 2.0f * dsk_rng_uniform_at(seed, 0, (uint64_t)i) - 1.0f; }
+static uint64_t aj_seed(int sharded, int rank, int i) {
+    return sharded ? 200 + 10 * (uint64_t)rank + (uint64_t)i : 100 + (uint64_t)i;
+}
+
+static int aj_rank_main(int rank, int n, int port, double *out) {
+    dsk_comm c;
+    dsk_comm_opts co;
+    dsk_amp_scaler sc;
+    dsk_amp_scaler_opts so;
+    dsk_tensor g[4];
+    float scale;
+    memset(&co, 0, sizeof co);
+    co.backend = DSK_COMM_HOST; co.master_addr = "127.0.0.1"; co.master_port = port; co.timeout_s = 60;
+    if (dsk_comm_init(&c, rank, n, &co) != DSK_OK) return 2;
+    memset(&so, 0, sizeof so);
+    if (dsk_amp_scaler_init(&sc, NULL, &so) != DSK_OK || dsk_amp_scale_get(&sc, NULL, &scale) != DSK_OK) return 3;
+    for (int i = 0; i < 4; i++) {
+        int64_t len = i < 2 ? AJ_REP : AJ_SH;
+        if (dsk_tensor_alloc(NULL, &g[i], DSK_F32, 1, &len) != DSK_OK) return 4;
+    }
+    for (int cs = 0; cs < AJ_CASES; cs++) {
+        dsk_tensor *rep[2] = {&g[0], &g[1]}, *sh[2] = {&g[2], &g[3]};
+        dsk_amp_stats st;
+        int back = 1;
+        for (int i = 0; i < 4; i++)
+            for (int64_t e = 0; e < dsk_tensor_numel(&g[i]); e++)
+                ((float *)g[i].data)[e] = aj_value(aj_seed(i >= 2, rank, i % 2), e) * scale;
+        if (cs == 1 && rank == 1) ((float *)g[3].data)[5] = INFINITY;
+        if (cs == 2) ((float *)g[0].data)[7] = NAN;
+        if (dsk_moe_amp_unscale(&sc, NULL, &c, rep, 2, sh, 2) != DSK_OK) return 10 + cs;
+        if (dsk_amp_stats_get(&sc, NULL, &st) != DSK_OK) return 20 + cs;
+        for (int i = 0; i < 4 && cs == 0; i++)
+            for (int64_t e = 0; e < dsk_tensor_numel(&g[i]); e++)
+                back &= ((float *)g[i].data)[e] == aj_value(aj_seed(i >= 2, rank, i % 2), e);
+        out[(cs * n + rank) * 3 + 0] = st.found_inf;
+        out[(cs * n + rank) * 3 + 1] = st.sumsq;
+        out[(cs * n + rank) * 3 + 2] = back;
+    }
+    for (int i = 0; i < 4; i++) dsk_tensor_free(NULL, &g[i]);
+    dsk_amp_scaler_free(&sc, NULL);
+    dsk_comm_free(&c);
+    return 0;
+}
+
+typedef struct aj_job { int n, port_ok, status[8]; double *out; } aj_job;
+
+static void aj_run(aj_job *j, int n) {
+    int port = 0;
+    memset(j, 0, sizeof *j);
+    j->n = n;
+    j->out = (double *)mmap(NULL, sizeof(double) * 3 * AJ_CASES * n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+                            -1, 0);
+    for (int i = 0; i < 3 * AJ_CASES * n; i++) j->out[i] = NAN; /* poisoned */
+    j->port_ok = dsk_comm_free_port("127.0.0.1", &port) == DSK_OK;
+    if (!j->port_ok) return;
+    for (int r = 0; r < n; r++) {
+        pid_t pid = fork();
+        if (pid == 0) {
+            int rc = aj_rank_main(r, n, port, j->out);
+            if (rc) fprintf(stderr, "rank %d: step %d failed: %s\n", r, rc, dsk_last_error());
+            _exit(rc);
+        }
+    }
+    for (int r = 0; r < n; r++) {
+        int status = 0;
+        pid_t pid = wait(&status);
+        if (pid > 0 && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) j->status[r] = status ? status : -1;
+    }
+}
+
+/* Against float64: sumsq = the replicated gradients once + every rank's sharded ones, on every
+   rank; found_inf counts a rank's Inf once and a NaN of the replicated gradients once (not once
+   per rank, as one all-reduce of every rank's stats over the world would). */
+static void aj_check(aj_job *j) {
+    int n = j->n;
+    double want = 0;
+    dsk_test_begin("dsk_moe_amp_unscale over %d host ranks: the replicated gradients count once, the expert-sharded "
+                   "ones once per rank", n);
+    if (!j->port_ok) dsk_test_fail_at(__FILE__, __LINE__, "no free port: %s", dsk_last_error());
+    for (int r = 0; r < n; r++) DSK_TEST_EXPECT(j->status[r] == 0, "rank %d exit status %d", r, j->status[r]);
+    for (int i = 0; i < 2; i++)
+        for (int64_t e = 0; e < AJ_REP; e++)
+            want += (double)aj_value(aj_seed(0, 0, i), e) * aj_value(aj_seed(0, 0, i), e);
+    for (int r = 0; r < n; r++)
+        for (int i = 0; i < 2; i++)
+            for (int64_t e = 0; e < AJ_SH; e++)
+                want += (double)aj_value(aj_seed(1, r, i), e) * aj_value(aj_seed(1, r, i), e);
+    for (int r = 0; r < n; r++) {
+        const double *c0 = j->out + (0 * n + r) * 3, *c1 = j->out + (1 * n + r) * 3, *c2 = j->out + (2 * n + r) * 3;
+        DSK_TEST_CLOSE64(&c0[1], &want, 1, 1e-12, 0, "sumsq");
+        DSK_TEST_EXPECT(c0[0] == 0 && c0[2] == 1, "rank %d clean case: found_inf %g, gradients unscaled %g", r, c0[0],
+                        c0[2]);
+        DSK_TEST_EXPECT(c1[0] == 1, "rank %d: an Inf in rank 1's expert gradient: found_inf %g, want 1", r, c1[0]);
+        DSK_TEST_EXPECT(c2[0] == 1, "rank %d: a NaN in the replicated gradient: found_inf %g, want 1 (not %d)", r,
+                        c2[0], n);
+    }
+    munmap(j->out, sizeof(double) * 3 * AJ_CASES * n);
+    dsk_test_end();
+}
+
+/* Bad arguments of dsk_moe_amp_unscale fail naming them. */
+static void test_amp_unscale_bad(void) {
+    dsk_amp_scaler sc;
+    dsk_amp_scaler_opts so;
+    memset(&so, 0, sizeof so);
+    DSK_TEST_OK(dsk_amp_scaler_init(&sc, NULL, &so));
+    DSK_TEST_STATUS(dsk_moe_amp_unscale(NULL, NULL, NULL, NULL, 0, NULL, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_moe_amp_unscale: scaler is NULL");
+    DSK_TEST_STATUS(dsk_moe_amp_unscale(&sc, NULL, NULL, NULL, 2, NULL, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("2 replicated and 0 expert-sharded gradients (lists NULL, NULL)");
+    DSK_TEST_STATUS(dsk_moe_amp_unscale(&sc, NULL, NULL, NULL, 0, NULL, -1), DSK_ERR_ARG);
+    DSK_TEST_OK(dsk_moe_amp_unscale(&sc, NULL, NULL, NULL, 0, NULL, 0));
+    dsk_amp_scaler_free(&sc, NULL);
+}
+
 int main(void) {
     dsk_test_init("test_moe");
     ep_job jobs[3];
+    aj_job aj[2];
     /* every forked rank first, before this process starts OpenMP threads */
     ep_run(&jobs[0], 2, 0);
     ep_run(&jobs[1], 4, 1);
     ep_run(&jobs[2], 2, 1);
+    aj_run(&aj[0], 2);
+    aj_run(&aj[1], 3);
     for (int i = 0; i < 3; i++) ep_check(&jobs[i]);
+    for (int i = 0; i < 2; i++) aj_check(&aj[i]);
+    DSK_TEST_RUN(test_amp_unscale_bad);
+    DSK_TEST_RUN(test_config_check);
     test_forward_variants();
     DSK_TEST_RUN(test_group_mask_is_neg_inf);
     DSK_TEST_RUN(test_bias_not_in_weights);
