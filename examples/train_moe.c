@@ -1451,6 +1451,42 @@ static dsk_status check_data_order(trainer *t, const dsk_ckpt_meta *meta, int64_
     return DSK_OK;
 }
 
+/* A sizes-only layer of the model's MoE options on the CPU (every MoE layer takes them), so every
+   rank writes and checks the configuration ("moe.top_k", ...) whichever blocks it holds. */
+static dsk_status moe_template(const trainer *t, dsk_moe *tmp) {
+    const tm_config *c = &t->model.cfg;
+    dsk_moe_opts o = c->moe;
+    o.name = "moe";
+    o.d_model = c->d_model;
+    o.dtype = tm_moe_dtype(c->cdt);
+    o.seq_len = c->seq;
+    o.ep = NULL;
+    return dsk_moe_init(tmp, NULL, &o);
+}
+
+static int has_moe(const trainer *t) { return t->model.cfg.n_dense < t->model.cfg.n_layers; }
+
+/* The first setting of a configuration string ("k=v k=v ...") that differs, as "k=a" and "k=b". */
+static int config_diff(const char *saved, const char *now, char *a, char *b, size_t n) {
+    for (const char *p = now; *p;) {
+        size_t len = strcspn(p, " "), klen = strcspn(p, "=");
+        if (klen < len) {
+            const char *q = saved, *found = NULL;
+            for (; *q && !found; q += strcspn(q, " "), q += *q == ' ')
+                if (!strncmp(q, p, klen + 1)) found = q;
+            if (!found || strcspn(found, " ") != len || strncmp(found, p, len)) {
+                snprintf(a, n, "%.*s", found ? (int)strcspn(found, " ") : (int)(klen + 1), found ? found : p);
+                if (!found) snprintf(a + strlen(a), n - strlen(a), "(unset)");
+                snprintf(b, n, "%.*s", (int)len, p);
+                return 1;
+            }
+        }
+        p += len;
+        p += *p == ' ';
+    }
+    return 0;
+}
+
 static dsk_status save_checkpoint(trainer *t) {
     char kv_val[10][64], cfg[512], order[160];
     dsk_amp_scaler_state st;
@@ -1470,14 +1506,28 @@ static dsk_status save_checkpoint(trainer *t) {
     snprintf(kv_val[8], 64, "%lld", (long long)offset);
     snprintf(kv_val[9], 64, "%d", t->dp_size);
     data_order_string(t, order, sizeof order);
-    dsk_ckpt_kv kv[13] = {{"train.step", kv_val[0]}, {"train.applied", kv_val[1]}, {"train.data_pos", kv_val[2]},
-                          {"amp.scale", kv_val[3]}, {"amp.growth_tracker", kv_val[4]}, {"amp.hysteresis_left", kv_val[5]},
-                          {"train.data_seed", kv_val[6]}, {"train.config", cfg}, {"train.data_epoch", kv_val[7]},
-                          {"train.data_offset", kv_val[8]}, {"train.data_world", kv_val[9]}, {"train.data_order", order},
-                          {"train.params", t->use_zero ? "zero" : "whole"}};
+    dsk_ckpt_kv kv[13 + DSK_MOE_CONFIG_MAX] = {
+        {"train.step", kv_val[0]}, {"train.applied", kv_val[1]}, {"train.data_pos", kv_val[2]},
+        {"amp.scale", kv_val[3]}, {"amp.growth_tracker", kv_val[4]}, {"amp.hysteresis_left", kv_val[5]},
+        {"train.data_seed", kv_val[6]}, {"train.config", cfg}, {"train.data_epoch", kv_val[7]},
+        {"train.data_offset", kv_val[8]}, {"train.data_world", kv_val[9]}, {"train.data_order", order},
+        {"train.params", t->use_zero ? "zero" : "whole"}};
+    int n_kv = 13;
+    dsk_moe_config mc;
+    if (has_moe(t)) { /* the MoE options, each a pair: a resume names the one that differs */
+        dsk_moe tmp;
+        TM_TRY(moe_template(t, &tmp));
+        dsk_status s = dsk_moe_config_get(&tmp, "moe", &mc);
+        dsk_moe_free(&tmp, NULL);
+        TM_TRY(s);
+        for (int i = 0; i < mc.n; i++, n_kv++) {
+            kv[n_kv].key = mc.key[i];
+            kv[n_kv].value = mc.value[i];
+        }
+    }
     ck_names c = t->par.on ? ck_entries_par(t, 1) : ck_entries(t, 0);
-    dsk_status s = t->o->sync_ckpt ? dsk_ckpt_save(&t->ck, t->step, c.e, c.n, kv, 13)
-                                   : dsk_ckpt_save_async(&t->ck, t->step, c.e, c.n, kv, 13);
+    dsk_status s = t->o->sync_ckpt ? dsk_ckpt_save(&t->ck, t->step, c.e, c.n, kv, n_kv)
+                                   : dsk_ckpt_save_async(&t->ck, t->step, c.e, c.n, kv, n_kv);
     free(c.name);
     free(c.e);
     return s;
@@ -1495,9 +1545,20 @@ static dsk_status load_checkpoint(trainer *t, int64_t step) {
     config_string(t, cfg, sizeof cfg);
     dsk_status s = dsk_ckpt_load(&t->ck, step, NULL, 0, &meta);
     const char *saved = s == DSK_OK ? dsk_ckpt_meta_get(&meta, "train.config") : NULL;
-    if (s == DSK_OK && (!saved || strcmp(saved, cfg) != 0))
+    char was[96], now[96];
+    if (s == DSK_OK && saved && strcmp(saved, cfg) != 0 && config_diff(saved, cfg, was, now, sizeof was))
+        s = dsk_set_error(DSK_ERR_ARG, "checkpoint step %lld in %s was written with %s, this run has %s (\"%s\")",
+                          (long long)step, t->o->ckpt_dir, was, now, saved);
+    else if (s == DSK_OK && (!saved || strcmp(saved, cfg) != 0))
         s = dsk_set_error(DSK_ERR_ARG, "checkpoint step %lld in %s was written with \"%s\", this run has \"%s\"", (long long)step,
                           t->o->ckpt_dir, saved ? saved : "(no configuration)", cfg);
+    if (s == DSK_OK && has_moe(t)) { /* every MoE option, named when it differs */
+        dsk_moe tmp;
+        s = moe_template(t, &tmp);
+        if (s == DSK_OK) s = dsk_moe_config_check(&tmp, "moe", (const char *const *)meta.keys,
+                                                   (const char *const *)meta.values, meta.n);
+        dsk_moe_free(&tmp, NULL);
+    }
     if (s == DSK_OK) s = check_data_order(t, &meta, step);
     const char *fmt = s == DSK_OK ? dsk_ckpt_meta_get(&meta, "train.params") : NULL;
     if (s == DSK_OK && strcmp(fmt ? fmt : "whole", t->use_zero ? "zero" : "whole") != 0)
