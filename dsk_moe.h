@@ -125,14 +125,16 @@
      declarations
        options                   dsk_moe_score, dsk_moe_norm, dsk_moe_group_rule, dsk_moe_loss_count, dsk_moe_drop,
                                  dsk_moe_router, dsk_moe_opts
-       the layer                 dsk_moe_param, dsk_moe_stats, dsk_moe, dsk_moe_init/bind/bind_slabs/init_param/
-                                 init_params/reserve/free/find_param/forward/backward/zero_grad/update_bias(_unless)/
-                                 stats_request/stats_collect
+       the layer                 dsk_moe_param, dsk_moe_config, dsk_moe_stats, dsk_moe, dsk_moe_init/bind/bind_slabs/
+                                 init_param/init_params/reserve/free/find_param/forward/forward_replay/routing/
+                                 backward/zero_grad/update_bias(_unless)/stats_request/stats_collect/config_get/
+                                 config_check, dsk_moe_amp_unscale (with dsk_amp.h)
        per-token routing math    dsk_moe_route_token, dsk_moe_route_token_backward
        the rest of the MoE math  losses, capacity, combine, gate gradient, bias update (DSK_HD: CPU and CUDA)
      implementation (DSK_MOE_IMPLEMENTATION)
        state and buffer registry; options and init; parameters; MoE steps (CPU loops, CUDA launchers);
-       expert-parallel exchange; forward; backward; statistics and bias; public entry points */
+       expert-parallel exchange; forward; backward; statistics and bias; configuration in checkpoints;
+       mixed-precision statistics under EP; public entry points */
 /* With DSK_STATIC every dsk function is static, so this file must also compile its dependencies. */
 #if defined(DSK_STATIC) && defined(DSK_MOE_IMPLEMENTATION)
 #ifndef DSK_TENSOR_IMPLEMENTATION

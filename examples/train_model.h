@@ -88,7 +88,8 @@ static const char *const tm_phase_names[TM_PH_COUNT] = {
    window's number) or sampling (sub = the token being generated, sequence 0 = the prompt). A
    rank maps the rows of each MoE call to sequences and positions (tm_moe_call's row0: the first
    row's place in the rank's batch of T-token sequences). A record file holds "DSKROUTE", K
-   (int32), then one record per token: 6 int64 keys and K int32 experts. */
+   (int32), then one record per token: 6 int64 keys and K int32 experts; each rank of a recording
+   run writes its own file (tm_routes_open). */
 enum { TM_ROUTES_OFF = 0, TM_ROUTES_RECORD, TM_ROUTES_REPLAY };
 enum { TM_PHASE_TRAIN = 0, TM_PHASE_VAL, TM_PHASE_SAMPLE };
 typedef struct tm_routes {
@@ -443,49 +444,70 @@ static dsk_status tm_routes_key(const tm_routes *r, int layer, int64_t row, int6
     return DSK_OK;
 }
 
-/* Opens `path` for writing (record) or reads every record of it into the table (replay). */
-static dsk_status tm_routes_open(tm_routes *r, int mode, const char *path, int K) {
+/* Appends the records of one record file to r->keys, r->experts. */
+static dsk_status tm_routes_read(tm_routes *r, FILE *f, const char *path) {
     char magic[8];
-    int32_t k = K;
-    memset(r, 0, sizeof *r);
-    r->mode = mode;
-    r->K = K;
-    r->f = fopen(path, mode == TM_ROUTES_RECORD ? "wb" : "rb");
-    if (!r->f)
-        return dsk_set_error(DSK_ERR_IO, "routing %s: cannot open %s", mode == TM_ROUTES_RECORD ? "record" : "replay",
-                             path);
-    if (mode == TM_ROUTES_RECORD) {
-        if (fwrite("DSKROUTE", 1, 8, r->f) != 8 || fwrite(&k, 4, 1, r->f) != 1)
-            return dsk_set_error(DSK_ERR_IO, "routing record: cannot write %s", path);
-        return DSK_OK;
-    }
-    if (fread(magic, 1, 8, r->f) != 8 || memcmp(magic, "DSKROUTE", 8) || fread(&k, 4, 1, r->f) != 1)
+    int32_t k = 0;
+    int K = r->K;
+    if (fread(magic, 1, 8, f) != 8 || memcmp(magic, "DSKROUTE", 8) || fread(&k, 4, 1, f) != 1)
         return dsk_set_error(DSK_ERR_CORRUPT, "routing replay: %s is not a routing record", path);
     if (k != K)
         return dsk_set_error(DSK_ERR_ARG, "routing replay: %s holds top_k %d decisions, the model takes top_k %d", path,
                              (int)k, K);
-    size_t rec = 6 * sizeof(int64_t) + (size_t)K * sizeof(int32_t), at = (size_t)ftell(r->f);
-    fseek(r->f, 0, SEEK_END);
-    size_t end = (size_t)ftell(r->f);
-    fseek(r->f, (long)at, SEEK_SET);
+    size_t rec = 6 * sizeof(int64_t) + (size_t)K * sizeof(int32_t), at = (size_t)ftell(f);
+    fseek(f, 0, SEEK_END);
+    size_t end = (size_t)ftell(f);
+    fseek(f, (long)at, SEEK_SET);
     if ((end - at) % rec) return dsk_set_error(DSK_ERR_CORRUPT, "routing replay: %s ends inside a record", path);
-    r->n = (int64_t)((end - at) / rec);
+    int64_t n0 = r->n, n = n0 + (int64_t)((end - at) / rec);
+    int64_t *keys = (int64_t *)realloc(r->keys, (size_t)(n ? n : 1) * 6 * sizeof(int64_t));
+    if (keys) r->keys = keys;
+    int32_t *experts = (int32_t *)realloc(r->experts, (size_t)(n ? n : 1) * (size_t)K * sizeof(int32_t));
+    if (experts) r->experts = experts;
+    if (!keys || !experts) return dsk_set_error(DSK_ERR_OOM, "routing replay: out of memory");
+    for (int64_t i = n0; i < n; i++)
+        if (fread(r->keys + 6 * i, sizeof(int64_t), 6, f) != 6 ||
+            fread(r->experts + (size_t)K * i, sizeof(int32_t), (size_t)K, f) != (size_t)K)
+            return dsk_set_error(DSK_ERR_IO, "routing replay: cannot read record %lld of %s", (long long)(i - n0),
+                                 path);
+    r->n = n;
+    return DSK_OK;
+}
+
+/* Record: opens the file this rank writes (rank 0 `path`, rank r > 0 `path`.rank<r>). Replay:
+   reads the records of `path` and of `path`.rank1, .rank2, ... while they exist into the table
+   (the keys are global, so a layout reads whatever ranks recorded them). */
+static dsk_status tm_routes_open(tm_routes *r, int mode, const char *path, int K, int rank) {
+    char name[4096];
+    int32_t k = K;
+    memset(r, 0, sizeof *r);
+    r->mode = mode;
+    r->K = K;
+    if (mode == TM_ROUTES_RECORD) {
+        snprintf(name, sizeof name, rank > 0 ? "%s.rank%d" : "%s", path, rank);
+        if (!(r->f = fopen(name, "wb"))) return dsk_set_error(DSK_ERR_IO, "routing record: cannot open %s", name);
+        if (fwrite("DSKROUTE", 1, 8, r->f) != 8 || fwrite(&k, 4, 1, r->f) != 1)
+            return dsk_set_error(DSK_ERR_IO, "routing record: cannot write %s", name);
+        return DSK_OK;
+    }
+    for (int i = 0;; i++) {
+        snprintf(name, sizeof name, i > 0 ? "%s.rank%d" : "%s", path, i);
+        FILE *f = fopen(name, "rb");
+        if (!f && i == 0) return dsk_set_error(DSK_ERR_IO, "routing replay: cannot open %s", name);
+        if (!f) break;
+        dsk_status s = tm_routes_read(r, f, name);
+        fclose(f);
+        TM_TRY(s);
+    }
     for (r->cap = 16; r->cap < 2 * r->n; r->cap *= 2) {}
-    r->keys = (int64_t *)malloc((size_t)(r->n ? r->n : 1) * 6 * sizeof(int64_t));
-    r->experts = (int32_t *)malloc((size_t)(r->n ? r->n : 1) * (size_t)K * sizeof(int32_t));
     r->table = (int64_t *)calloc((size_t)r->cap, sizeof(int64_t));
-    if (!r->keys || !r->experts || !r->table) return dsk_set_error(DSK_ERR_OOM, "routing replay: out of memory");
+    if (!r->table) return dsk_set_error(DSK_ERR_OOM, "routing replay: out of memory");
     for (int64_t i = 0; i < r->n; i++) {
-        if (fread(r->keys + 6 * i, sizeof(int64_t), 6, r->f) != 6 ||
-            fread(r->experts + (size_t)K * i, sizeof(int32_t), (size_t)K, r->f) != (size_t)K)
-            return dsk_set_error(DSK_ERR_IO, "routing replay: cannot read record %lld of %s", (long long)i, path);
         uint64_t h = tm_routes_hash(r->keys + 6 * i) & (uint64_t)(r->cap - 1);
         while (r->table[h] && memcmp(r->keys + 6 * (r->table[h] - 1), r->keys + 6 * i, 6 * sizeof(int64_t)))
             h = (h + 1) & (uint64_t)(r->cap - 1);
-        r->table[h] = i + 1; /* a key recorded twice (a forward run again): the later record */
+        r->table[h] = i + 1; /* a key recorded twice (a forward run again, the same sample on two ranks): the later */
     }
-    fclose(r->f);
-    r->f = NULL;
     return DSK_OK;
 }
 
@@ -522,10 +544,13 @@ static dsk_status tm_routes_lookup(tm_routes *r, int layer, int64_t row0, int64_
     return DSK_OK;
 }
 
+/* Writes the decisions of n rows from row0 (r->buf); in the sampling phase only the prompt's
+   sequence (the filler sequences of a pipeline's micro-batch differ between ranks). */
 static dsk_status tm_routes_write(tm_routes *r, int layer, int64_t row0, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         int64_t key[6] = {0};
         TM_TRY(tm_routes_key(r, layer, row0 + i, key));
+        if (r->phase == TM_PHASE_SAMPLE && key[3] != 0) continue;
         if (fwrite(key, sizeof(int64_t), 6, r->f) != 6 ||
             fwrite(r->buf + i * r->K, sizeof(int32_t), (size_t)r->K, r->f) != (size_t)r->K)
             return dsk_set_error(DSK_ERR_IO, "routing record: cannot write");

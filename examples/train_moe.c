@@ -208,7 +208,8 @@ static const opt_spec OPTS[] = {
     {"--grad-compress", OPT_STRBUF, O_(grad_compress), sizeof(((options *)0)->grad_compress),
      "none | bf16 | powersgd:R[:START] gradient reductions (PowerSGD rank R from pass START [10])"},
     {"--grad-check", OPT_INT, O_(grad_check), 0, "check N elements of every gradient against central differences, then exit"},
-    {"--routing-record", OPT_STR, O_(routing_record), 0, "FILE: write every MoE routing decision (one rank)"},
+    {"--routing-record", OPT_STR, O_(routing_record), 0,
+     "FILE: write the MoE routing decisions (rank r > 0: FILE.rank<r>)"},
     {"--routing-replay", OPT_STR, O_(routing_replay), 0, "FILE: take the MoE routing of a --routing-record run"},
     {"--help", OPT_FLAG, O_(help), 0, "this text"},
 };
@@ -705,15 +706,12 @@ static void setup_routes(trainer *t) {
     const options *o = t->o;
     if (!o->routing_record && !o->routing_replay) return;
     if (o->routing_record && o->routing_replay) fail(t, "--routing-record and --routing-replay exclude each other");
-    if (o->routing_record && t->world > 1)
-        fail(t, "--routing-record runs on one rank (this run: %d): its decisions are the reference the layouts replay",
-             t->world);
     if (o->cuda_graph || o->grad_check)
         fail(t, "--routing-record/--routing-replay run without --cuda-graph and --grad-check");
     t->route_seq = (int64_t *)malloc((size_t)t->batch_local * sizeof(int64_t));
     if (!t->route_seq) fail(t, "out of memory for the routing record");
     CHECK(tm_routes_open(&t->routes, o->routing_record ? TM_ROUTES_RECORD : TM_ROUTES_REPLAY,
-                         o->routing_record ? o->routing_record : o->routing_replay, o->top_k));
+                         o->routing_record ? o->routing_record : o->routing_replay, o->top_k, t->rank));
     t->model.routes = &t->routes;
 }
 

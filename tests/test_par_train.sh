@@ -179,7 +179,6 @@ expect_fail interleaved_m 'interleaved needs --micro-batches \(3\) to be a multi
 expect_fail bad_schedule '--pp-schedule "zigzag": use gpipe, 1f1b or interleaved' "${TINY[@]}" --nproc 2 --pp 2 --pp-schedule zigzag
 expect_fail zero_tp '--zero 1 --grad-compress none with --tp 2 --pp 1: sharded data parallelism runs without' "${TINY[@]}" --nproc 2 --tp 2 --zero 1
 expect_fail tp_dtype 'run the model in f32 only \(--dtype bf16\)' "${TINY[@]}" --nproc 2 --tp 2 --dtype bf16
-expect_fail routes_ranks '--routing-record runs on one rank \(this run: 2\)' "${TINY[@]}" --nproc 2 --routing-record "$work/r2.bin"
 expect_fail routes_topk 'holds top_k 2 decisions, the model takes top_k 3' "${TINY[@]}" --top-k 3 "${REC[@]}"
 expect_fail routes_missing 'no decision recorded for phase 0 step 30 sub 0' "${TINY[@]}" --steps 31 "${REC[@]}"
 expect_fail routes_file 'routing replay: cannot open' "${TINY[@]}" --routing-replay "$work/no_such_file"
