@@ -1096,6 +1096,42 @@ static void test_null_layer(void) {
     DSK_TEST_ERROR_MENTIONS("dsk_moe_forward: layer not initialised");
 }
 
+/* The other pointer arguments: NULL is DSK_ERR_ARG naming the argument. */
+static void test_null_args(void) {
+    dsk_moe m;
+    owned own;
+    dsk_moe_opts o;
+    dsk_tensor x, y;
+    int64_t shp[2] = {4, 8};
+    memset(&o, 0, sizeof o);
+    o.d_model = 8; o.n_routed = 4; o.top_k = 2; o.d_expert = 4;
+    DSK_TEST_OK(make_layer(&m, &own, &o));
+    dsk_tensor_alloc(NULL, &x, DSK_F32, 2, shp);
+    dsk_tensor_alloc(NULL, &y, DSK_F32, 2, shp);
+    dsk_tensor_fill(NULL, &x, 0.5);
+    DSK_TEST_STATUS(dsk_moe_forward(&m, NULL, NULL, &x, NULL), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("y is NULL");
+    DSK_TEST_OK(dsk_moe_forward(&m, NULL, &y, &x, NULL));
+    DSK_TEST_STATUS(dsk_moe_backward(&m, NULL, NULL, &y, 1.0f), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dx is NULL");
+    DSK_TEST_STATUS(dsk_moe_backward(&m, NULL, &x, NULL, 1.0f), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dy is NULL");
+    DSK_TEST_STATUS(dsk_moe_routing(&m, NULL, NULL), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_moe_routing: layer \"moe\": experts is NULL");
+    DSK_TEST_STATUS(dsk_moe_bind(&m, NULL, DSK_MOE_P_W1, NULL, NULL), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("parameter \"moe.w1\": value is NULL");
+    DSK_TEST_STATUS(dsk_moe_bind_slabs(&m, NULL, NULL, &own.grads), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("a slab is NULL");
+    DSK_TEST_STATUS(dsk_moe_init_param(&m, NULL, DSK_MOE_P_W1, NULL), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dst must be a float tensor");
+    DSK_TEST_STATUS(dsk_moe_stats_collect(&m, NULL, NULL), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("out is NULL");
+    DSK_TEST_EXPECT(dsk_moe_find_param(&m, NULL) == NULL, "find_param of a NULL name");
+    dsk_tensor_free(NULL, &x);
+    dsk_tensor_free(NULL, &y);
+    drop_layer(&m, &own);
+}
+
 /* Statistics come back by request: the sums over the training forwards since the previous
    request (eval forwards left out), then zero until the next forwards. */
 static void test_stats_request(void) {
@@ -1872,6 +1908,7 @@ int main(void) {
     DSK_TEST_RUN(test_replay_bad_input);
     DSK_TEST_RUN(test_routing_before_forward);
     DSK_TEST_RUN(test_null_layer);
+    DSK_TEST_RUN(test_null_args);
     DSK_TEST_RUN(test_stats_request);
     test_bf16_forward_backward();
     DSK_TEST_RUN(test_params_by_name);
