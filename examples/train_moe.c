@@ -1062,6 +1062,7 @@ static dsk_status unscale_and_decide(trainer *t, dsk_amp_decision *dec) {
     return s;
 }
 
+/* Seconds spent in collectives so far, every communicator of this rank. */
 static double comm_seconds(const trainer *t) {
     return t->comm.stats.seconds + t->ep_comm.stats.seconds + t->rep_comm.stats.seconds + t->buckets.seconds +
            t->ebuckets.seconds + tp_comm_seconds(&t->par) + (t->use_zero ? tz_seconds(&t->zero) : 0.0);

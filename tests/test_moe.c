@@ -869,8 +869,9 @@ static void check_replay_recorded(const char *what, cfg c, double bias_mag) {
             if (run_forward_replay(&f, &s2, &rec)) {
                 DSK_TEST_SAME_BYTES(f.yf, y1, sizeof(float) * n, "y");
                 DSK_TEST_SAME_BYTES(s2.tokens_per_expert, load1, sizeof(int64_t) * c.E, "loads");
-                DSK_TEST_EXPECT(s1.loss == s2.loss && s1.dropped == s2.dropped, "loss %.17g vs %.17g, dropped %lld vs %lld",
-                                s2.loss, s1.loss, (long long)s2.dropped, (long long)s1.dropped);
+                DSK_TEST_EXPECT(s1.loss == s2.loss && s1.dropped == s2.dropped,
+                                "loss %.17g vs %.17g, dropped %lld vs %lld", s2.loss, s1.loss, (long long)s2.dropped,
+                                (long long)s1.dropped);
                 DSK_TEST_OK(dsk_moe_backward(&f.m, NULL, &dx, &dy, 1.0f));
                 DSK_TEST_SAME_BYTES(dx.data, dx1, sizeof(float) * n, "dx");
                 DSK_TEST_SAME_BYTES(f.own.grads.data, g1, sizeof(float) * ng, "gradients");
@@ -932,7 +933,8 @@ static void check_replay_fresh(const char *what, cfg c, double bias_mag) {
             float bias_got[64];
             DSK_TEST_CLOSE(f.yf, f.y, n, 1e-4, 1e-5, "y");
             DSK_TEST_CLOSE64(got, want, 3, 1e-5, 1e-9, "loss terms");
-            DSK_TEST_EXPECT(st.dropped == f.o.dropped, "dropped %lld, reference %d", (long long)st.dropped, f.o.dropped);
+            DSK_TEST_EXPECT(st.dropped == f.o.dropped, "dropped %lld, reference %d", (long long)st.dropped,
+                            f.o.dropped);
             for (int e = 0; e < c.E; e++)
                 DSK_TEST_EXPECT(st.tokens_per_expert[e] == f.o.load[e], "expert %d load %lld, reference %d", e,
                                 (long long)st.tokens_per_expert[e], f.o.load[e]);
