@@ -78,8 +78,9 @@
      log-probabilities of a rollout with its routing) and for tests whose layouts must take the
      same decisions (a near-tie decided differently by another summation order flips an expert).
      Expert parallelism: each rank replays its own tokens. CUDA: the decisions are copied to the
-     device (no sync); a token whose routing is not finite keeps its NaN weights and the
-     recorded experts of such a token are 0 .. K-1.
+     device (no sync, but a copy from pageable host memory: not inside a CUDA graph capture); a
+     token whose routing is not finite keeps its NaN weights and the recorded experts of such a
+     token are 0 .. K-1.
    Capacity (capacity_factor > 0): C = ceil(T K / E * capacity_factor) slots per expert from this
      rank's tokens; the rest are dropped (lowest weight first, or latest position first) and
      contribute zero. Default: dropless.
