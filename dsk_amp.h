@@ -12,11 +12,16 @@
        float s; dsk_amp_scale_get(&sc, ctx, &s);               // loss scale of this step
        forward, loss; backward with the loss gradient times s   // e.g. dsk_cross_entropy(..., s)
        dsk_amp_unscale(&sc, ctx, grads, n);                    // grads *= 1/s; local stats
-       // Where ranks hold different gradients (sharded or expert-parallel), ONE all-reduce SUM
-       // joins the local stats, two f64 in sc's memory at dsk_amp_stats_data(&sc), in place:
+       // Where ranks hold different gradients, ONE all-reduce SUM joins the local stats when
+       // every element of the world sits on exactly one rank (ZeRO shards: dsk_zero_unscale_decide),
+       // two f64 in sc's memory at dsk_amp_stats_data(&sc), in place:
        // ncclAllReduce(p, p, 2, ncclFloat64, ncclSum, comm, stream) keeps it on the device;
        // or on the host: dsk_amp_stats_get, all-reduce the two numbers, dsk_amp_stats_set.
        // found_inf becomes the number of ranks that saw NaN/Inf, sumsq the global sum of squares.
+       // Not so under expert parallelism: replicated gradients are equal on every rank (a world
+       // sum would count them once per rank) and only the expert-sharded ones differ across the
+       // EP group: dsk_moe_amp_unscale (dsk_moe.h) joins stats(replicated) + SUM over the EP
+       // group of stats(expert-sharded) instead.
        dsk_amp_stats st; dsk_amp_stats_get(&sc, ctx, &st);
        dsk_amp_decision d = dsk_amp_decide(st, max_norm);      // skip? clip coefficient
        dsk_amp_step(ctx, params, n, &adamw, step, &d, DSK_AMP_ROUND_NEAREST, seed); // no-op if d.skip

@@ -68,6 +68,19 @@
        actual selections (DSK_MOE_COUNT_SELECTED); counts carry no gradient;
      z-loss         z_beta * mean_t (logsumexp_j u_tj)^2.
      The sums run in f64 in a fixed order on both devices (the same code): CPU and CUDA agree.
+   Routing record and replay: dsk_moe_routing copies the last forward's decisions, each token's
+     K experts in slot order ((T, K) i32 on the host); dsk_moe_forward_replay takes such decisions
+     instead of selecting (no group limit, no bias in the choice): the weights g come from the
+     current scores p of the given experts by the formula above (so a recorded routing replayed on
+     the same input and parameters gives the same bits), the gradients flow through p as with
+     selection, and capacity, the losses (DSK_MOE_COUNT_SELECTED counts the replayed experts) and
+     the bias-update loads take the replayed experts. For reinforcement learning (recompute the
+     log-probabilities of a rollout with its routing) and for tests whose layouts must take the
+     same decisions (a near-tie decided differently by another summation order flips an expert).
+     Expert parallelism: each rank replays its own tokens. CUDA: the decisions are copied to the
+     device (no sync, but a copy from pageable host memory: not inside a CUDA graph capture); a
+     token whose routing is not finite keeps its NaN weights and the recorded experts of such a
+     token are 0 .. K-1.
    Capacity (capacity_factor > 0): C = ceil(T K / E * capacity_factor) slots per expert from this
      rank's tokens; the rest are dropped (lowest weight first, or latest position first) and
      contribute zero. Default: dropless.
@@ -79,6 +92,22 @@
      all-to-all-v takes its row counts on the host, and sizing the exchange by the exact counts
      moves P times fewer bytes than a bounded buffer of T*K rows per peer (see bench/RESULTS.md).
      Backward reuses the forward's counts and does not sync.
+     The recipe of a data-parallel step with EP (W ranks in all, EP groups of P, each expert held
+     by the W/P ranks of equal ep rank, its "replica group"; each rank's loss the mean over its
+     own tokens, the step's loss their mean over W):
+       replicated gradients (router, shared experts, the rest of the model; the bias has none): mean over
+         all W ranks (all-reduce SUM / W, or AVG);
+       expert-sharded gradients (params[].expert_sharded: w1 w2 w3): SUM over the replica group
+         (W/P ranks), then / W: each rank's expert gradient already sums the tokens of its whole
+         EP group, so the replica sum holds every token of the world once;
+       dsk_moe_update_bias(m, ctx, comm): comm = all W ranks (every rank routes its own tokens,
+         and the bias must stay equal on all of them); a pipeline passes the ranks of its stage;
+       mixed-precision statistics: the replicated gradients are equal on every rank and must
+         count once, the expert-sharded ones differ across the EP group and count once per
+         group member: dsk_moe_amp_unscale (with dsk_amp.h) unscales both lists and leaves
+         (found_inf, sumsq) = stats(replicated) + SUM over ep of stats(sharded) in the scaler, the
+         same on every rank; one all-reduce SUM of every rank's stats over the world would count
+         the replicated ones W times.
    Devices: one pipeline for both. The same sequence of calls runs on either device (dsk_tensor
      ops; the MoE-specific steps run a CPU loop or a CUDA kernel over the same DSK_HD functions
      below), with one buffer registry. Activations are f32 on the CPU (a bf16 layer converts x and
@@ -97,14 +126,16 @@
      declarations
        options                   dsk_moe_score, dsk_moe_norm, dsk_moe_group_rule, dsk_moe_loss_count, dsk_moe_drop,
                                  dsk_moe_router, dsk_moe_opts
-       the layer                 dsk_moe_param, dsk_moe_stats, dsk_moe, dsk_moe_init/bind/bind_slabs/init_param/
-                                 init_params/reserve/free/find_param/forward/backward/zero_grad/update_bias(_unless)/
-                                 stats_request/stats_collect
+       the layer                 dsk_moe_param, dsk_moe_config, dsk_moe_stats, dsk_moe, dsk_moe_init/bind/bind_slabs/
+                                 init_param/init_params/reserve/free/find_param/forward/forward_replay/routing/
+                                 backward/zero_grad/update_bias(_unless)/stats_request/stats_collect/config_get/
+                                 config_check, dsk_moe_amp_unscale (with dsk_amp.h)
        per-token routing math    dsk_moe_route_token, dsk_moe_route_token_backward
        the rest of the MoE math  losses, capacity, combine, gate gradient, bias update (DSK_HD: CPU and CUDA)
      implementation (DSK_MOE_IMPLEMENTATION)
        state and buffer registry; options and init; parameters; MoE steps (CPU loops, CUDA launchers);
-       expert-parallel exchange; forward; backward; statistics and bias; public entry points */
+       expert-parallel exchange; forward; backward; statistics and bias; configuration in checkpoints;
+       mixed-precision statistics under EP; public entry points */
 /* With DSK_STATIC every dsk function is static, so this file must also compile its dependencies. */
 #if defined(DSK_STATIC) && defined(DSK_MOE_IMPLEMENTATION)
 #ifndef DSK_TENSOR_IMPLEMENTATION
@@ -215,6 +246,16 @@ typedef struct dsk_moe_param {
 enum { DSK_MOE_P_ROUTER = 0, DSK_MOE_P_BIAS, DSK_MOE_P_W1, DSK_MOE_P_W2, DSK_MOE_P_W3, DSK_MOE_P_SW1, DSK_MOE_P_SW2,
        DSK_MOE_P_SW3 };
 
+/* The layer's configuration as key/value strings for a checkpoint's metadata: "<prefix>.<option>"
+   = its resolved value, for every option that shapes the parameters or the math (not ep, seed,
+   init_std, name: a checkpoint may resume at another layout). */
+#define DSK_MOE_CONFIG_MAX 24
+typedef struct dsk_moe_config {
+    int n;
+    char key[DSK_MOE_CONFIG_MAX][96];
+    char value[DSK_MOE_CONFIG_MAX][32];
+} dsk_moe_config;
+
 /* Statistics: of one forward (dsk_moe_forward's stats) or summed over the forwards since the
    previous request (dsk_moe_stats_collect). Counts are over the EP group, losses this rank's. */
 typedef struct dsk_moe_stats {
@@ -280,9 +321,19 @@ DSK_API dsk_moe_param *dsk_moe_find_param(dsk_moe *m, const char *name);
    statistics are read back at once): pass NULL and use dsk_moe_stats_collect to stay sync-free.
    CPU: DSK_ERR_NONFINITE when a token's router logits are NaN/Inf (see "Non-finite input"). */
 DSK_API dsk_status dsk_moe_forward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, dsk_moe_stats *stats);
+/* dsk_moe_forward with the routing given instead of selected: experts (T, K) i32 on the CPU,
+   each row K distinct experts in [0, E) in slot order (see "Routing record and replay").
+   DSK_ERR_ARG for an index out of range, a repeated expert in a row or another shape, before
+   anything changes: the layer keeps its saved forward, loads and statistics. */
+DSK_API dsk_status dsk_moe_forward_replay(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x,
+                                          const dsk_tensor *experts, dsk_moe_stats *stats);
+/* The last forward's routing into experts ((T, K) i32 on the CPU): each token's experts in slot
+   order. CUDA: one copy and one sync. DSK_ERR_STATE before any forward (or after a failed one). */
+DSK_API dsk_status dsk_moe_routing(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *experts);
 /* dx (T, D) += d/dx, every parameter gradient += its part, for the last forward; dy (T, D).
    aux_scale weights the gradients of the layer's loss terms (1; the loss scale under amp;
-   divided by the micro-batch count when the model loss is). */
+   divided by the micro-batch count when the model loss is). One backward per forward: a second
+   one fails with DSK_ERR_STATE (its gradients would be added twice) until a forward runs. */
 DSK_API dsk_status dsk_moe_backward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, float aux_scale);
 /* Zeroes every bound gradient. */
 DSK_API dsk_status dsk_moe_zero_grad(dsk_moe *m, dsk_ctx *ctx);
@@ -302,6 +353,27 @@ DSK_API dsk_status dsk_moe_update_bias_unless(dsk_moe *m, dsk_ctx *ctx, const ds
 DSK_API dsk_status dsk_moe_stats_request(dsk_moe *m, dsk_ctx *ctx);
 /* The statistics of the last request (all zero before the first). */
 DSK_API dsk_status dsk_moe_stats_collect(dsk_moe *m, dsk_ctx *ctx, dsk_moe_stats *out);
+/* The layer's configuration under prefix (NULL: the layer's name), e.g. "moe.top_k" = "2". */
+DSK_API dsk_status dsk_moe_config_get(const dsk_moe *m, const char *prefix, dsk_moe_config *out);
+/* Checks n key/value pairs read from a checkpoint (e.g. dsk_ckpt_meta's keys, values, n) against
+   the layer's configuration under prefix: DSK_ERR_ARG naming the first option whose value
+   differs, with both values, or that is missing while others are present. Pairs without any of
+   the layer's keys (a checkpoint written before they were) pass. */
+DSK_API dsk_status dsk_moe_config_check(const dsk_moe *m, const char *prefix, const char *const *keys,
+                                        const char *const *values, int n);
+#ifdef DSK_AMP_H
+/* (Declared and defined where dsk_amp.h is included before this file, in the implementation's
+   file too.) Unscales a step's gradients under expert parallelism and leaves the statistics of
+   the whole model in sc, the same on every rank (then dsk_amp_stats_get, dsk_amp_decide,
+   dsk_amp_update as without EP): rep (n_rep) the replicated gradients after their reduction (equal
+   on every rank), sharded (n_sharded) this rank's expert-sharded ones after theirs (equal over a
+   replica group); found_inf and sumsq = those of rep + the SUM over ep of those of sharded, each
+   element of the world counted once. ep: the expert-parallel group on sc's backend (host for a
+   CPU scaler, nccl for a CUDA one; NULL or 1 rank: no exchange). Every rank of ep calls it
+   together. CUDA: two 16-byte reads of the statistics (host syncs), one all-reduce of 2 f64. */
+DSK_API dsk_status dsk_moe_amp_unscale(dsk_amp_scaler *sc, dsk_ctx *ctx, dsk_comm *ep, dsk_tensor *const *rep,
+                                       int n_rep, dsk_tensor *const *sharded, int n_sharded);
+#endif
 
 /* ---- per-token routing math shared by the CPU path and the CUDA kernels */
 
@@ -341,16 +413,15 @@ static inline DSK_HD float dsk__moe_top_sum(const float *c, int n, int w) {
     return s;
 }
 
-/* Routes one token. u (E) logits; bias (E) or NULL; writes prob (E) (softmax p or sigmoid s),
-   sel (K) expert ids in slot order and gate (K) weights. scratch: E + n_group floats.
-   Returns 0, or 1 when a logit or a selection score (p + bias) is NaN or Inf: then sel holds
-   experts 0 .. K-1 (always valid indices) and every gate is NaN. */
-static inline DSK_HD int dsk_moe_route_token(const dsk_moe_router *r, const float *u, const float *bias, float *prob,
-                                             float *scratch, int32_t *sel, float *gate) {
-    const int E = r->n_experts, K = r->top_k, sigmoid = r->score == DSK_MOE_SIGMOID;
-    float *c = scratch, *gscore = scratch + E, sum = 0.0f;
+/* Scores of one token: prob (E) from its logits u (softmax p or sigmoid s), and its selection
+   scores c (E) = p + bias (bias NULL: none). Returns 1 when a logit or a selection score is NaN
+   or Inf, else 0. */
+static inline DSK_HD int dsk__moe_scores(const dsk_moe_router *r, const float *u, const float *bias, float *prob,
+                                         float *c) {
+    const int E = r->n_experts;
+    float sum = 0.0f;
     int bad = 0;
-    if (sigmoid) {
+    if (r->score == DSK_MOE_SIGMOID) {
         for (int j = 0; j < E; j++) prob[j] = dsk_sigmoid_f(u[j]);
     } else {
         float mx = u[0];
@@ -362,7 +433,26 @@ static inline DSK_HD int dsk_moe_route_token(const dsk_moe_router *r, const floa
         c[j] = prob[j] + (bias ? bias[j] : 0.0f);
         bad |= dsk__moe_nonfinite(u[j]) | dsk__moe_nonfinite(c[j]);
     }
-    if (bad) { /* no order among NaNs: a fixed, valid selection, and NaN weights */
+    return bad;
+}
+
+/* The weights gate (K) of the experts sel (K) from the scores prob (E), in slot order. */
+static inline DSK_HD void dsk__moe_gates(const dsk_moe_router *r, const float *prob, const int32_t *sel, float *gate) {
+    const int K = r->top_k;
+    float sum = 0.0f;
+    for (int k = 0; k < K; k++) sum += prob[sel[k]];
+    for (int k = 0; k < K; k++) gate[k] = r->scale * (r->norm ? prob[sel[k]] / (sum + 1e-20f) : prob[sel[k]]);
+}
+
+/* Routes one token. u (E) logits; bias (E) or NULL; writes prob (E) (softmax p or sigmoid s),
+   sel (K) expert ids in slot order and gate (K) weights. scratch: E + n_group floats.
+   Returns 0, or 1 when a logit or a selection score (p + bias) is NaN or Inf: then sel holds
+   experts 0 .. K-1 (always valid indices) and every gate is NaN. */
+static inline DSK_HD int dsk_moe_route_token(const dsk_moe_router *r, const float *u, const float *bias, float *prob,
+                                             float *scratch, int32_t *sel, float *gate) {
+    const int E = r->n_experts, K = r->top_k;
+    float *c = scratch, *gscore = scratch + E;
+    if (dsk__moe_scores(r, u, bias, prob, c)) { /* no order among NaNs: a fixed, valid selection, and NaN weights */
         for (int k = 0; k < K; k++) { sel[k] = k; gate[k] = NAN; }
         return 1;
     }
@@ -379,16 +469,27 @@ static inline DSK_HD int dsk_moe_route_token(const dsk_moe_router *r, const floa
             if (gscore[g] == gscore[g])
                 for (int j = g * gs; j < (g + 1) * gs; j++) c[j] = -INFINITY;
     }
-    sum = 0.0f;
     for (int k = 0; k < K; k++) {
         int best = -1;
         for (int j = 0; j < E; j++)
             if (c[j] == c[j] && (best < 0 || c[j] > c[best])) best = j;
         c[best] = NAN; /* taken */
         sel[k] = best;
-        sum += prob[best];
     }
-    for (int k = 0; k < K; k++) gate[k] = r->scale * (r->norm ? prob[sel[k]] / (sum + 1e-20f) : prob[sel[k]]);
+    dsk__moe_gates(r, prob, sel, gate);
+    return 0;
+}
+
+/* Replays one token's routing: sel (K) holds the given experts (valid, distinct) and is kept;
+   prob and gate are written as dsk_moe_route_token writes them for that selection (the same
+   operations in the same order), NaN weights when a logit or selection score is not finite. */
+static inline DSK_HD int dsk_moe_replay_token(const dsk_moe_router *r, const float *u, const float *bias, float *prob,
+                                              float *scratch, const int32_t *sel, float *gate) {
+    if (dsk__moe_scores(r, u, bias, prob, scratch)) {
+        for (int k = 0; k < r->top_k; k++) gate[k] = NAN;
+        return 1;
+    }
+    dsk__moe_gates(r, prob, sel, gate);
     return 0;
 }
 
@@ -654,13 +755,16 @@ static inline DSK_HD void dsk__moe_bias_update(int E, float rate, int recenter, 
     }
 }
 
-/* Routes token t (dsk_moe_route_token) and writes its sort keys: its experts, or -1 for a
-   token with non-finite routing (dispatched nowhere). */
+/* Routes token t (dsk_moe_route_token; replay: sel already holds its experts, dsk_moe_replay_token)
+   and writes its sort keys: its experts, or -1 for a token with non-finite routing (dispatched
+   nowhere). */
 static inline DSK_HD void dsk__moe_route_one(const dsk_moe_router *r, int64_t t, const float *u, const float *bias,
-                                             float *prob, float *scratch, int32_t *sel, float *gate, int32_t *keys) {
+                                             float *prob, float *scratch, int32_t *sel, float *gate, int32_t *keys,
+                                             int replay) {
     int E = r->n_experts, K = r->top_k;
-    int bad = dsk_moe_route_token(r, u + t * E, bias, prob + t * E, scratch + t * (E + r->n_group), sel + t * K,
-                                  gate + t * K);
+    float *scr = scratch + t * (E + r->n_group);
+    int bad = replay ? dsk_moe_replay_token(r, u + t * E, bias, prob + t * E, scr, sel + t * K, gate + t * K)
+                     : dsk_moe_route_token(r, u + t * E, bias, prob + t * E, scr, sel + t * K, gate + t * K);
     for (int k = 0; k < K; k++) keys[t * K + k] = bad ? -1 : sel[t * K + k];
 }
 
@@ -763,7 +867,9 @@ enum dsk__moe_buf_id {
 typedef struct dsk__moe_slot { dsk_tensor mem; size_t cap; } dsk__moe_slot;
 
 struct dsk__moe_state {
-    int have_fwd;            /* a forward's activations are saved */
+    int have_fwd;            /* a forward's activations are saved and no backward has used them */
+    int bwd_done;            /* a backward used the saved forward (a second one would add its gradients again) */
+    int have_route;          /* the last forward's routing is in SEL (dsk_moe_routing) */
     int64_t T;               /* tokens of the saved forward */
     int64_t n_kept;          /* kept slots of this rank, when the host knows it (CPU; EP), else -1 */
     int64_t R;               /* rows of expert work in the buffers: exact (CPU, EP) or T*K's bound (CUDA) */
@@ -1143,7 +1249,8 @@ DSK_API void dsk_moe_free(dsk_moe *m, dsk_ctx *ctx) {
 }
 
 static dsk_status dsk__moe_need_layer(const dsk_moe *m, const char *fn) {
-    if (!m || !m->st) return dsk_set_error(DSK_ERR_STATE, "%s: layer not initialised", fn);
+    if (!m) return dsk_set_error(DSK_ERR_ARG, "%s: layer is NULL", fn);
+    if (!m->st) return dsk_set_error(DSK_ERR_STATE, "%s: layer not initialised", fn);
     return DSK_OK;
 }
 
@@ -1188,7 +1295,7 @@ DSK_API dsk_status dsk_moe_bind(dsk_moe *m, dsk_ctx *ctx, int index, const dsk_t
         p->grad = *grad;
         p->grad.owns = 0;
     }
-    m->st->have_fwd = 0;
+    m->st->have_fwd = m->st->bwd_done = 0;
     return DSK_OK;
 }
 
@@ -1308,7 +1415,7 @@ DSK_API dsk_status dsk_moe_reserve(dsk_moe *m, dsk_ctx *ctx, int64_t max_tokens)
     if (max_tokens < 0)
         return dsk_set_error(DSK_ERR_ARG, "dsk_moe_reserve: layer \"%s\": max_tokens %lld < 0", m->opts.name,
                              (long long)max_tokens);
-    m->st->have_fwd = 0; /* buffers may move */
+    m->st->have_fwd = m->st->bwd_done = m->st->have_route = 0; /* buffers may move */
     for (int id = 0; id < DSK__MOE_LOAD; id++)
         DSK__TRY(dsk__moe_buf(m, ctx, id, max_tokens, m->ep_size > 1 ? max_tokens * m->opts.top_k
                                                                      : dsk__moe_rows_bound(m, max_tokens), &t));
@@ -1343,19 +1450,20 @@ static int dsk__moe_threads(const dsk_ctx *ctx) {
 #define DSK__MOE_I64(t) ((int64_t *)(t).data)
 #define DSK__MOE_F64(t) ((double *)(t).data)
 
-/* Routing of T tokens from the logits u: prob, sel, gate and the sort keys. */
+/* Routing of T tokens from the logits u: prob, sel, gate and the sort keys (replay: sel holds the
+   experts to take). */
 static dsk_status dsk__moe_route(dsk_moe *m, dsk_ctx *ctx, int64_t T, const dsk_tensor *u, dsk_tensor *prob,
-                                 dsk_tensor *scr, dsk_tensor *sel, dsk_tensor *gate, dsk_tensor *keys) {
+                                 dsk_tensor *scr, dsk_tensor *sel, dsk_tensor *gate, dsk_tensor *keys, int replay) {
     int nt = dsk__moe_threads(ctx);
     const float *bias = (const float *)m->bias->value.data;
     DSK__MOE_ON_CUDA(m, dsk_cuda_moe_route(ctx, &m->routing, T, DSK__MOE_F32(*u), bias, DSK__MOE_F32(*prob),
                                            DSK__MOE_F32(*scr), DSK__MOE_I32(*sel), DSK__MOE_F32(*gate),
-                                           DSK__MOE_I32(*keys)));
+                                           DSK__MOE_I32(*keys), replay));
     (void)nt;
     DSK__MOE_OMP(omp parallel for schedule(static) num_threads(nt))
     for (int64_t t = 0; t < T; t++)
         dsk__moe_route_one(&m->routing, t, DSK__MOE_F32(*u), bias, DSK__MOE_F32(*prob), DSK__MOE_F32(*scr),
-                           DSK__MOE_I32(*sel), DSK__MOE_F32(*gate), DSK__MOE_I32(*keys));
+                           DSK__MOE_I32(*sel), DSK__MOE_F32(*gate), DSK__MOE_I32(*keys), replay);
     return DSK_OK;
 }
 
@@ -1873,7 +1981,7 @@ static dsk_status dsk__moe_fill_stats(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor
 }
 
 static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, int64_t T,
-                                        dsk_moe_stats *stats) {
+                                        const dsk_tensor *replay, dsk_moe_stats *stats) {
     struct dsk__moe_state *st = m->st;
     const dsk_moe_opts *o = &m->opts;
     int64_t K = o->top_k, E = o->n_routed, TK = T * K, Fs = m->d_shared_total, n_kept, R, n_rows;
@@ -1900,7 +2008,8 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_GATE, T, R, &gate));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_KEYS, T, R, &keys));
     DSK__TRY(dsk_matmul(ctx, &u, &xf, 0, &m->router->value, 1, 1.0f, 0.0f));
-    DSK__TRY(dsk__moe_route(m, ctx, T, &u, &prob, &scr, &sel, &gate, &keys));
+    if (replay && TK > 0) DSK__TRY(dsk__moe_to_device(m, ctx, sel.data, replay->data, (size_t)TK * sizeof(int32_t)));
+    DSK__TRY(dsk__moe_route(m, ctx, T, &u, &prob, &scr, &sel, &gate, &keys, replay != NULL));
     /* balancing losses */
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_LOSS, T, R, &lb.loss));
     if (losses) {
@@ -1987,6 +2096,7 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     DSK__TRY(dsk__moe_combine(m, ctx, y, &pos, &gate, &ob, Fs > 0 ? &ys : NULL));
     st->n_kept = n_kept;
     st->have_fwd = 1;
+    st->have_route = 1;
     return stats ? dsk__moe_fill_stats(m, ctx, &cntg, &lb.loss, stats) : DSK_OK;
 }
 
@@ -2165,10 +2275,149 @@ DSK_API dsk_status dsk_moe_update_bias_unless(dsk_moe *m, dsk_ctx *ctx, const ds
     return dsk__moe_bias_step(m, ctx, (const int32_t *)skip->data);
 }
 
+/* ---------------------------------------------------------------- configuration in checkpoints */
+
+static void dsk__moe_config_put(dsk_moe_config *c, const char *prefix, const char *name, const char *fmt, double v) {
+    snprintf(c->key[c->n], sizeof c->key[0], "%s.%s", prefix, name);
+    snprintf(c->value[c->n], sizeof c->value[0], fmt, v);
+    c->n++;
+}
+
+static void dsk__moe_config_str(dsk_moe_config *c, const char *prefix, const char *name, const char *v) {
+    snprintf(c->key[c->n], sizeof c->key[0], "%s.%s", prefix, name);
+    snprintf(c->value[c->n], sizeof c->value[0], "%s", v);
+    c->n++;
+}
+
+DSK_API dsk_status dsk_moe_config_get(const dsk_moe *m, const char *prefix, dsk_moe_config *out) {
+    const char *fn = "dsk_moe_config_get";
+    const dsk_moe_opts *o;
+    DSK__TRY(dsk__moe_need_layer(m, fn));
+    if (!out) return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": out is NULL", fn, m->opts.name);
+    if (!prefix) prefix = m->opts.name;
+    if (strlen(prefix) > 64)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": prefix \"%.20s...\" longer than 64 characters", fn,
+                             m->opts.name, prefix);
+    o = &m->opts;
+    memset(out, 0, sizeof *out);
+    /* integers print exactly as %.0f; floats as %.9g, which an f32 round-trips through */
+    dsk__moe_config_put(out, prefix, "d_model", "%.0f", (double)o->d_model);
+    dsk__moe_config_put(out, prefix, "n_routed", "%.0f", o->n_routed);
+    dsk__moe_config_put(out, prefix, "top_k", "%.0f", o->top_k);
+    dsk__moe_config_put(out, prefix, "d_expert", "%.0f", (double)o->d_expert);
+    dsk__moe_config_put(out, prefix, "n_shared", "%.0f", o->n_shared);
+    dsk__moe_config_put(out, prefix, "d_shared", "%.0f", (double)(o->n_shared > 0 ? o->d_shared : 0));
+    dsk__moe_config_str(out, prefix, "score", o->score == DSK_MOE_SIGMOID ? "sigmoid" : "softmax");
+    dsk__moe_config_str(out, prefix, "norm", o->norm == DSK_MOE_NORM_ON ? "on" : "off");
+    dsk__moe_config_put(out, prefix, "routed_scale", "%.9g", (double)o->routed_scale);
+    dsk__moe_config_put(out, prefix, "n_group", "%.0f", o->n_group);
+    dsk__moe_config_put(out, prefix, "topk_group", "%.0f", o->topk_group);
+    dsk__moe_config_str(out, prefix, "group_rule",
+                        o->group_rule == DSK_MOE_GROUP_MAX        ? "max"
+                        : o->group_rule == DSK_MOE_GROUP_MEGATRON ? "megatron"
+                                                                  : "deepseek_v3");
+    dsk__moe_config_put(out, prefix, "aux_alpha", "%.9g", (double)o->aux_alpha);
+    dsk__moe_config_put(out, prefix, "seq_aux_alpha", "%.9g", (double)o->seq_aux_alpha);
+    dsk__moe_config_put(out, prefix, "seq_len", "%.0f", (double)o->seq_len);
+    dsk__moe_config_put(out, prefix, "z_beta", "%.9g", (double)o->z_beta);
+    dsk__moe_config_str(out, prefix, "loss_count", o->loss_count == DSK_MOE_COUNT_SELECTED ? "selected" : "topk");
+    dsk__moe_config_put(out, prefix, "bias_rate", "%.9g", (double)o->bias_rate);
+    dsk__moe_config_put(out, prefix, "bias_recenter", "%.0f", o->bias_recenter);
+    dsk__moe_config_put(out, prefix, "capacity_factor", "%.9g", (double)o->capacity_factor);
+    dsk__moe_config_str(out, prefix, "drop", o->drop == DSK_MOE_DROP_POSITION ? "position" : "prob");
+    dsk__moe_config_str(out, prefix, "dtype", dsk_dtype_name(o->dtype));
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_moe_config_check(const dsk_moe *m, const char *prefix, const char *const *keys,
+                                        const char *const *values, int n) {
+    const char *fn = "dsk_moe_config_check";
+    dsk_moe_config c;
+    const char *missing = NULL;
+    int found = 0;
+    DSK__TRY(dsk__moe_need_layer(m, fn));
+    if (n < 0 || (n > 0 && (!keys || !values)))
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": %d pairs (keys %s, values %s)", fn, m->opts.name, n,
+                             keys ? "given" : "NULL", values ? "given" : "NULL");
+    DSK__TRY(dsk_moe_config_get(m, prefix, &c));
+    for (int i = 0; i < c.n; i++) {
+        const char *v = NULL;
+        for (int j = 0; j < n && !v; j++)
+            if (keys[j] && !strcmp(keys[j], c.key[i])) v = values[j] ? values[j] : "";
+        if (!v) {
+            if (!missing) missing = c.key[i];
+            continue;
+        }
+        found++;
+        if (strcmp(v, c.value[i]))
+            return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": %s: the checkpoint has %s, this layer %s", fn,
+                                 m->opts.name, c.key[i], v, c.value[i]);
+    }
+    if (found && missing)
+        return dsk_set_error(DSK_ERR_ARG,
+                             "%s: layer \"%s\": the checkpoint holds no %s (but other options of the layer)", fn,
+                             m->opts.name, missing);
+    return DSK_OK;
+}
+
+#ifdef DSK_AMP_H
+DSK_API dsk_status dsk_moe_amp_unscale(dsk_amp_scaler *sc, dsk_ctx *ctx, dsk_comm *ep, dsk_tensor *const *rep,
+                                       int n_rep, dsk_tensor *const *sharded, int n_sharded) {
+    const char *fn = "dsk_moe_amp_unscale";
+    dsk_amp_stats r = {0.0, 0.0}, g = {0.0, 0.0};
+    if (!sc) return dsk_set_error(DSK_ERR_ARG, "%s: scaler is NULL", fn);
+    if (n_rep < 0 || n_sharded < 0 || (n_rep > 0 && !rep) || (n_sharded > 0 && !sharded))
+        return dsk_set_error(DSK_ERR_ARG, "%s: %d replicated and %d expert-sharded gradients (lists %s, %s)", fn, n_rep,
+                             n_sharded, rep ? "given" : "NULL", sharded ? "given" : "NULL");
+    if (ep && ep->world_size > 1 && (sc->device.type == DSK_DEV_CUDA) != (ep->backend == DSK_COMM_NCCL))
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: the scaler is on %s: the expert-parallel group must use the %s "
+                             "backend", fn, sc->device.type == DSK_DEV_CUDA ? "CUDA" : "the CPU",
+                             sc->device.type == DSK_DEV_CUDA ? "nccl" : "host");
+    DSK__TRY(dsk_amp_unscale(sc, ctx, rep, n_rep));
+    DSK__TRY(dsk_amp_stats_get(sc, ctx, &r));
+    DSK__TRY(dsk_amp_unscale(sc, ctx, sharded, n_sharded));
+    if (ep && ep->world_size > 1) /* in place, in the scaler's memory on its device */
+        DSK__TRY(dsk_comm_all_reduce(ep, ctx, dsk_amp_stats_data(sc), dsk_amp_stats_data(sc), 2, DSK_F64,
+                                     DSK_COMM_SUM));
+    DSK__TRY(dsk_amp_stats_get(sc, ctx, &g));
+    g.found_inf += r.found_inf;
+    g.sumsq += r.sumsq;
+    return dsk_amp_stats_set(sc, ctx, &g);
+}
+#endif
+
 /* ---------------------------------------------------------------- public entry points */
 
-DSK_API dsk_status dsk_moe_forward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, dsk_moe_stats *stats) {
-    const char *fn = "dsk_moe_forward";
+/* experts: (T, K) i32, contiguous, on the CPU; every entry an expert in [0, E), none twice in a
+   row. Read on the host only, so a failure leaves the layer as it was. */
+static dsk_status dsk__moe_check_replay(const dsk_moe *m, const char *fn, const dsk_tensor *experts, int64_t T) {
+    const int K = m->opts.top_k, E = m->opts.n_routed;
+    const int32_t *sel;
+    char b[96];
+    if (!experts) return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": experts is NULL", fn, m->opts.name);
+    if (experts->dtype != DSK_I32 || experts->ndim != 2 || experts->shape[0] != T || experts->shape[1] != K ||
+        experts->device.type != DSK_DEV_CPU || !dsk_tensor_is_contiguous(experts) || (!experts->data && T > 0))
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": experts is %s, want [%lld,%d] i32, contiguous on the CPU",
+                             fn, m->opts.name, dsk_tensor_describe(experts, b, sizeof b), (long long)T, K);
+    sel = (const int32_t *)experts->data;
+    for (int64_t t = 0; t < T; t++)
+        for (int k = 0; k < K; k++) {
+            int32_t e = sel[t * K + k];
+            if (e < 0 || e >= E)
+                return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": experts[%lld][%d] = %d outside [0, %d)", fn,
+                                     m->opts.name, (long long)t, k, (int)e, E);
+            for (int j = 0; j < k; j++)
+                if (sel[t * K + j] == e)
+                    return dsk_set_error(DSK_ERR_ARG,
+                                         "%s: layer \"%s\": token %lld takes expert %d twice (slots %d and %d)", fn,
+                                         m->opts.name, (long long)t, (int)e, j, k);
+        }
+    return DSK_OK;
+}
+
+/* dsk_moe_forward and dsk_moe_forward_replay: every argument checked before the layer changes. */
+static dsk_status dsk__moe_forward_checked(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x,
+                                           const dsk_tensor *replay, dsk_moe_stats *stats, const char *fn) {
     int64_t T;
     dsk_status s;
     if (stats) memset(stats, 0, sizeof *stats);
@@ -2177,23 +2426,66 @@ DSK_API dsk_status dsk_moe_forward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, cons
     DSK__TRY(dsk__moe_check_io(m, fn, "x", x, -1));
     T = x->shape[0];
     DSK__TRY(dsk__moe_check_io(m, fn, "y", y, T));
+    if (replay) DSK__TRY(dsk__moe_check_replay(m, fn, replay, T));
     if (m->opts.seq_aux_alpha > 0 && m->opts.seq_len > 0 && T % m->opts.seq_len)
         return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": %lld tokens are not whole sequences of seq_len %lld", fn,
                              m->opts.name, (long long)T, (long long)m->opts.seq_len);
     if (m->device.type == DSK_DEV_CUDA && (!ctx || ctx->device.type != DSK_DEV_CUDA))
         return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\" is on CUDA: pass its CUDA ctx", fn, m->opts.name);
-    m->st->have_fwd = 0;
-    s = dsk__moe_forward_impl(m, ctx, y, x, T, stats);
+    m->st->have_fwd = m->st->bwd_done = m->st->have_route = 0;
+    s = dsk__moe_forward_impl(m, ctx, y, x, T, replay, stats);
     if (s != DSK_OK) {
-        m->st->have_fwd = 0;
+        m->st->have_fwd = m->st->have_route = 0;
         if (stats) memset(stats, 0, sizeof *stats);
     }
     return s;
 }
 
+DSK_API dsk_status dsk_moe_forward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, dsk_moe_stats *stats) {
+    return dsk__moe_forward_checked(m, ctx, y, x, NULL, stats, "dsk_moe_forward");
+}
+
+DSK_API dsk_status dsk_moe_forward_replay(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x,
+                                          const dsk_tensor *experts, dsk_moe_stats *stats) {
+    const char *fn = "dsk_moe_forward_replay";
+    if (!experts) {
+        if (stats) memset(stats, 0, sizeof *stats);
+        DSK__TRY(dsk__moe_need_layer(m, fn));
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": experts is NULL", fn, m->opts.name);
+    }
+    return dsk__moe_forward_checked(m, ctx, y, x, experts, stats, fn);
+}
+
+DSK_API dsk_status dsk_moe_routing(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *experts) {
+    const char *fn = "dsk_moe_routing";
+    const struct dsk__moe_state *st;
+    char b[96];
+    DSK__TRY(dsk__moe_need_layer(m, fn));
+    st = m->st;
+    if (!st->have_route)
+        return dsk_set_error(DSK_ERR_STATE, "%s: layer \"%s\": no forward has routed tokens since the layer was made "
+                             "or its workspace reserved", fn, m->opts.name);
+    if (!experts) return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": experts is NULL", fn, m->opts.name);
+    if (experts->dtype != DSK_I32 || experts->ndim != 2 || experts->shape[0] != st->T ||
+        experts->shape[1] != m->opts.top_k || experts->device.type != DSK_DEV_CPU ||
+        !dsk_tensor_is_contiguous(experts) || (!experts->data && st->T > 0))
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": experts is %s, want [%lld,%d] i32, contiguous on the CPU",
+                             fn, m->opts.name, dsk_tensor_describe(experts, b, sizeof b), (long long)st->T,
+                             m->opts.top_k);
+    if (st->T == 0) return DSK_OK;
+    DSK__TRY(dsk__moe_to_host(m, ctx, experts->data, st->buf[DSK__MOE_SEL].mem.data,
+                              (size_t)(st->T * m->opts.top_k) * sizeof(int32_t)));
+    return dsk_ctx_sync(ctx); /* CUDA: the copy is done when this returns */
+}
+
 DSK_API dsk_status dsk_moe_backward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, float aux_scale) {
     const char *fn = "dsk_moe_backward";
     DSK__TRY(dsk__moe_need_layer(m, fn));
+    if (m->st->bwd_done)
+        return dsk_set_error(DSK_ERR_STATE,
+                             "%s: layer \"%s\": a backward already used the last forward (its gradients would be "
+                             "added twice): run a forward first",
+                             fn, m->opts.name);
     if (!m->st->have_fwd)
         return dsk_set_error(DSK_ERR_STATE, "%s: layer \"%s\": no forward to differentiate", fn, m->opts.name);
     DSK__TRY(dsk__moe_need_bound(m, fn));
@@ -2204,6 +2496,9 @@ DSK_API dsk_status dsk_moe_backward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx, co
                              (double)aux_scale);
     if (m->device.type == DSK_DEV_CUDA && (!ctx || ctx->device.type != DSK_DEV_CUDA))
         return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\" is on CUDA: pass its CUDA ctx", fn, m->opts.name);
+    /* from here the gradients change: this forward is used up, even if a step below fails */
+    m->st->have_fwd = 0;
+    m->st->bwd_done = 1;
     return dsk__moe_backward_impl(m, ctx, dx, dy, aux_scale);
 }
 

@@ -101,6 +101,7 @@ typedef struct options {
     char grad_compress[32];
     char bind[8];
     int grad_check;
+    char *routing_record, *routing_replay;
     int help;
 } options;
 
@@ -209,6 +210,9 @@ static const opt_spec OPTS[] = {
     {"--grad-compress", OPT_STRBUF, O_(grad_compress), sizeof(((options *)0)->grad_compress),
      "none | bf16 | powersgd:R[:START] gradient reductions (PowerSGD rank R from pass START, 10 if not given)"},
     {"--grad-check", OPT_INT, O_(grad_check), 0, "check N elements of every gradient against central differences, then exit"},
+    {"--routing-record", OPT_STR, O_(routing_record), 0,
+     "FILE: write the MoE routing decisions (rank r > 0: FILE.rank<r>)"},
+    {"--routing-replay", OPT_STR, O_(routing_replay), 0, "FILE: take the MoE routing of a --routing-record run"},
     {"--help", OPT_FLAG, O_(help), 0, "this text"},
 };
 #define N_OPTS ((int)(sizeof OPTS / sizeof OPTS[0]))
@@ -485,6 +489,8 @@ typedef struct trainer {
     tmx_gpu gpu;
     int *moe_layer;               /* (MoE layers) block index */
     double *moe_load, *moe_imbalance;
+    tm_routes routes;             /* --routing-record / --routing-replay (train_model.h) */
+    int64_t *route_seq;           /* (batch_local) the validation windows' numbers, for routes */
 } trainer;
 
 static double now_s(void) {
@@ -693,6 +699,18 @@ static void setup_data(trainer *t) {
     CHECK(dsk_tensor_wrap(&t->h_tgt_t, t->h_tgt, DSK_I32, dsk_cpu(), 1, &nn));
 }
 
+/* The forward that follows, for --routing-record/--routing-replay: phase, its sub-step and the
+   identity of each of this rank's sequences (NULL: their local index). */
+static void routes_at(trainer *t, int phase, int64_t sub, const int64_t *seq_id) {
+    tm_routes *r = &t->routes;
+    r->phase = phase;
+    r->step = t->step;
+    r->sub = sub;
+    r->seq_id = seq_id;
+    r->n_seq = t->batch_local;
+    r->seq_len = t->o->seq;
+}
+
 /* Copies the host batch (h_ids, h_tgt) to the model's device tensors. */
 static dsk_status upload_batch(trainer *t) {
     TM_TRY(dsk_tensor_copy(&t->ctx, &t->model.ids, &t->h_ids_t));
@@ -717,7 +735,24 @@ static dsk_status load_val_batch(trainer *t, int64_t i) {
     int64_t T = t->o->seq, first = i * t->o->batch + (int64_t)t->dp_rank * t->batch_local;
     for (int b = 0; b < t->batch_local; b++)
         td_read_window(&t->data, td_val_window(&t->data, (first + b) % t->data.n_val), t->h_ids + b * T, t->h_tgt + b * T, t->h_win);
+    if (t->route_seq) {
+        for (int b = 0; b < t->batch_local; b++) t->route_seq[b] = first + b;
+        routes_at(t, TM_PHASE_VAL, i, t->route_seq);
+    }
     return upload_batch(t);
+}
+
+static void setup_routes(trainer *t) {
+    const options *o = t->o;
+    if (!o->routing_record && !o->routing_replay) return;
+    if (o->routing_record && o->routing_replay) fail(t, "--routing-record and --routing-replay exclude each other");
+    if (o->cuda_graph || o->grad_check)
+        fail(t, "--routing-record/--routing-replay run without --cuda-graph and --grad-check");
+    t->route_seq = (int64_t *)malloc((size_t)t->batch_local * sizeof(int64_t));
+    if (!t->route_seq) fail(t, "out of memory for the routing record");
+    CHECK(tm_routes_open(&t->routes, o->routing_record ? TM_ROUTES_RECORD : TM_ROUTES_REPLAY,
+                         o->routing_record ? o->routing_record : o->routing_replay, o->top_k, t->rank));
+    t->model.routes = &t->routes;
 }
 
 /* ---- model and optimizer groups */
@@ -1060,7 +1095,7 @@ static dsk_status graph_decision(trainer *t, dsk_amp_decision *dec) {
 
 /* Unscale + non-finite check + global norm over every gradient. Dense gradients are the
    same on every rank after the reductions; expert gradients differ across an expert-
-   parallel group, so their statistics are summed over it. */
+   parallel group: dsk_moe_amp_unscale counts the former once and sums the latter over it. */
 static dsk_status unscale_and_decide(trainer *t, dsk_amp_decision *dec) {
     tm_model *m = &t->model;
     int n = m->n_params, n_rep = 0, n_shard = 0;
@@ -1072,21 +1107,11 @@ static dsk_status unscale_and_decide(trainer *t, dsk_amp_decision *dec) {
         if (p->sharded && t->ep > 1) shard[n_shard++] = &p->g;
         else rep[n_rep++] = &p->g;
     }
-    dsk_amp_stats a, b;
+    dsk_amp_stats a;
     memset(&a, 0, sizeof a);
-    memset(&b, 0, sizeof b);
-    dsk_status s = dsk_amp_unscale(&t->scaler, &t->ctx, rep, n_rep);
+    dsk_comm *ep = n_shard > 0 ? &t->ep_comm : NULL;
+    dsk_status s = dsk_moe_amp_unscale(&t->scaler, &t->ctx, ep, rep, n_rep, shard, n_shard);
     if (s == DSK_OK) s = dsk_amp_stats_get(&t->scaler, &t->ctx, &a);
-    if (s == DSK_OK && n_shard > 0) {
-        s = dsk_amp_unscale(&t->scaler, &t->ctx, shard, n_shard);
-        if (s == DSK_OK) s = dsk_amp_stats_get(&t->scaler, &t->ctx, &b);
-        double f[2] = {b.found_inf, b.sumsq};
-        if (s == DSK_OK) s = allreduce_host(t, &t->ep_comm, f, 2, DSK_F64, DSK_COMM_SUM);
-        a.found_inf += f[0];
-        a.sumsq += f[1];
-        /* the scaler's next update reads its stats: give it the joined ones */
-        if (s == DSK_OK) s = dsk_amp_stats_set(&t->scaler, &t->ctx, &a);
-    }
     free(rep);
     free(shard);
     if (s == DSK_OK) *dec = dsk_amp_decide(a, t->o->clip);
@@ -1130,6 +1155,7 @@ static dsk_status train_step(trainer *t, step_info *si) {
     for (int a = 0; a < o->accum; a++) {
         double td = now_s(), tdc = cpu_s();
         TM_TRY(load_train_batch(t));
+        routes_at(t, TM_PHASE_TRAIN, a, t->h_index);
         t->prof_data += now_s() - td;
         t->prof_data_cpu += cpu_s() - tdc;
         if (t->par.on) { /* the pipeline's micro-batches (train_par.h) */
@@ -1298,6 +1324,7 @@ static dsk_status generate(trainer *t) {
     tm_set_eval(m, 1);
     for (int n = n0; n < total && s == DSK_OK; n++) {
         int start = n > T ? n - T : 0, len = n - start;
+        routes_at(t, TM_PHASE_SAMPLE, n, NULL);
         memset(t->h_ids, 0, (size_t)T * sizeof *t->h_ids);
         memcpy(t->h_ids, text + start, (size_t)len * sizeof *text);
         dsk_tensor ids = tm_rows(&m->ids, T), hids, lrow, hrow;
@@ -1479,6 +1506,42 @@ static dsk_status check_data_order(trainer *t, const dsk_ckpt_meta *meta, int64_
     return DSK_OK;
 }
 
+/* A sizes-only layer of the model's MoE options on the CPU (every MoE layer takes them), so every
+   rank writes and checks the configuration ("moe.top_k", ...) whichever blocks it holds. */
+static dsk_status moe_template(const trainer *t, dsk_moe *tmp) {
+    const tm_config *c = &t->model.cfg;
+    dsk_moe_opts o = c->moe;
+    o.name = "moe";
+    o.d_model = c->d_model;
+    o.dtype = tm_moe_dtype(c->cdt);
+    o.seq_len = c->seq;
+    o.ep = NULL;
+    return dsk_moe_init(tmp, NULL, &o);
+}
+
+static int has_moe(const trainer *t) { return t->model.cfg.n_dense < t->model.cfg.n_layers; }
+
+/* The first setting of a configuration string ("k=v k=v ...") that differs, as "k=a" and "k=b". */
+static int config_diff(const char *saved, const char *now, char *a, char *b, size_t n) {
+    for (const char *p = now; *p;) {
+        size_t len = strcspn(p, " "), klen = strcspn(p, "=");
+        if (klen < len) {
+            const char *q = saved, *found = NULL;
+            for (; *q && !found; q += strcspn(q, " "), q += *q == ' ')
+                if (!strncmp(q, p, klen + 1)) found = q;
+            if (!found || strcspn(found, " ") != len || strncmp(found, p, len)) {
+                snprintf(a, n, "%.*s", found ? (int)strcspn(found, " ") : (int)(klen + 1), found ? found : p);
+                if (!found) snprintf(a + strlen(a), n - strlen(a), "(unset)");
+                snprintf(b, n, "%.*s", (int)len, p);
+                return 1;
+            }
+        }
+        p += len;
+        p += *p == ' ';
+    }
+    return 0;
+}
+
 static dsk_status save_checkpoint(trainer *t) {
     char kv_val[10][64], cfg[512], order[160];
     dsk_amp_scaler_state st;
@@ -1498,14 +1561,28 @@ static dsk_status save_checkpoint(trainer *t) {
     snprintf(kv_val[8], 64, "%lld", (long long)offset);
     snprintf(kv_val[9], 64, "%d", t->dp_size);
     data_order_string(t, order, sizeof order);
-    dsk_ckpt_kv kv[13] = {{"train.step", kv_val[0]}, {"train.applied", kv_val[1]}, {"train.data_pos", kv_val[2]},
-                          {"amp.scale", kv_val[3]}, {"amp.growth_tracker", kv_val[4]}, {"amp.hysteresis_left", kv_val[5]},
-                          {"train.data_seed", kv_val[6]}, {"train.config", cfg}, {"train.data_epoch", kv_val[7]},
-                          {"train.data_offset", kv_val[8]}, {"train.data_world", kv_val[9]}, {"train.data_order", order},
-                          {"train.params", t->use_zero ? "zero" : "whole"}};
+    dsk_ckpt_kv kv[13 + DSK_MOE_CONFIG_MAX] = {
+        {"train.step", kv_val[0]}, {"train.applied", kv_val[1]}, {"train.data_pos", kv_val[2]},
+        {"amp.scale", kv_val[3]}, {"amp.growth_tracker", kv_val[4]}, {"amp.hysteresis_left", kv_val[5]},
+        {"train.data_seed", kv_val[6]}, {"train.config", cfg}, {"train.data_epoch", kv_val[7]},
+        {"train.data_offset", kv_val[8]}, {"train.data_world", kv_val[9]}, {"train.data_order", order},
+        {"train.params", t->use_zero ? "zero" : "whole"}};
+    int n_kv = 13;
+    dsk_moe_config mc;
+    if (has_moe(t)) { /* the MoE options, each a pair: a resume names the one that differs */
+        dsk_moe tmp;
+        TM_TRY(moe_template(t, &tmp));
+        dsk_status s = dsk_moe_config_get(&tmp, "moe", &mc);
+        dsk_moe_free(&tmp, NULL);
+        TM_TRY(s);
+        for (int i = 0; i < mc.n; i++, n_kv++) {
+            kv[n_kv].key = mc.key[i];
+            kv[n_kv].value = mc.value[i];
+        }
+    }
     ck_names c = t->par.on ? ck_entries_par(t, 1) : ck_entries(t, 0);
-    dsk_status s = t->o->sync_ckpt ? dsk_ckpt_save(&t->ck, t->step, c.e, c.n, kv, 13)
-                                   : dsk_ckpt_save_async(&t->ck, t->step, c.e, c.n, kv, 13);
+    dsk_status s = t->o->sync_ckpt ? dsk_ckpt_save(&t->ck, t->step, c.e, c.n, kv, n_kv)
+                                   : dsk_ckpt_save_async(&t->ck, t->step, c.e, c.n, kv, n_kv);
     free(c.name);
     free(c.e);
     return s;
@@ -1523,9 +1600,20 @@ static dsk_status load_checkpoint(trainer *t, int64_t step) {
     config_string(t, cfg, sizeof cfg);
     dsk_status s = dsk_ckpt_load(&t->ck, step, NULL, 0, &meta);
     const char *saved = s == DSK_OK ? dsk_ckpt_meta_get(&meta, "train.config") : NULL;
-    if (s == DSK_OK && (!saved || strcmp(saved, cfg) != 0))
+    char was[96], now[96];
+    if (s == DSK_OK && saved && strcmp(saved, cfg) != 0 && config_diff(saved, cfg, was, now, sizeof was))
+        s = dsk_set_error(DSK_ERR_ARG, "checkpoint step %lld in %s was written with %s, this run has %s (\"%s\")",
+                          (long long)step, t->o->ckpt_dir, was, now, saved);
+    else if (s == DSK_OK && (!saved || strcmp(saved, cfg) != 0))
         s = dsk_set_error(DSK_ERR_ARG, "checkpoint step %lld in %s was written with \"%s\", this run has \"%s\"", (long long)step,
                           t->o->ckpt_dir, saved ? saved : "(no configuration)", cfg);
+    if (s == DSK_OK && has_moe(t)) { /* every MoE option, named when it differs */
+        dsk_moe tmp;
+        s = moe_template(t, &tmp);
+        if (s == DSK_OK) s = dsk_moe_config_check(&tmp, "moe", (const char *const *)meta.keys,
+                                                   (const char *const *)meta.values, meta.n);
+        dsk_moe_free(&tmp, NULL);
+    }
     if (s == DSK_OK) s = check_data_order(t, &meta, step);
     const char *fmt = s == DSK_OK ? dsk_ckpt_meta_get(&meta, "train.params") : NULL;
     if (s == DSK_OK && strcmp(fmt ? fmt : "whole", t->use_zero ? "zero" : "whole") != 0)
@@ -2076,6 +2164,8 @@ static void cleanup(trainer *t) {
     free(t->moe_layer);
     free(t->moe_load);
     free(t->moe_imbalance);
+    free(t->route_seq);
+    (void)tm_routes_close(&t->routes); /* a finished run closed it already and checked the record's last write */
     if (t->have_comm) {
         dsk_comm_free(&t->ck_comm);
         dsk_comm_free(&t->rep_comm);
@@ -2137,6 +2227,7 @@ int main(int argc, char **argv) {
     t->mem_model = dsk_tensor_mem_stats(t->ctx.device).live_bytes - live0;
     setup_optimizer(t);
     setup_buckets(t);
+    setup_routes(t);
     if (o.cuda_graph && (t->ctx.device.type != DSK_DEV_CUDA || t->world > 1))
         fail(t, "--cuda-graph needs one rank on a GPU (this run: %d ranks on %s): the gradient buckets of several "
                 "ranks synchronise through host-side events that a graph cannot hold", t->world,
@@ -2216,6 +2307,7 @@ int main(int argc, char **argv) {
     report_mla(t, "end");
     if (o.profile) profile_report(t);
     if (t->step == o.steps) CHECK(generate(t));
+    CHECK(tm_routes_close(&t->routes));
     say(t, "done: %lld steps in %.1f s (%.0f tokens/s, %.2f%% of step time waiting for data), final validation loss %.4f\n",
         (long long)t->step, wall, t->steps_timed ? (double)o.batch * o.accum * o.seq * t->steps_timed / t->train_seconds : 0.0,
         t->train_seconds > 0 ? 100 * t->data_wait_s / t->train_seconds : 0.0, (double)t->last_val);

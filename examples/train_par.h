@@ -469,6 +469,13 @@ static tp_acts tp_slot(tp_state *ps, int l, int slot) {
     return s;
 }
 
+/* The place of this rank's first row of micro-batch `micro` in the rank's batch (its MoE calls'
+   rows for routing record and replay): the micro-batch's sequences, then the sequence-parallel
+   shard of the tensor-parallel rank. */
+static int64_t tp_row0(const tp_state *ps, int micro) {
+    return (int64_t)micro * ps->Nm + (int64_t)ps->grid.at.tp * ps->Ns;
+}
+
 /* Block l on slot `slot` (its x filled): y = block(x), everything backward needs kept. */
 static dsk_status tp_block_forward(tp_state *ps, int l, int slot, int micro, dsk_tensor *y) {
     tm_model *m = ps->m;
@@ -498,7 +505,7 @@ static dsk_status tp_block_forward(tp_state *ps, int l, int slot, int micro, dsk
         TM_T(TM_PH_MOVE, dsk_add(ctx, y, &s.x2, &ps->tmp));
         return DSK_OK;
     }
-    TM_T(TM_PH_MOE, dsk_moe_forward(&b->moe, ctx, y, &s.h2, m->want_stats ? &b->stats : NULL));
+    TM_T(TM_PH_MOE, tm_moe_call(m, &b->moe, l, tp_row0(ps, micro), y, &s.h2, m->want_stats ? &b->stats : NULL));
     ps->layers[l].moe_micro = ps->train && !b->moe.eval ? micro : -1;
     TM_T(TM_PH_MOVE, dsk_add(ctx, y, y, &s.x2));
     return DSK_OK;
@@ -526,7 +533,7 @@ static dsk_status tp_block_backward(tp_state *ps, int l, int slot, int micro) {
         if (L->moe_micro != micro) { /* another micro-batch ran through the layer since: its forward again */
             int eval = b->moe.eval;
             b->moe.eval = 1;
-            dsk_status st = dsk_moe_forward(&b->moe, ctx, &ps->tmp, &s.h2, NULL);
+            dsk_status st = tm_moe_call(m, &b->moe, l, tp_row0(ps, micro), &ps->tmp, &s.h2, NULL);
             b->moe.eval = eval;
             TM_TRY(st);
         }

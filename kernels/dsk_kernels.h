@@ -118,9 +118,10 @@ dsk_status dsk_cuda_gather_rows_scaled(dsk_ctx *ctx, dsk_tensor *out, const dsk_
 /* ---- moe (kernels/moe.cu): the MoE steps of dsk_moe.h, each a kernel over the DSK_HD function of
    the same name there; row-major buffers, slot i = t * K + k, T tokens, E experts, K slots */
 struct dsk_moe_router;
-/* dsk__moe_route_one per token: u (T,E) -> prob (T,E), scratch (T, E + n_group), sel, gate (T,K), keys (T*K). */
+/* dsk__moe_route_one per token: u (T,E) -> prob (T,E), scratch (T, E + n_group), sel, gate (T,K), keys (T*K);
+   replay 1: sel holds the given experts (read, kept). */
 dsk_status dsk_cuda_moe_route(dsk_ctx *ctx, const struct dsk_moe_router *r, int64_t T, const float *u, const float *bias,
-                              float *prob, float *scratch, int32_t *sel, float *gate, int32_t *keys);
+                              float *prob, float *scratch, int32_t *sel, float *gate, int32_t *keys, int replay);
 /* The balancing losses: dsk__moe_loss_token per token, dsk__moe_switch_expert per expert (aux_alpha > 0),
    dsk__moe_seq_expert per (sequence, expert) (seq_alpha > 0), then dsk__moe_loss_finish and the coefficients. */
 typedef struct dsk_cuda_moe_loss_args {

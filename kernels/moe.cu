@@ -23,17 +23,17 @@
 /* ======================================================================= routing */
 
 __global__ void dsk__moe_k_route(dsk_moe_router r, int64_t T, const float *u, const float *bias, float *prob,
-                                 float *scratch, int32_t *sel, float *gate, int32_t *keys) {
+                                 float *scratch, int32_t *sel, float *gate, int32_t *keys, int replay) {
     int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (t < T) dsk__moe_route_one(&r, t, u, bias, prob, scratch, sel, gate, keys);
+    if (t < T) dsk__moe_route_one(&r, t, u, bias, prob, scratch, sel, gate, keys, replay);
 }
 
 extern "C" dsk_status dsk_cuda_moe_route(dsk_ctx *ctx, const dsk_moe_router *r, int64_t T, const float *u,
                                          const float *bias, float *prob, float *scratch, int32_t *sel, float *gate,
-                                         int32_t *keys) {
+                                         int32_t *keys, int replay) {
     static const char *fn = "dsk_moe_forward (routing)";
     DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
-    DSK__MOE_LAUNCH(fn, dsk__moe_k_route, T, 128, *r, T, u, bias, prob, scratch, sel, gate, keys);
+    DSK__MOE_LAUNCH(fn, dsk__moe_k_route, T, 128, *r, T, u, bias, prob, scratch, sel, gate, keys, replay);
     return DSK_OK;
 }
 

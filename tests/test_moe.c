@@ -1,12 +1,15 @@
 /* tests/test_moe.c - dsk_moe.h against an independent float64 reference written here: routing
    (softmax, sigmoid, groups, bias, normalisation), capacity, shared experts, loss terms, the
    bias update, gradients by central finite differences, bf16, expert parallelism over forked
-   host-backend ranks, and bad configurations. */
+   host-backend ranks (the layer, and the mixed-precision statistics' join), routing record and
+   replay, and bad configurations and calls. */
 #define _DEFAULT_SOURCE /* MAP_ANONYMOUS for the ranks' shared results (POSIX alone lacks it) */
 #define DSK_TENSOR_IMPLEMENTATION
 #define DSK_COMM_IMPLEMENTATION
 #define DSK_MOE_IMPLEMENTATION
+#define DSK_AMP_IMPLEMENTATION
 #include "dsk_comm.h"
+#include "dsk_amp.h" /* before dsk_moe.h: dsk_moe_amp_unscale */
 #include "dsk_moe.h"
 #include "tests/dsk_test.h"
 #include <sys/mman.h>
@@ -22,6 +25,7 @@ typedef struct cfg {
     int count_sel;  /* losses count the actual selections (DSK_MOE_COUNT_SELECTED), not the plain top-K */
     double min_margin; /* inputs are redrawn until routing is this far from any tie [1e-4] */
     double scale, aux, seq_aux, z, cf;
+    const int *force; /* (T,K) replayed experts instead of the selection, or NULL */
 } cfg;
 
 /* Parameters in double, same layouts as the layer: wr (E,D), b (E), w1 w3 (E,F,D), w2 (E,D,F),
@@ -61,8 +65,10 @@ static int ref_group_width(const cfg *c) {
     return w < c->E / c->n_group ? w : c->E / c->n_group;
 }
 
-/* Routes token x (D): writes sel (K), g (K), p (E) and returns its selection margin. */
-static double ref_route(const cfg *c, const refp *w, const double *x, int *sel, double *g, double *p) {
+/* Routes token x (D): writes sel (K), g (K), p (E) and returns its selection margin; with force
+   (K) those experts are taken as they are (replay) and the margin is not a concern. */
+static double ref_route(const cfg *c, const refp *w, const double *x, int *sel, double *g, double *p,
+                        const int *force) {
     int E = c->E, K = c->K, G = c->n_group, gs = E / G;
     double u[512], cs[512], gsc[64], mx = -1e300, sum = 0, margin = 1e300;
     int allowed[512], gkeep[64];
@@ -77,6 +83,12 @@ static double ref_route(const cfg *c, const refp *w, const double *x, int *sel, 
     }
     if (!c->sigmoid) for (int j = 0; j < E; j++) p[j] /= sum;
     for (int j = 0; j < E; j++) { cs[j] = p[j] + w->b[j]; allowed[j] = 1; }
+    if (force) {
+        sum = 0;
+        for (int k = 0; k < K; k++) { sel[k] = force[k]; sum += p[sel[k]]; }
+        for (int k = 0; k < K; k++) g[k] = c->scale * (c->norm ? p[sel[k]] / (sum + 1e-20) : p[sel[k]]);
+        return 1e300;
+    }
     if (G > 1) {
         for (int q = 0; q < G; q++) {
             gsc[q] = ref_top_sum(cs + q * gs, gs, ref_group_width(c));
@@ -167,7 +179,8 @@ static double ref_forward(const cfg *c, const refp *w, const double *x, double *
     o->dropped = 0;
     memset(o->load, 0, (size_t)E * sizeof(int));
     for (int t = 0; t < T; t++) {
-        double m = ref_route(c, w, x + t * D, o->sel + t * K, o->g + t * K, p + t * E), tot = 0;
+        double m = ref_route(c, w, x + t * D, o->sel + t * K, o->g + t * K, p + t * E,
+                             c->force ? c->force + t * K : NULL), tot = 0;
         if (m < o->margin) o->margin = m;
         if (c->aux > 0 || c->seq_aux > 0) {
             m = ref_loss_count(c, p + t * E, o->sel + t * K, o->lcnt + t * E);
@@ -374,13 +387,15 @@ static int setup(fixture *f, const cfg *c, dsk_dtype dt, double bias_mag) {
     return 0;
 }
 
-/* Runs the layer forward (output poisoned first) and returns y as f32 in f->yf. */
-static int run_forward(fixture *f, dsk_moe_stats *st) {
+/* Runs the layer forward (output poisoned first; replaying the routing `replay` unless NULL) and
+   returns y as f32 in f->yf. */
+static int run_forward_replay(fixture *f, dsk_moe_stats *st, const dsk_tensor *replay) {
     int64_t n = (int64_t)f->c.T * f->c.D;
     dsk_status s;
     if (f->ty.dtype == DSK_F32) dsk_test_poison_f32((float *)f->ty.data, n);
     else dsk_test_poison_bytes(f->ty.data, (size_t)n * 2);
-    s = dsk_moe_forward(&f->m, NULL, &f->ty, &f->tx, st);
+    s = replay ? dsk_moe_forward_replay(&f->m, NULL, &f->ty, &f->tx, replay, st)
+               : dsk_moe_forward(&f->m, NULL, &f->ty, &f->tx, st);
     if (s != DSK_OK) {
         dsk_test_fail_at(__FILE__, __LINE__, "dsk_moe_forward: %s: %s", dsk_status_str(s), dsk_last_error());
         return 0;
@@ -389,6 +404,8 @@ static int run_forward(fixture *f, dsk_moe_stats *st) {
         f->yf[i] = f->ty.dtype == DSK_F32 ? ((float *)f->ty.data)[i] : dsk_bf16_to_f32(((uint16_t *)f->ty.data)[i]);
     return 1;
 }
+
+static int run_forward(fixture *f, dsk_moe_stats *st) { return run_forward_replay(f, st, NULL); }
 
 static cfg base_cfg(int T, int D, int E, int K, int F) {
     cfg c;
@@ -767,7 +784,9 @@ static void test_switch_loss_ignores_seq_len(void) {
     }
 }
 
-/* Gradients accumulate across backward calls (micro-batches). */
+/* Gradients accumulate across micro-batches (forward, backward, forward, backward); a second
+   backward of one forward fails naming the layer (it would add the gradients again) and changes
+   nothing. */
 static void test_grad_accumulates(void) {
     cfg c = base_cfg(11, 8, 4, 2, 6);
     fixture f;
@@ -783,9 +802,13 @@ static void test_grad_accumulates(void) {
         for (int64_t i = 0; i < n; i++) { ((float *)dy.data)[i] = (float)f.R[i]; ((float *)dx.data)[i] = 0; }
         DSK_TEST_OK(dsk_moe_backward(&f.m, NULL, &dx, &dy, 1.0f));
         memcpy(g1, f.own.grads.data, sizeof(float) * ng);
+        DSK_TEST_STATUS(dsk_moe_backward(&f.m, NULL, &dx, &dy, 1.0f), DSK_ERR_STATE);
+        DSK_TEST_ERROR_MENTIONS("dsk_moe_backward: layer \"moe\": a backward already used the last forward");
+        DSK_TEST_SAME_BYTES(f.own.grads.data, g1, sizeof(float) * ng, "grads after a refused second backward");
+        DSK_TEST_EXPECT(run_forward(&f, NULL), "second forward");
         DSK_TEST_OK(dsk_moe_backward(&f.m, NULL, &dx, &dy, 1.0f));
         for (int64_t i = 0; i < ng; i++) twice[i] = 2.0 * g1[i];
-        DSK_TEST_CLOSE((const float *)f.own.grads.data, twice, ng, 1e-6, 0, "grad after two backward calls");
+        DSK_TEST_CLOSE((const float *)f.own.grads.data, twice, ng, 1e-6, 0, "grad after two micro-batches");
         DSK_TEST_EXPECT(f.own.grad_dense == (int64_t)(c.E + 3 * c.Fs) * c.D &&
                         f.own.grad_sharded == (int64_t)3 * c.E * c.F * c.D, "slab parts %lld + %lld",
                         (long long)f.own.grad_dense, (long long)f.own.grad_sharded);
@@ -793,6 +816,322 @@ static void test_grad_accumulates(void) {
         dsk_tensor_free(NULL, &dx); dsk_tensor_free(NULL, &dy);
     }
     free_fixture(&f);
+}
+
+/* ---------------------------------------------------------------- routing record and replay */
+
+/* dy from f->R (rounded to f32 and mirrored) and dx zero, for a backward. */
+static void grad_io(fixture *f, dsk_tensor *dx, dsk_tensor *dy) {
+    int64_t n = (int64_t)f->c.T * f->c.D, shp[2] = {f->c.T, f->c.D};
+    dsk_tensor_alloc(NULL, dx, DSK_F32, 2, shp);
+    dsk_tensor_alloc(NULL, dy, DSK_F32, 2, shp);
+    for (int64_t i = 0; i < n; i++) {
+        ((float *)dy->data)[i] = (float)f->R[i];
+        f->R[i] = ((float *)dy->data)[i];
+        ((float *)dx->data)[i] = 0.0f;
+    }
+}
+
+/* A recorded routing replayed on the same input and parameters gives the same bits: y, the
+   statistics, dx, every gradient and the bias after its update. The record is the reference's
+   selection. */
+static void check_replay_recorded(const char *what, cfg c, double bias_mag) {
+    fixture f;
+    dsk_test_begin("replay of a recorded routing: %s T=%d E=%d K=%d", what, c.T, c.E, c.K);
+    if (setup(&f, &c, DSK_F32, bias_mag)) {
+        int64_t n = (int64_t)c.T * c.D, ng = dsk_tensor_numel(&f.own.grads), rs[2] = {c.T, c.K};
+        dsk_tensor rec, dx, dy;
+        dsk_moe_stats s1, s2;
+        float *y1 = (float *)malloc(sizeof(float) * n), *dx1 = (float *)malloc(sizeof(float) * n);
+        float *g1 = (float *)malloc(sizeof(float) * ng), b0[64], b1[64];
+        int64_t load1[64];
+        int same = 1;
+        dsk_tensor_alloc(NULL, &rec, DSK_I32, 2, rs);
+        dsk_test_poison_bytes(rec.data, (size_t)c.T * c.K * 4);
+        grad_io(&f, &dx, &dy);
+        memcpy(b0, f.m.bias->value.data, sizeof(float) * c.E);
+        f.m.opts.bias_rate = 0.01f;
+        if (run_forward(&f, &s1)) {
+            memcpy(y1, f.yf, sizeof(float) * n);
+            memcpy(load1, s1.tokens_per_expert, sizeof(int64_t) * c.E);
+            DSK_TEST_OK(dsk_moe_routing(&f.m, NULL, &rec));
+            for (int i = 0; i < c.T * c.K; i++) same &= ((int32_t *)rec.data)[i] == f.o.sel[i];
+            DSK_TEST_EXPECT(same, "the recorded routing is the reference's selection");
+            DSK_TEST_OK(dsk_moe_backward(&f.m, NULL, &dx, &dy, 1.0f));
+            memcpy(dx1, dx.data, sizeof(float) * n);
+            memcpy(g1, f.own.grads.data, sizeof(float) * ng);
+            DSK_TEST_OK(dsk_moe_update_bias(&f.m, NULL, NULL));
+            memcpy(b1, f.m.bias->value.data, sizeof(float) * c.E);
+            /* the same state again, then the replay */
+            memcpy(f.m.bias->value.data, b0, sizeof(float) * c.E);
+            DSK_TEST_OK(dsk_moe_zero_grad(&f.m, NULL));
+            dsk_tensor_fill(NULL, &dx, 0.0);
+            if (run_forward_replay(&f, &s2, &rec)) {
+                DSK_TEST_SAME_BYTES(f.yf, y1, sizeof(float) * n, "y");
+                DSK_TEST_SAME_BYTES(s2.tokens_per_expert, load1, sizeof(int64_t) * c.E, "loads");
+                DSK_TEST_EXPECT(s1.loss == s2.loss && s1.dropped == s2.dropped,
+                                "loss %.17g vs %.17g, dropped %lld vs %lld", s2.loss, s1.loss, (long long)s2.dropped,
+                                (long long)s1.dropped);
+                DSK_TEST_OK(dsk_moe_backward(&f.m, NULL, &dx, &dy, 1.0f));
+                DSK_TEST_SAME_BYTES(dx.data, dx1, sizeof(float) * n, "dx");
+                DSK_TEST_SAME_BYTES(f.own.grads.data, g1, sizeof(float) * ng, "gradients");
+                DSK_TEST_OK(dsk_moe_update_bias(&f.m, NULL, NULL));
+                DSK_TEST_SAME_BYTES(f.m.bias->value.data, b1, sizeof(float) * c.E, "bias after its update");
+            }
+        }
+        free(y1); free(dx1); free(g1);
+        dsk_tensor_free(NULL, &rec); dsk_tensor_free(NULL, &dx); dsk_tensor_free(NULL, &dy);
+    }
+    free_fixture(&f);
+    dsk_test_end();
+}
+
+/* K distinct experts per token drawn at random (a random permutation's first K). */
+static void draw_assignment(int T, int E, int K, int *out) {
+    for (int t = 0; t < T; t++) {
+        int perm[512];
+        for (int j = 0; j < E; j++) perm[j] = j;
+        for (int j = 0; j < K; j++) {
+            int r = j + (int)dsk_test_rand_int(E - j), tmp = perm[j];
+            perm[j] = perm[r];
+            perm[r] = tmp;
+            out[t * K + j] = perm[j];
+        }
+    }
+}
+
+/* A fresh random assignment (not the layer's choice) replayed: y, the loads, drops and losses
+   against the float64 reference routed the same way; gradients against its central
+   differences; the bias update counts the replayed loads; the record returns the assignment. */
+static void check_replay_fresh(const char *what, cfg c, double bias_mag) {
+    fixture f;
+    int *force = (int *)malloc(sizeof(int) * (size_t)c.T * c.K);
+    dsk_test_begin("replay of a random assignment: %s T=%d E=%d K=%d", what, c.T, c.E, c.K);
+    draw_assignment(c.T, c.E, c.K, force);
+    c.force = force;
+    if (setup(&f, &c, DSK_F32, bias_mag)) {
+        int64_t n = (int64_t)c.T * c.D, rs[2] = {c.T, c.K};
+        dsk_tensor rep, own_sel, dx, dy;
+        dsk_moe_stats st;
+        int differ = 0, same = 1;
+        dsk_tensor_alloc(NULL, &rep, DSK_I32, 2, rs);
+        dsk_tensor_alloc(NULL, &own_sel, DSK_I32, 2, rs);
+        for (int i = 0; i < c.T * c.K; i++) ((int32_t *)rep.data)[i] = force[i];
+        grad_io(&f, &dx, &dy);
+        f.m.opts.bias_rate = 0.01f;
+        /* the layer's own choice (an eval forward: counted nowhere) differs from the assignment */
+        f.m.eval = 1;
+        DSK_TEST_EXPECT(run_forward(&f, NULL), "selecting forward");
+        f.m.eval = 0;
+        DSK_TEST_OK(dsk_moe_routing(&f.m, NULL, &own_sel));
+        for (int t = 0; t < c.T; t++)
+            for (int k = 0; k < c.K; k++) differ += ((int32_t *)own_sel.data)[t * c.K + k] != force[t * c.K + k];
+        DSK_TEST_EXPECT(differ > 0, "the random assignment is the layer's own choice: draw again");
+        if (run_forward_replay(&f, &st, &rep)) {
+            double got[3] = {st.aux_loss, st.seq_aux_loss, st.z_loss}, want[3] = {f.o.aux, f.o.seq_aux, f.o.z};
+            double bias_want[64], mean = 0;
+            float bias_got[64];
+            DSK_TEST_CLOSE(f.yf, f.y, n, 1e-4, 1e-5, "y");
+            DSK_TEST_CLOSE64(got, want, 3, 1e-5, 1e-9, "loss terms");
+            DSK_TEST_EXPECT(st.dropped == f.o.dropped, "dropped %lld, reference %d", (long long)st.dropped,
+                            f.o.dropped);
+            for (int e = 0; e < c.E; e++)
+                DSK_TEST_EXPECT(st.tokens_per_expert[e] == f.o.load[e], "expert %d load %lld, reference %d", e,
+                                (long long)st.tokens_per_expert[e], f.o.load[e]);
+            DSK_TEST_OK(dsk_moe_routing(&f.m, NULL, &own_sel));
+            for (int i = 0; i < c.T * c.K; i++) same &= ((int32_t *)own_sel.data)[i] == force[i];
+            DSK_TEST_EXPECT(same, "the record of a replayed forward is the replayed routing");
+            DSK_TEST_OK(dsk_moe_zero_grad(&f.m, NULL));
+            DSK_TEST_OK(dsk_moe_backward(&f.m, NULL, &dx, &dy, 1.0f));
+            check_grad("dx", (const float *)dx.data, f.x, n, &f);
+            check_grad("d router", (const float *)f.m.router->grad.data, f.w.wr, (int64_t)c.E * c.D, &f);
+            check_grad("d w1", (const float *)f.m.w1->grad.data, f.w.w1, (int64_t)c.E * c.F * c.D, &f);
+            check_grad("d w2", (const float *)f.m.w2->grad.data, f.w.w2, (int64_t)c.E * c.F * c.D, &f);
+            if (c.Fs > 0) check_grad("d shared.w1", (const float *)f.m.sw1->grad.data, f.w.s1, (int64_t)c.Fs * c.D, &f);
+            DSK_TEST_OK(dsk_moe_update_bias(&f.m, NULL, NULL));
+            for (int e = 0; e < c.E; e++) mean += (double)f.o.load[e] / c.E;
+            for (int e = 0; e < c.E; e++)
+                bias_want[e] = f.w.b[e] + 0.01 * (mean > f.o.load[e] ? 1 : mean < f.o.load[e] ? -1 : 0);
+            memcpy(bias_got, f.m.bias->value.data, sizeof(float) * c.E);
+            DSK_TEST_CLOSE(bias_got, bias_want, c.E, 1e-6, 1e-7, "bias after an update counting the replayed loads");
+        }
+        dsk_tensor_free(NULL, &rep); dsk_tensor_free(NULL, &own_sel);
+        dsk_tensor_free(NULL, &dx); dsk_tensor_free(NULL, &dy);
+    }
+    free_fixture(&f);
+    free(force);
+    dsk_test_end();
+}
+
+static void test_replay_variants(void) {
+    cfg c = base_cfg(9, 8, 6, 2, 5);
+    check_replay_recorded("softmax", c, 0.0);
+    check_replay_fresh("softmax", c, 0.0);
+    c.sigmoid = 1; c.norm = 1; c.n_group = 3; c.topk_group = 2; c.scale = 2.5; c.seq_aux = 0.05; c.seq_len = 3;
+    c.aux = 0.02; c.z = 0.01; c.n_shared = 1; c.Fs = 6; c.count_sel = 1;
+    check_replay_recorded("sigmoid+groups+bias+losses counting selections+shared", c, 0.05);
+    check_replay_fresh("sigmoid+groups+bias+losses counting selections+shared", c, 0.05);
+    c = base_cfg(12, 6, 4, 2, 4);
+    c.cf = 0.75; c.aux = 0.02; c.norm = 1;
+    check_replay_recorded("capacity by prob", c, 0.0);
+    check_replay_fresh("capacity by prob", c, 0.0);
+    c = base_cfg(131, 16, 8, 3, 8);
+    c.sigmoid = 1; c.norm = 1;
+    check_replay_recorded("sigmoid, 131 tokens", c, 0.05);
+}
+
+/* Bad replays fail with DSK_ERR_ARG naming the fault and leave the layer as it was: its saved
+   forward (backward still runs), its record, its loads and statistics. */
+static void test_replay_bad_input(void) {
+    cfg c = base_cfg(6, 8, 5, 2, 4);
+    fixture f;
+    if (setup(&f, &c, DSK_F32, 0.0) && run_forward(&f, NULL)) {
+        int64_t rs[2] = {c.T, c.K}, rl[2] = {c.T + 1, c.K}, rw[2] = {c.T, c.K + 1};
+        dsk_tensor rec, after, longer, wider, asf, dx, dy;
+        dsk_moe_stats st;
+        int32_t *r;
+        dsk_tensor_alloc(NULL, &rec, DSK_I32, 2, rs);
+        dsk_tensor_alloc(NULL, &after, DSK_I32, 2, rs);
+        dsk_tensor_alloc(NULL, &longer, DSK_I32, 2, rl);
+        dsk_tensor_alloc(NULL, &wider, DSK_I32, 2, rw);
+        dsk_tensor_alloc(NULL, &asf, DSK_F32, 2, rs);
+        dsk_tensor_fill(NULL, &longer, 0.0);
+        dsk_tensor_fill(NULL, &wider, 0.0);
+        grad_io(&f, &dx, &dy);
+        DSK_TEST_OK(dsk_moe_routing(&f.m, NULL, &rec));
+        r = (int32_t *)rec.data;
+        r[2 * c.K + 1] = c.E; /* out of range */
+        DSK_TEST_STATUS(dsk_moe_forward_replay(&f.m, NULL, &f.ty, &f.tx, &rec, NULL), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dsk_moe_forward_replay: layer \"moe\": experts[2][1] = 5 outside [0, 5)");
+        r[2 * c.K + 1] = -1;
+        DSK_TEST_STATUS(dsk_moe_forward_replay(&f.m, NULL, &f.ty, &f.tx, &rec, NULL), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("experts[2][1] = -1 outside [0, 5)");
+        r[2 * c.K + 1] = r[2 * c.K]; /* the same expert twice */
+        DSK_TEST_STATUS(dsk_moe_forward_replay(&f.m, NULL, &f.ty, &f.tx, &rec, NULL), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("token 2 takes expert");
+        DSK_TEST_ERROR_MENTIONS("twice (slots 0 and 1)");
+        DSK_TEST_STATUS(dsk_moe_forward_replay(&f.m, NULL, &f.ty, &f.tx, &longer, NULL), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("experts is [7,2] i32, want [6,2] i32");
+        DSK_TEST_STATUS(dsk_moe_forward_replay(&f.m, NULL, &f.ty, &f.tx, &wider, NULL), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("experts is [6,3] i32, want [6,2] i32");
+        DSK_TEST_STATUS(dsk_moe_forward_replay(&f.m, NULL, &f.ty, &f.tx, &asf, NULL), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("experts is [6,2] f32, want [6,2] i32");
+        DSK_TEST_STATUS(dsk_moe_forward_replay(&f.m, NULL, &f.ty, &f.tx, NULL, NULL), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("experts is NULL");
+        DSK_TEST_STATUS(dsk_moe_routing(&f.m, NULL, &wider), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dsk_moe_routing: layer \"moe\": experts is [6,3] i32, want [6,2] i32");
+        /* unchanged: the record, the saved forward, the loads and statistics of one forward */
+        DSK_TEST_OK(dsk_moe_routing(&f.m, NULL, &after));
+        for (int i = 0; i < c.T * c.K; i++)
+            DSK_TEST_EXPECT(((int32_t *)after.data)[i] == f.o.sel[i], "record slot %d: %d, selection %d", i,
+                            ((int32_t *)after.data)[i], f.o.sel[i]);
+        DSK_TEST_OK(dsk_moe_backward(&f.m, NULL, &dx, &dy, 1.0f));
+        check_grad("d w1 after the refused replays", (const float *)f.m.w1->grad.data, f.w.w1,
+                   (int64_t)c.E * c.F * c.D, &f);
+        DSK_TEST_OK(dsk_moe_stats_request(&f.m, NULL));
+        DSK_TEST_OK(dsk_moe_stats_collect(&f.m, NULL, &st));
+        DSK_TEST_EXPECT(st.calls == 1 && st.tokens == c.T, "calls %lld tokens %lld after the refused replays",
+                        (long long)st.calls, (long long)st.tokens);
+        dsk_tensor *ts[] = {&rec, &after, &longer, &wider, &asf, &dx, &dy};
+        for (int i = 0; i < 7; i++) dsk_tensor_free(NULL, ts[i]);
+    }
+    free_fixture(&f);
+}
+
+/* Before any forward there is no routing to record. */
+static void test_routing_before_forward(void) {
+    dsk_moe m;
+    owned own;
+    dsk_moe_opts o;
+    dsk_tensor rec;
+    int64_t rs[2] = {3, 2};
+    memset(&o, 0, sizeof o);
+    o.d_model = 8; o.n_routed = 4; o.top_k = 2; o.d_expert = 4;
+    DSK_TEST_OK(make_layer(&m, &own, &o));
+    dsk_tensor_alloc(NULL, &rec, DSK_I32, 2, rs);
+    DSK_TEST_STATUS(dsk_moe_routing(&m, NULL, &rec), DSK_ERR_STATE);
+    DSK_TEST_ERROR_MENTIONS("dsk_moe_routing: layer \"moe\": no forward has routed tokens");
+    dsk_tensor_free(NULL, &rec);
+    drop_layer(&m, &own);
+}
+
+/* A NULL layer is a bad argument for every entry point (DSK_ERR_ARG naming the function); a
+   zeroed or freed one is a bad state. */
+static void test_null_layer(void) {
+    dsk_tensor t;
+    dsk_moe_stats st;
+    dsk_moe z;
+    int64_t vb = 1, gd = 1, gs = 1, shp[2] = {1, 1};
+    float v = 0;
+    int32_t flag = 0;
+    dsk_tensor_wrap(&t, &v, DSK_F32, dsk_cpu(), 2, shp);
+#define NULL_ARG(call, name)                                                                                          \
+    do {                                                                                                              \
+        DSK_TEST_STATUS(call, DSK_ERR_ARG);                                                                           \
+        DSK_TEST_ERROR_MENTIONS(name ": layer is NULL");                                                             \
+    } while (0)
+    NULL_ARG(dsk_moe_forward(NULL, NULL, &t, &t, &st), "dsk_moe_forward");
+    NULL_ARG(dsk_moe_forward_replay(NULL, NULL, &t, &t, &t, &st), "dsk_moe_forward_replay");
+    NULL_ARG(dsk_moe_forward_replay(NULL, NULL, &t, &t, NULL, &st), "dsk_moe_forward_replay");
+    NULL_ARG(dsk_moe_routing(NULL, NULL, &t), "dsk_moe_routing");
+    NULL_ARG(dsk_moe_backward(NULL, NULL, &t, &t, 1.0f), "dsk_moe_backward");
+    NULL_ARG(dsk_moe_bind(NULL, NULL, 0, &t, &t), "dsk_moe_bind");
+    NULL_ARG(dsk_moe_bind_slabs(NULL, NULL, &t, &t), "dsk_moe_bind_slabs");
+    NULL_ARG(dsk_moe_init_param(NULL, NULL, 0, &t), "dsk_moe_init_param");
+    NULL_ARG(dsk_moe_init_params(NULL, NULL), "dsk_moe_init_params");
+    NULL_ARG(dsk_moe_reserve(NULL, NULL, 4), "dsk_moe_reserve");
+    NULL_ARG(dsk_moe_zero_grad(NULL, NULL), "dsk_moe_zero_grad");
+    NULL_ARG(dsk_moe_update_bias(NULL, NULL, NULL), "dsk_moe_update_bias");
+    dsk_tensor_wrap(&t, &flag, DSK_I32, dsk_cpu(), 0, NULL);
+    NULL_ARG(dsk_moe_update_bias_unless(NULL, NULL, &t), "dsk_moe_update_bias_unless");
+    NULL_ARG(dsk_moe_stats_request(NULL, NULL), "dsk_moe_stats_request");
+    NULL_ARG(dsk_moe_stats_collect(NULL, NULL, &st), "dsk_moe_stats_collect");
+#undef NULL_ARG
+    DSK_TEST_STATUS(dsk_moe_init(NULL, NULL, NULL), DSK_ERR_ARG);
+    DSK_TEST_EXPECT(dsk_moe_find_param(NULL, "moe.w1") == NULL, "find_param of a NULL layer");
+    dsk_moe_slab_sizes(NULL, &vb, &gd, &gs);
+    DSK_TEST_EXPECT(vb == 0 && gd == 0 && gs == 0, "slab sizes of a NULL layer %lld %lld %lld", (long long)vb,
+                    (long long)gd, (long long)gs);
+    dsk_moe_free(NULL, NULL);
+    memset(&z, 0, sizeof z);
+    DSK_TEST_STATUS(dsk_moe_forward(&z, NULL, &t, &t, NULL), DSK_ERR_STATE);
+    DSK_TEST_ERROR_MENTIONS("dsk_moe_forward: layer not initialised");
+}
+
+/* The other pointer arguments: NULL is DSK_ERR_ARG naming the argument. */
+static void test_null_args(void) {
+    dsk_moe m;
+    owned own;
+    dsk_moe_opts o;
+    dsk_tensor x, y;
+    int64_t shp[2] = {4, 8};
+    memset(&o, 0, sizeof o);
+    o.d_model = 8; o.n_routed = 4; o.top_k = 2; o.d_expert = 4;
+    DSK_TEST_OK(make_layer(&m, &own, &o));
+    dsk_tensor_alloc(NULL, &x, DSK_F32, 2, shp);
+    dsk_tensor_alloc(NULL, &y, DSK_F32, 2, shp);
+    dsk_tensor_fill(NULL, &x, 0.5);
+    DSK_TEST_STATUS(dsk_moe_forward(&m, NULL, NULL, &x, NULL), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("y is NULL");
+    DSK_TEST_OK(dsk_moe_forward(&m, NULL, &y, &x, NULL));
+    DSK_TEST_STATUS(dsk_moe_backward(&m, NULL, NULL, &y, 1.0f), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dx is NULL");
+    DSK_TEST_STATUS(dsk_moe_backward(&m, NULL, &x, NULL, 1.0f), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dy is NULL");
+    DSK_TEST_STATUS(dsk_moe_routing(&m, NULL, NULL), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_moe_routing: layer \"moe\": experts is NULL");
+    DSK_TEST_STATUS(dsk_moe_bind(&m, NULL, DSK_MOE_P_W1, NULL, NULL), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("parameter \"moe.w1\": value is NULL");
+    DSK_TEST_STATUS(dsk_moe_bind_slabs(&m, NULL, NULL, &own.grads), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("a slab is NULL");
+    DSK_TEST_STATUS(dsk_moe_init_param(&m, NULL, DSK_MOE_P_W1, NULL), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dst must be a float tensor");
+    DSK_TEST_STATUS(dsk_moe_stats_collect(&m, NULL, NULL), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("out is NULL");
+    DSK_TEST_EXPECT(dsk_moe_find_param(&m, NULL) == NULL, "find_param of a NULL name");
+    dsk_tensor_free(NULL, &x);
+    dsk_tensor_free(NULL, &y);
+    drop_layer(&m, &own);
 }
 
 /* Statistics come back by request: the sums over the training forwards since the previous
@@ -1349,14 +1688,214 @@ static void test_empty_batch(void) {
     drop_layer(&m, &own);
 }
 
+/* ---------------------------------------------------------------- configuration in checkpoints */
+
+/* dsk_moe_config_check of a layer made from o against the pairs of a layer made from base. */
+static dsk_status config_against(const dsk_moe_opts *base, const dsk_moe_opts *o, int drop_key) {
+    dsk_moe a, b;
+    dsk_moe_config c;
+    const char *keys[DSK_MOE_CONFIG_MAX], *values[DSK_MOE_CONFIG_MAX];
+    dsk_status s;
+    int n = 0;
+    if (dsk_moe_init(&a, NULL, base) != DSK_OK || dsk_moe_init(&b, NULL, o) != DSK_OK ||
+        dsk_moe_config_get(&a, "moe", &c) != DSK_OK)
+        return dsk_set_error(DSK_ERR_STATE, "config_against: setup: %s", dsk_last_error());
+    for (int i = 0; i < c.n; i++)
+        if (i != drop_key) { keys[n] = c.key[i]; values[n] = c.value[i]; n++; }
+    s = dsk_moe_config_check(&b, "moe", keys, values, n);
+    dsk_moe_free(&a, NULL);
+    dsk_moe_free(&b, NULL);
+    return s;
+}
+
+/* The configuration written for a checkpoint: every option, resolved (a default and its explicit
+   value agree); a layer that differs in one option fails naming it with both values; a partial
+   set fails naming the missing key; no pairs at all (an older checkpoint) pass. */
+static void test_config_check(void) {
+    dsk_moe_opts base, o;
+    dsk_moe m;
+    dsk_moe_config c;
+    memset(&base, 0, sizeof base);
+    base.d_model = 16; base.n_routed = 8; base.top_k = 2; base.d_expert = 8; base.n_shared = 1;
+    base.score = DSK_MOE_SIGMOID; base.routed_scale = 2.5f; base.n_group = 4; base.topk_group = 2;
+    DSK_TEST_OK(dsk_moe_init(&m, NULL, &base));
+    DSK_TEST_OK(dsk_moe_config_get(&m, "moe", &c));
+    DSK_TEST_EXPECT(c.n == 22, "%d pairs", c.n);
+    for (int i = 0; i < c.n; i++) {
+        if (!strcmp(c.key[i], "moe.top_k")) DSK_TEST_EXPECT(!strcmp(c.value[i], "2"), "top_k \"%s\"", c.value[i]);
+        if (!strcmp(c.key[i], "moe.routed_scale"))
+            DSK_TEST_EXPECT(!strcmp(c.value[i], "2.5"), "scale \"%s\"", c.value[i]);
+        if (!strcmp(c.key[i], "moe.norm")) DSK_TEST_EXPECT(!strcmp(c.value[i], "on"), "norm \"%s\"", c.value[i]);
+    }
+    DSK_TEST_OK(dsk_moe_config_get(&m, NULL, &c));
+    DSK_TEST_EXPECT(!strcmp(c.key[0], "moe.d_model"), "default prefix: key \"%s\"", c.key[0]);
+    o = base; o.norm = DSK_MOE_NORM_ON; o.bias_rate = 1e-3f; /* the defaults, explicit */
+    DSK_TEST_OK(config_against(&base, &o, -1));
+    o = base; o.top_k = 3;
+    DSK_TEST_STATUS(config_against(&base, &o, -1), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_moe_config_check: layer \"moe\": moe.top_k: the checkpoint has 2, this layer 3");
+    o = base; o.n_shared = 0;
+    DSK_TEST_STATUS(config_against(&base, &o, -1), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("moe.n_shared: the checkpoint has 1, this layer 0");
+    o = base; o.routed_scale = 0;
+    DSK_TEST_STATUS(config_against(&base, &o, -1), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("moe.routed_scale: the checkpoint has 2.5, this layer 1");
+    o = base; o.score = DSK_MOE_SOFTMAX; o.norm = DSK_MOE_NORM_ON;
+    DSK_TEST_STATUS(config_against(&base, &o, -1), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("moe.score: the checkpoint has sigmoid, this layer softmax");
+    o = base; o.group_rule = DSK_MOE_GROUP_MAX;
+    DSK_TEST_STATUS(config_against(&base, &o, -1), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("moe.group_rule: the checkpoint has deepseek_v3, this layer max");
+    DSK_TEST_STATUS(config_against(&base, &base, 5), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("the checkpoint holds no moe.d_shared (but other options of the layer)");
+    DSK_TEST_OK(dsk_moe_config_check(&m, "moe", NULL, NULL, 0));
+    DSK_TEST_STATUS(dsk_moe_config_check(&m, "moe", NULL, NULL, 3), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("3 pairs (keys NULL, values NULL)");
+    DSK_TEST_STATUS(dsk_moe_config_get(&m, "moe", NULL), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_moe_config_get(NULL, "moe", &c), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_moe_config_get: layer is NULL");
+    DSK_TEST_STATUS(dsk_moe_config_check(NULL, "moe", NULL, NULL, 0), DSK_ERR_ARG);
+    dsk_moe_free(&m, NULL);
+}
+
+/* ---------------------------------------------------------------- mixed-precision statistics under EP */
+
+/* dsk_moe_amp_unscale over P forked ranks (host backend): two replicated gradients, equal on
+   every rank, and two expert-sharded ones, each rank's own, all holding values v * scale. Three
+   cases: clean; an Inf in rank 1's sharded gradient; a NaN in the replicated one (on every
+   rank). Each rank returns its scaler's stats and whether its gradients came back to v. */
+enum { AJ_REP = 37, AJ_SH = 23, AJ_CASES = 3 };
+
+static float aj_value(uint64_t seed, int64_t i) { return 2.0f * dsk_rng_uniform_at(seed, 0, (uint64_t)i) - 1.0f; }
+static uint64_t aj_seed(int sharded, int rank, int i) {
+    return sharded ? 200 + 10 * (uint64_t)rank + (uint64_t)i : 100 + (uint64_t)i;
+}
+
+static int aj_rank_main(int rank, int n, int port, double *out) {
+    dsk_comm c;
+    dsk_comm_opts co;
+    dsk_amp_scaler sc;
+    dsk_amp_scaler_opts so;
+    dsk_tensor g[4];
+    float scale;
+    memset(&co, 0, sizeof co);
+    co.backend = DSK_COMM_HOST; co.master_addr = "127.0.0.1"; co.master_port = port; co.timeout_s = 60;
+    if (dsk_comm_init(&c, rank, n, &co) != DSK_OK) return 2;
+    memset(&so, 0, sizeof so);
+    if (dsk_amp_scaler_init(&sc, NULL, &so) != DSK_OK || dsk_amp_scale_get(&sc, NULL, &scale) != DSK_OK) return 3;
+    for (int i = 0; i < 4; i++) {
+        int64_t len = i < 2 ? AJ_REP : AJ_SH;
+        if (dsk_tensor_alloc(NULL, &g[i], DSK_F32, 1, &len) != DSK_OK) return 4;
+    }
+    for (int cs = 0; cs < AJ_CASES; cs++) {
+        dsk_tensor *rep[2] = {&g[0], &g[1]}, *sh[2] = {&g[2], &g[3]};
+        dsk_amp_stats st;
+        int back = 1;
+        for (int i = 0; i < 4; i++)
+            for (int64_t e = 0; e < dsk_tensor_numel(&g[i]); e++)
+                ((float *)g[i].data)[e] = aj_value(aj_seed(i >= 2, rank, i % 2), e) * scale;
+        if (cs == 1 && rank == 1) ((float *)g[3].data)[5] = INFINITY;
+        if (cs == 2) ((float *)g[0].data)[7] = NAN;
+        if (dsk_moe_amp_unscale(&sc, NULL, &c, rep, 2, sh, 2) != DSK_OK) return 10 + cs;
+        if (dsk_amp_stats_get(&sc, NULL, &st) != DSK_OK) return 20 + cs;
+        for (int i = 0; i < 4 && cs == 0; i++)
+            for (int64_t e = 0; e < dsk_tensor_numel(&g[i]); e++)
+                back &= ((float *)g[i].data)[e] == aj_value(aj_seed(i >= 2, rank, i % 2), e);
+        out[(cs * n + rank) * 3 + 0] = st.found_inf;
+        out[(cs * n + rank) * 3 + 1] = st.sumsq;
+        out[(cs * n + rank) * 3 + 2] = back;
+    }
+    for (int i = 0; i < 4; i++) dsk_tensor_free(NULL, &g[i]);
+    dsk_amp_scaler_free(&sc, NULL);
+    dsk_comm_free(&c);
+    return 0;
+}
+
+typedef struct aj_job { int n, port_ok, status[8]; double *out; } aj_job;
+
+static void aj_run(aj_job *j, int n) {
+    int port = 0;
+    memset(j, 0, sizeof *j);
+    j->n = n;
+    j->out = (double *)mmap(NULL, sizeof(double) * 3 * AJ_CASES * n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+                            -1, 0);
+    for (int i = 0; i < 3 * AJ_CASES * n; i++) j->out[i] = NAN; /* poisoned */
+    j->port_ok = dsk_comm_free_port("127.0.0.1", &port) == DSK_OK;
+    if (!j->port_ok) return;
+    for (int r = 0; r < n; r++) {
+        pid_t pid = fork();
+        if (pid == 0) {
+            int rc = aj_rank_main(r, n, port, j->out);
+            if (rc) fprintf(stderr, "rank %d: step %d failed: %s\n", r, rc, dsk_last_error());
+            _exit(rc);
+        }
+    }
+    for (int r = 0; r < n; r++) {
+        int status = 0;
+        pid_t pid = wait(&status);
+        if (pid > 0 && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) j->status[r] = status ? status : -1;
+    }
+}
+
+/* Against float64: sumsq = the replicated gradients once + every rank's sharded ones, on every
+   rank; found_inf counts a rank's Inf once and a NaN of the replicated gradients once (not once
+   per rank, as one all-reduce of every rank's stats over the world would). */
+static void aj_check(aj_job *j) {
+    int n = j->n;
+    double want = 0;
+    dsk_test_begin("dsk_moe_amp_unscale over %d host ranks: the replicated gradients count once, the expert-sharded "
+                   "ones once per rank", n);
+    if (!j->port_ok) dsk_test_fail_at(__FILE__, __LINE__, "no free port: %s", dsk_last_error());
+    for (int r = 0; r < n; r++) DSK_TEST_EXPECT(j->status[r] == 0, "rank %d exit status %d", r, j->status[r]);
+    for (int i = 0; i < 2; i++)
+        for (int64_t e = 0; e < AJ_REP; e++)
+            want += (double)aj_value(aj_seed(0, 0, i), e) * aj_value(aj_seed(0, 0, i), e);
+    for (int r = 0; r < n; r++)
+        for (int i = 0; i < 2; i++)
+            for (int64_t e = 0; e < AJ_SH; e++)
+                want += (double)aj_value(aj_seed(1, r, i), e) * aj_value(aj_seed(1, r, i), e);
+    for (int r = 0; r < n; r++) {
+        const double *c0 = j->out + (0 * n + r) * 3, *c1 = j->out + (1 * n + r) * 3, *c2 = j->out + (2 * n + r) * 3;
+        DSK_TEST_CLOSE64(&c0[1], &want, 1, 1e-12, 0, "sumsq");
+        DSK_TEST_EXPECT(c0[0] == 0 && c0[2] == 1, "rank %d clean case: found_inf %g, gradients unscaled %g", r, c0[0],
+                        c0[2]);
+        DSK_TEST_EXPECT(c1[0] == 1, "rank %d: an Inf in rank 1's expert gradient: found_inf %g, want 1", r, c1[0]);
+        DSK_TEST_EXPECT(c2[0] == 1, "rank %d: a NaN in the replicated gradient: found_inf %g, want 1 (not %d)", r,
+                        c2[0], n);
+    }
+    munmap(j->out, sizeof(double) * 3 * AJ_CASES * n);
+    dsk_test_end();
+}
+
+/* Bad arguments of dsk_moe_amp_unscale fail naming them. */
+static void test_amp_unscale_bad(void) {
+    dsk_amp_scaler sc;
+    dsk_amp_scaler_opts so;
+    memset(&so, 0, sizeof so);
+    DSK_TEST_OK(dsk_amp_scaler_init(&sc, NULL, &so));
+    DSK_TEST_STATUS(dsk_moe_amp_unscale(NULL, NULL, NULL, NULL, 0, NULL, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_moe_amp_unscale: scaler is NULL");
+    DSK_TEST_STATUS(dsk_moe_amp_unscale(&sc, NULL, NULL, NULL, 2, NULL, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("2 replicated and 0 expert-sharded gradients (lists NULL, NULL)");
+    DSK_TEST_STATUS(dsk_moe_amp_unscale(&sc, NULL, NULL, NULL, 0, NULL, -1), DSK_ERR_ARG);
+    DSK_TEST_OK(dsk_moe_amp_unscale(&sc, NULL, NULL, NULL, 0, NULL, 0));
+    dsk_amp_scaler_free(&sc, NULL);
+}
+
 int main(void) {
     dsk_test_init("test_moe");
     ep_job jobs[3];
+    aj_job aj[2];
     /* every forked rank first, before this process starts OpenMP threads */
     ep_run(&jobs[0], 2, 0);
     ep_run(&jobs[1], 4, 1);
     ep_run(&jobs[2], 2, 1);
+    aj_run(&aj[0], 2);
+    aj_run(&aj[1], 3);
     for (int i = 0; i < 3; i++) ep_check(&jobs[i]);
+    for (int i = 0; i < 2; i++) aj_check(&aj[i]);
+    DSK_TEST_RUN(test_amp_unscale_bad);
+    DSK_TEST_RUN(test_config_check);
     test_forward_variants();
     DSK_TEST_RUN(test_group_mask_is_neg_inf);
     DSK_TEST_RUN(test_bias_not_in_weights);
@@ -1367,6 +1906,11 @@ int main(void) {
     test_backward_variants();
     test_switch_loss_ignores_seq_len();
     DSK_TEST_RUN(test_grad_accumulates);
+    test_replay_variants();
+    DSK_TEST_RUN(test_replay_bad_input);
+    DSK_TEST_RUN(test_routing_before_forward);
+    DSK_TEST_RUN(test_null_layer);
+    DSK_TEST_RUN(test_null_args);
     DSK_TEST_RUN(test_stats_request);
     test_bf16_forward_backward();
     DSK_TEST_RUN(test_params_by_name);

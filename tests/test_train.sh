@@ -323,7 +323,13 @@ if [ -d "$work/ck_a" ]; then
     if [ "$before" = "$after" ]; then ok "a failed resume leaves every checkpoint file untouched"
     else bad "a failed resume leaves every checkpoint file untouched" "$(diff <(echo "$before") <(echo "$after") | head -4)"; fi
     cp -r "$work/ck_a" "$work/ck_mismatch"
-    expect_fail mismatched_ckpt 'written with ".*d_model=32.*", this run has ".*d_model=64' "${TINY[@]}" --d-model 64 --steps 40 --ckpt-dir "$work/ck_mismatch" --resume
+    # another model or MoE option: the message names it with both values (a resume with another
+    # --top-k, without the shared expert, with another --routed-scale continued before some of these)
+    expect_fail mismatched_ckpt 'written with d_model=32, this run has d_model=64' "${TINY[@]}" --d-model 64 --steps 40 --ckpt-dir "$work/ck_mismatch" --resume
+    expect_fail resume_top_k 'written with top_k=2, this run has top_k=3' "${TINY[@]}" --top-k 3 --steps 40 --ckpt-dir "$work/ck_mismatch" --resume
+    expect_fail resume_no_shared 'written with shared=1, this run has shared=0' "${TINY[@]}" --shared 0 --steps 40 --ckpt-dir "$work/ck_mismatch" --resume
+    expect_fail resume_scale 'moe.routed_scale: the checkpoint has 1, this layer 2.5' "${TINY[@]}" --routed-scale 2.5 --steps 40 --ckpt-dir "$work/ck_mismatch" --resume
+    expect_fail resume_groups 'moe.n_group: the checkpoint has 1, this layer 2' "${TINY[@]}" --groups 2 --topk-groups 1 --steps 40 --ckpt-dir "$work/ck_mismatch" --resume
 else
     bad "corrupt checkpoint on --resume" "no checkpoint from the straight run"
 fi

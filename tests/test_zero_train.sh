@@ -11,6 +11,8 @@
 #      --zero 0 does: bit for bit. --zero 2 and 3 reduce every micro-batch and add the reduced
 #      parts (sum over ranks, then over micro-batches, where --zero 0 sums over micro-batches
 #      first): f32 rounding of another order, so within 1e-6 relative over 30 steps.
+#      The MoE routing of --zero 0 is recorded and replayed by the sharded runs, so that rounding
+#      cannot move a token to another expert (a discontinuity no tolerance covers).
 #   3. A checkpoint saved at one data-parallel size resumes at another (4 -> 2, 2 -> 3, 3 -> 1, in
 #      other stages) and continues bit for bit as an unsharded (--zero 0) run resumed the same way.
 #   4. Compression on all of the corpus: PowerSGD rank 4 and bf16 end within 3% of the
@@ -146,10 +148,12 @@ for cfg in "2 1 f32" "4 1 f32" "4 2 f32" "2 1 bf16"; do
 done
 
 echo "# section 2 at ${SECONDS}s"
-# ---- 2. gradient accumulation: ZeRO-1 reduces once (bitwise); ZeRO-2 and 3 each micro-batch (another order)
-run acc0 "${TINY[@]}" --steps 30 --nproc 2 --accum 2
+# ---- 2. gradient accumulation: ZeRO-1 reduces once (bitwise); ZeRO-2 and 3 each micro-batch (another order).
+#      The sharded runs replay --zero 0's MoE routing (--routing-record/--routing-replay): another
+#      order of sums could decide a near-tie of the top-k or the bias update's sign the other way.
+run acc0 "${TINY[@]}" --steps 30 --nproc 2 --accum 2 --routing-record "$work/acc_routes.bin"
 for z in 1 2 3; do
-    run "acc$z" "${TINY[@]}" --steps 30 --nproc 2 --accum 2 --zero "$z"
+    run "acc$z" "${TINY[@]}" --steps 30 --nproc 2 --accum 2 --zero "$z" --routing-replay "$work/acc_routes.bin"
     tol=1e-6; [ "$z" -eq 1 ] && tol=0
     what="--zero $z --accum 2 at 2 ranks: $( [ "$z" -eq 1 ] && echo "bit for bit" || echo "within 1e-6") of --zero 0"
     ran acc0 "$what" && ran "acc$z" "$what" || continue

@@ -3,7 +3,9 @@
    gradient), bias update, for softmax/sigmoid, groups, shared experts, capacity, f32 and bf16;
    a forward and backward that make no host sync and no device-to-host copy (ctx->counters),
    statistics that come back by request, a forward and backward captured as a CUDA graph and
-   replayed bit for bit, non-finite routing without a sync, expert parallelism over nccl.
+   replayed bit for bit, non-finite routing without a sync, expert parallelism over nccl; the
+   routing recorded on CUDA is the CPU's, and a random assignment replayed on both gives the same
+   outputs, loads and gradients.
    Without a usable GPU every case reports as skipped. */
 #define DSK_TENSOR_IMPLEMENTATION
 #define DSK_COMM_IMPLEMENTATION
@@ -65,6 +67,65 @@ static void drop_layer(dsk_moe *m, owned *s, dsk_ctx *ctx) {
     dsk_tensor_free(ctx, &s->grads);
 }
 
+/* The CUDA layer's record of its last forward is the CPU layer's; then a fresh random assignment
+   (K distinct experts per token) replayed on both: y, the loads, dx and every gradient agree, and
+   the CUDA record is the assignment. */
+static void replay_case(dsk_ctx *gctx, const gcase *c, dsk_moe *cm, dsk_moe *gm, const dsk_tensor *hx,
+                        const dsk_tensor *gx, dsk_tensor *hy, dsk_tensor *gy, double rt, double at) {
+    int64_t rs[2] = {c->T, c->K}, shp[2] = {c->T, c->D}, TK = (int64_t)c->T * c->K;
+    dsk_tensor crec, grec, asg, hdy, hdx, gdy, gdx;
+    dsk_moe_stats cs, gs;
+    int bf = c->dt == DSK_BF16;
+    dsk_tensor_alloc(NULL, &crec, DSK_I32, 2, rs);
+    dsk_tensor_alloc(NULL, &grec, DSK_I32, 2, rs);
+    dsk_tensor_alloc(NULL, &asg, DSK_I32, 2, rs);
+    DSK_TEST_OK(dsk_moe_routing(cm, NULL, &crec));
+    dsk_test_poison_bytes(grec.data, (size_t)TK * 4);
+    DSK_TEST_OK(dsk_moe_routing(gm, gctx, &grec));
+    DSK_TEST_SAME_BYTES(grec.data, crec.data, (size_t)TK * 4, "routing recorded on CUDA and on the CPU");
+    for (int t = 0; t < c->T; t++) {
+        int perm[64];
+        for (int j = 0; j < c->E; j++) perm[j] = j;
+        for (int k = 0; k < c->K; k++) {
+            int r = k + (int)dsk_test_rand_int(c->E - k), tmp = perm[k];
+            perm[k] = perm[r];
+            perm[r] = tmp;
+            ((int32_t *)asg.data)[t * c->K + k] = perm[k];
+        }
+    }
+    dsk_tensor_fill(gctx, gy, NAN);
+    dsk_tensor_fill(NULL, hy, NAN);
+    DSK_TEST_OK(dsk_moe_forward_replay(cm, NULL, hy, hx, &asg, &cs));
+    DSK_TEST_OK(dsk_moe_forward_replay(gm, gctx, gy, gx, &asg, &gs));
+    compare(gctx, gy, hy, rt, at, "y of a replayed assignment");
+    for (int e = 0; e < c->E; e++)
+        DSK_TEST_EXPECT(cs.tokens_per_expert[e] == gs.tokens_per_expert[e], "replay: expert %d: cpu %lld cuda %lld", e,
+                        (long long)cs.tokens_per_expert[e], (long long)gs.tokens_per_expert[e]);
+    dsk_test_poison_bytes(grec.data, (size_t)TK * 4);
+    DSK_TEST_OK(dsk_moe_routing(gm, gctx, &grec));
+    DSK_TEST_SAME_BYTES(grec.data, asg.data, (size_t)TK * 4, "CUDA record of the replayed forward");
+    dsk_tensor_alloc(NULL, &hdy, c->dt, 2, shp); dsk_tensor_alloc(NULL, &hdx, c->dt, 2, shp);
+    dsk_tensor_alloc(gctx, &gdy, c->dt, 2, shp); dsk_tensor_alloc(gctx, &gdx, c->dt, 2, shp);
+    dsk_tensor_uniform(NULL, &hdy, 21, 0, -1, 1);
+    dsk_tensor_fill(NULL, &hdx, 0.0);
+    dsk_tensor_copy(gctx, &gdy, &hdy);
+    dsk_tensor_fill(gctx, &gdx, 0.0);
+    DSK_TEST_OK(dsk_moe_zero_grad(cm, NULL));
+    DSK_TEST_OK(dsk_moe_zero_grad(gm, gctx));
+    DSK_TEST_OK(dsk_moe_backward(cm, NULL, &hdx, &hdy, 1.0f));
+    DSK_TEST_OK(dsk_moe_backward(gm, gctx, &gdx, &gdy, 1.0f));
+    compare(gctx, &gdx, &hdx, rt, at, "dx of a replayed assignment");
+    for (int i = 0; i < cm->n_params; i++) {
+        char what[128];
+        if (!cm->params[i].trainable) continue;
+        snprintf(what, sizeof what, "replay: grad %s", cm->params[i].name);
+        compare(gctx, &gm->params[i].grad, &cm->params[i].grad, bf ? 5e-2 : 1e-3, bf ? 5e-2 : 1e-4, what);
+    }
+    dsk_tensor_free(NULL, &crec); dsk_tensor_free(NULL, &grec); dsk_tensor_free(NULL, &asg);
+    dsk_tensor_free(NULL, &hdy); dsk_tensor_free(NULL, &hdx);
+    dsk_tensor_free(gctx, &gdy); dsk_tensor_free(gctx, &gdx);
+}
+
 static void run_case(dsk_ctx *gctx, const gcase *c) {
     dsk_moe cm, gm;
     owned co, go;
@@ -118,6 +179,7 @@ static void run_case(dsk_ctx *gctx, const gcase *c) {
         snprintf(what, sizeof what, "grad %s", cm.params[i].name);
         compare(gctx, &gm.params[i].grad, &cm.params[i].grad, bf ? 5e-2 : 1e-3, bf ? 5e-2 : 1e-4, what);
     }
+    replay_case(gctx, c, &cm, &gm, &hx, &gx, &hy, &gy, rt, at);
     { /* on a device flag: set, nothing changes and the loads keep counting; clear, dsk_moe_update_bias's bias */
         int32_t flag = 1;
         dsk_tensor hflag, dflag;
