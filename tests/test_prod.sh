@@ -348,8 +348,13 @@ for _ in range(50):
     except OSError: pass
     finally: s.close(); t.close()')
     kill_at=$((3 + RANDOM % 35))
+    # the worker is a script without arguments: torchrun 2.x's parser takes a trainer flag such as
+    # --log after the program's name for an abbreviation of its own --log-dir and stops
+    printf '#!/usr/bin/env bash\nexec %q' "$BIN" >"$work/tr_worker.sh"
+    printf ' %q' "${KILL[@]}" --ckpt-dir "$work/ck_tr" --log "$work/tr.jsonl" >>"$work/tr_worker.sh"
+    chmod +x "$work/tr_worker.sh"
     torchrun -r 1 -t 1 --nproc_per_node 2 --master_port "$port" --no_python --max_restarts 1 --monitor_interval 0.2 \
-        "$BIN" "${KILL[@]}" --ckpt-dir "$work/ck_tr" --log "$work/tr.jsonl" >"$work/tr.out" 2>&1 &
+        "$work/tr_worker.sh" >"$work/tr.out" 2>&1 &
     pid=$!
     (sleep 120; kill -9 $pid 2>/dev/null) >/dev/null 2>&1 &
     watchdogs="${watchdogs:-} $!"
