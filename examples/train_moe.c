@@ -1652,7 +1652,29 @@ static dsk_status load_checkpoint(trainer *t, int64_t step) {
     return DSK_OK;
 }
 
-/* Opens --ckpt-dir; with --resume loads its newest complete checkpoint. A run that cannot
+/* Loads the newest checkpoint whose files are whole: one whose files are damaged (a truncated
+   or altered rank file: DSK_ERR_CORRUPT, agreed by every rank) is named and passed over for the
+   one saved before it, as dsk_ckpt_load(-1) does; any other failure stops the run. */
+static void resume_newest_good(trainer *t) {
+    int n = 0;
+    CHECK(dsk_ckpt_list(t->o->ckpt_dir, NULL, 0, &n));
+    dsk_ckpt_info *all = calloc((size_t)n, sizeof *all);
+    if (!all) fail(t, "--resume: out of memory listing %d checkpoints", n);
+    CHECK(dsk_ckpt_list(t->o->ckpt_dir, all, n, &n));
+    dsk_status s = DSK_ERR_CORRUPT;
+    for (int i = 0; i < n && s == DSK_ERR_CORRUPT; i++) {
+        s = load_checkpoint(t, all[i].step);
+        if (s == DSK_ERR_CORRUPT)
+            say(t, "resume: checkpoint step %lld in %s is damaged (%s); trying the one saved before it\n",
+                (long long)all[i].step, t->o->ckpt_dir, dsk_last_error());
+    }
+    free(all);
+    if (s != DSK_OK)
+        fail(t, "--resume from %s failed, nothing was written: %s: %s", t->o->ckpt_dir, dsk_status_str(s),
+             s == DSK_ERR_CORRUPT ? "every checkpoint is damaged" : dsk_last_error());
+}
+
+/* Opens --ckpt-dir; with --resume loads its newest good checkpoint. A run that cannot
    resume exits before it could write anything; a fresh run refuses a directory that holds
    checkpoints, so no run ever overwrites one by accident. */
 static void setup_ckpt(trainer *t) {
@@ -1699,8 +1721,7 @@ static void setup_ckpt(trainer *t) {
         say(t, "resume: no complete checkpoint in %s yet, starting at step 0\n", o->ckpt_dir);
         return;
     }
-    dsk_status s = load_checkpoint(t, last);
-    if (s != DSK_OK) fail(t, "--resume from %s failed, nothing was written: %s: %s", o->ckpt_dir, dsk_status_str(s), dsk_last_error());
+    resume_newest_good(t);
     int64_t epoch, offset;
     data_epoch(t, &epoch, &offset);
     say(t, "resume: step %lld from %s (data position %lld: epoch %lld, sample %lld of %lld on each rank)\n", (long long)t->step,

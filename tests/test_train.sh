@@ -311,15 +311,36 @@ expect_fail batch_world '--batch 7 \(global\) must be a multiple of the world si
 expect_fail resume_no_dir '--resume needs --ckpt-dir' "${TINY[@]}" --resume
 expect_fail fresh_over_ckpt 'already holds checkpoints' "${TINY[@]}" --steps 30 --ckpt-dir "$work/ck_a"
 
-# A corrupt checkpoint: resume fails and leaves the directory as it was.
+# A damaged newest checkpoint: --resume names it and continues from the one saved before, as
+# the straight run did; when every checkpoint is damaged it fails and leaves the directory as it was.
+damage() { # flips 4 bytes near the end of the first rank file of each step directory named
+    local d f size
+    for d in "$@"; do
+        f=$(ls "$d"/rank_*.safetensors | head -1)
+        size=$(stat -c %s "$f")
+        printf '\x5a\x5a\x5a\x5a' | dd of="$f" bs=1 seek=$((size - 64)) conv=notrunc status=none
+    done
+}
 if [ -d "$work/ck_a" ]; then
     cp -r "$work/ck_a" "$work/ck_bad"
-    f=$(ls "$work"/ck_bad/step_*30/rank_*.safetensors | head -1)
-    size=$(stat -c %s "$f")
-    printf '\x5a\x5a\x5a\x5a' | dd of="$f" bs=1 seek=$((size - 64)) conv=notrunc status=none
-    before=$(cd "$work/ck_bad" && find . -type f -exec md5sum {} + | sort)
-    expect_fail corrupt_ckpt 'resume from .* failed, nothing was written' "${TINY[@]}" --steps 40 --ckpt-dir "$work/ck_bad" --resume
-    after=$(cd "$work/ck_bad" && find . -type f -exec md5sum {} + | sort)
+    damage "$work"/ck_bad/step_*30
+    run corrupt_newest "${TINY[@]}" --steps 30 --ckpt-dir "$work/ck_bad" --resume --log "$work/corrupt_newest.jsonl"
+    same=$($PY - "$work/straight.jsonl" "$work/corrupt_newest.jsonl" <<'EOF2'
+import json, sys
+def losses(p): return {r["step"]: r["loss"] for r in map(json.loads, open(p)) if r["type"] == "step"}
+a, b = losses(sys.argv[1]), losses(sys.argv[2])
+print("ok" if sorted(b) == list(range(21, 31)) and all(a[k] == b[k] for k in b) else "differ: steps %s" % sorted(b))
+EOF2
+)
+    what="--resume past a damaged newest checkpoint (step 30): names it, resumes at step 20, steps 21-30 bitwise as the straight run"
+    if [ "$(rc corrupt_newest)" -eq 0 ] && grep -q 'checkpoint step 30 in .* is damaged' "$work/corrupt_newest.out" &&
+       grep -q 'resume: step 20 ' "$work/corrupt_newest.out" && [ "$same" = ok ]; then ok "$what"
+    else bad "$what" "exit $(rc corrupt_newest): $same" "$(grep -E 'resume|error' "$work/corrupt_newest.out" | head -3)"; fi
+    cp -r "$work/ck_a" "$work/ck_all_bad"
+    damage "$work"/ck_all_bad/step_*
+    before=$(cd "$work/ck_all_bad" && find . -type f -exec md5sum {} + | sort)
+    expect_fail corrupt_ckpt 'resume from .* failed, nothing was written: .*every checkpoint is damaged' "${TINY[@]}" --steps 40 --ckpt-dir "$work/ck_all_bad" --resume
+    after=$(cd "$work/ck_all_bad" && find . -type f -exec md5sum {} + | sort)
     if [ "$before" = "$after" ]; then ok "a failed resume leaves every checkpoint file untouched"
     else bad "a failed resume leaves every checkpoint file untouched" "$(diff <(echo "$before") <(echo "$after") | head -4)"; fi
     cp -r "$work/ck_a" "$work/ck_mismatch"
