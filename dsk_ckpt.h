@@ -5294,8 +5294,20 @@ static void dsk__ckpt_hfw_int(dsk__ckpt_buf *b, const char *key, int64_t v, int 
     else dsk__ckpt_putf(b, ",\n  \"%s\": %lld", key, (long long)v);
 }
 
+/* The shortest %g form of v that reads back as v, with a ".0" when it would read as an
+   integer (transformers' config classes check float fields' types). */
+static const char *dsk__ckpt_hf_num(char buf[40], double v) {
+    for (int p = 15; p <= 17; p++) {
+        snprintf(buf, 40, "%.*g", p, v);
+        if (strtod(buf, NULL) == v) break;
+    }
+    if (!strpbrk(buf, ".eEn")) strcat(buf, ".0");
+    return buf;
+}
+
 static void dsk__ckpt_hfw_num(dsk__ckpt_buf *b, const char *key, double v) {
-    dsk__ckpt_putf(b, ",\n  \"%s\": %.17g", key, v);
+    char t[40];
+    dsk__ckpt_putf(b, ",\n  \"%s\": %s", key, dsk__ckpt_hf_num(t, v));
 }
 
 static void dsk__ckpt_hfw_str(dsk__ckpt_buf *b, const char *key, const char *v, int is_bool) {
@@ -5353,11 +5365,15 @@ DSK_API dsk_status dsk_ckpt_hf_deepseek_config_write(const dsk_ckpt_hf_deepseek_
     if (!c->yarn) {
         dsk__ckpt_puts(&b, ",\n  \"rope_scaling\": null");
     } else {
-        dsk__ckpt_putf(&b, ",\n  \"rope_scaling\": {\"type\": \"yarn\", \"factor\": %.17g", c->rope_factor);
+        char t[4][40];
+        dsk__ckpt_putf(&b, ",\n  \"rope_scaling\": {\"type\": \"yarn\", \"factor\": %s",
+                       dsk__ckpt_hf_num(t[0], c->rope_factor));
         dsk__ckpt_putf(&b, ", \"original_max_position_embeddings\": %lld",
                        (long long)c->original_max_position_embeddings);
-        dsk__ckpt_putf(&b, ", \"mscale\": %.17g, \"mscale_all_dim\": %.17g", c->mscale, c->mscale_all_dim);
-        dsk__ckpt_putf(&b, ", \"beta_fast\": %.17g, \"beta_slow\": %.17g}", c->beta_fast, c->beta_slow);
+        dsk__ckpt_putf(&b, ", \"mscale\": %s, \"mscale_all_dim\": %s", dsk__ckpt_hf_num(t[0], c->mscale),
+                       dsk__ckpt_hf_num(t[1], c->mscale_all_dim));
+        dsk__ckpt_putf(&b, ", \"beta_fast\": %s, \"beta_slow\": %s}", dsk__ckpt_hf_num(t[2], c->beta_fast),
+                       dsk__ckpt_hf_num(t[3], c->beta_slow));
     }
     if (c->fp8) {
         dsk__ckpt_puts(&b, ",\n  \"quantization_config\": {\"quant_method\": \"fp8\", \"fmt\": \"e4m3\", ");

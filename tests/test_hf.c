@@ -254,6 +254,48 @@ static void test_export_roundtrip(void) {
     }
 }
 
+/* The fixture's weights moved by noise (so the export is not the fixture), exported in f32 to
+   g_keep/<name>, with dsk's logits of the reference tokens beside it in
+   g_keep/<name>_logits.safetensors: tests/test_hf.sh loads that directory with Python's
+   safetensors and, where installed, transformers. */
+static const char *g_keep;
+
+static void keep_export(const char *fixture, const char *name) {
+    ref r;
+    tm_model m;
+    dsk_ckpt_hf_deepseek_config h;
+    dsk_tensor noise;
+    char dir[600];
+    read_ref(fixture, &r);
+    DSK_TEST_OK(build(fixture, &m, &h, (int)r.B, (int)r.T, 1));
+    DSK_TEST_OK(dsk_tensor_alloc(&g_ctx, &noise, DSK_F32, 1, &m.numel));
+    DSK_TEST_OK(dsk_tensor_normal(&g_ctx, &noise, 99, 0, 0.0f, 0.02f));
+    DSK_TEST_OK(dsk_add(&g_ctx, &m.slab_w, &m.slab_w, &noise));
+    dsk_tensor_free(&g_ctx, &noise);
+    int64_t n = r.B * r.T * r.V, sh[3] = {r.B, r.T, r.V};
+    float *logits = (float *)malloc((size_t)n * 4), loss = NAN;
+    forward(&m, &r, logits, &loss);
+    snprintf(dir, sizeof dir, "%s/%s", g_keep, name);
+    DSK_TEST_OK(thf_export(&m, &h, dir, "f32", 0));
+    dsk_tensor lt;
+    dsk_ckpt_entry e;
+    memset(&e, 0, sizeof e);
+    DSK_TEST_OK(dsk_tensor_wrap(&lt, logits, DSK_F32, dsk_cpu(), 3, sh));
+    e.name = "logits";
+    e.tensor = &lt;
+    snprintf(dir, sizeof dir, "%s/%s_logits.safetensors", g_keep, name);
+    DSK_TEST_OK(dsk_ckpt_file_save(&g_ctx, dir, &e, 1, NULL, 0));
+    free(logits);
+    free(r.tokens);
+    free(r.logits);
+    tm_free(&m);
+}
+
+static void test_keep_export(void) {
+    keep_export("tests/hf/v3", "v3_export");
+    keep_export("tests/hf/v2", "v2_export");
+}
+
 /* ------------------------------------------------------------------ bad input */
 
 static void copy_fixture(const char *src, const char *dst) {
@@ -363,15 +405,18 @@ static void test_bad_sets(void) {
     load_fails(dir, "model.layers.1.mlp.experts.5.up_proj.weight", dir);
 }
 
-int main(void) {
+/* argv[1]: where test_keep_export leaves its exports (default: the scratch directory). */
+int main(int argc, char **argv) {
     dsk_test_init("test_hf");
     DSK_TEST_OK(dsk_ctx_init(&g_ctx, NULL));
     snprintf(g_tmp, sizeof g_tmp, "/tmp/test_hf.XXXXXX");
     if (!mkdtemp(g_tmp)) return 1;
+    g_keep = argc > 1 ? argv[1] : g_tmp;
     DSK_TEST_RUN(test_import_v3);
     DSK_TEST_RUN(test_import_v2);
     DSK_TEST_RUN(test_fp8_import);
     DSK_TEST_RUN(test_export_roundtrip);
+    DSK_TEST_RUN(test_keep_export);
     DSK_TEST_RUN(test_bad_config);
     DSK_TEST_RUN(test_bad_sets);
     char cmd[300];

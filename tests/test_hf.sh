@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# Hugging Face DeepSeek checkpoints in and out of examples/train_moe.c (examples/train_hf.h),
+# against the committed fixtures under tests/hf/ (tests/hf/make_fixture.py wrote them with
+# transformers):
+# - build/tests/test_hf (the C cases: import -> logits and loss, FP8, round trips, bad input),
+#   keeping its exports of the fixtures' (moved) weights for the checks below;
+# - Python's safetensors reads every tensor of those exports and of the trainer's f32, bf16 and
+#   fp8 exports after two fine-tuning steps: the hub's names and shapes, config.json with every
+#   key of the fixture's (tests/hf/check_export.py);
+# - where torch and transformers are installed, from_pretrained loads the exports with no
+#   missing or unexpected keys and its logits are within 1e-5 of dsk's (skipped otherwise,
+#   with the reason);
+# - --nproc 2 --ep 2 imports each rank's experts (the one-rank run's losses); --resume at the last
+#   step with --export-hf writes the saved weights (byte for byte the first run's export);
+# - the trainer refuses a config.json with an unknown topk_method, naming the file and key.
+# Prints `[test_hf] totals: P passed / F failed / S skipped`; exits non-zero on failure.
+TEST_NAME=test_hf
+source "$(dirname "$0")/train_test_lib.sh"
+need_built "$BIN"
+need_built "$BUILD/tests/test_hf"
+
+mkdir -p "$work/keep"
+if "$BUILD/tests/test_hf" "$work/keep" >"$work/c.out" 2>&1; then
+    ok "build/tests/test_hf: $(tail -1 "$work/c.out")"
+else
+    bad "build/tests/test_hf" "$(grep -E 'FAIL|tests/test_hf.c' "$work/c.out" | head -5)"
+fi
+
+# an llm.c token shard over the fixtures' 64-token vocabulary, from the frozen corpus
+$PY - "$CORPUS" "$work/tok.bin" <<'PYEOF'
+import struct, sys
+data = open(sys.argv[1], "rb").read()[:20000]
+toks = [b % 64 for b in data]
+with open(sys.argv[2], "wb") as f:
+    f.write(struct.pack("<256i", 20240520, 1, len(toks), *([0] * 253)))
+    f.write(struct.pack("<%dH" % len(toks), *toks))
+PYEOF
+
+TRAIN=(--data "$work/tok.bin" --seq 8 --batch 2 --steps 2 --warmup 1 --lr 1e-3 --val-interval 2 --val-batches 1
+       --sample-len 0 --log-every 1)
+
+check() { # name export fixture [fp8]
+    if $PY tests/hf/check_export.py tensors "$2" "$3" ${4:-} >"$work/$1.chk" 2>&1; then
+        ok "$1: Python safetensors reads every tensor with the hub's names and shapes; config.json has the fixture's keys ($(tail -1 "$work/$1.chk"))"
+    else
+        bad "$1" "$(head -5 "$work/$1.chk")"
+    fi
+}
+for f in v3 v2; do check "test_hf's $f export" "$work/keep/${f}_export" tests/hf/$f; done
+
+for f in v3 v2; do
+    for dt in f32 bf16 fp8; do
+        out=$work/tr_${f}_$dt
+        if timeout 300 "$BIN" --init-from-hf tests/hf/$f "${TRAIN[@]}" --export-hf "$out" --export-dtype $dt \
+            >"$out.log" 2>&1 && grep -q "^imported tests/hf/$f" "$out.log" && grep -q "^exported step 2" "$out.log"; then
+            ok "train_moe --init-from-hf tests/hf/$f, 2 steps, --export-hf --export-dtype $dt"
+            check "train_moe's $f $dt export" "$out" tests/hf/$f $([ $dt = fp8 ] && echo fp8)
+        else
+            bad "train_moe --init-from-hf tests/hf/$f --export-dtype $dt" "$(tail -3 "$out.log")"
+        fi
+    done
+done
+
+# the exported f32 directory again as the starting point: the import reads what the export wrote
+if timeout 300 "$BIN" --init-from-hf "$work/tr_v3_f32" "${TRAIN[@]}" >"$work/again.log" 2>&1 &&
+    grep -q "^imported $work/tr_v3_f32" "$work/again.log"; then
+    ok "train_moe --init-from-hf on its own export"
+else
+    bad "train_moe --init-from-hf on its own export" "$(tail -3 "$work/again.log")"
+fi
+
+# experts spread over ranks: each rank imports its own (expert0 of its share), the losses are the one-rank run's
+losses() { grep -oE '(step +[0-9]+/[0-9]+ \| loss [0-9.]+|validation loss [0-9.]+)' "$1"; }
+if timeout 300 "$BIN" --init-from-hf tests/hf/v3 "${TRAIN[@]}" --nproc 2 --ep 2 >"$work/ep2.log" 2>&1 &&
+    [ -n "$(losses "$work/tr_v3_f32.log")" ] && [ "$(losses "$work/ep2.log")" = "$(losses "$work/tr_v3_f32.log")" ]; then
+    ok "train_moe --init-from-hf --nproc 2 --ep 2 logs the one-rank run's losses ($(losses "$work/ep2.log" | tr '\n' ' '))"
+else
+    bad "train_moe --init-from-hf --nproc 2 --ep 2" "$(losses "$work/ep2.log" | tr '\n' ' ')" \
+        "one rank: $(losses "$work/tr_v3_f32.log" | tr '\n' ' ')"
+fi
+
+# export as a tool over a dsk checkpoint: --resume at the last step writes the same files as the run that saved it
+if timeout 300 "$BIN" --init-from-hf tests/hf/v3 "${TRAIN[@]}" --ckpt-dir "$work/ck" --export-hf "$work/ck_e1" \
+    --export-dtype f32 >"$work/ck1.log" 2>&1 &&
+    timeout 300 "$BIN" --init-from-hf tests/hf/v3 "${TRAIN[@]}" --ckpt-dir "$work/ck" --resume --export-hf "$work/ck_e2" \
+        --export-dtype f32 >"$work/ck2.log" 2>&1 && grep -q "^resume: step 2" "$work/ck2.log" &&
+    cmp -s "$work/ck_e1/model-00001-of-00001.safetensors" "$work/ck_e2/model-00001-of-00001.safetensors" &&
+    cmp -s "$work/ck_e1/config.json" "$work/ck_e2/config.json"; then
+    ok "--resume at the checkpoint's last step with --export-hf exports the saved weights byte for byte"
+else
+    bad "--resume + --export-hf" "$(tail -2 "$work/ck2.log")"
+fi
+
+# from_pretrained, where torch and transformers are installed
+for f in v3 v2; do
+    $PY tests/hf/check_export.py transformers "$work/keep/${f}_export" "$work/keep/${f}_export_logits.safetensors" \
+        tests/hf/$f >"$work/tf_$f.out" 2>&1
+    case $? in
+    0) ok "$f: from_pretrained loads the export with no missing or unexpected keys; $(grep logits "$work/tf_$f.out")" ;;
+    3) skip "$f: from_pretrained of the export (not run: $(tail -1 "$work/tf_$f.out"))" ;;
+    *) bad "$f: from_pretrained of the export" "$(grep -v Loading "$work/tf_$f.out" | tail -4)" ;;
+    esac
+done
+
+# bad input through the trainer: an unknown topk_method
+cp -r tests/hf/v3 "$work/badcfg"
+sed -i 's/"noaux_tc"/"balanced"/' "$work/badcfg/config.json"
+if ! timeout 60 "$BIN" --init-from-hf "$work/badcfg" "${TRAIN[@]}" >"$work/badcfg.log" 2>&1 &&
+    grep -q "topk_method" "$work/badcfg.log" && grep -q "$work/badcfg/config.json" "$work/badcfg.log"; then
+    ok "train_moe --init-from-hf refuses an unknown topk_method, naming config.json and the key"
+else
+    bad "train_moe --init-from-hf with topk_method \"balanced\"" "$(tail -3 "$work/badcfg.log")"
+fi
+finish
