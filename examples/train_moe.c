@@ -780,7 +780,7 @@ static void setup_model(trainer *t) {
     if (t->have_hf) {
         double t0 = now_s();
         CHECK(thf_load(&t->model, &t->hf, o->init_from_hf));
-        say(t, "imported %s (DeepseekV%dForCausalLM, %s) in %.2f s\n", o->init_from_hf, t->hf.version,
+        say(t, "imported %s (DeepseekV%dForCausalLM, %s) in %.3f s\n", o->init_from_hf, t->hf.version,
             t->hf.fp8 ? "FP8 e4m3 dequantised" : "weights as stored", now_s() - t0);
     }
 }
