@@ -15,7 +15,8 @@
    kv_a_proj_with_mqa are what dsk_rope rotates).
    What the model cannot express is refused with the key named: tied embeddings, moe_layer_freq
    other than 1, rms_norm_eps other than 1e-6 (transformers fixes the q_a/kv_a norms at 1e-6
-   while this model has one eps), YaRN rope_scaling (the per-frequency ramp is not in dsk_rope),
+   while this model has one eps), YaRN rope_scaling with mscale != mscale_all_dim (transformers
+   then scales the rotary cos/sin by their ratio; YaRN itself is train_mla.h's tmla_rotate),
    routing transformers does not run for the architecture (DeepseekV3: sigmoid + noaux_tc only;
    DeepseekV2: softmax, greedy or group_limited_greedy, norm_topk_prob false), MTP layers with
    --mtp > 0 (the hub's MTP layer has an MoE FFN, this model's MTP block a dense one; with
@@ -55,7 +56,9 @@ static dsk_status thf_model_config(const dsk_ckpt_hf_deepseek_config *h, tm_conf
     if (h->tie_word_embeddings) return thf_refuse("tie_word_embeddings", "true: this model has its own LM head");
     if (h->moe_layer_freq != 1) return thf_refuse("moe_layer_freq", "only 1 (every layer after the dense ones is MoE)");
     if (h->rms_norm_eps != 1e-6) return thf_refuse("rms_norm_eps", "only 1e-6 (transformers' q_a/kv_a norms use 1e-6)");
-    if (h->yarn) return thf_refuse("rope_scaling", "YaRN's per-frequency ramp is not implemented in dsk_rope");
+    if (h->yarn && h->rope_factor > 1 && h->mscale != h->mscale_all_dim)
+        return thf_refuse("rope_scaling", "mscale != mscale_all_dim: transformers then scales the rotary cos/sin by "
+                                          "their ratio, which this model does not");
     if (h->num_nextn_predict_layers > 0 && c->mla.mtp_depth > 0)
         return thf_refuse("num_nextn_predict_layers", "the hub's MTP layer has an MoE FFN, this model's MTP block a "
                                                       "dense one: run with --mtp 0 (the MTP layer is then skipped)");
@@ -91,7 +94,12 @@ static dsk_status thf_model_config(const dsk_ckpt_hf_deepseek_config *h, tm_conf
     c->mla.qk_nope_dim = h->qk_nope_head_dim;
     c->mla.qk_rope_dim = h->qk_rope_head_dim;
     c->mla.v_head_dim = h->v_head_dim;
-    c->mla.original_seq = 0;
+    c->mla.original_seq = h->yarn ? (int)h->original_max_position_embeddings : 0;
+    c->mla.yarn = h->yarn;
+    c->mla.rope_factor = h->yarn ? (float)h->rope_factor : 1.0f;
+    c->mla.mscale = (float)h->mscale_all_dim; /* transformers' softmax factor (yarn_apply_mscale) */
+    c->mla.beta_fast = (float)h->beta_fast;
+    c->mla.beta_slow = (float)h->beta_slow;
     return DSK_OK;
 }
 

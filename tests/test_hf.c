@@ -98,12 +98,15 @@ static void forward(tm_model *m, const ref *r, float *logits, float *loss) {
     free(tg);
 }
 
-static void check_fixture(const char *dir) {
+/* The model of dir's config.json with the tensors of weights (dir itself, or another fixture's
+   directory for a fixture of config and reference only) against dir's reference. */
+static void check_fixture(const char *dir, const char *weights) {
     ref r;
     tm_model m;
     dsk_ckpt_hf_deepseek_config h;
     read_ref(dir, &r);
-    DSK_TEST_OK(build(dir, &m, &h, (int)r.B, (int)r.T, 1));
+    DSK_TEST_OK(build(dir, &m, &h, (int)r.B, (int)r.T, 0));
+    DSK_TEST_OK(thf_load(&m, &h, weights));
     int64_t n = r.B * r.T * r.V;
     float *got = (float *)malloc((size_t)n * 4), loss = NAN;
     double *want = (double *)malloc((size_t)n * 8), amax = 0;
@@ -122,8 +125,17 @@ static void check_fixture(const char *dir) {
     free(r.logits);
 }
 
-static void test_import_v3(void) { check_fixture("tests/hf/v3"); }
-static void test_import_v2(void) { check_fixture("tests/hf/v2"); }
+static void test_import_v3(void) { check_fixture("tests/hf/v3", "tests/hf/v3"); }
+static void test_import_v2(void) { check_fixture("tests/hf/v2", "tests/hf/v2"); }
+/* v3's weights under YaRN rope_scaling (factor 4, a ramp between rope pairs 0 and 2, mscale 0.707) */
+static void test_import_v3_yarn(void) {
+    dsk_ckpt_hf_deepseek_config h;
+    DSK_TEST_OK(dsk_ckpt_hf_deepseek_config_read(&h, "tests/hf/v3_yarn"));
+    DSK_TEST_EXPECT(h.yarn && h.rope_factor == 4.0 && h.original_max_position_embeddings == 64 && h.beta_fast == 8.0 &&
+                        h.beta_slow == 0.5 && h.mscale == 0.707 && h.mscale_all_dim == 0.707,
+                    "rope_scaling read");
+    check_fixture("tests/hf/v3_yarn", "tests/hf/v3");
+}
 
 /* e4m3 bits -> value, from the format's definition (bias 7, subnormals, S.1111.111 NaN). */
 static double ref_e4m3(uint8_t b) {
@@ -260,14 +272,15 @@ static void test_export_roundtrip(void) {
    safetensors and, where installed, transformers. */
 static const char *g_keep;
 
-static void keep_export(const char *fixture, const char *name) {
+static void keep_export(const char *fixture, const char *weights, const char *name) {
     ref r;
     tm_model m;
     dsk_ckpt_hf_deepseek_config h;
     dsk_tensor noise;
     char dir[600];
     read_ref(fixture, &r);
-    DSK_TEST_OK(build(fixture, &m, &h, (int)r.B, (int)r.T, 1));
+    DSK_TEST_OK(build(fixture, &m, &h, (int)r.B, (int)r.T, 0));
+    DSK_TEST_OK(thf_load(&m, &h, weights));
     DSK_TEST_OK(dsk_tensor_alloc(&g_ctx, &noise, DSK_F32, 1, &m.numel));
     DSK_TEST_OK(dsk_tensor_normal(&g_ctx, &noise, 99, 0, 0.0f, 0.02f));
     DSK_TEST_OK(dsk_add(&g_ctx, &m.slab_w, &m.slab_w, &noise));
@@ -292,8 +305,9 @@ static void keep_export(const char *fixture, const char *name) {
 }
 
 static void test_keep_export(void) {
-    keep_export("tests/hf/v3", "v3_export");
-    keep_export("tests/hf/v2", "v2_export");
+    keep_export("tests/hf/v3", "tests/hf/v3", "v3_export");
+    keep_export("tests/hf/v2", "tests/hf/v2", "v2_export");
+    keep_export("tests/hf/v3_yarn", "tests/hf/v3", "v3_yarn_export");
 }
 
 /* ------------------------------------------------------------------ bad input */
@@ -414,6 +428,7 @@ int main(int argc, char **argv) {
     g_keep = argc > 1 ? argv[1] : g_tmp;
     DSK_TEST_RUN(test_import_v3);
     DSK_TEST_RUN(test_import_v2);
+    DSK_TEST_RUN(test_import_v3_yarn);
     DSK_TEST_RUN(test_fp8_import);
     DSK_TEST_RUN(test_export_roundtrip);
     DSK_TEST_RUN(test_keep_export);

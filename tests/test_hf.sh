@@ -10,6 +10,7 @@
 # - where torch and transformers are installed, from_pretrained loads the exports with no
 #   missing or unexpected keys and its logits are within 1e-5 of dsk's (skipped otherwise,
 #   with the reason);
+# - --grad-check of a YaRN model (v3's weights, v3_yarn's rope_scaling) against central differences;
 # - --nproc 2 --ep 2 imports each rank's experts (the one-rank run's losses); --resume at the last
 #   step with --export-hf writes the saved weights (byte for byte the first run's export);
 # - the trainer refuses a config.json with an unknown topk_method, naming the file and key.
@@ -47,6 +48,13 @@ check() { # name export fixture [fp8]
     fi
 }
 for f in v3 v2; do check "test_hf's $f export" "$work/keep/${f}_export" tests/hf/$f; done
+check "test_hf's v3_yarn export (tensors of v3, config keys of v3)" "$work/keep/v3_yarn_export" tests/hf/v3
+if $PY -c 'import json, sys; c = json.load(open(sys.argv[1])); r = c["rope_scaling"]; sys.exit(not (r["type"] == "yarn" and r["factor"] == 4.0 and r["beta_slow"] == 0.5 and r["mscale_all_dim"] == 0.707))' \
+    "$work/keep/v3_yarn_export/config.json"; then
+    ok "the v3_yarn export's config.json keeps rope_scaling (yarn, factor 4, beta_slow 0.5, mscale_all_dim 0.707)"
+else
+    bad "v3_yarn export rope_scaling" "$(grep -A2 rope_scaling "$work/keep/v3_yarn_export/config.json")"
+fi
 
 for f in v3 v2; do
     for dt in f32 bf16 fp8; do
@@ -67,6 +75,15 @@ if timeout 300 "$BIN" --init-from-hf "$work/tr_v3_f32" "${TRAIN[@]}" >"$work/aga
     ok "train_moe --init-from-hf on its own export"
 else
     bad "train_moe --init-from-hf on its own export" "$(tail -3 "$work/again.log")"
+fi
+
+# YaRN: the whole model's gradients against central differences with v3's weights under v3_yarn's rope_scaling
+mkdir -p "$work/yarn" && cp tests/hf/v3/model* "$work/yarn/" && cp tests/hf/v3_yarn/config.json "$work/yarn/"
+if timeout 300 "$BIN" --init-from-hf "$work/yarn" --data "$work/tok.bin" --seq 8 --batch 2 --grad-check 3 \
+    >"$work/yarn.log" 2>&1 && grep -q "^grad-check: 0 of [0-9]* parameters off" "$work/yarn.log"; then
+    ok "YaRN model (v3 weights, v3_yarn config): $(grep '^grad-check: ' "$work/yarn.log")"
+else
+    bad "YaRN --grad-check" "$(tail -3 "$work/yarn.log")"
 fi
 
 # experts spread over ranks: each rank imports its own (expert0 of its share), the losses are the one-rank run's
@@ -92,7 +109,7 @@ else
 fi
 
 # from_pretrained, where torch and transformers are installed
-for f in v3 v2; do
+for f in v3 v2 v3_yarn; do
     $PY tests/hf/check_export.py transformers "$work/keep/${f}_export" "$work/keep/${f}_export_logits.safetensors" \
         tests/hf/$f >"$work/tf_$f.out" 2>&1
     case $? in

@@ -162,7 +162,40 @@ def make_fp8(cfg, tensors, bs):
     print(f"v3_fp8: {sum(1 for n in out if n.endswith('_scale_inv'))} FP8 tensors")
 
 
+def make_yarn(cfg, tensors):
+    """v3's weights under YaRN rope_scaling (a ramp between pairs 0 and 2 of the 4, mscale applied): only
+    config.json and reference.safetensors; the test reads the weights from v3/."""
+    d = os.path.join(HERE, "v3_yarn")
+    c = dict(cfg, rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                "beta_fast": 8.0, "beta_slow": 0.5, "mscale": 0.707, "mscale_all_dim": 0.707})
+    config = transformers.DeepseekV3Config(**c)
+    config._attn_implementation = "eager"
+    model = transformers.DeepseekV3ForCausalLM(config).to(torch.float32).eval()
+    state = model.state_dict()
+    with torch.no_grad():  # the hub tensors back into transformers' layout (experts fused)
+        for k in state:
+            if k.endswith("mlp.experts.gate_up_proj"):
+                p = k[: -len("gate_up_proj")]
+                state[k].copy_(torch.stack([torch.cat([tensors[f"{p}{e}.gate_proj.weight"],
+                                                       tensors[f"{p}{e}.up_proj.weight"]]) for e in range(8)]))
+            elif k.endswith("mlp.experts.down_proj"):
+                p = k[: -len("down_proj")]
+                state[k].copy_(torch.stack([tensors[f"{p}{e}.down_proj.weight"] for e in range(8)]))
+            else:
+                state[k].copy_(tensors[k])
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(c, f, indent=2, sort_keys=True)
+    g = torch.Generator().manual_seed(2026 + 1)
+    tokens = torch.randint(0, cfg["vocab_size"], (B, T + 1), generator=g, dtype=torch.int32)
+    logits, loss = logits_and_loss(model, tokens)
+    save_file({"tokens": tokens, "logits": logits.contiguous(), "loss": loss.reshape(())},
+              os.path.join(d, "reference.safetensors"))
+    print(f"v3_yarn: loss {loss.item():.6f}")
+
+
 if __name__ == "__main__":
     cfg, tensors = make("v3", V3, 2026)
     make_fp8(cfg, tensors, 16)
+    make_yarn(cfg, tensors)
     make("v2", V2, 2027)
