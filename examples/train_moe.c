@@ -770,8 +770,8 @@ static void setup_model(trainer *t) {
     c.external = t->use_zero;
     if (t->have_hf) {
         if (t->data.vocab != (int)t->hf.vocab_size)
-            fail(t, "--init-from-hf: the data's vocabulary is %d tokens, the model's %lld: --data takes token shards of "
-                    "the model's vocabulary", t->data.vocab, (long long)t->hf.vocab_size);
+            fail(t, "--init-from-hf: the data's vocabulary is %d tokens, the model's %lld: --data takes token shards "
+                    "of the model's vocabulary", t->data.vocab, (long long)t->hf.vocab_size);
         CHECK(thf_model_config(&t->hf, &c));
     }
     if (o->dense_layers < o->layers && o->experts < 1) fail(t, "--experts %d: MoE blocks need at least 1 expert", o->experts);

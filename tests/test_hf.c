@@ -375,6 +375,22 @@ static void load_fails(const char *dir, const char *n1, const char *n2) {
     tm_free(&m);
 }
 
+/* load_fails for the FP8 fixture's config, with the scale blocks `block` rows high. */
+static void load_fails_fp8(const char *dir, int block, const char *n1, const char *n2) {
+    tm_model m;
+    dsk_ckpt_hf_deepseek_config h;
+    DSK_TEST_OK(build("tests/hf/v3_fp8", &m, &h, 1, 4, 0));
+    h.block[0] = block;
+    DSK_TEST_OK(dsk_tensor_fill(&g_ctx, &m.slab_w, NAN));
+    DSK_TEST_EXPECT(thf_load(&m, &h, dir) != DSK_OK, "loading %s fails", dir);
+    DSK_TEST_ERROR_MENTIONS(n1);
+    DSK_TEST_ERROR_MENTIONS(n2);
+    int64_t touched = 0;
+    for (int64_t i = 0; i < m.numel; i++) touched += !isnan(((const float *)m.slab_w.data)[i]);
+    DSK_TEST_EXPECT(touched == 0, "nothing loaded: %lld weights changed", (long long)touched);
+    tm_free(&m);
+}
+
 static void test_bad_sets(void) {
     char dir[300], path[400];
     snprintf(dir, sizeof dir, "%s/badset", g_tmp);
@@ -420,6 +436,70 @@ static void test_bad_sets(void) {
 }
 
 /* argv[1]: where test_keep_export leaves its exports (default: the scratch directory). */
+/* The library's other refusals: config types, FP8 scales, role names, the writer and the quantiser. */
+static void test_bad_library(void) {
+    char dir[300], path[400], name[64];
+    dsk_ckpt_hf_deepseek_config h;
+    snprintf(dir, sizeof dir, "%s/badlib", g_tmp);
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    const char *edits[][3] = {{"\"hidden_size\": 32", "\"hidden_size\": \"32\"", "\"hidden_size\" is not an integer"},
+                              {"\"norm_topk_prob\": true", "\"norm_topk_prob\": 1", "\"norm_topk_prob\" is not true"},
+                              {"DeepseekV3ForCausalLM", "LlamaForCausalLM", "\"architectures\" names neither"},
+                              {"\"scoring_func\": \"sigmoid\"", "\"scoring_func\": \"relu\"", "\"scoring_func\" is \"relu\""},
+                              {"\"rope_theta\": 10000.0", "\"rope_theta\": null", "\"rope_theta\" is not a number"}};
+    for (size_t i = 0; i < sizeof edits / sizeof edits[0]; i++) {
+        copy_fixture("tests/hf/v3", dir);
+        edit_file(path, edits[i][0], edits[i][1]);
+        DSK_TEST_STATUS(dsk_ckpt_hf_deepseek_config_read(&h, dir), DSK_ERR_CORRUPT);
+        DSK_TEST_ERROR_MENTIONS(edits[i][2]);
+    }
+    /* an FP8 tensor whose scale the index does not hold, and scales of another block size */
+    copy_fixture("tests/hf/v3_fp8", dir);
+    snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
+    edit_file(path, "model.layers.0.self_attn.o_proj.weight_scale_inv", "model.layers.0.self_attn.o_proj.weight_scale_X");
+    load_fails_fp8(dir, 16, "model.layers.0.self_attn.o_proj.weight_scale_inv", "has no");
+    load_fails_fp8("tests/hf/v3_fp8", 8, "_scale_inv\" is not f32 (ceil(", "/8)");
+    /* role names */
+    DSK_TEST_OK(dsk_ckpt_hf_deepseek_role_name(name, sizeof name, 4, "attn.wkv_a"));
+    DSK_TEST_EXPECT(strcmp(name, "model.layers.4.self_attn.kv_a_proj_with_mqa.weight") == 0, "name %s", name);
+    DSK_TEST_OK(dsk_ckpt_hf_deepseek_role_name(name, sizeof name, -1, "lm_head"));
+    DSK_TEST_EXPECT(strcmp(name, "lm_head.weight") == 0, "name %s", name);
+    DSK_TEST_OK(dsk_ckpt_hf_deepseek_role_name(name, sizeof name, 2, "w2"));
+    DSK_TEST_EXPECT(strcmp(name, "model.layers.2.mlp.experts.{E}.down_proj.weight") == 0, "name %s", name);
+    DSK_TEST_STATUS(dsk_ckpt_hf_deepseek_role_name(name, sizeof name, 2, "attn.wk"), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("attn.wk");
+    DSK_TEST_STATUS(dsk_ckpt_hf_deepseek_role_name(name, sizeof name, -1, "ln1"), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("ln1");
+    DSK_TEST_STATUS(dsk_ckpt_hf_deepseek_role_name(name, 12, 3, "ln1"), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("too small");
+    DSK_TEST_STATUS(dsk_ckpt_hf_deepseek_role_name(name, sizeof name, -2, "embed"), DSK_ERR_ARG);
+    /* the writer and the quantiser */
+    memset(&h, 0, sizeof h);
+    DSK_TEST_STATUS(dsk_ckpt_hf_deepseek_config_write(&h, g_tmp), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("version 0");
+    dsk_tensor w, q, sc;
+    int64_t ws[2] = {5, 7}, ss[2] = {2, 2};
+    int blk[2] = {4, 4};
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &w, DSK_F32, 2, ws));
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &q, DSK_E4M3, 2, ws));
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &sc, DSK_F32, 2, ss));
+    dsk_test_fill_f32((float *)w.data, 35, -3, 3);
+    DSK_TEST_OK(dsk_ckpt_hf_quantize_e4m3(&q, &sc, &w, blk));
+    for (int64_t r = 0; r < 5; r++) /* every element within e4m3's half-step of its block's scale */
+        for (int64_t c = 0; c < 7; c++) {
+            double s1 = ((float *)sc.data)[(r / 4) * 2 + c / 4], x = ((float *)w.data)[r * 7 + c];
+            double back = ref_e4m3(((uint8_t *)q.data)[r * 7 + c]) * s1;
+            DSK_TEST_EXPECT(fabs(back - x) <= fabs(x) / 16 + s1 * ldexp(1, -10), "[%lld,%lld] %g -> %g", (long long)r,
+                            (long long)c, x, back);
+        }
+    blk[1] = 3;
+    DSK_TEST_STATUS(dsk_ckpt_hf_quantize_e4m3(&q, &sc, &w, blk), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("scale_inv (2, 3)");
+    dsk_tensor_free(NULL, &w);
+    dsk_tensor_free(NULL, &q);
+    dsk_tensor_free(NULL, &sc);
+}
+
 int main(int argc, char **argv) {
     dsk_test_init("test_hf");
     DSK_TEST_OK(dsk_ctx_init(&g_ctx, NULL));
@@ -434,6 +514,7 @@ int main(int argc, char **argv) {
     DSK_TEST_RUN(test_keep_export);
     DSK_TEST_RUN(test_bad_config);
     DSK_TEST_RUN(test_bad_sets);
+    DSK_TEST_RUN(test_bad_library);
     char cmd[300];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_tmp);
     if (system(cmd) != 0) return 1;

@@ -13,7 +13,8 @@
 # - --grad-check of a YaRN model (v3's weights, v3_yarn's rope_scaling) against central differences;
 # - --nproc 2 --ep 2 imports each rank's experts (the one-rank run's losses); --resume at the last
 #   step with --export-hf writes the saved weights (byte for byte the first run's export);
-# - the trainer refuses a config.json with an unknown topk_method, naming the file and key.
+# - the trainer refuses a config.json with an unknown topk_method, naming the file and key, and
+#   the flags it cannot combine (data vocabulary, --export-dtype, --attn mha, --ep, --zero, --mtp).
 # Prints `[test_hf] totals: P passed / F failed / S skipped`; exits non-zero on failure.
 TEST_NAME=test_hf
 source "$(dirname "$0")/train_test_lib.sh"
@@ -119,6 +120,9 @@ for f in v3 v2 v3_yarn; do
     esac
 done
 
+mkdir -p "$work/mtp" && cp tests/hf/v3/model* "$work/mtp/" &&
+    sed 's/"num_nextn_predict_layers": 0/"num_nextn_predict_layers": 1/' tests/hf/v3/config.json >"$work/mtp/config.json"
+
 # bad input through the trainer: an unknown topk_method
 cp -r tests/hf/v3 "$work/badcfg"
 sed -i 's/"noaux_tc"/"balanced"/' "$work/badcfg/config.json"
@@ -128,4 +132,23 @@ if ! timeout 60 "$BIN" --init-from-hf "$work/badcfg" "${TRAIN[@]}" >"$work/badcf
 else
     bad "train_moe --init-from-hf with topk_method \"balanced\"" "$(tail -3 "$work/badcfg.log")"
 fi
+# the trainer's other refusals, each before any step
+refuse() { # name needle args...
+    local name=$1 needle=$2; shift 2
+    if ! timeout 60 "$BIN" "$@" >"$work/refuse.log" 2>&1 && grep -qF -- "$needle" "$work/refuse.log"; then
+        ok "refused: $name"
+    else
+        bad "refused: $name" "want a failure mentioning: $needle" "$(tail -2 "$work/refuse.log")"
+    fi
+}
+refuse "data vocabulary other than the model's" "the data's vocabulary is 256 tokens, the model's 64" \
+    --init-from-hf tests/hf/v3 --data "$CORPUS" --seq 8 --batch 2 --steps 1
+refuse "--export-dtype fp16" '--export-dtype "fp16"' --data "$CORPUS" --attn mla --export-hf "$work/x" --export-dtype fp16 \
+    --steps 1
+refuse "--export-hf with --attn mha" "use --attn mla" --data "$CORPUS" --export-hf "$work/x" --steps 1
+refuse "--export-hf with --ep 2" "--export-hf runs without" --init-from-hf tests/hf/v3 "${TRAIN[@]}" --export-hf "$work/x" \
+    --ep 2
+refuse "--init-from-hf with --zero 1" "--init-from-hf runs without" --init-from-hf tests/hf/v3 "${TRAIN[@]}" --zero 1
+refuse "--init-from-hf with an MTP layer and --mtp 1" "num_nextn_predict_layers" --init-from-hf "$work/mtp" "${TRAIN[@]}" \
+    --mtp 1
 finish
