@@ -20,7 +20,8 @@
    routing transformers does not run for the architecture (DeepseekV3: sigmoid + noaux_tc only;
    DeepseekV2: softmax, greedy or group_limited_greedy, norm_topk_prob false), MTP layers with
    --mtp > 0 (the hub's MTP layer has an MoE FFN, this model's MTP block a dense one; with
-   --mtp 0 they are skipped as transformers skips them). */
+   --mtp 0 they are skipped as transformers skips them). With --mtp D > 0 on a checkpoint without
+   an MTP layer, the D modules start from their initialisation and are not exported. */
 #ifndef TRAIN_HF_H
 #define TRAIN_HF_H
 
@@ -165,12 +166,16 @@ static dsk_status thf_param_entry(const tm_model *m, const tm_param *p, char *bu
 
 /* Every tensor of the model as a hub entry on the tensors `which` selects (0: the f32 masters
    w; 1: the compute copies wc), plus each MoE layer's expert bias when the routing has one.
+   The MTP modules' parameters are left out: neither imported (they keep their initialisation)
+   nor exported (transformers has no MTP layer).
    names holds n_max names of 160 bytes. */
 static dsk_status thf_entries(tm_model *m, int which, int with_bias, dsk_ckpt_hf_entry *es, char (*names)[160],
                               int n_max, int *n) {
     *n = 0;
     for (int i = 0; i < m->n_params; i++) {
         tm_param *p = &m->params[i];
+        int l = -1;
+        if (sscanf(p->name, "blocks.%d.", &l) == 1 && l >= m->cfg.n_layers) continue; /* an MTP module's */
         if (*n >= n_max) return dsk_set_error(DSK_ERR_ARG, "thf_entries: more than %d tensors", n_max);
         DSK__TRY(thf_param_entry(m, p, names[*n], sizeof names[*n], &es[*n]));
         es[*n].tensor = which ? &p->wc : &p->w;

@@ -70,6 +70,15 @@ for f in v3 v2; do
     done
 done
 
+# fresh MTP modules on an imported model: trained, not exported (transformers has no MTP layer)
+if timeout 300 "$BIN" --init-from-hf tests/hf/v3 "${TRAIN[@]}" --mtp 1 --export-hf "$work/mtp1" --export-dtype f32 \
+    >"$work/mtp1.log" 2>&1 && grep -q "^exported step 2" "$work/mtp1.log"; then
+    ok "train_moe --init-from-hf tests/hf/v3 --mtp 1 (fresh MTP module) trains and exports"
+    check "its export holds the fixture's tensors only" "$work/mtp1" tests/hf/v3
+else
+    bad "train_moe --init-from-hf --mtp 1" "$(tail -3 "$work/mtp1.log")"
+fi
+
 # the exported f32 directory again as the starting point: the import reads what the export wrote
 if timeout 300 "$BIN" --init-from-hf "$work/tr_v3_f32" "${TRAIN[@]}" >"$work/again.log" 2>&1 &&
     grep -q "^imported $work/tr_v3_f32" "$work/again.log"; then
