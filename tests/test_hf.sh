@@ -10,6 +10,7 @@
 # - where torch and transformers are installed, from_pretrained loads the exports with no
 #   missing or unexpected keys and its logits are within 1e-5 of dsk's (skipped otherwise,
 #   with the reason);
+# - on the emulated GPU, the YaRN model imports, trains and exports (fp8) with the CPU's losses;
 # - --grad-check of a YaRN model (v3's weights, v3_yarn's rope_scaling) against central differences;
 # - --nproc 2 --ep 2 imports each rank's experts (the one-rank run's losses); --resume at the last
 #   step with --export-hf writes the saved weights (byte for byte the first run's export);
@@ -94,6 +95,38 @@ if timeout 300 "$BIN" --init-from-hf "$work/yarn" --data "$work/tok.bin" --seq 8
     ok "YaRN model (v3 weights, v3_yarn config): $(grep '^grad-check: ' "$work/yarn.log")"
 else
     bad "YaRN --grad-check" "$(tail -3 "$work/yarn.log")"
+fi
+
+# the device path (emulated GPU: the import's copies to the device, YaRN's rotations, the export from the device)
+EMU_BIN=$BUILD/emu/examples/train_moe
+if [ "${EMULATE:-1}" = 0 ]; then
+    skip "emulated GPU: not built (EMULATE=0)"
+elif ! make --no-print-directory -s BUILD="$BUILD" "$EMU_BIN" >"$work/emu_build.log" 2>&1; then
+    bad "build $EMU_BIN" "$(tail -3 "$work/emu_build.log")"
+else
+    for dev in cpu cuda; do
+        bin=$BIN; [ $dev = cuda ] && bin=$EMU_BIN
+        timeout 600 "$bin" --init-from-hf "$work/yarn" "${TRAIN[@]}" --device $dev --dtype f32 --log "$work/y_$dev.jsonl" \
+            --export-hf "$work/y_$dev" --export-dtype fp8 >"$work/y_$dev.log" 2>&1
+        echo $? >"$work/y_$dev.rc"
+    done
+    if [ "$(cat "$work/y_cpu.rc")" = 0 ] && [ "$(cat "$work/y_cuda.rc")" = 0 ] &&
+        $PY - "$work/y_cpu.jsonl" "$work/y_cuda.jsonl" <<'PYEOF'
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+b = [json.loads(l) for l in open(sys.argv[2])]
+assert len(a) == len(b) == 3
+for x, y in zip(a, b):
+    for k in ("loss", "val_loss"):
+        if k in x:
+            assert abs(x[k] - y[k]) <= 1e-5 * abs(x[k]), (k, x[k], y[k])
+PYEOF
+    then
+        ok "emulated GPU: the YaRN model imported, trained 2 steps and exported (fp8) with the CPU's losses (1e-5)"
+        check "the emulated GPU's fp8 export" "$work/y_cuda" tests/hf/v3 fp8
+    else
+        bad "emulated GPU import/train/export" "$(tail -2 "$work/y_cuda.log")" "$(cat "$work/y_cpu.jsonl" "$work/y_cuda.jsonl")"
+    fi
 fi
 
 # experts spread over ranks: each rank imports its own (expert0 of its share), the losses are the one-rank run's
