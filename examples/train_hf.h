@@ -164,57 +164,69 @@ static dsk_status thf_param_entry(const tm_model *m, const tm_param *p, char *bu
     return DSK_OK;
 }
 
-/* Every tensor of the model as a hub entry on the tensors `which` selects (0: the f32 masters
-   w; 1: the compute copies wc), plus each MoE layer's expert bias when the routing has one.
-   The MTP modules' parameters are left out: neither imported (they keep their initialisation)
-   nor exported (transformers has no MTP layer).
-   names holds n_max names of 160 bytes. */
-static dsk_status thf_entries(tm_model *m, int which, int with_bias, dsk_ckpt_hf_entry *es, char (*names)[160],
-                              int n_max, int *n) {
-    *n = 0;
+/* The model's tensors as hub entries: names and entries on the f32 masters, plus each MoE
+   layer's expert bias when the routing has one. The MTP modules' parameters are left out:
+   neither imported (they keep their initialisation) nor exported (transformers has no MTP
+   layer). */
+typedef struct thf_list {
+    dsk_ckpt_hf_entry *es;
+    char (*names)[160];
+    int n;
+} thf_list;
+
+static void thf_list_free(thf_list *t) {
+    free(t->es);
+    free(t->names);
+    memset(t, 0, sizeof *t);
+}
+
+static dsk_status thf_list_make(tm_model *m, int with_bias, thf_list *t) {
+    int cap = m->n_params + m->cfg.n_layers + 1;
+    memset(t, 0, sizeof *t);
+    t->es = (dsk_ckpt_hf_entry *)calloc((size_t)cap, sizeof *t->es);
+    t->names = (char(*)[160])calloc((size_t)cap, sizeof *t->names);
+    if (!t->es || !t->names) {
+        thf_list_free(t);
+        return dsk_set_error(DSK_ERR_OOM, "thf_list_make: out of memory for %d tensors", cap);
+    }
     for (int i = 0; i < m->n_params; i++) {
         tm_param *p = &m->params[i];
         int l = -1;
         if (sscanf(p->name, "blocks.%d.", &l) == 1 && l >= m->cfg.n_layers) continue; /* an MTP module's */
-        if (*n >= n_max) return dsk_set_error(DSK_ERR_ARG, "thf_entries: more than %d tensors", n_max);
-        DSK__TRY(thf_param_entry(m, p, names[*n], sizeof names[*n], &es[*n]));
-        es[*n].tensor = which ? &p->wc : &p->w;
-        (*n)++;
+        dsk_status s = thf_param_entry(m, p, t->names[t->n], sizeof t->names[t->n], &t->es[t->n]);
+        if (s != DSK_OK) { thf_list_free(t); return s; }
+        t->es[t->n++].tensor = &p->w;
     }
     for (int l = m->cfg.n_dense; with_bias && l < m->cfg.n_layers; l++) {
-        if (*n >= n_max) return dsk_set_error(DSK_ERR_ARG, "thf_entries: more than %d tensors", n_max);
-        DSK__TRY(dsk_ckpt_hf_deepseek_name(names[*n], sizeof names[*n], l, "bias"));
-        memset(&es[*n], 0, sizeof es[*n]);
-        es[*n].name = names[*n];
-        es[*n].tensor = &m->blocks[l].moe_bias;
-        (*n)++;
+        dsk_status s = dsk_ckpt_hf_deepseek_name(t->names[t->n], sizeof t->names[t->n], l, "bias");
+        if (s != DSK_OK) { thf_list_free(t); return s; }
+        t->es[t->n].name = t->names[t->n];
+        t->es[t->n++].tensor = &m->blocks[l].moe_bias;
     }
     return DSK_OK;
 }
 
 /* ------------------------------------------------------------------ import */
 
-#define THF_MAX_TENSORS 1400
-
 /* Reads every tensor of dir (config h) into the model's masters, then its compute copies. */
 static dsk_status thf_load(tm_model *m, const dsk_ckpt_hf_deepseek_config *h, const char *dir) {
-    static dsk_ckpt_hf_entry es[THF_MAX_TENSORS];
-    static char names[THF_MAX_TENSORS][160];
+    thf_list t;
     dsk_ckpt_hf hf;
-    int n = 0;
     dsk_status s;
     if (m->cfg.external) return dsk_set_error(DSK_ERR_UNSUPPORTED, "--init-from-hf: not with --zero (sharded masters)");
-    DSK__TRY(thf_entries(m, 0, h->version == 3, es, names, THF_MAX_TENSORS, &n));
-    DSK__TRY(dsk_ckpt_hf_open(&hf, dir));
-    s = dsk_ckpt_hf_read_dequant(&hf, m->ctx, es, n, h->block);
+    DSK__TRY(thf_list_make(m, h->version == 3, &t));
+    s = dsk_ckpt_hf_open(&hf, dir);
+    if (s == DSK_OK) s = dsk_ckpt_hf_read_dequant(&hf, m->ctx, t.es, t.n, h->block);
     dsk_ckpt_hf_close(&hf);
+    thf_list_free(&t);
     if (s == DSK_OK && m->slab_wc.data) s = dsk_tensor_copy(m->ctx, &m->slab_wc, &m->slab_w);
     return s;
 }
 
 /* ------------------------------------------------------------------ export */
 
-/* One hub tensor of an export: a host copy in the export dtype, or e4m3 with its scales. */
+/* One hub tensor of an export: the model's tensor (a view), a host copy in the export dtype, or
+   e4m3 with its scales. */
 typedef struct thf_item {
     dsk_tensor q, scale;                /* scale: FP8 only */
     char name[160], scale_name[176];
@@ -226,7 +238,8 @@ static int thf_is_fp8(const char *name, const dsk_tensor *t) {
     return t->ndim == 2 && (strstr(name, ".self_attn.") || strstr(name, ".mlp.")) && !strstr(name, "mlp.gate.weight");
 }
 
-/* it->q (and it->scale) from the model's tensor t: a cast copy, or its FP8 blocks. */
+/* it->q (and it->scale) from the model's tensor t: t itself when it is in the export dtype (a
+   view: nothing copied), else a cast host copy, or its FP8 blocks. */
 static dsk_status thf_item_fill(tm_model *m, thf_item *it, const dsk_tensor *t, dsk_dtype dt, int fp8,
                                 const int block[2]) {
     dsk_tensor w;
@@ -234,6 +247,11 @@ static dsk_status thf_item_fill(tm_model *m, thf_item *it, const dsk_tensor *t, 
     dsk_status s;
     if (!fp8 || !thf_is_fp8(it->name, t)) {
         dsk_dtype d = strstr(it->name, "e_score_correction_bias") ? DSK_F32 : dt; /* f32 in the V3 release */
+        if (t->dtype == d) {
+            it->q = *t;
+            it->q.owns = 0;
+            return DSK_OK;
+        }
         DSK__TRY(dsk_tensor_alloc(NULL, &it->q, d, t->ndim, t->shape));
         return dsk_tensor_copy(m->ctx, &it->q, t);
     }
@@ -251,24 +269,22 @@ static dsk_status thf_item_fill(tm_model *m, thf_item *it, const dsk_tensor *t, 
 }
 
 /* The entries expanded into one item per hub tensor (experts one by one). */
-static dsk_status thf_items(tm_model *m, const dsk_ckpt_hf_entry *es, int n, dsk_dtype dt, int fp8, const int block[2],
-                            thf_item *items, int n_max, int *n_items) {
+static dsk_status thf_items(tm_model *m, const thf_list *t, dsk_dtype dt, int fp8, const int block[2], thf_item *items,
+                            int *n_items) {
     *n_items = 0;
-    for (int i = 0; i < n; i++) {
-        int64_t count = es[i].stacked ? es[i].tensor->shape[0] : 1;
+    for (int i = 0; i < t->n; i++) {
+        const dsk_ckpt_hf_entry *e = &t->es[i];
+        int64_t count = e->stacked ? e->tensor->shape[0] : 1;
         for (int64_t k = 0; k < count; k++) {
-            thf_item *it = &items[*n_items];
-            dsk_tensor v = *es[i].tensor;
-            const char *at = strstr(es[i].name, "{E}");
-            if (*n_items >= n_max) return dsk_set_error(DSK_ERR_ARG, "--export-hf: more than %d tensors", n_max);
-            memset(it, 0, sizeof *it);
-            (*n_items)++;
-            if (es[i].stacked) {
-                DSK__TRY(dsk_tensor_select(es[i].tensor, k, &v));
-                snprintf(it->name, sizeof it->name, "%.*s%lld%s", (int)(at - es[i].name), es[i].name,
-                         (long long)(es[i].expert0 + k), at + 3);
+            thf_item *it = &items[(*n_items)++];
+            dsk_tensor v = *e->tensor;
+            const char *at = strstr(e->name, "{E}");
+            if (e->stacked) {
+                DSK__TRY(dsk_tensor_select(e->tensor, k, &v));
+                snprintf(it->name, sizeof it->name, "%.*s%lld%s", (int)(at - e->name), e->name,
+                         (long long)(e->expert0 + k), at + 3);
             } else {
-                snprintf(it->name, sizeof it->name, "%s", es[i].name);
+                snprintf(it->name, sizeof it->name, "%s", e->name);
             }
             DSK__TRY(thf_item_fill(m, it, &v, dt, fp8, block));
         }
@@ -277,16 +293,16 @@ static dsk_status thf_items(tm_model *m, const dsk_ckpt_hf_entry *es, int n, dsk
 }
 
 /* Writes config.json (h0: the imported config, or NULL) and the weights (dtype "f32", "bf16",
-   or "fp8": e4m3 + weight_scale_inv) into dir (created if missing). */
+   or "fp8": e4m3 + weight_scale_inv) into dir (created if missing). Host memory: a copy of the
+   weights in the export dtype (none for f32). */
 static dsk_status thf_export(tm_model *m, const dsk_ckpt_hf_deepseek_config *h0, const char *dir, const char *dtype,
                              uint64_t max_shard_bytes) {
-    enum { NMAX = 20000 };
-    static dsk_ckpt_hf_entry es[THF_MAX_TENSORS], out[2 * NMAX];
-    static char names[THF_MAX_TENSORS][160];
-    static thf_item items[NMAX];
     dsk_ckpt_hf_deepseek_config h = thf_config_of(&m->cfg, h0);
-    int fp8 = strcmp(dtype, "fp8") == 0, n = 0, n_items = 0, k = 0;
+    int fp8 = strcmp(dtype, "fp8") == 0, n_items = 0, k = 0, total = 0;
     dsk_dtype dt = strcmp(dtype, "bf16") == 0 ? DSK_BF16 : DSK_F32;
+    thf_list t;
+    thf_item *items = NULL;
+    dsk_ckpt_hf_entry *out = NULL;
     dsk_status s;
     if (!fp8 && strcmp(dtype, "bf16") != 0 && strcmp(dtype, "f32") != 0)
         return dsk_set_error(DSK_ERR_ARG, "--export-dtype \"%s\": f32, bf16 or fp8", dtype);
@@ -300,23 +316,28 @@ static dsk_status thf_export(tm_model *m, const dsk_ckpt_hf_deepseek_config *h0,
     h.fp8 = fp8;
     if (h.block[0] < 1 || h.block[1] < 1) h.block[0] = h.block[1] = 128;
     snprintf(h.torch_dtype, sizeof h.torch_dtype, "%s", dt == DSK_BF16 ? "bfloat16" : "float32");
-    s = thf_entries(m, 0, h.version == 3, es, names, THF_MAX_TENSORS, &n);
-    if (s == DSK_OK) s = thf_items(m, es, n, dt, fp8, h.block, items, NMAX, &n_items);
+    DSK__TRY(thf_list_make(m, h.version == 3, &t));
+    for (int i = 0; i < t.n; i++) total += t.es[i].stacked ? (int)t.es[i].tensor->shape[0] : 1;
+    items = (thf_item *)calloc((size_t)total + 1, sizeof *items);
+    out = (dsk_ckpt_hf_entry *)calloc(2 * (size_t)total + 1, sizeof *out);
+    s = items && out ? thf_items(m, &t, dt, fp8, h.block, items, &n_items)
+                     : dsk_set_error(DSK_ERR_OOM, "--export-hf: out of memory for %d tensors", total);
     for (int i = 0; s == DSK_OK && i < n_items; i++) {
-        memset(&out[k], 0, sizeof out[k]);
         out[k].name = items[i].name;
         out[k++].tensor = &items[i].q;
         if (!items[i].scale.data) continue;
-        memset(&out[k], 0, sizeof out[k]);
         out[k].name = items[i].scale_name;
         out[k++].tensor = &items[i].scale;
     }
     if (s == DSK_OK) s = dsk_ckpt_hf_save(m->ctx, dir, out, k, NULL, 0, max_shard_bytes);
     if (s == DSK_OK) s = dsk_ckpt_hf_deepseek_config_write(&h, dir);
-    for (int i = 0; i < n_items; i++) {
+    for (int i = 0; items && i < n_items; i++) {
         dsk_tensor_free(NULL, &items[i].q);
         dsk_tensor_free(NULL, &items[i].scale);
     }
+    free(items);
+    free(out);
+    thf_list_free(&t);
     return s;
 }
 

@@ -149,11 +149,12 @@ static double ref_e4m3(uint8_t b) {
 /* Every master weight of m equals the fixture's tensors: FP8 ones decoded here times their
    block's scale (rounded to f32), the rest as stored. Returns the FP8 tensors seen. */
 static int check_dequant(tm_model *m, const char *dir, int bs, int with_bias) {
-    static dsk_ckpt_hf_entry es[THF_MAX_TENSORS];
-    static char names[THF_MAX_TENSORS][160];
+    thf_list list;
     dsk_ckpt_hf hf;
     int n = 0, fp8 = 0, bad = 0;
-    DSK_TEST_OK(thf_entries(m, 0, with_bias, es, names, THF_MAX_TENSORS, &n));
+    DSK_TEST_OK(thf_list_make(m, with_bias, &list));
+    const dsk_ckpt_hf_entry *es = list.es;
+    n = list.n;
     DSK_TEST_OK(dsk_ckpt_hf_open(&hf, dir));
     for (int i = 0; i < n; i++) {
         int64_t count = es[i].stacked ? es[i].tensor->shape[0] : 1;
@@ -197,6 +198,7 @@ static int check_dequant(tm_model *m, const char *dir, int bs, int with_bias) {
         }
     }
     dsk_ckpt_hf_close(&hf);
+    thf_list_free(&list);
     DSK_TEST_EXPECT(bad == 0, "%d tensors differ from the reference dequantisation", bad);
     return fp8;
 }
@@ -445,7 +447,8 @@ static void test_bad_library(void) {
     const char *edits[][3] = {{"\"hidden_size\": 32", "\"hidden_size\": \"32\"", "\"hidden_size\" is not an integer"},
                               {"\"norm_topk_prob\": true", "\"norm_topk_prob\": 1", "\"norm_topk_prob\" is not true"},
                               {"DeepseekV3ForCausalLM", "LlamaForCausalLM", "\"architectures\" names neither"},
-                              {"\"scoring_func\": \"sigmoid\"", "\"scoring_func\": \"relu\"", "\"scoring_func\" is \"relu\""},
+                              {"\"scoring_func\": \"sigmoid\"", "\"scoring_func\": \"relu\"",
+                               "\"scoring_func\" is \"relu\""},
                               {"\"rope_theta\": 10000.0", "\"rope_theta\": null", "\"rope_theta\" is not a number"}};
     for (size_t i = 0; i < sizeof edits / sizeof edits[0]; i++) {
         copy_fixture("tests/hf/v3", dir);
@@ -456,7 +459,7 @@ static void test_bad_library(void) {
     /* an FP8 tensor whose scale the index does not hold, and scales of another block size */
     copy_fixture("tests/hf/v3_fp8", dir);
     snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
-    edit_file(path, "model.layers.0.self_attn.o_proj.weight_scale_inv", "model.layers.0.self_attn.o_proj.weight_scale_X");
+    edit_file(path, "o_proj.weight_scale_inv", "o_proj.weight_scale_X"); /* both layers' */
     load_fails_fp8(dir, 16, "model.layers.0.self_attn.o_proj.weight_scale_inv", "has no");
     load_fails_fp8("tests/hf/v3_fp8", 8, "_scale_inv\" is not f32 (ceil(", "/8)");
     /* role names */
