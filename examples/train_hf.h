@@ -14,8 +14,7 @@
    is (out, in) in both; nothing is permuted (the interleaved rope dims of q_b_proj and
    kv_a_proj_with_mqa are what dsk_rope rotates).
    What the model cannot express is refused with the key named: tied embeddings, moe_layer_freq
-   other than 1, rms_norm_eps other than 1e-6 (transformers fixes the q_a/kv_a norms at 1e-6
-   while this model has one eps), YaRN rope_scaling with mscale != mscale_all_dim (transformers
+   other than 1, YaRN rope_scaling with mscale != mscale_all_dim (transformers
    then scales the rotary cos/sin by their ratio; YaRN itself is train_mla.h's tmla_rotate),
    routing transformers does not run for the architecture (DeepseekV3: sigmoid + noaux_tc only;
    DeepseekV2: softmax, greedy or group_limited_greedy, norm_topk_prob false), MTP layers with
@@ -56,7 +55,7 @@ static dsk_status thf_check_routing(const dsk_ckpt_hf_deepseek_config *h) {
 static dsk_status thf_model_config(const dsk_ckpt_hf_deepseek_config *h, tm_config *c) {
     if (h->tie_word_embeddings) return thf_refuse("tie_word_embeddings", "true: this model has its own LM head");
     if (h->moe_layer_freq != 1) return thf_refuse("moe_layer_freq", "only 1 (every layer after the dense ones is MoE)");
-    if (h->rms_norm_eps != 1e-6) return thf_refuse("rms_norm_eps", "only 1e-6 (transformers' q_a/kv_a norms use 1e-6)");
+    if (!(h->rms_norm_eps > 0)) return thf_refuse("rms_norm_eps", "must be > 0");
     if (h->yarn && h->rope_factor > 1 && h->mscale != h->mscale_all_dim)
         return thf_refuse("rope_scaling", "mscale != mscale_all_dim: transformers then scales the rotary cos/sin by "
                                           "their ratio, which this model does not");
@@ -78,6 +77,7 @@ static dsk_status thf_model_config(const dsk_ckpt_hf_deepseek_config *h, tm_conf
     c->ffn_hidden = (int)h->intermediate_size;
     c->rope_theta = (float)h->rope_theta;
     c->norm_eps = (float)h->rms_norm_eps;
+    c->mla.latent_eps = 1e-6f; /* transformers' q_a_layernorm and kv_a_layernorm, whatever rms_norm_eps says */
     c->moe.n_routed = h->n_routed_experts;
     c->moe.n_shared = h->n_shared_experts;
     c->moe.top_k = h->num_experts_per_tok;
@@ -139,6 +139,7 @@ static dsk_ckpt_hf_deepseek_config thf_config_of(const tm_config *c, const dsk_c
     h.v_head_dim = c->mla.v_head_dim;
     h.num_attention_heads = c->n_heads;
     h.rope_theta = c->rope_theta;
+    h.rms_norm_eps = c->norm_eps; /* the latents' norms: transformers' 1e-6 (tmla_config.latent_eps) */
     h.num_nextn_predict_layers = 0;
     return h;
 }

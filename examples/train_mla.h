@@ -61,6 +61,8 @@ typedef struct tmla_config {
                                            frequencies ramped by beta_fast/beta_slow over original_seq and
                                            rope_factor, and the mscale correction, at any length */
     float beta_fast, beta_slow;
+    float latent_eps;                   /* eps of the query and kv latents' RMSNorms [0: the model's norm_eps];
+                                           transformers fixes them at 1e-6 whatever rms_norm_eps says */
     int mtp_depth;                      /* D, 0 = off */
     float mtp_lambda;
     int recompute;                      /* tmla_recompute */
@@ -175,6 +177,8 @@ static float tmla_scale(const tm_config *c) {
     }
     return s;
 }
+
+static float tmla_latent_eps(const tm_config *c) { return c->mla.latent_eps > 0 ? c->mla.latent_eps : c->norm_eps; }
 
 /* YaRN's frequency of rope pair i of d dims, as transformers' _compute_yarn_parameters (f32
    like torch; the correction range in double like its math): the extrapolated base^(-2i/d)
@@ -492,7 +496,7 @@ static dsk_status tmla_attn_forward(tm_model *m, tm_block *b, int nb) {
     if (a->q_lora_rank > 0) {
         dsk_tensor cq = tm_rows(&p->cq, N), cqn = tm_rows(&p->cqn, N), rq = tm_rows(&p->rstd_q, N);
         TM_T(TM_PH_LINEAR, tm_mm(m, &cq, &h1, 0, &p->wq_a->wc, 1, 0.0f));
-        TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &cqn, &rq, &cq, &p->q_norm->wc, c->norm_eps));
+        TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &cqn, &rq, &cq, &p->q_norm->wc, tmla_latent_eps(c)));
         TM_T(TM_PH_LINEAR, tm_mm(m, &q, &cqn, 0, &p->wq_b->wc, 1, 0.0f));
     } else {
         TM_T(TM_PH_LINEAR, tm_mm(m, &q, &h1, 0, &p->wq->wc, 1, 0.0f));
@@ -509,7 +513,7 @@ static dsk_status tmla_attn_forward(tm_model *m, tm_block *b, int nb) {
     TM_T(TM_PH_LINEAR, tm_mm(m, &kpe, &h1, 0, &wr, 1, 0.0f));
     dsk_tensor kpe4 = tmla_heads(m, &p->kpe, nb, 1, dr);
     TM_T(TM_PH_ROPE, tmla_rotate(m, &kpe4, &kpe4, 0));
-    TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &ckvn, &rkv, &ckv, &p->kv_norm->wc, c->norm_eps));
+    TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &ckvn, &rkv, &ckv, &p->kv_norm->wc, tmla_latent_eps(c)));
     TM_T(TM_PH_LINEAR, tm_mm(m, &kvb, &ckvn, 0, &p->wkv_b->wc, 1, 0.0f));
     /* keys: [k_nope_h | rope key], the rope key broadcast over the heads (stride 0) */
     dsk_tensor kvb4 = tmla_heads(m, &p->kvb, nb, H, dn + a->v_head_dim), k4 = tmla_heads(m, &p->k, nb, H, dqk);

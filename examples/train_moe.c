@@ -768,6 +768,7 @@ static void setup_model(trainer *t) {
     else if (strcmp(o->recompute, "full") == 0) c.mla.recompute = TMLA_RECOMPUTE_FULL;
     else fail(t, "--recompute \"%s\": use none, attn or full", o->recompute);
     c.external = t->use_zero;
+    if (o->export_hf) c.mla.latent_eps = 1e-6f; /* what transformers' q_a/kv_a norms use */
     if (t->have_hf) {
         if (t->data.vocab != (int)t->hf.vocab_size)
             fail(t, "--init-from-hf: the data's vocabulary is %d tokens, the model's %lld: --data takes token shards "

@@ -128,6 +128,8 @@ static void check_fixture(const char *dir, const char *weights) {
 static void test_import_v3(void) { check_fixture("tests/hf/v3", "tests/hf/v3"); }
 static void test_import_v2(void) { check_fixture("tests/hf/v2", "tests/hf/v2"); }
 /* v3's weights under YaRN rope_scaling (factor 4, a ramp between rope pairs 0 and 2, mscale 0.707) */
+/* v3's weights with rms_norm_eps 0.05: the layer and final norms take it, the latents' stay at 1e-6 */
+static void test_import_v3_eps(void) { check_fixture("tests/hf/v3_eps", "tests/hf/v3"); }
 static void test_import_v3_yarn(void) {
     dsk_ckpt_hf_deepseek_config h;
     DSK_TEST_OK(dsk_ckpt_hf_deepseek_config_read(&h, "tests/hf/v3_yarn"));
@@ -354,6 +356,10 @@ static void test_bad_config(void) {
     DSK_TEST_STATUS(thf_model_config(&h, &c), DSK_ERR_UNSUPPORTED);
     DSK_TEST_ERROR_MENTIONS("tie_word_embeddings");
     DSK_TEST_OK(dsk_ckpt_hf_deepseek_config_read(&h, "tests/hf/v3"));
+    h.rms_norm_eps = 0;
+    DSK_TEST_STATUS(thf_model_config(&h, &c), DSK_ERR_UNSUPPORTED);
+    DSK_TEST_ERROR_MENTIONS("rms_norm_eps");
+    DSK_TEST_OK(dsk_ckpt_hf_deepseek_config_read(&h, "tests/hf/v3"));
     h.num_nextn_predict_layers = 1;
     c.mla.mtp_depth = 1;
     DSK_TEST_STATUS(thf_model_config(&h, &c), DSK_ERR_UNSUPPORTED);
@@ -512,6 +518,7 @@ int main(int argc, char **argv) {
     DSK_TEST_RUN(test_import_v3);
     DSK_TEST_RUN(test_import_v2);
     DSK_TEST_RUN(test_import_v3_yarn);
+    DSK_TEST_RUN(test_import_v3_eps);
     DSK_TEST_RUN(test_fp8_import);
     DSK_TEST_RUN(test_export_roundtrip);
     DSK_TEST_RUN(test_keep_export);

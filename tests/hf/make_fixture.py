@@ -162,12 +162,11 @@ def make_fp8(cfg, tensors, bs):
     print(f"v3_fp8: {sum(1 for n in out if n.endswith('_scale_inv'))} FP8 tensors")
 
 
-def make_yarn(cfg, tensors):
-    """v3's weights under YaRN rope_scaling (a ramp between pairs 0 and 2 of the 4, mscale applied): only
-    config.json and reference.safetensors; the test reads the weights from v3/."""
-    d = os.path.join(HERE, "v3_yarn")
-    c = dict(cfg, rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                                "beta_fast": 8.0, "beta_slow": 0.5, "mscale": 0.707, "mscale_all_dim": 0.707})
+def make_variant(cfg, tensors, name, **changes):
+    """v3's weights under another config (changes): only config.json and reference.safetensors; the test
+    reads the weights from v3/."""
+    d = os.path.join(HERE, name)
+    c = dict(cfg, **changes)
     config = transformers.DeepseekV3Config(**c)
     config._attn_implementation = "eager"
     model = transformers.DeepseekV3ForCausalLM(config).to(torch.float32).eval()
@@ -191,11 +190,15 @@ def make_yarn(cfg, tensors):
     logits, loss = logits_and_loss(model, tokens)
     save_file({"tokens": tokens, "logits": logits.contiguous(), "loss": loss.reshape(())},
               os.path.join(d, "reference.safetensors"))
-    print(f"v3_yarn: loss {loss.item():.6f}")
+    print(f"{name}: loss {loss.item():.6f}")
 
 
 if __name__ == "__main__":
     cfg, tensors = make("v3", V3, 2026)
     make_fp8(cfg, tensors, 16)
-    make_yarn(cfg, tensors)
+    # YaRN: a ramp between rope pairs 0 and 2 of the 4, mscale applied
+    make_variant(cfg, tensors, "v3_yarn", rope_scaling={"type": "yarn", "factor": 4.0, "beta_fast": 8.0,
+                 "beta_slow": 0.5, "original_max_position_embeddings": 64, "mscale": 0.707, "mscale_all_dim": 0.707})
+    # rms_norm_eps for the layer and final norms only: transformers keeps the latents' norms at 1e-6
+    make_variant(cfg, tensors, "v3_eps", rms_norm_eps=0.05)
     make("v2", V2, 2027)
