@@ -293,6 +293,23 @@ static dsk_status thf_items(tm_model *m, const thf_list *t, dsk_dtype dt, int fp
     return DSK_OK;
 }
 
+/* DeepseekV2 has no expert bias: refuses a model whose biases moved (its routing would change). */
+static dsk_status thf_no_bias(tm_model *m) {
+    for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++) {
+        dsk_tensor h;
+        dsk_status s = dsk_tensor_alloc(NULL, &h, DSK_F32, 1, m->blocks[l].moe_bias.shape);
+        int nonzero = 0;
+        if (s == DSK_OK) s = dsk_tensor_copy(m->ctx, &h, &m->blocks[l].moe_bias);
+        for (int64_t e = 0; s == DSK_OK && e < h.shape[0]; e++) nonzero |= ((const float *)h.data)[e] != 0.0f;
+        dsk_tensor_free(NULL, &h);
+        if (s != DSK_OK) return s;
+        if (nonzero)
+            return dsk_set_error(DSK_ERR_UNSUPPORTED, "--export-hf: layer %d's expert bias is not zero, and "
+                                                      "DeepseekV2 (softmax routing) has none", l);
+    }
+    return DSK_OK;
+}
+
 /* Writes config.json (h0: the imported config, or NULL) and the weights (dtype "f32", "bf16",
    or "fp8": e4m3 + weight_scale_inv) into dir (created if missing). Host memory: a copy of the
    weights in the export dtype (none for f32). */
@@ -317,6 +334,7 @@ static dsk_status thf_export(tm_model *m, const dsk_ckpt_hf_deepseek_config *h0,
     h.fp8 = fp8;
     if (h.block[0] < 1 || h.block[1] < 1) h.block[0] = h.block[1] = 128;
     snprintf(h.torch_dtype, sizeof h.torch_dtype, "%s", dt == DSK_BF16 ? "bfloat16" : "float32");
+    if (h.version == 2) DSK__TRY(thf_no_bias(m));
     DSK__TRY(thf_list_make(m, h.version == 3, &t));
     for (int i = 0; i < t.n; i++) total += t.es[i].stacked ? (int)t.es[i].tensor->shape[0] : 1;
     items = (thf_item *)calloc((size_t)total + 1, sizeof *items);

@@ -444,6 +444,19 @@ static void test_bad_sets(void) {
 }
 
 /* argv[1]: where test_keep_export leaves its exports (default: the scratch directory). */
+/* An export of a V2 model whose expert bias moved is refused: V2 has none. */
+static void test_v2_bias_refused(void) {
+    tm_model m;
+    dsk_ckpt_hf_deepseek_config h;
+    char dir[300];
+    snprintf(dir, sizeof dir, "%s/v2bias", g_tmp);
+    DSK_TEST_OK(build("tests/hf/v2", &m, &h, 1, 4, 1));
+    DSK_TEST_OK(dsk_tensor_fill(&g_ctx, &m.blocks[1].moe_bias, 0.01));
+    DSK_TEST_STATUS(thf_export(&m, &h, dir, "f32", 0), DSK_ERR_UNSUPPORTED);
+    DSK_TEST_ERROR_MENTIONS("layer 1's expert bias is not zero");
+    tm_free(&m);
+}
+
 /* The library's other refusals: config types, FP8 scales, role names, the writer and the quantiser. */
 static void test_bad_library(void) {
     char dir[300], path[400], name[64];
@@ -525,6 +538,7 @@ int main(int argc, char **argv) {
     DSK_TEST_RUN(test_bad_config);
     DSK_TEST_RUN(test_bad_sets);
     DSK_TEST_RUN(test_bad_library);
+    DSK_TEST_RUN(test_v2_bias_refused);
     char cmd[300];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_tmp);
     if (system(cmd) != 0) return 1;

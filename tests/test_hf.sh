@@ -165,6 +165,22 @@ done
 mkdir -p "$work/mtp" && cp tests/hf/v3/model* "$work/mtp/" &&
     sed 's/"num_nextn_predict_layers": 0/"num_nextn_predict_layers": 1/' tests/hf/v3/config.json >"$work/mtp/config.json"
 
+# models trained from scratch (the v3 and v2-lite presets: MLA, MoE; v3's MTP module stays out) export too
+for pr in v3 v2-lite; do
+    if timeout 300 "$BIN" --preset $pr --data "$work/tok.bin" --vocab 64 --seq 8 --batch 2 --steps 2 --warmup 1 \
+        --val-batches 1 --sample-len 0 --export-hf "$work/scratch_$pr" $([ $pr = v2-lite ] && echo --bias-rate 0) \
+        >"$work/scratch_$pr.log" 2>&1; then
+        $PY tests/hf/check_export.py keys "$work/scratch_$pr" >"$work/scratch_$pr.chk" 2>&1
+        case $? in
+        0) ok "--preset $pr from scratch: from_pretrained loads its export with no missing or unexpected keys ($(tail -1 "$work/scratch_$pr.chk"))" ;;
+        3) skip "--preset $pr export into transformers (not run: $(tail -1 "$work/scratch_$pr.chk"))" ;;
+        *) bad "--preset $pr export into transformers" "$(grep -v Loading "$work/scratch_$pr.chk" | tail -3)" ;;
+        esac
+    else
+        bad "--preset $pr --export-hf" "$(tail -3 "$work/scratch_$pr.log")"
+    fi
+done
+
 # bad input through the trainer: an unknown topk_method
 cp -r tests/hf/v3 "$work/badcfg"
 sed -i 's/"noaux_tc"/"balanced"/' "$work/badcfg/config.json"
@@ -190,6 +206,8 @@ refuse "--export-dtype fp16" '--export-dtype "fp16"' --data "$CORPUS" --attn mla
 refuse "--export-hf with --attn mha" "use --attn mla" --data "$CORPUS" --export-hf "$work/x" --steps 1
 refuse "--export-hf with --ep 2" "--export-hf runs without" --init-from-hf tests/hf/v3 "${TRAIN[@]}" --export-hf "$work/x" \
     --ep 2
+refuse "--export-hf of a softmax model with a moving expert bias" "pass --bias-rate 0" --preset v2-lite --data "$CORPUS" \
+    --export-hf "$work/x" --steps 1
 refuse "--init-from-hf with --zero 1" "--init-from-hf runs without" --init-from-hf tests/hf/v3 "${TRAIN[@]}" --zero 1
 refuse "--init-from-hf with an MTP layer and --mtp 1" "num_nextn_predict_layers" --init-from-hf "$work/mtp" "${TRAIN[@]}" \
     --mtp 1

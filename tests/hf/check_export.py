@@ -10,6 +10,8 @@
       logits of the reference tokens of TOKENS_FROM/reference.safetensors are within 1e-5 (of the
       largest) of LOGITS (dsk's, "logits" in a safetensors file). Exit 3 when torch or
       transformers is not installed (the caller skips).
+  check_export.py keys EXPORT
+      from_pretrained(EXPORT) reports no missing or unexpected keys and runs a forward (exit 3 as above).
 Prints one line per failure and exits 1 on any.
 """
 import json
@@ -78,14 +80,14 @@ def check_tensors(exp, fix, fp8):
     return bad
 
 
-def check_transformers(exp, logits_file, fixture):
+def load_transformers(exp):
+    """(model, number of loading problems printed)"""
     try:
         import torch
         import transformers
     except ImportError as err:
         print(f"not installed: {err}")
         sys.exit(3)
-    from safetensors.torch import load_file
     model, info = transformers.AutoModelForCausalLM.from_pretrained(
         exp, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
     bad = 0
@@ -93,6 +95,22 @@ def check_transformers(exp, logits_file, fixture):
         if info.get(kind):
             print(f"from_pretrained: {kind}: {sorted(info[kind])[:5]}")
             bad += 1
+    return model.eval(), bad
+
+
+def check_keys(exp):
+    import torch
+    model, bad = load_transformers(exp)
+    with torch.no_grad():
+        out = model(input_ids=torch.zeros(1, 4, dtype=torch.long)).logits
+    print(f"{type(model).__name__}: logits {tuple(out.shape)}, finite {bool(torch.isfinite(out).all())}")
+    return bad + (not bool(torch.isfinite(out).all()))
+
+
+def check_transformers(exp, logits_file, fixture):
+    model, bad = load_transformers(exp)
+    import torch
+    from safetensors.torch import load_file
     ref = load_file(os.path.join(fixture, "reference.safetensors"))
     tokens = ref["tokens"]
     want = load_file(logits_file)["logits"].double()
@@ -109,6 +127,8 @@ if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "tensors":
         n = check_tensors(sys.argv[2], sys.argv[3], len(sys.argv) > 4 and sys.argv[4] == "fp8")
+    elif mode == "keys":
+        n = check_keys(sys.argv[2])
     else:
         n = check_transformers(sys.argv[2], sys.argv[3], sys.argv[4])
     sys.exit(1 if n else 0)
