@@ -2109,7 +2109,8 @@ static void hf_options(trainer *t) {
     if (o->export_hf && !o->init_from_hf && strcmp(o->attn, "mla") != 0)
         fail(t, "--export-hf writes DeepSeek's MLA layout: use --attn mla (or --init-from-hf)");
     if (o->export_hf && !o->init_from_hf && strcmp(o->score, "softmax") == 0 && o->bias_rate > 0)
-        fail(t, "--export-hf of a softmax-routed model writes DeepseekV2, which has no expert bias: pass --bias-rate 0");
+        fail(t, "--export-hf of a softmax-routed model writes DeepseekV2, which has no expert bias: pass "
+                "--bias-rate 0");
     if (!o->init_from_hf) return;
     if (o->tp > 1 || o->pp > 1 || t->use_zero)
         fail(t, "--init-from-hf runs without --tp, --pp, --zero and --grad-compress in this trainer");
