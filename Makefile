@@ -111,6 +111,8 @@ $(BUILD)/tests/%: tests/%.c tests/dsk_test.h $(wildcard tests/gpu/*.h) $(DEPS)
 
 # test_mla tests the example model (examples/train_model.h, train_mla.h).
 $(BUILD)/tests/test_mla: $(wildcard examples/*.h)
+# test_hf tests the Hugging Face import and export of the example model (examples/train_hf.h).
+$(BUILD)/tests/test_hf: $(wildcard examples/*.h)
 
 $(BUILD)/examples/%: examples/%.c $(wildcard examples/*.h) $(DEPS)
 	@mkdir -p $(dir $@)

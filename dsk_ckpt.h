@@ -106,6 +106,8 @@
                                  read_box/read_raw/close/save
        Hugging Face weights      dsk_ckpt_hf, dsk_ckpt_hf_entry, dsk_ckpt_hf_open/find/read/close/save,
                                  dsk_ckpt_hf_deepseek_name
+       Hugging Face DeepSeek     dsk_ckpt_hf_deepseek_config(_read/_write), dsk_ckpt_hf_deepseek_role_name,
+                                 dsk_ckpt_hf_read_dequant, dsk_ckpt_hf_quantize_e4m3
        CRC32C                    dsk_ckpt_crc32c, dsk_ckpt_crc32c_combine
      implementation (DSK_CKPT_IMPLEMENTATION)
        CRC32C; content hash; small helpers; POSIX I/O; strict JSON (RFC 8259); safetensors files
@@ -432,6 +434,70 @@ DSK_API dsk_status dsk_ckpt_hf_save(dsk_ctx *ctx, const char *dir, const dsk_ckp
    shared_experts.gate_proj/up_proj/down_proj.weight. dsk's (E, F, D) w1 and w3 and (E, D, F)
    w2 hold the same matrices as those (F, D) and (D, F) tensors, expert by expert. */
 DSK_API dsk_status dsk_ckpt_hf_deepseek_name(char *buf, size_t n, int layer, const char *moe_param);
+
+/* ---------------------------------------------------------------- Hugging Face DeepSeek models */
+
+/* The keys of a DeepSeek-V2/V3 config.json (transformers' DeepseekV2Config / DeepseekV3Config,
+   the hub's spelling). dsk_ckpt_hf_deepseek_config_read requires every key below except those
+   marked optional (default in brackets); a missing or mistyped key, an unknown architecture,
+   topk_method, scoring_func or rope_scaling type fails naming the file and the key. */
+typedef struct dsk_ckpt_hf_deepseek_config {
+    int version;                          /* architectures: 2 DeepseekV2ForCausalLM, 3 DeepseekV3ForCausalLM */
+    int64_t vocab_size, hidden_size, intermediate_size, moe_intermediate_size;
+    int num_hidden_layers, first_k_dense_replace, moe_layer_freq;
+    int n_routed_experts, n_shared_experts, num_experts_per_tok;
+    int n_group, topk_group;              /* null: 1 */
+    char topk_method[24];                 /* greedy | group_limited_greedy | noaux_tc */
+    char scoring_func[16];                /* softmax | sigmoid */
+    int norm_topk_prob;
+    double routed_scaling_factor;
+    int q_lora_rank;                      /* null: 0 (a plain q_proj) */
+    int kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, num_attention_heads;
+    double rope_theta, rms_norm_eps;
+    int yarn;                             /* rope_scaling {"type": "yarn", ...} given [0: null] */
+    double rope_factor, mscale, mscale_all_dim, beta_fast, beta_slow;
+    int64_t original_max_position_embeddings;
+    int tie_word_embeddings;              /* optional [0] */
+    int num_nextn_predict_layers;         /* optional [0] */
+    int64_t max_position_embeddings;      /* optional [0: not written] */
+    int64_t bos_token_id, eos_token_id;   /* optional [-1: null] */
+    int fp8;                              /* quantization_config {"quant_method": "fp8", "fmt": "e4m3"} [0] */
+    int block[2];                         /* its weight_block_size [128, 128] */
+    char torch_dtype[16];                 /* optional [""]; written as given ("bfloat16", "float32") */
+} dsk_ckpt_hf_deepseek_config;
+
+/* Reads dir/config.json into c (zeroed first). */
+DSK_API dsk_status dsk_ckpt_hf_deepseek_config_read(dsk_ckpt_hf_deepseek_config *c, const char *dir);
+/* Writes dir/config.json (atomically) with every key above in the hub's spelling, plus the
+   ones transformers needs to build the model (model_type, architectures, hidden_act,
+   num_key_value_heads, attention_bias, rope_interleave for V3). */
+DSK_API dsk_status dsk_ckpt_hf_deepseek_config_write(const dsk_ckpt_hf_deepseek_config *c, const char *dir);
+/* The hub name of a non-MoE DeepSeek tensor, by role. Layer roles (layer >= 0, the MTP layer
+   being num_hidden_layers + k): "ln1" input_layernorm, "ln2" post_attention_layernorm,
+   "attn.wq" q_proj, "attn.wq_a" q_a_proj, "attn.q_norm" q_a_layernorm, "attn.wq_b" q_b_proj,
+   "attn.wkv_a" kv_a_proj_with_mqa (rows [kv latent | rope key]), "attn.kv_norm" kv_a_layernorm,
+   "attn.wkv_b" kv_b_proj (per head [k_nope | v]), "attn.wo" o_proj, "ffn.w1"/"ffn.w3"/"ffn.w2"
+   mlp.gate_proj/up_proj/down_proj, MTP "mtp.enorm", "mtp.hnorm", "mtp.proj" (eh_proj: columns
+   [enorm(emb) | hnorm(h)]), "mtp.norm" (shared_head.norm); the MoE roles of
+   dsk_ckpt_hf_deepseek_name. Model roles (layer -1): "embed" model.embed_tokens, "ln_f"
+   model.norm, "lm_head". Every matrix is (out, in) as nn.Linear stores it; the rope dims of
+   q_b_proj/q_proj and kv_a_proj_with_mqa are in DeepSeek's interleaved pair order, which
+   transformers reads with rope_interleave (V3) or its complex rotation (V2) and dsk_rope rotates
+   as they are: no permutation. */
+DSK_API dsk_status dsk_ckpt_hf_deepseek_role_name(char *buf, size_t n, int layer, const char *role);
+/* Checks, then reads, every entry like dsk_ckpt_hf_read with casts allowed, except that a file
+   tensor stored as F8_E4M3 with a companion "<name>_scale_inv" (f32, (ceil(rows / block[0]),
+   ceil(cols / block[1]))) is read as w * scale_inv of its block (edge blocks partial), each
+   product in f32, then rounded to the entry's dtype (the DeepSeek-V3 release's layout). Every
+   tensor's presence, shape and scale are checked before any is read, so a missing or misshapen
+   tensor or a truncated shard fails naming the file and tensor with nothing read. */
+DSK_API dsk_status dsk_ckpt_hf_read_dequant(dsk_ckpt_hf *h, dsk_ctx *ctx, const dsk_ckpt_hf_entry *entries, int n,
+                                            const int block[2]);
+/* q (R, C) e4m3 and scale_inv (ceil(R / block[0]), ceil(C / block[1])) f32 from w (R, C) f32, all
+   host tensors: scale_inv = amax / 448 of each block (1 for an all-zero block), q = e4m3(w /
+   scale_inv) rounded to nearest even (as the V3 release's weights are laid out). */
+DSK_API dsk_status dsk_ckpt_hf_quantize_e4m3(dsk_tensor *q, dsk_tensor *scale_inv, const dsk_tensor *w,
+                                             const int block[2]);
 
 /* ---------------------------------------------------------------- CRC32C */
 
@@ -5083,6 +5149,508 @@ DSK_API dsk_status dsk_ckpt_hf_deepseek_name(char *buf, size_t n, int layer, con
         }
     return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_hf_deepseek_name: no DeepSeek name for dsk_moe parameter \"%s\"",
                          moe_param);
+}
+
+/* ---------------------------------------------------------------- Hugging Face DeepSeek models */
+
+/* A JSON number (any form) as a double. */
+static int dsk__ckpt_jnum(const dsk__ckpt_json *j, int node, double *out) {
+    char *end;
+    if (node < 0 || dsk__ckpt_jtype(j, node) != DSK__CKPT_J_NUM) return 0;
+    *out = strtod(j->src + j->nodes[node].val, &end);
+    return 1;
+}
+
+/* Reading one config.json: its parse and where errors point. */
+typedef struct dsk__ckpt_hfc {
+    dsk__ckpt_json j;
+    const char *path;
+    int obj;             /* the object keys are looked up in */
+    const char *prefix;  /* "" or "rope_scaling." for messages */
+} dsk__ckpt_hfc;
+
+static dsk_status dsk__ckpt_hfc_bad(const dsk__ckpt_hfc *r, const char *key, const char *want) {
+    return dsk_set_error(DSK_ERR_CORRUPT, "dsk_ckpt_hf_deepseek_config_read: \"%s\": key \"%s%s\" %s", r->path,
+                         r->prefix,
+                         key, want);
+}
+
+/* Integer key (null allowed when null_value >= -1: it gives that value; missing allowed when opt). */
+static dsk_status dsk__ckpt_hfc_i64(const dsk__ckpt_hfc *r, const char *key, int64_t *out, int opt, int64_t null_value,
+                                    int64_t min) {
+    int c = dsk__ckpt_jget(&r->j, r->obj, key);
+    if (c < 0) return opt ? DSK_OK : dsk__ckpt_hfc_bad(r, key, "is missing");
+    if (dsk__ckpt_jtype(&r->j, c) == DSK__CKPT_J_NULL && null_value >= -1) { *out = null_value; return DSK_OK; }
+    if (!dsk__ckpt_jint(&r->j, c, out)) return dsk__ckpt_hfc_bad(r, key, "is not an integer");
+    if (*out < min || *out > INT32_MAX) return dsk__ckpt_hfc_bad(r, key, "is out of range");
+    return DSK_OK;
+}
+
+static dsk_status dsk__ckpt_hfc_int(const dsk__ckpt_hfc *r, const char *key, int *out, int opt, int null_value,
+                                    int min) {
+    int64_t v = *out;
+    DSK__TRY(dsk__ckpt_hfc_i64(r, key, &v, opt, null_value, min));
+    *out = (int)v;
+    return DSK_OK;
+}
+
+static dsk_status dsk__ckpt_hfc_num(const dsk__ckpt_hfc *r, const char *key, double *out, int opt) {
+    int c = dsk__ckpt_jget(&r->j, r->obj, key);
+    if (c < 0) return opt ? DSK_OK : dsk__ckpt_hfc_bad(r, key, "is missing");
+    if (!dsk__ckpt_jnum(&r->j, c, out)) return dsk__ckpt_hfc_bad(r, key, "is not a number");
+    return DSK_OK;
+}
+
+static dsk_status dsk__ckpt_hfc_bool(const dsk__ckpt_hfc *r, const char *key, int *out, int opt) {
+    int c = dsk__ckpt_jget(&r->j, r->obj, key);
+    if (c < 0) return opt ? DSK_OK : dsk__ckpt_hfc_bad(r, key, "is missing");
+    if (dsk__ckpt_jtype(&r->j, c) != DSK__CKPT_J_BOOL) return dsk__ckpt_hfc_bad(r, key, "is not true or false");
+    *out = r->j.nodes[c].val != 0;
+    return DSK_OK;
+}
+
+/* String key, one of the '|'-separated words of `allowed` (NULL: any). */
+static dsk_status dsk__ckpt_hfc_str(const dsk__ckpt_hfc *r, const char *key, char *out, size_t cap, int opt,
+                                    const char *allowed) {
+    int c = dsk__ckpt_jget(&r->j, r->obj, key);
+    const char *v = dsk__ckpt_jstr(&r->j, c);
+    char want[160];
+    if (c < 0) return opt ? DSK_OK : dsk__ckpt_hfc_bad(r, key, "is missing");
+    if (!v || strlen(v) >= cap) return dsk__ckpt_hfc_bad(r, key, "is not a short string");
+    if (allowed) {
+        size_t n = strlen(v);
+        const char *p = allowed;
+        int ok = 0;
+        while (*p && !ok) {
+            const char *e = strchr(p, '|');
+            size_t len = e ? (size_t)(e - p) : strlen(p);
+            ok = len == n && strncmp(p, v, n) == 0;
+            p += len + (e != NULL);
+        }
+        if (!ok) {
+            snprintf(want, sizeof want, "is \"%s\": dsk knows %s", v, allowed);
+            return dsk__ckpt_hfc_bad(r, key, want);
+        }
+    }
+    snprintf(out, cap, "%s", v);
+    return DSK_OK;
+}
+
+/* rope_scaling: null, or YaRN with every parameter. */
+static dsk_status dsk__ckpt_hfc_rope(dsk__ckpt_hfc *r, dsk_ckpt_hf_deepseek_config *c) {
+    int rs = dsk__ckpt_jget(&r->j, 0, "rope_scaling"), top = r->obj;
+    char type[16] = "";
+    dsk_status s = DSK_OK;
+    if (rs < 0 || dsk__ckpt_jtype(&r->j, rs) == DSK__CKPT_J_NULL) return DSK_OK;
+    if (dsk__ckpt_jtype(&r->j, rs) != DSK__CKPT_J_OBJ)
+        return dsk__ckpt_hfc_bad(r, "rope_scaling", "is not null or an object");
+    r->obj = rs;
+    r->prefix = "rope_scaling.";
+    if (dsk__ckpt_jget(&r->j, rs, "type") >= 0) s = dsk__ckpt_hfc_str(r, "type", type, sizeof type, 0, "yarn");
+    else s = dsk__ckpt_hfc_str(r, "rope_type", type, sizeof type, 0, "yarn");
+    if (s == DSK_OK) s = dsk__ckpt_hfc_num(r, "factor", &c->rope_factor, 0);
+    if (s == DSK_OK) s = dsk__ckpt_hfc_i64(r, "original_max_position_embeddings", &c->original_max_position_embeddings,
+                                           0, -2, 1);
+    if (s == DSK_OK) s = dsk__ckpt_hfc_num(r, "mscale", &c->mscale, 0);
+    if (s == DSK_OK) s = dsk__ckpt_hfc_num(r, "mscale_all_dim", &c->mscale_all_dim, 0);
+    if (s == DSK_OK) s = dsk__ckpt_hfc_num(r, "beta_fast", &c->beta_fast, 0);
+    if (s == DSK_OK) s = dsk__ckpt_hfc_num(r, "beta_slow", &c->beta_slow, 0);
+    r->obj = top;
+    r->prefix = "";
+    c->yarn = s == DSK_OK;
+    return s;
+}
+
+/* quantization_config: absent, or FP8 e4m3 with its block size. */
+static dsk_status dsk__ckpt_hfc_quant(dsk__ckpt_hfc *r, dsk_ckpt_hf_deepseek_config *c) {
+    int q = dsk__ckpt_jget(&r->j, 0, "quantization_config"), top = r->obj, bs;
+    char word[16];
+    dsk_status s;
+    c->block[0] = c->block[1] = 128;
+    if (q < 0) return DSK_OK;
+    if (dsk__ckpt_jtype(&r->j, q) != DSK__CKPT_J_OBJ)
+        return dsk__ckpt_hfc_bad(r, "quantization_config", "is not an object");
+    r->obj = q;
+    r->prefix = "quantization_config.";
+    s = dsk__ckpt_hfc_str(r, "quant_method", word, sizeof word, 0, "fp8");
+    if (s == DSK_OK) s = dsk__ckpt_hfc_str(r, "fmt", word, sizeof word, 1, "e4m3");
+    bs = dsk__ckpt_jget(&r->j, q, "weight_block_size");
+    if (s == DSK_OK && bs >= 0) {
+        int64_t v[2] = {0, 0};
+        int e = dsk__ckpt_jchild(&r->j, bs);
+        if (dsk__ckpt_jcount(&r->j, bs) != 2 || dsk__ckpt_jtype(&r->j, bs) != DSK__CKPT_J_ARR ||
+            !dsk__ckpt_jint(&r->j, e, &v[0]) || !dsk__ckpt_jint(&r->j, dsk__ckpt_jnext(&r->j, e), &v[1]) || v[0] < 1 ||
+            v[1] < 1 || v[0] > 65536 || v[1] > 65536)
+            s = dsk__ckpt_hfc_bad(r, "weight_block_size", "is not two positive integers");
+        c->block[0] = (int)v[0];
+        c->block[1] = (int)v[1];
+    }
+    r->obj = top;
+    r->prefix = "";
+    c->fp8 = s == DSK_OK;
+    return s;
+}
+
+/* architectures: a list holding DeepseekV2ForCausalLM or DeepseekV3ForCausalLM. */
+static dsk_status dsk__ckpt_hfc_arch(const dsk__ckpt_hfc *r, int *version) {
+    int a = dsk__ckpt_jget(&r->j, 0, "architectures");
+    if (a < 0) return dsk__ckpt_hfc_bad(r, "architectures", "is missing");
+    for (int e = dsk__ckpt_jchild(&r->j, a); e >= 0 && dsk__ckpt_jtype(&r->j, a) == DSK__CKPT_J_ARR;
+         e = dsk__ckpt_jnext(&r->j, e)) {
+        const char *v = dsk__ckpt_jstr(&r->j, e);
+        if (v && strcmp(v, "DeepseekV2ForCausalLM") == 0) { *version = 2; return DSK_OK; }
+        if (v && strcmp(v, "DeepseekV3ForCausalLM") == 0) { *version = 3; return DSK_OK; }
+    }
+    return dsk__ckpt_hfc_bad(r, "architectures", "names neither DeepseekV2ForCausalLM nor DeepseekV3ForCausalLM");
+}
+
+static dsk_status dsk__ckpt_hfc_sizes(const dsk__ckpt_hfc *r, dsk_ckpt_hf_deepseek_config *c) {
+    DSK__TRY(dsk__ckpt_hfc_i64(r, "vocab_size", &c->vocab_size, 0, -2, 1));
+    DSK__TRY(dsk__ckpt_hfc_i64(r, "hidden_size", &c->hidden_size, 0, -2, 1));
+    DSK__TRY(dsk__ckpt_hfc_i64(r, "intermediate_size", &c->intermediate_size, 0, -2, 1));
+    DSK__TRY(dsk__ckpt_hfc_i64(r, "moe_intermediate_size", &c->moe_intermediate_size, 0, -2, 1));
+    DSK__TRY(dsk__ckpt_hfc_int(r, "num_hidden_layers", &c->num_hidden_layers, 0, -2, 1));
+    DSK__TRY(dsk__ckpt_hfc_int(r, "first_k_dense_replace", &c->first_k_dense_replace, 0, -2, 0));
+    DSK__TRY(dsk__ckpt_hfc_int(r, "moe_layer_freq", &c->moe_layer_freq, 0, -2, 1));
+    DSK__TRY(dsk__ckpt_hfc_int(r, "n_routed_experts", &c->n_routed_experts, 0, -2, 1));
+    DSK__TRY(dsk__ckpt_hfc_int(r, "n_shared_experts", &c->n_shared_experts, 0, 0, 0));
+    DSK__TRY(dsk__ckpt_hfc_int(r, "num_experts_per_tok", &c->num_experts_per_tok, 0, -2, 1));
+    DSK__TRY(dsk__ckpt_hfc_int(r, "n_group", &c->n_group, 0, 1, 1));
+    DSK__TRY(dsk__ckpt_hfc_int(r, "topk_group", &c->topk_group, 0, 1, 1));
+    DSK__TRY(dsk__ckpt_hfc_int(r, "q_lora_rank", &c->q_lora_rank, 0, 0, 0));
+    DSK__TRY(dsk__ckpt_hfc_int(r, "kv_lora_rank", &c->kv_lora_rank, 0, -2, 1));
+    DSK__TRY(dsk__ckpt_hfc_int(r, "qk_nope_head_dim", &c->qk_nope_head_dim, 0, -2, 0));
+    DSK__TRY(dsk__ckpt_hfc_int(r, "qk_rope_head_dim", &c->qk_rope_head_dim, 0, -2, 0));
+    DSK__TRY(dsk__ckpt_hfc_int(r, "v_head_dim", &c->v_head_dim, 0, -2, 1));
+    DSK__TRY(dsk__ckpt_hfc_int(r, "num_attention_heads", &c->num_attention_heads, 0, -2, 1));
+    DSK__TRY(dsk__ckpt_hfc_int(r, "num_nextn_predict_layers", &c->num_nextn_predict_layers, 1, -2, 0));
+    DSK__TRY(dsk__ckpt_hfc_i64(r, "max_position_embeddings", &c->max_position_embeddings, 1, -2, 0));
+    DSK__TRY(dsk__ckpt_hfc_i64(r, "bos_token_id", &c->bos_token_id, 1, -1, 0));
+    return dsk__ckpt_hfc_i64(r, "eos_token_id", &c->eos_token_id, 1, -1, 0);
+}
+
+static dsk_status dsk__ckpt_hfc_routing(const dsk__ckpt_hfc *r, dsk_ckpt_hf_deepseek_config *c) {
+    DSK__TRY(dsk__ckpt_hfc_str(r, "topk_method", c->topk_method, sizeof c->topk_method, 0,
+                               "greedy|group_limited_greedy|noaux_tc"));
+    DSK__TRY(dsk__ckpt_hfc_str(r, "scoring_func", c->scoring_func, sizeof c->scoring_func, 0, "softmax|sigmoid"));
+    DSK__TRY(dsk__ckpt_hfc_bool(r, "norm_topk_prob", &c->norm_topk_prob, 0));
+    DSK__TRY(dsk__ckpt_hfc_num(r, "routed_scaling_factor", &c->routed_scaling_factor, 0));
+    DSK__TRY(dsk__ckpt_hfc_num(r, "rope_theta", &c->rope_theta, 0));
+    DSK__TRY(dsk__ckpt_hfc_num(r, "rms_norm_eps", &c->rms_norm_eps, 0));
+    DSK__TRY(dsk__ckpt_hfc_bool(r, "tie_word_embeddings", &c->tie_word_embeddings, 1));
+    return dsk__ckpt_hfc_str(r, "torch_dtype", c->torch_dtype, sizeof c->torch_dtype, 1, NULL);
+}
+
+DSK_API dsk_status dsk_ckpt_hf_deepseek_config_read(dsk_ckpt_hf_deepseek_config *c, const char *dir) {
+    const char *fn = "dsk_ckpt_hf_deepseek_config_read";
+    dsk__ckpt_hfc r;
+    char *text = NULL, *path;
+    size_t len = 0;
+    dsk_status s;
+    if (!c || !dir) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
+    memset(c, 0, sizeof *c);
+    memset(&r, 0, sizeof r);
+    c->bos_token_id = c->eos_token_id = -1;
+    if (!(path = dsk__ckpt_join(dir, "config.json"))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    r.path = path;
+    r.prefix = "";
+    s = dsk__ckpt_read_small(fn, path, (size_t)1 << 20, &text, &len);
+    if (s == DSK_OK) s = dsk__ckpt_json_parse(&r.j, text, len, fn, path);
+    if (s == DSK_OK && dsk__ckpt_jtype(&r.j, 0) != DSK__CKPT_J_OBJ)
+        s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" is not a JSON object", fn, path);
+    if (s == DSK_OK) s = dsk__ckpt_hfc_arch(&r, &c->version);
+    if (s == DSK_OK) s = dsk__ckpt_hfc_sizes(&r, c);
+    if (s == DSK_OK) s = dsk__ckpt_hfc_routing(&r, c);
+    if (s == DSK_OK) s = dsk__ckpt_hfc_rope(&r, c);
+    if (s == DSK_OK) s = dsk__ckpt_hfc_quant(&r, c);
+    dsk__ckpt_json_free(&r.j);
+    DSK_FREE(text);
+    DSK_FREE(path);
+    if (s != DSK_OK) {
+        memset(c, 0, sizeof *c);
+        c->bos_token_id = c->eos_token_id = -1;
+    }
+    return s;
+}
+
+/* "key": integer or null (v < 0 with nullable). */
+static void dsk__ckpt_hfw_int(dsk__ckpt_buf *b, const char *key, int64_t v, int nullable) {
+    if (nullable && v < 0) dsk__ckpt_putf(b, ",\n  \"%s\": null", key);
+    else dsk__ckpt_putf(b, ",\n  \"%s\": %lld", key, (long long)v);
+}
+
+/* The shortest %g form of v that reads back as v, with a ".0" when it would read as an
+   integer (transformers' config classes check float fields' types). */
+static const char *dsk__ckpt_hf_num(char buf[40], double v) {
+    for (int p = 15; p <= 17; p++) {
+        snprintf(buf, 40, "%.*g", p, v);
+        if (strtod(buf, NULL) == v) break;
+    }
+    if (!strpbrk(buf, ".eEn")) strcat(buf, ".0");
+    return buf;
+}
+
+static void dsk__ckpt_hfw_num(dsk__ckpt_buf *b, const char *key, double v) {
+    char t[40];
+    dsk__ckpt_putf(b, ",\n  \"%s\": %s", key, dsk__ckpt_hf_num(t, v));
+}
+
+static void dsk__ckpt_hfw_str(dsk__ckpt_buf *b, const char *key, const char *v, int is_bool) {
+    dsk__ckpt_putf(b, is_bool ? ",\n  \"%s\": %s" : ",\n  \"%s\": \"%s\"", key, v);
+}
+
+static void dsk__ckpt_hfw_body(dsk__ckpt_buf *b, const dsk_ckpt_hf_deepseek_config *c) {
+    dsk__ckpt_putf(b, "{\n  \"architectures\": [\"DeepseekV%dForCausalLM\"]", c->version);
+    dsk__ckpt_hfw_str(b, "model_type", c->version == 3 ? "deepseek_v3" : "deepseek_v2", 0);
+    dsk__ckpt_hfw_str(b, "hidden_act", "silu", 0);
+    dsk__ckpt_hfw_str(b, "attention_bias", "false", 1);
+    if (c->version == 3) dsk__ckpt_hfw_str(b, "rope_interleave", "true", 1);
+    dsk__ckpt_hfw_int(b, "vocab_size", c->vocab_size, 0);
+    dsk__ckpt_hfw_int(b, "hidden_size", c->hidden_size, 0);
+    dsk__ckpt_hfw_int(b, "intermediate_size", c->intermediate_size, 0);
+    dsk__ckpt_hfw_int(b, "moe_intermediate_size", c->moe_intermediate_size, 0);
+    dsk__ckpt_hfw_int(b, "num_hidden_layers", c->num_hidden_layers, 0);
+    dsk__ckpt_hfw_int(b, "first_k_dense_replace", c->first_k_dense_replace, 0);
+    dsk__ckpt_hfw_int(b, "moe_layer_freq", c->moe_layer_freq, 0);
+    dsk__ckpt_hfw_int(b, "n_routed_experts", c->n_routed_experts, 0);
+    dsk__ckpt_hfw_int(b, "n_shared_experts", c->n_shared_experts, 0);
+    dsk__ckpt_hfw_int(b, "num_experts_per_tok", c->num_experts_per_tok, 0);
+    dsk__ckpt_hfw_int(b, "n_group", c->n_group, 0);
+    dsk__ckpt_hfw_int(b, "topk_group", c->topk_group, 0);
+    dsk__ckpt_hfw_str(b, "topk_method", c->topk_method, 0);
+    dsk__ckpt_hfw_str(b, "scoring_func", c->scoring_func, 0);
+    dsk__ckpt_hfw_str(b, "norm_topk_prob", c->norm_topk_prob ? "true" : "false", 1);
+    dsk__ckpt_hfw_num(b, "routed_scaling_factor", c->routed_scaling_factor);
+    dsk__ckpt_hfw_int(b, "q_lora_rank", c->q_lora_rank > 0 ? c->q_lora_rank : -1, 1);
+    dsk__ckpt_hfw_int(b, "kv_lora_rank", c->kv_lora_rank, 0);
+    dsk__ckpt_hfw_int(b, "qk_nope_head_dim", c->qk_nope_head_dim, 0);
+    dsk__ckpt_hfw_int(b, "qk_rope_head_dim", c->qk_rope_head_dim, 0);
+    dsk__ckpt_hfw_int(b, "v_head_dim", c->v_head_dim, 0);
+    dsk__ckpt_hfw_int(b, "num_attention_heads", c->num_attention_heads, 0);
+    dsk__ckpt_hfw_int(b, "num_key_value_heads", c->num_attention_heads, 0);
+    dsk__ckpt_hfw_num(b, "rope_theta", c->rope_theta);
+    dsk__ckpt_hfw_num(b, "rms_norm_eps", c->rms_norm_eps);
+    dsk__ckpt_hfw_str(b, "tie_word_embeddings", c->tie_word_embeddings ? "true" : "false", 1);
+    dsk__ckpt_hfw_int(b, "num_nextn_predict_layers", c->num_nextn_predict_layers, 0);
+    if (c->max_position_embeddings > 0) dsk__ckpt_hfw_int(b, "max_position_embeddings", c->max_position_embeddings, 0);
+    dsk__ckpt_hfw_int(b, "bos_token_id", c->bos_token_id, 1);
+    dsk__ckpt_hfw_int(b, "eos_token_id", c->eos_token_id, 1);
+    if (c->torch_dtype[0]) dsk__ckpt_hfw_str(b, "torch_dtype", c->torch_dtype, 0);
+}
+
+DSK_API dsk_status dsk_ckpt_hf_deepseek_config_write(const dsk_ckpt_hf_deepseek_config *c, const char *dir) {
+    const char *fn = "dsk_ckpt_hf_deepseek_config_write";
+    dsk__ckpt_buf b;
+    dsk_status s;
+    if (!c || !dir) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
+    if (c->version != 2 && c->version != 3)
+        return dsk_set_error(DSK_ERR_ARG, "%s: version %d (2 or 3)", fn, c->version);
+    memset(&b, 0, sizeof b);
+    dsk__ckpt_hfw_body(&b, c);
+    if (!c->yarn) {
+        dsk__ckpt_puts(&b, ",\n  \"rope_scaling\": null");
+    } else {
+        char t[4][40];
+        dsk__ckpt_putf(&b, ",\n  \"rope_scaling\": {\"type\": \"yarn\", \"factor\": %s",
+                       dsk__ckpt_hf_num(t[0], c->rope_factor));
+        dsk__ckpt_putf(&b, ", \"original_max_position_embeddings\": %lld",
+                       (long long)c->original_max_position_embeddings);
+        dsk__ckpt_putf(&b, ", \"mscale\": %s, \"mscale_all_dim\": %s", dsk__ckpt_hf_num(t[0], c->mscale),
+                       dsk__ckpt_hf_num(t[1], c->mscale_all_dim));
+        dsk__ckpt_putf(&b, ", \"beta_fast\": %s, \"beta_slow\": %s}", dsk__ckpt_hf_num(t[2], c->beta_fast),
+                       dsk__ckpt_hf_num(t[3], c->beta_slow));
+    }
+    if (c->fp8) {
+        dsk__ckpt_puts(&b, ",\n  \"quantization_config\": {\"quant_method\": \"fp8\", \"fmt\": \"e4m3\", ");
+        dsk__ckpt_putf(&b, "\"activation_scheme\": \"dynamic\", \"weight_block_size\": [%d, %d]}", c->block[0],
+                       c->block[1]);
+    }
+    dsk__ckpt_puts(&b, "\n}\n");
+    s = b.oom ? dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn)
+              : dsk__ckpt_write_small(fn, dir, "config.json", b.p, b.n, DSK__CKPT_DURABLE);
+    dsk__ckpt_buf_free(&b);
+    return s;
+}
+
+DSK_API dsk_status dsk_ckpt_hf_deepseek_role_name(char *buf, size_t n, int layer, const char *role) {
+    static const char *const model[][2] = {
+        {"embed", "model.embed_tokens.weight"}, {"ln_f", "model.norm.weight"}, {"lm_head", "lm_head.weight"}};
+    static const char *const layers[][2] = {
+        {"ln1", "input_layernorm.weight"},          {"ln2", "post_attention_layernorm.weight"},
+        {"attn.wq", "self_attn.q_proj.weight"},     {"attn.wq_a", "self_attn.q_a_proj.weight"},
+        {"attn.q_norm", "self_attn.q_a_layernorm.weight"}, {"attn.wq_b", "self_attn.q_b_proj.weight"},
+        {"attn.wkv_a", "self_attn.kv_a_proj_with_mqa.weight"}, {"attn.kv_norm", "self_attn.kv_a_layernorm.weight"},
+        {"attn.wkv_b", "self_attn.kv_b_proj.weight"}, {"attn.wo", "self_attn.o_proj.weight"},
+        {"ffn.w1", "mlp.gate_proj.weight"},         {"ffn.w3", "mlp.up_proj.weight"},
+        {"ffn.w2", "mlp.down_proj.weight"},         {"mtp.enorm", "enorm.weight"},
+        {"mtp.hnorm", "hnorm.weight"},              {"mtp.proj", "eh_proj.weight"},
+        {"mtp.norm", "shared_head.norm.weight"}};
+    const char *fn = "dsk_ckpt_hf_deepseek_role_name";
+    int k = -1;
+    if (!buf || !role || layer < -1) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument or layer %d", fn, layer);
+    if (layer < 0) {
+        for (size_t i = 0; i < sizeof model / sizeof model[0]; i++)
+            if (strcmp(model[i][0], role) == 0) k = snprintf(buf, n, "%s", model[i][1]);
+    } else {
+        for (size_t i = 0; i < sizeof layers / sizeof layers[0]; i++)
+            if (strcmp(layers[i][0], role) == 0) k = snprintf(buf, n, "model.layers.%d.%s", layer, layers[i][1]);
+        if (k < 0) return dsk_ckpt_hf_deepseek_name(buf, n, layer, role);
+    }
+    if (k < 0) return dsk_set_error(DSK_ERR_ARG, "%s: no DeepSeek tensor for role \"%s\" of layer %d", fn, role, layer);
+    if ((size_t)k >= n) return dsk_set_error(DSK_ERR_ARG, "%s: a buffer of %zu bytes is too small", fn, n);
+    return DSK_OK;
+}
+
+/* "[a, b, c]" */
+static void dsk__ckpt_hf_shape(char *buf, size_t n, int ndim, const int64_t *shape) {
+    size_t k = (size_t)snprintf(buf, n, "[");
+    for (int d = 0; d < ndim && k < n; d++)
+        k += (size_t)snprintf(buf + k, n - k, d ? ", %lld" : "%lld", (long long)shape[d]);
+    if (k < n) snprintf(buf + k, n - k, "]");
+}
+
+/* Checks one file tensor of an import against its destination (and its FP8 scale). */
+static dsk_status dsk__ckpt_hf_check_one(dsk_ckpt_hf *h, const char *name, const dsk_tensor *dst, const int block[2],
+                                         dsk__ckpt_buf *sn) {
+    const char *fn = "dsk_ckpt_hf_read_dequant";
+    dsk_ckpt_file *f = NULL, *sf = NULL;
+    const dsk_ckpt_tensor_info *t = NULL, *st = NULL;
+    int same = 1;
+    DSK__TRY(dsk_ckpt_hf_find(h, name, &f, &t));
+    same = t->ndim == dst->ndim;
+    for (int d = 0; same && d < t->ndim; d++) same = t->shape[d] == dst->shape[d];
+    if (!same) {
+        char a[96], b[96];
+        dsk__ckpt_hf_shape(a, sizeof a, t->ndim, t->shape);
+        dsk__ckpt_hf_shape(b, sizeof b, dst->ndim, dst->shape);
+        return dsk_set_error(DSK_ERR_ARG, "%s: \"%s\": tensor \"%s\" is %s, the model's is %s", fn, f->path, name, a,
+                             b);
+    }
+    if (t->dtype < 0) return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: \"%s\": tensor \"%s\" has dtype %s", fn, f->path,
+                                           name, t->dtype_name);
+    if (t->dtype != DSK_E4M3) return DSK_OK;
+    sn->n = 0;
+    dsk__ckpt_puts(sn, name);
+    dsk__ckpt_puts(sn, "_scale_inv");
+    if (sn->oom) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if (t->ndim != 2)
+        return dsk_set_error(DSK_ERR_ARG, "%s: \"%s\": FP8 tensor \"%s\" is not a matrix", fn, f->path, name);
+    if (dsk_ckpt_hf_find(h, sn->p, &sf, &st) != DSK_OK)
+        return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": FP8 tensor \"%s\" has no \"%s\"", fn, f->path, name, sn->p);
+    if (st->dtype != DSK_F32 || st->ndim != 2 || st->shape[0] != (t->shape[0] + block[0] - 1) / block[0] ||
+        st->shape[1] != (t->shape[1] + block[1] - 1) / block[1])
+        return dsk_set_error(DSK_ERR_ARG, "%s: \"%s\": \"%s\" is not f32 (ceil(%lld/%d), ceil(%lld/%d))", fn, sf->path,
+                             sn->p, (long long)t->shape[0], block[0], (long long)t->shape[1], block[1]);
+    return DSK_OK;
+}
+
+/* w (R, C) = e4m3 q times its block's scale, on the host. */
+static void dsk__ckpt_dequant(float *w, const uint8_t *q, const float *scale, int64_t R, int64_t C,
+                              const int block[2]) {
+    int64_t sc = (C + block[1] - 1) / block[1];
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t c = 0; c < C; c++)
+            w[r * C + c] = dsk_e4m3_to_f32(q[r * C + c]) * scale[(r / block[0]) * sc + c / block[1]];
+}
+
+/* Reads one file tensor into dst, dequantising FP8 (checked by dsk__ckpt_hf_check_one). */
+static dsk_status dsk__ckpt_hf_read_one(dsk_ckpt_hf *h, dsk_ctx *ctx, const char *name, dsk_tensor *dst,
+                                        const int block[2], dsk__ckpt_buf *sn) {
+    const char *fn = "dsk_ckpt_hf_read_dequant";
+    dsk_ckpt_file *f = NULL, *sf = NULL;
+    const dsk_ckpt_tensor_info *t = NULL, *st = NULL;
+    dsk_tensor scale, host;
+    uint8_t *q = NULL;
+    float *w = NULL;
+    dsk_status s;
+    DSK__TRY(dsk_ckpt_hf_find(h, name, &f, &t));
+    if (t->dtype != DSK_E4M3) return dsk_ckpt_file_read(f, ctx, name, dst, 1);
+    memset(&scale, 0, sizeof scale);
+    sn->n = 0;
+    dsk__ckpt_puts(sn, name);
+    dsk__ckpt_puts(sn, "_scale_inv");
+    if (sn->oom) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    DSK__TRY(dsk_ckpt_hf_find(h, sn->p, &sf, &st));
+    q = (uint8_t *)DSK_MALLOC((size_t)(t->shape[0] * t->shape[1]) + 1);
+    w = (float *)DSK_MALLOC((size_t)(t->shape[0] * t->shape[1]) * sizeof *w + 1);
+    s = q && w ? dsk_tensor_alloc(NULL, &scale, DSK_F32, 2, st->shape)
+               : dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if (s == DSK_OK) s = dsk_ckpt_file_read_raw(f, name, NULL, t->shape, q, (size_t)(t->shape[0] * t->shape[1]));
+    if (s == DSK_OK) s = dsk_ckpt_file_read(sf, NULL, sn->p, &scale, 0);
+    if (s == DSK_OK) {
+        dsk__ckpt_dequant(w, q, (const float *)scale.data, t->shape[0], t->shape[1], block);
+        s = dsk_tensor_wrap(&host, w, DSK_F32, dsk_cpu(), 2, t->shape);
+    }
+    if (s == DSK_OK) s = dsk_tensor_copy(ctx, dst, &host);
+    dsk_tensor_free(NULL, &scale);
+    DSK_FREE(q);
+    DSK_FREE(w);
+    return s;
+}
+
+DSK_API dsk_status dsk_ckpt_hf_read_dequant(dsk_ckpt_hf *h, dsk_ctx *ctx, const dsk_ckpt_hf_entry *entries, int n,
+                                            const int block[2]) {
+    const char *fn = "dsk_ckpt_hf_read_dequant";
+    dsk__ckpt_buf nm, sn;
+    dsk_status s = DSK_OK;
+    if (!h || !h->dir || n < 0 || (n && !entries) || !block || block[0] < 1 || block[1] < 1)
+        return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument, closed set or bad block size", fn);
+    memset(&nm, 0, sizeof nm);
+    memset(&sn, 0, sizeof sn);
+    for (int pass = 0; pass < 2 && s == DSK_OK; pass++) /* check everything, then read */
+        for (int i = 0; i < n && s == DSK_OK; i++) {
+            const dsk_ckpt_hf_entry *e = &entries[i];
+            int64_t count = 0;
+            if ((s = dsk__ckpt_hf_count(fn, e, i, &count)) != DSK_OK) break;
+            for (int64_t k = 0; k < count && s == DSK_OK; k++) {
+                dsk_tensor view = *e->tensor;
+                const char *name = e->name;
+                if (e->stacked) {
+                    if ((s = dsk__ckpt_hf_expert_name(fn, e->name, e->expert0 + k, &nm)) != DSK_OK) break;
+                    if ((s = dsk_tensor_select(e->tensor, k, &view)) != DSK_OK) break;
+                    name = nm.p;
+                }
+                s = pass == 0 ? dsk__ckpt_hf_check_one(h, name, &view, block, &sn)
+                              : dsk__ckpt_hf_read_one(h, ctx, name, &view, block, &sn);
+            }
+        }
+    dsk__ckpt_buf_free(&nm);
+    dsk__ckpt_buf_free(&sn);
+    return s;
+}
+
+DSK_API dsk_status dsk_ckpt_hf_quantize_e4m3(dsk_tensor *q, dsk_tensor *scale_inv, const dsk_tensor *w,
+                                             const int block[2]) {
+    const char *fn = "dsk_ckpt_hf_quantize_e4m3";
+    int64_t R, C, sr, sc;
+    if (!q || !scale_inv || !w || !block || block[0] < 1 || block[1] < 1)
+        return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument or bad block size", fn);
+    if (w->ndim != 2 || w->dtype != DSK_F32 || q->dtype != DSK_E4M3 || scale_inv->dtype != DSK_F32 ||
+        !dsk_tensor_is_contiguous(w) || !dsk_tensor_is_contiguous(q) || !dsk_tensor_is_contiguous(scale_inv) ||
+        w->device.type != DSK_DEV_CPU || q->device.type != DSK_DEV_CPU || scale_inv->device.type != DSK_DEV_CPU)
+        return dsk_set_error(DSK_ERR_ARG, "%s: host contiguous w f32 (R, C), q e4m3 and scale_inv f32 needed", fn);
+    R = w->shape[0];
+    C = w->shape[1];
+    sr = (R + block[0] - 1) / block[0];
+    sc = (C + block[1] - 1) / block[1];
+    if (q->ndim != 2 || q->shape[0] != R || q->shape[1] != C || scale_inv->ndim != 2 || scale_inv->shape[0] != sr ||
+        scale_inv->shape[1] != sc)
+        return dsk_set_error(DSK_ERR_ARG, "%s: q must be (%lld, %lld) and scale_inv (%lld, %lld)", fn, (long long)R,
+                             (long long)C, (long long)sr, (long long)sc);
+    for (int64_t br = 0; br < sr; br++)
+        for (int64_t bc = 0; bc < sc; bc++) {
+            const float *x = (const float *)w->data;
+            float amax = 0, s;
+            for (int64_t r = br * block[0]; r < R && r < (br + 1) * block[0]; r++)
+                for (int64_t c = bc * block[1]; c < C && c < (bc + 1) * block[1]; c++)
+                    amax = fmaxf(amax, fabsf(x[r * C + c]));
+            s = amax > 0 ? amax / DSK_E4M3_MAX : 1.0f;
+            ((float *)scale_inv->data)[br * sc + bc] = s;
+            for (int64_t r = br * block[0]; r < R && r < (br + 1) * block[0]; r++)
+                for (int64_t c = bc * block[1]; c < C && c < (bc + 1) * block[1]; c++)
+                    ((uint8_t *)q->data)[r * C + c] = dsk_f32_to_e4m3(x[r * C + c] / s);
+        }
+    return DSK_OK;
 }
 
 /* ---------------------------------------------------------------- metadata */

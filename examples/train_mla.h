@@ -11,8 +11,11 @@
      q_h = [q_nope_h | rope(q_rope_h)],  k_h = [k_nope_h | rope(kr)]  (one rope key for all heads)
      out = Wo concat_h causal_softmax(scale q_h k_h^T) v_h
    scale = (nope + rope)^-1/2, times mscale^2 with mscale = 0.1 * m * ln(rope_factor) + 1 when
-   the sequence is longer than the original one (the reference's long-context correction; its
-   YaRN frequency ramp belongs to the rotary op and is not applied here). The attention core is
+   the sequence is longer than the original one (the reference's long-context correction). With
+   yarn (set by Hugging Face imports, examples/train_hf.h) the rope frequencies also follow
+   YaRN's per-frequency ramp (tmla_yarn_freq) and both apply at any length, as transformers
+   applies them (DeepSeek-V3's reference applies them when its max_seq_len exceeds the
+   original length, which its published configs do). The attention core is
    dsk_attention_fused with Dk = nope + rope != Dv = v: O(T) memory, row log-sum-exp saved.
 
    MTP (DeepSeek-V3 report, section 2.2): D modules after the main model; module k (1..D) at
@@ -43,6 +46,7 @@
 /* ------------------------------------------------------------------ types */
 
 #define TMLA_MAX_MTP 4
+#define TMLA_MAX_ROPE 512
 
 typedef enum tmla_attn { TMLA_ATTN_MHA = 0, TMLA_ATTN_MLA } tmla_attn;
 typedef enum tmla_recompute { TMLA_RECOMPUTE_NONE = 0, TMLA_RECOMPUTE_ATTN, TMLA_RECOMPUTE_FULL } tmla_recompute;
@@ -53,6 +57,12 @@ typedef struct tmla_config {
     int kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim;
     int original_seq;                   /* > 0 and < seq: the mscale correction applies */
     float rope_factor, mscale;
+    int yarn;                           /* 1: YaRN as transformers applies it (Hugging Face imports): the rope
+                                           frequencies ramped by beta_fast/beta_slow over original_seq and
+                                           rope_factor, and the mscale correction, at any length */
+    float beta_fast, beta_slow;
+    float latent_eps;                   /* eps of the query and kv latents' RMSNorms [0: the model's norm_eps];
+                                           transformers fixes them at 1e-6 whatever rms_norm_eps says */
     int mtp_depth;                      /* D, 0 = off */
     float mtp_lambda;
     int recompute;                      /* tmla_recompute */
@@ -94,6 +104,9 @@ typedef struct tmla_model {
     dsk_tensor dc, dc2, dcq, dcq2;      /* latent gradients */
     dsk_tensor yscr;                    /* (N, D) --recompute full: dense FFN output while recomputing */
     tmla_mtp mtp[TMLA_MAX_MTP];
+    dsk_tensor ry_in, ry_out;           /* (N, H*4) YaRN rotation scratch (one pair at a time) */
+    float ry_theta[TMLA_MAX_ROPE / 2];  /* YaRN: per pair i the theta with which dsk_rope's second pair of four
+                                           turns at pair i's ramped frequency: theta_i = f_i^-2 */
     dsk_tensor dcarry, dtmp;            /* (N, D) MTP backward */
     int eval;                           /* 1: forward passes skip the MTP modules */
 } tmla_model;
@@ -158,11 +171,67 @@ static dsk_tensor tmla_lse(const dsk_tensor *lse, int nb) {
 static float tmla_scale(const tm_config *c) {
     const tmla_config *a = &c->mla;
     float s = 1.0f / sqrtf((float)(a->qk_nope_dim + a->qk_rope_dim));
-    if (a->original_seq > 0 && c->seq > a->original_seq && a->rope_factor > 1.0f) {
+    if (a->original_seq > 0 && (c->seq > a->original_seq || a->yarn) && a->rope_factor > 1.0f) {
         float ms = 0.1f * a->mscale * logf(a->rope_factor) + 1.0f;
         s *= ms * ms;
     }
     return s;
+}
+
+static float tmla_latent_eps(const tm_config *c) { return c->mla.latent_eps > 0 ? c->mla.latent_eps : c->norm_eps; }
+
+/* YaRN's frequency of rope pair i of d dims, as transformers' _compute_yarn_parameters (f32
+   like torch; the correction range in double like its math): the extrapolated base^(-2i/d)
+   and the interpolated one (/ factor) blended by a ramp between the dims that turn beta_fast
+   and beta_slow times over the original length (floored, ceiled, clamped to [0, d - 1]). */
+static float tmla_yarn_freq(const tmla_config *a, float base, int i) {
+    const double two_pi = 6.283185307179586;
+    int d = a->qk_rope_dim;
+    double lo = floor(d * log(a->original_seq / (a->beta_fast * two_pi)) / (2 * log((double)base)));
+    double hi = ceil(d * log(a->original_seq / (a->beta_slow * two_pi)) / (2 * log((double)base)));
+    float pos = powf(base, (float)(2 * i) / (float)d), ext = 1.0f / pos, inter = 1.0f / (a->rope_factor * pos);
+    lo = lo < 0 ? 0 : lo;
+    hi = hi > d - 1 ? d - 1 : hi;
+    if (lo == hi) hi += 0.001;
+    float ramp = ((float)i - (float)lo) / (float)(hi - lo);
+    float keep = 1.0f - (ramp < 0.0f ? 0.0f : ramp > 1.0f ? 1.0f : ramp); /* share of the extrapolated frequency */
+    return inter * (1.0f - keep) + ext * keep;
+}
+
+/* y (nb, T, Hx, rope) = rope(x) (inverse 0; y may alias x) or the backward rotation of x
+   (inverse 1; y overwritten: callers zero it anyway). Plain RoPE is one dsk_rope call; under
+   YaRN each pair i turns at its own frequency f_i: it is copied into the second pair of a
+   four-dim scratch head, which dsk_rope turns at theta_i^(-2/4) = f_i, and copied back. */
+static dsk_status tmla_rotate(tm_model *m, dsk_tensor *y, const dsk_tensor *x, int inverse) {
+    const tm_config *c = &m->cfg;
+    tmla_model *s = &m->mla;
+    if (!c->mla.yarn) {
+        if (!inverse) return dsk_rope(m->ctx, y, x, 0, c->rope_theta);
+        TM_TRY(tm_zero(m, y));
+        return dsk_rope_backward(m->ctx, y, x, 0, c->rope_theta);
+    }
+    int64_t sh[4] = {x->shape[0], x->shape[1], x->shape[2], 4}, n = sh[0] * sh[1] * sh[2] * 4;
+    int64_t all = dsk_tensor_numel(&s->ry_in);
+    dsk_tensor fi, fo, fi1, fo1, in, out; /* the scratch's first n elements as (nb, T, Hx, 4) */
+    TM_TRY(dsk_tensor_reshape(&s->ry_in, 1, &all, &fi));
+    TM_TRY(dsk_tensor_reshape(&s->ry_out, 1, &all, &fo));
+    TM_TRY(dsk_tensor_slice(&fi, 0, 0, n, &fi1));
+    TM_TRY(dsk_tensor_slice(&fo, 0, 0, n, &fo1));
+    TM_TRY(dsk_tensor_reshape(&fi1, 4, sh, &in));
+    TM_TRY(dsk_tensor_reshape(&fo1, 4, sh, &out));
+    dsk_tensor in2 = tmla_cols(&in, 2, 2), out2 = tmla_cols(&out, 2, 2);
+    for (int64_t i = 0; i < x->shape[3] / 2; i++) {
+        dsk_tensor xp = tmla_cols(x, 2 * i, 2), yp = tmla_cols(y, 2 * i, 2);
+        TM_TRY(dsk_tensor_copy(m->ctx, &in2, &xp));
+        if (inverse) {
+            TM_TRY(tm_zero(m, &out));
+            TM_TRY(dsk_rope_backward(m->ctx, &out, &in, 0, s->ry_theta[i]));
+        } else {
+            TM_TRY(dsk_rope(m->ctx, &out, &in, 0, s->ry_theta[i]));
+        }
+        TM_TRY(dsk_tensor_copy(m->ctx, &yp, &out2));
+    }
+    return DSK_OK;
 }
 
 /* ------------------------------------------------------------------ parameters */
@@ -229,6 +298,11 @@ static dsk_status tmla_check_config(const void *cfg) {
                              a->q_lora_rank, a->kv_lora_rank, a->qk_nope_dim, a->qk_rope_dim, a->v_head_dim);
     if (a->qk_rope_dim % 2 != 0)
         return dsk_set_error(DSK_ERR_ARG, "--qk-rope-dim %d must be even for rotary embeddings", a->qk_rope_dim);
+    if (a->qk_rope_dim > TMLA_MAX_ROPE)
+        return dsk_set_error(DSK_ERR_ARG, "--qk-rope-dim %d: at most %d", a->qk_rope_dim, TMLA_MAX_ROPE);
+    if (a->yarn && (a->original_seq < 1 || !(a->beta_fast > 0.0f) || !(a->beta_slow > 0.0f)))
+        return dsk_set_error(DSK_ERR_ARG, "YaRN: original length %d (>= 1), beta_fast %g and beta_slow %g (> 0)",
+                             a->original_seq, (double)a->beta_fast, (double)a->beta_slow);
     if (a->original_seq < 0 || (a->original_seq > 0 && !(a->rope_factor >= 1.0f)))
         return dsk_set_error(DSK_ERR_ARG, "--original-seq %d (>= 0) with --rope-factor %g (>= 1)", a->original_seq,
                              (double)a->rope_factor);
@@ -328,6 +402,15 @@ static dsk_status tmla_alloc(tm_model *m) {
             TM_TRY(tm_alloc2(m, &s->dcq, dt, N, a->q_lora_rank));
             TM_TRY(tm_alloc2(m, &s->dcq2, dt, N, a->q_lora_rank));
         }
+        if (a->yarn) {
+            TM_TRY(tm_alloc2(m, &s->ry_in, dt, N, H * 4));
+            TM_TRY(tm_alloc2(m, &s->ry_out, dt, N, H * 4));
+            TM_TRY(tm_zero(m, &s->ry_in)); /* its first pair turns unused: finite */
+            for (int i = 0; i < a->qk_rope_dim / 2; i++) {
+                double f = tmla_yarn_freq(a, c->rope_theta, i);
+                s->ry_theta[i] = (float)(1.0 / (f * f));
+            }
+        }
     }
     if (a->recompute == TMLA_RECOMPUTE_FULL && c->n_dense > 0) TM_TRY(tm_alloc2(m, &s->yscr, dt, N, D));
     for (int k = 0; k < a->mtp_depth; k++) {
@@ -379,7 +462,7 @@ static void tmla_free(tm_model *m) {
         for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
     }
     dsk_tensor *ts[] = {&s->pe, &s->pe2, &s->dpe1, &s->dkpe, &s->dq, &s->dk, &s->dkvb, &s->datt, &s->dc, &s->dc2,
-                        &s->dcq, &s->dcq2, &s->yscr, &s->dcarry, &s->dtmp};
+                        &s->dcq, &s->dcq2, &s->yscr, &s->dcarry, &s->dtmp, &s->ry_in, &s->ry_out};
     for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
 }
 
@@ -413,7 +496,7 @@ static dsk_status tmla_attn_forward(tm_model *m, tm_block *b, int nb) {
     if (a->q_lora_rank > 0) {
         dsk_tensor cq = tm_rows(&p->cq, N), cqn = tm_rows(&p->cqn, N), rq = tm_rows(&p->rstd_q, N);
         TM_T(TM_PH_LINEAR, tm_mm(m, &cq, &h1, 0, &p->wq_a->wc, 1, 0.0f));
-        TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &cqn, &rq, &cq, &p->q_norm->wc, c->norm_eps));
+        TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &cqn, &rq, &cq, &p->q_norm->wc, tmla_latent_eps(c)));
         TM_T(TM_PH_LINEAR, tm_mm(m, &q, &cqn, 0, &p->wq_b->wc, 1, 0.0f));
     } else {
         TM_T(TM_PH_LINEAR, tm_mm(m, &q, &h1, 0, &p->wq->wc, 1, 0.0f));
@@ -422,15 +505,15 @@ static dsk_status tmla_attn_forward(tm_model *m, tm_block *b, int nb) {
     dsk_tensor q4 = tmla_heads(m, &p->q, nb, H, dqk), qpe = tmla_cols(&q4, dn, dr),
                pe4 = tmla_heads(m, &s->pe, nb, H, dr);
     TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &pe4, &qpe));
-    TM_T(TM_PH_ROPE, dsk_rope(m->ctx, &pe4, &pe4, 0, c->rope_theta));
+    TM_T(TM_PH_ROPE, tmla_rotate(m, &pe4, &pe4, 0));
     TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &qpe, &pe4));
     /* [c | kr] = Wkv_a h1 as two products over the weight's row blocks */
     dsk_tensor wc = tmla_wrows(&p->wkv_a->wc, 0, R), wr = tmla_wrows(&p->wkv_a->wc, R, dr);
     TM_T(TM_PH_LINEAR, tm_mm(m, &ckv, &h1, 0, &wc, 1, 0.0f));
     TM_T(TM_PH_LINEAR, tm_mm(m, &kpe, &h1, 0, &wr, 1, 0.0f));
     dsk_tensor kpe4 = tmla_heads(m, &p->kpe, nb, 1, dr);
-    TM_T(TM_PH_ROPE, dsk_rope(m->ctx, &kpe4, &kpe4, 0, c->rope_theta));
-    TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &ckvn, &rkv, &ckv, &p->kv_norm->wc, c->norm_eps));
+    TM_T(TM_PH_ROPE, tmla_rotate(m, &kpe4, &kpe4, 0));
+    TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &ckvn, &rkv, &ckv, &p->kv_norm->wc, tmla_latent_eps(c)));
     TM_T(TM_PH_LINEAR, tm_mm(m, &kvb, &ckvn, 0, &p->wkv_b->wc, 1, 0.0f));
     /* keys: [k_nope_h | rope key], the rope key broadcast over the heads (stride 0) */
     dsk_tensor kvb4 = tmla_heads(m, &p->kvb, nb, H, dn + a->v_head_dim), k4 = tmla_heads(m, &p->k, nb, H, dqk);
@@ -504,13 +587,11 @@ static dsk_status tmla_attn_backward(tm_model *m, tm_block *b) {
     dsk_tensor dpe1 = tmla_heads(m, &s->dpe1, nb, 1, dr), dkpe4 = tmla_heads(m, &s->dkpe, nb, 1, dr);
     TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &pe4, &dkr));
     TM_T(TM_PH_ROPE, dsk_reduce(m->ctx, &dpe1, &pe4, 2, DSK_REDUCE_SUM));
-    TM_T(TM_PH_MOVE, tm_zero(m, &s->dkpe));
-    TM_T(TM_PH_ROPE, dsk_rope_backward(m->ctx, &dkpe4, &dpe1, 0, c->rope_theta));
+    TM_T(TM_PH_ROPE, tmla_rotate(m, &dkpe4, &dpe1, 1));
     /* the queries' rope part: rotate back in place through the scratch */
     dsk_tensor dqr = tmla_cols(&dq4, dn, dr);
     TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &pe4, &dqr));
-    TM_T(TM_PH_MOVE, tm_zero(m, &s->pe2));
-    TM_T(TM_PH_ROPE, dsk_rope_backward(m->ctx, &pe24, &pe4, 0, c->rope_theta));
+    TM_T(TM_PH_ROPE, tmla_rotate(m, &pe24, &pe4, 1));
     TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &dqr, &pe24));
     /* kv latent path */
     TM_T(TM_PH_LINEAR, tm_mm(m, &p->wkv_b->g, &s->dkvb, 1, &p->ckvn, 0, 1.0f));

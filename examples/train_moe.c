@@ -51,6 +51,7 @@
 
 #include "train_bind.h"
 #include "train_data.h"
+#include "train_hf.h"
 #include "train_model.h"
 #include "train_metrics.h"
 #include "train_par.h"
@@ -103,6 +104,9 @@ typedef struct options {
     int grad_check;
     char *routing_record, *routing_replay;
     int help;
+    /* Hugging Face checkpoints (train_hf.h) */
+    char *init_from_hf, *export_hf;
+    char export_dtype[8];
 } options;
 
 /* OPT_AUTO: a flag that may be followed by the word "auto" */
@@ -209,6 +213,12 @@ static const opt_spec OPTS[] = {
     {"--zero", OPT_INT, O_(zero), 0, "ZeRO stage 0-3: shard optimizer state (1), gradients (2), weights (3)"},
     {"--grad-compress", OPT_STRBUF, O_(grad_compress), sizeof(((options *)0)->grad_compress),
      "none | bf16 | powersgd:R[:START] gradient reductions (PowerSGD rank R from pass START, 10 if not given)"},
+    {"--init-from-hf", OPT_STR, O_(init_from_hf), 0,
+     "DIR: start from a Hugging Face DeepSeek-V2/V3 checkpoint (config.json sets the model; --data: token shards "
+     "of its vocabulary)"},
+    {"--export-hf", OPT_STR, O_(export_hf), 0, "DIR: write the final weights as a Hugging Face DeepSeek checkpoint"},
+    {"--export-dtype", OPT_STRBUF, O_(export_dtype), sizeof(((options *)0)->export_dtype),
+     "f32 | bf16 | fp8 (e4m3 with weight_scale_inv blocks) for --export-hf"},
     {"--grad-check", OPT_INT, O_(grad_check), 0, "check N elements of every gradient against central differences, then exit"},
     {"--routing-record", OPT_STR, O_(routing_record), 0,
      "FILE: write the MoE routing decisions (rank r > 0: FILE.rank<r>)"},
@@ -277,6 +287,7 @@ static void set_defaults(options *o) {
     strcpy(o->pp_schedule, "1f1b");
     strcpy(o->grad_compress, "none");
     strcpy(o->bind, "none");
+    strcpy(o->export_dtype, "bf16");
     o->nproc = 0;
 }
 
@@ -491,6 +502,8 @@ typedef struct trainer {
     double *moe_load, *moe_imbalance;
     tm_routes routes;             /* --routing-record / --routing-replay (train_model.h) */
     int64_t *route_seq;           /* (batch_local) the validation windows' numbers, for routes */
+    dsk_ckpt_hf_deepseek_config hf; /* --init-from-hf: the checkpoint's config.json */
+    int have_hf;
 } trainer;
 
 static double now_s(void) {
@@ -806,9 +819,22 @@ static void setup_model(trainer *t) {
     else if (strcmp(o->recompute, "full") == 0) c.mla.recompute = TMLA_RECOMPUTE_FULL;
     else fail(t, "--recompute \"%s\": use none, attn or full", o->recompute);
     c.external = t->use_zero;
+    if (o->export_hf) c.mla.latent_eps = 1e-6f; /* what transformers' q_a/kv_a norms use */
+    if (t->have_hf) {
+        if (t->data.vocab != (int)t->hf.vocab_size)
+            fail(t, "--init-from-hf: the data's vocabulary is %d tokens, the model's %lld: --data takes token shards "
+                    "of the model's vocabulary", t->data.vocab, (long long)t->hf.vocab_size);
+        CHECK(thf_model_config(&t->hf, &c));
+    }
     if (o->dense_layers < o->layers && o->experts < 1) fail(t, "--experts %d: MoE blocks need at least 1 expert", o->experts);
     if (t->par.on) CHECK(tp_model_init(&t->par, &t->model, &t->ctx, &c));
     else CHECK(tm_init(&t->model, &t->ctx, &c));
+    if (t->have_hf) {
+        double t0 = now_s();
+        CHECK(thf_load(&t->model, &t->hf, o->init_from_hf));
+        say(t, "imported %s (DeepseekV%dForCausalLM, %s) in %.3f s\n", o->init_from_hf, t->hf.version,
+            t->hf.fp8 ? "FP8 e4m3 dequantised" : "weights as stored", now_s() - t0);
+    }
 }
 
 /* Two optimizer groups for dsk_amp_step: matrices (weight decay) and norm weights (none). */
@@ -2197,6 +2223,50 @@ static void cleanup(trainer *t) {
     ts_stop(&t->sig);
 }
 
+/* --init-from-hf: the model flags from the checkpoint's config.json (which the run prints and
+   counts FLOPs by); setup_model then takes every model setting from it (thf_model_config). */
+static void hf_options(trainer *t) {
+    options *o = t->o;
+    const dsk_ckpt_hf_deepseek_config *h = &t->hf;
+    if (o->export_hf && strcmp(o->export_dtype, "f32") != 0 && strcmp(o->export_dtype, "bf16") != 0 &&
+        strcmp(o->export_dtype, "fp8") != 0)
+        fail(t, "--export-dtype \"%s\": use f32, bf16 or fp8", o->export_dtype);
+    if (o->export_hf && (o->tp > 1 || o->pp > 1 || o->ep > 1 || t->use_zero))
+        fail(t, "--export-hf runs without --tp, --pp, --ep, --zero and --grad-compress in this trainer");
+    if (o->export_hf && !o->init_from_hf && strcmp(o->attn, "mla") != 0)
+        fail(t, "--export-hf writes DeepSeek's MLA layout: use --attn mla (or --init-from-hf)");
+    if (o->export_hf && !o->init_from_hf && strcmp(o->score, "softmax") == 0 && o->bias_rate > 0)
+        fail(t, "--export-hf of a softmax-routed model writes DeepseekV2, which has no expert bias: pass "
+                "--bias-rate 0");
+    if (!o->init_from_hf) return;
+    if (o->tp > 1 || o->pp > 1 || t->use_zero)
+        fail(t, "--init-from-hf runs without --tp, --pp, --zero and --grad-compress in this trainer");
+    CHECK(dsk_ckpt_hf_deepseek_config_read(&t->hf, o->init_from_hf));
+    t->have_hf = 1;
+    o->vocab = (int)h->vocab_size;
+    o->d_model = (int)h->hidden_size;
+    o->heads = h->num_attention_heads;
+    o->layers = h->num_hidden_layers;
+    o->dense_layers = h->first_k_dense_replace;
+    o->ffn_hidden = (int)h->intermediate_size;
+    o->experts = h->n_routed_experts;
+    o->shared = h->n_shared_experts;
+    o->top_k = h->num_experts_per_tok;
+    o->expert_hidden = (int)h->moe_intermediate_size;
+    o->groups = h->n_group;
+    o->topk_groups = h->topk_group;
+    snprintf(o->score, sizeof o->score, "%s", h->scoring_func);
+    o->routed_scale = h->routed_scaling_factor;
+    snprintf(o->attn, sizeof o->attn, "mla");
+    o->q_lora = h->q_lora_rank;
+    o->kv_lora = h->kv_lora_rank;
+    o->qk_nope = h->qk_nope_head_dim;
+    o->qk_rope = h->qk_rope_head_dim;
+    o->v_head = h->v_head_dim;
+    o->original_seq = 0;
+    if (h->version == 2) o->bias_rate = 0; /* DeepSeek-V2 routes without an expert bias */
+}
+
 static void check_options(trainer *t) {
     const options *o = t->o;
     if (o->steps < 1) fail(t, "--steps %d: must be at least 1", o->steps);
@@ -2239,6 +2309,7 @@ int main(int argc, char **argv) {
     int e = ts_start(&t->sig); /* before any thread starts */
     if (e != 0) fail(t, "cannot start the signal thread: %s", strerror(e));
     check_options(t);
+    hf_options(t);
     setup_comm(t);
     setup_bind(t);
     setup_device(t);
@@ -2329,6 +2400,12 @@ int main(int argc, char **argv) {
     if (o.profile) profile_report(t);
     if (t->step == o.steps) CHECK(generate(t));
     CHECK(tm_routes_close(&t->routes));
+    if (o.export_hf && t->rank == 0) {
+        double t0 = now_s();
+        CHECK(thf_export(&t->model, t->have_hf ? &t->hf : NULL, o.export_hf, o.export_dtype, 0));
+        say(t, "exported step %lld to %s (%s) in %.2f s\n", (long long)t->step, o.export_hf, o.export_dtype,
+            now_s() - t0);
+    }
     say(t, "done: %lld steps in %.1f s (%.0f tokens/s, %.2f%% of step time waiting for data), final validation loss %.4f\n",
         (long long)t->step, wall, t->steps_timed ? (double)o.batch * o.accum * o.seq * t->steps_timed / t->train_seconds : 0.0,
         t->train_seconds > 0 ? 100 * t->data_wait_s / t->train_seconds : 0.0, (double)t->last_val);
