@@ -679,6 +679,9 @@ static inline DSK_HD void dsk__moe_route_one(const dsk_moe_router *r, int64_t t,
 #ifdef DSK_CUDA
 #include "kernels/dsk_kernels.h"
 #endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 /* ---------------------------------------------------------------- state and buffer registry */
 

@@ -8,9 +8,6 @@
    - a sequence long enough that the materialised attention's probabilities alone would not fit
      in this machine's memory trains a step (forward, backward, AdamW) with MLA's fused core;
    - bad MLA/MTP/recompute settings are refused with a message naming the flag. */
-#define DSK_TENSOR_IMPLEMENTATION
-#define DSK_COMM_IMPLEMENTATION
-#define DSK_MOE_IMPLEMENTATION
 #include "dsk_comm.h"
 #include "dsk_moe.h"
 #include "examples/train_model.h"

@@ -3,9 +3,6 @@
    bias update, gradients by central finite differences, bf16, expert parallelism over forked
    host-backend ranks, and bad configurations. */
 #define _DEFAULT_SOURCE /* MAP_ANONYMOUS for the ranks' shared results (POSIX alone lacks it) */
-#define DSK_TENSOR_IMPLEMENTATION
-#define DSK_COMM_IMPLEMENTATION
-#define DSK_MOE_IMPLEMENTATION
 #include "dsk_comm.h"
 #include "dsk_moe.h"
 #include "tests/dsk_test.h"

@@ -11,9 +11,6 @@
    host backend and compare with float64 references computed on every rank from the same
    seeded inputs (each input is a function of (tag, index), so every rank can form the full
    tensors). */
-#define DSK_TENSOR_IMPLEMENTATION
-#define DSK_COMM_IMPLEMENTATION
-#define DSK_PAR_IMPLEMENTATION
 #include "dsk_par.h"
 #include "tests/dsk_test.h"
 
