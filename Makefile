@@ -104,17 +104,18 @@ $(KLIB): $(KOBJ)
 	@mkdir -p $(dir $@)
 	rm -f $@ && ar rcs $@ $^
 
-# One module of the library: its header compiled as C with its IMPLEMENTATION macro.
+# One module of the library: its header with its IMPLEMENTATION macro, included (-include) by an
+# empty file so that it is not the main file (clang flags unused static inline functions there).
 $(BUILD)/lib/%.o: dsk_%.h $(HEADERS) $(CONFIG)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -DDSK_$(shell echo $* | tr a-z A-Z)_IMPLEMENTATION -c -x c $< -o $@
+	$(CC) $(CFLAGS) -DDSK_$(shell echo $* | tr a-z A-Z)_IMPLEMENTATION -include $< -c -x c /dev/null -o $@
 
 $(LIB): $(patsubst %,$(BUILD)/lib/%.o,$(MODULES))
 	rm -f $@ && ar rcs $@ $^
 
 $(EMU)/lib/%.o: dsk_%.h $(HEADERS) $(EMU_HDR) $(CONFIG)
 	@mkdir -p $(dir $@)
-	$(CC) $(EMU_CFLAGS) -DDSK_$(shell echo $* | tr a-z A-Z)_IMPLEMENTATION -c -x c $< -o $@
+	$(CC) $(EMU_CFLAGS) -DDSK_$(shell echo $* | tr a-z A-Z)_IMPLEMENTATION -include $< -c -x c /dev/null -o $@
 
 $(EMU_DSK): $(patsubst %,$(EMU)/lib/%.o,$(MODULES))
 	rm -f $@ && ar rcs $@ $^

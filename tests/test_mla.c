@@ -8,6 +8,7 @@
    - a sequence long enough that the materialised attention's probabilities alone would not fit
      in this machine's memory trains a step (forward, backward, AdamW) with MLA's fused core;
    - bad MLA/MTP/recompute settings are refused with a message naming the flag. */
+#define _POSIX_C_SOURCE 200809L /* kill, nanosleep, clock_gettime: the library is linked, not included */
 #include "dsk_comm.h"
 #include "dsk_moe.h"
 #include "examples/train_model.h"
