@@ -66,15 +66,23 @@
    rows -> columns, ...), reading only the 1 MiB blocks it needs and checking dtype, shape and
    every block's CRC32C on the way.
 
-   Example:
-     dsk_ckpt ck; dsk_ckpt_opts o = {0}; o.keep_last = 3;
-     dsk_ckpt_init(&ck, "runs/ckpt", &o);
-     dsk_ckpt_entry e[2] = {{"embed", &embed, DSK_CKPT_WHOLE, 0, 0, NULL, NULL},
-                            {"moe.w1", &w1, DSK_CKPT_ROWS, row0, n_experts, NULL, NULL}};
+   Example (given dsk_tensor *embed, dsk_tensor *w1, int64_t row0, int64_t n_experts, int64_t step):
+     dsk_ckpt ck; dsk_ckpt_opts o; memset(&o, 0, sizeof o); o.keep_last = 3;
+     if (dsk_ckpt_init(&ck, "runs/ckpt", &o) != DSK_OK) return 1;   // dsk_last_error() says why
+     dsk_ckpt_entry e[2] = {{"embed", embed, DSK_CKPT_WHOLE, 0, 0, NULL, NULL},
+                            {"moe.w1", w1, DSK_CKPT_ROWS, row0, n_experts, NULL, NULL}};
      dsk_ckpt_kv kv[1] = {{"loss_scale", "65536"}};
-     dsk_ckpt_save_async(&ck, step, e, 2, kv, 1);   ... train on ... dsk_ckpt_wait(&ck);
-     int64_t last; dsk_ckpt_latest("runs/ckpt", &last);
-     if (last >= 0) dsk_ckpt_load(&ck, last, e, 2, &meta);
+     dsk_status st = dsk_ckpt_save_async(&ck, step, e, 2, kv, 1);
+     // ... train on while the writer thread saves ...
+     if (st == DSK_OK) st = dsk_ckpt_wait(&ck);
+     int64_t last = -1;
+     if (st == DSK_OK) st = dsk_ckpt_latest("runs/ckpt", &last);
+     dsk_ckpt_meta meta;
+     if (st == DSK_OK && last >= 0 && (st = dsk_ckpt_load(&ck, last, e, 2, &meta)) == DSK_OK)
+         dsk_ckpt_meta_free(&meta);                                 // its key/value pairs read first
+     dsk_ckpt_free(&ck);
+     return st;
+   End of example.
    Cost: a save passes over each byte once (CRC32C on 1 MiB blocks just before writing them,
    about 10 GB/s with SSE4.2), so it runs at the disk's write speed plus a few fsyncs; an
    async save stalls the caller for one memory copy of this rank's tensors (the snapshot
