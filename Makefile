@@ -88,7 +88,7 @@ $(file > $(CONFIG),$(CONFIG_TEXT))
 endif
 endif
 
-.PHONY: all tests examples bench run test test-gpu sanitize tsan fuzz clean
+.PHONY: all tests examples bench run test test-gpu sanitize tsan fuzz print-cuda clean
 all: tests examples
 
 tests: $(TESTS) $(GPU_TESTS) $(if $(filter 1,$(EMULATE)),$(EMU_TESTS) $(EMU_EXAMPLES))
@@ -203,15 +203,21 @@ test-gpu: $(GPU_TESTS)
 sanitize:
 	$(MAKE) BUILD=build-san CUDA=0 OPT=-O1 SAN="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" test
 
-# ThreadSanitizer on the programs that start threads (scripts/tsan.sh says which and why).
+# ThreadSanitizer on the programs that start threads (scripts/tsan.sh says which and why). clang:
+# gcc rejects the shared-memory rings' __atomic_thread_fence under -fsanitize=thread (-Wtsan).
 TSAN_BUILD ?= build-tsan
+TSAN_CC    ?= clang
 tsan:
-	$(MAKE) BUILD=$(TSAN_BUILD) CUDA=0 EMULATE=0 OPT=-O1 SAN="-fsanitize=thread -fno-omit-frame-pointer" \
+	$(MAKE) BUILD=$(TSAN_BUILD) CC=$(TSAN_CC) CUDA=0 EMULATE=0 OPT=-O1 SAN="-fsanitize=thread -fno-omit-frame-pointer" \
 	    $(TSAN_BUILD)/tests/test_ckpt $(TSAN_BUILD)/tests/test_comm $(TSAN_BUILD)/examples/train_moe
 	@BUILD=$(TSAN_BUILD) bash scripts/tsan.sh
 
 fuzz:
 	@bash scripts/fuzz.sh
+
+# 1 when this configuration builds the CUDA paths (.ci/run asks).
+print-cuda:
+	@echo $(CUDA)
 
 clean:
 	rm -rf build build-san build-tsan build-fuzz build-ci-*
