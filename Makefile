@@ -28,11 +28,22 @@ KLIB     = $(BUILD)/libdsk_kernels.a
 ifeq ($(CUDA),1)
 CFLAGS  += -DDSK_CUDA -I$(CUDA_HOME)/include
 CXXFLAGS+= -DDSK_CUDA -I$(CUDA_HOME)/include
-LDLIBS  := $(KLIB) -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lnccl -lcudart -lstdc++ $(LDLIBS)
-DEPS     = $(HEADERS) $(KLIB)
+LDLIBS  := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lnccl -lcudart -lstdc++ $(LDLIBS)
+KLINK    = $(KLIB)
 else
-DEPS     = $(HEADERS)
+KLINK    =
 endif
+
+# The library, compiled once per configuration (BUILD): one object per module, each its header
+# with its IMPLEMENTATION macro, in $(BUILD)/libdsk.a. Tests and examples include the headers
+# without the macro and link it, as an stb-style user's program does. The tests that call a
+# module's private (static) functions or replace its allocator compile the implementation
+# themselves (SELF_IMPL; DESIGN.md, Tests). The kernels and the library call each other: a group.
+MODULES  = tensor comm moe amp ckpt par zero
+LIB      = $(BUILD)/libdsk.a
+LIB_LINK = -Wl,--start-group $(LIB) $(KLINK) -Wl,--end-group
+DEPS     = $(HEADERS) $(LIB) $(KLINK) $(CONFIG)
+SELF_IMPL = $(patsubst %,$(BUILD)/tests/%,test_tensor test_ckpt test_comm gpu/test_moe_gpu)
 
 TESTS     = $(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/test_*.c))
 GPU_TESTS = $(patsubst tests/gpu/%.c,$(BUILD)/tests/gpu/%,$(wildcard tests/gpu/test_*.c))
@@ -52,20 +63,45 @@ EMU_LIB    = $(EMU)/libcuda_emu.a
 EMU_KLIB   = $(EMU)/libdsk_kernels.a
 EMU_CXX    = -std=c++17 $(OPT) $(ARCH) -g $(WARN) -ffp-contract=off -I. $(EMU_INC) $(SAN)
 EMU_CFLAGS = $(C_BASE) -DDSK_CUDA $(EMU_INC)
-EMU_LIBS   = $(EMU_KLIB) $(EMU_LIB) -lstdc++ -lm -lpthread -lrt
+EMU_DSK    = $(EMU)/libdsk.a
+EMU_LIBS   = -Wl,--start-group $(EMU_DSK) $(EMU_KLIB) $(EMU_LIB) -Wl,--end-group -lstdc++ -lm -lpthread -lrt
+EMU_SELF_LIBS = $(EMU_KLIB) $(EMU_LIB) -lstdc++ -lm -lpthread -lrt
+EMU_DEPS   = $(HEADERS) $(EMU_HDR) $(EMU_DSK) $(EMU_KLIB) $(EMU_LIB) $(CONFIG)
 EMU_TESTS  = $(patsubst tests/cuda_emu/%.cpp,$(EMU)/tests/%,$(wildcard tests/cuda_emu/test_*.cpp)) \
              $(patsubst tests/gpu/%.c,$(EMU)/tests/gpu/%,$(wildcard tests/gpu/test_*.c))
 # The trainer on the emulated GPU, for the scripts that test its CUDA path (tests/test_train_graph.sh).
 EMU_EXAMPLES = $(EMU)/examples/train_moe
 
-.PHONY: all tests examples bench run test test-gpu sanitize fuzz clean
+MPICC ?= mpicc
+# Everything in BUILD records the flags it was built with ($(BUILD)/.flags): building with other
+# flags in the same BUILD (CUDA=0 after CUDA=1, another CC) rebuilds everything instead of mixing.
+CONFIG      = $(BUILD)/.flags
+CONFIG_TEXT = $(CC) $(CXX) $(CUDA) $(CFLAGS) | $(CXXFLAGS) | $(NVFLAGS) | $(EMU_CXX) | $(LDLIBS)
+ifeq ($(filter clean,$(MAKECMDGOALS)),)
+ifneq ($(file < $(CONFIG)),$(CONFIG_TEXT))
+$(shell mkdir -p $(BUILD))
+$(file > $(CONFIG),$(CONFIG_TEXT))
+endif
+endif
+
+.PHONY: all tests examples bench run test test-gpu sanitize tsan fuzz print-cuda clean
 all: tests examples
 
 tests: $(TESTS) $(GPU_TESTS) $(if $(filter 1,$(EMULATE)),$(EMU_TESTS) $(EMU_EXAMPLES))
 examples: $(EXAMPLES)
-bench: $(BENCHES)
+# Benchmarks whose peer is missing here are left out: bench_gemm without OpenBLAS (another
+# BLAS's cblas.h lacks openblas_*), mpi_allreduce without Open MPI's mpi.h. Probed when asked.
+bench:
+	@skip=""; \
+	printf '#include <cblas.h>\nint main(void) { openblas_set_num_threads(1); return 0; }\n' | \
+	    $(CC) -x c - -lopenblas -o /dev/null 2>/dev/null || skip="$$skip bench_gemm"; \
+	printf '#include <mpi.h>\nint main(void) { return 0; }\n' | \
+	    $(MPICC) -x c - -o /dev/null 2>/dev/null || skip="$$skip mpi_allreduce"; \
+	targets=""; for b in $(BENCHES); do case " $$skip " in *" $${b##*/} "*) ;; *) targets="$$targets $$b";; esac; done; \
+	[ -z "$$skip" ] || echo "bench: left out (peer library missing):$$skip"; \
+	$(MAKE) --no-print-directory $$targets
 
-$(BUILD)/kernels/%.o: kernels/%.cu $(HEADERS)
+$(BUILD)/kernels/%.o: kernels/%.cu $(HEADERS) $(CONFIG)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -c $< -o $@
 
@@ -73,41 +109,65 @@ $(KLIB): $(KOBJ)
 	@mkdir -p $(dir $@)
 	rm -f $@ && ar rcs $@ $^
 
-$(EMU)/obj/%.o: tests/cuda_emu/%.cpp $(EMU_HDR)
+# One module of the library: its header with its IMPLEMENTATION macro, included (-include) by an
+# empty file so that it is not the main file (clang flags unused static inline functions there).
+# dsk_moe_amp_unscale exists where dsk_amp.h comes before dsk_moe.h: the library's has it.
+LIB_PRE_moe = -include dsk_amp.h
+$(BUILD)/lib/%.o: dsk_%.h $(HEADERS) $(CONFIG)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -DDSK_$(shell echo $* | tr a-z A-Z)_IMPLEMENTATION $(LIB_PRE_$*) -include $< -c -x c /dev/null -o $@
+
+$(LIB): $(patsubst %,$(BUILD)/lib/%.o,$(MODULES))
+	rm -f $@ && ar rcs $@ $^
+
+$(EMU)/lib/%.o: dsk_%.h $(HEADERS) $(EMU_HDR) $(CONFIG)
+	@mkdir -p $(dir $@)
+	$(CC) $(EMU_CFLAGS) -DDSK_$(shell echo $* | tr a-z A-Z)_IMPLEMENTATION $(LIB_PRE_$*) -include $< -c -x c /dev/null -o $@
+
+$(EMU_DSK): $(patsubst %,$(EMU)/lib/%.o,$(MODULES))
+	rm -f $@ && ar rcs $@ $^
+
+$(EMU)/obj/%.o: tests/cuda_emu/%.cpp $(EMU_HDR) $(CONFIG)
 	@mkdir -p $(dir $@)
 	$(CXX) $(EMU_CXX) -c $< -o $@
 
 $(EMU_LIB): $(EMU_OBJ)
 	rm -f $@ && ar rcs $@ $^
 
-$(EMU)/kernels/%.o: kernels/%.cu $(HEADERS) $(EMU_HDR)
+$(EMU)/kernels/%.o: kernels/%.cu $(HEADERS) $(EMU_HDR) $(CONFIG)
 	@mkdir -p $(dir $@)
 	$(CXX) -x c++ $(EMU_CXX) -DDSK_CUDA -DDSK_CUDA_EMU -c $< -o $@
 
 $(EMU_KLIB): $(patsubst kernels/%.cu,$(EMU)/kernels/%.o,$(KSRC))
 	rm -f $@ && ar rcs $@ $^
 
-$(EMU)/tests/gpu/%: tests/gpu/%.c tests/dsk_test.h $(wildcard tests/gpu/*.h) $(HEADERS) $(EMU_KLIB) $(EMU_LIB)
+$(EMU)/tests/gpu/%: tests/gpu/%.c tests/dsk_test.h $(wildcard tests/gpu/*.h) $(EMU_DEPS)
 	@mkdir -p $(dir $@)
 	$(CC) $(EMU_CFLAGS) -o $@ $< $(EMU_LIBS)
 
-$(EMU)/examples/%: examples/%.c $(wildcard examples/*.h) $(HEADERS) $(EMU_KLIB) $(EMU_LIB)
+$(EMU)/tests/gpu/test_moe_gpu: EMU_LIBS = $(EMU_SELF_LIBS)
+
+$(EMU)/examples/%: examples/%.c $(wildcard examples/*.h) $(EMU_DEPS)
 	@mkdir -p $(dir $@)
 	$(CC) $(EMU_CFLAGS) -o $@ $< $(EMU_LIBS)
 
 # A benchmark on the emulated GPU (on demand, e.g. make build/emu/bench/bench_zero): shows every
-# line of its CUDA path prints; the emulator's timings mean nothing.
-$(EMU)/bench/%: bench/%.c bench/bench_util.h $(HEADERS) $(EMU_KLIB) $(EMU_LIB)
+# line of its CUDA path prints; the emulator's timings mean nothing. Benchmarks compile the
+# implementation themselves.
+$(EMU)/bench/%: bench/%.c bench/bench_util.h $(EMU_DEPS)
 	@mkdir -p $(dir $@)
-	$(CC) $(EMU_CFLAGS) -o $@ $< $(EMU_LIBS)
+	$(CC) $(EMU_CFLAGS) -o $@ $< $(EMU_SELF_LIBS)
 
-$(EMU)/tests/%: tests/cuda_emu/%.cpp tests/dsk_test.h $(EMU_HDR) $(EMU_LIB)
+$(EMU)/tests/%: tests/cuda_emu/%.cpp tests/dsk_test.h $(EMU_HDR) $(EMU_LIB) $(CONFIG)
 	@mkdir -p $(dir $@)
 	$(CXX) $(EMU_CXX) -o $@ $< $(EMU_LIB) -lpthread -lrt
 
 $(BUILD)/tests/%: tests/%.c tests/dsk_test.h $(wildcard tests/gpu/*.h) $(DEPS)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $< $(LDLIBS)
+	$(CC) $(CFLAGS) -o $@ $< $(LIB_LINK) $(LDLIBS)
+
+# These define the implementation themselves (they test private functions or replace DSK_MALLOC).
+$(SELF_IMPL): LIB_LINK = $(KLINK)
 
 # test_mla tests the example model (examples/train_model.h, train_mla.h).
 $(BUILD)/tests/test_mla: $(wildcard examples/*.h)
@@ -116,25 +176,33 @@ $(BUILD)/tests/test_hf: $(wildcard examples/*.h)
 
 $(BUILD)/examples/%: examples/%.c $(wildcard examples/*.h) $(DEPS)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $< $(LDLIBS)
+	$(CC) $(CFLAGS) -o $@ $< $(LIB_LINK) $(LDLIBS)
 
-# Benchmarks link their peers (OpenBLAS, Open MPI) where they need them; see bench/*.c.
+# Benchmarks link their peers (OpenBLAS, Open MPI) where they need them; see bench/*.c. They
+# compile the implementation themselves.
 BENCH_LIBS_bench_gemm = -lopenblas
 $(BUILD)/bench/%: bench/%.c bench/bench_util.h $(DEPS)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $< $(BENCH_LIBS_$*) $(LDLIBS)
+	$(CC) $(CFLAGS) -o $@ $< $(BENCH_LIBS_$*) $(KLINK) $(LDLIBS)
 
 # comm_bench's peer (bench only, never part of `make test`): Open MPI's MPI_Allreduce, built
 # with mpicc from libopenmpi-dev; comm_bench --mpi runs it under mpirun from its own directory.
-MPICC ?= mpicc
 $(BUILD)/bench/mpi_allreduce: bench/mpi_allreduce.c bench/bench_util.h
 	@mkdir -p $(dir $@)
 	$(MPICC) -O2 -o $@ $<
 
-run: $(BUILD)/examples/train_moe
-	$(BUILD)/examples/train_moe --preset tiny $(ARGS)
+# `make run` trains on a GPU with the CUDA build where one is usable (nvidia-smi lists one, or
+# RUN_CUDA=1), else with the CPU build: a machine with nvcc but no GPU compiles no kernels
+# (the CPU build of a CUDA=1 tree goes to $(BUILD)/cpu). The banner names the device.
+HAVE_GPU = $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo 1)
+RUN_CUDA ?= $(if $(and $(HAVE_GPU),$(filter 1,$(CUDA))),1,0)
+RUN_BUILD = $(if $(filter 1,$(RUN_CUDA)),$(BUILD),$(if $(filter 1,$(CUDA)),$(BUILD)/cpu,$(BUILD)))
+run:
+	@$(MAKE) --no-print-directory CUDA=$(RUN_CUDA) BUILD=$(RUN_BUILD) $(RUN_BUILD)/examples/train_moe
+	$(RUN_BUILD)/examples/train_moe --preset tiny $(ARGS)
 
 test: tests examples
+	@echo "# also: make sanitize (ASan + UBSan), make tsan (ThreadSanitizer on the programs that start threads)"
 	@BUILD=$(BUILD) bash scripts/run_tests.sh
 
 test-gpu: $(GPU_TESTS)
@@ -144,8 +212,21 @@ test-gpu: $(GPU_TESTS)
 sanitize:
 	$(MAKE) BUILD=build-san CUDA=0 OPT=-O1 SAN="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" test
 
+# ThreadSanitizer on the programs that start threads (scripts/tsan.sh says which and why). clang:
+# gcc rejects the shared-memory rings' __atomic_thread_fence under -fsanitize=thread (-Wtsan).
+TSAN_BUILD ?= build-tsan
+TSAN_CC    ?= clang
+tsan:
+	$(MAKE) BUILD=$(TSAN_BUILD) CC=$(TSAN_CC) CUDA=0 EMULATE=0 OPT=-O1 SAN="-fsanitize=thread -fno-omit-frame-pointer" \
+	    $(TSAN_BUILD)/tests/test_ckpt $(TSAN_BUILD)/tests/test_comm $(TSAN_BUILD)/examples/train_moe
+	@BUILD=$(TSAN_BUILD) bash scripts/tsan.sh
+
 fuzz:
 	@bash scripts/fuzz.sh
 
+# 1 when this configuration builds the CUDA paths (.ci/run asks).
+print-cuda:
+	@echo $(CUDA)
+
 clean:
-	rm -rf build build-san build-fuzz
+	rm -rf build build-san build-tsan build-fuzz build-ci-*

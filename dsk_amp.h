@@ -9,12 +9,15 @@
    the host except the reads dsk_amp_scale_get and dsk_amp_stats_get, 12 and 16 bytes; the
    trainer needs them on the host anyway, for its loss gradient and for AdamW's grad_mult):
 
-       float s; dsk_amp_scale_get(&sc, ctx, &s);               // loss scale of this step
-       forward, loss; backward with the loss gradient times s   // e.g. dsk_cross_entropy(..., s)
-       dsk_amp_unscale(&sc, ctx, grads, n);                    // grads *= 1/s; local stats
+   Example (given dsk_amp_scaler *sc, dsk_ctx *ctx, dsk_tensor *const *grads, const dsk_amp_param *params,
+            int n, const dsk_adamw_opts *adamw, int64_t *step, double max_norm, uint64_t seed):
+       float s;
+       dsk_status e = dsk_amp_scale_get(sc, ctx, &s);          // loss scale of this step
+       // forward, loss; backward with the loss gradient times s, e.g. dsk_cross_entropy(..., s)
+       if (e == DSK_OK) e = dsk_amp_unscale(sc, ctx, grads, n); // grads *= 1/s; local stats
        // Where ranks hold different gradients, ONE all-reduce SUM joins the local stats when
        // every element of the world sits on exactly one rank (ZeRO shards: dsk_zero_unscale_decide),
-       // two f64 in sc's memory at dsk_amp_stats_data(&sc), in place:
+       // two f64 in sc's memory at dsk_amp_stats_data(sc), in place:
        // ncclAllReduce(p, p, 2, ncclFloat64, ncclSum, comm, stream) keeps it on the device;
        // or on the host: dsk_amp_stats_get, all-reduce the two numbers, dsk_amp_stats_set.
        // found_inf becomes the number of ranks that saw NaN/Inf, sumsq the global sum of squares.
@@ -22,11 +25,14 @@
        // sum would count them once per rank) and only the expert-sharded ones differ across the
        // EP group: dsk_moe_amp_unscale (dsk_moe.h) joins stats(replicated) + SUM over the EP
        // group of stats(expert-sharded) instead.
-       dsk_amp_stats st; dsk_amp_stats_get(&sc, ctx, &st);
+       dsk_amp_stats st;
+       if (e == DSK_OK) e = dsk_amp_stats_get(sc, ctx, &st);
+       if (e != DSK_OK) return e;                              // st is set only on success
        dsk_amp_decision d = dsk_amp_decide(st, max_norm);      // skip? clip coefficient
-       dsk_amp_step(ctx, params, n, &adamw, step, &d, DSK_AMP_ROUND_NEAREST, seed); // no-op if d.skip
-       if (!d.skip) step++;
-       dsk_amp_update(&sc, ctx);                               // scale rule on sc's device
+       e = dsk_amp_step(ctx, params, n, adamw, *step, &d, DSK_AMP_ROUND_NEAREST, seed); // no-op if d.skip
+       if (e == DSK_OK && !d.skip) ++*step;
+       return e == DSK_OK ? dsk_amp_update(sc, ctx) : e;       // scale rule on sc's device
+   End of example.
 
    Loss scaling follows PyTorch GradScaler (aten AmpKernels.cu _amp_update_scale_, grad_scaler.py):
    on overflow the step is skipped, scale *= backoff and the growth tracker resets; after

@@ -69,19 +69,25 @@
    rows -> columns, ...), reading only the 1 MiB blocks it needs and checking dtype, shape and
    every block's CRC32C on the way.
 
-   Example:
-     dsk_ckpt ck; dsk_ckpt_opts o = {0}; o.keep_last = 3;
-     dsk_ckpt_init(&ck, "runs/ckpt", &o);
-     dsk_ckpt_entry e[2] = {{"embed", &embed, DSK_CKPT_WHOLE, 0, 0, NULL, NULL},
-                            {"moe.w1", &w1, DSK_CKPT_ROWS, row0, n_experts, NULL, NULL}};
+   Example (given dsk_tensor *embed, dsk_tensor *w1, int64_t row0, int64_t n_experts, int64_t step):
+     dsk_ckpt ck; dsk_ckpt_opts o; memset(&o, 0, sizeof o); o.keep_last = 3;
+     if (dsk_ckpt_init(&ck, "runs/ckpt", &o) != DSK_OK) return 1;   // dsk_last_error() says why
+     dsk_ckpt_entry e[2] = {{"embed", embed, DSK_CKPT_WHOLE, 0, 0, NULL, NULL},
+                            {"moe.w1", w1, DSK_CKPT_ROWS, row0, n_experts, NULL, NULL}};
      dsk_ckpt_kv kv[1] = {{"loss_scale", "65536"}};
-     dsk_ckpt_save_async(&ck, step, e, 2, kv, 1);   ... train on ... dsk_ckpt_wait(&ck);
-     int64_t last; dsk_ckpt_meta meta;             // resuming:
-     dsk_ckpt_latest("runs/ckpt", &last);          // -1: no checkpoint yet, start at step 0
-     if (last >= 0) {                              // the newest checkpoint that loads
-         if (dsk_ckpt_load(&ck, -1, e, 2, &meta) != DSK_OK) return 1;  // why: dsk_last_error()
-         step = meta.step; dsk_ckpt_meta_free(&meta);
+     dsk_status st = dsk_ckpt_save_async(&ck, step, e, 2, kv, 1);
+     // ... train on while the writer thread saves ...
+     if (st == DSK_OK) st = dsk_ckpt_wait(&ck);
+     int64_t last = -1;                                             // resuming:
+     if (st == DSK_OK) st = dsk_ckpt_latest("runs/ckpt", &last);   // -1: none yet, start at step 0
+     dsk_ckpt_meta meta;
+     if (st == DSK_OK && last >= 0 && (st = dsk_ckpt_load(&ck, -1, e, 2, &meta)) == DSK_OK) {
+         step = meta.step;                                          // the newest checkpoint that loads
+         dsk_ckpt_meta_free(&meta);
      }
+     dsk_ckpt_free(&ck);
+     return st;
+   End of example.
    Resuming loads step -1, not the step dsk_ckpt_latest names: load(-1) passes over damaged
    checkpoints (a truncated or altered file, a bad manifest; meta.n_skipped says how many) and
    meta.step is the step it loaded, while dsk_ckpt_latest reads the manifests only, so its step

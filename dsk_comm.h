@@ -11,6 +11,7 @@
    -lcudart under DSK_CUDA).
    Options: DSK_STATIC, DSK_MALLOC/DSK_FREE, DSK_CUDA (adds the nccl backend), DSK_NO_CUDA.
 
+   Example (given dsk_ctx *ctx, float *grad, int64_t n):
        dsk_comm c;
        if (dsk_comm_init_env(&c, NULL) != DSK_OK) {   // torchrun, srun or mpirun set the env
            fprintf(stderr, "%s\n", dsk_last_error()); // names the function, the rank, the values
@@ -19,6 +20,7 @@
        if (dsk_comm_all_reduce(&c, ctx, grad, grad, n, DSK_F32, DSK_COMM_AVG) != DSK_OK)
            fprintf(stderr, "%s\n", dsk_last_error());
        dsk_comm_free(&c);
+   End of example.
 
    Bootstrap. Rank 0 serves a small key-value store over TCP at MASTER_ADDR:MASTER_PORT
    (set, get that waits, add, barrier). The host backend's endpoints and the NCCL unique id

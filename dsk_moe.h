@@ -5,22 +5,30 @@
    DSK_TENSOR_IMPLEMENTATION and DSK_COMM_IMPLEMENTATION somewhere in the program).
    Options: DSK_STATIC, DSK_MALLOC/DSK_FREE, DSK_CUDA, DSK_NO_CUDA as in dsk_tensor.h.
 
-       dsk_moe_opts o = {0};
+   Example (given dsk_ctx *ctx, dsk_comm *dp_comm, dsk_tensor *value_views, dsk_tensor *grad_views,
+            dsk_tensor *master, dsk_tensor *y, const dsk_tensor *x, dsk_tensor *dx, const dsk_tensor *dy):
+       dsk_moe_opts o; memset(&o, 0, sizeof o);
        o.d_model = 512; o.n_routed = 16; o.top_k = 4; o.d_expert = 256; o.n_shared = 1;
        o.score = DSK_MOE_SIGMOID; o.n_group = 4; o.topk_group = 2;
-       dsk_moe moe;  dsk_moe_init(&moe, ctx, &o);          // sizes only: no parameter memory yet
-       for (int i = 0; i < moe.n_params; i++)               // name, shape, dtype, sharded, decay
-           dsk_moe_bind(&moe, ctx, i, &my_value_view[i], &my_grad_view[i]);  // views into YOUR slabs
-       dsk_moe_init_param(&moe, ctx, i, &master[i]);         // fresh values (or load a checkpoint)
-       for each micro-batch:
-           dsk_moe_forward(&moe, ctx, &y, &x, NULL);        // y (T, D) from x (T, D)
-           ... dsk_moe_backward(&moe, ctx, &dx, &dy, 1.0f); // dx += ..., grads += ...
-       dsk_moe_stats_request(&moe, ctx);                    // the step's statistics, asynchronously
-       reduce the gradients (dense ones over every data-parallel rank, expert-sharded ones over
-       the ranks holding the same experts), optimizer step, then
-       dsk_moe_update_bias(&moe, ctx, dp_comm);             // aux-loss-free balancing
-       dsk_moe_stats_collect(&moe, ctx, &stats);            // after the step's last sync: no wait
+       dsk_moe moe;
+       if (dsk_moe_init(&moe, ctx, &o) != DSK_OK) return 1;     // sizes only: no parameter memory yet
+       dsk_status st = DSK_OK;
+       for (int i = 0; i < moe.n_params && st == DSK_OK; i++) { // name, shape, dtype, sharded, decay
+           st = dsk_moe_bind(&moe, ctx, i, &value_views[i], &grad_views[i]);  // views into YOUR slabs
+           if (st == DSK_OK) st = dsk_moe_init_param(&moe, ctx, i, &master[i]); // fresh values (or a checkpoint)
+       }
+       // for each micro-batch:
+       if (st == DSK_OK) st = dsk_moe_forward(&moe, ctx, y, x, NULL);       // y (T, D) from x (T, D)
+       if (st == DSK_OK) st = dsk_moe_backward(&moe, ctx, dx, dy, 1.0f);    // dx += ..., grads += ...
+       if (st == DSK_OK) st = dsk_moe_stats_request(&moe, ctx);   // the step's statistics, asynchronously
+       // reduce the gradients (dense ones over every data-parallel rank, expert-sharded ones over
+       // the ranks holding the same experts), optimizer step, then
+       if (st == DSK_OK) st = dsk_moe_update_bias(&moe, ctx, dp_comm);      // aux-loss-free balancing
+       dsk_moe_stats stats;
+       if (st == DSK_OK) st = dsk_moe_stats_collect(&moe, ctx, &stats);    // after the step's last sync: no wait
        dsk_moe_free(&moe, ctx);
+       return st;
+   End of example.
 
    Parameters (sizes, then bind). dsk_moe_init reports the layer's named parameters in params[]
      (name, shape, dtype, expert_sharded, weight_decay, trainable) and allocates no parameter
@@ -782,6 +790,9 @@ static inline DSK_HD void dsk__moe_route_one(const dsk_moe_router *r, int64_t t,
 #include <stdlib.h>
 #ifdef DSK_CUDA
 #include "kernels/dsk_kernels.h"
+#endif
+#ifdef _OPENMP
+#include <omp.h>
 #endif
 
 /* ---------------------------------------------------------------- state and buffer registry */

@@ -6,11 +6,17 @@
    DSK_TENSOR_IMPLEMENTATION and DSK_COMM_IMPLEMENTATION somewhere in the program).
    Options: DSK_STATIC, DSK_MALLOC/DSK_FREE, DSK_CUDA, DSK_NO_CUDA as in dsk_tensor.h.
 
-       dsk_par_dims d = {0};  d.tp = 2; d.pp = 2;           // dp = world / (tp * pp)
-       dsk_par_grid g;  dsk_par_grid_init(&g, &world, &d);  // collective over world
-       dsk_par_schedule s;  dsk_par_schedule_init(&s, DSK_PAR_1F1B, g.dims.pp, 8, 1, g.at.pp);
-       dsk_par_pipeline_run(&s, &g.pp, ctx, &fns);          // fns: forward, backward, buffers
-       ...  dsk_par_schedule_free(&s);  dsk_par_grid_free(&g);
+   Example (given dsk_comm *world, dsk_ctx *ctx, const dsk_par_stage_fns *fns):
+       dsk_par_dims d;  memset(&d, 0, sizeof d);  d.tp = 2; d.pp = 2;  // dp = world / (tp * pp)
+       dsk_par_grid g;                                      // collective over world:
+       if (dsk_par_grid_init(&g, world, &d) != DSK_OK) return 1;   // dsk_last_error() says why
+       dsk_par_schedule s;
+       dsk_status st = dsk_par_schedule_init(&s, DSK_PAR_1F1B, g.dims.pp, 8, 1, g.at.pp);
+       if (st == DSK_OK) st = dsk_par_pipeline_run(&s, &g.pp, ctx, fns);  // fns: forward, backward, buffers
+       // ... the optimizer step, the next step's pipeline run ...
+       dsk_par_schedule_free(&s);  dsk_par_grid_free(&g);
+       return st;
+   End of example.
 
    The rank grid. world = tp * dp * pp; world rank = tp_i + tp * (dp_i + dp * pp_i): tensor
      parallelism varies fastest, then data parallelism, then the pipeline stage. Expert

@@ -7,24 +7,44 @@
    program). Needs POSIX threads: include this header first in that file or build with
    _GNU_SOURCE. Options: DSK_STATIC, DSK_MALLOC/DSK_FREE, DSK_CUDA, DSK_NO_CUDA as in dsk_tensor.h.
 
-       dsk_zero_param ps[n];  // name, shape, &value, &grad (the caller's tensor structs), unit (layer)
+   Example (given dsk_comm *dp_comm, dsk_comm *world, dsk_ctx *ctx, const dsk_zero_param *ps, int n,
+            dsk_amp_scaler *scaler, const dsk_adamw_opts *adamw, int64_t step, double max_norm, dsk_ckpt *ck):
+       // ps[n]: name, shape, &value, &grad (the caller's tensor structs), unit (layer)
        dsk_zero_opts o; memset(&o, 0, sizeof o); o.stage = 2;
-       dsk_zero z; dsk_zero_init(&z, &dp_comm, ctx, ps, n, &o);    // points value and grad into its slabs
-       for each p: dsk_zero_get_piece(&z, p, &pc);                 // write elements [pc.first, pc.first +
-           initialise pc.master                                    // pc.count) of p's master weights
-       dsk_zero_refresh(&z, ctx);                                  // compute copies from the masters
-       each step, each micro-batch:
-           for u = 0 .. units-1: dsk_zero_forward_begin(&z, ctx, u); forward of u; dsk_zero_forward_end(&z, ctx, u);
-           dsk_zero_begin(&z, ctx, last_micro_batch);
-           for u = units-1 .. 0: dsk_zero_backward_begin(&z, ctx, u); backward of u, calling
-               dsk_zero_grad_ready(&z, ctx, p) once p's gradient is final; dsk_zero_backward_end(&z, ctx, u);
-       dsk_zero_wait(&z, ctx);
-       dsk_zero_unscale_decide(&zp, 1, &scaler, &world, ctx, max_norm, &dec); // ONE all-reduce of 2 f64
-       dsk_zero_step(&z, ctx, &adamw, step, &dec);                 // AdamW on this rank's shard
-       dsk_amp_update(&scaler, ctx);
-       checkpoints: dsk_zero_ckpt_entries(&z, ctx, DSK_ZERO_CKPT_SAVE, &e, &ne) -> dsk_ckpt_save(...);
-                    dsk_zero_ckpt_entries(&z, ctx, DSK_ZERO_CKPT_LOAD, &e, &ne) -> dsk_ckpt_load(...);
-                    dsk_zero_refresh(&z, ctx);
+       dsk_zero z;                                                    // points value and grad into its slabs
+       dsk_status st = dsk_zero_init(&z, dp_comm, ctx, ps, n, &o);
+       for (int p = 0; p < n && st == DSK_OK; p++) {
+           dsk_zero_piece pc;                                         // write elements [pc.first, pc.first +
+           st = dsk_zero_get_piece(&z, p, &pc);                       // pc.count) of p's master weights
+           // initialise pc.master
+       }
+       if (st == DSK_OK) st = dsk_zero_refresh(&z, ctx);              // compute copies from the masters
+       // each step, each micro-batch (1 here, the step's last):
+       for (int u = 0; u < z.n_units && st == DSK_OK; u++) {
+           st = dsk_zero_forward_begin(&z, ctx, u);
+           // forward of unit u
+           if (st == DSK_OK) st = dsk_zero_forward_end(&z, ctx, u);
+       }
+       if (st == DSK_OK) st = dsk_zero_begin(&z, ctx, 1);             // 1: the last micro-batch
+       for (int u = z.n_units - 1; u >= 0 && st == DSK_OK; u--) {
+           st = dsk_zero_backward_begin(&z, ctx, u);
+           // backward of unit u, calling dsk_zero_grad_ready(&z, ctx, p) once p's gradient is final
+           if (st == DSK_OK) st = dsk_zero_backward_end(&z, ctx, u);
+       }
+       if (st == DSK_OK) st = dsk_zero_wait(&z, ctx);
+       dsk_zero *zp = &z;
+       dsk_amp_decision dec;                                          // ONE all-reduce of 2 f64:
+       if (st == DSK_OK) st = dsk_zero_unscale_decide(&zp, 1, scaler, world, ctx, max_norm, &dec);
+       if (st == DSK_OK) st = dsk_zero_step(&z, ctx, adamw, step, &dec);  // AdamW on this rank's shard
+       if (st == DSK_OK) st = dsk_amp_update(scaler, ctx);
+       // checkpoints (to load: DSK_ZERO_CKPT_LOAD, dsk_ckpt_load, then dsk_zero_refresh)
+       const dsk_ckpt_entry *e = NULL;
+       int ne = 0;
+       if (st == DSK_OK) st = dsk_zero_ckpt_entries(&z, ctx, DSK_ZERO_CKPT_SAVE, &e, &ne);
+       if (st == DSK_OK) st = dsk_ckpt_save(ck, step, e, ne, NULL, 0);
+       dsk_zero_free(&z, ctx);
+       return st;
+   End of example.
 
    The contract.
    - One dsk_zero shards the parameters it is given over the ranks of one communicator (the

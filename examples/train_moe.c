@@ -23,19 +23,12 @@
      train_signals.h  SIGTERM/SIGINT: finish the step, save, exit 0; SIGUSR1: save; --max-restarts
      train_bind.h     --bind core | numa */
 #define _GNU_SOURCE /* before any header: train_bind.h's CPU affinity calls (sched_setaffinity, CPU_SET) are GNU */
-#define DSK_COMM_IMPLEMENTATION
 #include "../dsk_comm.h"
-#define DSK_TENSOR_IMPLEMENTATION
 #include "../dsk_tensor.h"
-#define DSK_AMP_IMPLEMENTATION
 #include "../dsk_amp.h"
-#define DSK_CKPT_IMPLEMENTATION
 #include "../dsk_ckpt.h"
-#define DSK_MOE_IMPLEMENTATION
 #include "../dsk_moe.h"
-#define DSK_PAR_IMPLEMENTATION
 #include "../dsk_par.h"
-#define DSK_ZERO_IMPLEMENTATION
 #include "../dsk_zero.h"
 
 #include <errno.h>

@@ -7,6 +7,13 @@
 # (or when there is no emulated build), as built by nvcc (build/tests/gpu). The emulated runs record
 # every kernel launch; the coverage line names the kernels of kernels/*.cu none of them
 # launched, and a non-empty list counts as a failure.
+# CPU instruction sets: the CPU GEMM has one micro-kernel per ISA (portable, avx2, avx512), which
+# DSK_CPU_ISA selects. Everything runs under the best ISA here; each other ISA this machine
+# has runs ISA_PROGS again (the op tests that compare layouts, ranks and devices bit for bit),
+# and avx2, where it is not the best, also ISA_SCRIPTS (the trainer's numeric-equality scripts:
+# AVX2 is what CI machines without AVX-512 run; the portable kernel, which no x86-64 machine
+# picks, is covered by test_tensor's every-ISA loop and test_moe_golden). Their cases count with
+# "@<isa>" in the name. DSK_CPU_ISA set by the caller: only that ISA, everything under it.
 set -u
 BUILD=${BUILD:-build}
 cd "$(dirname "$0")/.."
@@ -15,12 +22,16 @@ log=$(mktemp)
 cov=$(mktemp -d)
 trap 'rm -rf "$log" "$cov"' EXIT
 
-run_one() { # name, command...
+ISA_PROGS=${ISA_PROGS-test_amp test_moe test_par test_zero}
+ISA_SCRIPTS=${ISA_SCRIPTS-test_par_train.sh test_zero_train.sh}
+ISA_SCRIPT_ISAS=${ISA_SCRIPT_ISAS-avx2}
+
+run_one() { # name, command... (a name "prog@isa" marks each output line with @isa)
   local name=$1; shift
   local start=$SECONDS
   "$@" >"$log" 2>&1
   local rc=$?
-  cat "$log"
+  case $name in *@*) sed "s/^/@${name##*@} /" "$log" ;; *) cat "$log" ;; esac
   local line
   line=$(grep -E '^\[.*\] totals: [0-9]+ passed / [0-9]+ failed / [0-9]+ skipped$' "$log" | tail -n 1)
   if [ -n "$line" ]; then
@@ -34,6 +45,17 @@ run_one() { # name, command...
     echo "FAIL $name exited with status $rc without a totals line"; failed=$((failed + 1))
   fi
   echo "# $name: $((SECONDS - start)) s"
+}
+
+# The CPU ISAs this machine and build have, best last: x86-64 builds always compile the AVX2 and
+# AVX-512 micro-kernels (target attributes), so the CPU's flags decide.
+cpu_isas() {
+  echo portable
+  case $(uname -m) in x86_64 | i?86) ;; *) return ;; esac
+  local f
+  f=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2) "
+  [[ $f == *" avx2 "* && $f == *" fma "* ]] && echo avx2
+  [[ $f == *" avx512f "* ]] && echo avx512
 }
 
 # Kernels defined in kernels/*.cu that no emulated run launched.
@@ -66,6 +88,23 @@ for p in $progs; do [ -x "$p" ] && run_one "$(basename "$p")" "$p"; done
 for p in $emu_progs; do [ -x "$p" ] && run_one "emu/$(basename "$p")" env CUDA_EMU_COVERAGE_DIR="$cov" "$p"; done
 ls "$BUILD"/emu/tests/gpu/test_* >/dev/null 2>&1 && coverage
 for s in $scripts; do run_one "$(basename "$s")" env BUILD="$BUILD" bash "$s"; done
+
+if [ -z "${DSK_CPU_ISA:-}" ] && [ "${1:-}" != gpu ]; then
+  isas=$(cpu_isas)
+  best=$(echo "$isas" | tail -n 1)
+  echo "# CPU ISAs here: $(echo $isas); everything ran under $best; the others run $ISA_PROGS," \
+       "and $ISA_SCRIPT_ISAS also $ISA_SCRIPTS"
+  for isa in $isas; do
+    [ "$isa" = "$best" ] && continue
+    for p in $ISA_PROGS; do
+      [ -x "$BUILD/tests/$p" ] && run_one "$p@$isa" env DSK_CPU_ISA="$isa" "$BUILD/tests/$p"
+    done
+    case " $ISA_SCRIPT_ISAS " in *" $isa "*) ;; *) continue ;; esac
+    for s in $ISA_SCRIPTS; do run_one "$s@$isa" env DSK_CPU_ISA="$isa" BUILD="$BUILD" bash "tests/$s"; done
+  done
+else
+  [ "${1:-}" != gpu ] && echo "# CPU ISA: DSK_CPU_ISA=$DSK_CPU_ISA for every run"
+fi
 
 echo "$passed passed, $failed failed, $skipped skipped"
 [ "$failed" -eq 0 ]

@@ -2,8 +2,6 @@
    DeepSpeed-style reference, unscale/check/norm against float64, skip as a bitwise no-op,
    stochastic rounding statistics, fp8 round trips and scaling, an fp16-simulated training
    loop with an injected overflow, and every error path (status and message). */
-#define DSK_TENSOR_IMPLEMENTATION
-#define DSK_AMP_IMPLEMENTATION
 #include "dsk_amp.h"
 #include "tests/dsk_test.h"
 #ifdef _OPENMP

@@ -845,6 +845,7 @@ static void rank_buckets(dsk_comm *c, void *argp) {
         for (int i = a->n_params - 1; i >= 0; i--) {
             volatile double work = 0;
             for (int k = 0; k < 20000; k++) work += k;
+            (void)work; /* clang: set but not used, volatile or not */
             DSK_TEST_OK(dsk_comm_buckets_mark_ready(&b, i));
         }
         DSK_TEST_OK(dsk_comm_buckets_wait(&b));

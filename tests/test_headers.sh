@@ -1,17 +1,29 @@
 #!/usr/bin/env bash
 # Every dsk header compiles on its own, with its IMPLEMENTATION macro, as C11 and as C++17
 # under -Wall -Wextra -Werror, with and without DSK_CUDA (and with DSK_STATIC on the CPU).
+# The compilers run as parallel jobs (one per CPU); results print in order.
 cd "$(dirname "$0")/.."
 passed=0 failed=0
 cuda_inc=${CUDA_HOME:-/usr/local/cuda}/include
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+n_jobs=0 max_jobs=$(nproc 2>/dev/null || echo 2)
+job() { # label, compiler flags... (the source in $work/src.N): runs in the background
+  local label=$1; shift
+  n_jobs=$((n_jobs + 1))
+  [ "$n_jobs" -gt "$max_jobs" ] && wait -n
+  n_done=$((n_done + 1))
+  local id
+  id=$(printf '%03d' "$n_done")
+  cp "$work/src" "$work/src.$id"
+  ( if out=$("$@" -Wall -Wextra -Werror -I. - <"$work/src.$id" 2>&1); then echo "ok   $label"
+    else echo "FAIL $label"; echo "$out" | head -20; fi >"$work/res.$id" ) &
+}
+n_done=0
 check() { # label, compiler..., reads the source from stdin
   local label=$1; shift
-  local out
-  if out=$("$@" -fsyntax-only -Wall -Wextra -Werror -I. - 2>&1); then
-    echo "ok   $label"; passed=$((passed + 1))
-  else
-    echo "FAIL $label"; echo "$out" | head -20; failed=$((failed + 1))
-  fi
+  cat >"$work/src"
+  job "$label" "$@" -fsyntax-only
 }
 for h in dsk_*.h; do
   impl=$(basename "$h" .h | tr 'a-z' 'A-Z')_IMPLEMENTATION
@@ -29,12 +41,8 @@ all_src=$(printf '#define %s_IMPLEMENTATION\n' DSK_TENSOR DSK_COMM DSK_MOE DSK_A
           printf '#include "%s"\n' dsk_*.h)
 compile() { # label, compiler..., reads the source from stdin
   local label=$1; shift
-  local out
-  if out=$("$@" -c -o /dev/null -Wall -Wextra -Werror -fopenmp -I. - 2>&1); then
-    echo "ok   $label"; passed=$((passed + 1))
-  else
-    echo "FAIL $label"; echo "$out" | head -20; failed=$((failed + 1))
-  fi
+  cat >"$work/src"
+  job "$label" "$@" -c -o /dev/null -fopenmp
 }
 for opt in -O2 -O3; do
   compile "all modules in one file, gcc -std=c11 $opt" gcc -std=c11 $opt -x c <<<"$all_src"
@@ -44,5 +52,10 @@ compile "all modules in one file, DSK_CUDA, gcc -std=c11 -O2" gcc -std=c11 -O2 -
 if command -v clang >/dev/null; then
   compile "all modules in one file, clang -std=c11 -O2" clang -std=c11 -O2 -x c <<<"$all_src"
 fi
+wait
+for r in "$work"/res.*; do
+  cat "$r"
+  if head -n 1 "$r" | grep -q '^ok'; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
+done
 echo "[test_headers] totals: $passed passed / $failed failed / 0 skipped"
 [ "$failed" -eq 0 ]

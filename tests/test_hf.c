@@ -10,10 +10,7 @@
      of the weights (fp8);
    - bad input: unknown topk_method, missing key, a shard missing from the index, a tensor of
      the wrong shape, a truncated shard: each fails naming the file and key, nothing loaded. */
-#define DSK_TENSOR_IMPLEMENTATION
-#define DSK_COMM_IMPLEMENTATION
-#define DSK_MOE_IMPLEMENTATION
-#define DSK_CKPT_IMPLEMENTATION
+#define _DEFAULT_SOURCE /* truncate, mkdtemp: the library is linked, not included */
 #include "dsk_ckpt.h"
 #include "dsk_comm.h"
 #include "dsk_moe.h"

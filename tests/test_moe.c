@@ -4,10 +4,6 @@
    host-backend ranks (the layer, and the mixed-precision statistics' join), routing record and
    replay, and bad configurations and calls. */
 #define _DEFAULT_SOURCE /* MAP_ANONYMOUS for the ranks' shared results (POSIX alone lacks it) */
-#define DSK_TENSOR_IMPLEMENTATION
-#define DSK_COMM_IMPLEMENTATION
-#define DSK_MOE_IMPLEMENTATION
-#define DSK_AMP_IMPLEMENTATION
 #include "dsk_comm.h"
 #include "dsk_amp.h" /* before dsk_moe.h: dsk_moe_amp_unscale */
 #include "dsk_moe.h"

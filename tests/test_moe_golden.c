@@ -6,9 +6,7 @@
    changing), then the bias update. The layer runs on a context with cpu_isa =
    DSK_CPU_ISA_PORTABLE, the GEMM micro-kernel the generator used: its bits are the same on any
    x86-64 (AVX2 or AVX-512 would change them; see tests/golden/gen_moe_golden.c). */
-#define DSK_TENSOR_IMPLEMENTATION
-#define DSK_COMM_IMPLEMENTATION
-#define DSK_MOE_IMPLEMENTATION
+#define _POSIX_C_SOURCE 200809L /* mkdtemp, readlink, dirent: the library is linked, not included */
 #include "dsk_moe.h"
 #include "tests/dsk_test.h"
 #include "tests/golden/moe_golden_cases.h"

@@ -11,9 +11,7 @@
    host backend and compare with float64 references computed on every rank from the same
    seeded inputs (each input is a function of (tag, index), so every rank can form the full
    tensors). */
-#define DSK_TENSOR_IMPLEMENTATION
-#define DSK_COMM_IMPLEMENTATION
-#define DSK_PAR_IMPLEMENTATION
+#define _POSIX_C_SOURCE 200809L /* kill, nanosleep, clock_gettime: the library is linked, not included */
 #include "dsk_par.h"
 #include "tests/dsk_test.h"
 
@@ -484,11 +482,10 @@ static void test_grid_errors(void) {
 static void rank_maps(dsk_comm *c, void *arg) {
     int n = c->world_size, r = c->rank, dim = *(int *)arg;
     int64_t full[3] = {3, 4, 5}, small[3] = {3, 4, 5};
-    int64_t nf, ns, outer = 1, inner = 1, len;
+    int64_t nf, ns, inner = 1, len;
     full[dim] *= n;
     nf = full[0] * full[1] * full[2];
     ns = nf / n;
-    for (int i = 0; i < dim; i++) outer *= full[i];
     for (int i = dim + 1; i < 3; i++) inner *= full[i];
     len = small[dim];
     float *big = falloc(nf), *sm = falloc(ns), *out = falloc(nf), *blk = falloc(nf);

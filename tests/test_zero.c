@@ -12,11 +12,6 @@
    exact f32-accumulation reference, PowerSGD against a float64 implementation of PyTorch's
    powerSGD_hook, checkpoints resumed at another data-parallel size, and the error paths. */
 #define _GNU_SOURCE /* MAP_ANONYMOUS */
-#define DSK_TENSOR_IMPLEMENTATION
-#define DSK_COMM_IMPLEMENTATION
-#define DSK_AMP_IMPLEMENTATION
-#define DSK_CKPT_IMPLEMENTATION
-#define DSK_ZERO_IMPLEMENTATION
 #include "dsk_zero.h"
 #include "tests/dsk_test.h"
 

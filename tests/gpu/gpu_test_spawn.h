@@ -13,6 +13,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
+#ifdef DSK_CUDA /* what the GPU cases call besides the API: the kernels' launchers, dsk_cuda_*, the runtime */
+#include "kernels/dsk_kernels.h"
+#include <cuda_runtime.h>
+#endif
 
 /* A free port on 127.0.0.1 whose successor is free as well; 0 if none was found. */
 static inline int gpu_test_port_pair(void) {

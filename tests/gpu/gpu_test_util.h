@@ -5,6 +5,10 @@
    tests/dsk_test.h; static, one test program per translation unit. */
 #ifndef DSK_GPU_TEST_UTIL_H
 #define DSK_GPU_TEST_UTIL_H
+#ifdef DSK_CUDA /* what the GPU cases call besides the API: the kernels' launchers, dsk_cuda_*, the runtime */
+#include "kernels/dsk_kernels.h"
+#include <cuda_runtime.h>
+#endif
 
 static dsk_ctx G; /* the CUDA context; valid only when have_gpu */
 static int have_gpu;

@@ -7,8 +7,6 @@
    and replayed from a CUDA graph: bitwise.
    GPU outputs are NaN-poisoned first. Without a usable CUDA device every case reports as
    skipped. */
-#define DSK_TENSOR_IMPLEMENTATION
-#define DSK_AMP_IMPLEMENTATION
 #include "dsk_amp.h"
 #include "tests/dsk_test.h"
 #include "tests/gpu/gpu_test_util.h"
@@ -227,7 +225,7 @@ static void test_step_dev(dsk_amp_round mode, int captured) {
     DSK_TEST_OK(dsk_amp_dstep_init(&ds, &G));
     for (int k = 0; k < STEPS; k++) {
         float scale = NAN;
-        dsk_amp_stats st;
+        dsk_amp_stats st = {NAN, NAN}; /* poisoned: a failed get must not leave it unset */
         dsk_amp_decision dec;
         dsk_amp_step_vals vals;
         dsk_amp_scaler_state qa, qb;

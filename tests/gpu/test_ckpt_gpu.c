@@ -5,13 +5,13 @@
    loading into device tensors (same dtype, and bf16 with allow_cast) must give exactly what
    loading into host tensors gives. Device outputs are poisoned first. Without a usable CUDA
    device every case reports as skipped. */
-#define DSK_TENSOR_IMPLEMENTATION
-#define DSK_CKPT_IMPLEMENTATION
+#define _POSIX_C_SOURCE 200809L /* mkdtemp, readlink, dirent: the library is linked, not included */
 #include "dsk_tensor.h"
 #include "dsk_ckpt.h"
 #include "tests/dsk_test.h"
 #include "tests/gpu/gpu_test_util.h"
 
+#include <dirent.h>
 #include <unistd.h>
 
 static char g_root[256];

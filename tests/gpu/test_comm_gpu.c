@@ -8,8 +8,7 @@
    sums; within the dtype's tolerance for float sums and averages (NCCL adds in its own
    order and rounds every partial sum). On one GPU the world has one rank, which still runs
    every call through NCCL. Without a usable CUDA device every case is skipped. */
-#define DSK_TENSOR_IMPLEMENTATION
-#define DSK_COMM_IMPLEMENTATION
+#define _POSIX_C_SOURCE 200809L /* mkdtemp, readlink, dirent: the library is linked, not included */
 #include "../../dsk_comm.h"
 #include "tests/dsk_test.h"
 #include "tests/gpu/gpu_test_spawn.h"

@@ -8,9 +8,7 @@
    vocabulary-parallel embedding, pipeline messages) must match bitwise; sums of products
    within f32 tolerance (cuBLAS and NCCL add in their own order), as is the vocabulary-parallel
    cross-entropy (kernels/par.cu). Without a usable CUDA device every case is skipped. */
-#define DSK_TENSOR_IMPLEMENTATION
-#define DSK_COMM_IMPLEMENTATION
-#define DSK_PAR_IMPLEMENTATION
+#define _POSIX_C_SOURCE 200809L /* mkdtemp, readlink, dirent: the library is linked, not included */
 #include "../../dsk_par.h"
 #include "tests/dsk_test.h"
 #include "tests/gpu/gpu_test_spawn.h"

@@ -9,7 +9,6 @@
    the no-device fallback runs in a child process that sees no device (CUDA_VISIBLE_DEVICES
    empty). */
 #define _POSIX_C_SOURCE 200809L /* readlink, setenv (the no-device child) */
-#define DSK_TENSOR_IMPLEMENTATION
 #include "dsk_tensor.h"
 #include "tests/dsk_test.h"
 #include "tests/gpu/gpu_test_util.h" /* G, have_gpu, the tensor pool (halloc, dalloc, dev, host_as), CASE */

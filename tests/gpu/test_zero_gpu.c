@@ -10,11 +10,7 @@
    stage, with f32 and bf16 weights and with bf16 compression; the memory figures of the device
    object come from the device allocator. Errors: PowerSGD on CUDA, mismatched backends.
    Without a usable CUDA device every case is skipped. */
-#define DSK_TENSOR_IMPLEMENTATION
-#define DSK_COMM_IMPLEMENTATION
-#define DSK_AMP_IMPLEMENTATION
-#define DSK_CKPT_IMPLEMENTATION
-#define DSK_ZERO_IMPLEMENTATION
+#define _POSIX_C_SOURCE 200809L /* mkdtemp, readlink, dirent: the library is linked, not included */
 #include "../../dsk_zero.h"
 #include "tests/dsk_test.h"
 #include "tests/gpu/gpu_test_spawn.h"
