@@ -16,10 +16,10 @@
    Backward functions accumulate (+=) into their gradient outputs.
    License: MIT, see the end of the file.
 
-   Example, one step of a linear layer y = x w^T with AdamW (after a failed call s holds its
-   status, the calls after it are skipped, and dsk_last_error() names the function, tensor and
-   values):
+   One step of a linear layer y = x w^T with AdamW (after a failed call s holds its status, the
+   calls after it are skipped, and dsk_last_error() names the function, tensor and values):
 
+   Example:
        dsk_ctx ctx;
        dsk_tensor x, w, y, dy, dw, m, v;
        const int64_t xs[2] = {64, 128}, ws[2] = {256, 128}, ys[2] = {64, 256};
@@ -49,6 +49,8 @@
        dsk_tensor_free(&ctx, &dy); dsk_tensor_free(&ctx, &dw); dsk_tensor_free(&ctx, &m);
        dsk_tensor_free(&ctx, &v);
        dsk_ctx_free(&ctx);
+       return s;
+   End of example.
 
    Contents (declarations; the implementation follows the same order)
      status and errors     dsk_status, dsk_status_str, dsk_last_error, dsk_set_error, DSK__TRY
