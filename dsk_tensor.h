@@ -2583,7 +2583,7 @@ DSK_API dsk_status dsk_matmul(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, 
     dsk__ukernel uk = dsk__ukernel_for(ctx ? ctx->cpu_isa : DSK_CPU_ISA_AUTO);
     float *tmp = NULL;
     size_t ce = 0, ae, be;
-    int cuda;
+    int cuda = 0;
     const dsk_tensor *ts[3] = {C, A, B};
     const char *names[3] = {"C", "A", "B"};
     DSK__TRY(dsk__matmul_check(C, A, trans_a, B, trans_b, &mc, &ma, &mb));
@@ -2717,7 +2717,7 @@ static dsk_status dsk__binary(const char *fn, dsk_ctx *ctx, dsk_tensor *out, con
 }
 
 DSK_API dsk_status dsk_add(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *a, const dsk_tensor *b) {
-    int cuda;
+    int cuda = 0;
     DSK__TRY(dsk__binary("dsk_add", ctx, out, a, b, &cuda));
 #ifdef DSK_CUDA
     if (cuda) return dsk_cuda_elementwise(ctx, DSK_EW_ADD, out, a, b, 0.0f);
@@ -2727,7 +2727,7 @@ DSK_API dsk_status dsk_add(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *a, c
 }
 
 DSK_API dsk_status dsk_mul(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *a, const dsk_tensor *b) {
-    int cuda;
+    int cuda = 0;
     DSK__TRY(dsk__binary("dsk_mul", ctx, out, a, b, &cuda));
 #ifdef DSK_CUDA
     if (cuda) return dsk_cuda_elementwise(ctx, DSK_EW_MUL, out, a, b, 0.0f);
@@ -2737,7 +2737,7 @@ DSK_API dsk_status dsk_mul(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *a, c
 }
 
 DSK_API dsk_status dsk_scale(dsk_ctx *ctx, dsk_tensor *t, float alpha) {
-    int cuda;
+    int cuda = 0;
     const dsk_tensor *ts[1] = {t};
     const char *names[1] = {"t"};
     DSK__TRY(dsk__need_float("dsk_scale", "t", t));
@@ -2750,7 +2750,7 @@ DSK_API dsk_status dsk_scale(dsk_ctx *ctx, dsk_tensor *t, float alpha) {
 }
 
 DSK_API dsk_status dsk_axpy(dsk_ctx *ctx, dsk_tensor *y, float alpha, const dsk_tensor *x) {
-    int cuda;
+    int cuda = 0;
     const dsk_tensor *ts[2] = {y, x};
     const char *names[2] = {"y", "x"};
     DSK__TRY(dsk__need_float("dsk_axpy", "y", y));
@@ -2791,7 +2791,7 @@ static dsk_status dsk__need_reduced_shape(const dsk_tensor *out, const dsk_tenso
 DSK_API dsk_status dsk_reduce(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *in, int axis, dsk_reduce_op op) {
     const char *fn = "dsk_reduce";
     char b[96];
-    int cuda;
+    int cuda = 0;
     int64_t outer = 1, len, inner = 1, n_chunks;
     const dsk_tensor *ts[2] = {out, in};
     const char *names[2] = {"out", "in"};
@@ -2837,7 +2837,7 @@ DSK_API dsk_status dsk_reduce(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *i
 #define DSK__SSQ_GROUP 64
 
 DSK_API dsk_status dsk_sum_squares(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *in) {
-    int cuda;
+    int cuda = 0;
     int64_t n;
     double total = 0.0;
     const dsk_tensor *ts[2] = {out, in};
@@ -3106,7 +3106,7 @@ static void dsk__act(dsk_ctx *ctx, dsk__act_op op, dsk_tensor *o0, dsk_tensor *o
 }
 
 DSK_API dsk_status dsk_silu(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x) {
-    int cuda;
+    int cuda = 0;
     const dsk_tensor *ts[2] = {y, x};
     const char *names[2] = {"y", "x"};
     DSK__TRY(dsk__need_all_like("dsk_silu", ctx, 2, ts, names, &cuda));
@@ -3118,7 +3118,7 @@ DSK_API dsk_status dsk_silu(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x) {
 }
 
 DSK_API dsk_status dsk_silu_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, const dsk_tensor *x) {
-    int cuda;
+    int cuda = 0;
     const dsk_tensor *ts[3] = {dx, dy, x};
     const char *names[3] = {"dx", "dy", "x"};
     DSK__TRY(dsk__need_all_like("dsk_silu_backward", ctx, 3, ts, names, &cuda));
@@ -3130,7 +3130,7 @@ DSK_API dsk_status dsk_silu_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_ten
 }
 
 DSK_API dsk_status dsk_swiglu(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *gate, const dsk_tensor *up) {
-    int cuda;
+    int cuda = 0;
     const dsk_tensor *ts[3] = {out, gate, up};
     const char *names[3] = {"out", "gate", "up"};
     DSK__TRY(dsk__need_all_like("dsk_swiglu", ctx, 3, ts, names, &cuda));
@@ -3143,7 +3143,7 @@ DSK_API dsk_status dsk_swiglu(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *g
 
 DSK_API dsk_status dsk_swiglu_backward(dsk_ctx *ctx, dsk_tensor *dgate, dsk_tensor *dup, const dsk_tensor *dout, const dsk_tensor *gate,
                                        const dsk_tensor *up) {
-    int cuda;
+    int cuda = 0;
     const dsk_tensor *ts[5] = {dgate, dup, dout, gate, up};
     const char *names[5] = {"dgate", "dup", "dout", "gate", "up"};
     DSK__TRY(dsk__need_all_like("dsk_swiglu_backward", ctx, 5, ts, names, &cuda));
@@ -3209,7 +3209,7 @@ static dsk_status dsk__embedding_check(const char *fn, dsk_ctx *ctx, const char 
 }
 
 DSK_API dsk_status dsk_embedding(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *table, const dsk_tensor *ids) {
-    int cuda;
+    int cuda = 0;
     DSK__TRY(dsk__embedding_check("dsk_embedding", ctx, "out", out, "table", table, ids, &cuda));
 #ifdef DSK_CUDA
     if (cuda) return dsk_cuda_embedding(ctx, out, table, ids);
@@ -3220,7 +3220,7 @@ DSK_API dsk_status dsk_embedding(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor
 }
 
 DSK_API dsk_status dsk_embedding_backward(dsk_ctx *ctx, dsk_tensor *dtable, const dsk_tensor *dout, const dsk_tensor *ids) {
-    int cuda;
+    int cuda = 0;
     DSK__TRY(dsk__embedding_check("dsk_embedding_backward", ctx, "dout", dout, "dtable", dtable, ids, &cuda));
 #ifdef DSK_CUDA
     if (cuda) return dsk_cuda_embedding_backward(ctx, dtable, dout, ids);
@@ -3251,7 +3251,7 @@ static dsk_status dsk__rows_check(const char *fn, dsk_ctx *ctx, const char *big_
 }
 
 DSK_API dsk_status dsk_gather_rows(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *src, const dsk_tensor *idx) {
-    int cuda;
+    int cuda = 0;
     DSK__TRY(dsk__rows_check("dsk_gather_rows", ctx, "src", src, "out", out, idx, &cuda));
 #ifdef DSK_CUDA
     if (cuda) return dsk_cuda_gather_rows(ctx, out, src, idx);
@@ -3262,7 +3262,7 @@ DSK_API dsk_status dsk_gather_rows(dsk_ctx *ctx, dsk_tensor *out, const dsk_tens
 }
 
 DSK_API dsk_status dsk_scatter_add_rows(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor *src, const dsk_tensor *idx) {
-    int cuda;
+    int cuda = 0;
     DSK__TRY(dsk__rows_check("dsk_scatter_add_rows", ctx, "dst", dst, "src", src, idx, &cuda));
 #ifdef DSK_CUDA
     if (cuda) return dsk_cuda_scatter_add_rows(ctx, dst, src, idx);
@@ -3277,7 +3277,7 @@ DSK_API dsk_status dsk_scatter_add_rows(dsk_ctx *ctx, dsk_tensor *dst, const dsk
 DSK_API dsk_status dsk_cross_entropy(dsk_ctx *ctx, dsk_tensor *loss, dsk_tensor *dlogits, const dsk_tensor *logits, const dsk_tensor *targets,
                                      int32_t ignore_index, float grad_scale) {
     const char *fn = "dsk_cross_entropy";
-    int cuda;
+    int cuda = 0;
     int64_t R, V, count = 0;
     float *scratch;
     dsk_status s;
@@ -3354,7 +3354,7 @@ static int dsk__ranks_above(float a, int64_t ia, float b, int64_t ib) {
 DSK_API dsk_status dsk_topk(dsk_ctx *ctx, dsk_tensor *values, dsk_tensor *indices, const dsk_tensor *x, int k) {
     const char *fn = "dsk_topk";
     char a[96], b[96];
-    int cuda;
+    int cuda = 0;
     int64_t R, C;
     const dsk_tensor *ts[3] = {x, values, indices};
     const char *names[3] = {"x", "values", "indices"};
@@ -3450,7 +3450,7 @@ static dsk_status dsk__rope_cpu(const char *fn, dsk_ctx *ctx, dsk_tensor *y, con
 }
 
 DSK_API dsk_status dsk_rope(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, int64_t pos0, float theta) {
-    int cuda;
+    int cuda = 0;
     DSK__TRY(dsk__rope_check("dsk_rope", ctx, "y", y, "x", x, theta, &cuda));
 #ifdef DSK_CUDA
     if (cuda) return dsk_cuda_rope(ctx, y, x, pos0, theta);
@@ -3459,7 +3459,7 @@ DSK_API dsk_status dsk_rope(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, in
 }
 
 DSK_API dsk_status dsk_rope_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, int64_t pos0, float theta) {
-    int cuda;
+    int cuda = 0;
     DSK__TRY(dsk__rope_check("dsk_rope_backward", ctx, "dx", dx, "dy", dy, theta, &cuda));
 #ifdef DSK_CUDA
     if (cuda) return dsk_cuda_rope_backward(ctx, dx, dy, pos0, theta);
@@ -3682,7 +3682,7 @@ DSK_API dsk_status dsk_group_by_key(dsk_ctx *ctx, dsk_tensor *perm, dsk_tensor *
     const char *fn = "dsk_group_by_key";
     const dsk_tensor *ts[3] = {keys, perm, offsets};
     const char *names[3] = {"keys", "perm", "offsets"};
-    int cuda;
+    int cuda = 0;
     int64_t G, N;
     int32_t *off, *pm;
     const int32_t *k;
@@ -3990,7 +3990,7 @@ DSK_API dsk_status dsk_gather_rows_scaled(dsk_ctx *ctx, dsk_tensor *out, const d
                                           const dsk_tensor *scale) {
     const char *fn = "dsk_gather_rows_scaled";
     char a[96], b[96];
-    int cuda;
+    int cuda = 0;
     int64_t N, D, R;
     size_t row;
     const int32_t *ix;
@@ -4100,7 +4100,7 @@ DSK_API dsk_status dsk_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_ten
                                   int64_t step, float grad_mult, dsk_tensor *param_copy) {
     const char *fn = "dsk_adamw_step";
     dsk_adamw_opts o;
-    int cuda;
+    int cuda = 0;
     int64_t n;
     float bc1, bc2, *p, *mm, *vv;
     const dsk_tensor *ts[5] = {param, grad, m, v, param_copy};
@@ -4335,7 +4335,7 @@ static int64_t dsk__fa_forward_scratch(const dsk__fa_k *k, int64_t Dk, int64_t D
 DSK_API dsk_status dsk_attention_fused(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *lse, const dsk_tensor *q, const dsk_tensor *k,
                                        const dsk_tensor *v, float scale) {
     const char *fn = "dsk_attention_fused";
-    int cuda;
+    int cuda = 0;
     int64_t B, T, H, nt, per;
     float *scratch;
     dsk__fa_k kk;
