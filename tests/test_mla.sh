@@ -44,6 +44,30 @@ else
     bad "--grad-check MLA + MTP" "exit $(rc gradcheck), $n_params lines" "$(grep -E 'FAIL|off|rank|error' "$work/gradcheck.out" | head -4)"
 fi
 
+# ---- 1b. MTP blocks with an MoE FFN (--mtp-ffn moe, DeepSeek-V3): the gradient check and routing record/replay
+GCM=(--seq 16 --d-model 16 --heads 2 --layers 2 --dense-layers 1 --ffn-hidden 24 --experts 4 --top-k 2 --expert-hidden 8
+     --batch 2 --data "$CORPUS" --corpus-mb 0.1 --aux-loss 0.01 --init-std 0.1 --attn mla --q-lora-rank 8
+     --kv-lora-rank 8 --qk-nope-dim 4 --qk-rope-dim 4 --v-head-dim 6 --mtp 2 --mtp-lambda 0.5 --mtp-ffn moe)
+run gradcheck_moe "$BIN" "${GCM[@]}" --grad-check 4
+if [ "$(rc gradcheck_moe)" -eq 0 ] && grep -q "grad-check: 0 of 71 parameters off" "$work/gradcheck_moe.out" &&
+   grep -q 'blocks.3.moe.router' "$work/gradcheck_moe.out" && grep -q 'blocks.2.moe.w1' "$work/gradcheck_moe.out"; then
+    ok "--grad-check, MLA + MoE + MTP depth 2 with MoE FFNs: 4 elements of each of 71 parameters (the MTP blocks' routers, shared and routed experts too) match central differences"
+else
+    bad "--grad-check MTP MoE" "exit $(rc gradcheck_moe)" "$(grep -E 'FAIL|off|rank|error' "$work/gradcheck_moe.out" | head -4)"
+fi
+RR=("${GCM[@]}" --steps 3 --lr 3e-3 --warmup 1 --val-every 10 --val-interval 3 --val-batches 1 --sample-len 0)
+run rr_rec "$BIN" "${RR[@]}" --routing-record "$work/mtp.routes" --log "$work/rr_rec.jsonl"
+run rr_rep "$BIN" "${RR[@]}" --routing-replay "$work/mtp.routes" --log "$work/rr_rep.jsonl"
+run rr_miss "$BIN" "${RR[@]}" --mtp 1 --mtp-ffn dense --routing-record "$work/dense.routes"
+run rr_miss2 "$BIN" "${RR[@]}" --routing-replay "$work/dense.routes"
+if [ "$(rc rr_rec)" -eq 0 ] && [ "$(rc rr_rep)" -eq 0 ] && [ -n "$(fields rr_rec)" ] &&
+   [ "$(fields rr_rec)" = "$(fields rr_rep)" ] && [ "$(rc rr_miss2)" -ne 0 ] &&
+   grep -q "no decision recorded .* layer 2" "$work/rr_miss2.out"; then
+    ok "--mtp-ffn moe: routing replay of a record gives the same losses bit for bit; a record without the MTP blocks' MoE layers is refused naming layer 2"
+else
+    bad "--mtp-ffn moe routing record/replay" "exit $(rc rr_rec)/$(rc rr_rep)/$(rc rr_miss2)" "$(diff <(fields rr_rec) <(fields rr_rep) | head -3)" "$(tail -2 "$work/rr_miss2.out")"
+fi
+
 # ---- 2. recomputation: the same logged numbers, bit for bit, and the memory report
 for r in none attn full; do run "cpu_$r" "$BIN" "${TINY[@]}" --recompute "$r" --log "$work/cpu_$r.jsonl"; done
 for r in attn full; do
@@ -133,5 +157,7 @@ check_bad recompute '--recompute "some": use none, attn or full' --recompute som
 check_bad preset '--preset "v4": use tiny, v2-lite or v3' --preset v4
 check_bad rope '--qk-rope-dim 5 must be even' --attn mla --qk-rope-dim 5
 check_bad mtp '--mtp 9: between 0 and 4' --mtp 9
+check_bad mtp_ffn '--mtp-ffn "wide": use dense or moe' --mtp 1 --mtp-ffn wide
+check_bad mtp_ffn_dense '--mtp-ffn moe: the model has no MoE layer' --mtp 1 --mtp-ffn moe --layers 2 --dense-layers 2
 
 finish
