@@ -17,10 +17,15 @@
    other than 1, YaRN rope_scaling with mscale != mscale_all_dim (transformers
    then scales the rotary cos/sin by their ratio; YaRN itself is train_mla.h's tmla_rotate),
    routing transformers does not run for the architecture (DeepseekV3: sigmoid + noaux_tc only;
-   DeepseekV2: softmax, greedy or group_limited_greedy, norm_topk_prob false), MTP layers with
-   --mtp > 0 (the hub's MTP layer has an MoE FFN, this model's MTP block a dense one; with
-   --mtp 0 they are skipped as transformers skips them). With --mtp D > 0 on a checkpoint without
-   an MTP layer, the D modules start from their initialisation and are not exported. */
+   DeepseekV2: softmax, greedy or group_limited_greedy, norm_topk_prob false).
+   MTP: the hub's layers num_hidden_layers + k (k < num_nextn_predict_layers) import into the
+   modules of --mtp D (D == num_nextn_predict_layers, MoE FFNs: tmla_config.mtp_moe); with --mtp 0
+   they are skipped as transformers skips them. "blocks.L.mtp.proj" is eh_proj with its column
+   halves swapped (dsk: [hnorm(h) | enorm(emb)], the hub: [enorm(emb) | hnorm(h)]); the layer's
+   embed_tokens and shared_head.head must equal the model's embedding and head bitwise (this
+   model shares them) and are written as copies of them. With --mtp D > 0 on a checkpoint
+   without MTP layers the modules start from their initialisation. An export writes the MTP
+   modules when their FFN is MoE (num_nextn_predict_layers = D), not dense ones. */
 #ifndef TRAIN_HF_H
 #define TRAIN_HF_H
 
@@ -59,9 +64,12 @@ static dsk_status thf_model_config(const dsk_ckpt_hf_deepseek_config *h, tm_conf
     if (h->yarn && h->rope_factor > 1 && h->mscale != h->mscale_all_dim)
         return thf_refuse("rope_scaling", "mscale != mscale_all_dim: transformers then scales the rotary cos/sin by "
                                           "their ratio, which this model does not");
-    if (h->num_nextn_predict_layers > 0 && c->mla.mtp_depth > 0)
-        return thf_refuse("num_nextn_predict_layers", "the hub's MTP layer has an MoE FFN, this model's MTP block a "
-                                                      "dense one: run with --mtp 0 (the MTP layer is then skipped)");
+    if (h->num_nextn_predict_layers > 0 && c->mla.mtp_depth > 0 && !c->mla.mtp_moe)
+        return thf_refuse("num_nextn_predict_layers", "the hub's MTP layer has an MoE FFN: run with --mtp-ffn moe, or "
+                                                      "--mtp 0 (the MTP layer is then skipped)");
+    if (h->num_nextn_predict_layers > 0 && c->mla.mtp_depth > 0 && h->num_nextn_predict_layers != c->mla.mtp_depth)
+        return thf_refuse("num_nextn_predict_layers", "differs from --mtp: import every MTP layer (--mtp equal to it) "
+                                                      "or none (--mtp 0)");
     if (h->first_k_dense_replace > h->num_hidden_layers)
         return thf_refuse("first_k_dense_replace", "larger than num_hidden_layers");
     if (h->qk_rope_head_dim < 2 || h->qk_rope_head_dim % 2)
@@ -140,7 +148,7 @@ static dsk_ckpt_hf_deepseek_config thf_config_of(const tm_config *c, const dsk_c
     h.num_attention_heads = c->n_heads;
     h.rope_theta = c->rope_theta;
     h.rms_norm_eps = c->norm_eps; /* the latents' norms: transformers' 1e-6 (tmla_config.latent_eps) */
-    h.num_nextn_predict_layers = 0;
+    h.num_nextn_predict_layers = c->mla.mtp_moe ? c->mla.mtp_depth : 0; /* dense MTP blocks are not exported */
     return h;
 }
 
@@ -166,23 +174,95 @@ static dsk_status thf_param_entry(const tm_model *m, const tm_param *p, char *bu
 }
 
 /* The model's tensors as hub entries: names and entries on the f32 masters, plus each MoE
-   layer's expert bias when the routing has one. The MTP modules' parameters are left out:
-   neither imported (they keep their initialisation) nor exported (transformers has no MTP
-   layer). */
+   layer's expert bias when the routing has one. With `mtp` the MTP modules' too: eh_proj
+   through a host tensor with its halves swapped (proj[k]), embed_tokens and shared_head.head
+   as host tensors to compare (import) or the model's own (export); without, they are left out. */
 typedef struct thf_list {
     dsk_ckpt_hf_entry *es;
     char (*names)[160];
     int n;
+    dsk_tensor proj[TMLA_MAX_MTP], emb[TMLA_MAX_MTP], head[TMLA_MAX_MTP]; /* host f32 */
 } thf_list;
 
 static void thf_list_free(thf_list *t) {
     free(t->es);
     free(t->names);
+    for (int k = 0; k < TMLA_MAX_MTP; k++) {
+        dsk_tensor_free(NULL, &t->proj[k]);
+        dsk_tensor_free(NULL, &t->emb[k]);
+        dsk_tensor_free(NULL, &t->head[k]);
+    }
     memset(t, 0, sizeof *t);
 }
 
-static dsk_status thf_list_make(tm_model *m, int with_bias, thf_list *t) {
-    int cap = m->n_params + m->cfg.n_layers + 1;
+/* Swaps the column halves of the host matrix w (D, 2D) in place: [a | b] -> [b | a]. */
+static void thf_swap_halves(dsk_tensor *w) {
+    int64_t D = w->shape[0];
+    float *r = (float *)w->data;
+    for (int64_t i = 0; i < D; i++)
+        for (int64_t j = 0; j < D; j++) {
+            float x = r[i * 2 * D + j];
+            r[i * 2 * D + j] = r[i * 2 * D + D + j];
+            r[i * 2 * D + D + j] = x;
+        }
+}
+
+/* One more entry: hub name from role (layer l) on tensor. */
+static dsk_status thf_add(thf_list *t, int l, const char *role, dsk_tensor *tensor) {
+    DSK__TRY(dsk_ckpt_hf_deepseek_role_name(t->names[t->n], sizeof t->names[t->n], l, role));
+    t->es[t->n].name = t->names[t->n];
+    t->es[t->n++].tensor = tensor;
+    return DSK_OK;
+}
+
+/* MTP module k's entries beyond its parameters: embed_tokens and shared_head.head (host copies
+   to compare on import, the model's on export); and its eh_proj's host tensor (on export filled
+   from the model, halves swapped). */
+static dsk_status thf_mtp_extra(tm_model *m, int k, int import, thf_list *t) {
+    int l = m->cfg.n_layers + k;
+    const tm_param *p = m->mla.mtp[k].proj;
+    DSK__TRY(dsk_tensor_alloc(NULL, &t->proj[k], DSK_F32, 2, p->shape));
+    if (!import) {
+        DSK__TRY(dsk_tensor_copy(m->ctx, &t->proj[k], &p->w));
+        thf_swap_halves(&t->proj[k]);
+        DSK__TRY(thf_add(t, l, "mtp.embed", &m->embed->w));
+        return thf_add(t, l, "mtp.head", &m->lm_head->w);
+    }
+    DSK__TRY(dsk_tensor_alloc(NULL, &t->emb[k], DSK_F32, 2, m->embed->shape));
+    DSK__TRY(dsk_tensor_alloc(NULL, &t->head[k], DSK_F32, 2, m->lm_head->shape));
+    DSK__TRY(thf_add(t, l, "mtp.embed", &t->emb[k]));
+    return thf_add(t, l, "mtp.head", &t->head[k]);
+}
+
+/* After an import: each eh_proj into its module (halves swapped back); the MTP layers' embedding
+   and head must be the model's, bit for bit. */
+static dsk_status thf_mtp_finish(tm_model *m, thf_list *t) {
+    for (int k = 0; k < m->cfg.mla.mtp_depth; k++) {
+        const tm_param *sh[2] = {m->embed, m->lm_head};
+        const dsk_tensor *got[2] = {&t->emb[k], &t->head[k]};
+        const char *role[2] = {"mtp.embed", "mtp.head"};
+        thf_swap_halves(&t->proj[k]);
+        DSK__TRY(dsk_tensor_copy(m->ctx, &m->mla.mtp[k].proj->w, &t->proj[k]));
+        for (int i = 0; i < 2; i++) {
+            dsk_tensor h;
+            char name[160];
+            DSK__TRY(dsk_tensor_alloc(NULL, &h, DSK_F32, 2, sh[i]->shape));
+            dsk_status s = dsk_tensor_copy(m->ctx, &h, &sh[i]->w);
+            int same = s == DSK_OK && memcmp(h.data, got[i]->data, (size_t)dsk_tensor_numel(&h) * sizeof(float)) == 0;
+            dsk_tensor_free(NULL, &h);
+            DSK__TRY(s);
+            if (same) continue;
+            DSK__TRY(dsk_ckpt_hf_deepseek_role_name(name, sizeof name, m->cfg.n_layers + k, role[i]));
+            return dsk_set_error(DSK_ERR_UNSUPPORTED, "--init-from-hf: %s differs from %s: this model's MTP modules "
+                                 "share the embedding and head", name, i ? "lm_head.weight" : "model.embed_tokens.weight");
+        }
+    }
+    return DSK_OK;
+}
+
+/* with_bias: the expert biases; mtp: 1 import the MTP modules, 2 export them, 0 neither. */
+static dsk_status thf_list_make(tm_model *m, int with_bias, int mtp, thf_list *t) {
+    int cap = m->n_params + tm_n_blocks(&m->cfg) + 2 * m->cfg.mla.mtp_depth + 1;
     memset(t, 0, sizeof *t);
     t->es = (dsk_ckpt_hf_entry *)calloc((size_t)cap, sizeof *t->es);
     t->names = (char(*)[160])calloc((size_t)cap, sizeof *t->names);
@@ -193,12 +273,17 @@ static dsk_status thf_list_make(tm_model *m, int with_bias, thf_list *t) {
     for (int i = 0; i < m->n_params; i++) {
         tm_param *p = &m->params[i];
         int l = -1;
-        if (sscanf(p->name, "blocks.%d.", &l) == 1 && l >= m->cfg.n_layers) continue; /* an MTP module's */
+        if (sscanf(p->name, "blocks.%d.", &l) == 1 && l >= m->cfg.n_layers && !mtp) continue; /* an MTP module's */
         dsk_status s = thf_param_entry(m, p, t->names[t->n], sizeof t->names[t->n], &t->es[t->n]);
         if (s != DSK_OK) { thf_list_free(t); return s; }
-        t->es[t->n++].tensor = &p->w;
+        t->es[t->n++].tensor = l >= m->cfg.n_layers && p == m->mla.mtp[l - m->cfg.n_layers].proj
+                                   ? &t->proj[l - m->cfg.n_layers] : &p->w; /* allocated below */
     }
-    for (int l = m->cfg.n_dense; with_bias && l < m->cfg.n_layers; l++) {
+    for (int k = 0; mtp && k < m->cfg.mla.mtp_depth; k++) {
+        dsk_status s = thf_mtp_extra(m, k, mtp == 1, t);
+        if (s != DSK_OK) { thf_list_free(t); return s; }
+    }
+    for (int l = m->cfg.n_dense; with_bias && l < (mtp ? tm_n_blocks(&m->cfg) : m->cfg.n_layers); l++) {
         dsk_status s = dsk_ckpt_hf_deepseek_name(t->names[t->n], sizeof t->names[t->n], l, "bias");
         if (s != DSK_OK) { thf_list_free(t); return s; }
         t->es[t->n].name = t->names[t->n];
@@ -215,10 +300,12 @@ static dsk_status thf_load(tm_model *m, const dsk_ckpt_hf_deepseek_config *h, co
     dsk_ckpt_hf hf;
     dsk_status s;
     if (m->cfg.external) return dsk_set_error(DSK_ERR_UNSUPPORTED, "--init-from-hf: not with --zero (sharded masters)");
-    DSK__TRY(thf_list_make(m, h->version == 3, &t));
+    int mtp = h->num_nextn_predict_layers > 0 && m->cfg.mla.mtp_depth > 0; /* thf_model_config: equal depths, MoE */
+    DSK__TRY(thf_list_make(m, h->version == 3, mtp, &t));
     s = dsk_ckpt_hf_open(&hf, dir);
     if (s == DSK_OK) s = dsk_ckpt_hf_read_dequant(&hf, m->ctx, t.es, t.n, h->block);
     dsk_ckpt_hf_close(&hf);
+    if (s == DSK_OK && mtp) s = thf_mtp_finish(m, &t);
     thf_list_free(&t);
     if (s == DSK_OK && m->slab_wc.data) s = dsk_tensor_copy(m->ctx, &m->slab_wc, &m->slab_w);
     return s;
@@ -295,7 +382,8 @@ static dsk_status thf_items(tm_model *m, const thf_list *t, dsk_dtype dt, int fp
 
 /* DeepseekV2 has no expert bias: refuses a model whose biases moved (its routing would change). */
 static dsk_status thf_no_bias(tm_model *m) {
-    for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++) {
+    for (int l = m->cfg.n_dense; l < tm_n_blocks(&m->cfg); l++) {
+        if (!m->blocks[l].is_moe) continue;
         dsk_tensor h;
         dsk_status s = dsk_tensor_alloc(NULL, &h, DSK_F32, 1, m->blocks[l].moe_bias.shape);
         int nonzero = 0;
@@ -335,7 +423,7 @@ static dsk_status thf_export(tm_model *m, const dsk_ckpt_hf_deepseek_config *h0,
     if (h.block[0] < 1 || h.block[1] < 1) h.block[0] = h.block[1] = 128;
     snprintf(h.torch_dtype, sizeof h.torch_dtype, "%s", dt == DSK_BF16 ? "bfloat16" : "float32");
     if (h.version == 2) DSK__TRY(thf_no_bias(m));
-    DSK__TRY(thf_list_make(m, h.version == 3, &t));
+    DSK__TRY(thf_list_make(m, h.version == 3, h.num_nextn_predict_layers > 0 ? 2 : 0, &t));
     for (int i = 0; i < t.n; i++) total += t.es[i].stacked ? (int)t.es[i].tensor->shape[0] : 1;
     items = (thf_item *)calloc((size_t)total + 1, sizeof *items);
     out = (dsk_ckpt_hf_entry *)calloc(2 * (size_t)total + 1, sizeof *out);
