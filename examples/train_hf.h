@@ -11,8 +11,8 @@
    Names: a parameter "blocks.L.<role>" is layer L's role (dsk_ckpt_hf_deepseek_role_name),
    "blocks.L.moe.<p>" the MoE parameter p (dsk_ckpt_hf_deepseek_name; experts stacked on dim 0
    in dsk, one tensor each on the hub), "embed", "ln_f", "lm_head" the model's. Every matrix
-   is (out, in) in both; nothing is permuted (the interleaved rope dims of q_b_proj and
-   kv_a_proj_with_mqa are what dsk_rope rotates).
+   is (out, in) in both; nothing is permuted but eh_proj's column halves (MTP, below; the
+   interleaved rope dims of q_b_proj and kv_a_proj_with_mqa are what dsk_rope rotates).
    What the model cannot express is refused with the key named: tied embeddings, moe_layer_freq
    other than 1, YaRN rope_scaling with mscale != mscale_all_dim (transformers
    then scales the rotary cos/sin by their ratio; YaRN itself is train_mla.h's tmla_rotate),

@@ -134,6 +134,8 @@ static void check_fixture(const char *dir, const char *weights) {
 
 static void test_import_v3(void) { check_fixture("tests/hf/v3", "tests/hf/v3"); }
 
+static int same_weights(const tm_model *a, const tm_model *b);
+
 /* Reads float tensor `name` of reference.safetensors in dir into a fresh buffer of n floats. */
 static float *read_ref_f32(const char *dir, const char *name, int64_t n) {
     char path[512];
@@ -224,6 +226,18 @@ static void test_import_mtp(void) {
     DSK_TEST_CLOSE(got, want, nm, 0.0, 1e-5 * amax, "MTP logits against the float64 MTP layer (1e-5 of the largest)");
     DSK_TEST_CLOSE(&mloss, &wloss, 1, 1e-5, 0.0, "MTP loss against the float64 MTP layer (1e-5 relative)");
     (void)loss;
+    /* export (f32, several shards) -> import into a fresh --mtp 1 model: bitwise, biases included */
+    char dir[300];
+    tm_model back;
+    dsk_ckpt_hf_deepseek_config h2;
+    snprintf(dir, sizeof dir, "%s/mtp_export", g_tmp);
+    DSK_TEST_OK(thf_export(&m, &h, dir, "f32", 20000));
+    g_mtp = 1;
+    DSK_TEST_OK(build(dir, &back, &h2, (int)r.B, (int)r.T, 1));
+    g_mtp = 0;
+    DSK_TEST_EXPECT(h2.num_nextn_predict_layers == 1, "the export declares %d MTP layers", h2.num_nextn_predict_layers);
+    DSK_TEST_EXPECT(same_weights(&m, &back), "export -> import of the MTP model is bitwise");
+    tm_free(&back);
     free(lg); free(ids); free(tg); free(all); free(wantf); free(got); free(wl); free(want);
     free(r.tokens);
     free(r.logits);
@@ -285,7 +299,7 @@ static int check_dequant(tm_model *m, const char *dir, int bs, int with_bias) {
     thf_list list;
     dsk_ckpt_hf hf;
     int n = 0, fp8 = 0, bad = 0;
-    DSK_TEST_OK(thf_list_make(m, with_bias, 0, &list));
+    DSK_TEST_OK(thf_list_make(m, with_bias, m->cfg.mla.mtp_depth > 0 ? 2 : 0, &list)); /* MTP: the hub's layout */
     const dsk_ckpt_hf_entry *es = list.es;
     n = list.n;
     DSK_TEST_OK(dsk_ckpt_hf_open(&hf, dir));
@@ -336,24 +350,29 @@ static int check_dequant(tm_model *m, const char *dir, int bs, int with_bias) {
     return fp8;
 }
 
+/* Without MTP (--mtp 0: the MTP layer skipped) and with it (--mtp 1: its 32 FP8 matrices too). */
 static void test_fp8_import(void) {
-    tm_model m;
-    dsk_ckpt_hf_deepseek_config h;
-    DSK_TEST_OK(build("tests/hf/v3_fp8", &m, &h, 1, 4, 0));
-    DSK_TEST_OK(dsk_tensor_fill(&g_ctx, &m.slab_w, NAN));
-    DSK_TEST_OK(thf_load(&m, &h, "tests/hf/v3_fp8"));
-    DSK_TEST_EXPECT(h.fp8 && h.block[0] == 16 && h.block[1] == 16, "quantization_config read: fp8 %d block %d x %d",
-                    h.fp8, h.block[0], h.block[1]);
-    int fp8 = check_dequant(&m, "tests/hf/v3_fp8", 16, 1);
-    DSK_TEST_EXPECT(fp8 == 40, "40 FP8 tensors in the fixture, saw %d", fp8);
-    tm_free(&m);
+    for (int mtp = 0; mtp <= 1; mtp++) {
+        tm_model m;
+        dsk_ckpt_hf_deepseek_config h;
+        g_mtp = mtp;
+        DSK_TEST_OK(build("tests/hf/v3_fp8", &m, &h, 1, 4, 0));
+        g_mtp = 0;
+        DSK_TEST_OK(dsk_tensor_fill(&g_ctx, &m.slab_w, NAN));
+        DSK_TEST_OK(thf_load(&m, &h, "tests/hf/v3_fp8"));
+        DSK_TEST_EXPECT(h.fp8 && h.block[0] == 16 && h.block[1] == 16,
+                        "quantization_config read: fp8 %d block %d x %d", h.fp8, h.block[0], h.block[1]);
+        int fp8 = check_dequant(&m, "tests/hf/v3_fp8", 16, 1), want = mtp ? 72 : 40;
+        DSK_TEST_EXPECT(fp8 == want, "%d FP8 tensors in the fixture (--mtp %d), saw %d", want, mtp, fp8);
+        tm_free(&m);
+    }
 }
 
 /* Masters (and expert biases) of two models of one config, bitwise. */
 static int same_weights(const tm_model *a, const tm_model *b) {
     int same = memcmp(a->slab_w.data, b->slab_w.data, dsk_tensor_nbytes(&a->slab_w)) == 0;
-    for (int l = a->cfg.n_dense; l < a->cfg.n_layers; l++)
-        same &= memcmp(a->blocks[l].moe_bias.data, b->blocks[l].moe_bias.data,
+    for (int l = a->cfg.n_dense; l < tm_n_blocks(&a->cfg); l++) /* MoE MTP blocks' biases too */
+        if (a->blocks[l].is_moe) same &= memcmp(a->blocks[l].moe_bias.data, b->blocks[l].moe_bias.data,
                        dsk_tensor_nbytes(&a->blocks[l].moe_bias)) == 0;
     return same;
 }

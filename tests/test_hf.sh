@@ -77,6 +77,12 @@ if timeout 300 "$BIN" --init-from-hf tests/hf/v3 "${TRAIN[@]}" --mtp 1 --export-
     >"$work/mtp1.log" 2>&1 && grep -q "^exported step 2" "$work/mtp1.log"; then
     ok "train_moe --init-from-hf tests/hf/v3 --mtp 1 (the fixture's MTP layer, MoE FFN) trains and exports"
     check "its export holds the fixture's tensors, the MTP layer's included" "$work/mtp1" tests/hf/v3
+    $PY tests/hf/check_export.py keys "$work/mtp1" >"$work/mtp1.keys" 2>&1
+    case $? in
+    0) ok "its export loads with from_pretrained, which skips only the MTP layer ($(grep skipped "$work/mtp1.keys"))" ;;
+    3) skip "from_pretrained of the --mtp 1 export (not run: $(tail -1 "$work/mtp1.keys"))" ;;
+    *) bad "from_pretrained of the --mtp 1 export" "$(grep -v Loading "$work/mtp1.keys" | tail -3)" ;;
+    esac
 else
     bad "train_moe --init-from-hf --mtp 1" "$(tail -3 "$work/mtp1.log")"
 fi
@@ -87,6 +93,15 @@ if timeout 300 "$BIN" --init-from-hf "$work/tr_v3_f32" "${TRAIN[@]}" >"$work/aga
     ok "train_moe --init-from-hf on its own export"
 else
     bad "train_moe --init-from-hf on its own export" "$(tail -3 "$work/again.log")"
+fi
+
+# the imported MTP layer (MoE FFN) in the whole model's gradient check
+if timeout 300 "$BIN" --init-from-hf tests/hf/v3 --data "$work/tok.bin" --seq 8 --batch 2 --grad-check 3 --mtp 1 \
+    >"$work/mtpgc.log" 2>&1 && grep -q "^grad-check: 0 of [0-9]* parameters off" "$work/mtpgc.log" &&
+    grep -q "^grad-check blocks.2.moe.router " "$work/mtpgc.log" && grep -q "^grad-check blocks.2.mtp.proj " "$work/mtpgc.log"; then
+    ok "v3 with its MTP layer imported into --mtp 1: $(grep '^grad-check: ' "$work/mtpgc.log")"
+else
+    bad "--init-from-hf --mtp 1 --grad-check" "$(tail -3 "$work/mtpgc.log")"
 fi
 
 # YaRN: the whole model's gradients against central differences with v3's weights under v3_yarn's rope_scaling
