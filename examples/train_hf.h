@@ -175,23 +175,20 @@ static dsk_status thf_param_entry(const tm_model *m, const tm_param *p, char *bu
 
 /* The model's tensors as hub entries: names and entries on the f32 masters, plus each MoE
    layer's expert bias when the routing has one. With `mtp` the MTP modules' too: eh_proj
-   through a host tensor with its halves swapped (proj[k]), embed_tokens and shared_head.head
-   as host tensors to compare (import) or the model's own (export); without, they are left out. */
+   through a host tensor with its halves swapped (proj[k]), and on export embed_tokens and
+   shared_head.head as the model's own (an import checks those first: thf_mtp_shared); without,
+   they are left out. */
 typedef struct thf_list {
     dsk_ckpt_hf_entry *es;
     char (*names)[160];
     int n;
-    dsk_tensor proj[TMLA_MAX_MTP], emb[TMLA_MAX_MTP], head[TMLA_MAX_MTP]; /* host f32 */
+    dsk_tensor proj[TMLA_MAX_MTP]; /* host f32 */
 } thf_list;
 
 static void thf_list_free(thf_list *t) {
     free(t->es);
     free(t->names);
-    for (int k = 0; k < TMLA_MAX_MTP; k++) {
-        dsk_tensor_free(NULL, &t->proj[k]);
-        dsk_tensor_free(NULL, &t->emb[k]);
-        dsk_tensor_free(NULL, &t->head[k]);
-    }
+    for (int k = 0; k < TMLA_MAX_MTP; k++) dsk_tensor_free(NULL, &t->proj[k]);
     memset(t, 0, sizeof *t);
 }
 
@@ -215,47 +212,53 @@ static dsk_status thf_add(thf_list *t, int l, const char *role, dsk_tensor *tens
     return DSK_OK;
 }
 
-/* MTP module k's entries beyond its parameters: embed_tokens and shared_head.head (host copies
-   to compare on import, the model's on export); and its eh_proj's host tensor (on export filled
-   from the model, halves swapped). */
+/* MTP module k's entries beyond its parameters: its eh_proj's host tensor (on export filled from
+   the model, halves swapped) and, on export, embed_tokens and shared_head.head as the model's. */
 static dsk_status thf_mtp_extra(tm_model *m, int k, int import, thf_list *t) {
     int l = m->cfg.n_layers + k;
     const tm_param *p = m->mla.mtp[k].proj;
     DSK__TRY(dsk_tensor_alloc(NULL, &t->proj[k], DSK_F32, 2, p->shape));
-    if (!import) {
-        DSK__TRY(dsk_tensor_copy(m->ctx, &t->proj[k], &p->w));
-        thf_swap_halves(&t->proj[k]);
-        DSK__TRY(thf_add(t, l, "mtp.embed", &m->embed->w));
-        return thf_add(t, l, "mtp.head", &m->lm_head->w);
-    }
-    DSK__TRY(dsk_tensor_alloc(NULL, &t->emb[k], DSK_F32, 2, m->embed->shape));
-    DSK__TRY(dsk_tensor_alloc(NULL, &t->head[k], DSK_F32, 2, m->lm_head->shape));
-    DSK__TRY(thf_add(t, l, "mtp.embed", &t->emb[k]));
-    return thf_add(t, l, "mtp.head", &t->head[k]);
+    if (import) return DSK_OK;
+    DSK__TRY(dsk_tensor_copy(m->ctx, &t->proj[k], &p->w));
+    thf_swap_halves(&t->proj[k]);
+    DSK__TRY(thf_add(t, l, "mtp.embed", &m->embed->w));
+    return thf_add(t, l, "mtp.head", &m->lm_head->w);
 }
 
-/* After an import: each eh_proj into its module (halves swapped back); the MTP layers' embedding
-   and head must be the model's, bit for bit. */
+/* Before an import: the MTP layers' embed_tokens and shared_head.head must equal the model's
+   embedding and head bit for bit (this model shares them); read into host copies and compared,
+   so a checkpoint that differs fails naming the tensor with nothing loaded. */
+static dsk_status thf_mtp_shared(tm_model *m, dsk_ckpt_hf *hf, const int block[2]) {
+    int D = m->cfg.mla.mtp_depth, n = 0;
+    dsk_ckpt_hf_entry es[2 + 2 * TMLA_MAX_MTP];
+    dsk_tensor ts[2 + 2 * TMLA_MAX_MTP];
+    char names[2 + 2 * TMLA_MAX_MTP][160];
+    dsk_status s = DSK_OK;
+    memset(ts, 0, sizeof ts);
+    memset(es, 0, sizeof es);
+    for (int i = 0; s == DSK_OK && i < 2 + 2 * D; i++) { /* model's embed, head, then each layer's copies */
+        const tm_param *p = i % 2 ? m->lm_head : m->embed;
+        const char *role = i < 2 ? (i ? "lm_head" : "embed") : i % 2 ? "mtp.head" : "mtp.embed";
+        s = dsk_ckpt_hf_deepseek_role_name(names[i], sizeof names[i], i < 2 ? -1 : m->cfg.n_layers + i / 2 - 1, role);
+        if (s == DSK_OK) s = dsk_tensor_alloc(NULL, &ts[i], DSK_F32, 2, p->shape);
+        es[i].name = names[i];
+        es[i].tensor = &ts[i];
+        n = i + 1;
+    }
+    if (s == DSK_OK) s = dsk_ckpt_hf_read_dequant(hf, m->ctx, es, n, block);
+    for (int i = 2; s == DSK_OK && i < n; i++)
+        if (memcmp(ts[i].data, ts[i % 2].data, (size_t)dsk_tensor_nbytes(&ts[i])) != 0)
+            s = dsk_set_error(DSK_ERR_UNSUPPORTED, "--init-from-hf: %s differs from %s: this model's MTP modules "
+                              "share the embedding and head", names[i], names[i % 2]);
+    for (int i = 0; i < n; i++) dsk_tensor_free(NULL, &ts[i]);
+    return s;
+}
+
+/* After an import: each eh_proj into its module, its halves swapped back. */
 static dsk_status thf_mtp_finish(tm_model *m, thf_list *t) {
     for (int k = 0; k < m->cfg.mla.mtp_depth; k++) {
-        const tm_param *sh[2] = {m->embed, m->lm_head};
-        const dsk_tensor *got[2] = {&t->emb[k], &t->head[k]};
-        const char *role[2] = {"mtp.embed", "mtp.head"};
         thf_swap_halves(&t->proj[k]);
         DSK__TRY(dsk_tensor_copy(m->ctx, &m->mla.mtp[k].proj->w, &t->proj[k]));
-        for (int i = 0; i < 2; i++) {
-            dsk_tensor h;
-            char name[160];
-            DSK__TRY(dsk_tensor_alloc(NULL, &h, DSK_F32, 2, sh[i]->shape));
-            dsk_status s = dsk_tensor_copy(m->ctx, &h, &sh[i]->w);
-            int same = s == DSK_OK && memcmp(h.data, got[i]->data, (size_t)dsk_tensor_numel(&h) * sizeof(float)) == 0;
-            dsk_tensor_free(NULL, &h);
-            DSK__TRY(s);
-            if (same) continue;
-            DSK__TRY(dsk_ckpt_hf_deepseek_role_name(name, sizeof name, m->cfg.n_layers + k, role[i]));
-            return dsk_set_error(DSK_ERR_UNSUPPORTED, "--init-from-hf: %s differs from %s: this model's MTP modules "
-                                 "share the embedding and head", name, i ? "lm_head.weight" : "model.embed_tokens.weight");
-        }
     }
     return DSK_OK;
 }
@@ -303,6 +306,7 @@ static dsk_status thf_load(tm_model *m, const dsk_ckpt_hf_deepseek_config *h, co
     int mtp = h->num_nextn_predict_layers > 0 && m->cfg.mla.mtp_depth > 0; /* thf_model_config: equal depths, MoE */
     DSK__TRY(thf_list_make(m, h->version == 3, mtp, &t));
     s = dsk_ckpt_hf_open(&hf, dir);
+    if (s == DSK_OK && mtp) s = thf_mtp_shared(m, &hf, h->block);
     if (s == DSK_OK) s = dsk_ckpt_hf_read_dequant(&hf, m->ctx, t.es, t.n, h->block);
     dsk_ckpt_hf_close(&hf);
     if (s == DSK_OK && mtp) s = thf_mtp_finish(m, &t);

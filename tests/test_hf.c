@@ -10,7 +10,7 @@
      of the weights (fp8);
    - the v3 fixture's MTP layer into --mtp 1 (MoE FFN): every tensor bitwise, the MTP logits and
      loss against make_fixture.py's float64 computation of the layer; a missing or misshapen MTP
-     tensor is named;
+     tensor, or an MTP embed_tokens other than the model's, is named with nothing loaded;
    - bad input: unknown topk_method, missing key, a shard missing from the index, a tensor of
      the wrong shape, a truncated shard: each fails naming the file and key, nothing loaded. */
 #define DSK_TENSOR_IMPLEMENTATION
@@ -244,30 +244,50 @@ static void test_import_mtp(void) {
     tm_free(&m);
 }
 
-/* A fixture copy whose MTP layer lacks a tensor, or has one of the wrong shape: the import names it. */
+/* Flips the lowest bit of the first element of tensor `name` in its shard of dir. */
+static void flip_bit(const char *dir, const char *name) {
+    dsk_ckpt_hf hf;
+    dsk_ckpt_file *f;
+    const dsk_ckpt_tensor_info *t;
+    DSK_TEST_OK(dsk_ckpt_hf_open(&hf, dir));
+    DSK_TEST_OK(dsk_ckpt_hf_find(&hf, name, &f, &t));
+    FILE *fp = fopen(f->path, "r+b");
+    long at = (long)(8 + f->header_len + t->begin);
+    int c = fp && fseek(fp, at, SEEK_SET) == 0 ? fgetc(fp) : EOF;
+    DSK_TEST_EXPECT(c != EOF && fseek(fp, at, SEEK_SET) == 0 && fputc(c ^ 1, fp) != EOF, "patch %s", f->path);
+    if (fp) fclose(fp);
+    dsk_ckpt_hf_close(&hf);
+}
+
+/* A fixture copy whose MTP layer lacks a tensor, has one of the wrong shape, or an embed_tokens
+   that is not the model's: the import names the tensor and loads nothing. */
 static void test_bad_mtp(void) {
-    tm_model m;
-    dsk_ckpt_hf_deepseek_config h;
-    char dir[300], cmd[900];
-    const char *cases[2][2] = {{"model.layers.2.eh_proj.weight", "model.layers.2.eh_proj.weightX"},
-                               {"model.layers.2.enorm.weight", "model.layers.2.enorm.weight"}};
-    for (int c = 0; c < 2; c++) {
+    const char *names[3] = {"model.layers.2.eh_proj.weight", "model.layers.2.enorm.weight",
+                            "model.layers.2.embed_tokens.weight"};
+    for (int c = 0; c < 3; c++) {
+        tm_model m;
+        dsk_ckpt_hf_deepseek_config h;
+        char dir[300], cmd[900];
         snprintf(dir, sizeof dir, "%s/badmtp%d", g_tmp, c);
         snprintf(cmd, sizeof cmd, "mkdir -p '%s' && cp tests/hf/v3/* '%s'/", dir, dir);
         DSK_TEST_EXPECT(system(cmd) == 0, "copy the fixture");
-        if (c == 0) { /* rename the tensor in the index: the index no longer names it */
-            snprintf(cmd, sizeof cmd, "sed -i 's/\"%s\"/\"%s\"/' '%s/model.safetensors.index.json'", cases[c][0],
-                     cases[c][1], dir);
+        if (c == 0) { /* renamed in the index: the set no longer holds the tensor */
+            snprintf(cmd, sizeof cmd, "sed -i 's/\"%s\"/\"%sX\"/' '%s/model.safetensors.index.json'", names[c],
+                     names[c], dir);
             DSK_TEST_EXPECT(system(cmd) == 0, "edit the index");
         }
+        if (c == 2) flip_bit(dir, names[c]);
         g_mtp = 1;
         DSK_TEST_OK(build(dir, &m, &h, 1, 4, 0));
         g_mtp = 0;
         if (c == 1) m.mla.mtp[0].enorm->w.shape[0] = 16; /* a model expecting another shape (a view: restored) */
-        dsk_status s = thf_load(&m, &h, dir);
-        DSK_TEST_EXPECT(s != DSK_OK, "case %d fails", c);
-        DSK_TEST_ERROR_MENTIONS(cases[c][0]);
+        DSK_TEST_OK(dsk_tensor_fill(&g_ctx, &m.slab_w, NAN));
+        DSK_TEST_EXPECT(thf_load(&m, &h, dir) != DSK_OK, "case %d fails", c);
+        DSK_TEST_ERROR_MENTIONS(names[c]);
         if (c == 1) m.mla.mtp[0].enorm->w.shape[0] = 32;
+        int64_t touched = 0;
+        for (int64_t i = 0; i < m.numel; i++) touched += !isnan(((const float *)m.slab_w.data)[i]);
+        DSK_TEST_EXPECT(touched == 0, "case %d: nothing loaded: %lld weights changed", c, (long long)touched);
         tm_free(&m);
     }
 }
