@@ -484,7 +484,8 @@ DSK_API dsk_status dsk_ckpt_hf_deepseek_config_write(const dsk_ckpt_hf_deepseek_
    "attn.wkv_a" kv_a_proj_with_mqa (rows [kv latent | rope key]), "attn.kv_norm" kv_a_layernorm,
    "attn.wkv_b" kv_b_proj (per head [k_nope | v]), "attn.wo" o_proj, "ffn.w1"/"ffn.w3"/"ffn.w2"
    mlp.gate_proj/up_proj/down_proj, MTP "mtp.enorm", "mtp.hnorm", "mtp.proj" (eh_proj: columns
-   [enorm(emb) | hnorm(h)]), "mtp.norm" (shared_head.norm); the MoE roles of
+   [enorm(emb) | hnorm(h)]), "mtp.norm" (shared_head.norm), "mtp.embed" (the MTP layer's own
+   embed_tokens), "mtp.head" (shared_head.head: its own LM head); the MoE roles of
    dsk_ckpt_hf_deepseek_name. Model roles (layer -1): "embed" model.embed_tokens, "ln_f"
    model.norm, "lm_head". Every matrix is (out, in) as nn.Linear stores it; the rope dims of
    q_b_proj/q_proj and kv_a_proj_with_mqa are in DeepSeek's interleaved pair order, which
@@ -5490,7 +5491,8 @@ DSK_API dsk_status dsk_ckpt_hf_deepseek_role_name(char *buf, size_t n, int layer
         {"ffn.w1", "mlp.gate_proj.weight"},         {"ffn.w3", "mlp.up_proj.weight"},
         {"ffn.w2", "mlp.down_proj.weight"},         {"mtp.enorm", "enorm.weight"},
         {"mtp.hnorm", "hnorm.weight"},              {"mtp.proj", "eh_proj.weight"},
-        {"mtp.norm", "shared_head.norm.weight"}};
+        {"mtp.norm", "shared_head.norm.weight"},    {"mtp.embed", "embed_tokens.weight"},
+        {"mtp.head", "shared_head.head.weight"}};
     const char *fn = "dsk_ckpt_hf_deepseek_role_name";
     int k = -1;
     if (!buf || !role || layer < -1) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument or layer %d", fn, layer);

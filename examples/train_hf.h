@@ -11,16 +11,21 @@
    Names: a parameter "blocks.L.<role>" is layer L's role (dsk_ckpt_hf_deepseek_role_name),
    "blocks.L.moe.<p>" the MoE parameter p (dsk_ckpt_hf_deepseek_name; experts stacked on dim 0
    in dsk, one tensor each on the hub), "embed", "ln_f", "lm_head" the model's. Every matrix
-   is (out, in) in both; nothing is permuted (the interleaved rope dims of q_b_proj and
-   kv_a_proj_with_mqa are what dsk_rope rotates).
+   is (out, in) in both; nothing is permuted but eh_proj's column halves (MTP, below; the
+   interleaved rope dims of q_b_proj and kv_a_proj_with_mqa are what dsk_rope rotates).
    What the model cannot express is refused with the key named: tied embeddings, moe_layer_freq
    other than 1, YaRN rope_scaling with mscale != mscale_all_dim (transformers
    then scales the rotary cos/sin by their ratio; YaRN itself is train_mla.h's tmla_rotate),
    routing transformers does not run for the architecture (DeepseekV3: sigmoid + noaux_tc only;
-   DeepseekV2: softmax, greedy or group_limited_greedy, norm_topk_prob false), MTP layers with
-   --mtp > 0 (the hub's MTP layer has an MoE FFN, this model's MTP block a dense one; with
-   --mtp 0 they are skipped as transformers skips them). With --mtp D > 0 on a checkpoint without
-   an MTP layer, the D modules start from their initialisation and are not exported. */
+   DeepseekV2: softmax, greedy or group_limited_greedy, norm_topk_prob false).
+   MTP: the hub's layers num_hidden_layers + k (k < num_nextn_predict_layers) import into the
+   modules of --mtp D (D == num_nextn_predict_layers, MoE FFNs: tmla_config.mtp_moe); with --mtp 0
+   they are skipped as transformers skips them. "blocks.L.mtp.proj" is eh_proj with its column
+   halves swapped (dsk: [hnorm(h) | enorm(emb)], the hub: [enorm(emb) | hnorm(h)]); the layer's
+   embed_tokens and shared_head.head must equal the model's embedding and head bitwise (this
+   model shares them) and are written as copies of them. With --mtp D > 0 on a checkpoint
+   without MTP layers the modules start from their initialisation. An export writes the MTP
+   modules when their FFN is MoE (num_nextn_predict_layers = D), not dense ones. */
 #ifndef TRAIN_HF_H
 #define TRAIN_HF_H
 
@@ -59,9 +64,12 @@ static dsk_status thf_model_config(const dsk_ckpt_hf_deepseek_config *h, tm_conf
     if (h->yarn && h->rope_factor > 1 && h->mscale != h->mscale_all_dim)
         return thf_refuse("rope_scaling", "mscale != mscale_all_dim: transformers then scales the rotary cos/sin by "
                                           "their ratio, which this model does not");
-    if (h->num_nextn_predict_layers > 0 && c->mla.mtp_depth > 0)
-        return thf_refuse("num_nextn_predict_layers", "the hub's MTP layer has an MoE FFN, this model's MTP block a "
-                                                      "dense one: run with --mtp 0 (the MTP layer is then skipped)");
+    if (h->num_nextn_predict_layers > 0 && c->mla.mtp_depth > 0 && !c->mla.mtp_moe)
+        return thf_refuse("num_nextn_predict_layers", "the hub's MTP layer has an MoE FFN: run with --mtp-ffn moe, or "
+                                                      "--mtp 0 (the MTP layer is then skipped)");
+    if (h->num_nextn_predict_layers > 0 && c->mla.mtp_depth > 0 && h->num_nextn_predict_layers != c->mla.mtp_depth)
+        return thf_refuse("num_nextn_predict_layers", "differs from --mtp: import every MTP layer (--mtp equal to it) "
+                                                      "or none (--mtp 0)");
     if (h->first_k_dense_replace > h->num_hidden_layers)
         return thf_refuse("first_k_dense_replace", "larger than num_hidden_layers");
     if (h->qk_rope_head_dim < 2 || h->qk_rope_head_dim % 2)
@@ -140,7 +148,7 @@ static dsk_ckpt_hf_deepseek_config thf_config_of(const tm_config *c, const dsk_c
     h.num_attention_heads = c->n_heads;
     h.rope_theta = c->rope_theta;
     h.rms_norm_eps = c->norm_eps; /* the latents' norms: transformers' 1e-6 (tmla_config.latent_eps) */
-    h.num_nextn_predict_layers = 0;
+    h.num_nextn_predict_layers = c->mla.mtp_moe ? c->mla.mtp_depth : 0; /* dense MTP blocks are not exported */
     return h;
 }
 
@@ -166,23 +174,98 @@ static dsk_status thf_param_entry(const tm_model *m, const tm_param *p, char *bu
 }
 
 /* The model's tensors as hub entries: names and entries on the f32 masters, plus each MoE
-   layer's expert bias when the routing has one. The MTP modules' parameters are left out:
-   neither imported (they keep their initialisation) nor exported (transformers has no MTP
-   layer). */
+   layer's expert bias when the routing has one. With `mtp` the MTP modules' too: eh_proj
+   through a host tensor with its halves swapped (proj[k]), and on export embed_tokens and
+   shared_head.head as the model's own (an import checks those first: thf_mtp_shared); without,
+   they are left out. */
 typedef struct thf_list {
     dsk_ckpt_hf_entry *es;
     char (*names)[160];
     int n;
+    dsk_tensor proj[TMLA_MAX_MTP]; /* host f32 */
 } thf_list;
 
 static void thf_list_free(thf_list *t) {
     free(t->es);
     free(t->names);
+    for (int k = 0; k < TMLA_MAX_MTP; k++) dsk_tensor_free(NULL, &t->proj[k]);
     memset(t, 0, sizeof *t);
 }
 
-static dsk_status thf_list_make(tm_model *m, int with_bias, thf_list *t) {
-    int cap = m->n_params + m->cfg.n_layers + 1;
+/* Swaps the column halves of the host matrix w (D, 2D) in place: [a | b] -> [b | a]. */
+static void thf_swap_halves(dsk_tensor *w) {
+    int64_t D = w->shape[0];
+    float *r = (float *)w->data;
+    for (int64_t i = 0; i < D; i++)
+        for (int64_t j = 0; j < D; j++) {
+            float x = r[i * 2 * D + j];
+            r[i * 2 * D + j] = r[i * 2 * D + D + j];
+            r[i * 2 * D + D + j] = x;
+        }
+}
+
+/* One more entry: hub name from role (layer l) on tensor. */
+static dsk_status thf_add(thf_list *t, int l, const char *role, dsk_tensor *tensor) {
+    DSK__TRY(dsk_ckpt_hf_deepseek_role_name(t->names[t->n], sizeof t->names[t->n], l, role));
+    t->es[t->n].name = t->names[t->n];
+    t->es[t->n++].tensor = tensor;
+    return DSK_OK;
+}
+
+/* MTP module k's entries beyond its parameters: its eh_proj's host tensor (on export filled from
+   the model, halves swapped) and, on export, embed_tokens and shared_head.head as the model's. */
+static dsk_status thf_mtp_extra(tm_model *m, int k, int import, thf_list *t) {
+    int l = m->cfg.n_layers + k;
+    const tm_param *p = m->mla.mtp[k].proj;
+    DSK__TRY(dsk_tensor_alloc(NULL, &t->proj[k], DSK_F32, 2, p->shape));
+    if (import) return DSK_OK;
+    DSK__TRY(dsk_tensor_copy(m->ctx, &t->proj[k], &p->w));
+    thf_swap_halves(&t->proj[k]);
+    DSK__TRY(thf_add(t, l, "mtp.embed", &m->embed->w));
+    return thf_add(t, l, "mtp.head", &m->lm_head->w);
+}
+
+/* Before an import: the MTP layers' embed_tokens and shared_head.head must equal the model's
+   embedding and head bit for bit (this model shares them); read into host copies and compared,
+   so a checkpoint that differs fails naming the tensor with nothing loaded. */
+static dsk_status thf_mtp_shared(tm_model *m, dsk_ckpt_hf *hf, const int block[2]) {
+    int D = m->cfg.mla.mtp_depth, n = 0;
+    dsk_ckpt_hf_entry es[2 + 2 * TMLA_MAX_MTP];
+    dsk_tensor ts[2 + 2 * TMLA_MAX_MTP];
+    char names[2 + 2 * TMLA_MAX_MTP][160];
+    dsk_status s = DSK_OK;
+    memset(ts, 0, sizeof ts);
+    memset(es, 0, sizeof es);
+    for (int i = 0; s == DSK_OK && i < 2 + 2 * D; i++) { /* model's embed, head, then each layer's copies */
+        const tm_param *p = i % 2 ? m->lm_head : m->embed;
+        const char *role = i < 2 ? (i ? "lm_head" : "embed") : i % 2 ? "mtp.head" : "mtp.embed";
+        s = dsk_ckpt_hf_deepseek_role_name(names[i], sizeof names[i], i < 2 ? -1 : m->cfg.n_layers + i / 2 - 1, role);
+        if (s == DSK_OK) s = dsk_tensor_alloc(NULL, &ts[i], DSK_F32, 2, p->shape);
+        es[i].name = names[i];
+        es[i].tensor = &ts[i];
+        n = i + 1;
+    }
+    if (s == DSK_OK) s = dsk_ckpt_hf_read_dequant(hf, m->ctx, es, n, block);
+    for (int i = 2; s == DSK_OK && i < n; i++)
+        if (memcmp(ts[i].data, ts[i % 2].data, (size_t)dsk_tensor_nbytes(&ts[i])) != 0)
+            s = dsk_set_error(DSK_ERR_UNSUPPORTED, "--init-from-hf: %s differs from %s: this model's MTP modules "
+                              "share the embedding and head", names[i], names[i % 2]);
+    for (int i = 0; i < n; i++) dsk_tensor_free(NULL, &ts[i]);
+    return s;
+}
+
+/* After an import: each eh_proj into its module, its halves swapped back. */
+static dsk_status thf_mtp_finish(tm_model *m, thf_list *t) {
+    for (int k = 0; k < m->cfg.mla.mtp_depth; k++) {
+        thf_swap_halves(&t->proj[k]);
+        DSK__TRY(dsk_tensor_copy(m->ctx, &m->mla.mtp[k].proj->w, &t->proj[k]));
+    }
+    return DSK_OK;
+}
+
+/* with_bias: the expert biases; mtp: 1 import the MTP modules, 2 export them, 0 neither. */
+static dsk_status thf_list_make(tm_model *m, int with_bias, int mtp, thf_list *t) {
+    int cap = m->n_params + tm_n_blocks(&m->cfg) + 2 * m->cfg.mla.mtp_depth + 1;
     memset(t, 0, sizeof *t);
     t->es = (dsk_ckpt_hf_entry *)calloc((size_t)cap, sizeof *t->es);
     t->names = (char(*)[160])calloc((size_t)cap, sizeof *t->names);
@@ -193,12 +276,17 @@ static dsk_status thf_list_make(tm_model *m, int with_bias, thf_list *t) {
     for (int i = 0; i < m->n_params; i++) {
         tm_param *p = &m->params[i];
         int l = -1;
-        if (sscanf(p->name, "blocks.%d.", &l) == 1 && l >= m->cfg.n_layers) continue; /* an MTP module's */
+        if (sscanf(p->name, "blocks.%d.", &l) == 1 && l >= m->cfg.n_layers && !mtp) continue; /* an MTP module's */
         dsk_status s = thf_param_entry(m, p, t->names[t->n], sizeof t->names[t->n], &t->es[t->n]);
         if (s != DSK_OK) { thf_list_free(t); return s; }
-        t->es[t->n++].tensor = &p->w;
+        t->es[t->n++].tensor = l >= m->cfg.n_layers && p == m->mla.mtp[l - m->cfg.n_layers].proj
+                                   ? &t->proj[l - m->cfg.n_layers] : &p->w; /* allocated below */
     }
-    for (int l = m->cfg.n_dense; with_bias && l < m->cfg.n_layers; l++) {
+    for (int k = 0; mtp && k < m->cfg.mla.mtp_depth; k++) {
+        dsk_status s = thf_mtp_extra(m, k, mtp == 1, t);
+        if (s != DSK_OK) { thf_list_free(t); return s; }
+    }
+    for (int l = m->cfg.n_dense; with_bias && l < (mtp ? tm_n_blocks(&m->cfg) : m->cfg.n_layers); l++) {
         dsk_status s = dsk_ckpt_hf_deepseek_name(t->names[t->n], sizeof t->names[t->n], l, "bias");
         if (s != DSK_OK) { thf_list_free(t); return s; }
         t->es[t->n].name = t->names[t->n];
@@ -215,10 +303,13 @@ static dsk_status thf_load(tm_model *m, const dsk_ckpt_hf_deepseek_config *h, co
     dsk_ckpt_hf hf;
     dsk_status s;
     if (m->cfg.external) return dsk_set_error(DSK_ERR_UNSUPPORTED, "--init-from-hf: not with --zero (sharded masters)");
-    DSK__TRY(thf_list_make(m, h->version == 3, &t));
+    int mtp = h->num_nextn_predict_layers > 0 && m->cfg.mla.mtp_depth > 0; /* thf_model_config: equal depths, MoE */
+    DSK__TRY(thf_list_make(m, h->version == 3, mtp, &t));
     s = dsk_ckpt_hf_open(&hf, dir);
+    if (s == DSK_OK && mtp) s = thf_mtp_shared(m, &hf, h->block);
     if (s == DSK_OK) s = dsk_ckpt_hf_read_dequant(&hf, m->ctx, t.es, t.n, h->block);
     dsk_ckpt_hf_close(&hf);
+    if (s == DSK_OK && mtp) s = thf_mtp_finish(m, &t);
     thf_list_free(&t);
     if (s == DSK_OK && m->slab_wc.data) s = dsk_tensor_copy(m->ctx, &m->slab_wc, &m->slab_w);
     return s;
@@ -295,7 +386,8 @@ static dsk_status thf_items(tm_model *m, const thf_list *t, dsk_dtype dt, int fp
 
 /* DeepseekV2 has no expert bias: refuses a model whose biases moved (its routing would change). */
 static dsk_status thf_no_bias(tm_model *m) {
-    for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++) {
+    for (int l = m->cfg.n_dense; l < tm_n_blocks(&m->cfg); l++) {
+        if (!m->blocks[l].is_moe) continue;
         dsk_tensor h;
         dsk_status s = dsk_tensor_alloc(NULL, &h, DSK_F32, 1, m->blocks[l].moe_bias.shape);
         int nonzero = 0;
@@ -335,7 +427,7 @@ static dsk_status thf_export(tm_model *m, const dsk_ckpt_hf_deepseek_config *h0,
     if (h.block[0] < 1 || h.block[1] < 1) h.block[0] = h.block[1] = 128;
     snprintf(h.torch_dtype, sizeof h.torch_dtype, "%s", dt == DSK_BF16 ? "bfloat16" : "float32");
     if (h.version == 2) DSK__TRY(thf_no_bias(m));
-    DSK__TRY(thf_list_make(m, h.version == 3, &t));
+    DSK__TRY(thf_list_make(m, h.version == 3, h.num_nextn_predict_layers > 0 ? 2 : 0, &t));
     for (int i = 0; i < t.n; i++) total += t.es[i].stacked ? (int)t.es[i].tensor->shape[0] : 1;
     items = (thf_item *)calloc((size_t)total + 1, sizeof *items);
     out = (dsk_ckpt_hf_entry *)calloc(2 * (size_t)total + 1, sizeof *out);

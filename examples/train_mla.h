@@ -20,11 +20,15 @@
 
    MTP (DeepSeek-V3 report, section 2.2): D modules after the main model; module k (1..D) at
    position i combines RMSNorm(h^{k-1}_i) and RMSNorm(Emb(t_{i+k})) by a projection M_k (d x 2d),
-   runs one transformer block (this model's attention and a dense SwiGLU FFN) and predicts
+   runs one transformer block (this model's attention and, by mtp_moe, an MoE FFN configured as
+   the main MoE layers, as DeepSeek-V3's MTP layer has, or a dense SwiGLU FFN) and predicts
    t_{i+k+1} through its own RMSNorm and the shared output head; h^0 is the main model's last
    block output. L = L_main + lambda / D sum_k L_k, L_k = -1/T sum_i log P_k(t_{i+k+1}) over the
    T - k positions that have a target (the rest are masked: causal attention keeps them from
-   the others, so this equals running the shorter sequence).
+   the others, so this equals running the shorter sequence). An MoE block is a full MoE layer
+   (block n_layers + k - 1: expert bias, balancing losses, statistics, checkpoints, routing
+   record/replay); its router sees the k masked positions too (token 0), so its balance
+   statistics, unlike the loss, count T rows per sequence.
 
    Recomputation (--recompute): `attn` keeps the attention inputs of each block and recomputes
    the core (output and row statistics, or the materialised probabilities for MHA) in backward;
@@ -65,6 +69,8 @@ typedef struct tmla_config {
                                            transformers fixes them at 1e-6 whatever rms_norm_eps says */
     int mtp_depth;                      /* D, 0 = off */
     float mtp_lambda;
+    int mtp_moe;                        /* 1: each MTP block's FFN is an MoE layer of the main ones' config (DeepSeek-V3,
+                                           Hugging Face imports); 0: a dense SwiGLU of ffn_hidden */
     int recompute;                      /* tmla_recompute */
 } tmla_config;
 
@@ -271,9 +277,13 @@ static void tmla_declare_mtp(tm_model *m) {
         t->enorm = tm_add_param(m, 0, 0, 1, D, 0, "blocks.%d.mtp.enorm", l);
         t->proj = tm_add_param(m, 1, std, 2, D, 2 * D, "blocks.%d.mtp.proj", l);
         tm_declare_attention(m, l, std, out_std);
-        b->w1 = tm_add_param(m, 1, std, 2, F, D, "blocks.%d.ffn.w1", l);
-        b->w3 = tm_add_param(m, 1, std, 2, F, D, "blocks.%d.ffn.w3", l);
-        b->w2 = tm_add_param(m, 1, out_std, 2, D, F, "blocks.%d.ffn.w2", l);
+        for (int i = 0; b->is_moe && i < b->moe.n_params; i++) /* router, shared experts (experts: tm_declare) */
+            if (b->moe.params[i].trainable && !b->moe.params[i].expert_sharded) tm_add_moe_param(m, l, i);
+        if (!b->is_moe) {
+            b->w1 = tm_add_param(m, 1, std, 2, F, D, "blocks.%d.ffn.w1", l);
+            b->w3 = tm_add_param(m, 1, std, 2, F, D, "blocks.%d.ffn.w3", l);
+            b->w2 = tm_add_param(m, 1, out_std, 2, D, F, "blocks.%d.ffn.w2", l);
+        }
         t->norm = tm_add_param(m, 0, 0, 1, D, 0, "blocks.%d.mtp.norm", l);
     }
 }
@@ -290,6 +300,9 @@ static dsk_status tmla_check_config(const void *cfg) {
                              c->seq);
     if (!(a->mtp_lambda >= 0.0f))
         return dsk_set_error(DSK_ERR_ARG, "--mtp-lambda %g: must be >= 0", (double)a->mtp_lambda);
+    if (a->mtp_moe && a->mtp_depth > 0 && c->n_dense >= c->n_layers)
+        return dsk_set_error(DSK_ERR_ARG, "--mtp-ffn moe: the model has no MoE layer (--dense-layers %d of --layers %d)",
+                             c->n_dense, c->n_layers);
     if (!tmla_is_mla(a)) return DSK_OK;
     if (a->q_lora_rank < 0 || a->kv_lora_rank < 1 || a->qk_nope_dim < 0 || a->qk_rope_dim < 2 || a->v_head_dim < 1)
         return dsk_set_error(DSK_ERR_ARG,
@@ -337,7 +350,7 @@ static dsk_status tmla_alloc_block(tm_model *m, int l) {
     tmla_block *p = &b->mla;
     int mode = l < c->n_layers ? a->recompute : TMLA_RECOMPUTE_NONE;
     int full = mode == TMLA_RECOMPUTE_FULL, core = mode != TMLA_RECOMPUTE_NONE;
-    int dense = l < c->n_dense || l >= c->n_layers;
+    int dense = l < c->n_dense || (l >= c->n_layers && !a->mtp_moe);
     int64_t D = c->d_model, F = c->ffn_hidden, H = c->n_heads, N = (int64_t)c->batch * c->seq;
     dsk_dtype dt = c->cdt;
     p->recompute = mode;
@@ -447,13 +460,8 @@ static void tmla_free(tm_model *m) {
     tmla_model *s = &m->mla;
     if (m->blocks) {
         for (int l = 0; l < m->cfg.n_layers; l++) tmla_free_block(ctx, &m->blocks[l]);
-        for (int k = 0; k < m->cfg.mla.mtp_depth; k++) {
-            tm_block *b = &m->blocks[m->cfg.n_layers + k];
-            dsk_tensor *ts[] = {&b->x, &b->h1, &b->rstd1, &b->q, &b->k, &b->v, &b->qr, &b->kr, &b->att, &b->x2,
-                                &b->h2, &b->rstd2, &b->probs, &b->g, &b->u, &b->a};
-            for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
-            tmla_free_block(ctx, b);
-        }
+        for (int k = 0; k < m->cfg.mla.mtp_depth; k++) /* the rest of an MTP block: tm_free */
+            tmla_free_block(ctx, &m->blocks[m->cfg.n_layers + k]);
     }
     for (int k = 0; k < TMLA_MAX_MTP; k++) {
         tmla_mtp *t = &s->mtp[k];
@@ -696,7 +704,8 @@ static dsk_status tmla_mtp_forward(tm_model *m, int nb) {
         TM_T(TM_PH_LINEAR, tm_mm(m, &x, &hn, 0, &ph, 1, 0.0f)); /* M [hn | en] as two products */
         TM_T(TM_PH_LINEAR, tm_mm(m, &x, &en, 0, &pe, 1, 1.0f));
         TM_TRY(tm_attn_forward(m, b, nb));
-        TM_TRY(tm_dense_forward(m, b, N, &y));
+        if (b->is_moe) TM_T(TM_PH_MOE, tm_moe_forward(m, c->n_layers + k - 1, N, &y));
+        else TM_TRY(tm_dense_forward(m, b, N, &y));
         dsk_tensor hf = tm_rows(&t->hf, N), rf = tm_rows(&t->rstdf, N), logits = tm_rows(&t->logits, N);
         TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &hf, &rf, &y, &t->norm->wc, c->norm_eps));
         TM_T(TM_PH_HEAD, tm_mm(m, &logits, &hf, 0, &m->lm_head->wc, 1, 0.0f));
@@ -751,6 +760,15 @@ static dsk_status tmla_mtp_embed_backward(tm_model *m) {
     return DSK_OK;
 }
 
+/* dx holds d(block output) of MTP block l: its FFN's gradients, d(h2) in dh. */
+static dsk_status tmla_mtp_ffn_backward(tm_model *m, int l) {
+    if (!m->blocks[l].is_moe) return tm_dense_backward(m, &m->blocks[l]);
+    TM_T(TM_PH_MOE, tm_moe_backward(m, l));
+    for (int i = 0; i < m->n_params; i++) /* the MoE layer's gradients are final */
+        if (m->params[i].moe_layer == l) TM_T(TM_PH_MOVE, tm_ready(m, &m->params[i]));
+    return DSK_OK;
+}
+
 /* Backward of the modules, depth D first, before the main model's (the shared head's gradient
    is final only after it); leaves d(x_final) in dcarry and each d(emb) in its module. */
 static dsk_status tmla_mtp_backward(tm_model *m) {
@@ -767,7 +785,7 @@ static dsk_status tmla_mtp_backward(tm_model *m) {
         TM_T(TM_PH_NORM,
              dsk_rmsnorm_backward(m->ctx, &m->dx, tm_grad(t->norm), &m->dh, &t->y, &t->norm->wc, &t->rstdf));
         TM_T(TM_PH_MOVE, tm_ready(m, t->norm));
-        TM_TRY(tm_dense_backward(m, b));
+        TM_TRY(tmla_mtp_ffn_backward(m, c->n_layers + k - 1));
         TM_T(TM_PH_NORM, dsk_rmsnorm_backward(m->ctx, &m->dx, tm_grad(b->ln2), &m->dh, &b->x2, &b->ln2->wc, &b->rstd2));
         TM_T(TM_PH_MOVE, tm_ready(m, b->ln2));
         TM_TRY(tm_attn_backward(m, b)); /* dx = d(block input) */
@@ -813,10 +831,12 @@ static double tmla_core_flops(const tm_config *c) {
     return 6.0 * c->seq * c->n_heads * (a->qk_nope_dim + a->qk_rope_dim + a->v_head_dim) / 2.0;
 }
 
-/* Training FLOPs per token of the MTP modules: 6 x (projection, attention, dense FFN, shared
-   head) + their attention cores. */
+/* Training FLOPs per token of the MTP modules: 6 x (projection, attention, FFN (dense, or the
+   MoE's router and active experts), shared head) + their attention cores. */
 static double tmla_mtp_flops(const tm_config *c) {
-    double D = c->d_model, w = 2 * D * D + tmla_attn_weights(c) + 3 * D * c->ffn_hidden + D * c->vocab;
+    const dsk_moe_opts *o = &c->moe;
+    double D = c->d_model, moe = D * o->n_routed + 3 * D * (double)o->d_expert * (o->top_k + o->n_shared);
+    double w = 2 * D * D + tmla_attn_weights(c) + (c->mla.mtp_moe ? moe : 3 * D * c->ffn_hidden) + D * c->vocab;
     return c->mla.mtp_depth * (6 * w + tmla_core_flops(c));
 }
 

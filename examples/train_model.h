@@ -41,6 +41,9 @@ typedef struct tm_config {
                            keeps masters and moments, initialises the weights (ZeRO, examples/train_zero.h) */
 } tm_config;
 
+/* Blocks of the model: the n_layers main ones, then one per MTP module (train_mla.h). */
+static inline int tm_n_blocks(const tm_config *c) { return c->n_layers + c->mla.mtp_depth; }
+
 /* One trainable tensor: master weights, gradient, moments (f32) and the compute copy. */
 typedef struct tm_param {
     char name[64];
@@ -228,7 +231,7 @@ static void tm_add_moe_param(tm_model *m, int l, int i) {
     p->moe_layer = l;
     p->moe_index = i;
     p->sharded = mp->expert_sharded;
-    p->unit = l + 1;
+    p->unit = l < m->cfg.n_layers ? l + 1 : m->cfg.n_layers + 1; /* an MTP block's: the head's unit */
 }
 
 /* Declares the dense parameters in slab order, which is also the order backward finishes
@@ -275,7 +278,7 @@ static void tm_declare(tm_model *m) {
     m->lm_head = tm_add_param(m, 1, std, 2, V, D, "lm_head", 0);
     tmla_declare_mtp(m);
     m->n_dense_params = m->n_params;
-    for (int l = c->n_dense; l < c->n_layers; l++) /* then every expert-sharded one */
+    for (int l = c->n_dense; l < tm_n_blocks(c); l++) /* then every expert-sharded one (MTP blocks' too) */
         for (int i = 0; i < m->blocks[l].moe.n_params; i++)
             if (m->blocks[l].moe.params[i].expert_sharded) tm_add_moe_param(m, l, i);
 }
@@ -415,9 +418,9 @@ static dsk_status tm_bind_moe(tm_model *m) {
         tm_param *p = &m->params[i];
         if (p->moe_layer >= 0) TM_TRY(dsk_moe_bind(&m->blocks[p->moe_layer].moe, m->ctx, p->moe_index, &p->wc, &p->g));
     }
-    for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++) {
+    for (int l = m->cfg.n_dense; l < tm_n_blocks(&m->cfg); l++) {
         tm_block *b = &m->blocks[l];
-        if (!b->is_moe) continue; /* a pipeline stage (train_par.h) holds only its own blocks */
+        if (!b->is_moe) continue; /* a pipeline stage (train_par.h) holds only its own blocks; dense MTP blocks */
         TM_TRY(dsk_moe_bind(&b->moe, m->ctx, DSK_MOE_P_BIAS, &b->moe_bias, NULL));
         TM_TRY(dsk_moe_init_param(&b->moe, m->ctx, DSK_MOE_P_BIAS, &b->moe_bias));
         TM_TRY(dsk_moe_reserve(&b->moe, m->ctx, (int64_t)m->cfg.batch * m->cfg.seq));
@@ -616,7 +619,7 @@ static void tm_free(tm_model *m) {
     tmla_free(m);
     for (int i = 0; i < m->n_params; i++) dsk_tensor_free(ctx, &m->params[i].gc);
     if (m->blocks)
-        for (int l = 0; l < m->cfg.n_layers; l++) {
+        for (int l = 0; l < tm_n_blocks(&m->cfg); l++) {
             tm_block *b = &m->blocks[l];
             dsk_tensor *ts[] = {&b->x, &b->h1, &b->rstd1, &b->q, &b->k, &b->v, &b->qr, &b->kr, &b->att, &b->x2,
                                 &b->h2, &b->rstd2, &b->probs, &b->g, &b->u, &b->a, &b->mx, &b->my};
@@ -658,9 +661,10 @@ static dsk_status tm_init(tm_model *m, dsk_ctx *ctx, const tm_config *cfg) {
     TM_TRY(tm_check_config(cfg));
     m->blocks = (tm_block *)calloc((size_t)(cfg->n_layers + cfg->mla.mtp_depth), sizeof *m->blocks); /* + MTP blocks */
     if (!m->blocks) return dsk_set_error(DSK_ERR_OOM, "tm_init: out of memory for %d blocks", cfg->n_layers);
-    m->moe_names = (char(*)[32])calloc((size_t)cfg->n_layers, sizeof *m->moe_names);
+    m->moe_names = (char(*)[32])calloc((size_t)tm_n_blocks(cfg), sizeof *m->moe_names);
     if (!m->moe_names) return dsk_set_error(DSK_ERR_OOM, "tm_init: out of memory");
-    for (int l = cfg->n_dense; l < cfg->n_layers; l++) TM_TRY(tm_init_moe(m, l, m->moe_names[l], sizeof m->moe_names[l]));
+    for (int l = cfg->n_dense; l < tm_n_blocks(cfg); l++)
+        if (l < cfg->n_layers || cfg->mla.mtp_moe) TM_TRY(tm_init_moe(m, l, m->moe_names[l], sizeof m->moe_names[l]));
     tm_declare(m);
     for (int i = 0; i < m->n_params; i++) {
         m->numel += tm_param_numel(&m->params[i]);
@@ -725,7 +729,7 @@ static dsk_status tm_attn_forward(tm_model *m, tm_block *b, int nb) {
 */
 /* Evaluation passes (validation, sampling) must not count toward the expert-bias update. */
 static void tm_set_eval(tm_model *m, int eval) {
-    for (int l = 0; l < m->cfg.n_layers; l++)
+    for (int l = 0; l < tm_n_blocks(&m->cfg); l++)
         if (m->blocks[l].is_moe) m->blocks[l].moe.eval = eval;
     m->mla.eval = eval;
 }

@@ -68,6 +68,7 @@ typedef struct options {
     char score[16];           /* sigmoid | softmax */
     double routed_scale, bias_rate, aux_loss, capacity, init_std;
     char attn[8], recompute[8], preset[16]; /* train_mla.h: attention kind, recomputation; the preset applied */
+    char mtp_ffn[8];                        /* the MTP blocks' FFN: "dense", "moe", "" (dense; moe on HF imports) */
     int q_lora, kv_lora, qk_nope, qk_rope, v_head, original_seq, mtp;
     double rope_factor, mscale, mtp_lambda;
     /* optimisation */
@@ -156,6 +157,8 @@ static const opt_spec OPTS[] = {
     {"--mscale", OPT_DOUBLE, O_(mscale), 0, "MLA: mscale of the correction 0.1 mscale ln(factor) + 1"},
     {"--mtp", OPT_INT, O_(mtp), 0, "multi-token prediction depth D (0 = off)"},
     {"--mtp-lambda", OPT_DOUBLE, O_(mtp_lambda), 0, "weight lambda of the MTP loss (lambda / D per module)"},
+    {"--mtp-ffn", OPT_STRBUF, O_(mtp_ffn), sizeof(((options *)0)->mtp_ffn),
+     "FFN of the MTP blocks: dense | moe (as the MoE layers; DeepSeek-V3) [dense; moe: --preset v3, --init-from-hf]"},
     {"--recompute", OPT_STRBUF, O_(recompute), sizeof(((options *)0)->recompute),
      "none | attn | full: recompute the attention core, or each whole block, in backward"},
     {"--batch", OPT_INT, O_(batch), 0, "global batch: sequences per micro-step over all ranks"},
@@ -362,6 +365,7 @@ static int apply_preset(options *o, int argc, char **argv) {
     strcpy(o->score, v3 ? "sigmoid" : "softmax");
     o->routed_scale = v3 ? 2.5 : 1.0;
     o->mtp = v3 ? 1 : 0;
+    if (v3) strcpy(o->mtp_ffn, "moe"); /* DeepSeek-V3's MTP layer has an MoE FFN */
     return 0;
 }
 
@@ -807,6 +811,9 @@ static void setup_model(trainer *t) {
     c.mla.mscale = (float)o->mscale;
     c.mla.mtp_depth = o->mtp;
     c.mla.mtp_lambda = (float)o->mtp_lambda;
+    if (strcmp(o->mtp_ffn, "moe") == 0) c.mla.mtp_moe = 1;
+    else if (o->mtp_ffn[0] && strcmp(o->mtp_ffn, "dense") != 0)
+        fail(t, "--mtp-ffn \"%s\": use dense or moe", o->mtp_ffn);
     if (strcmp(o->recompute, "none") == 0) c.mla.recompute = TMLA_RECOMPUTE_NONE;
     else if (strcmp(o->recompute, "attn") == 0) c.mla.recompute = TMLA_RECOMPUTE_ATTN;
     else if (strcmp(o->recompute, "full") == 0) c.mla.recompute = TMLA_RECOMPUTE_FULL;
@@ -1067,8 +1074,8 @@ static dsk_status graph_record(trainer *t, float gscale) {
     TM_TRY(dsk_amp_step_dev(&t->ctx, t->amp_plain, t->n_plain, &ao, &t->dstep, DSK_AMP_ROUND_NEAREST,
                             (uint64_t)o->seed));
     if (o->bias_rate > 0)
-        for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++)
-            TM_TRY(dsk_moe_update_bias_unless(&m->blocks[l].moe, &t->ctx, &t->dstep.skip));
+        for (int l = m->cfg.n_dense; l < tm_n_blocks(&m->cfg); l++)
+            if (m->blocks[l].is_moe) TM_TRY(dsk_moe_update_bias_unless(&m->blocks[l].moe, &t->ctx, &t->dstep.skip));
     return dsk_amp_update(&t->scaler, &t->ctx);
 }
 
@@ -1243,15 +1250,15 @@ static dsk_status train_step(trainer *t, step_info *si) {
         t->applied = next;
         dsk_comm *load_comm = t->par.on ? &t->par.stage : t->have_comm ? &t->comm : NULL;
         if (o->bias_rate > 0) /* loads summed over the ranks running the layer (with --pp: the stage's) */
-            for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++)
+            for (int l = m->cfg.n_dense; l < tm_n_blocks(&m->cfg); l++)
                 if (m->blocks[l].is_moe) TM_TRY(dsk_moe_update_bias(&m->blocks[l].moe, &t->ctx, load_comm));
     }
     TM_TRY(dsk_amp_update(&t->scaler, &t->ctx));
 stepped:
-    for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++)
+    for (int l = m->cfg.n_dense; l < tm_n_blocks(&m->cfg); l++)
         if (m->blocks[l].is_moe) TM_TRY(dsk_moe_stats_request(&m->blocks[l].moe, &t->ctx));
     TM_TRY(dsk_ctx_sync(&t->ctx));
-    for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++) { /* the step's MoE statistics, arrived by now */
+    for (int l = m->cfg.n_dense; l < tm_n_blocks(&m->cfg); l++) { /* the step's MoE statistics, arrived by now */
         if (!m->blocks[l].is_moe) continue;
         dsk_moe_stats *st = &m->blocks[l].stats;
         TM_TRY(dsk_moe_stats_collect(&m->blocks[l].moe, &t->ctx, st));
@@ -1436,7 +1443,8 @@ static ck_names ck_entries(trainer *t, int load) {
         ck_add(&c, p->name, ".adam_m", &p->m, p, t);
         ck_add(&c, p->name, ".adam_v", &p->v, p, t);
     }
-    for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++) ck_add(&c, m->blocks[l].moe.bias->name, "", &m->blocks[l].moe.bias->value, NULL, t);
+    for (int l = m->cfg.n_dense; l < tm_n_blocks(&m->cfg); l++)
+        if (m->blocks[l].is_moe) ck_add(&c, m->blocks[l].moe.bias->name, "", &m->blocks[l].moe.bias->value, NULL, t);
     return c;
 }
 
@@ -1490,6 +1498,10 @@ static void config_string(const trainer *t, char *buf, size_t n) {
         size_t k = strlen(buf);
         snprintf(buf + k, n - k, " attn=%s q_lora=%d kv_lora=%d qk_nope=%d qk_rope=%d v_head=%d mtp=%d", o->attn,
                  o->q_lora, o->kv_lora, o->qk_nope, o->qk_rope, o->v_head, o->mtp);
+    }
+    if (t->model.cfg.mla.mtp_moe && o->mtp > 0) { /* dense MTP blocks keep the older string */
+        size_t k = strlen(buf);
+        snprintf(buf + k, n - k, " mtp_ffn=moe");
     }
 }
 
@@ -2060,7 +2072,7 @@ static dsk_status objective(trainer *t, double *out) {
     TM_TRY(dsk_cross_entropy(&t->ctx, &m->loss, NULL, &m->logits, &m->targets, -1, 1.0f));
     TM_TRY(read_loss(t, &loss));
     *out = loss;
-    for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++) *out += m->blocks[l].stats.loss;
+    for (int l = m->cfg.n_dense; l < tm_n_blocks(&m->cfg); l++) *out += m->blocks[l].stats.loss; /* MTP blocks' too */
     double mtp;
     TM_TRY(tmla_mtp_objective(m, &mtp)); /* lambda / D sum_k L_k */
     *out += mtp;
@@ -2258,6 +2270,7 @@ static void hf_options(trainer *t) {
     o->v_head = h->v_head_dim;
     o->original_seq = 0;
     if (h->version == 2) o->bias_rate = 0; /* DeepSeek-V2 routes without an expert bias */
+    if (!o->mtp_ffn[0]) strcpy(o->mtp_ffn, "moe"); /* the hub's MTP layer is an MoE layer */
 }
 
 static void check_options(trainer *t) {

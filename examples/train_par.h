@@ -130,6 +130,8 @@ static dsk_status tp_check(const tp_state *ps, const tm_config *c) {
     if (c->n_layers < S)
         return dsk_set_error(DSK_ERR_ARG, "--layers %d cannot fill %d pipeline stages (--pp %d x --virtual-stages %d)",
                              c->n_layers, S, ps->pp, ps->v);
+    if (c->mla.mtp_depth > 0)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "--mtp %d: not with --tp/--pp/--micro-batches", c->mla.mtp_depth);
     if (ps->v > 16) return dsk_set_error(DSK_ERR_ARG, "--virtual-stages %d: at most 16", ps->v);
     if (ps->v > 1 && ps->pp < 2) return dsk_set_error(DSK_ERR_ARG, "--virtual-stages %d needs --pp 2 or more", ps->v);
     return DSK_OK;

@@ -8,6 +8,9 @@
      equals this file's own decoding of the e4m3 bits times the block's scale, bitwise;
    - export -> import is bitwise (f32), equals bf16 rounding (bf16) and the quantise-dequantise
      of the weights (fp8);
+   - the v3 fixture's MTP layer into --mtp 1 (MoE FFN): every tensor bitwise, the MTP logits and
+     loss against make_fixture.py's float64 computation of the layer; a missing or misshapen MTP
+     tensor, or an MTP embed_tokens other than the model's, is named with nothing loaded;
    - bad input: unknown topk_method, missing key, a shard missing from the index, a tensor of
      the wrong shape, a truncated shard: each fails naming the file and key, nothing loaded. */
 #define _DEFAULT_SOURCE /* truncate, mkdtemp: the library is linked, not included */
@@ -24,6 +27,7 @@
 
 static dsk_ctx g_ctx;
 static char g_tmp[256];
+static int g_mtp; /* build: --mtp depth (MoE FFN) */
 
 /* The model of fixture dir (B sequences of T tokens per forward), loaded. */
 static dsk_status build(const char *dir, tm_model *m, dsk_ckpt_hf_deepseek_config *h, int B, int T, int load) {
@@ -36,6 +40,9 @@ static dsk_status build(const char *dir, tm_model *m, dsk_ckpt_hf_deepseek_confi
     c.cdt = DSK_F32;
     c.init_std = 0.02f;
     c.seed = 7;
+    c.mla.mtp_depth = g_mtp;
+    c.mla.mtp_moe = g_mtp > 0;
+    c.mla.mtp_lambda = 0.3f;
     DSK__TRY(thf_model_config(h, &c));
     DSK__TRY(tm_init(m, &g_ctx, &c));
     return load ? thf_load(m, h, dir) : DSK_OK;
@@ -123,6 +130,164 @@ static void check_fixture(const char *dir, const char *weights) {
 }
 
 static void test_import_v3(void) { check_fixture("tests/hf/v3", "tests/hf/v3"); }
+
+static int same_weights(const tm_model *a, const tm_model *b);
+
+/* Reads float tensor `name` of reference.safetensors in dir into a fresh buffer of n floats. */
+static float *read_ref_f32(const char *dir, const char *name, int64_t n) {
+    char path[512];
+    dsk_ckpt_file f;
+    float *buf = (float *)malloc((size_t)n * 4);
+    memset(&f, 0, sizeof f);
+    snprintf(path, sizeof path, "%s/reference.safetensors", dir);
+    DSK_TEST_OK(dsk_ckpt_file_open(&f, path));
+    const dsk_ckpt_tensor_info *ti = &f.tensors[dsk_ckpt_file_find(&f, name)];
+    DSK_TEST_OK(dsk_ckpt_file_read_raw(&f, name, NULL, ti->ndim ? ti->shape : NULL, buf, (size_t)n * 4));
+    dsk_ckpt_file_close(&f);
+    return buf;
+}
+
+/* --mtp 1 (MoE FFN) on the v3 fixture's MTP layer (model.layers.2.*): every tensor of that layer
+   as the model exports it equals the fixture's bitwise (read again by name), and the MTP
+   module's logits and loss equal make_fixture.py's float64 computation of the layer (1e-5). */
+static void test_import_mtp(void) {
+    ref r;
+    tm_model m;
+    dsk_ckpt_hf_deepseek_config h;
+    thf_list t;
+    dsk_ckpt_hf hf;
+    int checked = 0;
+    read_ref("tests/hf/v3", &r);
+    g_mtp = 1;
+    DSK_TEST_OK(build("tests/hf/v3", &m, &h, (int)r.B, (int)r.T, 0));
+    g_mtp = 0;
+    DSK_TEST_OK(dsk_tensor_fill(&g_ctx, &m.slab_w, NAN));
+    DSK_TEST_OK(thf_load(&m, &h, "tests/hf/v3"));
+    DSK_TEST_OK(thf_list_make(&m, 1, 2, &t));
+    DSK_TEST_OK(dsk_ckpt_hf_open(&hf, "tests/hf/v3"));
+    for (int i = 0; i < t.n; i++) {
+        if (!strstr(t.es[i].name, "model.layers.2.")) continue;
+        dsk_tensor want, got;
+        dsk_ckpt_hf_entry e = t.es[i];
+        DSK_TEST_OK(dsk_tensor_alloc(NULL, &want, DSK_F32, e.tensor->ndim, e.tensor->shape));
+        DSK_TEST_OK(dsk_tensor_alloc(NULL, &got, DSK_F32, e.tensor->ndim, e.tensor->shape));
+        DSK_TEST_OK(dsk_tensor_fill(NULL, &want, NAN));
+        DSK_TEST_OK(dsk_tensor_copy(&g_ctx, &got, e.tensor));
+        e.tensor = &want;
+        DSK_TEST_OK(dsk_ckpt_hf_read_dequant(&hf, &g_ctx, &e, 1, h.block));
+        DSK_TEST_EXPECT(memcmp(want.data, got.data, (size_t)dsk_tensor_numel(&got) * 4) == 0,
+                        "%s imported bitwise", e.name);
+        checked++;
+        dsk_tensor_free(NULL, &want);
+        dsk_tensor_free(NULL, &got);
+    }
+    dsk_ckpt_hf_close(&hf);
+    thf_list_free(&t);
+    DSK_TEST_EXPECT(checked >= 15, "%d MTP-layer tensors compared", checked);
+    /* the MTP module's forward: inputs t_{i+1}, targets t_{i+2} of the reference tokens */
+    int64_t N = r.B * r.T, V = r.V, T = r.T;
+    float *lg = (float *)malloc((size_t)N * 4), loss = NAN, mloss = NAN;
+    int32_t *ids = (int32_t *)malloc((size_t)N * 4), *tg = (int32_t *)malloc((size_t)N * 4);
+    for (int64_t b = 0; b < r.B; b++)
+        for (int64_t i = 0; i < T; i++) {
+            ids[b * T + i] = r.tokens[b * (T + 1) + i];
+            tg[b * T + i] = r.tokens[b * (T + 1) + i + 1];
+        }
+    dsk_tensor hi, ht, hs, hl;
+    DSK_TEST_OK(dsk_tensor_wrap(&hi, ids, DSK_I32, dsk_cpu(), 1, &N));
+    DSK_TEST_OK(dsk_tensor_wrap(&ht, tg, DSK_I32, dsk_cpu(), 1, &N));
+    DSK_TEST_OK(dsk_tensor_copy(&g_ctx, &m.ids, &hi));
+    DSK_TEST_OK(dsk_tensor_copy(&g_ctx, &m.targets, &ht));
+    DSK_TEST_OK(dsk_tensor_fill(&g_ctx, &m.mla.mtp[0].logits, NAN));
+    tm_set_eval(&m, 0);
+    DSK_TEST_OK(tm_forward(&m, (int)r.B));
+    DSK_TEST_OK(tm_loss(&m, 1.0f));
+    DSK_TEST_OK(dsk_tensor_wrap(&hs, &mloss, DSK_F32, dsk_cpu(), 0, NULL));
+    DSK_TEST_OK(dsk_tensor_copy(&g_ctx, &hs, &m.mla.mtp[0].loss));
+    float *all = (float *)malloc((size_t)(N * V) * 4);
+    int64_t sh[2] = {N, V};
+    DSK_TEST_OK(dsk_tensor_wrap(&hl, all, DSK_F32, dsk_cpu(), 2, sh));
+    DSK_TEST_OK(dsk_tensor_copy(&g_ctx, &hl, &m.mla.mtp[0].logits));
+    int64_t nm = r.B * (T - 1) * V;
+    float *wantf = read_ref_f32("tests/hf/v3", "mtp_logits", nm), *got = (float *)malloc((size_t)nm * 4);
+    float *wl = read_ref_f32("tests/hf/v3", "mtp_loss", 1);
+    double *want = (double *)malloc((size_t)nm * 8), amax = 0, wloss = wl[0];
+    for (int64_t b = 0; b < r.B; b++)
+        for (int64_t i = 0; i < T - 1; i++)
+            for (int64_t v = 0; v < V; v++) {
+                int64_t k = (b * (T - 1) + i) * V + v;
+                got[k] = all[(b * T + i) * V + v];
+                want[k] = wantf[k];
+                amax = fmax(amax, fabs(want[k]));
+            }
+    DSK_TEST_CLOSE(got, want, nm, 0.0, 1e-5 * amax, "MTP logits against the float64 MTP layer (1e-5 of the largest)");
+    DSK_TEST_CLOSE(&mloss, &wloss, 1, 1e-5, 0.0, "MTP loss against the float64 MTP layer (1e-5 relative)");
+    (void)loss;
+    /* export (f32, several shards) -> import into a fresh --mtp 1 model: bitwise, biases included */
+    char dir[300];
+    tm_model back;
+    dsk_ckpt_hf_deepseek_config h2;
+    snprintf(dir, sizeof dir, "%s/mtp_export", g_tmp);
+    DSK_TEST_OK(thf_export(&m, &h, dir, "f32", 20000));
+    g_mtp = 1;
+    DSK_TEST_OK(build(dir, &back, &h2, (int)r.B, (int)r.T, 1));
+    g_mtp = 0;
+    DSK_TEST_EXPECT(h2.num_nextn_predict_layers == 1, "the export declares %d MTP layers", h2.num_nextn_predict_layers);
+    DSK_TEST_EXPECT(same_weights(&m, &back), "export -> import of the MTP model is bitwise");
+    tm_free(&back);
+    free(lg); free(ids); free(tg); free(all); free(wantf); free(got); free(wl); free(want);
+    free(r.tokens);
+    free(r.logits);
+    tm_free(&m);
+}
+
+/* Flips the lowest bit of the first element of tensor `name` in its shard of dir. */
+static void flip_bit(const char *dir, const char *name) {
+    dsk_ckpt_hf hf;
+    dsk_ckpt_file *f;
+    const dsk_ckpt_tensor_info *t;
+    DSK_TEST_OK(dsk_ckpt_hf_open(&hf, dir));
+    DSK_TEST_OK(dsk_ckpt_hf_find(&hf, name, &f, &t));
+    FILE *fp = fopen(f->path, "r+b");
+    long at = (long)(8 + f->header_len + t->begin);
+    int c = fp && fseek(fp, at, SEEK_SET) == 0 ? fgetc(fp) : EOF;
+    DSK_TEST_EXPECT(c != EOF && fseek(fp, at, SEEK_SET) == 0 && fputc(c ^ 1, fp) != EOF, "patch %s", f->path);
+    if (fp) fclose(fp);
+    dsk_ckpt_hf_close(&hf);
+}
+
+/* A fixture copy whose MTP layer lacks a tensor, has one of the wrong shape, or an embed_tokens
+   that is not the model's: the import names the tensor and loads nothing. */
+static void test_bad_mtp(void) {
+    const char *names[3] = {"model.layers.2.eh_proj.weight", "model.layers.2.enorm.weight",
+                            "model.layers.2.embed_tokens.weight"};
+    for (int c = 0; c < 3; c++) {
+        tm_model m;
+        dsk_ckpt_hf_deepseek_config h;
+        char dir[300], cmd[900];
+        snprintf(dir, sizeof dir, "%s/badmtp%d", g_tmp, c);
+        snprintf(cmd, sizeof cmd, "mkdir -p '%s' && cp tests/hf/v3/* '%s'/", dir, dir);
+        DSK_TEST_EXPECT(system(cmd) == 0, "copy the fixture");
+        if (c == 0) { /* renamed in the index: the set no longer holds the tensor */
+            snprintf(cmd, sizeof cmd, "sed -i 's/\"%s\"/\"%sX\"/' '%s/model.safetensors.index.json'", names[c],
+                     names[c], dir);
+            DSK_TEST_EXPECT(system(cmd) == 0, "edit the index");
+        }
+        if (c == 2) flip_bit(dir, names[c]);
+        g_mtp = 1;
+        DSK_TEST_OK(build(dir, &m, &h, 1, 4, 0));
+        g_mtp = 0;
+        if (c == 1) m.mla.mtp[0].enorm->w.shape[0] = 16; /* a model expecting another shape (a view: restored) */
+        DSK_TEST_OK(dsk_tensor_fill(&g_ctx, &m.slab_w, NAN));
+        DSK_TEST_EXPECT(thf_load(&m, &h, dir) != DSK_OK, "case %d fails", c);
+        DSK_TEST_ERROR_MENTIONS(names[c]);
+        if (c == 1) m.mla.mtp[0].enorm->w.shape[0] = 32;
+        int64_t touched = 0;
+        for (int64_t i = 0; i < m.numel; i++) touched += !isnan(((const float *)m.slab_w.data)[i]);
+        DSK_TEST_EXPECT(touched == 0, "case %d: nothing loaded: %lld weights changed", c, (long long)touched);
+        tm_free(&m);
+    }
+}
 static void test_import_v2(void) { check_fixture("tests/hf/v2", "tests/hf/v2"); }
 /* v3's weights under YaRN rope_scaling (factor 4, a ramp between rope pairs 0 and 2, mscale 0.707) */
 /* v3's weights with rms_norm_eps 0.05: the layer and final norms take it, the latents' stay at 1e-6 */
@@ -151,7 +316,7 @@ static int check_dequant(tm_model *m, const char *dir, int bs, int with_bias) {
     thf_list list;
     dsk_ckpt_hf hf;
     int n = 0, fp8 = 0, bad = 0;
-    DSK_TEST_OK(thf_list_make(m, with_bias, &list));
+    DSK_TEST_OK(thf_list_make(m, with_bias, m->cfg.mla.mtp_depth > 0 ? 2 : 0, &list)); /* MTP: the hub's layout */
     const dsk_ckpt_hf_entry *es = list.es;
     n = list.n;
     DSK_TEST_OK(dsk_ckpt_hf_open(&hf, dir));
@@ -202,24 +367,29 @@ static int check_dequant(tm_model *m, const char *dir, int bs, int with_bias) {
     return fp8;
 }
 
+/* Without MTP (--mtp 0: the MTP layer skipped) and with it (--mtp 1: its 32 FP8 matrices too). */
 static void test_fp8_import(void) {
-    tm_model m;
-    dsk_ckpt_hf_deepseek_config h;
-    DSK_TEST_OK(build("tests/hf/v3_fp8", &m, &h, 1, 4, 0));
-    DSK_TEST_OK(dsk_tensor_fill(&g_ctx, &m.slab_w, NAN));
-    DSK_TEST_OK(thf_load(&m, &h, "tests/hf/v3_fp8"));
-    DSK_TEST_EXPECT(h.fp8 && h.block[0] == 16 && h.block[1] == 16, "quantization_config read: fp8 %d block %d x %d",
-                    h.fp8, h.block[0], h.block[1]);
-    int fp8 = check_dequant(&m, "tests/hf/v3_fp8", 16, 1);
-    DSK_TEST_EXPECT(fp8 == 40, "40 FP8 tensors in the fixture, saw %d", fp8);
-    tm_free(&m);
+    for (int mtp = 0; mtp <= 1; mtp++) {
+        tm_model m;
+        dsk_ckpt_hf_deepseek_config h;
+        g_mtp = mtp;
+        DSK_TEST_OK(build("tests/hf/v3_fp8", &m, &h, 1, 4, 0));
+        g_mtp = 0;
+        DSK_TEST_OK(dsk_tensor_fill(&g_ctx, &m.slab_w, NAN));
+        DSK_TEST_OK(thf_load(&m, &h, "tests/hf/v3_fp8"));
+        DSK_TEST_EXPECT(h.fp8 && h.block[0] == 16 && h.block[1] == 16,
+                        "quantization_config read: fp8 %d block %d x %d", h.fp8, h.block[0], h.block[1]);
+        int fp8 = check_dequant(&m, "tests/hf/v3_fp8", 16, 1), want = mtp ? 72 : 40;
+        DSK_TEST_EXPECT(fp8 == want, "%d FP8 tensors in the fixture (--mtp %d), saw %d", want, mtp, fp8);
+        tm_free(&m);
+    }
 }
 
 /* Masters (and expert biases) of two models of one config, bitwise. */
 static int same_weights(const tm_model *a, const tm_model *b) {
     int same = memcmp(a->slab_w.data, b->slab_w.data, dsk_tensor_nbytes(&a->slab_w)) == 0;
-    for (int l = a->cfg.n_dense; l < a->cfg.n_layers; l++)
-        same &= memcmp(a->blocks[l].moe_bias.data, b->blocks[l].moe_bias.data,
+    for (int l = a->cfg.n_dense; l < tm_n_blocks(&a->cfg); l++) /* MoE MTP blocks' biases too */
+        if (a->blocks[l].is_moe) same &= memcmp(a->blocks[l].moe_bias.data, b->blocks[l].moe_bias.data,
                        dsk_tensor_nbytes(&a->blocks[l].moe_bias)) == 0;
     return same;
 }
@@ -526,6 +696,8 @@ int main(int argc, char **argv) {
     if (!mkdtemp(g_tmp)) return 1;
     g_keep = argc > 1 ? argv[1] : g_tmp;
     DSK_TEST_RUN(test_import_v3);
+    DSK_TEST_RUN(test_import_mtp);
+    DSK_TEST_RUN(test_bad_mtp);
     DSK_TEST_RUN(test_import_v2);
     DSK_TEST_RUN(test_import_v3_yarn);
     DSK_TEST_RUN(test_import_v3_eps);

@@ -15,7 +15,8 @@
 # - --nproc 2 --ep 2 imports each rank's experts (the one-rank run's losses); --resume at the last
 #   step with --export-hf writes the saved weights (byte for byte the first run's export);
 # - the trainer refuses a config.json with an unknown topk_method, naming the file and key, and
-#   the flags it cannot combine (data vocabulary, --export-dtype, --attn mha, --ep, --zero, --mtp).
+#   the flags it cannot combine (data vocabulary, --export-dtype, --attn mha, --ep, --zero, --mtp-ffn dense or
+#   another depth on a checkpoint with an MTP layer).
 # Prints `[test_hf] totals: P passed / F failed / S skipped`; exits non-zero on failure.
 TEST_NAME=test_hf
 source "$(dirname "$0")/train_test_lib.sh"
@@ -71,11 +72,17 @@ for f in v3 v2; do
     done
 done
 
-# fresh MTP modules on an imported model: trained, not exported (transformers has no MTP layer)
+# the fixture's MTP layer imported into --mtp 1 (MoE FFN), trained, exported with the hub's names
 if timeout 300 "$BIN" --init-from-hf tests/hf/v3 "${TRAIN[@]}" --mtp 1 --export-hf "$work/mtp1" --export-dtype f32 \
     >"$work/mtp1.log" 2>&1 && grep -q "^exported step 2" "$work/mtp1.log"; then
-    ok "train_moe --init-from-hf tests/hf/v3 --mtp 1 (fresh MTP module) trains and exports"
-    check "its export holds the fixture's tensors only" "$work/mtp1" tests/hf/v3
+    ok "train_moe --init-from-hf tests/hf/v3 --mtp 1 (the fixture's MTP layer, MoE FFN) trains and exports"
+    check "its export holds the fixture's tensors, the MTP layer's included" "$work/mtp1" tests/hf/v3
+    $PY tests/hf/check_export.py keys "$work/mtp1" >"$work/mtp1.keys" 2>&1
+    case $? in
+    0) ok "its export loads with from_pretrained, which skips only the MTP layer ($(grep skipped "$work/mtp1.keys"))" ;;
+    3) skip "from_pretrained of the --mtp 1 export (not run: $(tail -1 "$work/mtp1.keys"))" ;;
+    *) bad "from_pretrained of the --mtp 1 export" "$(grep -v Loading "$work/mtp1.keys" | tail -3)" ;;
+    esac
 else
     bad "train_moe --init-from-hf --mtp 1" "$(tail -3 "$work/mtp1.log")"
 fi
@@ -86,6 +93,15 @@ if timeout 300 "$BIN" --init-from-hf "$work/tr_v3_f32" "${TRAIN[@]}" >"$work/aga
     ok "train_moe --init-from-hf on its own export"
 else
     bad "train_moe --init-from-hf on its own export" "$(tail -3 "$work/again.log")"
+fi
+
+# the imported MTP layer (MoE FFN) in the whole model's gradient check
+if timeout 300 "$BIN" --init-from-hf tests/hf/v3 --data "$work/tok.bin" --seq 8 --batch 2 --grad-check 3 --mtp 1 \
+    >"$work/mtpgc.log" 2>&1 && grep -q "^grad-check: 0 of [0-9]* parameters off" "$work/mtpgc.log" &&
+    grep -q "^grad-check blocks.2.moe.router " "$work/mtpgc.log" && grep -q "^grad-check blocks.2.mtp.proj " "$work/mtpgc.log"; then
+    ok "v3 with its MTP layer imported into --mtp 1: $(grep '^grad-check: ' "$work/mtpgc.log")"
+else
+    bad "--init-from-hf --mtp 1 --grad-check" "$(tail -3 "$work/mtpgc.log")"
 fi
 
 # YaRN: the whole model's gradients against central differences with v3's weights under v3_yarn's rope_scaling
@@ -162,8 +178,6 @@ for f in v3 v2 v3_yarn; do
     esac
 done
 
-mkdir -p "$work/mtp" && cp tests/hf/v3/model* "$work/mtp/" &&
-    sed 's/"num_nextn_predict_layers": 0/"num_nextn_predict_layers": 1/' tests/hf/v3/config.json >"$work/mtp/config.json"
 
 # models trained from scratch (the v3 and v2-lite presets: MLA, MoE; v3's MTP module stays out) export too
 for pr in v3 v2-lite; do
@@ -209,6 +223,8 @@ refuse "--export-hf with --ep 2" "--export-hf runs without" --init-from-hf tests
 refuse "--export-hf of a softmax model with a moving expert bias" "pass --bias-rate 0" --preset v2-lite --data "$CORPUS" \
     --export-hf "$work/x" --steps 1
 refuse "--init-from-hf with --zero 1" "--init-from-hf runs without" --init-from-hf tests/hf/v3 "${TRAIN[@]}" --zero 1
-refuse "--init-from-hf with an MTP layer and --mtp 1" "num_nextn_predict_layers" --init-from-hf "$work/mtp" "${TRAIN[@]}" \
-    --mtp 1
+refuse "--init-from-hf with an MTP layer and --mtp 1 --mtp-ffn dense" "num_nextn_predict_layers" \
+    --init-from-hf tests/hf/v3 "${TRAIN[@]}" --mtp 1 --mtp-ffn dense
+refuse "--init-from-hf with one MTP layer and --mtp 2" "differs from --mtp" --init-from-hf tests/hf/v3 "${TRAIN[@]}" \
+    --mtp 2
 finish

@@ -143,6 +143,70 @@ static void ref_ffn(ref_ctx *r, const tm_block *b, double *x) {
     free(h); free(g); free(u); free(y);
 }
 
+/* The MoE parameter `index` (DSK_MOE_P_*) of block l in float64. */
+static const double *ref_moe_w(ref_ctx *r, int l, int index) {
+    for (int i = 0; i < r->m->n_params; i++)
+        if (r->m->params[i].moe_layer == l && r->m->params[i].moe_index == index) return RW(&r->m->params[i]);
+    return NULL;
+}
+
+/* y (D) += g * W2 (silu(W1 h) * W3 h) of one expert: W1, W3 (F, D), W2 (D, F). */
+static void ref_swiglu(double *y, const double *h, int64_t D, int64_t F, const double *W1, const double *W3,
+                       const double *W2, double g) {
+    for (int64_t f = 0; f < F; f++) {
+        double a = 0, u = 0;
+        for (int64_t d = 0; d < D; d++) {
+            a += W1[f * D + d] * h[d];
+            u += W3[f * D + d] * h[d];
+        }
+        a = a / (1.0 + exp(-a)) * u;
+        for (int64_t d = 0; d < D; d++) y[d] += g * W2[d * F + f] * a;
+    }
+}
+
+/* x += MoE(RMSNorm(x)) of MoE block l, dsk_moe.h's formulas for sigmoid scores, one group, the
+   (zero) bias in the selection only, normalised top-k weights times routed_scale, shared experts. */
+static void ref_moe(ref_ctx *r, int l, double *x) {
+    const tm_config *c = &r->m->cfg;
+    const tm_block *b = &r->m->blocks[l];
+    int64_t N = (int64_t)c->batch * c->seq, D = c->d_model, E = c->moe.n_routed, K = c->moe.top_k;
+    int64_t F = c->moe.d_expert, S = c->moe.n_shared * F;
+    const double *Wr = ref_moe_w(r, l, DSK_MOE_P_ROUTER), *W1 = ref_moe_w(r, l, DSK_MOE_P_W1);
+    const double *W2 = ref_moe_w(r, l, DSK_MOE_P_W2), *W3 = ref_moe_w(r, l, DSK_MOE_P_W3);
+    const double *S1 = ref_moe_w(r, l, DSK_MOE_P_SW1), *S2 = ref_moe_w(r, l, DSK_MOE_P_SW2);
+    const double *S3 = ref_moe_w(r, l, DSK_MOE_P_SW3);
+    const float *bias = (const float *)b->moe_bias.data;
+    double *h = calloc((size_t)(N * D), sizeof(double)), *y = calloc((size_t)D, sizeof(double));
+    double p[64], sc[64];
+    ref_rmsnorm(h, x, N, D, RW(b->ln2), c->norm_eps);
+    for (int64_t t = 0; t < N; t++) {
+        const double *ht = h + t * D;
+        int sel[64];
+        double sum = 0;
+        for (int64_t e = 0; e < E; e++) {
+            double u = 0;
+            for (int64_t d = 0; d < D; d++) u += Wr[e * D + d] * ht[d];
+            p[e] = 1.0 / (1.0 + exp(-u));
+            sc[e] = p[e] + bias[e];
+        }
+        for (int64_t k = 0; k < K; k++) { /* the largest remaining score, ties to the lower index */
+            int best = -1;
+            for (int64_t e = 0; e < E; e++)
+                if (sc[e] > -INFINITY && (best < 0 || sc[e] > sc[best])) best = (int)e;
+            sel[k] = best;
+            sc[best] = -INFINITY;
+            sum += p[best];
+        }
+        memset(y, 0, (size_t)D * sizeof *y);
+        for (int64_t k = 0; k < K; k++)
+            ref_swiglu(y, ht, D, F, W1 + sel[k] * F * D, W3 + sel[k] * F * D, W2 + sel[k] * D * F,
+                       c->moe.routed_scale * p[sel[k]] / (sum + 1e-20));
+        if (S1) ref_swiglu(y, ht, D, S, S1, S3, S2, 1.0);
+        for (int64_t d = 0; d < D; d++) x[t * D + d] += y[d];
+    }
+    free(h); free(y);
+}
+
 /* logits (N, V) of RMSNorm(x; w) and the shared head; returns the sum of -log p(target) over
    rows whose target is >= 0 and counts them. */
 static double ref_head(ref_ctx *r, const double *x, const tm_param *norm, const int32_t *tgt, double *logits,
@@ -220,10 +284,12 @@ static float host_loss(tm_model *m) { return *(const float *)m->loss.data; }
 
 /* ------------------------------------------------------------------ forward against float64 */
 
-static void check_forward(int q_lora, int mtp, int long_ctx) {
-    dsk_test_begin("MLA%s + MTP %d forward vs float64%s", q_lora ? " (query latent)" : " (plain Wq)", mtp,
-                   long_ctx ? ", mscale correction on" : "");
-    tm_config c = small_config(q_lora, mtp, 2, 2);
+/* moe: an MoE block after a dense one, and MTP blocks with MoE FFNs (tmla_config.mtp_moe). */
+static void check_forward(int q_lora, int mtp, int long_ctx, int moe) {
+    dsk_test_begin("MLA%s + MTP %d%s forward vs float64%s", q_lora ? " (query latent)" : " (plain Wq)", mtp,
+                   moe ? " (MoE FFNs)" : "", long_ctx ? ", mscale correction on" : "");
+    tm_config c = small_config(q_lora, mtp, 2, moe ? 1 : 2);
+    c.mla.mtp_moe = moe;
     c.init_std = 0.5f; /* scores of order 1: the softmax scale shows in the logits */
     if (long_ctx) { c.mla.original_seq = 8; c.mla.mscale = 0.7f; }
     tm_model m;
@@ -249,7 +315,8 @@ static void check_forward(int q_lora, int mtp, int long_ctx) {
         for (int64_t d = 0; d < D; d++) x[i * D + d] = E[(int64_t)((int32_t *)m.ids.data)[i] * D + d];
     for (int l = 0; l < c.n_layers; l++) {
         ref_mla(r, &m.blocks[l], x);
-        ref_ffn(r, &m.blocks[l], x);
+        if (m.blocks[l].is_moe) ref_moe(r, l, x);
+        else ref_ffn(r, &m.blocks[l], x);
     }
     int64_t cnt;
     double loss = ref_head(r, x, m.ln_f, (const int32_t *)m.targets.data, logits, &cnt) / (double)cnt;
@@ -276,7 +343,9 @@ static void check_forward(int q_lora, int mtp, int long_ctx) {
         for (int64_t i = 0; i < N * D; i++) x[i] += t1[i];
         free(t1);
         ref_mla(r, b, x);
-        ref_ffn(r, b, x);
+        DSK_TEST_EXPECT(b->is_moe == moe, "MTP block %d: FFN %s", k, b->is_moe ? "MoE" : "dense");
+        if (moe) ref_moe(r, c.n_layers + k - 1, x);
+        else ref_ffn(r, b, x);
         double nll = ref_head(r, x, mt->norm, tgt, logits, &cnt);
         DSK_TEST_EXPECT(cnt == (int64_t)c.batch * (T - k), "module %d: %lld targets", k, (long long)cnt);
         total += c.mla.mtp_lambda / mtp * nll / (double)N; /* the report's 1/T per sequence */
@@ -299,7 +368,9 @@ static void check_forward(int q_lora, int mtp, int long_ctx) {
     DSK_TEST_EXPECT(tmla_core_flops(&c) ==
                         6.0 * c.seq * c.n_heads * (c.mla.qk_nope_dim + c.mla.qk_rope_dim + c.mla.v_head_dim) / 2,
                     "core FLOPs");
-    double mw = 2.0 * D * D + nw + 3.0 * D * c.ffn_hidden + (double)D * c.vocab;
+    double ffn = moe ? (double)D * c.moe.n_routed + 3.0 * D * c.moe.d_expert * (c.moe.top_k + c.moe.n_shared)
+                     : 3.0 * D * c.ffn_hidden;
+    double mw = 2.0 * D * D + nw + ffn + (double)D * c.vocab;
     DSK_TEST_EXPECT(tmla_mtp_flops(&c) == mtp * (6 * mw + tmla_core_flops(&c)), "MTP FLOPs %g", tmla_mtp_flops(&c));
     for (int i = 0; i < r->nkeep; i++) free(r->keep[i]);
     free(x); free(logits); free(hn); free(en); free(tgt); free(tok);
@@ -467,8 +538,10 @@ int main(void) {
     memset(&co, 0, sizeof co);
     co.device = DSK_PREFER_CPU;
     if (dsk_ctx_init(&g_ctx, &co) != DSK_OK) { printf("ctx: %s\n", dsk_last_error()); return 1; }
-    check_forward(6, 2, 0);
-    check_forward(0, 1, 1);
+    check_forward(6, 2, 0, 0);
+    check_forward(0, 1, 1, 0);
+    check_forward(6, 2, 0, 1);
+    check_forward(0, 1, 0, 1);
     check_recompute(1);
     check_recompute(0);
     check_bad_config();

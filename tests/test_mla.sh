@@ -32,6 +32,19 @@ TINY=(--seq 16 --d-model 32 --heads 2 --layers 3 --dense-layers 2 --ffn-hidden 3
       --expert-hidden 16 --shared 1 --batch 4 --lr 3e-3 --warmup 2 --data "$CORPUS" --corpus-mb 0.05 --val-every 10
       --val-interval 3 --val-batches 1 --sample-len 0 --peak-tflops 0.1 --steps 4 "${MLA[@]}" --mtp 2)
 
+close_losses() { # run-a run-b: the same records, losses and validation losses within 1e-4 relative
+    $PY - "$work/$1.jsonl" "$work/$2.jsonl" <<'PYEOF'
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+b = [json.loads(l) for l in open(sys.argv[2])]
+assert len(a) == len(b) and len(a) > 0
+for x, y in zip(a, b):
+    for k in ("loss", "val_loss"):
+        if k in x:
+            assert abs(x[k] - y[k]) <= 1e-4 * abs(x[k]), (k, x[k], y[k])
+PYEOF
+}
+
 # ---- 1. whole-model gradients against central differences (every parameter, 4 elements each)
 run gradcheck "$BIN" --seq 16 --d-model 16 --heads 2 --layers 2 --dense-layers 1 --ffn-hidden 24 --experts 4 --top-k 2 \
     --expert-hidden 8 --batch 2 --data "$CORPUS" --corpus-mb 0.1 --aux-loss 0.01 --init-std 0.1 --grad-check 4 \
@@ -42,6 +55,50 @@ if [ "$(rc gradcheck)" -eq 0 ] && grep -q "grad-check: 0 of 63 parameters off" "
     ok "--grad-check, MLA (query latent) + MoE + MTP depth 2: 4 elements of each of 63 parameters match central differences"
 else
     bad "--grad-check MLA + MTP" "exit $(rc gradcheck), $n_params lines" "$(grep -E 'FAIL|off|rank|error' "$work/gradcheck.out" | head -4)"
+fi
+
+# ---- 1b. MTP blocks with an MoE FFN (--mtp-ffn moe, DeepSeek-V3): the gradient check and routing record/replay
+GCM=(--seq 16 --d-model 16 --heads 2 --layers 2 --dense-layers 1 --ffn-hidden 24 --experts 4 --top-k 2 --expert-hidden 8
+     --batch 2 --data "$CORPUS" --corpus-mb 0.1 --aux-loss 0.01 --init-std 0.1 --attn mla --q-lora-rank 8
+     --kv-lora-rank 8 --qk-nope-dim 4 --qk-rope-dim 4 --v-head-dim 6 --mtp 2 --mtp-lambda 0.5 --mtp-ffn moe)
+run gradcheck_moe "$BIN" "${GCM[@]}" --grad-check 4
+if [ "$(rc gradcheck_moe)" -eq 0 ] && grep -q "grad-check: 0 of 71 parameters off" "$work/gradcheck_moe.out" &&
+   grep -q 'blocks.3.moe.router' "$work/gradcheck_moe.out" && grep -q 'blocks.2.moe.w1' "$work/gradcheck_moe.out"; then
+    ok "--grad-check, MLA + MoE + MTP depth 2 with MoE FFNs: 4 elements of each of 71 parameters (the MTP blocks' routers, shared and routed experts too) match central differences"
+else
+    bad "--grad-check MTP MoE" "exit $(rc gradcheck_moe)" "$(grep -E 'FAIL|off|rank|error' "$work/gradcheck_moe.out" | head -4)"
+fi
+RR=("${GCM[@]}" --steps 3 --lr 3e-3 --warmup 1 --val-every 10 --val-interval 3 --val-batches 1 --sample-len 0)
+run rr_rec "$BIN" "${RR[@]}" --routing-record "$work/mtp.routes" --log "$work/rr_rec.jsonl"
+run rr_rep "$BIN" "${RR[@]}" --routing-replay "$work/mtp.routes" --log "$work/rr_rep.jsonl"
+run rr_miss "$BIN" "${RR[@]}" --mtp 1 --mtp-ffn dense --routing-record "$work/dense.routes"
+run rr_miss2 "$BIN" "${RR[@]}" --routing-replay "$work/dense.routes"
+if [ "$(rc rr_rec)" -eq 0 ] && [ "$(rc rr_rep)" -eq 0 ] && [ -n "$(fields rr_rec)" ] &&
+   [ "$(fields rr_rec)" = "$(fields rr_rep)" ] && [ "$(rc rr_miss2)" -ne 0 ] &&
+   grep -q "no decision recorded .* layer 2" "$work/rr_miss2.out"; then
+    ok "--mtp-ffn moe: routing replay of a record gives the same losses bit for bit; a record without the MTP blocks' MoE layers is refused naming layer 2"
+else
+    bad "--mtp-ffn moe routing record/replay" "exit $(rc rr_rec)/$(rc rr_rep)/$(rc rr_miss2)" "$(diff <(fields rr_rec) <(fields rr_rep) | head -3)" "$(tail -2 "$work/rr_miss2.out")"
+fi
+
+# checkpoints (the MTP blocks' MoE parameters and expert biases) and ZeRO-3 (their parameters in the head's unit)
+MM=("${TINY[@]}" --mtp-ffn moe --bias-rate 0.05)
+run mm_full "$BIN" "${MM[@]}" --log "$work/mm_full.jsonl"
+run mm_a "$BIN" "${MM[@]}" --steps 2 --ckpt-dir "$work/mmck" --ckpt-every 2
+run mm_res "$BIN" "${MM[@]}" --ckpt-dir "$work/mmck" --resume --log "$work/mm_res.jsonl"
+if [ "$(rc mm_res)" -eq 0 ] && [ -n "$(fields mm_res)" ] &&
+   [ "$(fields mm_full | grep -vE '^(step|val) [12] ')" = "$(fields mm_res)" ] &&
+   grep -q '"blocks.4.moe.bias"' "$work/mmck/step_00000002/manifest.json" &&
+   grep -q '"blocks.4.moe.w1"' "$work/mmck/step_00000002/manifest.json"; then
+    ok "--mtp-ffn moe: resumed at step 2, steps 3-4 log the uninterrupted run's numbers bit for bit; the checkpoint holds the MTP blocks' MoE weights and expert biases"
+else
+    bad "--mtp-ffn moe resume" "exit $(rc mm_a)/$(rc mm_res)" "$(diff <(fields mm_full) <(fields mm_res) | head -4)"
+fi
+for z in 0 3; do run "mmz$z" "$BIN" "${MM[@]}" --nproc 2 --zero "$z" --log "$work/mmz$z.jsonl"; done
+if [ "$(rc mmz0)" -eq 0 ] && [ "$(rc mmz3)" -eq 0 ] && [ -n "$(fields mmz0)" ] && [ "$(fields mmz0)" = "$(fields mmz3)" ]; then
+    ok "2 ranks, MTP blocks with MoE FFNs: --zero 3 logs --zero 0's numbers bit for bit"
+else
+    bad "--mtp-ffn moe under --zero 3" "exit $(rc mmz0) $(rc mmz3)" "$(diff <(fields mmz0) <(fields mmz3) | head -3)"
 fi
 
 # ---- 2. recomputation: the same logged numbers, bit for bit, and the memory report
@@ -86,20 +143,16 @@ else
         bad "emulated GPU recompute/graph" "exit $(rc gpu_none) $(rc gpu_full) $(rc gpu_graph)" \
             "$(diff <(fields gpu_none) <(fields gpu_full) | head -3)" "$(tail -2 "$work/gpu_graph.out")"
     fi
-    if [ "$(rc gpu_none)" -eq 0 ] && $PY - "$work/cpu_none.jsonl" "$work/gpu_none.jsonl" <<'PYEOF'
-import json, sys
-a = [json.loads(l) for l in open(sys.argv[1])]
-b = [json.loads(l) for l in open(sys.argv[2])]
-assert len(a) == len(b) and len(a) > 0
-for x, y in zip(a, b):
-    for k in ("loss", "val_loss"):
-        if k in x:
-            assert abs(x[k] - y[k]) <= 1e-4 * abs(x[k]), (k, x[k], y[k])
-PYEOF
-    then
+    if [ "$(rc gpu_none)" -eq 0 ] && close_losses cpu_none gpu_none; then
         ok "emulated GPU f32 losses match the CPU's within 1e-4 (MLA + MTP on the CUDA ops)"
     else
         bad "emulated GPU vs CPU losses" "$(paste <(fields cpu_none) <(fields gpu_none) | head -3)"
+    fi
+    run gpu_mm "$EMU_BIN" "${MM[@]}" --device cuda --dtype f32 --log "$work/gpu_mm.jsonl"
+    if [ "$(rc gpu_mm)" -eq 0 ] && close_losses mm_full gpu_mm; then
+        ok "emulated GPU, MTP blocks with MoE FFNs: f32 losses match the CPU's within 1e-4"
+    else
+        bad "emulated GPU --mtp-ffn moe" "exit $(rc gpu_mm)" "$(tail -2 "$work/gpu_mm.out")"
     fi
 fi
 
@@ -133,5 +186,8 @@ check_bad recompute '--recompute "some": use none, attn or full' --recompute som
 check_bad preset '--preset "v4": use tiny, v2-lite or v3' --preset v4
 check_bad rope '--qk-rope-dim 5 must be even' --attn mla --qk-rope-dim 5
 check_bad mtp '--mtp 9: between 0 and 4' --mtp 9
+check_bad mtp_ffn '--mtp-ffn "wide": use dense or moe' --mtp 1 --mtp-ffn wide
+check_bad mtp_ffn_dense '--mtp-ffn moe: the model has no MoE layer' --mtp 1 --mtp-ffn moe --layers 2 --dense-layers 2
+check_bad mtp_pp '--mtp 1: not with --tp/--pp/--micro-batches' --mtp 1 --pp 2 --nproc 2
 
 finish

@@ -3,10 +3,12 @@
 
   check_export.py tensors EXPORT FIXTURE [fp8]
       Python's safetensors reads every tensor of EXPORT's index; the names and shapes are the
-      fixture's (with fp8: plus a <name>_scale_inv (f32, ceil(rows/b), ceil(cols/b)) for each
-      F8_E4M3 tensor, b from quantization_config); config.json holds every key of the fixture's.
+      fixture's (its MTP layers' only when EXPORT's config has num_nextn_predict_layers; with fp8:
+      plus a <name>_scale_inv (f32, ceil(rows/b), ceil(cols/b)) for each F8_E4M3 tensor, b from
+      quantization_config); config.json holds every key of the fixture's.
   check_export.py transformers EXPORT LOGITS TOKENS_FROM
-      AutoModelForCausalLM.from_pretrained(EXPORT) reports no missing or unexpected keys, and its
+      AutoModelForCausalLM.from_pretrained(EXPORT) reports no missing or unexpected keys (but the
+      MTP layers' of num_nextn_predict_layers, which transformers skips), and its
       logits of the reference tokens of TOKENS_FROM/reference.safetensors are within 1e-5 (of the
       largest) of LOGITS (dsk's, "logits" in a safetensors file). Exit 3 when torch or
       transformers is not installed (the caller skips).
@@ -41,6 +43,12 @@ def tensors(d):
     return out
 
 
+def mtp_prefixes(c):
+    """The name prefixes of config c's MTP layers (model.layers.{num_hidden_layers + k}.)."""
+    n = c["num_hidden_layers"]
+    return tuple(f"model.layers.{n + k}." for k in range(c.get("num_nextn_predict_layers") or 0))
+
+
 def check_tensors(exp, fix, fp8):
     bad = 0
     e, f = tensors(exp), tensors(fix)
@@ -49,6 +57,8 @@ def check_tensors(exp, fix, fp8):
     with open(os.path.join(fix, "config.json")) as fh:
         fc = json.load(fh)
     block = ec.get("quantization_config", {}).get("weight_block_size", [128, 128])
+    if not ec.get("num_nextn_predict_layers"):  # an export without MTP layers: the fixture's are not expected
+        f = {k: v for k, v in f.items() if not k.startswith(mtp_prefixes(fc))}
     for k, (shape, _) in f.items():
         if k not in e:
             print(f"missing tensor {k}")
@@ -91,6 +101,14 @@ def load_transformers(exp):
     model, info = transformers.AutoModelForCausalLM.from_pretrained(
         exp, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
     bad = 0
+    with open(os.path.join(exp, "config.json")) as fh:
+        c = json.load(fh)
+    # transformers skips the MTP layers (its ignore pattern names DeepSeek-V3's layer 61 only)
+    mtp = mtp_prefixes(c)
+    skipped = [k for k in info.get("unexpected_keys", []) if mtp and k.startswith(mtp)]
+    info["unexpected_keys"] = [k for k in info.get("unexpected_keys", []) if not (mtp and k.startswith(mtp))]
+    if skipped:
+        print(f"from_pretrained skipped the {len(skipped)} tensors of the MTP layer(s)")
     for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
         if info.get(kind):
             print(f"from_pretrained: {kind}: {sorted(info[kind])[:5]}")

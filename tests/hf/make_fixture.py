@@ -14,6 +14,12 @@ it (so transformers itself reads the names and layouts the fixture holds). v3_fp
 v3 weights as FP8 e4m3 with weight_scale_inv blocks of 16x16 (quantization_config
 weight_block_size [16, 16]: partial edge blocks on every matrix whose sizes are not multiples
 of 16), written as the DeepSeek-V3 release lays them out.
+v3 also holds one MTP layer (num_nextn_predict_layers 1, model.layers.2.*: the block with an MoE FFN,
+enorm, hnorm, eh_proj, shared_head.norm, and embed_tokens / shared_head.head as copies of the model's),
+drawn here: transformers skips it, so reference.safetensors adds mtp_logits (B, T - 1, V) and mtp_loss
+of that layer computed in float64 from its module semantics (DeepSeek-V3 report section 2.2:
+eh_proj([enorm(emb(t_{i+1})) | hnorm(h_i)]), the block over positions 0 .. T-2 with causal attention,
+shared_head.norm, the head; targets t_{i+2}), h the main model's last block output.
 
 Usage: python3 tests/hf/make_fixture.py   (from the repository root)
 """
@@ -36,8 +42,8 @@ COMMON = dict(
     tie_word_embeddings=False, max_position_embeddings=64, hidden_act="silu", attention_bias=False,
     num_nextn_predict_layers=0, torch_dtype="float32", bos_token_id=0, eos_token_id=1,
 )
-V3 = dict(COMMON, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", q_lora_rank=16, n_group=2,
-          topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
+V3 = dict(COMMON, num_nextn_predict_layers=1, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+          q_lora_rank=16, n_group=2, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
           routed_scaling_factor=2.5, rope_interleave=True)
 V2 = dict(COMMON, architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", q_lora_rank=None, n_group=4,
           topk_group=2, topk_method="group_limited_greedy", scoring_func="softmax", norm_topk_prob=False,
@@ -117,6 +123,61 @@ def fp8_blocks(w, bs):
     return q, scale
 
 
+def mtp_layer(cfg, tensors, seed):
+    """Draws the MTP layer (layer num_hidden_layers, an MoE block) and adds its hub tensors."""
+    n = cfg["num_hidden_layers"]
+    config = transformers.DeepseekV3Config(**cfg)
+    config._attn_implementation = "eager"
+    layer = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3DecoderLayer(config, n).float()
+    draw_weights(layer, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    D = cfg["hidden_size"]
+    pre = f"model.layers.{n}."
+    for k, v in hub_state(layer, cfg).items():
+        tensors[pre + k] = v
+    tensors[pre + "enorm.weight"] = 1.0 + 0.1 * torch.randn(D, generator=g)
+    tensors[pre + "hnorm.weight"] = 1.0 + 0.1 * torch.randn(D, generator=g)
+    tensors[pre + "eh_proj.weight"] = 0.15 * torch.randn(D, 2 * D, generator=g)
+    tensors[pre + "shared_head.norm.weight"] = 1.0 + 0.1 * torch.randn(D, generator=g)
+    tensors[pre + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors[pre + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    return layer
+
+
+def rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def mtp_reference(model, layer, cfg, tensors, tokens):
+    """(mtp_logits, mtp_loss) of the MTP layer in float64."""
+    n, eps = cfg["num_hidden_layers"], cfg["rms_norm_eps"]
+    pre = f"model.layers.{n}."
+    t = {k: v.double() for k, v in tensors.items()}
+    model, layer = model.double(), layer.double()
+    for c in (model.config, layer.mlp.config if hasattr(layer.mlp, "config") else model.config):
+        c._experts_implementation = "eager"  # the grouped kernel takes no float64
+    got = {}
+    def keep(mod, inputs, out):  # the last block's output (before the final norm)
+        got["h"] = out[0] if isinstance(out, tuple) else out
+    hook = model.model.layers[-1].register_forward_hook(keep)
+    with torch.no_grad():
+        model(input_ids=tokens[:, :T].long())
+        hook.remove()
+        h = got["h"][:, :T - 1]
+        e = t["model.embed_tokens.weight"][tokens[:, 1:T].long()]
+        x = torch.cat([rms(e, t[pre + "enorm.weight"], eps), rms(h, t[pre + "hnorm.weight"], eps)], -1)
+        x = x @ t[pre + "eh_proj.weight"].T
+        pos = torch.arange(T - 1).unsqueeze(0)
+        pe = model.model.rotary_emb(x, pos)
+        mask = torch.full((T - 1, T - 1), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+        y = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=pe)
+        y = y[0] if isinstance(y, tuple) else y
+        logits = rms(y, t[pre + "shared_head.norm.weight"], eps) @ t[pre + "shared_head.head.weight"].T
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 2:].reshape(-1).long())
+    model.float()
+    return logits.to(torch.float32), loss.to(torch.float32)
+
+
 def make(name, cfg, seed):
     d = os.path.join(HERE, name)
     config = getattr(transformers, cfg["architectures"][0].replace("ForCausalLM", "Config"))(**cfg)
@@ -125,6 +186,7 @@ def make(name, cfg, seed):
     model = getattr(transformers, cfg["architectures"][0])(config).to(torch.float32).eval()
     draw_weights(model, seed)
     tensors = hub_state(model, cfg)
+    layer = mtp_layer(cfg, tensors, seed + 7) if cfg.get("num_nextn_predict_layers") else None
     write_sharded(d, tensors)
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
@@ -136,8 +198,12 @@ def make(name, cfg, seed):
     logits2, _ = logits_and_loss(back, tokens)
     if not torch.equal(logits, logits2):
         sys.exit(f"{name}: from_pretrained of the written directory gives other logits")
-    save_file({"tokens": tokens, "logits": logits.contiguous(), "loss": loss.reshape(())},
-              os.path.join(d, "reference.safetensors"))
+    ref = {"tokens": tokens, "logits": logits.contiguous(), "loss": loss.reshape(())}
+    if layer is not None:
+        ml, mloss = mtp_reference(model, layer, cfg, tensors, tokens)
+        ref.update(mtp_logits=ml.contiguous(), mtp_loss=mloss.reshape(()))
+        print(f"{name}: MTP loss {mloss.item():.6f}")
+    save_file(ref, os.path.join(d, "reference.safetensors"))
     print(f"{name}: {len(tensors)} tensors, loss {loss.item():.6f}")
     return cfg, tensors
 
@@ -181,7 +247,7 @@ def make_variant(cfg, tensors, name, **changes):
                 p = k[: -len("down_proj")]
                 state[k].copy_(torch.stack([tensors[f"{p}{e}.down_proj.weight"] for e in range(8)]))
             else:
-                state[k].copy_(tensors[k])
+                state[k].copy_(tensors[k])  # (the MTP layer's tensors have no place in transformers' model)
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(c, f, indent=2, sort_keys=True)
