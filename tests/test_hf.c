@@ -533,29 +533,13 @@ static void test_bad_config(void) {
     DSK_TEST_ERROR_MENTIONS("num_nextn_predict_layers");
 }
 
-/* Loads broken copy dir into a fresh model of the fixture's config: fails, mentions each of
-   `needles`, and leaves every master weight as it was (NaN). */
-static void load_fails(const char *dir, const char *n1, const char *n2) {
+/* Loads broken copy dir into a fresh model of fixture's config (FP8 scale blocks `block` rows
+   high where block > 0): fails, mentions n1 and n2, and leaves every master weight as it was (NaN). */
+static void load_fails_in(const char *fixture, int block, const char *dir, const char *n1, const char *n2) {
     tm_model m;
     dsk_ckpt_hf_deepseek_config h;
-    DSK_TEST_OK(build("tests/hf/v3", &m, &h, 1, 4, 0));
-    DSK_TEST_OK(dsk_tensor_fill(&g_ctx, &m.slab_w, NAN));
-    dsk_status s = thf_load(&m, &h, dir);
-    DSK_TEST_EXPECT(s != DSK_OK, "loading %s fails", dir);
-    DSK_TEST_ERROR_MENTIONS(n1);
-    DSK_TEST_ERROR_MENTIONS(n2);
-    int64_t touched = 0;
-    for (int64_t i = 0; i < m.numel; i++) touched += !isnan(((const float *)m.slab_w.data)[i]);
-    DSK_TEST_EXPECT(touched == 0, "nothing loaded: %lld weights changed", (long long)touched);
-    tm_free(&m);
-}
-
-/* load_fails for the FP8 fixture's config, with the scale blocks `block` rows high. */
-static void load_fails_fp8(const char *dir, int block, const char *n1, const char *n2) {
-    tm_model m;
-    dsk_ckpt_hf_deepseek_config h;
-    DSK_TEST_OK(build("tests/hf/v3_fp8", &m, &h, 1, 4, 0));
-    h.block[0] = block;
+    DSK_TEST_OK(build(fixture, &m, &h, 1, 4, 0));
+    if (block > 0) h.block[0] = block;
     DSK_TEST_OK(dsk_tensor_fill(&g_ctx, &m.slab_w, NAN));
     DSK_TEST_EXPECT(thf_load(&m, &h, dir) != DSK_OK, "loading %s fails", dir);
     DSK_TEST_ERROR_MENTIONS(n1);
@@ -564,6 +548,12 @@ static void load_fails_fp8(const char *dir, int block, const char *n1, const cha
     for (int64_t i = 0; i < m.numel; i++) touched += !isnan(((const float *)m.slab_w.data)[i]);
     DSK_TEST_EXPECT(touched == 0, "nothing loaded: %lld weights changed", (long long)touched);
     tm_free(&m);
+}
+
+static void load_fails(const char *dir, const char *n1, const char *n2) { load_fails_in("tests/hf/v3", 0, dir, n1, n2); }
+
+static void load_fails_fp8(const char *dir, int block, const char *n1, const char *n2) {
+    load_fails_in("tests/hf/v3_fp8", block, dir, n1, n2);
 }
 
 static void test_bad_sets(void) {
