@@ -43,8 +43,8 @@ check() { # name, command...: passes when the command exits 0 and TSan reported 
 }
 
 TINY=(--seq 32 --d-model 32 --heads 2 --layers 2 --dense-layers 1 --ffn-hidden 64 --experts 4 --top-k 2
-      --expert-hidden 32 --shared 1 --batch 4 --corpus-mb 0.1 --val-every 20 --val-batches 1 --sample-len 0
-      --peak-tflops 0.1)
+      --expert-hidden 32 --shared 1 --batch 4 --data tests/data/corpus.txt --corpus-mb 0.1 --val-every 20
+      --val-batches 1 --sample-len 0 --peak-tflops 0.1)
 BIN=$BUILD/examples/train_moe
 
 # The trainer with a loader thread, a metrics server scraped twice during the run and async saves.
