@@ -1,4 +1,4 @@
-/* dsk_comm.h - ranks, bootstrap, backends (host TCP, NCCL), collectives, groups, gradient buckets.
+/* dsk_comm.h - ranks, bootstrap, backends (host TCP, NCCL), collectives, groups.
 
    Usage: #define DSK_COMM_IMPLEMENTATION in exactly one .c file before including. The
    implementation needs POSIX 2008 (sockets, poll, pthreads, shm_open) and GCC or Clang (the
@@ -78,19 +78,18 @@
      serves the store: when a peer hangs up and the store is gone or silent too, the error
      names rank 0 as the likely first failure. An error is returned at the timeout, not
      later (publishing it does not wait for the store).
-   - A communicator is not thread-safe: one call at a time. Gradient buckets use their own
-     communicator (split at init), so the parent stays free during backward.
+   - A communicator is not thread-safe: one call at a time (dsk_zero.h reduces gradients on a
+     communicator of its own, split at init, so the parent stays free during backward).
    Every rank must issue the same collectives in the same order (as with NCCL and MPI).
    License: MIT, see the end of the file. */
 /* Contents. Each section starts with a rule comment "---- <title>"; search for the title.
    Declarations: types and options; communicators: init, free, split; collectives; tensor
    forms; expert-parallel routes; the bootstrap store; configuration agreement; local
-   launcher; gradient buckets.
+   launcher.
    Implementation (after the "implementation" rule): small helpers; the key-value store
    server; communicator state; store client; configuration agreement; shared memory; the host
    backend's I/O engine; reductions (fixed rank order); host collectives; bootstrap and mesh;
-   init; collectives; split; tensor forms; expert-parallel routes; local launcher; gradient
-   buckets. */
+   init; collectives; split; tensor forms; expert-parallel routes; local launcher. */
 #if defined(DSK_COMM_IMPLEMENTATION) && !defined(_GNU_SOURCE) && !defined(_POSIX_C_SOURCE)
 #define _GNU_SOURCE
 #endif
@@ -126,7 +125,7 @@ typedef enum dsk_comm_transport {
 /* Zero fields take the defaults in brackets. */
 typedef struct dsk_comm_opts {
     dsk_comm_backend backend; /* [DSK_COMM_AUTO] */
-    double timeout_s;         /* [300] bound of every wait: bootstrap, collectives, buckets */
+    double timeout_s;         /* [300] bound of every wait: bootstrap, collectives */
     const char *master_addr;  /* init: [MASTER_ADDR or "127.0.0.1"]; init_env: used if MASTER_ADDR is unset */
     int master_port;          /* init: [MASTER_PORT or 29500]; init_env: used if MASTER_PORT is unset */
     int local_rank;           /* init only, read when local_world_size > 0 */
@@ -342,46 +341,6 @@ typedef struct dsk_comm_spawn_opts {
 DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_comm_spawn_opts *opts, int *worst_exit);
 /* A TCP port on addr that was free a moment ago (bind to port 0), for launchers and tests. */
 DSK_API dsk_status dsk_comm_free_port(const char *addr, int *port);
-
-/* ---- gradient buckets (DDP-style data parallelism)
-   Gradients live in one flat buffer: parameter i occupies `counts[i]` elements right after
-   parameter i - 1. Buckets take parameters in reverse order (backward produces the last
-   first): the first bucket up to first_bucket_bytes, the others up to bucket_bytes (a
-   parameter is never split; a bucket holds at least one). When backward has marked every
-   parameter of a bucket ready, and every earlier bucket has started, the bucket's in-place
-   all-reduce starts: on a progress thread (host) or on a communication stream after an
-   event on ctx's stream (nccl), overlapping the rest of backward. Every rank must mark
-   parameters in an order that completes buckets in the same order (backward does). */
-typedef struct dsk_comm_bucket_opts {
-    size_t first_bucket_bytes; /* [1 MiB] */
-    size_t bucket_bytes;       /* [25 MiB] */
-    int sum_only;              /* [0]: average by world size; 1: plain sum */
-} dsk_comm_bucket_opts;
-
-typedef struct dsk__comm_buckets_impl dsk__comm_buckets_impl;
-typedef struct dsk_comm_buckets {
-    int n_params, n_buckets;
-    uint64_t bytes;      /* payload bytes all-reduced so far */
-    double seconds;      /* time spent all-reducing (host: progress thread; nccl: comm stream) */
-    int64_t reductions;  /* bucket all-reduces completed */
-    dsk__comm_buckets_impl *impl;
-} dsk_comm_buckets;
-
-/* Collective over c (splits a private communicator). flat: counts summed elements of dt
-   (f32, f16, bf16) in CPU memory (host) or device memory (nccl); it must outlive b. */
-DSK_API dsk_status dsk_comm_buckets_init(dsk_comm_buckets *b, dsk_comm *c, dsk_ctx *ctx, void *flat, dsk_dtype dt,
-                                         int n_params, const int64_t *counts, const dsk_comm_bucket_opts *opts);
-/* Starts a backward pass. sync = 0: a gradient-accumulation micro-batch, marks do nothing;
-   sync = 1: the last micro-batch, buckets all-reduce as they fill. */
-DSK_API dsk_status dsk_comm_buckets_begin(dsk_comm_buckets *b, int sync);
-/* Parameter `param`'s gradient is final for this pass; may start bucket all-reduces. */
-DSK_API dsk_status dsk_comm_buckets_mark_ready(dsk_comm_buckets *b, int param);
-/* Before the optimizer: waits for every started all-reduce (the timeout bounds it). In a
-   sync pass every parameter must have been marked. nccl: ctx's stream then waits too. */
-DSK_API dsk_status dsk_comm_buckets_wait(dsk_comm_buckets *b);
-/* Bucket i covers parameters [*first, *first + *count). */
-DSK_API dsk_status dsk_comm_buckets_range(const dsk_comm_buckets *b, int i, int *first, int *count);
-DSK_API void dsk_comm_buckets_free(dsk_comm_buckets *b); /* zeroed/freed ok */
 
 DSK_API const char *dsk_comm_op_name(dsk_comm_op op); /* "sum", "avg", "max", "min" */
 
@@ -4721,354 +4680,6 @@ DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_com
     dsk__comm_spawn_free(pids, fds, bufs, n, pf);
     if (st == DSK_OK && killed)
         st = dsk_set_error(DSK_ERR_TIMEOUT, "%s: ranks still running after %.1f s were killed", fn, opts->timeout_s);
-    return st;
-}
-
-/* ---------------------------------------------------------------- gradient buckets */
-
-struct dsk__comm_buckets_impl {
-    dsk_comm comm;          /* private, split from the parent so buckets never interleave with its calls */
-    dsk_ctx *ctx;
-    char *flat;
-    dsk_dtype dt;
-    int sum_only;
-    int64_t *poff;          /* [n_params + 1] element offset of each parameter */
-    int *bucket_of;         /* [n_params] */
-    int *b_first, *b_count; /* [n_buckets] parameter ranges */
-    int *pending;           /* [n_buckets] parameters not marked yet in this pass */
-    unsigned char *marked;  /* [n_params] */
-    int in_pass, sync, next_launch;
-    /* host: the progress thread all-reduces buckets [done_upto, queued_upto) in order */
-    pthread_t thread;
-    int thread_started, stop, queued_upto, done_upto;
-    pthread_mutex_t mu;
-    pthread_cond_t cv_work, cv_done;
-    uint64_t bytes;
-    double seconds;
-    int64_t reductions;
-    dsk_status err;
-    char errmsg[1024];
-#ifdef DSK_CUDA
-    cudaStream_t stream;
-    cudaEvent_t *ev;        /* [3 * n_buckets]: ready, start, done */
-#endif
-};
-
-static size_t dsk__comm_bucket_elems(const dsk__comm_buckets_impl *bi, int b) {
-    return (size_t)(bi->poff[bi->b_first[b] + bi->b_count[b]] - bi->poff[bi->b_first[b]]);
-}
-
-static void *dsk__comm_bucket_thread(void *arg) {
-    dsk__comm_buckets_impl *bi = (dsk__comm_buckets_impl *)arg;
-    size_t esz = dsk_dtype_size(bi->dt);
-    pthread_mutex_lock(&bi->mu);
-    for (;;) {
-        int b;
-        dsk_status st = DSK_OK;
-        double t0;
-        size_t cnt;
-        while (!bi->stop && bi->done_upto == bi->queued_upto) pthread_cond_wait(&bi->cv_work, &bi->mu);
-        if (bi->done_upto == bi->queued_upto) break;
-        b = bi->done_upto;
-        cnt = dsk__comm_bucket_elems(bi, b);
-        pthread_mutex_unlock(&bi->mu);
-        t0 = dsk__comm_now();
-        if (bi->err == DSK_OK) {
-            char *p = bi->flat + bi->poff[bi->b_first[b]] * (int64_t)esz;
-            st = dsk_comm_all_reduce(&bi->comm, NULL, p, p, (int64_t)cnt, bi->dt,
-                                     bi->sum_only ? DSK_COMM_SUM : DSK_COMM_AVG);
-        }
-        pthread_mutex_lock(&bi->mu);
-        if (st != DSK_OK && bi->err == DSK_OK) {
-            bi->err = st;
-            snprintf(bi->errmsg, sizeof bi->errmsg, "bucket %d (%zu elements): %.900s", b, cnt, dsk_last_error());
-        }
-        if (st == DSK_OK && bi->err == DSK_OK) {
-            bi->bytes += cnt * esz;
-            bi->seconds += dsk__comm_now() - t0;
-            bi->reductions++;
-        }
-        bi->done_upto++;
-        pthread_cond_broadcast(&bi->cv_done);
-    }
-    pthread_mutex_unlock(&bi->mu);
-    return NULL;
-}
-
-DSK_API dsk_status dsk_comm_buckets_range(const dsk_comm_buckets *b, int i, int *first, int *count) {
-    if (!b || !b->impl || i < 0 || i >= b->n_buckets || !first || !count)
-        return dsk_set_error(DSK_ERR_ARG, "dsk_comm_buckets_range: bucket %d not in [0, %d) or NULL argument", i,
-                             b ? b->n_buckets : 0);
-    *first = b->impl->b_first[i];
-    *count = b->impl->b_count[i];
-    return DSK_OK;
-}
-
-/* Buckets in reverse parameter order, each up to its byte cap, never splitting a parameter. */
-static int dsk__comm_make_buckets(dsk__comm_buckets_impl *bi, int n_params, size_t esz, size_t first_cap, size_t cap) {
-    int nb = 0, hi = n_params; /* current bucket covers [i + 1, hi) */
-    size_t bytes = 0;
-    for (int i = n_params - 1; i >= 0; i--) {
-        size_t pb = (size_t)(bi->poff[i + 1] - bi->poff[i]) * esz;
-        if (hi - (i + 1) > 0 && bytes + pb > (nb == 0 ? first_cap : cap)) {
-            bi->b_first[nb] = i + 1;
-            bi->b_count[nb++] = hi - (i + 1);
-            hi = i + 1;
-            bytes = 0;
-        }
-        bytes += pb;
-        bi->bucket_of[i] = nb;
-    }
-    if (hi > 0) { bi->b_first[nb] = 0; bi->b_count[nb++] = hi; }
-    return nb;
-}
-
-DSK_API void dsk_comm_buckets_free(dsk_comm_buckets *b) {
-    dsk__comm_buckets_impl *bi;
-    if (!b || !b->impl) { if (b) memset(b, 0, sizeof *b); return; }
-    bi = b->impl;
-    if (bi->thread_started) {
-        pthread_mutex_lock(&bi->mu);
-        bi->stop = 1;
-        pthread_cond_broadcast(&bi->cv_work);
-        pthread_mutex_unlock(&bi->mu);
-        pthread_join(bi->thread, NULL);
-        pthread_mutex_destroy(&bi->mu);
-        pthread_cond_destroy(&bi->cv_work);
-        pthread_cond_destroy(&bi->cv_done);
-    }
-#ifdef DSK_CUDA
-    if (bi->ev) {
-        for (int i = 0; i < 3 * b->n_buckets; i++)
-            if (bi->ev[i]) cudaEventDestroy(bi->ev[i]);
-        DSK_FREE(bi->ev);
-    }
-    if (bi->stream) cudaStreamDestroy(bi->stream);
-#endif
-    dsk_comm_free(&bi->comm);
-    DSK_FREE(bi->poff); DSK_FREE(bi->bucket_of); DSK_FREE(bi->b_first); DSK_FREE(bi->b_count);
-    DSK_FREE(bi->pending); DSK_FREE(bi->marked);
-    DSK_FREE(bi);
-    memset(b, 0, sizeof *b);
-}
-
-DSK_API dsk_status dsk_comm_buckets_init(dsk_comm_buckets *b, dsk_comm *c, dsk_ctx *ctx, void *flat, dsk_dtype dt,
-                                         int n_params, const int64_t *counts, const dsk_comm_bucket_opts *opts) {
-    const char *fn = "dsk_comm_buckets_init";
-    dsk__comm_buckets_impl *bi;
-    dsk_status st;
-    size_t esz = dsk_dtype_size(dt);
-    if (!b) return dsk_set_error(DSK_ERR_ARG, "%s: buckets is NULL", fn);
-    memset(b, 0, sizeof *b);
-    DSK__TRY(dsk__comm_check(c, fn));
-    if (dt != DSK_F32 && dt != DSK_BF16 && dt != DSK_F16)
-        return dsk_set_error(DSK_ERR_ARG, "%s: gradient dtype %s is not f32, bf16 or f16", fn, dsk_dtype_name(dt));
-    if (n_params < 1 || !counts || !flat)
-        return dsk_set_error(DSK_ERR_ARG, "%s: need n_params >= 1 (got %d), counts and a flat buffer", fn, n_params);
-    if (!(bi = (dsk__comm_buckets_impl *)DSK_MALLOC(sizeof *bi)))
-        return dsk_set_error(DSK_ERR_OOM, "%s: bucket state", fn);
-    memset(bi, 0, sizeof *bi);
-    b->impl = bi;
-    b->n_params = n_params;
-    bi->ctx = ctx;
-    bi->flat = (char *)flat;
-    bi->dt = dt;
-    bi->sum_only = opts ? opts->sum_only : 0;
-    bi->poff = (int64_t *)DSK_MALLOC((size_t)(n_params + 1) * sizeof(int64_t));
-    bi->bucket_of = (int *)DSK_MALLOC((size_t)n_params * sizeof(int));
-    bi->b_first = (int *)DSK_MALLOC((size_t)n_params * sizeof(int));
-    bi->b_count = (int *)DSK_MALLOC((size_t)n_params * sizeof(int));
-    bi->pending = (int *)DSK_MALLOC((size_t)n_params * sizeof(int));
-    bi->marked = (unsigned char *)DSK_MALLOC((size_t)n_params);
-    if (!bi->poff || !bi->bucket_of || !bi->b_first || !bi->b_count || !bi->pending || !bi->marked) {
-        dsk_comm_buckets_free(b);
-        return dsk_set_error(DSK_ERR_OOM, "%s: arrays for %d parameters", fn, n_params);
-    }
-    bi->poff[0] = 0;
-    for (int i = 0; i < n_params; i++) {
-        if (counts[i] < 0) {
-            dsk_comm_buckets_free(b);
-            return dsk_set_error(DSK_ERR_ARG, "%s: parameter %d has a negative count %lld", fn, i,
-                                 (long long)counts[i]);
-        }
-        bi->poff[i + 1] = bi->poff[i] + counts[i];
-    }
-    b->n_buckets = dsk__comm_make_buckets(
-        bi, n_params, esz, opts && opts->first_bucket_bytes ? opts->first_bucket_bytes : ((size_t)1 << 20),
-        opts && opts->bucket_bytes ? opts->bucket_bytes : ((size_t)25 << 20));
-    if ((st = dsk_comm_split(c, 0, c->rank, &bi->comm)) != DSK_OK) {
-        char msg[1200];
-        snprintf(msg, sizeof msg, "%s: splitting the private communicator: %s", fn, dsk_last_error());
-        dsk_comm_buckets_free(b);
-        return dsk_set_error(st, "%s", msg);
-    }
-#ifdef DSK_CUDA
-    if (bi->comm.backend == DSK_COMM_NCCL) {
-        cudaError_t e = cudaStreamCreateWithFlags(&bi->stream, cudaStreamNonBlocking);
-        if (e == cudaSuccess && !(bi->ev = (cudaEvent_t *)DSK_MALLOC((size_t)3 * b->n_buckets * sizeof(cudaEvent_t))))
-            e = cudaErrorMemoryAllocation;
-        if (bi->ev) memset(bi->ev, 0, (size_t)3 * b->n_buckets * sizeof(cudaEvent_t));
-        for (int i = 0; e == cudaSuccess && i < 3 * b->n_buckets; i++)
-            e = cudaEventCreateWithFlags(&bi->ev[i], i % 3 == 0 ? cudaEventDisableTiming : cudaEventDefault);
-        if (e != cudaSuccess) {
-            dsk_comm_buckets_free(b);
-            return dsk_set_error(DSK_ERR_CUDA, "%s: communication stream and events: %s", fn, cudaGetErrorString(e));
-        }
-        return DSK_OK;
-    }
-#endif
-    pthread_mutex_init(&bi->mu, NULL);
-    pthread_cond_init(&bi->cv_work, NULL);
-    pthread_cond_init(&bi->cv_done, NULL);
-    if (pthread_create(&bi->thread, NULL, dsk__comm_bucket_thread, bi) != 0) {
-        pthread_mutex_destroy(&bi->mu);
-        pthread_cond_destroy(&bi->cv_work);
-        pthread_cond_destroy(&bi->cv_done);
-        dsk_comm_buckets_free(b);
-        return dsk_set_error(DSK_ERR_IO, "%s: cannot start the progress thread", fn);
-    }
-    bi->thread_started = 1;
-    return DSK_OK;
-}
-
-DSK_API dsk_status dsk_comm_buckets_begin(dsk_comm_buckets *b, int sync) {
-    dsk__comm_buckets_impl *bi;
-    if (!b || !b->impl)
-        return dsk_set_error(DSK_ERR_ARG, "dsk_comm_buckets_begin: buckets are NULL or not initialised");
-    bi = b->impl;
-    if (bi->in_pass && bi->next_launch > 0)
-        return dsk_set_error(DSK_ERR_STATE,
-                             "dsk_comm_buckets_begin: %d bucket all-reduces of the previous pass were not "
-                             "waited for (call dsk_comm_buckets_wait)",
-                             bi->next_launch);
-    for (int i = 0; i < b->n_buckets; i++) bi->pending[i] = bi->b_count[i];
-    memset(bi->marked, 0, (size_t)b->n_params);
-    bi->next_launch = 0;
-    if (bi->thread_started) pthread_mutex_lock(&bi->mu);
-    bi->queued_upto = bi->done_upto = 0; /* the thread is idle: the last pass was waited for */
-    if (bi->thread_started) pthread_mutex_unlock(&bi->mu);
-    bi->in_pass = 1;
-    bi->sync = sync != 0;
-    return DSK_OK;
-}
-
-static dsk_status dsk__comm_bucket_launch(dsk_comm_buckets *b, int k) {
-    dsk__comm_buckets_impl *bi = b->impl;
-#ifdef DSK_CUDA
-    if (bi->comm.backend == DSK_COMM_NCCL) {
-        const char *fn = "dsk_comm_buckets_mark_ready";
-        size_t esz = dsk_dtype_size(bi->dt);
-        char *p = bi->flat + bi->poff[bi->b_first[k]] * (int64_t)esz;
-        cudaStream_t user = dsk__comm_stream(bi->ctx);
-        cudaError_t e;
-        double t0 = dsk__comm_now();
-        if ((e = cudaEventRecord(bi->ev[3 * k], user)) != cudaSuccess ||
-            (e = cudaStreamWaitEvent(bi->stream, bi->ev[3 * k], 0)) != cudaSuccess ||
-            (e = cudaEventRecord(bi->ev[3 * k + 1], bi->stream)) != cudaSuccess)
-            return dsk_set_error(DSK_ERR_CUDA, "%s: ordering bucket %d after backward: %s", fn, k,
-                                 cudaGetErrorString(e));
-        DSK__TRY(dsk__comm_nccl_done(&bi->comm, fn, ncclAllReduce(p, p, dsk__comm_bucket_elems(bi, k),
-                                                                  dsk__comm_nccl_dtype(bi->dt),
-                                                                  bi->sum_only ? ncclSum : ncclAvg, bi->comm.impl->nccl,
-                                                                  bi->stream), "ncclAllReduce (bucket)", t0));
-        if ((e = cudaEventRecord(bi->ev[3 * k + 2], bi->stream)) != cudaSuccess)
-            return dsk_set_error(DSK_ERR_CUDA, "%s: cudaEventRecord after bucket %d: %s", fn, k, cudaGetErrorString(e));
-        return DSK_OK;
-    }
-#endif
-    pthread_mutex_lock(&bi->mu);
-    bi->queued_upto = k + 1;
-    pthread_cond_signal(&bi->cv_work);
-    pthread_mutex_unlock(&bi->mu);
-    return DSK_OK;
-}
-
-DSK_API dsk_status dsk_comm_buckets_mark_ready(dsk_comm_buckets *b, int param) {
-    const char *fn = "dsk_comm_buckets_mark_ready";
-    dsk__comm_buckets_impl *bi;
-    if (!b || !b->impl) return dsk_set_error(DSK_ERR_ARG, "%s: buckets are NULL or not initialised", fn);
-    bi = b->impl;
-    if (param < 0 || param >= b->n_params)
-        return dsk_set_error(DSK_ERR_ARG, "%s: parameter %d not in [0, %d)", fn, param, b->n_params);
-    if (!bi->in_pass)
-        return dsk_set_error(DSK_ERR_STATE, "%s: parameter %d marked outside a pass (call dsk_comm_buckets_begin)", fn,
-                             param);
-    if (bi->marked[param])
-        return dsk_set_error(DSK_ERR_STATE, "%s: parameter %d marked ready twice in one pass", fn, param);
-    bi->marked[param] = 1;
-    if (!bi->sync) return DSK_OK;
-    bi->pending[bi->bucket_of[param]]--;
-    while (bi->next_launch < b->n_buckets && bi->pending[bi->next_launch] == 0) {
-        DSK__TRY(dsk__comm_bucket_launch(b, bi->next_launch));
-        bi->next_launch++;
-    }
-    return DSK_OK;
-}
-
-DSK_API dsk_status dsk_comm_buckets_wait(dsk_comm_buckets *b) {
-    const char *fn = "dsk_comm_buckets_wait";
-    dsk__comm_buckets_impl *bi;
-    dsk_status st = DSK_OK;
-    int unmarked = -1;
-    if (!b || !b->impl) return dsk_set_error(DSK_ERR_ARG, "%s: buckets are NULL or not initialised", fn);
-    bi = b->impl;
-    if (!bi->in_pass) return DSK_OK;
-    for (int i = 0; bi->sync && i < b->n_params && unmarked < 0; i++)
-        if (!bi->marked[i]) unmarked = i;
-#ifdef DSK_CUDA
-    if (bi->comm.backend == DSK_COMM_NCCL) {
-        double t0 = dsk__comm_now();
-        for (int k = 0; k < bi->next_launch && st == DSK_OK; k++) {
-            cudaError_t e;
-            float ms = 0;
-            while ((e = cudaEventQuery(bi->ev[3 * k + 2])) == cudaErrorNotReady) {
-                ncclResult_t state = ncclSuccess;
-                ncclCommGetAsyncError(bi->comm.impl->nccl, &state);
-                if (state != ncclSuccess && state != ncclInProgress) {
-                    st = dsk__comm_nccl_check(&bi->comm, fn, state, "a bucket all-reduce");
-                    dsk__comm_break(&bi->comm, st);
-                    break;
-                }
-                if (dsk__comm_now() - t0 > bi->comm.impl->timeout_s) {
-                    st = dsk_set_error(DSK_ERR_TIMEOUT,
-                                       "%s: bucket %d of %d still all-reducing after %.2f s (a peer may have "
-                                       "died or stopped); aborting its NCCL communicator",
-                                       fn, k, b->n_buckets, dsk__comm_now() - t0);
-                    dsk__comm_break(&bi->comm, st);
-                    break;
-                }
-                dsk__comm_sleep_s(5e-5);
-            }
-            if (st == DSK_OK && e != cudaSuccess)
-                st = dsk_set_error(DSK_ERR_CUDA, "%s: bucket %d: %s", fn, k, cudaGetErrorString(e));
-            if (st == DSK_OK && cudaEventElapsedTime(&ms, bi->ev[3 * k + 1], bi->ev[3 * k + 2]) == cudaSuccess)
-                b->seconds += 1e-3 * ms;
-            if (st == DSK_OK) {
-                b->bytes += dsk__comm_bucket_elems(bi, k) * dsk_dtype_size(bi->dt);
-                b->reductions++;
-            }
-        }
-        if (st == DSK_OK && bi->next_launch > 0 &&
-            cudaStreamWaitEvent(dsk__comm_stream(bi->ctx), bi->ev[3 * (bi->next_launch - 1) + 2], 0) != cudaSuccess)
-            st = dsk_set_error(DSK_ERR_CUDA, "%s: cudaStreamWaitEvent", fn);
-    } else
-#endif
-    {
-        pthread_mutex_lock(&bi->mu);
-        while (bi->done_upto < bi->queued_upto) pthread_cond_wait(&bi->cv_done, &bi->mu);
-        b->bytes = bi->bytes;
-        b->seconds = bi->seconds;
-        b->reductions = bi->reductions;
-        if (bi->err) st = dsk_set_error(bi->err, "%s: %s", fn, bi->errmsg);
-        pthread_mutex_unlock(&bi->mu);
-    }
-    bi->in_pass = 0;
-    bi->next_launch = 0;
-    if (st == DSK_OK && unmarked >= 0)
-        st = dsk_set_error(DSK_ERR_STATE,
-                           "%s: parameter %d (bucket %d) was never marked ready in this pass; %d of %d buckets "
-                           "were all-reduced",
-                           fn, unmarked, bi->bucket_of[unmarked], bi->queued_upto, b->n_buckets);
     return st;
 }
 

@@ -446,9 +446,6 @@ typedef struct trainer {
     dsk_comm ck_comm;             /* checkpoint barriers, used from the async writer's thread */
     dsk_ctx ck_ctx;               /* CUDA: a stream of this rank's device for those barriers (the writer's thread
                                      has no current device of its own, and the training stream is not its to use) */
-    dsk_comm_buckets buckets;     /* data-parallel buckets over the replicated gradients (every rank) */
-    dsk_comm_buckets ebuckets;    /* buckets over the expert-sharded gradients (ranks holding the same experts) */
-    int have_buckets, have_ebuckets;
     dsk_graph graph;              /* --cuda-graph: the whole step (graph_step) */
     float graph_scale;            /* the loss scale it was captured with (a new scale captures again) */
     dsk_amp_dstep dstep;          /* --cuda-graph: lr, the AdamW step and the skip decision on the device */
@@ -458,9 +455,10 @@ typedef struct trainer {
     td_corpus data;
     tm_model model;
     dsk_amp_scaler scaler;
-    dsk_amp_param *amp_decay, *amp_plain; /* optimizer groups: with and without weight decay */
+    dsk_amp_param *amp_decay, *amp_plain; /* --cuda-graph's optimizer groups: with and without weight decay */
     int n_decay, n_plain;
-    int use_zero;                 /* --zero 1-3 or --grad-compress: the parameters live in dsk_zero objects */
+    int engine;                   /* the parameters live in the engine's dsk_zero objects (train_zero.h): every run
+                                     but --cuda-graph's, whose captured step keeps the model's slabs */
     tz_opts zopts;
     tz zero;
     double zero_bytes[2];         /* bytes handed to gradient reductions so far, and uncompressed (no --zero: buckets) */
@@ -818,7 +816,7 @@ static void setup_model(trainer *t) {
     else if (strcmp(o->recompute, "attn") == 0) c.mla.recompute = TMLA_RECOMPUTE_ATTN;
     else if (strcmp(o->recompute, "full") == 0) c.mla.recompute = TMLA_RECOMPUTE_FULL;
     else fail(t, "--recompute \"%s\": use none, attn or full", o->recompute);
-    c.external = t->use_zero;
+    c.external = t->engine;
     if (o->export_hf) c.mla.latent_eps = 1e-6f; /* what transformers' q_a/kv_a norms use */
     if (t->have_hf) {
         if (t->data.vocab != (int)t->hf.vocab_size)
@@ -829,22 +827,17 @@ static void setup_model(trainer *t) {
     if (o->dense_layers < o->layers && o->experts < 1) fail(t, "--experts %d: MoE blocks need at least 1 expert", o->experts);
     if (t->par.on) CHECK(tp_model_init(&t->par, &t->model, &t->ctx, &c));
     else CHECK(tm_init(&t->model, &t->ctx, &c));
-    if (t->have_hf) {
-        double t0 = now_s();
-        CHECK(thf_load(&t->model, &t->hf, o->init_from_hf));
-        say(t, "imported %s (DeepseekV%dForCausalLM, %s) in %.3f s\n", o->init_from_hf, t->hf.version,
-            t->hf.fp8 ? "FP8 e4m3 dequantised" : "weights as stored", now_s() - t0);
-    }
 }
 
-/* Two optimizer groups for dsk_amp_step: matrices (weight decay) and norm weights (none). */
+/* The loss scaler; for --cuda-graph (one GPU, the model's slabs) the two optimizer groups of its
+   captured dsk_amp_step_dev: matrices (weight decay) and norm weights (none). */
 static void setup_optimizer(trainer *t) {
     tm_model *m = &t->model;
     dsk_amp_scaler_opts so;
     memset(&so, 0, sizeof so);
     so.mode = m->cfg.cdt == DSK_F16 ? DSK_AMP_DYNAMIC : DSK_AMP_NONE;
     CHECK(dsk_amp_scaler_init(&t->scaler, &t->ctx, &so));
-    if (t->use_zero) return; /* dsk_zero steps its own pieces */
+    if (t->engine) return; /* the engine steps its own pieces */
     t->amp_decay = (dsk_amp_param *)calloc((size_t)m->n_params, sizeof(dsk_amp_param));
     t->amp_plain = (dsk_amp_param *)calloc((size_t)m->n_params, sizeof(dsk_amp_param));
     if (!t->amp_decay || !t->amp_plain) fail(t, "out of memory for the optimizer groups");
@@ -860,57 +853,40 @@ static void setup_optimizer(trainer *t) {
     }
 }
 
-/* A gradient is final: its bucket set (replicated or expert-sharded parameters) learns it. */
-static dsk_status on_grad_ready(void *user, int param) {
-    trainer *t = (trainer *)user;
-    int nd = t->model.n_dense_params;
-    if (param < nd) return t->have_buckets ? dsk_comm_buckets_mark_ready(&t->buckets, param) : DSK_OK;
-    return t->have_ebuckets ? dsk_comm_buckets_mark_ready(&t->ebuckets, param - nd) : DSK_OK;
+/* The engine's pass of one pipeline chunk (train_par.h's pass_begin). */
+static dsk_status tz_pass_begin(void *user, int chunk, int sync) { return tz_begin_part((tz *)user, chunk, sync); }
+
+/* The gradient and optimizer engine (train_zero.h) over this layout's groups: data and expert
+   parallelism (tz_places_dp) or the tensor/pipeline grid's (tp_places). At --zero 0 every rank
+   holds every whole master, which the parameters' w then view (the Hugging Face import and
+   export and --grad-check read and write whole weights). */
+static void setup_engine(trainer *t) {
+    tm_model *m = &t->model;
+    tz_group groups[TZ_MAX_GROUPS];
+    tz_place *place;
+    dsk_status s;
+    if (!t->engine) return; /* --cuda-graph: one GPU, the model's slabs */
+    place = (tz_place *)calloc((size_t)m->n_params, sizeof *place);
+    if (!place) fail(t, "out of memory for the parameter places");
+    if (t->par.on) tp_places(&t->par, groups, place);
+    else tz_places_dp(m, t->have_comm ? &t->comm : NULL, t->have_comm ? &t->rep_comm : NULL, t->world, groups, place);
+    s = tz_init(&t->zero, m, &t->ctx, groups, place, &t->zopts, (uint64_t)t->o->seed);
+    free(place);
+    CHECK(s);
+    if (t->zopts.stage == 0) CHECK(tz_bind_masters(&t->zero));
+    t->par.pass_begin = tz_pass_begin;
+    t->par.pass_user = &t->zero;
 }
 
-/* Gradient buckets over the slab: the replicated parameters (the first n_dense_params)
-   average over every rank; the expert-sharded ones (the rest: each MoE layer's w1, w2, w3)
-   sum over the ranks holding the same experts, since each expert's gradient already gathers
-   every token of its expert-parallel group, and are divided by the world size after the wait
-   (finish_grads). Both overlap backward. */
-static void setup_buckets(trainer *t) {
-    tm_model *m = &t->model;
-    int nd = m->n_dense_params, ns = m->n_params - nd;
-    if (t->par.on) return; /* train_par.h reduces its own gradient groups */
-    if (t->use_zero) { /* the parameters, their initial weights and reductions go to dsk_zero */
-        CHECK(tz_init(&t->zero, m, &t->ctx, t->have_comm ? &t->comm : NULL, t->have_comm ? &t->rep_comm : NULL,
-                      t->world, &t->zopts, (uint64_t)t->o->seed));
-        return;
-    }
-    if (!t->have_comm || t->world <= 1) return;
-    int64_t *counts = (int64_t *)malloc((size_t)m->n_params * sizeof *counts);
-    if (!counts) fail(t, "out of memory");
-    for (int i = 0; i < m->n_params; i++) counts[i] = tm_param_numel(&m->params[i]);
-    CHECK(dsk_comm_buckets_init(&t->buckets, &t->comm, &t->ctx, m->slab_g.data, DSK_F32, nd, counts, NULL));
-    t->have_buckets = 1;
-    if (ns > 0 && t->rep_comm.world_size > 1) {
-        dsk_comm_bucket_opts bo;
-        memset(&bo, 0, sizeof bo);
-        bo.sum_only = 1;
-        CHECK(dsk_comm_buckets_init(&t->ebuckets, &t->rep_comm, &t->ctx, (float *)m->slab_g.data + m->numel_dense,
-                                    DSK_F32, ns, counts + nd, &bo));
-        t->have_ebuckets = 1;
-    }
-    free(counts);
-    m->grad_ready = on_grad_ready;
-    m->grad_ready_user = t;
-}
-
-/* After the buckets: the expert-sharded gradients hold sums over the ranks holding the same
-   experts; divided by the world size they are the average over every token of every rank. */
-static dsk_status finish_grads(trainer *t) {
-    tm_model *m = &t->model;
-    dsk_tensor e;
-    if (t->have_buckets) TM_TRY(dsk_comm_buckets_wait(&t->buckets));
-    if (t->have_ebuckets) TM_TRY(dsk_comm_buckets_wait(&t->ebuckets));
-    if (!t->have_comm || t->world <= 1 || m->numel == m->numel_dense) return DSK_OK;
-    TM_TRY(dsk_tensor_slice(&m->slab_g, 0, m->numel_dense, m->numel - m->numel_dense, &e));
-    return dsk_scale(&t->ctx, &e, 1.0f / (float)t->world);
+/* --init-from-hf: the hub's weights into the whole masters (tz_bind_masters), then the compute
+   copies from them. */
+static void import_hf(trainer *t) {
+    double t0 = now_s();
+    if (!t->have_hf) return;
+    CHECK(thf_load(&t->model, &t->hf, t->o->init_from_hf));
+    if (t->engine) CHECK(tz_refresh(&t->zero)); /* --cuda-graph: thf_load rounded the slab's copies */
+    say(t, "imported %s (DeepseekV%dForCausalLM, %s) in %.3f s\n", t->o->init_from_hf, t->hf.version,
+        t->hf.fp8 ? "FP8 e4m3 dequantised" : "weights as stored", now_s() - t0);
 }
 
 /* ---- FLOPs and the device peak */
@@ -1060,7 +1036,6 @@ static dsk_status graph_record(trainer *t, float gscale) {
         TM_TRY(graph_row(&t->g_loss, &m->loss, a, &r));
         TM_TRY(dsk_tensor_copy(&t->ctx, &r, &m->loss));
     }
-    TM_TRY(finish_grads(t));
     grads = (dsk_tensor **)malloc((size_t)m->n_params * sizeof *grads);
     if (!grads) return dsk_set_error(DSK_ERR_OOM, "graph_record: out of memory");
     for (int i = 0; i < m->n_params; i++) grads[i] = &m->params[i].g; /* the eager step's order (one rank: no shards) */
@@ -1119,35 +1094,40 @@ static dsk_status graph_decision(trainer *t, dsk_amp_decision *dec) {
     return DSK_OK;
 }
 
-/* Unscale + non-finite check + global norm over every gradient. Dense gradients are the
-   same on every rank after the reductions; expert gradients differ across an expert-
-   parallel group: dsk_moe_amp_unscale counts the former once and sums the latter over it. */
-static dsk_status unscale_and_decide(trainer *t, dsk_amp_decision *dec) {
+/* After the reductions: unscale, norm, clip and skip over the world (one all-reduce), AdamW on
+   the engine's pieces at the step's learning rate, the expert-bias and loss-scale updates. */
+static dsk_status engine_step(trainer *t, step_info *si, dsk_amp_decision *dec) {
+    const options *o = t->o;
     tm_model *m = &t->model;
-    int n = m->n_params, n_rep = 0, n_shard = 0;
-    if (t->o->cuda_graph) return graph_decision(t, dec);
-    dsk_tensor **rep = (dsk_tensor **)malloc((size_t)n * sizeof *rep), **shard = (dsk_tensor **)malloc((size_t)n * sizeof *shard);
-    if (!rep || !shard) { free(rep); free(shard); return dsk_set_error(DSK_ERR_OOM, "unscale: out of memory"); }
-    for (int i = 0; i < n; i++) {
-        tm_param *p = &m->params[i];
-        if (p->sharded && t->ep > 1) shard[n_shard++] = &p->g;
-        else rep[n_rep++] = &p->g;
+    dsk_adamw_opts ao = dsk_adamw_defaults(); /* every field set below, taken literally (lr may reach 0) */
+    int64_t next = t->applied + 1;
+    double b[3];
+    TM_TRY(tz_decide(&t->zero, &t->scaler, t->have_comm ? &t->comm : NULL, o->clip, dec));
+    ao.lr = (float)si->lr;
+    ao.beta1 = (float)o->beta1;
+    ao.beta2 = (float)o->beta2;
+    ao.eps = 1e-8f;
+    ao.weight_decay = (float)o->wd; /* the norm weights' decay is 0: no_decay */
+    TM_TRY(tz_step(&t->zero, &ao, next, dec));
+    tz_bytes(&t->zero, &b[0], &b[1], &b[2]);
+    si->reduce_bytes = b[0] - t->zero_bytes[0];
+    si->plain_bytes = b[1] - t->zero_bytes[1];
+    t->zero_bytes[0] = b[0];
+    t->zero_bytes[1] = b[1];
+    if (!dec->skip) {
+        dsk_comm *load_comm = t->par.on ? &t->par.stage : t->have_comm ? &t->comm : NULL;
+        t->applied = next;
+        if (o->bias_rate > 0) /* loads summed over the ranks running the layer (with --pp: the stage's) */
+            for (int l = m->cfg.n_dense; l < tm_n_blocks(&m->cfg); l++)
+                if (m->blocks[l].is_moe) TM_TRY(dsk_moe_update_bias(&m->blocks[l].moe, &t->ctx, load_comm));
     }
-    dsk_amp_stats a;
-    memset(&a, 0, sizeof a);
-    dsk_comm *ep = n_shard > 0 ? &t->ep_comm : NULL;
-    dsk_status s = dsk_moe_amp_unscale(&t->scaler, &t->ctx, ep, rep, n_rep, shard, n_shard);
-    if (s == DSK_OK) s = dsk_amp_stats_get(&t->scaler, &t->ctx, &a);
-    free(rep);
-    free(shard);
-    if (s == DSK_OK) *dec = dsk_amp_decide(a, t->o->clip);
-    return s;
+    return dsk_amp_update(&t->scaler, &t->ctx);
 }
 
 /* Seconds spent in collectives so far, every communicator of this rank. */
 static double comm_seconds(const trainer *t) {
-    return t->comm.stats.seconds + t->ep_comm.stats.seconds + t->rep_comm.stats.seconds + t->buckets.seconds +
-           t->ebuckets.seconds + tp_comm_seconds(&t->par) + (t->use_zero ? tz_seconds(&t->zero) : 0.0);
+    return t->comm.stats.seconds + t->ep_comm.stats.seconds + t->rep_comm.stats.seconds + tp_comm_seconds(&t->par) +
+           (t->engine ? tz_seconds(&t->zero) : 0.0);
 }
 
 /* Forward, loss and backward of the micro-batch in the model's input tensors, loss gradient
@@ -1187,74 +1167,28 @@ static dsk_status train_step(trainer *t, step_info *si) {
         if (t->par.on) { /* the pipeline's micro-batches (train_par.h) */
             double l;
             m->aux_scale = scale / (float)(o->accum * t->par.M);
+            t->par.sync_last = a == o->accum - 1;
             TM_TRY(tp_train_batch(&t->par, scale / (float)(o->accum * t->par.M), &l));
             si->loss += l / o->accum;
             continue;
         }
-        if (t->have_buckets) TM_TRY(dsk_comm_buckets_begin(&t->buckets, a == o->accum - 1));
-        if (t->have_ebuckets) TM_TRY(dsk_comm_buckets_begin(&t->ebuckets, a == o->accum - 1));
-        if (t->use_zero) TM_TRY(tz_begin(&t->zero, a == o->accum - 1));
+        if (t->engine) TM_TRY(tz_begin(&t->zero, a == o->accum - 1));
         TM_TRY(micro_batch(t, scale / (float)o->accum));
         if (o->cuda_graph) { if (a == o->accum - 1) TM_TRY(graph_step(t, scale / (float)o->accum, si)); continue; }
         TM_TRY(read_loss(t, &loss));
         si->loss += loss / o->accum;
     }
     double sync0 = now_s();
-    TM_TRY(t->par.on ? tp_reduce_grads(&t->par) : t->use_zero ? tz_wait(&t->zero) : finish_grads(t));
+    if (t->engine) TM_TRY(tz_wait(&t->zero));
     double t_opt = now_s(), t_opt_cpu = cpu_s();
     si->sync_ms = 1e3 * (now_s() - sync0);
     float l2[1] = {t->par.on ? tp_loss_part(&t->par, si->loss) : (float)si->loss};
     TM_TRY(allreduce_host(t, &t->comm, l2, 1, DSK_F32, t->par.on ? DSK_COMM_SUM : DSK_COMM_AVG));
     si->loss = l2[0];
     dsk_amp_decision dec;
-    if (t->par.on) { /* the norm of the whole model, its parts spread over the grid */
-        dsk_amp_stats a;
-        double f[2];
-        TM_TRY(tp_unscale(&t->par, &t->scaler, f));
-        TM_TRY(allreduce_host(t, &t->comm, f, 2, DSK_F64, DSK_COMM_SUM));
-        TM_TRY(tp_unscale_join(&t->par, &t->scaler, f, &a));
-        dec = dsk_amp_decide(a, o->clip);
-    } else if (t->use_zero) {
-        TM_TRY(tz_decide(&t->zero, &t->scaler, t->have_comm ? &t->comm : NULL, o->clip, &dec));
-    } else {
-        TM_TRY(unscale_and_decide(t, &dec));
-    }
     si->lr = lr_at(o, t->step + 1);
-    if (o->cuda_graph) goto stepped; /* the replayed graph applied AdamW, the bias and loss-scale updates */
-    dsk_adamw_opts ao = dsk_adamw_defaults(); /* every field set below, taken literally (lr may reach 0) */
-    ao.lr = (float)si->lr;
-    ao.beta1 = (float)o->beta1;
-    ao.beta2 = (float)o->beta2;
-    ao.eps = 1e-8f;
-    int64_t next = t->applied + 1;
-    ao.weight_decay = (float)o->wd;
-    if (t->use_zero) { /* the norm weights' decay is 0 there: no_decay */
-        double b[3];
-        TM_TRY(tz_step(&t->zero, &ao, next, &dec));
-        tz_bytes(&t->zero, &b[0], &b[1], &b[2]);
-        si->reduce_bytes = b[0] - t->zero_bytes[0];
-        si->plain_bytes = b[1] - t->zero_bytes[1];
-        t->zero_bytes[0] = b[0];
-        t->zero_bytes[1] = b[1];
-    } else {
-        double b = (double)t->buckets.bytes + (double)t->ebuckets.bytes;
-        si->reduce_bytes = si->plain_bytes = b - t->zero_bytes[0];
-        t->zero_bytes[0] = b;
-        TM_TRY(dsk_amp_step(&t->ctx, t->amp_decay, t->n_decay, &ao, next, &dec, DSK_AMP_ROUND_NEAREST,
-                            (uint64_t)o->seed));
-        ao.weight_decay = 0.0f;
-        TM_TRY(dsk_amp_step(&t->ctx, t->amp_plain, t->n_plain, &ao, next, &dec, DSK_AMP_ROUND_NEAREST,
-                            (uint64_t)o->seed));
-    }
-    if (!dec.skip) {
-        t->applied = next;
-        dsk_comm *load_comm = t->par.on ? &t->par.stage : t->have_comm ? &t->comm : NULL;
-        if (o->bias_rate > 0) /* loads summed over the ranks running the layer (with --pp: the stage's) */
-            for (int l = m->cfg.n_dense; l < tm_n_blocks(&m->cfg); l++)
-                if (m->blocks[l].is_moe) TM_TRY(dsk_moe_update_bias(&m->blocks[l].moe, &t->ctx, load_comm));
-    }
-    TM_TRY(dsk_amp_update(&t->scaler, &t->ctx));
-stepped:
+    if (o->cuda_graph) TM_TRY(graph_decision(t, &dec)); /* the replayed graph applied AdamW, bias and scale updates */
+    else TM_TRY(engine_step(t, si, &dec));
     for (int l = m->cfg.n_dense; l < tm_n_blocks(&m->cfg); l++)
         if (m->blocks[l].is_moe) TM_TRY(dsk_moe_stats_request(&m->blocks[l].moe, &t->ctx));
     TM_TRY(dsk_ctx_sync(&t->ctx));
@@ -1433,9 +1367,9 @@ static ck_names ck_entries(trainer *t, int load) {
     c.name = (char(*)[112])calloc((size_t)cap, sizeof *c.name);
     c.e = (dsk_ckpt_entry *)calloc((size_t)cap, sizeof *c.e);
     if (!c.name || !c.e) fail(t, "out of memory for the checkpoint list");
-    if (t->use_zero && tz_ckpt_entries(&t->zero, load ? DSK_ZERO_CKPT_LOAD : DSK_ZERO_CKPT_SAVE, c.e, cap, &c.n) != DSK_OK)
+    if (t->engine && tz_ckpt_entries(&t->zero, load ? DSK_ZERO_CKPT_LOAD : DSK_ZERO_CKPT_SAVE, c.e, cap, &c.n) != DSK_OK)
         fail(t, "checkpoint entries: %s", dsk_last_error());
-    for (int i = 0; !t->use_zero && i < m->n_params; i++) {
+    for (int i = 0; !t->engine && i < m->n_params; i++) {
         tm_param *p = &m->params[i];
         if (!load && p->sharded && t->ep > 1 && t->rank >= t->ep) continue; /* the ranks holding the same experts
                                                                                as rank r % ep write them once */
@@ -1443,47 +1377,15 @@ static ck_names ck_entries(trainer *t, int load) {
         ck_add(&c, p->name, ".adam_m", &p->m, p, t);
         ck_add(&c, p->name, ".adam_v", &p->v, p, t);
     }
-    for (int l = m->cfg.n_dense; l < tm_n_blocks(&m->cfg); l++)
-        if (m->blocks[l].is_moe) ck_add(&c, m->blocks[l].moe.bias->name, "", &m->blocks[l].moe.bias->value, NULL, t);
-    return c;
-}
-
-/* --tp/--pp: every tensor is a box of its full tensor under the full tensor's name, so any
-   layout loads it; a save lists the pieces this rank writes (one copy of each over the
-   replicas), a load every piece this rank holds. */
-static void ck_box(ck_names *c, const char *name, const char *suffix, dsk_tensor *tensor, const int64_t *off,
-                   const int64_t *full) {
-    snprintf(c->name[c->n], sizeof c->name[c->n], "%s%s", name, suffix);
-    dsk_ckpt_entry *e = &c->e[c->n++];
-    memset(e, 0, sizeof *e);
-    e->name = c->name[c->n - 1];
-    e->tensor = tensor;
-    e->split = DSK_CKPT_BOX;
-    e->offset = off;
-    e->global_shape = full;
-}
-
-static ck_names ck_entries_par(trainer *t, int saving) {
-    tm_model *m = &t->model;
-    tp_state *ps = &t->par;
-    ck_names c;
-    int cap = 3 * m->n_params + m->cfg.n_layers + 1;
-    c.n = 0;
-    c.name = (char(*)[112])calloc((size_t)cap, sizeof *c.name);
-    c.e = (dsk_ckpt_entry *)calloc((size_t)cap, sizeof *c.e);
-    if (!c.name || !c.e) fail(t, "out of memory for the checkpoint list");
-    for (int i = 0; i < m->n_params; i++) {
-        tm_param *p = &m->params[i];
-        const tp_pinfo *pi = &ps->pinfo[i];
-        if (saving && !tp_writer(ps, pi->group)) continue;
-        ck_box(&c, p->name, "", &p->w, pi->off, pi->full);
-        ck_box(&c, p->name, ".adam_m", &p->m, pi->off, pi->full);
-        ck_box(&c, p->name, ".adam_v", &p->v, pi->off, pi->full);
+    for (int l = m->cfg.n_dense; l < tm_n_blocks(&m->cfg); l++) {
+        if (!m->blocks[l].is_moe || (t->par.on && !load && !tp_bias_writer(&t->par))) continue;
+        ck_add(&c, m->blocks[l].moe.bias->name, "", &m->blocks[l].moe.bias->value, NULL, t);
+        if (t->par.on && t->rank > 0) { /* a box of the whole bias: only the writer of rank 0's file writes whole */
+            c.e[c.n - 1].split = DSK_CKPT_BOX;
+            c.e[c.n - 1].offset = t->par.layers[l].bias_off;
+            c.e[c.n - 1].global_shape = t->par.layers[l].bias_full;
+        }
     }
-    for (int l = m->cfg.n_dense; l < m->cfg.n_layers; l++)
-        if (m->blocks[l].is_moe && (!saving || tp_writer(ps, TP_G_REPL)))
-            ck_box(&c, m->blocks[l].moe.bias->name, "", &m->blocks[l].moe.bias->value, ps->layers[l].bias_off,
-                   ps->layers[l].bias_full);
     return c;
 }
 
@@ -1592,13 +1494,12 @@ static dsk_status save_checkpoint(trainer *t) {
     snprintf(kv_val[8], 64, "%lld", (long long)offset);
     snprintf(kv_val[9], 64, "%d", t->dp_size);
     data_order_string(t, order, sizeof order);
-    dsk_ckpt_kv kv[13 + DSK_MOE_CONFIG_MAX] = {
+    dsk_ckpt_kv kv[12 + DSK_MOE_CONFIG_MAX] = {
         {"train.step", kv_val[0]}, {"train.applied", kv_val[1]}, {"train.data_pos", kv_val[2]},
         {"amp.scale", kv_val[3]}, {"amp.growth_tracker", kv_val[4]}, {"amp.hysteresis_left", kv_val[5]},
         {"train.data_seed", kv_val[6]}, {"train.config", cfg}, {"train.data_epoch", kv_val[7]},
-        {"train.data_offset", kv_val[8]}, {"train.data_world", kv_val[9]}, {"train.data_order", order},
-        {"train.params", t->use_zero ? "zero" : "whole"}};
-    int n_kv = 13;
+        {"train.data_offset", kv_val[8]}, {"train.data_world", kv_val[9]}, {"train.data_order", order}};
+    int n_kv = 12;
     dsk_moe_config mc;
     if (has_moe(t)) { /* the MoE options, each a pair: a resume names the one that differs */
         dsk_moe tmp;
@@ -1611,7 +1512,7 @@ static dsk_status save_checkpoint(trainer *t) {
             kv[n_kv].value = mc.value[i];
         }
     }
-    ck_names c = t->par.on ? ck_entries_par(t, 1) : ck_entries(t, 0);
+    ck_names c = ck_entries(t, 0);
     dsk_status s = t->o->sync_ckpt ? dsk_ckpt_save(&t->ck, t->step, c.e, c.n, kv, n_kv)
                                    : dsk_ckpt_save_async(&t->ck, t->step, c.e, c.n, kv, n_kv);
     free(c.name);
@@ -1646,16 +1547,9 @@ static dsk_status load_checkpoint(trainer *t, int64_t step) {
         dsk_moe_free(&tmp, NULL);
     }
     if (s == DSK_OK) s = check_data_order(t, &meta, step);
-    const char *fmt = s == DSK_OK ? dsk_ckpt_meta_get(&meta, "train.params") : NULL;
-    if (s == DSK_OK && strcmp(fmt ? fmt : "whole", t->use_zero ? "zero" : "whole") != 0)
-        s = dsk_set_error(DSK_ERR_ARG, "checkpoint step %lld in %s holds %s; this run (--zero %d --grad-compress %s) reads "
-                          "%s: resume it %s", (long long)step, t->o->ckpt_dir, t->use_zero ? "whole tensors" :
-                          "dsk_zero pieces", t->o->zero, t->o->grad_compress, t->use_zero ? "dsk_zero pieces" :
-                          "whole tensors", t->use_zero ? "with --zero 0 and --grad-compress none" :
-                          "with --zero 1, 2 or 3 (or a --grad-compress)");
     dsk_ckpt_meta_free(&meta);
     if (s != DSK_OK) return s;
-    ck_names c = t->par.on ? ck_entries_par(t, 0) : ck_entries(t, 1);
+    ck_names c = ck_entries(t, 1);
     s = dsk_ckpt_load(&t->ck, step, c.e, c.n, &meta);
     free(c.name);
     free(c.e);
@@ -1674,8 +1568,8 @@ static dsk_status load_checkpoint(trainer *t, int64_t step) {
     st.growth_tracker = (int32_t)tracker;
     st.hysteresis_left = (int32_t)hyst;
     TM_TRY(dsk_amp_state_set(&t->scaler, &t->ctx, &st));
-    if (t->use_zero) TM_TRY(tz_refresh(&t->zero));
-    for (int i = 0; !t->use_zero && i < m->n_params; i++)
+    if (t->engine) TM_TRY(tz_refresh(&t->zero));
+    for (int i = 0; !t->engine && i < m->n_params; i++)
         if (m->params[i].wc.data != m->params[i].w.data) TM_TRY(dsk_tensor_copy(&t->ctx, &m->params[i].wc, &m->params[i].w));
     t->step = st_step;
     t->applied = applied;
@@ -1846,7 +1740,7 @@ static void setup_metrics(trainer *t) {
 
 /* Bytes of the tensors one checkpoint of this rank holds. */
 static double checkpoint_bytes(trainer *t) {
-    ck_names c = t->par.on ? ck_entries_par(t, 1) : ck_entries(t, 0);
+    ck_names c = ck_entries(t, 0);
     double bytes = 0;
     for (int i = 0; i < c.n; i++) bytes += (double)dsk_tensor_nbytes(c.e[i].tensor);
     free(c.name);
@@ -1921,7 +1815,7 @@ static int64_t slab_bytes(const dsk_tensor *t) { return t->data ? (int64_t)dsk_t
 static void memory_state(trainer *t, dsk_zero_memory *z) {
     const tm_model *m = &t->model;
     memset(z, 0, sizeof *z);
-    if (t->use_zero) tz_memory(&t->zero, z);
+    if (t->engine) tz_memory(&t->zero, z);
     else {
         z->params = slab_bytes(m->slab_wc.data ? &m->slab_wc : &m->slab_w);
         z->grads = slab_bytes(&m->slab_g);
@@ -1931,11 +1825,13 @@ static void memory_state(trainer *t, dsk_zero_memory *z) {
 static void print_memory(trainer *t) {
     dsk_zero_memory z;
     memory_state(t, &z);
-    int64_t slabs = t->use_zero ? 0 : z.params + z.grads + z.optimizer;
+    int64_t slabs = t->engine ? 0 : z.params + z.grads + z.optimizer;
     printf("memory, rank %d: parameters %.3f MiB, gradients %.3f MiB, optimizer state %.3f MiB, compression buffers "
            "%.3f MiB, activations (high-water mark) %.3f MiB%s\n", t->rank, z.params / 1048576.0, z.grads / 1048576.0,
            z.optimizer / 1048576.0, z.comm / 1048576.0, (double)(t->mem_model - slabs) / 1048576.0,
-           t->use_zero ? "" : " (no --zero: every rank holds everything)");
+           t->zopts.stage == 0 ? " (--zero 0: every rank holds everything)" : "");
+    printf("memory bytes, rank %d: parameters %lld, gradients %lld, optimizer state %lld, compression buffers %lld\n",
+           t->rank, (long long)z.params, (long long)z.grads, (long long)z.optimizer, (long long)z.comm);
     fflush(stdout);
 }
 
@@ -1995,7 +1891,7 @@ static void banner(trainer *t) {
             dsk_par_in_flight_bound(ps->kind, ps->pp, ps->M, ps->v, 0));
     }
     report_mla(t, "start");
-    if (t->use_zero) {
+    if (t->engine) {
         double all, comp;
         tz_powersgd_elements(m, t->zopts.psgd_rank, &comp, &all);
         say(t, "zero: stage %d over %d rank%s (experts over %d), gradient reductions %s", o->zero, t->world,
@@ -2098,15 +1994,17 @@ static double central_diff(trainer *t, float *w, int64_t j, double h) {
    of several times the bound; f32 rounding stays well below it. */
 static int grad_check(trainer *t) {
     tm_model *m = &t->model;
-    if (m->cfg.cdt != DSK_F32 || t->world != 1 || t->ctx.device.type != DSK_DEV_CPU || t->use_zero)
+    if (m->cfg.cdt != DSK_F32 || t->world != 1 || t->ctx.device.type != DSK_DEV_CPU || !t->engine ||
+        t->zopts.stage != 0 || t->zopts.compress != DSK_ZERO_COMPRESS_NONE || t->par.on)
         fail(t, "--grad-check needs --dtype f32, one rank, the CPU and --zero 0 --grad-compress none");
     CHECK(load_train_batch(t));
-    CHECK(tm_zero_grads(m));
+    CHECK(tz_begin(&t->zero, 1));
     m->aux_scale = 1.0f;
     m->want_stats = 1; /* the objective reads each forward's MoE loss terms */
     CHECK(tm_forward(m, t->batch_local));
     CHECK(tm_loss(m, 1.0f));
     CHECK(tm_backward(m));
+    CHECK(tz_wait(&t->zero)); /* one rank: the gradients as backward left them */
     int bad = 0, n_check = t->o->grad_check;
     for (int i = 0; i < m->n_params; i++) {
         tm_param *p = &m->params[i];
@@ -2189,9 +2087,7 @@ static void report_stop(trainer *t, int sig) {
 static void cleanup(trainer *t) {
     if (t->have_ck) dsk_ckpt_free(&t->ck);
     dsk_ctx_free(&t->ck_ctx);
-    if (t->use_zero) tz_free(&t->zero);
-    if (t->have_buckets) dsk_comm_buckets_free(&t->buckets);
-    if (t->have_ebuckets) dsk_comm_buckets_free(&t->ebuckets);
+    if (t->engine) tz_free(&t->zero);
     dsk_graph_free(&t->graph);
     tp_free(&t->par);
     dsk_amp_dstep_free(&t->dstep, &t->ctx);
@@ -2236,7 +2132,8 @@ static void hf_options(trainer *t) {
     if (o->export_hf && strcmp(o->export_dtype, "f32") != 0 && strcmp(o->export_dtype, "bf16") != 0 &&
         strcmp(o->export_dtype, "fp8") != 0)
         fail(t, "--export-dtype \"%s\": use f32, bf16 or fp8", o->export_dtype);
-    if (o->export_hf && (o->tp > 1 || o->pp > 1 || o->ep > 1 || t->use_zero))
+    if (o->export_hf && (o->tp > 1 || o->pp > 1 || o->ep > 1 || t->zopts.stage > 0 ||
+                         t->zopts.compress != DSK_ZERO_COMPRESS_NONE))
         fail(t, "--export-hf runs without --tp, --pp, --ep, --zero and --grad-compress in this trainer");
     if (o->export_hf && !o->init_from_hf && strcmp(o->attn, "mla") != 0)
         fail(t, "--export-hf writes DeepSeek's MLA layout: use --attn mla (or --init-from-hf)");
@@ -2244,7 +2141,7 @@ static void hf_options(trainer *t) {
         fail(t, "--export-hf of a softmax-routed model writes DeepseekV2, which has no expert bias: pass "
                 "--bias-rate 0");
     if (!o->init_from_hf) return;
-    if (o->tp > 1 || o->pp > 1 || t->use_zero)
+    if (o->tp > 1 || o->pp > 1 || t->zopts.stage > 0 || t->zopts.compress != DSK_ZERO_COMPRESS_NONE)
         fail(t, "--init-from-hf runs without --tp, --pp, --zero and --grad-compress in this trainer");
     CHECK(dsk_ckpt_hf_deepseek_config_read(&t->hf, o->init_from_hf));
     t->have_hf = 1;
@@ -2286,12 +2183,9 @@ static void check_options(trainer *t) {
     if (!tz_parse_compress(o->grad_compress, &t->zopts))
         fail(t, "--grad-compress \"%s\": use none, bf16 or powersgd:R[:START] (R >= 1, START >= 0)", o->grad_compress);
     t->zopts.stage = o->zero;
-    t->use_zero = o->zero > 0 || t->zopts.compress != DSK_ZERO_COMPRESS_NONE;
-    if (t->use_zero && o->cuda_graph) fail(t, "--cuda-graph runs without --zero and --grad-compress");
-    if (t->use_zero && (o->tp > 1 || o->pp > 1))
-        fail(t, "--zero %d --grad-compress %s with --tp %d --pp %d: sharded data parallelism runs without tensor and "
-                "pipeline parallelism in this trainer (train_par.h reduces its own gradient groups)", o->zero,
-             o->grad_compress, o->tp, o->pp);
+    t->engine = !o->cuda_graph;
+    if (o->cuda_graph && (o->zero > 0 || t->zopts.compress != DSK_ZERO_COMPRESS_NONE))
+        fail(t, "--cuda-graph runs without --zero and --grad-compress");
     if (!(o->lr > 0) || o->min_lr < 0 || o->wd < 0 || o->clip < 0 || o->beta1 < 0 || o->beta1 >= 1 || o->beta2 < 0 || o->beta2 >= 1)
         fail(t, "--lr %g (> 0), --min-lr %g, --wd %g, --clip %g (>= 0), --beta1 %g, --beta2 %g (in [0, 1)) out of range", o->lr,
              o->min_lr, o->wd, o->clip, o->beta1, o->beta2);
@@ -2324,10 +2218,11 @@ int main(int argc, char **argv) {
     setup_model(t);
     t->mem_model = dsk_tensor_mem_stats(t->ctx.device).live_bytes - live0;
     setup_optimizer(t);
-    setup_buckets(t);
+    setup_engine(t);
+    import_hf(t);
     setup_routes(t);
     if (o.cuda_graph && (t->ctx.device.type != DSK_DEV_CUDA || t->world > 1))
-        fail(t, "--cuda-graph needs one rank on a GPU (this run: %d ranks on %s): the gradient buckets of several "
+        fail(t, "--cuda-graph needs one rank on a GPU (this run: %d ranks on %s): the gradient reductions of several "
                 "ranks synchronise through host-side events that a graph cannot hold", t->world,
              t->ctx.device.type == DSK_DEV_CUDA ? "GPUs" : "the CPU");
     if (o.cuda_graph && o.profile)

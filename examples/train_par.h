@@ -19,13 +19,17 @@
                    N/tp tokens (the sequence-parallel shard it already holds), so an MoE layer
                    needs no tensor-parallel collective at all and its experts keep whole GEMMs;
                    the price is that expert weights are not split over tp (EP does that).
-     Gradients: norms and MoE replicated parameters saw only this rank's tokens: summed over
-     the ranks of the stage (tp x dp); tensor-parallel shards over dp; expert shards over the
-     ranks of the stage holding the same experts (tp x edp); then each divided by dp (every
-     data-parallel replica's loss is its own micro-batch mean).
+     Gradients go through the trainer's one engine (train_zero.h, dsk_zero objects), with the
+     groups of tp_places: norms and MoE replicated parameters saw only this rank's tokens: summed
+     over the ranks of the stage (tp x dp); tensor-parallel shards over dp; expert shards over the
+     ranks of the stage holding the same experts (tp x edp); then each times 1/dp (every
+     data-parallel replica's loss is its own micro-batch mean). Each pipeline chunk is its own
+     part: its backward of a micro-batch is one pass (pass_begin), the last micro-batch's reduces
+     (--zero 0-1) or every one reduce-scatters (--zero 2-3); the model's unit hooks drive the
+     ZeRO-3 gathers and the gradient buffers, grad_ready starts each unit's reduction.
    Initialisation: every dense tensor takes the numbers the one-rank model gives it (its full
-     tensor drawn from the same counter offset, then the rank's box copied), MoE layers their
-     own streams; so any layout starts from the one-rank model's weights.
+     tensor drawn from the same counter offset, then the rank's box: tp_places gives the engine
+     both), MoE layers their own streams; so any layout starts from the one-rank model's weights.
    Pipeline: the layers split into pp * v contiguous global stages (v virtual stages for the
      interleaved schedule); rank r runs stages c pp + r. The embedding is on global stage 0, the
      final norm, LM head and loss on the last; the residual stream (N/tp, D) of a micro-batch
@@ -39,14 +43,15 @@
      tokens; with a capacity factor they share the experts' slots).
    Limits (refused with a message): f32 only; --tp divides the heads, the FFN hidden size,
      the vocabulary and the tokens of a micro-batch; every global stage holds a block.
-   Contents: layout (tp_layout, tp_model_init); views; one block (forward, backward); stages
-   (the executor's callbacks, tp_train_batch, tp_eval_batch); gradients (reduction, norm,
-   loss); checkpoints (who writes a piece). */
+   Contents: layout (tp_layout, tp_model_init, tp_places); views; one block (forward, backward);
+   stages (the executor's callbacks, tp_train_batch, tp_eval_batch); loss; checkpoints (who
+   writes the expert bias). */
 #ifndef TRAIN_PAR_H
 #define TRAIN_PAR_H
 
 #include "../dsk_par.h"
 #include "train_model.h"
+#include "train_zero.h"
 
 typedef enum tp_split { TP_REPL = 0, TP_ROWS, TP_COLS } tp_split;
 /* How a gradient reduces; also the order of the parameters in the slabs. */
@@ -84,8 +89,12 @@ typedef struct tp_state {
     int Bm;                         /* sequences per micro-batch */
     int64_t T, Nm, Ns, D, Dl, Dh, Hl, Fl, Vl;
     tp_pinfo pinfo[1024];
-    int64_t group_off[TP_G_COUNT + 1]; /* slab offsets of the gradient groups */
     int group_n[TP_G_COUNT + 1];       /* first parameter of each group */
+    /* the engine's pass of chunk `chunk` (its backward of one micro-batch; sync: the step's last) */
+    dsk_status (*pass_begin)(void *user, int chunk, int sync);
+    void *pass_user;
+    int sync_last;                  /* this batch is the step's last (--accum): its last micro-batch reduces */
+    int pass_micro[17];             /* the micro-batch whose pass each chunk has open, or -1 */
     tp_layer *layers;               /* (n_layers) */
     tp_chunk chunks[16];
     int first, last;                /* chunk holding global stage 0 / the last one, or -1 */
@@ -224,36 +233,6 @@ static dsk_status tp_layout(tp_state *ps, tm_model *m) {
     return DSK_OK;
 }
 
-/* Fresh weights equal to the one-rank model's: the full tensor from its counter offset, then
-   this rank's box; MoE parameters from their layer's streams (expert-parallel aware). */
-static dsk_status tp_init_weights(tp_state *ps, tm_model *m) {
-    for (int i = 0; i < m->n_params; i++) {
-        tm_param *p = &m->params[i];
-        const tp_pinfo *pi = &ps->pinfo[i];
-        if (p->moe_layer >= 0) {
-            TM_TRY(dsk_moe_init_param(&m->blocks[p->moe_layer].moe, m->ctx, p->moe_index, &p->w));
-            continue;
-        }
-        if (!(p->init_std > 0)) { TM_TRY(dsk_tensor_fill(m->ctx, &p->w, 1.0)); continue; }
-        if (pi->split == TP_REPL) {
-            TM_TRY(dsk_tensor_normal(m->ctx, &p->w, m->cfg.seed, pi->init_off, 0.0f, p->init_std));
-            continue;
-        }
-        dsk_tensor full, box;
-        dsk_status s = dsk_tensor_alloc(m->ctx, &full, DSK_F32, p->ndim, pi->full);
-        if (s != DSK_OK) return s;
-        int d = pi->split == TP_ROWS ? 0 : 1;
-        s = dsk_tensor_normal(m->ctx, &full, m->cfg.seed, pi->init_off, 0.0f, p->init_std);
-        if (s == DSK_OK) s = dsk_tensor_slice(&full, d, pi->off[d], p->shape[d], &box);
-        if (s == DSK_OK) s = dsk_tensor_copy(m->ctx, &p->w, &box);
-        dsk_tensor_free(m->ctx, &full);
-        TM_TRY(s);
-    }
-    TM_TRY(dsk_tensor_fill(m->ctx, &m->slab_m, 0.0));
-    TM_TRY(dsk_tensor_fill(m->ctx, &m->slab_v, 0.0));
-    return dsk_tensor_fill(m->ctx, &m->slab_g, 0.0);
-}
-
 static dsk_status tp_alloc(tp_state *ps, dsk_tensor *t, dsk_dtype dt, int64_t r, int64_t c) {
     return tm_alloc2(ps->m, t, dt, r, c);
 }
@@ -323,8 +302,9 @@ static dsk_status tp_grid_init(tp_state *ps, dsk_comm *world, const dsk_par_dims
     return dsk_comm_split(world, at->pp * d->ep + at->ep, world->rank, &ps->xrep);
 }
 
-/* The model of this rank: like tm_init, for the stages and the tensor-parallel shard of the
-   grid. ps->tp/pp/v/M/kind and the grid are set. */
+/* The model of this rank: like tm_init with cfg->external (the engine binds the weights and
+   gradients: tp_places), for the stages and the tensor-parallel shard of the grid.
+   ps->tp/pp/v/M/kind and the grid are set. */
 static dsk_status tp_model_init(tp_state *ps, tm_model *m, dsk_ctx *ctx, const tm_config *cfg) {
     memset(m, 0, sizeof *m);
     m->cfg = *cfg;
@@ -333,6 +313,7 @@ static dsk_status tp_model_init(tp_state *ps, tm_model *m, dsk_ctx *ctx, const t
     ps->ctx = ctx;
     TM_TRY(tm_check_config(cfg));
     TM_TRY(tp_check(ps, cfg));
+    if (!cfg->external) return dsk_set_error(DSK_ERR_ARG, "tp_model_init: the model must be external (tz_init binds it)");
     int r = ps->grid.at.pp, P = ps->pp * ps->v;
     ps->first = ps->last = -1;
     for (int c = 0; c < ps->v; c++) {
@@ -377,19 +358,38 @@ static dsk_status tp_model_init(tp_state *ps, tm_model *m, dsk_ctx *ctx, const t
         m->numel += tm_param_numel(&m->params[i]);
         if (i < m->n_dense_params) m->numel_dense = m->numel;
     }
-    for (int g = 0; g <= TP_G_COUNT; g++) {
-        int64_t o = 0;
-        for (int j = 0; j < ps->group_n[g]; j++) o += tm_param_numel(&m->params[j]);
-        ps->group_off[g] = o;
-    }
-    TM_TRY(tm_alloc_slab(m, &m->slab_w, DSK_F32));
-    TM_TRY(tm_alloc_slab(m, &m->slab_g, DSK_F32));
-    TM_TRY(tm_alloc_slab(m, &m->slab_m, DSK_F32));
-    TM_TRY(tm_alloc_slab(m, &m->slab_v, DSK_F32));
-    TM_TRY(tm_bind(m));
-    TM_TRY(tp_init_weights(ps, m));
     TM_TRY(tp_alloc_acts(ps));
     return tm_bind_moe(m);
+}
+
+/* The engine's groups and where each of this rank's parameters goes (train_zero.h):
+   replicated parameters over the stage (tp x dp), tensor-parallel shards over dp, expert shards
+   over the stage's ranks holding the same experts (tp x edp), each summed times 1/dp; the part is
+   the chunk holding the parameter (the head: part v, see tp_pass); the box is the rank's part of the full tensor; the counters
+   are the one-rank model's. */
+static void tp_places(tp_state *ps, tz_group groups[TP_G_COUNT], tz_place *place) {
+    tm_model *m = ps->m;
+    dsk_comm *comms[TP_G_COUNT] = {&ps->stage, &ps->grid.dp, &ps->xrep};
+    for (int g = 0; g < TP_G_COUNT; g++) {
+        groups[g].comm = comms[g];
+        groups[g].sum_only = 1;
+        groups[g].post_scale = 1.0f / (float)ps->dp;
+    }
+    for (int i = 0; i < m->n_params; i++) {
+        const tm_param *p = &m->params[i];
+        const tp_pinfo *pi = &ps->pinfo[i];
+        tz_place *pl = &place[i];
+        int split, l = tp_param_layer(m, p, &split);
+        memset(pl, 0, sizeof *pl);
+        pl->group = pi->group;
+        pl->part = l >= 0 ? tp_chunk_of(ps, l) : p == m->embed ? ps->first : ps->v; /* the head: its own part */
+        pl->init_off = pi->init_off;
+        if (pi->split == TP_REPL && pi->group != TP_G_EXPERT) continue;
+        for (int d = 0; d < p->ndim; d++) {
+            pl->global_shape[d] = pi->full[d];
+            pl->offset[d] = pi->off[d];
+        }
+    }
 }
 
 static void tp_free(tp_state *ps) {
@@ -486,24 +486,24 @@ static dsk_status tp_block_forward(tp_state *ps, int l, int slot, int micro, dsk
     dsk_comm *tp = &ps->grid.tp;
     const tm_config *c = &m->cfg;
     tp_acts s = tp_slot(ps, l, slot);
-    TM_T(TM_PH_NORM, dsk_rmsnorm(ctx, &s.h1, &s.rstd1, &s.x, &b->ln1->w, c->norm_eps));
+    TM_T(TM_PH_NORM, dsk_rmsnorm(ctx, &s.h1, &s.rstd1, &s.x, &b->ln1->wc, c->norm_eps));
     dsk_tensor *Y3[3] = {&s.q, &s.k, &s.v};
-    const dsk_tensor *W3[3] = {&b->wq->w, &b->wk->w, &b->wv->w};
+    const dsk_tensor *W3[3] = {&b->wq->wc, &b->wk->wc, &b->wv->wc};
     TM_T(TM_PH_LINEAR, dsk_par_column_forward(tp, ctx, 3, Y3, W3, &s.h1, tp_sp(ps, &s.h1g)));
     dsk_tensor q4 = tp_heads(ps, &s.q), k4 = tp_heads(ps, &s.k), v4 = tp_heads(ps, &s.v);
     dsk_tensor qr4 = tp_heads(ps, &s.qr), kr4 = tp_heads(ps, &s.kr), att4 = tp_heads(ps, &s.att);
     TM_T(TM_PH_ROPE, dsk_rope(ctx, &qr4, &q4, 0, c->rope_theta));
     TM_T(TM_PH_ROPE, dsk_rope(ctx, &kr4, &k4, 0, c->rope_theta));
     TM_T(TM_PH_ATTN, dsk_attention(ctx, &att4, &s.probs, &qr4, &kr4, &v4, 1.0f / sqrtf((float)ps->Dh)));
-    TM_T(TM_PH_LINEAR, dsk_par_row_forward(tp, ctx, &ps->tmp, tp_sp(ps, &ps->big), &s.att, &b->wo->w));
+    TM_T(TM_PH_LINEAR, dsk_par_row_forward(tp, ctx, &ps->tmp, tp_sp(ps, &ps->big), &s.att, &b->wo->wc));
     TM_T(TM_PH_MOVE, dsk_add(ctx, &s.x2, &s.x, &ps->tmp));
-    TM_T(TM_PH_NORM, dsk_rmsnorm(ctx, &s.h2, &s.rstd2, &s.x2, &b->ln2->w, c->norm_eps));
+    TM_T(TM_PH_NORM, dsk_rmsnorm(ctx, &s.h2, &s.rstd2, &s.x2, &b->ln2->wc, c->norm_eps));
     if (!b->is_moe) {
         dsk_tensor *Y2[2] = {&s.g, &s.u};
-        const dsk_tensor *W2[2] = {&b->w1->w, &b->w3->w};
+        const dsk_tensor *W2[2] = {&b->w1->wc, &b->w3->wc};
         TM_T(TM_PH_FFN, dsk_par_column_forward(tp, ctx, 2, Y2, W2, &s.h2, tp_sp(ps, &s.h2g)));
         TM_T(TM_PH_FFN, dsk_swiglu(ctx, &s.a, &s.g, &s.u));
-        TM_T(TM_PH_FFN, dsk_par_row_forward(tp, ctx, &ps->tmp, tp_sp(ps, &ps->big), &s.a, &b->w2->w));
+        TM_T(TM_PH_FFN, dsk_par_row_forward(tp, ctx, &ps->tmp, tp_sp(ps, &ps->big), &s.a, &b->w2->wc));
         TM_T(TM_PH_MOVE, dsk_add(ctx, y, &s.x2, &ps->tmp));
         return DSK_OK;
     }
@@ -523,12 +523,12 @@ static dsk_status tp_block_backward(tp_state *ps, int l, int slot, int micro) {
     tp_acts s = tp_slot(ps, l, slot);
     if (!b->is_moe) {
         TM_T(TM_PH_FFN,
-             dsk_par_row_backward(tp, ctx, &ps->da, &b->w2->g, &ps->dx, tp_sp(ps, &ps->big), &s.a, &b->w2->w));
+             dsk_par_row_backward(tp, ctx, &ps->da, &b->w2->g, &ps->dx, tp_sp(ps, &ps->big), &s.a, &b->w2->wc));
         TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, &ps->dg, 0.0));
         TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, &ps->du, 0.0));
         TM_T(TM_PH_FFN, dsk_swiglu_backward(ctx, &ps->dg, &ps->du, &ps->da, &s.g, &s.u));
         dsk_tensor *dW[2] = {&b->w1->g, &b->w3->g};
-        const dsk_tensor *dY[2] = {&ps->dg, &ps->du}, *W[2] = {&b->w1->w, &b->w3->w};
+        const dsk_tensor *dY[2] = {&ps->dg, &ps->du}, *W[2] = {&b->w1->wc, &b->w3->wc};
         TM_T(TM_PH_FFN, dsk_par_column_backward(tp, ctx, 2, &ps->dh, tp_sp(ps, &ps->big), dW, dY, W, &s.h2g));
     } else {
         tp_layer *L = &ps->layers[l];
@@ -543,9 +543,9 @@ static dsk_status tp_block_backward(tp_state *ps, int l, int slot, int micro) {
         TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, &ps->dh, 0.0));
         TM_T(TM_PH_MOE, dsk_moe_backward(&b->moe, ctx, &ps->dh, &ps->dx, m->aux_scale));
     }
-    TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &ps->dx, &b->ln2->g, &ps->dh, &s.x2, &b->ln2->w, &s.rstd2));
+    TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &ps->dx, &b->ln2->g, &ps->dh, &s.x2, &b->ln2->wc, &s.rstd2));
     TM_T(TM_PH_LINEAR,
-         dsk_par_row_backward(tp, ctx, &ps->datt, &b->wo->g, &ps->dx, tp_sp(ps, &ps->big), &s.att, &b->wo->w));
+         dsk_par_row_backward(tp, ctx, &ps->datt, &b->wo->g, &ps->dx, tp_sp(ps, &ps->big), &s.att, &b->wo->wc));
     dsk_tensor *zs[] = {&ps->dqr, &ps->dkr, &ps->dv, &ps->dq, &ps->dk};
     for (size_t i = 0; i < 5; i++) TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, zs[i], 0.0));
     dsk_tensor qr4 = tp_heads(ps, &s.qr), kr4 = tp_heads(ps, &s.kr), v4 = tp_heads(ps, &s.v);
@@ -556,13 +556,46 @@ static dsk_status tp_block_backward(tp_state *ps, int l, int slot, int micro) {
     TM_T(TM_PH_ROPE, dsk_rope_backward(ctx, &dq4, &dqr4, 0, c->rope_theta));
     TM_T(TM_PH_ROPE, dsk_rope_backward(ctx, &dk4, &dkr4, 0, c->rope_theta));
     dsk_tensor *dW[3] = {&b->wq->g, &b->wk->g, &b->wv->g};
-    const dsk_tensor *dY[3] = {&ps->dq, &ps->dk, &ps->dv}, *W[3] = {&b->wq->w, &b->wk->w, &b->wv->w};
+    const dsk_tensor *dY[3] = {&ps->dq, &ps->dk, &ps->dv}, *W[3] = {&b->wq->wc, &b->wk->wc, &b->wv->wc};
     TM_T(TM_PH_LINEAR, dsk_par_column_backward(tp, ctx, 3, &ps->dh, tp_sp(ps, &ps->big), dW, dY, W, &s.h1g));
-    TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &ps->dx, &b->ln1->g, &ps->dh, &s.x, &b->ln1->w, &s.rstd1));
+    TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &ps->dx, &b->ln1->g, &ps->dh, &s.x, &b->ln1->wc, &s.rstd1));
     return DSK_OK;
 }
 
 /* ------------------------------------------------------------------ stages */
+
+/* Every gradient of unit `unit` is final for this micro-batch: the engine may reduce it. */
+static dsk_status tp_unit_ready(tp_state *ps, int unit) {
+    for (int i = 0; i < ps->m->n_params; i++)
+        if (ps->m->params[i].unit == unit) TM_TRY(tm_ready(ps->m, &ps->m->params[i]));
+    return DSK_OK;
+}
+
+/* Opens the engine's pass of part `chunk` for micro-batch `micro` unless it is open. The head
+   (final norm and LM head) is part v of its own: it runs its backward inside the last chunk's
+   forward, and the schedules may run the next micro-batch's forward of that chunk before the
+   chunk's backward (interleaved). */
+static dsk_status tp_pass(tp_state *ps, int chunk, int micro) {
+    if (ps->pass_micro[chunk] == micro) return DSK_OK;
+    ps->pass_micro[chunk] = micro;
+    return ps->pass_begin ? ps->pass_begin(ps->pass_user, chunk, ps->sync_last && micro == ps->M - 1) : DSK_OK;
+}
+
+/* Block l's forward inside its unit's edges. */
+static dsk_status tp_unit_forward(tp_state *ps, int l, int slot, int micro, dsk_tensor *y) {
+    TM_TRY(tm_unit(ps->m, l + 1, TM_FWD_BEGIN));
+    TM_TRY(tp_block_forward(ps, l, slot, micro, y));
+    return tm_unit(ps->m, l + 1, TM_FWD_END);
+}
+
+/* Block l's backward inside its unit's edges, its gradients then final. */
+static dsk_status tp_unit_backward(tp_state *ps, int l, int slot, int micro) {
+    TM_TRY(tm_unit(ps->m, l + 1, TM_BWD_BEGIN));
+    TM_TRY(tp_block_backward(ps, l, slot, micro));
+    TM_TRY(tp_unit_ready(ps, l + 1));
+    return tm_unit(ps->m, l + 1, TM_BWD_END);
+}
+
 
 /* The last global stage's head on ps->xf: loss (added to loss_sum); in training also its
    backward, leaving d(xf) in the chunk's out_grad of this micro-batch. */
@@ -572,9 +605,11 @@ static dsk_status tp_head(tp_state *ps, int micro) {
     dsk_comm *tp = &ps->grid.tp;
     dsk_tensor tg = tp_part(&m->targets, micro, ps->Nm), hfx = ps->tp > 1 ? ps->hfg : ps->hf;
     dsk_tensor *Y[1] = {&ps->logits};
-    const dsk_tensor *W[1] = {&m->lm_head->w};
+    const dsk_tensor *W[1] = {&m->lm_head->wc};
+    int unit = m->cfg.n_layers + 1;
     float loss;
-    TM_T(TM_PH_NORM, dsk_rmsnorm(ctx, &ps->hf, &ps->rstdf, &ps->xf, &m->ln_f->w, m->cfg.norm_eps));
+    TM_TRY(tm_unit(m, unit, TM_FWD_BEGIN));
+    TM_T(TM_PH_NORM, dsk_rmsnorm(ctx, &ps->hf, &ps->rstdf, &ps->xf, &m->ln_f->wc, m->cfg.norm_eps));
     TM_T(TM_PH_HEAD, dsk_par_column_forward(tp, ctx, 1, Y, W, &ps->hf, tp_sp(ps, &ps->hfg)));
     TM_T(TM_PH_HEAD, dsk_par_cross_entropy(tp, ctx, &m->loss, ps->train ? &ps->dlogits : NULL, &ps->logits, &tg, -1,
                                            ps->gscale));
@@ -582,14 +617,17 @@ static dsk_status tp_head(tp_state *ps, int micro) {
     TM_TRY(dsk_tensor_wrap(&hl, &loss, DSK_F32, dsk_cpu(), 0, NULL));
     TM_TRY(dsk_tensor_copy(ctx, &hl, &m->loss));
     ps->loss_sum += loss;
-    if (!ps->train) return DSK_OK;
+    if (!ps->train) return tm_unit(m, unit, TM_FWD_END);
+    TM_TRY(tp_pass(ps, ps->v, micro)); /* the unit stays gathered from its forward to its backward */
+    TM_TRY(tm_unit(m, unit, TM_BWD_BEGIN));
     dsk_tensor *dW[1] = {&m->lm_head->g};
     const dsk_tensor *dY[1] = {&ps->dlogits};
     TM_T(TM_PH_HEAD, dsk_par_column_backward(tp, ctx, 1, &ps->dh, tp_sp(ps, &ps->big), dW, dY, W, &hfx));
     dsk_tensor og = tp_part(&ps->chunks[ps->last].out_grad, micro, ps->Ns);
     TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, &og, 0.0));
-    TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &og, &m->ln_f->g, &ps->dh, &ps->xf, &m->ln_f->w, &ps->rstdf));
-    return DSK_OK;
+    TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &og, &m->ln_f->g, &ps->dh, &ps->xf, &m->ln_f->wc, &ps->rstdf));
+    TM_TRY(tp_unit_ready(ps, unit));
+    return tm_unit(m, unit, TM_BWD_END);
 }
 
 static dsk_status tp_forward_chunk(void *user, int micro, int chunk) {
@@ -600,8 +638,10 @@ static dsk_status tp_forward_chunk(void *user, int micro, int chunk) {
     dsk_tensor x0 = tp_slot(ps, ch->lo, slot).x;
     if (ch->stage == 0) {
         dsk_tensor ids = tp_part(&m->ids, micro, ps->Nm);
+        TM_TRY(tm_unit(m, 0, TM_FWD_BEGIN));
         TM_T(TM_PH_EMBED,
-             dsk_par_embedding_forward(&ps->grid.tp, ps->ctx, &x0, tp_sp(ps, &ps->big), &m->embed->w, &ids));
+             dsk_par_embedding_forward(&ps->grid.tp, ps->ctx, &x0, tp_sp(ps, &ps->big), &m->embed->wc, &ids));
+        TM_TRY(tm_unit(m, 0, TM_FWD_END));
     } else {
         dsk_tensor in = tp_part(&ch->in_act, micro, ps->Ns);
         TM_T(TM_PH_MOVE, dsk_tensor_copy(ps->ctx, &x0, &in));
@@ -609,7 +649,7 @@ static dsk_status tp_forward_chunk(void *user, int micro, int chunk) {
     for (int l = ch->lo; l < ch->hi; l++) {
         dsk_tensor y = l + 1 < ch->hi ? tp_slot(ps, l + 1, slot).x
                        : chunk == ps->last ? ps->xf : tp_part(&ch->out_act, micro, ps->Ns);
-        TM_TRY(tp_block_forward(ps, l, slot, micro, &y));
+        TM_TRY(tp_unit_forward(ps, l, slot, micro, &y));
     }
     return chunk == ps->last ? tp_head(ps, micro) : DSK_OK;
 }
@@ -620,13 +660,16 @@ static dsk_status tp_backward_chunk(void *user, int micro, int chunk) {
     const tp_chunk *ch = &ps->chunks[chunk];
     int slot = micro % ps->S;
     dsk_tensor og = tp_part(&ch->out_grad, micro, ps->Ns);
+    TM_TRY(tp_pass(ps, chunk, micro));
     TM_T(TM_PH_MOVE, dsk_tensor_copy(ps->ctx, &ps->dx, &og));
-    for (int l = ch->hi - 1; l >= ch->lo; l--) TM_TRY(tp_block_backward(ps, l, slot, micro));
+    for (int l = ch->hi - 1; l >= ch->lo; l--) TM_TRY(tp_unit_backward(ps, l, slot, micro));
     if (ch->stage == 0) {
         dsk_tensor ids = tp_part(&m->ids, micro, ps->Nm);
+        TM_TRY(tm_unit(m, 0, TM_BWD_BEGIN));
         TM_T(TM_PH_EMBED,
              dsk_par_embedding_backward(&ps->grid.tp, ps->ctx, &m->embed->g, &ps->dx, tp_sp(ps, &ps->big), &ids));
-        return DSK_OK;
+        TM_TRY(tp_unit_ready(ps, 0));
+        return tm_unit(m, 0, TM_BWD_END);
     }
     dsk_tensor ig = tp_part(&ch->in_grad, micro, ps->Ns);
     TM_T(TM_PH_MOVE, dsk_tensor_copy(ps->ctx, &ig, &ps->dx));
@@ -650,6 +693,7 @@ static dsk_status tp_train_batch(tp_state *ps, float gscale, double *loss) {
     ps->gscale = gscale;
     ps->loss_sum = 0;
     for (int l = 0; l < ps->m->cfg.n_layers; l++) ps->layers[l].moe_micro = -1;
+    for (int c = 0; c <= ps->v; c++) ps->pass_micro[c] = -1;
     TM_TRY(dsk_par_pipeline_run(&ps->sched, &ps->grid.pp, ps->ctx, &f));
     *loss = ps->last >= 0 ? ps->loss_sum / ps->M : 0.0;
     return DSK_OK;
@@ -690,69 +734,7 @@ static dsk_status tp_logits_row(tp_state *ps, int64_t row, float *out) {
     return dsk_tensor_copy(ps->ctx, &hrow, &ps->vrow);
 }
 
-/* ------------------------------------------------------------------ gradients */
-
-/* Slab range [a, b) of the gradient as a flat tensor. */
-static dsk_status tp_grad_range(tp_state *ps, int g, dsk_tensor *t) {
-    int64_t a = ps->group_off[g], b = ps->group_off[g + 1];
-    return dsk_tensor_slice(&ps->m->slab_g, 0, a, b - a, t);
-}
-
-/* After backward: every gradient the mean over all data-parallel replicas' micro-batch means
-   (see the top of the file for the groups). */
-static dsk_status tp_reduce_grads(tp_state *ps) {
-    dsk_comm *comms[TP_G_COUNT] = {&ps->stage, &ps->grid.dp, &ps->xrep};
-    for (int g = 0; g < TP_G_COUNT; g++) {
-        dsk_tensor t;
-        TM_TRY(tp_grad_range(ps, g, &t));
-        int64_t n = dsk_tensor_numel(&t);
-        if (n == 0) continue;
-        if (comms[g]->world_size > 1)
-            TM_TRY(dsk_comm_all_reduce(comms[g], ps->ctx, t.data, t.data, n, DSK_F32, DSK_COMM_SUM));
-        if (ps->dp > 1) TM_TRY(dsk_scale(ps->ctx, &t, 1.0f / (float)ps->dp));
-    }
-    return DSK_OK;
-}
-
-/* Weight of a group's squared norm on this rank so that each distinct element counts once
-   over the world: replicated over tp and dp, tensor-parallel shards over dp, experts over tp
-   and edp. */
-static int tp_norm_owner(const tp_state *ps, int g) {
-    const dsk_par_coords *at = &ps->grid.at;
-    if (g == TP_G_REPL) return at->tp == 0 && at->dp == 0;
-    if (g == TP_G_SHARD) return at->dp == 0;
-    return at->tp == 0 && at->edp == 0;
-}
-
-/* Unscales every gradient; f[0] = 1 when one is not finite, f[1] += this rank's share of the
-   squared norm (each distinct element counted once over the world). The caller sums f over
-   the world and hands it to tp_unscale_join. */
-static dsk_status tp_unscale(tp_state *ps, dsk_amp_scaler *sc, double f[2]) {
-    tm_model *m = ps->m;
-    dsk_tensor *gs[1024];
-    f[0] = f[1] = 0;
-    for (int g = 0; g < TP_G_COUNT; g++) {
-        int n = 0;
-        for (int i = ps->group_n[g]; i < ps->group_n[g + 1]; i++) gs[n++] = &m->params[i].g;
-        dsk_amp_stats a;
-        memset(&a, 0, sizeof a);
-        if (n > 0) {
-            TM_TRY(dsk_amp_unscale(sc, ps->ctx, gs, n));
-            TM_TRY(dsk_amp_stats_get(sc, ps->ctx, &a));
-        }
-        if (a.found_inf > 0) f[0] = 1;
-        if (tp_norm_owner(ps, g)) f[1] += a.sumsq;
-    }
-    return DSK_OK;
-}
-
-/* The world's sums of tp_unscale's f into the scaler (its next update reads them) and *out. */
-static dsk_status tp_unscale_join(tp_state *ps, dsk_amp_scaler *sc, const double f[2], dsk_amp_stats *out) {
-    memset(out, 0, sizeof *out);
-    out->found_inf = f[0];
-    out->sumsq = f[1];
-    return dsk_amp_stats_set(sc, ps->ctx, out);
-}
+/* ------------------------------------------------------------------ loss */
 
 /* This rank's part of the world's mean of a value the last stage's ranks hold (one per
    data-parallel replica; the others give 0): sum it over the world. */
@@ -769,7 +751,7 @@ static double tp_comm_seconds(const tp_state *ps) {
 
 /* ------------------------------------------------------------------ checkpoints */
 
-/* Is this rank the one that writes parameter group g's pieces? */
-static int tp_writer(const tp_state *ps, int g) { return tp_norm_owner(ps, g); }
+/* Is this rank the one that writes its stage's expert biases (replicated over tp and dp)? */
+static int tp_bias_writer(const tp_state *ps) { return ps->grid.at.tp == 0 && ps->grid.at.dp == 0; }
 
 #endif /* TRAIN_PAR_H */

@@ -1,21 +1,32 @@
-/* train_zero.h - the sharded data parallelism of examples/train_moe.c (--zero 1|2|3,
-   --grad-compress): every model parameter lives in a dsk_zero object instead of the model's
-   slabs (tm_config.external), which binds its compute weights (wc) and f32 gradient (g).
+/* train_zero.h - the gradient and optimizer engine of examples/train_moe.c: every model
+   parameter lives in a dsk_zero object (the model is built with tm_config.external), which binds
+   its compute weights (wc) and f32 gradient (g), reduces the gradients (all-reduce at --zero 0,
+   reduce-scatter at 2-3, bucketed by unit and overlapped with backward; --grad-compress),
+   unscales them, takes the norm and the skip decision (one all-reduce over the world), steps
+   AdamW on f32 masters (sharded at --zero 1-3) and casts back (gathering at 1-3). Every layout
+   takes this one path: data, expert, tensor and pipeline parallelism differ only in the groups
+   the caller describes (tz_group, tz_place).
 
-   Objects: one per (dense or expert-sharded, compute dtype), so at most four: the dense
-   parameters in the model's compute dtype and in f32 (MoE routers) over every rank, averaged;
-   the expert-sharded ones over the ranks holding the same experts, summed then times 1/world
-   (the same rule as the trainer's buckets: each expert's gradient already gathers every token
-   of its expert-parallel group). Units: the model's (embedding, each block, final norm and head),
-   driven by the model's unit hook; the MoE layers are bound to their parameters' views again
-   whenever ZeRO moves them (stage 3 gathers, stage 2-3 gradient buffers). Weights start as the
-   trainer's (the same counter-based streams, element by element), so every stage trains the
-   same model; checkpoints hold the objects' pieces (dsk_zero's format: flattened tensors).
+   Groups: a parameter's gradient reduces over the ranks of its group (its communicator), as the
+     average or as the sum times post_scale. Data parallelism: the dense parameters average over
+     every rank; the expert-sharded ones sum over the ranks holding the same experts, times
+     1/world (each expert's gradient already gathers every token of its expert-parallel group).
+     Tensor and pipeline parallelism (train_par.h): see tp_places.
+   Objects: one per (group, part, compute dtype): the part is the pipeline chunk, so that each
+     chunk's backward of a micro-batch is one dsk_zero pass (tz_begin_part). Units: the model's
+     (embedding, each block, final norm and head), driven by the model's unit hook; the MoE
+     layers are bound to their parameters' views again whenever ZeRO moves them (stage 3
+     gathers, stage 2-3 gradient buffers).
+   Weights start as the one-rank model's (the same counter-based streams, element by element: a
+     parameter that is a box of a global tensor takes that box of the global tensor's numbers),
+     so every layout and stage trains the same model; checkpoints hold the objects' pieces under
+     the global tensors' names and shapes, so any layout resumes any other.
 
    In train_moe.c:
-       tm_init with cfg.external = 1; tz_init(&z, &model, ctx, &dp, &rep, world, &opts, seed);
-       each step: for each micro-batch a: tz_begin(&z, a == last); forward, loss, backward (the hooks);
-                  tz_wait; tz_decide (unscale, clip, skip: one all-reduce); tz_step; dsk_amp_update
+       tm_init with cfg.external = 1; tz_places_dp (or tp_places); tz_init(&z, &model, ctx, groups, places, &opts, seed);
+       each step: for each micro-batch a: tz_begin(&z, a == last) (train_par.h: tz_begin_part per chunk);
+                  forward, loss, backward (the hooks); tz_wait; tz_decide (unscale, clip, skip: one
+                  all-reduce); tz_step; dsk_amp_update
        checkpoints: tz_ckpt_entries(SAVE or LOAD) next to the other entries; after a load tz_refresh */
 #ifndef TRAIN_ZERO_H
 #define TRAIN_ZERO_H
@@ -26,7 +37,8 @@
 #include "../dsk_zero.h"
 #include "train_model.h"
 
-#define TZ_MAX_OBJ 4
+#define TZ_MAX_OBJ 48
+#define TZ_MAX_GROUPS 4
 
 typedef struct tz_opts {
     int stage;                  /* 0..3 */
@@ -34,13 +46,28 @@ typedef struct tz_opts {
     int psgd_rank, psgd_start;  /* PowerSGD rank and first compressed pass */
 } tz_opts;
 
+/* A reduction group: the ranks holding the same parameters (NULL: this rank alone). */
+typedef struct tz_group {
+    dsk_comm *comm;
+    int sum_only;     /* 1: the sum times post_scale; 0: the average */
+    float post_scale;
+} tz_group;
+
+/* Where model parameter i goes. */
+typedef struct tz_place {
+    int group, part;          /* its tz_group, its part (pipeline chunk; 0 without a pipeline) */
+    int64_t global_shape[3];  /* [all 0: the whole tensor] the global tensor it is a box of */
+    int64_t offset[3];        /* where the box starts */
+    uint64_t init_off;        /* dense parameters: the counter of the global tensor's element 0 */
+} tz_place;
+
 typedef struct tz {
     tm_model *m;
     dsk_ctx *ctx;
     int stage, n_obj;
     dsk_zero z[TZ_MAX_OBJ];
     dsk_zero *zp[TZ_MAX_OBJ];
-    int obj_sharded[TZ_MAX_OBJ];
+    int obj_group[TZ_MAX_OBJ], obj_part[TZ_MAX_OBJ];
     dsk_dtype obj_dt[TZ_MAX_OBJ];
     int *obj_of, *idx_of;       /* [model params]: object and index in it */
     dsk_tensor scratch;         /* f32, the largest MoE parameter: the gradient an MoE layer is bound to while its
@@ -67,12 +94,14 @@ static int tz_parse_compress(const char *s, tz_opts *o) {
     return *end == 0;
 }
 
-/* The object a parameter goes to: by (expert-sharded, compute dtype), created in first-seen order. */
-static int tz_object_of(tz *t, const tm_param *p) {
+/* The object a parameter goes to: by (group, part, compute dtype), created in first-seen order. */
+static int tz_object_of(tz *t, const tm_param *p, const tz_place *pl) {
     dsk_dtype dt = tm_param_dtype(t->m, p);
     for (int k = 0; k < t->n_obj; k++)
-        if (t->obj_sharded[k] == p->sharded && t->obj_dt[k] == dt) return k;
-    t->obj_sharded[t->n_obj] = p->sharded;
+        if (t->obj_group[k] == pl->group && t->obj_part[k] == pl->part && t->obj_dt[k] == dt) return k;
+    if (t->n_obj == TZ_MAX_OBJ) return -1;
+    t->obj_group[t->n_obj] = pl->group;
+    t->obj_part[t->n_obj] = pl->part;
     t->obj_dt[t->n_obj] = dt;
     return t->n_obj++;
 }
@@ -129,37 +158,90 @@ static dsk_status tz_grad_ready(void *user, int param) {
     return dsk_zero_grad_ready(&t->z[t->obj_of[param]], t->ctx, t->idx_of[param]);
 }
 
-/* Fresh weights in this rank's pieces, element for element the model's own initialisation
-   (tm_init_weights): the counter of element j of a dense parameter is its offset + j; an MoE
-   parameter comes from its layer's stream through a whole temporary tensor. */
-static dsk_status tz_init_weights(tz *t, uint64_t seed) {
+/* Piece pc of a parameter that is the box (offset, shape) of a global tensor drawn from the
+   counter offset init_off: the global tensor, its box, the piece of the box's flattening. */
+static dsk_status tz_init_box(tz *t, const tm_param *p, const tz_place *pl, dsk_zero_piece *pc, uint64_t seed) {
+    dsk_tensor full, box, local, flat, part;
+    int64_t n = tm_param_numel(p);
+    dsk_status s = dsk_tensor_alloc(t->ctx, &full, DSK_F32, p->ndim, pl->global_shape);
+    if (s != DSK_OK) return s;
+    if ((s = dsk_tensor_alloc(t->ctx, &local, DSK_F32, p->ndim, p->shape)) != DSK_OK) {
+        dsk_tensor_free(t->ctx, &full);
+        return s;
+    }
+    s = dsk_tensor_normal(t->ctx, &full, seed, pl->init_off, 0.0f, p->init_std);
+    box = full;
+    for (int d = 0; d < p->ndim && s == DSK_OK; d++) {
+        dsk_tensor cut;
+        if ((s = dsk_tensor_slice(&box, d, pl->offset[d], p->shape[d], &cut)) == DSK_OK) box = cut;
+    }
+    if (s == DSK_OK) s = dsk_tensor_copy(t->ctx, &local, &box);
+    if (s == DSK_OK) s = dsk_tensor_reshape(&local, 1, &n, &flat);
+    if (s == DSK_OK) s = dsk_tensor_slice(&flat, 0, pc->first, pc->count, &part);
+    if (s == DSK_OK) s = dsk_tensor_copy(t->ctx, &pc->master, &part);
+    dsk_tensor_free(t->ctx, &local);
+    dsk_tensor_free(t->ctx, &full);
+    return s;
+}
+
+/* Piece pc of an MoE parameter: from its layer's stream through a whole temporary tensor. */
+static dsk_status tz_init_moe(tz *t, const tm_param *p, dsk_zero_piece *pc) {
+    dsk_tensor full, flat, part;
+    int64_t n = tm_param_numel(p);
+    dsk_status s = dsk_tensor_alloc(t->ctx, &full, DSK_F32, p->ndim, p->shape);
+    if (s != DSK_OK) return s;
+    s = dsk_moe_init_param(&t->m->blocks[p->moe_layer].moe, t->ctx, p->moe_index, &full);
+    if (s == DSK_OK) s = dsk_tensor_reshape(&full, 1, &n, &flat);
+    if (s == DSK_OK) s = dsk_tensor_slice(&flat, 0, pc->first, pc->count, &part);
+    if (s == DSK_OK) s = dsk_tensor_copy(t->ctx, &pc->master, &part);
+    dsk_tensor_free(t->ctx, &full);
+    return s;
+}
+
+/* Fresh weights in this rank's pieces, element for element the one-rank model's initialisation
+   (tm_init_weights): element j of a dense global tensor draws counter init_off + j; norm weights
+   are ones; MoE parameters come from their layers' streams. */
+static dsk_status tz_init_weights(tz *t, const tz_place *place, uint64_t seed) {
     tm_model *m = t->m;
-    uint64_t off = 0;
     for (int i = 0; i < m->n_params; i++) {
         tm_param *p = &m->params[i];
+        const tz_place *pl = &place[i];
         dsk_zero_piece pc;
         TM_TRY(dsk_zero_get_piece(&t->z[t->obj_of[i]], t->idx_of[i], &pc));
-        if (p->moe_layer >= 0) {
-            dsk_tensor full, flat, part;
-            int64_t n = tm_param_numel(p);
-            dsk_status s;
-            if (pc.count == 0) continue;
-            TM_TRY(dsk_tensor_alloc(t->ctx, &full, DSK_F32, p->ndim, p->shape));
-            s = dsk_moe_init_param(&m->blocks[p->moe_layer].moe, t->ctx, p->moe_index, &full);
-            if (s == DSK_OK) s = dsk_tensor_reshape(&full, 1, &n, &flat);
-            if (s == DSK_OK) s = dsk_tensor_slice(&flat, 0, pc.first, pc.count, &part);
-            if (s == DSK_OK) s = dsk_tensor_copy(t->ctx, &pc.master, &part);
-            dsk_tensor_free(t->ctx, &full);
-            TM_TRY(s);
-            continue;
-        }
-        if (pc.count > 0 && p->init_std > 0)
-            TM_TRY(dsk_tensor_normal(t->ctx, &pc.master, seed, off + (uint64_t)pc.first, 0.0f, p->init_std));
-        else if (pc.count > 0)
-            TM_TRY(dsk_tensor_fill(t->ctx, &pc.master, 1.0));
-        off += (uint64_t)tm_param_numel(p);
+        if (pc.count == 0) continue;
+        if (p->moe_layer >= 0) TM_TRY(tz_init_moe(t, p, &pc));
+        else if (!(p->init_std > 0)) TM_TRY(dsk_tensor_fill(t->ctx, &pc.master, 1.0));
+        else if (pl->global_shape[0] > 0) TM_TRY(tz_init_box(t, p, pl, &pc, seed));
+        else TM_TRY(dsk_tensor_normal(t->ctx, &pc.master, seed, pl->init_off + (uint64_t)pc.first, 0.0f, p->init_std));
     }
     return DSK_OK;
+}
+
+/* The places of data and expert parallelism (groups[0]: dense over dp, averaged; groups[1]:
+   experts over rep, summed times 1/world): part 0, experts rows [expert0, expert0 + local) of
+   n_routed, dense counters one after the other in the model's order. */
+static void tz_places_dp(const tm_model *m, dsk_comm *dp, dsk_comm *rep, int world, tz_group groups[2],
+                         tz_place *place) {
+    uint64_t off = 0;
+    memset(groups, 0, 2 * sizeof *groups);
+    groups[0].comm = dp;
+    groups[1].comm = rep;
+    groups[1].sum_only = 1;
+    groups[1].post_scale = 1.0f / (float)world;
+    for (int i = 0; i < m->n_params; i++) {
+        const tm_param *p = &m->params[i];
+        tz_place *pl = &place[i];
+        memset(pl, 0, sizeof *pl);
+        pl->group = p->sharded ? 1 : 0;
+        pl->init_off = off;
+        if (p->moe_layer < 0) off += (uint64_t)tm_param_numel(p);
+        if (p->sharded) {
+            const dsk_moe *moe = &m->blocks[p->moe_layer].moe;
+            for (int d = 0; d < p->ndim; d++) pl->global_shape[d] = p->shape[d];
+            pl->global_shape[0] = moe->opts.n_routed;
+            pl->offset[0] = moe->expert0;
+        }
+    }
 }
 
 /* Rebuilds every object's compute weights from the masters (after initialisation or a load)
@@ -177,10 +259,10 @@ static void tz_free(tz *t) {
     memset(t, 0, sizeof *t);
 }
 
-/* Shards the model m (built with tm_config.external): dense parameters over dp, expert-sharded
-   ones over rep (the ranks holding the same experts; world: the data-parallel world size);
-   fresh weights from `seed`; installs the model's hooks. Collective over dp and rep. */
-static dsk_status tz_init(tz *t, tm_model *m, dsk_ctx *ctx, dsk_comm *dp, dsk_comm *rep, int world,
+/* Shards the model m (built with tm_config.external): parameter i over groups[place[i].group]
+   in the object of its part; fresh weights from `seed`; installs the model's hooks. Collective
+   over every group. */
+static dsk_status tz_init(tz *t, tm_model *m, dsk_ctx *ctx, const tz_group *groups, const tz_place *place,
                           const tz_opts *o, uint64_t seed) {
     dsk_zero_param *ps;
     int n[TZ_MAX_OBJ] = {0};
@@ -198,31 +280,35 @@ static dsk_status tz_init(tz *t, tm_model *m, dsk_ctx *ctx, dsk_comm *dp, dsk_co
         return dsk_set_error(DSK_ERR_OOM, "tz_init: parameter tables");
     }
     /* each object's list in unit order (the model's order is not: its experts come last) */
-    for (int unit = 0; unit <= m->cfg.n_layers + 1; unit++)
-        for (int i = 0; i < m->n_params; i++) {
+    for (int unit = 0; unit <= m->cfg.n_layers + 1 && s == DSK_OK; unit++)
+        for (int i = 0; i < m->n_params && s == DSK_OK; i++) {
             tm_param *p = &m->params[i];
+            const tz_place *pl = &place[i];
             int k;
             dsk_zero_param *q;
             if (p->unit != unit) continue;
-            k = tz_object_of(t, p);
+            if ((k = tz_object_of(t, p, pl)) < 0) {
+                s = dsk_set_error(DSK_ERR_ARG, "tz_init: more than %d (group, part, dtype) objects", TZ_MAX_OBJ);
+                break;
+            }
             q = &ps[k * m->n_params + n[k]];
             t->obj_of[i] = k;
             t->idx_of[i] = n[k]++;
             q->name = p->name;
             q->ndim = p->ndim;
-            for (int d = 0; d < p->ndim; d++) q->shape[d] = p->shape[d];
+            for (int d = 0; d < p->ndim; d++) {
+                q->shape[d] = p->shape[d];
+                q->global_shape[d] = pl->global_shape[d];
+                q->offset[d] = pl->offset[d];
+            }
             q->value = &p->wc;
             q->grad = &p->g;
             q->unit = p->unit;
             q->no_decay = !p->decay;
-            if (p->sharded) { /* experts [expert0, expert0 + local) of n_routed along dim 0 */
-                const dsk_moe *moe = &m->blocks[p->moe_layer].moe;
-                q->global_rows = moe->opts.n_routed;
-                q->row0 = moe->expert0;
-            }
             if (p->moe_layer >= 0 && tm_param_numel(p) > scratch) scratch = tm_param_numel(p);
         }
     for (int k = 0; k < t->n_obj && s == DSK_OK; k++) {
+        const tz_group *g = &groups[t->obj_group[k]];
         dsk_zero_opts zo;
         memset(&zo, 0, sizeof zo);
         zo.stage = o->stage;
@@ -230,17 +316,15 @@ static dsk_status tz_init(tz *t, tm_model *m, dsk_ctx *ctx, dsk_comm *dp, dsk_co
         zo.compress = o->compress;
         zo.powersgd_rank = o->psgd_rank;
         zo.powersgd_start_iter = o->psgd_start;
-        if (t->obj_sharded[k]) {
-            zo.sum_only = 1;
-            zo.grad_post_scale = 1.0f / (float)world;
-        }
-        s = dsk_zero_init(&t->z[k], t->obj_sharded[k] ? rep : dp, ctx, &ps[k * m->n_params], n[k], &zo);
+        zo.sum_only = g->sum_only;
+        zo.grad_post_scale = g->post_scale;
+        s = dsk_zero_init(&t->z[k], g->comm, ctx, &ps[k * m->n_params], n[k], &zo);
         t->zp[k] = &t->z[k];
     }
     free(ps);
     if (s == DSK_OK && o->stage >= 2) s = dsk_tensor_alloc(ctx, &t->scratch, DSK_F32, 1, &scratch);
     if (s == DSK_OK && o->stage >= 2) s = dsk_tensor_fill(ctx, &t->scratch, 0.0);
-    if (s == DSK_OK) s = tz_init_weights(t, seed);
+    if (s == DSK_OK) s = tz_init_weights(t, place, seed);
     if (s == DSK_OK) s = tz_refresh(t);
     if (s != DSK_OK) {
         tz_free(t);
@@ -253,10 +337,33 @@ static dsk_status tz_init(tz *t, tm_model *m, dsk_ctx *ctx, dsk_comm *dp, dsk_co
     return DSK_OK;
 }
 
+/* Stage 0: points every parameter's w at its whole f32 master, which every rank holds (the code
+   that reads or writes whole weights: a Hugging Face import or export, the gradient check). In
+   f32 the forward's weights are the masters themselves; after writing masters call tz_refresh. */
+static dsk_status tz_bind_masters(tz *t) {
+    for (int i = 0; i < t->m->n_params; i++) {
+        tm_param *p = &t->m->params[i];
+        dsk_zero_piece pc;
+        TM_TRY(dsk_zero_get_piece(&t->z[t->obj_of[i]], t->idx_of[i], &pc));
+        if (pc.first != 0 || pc.count != tm_param_numel(p))
+            return dsk_set_error(DSK_ERR_STATE, "tz_bind_masters: \"%s\" is not whole on this rank (stage %d)",
+                                 p->name, t->stage);
+        TM_TRY(dsk_tensor_reshape(&pc.master, p->ndim, p->shape, &p->w));
+    }
+    return DSK_OK;
+}
+
 /* ---- a step */
 
 static dsk_status tz_begin(tz *t, int sync) {
     for (int k = 0; k < t->n_obj; k++) TM_TRY(dsk_zero_begin(&t->z[k], t->ctx, sync));
+    return DSK_OK;
+}
+
+/* A backward pass of part `part` only (a pipeline chunk's backward of one micro-batch). */
+static dsk_status tz_begin_part(tz *t, int part, int sync) {
+    for (int k = 0; k < t->n_obj; k++)
+        if (t->obj_part[k] == part) TM_TRY(dsk_zero_begin(&t->z[k], t->ctx, sync));
     return DSK_OK;
 }
 

@@ -65,6 +65,12 @@ LAYOUTS=(
     "tp4|4|--tp 4|tp 4 x dp 1 (ep 1 inside) x pp 1|pipeline 1f1b, 1 stage x 1 virtual"
     "pp4|4|--pp 4 --micro-batches 4|tp 1 x dp 1 (ep 1 inside) x pp 4|pipeline 1f1b, 4 stages x 1 virtual, 4 micro-batches of 2 sequences, bubble 0.750"
     "pp2il|2|--pp 2 --pp-schedule interleaved --virtual-stages 2 --micro-batches 4|tp 1 x dp 1 (ep 1 inside) x pp 2|pipeline interleaved, 2 stages x 2 virtual, 4 micro-batches of 2 sequences, bubble 0.125"
+    # the layout matrix: every layout above goes through the one engine (train_zero.h); these add
+    # its sharded stages and compression under tensor and pipeline parallelism
+    "tp2pp2dp2z1|8|--tp 2 --pp 2 --micro-batches 2 --zero 1|tp 2 x dp 2 (ep 1 inside) x pp 2|pipeline 1f1b, 2 stages x 1 virtual, 2 micro-batches of 2 sequences, bubble 0.500"
+    "pp2ep2dp2z1|8|--pp 2 --ep 2 --micro-batches 2 --zero 1|tp 1 x dp 4 (ep 2 inside) x pp 2|pipeline 1f1b, 2 stages x 1 virtual, 2 micro-batches of 1 sequences, bubble 0.500"
+    "pp2ildp2z3|4|--pp 2 --pp-schedule interleaved --virtual-stages 2 --micro-batches 2 --zero 3|tp 1 x dp 2 (ep 1 inside) x pp 2|pipeline interleaved, 2 stages x 2 virtual, 2 micro-batches of 2 sequences"
+    "tp2ep2z2|4|--tp 2 --ep 2 --zero 2|tp 2 x dp 2 (ep 2 inside) x pp 1|pipeline 1f1b, 1 stage x 1 virtual"
 )
 for spec in "${LAYOUTS[@]}"; do
     IFS='|' read -r name n flags grid sched <<<"$spec"
@@ -157,6 +163,61 @@ else
     fi
 fi
 
+# ---- optimizer state per rank under pipeline and tensor parallelism: ZeRO-1 keeps 1/dp of what
+#      --zero 0 holds on the same rank (the stage's parameters, the rank's tensor-parallel box),
+#      plus the padding of the units' last chunks: each unit of E elements is cut into N chunks of
+#      ceil(E / N), so a rank holds at most N - 1 padding elements per unit and object; with at most
+#      4 units per object and 3 groups here that is 8 bytes (two f32 moments) x N x 12.
+for spec in "pp2dp2|4|--pp 2 --micro-batches 2|2|2" "tp2pp2dp2|8|--tp 2 --pp 2 --micro-batches 2|2|4"; do
+    IFS='|' read -r name n flags dp nmax <<<"$spec"
+    # shellcheck disable=SC2086
+    run "mem0_$name" "${TINY[@]}" --steps 1 --nproc "$n" $flags --zero 0
+    # shellcheck disable=SC2086
+    run "mem1_$name" "${TINY[@]}" --steps 1 --nproc "$n" $flags --zero 1
+    verdict=$($PY - "$work/mem0_$name.out" "$work/mem1_$name.out" "$n" "$dp" "$nmax" <<'EOF'
+import re, sys
+def opt(p):
+    return {int(r): int(v) for r, v in re.findall(r"memory bytes, rank (\d+): .*optimizer state (\d+),", open(p).read())}
+z0, z1, n, dp, nmax = opt(sys.argv[1]), opt(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+if len(z0) != n or len(z1) != n: print("bad: %d and %d ranks reported" % (len(z0), len(z1))); sys.exit()
+slack = 8 * nmax * 12
+off = [(r, z0[r], z1[r]) for r in range(n) if not (z1[r] <= z0[r] / dp + slack and z1[r] < z0[r])]
+print("off %s" % off if off else "ok " + ", ".join("rank %d %d -> %d B" % (r, z0[r], z1[r]) for r in range(n)))
+EOF
+)
+    what="$name: --zero 1 optimizer state per rank <= 1/$dp of --zero 0's on that rank + unit padding"
+    if [ "$(rc "mem0_$name")" -eq 0 ] && [ "$(rc "mem1_$name")" -eq 0 ] && [ "${verdict%% *}" = ok ]; then
+        ok "$what (${verdict#ok })"
+    else
+        bad "$what" "exit $(rc "mem0_$name")/$(rc "mem1_$name"): $verdict"
+    fi
+done
+
+# ---- a rank killed in a pipeline x tensor-parallel x ZeRO-1 layout: every survivor stops with an
+#      error naming it (the host backend's peer failure travels through every group), no hang
+"$BIN" "${TINY[@]}" --steps 100000 --nproc 4 --tp 2 --pp 2 --micro-batches 2 --zero 1 --log "$work/kill.jsonl" \
+    >"$work/kill.out" 2>&1 &
+pid=$!
+t0=$SECONDS
+while [ $((SECONDS - t0)) -lt 60 ] && ! grep -q '"step":5,' "$work/kill.jsonl" 2>/dev/null; do sleep 0.2; done
+ranks=($(cat "/proc/$pid/task/$pid/children" 2>/dev/null))
+[ ${#ranks[@]} -eq 4 ] && kill -9 "${ranks[2]}"
+t1=$SECONDS
+( sleep 90; kill -9 $pid 2>/dev/null ) >/dev/null 2>&1 &
+watchdog=$!
+wait $pid
+kill_rc=$?
+kill $watchdog 2>/dev/null
+named=0
+for r in 0 1 3; do grep -qE "^\[rank $r\] train_moe: rank $r: .*rank 2\b" "$work/kill.out" && named=$((named + 1)); done
+what="rank 2 of tp2 x pp2 x ZeRO-1 SIGKILLed at step 5: ranks 0, 1 and 3 each exit with an error naming rank 2, no hang"
+if [ ${#ranks[@]} -eq 4 ] && [ $kill_rc -ne 0 ] && [ $named -eq 3 ] && [ $((SECONDS - t1)) -lt 60 ]; then
+    ok "$what (launcher exit $kill_rc after $((SECONDS - t1)) s)"
+else
+    bad "$what" "${#ranks[@]} ranks seen, exit $kill_rc, $named of 3 named it, $((SECONDS - t1)) s" \
+        "$(grep -E 'train_moe: ' "$work/kill.out" | head -4)"
+fi
+
 # ---- 3. unsupported combinations and bad sizes: a message naming the flags, a non-zero exit, no crash
 expect_fail() { # name, message regex, args...
     local name=$1 msg=$2; shift 2
@@ -177,7 +238,6 @@ expect_fail micro_divide '--micro-batches 3 must divide the 8 sequences' "${TINY
 expect_fail virtual_kind '--virtual-stages 2 needs --pp-schedule interleaved' "${TINY[@]}" --nproc 2 --pp 2 --virtual-stages 2
 expect_fail interleaved_m 'interleaved needs --micro-batches \(3\) to be a multiple of --pp 2' "${TINY[@]}" --nproc 2 --pp 2 --pp-schedule interleaved --micro-batches 3
 expect_fail bad_schedule '--pp-schedule "zigzag": use gpipe, 1f1b or interleaved' "${TINY[@]}" --nproc 2 --pp 2 --pp-schedule zigzag
-expect_fail zero_tp '--zero 1 --grad-compress none with --tp 2 --pp 1: sharded data parallelism runs without' "${TINY[@]}" --nproc 2 --tp 2 --zero 1
 expect_fail tp_dtype 'run the model in f32 only \(--dtype bf16\)' "${TINY[@]}" --nproc 2 --tp 2 --dtype bf16
 expect_fail routes_topk 'holds top_k 2 decisions, the model takes top_k 3' "${TINY[@]}" --top-k 3 "${REC[@]}"
 expect_fail routes_missing 'no decision recorded for phase 0 step 30 sub 0' "${TINY[@]}" --steps 31 "${REC[@]}"
