@@ -23,7 +23,7 @@
 #   token to another expert and fail the 1e-5 checks by luck, not by a defect. With the decisions
 #   fixed, what remains is continuous (the weights g come from the layout's own scores, and the
 #   bias update counts the same loads), so the tolerances stay strict.
-#   The checkpoint cases replay the same record; the emulated GPU case records its own.
+#   The checkpoint cases replay the same record; the emulated GPU cases record their own.
 # Prints `[test_par_train] totals: P passed / F failed / S skipped`; exits non-zero on failure.
 TEST_NAME=test_par_train
 source "$(dirname "$0")/train_test_lib.sh"
@@ -276,7 +276,8 @@ else
 fi
 
 # ---- the CUDA path on the emulated GPU (tests/cuda_emu: CUDA, cuBLAS and NCCL on the CPU): tp2 x pp2
-#      over the nccl backend (device buffers in every mapping, send and receive) matches one emulated GPU
+#      over the nccl backend (device buffers in every mapping, send and receive) matches one emulated GPU,
+#      in f32 and in bf16
 EMU_BIN=$BUILD/emu/examples/train_moe
 if [ "${EMULATE:-1}" = 0 ]; then
     echo "skip tp2 x pp2 on the emulated GPU: not built (EMULATE=0)"; skipped=$((skipped + 1))
@@ -293,6 +294,24 @@ else
         ok "tp2 x pp2 on the emulated GPU (nccl backend) matches one emulated GPU over 6 steps within 1e-5 (worst $loss)"
     else
         bad "tp2 x pp2 on the emulated GPU matches one emulated GPU" "exit $e1/$e4, loss $loss" "$(grep -E 'rank|error' "$work/emu4.out" | tail -3)"
+    fi
+    # and in bf16 (nccl's bf16 gathers, scatters and sends, the CUDA cross-entropy on bf16 logits),
+    # within twice one emulated GPU's bf16-to-f32 distance as in the CPU cases above
+    EMB=(--steps 6 --device cuda)
+    timeout 300 "$EMU_BIN" "${TINY[@]}" "${EMB[@]}" --dtype bf16 --log "$work/emub1.jsonl" \
+        --routing-record "$work/emub_routes.bin" >"$work/emub1.out" 2>&1; e1=$?
+    timeout 300 "$EMU_BIN" "${TINY[@]}" "${EMB[@]}" --dtype f32 --log "$work/emubf.jsonl" \
+        --routing-replay "$work/emub_routes.bin" >"$work/emubf.out" 2>&1; ef=$?
+    timeout 300 "$EMU_BIN" "${TINY[@]}" "${EMB[@]}" --dtype bf16 --nproc 4 --tp 2 --pp 2 --micro-batches 2 \
+        --log "$work/emub4.jsonl" --routing-replay "$work/emub_routes.bin" >"$work/emub4.out" 2>&1; e4=$?
+    d=$( [ $e1 -eq 0 ] && [ $ef -eq 0 ] && loss_rms emub1 emubf 6)
+    loss=$( [ $e1 -eq 0 ] && [ $e4 -eq 0 ] && loss_rms emub1 emub4 6)
+    bound=$($PY -c "print('%.3g' % (2 * float('$d')))" 2>/dev/null)
+    what="tp2 x pp2 in bf16 on the emulated GPU matches one emulated GPU in bf16 over 6 steps within twice its distance from f32"
+    if [ -n "$bound" ] && within "$loss" "$bound" && grep -q "4 ranks (expert parallel 1), CUDA, bf16" "$work/emub4.out"; then
+        ok "$what (loss RMS $loss <= $bound)"
+    else
+        bad "$what" "exit $e1/$ef/$e4, loss RMS $loss, bound '$bound'" "$(grep -E 'rank|error' "$work/emub4.out" | tail -3)"
     fi
 fi
 
