@@ -307,11 +307,14 @@ else
     d=$( [ $e1 -eq 0 ] && [ $ef -eq 0 ] && loss_rms emub1 emubf 6)
     loss=$( [ $e1 -eq 0 ] && [ $e4 -eq 0 ] && loss_rms emub1 emub4 6)
     bound=$($PY -c "print('%.3g' % (2 * float('$d')))" 2>/dev/null)
-    what="tp2 x pp2 in bf16 on the emulated GPU matches one emulated GPU in bf16 over 6 steps within twice its distance from f32"
-    if [ -n "$bound" ] && within "$loss" "$bound" && grep -q "4 ranks (expert parallel 1), CUDA, bf16" "$work/emub4.out"; then
+    what="tp2 x pp2 in bf16 on the emulated GPU matches one emulated GPU in bf16 over 6 steps"
+    what="$what within twice its distance from f32"
+    if [ -n "$bound" ] && within "$loss" "$bound" &&
+       grep -q "4 ranks (expert parallel 1), CUDA, bf16" "$work/emub4.out"; then
         ok "$what (loss RMS $loss <= $bound)"
     else
-        bad "$what" "exit $e1/$ef/$e4, loss RMS $loss, bound '$bound'" "$(grep -E 'rank|error' "$work/emub4.out" | tail -3)"
+        bad "$what" "exit $e1/$ef/$e4, loss RMS $loss, bound '$bound'" \
+            "$(grep -E 'rank|error' "$work/emub4.out" | tail -3)"
     fi
 fi
 
