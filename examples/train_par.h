@@ -41,8 +41,16 @@
      rank), as they are per rank under data parallelism; the tests run dropless without them.
    Sampling runs the prompt as sequence 0 of one micro-batch (the others hold the last batch's
      tokens; with a capacity factor they share the experts' slots).
-   Limits (refused with a message): f32 only; --tp divides the heads, the FFN hidden size,
-     the vocabulary and the tokens of a micro-batch; every global stage holds a block.
+   Dtypes (--dtype f32|bf16|f16) as train_model.h has them: f32 masters, gradients and moments
+     (the engine's); compute copies wc of the weights, which every op reads; activations, the
+     residual stream sent between stages, the sequence-parallel gathers and scatters and the
+     logits in the compute dtype; norms' rstd, attention probabilities, routers, the
+     cross-entropy's math and the loss f32; norm weights' gradients accumulate in gc (compute
+     dtype), copied to g when their unit's backward ends (tm_ready); the embedding's gradient
+     from an f32 copy of the (gathered) dx. An f16 model runs its MoE layers in f32 (through the
+     layer's mx/my); the trainer's loss scale comes in as gscale.
+   Limits (refused with a message): --tp divides the heads, the FFN hidden size, the
+     vocabulary and the tokens of a micro-batch; every global stage holds a block.
    Contents: layout (tp_layout, tp_model_init, tp_places); views; one block (forward, backward);
    stages (the executor's callbacks, tp_train_batch, tp_eval_batch); loss; checkpoints (who
    writes the expert bias). */
@@ -100,6 +108,7 @@ typedef struct tp_state {
     int first, last;                /* chunk holding global stage 0 / the last one, or -1 */
     dsk_tensor dx, dh, tmp, big, datt, dq, dk, dv, dqr, dkr, dg, du, da;
     dsk_tensor xf, hf, rstdf, hfg, logits, dlogits, vrow; /* vrow (V): a row of logits gathered over tp */
+    dsk_tensor dx32;                /* bf16/f16, first stage: (Nm, D) f32 copy of the gathered dx */
     int train;                      /* 1: forward keeps what backward needs and the head runs its backward */
     float gscale;                   /* loss gradient scale of one micro-batch */
     double loss_sum;                /* over this run's micro-batches (last stage) */
@@ -121,9 +130,6 @@ static int tp_chunk_of(const tp_state *ps, int l) {
 /* Checks the sizes against the grid; every message names the flags. */
 static dsk_status tp_check(const tp_state *ps, const tm_config *c) {
     int tp = ps->tp, S = ps->pp * ps->v;
-    if (c->cdt != DSK_F32)
-        return dsk_set_error(DSK_ERR_UNSUPPORTED, "--tp/--pp/--micro-batches run the model in f32 only (--dtype %s)",
-                             dsk_dtype_name(c->cdt));
     if (c->n_heads % tp || c->ffn_hidden % tp || c->vocab % tp)
         return dsk_set_error(DSK_ERR_ARG, "--tp %d must divide --heads %d, --ffn-hidden %d and the vocabulary %d", tp,
                              c->n_heads, c->ffn_hidden, c->vocab);
@@ -237,51 +243,58 @@ static dsk_status tp_alloc(tp_state *ps, dsk_tensor *t, dsk_dtype dt, int64_t r,
     return tm_alloc2(ps->m, t, dt, r, c);
 }
 
-/* Activations (S slots per layer), scratch, pipeline buffers, the batch tensors. */
+/* Activations (S slots per layer), scratch, pipeline buffers, the batch tensors: in the compute
+   dtype as tm_alloc_acts has them (norms' rstd and attention probabilities f32). */
 static dsk_status tp_alloc_acts(tp_state *ps) {
     tm_model *m = ps->m;
     const tm_config *c = &m->cfg;
     int64_t S = ps->S, Nm = ps->Nm, Ns = ps->Ns, D = ps->D, Dl = ps->Dl, Fl = ps->Fl, N = (int64_t)c->batch * c->seq;
+    dsk_dtype dt = c->cdt;
     for (int l = 0; l < c->n_layers; l++) {
         tp_layer *L = &ps->layers[l];
         if (!L->on) continue;
         dsk_tensor *ns[] = {&L->x, &L->h1, &L->x2, &L->h2};
-        for (size_t i = 0; i < 4; i++) TM_TRY(tp_alloc(ps, ns[i], DSK_F32, S * Ns, D));
+        for (size_t i = 0; i < 4; i++) TM_TRY(tp_alloc(ps, ns[i], dt, S * Ns, D));
         TM_TRY(tp_alloc(ps, &L->rstd1, DSK_F32, S * Ns, 0));
         TM_TRY(tp_alloc(ps, &L->rstd2, DSK_F32, S * Ns, 0));
         dsk_tensor *nl[] = {&L->q, &L->k, &L->v, &L->qr, &L->kr, &L->att};
-        for (size_t i = 0; i < 6; i++) TM_TRY(tp_alloc(ps, nl[i], DSK_F32, S * Nm, Dl));
+        for (size_t i = 0; i < 6; i++) TM_TRY(tp_alloc(ps, nl[i], dt, S * Nm, Dl));
         int64_t psh[4] = {S * ps->Bm, ps->Hl, c->seq, c->seq};
         TM_TRY(dsk_tensor_alloc(m->ctx, &L->probs, DSK_F32, 4, psh));
-        if (ps->tp > 1) TM_TRY(tp_alloc(ps, &L->h1g, DSK_F32, S * Nm, D));
+        if (ps->tp > 1) TM_TRY(tp_alloc(ps, &L->h1g, dt, S * Nm, D));
         if (!m->blocks[l].is_moe) {
-            if (ps->tp > 1) TM_TRY(tp_alloc(ps, &L->h2g, DSK_F32, S * Nm, D));
+            if (ps->tp > 1) TM_TRY(tp_alloc(ps, &L->h2g, dt, S * Nm, D));
             dsk_tensor *nf[] = {&L->g, &L->u, &L->a};
-            for (size_t i = 0; i < 3; i++) TM_TRY(tp_alloc(ps, nf[i], DSK_F32, S * Nm, Fl));
+            for (size_t i = 0; i < 3; i++) TM_TRY(tp_alloc(ps, nf[i], dt, S * Nm, Fl));
         }
         L->moe_micro = -1;
         L->bias_full[0] = c->moe.n_routed;
     }
     dsk_tensor *sd[] = {&ps->dx, &ps->dh, &ps->tmp, &ps->xf, &ps->hf};
-    for (size_t i = 0; i < 5; i++) TM_TRY(tp_alloc(ps, sd[i], DSK_F32, Ns, D));
+    for (size_t i = 0; i < 5; i++) TM_TRY(tp_alloc(ps, sd[i], dt, Ns, D));
     TM_TRY(tp_alloc(ps, &ps->rstdf, DSK_F32, Ns, 0));
-    TM_TRY(tp_alloc(ps, &ps->big, DSK_F32, Nm, D));
-    if (ps->tp > 1) TM_TRY(tp_alloc(ps, &ps->hfg, DSK_F32, Nm, D));
+    TM_TRY(tp_alloc(ps, &ps->big, dt, Nm, D));
+    if (ps->tp > 1) TM_TRY(tp_alloc(ps, &ps->hfg, dt, Nm, D));
     dsk_tensor *sl[] = {&ps->datt, &ps->dq, &ps->dk, &ps->dv, &ps->dqr, &ps->dkr};
-    for (size_t i = 0; i < 6; i++) TM_TRY(tp_alloc(ps, sl[i], DSK_F32, Nm, Dl));
+    for (size_t i = 0; i < 6; i++) TM_TRY(tp_alloc(ps, sl[i], dt, Nm, Dl));
     if (c->n_dense > 0) {
         dsk_tensor *sf[] = {&ps->dg, &ps->du, &ps->da};
-        for (size_t i = 0; i < 3; i++) TM_TRY(tp_alloc(ps, sf[i], DSK_F32, Nm, Fl));
+        for (size_t i = 0; i < 3; i++) TM_TRY(tp_alloc(ps, sf[i], dt, Nm, Fl));
     }
-    if (ps->last >= 0) {
-        TM_TRY(tp_alloc(ps, &ps->logits, DSK_F32, Nm, ps->Vl));
-        TM_TRY(tp_alloc(ps, &ps->dlogits, DSK_F32, Nm, ps->Vl));
-        TM_TRY(tp_alloc(ps, &ps->vrow, DSK_F32, ps->Vl * ps->tp, 0));
+    if (ps->last >= 0) { /* logits in the compute dtype as one rank's; the cross-entropy's math is f32/f64 */
+        TM_TRY(tp_alloc(ps, &ps->logits, dt, Nm, ps->Vl));
+        TM_TRY(tp_alloc(ps, &ps->dlogits, dt, Nm, ps->Vl));
+        TM_TRY(tp_alloc(ps, &ps->vrow, dt, ps->Vl * ps->tp, 0));
     }
-    for (int k = 0; k < ps->v; k++) {
+    for (int k = 0; k < ps->v; k++) { /* the residual stream and its gradient between stages */
         tp_chunk *ch = &ps->chunks[k];
         dsk_tensor *bufs[] = {&ch->in_act, &ch->out_act, &ch->in_grad, &ch->out_grad};
-        for (size_t i = 0; i < 4; i++) TM_TRY(tp_alloc(ps, bufs[i], DSK_F32, ps->M * Ns, D));
+        for (size_t i = 0; i < 4; i++) TM_TRY(tp_alloc(ps, bufs[i], dt, ps->M * Ns, D));
+    }
+    if (dt != DSK_F32) {
+        if (ps->first >= 0) TM_TRY(tp_alloc(ps, &ps->dx32, DSK_F32, Nm, D)); /* the embedding's f32 gradient from it */
+        for (int i = 0; i < m->n_params; i++) /* norm weights' gradients in the compute dtype (tm_param.gc) */
+            if (m->params[i].ndim == 1) TM_TRY(dsk_tensor_alloc(m->ctx, &m->params[i].gc, dt, 1, m->params[i].shape));
     }
     TM_TRY(dsk_tensor_alloc(m->ctx, &m->ids, DSK_I32, 1, &N));
     TM_TRY(dsk_tensor_alloc(m->ctx, &m->targets, DSK_I32, 1, &N));
@@ -408,7 +421,7 @@ static void tp_free(tp_state *ps) {
     }
     dsk_tensor *ts[] = {&ps->dx, &ps->dh, &ps->tmp, &ps->big, &ps->datt, &ps->dq, &ps->dk, &ps->dv, &ps->dqr, &ps->dkr,
                         &ps->dg, &ps->du, &ps->da, &ps->xf, &ps->hf, &ps->rstdf, &ps->hfg, &ps->logits, &ps->dlogits,
-                        &ps->vrow};
+                        &ps->vrow, &ps->dx32};
     for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
     free(ps->layers);
     dsk_par_schedule_free(&ps->sched);
@@ -478,6 +491,52 @@ static int64_t tp_row0(const tp_state *ps, int micro) {
     return (int64_t)micro * ps->Nm + (int64_t)ps->grid.at.tp * ps->Ns;
 }
 
+/* y = MoE(h) of block l on this rank's Ns rows of micro-batch `micro`; through the layer's f32
+   buffers mx/my when it computes in another dtype than the model (f16: tm_moe_dtype), as
+   tm_moe_forward does. */
+static dsk_status tp_moe_forward(tp_state *ps, int l, int micro, dsk_tensor *y, const dsk_tensor *h,
+                                 dsk_moe_stats *st) {
+    tm_model *m = ps->m;
+    tm_block *b = &m->blocks[l];
+    if (!b->mx.data) return tm_moe_call(m, &b->moe, l, tp_row0(ps, micro), y, h, st);
+    dsk_tensor mx = tm_rows(&b->mx, ps->Ns), my = tm_rows(&b->my, ps->Ns);
+    TM_TRY(dsk_tensor_copy(ps->ctx, &mx, h));
+    TM_TRY(tm_moe_call(m, &b->moe, l, tp_row0(ps, micro), &my, &mx, st));
+    return dsk_tensor_copy(ps->ctx, y, &my);
+}
+
+/* ps->dx holds d(block output): the MoE layer's backward of its last forward, d(h2) into ps->dh
+   (through mx/my as tm_moe_backward). */
+static dsk_status tp_moe_backward(tp_state *ps, int l) {
+    tm_model *m = ps->m;
+    tm_block *b = &m->blocks[l];
+    if (!b->mx.data) {
+        TM_TRY(dsk_tensor_fill(ps->ctx, &ps->dh, 0.0));
+        return dsk_moe_backward(&b->moe, ps->ctx, &ps->dh, &ps->dx, m->aux_scale);
+    }
+    dsk_tensor mx = tm_rows(&b->mx, ps->Ns), my = tm_rows(&b->my, ps->Ns);
+    TM_TRY(dsk_tensor_copy(ps->ctx, &my, &ps->dx));
+    TM_TRY(dsk_tensor_fill(ps->ctx, &mx, 0.0));
+    TM_TRY(dsk_moe_backward(&b->moe, ps->ctx, &mx, &my, m->aux_scale));
+    return dsk_tensor_copy(ps->ctx, &ps->dh, &mx);
+}
+
+/* y = r + X W^T through the row-parallel linear W. On one tensor-parallel rank as train_model.h
+   does it: y = r, then one GEMM adds to it (one rounding in bf16/f16, the one-rank bits); over
+   several the linear's reduced output, then the add. */
+static dsk_status tp_row_residual(tp_state *ps, tm_phase ph, dsk_tensor *y, const dsk_tensor *r, const dsk_tensor *X,
+                                  const dsk_tensor *W) {
+    tm_model *m = ps->m;
+    if (ps->tp == 1) {
+        TM_T(TM_PH_MOVE, dsk_tensor_copy(ps->ctx, y, r));
+        TM_T(ph, dsk_matmul(ps->ctx, y, X, 0, W, 1, 1.0f, 1.0f));
+        return DSK_OK;
+    }
+    TM_T(ph, dsk_par_row_forward(&ps->grid.tp, ps->ctx, &ps->tmp, tp_sp(ps, &ps->big), X, W));
+    TM_T(TM_PH_MOVE, dsk_add(ps->ctx, y, r, &ps->tmp));
+    return DSK_OK;
+}
+
 /* Block l on slot `slot` (its x filled): y = block(x), everything backward needs kept. */
 static dsk_status tp_block_forward(tp_state *ps, int l, int slot, int micro, dsk_tensor *y) {
     tm_model *m = ps->m;
@@ -495,19 +554,17 @@ static dsk_status tp_block_forward(tp_state *ps, int l, int slot, int micro, dsk
     TM_T(TM_PH_ROPE, dsk_rope(ctx, &qr4, &q4, 0, c->rope_theta));
     TM_T(TM_PH_ROPE, dsk_rope(ctx, &kr4, &k4, 0, c->rope_theta));
     TM_T(TM_PH_ATTN, dsk_attention(ctx, &att4, &s.probs, &qr4, &kr4, &v4, 1.0f / sqrtf((float)ps->Dh)));
-    TM_T(TM_PH_LINEAR, dsk_par_row_forward(tp, ctx, &ps->tmp, tp_sp(ps, &ps->big), &s.att, &b->wo->wc));
-    TM_T(TM_PH_MOVE, dsk_add(ctx, &s.x2, &s.x, &ps->tmp));
+    TM_TRY(tp_row_residual(ps, TM_PH_LINEAR, &s.x2, &s.x, &s.att, &b->wo->wc));
     TM_T(TM_PH_NORM, dsk_rmsnorm(ctx, &s.h2, &s.rstd2, &s.x2, &b->ln2->wc, c->norm_eps));
     if (!b->is_moe) {
         dsk_tensor *Y2[2] = {&s.g, &s.u};
         const dsk_tensor *W2[2] = {&b->w1->wc, &b->w3->wc};
         TM_T(TM_PH_FFN, dsk_par_column_forward(tp, ctx, 2, Y2, W2, &s.h2, tp_sp(ps, &s.h2g)));
         TM_T(TM_PH_FFN, dsk_swiglu(ctx, &s.a, &s.g, &s.u));
-        TM_T(TM_PH_FFN, dsk_par_row_forward(tp, ctx, &ps->tmp, tp_sp(ps, &ps->big), &s.a, &b->w2->wc));
-        TM_T(TM_PH_MOVE, dsk_add(ctx, y, &s.x2, &ps->tmp));
+        TM_TRY(tp_row_residual(ps, TM_PH_FFN, y, &s.x2, &s.a, &b->w2->wc));
         return DSK_OK;
     }
-    TM_T(TM_PH_MOE, tm_moe_call(m, &b->moe, l, tp_row0(ps, micro), y, &s.h2, m->want_stats ? &b->stats : NULL));
+    TM_T(TM_PH_MOE, tp_moe_forward(ps, l, micro, y, &s.h2, m->want_stats ? &b->stats : NULL));
     ps->layers[l].moe_micro = ps->train && !b->moe.eval ? micro : -1;
     TM_T(TM_PH_MOVE, dsk_add(ctx, y, y, &s.x2));
     return DSK_OK;
@@ -535,15 +592,14 @@ static dsk_status tp_block_backward(tp_state *ps, int l, int slot, int micro) {
         if (L->moe_micro != micro) { /* another micro-batch ran through the layer since: its forward again */
             int eval = b->moe.eval;
             b->moe.eval = 1;
-            dsk_status st = tm_moe_call(m, &b->moe, l, tp_row0(ps, micro), &ps->tmp, &s.h2, NULL);
+            dsk_status st = tp_moe_forward(ps, l, micro, &ps->tmp, &s.h2, NULL);
             b->moe.eval = eval;
             TM_TRY(st);
         }
         L->moe_micro = -1;
-        TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, &ps->dh, 0.0));
-        TM_T(TM_PH_MOE, dsk_moe_backward(&b->moe, ctx, &ps->dh, &ps->dx, m->aux_scale));
+        TM_T(TM_PH_MOE, tp_moe_backward(ps, l));
     }
-    TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &ps->dx, &b->ln2->g, &ps->dh, &s.x2, &b->ln2->wc, &s.rstd2));
+    TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &ps->dx, tm_grad(b->ln2), &ps->dh, &s.x2, &b->ln2->wc, &s.rstd2));
     TM_T(TM_PH_LINEAR,
          dsk_par_row_backward(tp, ctx, &ps->datt, &b->wo->g, &ps->dx, tp_sp(ps, &ps->big), &s.att, &b->wo->wc));
     dsk_tensor *zs[] = {&ps->dqr, &ps->dkr, &ps->dv, &ps->dq, &ps->dk};
@@ -558,7 +614,7 @@ static dsk_status tp_block_backward(tp_state *ps, int l, int slot, int micro) {
     dsk_tensor *dW[3] = {&b->wq->g, &b->wk->g, &b->wv->g};
     const dsk_tensor *dY[3] = {&ps->dq, &ps->dk, &ps->dv}, *W[3] = {&b->wq->wc, &b->wk->wc, &b->wv->wc};
     TM_T(TM_PH_LINEAR, dsk_par_column_backward(tp, ctx, 3, &ps->dh, tp_sp(ps, &ps->big), dW, dY, W, &s.h1g));
-    TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &ps->dx, &b->ln1->g, &ps->dh, &s.x, &b->ln1->wc, &s.rstd1));
+    TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &ps->dx, tm_grad(b->ln1), &ps->dh, &s.x, &b->ln1->wc, &s.rstd1));
     return DSK_OK;
 }
 
@@ -625,7 +681,7 @@ static dsk_status tp_head(tp_state *ps, int micro) {
     TM_T(TM_PH_HEAD, dsk_par_column_backward(tp, ctx, 1, &ps->dh, tp_sp(ps, &ps->big), dW, dY, W, &hfx));
     dsk_tensor og = tp_part(&ps->chunks[ps->last].out_grad, micro, ps->Ns);
     TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, &og, 0.0));
-    TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &og, &m->ln_f->g, &ps->dh, &ps->xf, &m->ln_f->wc, &ps->rstdf));
+    TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &og, tm_grad(m->ln_f), &ps->dh, &ps->xf, &m->ln_f->wc, &ps->rstdf));
     TM_TRY(tp_unit_ready(ps, unit));
     return tm_unit(m, unit, TM_BWD_END);
 }
@@ -666,8 +722,18 @@ static dsk_status tp_backward_chunk(void *user, int micro, int chunk) {
     if (ch->stage == 0) {
         dsk_tensor ids = tp_part(&m->ids, micro, ps->Nm);
         TM_TRY(tm_unit(m, 0, TM_BWD_BEGIN));
-        TM_T(TM_PH_EMBED,
-             dsk_par_embedding_backward(&ps->grid.tp, ps->ctx, &m->embed->g, &ps->dx, tp_sp(ps, &ps->big), &ids));
+        if (!ps->dx32.data) {
+            TM_T(TM_PH_EMBED, dsk_par_embedding_backward(&ps->grid.tp, ps->ctx, &m->embed->g, &ps->dx,
+                                                         tp_sp(ps, &ps->big), &ids));
+        } else { /* the table's gradient is f32: dx gathered in the compute dtype, accumulated from an f32 copy */
+            const dsk_tensor *full = &ps->dx;
+            if (ps->tp > 1) {
+                TM_T(TM_PH_MOVE, dsk_par_map_forward(&ps->grid.tp, ps->ctx, DSK_PAR_MAP_GATHER, 0, &ps->big, &ps->dx));
+                full = &ps->big;
+            }
+            TM_T(TM_PH_MOVE, dsk_tensor_copy(ps->ctx, &ps->dx32, full));
+            TM_T(TM_PH_EMBED, dsk_par_embedding_backward(&ps->grid.tp, ps->ctx, &m->embed->g, &ps->dx32, NULL, &ids));
+        }
         TM_TRY(tp_unit_ready(ps, 0));
         return tm_unit(m, 0, TM_BWD_END);
     }
@@ -713,10 +779,10 @@ static dsk_status tp_eval_batch(tp_state *ps, int n, double *loss) {
             tp_chunk *ch = &ps->chunks[c];
             dsk_tensor in = tp_part(&ch->in_act, mi, ps->Ns), out = tp_part(&ch->out_act, mi, ps->Ns);
             if (ch->stage > 0)
-                TM_TRY(dsk_comm_recv(pp, ps->ctx, in.data, dsk_tensor_numel(&in), DSK_F32, (r + ps->pp - 1) % ps->pp));
+                TM_TRY(dsk_comm_recv(pp, ps->ctx, in.data, dsk_tensor_numel(&in), in.dtype, (r + ps->pp - 1) % ps->pp));
             TM_TRY(tp_forward_chunk(ps, mi, c));
             if (ch->stage < P - 1)
-                TM_TRY(dsk_comm_send(pp, ps->ctx, out.data, dsk_tensor_numel(&out), DSK_F32, (r + 1) % ps->pp));
+                TM_TRY(dsk_comm_send(pp, ps->ctx, out.data, dsk_tensor_numel(&out), out.dtype, (r + 1) % ps->pp));
         }
     *loss = ps->last >= 0 ? ps->loss_sum / n : 0.0;
     return DSK_OK;
@@ -730,7 +796,7 @@ static dsk_status tp_logits_row(tp_state *ps, int64_t row, float *out) {
     TM_TRY(dsk_tensor_select(&ps->logits, row, &lrow));
     TM_TRY(dsk_tensor_wrap(&hrow, out, DSK_F32, dsk_cpu(), 1, &V));
     if (ps->tp == 1) return dsk_tensor_copy(ps->ctx, &hrow, &lrow);
-    TM_TRY(dsk_comm_all_gather(&ps->grid.tp, ps->ctx, lrow.data, ps->vrow.data, ps->Vl, DSK_F32));
+    TM_TRY(dsk_comm_all_gather(&ps->grid.tp, ps->ctx, lrow.data, ps->vrow.data, ps->Vl, lrow.dtype));
     return dsk_tensor_copy(ps->ctx, &hrow, &ps->vrow);
 }
 
