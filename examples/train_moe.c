@@ -1124,10 +1124,12 @@ static dsk_status engine_step(trainer *t, step_info *si, dsk_amp_decision *dec) 
     return dsk_amp_update(&t->scaler, &t->ctx);
 }
 
-/* Seconds spent in collectives so far, every communicator of this rank. */
+/* Seconds this rank's training thread spent blocked on communication so far: its own
+   collectives (every communicator) and its waits for the engine's reductions and gathers, whose
+   progress threads otherwise overlap compute (their busy time is not counted: it is hidden). */
 static double comm_seconds(const trainer *t) {
     return t->comm.stats.seconds + t->ep_comm.stats.seconds + t->rep_comm.stats.seconds + tp_comm_seconds(&t->par) +
-           (t->engine ? tz_seconds(&t->zero) : 0.0);
+           (t->engine ? tz_wait_seconds(&t->zero) : 0.0);
 }
 
 /* Forward, loss and backward of the micro-batch in the model's input tensors, loss gradient

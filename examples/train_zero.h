@@ -424,10 +424,10 @@ static void tz_powersgd_elements(const tm_model *m, int r, double *comp, double 
     }
 }
 
-/* Seconds the objects' progress threads spent in collectives so far. */
-static double tz_seconds(const tz *t) {
+/* Seconds the caller's thread waited for the objects' collectives so far (the exposed part). */
+static double tz_wait_seconds(const tz *t) {
     double s = 0;
-    for (int k = 0; k < t->n_obj; k++) s += t->z[k].stats.seconds;
+    for (int k = 0; k < t->n_obj; k++) s += t->z[k].stats.wait_seconds;
     return s;
 }
 
