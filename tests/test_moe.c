@@ -1721,6 +1721,7 @@ static int sp_rank_main(sp_job *j, int rank, int port) {
 /* Draws the job's inputs and forks its ranks (before this process starts OpenMP). */
 static void sp_run(sp_job *j) {
     int port = 0;
+    pid_t pids[SP_MAX];
     j->grads_per_rank = (size_t)(sp_numel[0] + sp_numel[2] + sp_numel[3] + sp_numel[4] + sp_numel[5] + sp_numel[6] +
                                  sp_numel[7]);
     j->bytes = sizeof(double) * 4 * j->n + sizeof(float) * (2 * SP_N * SP_D + j->grads_per_rank * j->n + SP_E * j->n) +
@@ -1732,22 +1733,23 @@ static void sp_run(sp_job *j) {
     j->grads = j->dx + SP_N * SP_D;
     j->bias = j->grads + j->grads_per_rank * j->n;
     j->flag = (int *)(j->bias + SP_E * j->n);
+    for (int i = 0; i < 4 * j->n; i++) j->loss[i] = NAN; /* poisoned: a rank that writes nothing fails the checks */
+    dsk_test_poison_f32(j->bias, SP_E * j->n);
     sp_inputs(j, j->c.sigmoid ? 0.05 : 0.0);
     j->port_ok = dsk_comm_free_port("127.0.0.1", &port) == DSK_OK;
     if (!j->drawn || !j->port_ok) return;
     for (int r = 0; r < j->n; r++) {
-        pid_t pid = fork();
-        if (pid == 0) {
+        pids[r] = fork();
+        if (pids[r] == 0) {
             int rc = sp_rank_main(j, r, port);
             if (rc) fprintf(stderr, "rank %d: step %d failed: %s\n", r, rc, dsk_last_error());
             _exit(rc);
         }
-        j->flag[4 * r] = pid < 0 ? -1 : 0;
     }
     for (int r = 0; r < j->n; r++) {
         int status = 0;
-        pid_t pid = wait(&status);
-        if (pid > 0 && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) j->flag[0] = status ? status : -1;
+        if (pids[r] < 0 || waitpid(pids[r], &status, 0) != pids[r]) j->flag[4 * r] = -1;
+        else if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0)) j->flag[4 * r] = status ? status : -1;
     }
 }
 
