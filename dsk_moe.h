@@ -65,17 +65,37 @@
      (dsk_matmul_grouped; on CUDA a tensor-core kernel of our own that reads the offsets on the
      device: kernels/grouped.cu says why not cuBLAS's grouped GEMM); combine sums a token's
      slots in slot order (no float atomics).
-   Losses (over this call's T tokens, added to the model loss by the caller; their gradients
-     enter backward scaled by its aux_scale), with p' = p for softmax and s / sum_j s_j for sigmoid:
-     Switch/GShard  aux_alpha * E * sum_i f_i P_i, f_i = cnt_i / (T K), P_i = mean_t p'_ti;
-     DeepSeek-V3 sequence-wise, per sequence of seq_len tokens then averaged over sequences (a
-                    call's T must be a multiple of seq_len, else DSK_ERR_ARG: no partial sequences):
-                    seq_aux_alpha * sum_i (E/(K L)) cnt_i * (1/L) sum_t p'_ti;
+   Losses (over the N tokens of a micro-batch, added to the model loss by the caller; their
+     gradients enter backward scaled by its aux_scale), with p' = p for softmax and s / sum_j s_j for sigmoid:
+     Switch/GShard  aux_alpha * E * sum_i f_i P_i, f_i = cnt_i / (N K), P_i = mean_t p'_ti;
+     DeepSeek-V3 sequence-wise, per sequence of L = seq_len tokens (rows [q L, (q+1) L) of the micro-batch) then
+                    averaged over its N / L sequences (N must be a multiple of seq_len, else DSK_ERR_ARG: no
+                    partial sequences; seq_len 0: L = N): seq_aux_alpha * sum_i (E/(K L)) cnt_i * (1/L) sum_t p'_ti;
        where cnt_i counts the tokens with i among the top K of their unbiased scores p over all
        experts (opts.loss_count, default, as the V3 paper and Megatron-Core count), or among their
        actual selections (DSK_MOE_COUNT_SELECTED); counts carry no gradient;
      z-loss         z_beta * mean_t (logsumexp_j u_tj)^2.
-     The sums run in f64 in a fixed order on both devices (the same code): CPU and CUDA agree.
+     The micro-batch is this call's T tokens (N = T), unless a loss span says otherwise (dsk_moe_set_loss_span(m,
+     group, row0, N)): the call's tokens are rows [row0, row0 + T) of a micro-batch of N rows spread over the ranks
+     of group (tensor/sequence parallelism, a data-parallel group, expert parallelism: any split of the rows, a
+     sequence may straddle ranks). Each rank sums its rows' parts in f64 (P_i and, per sequence, P_qi divided by N or
+     L, the counts as exact integers, the sum of lse^2) and an all-reduce (SUM) of 2E + 2 (N/L) E + 4 doubles over
+     group (on the CPU in two: the 4 of the span check first) gives every rank the micro-batch's sums. So the loss
+     values are the micro-batch's, the same bits on every rank of the group (a stats' loss is the group's value:
+     average it over the group, never sum it), and a rank's backward gives the gradient of that loss through its own
+     rows (coefficients alpha E f_i / N of the global counts, and z_beta 2 lse / N per token): the gradients summed
+     over the group are those of one rank holding every row (the coefficients bit for bit, as they come from exact
+     counts; the loss values to f64 rounding, as the partial sums add in another order). A trainer that averages
+     gradients over the group instead of summing them passes aux_scale times the group's size. The forward checks
+     that the rows lie in the span (row0 + T <= N; without a group, T = N and row0 0) and, on the CPU, that the span
+     is consistent over the group: every rank's N the same and their T adding up to N (by the first all-reduce, so
+     every rank of the group fails together, with DSK_ERR_ARG naming the values, having computed and counted nothing,
+     the group still usable; ranks outside the group, e.g. an expert-parallel peer, then time out in their next
+     collective). CUDA: one all-reduce and no look from the host: rows that do not add up to N make the loss values
+     and coefficients NaN (the loss is, the router's gradients are: a loss scaler's non-finite check skips the step);
+     an N that differs between ranks sizes their exchanges differently, which NCCL cannot tell (it hangs until the
+     communicator's timeout). Without a span, or with a span of the call's own rows, the bits are those of the call
+     alone. The sums run in f64 in a fixed order on both devices (the same code): CPU and CUDA agree.
    Routing record and replay: dsk_moe_routing copies the last forward's decisions, each token's
      K experts in slot order ((T, K) i32 on the host); dsk_moe_forward_replay takes such decisions
      instead of selecting (no group limit, no bias in the choice): the weights g come from the
@@ -102,7 +122,8 @@
      Backward reuses the forward's counts and does not sync.
      The recipe of a data-parallel step with EP (W ranks in all, EP groups of P, each expert held
      by the W/P ranks of equal ep rank, its "replica group"; each rank's loss the mean over its
-     own tokens, the step's loss their mean over W):
+     own tokens, the step's loss their mean over W; balancing losses over more than a rank's own
+     tokens take a loss span, see "Losses"):
        replicated gradients (router, shared experts, the rest of the model; the bias has none): mean over
          all W ranks (all-reduce SUM / W, or AVG);
        expert-sharded gradients (params[].expert_sharded: w1 w2 w3): SUM over the replica group
@@ -135,9 +156,9 @@
        options                   dsk_moe_score, dsk_moe_norm, dsk_moe_group_rule, dsk_moe_loss_count, dsk_moe_drop,
                                  dsk_moe_router, dsk_moe_opts
        the layer                 dsk_moe_param, dsk_moe_config, dsk_moe_stats, dsk_moe, dsk_moe_init/bind/bind_slabs/
-                                 init_param/init_params/reserve/free/find_param/forward/forward_replay/routing/
-                                 backward/zero_grad/update_bias(_unless)/stats_request/stats_collect/config_get/
-                                 config_check, dsk_moe_amp_unscale (with dsk_amp.h)
+                                 init_param/init_params/reserve/free/find_param/set_loss_span/forward/
+                                 forward_replay/routing/backward/zero_grad/update_bias(_unless)/stats_request/
+                                 stats_collect/config_get/config_check, dsk_moe_amp_unscale (with dsk_amp.h)
        per-token routing math    dsk_moe_route_token, dsk_moe_route_token_backward
        the rest of the MoE math  losses, capacity, combine, gate gradient, bias update (DSK_HD: CPU and CUDA)
      implementation (DSK_MOE_IMPLEMENTATION)
@@ -265,7 +286,8 @@ typedef struct dsk_moe_config {
 } dsk_moe_config;
 
 /* Statistics: of one forward (dsk_moe_forward's stats) or summed over the forwards since the
-   previous request (dsk_moe_stats_collect). Counts are over the EP group, losses this rank's. */
+   previous request (dsk_moe_stats_collect). Counts are over the EP group; losses are the loss span's (the
+   micro-batch's value, the same on every rank of the span's group; without a span this call's). */
 typedef struct dsk_moe_stats {
     int64_t calls;                    /* forwards summed (1 for a forward's own stats) */
     int64_t tokens;                   /* tokens over the EP group */
@@ -274,7 +296,7 @@ typedef struct dsk_moe_stats {
     int64_t nonfinite;                /* tokens with NaN/Inf routing (CUDA; the CPU fails the forward) */
     const int64_t *tokens_per_expert; /* (E) slots each expert was selected for, EP group; owned by the layer */
     double max_load, mean_load;       /* max and mean of tokens_per_expert */
-    double aux_loss, seq_aux_loss, z_loss; /* this rank's loss terms (coefficients included) */
+    double aux_loss, seq_aux_loss, z_loss; /* the loss span's loss terms (coefficients included) */
     double loss;                      /* their sum: add it to the model loss */
 } dsk_moe_stats;
 
@@ -320,10 +342,20 @@ DSK_API dsk_status dsk_moe_init_param(dsk_moe *m, dsk_ctx *ctx, int index, dsk_t
 DSK_API dsk_status dsk_moe_init_params(dsk_moe *m, dsk_ctx *ctx);
 /* Allocates the workspace for calls of up to max_tokens tokens now, so later forwards and
    backwards allocate nothing (before a CUDA graph capture). Expert parallelism sizes its
-   received rows per call. */
+   received rows per call. Set the loss span first: its total_rows size the losses' buffers. */
 DSK_API dsk_status dsk_moe_reserve(dsk_moe *m, dsk_ctx *ctx, int64_t max_tokens);
 /* The parameter named `name` (full name, e.g. "moe.w1"), or NULL. */
 DSK_API dsk_moe_param *dsk_moe_find_param(dsk_moe *m, const char *name);
+/* The loss span of the forwards that follow (see "Losses"), until set again: their T rows are rows
+   [row0, row0 + T) of a micro-batch of total_rows tokens spread over the ranks of `group`, each rank calling
+   forward with its own disjoint rows (together all of them) and the same total_rows; the balancing losses are the
+   micro-batch's, as one rank holding every row computes them. group: host backend for a CPU layer, nccl for a
+   CUDA one; every rank of it calls forward together (an all-reduce of the losses' partial sums, when a loss is
+   on), eval forwards included. group NULL: this rank holds the whole micro-batch (row0 0, total_rows = the
+   call's T). group NULL and total_rows 0: no span, each call its own micro-batch (the default). DSK_ERR_ARG for
+   row0 < 0, total_rows < 0, row0 > total_rows or a group that is not initialised; DSK_ERR_UNSUPPORTED for a
+   group on the other backend; the forward checks the rest (see "Losses"). Changes nothing on failure. */
+DSK_API dsk_status dsk_moe_set_loss_span(dsk_moe *m, dsk_comm *group, int64_t row0, int64_t total_rows);
 /* y (T, D) = MoE(x (T, D)), both opts.dtype on the layer's device; saves what backward needs
    (one forward in flight per layer). stats may be NULL; given on CUDA it costs one sync (the
    statistics are read back at once): pass NULL and use dsk_moe_stats_collect to stay sync-free.
@@ -348,7 +380,11 @@ DSK_API dsk_status dsk_moe_zero_grad(dsk_moe *m, dsk_ctx *ctx);
 /* Aux-loss-free balancing, after the optimizer step: loads = selections per expert counted by
    every forward since the last update (except those run with m->eval set), summed over `comm`
    (the data-parallel world, NULL = this rank only); b_i += bias_rate * sign(mean load - load_i);
-   re-centred if asked. Runs on the layer's device (CUDA: no host sync). */
+   re-centred if asked. Runs on the layer's device (CUDA: no host sync). Each rank counts the rows it
+   routes (its own, under a loss span or not), so with comm = every rank that runs the layer (with
+   pipeline parallelism the stage's ranks: tensor x data x expert parallel) each token of the step, every
+   micro-batch, counts once, as on one rank; a forward run again for backward (recomputation) must run
+   with m->eval set, or its tokens count twice. */
 DSK_API dsk_status dsk_moe_update_bias(dsk_moe *m, dsk_ctx *ctx, dsk_comm *comm);
 /* dsk_moe_update_bias without a communicator, skipped on the device when *skip (an i32 scalar
    on the layer's device, e.g. dsk_amp_dstep's skip) is not 0: the loads then keep counting into
@@ -579,79 +615,138 @@ static inline DSK_HD void dsk__moe_loss_token(int E, int K, int count_topk, int 
     }
 }
 
-/* Expert j over tokens [t0, t0 + n) (one sequence, or the whole call): P = sum_t p'_tj / n and
-   cnt = the tokens counting j (lsel), in token order. */
-static inline DSK_HD void dsk__moe_loss_sums(int j, int64_t t0, int64_t n, int E, int K, int sigmoid, const float *prob,
-                                             const double *ptot, const int32_t *lsel, double *P, double *cnt) {
+/* Expert j over this call's tokens [t0, t1) (its rows of one sequence, or all of them): P = sum_t p'_tj / denom
+   (denom: the tokens of the whole sequence or micro-batch, on every rank of the loss span) and cnt = the tokens
+   counting j (lsel), in token order. */
+static inline DSK_HD void dsk__moe_loss_sums(int j, int64_t t0, int64_t t1, int64_t denom, int E, int K, int sigmoid,
+                                             const float *prob, const double *ptot, const int32_t *lsel, double *P,
+                                             double *cnt) {
     double p = 0, c = 0;
-    for (int64_t t = t0; t < t0 + n; t++) {
-        p += dsk__moe_pnorm(sigmoid, prob[t * E + j], ptot[t]) / (double)n;
+    for (int64_t t = t0; t < t1; t++) {
+        p += dsk__moe_pnorm(sigmoid, prob[t * E + j], ptot[t]) / (double)denom;
         for (int k = 0; k < K; k++) c += lsel[t * K + k] == j ? 1.0 : 0.0;
     }
     *P = p;
     *cnt = c;
 }
 
-/* Switch/GShard term of expert j over the call's T tokens: term = f_j P_j, and the coefficient
-   of d loss / d p'_tj (every token): alpha E f_j / T. */
-static inline DSK_HD void dsk__moe_switch_expert(int j, int64_t T, int E, int K, int sigmoid, float alpha,
-                                                 const float *prob, const double *ptot, const int32_t *lsel,
-                                                 double *term, float *coef) {
-    double P, cnt, f;
-    dsk__moe_loss_sums(j, 0, T, E, K, sigmoid, prob, ptot, lsel, &P, &cnt);
-    f = cnt / (double)(T * K);
-    *term = f * P;
-    *coef = (float)(alpha * E * f / (double)T);
+/* The balancing losses' partial sums (f64), this rank's part of the loss span, summed over its group (counts
+   are exact integers in f64): Switch P (E) and counts (E), sequence-wise P (nseq, E) and counts (nseq, E), then
+   the tail: sum of lse^2, rows, total_rows, total_rows^2 (the last three check the span). Offset of the tail: */
+static inline DSK_HD int64_t dsk__moe_part_tail(int E, int64_t nseq) { return 2 * (int64_t)E + 2 * nseq * E; }
+#define DSK__MOE_PART_TAIL 4
+
+/* Switch/GShard part of expert j: this call's T tokens of the span's N. */
+static inline DSK_HD void dsk__moe_switch_part(int j, int64_t T, int64_t N, int E, int K, int sigmoid,
+                                               const float *prob, const double *ptot, const int32_t *lsel,
+                                               double *part) {
+    dsk__moe_loss_sums(j, 0, T, N, E, K, sigmoid, prob, ptot, lsel, &part[j], &part[E + j]);
+}
+
+/* Sequence-wise part of expert j in sequence q (global rows [qL, (q+1)L) of the span): this call's rows of it
+   (rows [row0, row0 + T) of the span; none: zeros). */
+static inline DSK_HD void dsk__moe_seq_part(int j, int64_t q, int64_t row0, int64_t T, int64_t L, int64_t nseq, int E,
+                                            int K, int sigmoid, const float *prob, const double *ptot,
+                                            const int32_t *lsel, double *part) {
+    int64_t t0 = q * L - row0, t1 = t0 + L, i = 2 * (int64_t)E + q * E + j;
+    t0 = t0 < 0 ? 0 : t0;
+    t1 = t1 > T ? T : t1;
+    dsk__moe_loss_sums(j, t0, t1 > t0 ? t1 : t0, L, E, K, sigmoid, prob, ptot, lsel, &part[i], &part[i + nseq * E]);
+}
+
+/* The tail (one thread): this call's sum of lse^2 (lse NULL: 0) in token order, T, N and N^2. */
+static inline DSK_HD void dsk__moe_part_tail_fill(int64_t T, int64_t N, const float *lse, double *tail) {
+    double z = 0;
+    for (int64_t t = 0; lse && t < T; t++) {
+        double l = lse[t];
+        z += l * l;
+    }
+    tail[0] = z;
+    tail[1] = (double)T;
+    tail[2] = (double)N;
+    tail[3] = (double)N * (double)N;
+}
+
+/* 1 when the group's summed tail is a consistent span: every one of `ranks` ranks passed this total_rows N (the
+   sums of N and N^2 say so on every rank alike, as long as ranks N^2 < 2^53) and their rows add up to N. */
+static inline DSK_HD int dsk__moe_span_ok(const double *tail, int ranks, int64_t N) {
+    return tail[1] == (double)N && tail[2] == (double)ranks * (double)N &&
+           tail[3] == (double)ranks * ((double)N * (double)N);
+}
+
+/* Switch/GShard term of expert j over the span's N tokens: term = f_j P_j, and the coefficient of
+   d loss / d p'_tj (every token): alpha E f_j / N. */
+static inline DSK_HD void dsk__moe_switch_term(int j, int64_t N, int E, int K, float alpha, const double *part,
+                                               double *term, float *coef) {
+    double f = part[E + j] / (double)(N * K);
+    *term = f * part[j];
+    *coef = (float)(alpha * E * f / (double)N);
 }
 
 /* DeepSeek-V3 sequence-wise term of expert j in sequence q (L tokens, nseq sequences). */
-static inline DSK_HD void dsk__moe_seq_expert(int j, int64_t q, int64_t L, int64_t nseq, int E, int K, int sigmoid,
-                                              float alpha, const float *prob, const double *ptot,
-                                              const int32_t *lsel, double *term, float *coef) {
-    double P, cnt, f;
-    dsk__moe_loss_sums(j, q * L, L, E, K, sigmoid, prob, ptot, lsel, &P, &cnt);
-    f = (double)E / (double)(K * L) * cnt;
-    *term = f * P;
+static inline DSK_HD void dsk__moe_seq_term(int j, int64_t q, int64_t L, int64_t nseq, int E, int K, float alpha,
+                                            const double *part, double *term, float *coef) {
+    int64_t i = 2 * (int64_t)E + q * E + j;
+    double f = (double)E / (double)(K * L) * part[i + nseq * E];
+    *term = f * part[i];
     *coef = (float)(alpha * f / (double)L / (double)nseq);
 }
 
-/* The loss values (one thread): out = {aux, seq_aux, z, their sum}, each summed in a fixed order
-   (experts, then sequences, then tokens). term_s (E), term_q (nseq, E), lse (T) as above. */
-static inline DSK_HD void dsk__moe_loss_finish(int E, int64_t T, int64_t nseq, float alpha, float seq_alpha,
-                                               float z_beta, const double *term_s, const double *term_q,
-                                               const float *lse, double *out) {
+/* The loss values (one thread) from the group's summed parts: out = {aux, seq_aux, z, their sum}, each summed in
+   a fixed order (experts, then sequences). Returns 1, or 0 with every value NaN when the span is not consistent
+   (dsk__moe_span_ok). */
+static inline DSK_HD int dsk__moe_loss_finish(int E, int K, int64_t N, int64_t L, int64_t nseq, int ranks, float alpha,
+                                              float seq_alpha, float z_beta, const double *part, double *out) {
+    const double *tail = part + dsk__moe_part_tail(E, nseq);
+    double term;
+    float coef;
     out[0] = out[1] = out[2] = out[3] = 0.0;
-    if (T == 0) return;
+    if (!dsk__moe_span_ok(tail, ranks, N)) {
+        out[0] = out[1] = out[2] = out[3] = NAN;
+        return 0;
+    }
+    if (N == 0) return 1;
     if (alpha > 0) {
         double loss = 0;
-        for (int j = 0; j < E; j++) loss += term_s[j];
+        for (int j = 0; j < E; j++) {
+            dsk__moe_switch_term(j, N, E, K, alpha, part, &term, &coef);
+            loss += term;
+        }
         out[0] = alpha * E * loss;
     }
     if (seq_alpha > 0) {
         double total = 0;
         for (int64_t q = 0; q < nseq; q++) {
             double loss = 0;
-            for (int j = 0; j < E; j++) loss += term_q[q * E + j];
+            for (int j = 0; j < E; j++) {
+                dsk__moe_seq_term(j, q, L, nseq, E, K, seq_alpha, part, &term, &coef);
+                loss += term;
+            }
             total += seq_alpha * loss;
         }
         out[1] = total / (double)nseq;
     }
-    if (z_beta > 0) {
-        double z = 0;
-        for (int64_t t = 0; t < T; t++) {
-            double l = lse[t];
-            z += l * l;
-        }
-        out[2] = z_beta * z / (double)T;
-    }
+    if (z_beta > 0) out[2] = z_beta * tail[0] / (double)N;
     out[3] = out[0] + out[1] + out[2];
+    return 1;
 }
 
-/* d loss / d p' per unit weight for expert j of sequence q: the Switch and sequence-wise parts. */
-static inline DSK_HD float dsk__moe_aux_coef(int has_switch, int has_seq, float coef_s, float coef_q) {
-    float c = 0.0f;
-    if (has_switch) c += coef_s;
-    if (has_seq) c += coef_q;
+/* d loss / d p' per unit weight for expert j of sequence q (qj = q E + j): the Switch and sequence-wise parts;
+   NaN when the span is not consistent. */
+static inline DSK_HD float dsk__moe_aux_coef(int64_t qj, int E, int K, int64_t N, int64_t L, int64_t nseq, int ranks,
+                                             float alpha, float seq_alpha, const double *part) {
+    float c = 0.0f, coef;
+    double term;
+    if (!dsk__moe_span_ok(part + dsk__moe_part_tail(E, nseq), ranks, N)) return NAN;
+    if (N == 0) return 0.0f;
+    if (alpha > 0) {
+        dsk__moe_switch_term((int)(qj % E), N, E, K, alpha, part, &term, &coef);
+        c += coef;
+    }
+    if (seq_alpha > 0) {
+        dsk__moe_seq_term((int)(qj % E), qj / E, L, nseq, E, K, seq_alpha, part, &term, &coef);
+        c += coef;
+    }
     return c;
 }
 
@@ -819,11 +914,8 @@ enum dsk__moe_buf_id {
     DSK__MOE_PTOT,     /* (T) f64 sum of a token's scores (losses) */
     DSK__MOE_LSE,      /* (T) f32 logsumexp (z-loss) */
     DSK__MOE_LSEL,     /* (T, K) i32 experts the losses count */
-    DSK__MOE_TERM_S,   /* (E) f64 Switch terms */
-    DSK__MOE_COEF_S,   /* (E) f32 Switch coefficients */
-    DSK__MOE_TERM_Q,   /* (nseq, E) f64 sequence-wise terms */
-    DSK__MOE_COEF_Q,   /* (nseq, E) f32 sequence-wise coefficients */
-    DSK__MOE_AUX,      /* (nseq, E) f32 d loss / d p' coefficients for backward */
+    DSK__MOE_PART,     /* (2E + 2 nseq E + 4) f64 the losses' partial sums, summed over the loss span's group */
+    DSK__MOE_AUX,      /* (nseq, E) f32 d loss / d p' coefficients for backward (the span's sequences) */
     DSK__MOE_LOSS,     /* (4) f64 aux, seq_aux, z, total */
     DSK__MOE_PERM_ALL, /* (TK) i32 every routed slot by expert */
     DSK__MOE_OFF_ALL,  /* (E + 1) i32 its offsets */
@@ -882,6 +974,11 @@ struct dsk__moe_state {
     int bwd_done;            /* a backward used the saved forward (a second one would add its gradients again) */
     int have_route;          /* the last forward's routing is in SEL (dsk_moe_routing) */
     int64_t T;               /* tokens of the saved forward */
+    int64_t row0, N;         /* its loss span: its rows are rows [row0, row0 + T) of N (no span: 0 and T) */
+    int ranks;               /* ranks of the span's group (1: none) */
+    dsk_comm *span_group;    /* the loss span set for the next forwards (dsk_moe_set_loss_span) */
+    int64_t span_row0, span_rows;
+    int span_on;             /* 0: none, each call its own micro-batch */
     int64_t n_kept;          /* kept slots of this rank, when the host knows it (CPU; EP), else -1 */
     int64_t R;               /* rows of expert work in the buffers: exact (CPU, EP) or T*K's bound (CUDA) */
     int64_t n_seq, seq_len;  /* sequences of the sequence-wise loss */
@@ -907,7 +1004,8 @@ static void dsk__moe_spec(const dsk_moe *m, int id, int64_t T, int64_t R, dsk_dt
     const dsk_moe_opts *o = &m->opts;
     dsk_dtype act = m->st->act;
     int64_t D = o->d_model, E = o->n_routed, K = o->top_k, F = o->d_expert, Fs = m->d_shared_total, TK = T * K;
-    int64_t L = o->seq_aux_alpha > 0 && o->seq_len ? o->seq_len : (T > 0 ? T : 1), NS = T / L > 0 ? T / L : 1;
+    int64_t N = m->st->N; /* the loss span's rows (sequences of the sequence-wise loss) */
+    int64_t L = o->seq_aux_alpha > 0 && o->seq_len ? o->seq_len : (N > 0 ? N : 1), NS = N / L > 0 ? N / L : 1;
     int ep = m->ep_size > 1, shared = Fs > 0, losses = o->aux_alpha > 0 || o->seq_aux_alpha > 0 || o->z_beta > 0;
     *dt = act;
     *cols = 0;
@@ -930,10 +1028,8 @@ static void dsk__moe_spec(const dsk_moe *m, int id, int64_t T, int64_t R, dsk_dt
     case DSK__MOE_ROW_GATE: *dt = DSK_F32; *rows = TK; break;
     case DSK__MOE_PTOT: *dt = DSK_F64; *rows = losses ? T : 0; break;
     case DSK__MOE_LSE: *dt = DSK_F32; *rows = o->z_beta > 0 ? T : 0; break;
-    case DSK__MOE_TERM_S: *dt = DSK_F64; *rows = E; break;
-    case DSK__MOE_COEF_S: *dt = DSK_F32; *rows = E; break;
-    case DSK__MOE_TERM_Q: *dt = DSK_F64; *rows = NS; *cols = E; break;
-    case DSK__MOE_COEF_Q: case DSK__MOE_AUX: *dt = DSK_F32; *rows = NS; *cols = E; break;
+    case DSK__MOE_PART: *dt = DSK_F64; *rows = 2 * E + 2 * NS * E + DSK__MOE_PART_TAIL; break;
+    case DSK__MOE_AUX: *dt = DSK_F32; *rows = NS; *cols = E; break;
     case DSK__MOE_LOSS: *dt = DSK_F64; *rows = 4; break;
     case DSK__MOE_OFF_ALL: case DSK__MOE_OFF: *dt = DSK_I32; *rows = E + 1; break;
     case DSK__MOE_CNT: *dt = DSK_I64; *rows = 3 + 2 * E; break;
@@ -1427,6 +1523,7 @@ DSK_API dsk_status dsk_moe_reserve(dsk_moe *m, dsk_ctx *ctx, int64_t max_tokens)
         return dsk_set_error(DSK_ERR_ARG, "dsk_moe_reserve: layer \"%s\": max_tokens %lld < 0", m->opts.name,
                              (long long)max_tokens);
     m->st->have_fwd = m->st->bwd_done = m->st->have_route = 0; /* buffers may move */
+    m->st->N = m->st->span_on && m->st->span_rows > max_tokens ? m->st->span_rows : max_tokens; /* sequences */
     for (int id = 0; id < DSK__MOE_LOAD; id++)
         DSK__TRY(dsk__moe_buf(m, ctx, id, max_tokens, m->ep_size > 1 ? max_tokens * m->opts.top_k
                                                                      : dsk__moe_rows_bound(m, max_tokens), &t));
@@ -1480,29 +1577,55 @@ static dsk_status dsk__moe_route(dsk_moe *m, dsk_ctx *ctx, int64_t T, const dsk_
 
 /* The loss tensors of one forward. */
 typedef struct dsk__moe_loss_bufs {
-    dsk_tensor ptot, lse, lsel, term_s, coef_s, term_q, coef_q, aux, loss;
+    dsk_tensor ptot, lse, lsel, part, aux, loss;
 } dsk__moe_loss_bufs;
 
-/* The balancing losses of T tokens (nseq sequences of L): values into lb->loss, the backward's
-   coefficients into lb->aux. */
-static dsk_status dsk__moe_losses(dsk_moe *m, dsk_ctx *ctx, int64_t T, int64_t L, int64_t nseq, const dsk_tensor *prob,
-                                  const dsk_tensor *u, const dsk_tensor *sel, dsk__moe_loss_bufs *lb) {
+/* The CPU's message for an inconsistent loss span (the group's summed tail says which; every rank of the group
+   sees the same sums, so all of them fail). */
+static dsk_status dsk__moe_span_error(const dsk_moe *m, const double *tail) {
+    const struct dsk__moe_state *st = m->st;
+    if (tail[2] != (double)st->ranks * (double)st->N || tail[3] != (double)st->ranks * ((double)st->N * st->N))
+        return dsk_set_error(DSK_ERR_ARG,
+                             "dsk_moe_forward: layer \"%s\": the loss span's total_rows differs between the %d ranks "
+                             "of its group (this rank %lld, their sum %.0f); nothing was computed",
+                             m->opts.name, st->ranks, (long long)st->N, tail[2]);
+    return dsk_set_error(DSK_ERR_ARG,
+                         "dsk_moe_forward: layer \"%s\": the loss span's group holds %.0f rows in all over its %d "
+                         "rank(s), not total_rows %lld (this rank rows [%lld, %lld)); nothing was computed",
+                         m->opts.name, tail[1], st->ranks, (long long)st->N, (long long)st->row0,
+                         (long long)(st->row0 + st->T));
+}
+
+/* The balancing losses of the saved forward's T tokens over its loss span (st: row0, N, seq_len, n_seq, ranks):
+   this rank's partial sums, summed over the span's group, then the values into lb->loss (the span's, the same on
+   every rank) and the backward's coefficients into lb->aux. CPU: DSK_ERR_ARG for an inconsistent span, found by
+   a first exchange of the tail alone (every rank fails together, the group stays usable). */
+static dsk_status dsk__moe_losses(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *prob, const dsk_tensor *u,
+                                  const dsk_tensor *sel, dsk__moe_loss_bufs *lb) {
+    const struct dsk__moe_state *st = m->st;
     const dsk_moe_opts *o = &m->opts;
-    int E = o->n_routed, K = o->top_k, sig = o->score == DSK_MOE_SIGMOID, nt = dsk__moe_threads(ctx);
-    int has_s = o->aux_alpha > 0, has_q = o->seq_aux_alpha > 0, topk = o->loss_count == DSK_MOE_COUNT_TOPK;
+    int E = o->n_routed, K = o->top_k, sig = o->score == DSK_MOE_SIGMOID, nt = dsk__moe_threads(ctx), ok;
+    int has_s = o->aux_alpha > 0 && st->N > 0, has_q = o->seq_aux_alpha > 0 && st->N > 0;
+    int topk = o->loss_count == DSK_MOE_COUNT_TOPK;
+    int64_t T = st->T, N = st->N, L = st->seq_len, nseq = st->n_seq, n_part = dsk_tensor_numel(&lb->part);
     const float *p = DSK__MOE_F32(*prob);
     const double *ptot = DSK__MOE_F64(lb->ptot);
     const int32_t *lsel = DSK__MOE_I32(lb->lsel);
+    double *part = DSK__MOE_F64(lb->part), *tail = part + dsk__moe_part_tail(E, nseq);
+    DSK__TRY(dsk_tensor_fill(ctx, &lb->part, 0.0)); /* the parts of a loss that is off stay 0 */
 #ifdef DSK_CUDA
     if (m->device.type == DSK_DEV_CUDA) {
         dsk_cuda_moe_loss_args a;
-        a.T = T; a.L = L; a.nseq = nseq; a.E = E; a.K = K; a.sigmoid = sig; a.count_topk = topk;
+        a.T = T; a.N = N; a.row0 = st->row0; a.L = L; a.nseq = nseq; a.E = E; a.K = K; a.ranks = st->ranks;
+        a.sigmoid = sig; a.count_topk = topk;
         a.aux_alpha = o->aux_alpha; a.seq_alpha = o->seq_aux_alpha; a.z_beta = o->z_beta;
         a.prob = p; a.u = DSK__MOE_F32(*u); a.sel = DSK__MOE_I32(*sel);
-        a.ptot = DSK__MOE_F64(lb->ptot); a.term_s = DSK__MOE_F64(lb->term_s); a.term_q = DSK__MOE_F64(lb->term_q);
-        a.loss = DSK__MOE_F64(lb->loss); a.lse = DSK__MOE_F32(lb->lse); a.coef_s = DSK__MOE_F32(lb->coef_s);
-        a.coef_q = DSK__MOE_F32(lb->coef_q); a.aux = DSK__MOE_F32(lb->aux); a.lsel = DSK__MOE_I32(lb->lsel);
-        return dsk_cuda_moe_losses(ctx, &a);
+        a.ptot = DSK__MOE_F64(lb->ptot); a.part = part; a.loss = DSK__MOE_F64(lb->loss);
+        a.lse = DSK__MOE_F32(lb->lse); a.aux = DSK__MOE_F32(lb->aux); a.lsel = DSK__MOE_I32(lb->lsel);
+        DSK__TRY(dsk_cuda_moe_loss_parts(ctx, &a));
+        if (st->ranks > 1) /* one exchange on the stream, no host sync: an inconsistent span makes the values NaN */
+            DSK__TRY(dsk_comm_all_reduce(st->span_group, ctx, part, part, n_part, DSK_F64, DSK_COMM_SUM));
+        return dsk_cuda_moe_loss_finish(ctx, &a);
     }
 #endif
     (void)nt;
@@ -1511,24 +1634,28 @@ static dsk_status dsk__moe_losses(dsk_moe *m, dsk_ctx *ctx, int64_t T, int64_t L
         dsk__moe_loss_token(E, K, topk, o->z_beta > 0, p + t * E, DSK__MOE_F32(*u) + t * E, DSK__MOE_I32(*sel) + t * K,
                             DSK__MOE_F64(lb->ptot) + t, o->z_beta > 0 ? DSK__MOE_F32(lb->lse) + t : NULL,
                             DSK__MOE_I32(lb->lsel) + t * K);
-    if (has_s && T > 0) {
+    if (has_s) {
         DSK__MOE_OMP(omp parallel for schedule(static) num_threads(nt))
-        for (int j = 0; j < E; j++)
-            dsk__moe_switch_expert(j, T, E, K, sig, o->aux_alpha, p, ptot, lsel, DSK__MOE_F64(lb->term_s) + j,
-                                   DSK__MOE_F32(lb->coef_s) + j);
+        for (int j = 0; j < E; j++) dsk__moe_switch_part(j, T, N, E, K, sig, p, ptot, lsel, part);
     }
-    if (has_q && T > 0) {
+    if (has_q) {
         DSK__MOE_OMP(omp parallel for schedule(static) num_threads(nt))
         for (int64_t qj = 0; qj < nseq * E; qj++)
-            dsk__moe_seq_expert((int)(qj % E), qj / E, L, nseq, E, K, sig, o->seq_aux_alpha, p, ptot, lsel,
-                                DSK__MOE_F64(lb->term_q) + qj, DSK__MOE_F32(lb->coef_q) + qj);
+            dsk__moe_seq_part((int)(qj % E), qj / E, st->row0, T, L, nseq, E, K, sig, p, ptot, lsel, part);
     }
-    dsk__moe_loss_finish(E, T, nseq, o->aux_alpha, o->seq_aux_alpha, o->z_beta, DSK__MOE_F64(lb->term_s),
-                         DSK__MOE_F64(lb->term_q), DSK__MOE_F32(lb->lse), DSK__MOE_F64(lb->loss));
+    dsk__moe_part_tail_fill(T, N, o->z_beta > 0 ? DSK__MOE_F32(lb->lse) : NULL, tail);
+    if (st->ranks > 1) { /* the tail first: a total_rows that differs between ranks sizes the parts differently */
+        DSK__TRY(dsk_comm_all_reduce(st->span_group, ctx, tail, tail, DSK__MOE_PART_TAIL, DSK_F64, DSK_COMM_SUM));
+        if (!dsk__moe_span_ok(tail, st->ranks, N)) return dsk__moe_span_error(m, tail);
+        DSK__TRY(dsk_comm_all_reduce(st->span_group, ctx, part, part, n_part - DSK__MOE_PART_TAIL, DSK_F64,
+                                     DSK_COMM_SUM));
+    }
+    ok = dsk__moe_loss_finish(E, K, N, L, nseq, st->ranks, o->aux_alpha, o->seq_aux_alpha, o->z_beta, part,
+                              DSK__MOE_F64(lb->loss));
+    if (!ok) return dsk__moe_span_error(m, tail); /* a group of one rank whose rows are not the span */
     for (int64_t qj = 0; qj < nseq * E; qj++)
         DSK__MOE_F32(lb->aux)[qj] =
-            dsk__moe_aux_coef(has_s && T > 0, has_q && T > 0, has_s && T > 0 ? DSK__MOE_F32(lb->coef_s)[qj % E] : 0.0f,
-                              has_q && T > 0 ? DSK__MOE_F32(lb->coef_q)[qj] : 0.0f);
+            dsk__moe_aux_coef(qj, E, K, N, L, nseq, st->ranks, o->aux_alpha, o->seq_aux_alpha, part);
     return DSK_OK;
 }
 
@@ -1703,22 +1830,23 @@ static dsk_status dsk__moe_dgate(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dgate, co
     return DSK_OK;
 }
 
-/* du (T, E) written from dgate, the loss coefficients (aux or NULL) and the z-loss. */
+/* du (T, E) written from dgate, the loss coefficients (aux (nseq, E) or NULL: token t is row row0 + t of the
+   loss span, in sequence (row0 + t) / seq_len) and the z-loss. */
 static dsk_status dsk__moe_route_backward(dsk_moe *m, dsk_ctx *ctx, int64_t T, const dsk_tensor *u,
                                           const dsk_tensor *prob, const dsk_tensor *sel, const dsk_tensor *dgate,
-                                          const dsk_tensor *aux, int64_t seq_len, float aux_scale, float zcoef,
-                                          dsk_tensor *du) {
+                                          const dsk_tensor *aux, int64_t row0, int64_t seq_len, float aux_scale,
+                                          float zcoef, dsk_tensor *du) {
     int E = m->opts.n_routed, K = m->opts.top_k, nt = dsk__moe_threads(ctx);
     DSK__MOE_ON_CUDA(m, dsk_cuda_moe_route_backward(ctx, &m->routing, T, DSK__MOE_F32(*u), DSK__MOE_F32(*prob),
                                                     DSK__MOE_I32(*sel), DSK__MOE_F32(*dgate),
-                                                    aux ? DSK__MOE_F32(*aux) : NULL, seq_len, aux_scale, zcoef,
+                                                    aux ? DSK__MOE_F32(*aux) : NULL, row0, seq_len, aux_scale, zcoef,
                                                     DSK__MOE_F32(*du)));
     (void)nt;
     DSK__MOE_OMP(omp parallel for schedule(static) num_threads(nt))
     for (int64_t t = 0; t < T; t++)
         dsk_moe_route_token_backward(&m->routing, DSK__MOE_F32(*u) + t * E, DSK__MOE_F32(*prob) + t * E,
                                      DSK__MOE_I32(*sel) + t * K, DSK__MOE_F32(*dgate) + t * K,
-                                     aux ? DSK__MOE_F32(*aux) + (t / seq_len) * E : NULL, aux_scale, zcoef,
+                                     aux ? DSK__MOE_F32(*aux) + ((row0 + t) / seq_len) * E : NULL, aux_scale, zcoef,
                                      DSK__MOE_F32(*du) + t * E);
     return DSK_OK;
 }
@@ -1996,7 +2124,8 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     struct dsk__moe_state *st = m->st;
     const dsk_moe_opts *o = &m->opts;
     int64_t K = o->top_k, E = o->n_routed, TK = T * K, Fs = m->d_shared_total, n_kept, R, n_rows;
-    int64_t L = o->seq_aux_alpha > 0 && o->seq_len ? o->seq_len : (T > 0 ? T : 1), nseq = T / L > 0 ? T / L : 1;
+    int64_t N = st->span_on ? st->span_rows : T; /* the loss span: the micro-batch this call is part of */
+    int64_t L = o->seq_aux_alpha > 0 && o->seq_len ? o->seq_len : (N > 0 ? N : 1), nseq = N / L > 0 ? N / L : 1;
     int cpu = m->device.type == DSK_DEV_CPU, ep = m->ep_size > 1;
     int losses = o->aux_alpha > 0 || o->seq_aux_alpha > 0 || o->z_beta > 0;
     dsk_tensor xf, xa, u, prob, scr, sel, gate, keys, perm_all, off_all, perm, off, pos, row_tok, row_gate, cnt, cntg;
@@ -2005,6 +2134,9 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     R = ep ? TK : dsk__moe_rows_bound(m, T); /* sizes the buffers until the counts say more */
     st->T = T;
     st->R = R;
+    st->N = N;
+    st->row0 = st->span_on ? st->span_row0 : 0;
+    st->ranks = st->span_on && st->span_group ? st->span_group->world_size : 1;
     st->seq_len = L;
     st->n_seq = nseq;
     /* router: u = x W_r^T in f32 */
@@ -2027,12 +2159,9 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_PTOT, T, R, &lb.ptot));
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_LSE, T, R, &lb.lse));
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_LSEL, T, R, &lb.lsel));
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_TERM_S, T, R, &lb.term_s));
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_COEF_S, T, R, &lb.coef_s));
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_TERM_Q, T, R, &lb.term_q));
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_COEF_Q, T, R, &lb.coef_q));
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_PART, T, R, &lb.part));
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_AUX, T, R, &lb.aux));
-        DSK__TRY(dsk__moe_losses(m, ctx, T, L, nseq, &prob, &u, &sel, &lb));
+        DSK__TRY(dsk__moe_losses(m, ctx, &prob, &u, &sel, &lb));
     } else {
         DSK__TRY(dsk_tensor_fill(ctx, &lb.loss, 0.0));
     }
@@ -2120,7 +2249,7 @@ static dsk_status dsk__moe_backward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *d
     int64_t T = st->T, R = st->R, K = o->top_k, Fs = m->d_shared_total;
     int64_t n_rows = st->n_kept >= 0 ? st->n_kept : T * K;
     int ep = m->ep_size > 1;
-    float zcoef = T > 0 ? o->z_beta * 2.0f / (float)T * aux_scale : 0.0f;
+    float zcoef = st->N > 0 ? o->z_beta * 2.0f / (float)st->N * aux_scale : 0.0f; /* per token of the span */
     /* what the forward saved */
     dsk_tensor xf = dsk__moe_saved(m, DSK__MOE_XF), xa = st->act == DSK_F32 ? xf : dsk__moe_saved(m, DSK__MOE_XA);
     dsk_tensor u = dsk__moe_saved(m, DSK__MOE_U), prob = dsk__moe_saved(m, DSK__MOE_PROB);
@@ -2193,8 +2322,8 @@ static dsk_status dsk__moe_backward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *d
     /* router: du (T, E) per token, the routed rows into dxf, then dx += du W_r, dW_r += du^T x */
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DU, T, R, &du));
     DSK__TRY(dsk__moe_route_backward(m, ctx, T, &u, &prob, &sel, &dgate,
-                                     o->aux_alpha > 0 || o->seq_aux_alpha > 0 ? &aux : NULL, st->seq_len, aux_scale,
-                                     zcoef, &du));
+                                     o->aux_alpha > 0 || o->seq_aux_alpha > 0 ? &aux : NULL, st->row0, st->seq_len,
+                                     aux_scale, zcoef, &du));
     DSK__TRY(dsk__moe_uncombine(m, ctx, &dxf, &pos, &dxp));
     DSK__TRY(dsk_matmul(ctx, &dxf, &du, 0, &m->router->value, 0, 1.0f, 1.0f));
     DSK__TRY(dsk_matmul(ctx, &m->router->grad, &du, 1, &xf, 0, 1.0f, 1.0f));
@@ -2426,6 +2555,28 @@ static dsk_status dsk__moe_check_replay(const dsk_moe *m, const char *fn, const 
     return DSK_OK;
 }
 
+/* The loss span set for this call's T rows: they lie inside it (without a group: they are all of it), and the
+   span is whole sequences of the sequence-wise loss (without a span: the call is). */
+static dsk_status dsk__moe_check_span(const dsk_moe *m, const char *fn, int64_t T) {
+    const struct dsk__moe_state *st = m->st;
+    int64_t N = st->span_on ? st->span_rows : T;
+    if (st->span_on && st->span_row0 + T > N)
+        return dsk_set_error(DSK_ERR_ARG,
+                             "%s: layer \"%s\": this call's %lld rows from row0 %lld end past the loss span's "
+                             "total_rows %lld",
+                             fn, m->opts.name, (long long)T, (long long)st->span_row0, (long long)N);
+    if (st->span_on && !st->span_group && (st->span_row0 != 0 || T != N))
+        return dsk_set_error(DSK_ERR_ARG,
+                             "%s: layer \"%s\": a loss span without a group holds this call's rows only: total_rows "
+                             "%lld and row0 %lld, but the call has %lld rows",
+                             fn, m->opts.name, (long long)N, (long long)st->span_row0, (long long)T);
+    if (m->opts.seq_aux_alpha > 0 && m->opts.seq_len > 0 && N % m->opts.seq_len)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": %lld tokens %sare not whole sequences of seq_len %lld", fn,
+                             m->opts.name, (long long)N, st->span_on ? "(the loss span's total_rows) " : "",
+                             (long long)m->opts.seq_len);
+    return DSK_OK;
+}
+
 /* dsk_moe_forward and dsk_moe_forward_replay: every argument checked before the layer changes. */
 static dsk_status dsk__moe_forward_checked(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x,
                                            const dsk_tensor *replay, dsk_moe_stats *stats, const char *fn) {
@@ -2438,9 +2589,7 @@ static dsk_status dsk__moe_forward_checked(dsk_moe *m, dsk_ctx *ctx, dsk_tensor 
     T = x->shape[0];
     DSK__TRY(dsk__moe_check_io(m, fn, "y", y, T));
     if (replay) DSK__TRY(dsk__moe_check_replay(m, fn, replay, T));
-    if (m->opts.seq_aux_alpha > 0 && m->opts.seq_len > 0 && T % m->opts.seq_len)
-        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": %lld tokens are not whole sequences of seq_len %lld", fn,
-                             m->opts.name, (long long)T, (long long)m->opts.seq_len);
+    DSK__TRY(dsk__moe_check_span(m, fn, T));
     if (m->device.type == DSK_DEV_CUDA && (!ctx || ctx->device.type != DSK_DEV_CUDA))
         return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\" is on CUDA: pass its CUDA ctx", fn, m->opts.name);
     m->st->have_fwd = m->st->bwd_done = m->st->have_route = 0;
@@ -2450,6 +2599,28 @@ static dsk_status dsk__moe_forward_checked(dsk_moe *m, dsk_ctx *ctx, dsk_tensor 
         if (stats) memset(stats, 0, sizeof *stats);
     }
     return s;
+}
+
+DSK_API dsk_status dsk_moe_set_loss_span(dsk_moe *m, dsk_comm *group, int64_t row0, int64_t total_rows) {
+    const char *fn = "dsk_moe_set_loss_span";
+    struct dsk__moe_state *st;
+    DSK__TRY(dsk__moe_need_layer(m, fn));
+    st = m->st;
+    if (row0 < 0 || total_rows < 0 || row0 > total_rows)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": row0 %lld, total_rows %lld: want 0 <= row0 <= total_rows",
+                             fn, m->opts.name, (long long)row0, (long long)total_rows);
+    if (group && (group->world_size < 1 || !group->impl))
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": the group is not an initialised communicator", fn,
+                             m->opts.name);
+    if (group && group->world_size > 1 && (m->device.type == DSK_DEV_CUDA) != (group->backend == DSK_COMM_NCCL))
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: layer \"%s\" is on %s: the group must use the %s backend", fn,
+                             m->opts.name, m->device.type == DSK_DEV_CUDA ? "CUDA" : "the CPU",
+                             m->device.type == DSK_DEV_CUDA ? "nccl" : "host");
+    st->span_group = group;
+    st->span_row0 = row0;
+    st->span_rows = total_rows;
+    st->span_on = group || total_rows > 0;
+    return DSK_OK;
 }
 
 DSK_API dsk_status dsk_moe_forward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, dsk_moe_stats *stats) {

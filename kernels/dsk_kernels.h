@@ -122,19 +122,22 @@ struct dsk_moe_router;
    replay 1: sel holds the given experts (read, kept). */
 dsk_status dsk_cuda_moe_route(dsk_ctx *ctx, const struct dsk_moe_router *r, int64_t T, const float *u, const float *bias,
                               float *prob, float *scratch, int32_t *sel, float *gate, int32_t *keys, int replay);
-/* The balancing losses: dsk__moe_loss_token per token, dsk__moe_switch_expert per expert (aux_alpha > 0),
-   dsk__moe_seq_expert per (sequence, expert) (seq_alpha > 0), then dsk__moe_loss_finish and the coefficients. */
+/* The balancing losses over a loss span (this call's T rows are rows [row0, row0 + T) of N, on `ranks` ranks).
+   loss_parts: dsk__moe_loss_token per token, dsk__moe_switch_part per expert (aux_alpha > 0), dsk__moe_seq_part
+   per (sequence, expert) (seq_alpha > 0) and the tail into part (zeroed by the caller); the caller sums part
+   over the span's group; loss_finish: dsk__moe_loss_finish and dsk__moe_aux_coef per (sequence, expert). */
 typedef struct dsk_cuda_moe_loss_args {
-    int64_t T, L, nseq;
-    int E, K, sigmoid, count_topk;
+    int64_t T, N, row0, L, nseq;
+    int E, K, ranks, sigmoid, count_topk;
     float aux_alpha, seq_alpha, z_beta;
     const float *prob, *u;
     const int32_t *sel;
-    double *ptot, *term_s, *term_q, *loss;
-    float *lse, *coef_s, *coef_q, *aux;
+    double *ptot, *part, *loss;
+    float *lse, *aux;
     int32_t *lsel;
 } dsk_cuda_moe_loss_args;
-dsk_status dsk_cuda_moe_losses(dsk_ctx *ctx, const dsk_cuda_moe_loss_args *a);
+dsk_status dsk_cuda_moe_loss_parts(dsk_ctx *ctx, const dsk_cuda_moe_loss_args *a);
+dsk_status dsk_cuda_moe_loss_finish(dsk_ctx *ctx, const dsk_cuda_moe_loss_args *a);
 /* keys2 (TK) = the expert of each slot that keeps its place under capacity cap (dsk__moe_capacity_keep), else -1. */
 dsk_status dsk_cuda_moe_capacity(dsk_ctx *ctx, int E, int drop, int64_t cap, int64_t TK, const int32_t *perm_all,
                                  const int32_t *off_all, const float *gate, int32_t *keys2);
@@ -153,10 +156,11 @@ dsk_status dsk_cuda_moe_combine(dsk_ctx *ctx, int K, int64_t T, int64_t D, void 
 /* dgate (TK) = dy_t . row_pos (0 for dropped slots): a warp per slot, dsk__moe_dot_part per lane, a fixed tree. */
 dsk_status dsk_cuda_moe_dgate(dsk_ctx *ctx, int K, int64_t TK, int64_t D, float *dgate, const void *dy, dsk_dtype dydt,
                               const int32_t *pos, const void *rows, dsk_dtype rdt);
-/* du (T,E) WRITTEN by dsk_moe_route_token_backward per token; aux (T/seq_len, E) or NULL. */
+/* du (T,E) WRITTEN by dsk_moe_route_token_backward per token; aux (nseq, E) or NULL, token t in sequence
+   (row0 + t) / seq_len. */
 dsk_status dsk_cuda_moe_route_backward(dsk_ctx *ctx, const struct dsk_moe_router *r, int64_t T, const float *u,
                                        const float *prob, const int32_t *sel, const float *dgate, const float *aux,
-                                       int64_t seq_len, float aux_mult, float zcoef, float *du);
+                                       int64_t row0, int64_t seq_len, float aux_mult, float zcoef, float *du);
 /* dxf (T, D) f32 by dsk__moe_uncombine_elem from rows (kept order) in rdt. */
 dsk_status dsk_cuda_moe_uncombine(dsk_ctx *ctx, int K, int64_t T, int64_t D, float *dxf, const int32_t *pos,
                                   const void *rows, dsk_dtype rdt);

@@ -38,26 +38,26 @@ extern "C" dsk_status dsk_cuda_moe_route(dsk_ctx *ctx, const dsk_moe_router *r, 
 }
 
 __global__ void dsk__moe_k_route_backward(dsk_moe_router r, int64_t T, const float *u, const float *prob,
-                                          const int32_t *sel, const float *dgate, const float *aux, int64_t seq_len,
-                                          float aux_mult, float zcoef, float *du) {
+                                          const int32_t *sel, const float *dgate, const float *aux, int64_t row0,
+                                          int64_t seq_len, float aux_mult, float zcoef, float *du) {
     int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     int E = r.n_experts, K = r.top_k;
     if (t >= T) return;
     dsk_moe_route_token_backward(&r, u + t * E, prob + t * E, sel + t * K, dgate + t * K,
-                                 aux ? aux + (t / seq_len) * E : NULL, aux_mult, zcoef, du + t * E);
+                                 aux ? aux + ((row0 + t) / seq_len) * E : NULL, aux_mult, zcoef, du + t * E);
 }
 
 extern "C" dsk_status dsk_cuda_moe_route_backward(dsk_ctx *ctx, const dsk_moe_router *r, int64_t T, const float *u,
                                                   const float *prob, const int32_t *sel, const float *dgate,
-                                                  const float *aux, int64_t seq_len, float aux_mult, float zcoef,
-                                                  float *du) {
+                                                  const float *aux, int64_t row0, int64_t seq_len, float aux_mult,
+                                                  float zcoef, float *du) {
     static const char *fn = "dsk_moe_backward (routing)";
     DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     if (aux && seq_len <= 0)
         return dsk_set_error(DSK_ERR_ARG, "%s: seq_len %lld must be > 0 with loss coefficients", fn,
                              (long long)seq_len);
-    DSK__MOE_LAUNCH(fn, dsk__moe_k_route_backward, T, 128, *r, T, u, prob, sel, dgate, aux, seq_len, aux_mult, zcoef,
-                    du);
+    DSK__MOE_LAUNCH(fn, dsk__moe_k_route_backward, T, 128, *r, T, u, prob, sel, dgate, aux, row0, seq_len, aux_mult,
+                    zcoef, du);
     return DSK_OK;
 }
 
@@ -70,35 +70,44 @@ __global__ void dsk__moe_k_loss_token(dsk_cuda_moe_loss_args a) {
                         a.ptot + t, a.z_beta > 0 ? a.lse + t : NULL, a.lsel + t * a.K);
 }
 
-__global__ void dsk__moe_k_switch(dsk_cuda_moe_loss_args a) {
+__global__ void dsk__moe_k_switch_part(dsk_cuda_moe_loss_args a) {
     int j = (int)(blockIdx.x * blockDim.x + threadIdx.x);
-    if (j < a.E)
-        dsk__moe_switch_expert(j, a.T, a.E, a.K, a.sigmoid, a.aux_alpha, a.prob, a.ptot, a.lsel, a.term_s + j,
-                               a.coef_s + j);
+    if (j < a.E) dsk__moe_switch_part(j, a.T, a.N, a.E, a.K, a.sigmoid, a.prob, a.ptot, a.lsel, a.part);
 }
 
-__global__ void dsk__moe_k_seq(dsk_cuda_moe_loss_args a) {
+__global__ void dsk__moe_k_seq_part(dsk_cuda_moe_loss_args a) {
     int64_t qj = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (qj < a.nseq * a.E)
-        dsk__moe_seq_expert((int)(qj % a.E), qj / a.E, a.L, a.nseq, a.E, a.K, a.sigmoid, a.seq_alpha, a.prob, a.ptot,
-                            a.lsel, a.term_q + qj, a.coef_q + qj);
+        dsk__moe_seq_part((int)(qj % a.E), qj / a.E, a.row0, a.T, a.L, a.nseq, a.E, a.K, a.sigmoid, a.prob, a.ptot,
+                          a.lsel, a.part);
+}
+
+__global__ void dsk__moe_k_part_tail(dsk_cuda_moe_loss_args a) {
+    if (threadIdx.x == 0)
+        dsk__moe_part_tail_fill(a.T, a.N, a.z_beta > 0 ? a.lse : NULL, a.part + dsk__moe_part_tail(a.E, a.nseq));
+}
+
+extern "C" dsk_status dsk_cuda_moe_loss_parts(dsk_ctx *ctx, const dsk_cuda_moe_loss_args *a) {
+    static const char *fn = "dsk_moe_forward (balancing losses)";
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
+    DSK__MOE_LAUNCH(fn, dsk__moe_k_loss_token, a->T, 128, *a);
+    if (a->aux_alpha > 0 && a->N > 0) DSK__MOE_LAUNCH(fn, dsk__moe_k_switch_part, (int64_t)a->E, 64, *a);
+    if (a->seq_alpha > 0 && a->N > 0) DSK__MOE_LAUNCH(fn, dsk__moe_k_seq_part, a->nseq * a->E, 128, *a);
+    DSK__CUDA_LAUNCH(fn, dsk__moe_k_part_tail, 1, 32, dsk__cuda_stream(ctx), 1, *a);
+    return DSK_OK;
 }
 
 /* One block: thread 0 sums the loss totals; every thread writes coefficients. */
 __global__ void dsk__moe_k_loss_finish(dsk_cuda_moe_loss_args a) {
-    int has_s = a.aux_alpha > 0 && a.T > 0, has_q = a.seq_alpha > 0 && a.T > 0;
     if (threadIdx.x == 0)
-        dsk__moe_loss_finish(a.E, a.T, a.nseq, a.aux_alpha, a.seq_alpha, a.z_beta, a.term_s, a.term_q, a.lse, a.loss);
+        dsk__moe_loss_finish(a.E, a.K, a.N, a.L, a.nseq, a.ranks, a.aux_alpha, a.seq_alpha, a.z_beta, a.part, a.loss);
     for (int64_t qj = threadIdx.x; qj < a.nseq * a.E; qj += blockDim.x)
-        a.aux[qj] = dsk__moe_aux_coef(has_s, has_q, has_s ? a.coef_s[qj % a.E] : 0.0f, has_q ? a.coef_q[qj] : 0.0f);
+        a.aux[qj] = dsk__moe_aux_coef(qj, a.E, a.K, a.N, a.L, a.nseq, a.ranks, a.aux_alpha, a.seq_alpha, a.part);
 }
 
-extern "C" dsk_status dsk_cuda_moe_losses(dsk_ctx *ctx, const dsk_cuda_moe_loss_args *a) {
+extern "C" dsk_status dsk_cuda_moe_loss_finish(dsk_ctx *ctx, const dsk_cuda_moe_loss_args *a) {
     static const char *fn = "dsk_moe_forward (balancing losses)";
     DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
-    DSK__MOE_LAUNCH(fn, dsk__moe_k_loss_token, a->T, 128, *a);
-    if (a->aux_alpha > 0 && a->T > 0) DSK__MOE_LAUNCH(fn, dsk__moe_k_switch, (int64_t)a->E, 64, *a);
-    if (a->seq_alpha > 0 && a->T > 0) DSK__MOE_LAUNCH(fn, dsk__moe_k_seq, a->nseq * a->E, 128, *a);
     DSK__CUDA_LAUNCH(fn, dsk__moe_k_loss_finish, 1, 256, dsk__cuda_stream(ctx), a->nseq * a->E, *a);
     return DSK_OK;
 }

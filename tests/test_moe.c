@@ -1562,6 +1562,424 @@ out:
     dsk_test_end();
 }
 
+/* ---------------------------------------------------------------- loss span */
+
+/* A micro-batch of SP_N rows in sequences of SP_L, split over 2 or 4 forked host ranks at rows that cut
+   sequences in the middle (with expert parallelism 1 or 2), each rank's layer given the loss span (the world, its
+   row0, SP_N): the Switch, sequence-wise and z losses are the micro-batch's on every rank, bit for bit alike, and
+   equal to one layer over every row and to the float64 reference; dx, the router, shared and expert gradients
+   summed over the ranks equal the one layer's and the reference's central differences; the bias update counts
+   each row once. Routing is the same in every layout: the inputs are redrawn until every selection, group choice
+   and loss count (the K-th against the (K+1)-th unbiased score) is SP_MARGIN away from a tie. */
+enum { SP_N = 24, SP_D = 8, SP_E = 6, SP_K = 2, SP_F = 5, SP_FS = 4, SP_L = 6, SP_MAX = 4 };
+#define SP_MARGIN 1e-4
+
+typedef struct sp_job {
+    const char *name;
+    cfg c;
+    int n, ep, bad;          /* ranks, expert-parallel size, and whether the ranks also run the bad spans */
+    int64_t rows[SP_MAX + 1]; /* rank r holds rows [rows[r], rows[r + 1]) */
+    float *val[8], *x, *dy;  /* f32 parameters (router, bias, w1, w2, w3, shared w1 w2 w3: the layer's layout, every
+                                expert), x and dy (SP_N, SP_D) */
+    refp w;                  /* their float64 mirrors */
+    double *xd, *dyd;
+    int drawn, port_ok;
+    size_t grads_per_rank, bytes;
+    void *shm;               /* the ranks' results: */
+    double *loss;            /* (n, 4) stats: aux, seq_aux, z, total */
+    float *y, *dx;           /* (SP_N, SP_D) each rank its rows */
+    float *grads, *bias;     /* (n, grads_per_rank) gradient slabs, (n, E) biases after the update */
+    int *flag;               /* (n, 4): exit status, bad spans reported, state kept after them, loads kept */
+} sp_job;
+
+static const int64_t sp_numel[8] = {SP_E * SP_D, SP_E, SP_E * SP_F * SP_D, SP_E * SP_D * SP_F, SP_E * SP_F * SP_D,
+                                    SP_FS * SP_D, SP_D * SP_FS, SP_FS * SP_D};
+
+static float *sp_draw(int64_t n, double lo, double hi, double **mirror) {
+    float *v = (float *)malloc(sizeof(float) * (size_t)n);
+    *mirror = (double *)malloc(sizeof(double) * (size_t)n);
+    for (int64_t i = 0; i < n; i++) (*mirror)[i] = v[i] = (float)dsk_test_rand(lo, hi);
+    return v;
+}
+
+/* Parameters, then x until routing is SP_MARGIN from any tie (pure C: no OpenMP before the forks). */
+static void sp_inputs(sp_job *j, double bias_mag) {
+    double **mir[8] = {&j->w.wr, &j->w.b, &j->w.w1, &j->w.w2, &j->w.w3, &j->w.s1, &j->w.s2, &j->w.s3};
+    double lo[8] = {-1, -bias_mag, -0.5, -0.5, -0.5, -0.5, -0.5, -0.5};
+    refout o;
+    double *yb = (double *)malloc(sizeof(double) * SP_N * SP_D);
+    for (int i = 0; i < 8; i++) j->val[i] = sp_draw(sp_numel[i], lo[i], -lo[i], mir[i]);
+    j->dy = sp_draw(SP_N * SP_D, -1, 1, &j->dyd);
+    o.sel = (int *)malloc(sizeof(int) * SP_N * SP_K); o.g = (double *)malloc(sizeof(double) * SP_N * SP_K);
+    o.kept = (int *)malloc(sizeof(int) * SP_N * SP_K); o.load = (int *)malloc(sizeof(int) * SP_E);
+    o.lcnt = (int *)malloc(sizeof(int) * SP_N * SP_E);
+    j->x = NULL;
+    j->xd = NULL;
+    for (int tries = 0; tries < 50 && !j->drawn; tries++) {
+        free(j->x); free(j->xd);
+        j->x = sp_draw(SP_N * SP_D, -1, 1, &j->xd);
+        ref_forward(&j->c, &j->w, j->xd, yb, NULL, &o);
+        j->drawn = o.margin > SP_MARGIN;
+    }
+    free(o.sel); free(o.g); free(o.kept); free(o.load); free(o.lcnt); free(yb);
+}
+
+/* The job's values into m's bound parameters (its experts only). */
+static void sp_load(const sp_job *j, dsk_moe *m) {
+    for (int i = 0; i < m->n_params; i++) {
+        int64_t n = dsk_tensor_numel(&m->params[i].value);
+        int64_t off = m->params[i].expert_sharded ? m->expert0 * n / m->n_local : 0;
+        memcpy(m->params[i].value.data, j->val[i] + off, sizeof(float) * (size_t)n);
+    }
+}
+
+static dsk_comm sp_connect(int rank, int n, int port, int *ok) {
+    dsk_comm c;
+    dsk_comm_opts co;
+    memset(&co, 0, sizeof co);
+    co.backend = DSK_COMM_HOST; co.master_addr = "127.0.0.1"; co.master_port = port; co.timeout_s = 60;
+    *ok = dsk_comm_init(&c, rank, n, &co) == DSK_OK;
+    return c;
+}
+
+/* A forward on rows [r0, r0 + T) of x under the span (world, r0, total) that must fail naming `needle`. */
+static int sp_refused(dsk_moe *m, dsk_comm *world, const float *x, int64_t r0, int64_t T, int64_t total,
+                      const char *needle) {
+    int64_t shp[2] = {T, SP_D};
+    float *yb = (float *)malloc(sizeof(float) * (size_t)(T * SP_D));
+    dsk_tensor tx, ty;
+    int ok;
+    dsk_tensor_wrap(&tx, (void *)(x + r0 * SP_D), DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&ty, yb, DSK_F32, dsk_cpu(), 2, shp);
+    ok = dsk_moe_set_loss_span(m, world, r0, total) == DSK_OK &&
+         dsk_moe_forward(m, NULL, &ty, &tx, NULL) == DSK_ERR_ARG && strstr(dsk_last_error(), needle) != NULL;
+    if (!ok) fprintf(stderr, "rank %d: want an error naming \"%s\", got: %s\n", world->rank, needle, dsk_last_error());
+    free(yb);
+    return ok;
+}
+
+/* Two ranks (rows [0, 11) and [11, 24)) pass spans that do not fit together: every rank fails naming the values,
+   no forward is left for backward and nothing counts toward the bias update. flag[1]: the errors, flag[2]: the
+   state after them, flag[3]: the bias unchanged by an update after them. */
+static void sp_bad_spans(sp_job *j, dsk_moe *m, dsk_comm *world, int rank, int *flag) {
+    char want[160];
+    int64_t r0 = j->rows[rank], T = j->rows[rank + 1] - r0, shp[2] = {T, SP_D};
+    float b0[SP_E];
+    dsk_tensor dx, dy;
+    memcpy(b0, m->bias->value.data, sizeof b0);
+    snprintf(want, sizeof want, "the loss span's total_rows differs between the 2 ranks of its group (this rank %d, "
+             "their sum 54); nothing was computed", rank ? 30 : 24);
+    flag[1] = sp_refused(m, world, j->x, r0, T, rank ? 30 : 24, want);
+    snprintf(want, sizeof want, "the loss span's group holds 22 rows in all over its 2 rank(s), not total_rows 24 "
+             "(this rank rows [%lld, %lld))", (long long)(rank ? 11 : 0), (long long)(rank ? 22 : 11));
+    flag[1] &= sp_refused(m, world, j->x, rank ? 11 : 0, 11, 24, want);
+    dsk_tensor_wrap(&dx, j->dx + r0 * SP_D, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&dy, j->dy + r0 * SP_D, DSK_F32, dsk_cpu(), 2, shp);
+    flag[2] = dsk_moe_backward(m, NULL, &dx, &dy, 1.0f) == DSK_ERR_STATE;
+    flag[3] = dsk_moe_update_bias(m, NULL, world) == DSK_OK && !memcmp(b0, m->bias->value.data, sizeof b0);
+}
+
+static int sp_rank_main(sp_job *j, int rank, int port) {
+    dsk_comm world, epc;
+    dsk_moe m;
+    owned own;
+    dsk_moe_opts o = opts_of(&j->c, DSK_F32);
+    dsk_moe_stats st;
+    dsk_tensor x, y, dx, dy;
+    int64_t r0 = j->rows[rank], T = j->rows[rank + 1] - r0, shp[2] = {T, SP_D};
+    int ok;
+    world = sp_connect(rank, j->n, port, &ok);
+    if (!ok) return 2;
+    memset(&epc, 0, sizeof epc);
+    if (j->ep > 1) {
+        if (dsk_comm_split(&world, rank / j->ep, rank, &epc) != DSK_OK) return 3;
+        o.ep = &epc;
+    }
+    if (make_layer(&m, &own, &o) != DSK_OK) return 4;
+    sp_load(j, &m);
+    dsk_tensor_wrap(&x, j->x + r0 * SP_D, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&dy, j->dy + r0 * SP_D, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&y, j->y + r0 * SP_D, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&dx, j->dx + r0 * SP_D, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_test_poison_f32((float *)y.data, T * SP_D);
+    memset(dx.data, 0, sizeof(float) * (size_t)(T * SP_D));
+    if (dsk_moe_set_loss_span(&m, &world, r0, SP_N) != DSK_OK) return 5;
+    if (dsk_moe_forward(&m, NULL, &y, &x, &st) != DSK_OK) return 6;
+    j->loss[rank * 4 + 0] = st.aux_loss; j->loss[rank * 4 + 1] = st.seq_aux_loss;
+    j->loss[rank * 4 + 2] = st.z_loss; j->loss[rank * 4 + 3] = st.loss;
+    if (dsk_moe_backward(&m, NULL, &dx, &dy, 1.0f) != DSK_OK) return 7;
+    memcpy(j->grads + j->grads_per_rank * rank, own.grads.data, sizeof(float) * (size_t)dsk_tensor_numel(&own.grads));
+    if (dsk_moe_update_bias(&m, NULL, &world) != DSK_OK) return 8;
+    memcpy(j->bias + rank * SP_E, m.bias->value.data, sizeof(float) * SP_E);
+    if (j->bad) sp_bad_spans(j, &m, &world, rank, j->flag + 4 * rank);
+    drop_layer(&m, &own);
+    if (j->ep > 1) dsk_comm_free(&epc);
+    dsk_comm_free(&world);
+    return 0;
+}
+
+/* Draws the job's inputs and forks its ranks (before this process starts OpenMP). */
+static void sp_run(sp_job *j) {
+    int port = 0;
+    pid_t pids[SP_MAX];
+    j->grads_per_rank = (size_t)(sp_numel[0] + sp_numel[2] + sp_numel[3] + sp_numel[4] + sp_numel[5] + sp_numel[6] +
+                                 sp_numel[7]);
+    j->bytes = sizeof(double) * 4 * j->n + sizeof(float) * (2 * SP_N * SP_D + j->grads_per_rank * j->n + SP_E * j->n) +
+               sizeof(int) * 4 * j->n;
+    j->shm = mmap(NULL, j->bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    j->loss = (double *)j->shm;
+    j->y = (float *)(j->loss + 4 * j->n);
+    j->dx = j->y + SP_N * SP_D;
+    j->grads = j->dx + SP_N * SP_D;
+    j->bias = j->grads + j->grads_per_rank * j->n;
+    j->flag = (int *)(j->bias + SP_E * j->n);
+    for (int i = 0; i < 4 * j->n; i++) j->loss[i] = NAN; /* poisoned: a rank that writes nothing fails the checks */
+    dsk_test_poison_f32(j->bias, SP_E * j->n);
+    sp_inputs(j, j->c.sigmoid ? 0.05 : 0.0);
+    j->port_ok = dsk_comm_free_port("127.0.0.1", &port) == DSK_OK;
+    if (!j->drawn || !j->port_ok) return;
+    for (int r = 0; r < j->n; r++) {
+        pids[r] = fork();
+        if (pids[r] == 0) {
+            int rc = sp_rank_main(j, r, port);
+            if (rc) fprintf(stderr, "rank %d: step %d failed: %s\n", r, rc, dsk_last_error());
+            _exit(rc);
+        }
+    }
+    for (int r = 0; r < j->n; r++) {
+        int status = 0;
+        if (pids[r] < 0 || waitpid(pids[r], &status, 0) != pids[r]) j->flag[4 * r] = -1;
+        else if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0)) j->flag[4 * r] = status ? status : -1;
+    }
+}
+
+/* The ranks' gradients assembled into one slab of the one layer's layout: the dense ones summed over the ranks,
+   each expert's summed over the ranks holding it. */
+static void sp_assemble(const sp_job *j, int64_t nd, float *out) {
+    int64_t per = (int64_t)(SP_E / j->ep) * SP_F * SP_D, all = (int64_t)SP_E * SP_F * SP_D;
+    memset(out, 0, sizeof(float) * j->grads_per_rank);
+    for (int r = 0; r < j->n; r++) {
+        const float *g = j->grads + j->grads_per_rank * r;
+        for (int64_t i = 0; i < nd; i++) out[i] += g[i];
+        for (int p = 0; p < 3; p++)
+            for (int64_t i = 0; i < per; i++) out[nd + p * all + (r % j->ep) * per + i] += g[nd + p * per + i];
+    }
+}
+
+static void sp_check(sp_job *j) {
+    cfg c = j->c;
+    dsk_moe one;
+    owned own;
+    dsk_moe_opts o = opts_of(&c, DSK_F32);
+    dsk_moe_stats st;
+    dsk_tensor x, y, dx, dy;
+    int64_t shp[2] = {SP_N, SP_D};
+    float *sum = (float *)malloc(sizeof(float) * j->grads_per_rank);
+    dsk_test_begin("loss span: %s over %d ranks (expert parallel %d), rows cutting sequences of %d = one layer = "
+                   "float64", j->name, j->n, j->ep, SP_L);
+    memset(&y, 0, sizeof y); memset(&dx, 0, sizeof dx);
+    if (!j->drawn) {
+        dsk_test_fail_at(__FILE__, __LINE__, "no inputs %g away from a routing tie", SP_MARGIN);
+        goto out;
+    }
+    if (!j->port_ok) { dsk_test_fail_at(__FILE__, __LINE__, "no free port: %s", dsk_last_error()); goto out; }
+    for (int r = 0; r < j->n; r++)
+        DSK_TEST_EXPECT(j->flag[4 * r] == 0, "rank %d failed with status %d", r, j->flag[4 * r]);
+    DSK_TEST_OK(make_layer(&one, &own, &o));
+    sp_load(j, &one);
+    dsk_tensor_wrap(&x, j->x, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&dy, j->dy, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_alloc(NULL, &y, DSK_F32, 2, shp);
+    dsk_tensor_alloc(NULL, &dx, DSK_F32, 2, shp);
+    dsk_tensor_fill(NULL, &dx, 0.0);
+    DSK_TEST_OK(dsk_moe_forward(&one, NULL, &y, &x, &st));
+    DSK_TEST_OK(dsk_moe_backward(&one, NULL, &dx, &dy, 1.0f));
+    DSK_TEST_OK(dsk_moe_update_bias(&one, NULL, NULL));
+    {
+        fixture f; /* the float64 reference over every row: loss values and central differences */
+        double one_loss[4] = {st.aux_loss, st.seq_aux_loss, st.z_loss, st.loss}, ref[4], *yr, mx = 0;
+        int64_t nd = own.grad_dense, all = (int64_t)SP_E * SP_F * SP_D;
+        const float *og = (const float *)own.grads.data;
+        memset(&f, 0, sizeof f);
+        f.c = c; f.w = j->w; f.x = j->xd; f.R = j->dyd;
+        f.o.sel = (int *)calloc(SP_N * SP_K, sizeof(int)); f.o.g = (double *)calloc(SP_N * SP_K, sizeof(double));
+        f.o.kept = (int *)calloc(SP_N * SP_K, sizeof(int)); f.o.load = (int *)calloc(SP_E, sizeof(int));
+        f.o.lcnt = (int *)calloc(SP_N * SP_E, sizeof(int));
+        yr = (double *)malloc(sizeof(double) * SP_N * SP_D);
+        ref_forward(&c, &j->w, j->xd, yr, NULL, &f.o);
+        ref[0] = f.o.aux; ref[1] = f.o.seq_aux; ref[2] = f.o.z; ref[3] = f.o.aux + f.o.seq_aux + f.o.z;
+        DSK_TEST_EXPECT(ref[0] > 0 && ref[1] > 0 && ref[2] > 0, "loss terms %g %g %g not all on", ref[0], ref[1],
+                        ref[2]);
+        for (int r = 0; r < j->n; r++) {
+            char what[64];
+            snprintf(what, sizeof what, "rank %d's loss values = rank 0's", r);
+            DSK_TEST_SAME_BYTES(j->loss + 4 * r, j->loss, 4 * sizeof(double), what);
+        }
+        DSK_TEST_CLOSE64(j->loss, one_loss, 4, 1e-12, 0, "aux, seq_aux, z, total: ranks vs one layer");
+        DSK_TEST_CLOSE64(j->loss, ref, 4, 1e-5, 0, "aux, seq_aux, z, total: ranks vs float64");
+        DSK_TEST_SAME_BYTES(j->y, y.data, sizeof(float) * SP_N * SP_D, "y of the ranks' rows = one layer's");
+        {
+            double *w = (double *)malloc(sizeof(double) * SP_N * SP_D);
+            for (int i = 0; i < SP_N * SP_D; i++) w[i] = ((float *)dx.data)[i];
+            DSK_TEST_CLOSE(j->dx, w, SP_N * SP_D, 1e-6, 1e-7, "dx of the ranks' rows = one layer's");
+            free(w);
+        }
+        sp_assemble(j, nd, sum);
+        for (int64_t i = 0; i < (int64_t)j->grads_per_rank; i++) mx = fabs(og[i]) > mx ? fabs(og[i]) : mx;
+        {
+            double *w = (double *)malloc(sizeof(double) * j->grads_per_rank);
+            for (size_t i = 0; i < j->grads_per_rank; i++) w[i] = og[i];
+            DSK_TEST_CLOSE(sum, w, (int64_t)j->grads_per_rank, 1e-6, 1e-6 * mx, "gradients summed over ranks = one "
+                           "layer's");
+            free(w);
+        }
+        check_grad("dx of the ranks vs float64", j->dx, j->xd, SP_N * SP_D, &f);
+        check_grad("d router summed vs float64", sum, j->w.wr, sp_numel[0], &f);
+        check_grad("d shared.w1 summed vs float64", sum + sp_numel[0], j->w.s1, sp_numel[5], &f);
+        check_grad("d shared.w2 summed vs float64", sum + sp_numel[0] + sp_numel[5], j->w.s2, sp_numel[6], &f);
+        check_grad("d shared.w3 summed vs float64", sum + sp_numel[0] + sp_numel[5] + sp_numel[6], j->w.s3,
+                   sp_numel[7], &f);
+        check_grad("d w1 summed vs float64", sum + nd, j->w.w1, all, &f);
+        check_grad("d w2 summed vs float64", sum + nd + all, j->w.w2, all, &f);
+        check_grad("d w3 summed vs float64", sum + nd + 2 * all, j->w.w3, all, &f);
+        for (int r = 0; r < j->n; r++)
+            DSK_TEST_SAME_BYTES(j->bias + SP_E * r, one.bias->value.data, sizeof(float) * SP_E,
+                                "bias updated from every rank's loads = one layer's");
+        for (int r = 0; r < j->n && j->bad; r++)
+            DSK_TEST_EXPECT(j->flag[4 * r + 1] && j->flag[4 * r + 2] && j->flag[4 * r + 3],
+                            "rank %d: spans that do not fit: errors named %d, no forward left %d, nothing counted %d",
+                            r, j->flag[4 * r + 1], j->flag[4 * r + 2], j->flag[4 * r + 3]);
+        free(f.o.sel); free(f.o.g); free(f.o.kept); free(f.o.load); free(f.o.lcnt); free(yr);
+    }
+    drop_layer(&one, &own);
+out:
+    dsk_tensor_free(NULL, &y); dsk_tensor_free(NULL, &dx);
+    for (int i = 0; i < 8; i++) free(j->val[i]);
+    free(j->x); free(j->dy); free(j->xd); free(j->dyd); free(sum);
+    free(j->w.wr); free(j->w.b); free(j->w.w1); free(j->w.w2); free(j->w.w3); free(j->w.s1); free(j->w.s2);
+    free(j->w.s3);
+    munmap(j->shm, j->bytes);
+    dsk_test_end();
+}
+
+/* The jobs: sigmoid with groups and a bias over 2 ranks (and the bad spans), softmax over 4, and expert
+   parallelism 2 over 2 and over 4 ranks (two EP groups, the span over all four). */
+static void sp_jobs(sp_job *j) {
+    cfg sig = base_cfg(SP_N, SP_D, SP_E, SP_K, SP_F), soft;
+    const int64_t r2[3] = {0, 11, 24}, r4[5] = {0, 5, 9, 17, 24}, r2e[3] = {0, 13, 24}, r4e[5] = {0, 7, 12, 20, 24};
+    sig.sigmoid = 1; sig.norm = 1; sig.n_group = 3; sig.topk_group = 2; sig.scale = 2.5;
+    sig.aux = 0.05; sig.seq_aux = 0.1; sig.seq_len = SP_L; sig.z = 0.02; sig.n_shared = 1; sig.Fs = SP_FS;
+    soft = sig;
+    soft.sigmoid = 0; soft.norm = 0; soft.n_group = 1; soft.topk_group = 1; soft.scale = 1.0;
+    memset(j, 0, 4 * sizeof *j);
+    j[0].name = "sigmoid+groups+bias"; j[0].c = sig; j[0].n = 2; j[0].ep = 1; j[0].bad = 1;
+    memcpy(j[0].rows, r2, sizeof r2);
+    j[1].name = "softmax"; j[1].c = soft; j[1].n = 4; j[1].ep = 1;
+    memcpy(j[1].rows, r4, sizeof r4);
+    j[2].name = "sigmoid+groups+bias"; j[2].c = sig; j[2].n = 2; j[2].ep = 2;
+    memcpy(j[2].rows, r2e, sizeof r2e);
+    j[3].name = "sigmoid+groups+bias"; j[3].c = sig; j[3].n = 4; j[3].ep = 2;
+    memcpy(j[3].rows, r4e, sizeof r4e);
+    { /* from a stream of their own: every other case draws what it drew before these jobs existed */
+        uint64_t rng = dsk_test_g.rng;
+        dsk_test_g.rng = dsk_test_g.seed ^ 0x5350414e5350414eull;
+        for (int i = 0; i < 4; i++) sp_run(&j[i]);
+        dsk_test_g.rng = rng;
+    }
+}
+
+/* Bad spans on one rank: each fails naming its values and changes nothing; the span reset (or a span of the
+   call's own rows) gives the bits of a call without one. */
+static void test_loss_span_bad(void) {
+    cfg c = base_cfg(6, 8, 5, 2, 4);
+    fixture f;
+    dsk_comm blank;
+    c.aux = 0.05; c.seq_aux = 0.1; c.seq_len = 3; c.z = 0.02;
+    memset(&blank, 0, sizeof blank);
+    if (setup(&f, &c, DSK_F32, 0.0)) {
+        dsk_moe_stats s0, s1;
+        dsk_tensor dx, dy;
+        float *g0 = (float *)malloc(sizeof(float) * (size_t)dsk_tensor_numel(&f.own.grads)), *dx0 = (float *)malloc(
+                                                                                                  sizeof(float) * 48);
+        grad_io(&f, &dx, &dy);
+        DSK_TEST_STATUS(dsk_moe_set_loss_span(&f.m, NULL, -1, 6), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dsk_moe_set_loss_span: layer \"moe\": row0 -1, total_rows 6: want 0 <= row0 <= "
+                                "total_rows");
+        DSK_TEST_STATUS(dsk_moe_set_loss_span(&f.m, NULL, 0, -3), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("row0 0, total_rows -3");
+        DSK_TEST_STATUS(dsk_moe_set_loss_span(&f.m, NULL, 7, 6), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("row0 7, total_rows 6");
+        DSK_TEST_STATUS(dsk_moe_set_loss_span(&f.m, &blank, 0, 6), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("the group is not an initialised communicator");
+        DSK_TEST_STATUS(dsk_moe_set_loss_span(NULL, NULL, 0, 6), DSK_ERR_ARG);
+        /* no span yet: a plain forward and backward, the bits to keep */
+        if (run_forward(&f, &s0)) {
+            DSK_TEST_OK(dsk_moe_backward(&f.m, NULL, &dx, &dy, 1.0f));
+            memcpy(g0, f.own.grads.data, sizeof(float) * (size_t)dsk_tensor_numel(&f.own.grads));
+            memcpy(dx0, dx.data, sizeof(float) * 48);
+        }
+        DSK_TEST_OK(dsk_moe_set_loss_span(&f.m, NULL, 3, 8));
+        DSK_TEST_STATUS(dsk_moe_forward(&f.m, NULL, &f.ty, &f.tx, NULL), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dsk_moe_forward: layer \"moe\": this call's 6 rows from row0 3 end past the loss "
+                                "span's total_rows 8");
+        DSK_TEST_OK(dsk_moe_set_loss_span(&f.m, NULL, 0, 9));
+        DSK_TEST_STATUS(dsk_moe_forward(&f.m, NULL, &f.ty, &f.tx, NULL), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("a loss span without a group holds this call's rows only: total_rows 9 and row0 0, "
+                                "but the call has 6 rows");
+        DSK_TEST_OK(dsk_moe_set_loss_span(&f.m, NULL, 2, 8));
+        DSK_TEST_STATUS(dsk_moe_forward(&f.m, NULL, &f.ty, &f.tx, NULL), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("total_rows 8 and row0 2, but the call has 6 rows");
+        f.m.opts.seq_len = 4;
+        DSK_TEST_OK(dsk_moe_set_loss_span(&f.m, NULL, 0, 6));
+        DSK_TEST_STATUS(dsk_moe_forward(&f.m, NULL, &f.ty, &f.tx, NULL), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("6 tokens (the loss span's total_rows) are not whole sequences of seq_len 4");
+        f.m.opts.seq_len = 3;
+        { /* a group of one rank whose rows are not all of the span; a group on the other backend */
+            int ok = 0, port = 0;
+            dsk_comm one, other;
+            memset(&one, 0, sizeof one);
+            if (dsk_comm_free_port("127.0.0.1", &port) == DSK_OK) one = sp_connect(0, 1, port, &ok);
+            DSK_TEST_EXPECT(ok, "a one-rank communicator: %s", dsk_last_error());
+            if (ok) {
+                DSK_TEST_OK(dsk_moe_set_loss_span(&f.m, &one, 3, 9));
+                DSK_TEST_STATUS(dsk_moe_forward(&f.m, NULL, &f.ty, &f.tx, NULL), DSK_ERR_ARG);
+                DSK_TEST_ERROR_MENTIONS("dsk_moe_forward: layer \"moe\": the loss span's group holds 6 rows in all "
+                                        "over its 1 rank(s), not total_rows 9 (this rank rows [3, 9)); nothing was "
+                                        "computed");
+                other = one;
+                other.world_size = 2;
+                other.backend = DSK_COMM_NCCL;
+                DSK_TEST_STATUS(dsk_moe_set_loss_span(&f.m, &other, 0, 12), DSK_ERR_UNSUPPORTED);
+                DSK_TEST_ERROR_MENTIONS("dsk_moe_set_loss_span: layer \"moe\" is on the CPU: the group must use the "
+                                        "host backend");
+                DSK_TEST_OK(dsk_moe_set_loss_span(&f.m, NULL, 0, 0));
+                dsk_comm_free(&one);
+            }
+        }
+        /* the refused forwards left no forward and counted nothing */
+        DSK_TEST_STATUS(dsk_moe_backward(&f.m, NULL, &dx, &dy, 1.0f), DSK_ERR_STATE);
+        /* a span of the call's own rows, then none: the bits of the plain call */
+        for (int reset = 0; reset < 2; reset++) {
+            DSK_TEST_OK(reset ? dsk_moe_set_loss_span(&f.m, NULL, 0, 0) : dsk_moe_set_loss_span(&f.m, NULL, 0, 6));
+            DSK_TEST_OK(dsk_moe_zero_grad(&f.m, NULL));
+            dsk_tensor_fill(NULL, &dx, 0.0);
+            if (run_forward(&f, &s1)) {
+                DSK_TEST_OK(dsk_moe_backward(&f.m, NULL, &dx, &dy, 1.0f));
+                DSK_TEST_EXPECT(s1.aux_loss == s0.aux_loss && s1.seq_aux_loss == s0.seq_aux_loss &&
+                                s1.z_loss == s0.z_loss, "span %s: losses differ from the plain call's",
+                                reset ? "reset" : "of the call's rows");
+                DSK_TEST_SAME_BYTES(f.own.grads.data, g0, sizeof(float) * (size_t)dsk_tensor_numel(&f.own.grads),
+                                    reset ? "gradients, span reset" : "gradients, span of the call's rows");
+                DSK_TEST_SAME_BYTES(dx.data, dx0, sizeof(float) * 48, reset ? "dx, span reset" : "dx, span of the "
+                                    "call's rows");
+            }
+        }
+        free(g0); free(dx0);
+        dsk_tensor_free(NULL, &dx); dsk_tensor_free(NULL, &dy);
+    }
+    free_fixture(&f);
+}
+
 /* ---------------------------------------------------------------- non-finite input */
 
 /* The routing function on NaN/Inf logits or biases: flags the token, selects experts 0..K-1
@@ -1882,14 +2300,17 @@ int main(void) {
     dsk_test_init("test_moe");
     ep_job jobs[3];
     aj_job aj[2];
+    sp_job sp[4];
     /* every forked rank first, before this process starts OpenMP threads */
     ep_run(&jobs[0], 2, 0);
     ep_run(&jobs[1], 4, 1);
     ep_run(&jobs[2], 2, 1);
     aj_run(&aj[0], 2);
     aj_run(&aj[1], 3);
+    sp_jobs(sp);
     for (int i = 0; i < 3; i++) ep_check(&jobs[i]);
     for (int i = 0; i < 2; i++) aj_check(&aj[i]);
+    for (int i = 0; i < 4; i++) sp_check(&sp[i]);
     DSK_TEST_RUN(test_amp_unscale_bad);
     DSK_TEST_RUN(test_config_check);
     test_forward_variants();
@@ -1915,5 +2336,6 @@ int main(void) {
     DSK_TEST_RUN(test_empty_batch);
     test_forward_nonfinite();
     DSK_TEST_RUN(test_route_token_nonfinite);
+    DSK_TEST_RUN(test_loss_span_bad); /* last: the cases before it draw what they drew before it existed */
     return dsk_test_finish();
 }

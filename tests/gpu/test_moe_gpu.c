@@ -273,15 +273,19 @@ static dsk_moe_opts ep_opts(int sigmoid) {
     dsk_moe_opts o;
     memset(&o, 0, sizeof o);
     o.d_model = EP_D; o.n_routed = EP_E; o.top_k = EP_K; o.d_expert = EP_F; o.n_shared = 1; o.d_shared = EP_FS;
-    o.init_std = 0.5f; o.seed = 77; o.aux_alpha = 0.01f;
+    o.init_std = 0.5f; o.seed = 77;
+    o.aux_alpha = 0.05f; o.seq_aux_alpha = 0.1f; o.seq_len = 2 * EP_T; o.z_beta = 0.02f;
     if (sigmoid) { o.score = DSK_MOE_SIGMOID; o.n_group = 4; o.topk_group = 2; o.routed_scale = 2.5f; }
     return o;
 }
 
 /* One rank of an expert-parallel step: the global batch (every rank draws the same one),
    one CPU layer over all of it as the reference, and this rank's CUDA layer (its experts
-   copied from the reference) over its rows; compares y, dx, its experts' gradients, the
-   dense gradients summed over ranks (an nccl all-reduce) and the EP-group loads. */
+   copied from the reference) over its rows, its loss span the global batch over the nccl world
+   (sequences of 2 EP_T rows straddling ranks); compares y, dx, its experts' gradients, the
+   dense gradients summed over ranks (an nccl all-reduce), the EP-group loads and the loss
+   values (the global batch's on every rank); then a span whose rows do not add up to its
+   total_rows makes the loss NaN without a host sync. */
 static int ep_rank(int sigmoid) {
     dsk_comm c;
     dsk_comm_opts co;
@@ -319,6 +323,7 @@ static int ep_rank(int sigmoid) {
     DSK_TEST_OK(dsk_moe_backward(&ref, NULL, &dx, &dy, 1.0f));
     o.ep = &c;
     DSK_TEST_OK(make_layer(&m, &mo, &g, &o));
+    DSK_TEST_OK(dsk_moe_set_loss_span(&m, &c, (int64_t)me * EP_T, NT));
     for (int i = 0; i < m.n_params; i++) { /* the reference's parameters; experts: this rank's slice */
         dsk_tensor src = ref.params[i].value;
         if (src.ndim == 3) DSK_TEST_OK(dsk_tensor_slice(&ref.params[i].value, 0, m.expert0, m.n_local, &src));
@@ -363,6 +368,12 @@ static int ep_rank(int sigmoid) {
     compare(&g, &gy, &ys, 2e-4, 2e-5, "y of this rank's rows");
     compare(&g, &gdx, &dxs, 2e-4, 2e-5, "dx of this rank's rows");
     DSK_TEST_EXPECT(gs.tokens == NT, "tokens %lld, want %lld", (long long)gs.tokens, (long long)NT);
+    {
+        double got[4] = {gs.aux_loss, gs.seq_aux_loss, gs.z_loss, gs.loss};
+        double want[4] = {rs.aux_loss, rs.seq_aux_loss, rs.z_loss, rs.loss};
+        DSK_TEST_CLOSE64(got, want, 4, 1e-4, 1e-9, "loss values of the span = one layer's over the global batch");
+        DSK_TEST_EXPECT(rs.aux_loss > 0 && rs.seq_aux_loss > 0 && rs.z_loss > 0, "loss terms not all on");
+    }
     for (int e = 0; e < EP_E; e++)
         DSK_TEST_EXPECT(gs.tokens_per_expert[e] == rs.tokens_per_expert[e], "expert %d: EP-group load %lld, one layer %lld", e,
                         (long long)gs.tokens_per_expert[e], (long long)rs.tokens_per_expert[e]);
@@ -376,6 +387,19 @@ static int ep_rank(int sigmoid) {
         DSK_TEST_OK(dsk_comm_sync(&c, &g));
         snprintf(what, sizeof what, "grad %s", ref.params[i].name);
         compare(&g, &m.params[i].grad, &want, 1e-3, 1e-4, what);
+    }
+    {   /* rows adding up to NT, total_rows NT + 2 EP_T (whole sequences): NaN values, no host sync in the forward */
+        dsk_ctx_counters c0;
+        dsk_moe_stats bs;
+        DSK_TEST_OK(dsk_moe_set_loss_span(&m, &c, (int64_t)me * EP_T, NT + 2 * EP_T));
+        DSK_TEST_OK(dsk_ctx_sync(&g));
+        c0 = g.counters;
+        DSK_TEST_OK(dsk_moe_forward(&m, &g, &gy, &gx, NULL));
+        DSK_TEST_EXPECT(g.counters.syncs - c0.syncs == 1, "EP forward with a bad span: %lld syncs (want the counts' 1)",
+                        (long long)(g.counters.syncs - c0.syncs));
+        DSK_TEST_OK(dsk_moe_forward(&m, &g, &gy, &gx, &bs));
+        DSK_TEST_EXPECT(bs.loss != bs.loss && bs.aux_loss != bs.aux_loss, "rows 13 x %d of total_rows %lld: loss %g, "
+                        "want NaN", n, (long long)(NT + 2 * EP_T), bs.loss);
     }
     dsk_tensor_free(NULL, &x); dsk_tensor_free(NULL, &dy); dsk_tensor_free(NULL, &y); dsk_tensor_free(NULL, &dx);
     dsk_tensor_free(&g, &gx); dsk_tensor_free(&g, &gdy); dsk_tensor_free(&g, &gy); dsk_tensor_free(&g, &gdx);
