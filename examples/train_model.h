@@ -112,6 +112,10 @@ typedef struct tm_routes {
 typedef struct tm_model {
     tm_config cfg;
     tm_routes *routes;                  /* routing record/replay, or NULL */
+    /* the loss span of every MoE call (dsk_moe_set_loss_span): its rows are rows [loss_row0, +n)
+       of a micro-batch of loss_rows tokens spread over loss_group (NULL, 0, 0: each call its own) */
+    dsk_comm *loss_group;
+    int64_t loss_row0, loss_rows;
     dsk_ctx *ctx;
     int n_params, n_dense_params;       /* params[0, n_dense_params) replicated, the rest expert-sharded */
     int64_t numel_dense;                /* slab elements of the replicated parameters */
@@ -568,6 +572,7 @@ static dsk_status tm_moe_call(tm_model *m, dsk_moe *moe, int layer, int64_t row0
     tm_routes *r = m->routes;
     int64_t n = x->shape[0], shape[2] = {n, r ? r->K : 0};
     dsk_tensor e;
+    TM_TRY(dsk_moe_set_loss_span(moe, m->loss_group, m->loss_row0, m->loss_rows));
     if (!r || r->mode == TM_ROUTES_OFF) return dsk_moe_forward(moe, m->ctx, y, x, st);
     if (n > r->buf_rows) {
         free(r->buf);

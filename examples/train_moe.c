@@ -66,7 +66,7 @@ typedef struct options {
     int seq, d_model, heads, layers, dense_layers, ffn_hidden;
     int experts, shared, top_k, expert_hidden, groups, topk_groups;
     char score[16];           /* sigmoid | softmax */
-    double routed_scale, bias_rate, aux_loss, capacity, init_std;
+    double routed_scale, bias_rate, aux_loss, seq_aux_loss, z_loss, capacity, init_std;
     char attn[8], recompute[8], preset[16]; /* train_mla.h: attention kind, recomputation; the preset applied */
     char mtp_ffn[8];                        /* the MTP blocks' FFN: "dense", "moe", "" (dense; moe on HF imports) */
     int q_lora, kv_lora, qk_nope, qk_rope, v_head, original_seq, mtp;
@@ -141,6 +141,8 @@ static const opt_spec OPTS[] = {
     {"--routed-scale", OPT_DOUBLE, O_(routed_scale), 0, "routed scaling factor"},
     {"--bias-rate", OPT_DOUBLE, O_(bias_rate), 0, "auxiliary-loss-free expert bias update rate (0 = off)"},
     {"--aux-loss", OPT_DOUBLE, O_(aux_loss), 0, "Switch/GShard auxiliary loss coefficient"},
+    {"--seq-aux-loss", OPT_DOUBLE, O_(seq_aux_loss), 0, "DeepSeek-V3's sequence-wise balance loss coefficient"},
+    {"--z-loss", OPT_DOUBLE, O_(z_loss), 0, "router z-loss coefficient"},
     {"--init-std", OPT_DOUBLE, O_(init_std), 0, "standard deviation of the initial weights"},
     {"--capacity", OPT_DOUBLE, O_(capacity), 0, "expert capacity factor (0 = dropless)"},
     {"--preset", OPT_STRBUF, O_(preset), sizeof(((options *)0)->preset),
@@ -794,6 +796,8 @@ static void setup_model(trainer *t) {
     c.moe.topk_group = o->topk_groups;
     c.moe.routed_scale = (float)o->routed_scale;
     c.moe.aux_alpha = (float)o->aux_loss;
+    c.moe.seq_aux_alpha = (float)o->seq_aux_loss;
+    c.moe.z_beta = (float)o->z_loss;
     c.moe.capacity_factor = (float)o->capacity;
     c.moe.bias_rate = (float)o->bias_rate;
     c.moe.ep = t->have_comm && t->ep > 1 ? &t->ep_comm : NULL;
@@ -876,6 +880,29 @@ static void setup_engine(trainer *t) {
     if (t->zopts.stage == 0) CHECK(tz_bind_masters(&t->zero));
     t->par.pass_begin = tz_pass_begin;
     t->par.pass_user = &t->zero;
+}
+
+/* The balancing losses count the global batch (each --accum pass, or each pipeline micro-batch
+   over every data-parallel replica): every MoE call takes a loss span over the ranks that share
+   its micro-batch: the world under data and expert parallelism, the pipeline stage (tp x dp)
+   under --tp/--pp. A rank's rows are its data-parallel replica's place, then (under tp) its
+   sequence-parallel shard. Each rank's backward then carries the gradient of the whole
+   micro-batch's loss through its own rows, which the engine averages over dp: aux_scale takes
+   dp times the loss scale (train_step). */
+static void setup_loss_span(trainer *t) {
+    tm_model *m = &t->model;
+    int64_t T = t->o->seq;
+    if (t->dp_size == 1 && !t->par.on) return; /* one rank holds every row */
+    if (t->par.on) {
+        const tp_state *ps = &t->par;
+        m->loss_group = &t->par.stage;
+        m->loss_row0 = (int64_t)ps->grid.at.dp * ps->Nm + (int64_t)ps->grid.at.tp * ps->Ns;
+        m->loss_rows = (int64_t)ps->dp * ps->Nm;
+        return;
+    }
+    m->loss_group = &t->comm;
+    m->loss_row0 = (int64_t)t->dp_rank * t->batch_local * T;
+    m->loss_rows = (int64_t)t->o->batch * T;
 }
 
 /* --init-from-hf: the hub's weights into the whole masters (tz_bind_masters), then the compute
@@ -1094,6 +1121,34 @@ static dsk_status graph_decision(trainer *t, dsk_amp_decision *dec) {
     return DSK_OK;
 }
 
+/* The step's MoE statistics (they arrive a step late on the GPU: requested, then collected after
+   the sync): the balancing losses, dropped tokens and the worst load ratio of this rank's layers,
+   then over the pipeline's stages (every rank of a stage holds the same values under the loss
+   span). */
+static dsk_status collect_moe_stats(trainer *t, step_info *si) {
+    tm_model *m = &t->model;
+    double v[2] = {0, 0}, worst[1] = {0};
+    for (int l = m->cfg.n_dense; l < tm_n_blocks(&m->cfg); l++)
+        if (m->blocks[l].is_moe) TM_TRY(dsk_moe_stats_request(&m->blocks[l].moe, &t->ctx));
+    TM_TRY(dsk_ctx_sync(&t->ctx));
+    for (int l = m->cfg.n_dense; l < tm_n_blocks(&m->cfg); l++) {
+        dsk_moe_stats *st = &m->blocks[l].stats;
+        if (!m->blocks[l].is_moe) continue;
+        TM_TRY(dsk_moe_stats_collect(&m->blocks[l].moe, &t->ctx, st));
+        v[0] += st->loss / t->o->accum;
+        v[1] += (double)st->dropped;
+        if (st->mean_load > 0 && st->max_load / st->mean_load > worst[0]) worst[0] = st->max_load / st->mean_load;
+    }
+    if (t->par.on && t->par.pp > 1) {
+        TM_TRY(allreduce_host(t, &t->par.grid.pp, v, 2, DSK_F64, DSK_COMM_SUM));
+        TM_TRY(allreduce_host(t, &t->par.grid.pp, worst, 1, DSK_F64, DSK_COMM_MAX));
+    }
+    si->aux_loss = v[0];
+    si->dropped = (int64_t)v[1];
+    si->load_ratio = worst[0];
+    return DSK_OK;
+}
+
 /* After the reductions: unscale, norm, clip and skip over the world (one all-reduce), AdamW on
    the engine's pieces at the step's learning rate, the expert-bias and loss-scale updates. */
 static dsk_status engine_step(trainer *t, step_info *si, dsk_amp_decision *dec) {
@@ -1157,7 +1212,7 @@ static dsk_status train_step(trainer *t, step_info *si) {
     double t0 = now_s(), c0 = cpu_s(), comm0 = comm_seconds(t);
     float scale, loss;
     TM_TRY(dsk_amp_scale_get(&t->scaler, &t->ctx, &scale));
-    m->aux_scale = scale / (float)o->accum;
+    m->aux_scale = scale * (float)t->dp_size / (float)o->accum; /* see setup_loss_span */
     if (!o->cuda_graph) TM_TRY(tm_zero_grads(&t->model)); /* --cuda-graph: in the step's graph */
     memset(si, 0, sizeof *si);
     for (int a = 0; a < o->accum; a++) {
@@ -1168,7 +1223,7 @@ static dsk_status train_step(trainer *t, step_info *si) {
         t->prof_data_cpu += cpu_s() - tdc;
         if (t->par.on) { /* the pipeline's micro-batches (train_par.h) */
             double l;
-            m->aux_scale = scale / (float)(o->accum * t->par.M);
+            m->aux_scale = scale * (float)t->dp_size / (float)(o->accum * t->par.M);
             t->par.sync_last = a == o->accum - 1;
             TM_TRY(tp_train_batch(&t->par, scale / (float)(o->accum * t->par.M), &l));
             si->loss += l / o->accum;
@@ -1191,17 +1246,7 @@ static dsk_status train_step(trainer *t, step_info *si) {
     si->lr = lr_at(o, t->step + 1);
     if (o->cuda_graph) TM_TRY(graph_decision(t, &dec)); /* the replayed graph applied AdamW, bias and scale updates */
     else TM_TRY(engine_step(t, si, &dec));
-    for (int l = m->cfg.n_dense; l < tm_n_blocks(&m->cfg); l++)
-        if (m->blocks[l].is_moe) TM_TRY(dsk_moe_stats_request(&m->blocks[l].moe, &t->ctx));
-    TM_TRY(dsk_ctx_sync(&t->ctx));
-    for (int l = m->cfg.n_dense; l < tm_n_blocks(&m->cfg); l++) { /* the step's MoE statistics, arrived by now */
-        if (!m->blocks[l].is_moe) continue;
-        dsk_moe_stats *st = &m->blocks[l].stats;
-        TM_TRY(dsk_moe_stats_collect(&m->blocks[l].moe, &t->ctx, st));
-        si->aux_loss += st->loss / o->accum;
-        si->dropped += st->dropped;
-        if (st->mean_load > 0 && st->max_load / st->mean_load > si->load_ratio) si->load_ratio = st->max_load / st->mean_load;
-    }
+    TM_TRY(collect_moe_stats(t, si));
     t->prof_opt += now_s() - t_opt;
     t->prof_opt_cpu += cpu_s() - t_opt_cpu;
     t->step++;
@@ -1283,6 +1328,10 @@ static dsk_status generate(trainer *t) {
     for (int i = 0; i < n0; i++) text[i] = (uint8_t)o->prompt[i] % V;
     if (n0 == 0) text[n0++] = '\n' % V;
     dsk_status s = DSK_OK;
+    dsk_comm *span = m->loss_group;
+    int64_t span_rows = m->loss_rows;
+    m->loss_group = NULL; /* each call its own micro-batch: the ranks sample the same prompt, no loss counts */
+    m->loss_rows = 0;
     tm_set_eval(m, 1);
     for (int n = n0; n < total && s == DSK_OK; n++) {
         int start = n > T ? n - T : 0, len = n - start;
@@ -1312,6 +1361,8 @@ static dsk_status generate(trainer *t) {
         text[n] = sample_token(row, V, o->temperature, dsk_rng_uniform_at((uint64_t)o->seed, 0x5A3B1Eull << 32, (uint64_t)n));
     }
     tm_set_eval(m, 0);
+    m->loss_group = span;
+    m->loss_rows = span_rows;
     if (s == DSK_OK && t->rank == 0) {
         printf("---- sample (%d tokens after the prompt, temperature %g) ----\n", o->sample_len, o->temperature);
         for (int i = 0; i < total; i++) {
@@ -2221,6 +2272,7 @@ int main(int argc, char **argv) {
     t->mem_model = dsk_tensor_mem_stats(t->ctx.device).live_bytes - live0;
     setup_optimizer(t);
     setup_engine(t);
+    setup_loss_span(t);
     import_hf(t);
     setup_routes(t);
     if (o.cuda_graph && (t->ctx.device.type != DSK_DEV_CUDA || t->world > 1))

@@ -324,6 +324,49 @@ else
     fi
 fi
 
+# ---- the same objective in every layout: with the Switch, sequence-wise and z losses on, every
+#      MoE call takes a loss span over the ranks sharing its micro-batch, so the balancing losses
+#      count the global batch whatever the dp/ep/tp/pp split: the logged aux loss of each step equals
+#      one rank's within 1e-6 (f64 sums in another order; before the spans a dp2 split was 8e-4
+#      off), the loss within 1e-5 (routing replayed). Pipelines with M micro-batches count each
+#      micro-batch of the global batch: every schedule logs the same aux loss as gpipe.
+LOSSES=(--aux-loss 0.01 --seq-aux-loss 0.01 --z-loss 0.001)
+run obj1 "${TINY[@]}" "${LOSSES[@]}" --steps 10 --log "$work/obj1.jsonl" --routing-record "$work/obj_routes.bin"
+compare_aux() { # A B: worst relative difference of the steps' aux losses, or an error
+    $PY - "$work/$1.jsonl" "$work/$2.jsonl" <<'EOF'
+import json, sys
+def aux(p): return {r["step"]: r["aux_loss"] for r in map(json.loads, open(p)) if r["type"] == "step"}
+a, b = aux(sys.argv[1]), aux(sys.argv[2])
+if len(a) < 10 or set(a) != set(b) or not all(a[k] > 0 for k in a): print("bad: %d and %d steps" % (len(a), len(b))); sys.exit()
+print("%.3g" % max(abs(a[k] - b[k]) / a[k] for k in a))
+EOF
+}
+for spec in "obj_dp2|2|" "obj_dp2ep2|4|--ep 2" "obj_tp2|2|--tp 2" "obj_tp2dp2|4|--tp 2" "obj_pp2|2|--pp 2"; do
+    IFS='|' read -r name n flags <<<"$spec"
+    # shellcheck disable=SC2086
+    run "$name" "${TINY[@]}" "${LOSSES[@]}" --steps 10 --nproc "$n" $flags --log "$work/$name.jsonl" \
+        --routing-replay "$work/obj_routes.bin"
+    aux=$(compare_aux obj1 "$name"); loss=$(compare_losses obj1 "$name" 10)
+    what="balancing losses on, $n ranks ($flags): every step's aux loss is one rank's within 1e-6, the loss within 1e-5"
+    if [ "$(rc obj1)" -eq 0 ] && [ "$(rc "$name")" -eq 0 ] && within "$aux" 1e-6 && within "$loss" 1e-5; then
+        ok "$what (aux $aux, loss $loss)"
+    else
+        bad "$what" "exit $(rc obj1)/$(rc "$name"), aux $aux, loss $loss" "$(grep -E 'error' "$work/$name.out" | head -2)"
+    fi
+done
+run obj_gpipe "${TINY[@]}" "${LOSSES[@]}" --steps 10 --nproc 2 --pp 2 --micro-batches 2 --pp-schedule gpipe \
+    --log "$work/obj_gpipe.jsonl"
+for sched in "1f1b|" "interleaved|--virtual-stages 2"; do
+    IFS='|' read -r kind flags <<<"$sched"
+    # shellcheck disable=SC2086
+    run "obj_$kind" "${TINY[@]}" "${LOSSES[@]}" --steps 10 --nproc 2 --pp 2 --micro-batches 2 --pp-schedule "$kind" $flags \
+        --log "$work/obj_$kind.jsonl"
+    aux=$(compare_aux obj_gpipe "obj_$kind")
+    what="balancing losses on, pp2 with 2 micro-batches: $kind logs gpipe's aux loss every step within 1e-6"
+    if [ "$(rc obj_gpipe)" -eq 0 ] && [ "$(rc "obj_$kind")" -eq 0 ] && within "$aux" 1e-6; then ok "$what ($aux)"
+    else bad "$what" "exit $(rc obj_gpipe)/$(rc "obj_$kind"), aux $aux"; fi
+done
+
 # ---- optimizer state per rank under pipeline and tensor parallelism: ZeRO-1 keeps 1/dp of what
 #      --zero 0 holds on the same rank (the stage's parameters, the rank's tensor-parallel box),
 #      plus the padding of the units' last chunks: each unit of E elements is cut into N chunks of
