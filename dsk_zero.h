@@ -98,13 +98,15 @@
      private communicator.
    - Memory: dsk_zero.memory holds the bytes this object allocated per role, read from the
      allocator (dsk_tensor_mem_stats) around each allocation at init; nothing is allocated later.
-   - Checkpoints: every parameter is saved as three 1-D f32 tensors of its whole (global)
-     flattened shape, "<name>" (master), "<name>.adam_m", "<name>.adam_v", each rank writing
-     its pieces as dim-0 slices (dsk_ckpt split entries). A load asks for this rank's pieces at
-     its own size and dsk_ckpt reads them from whichever files hold them, so a checkpoint of
-     N ranks loads at any M and in any stage (stage 0 loads whole tensors). A parameter that is
-     rows [row0, row0 + shape[0]) of a global tensor (expert parallelism) is saved as that
-     part of the global tensor.
+   - Checkpoints: every parameter is saved as three f32 tensors of its global shape, "<name>"
+     (master), "<name>.adam_m", "<name>.adam_v": the global tensor it is a box of (global_shape
+     and offset: expert rows, tensor-parallel shards), else its own shape. Each rank writes its
+     pieces: a piece [a, b) of the flattened tensor is at most 2 ndim - 1 boxes of the global
+     tensor (dsk_ckpt box entries), so every element is written once over the group. A load asks
+     for this rank's pieces (stage 0: the whole tensor) and dsk_ckpt reads them from whichever
+     files hold them, so a checkpoint loads at any group size, in any stage and in any layout
+     that cuts the global tensors otherwise; the names and shapes are those of a plain model
+     checkpoint (the weights and moments under their tensors' names).
    - Devices and threads: the reductions and gathers run in order on a private communicator
      split from the group at init, so the caller's communicators stay free. CPU tensors (ctx
      NULL or on the CPU) go over the host backend, run by a progress thread. CUDA tensors (ctx on
@@ -197,8 +199,9 @@ typedef struct dsk_zero_param {
     dsk_tensor *grad;            /* the caller's struct, bound to the f32 gradient */
     int unit;                    /* unit (layer) id >= 0, non-decreasing along the list */
     int no_decay;                /* 1: no weight decay (norm weights, biases) */
-    int64_t global_rows;         /* [0: the whole tensor] rows of the global tensor this one is part of */
-    int64_t row0;                /* with global_rows: the first global row this rank's tensor holds */
+    int64_t global_shape[DSK_MAX_DIMS]; /* [all 0: this tensor is the whole tensor] the global tensor this one
+                                           is a box of (ndim values: expert rows, tensor-parallel shards) */
+    int64_t offset[DSK_MAX_DIMS];       /* with global_shape: where this rank's box starts in it */
 } dsk_zero_param;
 
 /* Bytes this object allocated, by role, read from the allocator. */
@@ -357,7 +360,7 @@ typedef struct dsk__zero_p {
     int unit, no_decay, marked;
     int64_t uoff;              /* offset in its unit */
     int64_t own_a, own_b;      /* this rank's piece [own_a, own_b) of the flattened parameter */
-    int64_t g_off, g_numel;    /* where the tensor sits in the flattened global tensor, its numel */
+    int64_t g_shape[DSK_MAX_DIMS], g_at[DSK_MAX_DIMS]; /* the global tensor it is a box of, the box's start */
     int psgd;                  /* PowerSGD compresses it */
     int64_t rank_r, p_off, q_off; /* its P (rows, r) and Q (cols, r) in the unit's P and Q memory */
 } dsk__zero_p;
@@ -419,6 +422,7 @@ struct dsk__zero_impl {
     /* checkpoint entries */
     dsk_ckpt_entry *ck_e;
     dsk_tensor *ck_t;
+    int64_t (*ck_at)[DSK_MAX_DIMS]; /* each entry's offset in its global tensor */
     char *ck_names;
     int ck_n;
 };
@@ -944,6 +948,21 @@ static dsk_status dsk__zero_check_device(const char *fn, const dsk_zero_opts *o,
     return DSK_OK;
 }
 
+/* The global tensor parameter i is a box of (itself when global_shape is all zero), checked. */
+static dsk_status dsk__zero_take_box(const char *fn, int i, const char *nm, const dsk_zero_param *q, dsk__zero_p *p) {
+    int whole = 1;
+    for (int d = 0; d < q->ndim; d++) whole &= q->global_shape[d] == 0 && q->offset[d] == 0;
+    for (int d = 0; d < q->ndim; d++) {
+        p->g_shape[d] = whole ? q->shape[d] : q->global_shape[d];
+        p->g_at[d] = whole ? 0 : q->offset[d];
+        if (p->g_at[d] < 0 || p->g_at[d] + q->shape[d] > p->g_shape[d])
+            return dsk_set_error(DSK_ERR_ARG, "%s: params[%d] \"%s\": dim %d's [%lld, %lld) does not fit in the global "
+                                 "tensor's %lld", fn, i, nm, d, (long long)p->g_at[d],
+                                 (long long)(p->g_at[d] + q->shape[d]), (long long)p->g_shape[d]);
+    }
+    return DSK_OK;
+}
+
 /* Copies and checks the parameter list; groups it into units. */
 static dsk_status dsk__zero_take_params(const char *fn, dsk_zero *z, const dsk_zero_param *ps, int n) {
     dsk__zero_impl *zi = z->impl;
@@ -972,12 +991,7 @@ static dsk_status dsk__zero_take_params(const char *fn, dsk_zero *z, const dsk_z
         p->ndim = q->ndim;
         p->rows = q->shape[0];
         p->cols = p->numel / p->rows;
-        if (q->global_rows != 0 && (q->row0 < 0 || q->global_rows < q->row0 + q->shape[0]))
-            return dsk_set_error(DSK_ERR_ARG, "%s: params[%d] \"%s\": rows [%lld, %lld) do not fit in %lld global rows",
-                                 fn, i, nm, (long long)q->row0, (long long)(q->row0 + q->shape[0]),
-                                 (long long)q->global_rows);
-        p->g_numel = q->global_rows ? q->global_rows * p->cols : p->numel;
-        p->g_off = q->global_rows ? q->row0 * p->cols : 0;
+        DSK__TRY(dsk__zero_take_box(fn, i, nm, q, p));
         if (!(p->name = (char *)DSK_MALLOC(strlen(q->name) + 1)))
             return dsk_set_error(DSK_ERR_OOM, "%s: parameter names", fn);
         strcpy(p->name, q->name);
@@ -1165,7 +1179,7 @@ DSK_API void dsk_zero_free(dsk_zero *z, dsk_ctx *ctx) {
 #endif
     DSK_FREE(zi->pbufs); DSK_FREE(zi->gbufs); DSK_FREE(zi->pbuf_owner); DSK_FREE(zi->gbuf_owner);
     DSK_FREE(zi->p); DSK_FREE(zi->u); DSK_FREE(zi->q);
-    DSK_FREE(zi->ck_e); DSK_FREE(zi->ck_t); DSK_FREE(zi->ck_names);
+    DSK_FREE(zi->ck_e); DSK_FREE(zi->ck_t); DSK_FREE(zi->ck_at); DSK_FREE(zi->ck_names);
     DSK_FREE(zi);
     memset(z, 0, sizeof *z);
 }
@@ -1700,47 +1714,98 @@ DSK_API dsk_status dsk_zero_step(dsk_zero *z, dsk_ctx *ctx, const dsk_adamw_opts
 
 /* ---------------------------------------------------------------- checkpoints */
 
+/* The boxes of elements [a, b) of a row-major tensor of shape sh (dims d..nd-1, the dims before
+   fixed at at[0..d)): at most 2 (nd - d) - 1 boxes, each contiguous in the flattening. Box k
+   starts at box_at[k] with extent box_ext[k]; returns the count. */
+static int dsk__zero_boxes(int nd, const int64_t *sh, int d, int64_t a, int64_t b, int64_t *at,
+                           int64_t (*box_at)[DSK_MAX_DIMS], int64_t (*box_ext)[DSK_MAX_DIMS]) {
+    int64_t inner = 1, r0, r1;
+    int k = 0;
+    if (b <= a) return 0;
+    for (int j = d + 1; j < nd; j++) inner *= sh[j];
+    r0 = a / inner;
+    r1 = b / inner;
+    if (a % inner) { /* the head: part of row r0 */
+        int64_t e = b < (r0 + 1) * inner ? b - r0 * inner : inner;
+        at[d] = r0;
+        k += dsk__zero_boxes(nd, sh, d + 1, a % inner, e, at, box_at + k, box_ext + k);
+        if (b < (r0 + 1) * inner) return k;
+        r0++;
+    }
+    if (r1 > r0) { /* whole rows */
+        for (int j = 0; j < nd; j++) {
+            box_at[k][j] = j < d ? at[j] : j == d ? r0 : 0;
+            box_ext[k][j] = j < d ? 1 : j == d ? r1 - r0 : sh[j];
+        }
+        k++;
+    }
+    if (b % inner) { /* the tail: part of row r1 */
+        at[d] = r1;
+        k += dsk__zero_boxes(nd, sh, d + 1, 0, b % inner, at, box_at + k, box_ext + k);
+    }
+    return k;
+}
+
+/* Appends the box entries of role r (0 master, 1 adam_m, 2 adam_v) of elements [a, b) of p. */
+static dsk_status dsk__zero_ck_add(dsk_zero *z, const dsk__zero_p *p, int r, int64_t a, int64_t b) {
+    static const char *suffix[3] = {"", ".adam_m", ".adam_v"};
+    dsk__zero_impl *zi = z->impl;
+    const dsk__zero_u *u = &zi->u[p->unit];
+    int64_t at[DSK_MAX_DIMS], box_at[2 * DSK_MAX_DIMS][DSK_MAX_DIMS], box_ext[2 * DSK_MAX_DIMS][DSK_MAX_DIMS], pos = a;
+    int nb = dsk__zero_boxes(p->ndim, p->shape, 0, a, b, at, box_at, box_ext);
+    for (int k = 0; k < nb; k++) {
+        int i = zi->ck_n++;
+        int64_t n = 1;
+        dsk_ckpt_entry *e = &zi->ck_e[i];
+        char *name = zi->ck_names + (size_t)i * DSK__ZERO_NAME_MAX;
+        dsk_tensor flat;
+        for (int j = 0; j < p->ndim; j++) {
+            n *= box_ext[k][j];
+            zi->ck_at[i][j] = p->g_at[j] + box_at[k][j];
+        }
+        snprintf(name, DSK__ZERO_NAME_MAX, "%s%s", p->name, suffix[r]);
+        if (r == 0) flat = dsk__zero_master_of(z, p, pos, pos + n);
+        else flat = dsk__zero_view(r == 1 ? &zi->m : &zi->v, dsk__zero_opt_off(z, u, p->uoff + pos), n);
+        DSK__TRY(dsk_tensor_reshape(&flat, p->ndim, box_ext[k], &zi->ck_t[i]));
+        memset(e, 0, sizeof *e);
+        e->name = name;
+        e->tensor = &zi->ck_t[i];
+        e->split = DSK_CKPT_BOX;
+        e->offset = zi->ck_at[i];
+        e->global_shape = p->g_shape;
+        pos += n;
+    }
+    return DSK_OK;
+}
+
 DSK_API dsk_status dsk_zero_ckpt_entries(dsk_zero *z, dsk_ctx *ctx, dsk_zero_ckpt_mode mode,
                                          const dsk_ckpt_entry **entries, int *n) {
     const char *fn = "dsk_zero_ckpt_entries";
-    static const char *suffix[3] = {"", ".adam_m", ".adam_v"};
     dsk__zero_impl *zi;
-    int k = 0;
+    size_t cap;
     DSK__TRY(dsk__zero_need(z, fn));
     if (!entries || !n || (mode != DSK_ZERO_CKPT_SAVE && mode != DSK_ZERO_CKPT_LOAD))
         return dsk_set_error(DSK_ERR_ARG, "%s: bad mode %d or NULL output", fn, (int)mode);
     zi = z->impl;
     DSK__TRY(dsk__zero_drain(z, ctx, fn));
+    cap = (size_t)3 * (size_t)z->n_params * (2 * DSK_MAX_DIMS - 1);
     if (!zi->ck_e) {
-        zi->ck_e = (dsk_ckpt_entry *)DSK_MALLOC((size_t)(3 * z->n_params) * sizeof *zi->ck_e);
-        zi->ck_t = (dsk_tensor *)DSK_MALLOC((size_t)(3 * z->n_params) * sizeof *zi->ck_t);
-        zi->ck_names = (char *)DSK_MALLOC((size_t)(3 * z->n_params) * DSK__ZERO_NAME_MAX);
-        if (!zi->ck_e || !zi->ck_t || !zi->ck_names) return dsk_set_error(DSK_ERR_OOM, "%s: entry lists", fn);
+        zi->ck_e = (dsk_ckpt_entry *)DSK_MALLOC(cap * sizeof *zi->ck_e);
+        zi->ck_t = (dsk_tensor *)DSK_MALLOC(cap * sizeof *zi->ck_t);
+        zi->ck_at = (int64_t(*)[DSK_MAX_DIMS])DSK_MALLOC(cap * sizeof *zi->ck_at);
+        zi->ck_names = (char *)DSK_MALLOC(cap * DSK__ZERO_NAME_MAX);
+        if (!zi->ck_e || !zi->ck_t || !zi->ck_at || !zi->ck_names)
+            return dsk_set_error(DSK_ERR_OOM, "%s: entry lists", fn);
     }
+    zi->ck_n = 0;
     for (int i = 0; i < z->n_params; i++) {
         const dsk__zero_p *p = &zi->p[i];
-        const dsk__zero_u *u = &zi->u[p->unit];
         int whole = z->stage == 0 && mode == DSK_ZERO_CKPT_LOAD;
         int64_t a = whole ? 0 : p->own_a, b = whole ? p->numel : p->own_b;
-        if (b <= a) continue;
-        for (int r = 0; r < 3; r++) {
-            dsk_ckpt_entry *e = &zi->ck_e[k];
-            char *name = zi->ck_names + (size_t)k * DSK__ZERO_NAME_MAX;
-            snprintf(name, DSK__ZERO_NAME_MAX, "%s%s", p->name, suffix[r]);
-            if (r == 0) zi->ck_t[k] = dsk__zero_master_of(z, p, a, b);
-            else zi->ck_t[k] = dsk__zero_view(r == 1 ? &zi->m : &zi->v, dsk__zero_opt_off(z, u, p->uoff + a), b - a);
-            memset(e, 0, sizeof *e);
-            e->name = name;
-            e->tensor = &zi->ck_t[k];
-            e->split = 1;
-            e->row0 = p->g_off + a;
-            e->global_rows = p->g_numel;
-            k++;
-        }
+        for (int r = 0; r < 3 && b > a; r++) DSK__TRY(dsk__zero_ck_add(z, p, r, a, b));
     }
-    zi->ck_n = k;
     *entries = zi->ck_e;
-    *n = k;
+    *n = zi->ck_n;
     return DSK_OK;
 }
 

@@ -148,6 +148,25 @@ static int64_t p_numel(int p) {
 }
 static int64_t g_off[NP + 1]; /* offsets of the parameters in one flat array of the whole model */
 
+/* Copies a checkpoint box entry into the flat row-major array of its global tensor (of shape
+   sh, which the entry must name), element by element. */
+static void box_scatter(const dsk_ckpt_entry *e, int nd, const int64_t *sh, float *dst) {
+    const dsk_tensor *t = e->tensor;
+    int64_t n = dsk_tensor_numel(t);
+    int ok = e->split == DSK_CKPT_BOX && t->ndim == nd && t->dtype == DSK_F32 && dsk_tensor_is_contiguous(t);
+    for (int d = 0; ok && d < nd; d++) ok = e->global_shape[d] == sh[d] && e->offset[d] + t->shape[d] <= sh[d];
+    DSK_TEST_EXPECT(ok, "%s: a contiguous f32 box of the parameter's global shape", e->name);
+    for (int64_t i = 0; ok && i < n; i++) {
+        int64_t rest = i, at = 0;
+        for (int d = nd - 1, stride = 1; d >= 0; d--) {
+            at += (e->offset[d] + rest % t->shape[d]) * stride;
+            rest /= t->shape[d];
+            stride *= (int)sh[d];
+        }
+        dst[at] = ((const float *)t->data)[i];
+    }
+}
+
 static float w_init(int p, int64_t i) { return hashf(1, (uint64_t)p, (uint64_t)i, 0, -1.0f, 1.0f); }
 static float a_of(int p, int s, int64_t i) { return hashf(2, (uint64_t)p, (uint64_t)s, (uint64_t)i, 0.5f, 1.5f); }
 static float t_of(int p, int s, int64_t i) { return hashf(3, (uint64_t)p, (uint64_t)s, (uint64_t)i, -1.0f, 1.0f); }
@@ -331,10 +350,8 @@ static void rank_train(dsk_comm *comm, void *argp) {
             while (strncmp(e[k].name, k_model[p].name, strlen(k_model[p].name)) != 0 ||
                    (e[k].name[strlen(k_model[p].name)] != 0 && e[k].name[strlen(k_model[p].name)] != '.'))
                 p++;
-            dst = (role == 0 ? res->master : role == 1 ? res->m : res->v) + g_off[p] + e[k].row0;
-            DSK_TEST_EXPECT(e[k].global_rows == p_numel(p), "%s: %lld global rows", e[k].name,
-                            (long long)e[k].global_rows);
-            memcpy(dst, e[k].tensor->data, (size_t)e[k].tensor->shape[0] * sizeof(float));
+            dst = (role == 0 ? res->master : role == 1 ? res->m : res->v) + g_off[p];
+            box_scatter(&e[k], k_model[p].ndim, k_model[p].shape, dst);
         }
         if (c->save_dir) {
             dsk_ckpt ck;
@@ -1111,8 +1128,8 @@ static void rank_experts(dsk_comm *comm, void *argp) {
         if (!is_expert(p)) { dense[nd] = dense[p]; map_d[nd++] = p; continue; }
         expert[ne] = dense[p];
         expert[ne].shape[0] = held * (p == 5 ? 4 : 1); /* b1.w1 (24, 8) becomes 4 rows per expert */
-        expert[ne].global_rows = 6 * (p == 5 ? 4 : 1);
-        expert[ne].row0 = (int64_t)e0 * (p == 5 ? 4 : 1);
+        for (int d = 0; d < expert[ne].ndim; d++) expert[ne].global_shape[d] = k_model[p].shape[d];
+        expert[ne].offset[0] = (int64_t)e0 * (p == 5 ? 4 : 1);
         map_e[ne++] = p;
     }
     memset(&od, 0, sizeof od);
@@ -1128,7 +1145,7 @@ static void rank_experts(dsk_comm *comm, void *argp) {
         int64_t cols = p_numel(map_e[k]) / k_model[map_e[k]].shape[0];
         DSK_TEST_OK(dsk_zero_get_piece(&ze, k, &pc));
         for (int64_t i = 0; i < pc.count; i++)
-            ((float *)pc.master.data)[i] = a->phase == 0 ? expert_w(map_e[k], expert[k].row0 * cols + pc.first + i)
+            ((float *)pc.master.data)[i] = a->phase == 0 ? expert_w(map_e[k], expert[k].offset[0] * cols + pc.first + i)
                                                          : NAN;
     }
     if (a->phase == 0) {
@@ -1191,7 +1208,7 @@ static void rank_experts(dsk_comm *comm, void *argp) {
                 DSK_TEST_OK(dsk_zero_get_piece(&ze, k, &pc));
                 for (int64_t i = 0; i < pc.count; i++) {
                     float got = ((float *)pc.master.data)[i];
-                    float want = expert_w(map_e[k], expert[k].row0 * cols + pc.first + i);
+                    float want = expert_w(map_e[k], expert[k].offset[0] * cols + pc.first + i);
                     if (memcmp(&got, &want, 4) != 0) {
                         dsk_test_fail_at(__FILE__, __LINE__, "rank %d %s element %lld: %g, want %g", r,
                                          k_model[map_e[k]].name, (long long)(pc.first + i), (double)got, (double)want);
@@ -1205,6 +1222,103 @@ static void rank_experts(dsk_comm *comm, void *argp) {
     dsk_zero_free(&ze, NULL);
     dsk_zero_free(&zd, NULL);
     dsk_comm_free(&rep);
+}
+
+/* Parameters that are boxes of larger tensors (tensor-parallel shards): a (3, 4) box at (1, 2) of
+   (5, 7) and a (2, 3, 4) box at (0, 1, 0) of (2, 5, 4), over 3 ranks at stage 1, so that the
+   pieces start and end inside rows. Each rank's checkpoint entries must be boxes of the global
+   tensors holding the master's values at their global places; over the ranks they must cover
+   each element of the two boxes exactly once per role, and nothing outside them. */
+typedef struct box_arg { int *cover; int stage, mode; } box_arg;
+static const int64_t k_box_shape[2][3] = {{3, 4, 0}, {2, 3, 4}}, k_box_global[2][3] = {{5, 7, 0}, {2, 5, 4}},
+                     k_box_at[2][3] = {{1, 2, 0}, {0, 1, 0}};
+#define BOX_CELLS 40 /* elements of the larger global tensor */
+
+static int64_t box_global_index(int p, int64_t i) { /* local element i of box p, flat in the global tensor */
+    int nd = p == 0 ? 2 : 3;
+    int64_t at = 0, stride = 1;
+    for (int d = nd - 1; d >= 0; d--) {
+        at += (k_box_at[p][d] + i % k_box_shape[p][d]) * stride;
+        i /= k_box_shape[p][d];
+        stride *= k_box_global[p][d];
+    }
+    return at;
+}
+
+static void rank_boxes(dsk_comm *comm, void *argp) {
+    box_arg *a = (box_arg *)argp;
+    dsk_zero_param ps[2];
+    dsk_tensor vals[2], grads[2];
+    dsk_zero z;
+    dsk_zero_opts o;
+    const dsk_ckpt_entry *e;
+    int ne;
+    memset(ps, 0, sizeof ps);
+    for (int p = 0; p < 2; p++) {
+        ps[p].name = p == 0 ? "wo" : "experts";
+        ps[p].ndim = p == 0 ? 2 : 3;
+        for (int d = 0; d < ps[p].ndim; d++) {
+            ps[p].shape[d] = k_box_shape[p][d];
+            ps[p].global_shape[d] = k_box_global[p][d];
+            ps[p].offset[d] = k_box_at[p][d];
+        }
+        ps[p].value = &vals[p];
+        ps[p].grad = &grads[p];
+        ps[p].unit = p;
+    }
+    memset(&o, 0, sizeof o);
+    o.stage = a->stage;
+    if (!TZ_OK(dsk_zero_init(&z, comm, NULL, ps, 2, &o))) return;
+    for (int p = 0; p < 2; p++) {
+        dsk_zero_piece pc;
+        DSK_TEST_OK(dsk_zero_get_piece(&z, p, &pc));
+        for (int64_t i = 0; i < pc.count; i++)
+            ((float *)pc.master.data)[i] = (float)(1000 * p + box_global_index(p, pc.first + i));
+    }
+    DSK_TEST_OK(dsk_zero_ckpt_entries(&z, NULL, (dsk_zero_ckpt_mode)a->mode, &e, &ne));
+    for (int k = 0; k < ne; k++) {
+        int p = strncmp(e[k].name, "wo", 2) == 0 ? 0 : 1, role = strstr(e[k].name, ".adam_m") ? 1
+                                                             : strstr(e[k].name, ".adam_v") ? 2 : 0;
+        float got[BOX_CELLS];
+        for (int i = 0; i < BOX_CELLS; i++) got[i] = NAN;
+        box_scatter(&e[k], ps[p].ndim, k_box_global[p], got);
+        for (int i = 0; i < BOX_CELLS; i++) {
+            if (isnan(got[i])) continue;
+            __atomic_add_fetch(&a->cover[(role * 2 + p) * BOX_CELLS + i], 1, __ATOMIC_RELAXED);
+            if (role == 0 && a->mode == DSK_ZERO_CKPT_SAVE)
+                DSK_TEST_EXPECT(got[i] == (float)(1000 * p + i), "rank %d %s: global element %d holds %g", comm->rank,
+                                e[k].name, i, (double)got[i]);
+        }
+    }
+    dsk_zero_free(&z, NULL);
+}
+
+static void case_boxes(int n, int stage, int mode) {
+    box_arg a;
+    int cells[2] = {35, 40}, bad = 0;
+    dsk_test_begin("parameters that are boxes of larger tensors, %d ranks, stage %d, %s entries: global boxes that "
+                   "tile each box once per role", n, stage, mode == DSK_ZERO_CKPT_SAVE ? "save" : "load");
+    a.cover = (int *)shared_alloc(6 * BOX_CELLS * sizeof(int));
+    a.stage = stage;
+    a.mode = mode;
+    expect_ranks_ok(n, rank_boxes, &a);
+    for (int role = 0; role < 3; role++)
+        for (int p = 0; p < 2; p++)
+            for (int i = 0; i < cells[p]; i++) {
+                int inside = 1, want, got = a.cover[(role * 2 + p) * BOX_CELLS + i];
+                for (int d = (p == 0 ? 1 : 2), rest = i; d >= 0; d--) {
+                    int x = rest % (int)k_box_global[p][d];
+                    rest /= (int)k_box_global[p][d];
+                    inside &= x >= k_box_at[p][d] && x < k_box_at[p][d] + k_box_shape[p][d];
+                }
+                want = inside ? (mode == DSK_ZERO_CKPT_SAVE ? 1 : (stage == 0 ? n : 1)) : 0;
+                if (got != want && bad++ < 5)
+                    DSK_TEST_EXPECT(0, "role %d tensor %d global element %d covered %d times, want %d", role, p, i,
+                                    got, want);
+            }
+    DSK_TEST_EXPECT(bad == 0, "%d elements covered wrongly", bad);
+    munmap(a.cover, 6 * BOX_CELLS * sizeof(int));
+    dsk_test_end();
 }
 
 static void case_experts(void) {
@@ -1309,10 +1423,16 @@ static void case_errors(void) {
     DSK_TEST_STATUS(dsk_zero_init(&z, &c, NULL, bad, NP, &o), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("params[1] \"b0.ln\"");
     memcpy(bad, ps, sizeof bad);
-    bad[6].global_rows = 4;
-    bad[6].row0 = 2;
+    bad[6].global_shape[0] = 4;
+    bad[6].global_shape[1] = 5;
+    bad[6].global_shape[2] = 8;
+    bad[6].offset[0] = 2;
     DSK_TEST_STATUS(dsk_zero_init(&z, &c, NULL, bad, NP, &o), DSK_ERR_ARG);
-    DSK_TEST_ERROR_MENTIONS("rows [2, 5) do not fit in 4 global rows");
+    DSK_TEST_ERROR_MENTIONS("params[6] \"b1.experts\": dim 0's [2, 5) does not fit in the global tensor's 4");
+    bad[6].offset[0] = 0;
+    bad[6].offset[2] = -1;
+    DSK_TEST_STATUS(dsk_zero_init(&z, &c, NULL, bad, NP, &o), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dim 2's [-1, 7) does not fit in the global tensor's 8");
     memcpy(bad, ps, sizeof bad);
     bad[0].name = "";
     DSK_TEST_STATUS(dsk_zero_init(&z, &c, NULL, bad, NP, &o), DSK_ERR_ARG);
@@ -1419,6 +1539,10 @@ int main(void) {
     case_sum_scale(3, 0);
     case_sum_scale(4, 2);
     case_experts();
+    case_boxes(3, 1, DSK_ZERO_CKPT_SAVE);
+    case_boxes(2, 3, DSK_ZERO_CKPT_SAVE);
+    case_boxes(3, 2, DSK_ZERO_CKPT_LOAD);
+    case_boxes(2, 0, DSK_ZERO_CKPT_LOAD);
     case_resume(4, 2, 2, 3);
     case_resume(2, 1, 3, 0);
     case_resume(3, 3, 1, 1);
