@@ -217,8 +217,9 @@ static dsk_status tz_init(tz *t, tm_model *m, dsk_ctx *ctx, dsk_comm *dp, dsk_co
             q->no_decay = !p->decay;
             if (p->sharded) { /* experts [expert0, expert0 + local) of n_routed along dim 0 */
                 const dsk_moe *moe = &m->blocks[p->moe_layer].moe;
-                q->global_rows = moe->opts.n_routed;
-                q->row0 = moe->expert0;
+                for (int d = 0; d < p->ndim; d++) q->global_shape[d] = p->shape[d];
+                q->global_shape[0] = moe->opts.n_routed;
+                q->offset[0] = moe->expert0;
             }
             if (p->moe_layer >= 0 && tm_param_numel(p) > scratch) scratch = tm_param_numel(p);
         }
