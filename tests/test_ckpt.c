@@ -1434,7 +1434,8 @@ static int mb_load(const mb_arg *a, int64_t step) {
 
 /* Several boxes of one name from one rank (dsk_zero's pieces of a flat range): the rank file
    keeps each under "<name>@<offset>" with dsk.name; the checkpoint loads bit for bit at another
-   split, verifies, reuses the unchanged boxes in an incremental save and merges. */
+   split, verifies, reuses the unchanged boxes in an incremental save and merges. A rank file
+   whose key does not fit its box (written or reused) fails the save. */
 static void test_several_boxes_per_rank(void) {
     const int64_t q_row = k_mb_shape[1][1] * k_mb_shape[1][2];
     char sd[600], path[700];
