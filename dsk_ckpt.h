@@ -24,8 +24,13 @@
    nonce), "dsk.crc32c.<tensor>" (CRC32C of the tensor's bytes, 8 hex digits),
    "dsk.blocks.<tensor>" (CRC32C of each 1 MiB of it: "1048576:" then 8 hex digits per block),
    "dsk.box.<tensor>" (for a piece of a split tensor, "o0,o1,..;g0,g1,..": where it starts in
-   the whole tensor and the whole tensor's shape) and the caller's key/value pairs (trainer
-   state: loss scale, RNG state, data position, ...). The manifest lists the files (step,
+   the whole tensor and the whole tensor's shape), "dsk.name.<tensor>" (see below) and the
+   caller's key/value pairs (trainer state: loss scale, RNG state, data position, ...).
+   <tensor> is the key a piece has in its file: the tensor's name where the file holds one
+   piece of it; where a rank saves several boxes of one name, each is keyed
+   "<name>@<o0>,<o1>,..." (its offset in the whole tensor) and "dsk.name.<key>" holds the name.
+   Readers find a piece by (name, box): under the name, else under that key, so files with one
+   piece per name read as they always did. The manifest lists the files (step,
    rank, nonce, size, CRC32C of the whole file), the step, the save's generation (1 + the
    largest in DIR, so it orders the saves), the world size and each tensor's dtype, whole
    shape and slices [file, offset..., shape...]; its last line holds the CRC32C of the text
@@ -47,7 +52,9 @@
    Saving (every rank calls dsk_ckpt_save with the same step): a tensor is either whole
    (DSK_CKPT_WHOLE: written once, by rank 0) or a piece of a split one (DSK_CKPT_ROWS: rows
    [row0, row0 + shape[0]) of global_rows; DSK_CKPT_BOX: any box, for column-parallel or 2-D
-   sharding); the pieces of one name must tile the whole tensor. Ranks meet at three calls of
+   sharding); the pieces of one name must tile the whole tensor. A rank may pass several ROWS or
+   BOX entries of one name (disjoint boxes of the same dtype and whole shape; an overlap is an
+   error naming both boxes); a whole tensor's name appears once. Ranks meet at three calls of
    the barrier callback (prepare, files durable, manifest durable); every rank makes all three
    calls even when its own part failed, so a failure anywhere leaves no manifest and every
    rank sees an error. Rank 0 hands the save's nonce to the others in DIR/.attempt; one job
@@ -159,7 +166,8 @@ enum {
    must tile the whole tensor, each element saved by exactly one rank (with data parallelism,
    let one replica pass the split entries). Loading: any rank asks for any box. */
 typedef struct dsk_ckpt_entry {
-    const char *name;            /* unique, non-empty UTF-8, not "__metadata__" */
+    const char *name;            /* non-empty UTF-8, not "__metadata__"; unique but for several
+                                    DSK_CKPT_ROWS/BOX boxes of one tensor (see the top) */
     dsk_tensor *tensor;          /* this rank's data: any device, dtype and strides */
     int split;                   /* DSK_CKPT_WHOLE, DSK_CKPT_ROWS or DSK_CKPT_BOX */
     int64_t row0;                /* DSK_CKPT_ROWS: first global row this rank holds */
@@ -2042,6 +2050,8 @@ DSK_API dsk_status dsk_ckpt_file_read_raw(dsk_ckpt_file *f, const char *name, co
 
 typedef struct dsk__ckpt_seg {
     char *name;
+    char *key;           /* its name in the file: name, or name@offset for one of several boxes of name */
+    int entry;           /* the entry it comes from */
     const dsk_tensor *src;
     dsk_dtype dtype;
     int ndim;
@@ -2072,7 +2082,7 @@ typedef struct dsk__ckpt_plan {
 } dsk__ckpt_plan;
 
 static void dsk__ckpt_plan_free(dsk__ckpt_plan *p) {
-    for (int i = 0; i < p->n; i++) DSK_FREE(p->segs[i].name);
+    for (int i = 0; i < p->n; i++) { DSK_FREE(p->segs[i].name); DSK_FREE(p->segs[i].key); }
     for (int i = 0; i < p->n_kv; i++) { DSK_FREE(p->keys[i]); DSK_FREE(p->values[i]); }
     DSK_FREE(p->segs);
     DSK_FREE(p->keys);
@@ -2085,12 +2095,21 @@ static int dsk__ckpt_cmp_str(const void *a, const void *b) {
 }
 
 /* Larger elements first (keeps every tensor aligned to its element size, as the reference
-   writer does), then by name. */
+   writer does), then by key. */
 static int dsk__ckpt_cmp_seg(const void *a, const void *b) {
     const dsk__ckpt_seg *x = (const dsk__ckpt_seg *)a, *y = (const dsk__ckpt_seg *)b;
     size_t sx = dsk_dtype_size(x->dtype), sy = dsk_dtype_size(y->dtype);
     if (sx != sy) return sx > sy ? -1 : 1;
-    return strcmp(x->name, y->name);
+    return strcmp(x->key, y->key);
+}
+
+/* By name, then by offset (lexicographically): the boxes of one name next to each other. */
+static int dsk__ckpt_cmp_seg_box(const void *a, const void *b) {
+    const dsk__ckpt_seg *x = (const dsk__ckpt_seg *)a, *y = (const dsk__ckpt_seg *)b;
+    int c = strcmp(x->name, y->name);
+    for (int d = 0; !c && d < x->ndim && d < y->ndim; d++)
+        if (x->off[d] != y->off[d]) c = x->off[d] < y->off[d] ? -1 : 1;
+    return c;
 }
 
 /* First duplicate among n strings, or NULL. */
@@ -2099,6 +2118,33 @@ static const char *dsk__ckpt_find_dup(const char **names, int n) {
     for (int i = 1; i < n; i++)
         if (strcmp(names[i], names[i - 1]) == 0) return names[i];
     return NULL;
+}
+
+static int dsk__ckpt_cmp_entry_name(const void *a, const void *b) {
+    return strcmp((*(const dsk_ckpt_entry *const *)a)->name, (*(const dsk_ckpt_entry *const *)b)->name);
+}
+
+/* A repeated name, or NULL: names are unique, except that a rank file may hold several boxes
+   (DSK_CKPT_ROWS and DSK_CKPT_BOX entries) of one name. Sorts by_name. */
+static const char *dsk__ckpt_dup_name(const dsk_ckpt_entry **by_name, int n, int rank_file) {
+    qsort((void *)by_name, (size_t)n, sizeof *by_name, dsk__ckpt_cmp_entry_name);
+    for (int i = 1; i < n; i++)
+        if (strcmp(by_name[i]->name, by_name[i - 1]->name) == 0 &&
+            (!rank_file || by_name[i]->split == DSK_CKPT_WHOLE || by_name[i - 1]->split == DSK_CKPT_WHOLE))
+            return by_name[i]->name;
+    return NULL;
+}
+
+/* The key a rank file holds one of several boxes of `name` under: "<name>@<o0>,<o1>,..." (its
+   offset); NULL when out of memory. */
+static char *dsk__ckpt_box_key(const char *name, int ndim, const int64_t *off) {
+    dsk__ckpt_buf b;
+    memset(&b, 0, sizeof b);
+    dsk__ckpt_puts(&b, name);
+    dsk__ckpt_puts(&b, "@");
+    for (int d = 0; d < ndim; d++) dsk__ckpt_putf(&b, d ? ",%lld" : "%lld", (long long)off[d]);
+    if (b.oom) { dsk__ckpt_buf_free(&b); return NULL; }
+    return b.p;
 }
 
 /* The box entry e covers in its whole tensor: offset and whole shape (see dsk_ckpt_entry). */
@@ -2193,22 +2239,83 @@ static void dsk__ckpt_plan_layout(dsk__ckpt_plan *p) {
     }
 }
 
+static void dsk__ckpt_box_desc(char *buf, size_t n, int ndim, const int64_t *off, const int64_t *ext);
+
+/* Two boxes of one tensor share an element. */
+static int dsk__ckpt_boxes_meet(const dsk__ckpt_seg *a, const dsk__ckpt_seg *b) {
+    if (!dsk__ckpt_numel(a->ndim, a->shape) || !dsk__ckpt_numel(b->ndim, b->shape)) return 0;
+    for (int d = 0; d < a->ndim; d++)
+        if (b->off[d] >= a->off[d] + a->shape[d] || a->off[d] >= b->off[d] + b->shape[d]) return 0;
+    return 1;
+}
+
+/* The k boxes of one name a rank file holds (sorted by offset): the same dtype and whole
+   shape, and disjoint (each is compared with those starting before it ends in dim 0). */
+static dsk_status dsk__ckpt_check_boxes(const char *fn, const dsk__ckpt_seg *g, int k) {
+    char x[200], y[200];
+    for (int i = 1; i < k; i++)
+        if (g[i].dtype != g[0].dtype || g[i].ndim != g[0].ndim ||
+            memcmp(g[i].global, g[0].global, (size_t)g[0].ndim * sizeof(int64_t)))
+            return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": this rank's boxes are of %s and of %s", fn,
+                                 g[0].name, dsk__ckpt_desc(x, sizeof x, g[0].ndim, g[0].global,
+                                                           dsk__ckpt_stname(g[0].dtype)),
+                                 dsk__ckpt_desc(y, sizeof y, g[i].ndim, g[i].global, dsk__ckpt_stname(g[i].dtype)));
+    for (int i = 0; i < k; i++)
+        for (int j = i + 1; j < k && (!g[i].ndim || g[j].off[0] < g[i].off[0] + g[i].shape[0]); j++)
+            if (dsk__ckpt_boxes_meet(&g[i], &g[j])) {
+                dsk__ckpt_box_desc(x, sizeof x, g[i].ndim, g[i].off, g[i].shape);
+                dsk__ckpt_box_desc(y, sizeof y, g[j].ndim, g[j].off, g[j].shape);
+                return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": this rank's boxes %s and %s overlap", fn,
+                                     g[i].name, x, y);
+            }
+    return DSK_OK;
+}
+
+/* Gives every segment its key in the file: its name, or name@offset where the file holds
+   several boxes of the name (checked by dsk__ckpt_check_boxes). Keys must be unique. */
+static dsk_status dsk__ckpt_plan_keys(const char *fn, dsk__ckpt_plan *p) {
+    const char **keys, *dup;
+    qsort(p->segs, (size_t)p->n, sizeof *p->segs, dsk__ckpt_cmp_seg_box);
+    for (int i = 0, k; i < p->n; i += k) {
+        for (k = 1; i + k < p->n && strcmp(p->segs[i + k].name, p->segs[i].name) == 0; k++) {}
+        if (k > 1) DSK__TRY(dsk__ckpt_check_boxes(fn, p->segs + i, k));
+        for (int j = i; j < i + k; j++) {
+            dsk__ckpt_seg *g = &p->segs[j];
+            g->key = k > 1 ? dsk__ckpt_box_key(g->name, g->ndim, g->off) : dsk__ckpt_strdup(g->name);
+            if (!g->key) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        }
+    }
+    if (!(keys = (const char **)DSK_MALLOC(((size_t)p->n + 1) * sizeof *keys)))
+        return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    for (int i = 0; i < p->n; i++) keys[i] = p->segs[i].key;
+    dup = dsk__ckpt_find_dup(keys, p->n);
+    if (dup) {
+        dsk_status s = dsk_set_error(DSK_ERR_ARG,
+                                     "%s: two tensors would be stored under the key \"%s\" (a name, or name@offset "
+                                     "for one of several boxes of a name)", fn, dup);
+        DSK_FREE((void *)keys);
+        return s;
+    }
+    DSK_FREE((void *)keys);
+    return DSK_OK;
+}
+
 /* Validates the entries and pairs and copies what the file needs (names, pairs, shapes).
    A rank file holds the split entries and, on rank 0 only, the replicated ones. */
 static dsk_status dsk__ckpt_plan_build(const char *fn, dsk__ckpt_plan *p, const dsk_ckpt_entry *entries, int n,
                                        const dsk_ckpt_kv *kv, int n_kv, const dsk_ctx *ctx) {
     dsk_status s;
-    const char **names;
+    const dsk_ckpt_entry **names;
     const char *dup;
     if (n < 0 || (n && !entries))
         return dsk_set_error(DSK_ERR_ARG, "%s: %d entries at %p", fn, n, (const void *)entries);
     for (int i = 0; i < n; i++)
         DSK__TRY(dsk__ckpt_check_entry(fn, &entries[i], i, p->rank_file, ctx));
     DSK__TRY(dsk__ckpt_check_kv(fn, kv, n_kv));
-    names = (const char **)DSK_MALLOC(((size_t)n + 1) * sizeof *names);
+    names = (const dsk_ckpt_entry **)DSK_MALLOC(((size_t)n + 1) * sizeof *names);
     if (!names) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    for (int i = 0; i < n; i++) names[i] = entries[i].name;
-    dup = dsk__ckpt_find_dup(names, n);
+    for (int i = 0; i < n; i++) names[i] = &entries[i];
+    dup = dsk__ckpt_dup_name(names, n, p->rank_file);
     if (dup) {
         s = dsk_set_error(DSK_ERR_ARG, "%s: tensor name \"%s\" appears twice", fn, dup);
         DSK_FREE((void *)names);
@@ -2226,6 +2333,7 @@ static dsk_status dsk__ckpt_plan_build(const char *fn, dsk__ckpt_plan *p, const 
         memset(g, 0, sizeof *g);
         if (!(g->name = dsk__ckpt_strdup(e->name))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
         p->n++;
+        g->entry = i;
         g->src = e->tensor;
         g->dtype = e->tensor->dtype;
         g->ndim = e->tensor->ndim;
@@ -2240,6 +2348,7 @@ static dsk_status dsk__ckpt_plan_build(const char *fn, dsk__ckpt_plan *p, const 
         p->n_kv = i + 1;
         if (!p->keys[i] || !p->values[i]) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     }
+    DSK__TRY(dsk__ckpt_plan_keys(fn, p));
     qsort(p->segs, (size_t)p->n, sizeof *p->segs, dsk__ckpt_cmp_seg);
     dsk__ckpt_plan_layout(p);
     return DSK_OK;
@@ -2309,24 +2418,30 @@ static void dsk__ckpt_header_json(dsk__ckpt_buf *b, const dsk__ckpt_plan *p) {
         const dsk__ckpt_seg *g = &p->segs[i];
         if (g->hashed) {
             dsk__ckpt_puts(b, ",");
-            dsk__ckpt_put_jstr2(b, g->reused ? "dsk.reuse." : "dsk.hash.", g->name);
+            dsk__ckpt_put_jstr2(b, g->reused ? "dsk.reuse." : "dsk.hash.", g->key);
             dsk__ckpt_putf(b, ":\"%016llx\"", (unsigned long long)g->hash);
         }
         if (!g->reused) {
             dsk__ckpt_puts(b, ",");
-            dsk__ckpt_put_jstr2(b, "dsk.crc32c.", g->name);
+            dsk__ckpt_put_jstr2(b, "dsk.crc32c.", g->key);
             dsk__ckpt_putf(b, ":\"%08x\"", g->crc);
         }
         if (g->n_blocks > 1) {
             dsk__ckpt_puts(b, ",");
-            dsk__ckpt_put_jstr2(b, "dsk.blocks.", g->name);
+            dsk__ckpt_put_jstr2(b, "dsk.blocks.", g->key);
             dsk__ckpt_putf(b, ":\"%llu:", (unsigned long long)DSK__CKPT_BLOCK);
             for (uint64_t k = 0; k < g->n_blocks; k++) dsk__ckpt_putf(b, "%08x", g->blocks[k]);
             dsk__ckpt_puts(b, "\"");
         }
+        if (strcmp(g->key, g->name) != 0) {
+            dsk__ckpt_puts(b, ",");
+            dsk__ckpt_put_jstr2(b, "dsk.name.", g->key);
+            dsk__ckpt_puts(b, ":");
+            dsk__ckpt_put_jstr(b, g->name);
+        }
         if (g->boxed) {
             dsk__ckpt_puts(b, ",");
-            dsk__ckpt_put_jstr2(b, "dsk.box.", g->name);
+            dsk__ckpt_put_jstr2(b, "dsk.box.", g->key);
             dsk__ckpt_puts(b, ":\"");
             for (int d = 0; d < g->ndim; d++) dsk__ckpt_putf(b, d ? ",%lld" : "%lld", (long long)g->off[d]);
             dsk__ckpt_puts(b, ";");
@@ -2345,7 +2460,7 @@ static void dsk__ckpt_header_json(dsk__ckpt_buf *b, const dsk__ckpt_plan *p) {
         const dsk__ckpt_seg *g = &p->segs[i];
         if (g->reused) continue;
         dsk__ckpt_puts(b, ",");
-        dsk__ckpt_put_jstr(b, g->name);
+        dsk__ckpt_put_jstr(b, g->key);
         dsk__ckpt_putf(b, ":{\"dtype\":\"%s\",\"shape\":[", dsk__ckpt_stname(g->dtype));
         for (int d = 0; d < g->ndim; d++) dsk__ckpt_putf(b, d ? ",%lld" : "%lld", (long long)g->shape[d]);
         dsk__ckpt_putf(b, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)g->begin,
@@ -2675,6 +2790,34 @@ static int dsk__ckpt_box_of(const dsk_ckpt_file *f, const dsk_ckpt_tensor_info *
         if (off[d] > global[d] - t->shape[d]) r = -1;
     dsk__ckpt_buf_free(&kb);
     return r;
+}
+
+/* The tensor a rank file holds under `key`: the value of "dsk.name.<key>" where the file
+   holds several boxes of one name (under keys "<name>@<offset>"), else the key itself. NULL
+   when out of memory. */
+static const char *dsk__ckpt_key_name(const dsk_ckpt_file *f, const char *key) {
+    dsk__ckpt_buf kb;
+    const char *v;
+    int oom;
+    memset(&kb, 0, sizeof kb);
+    dsk__ckpt_puts(&kb, "dsk.name.");
+    dsk__ckpt_puts(&kb, key);
+    v = kb.oom ? NULL : dsk_ckpt_file_meta(f, kb.p);
+    oom = kb.oom;
+    dsk__ckpt_buf_free(&kb);
+    return oom ? NULL : v ? v : key;
+}
+
+/* Whether a rank file may hold the box at `off` of tensor `name` under `key`: the name
+   itself, or "<name>@<offset>" (0 too when out of memory). */
+static int dsk__ckpt_key_fits(const char *key, const char *name, int ndim, const int64_t *off) {
+    char *want;
+    int ok;
+    if (strcmp(key, name) == 0) return 1;
+    if (!(want = dsk__ckpt_box_key(name, ndim, off))) return 0;
+    ok = strcmp(want, key) == 0;
+    DSK_FREE(want);
+    return ok;
 }
 
 /* ---------------------------------------------------------------- manifests
@@ -3065,7 +3208,11 @@ static dsk_status dsk__ckpt_file_pieces(const char *fn, const dsk_ckpt_file *f, 
             return dsk_set_error(DSK_ERR_CORRUPT,
                                  "%s: whole tensor \"%s\" found in rank %d's file (only rank 0 writes it)", fn, t->name,
                                  rank);
-        pc->name = t->name;
+        pc->name = dsk__ckpt_key_name(f, t->name);
+        if (!pc->name || (k == 0 && strcmp(pc->name, t->name) != 0) ||
+            !dsk__ckpt_key_fits(t->name, pc->name, t->ndim, pc->off))
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": dsk.name.%s does not fit its key and box (or out of "
+                                 "memory)", fn, f->path, t->name);
         pc->dtype = t->dtype_name;
         pc->ndim = t->ndim;
         memcpy(pc->ext, t->shape, sizeof pc->ext);
@@ -3086,13 +3233,14 @@ static int dsk__ckpt_file_index(dsk__ckpt_mfile *mf, int *n, const dsk__ckpt_mfi
 }
 
 /* The pieces an incremental save's file f (of rank `rank`) declares unchanged
-   ("dsk.reuse.<name>" = their hash, "dsk.box.<name>" their box): each must be a slice of the
-   base checkpoint with that box and hash; the piece then points to the base's file. */
+   ("dsk.reuse.<key>" = their hash, "dsk.box.<key>" their box, key as in dsk__ckpt_key_name):
+   each must be a slice of the base checkpoint with that box and hash; the piece then points
+   to the base's file. */
 static dsk_status dsk__ckpt_reuse_pieces(const char *fn, const dsk_ckpt_file *f, int rank,
                                          const dsk__ckpt_manifest *base, dsk__ckpt_piece *out, int *np,
                                          dsk__ckpt_mfile *mf, int *n_mf) {
     for (int i = 0; i < f->n_meta; i++) {
-        const char *name = f->meta_keys[i] + 10, *box;
+        const char *fkey = f->meta_keys[i] + 10, *name, *box;
         const dsk__ckpt_mtensor *t;
         dsk__ckpt_piece *pc;
         uint64_t hash;
@@ -3101,15 +3249,19 @@ static dsk_status dsk__ckpt_reuse_pieces(const char *fn, const dsk_ckpt_file *f,
         if (strncmp(f->meta_keys[i], "dsk.reuse.", 10) != 0) continue;
         if (!dsk__ckpt_parse_hex64(f->meta_values[i], &hash))
             return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": %s is not 16 hex digits", fn, f->path, f->meta_keys[i]);
+        if (!(name = dsk__ckpt_key_name(f, fkey))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
         if (!base || !(t = dsk__ckpt_manifest_find(base, name)))
             return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" reuses \"%s\", which the base checkpoint lacks", fn,
                                  f->path, name);
         pc = &out[(*np)++];
         memset(pc, 0, sizeof *pc);
         memcpy(pc->global, t->shape, sizeof pc->global);
-        snprintf(key, sizeof key, "dsk.box.%s", name);
+        snprintf(key, sizeof key, "dsk.box.%s", fkey);
         if ((box = dsk_ckpt_file_meta(f, key)) != NULL && !dsk__ckpt_parse_box(box, t->ndim, pc->off, pc->global))
             return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": %s is malformed", fn, f->path, key);
+        if (strcmp(name, fkey) != 0 && (!box || !dsk__ckpt_key_fits(fkey, name, t->ndim, pc->off)))
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": dsk.name.%s does not fit its key and box (or out of "
+                                 "memory)", fn, f->path, fkey);
         if (!box && rank != 0)
             return dsk_set_error(DSK_ERR_CORRUPT, "%s: whole tensor \"%s\" reused by rank %d (only rank 0 writes it)",
                                  fn, name, rank);
@@ -4230,13 +4382,32 @@ static dsk_status dsk__ckpt_mismatch(const char *fn, const dsk__ckpt_reader *rd,
                              : "");
 }
 
+/* The index of the tensor of f that holds the box slice sl names of t: under t's name, else
+   (one of several boxes of t in f) under "<name>@<offset>"; -1 when neither is there. */
+static int dsk__ckpt_find_key(const dsk_ckpt_file *f, const dsk__ckpt_mtensor *t, const dsk__ckpt_mslice *sl) {
+    int64_t off[DSK_MAX_DIMS], global[DSK_MAX_DIMS];
+    int k = dsk_ckpt_file_find(f, t->name), j = -1;
+    const char *own = k >= 0 ? dsk__ckpt_key_name(f, t->name) : NULL; /* not t where the key is another's box */
+    char *key;
+    if (own && strcmp(own, t->name) == 0 && dsk__ckpt_box_of(f, &f->tensors[k], off, global) >= 0 &&
+        !memcmp(off, sl->box, (size_t)t->ndim * sizeof(int64_t)))
+        return k;
+    if ((key = dsk__ckpt_box_key(t->name, t->ndim, sl->box)) != NULL) {
+        const char *name;
+        j = dsk_ckpt_file_find(f, key);
+        if (j >= 0 && (!(name = dsk__ckpt_key_name(f, key)) || strcmp(name, t->name) != 0)) j = -1;
+        DSK_FREE(key);
+    }
+    return j >= 0 ? j : k; /* k: not the box asked for, which the caller reports */
+}
+
 /* The piece of manifest tensor t that slice sl places in file f: it must be there, with the
    manifest's dtype and the slice's shape and box. */
 static dsk_status dsk__ckpt_find_piece(const char *fn, dsk_ckpt_file *f, const dsk__ckpt_mtensor *t,
                                        const dsk__ckpt_mslice *sl, const dsk_ckpt_tensor_info **out) {
     const dsk_ckpt_tensor_info *ft;
     int64_t off[DSK_MAX_DIMS], global[DSK_MAX_DIMS];
-    int k = dsk_ckpt_file_find(f, t->name), b;
+    int k = dsk__ckpt_find_key(f, t, sl), b;
     char d1[160], d2[160], d3[200];
     if (k < 0) return dsk_set_error(DSK_ERR_CORRUPT, "%s: tensor \"%s\" is missing from \"%s\"", fn, t->name, f->path);
     ft = &f->tensors[k];
@@ -4318,7 +4489,9 @@ static dsk_status dsk__ckpt_fill_meta(const char *fn, const dsk_ckpt_file *f, co
     if (!meta->keys || !meta->values) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     for (int i = 0; i < f->n_meta; i++) {
         const char *k = f->meta_keys[i];
-        if (!strncmp(k, "dsk.crc32c.", 11) || !strncmp(k, "dsk.blocks.", 11) || !strncmp(k, "dsk.box.", 8)) continue;
+        if (!strncmp(k, "dsk.crc32c.", 11) || !strncmp(k, "dsk.blocks.", 11) || !strncmp(k, "dsk.box.", 8) ||
+            !strncmp(k, "dsk.name.", 9))
+            continue;
         meta->keys[n] = dsk__ckpt_strdup(k);
         meta->values[n] = dsk__ckpt_strdup(f->meta_values[i]);
         meta->n = ++n;
@@ -4498,6 +4671,7 @@ static dsk_status dsk__ckpt_merge_gather(const char *fn, dsk__ckpt_reader *rd, i
                                          dsk_ckpt_entry **entries, dsk_tensor **views, uint64_t **hashes, int **hashed,
                                          int *n) {
     const dsk__ckpt_manifest *m = &rd->man;
+    const int64_t zero[DSK_MAX_DIMS] = {0};
     uint64_t total = 0, at = 0;
     int k = 0, count = 0;
     for (int i = 0; i < m->n_tensors; i++)
@@ -4529,7 +4703,7 @@ static dsk_status dsk__ckpt_merge_gather(const char *fn, dsk__ckpt_reader *rd, i
             if (m->files[sl->file].rank != r) continue;
             DSK__TRY(dsk__ckpt_reader_file(rd, sl->file, &f));
             DSK__TRY(dsk__ckpt_find_piece(fn, f, t, sl, &ft));
-            DSK__TRY(dsk__ckpt_read_box_bytes(fn, f, ft, sl->box, sl->box + t->ndim, *buf + at));
+            DSK__TRY(dsk__ckpt_read_box_bytes(fn, f, ft, zero, ft->shape, *buf + at)); /* the whole piece */
             DSK__TRY(
                 dsk_tensor_wrap(&(*views)[k], *buf + at, (dsk_dtype)t->dt->dsk, dsk_cpu(), t->ndim, sl->box + t->ndim));
             memset(e, 0, sizeof *e);
@@ -4575,12 +4749,10 @@ static dsk_status dsk__ckpt_merge_rank(const char *fn, dsk__ckpt_reader *rd, int
             kv[n_kv++].value = own->meta_values[i];
         }
     if (s == DSK_OK) s = dsk__ckpt_plan_build(fn, &plan, entries, n, kv, n_kv, NULL);
-    for (int i = 0; s == DSK_OK && i < plan.n; i++)
-        for (int k = 0; k < n; k++)
-            if (strcmp(plan.segs[i].name, entries[k].name) == 0) {
-                plan.segs[i].hashed = hashed[k];
-                plan.segs[i].hash = hashes[k];
-            }
+    for (int i = 0; s == DSK_OK && i < plan.n; i++) {
+        plan.segs[i].hashed = hashed[plan.segs[i].entry];
+        plan.segs[i].hash = hashes[plan.segs[i].entry];
+    }
     if (s == DSK_OK) s = dsk__ckpt_snapshot(&plan, NULL, NULL, 0, 1);
     dsk__ckpt_rank_name(name, sizeof name, r, nonce);
     if (s == DSK_OK) s = dsk__ckpt_write_plan(fn, &plan, rd->step_dir, name, DSK__CKPT_DURABLE | DSK__CKPT_WITHDRAW);

@@ -47,6 +47,7 @@ cat >"$out/ckpt.dict" <<'DICT'
 "attempt"
 "slices"
 "dsk.box."
+"dsk.name."
 "dsk.blocks."
 "1048576:"
 "-1"

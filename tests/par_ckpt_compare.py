@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Compares the newest checkpoints of two train_moe runs tensor by tensor (used by
 tests/test_par_train.sh): every rank file's pieces are assembled into the full tensors
-(a piece carries "dsk.box.<name>" = "o0,o1,..;g0,g1,.." in its metadata; one without it is
-the whole tensor). Prints the worst relative difference max|a - b| / max|b| over the tensors
+(a piece carries "dsk.box.<key>" = "o0,o1,..;g0,g1,.." in its metadata; one without it is
+the whole tensor; a file holding several boxes of one name keys them "<name>@<offset>" with
+"dsk.name.<key>" = the name). Prints the worst relative difference max|a - b| / max|b| over the tensors
 (the weights, and with --moments the AdamW moments), and the tensor it is in; then the worst
 relative L2 difference |a - b|_2 / |b|_2 and its tensor. Exits 1 when a tensor is missing on
 either side, its shape differs or a piece is missing.
@@ -21,11 +22,12 @@ def load(ckdir):
         n = struct.unpack("<Q", b[:8])[0]
         h = json.loads(b[8:8 + n])
         md = h.pop("__metadata__", {})
-        for name, info in h.items():
+        for key, info in h.items():
+            name = md.get("dsk.name." + key, key)
             assert info["dtype"] == "F32", (name, info["dtype"])
             s, e = info["data_offsets"]
             a = np.frombuffer(b[8 + n + s:8 + n + e], dtype=np.float32).reshape(info["shape"])
-            box = md.get("dsk.box." + name)
+            box = md.get("dsk.box." + key)
             if box is None: off, g = [0] * a.ndim, list(a.shape)
             else:
                 o, gs = box.split(";")

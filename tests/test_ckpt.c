@@ -1286,6 +1286,281 @@ static void test_reshard_any_dim(void) {
     dsk_tensor_free(NULL, &a.glob[1]);
 }
 
+/* ------------------------------------------------------------ several boxes of one name per rank */
+
+/* P (2-D, f32) and Q (3-D, bf16) as 2 ranks save them, several boxes of each per rank, as
+   dsk_zero saves a flat range of a tensor (a head of a row, whole rows, a tail): rank 0 holds 3
+   boxes of P and 5 of Q, rank 1 the rest (1 of P, 4 of Q). Each: rank, tensor, offset, extent. */
+static const int64_t k_mb_shape[2][3] = {{7, 9, 0}, {4, 5, 6}};
+static const int k_mb_ndim[2] = {2, 3};
+typedef struct mb_box {
+    int rank, t;
+    int64_t off[3], ext[3];
+} mb_box;
+static const mb_box k_mb_boxes[] = {
+    {0, 0, {0, 0}, {2, 9}},       {0, 0, {2, 0}, {3, 4}},       {0, 0, {5, 0}, {2, 4}},
+    {1, 0, {2, 4}, {5, 5}},       {0, 1, {0, 2, 1}, {1, 1, 5}}, {0, 1, {0, 3, 0}, {1, 2, 6}},
+    {0, 1, {1, 0, 0}, {2, 5, 6}}, {0, 1, {3, 0, 0}, {1, 1, 6}}, {0, 1, {3, 1, 0}, {1, 1, 1}},
+    {1, 1, {0, 0, 0}, {1, 2, 6}}, {1, 1, {0, 2, 0}, {1, 1, 1}}, {1, 1, {3, 1, 1}, {1, 1, 5}},
+    {1, 1, {3, 2, 0}, {1, 3, 6}}};
+#define N_MB ((int)(sizeof k_mb_boxes / sizeof k_mb_boxes[0]))
+
+typedef struct mb_arg {
+    dsk_tensor glob[2];
+    char dir[400], bar[400];
+    int64_t step;
+    int64_t want_written[2]; /* bytes each rank's incremental save writes; -1: not checked */
+    const char *tamper[2];   /* rank 0 replaces [0] by [1] in its file once the files are durable */
+    const char *want_error;  /* the save must fail with this, not succeed */
+} mb_arg;
+
+/* The barrier of mb_save: fbar's, and rank 0 alters its own file before the manifest reads it. */
+typedef struct mb_bar {
+    fbar b; /* first: fbar_wait takes the same pointer */
+    const mb_arg *a;
+} mb_bar;
+
+static dsk_status mb_wait(void *user) {
+    mb_bar *m = (mb_bar *)user;
+    dsk_status s = fbar_wait(&m->b);
+    if (s == DSK_OK && m->b.rank == 0 && m->b.count == 2 && m->a->tamper[0]) {
+        char sd[600], path[700];
+        snprintf(sd, sizeof sd, "%s/step_%08lld", m->a->dir, (long long)m->a->step);
+        rank_file(sd, 0, path, sizeof path);
+        size_t n = 0, k = strlen(m->a->tamper[0]), i = 0;
+        unsigned char *f = read_file(path, &n); /* binary: edit_file's strstr stops at the length's zeros */
+        while (f && i + k <= n && memcmp(f + i, m->a->tamper[0], k) != 0) i++;
+        if (f && i + k <= n) {
+            memcpy(f + i, m->a->tamper[1], k); /* same length */
+            write_file(path, f, n);
+        } else
+            printf("     \"%s\" not in %s\n", m->a->tamper[0], path);
+        free(f);
+    }
+    return s;
+}
+
+/* Rank r saves its boxes of a->glob (incrementally): P's whole rows as DSK_CKPT_ROWS, the rest
+   as DSK_CKPT_BOX. */
+static int mb_save(int rank, int world, void *p) {
+    mb_arg *a = (mb_arg *)p;
+    mb_bar b;
+    dsk_ckpt ck;
+    dsk_ckpt_opts o;
+    dsk_ckpt_entry e[N_MB];
+    dsk_tensor own[N_MB];
+    int n = 0, bad = 0;
+    dsk_status s;
+    fbar_opts(&o, &b.b, a->bar, rank, world);
+    b.a = a;
+    o.barrier = mb_wait;
+    o.incremental = 1;
+    memset(e, 0, sizeof e);
+    for (int i = 0; i < N_MB; i++) {
+        const mb_box *x = &k_mb_boxes[i];
+        int t = x->t;
+        if (x->rank != rank) continue;
+        alloc_t(&own[n], a->glob[t].dtype, k_mb_ndim[t], x->ext);
+        box_ref((const unsigned char *)a->glob[t].data, k_mb_shape[t], k_mb_ndim[t], dsk_dtype_size(own[n].dtype),
+                x->off, x->ext, (unsigned char *)own[n].data);
+        e[n].name = t ? "Q" : "P";
+        e[n].tensor = &own[n];
+        e[n].split = t == 0 && x->ext[1] == k_mb_shape[0][1] ? DSK_CKPT_ROWS : DSK_CKPT_BOX;
+        e[n].row0 = x->off[0];
+        e[n].global_rows = k_mb_shape[t][0];
+        e[n].offset = x->off;
+        e[n].global_shape = k_mb_shape[t];
+        n++;
+    }
+    if ((s = dsk_ckpt_init(&ck, a->dir, &o)) == DSK_OK) s = dsk_ckpt_save(&ck, a->step, e, n, NULL, 0);
+    if (a->want_error) {
+        bad = s == DSK_OK || !strstr(dsk_last_error(), a->want_error);
+        if (bad) printf("     rank %d: \"%s\", want an error with \"%s\"\n", rank, s ? dsk_last_error() : "ok",
+                        a->want_error);
+    } else if (s != DSK_OK) {
+        printf("     rank %d: %s\n", rank, dsk_last_error());
+        bad = 1;
+    } else if (a->want_written[rank] >= 0 &&
+               dsk_ckpt_last_save(&ck)->bytes_written != (uint64_t)a->want_written[rank]) {
+        printf("     rank %d: wrote %llu bytes, want %lld\n", rank,
+               (unsigned long long)dsk_ckpt_last_save(&ck)->bytes_written, (long long)a->want_written[rank]);
+        bad = 1;
+    }
+    dsk_ckpt_free(&ck);
+    for (int i = 0; i < n; i++) dsk_tensor_free(NULL, &own[i]);
+    return bad;
+}
+
+/* 0 when checkpoint `step` loads bit for bit as a->glob at another split: P and Q whole (one
+   rank), and a box of each cut across the saved boxes. */
+static int mb_load(const mb_arg *a, int64_t step) {
+    static const int64_t cut_off[2][3] = {{1, 3}, {1, 1, 2}}, cut_ext[2][3] = {{5, 5}, {3, 3, 3}};
+    dsk_tensor whole[2], cut[2];
+    dsk_ckpt_entry e[4];
+    dsk_ckpt ck;
+    dsk_ckpt_opts o;
+    int bad = 0;
+    memset(e, 0, sizeof e);
+    memset(&o, 0, sizeof o);
+    for (int t = 0; t < 2; t++) {
+        alloc_t(&whole[t], a->glob[t].dtype, k_mb_ndim[t], k_mb_shape[t]);
+        alloc_t(&cut[t], a->glob[t].dtype, k_mb_ndim[t], cut_ext[t]);
+        e[t].name = e[2 + t].name = t ? "Q" : "P";
+        e[t].tensor = &whole[t];
+        e[2 + t].tensor = &cut[t];
+        e[2 + t].split = DSK_CKPT_BOX;
+        e[2 + t].offset = cut_off[t];
+        e[2 + t].global_shape = k_mb_shape[t];
+    }
+    if (dsk_ckpt_init(&ck, a->dir, &o) != DSK_OK || dsk_ckpt_load(&ck, step, e, 4, NULL) != DSK_OK) {
+        printf("     step %lld: %s\n", (long long)step, dsk_last_error());
+        bad = 1;
+    }
+    for (int t = 0; t < 2 && !bad; t++) {
+        size_t nb = dsk_tensor_nbytes(&cut[t]);
+        unsigned char *want = (unsigned char *)malloc(nb);
+        box_ref((const unsigned char *)a->glob[t].data, k_mb_shape[t], k_mb_ndim[t], dsk_dtype_size(cut[t].dtype),
+                cut_off[t], cut_ext[t], want);
+        if (memcmp(whole[t].data, a->glob[t].data, dsk_tensor_nbytes(&whole[t])) || memcmp(cut[t].data, want, nb)) {
+            printf("     step %lld: %s differs\n", (long long)step, e[t].name);
+            bad = 1;
+        }
+        free(want);
+    }
+    dsk_ckpt_free(&ck);
+    for (int t = 0; t < 2; t++) { dsk_tensor_free(NULL, &whole[t]); dsk_tensor_free(NULL, &cut[t]); }
+    return bad;
+}
+
+/* Several boxes of one name from one rank (dsk_zero's pieces of a flat range): the rank file
+   keeps each under "<name>@<offset>" with dsk.name; the checkpoint loads bit for bit at another
+   split, verifies, reuses the unchanged boxes in an incremental save and merges. A rank file
+   whose key does not fit its box (written or reused) fails the save. */
+static void test_several_boxes_per_rank(void) {
+    const int64_t q_row = k_mb_shape[1][1] * k_mb_shape[1][2];
+    char sd[600], path[700];
+    dsk_ckpt_file f;
+    dsk_ckpt ck;
+    dsk_ckpt_opts o;
+    dsk_ckpt_info info[4];
+    mb_arg a;
+    dsk_status fs;
+    int n = 0;
+    memset(&a, 0, sizeof a);
+    alloc_t(&a.glob[0], DSK_F32, 2, k_mb_shape[0]);
+    alloc_t(&a.glob[1], DSK_BF16, 3, k_mb_shape[1]);
+    fill_random_bytes(&a.glob[0]);
+    fill_random_bytes(&a.glob[1]);
+    new_dir(a.dir, sizeof a.dir, "mbox");
+    new_dir(a.bar, sizeof a.bar, "bar");
+    a.step = 1;
+    a.want_written[0] = a.want_written[1] = -1;
+    DSK_TEST_EXPECT(run_ranks(2, mb_save, &a) == 0, "2 ranks saving 3 + 5 and 1 + 4 boxes of P and Q");
+    DSK_TEST_OK(dsk_ckpt_verify(a.dir, 1));
+    DSK_TEST_EXPECT(mb_load(&a, 1) == 0, "step 1 does not load as saved");
+    snprintf(sd, sizeof sd, "%s/step_00000001", a.dir);
+    rank_file(sd, 0, path, sizeof path);
+    fs = dsk_ckpt_file_open(&f, path);
+    DSK_TEST_EXPECT(fs == DSK_OK, "rank 0's file: %s", dsk_last_error());
+    if (fs == DSK_OK) {
+        const char *v = dsk_ckpt_file_meta(&f, "dsk.name.Q@1,0,0");
+        DSK_TEST_EXPECT(f.n_tensors == 8 && dsk_ckpt_file_find(&f, "Q@1,0,0") >= 0 && dsk_ckpt_file_find(&f, "Q") < 0 &&
+                            v && strcmp(v, "Q") == 0 && dsk_ckpt_file_meta(&f, "dsk.box.P@5,0"),
+                        "rank 0's file: %d tensors, Q@1,0,0 %d, dsk.name.Q@1,0,0 \"%s\"", f.n_tensors,
+                        dsk_ckpt_file_find(&f, "Q@1,0,0"), v ? v : "(none)");
+        dsk_ckpt_file_close(&f);
+    }
+    /* incremental: only rows 1 and 2 of Q change, rank 0's box [1:3,0:5,0:6] */
+    for (int64_t i = q_row; i < 3 * q_row; i++) ((uint16_t *)a.glob[1].data)[i] ^= 0x5a5a;
+    a.step = 2;
+    a.want_written[0] = 2 * q_row * 2;
+    a.want_written[1] = 0;
+    new_dir(a.bar, sizeof a.bar, "bar");
+    DSK_TEST_EXPECT(run_ranks(2, mb_save, &a) == 0, "the incremental save of step 2");
+    DSK_TEST_OK(dsk_ckpt_verify(a.dir, 2));
+    DSK_TEST_EXPECT(mb_load(&a, 2) == 0, "step 2 does not load as saved");
+    /* merged into its own directory: one file per rank again */
+    memset(&o, 0, sizeof o);
+    DSK_TEST_OK(dsk_ckpt_init(&ck, a.dir, &o));
+    DSK_TEST_OK(dsk_ckpt_merge(&ck, 2));
+    dsk_ckpt_free(&ck);
+    DSK_TEST_OK(dsk_ckpt_list(a.dir, info, 4, &n));
+    DSK_TEST_EXPECT(n == 2 && info[0].step == 2 && info[0].n_files == 2, "merged: %d checkpoints, step 2 with %d files",
+                    n, info[0].n_files);
+    DSK_TEST_OK(dsk_ckpt_verify(a.dir, 2));
+    DSK_TEST_EXPECT(mb_load(&a, 2) == 0, "step 2 does not load as saved after merging");
+    /* rank files whose keys do not fit their boxes: rank 0 writes no manifest */
+    for (int64_t i = q_row; i < 2 * q_row; i++) ((uint16_t *)a.glob[1].data)[i] ^= 0x00ff;
+    a.want_written[0] = a.want_written[1] = -1;
+    a.step = 3; /* a box written */
+    a.tamper[0] = "\"dsk.box.Q@1,0,0\":\"1,0,0;";
+    a.tamper[1] = "\"dsk.box.Q@1,0,0\":\"0,0,0;";
+    a.want_error = "dsk.name.Q@1,0,0 does not fit its key and box";
+    new_dir(a.bar, sizeof a.bar, "bar");
+    DSK_TEST_EXPECT(run_ranks(2, mb_save, &a) == 0, "a written box whose key does not fit");
+    a.step = 4; /* a box reused */
+    a.tamper[0] = "\"dsk.box.Q@0,3,0\":\"0,3,0;";
+    a.tamper[1] = "\"dsk.box.Q@0,3,0\":\"1,0,0;";
+    a.want_error = "dsk.name.Q@0,3,0 does not fit its key and box";
+    new_dir(a.bar, sizeof a.bar, "bar");
+    DSK_TEST_EXPECT(run_ranks(2, mb_save, &a) == 0, "a reused box whose key does not fit");
+    DSK_TEST_OK(dsk_ckpt_list(a.dir, info, 4, &n));
+    DSK_TEST_EXPECT(n == 2 && info[0].step == 2, "%d checkpoints, the newest step %lld", n, (long long)info[0].step);
+    dsk_tensor_free(NULL, &a.glob[0]);
+    dsk_tensor_free(NULL, &a.glob[1]);
+}
+
+/* Several boxes of one name from one rank must be disjoint boxes of one tensor; a whole
+   tensor's name stays unique, and so does every key of the rank file. */
+static void test_several_boxes_errors(void) {
+    const int64_t sa[2] = {2, 9}, sb[2] = {2, 2}, g[2] = {7, 9}, g2[2] = {7, 10}, oa[2] = {0, 0}, ob[2] = {1, 3},
+                  oc[2] = {2, 0};
+    char dir[400], path[600];
+    dsk_tensor x, y;
+    dsk_ckpt ck;
+    dsk_ckpt_opts o;
+    dsk_ckpt_entry e[3];
+    int64_t last = 0;
+    new_dir(dir, sizeof dir, "mbox_bad");
+    alloc_t(&x, DSK_F32, 2, sa);
+    alloc_t(&y, DSK_F32, 2, sb);
+    fill_f32(&x);
+    fill_f32(&y);
+    memset(&o, 0, sizeof o);
+    memset(e, 0, sizeof e);
+    e[0].name = e[1].name = "P";
+    e[0].tensor = &x;
+    e[1].tensor = &y;
+    e[0].split = e[1].split = DSK_CKPT_BOX;
+    e[0].offset = oa;
+    e[1].offset = ob;
+    e[0].global_shape = e[1].global_shape = g;
+    DSK_TEST_OK(dsk_ckpt_init(&ck, dir, &o));
+    DSK_TEST_STATUS(dsk_ckpt_save(&ck, 1, e, 2, NULL, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("tensor \"P\": this rank's boxes [0:2,0:9] and [1:3,3:5] overlap");
+    e[1].offset = oc;
+    e[1].global_shape = g2;
+    DSK_TEST_STATUS(dsk_ckpt_save(&ck, 1, e, 2, NULL, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("tensor \"P\": this rank's boxes are of [7,9] F32 and of [7,10] F32");
+    e[1].global_shape = g;
+    e[1].split = DSK_CKPT_WHOLE;
+    DSK_TEST_STATUS(dsk_ckpt_save(&ck, 1, e, 2, NULL, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("tensor name \"P\" appears twice");
+    e[1].split = DSK_CKPT_BOX;
+    e[2].name = "P@2,0";
+    e[2].tensor = &y;
+    DSK_TEST_STATUS(dsk_ckpt_save(&ck, 1, e, 3, NULL, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("two tensors would be stored under the key \"P@2,0\"");
+    DSK_TEST_OK(dsk_ckpt_latest(dir, &last));
+    DSK_TEST_EXPECT(last == -1, "a failed save left step %lld", (long long)last);
+    dsk_ckpt_free(&ck);
+    snprintf(path, sizeof path, "%s/one.safetensors", dir); /* a single file: names unique */
+    DSK_TEST_STATUS(dsk_ckpt_file_save(NULL, path, e, 2, NULL, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("tensor name \"P\" appears twice");
+    dsk_tensor_free(NULL, &x);
+    dsk_tensor_free(NULL, &y);
+}
+
 /* ------------------------------------------------------------ collective outcome */
 
 /* Collective outcome with opts.agree (issue 17): a save where rank 2 of 3 fails (a bad entry)
@@ -3423,6 +3698,8 @@ int main(void) {
     DSK_TEST_RUN(test_failed_rank_with_stale_file);
     test_collective_outcome();
     DSK_TEST_RUN(test_reshard_any_dim);
+    DSK_TEST_RUN(test_several_boxes_per_rank);
+    DSK_TEST_RUN(test_several_boxes_errors);
     DSK_TEST_RUN(test_async_overwrite);
     DSK_TEST_RUN(test_async_error);
     DSK_TEST_RUN(test_resave_keeps_old);

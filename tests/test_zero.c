@@ -1129,6 +1129,7 @@ static void rank_experts(dsk_comm *comm, void *argp) {
         expert[ne] = dense[p];
         expert[ne].shape[0] = held * (p == 5 ? 4 : 1); /* b1.w1 (24, 8) becomes 4 rows per expert */
         for (int d = 0; d < expert[ne].ndim; d++) expert[ne].global_shape[d] = k_model[p].shape[d];
+        expert[ne].global_shape[0] = 6 * (p == 5 ? 4 : 1); /* all 6 experts */
         expert[ne].offset[0] = (int64_t)e0 * (p == 5 ? 4 : 1);
         map_e[ne++] = p;
     }

@@ -75,8 +75,9 @@ EOF
 }
 
 # same_ckpt DIR_A DIR_B: every tensor of the newest checkpoint of each, rebuilt whole from the
-# rank files its manifest lists (whole tensors, or pieces placed by their "dsk.box.<name>"
-# metadata: expert rows, flattened dsk_zero pieces), equal byte for byte.
+# rank files its manifest lists (whole tensors, or pieces placed by their "dsk.box.<key>"
+# metadata: expert rows, dsk_zero's boxes; a file keys several boxes of one name "<name>@<offset>"
+# with "dsk.name.<key>" = the name), equal byte for byte.
 same_ckpt() {
     $PY - "$1" "$2" <<'EOF'
 import json, os, struct, sys
@@ -94,10 +95,10 @@ def tensors(d):
         n = struct.unpack("<Q", raw[:8])[0]
         head = json.loads(raw[8:8 + n])
         meta = head.pop("__metadata__", {})
-        for name, t in head.items():
+        for key, t in head.items():
             a = np.frombuffer(raw[8 + n + t["data_offsets"][0]:8 + n + t["data_offsets"][1]], DT[t["dtype"]])
             a = a.reshape(t["shape"])
-            box = meta.get("dsk.box." + name)
+            name, box = meta.get("dsk.name." + key, key), meta.get("dsk.box." + key)
             if box is None:
                 out[name] = a.copy(); continue
             org, whole = ([int(x) for x in part.split(",")] for part in box.split(";"))
