@@ -905,12 +905,22 @@ static void setup_loss_span(trainer *t) {
     m->loss_rows = (int64_t)t->o->batch * T;
 }
 
-/* --init-from-hf: the hub's weights into the whole masters (tz_bind_masters), then the compute
-   copies from them. */
+/* --init-from-hf: the hub's weights into the whole masters (--zero 0: tz_bind_masters; --zero
+   1-3: whole temporary tensors, each rank keeping its pieces), then the compute copies. */
 static void import_hf(trainer *t) {
+    tm_model *m = &t->model;
     double t0 = now_s();
+    int whole = !t->engine || t->zopts.stage == 0;
+    dsk_status s = DSK_OK;
     if (!t->have_hf) return;
-    CHECK(thf_load(&t->model, &t->hf, t->o->init_from_hf));
+    for (int i = 0; i < m->n_params && !whole && s == DSK_OK; i++)
+        s = dsk_tensor_alloc(&t->ctx, &m->params[i].w, DSK_F32, m->params[i].ndim, m->params[i].shape);
+    if (s == DSK_OK) s = thf_load(m, &t->hf, t->o->init_from_hf);
+    for (int i = 0; i < m->n_params && !whole; i++) {
+        if (s == DSK_OK) s = tz_set_master(&t->zero, i, &m->params[i].w);
+        dsk_tensor_free(&t->ctx, &m->params[i].w);
+    }
+    CHECK(s);
     if (t->engine) CHECK(tz_refresh(&t->zero)); /* --cuda-graph: thf_load rounded the slab's copies */
     say(t, "imported %s (DeepseekV%dForCausalLM, %s) in %.3f s\n", t->o->init_from_hf, t->hf.version,
         t->hf.fp8 ? "FP8 e4m3 dequantised" : "weights as stored", now_s() - t0);
@@ -2194,8 +2204,9 @@ static void hf_options(trainer *t) {
         fail(t, "--export-hf of a softmax-routed model writes DeepseekV2, which has no expert bias: pass "
                 "--bias-rate 0");
     if (!o->init_from_hf) return;
-    if (o->tp > 1 || o->pp > 1 || t->zopts.stage > 0 || t->zopts.compress != DSK_ZERO_COMPRESS_NONE)
-        fail(t, "--init-from-hf runs without --tp, --pp, --zero and --grad-compress in this trainer");
+    if (o->tp > 1 || o->pp > 1)
+        fail(t, "--init-from-hf runs without --tp and --pp in this trainer (the hub's tensors are read whole, not as "
+                "tensor-parallel boxes or pipeline stages)");
     CHECK(dsk_ckpt_hf_deepseek_config_read(&t->hf, o->init_from_hf));
     t->have_hf = 1;
     o->vocab = (int)h->vocab_size;

@@ -353,6 +353,20 @@ static dsk_status tz_bind_masters(tz *t) {
     return DSK_OK;
 }
 
+/* Parameter i's piece of the whole tensor w (of the parameter's shape, contiguous) into its f32
+   master, at any stage (a Hugging Face import under --zero 1-3); then call tz_refresh. */
+static dsk_status tz_set_master(tz *t, int i, const dsk_tensor *w) {
+    tm_param *p = &t->m->params[i];
+    dsk_zero_piece pc;
+    dsk_tensor flat, part;
+    int64_t n = tm_param_numel(p);
+    TM_TRY(dsk_zero_get_piece(&t->z[t->obj_of[i]], t->idx_of[i], &pc));
+    if (pc.count == 0) return DSK_OK;
+    TM_TRY(dsk_tensor_reshape(w, 1, &n, &flat));
+    TM_TRY(dsk_tensor_slice(&flat, 0, pc.first, pc.count, &part));
+    return dsk_tensor_copy(t->ctx, &pc.master, &part);
+}
+
 /* ---- a step */
 
 static dsk_status tz_begin(tz *t, int sync) {

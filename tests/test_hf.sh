@@ -222,7 +222,21 @@ refuse "--export-hf with --ep 2" "--export-hf runs without" --init-from-hf tests
     --ep 2
 refuse "--export-hf of a softmax model with a moving expert bias" "pass --bias-rate 0" --preset v2-lite --data "$CORPUS" \
     --export-hf "$work/x" --steps 1
-refuse "--init-from-hf with --zero 1" "--init-from-hf runs without" --init-from-hf tests/hf/v3 "${TRAIN[@]}" --zero 1
+refuse "--init-from-hf with --tp 2" "--init-from-hf runs without --tp and --pp" --init-from-hf tests/hf/v3 "${TRAIN[@]}" \
+    --nproc 2 --tp 2
+# --zero 1-3 import the same weights: each rank keeps its pieces of the hub's tensors, so two ranks at
+# --zero 3 log the losses of --zero 0 (every rank's whole tensors)
+for z in 0 3; do
+    timeout 120 "$BIN" --init-from-hf tests/hf/v3 "${TRAIN[@]}" --nproc 2 --zero $z --log "$work/hfz$z.jsonl" \
+        >"$work/hfz$z.log" 2>&1 || echo "exit $?" >>"$work/hfz$z.log"
+done
+zl=$($PY -c "
+import json, sys
+def l(p): return [r['loss'] for r in map(json.loads, open(p)) if r['type'] == 'step']
+a, b = l('$work/hfz0.jsonl'), l('$work/hfz3.jsonl')
+print('ok' if a and a == b else 'off %s %s' % (a[:3], b[:3]))" 2>&1)
+if [ "$zl" = ok ]; then ok "--init-from-hf with --zero 3 on 2 ranks logs --zero 0's losses bit for bit"
+else bad "--init-from-hf with --zero 3 on 2 ranks logs --zero 0's losses" "$zl" "$(grep -E 'error|exit' "$work/hfz3.log" | head -2)"; fi
 refuse "--init-from-hf with an MTP layer and --mtp 1 --mtp-ffn dense" "num_nextn_predict_layers" \
     --init-from-hf tests/hf/v3 "${TRAIN[@]}" --mtp 1 --mtp-ffn dense
 refuse "--init-from-hf with one MTP layer and --mtp 2" "differs from --mtp" --init-from-hf tests/hf/v3 "${TRAIN[@]}" \
