@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
-# End-to-end tests of tensor, sequence and pipeline parallelism in examples/train_moe.c
-# (examples/train_par.h on dsk_par.h), tiny model on the CPU host backend:
-#   8 ranks as tp2 x pp2 x dp2 and tp2 x pp2 x ep2, 4 ranks as tp4 and as pp4, 2 ranks as pp2
-#   interleaved, each against one rank over 30 steps: the loss of every step within 1e-5
-#   relative, the weights at the end (assembled from the checkpoint's boxes by
+# End-to-end tests of every layout of examples/train_moe.c through its one gradient and optimizer
+# engine (train_zero.h on dsk_zero.h; tensor, sequence and pipeline parallelism in train_par.h on
+# dsk_par.h), tiny model on the CPU host backend:
+#   the layout matrix: 8 ranks as tp2 x pp2 x dp2 (ZeRO-0 and ZeRO-1) and tp2 x pp2 x ep2, pp2 x
+#   ep2 x dp2 at ZeRO-1, 4 ranks as tp4, pp4, pp2 interleaved x dp2 at ZeRO-3 and tp2 x ep2 at
+#   ZeRO-2, 2 ranks as pp2 interleaved, each against one rank over 30 steps: the loss of every step
+#   within 1e-5 relative, the weights at the end (assembled from the checkpoint's boxes by
 #   tests/par_ckpt_compare.py) within 1e-5 relative (L2 per tensor), the AdamW moments within
 #   1e-4 (v holds squared gradients: the rounding of another summation order in the small
 #   gradient elements counts twice; one rank against dp2 shows 7e-6 there, these layouts 2e-5);
-#   a checkpoint saved as tp2 x pp2 resumes as tp1 x pp1 and as dp4 and continues as the
-#   tp2 x pp2 run does; a one-rank checkpoint resumes as tp2 x pp2;
-#   the text sampled at the end through the pipeline is one rank's;
 #   bf16 and fp16: pp2 with one micro-batch logs one rank's numbers bit for bit; tp2 x pp2 (1f1b),
-#   pp2 interleaved and tp2 in bf16 match one rank in bf16 over 30 steps within a bound the test
-#   derives (twice one rank's bf16-to-f32 distance); fp16 as tp2 x pp2 skips an overflowing step
-#   on every rank, halves the loss scale and leaves the weights as they were;
+#   pp2 interleaved, tp2, tp2 x pp2 x dp2 at ZeRO-1 and pp2 x ep2 x dp2 at ZeRO-1 in bf16 match one
+#   rank in bf16 over 30 steps within a bound the test derives (twice one rank's bf16-to-f32
+#   distance); fp16 as tp2 x pp2 and as tp2 x ep2 at ZeRO-2 skips an overflowing step on every
+#   rank, halves the loss scale and leaves the weights as they were;
+#   checkpoints across layouts (tp2 x pp2 x ZeRO-1 -> one rank and dp4, dp4 x ZeRO-3 -> tp2 x dp2 x
+#   ZeRO-1, one rank -> pp2 x ep2 x dp2 x ZeRO-1) continue as the run that did not stop;
+#   the same objective: with the Switch, sequence-wise and z losses on, every split logs one
+#   rank's aux loss and every pipeline schedule gpipe's; PowerSGD at ZeRO-3 logs ZeRO-0's losses;
+#   ZeRO-1's optimizer state per rank under tp x pp is 1/dp of ZeRO-0's plus unit padding;
+#   a rank killed in tp2 x pp2 x ZeRO-1: every survivor names it, no hang;
+#   the text sampled at the end through the pipeline is one rank's;
 #   the grid and the bubble are printed; unsupported combinations fail with a message.
 # Routing is replayed: the one-rank reference writes every MoE decision (--routing-record: each
 #   step's, validation's and sampled token's top-k experts per layer and token) and every layout
@@ -176,6 +183,10 @@ BF_LAYOUTS=(
     "tp2pp2_bf16|4|--tp 2 --pp 2 --micro-batches 2"
     "pp2il_bf16|2|--pp 2 --pp-schedule interleaved --virtual-stages 2 --micro-batches 4"
     "tp2_bf16|2|--tp 2"
+    # the layout matrix in bf16, ZeRO-1 sharding the masters and moments: tp2 x pp2 x dp2, and
+    # DeepSeek-V3's own layout in miniature (pipeline x expert x ZeRO-1 data parallel)
+    "tp2pp2dp2z1_bf16|8|--tp 2 --pp 2 --micro-batches 2 --zero 1"
+    "pp2ep2dp2z1_bf16|8|--pp 2 --ep 2 --micro-batches 2 --zero 1"
 )
 for spec in "${BF_LAYOUTS[@]}"; do
     IFS='|' read -r name n flags <<<"$spec"
@@ -202,18 +213,22 @@ for spec in "${BF_LAYOUTS[@]}"; do
 done
 
 # fp16 with a skipped step: at --init-std 1.0 the scaled gradients of the first steps overflow
-# f16 (here tp2 x pp2 skips steps 1, 2, 5 and 7 of 8). Every rank must take the one decision:
+# f16 (tp2 x pp2 skipped steps 1, 2, 5 and 7 of 8; also tp2 x ep2 at ZeRO-2, where each rank holds only
+# its shard of the gradients when the decision is taken). Every rank must take the one decision:
 # the log flags the step skipped, the next step runs at half the loss scale (an applied step
 # keeps it: growth comes after 2000), every rank's metrics count the same skipped steps and end
 # at the same scale, and a skipped step k >= 2 leaves every rank's weights, moments and expert
 # biases as step k - 1 did (checkpoints after every step, assembled from all ranks' boxes).
-run skip16 "${TINY[@]}" --steps 8 --dtype fp16 --init-std 1.0 --nproc 4 --tp 2 --pp 2 --micro-batches 2 \
-    --log "$work/skip16.jsonl" --ckpt-dir "$work/ck_skip16" --ckpt-every 1 --metrics "$work/skip16.prom"
-what="--dtype fp16 as tp2 x pp2: an overflowing step is skipped on every rank and the loss scale halves"
-if [ "$(rc skip16)" -ne 0 ]; then
-    bad "$what" "exit $(rc skip16)" "$(grep -E 'rank|error' "$work/skip16.out" | tail -3)"
+for spec in "skip16|--tp 2 --pp 2 --micro-batches 2" "skip16z2|--tp 2 --ep 2 --zero 2"; do
+IFS='|' read -r sk flags <<<"$spec"
+# shellcheck disable=SC2086
+run $sk "${TINY[@]}" --steps 8 --dtype fp16 --init-std 1.0 --nproc 4 $flags \
+    --log "$work/$sk.jsonl" --ckpt-dir "$work/ck_$sk" --ckpt-every 1 --metrics "$work/$sk.prom"
+what="--dtype fp16 as $flags: an overflowing step is skipped on every rank and the loss scale halves"
+if [ "$(rc $sk)" -ne 0 ]; then
+    bad "$what" "exit $(rc $sk)" "$(grep -E 'rank|error' "$work/$sk.out" | tail -3)"
 else
-    read -r verdict k n_skip last_scale <<<"$($PY - "$work/skip16.jsonl" <<'EOF'
+    read -r verdict k n_skip last_scale <<<"$($PY - "$work/$sk.jsonl" <<'EOF'
 import json, sys
 r = [x for x in map(json.loads, open(sys.argv[1])) if x["type"] == "step"]
 good = len(r) == 8 and any(x["skipped"] for x in r) and not all(x["skipped"] for x in r)
@@ -224,16 +239,16 @@ print("ok" if good and k else "bad", k, sum(x["skipped"] for x in r), "%g" % r[-
 EOF
 )"
     ranks_agree=1
-    for f in "$work/skip16.prom" "$work"/skip16.rank{1,2,3}.prom; do
+    for f in "$work/$sk.prom" "$work/$sk".rank{1,2,3}.prom; do
         grep -qE "^dsk_train_skipped_steps_total\{rank=\"[0-3]\"\} ${n_skip:-x}$" "$f" 2>/dev/null &&
             grep -qE "^dsk_train_loss_scale\{rank=\"[0-3]\"\} ${last_scale:-x}$" "$f" || ranks_agree=0
     done
     same=x
     if [ "${k:-0}" -ge 2 ]; then
-        mkdir -p "$work/skip_before" "$work/skip_at"
-        ln -s "$work/ck_skip16/$(printf 'step_%08d' $((k - 1)))" "$work/skip_before/"
-        ln -s "$work/ck_skip16/$(printf 'step_%08d' "$k")" "$work/skip_at/"
-        same=$($PY tests/par_ckpt_compare.py "$work/skip_before" "$work/skip_at" --moments 2>&1)
+        mkdir -p "$work/skip_before_$sk" "$work/skip_at_$sk"
+        ln -s "$work/ck_$sk/$(printf 'step_%08d' $((k - 1)))" "$work/skip_before_$sk/"
+        ln -s "$work/ck_$sk/$(printf 'step_%08d' "$k")" "$work/skip_at_$sk/"
+        same=$($PY tests/par_ckpt_compare.py "$work/skip_before_$sk" "$work/skip_at_$sk" --moments 2>&1)
     fi
     if [ "$verdict" = ok ] && [ "$ranks_agree" = 1 ] && [ "$same" = "0 - 0 - 156" ]; then
         what="$what ($n_skip of 8 steps skipped, final scale $last_scale; step $k left weights, moments and biases"
@@ -242,44 +257,52 @@ EOF
         bad "$what" "log: $verdict, first skip at step >= 2: ${k:-?}, skipped ${n_skip:-?}," \
             "final scale ${last_scale:-?};" \
             "every rank's metrics agree: $ranks_agree; checkpoints $((${k:-1} - 1)) and ${k:-?}: $same" \
-            "$(grep -h -E 'skipped_steps_total\{|loss_scale\{' "$work"/skip16*.prom 2>/dev/null | tr '\n' ' ')"
+            "$(grep -h -E 'skipped_steps_total\{|loss_scale\{' "$work/$sk"*.prom 2>/dev/null | tr '\n' ' ')"
     fi
 fi
+done
 
-# ---- 2. checkpoints across layouts: saved as tp2 x pp2 at step 15, resumed as tp1 x pp1 and as dp4
-run straight "${TINY[@]}" --steps 30 --nproc 4 --tp 2 --pp 2 --micro-batches 2 --ckpt-dir "$work/ck_s" --log "$work/straight.jsonl" \
-    "${REC[@]}"
-run first "${TINY[@]}" --steps 30 --nproc 4 --tp 2 --pp 2 --micro-batches 2 --ckpt-dir "$work/ck_f" --stop-at 15 "${REC[@]}"
-for target in "tp1pp1|1|" "dp4|4|"; do
-    IFS='|' read -r name n flags <<<"$target"
-    cp -r "$work/ck_f" "$work/ck_$name.r"
+# ---- 2. checkpoints across layouts: every layout and ZeRO stage saves boxes of the full tensors
+#      under their names, so any reads any other. Saved as tp2 x pp2 x ZeRO-1 at step 15, resumed
+#      as one rank and as dp4; saved as dp4 x ZeRO-3, resumed as tp2 x dp2 x ZeRO-1; saved by one
+#      rank, resumed as pp2 x ep2 x ZeRO-1 (DeepSeek-V3's layout): steps 16-30 and the final
+#      weights match the run that did not stop, within 1e-5 (another summation order).
+resume_case() { # SRC_NAME SRC_N SRC_FLAGS DST_NAME DST_N DST_FLAGS
+    local sname=$1 sn=$2 sflags=$3 dname=$4 dn=$5 dflags=$6
     # shellcheck disable=SC2086
-    run "res_$name" "${TINY[@]}" --steps 30 --nproc "$n" $flags --ckpt-dir "$work/ck_$name.r" --resume --log "$work/res_$name.jsonl" \
-        "${REC[@]}"
-    what="a checkpoint saved as tp2 x pp2 at step 15 resumes as $name; steps 16-30 and the final weights match the tp2 x pp2 run within 1e-5"
-    if [ "$(rc straight)" -ne 0 ] || [ "$(rc first)" -ne 0 ] || [ "$(rc "res_$name")" -ne 0 ]; then
-        bad "$what" "exit $(rc straight)/$(rc first)/$(rc "res_$name")" "$(grep -E 'rank|error' "$work/res_$name.out" | tail -3)"
-        continue
+    [ -e "$work/straight_$sname.rc" ] || run "straight_$sname" "${TINY[@]}" --steps 30 --nproc "$sn" $sflags \
+        --ckpt-dir "$work/ck_s_$sname" --log "$work/straight_$sname.jsonl" "${REC[@]}"
+    # shellcheck disable=SC2086
+    [ -e "$work/first_$sname.rc" ] || run "first_$sname" "${TINY[@]}" --steps 30 --nproc "$sn" $sflags \
+        --ckpt-dir "$work/ck_f_$sname" --stop-at 15 "${REC[@]}"
+    rm -rf "$work/ck_$dname.r"
+    cp -r "$work/ck_f_$sname" "$work/ck_$dname.r"
+    # shellcheck disable=SC2086
+    run "res_$dname" "${TINY[@]}" --steps 30 --nproc "$dn" $dflags --ckpt-dir "$work/ck_$dname.r" --resume \
+        --log "$work/res_$dname.jsonl" "${REC[@]}"
+    local what="a checkpoint saved as $sname at step 15 resumes as $dname; steps 16-30 and the final weights match the"
+    what="$what $sname run within 1e-5"
+    if [ "$(rc "straight_$sname")" -ne 0 ] || [ "$(rc "first_$sname")" -ne 0 ] || [ "$(rc "res_$dname")" -ne 0 ]; then
+        bad "$what" "exit $(rc "straight_$sname")/$(rc "first_$sname")/$(rc "res_$dname")" \
+            "$(grep -E 'rank|error' "$work/res_$dname.out" | tail -3)"
+        return
     fi
-    loss=$(compare_losses straight "res_$name" 15)
-    read -r pmax pmax_at pl2 pl2_at _ < <($PY tests/par_ckpt_compare.py "$work/ck_s" "$work/ck_$name.r" 2>&1)
-    first_step=$($PY -c "import json; print(min(r['step'] for r in map(json.loads, open('$work/res_$name.jsonl')) if r['type'] == 'step'))" 2>&1)
-    if [ "$first_step" = 16 ] && grep -q "resume: step 15 " "$work/res_$name.out" && within "$loss" 1e-5 && within "${pl2:-x}" 1e-5; then
+    local loss pmax pl2 pl2_at first_step
+    loss=$(compare_losses "straight_$sname" "res_$dname" 15)
+    read -r pmax _ pl2 pl2_at _ < <($PY tests/par_ckpt_compare.py "$work/ck_s_$sname" "$work/ck_$dname.r" 2>&1)
+    first_step=$($PY -c "import json; print(min(r['step'] for r in map(json.loads, open('$work/res_$dname.jsonl')) if r['type'] == 'step'))" 2>&1)
+    if [ "$first_step" = 16 ] && grep -q "resume: step 15 " "$work/res_$dname.out" && within "$loss" 1e-5 &&
+       within "${pl2:-x}" 1e-5; then
         ok "$what (loss $loss; parameters: L2 $pl2, largest element $pmax)"
     else
-        bad "$what" "first step $first_step, loss $loss, parameters ${pmax:-?} ${pl2:-?} ${pl2_at:-}" "$(grep resume "$work/res_$name.out")"
+        bad "$what" "first step $first_step, loss $loss, parameters ${pmax:-?} ${pl2:-?} ${pl2_at:-}" \
+            "$(grep -E 'resume|error' "$work/res_$dname.out" | head -3)"
     fi
-done
-# and the other way: a one-rank checkpoint resumes as tp2 x pp2 (each rank reads its boxes of the whole tensors)
-run one_first "${TINY[@]}" --steps 30 --ckpt-dir "$work/ck_of" --stop-at 15 "${REC[@]}"
-run one_res "${TINY[@]}" --steps 30 --nproc 4 --tp 2 --pp 2 --micro-batches 2 --ckpt-dir "$work/ck_of" --resume --log "$work/one_res.jsonl" \
-    "${REC[@]}"
-loss=$( [ "$(rc one_res)" -eq 0 ] && compare_losses one one_res 15)
-if [ "$(rc one_first)" -eq 0 ] && [ "$(rc one_res)" -eq 0 ] && within "$loss" 1e-5 && grep -q "resume: step 15 " "$work/one_res.out"; then
-    ok "a one-rank checkpoint at step 15 resumes as tp2 x pp2 and steps 16-30 match one rank within 1e-5 (worst $loss)"
-else
-    bad "a one-rank checkpoint resumes as tp2 x pp2" "exit $(rc one_first)/$(rc one_res), loss $loss" "$(grep -E 'rank|error' "$work/one_res.out" | tail -3)"
-fi
+}
+resume_case tp2pp2z1 4 "--tp 2 --pp 2 --micro-batches 2 --zero 1" one_rank 1 ""
+resume_case tp2pp2z1 4 "--tp 2 --pp 2 --micro-batches 2 --zero 1" dp4 4 ""
+resume_case dp4z3 4 "--zero 3" tp2dp2z1 4 "--tp 2 --zero 1"
+resume_case one 1 "" pp2ep2dp2z1 8 "--pp 2 --ep 2 --micro-batches 2 --zero 1"
 
 # ---- the CUDA path on the emulated GPU (tests/cuda_emu: CUDA, cuBLAS and NCCL on the CPU): tp2 x pp2
 #      over the nccl backend (device buffers in every mapping, send and receive) matches one emulated GPU,
@@ -366,6 +389,17 @@ for sched in "1f1b|" "interleaved|--virtual-stages 2"; do
     if [ "$(rc obj_gpipe)" -eq 0 ] && [ "$(rc "obj_$kind")" -eq 0 ] && within "$aux" 1e-6; then ok "$what ($aux)"
     else bad "$what" "exit $(rc obj_gpipe)/$(rc "obj_$kind"), aux $aux"; fi
 done
+
+# ---- PowerSGD under expert parallelism and ZeRO-3: dp4 (ep2 inside) compresses each unit's
+#      gradients the same way at every stage (the approximation is computed on the full unit, each
+#      stage keeping its chunks), so --zero 3 logs --zero 0's losses bit for bit over 20 steps.
+for z in 0 3; do
+    run "psgd_z$z" "${TINY[@]}" --steps 20 --nproc 4 --ep 2 --zero $z --grad-compress powersgd:2:0 --log "$work/psgd_z$z.jsonl"
+done
+psgd=$( [ "$(rc psgd_z0)" -eq 0 ] && [ "$(rc psgd_z3)" -eq 0 ] && compare_losses psgd_z0 psgd_z3 20)
+what="dp4 x ep2 with PowerSGD rank 2: --zero 3 logs --zero 0's losses bit for bit over 20 steps"
+if [ "$psgd" = 0 ] && grep -q 'gradient reductions powersgd:2:0' "$work/psgd_z3.out"; then ok "$what"
+else bad "$what" "exit $(rc psgd_z0)/$(rc psgd_z3), worst $psgd" "$(grep -E 'error' "$work/psgd_z3.out" | head -2)"; fi
 
 # ---- optimizer state per rank under pipeline and tensor parallelism: ZeRO-1 keeps 1/dp of what
 #      --zero 0 holds on the same rank (the stage's parameters, the rank's tensor-parallel box),
