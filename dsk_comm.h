@@ -896,6 +896,8 @@ struct dsk__comm_impl {
     int master_port;
     char ns[96];                 /* store key namespace of this communicator ("w": the world) */
     int *node_of;                /* [world] node of each rank */
+    int *world_of;               /* [world] each rank's rank in the world communicator it was split
+                                    from (NULL: this is that communicator), for messages */
     unsigned char *shm_ok;       /* [world] the rank allows shared memory (transport AUTO, host backend) */
     dsk__comm_link *links;       /* [world] shared-memory view of each peer; tx NULL: TCP */
     void *shm;                   /* the mapped segment, NULL if none */
@@ -1601,26 +1603,36 @@ static dsk_status dsk__comm_check_header(dsk_comm *c, const char *fn, const dsk_
                          c->rank, mine, op->peer, theirs);
 }
 
+
+/* "rank P" of this communicator, with its world rank when this one was split from another. */
+static const char *dsk__comm_peer_name(const dsk_comm *c, int peer, char *buf, size_t n) {
+    if (c->impl->world_of && peer >= 0 && peer < c->world_size)
+        snprintf(buf, n, "rank %d (world rank %d)", peer, c->impl->world_of[peer]);
+    else
+        snprintf(buf, n, "rank %d", peer);
+    return buf;
+}
+
 /* The error for a peer that hung up (`how` says how) during op: its own published error if it
    broke first; rank 0 when the store it serves is gone or silent too; else the peer. */
 static dsk_status dsk__comm_hangup(dsk_comm *c, const char *fn, const dsk__comm_io *op, const char *how) {
-    char what[160], why[400], es[96];
+    char what[160], why[400], es[96], peer[48];
     const char *host = strcmp(c->impl->ns, "w") == 0 ? "rank 0" : "world rank 0";
     int store;
+    dsk__comm_peer_name(c, op->peer, peer, sizeof peer);
     snprintf(es, sizeof es, "%s", how); /* before the store calls below can touch strerror's buffer */
     store = dsk__comm_peer_fault(c, op->peer, why, sizeof why);
     dsk__comm_wire_describe(&op->hdr, what, sizeof what);
     if (why[0])
-        return dsk_set_error(DSK_ERR_PEER, "%s: rank %d hung up during %s after its own error: %s", fn, op->peer, what,
-                             why);
+        return dsk_set_error(DSK_ERR_PEER, "%s: %s hung up during %s after its own error: %s", fn, peer, what, why);
     if (store == DSK__COMM_STORE_GONE || store == DSK__COMM_STORE_SILENT)
-        return dsk_set_error(DSK_ERR_PEER, "%s: lost the connection to rank %d (%s) during %s; %s, which serves the "
-                             "key-value store at %s:%d, %s: it most likely failed first", fn, op->peer, es, what, host,
+        return dsk_set_error(DSK_ERR_PEER, "%s: lost the connection to %s (%s) during %s; %s, which serves the "
+                             "key-value store at %s:%d, %s: it most likely failed first", fn, peer, es, what, host,
                              c->impl->master_addr, c->impl->master_port,
                              store == DSK__COMM_STORE_GONE ? "is gone (exited or crashed)"
                                                            : "does not answer (stopped or overloaded)");
-    return dsk_set_error(DSK_ERR_PEER, "%s: lost the connection to rank %d (%s) during %s: it exited, crashed or "
-                         "failed an earlier call", fn, op->peer, es, what);
+    return dsk_set_error(DSK_ERR_PEER, "%s: lost the connection to %s (%s) during %s: it exited, crashed or "
+                         "failed an earlier call", fn, peer, es, what);
 }
 
 /* Moves what the socket allows; 1 done, 0 would block, -1 error (*err and the message set). */
@@ -1807,16 +1819,17 @@ static int dsk__comm_shm_step(dsk_comm *c, const char *fn, dsk__comm_io *op, dsk
    first: that peer has not sent). */
 static dsk_status dsk__comm_io_timeout(dsk_comm *c, const char *fn, const dsk__comm_io *ops, int n, double t0) {
     int w = -1;
-    char what[160];
+    char what[160], peer[48];
     for (int i = 0; i < n; i++)
         if (!dsk__comm_io_finished(&ops[i]) && (w < 0 || (ops[w].is_send && !ops[i].is_send))) w = i;
     if (w < 0) w = 0;
     dsk__comm_wire_describe(&ops[w].hdr, what, sizeof what);
+    dsk__comm_peer_name(c, ops[w].peer, peer, sizeof peer);
     dsk_set_error(DSK_ERR_TIMEOUT,
-                  "%s: timed out after %.2f s waiting for rank %d to %s (%zu of %zu bytes) in %s; "
-                  "rank %d may be stopped, overloaded or in a different call",
-                  fn, dsk__comm_now() - t0, ops[w].peer, ops[w].is_send ? "accept data" : "send", ops[w].done,
-                  sizeof(dsk__comm_wire) + ops[w].len, what, ops[w].peer);
+                  "%s: timed out after %.2f s waiting for %s to %s (%zu of %zu bytes) in %s; "
+                  "it may be stopped, overloaded or in a different call",
+                  fn, dsk__comm_now() - t0, peer, ops[w].is_send ? "accept data" : "send", ops[w].done,
+                  sizeof(dsk__comm_wire) + ops[w].len, what);
     return dsk__comm_break(c, DSK_ERR_TIMEOUT);
 }
 
@@ -2547,7 +2560,7 @@ static void dsk__comm_impl_free(dsk_comm *c) {
     dsk__comm_store_server_free(m->server);
     DSK_FREE(m->fds); DSK_FREE(m->p2p_sent); DSK_FREE(m->p2p_recvd); DSK_FREE(m->pfd); DSK_FREE(m->pidx);
     DSK_FREE(m->ops); DSK_FREE((void *)m->srcs); DSK_FREE(m->off); DSK_FREE(m->scratch);
-    DSK_FREE(m->node_of); DSK_FREE(m->shm_ok); DSK_FREE(m->links);
+    DSK_FREE(m->node_of); DSK_FREE(m->world_of); DSK_FREE(m->shm_ok); DSK_FREE(m->links);
     DSK_FREE(m);
     c->impl = NULL;
 }
@@ -3581,10 +3594,15 @@ typedef struct dsk__comm_split_rec { int64_t color, key, rank; char ep[DSK__COMM
    rank parents[j] of c. */
 static dsk_status dsk__comm_sub_nodes(dsk_comm *c, const char *fn, dsk_comm *sub, const int *parents) {
     int *same = (int *)DSK_MALLOC((size_t)sub->world_size * sizeof(int));
-    if (!same) return dsk_set_error(DSK_ERR_OOM, "%s: nodes of %d ranks", fn, sub->world_size);
+    sub->impl->world_of = (int *)DSK_MALLOC((size_t)sub->world_size * sizeof(int));
+    if (!same || !sub->impl->world_of) {
+        DSK_FREE(same);
+        return dsk_set_error(DSK_ERR_OOM, "%s: nodes of %d ranks", fn, sub->world_size);
+    }
     for (int j = 0; j < sub->world_size; j++) {
         same[j] = c->impl->node_of[parents[j]];
         sub->impl->shm_ok[j] = c->impl->shm_ok[parents[j]];
+        sub->impl->world_of[j] = c->impl->world_of ? c->impl->world_of[parents[j]] : parents[j];
     }
     dsk__comm_set_nodes(sub, same);
     DSK_FREE(same);

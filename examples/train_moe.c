@@ -1339,9 +1339,9 @@ static dsk_status generate(trainer *t) {
     if (n0 == 0) text[n0++] = '\n' % V;
     dsk_status s = DSK_OK;
     dsk_comm *span = m->loss_group;
-    int64_t span_rows = m->loss_rows;
+    int64_t span_row0 = m->loss_row0, span_rows = m->loss_rows;
     m->loss_group = NULL; /* each call its own micro-batch: the ranks sample the same prompt, no loss counts */
-    m->loss_rows = 0;
+    m->loss_row0 = m->loss_rows = 0;
     tm_set_eval(m, 1);
     for (int n = n0; n < total && s == DSK_OK; n++) {
         int start = n > T ? n - T : 0, len = n - start;
@@ -1372,6 +1372,7 @@ static dsk_status generate(trainer *t) {
     }
     tm_set_eval(m, 0);
     m->loss_group = span;
+    m->loss_row0 = span_row0;
     m->loss_rows = span_rows;
     if (s == DSK_OK && t->rank == 0) {
         printf("---- sample (%d tokens after the prompt, temperature %g) ----\n", o->sample_len, o->temperature);

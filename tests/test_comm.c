@@ -857,6 +857,34 @@ static void case_rank_dies(int sig, int64_t count) {
     DSK_TEST_EXPECT(g.status[2] == 128 + SIGKILL, "victim exited %d", g.status[2]);
 }
 
+/* A rank dies during a collective of a sub-communicator (the even ranks {0, 2} of 3): the
+   survivor names it by its rank there and by its world rank, which is what a launcher's log and
+   the other groups' messages say. */
+static void rank_sub_victim(dsk_comm *c, void *argp) {
+    dsk_comm even;
+    float x[64];
+    dsk_status st = DSK_OK;
+    (void)argp;
+    gen(x, DSK_F32, 64, 31, c->rank);
+    DSK_TEST_OK(dsk_comm_split(c, c->rank % 2 ? DSK_COMM_NO_COLOR : 0, c->rank, &even));
+    if (c->rank == 1) return;
+    DSK_TEST_OK(dsk_comm_all_reduce(&even, NULL, x, x, 64, DSK_F32, DSK_COMM_SUM));
+    if (c->rank == 2) raise(SIGKILL);
+    for (int i = 0; i < 3 && st == DSK_OK; i++) st = dsk_comm_all_reduce(&even, NULL, x, x, 64, DSK_F32, DSK_COMM_SUM);
+    DSK_TEST_EXPECT(st == DSK_ERR_PEER || st == DSK_ERR_TIMEOUT, "rank 0 got %s", dsk_status_str(st));
+    DSK_TEST_ERROR_MENTIONS("rank 1 (world rank 2)");
+    dsk_comm_free(&even);
+}
+
+static void case_sub_rank_dies(void) {
+    group g;
+    group_defaults(&g, 3);
+    g.opts = fault_opts(1.0);
+    run_group(&g, rank_sub_victim, NULL);
+    DSK_TEST_EXPECT(g.status[0] == 0 && g.status[1] == 0, "surviving ranks exited %d %d", g.status[0], g.status[1]);
+    DSK_TEST_EXPECT(g.status[2] == 128 + SIGKILL, "victim exited %d", g.status[2]);
+}
+
 /* Rank 0 hosts the store that relays root causes (issue 10 item 11): when it dies, every
    survivor must name it, not another survivor that failed after it. chain: ranks 1..3 each
    receive from the previous rank, so ranks 2 and 3 see a survivor hang up, never rank 0;
@@ -2491,6 +2519,8 @@ static void run_suite(void) {
     if (g_mode == MODE_TWO_HOSTS) coll_case("routes: two hops over nodes of 2 and 1 ranks", rank_route_uneven, 3, 0);
     mode_begin("fault: rank 2 of 3 SIGKILLed mid-run, small messages");
     case_rank_dies(SIGKILL, 100);
+    mode_begin("fault: rank 2 of 3 SIGKILLed in a sub-group's all-reduce -> named with its world rank");
+    case_sub_rank_dies();
     mode_begin("fault: rank 2 of 3 SIGKILLed mid-run, 8 MB messages");
     case_rank_dies(SIGKILL, 2 << 20);
     if (g_mode != MODE_TCP) {
