@@ -1148,7 +1148,7 @@ static dsk_status collect_moe_stats(trainer *t, step_info *si) {
         dsk_moe_stats *st = &m->blocks[l].stats;
         if (!m->blocks[l].is_moe) continue;
         TM_TRY(dsk_moe_stats_collect(&m->blocks[l].moe, &t->ctx, st));
-        v[0] += st->loss / t->o->accum;
+        v[0] += st->loss / (t->o->accum * (t->par.on ? t->par.M : 1)); /* summed over the step's micro-batches */
         v[1] += (double)st->dropped;
         if (st->mean_load > 0 && st->max_load / st->mean_load > worst[0]) worst[0] = st->max_load / st->mean_load;
     }
