@@ -5,8 +5,9 @@
 # by every rank at start; the largest rank), for each layout on this machine's CPU ranks (host
 # backend), and the same layout by the binary BEFORE (env var, e.g. a build of the commit before
 # the engine) where it ran then ("refused" where it did not). The ZeRO-1 rows also give the
-# optimizer state of the largest rank against the --zero 0 run of the same layout divided by dp
-# (the bound: 1/dp of the stage's state plus unit padding).
+# optimizer state of the largest rank against the stage's whole state (a --zero 0 run with every
+# expert on every rank) divided by dp: the bound, plus unit padding. With expert parallelism a rank
+# holds 1/ep of the experts and shards their state over the edp = dp/ep ranks holding the same.
 # Usage: BEFORE=/path/to/old/train_moe bash bench/bench_layouts.sh [STEPS]   (default 12; the
 # first 2 are warm-up). Not part of `make test`.
 set -u
@@ -32,6 +33,7 @@ LAYOUTS=(
     "tp2 x pp2 x dp2, f32|8|--tp 2 --pp 2 --micro-batches 4 --dtype f32"
     "pp2 x ep2 x dp4, ZeRO-1, bf16|8|--pp 2 --ep 2 --micro-batches 4 --zero 1 --dtype bf16"
     "pp2 x ep2 x dp4, ZeRO-0, bf16|8|--pp 2 --ep 2 --micro-batches 4 --dtype bf16"
+    "pp2 x dp4, ZeRO-0, bf16|8|--pp 2 --micro-batches 4 --dtype bf16"
     "tp2 x ep2 x dp2, ZeRO-2, fp16|4|--tp 2 --ep 2 --zero 2 --dtype fp16"
     "pp2 interleaved x dp2, ZeRO-3, f32|4|--pp 2 --pp-schedule interleaved --virtual-stages 2 --micro-batches 4 --zero 3 --dtype f32"
     "pp2 interleaved x dp2, f32|4|--pp 2 --pp-schedule interleaved --virtual-stages 2 --micro-batches 4 --dtype f32"
@@ -74,8 +76,9 @@ for spec in "${LAYOUTS[@]}"; do
     echo "| $name | $n | $ms | $comm | $(mib "$p") | $(mib "$g") | $(mib "$o") | $(mib "$c") | $before |"
 done
 echo
-echo "optimizer state of the largest rank, ZeRO-1 against ZeRO-0 / dp (the bound, plus unit padding):"
-for pair in "tp2 x pp2 x dp2, ZeRO-1, bf16|tp2 x pp2 x dp2, ZeRO-0, bf16|2" "pp2 x ep2 x dp4, ZeRO-1, bf16|pp2 x ep2 x dp4, ZeRO-0, bf16|4"; do
+echo "optimizer state of the largest rank at ZeRO-1 against the stage's whole state at ZeRO-0 without expert"
+echo "parallelism (every expert on every rank) divided by dp (the bound, plus unit padding):"
+for pair in "tp2 x pp2 x dp2, ZeRO-1, bf16|tp2 x pp2 x dp2, ZeRO-0, bf16|2" "pp2 x ep2 x dp4, ZeRO-1, bf16|pp2 x dp4, ZeRO-0, bf16|4"; do
     IFS='|' read -r z1 z0 dp <<<"$pair"
-    echo "  $z1: ${OPT[$z1]:-?} B; ZeRO-0 ${OPT[$z0]:-?} B / $dp = $(( ${OPT[$z0]:-0} / dp )) B"
+    echo "  $z1: ${OPT[$z1]:-?} B; $z0 ${OPT[$z0]:-?} B / $dp = $(( ${OPT[$z0]:-0} / dp )) B"
 done
