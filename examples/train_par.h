@@ -8,6 +8,12 @@
      tensor-parallel shard:
        attention   wq, wk, wv column-parallel (rows [r D/tp, (r+1) D/tp): heads r H/tp ..),
                    wo row-parallel (columns), so each rank runs H/tp heads on every token
+       MLA         (--attn mla, Megatron-Core's layout) the up-projections wq (q_lora 0) or
+                   wq_b, and wkv_b column-parallel by heads (rows of heads r H/tp ..), wo
+                   row-parallel; the latent down-projections wq_a and wkv_a (with the shared
+                   rope key) and the latents' norms replicated, run whole on the gathered input
+                   (N rows) on every rank; their weight gradients and d(input) from the rank's
+                   heads only, both summed over tp (see tp_mla_backward)
        dense FFN   w1, w3 column-parallel, w2 row-parallel
        embedding   vocabulary-parallel rows; lm_head vocabulary-parallel rows, with the
                    vocabulary-parallel cross-entropy (the full logits are never formed)
@@ -50,7 +56,9 @@
      from an f32 copy of the (gathered) dx. An f16 model runs its MoE layers in f32 (through the
      layer's mx/my); the trainer's loss scale comes in as gscale.
    Limits (refused with a message): --tp divides the heads, the FFN hidden size, the
-     vocabulary and the tokens of a micro-batch; every global stage holds a block.
+     vocabulary and the tokens of a micro-batch; every global stage holds a block; no --mtp
+     (the modules would need the embedding on the last stage); no --recompute (the slots
+     keep every in-flight micro-batch's activations: recomputing would not save them).
    Contents: layout (tp_layout, tp_model_init, tp_places); views; one block (forward, backward);
    stages (the executor's callbacks, tp_train_batch, tp_eval_batch); loss; checkpoints (who
    writes the expert bias). */
@@ -75,6 +83,7 @@ typedef struct tp_layer {
     int on, chunk;
     /* per slot (S slots of rows each) */
     dsk_tensor x, h1, rstd1, h1g, q, k, v, qr, kr, att, probs, x2, h2, rstd2, h2g, g, u, a;
+    tmla_block mla; /* --attn mla: the latents, queries, keys, values and core output per slot (tensors only) */
     int moe_micro; /* micro-batch of the MoE layer's saved forward (-1: none) */
     int64_t bias_off[1], bias_full[1];
 } tp_layer;
@@ -147,6 +156,10 @@ static dsk_status tp_check(const tp_state *ps, const tm_config *c) {
                              c->n_layers, S, ps->pp, ps->v);
     if (c->mla.mtp_depth > 0)
         return dsk_set_error(DSK_ERR_UNSUPPORTED, "--mtp %d: not with --tp/--pp/--micro-batches", c->mla.mtp_depth);
+    if (c->mla.recompute != TMLA_RECOMPUTE_NONE) /* the slots hold every in-flight activation anyway */
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "--recompute %s: not with --tp/--pp/--micro-batches (train_par.h "
+                             "keeps each in-flight micro-batch's activations)",
+                             c->mla.recompute == TMLA_RECOMPUTE_ATTN ? "attn" : "full");
     if (ps->v > 16) return dsk_set_error(DSK_ERR_ARG, "--virtual-stages %d: at most 16", ps->v);
     if (ps->v > 1 && ps->pp < 2) return dsk_set_error(DSK_ERR_ARG, "--virtual-stages %d needs --pp 2 or more", ps->v);
     return DSK_OK;
@@ -160,9 +173,12 @@ static int tp_param_layer(const tm_model *m, const tm_param *p, int *split) {
     if (p == m->embed || p == m->lm_head || p == m->ln_f) return -1;
     for (int l = 0; l < m->cfg.n_layers; l++) {
         const tm_block *b = &m->blocks[l];
+        const tmla_block *a = &b->mla;
         if (p == b->wq || p == b->wk || p == b->wv || p == b->w1 || p == b->w3) *split = TP_ROWS;
-        else if (p == b->wo || p == b->w2) *split = TP_COLS;
-        else if (p != b->ln1 && p != b->ln2) continue;
+        else if (p == a->wq || p == a->wq_b || p == a->wkv_b) *split = TP_ROWS; /* MLA: rows by heads */
+        else if (p == b->wo || p == b->w2 || p == a->wo) *split = TP_COLS;
+        else if (p != b->ln1 && p != b->ln2 && p != a->wq_a && p != a->q_norm && p != a->wkv_a && p != a->kv_norm)
+            continue;
         return l;
     }
     return -2;
@@ -189,7 +205,7 @@ static dsk_status tp_layout(tp_state *ps, tm_model *m) {
             if (l == -2) {
                 free(kept);
                 return dsk_set_error(DSK_ERR_UNSUPPORTED, "parameter \"%s\" has no tensor/pipeline-parallel layout "
-                                     "(--tp/--pp support the standard attention, dense FFN and MoE blocks)", p->name);
+                                     "(--tp/--pp support MHA and MLA attention, dense FFN and MoE blocks)", p->name);
             }
             int group = p->sharded ? TP_G_EXPERT : split == TP_REPL ? TP_G_REPL : TP_G_SHARD;
             if (group != g) continue;
@@ -226,7 +242,10 @@ static dsk_status tp_layout(tp_state *ps, tm_model *m) {
     tm_param *old = m->params;
     for (int l = 0; l < m->cfg.n_layers; l++) {
         tm_block *b = &m->blocks[l];
-        tm_param **ptrs[] = {&b->ln1, &b->wq, &b->wk, &b->wv, &b->wo, &b->ln2, &b->w1, &b->w3, &b->w2};
+        tm_param **ptrs[] = {&b->ln1,     &b->wq,         &b->wk,       &b->wv,         &b->wo,
+                             &b->ln2,     &b->w1,         &b->w3,       &b->w2,         &b->mla.wq,
+                             &b->mla.wq_a, &b->mla.q_norm, &b->mla.wq_b, &b->mla.wkv_a, &b->mla.kv_norm,
+                             &b->mla.wkv_b, &b->mla.wo};
         for (size_t j = 0; j < sizeof ptrs / sizeof ptrs[0]; j++)
             if (*ptrs[j]) *ptrs[j] = map[*ptrs[j] - old] >= 0 ? &m->params[map[*ptrs[j] - old]] : NULL;
     }
@@ -243,6 +262,30 @@ static dsk_status tp_alloc(tp_state *ps, dsk_tensor *t, dsk_dtype dt, int64_t r,
     return tm_alloc2(ps->m, t, dt, r, c);
 }
 
+/* The MLA activations of layer l, S slots of a micro-batch's Nm rows and the rank's Hl heads
+   (the latents whole on every rank: they come from the gathered input). */
+static dsk_status tp_alloc_mla(tp_state *ps, tp_layer *L) {
+    const tmla_config *a = &ps->m->cfg.mla;
+    tmla_block *p = &L->mla;
+    dsk_dtype dt = ps->m->cfg.cdt;
+    int64_t R = ps->S * ps->Nm, H = ps->Hl, dn = a->qk_nope_dim, dr = a->qk_rope_dim, dqk = dn + dr;
+    if (a->q_lora_rank > 0) {
+        TM_TRY(tp_alloc(ps, &p->cq, dt, R, a->q_lora_rank));
+        TM_TRY(tp_alloc(ps, &p->cqn, dt, R, a->q_lora_rank));
+        TM_TRY(tp_alloc(ps, &p->rstd_q, DSK_F32, R, 0));
+    }
+    TM_TRY(tp_alloc(ps, &p->q, dt, R, H * dqk));
+    TM_TRY(tp_alloc(ps, &p->ckv, dt, R, a->kv_lora_rank));
+    TM_TRY(tp_alloc(ps, &p->ckvn, dt, R, a->kv_lora_rank));
+    TM_TRY(tp_alloc(ps, &p->rstd_kv, DSK_F32, R, 0));
+    TM_TRY(tp_alloc(ps, &p->kpe, dt, R, dr));
+    TM_TRY(tp_alloc(ps, &p->kvb, dt, R, H * (dn + a->v_head_dim)));
+    TM_TRY(tp_alloc(ps, &p->k, dt, R, H * dqk));
+    TM_TRY(tp_alloc(ps, &p->att, dt, R, H * a->v_head_dim));
+    int64_t ls[3] = {ps->S * ps->Bm, H, ps->T};
+    return dsk_tensor_alloc(ps->ctx, &p->lse, DSK_F32, 3, ls);
+}
+
 /* Activations (S slots per layer), scratch, pipeline buffers, the batch tensors: in the compute
    dtype as tm_alloc_acts has them (norms' rstd and attention probabilities f32). */
 static dsk_status tp_alloc_acts(tp_state *ps) {
@@ -250,6 +293,7 @@ static dsk_status tp_alloc_acts(tp_state *ps) {
     const tm_config *c = &m->cfg;
     int64_t S = ps->S, Nm = ps->Nm, Ns = ps->Ns, D = ps->D, Dl = ps->Dl, Fl = ps->Fl, N = (int64_t)c->batch * c->seq;
     dsk_dtype dt = c->cdt;
+    int mla = tmla_is_mla(&c->mla);
     for (int l = 0; l < c->n_layers; l++) {
         tp_layer *L = &ps->layers[l];
         if (!L->on) continue;
@@ -257,10 +301,14 @@ static dsk_status tp_alloc_acts(tp_state *ps) {
         for (size_t i = 0; i < 4; i++) TM_TRY(tp_alloc(ps, ns[i], dt, S * Ns, D));
         TM_TRY(tp_alloc(ps, &L->rstd1, DSK_F32, S * Ns, 0));
         TM_TRY(tp_alloc(ps, &L->rstd2, DSK_F32, S * Ns, 0));
-        dsk_tensor *nl[] = {&L->q, &L->k, &L->v, &L->qr, &L->kr, &L->att};
-        for (size_t i = 0; i < 6; i++) TM_TRY(tp_alloc(ps, nl[i], dt, S * Nm, Dl));
-        int64_t psh[4] = {S * ps->Bm, ps->Hl, c->seq, c->seq};
-        TM_TRY(dsk_tensor_alloc(m->ctx, &L->probs, DSK_F32, 4, psh));
+        if (mla) {
+            TM_TRY(tp_alloc_mla(ps, L));
+        } else {
+            dsk_tensor *nl[] = {&L->q, &L->k, &L->v, &L->qr, &L->kr, &L->att};
+            for (size_t i = 0; i < 6; i++) TM_TRY(tp_alloc(ps, nl[i], dt, S * Nm, Dl));
+            int64_t psh[4] = {S * ps->Bm, ps->Hl, c->seq, c->seq};
+            TM_TRY(dsk_tensor_alloc(m->ctx, &L->probs, DSK_F32, 4, psh));
+        }
         if (ps->tp > 1) TM_TRY(tp_alloc(ps, &L->h1g, dt, S * Nm, D));
         if (!m->blocks[l].is_moe) {
             if (ps->tp > 1) TM_TRY(tp_alloc(ps, &L->h2g, dt, S * Nm, D));
@@ -275,8 +323,14 @@ static dsk_status tp_alloc_acts(tp_state *ps) {
     TM_TRY(tp_alloc(ps, &ps->rstdf, DSK_F32, Ns, 0));
     TM_TRY(tp_alloc(ps, &ps->big, dt, Nm, D));
     if (ps->tp > 1) TM_TRY(tp_alloc(ps, &ps->hfg, dt, Nm, D));
-    dsk_tensor *sl[] = {&ps->datt, &ps->dq, &ps->dk, &ps->dv, &ps->dqr, &ps->dkr};
-    for (size_t i = 0; i < 6; i++) TM_TRY(tp_alloc(ps, sl[i], dt, Nm, Dl));
+    if (mla) { /* train_mla.h's scratch for a micro-batch and this rank's heads; tp_unit_ready marks gradients */
+        m->mla.heads = ps->Hl;
+        m->mla.unit_ready = 1;
+        TM_TRY(tmla_alloc_scratch(m, Nm, ps->Hl));
+    } else {
+        dsk_tensor *sl[] = {&ps->datt, &ps->dq, &ps->dk, &ps->dv, &ps->dqr, &ps->dkr};
+        for (size_t i = 0; i < 6; i++) TM_TRY(tp_alloc(ps, sl[i], dt, Nm, Dl));
+    }
     if (c->n_dense > 0) {
         dsk_tensor *sf[] = {&ps->dg, &ps->du, &ps->da};
         for (size_t i = 0; i < 3; i++) TM_TRY(tp_alloc(ps, sf[i], dt, Nm, Fl));
@@ -413,6 +467,10 @@ static void tp_free(tp_state *ps) {
             dsk_tensor *ts[] = {&L->x, &L->h1, &L->rstd1, &L->h1g, &L->q, &L->k, &L->v, &L->qr, &L->kr, &L->att,
                                 &L->probs, &L->x2, &L->h2, &L->rstd2, &L->h2g, &L->g, &L->u, &L->a};
             for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
+            tmla_block *p = &L->mla;
+            dsk_tensor *ms[] = {&p->cq, &p->cqn, &p->rstd_q, &p->q, &p->ckv, &p->ckvn, &p->rstd_kv, &p->kpe, &p->kvb,
+                                &p->k, &p->att, &p->lse};
+            for (size_t i = 0; i < sizeof ms / sizeof ms[0]; i++) dsk_tensor_free(ctx, ms[i]);
         }
     for (int c = 0; c < 16; c++) {
         tp_chunk *ch = &ps->chunks[c];
@@ -468,13 +526,15 @@ static tp_acts tp_slot(tp_state *ps, int l, int slot) {
     s.h2 = tp_part(&L->h2, slot, ps->Ns);
     s.rstd2 = tp_part(&L->rstd2, slot, ps->Ns);
     s.h1g = ps->tp > 1 ? tp_part(&L->h1g, slot, ps->Nm) : s.h1;
-    s.q = tp_part(&L->q, slot, ps->Nm);
-    s.k = tp_part(&L->k, slot, ps->Nm);
-    s.v = tp_part(&L->v, slot, ps->Nm);
-    s.qr = tp_part(&L->qr, slot, ps->Nm);
-    s.kr = tp_part(&L->kr, slot, ps->Nm);
-    s.att = tp_part(&L->att, slot, ps->Nm);
-    s.probs = tp_part(&L->probs, slot, ps->Bm);
+    if (!tmla_is_mla(&ps->m->cfg.mla)) { /* MLA's own: tp_mla_slot */
+        s.q = tp_part(&L->q, slot, ps->Nm);
+        s.k = tp_part(&L->k, slot, ps->Nm);
+        s.v = tp_part(&L->v, slot, ps->Nm);
+        s.qr = tp_part(&L->qr, slot, ps->Nm);
+        s.kr = tp_part(&L->kr, slot, ps->Nm);
+        s.att = tp_part(&L->att, slot, ps->Nm);
+        s.probs = tp_part(&L->probs, slot, ps->Bm);
+    }
     if (!ps->m->blocks[l].is_moe) {
         s.h2g = ps->tp > 1 ? tp_part(&L->h2g, slot, ps->Nm) : s.h2;
         s.g = tp_part(&L->g, slot, ps->Nm);
@@ -537,6 +597,52 @@ static dsk_status tp_row_residual(tp_state *ps, tm_phase ph, dsk_tensor *y, cons
     return DSK_OK;
 }
 
+/* Points MLA block l's activations (train_mla.h reads them from the block) at slot `slot`. */
+static void tp_mla_slot(tp_state *ps, int l, int slot) {
+    const tmla_block *L = &ps->layers[l].mla;
+    tmla_block *p = &ps->m->blocks[l].mla;
+    const dsk_tensor *src[] = {&L->cq, &L->cqn, &L->rstd_q, &L->q, &L->ckv, &L->ckvn, &L->rstd_kv, &L->kpe, &L->kvb,
+                               &L->k, &L->att};
+    dsk_tensor *dst[] = {&p->cq, &p->cqn, &p->rstd_q, &p->q, &p->ckv, &p->ckvn, &p->rstd_kv, &p->kpe, &p->kvb,
+                         &p->k, &p->att};
+    for (size_t i = 0; i < sizeof src / sizeof src[0]; i++)
+        if (src[i]->data) *dst[i] = tp_part(src[i], slot, ps->Nm);
+    p->lse = tp_part(&L->lse, slot, ps->Bm);
+}
+
+/* MLA's attention half on slot s (h1 = RMSNorm(x) done): x2 = x + Wo att. Megatron-Core's
+   layout: the latent down-projections (Wq_a, Wkv_a with the shared rope key) and their norms
+   are replicated and run on the sequence-parallel-gathered h1g, whole on every tensor-parallel
+   rank; the up-projections (Wq or Wq_b, Wkv_b) are column-parallel by heads and Wo row-parallel,
+   so the rank's heads need no collective until Wo's reduce-scatter. */
+static dsk_status tp_mla_forward(tp_state *ps, int l, int slot, tp_acts *s) {
+    tm_model *m = ps->m;
+    tm_block *b = &m->blocks[l];
+    tp_mla_slot(ps, l, slot);
+    if (ps->tp > 1) TM_T(TM_PH_MOVE, dsk_par_map_forward(&ps->grid.tp, ps->ctx, DSK_PAR_MAP_GATHER, 0, &s->h1g, &s->h1));
+    TM_TRY(tmla_latent_forward(m, b, ps->Bm, &s->h1g));
+    return tp_row_residual(ps, TM_PH_LINEAR, &s->x2, &s->x, &b->mla.att, &b->mla.wo->wc);
+}
+
+/* ps->dx holds d(x2) of slot s: d(h1) into ps->dh and the MLA weights' gradients. The rank's
+   heads give only their part of d(latent) (every head reads the whole latent), so the
+   replicated down-projections' and latent norms' weight gradients on a rank cover every token
+   but only its heads: the sum over tp of them is the gradient, which the engine's replicated
+   group takes (the sum over the stage's tp x dp ranks, as the sequence-parallel norms' token
+   shares); d(h1g) likewise sums over tp, which the reduce-scatter to the rank's rows does. */
+static dsk_status tp_mla_backward(tp_state *ps, int l, int slot, tp_acts *s) {
+    tm_model *m = ps->m;
+    tm_block *b = &m->blocks[l];
+    dsk_comm *tp = &ps->grid.tp;
+    dsk_tensor *dh = ps->tp > 1 ? &ps->big : &ps->dh; /* d(h1g): all Nm rows */
+    tp_mla_slot(ps, l, slot);
+    TM_T(TM_PH_LINEAR, dsk_par_row_backward(tp, ps->ctx, &m->mla.datt, &b->mla.wo->g, &ps->dx, tp_sp(ps, &ps->big),
+                                            &b->mla.att, &b->mla.wo->wc));
+    TM_TRY(tmla_latent_backward(m, b, ps->Bm, &s->h1g, dh));
+    if (ps->tp > 1) TM_T(TM_PH_MOVE, dsk_par_map_forward(tp, ps->ctx, DSK_PAR_MAP_SCATTER, 0, &ps->dh, dh));
+    return DSK_OK;
+}
+
 /* Block l on slot `slot` (its x filled): y = block(x), everything backward needs kept. */
 static dsk_status tp_block_forward(tp_state *ps, int l, int slot, int micro, dsk_tensor *y) {
     tm_model *m = ps->m;
@@ -546,15 +652,19 @@ static dsk_status tp_block_forward(tp_state *ps, int l, int slot, int micro, dsk
     const tm_config *c = &m->cfg;
     tp_acts s = tp_slot(ps, l, slot);
     TM_T(TM_PH_NORM, dsk_rmsnorm(ctx, &s.h1, &s.rstd1, &s.x, &b->ln1->wc, c->norm_eps));
-    dsk_tensor *Y3[3] = {&s.q, &s.k, &s.v};
-    const dsk_tensor *W3[3] = {&b->wq->wc, &b->wk->wc, &b->wv->wc};
-    TM_T(TM_PH_LINEAR, dsk_par_column_forward(tp, ctx, 3, Y3, W3, &s.h1, tp_sp(ps, &s.h1g)));
-    dsk_tensor q4 = tp_heads(ps, &s.q), k4 = tp_heads(ps, &s.k), v4 = tp_heads(ps, &s.v);
-    dsk_tensor qr4 = tp_heads(ps, &s.qr), kr4 = tp_heads(ps, &s.kr), att4 = tp_heads(ps, &s.att);
-    TM_T(TM_PH_ROPE, dsk_rope(ctx, &qr4, &q4, 0, c->rope_theta));
-    TM_T(TM_PH_ROPE, dsk_rope(ctx, &kr4, &k4, 0, c->rope_theta));
-    TM_T(TM_PH_ATTN, dsk_attention(ctx, &att4, &s.probs, &qr4, &kr4, &v4, 1.0f / sqrtf((float)ps->Dh)));
-    TM_TRY(tp_row_residual(ps, TM_PH_LINEAR, &s.x2, &s.x, &s.att, &b->wo->wc));
+    if (tmla_is_mla(&c->mla)) {
+        TM_TRY(tp_mla_forward(ps, l, slot, &s));
+    } else {
+        dsk_tensor *Y3[3] = {&s.q, &s.k, &s.v};
+        const dsk_tensor *W3[3] = {&b->wq->wc, &b->wk->wc, &b->wv->wc};
+        TM_T(TM_PH_LINEAR, dsk_par_column_forward(tp, ctx, 3, Y3, W3, &s.h1, tp_sp(ps, &s.h1g)));
+        dsk_tensor q4 = tp_heads(ps, &s.q), k4 = tp_heads(ps, &s.k), v4 = tp_heads(ps, &s.v);
+        dsk_tensor qr4 = tp_heads(ps, &s.qr), kr4 = tp_heads(ps, &s.kr), att4 = tp_heads(ps, &s.att);
+        TM_T(TM_PH_ROPE, dsk_rope(ctx, &qr4, &q4, 0, c->rope_theta));
+        TM_T(TM_PH_ROPE, dsk_rope(ctx, &kr4, &k4, 0, c->rope_theta));
+        TM_T(TM_PH_ATTN, dsk_attention(ctx, &att4, &s.probs, &qr4, &kr4, &v4, 1.0f / sqrtf((float)ps->Dh)));
+        TM_TRY(tp_row_residual(ps, TM_PH_LINEAR, &s.x2, &s.x, &s.att, &b->wo->wc));
+    }
     TM_T(TM_PH_NORM, dsk_rmsnorm(ctx, &s.h2, &s.rstd2, &s.x2, &b->ln2->wc, c->norm_eps));
     if (!b->is_moe) {
         dsk_tensor *Y2[2] = {&s.g, &s.u};
@@ -567,6 +677,30 @@ static dsk_status tp_block_forward(tp_state *ps, int l, int slot, int micro, dsk
     TM_T(TM_PH_MOE, tp_moe_forward(ps, l, micro, y, &s.h2, m->want_stats ? &b->stats : NULL));
     ps->layers[l].moe_micro = ps->train && !b->moe.eval ? micro : -1;
     TM_T(TM_PH_MOVE, dsk_add(ctx, y, y, &s.x2));
+    return DSK_OK;
+}
+
+/* ps->dx holds d(x2) of slot s of an MHA block: d(h1) into ps->dh and the weights' gradients. */
+static dsk_status tp_mha_backward(tp_state *ps, int l, tp_acts *s) {
+    tm_model *m = ps->m;
+    tm_block *b = &m->blocks[l];
+    dsk_ctx *ctx = ps->ctx;
+    dsk_comm *tp = &ps->grid.tp;
+    const tm_config *c = &m->cfg;
+    TM_T(TM_PH_LINEAR,
+         dsk_par_row_backward(tp, ctx, &ps->datt, &b->wo->g, &ps->dx, tp_sp(ps, &ps->big), &s->att, &b->wo->wc));
+    dsk_tensor *zs[] = {&ps->dqr, &ps->dkr, &ps->dv, &ps->dq, &ps->dk};
+    for (size_t i = 0; i < 5; i++) TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, zs[i], 0.0));
+    dsk_tensor qr4 = tp_heads(ps, &s->qr), kr4 = tp_heads(ps, &s->kr), v4 = tp_heads(ps, &s->v);
+    dsk_tensor do4 = tp_heads(ps, &ps->datt), dqr4 = tp_heads(ps, &ps->dqr), dkr4 = tp_heads(ps, &ps->dkr);
+    dsk_tensor dv4 = tp_heads(ps, &ps->dv), dq4 = tp_heads(ps, &ps->dq), dk4 = tp_heads(ps, &ps->dk);
+    TM_T(TM_PH_ATTN, dsk_attention_backward(ctx, &dqr4, &dkr4, &dv4, &do4, &qr4, &kr4, &v4, &s->probs,
+                                            1.0f / sqrtf((float)ps->Dh)));
+    TM_T(TM_PH_ROPE, dsk_rope_backward(ctx, &dq4, &dqr4, 0, c->rope_theta));
+    TM_T(TM_PH_ROPE, dsk_rope_backward(ctx, &dk4, &dkr4, 0, c->rope_theta));
+    dsk_tensor *dW[3] = {&b->wq->g, &b->wk->g, &b->wv->g};
+    const dsk_tensor *dY[3] = {&ps->dq, &ps->dk, &ps->dv}, *W[3] = {&b->wq->wc, &b->wk->wc, &b->wv->wc};
+    TM_T(TM_PH_LINEAR, dsk_par_column_backward(tp, ctx, 3, &ps->dh, tp_sp(ps, &ps->big), dW, dY, W, &s->h1g));
     return DSK_OK;
 }
 
@@ -600,20 +734,8 @@ static dsk_status tp_block_backward(tp_state *ps, int l, int slot, int micro) {
         TM_T(TM_PH_MOE, tp_moe_backward(ps, l));
     }
     TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &ps->dx, tm_grad(b->ln2), &ps->dh, &s.x2, &b->ln2->wc, &s.rstd2));
-    TM_T(TM_PH_LINEAR,
-         dsk_par_row_backward(tp, ctx, &ps->datt, &b->wo->g, &ps->dx, tp_sp(ps, &ps->big), &s.att, &b->wo->wc));
-    dsk_tensor *zs[] = {&ps->dqr, &ps->dkr, &ps->dv, &ps->dq, &ps->dk};
-    for (size_t i = 0; i < 5; i++) TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, zs[i], 0.0));
-    dsk_tensor qr4 = tp_heads(ps, &s.qr), kr4 = tp_heads(ps, &s.kr), v4 = tp_heads(ps, &s.v);
-    dsk_tensor do4 = tp_heads(ps, &ps->datt), dqr4 = tp_heads(ps, &ps->dqr), dkr4 = tp_heads(ps, &ps->dkr);
-    dsk_tensor dv4 = tp_heads(ps, &ps->dv), dq4 = tp_heads(ps, &ps->dq), dk4 = tp_heads(ps, &ps->dk);
-    TM_T(TM_PH_ATTN, dsk_attention_backward(ctx, &dqr4, &dkr4, &dv4, &do4, &qr4, &kr4, &v4, &s.probs,
-                                            1.0f / sqrtf((float)ps->Dh)));
-    TM_T(TM_PH_ROPE, dsk_rope_backward(ctx, &dq4, &dqr4, 0, c->rope_theta));
-    TM_T(TM_PH_ROPE, dsk_rope_backward(ctx, &dk4, &dkr4, 0, c->rope_theta));
-    dsk_tensor *dW[3] = {&b->wq->g, &b->wk->g, &b->wv->g};
-    const dsk_tensor *dY[3] = {&ps->dq, &ps->dk, &ps->dv}, *W[3] = {&b->wq->wc, &b->wk->wc, &b->wv->wc};
-    TM_T(TM_PH_LINEAR, dsk_par_column_backward(tp, ctx, 3, &ps->dh, tp_sp(ps, &ps->big), dW, dY, W, &s.h1g));
+    if (tmla_is_mla(&c->mla)) TM_TRY(tp_mla_backward(ps, l, slot, &s));
+    else TM_TRY(tp_mha_backward(ps, l, &s));
     TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &ps->dx, tm_grad(b->ln1), &ps->dh, &s.x, &b->ln1->wc, &s.rstd1));
     return DSK_OK;
 }
