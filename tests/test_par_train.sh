@@ -14,8 +14,9 @@
 #   pp2 interleaved and tp2 in bf16 match one rank in bf16 over 30 steps within a bound the test
 #   derives (twice one rank's bf16-to-f32 distance); fp16 as tp2 x pp2 skips an overflowing step
 #   on every rank, halves the loss scale and leaves the weights as they were;
-#   --attn mla as tp2 x pp2 against an MLA run on one rank, in f32 (1e-5 as above, the same
-#   sample) and bf16 (the derived bound);
+#   --attn mla --mtp 1 as tp2 x pp2 against an MLA/MTP run on one rank, in f32 (1e-5 as above,
+#   the same sample) and bf16 (the derived bound; pp2 with one micro-batch bit for bit);
+#   --recompute attn|full under tp2 x pp2 bit for bit as without, with fewer activation bytes;
 #   the grid and the bubble are printed; unsupported combinations fail with a message.
 # Routing is replayed: the one-rank reference writes every MoE decision (--routing-record: each
 #   step's, validation's and sampled token's top-k experts per layer and token) and every layout
@@ -203,19 +204,21 @@ for spec in "${BF_LAYOUTS[@]}"; do
     fi
 done
 
-# ---- 1c. MLA (--attn mla) as tp2 x pp2 against one rank of its own, in f32 and bf16: the heads
-#      split over tp (Wq_b and Wkv_b column-parallel, Wo row-parallel), the latent down-projections
-#      and their norms replicated on the gathered input (examples/train_par.h, tp_mla_forward).
+# ---- 1c. MLA with an MTP module (--attn mla --mtp 1) as tp2 x pp2 against one rank of its own, in
+#      f32 and bf16: the heads split over tp (Wq_b and Wkv_b column-parallel, Wo row-parallel), the
+#      latent down-projections and their norms replicated on the gathered input (train_par.h,
+#      tp_mla_forward); the MTP module on the last stage, its embedding from the last stage's copy
+#      of the table whose gradient sums with the first stage's (TP_G_EMBED).
 #      Routing replayed from the MLA reference's own record. The latent ranks are 32 so that every
 #      replicated parameter of a block starts on a row of the unit's checkpoint pieces: a piece of a
 #      2-D parameter that starts or ends inside a row is several boxes under one name in a rank file,
 #      which the engine's checkpoint writer refuses ("appears twice"; reported, not this layout's).
-MLA=(--attn mla --q-lora-rank 32 --kv-lora-rank 32 --qk-nope-dim 6 --qk-rope-dim 4 --v-head-dim 8)
+MLA=(--attn mla --q-lora-rank 32 --kv-lora-rank 32 --qk-nope-dim 6 --qk-rope-dim 4 --v-head-dim 8 --mtp 1)
 run mla1 "${TINY[@]}" "${MLA[@]}" --steps 30 --log "$work/mla1.jsonl" --ckpt-dir "$work/ck_mla1" --sample-len 40 \
     --routing-record "$work/routes_mla.bin"
 run mla4 "${TINY[@]}" "${MLA[@]}" --steps 30 --nproc 4 --tp 2 --pp 2 --micro-batches 2 --log "$work/mla4.jsonl" \
     --ckpt-dir "$work/ck_mla4" --sample-len 40 --routing-replay "$work/routes_mla.bin"
-what="--attn mla: 4 ranks as tp2 x pp2 match 1 rank over 30 steps: loss every step and weights within 1e-5"
+what="--attn mla --mtp 1: 4 ranks as tp2 x pp2 match 1 rank over 30 steps: loss every step and weights within 1e-5"
 what="$what (moments 1e-4), the same 40-token sample"
 if [ "$(rc mla1)" -ne 0 ] || [ "$(rc mla4)" -ne 0 ]; then
     bad "$what" "exit $(rc mla1)/$(rc mla4)" "$(grep -E 'rank|error' "$work/mla4.out" | tail -3)"
@@ -231,14 +234,27 @@ else
             "sample: $(sample mla4 | tr '\n' ' ' | cut -c1-100)"
     fi
 fi
-# bf16, the bound derived as for the layouts above from this model's own bf16-to-f32 distance
+# bf16: pp2 with one micro-batch runs one rank's ops on the same rows (the MTP module's embedding
+# gradient reaches the table from the last stage's copy: an f32 sum of the two parts, which here
+# equals one rank's), so it logs one rank's numbers bit for bit; tp2 x pp2 within the bound
+# derived as for the layouts above from this model's own bf16-to-f32 distance
 run mla1_bf16 "${TINY[@]}" "${MLA[@]}" --steps 30 --dtype bf16 --log "$work/mla1_bf16.jsonl" \
     --ckpt-dir "$work/ck_mla1_bf16" --routing-record "$work/routes_mla_bf16.bin"
+run mla2_bf16 "${TINY[@]}" "${MLA[@]}" --steps 30 --dtype bf16 --nproc 2 --pp 2 --log "$work/mla2_bf16.jsonl" \
+    --routing-replay "$work/routes_mla_bf16.bin"
+a=$(fields mla1_bf16); b=$(fields mla2_bf16)
+what="--attn mla --mtp 1 --dtype bf16: 2 ranks as pp2 (one micro-batch) log every step and validation of 1 rank"
+if [ "$(rc mla1_bf16)" -eq 0 ] && [ "$(rc mla2_bf16)" -eq 0 ] && [ "$(echo "$a" | grep -c '^step')" -eq 30 ] &&
+   [ "$a" = "$b" ]; then
+    ok "$what bit for bit"
+else
+    bad "$what bit for bit" "exit $(rc mla1_bf16)/$(rc mla2_bf16)" "$(diff <(echo "$a") <(echo "$b") | head -4)"
+fi
 run mla1_f32b "${TINY[@]}" "${MLA[@]}" --steps 30 --log "$work/mla1_f32b.jsonl" --ckpt-dir "$work/ck_mla1_f32b" \
     --routing-replay "$work/routes_mla_bf16.bin"
 run mla4_bf16 "${TINY[@]}" "${MLA[@]}" --steps 30 --dtype bf16 --nproc 4 --tp 2 --pp 2 --micro-batches 2 \
     --log "$work/mla4_bf16.jsonl" --ckpt-dir "$work/ck_mla4_bf16" --routing-replay "$work/routes_mla_bf16.bin"
-what="--attn mla --dtype bf16: 4 ranks as tp2 x pp2 match 1 rank in bf16 over 30 steps within twice bf16's own"
+what="--attn mla --mtp 1 --dtype bf16: 4 ranks as tp2 x pp2 match 1 rank in bf16 over 30 steps within twice bf16's own"
 what="$what distance from f32"
 if [ "$(rc mla1_bf16)" -ne 0 ] || [ "$(rc mla1_f32b)" -ne 0 ] || [ "$(rc mla4_bf16)" -ne 0 ]; then
     bad "$what" "exit $(rc mla1_bf16)/$(rc mla1_f32b)/$(rc mla4_bf16)" \
@@ -380,6 +396,36 @@ else
     fi
 fi
 
+# ---- --recompute under tensor and pipeline parallelism: attn recomputes the attention core (its
+#      output and statistics, or MHA's probabilities, one slot shared by the layers), full reruns
+#      each block's forward from its kept input before its backward; the same ops on the same
+#      inputs, so every logged number equals the run without recomputation bit for bit (tp2 x pp2
+#      as the run `straight` above, and MLA with MTP as mla4), and rank 0 ends with fewer peak
+#      activation bytes
+peak0() { grep -o 'memory at end, rank 0 .*peak activations [0-9.]* MiB ([0-9]* B)' "$work/$1.out" |
+          sed 's/.*(\([0-9]*\) B)$/\1/'; }
+for spec in "straight|attn|" "straight|full|" "mla4|full|mla"; do
+    IFS='|' read -r ref mode kind <<<"$spec"
+    name="rc_${mode}_$ref"
+    # the reference's flags (a checkpoint at the end, the MLA run's sample) so the peaks compare
+    if [ "$kind" = mla ]; then
+        run "$name" "${TINY[@]}" "${MLA[@]}" --steps 30 --nproc 4 --tp 2 --pp 2 --micro-batches 2 --recompute "$mode" \
+            --log "$work/$name.jsonl" --ckpt-dir "$work/ck_$name" --sample-len 40 --routing-replay "$work/routes_mla.bin"
+    else
+        run "$name" "${TINY[@]}" --steps 30 --nproc 4 --tp 2 --pp 2 --micro-batches 2 --recompute "$mode" \
+            --log "$work/$name.jsonl" --ckpt-dir "$work/ck_$name" "${REC[@]}"
+    fi
+    a=$(fields "$ref"); b=$(fields "$name"); p0=$(peak0 "$ref"); p1=$(peak0 "$name")
+    what="--recompute $mode as tp2 x pp2 ($ref) logs every step and validation of the run without it bit for bit"
+    if [ "$(rc "$ref")" -eq 0 ] && [ "$(rc "$name")" -eq 0 ] && [ "$(echo "$a" | grep -c '^step')" -eq 30 ] &&
+       [ "$a" = "$b" ] && [ -n "$p0" ] && [ -n "$p1" ] && [ "$p1" -lt "$p0" ]; then
+        ok "$what, peak activations of rank 0 $p0 -> $p1 B"
+    else
+        bad "$what, fewer peak activation bytes" "exit $(rc "$ref")/$(rc "$name"), peak '$p0' -> '$p1'" \
+            "$(diff <(echo "$a") <(echo "$b") | head -4)" "$(grep -E 'rank|error' "$work/$name.out" | tail -2)"
+    fi
+done
+
 # ---- optimizer state per rank under pipeline and tensor parallelism: ZeRO-1 keeps 1/dp of what
 #      --zero 0 holds on the same rank (the stage's parameters, the rank's tensor-parallel box),
 #      plus the padding of the units' last chunks: each unit of E elements is cut into N chunks of
@@ -450,8 +496,7 @@ expect_fail grid_divide '--tp 3 x --pp 1 = 3 must divide the world size 4' "${TI
 expect_fail ep_dp '--ep 2 must divide the 1 data-parallel ranks' "${TINY[@]}" --nproc 4 --tp 2 --pp 2 --ep 2
 expect_fail tp_heads '--tp 4 must divide --heads 2' "${TINY[@]}" --nproc 4 --tp 4 --heads 2
 expect_fail mla_tp_heads '--tp 4 must divide --heads 2' "${TINY[@]}" "${MLA[@]}" --nproc 4 --tp 4 --heads 2
-expect_fail recompute_tp '--recompute attn: not with --tp/--pp/--micro-batches' "${TINY[@]}" --nproc 2 --pp 2 \
-    --recompute attn
+expect_fail mtp_pp_zero3 '--mtp 1 with --pp 2: --zero 0 or 1' "${TINY[@]}" --nproc 2 --pp 2 --mtp 1 --zero 3
 expect_fail pp_layers '--layers 4 cannot fill 8 pipeline stages' "${TINY[@]}" --nproc 4 --pp 4 --pp-schedule interleaved --virtual-stages 2 --micro-batches 4
 expect_fail micro_no_pp '--micro-batches, --virtual-stages and --pp-schedule need --pp 2' "${TINY[@]}" --micro-batches 2
 expect_fail micro_divide '--micro-batches 3 must divide the 8 sequences' "${TINY[@]}" --nproc 2 --pp 2 --micro-batches 3
