@@ -1366,7 +1366,7 @@ static void ck_add(ck_names *c, const char *name, const char *suffix, dsk_tensor
 static ck_names ck_entries(trainer *t, int load) {
     tm_model *m = &t->model;
     ck_names c;
-    int cap = 3 * m->n_params + m->cfg.n_layers;
+    int cap = 3 * m->n_params + tm_n_blocks(&m->cfg); /* and an expert bias per MoE layer, the MTP blocks' too */
     c.n = 0;
     c.name = (char(*)[112])calloc((size_t)cap, sizeof *c.name);
     c.e = (dsk_ckpt_entry *)calloc((size_t)cap, sizeof *c.e);

@@ -15,7 +15,8 @@
 #   derives (twice one rank's bf16-to-f32 distance); fp16 as tp2 x pp2 skips an overflowing step
 #   on every rank, halves the loss scale and leaves the weights as they were;
 #   --attn mla --mtp 1 as tp2 x pp2 against an MLA/MTP run on one rank, in f32 (1e-5 as above,
-#   the same sample) and bf16 (the derived bound; pp2 with one micro-batch bit for bit);
+#   the same sample) and bf16 (the derived bound; pp2 with one micro-batch bit for bit); two MTP
+#   modules with MoE FFNs as tp2 x pp2 in f32;
 #   --recompute attn|full under tp2 x pp2 bit for bit as without, with fewer activation bytes;
 #   the grid and the bubble are printed; unsupported combinations fail with a message.
 # Routing is replayed: the one-rank reference writes every MoE decision (--routing-record: each
@@ -270,6 +271,29 @@ else
         ok "$what (loss RMS $loss <= $b_loss; weights L2 $pl2 in $pl2_at <= $b_w)"
     else
         bad "$what" "loss RMS $loss (bound '$b_loss'), weights L2 ${pl2:-?} in ${pl2_at:-?} (bound '$b_w')"
+    fi
+fi
+
+# MHA with two MTP modules whose FFNs are MoE layers (DeepSeek-V3's MTP layer): the second takes
+# the first's output, each MoE block routes (replayed) and keeps its expert bias; the one-rank
+# reference also checks that its checkpoint holds every MoE layer's bias (more than --layers)
+MTPM=(--mtp 2 --mtp-ffn moe)
+run mtpm1 "${TINY[@]}" "${MTPM[@]}" --steps 30 --log "$work/mtpm1.jsonl" --ckpt-dir "$work/ck_mtpm1" \
+    --routing-record "$work/routes_mtpm.bin"
+run mtpm4 "${TINY[@]}" "${MTPM[@]}" --steps 30 --nproc 4 --tp 2 --pp 2 --micro-batches 2 --log "$work/mtpm4.jsonl" \
+    --ckpt-dir "$work/ck_mtpm4" --routing-replay "$work/routes_mtpm.bin"
+what="--mtp 2 --mtp-ffn moe: 4 ranks as tp2 x pp2 match 1 rank over 30 steps: loss every step and weights within"
+what="$what 1e-5 (moments 1e-4)"
+if [ "$(rc mtpm1)" -ne 0 ] || [ "$(rc mtpm4)" -ne 0 ]; then
+    bad "$what" "exit $(rc mtpm1)/$(rc mtpm4)" "$(grep -E 'rank|error|free' "$work/mtpm1.out" "$work/mtpm4.out" | tail -3)"
+else
+    loss=$(compare_losses mtpm1 mtpm4 33)
+    read -r pmax pmax_at pl2 pl2_at _ < <($PY tests/par_ckpt_compare.py "$work/ck_mtpm1" "$work/ck_mtpm4" 2>&1)
+    read -r _ _ ml2 ml2_at _ < <($PY tests/par_ckpt_compare.py "$work/ck_mtpm1" "$work/ck_mtpm4" --moments 2>&1)
+    if within "$loss" 1e-5 && within "${pl2:-x}" 1e-5 && within "${ml2:-x}" 1e-4; then
+        ok "$what (loss $loss; weights: L2 $pl2 in $pl2_at, largest element $pmax in $pmax_at; moments L2 $ml2)"
+    else
+        bad "$what" "loss $loss, weights ${pmax:-?} ${pmax_at:-} ${pl2:-?} ${pl2_at:-}, moments ${ml2:-?} ${ml2_at:-}"
     fi
 fi
 
