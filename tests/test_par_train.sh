@@ -15,7 +15,8 @@
 #   derives (twice one rank's bf16-to-f32 distance); fp16 as tp2 x pp2 skips an overflowing step
 #   on every rank, halves the loss scale and leaves the weights as they were;
 #   --attn mla --mtp 1 as tp2 x pp2 against an MLA/MTP run on one rank, in f32 (1e-5 as above,
-#   the same sample) and bf16 (the derived bound; pp2 with one micro-batch bit for bit); two MTP
+#   the same sample; a one-rank checkpoint of it resumes as tp2 x pp2) and bf16 (the derived
+#   bound; pp2 with one micro-batch bit for bit); two MTP
 #   modules with MoE FFNs as tp2 x pp2 in f32;
 #   --recompute attn|full under tp2 x pp2 bit for bit as without, with fewer activation bytes;
 #   the grid and the bubble are printed; unsupported combinations fail with a message.
@@ -234,6 +235,19 @@ else
         bad "$what" "loss $loss, weights ${pmax:-?} ${pmax_at:-} ${pl2:-?} ${pl2_at:-}, moments ${ml2:-?} ${ml2_at:-}" \
             "sample: $(sample mla4 | tr '\n' ' ' | cut -c1-100)"
     fi
+fi
+# a one-rank checkpoint of this model resumes as tp2 x pp2: the first stage's embedding and the last
+# stage's copy both load their box of the one table
+run mla1_first "${TINY[@]}" "${MLA[@]}" --steps 30 --ckpt-dir "$work/ck_mla_of" --stop-at 15 \
+    --routing-replay "$work/routes_mla.bin"
+run mla4_res "${TINY[@]}" "${MLA[@]}" --steps 30 --nproc 4 --tp 2 --pp 2 --micro-batches 2 --ckpt-dir "$work/ck_mla_of" \
+    --resume --log "$work/mla4_res.jsonl" --routing-replay "$work/routes_mla.bin"
+loss=$( [ "$(rc mla1)" -eq 0 ] && [ "$(rc mla4_res)" -eq 0 ] && compare_losses mla1 mla4_res 15)
+what="--attn mla --mtp 1: a one-rank checkpoint at step 15 resumes as tp2 x pp2 and steps 16-30 match one rank"
+if [ "$(rc mla1_first)" -eq 0 ] && within "$loss" 1e-5 && grep -q "resume: step 15 " "$work/mla4_res.out"; then
+    ok "$what within 1e-5 (worst $loss)"
+else
+    bad "$what" "exit $(rc mla1_first)/$(rc mla4_res), loss $loss" "$(grep -E 'rank|error' "$work/mla4_res.out" | tail -2)"
 fi
 # bf16: pp2 with one micro-batch runs one rank's ops on the same rows (the MTP module's embedding
 # gradient reaches the table from the last stage's copy: an f32 sum of the two parts, which here
