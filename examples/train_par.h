@@ -32,10 +32,10 @@
                    the price is that expert weights are not split over tp (EP does that).
      Gradients go through the trainer's one engine (train_zero.h, dsk_zero objects), with the
      groups of tp_places: norms and MoE replicated parameters saw only this rank's tokens: summed
-     over the ranks of the stage (tp x dp); tensor-parallel shards over dp; the embedding, when the
-     last stage holds a copy (--mtp), over the first and last stages' ranks of its tensor-parallel
-     rank (2 dp); expert shards over the
-     ranks of the stage holding the same experts (tp x edp); then each times 1/dp (every
+     over the ranks of the stage (tp x dp); tensor-parallel shards over dp; the embedding, when
+     the last stage holds a copy (--mtp), over the first and last stages' ranks of its
+     tensor-parallel rank (2 dp); expert shards over the ranks of the stage holding the same
+     experts (tp x edp); then each times 1/dp (every
      data-parallel replica's loss is its own micro-batch mean). Each pipeline chunk is its own
      part: its backward of a micro-batch is one pass (pass_begin), the last micro-batch's reduces
      (--zero 0-1) or every one reduce-scatters (--zero 2-3); the model's unit hooks drive the
@@ -73,8 +73,8 @@
      state) before its backward. The same ops on the same inputs: the gradients are those
      without recomputation bit for bit. The MTP blocks keep theirs (their backward follows their
      forward at once).
-   Contents: layout (tp_layout, tp_model_init, tp_places); views; one block (forward, backward); MTP;
-   stages (the executor's callbacks, tp_train_batch, tp_eval_batch); loss; checkpoints (who
+   Contents: layout (tp_layout, tp_model_init, tp_places); views; one block (forward, backward);
+   MTP; stages (the executor's callbacks, tp_train_batch, tp_eval_batch); loss; checkpoints (who
    writes the expert bias). */
 #ifndef TRAIN_PAR_H
 #define TRAIN_PAR_H
@@ -709,7 +709,8 @@ static dsk_status tp_mla_forward(tp_state *ps, int l, int slot, tp_acts *s) {
     tm_model *m = ps->m;
     tm_block *b = &m->blocks[l];
     tp_mla_slot(ps, l, slot);
-    if (ps->tp > 1) TM_T(TM_PH_MOVE, dsk_par_map_forward(&ps->grid.tp, ps->ctx, DSK_PAR_MAP_GATHER, 0, &s->h1g, &s->h1));
+    if (ps->tp > 1)
+        TM_T(TM_PH_MOVE, dsk_par_map_forward(&ps->grid.tp, ps->ctx, DSK_PAR_MAP_GATHER, 0, &s->h1g, &s->h1));
     TM_TRY(tmla_latent_forward(m, b, ps->Bm, &s->h1g));
     return tp_row_residual(ps, TM_PH_LINEAR, &s->x2, &s->x, &b->mla.att, &b->mla.wo->wc);
 }

@@ -240,14 +240,15 @@ fi
 # stage's copy both load their box of the one table
 run mla1_first "${TINY[@]}" "${MLA[@]}" --steps 30 --ckpt-dir "$work/ck_mla_of" --stop-at 15 \
     --routing-replay "$work/routes_mla.bin"
-run mla4_res "${TINY[@]}" "${MLA[@]}" --steps 30 --nproc 4 --tp 2 --pp 2 --micro-batches 2 --ckpt-dir "$work/ck_mla_of" \
-    --resume --log "$work/mla4_res.jsonl" --routing-replay "$work/routes_mla.bin"
+run mla4_res "${TINY[@]}" "${MLA[@]}" --steps 30 --nproc 4 --tp 2 --pp 2 --micro-batches 2 \
+    --ckpt-dir "$work/ck_mla_of" --resume --log "$work/mla4_res.jsonl" --routing-replay "$work/routes_mla.bin"
 loss=$( [ "$(rc mla1)" -eq 0 ] && [ "$(rc mla4_res)" -eq 0 ] && compare_losses mla1 mla4_res 15)
 what="--attn mla --mtp 1: a one-rank checkpoint at step 15 resumes as tp2 x pp2 and steps 16-30 match one rank"
 if [ "$(rc mla1_first)" -eq 0 ] && within "$loss" 1e-5 && grep -q "resume: step 15 " "$work/mla4_res.out"; then
     ok "$what within 1e-5 (worst $loss)"
 else
-    bad "$what" "exit $(rc mla1_first)/$(rc mla4_res), loss $loss" "$(grep -E 'rank|error' "$work/mla4_res.out" | tail -2)"
+    bad "$what" "exit $(rc mla1_first)/$(rc mla4_res), loss $loss" \
+        "$(grep -E 'rank|error' "$work/mla4_res.out" | tail -2)"
 fi
 # bf16: pp2 with one micro-batch runs one rank's ops on the same rows (the MTP module's embedding
 # gradient reaches the table from the last stage's copy: an f32 sum of the two parts, which here
@@ -299,7 +300,8 @@ run mtpm4 "${TINY[@]}" "${MTPM[@]}" --steps 30 --nproc 4 --tp 2 --pp 2 --micro-b
 what="--mtp 2 --mtp-ffn moe: 4 ranks as tp2 x pp2 match 1 rank over 30 steps: loss every step and weights within"
 what="$what 1e-5 (moments 1e-4)"
 if [ "$(rc mtpm1)" -ne 0 ] || [ "$(rc mtpm4)" -ne 0 ]; then
-    bad "$what" "exit $(rc mtpm1)/$(rc mtpm4)" "$(grep -E 'rank|error|free' "$work/mtpm1.out" "$work/mtpm4.out" | tail -3)"
+    bad "$what" "exit $(rc mtpm1)/$(rc mtpm4)" \
+        "$(grep -E 'rank|error|free' "$work/mtpm1.out" "$work/mtpm4.out" | tail -3)"
 else
     loss=$(compare_losses mtpm1 mtpm4 33)
     read -r pmax pmax_at pl2 pl2_at _ < <($PY tests/par_ckpt_compare.py "$work/ck_mtpm1" "$work/ck_mtpm4" 2>&1)
@@ -448,7 +450,8 @@ for spec in "straight|attn|" "straight|full|" "mla4|full|mla"; do
     # the reference's flags (a checkpoint at the end, the MLA run's sample) so the peaks compare
     if [ "$kind" = mla ]; then
         run "$name" "${TINY[@]}" "${MLA[@]}" --steps 30 --nproc 4 --tp 2 --pp 2 --micro-batches 2 --recompute "$mode" \
-            --log "$work/$name.jsonl" --ckpt-dir "$work/ck_$name" --sample-len 40 --routing-replay "$work/routes_mla.bin"
+            --log "$work/$name.jsonl" --ckpt-dir "$work/ck_$name" --sample-len 40 \
+            --routing-replay "$work/routes_mla.bin"
     else
         run "$name" "${TINY[@]}" --steps 30 --nproc 4 --tp 2 --pp 2 --micro-batches 2 --recompute "$mode" \
             --log "$work/$name.jsonl" --ckpt-dir "$work/ck_$name" "${REC[@]}"
