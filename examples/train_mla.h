@@ -17,6 +17,8 @@
    applies them (DeepSeek-V3's reference applies them when its max_seq_len exceeds the
    original length, which its published configs do). The attention core is
    dsk_attention_fused with Dk = nope + rope != Dv = v: O(T) memory, row log-sum-exp saved.
+   Between the block's norm and Wo (tmla_latent_forward / _backward) it runs the heads of
+   tmla_model.heads (train_par.h: a tensor-parallel rank's H/tp, on the gathered input).
 
    MTP (DeepSeek-V3 report, section 2.2): D modules after the main model; module k (1..D) at
    position i combines RMSNorm(h^{k-1}_i) and RMSNorm(Emb(t_{i+k})) by a projection M_k (d x 2d),
@@ -115,6 +117,9 @@ typedef struct tmla_model {
                                            turns at pair i's ramped frequency: theta_i = f_i^-2 */
     dsk_tensor dcarry, dtmp;            /* (N, D) MTP backward */
     int eval;                           /* 1: forward passes skip the MTP modules */
+    int64_t heads;                      /* heads this rank runs [0: all]; train_par.h: n_heads / tp */
+    int unit_ready;                     /* 1: the caller marks gradients final per unit (train_par.h), not the
+                                           MLA backward per parameter */
 } tmla_model;
 
 static inline int tmla_is_mla(const tmla_config *a) { return a->attn == TMLA_ATTN_MLA; }
@@ -151,6 +156,12 @@ static dsk_tensor tmla_heads(const tm_model *m, const dsk_tensor *t, int nb, int
     dsk_tensor_reshape(&r, 4, sh, &v);
     return v;
 }
+
+/* The heads this rank's MLA runs (their rows of Wq/Wq_b and Wkv_b, columns of Wo). */
+static int64_t tmla_nh(const tm_model *m) { return m->mla.heads > 0 ? m->mla.heads : m->cfg.n_heads; }
+
+/* p's gradient is final (unless the caller marks whole units: tmla_model.unit_ready). */
+static dsk_status tmla_ready(tm_model *m, struct tm_param *p) { return m->mla.unit_ready ? DSK_OK : tm_ready(m, p); }
 
 /* Columns [c0, c0 + n) of the last dim (a strided view). */
 static dsk_tensor tmla_cols(const dsk_tensor *t, int64_t c0, int64_t n) {
@@ -392,39 +403,48 @@ static dsk_status tmla_alloc_block(tm_model *m, int l) {
     return dsk_tensor_alloc(m->ctx, &p->lse, DSK_F32, 3, ls);
 }
 
+/* The MLA backward scratch and rope tables for N rows and H heads (the one-rank model: the
+   batch and every head; train_par.h: a micro-batch and the rank's heads). */
+static dsk_status tmla_alloc_scratch(tm_model *m, int64_t N, int64_t H) {
+    const tm_config *c = &m->cfg;
+    const tmla_config *a = &c->mla;
+    tmla_model *s = &m->mla;
+    dsk_dtype dt = c->cdt;
+    int64_t dn = a->qk_nope_dim, dr = a->qk_rope_dim, dv = a->v_head_dim, dqk = dn + dr;
+    TM_TRY(tm_alloc2(m, &s->pe, dt, N, H * dr));
+    TM_TRY(tm_alloc2(m, &s->pe2, dt, N, H * dr));
+    TM_TRY(tm_alloc2(m, &s->dpe1, dt, N, dr));
+    TM_TRY(tm_alloc2(m, &s->dkpe, dt, N, dr));
+    TM_TRY(tm_alloc2(m, &s->dq, dt, N, H * dqk));
+    TM_TRY(tm_alloc2(m, &s->dk, dt, N, H * dqk));
+    TM_TRY(tm_alloc2(m, &s->dkvb, dt, N, H * (dn + dv)));
+    TM_TRY(tm_alloc2(m, &s->datt, dt, N, H * dv));
+    TM_TRY(tm_alloc2(m, &s->dc, dt, N, a->kv_lora_rank));
+    TM_TRY(tm_alloc2(m, &s->dc2, dt, N, a->kv_lora_rank));
+    if (a->q_lora_rank > 0) {
+        TM_TRY(tm_alloc2(m, &s->dcq, dt, N, a->q_lora_rank));
+        TM_TRY(tm_alloc2(m, &s->dcq2, dt, N, a->q_lora_rank));
+    }
+    if (a->yarn) {
+        TM_TRY(tm_alloc2(m, &s->ry_in, dt, N, H * 4));
+        TM_TRY(tm_alloc2(m, &s->ry_out, dt, N, H * 4));
+        TM_TRY(tm_zero(m, &s->ry_in)); /* its first pair turns unused: finite */
+        for (int i = 0; i < a->qk_rope_dim / 2; i++) {
+            double f = tmla_yarn_freq(a, c->rope_theta, i);
+            s->ry_theta[i] = (float)(1.0 / (f * f));
+        }
+    }
+    return DSK_OK;
+}
+
 /* Model-wide MLA scratch, the MTP blocks and modules. */
 static dsk_status tmla_alloc(tm_model *m) {
     const tm_config *c = &m->cfg;
     const tmla_config *a = &c->mla;
     tmla_model *s = &m->mla;
-    int64_t N = (int64_t)c->batch * c->seq, D = c->d_model, H = c->n_heads, V = c->vocab;
+    int64_t N = (int64_t)c->batch * c->seq, D = c->d_model, V = c->vocab;
     dsk_dtype dt = c->cdt;
-    if (tmla_is_mla(a)) {
-        int64_t dn = a->qk_nope_dim, dr = a->qk_rope_dim, dv = a->v_head_dim, dqk = dn + dr;
-        TM_TRY(tm_alloc2(m, &s->pe, dt, N, H * dr));
-        TM_TRY(tm_alloc2(m, &s->pe2, dt, N, H * dr));
-        TM_TRY(tm_alloc2(m, &s->dpe1, dt, N, dr));
-        TM_TRY(tm_alloc2(m, &s->dkpe, dt, N, dr));
-        TM_TRY(tm_alloc2(m, &s->dq, dt, N, H * dqk));
-        TM_TRY(tm_alloc2(m, &s->dk, dt, N, H * dqk));
-        TM_TRY(tm_alloc2(m, &s->dkvb, dt, N, H * (dn + dv)));
-        TM_TRY(tm_alloc2(m, &s->datt, dt, N, H * dv));
-        TM_TRY(tm_alloc2(m, &s->dc, dt, N, a->kv_lora_rank));
-        TM_TRY(tm_alloc2(m, &s->dc2, dt, N, a->kv_lora_rank));
-        if (a->q_lora_rank > 0) {
-            TM_TRY(tm_alloc2(m, &s->dcq, dt, N, a->q_lora_rank));
-            TM_TRY(tm_alloc2(m, &s->dcq2, dt, N, a->q_lora_rank));
-        }
-        if (a->yarn) {
-            TM_TRY(tm_alloc2(m, &s->ry_in, dt, N, H * 4));
-            TM_TRY(tm_alloc2(m, &s->ry_out, dt, N, H * 4));
-            TM_TRY(tm_zero(m, &s->ry_in)); /* its first pair turns unused: finite */
-            for (int i = 0; i < a->qk_rope_dim / 2; i++) {
-                double f = tmla_yarn_freq(a, c->rope_theta, i);
-                s->ry_theta[i] = (float)(1.0 / (f * f));
-            }
-        }
-    }
+    if (tmla_is_mla(a)) TM_TRY(tmla_alloc_scratch(m, N, c->n_heads));
     if (a->recompute == TMLA_RECOMPUTE_FULL && c->n_dense > 0) TM_TRY(tm_alloc2(m, &s->yscr, dt, N, D));
     for (int k = 0; k < a->mtp_depth; k++) {
         tmla_mtp *t = &s->mtp[k];
@@ -481,7 +501,7 @@ static dsk_status tmla_core(tm_model *m, tm_block *b, int nb) {
     const tm_config *c = &m->cfg;
     const tmla_config *a = &c->mla;
     tmla_block *p = &b->mla;
-    int64_t H = c->n_heads, dn = a->qk_nope_dim, dv = a->v_head_dim, dqk = dn + a->qk_rope_dim;
+    int64_t H = tmla_nh(m), dn = a->qk_nope_dim, dv = a->v_head_dim, dqk = dn + a->qk_rope_dim;
     dsk_tensor q4 = tmla_heads(m, &p->q, nb, H, dqk), k4 = tmla_heads(m, &p->k, nb, H, dqk);
     dsk_tensor kvb4 = tmla_heads(m, &p->kvb, nb, H, dn + dv), v4 = tmla_cols(&kvb4, dn, dv);
     dsk_tensor att4 = tmla_heads(m, &p->att, nb, H, dv), lse = tmla_lse(&p->lse, nb);
@@ -489,25 +509,25 @@ static dsk_status tmla_core(tm_model *m, tm_block *b, int nb) {
     return DSK_OK;
 }
 
-/* Attention half of an MLA block: x -> x2 and h2 = RMSNorm(x2), everything backward needs saved. */
-static dsk_status tmla_attn_forward(tm_model *m, tm_block *b, int nb) {
+/* The attention of an MLA block from its normed input h1 (nb sequences, every row of the
+   micro-batch): the latents, queries, keys and values of this rank's heads and the core, att
+   and lse; everything backward needs saved. */
+static dsk_status tmla_latent_forward(tm_model *m, tm_block *b, int nb, const dsk_tensor *h1) {
     const tm_config *c = &m->cfg;
     const tmla_config *a = &c->mla;
     tmla_block *p = &b->mla;
     tmla_model *s = &m->mla;
-    int64_t N = (int64_t)nb * c->seq, H = c->n_heads, dn = a->qk_nope_dim, dr = a->qk_rope_dim, dqk = dn + dr;
+    int64_t N = (int64_t)nb * c->seq, H = tmla_nh(m), dn = a->qk_nope_dim, dr = a->qk_rope_dim, dqk = dn + dr;
     int64_t R = a->kv_lora_rank;
-    dsk_tensor x = tm_rows(&b->x, N), h1 = tm_rows(&b->h1, N), rstd1 = tm_rows(&b->rstd1, N);
     dsk_tensor q = tm_rows(&p->q, N), ckv = tm_rows(&p->ckv, N), ckvn = tm_rows(&p->ckvn, N);
     dsk_tensor rkv = tm_rows(&p->rstd_kv, N), kpe = tm_rows(&p->kpe, N), kvb = tm_rows(&p->kvb, N);
-    TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &h1, &rstd1, &x, &b->ln1->wc, c->norm_eps));
     if (a->q_lora_rank > 0) {
         dsk_tensor cq = tm_rows(&p->cq, N), cqn = tm_rows(&p->cqn, N), rq = tm_rows(&p->rstd_q, N);
-        TM_T(TM_PH_LINEAR, tm_mm(m, &cq, &h1, 0, &p->wq_a->wc, 1, 0.0f));
+        TM_T(TM_PH_LINEAR, tm_mm(m, &cq, h1, 0, &p->wq_a->wc, 1, 0.0f));
         TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &cqn, &rq, &cq, &p->q_norm->wc, tmla_latent_eps(c)));
         TM_T(TM_PH_LINEAR, tm_mm(m, &q, &cqn, 0, &p->wq_b->wc, 1, 0.0f));
     } else {
-        TM_T(TM_PH_LINEAR, tm_mm(m, &q, &h1, 0, &p->wq->wc, 1, 0.0f));
+        TM_T(TM_PH_LINEAR, tm_mm(m, &q, h1, 0, &p->wq->wc, 1, 0.0f));
     }
     /* rotate the rope part of every query head through a contiguous copy */
     dsk_tensor q4 = tmla_heads(m, &p->q, nb, H, dqk), qpe = tmla_cols(&q4, dn, dr),
@@ -517,8 +537,8 @@ static dsk_status tmla_attn_forward(tm_model *m, tm_block *b, int nb) {
     TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &qpe, &pe4));
     /* [c | kr] = Wkv_a h1 as two products over the weight's row blocks */
     dsk_tensor wc = tmla_wrows(&p->wkv_a->wc, 0, R), wr = tmla_wrows(&p->wkv_a->wc, R, dr);
-    TM_T(TM_PH_LINEAR, tm_mm(m, &ckv, &h1, 0, &wc, 1, 0.0f));
-    TM_T(TM_PH_LINEAR, tm_mm(m, &kpe, &h1, 0, &wr, 1, 0.0f));
+    TM_T(TM_PH_LINEAR, tm_mm(m, &ckv, h1, 0, &wc, 1, 0.0f));
+    TM_T(TM_PH_LINEAR, tm_mm(m, &kpe, h1, 0, &wr, 1, 0.0f));
     dsk_tensor kpe4 = tmla_heads(m, &p->kpe, nb, 1, dr);
     TM_T(TM_PH_ROPE, tmla_rotate(m, &kpe4, &kpe4, 0));
     TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &ckvn, &rkv, &ckv, &p->kv_norm->wc, tmla_latent_eps(c)));
@@ -530,7 +550,17 @@ static dsk_status tmla_attn_forward(tm_model *m, tm_block *b, int nb) {
     kb.stride[2] = 0;
     TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &kn, &kvn));
     TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &kr, &kb));
-    TM_TRY(tmla_core(m, b, nb));
+    return tmla_core(m, b, nb);
+}
+
+/* Attention half of an MLA block: x -> x2 and h2 = RMSNorm(x2), everything backward needs saved. */
+static dsk_status tmla_attn_forward(tm_model *m, tm_block *b, int nb) {
+    const tm_config *c = &m->cfg;
+    tmla_block *p = &b->mla;
+    int64_t N = (int64_t)nb * c->seq;
+    dsk_tensor x = tm_rows(&b->x, N), h1 = tm_rows(&b->h1, N), rstd1 = tm_rows(&b->rstd1, N);
+    TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &h1, &rstd1, &x, &b->ln1->wc, c->norm_eps));
+    TM_TRY(tmla_latent_forward(m, b, nb, &h1));
     dsk_tensor att = tm_rows(&p->att, N), x2 = tm_rows(&b->x2, N), h2 = tm_rows(&b->h2, N),
                rstd2 = tm_rows(&b->rstd2, N);
     TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &x2, &x));
@@ -540,42 +570,38 @@ static dsk_status tmla_attn_forward(tm_model *m, tm_block *b, int nb) {
 }
 
 /* The query path backward from dq (pre-rope gradient): weight gradients, dh = d(h1) written. */
-static dsk_status tmla_query_backward(tm_model *m, tm_block *b) {
+static dsk_status tmla_query_backward(tm_model *m, tm_block *b, const dsk_tensor *h1, dsk_tensor *dh) {
     const tmla_config *a = &m->cfg.mla;
     tmla_block *p = &b->mla;
     tmla_model *s = &m->mla;
     if (a->q_lora_rank == 0) {
-        TM_T(TM_PH_LINEAR, tm_mm(m, &p->wq->g, &s->dq, 1, &b->h1, 0, 1.0f));
-        TM_T(TM_PH_MOVE, tm_ready(m, p->wq));
-        TM_T(TM_PH_LINEAR, tm_mm(m, &m->dh, &s->dq, 0, &p->wq->wc, 0, 0.0f));
+        TM_T(TM_PH_LINEAR, tm_mm(m, &p->wq->g, &s->dq, 1, h1, 0, 1.0f));
+        TM_T(TM_PH_MOVE, tmla_ready(m, p->wq));
+        TM_T(TM_PH_LINEAR, tm_mm(m, dh, &s->dq, 0, &p->wq->wc, 0, 0.0f));
         return DSK_OK;
     }
     TM_T(TM_PH_LINEAR, tm_mm(m, &p->wq_b->g, &s->dq, 1, &p->cqn, 0, 1.0f));
-    TM_T(TM_PH_MOVE, tm_ready(m, p->wq_b));
+    TM_T(TM_PH_MOVE, tmla_ready(m, p->wq_b));
     TM_T(TM_PH_LINEAR, tm_mm(m, &s->dcq, &s->dq, 0, &p->wq_b->wc, 0, 0.0f));
     TM_T(TM_PH_MOVE, tm_zero(m, &s->dcq2));
     TM_T(TM_PH_NORM,
          dsk_rmsnorm_backward(m->ctx, &s->dcq2, tm_grad(p->q_norm), &s->dcq, &p->cq, &p->q_norm->wc, &p->rstd_q));
-    TM_T(TM_PH_MOVE, tm_ready(m, p->q_norm));
-    TM_T(TM_PH_LINEAR, tm_mm(m, &p->wq_a->g, &s->dcq2, 1, &b->h1, 0, 1.0f));
-    TM_T(TM_PH_MOVE, tm_ready(m, p->wq_a));
-    TM_T(TM_PH_LINEAR, tm_mm(m, &m->dh, &s->dcq2, 0, &p->wq_a->wc, 0, 0.0f));
+    TM_T(TM_PH_MOVE, tmla_ready(m, p->q_norm));
+    TM_T(TM_PH_LINEAR, tm_mm(m, &p->wq_a->g, &s->dcq2, 1, h1, 0, 1.0f));
+    TM_T(TM_PH_MOVE, tmla_ready(m, p->wq_a));
+    TM_T(TM_PH_LINEAR, tm_mm(m, dh, &s->dcq2, 0, &p->wq_a->wc, 0, 0.0f));
     return DSK_OK;
 }
 
-/* dx holds d(x2); turns it into d(x) and adds the MLA weights' gradients (full micro-batch). */
-static dsk_status tmla_attn_backward(tm_model *m, tm_block *b) {
+/* datt holds d(att) of nb sequences: the gradients of this rank's heads into the MLA weights
+   (added) and d(h1) into dh (written), h1 the normed input the latent forward took. */
+static dsk_status tmla_latent_backward(tm_model *m, tm_block *b, int nb, const dsk_tensor *h1, dsk_tensor *dh) {
     const tm_config *c = &m->cfg;
     const tmla_config *a = &c->mla;
     tmla_block *p = &b->mla;
     tmla_model *s = &m->mla;
-    int nb = c->batch;
-    int64_t H = c->n_heads, dn = a->qk_nope_dim, dr = a->qk_rope_dim, dv = a->v_head_dim, dqk = dn + dr,
+    int64_t H = tmla_nh(m), dn = a->qk_nope_dim, dr = a->qk_rope_dim, dv = a->v_head_dim, dqk = dn + dr,
             R = a->kv_lora_rank;
-    if (p->recompute == TMLA_RECOMPUTE_ATTN) TM_TRY(tmla_core(m, b, nb));
-    TM_T(TM_PH_LINEAR, tm_mm(m, &p->wo->g, &m->dx, 1, &p->att, 0, 1.0f)); /* dWo += dx2^T att */
-    TM_T(TM_PH_MOVE, tm_ready(m, p->wo));
-    TM_T(TM_PH_LINEAR, tm_mm(m, &s->datt, &m->dx, 0, &p->wo->wc, 0, 0.0f));
     TM_T(TM_PH_MOVE, tm_zero(m, &s->dq));
     TM_T(TM_PH_MOVE, tm_zero(m, &s->dk));
     TM_T(TM_PH_MOVE, tm_zero(m, &s->dkvb));
@@ -603,20 +629,32 @@ static dsk_status tmla_attn_backward(tm_model *m, tm_block *b) {
     TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &dqr, &pe24));
     /* kv latent path */
     TM_T(TM_PH_LINEAR, tm_mm(m, &p->wkv_b->g, &s->dkvb, 1, &p->ckvn, 0, 1.0f));
-    TM_T(TM_PH_MOVE, tm_ready(m, p->wkv_b));
+    TM_T(TM_PH_MOVE, tmla_ready(m, p->wkv_b));
     TM_T(TM_PH_LINEAR, tm_mm(m, &s->dc, &s->dkvb, 0, &p->wkv_b->wc, 0, 0.0f));
     TM_T(TM_PH_MOVE, tm_zero(m, &s->dc2));
     TM_T(TM_PH_NORM,
          dsk_rmsnorm_backward(m->ctx, &s->dc2, tm_grad(p->kv_norm), &s->dc, &p->ckv, &p->kv_norm->wc, &p->rstd_kv));
-    TM_T(TM_PH_MOVE, tm_ready(m, p->kv_norm));
+    TM_T(TM_PH_MOVE, tmla_ready(m, p->kv_norm));
     dsk_tensor gc = tmla_wrows(&p->wkv_a->g, 0, R), gr = tmla_wrows(&p->wkv_a->g, R, dr);
-    TM_T(TM_PH_LINEAR, tm_mm(m, &gc, &s->dc2, 1, &b->h1, 0, 1.0f));
-    TM_T(TM_PH_LINEAR, tm_mm(m, &gr, &s->dkpe, 1, &b->h1, 0, 1.0f));
-    TM_T(TM_PH_MOVE, tm_ready(m, p->wkv_a));
-    TM_TRY(tmla_query_backward(m, b)); /* writes dh */
+    TM_T(TM_PH_LINEAR, tm_mm(m, &gc, &s->dc2, 1, h1, 0, 1.0f));
+    TM_T(TM_PH_LINEAR, tm_mm(m, &gr, &s->dkpe, 1, h1, 0, 1.0f));
+    TM_T(TM_PH_MOVE, tmla_ready(m, p->wkv_a));
+    TM_TRY(tmla_query_backward(m, b, h1, dh)); /* writes dh */
     dsk_tensor wc = tmla_wrows(&p->wkv_a->wc, 0, R), wr = tmla_wrows(&p->wkv_a->wc, R, dr);
-    TM_T(TM_PH_LINEAR, tm_mm(m, &m->dh, &s->dc2, 0, &wc, 0, 1.0f));
-    TM_T(TM_PH_LINEAR, tm_mm(m, &m->dh, &s->dkpe, 0, &wr, 0, 1.0f));
+    TM_T(TM_PH_LINEAR, tm_mm(m, dh, &s->dc2, 0, &wc, 0, 1.0f));
+    TM_T(TM_PH_LINEAR, tm_mm(m, dh, &s->dkpe, 0, &wr, 0, 1.0f));
+    return DSK_OK;
+}
+
+/* dx holds d(x2); turns it into d(x) and adds the MLA weights' gradients (full micro-batch). */
+static dsk_status tmla_attn_backward(tm_model *m, tm_block *b) {
+    tmla_block *p = &b->mla;
+    int nb = m->cfg.batch;
+    if (p->recompute == TMLA_RECOMPUTE_ATTN) TM_TRY(tmla_core(m, b, nb));
+    TM_T(TM_PH_LINEAR, tm_mm(m, &p->wo->g, &m->dx, 1, &p->att, 0, 1.0f)); /* dWo += dx2^T att */
+    TM_T(TM_PH_MOVE, tm_ready(m, p->wo));
+    TM_T(TM_PH_LINEAR, tm_mm(m, &m->mla.datt, &m->dx, 0, &p->wo->wc, 0, 0.0f));
+    TM_TRY(tmla_latent_backward(m, b, nb, &b->h1, &m->dh));
     TM_T(TM_PH_NORM, dsk_rmsnorm_backward(m->ctx, &m->dx, tm_grad(b->ln1), &m->dh, &b->x, &b->ln1->wc, &b->rstd1));
     TM_T(TM_PH_MOVE, tm_ready(m, b->ln1));
     return DSK_OK;

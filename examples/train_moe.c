@@ -635,6 +635,10 @@ static void setup_comm(trainer *t) {
         fail(t, "--pp-schedule interleaved needs --micro-batches (%d) to be a multiple of --pp %d", o->micro, o->pp);
     t->par.M = o->micro;
     t->par.v = o->vstages;
+    t->par.embed_group = o->mtp > 0; /* the last stage's copy of the embedding (train_par.h) */
+    if (o->mtp > 0 && o->pp > 1 && o->zero >= 2)
+        fail(t, "--mtp %d with --pp %d: --zero 0 or 1 (the last stage's copy of the embedding reduces and gathers "
+                "in another order than the first stage's at --zero %d)", o->mtp, o->pp, o->zero);
     if (t->have_comm) {
         dsk_par_dims d;
         memset(&d, 0, sizeof d);
@@ -1429,7 +1433,7 @@ static void ck_add(ck_names *c, const char *name, const char *suffix, dsk_tensor
 static ck_names ck_entries(trainer *t, int load) {
     tm_model *m = &t->model;
     ck_names c;
-    int cap = 3 * m->n_params + m->cfg.n_layers;
+    int cap = 3 * m->n_params + tm_n_blocks(&m->cfg); /* and an expert bias per MoE layer, the MTP blocks' too */
     c.n = 0;
     c.name = (char(*)[112])calloc((size_t)cap, sizeof *c.name);
     c.e = (dsk_ckpt_entry *)calloc((size_t)cap, sizeof *c.e);

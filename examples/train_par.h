@@ -8,12 +8,23 @@
      tensor-parallel shard:
        attention   wq, wk, wv column-parallel (rows [r D/tp, (r+1) D/tp): heads r H/tp ..),
                    wo row-parallel (columns), so each rank runs H/tp heads on every token
+       MLA         (--attn mla, Megatron-Core's layout) the up-projections wq (q_lora 0) or
+                   wq_b, and wkv_b column-parallel by heads (rows of heads r H/tp ..), wo
+                   row-parallel; the latent down-projections wq_a and wkv_a (with the shared
+                   rope key) and the latents' norms replicated, run whole on the gathered input
+                   (N rows) on every rank; their weight gradients and d(input) from the rank's
+                   heads only, both summed over tp (see tp_mla_backward)
        dense FFN   w1, w3 column-parallel, w2 row-parallel
        embedding   vocabulary-parallel rows; lm_head vocabulary-parallel rows, with the
                    vocabulary-parallel cross-entropy (the full logits are never formed)
        norms       replicated; they run under sequence parallelism on the rank's N/tp tokens
                    (rows [r N/tp, (r+1) N/tp) of the micro-batch): all-gather before the
                    column-parallel linears, reduce-scatter after the row-parallel ones
+       MTP         (--mtp D) the modules on the last stage, after the main head, in its unit and
+                   part: norms and projection replicated on the rank's N/tp tokens, the block
+                   as the main ones, the shared head and its vocabulary-parallel loss; the
+                   shifted tokens' embeddings from a copy of the embedding on the last stage
+                   when the first stage is elsewhere (Megatron's embedding group, see MTP)
        MoE layers  replicated over tp (router, shared experts, routed experts) and sharded by
                    expert parallelism only: each tensor-parallel rank runs the layer on its own
                    N/tp tokens (the sequence-parallel shard it already holds), so an MoE layer
@@ -21,8 +32,10 @@
                    the price is that expert weights are not split over tp (EP does that).
      Gradients go through the trainer's one engine (train_zero.h, dsk_zero objects), with the
      groups of tp_places: norms and MoE replicated parameters saw only this rank's tokens: summed
-     over the ranks of the stage (tp x dp); tensor-parallel shards over dp; expert shards over the
-     ranks of the stage holding the same experts (tp x edp); then each times 1/dp (every
+     over the ranks of the stage (tp x dp); tensor-parallel shards over dp; the embedding, when
+     the last stage holds a copy (--mtp), over the first and last stages' ranks of its
+     tensor-parallel rank (2 dp); expert shards over the ranks of the stage holding the same
+     experts (tp x edp); then each times 1/dp (every
      data-parallel replica's loss is its own micro-batch mean). Each pipeline chunk is its own
      part: its backward of a micro-batch is one pass (pass_begin), the last micro-batch's reduces
      (--zero 0-1) or every one reduce-scatters (--zero 2-3); the model's unit hooks drive the
@@ -50,9 +63,18 @@
      from an f32 copy of the (gathered) dx. An f16 model runs its MoE layers in f32 (through the
      layer's mx/my); the trainer's loss scale comes in as gscale.
    Limits (refused with a message): --tp divides the heads, the FFN hidden size, the
-     vocabulary and the tokens of a micro-batch; every global stage holds a block.
+     vocabulary and the tokens of a micro-batch; every global stage holds a block; --mtp with
+     --pp only at --zero 0-1 (train_moe.c: the embedding's copy would gather and reduce in
+     another order than the first stage's).
+   Recomputation (--recompute, as train_mla.h has it): attn keeps one slot of the attention
+     core's output and statistics (MHA: probabilities) that every layer shares and recomputes
+     the core before each block's attention backward; full keeps only each block's input per
+     slot and reruns the block's attention half and dense FFN input (an MoE layer keeps its own
+     state) before its backward. The same ops on the same inputs: the gradients are those
+     without recomputation bit for bit. The MTP blocks keep theirs (their backward follows their
+     forward at once).
    Contents: layout (tp_layout, tp_model_init, tp_places); views; one block (forward, backward);
-   stages (the executor's callbacks, tp_train_batch, tp_eval_batch); loss; checkpoints (who
+   MTP; stages (the executor's callbacks, tp_train_batch, tp_eval_batch); loss; checkpoints (who
    writes the expert bias). */
 #ifndef TRAIN_PAR_H
 #define TRAIN_PAR_H
@@ -63,7 +85,7 @@
 
 typedef enum tp_split { TP_REPL = 0, TP_ROWS, TP_COLS } tp_split;
 /* How a gradient reduces; also the order of the parameters in the slabs. */
-typedef enum tp_group { TP_G_REPL = 0, TP_G_SHARD, TP_G_EXPERT, TP_G_COUNT } tp_group;
+typedef enum tp_group { TP_G_REPL = 0, TP_G_SHARD, TP_G_EMBED, TP_G_EXPERT, TP_G_COUNT } tp_group;
 
 typedef struct tp_pinfo {
     int split, group;
@@ -75,6 +97,8 @@ typedef struct tp_layer {
     int on, chunk;
     /* per slot (S slots of rows each) */
     dsk_tensor x, h1, rstd1, h1g, q, k, v, qr, kr, att, probs, x2, h2, rstd2, h2g, g, u, a;
+    tmla_block mla; /* --attn mla: the latents, queries, keys, values and core output per slot (tensors only) */
+    int rc;         /* tmla_recompute mode: what the layer's backward recomputes (MTP blocks: none) */
     int moe_micro; /* micro-batch of the MoE layer's saved forward (-1: none) */
     int64_t bias_off[1], bias_full[1];
 } tp_layer;
@@ -91,6 +115,9 @@ typedef struct tp_state {
     dsk_par_grid grid;              /* its ep and edp groups are the trainer's */
     dsk_comm stage;                 /* same pipeline stage (tp x dp) */
     dsk_comm xrep;                  /* same stage and same experts (tp x edp) */
+    int embed_group;                /* set before tp_grid_init: --mtp under --pp (the embedding's copy) */
+    dsk_comm embg;                  /* the first and the last stage's ranks of this tensor-parallel rank (2 dp) */
+    int embed_copy;                 /* the first and last stages are on other ranks: the last holds a copy */
     dsk_par_schedule sched;
     tm_model *m;
     dsk_ctx *ctx;
@@ -103,12 +130,14 @@ typedef struct tp_state {
     void *pass_user;
     int sync_last;                  /* this batch is the step's last (--accum): its last micro-batch reduces */
     int pass_micro[17];             /* the micro-batch whose pass each chunk has open, or -1 */
-    tp_layer *layers;               /* (n_layers) */
+    tp_layer *layers;               /* (n_layers + the MTP blocks) */
+    tp_layer sh;                    /* --recompute: the one slot of the recomputed activations every layer shares */
     tp_chunk chunks[16];
     int first, last;                /* chunk holding global stage 0 / the last one, or -1 */
     dsk_tensor dx, dh, tmp, big, datt, dq, dk, dv, dqr, dkr, dg, du, da;
     dsk_tensor xf, hf, rstdf, hfg, logits, dlogits, vrow; /* vrow (V): a row of logits gathered over tp */
     dsk_tensor dx32;                /* bf16/f16, first stage: (Nm, D) f32 copy of the gathered dx */
+    dsk_tensor mtp_hfg[TMLA_MAX_MTP]; /* tp > 1: each MTP module's gathered final norm output (Nm, D) */
     int train;                      /* 1: forward keeps what backward needs and the head runs its backward */
     float gscale;                   /* loss gradient scale of one micro-batch */
     double loss_sum;                /* over this run's micro-batches (last stage) */
@@ -145,25 +174,32 @@ static dsk_status tp_check(const tp_state *ps, const tm_config *c) {
     if (c->n_layers < S)
         return dsk_set_error(DSK_ERR_ARG, "--layers %d cannot fill %d pipeline stages (--pp %d x --virtual-stages %d)",
                              c->n_layers, S, ps->pp, ps->v);
-    if (c->mla.mtp_depth > 0)
-        return dsk_set_error(DSK_ERR_UNSUPPORTED, "--mtp %d: not with --tp/--pp/--micro-batches", c->mla.mtp_depth);
     if (ps->v > 16) return dsk_set_error(DSK_ERR_ARG, "--virtual-stages %d: at most 16", ps->v);
     if (ps->v > 1 && ps->pp < 2) return dsk_set_error(DSK_ERR_ARG, "--virtual-stages %d needs --pp 2 or more", ps->v);
     return DSK_OK;
 }
 
-/* The layer of a block parameter (by identity), -1 for the embedding, ln_f and lm_head. */
+/* The layer of a block parameter (by identity), -1 for the embedding and the head's unit (ln_f,
+   lm_head, the MTP modules and their blocks). */
 static int tp_param_layer(const tm_model *m, const tm_param *p, int *split) {
+    int L = m->cfg.n_layers;
     *split = TP_REPL;
-    if (p->moe_layer >= 0) return p->moe_layer;
+    if (p->moe_layer >= 0) return p->moe_layer < L ? p->moe_layer : -1;
     if (p == m->embed || p == m->lm_head) *split = TP_ROWS;
     if (p == m->embed || p == m->lm_head || p == m->ln_f) return -1;
-    for (int l = 0; l < m->cfg.n_layers; l++) {
+    for (int k = 0; k < m->cfg.mla.mtp_depth; k++) {
+        const tmla_mtp *t = &m->mla.mtp[k];
+        if (p == t->hnorm || p == t->enorm || p == t->proj || p == t->norm) return -1;
+    }
+    for (int l = 0; l < tm_n_blocks(&m->cfg); l++) {
         const tm_block *b = &m->blocks[l];
+        const tmla_block *a = &b->mla;
         if (p == b->wq || p == b->wk || p == b->wv || p == b->w1 || p == b->w3) *split = TP_ROWS;
-        else if (p == b->wo || p == b->w2) *split = TP_COLS;
-        else if (p != b->ln1 && p != b->ln2) continue;
-        return l;
+        else if (p == a->wq || p == a->wq_b || p == a->wkv_b) *split = TP_ROWS; /* MLA: rows by heads */
+        else if (p == b->wo || p == b->w2 || p == a->wo) *split = TP_COLS;
+        else if (p != b->ln1 && p != b->ln2 && p != a->wq_a && p != a->q_norm && p != a->wkv_a && p != a->kv_norm)
+            continue;
+        return l < L ? l : -1;
     }
     return -2;
 }
@@ -189,12 +225,13 @@ static dsk_status tp_layout(tp_state *ps, tm_model *m) {
             if (l == -2) {
                 free(kept);
                 return dsk_set_error(DSK_ERR_UNSUPPORTED, "parameter \"%s\" has no tensor/pipeline-parallel layout "
-                                     "(--tp/--pp support the standard attention, dense FFN and MoE blocks)", p->name);
+                                     "(--tp/--pp support MHA and MLA attention, dense FFN and MoE blocks)", p->name);
             }
             int group = p->sharded ? TP_G_EXPERT : split == TP_REPL ? TP_G_REPL : TP_G_SHARD;
+            if (p == m->embed && ps->embed_copy) group = TP_G_EMBED;
             if (group != g) continue;
             if (l >= 0) on = tp_chunk_of(ps, l) >= 0;
-            else if (p == m->embed) on = ps->first >= 0;
+            else if (p == m->embed) on = ps->first >= 0 || (ps->embed_copy && ps->last >= 0);
             else on = ps->last >= 0;
             if (!on) continue;
             tp_pinfo *pi = &ps->pinfo[k];
@@ -224,9 +261,17 @@ static dsk_status tp_layout(tp_state *ps, tm_model *m) {
     }
     ps->group_n[TP_G_COUNT] = k;
     tm_param *old = m->params;
-    for (int l = 0; l < m->cfg.n_layers; l++) {
+    for (int k = 0; k < m->cfg.mla.mtp_depth; k++) {
+        tmla_mtp *t = &m->mla.mtp[k];
+        tm_param **ptrs[] = {&t->hnorm, &t->enorm, &t->proj, &t->norm};
+        for (size_t j = 0; j < 4; j++) *ptrs[j] = map[*ptrs[j] - old] >= 0 ? &m->params[map[*ptrs[j] - old]] : NULL;
+    }
+    for (int l = 0; l < tm_n_blocks(&m->cfg); l++) {
         tm_block *b = &m->blocks[l];
-        tm_param **ptrs[] = {&b->ln1, &b->wq, &b->wk, &b->wv, &b->wo, &b->ln2, &b->w1, &b->w3, &b->w2};
+        tm_param **ptrs[] = {&b->ln1,     &b->wq,         &b->wk,       &b->wv,         &b->wo,
+                             &b->ln2,     &b->w1,         &b->w3,       &b->w2,         &b->mla.wq,
+                             &b->mla.wq_a, &b->mla.q_norm, &b->mla.wq_b, &b->mla.wkv_a, &b->mla.kv_norm,
+                             &b->mla.wkv_b, &b->mla.wo};
         for (size_t j = 0; j < sizeof ptrs / sizeof ptrs[0]; j++)
             if (*ptrs[j]) *ptrs[j] = map[*ptrs[j] - old] >= 0 ? &m->params[map[*ptrs[j] - old]] : NULL;
     }
@@ -243,6 +288,73 @@ static dsk_status tp_alloc(tp_state *ps, dsk_tensor *t, dsk_dtype dt, int64_t r,
     return tm_alloc2(ps->m, t, dt, r, c);
 }
 
+/* Activation t of layer L, one slot of shape (nd dims, d0 rows): S slots of it, or, when the
+   layer's backward recomputes it (L->rc >= need: TMLA_RECOMPUTE_ATTN for the attention core's
+   output and statistics, _FULL for all but the block input), the one slot of the same field of
+   ps->sh that every such layer shares (only the latest forward's values live there). */
+static dsk_status tp_act(tp_state *ps, tp_layer *L, dsk_tensor *t, int need, dsk_dtype dt, int nd, int64_t d0,
+                         int64_t d1, int64_t d2, int64_t d3) {
+    int64_t sh[4] = {d0, d1, d2, d3};
+    if (L->rc < need) {
+        sh[0] *= ps->S;
+        return dsk_tensor_alloc(ps->ctx, t, dt, nd, sh);
+    }
+    dsk_tensor *one = (dsk_tensor *)((char *)&ps->sh + ((char *)t - (char *)L));
+    if (!one->data) TM_TRY(dsk_tensor_alloc(ps->ctx, one, dt, nd, sh));
+    *t = *one;
+    t->owns = 0;
+    return DSK_OK;
+}
+
+/* The MLA activations of layer l, S slots of a micro-batch's Nm rows and the rank's Hl heads
+   (the latents whole on every rank: they come from the gathered input). */
+static dsk_status tp_alloc_mla(tp_state *ps, tp_layer *L) {
+    const tmla_config *a = &ps->m->cfg.mla;
+    tmla_block *p = &L->mla;
+    dsk_dtype dt = ps->m->cfg.cdt;
+    int64_t R = ps->Nm, H = ps->Hl, dn = a->qk_nope_dim, dr = a->qk_rope_dim, dqk = dn + dr, ql = a->q_lora_rank;
+    int F = TMLA_RECOMPUTE_FULL;
+    if (ql > 0) {
+        TM_TRY(tp_act(ps, L, &p->cq, F, dt, 2, R, ql, 0, 0));
+        TM_TRY(tp_act(ps, L, &p->cqn, F, dt, 2, R, ql, 0, 0));
+        TM_TRY(tp_act(ps, L, &p->rstd_q, F, DSK_F32, 1, R, 0, 0, 0));
+    }
+    TM_TRY(tp_act(ps, L, &p->q, F, dt, 2, R, H * dqk, 0, 0));
+    TM_TRY(tp_act(ps, L, &p->ckv, F, dt, 2, R, a->kv_lora_rank, 0, 0));
+    TM_TRY(tp_act(ps, L, &p->ckvn, F, dt, 2, R, a->kv_lora_rank, 0, 0));
+    TM_TRY(tp_act(ps, L, &p->rstd_kv, F, DSK_F32, 1, R, 0, 0, 0));
+    TM_TRY(tp_act(ps, L, &p->kpe, F, dt, 2, R, dr, 0, 0));
+    TM_TRY(tp_act(ps, L, &p->kvb, F, dt, 2, R, H * (dn + a->v_head_dim), 0, 0));
+    TM_TRY(tp_act(ps, L, &p->k, F, dt, 2, R, H * dqk, 0, 0));
+    TM_TRY(tp_act(ps, L, &p->att, TMLA_RECOMPUTE_ATTN, dt, 2, R, H * a->v_head_dim, 0, 0));
+    return tp_act(ps, L, &p->lse, TMLA_RECOMPUTE_ATTN, DSK_F32, 3, ps->Bm, H, ps->T, 0);
+}
+
+/* The MTP modules' tensors on the last stage (train_mla.h's tmla_mtp; tmla_free frees them):
+   the shifted tokens and targets of the whole batch, the embeddings and their gradients per
+   micro-batch (the rank's Ns rows), the rest for one micro-batch. */
+static dsk_status tp_alloc_mtp(tp_state *ps) {
+    tm_model *m = ps->m;
+    dsk_dtype dt = m->cfg.cdt;
+    int64_t N = (int64_t)m->cfg.batch * m->cfg.seq, Ns = ps->Ns, D = ps->D;
+    for (int k = 0; k < m->cfg.mla.mtp_depth; k++) {
+        tmla_mtp *t = &m->mla.mtp[k];
+        TM_TRY(tp_alloc(ps, &t->ids, DSK_I32, N, 0));
+        TM_TRY(tp_alloc(ps, &t->tgt, DSK_I32, N, 0));
+        TM_TRY(tp_alloc(ps, &t->emb, dt, ps->M * Ns, D));
+        TM_TRY(tp_alloc(ps, &t->demb, dt, ps->M * Ns, D));
+        dsk_tensor *nd[] = {&t->en, &t->hn, &t->y, &t->hf};
+        for (size_t i = 0; i < 4; i++) TM_TRY(tp_alloc(ps, nd[i], dt, Ns, D));
+        dsk_tensor *nr[] = {&t->rstd_e, &t->rstd_h, &t->rstdf};
+        for (size_t i = 0; i < 3; i++) TM_TRY(tp_alloc(ps, nr[i], DSK_F32, Ns, 0));
+        TM_TRY(tp_alloc(ps, &t->logits, dt, ps->Nm, ps->Vl));
+        TM_TRY(tp_alloc(ps, &t->dlogits, dt, ps->Nm, ps->Vl));
+        TM_TRY(dsk_tensor_alloc(ps->ctx, &t->loss, DSK_F32, 0, NULL));
+        if (ps->tp > 1) TM_TRY(tp_alloc(ps, &ps->mtp_hfg[k], dt, ps->Nm, D));
+    }
+    return tp_alloc(ps, &m->mla.dcarry, dt, Ns, D);
+}
+
 /* Activations (S slots per layer), scratch, pipeline buffers, the batch tensors: in the compute
    dtype as tm_alloc_acts has them (norms' rstd and attention probabilities f32). */
 static dsk_status tp_alloc_acts(tp_state *ps) {
@@ -250,22 +362,30 @@ static dsk_status tp_alloc_acts(tp_state *ps) {
     const tm_config *c = &m->cfg;
     int64_t S = ps->S, Nm = ps->Nm, Ns = ps->Ns, D = ps->D, Dl = ps->Dl, Fl = ps->Fl, N = (int64_t)c->batch * c->seq;
     dsk_dtype dt = c->cdt;
-    for (int l = 0; l < c->n_layers; l++) {
+    int mla = tmla_is_mla(&c->mla);
+    for (int l = 0; l < tm_n_blocks(c); l++) {
         tp_layer *L = &ps->layers[l];
+        int F = TMLA_RECOMPUTE_FULL;
         if (!L->on) continue;
-        dsk_tensor *ns[] = {&L->x, &L->h1, &L->x2, &L->h2};
-        for (size_t i = 0; i < 4; i++) TM_TRY(tp_alloc(ps, ns[i], dt, S * Ns, D));
-        TM_TRY(tp_alloc(ps, &L->rstd1, DSK_F32, S * Ns, 0));
-        TM_TRY(tp_alloc(ps, &L->rstd2, DSK_F32, S * Ns, 0));
-        dsk_tensor *nl[] = {&L->q, &L->k, &L->v, &L->qr, &L->kr, &L->att};
-        for (size_t i = 0; i < 6; i++) TM_TRY(tp_alloc(ps, nl[i], dt, S * Nm, Dl));
-        int64_t psh[4] = {S * ps->Bm, ps->Hl, c->seq, c->seq};
-        TM_TRY(dsk_tensor_alloc(m->ctx, &L->probs, DSK_F32, 4, psh));
-        if (ps->tp > 1) TM_TRY(tp_alloc(ps, &L->h1g, dt, S * Nm, D));
+        L->rc = l < c->n_layers ? c->mla.recompute : TMLA_RECOMPUTE_NONE;
+        TM_TRY(tp_alloc(ps, &L->x, dt, S * Ns, D));
+        dsk_tensor *ns[] = {&L->h1, &L->x2, &L->h2};
+        for (size_t i = 0; i < 3; i++) TM_TRY(tp_act(ps, L, ns[i], F, dt, 2, Ns, D, 0, 0));
+        TM_TRY(tp_act(ps, L, &L->rstd1, F, DSK_F32, 1, Ns, 0, 0, 0));
+        TM_TRY(tp_act(ps, L, &L->rstd2, F, DSK_F32, 1, Ns, 0, 0, 0));
+        if (mla) {
+            TM_TRY(tp_alloc_mla(ps, L));
+        } else {
+            dsk_tensor *nl[] = {&L->q, &L->k, &L->v, &L->qr, &L->kr};
+            for (size_t i = 0; i < 5; i++) TM_TRY(tp_act(ps, L, nl[i], F, dt, 2, Nm, Dl, 0, 0));
+            TM_TRY(tp_act(ps, L, &L->att, TMLA_RECOMPUTE_ATTN, dt, 2, Nm, Dl, 0, 0));
+            TM_TRY(tp_act(ps, L, &L->probs, TMLA_RECOMPUTE_ATTN, DSK_F32, 4, ps->Bm, ps->Hl, c->seq, c->seq));
+        }
+        if (ps->tp > 1) TM_TRY(tp_act(ps, L, &L->h1g, F, dt, 2, Nm, D, 0, 0));
         if (!m->blocks[l].is_moe) {
-            if (ps->tp > 1) TM_TRY(tp_alloc(ps, &L->h2g, dt, S * Nm, D));
+            if (ps->tp > 1) TM_TRY(tp_act(ps, L, &L->h2g, F, dt, 2, Nm, D, 0, 0));
             dsk_tensor *nf[] = {&L->g, &L->u, &L->a};
-            for (size_t i = 0; i < 3; i++) TM_TRY(tp_alloc(ps, nf[i], dt, S * Nm, Fl));
+            for (size_t i = 0; i < 3; i++) TM_TRY(tp_act(ps, L, nf[i], F, dt, 2, Nm, Fl, 0, 0));
         }
         L->moe_micro = -1;
         L->bias_full[0] = c->moe.n_routed;
@@ -275,8 +395,14 @@ static dsk_status tp_alloc_acts(tp_state *ps) {
     TM_TRY(tp_alloc(ps, &ps->rstdf, DSK_F32, Ns, 0));
     TM_TRY(tp_alloc(ps, &ps->big, dt, Nm, D));
     if (ps->tp > 1) TM_TRY(tp_alloc(ps, &ps->hfg, dt, Nm, D));
-    dsk_tensor *sl[] = {&ps->datt, &ps->dq, &ps->dk, &ps->dv, &ps->dqr, &ps->dkr};
-    for (size_t i = 0; i < 6; i++) TM_TRY(tp_alloc(ps, sl[i], dt, Nm, Dl));
+    if (mla) { /* train_mla.h's scratch for a micro-batch and this rank's heads; tp_unit_ready marks gradients */
+        m->mla.heads = ps->Hl;
+        m->mla.unit_ready = 1;
+        TM_TRY(tmla_alloc_scratch(m, Nm, ps->Hl));
+    } else {
+        dsk_tensor *sl[] = {&ps->datt, &ps->dq, &ps->dk, &ps->dv, &ps->dqr, &ps->dkr};
+        for (size_t i = 0; i < 6; i++) TM_TRY(tp_alloc(ps, sl[i], dt, Nm, Dl));
+    }
     if (c->n_dense > 0) {
         dsk_tensor *sf[] = {&ps->dg, &ps->du, &ps->da};
         for (size_t i = 0; i < 3; i++) TM_TRY(tp_alloc(ps, sf[i], dt, Nm, Fl));
@@ -291,8 +417,10 @@ static dsk_status tp_alloc_acts(tp_state *ps) {
         dsk_tensor *bufs[] = {&ch->in_act, &ch->out_act, &ch->in_grad, &ch->out_grad};
         for (size_t i = 0; i < 4; i++) TM_TRY(tp_alloc(ps, bufs[i], dt, ps->M * Ns, D));
     }
+    if (ps->last >= 0 && c->mla.mtp_depth > 0) TM_TRY(tp_alloc_mtp(ps));
     if (dt != DSK_F32) {
-        if (ps->first >= 0) TM_TRY(tp_alloc(ps, &ps->dx32, DSK_F32, Nm, D)); /* the embedding's f32 gradient from it */
+        if (ps->first >= 0 || (ps->last >= 0 && c->mla.mtp_depth > 0)) /* the embedding's f32 gradient from it */
+            TM_TRY(tp_alloc(ps, &ps->dx32, DSK_F32, Nm, D));
         for (int i = 0; i < m->n_params; i++) /* norm weights' gradients in the compute dtype (tm_param.gc) */
             if (m->params[i].ndim == 1) TM_TRY(dsk_tensor_alloc(m->ctx, &m->params[i].gc, dt, 1, m->params[i].shape));
     }
@@ -312,7 +440,10 @@ static dsk_status tp_grid_init(tp_state *ps, dsk_comm *world, const dsk_par_dims
     ps->dp = d->dp;
     ps->ep = d->ep;
     TM_TRY(dsk_comm_split(world, at->pp, world->rank, &ps->stage));
-    return dsk_comm_split(world, at->pp * d->ep + at->ep, world->rank, &ps->xrep);
+    TM_TRY(dsk_comm_split(world, at->pp * d->ep + at->ep, world->rank, &ps->xrep));
+    if (!ps->embed_group || d->pp < 2) return DSK_OK;
+    int ends = at->pp == 0 || at->pp == d->pp - 1;
+    return dsk_comm_split(world, ends ? at->tp : DSK_COMM_NO_COLOR, world->rank, &ps->embg);
 }
 
 /* The model of this rank: like tm_init with cfg->external (the engine binds the weights and
@@ -347,17 +478,22 @@ static dsk_status tp_model_init(tp_state *ps, tm_model *m, dsk_ctx *ctx, const t
     ps->Dl = ps->Hl * ps->Dh;
     ps->Fl = cfg->ffn_hidden / ps->tp;
     ps->Vl = cfg->vocab / ps->tp;
+    ps->embed_copy = cfg->mla.mtp_depth > 0 && ps->pp > 1;
+    if (ps->embed_copy && !ps->embed_group)
+        return dsk_set_error(DSK_ERR_ARG, "tp_model_init: --mtp under --pp needs embed_group set before tp_grid_init");
     TM_TRY(dsk_par_schedule_init(&ps->sched, ps->kind, ps->pp, ps->M, ps->v, r));
     ps->S = ps->sched.in_flight < ps->M ? ps->sched.in_flight : ps->M;
     if (ps->S < 1) ps->S = 1;
-    m->blocks = (tm_block *)calloc((size_t)cfg->n_layers, sizeof *m->blocks);
-    ps->layers = (tp_layer *)calloc((size_t)cfg->n_layers, sizeof *ps->layers);
-    m->moe_names = (char(*)[32])calloc((size_t)cfg->n_layers, sizeof *m->moe_names);
+    int nb = tm_n_blocks(cfg); /* the MTP blocks after the layers, on the last stage (in the head's part) */
+    m->blocks = (tm_block *)calloc((size_t)nb, sizeof *m->blocks);
+    ps->layers = (tp_layer *)calloc((size_t)nb, sizeof *ps->layers);
+    m->moe_names = (char(*)[32])calloc((size_t)nb, sizeof *m->moe_names);
     if (!m->blocks || !ps->layers || !m->moe_names) return dsk_set_error(DSK_ERR_OOM, "tp_model_init: out of memory");
-    for (int l = 0; l < cfg->n_layers; l++) {
-        ps->layers[l].chunk = tp_chunk_of(ps, l);
+    for (int l = 0; l < nb; l++) {
+        int mtp = l >= cfg->n_layers;
+        ps->layers[l].chunk = mtp ? ps->last : tp_chunk_of(ps, l);
         ps->layers[l].on = ps->layers[l].chunk >= 0;
-        if (ps->layers[l].on && l >= cfg->n_dense) {
+        if (ps->layers[l].on && l >= cfg->n_dense && (!mtp || cfg->mla.mtp_moe)) {
             tm_config mc = *cfg;
             mc.batch = ps->Bm; /* one call: the rank's N/tp tokens of a micro-batch */
             m->cfg = mc;
@@ -382,7 +518,7 @@ static dsk_status tp_model_init(tp_state *ps, tm_model *m, dsk_ctx *ctx, const t
    are the one-rank model's. */
 static void tp_places(tp_state *ps, tz_group groups[TP_G_COUNT], tz_place *place) {
     tm_model *m = ps->m;
-    dsk_comm *comms[TP_G_COUNT] = {&ps->stage, &ps->grid.dp, &ps->xrep};
+    dsk_comm *comms[TP_G_COUNT] = {&ps->stage, &ps->grid.dp, ps->embg.world_size ? &ps->embg : NULL, &ps->xrep};
     for (int g = 0; g < TP_G_COUNT; g++) {
         groups[g].comm = comms[g];
         groups[g].sum_only = 1;
@@ -395,7 +531,7 @@ static void tp_places(tp_state *ps, tz_group groups[TP_G_COUNT], tz_place *place
         int split, l = tp_param_layer(m, p, &split);
         memset(pl, 0, sizeof *pl);
         pl->group = pi->group;
-        pl->part = l >= 0 ? tp_chunk_of(ps, l) : p == m->embed ? ps->first : ps->v; /* the head: its own part */
+        pl->part = l >= 0 ? tp_chunk_of(ps, l) : p == m->embed && ps->first >= 0 ? ps->first : ps->v; /* the head's */
         pl->init_off = pi->init_off;
         if (pi->split == TP_REPL && pi->group != TP_G_EXPERT) continue;
         for (int d = 0; d < p->ndim; d++) {
@@ -408,11 +544,15 @@ static void tp_places(tp_state *ps, tz_group groups[TP_G_COUNT], tz_place *place
 static void tp_free(tp_state *ps) {
     dsk_ctx *ctx = ps->ctx;
     if (ps->layers && ps->m)
-        for (int l = 0; l < ps->m->cfg.n_layers; l++) {
-            tp_layer *L = &ps->layers[l];
+        for (int l = 0; l <= tm_n_blocks(&ps->m->cfg); l++) { /* and the recomputed activations' shared slot */
+            tp_layer *L = l < tm_n_blocks(&ps->m->cfg) ? &ps->layers[l] : &ps->sh;
             dsk_tensor *ts[] = {&L->x, &L->h1, &L->rstd1, &L->h1g, &L->q, &L->k, &L->v, &L->qr, &L->kr, &L->att,
                                 &L->probs, &L->x2, &L->h2, &L->rstd2, &L->h2g, &L->g, &L->u, &L->a};
             for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
+            tmla_block *p = &L->mla;
+            dsk_tensor *ms[] = {&p->cq, &p->cqn, &p->rstd_q, &p->q, &p->ckv, &p->ckvn, &p->rstd_kv, &p->kpe, &p->kvb,
+                                &p->k, &p->att, &p->lse};
+            for (size_t i = 0; i < sizeof ms / sizeof ms[0]; i++) dsk_tensor_free(ctx, ms[i]);
         }
     for (int c = 0; c < 16; c++) {
         tp_chunk *ch = &ps->chunks[c];
@@ -423,8 +563,10 @@ static void tp_free(tp_state *ps) {
                         &ps->dg, &ps->du, &ps->da, &ps->xf, &ps->hf, &ps->rstdf, &ps->hfg, &ps->logits, &ps->dlogits,
                         &ps->vrow, &ps->dx32};
     for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
+    for (int k = 0; k < TMLA_MAX_MTP; k++) dsk_tensor_free(ctx, &ps->mtp_hfg[k]);
     free(ps->layers);
     dsk_par_schedule_free(&ps->sched);
+    dsk_comm_free(&ps->embg);
     dsk_comm_free(&ps->xrep);
     dsk_comm_free(&ps->stage);
     dsk_par_grid_free(&ps->grid);
@@ -457,29 +599,35 @@ typedef struct tp_acts { /* one slot of a layer */
     dsk_tensor x, h1, rstd1, h1g, q, k, v, qr, kr, att, probs, x2, h2, rstd2, h2g, g, u, a;
 } tp_acts;
 
+/* The slot of a layer's activation that `need` recomputes (tp_act): 0 when shared. */
+static int tp_sl(const tp_layer *L, int need, int slot) { return L->rc >= need ? 0 : slot; }
+
 static tp_acts tp_slot(tp_state *ps, int l, int slot) {
     tp_layer *L = &ps->layers[l];
     tp_acts s;
+    int f = tp_sl(L, TMLA_RECOMPUTE_FULL, slot), a = tp_sl(L, TMLA_RECOMPUTE_ATTN, slot);
     memset(&s, 0, sizeof s);
     s.x = tp_part(&L->x, slot, ps->Ns);
-    s.h1 = tp_part(&L->h1, slot, ps->Ns);
-    s.rstd1 = tp_part(&L->rstd1, slot, ps->Ns);
-    s.x2 = tp_part(&L->x2, slot, ps->Ns);
-    s.h2 = tp_part(&L->h2, slot, ps->Ns);
-    s.rstd2 = tp_part(&L->rstd2, slot, ps->Ns);
-    s.h1g = ps->tp > 1 ? tp_part(&L->h1g, slot, ps->Nm) : s.h1;
-    s.q = tp_part(&L->q, slot, ps->Nm);
-    s.k = tp_part(&L->k, slot, ps->Nm);
-    s.v = tp_part(&L->v, slot, ps->Nm);
-    s.qr = tp_part(&L->qr, slot, ps->Nm);
-    s.kr = tp_part(&L->kr, slot, ps->Nm);
-    s.att = tp_part(&L->att, slot, ps->Nm);
-    s.probs = tp_part(&L->probs, slot, ps->Bm);
+    s.h1 = tp_part(&L->h1, f, ps->Ns);
+    s.rstd1 = tp_part(&L->rstd1, f, ps->Ns);
+    s.x2 = tp_part(&L->x2, f, ps->Ns);
+    s.h2 = tp_part(&L->h2, f, ps->Ns);
+    s.rstd2 = tp_part(&L->rstd2, f, ps->Ns);
+    s.h1g = ps->tp > 1 ? tp_part(&L->h1g, f, ps->Nm) : s.h1;
+    if (!tmla_is_mla(&ps->m->cfg.mla)) { /* MLA's own: tp_mla_slot */
+        s.q = tp_part(&L->q, f, ps->Nm);
+        s.k = tp_part(&L->k, f, ps->Nm);
+        s.v = tp_part(&L->v, f, ps->Nm);
+        s.qr = tp_part(&L->qr, f, ps->Nm);
+        s.kr = tp_part(&L->kr, f, ps->Nm);
+        s.att = tp_part(&L->att, a, ps->Nm);
+        s.probs = tp_part(&L->probs, a, ps->Bm);
+    }
     if (!ps->m->blocks[l].is_moe) {
-        s.h2g = ps->tp > 1 ? tp_part(&L->h2g, slot, ps->Nm) : s.h2;
-        s.g = tp_part(&L->g, slot, ps->Nm);
-        s.u = tp_part(&L->u, slot, ps->Nm);
-        s.a = tp_part(&L->a, slot, ps->Nm);
+        s.h2g = ps->tp > 1 ? tp_part(&L->h2g, f, ps->Nm) : s.h2;
+        s.g = tp_part(&L->g, f, ps->Nm);
+        s.u = tp_part(&L->u, f, ps->Nm);
+        s.a = tp_part(&L->a, f, ps->Nm);
     }
     return s;
 }
@@ -537,36 +685,141 @@ static dsk_status tp_row_residual(tp_state *ps, tm_phase ph, dsk_tensor *y, cons
     return DSK_OK;
 }
 
+/* Points MLA block l's activations (train_mla.h reads them from the block) at slot `slot`. */
+static void tp_mla_slot(tp_state *ps, int l, int slot) {
+    const tp_layer *Ly = &ps->layers[l];
+    const tmla_block *L = &Ly->mla;
+    tmla_block *p = &ps->m->blocks[l].mla;
+    int f = tp_sl(Ly, TMLA_RECOMPUTE_FULL, slot), a = tp_sl(Ly, TMLA_RECOMPUTE_ATTN, slot);
+    const dsk_tensor *src[] = {&L->cq, &L->cqn, &L->rstd_q, &L->q, &L->ckv, &L->ckvn, &L->rstd_kv, &L->kpe, &L->kvb,
+                               &L->k};
+    dsk_tensor *dst[] = {&p->cq, &p->cqn, &p->rstd_q, &p->q, &p->ckv, &p->ckvn, &p->rstd_kv, &p->kpe, &p->kvb, &p->k};
+    for (size_t i = 0; i < sizeof src / sizeof src[0]; i++)
+        if (src[i]->data) *dst[i] = tp_part(src[i], f, ps->Nm);
+    p->att = tp_part(&L->att, a, ps->Nm);
+    p->lse = tp_part(&L->lse, a, ps->Bm);
+}
+
+/* MLA's attention half on slot s (h1 = RMSNorm(x) done): x2 = x + Wo att. Megatron-Core's
+   layout: the latent down-projections (Wq_a, Wkv_a with the shared rope key) and their norms
+   are replicated and run on the sequence-parallel-gathered h1g, whole on every tensor-parallel
+   rank; the up-projections (Wq or Wq_b, Wkv_b) are column-parallel by heads and Wo row-parallel,
+   so the rank's heads need no collective until Wo's reduce-scatter. */
+static dsk_status tp_mla_forward(tp_state *ps, int l, int slot, tp_acts *s) {
+    tm_model *m = ps->m;
+    tm_block *b = &m->blocks[l];
+    tp_mla_slot(ps, l, slot);
+    if (ps->tp > 1)
+        TM_T(TM_PH_MOVE, dsk_par_map_forward(&ps->grid.tp, ps->ctx, DSK_PAR_MAP_GATHER, 0, &s->h1g, &s->h1));
+    TM_TRY(tmla_latent_forward(m, b, ps->Bm, &s->h1g));
+    return tp_row_residual(ps, TM_PH_LINEAR, &s->x2, &s->x, &b->mla.att, &b->mla.wo->wc);
+}
+
+/* ps->dx holds d(x2) of slot s: d(h1) into ps->dh and the MLA weights' gradients. The rank's
+   heads give only their part of d(latent) (every head reads the whole latent), so the
+   replicated down-projections' and latent norms' weight gradients on a rank cover every token
+   but only its heads: the sum over tp of them is the gradient, which the engine's replicated
+   group takes (the sum over the stage's tp x dp ranks, as the sequence-parallel norms' token
+   shares); d(h1g) likewise sums over tp, which the reduce-scatter to the rank's rows does. */
+static dsk_status tp_mla_backward(tp_state *ps, int l, int slot, tp_acts *s) {
+    tm_model *m = ps->m;
+    tm_block *b = &m->blocks[l];
+    dsk_comm *tp = &ps->grid.tp;
+    dsk_tensor *dh = ps->tp > 1 ? &ps->big : &ps->dh; /* d(h1g): all Nm rows */
+    tp_mla_slot(ps, l, slot);
+    TM_T(TM_PH_LINEAR, dsk_par_row_backward(tp, ps->ctx, &m->mla.datt, &b->mla.wo->g, &ps->dx, tp_sp(ps, &ps->big),
+                                            &b->mla.att, &b->mla.wo->wc));
+    TM_TRY(tmla_latent_backward(m, b, ps->Bm, &s->h1g, dh));
+    if (ps->tp > 1) TM_T(TM_PH_MOVE, dsk_par_map_forward(tp, ps->ctx, DSK_PAR_MAP_SCATTER, 0, &ps->dh, dh));
+    return DSK_OK;
+}
+
+/* The attention core of block l again on slot s (--recompute attn: its output and statistics,
+   or MHA's probabilities, are shared by the layers); the same ops on the same inputs. */
+static dsk_status tp_core(tp_state *ps, int l, int slot, tp_acts *s) {
+    tm_model *m = ps->m;
+    if (tmla_is_mla(&m->cfg.mla)) {
+        tp_mla_slot(ps, l, slot);
+        return tmla_core(m, &m->blocks[l], ps->Bm);
+    }
+    dsk_tensor qr4 = tp_heads(ps, &s->qr), kr4 = tp_heads(ps, &s->kr), v4 = tp_heads(ps, &s->v);
+    dsk_tensor att4 = tp_heads(ps, &s->att);
+    TM_T(TM_PH_ATTN, dsk_attention(ps->ctx, &att4, &s->probs, &qr4, &kr4, &v4, 1.0f / sqrtf((float)ps->Dh)));
+    return DSK_OK;
+}
+
+/* The attention half of block l on slot s (its x filled): x2 = x + attention(RMSNorm(x)) and
+   h2 = RMSNorm(x2), everything backward needs kept. */
+static dsk_status tp_attn_half(tp_state *ps, int l, int slot, tp_acts *s) {
+    tm_model *m = ps->m;
+    tm_block *b = &m->blocks[l];
+    dsk_ctx *ctx = ps->ctx;
+    const tm_config *c = &m->cfg;
+    TM_T(TM_PH_NORM, dsk_rmsnorm(ctx, &s->h1, &s->rstd1, &s->x, &b->ln1->wc, c->norm_eps));
+    if (tmla_is_mla(&c->mla)) {
+        TM_TRY(tp_mla_forward(ps, l, slot, s));
+    } else {
+        dsk_tensor *Y3[3] = {&s->q, &s->k, &s->v};
+        const dsk_tensor *W3[3] = {&b->wq->wc, &b->wk->wc, &b->wv->wc};
+        TM_T(TM_PH_LINEAR, dsk_par_column_forward(&ps->grid.tp, ctx, 3, Y3, W3, &s->h1, tp_sp(ps, &s->h1g)));
+        dsk_tensor q4 = tp_heads(ps, &s->q), k4 = tp_heads(ps, &s->k), qr4 = tp_heads(ps, &s->qr);
+        dsk_tensor kr4 = tp_heads(ps, &s->kr);
+        TM_T(TM_PH_ROPE, dsk_rope(ctx, &qr4, &q4, 0, c->rope_theta));
+        TM_T(TM_PH_ROPE, dsk_rope(ctx, &kr4, &k4, 0, c->rope_theta));
+        TM_TRY(tp_core(ps, l, slot, s));
+        TM_TRY(tp_row_residual(ps, TM_PH_LINEAR, &s->x2, &s->x, &s->att, &b->wo->wc));
+    }
+    TM_T(TM_PH_NORM, dsk_rmsnorm(ctx, &s->h2, &s->rstd2, &s->x2, &b->ln2->wc, c->norm_eps));
+    return DSK_OK;
+}
+
+/* The dense FFN's input side on slot s: g, u = the column-parallel W1, W3 of h2, a = SwiGLU. */
+static dsk_status tp_ffn_in(tp_state *ps, const tm_block *b, tp_acts *s) {
+    tm_model *m = ps->m;
+    dsk_tensor *Y2[2] = {&s->g, &s->u};
+    const dsk_tensor *W2[2] = {&b->w1->wc, &b->w3->wc};
+    TM_T(TM_PH_FFN, dsk_par_column_forward(&ps->grid.tp, ps->ctx, 2, Y2, W2, &s->h2, tp_sp(ps, &s->h2g)));
+    TM_T(TM_PH_FFN, dsk_swiglu(ps->ctx, &s->a, &s->g, &s->u));
+    return DSK_OK;
+}
+
 /* Block l on slot `slot` (its x filled): y = block(x), everything backward needs kept. */
 static dsk_status tp_block_forward(tp_state *ps, int l, int slot, int micro, dsk_tensor *y) {
+    tm_model *m = ps->m;
+    tm_block *b = &m->blocks[l];
+    tp_acts s = tp_slot(ps, l, slot);
+    TM_TRY(tp_attn_half(ps, l, slot, &s));
+    if (!b->is_moe) {
+        TM_TRY(tp_ffn_in(ps, b, &s));
+        return tp_row_residual(ps, TM_PH_FFN, y, &s.x2, &s.a, &b->w2->wc);
+    }
+    TM_T(TM_PH_MOE, tp_moe_forward(ps, l, micro, y, &s.h2, m->want_stats ? &b->stats : NULL));
+    ps->layers[l].moe_micro = ps->train && !b->moe.eval ? micro : -1;
+    TM_T(TM_PH_MOVE, dsk_add(ps->ctx, y, y, &s.x2));
+    return DSK_OK;
+}
+
+/* ps->dx holds d(x2) of slot s of an MHA block: d(h1) into ps->dh and the weights' gradients. */
+static dsk_status tp_mha_backward(tp_state *ps, int l, tp_acts *s) {
     tm_model *m = ps->m;
     tm_block *b = &m->blocks[l];
     dsk_ctx *ctx = ps->ctx;
     dsk_comm *tp = &ps->grid.tp;
     const tm_config *c = &m->cfg;
-    tp_acts s = tp_slot(ps, l, slot);
-    TM_T(TM_PH_NORM, dsk_rmsnorm(ctx, &s.h1, &s.rstd1, &s.x, &b->ln1->wc, c->norm_eps));
-    dsk_tensor *Y3[3] = {&s.q, &s.k, &s.v};
-    const dsk_tensor *W3[3] = {&b->wq->wc, &b->wk->wc, &b->wv->wc};
-    TM_T(TM_PH_LINEAR, dsk_par_column_forward(tp, ctx, 3, Y3, W3, &s.h1, tp_sp(ps, &s.h1g)));
-    dsk_tensor q4 = tp_heads(ps, &s.q), k4 = tp_heads(ps, &s.k), v4 = tp_heads(ps, &s.v);
-    dsk_tensor qr4 = tp_heads(ps, &s.qr), kr4 = tp_heads(ps, &s.kr), att4 = tp_heads(ps, &s.att);
-    TM_T(TM_PH_ROPE, dsk_rope(ctx, &qr4, &q4, 0, c->rope_theta));
-    TM_T(TM_PH_ROPE, dsk_rope(ctx, &kr4, &k4, 0, c->rope_theta));
-    TM_T(TM_PH_ATTN, dsk_attention(ctx, &att4, &s.probs, &qr4, &kr4, &v4, 1.0f / sqrtf((float)ps->Dh)));
-    TM_TRY(tp_row_residual(ps, TM_PH_LINEAR, &s.x2, &s.x, &s.att, &b->wo->wc));
-    TM_T(TM_PH_NORM, dsk_rmsnorm(ctx, &s.h2, &s.rstd2, &s.x2, &b->ln2->wc, c->norm_eps));
-    if (!b->is_moe) {
-        dsk_tensor *Y2[2] = {&s.g, &s.u};
-        const dsk_tensor *W2[2] = {&b->w1->wc, &b->w3->wc};
-        TM_T(TM_PH_FFN, dsk_par_column_forward(tp, ctx, 2, Y2, W2, &s.h2, tp_sp(ps, &s.h2g)));
-        TM_T(TM_PH_FFN, dsk_swiglu(ctx, &s.a, &s.g, &s.u));
-        TM_TRY(tp_row_residual(ps, TM_PH_FFN, y, &s.x2, &s.a, &b->w2->wc));
-        return DSK_OK;
-    }
-    TM_T(TM_PH_MOE, tp_moe_forward(ps, l, micro, y, &s.h2, m->want_stats ? &b->stats : NULL));
-    ps->layers[l].moe_micro = ps->train && !b->moe.eval ? micro : -1;
-    TM_T(TM_PH_MOVE, dsk_add(ctx, y, y, &s.x2));
+    TM_T(TM_PH_LINEAR,
+         dsk_par_row_backward(tp, ctx, &ps->datt, &b->wo->g, &ps->dx, tp_sp(ps, &ps->big), &s->att, &b->wo->wc));
+    dsk_tensor *zs[] = {&ps->dqr, &ps->dkr, &ps->dv, &ps->dq, &ps->dk};
+    for (size_t i = 0; i < 5; i++) TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, zs[i], 0.0));
+    dsk_tensor qr4 = tp_heads(ps, &s->qr), kr4 = tp_heads(ps, &s->kr), v4 = tp_heads(ps, &s->v);
+    dsk_tensor do4 = tp_heads(ps, &ps->datt), dqr4 = tp_heads(ps, &ps->dqr), dkr4 = tp_heads(ps, &ps->dkr);
+    dsk_tensor dv4 = tp_heads(ps, &ps->dv), dq4 = tp_heads(ps, &ps->dq), dk4 = tp_heads(ps, &ps->dk);
+    TM_T(TM_PH_ATTN, dsk_attention_backward(ctx, &dqr4, &dkr4, &dv4, &do4, &qr4, &kr4, &v4, &s->probs,
+                                            1.0f / sqrtf((float)ps->Dh)));
+    TM_T(TM_PH_ROPE, dsk_rope_backward(ctx, &dq4, &dqr4, 0, c->rope_theta));
+    TM_T(TM_PH_ROPE, dsk_rope_backward(ctx, &dk4, &dkr4, 0, c->rope_theta));
+    dsk_tensor *dW[3] = {&b->wq->g, &b->wk->g, &b->wv->g};
+    const dsk_tensor *dY[3] = {&ps->dq, &ps->dk, &ps->dv}, *W[3] = {&b->wq->wc, &b->wk->wc, &b->wv->wc};
+    TM_T(TM_PH_LINEAR, dsk_par_column_backward(tp, ctx, 3, &ps->dh, tp_sp(ps, &ps->big), dW, dY, W, &s->h1g));
     return DSK_OK;
 }
 
@@ -578,6 +831,11 @@ static dsk_status tp_block_backward(tp_state *ps, int l, int slot, int micro) {
     dsk_comm *tp = &ps->grid.tp;
     const tm_config *c = &m->cfg;
     tp_acts s = tp_slot(ps, l, slot);
+    int rc = ps->layers[l].rc;
+    if (rc == TMLA_RECOMPUTE_FULL) { /* only x was kept: the forward again (an MoE layer keeps its own state) */
+        TM_TRY(tp_attn_half(ps, l, slot, &s));
+        if (!b->is_moe) TM_TRY(tp_ffn_in(ps, b, &s));
+    }
     if (!b->is_moe) {
         TM_T(TM_PH_FFN,
              dsk_par_row_backward(tp, ctx, &ps->da, &b->w2->g, &ps->dx, tp_sp(ps, &ps->big), &s.a, &b->w2->wc));
@@ -600,21 +858,132 @@ static dsk_status tp_block_backward(tp_state *ps, int l, int slot, int micro) {
         TM_T(TM_PH_MOE, tp_moe_backward(ps, l));
     }
     TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &ps->dx, tm_grad(b->ln2), &ps->dh, &s.x2, &b->ln2->wc, &s.rstd2));
-    TM_T(TM_PH_LINEAR,
-         dsk_par_row_backward(tp, ctx, &ps->datt, &b->wo->g, &ps->dx, tp_sp(ps, &ps->big), &s.att, &b->wo->wc));
-    dsk_tensor *zs[] = {&ps->dqr, &ps->dkr, &ps->dv, &ps->dq, &ps->dk};
-    for (size_t i = 0; i < 5; i++) TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, zs[i], 0.0));
-    dsk_tensor qr4 = tp_heads(ps, &s.qr), kr4 = tp_heads(ps, &s.kr), v4 = tp_heads(ps, &s.v);
-    dsk_tensor do4 = tp_heads(ps, &ps->datt), dqr4 = tp_heads(ps, &ps->dqr), dkr4 = tp_heads(ps, &ps->dkr);
-    dsk_tensor dv4 = tp_heads(ps, &ps->dv), dq4 = tp_heads(ps, &ps->dq), dk4 = tp_heads(ps, &ps->dk);
-    TM_T(TM_PH_ATTN, dsk_attention_backward(ctx, &dqr4, &dkr4, &dv4, &do4, &qr4, &kr4, &v4, &s.probs,
-                                            1.0f / sqrtf((float)ps->Dh)));
-    TM_T(TM_PH_ROPE, dsk_rope_backward(ctx, &dq4, &dqr4, 0, c->rope_theta));
-    TM_T(TM_PH_ROPE, dsk_rope_backward(ctx, &dk4, &dkr4, 0, c->rope_theta));
-    dsk_tensor *dW[3] = {&b->wq->g, &b->wk->g, &b->wv->g};
-    const dsk_tensor *dY[3] = {&ps->dq, &ps->dk, &ps->dv}, *W[3] = {&b->wq->wc, &b->wk->wc, &b->wv->wc};
-    TM_T(TM_PH_LINEAR, dsk_par_column_backward(tp, ctx, 3, &ps->dh, tp_sp(ps, &ps->big), dW, dY, W, &s.h1g));
+    if (rc == TMLA_RECOMPUTE_ATTN) TM_TRY(tp_core(ps, l, slot, &s)); /* the core's shared output again */
+    if (tmla_is_mla(&c->mla)) TM_TRY(tp_mla_backward(ps, l, slot, &s));
+    else TM_TRY(tp_mha_backward(ps, l, &s));
     TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &ps->dx, tm_grad(b->ln1), &ps->dh, &s.x, &b->ln1->wc, &s.rstd1));
+    return DSK_OK;
+}
+
+/* ------------------------------------------------------------------ MTP */
+
+/* The MTP modules (--mtp D, train_mla.h's math) run on the last stage inside the head's unit
+   and part, on the rank's Ns rows like a block: module k takes the previous depth's hidden
+   state (the main model's last block output for k = 1) and the embedding of the tokens k
+   ahead, its projection and norms replicated, its block laid out as the main ones, the shared
+   head column-parallel with the vocabulary-parallel cross-entropy of weight lambda / D. The
+   embedding of the shifted tokens: with the first stage on this rank, looked up in the
+   embedding's unit and its gradient added there; else from the last stage's copy of the
+   embedding (Megatron's "embedding group": the same initial numbers and box, its gradient
+   summed with the first stage's over TP_G_EMBED, so the two stay equal). */
+
+/* Module k's inputs of micro-batch `micro`: the shifted tokens and targets (the whole batch's
+   rows are filled by tp_train_batch), the embeddings and their gradients. */
+static dsk_tensor tp_mtp_rows(tp_state *ps, const dsk_tensor *t, int micro) {
+    return tp_part(t, micro, t->dtype == DSK_I32 ? ps->Nm : ps->Ns);
+}
+
+/* The embeddings of every module's tokens of micro-batch `micro` (the embedding's unit open). */
+static dsk_status tp_mtp_embed(tp_state *ps, int micro) {
+    tm_model *m = ps->m;
+    for (int k = 0; k < m->cfg.mla.mtp_depth; k++) {
+        tmla_mtp *t = &m->mla.mtp[k];
+        dsk_tensor ids = tp_mtp_rows(ps, &t->ids, micro), emb = tp_mtp_rows(ps, &t->emb, micro);
+        TM_T(TM_PH_EMBED, dsk_par_embedding_forward(&ps->grid.tp, ps->ctx, &emb, tp_sp(ps, &ps->big), &m->embed->wc,
+                                                    &ids));
+    }
+    return DSK_OK;
+}
+
+/* The embedding's gradient from d(rows) (the rank's Ns rows) at ids (the micro-batch's Nm);
+   bf16/f16: the rows gathered in the compute dtype, accumulated from an f32 copy. */
+static dsk_status tp_embed_backward(tp_state *ps, const dsk_tensor *dx, const dsk_tensor *ids) {
+    tm_model *m = ps->m;
+    if (!ps->dx32.data) {
+        TM_T(TM_PH_EMBED,
+             dsk_par_embedding_backward(&ps->grid.tp, ps->ctx, &m->embed->g, dx, tp_sp(ps, &ps->big), ids));
+        return DSK_OK;
+    }
+    const dsk_tensor *full = dx;
+    if (ps->tp > 1) {
+        TM_T(TM_PH_MOVE, dsk_par_map_forward(&ps->grid.tp, ps->ctx, DSK_PAR_MAP_GATHER, 0, &ps->big, dx));
+        full = &ps->big;
+    }
+    TM_T(TM_PH_MOVE, dsk_tensor_copy(ps->ctx, &ps->dx32, full));
+    TM_T(TM_PH_EMBED, dsk_par_embedding_backward(&ps->grid.tp, ps->ctx, &m->embed->g, &ps->dx32, NULL, ids));
+    return DSK_OK;
+}
+
+/* Every module's d(embedding) of micro-batch `micro` into the embedding's gradient, depth D first. */
+static dsk_status tp_mtp_embed_backward(tp_state *ps, int micro) {
+    tm_model *m = ps->m;
+    for (int k = m->cfg.mla.mtp_depth - 1; k >= 0; k--) {
+        tmla_mtp *t = &m->mla.mtp[k];
+        dsk_tensor ids = tp_mtp_rows(ps, &t->ids, micro), demb = tp_mtp_rows(ps, &t->demb, micro);
+        TM_TRY(tp_embed_backward(ps, &demb, &ids));
+    }
+    return DSK_OK;
+}
+
+/* The modules' forward and losses on micro-batch `micro` (after the main head's). */
+static dsk_status tp_mtp_forward(tp_state *ps, int micro) {
+    tm_model *m = ps->m;
+    const tm_config *c = &m->cfg;
+    dsk_ctx *ctx = ps->ctx;
+    for (int k = 1; k <= c->mla.mtp_depth; k++) {
+        tmla_mtp *t = &m->mla.mtp[k - 1];
+        int l = c->n_layers + k - 1;
+        const dsk_tensor *prev = k == 1 ? &ps->xf : &m->mla.mtp[k - 2].y;
+        dsk_tensor emb = tp_mtp_rows(ps, &t->emb, micro), x = tp_slot(ps, l, 0).x;
+        dsk_tensor ph = tmla_cols(&t->proj->wc, 0, ps->D), pe = tmla_cols(&t->proj->wc, ps->D, ps->D);
+        TM_T(TM_PH_NORM, dsk_rmsnorm(ctx, &t->hn, &t->rstd_h, prev, &t->hnorm->wc, c->norm_eps));
+        TM_T(TM_PH_NORM, dsk_rmsnorm(ctx, &t->en, &t->rstd_e, &emb, &t->enorm->wc, c->norm_eps));
+        TM_T(TM_PH_LINEAR, tm_mm(m, &x, &t->hn, 0, &ph, 1, 0.0f));
+        TM_T(TM_PH_LINEAR, tm_mm(m, &x, &t->en, 0, &pe, 1, 1.0f));
+        TM_TRY(tp_block_forward(ps, l, 0, micro, &t->y));
+        dsk_tensor *Y[1] = {&t->logits}, tg = tp_mtp_rows(ps, &t->tgt, micro);
+        const dsk_tensor *W[1] = {&m->lm_head->wc};
+        TM_T(TM_PH_NORM, dsk_rmsnorm(ctx, &t->hf, &t->rstdf, &t->y, &t->norm->wc, c->norm_eps));
+        TM_T(TM_PH_HEAD, dsk_par_column_forward(&ps->grid.tp, ctx, 1, Y, W, &t->hf, tp_sp(ps, &ps->mtp_hfg[k - 1])));
+        TM_T(TM_PH_HEAD, dsk_par_cross_entropy(&ps->grid.tp, ctx, &t->loss, &t->dlogits, &t->logits, &tg, -1,
+                                               ps->gscale * tmla_mtp_weight(c, k)));
+    }
+    return DSK_OK;
+}
+
+/* The modules' backward of micro-batch `micro`, depth D first: their gradients and the shared
+   head's added, d(embedding) of each in its demb rows, d(main model's last hidden) in dcarry. */
+static dsk_status tp_mtp_backward(tp_state *ps, int micro) {
+    tm_model *m = ps->m;
+    const tm_config *c = &m->cfg;
+    dsk_ctx *ctx = ps->ctx;
+    tmla_model *s = &m->mla;
+    for (int k = c->mla.mtp_depth; k >= 1; k--) {
+        tmla_mtp *t = &s->mtp[k - 1];
+        int l = c->n_layers + k - 1;
+        const dsk_tensor *prev = k == 1 ? &ps->xf : &s->mtp[k - 2].y;
+        dsk_tensor hfx = ps->tp > 1 ? ps->mtp_hfg[k - 1] : t->hf, emb = tp_mtp_rows(ps, &t->emb, micro);
+        dsk_tensor demb = tp_mtp_rows(ps, &t->demb, micro);
+        dsk_tensor *dW[1] = {&m->lm_head->g};
+        const dsk_tensor *dY[1] = {&t->dlogits}, *W[1] = {&m->lm_head->wc};
+        TM_T(TM_PH_HEAD, dsk_par_column_backward(&ps->grid.tp, ctx, 1, &ps->dh, tp_sp(ps, &ps->big), dW, dY, W, &hfx));
+        TM_T(TM_PH_MOVE, k == c->mla.mtp_depth ? dsk_tensor_fill(ctx, &ps->dx, 0.0) : dsk_tensor_copy(ctx, &ps->dx,
+                                                                                                    &s->dcarry));
+        TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &ps->dx, tm_grad(t->norm), &ps->dh, &t->y, &t->norm->wc, &t->rstdf));
+        TM_TRY(tp_block_backward(ps, l, 0, micro)); /* dx = d(block input) */
+        dsk_tensor ph = tmla_cols(&t->proj->wc, 0, ps->D), pe = tmla_cols(&t->proj->wc, ps->D, ps->D);
+        dsk_tensor gh = tmla_cols(&t->proj->g, 0, ps->D), ge = tmla_cols(&t->proj->g, ps->D, ps->D);
+        TM_T(TM_PH_LINEAR, tm_mm(m, &gh, &ps->dx, 1, &t->hn, 0, 1.0f));
+        TM_T(TM_PH_LINEAR, tm_mm(m, &ge, &ps->dx, 1, &t->en, 0, 1.0f));
+        TM_T(TM_PH_LINEAR, tm_mm(m, &ps->dh, &ps->dx, 0, &ph, 0, 0.0f));  /* d(hn) */
+        TM_T(TM_PH_LINEAR, tm_mm(m, &ps->tmp, &ps->dx, 0, &pe, 0, 0.0f)); /* d(en) */
+        TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, &demb, 0.0));
+        TM_T(TM_PH_NORM,
+             dsk_rmsnorm_backward(ctx, &demb, tm_grad(t->enorm), &ps->tmp, &emb, &t->enorm->wc, &t->rstd_e));
+        TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, &s->dcarry, 0.0));
+        TM_T(TM_PH_NORM,
+             dsk_rmsnorm_backward(ctx, &s->dcarry, tm_grad(t->hnorm), &ps->dh, prev, &t->hnorm->wc, &t->rstd_h));
+    }
     return DSK_OK;
 }
 
@@ -662,8 +1031,13 @@ static dsk_status tp_head(tp_state *ps, int micro) {
     dsk_tensor tg = tp_part(&m->targets, micro, ps->Nm), hfx = ps->tp > 1 ? ps->hfg : ps->hf;
     dsk_tensor *Y[1] = {&ps->logits};
     const dsk_tensor *W[1] = {&m->lm_head->wc};
-    int unit = m->cfg.n_layers + 1;
+    int unit = m->cfg.n_layers + 1, mtp = ps->train && m->cfg.mla.mtp_depth > 0;
     float loss;
+    if (mtp && ps->first < 0) { /* the MTP modules' embeddings from the last stage's copy (its own unit 0) */
+        TM_TRY(tm_unit(m, 0, TM_FWD_BEGIN));
+        TM_TRY(tp_mtp_embed(ps, micro));
+        TM_TRY(tm_unit(m, 0, TM_FWD_END));
+    }
     TM_TRY(tm_unit(m, unit, TM_FWD_BEGIN));
     TM_T(TM_PH_NORM, dsk_rmsnorm(ctx, &ps->hf, &ps->rstdf, &ps->xf, &m->ln_f->wc, m->cfg.norm_eps));
     TM_T(TM_PH_HEAD, dsk_par_column_forward(tp, ctx, 1, Y, W, &ps->hf, tp_sp(ps, &ps->hfg)));
@@ -674,16 +1048,23 @@ static dsk_status tp_head(tp_state *ps, int micro) {
     TM_TRY(dsk_tensor_copy(ctx, &hl, &m->loss));
     ps->loss_sum += loss;
     if (!ps->train) return tm_unit(m, unit, TM_FWD_END);
+    if (mtp) TM_TRY(tp_mtp_forward(ps, micro));
     TM_TRY(tp_pass(ps, ps->v, micro)); /* the unit stays gathered from its forward to its backward */
     TM_TRY(tm_unit(m, unit, TM_BWD_BEGIN));
+    if (mtp) TM_TRY(tp_mtp_backward(ps, micro)); /* first, as one rank: the head's gradient is final after */
     dsk_tensor *dW[1] = {&m->lm_head->g};
     const dsk_tensor *dY[1] = {&ps->dlogits};
     TM_T(TM_PH_HEAD, dsk_par_column_backward(tp, ctx, 1, &ps->dh, tp_sp(ps, &ps->big), dW, dY, W, &hfx));
     dsk_tensor og = tp_part(&ps->chunks[ps->last].out_grad, micro, ps->Ns);
-    TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, &og, 0.0));
+    TM_T(TM_PH_MOVE, mtp ? dsk_tensor_copy(ctx, &og, &m->mla.dcarry) : dsk_tensor_fill(ctx, &og, 0.0));
     TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &og, tm_grad(m->ln_f), &ps->dh, &ps->xf, &m->ln_f->wc, &ps->rstdf));
     TM_TRY(tp_unit_ready(ps, unit));
-    return tm_unit(m, unit, TM_BWD_END);
+    TM_TRY(tm_unit(m, unit, TM_BWD_END));
+    if (!mtp || ps->first >= 0) return DSK_OK; /* with the first stage here: in its embedding's backward */
+    TM_TRY(tm_unit(m, 0, TM_BWD_BEGIN));
+    TM_TRY(tp_mtp_embed_backward(ps, micro));
+    TM_TRY(tp_unit_ready(ps, 0));
+    return tm_unit(m, 0, TM_BWD_END);
 }
 
 static dsk_status tp_forward_chunk(void *user, int micro, int chunk) {
@@ -697,6 +1078,7 @@ static dsk_status tp_forward_chunk(void *user, int micro, int chunk) {
         TM_TRY(tm_unit(m, 0, TM_FWD_BEGIN));
         TM_T(TM_PH_EMBED,
              dsk_par_embedding_forward(&ps->grid.tp, ps->ctx, &x0, tp_sp(ps, &ps->big), &m->embed->wc, &ids));
+        if (ps->train && m->cfg.mla.mtp_depth > 0 && ps->last >= 0) TM_TRY(tp_mtp_embed(ps, micro)); /* MTP's */
         TM_TRY(tm_unit(m, 0, TM_FWD_END));
     } else {
         dsk_tensor in = tp_part(&ch->in_act, micro, ps->Ns);
@@ -722,18 +1104,8 @@ static dsk_status tp_backward_chunk(void *user, int micro, int chunk) {
     if (ch->stage == 0) {
         dsk_tensor ids = tp_part(&m->ids, micro, ps->Nm);
         TM_TRY(tm_unit(m, 0, TM_BWD_BEGIN));
-        if (!ps->dx32.data) {
-            TM_T(TM_PH_EMBED, dsk_par_embedding_backward(&ps->grid.tp, ps->ctx, &m->embed->g, &ps->dx,
-                                                         tp_sp(ps, &ps->big), &ids));
-        } else { /* the table's gradient is f32: dx gathered in the compute dtype, accumulated from an f32 copy */
-            const dsk_tensor *full = &ps->dx;
-            if (ps->tp > 1) {
-                TM_T(TM_PH_MOVE, dsk_par_map_forward(&ps->grid.tp, ps->ctx, DSK_PAR_MAP_GATHER, 0, &ps->big, &ps->dx));
-                full = &ps->big;
-            }
-            TM_T(TM_PH_MOVE, dsk_tensor_copy(ps->ctx, &ps->dx32, full));
-            TM_T(TM_PH_EMBED, dsk_par_embedding_backward(&ps->grid.tp, ps->ctx, &m->embed->g, &ps->dx32, NULL, &ids));
-        }
+        if (m->cfg.mla.mtp_depth > 0 && ps->last >= 0) TM_TRY(tp_mtp_embed_backward(ps, micro)); /* MTP's */
+        TM_TRY(tp_embed_backward(ps, &ps->dx, &ids));
         TM_TRY(tp_unit_ready(ps, 0));
         return tm_unit(m, 0, TM_BWD_END);
     }
@@ -758,8 +1130,10 @@ static dsk_status tp_train_batch(tp_state *ps, float gscale, double *loss) {
     ps->train = 1;
     ps->gscale = gscale;
     ps->loss_sum = 0;
-    for (int l = 0; l < ps->m->cfg.n_layers; l++) ps->layers[l].moe_micro = -1;
+    for (int l = 0; l < tm_n_blocks(&ps->m->cfg); l++) ps->layers[l].moe_micro = -1;
     for (int c = 0; c <= ps->v; c++) ps->pass_micro[c] = -1;
+    for (int k = 1; ps->last >= 0 && k <= ps->m->cfg.mla.mtp_depth; k++) /* the MTP modules' tokens and targets */
+        TM_TRY(tmla_mtp_inputs(ps->m, k, ps->m->cfg.batch));
     TM_TRY(dsk_par_pipeline_run(&ps->sched, &ps->grid.pp, ps->ctx, &f));
     *loss = ps->last >= 0 ? ps->loss_sum / ps->M : 0.0;
     return DSK_OK;

@@ -21,6 +21,11 @@
 #   ZeRO-1's optimizer state per rank under tp x pp is 1/dp of ZeRO-0's plus unit padding;
 #   a rank killed in tp2 x pp2 x ZeRO-1: every survivor names it, no hang;
 #   the text sampled at the end through the pipeline is one rank's;
+#   --attn mla --mtp 1 as tp2 x pp2 against an MLA/MTP run on one rank, in f32 (1e-5 as above,
+#   the same sample; a one-rank checkpoint of it resumes as tp2 x pp2) and bf16 (the derived
+#   bound; pp2 with one micro-batch bit for bit); two MTP
+#   modules with MoE FFNs as tp2 x pp2 in f32;
+#   --recompute attn|full under tp2 x pp2 bit for bit as without, with fewer activation bytes;
 #   the grid and the bubble are printed; unsupported combinations fail with a message.
 # Routing is replayed: the one-rank reference writes every MoE decision (--routing-record: each
 #   step's, validation's and sampled token's top-k experts per layer and token) and every layout
@@ -211,6 +216,113 @@ for spec in "${BF_LAYOUTS[@]}"; do
         bad "$what" "loss RMS $loss (bound $bound_loss), weights L2 ${pl2:-?} in ${pl2_at:-?} (bound $bound_w)"
     fi
 done
+
+# ---- 1c. MLA with an MTP module (--attn mla --mtp 1) as tp2 x pp2 against one rank of its own, in
+#      f32 and bf16: the heads split over tp (Wq_b and Wkv_b column-parallel, Wo row-parallel), the
+#      latent down-projections and their norms replicated on the gathered input (train_par.h,
+#      tp_mla_forward); the MTP module on the last stage, its embedding from the last stage's copy
+#      of the table whose gradient sums with the first stage's (TP_G_EMBED).
+#      Routing replayed from the MLA reference's own record. The latent ranks are 32 so that every
+#      replicated parameter of a block starts on a row of the unit's checkpoint pieces: a piece of a
+#      2-D parameter that starts or ends inside a row is several boxes under one name in a rank file,
+#      which the engine's checkpoint writer refuses ("appears twice"; reported, not this layout's).
+MLA=(--attn mla --q-lora-rank 32 --kv-lora-rank 32 --qk-nope-dim 6 --qk-rope-dim 4 --v-head-dim 8 --mtp 1)
+run mla1 "${TINY[@]}" "${MLA[@]}" --steps 30 --log "$work/mla1.jsonl" --ckpt-dir "$work/ck_mla1" --sample-len 40 \
+    --routing-record "$work/routes_mla.bin"
+run mla4 "${TINY[@]}" "${MLA[@]}" --steps 30 --nproc 4 --tp 2 --pp 2 --micro-batches 2 --log "$work/mla4.jsonl" \
+    --ckpt-dir "$work/ck_mla4" --sample-len 40 --routing-replay "$work/routes_mla.bin"
+what="--attn mla --mtp 1: 4 ranks as tp2 x pp2 match 1 rank over 30 steps: loss every step and weights within 1e-5"
+what="$what (moments 1e-4), the same 40-token sample"
+if [ "$(rc mla1)" -ne 0 ] || [ "$(rc mla4)" -ne 0 ]; then
+    bad "$what" "exit $(rc mla1)/$(rc mla4)" "$(grep -E 'rank|error' "$work/mla4.out" | tail -3)"
+else
+    loss=$(compare_losses mla1 mla4 33)
+    read -r pmax pmax_at pl2 pl2_at _ < <($PY tests/par_ckpt_compare.py "$work/ck_mla1" "$work/ck_mla4" 2>&1)
+    read -r _ _ ml2 ml2_at _ < <($PY tests/par_ckpt_compare.py "$work/ck_mla1" "$work/ck_mla4" --moments 2>&1)
+    if within "$loss" 1e-5 && within "${pl2:-x}" 1e-5 && within "${ml2:-x}" 1e-4 && [ -n "$(sample mla1)" ] &&
+       [ "$(sample mla1)" = "$(sample mla4)" ]; then
+        ok "$what (loss $loss; weights: L2 $pl2 in $pl2_at, largest element $pmax in $pmax_at; moments L2 $ml2)"
+    else
+        bad "$what" "loss $loss, weights ${pmax:-?} ${pmax_at:-} ${pl2:-?} ${pl2_at:-}, moments ${ml2:-?} ${ml2_at:-}" \
+            "sample: $(sample mla4 | tr '\n' ' ' | cut -c1-100)"
+    fi
+fi
+# a one-rank checkpoint of this model resumes as tp2 x pp2: the first stage's embedding and the last
+# stage's copy both load their box of the one table
+run mla1_first "${TINY[@]}" "${MLA[@]}" --steps 30 --ckpt-dir "$work/ck_mla_of" --stop-at 15 \
+    --routing-replay "$work/routes_mla.bin"
+run mla4_res "${TINY[@]}" "${MLA[@]}" --steps 30 --nproc 4 --tp 2 --pp 2 --micro-batches 2 \
+    --ckpt-dir "$work/ck_mla_of" --resume --log "$work/mla4_res.jsonl" --routing-replay "$work/routes_mla.bin"
+loss=$( [ "$(rc mla1)" -eq 0 ] && [ "$(rc mla4_res)" -eq 0 ] && compare_losses mla1 mla4_res 15)
+what="--attn mla --mtp 1: a one-rank checkpoint at step 15 resumes as tp2 x pp2 and steps 16-30 match one rank"
+if [ "$(rc mla1_first)" -eq 0 ] && within "$loss" 1e-5 && grep -q "resume: step 15 " "$work/mla4_res.out"; then
+    ok "$what within 1e-5 (worst $loss)"
+else
+    bad "$what" "exit $(rc mla1_first)/$(rc mla4_res), loss $loss" \
+        "$(grep -E 'rank|error' "$work/mla4_res.out" | tail -2)"
+fi
+# bf16: pp2 with one micro-batch runs one rank's ops on the same rows (the MTP module's embedding
+# gradient reaches the table from the last stage's copy: an f32 sum of the two parts, which here
+# equals one rank's), so it logs one rank's numbers bit for bit; tp2 x pp2 within the bound
+# derived as for the layouts above from this model's own bf16-to-f32 distance
+run mla1_bf16 "${TINY[@]}" "${MLA[@]}" --steps 30 --dtype bf16 --log "$work/mla1_bf16.jsonl" \
+    --ckpt-dir "$work/ck_mla1_bf16" --routing-record "$work/routes_mla_bf16.bin"
+run mla2_bf16 "${TINY[@]}" "${MLA[@]}" --steps 30 --dtype bf16 --nproc 2 --pp 2 --log "$work/mla2_bf16.jsonl" \
+    --routing-replay "$work/routes_mla_bf16.bin"
+a=$(fields mla1_bf16); b=$(fields mla2_bf16)
+what="--attn mla --mtp 1 --dtype bf16: 2 ranks as pp2 (one micro-batch) log every step and validation of 1 rank"
+if [ "$(rc mla1_bf16)" -eq 0 ] && [ "$(rc mla2_bf16)" -eq 0 ] && [ "$(echo "$a" | grep -c '^step')" -eq 30 ] &&
+   [ "$a" = "$b" ]; then
+    ok "$what bit for bit"
+else
+    bad "$what bit for bit" "exit $(rc mla1_bf16)/$(rc mla2_bf16)" "$(diff <(echo "$a") <(echo "$b") | head -4)"
+fi
+run mla1_f32b "${TINY[@]}" "${MLA[@]}" --steps 30 --log "$work/mla1_f32b.jsonl" --ckpt-dir "$work/ck_mla1_f32b" \
+    --routing-replay "$work/routes_mla_bf16.bin"
+run mla4_bf16 "${TINY[@]}" "${MLA[@]}" --steps 30 --dtype bf16 --nproc 4 --tp 2 --pp 2 --micro-batches 2 \
+    --log "$work/mla4_bf16.jsonl" --ckpt-dir "$work/ck_mla4_bf16" --routing-replay "$work/routes_mla_bf16.bin"
+what="--attn mla --mtp 1 --dtype bf16: 4 ranks as tp2 x pp2 match 1 rank in bf16 over 30 steps within twice bf16's own"
+what="$what distance from f32"
+if [ "$(rc mla1_bf16)" -ne 0 ] || [ "$(rc mla1_f32b)" -ne 0 ] || [ "$(rc mla4_bf16)" -ne 0 ]; then
+    bad "$what" "exit $(rc mla1_bf16)/$(rc mla1_f32b)/$(rc mla4_bf16)" \
+        "$(grep -E 'rank|error' "$work/mla4_bf16.out" | tail -3)"
+else
+    d_loss=$(loss_rms mla1_bf16 mla1_f32b 33)
+    read -r _ _ d_w _ < <($PY tests/par_ckpt_compare.py "$work/ck_mla1_bf16" "$work/ck_mla1_f32b" 2>&1)
+    b_loss=$($PY -c "print('%.3g' % (2 * float('$d_loss')))" 2>/dev/null)
+    b_w=$($PY -c "print('%.3g' % (2 * float('${d_w:-x}')))" 2>/dev/null)
+    loss=$(loss_rms mla1_bf16 mla4_bf16 33)
+    read -r _ _ pl2 pl2_at _ < <($PY tests/par_ckpt_compare.py "$work/ck_mla1_bf16" "$work/ck_mla4_bf16" 2>&1)
+    if [ -n "$b_loss" ] && [ -n "$b_w" ] && within "$loss" "$b_loss" && within "${pl2:-x}" "$b_w"; then
+        ok "$what (loss RMS $loss <= $b_loss; weights L2 $pl2 in $pl2_at <= $b_w)"
+    else
+        bad "$what" "loss RMS $loss (bound '$b_loss'), weights L2 ${pl2:-?} in ${pl2_at:-?} (bound '$b_w')"
+    fi
+fi
+
+# MHA with two MTP modules whose FFNs are MoE layers (DeepSeek-V3's MTP layer): the second takes
+# the first's output, each MoE block routes (replayed) and keeps its expert bias; the one-rank
+# reference also checks that its checkpoint holds every MoE layer's bias (more than --layers)
+MTPM=(--mtp 2 --mtp-ffn moe)
+run mtpm1 "${TINY[@]}" "${MTPM[@]}" --steps 30 --log "$work/mtpm1.jsonl" --ckpt-dir "$work/ck_mtpm1" \
+    --routing-record "$work/routes_mtpm.bin"
+run mtpm4 "${TINY[@]}" "${MTPM[@]}" --steps 30 --nproc 4 --tp 2 --pp 2 --micro-batches 2 --log "$work/mtpm4.jsonl" \
+    --ckpt-dir "$work/ck_mtpm4" --routing-replay "$work/routes_mtpm.bin"
+what="--mtp 2 --mtp-ffn moe: 4 ranks as tp2 x pp2 match 1 rank over 30 steps: loss every step and weights within"
+what="$what 1e-5 (moments 1e-4)"
+if [ "$(rc mtpm1)" -ne 0 ] || [ "$(rc mtpm4)" -ne 0 ]; then
+    bad "$what" "exit $(rc mtpm1)/$(rc mtpm4)" \
+        "$(grep -E 'rank|error|free' "$work/mtpm1.out" "$work/mtpm4.out" | tail -3)"
+else
+    loss=$(compare_losses mtpm1 mtpm4 33)
+    read -r pmax pmax_at pl2 pl2_at _ < <($PY tests/par_ckpt_compare.py "$work/ck_mtpm1" "$work/ck_mtpm4" 2>&1)
+    read -r _ _ ml2 ml2_at _ < <($PY tests/par_ckpt_compare.py "$work/ck_mtpm1" "$work/ck_mtpm4" --moments 2>&1)
+    if within "$loss" 1e-5 && within "${pl2:-x}" 1e-5 && within "${ml2:-x}" 1e-4; then
+        ok "$what (loss $loss; weights: L2 $pl2 in $pl2_at, largest element $pmax in $pmax_at; moments L2 $ml2)"
+    else
+        bad "$what" "loss $loss, weights ${pmax:-?} ${pmax_at:-} ${pl2:-?} ${pl2_at:-}, moments ${ml2:-?} ${ml2_at:-}"
+    fi
+fi
 
 # fp16 with a skipped step: at --init-std 1.0 the scaled gradients of the first steps overflow
 # f16 (tp2 x pp2 skipped steps 1, 2, 5 and 7 of 8; also tp2 x ep2 at ZeRO-2, where each rank holds only
@@ -420,6 +532,36 @@ psgd=$( [ "$(rc psgd_z0)" -eq 0 ] && [ "$(rc psgd_z3)" -eq 0 ] && compare_losses
 what="dp4 x ep2 with PowerSGD rank 2: --zero 3 logs --zero 0's losses bit for bit over 20 steps"
 if [ "$psgd" = 0 ] && grep -q 'gradient reductions powersgd:2:0' "$work/psgd_z3.out"; then ok "$what"
 else bad "$what" "exit $(rc psgd_z0)/$(rc psgd_z3), worst $psgd" "$(grep -E 'error' "$work/psgd_z3.out" | head -2)"; fi
+# ---- --recompute under tensor and pipeline parallelism: attn recomputes the attention core (its
+#      output and statistics, or MHA's probabilities, one slot shared by the layers), full reruns
+#      each block's forward from its kept input before its backward; the same ops on the same
+#      inputs, so every logged number equals the run without recomputation bit for bit (tp2 x pp2 x
+#      ZeRO-1 as the run `straight_tp2pp2z1` above, and MLA with MTP as mla4), and rank 0 ends with fewer peak
+#      activation bytes
+peak0() { grep -o 'memory at end, rank 0 .*peak activations [0-9.]* MiB ([0-9]* B)' "$work/$1.out" |
+          sed 's/.*(\([0-9]*\) B)$/\1/'; }
+for spec in "straight_tp2pp2z1|attn|" "straight_tp2pp2z1|full|" "mla4|full|mla"; do
+    IFS='|' read -r ref mode kind <<<"$spec"
+    name="rc_${mode}_$ref"
+    # the reference's flags (a checkpoint at the end, the MLA run's sample) so the peaks compare
+    if [ "$kind" = mla ]; then
+        run "$name" "${TINY[@]}" "${MLA[@]}" --steps 30 --nproc 4 --tp 2 --pp 2 --micro-batches 2 --recompute "$mode" \
+            --log "$work/$name.jsonl" --ckpt-dir "$work/ck_$name" --sample-len 40 \
+            --routing-replay "$work/routes_mla.bin"
+    else
+        run "$name" "${TINY[@]}" --steps 30 --nproc 4 --tp 2 --pp 2 --micro-batches 2 --zero 1 --recompute "$mode" \
+            --log "$work/$name.jsonl" --ckpt-dir "$work/ck_$name" "${REC[@]}"
+    fi
+    a=$(fields "$ref"); b=$(fields "$name"); p0=$(peak0 "$ref"); p1=$(peak0 "$name")
+    what="--recompute $mode as tp2 x pp2 ($ref) logs every step and validation of the run without it bit for bit"
+    if [ "$(rc "$ref")" -eq 0 ] && [ "$(rc "$name")" -eq 0 ] && [ "$(echo "$a" | grep -c '^step')" -eq 30 ] &&
+       [ "$a" = "$b" ] && [ -n "$p0" ] && [ -n "$p1" ] && [ "$p1" -lt "$p0" ]; then
+        ok "$what, peak activations of rank 0 $p0 -> $p1 B"
+    else
+        bad "$what, fewer peak activation bytes" "exit $(rc "$ref")/$(rc "$name"), peak '$p0' -> '$p1'" \
+            "$(diff <(echo "$a") <(echo "$b") | head -4)" "$(grep -E 'rank|error' "$work/$name.out" | tail -2)"
+    fi
+done
 
 # ---- optimizer state per rank under pipeline and tensor parallelism: ZeRO-1 keeps 1/dp of what
 #      --zero 0 holds on the same rank (the stage's parameters, the rank's tensor-parallel box),
@@ -490,6 +632,8 @@ expect_fail() { # name, message regex, args...
 expect_fail grid_divide '--tp 3 x --pp 1 = 3 must divide the world size 4' "${TINY[@]}" --nproc 4 --tp 3
 expect_fail ep_dp '--ep 2 must divide the 1 data-parallel ranks' "${TINY[@]}" --nproc 4 --tp 2 --pp 2 --ep 2
 expect_fail tp_heads '--tp 4 must divide --heads 2' "${TINY[@]}" --nproc 4 --tp 4 --heads 2
+expect_fail mla_tp_heads '--tp 4 must divide --heads 2' "${TINY[@]}" "${MLA[@]}" --nproc 4 --tp 4 --heads 2
+expect_fail mtp_pp_zero3 '--mtp 1 with --pp 2: --zero 0 or 1' "${TINY[@]}" --nproc 2 --pp 2 --mtp 1 --zero 3
 expect_fail pp_layers '--layers 4 cannot fill 8 pipeline stages' "${TINY[@]}" --nproc 4 --pp 4 --pp-schedule interleaved --virtual-stages 2 --micro-batches 4
 expect_fail micro_no_pp '--micro-batches, --virtual-stages and --pp-schedule need --pp 2' "${TINY[@]}" --micro-batches 2
 expect_fail micro_divide '--micro-batches 3 must divide the 8 sequences' "${TINY[@]}" --nproc 2 --pp 2 --micro-batches 3
