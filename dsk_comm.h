@@ -771,7 +771,7 @@ static void *dsk__comm_store_thread(void *arg) {
             (void)rd;
             close(s->listen_fd);
             s->listen_fd = -1;
-            drain_until = dsk__comm_now() + 2.0;
+            drain_until = dsk__comm_now() + 5.0;
             continue;
         }
         /* clients first, by fd: serving may reorder the array */
@@ -1054,7 +1054,7 @@ static dsk_status dsk__comm_break(dsk_comm *c, dsk_status st) {
     if (m->store_fd >= 0 && m->fds) {
         char key[160];
         int w = m->world_of ? m->world_of[c->rank] : c->rank;
-        double until = dsk__comm_now() + 0.2;
+        double until = dsk__comm_now() + 1.0;
         snprintf(key, sizeof key, "dsk/fault/%d", w);
         if (dsk__comm_store_call(c, "dsk_comm", DSK__COMM_STORE_SET, key, m->broken_msg, strlen(m->broken_msg) + 1,
                                  until) == DSK_OK) {
