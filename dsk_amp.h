@@ -64,6 +64,7 @@
                                   dsk_amp_decide_dev, dsk_amp_step_dev: a whole step in a CUDA graph
        FP8 scaling                scale rules (dsk_amp_fp8_scale, dsk_amp_fp8_block_scale), dsk_amp_amax,
                                   per-tensor current scaling and quantize, delayed scaling, DeepSeek-V3 blocks
+                                  (dsk_amp_fp8_block_quantize, its transposed form _t, dequantize)
      implementation (DSK_AMP_IMPLEMENTATION)
        checks, loss scaler, unscale + check, casts and optimizer step, device-resident step, FP8 */
 #ifndef DSK_AMP_H
@@ -461,6 +462,13 @@ DSK_API dsk_status dsk_amp_fp8_delayed_update(dsk_amp_fp8_delayed *d, dsk_ctx *c
    non-finite scale and dequantises to NaN everywhere (DeepSeek's kernel), never to +-448. */
 DSK_API dsk_status dsk_amp_fp8_block_quantize(dsk_ctx *ctx, dsk_tensor *q, dsk_tensor *scales, const dsk_tensor *x,
                                               int br, int bc, int pow2);
+/* The transposed form, for the operands of the weight-gradient GEMM (dsk_matmul_fp8 in
+   dsk_tensor.h takes K-major operands: dw = dy^T x reads dy^T and x^T, scaled along the tokens):
+   q (C, R) and scales (ceil(C/br), ceil(R/bc)) are what dsk_amp_fp8_block_quantize writes for a
+   transposed copy of x (R, C), bit for bit, with no copy made; with 1x128 blocks each scale covers
+   128 rows of one column of x. */
+DSK_API dsk_status dsk_amp_fp8_block_quantize_t(dsk_ctx *ctx, dsk_tensor *q, dsk_tensor *scales, const dsk_tensor *x,
+                                                int br, int bc, int pow2);
 /* y (R, C) f32/bf16/f16 = f32(q) * scale of its block. */
 DSK_API dsk_status dsk_amp_fp8_block_dequantize(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *q,
                                                 const dsk_tensor *scales, int br, int bc);
@@ -1392,6 +1400,48 @@ DSK_API dsk_status dsk_amp_fp8_block_quantize(dsk_ctx *ctx, dsk_tensor *q, dsk_t
             sc[blk] = d;
             for (int64_t r = r0; r < r1; r++)
                 dsk__amp_row_quantize(o + r * C + c0, q->dtype, x->data, x->dtype, r * C + c0, c1 - c0, d);
+        }
+    }
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_amp_fp8_block_quantize_t(dsk_ctx *ctx, dsk_tensor *q, dsk_tensor *scales, const dsk_tensor *x,
+                                                int br, int bc, int pow2) {
+    const char *fn = "dsk_amp_fp8_block_quantize_t";
+    char a[96];
+    dsk_tensor xt;
+    DSK__TRY(dsk__amp_fp8_in(fn, "x", x, x ? x->device : dsk_cpu()));
+    DSK__TRY(dsk__amp_check(fn, "q", q, x->device));
+    DSK__TRY(dsk__amp_check(fn, "scales", scales, x->device));
+    DSK__TRY(dsk__amp_need_ctx(fn, ctx, x->device));
+    if (x->ndim != 2)
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor %s must be 2-D (R, C)", fn, dsk_tensor_describe(x, a, sizeof a));
+    DSK__TRY(dsk_tensor_transpose(x, 0, 1, &xt)); /* only its shape is used: the checks are those of x^T */
+    DSK__TRY(dsk__amp_block_args(fn, &xt, q, scales, br, bc));
+#ifdef DSK_CUDA
+    if (x->device.type == DSK_DEV_CUDA) return dsk_cuda_amp_fp8_block_quantize_t(ctx, q, scales, x, br, bc, pow2);
+#endif
+    {
+        int64_t R = x->shape[0], C = x->shape[1], SR = scales->shape[0], SC = scales->shape[1];
+        float fmax = dsk_amp_fp8_max(q->dtype), *sc = (float *)scales->data;
+        uint8_t *o = (uint8_t *)q->data;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (SR * SC > 16)
+#endif
+        for (int64_t blk = 0; blk < SR * SC; blk++) { /* block (i, j) of q: x's columns c0.. and rows r0.. */
+            int64_t c0 = (blk / SC) * br, r0 = (blk % SC) * bc, c1 = c0 + br < C ? c0 + br : C,
+                    r1 = r0 + bc < R ? r0 + bc : R;
+            uint32_t m = 0;
+            float d;
+            for (int64_t r = r0; r < r1; r++) {
+                uint32_t v = dsk__amp_row_amax(x->data, x->dtype, r * C + c0, c1 - c0);
+                if (v > m) m = v;
+            }
+            d = dsk_amp_fp8_block_scale(dsk_bits_f32(m), fmax, pow2);
+            sc[blk] = d;
+            for (int64_t r = r0; r < r1; r++)
+                for (int64_t c = c0; c < c1; c++)
+                    o[c * R + r] = dsk_amp_to_fp8(dsk_load_f32(x->data, x->dtype, r * C + c) / d, q->dtype);
         }
     }
     return DSK_OK;

@@ -1,0 +1,187 @@
+/* bench_fp8.c - the CPU reference of the block-scaled FP8 GEMM (dsk_matmul_fp8 and the grouped
+   rows form dsk_matmul_fp8_grouped) against dsk_matmul / dsk_matmul_grouped in bf16 and f32 on
+   the same shapes, same run, same threads; and the quantisation that feeds it
+   (dsk_amp_fp8_block_quantize in 1x128 tiles, its transposed form). Shapes: a square product
+   and DeepSeek-V3's expert shapes (d_model 7168, expert hidden 2048) scaled by 1/4 to fit a
+   2-core machine; the grouped form over 16 experts of random sizes (top-k routing of 2048 rows).
+   Each variant: one warm-up call, then `rounds` alternating blocks of `repeats` samples, median
+   time per call. Prints GFLOP/s (2 M N K per product), the ratio fp8 / bf16, and the machine's
+   load average. The FP8 path is a reference (exact arithmetic in a fixed order: a chunk's dot
+   products in k order, vectorised across 64 columns), not a fast kernel.
+   Usage: bench_fp8 [--threads N] [--repeats R] [--rounds K] */
+#define DSK_TENSOR_IMPLEMENTATION
+#define DSK_AMP_IMPLEMENTATION
+#include "dsk_tensor.h"
+#include "dsk_amp.h"
+#include "bench_util.h"
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { V_FP8, V_BF16, V_F32, V_COUNT };
+
+typedef struct prob {
+    dsk_tensor x[V_COUNT], w[V_COUNT], c, sx, sw, off; /* x[V_FP8], w[V_FP8]: codes */
+    int grouped;
+} prob;
+
+static dsk_tensor alloc2(dsk_ctx *ctx, dsk_dtype dt, int nd, int64_t a, int64_t b, int64_t c) {
+    dsk_tensor t;
+    int64_t s[3] = {a, b, c};
+    memset(&t, 0, sizeof t);
+    BENCH_CHECK(dsk_tensor_alloc(ctx, &t, dt, nd, s));
+    return t;
+}
+
+/* x (R, K) and w ([G,] N, K) in f32 and bf16, quantised to e4m3 (1x128 and 128x128). */
+static void setup(dsk_ctx *ctx, prob *p, int64_t R, int64_t N, int64_t K, int64_t G, const int32_t *off) {
+    int64_t g = G ? G : 1;
+    memset(p, 0, sizeof *p);
+    p->grouped = G > 0;
+    p->x[V_F32] = alloc2(ctx, DSK_F32, 2, R, K, 0);
+    p->x[V_BF16] = alloc2(ctx, DSK_BF16, 2, R, K, 0);
+    p->x[V_FP8] = alloc2(ctx, DSK_E4M3, 2, R, K, 0);
+    p->w[V_F32] = G ? alloc2(ctx, DSK_F32, 3, G, N, K) : alloc2(ctx, DSK_F32, 2, N, K, 0);
+    p->w[V_BF16] = G ? alloc2(ctx, DSK_BF16, 3, G, N, K) : alloc2(ctx, DSK_BF16, 2, N, K, 0);
+    p->w[V_FP8] = G ? alloc2(ctx, DSK_E4M3, 3, G, N, K) : alloc2(ctx, DSK_E4M3, 2, N, K, 0);
+    p->sx = alloc2(ctx, DSK_F32, 2, R, (K + 127) / 128, 0);
+    p->sw = G ? alloc2(ctx, DSK_F32, 3, G, (N + 127) / 128, (K + 127) / 128)
+              : alloc2(ctx, DSK_F32, 2, (N + 127) / 128, (K + 127) / 128, 0);
+    p->c = alloc2(ctx, DSK_F32, 2, R, N, 0);
+    BENCH_CHECK(dsk_tensor_normal(ctx, &p->x[V_F32], 1, 0, 0.0f, 1.0f));
+    BENCH_CHECK(dsk_tensor_normal(ctx, &p->w[V_F32], 2, 0, 0.0f, 0.02f));
+    BENCH_CHECK(dsk_tensor_copy(ctx, &p->x[V_BF16], &p->x[V_F32]));
+    BENCH_CHECK(dsk_tensor_copy(ctx, &p->w[V_BF16], &p->w[V_F32]));
+    BENCH_CHECK(dsk_amp_fp8_block_quantize(ctx, &p->x[V_FP8], &p->sx, &p->x[V_F32], 1, 128, 0));
+    for (int64_t i = 0; i < g; i++) {
+        dsk_tensor wf = p->w[V_F32], wq = p->w[V_FP8], ws = p->sw;
+        if (G) {
+            BENCH_CHECK(dsk_tensor_select(&p->w[V_F32], i, &wf));
+            BENCH_CHECK(dsk_tensor_select(&p->w[V_FP8], i, &wq));
+            BENCH_CHECK(dsk_tensor_select(&p->sw, i, &ws));
+        }
+        BENCH_CHECK(dsk_amp_fp8_block_quantize(ctx, &wq, &ws, &wf, 128, 128, 0));
+    }
+    if (G) {
+        p->off = alloc2(ctx, DSK_I32, 1, G + 1, 0, 0);
+        memcpy(p->off.data, off, (size_t)(G + 1) * sizeof *off);
+    }
+}
+
+static void run(dsk_ctx *ctx, prob *p, int v) {
+    if (v == V_FP8 && p->grouped)
+        BENCH_CHECK(dsk_matmul_fp8_grouped(ctx, &p->c, &p->x[v], &p->sx, &p->w[v], &p->sw, DSK_FP8_BLOCK_128X128,
+                                           &p->off, 1.0f, 0.0f));
+    else if (v == V_FP8)
+        BENCH_CHECK(dsk_matmul_fp8(ctx, &p->c, &p->x[v], &p->sx, DSK_FP8_TILE_1X128, &p->w[v], &p->sw,
+                                   DSK_FP8_BLOCK_128X128, 1.0f, 0.0f));
+    else if (p->grouped)
+        BENCH_CHECK(dsk_matmul_grouped(ctx, &p->c, &p->x[v], 0, &p->w[v], 1, &p->off, 1.0f, 0.0f));
+    else
+        BENCH_CHECK(dsk_matmul(ctx, &p->c, &p->x[v], 0, &p->w[v], 1, 1.0f, 0.0f));
+}
+
+static void release(dsk_ctx *ctx, prob *p) {
+    for (int v = 0; v < V_COUNT; v++) { dsk_tensor_free(ctx, &p->x[v]); dsk_tensor_free(ctx, &p->w[v]); }
+    dsk_tensor_free(ctx, &p->c); dsk_tensor_free(ctx, &p->sx); dsk_tensor_free(ctx, &p->sw);
+    dsk_tensor_free(ctx, &p->off);
+}
+
+/* Median seconds per call of each variant, alternating blocks of samples. */
+static void time_all(dsk_ctx *ctx, prob *p, int repeats, int rounds, double *med) {
+    double *t = (double *)malloc(sizeof(double) * (size_t)(V_COUNT * repeats * rounds));
+    if (!t) { fprintf(stderr, "bench_fp8: out of memory\n"); exit(1); }
+    for (int v = 0; v < V_COUNT; v++) run(ctx, p, v);
+    for (int r = 0; r < rounds; r++)
+        for (int v = 0; v < V_COUNT; v++)
+            for (int k = 0; k < repeats; k++) {
+                double t0 = bench_now_s();
+                run(ctx, p, v);
+                t[v * repeats * rounds + r * repeats + k] = bench_now_s() - t0;
+            }
+    for (int v = 0; v < V_COUNT; v++) med[v] = bench_median(t + v * repeats * rounds, repeats * rounds);
+    free(t);
+}
+
+/* Segment offsets of R rows over G experts: counts from a fixed pseudo-random routing. */
+static void route(int32_t *off, int64_t R, int64_t G) {
+    int64_t *cnt = (int64_t *)calloc((size_t)G, sizeof *cnt);
+    if (!cnt) { fprintf(stderr, "bench_fp8: out of memory\n"); exit(1); }
+    for (int64_t r = 0; r < R; r++) {
+        float u = dsk_rng_uniform_at(7, 0, (uint64_t)r);
+        cnt[(int64_t)(u * u * (float)G) % G]++; /* skewed: low experts get more rows */
+    }
+    off[0] = 0;
+    for (int64_t g = 0; g < G; g++) off[g + 1] = off[g] + (int32_t)cnt[g];
+    free(cnt);
+}
+
+int main(int argc, char **argv) {
+    int threads = 2, repeats = 3, rounds = 2;
+    dsk_ctx ctx;
+    dsk_ctx_opts co;
+    double load[3] = {0, 0, 0};
+    char kname[64];
+    struct { const char *name; int64_t R, N, K, G; } shapes[] = {
+        {"square 1024", 1024, 1024, 1024, 0},
+        {"V3 expert up/4   (T,2048/4)=(T,7168/4)", 1024, 512, 1792, 0},
+        {"V3 expert down/4 (T,7168/4)=(T,2048/4)", 1024, 1792, 512, 0},
+        {"grouped 16 experts, up/8 (R,256)=(R,896)", 2048, 256, 896, 16},
+    };
+    int32_t off[17];
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--repeats") && i + 1 < argc) repeats = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--rounds") && i + 1 < argc) rounds = atoi(argv[++i]);
+        else { fprintf(stderr, "usage: %s [--threads N] [--repeats R] [--rounds K]\n", argv[0]); return 2; }
+    }
+    if (threads < 1 || repeats < 1 || rounds < 1) { fprintf(stderr, "bench_fp8: arguments must be >= 1\n"); return 2; }
+    memset(&co, 0, sizeof co);
+    co.device = DSK_PREFER_CPU;
+    co.n_threads = threads;
+    BENCH_CHECK(dsk_ctx_init(&ctx, &co));
+    {
+        FILE *f = fopen("/proc/loadavg", "r");
+        if (!f || fscanf(f, "%lf %lf %lf", &load[0], &load[1], &load[2]) != 3) load[0] = -1;
+        if (f) fclose(f);
+    }
+    printf("# bench_fp8: C f32 = x w^T, %d threads, median of %d x %d samples after a warm-up; load %.2f\n", threads,
+           rounds, repeats, load[0]);
+    printf("# dsk GEMM kernel for bf16/f32: %s; fp8: the reference (1x128 x 128x128 scales, e4m3)\n",
+           dsk_cpu_gemm_describe(ctx.cpu_isa, kname, sizeof kname));
+    printf("# %-42s %5s %5s %5s %9s %9s %9s %8s\n", "shape", "M", "N", "K", "fp8 GF/s", "bf16 GF/s", "f32 GF/s",
+           "fp8/bf16");
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        prob p;
+        double med[V_COUNT], flop = 2.0 * (double)shapes[si].R * (double)shapes[si].N * (double)shapes[si].K;
+        if (shapes[si].G) route(off, shapes[si].R, shapes[si].G);
+        setup(&ctx, &p, shapes[si].R, shapes[si].N, shapes[si].K, shapes[si].G, off);
+        time_all(&ctx, &p, repeats, rounds, med);
+        printf("  %-42s %5lld %5lld %5lld %9.1f %9.1f %9.1f %8.2f\n", shapes[si].name, (long long)shapes[si].R,
+               (long long)shapes[si].N, (long long)shapes[si].K, flop / med[V_FP8] * 1e-9, flop / med[V_BF16] * 1e-9,
+               flop / med[V_F32] * 1e-9, med[V_BF16] / med[V_FP8]);
+        release(&ctx, &p);
+    }
+    { /* quantisation of an activation (T, D) = (2048, 1792) f32: 1x128 tiles and the transposed form */
+        dsk_tensor x = alloc2(&ctx, DSK_F32, 2, 2048, 1792, 0), q = alloc2(&ctx, DSK_E4M3, 2, 2048, 1792, 0);
+        dsk_tensor qt = alloc2(&ctx, DSK_E4M3, 2, 1792, 2048, 0), s = alloc2(&ctx, DSK_F32, 2, 2048, 14, 0);
+        dsk_tensor st = alloc2(&ctx, DSK_F32, 2, 1792, 16, 0);
+        double t[2][64], bytes = 2048.0 * 1792.0 * 5.0; /* read f32, write e4m3 */
+        int n = repeats * rounds < 64 ? repeats * rounds : 64;
+        BENCH_CHECK(dsk_tensor_normal(&ctx, &x, 3, 0, 0.0f, 1.0f));
+        for (int k = 0; k < n; k++) {
+            double t0 = bench_now_s();
+            BENCH_CHECK(dsk_amp_fp8_block_quantize(&ctx, &q, &s, &x, 1, 128, 0));
+            t[0][k] = bench_now_s() - t0;
+            t0 = bench_now_s();
+            BENCH_CHECK(dsk_amp_fp8_block_quantize_t(&ctx, &qt, &st, &x, 1, 128, 0));
+            t[1][k] = bench_now_s() - t0;
+        }
+        printf("# quantise x (2048, 1792) f32 -> e4m3: 1x128 tiles %.2f GB/s, transposed (x^T, 1x128) %.2f GB/s\n",
+               bytes / bench_median(t[0], n) * 1e-9, bytes / bench_median(t[1], n) * 1e-9);
+        dsk_tensor_free(&ctx, &x); dsk_tensor_free(&ctx, &q); dsk_tensor_free(&ctx, &qt);
+        dsk_tensor_free(&ctx, &s); dsk_tensor_free(&ctx, &st);
+    }
+    dsk_ctx_free(&ctx);
+    return 0;
+}

@@ -1,0 +1,127 @@
+/* kernels/fp8.cu - the CUDA path of dsk_tensor.h's FP8 GEMM: dsk_matmul_fp8 and its grouped rows
+   form dsk_matmul_fp8_grouped, block-scaled e4m3/e5m2 operands in DeepSeek-V3's layouts (1x128
+   tiles, 128x128 blocks), f32 accumulation promoted every 128 elements of K.
+
+   A kernel of our own on the CUDA cores. It runs the arithmetic dsk_tensor.h specifies, through
+   the same DSK_HD functions (dsk_fp8_chunk_dot, dsk_fp8_chunk_acc, dsk_fp8_out), so it agrees bit
+   for bit with the CPU reference. cuBLASLt (CUDA 12.9 and later, this toolkit's 13.0 too) offers
+   the 1x128 and 128x128 scale modes (CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, _BLK128x128_32F) on
+   the tensor cores, whose accumulation order inside a chunk is theirs; it is not used: the CUDA
+   emulation (tests/cuda_emu) has no cuBLASLt, so `make test` could not run it.
+
+   Shape: a block of 256 threads computes a 32 x 32 tile of C; per 128-wide K chunk it stages the
+   A rows and B rows of the chunk in shared memory as f32 (decoded), then thread t computes row
+   t / 8 and columns t % 8 + 8 j (j < 4) of the tile: one chunk dot each, promoted with the two
+   scales. The grid of the grouped form is sized as kernels/grouped.cu's: R / BM + G row tiles (a
+   bound; each block finds its segment and tile from the offsets on the device, and a block past
+   the last tile returns), so nothing comes back to the host. Conventions: kernels/dsk_cuda.cuh. */
+#include "dsk_cuda.cuh"
+
+#define DSK__FP8_BM 32
+#define DSK__FP8_BN 32
+#define DSK__FP8_CG 8 /* column groups: threads per tile row; each thread BN / CG columns */
+
+struct dsk__fp8_gemm {
+    const uint8_t *A, *B;
+    const float *sa, *sb;
+    dsk_dtype a_dt, b_dt, c_dt;
+    int64_t M, N, K, kc, a_rows, b_rows, b_step, sb_step;
+    const int32_t *off; /* NULL: one segment [0, M) */
+    int64_t G;
+    void *C;
+    float alpha, beta;
+};
+
+__global__ void dsk__k_matmul_fp8(dsk__fp8_gemm p) {
+    __shared__ float As[DSK__FP8_BM][DSK_FP8_BLOCK];
+    __shared__ float Bs[DSK_FP8_BLOCK][DSK__FP8_BN];
+    __shared__ int64_t found[3]; /* segment, first row of the tile, end of the segment */
+    const int nj = DSK__FP8_BN / DSK__FP8_CG;
+    int tr = threadIdx.x / DSK__FP8_CG, cg = threadIdx.x % DSK__FP8_CG;
+    int64_t n0 = (int64_t)blockIdx.y * DSK__FP8_BN, r0, m_lim, n_lim;
+    float acc[DSK__FP8_BN / DSK__FP8_CG], dot[DSK__FP8_BN / DSK__FP8_CG];
+    const uint8_t *B;
+    const float *sb;
+    if (threadIdx.x == 0) {
+        found[0] = -1;
+        if (!p.off) {
+            if ((int64_t)blockIdx.x * DSK__FP8_BM < p.M) {
+                found[0] = 0; found[1] = (int64_t)blockIdx.x * DSK__FP8_BM; found[2] = p.M;
+            }
+        } else { /* segment g and its row tile: tiles counted segment after segment */
+            int64_t t = blockIdx.x, g = 0;
+            for (; g < p.G; g++) {
+                int64_t tiles = (p.off[g + 1] - p.off[g] + DSK__FP8_BM - 1) / DSK__FP8_BM;
+                if (t < tiles) break;
+                t -= tiles;
+            }
+            if (g < p.G) { found[0] = g; found[1] = p.off[g] + t * DSK__FP8_BM; found[2] = p.off[g + 1]; }
+        }
+    }
+    __syncthreads();
+    if (found[0] < 0) return; /* the whole block: past the last tile */
+    r0 = found[1];
+    m_lim = found[2] - r0 < DSK__FP8_BM ? found[2] - r0 : DSK__FP8_BM;
+    n_lim = p.N - n0 < DSK__FP8_BN ? p.N - n0 : DSK__FP8_BN;
+    B = p.B + found[0] * p.b_step;
+    sb = p.sb + found[0] * p.sb_step;
+    for (int j = 0; j < nj; j++) acc[j] = 0.0f;
+    for (int64_t c = 0; c < p.kc; c++) {
+        int64_t k0 = c * DSK_FP8_BLOCK;
+        int n = (int)(p.K - k0 < DSK_FP8_BLOCK ? p.K - k0 : DSK_FP8_BLOCK);
+        for (int e = threadIdx.x; e < DSK__FP8_BM * DSK_FP8_BLOCK; e += blockDim.x) {
+            int mm = e / DSK_FP8_BLOCK, kk = e % DSK_FP8_BLOCK;
+            As[mm][kk] = mm < m_lim && kk < n ? dsk_load_f32(p.A, p.a_dt, (r0 + mm) * p.K + k0 + kk) : 0.0f;
+        }
+        for (int e = threadIdx.x; e < DSK__FP8_BN * DSK_FP8_BLOCK; e += blockDim.x) {
+            int nn = e / DSK_FP8_BLOCK, kk = e % DSK_FP8_BLOCK;
+            Bs[kk][nn] = nn < n_lim && kk < n ? dsk_load_f32(B, p.b_dt, (n0 + nn) * p.K + k0 + kk) : 0.0f;
+        }
+        __syncthreads();
+        if (tr < m_lim) {
+            float s_a = p.sa[((r0 + tr) / p.a_rows) * p.kc + c];
+            dsk_fp8_chunk_dot(dot, nj, As[tr], &Bs[0][cg], DSK__FP8_BN, DSK__FP8_CG, n);
+            for (int j = 0; j < nj; j++) {
+                int64_t col = n0 + cg + DSK__FP8_CG * j;
+                if (col < p.N) acc[j] = dsk_fp8_chunk_acc(acc[j], dot[j], s_a, sb[(col / p.b_rows) * p.kc + c]);
+            }
+        }
+        __syncthreads();
+    }
+    if (tr >= m_lim) return;
+    for (int j = 0; j < nj; j++) {
+        int64_t col = n0 + cg + DSK__FP8_CG * j, o = (r0 + tr) * p.N + col;
+        if (col >= p.N) continue;
+        dsk_store_f32(p.C, p.c_dt, o,
+                      dsk_fp8_out(acc[j], p.alpha, p.beta, p.beta != 0.0f ? dsk_load_f32(p.C, p.c_dt, o) : 0.0f));
+    }
+}
+
+extern "C" dsk_status dsk_cuda_matmul_fp8(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, const dsk_tensor *a_scales,
+                                          int a_rows, const dsk_tensor *B, const dsk_tensor *b_scales, int b_rows,
+                                          const dsk_tensor *offsets, float alpha, float beta) {
+    const char *fn = offsets ? "dsk_matmul_fp8_grouped" : "dsk_matmul_fp8";
+    dsk__fp8_gemm p;
+    int64_t tiles_m, tiles_n;
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
+    p.A = (const uint8_t *)A->data; p.B = (const uint8_t *)B->data;
+    p.sa = (const float *)a_scales->data; p.sb = (const float *)b_scales->data;
+    p.a_dt = A->dtype; p.b_dt = B->dtype; p.c_dt = C->dtype;
+    p.M = A->shape[0]; p.N = C->shape[1]; p.K = A->shape[1];
+    p.kc = (p.K + DSK_FP8_BLOCK - 1) / DSK_FP8_BLOCK;
+    p.a_rows = a_rows; p.b_rows = b_rows;
+    p.b_step = B->shape[B->ndim - 2] * p.K;
+    p.sb_step = b_scales->shape[b_scales->ndim - 2] * p.kc;
+    p.off = offsets ? (const int32_t *)offsets->data : NULL;
+    p.G = offsets ? offsets->shape[0] - 1 : 1;
+    p.C = C->data; p.alpha = alpha; p.beta = beta;
+    tiles_m = (p.M + DSK__FP8_BM - 1) / DSK__FP8_BM + (offsets ? p.G : 0);
+    tiles_n = (p.N + DSK__FP8_BN - 1) / DSK__FP8_BN;
+    if (p.M == 0 || tiles_n == 0 || p.G == 0) return DSK_OK;
+    if (tiles_m > INT_MAX || tiles_n > 65535)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: %lld x %lld tiles exceed the grid", fn, (long long)tiles_m,
+                             (long long)tiles_n);
+    DSK__CUDA_LAUNCH(fn, dsk__k_matmul_fp8, dim3((unsigned)tiles_m, (unsigned)tiles_n), DSK__FP8_BM * DSK__FP8_CG,
+                     dsk__cuda_stream(ctx), p.M * p.N, p);
+    return DSK_OK;
+}
