@@ -880,20 +880,25 @@ DSK_API dsk_status dsk_attention_fused_backward(dsk_ctx *ctx, dsk_tensor *dq, ds
    is not this one. */
 
 #define DSK_FP8_BLOCK 128 /* K elements per scale, rows per weight block */
+#define DSK_FP8_DOT_W 16  /* outputs per dsk_fp8_chunk_dot group: sums kept in registers (CPU vectors) */
 
 typedef enum dsk_fp8_scaling {
     DSK_FP8_TILE_1X128 = 1,      /* one scale per row and 128 columns */
     DSK_FP8_BLOCK_128X128 = 128  /* one scale per 128 x 128 block */
 } dsk_fp8_scaling;
 
-/* The chunk's partial sums of nj outputs: dot[j] = sum over k in [0, n) of a[k] * b[k * ldb +
-   j * ldj], in f32, k ascending (a, b: fp8 values decoded to f32). */
+/* The chunk's partial sums of nj outputs (nj a multiple of DSK_FP8_DOT_W): dot[j] = sum over k
+   in [0, n) of a[k] * b[k * ldb + j * ldj], in f32, k ascending (a, b: fp8 values decoded to f32). */
 static inline DSK_HD void dsk_fp8_chunk_dot(float *dot, int nj, const float *a, const float *b, int64_t ldb,
                                             int64_t ldj, int n) {
-    for (int j = 0; j < nj; j++) dot[j] = 0.0f;
-    for (int k = 0; k < n; k++) {
-        float ak = a[k];
-        for (int j = 0; j < nj; j++) dot[j] += ak * b[k * ldb + j * ldj];
+    for (int j0 = 0; j0 < nj; j0 += DSK_FP8_DOT_W) { /* DSK_FP8_DOT_W sums at a time, in registers */
+        float s[DSK_FP8_DOT_W];
+        for (int j = 0; j < DSK_FP8_DOT_W; j++) s[j] = 0.0f;
+        for (int k = 0; k < n; k++) {
+            float ak = a[k];
+            for (int j = 0; j < DSK_FP8_DOT_W; j++) s[j] += ak * b[k * ldb + (j0 + j) * ldj];
+        }
+        for (int j = 0; j < DSK_FP8_DOT_W; j++) dot[j0 + j] = s[j];
     }
 }
 /* A chunk's partial promoted into the f32 accumulator with its two scales. */
@@ -4687,6 +4692,9 @@ static dsk_status dsk__fp8_need_out(const char *fn, const dsk_tensor *C, const d
 /* The CPU tiles: TM rows x TN columns, the columns the chunk dot's vector width. */
 #define DSK__FP8_TM 16
 #define DSK__FP8_TN 64
+#if DSK__FP8_TN % DSK_FP8_DOT_W
+#error "dsk: the CPU FP8 tile must hold whole groups of DSK_FP8_DOT_W columns"
+#endif
 
 typedef struct dsk__fp8_args {
     const uint8_t *A, *B;

@@ -9,17 +9,18 @@
    the tensor cores, whose accumulation order inside a chunk is theirs; it is not used: the CUDA
    emulation (tests/cuda_emu) has no cuBLASLt, so `make test` could not run it.
 
-   Shape: a block of 256 threads computes a 32 x 32 tile of C; per 128-wide K chunk it stages the
-   A rows and B rows of the chunk in shared memory as f32 (decoded), then thread t computes row
-   t / 8 and columns t % 8 + 8 j (j < 4) of the tile: one chunk dot each, promoted with the two
-   scales. The grid of the grouped form is sized as kernels/grouped.cu's: R / BM + G row tiles (a
-   bound; each block finds its segment and tile from the offsets on the device, and a block past
-   the last tile returns), so nothing comes back to the host. Conventions: kernels/dsk_cuda.cuh. */
+   Shape: a block of 128 threads computes a 32 x 64 tile of C; per 128-wide K chunk it stages the
+   A rows and B rows of the chunk in shared memory as f32 (decoded; 48 KiB), then thread t
+   computes row t / 4 and columns t % 4 + 4 j (j < DSK_FP8_DOT_W = 16) of the tile: one chunk dot
+   call, each column's sum in k order, promoted with the two scales. The grid of the grouped form
+   is sized as kernels/grouped.cu's: R / BM + G row tiles (a bound; each block finds its segment
+   and tile from the offsets on the device, and a block past the last tile returns), so nothing
+   comes back to the host. Conventions: kernels/dsk_cuda.cuh. */
 #include "dsk_cuda.cuh"
 
 #define DSK__FP8_BM 32
-#define DSK__FP8_BN 32
-#define DSK__FP8_CG 8 /* column groups: threads per tile row; each thread BN / CG columns */
+#define DSK__FP8_BN (4 * DSK_FP8_DOT_W)
+#define DSK__FP8_CG 4 /* column groups: threads per tile row; each thread DSK_FP8_DOT_W columns */
 
 struct dsk__fp8_gemm {
     const uint8_t *A, *B;
@@ -32,40 +33,42 @@ struct dsk__fp8_gemm {
     float alpha, beta;
 };
 
+/* The segment of row tile t (tiles counted segment after segment), its first row and its end;
+   -1 when t is past the last tile. Every thread finds it (the offsets are read through the
+   cache), which leaves the shared memory to the tiles. */
+__device__ static int64_t dsk__fp8_tile_of(const dsk__fp8_gemm &p, int64_t t, int64_t *r0, int64_t *r_end) {
+    if (!p.off) {
+        *r0 = t * DSK__FP8_BM;
+        *r_end = p.M;
+        return *r0 < p.M ? 0 : -1;
+    }
+    for (int64_t g = 0; g < p.G; g++) {
+        int64_t tiles = (p.off[g + 1] - p.off[g] + DSK__FP8_BM - 1) / DSK__FP8_BM;
+        if (t < tiles) {
+            *r0 = p.off[g] + t * DSK__FP8_BM;
+            *r_end = p.off[g + 1];
+            return g;
+        }
+        t -= tiles;
+    }
+    return -1;
+}
+
 __global__ void dsk__k_matmul_fp8(dsk__fp8_gemm p) {
     __shared__ float As[DSK__FP8_BM][DSK_FP8_BLOCK];
     __shared__ float Bs[DSK_FP8_BLOCK][DSK__FP8_BN];
-    __shared__ int64_t found[3]; /* segment, first row of the tile, end of the segment */
-    const int nj = DSK__FP8_BN / DSK__FP8_CG;
     int tr = threadIdx.x / DSK__FP8_CG, cg = threadIdx.x % DSK__FP8_CG;
-    int64_t n0 = (int64_t)blockIdx.y * DSK__FP8_BN, r0, m_lim, n_lim;
-    float acc[DSK__FP8_BN / DSK__FP8_CG], dot[DSK__FP8_BN / DSK__FP8_CG];
+    int64_t n0 = (int64_t)blockIdx.y * DSK__FP8_BN, r0, r_end, m_lim, n_lim;
+    int64_t g = dsk__fp8_tile_of(p, blockIdx.x, &r0, &r_end);
+    float acc[DSK_FP8_DOT_W], dot[DSK_FP8_DOT_W];
     const uint8_t *B;
     const float *sb;
-    if (threadIdx.x == 0) {
-        found[0] = -1;
-        if (!p.off) {
-            if ((int64_t)blockIdx.x * DSK__FP8_BM < p.M) {
-                found[0] = 0; found[1] = (int64_t)blockIdx.x * DSK__FP8_BM; found[2] = p.M;
-            }
-        } else { /* segment g and its row tile: tiles counted segment after segment */
-            int64_t t = blockIdx.x, g = 0;
-            for (; g < p.G; g++) {
-                int64_t tiles = (p.off[g + 1] - p.off[g] + DSK__FP8_BM - 1) / DSK__FP8_BM;
-                if (t < tiles) break;
-                t -= tiles;
-            }
-            if (g < p.G) { found[0] = g; found[1] = p.off[g] + t * DSK__FP8_BM; found[2] = p.off[g + 1]; }
-        }
-    }
-    __syncthreads();
-    if (found[0] < 0) return; /* the whole block: past the last tile */
-    r0 = found[1];
-    m_lim = found[2] - r0 < DSK__FP8_BM ? found[2] - r0 : DSK__FP8_BM;
+    if (g < 0) return; /* the whole block: past the last tile */
+    m_lim = r_end - r0 < DSK__FP8_BM ? r_end - r0 : DSK__FP8_BM;
     n_lim = p.N - n0 < DSK__FP8_BN ? p.N - n0 : DSK__FP8_BN;
-    B = p.B + found[0] * p.b_step;
-    sb = p.sb + found[0] * p.sb_step;
-    for (int j = 0; j < nj; j++) acc[j] = 0.0f;
+    B = p.B + g * p.b_step;
+    sb = p.sb + g * p.sb_step;
+    for (int j = 0; j < DSK_FP8_DOT_W; j++) acc[j] = 0.0f;
     for (int64_t c = 0; c < p.kc; c++) {
         int64_t k0 = c * DSK_FP8_BLOCK;
         int n = (int)(p.K - k0 < DSK_FP8_BLOCK ? p.K - k0 : DSK_FP8_BLOCK);
@@ -80,8 +83,8 @@ __global__ void dsk__k_matmul_fp8(dsk__fp8_gemm p) {
         __syncthreads();
         if (tr < m_lim) {
             float s_a = p.sa[((r0 + tr) / p.a_rows) * p.kc + c];
-            dsk_fp8_chunk_dot(dot, nj, As[tr], &Bs[0][cg], DSK__FP8_BN, DSK__FP8_CG, n);
-            for (int j = 0; j < nj; j++) {
+            dsk_fp8_chunk_dot(dot, DSK_FP8_DOT_W, As[tr], &Bs[0][cg], DSK__FP8_BN, DSK__FP8_CG, n);
+            for (int j = 0; j < DSK_FP8_DOT_W; j++) {
                 int64_t col = n0 + cg + DSK__FP8_CG * j;
                 if (col < p.N) acc[j] = dsk_fp8_chunk_acc(acc[j], dot[j], s_a, sb[(col / p.b_rows) * p.kc + c]);
             }
@@ -89,7 +92,7 @@ __global__ void dsk__k_matmul_fp8(dsk__fp8_gemm p) {
         __syncthreads();
     }
     if (tr >= m_lim) return;
-    for (int j = 0; j < nj; j++) {
+    for (int j = 0; j < DSK_FP8_DOT_W; j++) {
         int64_t col = n0 + cg + DSK__FP8_CG * j, o = (r0 + tr) * p.N + col;
         if (col >= p.N) continue;
         dsk_store_f32(p.C, p.c_dt, o,
