@@ -1405,6 +1405,36 @@ DSK_API dsk_status dsk_amp_fp8_block_quantize(dsk_ctx *ctx, dsk_tensor *q, dsk_t
     return DSK_OK;
 }
 
+/* Band jb of the transposed quantisation: x's rows [jb bc, jb bc + bc), i.e. column block jb of
+   q (C, R). The column maxima over the band are taken row by row (contiguous reads) into cm, each
+   (br x bc) block's scale from them (cd: the scale of each column), then the codes; the same
+   values as a block at a time, in an order the cache likes. */
+static void dsk__amp_quantize_t_band(dsk_tensor *q, dsk_tensor *scales, const dsk_tensor *x, int64_t jb, int br, int bc,
+                                     int pow2, uint32_t *cm, float *cd) {
+    int64_t R = x->shape[0], C = x->shape[1], SR = scales->shape[0], SC = scales->shape[1];
+    int64_t r0 = jb * bc, r1 = r0 + bc < R ? r0 + bc : R;
+    float fmax = dsk_amp_fp8_max(q->dtype), *sc = (float *)scales->data;
+    uint8_t *o = (uint8_t *)q->data;
+    for (int64_t c = 0; c < C; c++) cm[c] = 0;
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t c = 0; c < C; c++) {
+            uint32_t a = dsk_amp_abs_bits(dsk_load_f32(x->data, x->dtype, r * C + c));
+            cm[c] = a > cm[c] ? a : cm[c];
+        }
+    for (int64_t i = 0; i < SR; i++) {
+        int64_t c0 = i * br, c1 = c0 + br < C ? c0 + br : C;
+        uint32_t m = 0;
+        float d;
+        for (int64_t c = c0; c < c1; c++) m = cm[c] > m ? cm[c] : m;
+        d = dsk_amp_fp8_block_scale(dsk_bits_f32(m), fmax, pow2);
+        sc[i * SC + jb] = d;
+        for (int64_t c = c0; c < c1; c++) cd[c] = d;
+    }
+    for (int64_t c = 0; c < C; c++)
+        for (int64_t r = r0; r < r1; r++)
+            o[c * R + r] = dsk_amp_to_fp8(dsk_load_f32(x->data, x->dtype, r * C + c) / cd[c], q->dtype);
+}
+
 DSK_API dsk_status dsk_amp_fp8_block_quantize_t(dsk_ctx *ctx, dsk_tensor *q, dsk_tensor *scales, const dsk_tensor *x,
                                                 int br, int bc, int pow2) {
     const char *fn = "dsk_amp_fp8_block_quantize_t";
@@ -1422,27 +1452,16 @@ DSK_API dsk_status dsk_amp_fp8_block_quantize_t(dsk_ctx *ctx, dsk_tensor *q, dsk
     if (x->device.type == DSK_DEV_CUDA) return dsk_cuda_amp_fp8_block_quantize_t(ctx, q, scales, x, br, bc, pow2);
 #endif
     {
-        int64_t R = x->shape[0], C = x->shape[1], SR = scales->shape[0], SC = scales->shape[1];
-        float fmax = dsk_amp_fp8_max(q->dtype), *sc = (float *)scales->data;
-        uint8_t *o = (uint8_t *)q->data;
+        int64_t C = x->shape[1], SC = scales->shape[1];
+        uint32_t *cm = (uint32_t *)DSK_MALLOC((size_t)(SC * C) * (sizeof(uint32_t) + sizeof(float)) + 1);
+        if (!cm)
+            return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for %lld column maxima", fn, (long long)(SC * C));
 #ifdef _OPENMP
-#pragma omp parallel for schedule(static) if (SR * SC > 16)
+#pragma omp parallel for schedule(static) if (SC > 1 && x->shape[0] * C > 65536)
 #endif
-        for (int64_t blk = 0; blk < SR * SC; blk++) { /* block (i, j) of q: x's columns c0.. and rows r0.. */
-            int64_t c0 = (blk / SC) * br, r0 = (blk % SC) * bc, c1 = c0 + br < C ? c0 + br : C,
-                    r1 = r0 + bc < R ? r0 + bc : R;
-            uint32_t m = 0;
-            float d;
-            for (int64_t r = r0; r < r1; r++) {
-                uint32_t v = dsk__amp_row_amax(x->data, x->dtype, r * C + c0, c1 - c0);
-                if (v > m) m = v;
-            }
-            d = dsk_amp_fp8_block_scale(dsk_bits_f32(m), fmax, pow2);
-            sc[blk] = d;
-            for (int64_t r = r0; r < r1; r++)
-                for (int64_t c = c0; c < c1; c++)
-                    o[c * R + r] = dsk_amp_to_fp8(dsk_load_f32(x->data, x->dtype, r * C + c) / d, q->dtype);
-        }
+        for (int64_t jb = 0; jb < SC; jb++)
+            dsk__amp_quantize_t_band(q, scales, x, jb, br, bc, pow2, cm + jb * C, (float *)(cm + SC * C) + jb * C);
+        DSK_FREE(cm);
     }
     return DSK_OK;
 }

@@ -8,7 +8,14 @@
    time per call. Prints GFLOP/s (2 M N K per product), the ratio fp8 / bf16, and the machine's
    load average. The FP8 path is a reference (exact arithmetic in a fixed order: a chunk's dot
    products in k order, vectorised across 64 columns), not a fast kernel.
-   Usage: bench_fp8 [--threads N] [--repeats R] [--rounds K] */
+   With --cuda (a CUDA build and device): the CUDA path instead, at DeepSeek-V3's expert shape
+   (d_model 7168, expert hidden 2048): dsk_matmul_fp8 (bf16 out) against cublasGemmEx bf16 (f32
+   accumulation, bf16 out) on 4096 rows, and dsk_matmul_fp8_grouped against dsk_matmul_grouped
+   bf16 (WMMA) over one rank's experts: 256 experts top-8 under expert parallelism 8, i.e. 32
+   local experts and 4096 tokens, 4096 routed rows (128 per expert on average, skewed);
+   2 warm-ups, median of --repeats calls, each timed to a stream sync.
+   Prints "summary:" lines (scripts/device_check.sh). --quick: small shapes (an emulated run).
+   Usage: bench_fp8 [--threads N] [--repeats R] [--rounds K] [--cuda [--quick]] */
 #define DSK_TENSOR_IMPLEMENTATION
 #define DSK_AMP_IMPLEMENTATION
 #include "dsk_tensor.h"
@@ -116,8 +123,107 @@ static void route(int32_t *off, int64_t R, int64_t G) {
     free(cnt);
 }
 
+#ifdef DSK_CUDA
+#include <cuda_runtime.h>
+#include <cublas_v2.h>
+
+typedef struct gpu_case {
+    dsk_ctx *g;
+    cublasHandle_t peer;
+    prob *p;
+    int v; /* V_FP8: dsk_matmul_fp8(_grouped); V_BF16: cuBLAS (dense) or dsk_matmul_grouped (grouped) */
+} gpu_case;
+
+static void gpu_run(gpu_case *c) {
+    prob *p = c->p;
+    if (c->v == V_BF16 && !p->grouped) { /* row-major y (M, N) = x (M, K) w (N, K)^T, column-major y^T = w x^T */
+        float one = 1.0f, zero = 0.0f;
+        int M = (int)p->x[V_BF16].shape[0], N = (int)p->w[V_BF16].shape[0], K = (int)p->x[V_BF16].shape[1];
+        if (cublasGemmEx(c->peer, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, p->w[V_BF16].data, CUDA_R_16BF, K,
+                         p->x[V_BF16].data, CUDA_R_16BF, K, &zero, p->c.data, CUDA_R_16BF, N, CUBLAS_COMPUTE_32F,
+                         CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
+            fprintf(stderr, "bench_fp8: cublasGemmEx failed\n");
+            exit(1);
+        }
+    } else {
+        run(c->g, p, c->v);
+    }
+}
+
+/* Median seconds per call on the GPU. */
+static double gpu_time(gpu_case *c, int repeats) {
+    double t[64];
+    int n = repeats < 64 ? repeats : 64;
+    for (int i = 0; i < 2; i++) gpu_run(c);
+    BENCH_CHECK(dsk_ctx_sync(c->g));
+    for (int i = 0; i < n; i++) {
+        double t0 = bench_now_s();
+        gpu_run(c);
+        BENCH_CHECK(dsk_ctx_sync(c->g));
+        t[i] = bench_now_s() - t0;
+    }
+    return bench_median(t, n);
+}
+
+static int gpu_main(int repeats, int quick) {
+    dsk_ctx g;
+    dsk_ctx_opts o;
+    cublasHandle_t peer;
+    int64_t E = quick ? 4 : 32, T = quick ? 64 : 4096, D = quick ? 256 : 7168, F = quick ? 128 : 2048;
+    int64_t R = quick ? 512 : T; /* T tokens x top-8 over 256 experts reach 32 local experts T times */
+    int32_t *off = (int32_t *)malloc(sizeof(int32_t) * (size_t)(E + 1));
+    struct { const char *name; int64_t M, N, K, G; } cases[3];
+    double tf[3][2];
+    memset(&o, 0, sizeof o);
+    o.device = DSK_PREFER_CUDA;
+    if (!off) { fprintf(stderr, "bench_fp8: out of memory\n"); return 1; }
+    if (dsk_ctx_init(&g, &o) != DSK_OK) {
+        printf("summary: fp8 GEMM: no CUDA device (%s)\n", dsk_last_error());
+        free(off);
+        return 0;
+    }
+    if (cublasCreate(&peer) != CUBLAS_STATUS_SUCCESS || cublasSetStream(peer, (cudaStream_t)g.stream)) {
+        fprintf(stderr, "bench_fp8: cuBLAS handle\n");
+        return 1;
+    }
+    cases[0].name = "expert up   x (T, D) w (F, D)^T"; cases[0].M = T; cases[0].N = F; cases[0].K = D; cases[0].G = 0;
+    cases[1].name = "expert down h (T, F) w (D, F)^T"; cases[1].M = T; cases[1].N = D; cases[1].K = F; cases[1].G = 0;
+    cases[2].name = "grouped up  E experts, R rows"; cases[2].M = R; cases[2].N = F; cases[2].K = D; cases[2].G = E;
+    printf("# bench_fp8 --cuda: %s; T %lld tokens, d_model %lld, hidden %lld, %lld experts, %lld routed rows\n",
+           quick ? "quick shapes" : "DeepSeek-V3 expert shapes", (long long)T, (long long)D, (long long)F, (long long)E,
+           (long long)R);
+    printf("# %-34s %6s %6s %6s %14s %18s %7s\n", "product", "M", "N", "K", "fp8 TFLOP/s", "bf16 peer TFLOP/s",
+           "fp8/bf16");
+    for (int i = 0; i < 3; i++) {
+        prob p;
+        gpu_case c;
+        double flop = 2.0 * (double)cases[i].M * (double)cases[i].N * (double)cases[i].K;
+        if (cases[i].G) route(off, cases[i].M, cases[i].G);
+        setup(&g, &p, cases[i].M, cases[i].N, cases[i].K, cases[i].G, off);
+        dsk_tensor_free(&g, &p.c); /* bf16 out for both */
+        p.c = alloc2(&g, DSK_BF16, 2, cases[i].M, cases[i].N, 0);
+        c.g = &g; c.peer = peer; c.p = &p;
+        for (int v = 0; v < 2; v++) {
+            c.v = v == 0 ? V_FP8 : V_BF16;
+            tf[i][v] = flop / gpu_time(&c, repeats) * 1e-12;
+        }
+        printf("  %-34s %6lld %6lld %6lld %14.1f %18.1f %7.2f  (peer: %s)\n", cases[i].name, (long long)cases[i].M,
+               (long long)cases[i].N, (long long)cases[i].K, tf[i][0], tf[i][1], tf[i][0] / tf[i][1],
+               cases[i].G ? "dsk_matmul_grouped bf16" : "cublasGemmEx bf16");
+        release(&g, &p);
+    }
+    printf("summary: fp8 GEMM (CUDA cores) expert up %.1f TFLOP/s = %.2fx cuBLAS bf16, down %.2fx; grouped %.1f TFLOP/s "
+           "= %.2fx dsk bf16 grouped\n", tf[0][0], tf[0][0] / tf[0][1], tf[1][0] / tf[1][1], tf[2][0],
+           tf[2][0] / tf[2][1]);
+    cublasDestroy(peer);
+    dsk_ctx_free(&g);
+    free(off);
+    return 0;
+}
+#endif
+
 int main(int argc, char **argv) {
-    int threads = 2, repeats = 3, rounds = 2;
+    int threads = 2, repeats = 3, rounds = 2, cuda = 0, quick = 0;
     dsk_ctx ctx;
     dsk_ctx_opts co;
     double load[3] = {0, 0, 0};
@@ -133,9 +239,24 @@ int main(int argc, char **argv) {
         if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--repeats") && i + 1 < argc) repeats = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--rounds") && i + 1 < argc) rounds = atoi(argv[++i]);
-        else { fprintf(stderr, "usage: %s [--threads N] [--repeats R] [--rounds K]\n", argv[0]); return 2; }
+        else if (!strcmp(argv[i], "--cuda")) cuda = 1;
+        else if (!strcmp(argv[i], "--quick")) quick = 1;
+        else {
+            fprintf(stderr, "usage: %s [--threads N] [--repeats R] [--rounds K] [--cuda [--quick]]\n", argv[0]);
+            return 2;
+        }
     }
     if (threads < 1 || repeats < 1 || rounds < 1) { fprintf(stderr, "bench_fp8: arguments must be >= 1\n"); return 2; }
+    if (cuda) {
+#ifdef DSK_CUDA
+        return gpu_main(repeats, quick);
+#else
+        (void)quick;
+        printf("summary: fp8 GEMM: skipped (built without CUDA; build with make CUDA=1)\n");
+        return 0;
+#endif
+    }
+    (void)quick;
     memset(&co, 0, sizeof co);
     co.device = DSK_PREFER_CPU;
     co.n_threads = threads;
