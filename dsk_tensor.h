@@ -4746,7 +4746,7 @@ static void dsk__fp8_tile(const dsk__fp8_args *p, int64_t g, int64_t i0, int64_t
 }
 
 /* Every segment's tiles on the ctx's threads; p->task0 is filled here. */
-static dsk_status dsk__fp8_run(const char *fn, dsk_ctx *ctx, dsk__fp8_args *p, int64_t rows) {
+static dsk_status dsk__fp8_run(const char *fn, dsk_ctx *ctx, dsk__fp8_args *p) {
     int64_t total, per = DSK__FP8_TM * DSK_FP8_BLOCK + DSK_FP8_BLOCK * DSK__FP8_TN + DSK__FP8_TM * DSK__FP8_TN;
     float *scratch;
     dsk_status s;
@@ -4757,7 +4757,8 @@ static dsk_status dsk__fp8_run(const char *fn, dsk_ctx *ctx, dsk__fp8_args *p, i
     total = p->task0[p->G];
     if (total == 0) return DSK_OK;
     if (!(scratch = dsk__scratch(fn, ctx, per, &s))) return s;
-    DSK__OMP(parallel for schedule(dynamic) num_threads(dsk__threads(ctx)) if (rows * p->N * p->K > DSK__PAR_MIN))
+    DSK__OMP(parallel for schedule(dynamic) num_threads(dsk__threads(ctx)) \
+        if ((p->off[p->G] - p->off[0]) * p->N * p->K > DSK__PAR_MIN))
     for (int64_t t = 0; t < total; t++) {
         int64_t lo = 0, hi = p->G, r0, tr;
         while (hi - lo > 1) { /* the segment g with task0[g] <= t < task0[g + 1] */
@@ -4819,7 +4820,7 @@ DSK_API dsk_status dsk_matmul_fp8(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor 
     dsk__fp8_args_init(&p, C, A, a_scales, a_scaling, B, b_scales, b_scaling, alpha, beta);
     off[0] = 0; off[1] = (int32_t)A->shape[0];
     p.off = off; p.task0 = task0; p.G = 1; p.b_step = p.sb_step = 0;
-    return dsk__fp8_run(fn, ctx, &p, A->shape[0]);
+    return dsk__fp8_run(fn, ctx, &p);
 }
 
 DSK_API dsk_status dsk_matmul_fp8_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, const dsk_tensor *a_scales,
@@ -4830,7 +4831,7 @@ DSK_API dsk_status dsk_matmul_fp8_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk
     const char *names[6] = {"C", "A", "a_scales", "B", "b_scales", "offsets"};
     char b[96];
     int cuda;
-    int64_t G;
+    int64_t G = 0;
     dsk__fp8_args p;
     dsk_status s;
     DSK__TRY(dsk__need_offsets(fn, offsets, &G));
@@ -4854,7 +4855,7 @@ DSK_API dsk_status dsk_matmul_fp8_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk
     p.off = (const int32_t *)offsets->data; p.G = G;
     if (!(p.task0 = (int64_t *)DSK_MALLOC((size_t)(G + 1) * sizeof(int64_t))))
         return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for %lld segments", fn, (long long)G);
-    s = dsk__fp8_run(fn, ctx, &p, A->shape[0]);
+    s = dsk__fp8_run(fn, ctx, &p);
     DSK_FREE(p.task0);
     return s;
 }

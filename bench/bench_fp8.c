@@ -16,6 +16,7 @@
    2 warm-ups, median of --repeats calls, each timed to a stream sync.
    Prints "summary:" lines (scripts/device_check.sh). --quick: small shapes (an emulated run).
    Usage: bench_fp8 [--threads N] [--repeats R] [--rounds K] [--cuda [--quick]] */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime (bench_util.h) */
 #define DSK_TENSOR_IMPLEMENTATION
 #define DSK_AMP_IMPLEMENTATION
 #include "dsk_tensor.h"
