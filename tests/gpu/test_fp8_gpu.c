@@ -131,6 +131,32 @@ static void test_quant_t(dsk_dtype xdt, dsk_dtype fmt, int64_t R, int64_t C, int
     else same(ds, s, "scales");
 }
 
+/* Operands on two devices: DSK_ERR_ARG naming the tensor and both devices, nothing launched. */
+static void test_devices(void) {
+    dsk_tensor *qa, *sa, *qb, *sb, *C = h2(DSK_F32, 4, 6), *dC = dev(C);
+    int64_t two = 2;
+    dsk_tensor *off = halloc(DSK_I32, 1, &two);
+    quantise(&qa, &sa, DSK_F32, DSK_E4M3, 4, 200, 1);
+    quantise(&qb, &sb, DSK_F32, DSK_E4M3, 6, 200, 128);
+    DSK_TEST_STATUS(dsk_matmul_fp8(&G, dC, qa, dev(sa), DSK_FP8_TILE_1X128, dev(qb), dev(sb), DSK_FP8_BLOCK_128X128,
+                                   1.0f, 0.0f), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_matmul_fp8: A is on cpu:0 but C is on cuda:0");
+    DSK_TEST_STATUS(dsk_matmul_fp8(NULL, dC, dev(qa), dev(sa), DSK_FP8_TILE_1X128, dev(qb), dev(sb),
+                                   DSK_FP8_BLOCK_128X128, 1.0f, 0.0f), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_matmul_fp8: C is on cuda:0 but ctx is NULL");
+    DSK_TEST_STATUS(dsk_amp_fp8_block_quantize_t(&G, dev(qa), sa, dev(C), 1, 128, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_amp_fp8_block_quantize_t: scales [4,2] f32 is on cpu:0, expected cuda:0");
+    {
+        int64_t g3[3] = {1, 6, 200}, s3[3] = {1, 1, 2};
+        dsk_tensor *bg = dalloc(DSK_E4M3, 3, g3), *sg = dalloc(DSK_F32, 3, s3);
+        ((int32_t *)off->data)[0] = 0;
+        ((int32_t *)off->data)[1] = 4;
+        DSK_TEST_STATUS(dsk_matmul_fp8_grouped(&G, dC, dev(qa), dev(sa), bg, sg, DSK_FP8_BLOCK_128X128, off, 1.0f, 0.0f),
+                        DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dsk_matmul_fp8_grouped: offsets is on cpu:0 but C is on cuda:0");
+    }
+}
+
 int main(void) {
     dsk_test_init("test_fp8_gpu");
     gpu_test_setup();
@@ -147,6 +173,7 @@ int main(void) {
     CASE(test_quant_t(DSK_BF16, DSK_E4M3, 300, 37, 1, 128, 0), "quantise x^T in 1x128 tiles (300, 37) bf16");
     CASE(test_quant_t(DSK_F32, DSK_E5M2, 260, 200, 128, 128, 0), "quantise x^T in 128x128 blocks (260, 200) e5m2");
     CASE(test_quant_t(DSK_F32, DSK_E4M3, 129, 5, 1, 128, 1), "quantise x^T with NaN and -Inf (129, 5)");
+    CASE(test_devices(), "operands on two devices: errors naming them");
     gpu_test_teardown();
     return dsk_test_finish();
 }
