@@ -915,12 +915,22 @@ static inline DSK_HD float dsk_fp8_out(float acc, float alpha, float beta, float
 DSK_API dsk_status dsk_matmul_fp8(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, const dsk_tensor *a_scales,
                                   dsk_fp8_scaling a_scaling, const dsk_tensor *B, const dsk_tensor *b_scales,
                                   dsk_fp8_scaling b_scaling, float alpha, float beta);
-/* The rows form of dsk_matmul_grouped in FP8 (an expert layer's forward and input gradient):
-   for the rows r of segment g (offsets (G + 1) i32 on the tensors' device, as there),
-   C[r] = alpha * A[r] B[g]^T + beta * C[r]. A (R, K) with 1x128 scales (R, ceil(K/128)) (a row
-   tile never straddles two experts); B (G, N, K) with scales (G, N, ceil(K/128)) for 1x128 or
-   (G, ceil(N/128), ceil(K/128)) for 128x128 blocks; C (R, N). Rows outside the segments are
-   neither read nor written; each row gets the bits dsk_matmul_fp8 gives it with B[g]. */
+/* dsk_matmul_grouped in FP8, its two forms told apart by C's dims; offsets (G + 1) i32 on the
+   tensors' device, as there.
+     rows (an expert layer's forward and input gradient), C (R, N): for the rows r of segment g,
+       C[r] = alpha * A[r] B[g]^T + beta * C[r]. A (R, K) with 1x128 scales (R, ceil(K/128)) (a
+       row tile never straddles two experts); B (G, N, K) with scales (G, N, ceil(K/128)) for
+       1x128 or (G, ceil(N/128), ceil(K/128)) for 128x128 blocks. Rows outside the segments are
+       neither read nor written; each row gets the bits dsk_matmul_fp8 gives it with B[g].
+     weights (its weight gradients), C (G, M, N): the segments cut K (the tokens):
+       C[g] = alpha * A[:, seg g] B[:, seg g]^T + beta * C[g] (beta * C[g] for an empty segment),
+       A (M, R) = dy^T and B (N, R) = x^T as dsk_amp_fp8_block_quantize_t writes them, in 1x128
+       tiles along R (scales (M, ceil(R/128))) or, for B, 128x128 blocks. The chunks stay those
+       of the scales, on the grid of 128 from row 0: a chunk that a segment boundary cuts adds
+       only its rows of the segment, dequantised with the whole tile's scale (so a tile made
+       non-finite by an Inf or NaN reaches every segment that shares it). No quantisation needs
+       the offsets, and each C[g] gets the bits of the chunk arithmetic over [off[g], off[g + 1])
+       on CPU and CUDA alike. */
 DSK_API dsk_status dsk_matmul_fp8_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, const dsk_tensor *a_scales,
                                           const dsk_tensor *B, const dsk_tensor *b_scales, dsk_fp8_scaling b_scaling,
                                           const dsk_tensor *offsets, float alpha, float beta);
@@ -4702,6 +4712,8 @@ typedef struct dsk__fp8_args {
     float lut_a[256], lut_b[256]; /* fp8 code -> f32 */
     int64_t N, K, kc, a_rows, b_rows; /* a_rows, b_rows: rows per scale */
     int64_t b_step, sb_step;          /* elements from B[g] (and its scales) to B[g + 1] */
+    int weights;                      /* the weights form: segments cut K, C[g] (M, N) */
+    int64_t M, c_step;                /* C[g]'s rows and the elements from C[g] to C[g + 1] */
     void *C;
     dsk_dtype c_dt;
     float alpha, beta;
@@ -4714,17 +4726,18 @@ static void dsk__fp8_lut(float *lut, dsk_dtype dt) {
     for (int i = 0; i < 256; i++) lut[i] = dt == DSK_E4M3 ? dsk_e4m3_to_f32((uint8_t)i) : dsk_e5m2_to_f32((uint8_t)i);
 }
 
-/* Rows [i0, i1) x columns [j0, j1) of segment g; w: TM * 128 + 128 * TN + TM * TN floats. */
+/* Rows [i0, i1) x columns [j0, j1) of segment g's product (of C[g] in the weights form, whose K
+   is the segment's); w: TM * 128 + 128 * TN + TM * TN floats. */
 static void dsk__fp8_tile(const dsk__fp8_args *p, int64_t g, int64_t i0, int64_t i1, int64_t j0, int64_t j1, float *w) {
     float *ad = w, *bd = ad + DSK__FP8_TM * DSK_FP8_BLOCK, *acc = bd + DSK_FP8_BLOCK * DSK__FP8_TN;
     float dot[DSK__FP8_TN];
     const uint8_t *B = p->B + g * p->b_step;
     const float *sb = p->sb + g * p->sb_step;
-    int64_t m = i1 - i0, nn = j1 - j0;
+    int64_t m = i1 - i0, nn = j1 - j0, klo = p->weights ? p->off[g] : 0, khi = p->weights ? p->off[g + 1] : p->K;
     for (int64_t e = 0; e < DSK__FP8_TM * DSK__FP8_TN; e++) acc[e] = 0.0f;
-    for (int64_t c = 0; c < p->kc; c++) {
-        int64_t k0 = c * DSK_FP8_BLOCK;
-        int n = (int)(p->K - k0 < DSK_FP8_BLOCK ? p->K - k0 : DSK_FP8_BLOCK);
+    for (int64_t c = klo / DSK_FP8_BLOCK; klo < khi && c * DSK_FP8_BLOCK < khi; c++) { /* chunks cut to [klo, khi) */
+        int64_t k0 = c * DSK_FP8_BLOCK > klo ? c * DSK_FP8_BLOCK : klo;
+        int n = (int)((c + 1) * DSK_FP8_BLOCK < khi ? (c + 1) * DSK_FP8_BLOCK - k0 : khi - k0);
         for (int64_t i = 0; i < m; i++)
             for (int k = 0; k < n; k++) ad[i * DSK_FP8_BLOCK + k] = p->lut_a[p->A[(i0 + i) * p->K + k0 + k]];
         for (int64_t j = 0; j < DSK__FP8_TN; j++) /* B's rows as columns, zeros past the last */
@@ -4739,7 +4752,7 @@ static void dsk__fp8_tile(const dsk__fp8_args *p, int64_t g, int64_t i0, int64_t
     }
     for (int64_t i = 0; i < m; i++)
         for (int64_t j = 0; j < nn; j++) {
-            int64_t o = (i0 + i) * p->N + j0 + j;
+            int64_t o = g * p->c_step + (i0 + i) * p->N + j0 + j;
             float old = p->beta != 0.0f ? dsk_load_f32(p->C, p->c_dt, o) : 0.0f;
             dsk_store_f32(p->C, p->c_dt, o, dsk_fp8_out(acc[i * DSK__FP8_TN + j], p->alpha, p->beta, old));
         }
@@ -4752,13 +4765,14 @@ static dsk_status dsk__fp8_run(const char *fn, dsk_ctx *ctx, dsk__fp8_args *p) {
     dsk_status s;
     p->tiles_n = (p->N + DSK__FP8_TN - 1) / DSK__FP8_TN;
     p->task0[0] = 0;
-    for (int64_t g = 0; g < p->G; g++)
-        p->task0[g + 1] = p->task0[g] + (p->off[g + 1] - p->off[g] + DSK__FP8_TM - 1) / DSK__FP8_TM * p->tiles_n;
+    for (int64_t g = 0; g < p->G; g++) /* row tiles of the segment's rows, or of C[g]'s M rows */
+        p->task0[g + 1] = p->task0[g] + ((p->weights ? p->M : p->off[g + 1] - p->off[g]) + DSK__FP8_TM - 1) /
+                                            DSK__FP8_TM * p->tiles_n;
     total = p->task0[p->G];
     if (total == 0) return DSK_OK;
     if (!(scratch = dsk__scratch(fn, ctx, per, &s))) return s;
     DSK__OMP(parallel for schedule(dynamic) num_threads(dsk__threads(ctx)) \
-        if ((p->off[p->G] - p->off[0]) * p->N * p->K > DSK__PAR_MIN))
+        if ((p->off[p->G] - p->off[0]) * p->N * (p->weights ? p->M : p->K) > DSK__PAR_MIN))
     for (int64_t t = 0; t < total; t++) {
         int64_t lo = 0, hi = p->G, r0, tr;
         while (hi - lo > 1) { /* the segment g with task0[g] <= t < task0[g + 1] */
@@ -4766,9 +4780,10 @@ static dsk_status dsk__fp8_run(const char *fn, dsk_ctx *ctx, dsk__fp8_args *p) {
             if (p->task0[mid] <= t) lo = mid; else hi = mid;
         }
         tr = (t - p->task0[lo]) / p->tiles_n;
-        r0 = p->off[lo] + tr * DSK__FP8_TM;
+        r0 = (p->weights ? 0 : p->off[lo]) + tr * DSK__FP8_TM;
         {
-            int64_t r1 = r0 + DSK__FP8_TM < p->off[lo + 1] ? r0 + DSK__FP8_TM : p->off[lo + 1];
+            int64_t r_end = p->weights ? p->M : p->off[lo + 1];
+            int64_t r1 = r0 + DSK__FP8_TM < r_end ? r0 + DSK__FP8_TM : r_end;
             int64_t c0 = (t - p->task0[lo]) % p->tiles_n * DSK__FP8_TN;
             int64_t c1 = c0 + DSK__FP8_TN < p->N ? c0 + DSK__FP8_TN : p->N;
             dsk__fp8_tile(p, lo, r0, r1, c0, c1, scratch + per * dsk__thread_id());
@@ -4785,11 +4800,15 @@ static void dsk__fp8_args_init(dsk__fp8_args *p, dsk_tensor *C, const dsk_tensor
     p->sa = (const float *)sa->data; p->sb = (const float *)sb->data;
     dsk__fp8_lut(p->lut_a, A->dtype);
     dsk__fp8_lut(p->lut_b, B->dtype);
-    p->N = C->shape[1]; p->K = A->shape[1]; p->kc = (p->K + DSK_FP8_BLOCK - 1) / DSK_FP8_BLOCK;
+    p->N = C->shape[C->ndim - 1]; p->K = A->shape[1]; p->kc = (p->K + DSK_FP8_BLOCK - 1) / DSK_FP8_BLOCK;
     p->a_rows = a_rows; p->b_rows = b_rows;
     p->b_step = B->shape[B->ndim - 2] * p->K;
     p->sb_step = sb->shape[sb->ndim - 2] * p->kc;
     p->C = C->data; p->c_dt = C->dtype; p->alpha = alpha; p->beta = beta;
+    p->weights = C->ndim == 3;
+    p->M = A->shape[0];
+    p->c_step = p->weights ? C->shape[1] * C->shape[2] : 0;
+    if (p->weights) p->b_step = p->sb_step = 0;
 }
 
 DSK_API dsk_status dsk_matmul_fp8(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, const dsk_tensor *a_scales,
@@ -4823,6 +4842,18 @@ DSK_API dsk_status dsk_matmul_fp8(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor 
     return dsk__fp8_run(fn, ctx, &p);
 }
 
+/* The weights form's shapes: C (G, M, N) = A (M, R) B (N, R)^T per segment of R. */
+static dsk_status dsk__fp8_need_weights(const char *fn, const dsk_tensor *C, const dsk_tensor *A, const dsk_tensor *B,
+                                        int64_t G) {
+    char a[96], b[96], c[96];
+    DSK__TRY(dsk__need_float(fn, "C", C));
+    if (C->shape[0] != G || C->shape[1] != A->shape[0] || C->shape[2] != B->shape[0] || A->shape[1] != B->shape[1])
+        return dsk_set_error(DSK_ERR_ARG, "%s: C %s, A %s, B %s with %lld groups: want the weights form C (G, M, N) = "
+                             "A (M, R) B (N, R)^T over segments of R", fn, dsk_tensor_describe(C, c, sizeof c),
+                             dsk_tensor_describe(A, a, sizeof a), dsk_tensor_describe(B, b, sizeof b), (long long)G);
+    return DSK_OK;
+}
+
 DSK_API dsk_status dsk_matmul_fp8_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, const dsk_tensor *a_scales,
                                           const dsk_tensor *B, const dsk_tensor *b_scales, dsk_fp8_scaling b_scaling,
                                           const dsk_tensor *offsets, float alpha, float beta) {
@@ -4830,17 +4861,19 @@ DSK_API dsk_status dsk_matmul_fp8_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk
     const dsk_tensor *ts[6] = {C, A, a_scales, B, b_scales, offsets};
     const char *names[6] = {"C", "A", "a_scales", "B", "b_scales", "offsets"};
     char b[96];
-    int cuda;
+    int cuda, weights;
     int64_t G = 0;
     dsk__fp8_args p;
     dsk_status s;
     DSK__TRY(dsk__need_offsets(fn, offsets, &G));
+    DSK__TRY(dsk__need(fn, "C", C));
+    weights = C->ndim == 3;
     DSK__TRY(dsk__fp8_need_codes(fn, "A", A, 2));
-    DSK__TRY(dsk__fp8_need_codes(fn, "B", B, 3));
-    if (B->shape[0] != G)
+    DSK__TRY(dsk__fp8_need_codes(fn, "B", B, weights ? 2 : 3));
+    if (!weights && B->shape[0] != G)
         return dsk_set_error(DSK_ERR_ARG, "%s: B %s holds %lld matrices, offsets %lld groups", fn,
                              dsk_tensor_describe(B, b, sizeof b), (long long)B->shape[0], (long long)G);
-    DSK__TRY(dsk__fp8_need_out(fn, C, A, B));
+    DSK__TRY(weights ? dsk__fp8_need_weights(fn, C, A, B, G) : dsk__fp8_need_out(fn, C, A, B));
     DSK__TRY(dsk__fp8_need_scaling(fn, "b_scaling", b_scaling));
     DSK__TRY(dsk__fp8_need_scales(fn, "a_scales", a_scales, "A", A, DSK_FP8_TILE_1X128));
     DSK__TRY(dsk__fp8_need_scales(fn, "b_scales", b_scales, "B", B, b_scaling));
@@ -4850,7 +4883,7 @@ DSK_API dsk_status dsk_matmul_fp8_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk
         return dsk_cuda_matmul_fp8(ctx, C, A, a_scales, DSK_FP8_TILE_1X128, B, b_scales, (int)b_scaling, offsets, alpha,
                                    beta);
 #endif
-    DSK__TRY(dsk__check_offsets(fn, offsets, G, A->shape[0]));
+    DSK__TRY(dsk__check_offsets(fn, offsets, G, A->shape[weights ? 1 : 0]));
     dsk__fp8_args_init(&p, C, A, a_scales, DSK_FP8_TILE_1X128, B, b_scales, b_scaling, alpha, beta);
     p.off = (const int32_t *)offsets->data; p.G = G;
     if (!(p.task0 = (int64_t *)DSK_MALLOC((size_t)(G + 1) * sizeof(int64_t))))

@@ -29,6 +29,8 @@ struct dsk__fp8_gemm {
     int64_t M, N, K, kc, a_rows, b_rows, b_step, sb_step;
     const int32_t *off; /* NULL: one segment [0, M) */
     int64_t G;
+    int weights;        /* the weights form: segment blockIdx.z cuts K, C[g] (M, N) at g * c_step */
+    int64_t c_step;
     void *C;
     float alpha, beta;
 };
@@ -37,6 +39,11 @@ struct dsk__fp8_gemm {
    -1 when t is past the last tile. Every thread finds it (the offsets are read through the
    cache), which leaves the shared memory to the tiles. */
 __device__ static int64_t dsk__fp8_tile_of(const dsk__fp8_gemm &p, int64_t t, int64_t *r0, int64_t *r_end) {
+    if (p.weights) { /* every segment has C[g]'s M rows; blockIdx.z is the segment */
+        *r0 = t * DSK__FP8_BM;
+        *r_end = p.M;
+        return blockIdx.z;
+    }
     if (!p.off) {
         *r0 = t * DSK__FP8_BM;
         *r_end = p.M;
@@ -59,7 +66,7 @@ __global__ void dsk__k_matmul_fp8(dsk__fp8_gemm p) {
     __shared__ float Bs[DSK_FP8_BLOCK][DSK__FP8_BN];
     int tr = threadIdx.x / DSK__FP8_CG, cg = threadIdx.x % DSK__FP8_CG;
     int64_t n0 = (int64_t)blockIdx.y * DSK__FP8_BN, r0, r_end, m_lim, n_lim;
-    int64_t g = dsk__fp8_tile_of(p, blockIdx.x, &r0, &r_end);
+    int64_t g = dsk__fp8_tile_of(p, blockIdx.x, &r0, &r_end), klo, khi;
     float acc[DSK_FP8_DOT_W], dot[DSK_FP8_DOT_W];
     const uint8_t *B;
     const float *sb;
@@ -68,10 +75,12 @@ __global__ void dsk__k_matmul_fp8(dsk__fp8_gemm p) {
     n_lim = p.N - n0 < DSK__FP8_BN ? p.N - n0 : DSK__FP8_BN;
     B = p.B + g * p.b_step;
     sb = p.sb + g * p.sb_step;
+    klo = p.weights ? p.off[g] : 0;
+    khi = p.weights ? p.off[g + 1] : p.K;
     for (int j = 0; j < DSK_FP8_DOT_W; j++) acc[j] = 0.0f;
-    for (int64_t c = 0; c < p.kc; c++) {
-        int64_t k0 = c * DSK_FP8_BLOCK;
-        int n = (int)(p.K - k0 < DSK_FP8_BLOCK ? p.K - k0 : DSK_FP8_BLOCK);
+    for (int64_t c = klo / DSK_FP8_BLOCK; klo < khi && c * DSK_FP8_BLOCK < khi; c++) { /* chunks cut to [klo, khi) */
+        int64_t k0 = c * DSK_FP8_BLOCK > klo ? c * DSK_FP8_BLOCK : klo;
+        int n = (int)((c + 1) * DSK_FP8_BLOCK < khi ? (c + 1) * DSK_FP8_BLOCK - k0 : khi - k0);
         for (int e = threadIdx.x; e < DSK__FP8_BM * DSK_FP8_BLOCK; e += blockDim.x) {
             int mm = e / DSK_FP8_BLOCK, kk = e % DSK_FP8_BLOCK;
             As[mm][kk] = mm < m_lim && kk < n ? dsk_load_f32(p.A, p.a_dt, (r0 + mm) * p.K + k0 + kk) : 0.0f;
@@ -93,7 +102,7 @@ __global__ void dsk__k_matmul_fp8(dsk__fp8_gemm p) {
     }
     if (tr >= m_lim) return;
     for (int j = 0; j < DSK_FP8_DOT_W; j++) {
-        int64_t col = n0 + cg + DSK__FP8_CG * j, o = (r0 + tr) * p.N + col;
+        int64_t col = n0 + cg + DSK__FP8_CG * j, o = g * p.c_step + (r0 + tr) * p.N + col;
         if (col >= p.N) continue;
         dsk_store_f32(p.C, p.c_dt, o,
                       dsk_fp8_out(acc[j], p.alpha, p.beta, p.beta != 0.0f ? dsk_load_f32(p.C, p.c_dt, o) : 0.0f));
@@ -110,7 +119,7 @@ extern "C" dsk_status dsk_cuda_matmul_fp8(dsk_ctx *ctx, dsk_tensor *C, const dsk
     p.A = (const uint8_t *)A->data; p.B = (const uint8_t *)B->data;
     p.sa = (const float *)a_scales->data; p.sb = (const float *)b_scales->data;
     p.a_dt = A->dtype; p.b_dt = B->dtype; p.c_dt = C->dtype;
-    p.M = A->shape[0]; p.N = C->shape[1]; p.K = A->shape[1];
+    p.M = A->shape[0]; p.N = C->shape[C->ndim - 1]; p.K = A->shape[1];
     p.kc = (p.K + DSK_FP8_BLOCK - 1) / DSK_FP8_BLOCK;
     p.a_rows = a_rows; p.b_rows = b_rows;
     p.b_step = B->shape[B->ndim - 2] * p.K;
@@ -118,13 +127,17 @@ extern "C" dsk_status dsk_cuda_matmul_fp8(dsk_ctx *ctx, dsk_tensor *C, const dsk
     p.off = offsets ? (const int32_t *)offsets->data : NULL;
     p.G = offsets ? offsets->shape[0] - 1 : 1;
     p.C = C->data; p.alpha = alpha; p.beta = beta;
-    tiles_m = (p.M + DSK__FP8_BM - 1) / DSK__FP8_BM + (offsets ? p.G : 0);
+    p.weights = C->ndim == 3;
+    p.c_step = p.weights ? p.M * p.N : 0;
+    if (p.weights) p.b_step = p.sb_step = 0;
+    /* rows: R / BM + G row tiles (a bound); weights: C[g]'s row tiles, segment g on blockIdx.z */
+    tiles_m = (p.M + DSK__FP8_BM - 1) / DSK__FP8_BM + (offsets && !p.weights ? p.G : 0);
     tiles_n = (p.N + DSK__FP8_BN - 1) / DSK__FP8_BN;
     if (p.M == 0 || tiles_n == 0 || p.G == 0) return DSK_OK;
-    if (tiles_m > INT_MAX || tiles_n > 65535)
-        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: %lld x %lld tiles exceed the grid", fn, (long long)tiles_m,
-                             (long long)tiles_n);
-    DSK__CUDA_LAUNCH(fn, dsk__k_matmul_fp8, dim3((unsigned)tiles_m, (unsigned)tiles_n), DSK__FP8_BM * DSK__FP8_CG,
-                     dsk__cuda_stream(ctx), p.M * p.N, p);
+    if (tiles_m > INT_MAX || tiles_n > 65535 || (p.weights && p.G > 65535))
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: %lld x %lld tiles (x %lld groups) exceed the grid", fn,
+                             (long long)tiles_m, (long long)tiles_n, (long long)(p.weights ? p.G : 1));
+    DSK__CUDA_LAUNCH(fn, dsk__k_matmul_fp8, dim3((unsigned)tiles_m, (unsigned)tiles_n, p.weights ? (unsigned)p.G : 1u),
+                     DSK__FP8_BM * DSK__FP8_CG, dsk__cuda_stream(ctx), p.M * p.N, p);
     return DSK_OK;
 }

@@ -140,14 +140,15 @@ static float scale_of(const opnd *o, int64_t r, int64_t c) {
     return ((const float *)o->s->data)[((o->row0 + r) / o->rows_per) * kc + c];
 }
 
-/* C[i,j] by the specified f32 arithmetic, written out: per 128-chunk a k-ascending f32 dot, then
-   acc = fmaf(dot, sa * sb, acc); then alpha, beta as dsk_fp8_out. */
-static float spec_value(const opnd *a, const opnd *b, int64_t i, int64_t j, int64_t K, float alpha, float beta,
-                        float old) {
+/* C[i,j] by the specified f32 arithmetic over k in [klo, khi), written out: per 128-chunk of the
+   scales' grid (cut to the range) a k-ascending f32 dot, then acc = fmaf(dot, sa * sb, acc);
+   then alpha, beta as dsk_fp8_out. */
+static float spec_value(const opnd *a, const opnd *b, int64_t i, int64_t j, int64_t klo, int64_t khi, float alpha,
+                        float beta, float old) {
     float acc = 0.0f, v;
-    for (int64_t k0 = 0; k0 < K; k0 += 128) {
+    for (int64_t k0 = klo; k0 < khi; k0 = (k0 / 128 + 1) * 128) {
         float dot = 0.0f;
-        for (int64_t k = k0; k < K && k < k0 + 128; k++) dot += code(a, i, k) * code(b, j, k);
+        for (int64_t k = k0; k < khi && k < (k0 / 128 + 1) * 128; k++) dot += code(a, i, k) * code(b, j, k);
         acc = fmaf(dot, scale_of(a, i, k0 / 128) * scale_of(b, j, k0 / 128), acc);
     }
     v = alpha * acc;
@@ -160,13 +161,13 @@ static float spec_value(const opnd *a, const opnd *b, int64_t i, int64_t j, int6
    once, at most u of the mass so far; alpha * acc and the beta fmaf round once each. So
    |C - ref| <= (n_max + n_chunks + 2) u (|alpha| mass + |beta old|), mass = sum over chunks of
    |sa sb| sum |a b| (first order in u = 2^-24; the factor 1.001 covers the second). */
-static double ref_value(const opnd *a, const opnd *b, int64_t i, int64_t j, int64_t K, float alpha, float beta,
-                        float old, double *bound) {
+static double ref_value(const opnd *a, const opnd *b, int64_t i, int64_t j, int64_t klo, int64_t khi, float alpha,
+                        float beta, float old, double *bound) {
     double acc = 0.0, mass = 0.0;
-    int64_t nc = (K + 127) / 128, nmax = K < 128 ? K : 128;
-    for (int64_t k0 = 0; k0 < K; k0 += 128) {
+    int64_t nc = 0, nmax = khi - klo < 128 ? khi - klo : 128;
+    for (int64_t k0 = klo; k0 < khi; k0 = (k0 / 128 + 1) * 128, nc++) {
         double dot = 0.0, m = 0.0, s = (double)scale_of(a, i, k0 / 128) * scale_of(b, j, k0 / 128);
-        for (int64_t k = k0; k < K && k < k0 + 128; k++) {
+        for (int64_t k = k0; k < khi && k < (k0 / 128 + 1) * 128; k++) {
             double p = (double)code(a, i, k) * code(b, j, k);
             dot += p;
             m += fabs(p);
@@ -190,8 +191,8 @@ static void check_rows(const dsk_tensor *C, const dsk_tensor *old, const opnd *a
     for (int64_t i = r0; i < r1; i++)
         for (int64_t j = 0; j < N; j++) {
             float o = beta != 0.0f ? get(old, i * N + j) : 0.0f, got = get(C, i * N + j);
-            float want = dsk_round_f32(C->dtype, spec_value(a, b, i - r0, j, K, alpha, beta, o));
-            double bound, ref = ref_value(a, b, i - r0, j, K, alpha, beta, o, &bound);
+            float want = dsk_round_f32(C->dtype, spec_value(a, b, i - r0, j, 0, K, alpha, beta, o));
+            double bound, ref = ref_value(a, b, i - r0, j, 0, K, alpha, beta, o, &bound);
             if (C->dtype != DSK_F32) /* one more rounding: half an ulp, relative (and f16's subnormal step) */
                 bound += fabs(ref) * (C->dtype == DSK_BF16 ? 1.0 / 256 : 1.0 / 2048) + 3e-8;
             if (dsk_f32_bits(got) != dsk_f32_bits(want) && !bad_spec++)
@@ -313,6 +314,50 @@ static void test_grouped(int b_rows, dsk_dtype fb, dsk_dtype cdt) {
     free_all(all, 10);
 }
 
+/* The weights form: dw[g] = dy[seg g]^T x[seg g] from dy^T and x^T quantised whole (tiles on
+   the grid of 128 tokens from row 0; segments of 0, 1, 129, 0 and 155 tokens from token 5, so
+   boundaries cut tiles and tokens 0..4 and 290.. lie outside). Each C[g] against both references
+   over its tokens; the empty segments give beta * C[g]. */
+static void test_grouped_weights(int b_rows, dsk_dtype cdt, float beta) {
+    const int64_t R = 300, M = 37, N = 70, G = 5, SB = b_rows == 1 ? N : 1;
+    const int32_t offs[6] = {5, 5, 6, 135, 135, 290};
+    dsk_tensor dy = new_2d(DSK_BF16, R, M), x = new_2d(DSK_F32, R, N), qa = new_2d(DSK_E4M3, M, R);
+    dsk_tensor sa = new_2d(DSK_F32, M, 3), qb = new_2d(DSK_E4M3, N, R), sb = new_2d(DSK_F32, SB, 3);
+    dsk_tensor off = new_t(DSK_I32, 1, G + 1, 0, 0), C = new_t(cdt, 3, G, M, N), old = new_t(cdt, 3, G, M, N);
+    dsk_tensor *all[9] = {&dy, &x, &qa, &sa, &qb, &sb, &off, &C, &old};
+    int64_t bad_spec = 0, bad_ref = 0;
+    opnd a, b;
+    fill_rows(&dy);
+    fill_rows(&x);
+    DSK_TEST_OK(dsk_amp_fp8_block_quantize_t(NULL, &qa, &sa, &dy, 1, 128, 0));
+    DSK_TEST_OK(dsk_amp_fp8_block_quantize_t(NULL, &qb, &sb, &x, b_rows, 128, 0));
+    memcpy(off.data, offs, sizeof offs);
+    if (beta != 0.0f) fill_rows(&C);
+    else poison(&C);
+    DSK_TEST_OK(dsk_tensor_copy(NULL, &old, &C));
+    DSK_TEST_OK(dsk_matmul_fp8_grouped(NULL, &C, &qa, &sa, &qb, &sb, (dsk_fp8_scaling)b_rows, &off, 1.0f, beta));
+    a.q = &qa; a.s = &sa; a.rows_per = 1; a.row0 = 0;
+    b.q = &qb; b.s = &sb; b.rows_per = b_rows; b.row0 = 0;
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < N; j++) {
+                int64_t e = (g * M + i) * N + j;
+                float o = beta != 0.0f ? get(&old, e) : 0.0f, got = get(&C, e);
+                float want = dsk_round_f32(cdt, spec_value(&a, &b, i, j, offs[g], offs[g + 1], 1.0f, beta, o));
+                double bound, ref = ref_value(&a, &b, i, j, offs[g], offs[g + 1], 1.0f, beta, o, &bound);
+                if (cdt != DSK_F32) bound += fabs(ref) / 256;
+                if (dsk_f32_bits(got) != dsk_f32_bits(want) && !bad_spec++)
+                    DSK_TEST_EXPECT(0, "C[%lld][%lld,%lld] %.9g, the specified arithmetic gives %.9g", (long long)g,
+                                    (long long)i, (long long)j, (double)got, (double)want);
+                if (!(fabs(got - ref) <= bound) && !bad_ref++)
+                    DSK_TEST_EXPECT(0, "C[%lld][%lld,%lld] %.9g, f64 %.9g, bound %.3g", (long long)g, (long long)i,
+                                    (long long)j, (double)got, ref, bound);
+            }
+    DSK_TEST_EXPECT(bad_spec == 0 && bad_ref == 0, "%lld off the specified bits, %lld outside the bound",
+                    (long long)bad_spec, (long long)bad_ref);
+    free_all(all, 9);
+}
+
 /* NaN in row 3's second tile and Inf in row 7's first tile of A, -Inf in B's block (1, 0) (rows
    128..159): exactly rows 3 and 7 and columns 128..159 of C are non-finite. */
 static void test_nonfinite(dsk_dtype fb) {
@@ -406,6 +451,21 @@ static void test_bad_args(void) {
     memcpy(off.data, o, sizeof o);
     BAD(dsk_matmul_fp8_grouped(NULL, &C, &qa, &sa, &qg, &sg, B, &off, 1, 0),
         "offsets run from 0 to 5, outside the 4 rows");
+    { /* the weights form: C (G, M, N) = A (M, R) B (N, R)^T */
+        dsk_tensor Cw = new_t(DSK_F32, 3, 2, 4, 5);
+        o[0] = 0; o[1] = 3; o[2] = 200;
+        memcpy(off.data, o, sizeof o);
+        BAD(dsk_matmul_fp8_grouped(NULL, &Cw, &qa, &sa, &qb, &sb, B, &off, 1, 0),
+            "C [2,4,5] f32, A [4,200] e4m3, B [6,200] e4m3 with 2 groups: want the weights form");
+        BAD(dsk_matmul_fp8_grouped(NULL, &Cw, &qa, &sa, &qg, &sg, B, &off, 1, 0), "B [2,6,200] e4m3 must have 2 dims");
+        o[2] = 201;
+        memcpy(off.data, o, sizeof o);
+        dsk_tensor_free(NULL, &Cw);
+        Cw = new_t(DSK_F32, 3, 2, 4, 6);
+        BAD(dsk_matmul_fp8_grouped(NULL, &Cw, &qa, &sa, &qb, &sb, B, &off, 1, 0),
+            "offsets run from 0 to 201, outside the 200 rows");
+        dsk_tensor_free(NULL, &Cw);
+    }
     {
         dsk_tensor off2 = new_t(DSK_I32, 1, 2, 0, 0);
         BAD(dsk_matmul_fp8_grouped(NULL, &C, &qa, &sa, &qg, &sg, B, &off2, 1, 0),
@@ -453,6 +513,9 @@ int main(void) {
     RUN(test_gemm(3, 4, 0, E4, E4, 1, 128, DSK_F32, 1.0f, 0.5f), "gemm (3, 4, 0): K = 0 gives beta C");
     RUN(test_grouped(128, E4, DSK_F32), "grouped: segments 0, 1, 129, 0, 5 rows, 128x128 weights, f32 out");
     RUN(test_grouped(1, E5, DSK_BF16), "grouped: segments 0, 1, 129, 0, 5 rows, 1x128 e5m2 B, bf16 out");
+    RUN(test_grouped_weights(1, DSK_F32, 0.0f),
+        "grouped weights form: segments 0, 1, 129, 0, 155 tokens, 1x128 x 1x128");
+    RUN(test_grouped_weights(128, DSK_BF16, 1.0f), "grouped weights form: 1x128 x 128x128, bf16 C +=");
     RUN(test_nonfinite(E4), "NaN and Inf blocks stay non-finite in the rows and columns that read them");
     RUN(test_nonfinite(E5), "NaN and Inf blocks stay non-finite, e5m2 weights");
     return dsk_test_finish();

@@ -91,6 +91,32 @@ static void test_grouped(int b_rows, dsk_dtype cdt) {
     same(dC, C, "C (the rows outside the segments poisoned on both)");
 }
 
+/* The weights form: C[g] = dy[seg g]^T x[seg g] from dy^T and x^T quantised whole on each device
+   (segments of 0, 1, 129, 0 and 155 of 300 tokens from token 5, cutting tiles). */
+static void test_grouped_weights(int b_rows, dsk_dtype cdt, float beta) {
+    const int64_t R = 300, M = 37, N = 70, NG = 5;
+    const int32_t offs[6] = {5, 5, 6, 135, 135, 290};
+    int64_t one = NG + 1;
+    dsk_tensor *dy = h2(DSK_BF16, R, M), *x = h2(DSK_F32, R, N), *qa = h2(DSK_E4M3, M, R), *sa = h2(DSK_F32, M, 3);
+    dsk_tensor *qb = h2(DSK_E4M3, N, R), *sb = h2(DSK_F32, b_rows == 1 ? N : 1, 3), *off = halloc(DSK_I32, 1, &one);
+    dsk_tensor *C = h3(cdt, NG, M, N), *dqa = dev(qa), *dsa = dev(sa), *dqb = dev(qb), *dsb = dev(sb), *dC;
+    fill_rows(dy);
+    fill_rows(x);
+    memcpy(off->data, offs, sizeof offs);
+    if (beta != 0.0f) fill_rows(C);
+    else poison(C);
+    dC = dev(C);
+    DSK_TEST_OK(dsk_amp_fp8_block_quantize_t(NULL, qa, sa, dy, 1, 128, 0));
+    DSK_TEST_OK(dsk_amp_fp8_block_quantize_t(NULL, qb, sb, x, b_rows, 128, 0));
+    DSK_TEST_OK(dsk_amp_fp8_block_quantize_t(&G, dqa, dsa, dev(dy), 1, 128, 0));
+    DSK_TEST_OK(dsk_amp_fp8_block_quantize_t(&G, dqb, dsb, dev(x), b_rows, 128, 0));
+    DSK_TEST_OK(dsk_matmul_fp8_grouped(NULL, C, qa, sa, qb, sb, (dsk_fp8_scaling)b_rows, off, 1.0f, beta));
+    DSK_TEST_OK(dsk_matmul_fp8_grouped(&G, dC, dqa, dsa, dqb, dsb, (dsk_fp8_scaling)b_rows, dev(off), 1.0f, beta));
+    same(dqa, qa, "dy^T codes");
+    same(dsb, sb, "x^T scales");
+    same(dC, C, "C (G, M, N)");
+}
+
 /* NaN and Inf in A's tiles and B's blocks: the same outputs non-finite on both devices. */
 static void test_nonfinite(void) {
     const int64_t M = 9, N = 160, K = 200;
@@ -169,6 +195,8 @@ int main(void) {
     CASE(test_gemm(1, 1, 1, DSK_E4M3, DSK_E5M2, 1, 128, DSK_F32, 1.0f, 0.0f), "gemm (1, 1, 1)");
     CASE(test_grouped(128, DSK_F32), "grouped: segments 0, 1, 129, 0, 5 rows, 128x128 weights");
     CASE(test_grouped(1, DSK_BF16), "grouped: segments 0, 1, 129, 0, 5 rows, 1x128 B, bf16 out");
+    CASE(test_grouped_weights(1, DSK_F32, 0.0f), "grouped weights form: segments 0, 1, 129, 0, 155 tokens");
+    CASE(test_grouped_weights(128, DSK_BF16, 1.0f), "grouped weights form: 128x128 B, bf16 C +=");
     CASE(test_nonfinite(), "NaN and Inf blocks: the same outputs non-finite");
     CASE(test_quant_t(DSK_BF16, DSK_E4M3, 300, 37, 1, 128, 0), "quantise x^T in 1x128 tiles (300, 37) bf16");
     CASE(test_quant_t(DSK_F32, DSK_E5M2, 260, 200, 128, 128, 0), "quantise x^T in 128x128 blocks (260, 200) e5m2");
