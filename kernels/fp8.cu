@@ -1,6 +1,6 @@
-/* kernels/fp8.cu - the CUDA path of dsk_tensor.h's FP8 GEMM: dsk_matmul_fp8 and its grouped rows
-   form dsk_matmul_fp8_grouped, block-scaled e4m3/e5m2 operands in DeepSeek-V3's layouts (1x128
-   tiles, 128x128 blocks), f32 accumulation promoted every 128 elements of K.
+/* kernels/fp8.cu - the CUDA path of dsk_tensor.h's FP8 GEMM: dsk_matmul_fp8 and its grouped forms
+   dsk_matmul_fp8_grouped (rows and weights), block-scaled e4m3/e5m2 operands in DeepSeek-V3's
+   layouts (1x128 tiles, 128x128 blocks), f32 accumulation promoted every 128 elements of K.
 
    A kernel of our own on the CUDA cores. It runs the arithmetic dsk_tensor.h specifies, through
    the same DSK_HD functions (dsk_fp8_chunk_dot, dsk_fp8_chunk_acc, dsk_fp8_out), so it agrees bit
@@ -12,10 +12,11 @@
    Shape: a block of 128 threads computes a 32 x 64 tile of C; per 128-wide K chunk it stages the
    A rows and B rows of the chunk in shared memory as f32 (decoded; 48 KiB), then thread t
    computes row t / 4 and columns t % 4 + 4 j (j < DSK_FP8_DOT_W = 16) of the tile: one chunk dot
-   call, each column's sum in k order, promoted with the two scales. The grid of the grouped form
-   is sized as kernels/grouped.cu's: R / BM + G row tiles (a bound; each block finds its segment
-   and tile from the offsets on the device, and a block past the last tile returns), so nothing
-   comes back to the host. Conventions: kernels/dsk_cuda.cuh. */
+   call, each column's sum in k order, promoted with the two scales. The grid of the rows form is
+   sized as kernels/grouped.cu's: R / BM + G row tiles (a bound; each block finds its segment and
+   tile from the offsets on the device, and a block past the last tile returns); the weights form
+   puts the segment on blockIdx.z and reads its K range from the offsets. Nothing comes back to
+   the host. Conventions: kernels/dsk_cuda.cuh. */
 #include "dsk_cuda.cuh"
 
 #define DSK__FP8_BM 32
