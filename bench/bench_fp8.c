@@ -3,7 +3,8 @@
    the same shapes, same run, same threads; and the quantisation that feeds it
    (dsk_amp_fp8_block_quantize in 1x128 tiles, its transposed form). Shapes: a square product
    and DeepSeek-V3's expert shapes (d_model 7168, expert hidden 2048) scaled by 1/4 to fit a
-   2-core machine; the grouped form over 16 experts of random sizes (top-k routing of 2048 rows).
+   2-core machine; the grouped forms over 16 experts of random sizes (rows: 2048 routed rows times
+   the weights; weights: the experts' weight gradients dy^T x over those rows).
    Each variant: one warm-up call, then `rounds` alternating blocks of `repeats` samples, median
    time per call. Prints GFLOP/s (2 M N K per product), the ratio fp8 / bf16, and the machine's
    load average. The FP8 path is a reference (exact arithmetic in a fixed order: a chunk's dot
@@ -12,7 +13,8 @@
    (d_model 7168, expert hidden 2048): dsk_matmul_fp8 (bf16 out) against cublasGemmEx bf16 (f32
    accumulation, bf16 out) on 4096 rows, and dsk_matmul_fp8_grouped against dsk_matmul_grouped
    bf16 (WMMA) over one rank's experts: 256 experts top-8 under expert parallelism 8, i.e. 32
-   local experts and 4096 tokens, 4096 routed rows (128 per expert on average, skewed);
+   local experts and 4096 tokens, 4096 routed rows (128 per expert on average, skewed), and the
+   weights form (the experts' weight gradients dy^T x over those rows) against dsk_matmul_grouped's;
    2 warm-ups, median of --repeats calls, each timed to a stream sync.
    Prints "summary:" lines (scripts/device_check.sh). --quick: small shapes (an emulated run).
    Usage: bench_fp8 [--threads N] [--repeats R] [--rounds K] [--cuda [--quick]] */
@@ -31,6 +33,7 @@ enum { V_FP8, V_BF16, V_F32, V_COUNT };
 typedef struct prob {
     dsk_tensor x[V_COUNT], w[V_COUNT], c, sx, sw, off; /* x[V_FP8], w[V_FP8]: codes */
     int grouped;
+    int wgrad; /* the weights form: x = dy (R, M), w = x (R, N), C (G, M, N); fp8: dy^T, x^T */
 } prob;
 
 static dsk_tensor alloc2(dsk_ctx *ctx, dsk_dtype dt, int nd, int64_t a, int64_t b, int64_t c) {
@@ -39,6 +42,15 @@ static dsk_tensor alloc2(dsk_ctx *ctx, dsk_dtype dt, int nd, int64_t a, int64_t 
     memset(&t, 0, sizeof t);
     BENCH_CHECK(dsk_tensor_alloc(ctx, &t, dt, nd, s));
     return t;
+}
+
+/* p->off (G + 1) i32 on ctx's device from the host's off. */
+static void put_offsets(dsk_ctx *ctx, prob *p, const int32_t *off, int64_t G) {
+    dsk_tensor h;
+    int64_t n = G + 1;
+    p->off = alloc2(ctx, DSK_I32, 1, n, 0, 0);
+    BENCH_CHECK(dsk_tensor_wrap(&h, (void *)off, DSK_I32, dsk_cpu(), 1, &n));
+    BENCH_CHECK(dsk_tensor_copy(ctx, &p->off, &h));
 }
 
 /* x (R, K) and w ([G,] N, K) in f32 and bf16, quantised to e4m3 (1x128 and 128x128). */
@@ -70,14 +82,40 @@ static void setup(dsk_ctx *ctx, prob *p, int64_t R, int64_t N, int64_t K, int64_
         }
         BENCH_CHECK(dsk_amp_fp8_block_quantize(ctx, &wq, &ws, &wf, 128, 128, 0));
     }
-    if (G) {
-        p->off = alloc2(ctx, DSK_I32, 1, G + 1, 0, 0);
-        memcpy(p->off.data, off, (size_t)(G + 1) * sizeof *off);
-    }
+    if (G) put_offsets(ctx, p, off, G);
+}
+
+/* The experts' weight gradients: dy (R, M) and x (R, N) in f32 and bf16, dy^T and x^T in e4m3
+   (1x128 tiles along R), C (G, M, N) of dtype cdt. */
+static void setup_wgrad(dsk_ctx *ctx, prob *p, int64_t R, int64_t M, int64_t N, int64_t G, const int32_t *off,
+                        dsk_dtype cdt) {
+    memset(p, 0, sizeof *p);
+    p->grouped = p->wgrad = 1;
+    p->x[V_F32] = alloc2(ctx, DSK_F32, 2, R, M, 0);
+    p->x[V_BF16] = alloc2(ctx, DSK_BF16, 2, R, M, 0);
+    p->x[V_FP8] = alloc2(ctx, DSK_E4M3, 2, M, R, 0);
+    p->w[V_F32] = alloc2(ctx, DSK_F32, 2, R, N, 0);
+    p->w[V_BF16] = alloc2(ctx, DSK_BF16, 2, R, N, 0);
+    p->w[V_FP8] = alloc2(ctx, DSK_E4M3, 2, N, R, 0);
+    p->sx = alloc2(ctx, DSK_F32, 2, M, (R + 127) / 128, 0);
+    p->sw = alloc2(ctx, DSK_F32, 2, N, (R + 127) / 128, 0);
+    p->c = alloc2(ctx, cdt, 3, G, M, N);
+    BENCH_CHECK(dsk_tensor_normal(ctx, &p->x[V_F32], 4, 0, 0.0f, 1.0f));
+    BENCH_CHECK(dsk_tensor_normal(ctx, &p->w[V_F32], 5, 0, 0.0f, 1.0f));
+    BENCH_CHECK(dsk_tensor_copy(ctx, &p->x[V_BF16], &p->x[V_F32]));
+    BENCH_CHECK(dsk_tensor_copy(ctx, &p->w[V_BF16], &p->w[V_F32]));
+    BENCH_CHECK(dsk_amp_fp8_block_quantize_t(ctx, &p->x[V_FP8], &p->sx, &p->x[V_F32], 1, 128, 0));
+    BENCH_CHECK(dsk_amp_fp8_block_quantize_t(ctx, &p->w[V_FP8], &p->sw, &p->w[V_F32], 1, 128, 0));
+    put_offsets(ctx, p, off, G);
 }
 
 static void run(dsk_ctx *ctx, prob *p, int v) {
-    if (v == V_FP8 && p->grouped)
+    if (v == V_FP8 && p->wgrad)
+        BENCH_CHECK(dsk_matmul_fp8_grouped(ctx, &p->c, &p->x[v], &p->sx, &p->w[v], &p->sw, DSK_FP8_TILE_1X128,
+                                           &p->off, 1.0f, 0.0f));
+    else if (p->wgrad)
+        BENCH_CHECK(dsk_matmul_grouped(ctx, &p->c, &p->x[v], 1, &p->w[v], 0, &p->off, 1.0f, 0.0f));
+    else if (v == V_FP8 && p->grouped)
         BENCH_CHECK(dsk_matmul_fp8_grouped(ctx, &p->c, &p->x[v], &p->sx, &p->w[v], &p->sw, DSK_FP8_BLOCK_128X128,
                                            &p->off, 1.0f, 0.0f));
     else if (v == V_FP8)
@@ -173,8 +211,8 @@ static int gpu_main(int repeats, int quick) {
     int64_t E = quick ? 4 : 32, T = quick ? 64 : 4096, D = quick ? 256 : 7168, F = quick ? 128 : 2048;
     int64_t R = quick ? 512 : T; /* T tokens x top-8 over 256 experts reach 32 local experts T times */
     int32_t *off = (int32_t *)malloc(sizeof(int32_t) * (size_t)(E + 1));
-    struct { const char *name; int64_t M, N, K, G; } cases[3];
-    double tf[3][2];
+    struct { const char *name; int64_t M, N, K, G; } cases[4];
+    double tf[4][2];
     memset(&o, 0, sizeof o);
     o.device = DSK_PREFER_CUDA;
     if (!off) { fprintf(stderr, "bench_fp8: out of memory\n"); return 1; }
@@ -190,19 +228,25 @@ static int gpu_main(int repeats, int quick) {
     cases[0].name = "expert up   x (T, D) w (F, D)^T"; cases[0].M = T; cases[0].N = F; cases[0].K = D; cases[0].G = 0;
     cases[1].name = "expert down h (T, F) w (D, F)^T"; cases[1].M = T; cases[1].N = D; cases[1].K = F; cases[1].G = 0;
     cases[2].name = "grouped up  E experts, R rows"; cases[2].M = R; cases[2].N = F; cases[2].K = D; cases[2].G = E;
+    cases[3].name = "grouped wgrad dy^T x over R rows"; cases[3].M = F; cases[3].N = D; cases[3].K = R; cases[3].G = E;
     printf("# bench_fp8 --cuda: %s; T %lld tokens, d_model %lld, hidden %lld, %lld experts, %lld routed rows\n",
            quick ? "quick shapes" : "DeepSeek-V3 expert shapes", (long long)T, (long long)D, (long long)F, (long long)E,
            (long long)R);
     printf("# %-34s %6s %6s %6s %14s %18s %7s\n", "product", "M", "N", "K", "fp8 TFLOP/s", "bf16 peer TFLOP/s",
            "fp8/bf16");
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 4; i++) {
         prob p;
         gpu_case c;
         double flop = 2.0 * (double)cases[i].M * (double)cases[i].N * (double)cases[i].K;
-        if (cases[i].G) route(off, cases[i].M, cases[i].G);
-        setup(&g, &p, cases[i].M, cases[i].N, cases[i].K, cases[i].G, off);
-        dsk_tensor_free(&g, &p.c); /* bf16 out for both */
-        p.c = alloc2(&g, DSK_BF16, 2, cases[i].M, cases[i].N, 0);
+        if (i == 3) { /* bf16 out for both */
+            route(off, cases[i].K, cases[i].G);
+            setup_wgrad(&g, &p, cases[i].K, cases[i].M, cases[i].N, cases[i].G, off, DSK_BF16);
+        } else {
+            if (cases[i].G) route(off, cases[i].M, cases[i].G);
+            setup(&g, &p, cases[i].M, cases[i].N, cases[i].K, cases[i].G, off);
+            dsk_tensor_free(&g, &p.c);
+            p.c = alloc2(&g, DSK_BF16, 2, cases[i].M, cases[i].N, 0);
+        }
         c.g = &g; c.peer = peer; c.p = &p;
         for (int v = 0; v < 2; v++) {
             c.v = v == 0 ? V_FP8 : V_BF16;
@@ -214,8 +258,8 @@ static int gpu_main(int repeats, int quick) {
         release(&g, &p);
     }
     printf("summary: fp8 GEMM (CUDA cores) expert up %.1f TFLOP/s = %.2fx cuBLAS bf16, down %.2fx; grouped %.1f TFLOP/s "
-           "= %.2fx dsk bf16 grouped\n", tf[0][0], tf[0][0] / tf[0][1], tf[1][0] / tf[1][1], tf[2][0],
-           tf[2][0] / tf[2][1]);
+           "= %.2fx dsk bf16 grouped, wgrad %.2fx\n", tf[0][0], tf[0][0] / tf[0][1], tf[1][0] / tf[1][1], tf[2][0],
+           tf[2][0] / tf[2][1], tf[3][0] / tf[3][1]);
     cublasDestroy(peer);
     dsk_ctx_free(&g);
     free(off);
@@ -229,11 +273,12 @@ int main(int argc, char **argv) {
     dsk_ctx_opts co;
     double load[3] = {0, 0, 0};
     char kname[64];
-    struct { const char *name; int64_t R, N, K, G; } shapes[] = {
-        {"square 1024", 1024, 1024, 1024, 0},
-        {"V3 expert up/4   (T,2048/4)=(T,7168/4)", 1024, 512, 1792, 0},
-        {"V3 expert down/4 (T,7168/4)=(T,2048/4)", 1024, 1792, 512, 0},
-        {"grouped 16 experts, up/8 (R,256)=(R,896)", 2048, 256, 896, 16},
+    struct { const char *name; int64_t R, N, K, G; int wgrad; } shapes[] = { /* wgrad: M, N, K = tokens */
+        {"square 1024", 1024, 1024, 1024, 0, 0},
+        {"V3 expert up/4   (T,2048/4)=(T,7168/4)", 1024, 512, 1792, 0, 0},
+        {"V3 expert down/4 (T,7168/4)=(T,2048/4)", 1024, 1792, 512, 0, 0},
+        {"grouped 16 experts, up/8 (R,256)=(R,896)", 2048, 256, 896, 16, 0},
+        {"grouped wgrad 16 experts (256,896)=dy^T x", 256, 896, 2048, 16, 1},
     };
     int32_t off[17];
     for (int i = 1; i < argc; i++) {
@@ -276,8 +321,13 @@ int main(int argc, char **argv) {
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
         prob p;
         double med[V_COUNT], flop = 2.0 * (double)shapes[si].R * (double)shapes[si].N * (double)shapes[si].K;
-        if (shapes[si].G) route(off, shapes[si].R, shapes[si].G);
-        setup(&ctx, &p, shapes[si].R, shapes[si].N, shapes[si].K, shapes[si].G, off);
+        if (shapes[si].wgrad) {
+            route(off, shapes[si].K, shapes[si].G);
+            setup_wgrad(&ctx, &p, shapes[si].K, shapes[si].R, shapes[si].N, shapes[si].G, off, DSK_F32);
+        } else {
+            if (shapes[si].G) route(off, shapes[si].R, shapes[si].G);
+            setup(&ctx, &p, shapes[si].R, shapes[si].N, shapes[si].K, shapes[si].G, off);
+        }
         time_all(&ctx, &p, repeats, rounds, med);
         printf("  %-42s %5lld %5lld %5lld %9.1f %9.1f %9.1f %8.2f\n", shapes[si].name, (long long)shapes[si].R,
                (long long)shapes[si].N, (long long)shapes[si].K, flop / med[V_FP8] * 1e-9, flop / med[V_BF16] * 1e-9,
