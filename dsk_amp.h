@@ -64,6 +64,7 @@
                                   dsk_amp_decide_dev, dsk_amp_step_dev: a whole step in a CUDA graph
        FP8 scaling                scale rules (dsk_amp_fp8_scale, dsk_amp_fp8_block_scale), dsk_amp_amax,
                                   per-tensor current scaling and quantize, delayed scaling, DeepSeek-V3 blocks
+                                  (dsk_amp_fp8_block_quantize, its transposed form _t, dequantize)
      implementation (DSK_AMP_IMPLEMENTATION)
        checks, loss scaler, unscale + check, casts and optimizer step, device-resident step, FP8 */
 #ifndef DSK_AMP_H
@@ -461,6 +462,13 @@ DSK_API dsk_status dsk_amp_fp8_delayed_update(dsk_amp_fp8_delayed *d, dsk_ctx *c
    non-finite scale and dequantises to NaN everywhere (DeepSeek's kernel), never to +-448. */
 DSK_API dsk_status dsk_amp_fp8_block_quantize(dsk_ctx *ctx, dsk_tensor *q, dsk_tensor *scales, const dsk_tensor *x,
                                               int br, int bc, int pow2);
+/* The transposed form, for the operands of the weight-gradient GEMM (dsk_matmul_fp8 in
+   dsk_tensor.h takes K-major operands: dw = dy^T x reads dy^T and x^T, scaled along the tokens):
+   q (C, R) and scales (ceil(C/br), ceil(R/bc)) are what dsk_amp_fp8_block_quantize writes for a
+   transposed copy of x (R, C), bit for bit, with no copy made; with 1x128 blocks each scale covers
+   128 rows of one column of x. */
+DSK_API dsk_status dsk_amp_fp8_block_quantize_t(dsk_ctx *ctx, dsk_tensor *q, dsk_tensor *scales, const dsk_tensor *x,
+                                                int br, int bc, int pow2);
 /* y (R, C) f32/bf16/f16 = f32(q) * scale of its block. */
 DSK_API dsk_status dsk_amp_fp8_block_dequantize(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *q,
                                                 const dsk_tensor *scales, int br, int bc);
@@ -1393,6 +1401,67 @@ DSK_API dsk_status dsk_amp_fp8_block_quantize(dsk_ctx *ctx, dsk_tensor *q, dsk_t
             for (int64_t r = r0; r < r1; r++)
                 dsk__amp_row_quantize(o + r * C + c0, q->dtype, x->data, x->dtype, r * C + c0, c1 - c0, d);
         }
+    }
+    return DSK_OK;
+}
+
+/* Band jb of the transposed quantisation: x's rows [jb bc, jb bc + bc), i.e. column block jb of
+   q (C, R). The column maxima over the band are taken row by row (contiguous reads) into cm, each
+   (br x bc) block's scale from them (cd: the scale of each column), then the codes; the same
+   values as a block at a time, in an order the cache likes. */
+static void dsk__amp_quantize_t_band(dsk_tensor *q, dsk_tensor *scales, const dsk_tensor *x, int64_t jb, int br, int bc,
+                                     int pow2, uint32_t *cm, float *cd) {
+    int64_t R = x->shape[0], C = x->shape[1], SR = scales->shape[0], SC = scales->shape[1];
+    int64_t r0 = jb * bc, r1 = r0 + bc < R ? r0 + bc : R;
+    float fmax = dsk_amp_fp8_max(q->dtype), *sc = (float *)scales->data;
+    uint8_t *o = (uint8_t *)q->data;
+    for (int64_t c = 0; c < C; c++) cm[c] = 0;
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t c = 0; c < C; c++) {
+            uint32_t a = dsk_amp_abs_bits(dsk_load_f32(x->data, x->dtype, r * C + c));
+            cm[c] = a > cm[c] ? a : cm[c];
+        }
+    for (int64_t i = 0; i < SR; i++) {
+        int64_t c0 = i * br, c1 = c0 + br < C ? c0 + br : C;
+        uint32_t m = 0;
+        float d;
+        for (int64_t c = c0; c < c1; c++) m = cm[c] > m ? cm[c] : m;
+        d = dsk_amp_fp8_block_scale(dsk_bits_f32(m), fmax, pow2);
+        sc[i * SC + jb] = d;
+        for (int64_t c = c0; c < c1; c++) cd[c] = d;
+    }
+    for (int64_t c = 0; c < C; c++)
+        for (int64_t r = r0; r < r1; r++)
+            o[c * R + r] = dsk_amp_to_fp8(dsk_load_f32(x->data, x->dtype, r * C + c) / cd[c], q->dtype);
+}
+
+DSK_API dsk_status dsk_amp_fp8_block_quantize_t(dsk_ctx *ctx, dsk_tensor *q, dsk_tensor *scales, const dsk_tensor *x,
+                                                int br, int bc, int pow2) {
+    const char *fn = "dsk_amp_fp8_block_quantize_t";
+    char a[96];
+    dsk_tensor xt;
+    DSK__TRY(dsk__amp_fp8_in(fn, "x", x, x ? x->device : dsk_cpu()));
+    DSK__TRY(dsk__amp_check(fn, "q", q, x->device));
+    DSK__TRY(dsk__amp_check(fn, "scales", scales, x->device));
+    DSK__TRY(dsk__amp_need_ctx(fn, ctx, x->device));
+    if (x->ndim != 2)
+        return dsk_set_error(DSK_ERR_ARG, "%s: tensor %s must be 2-D (R, C)", fn, dsk_tensor_describe(x, a, sizeof a));
+    DSK__TRY(dsk_tensor_transpose(x, 0, 1, &xt)); /* only its shape is used: the checks are those of x^T */
+    DSK__TRY(dsk__amp_block_args(fn, &xt, q, scales, br, bc));
+#ifdef DSK_CUDA
+    if (x->device.type == DSK_DEV_CUDA) return dsk_cuda_amp_fp8_block_quantize_t(ctx, q, scales, x, br, bc, pow2);
+#endif
+    {
+        int64_t C = x->shape[1], SC = scales->shape[1];
+        uint32_t *cm = (uint32_t *)DSK_MALLOC((size_t)(SC * C) * (sizeof(uint32_t) + sizeof(float)) + 1);
+        if (!cm)
+            return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for %lld column maxima", fn, (long long)(SC * C));
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (SC > 1 && x->shape[0] * C > 65536)
+#endif
+        for (int64_t jb = 0; jb < SC; jb++)
+            dsk__amp_quantize_t_band(q, scales, x, jb, br, bc, pow2, cm + jb * C, (float *)(cm + SC * C) + jb * C);
+        DSK_FREE(cm);
     }
     return DSK_OK;
 }

@@ -69,6 +69,8 @@
                            dsk_gather_rows_scaled
      AdamW                 dsk_adamw_opts, dsk_adamw_defaults, dsk_adamw_step
      fused attention       dsk_attention_fused, dsk_attention_fused_backward
+     FP8 GEMM              dsk_fp8_scaling (1x128 tiles, 128x128 blocks), the chunk math,
+                           dsk_matmul_fp8, dsk_matmul_fp8_grouped
    Implementation only: the CPU GEMM (packed and direct nests, run-time micro-kernels), the CPU
    row primitives. */
 /* The comm and ckpt implementations need POSIX 2008 (sockets, pread, O_CLOEXEC). Feature
@@ -848,6 +850,90 @@ DSK_API dsk_status dsk_attention_fused_backward(dsk_ctx *ctx, dsk_tensor *dq, ds
                                                 const dsk_tensor *dout, const dsk_tensor *q, const dsk_tensor *k,
                                                 const dsk_tensor *v, const dsk_tensor *out, const dsk_tensor *lse,
                                                 float scale);
+
+/* ------------------------------------------------------------------ FP8 GEMM
+   Block-scaled FP8 products in DeepSeek-V3's recipe (technical report, section 3.3). Operands
+   are e4m3 (or e5m2) codes q with f32 dequantisation scales s, x ~ q * s, one scale per 128
+   elements of K (DSK_FP8_BLOCK) in one of two layouts, for an operand of R rows and K columns:
+     DSK_FP8_TILE_1X128     activations, output gradients: scales (R, ceil(K/128)), row r, chunk c
+     DSK_FP8_BLOCK_128X128  weights: scales (ceil(R/128), ceil(K/128)), block (r / 128, c)
+   (what dsk_amp_fp8_block_quantize in dsk_amp.h writes with blocks 1x128 and 128x128). Both
+   operands are K-major, as in DeepGEMM: C (M, N) = alpha * A (M, K) B (N, K)^T + beta * C, a
+   linear layer's y = x w^T. Its other two GEMMs take transposed operands, quantised from the
+   transposes (dsk_amp_fp8_block_quantize_t): the input gradient dx = dy w with B = w^T in 128x128
+   blocks, the weight gradient dw = dy^T x with A = dy^T and B = x^T, both 1x128 along the tokens.
+   The arithmetic, exactly, on every device: for each C[i,j],
+     acc = 0; for each chunk c of K (k in [128c, min(128c + 128, K)), the last one partial):
+       dot = sum of a[i,k] * b[j,k] in f32, k ascending        (dsk_fp8_chunk_dot)
+       acc = fmaf(dot, sa(i,c) * sb(j,c), acc)                  (dsk_fp8_chunk_acc)
+     C[i,j] = alpha * acc, + beta * C[i,j] by one fmaf when beta != 0, rounded once to C's dtype
+   (dsk_fp8_out). The product of two fp8 values is exact in f32, so a fused or a separate
+   multiply-add gives the same dot, and the CPU loops and the CUDA kernel (kernels/fp8.cu), which
+   call these three functions, agree bit for bit. Each C[i,j] depends only on row i of A, row j of
+   B and their scales: the rows contract of dsk_matmul holds (any row count, split or thread
+   count). A NaN or Inf among the values or scales a C[i,j] reads makes it non-finite: a block
+   that dsk_amp_fp8_block_quantize saw holding an Inf or a NaN (non-finite scale, NaN codes)
+   turns every output that reads it into NaN, which a loss scaler's check sees.
+   A and B: e4m3 or e5m2 (either each), contiguous; scales f32, contiguous; C f32, bf16 or f16,
+   contiguous; beta == 0: C is not read. CPU: tiles of 16 rows x 64 columns on OpenMP threads. CUDA:
+   our kernel on CUDA cores (kernels/fp8.cu), not the tensor cores: their FP8 accumulation order
+   is not this one. */
+
+#define DSK_FP8_BLOCK 128 /* K elements per scale, rows per weight block */
+#define DSK_FP8_DOT_W 16  /* outputs per dsk_fp8_chunk_dot group: sums kept in registers (CPU vectors) */
+
+typedef enum dsk_fp8_scaling {
+    DSK_FP8_TILE_1X128 = 1,      /* one scale per row and 128 columns */
+    DSK_FP8_BLOCK_128X128 = 128  /* one scale per 128 x 128 block */
+} dsk_fp8_scaling;
+
+/* The chunk's partial sums of nj outputs (nj a multiple of DSK_FP8_DOT_W): dot[j] = sum over k
+   in [0, n) of a[k] * b[k * ldb + j * ldj], in f32, k ascending (a, b: fp8 values decoded to f32). */
+static inline DSK_HD void dsk_fp8_chunk_dot(float *dot, int nj, const float *a, const float *b, int64_t ldb,
+                                            int64_t ldj, int n) {
+    for (int j0 = 0; j0 < nj; j0 += DSK_FP8_DOT_W) { /* DSK_FP8_DOT_W sums at a time, in registers */
+        float s[DSK_FP8_DOT_W];
+        for (int j = 0; j < DSK_FP8_DOT_W; j++) s[j] = 0.0f;
+        for (int k = 0; k < n; k++) {
+            float ak = a[k];
+            for (int j = 0; j < DSK_FP8_DOT_W; j++) s[j] += ak * b[k * ldb + (j0 + j) * ldj];
+        }
+        for (int j = 0; j < DSK_FP8_DOT_W; j++) dot[j0 + j] = s[j];
+    }
+}
+/* A chunk's partial promoted into the f32 accumulator with its two scales. */
+static inline DSK_HD float dsk_fp8_chunk_acc(float acc, float dot, float sa, float sb) {
+    return fmaf(dot, sa * sb, acc);
+}
+/* The value stored into C (before rounding to C's dtype); c_old is read only when beta != 0. */
+static inline DSK_HD float dsk_fp8_out(float acc, float alpha, float beta, float c_old) {
+    return beta != 0.0f ? fmaf(beta, c_old, alpha * acc) : alpha * acc;
+}
+
+/* C (M, N) = alpha * A (M, K) B (N, K)^T + beta * C with A's scales in layout a_scaling and B's
+   in b_scaling (see above). */
+DSK_API dsk_status dsk_matmul_fp8(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, const dsk_tensor *a_scales,
+                                  dsk_fp8_scaling a_scaling, const dsk_tensor *B, const dsk_tensor *b_scales,
+                                  dsk_fp8_scaling b_scaling, float alpha, float beta);
+/* dsk_matmul_grouped in FP8, its two forms told apart by C's dims; offsets (G + 1) i32 on the
+   tensors' device, as there.
+     rows (an expert layer's forward and input gradient), C (R, N): for the rows r of segment g,
+       C[r] = alpha * A[r] B[g]^T + beta * C[r]. A (R, K) with 1x128 scales (R, ceil(K/128)) (a
+       row tile never straddles two experts); B (G, N, K) with scales (G, N, ceil(K/128)) for
+       1x128 or (G, ceil(N/128), ceil(K/128)) for 128x128 blocks. Rows outside the segments are
+       neither read nor written; each row gets the bits dsk_matmul_fp8 gives it with B[g].
+     weights (its weight gradients), C (G, M, N): the segments cut K (the tokens):
+       C[g] = alpha * A[:, seg g] B[:, seg g]^T + beta * C[g] (beta * C[g] for an empty segment),
+       A (M, R) = dy^T and B (N, R) = x^T as dsk_amp_fp8_block_quantize_t writes them, in 1x128
+       tiles along R (scales (M, ceil(R/128))) or, for B, 128x128 blocks. The chunks stay those
+       of the scales, on the grid of 128 from row 0: a chunk that a segment boundary cuts adds
+       only its rows of the segment, dequantised with the whole tile's scale (so a tile made
+       non-finite by an Inf or NaN reaches every segment that shares it). No quantisation needs
+       the offsets, and each C[g] gets the bits of the chunk arithmetic over [off[g], off[g + 1])
+       on CPU and CUDA alike. */
+DSK_API dsk_status dsk_matmul_fp8_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, const dsk_tensor *a_scales,
+                                          const dsk_tensor *B, const dsk_tensor *b_scales, dsk_fp8_scaling b_scaling,
+                                          const dsk_tensor *offsets, float alpha, float beta);
 
 #ifdef __cplusplus
 }
@@ -4553,6 +4639,258 @@ DSK_API dsk_status dsk_attention_fused_backward(dsk_ctx *ctx, dsk_tensor *dq, ds
     DSK_FREE(scratch);
     DSK_FREE(drow);
     return DSK_OK;
+}
+
+/* ---------------------------------------------------------------- FP8 GEMM */
+
+static const char *dsk__fp8_layout(dsk_fp8_scaling s) {
+    return s == DSK_FP8_TILE_1X128 ? "1x128 tiles" : "128x128 blocks";
+}
+
+static dsk_status dsk__fp8_need_scaling(const char *fn, const char *what, dsk_fp8_scaling s) {
+    if (s != DSK_FP8_TILE_1X128 && s != DSK_FP8_BLOCK_128X128)
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s %d is neither DSK_FP8_TILE_1X128 (1) nor DSK_FP8_BLOCK_128X128 (128)",
+                             fn, what, (int)s);
+    return DSK_OK;
+}
+
+/* An operand of ndim dims, e4m3 or e5m2 codes, contiguous. */
+static dsk_status dsk__fp8_need_codes(const char *fn, const char *what, const dsk_tensor *t, int ndim) {
+    char b[96];
+    DSK__TRY(dsk__need_contig(fn, what, t));
+    if (t->dtype != DSK_E4M3 && t->dtype != DSK_E5M2)
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s %s: dtype must be e4m3 or e5m2", fn, what,
+                             dsk_tensor_describe(t, b, sizeof b));
+    return dsk__need_ndim(fn, what, t, ndim);
+}
+
+/* The scales of operand q (its last two dims R x K, leading dims kept) in layout sc. */
+static dsk_status dsk__fp8_need_scales(const char *fn, const char *what, const dsk_tensor *s, const char *qwhat,
+                                       const dsk_tensor *q, dsk_fp8_scaling sc) {
+    char a[96], b[96], c[96];
+    int64_t want[DSK_MAX_DIMS], R = q->shape[q->ndim - 2], K = q->shape[q->ndim - 1];
+    int ok;
+    DSK__TRY(dsk__need_dtype(fn, what, s, DSK_F32));
+    for (int d = 0; d < q->ndim - 2; d++) want[d] = q->shape[d];
+    want[q->ndim - 2] = (R + sc - 1) / sc;
+    want[q->ndim - 1] = (K + DSK_FP8_BLOCK - 1) / DSK_FP8_BLOCK;
+    ok = s->ndim == q->ndim;
+    for (int d = 0; ok && d < q->ndim; d++) ok = s->shape[d] == want[d];
+    if (!ok) {
+        dsk_tensor w = *s;
+        w.ndim = q->ndim;
+        for (int d = 0; d < q->ndim; d++) w.shape[d] = want[d];
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s %s, want %s for %s %s in %s", fn, what,
+                             dsk_tensor_describe(s, a, sizeof a), dsk_tensor_describe(&w, b, sizeof b), qwhat,
+                             dsk_tensor_describe(q, c, sizeof c), dsk__fp8_layout(sc));
+    }
+    return DSK_OK;
+}
+
+/* C: contiguous f32, bf16 or f16 of shape (rows, cols). */
+static dsk_status dsk__fp8_need_out(const char *fn, const dsk_tensor *C, const dsk_tensor *A, const dsk_tensor *B) {
+    char a[96], b[96], c[96];
+    DSK__TRY(dsk__need_float(fn, "C", C));
+    if (C->ndim != 2 || C->shape[0] != A->shape[0] || C->shape[1] != B->shape[B->ndim - 2] ||
+        A->shape[1] != B->shape[B->ndim - 1])
+        return dsk_set_error(DSK_ERR_ARG, "%s: C %s, A %s, B %s: want C (M, N) = A (M, K) B (%sN, K)^T", fn,
+                             dsk_tensor_describe(C, c, sizeof c), dsk_tensor_describe(A, a, sizeof a),
+                             dsk_tensor_describe(B, b, sizeof b), B->ndim == 3 ? "G, " : "");
+    return DSK_OK;
+}
+
+/* The CPU tiles: TM rows x TN columns, the columns the chunk dot's vector width. */
+#define DSK__FP8_TM 16
+#define DSK__FP8_TN 64
+#if DSK__FP8_TN % DSK_FP8_DOT_W
+#error "dsk: the CPU FP8 tile must hold whole groups of DSK_FP8_DOT_W columns"
+#endif
+
+typedef struct dsk__fp8_args {
+    const uint8_t *A, *B;
+    const float *sa, *sb;
+    float lut_a[256], lut_b[256]; /* fp8 code -> f32 */
+    int64_t N, K, kc, a_rows, b_rows; /* a_rows, b_rows: rows per scale */
+    int64_t b_step, sb_step;          /* elements from B[g] (and its scales) to B[g + 1] */
+    int weights;                      /* the weights form: segments cut K, C[g] (M, N) */
+    int64_t M, c_step;                /* C[g]'s rows and the elements from C[g] to C[g + 1] */
+    void *C;
+    dsk_dtype c_dt;
+    float alpha, beta;
+    const int32_t *off;               /* (G + 1) segment offsets */
+    int64_t *task0;                   /* (G + 1): the first task of each segment */
+    int64_t G, tiles_n;
+} dsk__fp8_args;
+
+static void dsk__fp8_lut(float *lut, dsk_dtype dt) {
+    for (int i = 0; i < 256; i++) lut[i] = dt == DSK_E4M3 ? dsk_e4m3_to_f32((uint8_t)i) : dsk_e5m2_to_f32((uint8_t)i);
+}
+
+/* Rows [i0, i1) x columns [j0, j1) of segment g's product (of C[g] in the weights form, whose K
+   is the segment's); w: TM * 128 + 128 * TN + TM * TN floats. */
+static void dsk__fp8_tile(const dsk__fp8_args *p, int64_t g, int64_t i0, int64_t i1, int64_t j0, int64_t j1, float *w) {
+    float *ad = w, *bd = ad + DSK__FP8_TM * DSK_FP8_BLOCK, *acc = bd + DSK_FP8_BLOCK * DSK__FP8_TN;
+    float dot[DSK__FP8_TN];
+    const uint8_t *B = p->B + g * p->b_step;
+    const float *sb = p->sb + g * p->sb_step;
+    int64_t m = i1 - i0, nn = j1 - j0, klo = p->weights ? p->off[g] : 0, khi = p->weights ? p->off[g + 1] : p->K;
+    for (int64_t e = 0; e < DSK__FP8_TM * DSK__FP8_TN; e++) acc[e] = 0.0f;
+    for (int64_t c = klo / DSK_FP8_BLOCK; klo < khi && c * DSK_FP8_BLOCK < khi; c++) { /* chunks cut to [klo, khi) */
+        int64_t k0 = c * DSK_FP8_BLOCK > klo ? c * DSK_FP8_BLOCK : klo;
+        int n = (int)((c + 1) * DSK_FP8_BLOCK < khi ? (c + 1) * DSK_FP8_BLOCK - k0 : khi - k0);
+        for (int64_t i = 0; i < m; i++)
+            for (int k = 0; k < n; k++) ad[i * DSK_FP8_BLOCK + k] = p->lut_a[p->A[(i0 + i) * p->K + k0 + k]];
+        for (int64_t j = 0; j < DSK__FP8_TN; j++) /* B's rows as columns, zeros past the last */
+            for (int k = 0; k < n; k++) bd[k * DSK__FP8_TN + j] = j < nn ? p->lut_b[B[(j0 + j) * p->K + k0 + k]] : 0.0f;
+        for (int64_t i = 0; i < m; i++) {
+            float s_a = p->sa[((i0 + i) / p->a_rows) * p->kc + c];
+            dsk_fp8_chunk_dot(dot, DSK__FP8_TN, ad + i * DSK_FP8_BLOCK, bd, DSK__FP8_TN, 1, n);
+            for (int64_t j = 0; j < nn; j++)
+                acc[i * DSK__FP8_TN + j] =
+                    dsk_fp8_chunk_acc(acc[i * DSK__FP8_TN + j], dot[j], s_a, sb[((j0 + j) / p->b_rows) * p->kc + c]);
+        }
+    }
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t j = 0; j < nn; j++) {
+            int64_t o = g * p->c_step + (i0 + i) * p->N + j0 + j;
+            float old = p->beta != 0.0f ? dsk_load_f32(p->C, p->c_dt, o) : 0.0f;
+            dsk_store_f32(p->C, p->c_dt, o, dsk_fp8_out(acc[i * DSK__FP8_TN + j], p->alpha, p->beta, old));
+        }
+}
+
+/* Every segment's tiles on the ctx's threads; p->task0 is filled here. */
+static dsk_status dsk__fp8_run(const char *fn, dsk_ctx *ctx, dsk__fp8_args *p) {
+    int64_t total, per = DSK__FP8_TM * DSK_FP8_BLOCK + DSK_FP8_BLOCK * DSK__FP8_TN + DSK__FP8_TM * DSK__FP8_TN;
+    float *scratch;
+    dsk_status s;
+    p->tiles_n = (p->N + DSK__FP8_TN - 1) / DSK__FP8_TN;
+    p->task0[0] = 0;
+    for (int64_t g = 0; g < p->G; g++) /* row tiles of the segment's rows, or of C[g]'s M rows */
+        p->task0[g + 1] = p->task0[g] + ((p->weights ? p->M : p->off[g + 1] - p->off[g]) + DSK__FP8_TM - 1) /
+                                            DSK__FP8_TM * p->tiles_n;
+    total = p->task0[p->G];
+    if (total == 0) return DSK_OK;
+    if (!(scratch = dsk__scratch(fn, ctx, per, &s))) return s;
+    DSK__OMP(parallel for schedule(dynamic) num_threads(dsk__threads(ctx)) \
+        if ((p->off[p->G] - p->off[0]) * p->N * (p->weights ? p->M : p->K) > DSK__PAR_MIN))
+    for (int64_t t = 0; t < total; t++) {
+        int64_t lo = 0, hi = p->G, r0, tr;
+        while (hi - lo > 1) { /* the segment g with task0[g] <= t < task0[g + 1] */
+            int64_t mid = (lo + hi) / 2;
+            if (p->task0[mid] <= t) lo = mid; else hi = mid;
+        }
+        tr = (t - p->task0[lo]) / p->tiles_n;
+        r0 = (p->weights ? 0 : p->off[lo]) + tr * DSK__FP8_TM;
+        {
+            int64_t r_end = p->weights ? p->M : p->off[lo + 1];
+            int64_t r1 = r0 + DSK__FP8_TM < r_end ? r0 + DSK__FP8_TM : r_end;
+            int64_t c0 = (t - p->task0[lo]) % p->tiles_n * DSK__FP8_TN;
+            int64_t c1 = c0 + DSK__FP8_TN < p->N ? c0 + DSK__FP8_TN : p->N;
+            dsk__fp8_tile(p, lo, r0, r1, c0, c1, scratch + per * dsk__thread_id());
+        }
+    }
+    DSK_FREE(scratch);
+    return DSK_OK;
+}
+
+static void dsk__fp8_args_init(dsk__fp8_args *p, dsk_tensor *C, const dsk_tensor *A, const dsk_tensor *sa,
+                               int64_t a_rows, const dsk_tensor *B, const dsk_tensor *sb, int64_t b_rows, float alpha,
+                               float beta) {
+    p->A = (const uint8_t *)A->data; p->B = (const uint8_t *)B->data;
+    p->sa = (const float *)sa->data; p->sb = (const float *)sb->data;
+    dsk__fp8_lut(p->lut_a, A->dtype);
+    dsk__fp8_lut(p->lut_b, B->dtype);
+    p->N = C->shape[C->ndim - 1]; p->K = A->shape[1]; p->kc = (p->K + DSK_FP8_BLOCK - 1) / DSK_FP8_BLOCK;
+    p->a_rows = a_rows; p->b_rows = b_rows;
+    p->b_step = B->shape[B->ndim - 2] * p->K;
+    p->sb_step = sb->shape[sb->ndim - 2] * p->kc;
+    p->C = C->data; p->c_dt = C->dtype; p->alpha = alpha; p->beta = beta;
+    p->weights = C->ndim == 3;
+    p->M = A->shape[0];
+    p->c_step = p->weights ? C->shape[1] * C->shape[2] : 0;
+    if (p->weights) p->b_step = p->sb_step = 0;
+}
+
+DSK_API dsk_status dsk_matmul_fp8(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, const dsk_tensor *a_scales,
+                                  dsk_fp8_scaling a_scaling, const dsk_tensor *B, const dsk_tensor *b_scales,
+                                  dsk_fp8_scaling b_scaling, float alpha, float beta) {
+    const char *fn = "dsk_matmul_fp8";
+    const dsk_tensor *ts[5] = {C, A, a_scales, B, b_scales};
+    const char *names[5] = {"C", "A", "a_scales", "B", "b_scales"};
+    int cuda;
+    int32_t off[2];
+    int64_t task0[2];
+    dsk__fp8_args p;
+    DSK__TRY(dsk__fp8_need_codes(fn, "A", A, 2));
+    DSK__TRY(dsk__fp8_need_codes(fn, "B", B, 2));
+    DSK__TRY(dsk__fp8_need_out(fn, C, A, B));
+    DSK__TRY(dsk__fp8_need_scaling(fn, "a_scaling", a_scaling));
+    DSK__TRY(dsk__fp8_need_scaling(fn, "b_scaling", b_scaling));
+    DSK__TRY(dsk__fp8_need_scales(fn, "a_scales", a_scales, "A", A, a_scaling));
+    DSK__TRY(dsk__fp8_need_scales(fn, "b_scales", b_scales, "B", B, b_scaling));
+    DSK__TRY(dsk__need_devices(fn, ctx, 5, ts, names, &cuda));
+    if (A->shape[0] > INT32_MAX)
+        return dsk_set_error(DSK_ERR_ARG, "%s: A has %lld rows, more than i32 row offsets hold", fn,
+                             (long long)A->shape[0]);
+#ifdef DSK_CUDA
+    if (cuda)
+        return dsk_cuda_matmul_fp8(ctx, C, A, a_scales, (int)a_scaling, B, b_scales, (int)b_scaling, NULL, alpha, beta);
+#endif
+    dsk__fp8_args_init(&p, C, A, a_scales, a_scaling, B, b_scales, b_scaling, alpha, beta);
+    off[0] = 0; off[1] = (int32_t)A->shape[0];
+    p.off = off; p.task0 = task0; p.G = 1; p.b_step = p.sb_step = 0;
+    return dsk__fp8_run(fn, ctx, &p);
+}
+
+/* The weights form's shapes: C (G, M, N) = A (M, R) B (N, R)^T per segment of R. */
+static dsk_status dsk__fp8_need_weights(const char *fn, const dsk_tensor *C, const dsk_tensor *A, const dsk_tensor *B,
+                                        int64_t G) {
+    char a[96], b[96], c[96];
+    DSK__TRY(dsk__need_float(fn, "C", C));
+    if (C->shape[0] != G || C->shape[1] != A->shape[0] || C->shape[2] != B->shape[0] || A->shape[1] != B->shape[1])
+        return dsk_set_error(DSK_ERR_ARG, "%s: C %s, A %s, B %s with %lld groups: want the weights form C (G, M, N) = "
+                             "A (M, R) B (N, R)^T over segments of R", fn, dsk_tensor_describe(C, c, sizeof c),
+                             dsk_tensor_describe(A, a, sizeof a), dsk_tensor_describe(B, b, sizeof b), (long long)G);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_matmul_fp8_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, const dsk_tensor *a_scales,
+                                          const dsk_tensor *B, const dsk_tensor *b_scales, dsk_fp8_scaling b_scaling,
+                                          const dsk_tensor *offsets, float alpha, float beta) {
+    const char *fn = "dsk_matmul_fp8_grouped";
+    const dsk_tensor *ts[6] = {C, A, a_scales, B, b_scales, offsets};
+    const char *names[6] = {"C", "A", "a_scales", "B", "b_scales", "offsets"};
+    char b[96];
+    int cuda, weights;
+    int64_t G = 0;
+    dsk__fp8_args p;
+    dsk_status s;
+    DSK__TRY(dsk__need_offsets(fn, offsets, &G));
+    DSK__TRY(dsk__need(fn, "C", C));
+    weights = C->ndim == 3;
+    DSK__TRY(dsk__fp8_need_codes(fn, "A", A, 2));
+    DSK__TRY(dsk__fp8_need_codes(fn, "B", B, weights ? 2 : 3));
+    if (!weights && B->shape[0] != G)
+        return dsk_set_error(DSK_ERR_ARG, "%s: B %s holds %lld matrices, offsets %lld groups", fn,
+                             dsk_tensor_describe(B, b, sizeof b), (long long)B->shape[0], (long long)G);
+    DSK__TRY(weights ? dsk__fp8_need_weights(fn, C, A, B, G) : dsk__fp8_need_out(fn, C, A, B));
+    DSK__TRY(dsk__fp8_need_scaling(fn, "b_scaling", b_scaling));
+    DSK__TRY(dsk__fp8_need_scales(fn, "a_scales", a_scales, "A", A, DSK_FP8_TILE_1X128));
+    DSK__TRY(dsk__fp8_need_scales(fn, "b_scales", b_scales, "B", B, b_scaling));
+    DSK__TRY(dsk__need_devices(fn, ctx, 6, ts, names, &cuda));
+#ifdef DSK_CUDA
+    if (cuda)
+        return dsk_cuda_matmul_fp8(ctx, C, A, a_scales, DSK_FP8_TILE_1X128, B, b_scales, (int)b_scaling, offsets, alpha,
+                                   beta);
+#endif
+    DSK__TRY(dsk__check_offsets(fn, offsets, G, A->shape[weights ? 1 : 0]));
+    dsk__fp8_args_init(&p, C, A, a_scales, DSK_FP8_TILE_1X128, B, b_scales, b_scaling, alpha, beta);
+    p.off = (const int32_t *)offsets->data; p.G = G;
+    if (!(p.task0 = (int64_t *)DSK_MALLOC((size_t)(G + 1) * sizeof(int64_t))))
+        return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for %lld segments", fn, (long long)G);
+    s = dsk__fp8_run(fn, ctx, &p);
+    DSK_FREE(p.task0);
+    return s;
 }
 
 #endif /* DSK_TENSOR_IMPLEMENTATION_DONE */

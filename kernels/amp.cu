@@ -350,17 +350,24 @@ extern "C" dsk_status dsk_cuda_amp_fp8_dequantize(dsk_ctx *ctx, dsk_tensor *y, c
     return DSK_OK;
 }
 
-/* One CUDA block per scale block (br x bc elements of x (R, C)): block amax, scale, quantise. */
+/* Index in x of element (i, j) of q (R, C): the same, or (j, i) when q holds x's transpose. */
+__device__ static int64_t dsk__amp_block_src(int64_t i, int64_t j, int64_t R, int64_t C, int trans) {
+    return trans ? j * R + i : i * C + j;
+}
+
+/* One CUDA block per scale block (br x bc elements of q (R, C)): block amax, scale, quantise;
+   x is (R, C), or (C, R) with trans. */
 __global__ static void dsk__amp_block_quantize_kernel(uint8_t *q, dsk_dtype fmt, float *scales, const void *x,
                                                       dsk_dtype dt, int64_t R, int64_t C, int br, int bc, int64_t SC,
-                                                      int pow2) {
+                                                      int pow2, int trans) {
     __shared__ uint32_t sh[DSK__AMP_THREADS];
     int64_t b = blockIdx.x, r0 = (b / SC) * br, c0 = (b % SC) * bc;
     int64_t rows = R - r0 < br ? R - r0 : br, cols = C - c0 < bc ? C - c0 : bc, cnt = rows * cols;
     uint32_t m = 0;
     float d;
     for (int64_t e = threadIdx.x; e < cnt; e += DSK__AMP_THREADS) {
-        uint32_t a = dsk_amp_abs_bits(dsk_load_f32(x, dt, (r0 + e / cols) * C + c0 + e % cols));
+        int64_t xi = dsk__amp_block_src(r0 + e / cols, c0 + e % cols, R, C, trans);
+        uint32_t a = dsk_amp_abs_bits(dsk_load_f32(x, dt, xi));
         m = a > m ? a : m;
     }
     m = dsk__amp_block_max(m, sh);
@@ -368,7 +375,8 @@ __global__ static void dsk__amp_block_quantize_kernel(uint8_t *q, dsk_dtype fmt,
     if (threadIdx.x == 0) scales[b] = d;
     for (int64_t e = threadIdx.x; e < cnt; e += DSK__AMP_THREADS) {
         int64_t i = (r0 + e / cols) * C + c0 + e % cols;
-        q[i] = dsk_amp_to_fp8(dsk_load_f32(x, dt, i) / d, fmt);
+        q[i] = dsk_amp_to_fp8(dsk_load_f32(x, dt, dsk__amp_block_src(r0 + e / cols, c0 + e % cols, R, C, trans)) / d,
+                              fmt);
     }
 }
 
@@ -381,18 +389,27 @@ __global__ static void dsk__amp_block_dequantize_kernel(void *y, dsk_dtype dt, c
     }
 }
 
-extern "C" dsk_status dsk_cuda_amp_fp8_block_quantize(dsk_ctx *ctx, dsk_tensor *q, dsk_tensor *scales,
-                                                      const dsk_tensor *x, int br, int bc, int pow2) {
-    const char *fn = "dsk_cuda_amp_fp8_block_quantize";
-    int64_t R = x->shape[0], C = x->shape[1], SR = scales->shape[0], SC = scales->shape[1];
+static dsk_status dsk__amp_block_quantize(const char *fn, dsk_ctx *ctx, dsk_tensor *q, dsk_tensor *scales,
+                                          const dsk_tensor *x, int br, int bc, int pow2, int trans) {
+    int64_t R = q->shape[0], C = q->shape[1], SR = scales->shape[0], SC = scales->shape[1];
     DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     if (SR * SC == 0) return DSK_OK;
     if (SR * SC > 0x7fffffffLL)
         return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: %lld blocks exceed one grid", fn, (long long)(SR * SC));
     DSK__CUDA_LAUNCH(fn, dsk__amp_block_quantize_kernel, (unsigned)(SR * SC), DSK__AMP_THREADS, dsk__cuda_stream(ctx),
                      R * C, (uint8_t *)q->data, q->dtype, (float *)scales->data, x->data, x->dtype, R, C, br, bc, SC,
-                     pow2);
+                     pow2, trans);
     return DSK_OK;
+}
+
+extern "C" dsk_status dsk_cuda_amp_fp8_block_quantize(dsk_ctx *ctx, dsk_tensor *q, dsk_tensor *scales,
+                                                      const dsk_tensor *x, int br, int bc, int pow2) {
+    return dsk__amp_block_quantize("dsk_cuda_amp_fp8_block_quantize", ctx, q, scales, x, br, bc, pow2, 0);
+}
+
+extern "C" dsk_status dsk_cuda_amp_fp8_block_quantize_t(dsk_ctx *ctx, dsk_tensor *q, dsk_tensor *scales,
+                                                        const dsk_tensor *x, int br, int bc, int pow2) {
+    return dsk__amp_block_quantize("dsk_cuda_amp_fp8_block_quantize_t", ctx, q, scales, x, br, bc, pow2, 1);
 }
 
 extern "C" dsk_status dsk_cuda_amp_fp8_block_dequantize(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *q,

@@ -10,7 +10,7 @@
    cuBLAS call; every call is checked, and cudaGetLastError() follows every launch).
    kernels/dsk_cuda.cuh holds what the .cu files share to do so.
    Contents: runtime (tensor.cu), tensor ops (tensor.cu), fused attention (attention.cu), amp (amp.cu),
-   grouped rows (grouped.cu), moe (moe.cu), par (par.cu). */
+   grouped rows (grouped.cu), FP8 GEMM (fp8.cu), moe (moe.cu), par (par.cu). */
 #ifndef DSK_KERNELS_H
 #define DSK_KERNELS_H
 #include "../dsk_tensor.h"
@@ -105,6 +105,9 @@ dsk_status dsk_cuda_amp_fp8_scale(dsk_ctx *ctx, float *scale, const float *amax,
 dsk_status dsk_cuda_amp_fp8_quantize(dsk_ctx *ctx, dsk_tensor *q, const dsk_tensor *x, const float *scale);
 dsk_status dsk_cuda_amp_fp8_dequantize(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *q, const float *scale);
 dsk_status dsk_cuda_amp_fp8_block_quantize(dsk_ctx *ctx, dsk_tensor *q, dsk_tensor *scales, const dsk_tensor *x, int br, int bc, int pow2);
+/* The same for x's transpose: q (C, R), x (R, C) */
+dsk_status dsk_cuda_amp_fp8_block_quantize_t(dsk_ctx *ctx, dsk_tensor *q, dsk_tensor *scales, const dsk_tensor *x,
+                                             int br, int bc, int pow2);
 dsk_status dsk_cuda_amp_fp8_block_dequantize(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *q, const dsk_tensor *scales, int br, int bc);
 
 /* ---- grouped rows (kernels/grouped.cu): same contracts as the dsk_tensor.h function of the same name;
@@ -114,6 +117,12 @@ dsk_status dsk_cuda_matmul_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor
                                    int trans_b, const dsk_tensor *offsets, float alpha, float beta);
 dsk_status dsk_cuda_gather_rows_scaled(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *src, const dsk_tensor *idx,
                                        const dsk_tensor *scale);
+
+/* ---- FP8 GEMM (kernels/fp8.cu): dsk_matmul_fp8 (offsets NULL: one segment of all of A's rows, B 2-D) and
+   dsk_matmul_fp8_grouped (offsets (G + 1) on the device, B (G, N, K)); a_rows, b_rows: rows per scale (1 or 128) */
+dsk_status dsk_cuda_matmul_fp8(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, const dsk_tensor *a_scales, int a_rows,
+                               const dsk_tensor *B, const dsk_tensor *b_scales, int b_rows, const dsk_tensor *offsets,
+                               float alpha, float beta);
 
 /* ---- moe (kernels/moe.cu): the MoE steps of dsk_moe.h, each a kernel over the DSK_HD function of
    the same name there; row-major buffers, slot i = t * K + k, T tokens, E experts, K slots */

@@ -27,6 +27,7 @@ GPU_BENCHES=(
   "train_graph|60|bash bench/train_graph_step.sh $BUILD/examples/train_moe"
   "bench_attention|60|$BUILD/bench/bench_attention --gpu --repeats 5"
   "bench_zero|60|$BUILD/bench/bench_zero --cuda --units 8 --dim 2048 --batch 512 --dtype bf16 --steps 20 --warmup 3"
+  "bench_fp8|60|$BUILD/bench/bench_fp8 --cuda --repeats 10"
 )
 # ---- end of the GPU benchmark list
 
