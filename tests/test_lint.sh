@@ -47,12 +47,23 @@ if out=$(cd "$work/tree" && env "${lint_env[@]}" bash scripts/lint.sh format 2>&
     ok "format: no changed line, no failure (clang-format would rewrite $untouched untouched lines of dsk_tensor.h)"
 else bad "format: no changed line, no failure" "$out"; fi
 
-# The plants, one per check, each in a file of its own.
+# The plants, one per check, each in a file of its own (and formatted but for the format plant).
 t=$work/tree
 echo 'int   dsk_lint_planted_format(void){return 1;}' >>"$t/tests/test_par.c"
 printf '/* dsk_lint_planted_columns %s */\n' "$(printf 'x%.0s' $(seq 100))" >>"$t/tests/test_amp.c"
 cols_line=$(wc -l <"$t/tests/test_amp.c")
-echo 'int dsk__lint_planted_state;' >>"$t/dsk_par.h"
+cat >>"$t/dsk_par.h" <<'PLANT'
+int dsk__lint_planted_state;
+int dsk__lint_planted_calls(void) {
+    static int planted_n;
+    return ++planted_n;
+}
+const char *dsk__lint_planted_name(int i) {
+    static const char *planted_names[] = {"a", "b"};
+    return planted_names[i & 1];
+}
+PLANT
+echo 'int dsk__lint_planted_kernel_state;' >>"$t/kernels/par.cu"
 echo 'static inline int dsk__lint_planted_cuda(void) { return (int)cudaDeviceSynchronize(); }' >>"$t/dsk_amp.h"
 fails_naming "format fails on a planted line, naming it and nothing else" \
     'dsk_lint_planted_format' format
@@ -62,8 +73,15 @@ if [ -z "$others" ] && echo "$out" | grep -q '^     | diff --git a/tests/test_pa
 else bad "format's diff is of the planted file only" "also: $others"; fi
 fails_naming "columns fails on a planted line of 131 columns, naming file, line and width" \
     "tests/test_amp.c:$cols_line: $(tail -1 "$t/tests/test_amp.c" | awk "{ print length }") columns" columns
-fails_naming "state fails on a planted global, naming it" \
-    'above the baseline: dsk_par.h:dsk__lint_planted_state: 1, baseline 0' state dsk_par.h
+for sym in dsk_par.h:dsk__lint_planted_state dsk_par.h:planted_n kernels/par.cu:dsk__lint_planted_kernel_state; do
+    fails_naming "state fails on a planted static ($sym), naming it" "above the baseline: $sym: 1, baseline 0" \
+        state dsk_par.h kernels/par.cu
+done
+# A static the code never writes is folded into read-only data: not state.
+out=$(cd "$t" && env "${lint_env[@]}" bash scripts/lint.sh state dsk_par.h 2>&1)
+if echo "$out" | grep -q 'planted_state' && ! echo "$out" | grep -q 'planted_names'; then
+    ok "state passes over a static array of pointers that nothing writes"
+else bad "state passes over a static array of pointers that nothing writes" "$out"; fi
 fails_naming "cuda fails on a planted cudaDeviceSynchronize() in dsk_amp.h, naming the file" \
     'above the baseline: dsk_amp.h: 1, baseline 0' cuda
 
