@@ -22,6 +22,12 @@ for c in format columns state cuda commits; do
     else bad "lint $c passes on this tree" "$out"; fi
 done
 
+if ! git rev-parse -q --verify HEAD >/dev/null 2>&1; then
+    skip "lint: the planted violations (not a git repository: the copy is made from git's file list)"
+    echo "[test_lint] totals: $passed passed / $failed failed / $skipped skipped"
+    exit 0
+fi
+
 # fails_naming label, pattern (grep -E), lint arguments...: the check, run in the copy, fails
 # and its output matches the pattern.
 fails_naming() {
