@@ -206,7 +206,8 @@ test: tests examples
 	@BUILD=$(BUILD) bash scripts/run_tests.sh
 
 # DESIGN.md's rules as checks (scripts/lint.sh; DESIGN.md, Rules as checks): clang-format and 120
-# columns on the lines changed since LINT_BASE, mutable state, CUDA calls, commit subjects.
+# columns on the lines changed since LINT_BASE, mutable state, CUDA calls, commit subjects, and
+# DESIGN.md's count of the places to touch for an elementwise op.
 # `make test` runs them too, as tests/test_lint.sh, with cases that plant a violation for each.
 lint:
 	@bash scripts/lint.sh

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # DESIGN.md's rules as checks (`make lint`; tests/test_lint.sh runs each in `make test`).
-#   scripts/lint.sh [check...]        checks: format columns state cuda commits (default: all)
+#   scripts/lint.sh [check...]        checks: format columns state cuda commits places (default: all)
 #   scripts/lint.sh state [source...] the state check on some sources only (dsk_par.h, kernels/moe.cu)
 # Each check prints `ok   <check>: ...` or `FAIL <check>: ...` with what it found, file by file;
 # the script exits non-zero when one failed.
@@ -13,6 +13,7 @@
 #            which include kernels/dsk_cuda.cuh; tests/lint_baseline.txt holds today's count per file
 #   commits  commits after LINT_COMMIT_BASE: subject of at most 72 characters; a non-merge
 #            commit has a blank line, then the why
+#   places   DESIGN.md's count of the places to touch for a new elementwise op, recomputed
 # LINT_BASE (a commit): what `format` and `columns` compare the working tree with; default the
 # merge-base with main, or HEAD~1 on main itself. tests/lint_baseline.txt can only go down: a
 # count above it fails, and so does one below it until the file is lowered to match.
@@ -247,14 +248,61 @@ check_commits() {
     fi
 }
 
+# The enclosing function of each line (file, line numbers on stdin): its name, or `line N` for a
+# line outside every function (an enum, a list entry, a declaration). Universal ctags' end lines.
+enclosing_units() {
+    local file=$1
+    ctags --output-format=u-ctags -f - --fields=+ne --kinds-C=f --language-force=C "$file" 2>/dev/null |
+        sed -nE 's/^([^\t]+)\t.*\tline:([0-9]+).*\tend:([0-9]+).*$/\1 \2 \3/p' >"$tmp/units"
+    awk 'NR == FNR { n++; name[n] = $1; lo[n] = $2; hi[n] = $3; next }
+         { u = "line " $1; for (i = 1; i <= n; i++) if ($1 >= lo[i] && $1 <= hi[i]) u = name[i]; print u }' \
+        "$tmp/units" - | sort -u
+}
+
+number_word() { # one..twenty as a number
+    local w=(zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen
+             seventeen eighteen nineteen twenty) i
+    for i in "${!w[@]}"; do [ "${w[$i]}" = "$1" ] && { echo "$i"; return; }; done
+    echo "?"
+}
+
+# DESIGN.md section 6's count for a new elementwise op, recomputed on an existing one (dsk_axpy):
+# the library's places name its DSK_EW_ value or declare or define its function (callers are
+# not places); each test file that calls it is one place (its case).
+check_places() {
+    local design want_p want_f f lines units n_places=0 files=() where=() words
+    design=$(tr '\n' ' ' <DESIGN.md | grep -oE 'every entry of the list as it is: [a-z]+ places in [a-z]+ files' | head -1)
+    if [ -z "$design" ]; then bad "places: DESIGN.md no longer says \"every entry of the list as it is: N places in M files\""
+        return; fi
+    read -r -a words <<<"${design#*as it is: }" # N places in M files
+    want_p=$(number_word "${words[0]}"); want_f=$(number_word "${words[3]}")
+    for f in $(ls dsk_*.h kernels/*); do
+        lines=$(grep -nE '\bDSK_EW_AXPY\b|dsk_status dsk_axpy\(' "$f" | cut -d: -f1)
+        [ -n "$lines" ] || continue
+        units=$(echo "$lines" | enclosing_units "$f")
+        files+=("$f"); n_places=$((n_places + $(echo "$units" | wc -l)))
+        where+=("$f: $(echo "$units" | paste -sd, - | sed 's/,/, /g')")
+    done
+    for f in $(git ls-files 'tests/*.c' 2>/dev/null || ls tests/*.c tests/gpu/*.c); do
+        grep -qE '\bdsk_axpy\(' "$f" || continue
+        files+=("$f"); n_places=$((n_places + 1)); where+=("$f: its case")
+    done
+    if [ "$n_places" = "$want_p" ] && [ "${#files[@]}" = "$want_f" ]; then
+        ok "places: an elementwise op (as dsk_axpy): $n_places places in ${#files[@]} files, as DESIGN.md says"
+    else
+        bad "places: an elementwise op (as dsk_axpy) is $n_places places in ${#files[@]} files; DESIGN.md section 6" \
+            "says $want_p in $want_f (\"$design\"):" "${where[@]}"
+    fi
+}
+
 checks=("$@")
-[ ${#checks[@]} -gt 0 ] || checks=(format columns state cuda commits)
+[ ${#checks[@]} -gt 0 ] || checks=(format columns state cuda commits places)
 case ${checks[0]} in
 state) shift; check_state "$@" ;;
 *) for c in "${checks[@]}"; do
        case $c in
-       format | columns | state | cuda | commits) "check_$c" ;;
-       *) echo "scripts/lint.sh: unknown check '$c' (format columns state cuda commits)" >&2; exit 2 ;;
+       format | columns | state | cuda | commits | places) "check_$c" ;;
+       *) echo "scripts/lint.sh: unknown check '$c' (format columns state cuda commits places)" >&2; exit 2 ;;
        esac
    done ;;
 esac

@@ -13,7 +13,7 @@ lint_git() { git -C "$work/tree" -c user.name=lint -c user.email=lint@localhost 
 
 # This tree: each check on its own.
 # A check that cannot run here (no base commit, no git clang-format) says "skipped (why)".
-for c in format columns state cuda commits; do
+for c in format columns state cuda commits places; do
     out=$(bash scripts/lint.sh "$c" 2>&1)
     rc=$?
     first=$(echo "$out" | head -1)
@@ -98,6 +98,18 @@ sed -i "${zero_line}s/cuda\([A-Z]\)/cudx\1/g" "$t/dsk_zero.h"
 fails_naming "cuda fails below its baseline (dsk_zero.h lost a call) until the baseline is lowered" \
     'below the baseline.*dsk_zero.h: [0-9]+, baseline [0-9]+: lower' cuda
 git -C "$t" checkout -q -- dsk_zero.h
+
+# DESIGN.md's places for an elementwise op: one more in the code, or another number in DESIGN.md.
+echo 'static inline float dsk__lint_planted_place(float x) { return dsk_ew_f(DSK_EW_AXPY, x, x, 1.0f); }' \
+    >>"$t/dsk_tensor.h"
+fails_naming "places fails on a seventh place for an elementwise op, naming it" \
+    'is 7 places in 3 files' places
+fails_naming "places names the new place" 'dsk_tensor.h: .*dsk__lint_planted_place' places
+git -C "$t" checkout -q -- dsk_tensor.h
+tr '\n' '\v' <"$t/DESIGN.md" | sed -E 's/(as it is:[[:space:]]+)six/\1five/' | tr '\v' '\n' >"$t/design" &&
+    mv "$t/design" "$t/DESIGN.md"
+fails_naming "places fails when DESIGN.md says five places" 'is 6 places in 3 files; DESIGN.md section 6' places
+git -C "$t" checkout -q -- DESIGN.md
 
 # Commit subjects: a long one, and one without its why, fail; a good commit passes.
 long_subject="lint: a planted subject of eighty characters, longer than seventy-two xxxxxxxxxx"
