@@ -9,7 +9,9 @@ bad() { echo "FAIL $1"; shift; printf '%s\n' "$@" | head -40 | sed 's/^/     /';
 skip() { echo "skip $1"; skipped=$((skipped + 1)); }
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-lint_git() { git -C "$work/tree" -c user.name=lint -c user.email=lint@localhost "$@"; }
+# The copy's commits: no hooks or signing from the caller's configuration.
+lint_git() { git -C "$work/tree" -c user.name=lint -c user.email=lint@localhost -c core.hooksPath=/dev/null \
+    -c commit.gpgsign=false "$@"; }
 
 # This tree: each check on its own.
 # A check that cannot run here (no base commit, no git clang-format) says "skipped (why)".
