@@ -84,7 +84,7 @@ $(file > $(CONFIG),$(CONFIG_TEXT))
 endif
 endif
 
-.PHONY: all tests examples bench run test test-gpu sanitize tsan fuzz print-cuda clean
+.PHONY: all tests examples bench run test test-gpu lint sanitize tsan fuzz print-cuda clean
 all: tests examples
 
 tests: $(TESTS) $(GPU_TESTS) $(if $(filter 1,$(EMULATE)),$(EMU_TESTS) $(EMU_EXAMPLES))
@@ -204,6 +204,13 @@ run:
 test: tests examples
 	@echo "# also: make sanitize (ASan + UBSan), make tsan (ThreadSanitizer on the programs that start threads)"
 	@BUILD=$(BUILD) bash scripts/run_tests.sh
+
+# DESIGN.md's rules as checks (scripts/lint.sh; DESIGN.md, Rules as checks): clang-format and 120
+# columns on the lines changed since LINT_BASE, mutable state, CUDA calls, commit subjects, and
+# DESIGN.md's count of the places to touch for an elementwise op.
+# `make test` runs them too, as tests/test_lint.sh, with cases that plant a violation for each.
+lint:
+	@bash scripts/lint.sh
 
 test-gpu: $(GPU_TESTS)
 	@BUILD=$(BUILD) bash scripts/run_tests.sh gpu
