@@ -1438,7 +1438,8 @@ static ck_names ck_entries(trainer *t, int load) {
     c.name = (char(*)[112])calloc((size_t)cap, sizeof *c.name);
     c.e = (dsk_ckpt_entry *)calloc((size_t)cap, sizeof *c.e);
     if (!c.name || !c.e) fail(t, "out of memory for the checkpoint list");
-    if (t->engine && tz_ckpt_entries(&t->zero, load ? DSK_ZERO_CKPT_LOAD : DSK_ZERO_CKPT_SAVE, c.e, cap, &c.n) != DSK_OK)
+    dsk_zero_ckpt_mode mode = load ? DSK_ZERO_CKPT_LOAD : DSK_ZERO_CKPT_SAVE;
+    if (t->engine && tz_ckpt_entries(&t->zero, mode, c.e, cap, &c.n) != DSK_OK)
         fail(t, "checkpoint entries: %s", dsk_last_error());
     for (int i = 0; !t->engine && i < m->n_params; i++) {
         tm_param *p = &m->params[i];

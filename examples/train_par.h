@@ -457,7 +457,8 @@ static dsk_status tp_model_init(tp_state *ps, tm_model *m, dsk_ctx *ctx, const t
     ps->ctx = ctx;
     TM_TRY(tm_check_config(cfg));
     TM_TRY(tp_check(ps, cfg));
-    if (!cfg->external) return dsk_set_error(DSK_ERR_ARG, "tp_model_init: the model must be external (tz_init binds it)");
+    if (!cfg->external)
+        return dsk_set_error(DSK_ERR_ARG, "tp_model_init: the model must be external (tz_init binds it)");
     int r = ps->grid.at.pp, P = ps->pp * ps->v;
     ps->first = ps->last = -1;
     for (int c = 0; c < ps->v; c++) {
@@ -512,10 +513,12 @@ static dsk_status tp_model_init(tp_state *ps, tm_model *m, dsk_ctx *ctx, const t
 }
 
 /* The engine's groups and where each of this rank's parameters goes (train_zero.h):
-   replicated parameters over the stage (tp x dp), tensor-parallel shards over dp, expert shards
-   over the stage's ranks holding the same experts (tp x edp), each summed times 1/dp; the part is
-   the chunk holding the parameter (the head: part v, see tp_pass); the box is the rank's part of the full tensor; the counters
-   are the one-rank model's. */
+   replicated parameters over the stage (tp x dp), tensor-parallel shards over dp, the MTP
+   modules' copy of the embedding with the first stage's (the embedding group), expert shards
+   over the stage's ranks holding the same experts (tp x edp), each summed times 1/dp; the part
+   is the chunk holding the parameter (the head and the last stage's embedding copy: part v, see
+   tp_pass); the box is the rank's part of the full tensor; the counters are the one-rank
+   model's. */
 static void tp_places(tp_state *ps, tz_group groups[TP_G_COUNT], tz_place *place) {
     tm_model *m = ps->m;
     dsk_comm *comms[TP_G_COUNT] = {&ps->stage, &ps->grid.dp, ps->embg.world_size ? &ps->embg : NULL, &ps->xrep};

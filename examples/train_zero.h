@@ -23,7 +23,8 @@
      the global tensors' names and shapes, so any layout resumes any other.
 
    In train_moe.c:
-       tm_init with cfg.external = 1; tz_places_dp (or tp_places); tz_init(&z, &model, ctx, groups, places, &opts, seed);
+       tm_init with cfg.external = 1; tz_places_dp (or tp_places);
+       tz_init(&z, &model, ctx, groups, places, &opts, seed);
        each step: for each micro-batch a: tz_begin(&z, a == last) (train_par.h: tz_begin_part per chunk);
                   forward, loss, backward (the hooks); tz_wait; tz_decide (unscale, clip, skip: one
                   all-reduce); tz_step; dsk_amp_update

@@ -500,7 +500,8 @@ int main(void) {
     RUN(test_quant_t(DSK_F32, E4, 300, 37, 1, 128), "quantise x^T in 1x128 tiles, f32 (300, 37)");
     RUN(test_quant_t(DSK_BF16, E5, 129, 200, 1, 128), "quantise x^T in 1x128 tiles, bf16 (129, 200) e5m2");
     RUN(test_quant_t(DSK_F32, E4, 260, 200, 128, 128), "quantise x^T in 128x128 blocks, f32 (260, 200)");
-    RUN(test_quant_t(DSK_F32, E4, 1000, 300, 1, 128), "quantise x^T in 1x128 tiles, f32 (1000, 300): bands in parallel");
+    RUN(test_quant_t(DSK_F32, E4, 1000, 300, 1, 128),
+        "quantise x^T in 1x128 tiles, f32 (1000, 300): bands in parallel");
     DSK_TEST_RUN(test_quant_t_nonfinite);
     RUN(test_gemm(37, 45, 200, E4, E4, 1, 128, DSK_F32, 1.0f, 0.0f), "gemm (37, 45, 200) 1x128 x 128x128, f32 out");
     RUN(test_gemm(5, 130, 129, E4, E4, 1, 128, DSK_BF16, 1.0f, 0.0f), "gemm (5, 130, 129) 1x128 x 128x128, bf16 out");

@@ -177,8 +177,9 @@ static void test_devices(void) {
         dsk_tensor *bg = dalloc(DSK_E4M3, 3, g3), *sg = dalloc(DSK_F32, 3, s3);
         ((int32_t *)off->data)[0] = 0;
         ((int32_t *)off->data)[1] = 4;
-        DSK_TEST_STATUS(dsk_matmul_fp8_grouped(&G, dC, dev(qa), dev(sa), bg, sg, DSK_FP8_BLOCK_128X128, off, 1.0f, 0.0f),
-                        DSK_ERR_ARG);
+        DSK_TEST_STATUS(
+            dsk_matmul_fp8_grouped(&G, dC, dev(qa), dev(sa), bg, sg, DSK_FP8_BLOCK_128X128, off, 1.0f, 0.0f),
+            DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("dsk_matmul_fp8_grouped: offsets is on cpu:0 but C is on cuda:0");
     }
 }
