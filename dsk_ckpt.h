@@ -688,9 +688,9 @@ static int64_t dsk__ckpt_parse_step_name(const char *name) {
 }
 
 /* A fresh 62-bit nonce (non-zero) naming one save's files: from /dev/urandom, else the clock,
-   the process and a counter. */
-static uint64_t dsk__ckpt_nonce(void) {
-    static uint64_t counter;
+   the process, the object that saves and its count of saves (so two saves in one clock tick
+   differ without any state shared between threads). */
+static uint64_t dsk__ckpt_nonce(const void *owner, uint64_t seq) {
     uint64_t v = 0;
     int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
     if (fd >= 0) {
@@ -701,7 +701,7 @@ static uint64_t dsk__ckpt_nonce(void) {
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
         v = ((uint64_t)ts.tv_sec * 1000000007u) ^ (uint64_t)ts.tv_nsec ^ ((uint64_t)getpid() << 32) ^
-            (++counter * 0x9e3779b97f4a7c15ull);
+            (((uint64_t)(uintptr_t)owner + seq) * 0x9e3779b97f4a7c15ull);
     }
     v &= 0x3fffffffffffffffull;
     return v ? v : 1;
@@ -900,13 +900,18 @@ static dsk_status dsk__ckpt_bad_manifest(const char *fn, const dsk__ckpt_manifes
 typedef struct dsk__ckpt_tbox {
     const int64_t *off, *ext;
     int who;
+    int64_t key;         /* off[d] of the dim being sorted on (the sort's key travels with the box) */
 } dsk__ckpt_tbox;
 
-static int dsk__ckpt_tile_dim;
 static int dsk__ckpt_cmp_tbox(const void *a, const void *b) {
-    const dsk__ckpt_tbox *x = (const dsk__ckpt_tbox *)a, *y = (const dsk__ckpt_tbox *)b;
-    int64_t u = x->off[dsk__ckpt_tile_dim], v = y->off[dsk__ckpt_tile_dim];
+    int64_t u = ((const dsk__ckpt_tbox *)a)->key, v = ((const dsk__ckpt_tbox *)b)->key;
     return u < v ? -1 : u > v;
+}
+
+/* Sorts the boxes by their offset in dim d. */
+static void dsk__ckpt_sort_tboxes(dsk__ckpt_tbox *b, int k, int d) {
+    for (int i = 0; i < k; i++) b[i].key = b[i].off[d];
+    qsort(b, (size_t)k, sizeof *b, dsk__ckpt_cmp_tbox);
 }
 
 static void dsk__ckpt_box_desc(char *buf, size_t n, int ndim, const int64_t *off, const int64_t *ext) {
@@ -918,21 +923,18 @@ static void dsk__ckpt_box_desc(char *buf, size_t n, int ndim, const int64_t *off
 }
 
 /* 0 when the boxes tile `shape`; else the two boxes (who) that overlap, or -1 and the
-   element count when there is a gap. Boxes must lie inside shape. tile_dim is a file-scope
-   variable for qsort: only called under the caller's single thread per process at a time. */
+   element count when there is a gap. Boxes must lie inside shape. */
 static int dsk__ckpt_tiles(dsk__ckpt_tbox *b, int k, int ndim, const int64_t *shape, int *who_a, int *who_b,
                            uint64_t *covered) {
     int best = 0, best_n = -1;
     uint64_t sum = 0;
     for (int d = 0; d < ndim; d++) { /* distinct offsets per dim, by sorting */
         int distinct = 0;
-        dsk__ckpt_tile_dim = d;
-        qsort(b, (size_t)k, sizeof *b, dsk__ckpt_cmp_tbox);
+        dsk__ckpt_sort_tboxes(b, k, d);
         for (int i = 0; i < k; i++) distinct += i == 0 || b[i].off[d] != b[i - 1].off[d];
         if (distinct > best_n) { best_n = distinct; best = d; }
     }
-    dsk__ckpt_tile_dim = best;
-    if (ndim) qsort(b, (size_t)k, sizeof *b, dsk__ckpt_cmp_tbox);
+    if (ndim) dsk__ckpt_sort_tboxes(b, k, best);
     for (int i = 0; i < k; i++) {
         uint64_t vol = (uint64_t)dsk__st_numel(ndim, b[i].ext);
         sum += vol;
@@ -1627,7 +1629,7 @@ static dsk_status dsk__ckpt_reclaim_outcomes(const char *fn, const char *root, i
    directories this empties, and stale temporaries of DIR itself. A directory whose manifest
    is damaged, and files dsk did not name, are left alone. */
 static dsk_status dsk__ckpt_reclaim(const char *fn, const char *root, const dsk__ckpt_scan *sc) {
-    static const char *root_junk[] = {DSK__CKPT_ATTEMPT, ".latest.tmp", "." DSK__CKPT_ATTEMPT ".tmp"};
+    static const char *const root_junk[] = {DSK__CKPT_ATTEMPT, ".latest.tmp", "." DSK__CKPT_ATTEMPT ".tmp"};
     dsk_status s = DSK_OK;
     int rmdirs = 0, removed = 0;
     for (int i = 0; i < sc->n && s == DSK_OK; i++) {
@@ -1912,7 +1914,7 @@ static dsk_status dsk__ckpt_prepare(const char *fn, dsk__ckpt_job *job, const ch
     if (job->opts.incremental) DSK__TRY(dsk__ckpt_pick_base(fn, job));
     if (mkdir(step_dir, 0755) == 0) DSK__TRY(dsk__st_fsync_dir(fn, job->root));
     else if (errno != EEXIST) return dsk__st_io_error(fn, "create directory", step_dir);
-    *nonce = dsk__ckpt_nonce();
+    *nonce = dsk__ckpt_nonce(job, job->seq);
     return DSK_OK;
 }
 
@@ -2744,7 +2746,7 @@ DSK_API dsk_status dsk_ckpt_merge(dsk_ckpt *ck, int64_t step) {
     dsk__ckpt_job *job = NULL;
     dsk__ckpt_reader rd;
     dsk__ckpt_mfile *old = NULL;
-    uint64_t nonce = dsk__ckpt_nonce();
+    uint64_t nonce;
     int n_old = 0;
     dsk_status s;
     memset(&rd, 0, sizeof rd);
@@ -2753,6 +2755,7 @@ DSK_API dsk_status dsk_ckpt_merge(dsk_ckpt *ck, int64_t step) {
     if (ck->opts.read_only) return dsk_set_error(DSK_ERR_STATE, "%s: \"%s\" was opened read_only", fn, ck->dir);
     DSK__TRY(dsk_ckpt_wait(ck));
     DSK__TRY(dsk__ckpt_job_new(fn, ck, step, &job));
+    nonce = dsk__ckpt_nonce(ck, ck->n_saves);
     s = dsk__ckpt_lock_take(fn, job->root, 1, &job->lock);
     if (s == DSK_OK) s = dsk__ckpt_scan_dir(fn, job->root, &job->scan);
     if (s == DSK_OK) s = dsk__ckpt_reader_open(fn, &rd, job->root, step);
