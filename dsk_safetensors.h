@@ -2079,7 +2079,7 @@ DSK_API dsk_status dsk_safetensors_save(dsk_ctx *ctx, const char *path, const ds
     return s;
 }
 
-/* ---------------------------------------------------------------- Hugging Face sharded weights */
+/* ---------------------------------------------------------------- Hugging Face sharded sets */
 
 #define DSK__ST_HF_INDEX "model.safetensors.index.json"
 #define DSK__ST_HF_SINGLE "model.safetensors"
