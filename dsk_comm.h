@@ -771,7 +771,7 @@ static void *dsk__comm_store_thread(void *arg) {
             (void)rd;
             close(s->listen_fd);
             s->listen_fd = -1;
-            drain_until = dsk__comm_now() + 1.0;
+            drain_until = dsk__comm_now() + 2.0;
             continue;
         }
         /* clients first, by fd: serving may reorder the array */
@@ -1040,8 +1040,9 @@ static dsk_status dsk__comm_store_barrier(dsk_comm *c, const char *fn) {
     return dsk__comm_store_get(c, fn, key, NULL, 0, NULL);
 }
 
-/* Records the current error as fatal: publishes it in the store (so a peer that sees this
-   rank hang up can report the root cause), then half-closes the mesh so peers fail fast.
+/* Records the current error as fatal: publishes it in the store under this rank's world rank
+   (so a peer that sees this rank hang up, on this communicator or another one split from the
+   same world, can report the root cause), then half-closes the mesh so peers fail fast.
    The publication does not wait for the store's reply (a stopped rank 0 must not delay the
    error past the timeout); the store connection is closed after it, as the communicator is
    unusable from here on. */
@@ -1052,10 +1053,15 @@ static dsk_status dsk__comm_break(dsk_comm *c, dsk_status st) {
     snprintf(m->broken_msg, sizeof m->broken_msg, "%s", dsk_last_error());
     if (m->store_fd >= 0 && m->fds) {
         char key[160];
-        snprintf(key, sizeof key, "dsk/%s/fault/%d", m->ns, c->rank);
+        int w = m->world_of ? m->world_of[c->rank] : c->rank;
+        double until = dsk__comm_now() + 0.2;
+        snprintf(key, sizeof key, "dsk/fault/%d", w);
         if (dsk__comm_store_call(c, "dsk_comm", DSK__COMM_STORE_SET, key, m->broken_msg, strlen(m->broken_msg) + 1,
-                                 dsk__comm_now() + 0.2) == DSK_OK)
-            dsk__comm_store_fail(m, DSK_ERR_STATE);
+                                 until) == DSK_OK) {
+            snprintf(key, sizeof key, "dsk/fault/%d/n", w); /* then the count peers poll (dsk__comm_peer_fault) */
+            if (dsk__comm_store_call(c, "dsk_comm", DSK__COMM_STORE_ADD, key, NULL, 1, until) == DSK_OK)
+                dsk__comm_store_fail(m, DSK_ERR_STATE);
+        }
         dsk_set_error(st, "%s", m->broken_msg);
     }
     for (int r = 0; m->fds && r < c->world_size; r++)
@@ -1085,8 +1091,18 @@ static int dsk__comm_peer_fault(dsk_comm *c, int peer, char *buf, size_t cap) {
     snprintf(key, sizeof key, "dsk/%s/ping", m->ns);
     st = dsk__comm_store_add(c, "dsk_comm", key, 0, NULL);
     if (st == DSK_OK) {
-        snprintf(key, sizeof key, "dsk/%s/fault/%d", m->ns, peer);
-        if (dsk__comm_store_get(c, "dsk_comm", key, buf, cap - 1, &len) == DSK_OK)
+        /* the peer publishes before it hangs up but does not wait long for the store: on a busy
+           machine its record may land a moment after its hang-up is seen here. Poll its count
+           (answered at once) rather than wait in a get: a get that times out would close this
+           connection, and this rank could not publish its own error after it */
+        int w = m->world_of ? m->world_of[peer] : peer;
+        int64_t n = 0;
+        double until = dsk__comm_now() + (keep / 2 < 1.0 ? keep / 2 : 1.0);
+        snprintf(key, sizeof key, "dsk/fault/%d/n", w);
+        while ((st = dsk__comm_store_add(c, "dsk_comm", key, 0, &n)) == DSK_OK && n == 0 && dsk__comm_now() < until)
+            dsk__comm_sleep_s(0.02);
+        snprintf(key, sizeof key, "dsk/fault/%d", w);
+        if (st == DSK_OK && n > 0 && dsk__comm_store_get(c, "dsk_comm", key, buf, cap - 1, &len) == DSK_OK)
             buf[len < cap - 1 ? len : cap - 1] = 0;
     }
     m->timeout_s = keep;

@@ -546,6 +546,9 @@ static void fail(const trainer *t, const char *fmt, ...) {
     vfprintf(stderr, fmt, ap);
     va_end(ap);
     fputc('\n', stderr);
+    /* rank 0 serves the key-value store where a failing rank publishes its error: freeing the
+       world communicator keeps it serving a moment, so the other ranks name the root cause */
+    if (t->have_comm && t->rank == 0) dsk_comm_free((dsk_comm *)&t->comm);
     exit(1);
 }
 
@@ -1145,7 +1148,7 @@ static dsk_status collect_moe_stats(trainer *t, step_info *si) {
         dsk_moe_stats *st = &m->blocks[l].stats;
         if (!m->blocks[l].is_moe) continue;
         TM_TRY(dsk_moe_stats_collect(&m->blocks[l].moe, &t->ctx, st));
-        v[0] += st->loss / t->o->accum;
+        v[0] += st->loss / (t->o->accum * (t->par.on ? t->par.M : 1)); /* summed over the step's micro-batches */
         v[1] += (double)st->dropped;
         if (st->mean_load > 0 && st->max_load / st->mean_load > worst[0]) worst[0] = st->max_load / st->mean_load;
     }

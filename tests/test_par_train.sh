@@ -377,6 +377,26 @@ for spec in "obj_dp2|2|" "obj_dp2ep2|4|--ep 2" "obj_tp2|2|--tp 2" "obj_tp2dp2|4|
         bad "$what" "exit $(rc obj1)/$(rc "$name"), aux $aux, loss $loss" "$(grep -E 'error' "$work/$name.out" | head -2)"
     fi
 done
+# DeepSeek-V3's own balancing (the sequence-wise loss and the expert bias) and the z-loss are means
+# over sequences and tokens, so a pipeline's equal micro-batches add up to the global batch's:
+# with them (no Switch loss, whose expert counts are each micro-batch's) pp2 x 2 micro-batches and
+# tp2 x pp2 x dp2 x 2 micro-batches log one rank's aux loss and loss every step.
+SEQ_LOSSES=(--seq-aux-loss 0.01 --z-loss 0.001)
+run objq1 "${TINY[@]}" "${SEQ_LOSSES[@]}" --steps 10 --log "$work/objq1.jsonl" --routing-record "$work/objq_routes.bin"
+for spec in "objq_pp2m2|2|--pp 2 --micro-batches 2" "objq_tp2pp2dp2m2|8|--tp 2 --pp 2 --micro-batches 2"; do
+    IFS='|' read -r name n flags <<<"$spec"
+    # shellcheck disable=SC2086
+    run "$name" "${TINY[@]}" "${SEQ_LOSSES[@]}" --steps 10 --nproc "$n" $flags --log "$work/$name.jsonl" \
+        --routing-replay "$work/objq_routes.bin"
+    aux=$(compare_aux objq1 "$name"); loss=$(compare_losses objq1 "$name" 10)
+    what="sequence-wise and z losses, $n ranks ($flags): every step's aux loss is one rank's within 1e-6, the loss"
+    what="$what within 1e-5"
+    if [ "$(rc objq1)" -eq 0 ] && [ "$(rc "$name")" -eq 0 ] && within "$aux" 1e-6 && within "$loss" 1e-5; then
+        ok "$what (aux $aux, loss $loss)"
+    else
+        bad "$what" "exit $(rc objq1)/$(rc "$name"), aux $aux, loss $loss" "$(grep -E 'error' "$work/$name.out" | head -2)"
+    fi
+done
 run obj_gpipe "${TINY[@]}" "${LOSSES[@]}" --steps 10 --nproc 2 --pp 2 --micro-batches 2 --pp-schedule gpipe \
     --log "$work/obj_gpipe.jsonl"
 for sched in "1f1b|" "interleaved|--virtual-stages 2"; do
