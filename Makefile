@@ -43,7 +43,7 @@ MODULES  = tensor comm moe amp ckpt par zero
 LIB      = $(BUILD)/libdsk.a
 LIB_LINK = -Wl,--start-group $(LIB) $(KLINK) -Wl,--end-group
 DEPS     = $(HEADERS) $(LIB) $(KLINK) $(CONFIG)
-SELF_IMPL = $(patsubst %,$(BUILD)/tests/%,test_tensor test_ckpt test_comm gpu/test_moe_gpu)
+SELF_IMPL = $(patsubst %,$(BUILD)/tests/%,test_tensor test_ckpt test_safetensors test_comm gpu/test_moe_gpu)
 
 TESTS     = $(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/test_*.c))
 GPU_TESTS = $(patsubst tests/gpu/%.c,$(BUILD)/tests/gpu/%,$(wildcard tests/gpu/test_*.c))
@@ -162,7 +162,7 @@ $(EMU)/tests/%: tests/cuda_emu/%.cpp tests/dsk_test.h $(EMU_HDR) $(EMU_LIB) $(CO
 	@mkdir -p $(dir $@)
 	$(CXX) $(EMU_CXX) -o $@ $< $(EMU_LIB) -lpthread -lrt
 
-$(BUILD)/tests/%: tests/%.c tests/dsk_test.h $(wildcard tests/gpu/*.h) $(DEPS)
+$(BUILD)/tests/%: tests/%.c tests/dsk_test.h tests/dsk_test_files.h $(wildcard tests/gpu/*.h) $(DEPS)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $< $(LIB_LINK) $(LDLIBS)
 

@@ -1,15 +1,19 @@
 /* dsk_ckpt.h - sharded, atomic, verified checkpoints in the safetensors format; async and
    incremental saves; resume with any sharding (another world size, rows, columns, 2-D);
-   Hugging Face sharded weights (DeepSeek naming) in and out.
+   DeepSeek models in Hugging Face's layout in and out. The files themselves are read and
+   written by dsk_safetensors.h, which this header includes and builds on.
 
    Usage: #define DSK_CKPT_IMPLEMENTATION in exactly one .c file before including (after
-   DSK_TENSOR_IMPLEMENTATION's file, or in the same one). Needs POSIX 2008 (files, pthreads),
-   which the dsk headers ask for themselves: in that file, put the DSK_*_IMPLEMENTATION defines
-   and the dsk includes (in any order among themselves) before any system header, or build
-   with -D_GNU_SOURCE or -D_POSIX_C_SOURCE=200809L (where a system header came first and hid
-   POSIX, as under glibc with -std=c11, the build stops at an #error that says so).
-   Options: DSK_STATIC, DSK_MALLOC/DSK_FREE, DSK_CUDA as in dsk_tensor.h; DSK_CKPT_NO_SSE42
-   forces the table-driven CRC32C even where SSE4.2 is present.
+   DSK_TENSOR_IMPLEMENTATION's file, or in the same one); it compiles dsk_safetensors.h's
+   implementation too, in the same file (so do not define DSK_SAFETENSORS_IMPLEMENTATION in
+   another one). Needs POSIX 2008 (files, pthreads), which the dsk headers ask for themselves:
+   in that file, put the DSK_*_IMPLEMENTATION defines and the dsk includes (in any order among
+   themselves) before any system header, or build with -D_GNU_SOURCE or
+   -D_POSIX_C_SOURCE=200809L (where a system header came first and hid POSIX, as under glibc
+   with -std=c11, the build stops at an #error that says so).
+   Options: DSK_STATIC, DSK_MALLOC/DSK_FREE, DSK_CUDA as in dsk_tensor.h; DSK_CKPT_NO_HF leaves
+   out the Hugging Face DeepSeek section (config.json, hub names, FP8 blocks); dsk_safetensors.h's
+   DSK_SAFETENSORS_NO_SSE42. dsk_ckpt_options() names the ones the implementation was built with.
 
    Layout of a checkpoint directory DIR (shared by every rank, e.g. a network file system):
      DIR/step_00001000/rank_00000.<nonce>.safetensors  one file per rank and save; the nonce
@@ -104,9 +108,8 @@
    async save stalls the caller for one memory copy of this rank's tensors (the snapshot
    buffer is kept for the next save). Loads read straight into contiguous host tensors of the
    saved dtype and check each 1 MiB block's CRC32C as it arrives.
-   Single files: dsk_ckpt_file_* read any safetensors file (validated as the reference does,
-   see dsk_ckpt_file), boxes of tensors and raw bytes of any dtype, and write one atomically,
-   for interchange with Python and other tools; dsk_ckpt_hf_* do the same for sharded sets.
+   Single files and Hugging Face's sharded sets: dsk_safetensors.h (dsk_safetensors_open,
+   dsk_safetensors_hf_open, ...); a rank file is one of its files and opens with it.
    Byte order: little-endian hosts only (the format is little-endian).
    License: MIT, see the end of the file. */
 /* Contents
@@ -115,19 +118,14 @@
                                  dsk_ckpt_agree_fn, dsk_ckpt_opts, dsk_ckpt_save_info, dsk_ckpt, dsk_ckpt_meta,
                                  dsk_ckpt_info, dsk_ckpt_init/free/save/save_async/wait/last_save/merge/load/
                                  latest/list/verify, dsk_ckpt_meta_get/i64/f64/free
-       single safetensors files  dsk_ckpt_tensor_info, dsk_ckpt_file, dsk_ckpt_file_open/parse/find/meta/read/
-                                 read_box/read_raw/close/save
-       Hugging Face weights      dsk_ckpt_hf, dsk_ckpt_hf_entry, dsk_ckpt_hf_open/find/read/close/save,
-                                 dsk_ckpt_hf_deepseek_name
-       Hugging Face DeepSeek     dsk_ckpt_hf_deepseek_config(_read/_write), dsk_ckpt_hf_deepseek_role_name,
-                                 dsk_ckpt_hf_read_dequant, dsk_ckpt_hf_quantize_e4m3
-       CRC32C                    dsk_ckpt_crc32c, dsk_ckpt_crc32c_combine
-     implementation (DSK_CKPT_IMPLEMENTATION)
-       CRC32C; content hash; small helpers; POSIX I/O; strict JSON (RFC 8259); safetensors files
-       (parse, box reads); writing: plan, snapshot, file; checkpoint directories; manifests; writing
-       manifests (rank 0); the directory's checkpoints (scan, rotation, lock, reclaiming); collective
-       save (agreement, protocol, incremental); reading checkpoints (load, fallback, merge, latest,
-       list, verify); Hugging Face sharded weights; metadata */
+       Hugging Face DeepSeek     dsk_ckpt_hf_deepseek_name, dsk_ckpt_hf_deepseek_config(_read/_write),
+       (unless DSK_CKPT_NO_HF)   dsk_ckpt_hf_deepseek_role_name, dsk_ckpt_hf_read_dequant, dsk_ckpt_hf_quantize_e4m3
+       options                   dsk_ckpt_options
+     implementation (DSK_CKPT_IMPLEMENTATION, on dsk_safetensors.h's)
+       content hash; rank files; checkpoint directories; manifests; writing manifests (rank 0); the
+       directory's checkpoints (scan, rotation, lock, reclaiming); collective save (agreement,
+       protocol, incremental); reading checkpoints (load, fallback, merge, latest, list, verify);
+       Hugging Face DeepSeek models; metadata; options */
 #if defined(DSK_CKPT_IMPLEMENTATION) && !defined(_POSIX_C_SOURCE) && !defined(_GNU_SOURCE) && !defined(_XOPEN_SOURCE)
 #define _POSIX_C_SOURCE 200809L
 #endif
@@ -135,9 +133,13 @@
 #if defined(DSK_STATIC) && defined(DSK_CKPT_IMPLEMENTATION) && !defined(DSK_TENSOR_IMPLEMENTATION)
 #define DSK_TENSOR_IMPLEMENTATION
 #endif
+/* The checkpoint implementation calls dsk_safetensors.h's private functions: one file. */
+#if defined(DSK_CKPT_IMPLEMENTATION) && !defined(DSK_SAFETENSORS_IMPLEMENTATION)
+#define DSK_SAFETENSORS_IMPLEMENTATION
+#endif
+#include "dsk_safetensors.h"
 #ifndef DSK_CKPT_H
 #define DSK_CKPT_H
-#include "dsk_tensor.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -145,15 +147,12 @@ extern "C" {
 
 /* ---------------------------------------------------------------- checkpoints */
 
-#define DSK_CKPT_FORMAT "dsk-ckpt"
-#define DSK_CKPT_VERSION 2
-#define DSK_CKPT_MAX_HEADER 100000000ull /* safetensors' own limit on the JSON header; manifests too */
+#define DSK_CKPT_FORMAT DSK_SAFETENSORS_FORMAT   /* manifests carry the mark of the files they list */
+#define DSK_CKPT_VERSION DSK_SAFETENSORS_VERSION
 
-/* One string key/value pair of trainer state. Keys starting with "dsk." are reserved. */
-typedef struct dsk_ckpt_kv {
-    const char *key;
-    const char *value;
-} dsk_ckpt_kv;
+/* One string key/value pair of trainer state: a pair of the rank files' __metadata__. Keys
+   starting with "dsk." are reserved. */
+typedef dsk_safetensors_kv dsk_ckpt_kv;
 
 /* How a rank's tensor sits in the whole tensor (dsk_ckpt_entry.split). */
 enum {
@@ -326,121 +325,9 @@ DSK_API dsk_status dsk_ckpt_meta_i64(const dsk_ckpt_meta *m, const char *key, in
 DSK_API dsk_status dsk_ckpt_meta_f64(const dsk_ckpt_meta *m, const char *key, double *out);
 DSK_API void dsk_ckpt_meta_free(dsk_ckpt_meta *m);
 
-/* ---------------------------------------------------------------- single safetensors files */
+/* ---------------------------------------------------------------- Hugging Face DeepSeek models */
+#ifndef DSK_CKPT_NO_HF
 
-/* A tensor described by a safetensors header. */
-typedef struct dsk_ckpt_tensor_info {
-    const char *name;
-    const char *dtype_name;       /* as in the file: "BF16", "F8_E4M3", "I16", ... */
-    int dtype; /* the dsk_dtype, or -1 when dsk has none (BOOL, I8, I16, U16, U32, U64, C64, F4, ...) */
-    int ndim;
-    int64_t shape[DSK_MAX_DIMS];
-    uint64_t begin, end;          /* byte range in the data buffer (which starts at 8 + header_len) */
-    int has_crc;                  /* __metadata__ holds "dsk.crc32c.<name>" */
-    uint32_t crc32c;
-    uint64_t block_bytes;         /* > 0: partial reads are checked block by block (dsk files); 0: unchecked */
-    const char *block_crcs;       /* 8 hex digits per block_bytes of data ("dsk.blocks.<name>"), or NULL when the
-                                     whole tensor is one block checked by crc32c */
-} dsk_ckpt_tensor_info;
-
-/* A parsed safetensors file, validated as the reference implementation (safetensors 0.8)
-   does: header <= 100,000,000 bytes of UTF-8 JSON, offsets contiguous from 0 with no gap or
-   overlap, sizes matching shape and dtype, the last offset ending the file, shapes and
-   offsets plain non-negative integers ("-0", "1.0" and "1e0" refused), "__metadata__" an
-   object of strings or null. Differences, each checked against the package by
-   tests/interop: dsk refuses duplicate tensor names or metadata keys, unknown fields in a
-   tensor entry (DSK_ERR_CORRUPT) and more than 8 dims (DSK_ERR_UNSUPPORTED), which the
-   reference accepts; a NUL character in a name or metadata string is DSK_ERR_UNSUPPORTED
-   (valid safetensors, but dsk names are C strings). */
-typedef struct dsk_ckpt_file {
-    char *path;                   /* NULL for a header parsed from memory */
-    int has_fd, fd;
-    uint64_t file_size, header_len;
-    uint32_t header_crc32c;       /* CRC32C of the first 8 + header_len bytes */
-    int n_tensors;
-    dsk_ckpt_tensor_info *tensors; /* sorted by name */
-    int n_meta;
-    const char **meta_keys;       /* __metadata__, sorted by key */
-    const char **meta_values;
-    uint64_t bytes_read;          /* data bytes read from the file so far */
-    void *mem;                    /* private: the decoded JSON */
-} dsk_ckpt_file;
-
-/* Opens and validates a file; reads only its header. */
-DSK_API dsk_status dsk_ckpt_file_open(dsk_ckpt_file *f, const char *path);
-/* Validates the header in bytes[0, n) of a file of file_size bytes (n >= 8 + header length);
-   the fuzzing entry point. dsk_ckpt_file_read is then not available. */
-DSK_API dsk_status dsk_ckpt_file_parse(dsk_ckpt_file *f, const void *bytes, size_t n, uint64_t file_size);
-/* Index of the tensor called name, or -1. */
-DSK_API int dsk_ckpt_file_find(const dsk_ckpt_file *f, const char *name);
-/* Value of a __metadata__ key or NULL. */
-DSK_API const char *dsk_ckpt_file_meta(const dsk_ckpt_file *f, const char *key);
-/* Reads tensor `name` into dst (any device and strides; same shape; same dtype unless
-   allow_cast), checking its CRC32C when the file records one. */
-DSK_API dsk_status dsk_ckpt_file_read(dsk_ckpt_file *f, dsk_ctx *ctx, const char *name, dsk_tensor *dst,
-                                      int allow_cast);
-/* Reads the box [offset[d], offset[d] + dst->shape[d]) of tensor `name` (offset NULL: all 0)
-   into dst (same ndim; any device and strides; same dtype unless allow_cast). Only the bytes
-   of the box are read, with one pread per contiguous run; in a dsk file, the 1 MiB blocks
-   that hold them, each checked against its CRC32C. Boxes of files without checksums (other
-   writers) are read unchecked. */
-DSK_API dsk_status dsk_ckpt_file_read_box(dsk_ckpt_file *f, dsk_ctx *ctx, const char *name, const int64_t *offset,
-                                          dsk_tensor *dst, int allow_cast);
-/* The raw little-endian bytes of the box (offset NULL: all 0; shape) of tensor `name`, whatever
-   its dtype (dsk_ckpt_tensor_info.dtype -1 included), row-major into buf of cap bytes, checked
-   as dsk_ckpt_file_read_box does. Packed dtypes of fewer than 8 bits (F4, F6_*) only whole. */
-DSK_API dsk_status dsk_ckpt_file_read_raw(dsk_ckpt_file *f, const char *name, const int64_t *offset,
-                                          const int64_t *shape, void *buf, size_t cap);
-DSK_API void dsk_ckpt_file_close(dsk_ckpt_file *f); /* zeroed/closed ok */
-/* Writes one safetensors file atomically and durably, with "dsk.format", per-tensor
-   "dsk.crc32c.<name>" and the caller's pairs in __metadata__ (entries' split fields ignored). */
-DSK_API dsk_status dsk_ckpt_file_save(dsk_ctx *ctx, const char *path, const dsk_ckpt_entry *entries, int n,
-                                      const dsk_ckpt_kv *kv, int n_kv);
-
-/* ---------------------------------------------------------------- Hugging Face sharded weights */
-
-/* A model in the layout Hugging Face writes: model.safetensors.index.json ("weight_map":
-   tensor name -> shard file) with its shards, or a single model.safetensors. Caller-owned;
-   fields are private. */
-typedef struct dsk_ckpt_hf {
-    char *dir;
-    int n_shards;
-    char **shard_names;      /* file names in dir */
-    dsk_ckpt_file *shards;   /* opened on first use */
-    int n_tensors;
-    char **names;            /* sorted */
-    int *shard_of;           /* shard of names[i] */
-} dsk_ckpt_hf;
-
-/* One tensor to read or write. stacked 1: `name` holds "{E}" and tensor (E, ...) holds the
-   experts expert0 .. expert0 + E - 1 along dim 0, each one tensor of the file under `name`
-   with "{E}" replaced by its number (dsk keeps experts stacked; published MoE checkpoints
-   name them one by one). */
-typedef struct dsk_ckpt_hf_entry {
-    const char *name;
-    dsk_tensor *tensor;
-    int stacked;
-    int expert0;
-} dsk_ckpt_hf_entry;
-
-/* Opens dir's index (or its single model.safetensors); shards are opened as they are used. */
-DSK_API dsk_status dsk_ckpt_hf_open(dsk_ckpt_hf *h, const char *dir);
-/* The open shard and header entry of tensor `name` (for boxes: dsk_ckpt_file_read_box). */
-DSK_API dsk_status dsk_ckpt_hf_find(dsk_ckpt_hf *h, const char *name, dsk_ckpt_file **file,
-                                    const dsk_ckpt_tensor_info **info);
-/* Reads every entry (same shape; same dtype unless allow_cast), checking CRC32Cs where the
-   files have them. */
-DSK_API dsk_status dsk_ckpt_hf_read(dsk_ckpt_hf *h, dsk_ctx *ctx, const dsk_ckpt_hf_entry *entries, int n,
-                                    int allow_cast);
-DSK_API void dsk_ckpt_hf_close(dsk_ckpt_hf *h); /* zeroed/closed ok */
-/* Writes the entries into dir (which must exist) as shards "model-00001-of-0000N.safetensors"
-   of at most max_shard_bytes of data each (0: 5 GB; a larger tensor gets a shard of its own),
-   in entry order, each written atomically, then model.safetensors.index.json ({"metadata":
-   {"total_size": bytes}, "weight_map": {...}}) last, atomically: the index is the commit point.
-   Shards of an earlier export that the new index does not name, and a model.safetensors, are
-   then removed. kv goes into every shard's __metadata__. */
-DSK_API dsk_status dsk_ckpt_hf_save(dsk_ctx *ctx, const char *dir, const dsk_ckpt_hf_entry *entries, int n,
-                                    const dsk_ckpt_kv *kv, int n_kv, uint64_t max_shard_bytes);
 /* The DeepSeek-V2/V3 name (transformers' DeepseekV3 layout) of dsk_moe parameter `moe_param`
    of layer `layer`: "router" -> model.layers.L.mlp.gate.weight, "bias" -> ...mlp.gate.
    e_score_correction_bias, "w1"/"w3"/"w2" -> ...mlp.experts.{E}.gate_proj/up_proj/down_proj.
@@ -448,8 +335,6 @@ DSK_API dsk_status dsk_ckpt_hf_save(dsk_ctx *ctx, const char *dir, const dsk_ckp
    shared_experts.gate_proj/up_proj/down_proj.weight. dsk's (E, F, D) w1 and w3 and (E, D, F)
    w2 hold the same matrices as those (F, D) and (D, F) tensors, expert by expert. */
 DSK_API dsk_status dsk_ckpt_hf_deepseek_name(char *buf, size_t n, int layer, const char *moe_param);
-
-/* ---------------------------------------------------------------- Hugging Face DeepSeek models */
 
 /* The keys of a DeepSeek-V2/V3 config.json (transformers' DeepseekV2Config / DeepseekV3Config,
    the hub's spelling). dsk_ckpt_hf_deepseek_config_read requires every key below except those
@@ -500,32 +385,32 @@ DSK_API dsk_status dsk_ckpt_hf_deepseek_config_write(const dsk_ckpt_hf_deepseek_
    transformers reads with rope_interleave (V3) or its complex rotation (V2) and dsk_rope rotates
    as they are: no permutation. */
 DSK_API dsk_status dsk_ckpt_hf_deepseek_role_name(char *buf, size_t n, int layer, const char *role);
-/* Checks, then reads, every entry like dsk_ckpt_hf_read with casts allowed, except that a file
+/* Checks, then reads, every entry like dsk_safetensors_hf_read with casts allowed, except that a file
    tensor stored as F8_E4M3 with a companion "<name>_scale_inv" (f32, (ceil(rows / block[0]),
    ceil(cols / block[1]))) is read as w * scale_inv of its block (edge blocks partial), each
    product in f32, then rounded to the entry's dtype (the DeepSeek-V3 release's layout). Every
    tensor's presence, shape and scale are checked before any is read, so a missing or misshapen
    tensor or a truncated shard fails naming the file and tensor with nothing read. */
-DSK_API dsk_status dsk_ckpt_hf_read_dequant(dsk_ckpt_hf *h, dsk_ctx *ctx, const dsk_ckpt_hf_entry *entries, int n,
-                                            const int block[2]);
+DSK_API dsk_status dsk_ckpt_hf_read_dequant(dsk_safetensors_hf *h, dsk_ctx *ctx,
+                                            const dsk_safetensors_hf_entry *entries, int n, const int block[2]);
 /* q (R, C) e4m3 and scale_inv (ceil(R / block[0]), ceil(C / block[1])) f32 from w (R, C) f32, all
    host tensors: scale_inv = amax / 448 of each block (1 for an all-zero block), q = e4m3(w /
    scale_inv) rounded to nearest even (as the V3 release's weights are laid out). */
 DSK_API dsk_status dsk_ckpt_hf_quantize_e4m3(dsk_tensor *q, dsk_tensor *scale_inv, const dsk_tensor *w,
                                              const int block[2]);
+#endif /* DSK_CKPT_NO_HF */
 
-/* ---------------------------------------------------------------- CRC32C */
+/* ---------------------------------------------------------------- options */
 
-/* CRC32C (Castagnoli, as iSCSI and ext4), chainable: crc = dsk_ckpt_crc32c(0, p, n) then
-   dsk_ckpt_crc32c(crc, q, m) = CRC of p||q. SSE4.2 when the CPU has it, else slicing-by-8. */
-DSK_API uint32_t dsk_ckpt_crc32c(uint32_t crc, const void *data, size_t n);
-/* CRC of A||B from crc(A), crc(B) and len(B). */
-DSK_API uint32_t dsk_ckpt_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
+/* The compile-out switches the implementation was built with, its own and dsk_safetensors.h's,
+   space-separated, "" for none: "DSK_CKPT_NO_HF DSK_SAFETENSORS_NO_SSE42". */
+DSK_API const char *dsk_ckpt_options(void);
 
 #ifdef __cplusplus
 }
 #endif
 #endif /* DSK_CKPT_H */
+
 
 /* ==================================================================== implementation */
 #ifdef DSK_CKPT_IMPLEMENTATION
@@ -550,15 +435,10 @@ or compile with -D_GNU_SOURCE"
 #include <time.h>
 #include <unistd.h>
 
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-#error "dsk_ckpt.h: safetensors is little-endian; big-endian hosts are not supported"
-#endif
-
-/* Two Linux calls used where present: open-file-description locks (a lock that belongs to the
-   open file, so a second handle in the same process conflicts with it and closing some other
-   descriptor of the file does not drop it) and sync_file_range (start writeback without
-   waiting). glibc declares them only under _GNU_SOURCE, and dsk_tensor.h asks for POSIX 2008;
-   their kernel interface is fixed, so on 64-bit Linux they are named here when hidden. */
+/* Open-file-description locks where present (a lock that belongs to the open file, so a second
+   handle in the same process conflicts with it and closing some other descriptor of the file
+   does not drop it). glibc declares them only under _GNU_SOURCE, and dsk_tensor.h asks for
+   POSIX 2008; their kernel interface is fixed, so on 64-bit Linux they are named here when hidden. */
 #if defined(F_OFD_SETLK)
 #define DSK__CKPT_SETLK F_OFD_SETLK
 #elif defined(__linux__) && defined(__LP64__)
@@ -566,131 +446,6 @@ or compile with -D_GNU_SOURCE"
 #else
 #define DSK__CKPT_SETLK F_SETLK
 #endif
-#if defined(SYNC_FILE_RANGE_WRITE)
-#define DSK__CKPT_SYNC_RANGE(fd, off, n) sync_file_range((fd), (off_t)(off), (off_t)(n), SYNC_FILE_RANGE_WRITE)
-#elif defined(__linux__) && defined(__LP64__)
-#ifdef __cplusplus
-extern "C" int sync_file_range(int fd, int64_t offset, int64_t nbytes, unsigned int flags);
-#else
-int sync_file_range(int fd, int64_t offset, int64_t nbytes, unsigned int flags); /* glibc's and musl's */
-#endif
-#define DSK__CKPT_SYNC_RANGE(fd, off, n) sync_file_range((fd), (int64_t)(off), (int64_t)(n), 2u /* _WRITE */)
-#endif
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(DSK_CKPT_NO_SSE42)
-#define DSK__CKPT_CRC_HW 1
-#include <nmmintrin.h>
-#endif
-
-/* ---------------------------------------------------------------- CRC32C
-   Reflected polynomial 0x82F63B78. "Raw" functions update the register without the initial
-   and final inversion; the register is linear, so raw(s, A||B) = shift(raw(s, A), |B|) ^
-   raw(0, B), where shift multiplies by x^(8|B|) modulo the polynomial. */
-
-#define DSK__CKPT_POLY 0x82F63B78u
-#define DSK__CKPT_BLOCK ((uint64_t)1 << 20) /* bytes per block CRC in the files dsk writes */
-
-static uint32_t dsk__ckpt_crc_table[8][256];
-static pthread_once_t dsk__ckpt_crc_once = PTHREAD_ONCE_INIT;
-
-static void dsk__ckpt_crc_init(void) {
-    for (uint32_t i = 0; i < 256; i++) {
-        uint32_t c = i;
-        for (int k = 0; k < 8; k++) c = (c & 1u) ? (c >> 1) ^ DSK__CKPT_POLY : c >> 1;
-        dsk__ckpt_crc_table[0][i] = c;
-    }
-    for (uint32_t i = 0; i < 256; i++)
-        for (int t = 1; t < 8; t++) {
-            uint32_t prev = dsk__ckpt_crc_table[t - 1][i];
-            dsk__ckpt_crc_table[t][i] = (prev >> 8) ^ dsk__ckpt_crc_table[0][prev & 0xffu];
-        }
-}
-
-/* Slicing-by-8: eight table lookups per 8 bytes. */
-static uint32_t dsk__ckpt_crc_sw(uint32_t s, const unsigned char *p, size_t n) {
-    pthread_once(&dsk__ckpt_crc_once, dsk__ckpt_crc_init);
-    while (n && ((uintptr_t)p & 7u)) { s = (s >> 8) ^ dsk__ckpt_crc_table[0][(s ^ *p++) & 0xffu]; n--; }
-    while (n >= 8) {
-        uint64_t w;
-        memcpy(&w, p, 8);
-        uint32_t lo = (uint32_t)w ^ s, hi = (uint32_t)(w >> 32);
-        s = dsk__ckpt_crc_table[7][lo & 0xffu] ^ dsk__ckpt_crc_table[6][(lo >> 8) & 0xffu] ^
-            dsk__ckpt_crc_table[5][(lo >> 16) & 0xffu] ^ dsk__ckpt_crc_table[4][lo >> 24] ^
-            dsk__ckpt_crc_table[3][hi & 0xffu] ^ dsk__ckpt_crc_table[2][(hi >> 8) & 0xffu] ^
-            dsk__ckpt_crc_table[1][(hi >> 16) & 0xffu] ^ dsk__ckpt_crc_table[0][hi >> 24];
-        p += 8; n -= 8;
-    }
-    while (n--) s = (s >> 8) ^ dsk__ckpt_crc_table[0][(s ^ *p++) & 0xffu];
-    return s;
-}
-
-/* a * b modulo the polynomial, both in reflected order (bit 31 = x^0). */
-static uint32_t dsk__ckpt_mulmod(uint32_t a, uint32_t b) {
-    uint32_t prod = 0;
-    for (uint32_t m = 1u << 31; m; m >>= 1) {
-        if (a & m) prod ^= b;
-        b = (b & 1u) ? (b >> 1) ^ DSK__CKPT_POLY : b >> 1;
-    }
-    return prod;
-}
-
-/* x^(8n) modulo the polynomial: the operator that appends n zero bytes. */
-static uint32_t dsk__ckpt_xpow8n(uint64_t n) {
-    uint32_t result = 1u << 31, sq = 1u << 23; /* x^0 and x^8 */
-    while (n) {
-        if (n & 1u) result = dsk__ckpt_mulmod(result, sq);
-        sq = dsk__ckpt_mulmod(sq, sq);
-        n >>= 1;
-    }
-    return result;
-}
-
-#ifdef DSK__CKPT_CRC_HW
-#define DSK__CKPT_HW_BLOCK 16384u
-__attribute__((target("sse4.2"))) static uint32_t dsk__ckpt_crc_hw_run(uint32_t s, const unsigned char *p, size_t n) {
-    uint64_t c = s;
-    for (; n >= 8; p += 8, n -= 8) { uint64_t w; memcpy(&w, p, 8); c = _mm_crc32_u64(c, w); }
-    s = (uint32_t)c;
-    for (; n; n--) s = _mm_crc32_u8(s, *p++);
-    return s;
-}
-/* Three independent CRC chains over adjacent blocks hide the instruction's latency; the
-   partial CRCs are then shifted into place. */
-__attribute__((target("sse4.2"))) static uint32_t dsk__ckpt_crc_hw(uint32_t s, const unsigned char *p, size_t n) {
-    const size_t B = DSK__CKPT_HW_BLOCK;
-    if (n >= 3 * B) {
-        uint32_t k1 = dsk__ckpt_xpow8n(B), k2 = dsk__ckpt_xpow8n(2 * B);
-        while (n >= 3 * B) {
-            uint64_t c0 = s, c1 = 0, c2 = 0;
-            for (size_t i = 0; i < B; i += 8) {
-                uint64_t w0, w1, w2;
-                memcpy(&w0, p + i, 8); memcpy(&w1, p + B + i, 8); memcpy(&w2, p + 2 * B + i, 8);
-                c0 = _mm_crc32_u64(c0, w0); c1 = _mm_crc32_u64(c1, w1); c2 = _mm_crc32_u64(c2, w2);
-            }
-            s = dsk__ckpt_mulmod(k2, (uint32_t)c0) ^ dsk__ckpt_mulmod(k1, (uint32_t)c1) ^ (uint32_t)c2;
-            p += 3 * B; n -= 3 * B;
-        }
-    }
-    return dsk__ckpt_crc_hw_run(s, p, n);
-}
-static int dsk__ckpt_have_sse42(void) { return __builtin_cpu_supports("sse4.2"); }
-#endif
-
-static uint32_t dsk__ckpt_crc_raw(uint32_t s, const unsigned char *p, size_t n) {
-#ifdef DSK__CKPT_CRC_HW
-    if (dsk__ckpt_have_sse42()) return dsk__ckpt_crc_hw(s, p, n);
-#endif
-    return dsk__ckpt_crc_sw(s, p, n);
-}
-
-DSK_API uint32_t dsk_ckpt_crc32c(uint32_t crc, const void *data, size_t n) {
-    if (!n) return crc;
-    return ~dsk__ckpt_crc_raw(~crc, (const unsigned char *)data, n);
-}
-
-DSK_API uint32_t dsk_ckpt_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
-    return dsk__ckpt_mulmod(dsk__ckpt_xpow8n(len_b), crc_a) ^ crc_b;
-}
 
 /* ---------------------------------------------------------------- content hash
    What an incremental save compares to find unchanged tensors (a CRC32C's 2^-32 chance to
@@ -743,1382 +498,13 @@ static uint64_t dsk__ckpt_hash(const unsigned char *p, size_t n) {
     return dsk__ckpt_mod61(dsk__ckpt_muladd61(h, B, 0) + (uint64_t)n % DSK__CKPT_P61);
 }
 
-/* ---------------------------------------------------------------- small helpers */
-
-/* Growable byte buffer; an allocation failure latches `oom` and later appends do nothing. */
-typedef struct dsk__ckpt_buf {
-    char *p;
-    size_t n, cap;
-    int oom;
-} dsk__ckpt_buf;
-
-static void dsk__ckpt_put(dsk__ckpt_buf *b, const char *s, size_t n) {
-    if (b->oom) return;
-    if (b->n + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 256;
-        while (cap < b->n + n + 1) cap *= 2;
-        char *q = (char *)DSK_MALLOC(cap);
-        if (!q) { b->oom = 1; return; }
-        if (b->n) memcpy(q, b->p, b->n);
-        DSK_FREE(b->p);
-        b->p = q;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->n, s, n);
-    b->n += n;
-    b->p[b->n] = 0;
-}
-static void dsk__ckpt_puts(dsk__ckpt_buf *b, const char *s) { dsk__ckpt_put(b, s, strlen(s)); }
-static void dsk__ckpt_putf(dsk__ckpt_buf *b, const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 2, 3)))
-#endif
-    ;
-static void dsk__ckpt_putf(dsk__ckpt_buf *b, const char *fmt, ...) {
-    char tmp[128];
-    va_list ap;
-    va_start(ap, fmt);
-    int k = vsnprintf(tmp, sizeof tmp, fmt, ap);
-    va_end(ap);
-    if (k < 0 || (size_t)k >= sizeof tmp) { b->oom = 1; return; }
-    dsk__ckpt_put(b, tmp, (size_t)k);
-}
-/* A JSON string literal: quotes, backslash and control characters escaped. */
-static void dsk__ckpt_put_jstr(dsk__ckpt_buf *b, const char *s) {
-    dsk__ckpt_put(b, "\"", 1);
-    while (*s) {
-        size_t run = 0;
-        unsigned char c;
-        while (s[run] && (unsigned char)s[run] >= 0x20 && s[run] != '"' && s[run] != '\\') run++;
-        dsk__ckpt_put(b, s, run);
-        s += run;
-        if (!(c = (unsigned char)*s)) break;
-        if (c == '"' || c == '\\') { char e[2] = {'\\', (char)c}; dsk__ckpt_put(b, e, 2); }
-        else dsk__ckpt_putf(b, "\\u%04x", c);
-        s++;
-    }
-    dsk__ckpt_put(b, "\"", 1);
-}
-static void dsk__ckpt_buf_free(dsk__ckpt_buf *b) { DSK_FREE(b->p); memset(b, 0, sizeof *b); }
-
-static char *dsk__ckpt_strdup(const char *s) {
-    size_t n = strlen(s) + 1;
-    char *p = (char *)DSK_MALLOC(n);
-    if (p) memcpy(p, s, n);
-    return p;
-}
-
-/* "[8,256,128] bf16" for a shape and a dtype name. */
-static const char *dsk__ckpt_desc(char *buf, size_t n, int ndim, const int64_t *shape, const char *dtype) {
-    size_t k = (size_t)snprintf(buf, n, "[");
-    for (int i = 0; i < ndim && k < n; i++)
-        k += (size_t)snprintf(buf + k, n - k, i ? ",%lld" : "%lld", (long long)shape[i]);
-    if (k < n) snprintf(buf + k, n - k, "] %s", dtype);
-    return buf;
-}
-
-/* Row-major element count with overflow check; -1 on overflow. */
-static int64_t dsk__ckpt_numel(int ndim, const int64_t *shape) {
-    uint64_t n = 1;
-    for (int i = 0; i < ndim; i++) {
-        if (shape[i] < 0) return -1;
-        if (shape[i] && n > (uint64_t)INT64_MAX / (uint64_t)shape[i]) return -1;
-        n *= (uint64_t)shape[i];
-    }
-    return (int64_t)n;
-}
-
-static int dsk__ckpt_valid_utf8(const unsigned char *s, size_t n) {
-    size_t i = 0;
-    while (i < n) {
-        unsigned char c = s[i];
-        size_t len;
-        uint32_t cp, min;
-        if (c < 0x80) { i++; continue; }
-        if ((c & 0xe0u) == 0xc0u) { len = 2; cp = c & 0x1fu; min = 0x80; }
-        else if ((c & 0xf0u) == 0xe0u) { len = 3; cp = c & 0x0fu; min = 0x800; }
-        else if ((c & 0xf8u) == 0xf0u) { len = 4; cp = c & 0x07u; min = 0x10000; }
-        else return 0;
-        if (n - i < len) return 0;
-        for (size_t k = 1; k < len; k++) {
-            if ((s[i + k] & 0xc0u) != 0x80u) return 0;
-            cp = (cp << 6) | (s[i + k] & 0x3fu);
-        }
-        if (cp < min || cp > 0x10ffffu || (cp >= 0xd800u && cp <= 0xdfffu)) return 0;
-        i += len;
-    }
-    return 1;
-}
-
-/* ---------------------------------------------------------------- POSIX I/O */
-
-static dsk_status dsk__ckpt_io_error(const char *fn, const char *what, const char *path) {
-    int e = errno;
-    return dsk_set_error(DSK_ERR_IO, "%s: %s \"%s\": %s (errno %d)", fn, what, path, strerror(e), e);
-}
-
-static dsk_status dsk__ckpt_write_all(const char *fn, int fd, const void *p, size_t n, const char *path) {
-    const char *q = (const char *)p;
-    while (n) {
-        ssize_t k = write(fd, q, n > ((size_t)1 << 30) ? ((size_t)1 << 30) : n);
-        if (k < 0 && errno == EINTR) continue;
-        if (k <= 0) {
-            if (k == 0) errno = EIO;
-            return dsk__ckpt_io_error(fn, "write to", path);
-        }
-        q += k;
-        n -= (size_t)k;
-    }
-    return DSK_OK;
-}
-
-static dsk_status dsk__ckpt_pread_all(const char *fn, int fd, void *p, size_t n, uint64_t off, const char *path) {
-    char *q = (char *)p;
-    while (n) {
-        ssize_t k = pread(fd, q, n > ((size_t)1 << 30) ? ((size_t)1 << 30) : n, (off_t)off);
-        if (k < 0 && errno == EINTR) continue;
-        if (k < 0) return dsk__ckpt_io_error(fn, "read from", path);
-        if (k == 0)
-            return dsk_set_error(DSK_ERR_CORRUPT,
-                                 "%s: \"%s\" ends early: %zu bytes missing at offset %llu (file truncated?)", fn, path,
-                                 n, (unsigned long long)off);
-        q += k;
-        n -= (size_t)k;
-        off += (uint64_t)k;
-    }
-    return DSK_OK;
-}
-
-static dsk_status dsk__ckpt_fsync_dir(const char *fn, const char *dir) {
-    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) return dsk__ckpt_io_error(fn, "open directory", dir);
-    while (fsync(fd) != 0) {
-        if (errno == EINTR) continue;
-        dsk_status s = dsk__ckpt_io_error(fn, "fsync directory", dir);
-        close(fd);
-        return s;
-    }
-    close(fd);
-    return DSK_OK;
-}
-
-/* dir + "/" + name, or NULL when out of memory. */
-static char *dsk__ckpt_join(const char *dir, const char *name) {
-    size_t a = strlen(dir), b = strlen(name);
-    char *p = (char *)DSK_MALLOC(a + b + 2);
-    if (!p) return NULL;
-    memcpy(p, dir, a);
-    p[a] = '/';
-    memcpy(p + a + 1, name, b + 1);
-    return p;
-}
-
-/* Splits path into its directory ("." when none) and base name, both allocated. */
-static dsk_status dsk__ckpt_split_path(const char *fn, const char *path, char **dir, char **base) {
-    const char *slash = strrchr(path, '/');
-    *dir = *base = NULL;
-    if (!*path || (slash && !slash[1])) return dsk_set_error(DSK_ERR_ARG, "%s: path \"%s\" names no file", fn, path);
-    if (!slash) { *dir = dsk__ckpt_strdup("."); *base = dsk__ckpt_strdup(path); }
-    else {
-        size_t k = slash == path ? 1 : (size_t)(slash - path);
-        *dir = (char *)DSK_MALLOC(k + 1);
-        if (*dir) { memcpy(*dir, path, k); (*dir)[k] = 0; }
-        *base = dsk__ckpt_strdup(slash + 1);
-    }
-    if (!*dir || !*base) {
-        DSK_FREE(*dir); DSK_FREE(*base); *dir = *base = NULL;
-        return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    }
-    return DSK_OK;
-}
-
-/* Opens "<dir>/.<base>.tmp" for writing, truncating what a killed writer left. */
-static dsk_status dsk__ckpt_open_tmp(const char *fn, const char *dir, const char *base, char **tmp_path, int *fd) {
-    size_t a = strlen(dir), b = strlen(base);
-    char *p = (char *)DSK_MALLOC(a + b + 8);
-    *tmp_path = NULL;
-    if (!p) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    snprintf(p, a + b + 8, "%s/.%s.tmp", dir, base);
-    *fd = open(p, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (*fd < 0) {
-        dsk_status s = dsk__ckpt_io_error(fn, "create", p);
-        DSK_FREE(p);
-        return s;
-    }
-    *tmp_path = p;
-    return DSK_OK;
-}
-
-#define DSK__CKPT_FSYNC_FILE 1 /* fsync the file before the rename */
-#define DSK__CKPT_FSYNC_DIR 2  /* fsync the directory after it */
-#define DSK__CKPT_DURABLE (DSK__CKPT_FSYNC_FILE | DSK__CKPT_FSYNC_DIR)
-#define DSK__CKPT_WITHDRAW 4   /* remove the renamed file again when the directory's fsync fails */
-
-/* Closes the temporary, renames it to dir/base, with the fsyncs `how` asks for. On failure the
-   temporary is removed. The fd is closed in every case. */
-static dsk_status dsk__ckpt_commit_tmp(const char *fn, int fd, char *tmp_path, const char *dir, const char *base,
-                                       int how) {
-    dsk_status s = DSK_OK;
-    char *final_path = dsk__ckpt_join(dir, base);
-    if (!final_path) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    while (s == DSK_OK && (how & DSK__CKPT_FSYNC_FILE) && fsync(fd) != 0)
-        if (errno != EINTR) s = dsk__ckpt_io_error(fn, "fsync", tmp_path);
-    if (close(fd) != 0 && s == DSK_OK && errno != EINTR) s = dsk__ckpt_io_error(fn, "close", tmp_path);
-    if (s == DSK_OK && rename(tmp_path, final_path) != 0) s = dsk__ckpt_io_error(fn, "rename into place", final_path);
-    if (s != DSK_OK) unlink(tmp_path);
-    else if ((how & DSK__CKPT_FSYNC_DIR) && (s = dsk__ckpt_fsync_dir(fn, dir)) != DSK_OK && (how & DSK__CKPT_WITHDRAW))
-        unlink(final_path);
-    DSK_FREE(final_path);
-    DSK_FREE(tmp_path);
-    return s;
-}
-
-/* Writes bytes to dir/base atomically (and durably with DSK__CKPT_DURABLE). */
-static dsk_status dsk__ckpt_write_small(const char *fn, const char *dir, const char *base, const void *p, size_t n,
-                                        int how) {
-    char *tmp = NULL;
-    int fd = -1;
-    dsk_status s;
-    DSK__TRY(dsk__ckpt_open_tmp(fn, dir, base, &tmp, &fd));
-    s = dsk__ckpt_write_all(fn, fd, p, n, tmp);
-    if (s != DSK_OK) {
-        close(fd);
-        unlink(tmp);
-        DSK_FREE(tmp);
-        return s;
-    }
-    return dsk__ckpt_commit_tmp(fn, fd, tmp, dir, base, how);
-}
-
-/* Opens path for reading only if it is a regular file. O_NONBLOCK keeps open() from blocking
-   on a FIFO or a device before fstat can tell (it has no effect on regular files). */
-static dsk_status dsk__ckpt_open_regular(const char *fn, const char *path, int *fd, struct stat *st) {
-    dsk_status s;
-    *fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-    if (*fd < 0) return dsk__ckpt_io_error(fn, "open", path);
-    if (fstat(*fd, st) != 0) s = dsk__ckpt_io_error(fn, "stat", path);
-    else if (!S_ISREG(st->st_mode)) s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" is not a regular file", fn, path);
-    else if (fcntl(*fd, F_SETFL, fcntl(*fd, F_GETFL) & ~O_NONBLOCK) != 0) s = dsk__ckpt_io_error(fn, "fcntl", path);
-    else return DSK_OK;
-    close(*fd);
-    *fd = -1;
-    return s;
-}
-
-/* Reads a whole small regular file (at most max bytes) into a NUL-terminated buffer. */
-static dsk_status dsk__ckpt_read_small(const char *fn, const char *path, size_t max, char **out, size_t *len) {
-    struct stat st;
-    dsk_status s;
-    int fd;
-    *out = NULL;
-    DSK__TRY(dsk__ckpt_open_regular(fn, path, &fd, &st));
-    if ((uint64_t)st.st_size > max) {
-        close(fd);
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" has %lld bytes, more than the limit of %zu", fn, path,
-                             (long long)st.st_size, max);
-    }
-    *out = (char *)DSK_MALLOC((size_t)st.st_size + 1);
-    if (!*out) { close(fd); return dsk_set_error(DSK_ERR_OOM, "%s: out of memory for \"%s\"", fn, path); }
-    s = dsk__ckpt_pread_all(fn, fd, *out, (size_t)st.st_size, 0, path);
-    close(fd);
-    if (s != DSK_OK) { DSK_FREE(*out); *out = NULL; return s; }
-    (*out)[st.st_size] = 0;
-    *len = (size_t)st.st_size;
-    return DSK_OK;
-}
-
-/* ---------------------------------------------------------------- strict JSON (RFC 8259)
-   Parses untrusted text into a flat array of values in document order: every read is
-   bounds-checked, nesting is limited, strings are decoded (escapes, surrogate pairs) into one
-   pool, numbers keep their place in the text and are converted on access. A first pass counts
-   an upper bound of the values and string bytes, so memory is allocated once: at most 12 bytes
-   per value plus the string bytes, about 6x the text for the densest input ([0,0,0,...]). */
-
-enum { DSK__CKPT_J_NULL, DSK__CKPT_J_BOOL, DSK__CKPT_J_NUM, DSK__CKPT_J_STR, DSK__CKPT_J_ARR, DSK__CKPT_J_OBJ };
-#define DSK__CKPT_J_MAX_DEPTH 32
-#define DSK__CKPT_J_NONE 0xffffffffu
-#define DSK__CKPT_J_OFF_MASK 0x07ffffffu /* pool offsets: texts are at most DSK_CKPT_MAX_HEADER bytes */
-#define DSK__CKPT_J_TYPE_SHIFT 27
-#define DSK__CKPT_J_KEY_NUL (1u << 30)   /* the member key holds a NUL character */
-#define DSK__CKPT_J_STR_NUL (1u << 31)   /* the string value holds a NUL character */
-
-/* One value. A container's first member is the value right after it. */
-typedef struct dsk__ckpt_jnode {
-    uint32_t next; /* next member of the same container, or DSK__CKPT_J_NONE */
-    uint32_t key;  /* pool offset of the member key (0: ""), the type, and the two NUL flags */
-    uint32_t val;  /* string: pool offset; number: text offset; bool: 0 or 1; container: member count */
-} dsk__ckpt_jnode;
-
-typedef struct dsk__ckpt_json {
-    dsk__ckpt_jnode *nodes;
-    uint32_t n, cap;
-    char *pool;            /* decoded strings, each NUL-terminated; pool[0] = "" */
-    size_t pool_used, pool_cap;
-    const char *src, *end, *p;
-    const char *fn, *what; /* error context: function and object */
-    dsk_status status;
-} dsk__ckpt_json;
-
-static void dsk__ckpt_json_free(dsk__ckpt_json *j) {
-    DSK_FREE(j->nodes);
-    DSK_FREE(j->pool);
-    memset(j, 0, sizeof *j);
-}
-
-static int dsk__ckpt_jtype(const dsk__ckpt_json *j, int i) {
-    return (int)((j->nodes[i].key >> DSK__CKPT_J_TYPE_SHIFT) & 7u);
-}
-static int dsk__ckpt_jcount(const dsk__ckpt_json *j, int i) {
-    int t = dsk__ckpt_jtype(j, i);
-    return t == DSK__CKPT_J_ARR || t == DSK__CKPT_J_OBJ ? (int)j->nodes[i].val : 0;
-}
-static int dsk__ckpt_jchild(const dsk__ckpt_json *j, int i) { return dsk__ckpt_jcount(j, i) ? i + 1 : -1; }
-static int dsk__ckpt_jnext(const dsk__ckpt_json *j, int i) {
-    return j->nodes[i].next == DSK__CKPT_J_NONE ? -1 : (int)j->nodes[i].next;
-}
-/* The member key of value i; keys with a NUL are cut at it (see dsk__ckpt_jkey_nul). */
-static const char *dsk__ckpt_jkey(const dsk__ckpt_json *j, int i) {
-    return j->pool + (j->nodes[i].key & DSK__CKPT_J_OFF_MASK);
-}
-static int dsk__ckpt_jkey_nul(const dsk__ckpt_json *j, int i) { return (j->nodes[i].key & DSK__CKPT_J_KEY_NUL) != 0; }
-/* A string value without embedded NUL, or NULL. */
-static const char *dsk__ckpt_jstr(const dsk__ckpt_json *j, int i) {
-    if (i < 0 || dsk__ckpt_jtype(j, i) != DSK__CKPT_J_STR || (j->nodes[i].key & DSK__CKPT_J_STR_NUL)) return NULL;
-    return j->pool + j->nodes[i].val;
-}
-
-static int dsk__ckpt_jfail(dsk__ckpt_json *j, const char *msg) {
-    if (j->status == DSK_OK)
-        j->status = dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: invalid JSON: %s at byte %lld", j->fn, j->what, msg,
-                                  (long long)(j->p - j->src));
-    return -1;
-}
-
-static void dsk__ckpt_jws(dsk__ckpt_json *j) {
-    while (j->p < j->end && (*j->p == ' ' || *j->p == '\t' || *j->p == '\n' || *j->p == '\r')) j->p++;
-}
-
-/* First pass: an upper bound of the values (each one but the first follows a '[', ',' or
-   ':' outside strings) and of the pool bytes (every byte inside quotes, plus a NUL each). */
-static void dsk__ckpt_jcount_text(const char *p, const char *end, uint64_t *values, uint64_t *pool) {
-    int in_str = 0, esc = 0;
-    *values = 1;
-    *pool = 1;
-    for (; p < end; p++) {
-        char c = *p;
-        if (in_str) {
-            if (esc) esc = 0;
-            else if (c == '\\') esc = 1;
-            else if (c == '"') { in_str = 0; (*pool)++; continue; }
-            (*pool)++;
-        } else if (c == '"') in_str = 1;
-        else if (c == '[' || c == ',' || c == ':') (*values)++;
-    }
-}
-
-static int dsk__ckpt_jnew(dsk__ckpt_json *j, int type) {
-    dsk__ckpt_jnode *x;
-    if (j->n == j->cap)
-        return dsk__ckpt_jfail(j, "more values than the text can hold"); /* the count is an upper bound */
-    x = &j->nodes[j->n];
-    x->next = DSK__CKPT_J_NONE;
-    x->key = (uint32_t)type << DSK__CKPT_J_TYPE_SHIFT;
-    x->val = 0;
-    return (int)j->n++;
-}
-
-static int dsk__ckpt_jhex4(dsk__ckpt_json *j, uint32_t *out) {
-    uint32_t v = 0;
-    if (j->end - j->p < 4) return dsk__ckpt_jfail(j, "short \\u escape");
-    for (int i = 0; i < 4; i++) {
-        char c = *j->p++;
-        v <<= 4;
-        if (c >= '0' && c <= '9') v |= (uint32_t)(c - '0');
-        else if (c >= 'a' && c <= 'f') v |= (uint32_t)(c - 'a' + 10);
-        else if (c >= 'A' && c <= 'F') v |= (uint32_t)(c - 'A' + 10);
-        else return dsk__ckpt_jfail(j, "bad hex digit in \\u escape");
-    }
-    *out = v;
-    return 0;
-}
-
-/* Appends code point cp as UTF-8. */
-static char *dsk__ckpt_jutf8(char *dst, uint32_t cp) {
-    if (cp < 0x80u) *dst++ = (char)cp;
-    else if (cp < 0x800u) { *dst++ = (char)(0xc0u | (cp >> 6)); *dst++ = (char)(0x80u | (cp & 0x3fu)); }
-    else if (cp < 0x10000u) {
-        *dst++ = (char)(0xe0u | (cp >> 12)); *dst++ = (char)(0x80u | ((cp >> 6) & 0x3fu));
-        *dst++ = (char)(0x80u | (cp & 0x3fu));
-    } else {
-        *dst++ = (char)(0xf0u | (cp >> 18)); *dst++ = (char)(0x80u | ((cp >> 12) & 0x3fu));
-        *dst++ = (char)(0x80u | ((cp >> 6) & 0x3fu)); *dst++ = (char)(0x80u | (cp & 0x3fu));
-    }
-    return dst;
-}
-
-/* Decodes the string at j->p (on its opening quote) into the pool: its pool offset, and
-   whether it holds a NUL. An escape never decodes to more bytes than its text, so the pool
-   bound of the first pass holds. */
-static int dsk__ckpt_jstring(dsk__ckpt_json *j, uint32_t *off, int *has_nul) {
-    char *dst = j->pool + j->pool_used, *start = dst;
-    *has_nul = 0;
-    j->p++; /* opening quote */
-    for (;;) {
-        unsigned char c;
-        uint32_t cp, lo;
-        if (j->p >= j->end) return dsk__ckpt_jfail(j, "unterminated string");
-        c = (unsigned char)*j->p++;
-        if (c == '"') break;
-        if (c < 0x20) return dsk__ckpt_jfail(j, "control character in string");
-        if (c != '\\') { *dst++ = (char)c; continue; }
-        if (j->p >= j->end) return dsk__ckpt_jfail(j, "unterminated escape");
-        c = (unsigned char)*j->p++;
-        switch (c) {
-        case '"': *dst++ = '"'; break;
-        case '\\': *dst++ = '\\'; break;
-        case '/': *dst++ = '/'; break;
-        case 'b': *dst++ = '\b'; break;
-        case 'f': *dst++ = '\f'; break;
-        case 'n': *dst++ = '\n'; break;
-        case 'r': *dst++ = '\r'; break;
-        case 't': *dst++ = '\t'; break;
-        case 'u':
-            if (dsk__ckpt_jhex4(j, &cp)) return -1;
-            if (cp >= 0xdc00u && cp <= 0xdfffu) return dsk__ckpt_jfail(j, "lone low surrogate");
-            if (cp >= 0xd800u && cp <= 0xdbffu) {
-                if (j->end - j->p < 2 || j->p[0] != '\\' || j->p[1] != 'u')
-                    return dsk__ckpt_jfail(j, "lone high surrogate");
-                j->p += 2;
-                if (dsk__ckpt_jhex4(j, &lo)) return -1;
-                if (lo < 0xdc00u || lo > 0xdfffu) return dsk__ckpt_jfail(j, "bad low surrogate");
-                cp = 0x10000u + ((cp - 0xd800u) << 10) + (lo - 0xdc00u);
-            }
-            if (cp == 0) *has_nul = 1;
-            dst = dsk__ckpt_jutf8(dst, cp);
-            break;
-        default: return dsk__ckpt_jfail(j, "unknown escape");
-        }
-    }
-    *dst = 0;
-    *off = (uint32_t)(start - j->pool);
-    j->pool_used += (size_t)(dst - start) + 1;
-    return 0;
-}
-
-static int dsk__ckpt_jnumber(dsk__ckpt_json *j, int node) {
-    const char *s = j->p;
-    if (j->p < j->end && *j->p == '-') j->p++;
-    if (j->p >= j->end || *j->p < '0' || *j->p > '9') return dsk__ckpt_jfail(j, "bad number");
-    if (*j->p == '0') j->p++;
-    else while (j->p < j->end && *j->p >= '0' && *j->p <= '9') j->p++;
-    if (j->p < j->end && *j->p == '.') {
-        j->p++;
-        if (j->p >= j->end || *j->p < '0' || *j->p > '9') return dsk__ckpt_jfail(j, "bad fraction");
-        while (j->p < j->end && *j->p >= '0' && *j->p <= '9') j->p++;
-    }
-    if (j->p < j->end && (*j->p == 'e' || *j->p == 'E')) {
-        j->p++;
-        if (j->p < j->end && (*j->p == '+' || *j->p == '-')) j->p++;
-        if (j->p >= j->end || *j->p < '0' || *j->p > '9') return dsk__ckpt_jfail(j, "bad exponent");
-        while (j->p < j->end && *j->p >= '0' && *j->p <= '9') j->p++;
-    }
-    j->nodes[node].val = (uint32_t)(s - j->src);
-    return 0;
-}
-
-static int dsk__ckpt_jliteral(dsk__ckpt_json *j, const char *word) {
-    size_t n = strlen(word);
-    if ((size_t)(j->end - j->p) < n || memcmp(j->p, word, n) != 0) return dsk__ckpt_jfail(j, "unexpected character");
-    j->p += n;
-    return 0;
-}
-
-static int dsk__ckpt_jvalue(dsk__ckpt_json *j, int depth);
-
-/* Array or object at j->p (on its bracket); members linked in order. */
-static int dsk__ckpt_jcontainer(dsk__ckpt_json *j, int depth, int is_obj) {
-    int node = dsk__ckpt_jnew(j, is_obj ? DSK__CKPT_J_OBJ : DSK__CKPT_J_ARR), last = -1;
-    char close = is_obj ? '}' : ']';
-    if (node < 0) return -1;
-    if (depth >= DSK__CKPT_J_MAX_DEPTH) return dsk__ckpt_jfail(j, "nesting too deep");
-    j->p++;
-    dsk__ckpt_jws(j);
-    if (j->p < j->end && *j->p == close) { j->p++; return node; }
-    for (;;) {
-        uint32_t key = 0;
-        int key_nul = 0, child;
-        if (is_obj) {
-            if (j->p >= j->end || *j->p != '"') return dsk__ckpt_jfail(j, "expected a string key");
-            if (dsk__ckpt_jstring(j, &key, &key_nul)) return -1;
-            dsk__ckpt_jws(j);
-            if (j->p >= j->end || *j->p != ':') return dsk__ckpt_jfail(j, "expected ':'");
-            j->p++;
-        }
-        child = dsk__ckpt_jvalue(j, depth + 1);
-        if (child < 0) return -1;
-        j->nodes[child].key |= key | (key_nul ? DSK__CKPT_J_KEY_NUL : 0u);
-        if (last >= 0) j->nodes[last].next = (uint32_t)child;
-        last = child;
-        j->nodes[node].val++;
-        dsk__ckpt_jws(j);
-        if (j->p < j->end && *j->p == ',') { j->p++; dsk__ckpt_jws(j); continue; }
-        if (j->p < j->end && *j->p == close) { j->p++; return node; }
-        return dsk__ckpt_jfail(j, is_obj ? "expected ',' or '}'" : "expected ',' or ']'");
-    }
-}
-
-static int dsk__ckpt_jvalue(dsk__ckpt_json *j, int depth) {
-    int node, nul;
-    dsk__ckpt_jws(j);
-    if (j->p >= j->end) return dsk__ckpt_jfail(j, "unexpected end");
-    switch (*j->p) {
-    case '{': return dsk__ckpt_jcontainer(j, depth, 1);
-    case '[': return dsk__ckpt_jcontainer(j, depth, 0);
-    case '"':
-        if ((node = dsk__ckpt_jnew(j, DSK__CKPT_J_STR)) < 0 || dsk__ckpt_jstring(j, &j->nodes[node].val, &nul))
-            return -1;
-        if (nul) j->nodes[node].key |= DSK__CKPT_J_STR_NUL;
-        return node;
-    case 't': case 'f': case 'n':
-        if ((node = dsk__ckpt_jnew(j, *j->p == 'n' ? DSK__CKPT_J_NULL : DSK__CKPT_J_BOOL)) < 0) return -1;
-        j->nodes[node].val = *j->p == 't';
-        return dsk__ckpt_jliteral(j, *j->p == 't' ? "true" : *j->p == 'f' ? "false" : "null") ? -1 : node;
-    default:
-        if ((node = dsk__ckpt_jnew(j, DSK__CKPT_J_NUM)) < 0) return -1;
-        return dsk__ckpt_jnumber(j, node) ? -1 : node;
-    }
-}
-
-/* Parses text[0, n) (valid UTF-8 required, n <= DSK_CKPT_MAX_HEADER) whose top level must be
-   an object: node 0. */
-static dsk_status dsk__ckpt_json_parse(dsk__ckpt_json *j, const char *text, size_t n, const char *fn,
-                                       const char *what) {
-    uint64_t values, pool;
-    memset(j, 0, sizeof *j);
-    j->src = j->p = text;
-    j->end = text + n;
-    j->fn = fn;
-    j->what = what;
-    if (n > DSK_CKPT_MAX_HEADER)
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: %zu bytes of JSON exceed the limit of %llu", fn, what, n,
-                             (unsigned long long)DSK_CKPT_MAX_HEADER);
-    if (!dsk__ckpt_valid_utf8((const unsigned char *)text, n))
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: header is not valid UTF-8", fn, what);
-    dsk__ckpt_jcount_text(text, text + n, &values, &pool);
-    j->cap = (uint32_t)values;
-    j->pool_cap = (size_t)pool;
-    j->nodes = (dsk__ckpt_jnode *)DSK_MALLOC((size_t)values * sizeof *j->nodes);
-    j->pool = (char *)DSK_MALLOC((size_t)pool);
-    if (!j->nodes || !j->pool) {
-        dsk__ckpt_json_free(j);
-        return dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory for %llu JSON values", fn, what,
-                             (unsigned long long)values);
-    }
-    j->pool[0] = 0;
-    j->pool_used = 1;
-    dsk__ckpt_jws(j);
-    if (j->p >= j->end || *j->p != '{') dsk__ckpt_jfail(j, "expected '{'");
-    else if (dsk__ckpt_jvalue(j, 0) >= 0) {
-        dsk__ckpt_jws(j);
-        if (j->p != j->end) dsk__ckpt_jfail(j, "trailing characters");
-    }
-    if (j->status != DSK_OK) {
-        dsk_status s = j->status;
-        dsk__ckpt_json_free(j);
-        return s;
-    }
-    return DSK_OK;
-}
-
-/* Member `key` of object node obj, or -1. */
-static int dsk__ckpt_jget(const dsk__ckpt_json *j, int obj, const char *key) {
-    for (int c = dsk__ckpt_jchild(j, obj); c >= 0; c = dsk__ckpt_jnext(j, c))
-        if (!dsk__ckpt_jkey_nul(j, c) && strcmp(dsk__ckpt_jkey(j, c), key) == 0) return c;
-    return -1;
-}
-
-/* A plain integer (optional '-', digits, no fraction or exponent) within int64. */
-static int dsk__ckpt_jint(const dsk__ckpt_json *j, int node, int64_t *out) {
-    const char *s, *e;
-    int neg = 0;
-    uint64_t v = 0;
-    if (node < 0 || dsk__ckpt_jtype(j, node) != DSK__CKPT_J_NUM) return 0;
-    s = j->src + j->nodes[node].val;
-    if (*s == '-') { neg = 1; s++; }
-    for (e = s; e < j->end && *e >= '0' && *e <= '9'; e++) {
-        if (v > (uint64_t)INT64_MAX / 10) return 0;
-        v = v * 10 + (uint64_t)(*e - '0');
-        if (v > (uint64_t)INT64_MAX) return 0;
-    }
-    if (e == s || (e < j->end && (*e == '.' || *e == 'e' || *e == 'E'))) return 0;
-    *out = neg ? -(int64_t)v : (int64_t)v;
-    return 1;
-}
-
-/* Digits only, within int64: the JSON a usize field of the reference accepts ("-0" is the
-   float -0.0 to serde_json, so not a size). */
-static int dsk__ckpt_jsize(const dsk__ckpt_json *j, int node, int64_t *out) {
-    return dsk__ckpt_jint(j, node, out) && j->src[j->nodes[node].val] != '-';
-}
-
-/* Integer member `key` of object obj. */
-static int dsk__ckpt_jget_int(const dsk__ckpt_json *j, int obj, const char *key, int64_t *out) {
-    int c = dsk__ckpt_jget(j, obj, key);
-    return c >= 0 && dsk__ckpt_jint(j, c, out);
-}
-
-/* ---------------------------------------------------------------- safetensors files */
-
-typedef struct dsk__ckpt_stdtype {
-    const char *name;
-    int bits;
-    int dsk; /* dsk_dtype or -1 */
-} dsk__ckpt_stdtype;
-
-/* Every dtype of safetensors 0.8, with its width in bits (F4 and F6 are packed). */
-static const dsk__ckpt_stdtype dsk__ckpt_stdtypes[] = {
-    {"BOOL", 8, -1},      {"F4", 4, -1},          {"F6_E2M3", 6, -1},       {"F6_E3M2", 6, -1},
-    {"U8", 8, DSK_U8},    {"I8", 8, -1},          {"F8_E5M2", 8, DSK_E5M2}, {"F8_E4M3", 8, DSK_E4M3},
-    {"F8_E8M0", 8, -1},   {"F8_E4M3FNUZ", 8, -1}, {"F8_E5M2FNUZ", 8, -1},   {"I16", 16, -1},
-    {"U16", 16, -1},      {"F16", 16, DSK_F16},   {"BF16", 16, DSK_BF16},   {"I32", 32, DSK_I32},
-    {"U32", 32, -1},      {"F32", 32, DSK_F32},   {"C64", 64, -1},          {"F64", 64, DSK_F64},
-    {"I64", 64, DSK_I64}, {"U64", 64, -1}};
-#define DSK__CKPT_N_STDTYPES ((int)(sizeof dsk__ckpt_stdtypes / sizeof dsk__ckpt_stdtypes[0]))
-
-static const dsk__ckpt_stdtype *dsk__ckpt_stdtype_by_name(const char *name) {
-    for (int i = 0; i < DSK__CKPT_N_STDTYPES; i++)
-        if (strcmp(dsk__ckpt_stdtypes[i].name, name) == 0) return &dsk__ckpt_stdtypes[i];
-    return NULL;
-}
-static const char *dsk__ckpt_stname(dsk_dtype dt) {
-    for (int i = 0; i < DSK__CKPT_N_STDTYPES; i++)
-        if (dsk__ckpt_stdtypes[i].dsk == (int)dt) return dsk__ckpt_stdtypes[i].name;
-    return "?";
-}
-
-static int dsk__ckpt_cmp_info_name(const void *a, const void *b) {
-    return strcmp(((const dsk_ckpt_tensor_info *)a)->name, ((const dsk_ckpt_tensor_info *)b)->name);
-}
-static int dsk__ckpt_cmp_info_off(const void *a, const void *b) {
-    const dsk_ckpt_tensor_info *x = *(const dsk_ckpt_tensor_info *const *)a,
-                               *y = *(const dsk_ckpt_tensor_info *const *)b;
-    if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
-    return x->end < y->end ? -1 : x->end > y->end;
-}
-
-typedef struct dsk__ckpt_kvidx {
-    const char *k, *v;
-} dsk__ckpt_kvidx;
-static int dsk__ckpt_cmp_kvidx(const void *a, const void *b) {
-    return strcmp(((const dsk__ckpt_kvidx *)a)->k, ((const dsk__ckpt_kvidx *)b)->k);
-}
-
-/* Parses 8 lowercase or uppercase hex digits exactly. */
-static int dsk__ckpt_parse_hex32(const char *s, uint32_t *out) {
-    uint32_t v = 0;
-    if (!s || strlen(s) != 8) return 0;
-    for (int i = 0; i < 8; i++) {
-        char c = s[i];
-        v <<= 4;
-        if (c >= '0' && c <= '9') v |= (uint32_t)(c - '0');
-        else if (c >= 'a' && c <= 'f') v |= (uint32_t)(c - 'a' + 10);
-        else if (c >= 'A' && c <= 'F') v |= (uint32_t)(c - 'A' + 10);
-        else return 0;
-    }
-    *out = v;
-    return 1;
-}
-
-/* Private storage behind dsk_ckpt_file.mem. */
-typedef struct dsk__ckpt_filemem {
-    dsk__ckpt_json json;
-    char *header;   /* the first 8 + header_len bytes when read from a file */
-} dsk__ckpt_filemem;
-
-DSK_API void dsk_ckpt_file_close(dsk_ckpt_file *f) {
-    if (!f) return;
-    if (f->has_fd) close(f->fd);
-    if (f->mem) {
-        dsk__ckpt_filemem *m = (dsk__ckpt_filemem *)f->mem;
-        dsk__ckpt_json_free(&m->json);
-        DSK_FREE(m->header);
-        DSK_FREE(m);
-    }
-    DSK_FREE(f->tensors);
-    DSK_FREE((void *)f->meta_keys);
-    DSK_FREE((void *)f->meta_values);
-    DSK_FREE(f->path);
-    memset(f, 0, sizeof *f);
-}
-
-/* One tensor entry {"dtype": .., "shape": [..], "data_offsets": [b, e]}. */
-static dsk_status dsk__ckpt_parse_entry(const char *fn, const char *where, const dsk__ckpt_json *j, int node,
-                                        dsk_ckpt_tensor_info *t) {
-    int seen[3] = {0, 0, 0};
-    const dsk__ckpt_stdtype *dt = NULL;
-    if (dsk__ckpt_jtype(j, node) != DSK__CKPT_J_OBJ)
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" is not an object", fn, where, t->name);
-    for (int c = dsk__ckpt_jchild(j, node); c >= 0; c = dsk__ckpt_jnext(j, c)) {
-        const char *key = dsk__ckpt_jkey(j, c);
-        int type = dsk__ckpt_jtype(j, c), count = dsk__ckpt_jcount(j, c);
-        int which = strcmp(key, "dtype") == 0          ? 0
-                    : strcmp(key, "shape") == 0        ? 1
-                    : strcmp(key, "data_offsets") == 0 ? 2
-                                                       : -1;
-        if (which < 0 || dsk__ckpt_jkey_nul(j, c))
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" has unknown field \"%s\"", fn, where, t->name,
-                                 key);
-        if (seen[which]++)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" repeats field \"%s\"", fn, where, t->name,
-                                 key);
-        if (which == 0) {
-            const char *name = dsk__ckpt_jstr(j, c);
-            if (!name)
-                return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": dtype is not a string", fn, where,
-                                     t->name);
-            if (!(dt = dsk__ckpt_stdtype_by_name(name)))
-                return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": unknown dtype \"%s\"", fn, where, t->name,
-                                     name);
-        } else if (which == 1) {
-            if (type != DSK__CKPT_J_ARR)
-                return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape is not an array", fn, where,
-                                     t->name);
-            if (count > DSK_MAX_DIMS)
-                return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: %s: tensor \"%s\" has %d dims, dsk supports %d", fn,
-                                     where, t->name, count, DSK_MAX_DIMS);
-            t->ndim = 0;
-            for (int d = dsk__ckpt_jchild(j, c); d >= 0; d = dsk__ckpt_jnext(j, d)) {
-                int64_t v;
-                if (!dsk__ckpt_jsize(j, d, &v))
-                    return dsk_set_error(DSK_ERR_CORRUPT,
-                                         "%s: %s: tensor \"%s\": shape[%d] is not a non-negative integer", fn, where,
-                                         t->name, t->ndim);
-                t->shape[t->ndim++] = v;
-            }
-        } else {
-            int64_t v[2];
-            int d = dsk__ckpt_jchild(j, c);
-            if (type != DSK__CKPT_J_ARR || count != 2 || !dsk__ckpt_jsize(j, d, &v[0]) ||
-                !dsk__ckpt_jsize(j, dsk__ckpt_jnext(j, d), &v[1]))
-                return dsk_set_error(DSK_ERR_CORRUPT,
-                                     "%s: %s: tensor \"%s\": data_offsets is not two non-negative integers", fn, where,
-                                     t->name);
-            t->begin = (uint64_t)v[0];
-            t->end = (uint64_t)v[1];
-        }
-    }
-    if (!seen[0] || !seen[1] || !seen[2])
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" lacks \"%s\"", fn, where, t->name,
-                             !seen[0] ? "dtype" : !seen[1] ? "shape" : "data_offsets");
-    t->dtype_name = dt->name;
-    t->dtype = dt->dsk;
-    {
-        int64_t numel = dsk__ckpt_numel(t->ndim, t->shape);
-        uint64_t bits;
-        char b[160];
-        if (numel < 0 || (uint64_t)numel > UINT64_MAX / (uint64_t)dt->bits)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape %s overflows", fn, where, t->name,
-                                 dsk__ckpt_desc(b, sizeof b, t->ndim, t->shape, dt->name));
-        bits = (uint64_t)numel * (uint64_t)dt->bits;
-        if (bits % 8)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": shape %s is not a whole number of bytes", fn,
-                                 where, t->name, dsk__ckpt_desc(b, sizeof b, t->ndim, t->shape, dt->name));
-        if (t->end < t->begin || t->end - t->begin != bits / 8)
-            return dsk_set_error(
-                DSK_ERR_CORRUPT,
-                "%s: %s: tensor \"%s\": shape %s needs %llu bytes, data_offsets [%llu, %llu] give %lld", fn, where,
-                t->name, dsk__ckpt_desc(b, sizeof b, t->ndim, t->shape, dt->name), (unsigned long long)(bits / 8),
-                (unsigned long long)t->begin, (unsigned long long)t->end, (long long)(t->end - t->begin));
-    }
-    return DSK_OK;
-}
-
-/* __metadata__: an object of string values. */
-static dsk_status dsk__ckpt_parse_meta(const char *fn, const char *where, const dsk__ckpt_json *j, int node,
-                                       dsk_ckpt_file *f) {
-    int type = dsk__ckpt_jtype(j, node), count = dsk__ckpt_jcount(j, node), i = 0;
-    dsk__ckpt_kvidx *kv;
-    if (type == DSK__CKPT_J_NULL) return DSK_OK; /* the reference reads null as no metadata */
-    if (type != DSK__CKPT_J_OBJ)
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ is not an object", fn, where);
-    kv = (dsk__ckpt_kvidx *)DSK_MALLOC(((size_t)count + 1) * sizeof *kv);
-    f->meta_keys = (const char **)DSK_MALLOC(((size_t)count + 1) * sizeof(char *));
-    f->meta_values = (const char **)DSK_MALLOC(((size_t)count + 1) * sizeof(char *));
-    if (!kv || !f->meta_keys || !f->meta_values) {
-        DSK_FREE(kv);
-        return dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory", fn, where);
-    }
-    for (int c = dsk__ckpt_jchild(j, node); c >= 0; c = dsk__ckpt_jnext(j, c), i++) {
-        dsk_status s = DSK_OK;
-        kv[i].k = dsk__ckpt_jkey(j, c);
-        kv[i].v = dsk__ckpt_jstr(j, c);
-        if (dsk__ckpt_jtype(j, c) != DSK__CKPT_J_STR)
-            s = dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ value of \"%s\" is not a string", fn, where,
-                              kv[i].k);
-        else if (!kv[i].v || dsk__ckpt_jkey_nul(j, c))
-            s = dsk_set_error(DSK_ERR_UNSUPPORTED,
-                              "%s: %s: __metadata__ pair \"%s\" holds a NUL character: valid safetensors, but "
-                              "dsk keys and values are C strings",
-                              fn, where, kv[i].k);
-        if (s != DSK_OK) {
-            DSK_FREE(kv);
-            return s;
-        }
-    }
-    qsort(kv, (size_t)i, sizeof *kv, dsk__ckpt_cmp_kvidx);
-    for (int k = 0; k < i; k++) {
-        if (k && strcmp(kv[k].k, kv[k - 1].k) == 0) {
-            dsk_status s =
-                dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ repeats key \"%s\"", fn, where, kv[k].k);
-            DSK_FREE(kv);
-            return s;
-        }
-        f->meta_keys[k] = kv[k].k;
-        f->meta_values[k] = kv[k].v;
-    }
-    f->n_meta = i;
-    DSK_FREE(kv);
-    return DSK_OK;
-}
-
-/* Offsets sorted must tile [0, data_len) exactly, and data_len must end the file. */
-static dsk_status dsk__ckpt_check_layout(const char *fn, const char *where, dsk_ckpt_file *f) {
-    dsk_ckpt_tensor_info **order = (dsk_ckpt_tensor_info **)DSK_MALLOC(((size_t)f->n_tensors + 1) * sizeof *order);
-    uint64_t pos = 0;
-    dsk_status s = DSK_OK;
-    if (!order) return dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory", fn, where);
-    for (int i = 0; i < f->n_tensors; i++) order[i] = &f->tensors[i];
-    qsort(order, (size_t)f->n_tensors, sizeof *order, dsk__ckpt_cmp_info_off);
-    for (int i = 0; i < f->n_tensors && s == DSK_OK; i++) {
-        if (order[i]->begin != pos)
-            s = dsk_set_error(DSK_ERR_CORRUPT,
-                              "%s: %s: tensor \"%s\" data_offsets [%llu, %llu] %s the previous tensor ending at %llu",
-                              fn, where, order[i]->name, (unsigned long long)order[i]->begin,
-                              (unsigned long long)order[i]->end,
-                              order[i]->begin > pos ? "leave a gap after" : "overlap", (unsigned long long)pos);
-        pos = order[i]->end;
-    }
-    if (s == DSK_OK && (f->file_size < 8 + f->header_len || pos != f->file_size - 8 - f->header_len))
-        s = dsk_set_error(DSK_ERR_CORRUPT,
-                          "%s: %s: tensors end at data offset %llu but the file holds %llu data bytes (%s)", fn, where,
-                          (unsigned long long)pos, (unsigned long long)(f->file_size - 8 - f->header_len),
-                          pos > f->file_size - 8 - f->header_len ? "file truncated" : "trailing bytes");
-    DSK_FREE(order);
-    return s;
-}
-
-/* "dsk.blocks.<name>" = "<block bytes>:<8 hex digits per block>": a power of two from 4 KiB to
-   1 GiB, as many CRCs as blocks, and together they must make up the tensor's CRC. */
-static dsk_status dsk__ckpt_attach_blocks(const char *fn, const char *where, dsk_ckpt_tensor_info *t, const char *v) {
-    uint64_t bs = 0, nbytes = t->end - t->begin, nblocks;
-    uint32_t acc = 0, crc, k_full;
-    const char *hex;
-    while (*v >= '0' && *v <= '9' && bs <= ((uint64_t)1 << 30)) bs = bs * 10 + (uint64_t)(*v++ - '0');
-    if (*v != ':' || bs < 4096 || bs > ((uint64_t)1 << 30) || (bs & (bs - 1)))
-        return dsk_set_error(DSK_ERR_CORRUPT,
-                             "%s: %s: tensor \"%s\": dsk.blocks does not start with a block size (4096 .. 2^30)", fn,
-                             where, t->name);
-    hex = v + 1;
-    nblocks = (nbytes + bs - 1) / bs;
-    if (strlen(hex) != 8 * nblocks)
-        return dsk_set_error(DSK_ERR_CORRUPT,
-                             "%s: %s: tensor \"%s\": dsk.blocks holds %zu hex digits, %llu blocks need %llu", fn, where,
-                             t->name, strlen(hex), (unsigned long long)nblocks, (unsigned long long)(8 * nblocks));
-    k_full = dsk__ckpt_xpow8n(bs);
-    for (uint64_t b = 0; b < nblocks; b++) {
-        char h[9];
-        uint64_t len = b + 1 < nblocks ? bs : nbytes - b * bs;
-        memcpy(h, hex + 8 * b, 8);
-        h[8] = 0;
-        if (!dsk__ckpt_parse_hex32(h, &crc))
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": dsk.blocks has a non-hex digit", fn, where,
-                                 t->name);
-        acc = dsk__ckpt_mulmod(len == bs ? k_full : dsk__ckpt_xpow8n(len), acc) ^ crc;
-    }
-    if (acc != t->crc32c)
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\": block CRCs make %08x, dsk.crc32c says %08x", fn,
-                             where, t->name, acc, t->crc32c);
-    t->block_bytes = bs;
-    t->block_crcs = hex;
-    return DSK_OK;
-}
-
-/* Per-tensor CRCs from "dsk.crc32c.<name>" and "dsk.blocks.<name>" when present. */
-static dsk_status dsk__ckpt_attach_crcs(const char *fn, const char *where, dsk_ckpt_file *f) {
-    for (int i = 0; i < f->n_meta; i++) {
-        int t;
-        if (strncmp(f->meta_keys[i], "dsk.crc32c.", 11) != 0) continue;
-        t = dsk_ckpt_file_find(f, f->meta_keys[i] + 11);
-        if (t < 0)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ \"%s\" names no tensor", fn, where,
-                                 f->meta_keys[i]);
-        if (!dsk__ckpt_parse_hex32(f->meta_values[i], &f->tensors[t].crc32c))
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ \"%s\" = \"%s\" is not 8 hex digits", fn, where,
-                                 f->meta_keys[i], f->meta_values[i]);
-        f->tensors[t].has_crc = 1;
-    }
-    for (int i = 0; i < f->n_meta; i++) {
-        int t;
-        if (strncmp(f->meta_keys[i], "dsk.blocks.", 11) != 0) continue;
-        t = dsk_ckpt_file_find(f, f->meta_keys[i] + 11);
-        if (t < 0 || !f->tensors[t].has_crc)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ \"%s\" names no tensor with a dsk.crc32c", fn,
-                                 where, f->meta_keys[i]);
-        DSK__TRY(dsk__ckpt_attach_blocks(fn, where, &f->tensors[t], f->meta_values[i]));
-    }
-    for (int i = 0; i < f->n_tensors; i++)
-        if (f->tensors[i].has_crc && !f->tensors[i].block_bytes)
-            f->tensors[i].block_bytes = f->tensors[i].end - f->tensors[i].begin;
-    return DSK_OK;
-}
-
-static dsk_status dsk__ckpt_parse(const char *fn, const char *where, dsk_ckpt_file *f, const unsigned char *bytes,
-                                  size_t n, uint64_t file_size) {
-    dsk__ckpt_filemem *m = (dsk__ckpt_filemem *)f->mem;
-    dsk__ckpt_json *j = &m->json;
-    uint64_t hlen = 0;
-    int top, nt = 0, meta = -1;
-    if (n < 8 || file_size < 8)
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: %llu bytes is too short for a safetensors file", fn, where,
-                             (unsigned long long)(n < file_size ? n : file_size));
-    for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | bytes[i];
-    if (hlen > DSK_CKPT_MAX_HEADER)
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: header length %llu exceeds the limit of %llu", fn, where,
-                             (unsigned long long)hlen, (unsigned long long)DSK_CKPT_MAX_HEADER);
-    if (8 + hlen > file_size || 8 + hlen > n)
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: header length %llu runs beyond the file size %llu", fn, where,
-                             (unsigned long long)hlen, (unsigned long long)file_size);
-    f->header_len = hlen;
-    f->file_size = file_size;
-    f->header_crc32c = dsk_ckpt_crc32c(0, bytes, (size_t)(8 + hlen));
-    DSK__TRY(dsk__ckpt_json_parse(j, (const char *)bytes + 8, (size_t)hlen, fn, where));
-    top = 0;
-    f->tensors = (dsk_ckpt_tensor_info *)DSK_MALLOC(((size_t)dsk__ckpt_jcount(j, top) + 1) * sizeof *f->tensors);
-    if (!f->tensors) return dsk_set_error(DSK_ERR_OOM, "%s: %s: out of memory", fn, where);
-    for (int c = dsk__ckpt_jchild(j, top); c >= 0; c = dsk__ckpt_jnext(j, c)) {
-        dsk_ckpt_tensor_info *t = &f->tensors[nt];
-        if (dsk__ckpt_jkey_nul(j, c))
-            return dsk_set_error(DSK_ERR_UNSUPPORTED,
-                                 "%s: %s: tensor \"%s\\u0000...\" has a NUL character in its name: valid "
-                                 "safetensors, but dsk names are C strings",
-                                 fn, where, dsk__ckpt_jkey(j, c));
-        if (strcmp(dsk__ckpt_jkey(j, c), "__metadata__") == 0) {
-            if (meta >= 0) return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: __metadata__ appears twice", fn, where);
-            meta = c;
-            continue;
-        }
-        memset(t, 0, sizeof *t);
-        t->name = dsk__ckpt_jkey(j, c);
-        DSK__TRY(dsk__ckpt_parse_entry(fn, where, j, c, t));
-        nt++;
-    }
-    f->n_tensors = nt;
-    qsort(f->tensors, (size_t)nt, sizeof *f->tensors, dsk__ckpt_cmp_info_name);
-    for (int i = 1; i < nt; i++)
-        if (strcmp(f->tensors[i].name, f->tensors[i - 1].name) == 0)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: duplicate tensor name \"%s\"", fn, where,
-                                 f->tensors[i].name);
-    if (meta >= 0) DSK__TRY(dsk__ckpt_parse_meta(fn, where, j, meta, f));
-    DSK__TRY(dsk__ckpt_check_layout(fn, where, f));
-    return dsk__ckpt_attach_crcs(fn, where, f);
-}
-
-static dsk_status dsk__ckpt_file_begin(dsk_ckpt_file *f, const char *fn) {
-    memset(f, 0, sizeof *f);
-    f->mem = DSK_MALLOC(sizeof(dsk__ckpt_filemem));
-    if (!f->mem) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    memset(f->mem, 0, sizeof(dsk__ckpt_filemem));
-    return DSK_OK;
-}
-
-DSK_API dsk_status dsk_ckpt_file_parse(dsk_ckpt_file *f, const void *bytes, size_t n, uint64_t file_size) {
-    dsk_status s;
-    if (!f || (!bytes && n)) return dsk_set_error(DSK_ERR_ARG, "dsk_ckpt_file_parse: NULL argument");
-    DSK__TRY(dsk__ckpt_file_begin(f, "dsk_ckpt_file_parse"));
-    s = dsk__ckpt_parse("dsk_ckpt_file_parse", "buffer", f, (const unsigned char *)bytes, n, file_size);
-    if (s != DSK_OK) dsk_ckpt_file_close(f);
-    return s;
-}
-
-DSK_API dsk_status dsk_ckpt_file_open(dsk_ckpt_file *f, const char *path) {
-    const char *fn = "dsk_ckpt_file_open";
-    struct stat st;
-    unsigned char len8[8];
-    uint64_t hlen = 0;
-    dsk__ckpt_filemem *m;
-    dsk_status s;
-    if (!f || !path) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
-    DSK__TRY(dsk__ckpt_file_begin(f, fn));
-    m = (dsk__ckpt_filemem *)f->mem;
-    if (!(f->path = dsk__ckpt_strdup(path))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); goto fail; }
-    if ((s = dsk__ckpt_open_regular(fn, path, &f->fd, &st)) != DSK_OK) goto fail;
-    f->has_fd = 1;
-    if (st.st_size < 8) {
-        s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": %lld bytes is too short for a safetensors file", fn, path,
-                          (long long)st.st_size);
-        goto fail;
-    }
-    if ((s = dsk__ckpt_pread_all(fn, f->fd, len8, 8, 0, path)) != DSK_OK) goto fail;
-    for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | len8[i];
-    if (hlen > DSK_CKPT_MAX_HEADER || 8 + hlen > (uint64_t)st.st_size) {
-        s = dsk__ckpt_parse(fn, path, f, len8, 8, (uint64_t)st.st_size); /* reports the length error */
-        goto fail;
-    }
-    if (!(m->header = (char *)DSK_MALLOC((size_t)(8 + hlen)))) {
-        s = dsk_set_error(DSK_ERR_OOM, "%s: \"%s\": out of memory for a %llu-byte header", fn, path,
-                          (unsigned long long)hlen);
-        goto fail;
-    }
-    if ((s = dsk__ckpt_pread_all(fn, f->fd, m->header, (size_t)(8 + hlen), 0, path)) != DSK_OK) goto fail;
-    if ((s = dsk__ckpt_parse(fn, path, f, (const unsigned char *)m->header, (size_t)(8 + hlen),
-                             (uint64_t)st.st_size)) != DSK_OK)
-        goto fail;
-    return DSK_OK;
-fail:
-    dsk_ckpt_file_close(f);
-    return s;
-}
-
-DSK_API int dsk_ckpt_file_find(const dsk_ckpt_file *f, const char *name) {
-    int lo = 0, hi = f && name ? f->n_tensors - 1 : -1;
-    while (lo <= hi) {
-        int mid = lo + (hi - lo) / 2, c = strcmp(f->tensors[mid].name, name);
-        if (c == 0) return mid;
-        if (c < 0) lo = mid + 1;
-        else hi = mid - 1;
-    }
-    return -1;
-}
-
-DSK_API const char *dsk_ckpt_file_meta(const dsk_ckpt_file *f, const char *key) {
-    int lo = 0, hi = f && key ? f->n_meta - 1 : -1;
-    while (lo <= hi) {
-        int mid = lo + (hi - lo) / 2, c = strcmp(f->meta_keys[mid], key);
-        if (c == 0) return f->meta_values[mid];
-        if (c < 0) lo = mid + 1;
-        else hi = mid - 1;
-    }
-    return NULL;
-}
-
-/* Device tensors are copied through ctx's stream: a CUDA tensor needs a CUDA ctx. */
-static dsk_status dsk__ckpt_check_device(const char *fn, const char *name, const dsk_tensor *t, const dsk_ctx *ctx) {
-    if (t->device.type == DSK_DEV_CPU) return DSK_OK;
-    if (t->device.type != DSK_DEV_CUDA || !ctx || ctx->device.type != DSK_DEV_CUDA ||
-        ctx->device.index != t->device.index)
-        return dsk_set_error(
-            DSK_ERR_ARG,
-            "%s: tensor \"%s\" is on device type %d index %d: pass a ctx on that CUDA device (dsk_ckpt_opts.ctx)", fn,
-            name, (int)t->device.type, t->device.index);
-    return DSK_OK;
-}
-
-/* Reading a box of a tensor: the box is cut into runs of contiguous bytes in the file (the
-   dims where it spans the whole tensor merge with the first one where it does not); each run
-   is read with pread, straight into the output where a run covers a whole checked block, else
-   through one cached block. */
-typedef struct dsk__ckpt_boxrd {
-    const char *fn;
-    dsk_ckpt_file *f;
-    const dsk_ckpt_tensor_info *t;
-    uint64_t nbytes;        /* the tensor's bytes */
-    uint64_t bsz;           /* bytes per checked block, 0: unchecked */
-    unsigned char *bounce;  /* one block, read and checked */
-    int64_t cached;         /* the block in bounce, -1: none */
-} dsk__ckpt_boxrd;
-
-static dsk_status dsk__ckpt_pread_data(dsk__ckpt_boxrd *rd, void *dst, uint64_t off, size_t n) {
-    dsk_ckpt_file *f = rd->f;
-    f->bytes_read += n;
-    return dsk__ckpt_pread_all(rd->fn, f->fd, dst, n, 8 + f->header_len + rd->t->begin + off, f->path);
-}
-
-static dsk_status dsk__ckpt_check_block(dsk__ckpt_boxrd *rd, uint64_t b, const unsigned char *p, size_t n) {
-    const dsk_ckpt_tensor_info *t = rd->t;
-    uint32_t want = t->crc32c, got = dsk_ckpt_crc32c(0, p, n);
-    char h[9];
-    if (t->block_crcs) {
-        memcpy(h, t->block_crcs + 8 * b, 8);
-        h[8] = 0;
-        dsk__ckpt_parse_hex32(h, &want); /* validated when the file was opened */
-    }
-    if (got == want) return DSK_OK;
-    return dsk_set_error(
-        DSK_ERR_CORRUPT,
-        "%s: tensor \"%s\" in \"%s\": bytes [%llu, %llu): crc32c %08x, header says %08x (data corrupt)", rd->fn,
-        t->name, rd->f->path, (unsigned long long)(b * rd->bsz), (unsigned long long)(b * rd->bsz + n), got, want);
-}
-
-/* Bytes of whole blocks read with one pread: large requests keep a cold read at the disk's
-   speed (1 MiB reads trail by a third on this virtual disk). */
-#define DSK__CKPT_READ_SPAN ((uint64_t)8 << 20)
-
-/* Tensor bytes [lo, hi) into out, every block they touch read and checked. */
-static dsk_status dsk__ckpt_copy_range(dsk__ckpt_boxrd *rd, uint64_t lo, uint64_t hi, unsigned char *out) {
-    if (!rd->bsz) return dsk__ckpt_pread_data(rd, out, lo, (size_t)(hi - lo));
-    while (lo < hi) {
-        uint64_t b = lo / rd->bsz, b0 = b * rd->bsz, b1 = b0 + rd->bsz < rd->nbytes ? b0 + rd->bsz : rd->nbytes;
-        uint64_t end = hi < b1 ? hi : b1;
-        if (lo == b0 && end == b1) { /* whole blocks: read in place, up to DSK__CKPT_READ_SPAN at once */
-            uint64_t e = b1, next;
-            while (e - b0 < DSK__CKPT_READ_SPAN && (next = e + rd->bsz < rd->nbytes ? e + rd->bsz : rd->nbytes) <= hi &&
-                   next > e)
-                e = next; /* the next block is wanted whole too */
-            DSK__TRY(dsk__ckpt_pread_data(rd, out, b0, (size_t)(e - b0)));
-            for (uint64_t k = b0; k < e; k += rd->bsz)
-                DSK__TRY(dsk__ckpt_check_block(rd, k / rd->bsz, out + (k - b0),
-                                               (size_t)((e - k < rd->bsz) ? e - k : rd->bsz)));
-            end = e;
-        } else {
-            if (rd->cached != (int64_t)b) {
-                if (!rd->bounce && !(rd->bounce = (unsigned char *)DSK_MALLOC((size_t)rd->bsz)))
-                    return dsk_set_error(DSK_ERR_OOM, "%s: tensor \"%s\": out of memory for a %llu-byte block", rd->fn,
-                                         rd->t->name, (unsigned long long)rd->bsz);
-                rd->cached = -1;
-                DSK__TRY(dsk__ckpt_pread_data(rd, rd->bounce, b0, (size_t)(b1 - b0)));
-                DSK__TRY(dsk__ckpt_check_block(rd, b, rd->bounce, (size_t)(b1 - b0)));
-                rd->cached = (int64_t)b;
-            }
-            memcpy(out, rd->bounce + (lo - b0), (size_t)(end - lo));
-        }
-        out += end - lo;
-        lo = end;
-    }
-    return DSK_OK;
-}
-
-/* Bytes per element of t, or 0 for packed dtypes of fewer than 8 bits. */
-static size_t dsk__ckpt_elem_bytes(const dsk_ckpt_tensor_info *t) {
-    const dsk__ckpt_stdtype *d = dsk__ckpt_stdtype_by_name(t->dtype_name);
-    return d && d->bits % 8 == 0 ? (size_t)(d->bits / 8) : 0;
-}
-
-/* Checks that box (off, shape) lies inside t; *bytes = its size. */
-static dsk_status dsk__ckpt_check_box(const char *fn, dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t,
-                                      const int64_t *off, const int64_t *shape, uint64_t *bytes) {
-    size_t es = dsk__ckpt_elem_bytes(t);
-    int whole = 1;
-    for (int d = 0; d < t->ndim; d++) {
-        if (off[d] < 0 || shape[d] < 0 || off[d] > t->shape[d] || shape[d] > t->shape[d] - off[d])
-            return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" in \"%s\": dim %d: [%lld, %lld) is outside [0, %lld)",
-                                 fn, t->name, f->path ? f->path : "buffer", d, (long long)off[d],
-                                 (long long)(off[d] + shape[d]), (long long)t->shape[d]);
-        whole &= off[d] == 0 && shape[d] == t->shape[d];
-    }
-    if (!es && !whole)
-        return dsk_set_error(DSK_ERR_UNSUPPORTED,
-                             "%s: tensor \"%s\": %s packs elements into fewer than 8 bits: only whole reads", fn,
-                             t->name, t->dtype_name);
-    *bytes = es ? (uint64_t)dsk__ckpt_numel(t->ndim, shape) * es : t->end - t->begin;
-    if (!f->has_fd)
-        return dsk_set_error(DSK_ERR_STATE, "%s: tensor \"%s\": the file was parsed from memory, not opened", fn,
-                             t->name);
-    return DSK_OK;
-}
-
-/* Reads box (off, shape) of t, checked, row-major into out (dsk__ckpt_check_box first). */
-static dsk_status dsk__ckpt_read_box_bytes(const char *fn, dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t,
-                                           const int64_t *off, const int64_t *shape, unsigned char *out) {
-    dsk__ckpt_boxrd rd;
-    int64_t stride[DSK_MAX_DIMS], idx[DSK_MAX_DIMS];
-    uint64_t run;
-    size_t es = dsk__ckpt_elem_bytes(t);
-    int k = t->ndim - 1;
-    dsk_status s = DSK_OK;
-    memset(&rd, 0, sizeof rd);
-    rd.fn = fn;
-    rd.f = f;
-    rd.t = t;
-    rd.nbytes = t->end - t->begin;
-    rd.bsz = t->block_bytes;
-    rd.cached = -1;
-    if (!es || dsk__ckpt_numel(t->ndim, t->shape) == 0) { /* packed dtype (whole only) or no elements */
-        s = dsk__ckpt_copy_range(&rd, 0, rd.nbytes, out);
-        DSK_FREE(rd.bounce);
-        return s;
-    }
-    if (dsk__ckpt_numel(t->ndim, shape) == 0) return DSK_OK;
-    for (int d = t->ndim - 1; d >= 0; d--) stride[d] = d == t->ndim - 1 ? 1 : stride[d + 1] * t->shape[d + 1];
-    run = es;
-    while (k >= 0 && off[k] == 0 && shape[k] == t->shape[k]) run *= (uint64_t)shape[k--];
-    if (k >= 0) run *= (uint64_t)shape[k];
-    for (int d = 0; d < k; d++) idx[d] = off[d];
-    for (;;) {
-        uint64_t start = k >= 0 ? (uint64_t)(off[k] * stride[k]) : 0;
-        int d;
-        for (d = 0; d < k; d++) start += (uint64_t)(idx[d] * stride[d]);
-        if ((s = dsk__ckpt_copy_range(&rd, start * es, start * es + run, out)) != DSK_OK) break;
-        out += run;
-        for (d = k - 1; d >= 0 && ++idx[d] == off[d] + shape[d]; d--) idx[d] = off[d];
-        if (d < 0) break;
-    }
-    DSK_FREE(rd.bounce);
-    return s;
-}
-
-/* Copies box (off, dst's shape) of the file tensor into dst, reading straight into dst when
-   layouts match, else through a buffer and dsk_tensor_copy (which casts). */
-static dsk_status dsk__ckpt_read_into(const char *fn, dsk_ckpt_file *f, dsk_ctx *ctx, const dsk_ckpt_tensor_info *t,
-                                      const int64_t *off, dsk_tensor *dst, int allow_cast) {
-    dsk_tensor src;
-    void *buf;
-    uint64_t bytes;
-    dsk_status s;
-    if (t->dtype < 0)
-        return dsk_set_error(DSK_ERR_UNSUPPORTED,
-                             "%s: tensor \"%s\" in \"%s\": dtype %s has no dsk dtype (dsk_ckpt_file_read_raw reads "
-                             "its bytes)",
-                             fn, t->name, f->path, t->dtype_name);
-    if ((int)dst->dtype != t->dtype && !allow_cast)
-        return dsk_set_error(DSK_ERR_ARG,
-                             "%s: tensor \"%s\" in \"%s\": file has dtype %s, model has %s (set allow_cast to convert)",
-                             fn, t->name, f->path, dsk_dtype_name((dsk_dtype)t->dtype), dsk_dtype_name(dst->dtype));
-    DSK__TRY(dsk__ckpt_check_box(fn, f, t, off, dst->shape, &bytes));
-    if (dst->device.type == DSK_DEV_CPU && (int)dst->dtype == t->dtype && dsk_tensor_is_contiguous(dst) &&
-        (dst->data || !bytes))
-        return dsk__ckpt_read_box_bytes(fn, f, t, off, dst->shape, (unsigned char *)dst->data);
-    if (!(buf = DSK_MALLOC(bytes ? (size_t)bytes : 1)))
-        return dsk_set_error(DSK_ERR_OOM, "%s: tensor \"%s\": out of memory for %llu bytes", fn, t->name,
-                             (unsigned long long)bytes);
-    s = dsk__ckpt_read_box_bytes(fn, f, t, off, dst->shape, (unsigned char *)buf);
-    if (s == DSK_OK) s = dsk_tensor_wrap(&src, buf, (dsk_dtype)t->dtype, dsk_cpu(), dst->ndim, dst->shape);
-    if (s == DSK_OK) s = dsk_tensor_copy(ctx, dst, &src);
-    DSK_FREE(buf);
-    return s;
-}
-
-/* The file tensor `name`, for the public readers. */
-static dsk_status dsk__ckpt_file_tensor(const char *fn, dsk_ckpt_file *f, const char *name,
-                                        const dsk_ckpt_tensor_info **t) {
-    int i;
-    if (!f || !name) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
-    if ((i = dsk_ckpt_file_find(f, name)) < 0)
-        return dsk_set_error(DSK_ERR_ARG, "%s: no tensor \"%s\" in \"%s\"", fn, name, f->path ? f->path : "buffer");
-    *t = &f->tensors[i];
-    return DSK_OK;
-}
-
-DSK_API dsk_status dsk_ckpt_file_read(dsk_ckpt_file *f, dsk_ctx *ctx, const char *name, dsk_tensor *dst,
-                                      int allow_cast) {
-    const char *fn = "dsk_ckpt_file_read";
-    const dsk_ckpt_tensor_info *t = NULL;
-    const int64_t zero[DSK_MAX_DIMS] = {0};
-    char a[160], b[160];
-    DSK__TRY(dsk__ckpt_file_tensor(fn, f, name, &t));
-    if (!dst) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
-    DSK__TRY(dsk__ckpt_check_device(fn, name, dst, ctx));
-    if (t->ndim != dst->ndim || memcmp(t->shape, dst->shape, (size_t)t->ndim * sizeof(int64_t)) != 0)
-        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" in \"%s\": file has %s, model has %s", fn, name,
-                             f->path ? f->path : "buffer",
-                             dsk__ckpt_desc(a, sizeof a, t->ndim, t->shape,
-                                            t->dtype >= 0 ? dsk_dtype_name((dsk_dtype)t->dtype) : t->dtype_name),
-                             dsk__ckpt_desc(b, sizeof b, dst->ndim, dst->shape, dsk_dtype_name(dst->dtype)));
-    return dsk__ckpt_read_into(fn, f, ctx, t, zero, dst, allow_cast);
-}
-
-DSK_API dsk_status dsk_ckpt_file_read_box(dsk_ckpt_file *f, dsk_ctx *ctx, const char *name, const int64_t *offset,
-                                          dsk_tensor *dst, int allow_cast) {
-    const char *fn = "dsk_ckpt_file_read_box";
-    const dsk_ckpt_tensor_info *t = NULL;
-    const int64_t zero[DSK_MAX_DIMS] = {0};
-    DSK__TRY(dsk__ckpt_file_tensor(fn, f, name, &t));
-    if (!dst) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
-    DSK__TRY(dsk__ckpt_check_device(fn, name, dst, ctx));
-    if (t->ndim != dst->ndim)
-        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" has %d dims, the destination %d", fn, name, t->ndim,
-                             dst->ndim);
-    return dsk__ckpt_read_into(fn, f, ctx, t, offset ? offset : zero, dst, allow_cast);
-}
-
-DSK_API dsk_status dsk_ckpt_file_read_raw(dsk_ckpt_file *f, const char *name, const int64_t *offset,
-                                          const int64_t *shape, void *buf, size_t cap) {
-    const char *fn = "dsk_ckpt_file_read_raw";
-    const dsk_ckpt_tensor_info *t = NULL;
-    const int64_t zero[DSK_MAX_DIMS] = {0};
-    uint64_t bytes;
-    DSK__TRY(dsk__ckpt_file_tensor(fn, f, name, &t));
-    if (!shape && t->ndim) return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": shape is NULL", fn, name);
-    if (!offset) offset = zero;
-    DSK__TRY(dsk__ckpt_check_box(fn, f, t, offset, shape ? shape : zero, &bytes));
-    if (bytes > cap || (bytes && !buf))
-        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": the box holds %llu bytes, the buffer %zu", fn, name,
-                             (unsigned long long)bytes, buf ? cap : 0);
-    return dsk__ckpt_read_box_bytes(fn, f, t, offset, shape ? shape : zero, (unsigned char *)buf);
-}
-
-/* ---------------------------------------------------------------- writing: plan, snapshot, file */
-
-typedef struct dsk__ckpt_seg {
-    char *name;
-    char *key;           /* its name in the file: name, or name@offset for one of several boxes of name */
-    int entry;           /* the entry it comes from */
-    const dsk_tensor *src;
-    dsk_dtype dtype;
-    int ndim;
-    int64_t shape[DSK_MAX_DIMS];
-    int boxed;           /* a box of a larger tensor (rank files: DSK_CKPT_ROWS and DSK_CKPT_BOX entries) */
-    int64_t off[DSK_MAX_DIMS], global[DSK_MAX_DIMS];
-    const void *data;    /* contiguous bytes to write: the tensor itself or its snapshot */
-    size_t nbytes;
-    uint64_t begin;      /* offset in the data buffer */
-    uint32_t crc;
-    uint32_t *blocks;    /* CRC32C of each DSK__CKPT_BLOCK bytes, while the file is written */
-    uint64_t n_blocks;
-    int hashed;          /* incremental saves: hash holds the content hash */
-    uint64_t hash;
-    int reused;          /* the content is unchanged since the base checkpoint: referenced, not written */
-} dsk__ckpt_seg;
-
-typedef struct dsk__ckpt_plan {
-    int rank_file;       /* 1: a rank file of a checkpoint; 0: a single file */
-    int64_t step;
-    int rank, world;
-    uint64_t attempt;    /* rank files: the save's nonce */
-    dsk__ckpt_seg *segs;
-    int n;
-    char **keys, **values;
-    int n_kv;
-    uint64_t total;      /* data bytes */
-} dsk__ckpt_plan;
-
-static void dsk__ckpt_plan_free(dsk__ckpt_plan *p) {
-    for (int i = 0; i < p->n; i++) { DSK_FREE(p->segs[i].name); DSK_FREE(p->segs[i].key); }
-    for (int i = 0; i < p->n_kv; i++) { DSK_FREE(p->keys[i]); DSK_FREE(p->values[i]); }
-    DSK_FREE(p->segs);
-    DSK_FREE(p->keys);
-    DSK_FREE(p->values);
-    memset(p, 0, sizeof *p);
-}
-
-static int dsk__ckpt_cmp_str(const void *a, const void *b) {
-    return strcmp(*(const char *const *)a, *(const char *const *)b);
-}
-
-/* Larger elements first (keeps every tensor aligned to its element size, as the reference
-   writer does), then by key. */
-static int dsk__ckpt_cmp_seg(const void *a, const void *b) {
-    const dsk__ckpt_seg *x = (const dsk__ckpt_seg *)a, *y = (const dsk__ckpt_seg *)b;
-    size_t sx = dsk_dtype_size(x->dtype), sy = dsk_dtype_size(y->dtype);
-    if (sx != sy) return sx > sy ? -1 : 1;
-    return strcmp(x->key, y->key);
-}
-
-/* By name, then by offset (lexicographically): the boxes of one name next to each other. */
-static int dsk__ckpt_cmp_seg_box(const void *a, const void *b) {
-    const dsk__ckpt_seg *x = (const dsk__ckpt_seg *)a, *y = (const dsk__ckpt_seg *)b;
-    int c = strcmp(x->name, y->name);
-    for (int d = 0; !c && d < x->ndim && d < y->ndim; d++)
-        if (x->off[d] != y->off[d]) c = x->off[d] < y->off[d] ? -1 : 1;
-    return c;
-}
-
-/* First duplicate among n strings, or NULL. */
-static const char *dsk__ckpt_find_dup(const char **names, int n) {
-    qsort((void *)names, (size_t)n, sizeof *names, dsk__ckpt_cmp_str);
-    for (int i = 1; i < n; i++)
-        if (strcmp(names[i], names[i - 1]) == 0) return names[i];
-    return NULL;
-}
+/* ---------------------------------------------------------------- rank files
+   A rank file is a safetensors file written by dsk_safetensors.h's writer whose __metadata__
+   also holds the save's step, rank, world size and nonce, each split piece's box in its whole
+   tensor and, in incremental saves, each piece's content hash ("dsk.hash.<tensor>") or, for a
+   piece an earlier file holds, the mark "dsk.reuse.<tensor>" in place of its data. The writer
+   gets each piece under its key (the name, or "<name>@<offset>" with "dsk.name.<key>" for one
+   of several boxes of a name: see the top); the keys are this file's protocol, not the codec's. */
 
 static int dsk__ckpt_cmp_entry_name(const void *a, const void *b) {
     return strcmp((*(const dsk_ckpt_entry *const *)a)->name, (*(const dsk_ckpt_entry *const *)b)->name);
@@ -2126,11 +512,11 @@ static int dsk__ckpt_cmp_entry_name(const void *a, const void *b) {
 
 /* A repeated name, or NULL: names are unique, except that a rank file may hold several boxes
    (DSK_CKPT_ROWS and DSK_CKPT_BOX entries) of one name. Sorts by_name. */
-static const char *dsk__ckpt_dup_name(const dsk_ckpt_entry **by_name, int n, int rank_file) {
+static const char *dsk__ckpt_dup_name(const dsk_ckpt_entry **by_name, int n) {
     qsort((void *)by_name, (size_t)n, sizeof *by_name, dsk__ckpt_cmp_entry_name);
     for (int i = 1; i < n; i++)
         if (strcmp(by_name[i]->name, by_name[i - 1]->name) == 0 &&
-            (!rank_file || by_name[i]->split == DSK_CKPT_WHOLE || by_name[i - 1]->split == DSK_CKPT_WHOLE))
+            (by_name[i]->split == DSK_CKPT_WHOLE || by_name[i - 1]->split == DSK_CKPT_WHOLE))
             return by_name[i]->name;
     return NULL;
 }
@@ -2138,12 +524,12 @@ static const char *dsk__ckpt_dup_name(const dsk_ckpt_entry **by_name, int n, int
 /* The key a rank file holds one of several boxes of `name` under: "<name>@<o0>,<o1>,..." (its
    offset); NULL when out of memory. */
 static char *dsk__ckpt_box_key(const char *name, int ndim, const int64_t *off) {
-    dsk__ckpt_buf b;
+    dsk__st_buf b;
     memset(&b, 0, sizeof b);
-    dsk__ckpt_puts(&b, name);
-    dsk__ckpt_puts(&b, "@");
-    for (int d = 0; d < ndim; d++) dsk__ckpt_putf(&b, d ? ",%lld" : "%lld", (long long)off[d]);
-    if (b.oom) { dsk__ckpt_buf_free(&b); return NULL; }
+    dsk__st_puts(&b, name);
+    dsk__st_puts(&b, "@");
+    for (int d = 0; d < ndim; d++) dsk__st_putf(&b, d ? ",%lld" : "%lld", (long long)off[d]);
+    if (b.oom) { dsk__st_buf_free(&b); return NULL; }
     return b.p;
 }
 
@@ -2180,427 +566,246 @@ static dsk_status dsk__ckpt_entry_box(const char *fn, const dsk_ckpt_entry *e, i
                                  e->name, dsk_tensor_describe(t, b, sizeof b), d, (long long)off[d],
                                  (long long)(off[d] + t->shape[d]), (long long)global[d]);
     }
-    if (dsk__ckpt_numel(t->ndim, global) < 0)
+    if (dsk__st_numel(t->ndim, global) < 0)
         return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": the whole shape overflows", fn, e->name);
     return DSK_OK;
 }
 
-static dsk_status dsk__ckpt_check_entry(const char *fn, const dsk_ckpt_entry *e, int i, int rank_file,
-                                        const dsk_ctx *ctx) {
-    const dsk_tensor *t = e->tensor;
+/* An entry's checks: those of a tensor to write, then its box. */
+static dsk_status dsk__ckpt_check_entry(const char *fn, const dsk_ckpt_entry *e, int i, const dsk_ctx *ctx) {
+    dsk_safetensors_entry se = {e->name, e->tensor};
     int64_t off[DSK_MAX_DIMS], global[DSK_MAX_DIMS];
-    if (!e->name || !*e->name) return dsk_set_error(DSK_ERR_ARG, "%s: entry %d has no name", fn, i);
-    if (strcmp(e->name, "__metadata__") == 0 || !dsk__ckpt_valid_utf8((const unsigned char *)e->name, strlen(e->name)))
-        return dsk_set_error(DSK_ERR_ARG, "%s: entry %d: name \"%s\" is reserved or not UTF-8", fn, i, e->name);
-    if (!t) return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" is NULL", fn, e->name);
-    if (!dsk_dtype_size(t->dtype) || t->ndim < 0 || t->ndim > DSK_MAX_DIMS || dsk__ckpt_numel(t->ndim, t->shape) < 0)
-        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": bad dtype %d or shape (ndim %d)", fn, e->name,
-                             (int)t->dtype, t->ndim);
-    if (!t->data && dsk_tensor_numel(t) > 0)
-        return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" has no data", fn, e->name);
-    DSK__TRY(dsk__ckpt_check_device(fn, e->name, t, ctx));
-    return rank_file ? dsk__ckpt_entry_box(fn, e, off, global) : DSK_OK;
+    DSK__TRY(dsk__st_check_entry(fn, &se, i, ctx));
+    return dsk__ckpt_entry_box(fn, e, off, global);
 }
 
-static dsk_status dsk__ckpt_check_kv(const char *fn, const dsk_ckpt_kv *kv, int n_kv) {
-    const char **keys;
-    const char *dup;
-    if (n_kv < 0 || (n_kv && !kv))
-        return dsk_set_error(DSK_ERR_ARG, "%s: %d key/value pairs at %p", fn, n_kv, (const void *)kv);
-    for (int i = 0; i < n_kv; i++) {
-        if (!kv[i].key || !*kv[i].key || !kv[i].value)
-            return dsk_set_error(DSK_ERR_ARG, "%s: pair %d has a NULL or empty key or NULL value", fn, i);
-        if (strncmp(kv[i].key, "dsk.", 4) == 0)
-            return dsk_set_error(DSK_ERR_ARG, "%s: key \"%s\": the prefix \"dsk.\" is reserved", fn, kv[i].key);
-        if (!dsk__ckpt_valid_utf8((const unsigned char *)kv[i].key, strlen(kv[i].key)) ||
-            !dsk__ckpt_valid_utf8((const unsigned char *)kv[i].value, strlen(kv[i].value)))
-            return dsk_set_error(DSK_ERR_ARG, "%s: pair \"%s\" is not UTF-8", fn, kv[i].key);
-    }
-    if (!n_kv) return DSK_OK;
-    keys = (const char **)DSK_MALLOC((size_t)n_kv * sizeof *keys);
-    if (!keys) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    for (int i = 0; i < n_kv; i++) keys[i] = kv[i].key;
-    dup = dsk__ckpt_find_dup(keys, n_kv);
-    if (dup) {
-        dsk_status s = dsk_set_error(DSK_ERR_ARG, "%s: key \"%s\" appears twice", fn, dup);
-        DSK_FREE((void *)keys);
-        return s;
-    }
-    DSK_FREE((void *)keys);
-    return DSK_OK;
+/* What a rank file records of one piece besides its tensor. */
+typedef struct dsk__ckpt_part {
+    char *name;          /* the tensor's name; the file holds the piece under its key (see the top) */
+    int entry;           /* its index in the caller's entries */
+    int boxed;           /* a box of a larger tensor (DSK_CKPT_ROWS and DSK_CKPT_BOX entries) */
+    int64_t off[DSK_MAX_DIMS], global[DSK_MAX_DIMS];
+    int hashed;          /* incremental saves: hash holds the content hash */
+    uint64_t hash;
+    int reused;          /* the content is unchanged since the base checkpoint: referenced, not written */
+} dsk__ckpt_part;
+
+typedef struct dsk__ckpt_rfile {
+    dsk__st_plan st;       /* the file's tensors (each under its key), pairs and layout */
+    dsk__ckpt_part *parts; /* one per st.segs[i] */
+    int n_parts;
+    int64_t step;
+    int rank, world;
+    uint64_t attempt;      /* the save's nonce */
+} dsk__ckpt_rfile;
+
+static void dsk__ckpt_rfile_free(dsk__ckpt_rfile *rf) {
+    dsk__st_plan_free(&rf->st);
+    for (int i = 0; i < rf->n_parts; i++) DSK_FREE(rf->parts[i].name);
+    DSK_FREE(rf->parts);
+    rf->parts = NULL;
+    rf->n_parts = 0;
 }
 
-/* Places the segments the file holds (not the reused ones) one after the other. */
-static void dsk__ckpt_plan_layout(dsk__ckpt_plan *p) {
-    p->total = 0;
-    for (int i = 0; i < p->n; i++) {
-        p->segs[i].begin = p->total;
-        if (!p->segs[i].reused) p->total += p->segs[i].nbytes;
-    }
+/* By name, then by offset (lexicographically): the boxes of one name next to each other. */
+static int dsk__ckpt_cmp_part_box(const void *a, const void *b) {
+    const dsk__ckpt_part *x = (const dsk__ckpt_part *)a, *y = (const dsk__ckpt_part *)b;
+    int c = strcmp(x->name, y->name);
+    for (int d = 0; !c && d < DSK_MAX_DIMS; d++)
+        if (x->off[d] != y->off[d]) c = x->off[d] < y->off[d] ? -1 : 1;
+    return c;
 }
 
 static void dsk__ckpt_box_desc(char *buf, size_t n, int ndim, const int64_t *off, const int64_t *ext);
 
-/* Two boxes of one tensor share an element. */
-static int dsk__ckpt_boxes_meet(const dsk__ckpt_seg *a, const dsk__ckpt_seg *b) {
-    if (!dsk__ckpt_numel(a->ndim, a->shape) || !dsk__ckpt_numel(b->ndim, b->shape)) return 0;
-    for (int d = 0; d < a->ndim; d++)
-        if (b->off[d] >= a->off[d] + a->shape[d] || a->off[d] >= b->off[d] + b->shape[d]) return 0;
+/* Two boxes of one tensor (offsets in a and b, shapes of ta and tb) share an element. */
+static int dsk__ckpt_boxes_meet(const dsk__ckpt_part *a, const dsk_tensor *ta, const dsk__ckpt_part *b,
+                                const dsk_tensor *tb) {
+    if (!dsk__st_numel(ta->ndim, ta->shape) || !dsk__st_numel(tb->ndim, tb->shape)) return 0;
+    for (int d = 0; d < ta->ndim; d++)
+        if (b->off[d] >= a->off[d] + ta->shape[d] || a->off[d] >= b->off[d] + tb->shape[d]) return 0;
     return 1;
 }
 
-/* The k boxes of one name a rank file holds (sorted by offset): the same dtype and whole
-   shape, and disjoint (each is compared with those starting before it ends in dim 0). */
-static dsk_status dsk__ckpt_check_boxes(const char *fn, const dsk__ckpt_seg *g, int k) {
+/* The k boxes of one name a rank file holds (g, sorted by offset; their tensors in entries):
+   the same dtype and whole shape, and disjoint (each is compared with those starting before
+   it ends in dim 0). */
+static dsk_status dsk__ckpt_check_boxes(const char *fn, const dsk__ckpt_part *g, int k,
+                                        const dsk_ckpt_entry *entries) {
+    const dsk_tensor *t0 = entries[g[0].entry].tensor;
     char x[200], y[200];
-    for (int i = 1; i < k; i++)
-        if (g[i].dtype != g[0].dtype || g[i].ndim != g[0].ndim ||
-            memcmp(g[i].global, g[0].global, (size_t)g[0].ndim * sizeof(int64_t)))
+    for (int i = 1; i < k; i++) {
+        const dsk_tensor *ti = entries[g[i].entry].tensor;
+        if (ti->dtype != t0->dtype || ti->ndim != t0->ndim ||
+            memcmp(g[i].global, g[0].global, (size_t)t0->ndim * sizeof(int64_t)))
             return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": this rank's boxes are of %s and of %s", fn,
-                                 g[0].name, dsk__ckpt_desc(x, sizeof x, g[0].ndim, g[0].global,
-                                                           dsk__ckpt_stname(g[0].dtype)),
-                                 dsk__ckpt_desc(y, sizeof y, g[i].ndim, g[i].global, dsk__ckpt_stname(g[i].dtype)));
-    for (int i = 0; i < k; i++)
-        for (int j = i + 1; j < k && (!g[i].ndim || g[j].off[0] < g[i].off[0] + g[i].shape[0]); j++)
-            if (dsk__ckpt_boxes_meet(&g[i], &g[j])) {
-                dsk__ckpt_box_desc(x, sizeof x, g[i].ndim, g[i].off, g[i].shape);
-                dsk__ckpt_box_desc(y, sizeof y, g[j].ndim, g[j].off, g[j].shape);
+                                 g[0].name, dsk__st_desc(x, sizeof x, t0->ndim, g[0].global, dsk__st_stname(t0->dtype)),
+                                 dsk__st_desc(y, sizeof y, ti->ndim, g[i].global, dsk__st_stname(ti->dtype)));
+    }
+    for (int i = 0; i < k; i++) {
+        const dsk_tensor *ti = entries[g[i].entry].tensor;
+        for (int j = i + 1; j < k && (!ti->ndim || g[j].off[0] < g[i].off[0] + ti->shape[0]); j++) {
+            const dsk_tensor *tj = entries[g[j].entry].tensor;
+            if (dsk__ckpt_boxes_meet(&g[i], ti, &g[j], tj)) {
+                dsk__ckpt_box_desc(x, sizeof x, ti->ndim, g[i].off, ti->shape);
+                dsk__ckpt_box_desc(y, sizeof y, tj->ndim, g[j].off, tj->shape);
                 return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": this rank's boxes %s and %s overlap", fn,
                                      g[i].name, x, y);
             }
+        }
+    }
     return DSK_OK;
 }
 
-/* Gives every segment its key in the file: its name, or name@offset where the file holds
-   several boxes of the name (checked by dsk__ckpt_check_boxes). Keys must be unique. */
-static dsk_status dsk__ckpt_plan_keys(const char *fn, dsk__ckpt_plan *p) {
-    const char **keys, *dup;
-    qsort(p->segs, (size_t)p->n, sizeof *p->segs, dsk__ckpt_cmp_seg_box);
-    for (int i = 0, k; i < p->n; i += k) {
-        for (k = 1; i + k < p->n && strcmp(p->segs[i + k].name, p->segs[i].name) == 0; k++) {}
-        if (k > 1) DSK__TRY(dsk__ckpt_check_boxes(fn, p->segs + i, k));
+/* The file's key of every part (n, by entry in keys[]): its name, or name@offset where the
+   file holds several boxes of the name (checked by dsk__ckpt_check_boxes); sorts parts by
+   name and box. Keys, those of the entries this file leaves out (their names) too, must be
+   unique, so every rank reports the same clash. */
+static dsk_status dsk__ckpt_part_keys(const char *fn, dsk__ckpt_part *parts, int n, const dsk_ckpt_entry *entries,
+                                     int n_entries, char **keys) {
+    const char **all, *dup;
+    qsort(parts, (size_t)n, sizeof *parts, dsk__ckpt_cmp_part_box);
+    for (int i = 0, k; i < n; i += k) {
+        for (k = 1; i + k < n && strcmp(parts[i + k].name, parts[i].name) == 0; k++) {}
+        if (k > 1) DSK__TRY(dsk__ckpt_check_boxes(fn, parts + i, k, entries));
         for (int j = i; j < i + k; j++) {
-            dsk__ckpt_seg *g = &p->segs[j];
-            g->key = k > 1 ? dsk__ckpt_box_key(g->name, g->ndim, g->off) : dsk__ckpt_strdup(g->name);
-            if (!g->key) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+            const dsk__ckpt_part *g = &parts[j];
+            char **key = &keys[g->entry];
+            *key = k > 1 ? dsk__ckpt_box_key(g->name, entries[g->entry].tensor->ndim, g->off) : dsk__st_strdup(g->name);
+            if (!*key) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
         }
     }
-    if (!(keys = (const char **)DSK_MALLOC(((size_t)p->n + 1) * sizeof *keys)))
+    if (!(all = (const char **)DSK_MALLOC(((size_t)n_entries + 1) * sizeof *all)))
         return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    for (int i = 0; i < p->n; i++) keys[i] = p->segs[i].key;
-    dup = dsk__ckpt_find_dup(keys, p->n);
+    for (int i = 0; i < n_entries; i++) all[i] = keys[i] ? keys[i] : entries[i].name;
+    dup = dsk__st_find_dup(all, n_entries);
     if (dup) {
         dsk_status s = dsk_set_error(DSK_ERR_ARG,
                                      "%s: two tensors would be stored under the key \"%s\" (a name, or name@offset "
                                      "for one of several boxes of a name)", fn, dup);
-        DSK_FREE((void *)keys);
+        DSK_FREE((void *)all);
         return s;
     }
-    DSK_FREE((void *)keys);
+    DSK_FREE((void *)all);
     return DSK_OK;
 }
 
-/* Validates the entries and pairs and copies what the file needs (names, pairs, shapes).
-   A rank file holds the split entries and, on rank 0 only, the replicated ones. */
-static dsk_status dsk__ckpt_plan_build(const char *fn, dsk__ckpt_plan *p, const dsk_ckpt_entry *entries, int n,
-                                       const dsk_ckpt_kv *kv, int n_kv, const dsk_ctx *ctx) {
-    dsk_status s;
-    const dsk_ckpt_entry **names;
-    const char *dup;
-    if (n < 0 || (n && !entries))
-        return dsk_set_error(DSK_ERR_ARG, "%s: %d entries at %p", fn, n, (const void *)entries);
-    for (int i = 0; i < n; i++)
-        DSK__TRY(dsk__ckpt_check_entry(fn, &entries[i], i, p->rank_file, ctx));
-    DSK__TRY(dsk__ckpt_check_kv(fn, kv, n_kv));
-    names = (const dsk_ckpt_entry **)DSK_MALLOC(((size_t)n + 1) * sizeof *names);
-    if (!names) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    for (int i = 0; i < n; i++) names[i] = &entries[i];
-    dup = dsk__ckpt_dup_name(names, n, p->rank_file);
-    if (dup) {
-        s = dsk_set_error(DSK_ERR_ARG, "%s: tensor name \"%s\" appears twice", fn, dup);
-        DSK_FREE((void *)names);
-        return s;
-    }
-    DSK_FREE((void *)names);
-    p->segs = (dsk__ckpt_seg *)DSK_MALLOC(((size_t)n + 1) * sizeof *p->segs);
-    p->keys = (char **)DSK_MALLOC(((size_t)n_kv + 1) * sizeof(char *));
-    p->values = (char **)DSK_MALLOC(((size_t)n_kv + 1) * sizeof(char *));
-    if (!p->segs || !p->keys || !p->values) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+/* The parts of the entries the file holds (the split ones and, on rank 0 only, the whole
+   ones), in entry order, each with its name and box; entries are checked. */
+static dsk_status dsk__ckpt_rfile_parts(const char *fn, dsk__ckpt_rfile *rf, const dsk_ckpt_entry *entries, int n) {
+    if (!(rf->parts = (dsk__ckpt_part *)DSK_MALLOC(((size_t)n + 1) * sizeof *rf->parts)))
+        return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     for (int i = 0; i < n; i++) {
         const dsk_ckpt_entry *e = &entries[i];
-        dsk__ckpt_seg *g = &p->segs[p->n];
-        if (p->rank_file && e->split == DSK_CKPT_WHOLE && p->rank != 0) continue;
-        memset(g, 0, sizeof *g);
-        if (!(g->name = dsk__ckpt_strdup(e->name))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-        p->n++;
-        g->entry = i;
-        g->src = e->tensor;
-        g->dtype = e->tensor->dtype;
-        g->ndim = e->tensor->ndim;
-        memcpy(g->shape, e->tensor->shape, sizeof g->shape);
-        g->boxed = p->rank_file && e->split != DSK_CKPT_WHOLE;
-        if (g->boxed) dsk__ckpt_entry_box(fn, e, g->off, g->global); /* checked above */
-        g->nbytes = dsk_tensor_nbytes(e->tensor);
-    }
-    for (int i = 0; i < n_kv; i++) {
-        p->keys[i] = dsk__ckpt_strdup(kv[i].key);
-        p->values[i] = dsk__ckpt_strdup(kv[i].value);
-        p->n_kv = i + 1;
-        if (!p->keys[i] || !p->values[i]) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    }
-    DSK__TRY(dsk__ckpt_plan_keys(fn, p));
-    qsort(p->segs, (size_t)p->n, sizeof *p->segs, dsk__ckpt_cmp_seg);
-    dsk__ckpt_plan_layout(p);
-    return DSK_OK;
-}
-
-/* memcpy in 4 MiB pieces over `threads` OpenMP threads: an async save's snapshot is the
-   caller's stall. */
-static void dsk__ckpt_copy_par(void *dst, const void *src, size_t n, int threads) {
-    const size_t piece = (size_t)4 << 20;
-    long long pieces = (long long)((n + piece - 1) / piece);
-    if (threads <= 1 || pieces <= 1) { memcpy(dst, src, n); return; }
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(threads)
-#endif
-    for (long long i = 0; i < pieces; i++) {
-        size_t off = (size_t)i * piece, len = n - off < piece ? n - off : piece;
-        memcpy((char *)dst + off, (const char *)src + off, len);
-    }
-}
-
-/* Points each segment at bytes to write: contiguous host tensors directly (unless copy_all),
-   everything else copied into stage (at least p->total bytes). */
-static dsk_status dsk__ckpt_snapshot(dsk__ckpt_plan *p, dsk_ctx *ctx, unsigned char *stage, int copy_all, int threads) {
-    for (int i = 0; i < p->n; i++) {
-        dsk__ckpt_seg *g = &p->segs[i];
-        dsk_tensor h;
-        int host_contig = g->src->device.type == DSK_DEV_CPU && dsk_tensor_is_contiguous(g->src);
-        if (!g->nbytes) { g->data = NULL; continue; }
-        if (host_contig && !copy_all) { g->data = g->src->data; continue; }
-        g->data = stage + g->begin;
-        if (host_contig) { dsk__ckpt_copy_par(stage + g->begin, g->src->data, g->nbytes, threads); continue; }
-        DSK__TRY(dsk_tensor_wrap(&h, stage + g->begin, g->dtype, dsk_cpu(), g->ndim, g->shape));
-        DSK__TRY(dsk_tensor_copy(ctx, &h, g->src));
+        dsk__ckpt_part *x = &rf->parts[rf->n_parts];
+        if (e->split == DSK_CKPT_WHOLE && rf->rank != 0) continue;
+        memset(x, 0, sizeof *x);
+        if (!(x->name = dsk__st_strdup(e->name))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        rf->n_parts++;
+        x->entry = i;
+        x->boxed = e->split != DSK_CKPT_WHOLE;
+        dsk__ckpt_entry_box(fn, e, x->off, x->global); /* checked by the caller */
     }
     return DSK_OK;
 }
 
-static int dsk__ckpt_needs_stage(const dsk__ckpt_plan *p) {
-    for (int i = 0; i < p->n; i++)
-        if (p->segs[i].nbytes &&
-            (p->segs[i].src->device.type != DSK_DEV_CPU || !dsk_tensor_is_contiguous(p->segs[i].src)))
-            return 1;
-    return 0;
-}
-
-/* A JSON string of prefix followed by s. */
-static void dsk__ckpt_put_jstr2(dsk__ckpt_buf *b, const char *prefix, const char *s) {
-    dsk__ckpt_buf t;
-    memset(&t, 0, sizeof t);
-    dsk__ckpt_puts(&t, prefix);
-    dsk__ckpt_puts(&t, s);
-    if (t.oom) b->oom = 1;
-    else dsk__ckpt_put_jstr(b, t.p);
-    dsk__ckpt_buf_free(&t);
-}
-
-/* The JSON header, padded with spaces to a multiple of 8 bytes. CRCs are 8 hex digits, so
-   the length does not depend on their values. */
-static void dsk__ckpt_header_json(dsk__ckpt_buf *b, const dsk__ckpt_plan *p) {
-    dsk__ckpt_putf(b, "{\"__metadata__\":{\"dsk.format\":\"%s\",\"dsk.version\":\"%d\"", DSK_CKPT_FORMAT,
-                   DSK_CKPT_VERSION);
-    if (p->rank_file)
-        dsk__ckpt_putf(
-            b, ",\"dsk.step\":\"%lld\",\"dsk.rank\":\"%d\",\"dsk.world_size\":\"%d\",\"dsk.attempt\":\"%016llx\"",
-            (long long)p->step, p->rank, p->world, (unsigned long long)p->attempt);
-    for (int i = 0; i < p->n; i++) {
-        const dsk__ckpt_seg *g = &p->segs[i];
-        if (g->hashed) {
-            dsk__ckpt_puts(b, ",");
-            dsk__ckpt_put_jstr2(b, g->reused ? "dsk.reuse." : "dsk.hash.", g->key);
-            dsk__ckpt_putf(b, ":\"%016llx\"", (unsigned long long)g->hash);
-        }
-        if (!g->reused) {
-            dsk__ckpt_puts(b, ",");
-            dsk__ckpt_put_jstr2(b, "dsk.crc32c.", g->key);
-            dsk__ckpt_putf(b, ":\"%08x\"", g->crc);
-        }
-        if (g->n_blocks > 1) {
-            dsk__ckpt_puts(b, ",");
-            dsk__ckpt_put_jstr2(b, "dsk.blocks.", g->key);
-            dsk__ckpt_putf(b, ":\"%llu:", (unsigned long long)DSK__CKPT_BLOCK);
-            for (uint64_t k = 0; k < g->n_blocks; k++) dsk__ckpt_putf(b, "%08x", g->blocks[k]);
-            dsk__ckpt_puts(b, "\"");
-        }
-        if (strcmp(g->key, g->name) != 0) {
-            dsk__ckpt_puts(b, ",");
-            dsk__ckpt_put_jstr2(b, "dsk.name.", g->key);
-            dsk__ckpt_puts(b, ":");
-            dsk__ckpt_put_jstr(b, g->name);
-        }
-        if (g->boxed) {
-            dsk__ckpt_puts(b, ",");
-            dsk__ckpt_put_jstr2(b, "dsk.box.", g->key);
-            dsk__ckpt_puts(b, ":\"");
-            for (int d = 0; d < g->ndim; d++) dsk__ckpt_putf(b, d ? ",%lld" : "%lld", (long long)g->off[d]);
-            dsk__ckpt_puts(b, ";");
-            for (int d = 0; d < g->ndim; d++) dsk__ckpt_putf(b, d ? ",%lld" : "%lld", (long long)g->global[d]);
-            dsk__ckpt_puts(b, "\"");
-        }
+/* Puts the parts in the order of the plan's segments (parts[i] describes st.segs[i]). */
+static dsk_status dsk__ckpt_rfile_order(const char *fn, dsk__ckpt_rfile *rf, int n_entries) {
+    dsk__ckpt_part *by_seg = (dsk__ckpt_part *)DSK_MALLOC(((size_t)rf->n_parts + 1) * sizeof *by_seg);
+    int *seg_of = (int *)DSK_MALLOC(((size_t)n_entries + 1) * sizeof *seg_of);
+    if (!by_seg || !seg_of) {
+        DSK_FREE(by_seg);
+        DSK_FREE(seg_of);
+        return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     }
-    for (int i = 0; i < p->n_kv; i++) {
-        dsk__ckpt_puts(b, ",");
-        dsk__ckpt_put_jstr(b, p->keys[i]);
-        dsk__ckpt_puts(b, ":");
-        dsk__ckpt_put_jstr(b, p->values[i]);
-    }
-    dsk__ckpt_puts(b, "}");
-    for (int i = 0; i < p->n; i++) {
-        const dsk__ckpt_seg *g = &p->segs[i];
-        if (g->reused) continue;
-        dsk__ckpt_puts(b, ",");
-        dsk__ckpt_put_jstr(b, g->key);
-        dsk__ckpt_putf(b, ":{\"dtype\":\"%s\",\"shape\":[", dsk__ckpt_stname(g->dtype));
-        for (int d = 0; d < g->ndim; d++) dsk__ckpt_putf(b, d ? ",%lld" : "%lld", (long long)g->shape[d]);
-        dsk__ckpt_putf(b, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)g->begin,
-                       (unsigned long long)(g->begin + g->nbytes));
-    }
-    dsk__ckpt_puts(b, "}");
-    while (!b->oom && b->n % 8) dsk__ckpt_puts(b, " ");
-}
-
-static dsk_status dsk__ckpt_pwrite_all(const char *fn, int fd, const void *p, size_t n, uint64_t off,
-                                       const char *path) {
-    const char *q = (const char *)p;
-    while (n) {
-        ssize_t k = pwrite(fd, q, n, (off_t)off);
-        if (k < 0 && errno == EINTR) continue;
-        if (k <= 0) {
-            if (k == 0) errno = EIO;
-            return dsk__ckpt_io_error(fn, "write to", path);
-        }
-        q += k; n -= (size_t)k; off += (uint64_t)k;
-    }
+    for (int i = 0; i < rf->st.n; i++) seg_of[rf->st.segs[i].entry] = i;
+    for (int i = 0; i < rf->n_parts; i++) by_seg[seg_of[rf->parts[i].entry]] = rf->parts[i];
+    DSK_FREE(rf->parts);
+    DSK_FREE(seg_of);
+    rf->parts = by_seg;
     return DSK_OK;
 }
 
-/* Bytes written between two requests to start writing back: the disk works on what a save
-   wrote while it computes CRCs and copies more, instead of all of it at the final fsync. */
-#define DSK__CKPT_WRITEBACK ((uint64_t)32 << 20)
-
-/* Asks the kernel to start writing [from, to) of fd's data back (no wait; advisory: where
-   the call does not exist or fails, the final fsync does it all). Returns `to`. */
-static uint64_t dsk__ckpt_start_writeback(int fd, uint64_t from, uint64_t to) {
-#ifdef DSK__CKPT_SYNC_RANGE
-    (void)DSK__CKPT_SYNC_RANGE(fd, from, to - from);
-#else
-    (void)fd;
-    (void)from;
-#endif
-    return to;
-}
-
-/* Per-block CRC arrays of every segment (zeros: the placeholders of the first header). */
-static dsk_status dsk__ckpt_alloc_blocks(const char *fn, dsk__ckpt_plan *p) {
-    for (int i = 0; i < p->n; i++) {
-        dsk__ckpt_seg *g = &p->segs[i];
-        g->crc = 0;
-        g->n_blocks = g->reused ? 0 : (g->nbytes + DSK__CKPT_BLOCK - 1) / DSK__CKPT_BLOCK;
-        if (!(g->blocks = (uint32_t *)DSK_MALLOC((size_t)(g->n_blocks + 1) * sizeof(uint32_t))))
-            return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-        memset(g->blocks, 0, (size_t)(g->n_blocks + 1) * sizeof(uint32_t));
+/* Validates the entries (boxes included) and pairs and plans the file: the split entries
+   and, on rank 0 only, the whole ones, each under its key. */
+static dsk_status dsk__ckpt_rfile_build(const char *fn, dsk__ckpt_rfile *rf, const dsk_ckpt_entry *entries, int n,
+                                        const dsk_ckpt_kv *kv, int n_kv, const dsk_ctx *ctx) {
+    dsk_safetensors_entry *se;
+    const dsk_ckpt_entry **by_name;
+    unsigned char *keep;
+    char **keys;
+    const char *dup;
+    dsk_status s = DSK_OK;
+    if (n < 0 || (n && !entries))
+        return dsk_set_error(DSK_ERR_ARG, "%s: %d entries at %p", fn, n, (const void *)entries);
+    for (int i = 0; i < n; i++) /* every rank checks every entry and box */
+        DSK__TRY(dsk__ckpt_check_entry(fn, &entries[i], i, ctx));
+    DSK__TRY(dsk__st_check_kv(fn, kv, n_kv));
+    se = (dsk_safetensors_entry *)DSK_MALLOC(((size_t)n + 1) * sizeof *se);
+    by_name = (const dsk_ckpt_entry **)DSK_MALLOC(((size_t)n + 1) * sizeof *by_name);
+    keep = (unsigned char *)DSK_MALLOC((size_t)n + 1);
+    keys = (char **)DSK_MALLOC(((size_t)n + 1) * sizeof *keys);
+    if (!se || !by_name || !keep || !keys) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if (keys) memset(keys, 0, ((size_t)n + 1) * sizeof *keys);
+    if (keep) memset(keep, 0, (size_t)n + 1);
+    for (int i = 0; s == DSK_OK && i < n; i++) by_name[i] = &entries[i];
+    if (s == DSK_OK && (dup = dsk__ckpt_dup_name(by_name, n)) != NULL)
+        s = dsk_set_error(DSK_ERR_ARG, "%s: tensor name \"%s\" appears twice", fn, dup);
+    if (s == DSK_OK) s = dsk__ckpt_rfile_parts(fn, rf, entries, n);
+    if (s == DSK_OK) s = dsk__ckpt_part_keys(fn, rf->parts, rf->n_parts, entries, n, keys);
+    for (int i = 0; s == DSK_OK && i < n; i++) {
+        se[i].name = keys[i] ? keys[i] : entries[i].name;
+        se[i].tensor = entries[i].tensor;
+        keep[i] = keys[i] != NULL;
     }
-    return DSK_OK;
-}
-static void dsk__ckpt_free_blocks(dsk__ckpt_plan *p) {
-    for (int i = 0; i < p->n; i++) { DSK_FREE(p->segs[i].blocks); p->segs[i].blocks = NULL; }
-}
-
-/* Writes the header (with placeholder CRCs) then the data, computing each block's CRC just
-   before writing it, then rewrites the header with the CRCs (their length is fixed). */
-static dsk_status dsk__ckpt_write_body(const char *fn, int fd, dsk__ckpt_plan *p, const char *tmp) {
-    const uint32_t k_block = dsk__ckpt_xpow8n(DSK__CKPT_BLOCK);
-    uint64_t written = 0, flushed = 0;
-    dsk__ckpt_buf h;
-    size_t hlen;
-    unsigned char len8[8];
-    dsk_status s;
-    memset(&h, 0, sizeof h);
-    if ((s = dsk__ckpt_alloc_blocks(fn, p)) != DSK_OK) goto done;
-    dsk__ckpt_put(&h, "\0\0\0\0\0\0\0\0", 8);
-    dsk__ckpt_header_json(&h, p);
-    if (h.oom) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for the header", fn); goto done; }
-    hlen = h.n - 8;
-    if (hlen > DSK_CKPT_MAX_HEADER) {
-        s = dsk_set_error(DSK_ERR_ARG, "%s: a %zu-byte header (%d tensors) exceeds the safetensors limit of %llu bytes",
-                          fn, hlen, p->n, (unsigned long long)DSK_CKPT_MAX_HEADER);
-        goto done;
-    }
-    if ((s = dsk__ckpt_write_all(fn, fd, h.p, h.n, tmp)) != DSK_OK) goto done;
-    for (int i = 0; i < p->n && s == DSK_OK; i++) {
-        dsk__ckpt_seg *g = &p->segs[i];
-        const unsigned char *q = (const unsigned char *)g->data;
-        for (uint64_t b = 0; b < g->n_blocks && s == DSK_OK; b++) {
-            size_t off = (size_t)(b * DSK__CKPT_BLOCK),
-                   k = g->nbytes - off < DSK__CKPT_BLOCK ? g->nbytes - off : DSK__CKPT_BLOCK;
-            g->blocks[b] = dsk_ckpt_crc32c(0, q + off, k);
-            g->crc = dsk__ckpt_mulmod(k == DSK__CKPT_BLOCK ? k_block : dsk__ckpt_xpow8n(k), g->crc) ^ g->blocks[b];
-            s = dsk__ckpt_write_all(fn, fd, q + off, k, tmp);
-            written += k;
-            if (s == DSK_OK && written - flushed >= DSK__CKPT_WRITEBACK)
-                flushed = dsk__ckpt_start_writeback(fd, flushed, written);
-        }
-    }
-    if (s == DSK_OK) {
-        h.n = 0;
-        for (int i = 0; i < 8; i++) len8[i] = (unsigned char)((uint64_t)hlen >> (8 * i));
-        dsk__ckpt_put(&h, (const char *)len8, 8);
-        dsk__ckpt_header_json(&h, p);
-        if (h.oom || h.n != hlen + 8) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for the header", fn);
-        else s = dsk__ckpt_pwrite_all(fn, fd, h.p, h.n, 0, tmp);
-    }
-done:
-    dsk__ckpt_free_blocks(p);
-    dsk__ckpt_buf_free(&h);
+    if (s == DSK_OK) s = dsk__st_plan_build(fn, &rf->st, se, n, keep, kv, n_kv, ctx);
+    if (s == DSK_OK) s = dsk__ckpt_rfile_order(fn, rf, n);
+    for (int i = 0; keys && i < n; i++) DSK_FREE(keys[i]);
+    DSK_FREE(keys);
+    DSK_FREE(se);
+    DSK_FREE((void *)by_name);
+    DSK_FREE(keep);
     return s;
 }
 
-/* Writes the plan as dir/base, atomically and durably. */
-static dsk_status dsk__ckpt_write_plan(const char *fn, dsk__ckpt_plan *p, const char *dir, const char *base, int how) {
-    char *tmp = NULL;
-    int fd = -1;
-    dsk_status s;
-    DSK__TRY(dsk__ckpt_open_tmp(fn, dir, base, &tmp, &fd));
-    if ((s = dsk__ckpt_write_body(fn, fd, p, tmp)) != DSK_OK) {
-        close(fd);
-        unlink(tmp);
-        DSK_FREE(tmp);
-        return s;
+/* The rank file's own metadata (dsk__st_meta_fn): the segments' names are their keys. */
+static void dsk__ckpt_rfile_meta(dsk__st_buf *b, const dsk__st_plan *p, void *user) {
+    const dsk__ckpt_rfile *rf = (const dsk__ckpt_rfile *)user;
+    dsk__st_putf(b, ",\"dsk.step\":\"%lld\",\"dsk.rank\":\"%d\"", (long long)rf->step, rf->rank);
+    dsk__st_putf(b, ",\"dsk.world_size\":\"%d\",\"dsk.attempt\":\"%016llx\"", rf->world,
+                 (unsigned long long)rf->attempt);
+    for (int i = 0; i < p->n; i++) {
+        const dsk__ckpt_part *x = &rf->parts[i];
+        const char *key = p->segs[i].name;
+        if (x->hashed) {
+            dsk__st_puts(b, ",");
+            dsk__st_put_jstr2(b, x->reused ? "dsk.reuse." : "dsk.hash.", key);
+            dsk__st_putf(b, ":\"%016llx\"", (unsigned long long)x->hash);
+        }
+        if (strcmp(key, x->name) != 0) {
+            dsk__st_puts(b, ",");
+            dsk__st_put_jstr2(b, "dsk.name.", key);
+            dsk__st_puts(b, ":");
+            dsk__st_put_jstr(b, x->name);
+        }
+        if (x->boxed) {
+            dsk__st_puts(b, ",");
+            dsk__st_put_jstr2(b, "dsk.box.", key);
+            dsk__st_puts(b, ":\"");
+            for (int d = 0; d < p->segs[i].ndim; d++) dsk__st_putf(b, d ? ",%lld" : "%lld", (long long)x->off[d]);
+            dsk__st_puts(b, ";");
+            for (int d = 0; d < p->segs[i].ndim; d++) dsk__st_putf(b, d ? ",%lld" : "%lld", (long long)x->global[d]);
+            dsk__st_puts(b, "\"");
+        }
     }
-    return dsk__ckpt_commit_tmp(fn, fd, tmp, dir, base, how);
 }
 
-DSK_API dsk_status dsk_ckpt_file_save(dsk_ctx *ctx, const char *path, const dsk_ckpt_entry *entries, int n,
-                                      const dsk_ckpt_kv *kv, int n_kv) {
-    const char *fn = "dsk_ckpt_file_save";
-    dsk__ckpt_plan p;
-    unsigned char *stage = NULL;
-    char *dir = NULL, *base = NULL;
-    dsk_status s;
-    memset(&p, 0, sizeof p);
-    if (!path) return dsk_set_error(DSK_ERR_ARG, "%s: path is NULL", fn);
-    DSK__TRY(dsk__ckpt_split_path(fn, path, &dir, &base));
-    s = dsk__ckpt_plan_build(fn, &p, entries, n, kv, n_kv, ctx);
-    if (s == DSK_OK && dsk__ckpt_needs_stage(&p) && !(stage = (unsigned char *)DSK_MALLOC((size_t)p.total)))
-        s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for a %llu-byte snapshot", fn, (unsigned long long)p.total);
-    if (s == DSK_OK) s = dsk__ckpt_snapshot(&p, ctx, stage, 0, 1);
-    if (s == DSK_OK) s = dsk__ckpt_write_plan(fn, &p, dir, base, DSK__CKPT_DURABLE | DSK__CKPT_WITHDRAW);
-    dsk__ckpt_plan_free(&p);
-    DSK_FREE(stage);
-    DSK_FREE(dir);
-    DSK_FREE(base);
-    return s;
+/* Writes the rank file as dir/base, atomically (durably as `how` asks). */
+static dsk_status dsk__ckpt_rfile_write(const char *fn, dsk__ckpt_rfile *rf, const char *dir, const char *base,
+                                        int how) {
+    rf->st.meta = dsk__ckpt_rfile_meta;
+    rf->st.meta_user = rf;
+    return dsk__st_write_plan(fn, &rf->st, dir, base, how);
 }
 
 /* ---------------------------------------------------------------- checkpoint directories */
@@ -2614,7 +819,7 @@ static void dsk__ckpt_step_name(char *buf, size_t n, int64_t step) { snprintf(bu
 static char *dsk__ckpt_step_dir(const char *root, int64_t step) {
     char name[40];
     dsk__ckpt_step_name(name, sizeof name, step);
-    return dsk__ckpt_join(root, name);
+    return dsk__st_join(root, name);
 }
 
 /* A rank file's name: rank and the nonce of the save that wrote it. */
@@ -2627,7 +832,7 @@ static char *dsk__ckpt_file_path(const char *root, int64_t step, int rank, uint6
     char name[80], *sd = dsk__ckpt_step_dir(root, step), *p;
     if (!sd) return NULL;
     dsk__ckpt_rank_name(name, sizeof name, rank, attempt);
-    p = dsk__ckpt_join(sd, name);
+    p = dsk__st_join(sd, name);
     DSK_FREE(sd);
     return p;
 }
@@ -2649,15 +854,10 @@ static int64_t dsk__ckpt_parse_step_name(const char *name) {
     return strcmp(canon, name) == 0 ? (int64_t)v : -1;
 }
 
-static int dsk__ckpt_exists(const char *path) {
-    struct stat st;
-    return stat(path, &st) == 0;
-}
-
 /* A fresh 62-bit nonce (non-zero) naming one save's files: from /dev/urandom, else the clock,
-   the process and a counter. */
-static uint64_t dsk__ckpt_nonce(void) {
-    static uint64_t counter;
+   the process, the object that saves and its count of saves (so two saves in one clock tick
+   differ without any state shared between threads). */
+static uint64_t dsk__ckpt_nonce(const void *owner, uint64_t seq) {
     uint64_t v = 0;
     int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
     if (fd >= 0) {
@@ -2668,7 +868,7 @@ static uint64_t dsk__ckpt_nonce(void) {
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
         v = ((uint64_t)ts.tv_sec * 1000000007u) ^ (uint64_t)ts.tv_nsec ^ ((uint64_t)getpid() << 32) ^
-            (++counter * 0x9e3779b97f4a7c15ull);
+            (((uint64_t)(uintptr_t)owner + seq) * 0x9e3779b97f4a7c15ull);
     }
     v &= 0x3fffffffffffffffull;
     return v ? v : 1;
@@ -2676,18 +876,18 @@ static uint64_t dsk__ckpt_nonce(void) {
 
 /* CRC32C of a whole file from its parsed header: the header bytes' CRC combined with each
    tensor's recorded CRC in data order. Every tensor must record one. */
-static dsk_status dsk__ckpt_file_crc(const char *fn, const dsk_ckpt_file *f, uint32_t *out) {
-    dsk_ckpt_tensor_info **order = (dsk_ckpt_tensor_info **)DSK_MALLOC(((size_t)f->n_tensors + 1) * sizeof *order);
+static dsk_status dsk__ckpt_file_crc(const char *fn, const dsk_safetensors_file *f, uint32_t *out) {
+    dsk_safetensors_info **order = (dsk_safetensors_info **)DSK_MALLOC(((size_t)f->n_tensors + 1) * sizeof *order);
     uint32_t crc = f->header_crc32c;
     dsk_status s = DSK_OK;
     if (!order) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     for (int i = 0; i < f->n_tensors; i++) order[i] = &f->tensors[i];
-    qsort(order, (size_t)f->n_tensors, sizeof *order, dsk__ckpt_cmp_info_off);
+    qsort(order, (size_t)f->n_tensors, sizeof *order, dsk__st_cmp_info_off);
     for (int i = 0; i < f->n_tensors && s == DSK_OK; i++) {
         if (!order[i]->has_crc)
             s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": tensor \"%s\" has no dsk.crc32c entry", fn, f->path,
                               order[i]->name);
-        crc = dsk_ckpt_crc32c_combine(crc, order[i]->crc32c, order[i]->end - order[i]->begin);
+        crc = dsk_safetensors_crc32c_combine(crc, order[i]->crc32c, order[i]->end - order[i]->begin);
     }
     DSK_FREE(order);
     *out = crc;
@@ -2713,22 +913,22 @@ static int dsk__ckpt_parse_hex64(const char *s, uint64_t *out) {
     if (!s || strlen(s) != 16) return 0;
     memcpy(h, s, 8);
     h[8] = 0;
-    if (!dsk__ckpt_parse_hex32(h, &hi) || !dsk__ckpt_parse_hex32(s + 8, &lo)) return 0;
+    if (!dsk__st_parse_hex32(h, &hi) || !dsk__st_parse_hex32(s + 8, &lo)) return 0;
     *out = (uint64_t)hi << 32 | lo;
     return 1;
 }
 
 /* A rank file's header metadata must name the save that wrote it: step, rank, world size and
    nonce (attempt). */
-static dsk_status dsk__ckpt_check_rank_meta(const char *fn, const dsk_ckpt_file *f, int64_t step, int rank, int world,
-                                            uint64_t attempt) {
+static dsk_status dsk__ckpt_check_rank_meta(const char *fn, const dsk_safetensors_file *f, int64_t step, int rank,
+                                            int world, uint64_t attempt) {
     int64_t v[3];
     uint64_t a = 0;
-    const char *fmt = dsk_ckpt_file_meta(f, "dsk.format");
-    if (!fmt || strcmp(fmt, DSK_CKPT_FORMAT) != 0 || !dsk__ckpt_parse_i64(dsk_ckpt_file_meta(f, "dsk.step"), &v[0]) ||
-        !dsk__ckpt_parse_i64(dsk_ckpt_file_meta(f, "dsk.rank"), &v[1]) ||
-        !dsk__ckpt_parse_i64(dsk_ckpt_file_meta(f, "dsk.world_size"), &v[2]) ||
-        !dsk__ckpt_parse_hex64(dsk_ckpt_file_meta(f, "dsk.attempt"), &a))
+    const char *fmt = dsk_safetensors_meta(f, "dsk.format");
+    if (!fmt || strcmp(fmt, DSK_CKPT_FORMAT) != 0 || !dsk__ckpt_parse_i64(dsk_safetensors_meta(f, "dsk.step"), &v[0]) ||
+        !dsk__ckpt_parse_i64(dsk_safetensors_meta(f, "dsk.rank"), &v[1]) ||
+        !dsk__ckpt_parse_i64(dsk_safetensors_meta(f, "dsk.world_size"), &v[2]) ||
+        !dsk__ckpt_parse_hex64(dsk_safetensors_meta(f, "dsk.attempt"), &a))
         return dsk_set_error(
             DSK_ERR_CORRUPT,
             "%s: \"%s\" lacks the dsk.format/step/rank/world_size/attempt metadata of a dsk checkpoint", fn, f->path);
@@ -2763,48 +963,49 @@ static int dsk__ckpt_parse_box(const char *v, int ndim, int64_t *off, int64_t *g
 }
 
 /* The content hash a rank file records under prefix + name: 1 found, 0 absent, -1 malformed. */
-static int dsk__ckpt_meta_hash(const dsk_ckpt_file *f, const char *prefix, const char *name, uint64_t *hash) {
+static int dsk__ckpt_meta_hash(const dsk_safetensors_file *f, const char *prefix, const char *name, uint64_t *hash) {
     char key[1100];
     const char *v;
     snprintf(key, sizeof key, "%s%s", prefix, name);
-    if (!(v = dsk_ckpt_file_meta(f, key))) return 0;
+    if (!(v = dsk_safetensors_meta(f, key))) return 0;
     return dsk__ckpt_parse_hex64(v, hash) ? 1 : -1;
 }
 
 /* The box a rank file records for a tensor ("dsk.box.<name>"): 1 found and valid, 0 absent
    (the whole tensor), -1 malformed, outside its whole tensor, or out of memory. */
-static int dsk__ckpt_box_of(const dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t, int64_t *off, int64_t *global) {
-    dsk__ckpt_buf kb;
+static int dsk__ckpt_box_of(const dsk_safetensors_file *f, const dsk_safetensors_info *t, int64_t *off,
+                            int64_t *global) {
+    dsk__st_buf kb;
     const char *v;
     int r = 1;
     memset(&kb, 0, sizeof kb);
-    dsk__ckpt_puts(&kb, "dsk.box.");
-    dsk__ckpt_puts(&kb, t->name);
-    v = kb.oom ? NULL : dsk_ckpt_file_meta(f, kb.p);
+    dsk__st_puts(&kb, "dsk.box.");
+    dsk__st_puts(&kb, t->name);
+    v = kb.oom ? NULL : dsk_safetensors_meta(f, kb.p);
     memset(off, 0, DSK_MAX_DIMS * sizeof *off);
     memcpy(global, t->shape, DSK_MAX_DIMS * sizeof *global);
     if (kb.oom) r = -1;
     else if (!v) r = 0;
-    else if (!dsk__ckpt_parse_box(v, t->ndim, off, global) || dsk__ckpt_numel(t->ndim, global) < 0) r = -1;
+    else if (!dsk__ckpt_parse_box(v, t->ndim, off, global) || dsk__st_numel(t->ndim, global) < 0) r = -1;
     for (int d = 0; r == 1 && d < t->ndim; d++)
         if (off[d] > global[d] - t->shape[d]) r = -1;
-    dsk__ckpt_buf_free(&kb);
+    dsk__st_buf_free(&kb);
     return r;
 }
 
 /* The tensor a rank file holds under `key`: the value of "dsk.name.<key>" where the file
    holds several boxes of one name (under keys "<name>@<offset>"), else the key itself. NULL
    when out of memory. */
-static const char *dsk__ckpt_key_name(const dsk_ckpt_file *f, const char *key) {
-    dsk__ckpt_buf kb;
+static const char *dsk__ckpt_key_name(const dsk_safetensors_file *f, const char *key) {
+    dsk__st_buf kb;
     const char *v;
     int oom;
     memset(&kb, 0, sizeof kb);
-    dsk__ckpt_puts(&kb, "dsk.name.");
-    dsk__ckpt_puts(&kb, key);
-    v = kb.oom ? NULL : dsk_ckpt_file_meta(f, kb.p);
+    dsk__st_puts(&kb, "dsk.name.");
+    dsk__st_puts(&kb, key);
+    v = kb.oom ? NULL : dsk_safetensors_meta(f, kb.p);
     oom = kb.oom;
-    dsk__ckpt_buf_free(&kb);
+    dsk__st_buf_free(&kb);
     return oom ? NULL : v ? v : key;
 }
 
@@ -2825,6 +1026,12 @@ static int dsk__ckpt_key_fits(const char *key, const char *name, int ndim, const
    where each piece of each tensor is: a slice [file, offset..., shape...] per piece. Its last
    line carries the CRC32C of everything before it. */
 
+/* Integer member `key` of object obj. */
+static int dsk__ckpt_jget_int(const dsk__st_json *j, int obj, const char *key, int64_t *out) {
+    int c = dsk__st_jget(j, obj, key);
+    return c >= 0 && dsk__st_jint(j, c, out);
+}
+
 typedef struct dsk__ckpt_mfile {
     int64_t step;
     int rank, world;
@@ -2841,7 +1048,7 @@ typedef struct dsk__ckpt_mslice {
 
 typedef struct dsk__ckpt_mtensor {
     const char *name;
-    const dsk__ckpt_stdtype *dt;
+    const dsk__st_stdtype *dt;
     int ndim;
     int64_t shape[DSK_MAX_DIMS];
     int first, n_slices;
@@ -2849,7 +1056,7 @@ typedef struct dsk__ckpt_mtensor {
 
 typedef struct dsk__ckpt_manifest {
     char *path, *text;
-    dsk__ckpt_json json;
+    dsk__st_json json;
     int64_t step;
     uint64_t generation, attempt;
     int world;
@@ -2864,7 +1071,7 @@ typedef struct dsk__ckpt_manifest {
 static void dsk__ckpt_manifest_free(dsk__ckpt_manifest *m) {
     DSK_FREE(m->path);
     DSK_FREE(m->text);
-    dsk__ckpt_json_free(&m->json);
+    dsk__st_json_free(&m->json);
     DSK_FREE(m->files);
     DSK_FREE(m->tensors);
     DSK_FREE(m->slices);
@@ -2888,13 +1095,18 @@ static dsk_status dsk__ckpt_bad_manifest(const char *fn, const dsk__ckpt_manifes
 typedef struct dsk__ckpt_tbox {
     const int64_t *off, *ext;
     int who;
+    int64_t key;         /* off[d] of the dim being sorted on (the sort's key travels with the box) */
 } dsk__ckpt_tbox;
 
-static int dsk__ckpt_tile_dim;
 static int dsk__ckpt_cmp_tbox(const void *a, const void *b) {
-    const dsk__ckpt_tbox *x = (const dsk__ckpt_tbox *)a, *y = (const dsk__ckpt_tbox *)b;
-    int64_t u = x->off[dsk__ckpt_tile_dim], v = y->off[dsk__ckpt_tile_dim];
+    int64_t u = ((const dsk__ckpt_tbox *)a)->key, v = ((const dsk__ckpt_tbox *)b)->key;
     return u < v ? -1 : u > v;
+}
+
+/* Sorts the boxes by their offset in dim d. */
+static void dsk__ckpt_sort_tboxes(dsk__ckpt_tbox *b, int k, int d) {
+    for (int i = 0; i < k; i++) b[i].key = b[i].off[d];
+    qsort(b, (size_t)k, sizeof *b, dsk__ckpt_cmp_tbox);
 }
 
 static void dsk__ckpt_box_desc(char *buf, size_t n, int ndim, const int64_t *off, const int64_t *ext) {
@@ -2906,26 +1118,23 @@ static void dsk__ckpt_box_desc(char *buf, size_t n, int ndim, const int64_t *off
 }
 
 /* 0 when the boxes tile `shape`; else the two boxes (who) that overlap, or -1 and the
-   element count when there is a gap. Boxes must lie inside shape. tile_dim is a file-scope
-   variable for qsort: only called under the caller's single thread per process at a time. */
+   element count when there is a gap. Boxes must lie inside shape. */
 static int dsk__ckpt_tiles(dsk__ckpt_tbox *b, int k, int ndim, const int64_t *shape, int *who_a, int *who_b,
                            uint64_t *covered) {
     int best = 0, best_n = -1;
     uint64_t sum = 0;
     for (int d = 0; d < ndim; d++) { /* distinct offsets per dim, by sorting */
         int distinct = 0;
-        dsk__ckpt_tile_dim = d;
-        qsort(b, (size_t)k, sizeof *b, dsk__ckpt_cmp_tbox);
+        dsk__ckpt_sort_tboxes(b, k, d);
         for (int i = 0; i < k; i++) distinct += i == 0 || b[i].off[d] != b[i - 1].off[d];
         if (distinct > best_n) { best_n = distinct; best = d; }
     }
-    dsk__ckpt_tile_dim = best;
-    if (ndim) qsort(b, (size_t)k, sizeof *b, dsk__ckpt_cmp_tbox);
+    if (ndim) dsk__ckpt_sort_tboxes(b, k, best);
     for (int i = 0; i < k; i++) {
-        uint64_t vol = (uint64_t)dsk__ckpt_numel(ndim, b[i].ext);
+        uint64_t vol = (uint64_t)dsk__st_numel(ndim, b[i].ext);
         sum += vol;
         for (int j = i + 1; ndim && j < k && b[j].off[best] < b[i].off[best] + b[i].ext[best]; j++) {
-            int disjoint = vol == 0 || dsk__ckpt_numel(ndim, b[j].ext) == 0;
+            int disjoint = vol == 0 || dsk__st_numel(ndim, b[j].ext) == 0;
             for (int d = 0; d < ndim && !disjoint; d++)
                 disjoint = b[j].off[d] >= b[i].off[d] + b[i].ext[d] || b[i].off[d] >= b[j].off[d] + b[j].ext[d];
             if (!disjoint) { *who_a = b[i].who; *who_b = b[j].who; return 1; }
@@ -2933,25 +1142,25 @@ static int dsk__ckpt_tiles(dsk__ckpt_tbox *b, int k, int ndim, const int64_t *sh
         if (!ndim && i > 0) { *who_a = b[0].who; *who_b = b[i].who; return 1; }
     }
     *covered = sum;
-    return sum == (uint64_t)dsk__ckpt_numel(ndim, shape) ? 0 : -1;
+    return sum == (uint64_t)dsk__st_numel(ndim, shape) ? 0 : -1;
 }
 
 static dsk_status dsk__ckpt_manifest_files(const char *fn, dsk__ckpt_manifest *m, int files) {
-    const dsk__ckpt_json *j = &m->json;
+    const dsk__st_json *j = &m->json;
     int i = 0;
-    m->n_files = dsk__ckpt_jcount(j, files);
-    if (dsk__ckpt_jtype(j, files) != DSK__CKPT_J_ARR || m->n_files < m->world)
+    m->n_files = dsk__st_jcount(j, files);
+    if (dsk__st_jtype(j, files) != DSK__ST_J_ARR || m->n_files < m->world)
         return dsk__ckpt_bad_manifest(fn, m, "\"files\" is not an array of at least world_size entries", NULL);
     if (!(m->files = (dsk__ckpt_mfile *)DSK_MALLOC((size_t)m->n_files * sizeof *m->files)))
         return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    for (int c = dsk__ckpt_jchild(j, files); c >= 0; c = dsk__ckpt_jnext(j, c), i++) {
+    for (int c = dsk__st_jchild(j, files); c >= 0; c = dsk__st_jnext(j, c), i++) {
         dsk__ckpt_mfile *f = &m->files[i];
         int64_t step, rank, world, size;
-        if (dsk__ckpt_jtype(j, c) != DSK__CKPT_J_OBJ || !dsk__ckpt_jget_int(j, c, "step", &step) || step < 0 ||
+        if (dsk__st_jtype(j, c) != DSK__ST_J_OBJ || !dsk__ckpt_jget_int(j, c, "step", &step) || step < 0 ||
             !dsk__ckpt_jget_int(j, c, "rank", &rank) || rank < 0 || !dsk__ckpt_jget_int(j, c, "world_size", &world) ||
             world < 1 || world > (1 << 20) || rank >= world || !dsk__ckpt_jget_int(j, c, "size", &size) || size < 8 ||
-            !dsk__ckpt_parse_hex64(dsk__ckpt_jstr(j, dsk__ckpt_jget(j, c, "attempt")), &f->attempt) || !f->attempt ||
-            !dsk__ckpt_parse_hex32(dsk__ckpt_jstr(j, dsk__ckpt_jget(j, c, "crc32c")), &f->crc))
+            !dsk__ckpt_parse_hex64(dsk__st_jstr(j, dsk__st_jget(j, c, "attempt")), &f->attempt) || !f->attempt ||
+            !dsk__st_parse_hex32(dsk__st_jstr(j, dsk__st_jget(j, c, "crc32c")), &f->crc))
             return dsk__ckpt_bad_manifest(
                 fn, m, "a \"files\" entry lacks step, rank, world_size, attempt, size or crc32c", NULL);
         f->step = step;
@@ -2970,39 +1179,39 @@ static dsk_status dsk__ckpt_manifest_files(const char *fn, dsk__ckpt_manifest *m
 /* One tensor: dtype, whole shape, and slices [file, offset..., shape...] that tile it. */
 static dsk_status dsk__ckpt_manifest_tensor_parse(const char *fn, dsk__ckpt_manifest *m, int node, dsk__ckpt_mtensor *t,
                                                   int *n_slices, int64_t **box_next) {
-    const dsk__ckpt_json *j = &m->json;
-    int sh = dsk__ckpt_jget(j, node, "shape"), sl = dsk__ckpt_jget(j, node, "slices"), a = 0, b = 0;
+    const dsk__st_json *j = &m->json;
+    int sh = dsk__st_jget(j, node, "shape"), sl = dsk__st_jget(j, node, "slices"), a = 0, b = 0;
     const char *dtype =
-        dsk__ckpt_jtype(j, node) == DSK__CKPT_J_OBJ ? dsk__ckpt_jstr(j, dsk__ckpt_jget(j, node, "dtype")) : NULL;
+        dsk__st_jtype(j, node) == DSK__ST_J_OBJ ? dsk__st_jstr(j, dsk__st_jget(j, node, "dtype")) : NULL;
     dsk__ckpt_tbox *tb;
     uint64_t covered = 0;
     int r;
-    t->name = dsk__ckpt_jkey(j, node);
-    if (dsk__ckpt_jkey_nul(j, node)) return dsk__ckpt_bad_manifest(fn, m, "tensor name with a NUL character", NULL);
-    if (!dtype || !(t->dt = dsk__ckpt_stdtype_by_name(dtype)))
+    t->name = dsk__st_jkey(j, node);
+    if (dsk__st_jkey_nul(j, node)) return dsk__ckpt_bad_manifest(fn, m, "tensor name with a NUL character", NULL);
+    if (!dtype || !(t->dt = dsk__st_stdtype_by_name(dtype)))
         return dsk__ckpt_bad_manifest(fn, m, "missing or unknown dtype", t->name);
-    if (sh < 0 || dsk__ckpt_jtype(j, sh) != DSK__CKPT_J_ARR || dsk__ckpt_jcount(j, sh) > DSK_MAX_DIMS)
+    if (sh < 0 || dsk__st_jtype(j, sh) != DSK__ST_J_ARR || dsk__st_jcount(j, sh) > DSK_MAX_DIMS)
         return dsk__ckpt_bad_manifest(fn, m, "bad shape", t->name);
     t->ndim = 0;
-    for (int d = dsk__ckpt_jchild(j, sh); d >= 0; d = dsk__ckpt_jnext(j, d))
-        if (!dsk__ckpt_jsize(j, d, &t->shape[t->ndim++])) return dsk__ckpt_bad_manifest(fn, m, "bad shape", t->name);
-    if (dsk__ckpt_numel(t->ndim, t->shape) < 0) return dsk__ckpt_bad_manifest(fn, m, "shape overflows", t->name);
-    if (sl < 0 || dsk__ckpt_jtype(j, sl) != DSK__CKPT_J_ARR || dsk__ckpt_jcount(j, sl) < 1)
+    for (int d = dsk__st_jchild(j, sh); d >= 0; d = dsk__st_jnext(j, d))
+        if (!dsk__st_jsize(j, d, &t->shape[t->ndim++])) return dsk__ckpt_bad_manifest(fn, m, "bad shape", t->name);
+    if (dsk__st_numel(t->ndim, t->shape) < 0) return dsk__ckpt_bad_manifest(fn, m, "shape overflows", t->name);
+    if (sl < 0 || dsk__st_jtype(j, sl) != DSK__ST_J_ARR || dsk__st_jcount(j, sl) < 1)
         return dsk__ckpt_bad_manifest(fn, m, "a tensor without slices", t->name);
     t->first = *n_slices;
-    t->n_slices = dsk__ckpt_jcount(j, sl);
-    for (int c = dsk__ckpt_jchild(j, sl); c >= 0; c = dsk__ckpt_jnext(j, c)) {
+    t->n_slices = dsk__st_jcount(j, sl);
+    for (int c = dsk__st_jchild(j, sl); c >= 0; c = dsk__st_jnext(j, c)) {
         dsk__ckpt_mslice *x = &m->slices[(*n_slices)++];
         int64_t v, *box = *box_next;
-        int e = dsk__ckpt_jchild(j, c), i = 0, len = dsk__ckpt_jcount(j, c);
-        if (dsk__ckpt_jtype(j, c) != DSK__CKPT_J_ARR || (len != 1 + 2 * t->ndim && len != 2 + 2 * t->ndim) ||
-            !dsk__ckpt_jsize(j, e, &v) || v >= m->n_files)
+        int e = dsk__st_jchild(j, c), i = 0, len = dsk__st_jcount(j, c);
+        if (dsk__st_jtype(j, c) != DSK__ST_J_ARR || (len != 1 + 2 * t->ndim && len != 2 + 2 * t->ndim) ||
+            !dsk__st_jsize(j, e, &v) || v >= m->n_files)
             return dsk__ckpt_bad_manifest(fn, m, "a slice is not [file, offset..., shape... (, hash)]", t->name);
         x->file = (int)v;
         x->has_hash = len == 2 + 2 * t->ndim;
-        for (e = dsk__ckpt_jnext(j, e); e >= 0; e = dsk__ckpt_jnext(j, e), i++)
-            if (i == 2 * t->ndim ? !dsk__ckpt_parse_hex64(dsk__ckpt_jstr(j, e), &x->hash)
-                                 : !dsk__ckpt_jsize(j, e, &box[i]))
+        for (e = dsk__st_jnext(j, e); e >= 0; e = dsk__st_jnext(j, e), i++)
+            if (i == 2 * t->ndim ? !dsk__ckpt_parse_hex64(dsk__st_jstr(j, e), &x->hash)
+                                 : !dsk__st_jsize(j, e, &box[i]))
                 return dsk__ckpt_bad_manifest(fn, m, "a slice is not [file, offset..., shape... (, hash)]", t->name);
         for (int d = 0; d < t->ndim; d++)
             if (box[d] > t->shape[d] || box[t->ndim + d] > t->shape[d] - box[d])
@@ -3030,9 +1239,9 @@ static dsk_status dsk__ckpt_manifest_parse(const char *fn, dsk__ckpt_manifest *m
     int top = 0, tens, files, n_slices = 0;
     uint64_t n_box = 0, n_sl = 0;
     const char *fmt;
-    dsk__ckpt_json *j = &m->json;
-    DSK__TRY(dsk__ckpt_json_parse(j, m->text, len, fn, m->path));
-    fmt = dsk__ckpt_jstr(j, dsk__ckpt_jget(j, top, "format"));
+    dsk__st_json *j = &m->json;
+    DSK__TRY(dsk__st_json_parse(j, m->text, len, fn, m->path));
+    fmt = dsk__st_jstr(j, dsk__st_jget(j, top, "format"));
     if (!fmt || strcmp(fmt, DSK_CKPT_FORMAT) != 0)
         return dsk__ckpt_bad_manifest(fn, m, "not a dsk-ckpt manifest", NULL);
     if (!dsk__ckpt_jget_int(j, top, "version", &v) || v != DSK_CKPT_VERSION)
@@ -3042,28 +1251,28 @@ static dsk_status dsk__ckpt_manifest_parse(const char *fn, dsk__ckpt_manifest *m
     if (!dsk__ckpt_jget_int(j, top, "generation", &v) || v < 1)
         return dsk__ckpt_bad_manifest(fn, m, "bad generation", NULL);
     m->generation = (uint64_t)v;
-    if (!dsk__ckpt_parse_hex64(dsk__ckpt_jstr(j, dsk__ckpt_jget(j, top, "attempt")), &m->attempt) || !m->attempt)
+    if (!dsk__ckpt_parse_hex64(dsk__st_jstr(j, dsk__st_jget(j, top, "attempt")), &m->attempt) || !m->attempt)
         return dsk__ckpt_bad_manifest(fn, m, "bad attempt", NULL);
     if (!dsk__ckpt_jget_int(j, top, "world_size", &v) || v < 1 || v > (1 << 20))
         return dsk__ckpt_bad_manifest(fn, m, "bad world_size", NULL);
     m->world = (int)v;
-    if ((files = dsk__ckpt_jget(j, top, "files")) < 0) return dsk__ckpt_bad_manifest(fn, m, "no \"files\"", NULL);
+    if ((files = dsk__st_jget(j, top, "files")) < 0) return dsk__ckpt_bad_manifest(fn, m, "no \"files\"", NULL);
     DSK__TRY(dsk__ckpt_manifest_files(fn, m, files));
-    tens = dsk__ckpt_jget(j, top, "tensors");
-    if (tens < 0 || dsk__ckpt_jtype(j, tens) != DSK__CKPT_J_OBJ)
+    tens = dsk__st_jget(j, top, "tensors");
+    if (tens < 0 || dsk__st_jtype(j, tens) != DSK__ST_J_OBJ)
         return dsk__ckpt_bad_manifest(fn, m, "no \"tensors\" object", NULL);
-    for (int c = dsk__ckpt_jchild(j, tens); c >= 0; c = dsk__ckpt_jnext(j, c)) {
-        int k = dsk__ckpt_jget(j, c, "slices"), sh = dsk__ckpt_jget(j, c, "shape");
-        uint64_t ns = k >= 0 ? (uint64_t)dsk__ckpt_jcount(j, k) : 0;
+    for (int c = dsk__st_jchild(j, tens); c >= 0; c = dsk__st_jnext(j, c)) {
+        int k = dsk__st_jget(j, c, "slices"), sh = dsk__st_jget(j, c, "shape");
+        uint64_t ns = k >= 0 ? (uint64_t)dsk__st_jcount(j, k) : 0;
         n_sl += ns;
-        n_box += ns * 2 * (uint64_t)(sh >= 0 ? dsk__ckpt_jcount(j, sh) : 0);
+        n_box += ns * 2 * (uint64_t)(sh >= 0 ? dsk__st_jcount(j, sh) : 0);
     }
-    m->tensors = (dsk__ckpt_mtensor *)DSK_MALLOC(((size_t)dsk__ckpt_jcount(j, tens) + 1) * sizeof *m->tensors);
+    m->tensors = (dsk__ckpt_mtensor *)DSK_MALLOC(((size_t)dsk__st_jcount(j, tens) + 1) * sizeof *m->tensors);
     m->slices = (dsk__ckpt_mslice *)DSK_MALLOC(((size_t)n_sl + 1) * sizeof *m->slices);
     m->boxes = (int64_t *)DSK_MALLOC(((size_t)n_box + 1) * sizeof *m->boxes);
     if (!m->tensors || !m->slices || !m->boxes) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     box_next = m->boxes;
-    for (int c = dsk__ckpt_jchild(j, tens); c >= 0; c = dsk__ckpt_jnext(j, c)) {
+    for (int c = dsk__st_jchild(j, tens); c >= 0; c = dsk__st_jnext(j, c)) {
         dsk__ckpt_mtensor *t = &m->tensors[m->n_tensors];
         memset(t, 0, sizeof *t);
         DSK__TRY(dsk__ckpt_manifest_tensor_parse(fn, m, c, t, &n_slices, &box_next));
@@ -3085,8 +1294,8 @@ static dsk_status dsk__ckpt_manifest_check_crc(const char *fn, const dsk__ckpt_m
         return dsk__ckpt_bad_manifest(fn, m, "no crc32c line at its end (cut short?)", NULL);
     memcpy(h, tail + 11, 8);
     h[8] = 0;
-    got = dsk_ckpt_crc32c(0, m->text, len - DSK__CKPT_TRAILER);
-    if (!dsk__ckpt_parse_hex32(h, &want) || got != want)
+    got = dsk_safetensors_crc32c(0, m->text, len - DSK__CKPT_TRAILER);
+    if (!dsk__st_parse_hex32(h, &want) || got != want)
         return dsk_set_error(DSK_ERR_CORRUPT,
                              "%s: \"%s\": manifest crc32c %08x, its last line says %s (altered or damaged)", fn,
                              m->path, got, h);
@@ -3097,13 +1306,13 @@ static dsk_status dsk__ckpt_manifest_check_crc(const char *fn, const dsk__ckpt_m
 static dsk_status dsk__ckpt_manifest_read(const char *fn, const char *step_dir, int64_t step, dsk__ckpt_manifest *m) {
     size_t len = 0;
     memset(m, 0, sizeof *m);
-    if (!(m->path = dsk__ckpt_join(step_dir, DSK__CKPT_MANIFEST)))
+    if (!(m->path = dsk__st_join(step_dir, DSK__CKPT_MANIFEST)))
         return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    if (!dsk__ckpt_exists(m->path) && errno == ENOENT)
+    if (!dsk__st_exists(m->path) && errno == ENOENT)
         return dsk_set_error(DSK_ERR_CORRUPT,
                              "%s: \"%s\" is missing: the checkpoint is incomplete (its save did not finish)", fn,
                              m->path);
-    DSK__TRY(dsk__ckpt_read_small(fn, m->path, (size_t)DSK_CKPT_MAX_HEADER, &m->text, &len));
+    DSK__TRY(dsk__st_read_small(fn, m->path, (size_t)DSK_SAFETENSORS_MAX_HEADER, &m->text, &len));
     DSK__TRY(dsk__ckpt_manifest_check_crc(fn, m, len));
     return dsk__ckpt_manifest_parse(fn, m, len, step);
 }
@@ -3143,7 +1352,7 @@ static int dsk__ckpt_cmp_piece(const void *a, const void *b) {
 
 /* Checks that the k pieces of one tensor agree on dtype and whole shape and tile it;
    appends the tensor's manifest entry. files: for messages (the writing rank of each). */
-static dsk_status dsk__ckpt_manifest_tensor(const char *fn, dsk__ckpt_buf *b, const dsk__ckpt_piece *pc, int k,
+static dsk_status dsk__ckpt_manifest_tensor(const char *fn, dsk__st_buf *b, const dsk__ckpt_piece *pc, int k,
                                             const dsk__ckpt_mfile *files) {
     const dsk__ckpt_piece *p0 = &pc[0];
     dsk__ckpt_tbox *tb = (dsk__ckpt_tbox *)DSK_MALLOC((size_t)k * sizeof *tb);
@@ -3157,8 +1366,8 @@ static dsk_status dsk__ckpt_manifest_tensor(const char *fn, dsk__ckpt_buf *b, co
             DSK_FREE(tb);
             return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": rank %d saved a piece of %s, rank %d of %s", fn,
                                  p0->name, files[p0->file].rank,
-                                 dsk__ckpt_desc(x, sizeof x, p0->ndim, p0->global, p0->dtype), files[pc[i].file].rank,
-                                 dsk__ckpt_desc(y, sizeof y, pc[i].ndim, pc[i].global, pc[i].dtype));
+                                 dsk__st_desc(x, sizeof x, p0->ndim, p0->global, p0->dtype), files[pc[i].file].rank,
+                                 dsk__st_desc(y, sizeof y, pc[i].ndim, pc[i].global, pc[i].dtype));
         }
         tb[i].off = pc[i].off;
         tb[i].ext = pc[i].ext;
@@ -3175,30 +1384,30 @@ static dsk_status dsk__ckpt_manifest_tensor(const char *fn, dsk__ckpt_buf *b, co
     if (r < 0)
         return dsk_set_error(DSK_ERR_ARG,
                              "%s: tensor \"%s\" %s: the ranks' pieces hold %llu of its %lld elements (a gap)", fn,
-                             p0->name, dsk__ckpt_desc(x, sizeof x, p0->ndim, p0->global, p0->dtype),
-                             (unsigned long long)covered, (long long)dsk__ckpt_numel(p0->ndim, p0->global));
-    dsk__ckpt_puts(b, b->n && b->p[b->n - 1] == '{' ? "\n " : ",\n ");
-    dsk__ckpt_put_jstr(b, p0->name);
-    dsk__ckpt_putf(b, ":{\"dtype\":\"%s\",\"shape\":[", p0->dtype);
-    for (int d = 0; d < p0->ndim; d++) dsk__ckpt_putf(b, d ? ",%lld" : "%lld", (long long)p0->global[d]);
-    dsk__ckpt_puts(b, "],\"slices\":[");
+                             p0->name, dsk__st_desc(x, sizeof x, p0->ndim, p0->global, p0->dtype),
+                             (unsigned long long)covered, (long long)dsk__st_numel(p0->ndim, p0->global));
+    dsk__st_puts(b, b->n && b->p[b->n - 1] == '{' ? "\n " : ",\n ");
+    dsk__st_put_jstr(b, p0->name);
+    dsk__st_putf(b, ":{\"dtype\":\"%s\",\"shape\":[", p0->dtype);
+    for (int d = 0; d < p0->ndim; d++) dsk__st_putf(b, d ? ",%lld" : "%lld", (long long)p0->global[d]);
+    dsk__st_puts(b, "],\"slices\":[");
     for (int i = 0; i < k; i++) {
-        dsk__ckpt_putf(b, "%s[%d", i ? "," : "", pc[i].file);
-        for (int d = 0; d < p0->ndim; d++) dsk__ckpt_putf(b, ",%lld", (long long)pc[i].off[d]);
-        for (int d = 0; d < p0->ndim; d++) dsk__ckpt_putf(b, ",%lld", (long long)pc[i].ext[d]);
-        if (pc[i].has_hash) dsk__ckpt_putf(b, ",\"%016llx\"", (unsigned long long)pc[i].hash);
-        dsk__ckpt_puts(b, "]");
+        dsk__st_putf(b, "%s[%d", i ? "," : "", pc[i].file);
+        for (int d = 0; d < p0->ndim; d++) dsk__st_putf(b, ",%lld", (long long)pc[i].off[d]);
+        for (int d = 0; d < p0->ndim; d++) dsk__st_putf(b, ",%lld", (long long)pc[i].ext[d]);
+        if (pc[i].has_hash) dsk__st_putf(b, ",\"%016llx\"", (unsigned long long)pc[i].hash);
+        dsk__st_puts(b, "]");
     }
-    dsk__ckpt_puts(b, "]}");
+    dsk__st_puts(b, "]}");
     return DSK_OK;
 }
 
 /* The pieces of every tensor in file f (the file-th of the manifest). Only rank 0 writes
    whole tensors. */
-static dsk_status dsk__ckpt_file_pieces(const char *fn, const dsk_ckpt_file *f, int file, int rank,
+static dsk_status dsk__ckpt_file_pieces(const char *fn, const dsk_safetensors_file *f, int file, int rank,
                                         dsk__ckpt_piece *out, int *np) {
     for (int i = 0; i < f->n_tensors; i++) {
-        const dsk_ckpt_tensor_info *t = &f->tensors[i];
+        const dsk_safetensors_info *t = &f->tensors[i];
         dsk__ckpt_piece *pc = &out[(*np)++];
         int k = dsk__ckpt_box_of(f, t, pc->off, pc->global);
         if (k < 0)
@@ -3236,7 +1445,7 @@ static int dsk__ckpt_file_index(dsk__ckpt_mfile *mf, int *n, const dsk__ckpt_mfi
    ("dsk.reuse.<key>" = their hash, "dsk.box.<key>" their box, key as in dsk__ckpt_key_name):
    each must be a slice of the base checkpoint with that box and hash; the piece then points
    to the base's file. */
-static dsk_status dsk__ckpt_reuse_pieces(const char *fn, const dsk_ckpt_file *f, int rank,
+static dsk_status dsk__ckpt_reuse_pieces(const char *fn, const dsk_safetensors_file *f, int rank,
                                          const dsk__ckpt_manifest *base, dsk__ckpt_piece *out, int *np,
                                          dsk__ckpt_mfile *mf, int *n_mf) {
     for (int i = 0; i < f->n_meta; i++) {
@@ -3257,7 +1466,7 @@ static dsk_status dsk__ckpt_reuse_pieces(const char *fn, const dsk_ckpt_file *f,
         memset(pc, 0, sizeof *pc);
         memcpy(pc->global, t->shape, sizeof pc->global);
         snprintf(key, sizeof key, "dsk.box.%s", fkey);
-        if ((box = dsk_ckpt_file_meta(f, key)) != NULL && !dsk__ckpt_parse_box(box, t->ndim, pc->off, pc->global))
+        if ((box = dsk_safetensors_meta(f, key)) != NULL && !dsk__ckpt_parse_box(box, t->ndim, pc->off, pc->global))
             return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": %s is malformed", fn, f->path, key);
         if (strcmp(name, fkey) != 0 && (!box || !dsk__ckpt_key_fits(fkey, name, t->ndim, pc->off)))
             return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": dsk.name.%s does not fit its key and box (or out of "
@@ -3289,30 +1498,30 @@ static dsk_status dsk__ckpt_reuse_pieces(const char *fn, const dsk_ckpt_file *f,
 
 /* The manifest text of a save: header line, files, tensors from the pieces (sorted here),
    and the CRC line. */
-static dsk_status dsk__ckpt_manifest_text(const char *fn, dsk__ckpt_buf *b, int64_t step, uint64_t generation,
+static dsk_status dsk__ckpt_manifest_text(const char *fn, dsk__st_buf *b, int64_t step, uint64_t generation,
                                           uint64_t attempt, int world, const dsk__ckpt_mfile *files, int n_files,
                                           dsk__ckpt_piece *pcs, int np) {
     uint32_t crc;
-    dsk__ckpt_putf(b, "{\"format\":\"%s\",\"version\":%d,\"attempt\":\"%016llx\",", DSK_CKPT_FORMAT, DSK_CKPT_VERSION,
-                   (unsigned long long)attempt);
-    dsk__ckpt_putf(b, "\"step\":%lld,\"generation\":%llu,\"world_size\":%d,\n\"files\":[", (long long)step,
-                   (unsigned long long)generation, world);
+    dsk__st_putf(b, "{\"format\":\"%s\",\"version\":%d,\"attempt\":\"%016llx\",", DSK_CKPT_FORMAT, DSK_CKPT_VERSION,
+                 (unsigned long long)attempt);
+    dsk__st_putf(b, "\"step\":%lld,\"generation\":%llu,\"world_size\":%d,\n\"files\":[", (long long)step,
+                 (unsigned long long)generation, world);
     for (int i = 0; i < n_files; i++) {
-        dsk__ckpt_putf(b, "%s\n {\"step\":%lld,\"rank\":%d,\"world_size\":%d,", i ? "," : "", (long long)files[i].step,
-                       files[i].rank, files[i].world);
-        dsk__ckpt_putf(b, "\"attempt\":\"%016llx\",\"size\":%llu,\"crc32c\":\"%08x\"}",
-                       (unsigned long long)files[i].attempt, (unsigned long long)files[i].size, files[i].crc);
+        dsk__st_putf(b, "%s\n {\"step\":%lld,\"rank\":%d,\"world_size\":%d,", i ? "," : "", (long long)files[i].step,
+                     files[i].rank, files[i].world);
+        dsk__st_putf(b, "\"attempt\":\"%016llx\",\"size\":%llu,\"crc32c\":\"%08x\"}",
+                     (unsigned long long)files[i].attempt, (unsigned long long)files[i].size, files[i].crc);
     }
-    dsk__ckpt_puts(b, "],\n\"tensors\":{");
+    dsk__st_puts(b, "],\n\"tensors\":{");
     qsort(pcs, (size_t)np, sizeof *pcs, dsk__ckpt_cmp_piece);
     for (int i = 0, k; i < np; i += k) {
         for (k = 1; i + k < np && strcmp(pcs[i + k].name, pcs[i].name) == 0; k++) {}
         DSK__TRY(dsk__ckpt_manifest_tensor(fn, b, pcs + i, k, files));
     }
-    dsk__ckpt_puts(b, "}");
+    dsk__st_puts(b, "}");
     if (b->oom) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory for the manifest", fn);
-    crc = dsk_ckpt_crc32c(0, b->p, b->n);
-    dsk__ckpt_putf(b, ",\"crc32c\":\"%08x\"}\n", crc);
+    crc = dsk_safetensors_crc32c(0, b->p, b->n);
+    dsk__st_putf(b, ",\"crc32c\":\"%08x\"}\n", crc);
     if (b->oom) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory for the manifest", fn);
     return DSK_OK;
 }
@@ -3324,10 +1533,10 @@ static dsk_status dsk__ckpt_write_manifest(const char *fn, const char *root, con
                                            const dsk__ckpt_manifest *base, dsk__ckpt_mfile **files_out,
                                            int *n_files_out) {
     int n_mf = world, cap_mf = world + (base ? base->n_files : 0);
-    dsk_ckpt_file *files = (dsk_ckpt_file *)DSK_MALLOC((size_t)world * sizeof *files);
+    dsk_safetensors_file *files = (dsk_safetensors_file *)DSK_MALLOC((size_t)world * sizeof *files);
     dsk__ckpt_mfile *mf = (dsk__ckpt_mfile *)DSK_MALLOC((size_t)cap_mf * sizeof *mf);
     dsk__ckpt_piece *pcs = NULL;
-    dsk__ckpt_buf b;
+    dsk__st_buf b;
     dsk_status s = DSK_OK;
     int np = 0, total = 0;
     memset(&b, 0, sizeof b);
@@ -3336,8 +1545,8 @@ static dsk_status dsk__ckpt_write_manifest(const char *fn, const char *root, con
     for (int r = 0; r < world && s == DSK_OK; r++) {
         char *path = dsk__ckpt_file_path(root, step, r, attempt);
         if (!path) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
-        s = dsk_ckpt_file_open(&files[r], path);
-        if (s != DSK_OK && !dsk__ckpt_exists(path))
+        s = dsk_safetensors_open(&files[r], path);
+        if (s != DSK_OK && !dsk__st_exists(path))
             s = dsk_set_error(DSK_ERR_PEER, "%s: rank %d did not write \"%s\" (its save failed)", fn, r, path);
         DSK_FREE(path);
         if (s == DSK_OK) { close(files[r].fd); files[r].has_fd = 0; }
@@ -3357,13 +1566,13 @@ static dsk_status dsk__ckpt_write_manifest(const char *fn, const char *root, con
         if (s == DSK_OK) s = dsk__ckpt_reuse_pieces(fn, &files[r], r, base, pcs, &np, mf, &n_mf);
     }
     if (s == DSK_OK) s = dsk__ckpt_manifest_text(fn, &b, step, generation, attempt, world, mf, n_mf, pcs, np);
-    if (s == DSK_OK) s = dsk__ckpt_write_small(fn, step_dir, DSK__CKPT_MANIFEST, b.p, b.n, DSK__CKPT_DURABLE);
+    if (s == DSK_OK) s = dsk__st_write_small(fn, step_dir, DSK__CKPT_MANIFEST, b.p, b.n, DSK__ST_DURABLE);
     if (s == DSK_OK) { *files_out = mf; *n_files_out = n_mf; mf = NULL; }
-    for (int r = 0; r < world; r++) dsk_ckpt_file_close(&files[r]);
+    for (int r = 0; r < world; r++) dsk_safetensors_close(&files[r]);
     DSK_FREE(files);
     DSK_FREE(mf);
     DSK_FREE(pcs);
-    dsk__ckpt_buf_free(&b);
+    dsk__st_buf_free(&b);
     return s;
 }
 
@@ -3408,7 +1617,7 @@ static dsk_status dsk__ckpt_scan_dir(const char *fn, const char *root, dsk__ckpt
     int cap = 0;
     dsk_status s = DSK_OK;
     memset(sc, 0, sizeof *sc);
-    if (!d) return errno == ENOENT ? DSK_OK : dsk__ckpt_io_error(fn, "open directory", root);
+    if (!d) return errno == ENOENT ? DSK_OK : dsk__st_io_error(fn, "open directory", root);
     while (s == DSK_OK && (de = readdir(d)) != NULL) {
         int64_t st = dsk__ckpt_parse_step_name(de->d_name);
         dsk__ckpt_scan_ent *x;
@@ -3428,9 +1637,9 @@ static dsk_status dsk__ckpt_scan_dir(const char *fn, const char *root, dsk__ckpt
         memset(&m, 0, sizeof m);
         x->step = st;
         sd = dsk__ckpt_step_dir(root, st);
-        man = sd ? dsk__ckpt_join(sd, DSK__CKPT_MANIFEST) : NULL;
+        man = sd ? dsk__st_join(sd, DSK__CKPT_MANIFEST) : NULL;
         if (!man) { DSK_FREE(sd); s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
-        if (!dsk__ckpt_exists(man) && errno == ENOENT) x->state = DSK__CKPT_INCOMPLETE;
+        if (!dsk__st_exists(man) && errno == ENOENT) x->state = DSK__CKPT_INCOMPLETE;
         else if ((x->error = dsk__ckpt_manifest_read(fn, sd, st, &m)) == DSK_OK) {
             x->state = DSK__CKPT_COMPLETE;
             x->generation = m.generation;
@@ -3478,13 +1687,13 @@ static dsk_status dsk__ckpt_drop_files(const char *fn, const char *root, const d
         if (dsk__ckpt_file_live(sc, dead, f->step, f->rank, f->attempt)) continue;
         if (!(path = dsk__ckpt_file_path(root, f->step, f->rank, f->attempt)))
             return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-        if (unlink(path) != 0 && errno != ENOENT) s = dsk__ckpt_io_error(fn, "remove", path);
+        if (unlink(path) != 0 && errno != ENOENT) s = dsk__st_io_error(fn, "remove", path);
         DSK_FREE(path);
     }
     for (int k = 0; k < n_files && s == DSK_OK; k++) { /* rmdir fails harmlessly on a directory still in use */
         char *sd = dsk__ckpt_step_dir(root, files[k].step);
         if (!sd) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-        if (rmdir(sd) == 0) s = dsk__ckpt_fsync_dir(fn, root);
+        if (rmdir(sd) == 0) s = dsk__st_fsync_dir(fn, root);
         DSK_FREE(sd);
     }
     return s;
@@ -3493,11 +1702,11 @@ static dsk_status dsk__ckpt_drop_files(const char *fn, const char *root, const d
 /* Deletes complete checkpoint `i` of the scan: its manifest first (made durable), then its
    files that no other checkpoint references. */
 static dsk_status dsk__ckpt_delete_entry(const char *fn, const char *root, dsk__ckpt_scan *sc, int i) {
-    char *sd = dsk__ckpt_step_dir(root, sc->e[i].step), *man = sd ? dsk__ckpt_join(sd, DSK__CKPT_MANIFEST) : NULL;
+    char *sd = dsk__ckpt_step_dir(root, sc->e[i].step), *man = sd ? dsk__st_join(sd, DSK__CKPT_MANIFEST) : NULL;
     dsk_status s = DSK_OK;
     if (!man) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    else if (unlink(man) != 0 && errno != ENOENT) s = dsk__ckpt_io_error(fn, "remove", man);
-    else s = dsk__ckpt_fsync_dir(fn, sd);
+    else if (unlink(man) != 0 && errno != ENOENT) s = dsk__st_io_error(fn, "remove", man);
+    else s = dsk__st_fsync_dir(fn, sd);
     sc->e[i].state = DSK__CKPT_INCOMPLETE;
     if (s == DSK_OK) s = dsk__ckpt_drop_files(fn, root, sc, i, sc->e[i].files, sc->e[i].n_files);
     DSK_FREE(sd);
@@ -3560,7 +1769,7 @@ static void dsk__ckpt_unlock(dsk__ckpt_lock *lk) {
    lock file and writes who holds it; init's reclaiming only takes an existing one (no save
    ever ran where there is none) and leaves its text alone. */
 static dsk_status dsk__ckpt_lock_take(const char *fn, const char *root, int save, dsk__ckpt_lock *lk) {
-    char *path = dsk__ckpt_join(root, ".lock"), owner[256] = "", host[128] = "?";
+    char *path = dsk__st_join(root, ".lock"), owner[256] = "", host[128] = "?";
     struct flock fl;
     ssize_t k;
     dsk_status s = DSK_OK;
@@ -3568,7 +1777,7 @@ static dsk_status dsk__ckpt_lock_take(const char *fn, const char *root, int save
     lk->held = 0;
     if (!path) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     if ((lk->fd = open(path, O_RDWR | O_CLOEXEC | (save ? O_CREAT : 0), 0644)) < 0) {
-        s = !save && errno == ENOENT ? DSK_OK : dsk__ckpt_io_error(fn, "open the lock file", path);
+        s = !save && errno == ENOENT ? DSK_OK : dsk__st_io_error(fn, "open the lock file", path);
         DSK_FREE(path);
         return s;
     }
@@ -3594,19 +1803,11 @@ static dsk_status dsk__ckpt_lock_take(const char *fn, const char *root, int save
     } else if (errno == ENOLCK || errno == EINVAL || errno == EOPNOTSUPP || errno == ENOSYS) {
         dsk__ckpt_unlock(lk); /* no locks here: save without one, reclaim nothing */
     } else {
-        s = dsk__ckpt_io_error(fn, "lock", path);
+        s = dsk__st_io_error(fn, "lock", path);
         dsk__ckpt_unlock(lk);
     }
     DSK_FREE(path);
     return s;
-}
-
-/* Removes path when it is a regular file; counts what it removed. */
-static dsk_status dsk__ckpt_remove(const char *fn, const char *path, int *removed) {
-    struct stat st;
-    if (lstat(path, &st) != 0 || !S_ISREG(st.st_mode)) return DSK_OK; /* gone, or not one of ours */
-    if (unlink(path) == 0) { (*removed)++; return DSK_OK; }
-    return errno == ENOENT ? DSK_OK : dsk__ckpt_io_error(fn, "remove", path);
 }
 
 /* The outcome files of failed saves in DIR (with the lock held no save is live, and every
@@ -3618,8 +1819,8 @@ static dsk_status dsk__ckpt_reclaim_outcomes(const char *fn, const char *root, i
     while (d && s == DSK_OK && (de = readdir(d)) != NULL) {
         char *p;
         if (strncmp(de->d_name, ".outcome.", 9) != 0) continue;
-        if (!(p = dsk__ckpt_join(root, de->d_name))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
-        s = dsk__ckpt_remove(fn, p, removed);
+        if (!(p = dsk__st_join(root, de->d_name))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
+        s = dsk__st_remove(fn, p, removed);
         DSK_FREE(p);
     }
     if (d) closedir(d);
@@ -3632,7 +1833,7 @@ static dsk_status dsk__ckpt_reclaim_outcomes(const char *fn, const char *root, i
    directories this empties, and stale temporaries of DIR itself. A directory whose manifest
    is damaged, and files dsk did not name, are left alone. */
 static dsk_status dsk__ckpt_reclaim(const char *fn, const char *root, const dsk__ckpt_scan *sc) {
-    static const char *root_junk[] = {DSK__CKPT_ATTEMPT, ".latest.tmp", "." DSK__CKPT_ATTEMPT ".tmp"};
+    static const char *const root_junk[] = {DSK__CKPT_ATTEMPT, ".latest.tmp", "." DSK__CKPT_ATTEMPT ".tmp"};
     dsk_status s = DSK_OK;
     int rmdirs = 0, removed = 0;
     for (int i = 0; i < sc->n && s == DSK_OK; i++) {
@@ -3651,8 +1852,8 @@ static dsk_status dsk__ckpt_reclaim(const char *fn, const char *root, const dsk_
                 ours = !dsk__ckpt_file_live(sc, -1, sc->e[i].step, rank, att);
             else ours = nm[0] == '.' && len > 5 && strcmp(nm + len - 4, ".tmp") == 0;
             if (!ours) continue;
-            if (!(p = dsk__ckpt_join(sd, nm))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
-            s = dsk__ckpt_remove(fn, p, &removed);
+            if (!(p = dsk__st_join(sd, nm))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
+            s = dsk__st_remove(fn, p, &removed);
             DSK_FREE(p);
         }
         closedir(d);
@@ -3661,12 +1862,12 @@ static dsk_status dsk__ckpt_reclaim(const char *fn, const char *root, const dsk_
     }
     if (s == DSK_OK) s = dsk__ckpt_reclaim_outcomes(fn, root, &removed);
     for (size_t k = 0; k < sizeof root_junk / sizeof root_junk[0] && s == DSK_OK; k++) {
-        char *p = dsk__ckpt_join(root, root_junk[k]);
+        char *p = dsk__st_join(root, root_junk[k]);
         if (!p) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-        s = dsk__ckpt_remove(fn, p, &removed);
+        s = dsk__st_remove(fn, p, &removed);
         DSK_FREE(p);
     }
-    if (s == DSK_OK && rmdirs) s = dsk__ckpt_fsync_dir(fn, root);
+    if (s == DSK_OK && rmdirs) s = dsk__st_fsync_dir(fn, root);
     return s;
 }
 
@@ -3685,7 +1886,7 @@ static uint64_t dsk__ckpt_max_generation(const dsk__ckpt_scan *sc) {
    all three calls even when its own part failed. */
 
 typedef struct dsk__ckpt_job {
-    dsk__ckpt_plan plan;
+    dsk__ckpt_rfile rf;      /* this rank's file */
     char *root;
     dsk_ckpt_opts opts;
     uint64_t seq;            /* the save's number on this checkpointer, the same on every rank */
@@ -3705,7 +1906,7 @@ typedef struct dsk__ckpt_job {
 
 static void dsk__ckpt_job_free(dsk__ckpt_job *job) {
     if (!job) return;
-    dsk__ckpt_plan_free(&job->plan);
+    dsk__ckpt_rfile_free(&job->rf);
     dsk__ckpt_unlock(&job->lock);
     dsk__ckpt_scan_free(&job->scan);
     dsk__ckpt_manifest_free(&job->base);
@@ -3782,32 +1983,32 @@ static dsk_status dsk__ckpt_publish_attempt(const char *fn, const dsk__ckpt_job 
                                             const char *msg) {
     char text[1200];
     int n = snprintf(text, sizeof text, "dsk-attempt %lld %llu %016llx %d %lld %016llx\n%.1000s",
-                     (long long)job->plan.step, (unsigned long long)job->seq, (unsigned long long)nonce, (int)s,
+                     (long long)job->rf.step, (unsigned long long)job->seq, (unsigned long long)nonce, (int)s,
                      (long long)job->base_step, (unsigned long long)job->base_attempt, s == DSK_OK ? "" : msg);
-    return dsk__ckpt_write_small(fn, job->root, DSK__CKPT_ATTEMPT, text,
-                                 (size_t)n < sizeof text ? (size_t)n : sizeof text - 1, 0);
+    return dsk__st_write_small(fn, job->root, DSK__CKPT_ATTEMPT, text,
+                               (size_t)n < sizeof text ? (size_t)n : sizeof text - 1, 0);
 }
 
 /* A non-zero rank: the nonce (and base) rank 0 published for this save, or rank 0's error. */
 static dsk_status dsk__ckpt_read_attempt(const char *fn, dsk__ckpt_job *job, uint64_t *nonce) {
-    char *path = dsk__ckpt_join(job->root, DSK__CKPT_ATTEMPT), *text = NULL, *nl;
+    char *path = dsk__st_join(job->root, DSK__CKPT_ATTEMPT), *text = NULL, *nl;
     long long step, bstep;
     unsigned long long seq, a, batt;
     int st = -1, k = 0;
     size_t len;
     dsk_status s;
     if (!path) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    s = dsk__ckpt_read_small(fn, path, 4096, &text, &len);
+    s = dsk__st_read_small(fn, path, 4096, &text, &len);
     if (s == DSK_OK &&
         (sscanf(text, "dsk-attempt %lld %llu %llx %d %lld %llx%n", &step, &seq, &a, &st, &bstep, &batt, &k) != 6 ||
-         step != job->plan.step || seq != job->seq || text[k] != '\n'))
+         step != job->rf.step || seq != job->seq || text[k] != '\n'))
         s = dsk_set_error(DSK_ERR_PEER,
                           "%s: rank %d: \"%s\" is not rank 0's for save %llu of step %lld: rank 0 failed before it", fn,
-                          job->opts.rank, path, (unsigned long long)job->seq, (long long)job->plan.step);
+                          job->opts.rank, path, (unsigned long long)job->seq, (long long)job->rf.step);
     else if (s != DSK_OK)
         s = dsk_set_error(DSK_ERR_PEER,
                           "%s: rank %d: rank 0 published no \"%s\" for step %lld: it failed before the first barrier",
-                          fn, job->opts.rank, path, (long long)job->plan.step);
+                          fn, job->opts.rank, path, (long long)job->rf.step);
     else if (st != DSK_OK) {
         nl = text + k + 1;
         s = dsk_set_error(st > 0 && st < DSK_STATUS_COUNT ? (dsk_status)st : DSK_ERR_PEER, "%s", nl);
@@ -3832,7 +2033,7 @@ static void dsk__ckpt_write_outcome(const char *fn, const dsk__ckpt_job *job, ui
     char name[48], text[1200];
     int n = snprintf(text, sizeof text, "%d\n%s", (int)s, msg);
     dsk__ckpt_outcome_name(name, sizeof name, nonce);
-    dsk__ckpt_write_small(fn, job->root, name, text, (size_t)n < sizeof text ? (size_t)n : sizeof text - 1, 0);
+    dsk__st_write_small(fn, job->root, name, text, (size_t)n < sizeof text ? (size_t)n : sizeof text - 1, 0);
 }
 
 /* A non-zero rank whose save did not commit: rank 0's outcome when it wrote one (with this
@@ -3843,12 +2044,12 @@ static void dsk__ckpt_read_outcome(const char *fn, const dsk__ckpt_job *job, uin
     size_t len;
     int st = 0, k = 0;
     dsk__ckpt_outcome_name(name, sizeof name, nonce);
-    if (!nonce || !(path = dsk__ckpt_join(job->root, name))) return;
-    if (dsk__ckpt_read_small(fn, path, 4096, &text, &len) == DSK_OK && sscanf(text, "%d%n", &st, &k) == 1 && st > 0 &&
+    if (!nonce || !(path = dsk__st_join(job->root, name))) return;
+    if (dsk__st_read_small(fn, path, 4096, &text, &len) == DSK_OK && sscanf(text, "%d%n", &st, &k) == 1 && st > 0 &&
         st < DSK_STATUS_COUNT && text[k] == '\n') {
         snprintf(own, sizeof own, "%s", own_failed ? msg : "");
         snprintf(msg, cap, "%s: rank %d: step %lld not saved: rank 0 reported: %.600s%s%.300s", fn, job->opts.rank,
-                 (long long)job->plan.step, text + k + 1, own[0] ? "; this rank: " : "", own);
+                 (long long)job->rf.step, text + k + 1, own[0] ? "; this rank: " : "", own);
         *first = (dsk_status)st;
     }
     DSK_FREE(text);
@@ -3880,27 +2081,29 @@ static void dsk__ckpt_read_base(const char *fn, dsk__ckpt_job *job) {
 /* Incremental: hashes every piece and marks the ones the base checkpoint holds with the same
    dtype, box and hash as reused (referenced, not written). */
 static void dsk__ckpt_mark_reused(dsk__ckpt_job *job) {
-    dsk__ckpt_plan *p = &job->plan;
+    dsk__st_plan *p = &job->rf.st;
     const unsigned char none = 0;
     for (int i = 0; i < p->n; i++) {
-        dsk__ckpt_seg *g = &p->segs[i];
-        const int64_t zero[DSK_MAX_DIMS] = {0}, *off = g->boxed ? g->off : zero,
-                      *global = g->boxed ? g->global : g->shape;
-        const dsk__ckpt_mtensor *t = job->base_ok ? dsk__ckpt_manifest_find(&job->base, g->name) : NULL;
-        g->hash = dsk__ckpt_hash(g->nbytes ? (const unsigned char *)g->data : &none, g->nbytes);
-        g->hashed = 1;
-        if (!t || t->dt->name != dsk__ckpt_stname(g->dtype) || t->ndim != g->ndim ||
+        dsk__st_seg *g = &p->segs[i];
+        dsk__ckpt_part *x = &job->rf.parts[i];
+        const int64_t zero[DSK_MAX_DIMS] = {0}, *off = x->boxed ? x->off : zero,
+                      *global = x->boxed ? x->global : g->shape;
+        const dsk__ckpt_mtensor *t = job->base_ok ? dsk__ckpt_manifest_find(&job->base, x->name) : NULL;
+        x->hash = dsk__ckpt_hash(g->nbytes ? (const unsigned char *)g->data : &none, g->nbytes);
+        x->hashed = 1;
+        if (!t || t->dt->name != dsk__st_stname(g->dtype) || t->ndim != g->ndim ||
             memcmp(t->shape, global, (size_t)g->ndim * sizeof(int64_t)))
             continue;
-        for (int k = 0; k < t->n_slices && !g->reused; k++) {
+        for (int k = 0; k < t->n_slices && !x->reused; k++) {
             const dsk__ckpt_mslice *sl = &job->base.slices[t->first + k];
-            g->reused = sl->has_hash && sl->hash == g->hash &&
+            x->reused = sl->has_hash && sl->hash == x->hash &&
                         !memcmp(sl->box, off, (size_t)g->ndim * sizeof(int64_t)) &&
                         !memcmp(sl->box + g->ndim, g->shape, (size_t)g->ndim * sizeof(int64_t));
         }
-        if (g->reused) { job->info.bytes_reused += g->nbytes; job->info.tensors_reused++; }
+        g->omit = x->reused;
+        if (x->reused) { job->info.bytes_reused += g->nbytes; job->info.tensors_reused++; }
     }
-    dsk__ckpt_plan_layout(p);
+    dsk__st_plan_layout(p);
 }
 
 /* Rank 0, before the first barrier: the lock, the scan of the directory (and with the lock,
@@ -3908,14 +2111,14 @@ static void dsk__ckpt_mark_reused(dsk__ckpt_job *job) {
    nonce. Nothing a complete checkpoint uses is changed: an earlier save of this step stays
    loadable until the new manifest replaces it. */
 static dsk_status dsk__ckpt_prepare(const char *fn, dsk__ckpt_job *job, const char *step_dir, uint64_t *nonce) {
-    if (mkdir(job->root, 0755) != 0 && errno != EEXIST) return dsk__ckpt_io_error(fn, "create directory", job->root);
+    if (mkdir(job->root, 0755) != 0 && errno != EEXIST) return dsk__st_io_error(fn, "create directory", job->root);
     DSK__TRY(dsk__ckpt_lock_take(fn, job->root, 1, &job->lock));
     DSK__TRY(dsk__ckpt_scan_dir(fn, job->root, &job->scan));
     if (job->lock.held) DSK__TRY(dsk__ckpt_reclaim(fn, job->root, &job->scan));
     if (job->opts.incremental) DSK__TRY(dsk__ckpt_pick_base(fn, job));
-    if (mkdir(step_dir, 0755) == 0) DSK__TRY(dsk__ckpt_fsync_dir(fn, job->root));
-    else if (errno != EEXIST) return dsk__ckpt_io_error(fn, "create directory", step_dir);
-    *nonce = dsk__ckpt_nonce();
+    if (mkdir(step_dir, 0755) == 0) DSK__TRY(dsk__st_fsync_dir(fn, job->root));
+    else if (errno != EEXIST) return dsk__st_io_error(fn, "create directory", step_dir);
+    *nonce = dsk__ckpt_nonce(job, job->seq);
     return DSK_OK;
 }
 
@@ -3927,7 +2130,7 @@ static dsk_status dsk__ckpt_scan_commit(const char *fn, dsk__ckpt_job *job, dsk_
     *old = NULL;
     *n_old = 0;
     for (int i = 0; i < sc->n && !x; i++)
-        if (sc->e[i].step == job->plan.step) x = &sc->e[i];
+        if (sc->e[i].step == job->rf.step) x = &sc->e[i];
     if (!x) {
         dsk__ckpt_scan_ent *q = (dsk__ckpt_scan_ent *)DSK_MALLOC((size_t)(sc->n + 1) * sizeof *q);
         if (!q) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
@@ -3940,10 +2143,10 @@ static dsk_status dsk__ckpt_scan_commit(const char *fn, dsk__ckpt_job *job, dsk_
         *old = x->files;
         *n_old = x->n_files;
     } else DSK_FREE(x->files);
-    x->step = job->plan.step;
+    x->step = job->rf.step;
     x->state = DSK__CKPT_COMPLETE;
     x->generation = job->info.generation;
-    x->attempt = job->plan.attempt;
+    x->attempt = job->rf.attempt;
     x->world = job->opts.world_size;
     x->files = job->files;
     x->n_files = job->n_files;
@@ -3960,8 +2163,8 @@ static void dsk__ckpt_tidy(const char *fn, dsk__ckpt_job *job) {
     dsk__ckpt_mfile *old = NULL;
     int n_old = 0;
     dsk_status s = DSK_OK;
-    snprintf(latest, sizeof latest, "step_%08lld\n", (long long)job->plan.step);
-    s = dsk__ckpt_write_small(fn, job->root, "latest", latest, strlen(latest), 0);
+    snprintf(latest, sizeof latest, "step_%08lld\n", (long long)job->rf.step);
+    s = dsk__st_write_small(fn, job->root, "latest", latest, strlen(latest), 0);
     if (s == DSK_OK) s = dsk__ckpt_scan_commit(fn, job, &old, &n_old);
     if (s == DSK_OK && old) s = dsk__ckpt_drop_files(fn, job->root, &job->scan, -1, old, n_old);
     if (s == DSK_OK && job->opts.keep_last > 0) s = dsk__ckpt_rotate(fn, job->root, &job->scan, job->opts.keep_last);
@@ -3976,7 +2179,7 @@ static void dsk__ckpt_tidy(const char *fn, dsk__ckpt_job *job) {
 /* Rank 0 between the second and the third barrier: the manifest, its generation one above
    the largest prepare's scan found. */
 static dsk_status dsk__ckpt_commit(const char *fn, dsk__ckpt_job *job, const char *step_dir, uint64_t nonce) {
-    int64_t step = job->plan.step;
+    int64_t step = job->rf.step;
     int world = job->opts.world_size;
     job->info.generation = dsk__ckpt_max_generation(&job->scan) + 1;
     DSK__TRY(dsk__ckpt_write_manifest(fn, job->root, step_dir, step, world, nonce, job->info.generation,
@@ -3988,7 +2191,7 @@ static dsk_status dsk__ckpt_commit(const char *fn, dsk__ckpt_job *job, const cha
    one of this save (its first line names the nonce). */
 static dsk_status dsk__ckpt_check_committed(const char *fn, const dsk__ckpt_job *job, const char *step_dir,
                                             uint64_t nonce) {
-    char *man = dsk__ckpt_join(step_dir, DSK__CKPT_MANIFEST), head[160], want[48];
+    char *man = dsk__st_join(step_dir, DSK__CKPT_MANIFEST), head[160], want[48];
     int fd;
     ssize_t k = -1;
     if (!man) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
@@ -4003,7 +2206,7 @@ static dsk_status dsk__ckpt_check_committed(const char *fn, const dsk__ckpt_job 
     return dsk_set_error(
         DSK_ERR_PEER,
         "%s: rank %d: step %lld has no manifest of this save after it: it failed on rank 0 or another rank", fn,
-        job->opts.rank, (long long)job->plan.step);
+        job->opts.rank, (long long)job->rf.step);
 }
 
 /* Sync point k of the save: the barrier, or with opts.agree an agreement that leaves every
@@ -4014,7 +2217,7 @@ static dsk_status dsk__ckpt_sync(const char *fn, dsk__ckpt_job *job, int k, dsk_
     int64_t w[4] = {0, 0, 0, 0};
     char what[32];
     if (o->world_size <= 1) return DSK_OK;
-    if (!o->agree) return dsk__ckpt_barrier(fn, o, k, job->plan.step);
+    if (!o->agree) return dsk__ckpt_barrier(fn, o, k, job->rf.step);
     if (k == 1 && o->rank == 0) { /* rank 0's nonce and base; the others' words are 0 */
         w[1] = (int64_t)*nonce;
         w[2] = (int64_t)(job->base_attempt & 0x3fffffffffffffffull);
@@ -4035,7 +2238,7 @@ static dsk_status dsk__ckpt_sync(const char *fn, dsk__ckpt_job *job, int k, dsk_
 static dsk_status dsk__ckpt_run(dsk__ckpt_job *job) {
     const char *fn = "dsk_ckpt_save";
     const dsk_ckpt_opts *o = &job->opts;
-    int64_t step = job->plan.step;
+    int64_t step = job->rf.step;
     char *step_dir = dsk__ckpt_step_dir(job->root, step), name[80], msg[1024] = "";
     dsk_status first = DSK_OK, s = DSK_OK;
     uint64_t nonce = 0;
@@ -4053,7 +2256,7 @@ static dsk_status dsk__ckpt_run(dsk__ckpt_job *job) {
         dsk_status a = dsk__ckpt_read_attempt(fn, job, &nonce);
         if (first == DSK_OK) dsk__ckpt_keep(&first, msg, sizeof msg, a);
     }
-    job->plan.attempt = nonce;
+    job->rf.attempt = nonce;
     dsk__ckpt_rank_name(name, sizeof name, o->rank, nonce);
     if (first == DSK_OK && o->incremental) {
         dsk__ckpt_read_base(fn, job);
@@ -4062,11 +2265,11 @@ static dsk_status dsk__ckpt_run(dsk__ckpt_job *job) {
     if (first == DSK_OK) {
         /* rank 0's file is in the manifest's directory: the fsync of that directory after the
            manifest's rename makes both names durable at once (one fsync fewer per save) */
-        int how = o->rank == 0 ? DSK__CKPT_FSYNC_FILE : DSK__CKPT_DURABLE | DSK__CKPT_WITHDRAW;
-        dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_write_plan(fn, &job->plan, step_dir, name, how));
+        int how = o->rank == 0 ? DSK__ST_FSYNC_FILE : DSK__ST_DURABLE | DSK__ST_WITHDRAW;
+        dsk__ckpt_keep(&first, msg, sizeof msg, dsk__ckpt_rfile_write(fn, &job->rf, step_dir, name, how));
         if (first == DSK_OK) {
-            job->info.bytes_written = job->plan.total;
-            job->info.tensors_written = job->plan.n - job->info.tensors_reused;
+            job->info.bytes_written = job->rf.st.total;
+            job->info.tensors_written = job->rf.st.n - job->info.tensors_reused;
         }
     }
     if ((s = dsk__ckpt_sync(fn, job, 2, &first, msg, sizeof msg, &nonce)) != DSK_OK) goto broken;
@@ -4083,7 +2286,7 @@ static dsk_status dsk__ckpt_run(dsk__ckpt_job *job) {
         if (first != DSK_OK) dsk__ckpt_read_outcome(fn, job, nonce, own_failed, &first, msg, sizeof msg);
     }
     if (files_say && o->rank == 0) { /* every rank has read it */
-        char *att = dsk__ckpt_join(job->root, DSK__CKPT_ATTEMPT);
+        char *att = dsk__st_join(job->root, DSK__CKPT_ATTEMPT);
         if (att) unlink(att);
         DSK_FREE(att);
     }
@@ -4136,9 +2339,9 @@ DSK_API dsk_status dsk_ckpt_init(dsk_ckpt *ck, const char *dir, const dsk_ckpt_o
     if (o.keep_last < 0) return dsk_set_error(DSK_ERR_ARG, "%s: keep_last %d < 0", fn, o.keep_last);
     if (o.snapshot_threads < 0 || o.snapshot_threads > 1024)
         return dsk_set_error(DSK_ERR_ARG, "%s: snapshot_threads %d outside [0, 1024]", fn, o.snapshot_threads);
-    if (!(ck->dir = dsk__ckpt_strdup(dir))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if (!(ck->dir = dsk__st_strdup(dir))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     ck->opts = o;
-    if (o.rank == 0 && !o.read_only && dsk__ckpt_exists(dir)) {
+    if (o.rank == 0 && !o.read_only && dsk__st_exists(dir)) {
         dsk_status s = dsk__ckpt_reclaim_now(fn, dir);
         if (s != DSK_OK) { DSK_FREE(ck->dir); ck->dir = NULL; return s; }
     }
@@ -4169,7 +2372,7 @@ DSK_API void dsk_ckpt_free(dsk_ckpt *ck) {
     memset(ck, 0, sizeof *ck);
 }
 
-/* A job saving `step` (plan empty; the caller numbers it). */
+/* A job saving `step` (its rank file empty; the caller numbers it). */
 static dsk_status dsk__ckpt_job_new(const char *fn, dsk_ckpt *ck, int64_t step, dsk__ckpt_job **out) {
     dsk__ckpt_job *job = (dsk__ckpt_job *)DSK_MALLOC(sizeof *job);
     *out = NULL;
@@ -4177,13 +2380,12 @@ static dsk_status dsk__ckpt_job_new(const char *fn, dsk_ckpt *ck, int64_t step, 
     memset(job, 0, sizeof *job);
     job->lock.fd = -1;
     job->opts = ck->opts;
-    job->plan.rank_file = 1;
-    job->plan.step = step;
-    job->plan.rank = ck->opts.rank;
-    job->plan.world = ck->opts.world_size;
+    job->rf.step = step;
+    job->rf.rank = ck->opts.rank;
+    job->rf.world = ck->opts.world_size;
     job->info.step = -1;
     job->base_step = -1;
-    if (!(job->root = dsk__ckpt_strdup(ck->dir))) {
+    if (!(job->root = dsk__st_strdup(ck->dir))) {
         DSK_FREE(job);
         return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     }
@@ -4207,18 +2409,18 @@ static dsk_status dsk__ckpt_save_begin(const char *fn, dsk_ckpt *ck, int64_t ste
     if (step < 0) return dsk_set_error(DSK_ERR_ARG, "%s: step %lld < 0", fn, (long long)step);
     if (ck->opts.read_only) return dsk_set_error(DSK_ERR_STATE, "%s: \"%s\" was opened read_only", fn, ck->dir);
     DSK__TRY(dsk__ckpt_job_new(fn, ck, step, &job));
-    s = dsk__ckpt_plan_build(fn, &job->plan, entries, n, kv, n_kv, ck->opts.ctx);
-    if (s == DSK_OK && (copy_all || dsk__ckpt_needs_stage(&job->plan)) && ck->stage_bytes < job->plan.total) {
+    s = dsk__ckpt_rfile_build(fn, &job->rf, entries, n, kv, n_kv, ck->opts.ctx);
+    if (s == DSK_OK && (copy_all || dsk__st_needs_stage(&job->rf.st)) && ck->stage_bytes < job->rf.st.total) {
         DSK_FREE(ck->stage);
         ck->stage_bytes = 0;
-        if (!(ck->stage = DSK_MALLOC((size_t)job->plan.total)))
+        if (!(ck->stage = DSK_MALLOC((size_t)job->rf.st.total)))
             s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for a %llu-byte snapshot", fn,
-                              (unsigned long long)job->plan.total);
-        else ck->stage_bytes = (size_t)job->plan.total;
+                              (unsigned long long)job->rf.st.total);
+        else ck->stage_bytes = (size_t)job->rf.st.total;
     }
     if (s == DSK_OK)
-        s = dsk__ckpt_snapshot(&job->plan, ck->opts.ctx, (unsigned char *)ck->stage, copy_all,
-                               ck->opts.snapshot_threads);
+        s = dsk__st_snapshot(&job->rf.st, ck->opts.ctx, (unsigned char *)ck->stage, copy_all,
+                             ck->opts.snapshot_threads);
     if (s != DSK_OK) { dsk__ckpt_job_free(job); return s; }
     *out = job;
     return DSK_OK;
@@ -4274,14 +2476,14 @@ DSK_API dsk_status dsk_ckpt_save_async(dsk_ckpt *ck, int64_t step, const dsk_ckp
    CRC (from the header bytes and the recorded tensor CRCs, which reads check in turn). A file
    the manifest names but the disk lacks is damage (DSK_ERR_CORRUPT). */
 static dsk_status dsk__ckpt_open_file(const char *fn, const char *root, const dsk__ckpt_manifest *m, int i,
-                                      dsk_ckpt_file *f) {
+                                      dsk_safetensors_file *f) {
     const dsk__ckpt_mfile *e = &m->files[i];
     char *path = dsk__ckpt_file_path(root, e->step, e->rank, e->attempt);
     uint32_t crc;
     dsk_status s;
     if (!path) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    s = dsk_ckpt_file_open(f, path);
-    if (s == DSK_ERR_IO && !dsk__ckpt_exists(path) && errno == ENOENT)
+    s = dsk_safetensors_open(f, path);
+    if (s == DSK_ERR_IO && !dsk__st_exists(path) && errno == ENOENT)
         s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\", named by \"%s\", is missing (the checkpoint is damaged)", fn,
                           path, m->path);
     DSK_FREE(path);
@@ -4295,7 +2497,7 @@ static dsk_status dsk__ckpt_open_file(const char *fn, const char *root, const ds
         s = dsk_set_error(DSK_ERR_CORRUPT,
                           "%s: \"%s\": header or recorded checksums altered: file crc32c %08x, the manifest says %08x",
                           fn, f->path, crc, e->crc);
-    if (s != DSK_OK) dsk_ckpt_file_close(f);
+    if (s != DSK_OK) dsk_safetensors_close(f);
     return s;
 }
 
@@ -4304,12 +2506,12 @@ typedef struct dsk__ckpt_reader {
     const char *root;
     char *step_dir;
     dsk__ckpt_manifest man;
-    dsk_ckpt_file *files; /* opened on first use */
+    dsk_safetensors_file *files; /* opened on first use */
 } dsk__ckpt_reader;
 
 static void dsk__ckpt_reader_free(dsk__ckpt_reader *rd) {
     if (rd->files)
-        for (int i = 0; i < rd->man.n_files; i++) dsk_ckpt_file_close(&rd->files[i]);
+        for (int i = 0; i < rd->man.n_files; i++) dsk_safetensors_close(&rd->files[i]);
     DSK_FREE(rd->files);
     DSK_FREE(rd->step_dir);
     dsk__ckpt_manifest_free(&rd->man);
@@ -4353,15 +2555,15 @@ static dsk_status dsk__ckpt_reader_open(const char *fn, dsk__ckpt_reader *rd, co
     rd->fn = fn;
     rd->root = root;
     if (!(rd->step_dir = dsk__ckpt_step_dir(root, step))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    if (!dsk__ckpt_exists(rd->step_dir) && errno == ENOENT) return dsk__ckpt_no_such_step(fn, root, step);
+    if (!dsk__st_exists(rd->step_dir) && errno == ENOENT) return dsk__ckpt_no_such_step(fn, root, step);
     DSK__TRY(dsk__ckpt_manifest_read(fn, rd->step_dir, step, &rd->man));
-    rd->files = (dsk_ckpt_file *)DSK_MALLOC((size_t)rd->man.n_files * sizeof *rd->files);
+    rd->files = (dsk_safetensors_file *)DSK_MALLOC((size_t)rd->man.n_files * sizeof *rd->files);
     if (!rd->files) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     memset(rd->files, 0, (size_t)rd->man.n_files * sizeof *rd->files);
     return DSK_OK;
 }
 
-static dsk_status dsk__ckpt_reader_file(dsk__ckpt_reader *rd, int i, dsk_ckpt_file **f) {
+static dsk_status dsk__ckpt_reader_file(dsk__ckpt_reader *rd, int i, dsk_safetensors_file **f) {
     dsk_status s = DSK_OK;
     if (!rd->files[i].mem) s = dsk__ckpt_open_file(rd->fn, rd->root, &rd->man, i, &rd->files[i]);
     *f = &rd->files[i];
@@ -4374,9 +2576,9 @@ static dsk_status dsk__ckpt_mismatch(const char *fn, const dsk__ckpt_reader *rd,
     char a[160], b[160];
     const dsk_tensor *x = e->tensor;
     return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\" (%s): file has %s, model has %s%s", fn, e->name, rd->man.path,
-                         dsk__ckpt_desc(a, sizeof a, t->ndim, t->shape,
-                                        t->dt->dsk >= 0 ? dsk_dtype_name((dsk_dtype)t->dt->dsk) : t->dt->name),
-                         dsk__ckpt_desc(b, sizeof b, x->ndim, global, dsk_dtype_name(x->dtype)),
+                         dsk__st_desc(a, sizeof a, t->ndim, t->shape,
+                                      t->dt->dsk >= 0 ? dsk_dtype_name((dsk_dtype)t->dt->dsk) : t->dt->name),
+                         dsk__st_desc(b, sizeof b, x->ndim, global, dsk_dtype_name(x->dtype)),
                          t->ndim == x->ndim && !memcmp(t->shape, global, (size_t)x->ndim * sizeof(int64_t))
                              ? " (set allow_cast to convert)"
                              : "");
@@ -4384,9 +2586,9 @@ static dsk_status dsk__ckpt_mismatch(const char *fn, const dsk__ckpt_reader *rd,
 
 /* The index of the tensor of f that holds the box slice sl names of t: under t's name, else
    (one of several boxes of t in f) under "<name>@<offset>"; -1 when neither is there. */
-static int dsk__ckpt_find_key(const dsk_ckpt_file *f, const dsk__ckpt_mtensor *t, const dsk__ckpt_mslice *sl) {
+static int dsk__ckpt_find_key(const dsk_safetensors_file *f, const dsk__ckpt_mtensor *t, const dsk__ckpt_mslice *sl) {
     int64_t off[DSK_MAX_DIMS], global[DSK_MAX_DIMS];
-    int k = dsk_ckpt_file_find(f, t->name), j = -1;
+    int k = dsk_safetensors_find(f, t->name), j = -1;
     const char *own = k >= 0 ? dsk__ckpt_key_name(f, t->name) : NULL; /* not t where the key is another's box */
     char *key;
     if (own && strcmp(own, t->name) == 0 && dsk__ckpt_box_of(f, &f->tensors[k], off, global) >= 0 &&
@@ -4394,7 +2596,7 @@ static int dsk__ckpt_find_key(const dsk_ckpt_file *f, const dsk__ckpt_mtensor *t
         return k;
     if ((key = dsk__ckpt_box_key(t->name, t->ndim, sl->box)) != NULL) {
         const char *name;
-        j = dsk_ckpt_file_find(f, key);
+        j = dsk_safetensors_find(f, key);
         if (j >= 0 && (!(name = dsk__ckpt_key_name(f, key)) || strcmp(name, t->name) != 0)) j = -1;
         DSK_FREE(key);
     }
@@ -4403,9 +2605,9 @@ static int dsk__ckpt_find_key(const dsk_ckpt_file *f, const dsk__ckpt_mtensor *t
 
 /* The piece of manifest tensor t that slice sl places in file f: it must be there, with the
    manifest's dtype and the slice's shape and box. */
-static dsk_status dsk__ckpt_find_piece(const char *fn, dsk_ckpt_file *f, const dsk__ckpt_mtensor *t,
-                                       const dsk__ckpt_mslice *sl, const dsk_ckpt_tensor_info **out) {
-    const dsk_ckpt_tensor_info *ft;
+static dsk_status dsk__ckpt_find_piece(const char *fn, dsk_safetensors_file *f, const dsk__ckpt_mtensor *t,
+                                       const dsk__ckpt_mslice *sl, const dsk_safetensors_info **out) {
+    const dsk_safetensors_info *ft;
     int64_t off[DSK_MAX_DIMS], global[DSK_MAX_DIMS];
     int k = dsk__ckpt_find_key(f, t, sl), b;
     char d1[160], d2[160], d3[200];
@@ -4416,8 +2618,8 @@ static dsk_status dsk__ckpt_find_piece(const char *fn, dsk_ckpt_file *f, const d
         memcmp(ft->shape, sl->box + t->ndim, (size_t)t->ndim * sizeof(int64_t)))
         return dsk_set_error(DSK_ERR_CORRUPT,
                              "%s: tensor \"%s\" in \"%s\" is %s, the manifest expects the box %s of %s", fn, t->name,
-                             f->path, dsk__ckpt_desc(d1, sizeof d1, ft->ndim, ft->shape, ft->dtype_name), d3,
-                             dsk__ckpt_desc(d2, sizeof d2, t->ndim, t->shape, t->dt->name));
+                             f->path, dsk__st_desc(d1, sizeof d1, ft->ndim, ft->shape, ft->dtype_name), d3,
+                             dsk__st_desc(d2, sizeof d2, t->ndim, t->shape, t->dt->name));
     b = dsk__ckpt_box_of(f, ft, off, global);
     if (b < 0 || memcmp(off, sl->box, (size_t)t->ndim * sizeof(int64_t)) ||
         memcmp(global, t->shape, (size_t)t->ndim * sizeof(int64_t)))
@@ -4456,8 +2658,8 @@ static dsk_status dsk__ckpt_load_entry(dsk__ckpt_reader *rd, const dsk_ckpt_entr
         const dsk__ckpt_mslice *sl = &rd->man.slices[t->first + i];
         const int64_t *so = sl->box, *se = sl->box + t->ndim;
         int64_t lo[DSK_MAX_DIMS], ext[DSK_MAX_DIMS], in_piece[DSK_MAX_DIMS];
-        const dsk_ckpt_tensor_info *ft = NULL;
-        dsk_ckpt_file *f;
+        const dsk_safetensors_info *ft = NULL;
+        dsk_safetensors_file *f;
         dsk_tensor view;
         int empty = 0;
         for (int d = 0; d < t->ndim; d++) { /* the intersection of the piece and the entry's box */
@@ -4472,13 +2674,13 @@ static dsk_status dsk__ckpt_load_entry(dsk__ckpt_reader *rd, const dsk_ckpt_entr
         DSK__TRY(dsk__ckpt_reader_file(rd, sl->file, &f));
         DSK__TRY(dsk__ckpt_find_piece(fn, f, t, sl, &ft));
         DSK__TRY(dsk__ckpt_sub_view(x, base, lo, ext, &view));
-        DSK__TRY(dsk__ckpt_read_into(fn, f, ctx, ft, in_piece, &view, allow_cast));
+        DSK__TRY(dsk__st_read_into(fn, f, ctx, ft, in_piece, &view, allow_cast));
     }
     return DSK_OK;
 }
 
-static dsk_status dsk__ckpt_fill_meta(const char *fn, const dsk_ckpt_file *f, const dsk__ckpt_manifest *m, int rank,
-                                      dsk_ckpt_meta *meta) {
+static dsk_status dsk__ckpt_fill_meta(const char *fn, const dsk_safetensors_file *f, const dsk__ckpt_manifest *m,
+                                      int rank, dsk_ckpt_meta *meta) {
     int n = 0;
     meta->step = m->step;
     meta->generation = m->generation;
@@ -4492,8 +2694,8 @@ static dsk_status dsk__ckpt_fill_meta(const char *fn, const dsk_ckpt_file *f, co
         if (!strncmp(k, "dsk.crc32c.", 11) || !strncmp(k, "dsk.blocks.", 11) || !strncmp(k, "dsk.box.", 8) ||
             !strncmp(k, "dsk.name.", 9))
             continue;
-        meta->keys[n] = dsk__ckpt_strdup(k);
-        meta->values[n] = dsk__ckpt_strdup(f->meta_values[i]);
+        meta->keys[n] = dsk__st_strdup(k);
+        meta->values[n] = dsk__st_strdup(f->meta_values[i]);
         meta->n = ++n;
         if (!meta->keys[n - 1] || !meta->values[n - 1]) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     }
@@ -4509,7 +2711,7 @@ static dsk_status dsk__ckpt_load_step(const char *fn, dsk_ckpt *ck, int64_t step
         s = dsk__ckpt_load_entry(&rd, &entries[i], ck->opts.ctx, ck->opts.allow_cast);
     if (s == DSK_OK && meta) {
         int r = ck->opts.rank < rd.man.world ? ck->opts.rank : 0; /* the first world_size files are the ranks' own */
-        dsk_ckpt_file *f;
+        dsk_safetensors_file *f;
         s = dsk__ckpt_reader_file(&rd, r, &f);
         if (s == DSK_OK) s = dsk__ckpt_fill_meta(fn, f, &rd.man, r, meta);
         if (s != DSK_OK) dsk_ckpt_meta_free(meta);
@@ -4552,7 +2754,7 @@ static dsk_status dsk__ckpt_report_skipped(const char *fn, const char *root, dsk
         skipped++;
     }
     dsk__ckpt_scan_free(&sc);
-    if (s == DSK_OK && skipped && !(meta->skipped_error = dsk__ckpt_strdup(why)))
+    if (s == DSK_OK && skipped && !(meta->skipped_error = dsk__st_strdup(why)))
         s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     if (s != DSK_OK) { dsk_ckpt_meta_free(meta); return s; }
     meta->n_skipped = skipped;
@@ -4653,7 +2855,7 @@ DSK_API dsk_status dsk_ckpt_load(dsk_ckpt *ck, int64_t step, const dsk_ckpt_entr
     for (int i = 0; i < n; i++) {
         if (!entries[i].name || !entries[i].tensor)
             return dsk_set_error(DSK_ERR_ARG, "%s: entry %d has no name or tensor", fn, i);
-        DSK__TRY(dsk__ckpt_check_entry(fn, &entries[i], i, 1, ck->opts.ctx));
+        DSK__TRY(dsk__ckpt_check_entry(fn, &entries[i], i, ck->opts.ctx));
     }
     DSK__TRY(dsk_ckpt_wait(ck));
     if (ck->opts.agree && ck->opts.world_size > 1)
@@ -4682,7 +2884,7 @@ static dsk_status dsk__ckpt_merge_gather(const char *fn, dsk__ckpt_reader *rd, i
             if (m->tensors[i].dt->dsk < 0)
                 return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: tensor \"%s\" is %s, a dtype dsk does not write", fn,
                                      m->tensors[i].name, m->tensors[i].dt->name);
-            total += (uint64_t)dsk__ckpt_numel(m->tensors[i].ndim, sl->box + m->tensors[i].ndim) * es;
+            total += (uint64_t)dsk__st_numel(m->tensors[i].ndim, sl->box + m->tensors[i].ndim) * es;
             count++;
         }
     *buf = (unsigned char *)DSK_MALLOC((size_t)total + 1);
@@ -4696,14 +2898,14 @@ static dsk_status dsk__ckpt_merge_gather(const char *fn, dsk__ckpt_reader *rd, i
         for (int j = 0; j < m->tensors[i].n_slices; j++) {
             const dsk__ckpt_mtensor *t = &m->tensors[i];
             const dsk__ckpt_mslice *sl = &m->slices[t->first + j];
-            const dsk_ckpt_tensor_info *ft;
-            dsk_ckpt_file *f;
+            const dsk_safetensors_info *ft;
+            dsk_safetensors_file *f;
             dsk_ckpt_entry *e = &(*entries)[k];
             int whole = r == 0 && !memcmp(sl->box + t->ndim, t->shape, (size_t)t->ndim * sizeof(int64_t));
             if (m->files[sl->file].rank != r) continue;
             DSK__TRY(dsk__ckpt_reader_file(rd, sl->file, &f));
             DSK__TRY(dsk__ckpt_find_piece(fn, f, t, sl, &ft));
-            DSK__TRY(dsk__ckpt_read_box_bytes(fn, f, ft, zero, ft->shape, *buf + at)); /* the whole piece */
+            DSK__TRY(dsk__st_read_box_bytes(fn, f, ft, zero, ft->shape, *buf + at)); /* the whole piece */
             DSK__TRY(
                 dsk_tensor_wrap(&(*views)[k], *buf + at, (dsk_dtype)t->dt->dsk, dsk_cpu(), t->ndim, sl->box + t->ndim));
             memset(e, 0, sizeof *e);
@@ -4729,16 +2931,15 @@ static dsk_status dsk__ckpt_merge_rank(const char *fn, dsk__ckpt_reader *rd, int
     uint64_t *hashes = NULL;
     int *hashed = NULL, n = 0, n_kv = 0;
     dsk_ckpt_kv *kv = NULL;
-    dsk__ckpt_plan plan;
-    dsk_ckpt_file *own;
+    dsk__ckpt_rfile rf;
+    dsk_safetensors_file *own;
     char name[80];
     dsk_status s;
-    memset(&plan, 0, sizeof plan);
-    plan.rank_file = 1;
-    plan.step = rd->man.step;
-    plan.rank = r;
-    plan.world = rd->man.world;
-    plan.attempt = nonce;
+    memset(&rf, 0, sizeof rf);
+    rf.step = rd->man.step;
+    rf.rank = r;
+    rf.world = rd->man.world;
+    rf.attempt = nonce;
     s = dsk__ckpt_merge_gather(fn, rd, r, &buf, &entries, &views, &hashes, &hashed, &n);
     if (s == DSK_OK) s = dsk__ckpt_reader_file(rd, r, &own); /* the caller's pairs of this rank */
     if (s == DSK_OK && !(kv = (dsk_ckpt_kv *)DSK_MALLOC(((size_t)own->n_meta + 1) * sizeof *kv)))
@@ -4748,15 +2949,15 @@ static dsk_status dsk__ckpt_merge_rank(const char *fn, dsk__ckpt_reader *rd, int
             kv[n_kv].key = own->meta_keys[i];
             kv[n_kv++].value = own->meta_values[i];
         }
-    if (s == DSK_OK) s = dsk__ckpt_plan_build(fn, &plan, entries, n, kv, n_kv, NULL);
-    for (int i = 0; s == DSK_OK && i < plan.n; i++) {
-        plan.segs[i].hashed = hashed[plan.segs[i].entry];
-        plan.segs[i].hash = hashes[plan.segs[i].entry];
+    if (s == DSK_OK) s = dsk__ckpt_rfile_build(fn, &rf, entries, n, kv, n_kv, NULL);
+    for (int i = 0; s == DSK_OK && i < rf.st.n; i++) {
+        rf.parts[i].hashed = hashed[rf.st.segs[i].entry];
+        rf.parts[i].hash = hashes[rf.st.segs[i].entry];
     }
-    if (s == DSK_OK) s = dsk__ckpt_snapshot(&plan, NULL, NULL, 0, 1);
+    if (s == DSK_OK) s = dsk__st_snapshot(&rf.st, NULL, NULL, 0, 1);
     dsk__ckpt_rank_name(name, sizeof name, r, nonce);
-    if (s == DSK_OK) s = dsk__ckpt_write_plan(fn, &plan, rd->step_dir, name, DSK__CKPT_DURABLE | DSK__CKPT_WITHDRAW);
-    dsk__ckpt_plan_free(&plan);
+    if (s == DSK_OK) s = dsk__ckpt_rfile_write(fn, &rf, rd->step_dir, name, DSK__ST_DURABLE | DSK__ST_WITHDRAW);
+    dsk__ckpt_rfile_free(&rf);
     DSK_FREE(buf);
     DSK_FREE(entries);
     DSK_FREE(views);
@@ -4771,7 +2972,7 @@ DSK_API dsk_status dsk_ckpt_merge(dsk_ckpt *ck, int64_t step) {
     dsk__ckpt_job *job = NULL;
     dsk__ckpt_reader rd;
     dsk__ckpt_mfile *old = NULL;
-    uint64_t nonce = dsk__ckpt_nonce();
+    uint64_t nonce;
     int n_old = 0;
     dsk_status s;
     memset(&rd, 0, sizeof rd);
@@ -4780,12 +2981,13 @@ DSK_API dsk_status dsk_ckpt_merge(dsk_ckpt *ck, int64_t step) {
     if (ck->opts.read_only) return dsk_set_error(DSK_ERR_STATE, "%s: \"%s\" was opened read_only", fn, ck->dir);
     DSK__TRY(dsk_ckpt_wait(ck));
     DSK__TRY(dsk__ckpt_job_new(fn, ck, step, &job));
+    nonce = dsk__ckpt_nonce(ck, ck->n_saves);
     s = dsk__ckpt_lock_take(fn, job->root, 1, &job->lock);
     if (s == DSK_OK) s = dsk__ckpt_scan_dir(fn, job->root, &job->scan);
     if (s == DSK_OK) s = dsk__ckpt_reader_open(fn, &rd, job->root, step);
     for (int r = 0; s == DSK_OK && r < rd.man.world; r++) s = dsk__ckpt_merge_rank(fn, &rd, r, nonce);
     if (s == DSK_OK) {
-        job->plan.attempt = nonce;
+        job->rf.attempt = nonce;
         job->opts.world_size = rd.man.world;
         job->info.generation = rd.man.generation;
         s = dsk__ckpt_write_manifest(fn, job->root, rd.step_dir, step, rd.man.world, nonce, rd.man.generation, NULL,
@@ -4850,14 +3052,14 @@ DSK_API dsk_status dsk_ckpt_list(const char *dir, dsk_ckpt_info *out, int cap, i
 }
 
 /* Reads a whole tensor in chunks and compares its CRC with the header's. */
-static dsk_status dsk__ckpt_verify_tensor(const char *fn, dsk_ckpt_file *f, const dsk_ckpt_tensor_info *t,
+static dsk_status dsk__ckpt_verify_tensor(const char *fn, dsk_safetensors_file *f, const dsk_safetensors_info *t,
                                           unsigned char *buf, size_t chunk) {
     uint32_t crc = 0;
     for (uint64_t off = t->begin; off < t->end; off += chunk) {
         size_t k = (size_t)(t->end - off < chunk ? t->end - off : chunk);
-        DSK__TRY(dsk__ckpt_pread_all(fn, f->fd, buf, k, 8 + f->header_len + off, f->path));
+        DSK__TRY(dsk__st_pread_all(fn, f->fd, buf, k, 8 + f->header_len + off, f->path));
         f->bytes_read += k;
-        crc = dsk_ckpt_crc32c(crc, buf, k);
+        crc = dsk_safetensors_crc32c(crc, buf, k);
     }
     if (crc != t->crc32c)
         return dsk_set_error(DSK_ERR_CORRUPT,
@@ -4877,15 +3079,15 @@ static dsk_status dsk__ckpt_verify_layout(const char *fn, dsk__ckpt_reader *rd) 
         const dsk__ckpt_mtensor *t = &rd->man.tensors[i];
         for (int k = 0; k < t->n_slices && s == DSK_OK; k++) {
             const dsk__ckpt_mslice *sl = &rd->man.slices[t->first + k];
-            const dsk_ckpt_tensor_info *ft;
-            dsk_ckpt_file *f;
+            const dsk_safetensors_info *ft;
+            dsk_safetensors_file *f;
             if ((s = dsk__ckpt_reader_file(rd, sl->file, &f)) == DSK_OK &&
                 (s = dsk__ckpt_find_piece(fn, f, t, sl, &ft)) == DSK_OK)
                 pieces[sl->file]++;
         }
     }
     for (int i = 0; i < rd->man.world && s == DSK_OK; i++) {
-        dsk_ckpt_file *f;
+        dsk_safetensors_file *f;
         if ((s = dsk__ckpt_reader_file(rd, i, &f)) == DSK_OK && f->n_tensors != pieces[i])
             s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" holds %d tensors, the manifest places %d there", fn, f->path,
                               f->n_tensors, pieces[i]);
@@ -4905,405 +3107,19 @@ DSK_API dsk_status dsk_ckpt_verify(const char *dir, int64_t step) {
     s = dsk__ckpt_reader_open(fn, &rd, dir, step);
     if (s == DSK_OK) s = dsk__ckpt_verify_layout(fn, &rd);
     for (int i = 0; s == DSK_OK && i < rd.man.n_files; i++) {
-        dsk_ckpt_file *f;
+        dsk_safetensors_file *f;
         s = dsk__ckpt_reader_file(&rd, i, &f);
         for (int k = 0; s == DSK_OK && k < f->n_tensors; k++)
             s = dsk__ckpt_verify_tensor(fn, f, &f->tensors[k], buf, chunk);
-        dsk_ckpt_file_close(f);
+        dsk_safetensors_close(f);
     }
     dsk__ckpt_reader_free(&rd);
     DSK_FREE(buf);
     return s;
 }
 
-/* ---------------------------------------------------------------- Hugging Face sharded weights */
-
-#define DSK__CKPT_HF_INDEX "model.safetensors.index.json"
-#define DSK__CKPT_HF_SINGLE "model.safetensors"
-
-DSK_API void dsk_ckpt_hf_close(dsk_ckpt_hf *h) {
-    if (!h) return;
-    for (int i = 0; i < h->n_shards; i++) {
-        if (h->shards) dsk_ckpt_file_close(&h->shards[i]);
-        if (h->shard_names) DSK_FREE(h->shard_names[i]);
-    }
-    for (int i = 0; i < h->n_tensors; i++) DSK_FREE(h->names[i]);
-    DSK_FREE(h->shards);
-    DSK_FREE(h->shard_names);
-    DSK_FREE(h->names);
-    DSK_FREE(h->shard_of);
-    DSK_FREE(h->dir);
-    memset(h, 0, sizeof *h);
-}
-
-/* A shard's file name from an index: a plain name inside dir. */
-static int dsk__ckpt_hf_plain_name(const char *s) {
-    return s && *s && !strchr(s, '/') && strcmp(s, ".") && strcmp(s, "..");
-}
-
-/* Sorts names (with their shards) and refuses a name given twice. */
-static dsk_status dsk__ckpt_hf_sort(const char *fn, dsk_ckpt_hf *h, const char *where) {
-    for (int i = 1; i < h->n_tensors; i++) { /* insertion of an index by name: usually sorted already */
-        char *nm = h->names[i];
-        int sh = h->shard_of[i], k = i;
-        while (k > 0 && strcmp(h->names[k - 1], nm) > 0) {
-            h->names[k] = h->names[k - 1];
-            h->shard_of[k] = h->shard_of[k - 1];
-            k--;
-        }
-        h->names[k] = nm;
-        h->shard_of[k] = sh;
-    }
-    for (int i = 1; i < h->n_tensors; i++)
-        if (strcmp(h->names[i], h->names[i - 1]) == 0)
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" names tensor \"%s\" twice", fn, where, h->names[i]);
-    return DSK_OK;
-}
-
-/* The index's weight_map: its names and the distinct shard files they name. */
-static dsk_status dsk__ckpt_hf_read_index(const char *fn, dsk_ckpt_hf *h, const char *path) {
-    char *text = NULL;
-    size_t len = 0;
-    dsk__ckpt_json j;
-    dsk_status s;
-    int wm, count;
-    memset(&j, 0, sizeof j);
-    DSK__TRY(dsk__ckpt_read_small(fn, path, (size_t)DSK_CKPT_MAX_HEADER, &text, &len));
-    if ((s = dsk__ckpt_json_parse(&j, text, len, fn, path)) != DSK_OK) goto done;
-    wm = dsk__ckpt_jget(&j, 0, "weight_map");
-    if (wm < 0 || dsk__ckpt_jtype(&j, wm) != DSK__CKPT_J_OBJ) {
-        s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" has no \"weight_map\" object", fn, path);
-        goto done;
-    }
-    count = dsk__ckpt_jcount(&j, wm);
-    h->names = (char **)DSK_MALLOC(((size_t)count + 1) * sizeof *h->names);
-    h->shard_of = (int *)DSK_MALLOC(((size_t)count + 1) * sizeof *h->shard_of);
-    h->shard_names = (char **)DSK_MALLOC(((size_t)count + 1) * sizeof *h->shard_names);
-    if (!h->names || !h->shard_of || !h->shard_names) {
-        s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-        goto done;
-    }
-    for (int c = dsk__ckpt_jchild(&j, wm); c >= 0; c = dsk__ckpt_jnext(&j, c)) {
-        const char *file = dsk__ckpt_jstr(&j, c);
-        int k = 0;
-        if (dsk__ckpt_jkey_nul(&j, c) || !dsk__ckpt_hf_plain_name(file)) {
-            s = dsk_set_error(DSK_ERR_CORRUPT,
-                              "%s: \"%s\": weight_map[\"%s\"] is not the name of a file in the directory", fn, path,
-                              dsk__ckpt_jkey(&j, c));
-            goto done;
-        }
-        while (k < h->n_shards && strcmp(h->shard_names[k], file) != 0) k++;
-        if (k == h->n_shards && !(h->shard_names[h->n_shards++] = dsk__ckpt_strdup(file))) {
-            h->n_shards--;
-            s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-            goto done;
-        }
-        h->shard_of[h->n_tensors] = k;
-        if (!(h->names[h->n_tensors] = dsk__ckpt_strdup(dsk__ckpt_jkey(&j, c)))) {
-            s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-            goto done;
-        }
-        h->n_tensors++;
-    }
-    s = dsk__ckpt_hf_sort(fn, h, path);
-done:
-    dsk__ckpt_json_free(&j);
-    DSK_FREE(text);
-    return s;
-}
-
-/* A single model.safetensors: its tensors, from its header. */
-static dsk_status dsk__ckpt_hf_read_single(const char *fn, dsk_ckpt_hf *h, const char *path) {
-    dsk_ckpt_file *f;
-    h->shard_names = (char **)DSK_MALLOC(sizeof *h->shard_names);
-    h->shards = (dsk_ckpt_file *)DSK_MALLOC(sizeof *h->shards);
-    if (!h->shard_names || !h->shards || !(h->shard_names[0] = dsk__ckpt_strdup(DSK__CKPT_HF_SINGLE)))
-        return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    h->n_shards = 1;
-    f = &h->shards[0];
-    memset(f, 0, sizeof *f);
-    DSK__TRY(dsk_ckpt_file_open(f, path));
-    h->names = (char **)DSK_MALLOC(((size_t)f->n_tensors + 1) * sizeof *h->names);
-    h->shard_of = (int *)DSK_MALLOC(((size_t)f->n_tensors + 1) * sizeof *h->shard_of);
-    if (!h->names || !h->shard_of) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    for (int i = 0; i < f->n_tensors; i++) {
-        if (!(h->names[i] = dsk__ckpt_strdup(f->tensors[i].name)))
-            return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-        h->shard_of[i] = 0;
-        h->n_tensors = i + 1;
-    }
-    return DSK_OK;
-}
-
-DSK_API dsk_status dsk_ckpt_hf_open(dsk_ckpt_hf *h, const char *dir) {
-    const char *fn = "dsk_ckpt_hf_open";
-    char *idx, *single;
-    dsk_status s;
-    if (!h || !dir) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
-    memset(h, 0, sizeof *h);
-    idx = dsk__ckpt_join(dir, DSK__CKPT_HF_INDEX);
-    single = dsk__ckpt_join(dir, DSK__CKPT_HF_SINGLE);
-    if (!(h->dir = dsk__ckpt_strdup(dir)) || !idx || !single) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    else if (dsk__ckpt_exists(idx)) s = dsk__ckpt_hf_read_index(fn, h, idx);
-    else if (dsk__ckpt_exists(single)) s = dsk__ckpt_hf_read_single(fn, h, single);
-    else
-        s = dsk_set_error(DSK_ERR_IO, "%s: \"%s\" holds neither %s nor %s", fn, dir, DSK__CKPT_HF_INDEX,
-                          DSK__CKPT_HF_SINGLE);
-    if (s == DSK_OK && !h->shards) {
-        if (!(h->shards = (dsk_ckpt_file *)DSK_MALLOC(((size_t)h->n_shards + 1) * sizeof *h->shards)))
-            s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-        else memset(h->shards, 0, ((size_t)h->n_shards + 1) * sizeof *h->shards);
-    }
-    DSK_FREE(idx);
-    DSK_FREE(single);
-    if (s != DSK_OK) dsk_ckpt_hf_close(h);
-    return s;
-}
-
-DSK_API dsk_status dsk_ckpt_hf_find(dsk_ckpt_hf *h, const char *name, dsk_ckpt_file **file,
-                                    const dsk_ckpt_tensor_info **info) {
-    const char *fn = "dsk_ckpt_hf_find";
-    int lo = 0, hi, k, t;
-    if (!h || !h->dir || !name || !file || !info)
-        return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument or closed set", fn);
-    hi = h->n_tensors - 1;
-    while (lo <= hi) {
-        int mid = lo + (hi - lo) / 2, c = strcmp(h->names[mid], name);
-        if (c == 0) { lo = mid; break; }
-        if (c < 0) lo = mid + 1;
-        else hi = mid - 1;
-    }
-    if (lo > hi) return dsk_set_error(DSK_ERR_ARG, "%s: no tensor \"%s\" in \"%s\"", fn, name, h->dir);
-    k = h->shard_of[lo];
-    if (!h->shards[k].mem) {
-        char *path = dsk__ckpt_join(h->dir, h->shard_names[k]);
-        dsk_status s;
-        if (!path) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-        s = dsk_ckpt_file_open(&h->shards[k], path);
-        DSK_FREE(path);
-        if (s != DSK_OK) return s;
-    }
-    if ((t = dsk_ckpt_file_find(&h->shards[k], name)) < 0)
-        return dsk_set_error(DSK_ERR_CORRUPT, "%s: the index places \"%s\" in \"%s\", which does not hold it", fn, name,
-                             h->shards[k].path);
-    *file = &h->shards[k];
-    *info = &h->shards[k].tensors[t];
-    return DSK_OK;
-}
-
-/* pattern (holding "{E}": dsk__ckpt_hf_count checked) with "{E}" replaced by e. */
-static dsk_status dsk__ckpt_hf_expert_name(const char *fn, const char *pattern, int64_t e, dsk__ckpt_buf *out) {
-    const char *at = strstr(pattern, "{E}");
-    out->n = 0;
-    dsk__ckpt_put(out, pattern, (size_t)(at - pattern));
-    dsk__ckpt_putf(out, "%lld", (long long)e);
-    dsk__ckpt_puts(out, at + 3);
-    return out->oom ? dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn) : DSK_OK;
-}
-
-/* The number of file tensors behind an entry (its experts when stacked), checked. */
-static dsk_status dsk__ckpt_hf_count(const char *fn, const dsk_ckpt_hf_entry *e, int i, int64_t *count) {
-    if (!e->name || !e->tensor) return dsk_set_error(DSK_ERR_ARG, "%s: entry %d has no name or tensor", fn, i);
-    if (!e->stacked) { *count = 1; return DSK_OK; }
-    if (e->tensor->ndim < 1 || e->expert0 < 0 || !strstr(e->name, "{E}"))
-        return dsk_set_error(
-            DSK_ERR_ARG,
-            "%s: stacked entry \"%s\" needs a tensor of at least one dim, expert0 >= 0 and \"{E}\" in its name", fn,
-            e->name);
-    *count = e->tensor->shape[0];
-    return DSK_OK;
-}
-
-DSK_API dsk_status dsk_ckpt_hf_read(dsk_ckpt_hf *h, dsk_ctx *ctx, const dsk_ckpt_hf_entry *entries, int n,
-                                    int allow_cast) {
-    const char *fn = "dsk_ckpt_hf_read";
-    dsk__ckpt_buf nm;
-    dsk_status s = DSK_OK;
-    if (!h || !h->dir || n < 0 || (n && !entries))
-        return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument or closed set", fn);
-    memset(&nm, 0, sizeof nm);
-    for (int i = 0; i < n && s == DSK_OK; i++) {
-        const dsk_ckpt_hf_entry *e = &entries[i];
-        int64_t count = 0;
-        if ((s = dsk__ckpt_hf_count(fn, e, i, &count)) != DSK_OK) break;
-        for (int64_t k = 0; k < count && s == DSK_OK; k++) {
-            dsk_ckpt_file *f = NULL;
-            const dsk_ckpt_tensor_info *t = NULL;
-            dsk_tensor view = *e->tensor;
-            const char *name = e->name;
-            if (e->stacked) {
-                if ((s = dsk__ckpt_hf_expert_name(fn, e->name, e->expert0 + k, &nm)) != DSK_OK) break;
-                if ((s = dsk_tensor_select(e->tensor, k, &view)) != DSK_OK) break;
-                name = nm.p;
-            }
-            if ((s = dsk_ckpt_hf_find(h, name, &f, &t)) == DSK_OK)
-                s = dsk_ckpt_file_read(f, ctx, name, &view, allow_cast);
-        }
-    }
-    dsk__ckpt_buf_free(&nm);
-    return s;
-}
-
-/* One file tensor of an export: its name and a view of the caller's tensor. */
-typedef struct dsk__ckpt_hf_item {
-    char *name;
-    dsk_tensor view;
-    int shard;
-} dsk__ckpt_hf_item;
-
-static int dsk__ckpt_cmp_hf_item(const void *a, const void *b) {
-    return strcmp((*(const dsk__ckpt_hf_item *const *)a)->name, (*(const dsk__ckpt_hf_item *const *)b)->name);
-}
-
-/* "model-<5 digits>-of-<5 digits>.safetensors" */
-static void dsk__ckpt_hf_shard_name(char *buf, size_t n, int k, int total) {
-    snprintf(buf, n, "model-%05d-of-%05d.safetensors", k + 1, total);
-}
-
-/* The index text of an export; items sorted by name here. */
-static dsk_status dsk__ckpt_hf_index_text(const char *fn, dsk__ckpt_buf *b, dsk__ckpt_hf_item *items, int n,
-                                          int n_shards) {
-    dsk__ckpt_hf_item **order = (dsk__ckpt_hf_item **)DSK_MALLOC(((size_t)n + 1) * sizeof *order);
-    uint64_t total = 0;
-    if (!order) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    for (int i = 0; i < n; i++) { order[i] = &items[i]; total += dsk_tensor_nbytes(&items[i].view); }
-    qsort(order, (size_t)n, sizeof *order, dsk__ckpt_cmp_hf_item);
-    dsk__ckpt_putf(b, "{\n  \"metadata\": {\n    \"total_size\": %llu\n  },\n  \"weight_map\": {",
-                   (unsigned long long)total);
-    for (int i = 0; i < n; i++) {
-        char shard[64];
-        if (i && strcmp(order[i]->name, order[i - 1]->name) == 0) {
-            dsk_status s = dsk_set_error(DSK_ERR_ARG, "%s: tensor name \"%s\" appears twice", fn, order[i]->name);
-            DSK_FREE(order);
-            return s;
-        }
-        dsk__ckpt_hf_shard_name(shard, sizeof shard, order[i]->shard, n_shards);
-        dsk__ckpt_puts(b, i ? ",\n    " : "\n    ");
-        dsk__ckpt_put_jstr(b, order[i]->name);
-        dsk__ckpt_putf(b, ": \"%s\"", shard);
-    }
-    dsk__ckpt_puts(b, "\n  }\n}\n");
-    DSK_FREE(order);
-    return b->oom ? dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn) : DSK_OK;
-}
-
-/* After the index: removes model.safetensors and shards of an earlier export it does not name. */
-static dsk_status dsk__ckpt_hf_tidy(const char *fn, const char *dir, int n_shards) {
-    DIR *d = opendir(dir);
-    struct dirent *de;
-    dsk_status s = DSK_OK;
-    int removed = 0;
-    if (!d) return dsk__ckpt_io_error(fn, "open directory", dir);
-    while (s == DSK_OK && (de = readdir(d)) != NULL) {
-        int k, total, len = 0;
-        char *p;
-        if (strcmp(de->d_name, DSK__CKPT_HF_SINGLE) != 0 &&
-            (sscanf(de->d_name, "model-%5d-of-%5d.safetensors%n", &k, &total, &len) != 2 || de->d_name[len] ||
-             total == n_shards))
-            continue;
-        if (!(p = dsk__ckpt_join(dir, de->d_name))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
-        s = dsk__ckpt_remove(fn, p, &removed);
-        DSK_FREE(p);
-    }
-    closedir(d);
-    return s;
-}
-
-/* The export's file tensors in entry order (stacked entries expanded), each given a shard. */
-static dsk_status dsk__ckpt_hf_items(const char *fn, const dsk_ckpt_hf_entry *entries, int n, uint64_t max_bytes,
-                                     dsk__ckpt_hf_item **out, int *n_items, int *n_shards) {
-    int64_t total = 0;
-    uint64_t fill = 0;
-    dsk__ckpt_buf nm;
-    dsk_status s = DSK_OK;
-    int k = 0;
-    *out = NULL;
-    *n_items = 0;
-    *n_shards = 1;
-    for (int i = 0; i < n; i++) {
-        int64_t c = 0;
-        DSK__TRY(dsk__ckpt_hf_count(fn, &entries[i], i, &c));
-        total += c;
-    }
-    if (total > INT32_MAX / 2) return dsk_set_error(DSK_ERR_ARG, "%s: %lld tensors", fn, (long long)total);
-    if (!(*out = (dsk__ckpt_hf_item *)DSK_MALLOC(((size_t)total + 1) * sizeof **out)))
-        return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    memset(*out, 0, ((size_t)total + 1) * sizeof **out);
-    memset(&nm, 0, sizeof nm);
-    for (int i = 0; i < n && s == DSK_OK; i++) {
-        const dsk_ckpt_hf_entry *e = &entries[i];
-        int64_t count = e->stacked ? e->tensor->shape[0] : 1;
-        for (int64_t x = 0; x < count && s == DSK_OK; x++, k++) {
-            dsk__ckpt_hf_item *it = &(*out)[k];
-            uint64_t bytes;
-            it->view = *e->tensor;
-            if (e->stacked && (s = dsk__ckpt_hf_expert_name(fn, e->name, e->expert0 + x, &nm)) == DSK_OK)
-                s = dsk_tensor_select(e->tensor, x, &it->view);
-            if (s != DSK_OK) break;
-            if (!(it->name = dsk__ckpt_strdup(e->stacked ? nm.p : e->name))) {
-                s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-                break;
-            }
-            *n_items = k + 1;
-            bytes = dsk_tensor_nbytes(&it->view);
-            if (fill && fill + bytes > max_bytes) { (*n_shards)++; fill = 0; }
-            it->shard = *n_shards - 1;
-            fill += bytes;
-        }
-    }
-    dsk__ckpt_buf_free(&nm);
-    return s;
-}
-
-DSK_API dsk_status dsk_ckpt_hf_save(dsk_ctx *ctx, const char *dir, const dsk_ckpt_hf_entry *entries, int n,
-                                    const dsk_ckpt_kv *kv, int n_kv, uint64_t max_shard_bytes) {
-    const char *fn = "dsk_ckpt_hf_save";
-    dsk__ckpt_hf_item *items = NULL;
-    dsk_ckpt_entry *fe = NULL;
-    dsk_ckpt_kv *meta = NULL;
-    dsk__ckpt_buf idx;
-    int n_items = 0, n_shards = 0, has_format = 0;
-    dsk_status s;
-    memset(&idx, 0, sizeof idx);
-    if (!dir || n < 0 || (n && !entries) || n_kv < 0 || (n_kv && !kv))
-        return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
-    s = dsk__ckpt_hf_items(fn, entries, n, max_shard_bytes ? max_shard_bytes : 5000000000ull, &items, &n_items,
-                           &n_shards);
-    for (int i = 0; i < n_kv; i++) has_format |= kv[i].key && strcmp(kv[i].key, "format") == 0;
-    fe = (dsk_ckpt_entry *)DSK_MALLOC(((size_t)n_items + 1) * sizeof *fe);
-    meta = (dsk_ckpt_kv *)DSK_MALLOC(((size_t)n_kv + 2) * sizeof *meta);
-    if (s == DSK_OK && (!fe || !meta)) s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    if (s == DSK_OK) { /* names unique across shards, and the index text, before any file is written */
-        if (n_kv) memcpy(meta, kv, (size_t)n_kv * sizeof *meta);
-        meta[n_kv].key = "format"; /* what transformers requires of a PyTorch shard */
-        meta[n_kv].value = "pt";
-        s = dsk__ckpt_hf_index_text(fn, &idx, items, n_items, n_shards);
-    }
-    for (int k = 0, first = 0; k < n_shards && s == DSK_OK; k++) {
-        char shard[64], *path;
-        int cnt = 0;
-        while (first + cnt < n_items && items[first + cnt].shard == k) {
-            dsk_ckpt_entry *e = &fe[cnt];
-            memset(e, 0, sizeof *e);
-            e->name = items[first + cnt].name;
-            e->tensor = &items[first + cnt].view;
-            cnt++;
-        }
-        dsk__ckpt_hf_shard_name(shard, sizeof shard, k, n_shards);
-        if (!(path = dsk__ckpt_join(dir, shard))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
-        s = dsk_ckpt_file_save(ctx, path, fe, cnt, meta, n_kv + !has_format);
-        DSK_FREE(path);
-        first += cnt;
-    }
-    if (s == DSK_OK) s = dsk__ckpt_write_small(fn, dir, DSK__CKPT_HF_INDEX, idx.p, idx.n, DSK__CKPT_DURABLE);
-    if (s == DSK_OK) s = dsk__ckpt_hf_tidy(fn, dir, n_shards);
-    for (int i = 0; i < n_items; i++) DSK_FREE(items[i].name);
-    DSK_FREE(items);
-    DSK_FREE(fe);
-    DSK_FREE(meta);
-    dsk__ckpt_buf_free(&idx);
-    return s;
-}
+/* ---------------------------------------------------------------- Hugging Face DeepSeek models */
+#ifndef DSK_CKPT_NO_HF
 
 DSK_API dsk_status dsk_ckpt_hf_deepseek_name(char *buf, size_t n, int layer, const char *moe_param) {
     static const char *const map[][2] = {
@@ -5330,19 +3146,18 @@ DSK_API dsk_status dsk_ckpt_hf_deepseek_name(char *buf, size_t n, int layer, con
                          moe_param);
 }
 
-/* ---------------------------------------------------------------- Hugging Face DeepSeek models */
 
 /* A JSON number (any form) as a double. */
-static int dsk__ckpt_jnum(const dsk__ckpt_json *j, int node, double *out) {
+static int dsk__ckpt_jnum(const dsk__st_json *j, int node, double *out) {
     char *end;
-    if (node < 0 || dsk__ckpt_jtype(j, node) != DSK__CKPT_J_NUM) return 0;
+    if (node < 0 || dsk__st_jtype(j, node) != DSK__ST_J_NUM) return 0;
     *out = strtod(j->src + j->nodes[node].val, &end);
     return 1;
 }
 
 /* Reading one config.json: its parse and where errors point. */
 typedef struct dsk__ckpt_hfc {
-    dsk__ckpt_json j;
+    dsk__st_json j;
     const char *path;
     int obj;             /* the object keys are looked up in */
     const char *prefix;  /* "" or "rope_scaling." for messages */
@@ -5357,10 +3172,10 @@ static dsk_status dsk__ckpt_hfc_bad(const dsk__ckpt_hfc *r, const char *key, con
 /* Integer key (null allowed when null_value >= -1: it gives that value; missing allowed when opt). */
 static dsk_status dsk__ckpt_hfc_i64(const dsk__ckpt_hfc *r, const char *key, int64_t *out, int opt, int64_t null_value,
                                     int64_t min) {
-    int c = dsk__ckpt_jget(&r->j, r->obj, key);
+    int c = dsk__st_jget(&r->j, r->obj, key);
     if (c < 0) return opt ? DSK_OK : dsk__ckpt_hfc_bad(r, key, "is missing");
-    if (dsk__ckpt_jtype(&r->j, c) == DSK__CKPT_J_NULL && null_value >= -1) { *out = null_value; return DSK_OK; }
-    if (!dsk__ckpt_jint(&r->j, c, out)) return dsk__ckpt_hfc_bad(r, key, "is not an integer");
+    if (dsk__st_jtype(&r->j, c) == DSK__ST_J_NULL && null_value >= -1) { *out = null_value; return DSK_OK; }
+    if (!dsk__st_jint(&r->j, c, out)) return dsk__ckpt_hfc_bad(r, key, "is not an integer");
     if (*out < min || *out > INT32_MAX) return dsk__ckpt_hfc_bad(r, key, "is out of range");
     return DSK_OK;
 }
@@ -5374,16 +3189,16 @@ static dsk_status dsk__ckpt_hfc_int(const dsk__ckpt_hfc *r, const char *key, int
 }
 
 static dsk_status dsk__ckpt_hfc_num(const dsk__ckpt_hfc *r, const char *key, double *out, int opt) {
-    int c = dsk__ckpt_jget(&r->j, r->obj, key);
+    int c = dsk__st_jget(&r->j, r->obj, key);
     if (c < 0) return opt ? DSK_OK : dsk__ckpt_hfc_bad(r, key, "is missing");
     if (!dsk__ckpt_jnum(&r->j, c, out)) return dsk__ckpt_hfc_bad(r, key, "is not a number");
     return DSK_OK;
 }
 
 static dsk_status dsk__ckpt_hfc_bool(const dsk__ckpt_hfc *r, const char *key, int *out, int opt) {
-    int c = dsk__ckpt_jget(&r->j, r->obj, key);
+    int c = dsk__st_jget(&r->j, r->obj, key);
     if (c < 0) return opt ? DSK_OK : dsk__ckpt_hfc_bad(r, key, "is missing");
-    if (dsk__ckpt_jtype(&r->j, c) != DSK__CKPT_J_BOOL) return dsk__ckpt_hfc_bad(r, key, "is not true or false");
+    if (dsk__st_jtype(&r->j, c) != DSK__ST_J_BOOL) return dsk__ckpt_hfc_bad(r, key, "is not true or false");
     *out = r->j.nodes[c].val != 0;
     return DSK_OK;
 }
@@ -5391,8 +3206,8 @@ static dsk_status dsk__ckpt_hfc_bool(const dsk__ckpt_hfc *r, const char *key, in
 /* String key, one of the '|'-separated words of `allowed` (NULL: any). */
 static dsk_status dsk__ckpt_hfc_str(const dsk__ckpt_hfc *r, const char *key, char *out, size_t cap, int opt,
                                     const char *allowed) {
-    int c = dsk__ckpt_jget(&r->j, r->obj, key);
-    const char *v = dsk__ckpt_jstr(&r->j, c);
+    int c = dsk__st_jget(&r->j, r->obj, key);
+    const char *v = dsk__st_jstr(&r->j, c);
     char want[160];
     if (c < 0) return opt ? DSK_OK : dsk__ckpt_hfc_bad(r, key, "is missing");
     if (!v || strlen(v) >= cap) return dsk__ckpt_hfc_bad(r, key, "is not a short string");
@@ -5417,15 +3232,15 @@ static dsk_status dsk__ckpt_hfc_str(const dsk__ckpt_hfc *r, const char *key, cha
 
 /* rope_scaling: null, or YaRN with every parameter. */
 static dsk_status dsk__ckpt_hfc_rope(dsk__ckpt_hfc *r, dsk_ckpt_hf_deepseek_config *c) {
-    int rs = dsk__ckpt_jget(&r->j, 0, "rope_scaling"), top = r->obj;
+    int rs = dsk__st_jget(&r->j, 0, "rope_scaling"), top = r->obj;
     char type[16] = "";
     dsk_status s = DSK_OK;
-    if (rs < 0 || dsk__ckpt_jtype(&r->j, rs) == DSK__CKPT_J_NULL) return DSK_OK;
-    if (dsk__ckpt_jtype(&r->j, rs) != DSK__CKPT_J_OBJ)
+    if (rs < 0 || dsk__st_jtype(&r->j, rs) == DSK__ST_J_NULL) return DSK_OK;
+    if (dsk__st_jtype(&r->j, rs) != DSK__ST_J_OBJ)
         return dsk__ckpt_hfc_bad(r, "rope_scaling", "is not null or an object");
     r->obj = rs;
     r->prefix = "rope_scaling.";
-    if (dsk__ckpt_jget(&r->j, rs, "type") >= 0) s = dsk__ckpt_hfc_str(r, "type", type, sizeof type, 0, "yarn");
+    if (dsk__st_jget(&r->j, rs, "type") >= 0) s = dsk__ckpt_hfc_str(r, "type", type, sizeof type, 0, "yarn");
     else s = dsk__ckpt_hfc_str(r, "rope_type", type, sizeof type, 0, "yarn");
     if (s == DSK_OK) s = dsk__ckpt_hfc_num(r, "factor", &c->rope_factor, 0);
     if (s == DSK_OK) s = dsk__ckpt_hfc_i64(r, "original_max_position_embeddings", &c->original_max_position_embeddings,
@@ -5442,23 +3257,23 @@ static dsk_status dsk__ckpt_hfc_rope(dsk__ckpt_hfc *r, dsk_ckpt_hf_deepseek_conf
 
 /* quantization_config: absent, or FP8 e4m3 with its block size. */
 static dsk_status dsk__ckpt_hfc_quant(dsk__ckpt_hfc *r, dsk_ckpt_hf_deepseek_config *c) {
-    int q = dsk__ckpt_jget(&r->j, 0, "quantization_config"), top = r->obj, bs;
+    int q = dsk__st_jget(&r->j, 0, "quantization_config"), top = r->obj, bs;
     char word[16];
     dsk_status s;
     c->block[0] = c->block[1] = 128;
     if (q < 0) return DSK_OK;
-    if (dsk__ckpt_jtype(&r->j, q) != DSK__CKPT_J_OBJ)
+    if (dsk__st_jtype(&r->j, q) != DSK__ST_J_OBJ)
         return dsk__ckpt_hfc_bad(r, "quantization_config", "is not an object");
     r->obj = q;
     r->prefix = "quantization_config.";
     s = dsk__ckpt_hfc_str(r, "quant_method", word, sizeof word, 0, "fp8");
     if (s == DSK_OK) s = dsk__ckpt_hfc_str(r, "fmt", word, sizeof word, 1, "e4m3");
-    bs = dsk__ckpt_jget(&r->j, q, "weight_block_size");
+    bs = dsk__st_jget(&r->j, q, "weight_block_size");
     if (s == DSK_OK && bs >= 0) {
         int64_t v[2] = {0, 0};
-        int e = dsk__ckpt_jchild(&r->j, bs);
-        if (dsk__ckpt_jcount(&r->j, bs) != 2 || dsk__ckpt_jtype(&r->j, bs) != DSK__CKPT_J_ARR ||
-            !dsk__ckpt_jint(&r->j, e, &v[0]) || !dsk__ckpt_jint(&r->j, dsk__ckpt_jnext(&r->j, e), &v[1]) || v[0] < 1 ||
+        int e = dsk__st_jchild(&r->j, bs);
+        if (dsk__st_jcount(&r->j, bs) != 2 || dsk__st_jtype(&r->j, bs) != DSK__ST_J_ARR ||
+            !dsk__st_jint(&r->j, e, &v[0]) || !dsk__st_jint(&r->j, dsk__st_jnext(&r->j, e), &v[1]) || v[0] < 1 ||
             v[1] < 1 || v[0] > 65536 || v[1] > 65536)
             s = dsk__ckpt_hfc_bad(r, "weight_block_size", "is not two positive integers");
         c->block[0] = (int)v[0];
@@ -5472,11 +3287,11 @@ static dsk_status dsk__ckpt_hfc_quant(dsk__ckpt_hfc *r, dsk_ckpt_hf_deepseek_con
 
 /* architectures: a list holding DeepseekV2ForCausalLM or DeepseekV3ForCausalLM. */
 static dsk_status dsk__ckpt_hfc_arch(const dsk__ckpt_hfc *r, int *version) {
-    int a = dsk__ckpt_jget(&r->j, 0, "architectures");
+    int a = dsk__st_jget(&r->j, 0, "architectures");
     if (a < 0) return dsk__ckpt_hfc_bad(r, "architectures", "is missing");
-    for (int e = dsk__ckpt_jchild(&r->j, a); e >= 0 && dsk__ckpt_jtype(&r->j, a) == DSK__CKPT_J_ARR;
-         e = dsk__ckpt_jnext(&r->j, e)) {
-        const char *v = dsk__ckpt_jstr(&r->j, e);
+    for (int e = dsk__st_jchild(&r->j, a); e >= 0 && dsk__st_jtype(&r->j, a) == DSK__ST_J_ARR;
+         e = dsk__st_jnext(&r->j, e)) {
+        const char *v = dsk__st_jstr(&r->j, e);
         if (v && strcmp(v, "DeepseekV2ForCausalLM") == 0) { *version = 2; return DSK_OK; }
         if (v && strcmp(v, "DeepseekV3ForCausalLM") == 0) { *version = 3; return DSK_OK; }
     }
@@ -5530,19 +3345,19 @@ DSK_API dsk_status dsk_ckpt_hf_deepseek_config_read(dsk_ckpt_hf_deepseek_config 
     memset(c, 0, sizeof *c);
     memset(&r, 0, sizeof r);
     c->bos_token_id = c->eos_token_id = -1;
-    if (!(path = dsk__ckpt_join(dir, "config.json"))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+    if (!(path = dsk__st_join(dir, "config.json"))) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     r.path = path;
     r.prefix = "";
-    s = dsk__ckpt_read_small(fn, path, (size_t)1 << 20, &text, &len);
-    if (s == DSK_OK) s = dsk__ckpt_json_parse(&r.j, text, len, fn, path);
-    if (s == DSK_OK && dsk__ckpt_jtype(&r.j, 0) != DSK__CKPT_J_OBJ)
+    s = dsk__st_read_small(fn, path, (size_t)1 << 20, &text, &len);
+    if (s == DSK_OK) s = dsk__st_json_parse(&r.j, text, len, fn, path);
+    if (s == DSK_OK && dsk__st_jtype(&r.j, 0) != DSK__ST_J_OBJ)
         s = dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\" is not a JSON object", fn, path);
     if (s == DSK_OK) s = dsk__ckpt_hfc_arch(&r, &c->version);
     if (s == DSK_OK) s = dsk__ckpt_hfc_sizes(&r, c);
     if (s == DSK_OK) s = dsk__ckpt_hfc_routing(&r, c);
     if (s == DSK_OK) s = dsk__ckpt_hfc_rope(&r, c);
     if (s == DSK_OK) s = dsk__ckpt_hfc_quant(&r, c);
-    dsk__ckpt_json_free(&r.j);
+    dsk__st_json_free(&r.j);
     DSK_FREE(text);
     DSK_FREE(path);
     if (s != DSK_OK) {
@@ -5553,9 +3368,9 @@ DSK_API dsk_status dsk_ckpt_hf_deepseek_config_read(dsk_ckpt_hf_deepseek_config 
 }
 
 /* "key": integer or null (v < 0 with nullable). */
-static void dsk__ckpt_hfw_int(dsk__ckpt_buf *b, const char *key, int64_t v, int nullable) {
-    if (nullable && v < 0) dsk__ckpt_putf(b, ",\n  \"%s\": null", key);
-    else dsk__ckpt_putf(b, ",\n  \"%s\": %lld", key, (long long)v);
+static void dsk__ckpt_hfw_int(dsk__st_buf *b, const char *key, int64_t v, int nullable) {
+    if (nullable && v < 0) dsk__st_putf(b, ",\n  \"%s\": null", key);
+    else dsk__st_putf(b, ",\n  \"%s\": %lld", key, (long long)v);
 }
 
 /* The shortest %g form of v that reads back as v, with a ".0" when it would read as an
@@ -5569,17 +3384,17 @@ static const char *dsk__ckpt_hf_num(char buf[40], double v) {
     return buf;
 }
 
-static void dsk__ckpt_hfw_num(dsk__ckpt_buf *b, const char *key, double v) {
+static void dsk__ckpt_hfw_num(dsk__st_buf *b, const char *key, double v) {
     char t[40];
-    dsk__ckpt_putf(b, ",\n  \"%s\": %s", key, dsk__ckpt_hf_num(t, v));
+    dsk__st_putf(b, ",\n  \"%s\": %s", key, dsk__ckpt_hf_num(t, v));
 }
 
-static void dsk__ckpt_hfw_str(dsk__ckpt_buf *b, const char *key, const char *v, int is_bool) {
-    dsk__ckpt_putf(b, is_bool ? ",\n  \"%s\": %s" : ",\n  \"%s\": \"%s\"", key, v);
+static void dsk__ckpt_hfw_str(dsk__st_buf *b, const char *key, const char *v, int is_bool) {
+    dsk__st_putf(b, is_bool ? ",\n  \"%s\": %s" : ",\n  \"%s\": \"%s\"", key, v);
 }
 
-static void dsk__ckpt_hfw_body(dsk__ckpt_buf *b, const dsk_ckpt_hf_deepseek_config *c) {
-    dsk__ckpt_putf(b, "{\n  \"architectures\": [\"DeepseekV%dForCausalLM\"]", c->version);
+static void dsk__ckpt_hfw_body(dsk__st_buf *b, const dsk_ckpt_hf_deepseek_config *c) {
+    dsk__st_putf(b, "{\n  \"architectures\": [\"DeepseekV%dForCausalLM\"]", c->version);
     dsk__ckpt_hfw_str(b, "model_type", c->version == 3 ? "deepseek_v3" : "deepseek_v2", 0);
     dsk__ckpt_hfw_str(b, "hidden_act", "silu", 0);
     dsk__ckpt_hfw_str(b, "attention_bias", "false", 1);
@@ -5619,7 +3434,7 @@ static void dsk__ckpt_hfw_body(dsk__ckpt_buf *b, const dsk_ckpt_hf_deepseek_conf
 
 DSK_API dsk_status dsk_ckpt_hf_deepseek_config_write(const dsk_ckpt_hf_deepseek_config *c, const char *dir) {
     const char *fn = "dsk_ckpt_hf_deepseek_config_write";
-    dsk__ckpt_buf b;
+    dsk__st_buf b;
     dsk_status s;
     if (!c || !dir) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
     if (c->version != 2 && c->version != 3)
@@ -5627,27 +3442,27 @@ DSK_API dsk_status dsk_ckpt_hf_deepseek_config_write(const dsk_ckpt_hf_deepseek_
     memset(&b, 0, sizeof b);
     dsk__ckpt_hfw_body(&b, c);
     if (!c->yarn) {
-        dsk__ckpt_puts(&b, ",\n  \"rope_scaling\": null");
+        dsk__st_puts(&b, ",\n  \"rope_scaling\": null");
     } else {
         char t[4][40];
-        dsk__ckpt_putf(&b, ",\n  \"rope_scaling\": {\"type\": \"yarn\", \"factor\": %s",
-                       dsk__ckpt_hf_num(t[0], c->rope_factor));
-        dsk__ckpt_putf(&b, ", \"original_max_position_embeddings\": %lld",
-                       (long long)c->original_max_position_embeddings);
-        dsk__ckpt_putf(&b, ", \"mscale\": %s, \"mscale_all_dim\": %s", dsk__ckpt_hf_num(t[0], c->mscale),
-                       dsk__ckpt_hf_num(t[1], c->mscale_all_dim));
-        dsk__ckpt_putf(&b, ", \"beta_fast\": %s, \"beta_slow\": %s}", dsk__ckpt_hf_num(t[2], c->beta_fast),
-                       dsk__ckpt_hf_num(t[3], c->beta_slow));
+        dsk__st_putf(&b, ",\n  \"rope_scaling\": {\"type\": \"yarn\", \"factor\": %s",
+                     dsk__ckpt_hf_num(t[0], c->rope_factor));
+        dsk__st_putf(&b, ", \"original_max_position_embeddings\": %lld",
+                     (long long)c->original_max_position_embeddings);
+        dsk__st_putf(&b, ", \"mscale\": %s, \"mscale_all_dim\": %s", dsk__ckpt_hf_num(t[0], c->mscale),
+                     dsk__ckpt_hf_num(t[1], c->mscale_all_dim));
+        dsk__st_putf(&b, ", \"beta_fast\": %s, \"beta_slow\": %s}", dsk__ckpt_hf_num(t[2], c->beta_fast),
+                     dsk__ckpt_hf_num(t[3], c->beta_slow));
     }
     if (c->fp8) {
-        dsk__ckpt_puts(&b, ",\n  \"quantization_config\": {\"quant_method\": \"fp8\", \"fmt\": \"e4m3\", ");
-        dsk__ckpt_putf(&b, "\"activation_scheme\": \"dynamic\", \"weight_block_size\": [%d, %d]}", c->block[0],
-                       c->block[1]);
+        dsk__st_puts(&b, ",\n  \"quantization_config\": {\"quant_method\": \"fp8\", \"fmt\": \"e4m3\", ");
+        dsk__st_putf(&b, "\"activation_scheme\": \"dynamic\", \"weight_block_size\": [%d, %d]}", c->block[0],
+                     c->block[1]);
     }
-    dsk__ckpt_puts(&b, "\n}\n");
+    dsk__st_puts(&b, "\n}\n");
     s = b.oom ? dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn)
-              : dsk__ckpt_write_small(fn, dir, "config.json", b.p, b.n, DSK__CKPT_DURABLE);
-    dsk__ckpt_buf_free(&b);
+              : dsk__st_write_small(fn, dir, "config.json", b.p, b.n, DSK__ST_DURABLE);
+    dsk__st_buf_free(&b);
     return s;
 }
 
@@ -5690,13 +3505,13 @@ static void dsk__ckpt_hf_shape(char *buf, size_t n, int ndim, const int64_t *sha
 }
 
 /* Checks one file tensor of an import against its destination (and its FP8 scale). */
-static dsk_status dsk__ckpt_hf_check_one(dsk_ckpt_hf *h, const char *name, const dsk_tensor *dst, const int block[2],
-                                         dsk__ckpt_buf *sn) {
+static dsk_status dsk__ckpt_hf_check_one(dsk_safetensors_hf *h, const char *name, const dsk_tensor *dst,
+                                         const int block[2], dsk__st_buf *sn) {
     const char *fn = "dsk_ckpt_hf_read_dequant";
-    dsk_ckpt_file *f = NULL, *sf = NULL;
-    const dsk_ckpt_tensor_info *t = NULL, *st = NULL;
+    dsk_safetensors_file *f = NULL, *sf = NULL;
+    const dsk_safetensors_info *t = NULL, *st = NULL;
     int same = 1;
-    DSK__TRY(dsk_ckpt_hf_find(h, name, &f, &t));
+    DSK__TRY(dsk_safetensors_hf_find(h, name, &f, &t));
     same = t->ndim == dst->ndim;
     for (int d = 0; same && d < t->ndim; d++) same = t->shape[d] == dst->shape[d];
     if (!same) {
@@ -5710,12 +3525,12 @@ static dsk_status dsk__ckpt_hf_check_one(dsk_ckpt_hf *h, const char *name, const
                                            name, t->dtype_name);
     if (t->dtype != DSK_E4M3) return DSK_OK;
     sn->n = 0;
-    dsk__ckpt_puts(sn, name);
-    dsk__ckpt_puts(sn, "_scale_inv");
+    dsk__st_puts(sn, name);
+    dsk__st_puts(sn, "_scale_inv");
     if (sn->oom) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     if (t->ndim != 2)
         return dsk_set_error(DSK_ERR_ARG, "%s: \"%s\": FP8 tensor \"%s\" is not a matrix", fn, f->path, name);
-    if (dsk_ckpt_hf_find(h, sn->p, &sf, &st) != DSK_OK)
+    if (dsk_safetensors_hf_find(h, sn->p, &sf, &st) != DSK_OK)
         return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": FP8 tensor \"%s\" has no \"%s\"", fn, f->path, name, sn->p);
     if (st->dtype != DSK_F32 || st->ndim != 2 || st->shape[0] != (t->shape[0] + block[0] - 1) / block[0] ||
         st->shape[1] != (t->shape[1] + block[1] - 1) / block[1])
@@ -5734,29 +3549,29 @@ static void dsk__ckpt_dequant(float *w, const uint8_t *q, const float *scale, in
 }
 
 /* Reads one file tensor into dst, dequantising FP8 (checked by dsk__ckpt_hf_check_one). */
-static dsk_status dsk__ckpt_hf_read_one(dsk_ckpt_hf *h, dsk_ctx *ctx, const char *name, dsk_tensor *dst,
-                                        const int block[2], dsk__ckpt_buf *sn) {
+static dsk_status dsk__ckpt_hf_read_one(dsk_safetensors_hf *h, dsk_ctx *ctx, const char *name, dsk_tensor *dst,
+                                        const int block[2], dsk__st_buf *sn) {
     const char *fn = "dsk_ckpt_hf_read_dequant";
-    dsk_ckpt_file *f = NULL, *sf = NULL;
-    const dsk_ckpt_tensor_info *t = NULL, *st = NULL;
+    dsk_safetensors_file *f = NULL, *sf = NULL;
+    const dsk_safetensors_info *t = NULL, *st = NULL;
     dsk_tensor scale, host;
     uint8_t *q = NULL;
     float *w = NULL;
     dsk_status s;
-    DSK__TRY(dsk_ckpt_hf_find(h, name, &f, &t));
-    if (t->dtype != DSK_E4M3) return dsk_ckpt_file_read(f, ctx, name, dst, 1);
+    DSK__TRY(dsk_safetensors_hf_find(h, name, &f, &t));
+    if (t->dtype != DSK_E4M3) return dsk_safetensors_read(f, ctx, name, dst, 1);
     memset(&scale, 0, sizeof scale);
     sn->n = 0;
-    dsk__ckpt_puts(sn, name);
-    dsk__ckpt_puts(sn, "_scale_inv");
+    dsk__st_puts(sn, name);
+    dsk__st_puts(sn, "_scale_inv");
     if (sn->oom) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    DSK__TRY(dsk_ckpt_hf_find(h, sn->p, &sf, &st));
+    DSK__TRY(dsk_safetensors_hf_find(h, sn->p, &sf, &st));
     q = (uint8_t *)DSK_MALLOC((size_t)(t->shape[0] * t->shape[1]) + 1);
     w = (float *)DSK_MALLOC((size_t)(t->shape[0] * t->shape[1]) * sizeof *w + 1);
     s = q && w ? dsk_tensor_alloc(NULL, &scale, DSK_F32, 2, st->shape)
                : dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    if (s == DSK_OK) s = dsk_ckpt_file_read_raw(f, name, NULL, t->shape, q, (size_t)(t->shape[0] * t->shape[1]));
-    if (s == DSK_OK) s = dsk_ckpt_file_read(sf, NULL, sn->p, &scale, 0);
+    if (s == DSK_OK) s = dsk_safetensors_read_raw(f, name, NULL, t->shape, q, (size_t)(t->shape[0] * t->shape[1]));
+    if (s == DSK_OK) s = dsk_safetensors_read(sf, NULL, sn->p, &scale, 0);
     if (s == DSK_OK) {
         dsk__ckpt_dequant(w, q, (const float *)scale.data, t->shape[0], t->shape[1], block);
         s = dsk_tensor_wrap(&host, w, DSK_F32, dsk_cpu(), 2, t->shape);
@@ -5768,10 +3583,10 @@ static dsk_status dsk__ckpt_hf_read_one(dsk_ckpt_hf *h, dsk_ctx *ctx, const char
     return s;
 }
 
-DSK_API dsk_status dsk_ckpt_hf_read_dequant(dsk_ckpt_hf *h, dsk_ctx *ctx, const dsk_ckpt_hf_entry *entries, int n,
-                                            const int block[2]) {
+DSK_API dsk_status dsk_ckpt_hf_read_dequant(dsk_safetensors_hf *h, dsk_ctx *ctx,
+                                            const dsk_safetensors_hf_entry *entries, int n, const int block[2]) {
     const char *fn = "dsk_ckpt_hf_read_dequant";
-    dsk__ckpt_buf nm, sn;
+    dsk__st_buf nm, sn;
     dsk_status s = DSK_OK;
     if (!h || !h->dir || n < 0 || (n && !entries) || !block || block[0] < 1 || block[1] < 1)
         return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument, closed set or bad block size", fn);
@@ -5779,14 +3594,14 @@ DSK_API dsk_status dsk_ckpt_hf_read_dequant(dsk_ckpt_hf *h, dsk_ctx *ctx, const 
     memset(&sn, 0, sizeof sn);
     for (int pass = 0; pass < 2 && s == DSK_OK; pass++) /* check everything, then read */
         for (int i = 0; i < n && s == DSK_OK; i++) {
-            const dsk_ckpt_hf_entry *e = &entries[i];
+            const dsk_safetensors_hf_entry *e = &entries[i];
             int64_t count = 0;
-            if ((s = dsk__ckpt_hf_count(fn, e, i, &count)) != DSK_OK) break;
+            if ((s = dsk__st_hf_count(fn, e, i, &count)) != DSK_OK) break;
             for (int64_t k = 0; k < count && s == DSK_OK; k++) {
                 dsk_tensor view = *e->tensor;
                 const char *name = e->name;
                 if (e->stacked) {
-                    if ((s = dsk__ckpt_hf_expert_name(fn, e->name, e->expert0 + k, &nm)) != DSK_OK) break;
+                    if ((s = dsk__st_hf_expert_name(fn, e->name, e->expert0 + k, &nm)) != DSK_OK) break;
                     if ((s = dsk_tensor_select(e->tensor, k, &view)) != DSK_OK) break;
                     name = nm.p;
                 }
@@ -5794,8 +3609,8 @@ DSK_API dsk_status dsk_ckpt_hf_read_dequant(dsk_ckpt_hf *h, dsk_ctx *ctx, const 
                               : dsk__ckpt_hf_read_one(h, ctx, name, &view, block, &sn);
             }
         }
-    dsk__ckpt_buf_free(&nm);
-    dsk__ckpt_buf_free(&sn);
+    dsk__st_buf_free(&nm);
+    dsk__st_buf_free(&sn);
     return s;
 }
 
@@ -5832,6 +3647,7 @@ DSK_API dsk_status dsk_ckpt_hf_quantize_e4m3(dsk_tensor *q, dsk_tensor *scale_in
         }
     return DSK_OK;
 }
+#endif /* DSK_CKPT_NO_HF */
 
 /* ---------------------------------------------------------------- metadata */
 
@@ -5872,6 +3688,16 @@ DSK_API void dsk_ckpt_meta_free(dsk_ckpt_meta *m) {
     m->skipped_step = -1;
 }
 
+/* ---------------------------------------------------------------- options */
+
+#ifdef DSK_CKPT_NO_HF
+#define DSK__CKPT_OPTIONS " DSK_CKPT_NO_HF" DSK__ST_OPTIONS
+#else
+#define DSK__CKPT_OPTIONS DSK__ST_OPTIONS
+#endif
+
+DSK_API const char *dsk_ckpt_options(void) { return dsk__st_options_text(DSK__CKPT_OPTIONS); }
+
 #endif /* DSK_CKPT_IMPLEMENTATION_DONE */
 #endif /* DSK_CKPT_IMPLEMENTATION */
 
@@ -5879,3 +3705,4 @@ DSK_API void dsk_ckpt_meta_free(dsk_ckpt_meta *m) {
    charge, to any person obtaining a copy of this software, to deal in the software without
    restriction, subject to including this notice. THE SOFTWARE IS PROVIDED "AS IS", WITHOUT
    WARRANTY OF ANY KIND. */
+

@@ -73,11 +73,11 @@
                            dsk_matmul_fp8, dsk_matmul_fp8_grouped
    Implementation only: the CPU GEMM (packed and direct nests, run-time micro-kernels), the CPU
    row primitives. */
-/* The comm and ckpt implementations need POSIX 2008 (sockets, pread, O_CLOEXEC). Feature
-   macros only work before the first system header, and every module includes this header
-   first, so ask for POSIX here when one of those implementations is being compiled. */
+/* The comm, safetensors and ckpt implementations need POSIX 2008 (sockets, pread, O_CLOEXEC).
+   Feature macros only work before the first system header, and every module includes this
+   header first, so ask for POSIX here when one of those implementations is being compiled. */
 #if (defined(DSK_COMM_IMPLEMENTATION) || defined(DSK_CKPT_IMPLEMENTATION) || defined(DSK_MOE_IMPLEMENTATION) || \
-     defined(DSK_ZERO_IMPLEMENTATION)) && \
+     defined(DSK_ZERO_IMPLEMENTATION) || defined(DSK_SAFETENSORS_IMPLEMENTATION)) && \
     !defined(_GNU_SOURCE) && !defined(_POSIX_C_SOURCE) && !defined(_XOPEN_SOURCE)
 #define _POSIX_C_SOURCE 200809L
 #endif

@@ -111,7 +111,7 @@ static double crc_all(dsk_tensor *t, int n) {
         const unsigned char *p = (const unsigned char *)t[i].data;
         size_t left = dsk_tensor_nbytes(&t[i]);
         for (size_t off = 0; off < left; off += (size_t)1 << 20)
-            acc ^= dsk_ckpt_crc32c(0, p + off, left - off < ((size_t)1 << 20) ? left - off : ((size_t)1 << 20));
+            acc ^= dsk_safetensors_crc32c(0, p + off, left - off < ((size_t)1 << 20) ? left - off : ((size_t)1 << 20));
     }
     if (acc == 0x12345678u) printf("#\n"); /* keeps the loop */
     return bench_now_s() - t0;
@@ -150,7 +150,7 @@ static void profile(dsk_tensor *t, dsk_ckpt_entry *e, int n, size_t total, int r
     snprintf(small, sizeof small, "%s/small.safetensors", root);
     for (int r = -1; r < reps; r++) {
         double v[6], t0;
-        dsk_ckpt_entry one = e[0];
+        dsk_safetensors_entry one = {e[0].name, e[0].tensor};
         dsk_tensor tiny;
         const int64_t s1[1] = {16};
         for (int k = 0; k < 2; k++) { /* alternating which goes first, each after a sync */
@@ -177,7 +177,7 @@ static void profile(dsk_tensor *t, dsk_ckpt_entry *e, int n, size_t total, int r
         BENCH_CHECK(dsk_tensor_fill(NULL, &tiny, 1.0));
         one.tensor = &tiny;
         t0 = bench_now_s();
-        BENCH_CHECK(dsk_ckpt_file_save(NULL, small, &one, 1, NULL, 0));
+        BENCH_CHECK(dsk_safetensors_save(NULL, small, &one, 1, NULL, 0));
         v[5] = bench_now_s() - t0;
         dsk_tensor_free(NULL, &tiny);
         if (r >= 0)

@@ -155,7 +155,8 @@ static dsk_ckpt_hf_deepseek_config thf_config_of(const tm_config *c, const dsk_c
 /* ------------------------------------------------------------------ names */
 
 /* The hub entry of parameter p (name, stacked experts and the first one), or 0 for none. */
-static dsk_status thf_param_entry(const tm_model *m, const tm_param *p, char *buf, size_t n, dsk_ckpt_hf_entry *e) {
+static dsk_status thf_param_entry(const tm_model *m, const tm_param *p, char *buf, size_t n,
+                                  dsk_safetensors_hf_entry *e) {
     int l = -1, off = 0;
     memset(e, 0, sizeof *e);
     if (sscanf(p->name, "blocks.%d.%n", &l, &off) != 1 || off == 0) {
@@ -179,7 +180,7 @@ static dsk_status thf_param_entry(const tm_model *m, const tm_param *p, char *bu
    shared_head.head as the model's own (an import checks those first: thf_mtp_shared); without,
    they are left out. */
 typedef struct thf_list {
-    dsk_ckpt_hf_entry *es;
+    dsk_safetensors_hf_entry *es;
     char (*names)[160];
     int n;
     dsk_tensor proj[TMLA_MAX_MTP]; /* host f32 */
@@ -228,9 +229,9 @@ static dsk_status thf_mtp_extra(tm_model *m, int k, int import, thf_list *t) {
 /* Before an import: the MTP layers' embed_tokens and shared_head.head must equal the model's
    embedding and head bit for bit (this model shares them); read into host copies and compared,
    so a checkpoint that differs fails naming the tensor with nothing loaded. */
-static dsk_status thf_mtp_shared(tm_model *m, dsk_ckpt_hf *hf, const int block[2]) {
+static dsk_status thf_mtp_shared(tm_model *m, dsk_safetensors_hf *hf, const int block[2]) {
     int D = m->cfg.mla.mtp_depth, n = 0;
-    dsk_ckpt_hf_entry es[2 + 2 * TMLA_MAX_MTP];
+    dsk_safetensors_hf_entry es[2 + 2 * TMLA_MAX_MTP];
     dsk_tensor ts[2 + 2 * TMLA_MAX_MTP];
     char names[2 + 2 * TMLA_MAX_MTP][160];
     dsk_status s = DSK_OK;
@@ -267,7 +268,7 @@ static dsk_status thf_mtp_finish(tm_model *m, thf_list *t) {
 static dsk_status thf_list_make(tm_model *m, int with_bias, int mtp, thf_list *t) {
     int cap = m->n_params + tm_n_blocks(&m->cfg) + 2 * m->cfg.mla.mtp_depth + 1;
     memset(t, 0, sizeof *t);
-    t->es = (dsk_ckpt_hf_entry *)calloc((size_t)cap, sizeof *t->es);
+    t->es = (dsk_safetensors_hf_entry *)calloc((size_t)cap, sizeof *t->es);
     t->names = (char(*)[160])calloc((size_t)cap, sizeof *t->names);
     if (!t->es || !t->names) {
         thf_list_free(t);
@@ -300,14 +301,14 @@ static dsk_status thf_list_make(tm_model *m, int with_bias, int mtp, thf_list *t
 /* Reads every tensor of dir (config h) into the model's masters, then its compute copies. */
 static dsk_status thf_load(tm_model *m, const dsk_ckpt_hf_deepseek_config *h, const char *dir) {
     thf_list t;
-    dsk_ckpt_hf hf;
+    dsk_safetensors_hf hf;
     dsk_status s;
     int mtp = h->num_nextn_predict_layers > 0 && m->cfg.mla.mtp_depth > 0; /* thf_model_config: equal depths, MoE */
     DSK__TRY(thf_list_make(m, h->version == 3, mtp, &t));
-    s = dsk_ckpt_hf_open(&hf, dir);
+    s = dsk_safetensors_hf_open(&hf, dir);
     if (s == DSK_OK && mtp) s = thf_mtp_shared(m, &hf, h->block);
     if (s == DSK_OK) s = dsk_ckpt_hf_read_dequant(&hf, m->ctx, t.es, t.n, h->block);
-    dsk_ckpt_hf_close(&hf);
+    dsk_safetensors_hf_close(&hf);
     if (s == DSK_OK && mtp) s = thf_mtp_finish(m, &t);
     thf_list_free(&t);
     if (s == DSK_OK && m->slab_wc.data) s = dsk_tensor_copy(m->ctx, &m->slab_wc, &m->slab_w);
@@ -364,7 +365,7 @@ static dsk_status thf_items(tm_model *m, const thf_list *t, dsk_dtype dt, int fp
                             int *n_items) {
     *n_items = 0;
     for (int i = 0; i < t->n; i++) {
-        const dsk_ckpt_hf_entry *e = &t->es[i];
+        const dsk_safetensors_hf_entry *e = &t->es[i];
         int64_t count = e->stacked ? e->tensor->shape[0] : 1;
         for (int64_t k = 0; k < count; k++) {
             thf_item *it = &items[(*n_items)++];
@@ -411,7 +412,7 @@ static dsk_status thf_export(tm_model *m, const dsk_ckpt_hf_deepseek_config *h0,
     dsk_dtype dt = strcmp(dtype, "bf16") == 0 ? DSK_BF16 : DSK_F32;
     thf_list t;
     thf_item *items = NULL;
-    dsk_ckpt_hf_entry *out = NULL;
+    dsk_safetensors_hf_entry *out = NULL;
     dsk_status s;
     if (!fp8 && strcmp(dtype, "bf16") != 0 && strcmp(dtype, "f32") != 0)
         return dsk_set_error(DSK_ERR_ARG, "--export-dtype \"%s\": f32, bf16 or fp8", dtype);
@@ -432,7 +433,7 @@ static dsk_status thf_export(tm_model *m, const dsk_ckpt_hf_deepseek_config *h0,
     DSK__TRY(thf_list_make(m, h.version == 3, h.num_nextn_predict_layers > 0 ? 2 : 0, &t));
     for (int i = 0; i < t.n; i++) total += t.es[i].stacked ? (int)t.es[i].tensor->shape[0] : 1;
     items = (thf_item *)calloc((size_t)total + 1, sizeof *items);
-    out = (dsk_ckpt_hf_entry *)calloc(2 * (size_t)total + 1, sizeof *out);
+    out = (dsk_safetensors_hf_entry *)calloc(2 * (size_t)total + 1, sizeof *out);
     s = items && out ? thf_items(m, &t, dt, fp8, h.block, items, &n_items)
                      : dsk_set_error(DSK_ERR_OOM, "--export-hf: out of memory for %d tensors", total);
     for (int i = 0; s == DSK_OK && i < n_items; i++) {
@@ -442,7 +443,7 @@ static dsk_status thf_export(tm_model *m, const dsk_ckpt_hf_deepseek_config *h0,
         out[k].name = items[i].scale_name;
         out[k++].tensor = &items[i].scale;
     }
-    if (s == DSK_OK) s = dsk_ckpt_hf_save(m->ctx, dir, out, k, NULL, 0, max_shard_bytes);
+    if (s == DSK_OK) s = dsk_safetensors_hf_save(m->ctx, dir, out, k, NULL, 0, max_shard_bytes);
     if (s == DSK_OK) s = dsk_ckpt_hf_deepseek_config_write(&h, dir);
     for (int i = 0; items && i < n_items; i++) {
         dsk_tensor_free(NULL, &items[i].q);

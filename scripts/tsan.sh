@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # ThreadSanitizer on the programs that start threads; `make tsan` builds them into BUILD
 # (default build-tsan: CUDA=0, -fsanitize=thread) and runs this. Which and why:
-#   test_ckpt   async saves: the writer thread, the snapshot it copies, dsk_ckpt_wait
+#   test_ckpt   async saves: the writer thread, the snapshot it copies, dsk_ckpt_wait, readers
+#               (dsk_ckpt_verify, dsk_ckpt_latest) checking manifests while it writes one
 #   test_comm   the host backend's progress and bucket threads, the shared-memory rings
 #               between ranks, the store server
 #   train_moe   the loader thread (--prefetch), the metrics server (--metrics-port, scraped

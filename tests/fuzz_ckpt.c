@@ -1,6 +1,6 @@
-/* fuzz_ckpt.c - libFuzzer target for the two parsers of untrusted bytes in dsk_ckpt.h and
-   the JSON reader behind them: every input is parsed as a whole safetensors file
-   (dsk_ckpt_file_parse) and as a checkpoint manifest. They must return a status with a
+/* fuzz_ckpt.c - libFuzzer target for the two parsers of untrusted bytes, dsk_safetensors.h's and
+   dsk_ckpt.h's, and the JSON reader behind them: every input is parsed as a whole safetensors file
+   (dsk_safetensors_parse) and as a checkpoint manifest. They must return a status with a
    message, never crash, leak or read out of bounds; what they accept must be consistent
    (tensors inside the file, slices inside their tensor and naming one of the files).
    Build and run: `make fuzz` (scripts/fuzz.sh; clang -fsanitize=fuzzer,address,undefined).
@@ -44,17 +44,17 @@ static void fuzz_manifest(const uint8_t *data, size_t size) {
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    dsk_ckpt_file f;
-    if (dsk_ckpt_file_parse(&f, data, size, size) == DSK_OK) {
+    dsk_safetensors_file f;
+    if (dsk_safetensors_parse(&f, data, size, size) == DSK_OK) {
         uint64_t data_bytes = size - 8 - f.header_len;
         for (int i = 0; i < f.n_tensors; i++) {
-            const dsk_ckpt_tensor_info *t = &f.tensors[i];
+            const dsk_safetensors_info *t = &f.tensors[i];
             if (t->begin > t->end || t->end > data_bytes) abort(); /* the parser let a tensor out of the file */
-            if (dsk_ckpt_file_find(&f, t->name) != i) abort();
+            if (dsk_safetensors_find(&f, t->name) != i) abort();
         }
         for (int i = 0; i < f.n_meta; i++)
-            if (dsk_ckpt_file_meta(&f, f.meta_keys[i]) != f.meta_values[i]) abort();
-        dsk_ckpt_file_close(&f);
+            if (dsk_safetensors_meta(&f, f.meta_keys[i]) != f.meta_values[i]) abort();
+        dsk_safetensors_close(&f);
     } else if (!dsk_last_error()[0]) {
         abort(); /* an error without a message */
     }

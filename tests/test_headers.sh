@@ -43,7 +43,7 @@ done
 # optimisation finds (maybe-uninitialized, format-truncation) must not break an embedder's -Werror,
 # and no two modules may define the same name. gcc -O2 is left out: `make tests` compiles every
 # module with it (libdsk.a), and CI builds both the CUDA and the CPU configuration.
-all_src=$(printf '#define %s_IMPLEMENTATION\n' DSK_TENSOR DSK_COMM DSK_MOE DSK_AMP DSK_CKPT DSK_PAR DSK_ZERO
+all_src=$(printf '#define %s_IMPLEMENTATION\n' DSK_TENSOR DSK_COMM DSK_MOE DSK_AMP DSK_SAFETENSORS DSK_CKPT DSK_PAR DSK_ZERO
           printf '#include "%s"\n' dsk_*.h)
 compile() { # label, compiler..., reads the source from stdin
   local label=$1; shift
@@ -56,6 +56,34 @@ compile "all modules in one file, g++ -std=c++17 -O2" g++ -std=c++17 -O2 -x c++ 
 if command -v clang >/dev/null; then
   compile "all modules in one file, clang -std=c11 -O2" clang -std=c11 -O2 -x c <<<"$all_src"
 fi
+# The compile-out switches: the implementations compile without the parts they drop (for real:
+# a function left unused by the drop is a warning), the dropped API is gone, and the query
+# functions report what the implementation was built with.
+sw_src=$(printf '#define DSK_CKPT_IMPLEMENTATION\n#include "dsk_ckpt.h"\n')
+compile "dsk_ckpt.h, DSK_CKPT_NO_HF, gcc -std=c11 -O2" gcc -std=c11 -O2 -DDSK_CKPT_NO_HF -x c <<<"$sw_src"
+compile "dsk_ckpt.h, DSK_CKPT_NO_HF, g++ -std=c++17 -O2" g++ -std=c++17 -O2 -DDSK_CKPT_NO_HF -x c++ <<<"$sw_src"
+compile "dsk_ckpt.h, DSK_CKPT_NO_HF and DSK_SAFETENSORS_NO_SSE42, DSK_STATIC" gcc -std=c11 -O2 -DDSK_CKPT_NO_HF \
+  -DDSK_SAFETENSORS_NO_SSE42 -DDSK_STATIC -Wno-unused-function -x c <<<"$sw_src"
+n_jobs=$((n_jobs + 1)) n_done=$((n_done + 1))
+( label="DSK_CKPT_NO_HF: dsk_ckpt_hf_deepseek_name is gone"
+  printf '#include "dsk_ckpt.h"\nint f(char *b) { return (int)dsk_ckpt_hf_deepseek_name(b, 8, 0, "w1"); }\n' >"$work/gone.c"
+  if out=$(gcc -std=c11 -fsyntax-only -Wall -Wextra -Werror -I. -DDSK_CKPT_NO_HF "$work/gone.c" 2>&1); then
+    echo "FAIL $label: it still compiles"
+  elif echo "$out" | grep -q "dsk_ckpt_hf_deepseek_name"; then echo "ok   $label"
+  else echo "FAIL $label"; echo "$out" | head -5; fi >"$work/res.$(printf '%03d' "$n_done")" ) &
+for sw in "" "-DDSK_CKPT_NO_HF" "-DDSK_SAFETENSORS_NO_SSE42" "-DDSK_CKPT_NO_HF -DDSK_SAFETENSORS_NO_SSE42"; do
+  [ "$n_jobs" -gt "$max_jobs" ] && wait -n
+  n_jobs=$((n_jobs + 1)) n_done=$((n_done + 1))
+  ( id=$(printf '%03d' "$n_done") want="${sw//-D/}" want="${want# }"
+    label="the options query reports \"$want\" (built with ${sw:-no switch})"
+    printf '#define DSK_TENSOR_IMPLEMENTATION\n#define DSK_CKPT_IMPLEMENTATION\n#include "dsk_ckpt.h"\n#include <stdio.h>
+int main(void) { printf("%%s|%%s\\n", dsk_ckpt_options(), dsk_safetensors_options()); return 0; }\n' >"$work/opt.$id.c"
+    want_st=""; case $sw in *NO_SSE42*) want_st=DSK_SAFETENSORS_NO_SSE42 ;; esac
+    if ! out=$(gcc -std=c11 -O0 -Wall -Wextra -Werror -I. $sw "$work/opt.$id.c" -o "$work/opt.$id" -lm -lpthread 2>&1); then
+      echo "FAIL $label: does not build"; echo "$out" | head -10
+    elif [ "$("$work/opt.$id")" = "$want|$want_st" ]; then echo "ok   $label"
+    else echo "FAIL $label: it says \"$("$work/opt.$id")\""; fi >"$work/res.$id" ) &
+done
 wait
 for r in "$work"/res.*; do
   cat "$r"

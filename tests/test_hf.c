@@ -58,21 +58,21 @@ typedef struct ref {
 
 static void read_ref(const char *dir, ref *r) {
     char path[512];
-    dsk_ckpt_file f;
+    dsk_safetensors_file f;
     memset(&f, 0, sizeof f);
     snprintf(path, sizeof path, "%s/reference.safetensors", dir);
-    DSK_TEST_OK(dsk_ckpt_file_open(&f, path));
-    const dsk_ckpt_tensor_info *tk = &f.tensors[dsk_ckpt_file_find(&f, "tokens")];
-    const dsk_ckpt_tensor_info *lg = &f.tensors[dsk_ckpt_file_find(&f, "logits")];
+    DSK_TEST_OK(dsk_safetensors_open(&f, path));
+    const dsk_safetensors_info *tk = &f.tensors[dsk_safetensors_find(&f, "tokens")];
+    const dsk_safetensors_info *lg = &f.tensors[dsk_safetensors_find(&f, "logits")];
     r->B = tk->shape[0];
     r->T = tk->shape[1] - 1;
     r->V = lg->shape[2];
     r->tokens = (int32_t *)malloc((size_t)(r->B * (r->T + 1)) * 4);
     r->logits = (float *)malloc((size_t)(r->B * r->T * r->V) * 4);
-    DSK_TEST_OK(dsk_ckpt_file_read_raw(&f, "tokens", NULL, tk->shape, r->tokens, (size_t)(r->B * (r->T + 1)) * 4));
-    DSK_TEST_OK(dsk_ckpt_file_read_raw(&f, "logits", NULL, lg->shape, r->logits, (size_t)(r->B * r->T * r->V) * 4));
-    DSK_TEST_OK(dsk_ckpt_file_read_raw(&f, "loss", NULL, NULL, &r->loss, 4));
-    dsk_ckpt_file_close(&f);
+    DSK_TEST_OK(dsk_safetensors_read_raw(&f, "tokens", NULL, tk->shape, r->tokens, (size_t)(r->B * (r->T + 1)) * 4));
+    DSK_TEST_OK(dsk_safetensors_read_raw(&f, "logits", NULL, lg->shape, r->logits, (size_t)(r->B * r->T * r->V) * 4));
+    DSK_TEST_OK(dsk_safetensors_read_raw(&f, "loss", NULL, NULL, &r->loss, 4));
+    dsk_safetensors_close(&f);
 }
 
 /* Forward of the reference tokens: logits (poisoned first) and the mean cross-entropy. */
@@ -136,14 +136,14 @@ static int same_weights(const tm_model *a, const tm_model *b);
 /* Reads float tensor `name` of reference.safetensors in dir into a fresh buffer of n floats. */
 static float *read_ref_f32(const char *dir, const char *name, int64_t n) {
     char path[512];
-    dsk_ckpt_file f;
+    dsk_safetensors_file f;
     float *buf = (float *)malloc((size_t)n * 4);
     memset(&f, 0, sizeof f);
     snprintf(path, sizeof path, "%s/reference.safetensors", dir);
-    DSK_TEST_OK(dsk_ckpt_file_open(&f, path));
-    const dsk_ckpt_tensor_info *ti = &f.tensors[dsk_ckpt_file_find(&f, name)];
-    DSK_TEST_OK(dsk_ckpt_file_read_raw(&f, name, NULL, ti->ndim ? ti->shape : NULL, buf, (size_t)n * 4));
-    dsk_ckpt_file_close(&f);
+    DSK_TEST_OK(dsk_safetensors_open(&f, path));
+    const dsk_safetensors_info *ti = &f.tensors[dsk_safetensors_find(&f, name)];
+    DSK_TEST_OK(dsk_safetensors_read_raw(&f, name, NULL, ti->ndim ? ti->shape : NULL, buf, (size_t)n * 4));
+    dsk_safetensors_close(&f);
     return buf;
 }
 
@@ -155,7 +155,7 @@ static void test_import_mtp(void) {
     tm_model m;
     dsk_ckpt_hf_deepseek_config h;
     thf_list t;
-    dsk_ckpt_hf hf;
+    dsk_safetensors_hf hf;
     int checked = 0;
     read_ref("tests/hf/v3", &r);
     g_mtp = 1;
@@ -164,11 +164,11 @@ static void test_import_mtp(void) {
     DSK_TEST_OK(dsk_tensor_fill(&g_ctx, &m.slab_w, NAN));
     DSK_TEST_OK(thf_load(&m, &h, "tests/hf/v3"));
     DSK_TEST_OK(thf_list_make(&m, 1, 2, &t));
-    DSK_TEST_OK(dsk_ckpt_hf_open(&hf, "tests/hf/v3"));
+    DSK_TEST_OK(dsk_safetensors_hf_open(&hf, "tests/hf/v3"));
     for (int i = 0; i < t.n; i++) {
         if (!strstr(t.es[i].name, "model.layers.2.")) continue;
         dsk_tensor want, got;
-        dsk_ckpt_hf_entry e = t.es[i];
+        dsk_safetensors_hf_entry e = t.es[i];
         DSK_TEST_OK(dsk_tensor_alloc(NULL, &want, DSK_F32, e.tensor->ndim, e.tensor->shape));
         DSK_TEST_OK(dsk_tensor_alloc(NULL, &got, DSK_F32, e.tensor->ndim, e.tensor->shape));
         DSK_TEST_OK(dsk_tensor_fill(NULL, &want, NAN));
@@ -181,7 +181,7 @@ static void test_import_mtp(void) {
         dsk_tensor_free(NULL, &want);
         dsk_tensor_free(NULL, &got);
     }
-    dsk_ckpt_hf_close(&hf);
+    dsk_safetensors_hf_close(&hf);
     thf_list_free(&t);
     DSK_TEST_EXPECT(checked >= 15, "%d MTP-layer tensors compared", checked);
     /* the MTP module's forward: inputs t_{i+1}, targets t_{i+2} of the reference tokens */
@@ -243,17 +243,17 @@ static void test_import_mtp(void) {
 
 /* Flips the lowest bit of the first element of tensor `name` in its shard of dir. */
 static void flip_bit(const char *dir, const char *name) {
-    dsk_ckpt_hf hf;
-    dsk_ckpt_file *f;
-    const dsk_ckpt_tensor_info *t;
-    DSK_TEST_OK(dsk_ckpt_hf_open(&hf, dir));
-    DSK_TEST_OK(dsk_ckpt_hf_find(&hf, name, &f, &t));
+    dsk_safetensors_hf hf;
+    dsk_safetensors_file *f;
+    const dsk_safetensors_info *t;
+    DSK_TEST_OK(dsk_safetensors_hf_open(&hf, dir));
+    DSK_TEST_OK(dsk_safetensors_hf_find(&hf, name, &f, &t));
     FILE *fp = fopen(f->path, "r+b");
     long at = (long)(8 + f->header_len + t->begin);
     int c = fp && fseek(fp, at, SEEK_SET) == 0 ? fgetc(fp) : EOF;
     DSK_TEST_EXPECT(c != EOF && fseek(fp, at, SEEK_SET) == 0 && fputc(c ^ 1, fp) != EOF, "patch %s", f->path);
     if (fp) fclose(fp);
-    dsk_ckpt_hf_close(&hf);
+    dsk_safetensors_hf_close(&hf);
 }
 
 /* A fixture copy whose MTP layer lacks a tensor, has one of the wrong shape, or an embed_tokens
@@ -314,12 +314,12 @@ static double ref_e4m3(uint8_t b) {
    block's scale (rounded to f32), the rest as stored. Returns the FP8 tensors seen. */
 static int check_dequant(tm_model *m, const char *dir, int bs, int with_bias) {
     thf_list list;
-    dsk_ckpt_hf hf;
+    dsk_safetensors_hf hf;
     int n = 0, fp8 = 0, bad = 0;
     DSK_TEST_OK(thf_list_make(m, with_bias, m->cfg.mla.mtp_depth > 0 ? 2 : 0, &list)); /* MTP: the hub's layout */
-    const dsk_ckpt_hf_entry *es = list.es;
+    const dsk_safetensors_hf_entry *es = list.es;
     n = list.n;
-    DSK_TEST_OK(dsk_ckpt_hf_open(&hf, dir));
+    DSK_TEST_OK(dsk_safetensors_hf_open(&hf, dir));
     for (int i = 0; i < n; i++) {
         int64_t count = es[i].stacked ? es[i].tensor->shape[0] : 1;
         for (int64_t k = 0; k < count; k++) {
@@ -332,20 +332,20 @@ static int check_dequant(tm_model *m, const char *dir, int bs, int with_bias) {
             } else {
                 snprintf(name, sizeof name, "%s", es[i].name);
             }
-            dsk_ckpt_file *f, *sf;
-            const dsk_ckpt_tensor_info *t, *st;
-            DSK_TEST_OK(dsk_ckpt_hf_find(&hf, name, &f, &t));
+            dsk_safetensors_file *f, *sf;
+            const dsk_safetensors_info *t, *st;
+            DSK_TEST_OK(dsk_safetensors_hf_find(&hf, name, &f, &t));
             int64_t ne = dsk_tensor_numel(&v);
             float *want = (float *)malloc((size_t)ne * 4);
             const float *got = (const float *)v.data;
             if (t->dtype == DSK_E4M3) {
                 uint8_t *q = (uint8_t *)malloc((size_t)ne);
                 snprintf(sname, sizeof sname, "%s_scale_inv", name);
-                DSK_TEST_OK(dsk_ckpt_hf_find(&hf, sname, &sf, &st));
+                DSK_TEST_OK(dsk_safetensors_hf_find(&hf, sname, &sf, &st));
                 float *sc = (float *)malloc((size_t)(st->shape[0] * st->shape[1]) * 4);
-                DSK_TEST_OK(dsk_ckpt_file_read_raw(f, name, NULL, t->shape, q, (size_t)ne));
+                DSK_TEST_OK(dsk_safetensors_read_raw(f, name, NULL, t->shape, q, (size_t)ne));
                 size_t sbytes = (size_t)(st->shape[0] * st->shape[1]) * 4;
-                DSK_TEST_OK(dsk_ckpt_file_read_raw(sf, sname, NULL, st->shape, sc, sbytes));
+                DSK_TEST_OK(dsk_safetensors_read_raw(sf, sname, NULL, st->shape, sc, sbytes));
                 for (int64_t r = 0; r < t->shape[0]; r++)
                     for (int64_t c = 0; c < t->shape[1]; c++)
                         want[r * t->shape[1] + c] =
@@ -354,14 +354,14 @@ static int check_dequant(tm_model *m, const char *dir, int bs, int with_bias) {
                 free(sc);
                 fp8++;
             } else {
-                DSK_TEST_OK(dsk_ckpt_file_read_raw(f, name, NULL, t->shape, want, (size_t)ne * 4));
+                DSK_TEST_OK(dsk_safetensors_read_raw(f, name, NULL, t->shape, want, (size_t)ne * 4));
             }
             bad += memcmp(want, got, (size_t)ne * 4) != 0;
             if (memcmp(want, got, (size_t)ne * 4) != 0) dsk_test_fail_at(__FILE__, __LINE__, "tensor %s differs", name);
             free(want);
         }
     }
-    dsk_ckpt_hf_close(&hf);
+    dsk_safetensors_hf_close(&hf);
     thf_list_free(&list);
     DSK_TEST_EXPECT(bad == 0, "%d tensors differ from the reference dequantisation", bad);
     return fp8;
@@ -462,13 +462,10 @@ static void keep_export(const char *fixture, const char *weights, const char *na
     snprintf(dir, sizeof dir, "%s/%s", g_keep, name);
     DSK_TEST_OK(thf_export(&m, &h, dir, "f32", 0));
     dsk_tensor lt;
-    dsk_ckpt_entry e;
-    memset(&e, 0, sizeof e);
+    dsk_safetensors_entry e = {"logits", &lt};
     DSK_TEST_OK(dsk_tensor_wrap(&lt, logits, DSK_F32, dsk_cpu(), 3, sh));
-    e.name = "logits";
-    e.tensor = &lt;
     snprintf(dir, sizeof dir, "%s/%s_logits.safetensors", g_keep, name);
-    DSK_TEST_OK(dsk_ckpt_file_save(&g_ctx, dir, &e, 1, NULL, 0));
+    DSK_TEST_OK(dsk_safetensors_save(&g_ctx, dir, &e, 1, NULL, 0));
     free(logits);
     free(r.tokens);
     free(r.logits);

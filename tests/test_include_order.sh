@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# The POSIX headers (dsk_comm.h, dsk_ckpt.h) work in any order in one file with both
-# implementations, as C11 and C++17; a system header before them without POSIX is a #error
+# The POSIX headers (dsk_comm.h, dsk_ckpt.h, dsk_safetensors.h) work in any order in one file with
+# their implementations, as C11 and C++17; a system header before them without POSIX is a #error
 # that says what to do, not a cascade of implicit declarations.
 cd "$(dirname "$0")/.."
 passed=0 failed=0
 ok() { echo "ok   $1"; passed=$((passed + 1)); }
 bad() { echo "FAIL $1"; echo "$2" | head -10; failed=$((failed + 1)); }
-tu() { # first header, second header [, a line before them]
-  printf '%s\n#define DSK_TENSOR_IMPLEMENTATION\n#define DSK_COMM_IMPLEMENTATION\n#define DSK_CKPT_IMPLEMENTATION\n' "$3"
+tu() { # first header, second header [, a line before them] (dsk_safetensors.h alone: its own implementation)
+  local impl=DSK_CKPT_IMPLEMENTATION
+  [ "$1 $2" = "dsk_safetensors.h dsk_tensor.h" ] && impl=DSK_SAFETENSORS_IMPLEMENTATION
+  printf '%s\n#define DSK_TENSOR_IMPLEMENTATION\n#define DSK_COMM_IMPLEMENTATION\n#define %s\n' "$3" "$impl"
   printf '#include "%s"\n#include "%s"\nint main(void) { return 0; }\n' "$1" "$2"
 }
-for order in "dsk_ckpt.h dsk_comm.h" "dsk_comm.h dsk_ckpt.h" "dsk_tensor.h dsk_ckpt.h"; do
+for order in "dsk_ckpt.h dsk_comm.h" "dsk_comm.h dsk_ckpt.h" "dsk_tensor.h dsk_ckpt.h" "dsk_safetensors.h dsk_ckpt.h" \
+             "dsk_ckpt.h dsk_safetensors.h" "dsk_safetensors.h dsk_comm.h" "dsk_safetensors.h dsk_tensor.h"; do
   set -- $order
   for lang in "gcc -std=c11 -x c" "g++ -std=c++17 -x c++"; do
     if out=$(tu "$1" "$2" | $lang -fsyntax-only -Wall -Wextra -Werror -I. - 2>&1); then ok "$1 then $2 (${lang% -x*})"
@@ -18,7 +21,7 @@ for order in "dsk_ckpt.h dsk_comm.h" "dsk_comm.h dsk_ckpt.h" "dsk_tensor.h dsk_c
   done
 done
 # A system header first: strict C11 hides POSIX, and the message says how to order the file.
-for h in dsk_ckpt.h dsk_comm.h; do
+for h in dsk_ckpt.h dsk_comm.h dsk_safetensors.h; do
   out=$(tu "$h" dsk_tensor.h '#include <stdio.h>' | gcc -std=c11 -x c -fsyntax-only -Wall -Wextra -I. - 2>&1)
   first=$(echo "$out" | grep -m1 'error')
   if echo "$first" | grep -q "needs POSIX 2008: put the DSK_\*_IMPLEMENTATION defines and dsk includes before any"; then

@@ -49,7 +49,7 @@ static void poison_device(dsk_tensor *d) {
    file, "rank_00000.<nonce>.safetensors"). */
 static uint32_t recorded_crc(const char *dir, int64_t step, const char *name) {
     char sd[600], p[900] = "";
-    dsk_ckpt_file f;
+    dsk_safetensors_file f;
     uint32_t crc = 0;
     int i;
     DIR *d;
@@ -60,9 +60,9 @@ static uint32_t recorded_crc(const char *dir, int64_t step, const char *name) {
             if (strncmp(de->d_name, "rank_00000.", 11) == 0) snprintf(p, sizeof p, "%s/%s", sd, de->d_name);
         closedir(d);
     }
-    if (dsk_ckpt_file_open(&f, p) != DSK_OK) return 0;
-    if ((i = dsk_ckpt_file_find(&f, name)) >= 0) crc = f.tensors[i].crc32c;
-    dsk_ckpt_file_close(&f);
+    if (dsk_safetensors_open(&f, p) != DSK_OK) return 0;
+    if ((i = dsk_safetensors_find(&f, name)) >= 0) crc = f.tensors[i].crc32c;
+    dsk_safetensors_close(&f);
     return crc;
 }
 

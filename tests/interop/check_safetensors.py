@@ -1,4 +1,4 @@
-"""The Python side of tests/interop/test_safetensors.sh (huggingface `safetensors` + numpy).
+"""The Python side of tests/interop/test_interop.sh (huggingface `safetensors` + numpy).
 
     check_safetensors.py read-dsk DIR   checks the files st_tool wrote with dsk
     check_safetensors.py write-py DIR   writes files for st_tool to read with dsk
@@ -214,7 +214,7 @@ def raw_file(header, data=b""):
 
 # Edge cases of the header format: the reference parser's verdict is taken from the package at
 # run time; the last column is what dsk must answer: "same" (accept what it accepts, refuse
-# with DSK_ERR_CORRUPT what it refuses) or a documented difference (dsk_ckpt.h, dsk_ckpt_file).
+# with DSK_ERR_CORRUPT what it refuses) or a documented difference (dsk_ckpt.h, dsk_safetensors_file).
 EDGE_CASES = [
     ("minus_zero_dim", '{"a":{"dtype":"U8","shape":[-0],"data_offsets":[0,0]}}', b"", "same"),
     ("minus_zero_offset", '{"a":{"dtype":"U8","shape":[0],"data_offsets":[-0,0]}}', b"", "same"),

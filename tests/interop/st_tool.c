@@ -1,13 +1,10 @@
-/* st_tool.c - the dsk side of tests/interop/test_safetensors.sh.
+/* st_tool.c - the dsk side of tests/interop/test_interop.sh.
      st_tool write DIR   writes safetensors files and a checkpoint with dsk, plus the raw bytes
                          of every tensor (plain fwrite) and an index for the Python checker
-     st_tool read DIR    reads the files the Python package wrote into DIR with dsk and
-                         compares every tensor with the raw bytes Python left beside them
-     st_tool cases DIR   opens the header edge cases Python wrote and checks dsk's answer
-                         against the reference parser's verdict
      st_tool hf-read DIR reads the DeepSeek-layout sharded model Python wrote, experts stacked
      st_tool hf-write DIR exports stacked experts in that layout, sharded, for Python to check
-   Prints one "ok <case>" or "FAIL <case>: <why>" line per case. */
+   Prints one "ok <case>" or "FAIL <case>: <why>" line per case. The files Python writes are
+   read by tests/test_safetensors.c (dsk_safetensors.h alone), which the script runs on them. */
 #define DSK_TENSOR_IMPLEMENTATION
 #define DSK_CKPT_IMPLEMENTATION
 #include "dsk_tensor.h"
@@ -41,12 +38,6 @@ static const char *st_name(dsk_dtype dt) {
     default: return "?";
     }
 }
-static int dsk_of(const char *st) {
-    for (int d = 0; d < DSK_DTYPE_COUNT; d++)
-        if (strcmp(st_name((dsk_dtype)d), st) == 0) return d;
-    return -1;
-}
-
 static int numpy_native(dsk_dtype dt) {
     return dt == DSK_F32 || dt == DSK_F16 || dt == DSK_F64 || dt == DSK_I32 || dt == DSK_I64 || dt == DSK_U8;
 }
@@ -73,7 +64,8 @@ static const int k_ndims[N_SHAPES] = {0, 1, 1, 2, 3};
 
 static int do_write(const char *dir) {
     dsk_tensor t[DSK_DTYPE_COUNT * N_SHAPES];
-    dsk_ckpt_entry all[DSK_DTYPE_COUNT * N_SHAPES], np[DSK_DTYPE_COUNT * N_SHAPES];
+    dsk_ckpt_entry all[DSK_DTYPE_COUNT * N_SHAPES];
+    dsk_safetensors_entry st_all[DSK_DTYPE_COUNT * N_SHAPES], np[DSK_DTYPE_COUNT * N_SHAPES];
     char names[DSK_DTYPE_COUNT * N_SHAPES][32], path[1024];
     dsk_ckpt_kv kv[2] = {{"purpose", "interop"}, {"unicode", "h\xc3\xa9llo \xe2\x9c\x93"}};
     int n = 0, n_np = 0;
@@ -100,7 +92,9 @@ static int do_write(const char *dir) {
             all[n].tensor = &t[n];
             all[n].split = 0;
             all[n].row0 = all[n].global_rows = 0;
-            if (numpy_native(dt)) np[n_np++] = all[n];
+            st_all[n].name = names[n];
+            st_all[n].tensor = &t[n];
+            if (numpy_native(dt)) np[n_np++] = st_all[n];
             fprintf(idx, "%s %s %d %d", names[n], st_name(dt), n, k_ndims[s]);
             for (int k = 0; k < k_ndims[s]; k++) fprintf(idx, " %lld", (long long)k_shapes[s][k]);
             fprintf(idx, "\n");
@@ -108,109 +102,15 @@ static int do_write(const char *dir) {
         }
     fclose(idx);
     snprintf(path, sizeof path, "%s/dsk_all.safetensors", dir);
-    report(dsk_ckpt_file_save(NULL, path, all, n, kv, 2) == DSK_OK, "dsk writes every dtype", dsk_last_error());
+    report(dsk_safetensors_save(NULL, path, st_all, n, kv, 2) == DSK_OK, "dsk writes every dtype", dsk_last_error());
     snprintf(path, sizeof path, "%s/dsk_numpy.safetensors", dir);
-    report(dsk_ckpt_file_save(NULL, path, np, n_np, kv, 2) == DSK_OK, "dsk writes the numpy dtypes", dsk_last_error());
+    report(dsk_safetensors_save(NULL, path, np, n_np, kv, 2) == DSK_OK, "dsk writes the numpy dtypes",
+           dsk_last_error());
     snprintf(path, sizeof path, "%s/ckpt", dir);
     report(dsk_ckpt_init(&ck, path, NULL) == DSK_OK && dsk_ckpt_save(&ck, 42, all, n, kv, 2) == DSK_OK,
            "dsk writes a checkpoint", dsk_last_error());
     dsk_ckpt_free(&ck);
     for (int i = 0; i < n; i++) dsk_tensor_free(NULL, &t[i]);
-    return failures != 0;
-}
-
-/* Reads one tensor of a Python-written file and compares it with Python's raw bytes. */
-static void read_one(const char *dir, dsk_ckpt_file *f, const char *name, const char *st, int ndim,
-                     const int64_t *shape) {
-    char path[1024], what[256], why[1200];
-    int d = dsk_of(st);
-    dsk_tensor t;
-    dsk_status s;
-    FILE *raw;
-    unsigned char *want;
-    size_t n;
-    snprintf(what, sizeof what, "dsk reads %s %s from %s", st, name, f->path ? strrchr(f->path, '/') + 1 : "?");
-    if (d < 0) {
-        /* a dtype dsk has no type for: read must refuse it clearly */
-        const int64_t one[1] = {1};
-        dsk_tensor_alloc(NULL, &t, DSK_U8, ndim, ndim ? shape : one);
-        s = dsk_ckpt_file_read(f, NULL, name, &t, 1);
-        snprintf(why, sizeof why, "%s: %s", dsk_status_str(s), dsk_last_error());
-        report(s == DSK_ERR_UNSUPPORTED && strstr(dsk_last_error(), st), what, why);
-        dsk_tensor_free(NULL, &t);
-        return;
-    }
-    dsk_tensor_alloc(NULL, &t, (dsk_dtype)d, ndim, shape);
-    n = dsk_tensor_nbytes(&t);
-    memset(t.data, 0xA5, n ? n : 1);
-    s = dsk_ckpt_file_read(f, NULL, name, &t, 0);
-    snprintf(path, sizeof path, "%s/py_expect/%s.bin", dir, name);
-    want = (unsigned char *)malloc(n + 1);
-    raw = fopen(path, "rb");
-    if (s != DSK_OK) snprintf(why, sizeof why, "%s", dsk_last_error());
-    else if (!raw || fread(want, 1, n + 1, raw) != n)
-        snprintf(why, sizeof why, "raw file %s missing or of another size", path);
-    else if (memcmp(want, t.data, n) != 0) snprintf(why, sizeof why, "bytes differ");
-    else why[0] = 0;
-    report(!why[0], what, why);
-    if (raw) fclose(raw);
-    free(want);
-    dsk_tensor_free(NULL, &t);
-}
-
-static int do_read(const char *dir) {
-    char path[1024], file[256], name[128], st[32];
-    dsk_ckpt_file files[2];
-    const char *fnames[2] = {"py_numpy.safetensors", "py_raw.safetensors"};
-    FILE *idx;
-    int ndim;
-    for (int i = 0; i < 2; i++) {
-        snprintf(path, sizeof path, "%s/%s", dir, fnames[i]);
-        snprintf(file, sizeof file, "dsk opens %s", fnames[i]);
-        report(dsk_ckpt_file_open(&files[i], path) == DSK_OK, file, dsk_last_error());
-    }
-    {
-        const char *fw = dsk_ckpt_file_meta(&files[0], "framework");
-        report(fw && strcmp(fw, "numpy-interop") == 0, "dsk reads __metadata__ written by Python",
-               fw ? fw : "(missing)");
-    }
-    snprintf(path, sizeof path, "%s/py_index.txt", dir);
-    if (!(idx = fopen(path, "r"))) { report(0, "read py_index.txt", path); return 1; }
-    while (fscanf(idx, "%255s %127s %31s %d", file, name, st, &ndim) == 4) {
-        int64_t shape[DSK_MAX_DIMS];
-        long long v;
-        int which = strcmp(file, fnames[0]) == 0 ? 0 : 1;
-        for (int k = 0; k < ndim && k < DSK_MAX_DIMS; k++) shape[k] = fscanf(idx, "%lld", &v) == 1 ? v : 0;
-        read_one(dir, &files[which], name, st, ndim, shape);
-    }
-    fclose(idx);
-    for (int i = 0; i < 2; i++) dsk_ckpt_file_close(&files[i]);
-    return failures != 0;
-}
-
-/* Opens each edge-case file Python wrote and compares dsk's answer with the reference's
-   verdict, or with the documented difference the case names. */
-static int do_cases(const char *dir) {
-    char path[1024], file[256], verdict[16], want[16], what[400], why[1400];
-    FILE *idx;
-    int n = 0;
-    snprintf(path, sizeof path, "%s/edge_cases.txt", dir);
-    if (!(idx = fopen(path, "r"))) { report(0, "read edge_cases.txt", path); return 1; }
-    while (fscanf(idx, "%255s %15s %15s", file, verdict, want) == 3) {
-        dsk_ckpt_file f;
-        dsk_status s, expect;
-        snprintf(path, sizeof path, "%s/%s", dir, file);
-        s = dsk_ckpt_file_open(&f, path);
-        if (strcmp(want, "same") == 0) expect = strcmp(verdict, "ACCEPT") == 0 ? DSK_OK : DSK_ERR_CORRUPT;
-        else expect = strcmp(want, "UNSUPPORTED") == 0 ? DSK_ERR_UNSUPPORTED : DSK_ERR_CORRUPT;
-        snprintf(what, sizeof what, "dsk answers %s on %s (reference: %s)", dsk_status_str(expect), file, verdict);
-        snprintf(why, sizeof why, "dsk: %s: %s", dsk_status_str(s), s == DSK_OK ? "" : dsk_last_error());
-        report(s == expect, what, why);
-        dsk_ckpt_file_close(&f);
-        n++;
-    }
-    fclose(idx);
-    report(n > 0, "edge cases read", "none listed");
     return failures != 0;
 }
 
@@ -239,7 +139,7 @@ static int same_as_expect(const char *dir, const char *name, const void *p, size
 typedef struct hf_model {
     dsk_tensor t[2][8], embed;
     char names[2][8][160];
-    dsk_ckpt_hf_entry e[17];
+    dsk_safetensors_hf_entry e[17];
     int n;
 } hf_model;
 
@@ -253,7 +153,7 @@ static void hf_model_init(hf_model *m, int fill) {
     for (int l = 0; l < 2; l++)
         for (int i = 0; i < 8; i++) {
             dsk_tensor *t = &m->t[l][i];
-            dsk_ckpt_hf_entry *e = &m->e[m->n++];
+            dsk_safetensors_hf_entry *e = &m->e[m->n++];
             dsk_tensor_alloc(NULL, t, i < 2 ? DSK_F32 : DSK_BF16, ndims[i], shapes[i]);
             memset(t->data, 0xA5, dsk_tensor_nbytes(t));
             if (fill) {
@@ -290,20 +190,20 @@ static void hf_model_free(hf_model *m) {
    and compares every expert's rows with Python's bytes. */
 static int do_hf_read(const char *dir) {
     hf_model m;
-    dsk_ckpt_hf h;
+    dsk_safetensors_hf h;
     char name[200], why[1200];
     dsk_status s;
     hf_model_init(&m, 0);
-    s = dsk_ckpt_hf_open(&h, dir);
+    s = dsk_safetensors_hf_open(&h, dir);
     report(s == DSK_OK, "dsk opens the sharded model through its index", dsk_last_error());
     if (s == DSK_OK) {
-        s = dsk_ckpt_hf_read(&h, NULL, m.e, m.n, 0);
+        s = dsk_safetensors_hf_read(&h, NULL, m.e, m.n, 0);
         snprintf(why, sizeof why, "%s", dsk_last_error());
         report(s == DSK_OK && h.n_shards == 3,
                "dsk reads every tensor, per-expert ones into stacked (E, F, D) and (E, D, F)", why);
     }
     for (int i = 0; i < m.n && s == DSK_OK; i++) {
-        const dsk_ckpt_hf_entry *e = &m.e[i];
+        const dsk_safetensors_hf_entry *e = &m.e[i];
         int64_t count = e->stacked ? e->tensor->shape[0] : 1;
         size_t per = dsk_tensor_nbytes(e->tensor) / (size_t)count;
         for (int64_t x = 0; x < count; x++) {
@@ -315,7 +215,7 @@ static int do_hf_read(const char *dir) {
                    "bytes differ from Python's");
         }
     }
-    dsk_ckpt_hf_close(&h);
+    dsk_safetensors_hf_close(&h);
     hf_model_free(&m);
     return failures != 0;
 }
@@ -331,13 +231,13 @@ static int do_hf_write(const char *dir) {
     snprintf(path, sizeof path, "%s/hf_expect", dir);
     mkdir(path, 0755);
     hf_model_init(&m, 1);
-    s = dsk_ckpt_hf_save(NULL, dir, m.e, m.n, NULL, 0, 1024);
+    s = dsk_safetensors_hf_save(NULL, dir, m.e, m.n, NULL, 0, 1024);
     report(s == DSK_OK, "dsk exports the stacked experts in the DeepSeek layout, sharded, with an index",
            dsk_last_error());
     snprintf(path, sizeof path, "%s/hf_list.txt", dir);
     if (!(list = fopen(path, "w"))) { report(0, "write hf_list.txt", path); hf_model_free(&m); return 1; }
     for (int i = 0; i < m.n; i++) {
-        const dsk_ckpt_hf_entry *e = &m.e[i];
+        const dsk_safetensors_hf_entry *e = &m.e[i];
         int64_t count = e->stacked ? e->tensor->shape[0] : 1;
         size_t per = dsk_tensor_nbytes(e->tensor) / (size_t)count;
         for (int64_t x = 0; x < count; x++) {
@@ -365,13 +265,11 @@ static int do_hf_write(const char *dir) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 3 || (strcmp(argv[1], "write") && strcmp(argv[1], "read") && strcmp(argv[1], "cases") &&
-                      strcmp(argv[1], "hf-read") && strcmp(argv[1], "hf-write"))) {
-        fprintf(stderr, "usage: st_tool write|read|cases|hf-read|hf-write DIR\n");
+    if (argc != 3 || (strcmp(argv[1], "write") && strcmp(argv[1], "hf-read") && strcmp(argv[1], "hf-write"))) {
+        fprintf(stderr, "usage: st_tool write|hf-read|hf-write DIR\n");
         return 2;
     }
-    if (strcmp(argv[1], "cases") == 0) return do_cases(argv[2]);
     if (strcmp(argv[1], "hf-read") == 0) return do_hf_read(argv[2]);
     if (strcmp(argv[1], "hf-write") == 0) return do_hf_write(argv[2]);
-    return strcmp(argv[1], "write") == 0 ? do_write(argv[2]) : do_read(argv[2]);
+    return do_write(argv[2]);
 }

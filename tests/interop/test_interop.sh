@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # dsk <-> Python safetensors, both directions: files dsk writes load in the `safetensors`
 # package (safetensors.numpy.load_file, and its own parser for bf16/fp8), and files the
-# package writes load in dsk. Builds tests/interop/st_tool.c itself (CPU only).
+# package writes load in dsk (tests/test_safetensors.c, dsk_safetensors.h alone, reading the
+# files Python writes here; make test runs it on the copies kept in tests/interop/py and edge).
+# Builds tests/interop/st_tool.c and tests/test_safetensors.c itself (CPU only).
 # Needs python3 with safetensors and numpy (.ci/run installs them).
 set -u
 cd "$(dirname "$0")/../.."
@@ -17,7 +19,7 @@ trap 'rm -rf "$tmp" "$log"' EXIT
 finish() { # counts the ok/FAIL/skip lines and prints the harness totals line
   local p f s
   p=$(grep -c '^ok ' "$log"); f=$(grep -c '^FAIL ' "$log"); s=$(grep -c '^skip ' "$log")
-  echo "[test_safetensors] totals: $p passed / $f failed / $s skipped"
+  echo "[test_interop] totals: $p passed / $f failed / $s skipped"
   [ "$f" -eq 0 ]
   exit $?
 }
@@ -39,12 +41,17 @@ if ! $CC -std=c11 -O2 -Wall -Wextra -Werror -D_GNU_SOURCE -I. tests/interop/st_t
   echo "FAIL build st_tool" >>"$log"
   cat "$log"; finish
 fi
+if ! $CC -std=c11 -O2 -Wall -Wextra -Werror -I. tests/test_safetensors.c -o "$out/test_safetensors" -lm -lpthread \
+     >>"$log" 2>&1; then
+  echo "FAIL build test_safetensors" >>"$log"
+  cat "$log"; finish
+fi
 step "dsk writes" "$out/st_tool" write "$tmp/dsk"
 step "python reads dsk files" "$PY" tests/interop/check_safetensors.py read-dsk "$tmp/dsk"
 step "python writes" "$PY" tests/interop/check_safetensors.py write-py "$tmp/py"
-step "dsk reads python files" "$out/st_tool" read "$tmp/py"
 step "python writes header edge cases" "$PY" tests/interop/check_safetensors.py edge-cases "$tmp/edge"
-step "dsk answers the edge cases as the reference does" "$out/st_tool" cases "$tmp/edge"
+step "dsk reads python files and answers the edge cases as the reference does" \
+  "$out/test_safetensors" "$tmp/py" "$tmp/edge"
 step "python writes a DeepSeek-layout sharded model" "$PY" tests/interop/check_safetensors.py hf-write-py "$tmp/hfpy"
 step "dsk reads it, experts stacked" "$out/st_tool" hf-read "$tmp/hfpy"
 step "dsk exports stacked experts in that layout" "$out/st_tool" hf-write "$tmp/hfdsk"
