@@ -147,7 +147,7 @@ extern "C" {
 
 /* ---------------------------------------------------------------- checkpoints */
 
-#define DSK_CKPT_FORMAT DSK_SAFETENSORS_FORMAT   /* manifests carry the mark of the files they list */
+#define DSK_CKPT_FORMAT DSK_SAFETENSORS_FORMAT /* manifests carry the mark of the files they list */
 #define DSK_CKPT_VERSION DSK_SAFETENSORS_VERSION
 
 /* One string key/value pair of trainer state: a pair of the rank files' __metadata__. Keys
@@ -529,7 +529,10 @@ static char *dsk__ckpt_box_key(const char *name, int ndim, const int64_t *off) {
     dsk__st_puts(&b, name);
     dsk__st_puts(&b, "@");
     for (int d = 0; d < ndim; d++) dsk__st_putf(&b, d ? ",%lld" : "%lld", (long long)off[d]);
-    if (b.oom) { dsk__st_buf_free(&b); return NULL; }
+    if (b.oom) {
+        dsk__st_buf_free(&b);
+        return NULL;
+    }
     return b.p;
 }
 
@@ -581,13 +584,13 @@ static dsk_status dsk__ckpt_check_entry(const char *fn, const dsk_ckpt_entry *e,
 
 /* What a rank file records of one piece besides its tensor. */
 typedef struct dsk__ckpt_part {
-    char *name;          /* the tensor's name; the file holds the piece under its key (see the top) */
-    int entry;           /* its index in the caller's entries */
-    int boxed;           /* a box of a larger tensor (DSK_CKPT_ROWS and DSK_CKPT_BOX entries) */
+    char *name; /* the tensor's name; the file holds the piece under its key (see the top) */
+    int entry;  /* its index in the caller's entries */
+    int boxed;  /* a box of a larger tensor (DSK_CKPT_ROWS and DSK_CKPT_BOX entries) */
     int64_t off[DSK_MAX_DIMS], global[DSK_MAX_DIMS];
-    int hashed;          /* incremental saves: hash holds the content hash */
+    int hashed; /* incremental saves: hash holds the content hash */
     uint64_t hash;
-    int reused;          /* the content is unchanged since the base checkpoint: referenced, not written */
+    int reused; /* the content is unchanged since the base checkpoint: referenced, not written */
 } dsk__ckpt_part;
 
 typedef struct dsk__ckpt_rfile {
@@ -596,7 +599,7 @@ typedef struct dsk__ckpt_rfile {
     int n_parts;
     int64_t step;
     int rank, world;
-    uint64_t attempt;      /* the save's nonce */
+    uint64_t attempt; /* the save's nonce */
 } dsk__ckpt_rfile;
 
 static void dsk__ckpt_rfile_free(dsk__ckpt_rfile *rf) {
@@ -630,16 +633,15 @@ static int dsk__ckpt_boxes_meet(const dsk__ckpt_part *a, const dsk_tensor *ta, c
 /* The k boxes of one name a rank file holds (g, sorted by offset; their tensors in entries):
    the same dtype and whole shape, and disjoint (each is compared with those starting before
    it ends in dim 0). */
-static dsk_status dsk__ckpt_check_boxes(const char *fn, const dsk__ckpt_part *g, int k,
-                                        const dsk_ckpt_entry *entries) {
+static dsk_status dsk__ckpt_check_boxes(const char *fn, const dsk__ckpt_part *g, int k, const dsk_ckpt_entry *entries) {
     const dsk_tensor *t0 = entries[g[0].entry].tensor;
     char x[200], y[200];
     for (int i = 1; i < k; i++) {
         const dsk_tensor *ti = entries[g[i].entry].tensor;
         if (ti->dtype != t0->dtype || ti->ndim != t0->ndim ||
             memcmp(g[i].global, g[0].global, (size_t)t0->ndim * sizeof(int64_t)))
-            return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": this rank's boxes are of %s and of %s", fn,
-                                 g[0].name, dsk__st_desc(x, sizeof x, t0->ndim, g[0].global, dsk__st_stname(t0->dtype)),
+            return dsk_set_error(DSK_ERR_ARG, "%s: tensor \"%s\": this rank's boxes are of %s and of %s", fn, g[0].name,
+                                 dsk__st_desc(x, sizeof x, t0->ndim, g[0].global, dsk__st_stname(t0->dtype)),
                                  dsk__st_desc(y, sizeof y, ti->ndim, g[i].global, dsk__st_stname(ti->dtype)));
     }
     for (int i = 0; i < k; i++) {
@@ -662,7 +664,7 @@ static dsk_status dsk__ckpt_check_boxes(const char *fn, const dsk__ckpt_part *g,
    name and box. Keys, those of the entries this file leaves out (their names) too, must be
    unique, so every rank reports the same clash. */
 static dsk_status dsk__ckpt_part_keys(const char *fn, dsk__ckpt_part *parts, int n, const dsk_ckpt_entry *entries,
-                                     int n_entries, char **keys) {
+                                      int n_entries, char **keys) {
     const char **all, *dup;
     qsort(parts, (size_t)n, sizeof *parts, dsk__ckpt_cmp_part_box);
     for (int i = 0, k; i < n; i += k) {
@@ -682,7 +684,8 @@ static dsk_status dsk__ckpt_part_keys(const char *fn, dsk__ckpt_part *parts, int
     if (dup) {
         dsk_status s = dsk_set_error(DSK_ERR_ARG,
                                      "%s: two tensors would be stored under the key \"%s\" (a name, or name@offset "
-                                     "for one of several boxes of a name)", fn, dup);
+                                     "for one of several boxes of a name)",
+                                     fn, dup);
         DSK_FREE((void *)all);
         return s;
     }
@@ -1095,7 +1098,7 @@ static dsk_status dsk__ckpt_bad_manifest(const char *fn, const dsk__ckpt_manifes
 typedef struct dsk__ckpt_tbox {
     const int64_t *off, *ext;
     int who;
-    int64_t key;         /* off[d] of the dim being sorted on (the sort's key travels with the box) */
+    int64_t key; /* off[d] of the dim being sorted on (the sort's key travels with the box) */
 } dsk__ckpt_tbox;
 
 static int dsk__ckpt_cmp_tbox(const void *a, const void *b) {
@@ -1210,8 +1213,7 @@ static dsk_status dsk__ckpt_manifest_tensor_parse(const char *fn, dsk__ckpt_mani
         x->file = (int)v;
         x->has_hash = len == 2 + 2 * t->ndim;
         for (e = dsk__st_jnext(j, e); e >= 0; e = dsk__st_jnext(j, e), i++)
-            if (i == 2 * t->ndim ? !dsk__ckpt_parse_hex64(dsk__st_jstr(j, e), &x->hash)
-                                 : !dsk__st_jsize(j, e, &box[i]))
+            if (i == 2 * t->ndim ? !dsk__ckpt_parse_hex64(dsk__st_jstr(j, e), &x->hash) : !dsk__st_jsize(j, e, &box[i]))
                 return dsk__ckpt_bad_manifest(fn, m, "a slice is not [file, offset..., shape... (, hash)]", t->name);
         for (int d = 0; d < t->ndim; d++)
             if (box[d] > t->shape[d] || box[t->ndim + d] > t->shape[d] - box[d])
@@ -1420,8 +1422,10 @@ static dsk_status dsk__ckpt_file_pieces(const char *fn, const dsk_safetensors_fi
         pc->name = dsk__ckpt_key_name(f, t->name);
         if (!pc->name || (k == 0 && strcmp(pc->name, t->name) != 0) ||
             !dsk__ckpt_key_fits(t->name, pc->name, t->ndim, pc->off))
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": dsk.name.%s does not fit its key and box (or out of "
-                                 "memory)", fn, f->path, t->name);
+            return dsk_set_error(DSK_ERR_CORRUPT,
+                                 "%s: \"%s\": dsk.name.%s does not fit its key and box (or out of "
+                                 "memory)",
+                                 fn, f->path, t->name);
         pc->dtype = t->dtype_name;
         pc->ndim = t->ndim;
         memcpy(pc->ext, t->shape, sizeof pc->ext);
@@ -1469,8 +1473,10 @@ static dsk_status dsk__ckpt_reuse_pieces(const char *fn, const dsk_safetensors_f
         if ((box = dsk_safetensors_meta(f, key)) != NULL && !dsk__ckpt_parse_box(box, t->ndim, pc->off, pc->global))
             return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": %s is malformed", fn, f->path, key);
         if (strcmp(name, fkey) != 0 && (!box || !dsk__ckpt_key_fits(fkey, name, t->ndim, pc->off)))
-            return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": dsk.name.%s does not fit its key and box (or out of "
-                                 "memory)", fn, f->path, fkey);
+            return dsk_set_error(DSK_ERR_CORRUPT,
+                                 "%s: \"%s\": dsk.name.%s does not fit its key and box (or out of "
+                                 "memory)",
+                                 fn, f->path, fkey);
         if (!box && rank != 0)
             return dsk_set_error(DSK_ERR_CORRUPT, "%s: whole tensor \"%s\" reused by rank %d (only rank 0 writes it)",
                                  fn, name, rank);
@@ -1819,7 +1825,10 @@ static dsk_status dsk__ckpt_reclaim_outcomes(const char *fn, const char *root, i
     while (d && s == DSK_OK && (de = readdir(d)) != NULL) {
         char *p;
         if (strncmp(de->d_name, ".outcome.", 9) != 0) continue;
-        if (!(p = dsk__st_join(root, de->d_name))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
+        if (!(p = dsk__st_join(root, de->d_name))) {
+            s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+            break;
+        }
         s = dsk__st_remove(fn, p, removed);
         DSK_FREE(p);
     }
@@ -1852,7 +1861,10 @@ static dsk_status dsk__ckpt_reclaim(const char *fn, const char *root, const dsk_
                 ours = !dsk__ckpt_file_live(sc, -1, sc->e[i].step, rank, att);
             else ours = nm[0] == '.' && len > 5 && strcmp(nm + len - 4, ".tmp") == 0;
             if (!ours) continue;
-            if (!(p = dsk__st_join(sd, nm))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
+            if (!(p = dsk__st_join(sd, nm))) {
+                s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+                break;
+            }
             s = dsk__st_remove(fn, p, &removed);
             DSK_FREE(p);
         }
@@ -1886,7 +1898,7 @@ static uint64_t dsk__ckpt_max_generation(const dsk__ckpt_scan *sc) {
    all three calls even when its own part failed. */
 
 typedef struct dsk__ckpt_job {
-    dsk__ckpt_rfile rf;      /* this rank's file */
+    dsk__ckpt_rfile rf; /* this rank's file */
     char *root;
     dsk_ckpt_opts opts;
     uint64_t seq;            /* the save's number on this checkpointer, the same on every rank */
@@ -2101,7 +2113,10 @@ static void dsk__ckpt_mark_reused(dsk__ckpt_job *job) {
                         !memcmp(sl->box + g->ndim, g->shape, (size_t)g->ndim * sizeof(int64_t));
         }
         g->omit = x->reused;
-        if (x->reused) { job->info.bytes_reused += g->nbytes; job->info.tensors_reused++; }
+        if (x->reused) {
+            job->info.bytes_reused += g->nbytes;
+            job->info.tensors_reused++;
+        }
     }
     dsk__st_plan_layout(p);
 }
@@ -3174,7 +3189,10 @@ static dsk_status dsk__ckpt_hfc_i64(const dsk__ckpt_hfc *r, const char *key, int
                                     int64_t min) {
     int c = dsk__st_jget(&r->j, r->obj, key);
     if (c < 0) return opt ? DSK_OK : dsk__ckpt_hfc_bad(r, key, "is missing");
-    if (dsk__st_jtype(&r->j, c) == DSK__ST_J_NULL && null_value >= -1) { *out = null_value; return DSK_OK; }
+    if (dsk__st_jtype(&r->j, c) == DSK__ST_J_NULL && null_value >= -1) {
+        *out = null_value;
+        return DSK_OK;
+    }
     if (!dsk__st_jint(&r->j, c, out)) return dsk__ckpt_hfc_bad(r, key, "is not an integer");
     if (*out < min || *out > INT32_MAX) return dsk__ckpt_hfc_bad(r, key, "is out of range");
     return DSK_OK;
@@ -3705,4 +3723,3 @@ DSK_API const char *dsk_ckpt_options(void) { return dsk__st_options_text(DSK__CK
    charge, to any person obtaining a copy of this software, to deal in the software without
    restriction, subject to including this notice. THE SOFTWARE IS PROVIDED "AS IS", WITHOUT
    WARRANTY OF ANY KIND. */
-

@@ -1624,8 +1624,7 @@ static dsk_status dsk__comm_check_header(dsk_comm *c, const char *fn, const dsk_
 static const char *dsk__comm_peer_name(const dsk_comm *c, int peer, char *buf, size_t n) {
     if (c->impl->world_of && peer >= 0 && peer < c->world_size)
         snprintf(buf, n, "rank %d (world rank %d)", peer, c->impl->world_of[peer]);
-    else
-        snprintf(buf, n, "rank %d", peer);
+    else snprintf(buf, n, "rank %d", peer);
     return buf;
 }
 
@@ -1642,13 +1641,16 @@ static dsk_status dsk__comm_hangup(dsk_comm *c, const char *fn, const dsk__comm_
     if (why[0])
         return dsk_set_error(DSK_ERR_PEER, "%s: %s hung up during %s after its own error: %s", fn, peer, what, why);
     if (store == DSK__COMM_STORE_GONE || store == DSK__COMM_STORE_SILENT)
-        return dsk_set_error(DSK_ERR_PEER, "%s: lost the connection to %s (%s) during %s; %s, which serves the "
-                             "key-value store at %s:%d, %s: it most likely failed first", fn, peer, es, what, host,
-                             c->impl->master_addr, c->impl->master_port,
+        return dsk_set_error(DSK_ERR_PEER,
+                             "%s: lost the connection to %s (%s) during %s; %s, which serves the "
+                             "key-value store at %s:%d, %s: it most likely failed first",
+                             fn, peer, es, what, host, c->impl->master_addr, c->impl->master_port,
                              store == DSK__COMM_STORE_GONE ? "is gone (exited or crashed)"
                                                            : "does not answer (stopped or overloaded)");
-    return dsk_set_error(DSK_ERR_PEER, "%s: lost the connection to %s (%s) during %s: it exited, crashed or "
-                         "failed an earlier call", fn, peer, es, what);
+    return dsk_set_error(DSK_ERR_PEER,
+                         "%s: lost the connection to %s (%s) during %s: it exited, crashed or "
+                         "failed an earlier call",
+                         fn, peer, es, what);
 }
 
 /* Moves what the socket allows; 1 done, 0 would block, -1 error (*err and the message set). */
@@ -2576,7 +2578,10 @@ static void dsk__comm_impl_free(dsk_comm *c) {
     dsk__comm_store_server_free(m->server);
     DSK_FREE(m->fds); DSK_FREE(m->p2p_sent); DSK_FREE(m->p2p_recvd); DSK_FREE(m->pfd); DSK_FREE(m->pidx);
     DSK_FREE(m->ops); DSK_FREE((void *)m->srcs); DSK_FREE(m->off); DSK_FREE(m->scratch);
-    DSK_FREE(m->node_of); DSK_FREE(m->world_of); DSK_FREE(m->shm_ok); DSK_FREE(m->links);
+    DSK_FREE(m->node_of);
+    DSK_FREE(m->world_of);
+    DSK_FREE(m->shm_ok);
+    DSK_FREE(m->links);
     DSK_FREE(m);
     c->impl = NULL;
 }

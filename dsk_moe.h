@@ -938,32 +938,32 @@ enum dsk__moe_buf_id {
     DSK__MOE_HS1,      /* (T, Fs) act shared experts */
     DSK__MOE_HS3,
     DSK__MOE_AS,
-    DSK__MOE_YS,       /* (T, D) act shared output */
-    DSK__MOE_RECV_CNT, /* (P, n_local) i64 rows each rank sends to each local expert (EP) */
-    DSK__MOE_LOCAL_OFF,/* (n_local + 1) i32 local experts' row segments (EP) */
-    DSK__MOE_RG,       /* (R) i32 expert-major row -> received row (EP) */
-    DSK__MOE_RGI,      /* (R) i32 its inverse (EP) */
-    DSK__MOE_WA,       /* act copies of w1 w2 w3 sw1 sw2 sw3 when their dtype is not act: 6 ids */
+    DSK__MOE_YS,        /* (T, D) act shared output */
+    DSK__MOE_RECV_CNT,  /* (P, n_local) i64 rows each rank sends to each local expert (EP) */
+    DSK__MOE_LOCAL_OFF, /* (n_local + 1) i32 local experts' row segments (EP) */
+    DSK__MOE_RG,        /* (R) i32 expert-major row -> received row (EP) */
+    DSK__MOE_RGI,       /* (R) i32 its inverse (EP) */
+    DSK__MOE_WA,        /* act copies of w1 w2 w3 sw1 sw2 sw3 when their dtype is not act: 6 ids */
     DSK__MOE_WA_END = DSK__MOE_WA + 6,
     /* backward */
     DSK__MOE_DYA = DSK__MOE_WA_END, /* (T, D) act dy, when act is not the layer's dtype */
-    DSK__MOE_DXF,      /* (T, D) f32 d x accumulated */
-    DSK__MOE_DGATE,    /* (T, K) f32 */
-    DSK__MOE_DU,       /* (T, E) f32 */
-    DSK__MOE_DOS,      /* (TK, D) act g * dy rows in kept order */
-    DSK__MOE_DOR,      /* (R, D) act at the experts (EP) */
-    DSK__MOE_DA,       /* (R, F) act */
+    DSK__MOE_DXF,                   /* (T, D) f32 d x accumulated */
+    DSK__MOE_DGATE,                 /* (T, K) f32 */
+    DSK__MOE_DU,                    /* (T, E) f32 */
+    DSK__MOE_DOS,                   /* (TK, D) act g * dy rows in kept order */
+    DSK__MOE_DOR,                   /* (R, D) act at the experts (EP) */
+    DSK__MOE_DA,                    /* (R, F) act */
     DSK__MOE_DH1,
     DSK__MOE_DH3,
-    DSK__MOE_DXR,      /* (R, D) act d expert input */
-    DSK__MOE_DXP,      /* (TK, D) act back in kept order (EP) */
-    DSK__MOE_DAS,      /* (T, Fs) act shared experts */
+    DSK__MOE_DXR, /* (R, D) act d expert input */
+    DSK__MOE_DXP, /* (TK, D) act back in kept order (EP) */
+    DSK__MOE_DAS, /* (T, Fs) act shared experts */
     DSK__MOE_DHS1,
     DSK__MOE_DHS3,
     /* persistent (allocated once by init) */
-    DSK__MOE_LOAD,     /* (E) i64 selections since the last bias update */
-    DSK__MOE_ACC_I,    /* (5 + E) i64 statistics since the last request */
-    DSK__MOE_ACC_F,    /* (3) f64 */
+    DSK__MOE_LOAD,  /* (E) i64 selections since the last bias update */
+    DSK__MOE_ACC_I, /* (5 + E) i64 statistics since the last request */
+    DSK__MOE_ACC_F, /* (3) f64 */
     DSK__MOE_NBUF
 };
 
@@ -1028,8 +1028,15 @@ static void dsk__moe_spec(const dsk_moe *m, int id, int64_t T, int64_t R, dsk_dt
     case DSK__MOE_ROW_GATE: *dt = DSK_F32; *rows = TK; break;
     case DSK__MOE_PTOT: *dt = DSK_F64; *rows = losses ? T : 0; break;
     case DSK__MOE_LSE: *dt = DSK_F32; *rows = o->z_beta > 0 ? T : 0; break;
-    case DSK__MOE_PART: *dt = DSK_F64; *rows = 2 * E + 2 * NS * E + DSK__MOE_PART_TAIL; break;
-    case DSK__MOE_AUX: *dt = DSK_F32; *rows = NS; *cols = E; break;
+    case DSK__MOE_PART:
+        *dt = DSK_F64;
+        *rows = 2 * E + 2 * NS * E + DSK__MOE_PART_TAIL;
+        break;
+    case DSK__MOE_AUX:
+        *dt = DSK_F32;
+        *rows = NS;
+        *cols = E;
+        break;
     case DSK__MOE_LOSS: *dt = DSK_F64; *rows = 4; break;
     case DSK__MOE_OFF_ALL: case DSK__MOE_OFF: *dt = DSK_I32; *rows = E + 1; break;
     case DSK__MOE_CNT: *dt = DSK_I64; *rows = 3 + 2 * E; break;
@@ -1612,16 +1619,29 @@ static dsk_status dsk__moe_losses(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *pr
     const double *ptot = DSK__MOE_F64(lb->ptot);
     const int32_t *lsel = DSK__MOE_I32(lb->lsel);
     double *part = DSK__MOE_F64(lb->part), *tail = part + dsk__moe_part_tail(E, nseq);
+    float *aux;
     DSK__TRY(dsk_tensor_fill(ctx, &lb->part, 0.0)); /* the parts of a loss that is off stay 0 */
 #ifdef DSK_CUDA
     if (m->device.type == DSK_DEV_CUDA) {
         dsk_cuda_moe_loss_args a;
-        a.T = T; a.N = N; a.row0 = st->row0; a.L = L; a.nseq = nseq; a.E = E; a.K = K; a.ranks = st->ranks;
-        a.sigmoid = sig; a.count_topk = topk;
+        a.T = T;
+        a.N = N;
+        a.row0 = st->row0;
+        a.L = L;
+        a.nseq = nseq;
+        a.E = E;
+        a.K = K;
+        a.ranks = st->ranks;
+        a.sigmoid = sig;
+        a.count_topk = topk;
         a.aux_alpha = o->aux_alpha; a.seq_alpha = o->seq_aux_alpha; a.z_beta = o->z_beta;
         a.prob = p; a.u = DSK__MOE_F32(*u); a.sel = DSK__MOE_I32(*sel);
-        a.ptot = DSK__MOE_F64(lb->ptot); a.part = part; a.loss = DSK__MOE_F64(lb->loss);
-        a.lse = DSK__MOE_F32(lb->lse); a.aux = DSK__MOE_F32(lb->aux); a.lsel = DSK__MOE_I32(lb->lsel);
+        a.ptot = DSK__MOE_F64(lb->ptot);
+        a.part = part;
+        a.loss = DSK__MOE_F64(lb->loss);
+        a.lse = DSK__MOE_F32(lb->lse);
+        a.aux = DSK__MOE_F32(lb->aux);
+        a.lsel = DSK__MOE_I32(lb->lsel);
         DSK__TRY(dsk_cuda_moe_loss_parts(ctx, &a));
         if (st->ranks > 1) /* one exchange on the stream, no host sync: an inconsistent span makes the values NaN */
             DSK__TRY(dsk_comm_all_reduce(st->span_group, ctx, part, part, n_part, DSK_F64, DSK_COMM_SUM));
@@ -1647,15 +1667,15 @@ static dsk_status dsk__moe_losses(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *pr
     if (st->ranks > 1) { /* the tail first: a total_rows that differs between ranks sizes the parts differently */
         DSK__TRY(dsk_comm_all_reduce(st->span_group, ctx, tail, tail, DSK__MOE_PART_TAIL, DSK_F64, DSK_COMM_SUM));
         if (!dsk__moe_span_ok(tail, st->ranks, N)) return dsk__moe_span_error(m, tail);
-        DSK__TRY(dsk_comm_all_reduce(st->span_group, ctx, part, part, n_part - DSK__MOE_PART_TAIL, DSK_F64,
-                                     DSK_COMM_SUM));
+        DSK__TRY(
+            dsk_comm_all_reduce(st->span_group, ctx, part, part, n_part - DSK__MOE_PART_TAIL, DSK_F64, DSK_COMM_SUM));
     }
     ok = dsk__moe_loss_finish(E, K, N, L, nseq, st->ranks, o->aux_alpha, o->seq_aux_alpha, o->z_beta, part,
                               DSK__MOE_F64(lb->loss));
     if (!ok) return dsk__moe_span_error(m, tail); /* a group of one rank whose rows are not the span */
+    aux = DSK__MOE_F32(lb->aux);
     for (int64_t qj = 0; qj < nseq * E; qj++)
-        DSK__MOE_F32(lb->aux)[qj] =
-            dsk__moe_aux_coef(qj, E, K, N, L, nseq, st->ranks, o->aux_alpha, o->seq_aux_alpha, part);
+        aux[qj] = dsk__moe_aux_coef(qj, E, K, N, L, nseq, st->ranks, o->aux_alpha, o->seq_aux_alpha, part);
     return DSK_OK;
 }
 

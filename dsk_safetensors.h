@@ -92,15 +92,15 @@ typedef struct dsk_safetensors_entry {
 /* A tensor described by a safetensors header. */
 typedef struct dsk_safetensors_info {
     const char *name;
-    const char *dtype_name;       /* as in the file: "BF16", "F8_E4M3", "I16", ... */
-    int dtype; /* the dsk_dtype, or -1 when dsk has none (BOOL, I8, I16, U16, U32, U64, C64, F4, ...) */
+    const char *dtype_name; /* as in the file: "BF16", "F8_E4M3", "I16", ... */
+    int dtype;              /* the dsk_dtype, or -1 when dsk has none (BOOL, I8, I16, U16, U32, U64, C64, F4, ...) */
     int ndim;
     int64_t shape[DSK_MAX_DIMS];
-    uint64_t begin, end;          /* byte range in the data buffer (which starts at 8 + header_len) */
-    int has_crc;                  /* __metadata__ holds "dsk.crc32c.<name>" */
+    uint64_t begin, end; /* byte range in the data buffer (which starts at 8 + header_len) */
+    int has_crc;         /* __metadata__ holds "dsk.crc32c.<name>" */
     uint32_t crc32c;
-    uint64_t block_bytes;         /* > 0: partial reads are checked block by block (dsk files); 0: unchecked */
-    const char *block_crcs;       /* 8 hex digits per block_bytes of data ("dsk.blocks.<name>"), or NULL when the
+    uint64_t block_bytes;   /* > 0: partial reads are checked block by block (dsk files); 0: unchecked */
+    const char *block_crcs; /* 8 hex digits per block_bytes of data ("dsk.blocks.<name>"), or NULL when the
                                      whole tensor is one block checked by crc32c */
 } dsk_safetensors_info;
 
@@ -114,17 +114,17 @@ typedef struct dsk_safetensors_info {
    reference accepts; a NUL character in a name or metadata string is DSK_ERR_UNSUPPORTED
    (valid safetensors, but dsk names are C strings). */
 typedef struct dsk_safetensors_file {
-    char *path;                   /* NULL for a header parsed from memory */
+    char *path; /* NULL for a header parsed from memory */
     int has_fd, fd;
     uint64_t file_size, header_len;
-    uint32_t header_crc32c;       /* CRC32C of the first 8 + header_len bytes */
+    uint32_t header_crc32c; /* CRC32C of the first 8 + header_len bytes */
     int n_tensors;
     dsk_safetensors_info *tensors; /* sorted by name */
     int n_meta;
-    const char **meta_keys;       /* __metadata__, sorted by key */
+    const char **meta_keys; /* __metadata__, sorted by key */
     const char **meta_values;
-    uint64_t bytes_read;          /* data bytes read from the file so far */
-    void *mem;                    /* private: the decoded JSON */
+    uint64_t bytes_read; /* data bytes read from the file so far */
+    void *mem;           /* private: the decoded JSON */
 } dsk_safetensors_file;
 
 /* Opens and validates a file; reads only its header. */
@@ -167,11 +167,11 @@ DSK_API dsk_status dsk_safetensors_save(dsk_ctx *ctx, const char *path, const ds
 typedef struct dsk_safetensors_hf {
     char *dir;
     int n_shards;
-    char **shard_names;            /* file names in dir */
-    dsk_safetensors_file *shards;  /* opened on first use */
+    char **shard_names;           /* file names in dir */
+    dsk_safetensors_file *shards; /* opened on first use */
     int n_tensors;
-    char **names;                  /* sorted */
-    int *shard_of;                 /* shard of names[i] */
+    char **names;  /* sorted */
+    int *shard_of; /* shard of names[i] */
 } dsk_safetensors_hf;
 
 /* One tensor to read or write. stacked 1: `name` holds "{E}" and tensor (E, ...) holds the
@@ -293,7 +293,10 @@ static void dsk__st_crc_init(void) {
 /* Slicing-by-8: eight table lookups per 8 bytes. */
 static uint32_t dsk__st_crc_sw(uint32_t s, const unsigned char *p, size_t n) {
     pthread_once(&dsk__st_crc_once, dsk__st_crc_init);
-    while (n && ((uintptr_t)p & 7u)) { s = (s >> 8) ^ dsk__st_crc_table[0][(s ^ *p++) & 0xffu]; n--; }
+    while (n && ((uintptr_t)p & 7u)) {
+        s = (s >> 8) ^ dsk__st_crc_table[0][(s ^ *p++) & 0xffu];
+        n--;
+    }
     while (n >= 8) {
         uint64_t w;
         memcpy(&w, p, 8);
@@ -302,7 +305,8 @@ static uint32_t dsk__st_crc_sw(uint32_t s, const unsigned char *p, size_t n) {
             dsk__st_crc_table[5][(lo >> 16) & 0xffu] ^ dsk__st_crc_table[4][lo >> 24] ^
             dsk__st_crc_table[3][hi & 0xffu] ^ dsk__st_crc_table[2][(hi >> 8) & 0xffu] ^
             dsk__st_crc_table[1][(hi >> 16) & 0xffu] ^ dsk__st_crc_table[0][hi >> 24];
-        p += 8; n -= 8;
+        p += 8;
+        n -= 8;
     }
     while (n--) s = (s >> 8) ^ dsk__st_crc_table[0][(s ^ *p++) & 0xffu];
     return s;
@@ -333,7 +337,11 @@ static uint32_t dsk__st_xpow8n(uint64_t n) {
 #define DSK__ST_HW_BLOCK 16384u
 __attribute__((target("sse4.2"))) static uint32_t dsk__st_crc_hw_run(uint32_t s, const unsigned char *p, size_t n) {
     uint64_t c = s;
-    for (; n >= 8; p += 8, n -= 8) { uint64_t w; memcpy(&w, p, 8); c = _mm_crc32_u64(c, w); }
+    for (; n >= 8; p += 8, n -= 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        c = _mm_crc32_u64(c, w);
+    }
     s = (uint32_t)c;
     for (; n; n--) s = _mm_crc32_u8(s, *p++);
     return s;
@@ -348,11 +356,16 @@ __attribute__((target("sse4.2"))) static uint32_t dsk__st_crc_hw(uint32_t s, con
             uint64_t c0 = s, c1 = 0, c2 = 0;
             for (size_t i = 0; i < B; i += 8) {
                 uint64_t w0, w1, w2;
-                memcpy(&w0, p + i, 8); memcpy(&w1, p + B + i, 8); memcpy(&w2, p + 2 * B + i, 8);
-                c0 = _mm_crc32_u64(c0, w0); c1 = _mm_crc32_u64(c1, w1); c2 = _mm_crc32_u64(c2, w2);
+                memcpy(&w0, p + i, 8);
+                memcpy(&w1, p + B + i, 8);
+                memcpy(&w2, p + 2 * B + i, 8);
+                c0 = _mm_crc32_u64(c0, w0);
+                c1 = _mm_crc32_u64(c1, w1);
+                c2 = _mm_crc32_u64(c2, w2);
             }
             s = dsk__st_mulmod(k2, (uint32_t)c0) ^ dsk__st_mulmod(k1, (uint32_t)c1) ^ (uint32_t)c2;
-            p += 3 * B; n -= 3 * B;
+            p += 3 * B;
+            n -= 3 * B;
         }
     }
     return dsk__st_crc_hw_run(s, p, n);
@@ -391,7 +404,10 @@ static void dsk__st_put(dsk__st_buf *b, const char *s, size_t n) {
         size_t cap = b->cap ? b->cap : 256;
         while (cap < b->n + n + 1) cap *= 2;
         char *q = (char *)DSK_MALLOC(cap);
-        if (!q) { b->oom = 1; return; }
+        if (!q) {
+            b->oom = 1;
+            return;
+        }
         if (b->n) memcpy(q, b->p, b->n);
         DSK_FREE(b->p);
         b->p = q;
@@ -413,7 +429,10 @@ static void dsk__st_putf(dsk__st_buf *b, const char *fmt, ...) {
     va_start(ap, fmt);
     int k = vsnprintf(tmp, sizeof tmp, fmt, ap);
     va_end(ap);
-    if (k < 0 || (size_t)k >= sizeof tmp) { b->oom = 1; return; }
+    if (k < 0 || (size_t)k >= sizeof tmp) {
+        b->oom = 1;
+        return;
+    }
     dsk__st_put(b, tmp, (size_t)k);
 }
 /* A JSON string literal: quotes, backslash and control characters escaped. */
@@ -426,13 +445,18 @@ static void dsk__st_put_jstr(dsk__st_buf *b, const char *s) {
         dsk__st_put(b, s, run);
         s += run;
         if (!(c = (unsigned char)*s)) break;
-        if (c == '"' || c == '\\') { char e[2] = {'\\', (char)c}; dsk__st_put(b, e, 2); }
-        else dsk__st_putf(b, "\\u%04x", c);
+        if (c == '"' || c == '\\') {
+            char e[2] = {'\\', (char)c};
+            dsk__st_put(b, e, 2);
+        } else dsk__st_putf(b, "\\u%04x", c);
         s++;
     }
     dsk__st_put(b, "\"", 1);
 }
-static void dsk__st_buf_free(dsk__st_buf *b) { DSK_FREE(b->p); memset(b, 0, sizeof *b); }
+static void dsk__st_buf_free(dsk__st_buf *b) {
+    DSK_FREE(b->p);
+    memset(b, 0, sizeof *b);
+}
 
 static char *dsk__st_strdup(const char *s) {
     size_t n = strlen(s) + 1;
@@ -467,11 +491,23 @@ static int dsk__st_valid_utf8(const unsigned char *s, size_t n) {
         unsigned char c = s[i];
         size_t len;
         uint32_t cp, min;
-        if (c < 0x80) { i++; continue; }
-        if ((c & 0xe0u) == 0xc0u) { len = 2; cp = c & 0x1fu; min = 0x80; }
-        else if ((c & 0xf0u) == 0xe0u) { len = 3; cp = c & 0x0fu; min = 0x800; }
-        else if ((c & 0xf8u) == 0xf0u) { len = 4; cp = c & 0x07u; min = 0x10000; }
-        else return 0;
+        if (c < 0x80) {
+            i++;
+            continue;
+        }
+        if ((c & 0xe0u) == 0xc0u) {
+            len = 2;
+            cp = c & 0x1fu;
+            min = 0x80;
+        } else if ((c & 0xf0u) == 0xe0u) {
+            len = 3;
+            cp = c & 0x0fu;
+            min = 0x800;
+        } else if ((c & 0xf8u) == 0xf0u) {
+            len = 4;
+            cp = c & 0x07u;
+            min = 0x10000;
+        } else return 0;
         if (n - i < len) return 0;
         for (size_t k = 1; k < len; k++) {
             if ((s[i + k] & 0xc0u) != 0x80u) return 0;
@@ -551,15 +587,22 @@ static dsk_status dsk__st_split_path(const char *fn, const char *path, char **di
     const char *slash = strrchr(path, '/');
     *dir = *base = NULL;
     if (!*path || (slash && !slash[1])) return dsk_set_error(DSK_ERR_ARG, "%s: path \"%s\" names no file", fn, path);
-    if (!slash) { *dir = dsk__st_strdup("."); *base = dsk__st_strdup(path); }
-    else {
+    if (!slash) {
+        *dir = dsk__st_strdup(".");
+        *base = dsk__st_strdup(path);
+    } else {
         size_t k = slash == path ? 1 : (size_t)(slash - path);
         *dir = (char *)DSK_MALLOC(k + 1);
-        if (*dir) { memcpy(*dir, path, k); (*dir)[k] = 0; }
+        if (*dir) {
+            memcpy(*dir, path, k);
+            (*dir)[k] = 0;
+        }
         *base = dsk__st_strdup(slash + 1);
     }
     if (!*dir || !*base) {
-        DSK_FREE(*dir); DSK_FREE(*base); *dir = *base = NULL;
+        DSK_FREE(*dir);
+        DSK_FREE(*base);
+        *dir = *base = NULL;
         return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
     }
     return DSK_OK;
@@ -585,7 +628,7 @@ static dsk_status dsk__st_open_tmp(const char *fn, const char *dir, const char *
 #define DSK__ST_FSYNC_FILE 1 /* fsync the file before the rename */
 #define DSK__ST_FSYNC_DIR 2  /* fsync the directory after it */
 #define DSK__ST_DURABLE (DSK__ST_FSYNC_FILE | DSK__ST_FSYNC_DIR)
-#define DSK__ST_WITHDRAW 4   /* remove the renamed file again when the directory's fsync fails */
+#define DSK__ST_WITHDRAW 4 /* remove the renamed file again when the directory's fsync fails */
 
 /* Closes the temporary, renames it to dir/base, with the fsyncs `how` asks for. On failure the
    temporary is removed. The fd is closed in every case. */
@@ -651,10 +694,17 @@ static dsk_status dsk__st_read_small(const char *fn, const char *path, size_t ma
                              (long long)st.st_size, max);
     }
     *out = (char *)DSK_MALLOC((size_t)st.st_size + 1);
-    if (!*out) { close(fd); return dsk_set_error(DSK_ERR_OOM, "%s: out of memory for \"%s\"", fn, path); }
+    if (!*out) {
+        close(fd);
+        return dsk_set_error(DSK_ERR_OOM, "%s: out of memory for \"%s\"", fn, path);
+    }
     s = dsk__st_pread_all(fn, fd, *out, (size_t)st.st_size, 0, path);
     close(fd);
-    if (s != DSK_OK) { DSK_FREE(*out); *out = NULL; return s; }
+    if (s != DSK_OK) {
+        DSK_FREE(*out);
+        *out = NULL;
+        return s;
+    }
     (*out)[st.st_size] = 0;
     *len = (size_t)st.st_size;
     return DSK_OK;
@@ -669,7 +719,10 @@ static int dsk__st_exists(const char *path) {
 static dsk_status dsk__st_remove(const char *fn, const char *path, int *removed) {
     struct stat st;
     if (lstat(path, &st) != 0 || !S_ISREG(st.st_mode)) return DSK_OK; /* gone, or not one of ours */
-    if (unlink(path) == 0) { (*removed)++; return DSK_OK; }
+    if (unlink(path) == 0) {
+        (*removed)++;
+        return DSK_OK;
+    }
     return errno == ENOENT ? DSK_OK : dsk__st_io_error(fn, "remove", path);
 }
 
@@ -685,8 +738,8 @@ enum { DSK__ST_J_NULL, DSK__ST_J_BOOL, DSK__ST_J_NUM, DSK__ST_J_STR, DSK__ST_J_A
 #define DSK__ST_J_NONE 0xffffffffu
 #define DSK__ST_J_OFF_MASK 0x07ffffffu /* pool offsets: texts are at most DSK_SAFETENSORS_MAX_HEADER bytes */
 #define DSK__ST_J_TYPE_SHIFT 27
-#define DSK__ST_J_KEY_NUL (1u << 30)   /* the member key holds a NUL character */
-#define DSK__ST_J_STR_NUL (1u << 31)   /* the string value holds a NUL character */
+#define DSK__ST_J_KEY_NUL (1u << 30) /* the member key holds a NUL character */
+#define DSK__ST_J_STR_NUL (1u << 31) /* the string value holds a NUL character */
 
 /* One value. A container's first member is the value right after it. */
 typedef struct dsk__st_jnode {
@@ -698,7 +751,7 @@ typedef struct dsk__st_jnode {
 typedef struct dsk__st_json {
     dsk__st_jnode *nodes;
     uint32_t n, cap;
-    char *pool;            /* decoded strings, each NUL-terminated; pool[0] = "" */
+    char *pool; /* decoded strings, each NUL-terminated; pool[0] = "" */
     size_t pool_used, pool_cap;
     const char *src, *end, *p;
     const char *fn, *what; /* error context: function and object */
@@ -711,9 +764,7 @@ static void dsk__st_json_free(dsk__st_json *j) {
     memset(j, 0, sizeof *j);
 }
 
-static int dsk__st_jtype(const dsk__st_json *j, int i) {
-    return (int)((j->nodes[i].key >> DSK__ST_J_TYPE_SHIFT) & 7u);
-}
+static int dsk__st_jtype(const dsk__st_json *j, int i) { return (int)((j->nodes[i].key >> DSK__ST_J_TYPE_SHIFT) & 7u); }
 static int dsk__st_jcount(const dsk__st_json *j, int i) {
     int t = dsk__st_jtype(j, i);
     return t == DSK__ST_J_ARR || t == DSK__ST_J_OBJ ? (int)j->nodes[i].val : 0;
@@ -755,7 +806,11 @@ static void dsk__st_jcount_text(const char *p, const char *end, uint64_t *values
         if (in_str) {
             if (esc) esc = 0;
             else if (c == '\\') esc = 1;
-            else if (c == '"') { in_str = 0; (*pool)++; continue; }
+            else if (c == '"') {
+                in_str = 0;
+                (*pool)++;
+                continue;
+            }
             (*pool)++;
         } else if (c == '"') in_str = 1;
         else if (c == '[' || c == ',' || c == ':') (*values)++;
@@ -764,8 +819,7 @@ static void dsk__st_jcount_text(const char *p, const char *end, uint64_t *values
 
 static int dsk__st_jnew(dsk__st_json *j, int type) {
     dsk__st_jnode *x;
-    if (j->n == j->cap)
-        return dsk__st_jfail(j, "more values than the text can hold"); /* the count is an upper bound */
+    if (j->n == j->cap) return dsk__st_jfail(j, "more values than the text can hold"); /* the count is an upper bound */
     x = &j->nodes[j->n];
     x->next = DSK__ST_J_NONE;
     x->key = (uint32_t)type << DSK__ST_J_TYPE_SHIFT;
@@ -791,13 +845,18 @@ static int dsk__st_jhex4(dsk__st_json *j, uint32_t *out) {
 /* Appends code point cp as UTF-8. */
 static char *dsk__st_jutf8(char *dst, uint32_t cp) {
     if (cp < 0x80u) *dst++ = (char)cp;
-    else if (cp < 0x800u) { *dst++ = (char)(0xc0u | (cp >> 6)); *dst++ = (char)(0x80u | (cp & 0x3fu)); }
-    else if (cp < 0x10000u) {
-        *dst++ = (char)(0xe0u | (cp >> 12)); *dst++ = (char)(0x80u | ((cp >> 6) & 0x3fu));
+    else if (cp < 0x800u) {
+        *dst++ = (char)(0xc0u | (cp >> 6));
+        *dst++ = (char)(0x80u | (cp & 0x3fu));
+    } else if (cp < 0x10000u) {
+        *dst++ = (char)(0xe0u | (cp >> 12));
+        *dst++ = (char)(0x80u | ((cp >> 6) & 0x3fu));
         *dst++ = (char)(0x80u | (cp & 0x3fu));
     } else {
-        *dst++ = (char)(0xf0u | (cp >> 18)); *dst++ = (char)(0x80u | ((cp >> 12) & 0x3fu));
-        *dst++ = (char)(0x80u | ((cp >> 6) & 0x3fu)); *dst++ = (char)(0x80u | (cp & 0x3fu));
+        *dst++ = (char)(0xf0u | (cp >> 18));
+        *dst++ = (char)(0x80u | ((cp >> 12) & 0x3fu));
+        *dst++ = (char)(0x80u | ((cp >> 6) & 0x3fu));
+        *dst++ = (char)(0x80u | (cp & 0x3fu));
     }
     return dst;
 }
@@ -816,7 +875,10 @@ static int dsk__st_jstring(dsk__st_json *j, uint32_t *off, int *has_nul) {
         c = (unsigned char)*j->p++;
         if (c == '"') break;
         if (c < 0x20) return dsk__st_jfail(j, "control character in string");
-        if (c != '\\') { *dst++ = (char)c; continue; }
+        if (c != '\\') {
+            *dst++ = (char)c;
+            continue;
+        }
         if (j->p >= j->end) return dsk__st_jfail(j, "unterminated escape");
         c = (unsigned char)*j->p++;
         switch (c) {
@@ -856,7 +918,8 @@ static int dsk__st_jnumber(dsk__st_json *j, int node) {
     if (j->p < j->end && *j->p == '-') j->p++;
     if (j->p >= j->end || *j->p < '0' || *j->p > '9') return dsk__st_jfail(j, "bad number");
     if (*j->p == '0') j->p++;
-    else while (j->p < j->end && *j->p >= '0' && *j->p <= '9') j->p++;
+    else
+        while (j->p < j->end && *j->p >= '0' && *j->p <= '9') j->p++;
     if (j->p < j->end && *j->p == '.') {
         j->p++;
         if (j->p >= j->end || *j->p < '0' || *j->p > '9') return dsk__st_jfail(j, "bad fraction");
@@ -889,7 +952,10 @@ static int dsk__st_jcontainer(dsk__st_json *j, int depth, int is_obj) {
     if (depth >= DSK__ST_J_MAX_DEPTH) return dsk__st_jfail(j, "nesting too deep");
     j->p++;
     dsk__st_jws(j);
-    if (j->p < j->end && *j->p == close) { j->p++; return node; }
+    if (j->p < j->end && *j->p == close) {
+        j->p++;
+        return node;
+    }
     for (;;) {
         uint32_t key = 0;
         int key_nul = 0, child;
@@ -907,8 +973,15 @@ static int dsk__st_jcontainer(dsk__st_json *j, int depth, int is_obj) {
         last = child;
         j->nodes[node].val++;
         dsk__st_jws(j);
-        if (j->p < j->end && *j->p == ',') { j->p++; dsk__st_jws(j); continue; }
-        if (j->p < j->end && *j->p == close) { j->p++; return node; }
+        if (j->p < j->end && *j->p == ',') {
+            j->p++;
+            dsk__st_jws(j);
+            continue;
+        }
+        if (j->p < j->end && *j->p == close) {
+            j->p++;
+            return node;
+        }
         return dsk__st_jfail(j, is_obj ? "expected ',' or '}'" : "expected ',' or ']'");
     }
 }
@@ -921,11 +994,12 @@ static int dsk__st_jvalue(dsk__st_json *j, int depth) {
     case '{': return dsk__st_jcontainer(j, depth, 1);
     case '[': return dsk__st_jcontainer(j, depth, 0);
     case '"':
-        if ((node = dsk__st_jnew(j, DSK__ST_J_STR)) < 0 || dsk__st_jstring(j, &j->nodes[node].val, &nul))
-            return -1;
+        if ((node = dsk__st_jnew(j, DSK__ST_J_STR)) < 0 || dsk__st_jstring(j, &j->nodes[node].val, &nul)) return -1;
         if (nul) j->nodes[node].key |= DSK__ST_J_STR_NUL;
         return node;
-    case 't': case 'f': case 'n':
+    case 't':
+    case 'f':
+    case 'n':
         if ((node = dsk__st_jnew(j, *j->p == 'n' ? DSK__ST_J_NULL : DSK__ST_J_BOOL)) < 0) return -1;
         j->nodes[node].val = *j->p == 't';
         return dsk__st_jliteral(j, *j->p == 't' ? "true" : *j->p == 'f' ? "false" : "null") ? -1 : node;
@@ -937,8 +1011,7 @@ static int dsk__st_jvalue(dsk__st_json *j, int depth) {
 
 /* Parses text[0, n) (valid UTF-8 required, n <= DSK_SAFETENSORS_MAX_HEADER) whose top level must be
    an object: node 0. */
-static dsk_status dsk__st_json_parse(dsk__st_json *j, const char *text, size_t n, const char *fn,
-                                     const char *what) {
+static dsk_status dsk__st_json_parse(dsk__st_json *j, const char *text, size_t n, const char *fn, const char *what) {
     uint64_t values, pool;
     memset(j, 0, sizeof *j);
     j->src = j->p = text;
@@ -990,7 +1063,10 @@ static int dsk__st_jint(const dsk__st_json *j, int node, int64_t *out) {
     uint64_t v = 0;
     if (node < 0 || dsk__st_jtype(j, node) != DSK__ST_J_NUM) return 0;
     s = j->src + j->nodes[node].val;
-    if (*s == '-') { neg = 1; s++; }
+    if (*s == '-') {
+        neg = 1;
+        s++;
+    }
     for (e = s; e < j->end && *e >= '0' && *e <= '9'; e++) {
         if (v > (uint64_t)INT64_MAX / 10) return 0;
         v = v * 10 + (uint64_t)(*e - '0');
@@ -1072,7 +1148,7 @@ static int dsk__st_parse_hex32(const char *s, uint32_t *out) {
 /* Private storage behind dsk_safetensors_file.mem. */
 typedef struct dsk__st_filemem {
     dsk__st_json json;
-    char *header;   /* the first 8 + header_len bytes when read from a file */
+    char *header; /* the first 8 + header_len bytes when read from a file */
 } dsk__st_filemem;
 
 DSK_API void dsk_safetensors_close(dsk_safetensors_file *f) {
@@ -1149,7 +1225,9 @@ static dsk_status dsk__st_parse_entry(const char *fn, const char *where, const d
     }
     if (!seen[0] || !seen[1] || !seen[2])
         return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: tensor \"%s\" lacks \"%s\"", fn, where, t->name,
-                             !seen[0] ? "dtype" : !seen[1] ? "shape" : "data_offsets");
+                             !seen[0]   ? "dtype"
+                             : !seen[1] ? "shape"
+                                        : "data_offsets");
     t->dtype_name = dt->name;
     t->dtype = dt->dsk;
     {
@@ -1390,7 +1468,10 @@ DSK_API dsk_status dsk_safetensors_open(dsk_safetensors_file *f, const char *pat
     if (!f || !path) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
     DSK__TRY(dsk__st_file_begin(f, fn));
     m = (dsk__st_filemem *)f->mem;
-    if (!(f->path = dsk__st_strdup(path))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); goto fail; }
+    if (!(f->path = dsk__st_strdup(path))) {
+        s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+        goto fail;
+    }
     if ((s = dsk__st_open_regular(fn, path, &f->fd, &st)) != DSK_OK) goto fail;
     f->has_fd = 1;
     if (st.st_size < 8) {
@@ -1410,8 +1491,8 @@ DSK_API dsk_status dsk_safetensors_open(dsk_safetensors_file *f, const char *pat
         goto fail;
     }
     if ((s = dsk__st_pread_all(fn, f->fd, m->header, (size_t)(8 + hlen), 0, path)) != DSK_OK) goto fail;
-    if ((s = dsk__st_parse(fn, path, f, (const unsigned char *)m->header, (size_t)(8 + hlen),
-                           (uint64_t)st.st_size)) != DSK_OK)
+    if ((s = dsk__st_parse(fn, path, f, (const unsigned char *)m->header, (size_t)(8 + hlen), (uint64_t)st.st_size)) !=
+        DSK_OK)
         goto fail;
     return DSK_OK;
 fail:
@@ -1446,10 +1527,9 @@ static dsk_status dsk__st_check_device(const char *fn, const char *name, const d
     if (t->device.type == DSK_DEV_CPU) return DSK_OK;
     if (t->device.type != DSK_DEV_CUDA || !ctx || ctx->device.type != DSK_DEV_CUDA ||
         ctx->device.index != t->device.index)
-        return dsk_set_error(
-            DSK_ERR_ARG,
-            "%s: tensor \"%s\" is on device type %d index %d: pass a ctx on that CUDA device", fn,
-            name, (int)t->device.type, t->device.index);
+        return dsk_set_error(DSK_ERR_ARG,
+                             "%s: tensor \"%s\" is on device type %d index %d: pass a ctx on that CUDA device", fn,
+                             name, (int)t->device.type, t->device.index);
     return DSK_OK;
 }
 
@@ -1461,10 +1541,10 @@ typedef struct dsk__st_boxrd {
     const char *fn;
     dsk_safetensors_file *f;
     const dsk_safetensors_info *t;
-    uint64_t nbytes;        /* the tensor's bytes */
-    uint64_t bsz;           /* bytes per checked block, 0: unchecked */
-    unsigned char *bounce;  /* one block, read and checked */
-    int64_t cached;         /* the block in bounce, -1: none */
+    uint64_t nbytes;       /* the tensor's bytes */
+    uint64_t bsz;          /* bytes per checked block, 0: unchecked */
+    unsigned char *bounce; /* one block, read and checked */
+    int64_t cached;        /* the block in bounce, -1: none */
 } dsk__st_boxrd;
 
 static dsk_status dsk__st_pread_data(dsk__st_boxrd *rd, void *dst, uint64_t off, size_t n) {
@@ -1695,14 +1775,14 @@ typedef struct dsk__st_seg {
     dsk_dtype dtype;
     int ndim;
     int64_t shape[DSK_MAX_DIMS];
-    int entry;           /* its index in the caller's entries */
-    const void *data;    /* contiguous bytes to write: the tensor itself or its snapshot */
+    int entry;        /* its index in the caller's entries */
+    const void *data; /* contiguous bytes to write: the tensor itself or its snapshot */
     size_t nbytes;
-    uint64_t begin;      /* offset in the data buffer */
+    uint64_t begin; /* offset in the data buffer */
     uint32_t crc;
-    uint32_t *blocks;    /* CRC32C of each DSK__ST_BLOCK bytes, while the file is written */
+    uint32_t *blocks; /* CRC32C of each DSK__ST_BLOCK bytes, while the file is written */
     uint64_t n_blocks;
-    int omit;            /* not in the file: no data, no header entry (dsk_ckpt.h's reused pieces, which
+    int omit; /* not in the file: no data, no header entry (dsk_ckpt.h's reused pieces, which
                             its metadata references elsewhere) */
 } dsk__st_seg;
 
@@ -1716,14 +1796,17 @@ typedef struct dsk__st_plan {
     int n;
     char **keys, **values;
     int n_kv;
-    uint64_t total;      /* data bytes */
+    uint64_t total;       /* data bytes */
     dsk__st_meta_fn meta; /* NULL or more metadata */
     void *meta_user;
 } dsk__st_plan;
 
 static void dsk__st_plan_free(dsk__st_plan *p) {
     for (int i = 0; i < p->n; i++) DSK_FREE(p->segs[i].name);
-    for (int i = 0; i < p->n_kv; i++) { DSK_FREE(p->keys[i]); DSK_FREE(p->values[i]); }
+    for (int i = 0; i < p->n_kv; i++) {
+        DSK_FREE(p->keys[i]);
+        DSK_FREE(p->values[i]);
+    }
     DSK_FREE(p->segs);
     DSK_FREE(p->keys);
     DSK_FREE(p->values);
@@ -1812,8 +1895,7 @@ static dsk_status dsk__st_plan_build(const char *fn, dsk__st_plan *p, const dsk_
     const char *dup;
     if (n < 0 || (n && !entries))
         return dsk_set_error(DSK_ERR_ARG, "%s: %d entries at %p", fn, n, (const void *)entries);
-    for (int i = 0; i < n; i++)
-        DSK__TRY(dsk__st_check_entry(fn, &entries[i], i, ctx));
+    for (int i = 0; i < n; i++) DSK__TRY(dsk__st_check_entry(fn, &entries[i], i, ctx));
     DSK__TRY(dsk__st_check_kv(fn, kv, n_kv));
     names = (const char **)DSK_MALLOC(((size_t)n + 1) * sizeof *names);
     if (!names) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
@@ -1859,7 +1941,10 @@ static dsk_status dsk__st_plan_build(const char *fn, dsk__st_plan *p, const dsk_
 static void dsk__st_copy_par(void *dst, const void *src, size_t n, int threads) {
     const size_t piece = (size_t)4 << 20;
     long long pieces = (long long)((n + piece - 1) / piece);
-    if (threads <= 1 || pieces <= 1) { memcpy(dst, src, n); return; }
+    if (threads <= 1 || pieces <= 1) {
+        memcpy(dst, src, n);
+        return;
+    }
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) num_threads(threads)
 #endif
@@ -1876,10 +1961,19 @@ static dsk_status dsk__st_snapshot(dsk__st_plan *p, dsk_ctx *ctx, unsigned char 
         dsk__st_seg *g = &p->segs[i];
         dsk_tensor h;
         int host_contig = g->src->device.type == DSK_DEV_CPU && dsk_tensor_is_contiguous(g->src);
-        if (!g->nbytes) { g->data = NULL; continue; }
-        if (host_contig && !copy_all) { g->data = g->src->data; continue; }
+        if (!g->nbytes) {
+            g->data = NULL;
+            continue;
+        }
+        if (host_contig && !copy_all) {
+            g->data = g->src->data;
+            continue;
+        }
         g->data = stage + g->begin;
-        if (host_contig) { dsk__st_copy_par(stage + g->begin, g->src->data, g->nbytes, threads); continue; }
+        if (host_contig) {
+            dsk__st_copy_par(stage + g->begin, g->src->data, g->nbytes, threads);
+            continue;
+        }
         DSK__TRY(dsk_tensor_wrap(&h, stage + g->begin, g->dtype, dsk_cpu(), g->ndim, g->shape));
         DSK__TRY(dsk_tensor_copy(ctx, &h, g->src));
     }
@@ -1946,8 +2040,7 @@ static void dsk__st_header_json(dsk__st_buf *b, const dsk__st_plan *p) {
     while (!b->oom && b->n % 8) dsk__st_puts(b, " ");
 }
 
-static dsk_status dsk__st_pwrite_all(const char *fn, int fd, const void *p, size_t n, uint64_t off,
-                                     const char *path) {
+static dsk_status dsk__st_pwrite_all(const char *fn, int fd, const void *p, size_t n, uint64_t off, const char *path) {
     const char *q = (const char *)p;
     while (n) {
         ssize_t k = pwrite(fd, q, n, (off_t)off);
@@ -1956,7 +2049,9 @@ static dsk_status dsk__st_pwrite_all(const char *fn, int fd, const void *p, size
             if (k == 0) errno = EIO;
             return dsk__st_io_error(fn, "write to", path);
         }
-        q += k; n -= (size_t)k; off += (uint64_t)k;
+        q += k;
+        n -= (size_t)k;
+        off += (uint64_t)k;
     }
     return DSK_OK;
 }
@@ -1990,7 +2085,10 @@ static dsk_status dsk__st_alloc_blocks(const char *fn, dsk__st_plan *p) {
     return DSK_OK;
 }
 static void dsk__st_free_blocks(dsk__st_plan *p) {
-    for (int i = 0; i < p->n; i++) { DSK_FREE(p->segs[i].blocks); p->segs[i].blocks = NULL; }
+    for (int i = 0; i < p->n; i++) {
+        DSK_FREE(p->segs[i].blocks);
+        p->segs[i].blocks = NULL;
+    }
 }
 
 /* Writes the header (with placeholder CRCs) then the data, computing each block's CRC just
@@ -2006,7 +2104,10 @@ static dsk_status dsk__st_write_body(const char *fn, int fd, dsk__st_plan *p, co
     if ((s = dsk__st_alloc_blocks(fn, p)) != DSK_OK) goto done;
     dsk__st_put(&h, "\0\0\0\0\0\0\0\0", 8);
     dsk__st_header_json(&h, p);
-    if (h.oom) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for the header", fn); goto done; }
+    if (h.oom) {
+        s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for the header", fn);
+        goto done;
+    }
     hlen = h.n - 8;
     if (hlen > DSK_SAFETENSORS_MAX_HEADER) {
         s = dsk_set_error(DSK_ERR_ARG, "%s: a %zu-byte header (%d tensors) exceeds the safetensors limit of %llu bytes",
@@ -2232,7 +2333,10 @@ DSK_API dsk_status dsk_safetensors_hf_find(dsk_safetensors_hf *h, const char *na
     hi = h->n_tensors - 1;
     while (lo <= hi) {
         int mid = lo + (hi - lo) / 2, c = strcmp(h->names[mid], name);
-        if (c == 0) { lo = mid; break; }
+        if (c == 0) {
+            lo = mid;
+            break;
+        }
         if (c < 0) lo = mid + 1;
         else hi = mid - 1;
     }
@@ -2267,7 +2371,10 @@ static dsk_status dsk__st_hf_expert_name(const char *fn, const char *pattern, in
 /* The number of file tensors behind an entry (its experts when stacked), checked. */
 static dsk_status dsk__st_hf_count(const char *fn, const dsk_safetensors_hf_entry *e, int i, int64_t *count) {
     if (!e->name || !e->tensor) return dsk_set_error(DSK_ERR_ARG, "%s: entry %d has no name or tensor", fn, i);
-    if (!e->stacked) { *count = 1; return DSK_OK; }
+    if (!e->stacked) {
+        *count = 1;
+        return DSK_OK;
+    }
     if (e->tensor->ndim < 1 || e->expert0 < 0 || !strstr(e->name, "{E}"))
         return dsk_set_error(
             DSK_ERR_ARG,
@@ -2324,12 +2431,14 @@ static void dsk__st_hf_shard_name(char *buf, size_t n, int k, int total) {
 }
 
 /* The index text of an export; items sorted by name here. */
-static dsk_status dsk__st_hf_index_text(const char *fn, dsk__st_buf *b, dsk__st_hf_item *items, int n,
-                                        int n_shards) {
+static dsk_status dsk__st_hf_index_text(const char *fn, dsk__st_buf *b, dsk__st_hf_item *items, int n, int n_shards) {
     dsk__st_hf_item **order = (dsk__st_hf_item **)DSK_MALLOC(((size_t)n + 1) * sizeof *order);
     uint64_t total = 0;
     if (!order) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    for (int i = 0; i < n; i++) { order[i] = &items[i]; total += dsk_tensor_nbytes(&items[i].view); }
+    for (int i = 0; i < n; i++) {
+        order[i] = &items[i];
+        total += dsk_tensor_nbytes(&items[i].view);
+    }
     qsort(order, (size_t)n, sizeof *order, dsk__st_cmp_hf_item);
     dsk__st_putf(b, "{\n  \"metadata\": {\n    \"total_size\": %llu\n  },\n  \"weight_map\": {",
                  (unsigned long long)total);
@@ -2362,9 +2471,12 @@ static dsk_status dsk__st_hf_tidy(const char *fn, const char *dir, int n_shards)
         char *p;
         if (strcmp(de->d_name, DSK__ST_HF_SINGLE) != 0 &&
             (sscanf(de->d_name, "model-%5d-of-%5d.safetensors%n", &k, &total, &len) != 2 || de->d_name[len] ||
-            total == n_shards))
+             total == n_shards))
             continue;
-        if (!(p = dsk__st_join(dir, de->d_name))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
+        if (!(p = dsk__st_join(dir, de->d_name))) {
+            s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+            break;
+        }
         s = dsk__st_remove(fn, p, &removed);
         DSK_FREE(p);
     }
@@ -2409,7 +2521,10 @@ static dsk_status dsk__st_hf_items(const char *fn, const dsk_safetensors_hf_entr
             }
             *n_items = k + 1;
             bytes = dsk_tensor_nbytes(&it->view);
-            if (fill && fill + bytes > max_bytes) { (*n_shards)++; fill = 0; }
+            if (fill && fill + bytes > max_bytes) {
+                (*n_shards)++;
+                fill = 0;
+            }
             it->shard = *n_shards - 1;
             fill += bytes;
         }
@@ -2451,7 +2566,10 @@ DSK_API dsk_status dsk_safetensors_hf_save(dsk_ctx *ctx, const char *dir, const 
             cnt++;
         }
         dsk__st_hf_shard_name(shard, sizeof shard, k, n_shards);
-        if (!(path = dsk__st_join(dir, shard))) { s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn); break; }
+        if (!(path = dsk__st_join(dir, shard))) {
+            s = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
+            break;
+        }
         s = dsk_safetensors_save(ctx, path, fe, cnt, meta, n_kv + !has_format);
         DSK_FREE(path);
         first += cnt;

@@ -883,8 +883,8 @@ DSK_API dsk_status dsk_attention_fused_backward(dsk_ctx *ctx, dsk_tensor *dq, ds
 #define DSK_FP8_DOT_W 16  /* outputs per dsk_fp8_chunk_dot group: sums kept in registers (CPU vectors) */
 
 typedef enum dsk_fp8_scaling {
-    DSK_FP8_TILE_1X128 = 1,      /* one scale per row and 128 columns */
-    DSK_FP8_BLOCK_128X128 = 128  /* one scale per 128 x 128 block */
+    DSK_FP8_TILE_1X128 = 1,     /* one scale per row and 128 columns */
+    DSK_FP8_BLOCK_128X128 = 128 /* one scale per 128 x 128 block */
 } dsk_fp8_scaling;
 
 /* The chunk's partial sums of nj outputs (nj a multiple of DSK_FP8_DOT_W): dot[j] = sum over k
@@ -4709,7 +4709,7 @@ static dsk_status dsk__fp8_need_out(const char *fn, const dsk_tensor *C, const d
 typedef struct dsk__fp8_args {
     const uint8_t *A, *B;
     const float *sa, *sb;
-    float lut_a[256], lut_b[256]; /* fp8 code -> f32 */
+    float lut_a[256], lut_b[256];     /* fp8 code -> f32 */
     int64_t N, K, kc, a_rows, b_rows; /* a_rows, b_rows: rows per scale */
     int64_t b_step, sb_step;          /* elements from B[g] (and its scales) to B[g + 1] */
     int weights;                      /* the weights form: segments cut K, C[g] (M, N) */
@@ -4717,8 +4717,8 @@ typedef struct dsk__fp8_args {
     void *C;
     dsk_dtype c_dt;
     float alpha, beta;
-    const int32_t *off;               /* (G + 1) segment offsets */
-    int64_t *task0;                   /* (G + 1): the first task of each segment */
+    const int32_t *off; /* (G + 1) segment offsets */
+    int64_t *task0;     /* (G + 1): the first task of each segment */
     int64_t G, tiles_n;
 } dsk__fp8_args;
 
@@ -4777,7 +4777,8 @@ static dsk_status dsk__fp8_run(const char *fn, dsk_ctx *ctx, dsk__fp8_args *p) {
         int64_t lo = 0, hi = p->G, r0, tr;
         while (hi - lo > 1) { /* the segment g with task0[g] <= t < task0[g + 1] */
             int64_t mid = (lo + hi) / 2;
-            if (p->task0[mid] <= t) lo = mid; else hi = mid;
+            if (p->task0[mid] <= t) lo = mid;
+            else hi = mid;
         }
         tr = (t - p->task0[lo]) / p->tiles_n;
         r0 = (p->weights ? 0 : p->off[lo]) + tr * DSK__FP8_TM;
@@ -4796,15 +4797,23 @@ static dsk_status dsk__fp8_run(const char *fn, dsk_ctx *ctx, dsk__fp8_args *p) {
 static void dsk__fp8_args_init(dsk__fp8_args *p, dsk_tensor *C, const dsk_tensor *A, const dsk_tensor *sa,
                                int64_t a_rows, const dsk_tensor *B, const dsk_tensor *sb, int64_t b_rows, float alpha,
                                float beta) {
-    p->A = (const uint8_t *)A->data; p->B = (const uint8_t *)B->data;
-    p->sa = (const float *)sa->data; p->sb = (const float *)sb->data;
+    p->A = (const uint8_t *)A->data;
+    p->B = (const uint8_t *)B->data;
+    p->sa = (const float *)sa->data;
+    p->sb = (const float *)sb->data;
     dsk__fp8_lut(p->lut_a, A->dtype);
     dsk__fp8_lut(p->lut_b, B->dtype);
-    p->N = C->shape[C->ndim - 1]; p->K = A->shape[1]; p->kc = (p->K + DSK_FP8_BLOCK - 1) / DSK_FP8_BLOCK;
-    p->a_rows = a_rows; p->b_rows = b_rows;
+    p->N = C->shape[C->ndim - 1];
+    p->K = A->shape[1];
+    p->kc = (p->K + DSK_FP8_BLOCK - 1) / DSK_FP8_BLOCK;
+    p->a_rows = a_rows;
+    p->b_rows = b_rows;
     p->b_step = B->shape[B->ndim - 2] * p->K;
     p->sb_step = sb->shape[sb->ndim - 2] * p->kc;
-    p->C = C->data; p->c_dt = C->dtype; p->alpha = alpha; p->beta = beta;
+    p->C = C->data;
+    p->c_dt = C->dtype;
+    p->alpha = alpha;
+    p->beta = beta;
     p->weights = C->ndim == 3;
     p->M = A->shape[0];
     p->c_step = p->weights ? C->shape[1] * C->shape[2] : 0;
@@ -4837,8 +4846,12 @@ DSK_API dsk_status dsk_matmul_fp8(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor 
         return dsk_cuda_matmul_fp8(ctx, C, A, a_scales, (int)a_scaling, B, b_scales, (int)b_scaling, NULL, alpha, beta);
 #endif
     dsk__fp8_args_init(&p, C, A, a_scales, a_scaling, B, b_scales, b_scaling, alpha, beta);
-    off[0] = 0; off[1] = (int32_t)A->shape[0];
-    p.off = off; p.task0 = task0; p.G = 1; p.b_step = p.sb_step = 0;
+    off[0] = 0;
+    off[1] = (int32_t)A->shape[0];
+    p.off = off;
+    p.task0 = task0;
+    p.G = 1;
+    p.b_step = p.sb_step = 0;
     return dsk__fp8_run(fn, ctx, &p);
 }
 
@@ -4848,9 +4861,11 @@ static dsk_status dsk__fp8_need_weights(const char *fn, const dsk_tensor *C, con
     char a[96], b[96], c[96];
     DSK__TRY(dsk__need_float(fn, "C", C));
     if (C->shape[0] != G || C->shape[1] != A->shape[0] || C->shape[2] != B->shape[0] || A->shape[1] != B->shape[1])
-        return dsk_set_error(DSK_ERR_ARG, "%s: C %s, A %s, B %s with %lld groups: want the weights form C (G, M, N) = "
-                             "A (M, R) B (N, R)^T over segments of R", fn, dsk_tensor_describe(C, c, sizeof c),
-                             dsk_tensor_describe(A, a, sizeof a), dsk_tensor_describe(B, b, sizeof b), (long long)G);
+        return dsk_set_error(DSK_ERR_ARG,
+                             "%s: C %s, A %s, B %s with %lld groups: want the weights form C (G, M, N) = "
+                             "A (M, R) B (N, R)^T over segments of R",
+                             fn, dsk_tensor_describe(C, c, sizeof c), dsk_tensor_describe(A, a, sizeof a),
+                             dsk_tensor_describe(B, b, sizeof b), (long long)G);
     return DSK_OK;
 }
 
@@ -4885,7 +4900,8 @@ DSK_API dsk_status dsk_matmul_fp8_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk
 #endif
     DSK__TRY(dsk__check_offsets(fn, offsets, G, A->shape[weights ? 1 : 0]));
     dsk__fp8_args_init(&p, C, A, a_scales, DSK_FP8_TILE_1X128, B, b_scales, b_scaling, alpha, beta);
-    p.off = (const int32_t *)offsets->data; p.G = G;
+    p.off = (const int32_t *)offsets->data;
+    p.G = G;
     if (!(p.task0 = (int64_t *)DSK_MALLOC((size_t)(G + 1) * sizeof(int64_t))))
         return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for %lld segments", fn, (long long)G);
     s = dsk__fp8_run(fn, ctx, &p);

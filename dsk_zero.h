@@ -956,9 +956,11 @@ static dsk_status dsk__zero_take_box(const char *fn, int i, const char *nm, cons
         p->g_shape[d] = whole ? q->shape[d] : q->global_shape[d];
         p->g_at[d] = whole ? 0 : q->offset[d];
         if (p->g_at[d] < 0 || p->g_at[d] + q->shape[d] > p->g_shape[d])
-            return dsk_set_error(DSK_ERR_ARG, "%s: params[%d] \"%s\": dim %d's [%lld, %lld) does not fit in the global "
-                                 "tensor's %lld", fn, i, nm, d, (long long)p->g_at[d],
-                                 (long long)(p->g_at[d] + q->shape[d]), (long long)p->g_shape[d]);
+            return dsk_set_error(DSK_ERR_ARG,
+                                 "%s: params[%d] \"%s\": dim %d's [%lld, %lld) does not fit in the global "
+                                 "tensor's %lld",
+                                 fn, i, nm, d, (long long)p->g_at[d], (long long)(p->g_at[d] + q->shape[d]),
+                                 (long long)p->g_shape[d]);
     }
     return DSK_OK;
 }
@@ -1179,7 +1181,10 @@ DSK_API void dsk_zero_free(dsk_zero *z, dsk_ctx *ctx) {
 #endif
     DSK_FREE(zi->pbufs); DSK_FREE(zi->gbufs); DSK_FREE(zi->pbuf_owner); DSK_FREE(zi->gbuf_owner);
     DSK_FREE(zi->p); DSK_FREE(zi->u); DSK_FREE(zi->q);
-    DSK_FREE(zi->ck_e); DSK_FREE(zi->ck_t); DSK_FREE(zi->ck_at); DSK_FREE(zi->ck_names);
+    DSK_FREE(zi->ck_e);
+    DSK_FREE(zi->ck_t);
+    DSK_FREE(zi->ck_at);
+    DSK_FREE(zi->ck_names);
     DSK_FREE(zi);
     memset(z, 0, sizeof *z);
 }

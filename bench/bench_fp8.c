@@ -111,32 +111,37 @@ static void setup_wgrad(dsk_ctx *ctx, prob *p, int64_t R, int64_t M, int64_t N, 
 
 static void run(dsk_ctx *ctx, prob *p, int v) {
     if (v == V_FP8 && p->wgrad)
-        BENCH_CHECK(dsk_matmul_fp8_grouped(ctx, &p->c, &p->x[v], &p->sx, &p->w[v], &p->sw, DSK_FP8_TILE_1X128,
-                                           &p->off, 1.0f, 0.0f));
-    else if (p->wgrad)
-        BENCH_CHECK(dsk_matmul_grouped(ctx, &p->c, &p->x[v], 1, &p->w[v], 0, &p->off, 1.0f, 0.0f));
+        BENCH_CHECK(dsk_matmul_fp8_grouped(ctx, &p->c, &p->x[v], &p->sx, &p->w[v], &p->sw, DSK_FP8_TILE_1X128, &p->off,
+                                           1.0f, 0.0f));
+    else if (p->wgrad) BENCH_CHECK(dsk_matmul_grouped(ctx, &p->c, &p->x[v], 1, &p->w[v], 0, &p->off, 1.0f, 0.0f));
     else if (v == V_FP8 && p->grouped)
         BENCH_CHECK(dsk_matmul_fp8_grouped(ctx, &p->c, &p->x[v], &p->sx, &p->w[v], &p->sw, DSK_FP8_BLOCK_128X128,
                                            &p->off, 1.0f, 0.0f));
     else if (v == V_FP8)
         BENCH_CHECK(dsk_matmul_fp8(ctx, &p->c, &p->x[v], &p->sx, DSK_FP8_TILE_1X128, &p->w[v], &p->sw,
                                    DSK_FP8_BLOCK_128X128, 1.0f, 0.0f));
-    else if (p->grouped)
-        BENCH_CHECK(dsk_matmul_grouped(ctx, &p->c, &p->x[v], 0, &p->w[v], 1, &p->off, 1.0f, 0.0f));
-    else
-        BENCH_CHECK(dsk_matmul(ctx, &p->c, &p->x[v], 0, &p->w[v], 1, 1.0f, 0.0f));
+    else if (p->grouped) BENCH_CHECK(dsk_matmul_grouped(ctx, &p->c, &p->x[v], 0, &p->w[v], 1, &p->off, 1.0f, 0.0f));
+    else BENCH_CHECK(dsk_matmul(ctx, &p->c, &p->x[v], 0, &p->w[v], 1, 1.0f, 0.0f));
 }
 
 static void release(dsk_ctx *ctx, prob *p) {
-    for (int v = 0; v < V_COUNT; v++) { dsk_tensor_free(ctx, &p->x[v]); dsk_tensor_free(ctx, &p->w[v]); }
-    dsk_tensor_free(ctx, &p->c); dsk_tensor_free(ctx, &p->sx); dsk_tensor_free(ctx, &p->sw);
+    for (int v = 0; v < V_COUNT; v++) {
+        dsk_tensor_free(ctx, &p->x[v]);
+        dsk_tensor_free(ctx, &p->w[v]);
+    }
+    dsk_tensor_free(ctx, &p->c);
+    dsk_tensor_free(ctx, &p->sx);
+    dsk_tensor_free(ctx, &p->sw);
     dsk_tensor_free(ctx, &p->off);
 }
 
 /* Median seconds per call of each variant, alternating blocks of samples. */
 static void time_all(dsk_ctx *ctx, prob *p, int repeats, int rounds, double *med) {
     double *t = (double *)malloc(sizeof(double) * (size_t)(V_COUNT * repeats * rounds));
-    if (!t) { fprintf(stderr, "bench_fp8: out of memory\n"); exit(1); }
+    if (!t) {
+        fprintf(stderr, "bench_fp8: out of memory\n");
+        exit(1);
+    }
     for (int v = 0; v < V_COUNT; v++) run(ctx, p, v);
     for (int r = 0; r < rounds; r++)
         for (int v = 0; v < V_COUNT; v++)
@@ -152,7 +157,10 @@ static void time_all(dsk_ctx *ctx, prob *p, int repeats, int rounds, double *med
 /* Segment offsets of R rows over G experts: counts from a fixed pseudo-random routing. */
 static void route(int32_t *off, int64_t R, int64_t G) {
     int64_t *cnt = (int64_t *)calloc((size_t)G, sizeof *cnt);
-    if (!cnt) { fprintf(stderr, "bench_fp8: out of memory\n"); exit(1); }
+    if (!cnt) {
+        fprintf(stderr, "bench_fp8: out of memory\n");
+        exit(1);
+    }
     for (int64_t r = 0; r < R; r++) {
         float u = dsk_rng_uniform_at(7, 0, (uint64_t)r);
         cnt[(int64_t)(u * u * (float)G) % G]++; /* skewed: low experts get more rows */
@@ -211,11 +219,17 @@ static int gpu_main(int repeats, int quick) {
     int64_t E = quick ? 4 : 32, T = quick ? 64 : 4096, D = quick ? 256 : 7168, F = quick ? 128 : 2048;
     int64_t R = quick ? 512 : T; /* T tokens x top-8 over 256 experts reach 32 local experts T times */
     int32_t *off = (int32_t *)malloc(sizeof(int32_t) * (size_t)(E + 1));
-    struct { const char *name; int64_t M, N, K, G; } cases[4];
+    struct {
+        const char *name;
+        int64_t M, N, K, G;
+    } cases[4];
     double tf[4][2];
     memset(&o, 0, sizeof o);
     o.device = DSK_PREFER_CUDA;
-    if (!off) { fprintf(stderr, "bench_fp8: out of memory\n"); return 1; }
+    if (!off) {
+        fprintf(stderr, "bench_fp8: out of memory\n");
+        return 1;
+    }
     if (dsk_ctx_init(&g, &o) != DSK_OK) {
         printf("summary: fp8 GEMM: no CUDA device (%s)\n", dsk_last_error());
         free(off);
@@ -225,10 +239,26 @@ static int gpu_main(int repeats, int quick) {
         fprintf(stderr, "bench_fp8: cuBLAS handle\n");
         return 1;
     }
-    cases[0].name = "expert up   x (T, D) w (F, D)^T"; cases[0].M = T; cases[0].N = F; cases[0].K = D; cases[0].G = 0;
-    cases[1].name = "expert down h (T, F) w (D, F)^T"; cases[1].M = T; cases[1].N = D; cases[1].K = F; cases[1].G = 0;
-    cases[2].name = "grouped up  E experts, R rows"; cases[2].M = R; cases[2].N = F; cases[2].K = D; cases[2].G = E;
-    cases[3].name = "grouped wgrad dy^T x over R rows"; cases[3].M = F; cases[3].N = D; cases[3].K = R; cases[3].G = E;
+    cases[0].name = "expert up   x (T, D) w (F, D)^T";
+    cases[0].M = T;
+    cases[0].N = F;
+    cases[0].K = D;
+    cases[0].G = 0;
+    cases[1].name = "expert down h (T, F) w (D, F)^T";
+    cases[1].M = T;
+    cases[1].N = D;
+    cases[1].K = F;
+    cases[1].G = 0;
+    cases[2].name = "grouped up  E experts, R rows";
+    cases[2].M = R;
+    cases[2].N = F;
+    cases[2].K = D;
+    cases[2].G = E;
+    cases[3].name = "grouped wgrad dy^T x over R rows";
+    cases[3].M = F;
+    cases[3].N = D;
+    cases[3].K = R;
+    cases[3].G = E;
     printf("# bench_fp8 --cuda: %s; T %lld tokens, d_model %lld, hidden %lld, %lld experts, %lld routed rows\n",
            quick ? "quick shapes" : "DeepSeek-V3 expert shapes", (long long)T, (long long)D, (long long)F, (long long)E,
            (long long)R);
@@ -247,7 +277,9 @@ static int gpu_main(int repeats, int quick) {
             dsk_tensor_free(&g, &p.c);
             p.c = alloc2(&g, DSK_BF16, 2, cases[i].M, cases[i].N, 0);
         }
-        c.g = &g; c.peer = peer; c.p = &p;
+        c.g = &g;
+        c.peer = peer;
+        c.p = &p;
         for (int v = 0; v < 2; v++) {
             c.v = v == 0 ? V_FP8 : V_BF16;
             tf[i][v] = flop / gpu_time(&c, repeats) * 1e-12;
@@ -257,9 +289,10 @@ static int gpu_main(int repeats, int quick) {
                cases[i].G ? "dsk_matmul_grouped bf16" : "cublasGemmEx bf16");
         release(&g, &p);
     }
-    printf("summary: fp8 GEMM (CUDA cores) expert up %.1f TFLOP/s = %.2fx cuBLAS bf16, down %.2fx; grouped %.1f TFLOP/s "
-           "= %.2fx dsk bf16 grouped, wgrad %.2fx\n", tf[0][0], tf[0][0] / tf[0][1], tf[1][0] / tf[1][1], tf[2][0],
-           tf[2][0] / tf[2][1], tf[3][0] / tf[3][1]);
+    printf(
+        "summary: fp8 GEMM (CUDA cores) expert up %.1f TFLOP/s = %.2fx cuBLAS bf16, down %.2fx; grouped %.1f TFLOP/s "
+        "= %.2fx dsk bf16 grouped, wgrad %.2fx\n",
+        tf[0][0], tf[0][0] / tf[0][1], tf[1][0] / tf[1][1], tf[2][0], tf[2][0] / tf[2][1], tf[3][0] / tf[3][1]);
     cublasDestroy(peer);
     dsk_ctx_free(&g);
     free(off);
@@ -273,7 +306,12 @@ int main(int argc, char **argv) {
     dsk_ctx_opts co;
     double load[3] = {0, 0, 0};
     char kname[64];
-    struct { const char *name; int64_t R, N, K, G; int wgrad; } shapes[] = { /* wgrad: M, N, K = tokens */
+    struct {
+        const char *name;
+        int64_t R, N, K, G;
+        int wgrad;
+    } shapes[] = {
+        /* wgrad: M, N, K = tokens */
         {"square 1024", 1024, 1024, 1024, 0, 0},
         {"V3 expert up/4   (T,2048/4)=(T,7168/4)", 1024, 512, 1792, 0, 0},
         {"V3 expert down/4 (T,7168/4)=(T,2048/4)", 1024, 1792, 512, 0, 0},
@@ -292,7 +330,10 @@ int main(int argc, char **argv) {
             return 2;
         }
     }
-    if (threads < 1 || repeats < 1 || rounds < 1) { fprintf(stderr, "bench_fp8: arguments must be >= 1\n"); return 2; }
+    if (threads < 1 || repeats < 1 || rounds < 1) {
+        fprintf(stderr, "bench_fp8: arguments must be >= 1\n");
+        return 2;
+    }
     if (cuda) {
 #ifdef DSK_CUDA
         return gpu_main(repeats, quick);
@@ -351,8 +392,11 @@ int main(int argc, char **argv) {
         }
         printf("# quantise x (2048, 1792) f32 -> e4m3: 1x128 tiles %.2f GB/s, transposed (x^T, 1x128) %.2f GB/s\n",
                bytes / bench_median(t[0], n) * 1e-9, bytes / bench_median(t[1], n) * 1e-9);
-        dsk_tensor_free(&ctx, &x); dsk_tensor_free(&ctx, &q); dsk_tensor_free(&ctx, &qt);
-        dsk_tensor_free(&ctx, &s); dsk_tensor_free(&ctx, &st);
+        dsk_tensor_free(&ctx, &x);
+        dsk_tensor_free(&ctx, &q);
+        dsk_tensor_free(&ctx, &qt);
+        dsk_tensor_free(&ctx, &s);
+        dsk_tensor_free(&ctx, &st);
     }
     dsk_ctx_free(&ctx);
     return 0;

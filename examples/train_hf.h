@@ -416,12 +416,13 @@ static dsk_status thf_export(tm_model *m, const dsk_ckpt_hf_deepseek_config *h0,
     dsk_status s;
     if (!fp8 && strcmp(dtype, "bf16") != 0 && strcmp(dtype, "f32") != 0)
         return dsk_set_error(DSK_ERR_ARG, "--export-dtype \"%s\": f32, bf16 or fp8", dtype);
-    if (m->cfg.mla.attn != TMLA_ATTN_MLA)
-        return dsk_set_error(DSK_ERR_UNSUPPORTED, "--export-hf: needs --attn mla");
+    if (m->cfg.mla.attn != TMLA_ATTN_MLA) return dsk_set_error(DSK_ERR_UNSUPPORTED, "--export-hf: needs --attn mla");
     for (int i = 0; i < m->n_params; i++)
         if (!m->params[i].w.data)
-            return dsk_set_error(DSK_ERR_UNSUPPORTED, "--export-hf: \"%s\" has no whole master on this rank (--zero 0 "
-                                 "binds them)", m->params[i].name);
+            return dsk_set_error(DSK_ERR_UNSUPPORTED,
+                                 "--export-hf: \"%s\" has no whole master on this rank (--zero 0 "
+                                 "binds them)",
+                                 m->params[i].name);
     if (m->cfg.n_dense < m->cfg.n_layers && m->blocks[m->cfg.n_dense].moe.n_local != m->cfg.moe.n_routed)
         return dsk_set_error(DSK_ERR_UNSUPPORTED, "--export-hf: experts are sharded over ranks (--ep > 1)");
     if (mkdir(dir, 0755) != 0 && errno != EEXIST)

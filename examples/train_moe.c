@@ -124,7 +124,8 @@ static const opt_spec OPTS[] = {
     {"--prefetch", OPT_INT, O_(prefetch), 0, "batches a loader thread prepares ahead (0 = read in the step)"},
     {"--drop-last", OPT_FLAG, O_(drop_last), 0, "cut the epoch to a multiple of the world size instead of padding it"},
     {"--no-shuffle", OPT_FLAG, O_(no_shuffle), 0, "read the training windows in order (no per-epoch shuffle)"},
-    {"--sample-log", OPT_STR, O_(sample_log), 0, "FILE: JSON line per batch and rank with the (epoch, sample) pairs read"},
+    {"--sample-log", OPT_STR, O_(sample_log), 0,
+     "FILE: JSON line per batch and rank with the (epoch, sample) pairs read"},
     {"--seq", OPT_INT, O_(seq), 0, "sequence length T"},
     {"--d-model", OPT_INT, O_(d_model), 0, "model width D"},
     {"--heads", OPT_INT, O_(heads), 0, "attention heads"},
@@ -187,9 +188,12 @@ static const opt_spec OPTS[] = {
     {"--log-every", OPT_INT, O_(log_every), 0, "print every n-th step"},
     {"--profile", OPT_FLAG, O_(profile), 0, "time each phase of the step; print the breakdown at the end"},
     {"--log", OPT_STR, O_(log_path), 0, "FILE: JSON lines, one per step and validation"},
-    {"--metrics", OPT_STR, O_(metrics_path), 0, "FILE: Prometheus text file (node_exporter), rewritten every step; rank r > 0: FILE.rank<r>"},
-    {"--metrics-port", OPT_INT, O_(metrics_port), 0, "serve http://ADDR:PORT/metrics (PORT + local rank on each rank; 0 = off)"},
-    {"--metrics-addr", OPT_STRBUF, O_(metrics_addr), sizeof(((options *)0)->metrics_addr), "address of the metrics server"},
+    {"--metrics", OPT_STR, O_(metrics_path), 0,
+     "FILE: Prometheus text file (node_exporter), rewritten every step; rank r > 0: FILE.rank<r>"},
+    {"--metrics-port", OPT_INT, O_(metrics_port), 0,
+     "serve http://ADDR:PORT/metrics (PORT + local rank on each rank; 0 = off)"},
+    {"--metrics-addr", OPT_STRBUF, O_(metrics_addr), sizeof(((options *)0)->metrics_addr),
+     "address of the metrics server"},
     {"--peak-tflops", OPT_DOUBLE, O_(peak_tflops), 0, "peak of one rank's device for MFU"},
     {"--ckpt-every", OPT_INT, O_(ckpt_every), 0, "steps between checkpoints (0 = only at the end)"},
     {"--ckpt-dir", OPT_STR, O_(ckpt_dir), 0, "DIR of checkpoints (none when unset)"},
@@ -200,7 +204,8 @@ static const opt_spec OPTS[] = {
     {"--stop-at", OPT_INT, O_(stop_at), 0, "stop after this step as if interrupted (0 = run to --steps)"},
     {"--nproc", OPT_INT, O_(nproc), 0, "start N local ranks (data parallel)"},
     {"--max-restarts", OPT_INT, O_(max_restarts), 0, "with --nproc: run a failed job again up to K times, resuming"},
-    {"--bind", OPT_STRBUF, O_(bind), sizeof(((options *)0)->bind), "none | core | numa: pin each local rank (sysfs topology)"},
+    {"--bind", OPT_STRBUF, O_(bind), sizeof(((options *)0)->bind),
+     "none | core | numa: pin each local rank (sysfs topology)"},
     {"--ep", OPT_INT, O_(ep), 0, "expert-parallel ranks (divides the data-parallel ranks and --experts)"},
     {"--tp", OPT_INT, O_(tp), 0, "tensor-parallel ranks (heads, FFN and vocabulary split; sequence parallel norms)"},
     {"--pp", OPT_INT, O_(pp), 0, "pipeline stages (the blocks split into contiguous stages)"},
@@ -217,7 +222,8 @@ static const opt_spec OPTS[] = {
     {"--export-hf", OPT_STR, O_(export_hf), 0, "DIR: write the final weights as a Hugging Face DeepSeek checkpoint"},
     {"--export-dtype", OPT_STRBUF, O_(export_dtype), sizeof(((options *)0)->export_dtype),
      "f32 | bf16 | fp8 (e4m3 with weight_scale_inv blocks) for --export-hf"},
-    {"--grad-check", OPT_INT, O_(grad_check), 0, "check N elements of every gradient against central differences, then exit"},
+    {"--grad-check", OPT_INT, O_(grad_check), 0,
+     "check N elements of every gradient against central differences, then exit"},
     {"--routing-record", OPT_STR, O_(routing_record), 0,
      "FILE: write the MoE routing decisions (rank r > 0: FILE.rank<r>)"},
     {"--routing-replay", OPT_STR, O_(routing_replay), 0, "FILE: take the MoE routing of a --routing-record run"},
@@ -459,7 +465,7 @@ typedef struct trainer {
     dsk_amp_scaler scaler;
     dsk_amp_param *amp_decay, *amp_plain; /* --cuda-graph's optimizer groups: with and without weight decay */
     int n_decay, n_plain;
-    int engine;                   /* the parameters live in the engine's dsk_zero objects (train_zero.h): every run
+    int engine; /* the parameters live in the engine's dsk_zero objects (train_zero.h): every run
                                      but --cuda-graph's, whose captured step keeps the model's slabs */
     tz_opts zopts;
     tz zero;
@@ -637,8 +643,10 @@ static void setup_comm(trainer *t) {
     t->par.v = o->vstages;
     t->par.embed_group = o->mtp > 0; /* the last stage's copy of the embedding (train_par.h) */
     if (o->mtp > 0 && o->pp > 1 && o->zero >= 2)
-        fail(t, "--mtp %d with --pp %d: --zero 0 or 1 (the last stage's copy of the embedding reduces and gathers "
-                "in another order than the first stage's at --zero %d)", o->mtp, o->pp, o->zero);
+        fail(t,
+             "--mtp %d with --pp %d: --zero 0 or 1 (the last stage's copy of the embedding reduces and gathers "
+             "in another order than the first stage's at --zero %d)",
+             o->mtp, o->pp, o->zero);
     if (t->have_comm) {
         dsk_par_dims d;
         memset(&d, 0, sizeof d);
@@ -1566,11 +1574,12 @@ static dsk_status save_checkpoint(trainer *t) {
     snprintf(kv_val[8], 64, "%lld", (long long)offset);
     snprintf(kv_val[9], 64, "%d", t->dp_size);
     data_order_string(t, order, sizeof order);
-    dsk_ckpt_kv kv[12 + DSK_MOE_CONFIG_MAX] = {
-        {"train.step", kv_val[0]}, {"train.applied", kv_val[1]}, {"train.data_pos", kv_val[2]},
-        {"amp.scale", kv_val[3]}, {"amp.growth_tracker", kv_val[4]}, {"amp.hysteresis_left", kv_val[5]},
-        {"train.data_seed", kv_val[6]}, {"train.config", cfg}, {"train.data_epoch", kv_val[7]},
-        {"train.data_offset", kv_val[8]}, {"train.data_world", kv_val[9]}, {"train.data_order", order}};
+    dsk_ckpt_kv kv[12 + DSK_MOE_CONFIG_MAX] = {{"train.step", kv_val[0]},         {"train.applied", kv_val[1]},
+                                               {"train.data_pos", kv_val[2]},     {"amp.scale", kv_val[3]},
+                                               {"amp.growth_tracker", kv_val[4]}, {"amp.hysteresis_left", kv_val[5]},
+                                               {"train.data_seed", kv_val[6]},    {"train.config", cfg},
+                                               {"train.data_epoch", kv_val[7]},   {"train.data_offset", kv_val[8]},
+                                               {"train.data_world", kv_val[9]},   {"train.data_order", order}};
     int n_kv = 12;
     dsk_moe_config mc;
     if (has_moe(t)) { /* the MoE options, each a pair: a resume names the one that differs */
@@ -1899,8 +1908,9 @@ static void print_memory(trainer *t) {
     memory_state(t, &z);
     int64_t slabs = t->engine ? 0 : z.params + z.grads + z.optimizer;
     printf("memory, rank %d: parameters %.3f MiB, gradients %.3f MiB, optimizer state %.3f MiB, compression buffers "
-           "%.3f MiB, activations (high-water mark) %.3f MiB%s\n", t->rank, z.params / 1048576.0, z.grads / 1048576.0,
-           z.optimizer / 1048576.0, z.comm / 1048576.0, (double)(t->mem_model - slabs) / 1048576.0,
+           "%.3f MiB, activations (high-water mark) %.3f MiB%s\n",
+           t->rank, z.params / 1048576.0, z.grads / 1048576.0, z.optimizer / 1048576.0, z.comm / 1048576.0,
+           (double)(t->mem_model - slabs) / 1048576.0,
            t->zopts.stage == 0 ? " (--zero 0: every rank holds everything)" : "");
     printf("memory bytes, rank %d: parameters %lld, gradients %lld, optimizer state %lld, compression buffers %lld\n",
            t->rank, (long long)z.params, (long long)z.grads, (long long)z.optimizer, (long long)z.comm);
@@ -2204,8 +2214,8 @@ static void hf_options(trainer *t) {
     if (o->export_hf && strcmp(o->export_dtype, "f32") != 0 && strcmp(o->export_dtype, "bf16") != 0 &&
         strcmp(o->export_dtype, "fp8") != 0)
         fail(t, "--export-dtype \"%s\": use f32, bf16 or fp8", o->export_dtype);
-    if (o->export_hf && (o->tp > 1 || o->pp > 1 || o->ep > 1 || t->zopts.stage > 0 ||
-                         t->zopts.compress != DSK_ZERO_COMPRESS_NONE))
+    if (o->export_hf &&
+        (o->tp > 1 || o->pp > 1 || o->ep > 1 || t->zopts.stage > 0 || t->zopts.compress != DSK_ZERO_COMPRESS_NONE))
         fail(t, "--export-hf runs without --tp, --pp, --ep, --zero and --grad-compress in this trainer");
     if (o->export_hf && !o->init_from_hf && strcmp(o->attn, "mla") != 0)
         fail(t, "--export-hf writes DeepSeek's MLA layout: use --attn mla (or --init-from-hf)");
@@ -2296,9 +2306,10 @@ int main(int argc, char **argv) {
     import_hf(t);
     setup_routes(t);
     if (o.cuda_graph && (t->ctx.device.type != DSK_DEV_CUDA || t->world > 1))
-        fail(t, "--cuda-graph needs one rank on a GPU (this run: %d ranks on %s): the gradient reductions of several "
-                "ranks synchronise through host-side events that a graph cannot hold", t->world,
-             t->ctx.device.type == DSK_DEV_CUDA ? "GPUs" : "the CPU");
+        fail(t,
+             "--cuda-graph needs one rank on a GPU (this run: %d ranks on %s): the gradient reductions of several "
+             "ranks synchronise through host-side events that a graph cannot hold",
+             t->world, t->ctx.device.type == DSK_DEV_CUDA ? "GPUs" : "the CPU");
     if (o.cuda_graph && o.profile)
         fail(t, "--cuda-graph and --profile exclude each other: --profile synchronises the device after each op, "
                 "which a graph capture cannot hold");

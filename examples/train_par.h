@@ -128,15 +128,15 @@ typedef struct tp_state {
     /* the engine's pass of chunk `chunk` (its backward of one micro-batch; sync: the step's last) */
     dsk_status (*pass_begin)(void *user, int chunk, int sync);
     void *pass_user;
-    int sync_last;                  /* this batch is the step's last (--accum): its last micro-batch reduces */
-    int pass_micro[17];             /* the micro-batch whose pass each chunk has open, or -1 */
-    tp_layer *layers;               /* (n_layers + the MTP blocks) */
-    tp_layer sh;                    /* --recompute: the one slot of the recomputed activations every layer shares */
+    int sync_last;      /* this batch is the step's last (--accum): its last micro-batch reduces */
+    int pass_micro[17]; /* the micro-batch whose pass each chunk has open, or -1 */
+    tp_layer *layers;   /* (n_layers + the MTP blocks) */
+    tp_layer sh;        /* --recompute: the one slot of the recomputed activations every layer shares */
     tp_chunk chunks[16];
     int first, last;                /* chunk holding global stage 0 / the last one, or -1 */
     dsk_tensor dx, dh, tmp, big, datt, dq, dk, dv, dqr, dkr, dg, du, da;
     dsk_tensor xf, hf, rstdf, hfg, logits, dlogits, vrow; /* vrow (V): a row of logits gathered over tp */
-    dsk_tensor dx32;                /* bf16/f16, first stage: (Nm, D) f32 copy of the gathered dx */
+    dsk_tensor dx32;                  /* bf16/f16, first stage: (Nm, D) f32 copy of the gathered dx */
     dsk_tensor mtp_hfg[TMLA_MAX_MTP]; /* tp > 1: each MTP module's gathered final norm output (Nm, D) */
     int train;                      /* 1: forward keeps what backward needs and the head runs its backward */
     float gscale;                   /* loss gradient scale of one micro-batch */
@@ -224,8 +224,10 @@ static dsk_status tp_layout(tp_state *ps, tm_model *m) {
             if (p->moe_layer < 0) off += (uint64_t)tm_param_numel(p);
             if (l == -2) {
                 free(kept);
-                return dsk_set_error(DSK_ERR_UNSUPPORTED, "parameter \"%s\" has no tensor/pipeline-parallel layout "
-                                     "(--tp/--pp support MHA and MLA attention, dense FFN and MoE blocks)", p->name);
+                return dsk_set_error(DSK_ERR_UNSUPPORTED,
+                                     "parameter \"%s\" has no tensor/pipeline-parallel layout "
+                                     "(--tp/--pp support MHA and MLA attention, dense FFN and MoE blocks)",
+                                     p->name);
             }
             int group = p->sharded ? TP_G_EXPERT : split == TP_REPL ? TP_G_REPL : TP_G_SHARD;
             if (p == m->embed && ps->embed_copy) group = TP_G_EMBED;
@@ -268,10 +270,9 @@ static dsk_status tp_layout(tp_state *ps, tm_model *m) {
     }
     for (int l = 0; l < tm_n_blocks(&m->cfg); l++) {
         tm_block *b = &m->blocks[l];
-        tm_param **ptrs[] = {&b->ln1,     &b->wq,         &b->wk,       &b->wv,         &b->wo,
-                             &b->ln2,     &b->w1,         &b->w3,       &b->w2,         &b->mla.wq,
-                             &b->mla.wq_a, &b->mla.q_norm, &b->mla.wq_b, &b->mla.wkv_a, &b->mla.kv_norm,
-                             &b->mla.wkv_b, &b->mla.wo};
+        tm_param **ptrs[] = {&b->ln1,      &b->wq,        &b->wk,          &b->wv,        &b->wo,       &b->ln2,
+                             &b->w1,       &b->w3,        &b->w2,          &b->mla.wq,    &b->mla.wq_a, &b->mla.q_norm,
+                             &b->mla.wq_b, &b->mla.wkv_a, &b->mla.kv_norm, &b->mla.wkv_b, &b->mla.wo};
         for (size_t j = 0; j < sizeof ptrs / sizeof ptrs[0]; j++)
             if (*ptrs[j]) *ptrs[j] = map[*ptrs[j] - old] >= 0 ? &m->params[map[*ptrs[j] - old]] : NULL;
     }
@@ -553,8 +554,8 @@ static void tp_free(tp_state *ps) {
                                 &L->probs, &L->x2, &L->h2, &L->rstd2, &L->h2g, &L->g, &L->u, &L->a};
             for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
             tmla_block *p = &L->mla;
-            dsk_tensor *ms[] = {&p->cq, &p->cqn, &p->rstd_q, &p->q, &p->ckv, &p->ckvn, &p->rstd_kv, &p->kpe, &p->kvb,
-                                &p->k, &p->att, &p->lse};
+            dsk_tensor *ms[] = {&p->cq,      &p->cqn, &p->rstd_q, &p->q, &p->ckv, &p->ckvn,
+                                &p->rstd_kv, &p->kpe, &p->kvb,    &p->k, &p->att, &p->lse};
             for (size_t i = 0; i < sizeof ms / sizeof ms[0]; i++) dsk_tensor_free(ctx, ms[i]);
         }
     for (int c = 0; c < 16; c++) {
@@ -562,9 +563,9 @@ static void tp_free(tp_state *ps) {
         dsk_tensor *ts[] = {&ch->in_act, &ch->out_act, &ch->in_grad, &ch->out_grad};
         for (size_t i = 0; i < 4; i++) dsk_tensor_free(ctx, ts[i]);
     }
-    dsk_tensor *ts[] = {&ps->dx, &ps->dh, &ps->tmp, &ps->big, &ps->datt, &ps->dq, &ps->dk, &ps->dv, &ps->dqr, &ps->dkr,
-                        &ps->dg, &ps->du, &ps->da, &ps->xf, &ps->hf, &ps->rstdf, &ps->hfg, &ps->logits, &ps->dlogits,
-                        &ps->vrow, &ps->dx32};
+    dsk_tensor *ts[] = {&ps->dx, &ps->dh,    &ps->tmp, &ps->big,    &ps->datt,    &ps->dq,   &ps->dk,
+                        &ps->dv, &ps->dqr,   &ps->dkr, &ps->dg,     &ps->du,      &ps->da,   &ps->xf,
+                        &ps->hf, &ps->rstdf, &ps->hfg, &ps->logits, &ps->dlogits, &ps->vrow, &ps->dx32};
     for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
     for (int k = 0; k < TMLA_MAX_MTP; k++) dsk_tensor_free(ctx, &ps->mtp_hfg[k]);
     free(ps->layers);
@@ -694,8 +695,8 @@ static void tp_mla_slot(tp_state *ps, int l, int slot) {
     const tmla_block *L = &Ly->mla;
     tmla_block *p = &ps->m->blocks[l].mla;
     int f = tp_sl(Ly, TMLA_RECOMPUTE_FULL, slot), a = tp_sl(Ly, TMLA_RECOMPUTE_ATTN, slot);
-    const dsk_tensor *src[] = {&L->cq, &L->cqn, &L->rstd_q, &L->q, &L->ckv, &L->ckvn, &L->rstd_kv, &L->kpe, &L->kvb,
-                               &L->k};
+    const dsk_tensor *src[] = {&L->cq,   &L->cqn,     &L->rstd_q, &L->q,   &L->ckv,
+                               &L->ckvn, &L->rstd_kv, &L->kpe,    &L->kvb, &L->k};
     dsk_tensor *dst[] = {&p->cq, &p->cqn, &p->rstd_q, &p->q, &p->ckv, &p->ckvn, &p->rstd_kv, &p->kpe, &p->kvb, &p->k};
     for (size_t i = 0; i < sizeof src / sizeof src[0]; i++)
         if (src[i]->data) *dst[i] = tp_part(src[i], f, ps->Nm);
@@ -892,8 +893,8 @@ static dsk_status tp_mtp_embed(tp_state *ps, int micro) {
     for (int k = 0; k < m->cfg.mla.mtp_depth; k++) {
         tmla_mtp *t = &m->mla.mtp[k];
         dsk_tensor ids = tp_mtp_rows(ps, &t->ids, micro), emb = tp_mtp_rows(ps, &t->emb, micro);
-        TM_T(TM_PH_EMBED, dsk_par_embedding_forward(&ps->grid.tp, ps->ctx, &emb, tp_sp(ps, &ps->big), &m->embed->wc,
-                                                    &ids));
+        TM_T(TM_PH_EMBED,
+             dsk_par_embedding_forward(&ps->grid.tp, ps->ctx, &emb, tp_sp(ps, &ps->big), &m->embed->wc, &ids));
     }
     return DSK_OK;
 }
@@ -970,8 +971,8 @@ static dsk_status tp_mtp_backward(tp_state *ps, int micro) {
         dsk_tensor *dW[1] = {&m->lm_head->g};
         const dsk_tensor *dY[1] = {&t->dlogits}, *W[1] = {&m->lm_head->wc};
         TM_T(TM_PH_HEAD, dsk_par_column_backward(&ps->grid.tp, ctx, 1, &ps->dh, tp_sp(ps, &ps->big), dW, dY, W, &hfx));
-        TM_T(TM_PH_MOVE, k == c->mla.mtp_depth ? dsk_tensor_fill(ctx, &ps->dx, 0.0) : dsk_tensor_copy(ctx, &ps->dx,
-                                                                                                    &s->dcarry));
+        TM_T(TM_PH_MOVE,
+             k == c->mla.mtp_depth ? dsk_tensor_fill(ctx, &ps->dx, 0.0) : dsk_tensor_copy(ctx, &ps->dx, &s->dcarry));
         TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &ps->dx, tm_grad(t->norm), &ps->dh, &t->y, &t->norm->wc, &t->rstdf));
         TM_TRY(tp_block_backward(ps, l, 0, micro)); /* dx = d(block input) */
         dsk_tensor ph = tmla_cols(&t->proj->wc, 0, ps->D), pe = tmla_cols(&t->proj->wc, ps->D, ps->D);

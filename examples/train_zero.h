@@ -50,16 +50,16 @@ typedef struct tz_opts {
 /* A reduction group: the ranks holding the same parameters (NULL: this rank alone). */
 typedef struct tz_group {
     dsk_comm *comm;
-    int sum_only;     /* 1: the sum times post_scale; 0: the average */
+    int sum_only; /* 1: the sum times post_scale; 0: the average */
     float post_scale;
 } tz_group;
 
 /* Where model parameter i goes. */
 typedef struct tz_place {
-    int group, part;          /* its tz_group, its part (pipeline chunk; 0 without a pipeline) */
-    int64_t global_shape[3];  /* [all 0: the whole tensor] the global tensor it is a box of */
-    int64_t offset[3];        /* where the box starts */
-    uint64_t init_off;        /* dense parameters: the counter of the global tensor's element 0 */
+    int group, part;         /* its tz_group, its part (pipeline chunk; 0 without a pipeline) */
+    int64_t global_shape[3]; /* [all 0: the whole tensor] the global tensor it is a box of */
+    int64_t offset[3];       /* where the box starts */
+    uint64_t init_off;       /* dense parameters: the counter of the global tensor's element 0 */
 } tz_place;
 
 typedef struct tz {
@@ -347,8 +347,8 @@ static dsk_status tz_bind_masters(tz *t) {
         dsk_zero_piece pc;
         TM_TRY(dsk_zero_get_piece(&t->z[t->obj_of[i]], t->idx_of[i], &pc));
         if (pc.first != 0 || pc.count != tm_param_numel(p))
-            return dsk_set_error(DSK_ERR_STATE, "tz_bind_masters: \"%s\" is not whole on this rank (stage %d)",
-                                 p->name, t->stage);
+            return dsk_set_error(DSK_ERR_STATE, "tz_bind_masters: \"%s\" is not whole on this rank (stage %d)", p->name,
+                                 t->stage);
         TM_TRY(dsk_tensor_reshape(&pc.master, p->ndim, p->shape, &p->w));
     }
     return DSK_OK;

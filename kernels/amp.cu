@@ -375,8 +375,8 @@ __global__ static void dsk__amp_block_quantize_kernel(uint8_t *q, dsk_dtype fmt,
     if (threadIdx.x == 0) scales[b] = d;
     for (int64_t e = threadIdx.x; e < cnt; e += DSK__AMP_THREADS) {
         int64_t i = (r0 + e / cols) * C + c0 + e % cols;
-        q[i] = dsk_amp_to_fp8(dsk_load_f32(x, dt, dsk__amp_block_src(r0 + e / cols, c0 + e % cols, R, C, trans)) / d,
-                              fmt);
+        q[i] =
+            dsk_amp_to_fp8(dsk_load_f32(x, dt, dsk__amp_block_src(r0 + e / cols, c0 + e % cols, R, C, trans)) / d, fmt);
     }
 }
 

@@ -30,7 +30,7 @@ struct dsk__fp8_gemm {
     int64_t M, N, K, kc, a_rows, b_rows, b_step, sb_step;
     const int32_t *off; /* NULL: one segment [0, M) */
     int64_t G;
-    int weights;        /* the weights form: segment blockIdx.z cuts K, C[g] (M, N) at g * c_step */
+    int weights; /* the weights form: segment blockIdx.z cuts K, C[g] (M, N) at g * c_step */
     int64_t c_step;
     void *C;
     float alpha, beta;
@@ -117,17 +117,26 @@ extern "C" dsk_status dsk_cuda_matmul_fp8(dsk_ctx *ctx, dsk_tensor *C, const dsk
     dsk__fp8_gemm p;
     int64_t tiles_m, tiles_n;
     DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
-    p.A = (const uint8_t *)A->data; p.B = (const uint8_t *)B->data;
-    p.sa = (const float *)a_scales->data; p.sb = (const float *)b_scales->data;
-    p.a_dt = A->dtype; p.b_dt = B->dtype; p.c_dt = C->dtype;
-    p.M = A->shape[0]; p.N = C->shape[C->ndim - 1]; p.K = A->shape[1];
+    p.A = (const uint8_t *)A->data;
+    p.B = (const uint8_t *)B->data;
+    p.sa = (const float *)a_scales->data;
+    p.sb = (const float *)b_scales->data;
+    p.a_dt = A->dtype;
+    p.b_dt = B->dtype;
+    p.c_dt = C->dtype;
+    p.M = A->shape[0];
+    p.N = C->shape[C->ndim - 1];
+    p.K = A->shape[1];
     p.kc = (p.K + DSK_FP8_BLOCK - 1) / DSK_FP8_BLOCK;
-    p.a_rows = a_rows; p.b_rows = b_rows;
+    p.a_rows = a_rows;
+    p.b_rows = b_rows;
     p.b_step = B->shape[B->ndim - 2] * p.K;
     p.sb_step = b_scales->shape[b_scales->ndim - 2] * p.kc;
     p.off = offsets ? (const int32_t *)offsets->data : NULL;
     p.G = offsets ? offsets->shape[0] - 1 : 1;
-    p.C = C->data; p.alpha = alpha; p.beta = beta;
+    p.C = C->data;
+    p.alpha = alpha;
+    p.beta = beta;
     p.weights = C->ndim == 3;
     p.c_step = p.weights ? p.M * p.N : 0;
     if (p.weights) p.b_step = p.sb_step = 0;

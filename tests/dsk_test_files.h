@@ -45,7 +45,10 @@ static inline unsigned char *read_file(const char *path, size_t *n) {
     long sz = file_size(path);
     unsigned char *p;
     *n = 0;
-    if (!f || sz < 0) { if (f) fclose(f); return NULL; }
+    if (!f || sz < 0) {
+        if (f) fclose(f);
+        return NULL;
+    }
     p = (unsigned char *)malloc((size_t)sz + 1);
     *n = fread(p, 1, (size_t)sz, f);
     fclose(f);
@@ -79,7 +82,10 @@ static inline void box_ref(const unsigned char *src, const int64_t *full, int nd
     for (int d = 0; d < nd; d++) n *= shape[d];
     for (int64_t i = 0; i < n; i++) {
         int64_t lin = 0, rem = i;
-        for (int d = nd - 1; d >= 0; d--) { idx[d] = rem % shape[d]; rem /= shape[d]; }
+        for (int d = nd - 1; d >= 0; d--) {
+            idx[d] = rem % shape[d];
+            rem /= shape[d];
+        }
         for (int d = 0; d < nd; d++) lin = lin * full[d] + off[d] + idx[d];
         memcpy(out + (size_t)i * es, src + (size_t)lin * es, es);
     }

@@ -308,8 +308,8 @@ static void test_options(void) {
 #else
     DSK_TEST_EXPECT(!sse, "built without DSK_SAFETENSORS_NO_SSE42, the options say \"%s\"", o);
 #endif
-    DSK_TEST_EXPECT(strstr(o, dsk_safetensors_options()) != NULL, "\"%s\" lacks dsk_safetensors_options() \"%s\"",
-                    o, dsk_safetensors_options());
+    DSK_TEST_EXPECT(strstr(o, dsk_safetensors_options()) != NULL, "\"%s\" lacks dsk_safetensors_options() \"%s\"", o,
+                    dsk_safetensors_options());
 }
 
 /* ------------------------------------------------------------ checkpoints, one rank */
@@ -872,8 +872,7 @@ static dsk_status mb_wait(void *user) {
         if (f && i + k <= n) {
             memcpy(f + i, m->a->tamper[1], k); /* same length */
             write_file(path, f, n);
-        } else
-            printf("     \"%s\" not in %s\n", m->a->tamper[0], path);
+        } else printf("     \"%s\" not in %s\n", m->a->tamper[0], path);
         free(f);
     }
     return s;
@@ -914,8 +913,9 @@ static int mb_save(int rank, int world, void *p) {
     if ((s = dsk_ckpt_init(&ck, a->dir, &o)) == DSK_OK) s = dsk_ckpt_save(&ck, a->step, e, n, NULL, 0);
     if (a->want_error) {
         bad = s == DSK_OK || !strstr(dsk_last_error(), a->want_error);
-        if (bad) printf("     rank %d: \"%s\", want an error with \"%s\"\n", rank, s ? dsk_last_error() : "ok",
-                        a->want_error);
+        if (bad)
+            printf("     rank %d: \"%s\", want an error with \"%s\"\n", rank, s ? dsk_last_error() : "ok",
+                   a->want_error);
     } else if (s != DSK_OK) {
         printf("     rank %d: %s\n", rank, dsk_last_error());
         bad = 1;
@@ -967,7 +967,10 @@ static int mb_load(const mb_arg *a, int64_t step) {
         free(want);
     }
     dsk_ckpt_free(&ck);
-    for (int t = 0; t < 2; t++) { dsk_tensor_free(NULL, &whole[t]); dsk_tensor_free(NULL, &cut[t]); }
+    for (int t = 0; t < 2; t++) {
+        dsk_tensor_free(NULL, &whole[t]);
+        dsk_tensor_free(NULL, &cut[t]);
+    }
     return bad;
 }
 
@@ -1333,8 +1336,8 @@ static void test_reads_during_async_save(void) {
         DSK_TEST_OK(dsk_ckpt_save_async(&ck, step, &e, 1, NULL, 0));
         DSK_TEST_OK(dsk_ckpt_verify(dir, 1));
         DSK_TEST_OK(dsk_ckpt_latest(dir, &latest));
-        DSK_TEST_EXPECT(latest == step - 1 || latest == step, "latest %lld during the save of %lld",
-                        (long long)latest, (long long)step);
+        DSK_TEST_EXPECT(latest == step - 1 || latest == step, "latest %lld during the save of %lld", (long long)latest,
+                        (long long)step);
         DSK_TEST_OK(dsk_ckpt_wait(&ck));
         DSK_TEST_OK(dsk_ckpt_load(&ck, step, &le, 1, NULL));
         DSK_TEST_SAME_BYTES(back.data, a.data, dsk_tensor_nbytes(&a), "the step saved while readers ran");
@@ -1929,7 +1932,10 @@ static int fifo_probe(void *p) {
         snprintf(sd, sizeof sd, "%s/step_00000003", a->dir);
         rank_file(sd, 0, path, sizeof path);
     }
-    if (dsk_safetensors_open(&f, path) == DSK_OK) { printf("     file_open of a FIFO succeeded\n"); bad = 1; }
+    if (dsk_safetensors_open(&f, path) == DSK_OK) {
+        printf("     file_open of a FIFO succeeded\n");
+        bad = 1;
+    }
     dsk_ckpt_free(&ck);
     dsk_tensor_free(NULL, &t);
     return bad;
@@ -2936,7 +2942,10 @@ static void test_bad_arguments(void) {
 
 int main(void) {
     dsk_test_init("test_ckpt");
-    if (!scratch_init("dsk_ckpt_test")) { printf("cannot create a scratch directory\n"); return 1; }
+    if (!scratch_init("dsk_ckpt_test")) {
+        printf("cannot create a scratch directory\n");
+        return 1;
+    }
     DSK_TEST_RUN(test_content_hash);
 #ifndef DSK_CKPT_NO_HF
     DSK_TEST_RUN(test_hf_deepseek_names);

@@ -107,8 +107,8 @@ static void test_quant_t_nonfinite(void) {
     dsk_tensor x = new_2d(DSK_F32, R, C), q = new_2d(DSK_E4M3, C, R), y = new_2d(DSK_F32, C, R);
     dsk_tensor s = new_2d(DSK_F32, C, 3), *all[4] = {&x, &q, &s, &y};
     fill_rows(&x);
-    ((float *)x.data)[200 * C + 1] = NAN;      /* x^T row 1, tile 1 */
-    ((float *)x.data)[7 * C + 4] = INFINITY;   /* x^T row 4, tile 0 */
+    ((float *)x.data)[200 * C + 1] = NAN;    /* x^T row 1, tile 1 */
+    ((float *)x.data)[7 * C + 4] = INFINITY; /* x^T row 4, tile 0 */
     poison(&s);
     DSK_TEST_OK(dsk_amp_fp8_block_quantize_t(NULL, &q, &s, &x, 1, 128, 0));
     DSK_TEST_OK(dsk_amp_fp8_block_dequantize(NULL, &y, &q, &s, 1, 128));
@@ -207,8 +207,8 @@ static void check_rows(const dsk_tensor *C, const dsk_tensor *old, const opnd *a
 }
 
 /* x (rows, K) of dtype xdt quantised in (rows_per x 128) blocks into q (fmt) and s. */
-static void quantise(dsk_tensor *x, dsk_tensor *q, dsk_tensor *s, dsk_dtype xdt, dsk_dtype fmt, int64_t rows,
-                     int64_t K, int rows_per) {
+static void quantise(dsk_tensor *x, dsk_tensor *q, dsk_tensor *s, dsk_dtype xdt, dsk_dtype fmt, int64_t rows, int64_t K,
+                     int rows_per) {
     *x = new_2d(xdt, rows, K);
     *q = new_2d(fmt, rows, K);
     *s = new_2d(DSK_F32, (rows + rows_per - 1) / rows_per, (K + 127) / 128);
@@ -235,17 +235,23 @@ static void test_gemm(int64_t M, int64_t N, int64_t K, dsk_dtype fa, dsk_dtype f
     else poison(&C);
     DSK_TEST_OK(dsk_tensor_copy(NULL, &old, &C));
     DSK_TEST_OK(dsk_tensor_copy(NULL, &C1, &C));
-    DSK_TEST_OK(dsk_matmul_fp8(NULL, &C, &qa, &sa, (dsk_fp8_scaling)a_rows, &qb, &sb, (dsk_fp8_scaling)b_rows, alpha,
-                               beta));
-    a.q = &qa; a.s = &sa; a.rows_per = a_rows; a.row0 = 0;
-    b.q = &qb; b.s = &sb; b.rows_per = b_rows; b.row0 = 0;
+    DSK_TEST_OK(
+        dsk_matmul_fp8(NULL, &C, &qa, &sa, (dsk_fp8_scaling)a_rows, &qb, &sb, (dsk_fp8_scaling)b_rows, alpha, beta));
+    a.q = &qa;
+    a.s = &sa;
+    a.rows_per = a_rows;
+    a.row0 = 0;
+    b.q = &qb;
+    b.s = &sb;
+    b.rows_per = b_rows;
+    b.row0 = 0;
     check_rows(&C, &old, &a, &b, 0, M, K, alpha, beta, "C");
     memset(&o, 0, sizeof o);
     o.device = DSK_PREFER_CPU;
     o.n_threads = 1;
     DSK_TEST_OK(dsk_ctx_init(&one, &o));
-    DSK_TEST_OK(dsk_matmul_fp8(&one, &C1, &qa, &sa, (dsk_fp8_scaling)a_rows, &qb, &sb, (dsk_fp8_scaling)b_rows, alpha,
-                               beta));
+    DSK_TEST_OK(
+        dsk_matmul_fp8(&one, &C1, &qa, &sa, (dsk_fp8_scaling)a_rows, &qb, &sb, (dsk_fp8_scaling)b_rows, alpha, beta));
     DSK_TEST_SAME_BYTES(C1.data, C.data, dsk_tensor_nbytes(&C), "one thread vs the default threads");
     dsk_ctx_free(&one);
     if (M > 5 && a_rows == 1) { /* rows [3, M - 2) alone: A's rows and their scales sliced */
@@ -255,8 +261,8 @@ static void test_gemm(int64_t M, int64_t N, int64_t K, dsk_dtype fa, dsk_dtype f
         DSK_TEST_OK(dsk_tensor_slice(&C1, 0, 3, M - 5, &cs));
         DSK_TEST_OK(dsk_tensor_slice(&old, 0, 3, M - 5, &os));
         DSK_TEST_OK(dsk_tensor_copy(NULL, &cs, &os));
-        DSK_TEST_OK(dsk_matmul_fp8(NULL, &cs, &qs, &ss, DSK_FP8_TILE_1X128, &qb, &sb, (dsk_fp8_scaling)b_rows, alpha,
-                                   beta));
+        DSK_TEST_OK(
+            dsk_matmul_fp8(NULL, &cs, &qs, &ss, DSK_FP8_TILE_1X128, &qb, &sb, (dsk_fp8_scaling)b_rows, alpha, beta));
         DSK_TEST_SAME_BYTES(cs.data, (char *)C.data + dsk_tensor_nbytes(&cs) / (size_t)(M - 5) * 3,
                             dsk_tensor_nbytes(&cs), "rows 3.. alone vs in the whole product");
     }
@@ -299,15 +305,21 @@ static void test_grouped(int b_rows, dsk_dtype fb, dsk_dtype cdt) {
         if (n == 0) continue;
         DSK_TEST_OK(dsk_tensor_select(&qb, g, &qg));
         DSK_TEST_OK(dsk_tensor_select(&sb, g, &sg));
-        a.q = &qa; a.s = &sa; a.rows_per = 1; a.row0 = r0;
-        b.q = &qg; b.s = &sg; b.rows_per = b_rows; b.row0 = 0;
+        a.q = &qa;
+        a.s = &sa;
+        a.rows_per = 1;
+        a.row0 = r0;
+        b.q = &qg;
+        b.s = &sg;
+        b.rows_per = b_rows;
+        b.row0 = 0;
         snprintf(what, sizeof what, "segment %lld (%lld rows)", (long long)g, (long long)n);
         check_rows(&C, &old, &a, &b, r0, r0 + n, K, 1.0f, 0.0f, what);
         DSK_TEST_OK(dsk_tensor_slice(&qa, 0, r0, n, &as));
         DSK_TEST_OK(dsk_tensor_slice(&sa, 0, r0, n, &ss));
         DSK_TEST_OK(dsk_tensor_slice(&C1, 0, r0, n, &cs));
-        DSK_TEST_OK(dsk_matmul_fp8(NULL, &cs, &as, &ss, DSK_FP8_TILE_1X128, &qg, &sg, (dsk_fp8_scaling)b_rows, 1.0f,
-                                   0.0f));
+        DSK_TEST_OK(
+            dsk_matmul_fp8(NULL, &cs, &as, &ss, DSK_FP8_TILE_1X128, &qg, &sg, (dsk_fp8_scaling)b_rows, 1.0f, 0.0f));
         DSK_TEST_SAME_BYTES(cs.data, (const char *)C.data + (size_t)(r0 * N) * dsk_dtype_size(cdt),
                             dsk_tensor_nbytes(&cs), what);
     }
@@ -336,8 +348,14 @@ static void test_grouped_weights(int b_rows, dsk_dtype cdt, float beta) {
     else poison(&C);
     DSK_TEST_OK(dsk_tensor_copy(NULL, &old, &C));
     DSK_TEST_OK(dsk_matmul_fp8_grouped(NULL, &C, &qa, &sa, &qb, &sb, (dsk_fp8_scaling)b_rows, &off, 1.0f, beta));
-    a.q = &qa; a.s = &sa; a.rows_per = 1; a.row0 = 0;
-    b.q = &qb; b.s = &sb; b.rows_per = b_rows; b.row0 = 0;
+    a.q = &qa;
+    a.s = &sa;
+    a.rows_per = 1;
+    a.row0 = 0;
+    b.q = &qb;
+    b.s = &sb;
+    b.rows_per = b_rows;
+    b.row0 = 0;
     for (int64_t g = 0; g < G; g++)
         for (int64_t i = 0; i < M; i++)
             for (int64_t j = 0; j < N; j++) {
@@ -388,10 +406,10 @@ static void test_nonfinite(dsk_dtype fb) {
 
 /* ---------------------------------------------------------------- bad arguments */
 
-#define BAD(call, needle)                            \
-    do {                                             \
-        DSK_TEST_STATUS(call, DSK_ERR_ARG);          \
-        DSK_TEST_ERROR_MENTIONS(needle);             \
+#define BAD(call, needle) \
+    do { \
+        DSK_TEST_STATUS(call, DSK_ERR_ARG); \
+        DSK_TEST_ERROR_MENTIONS(needle); \
     } while (0)
 
 static void test_bad_args(void) {
@@ -403,8 +421,8 @@ static void test_bad_args(void) {
     dsk_tensor off16 = new_t(DSK_I64, 1, 3, 0, 0), sg6 = new_t(DSK_F32, 3, 2, 6, 2), x = new_2d(DSK_F32, 300, 5);
     dsk_tensor qt = new_2d(DSK_E4M3, 5, 300), st = new_2d(DSK_F32, 5, 3), st2 = new_2d(DSK_F32, 5, 2), tv;
     dsk_tensor v1 = new_t(DSK_F32, 1, 8, 0, 0);
-    dsk_tensor *all[20] = {&qa, &sa, &qb, &sb, &C, &f, &sa1, &Cb, &s16, &C5,
-                           &qg, &sg, &off, &off16, &sg6, &x, &qt, &st, &st2, &v1};
+    dsk_tensor *all[20] = {&qa, &sa, &qb,  &sb,    &C,   &f, &sa1, &Cb, &s16, &C5,
+                           &qg, &sg, &off, &off16, &sg6, &x, &qt,  &st, &st2, &v1};
     const dsk_fp8_scaling T = DSK_FP8_TILE_1X128, B = DSK_FP8_BLOCK_128X128;
     int32_t o[3] = {0, 3, 4};
     memcpy(off.data, o, sizeof o);
@@ -443,7 +461,9 @@ static void test_bad_args(void) {
         "b_scales [2,6,2] f32, want [2,1,2] f32 for B [2,6,200] e4m3 in 128x128 blocks");
     BAD(dsk_matmul_fp8_grouped(NULL, &C, &qa, &sa1, &qg, &sg, B, &off, 1, 0),
         "a_scales [4,1] f32, want [4,2] f32 for A [4,200] e4m3 in 1x128 tiles");
-    o[0] = 0; o[1] = 3; o[2] = 2;
+    o[0] = 0;
+    o[1] = 3;
+    o[2] = 2;
     memcpy(off.data, o, sizeof o);
     BAD(dsk_matmul_fp8_grouped(NULL, &C, &qa, &sa, &qg, &sg, B, &off, 1, 0),
         "dsk_matmul_fp8_grouped: offsets[1] = 3 > offsets[2] = 2 (must not decrease)");
@@ -453,7 +473,9 @@ static void test_bad_args(void) {
         "offsets run from 0 to 5, outside the 4 rows");
     { /* the weights form: C (G, M, N) = A (M, R) B (N, R)^T */
         dsk_tensor Cw = new_t(DSK_F32, 3, 2, 4, 5);
-        o[0] = 0; o[1] = 3; o[2] = 200;
+        o[0] = 0;
+        o[1] = 3;
+        o[2] = 200;
         memcpy(off.data, o, sizeof o);
         BAD(dsk_matmul_fp8_grouped(NULL, &Cw, &qa, &sa, &qb, &sb, B, &off, 1, 0),
             "C [2,4,5] f32, A [4,200] e4m3, B [6,200] e4m3 with 2 groups: want the weights form");
@@ -486,11 +508,11 @@ static void test_bad_args(void) {
 }
 
 /* One case: `call` between the harness's begin and end, named by the format that follows. */
-#define RUN(call, ...)              \
-    do {                            \
+#define RUN(call, ...) \
+    do { \
         dsk_test_begin(__VA_ARGS__); \
-        call;                       \
-        dsk_test_end();             \
+        call; \
+        dsk_test_end(); \
     } while (0)
 
 int main(void) {

@@ -1577,23 +1577,23 @@ enum { SP_N = 24, SP_D = 8, SP_E = 6, SP_K = 2, SP_F = 5, SP_FS = 4, SP_L = 6, S
 typedef struct sp_job {
     const char *name;
     cfg c;
-    int n, ep, bad;          /* ranks, expert-parallel size, and whether the ranks also run the bad spans */
+    int n, ep, bad;           /* ranks, expert-parallel size, and whether the ranks also run the bad spans */
     int64_t rows[SP_MAX + 1]; /* rank r holds rows [rows[r], rows[r + 1]) */
-    float *val[8], *x, *dy;  /* f32 parameters (router, bias, w1, w2, w3, shared w1 w2 w3: the layer's layout, every
+    float *val[8], *x, *dy;   /* f32 parameters (router, bias, w1, w2, w3, shared w1 w2 w3: the layer's layout, every
                                 expert), x and dy (SP_N, SP_D) */
-    refp w;                  /* their float64 mirrors */
+    refp w;                   /* their float64 mirrors */
     double *xd, *dyd;
     int drawn, port_ok;
     size_t grads_per_rank, bytes;
-    void *shm;               /* the ranks' results: */
-    double *loss;            /* (n, 4) stats: aux, seq_aux, z, total */
-    float *y, *dx;           /* (SP_N, SP_D) each rank its rows */
-    float *grads, *bias;     /* (n, grads_per_rank) gradient slabs, (n, E) biases after the update */
-    int *flag;               /* (n, 4): exit status, bad spans reported, state kept after them, loads kept */
+    void *shm;           /* the ranks' results: */
+    double *loss;        /* (n, 4) stats: aux, seq_aux, z, total */
+    float *y, *dx;       /* (SP_N, SP_D) each rank its rows */
+    float *grads, *bias; /* (n, grads_per_rank) gradient slabs, (n, E) biases after the update */
+    int *flag;           /* (n, 4): exit status, bad spans reported, state kept after them, loads kept */
 } sp_job;
 
-static const int64_t sp_numel[8] = {SP_E * SP_D, SP_E, SP_E * SP_F * SP_D, SP_E * SP_D * SP_F, SP_E * SP_F * SP_D,
-                                    SP_FS * SP_D, SP_D * SP_FS, SP_FS * SP_D};
+static const int64_t sp_numel[8] = {SP_E * SP_D,      SP_E,        SP_E *SP_F *SP_D, SP_E *SP_D *SP_F,
+                                    SP_E *SP_F *SP_D, SP_FS *SP_D, SP_D *SP_FS,      SP_FS *SP_D};
 
 static float *sp_draw(int64_t n, double lo, double hi, double **mirror) {
     float *v = (float *)malloc(sizeof(float) * (size_t)n);
@@ -1610,18 +1610,26 @@ static void sp_inputs(sp_job *j, double bias_mag) {
     double *yb = (double *)malloc(sizeof(double) * SP_N * SP_D);
     for (int i = 0; i < 8; i++) j->val[i] = sp_draw(sp_numel[i], lo[i], -lo[i], mir[i]);
     j->dy = sp_draw(SP_N * SP_D, -1, 1, &j->dyd);
-    o.sel = (int *)malloc(sizeof(int) * SP_N * SP_K); o.g = (double *)malloc(sizeof(double) * SP_N * SP_K);
-    o.kept = (int *)malloc(sizeof(int) * SP_N * SP_K); o.load = (int *)malloc(sizeof(int) * SP_E);
+    o.sel = (int *)malloc(sizeof(int) * SP_N * SP_K);
+    o.g = (double *)malloc(sizeof(double) * SP_N * SP_K);
+    o.kept = (int *)malloc(sizeof(int) * SP_N * SP_K);
+    o.load = (int *)malloc(sizeof(int) * SP_E);
     o.lcnt = (int *)malloc(sizeof(int) * SP_N * SP_E);
     j->x = NULL;
     j->xd = NULL;
     for (int tries = 0; tries < 50 && !j->drawn; tries++) {
-        free(j->x); free(j->xd);
+        free(j->x);
+        free(j->xd);
         j->x = sp_draw(SP_N * SP_D, -1, 1, &j->xd);
         ref_forward(&j->c, &j->w, j->xd, yb, NULL, &o);
         j->drawn = o.margin > SP_MARGIN;
     }
-    free(o.sel); free(o.g); free(o.kept); free(o.load); free(o.lcnt); free(yb);
+    free(o.sel);
+    free(o.g);
+    free(o.kept);
+    free(o.load);
+    free(o.lcnt);
+    free(yb);
 }
 
 /* The job's values into m's bound parameters (its experts only). */
@@ -1637,7 +1645,10 @@ static dsk_comm sp_connect(int rank, int n, int port, int *ok) {
     dsk_comm c;
     dsk_comm_opts co;
     memset(&co, 0, sizeof co);
-    co.backend = DSK_COMM_HOST; co.master_addr = "127.0.0.1"; co.master_port = port; co.timeout_s = 60;
+    co.backend = DSK_COMM_HOST;
+    co.master_addr = "127.0.0.1";
+    co.master_port = port;
+    co.timeout_s = 60;
     *ok = dsk_comm_init(&c, rank, n, &co) == DSK_OK;
     return c;
 }
@@ -1667,11 +1678,15 @@ static void sp_bad_spans(sp_job *j, dsk_moe *m, dsk_comm *world, int rank, int *
     float b0[SP_E];
     dsk_tensor dx, dy;
     memcpy(b0, m->bias->value.data, sizeof b0);
-    snprintf(want, sizeof want, "the loss span's total_rows differs between the 2 ranks of its group (this rank %d, "
-             "their sum 54); nothing was computed", rank ? 30 : 24);
+    snprintf(want, sizeof want,
+             "the loss span's total_rows differs between the 2 ranks of its group (this rank %d, "
+             "their sum 54); nothing was computed",
+             rank ? 30 : 24);
     flag[1] = sp_refused(m, world, j->x, r0, T, rank ? 30 : 24, want);
-    snprintf(want, sizeof want, "the loss span's group holds 22 rows in all over its 2 rank(s), not total_rows 24 "
-             "(this rank rows [%lld, %lld))", (long long)(rank ? 11 : 0), (long long)(rank ? 22 : 11));
+    snprintf(want, sizeof want,
+             "the loss span's group holds 22 rows in all over its 2 rank(s), not total_rows 24 "
+             "(this rank rows [%lld, %lld))",
+             (long long)(rank ? 11 : 0), (long long)(rank ? 22 : 11));
     flag[1] &= sp_refused(m, world, j->x, rank ? 11 : 0, 11, 24, want);
     dsk_tensor_wrap(&dx, j->dx + r0 * SP_D, DSK_F32, dsk_cpu(), 2, shp);
     dsk_tensor_wrap(&dy, j->dy + r0 * SP_D, DSK_F32, dsk_cpu(), 2, shp);
@@ -1705,8 +1720,10 @@ static int sp_rank_main(sp_job *j, int rank, int port) {
     memset(dx.data, 0, sizeof(float) * (size_t)(T * SP_D));
     if (dsk_moe_set_loss_span(&m, &world, r0, SP_N) != DSK_OK) return 5;
     if (dsk_moe_forward(&m, NULL, &y, &x, &st) != DSK_OK) return 6;
-    j->loss[rank * 4 + 0] = st.aux_loss; j->loss[rank * 4 + 1] = st.seq_aux_loss;
-    j->loss[rank * 4 + 2] = st.z_loss; j->loss[rank * 4 + 3] = st.loss;
+    j->loss[rank * 4 + 0] = st.aux_loss;
+    j->loss[rank * 4 + 1] = st.seq_aux_loss;
+    j->loss[rank * 4 + 2] = st.z_loss;
+    j->loss[rank * 4 + 3] = st.loss;
     if (dsk_moe_backward(&m, NULL, &dx, &dy, 1.0f) != DSK_OK) return 7;
     memcpy(j->grads + j->grads_per_rank * rank, own.grads.data, sizeof(float) * (size_t)dsk_tensor_numel(&own.grads));
     if (dsk_moe_update_bias(&m, NULL, &world) != DSK_OK) return 8;
@@ -1722,8 +1739,8 @@ static int sp_rank_main(sp_job *j, int rank, int port) {
 static void sp_run(sp_job *j) {
     int port = 0;
     pid_t pids[SP_MAX];
-    j->grads_per_rank = (size_t)(sp_numel[0] + sp_numel[2] + sp_numel[3] + sp_numel[4] + sp_numel[5] + sp_numel[6] +
-                                 sp_numel[7]);
+    j->grads_per_rank =
+        (size_t)(sp_numel[0] + sp_numel[2] + sp_numel[3] + sp_numel[4] + sp_numel[5] + sp_numel[6] + sp_numel[7]);
     j->bytes = sizeof(double) * 4 * j->n + sizeof(float) * (2 * SP_N * SP_D + j->grads_per_rank * j->n + SP_E * j->n) +
                sizeof(int) * 4 * j->n;
     j->shm = mmap(NULL, j->bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
@@ -1776,13 +1793,18 @@ static void sp_check(sp_job *j) {
     int64_t shp[2] = {SP_N, SP_D};
     float *sum = (float *)malloc(sizeof(float) * j->grads_per_rank);
     dsk_test_begin("loss span: %s over %d ranks (expert parallel %d), rows cutting sequences of %d = one layer = "
-                   "float64", j->name, j->n, j->ep, SP_L);
-    memset(&y, 0, sizeof y); memset(&dx, 0, sizeof dx);
+                   "float64",
+                   j->name, j->n, j->ep, SP_L);
+    memset(&y, 0, sizeof y);
+    memset(&dx, 0, sizeof dx);
     if (!j->drawn) {
         dsk_test_fail_at(__FILE__, __LINE__, "no inputs %g away from a routing tie", SP_MARGIN);
         goto out;
     }
-    if (!j->port_ok) { dsk_test_fail_at(__FILE__, __LINE__, "no free port: %s", dsk_last_error()); goto out; }
+    if (!j->port_ok) {
+        dsk_test_fail_at(__FILE__, __LINE__, "no free port: %s", dsk_last_error());
+        goto out;
+    }
     for (int r = 0; r < j->n; r++)
         DSK_TEST_EXPECT(j->flag[4 * r] == 0, "rank %d failed with status %d", r, j->flag[4 * r]);
     DSK_TEST_OK(make_layer(&one, &own, &o));
@@ -1801,13 +1823,21 @@ static void sp_check(sp_job *j) {
         int64_t nd = own.grad_dense, all = (int64_t)SP_E * SP_F * SP_D;
         const float *og = (const float *)own.grads.data;
         memset(&f, 0, sizeof f);
-        f.c = c; f.w = j->w; f.x = j->xd; f.R = j->dyd;
-        f.o.sel = (int *)calloc(SP_N * SP_K, sizeof(int)); f.o.g = (double *)calloc(SP_N * SP_K, sizeof(double));
-        f.o.kept = (int *)calloc(SP_N * SP_K, sizeof(int)); f.o.load = (int *)calloc(SP_E, sizeof(int));
+        f.c = c;
+        f.w = j->w;
+        f.x = j->xd;
+        f.R = j->dyd;
+        f.o.sel = (int *)calloc(SP_N * SP_K, sizeof(int));
+        f.o.g = (double *)calloc(SP_N * SP_K, sizeof(double));
+        f.o.kept = (int *)calloc(SP_N * SP_K, sizeof(int));
+        f.o.load = (int *)calloc(SP_E, sizeof(int));
         f.o.lcnt = (int *)calloc(SP_N * SP_E, sizeof(int));
         yr = (double *)malloc(sizeof(double) * SP_N * SP_D);
         ref_forward(&c, &j->w, j->xd, yr, NULL, &f.o);
-        ref[0] = f.o.aux; ref[1] = f.o.seq_aux; ref[2] = f.o.z; ref[3] = f.o.aux + f.o.seq_aux + f.o.z;
+        ref[0] = f.o.aux;
+        ref[1] = f.o.seq_aux;
+        ref[2] = f.o.z;
+        ref[3] = f.o.aux + f.o.seq_aux + f.o.z;
         DSK_TEST_EXPECT(ref[0] > 0 && ref[1] > 0 && ref[2] > 0, "loss terms %g %g %g not all on", ref[0], ref[1],
                         ref[2]);
         for (int r = 0; r < j->n; r++) {
@@ -1829,7 +1859,8 @@ static void sp_check(sp_job *j) {
         {
             double *w = (double *)malloc(sizeof(double) * j->grads_per_rank);
             for (size_t i = 0; i < j->grads_per_rank; i++) w[i] = og[i];
-            DSK_TEST_CLOSE(sum, w, (int64_t)j->grads_per_rank, 1e-6, 1e-6 * mx, "gradients summed over ranks = one "
+            DSK_TEST_CLOSE(sum, w, (int64_t)j->grads_per_rank, 1e-6, 1e-6 * mx,
+                           "gradients summed over ranks = one "
                            "layer's");
             free(w);
         }
@@ -1837,8 +1868,8 @@ static void sp_check(sp_job *j) {
         check_grad("d router summed vs float64", sum, j->w.wr, sp_numel[0], &f);
         check_grad("d shared.w1 summed vs float64", sum + sp_numel[0], j->w.s1, sp_numel[5], &f);
         check_grad("d shared.w2 summed vs float64", sum + sp_numel[0] + sp_numel[5], j->w.s2, sp_numel[6], &f);
-        check_grad("d shared.w3 summed vs float64", sum + sp_numel[0] + sp_numel[5] + sp_numel[6], j->w.s3,
-                   sp_numel[7], &f);
+        check_grad("d shared.w3 summed vs float64", sum + sp_numel[0] + sp_numel[5] + sp_numel[6], j->w.s3, sp_numel[7],
+                   &f);
         check_grad("d w1 summed vs float64", sum + nd, j->w.w1, all, &f);
         check_grad("d w2 summed vs float64", sum + nd + all, j->w.w2, all, &f);
         check_grad("d w3 summed vs float64", sum + nd + 2 * all, j->w.w3, all, &f);
@@ -1849,14 +1880,30 @@ static void sp_check(sp_job *j) {
             DSK_TEST_EXPECT(j->flag[4 * r + 1] && j->flag[4 * r + 2] && j->flag[4 * r + 3],
                             "rank %d: spans that do not fit: errors named %d, no forward left %d, nothing counted %d",
                             r, j->flag[4 * r + 1], j->flag[4 * r + 2], j->flag[4 * r + 3]);
-        free(f.o.sel); free(f.o.g); free(f.o.kept); free(f.o.load); free(f.o.lcnt); free(yr);
+        free(f.o.sel);
+        free(f.o.g);
+        free(f.o.kept);
+        free(f.o.load);
+        free(f.o.lcnt);
+        free(yr);
     }
     drop_layer(&one, &own);
 out:
-    dsk_tensor_free(NULL, &y); dsk_tensor_free(NULL, &dx);
+    dsk_tensor_free(NULL, &y);
+    dsk_tensor_free(NULL, &dx);
     for (int i = 0; i < 8; i++) free(j->val[i]);
-    free(j->x); free(j->dy); free(j->xd); free(j->dyd); free(sum);
-    free(j->w.wr); free(j->w.b); free(j->w.w1); free(j->w.w2); free(j->w.w3); free(j->w.s1); free(j->w.s2);
+    free(j->x);
+    free(j->dy);
+    free(j->xd);
+    free(j->dyd);
+    free(sum);
+    free(j->w.wr);
+    free(j->w.b);
+    free(j->w.w1);
+    free(j->w.w2);
+    free(j->w.w3);
+    free(j->w.s1);
+    free(j->w.s2);
     free(j->w.s3);
     munmap(j->shm, j->bytes);
     dsk_test_end();
@@ -1867,18 +1914,44 @@ out:
 static void sp_jobs(sp_job *j) {
     cfg sig = base_cfg(SP_N, SP_D, SP_E, SP_K, SP_F), soft;
     const int64_t r2[3] = {0, 11, 24}, r4[5] = {0, 5, 9, 17, 24}, r2e[3] = {0, 13, 24}, r4e[5] = {0, 7, 12, 20, 24};
-    sig.sigmoid = 1; sig.norm = 1; sig.n_group = 3; sig.topk_group = 2; sig.scale = 2.5;
-    sig.aux = 0.05; sig.seq_aux = 0.1; sig.seq_len = SP_L; sig.z = 0.02; sig.n_shared = 1; sig.Fs = SP_FS;
+    sig.sigmoid = 1;
+    sig.norm = 1;
+    sig.n_group = 3;
+    sig.topk_group = 2;
+    sig.scale = 2.5;
+    sig.aux = 0.05;
+    sig.seq_aux = 0.1;
+    sig.seq_len = SP_L;
+    sig.z = 0.02;
+    sig.n_shared = 1;
+    sig.Fs = SP_FS;
     soft = sig;
-    soft.sigmoid = 0; soft.norm = 0; soft.n_group = 1; soft.topk_group = 1; soft.scale = 1.0;
+    soft.sigmoid = 0;
+    soft.norm = 0;
+    soft.n_group = 1;
+    soft.topk_group = 1;
+    soft.scale = 1.0;
     memset(j, 0, 4 * sizeof *j);
-    j[0].name = "sigmoid+groups+bias"; j[0].c = sig; j[0].n = 2; j[0].ep = 1; j[0].bad = 1;
+    j[0].name = "sigmoid+groups+bias";
+    j[0].c = sig;
+    j[0].n = 2;
+    j[0].ep = 1;
+    j[0].bad = 1;
     memcpy(j[0].rows, r2, sizeof r2);
-    j[1].name = "softmax"; j[1].c = soft; j[1].n = 4; j[1].ep = 1;
+    j[1].name = "softmax";
+    j[1].c = soft;
+    j[1].n = 4;
+    j[1].ep = 1;
     memcpy(j[1].rows, r4, sizeof r4);
-    j[2].name = "sigmoid+groups+bias"; j[2].c = sig; j[2].n = 2; j[2].ep = 2;
+    j[2].name = "sigmoid+groups+bias";
+    j[2].c = sig;
+    j[2].n = 2;
+    j[2].ep = 2;
     memcpy(j[2].rows, r2e, sizeof r2e);
-    j[3].name = "sigmoid+groups+bias"; j[3].c = sig; j[3].n = 4; j[3].ep = 2;
+    j[3].name = "sigmoid+groups+bias";
+    j[3].c = sig;
+    j[3].n = 4;
+    j[3].ep = 2;
     memcpy(j[3].rows, r4e, sizeof r4e);
     { /* from a stream of their own: every other case draws what it drew before these jobs existed */
         uint64_t rng = dsk_test_g.rng;
@@ -1894,13 +1967,16 @@ static void test_loss_span_bad(void) {
     cfg c = base_cfg(6, 8, 5, 2, 4);
     fixture f;
     dsk_comm blank;
-    c.aux = 0.05; c.seq_aux = 0.1; c.seq_len = 3; c.z = 0.02;
+    c.aux = 0.05;
+    c.seq_aux = 0.1;
+    c.seq_len = 3;
+    c.z = 0.02;
     memset(&blank, 0, sizeof blank);
     if (setup(&f, &c, DSK_F32, 0.0)) {
         dsk_moe_stats s0, s1;
         dsk_tensor dx, dy;
-        float *g0 = (float *)malloc(sizeof(float) * (size_t)dsk_tensor_numel(&f.own.grads)), *dx0 = (float *)malloc(
-                                                                                                  sizeof(float) * 48);
+        float *g0 = (float *)malloc(sizeof(float) * (size_t)dsk_tensor_numel(&f.own.grads)),
+              *dx0 = (float *)malloc(sizeof(float) * 48);
         grad_io(&f, &dx, &dy);
         DSK_TEST_STATUS(dsk_moe_set_loss_span(&f.m, NULL, -1, 6), DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("dsk_moe_set_loss_span: layer \"moe\": row0 -1, total_rows 6: want 0 <= row0 <= "
@@ -1966,16 +2042,20 @@ static void test_loss_span_bad(void) {
             if (run_forward(&f, &s1)) {
                 DSK_TEST_OK(dsk_moe_backward(&f.m, NULL, &dx, &dy, 1.0f));
                 DSK_TEST_EXPECT(s1.aux_loss == s0.aux_loss && s1.seq_aux_loss == s0.seq_aux_loss &&
-                                s1.z_loss == s0.z_loss, "span %s: losses differ from the plain call's",
-                                reset ? "reset" : "of the call's rows");
+                                    s1.z_loss == s0.z_loss,
+                                "span %s: losses differ from the plain call's", reset ? "reset" : "of the call's rows");
                 DSK_TEST_SAME_BYTES(f.own.grads.data, g0, sizeof(float) * (size_t)dsk_tensor_numel(&f.own.grads),
                                     reset ? "gradients, span reset" : "gradients, span of the call's rows");
-                DSK_TEST_SAME_BYTES(dx.data, dx0, sizeof(float) * 48, reset ? "dx, span reset" : "dx, span of the "
-                                    "call's rows");
+                DSK_TEST_SAME_BYTES(dx.data, dx0, sizeof(float) * 48,
+                                    reset ? "dx, span reset"
+                                          : "dx, span of the "
+                                            "call's rows");
             }
         }
-        free(g0); free(dx0);
-        dsk_tensor_free(NULL, &dx); dsk_tensor_free(NULL, &dy);
+        free(g0);
+        free(dx0);
+        dsk_tensor_free(NULL, &dx);
+        dsk_tensor_free(NULL, &dy);
     }
     free_fixture(&f);
 }

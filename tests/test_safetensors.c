@@ -182,9 +182,9 @@ static void test_file_cast_on_load(void) {
             DSK_TEST_ERROR_MENTIONS("file has dtype f32, model has ");
             DSK_TEST_OK(dsk_safetensors_read(&f, NULL, "w", &dst, 1));
             for (int64_t i = 0; i < n; i++)
-                got[i] = to[k] == DSK_BF16 ? dsk_bf16_to_f32(((uint16_t *)dst.data)[i])
-                       : to[k] == DSK_F16  ? dsk_f16_to_f32(((uint16_t *)dst.data)[i])
-                                           : (float)((double *)dst.data)[i];
+                got[i] = to[k] == DSK_BF16  ? dsk_bf16_to_f32(((uint16_t *)dst.data)[i])
+                         : to[k] == DSK_F16 ? dsk_f16_to_f32(((uint16_t *)dst.data)[i])
+                                            : (float)((double *)dst.data)[i];
             DSK_TEST_CLOSE(got, want, n, rtol[k], 0, dsk_dtype_name(to[k]));
             dsk_tensor_free(NULL, &dst);
         }
@@ -202,11 +202,17 @@ static uint64_t touched_blocks(const int64_t *full, int nd, size_t es, const int
                                uint64_t bs) {
     int64_t idx[DSK_MAX_DIMS] = {0}, n = 1, total = 1;
     uint64_t bytes = 0, last = UINT64_MAX;
-    for (int d = 0; d < nd; d++) { n *= shape[d]; total *= full[d]; }
+    for (int d = 0; d < nd; d++) {
+        n *= shape[d];
+        total *= full[d];
+    }
     for (int64_t i = 0; i < n; i++) {
         int64_t lin = 0, rem = i;
         uint64_t b;
-        for (int d = nd - 1; d >= 0; d--) { idx[d] = rem % shape[d]; rem /= shape[d]; }
+        for (int d = nd - 1; d >= 0; d--) {
+            idx[d] = rem % shape[d];
+            rem /= shape[d];
+        }
         for (int d = 0; d < nd; d++) lin = lin * full[d] + off[d] + idx[d];
         b = (uint64_t)lin * es / bs;
         if (b != last) {
@@ -352,9 +358,11 @@ static void test_file_read_raw(void) {
     for (int i = 0; i < 64; i++) data[i] = (unsigned char)dsk_test_rand_u64();
     new_dir(dir, sizeof dir, "raw");
     snprintf(path, sizeof path, "%s/raw.safetensors", dir);
-    write_raw_st(path, "{\"i\":{\"dtype\":\"I16\",\"shape\":[3,4],\"data_offsets\":[0,24]},"
-                       "\"p\":{\"dtype\":\"F4\",\"shape\":[8],\"data_offsets\":[24,28]},"
-                       "\"q\":{\"dtype\":\"BOOL\",\"shape\":[5],\"data_offsets\":[28,33]}}", data, 33);
+    write_raw_st(path,
+                 "{\"i\":{\"dtype\":\"I16\",\"shape\":[3,4],\"data_offsets\":[0,24]},"
+                 "\"p\":{\"dtype\":\"F4\",\"shape\":[8],\"data_offsets\":[24,28]},"
+                 "\"q\":{\"dtype\":\"BOOL\",\"shape\":[5],\"data_offsets\":[28,33]}}",
+                 data, 33);
     DSK_TEST_OK(dsk_safetensors_open(&f, path));
     memset(got, 0xee, sizeof got);
     DSK_TEST_OK(dsk_safetensors_read_raw(&f, "i", off, ext, got, sizeof got));
@@ -388,11 +396,16 @@ static void test_hf_sharded(void) {
                             "model.layers.3.mlp.experts.{E}.down_proj.weight", "model.layers.3.mlp.gate.weight",
                             "model.layers.3.mlp.gate.e_score_correction_bias", "model.embed_tokens.weight"};
     new_dir(dir, sizeof dir, "hf");
-    alloc_t(&w1, DSK_BF16, 3, sw); fill_random_bytes(&w1);
-    alloc_t(&w2, DSK_BF16, 3, sd); fill_random_bytes(&w2);
-    alloc_t(&router, DSK_F32, 2, sr); fill_f32(&router);
-    alloc_t(&bias, DSK_F32, 1, sb); fill_f32(&bias);
-    alloc_t(&embed, DSK_F32, 2, se); fill_f32(&embed);
+    alloc_t(&w1, DSK_BF16, 3, sw);
+    fill_random_bytes(&w1);
+    alloc_t(&w2, DSK_BF16, 3, sd);
+    fill_random_bytes(&w2);
+    alloc_t(&router, DSK_F32, 2, sr);
+    fill_f32(&router);
+    alloc_t(&bias, DSK_F32, 1, sb);
+    fill_f32(&bias);
+    alloc_t(&embed, DSK_F32, 2, se);
+    fill_f32(&embed);
     dsk_tensor *src[5] = {&w1, &w2, &router, &bias, &embed}, *dst[5] = {&b1, &b2, &br, &bb, &be};
     for (int i = 0; i < 5; i++) {
         e[i].name = names[i];
@@ -453,7 +466,10 @@ static void test_hf_sharded(void) {
     unlink(p);
     DSK_TEST_STATUS(dsk_safetensors_hf_open(&h, dir), DSK_ERR_IO);
     DSK_TEST_ERROR_MENTIONS("holds neither model.safetensors.index.json nor model.safetensors");
-    for (int i = 0; i < 5; i++) { dsk_tensor_free(NULL, src[i]); dsk_tensor_free(NULL, dst[i]); }
+    for (int i = 0; i < 5; i++) {
+        dsk_tensor_free(NULL, src[i]);
+        dsk_tensor_free(NULL, dst[i]);
+    }
 }
 
 /* ------------------------------------------------------------ files Python wrote */
@@ -509,7 +525,7 @@ static void test_python_files(void) {
         DSK_TEST_OK(dsk_safetensors_open(&files[i], path));
     }
     DSK_TEST_EXPECT(dsk_safetensors_meta(&files[0], "framework") &&
-                    strcmp(dsk_safetensors_meta(&files[0], "framework"), "numpy-interop") == 0,
+                        strcmp(dsk_safetensors_meta(&files[0], "framework"), "numpy-interop") == 0,
                     "the __metadata__ Python wrote");
     snprintf(path, sizeof path, "%s/py_index.txt", g_py_dir);
     DSK_TEST_EXPECT((idx = fopen(path, "r")) != NULL, "cannot read %s", path);
@@ -628,20 +644,20 @@ static void test_malformed_headers(void) {
     /* block CRCs (partial reads check them) must be well formed and make up the tensor's CRC */
     expect_bad_header(dir, "block CRCs not matching",
                       "{\"__metadata__\":{\"dsk.crc32c.a\":\"00000001\",\"dsk.blocks.a\":\"4096:00000000\"},"
-                      "\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}", data, 1, DSK_ERR_CORRUPT,
-                      "block CRCs make 00000000, dsk.crc32c says 00000001");
+                      "\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}",
+                      data, 1, DSK_ERR_CORRUPT, "block CRCs make 00000000, dsk.crc32c says 00000001");
     expect_bad_header(dir, "odd block size",
                       "{\"__metadata__\":{\"dsk.crc32c.a\":\"00000001\",\"dsk.blocks.a\":\"4097:00000000\"},"
-                      "\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}", data, 1, DSK_ERR_CORRUPT,
-                      "does not start with a block size");
+                      "\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}",
+                      data, 1, DSK_ERR_CORRUPT, "does not start with a block size");
     expect_bad_header(dir, "block count",
                       "{\"__metadata__\":{\"dsk.crc32c.a\":\"00000001\",\"dsk.blocks.a\":\"4096:0000000000000000\"},"
-                      "\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}", data, 1, DSK_ERR_CORRUPT,
-                      "holds 16 hex digits, 1 blocks need 8");
+                      "\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}",
+                      data, 1, DSK_ERR_CORRUPT, "holds 16 hex digits, 1 blocks need 8");
     expect_bad_header(dir, "blocks without a CRC",
                       "{\"__metadata__\":{\"dsk.blocks.a\":\"4096:00000000\"},"
-                      "\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}", data, 1, DSK_ERR_CORRUPT,
-                      "names no tensor with a dsk.crc32c");
+                      "\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}",
+                      data, 1, DSK_ERR_CORRUPT, "names no tensor with a dsk.crc32c");
     expect_bad_header(dir, "fractional dim", "{\"a\":{\"dtype\":\"F32\",\"shape\":[2.0],\"data_offsets\":[0,8]}}", data,
                       8, DSK_ERR_CORRUPT, "shape[0] is not a non-negative integer");
     expect_bad_header(dir, "overflowing shape",
@@ -687,7 +703,10 @@ static int hostile_parse(void) {
     dsk_status s;
     if (!b) return 2;
     memcpy(b + 8, "{\"a\":[", 6);
-    for (size_t i = 6; i < n - 4; i += 2) { b[8 + i] = '0'; b[8 + i + 1] = ','; }
+    for (size_t i = 6; i < n - 4; i += 2) {
+        b[8 + i] = '0';
+        b[8 + i + 1] = ',';
+    }
     memcpy(b + 8 + n - 4, "0]} ", 4);
     for (int i = 0; i < 8; i++) b[i] = (unsigned char)((uint64_t)n >> (8 * i));
     s = dsk_safetensors_parse(&f, b, 8 + n, 8 + n);
@@ -773,7 +792,8 @@ static void test_truncated_files(void) {
     new_dir(dir, sizeof dir, "trunc");
     snprintf(good, sizeof good, "%s/good.safetensors", dir);
     snprintf(bad, sizeof bad, "%s/bad.safetensors", dir);
-    alloc_t(&a, DSK_F32, 2, s1); fill_f32(&a);
+    alloc_t(&a, DSK_F32, 2, s1);
+    fill_f32(&a);
     DSK_TEST_OK(dsk_safetensors_save(NULL, good, &e, 1, NULL, 0));
     bytes = read_file(good, &n);
     {
@@ -816,8 +836,10 @@ static void test_flipped_data(void) {
     new_dir(dir, sizeof dir, "flipdata");
     snprintf(good, sizeof good, "%s/good.safetensors", dir);
     snprintf(bad, sizeof bad, "%s/bad.safetensors", dir);
-    alloc_t(&a, DSK_F32, 2, s1); fill_f32(&a);
-    alloc_t(&b, DSK_BF16, 1, s2); fill_random_bytes(&b);
+    alloc_t(&a, DSK_F32, 2, s1);
+    fill_f32(&a);
+    alloc_t(&b, DSK_BF16, 1, s2);
+    fill_random_bytes(&b);
     alloc_t(&ra, DSK_F32, 2, s1);
     alloc_t(&rb, DSK_BF16, 1, s2);
     DSK_TEST_OK(dsk_safetensors_save(NULL, good, e, 2, NULL, 0));
@@ -842,7 +864,10 @@ static void test_flipped_data(void) {
         }
         free(bytes);
     }
-    dsk_tensor_free(NULL, &a); dsk_tensor_free(NULL, &b); dsk_tensor_free(NULL, &ra); dsk_tensor_free(NULL, &rb);
+    dsk_tensor_free(NULL, &a);
+    dsk_tensor_free(NULL, &b);
+    dsk_tensor_free(NULL, &ra);
+    dsk_tensor_free(NULL, &rb);
 }
 
 /* ------------------------------------------------------------ bad arguments */
@@ -948,7 +973,10 @@ int main(int argc, char **argv) {
         printf("usage: test_safetensors [PY_DIR EDGE_DIR]\n");
         return 2;
     }
-    if (!scratch_init("dsk_safetensors_test")) { printf("cannot create a scratch directory\n"); return 1; }
+    if (!scratch_init("dsk_safetensors_test")) {
+        printf("cannot create a scratch directory\n");
+        return 1;
+    }
     test_python_files();
     test_python_edge_cases();
     if (argc == 3) { /* tests/interop/test_interop.sh: the files Python just wrote */

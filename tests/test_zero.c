@@ -1146,8 +1146,8 @@ static void rank_experts(dsk_comm *comm, void *argp) {
         int64_t cols = p_numel(map_e[k]) / k_model[map_e[k]].shape[0];
         DSK_TEST_OK(dsk_zero_get_piece(&ze, k, &pc));
         for (int64_t i = 0; i < pc.count; i++)
-            ((float *)pc.master.data)[i] = a->phase == 0 ? expert_w(map_e[k], expert[k].offset[0] * cols + pc.first + i)
-                                                         : NAN;
+            ((float *)pc.master.data)[i] =
+                a->phase == 0 ? expert_w(map_e[k], expert[k].offset[0] * cols + pc.first + i) : NAN;
     }
     if (a->phase == 0) {
         dsk_amp_scaler sc;
@@ -1230,7 +1230,10 @@ static void rank_experts(dsk_comm *comm, void *argp) {
    pieces start and end inside rows. Each rank's checkpoint entries must be boxes of the global
    tensors holding the master's values at their global places; over the ranks they must cover
    each element of the two boxes exactly once per role, and nothing outside them. */
-typedef struct box_arg { int *cover; int stage, mode; } box_arg;
+typedef struct box_arg {
+    int *cover;
+    int stage, mode;
+} box_arg;
 static const int64_t k_box_shape[2][3] = {{3, 4, 0}, {2, 3, 4}}, k_box_global[2][3] = {{5, 7, 0}, {2, 5, 4}},
                      k_box_at[2][3] = {{1, 2, 0}, {0, 1, 0}};
 #define BOX_CELLS 40 /* elements of the larger global tensor */
@@ -1278,8 +1281,9 @@ static void rank_boxes(dsk_comm *comm, void *argp) {
     }
     DSK_TEST_OK(dsk_zero_ckpt_entries(&z, NULL, (dsk_zero_ckpt_mode)a->mode, &e, &ne));
     for (int k = 0; k < ne; k++) {
-        int p = strncmp(e[k].name, "wo", 2) == 0 ? 0 : 1, role = strstr(e[k].name, ".adam_m") ? 1
-                                                             : strstr(e[k].name, ".adam_v") ? 2 : 0;
+        int p = strncmp(e[k].name, "wo", 2) == 0 ? 0 : 1, role = strstr(e[k].name, ".adam_m")   ? 1
+                                                                 : strstr(e[k].name, ".adam_v") ? 2
+                                                                                                : 0;
         float got[BOX_CELLS];
         for (int i = 0; i < BOX_CELLS; i++) got[i] = NAN;
         box_scatter(&e[k], ps[p].ndim, k_box_global[p], got);
@@ -1298,7 +1302,8 @@ static void case_boxes(int n, int stage, int mode) {
     box_arg a;
     int cells[2] = {35, 40}, bad = 0;
     dsk_test_begin("parameters that are boxes of larger tensors, %d ranks, stage %d, %s entries: global boxes that "
-                   "tile each box once per role", n, stage, mode == DSK_ZERO_CKPT_SAVE ? "save" : "load");
+                   "tile each box once per role",
+                   n, stage, mode == DSK_ZERO_CKPT_SAVE ? "save" : "load");
     a.cover = (int *)shared_alloc(6 * BOX_CELLS * sizeof(int));
     a.stage = stage;
     a.mode = mode;
@@ -1314,8 +1319,8 @@ static void case_boxes(int n, int stage, int mode) {
                 }
                 want = inside ? (mode == DSK_ZERO_CKPT_SAVE ? 1 : (stage == 0 ? n : 1)) : 0;
                 if (got != want && bad++ < 5)
-                    DSK_TEST_EXPECT(0, "role %d tensor %d global element %d covered %d times, want %d", role, p, i,
-                                    got, want);
+                    DSK_TEST_EXPECT(0, "role %d tensor %d global element %d covered %d times, want %d", role, p, i, got,
+                                    want);
             }
     DSK_TEST_EXPECT(bad == 0, "%d elements covered wrongly", bad);
     munmap(a.cover, 6 * BOX_CELLS * sizeof(int));

@@ -8,7 +8,10 @@
 #include "tests/dsk_test.h"
 #include "tests/gpu/gpu_test_util.h"
 
-static dsk_tensor *h2(dsk_dtype dt, int64_t r, int64_t c) { int64_t s[2] = {r, c}; return halloc(dt, 2, s); }
+static dsk_tensor *h2(dsk_dtype dt, int64_t r, int64_t c) {
+    int64_t s[2] = {r, c};
+    return halloc(dt, 2, s);
+}
 static dsk_tensor *h3(dsk_dtype dt, int64_t g, int64_t r, int64_t c) {
     int64_t s[3] = {g, r, c};
     return halloc(dt, 3, s);
@@ -164,11 +167,13 @@ static void test_devices(void) {
     dsk_tensor *off = halloc(DSK_I32, 1, &two);
     quantise(&qa, &sa, DSK_F32, DSK_E4M3, 4, 200, 1);
     quantise(&qb, &sb, DSK_F32, DSK_E4M3, 6, 200, 128);
-    DSK_TEST_STATUS(dsk_matmul_fp8(&G, dC, qa, dev(sa), DSK_FP8_TILE_1X128, dev(qb), dev(sb), DSK_FP8_BLOCK_128X128,
-                                   1.0f, 0.0f), DSK_ERR_ARG);
+    DSK_TEST_STATUS(
+        dsk_matmul_fp8(&G, dC, qa, dev(sa), DSK_FP8_TILE_1X128, dev(qb), dev(sb), DSK_FP8_BLOCK_128X128, 1.0f, 0.0f),
+        DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("dsk_matmul_fp8: A is on cpu:0 but C is on cuda:0");
     DSK_TEST_STATUS(dsk_matmul_fp8(NULL, dC, dev(qa), dev(sa), DSK_FP8_TILE_1X128, dev(qb), dev(sb),
-                                   DSK_FP8_BLOCK_128X128, 1.0f, 0.0f), DSK_ERR_ARG);
+                                   DSK_FP8_BLOCK_128X128, 1.0f, 0.0f),
+                    DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("dsk_matmul_fp8: C is on cuda:0 but ctx is NULL");
     DSK_TEST_STATUS(dsk_amp_fp8_block_quantize_t(&G, dev(qa), sa, dev(C), 1, 128, 0), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("dsk_amp_fp8_block_quantize_t: scales [4,2] f32 is on cpu:0, expected cuda:0");

@@ -273,8 +273,12 @@ static dsk_moe_opts ep_opts(int sigmoid) {
     dsk_moe_opts o;
     memset(&o, 0, sizeof o);
     o.d_model = EP_D; o.n_routed = EP_E; o.top_k = EP_K; o.d_expert = EP_F; o.n_shared = 1; o.d_shared = EP_FS;
-    o.init_std = 0.5f; o.seed = 77;
-    o.aux_alpha = 0.05f; o.seq_aux_alpha = 0.1f; o.seq_len = 2 * EP_T; o.z_beta = 0.02f;
+    o.init_std = 0.5f;
+    o.seed = 77;
+    o.aux_alpha = 0.05f;
+    o.seq_aux_alpha = 0.1f;
+    o.seq_len = 2 * EP_T;
+    o.z_beta = 0.02f;
     if (sigmoid) { o.score = DSK_MOE_SIGMOID; o.n_group = 4; o.topk_group = 2; o.routed_scale = 2.5f; }
     return o;
 }
@@ -388,7 +392,7 @@ static int ep_rank(int sigmoid) {
         snprintf(what, sizeof what, "grad %s", ref.params[i].name);
         compare(&g, &m.params[i].grad, &want, 1e-3, 1e-4, what);
     }
-    {   /* rows adding up to NT, total_rows NT + 2 EP_T (whole sequences): NaN values, no host sync in the forward */
+    { /* rows adding up to NT, total_rows NT + 2 EP_T (whole sequences): NaN values, no host sync in the forward */
         dsk_ctx_counters c0;
         dsk_moe_stats bs;
         DSK_TEST_OK(dsk_moe_set_loss_span(&m, &c, (int64_t)me * EP_T, NT + 2 * EP_T));
@@ -398,8 +402,10 @@ static int ep_rank(int sigmoid) {
         DSK_TEST_EXPECT(g.counters.syncs - c0.syncs == 1, "EP forward with a bad span: %lld syncs (want the counts' 1)",
                         (long long)(g.counters.syncs - c0.syncs));
         DSK_TEST_OK(dsk_moe_forward(&m, &g, &gy, &gx, &bs));
-        DSK_TEST_EXPECT(bs.loss != bs.loss && bs.aux_loss != bs.aux_loss, "rows 13 x %d of total_rows %lld: loss %g, "
-                        "want NaN", n, (long long)(NT + 2 * EP_T), bs.loss);
+        DSK_TEST_EXPECT(bs.loss != bs.loss && bs.aux_loss != bs.aux_loss,
+                        "rows 13 x %d of total_rows %lld: loss %g, "
+                        "want NaN",
+                        n, (long long)(NT + 2 * EP_T), bs.loss);
     }
     dsk_tensor_free(NULL, &x); dsk_tensor_free(NULL, &dy); dsk_tensor_free(NULL, &y); dsk_tensor_free(NULL, &dx);
     dsk_tensor_free(&g, &gx); dsk_tensor_free(&g, &gdy); dsk_tensor_free(&g, &gy); dsk_tensor_free(&g, &gdx);
