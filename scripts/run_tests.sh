@@ -10,7 +10,8 @@
 # CPU instruction sets: the CPU GEMM has one micro-kernel per ISA (portable, avx2, avx512), which
 # DSK_CPU_ISA selects. Everything runs under the best ISA here; each other ISA this machine
 # has runs ISA_PROGS again (the op tests that compare layouts, ranks and devices bit for bit),
-# and avx2, where it is not the best, also ISA_SCRIPTS (the trainer's numeric-equality scripts:
+# and avx2, where it is not the best, also ISA_SCRIPTS (the trainer's numeric-equality scripts, with
+# ISA_RERUN=1: the cases that compare numbers, not those that test orchestration or bad input:
 # AVX2 is what CI machines without AVX-512 run; the portable kernel, which no x86-64 machine
 # picks, is covered by test_tensor's every-ISA loop and test_moe_golden). Their cases count with
 # "@<isa>" in the name. DSK_CPU_ISA set by the caller: only that ISA, everything under it.
@@ -100,7 +101,7 @@ if [ -z "${DSK_CPU_ISA:-}" ] && [ "${1:-}" != gpu ]; then
       [ -x "$BUILD/tests/$p" ] && run_one "$p@$isa" env DSK_CPU_ISA="$isa" "$BUILD/tests/$p"
     done
     case " $ISA_SCRIPT_ISAS " in *" $isa "*) ;; *) continue ;; esac
-    for s in $ISA_SCRIPTS; do run_one "$s@$isa" env DSK_CPU_ISA="$isa" BUILD="$BUILD" bash "tests/$s"; done
+    for s in $ISA_SCRIPTS; do run_one "$s@$isa" env DSK_CPU_ISA="$isa" ISA_RERUN=1 BUILD="$BUILD" bash "tests/$s"; done
   done
 else
   [ "${1:-}" != gpu ] && echo "# CPU ISA: DSK_CPU_ISA=$DSK_CPU_ISA for every run"

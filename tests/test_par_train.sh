@@ -420,6 +420,10 @@ resume_case tp2pp2z1 4 "--tp 2 --pp 2 --micro-batches 2 --zero 1" dp4 4 ""
 resume_case dp4z3 4 "--zero 3" tp2dp2z1 4 "--tp 2 --zero 1"
 resume_case one 1 "" pp2ep2dp2z1 8 "--pp 2 --ep 2 --micro-batches 2 --zero 1"
 
+# The sections from here to the recompute check (the emulated GPU, the objective, PowerSGD) and
+# those after it (memory, a killed rank, bad input) test no CPU kernel: run_tests.sh re-runs this
+# script under each other ISA with ISA_RERUN=1, which keeps only the numeric comparisons.
+if [ -z "${ISA_RERUN:-}" ]; then
 # ---- the CUDA path on the emulated GPU (tests/cuda_emu: CUDA, cuBLAS and NCCL on the CPU): tp2 x pp2
 #      over the nccl backend (device buffers in every mapping, send and receive) matches one emulated GPU,
 #      in f32 and in bf16
@@ -536,6 +540,8 @@ psgd=$( [ "$(rc psgd_z0)" -eq 0 ] && [ "$(rc psgd_z3)" -eq 0 ] && compare_losses
 what="dp4 x ep2 with PowerSGD rank 2: --zero 3 logs --zero 0's losses bit for bit over 20 steps"
 if [ "$psgd" = 0 ] && grep -q 'gradient reductions powersgd:2:0' "$work/psgd_z3.out"; then ok "$what"
 else bad "$what" "exit $(rc psgd_z0)/$(rc psgd_z3), worst $psgd" "$(grep -E 'error' "$work/psgd_z3.out" | head -2)"; fi
+fi  # ISA_RERUN
+
 # ---- --recompute under tensor and pipeline parallelism: attn recomputes the attention core (its
 #      output and statistics, or MHA's probabilities, one slot shared by the layers), full reruns
 #      each block's forward from its kept input before its backward; the same ops on the same
@@ -567,6 +573,7 @@ for spec in "straight_tp2pp2z1|attn|" "straight_tp2pp2z1|full|" "mla4|full|mla";
     fi
 done
 
+if [ -z "${ISA_RERUN:-}" ]; then
 # ---- optimizer state per rank under pipeline and tensor parallelism: ZeRO-1 keeps 1/dp of what
 #      --zero 0 holds on the same rank (the stage's parameters, the rank's tensor-parallel box),
 #      plus the padding of the units' last chunks: each unit of E elements is cut into N chunks of
@@ -659,4 +666,5 @@ expect_fail routes_topk 'holds top_k 2 decisions, the model takes top_k 3' "${TI
 expect_fail routes_missing 'no decision recorded for phase 0 step 30 sub 0' "${TINY[@]}" --steps 31 "${REC[@]}"
 expect_fail routes_file 'routing replay: cannot open' "${TINY[@]}" --routing-replay "$work/no_such_file"
 
+fi  # ISA_RERUN
 finish
