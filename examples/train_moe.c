@@ -552,9 +552,6 @@ static void fail(const trainer *t, const char *fmt, ...) {
     vfprintf(stderr, fmt, ap);
     va_end(ap);
     fputc('\n', stderr);
-    /* rank 0 serves the key-value store where a failing rank publishes its error: freeing the
-       world communicator keeps it serving a moment, so the other ranks name the root cause */
-    if (t->have_comm && t->rank == 0) dsk_comm_free((dsk_comm *)&t->comm);
     exit(1);
 }
 
