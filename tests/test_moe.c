@@ -1461,6 +1461,21 @@ typedef struct ep_job {
     int port_ok;
 } ep_job;
 
+/* One step of layer m on one rank holding every row: x and dy are host f32 (shp) rows; y and dx
+   are allocated here (dx zeroed first); forward, backward with aux_scale 1, bias update. */
+static void one_layer_step(dsk_moe *m, float *xs, float *dys, const int64_t *shp, dsk_tensor *y, dsk_tensor *dx,
+                           dsk_moe_stats *st) {
+    dsk_tensor x, dy;
+    dsk_tensor_wrap(&x, xs, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&dy, dys, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_alloc(NULL, y, DSK_F32, 2, shp);
+    dsk_tensor_alloc(NULL, dx, DSK_F32, 2, shp);
+    dsk_tensor_fill(NULL, dx, 0.0);
+    DSK_TEST_OK(dsk_moe_forward(m, NULL, y, &x, st));
+    DSK_TEST_OK(dsk_moe_backward(m, NULL, dx, &dy, 1.0f));
+    DSK_TEST_OK(dsk_moe_update_bias(m, NULL, NULL));
+}
+
 static float *ep_result(const ep_job *j, int r) { return j->gdy + (size_t)j->NT * EP_D + j->per_rank * (size_t)r; }
 
 /* Forks the ranks and waits for them. Called before this process uses OpenMP (libgomp's
@@ -1499,7 +1514,7 @@ static void ep_check(ep_job *j) {
     dsk_moe ref;
     owned own;
     dsk_moe_opts o = ep_opts(j->sigmoid);
-    dsk_tensor x, y, dx, dy;
+    dsk_tensor y, dx;
     dsk_moe_stats st;
     int64_t shp[2] = {NT, EP_D};
     dsk_test_begin("expert parallel %s over %d ranks = 1 rank", j->sigmoid ? "sigmoid+groups" : "softmax", n);
@@ -1512,14 +1527,7 @@ static void ep_check(ep_job *j) {
         DSK_TEST_EXPECT(j->flags[48 + r] == 1, "rank %d: a NaN token on rank 0 did not fail the forward on every rank",
                         r);
     }
-    dsk_tensor_wrap(&x, j->gx, DSK_F32, dsk_cpu(), 2, shp);
-    dsk_tensor_wrap(&dy, j->gdy, DSK_F32, dsk_cpu(), 2, shp);
-    dsk_tensor_alloc(NULL, &y, DSK_F32, 2, shp);
-    dsk_tensor_alloc(NULL, &dx, DSK_F32, 2, shp);
-    dsk_tensor_fill(NULL, &dx, 0.0);
-    DSK_TEST_OK(dsk_moe_forward(&ref, NULL, &y, &x, &st));
-    DSK_TEST_OK(dsk_moe_backward(&ref, NULL, &dx, &dy, 1.0f));
-    DSK_TEST_OK(dsk_moe_update_bias(&ref, NULL, NULL));
+    one_layer_step(&ref, j->gx, j->gdy, shp, &y, &dx, &st);
     for (int r = 0; r < n; r++) {
         const float *res = ep_result(j, r) + j->per_rank;
         int bad = 0;
@@ -1789,7 +1797,7 @@ static void sp_check(sp_job *j) {
     owned own;
     dsk_moe_opts o = opts_of(&c, DSK_F32);
     dsk_moe_stats st;
-    dsk_tensor x, y, dx, dy;
+    dsk_tensor y, dx;
     int64_t shp[2] = {SP_N, SP_D};
     float *sum = (float *)malloc(sizeof(float) * j->grads_per_rank);
     dsk_test_begin("loss span: %s over %d ranks (expert parallel %d), rows cutting sequences of %d = one layer = "
@@ -1809,14 +1817,7 @@ static void sp_check(sp_job *j) {
         DSK_TEST_EXPECT(j->flag[4 * r] == 0, "rank %d failed with status %d", r, j->flag[4 * r]);
     DSK_TEST_OK(make_layer(&one, &own, &o));
     sp_load(j, &one);
-    dsk_tensor_wrap(&x, j->x, DSK_F32, dsk_cpu(), 2, shp);
-    dsk_tensor_wrap(&dy, j->dy, DSK_F32, dsk_cpu(), 2, shp);
-    dsk_tensor_alloc(NULL, &y, DSK_F32, 2, shp);
-    dsk_tensor_alloc(NULL, &dx, DSK_F32, 2, shp);
-    dsk_tensor_fill(NULL, &dx, 0.0);
-    DSK_TEST_OK(dsk_moe_forward(&one, NULL, &y, &x, &st));
-    DSK_TEST_OK(dsk_moe_backward(&one, NULL, &dx, &dy, 1.0f));
-    DSK_TEST_OK(dsk_moe_update_bias(&one, NULL, NULL));
+    one_layer_step(&one, j->x, j->dy, shp, &y, &dx, &st);
     {
         fixture f; /* the float64 reference over every row: loss values and central differences */
         double one_loss[4] = {st.aux_loss, st.seq_aux_loss, st.z_loss, st.loss}, ref[4], *yr, mx = 0;
