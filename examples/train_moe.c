@@ -639,11 +639,6 @@ static void setup_comm(trainer *t) {
     t->par.M = o->micro;
     t->par.v = o->vstages;
     t->par.embed_group = o->mtp > 0; /* the last stage's copy of the embedding (train_par.h) */
-    if (o->mtp > 0 && o->pp > 1 && o->zero >= 2)
-        fail(t,
-             "--mtp %d with --pp %d: --zero 0 or 1 (the last stage's copy of the embedding reduces and gathers "
-             "in another order than the first stage's at --zero %d)",
-             o->mtp, o->pp, o->zero);
     if (t->have_comm) {
         dsk_par_dims d;
         memset(&d, 0, sizeof d);

@@ -523,11 +523,15 @@ static dsk_status tp_model_init(tp_state *ps, tm_model *m, dsk_ctx *ctx, const t
 static void tp_places(tp_state *ps, tz_group groups[TP_G_COUNT], tz_place *place) {
     tm_model *m = ps->m;
     dsk_comm *comms[TP_G_COUNT] = {&ps->stage, &ps->grid.dp, ps->embg.world_size ? &ps->embg : NULL, &ps->xrep};
+    memset(groups, 0, TP_G_COUNT * sizeof *groups);
     for (int g = 0; g < TP_G_COUNT; g++) {
         groups[g].comm = comms[g];
         groups[g].sum_only = 1;
         groups[g].post_scale = 1.0f / (float)ps->dp;
     }
+    /* the first stage gathers the embedding as its first forward begins, the last stage its copy once the
+       activations arrive: at ZeRO-3 each would wait for the other, so the pair keeps whole weights (stage 2) */
+    groups[TP_G_EMBED].stage_cap = 2;
     for (int i = 0; i < m->n_params; i++) {
         const tm_param *p = &m->params[i];
         const tp_pinfo *pi = &ps->pinfo[i];

@@ -52,6 +52,8 @@ typedef struct tz_group {
     dsk_comm *comm;
     int sum_only; /* 1: the sum times post_scale; 0: the average */
     float post_scale;
+    int stage_cap; /* [0: none] the highest ZeRO stage its objects take (a group whose members run its units at
+                      different times cannot gather them per forward) */
 } tz_group;
 
 /* Where model parameter i goes. */
@@ -312,7 +314,7 @@ static dsk_status tz_init(tz *t, tm_model *m, dsk_ctx *ctx, const tz_group *grou
         const tz_group *g = &groups[t->obj_group[k]];
         dsk_zero_opts zo;
         memset(&zo, 0, sizeof zo);
-        zo.stage = o->stage;
+        zo.stage = g->stage_cap && o->stage > g->stage_cap ? g->stage_cap : o->stage;
         zo.compute_dtype = t->obj_dt[k];
         zo.compress = o->compress;
         zo.powersgd_rank = o->psgd_rank;

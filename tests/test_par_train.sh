@@ -24,7 +24,7 @@
 #   --attn mla --mtp 1 as tp2 x pp2 against an MLA/MTP run on one rank, in f32 (1e-5 as above,
 #   the same sample; a one-rank checkpoint of it resumes as tp2 x pp2) and bf16 (the derived
 #   bound; pp2 with one micro-batch bit for bit); two MTP
-#   modules with MoE FFNs as tp2 x pp2 in f32;
+#   modules with MoE FFNs as tp2 x pp2 and as pp2 x dp2 at --zero 2 and 3, in f32;
 #   --recompute attn|full under tp2 x pp2 bit for bit as without, with fewer activation bytes;
 #   the grid and the bubble are printed; unsupported combinations fail with a message.
 # Routing is replayed: the one-rank reference writes every MoE decision (--routing-record: each
@@ -327,6 +327,26 @@ else
         bad "$what" "loss $loss, weights ${pmax:-?} ${pmax_at:-} ${pl2:-?} ${pl2_at:-}, moments ${ml2:-?} ${ml2_at:-}"
     fi
 fi
+# the same model as pp2 x dp2 at --zero 2 and 3: the first stage's embedding and the last stage's
+# copy reduce as one group; at ZeRO-3 that pair keeps whole weights (a per-forward gather of the
+# two would wait on each other across the pipeline), the rest gathers per unit
+for z in 2 3; do
+    run mtpm_z$z "${TINY[@]}" "${MTPM[@]}" --steps 30 --nproc 4 --pp 2 --micro-batches 2 --zero $z \
+        --log "$work/mtpm_z$z.jsonl" --ckpt-dir "$work/ck_mtpm_z$z" --routing-replay "$work/routes_mtpm.bin"
+    what="--mtp 2 --mtp-ffn moe: pp2 x dp2 at --zero $z matches 1 rank over 30 steps: loss every step and weights"
+    what="$what within 1e-5"
+    if [ "$(rc mtpm1)" -ne 0 ] || [ "$(rc mtpm_z$z)" -ne 0 ]; then
+        bad "$what" "exit $(rc mtpm1)/$(rc mtpm_z$z)" "$(grep -E 'rank|error' "$work/mtpm_z$z.out" | tail -3)"
+    else
+        loss=$(compare_losses mtpm1 mtpm_z$z 33)
+        read -r pmax pmax_at pl2 pl2_at _ < <($PY tests/par_ckpt_compare.py "$work/ck_mtpm1" "$work/ck_mtpm_z$z" 2>&1)
+        if within "$loss" 1e-5 && within "${pl2:-x}" 1e-5; then
+            ok "$what (loss $loss; weights: L2 $pl2 in $pl2_at, largest element $pmax in $pmax_at)"
+        else
+            bad "$what" "loss $loss, weights ${pmax:-?} ${pmax_at:-} ${pl2:-?} ${pl2_at:-}"
+        fi
+    fi
+done
 
 # fp16 with a skipped step: at --init-std 1.0 the scaled gradients of the first steps overflow
 # f16 (tp2 x pp2 skipped steps 1, 2, 5 and 7 of 8; also tp2 x ep2 at ZeRO-2, where each rank holds only
@@ -655,7 +675,6 @@ expect_fail grid_divide '--tp 3 x --pp 1 = 3 must divide the world size 4' "${TI
 expect_fail ep_dp '--ep 2 must divide the 1 data-parallel ranks' "${TINY[@]}" --nproc 4 --tp 2 --pp 2 --ep 2
 expect_fail tp_heads '--tp 4 must divide --heads 2' "${TINY[@]}" --nproc 4 --tp 4 --heads 2
 expect_fail mla_tp_heads '--tp 4 must divide --heads 2' "${TINY[@]}" "${MLA[@]}" --nproc 4 --tp 4 --heads 2
-expect_fail mtp_pp_zero3 '--mtp 1 with --pp 2: --zero 0 or 1' "${TINY[@]}" --nproc 2 --pp 2 --mtp 1 --zero 3
 expect_fail pp_layers '--layers 4 cannot fill 8 pipeline stages' "${TINY[@]}" --nproc 4 --pp 4 --pp-schedule interleaved --virtual-stages 2 --micro-batches 4
 expect_fail micro_no_pp '--micro-batches, --virtual-stages and --pp-schedule need --pp 2' "${TINY[@]}" --micro-batches 2
 expect_fail micro_divide '--micro-batches 3 must divide the 8 sequences' "${TINY[@]}" --nproc 2 --pp 2 --micro-batches 3
