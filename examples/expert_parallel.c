@@ -10,8 +10,8 @@
        all-to-all-v in forward and backward (every rank calls them together);
      - the parameters are drawn from one seed by global position, so expert e has the same
        values whichever rank holds it, and a run on N ranks computes what one rank computes;
-     - after backward, the replicated gradients (router, shared expert) are summed over the
-       ranks, as a data-parallel trainer reduces them (the expert-sharded ones would be summed
+     - after backward, the replicated gradients (the router's; shared experts' too where a layer
+       has them) are summed over the ranks, as a data-parallel trainer reduces them (the expert-sharded ones would be summed
        over the ranks holding the same experts: here each expert has one holder).
    The global batch is NT tokens; rank r takes rows [r NT/N, (r+1) NT/N). With --out PREFIX each
    rank writes its rows of y and dx to PREFIX.y.rank<r> and PREFIX.dx.rank<r> and rank 0 the
@@ -135,8 +135,8 @@ int main(int argc, char **argv) {
     for (int e = 0; e < E; e++) printf(" %lld", (long long)st.tokens_per_expert[e]);
     printf("\n");
 
-    /* The replicated gradients (router, shared expert) summed over the ranks; a data-parallel
-       trainer would then divide by the number of ranks whose losses it averages. */
+    /* The replicated gradients (every parameter not expert-sharded) summed over the ranks; a
+       data-parallel trainer would then divide by the number of ranks whose losses it averages. */
     dsk_tensor *router_grad = &moe.router->grad;
     for (int i = 0; world > 1 && i < moe.n_params; i++) {
         dsk_moe_param *p = &moe.params[i];

@@ -43,7 +43,10 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--seed") && i + 1 < argc) seed = strtoull(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--out") && i + 1 < argc) out = argv[++i];
         else if (!dir && argv[i][0] != '-') dir = argv[i];
-        else dir = NULL, i = argc;
+        else {
+            dir = NULL; /* anything else: the usage below */
+            break;
+        }
     }
     if (!dir || T < 1) {
         fprintf(stderr, "usage: hf_moe_layer DIR [--layer L] [--tokens T] [--seed S] [--out FILE]\n");
@@ -54,9 +57,10 @@ int main(int argc, char **argv) {
     dsk_ckpt_hf_deepseek_config h;
     CHECK(dsk_ckpt_hf_deepseek_config_read(&h, dir));
     if (layer < 0) layer = h.first_k_dense_replace;
-    if (layer < h.first_k_dense_replace || layer >= h.num_hidden_layers + h.num_nextn_predict_layers) {
-        fprintf(stderr, "hf_moe_layer: layer %d is not an MoE layer of %s (those are %d .. %d)\n", layer, dir,
-                h.first_k_dense_replace, h.num_hidden_layers + h.num_nextn_predict_layers - 1);
+    if (layer < h.first_k_dense_replace || layer >= h.num_hidden_layers + h.num_nextn_predict_layers ||
+        layer % (h.moe_layer_freq > 0 ? h.moe_layer_freq : 1) != 0) { /* transformers' rule for an MoE layer */
+        fprintf(stderr, "hf_moe_layer: layer %d is not an MoE layer of %s (from %d to %d, every %d)\n", layer, dir,
+                h.first_k_dense_replace, h.num_hidden_layers + h.num_nextn_predict_layers - 1, h.moe_layer_freq);
         return 2;
     }
     int greedy = strcmp(h.topk_method, "greedy") == 0;
