@@ -7,7 +7,9 @@ Reads the layer's tensors from MODEL_DIR (F32, or F8_E4M3 with weight_scale_inv 
 transformers' routing (V3: sigmoid + e_score_correction_bias, groups by their two best scores;
 V2: softmax, groups by their best) and SwiGLU experts in float64 on x, and compares with y.
 Prints the largest error and the smallest routing margin; exits 1 when an element of y is off by
-more than 1e-5 (1 + |reference|)."""
+more than 1e-5 (1 + |reference|). A token whose routing is within 1e-5 of a tie (its k-th and
+(k+1)-th scores, or its last kept and first dropped group) may route otherwise in float32: it is
+left out and counted, and more than a quarter of the tokens left out fails too."""
 import json
 import math
 import os
@@ -125,11 +127,14 @@ def main():
     bias = m.vector(pre + "gate.e_score_correction_bias") if m.cfg["scoring_func"] == "sigmoid" else None
     experts = {}
     shared = [m.matrix(pre + "shared_experts.%s_proj.weight" % n) for n in ("gate", "up", "down")]
-    worst, margin = 0.0, math.inf
+    worst, margin, ties = 0.0, math.inf, 0
     for t in range(T):
         xt = x[t * D:(t + 1) * D]
         sel, w, mg = route(m.cfg, matvec(gate, xt), bias)
         margin = min(margin, mg)
+        if mg < 1e-5:
+            ties += 1
+            continue
         want = mlp(*shared, xt)
         for e, g in zip(sel, w):
             if e not in experts:
@@ -137,9 +142,9 @@ def main():
             want = [a + g * b for a, b in zip(want, mlp(*experts[e], xt))]
         for j in range(D):
             worst = max(worst, abs(y[t * D + j] - want[j]) / (1.0 + abs(want[j])))
-    print("layer %d of %s, %d tokens: largest error %.3g (bound 1e-5), smallest routing margin %.3g"
-          % (layer, mdir, T, worst, margin))
-    sys.exit(0 if worst <= 1e-5 else 1)
+    print("layer %d of %s, %d tokens: largest error %.3g (bound 1e-5), smallest routing margin %.3g, %d near ties"
+          " left out" % (layer, mdir, T, worst, margin, ties))
+    sys.exit(0 if worst <= 1e-5 and 4 * ties <= T else 1)
 
 
 main()
