@@ -39,7 +39,8 @@ int main(int argc, char **argv) {
 
     /* The state: weights w (OUT, IN) and AdamW's moments, all f32 on the CPU. */
     int64_t sw[2] = {OUT, IN}, sx[2] = {B, IN}, sy[2] = {B, OUT};
-    dsk_tensor w, m, v, g, a, x, y, target;
+    int64_t one = 1;
+    dsk_tensor w, m, v, g, a, x, y, target, sq;
     CHECK(dsk_tensor_alloc(NULL, &w, DSK_F32, 2, sw));
     CHECK(dsk_tensor_alloc(NULL, &m, DSK_F32, 2, sw));
     CHECK(dsk_tensor_alloc(NULL, &v, DSK_F32, 2, sw));
@@ -48,7 +49,8 @@ int main(int argc, char **argv) {
     CHECK(dsk_tensor_alloc(NULL, &x, DSK_F32, 2, sx));
     CHECK(dsk_tensor_alloc(NULL, &y, DSK_F32, 2, sy));
     CHECK(dsk_tensor_alloc(NULL, &target, DSK_F32, 2, sy));
-    CHECK(dsk_tensor_normal(NULL, &a, 3, 0, 0.0f, 1.0f));
+    CHECK(dsk_tensor_alloc(NULL, &sq, DSK_F32, 0, &one)); /* the loss's sum of squares */
+    CHECK(dsk_tensor_normal(NULL, &a, 3, 0, 0.0f, 0.2f));
     CHECK(dsk_tensor_normal(NULL, &w, 5, 0, 0.0f, 0.02f)); /* a fresh start; a resume overwrites */
     CHECK(dsk_tensor_fill(NULL, &m, 0.0));
     CHECK(dsk_tensor_fill(NULL, &v, 0.0));
@@ -80,7 +82,7 @@ int main(int argc, char **argv) {
 
     /* Train: loss = mean (x w^T - x a^T)^2 on the batch of step s, drawn from (seed 9, s). */
     dsk_adamw_opts adamw = dsk_adamw_defaults();
-    adamw.lr = 1e-2f;
+    adamw.lr = 5e-2f;
     while (step < steps) {
         step++;
         CHECK(dsk_tensor_normal(NULL, &x, 9, (uint64_t)step * B * IN, 0.0f, 1.0f));
@@ -91,7 +93,8 @@ int main(int argc, char **argv) {
         CHECK(dsk_adamw_step(NULL, &w, &g, &m, &v, &adamw, step, 1.0f, NULL));
         if (step % SAVE_EVERY == 0) {
             CHECK(dsk_ckpt_save(&ck, step, entries, 3, NULL, 0)); /* complete and durable when it returns */
-            printf("step %lld: saved\n", (long long)step);
+            CHECK(dsk_sum_squares(NULL, &sq, &y));
+            printf("step %lld: loss %.6f, saved\n", (long long)step, *(float *)sq.data / (B * OUT));
         }
     }
 
@@ -106,7 +109,7 @@ int main(int argc, char **argv) {
     printf("step %lld: final weights in %s\n", (long long)step, path);
 
     dsk_ckpt_free(&ck);
-    dsk_tensor *owned[] = {&w, &m, &v, &g, &a, &x, &y, &target};
+    dsk_tensor *owned[] = {&w, &m, &v, &g, &a, &x, &y, &target, &sq};
     for (size_t i = 0; i < sizeof owned / sizeof owned[0]; i++) dsk_tensor_free(NULL, owned[i]);
     return 0;
 }
