@@ -11,8 +11,9 @@
      - the parameters are drawn from one seed by global position, so expert e has the same
        values whichever rank holds it, and a run on N ranks computes what one rank computes;
      - after backward, the replicated gradients (the router's; shared experts' too where a layer
-       has them) are summed over the ranks, as a data-parallel trainer reduces them (the expert-sharded ones would be summed
-       over the ranks holding the same experts: here each expert has one holder).
+       has them) are summed over the ranks, as a data-parallel trainer reduces them (the
+       expert-sharded ones would be summed over the ranks holding the same experts: here each
+       expert has one holder).
    The global batch is NT tokens; rank r takes rows [r NT/N, (r+1) NT/N). With --out PREFIX each
    rank writes its rows of y and dx to PREFIX.y.rank<r> and PREFIX.dx.rank<r> and rank 0 the
    summed router gradient to PREFIX.router_grad (raw f32), so runs on 1 and 2 ranks compare.
