@@ -69,8 +69,9 @@ EMU_SELF_LIBS = $(EMU_KLIB) $(EMU_LIB) -lstdc++ -lm -lpthread -lrt
 EMU_DEPS   = $(HEADERS) $(EMU_HDR) $(EMU_DSK) $(EMU_KLIB) $(EMU_LIB) $(CONFIG)
 EMU_TESTS  = $(patsubst tests/cuda_emu/%.cpp,$(EMU)/tests/%,$(wildcard tests/cuda_emu/test_*.cpp)) \
              $(patsubst tests/gpu/%.c,$(EMU)/tests/gpu/%,$(wildcard tests/gpu/test_*.c))
-# The trainer on the emulated GPU, for the scripts that test its CUDA path (tests/test_train_graph.sh).
-EMU_EXAMPLES = $(EMU)/examples/train_moe
+# The trainer on the emulated GPU, for the scripts that test its CUDA path (tests/test_train_graph.sh),
+# and the CUDA-graph example (tests/test_teach.sh).
+EMU_EXAMPLES = $(EMU)/examples/train_moe $(EMU)/examples/cuda_graph_step
 
 MPICC ?= mpicc
 # Everything in BUILD records the flags it was built with ($(BUILD)/.flags): building with other
@@ -147,7 +148,7 @@ $(EMU)/tests/gpu/%: tests/gpu/%.c tests/dsk_test.h $(wildcard tests/gpu/*.h) $(E
 
 $(EMU)/tests/gpu/test_moe_gpu: EMU_LIBS = $(EMU_SELF_LIBS)
 
-$(EMU)/examples/%: examples/%.c $(wildcard examples/*.h) $(EMU_DEPS)
+$(EMU)/examples/%: examples/%.c $(EMU_DEPS)
 	@mkdir -p $(dir $@)
 	$(CC) $(EMU_CFLAGS) -o $@ $< $(EMU_LIBS)
 
@@ -169,12 +170,14 @@ $(BUILD)/tests/%: tests/%.c tests/dsk_test.h tests/dsk_test_files.h $(wildcard t
 # These define the implementation themselves (they test private functions or replace DSK_MALLOC).
 $(SELF_IMPL): LIB_LINK = $(KLINK)
 
+# The trainer includes its examples/train_*.h; the other examples are one file each.
+$(BUILD)/examples/train_moe $(EMU)/examples/train_moe: $(wildcard examples/*.h)
 # test_mla tests the example model (examples/train_model.h, train_mla.h).
 $(BUILD)/tests/test_mla: $(wildcard examples/*.h)
 # test_hf tests the Hugging Face import and export of the example model (examples/train_hf.h).
 $(BUILD)/tests/test_hf: $(wildcard examples/*.h)
 
-$(BUILD)/examples/%: examples/%.c $(wildcard examples/*.h) $(DEPS)
+$(BUILD)/examples/%: examples/%.c $(DEPS)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $< $(LIB_LINK) $(LDLIBS)
 
