@@ -14,6 +14,8 @@
 #   rank in bf16 over 30 steps within a bound the test derives (twice one rank's bf16-to-f32
 #   distance); fp16 as tp2 x pp2 and as tp2 x ep2 at ZeRO-2 skips an overflowing step on every
 #   rank, halves the loss scale and leaves the weights as they were;
+#   on the emulated GPU over nccl, tp2 x pp2 against one emulated GPU in f32 (MHA, and MLA with an
+#   MTP module) and in bf16;
 #   checkpoints across layouts (tp2 x pp2 x ZeRO-1 -> one rank and dp4, dp4 x ZeRO-3 -> tp2 x dp2 x
 #   ZeRO-1, one rank -> pp2 x ep2 x dp2 x ZeRO-1) continue as the run that did not stop;
 #   the same objective: with the Switch, sequence-wise and z losses on, every split logs one
@@ -484,6 +486,19 @@ else
     else
         bad "$what" "exit $e1/$ef/$e4, loss RMS $loss, bound '$bound'" \
             "$(grep -E 'rank|error' "$work/emub4.out" | tail -3)"
+    fi
+    # MLA (heads split over tp, the latent down-projections replicated) and an MTP module on the
+    # last stage, through the CUDA kernels and nccl
+    timeout 300 "$EMU_BIN" "${TINY[@]}" "${MLA[@]}" "${EMU[@]}" --log "$work/emum1.jsonl" \
+        --routing-record "$work/emum_routes.bin" >"$work/emum1.out" 2>&1; e1=$?
+    timeout 300 "$EMU_BIN" "${TINY[@]}" "${MLA[@]}" "${EMU[@]}" --nproc 4 --tp 2 --pp 2 --micro-batches 2 \
+        --log "$work/emum4.jsonl" --routing-replay "$work/emum_routes.bin" >"$work/emum4.out" 2>&1; e4=$?
+    loss=$( [ $e1 -eq 0 ] && [ $e4 -eq 0 ] && compare_losses emum1 emum4 6)
+    what="--attn mla --mtp 1 as tp2 x pp2 on the emulated GPU matches one emulated GPU over 6 steps within 1e-5"
+    if within "$loss" 1e-5 && grep -q "4 ranks (expert parallel 1), CUDA, f32" "$work/emum4.out"; then
+        ok "$what (worst $loss)"
+    else
+        bad "$what" "exit $e1/$e4, loss $loss" "$(grep -E 'rank|error' "$work/emum4.out" | tail -3)"
     fi
 fi
 
