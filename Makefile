@@ -45,7 +45,8 @@ LIB_LINK = -Wl,--start-group $(LIB) $(KLINK) -Wl,--end-group
 DEPS     = $(HEADERS) $(LIB) $(KLINK) $(CONFIG)
 SELF_IMPL = $(patsubst %,$(BUILD)/tests/%,test_tensor test_ckpt test_safetensors test_comm gpu/test_moe_gpu)
 
-TESTS     = $(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/test_*.c))
+# tests/trainer/: the tests of the example trainer's own code (its model), not of a library module.
+TESTS     = $(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/test_*.c tests/trainer/test_*.c))
 GPU_TESTS = $(patsubst tests/gpu/%.c,$(BUILD)/tests/gpu/%,$(wildcard tests/gpu/test_*.c))
 EXAMPLES  = $(patsubst examples/%.c,$(BUILD)/examples/%,$(wildcard examples/*.c))
 BENCH_SRC = $(wildcard bench/*.c)
@@ -169,8 +170,8 @@ $(BUILD)/tests/%: tests/%.c tests/dsk_test.h tests/dsk_test_files.h $(wildcard t
 # These define the implementation themselves (they test private functions or replace DSK_MALLOC).
 $(SELF_IMPL): LIB_LINK = $(KLINK)
 
-# test_mla tests the example model (examples/train_model.h, train_mla.h).
-$(BUILD)/tests/test_mla: $(wildcard examples/*.h)
+# trainer/test_model tests the example model (examples/train_model.h, train_mla.h).
+$(BUILD)/tests/trainer/test_model: $(wildcard examples/*.h)
 # test_hf tests the Hugging Face import and export of the example model (examples/train_hf.h).
 $(BUILD)/tests/test_hf: $(wildcard examples/*.h)
 
