@@ -49,6 +49,8 @@ SELF_IMPL = $(patsubst %,$(BUILD)/tests/%,test_tensor test_ckpt test_safetensors
 TESTS     = $(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/test_*.c tests/trainer/test_*.c))
 GPU_TESTS = $(patsubst tests/gpu/%.c,$(BUILD)/tests/gpu/%,$(wildcard tests/gpu/test_*.c))
 EXAMPLES  = $(patsubst examples/%.c,$(BUILD)/examples/%,$(wildcard examples/*.c))
+# The trainer's headers: the example's model and helpers, and examples/train/ (train_moe.c's parts).
+EXAMPLE_HDR = $(wildcard examples/*.h examples/train/*.h)
 BENCH_SRC = $(wildcard bench/*.c)
 BENCHES   = $(patsubst bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 
@@ -148,7 +150,7 @@ $(EMU)/tests/gpu/%: tests/gpu/%.c tests/dsk_test.h $(wildcard tests/gpu/*.h) $(E
 
 $(EMU)/tests/gpu/test_moe_gpu: EMU_LIBS = $(EMU_SELF_LIBS)
 
-$(EMU)/examples/%: examples/%.c $(wildcard examples/*.h) $(EMU_DEPS)
+$(EMU)/examples/%: examples/%.c $(EXAMPLE_HDR) $(EMU_DEPS)
 	@mkdir -p $(dir $@)
 	$(CC) $(EMU_CFLAGS) -o $@ $< $(EMU_LIBS)
 
@@ -171,11 +173,11 @@ $(BUILD)/tests/%: tests/%.c tests/dsk_test.h tests/dsk_test_files.h $(wildcard t
 $(SELF_IMPL): LIB_LINK = $(KLINK)
 
 # trainer/test_model tests the example model (examples/train_model.h, train_mla.h).
-$(BUILD)/tests/trainer/test_model: $(wildcard examples/*.h)
+$(BUILD)/tests/trainer/test_model: $(EXAMPLE_HDR)
 # test_hf tests the Hugging Face import and export of the example model (examples/train_hf.h).
-$(BUILD)/tests/test_hf: $(wildcard examples/*.h)
+$(BUILD)/tests/test_hf: $(EXAMPLE_HDR)
 
-$(BUILD)/examples/%: examples/%.c $(wildcard examples/*.h) $(DEPS)
+$(BUILD)/examples/%: examples/%.c $(EXAMPLE_HDR) $(DEPS)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $< $(LIB_LINK) $(LDLIBS)
 
