@@ -185,6 +185,17 @@ static dsk_status allreduce_host(trainer *t, dsk_comm *c, void *vals, int64_t n,
     return s;
 }
 
+static dsk_dtype compute_dtype(const trainer *t) {
+    const char *d = t->o->dtype;
+    if (!d[0]) return t->ctx.device.type == DSK_DEV_CUDA ? DSK_BF16 : DSK_F32;
+    if (strcmp(d, "f32") == 0) return DSK_F32;
+    if (strcmp(d, "bf16") == 0) return DSK_BF16;
+    if (strcmp(d, "fp16") == 0 || strcmp(d, "f16") == 0) return DSK_F16;
+    fail(t, "--dtype \"%s\": use f32, bf16 or fp16", d);
+}
+
+#include "train/refuse.h" /* every refused combination of flags */
+
 /* ---- parallel setup */
 
 /* The rank grid of dsk_par.h (tp fastest, then dp with ep inside, then pp): its expert-
@@ -221,42 +232,16 @@ static void setup_comm(trainer *t) {
         agreed_options(o, agree, sizeof agree);
         CHECK(dsk_comm_check_agree(&t->comm, "train_moe options", agree));
     }
+    refuse_layout(t);
     t->ep = o->ep;
-    if (o->tp < 1 || o->pp < 1 || o->micro < 1 || o->vstages < 1)
-        fail(t, "--tp %d, --pp %d, --micro-batches %d, --virtual-stages %d: must be at least 1", o->tp, o->pp, o->micro,
-             o->vstages);
-    if (t->world % (o->tp * o->pp) != 0)
-        fail(t, "--tp %d x --pp %d = %d must divide the world size %d", o->tp, o->pp, o->tp * o->pp, t->world);
     t->dp_size = t->world / (o->tp * o->pp);
-    if (t->ep < 1 || t->dp_size % t->ep != 0) {
-        if (o->tp * o->pp == 1) fail(t, "--ep %d must divide the world size %d", t->ep, t->world);
-        fail(t, "--ep %d must divide the %d data-parallel ranks (world %d / (--tp %d x --pp %d))", t->ep, t->dp_size,
-             t->world, o->tp, o->pp);
-    }
-    if (o->experts % t->ep != 0) fail(t, "--ep %d must divide --experts %d", t->ep, o->experts);
-    if (o->batch % t->dp_size != 0)
-        fail(t, "--batch %d (global) must be a multiple of the %s %d", o->batch,
-             o->tp * o->pp > 1 ? "data-parallel ranks" : "world size", t->dp_size);
     t->batch_local = o->batch / t->dp_size;
     t->dp_rank = 0;
     t->par.on = o->tp > 1 || o->pp > 1;
-    if (!t->par.on && (o->micro > 1 || o->vstages > 1 || strcmp(o->pp_schedule, "1f1b") != 0))
-        fail(t, "--micro-batches, --virtual-stages and --pp-schedule need --pp 2 or more (--accum accumulates "
-                "gradients without a pipeline)");
-    if (dsk_par_schedule_parse(o->pp_schedule, &t->par.kind) != DSK_OK)
-        fail(t, "--pp-schedule \"%s\": use gpipe, 1f1b or interleaved", o->pp_schedule);
-    if (o->vstages > 1 && t->par.kind != DSK_PAR_INTERLEAVED)
-        fail(t, "--virtual-stages %d needs --pp-schedule interleaved", o->vstages);
-    if (t->par.kind == DSK_PAR_INTERLEAVED && o->micro % o->pp != 0)
-        fail(t, "--pp-schedule interleaved needs --micro-batches (%d) to be a multiple of --pp %d", o->micro, o->pp);
+    CHECK(dsk_par_schedule_parse(o->pp_schedule, &t->par.kind)); /* refuse_layout checked it */
     t->par.M = o->micro;
     t->par.v = o->vstages;
     t->par.embed_group = o->mtp > 0; /* the last stage's copy of the embedding (train_par.h) */
-    if (o->mtp > 0 && o->pp > 1 && o->zero >= 2)
-        fail(t,
-             "--mtp %d with --pp %d: --zero 0 or 1 (the last stage's copy of the embedding reduces and gathers "
-             "in another order than the first stage's at --zero %d)",
-             o->mtp, o->pp, o->zero);
     if (t->have_comm) {
         dsk_par_dims d;
         memset(&d, 0, sizeof d);
@@ -282,7 +267,6 @@ static void setup_device(trainer *t) {
     else if (strcmp(o->device, "cuda") == 0) co.device = DSK_PREFER_CUDA;
     else if (strcmp(o->device, "auto") != 0) fail(t, "--device \"%s\": use auto, cpu or cuda", o->device);
     co.cuda_index = t->have_comm ? t->comm.local_rank : 0;
-    if (o->threads < 0) fail(t, "--threads %d: must be >= 0", o->threads);
     co.n_threads = o->threads ? o->threads : t->bind_cpus; /* OpenMP counted the CPUs before --bind */
 #ifdef _OPENMP
     if (co.n_threads > 0) omp_set_num_threads(co.n_threads); /* the parallel loops that take no ctx follow OpenMP's default */
@@ -290,21 +274,10 @@ static void setup_device(trainer *t) {
     CHECK(dsk_ctx_init(&t->ctx, &co));
 }
 
-static dsk_dtype compute_dtype(const trainer *t) {
-    const char *d = t->o->dtype;
-    if (!d[0]) return t->ctx.device.type == DSK_DEV_CUDA ? DSK_BF16 : DSK_F32;
-    if (strcmp(d, "f32") == 0) return DSK_F32;
-    if (strcmp(d, "bf16") == 0) return DSK_BF16;
-    if (strcmp(d, "fp16") == 0 || strcmp(d, "f16") == 0) return DSK_F16;
-    fail(t, "--dtype \"%s\": use f32, bf16 or fp16", d);
-}
-
 /* ---- data */
 
 static void setup_data(trainer *t) {
     const options *o = t->o;
-    if (o->val_every < 2) fail(t, "--val-every %d: must be at least 2", o->val_every);
-    if (o->corpus_mb < 0) fail(t, "--corpus-mb %g: must be >= 0 (0 = no cap on --data)", o->corpus_mb);
     CHECK(td_load(&t->data, o->data, o->n_data, o->vocab, "/usr/include", (size_t)(o->corpus_mb * 1e6)));
     CHECK(td_set_windows(&t->data, o->seq, o->val_every, o->batch));
     size_t n = (size_t)t->batch_local * (size_t)o->seq;
@@ -313,7 +286,6 @@ static void setup_data(trainer *t) {
     t->h_win = (int32_t *)malloc((size_t)(o->seq + 1) * sizeof(int32_t));
     t->h_index = (int64_t *)malloc((size_t)t->batch_local * sizeof(int64_t));
     if (!t->h_ids || !t->h_tgt || !t->h_win || !t->h_index) fail(t, "out of memory for the batch buffers");
-    if (o->prefetch < 0) fail(t, "--prefetch %d: must be >= 0", o->prefetch);
     CHECK(td_loader_init(&t->loader, &t->data, t->batch_local, o->prefetch, t->dp_size, t->dp_rank, (uint64_t)o->seed,
                          !o->no_shuffle, o->drop_last));
     t->sample_log = -1;
@@ -370,9 +342,6 @@ static dsk_status load_val_batch(trainer *t, int64_t i) {
 static void setup_routes(trainer *t) {
     const options *o = t->o;
     if (!o->routing_record && !o->routing_replay) return;
-    if (o->routing_record && o->routing_replay) fail(t, "--routing-record and --routing-replay exclude each other");
-    if (o->cuda_graph || o->grad_check)
-        fail(t, "--routing-record/--routing-replay run without --cuda-graph and --grad-check");
     t->route_seq = (int64_t *)malloc((size_t)t->batch_local * sizeof(int64_t));
     if (!t->route_seq) fail(t, "out of memory for the routing record");
     CHECK(tm_routes_open(&t->routes, o->routing_record ? TM_ROUTES_RECORD : TM_ROUTES_REPLAY,
@@ -933,21 +902,7 @@ static void cleanup(trainer *t) {
 static void hf_options(trainer *t) {
     options *o = t->o;
     const dsk_ckpt_hf_deepseek_config *h = &t->hf;
-    if (o->export_hf && strcmp(o->export_dtype, "f32") != 0 && strcmp(o->export_dtype, "bf16") != 0 &&
-        strcmp(o->export_dtype, "fp8") != 0)
-        fail(t, "--export-dtype \"%s\": use f32, bf16 or fp8", o->export_dtype);
-    if (o->export_hf &&
-        (o->tp > 1 || o->pp > 1 || o->ep > 1 || t->zopts.stage > 0 || t->zopts.compress != DSK_ZERO_COMPRESS_NONE))
-        fail(t, "--export-hf runs without --tp, --pp, --ep, --zero and --grad-compress in this trainer");
-    if (o->export_hf && !o->init_from_hf && strcmp(o->attn, "mla") != 0)
-        fail(t, "--export-hf writes DeepSeek's MLA layout: use --attn mla (or --init-from-hf)");
-    if (o->export_hf && !o->init_from_hf && strcmp(o->score, "softmax") == 0 && o->bias_rate > 0)
-        fail(t, "--export-hf of a softmax-routed model writes DeepseekV2, which has no expert bias: pass "
-                "--bias-rate 0");
     if (!o->init_from_hf) return;
-    if (o->tp > 1 || o->pp > 1)
-        fail(t, "--init-from-hf runs without --tp and --pp in this trainer (the hub's tensors are read whole, not as "
-                "tensor-parallel boxes or pipeline stages)");
     CHECK(dsk_ckpt_hf_deepseek_config_read(&t->hf, o->init_from_hf));
     t->have_hf = 1;
     o->vocab = (int)h->vocab_size;
@@ -975,49 +930,27 @@ static void hf_options(trainer *t) {
     if (!o->mtp_ffn[0]) strcpy(o->mtp_ffn, "moe"); /* the hub's MTP layer is an MoE layer */
 }
 
-static void check_options(trainer *t) {
-    const options *o = t->o;
-    if (o->steps < 1) fail(t, "--steps %d: must be at least 1", o->steps);
-    if (o->accum < 1) fail(t, "--accum %d: must be at least 1", o->accum);
-    if (o->batch < 1) fail(t, "--batch %d: must be at least 1", o->batch);
-    if (o->val_interval < 1 || o->val_batches < 1 || o->log_every < 1)
-        fail(t, "--val-interval %d, --val-batches %d, --log-every %d: must be at least 1", o->val_interval, o->val_batches, o->log_every);
-    if (o->warmup < 0 || o->ckpt_every < 0 || o->keep < 0 || o->sample_len < 0 || o->stop_at < 0)
-        fail(t, "--warmup, --ckpt-every, --keep, --sample-len, --stop-at must be >= 0");
-    if (o->zero < 0 || o->zero > 3) fail(t, "--zero %d: use 0, 1, 2 or 3", o->zero);
-    if (!tz_parse_compress(o->grad_compress, &t->zopts))
-        fail(t, "--grad-compress \"%s\": use none, bf16 or powersgd:R[:START] (R >= 1, START >= 0)", o->grad_compress);
-    t->zopts.stage = o->zero;
-    t->engine = !o->cuda_graph;
-    if (o->cuda_graph && (o->zero > 0 || t->zopts.compress != DSK_ZERO_COMPRESS_NONE))
-        fail(t, "--cuda-graph runs without --zero and --grad-compress");
-    if (!(o->lr > 0) || o->min_lr < 0 || o->wd < 0 || o->clip < 0 || o->beta1 < 0 || o->beta1 >= 1 || o->beta2 < 0 || o->beta2 >= 1)
-        fail(t, "--lr %g (> 0), --min-lr %g, --wd %g, --clip %g (>= 0), --beta1 %g, --beta2 %g (in [0, 1)) out of range", o->lr,
-             o->min_lr, o->wd, o->clip, o->beta1, o->beta2);
+/* What the run derives from the flags refuse_flags passed. */
+static void derive_options(trainer *t) {
+    tz_parse_compress(t->o->grad_compress, &t->zopts);
+    t->zopts.stage = t->o->zero;
+    t->engine = !t->o->cuda_graph;
 }
 
-int main(int argc, char **argv) {
-    options o;
-    set_defaults(&o);
-    if (apply_preset(&o, argc, argv) != 0) return 2;
-    int rc = parse_args(&o, argc, argv);
-    if (rc) return rc;
-    if (o.help) { usage(stdout); return 0; }
-    short_omp_spin(argv);
-    if (o.nproc < 0) { fprintf(stderr, "train_moe: --nproc %d: must be >= 1\n", o.nproc); return 2; }
-    if (o.max_restarts < 0) { fprintf(stderr, "train_moe: --max-restarts %d: must be >= 0\n", o.max_restarts); return 2; }
-    if ((o.nproc > 1 || o.max_restarts > 0) && !getenv("RANK")) return launch_local(&o, argc, argv);
-
-    trainer tr, *t = &tr;
-    memset(t, 0, sizeof *t);
-    t->o = &o;
+/* Everything before the first step, in this order: the flags refused or taken, the ranks meet,
+   placement, device, data, model, optimizer groups, engine, Hugging Face import, routing record,
+   metrics, and the FLOPs and peak MFU divides by. */
+static void setup(trainer *t) {
+    const options *o = t->o;
     int e = ts_start(&t->sig); /* before any thread starts */
     if (e != 0) fail(t, "cannot start the signal thread: %s", strerror(e));
-    check_options(t);
+    refuse_flags(t);
+    derive_options(t);
     hf_options(t);
     setup_comm(t);
     setup_bind(t);
     setup_device(t);
+    refuse_device(t);
     setup_data(t);
     int64_t live0 = dsk_tensor_mem_stats(t->ctx.device).live_bytes;
     setup_model(t);
@@ -1027,18 +960,111 @@ int main(int argc, char **argv) {
     setup_loss_span(t);
     import_hf(t);
     setup_routes(t);
-    if (o.cuda_graph && (t->ctx.device.type != DSK_DEV_CUDA || t->world > 1))
-        fail(t,
-             "--cuda-graph needs one rank on a GPU (this run: %d ranks on %s): the gradient reductions of several "
-             "ranks synchronise through host-side events that a graph cannot hold",
-             t->world, t->ctx.device.type == DSK_DEV_CUDA ? "GPUs" : "the CPU");
-    if (o.cuda_graph && o.profile)
-        fail(t, "--cuda-graph and --profile exclude each other: --profile synchronises the device after each op, "
-                "which a graph capture cannot hold");
     setup_metrics(t);
     t->flops_per_token = flops_per_token(t);
-    t->peak_flops = o.peak_tflops > 0 ? o.peak_tflops * 1e12 : t->ctx.device.type == DSK_DEV_CUDA ? 989e12 : measure_cpu_peak(t);
+    t->peak_flops = o->peak_tflops > 0                   ? o->peak_tflops * 1e12
+                    : t->ctx.device.type == DSK_DEV_CUDA ? 989e12
+                                                         : measure_cpu_peak(t);
     t->job_peak = t->world * t->peak_flops;
+}
+
+/* After a step: validation every --val-interval steps and at the last. */
+static void validate_at_step(trainer *t) {
+    const options *o = t->o;
+    float v;
+    if (t->step % o->val_interval != 0 && t->step != o->steps) return;
+    t->model.profile = 0; /* --profile times training steps only */
+    CHECK(validate(t, &v));
+    t->model.profile = o->profile;
+    log_val(t, v);
+}
+
+/* A SIGUSR1 on any rank: save now (unless this step was just saved) and go on. */
+static void save_on_request(trainer *t, int64_t *last_saved) {
+    if (t->have_ck && *last_saved != t->step) {
+        CHECK(save_counted(t));
+        *last_saved = t->step;
+    }
+    if (t->have_ck) say(t, "SIGUSR1: checkpoint of step %lld saved; training goes on\n", (long long)t->step);
+    else say(t, "SIGUSR1 at step %lld: no --ckpt-dir, nothing saved; training goes on\n", (long long)t->step);
+}
+
+/* The steps up to --steps (or --stop-at): train, log, validate, checkpoint every --ckpt-every,
+   metrics, signals agreed by every rank; then the last checkpoint is saved and written. Returns
+   the signal that stopped the run early, 0 when it ran to its end. */
+static int train_loop(trainer *t) {
+    const options *o = t->o;
+    int64_t last_saved = t->step;
+    int stop_sig = 0, save;
+    t->t_start = now_s();
+    t->model.profile = o->profile;
+    while (t->step < o->steps && !(o->stop_at > 0 && t->step >= o->stop_at)) {
+        step_info si;
+        double waited = t->data_wait_s;
+        if (o->profile && t->step == (o->steps >= 20 ? 10 : o->steps / 2)) profile_clear(t); /* warm-up done */
+        CHECK(train_step(t, &si));
+        si.data_ms = 1e3 * (t->data_wait_s - waited);
+        log_step(t, &si);
+        validate_at_step(t);
+        if (t->have_ck && o->ckpt_every > 0 && t->step % o->ckpt_every == 0) {
+            CHECK(save_counted(t));
+            last_saved = t->step;
+        }
+        write_metrics(t, &si);
+        poll_signals(t, &stop_sig, &save);
+        if (save) save_on_request(t, &last_saved);
+        if (stop_sig) break;
+    }
+    if (t->have_ck) {
+        if (last_saved != t->step) CHECK(save_counted(t));
+        double t0 = now_s();
+        CHECK(dsk_ckpt_wait(&t->ck));
+        t->mv.checkpoint_s += now_s() - t0;
+    }
+    write_metrics(t, NULL);
+    return stop_sig;
+}
+
+/* A run that reached its end: reports, the sample, --export-hf, the summary line. */
+static void finish(trainer *t) {
+    const options *o = t->o;
+    double wall = now_s() - t->t_start;
+    report_mla(t, "end");
+    if (o->profile) profile_report(t);
+    if (t->step == o->steps) CHECK(generate(t));
+    CHECK(tm_routes_close(&t->routes));
+    if (o->export_hf && t->rank == 0) {
+        double t0 = now_s();
+        CHECK(thf_export(&t->model, t->have_hf ? &t->hf : NULL, o->export_hf, o->export_dtype, 0));
+        say(t, "exported step %lld to %s (%s) in %.2f s\n", (long long)t->step, o->export_hf, o->export_dtype,
+            now_s() - t0);
+    }
+    say(t,
+        "done: %lld steps in %.1f s (%.0f tokens/s, %.2f%% of step time waiting for data), final validation loss "
+        "%.4f\n",
+        (long long)t->step, wall,
+        t->steps_timed ? (double)o->batch * o->accum * o->seq * t->steps_timed / t->train_seconds : 0.0,
+        t->train_seconds > 0 ? 100 * t->data_wait_s / t->train_seconds : 0.0, (double)t->last_val);
+}
+
+int main(int argc, char **argv) {
+    options o;
+    set_defaults(&o);
+    if (apply_preset(&o, argc, argv) != 0) return 2;
+    int rc = parse_args(&o, argc, argv);
+    if (rc) return rc;
+    if (o.help) {
+        usage(stdout);
+        return 0;
+    }
+    short_omp_spin(argv);
+    if ((rc = refuse_launch(&o)) != 0) return rc;
+    if ((o.nproc > 1 || o.max_restarts > 0) && !getenv("RANK")) return launch_local(&o, argc, argv);
+
+    trainer tr, *t = &tr;
+    memset(t, 0, sizeof *t);
+    t->o = &o;
+    setup(t);
     if (o.grad_check > 0) {
         rc = grad_check(t);
         cleanup(t);
@@ -1056,67 +1082,9 @@ int main(int argc, char **argv) {
         CHECK(validate(t, &v));
         log_val(t, v);
     }
-    t->t_start = now_s();
-    int64_t last_saved = t->step;
-    int stop_sig = 0;
-    t->model.profile = o.profile;
-    while (t->step < o.steps && !(o.stop_at > 0 && t->step >= o.stop_at)) {
-        step_info si;
-        double waited = t->data_wait_s;
-        if (o.profile && t->step == (o.steps >= 20 ? 10 : o.steps / 2)) profile_clear(t); /* warm-up done */
-        CHECK(train_step(t, &si));
-        si.data_ms = 1e3 * (t->data_wait_s - waited);
-        log_step(t, &si);
-        if (t->step % o.val_interval == 0 || t->step == o.steps) {
-            float v;
-            t->model.profile = 0; /* --profile times training steps only */
-            CHECK(validate(t, &v));
-            t->model.profile = o.profile;
-            log_val(t, v);
-        }
-        if (t->have_ck && o.ckpt_every > 0 && t->step % o.ckpt_every == 0) {
-            CHECK(save_counted(t));
-            last_saved = t->step;
-        }
-        write_metrics(t, &si);
-        int save;
-        poll_signals(t, &stop_sig, &save);
-        if (save) {
-            if (t->have_ck && last_saved != t->step) {
-                CHECK(save_counted(t));
-                last_saved = t->step;
-            }
-            if (t->have_ck) say(t, "SIGUSR1: checkpoint of step %lld saved; training goes on\n", (long long)t->step);
-            else say(t, "SIGUSR1 at step %lld: no --ckpt-dir, nothing saved; training goes on\n", (long long)t->step);
-        }
-        if (stop_sig) break;
-    }
-    if (t->have_ck) {
-        if (last_saved != t->step) CHECK(save_counted(t));
-        double t0 = now_s();
-        CHECK(dsk_ckpt_wait(&t->ck));
-        t->mv.checkpoint_s += now_s() - t0;
-    }
-    write_metrics(t, NULL);
-    if (stop_sig) {
-        report_stop(t, stop_sig);
-        cleanup(t);
-        return 0;
-    }
-    double wall = now_s() - t->t_start;
-    report_mla(t, "end");
-    if (o.profile) profile_report(t);
-    if (t->step == o.steps) CHECK(generate(t));
-    CHECK(tm_routes_close(&t->routes));
-    if (o.export_hf && t->rank == 0) {
-        double t0 = now_s();
-        CHECK(thf_export(&t->model, t->have_hf ? &t->hf : NULL, o.export_hf, o.export_dtype, 0));
-        say(t, "exported step %lld to %s (%s) in %.2f s\n", (long long)t->step, o.export_hf, o.export_dtype,
-            now_s() - t0);
-    }
-    say(t, "done: %lld steps in %.1f s (%.0f tokens/s, %.2f%% of step time waiting for data), final validation loss %.4f\n",
-        (long long)t->step, wall, t->steps_timed ? (double)o.batch * o.accum * o.seq * t->steps_timed / t->train_seconds : 0.0,
-        t->train_seconds > 0 ? 100 * t->data_wait_s / t->train_seconds : 0.0, (double)t->last_val);
+    int stop_sig = train_loop(t);
+    if (stop_sig) report_stop(t, stop_sig);
+    else finish(t);
     cleanup(t);
     return 0;
 }

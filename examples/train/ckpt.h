@@ -300,7 +300,6 @@ static void setup_ckpt(trainer *t) {
     options *o = t->o;
     int restart = ts_restart_count();
     if (!o->ckpt_dir) {
-        if (o->resume) fail(t, "--resume needs --ckpt-dir");
         if (restart > 0) say(t, "restart %d: no --ckpt-dir, starting again from step 0\n", restart);
         return;
     }

@@ -31,7 +31,6 @@ static void setup_metrics(trainer *t) {
     tm_model *m = &t->model;
     t->metrics_on = o->metrics_path || o->metrics_port;
     if (!t->metrics_on) return;
-    if (o->metrics_port < 0) fail(t, "--metrics-port %d: must be in 1..65535 (0 = off)", o->metrics_port);
     int n_moe = m->cfg.n_layers - m->cfg.n_dense, local = t->have_comm ? t->comm.local_rank : 0;
     size_t layers = (size_t)(n_moe > 0 ? n_moe : 1), experts = (size_t)(o->experts > 0 ? o->experts : 1);
     t->moe_layer = (int *)calloc(layers, sizeof *t->moe_layer);
