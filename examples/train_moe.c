@@ -11,17 +11,25 @@
      dsk_moe.h     the MoE feed-forward layers
      dsk_amp.h     loss scaling, non-finite check, clipping
      dsk_ckpt.h    async checkpoints and exact resume
-     dsk_comm.h    ranks, data-parallel gradient buckets, expert parallelism
+     dsk_comm.h    ranks, collectives, expert parallelism
      dsk_par.h     the rank grid; tensor, sequence and pipeline parallelism (examples/train_par.h)
      dsk_zero.h    --zero 1|2|3, --grad-compress: sharded data parallelism (examples/train_zero.h)
    A step reads the data, runs forward and backward for each micro-batch, all-reduces the
    gradients, unscales and clips them, applies AdamW, updates the expert biases, logs, and
    every --ckpt-every steps hands a checkpoint to a background writer.
-   Running it in production (README: Running in production):
-     train_data.h     corpus, PyTorch's DistributedSampler order, a loader thread reading ahead
-     train_metrics.h  Prometheus /metrics (--metrics-port) and the node_exporter file (--metrics)
-     train_signals.h  SIGTERM/SIGINT: finish the step, save, exit 0; SIGUSR1: save; --max-restarts
-     train_bind.h     --bind core | numa */
+   Read it top down: the trainer struct, the setup_* functions, train_step, validation and
+   sampling, then main (setup, train_loop, finish). Its parts, one translation unit:
+     train/flags.h    TRAIN_FLAGS: every flag with its default and help, by area; --help, presets
+     train/refuse.h   every combination of flags the trainer refuses (README's table mirrors it)
+     train/graph.h    --cuda-graph: the step captured once and replayed
+     train/ckpt.h     checkpoints: save, load, resume from the newest good one
+     train/report.h   the log lines, banner, memory and --profile reports
+     train/gradcheck.h  --grad-check
+     train/prod.h     production (README: Running in production): --bind, --metrics and
+                      --metrics-port, --nproc and --max-restarts, pre-emption (SIGTERM, SIGUSR1)
+   and the example's helpers: train_model.h (the model), train_par.h (+ train/par_run.h: tensor
+   and pipeline parallelism), train_zero.h (the engine's groups), train_hf.h (Hugging Face),
+   train_data.h (loader, DistributedSampler order), train_metrics.h, train_signals.h, train_bind.h. */
 #define _GNU_SOURCE /* before any header: train_bind.h's CPU affinity calls (sched_setaffinity, CPU_SET) are GNU */
 #include "../dsk_comm.h"
 #include "../dsk_tensor.h"
