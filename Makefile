@@ -45,9 +45,12 @@ LIB_LINK = -Wl,--start-group $(LIB) $(KLINK) -Wl,--end-group
 DEPS     = $(HEADERS) $(LIB) $(KLINK) $(CONFIG)
 SELF_IMPL = $(patsubst %,$(BUILD)/tests/%,test_tensor test_ckpt test_safetensors test_comm gpu/test_moe_gpu)
 
-TESTS     = $(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/test_*.c))
+# tests/trainer/: the tests of the example trainer's own code (its model), not of a library module.
+TESTS     = $(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/test_*.c tests/trainer/test_*.c))
 GPU_TESTS = $(patsubst tests/gpu/%.c,$(BUILD)/tests/gpu/%,$(wildcard tests/gpu/test_*.c))
 EXAMPLES  = $(patsubst examples/%.c,$(BUILD)/examples/%,$(wildcard examples/*.c))
+# The trainer's headers: the example's model and helpers, and examples/train/ (train_moe.c's parts).
+EXAMPLE_HDR = $(wildcard examples/*.h examples/train/*.h)
 BENCH_SRC = $(wildcard bench/*.c)
 BENCHES   = $(patsubst bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 
@@ -170,12 +173,12 @@ $(BUILD)/tests/%: tests/%.c tests/dsk_test.h tests/dsk_test_files.h $(wildcard t
 # These define the implementation themselves (they test private functions or replace DSK_MALLOC).
 $(SELF_IMPL): LIB_LINK = $(KLINK)
 
-# The trainer includes its examples/train_*.h; the other examples are one file each.
-$(BUILD)/examples/train_moe $(EMU)/examples/train_moe: $(wildcard examples/*.h)
-# test_mla tests the example model (examples/train_model.h, train_mla.h).
-$(BUILD)/tests/test_mla: $(wildcard examples/*.h)
+# The trainer includes its examples/train_*.h and train/*.h; the other examples are one file each.
+$(BUILD)/examples/train_moe $(EMU)/examples/train_moe: $(EXAMPLE_HDR)
+# trainer/test_model tests the example model (examples/train_model.h, train_mla.h).
+$(BUILD)/tests/trainer/test_model: $(EXAMPLE_HDR)
 # test_hf tests the Hugging Face import and export of the example model (examples/train_hf.h).
-$(BUILD)/tests/test_hf: $(wildcard examples/*.h)
+$(BUILD)/tests/test_hf: $(EXAMPLE_HDR)
 
 $(BUILD)/examples/%: examples/%.c $(DEPS)
 	@mkdir -p $(dir $@)

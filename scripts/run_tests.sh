@@ -74,7 +74,7 @@ if [ "${1:-}" = gpu ]; then
   progs=""
   scripts=""
 else
-  progs=$(ls "$BUILD"/tests/test_* 2>/dev/null)
+  progs=$(ls "$BUILD"/tests/test_* "$BUILD"/tests/trainer/test_* 2>/dev/null)
   scripts=$(ls tests/test_*.sh tests/interop/test_*.sh 2>/dev/null)
 fi
 if { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; } ||

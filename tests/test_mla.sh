@@ -188,6 +188,5 @@ check_bad rope '--qk-rope-dim 5 must be even' --attn mla --qk-rope-dim 5
 check_bad mtp '--mtp 9: between 0 and 4' --mtp 9
 check_bad mtp_ffn '--mtp-ffn "wide": use dense or moe' --mtp 1 --mtp-ffn wide
 check_bad mtp_ffn_dense '--mtp-ffn moe: the model has no MoE layer' --mtp 1 --mtp-ffn moe --layers 2 --dense-layers 2
-check_bad mtp_pp_zero '--mtp 1 with --pp 2: --zero 0 or 1' --mtp 1 --pp 2 --nproc 2 --zero 2
 
 finish

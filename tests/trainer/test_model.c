@@ -1,4 +1,4 @@
-/* test_mla.c - the example model's DeepSeek-V3 parts (examples/train_mla.h) on the CPU:
+/* tests/trainer/test_model.c - the example model's DeepSeek-V3 parts (examples/train_mla.h) on the CPU:
    - MLA and MTP forward (logits of the main model and of every MTP module, and the loss
      L_main + lambda / D sum_k L_k) against an independent float64 implementation of the
      formulas (DeepSeek-V3 inference/model.py class MLA; the V3 report's MTP), for a query
@@ -62,7 +62,11 @@ static void ref_rope(double *v, int64_t d, int64_t pos, double theta) {
     }
 }
 
-typedef struct ref_ctx { const tm_model *m; double *keep[512]; int nkeep; } ref_ctx;
+typedef struct ref_ctx {
+    const tm_model *m;
+    double *keep[512];
+    int nkeep;
+} ref_ctx;
 #define RW(p) ref_w((p), r->keep, &r->nkeep)
 
 /* x (B*T, D) += MLA(RMSNorm(x)) of block b. */
@@ -115,7 +119,10 @@ static void ref_mla(ref_ctx *r, const tm_block *b, double *x) {
                     sc[j] = s * scale;
                     if (sc[j] > mx) mx = sc[j];
                 }
-                for (int64_t j = 0; j <= i; j++) { sc[j] = exp(sc[j] - mx); sum += sc[j]; }
+                for (int64_t j = 0; j <= i; j++) {
+                    sc[j] = exp(sc[j] - mx);
+                    sum += sc[j];
+                }
                 double *oi = o + ((bb * T + i) * H + hh) * dv;
                 for (int64_t j = 0; j <= i; j++) {
                     const double *vj = kvb + ((bb * T + j) * H + hh) * (dn + dv) + dn;
@@ -125,7 +132,14 @@ static void ref_mla(ref_ctx *r, const tm_block *b, double *x) {
     double *y = calloc((size_t)(N * D), sizeof(double));
     ref_linear(y, o, N, H * dv, RW(b->mla.wo), D, H * dv, 0);
     for (int64_t i = 0; i < N * D; i++) x[i] += y[i];
-    free(h); free(q); free(kv); free(lat); free(kvb); free(o); free(sc); free(y);
+    free(h);
+    free(q);
+    free(kv);
+    free(lat);
+    free(kvb);
+    free(o);
+    free(sc);
+    free(y);
 }
 
 /* x += W2 (silu(W1 h) * W3 h), h = RMSNorm(x) of block b. */
@@ -140,7 +154,10 @@ static void ref_ffn(ref_ctx *r, const tm_block *b, double *x) {
     for (int64_t i = 0; i < N * F; i++) g[i] = g[i] / (1.0 + exp(-g[i])) * u[i];
     ref_linear(y, g, N, F, RW(b->w2), D, F, 0);
     for (int64_t i = 0; i < N * D; i++) x[i] += y[i];
-    free(h); free(g); free(u); free(y);
+    free(h);
+    free(g);
+    free(u);
+    free(y);
 }
 
 /* The MoE parameter `index` (DSK_MOE_P_*) of block l in float64. */
@@ -204,7 +221,8 @@ static void ref_moe(ref_ctx *r, int l, double *x) {
         if (S1) ref_swiglu(y, ht, D, S, S1, S3, S2, 1.0);
         for (int64_t d = 0; d < D; d++) x[t * D + d] += y[d];
     }
-    free(h); free(y);
+    free(h);
+    free(y);
 }
 
 /* The absolute tolerance of f32 logits against float64: 1e-5 of the largest reference logit (at
@@ -302,7 +320,10 @@ static void check_forward(int q_lora, int mtp, int long_ctx, int moe) {
     tm_config c = small_config(q_lora, mtp, 2, moe ? 1 : 2);
     c.mla.mtp_moe = moe;
     c.init_std = 0.5f; /* scores of order 1: the softmax scale shows in the logits */
-    if (long_ctx) { c.mla.original_seq = 8; c.mla.mscale = 0.7f; }
+    if (long_ctx) {
+        c.mla.original_seq = 8;
+        c.mla.mscale = 0.7f;
+    }
     tm_model m;
     DSK_TEST_OK(tm_init(&m, &g_ctx, &c));
     int64_t T = c.seq, N = (int64_t)c.batch * T, D = c.d_model, V = c.vocab;
@@ -384,14 +405,24 @@ static void check_forward(int q_lora, int mtp, int long_ctx, int moe) {
     double mw = 2.0 * D * D + nw + ffn + (double)D * c.vocab;
     DSK_TEST_EXPECT(tmla_mtp_flops(&c) == mtp * (6 * mw + tmla_core_flops(&c)), "MTP FLOPs %g", tmla_mtp_flops(&c));
     for (int i = 0; i < r->nkeep; i++) free(r->keep[i]);
-    free(x); free(logits); free(hn); free(en); free(tgt); free(tok);
+    free(x);
+    free(logits);
+    free(hn);
+    free(en);
+    free(tgt);
+    free(tok);
     tm_free(&m);
     dsk_test_end();
 }
 
 /* ------------------------------------------------------------------ recomputation */
 
-typedef struct step_out { float *grad; int64_t n; float loss; int64_t peak; } step_out;
+typedef struct step_out {
+    float *grad;
+    int64_t n;
+    float loss;
+    int64_t peak;
+} step_out;
 
 /* One forward, loss and backward from fresh weights; the gradients and the allocator's peak
    growth over what was live before the model was built. */
@@ -544,11 +575,14 @@ static void check_bad_config(void) {
 }
 
 int main(void) {
-    dsk_test_init("test_mla");
+    dsk_test_init("trainer/test_model");
     dsk_ctx_opts co;
     memset(&co, 0, sizeof co);
     co.device = DSK_PREFER_CPU;
-    if (dsk_ctx_init(&g_ctx, &co) != DSK_OK) { printf("ctx: %s\n", dsk_last_error()); return 1; }
+    if (dsk_ctx_init(&g_ctx, &co) != DSK_OK) {
+        printf("ctx: %s\n", dsk_last_error());
+        return 1;
+    }
     check_forward(6, 2, 0, 0);
     check_forward(0, 1, 1, 0);
     check_forward(6, 2, 0, 1);

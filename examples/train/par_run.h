@@ -1,0 +1,609 @@
+/* train/par_run.h - the run of examples/train_par.h's model: one block forward and backward
+   (tensor-parallel attention, MLA and FFN, the expert-parallel MoE layer), the MTP modules, the
+   pipeline stages (the executor's callbacks, tp_train_batch, tp_eval_batch), the loss and the
+   checkpoints' expert-bias writer. Moved whole from train_par.h, which keeps the types, the
+   layout, the placement and the views and includes this file at its end. */
+
+/* ------------------------------------------------------------------ one block */
+
+typedef struct tp_acts { /* one slot of a layer */
+    dsk_tensor x, h1, rstd1, h1g, q, k, v, qr, kr, att, probs, x2, h2, rstd2, h2g, g, u, a;
+} tp_acts;
+
+/* The slot of a layer's activation that `need` recomputes (tp_act): 0 when shared. */
+static int tp_sl(const tp_layer *L, int need, int slot) { return L->rc >= need ? 0 : slot; }
+
+static tp_acts tp_slot(tp_state *ps, int l, int slot) {
+    tp_layer *L = &ps->layers[l];
+    tp_acts s;
+    int f = tp_sl(L, TMLA_RECOMPUTE_FULL, slot), a = tp_sl(L, TMLA_RECOMPUTE_ATTN, slot);
+    memset(&s, 0, sizeof s);
+    s.x = tp_part(&L->x, slot, ps->Ns);
+    s.h1 = tp_part(&L->h1, f, ps->Ns);
+    s.rstd1 = tp_part(&L->rstd1, f, ps->Ns);
+    s.x2 = tp_part(&L->x2, f, ps->Ns);
+    s.h2 = tp_part(&L->h2, f, ps->Ns);
+    s.rstd2 = tp_part(&L->rstd2, f, ps->Ns);
+    s.h1g = ps->tp > 1 ? tp_part(&L->h1g, f, ps->Nm) : s.h1;
+    if (!tmla_is_mla(&ps->m->cfg.mla)) { /* MLA's own: tp_mla_slot */
+        s.q = tp_part(&L->q, f, ps->Nm);
+        s.k = tp_part(&L->k, f, ps->Nm);
+        s.v = tp_part(&L->v, f, ps->Nm);
+        s.qr = tp_part(&L->qr, f, ps->Nm);
+        s.kr = tp_part(&L->kr, f, ps->Nm);
+        s.att = tp_part(&L->att, a, ps->Nm);
+        s.probs = tp_part(&L->probs, a, ps->Bm);
+    }
+    if (!ps->m->blocks[l].is_moe) {
+        s.h2g = ps->tp > 1 ? tp_part(&L->h2g, f, ps->Nm) : s.h2;
+        s.g = tp_part(&L->g, f, ps->Nm);
+        s.u = tp_part(&L->u, f, ps->Nm);
+        s.a = tp_part(&L->a, f, ps->Nm);
+    }
+    return s;
+}
+
+/* The place of this rank's first row of micro-batch `micro` in the rank's batch (its MoE calls'
+   rows for routing record and replay): the micro-batch's sequences, then the sequence-parallel
+   shard of the tensor-parallel rank. */
+static int64_t tp_row0(const tp_state *ps, int micro) {
+    return (int64_t)micro * ps->Nm + (int64_t)ps->grid.at.tp * ps->Ns;
+}
+
+/* y = MoE(h) of block l on this rank's Ns rows of micro-batch `micro`; through the layer's f32
+   buffers mx/my when it computes in another dtype than the model (f16: tm_moe_dtype), as
+   tm_moe_forward does. */
+static dsk_status tp_moe_forward(tp_state *ps, int l, int micro, dsk_tensor *y, const dsk_tensor *h,
+                                 dsk_moe_stats *st) {
+    tm_model *m = ps->m;
+    tm_block *b = &m->blocks[l];
+    if (!b->mx.data) return tm_moe_call(m, &b->moe, l, tp_row0(ps, micro), y, h, st);
+    dsk_tensor mx = tm_rows(&b->mx, ps->Ns), my = tm_rows(&b->my, ps->Ns);
+    TM_TRY(dsk_tensor_copy(ps->ctx, &mx, h));
+    TM_TRY(tm_moe_call(m, &b->moe, l, tp_row0(ps, micro), &my, &mx, st));
+    return dsk_tensor_copy(ps->ctx, y, &my);
+}
+
+/* ps->dx holds d(block output): the MoE layer's backward of its last forward, d(h2) into ps->dh
+   (through mx/my as tm_moe_backward). */
+static dsk_status tp_moe_backward(tp_state *ps, int l) {
+    tm_model *m = ps->m;
+    tm_block *b = &m->blocks[l];
+    if (!b->mx.data) {
+        TM_TRY(dsk_tensor_fill(ps->ctx, &ps->dh, 0.0));
+        return dsk_moe_backward(&b->moe, ps->ctx, &ps->dh, &ps->dx, m->aux_scale);
+    }
+    dsk_tensor mx = tm_rows(&b->mx, ps->Ns), my = tm_rows(&b->my, ps->Ns);
+    TM_TRY(dsk_tensor_copy(ps->ctx, &my, &ps->dx));
+    TM_TRY(dsk_tensor_fill(ps->ctx, &mx, 0.0));
+    TM_TRY(dsk_moe_backward(&b->moe, ps->ctx, &mx, &my, m->aux_scale));
+    return dsk_tensor_copy(ps->ctx, &ps->dh, &mx);
+}
+
+/* y = r + X W^T through the row-parallel linear W. On one tensor-parallel rank as train_model.h
+   does it: y = r, then one GEMM adds to it (one rounding in bf16/f16, the one-rank bits); over
+   several the linear's reduced output, then the add. */
+static dsk_status tp_row_residual(tp_state *ps, tm_phase ph, dsk_tensor *y, const dsk_tensor *r, const dsk_tensor *X,
+                                  const dsk_tensor *W) {
+    tm_model *m = ps->m;
+    if (ps->tp == 1) {
+        TM_T(TM_PH_MOVE, dsk_tensor_copy(ps->ctx, y, r));
+        TM_T(ph, dsk_matmul(ps->ctx, y, X, 0, W, 1, 1.0f, 1.0f));
+        return DSK_OK;
+    }
+    TM_T(ph, dsk_par_row_forward(&ps->grid.tp, ps->ctx, &ps->tmp, tp_sp(ps, &ps->big), X, W));
+    TM_T(TM_PH_MOVE, dsk_add(ps->ctx, y, r, &ps->tmp));
+    return DSK_OK;
+}
+
+/* Points MLA block l's activations (train_mla.h reads them from the block) at slot `slot`. */
+static void tp_mla_slot(tp_state *ps, int l, int slot) {
+    const tp_layer *Ly = &ps->layers[l];
+    const tmla_block *L = &Ly->mla;
+    tmla_block *p = &ps->m->blocks[l].mla;
+    int f = tp_sl(Ly, TMLA_RECOMPUTE_FULL, slot), a = tp_sl(Ly, TMLA_RECOMPUTE_ATTN, slot);
+    const dsk_tensor *src[] = {&L->cq,   &L->cqn,     &L->rstd_q, &L->q,   &L->ckv,
+                               &L->ckvn, &L->rstd_kv, &L->kpe,    &L->kvb, &L->k};
+    dsk_tensor *dst[] = {&p->cq, &p->cqn, &p->rstd_q, &p->q, &p->ckv, &p->ckvn, &p->rstd_kv, &p->kpe, &p->kvb, &p->k};
+    for (size_t i = 0; i < sizeof src / sizeof src[0]; i++)
+        if (src[i]->data) *dst[i] = tp_part(src[i], f, ps->Nm);
+    p->att = tp_part(&L->att, a, ps->Nm);
+    p->lse = tp_part(&L->lse, a, ps->Bm);
+}
+
+/* MLA's attention half on slot s (h1 = RMSNorm(x) done): x2 = x + Wo att. Megatron-Core's
+   layout: the latent down-projections (Wq_a, Wkv_a with the shared rope key) and their norms
+   are replicated and run on the sequence-parallel-gathered h1g, whole on every tensor-parallel
+   rank; the up-projections (Wq or Wq_b, Wkv_b) are column-parallel by heads and Wo row-parallel,
+   so the rank's heads need no collective until Wo's reduce-scatter. */
+static dsk_status tp_mla_forward(tp_state *ps, int l, int slot, tp_acts *s) {
+    tm_model *m = ps->m;
+    tm_block *b = &m->blocks[l];
+    tp_mla_slot(ps, l, slot);
+    if (ps->tp > 1)
+        TM_T(TM_PH_MOVE, dsk_par_map_forward(&ps->grid.tp, ps->ctx, DSK_PAR_MAP_GATHER, 0, &s->h1g, &s->h1));
+    TM_TRY(tmla_latent_forward(m, b, ps->Bm, &s->h1g));
+    return tp_row_residual(ps, TM_PH_LINEAR, &s->x2, &s->x, &b->mla.att, &b->mla.wo->wc);
+}
+
+/* ps->dx holds d(x2) of slot s: d(h1) into ps->dh and the MLA weights' gradients. The rank's
+   heads give only their part of d(latent) (every head reads the whole latent), so the
+   replicated down-projections' and latent norms' weight gradients on a rank cover every token
+   but only its heads: the sum over tp of them is the gradient, which the engine's replicated
+   group takes (the sum over the stage's tp x dp ranks, as the sequence-parallel norms' token
+   shares); d(h1g) likewise sums over tp, which the reduce-scatter to the rank's rows does. */
+static dsk_status tp_mla_backward(tp_state *ps, int l, int slot, tp_acts *s) {
+    tm_model *m = ps->m;
+    tm_block *b = &m->blocks[l];
+    dsk_comm *tp = &ps->grid.tp;
+    dsk_tensor *dh = ps->tp > 1 ? &ps->big : &ps->dh; /* d(h1g): all Nm rows */
+    tp_mla_slot(ps, l, slot);
+    TM_T(TM_PH_LINEAR, dsk_par_row_backward(tp, ps->ctx, &m->mla.datt, &b->mla.wo->g, &ps->dx, tp_sp(ps, &ps->big),
+                                            &b->mla.att, &b->mla.wo->wc));
+    TM_TRY(tmla_latent_backward(m, b, ps->Bm, &s->h1g, dh));
+    if (ps->tp > 1) TM_T(TM_PH_MOVE, dsk_par_map_forward(tp, ps->ctx, DSK_PAR_MAP_SCATTER, 0, &ps->dh, dh));
+    return DSK_OK;
+}
+
+/* The attention core of block l again on slot s (--recompute attn: its output and statistics,
+   or MHA's probabilities, are shared by the layers); the same ops on the same inputs. */
+static dsk_status tp_core(tp_state *ps, int l, int slot, tp_acts *s) {
+    tm_model *m = ps->m;
+    if (tmla_is_mla(&m->cfg.mla)) {
+        tp_mla_slot(ps, l, slot);
+        return tmla_core(m, &m->blocks[l], ps->Bm);
+    }
+    dsk_tensor qr4 = tp_heads(ps, &s->qr), kr4 = tp_heads(ps, &s->kr), v4 = tp_heads(ps, &s->v);
+    dsk_tensor att4 = tp_heads(ps, &s->att);
+    TM_T(TM_PH_ATTN, dsk_attention(ps->ctx, &att4, &s->probs, &qr4, &kr4, &v4, 1.0f / sqrtf((float)ps->Dh)));
+    return DSK_OK;
+}
+
+/* The attention half of block l on slot s (its x filled): x2 = x + attention(RMSNorm(x)) and
+   h2 = RMSNorm(x2), everything backward needs kept. */
+static dsk_status tp_attn_half(tp_state *ps, int l, int slot, tp_acts *s) {
+    tm_model *m = ps->m;
+    tm_block *b = &m->blocks[l];
+    dsk_ctx *ctx = ps->ctx;
+    const tm_config *c = &m->cfg;
+    TM_T(TM_PH_NORM, dsk_rmsnorm(ctx, &s->h1, &s->rstd1, &s->x, &b->ln1->wc, c->norm_eps));
+    if (tmla_is_mla(&c->mla)) {
+        TM_TRY(tp_mla_forward(ps, l, slot, s));
+    } else {
+        dsk_tensor *Y3[3] = {&s->q, &s->k, &s->v};
+        const dsk_tensor *W3[3] = {&b->wq->wc, &b->wk->wc, &b->wv->wc};
+        TM_T(TM_PH_LINEAR, dsk_par_column_forward(&ps->grid.tp, ctx, 3, Y3, W3, &s->h1, tp_sp(ps, &s->h1g)));
+        dsk_tensor q4 = tp_heads(ps, &s->q), k4 = tp_heads(ps, &s->k), qr4 = tp_heads(ps, &s->qr);
+        dsk_tensor kr4 = tp_heads(ps, &s->kr);
+        TM_T(TM_PH_ROPE, dsk_rope(ctx, &qr4, &q4, 0, c->rope_theta));
+        TM_T(TM_PH_ROPE, dsk_rope(ctx, &kr4, &k4, 0, c->rope_theta));
+        TM_TRY(tp_core(ps, l, slot, s));
+        TM_TRY(tp_row_residual(ps, TM_PH_LINEAR, &s->x2, &s->x, &s->att, &b->wo->wc));
+    }
+    TM_T(TM_PH_NORM, dsk_rmsnorm(ctx, &s->h2, &s->rstd2, &s->x2, &b->ln2->wc, c->norm_eps));
+    return DSK_OK;
+}
+
+/* The dense FFN's input side on slot s: g, u = the column-parallel W1, W3 of h2, a = SwiGLU. */
+static dsk_status tp_ffn_in(tp_state *ps, const tm_block *b, tp_acts *s) {
+    tm_model *m = ps->m;
+    dsk_tensor *Y2[2] = {&s->g, &s->u};
+    const dsk_tensor *W2[2] = {&b->w1->wc, &b->w3->wc};
+    TM_T(TM_PH_FFN, dsk_par_column_forward(&ps->grid.tp, ps->ctx, 2, Y2, W2, &s->h2, tp_sp(ps, &s->h2g)));
+    TM_T(TM_PH_FFN, dsk_swiglu(ps->ctx, &s->a, &s->g, &s->u));
+    return DSK_OK;
+}
+
+/* Block l on slot `slot` (its x filled): y = block(x), everything backward needs kept. */
+static dsk_status tp_block_forward(tp_state *ps, int l, int slot, int micro, dsk_tensor *y) {
+    tm_model *m = ps->m;
+    tm_block *b = &m->blocks[l];
+    tp_acts s = tp_slot(ps, l, slot);
+    TM_TRY(tp_attn_half(ps, l, slot, &s));
+    if (!b->is_moe) {
+        TM_TRY(tp_ffn_in(ps, b, &s));
+        return tp_row_residual(ps, TM_PH_FFN, y, &s.x2, &s.a, &b->w2->wc);
+    }
+    TM_T(TM_PH_MOE, tp_moe_forward(ps, l, micro, y, &s.h2, m->want_stats ? &b->stats : NULL));
+    ps->layers[l].moe_micro = ps->train && !b->moe.eval ? micro : -1;
+    TM_T(TM_PH_MOVE, dsk_add(ps->ctx, y, y, &s.x2));
+    return DSK_OK;
+}
+
+/* ps->dx holds d(x2) of slot s of an MHA block: d(h1) into ps->dh and the weights' gradients. */
+static dsk_status tp_mha_backward(tp_state *ps, int l, tp_acts *s) {
+    tm_model *m = ps->m;
+    tm_block *b = &m->blocks[l];
+    dsk_ctx *ctx = ps->ctx;
+    dsk_comm *tp = &ps->grid.tp;
+    const tm_config *c = &m->cfg;
+    TM_T(TM_PH_LINEAR,
+         dsk_par_row_backward(tp, ctx, &ps->datt, &b->wo->g, &ps->dx, tp_sp(ps, &ps->big), &s->att, &b->wo->wc));
+    dsk_tensor *zs[] = {&ps->dqr, &ps->dkr, &ps->dv, &ps->dq, &ps->dk};
+    for (size_t i = 0; i < 5; i++) TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, zs[i], 0.0));
+    dsk_tensor qr4 = tp_heads(ps, &s->qr), kr4 = tp_heads(ps, &s->kr), v4 = tp_heads(ps, &s->v);
+    dsk_tensor do4 = tp_heads(ps, &ps->datt), dqr4 = tp_heads(ps, &ps->dqr), dkr4 = tp_heads(ps, &ps->dkr);
+    dsk_tensor dv4 = tp_heads(ps, &ps->dv), dq4 = tp_heads(ps, &ps->dq), dk4 = tp_heads(ps, &ps->dk);
+    TM_T(TM_PH_ATTN, dsk_attention_backward(ctx, &dqr4, &dkr4, &dv4, &do4, &qr4, &kr4, &v4, &s->probs,
+                                            1.0f / sqrtf((float)ps->Dh)));
+    TM_T(TM_PH_ROPE, dsk_rope_backward(ctx, &dq4, &dqr4, 0, c->rope_theta));
+    TM_T(TM_PH_ROPE, dsk_rope_backward(ctx, &dk4, &dkr4, 0, c->rope_theta));
+    dsk_tensor *dW[3] = {&b->wq->g, &b->wk->g, &b->wv->g};
+    const dsk_tensor *dY[3] = {&ps->dq, &ps->dk, &ps->dv}, *W[3] = {&b->wq->wc, &b->wk->wc, &b->wv->wc};
+    TM_T(TM_PH_LINEAR, dsk_par_column_backward(tp, ctx, 3, &ps->dh, tp_sp(ps, &ps->big), dW, dY, W, &s->h1g));
+    return DSK_OK;
+}
+
+/* ps->dx holds d(block output) of slot `slot`; leaves d(block input) there, gradients added. */
+static dsk_status tp_block_backward(tp_state *ps, int l, int slot, int micro) {
+    tm_model *m = ps->m;
+    tm_block *b = &m->blocks[l];
+    dsk_ctx *ctx = ps->ctx;
+    dsk_comm *tp = &ps->grid.tp;
+    const tm_config *c = &m->cfg;
+    tp_acts s = tp_slot(ps, l, slot);
+    int rc = ps->layers[l].rc;
+    if (rc == TMLA_RECOMPUTE_FULL) { /* only x was kept: the forward again (an MoE layer keeps its own state) */
+        TM_TRY(tp_attn_half(ps, l, slot, &s));
+        if (!b->is_moe) TM_TRY(tp_ffn_in(ps, b, &s));
+    }
+    if (!b->is_moe) {
+        TM_T(TM_PH_FFN,
+             dsk_par_row_backward(tp, ctx, &ps->da, &b->w2->g, &ps->dx, tp_sp(ps, &ps->big), &s.a, &b->w2->wc));
+        TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, &ps->dg, 0.0));
+        TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, &ps->du, 0.0));
+        TM_T(TM_PH_FFN, dsk_swiglu_backward(ctx, &ps->dg, &ps->du, &ps->da, &s.g, &s.u));
+        dsk_tensor *dW[2] = {&b->w1->g, &b->w3->g};
+        const dsk_tensor *dY[2] = {&ps->dg, &ps->du}, *W[2] = {&b->w1->wc, &b->w3->wc};
+        TM_T(TM_PH_FFN, dsk_par_column_backward(tp, ctx, 2, &ps->dh, tp_sp(ps, &ps->big), dW, dY, W, &s.h2g));
+    } else {
+        tp_layer *L = &ps->layers[l];
+        if (L->moe_micro != micro) { /* another micro-batch ran through the layer since: its forward again */
+            int eval = b->moe.eval;
+            b->moe.eval = 1;
+            dsk_status st = tp_moe_forward(ps, l, micro, &ps->tmp, &s.h2, NULL);
+            b->moe.eval = eval;
+            TM_TRY(st);
+        }
+        L->moe_micro = -1;
+        TM_T(TM_PH_MOE, tp_moe_backward(ps, l));
+    }
+    TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &ps->dx, tm_grad(b->ln2), &ps->dh, &s.x2, &b->ln2->wc, &s.rstd2));
+    if (rc == TMLA_RECOMPUTE_ATTN) TM_TRY(tp_core(ps, l, slot, &s)); /* the core's shared output again */
+    if (tmla_is_mla(&c->mla)) TM_TRY(tp_mla_backward(ps, l, slot, &s));
+    else TM_TRY(tp_mha_backward(ps, l, &s));
+    TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &ps->dx, tm_grad(b->ln1), &ps->dh, &s.x, &b->ln1->wc, &s.rstd1));
+    return DSK_OK;
+}
+
+/* ------------------------------------------------------------------ MTP */
+
+/* The MTP modules (--mtp D, train_mla.h's math) run on the last stage inside the head's unit
+   and part, on the rank's Ns rows like a block: module k takes the previous depth's hidden
+   state (the main model's last block output for k = 1) and the embedding of the tokens k
+   ahead, its projection and norms replicated, its block laid out as the main ones, the shared
+   head column-parallel with the vocabulary-parallel cross-entropy of weight lambda / D. The
+   embedding of the shifted tokens: with the first stage on this rank, looked up in the
+   embedding's unit and its gradient added there; else from the last stage's copy of the
+   embedding (Megatron's "embedding group": the same initial numbers and box, its gradient
+   summed with the first stage's over TP_G_EMBED, so the two stay equal). */
+
+/* Module k's inputs of micro-batch `micro`: the shifted tokens and targets (the whole batch's
+   rows are filled by tp_train_batch), the embeddings and their gradients. */
+static dsk_tensor tp_mtp_rows(tp_state *ps, const dsk_tensor *t, int micro) {
+    return tp_part(t, micro, t->dtype == DSK_I32 ? ps->Nm : ps->Ns);
+}
+
+/* The embeddings of every module's tokens of micro-batch `micro` (the embedding's unit open). */
+static dsk_status tp_mtp_embed(tp_state *ps, int micro) {
+    tm_model *m = ps->m;
+    for (int k = 0; k < m->cfg.mla.mtp_depth; k++) {
+        tmla_mtp *t = &m->mla.mtp[k];
+        dsk_tensor ids = tp_mtp_rows(ps, &t->ids, micro), emb = tp_mtp_rows(ps, &t->emb, micro);
+        TM_T(TM_PH_EMBED,
+             dsk_par_embedding_forward(&ps->grid.tp, ps->ctx, &emb, tp_sp(ps, &ps->big), &m->embed->wc, &ids));
+    }
+    return DSK_OK;
+}
+
+/* The embedding's gradient from d(rows) (the rank's Ns rows) at ids (the micro-batch's Nm);
+   bf16/f16: the rows gathered in the compute dtype, accumulated from an f32 copy. */
+static dsk_status tp_embed_backward(tp_state *ps, const dsk_tensor *dx, const dsk_tensor *ids) {
+    tm_model *m = ps->m;
+    if (!ps->dx32.data) {
+        TM_T(TM_PH_EMBED,
+             dsk_par_embedding_backward(&ps->grid.tp, ps->ctx, &m->embed->g, dx, tp_sp(ps, &ps->big), ids));
+        return DSK_OK;
+    }
+    const dsk_tensor *full = dx;
+    if (ps->tp > 1) {
+        TM_T(TM_PH_MOVE, dsk_par_map_forward(&ps->grid.tp, ps->ctx, DSK_PAR_MAP_GATHER, 0, &ps->big, dx));
+        full = &ps->big;
+    }
+    TM_T(TM_PH_MOVE, dsk_tensor_copy(ps->ctx, &ps->dx32, full));
+    TM_T(TM_PH_EMBED, dsk_par_embedding_backward(&ps->grid.tp, ps->ctx, &m->embed->g, &ps->dx32, NULL, ids));
+    return DSK_OK;
+}
+
+/* Every module's d(embedding) of micro-batch `micro` into the embedding's gradient, depth D first. */
+static dsk_status tp_mtp_embed_backward(tp_state *ps, int micro) {
+    tm_model *m = ps->m;
+    for (int k = m->cfg.mla.mtp_depth - 1; k >= 0; k--) {
+        tmla_mtp *t = &m->mla.mtp[k];
+        dsk_tensor ids = tp_mtp_rows(ps, &t->ids, micro), demb = tp_mtp_rows(ps, &t->demb, micro);
+        TM_TRY(tp_embed_backward(ps, &demb, &ids));
+    }
+    return DSK_OK;
+}
+
+/* The modules' forward and losses on micro-batch `micro` (after the main head's). */
+static dsk_status tp_mtp_forward(tp_state *ps, int micro) {
+    tm_model *m = ps->m;
+    const tm_config *c = &m->cfg;
+    dsk_ctx *ctx = ps->ctx;
+    for (int k = 1; k <= c->mla.mtp_depth; k++) {
+        tmla_mtp *t = &m->mla.mtp[k - 1];
+        int l = c->n_layers + k - 1;
+        const dsk_tensor *prev = k == 1 ? &ps->xf : &m->mla.mtp[k - 2].y;
+        dsk_tensor emb = tp_mtp_rows(ps, &t->emb, micro), x = tp_slot(ps, l, 0).x;
+        dsk_tensor ph = tmla_cols(&t->proj->wc, 0, ps->D), pe = tmla_cols(&t->proj->wc, ps->D, ps->D);
+        TM_T(TM_PH_NORM, dsk_rmsnorm(ctx, &t->hn, &t->rstd_h, prev, &t->hnorm->wc, c->norm_eps));
+        TM_T(TM_PH_NORM, dsk_rmsnorm(ctx, &t->en, &t->rstd_e, &emb, &t->enorm->wc, c->norm_eps));
+        TM_T(TM_PH_LINEAR, tm_mm(m, &x, &t->hn, 0, &ph, 1, 0.0f));
+        TM_T(TM_PH_LINEAR, tm_mm(m, &x, &t->en, 0, &pe, 1, 1.0f));
+        TM_TRY(tp_block_forward(ps, l, 0, micro, &t->y));
+        dsk_tensor *Y[1] = {&t->logits}, tg = tp_mtp_rows(ps, &t->tgt, micro);
+        const dsk_tensor *W[1] = {&m->lm_head->wc};
+        TM_T(TM_PH_NORM, dsk_rmsnorm(ctx, &t->hf, &t->rstdf, &t->y, &t->norm->wc, c->norm_eps));
+        TM_T(TM_PH_HEAD, dsk_par_column_forward(&ps->grid.tp, ctx, 1, Y, W, &t->hf, tp_sp(ps, &ps->mtp_hfg[k - 1])));
+        TM_T(TM_PH_HEAD, dsk_par_cross_entropy(&ps->grid.tp, ctx, &t->loss, &t->dlogits, &t->logits, &tg, -1,
+                                               ps->gscale * tmla_mtp_weight(c, k)));
+    }
+    return DSK_OK;
+}
+
+/* The modules' backward of micro-batch `micro`, depth D first: their gradients and the shared
+   head's added, d(embedding) of each in its demb rows, d(main model's last hidden) in dcarry. */
+static dsk_status tp_mtp_backward(tp_state *ps, int micro) {
+    tm_model *m = ps->m;
+    const tm_config *c = &m->cfg;
+    dsk_ctx *ctx = ps->ctx;
+    tmla_model *s = &m->mla;
+    for (int k = c->mla.mtp_depth; k >= 1; k--) {
+        tmla_mtp *t = &s->mtp[k - 1];
+        int l = c->n_layers + k - 1;
+        const dsk_tensor *prev = k == 1 ? &ps->xf : &s->mtp[k - 2].y;
+        dsk_tensor hfx = ps->tp > 1 ? ps->mtp_hfg[k - 1] : t->hf, emb = tp_mtp_rows(ps, &t->emb, micro);
+        dsk_tensor demb = tp_mtp_rows(ps, &t->demb, micro);
+        dsk_tensor *dW[1] = {&m->lm_head->g};
+        const dsk_tensor *dY[1] = {&t->dlogits}, *W[1] = {&m->lm_head->wc};
+        TM_T(TM_PH_HEAD, dsk_par_column_backward(&ps->grid.tp, ctx, 1, &ps->dh, tp_sp(ps, &ps->big), dW, dY, W, &hfx));
+        TM_T(TM_PH_MOVE,
+             k == c->mla.mtp_depth ? dsk_tensor_fill(ctx, &ps->dx, 0.0) : dsk_tensor_copy(ctx, &ps->dx, &s->dcarry));
+        TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &ps->dx, tm_grad(t->norm), &ps->dh, &t->y, &t->norm->wc, &t->rstdf));
+        TM_TRY(tp_block_backward(ps, l, 0, micro)); /* dx = d(block input) */
+        dsk_tensor ph = tmla_cols(&t->proj->wc, 0, ps->D), pe = tmla_cols(&t->proj->wc, ps->D, ps->D);
+        dsk_tensor gh = tmla_cols(&t->proj->g, 0, ps->D), ge = tmla_cols(&t->proj->g, ps->D, ps->D);
+        TM_T(TM_PH_LINEAR, tm_mm(m, &gh, &ps->dx, 1, &t->hn, 0, 1.0f));
+        TM_T(TM_PH_LINEAR, tm_mm(m, &ge, &ps->dx, 1, &t->en, 0, 1.0f));
+        TM_T(TM_PH_LINEAR, tm_mm(m, &ps->dh, &ps->dx, 0, &ph, 0, 0.0f));  /* d(hn) */
+        TM_T(TM_PH_LINEAR, tm_mm(m, &ps->tmp, &ps->dx, 0, &pe, 0, 0.0f)); /* d(en) */
+        TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, &demb, 0.0));
+        TM_T(TM_PH_NORM,
+             dsk_rmsnorm_backward(ctx, &demb, tm_grad(t->enorm), &ps->tmp, &emb, &t->enorm->wc, &t->rstd_e));
+        TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, &s->dcarry, 0.0));
+        TM_T(TM_PH_NORM,
+             dsk_rmsnorm_backward(ctx, &s->dcarry, tm_grad(t->hnorm), &ps->dh, prev, &t->hnorm->wc, &t->rstd_h));
+    }
+    return DSK_OK;
+}
+
+/* ------------------------------------------------------------------ stages */
+
+/* Every gradient of unit `unit` is final for this micro-batch: the engine may reduce it. */
+static dsk_status tp_unit_ready(tp_state *ps, int unit) {
+    for (int i = 0; i < ps->m->n_params; i++)
+        if (ps->m->params[i].unit == unit) TM_TRY(tm_ready(ps->m, &ps->m->params[i]));
+    return DSK_OK;
+}
+
+/* Opens the engine's pass of part `chunk` for micro-batch `micro` unless it is open. The head
+   (final norm and LM head) is part v of its own: it runs its backward inside the last chunk's
+   forward, and the schedules may run the next micro-batch's forward of that chunk before the
+   chunk's backward (interleaved). */
+static dsk_status tp_pass(tp_state *ps, int chunk, int micro) {
+    if (ps->pass_micro[chunk] == micro) return DSK_OK;
+    ps->pass_micro[chunk] = micro;
+    return ps->pass_begin ? ps->pass_begin(ps->pass_user, chunk, ps->sync_last && micro == ps->M - 1) : DSK_OK;
+}
+
+/* Block l's forward inside its unit's edges. */
+static dsk_status tp_unit_forward(tp_state *ps, int l, int slot, int micro, dsk_tensor *y) {
+    TM_TRY(tm_unit(ps->m, l + 1, TM_FWD_BEGIN));
+    TM_TRY(tp_block_forward(ps, l, slot, micro, y));
+    return tm_unit(ps->m, l + 1, TM_FWD_END);
+}
+
+/* Block l's backward inside its unit's edges, its gradients then final. */
+static dsk_status tp_unit_backward(tp_state *ps, int l, int slot, int micro) {
+    TM_TRY(tm_unit(ps->m, l + 1, TM_BWD_BEGIN));
+    TM_TRY(tp_block_backward(ps, l, slot, micro));
+    TM_TRY(tp_unit_ready(ps, l + 1));
+    return tm_unit(ps->m, l + 1, TM_BWD_END);
+}
+
+
+/* The last global stage's head on ps->xf: loss (added to loss_sum); in training also its
+   backward, leaving d(xf) in the chunk's out_grad of this micro-batch. */
+static dsk_status tp_head(tp_state *ps, int micro) {
+    tm_model *m = ps->m;
+    dsk_ctx *ctx = ps->ctx;
+    dsk_comm *tp = &ps->grid.tp;
+    dsk_tensor tg = tp_part(&m->targets, micro, ps->Nm), hfx = ps->tp > 1 ? ps->hfg : ps->hf;
+    dsk_tensor *Y[1] = {&ps->logits};
+    const dsk_tensor *W[1] = {&m->lm_head->wc};
+    int unit = m->cfg.n_layers + 1, mtp = ps->train && m->cfg.mla.mtp_depth > 0;
+    float loss;
+    if (mtp && ps->first < 0) { /* the MTP modules' embeddings from the last stage's copy (its own unit 0) */
+        TM_TRY(tm_unit(m, 0, TM_FWD_BEGIN));
+        TM_TRY(tp_mtp_embed(ps, micro));
+        TM_TRY(tm_unit(m, 0, TM_FWD_END));
+    }
+    TM_TRY(tm_unit(m, unit, TM_FWD_BEGIN));
+    TM_T(TM_PH_NORM, dsk_rmsnorm(ctx, &ps->hf, &ps->rstdf, &ps->xf, &m->ln_f->wc, m->cfg.norm_eps));
+    TM_T(TM_PH_HEAD, dsk_par_column_forward(tp, ctx, 1, Y, W, &ps->hf, tp_sp(ps, &ps->hfg)));
+    TM_T(TM_PH_HEAD,
+         dsk_par_cross_entropy(tp, ctx, &m->loss, ps->train ? &ps->dlogits : NULL, &ps->logits, &tg, -1, ps->gscale));
+    dsk_tensor hl;
+    TM_TRY(dsk_tensor_wrap(&hl, &loss, DSK_F32, dsk_cpu(), 0, NULL));
+    TM_TRY(dsk_tensor_copy(ctx, &hl, &m->loss));
+    ps->loss_sum += loss;
+    if (!ps->train) return tm_unit(m, unit, TM_FWD_END);
+    if (mtp) TM_TRY(tp_mtp_forward(ps, micro));
+    TM_TRY(tp_pass(ps, ps->v, micro)); /* the unit stays gathered from its forward to its backward */
+    TM_TRY(tm_unit(m, unit, TM_BWD_BEGIN));
+    if (mtp) TM_TRY(tp_mtp_backward(ps, micro)); /* first, as one rank: the head's gradient is final after */
+    dsk_tensor *dW[1] = {&m->lm_head->g};
+    const dsk_tensor *dY[1] = {&ps->dlogits};
+    TM_T(TM_PH_HEAD, dsk_par_column_backward(tp, ctx, 1, &ps->dh, tp_sp(ps, &ps->big), dW, dY, W, &hfx));
+    dsk_tensor og = tp_part(&ps->chunks[ps->last].out_grad, micro, ps->Ns);
+    TM_T(TM_PH_MOVE, mtp ? dsk_tensor_copy(ctx, &og, &m->mla.dcarry) : dsk_tensor_fill(ctx, &og, 0.0));
+    TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &og, tm_grad(m->ln_f), &ps->dh, &ps->xf, &m->ln_f->wc, &ps->rstdf));
+    TM_TRY(tp_unit_ready(ps, unit));
+    TM_TRY(tm_unit(m, unit, TM_BWD_END));
+    if (!mtp || ps->first >= 0) return DSK_OK; /* with the first stage here: in its embedding's backward */
+    TM_TRY(tm_unit(m, 0, TM_BWD_BEGIN));
+    TM_TRY(tp_mtp_embed_backward(ps, micro));
+    TM_TRY(tp_unit_ready(ps, 0));
+    return tm_unit(m, 0, TM_BWD_END);
+}
+
+static dsk_status tp_forward_chunk(void *user, int micro, int chunk) {
+    tp_state *ps = (tp_state *)user;
+    tm_model *m = ps->m;
+    const tp_chunk *ch = &ps->chunks[chunk];
+    int slot = ps->train ? micro % ps->S : 0;
+    dsk_tensor x0 = tp_slot(ps, ch->lo, slot).x;
+    if (ch->stage == 0) {
+        dsk_tensor ids = tp_part(&m->ids, micro, ps->Nm);
+        TM_TRY(tm_unit(m, 0, TM_FWD_BEGIN));
+        TM_T(TM_PH_EMBED,
+             dsk_par_embedding_forward(&ps->grid.tp, ps->ctx, &x0, tp_sp(ps, &ps->big), &m->embed->wc, &ids));
+        if (ps->train && m->cfg.mla.mtp_depth > 0 && ps->last >= 0) TM_TRY(tp_mtp_embed(ps, micro)); /* MTP's */
+        TM_TRY(tm_unit(m, 0, TM_FWD_END));
+    } else {
+        dsk_tensor in = tp_part(&ch->in_act, micro, ps->Ns);
+        TM_T(TM_PH_MOVE, dsk_tensor_copy(ps->ctx, &x0, &in));
+    }
+    for (int l = ch->lo; l < ch->hi; l++) {
+        dsk_tensor y = l + 1 < ch->hi      ? tp_slot(ps, l + 1, slot).x
+                       : chunk == ps->last ? ps->xf
+                                           : tp_part(&ch->out_act, micro, ps->Ns);
+        TM_TRY(tp_unit_forward(ps, l, slot, micro, &y));
+    }
+    return chunk == ps->last ? tp_head(ps, micro) : DSK_OK;
+}
+
+static dsk_status tp_backward_chunk(void *user, int micro, int chunk) {
+    tp_state *ps = (tp_state *)user;
+    tm_model *m = ps->m;
+    const tp_chunk *ch = &ps->chunks[chunk];
+    int slot = micro % ps->S;
+    dsk_tensor og = tp_part(&ch->out_grad, micro, ps->Ns);
+    TM_TRY(tp_pass(ps, chunk, micro));
+    TM_T(TM_PH_MOVE, dsk_tensor_copy(ps->ctx, &ps->dx, &og));
+    for (int l = ch->hi - 1; l >= ch->lo; l--) TM_TRY(tp_unit_backward(ps, l, slot, micro));
+    if (ch->stage == 0) {
+        dsk_tensor ids = tp_part(&m->ids, micro, ps->Nm);
+        TM_TRY(tm_unit(m, 0, TM_BWD_BEGIN));
+        if (m->cfg.mla.mtp_depth > 0 && ps->last >= 0) TM_TRY(tp_mtp_embed_backward(ps, micro)); /* MTP's */
+        TM_TRY(tp_embed_backward(ps, &ps->dx, &ids));
+        TM_TRY(tp_unit_ready(ps, 0));
+        return tm_unit(m, 0, TM_BWD_END);
+    }
+    dsk_tensor ig = tp_part(&ch->in_grad, micro, ps->Ns);
+    TM_T(TM_PH_MOVE, dsk_tensor_copy(ps->ctx, &ig, &ps->dx));
+    return DSK_OK;
+}
+
+static dsk_status tp_buffer(void *user, const dsk_par_action *a, dsk_tensor *t) {
+    tp_state *ps = (tp_state *)user;
+    tp_chunk *ch = &ps->chunks[a->chunk];
+    const dsk_tensor *src = a->kind == DSK_PAR_SEND_ACT    ? &ch->out_act
+                            : a->kind == DSK_PAR_RECV_ACT  ? &ch->in_act
+                            : a->kind == DSK_PAR_SEND_GRAD ? &ch->in_grad
+                                                           : &ch->out_grad;
+    *t = tp_part(src, a->micro, ps->Ns);
+    return DSK_OK;
+}
+
+/* Forward and backward of the M micro-batches in the model's ids/targets by the schedule; loss
+   gradients scaled by gscale each. *loss: the mean micro-batch loss on the last stage, else 0. */
+static dsk_status tp_train_batch(tp_state *ps, float gscale, double *loss) {
+    dsk_par_stage_fns f = {ps, tp_forward_chunk, tp_backward_chunk, tp_buffer};
+    ps->train = 1;
+    ps->gscale = gscale;
+    ps->loss_sum = 0;
+    for (int l = 0; l < tm_n_blocks(&ps->m->cfg); l++) ps->layers[l].moe_micro = -1;
+    for (int c = 0; c <= ps->v; c++) ps->pass_micro[c] = -1;
+    for (int k = 1; ps->last >= 0 && k <= ps->m->cfg.mla.mtp_depth; k++) /* the MTP modules' tokens and targets */
+        TM_TRY(tmla_mtp_inputs(ps->m, k, ps->m->cfg.batch));
+    TM_TRY(dsk_par_pipeline_run(&ps->sched, &ps->grid.pp, ps->ctx, &f));
+    *loss = ps->last >= 0 ? ps->loss_sum / ps->M : 0.0;
+    return DSK_OK;
+}
+
+/* Forward only (validation, sampling): the first n micro-batches through the stages in order,
+   micro-batch by micro-batch and chunk by chunk (each rank's list is a projection of one global
+   order, so blocking sends cannot deadlock). *loss: their mean loss on the last stage, else 0;
+   the last stage keeps the last micro-batch's logits (ps->logits, this rank's vocabulary). */
+static dsk_status tp_eval_batch(tp_state *ps, int n, double *loss) {
+    dsk_comm *pp = &ps->grid.pp;
+    int r = ps->grid.at.pp, P = ps->pp * ps->v;
+    ps->train = 0;
+    ps->loss_sum = 0;
+    for (int mi = 0; mi < n; mi++)
+        for (int c = 0; c < ps->v; c++) {
+            tp_chunk *ch = &ps->chunks[c];
+            dsk_tensor in = tp_part(&ch->in_act, mi, ps->Ns), out = tp_part(&ch->out_act, mi, ps->Ns);
+            if (ch->stage > 0)
+                TM_TRY(dsk_comm_recv(pp, ps->ctx, in.data, dsk_tensor_numel(&in), in.dtype, (r + ps->pp - 1) % ps->pp));
+            TM_TRY(tp_forward_chunk(ps, mi, c));
+            if (ch->stage < P - 1)
+                TM_TRY(dsk_comm_send(pp, ps->ctx, out.data, dsk_tensor_numel(&out), out.dtype, (r + 1) % ps->pp));
+        }
+    *loss = ps->last >= 0 ? ps->loss_sum / n : 0.0;
+    return DSK_OK;
+}
+
+/* Row `row` of the last forward's logits over the whole vocabulary into out (V floats, host):
+   the tensor-parallel ranks' columns gathered in rank order. Last stage only (collective over tp). */
+static dsk_status tp_logits_row(tp_state *ps, int64_t row, float *out) {
+    dsk_tensor lrow, hrow;
+    int64_t V = ps->Vl * ps->tp;
+    TM_TRY(dsk_tensor_select(&ps->logits, row, &lrow));
+    TM_TRY(dsk_tensor_wrap(&hrow, out, DSK_F32, dsk_cpu(), 1, &V));
+    if (ps->tp == 1) return dsk_tensor_copy(ps->ctx, &hrow, &lrow);
+    TM_TRY(dsk_comm_all_gather(&ps->grid.tp, ps->ctx, lrow.data, ps->vrow.data, ps->Vl, lrow.dtype));
+    return dsk_tensor_copy(ps->ctx, &hrow, &ps->vrow);
+}
+
+/* ------------------------------------------------------------------ loss */
+
+/* This rank's part of the world's mean of a value the last stage's ranks hold (one per
+   data-parallel replica; the others give 0): sum it over the world. */
+static float tp_loss_part(const tp_state *ps, double v) {
+    return ps->last >= 0 && ps->grid.at.tp == 0 ? (float)(v / ps->dp) : 0.0f;
+}
+
+/* Seconds in this layout's collectives and transfers. */
+static double tp_comm_seconds(const tp_state *ps) {
+    if (!ps->on) return 0;
+    return ps->grid.tp.stats.seconds + ps->grid.pp.stats.seconds + ps->grid.dp.stats.seconds + ps->stage.stats.seconds +
+           ps->xrep.stats.seconds;
+}
+
+/* ------------------------------------------------------------------ checkpoints */
+
+/* Is this rank the one that writes its stage's expert biases (replicated over tp and dp)? */
+static int tp_bias_writer(const tp_state *ps) { return ps->grid.at.tp == 0 && ps->grid.at.dp == 0; }
