@@ -8,7 +8,7 @@
 
    The program shows how to embed dsk in a trainer:
      dsk_tensor.h  ops and AdamW        (model: examples/train_model.h)
-     dsk_moe.h     the MoE feed-forward layers
+     dsk_moe.h     the MoE feed-forward layers (--ep-dispatch fp8: e4m3 rows to the experts)
      dsk_amp.h     loss scaling, non-finite check, clipping
      dsk_ckpt.h    async checkpoints and exact resume
      dsk_comm.h    ranks, data-parallel gradient buckets, expert parallelism
@@ -94,6 +94,7 @@ typedef struct options {
     char pp_schedule[16];
     int zero;                 /* ZeRO stage; 0 with --grad-compress none: the trainer's own data parallelism */
     char grad_compress[32];
+    char ep_dispatch[8]; /* act | fp8: the expert all-to-all's token rows */
     char bind[8];
     int grad_check;
     char *routing_record, *routing_replay;
@@ -207,6 +208,9 @@ static const opt_spec OPTS[] = {
     {"--bind", OPT_STRBUF, O_(bind), sizeof(((options *)0)->bind),
      "none | core | numa: pin each local rank (sysfs topology)"},
     {"--ep", OPT_INT, O_(ep), 0, "expert-parallel ranks (divides the data-parallel ranks and --experts)"},
+    {"--ep-dispatch", OPT_STRBUF, O_(ep_dispatch), sizeof(((options *)0)->ep_dispatch),
+     "act | fp8: the dispatch all-to-all's token rows in the activation dtype, or e4m3 with 1x128 scales "
+     "(DeepSeek-V3; the combine stays in the activation dtype)"},
     {"--tp", OPT_INT, O_(tp), 0, "tensor-parallel ranks (heads, FFN and vocabulary split; sequence parallel norms)"},
     {"--pp", OPT_INT, O_(pp), 0, "pipeline stages (the blocks split into contiguous stages)"},
     {"--pp-schedule", OPT_STRBUF, O_(pp_schedule), sizeof(((options *)0)->pp_schedule), "gpipe | 1f1b | interleaved"},
@@ -215,7 +219,8 @@ static const opt_spec OPTS[] = {
     {"--virtual-stages", OPT_INT, O_(vstages), 0, "stages per pipeline rank (--pp-schedule interleaved)"},
     {"--zero", OPT_INT, O_(zero), 0, "ZeRO stage 0-3: shard optimizer state (1), gradients (2), weights (3)"},
     {"--grad-compress", OPT_STRBUF, O_(grad_compress), sizeof(((options *)0)->grad_compress),
-     "none | bf16 | powersgd:R[:START] gradient reductions (PowerSGD rank R from pass START, 10 if not given)"},
+     "none | bf16 | fp8 | fp8:ef | powersgd:R[:START] gradient reductions (fp8: e4m3 with 1x128 scales, :ef with "
+     "error feedback; PowerSGD rank R from pass START, 10 if not given)"},
     {"--init-from-hf", OPT_STR, O_(init_from_hf), 0,
      "DIR: start from a Hugging Face DeepSeek-V2/V3 checkpoint (config.json sets the model; --data: token shards "
      "of its vocabulary)"},
@@ -290,6 +295,7 @@ static void set_defaults(options *o) {
     o->vstages = 1;
     strcpy(o->pp_schedule, "1f1b");
     strcpy(o->grad_compress, "none");
+    strcpy(o->ep_dispatch, "act");
     strcpy(o->bind, "none");
     strcpy(o->export_dtype, "bf16");
     o->nproc = 0;
@@ -581,14 +587,16 @@ static dsk_status allreduce_host(trainer *t, dsk_comm *c, void *vals, int64_t n,
 /* The options every rank must share (model shape, MoE, dtype, batch, layout), checked as soon
    as the ranks meet, so a mismatch names the option rather than a collective's symptom. */
 static void agreed_options(const options *o, char *buf, size_t n) {
-    snprintf(buf, n, "seq=%d d_model=%d heads=%d layers=%d dense_layers=%d ffn_hidden=%d experts=%d shared=%d "
+    snprintf(buf, n,
+             "seq=%d d_model=%d heads=%d layers=%d dense_layers=%d ffn_hidden=%d experts=%d shared=%d "
              "top_k=%d expert_hidden=%d groups=%d topk_groups=%d score=%s routed_scale=%.17g capacity=%.17g "
              "attn=%s q_lora=%d kv_lora=%d qk_nope=%d qk_rope=%d v_head=%d mtp=%d dtype=%s batch=%d accum=%d "
-             "seed=%lld tp=%d pp=%d micro=%d vstages=%d pp_schedule=%s ep=%d zero=%d grad_compress=%s",
+             "seed=%lld tp=%d pp=%d micro=%d vstages=%d pp_schedule=%s ep=%d zero=%d grad_compress=%s "
+             "ep_dispatch=%s",
              o->seq, o->d_model, o->heads, o->layers, o->dense_layers, o->ffn_hidden, o->experts, o->shared, o->top_k,
              o->expert_hidden, o->groups, o->topk_groups, o->score, o->routed_scale, o->capacity, o->attn, o->q_lora,
-             o->kv_lora, o->qk_nope, o->qk_rope, o->v_head, o->mtp, o->dtype, o->batch, o->accum, o->seed, o->tp,
-             o->pp, o->micro, o->vstages, o->pp_schedule, o->ep, o->zero, o->grad_compress);
+             o->kv_lora, o->qk_nope, o->qk_rope, o->v_head, o->mtp, o->dtype, o->batch, o->accum, o->seed, o->tp, o->pp,
+             o->micro, o->vstages, o->pp_schedule, o->ep, o->zero, o->grad_compress, o->ep_dispatch);
 }
 
 static void setup_comm(trainer *t) {
@@ -813,6 +821,7 @@ static void setup_model(trainer *t) {
     c.moe.capacity_factor = (float)o->capacity;
     c.moe.bias_rate = (float)o->bias_rate;
     c.moe.ep = t->have_comm && t->ep > 1 ? &t->ep_comm : NULL;
+    c.moe.ep_dispatch = strcmp(o->ep_dispatch, "fp8") == 0 ? DSK_MOE_DISPATCH_FP8 : DSK_MOE_DISPATCH_ACT;
     if (strcmp(o->attn, "mha") != 0 && strcmp(o->attn, "mla") != 0) fail(t, "--attn \"%s\": use mha or mla", o->attn);
     c.mla.attn = strcmp(o->attn, "mla") == 0 ? TMLA_ATTN_MLA : TMLA_ATTN_MHA;
     c.mla.q_lora_rank = o->q_lora;
@@ -997,6 +1006,7 @@ typedef struct step_info {
     double data_ms;           /* waiting for the loader (set by the caller of train_step) */
     double sync_ms;           /* waiting for the gradient all-reduces after backward */
     double reduce_bytes, plain_bytes; /* --zero/--grad-compress: handed to this step's reductions, uncompressed */
+    double ep_bytes[2];               /* --ep: handed to the MoE layers' dispatch and combine all-to-alls (forward) */
     float scale;
     int64_t dropped;
     int skipped;
@@ -1150,6 +1160,7 @@ static dsk_status graph_decision(trainer *t, dsk_amp_decision *dec) {
 static dsk_status collect_moe_stats(trainer *t, step_info *si) {
     tm_model *m = &t->model;
     double v[2] = {0, 0}, worst[1] = {0};
+    si->ep_bytes[0] = si->ep_bytes[1] = 0;
     for (int l = m->cfg.n_dense; l < tm_n_blocks(&m->cfg); l++)
         if (m->blocks[l].is_moe) TM_TRY(dsk_moe_stats_request(&m->blocks[l].moe, &t->ctx));
     TM_TRY(dsk_ctx_sync(&t->ctx));
@@ -1159,6 +1170,8 @@ static dsk_status collect_moe_stats(trainer *t, step_info *si) {
         TM_TRY(dsk_moe_stats_collect(&m->blocks[l].moe, &t->ctx, st));
         v[0] += st->loss / (t->o->accum * (t->par.on ? t->par.M : 1)); /* summed over the step's micro-batches */
         v[1] += (double)st->dropped;
+        si->ep_bytes[0] += (double)st->dispatch_bytes;
+        si->ep_bytes[1] += (double)st->combine_bytes;
         if (st->mean_load > 0 && st->max_load / st->mean_load > worst[0]) worst[0] = st->max_load / st->mean_load;
     }
     if (t->par.on && t->par.pp > 1) {
@@ -1755,13 +1768,17 @@ static void log_step(trainer *t, const step_info *si) {
     if (t->log) {
         char loss[32], norm[32];
         fprintf(t->log,
-                "{\"type\":\"step\",\"step\":%lld,\"loss\":%s,\"aux_loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%s,\"loss_scale\":%.9g,"
-                "\"ms\":%.3f,\"cpu_ms\":%.3f,\"data_wait_ms\":%.3f,\"grad_sync_ms\":%.3f,\"tokens_per_s\":%.1f,\"mfu\":%.6f,"
+                "{\"type\":\"step\",\"step\":%lld,\"loss\":%s,\"aux_loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%s,\"loss_"
+                "scale\":%.9g,"
+                "\"ms\":%.3f,\"cpu_ms\":%.3f,\"data_wait_ms\":%.3f,\"grad_sync_ms\":%.3f,\"tokens_per_s\":%.1f,\"mfu\":"
+                "%.6f,"
                 "\"comm_share\":%.6f,\"load_max_mean\":%.6f,\"dropped\":%lld,\"skipped\":%d,\"eta_s\":%.1f,"
-                "\"reduce_bytes\":%.0f,\"reduce_bytes_uncompressed\":%.0f}\n",
-                (long long)t->step, json_num(loss, si->loss), si->aux_loss, si->lr, json_num(norm, si->norm), (double)si->scale, si->ms,
-                si->cpu_ms, si->data_ms, si->sync_ms, si->tokens_per_s, si->mfu, si->comm_share, si->load_ratio, (long long)si->dropped,
-                si->skipped, eta, si->reduce_bytes, si->plain_bytes);
+                "\"reduce_bytes\":%.0f,\"reduce_bytes_uncompressed\":%.0f,\"ep_dispatch_bytes\":%.0f,"
+                "\"ep_combine_bytes\":%.0f}\n",
+                (long long)t->step, json_num(loss, si->loss), si->aux_loss, si->lr, json_num(norm, si->norm),
+                (double)si->scale, si->ms, si->cpu_ms, si->data_ms, si->sync_ms, si->tokens_per_s, si->mfu,
+                si->comm_share, si->load_ratio, (long long)si->dropped, si->skipped, eta, si->reduce_bytes,
+                si->plain_bytes, si->ep_bytes[0], si->ep_bytes[1]);
     }
     if (t->log) fflush(t->log);
 }
@@ -1945,6 +1962,9 @@ static void banner(trainer *t) {
     for (int i = 0; i < m->n_params; i++) total += tm_param_numel(&m->params[i]);
     say(t, "train_moe: %d rank%s (expert parallel %d), %s, %s compute\n", t->world, t->world > 1 ? "s" : "", t->ep,
         t->ctx.device.type == DSK_DEV_CUDA ? "CUDA" : "CPU", dsk_dtype_name(m->cfg.cdt));
+    if (t->ep > 1)
+        say(t, "expert dispatch: %s; the combine in the activation dtype\n",
+            strcmp(o->ep_dispatch, "fp8") == 0 ? "e4m3 codes with 1x128 f32 scales" : "rows in the activation dtype");
     say(t, "data: %s; %lld training and %lld held-out windows of %d tokens\n", t->data.source, (long long)t->data.n_train,
         (long long)t->data.n_val, o->seq + 1);
     const td_sampler *smp = &t->loader.smp;
@@ -1979,6 +1999,9 @@ static void banner(trainer *t) {
             say(t, " from pass %d: %.0f of %.0f elements, %.3fx fewer bytes", t->zopts.psgd_start, comp, all, all / comp);
         else if (t->zopts.compress == DSK_ZERO_COMPRESS_BF16)
             say(t, ": 2x fewer bytes");
+        else if (t->zopts.compress == DSK_ZERO_COMPRESS_FP8)
+            say(t, ": e4m3 codes and 1x128 f32 scales, about 3.9x fewer bytes%s",
+                t->zopts.fp8_ef ? ", error feedback" : "");
         say(t, "\n");
     }
     if (o->cuda_graph)
@@ -2260,8 +2283,13 @@ static void check_options(trainer *t) {
     if (o->warmup < 0 || o->ckpt_every < 0 || o->keep < 0 || o->sample_len < 0 || o->stop_at < 0)
         fail(t, "--warmup, --ckpt-every, --keep, --sample-len, --stop-at must be >= 0");
     if (o->zero < 0 || o->zero > 3) fail(t, "--zero %d: use 0, 1, 2 or 3", o->zero);
+    if (strcmp(o->ep_dispatch, "act") != 0 && strcmp(o->ep_dispatch, "fp8") != 0)
+        fail(t, "--ep-dispatch \"%s\": use act or fp8", o->ep_dispatch);
+    if (strcmp(o->ep_dispatch, "fp8") == 0 && o->ep < 2)
+        fail(t, "--ep-dispatch fp8 needs --ep 2 or more: without expert parallelism no rows are sent");
     if (!tz_parse_compress(o->grad_compress, &t->zopts))
-        fail(t, "--grad-compress \"%s\": use none, bf16 or powersgd:R[:START] (R >= 1, START >= 0)", o->grad_compress);
+        fail(t, "--grad-compress \"%s\": use none, bf16, fp8, fp8:ef or powersgd:R[:START] (R >= 1, START >= 0)",
+             o->grad_compress);
     t->zopts.stage = o->zero;
     t->engine = !o->cuda_graph;
     if (o->cuda_graph && (o->zero > 0 || t->zopts.compress != DSK_ZERO_COMPRESS_NONE))
