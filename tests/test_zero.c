@@ -1380,7 +1380,7 @@ static void rank_experts(dsk_comm *comm, void *argp) {
         DSK_TEST_OK(dsk_ckpt_init(&ck, a->dir, &co));
         DSK_TEST_OK(dsk_zero_ckpt_entries(&ze, NULL, a->phase == 0 ? DSK_ZERO_CKPT_SAVE : DSK_ZERO_CKPT_LOAD, &e, &n));
         if (a->phase == 0) {
-            static dsk_ckpt_entry all[3 * NP];
+            static dsk_ckpt_entry all[2 * 3 * 5 * NP]; /* two objects, 3 roles, up to 2 ndim - 1 = 5 boxes a piece */
             const dsk_ckpt_entry *ed;
             int n2;
             memcpy(all, e, (size_t)n * sizeof *e);
