@@ -120,6 +120,13 @@
      all-to-all-v takes its row counts on the host, and sizing the exchange by the exact counts
      moves P times fewer bytes than a bounded buffer of T*K rows per peer (see bench/RESULTS.md).
      Backward reuses the forward's counts and does not sync.
+     FP8 dispatch (opts.ep_dispatch = DSK_MOE_DISPATCH_FP8, DeepSeek-V3's): the forward's kept
+     rows are quantised in 1x128 tiles (dsk_amp_fp8_block_quantize: scale amax / 448, e4m3 codes;
+     a tile with an Inf or a NaN dequantises to NaN) and the codes and scales go by two
+     all-to-all-v; the experts' ranks dequantise them into the activation dtype and the experts
+     (and their weight gradients) read those values. The combine, and backward's exchanges, stay
+     in the activation dtype; backward passes the input gradient straight through the rounding.
+     stats.dispatch_bytes and combine_bytes count the forward's two exchanges per rank.
      The recipe of a data-parallel step with EP (W ranks in all, EP groups of P, each expert held
      by the W/P ranks of equal ep rank, its "replica group"; each rank's loss the mean over its
      own tokens, the step's loss their mean over W; balancing losses over more than a rank's own
@@ -206,6 +213,9 @@ typedef enum dsk_moe_loss_count {
 } dsk_moe_loss_count;
 /* Which slots capacity mode drops: the lowest routing weights, or the latest tokens. */
 typedef enum dsk_moe_drop { DSK_MOE_DROP_PROB = 0, DSK_MOE_DROP_POSITION = 1 } dsk_moe_drop;
+/* What the forward's expert-parallel dispatch sends: rows in the activation dtype, or e4m3 codes
+   with 1x128 f32 scales (DeepSeek-V3), dequantised to the activation dtype by the receiver. */
+typedef enum dsk_moe_dispatch { DSK_MOE_DISPATCH_ACT = 0, DSK_MOE_DISPATCH_FP8 = 1 } dsk_moe_dispatch;
 
 /* The routing configuration: what every MoE step of the math below takes instead of positional
    flags (the layer resolves it from its options into dsk_moe.routing). A new score function is
@@ -250,6 +260,8 @@ typedef struct dsk_moe_opts {
     dsk_moe_drop drop;       /* [DSK_MOE_DROP_PROB] */
     dsk_dtype dtype;         /* parameters, x, y, dx, dy: DSK_F32 or DSK_BF16 [DSK_F32] */
     dsk_comm *ep;            /* expert-parallel group [NULL = every expert local] */
+    dsk_moe_dispatch ep_dispatch; /* [DSK_MOE_DISPATCH_ACT] the forward's token rows on the wire (with ep only;
+                                     FP8 needs dsk_amp.h included before this file in the implementation) */
     float init_std;          /* dsk_moe_init_param: weights ~ N(0, init_std) [0.02] (router, experts, shared) */
     uint64_t seed;           /* dsk_moe_init_param's stream [0]; expert e gets the same numbers at any EP size */
 } dsk_moe_opts;
@@ -298,6 +310,9 @@ typedef struct dsk_moe_stats {
     double max_load, mean_load;       /* max and mean of tokens_per_expert */
     double aux_loss, seq_aux_loss, z_loss; /* the loss span's loss terms (coefficients included) */
     double loss;                      /* their sum: add it to the model loss */
+    uint64_t dispatch_bytes;          /* EP: bytes this rank handed to the forward's dispatch all-to-all (its kept rows,
+                                         its own experts' included: n D act bytes, or n (D + 4 ceil(D / 128)) FP8) */
+    uint64_t combine_bytes;           /* EP: bytes handed to the forward's combine all-to-all (R D act bytes) */
 } dsk_moe_stats;
 
 struct dsk__moe_state;
@@ -930,6 +945,10 @@ enum dsk__moe_buf_id {
     DSK__MOE_XS,       /* (TK, D) act token rows in kept order */
     DSK__MOE_XR,       /* (R, D) act rows received by this rank's experts, expert-major (EP) */
     DSK__MOE_STAGE,    /* (max(R, TK), D) act rows of an all-to-all-v (EP) */
+    DSK__MOE_Q8,       /* (TK, D) e4m3 codes of the dispatched rows (EP, FP8 dispatch) */
+    DSK__MOE_Q8S,      /* (TK, ceil(D / 128)) f32 their scales */
+    DSK__MOE_Q8R,      /* (R, D) e4m3 codes received */
+    DSK__MOE_Q8RS,     /* (R, ceil(D / 128)) f32 their scales */
     DSK__MOE_H1,       /* (R, F) act */
     DSK__MOE_H3,       /* (R, F) act */
     DSK__MOE_A,        /* (R, F) act silu(h1) h3 */
@@ -997,6 +1016,8 @@ struct dsk__moe_state {
     double *col_acc_f;       /* (3) */
     void *event;             /* CUDA: the event after the last request's copy */
     int requested;           /* a request is pending or collected */
+    uint64_t fwd_bytes[2], acc_bytes[2], col_bytes[2]; /* EP dispatch and combine bytes: the last forward's, since
+                                                          the last request, the last collected */
 };
 
 /* The dtype and (rows, cols) of buffer id for T tokens and R expert rows (cols 0: 1-D). */
@@ -1044,6 +1065,14 @@ static void dsk__moe_spec(const dsk_moe *m, int id, int64_t T, int64_t R, dsk_dt
     case DSK__MOE_XS: case DSK__MOE_DOS: *rows = TK; *cols = D; break;
     case DSK__MOE_XR: case DSK__MOE_DOR: *rows = ep ? R : 0; *cols = D; break;
     case DSK__MOE_STAGE: *rows = ep ? (R > TK ? R : TK) : 0; *cols = D; break;
+    case DSK__MOE_Q8:
+    case DSK__MOE_Q8R:
+    case DSK__MOE_Q8S:
+    case DSK__MOE_Q8RS:
+        *dt = id == DSK__MOE_Q8 || id == DSK__MOE_Q8R ? DSK_E4M3 : DSK_F32;
+        *rows = ep && o->ep_dispatch == DSK_MOE_DISPATCH_FP8 ? (id == DSK__MOE_Q8 || id == DSK__MOE_Q8S ? TK : R) : 0;
+        *cols = id == DSK__MOE_Q8 || id == DSK__MOE_Q8R ? D : (D + 127) / 128;
+        break;
     case DSK__MOE_OB: case DSK__MOE_DXP: *rows = ep ? TK : 0; *cols = D; break;
     case DSK__MOE_H1: case DSK__MOE_H3: case DSK__MOE_A: case DSK__MOE_DA: case DSK__MOE_DH1: case DSK__MOE_DH3:
         *rows = R; *cols = F; break;
@@ -1200,6 +1229,15 @@ static dsk_status dsk__moe_resolve(dsk_moe_opts *o, int ep_size) {
     if (!o->bias_rate) o->bias_rate = 1e-3f;
     if (o->drop != DSK_MOE_DROP_PROB && o->drop != DSK_MOE_DROP_POSITION)
         return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": unknown drop policy %d", fn, o->name, (int)o->drop);
+    if (o->ep_dispatch != DSK_MOE_DISPATCH_ACT && o->ep_dispatch != DSK_MOE_DISPATCH_FP8)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": unknown ep_dispatch %d", fn, o->name, (int)o->ep_dispatch);
+#ifndef DSK_AMP_H
+    if (o->ep_dispatch == DSK_MOE_DISPATCH_FP8)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED,
+                             "%s: layer \"%s\": FP8 dispatch needs dsk_amp.h included before "
+                             "dsk_moe.h in the implementation",
+                             fn, o->name);
+#endif
     if (o->dtype != DSK_F32 && o->dtype != DSK_BF16)
         return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": dtype %s not supported (f32 or bf16)", fn, o->name,
                              dsk_dtype_name(o->dtype));
@@ -2041,6 +2079,76 @@ static dsk_status dsk__moe_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor
     return dsk_gather_rows(ctx, dst, &stage, &rg);
 }
 
+#ifdef DSK_AMP_H
+/* FP8 dispatch (opts.ep_dispatch), before the send: the rows (n, D) to e4m3 codes and 1x128
+   scales (dsk_amp_fp8_block_quantize: a tile with an Inf or a NaN stays non-finite). */
+static dsk_status dsk__moe_fp8_quantize(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *q,
+                                        dsk_tensor *s) {
+    struct dsk__moe_state *st = m->st;
+    int64_t n = rows->shape[0];
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_Q8, st->T, st->R, q));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_Q8S, st->T, st->R, s));
+    *q = dsk__moe_rows(q, n);
+    *s = dsk__moe_rows(s, n);
+    return n > 0 ? dsk_amp_fp8_block_quantize(ctx, q, s, rows, 1, 128, 0) : DSK_OK;
+}
+
+/* After the receive: the received codes and scales dequantised into dst (R, D) act. */
+static dsk_status dsk__moe_fp8_dequantize(dsk_ctx *ctx, const dsk_tensor *q, const dsk_tensor *s, dsk_tensor *dst) {
+    return dst->shape[0] > 0 ? dsk_amp_fp8_block_dequantize(ctx, dst, q, s, 1, 128) : DSK_OK;
+}
+
+/* dsk__moe_to_experts with FP8 on the wire: codes and scales go by two all-to-all-v of the
+   forward's row counts, the receiver dequantises and regroups. */
+static dsk_status dsk__moe_to_experts_fp8(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
+    struct dsk__moe_state *st = m->st;
+    int P = m->ep_size;
+    int64_t S = (m->opts.d_model + 127) / 128, so = 0, ro = 0, *v;
+    dsk_tensor q, s, qr, sr, stage, rg = dsk__moe_saved(m, DSK__MOE_RG);
+    dsk_status e;
+    DSK__TRY(dsk__moe_fp8_quantize(m, ctx, rows, &q, &s));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_Q8R, st->T, st->R, &qr));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_Q8RS, st->T, st->R, &sr));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->T, st->R, &stage));
+    if (!(v = (int64_t *)DSK_MALLOC((size_t)(4 * P) * sizeof(int64_t))))
+        return dsk_set_error(DSK_ERR_OOM, "dsk_moe_forward: out of host memory for %d counts", 4 * P);
+    for (int r = 0; r < P; r++) { /* the scales' counts and displacements: S per row */
+        v[r] = st->send_rows[r] * S;
+        v[P + r] = so;
+        so += v[r];
+        v[2 * P + r] = st->recv_rows[r] * S;
+        v[3 * P + r] = ro;
+        ro += v[2 * P + r];
+    }
+    e = dsk_comm_all_to_all_v(m->opts.ep, ctx, q.data, st->a2a, st->a2a + P, qr.data, st->a2a + 2 * P, st->a2a + 3 * P,
+                              DSK_U8);
+    if (e == DSK_OK)
+        e = dsk_comm_all_to_all_v(m->opts.ep, ctx, s.data, v, v + P, sr.data, v + 2 * P, v + 3 * P, DSK_F32);
+    DSK_FREE(v);
+    DSK__TRY(e);
+    qr = dsk__moe_rows(&qr, st->R);
+    sr = dsk__moe_rows(&sr, st->R);
+    stage = dsk__moe_rows(&stage, st->R);
+    DSK__TRY(dsk__moe_fp8_dequantize(ctx, &qr, &sr, &stage));
+    return dsk_gather_rows(ctx, dst, &stage, &rg);
+}
+#endif
+
+/* The forward's exchange of EP rows: FP8 or the activation dtype; counts the bytes handed over. */
+static dsk_status dsk__moe_dispatch(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
+    struct dsk__moe_state *st = m->st;
+    int64_t D = m->opts.d_model, n = rows->shape[0];
+    size_t es = dsk_dtype_size(rows->dtype);
+    int fp8 = m->opts.ep_dispatch == DSK_MOE_DISPATCH_FP8;
+    st->fwd_bytes[0] = fp8 ? (uint64_t)(n * (D + 4 * ((D + 127) / 128))) : (uint64_t)(n * D) * es;
+    st->fwd_bytes[1] = (uint64_t)(st->R * D) * es;
+    for (int i = 0; i < 2 && !m->eval; i++) st->acc_bytes[i] += st->fwd_bytes[i];
+#ifdef DSK_AMP_H
+    if (fp8) return dsk__moe_to_experts_fp8(m, ctx, rows, dst);
+#endif
+    return dsk__moe_to_experts(m, ctx, rows, dst);
+}
+
 /* The reverse: rows (R, expert-major) back to their tokens' ranks, into dst (n_kept, kept order). */
 static dsk_status dsk__moe_from_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
     struct dsk__moe_state *st = m->st;
@@ -2136,6 +2244,8 @@ static dsk_status dsk__moe_fill_stats(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor
     s->seq_aux_loss = hl[1];
     s->z_loss = hl[2];
     s->loss = hl[3];
+    s->dispatch_bytes = m->ep_size > 1 ? st->fwd_bytes[0] : 0;
+    s->combine_bytes = m->ep_size > 1 ? st->fwd_bytes[1] : 0;
     return DSK_OK;
 }
 
@@ -2229,7 +2339,7 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     /* routed experts: grouped GEMMs over the experts' row segments */
     if (ep) {
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_XR, T, R, &xr));
-        DSK__TRY(dsk__moe_to_experts(m, ctx, &xs, &xr));
+        DSK__TRY(dsk__moe_dispatch(m, ctx, &xs, &xr));
     } else {
         xr = dsk__moe_rows(&xs, R);
     }
@@ -2365,6 +2475,10 @@ DSK_API dsk_status dsk_moe_stats_request(dsk_moe *m, dsk_ctx *ctx) {
     if (m->device.type == DSK_DEV_CUDA) DSK__TRY(dsk_cuda_event_record(ctx, st->event));
 #endif
     st->requested = 1;
+    for (int i = 0; i < 2; i++) {
+        st->col_bytes[i] = st->acc_bytes[i];
+        st->acc_bytes[i] = 0;
+    }
     DSK__TRY(dsk_tensor_fill(ctx, &st->buf[DSK__MOE_ACC_I].mem, 0.0));
     return dsk_tensor_fill(ctx, &st->buf[DSK__MOE_ACC_F].mem, 0.0);
 }
@@ -2398,6 +2512,8 @@ DSK_API dsk_status dsk_moe_stats_collect(dsk_moe *m, dsk_ctx *ctx, dsk_moe_stats
     out->seq_aux_loss = f[1];
     out->z_loss = f[2];
     out->loss = f[0] + f[1] + f[2];
+    out->dispatch_bytes = st->col_bytes[0];
+    out->combine_bytes = st->col_bytes[1];
     return DSK_OK;
 }
 

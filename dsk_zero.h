@@ -1,5 +1,5 @@
 /* dsk_zero.h - sharded data parallelism: ZeRO-1, ZeRO-2 and ZeRO-3 over flat parameter and
-   gradient slabs, overlapped with compute, with gradient compression (bf16, PowerSGD) and
+   gradient slabs, overlapped with compute, with gradient compression (bf16, PowerSGD, FP8) and
    checkpoints that load at another data-parallel size.
 
    Usage: #define DSK_ZERO_IMPLEMENTATION in exactly one .c file before including (with the
@@ -93,9 +93,28 @@
      orthogonalise P (Gram-Schmidt; a zero column stays zero), Q = M^T P, all-reduce AVG,
      M <- P Q^T, E = M_in - M. The approximation is the same on every rank; stages 2-3 keep
      their chunks of it. Gram-Schmidt equals PyTorch's QR up to column signs, which cancel in P Q^T.
+     FP8 (CPU and CUDA tensors): a unit's gradients, seen as (N, c) (rank p's chunk is row p),
+     are quantised in 1x128 tiles by dsk_amp_fp8_block_quantize (scale d = amax / 448, codes
+     e4m3(x / d)); an all-to-all of the codes and one of the scales bring every rank's copy of
+     chunk r to rank r, which dequantises them (code * d) and sums them in f32 in rank order.
+     Stages 2-3 keep that sum; stages 0-1 quantise it again the same way and all-gather codes and
+     scales, so every rank holds the same dequantised values. Last, times grad_post_scale (and
+     1 / N for the average: one f32 multiplier), rounded once. Per unit the message is N c code
+     bytes and 4 N ceil(c / 128) scale bytes, about 3.9x fewer than f32 (bf16: 2x); stages 0-1
+     send it twice (all-to-all, all-gather), as a ring all-reduce does. A tile holding an Inf or
+     NaN gets a non-finite scale and dequantises to NaN everywhere, so the sum and the skip
+     decision see it. fp8_error_feedback = 1 keeps each rank's residual g - dequantised codes of
+     the first quantisation and adds it to the next pass's gradients (the reduced sum's second
+     quantisation in stages 0-1 is not fed back); a skipped step (dec->skip) drops the residuals,
+     which then hold the non-finite pass. Off by default: it costs a padded f32 copy of every
+     unit's gradients on every rank (in stages 2-3 more than the sharded gradients themselves),
+     and round-to-nearest with per-tile scales errs by at most 2^-4 |x| (|x| >= 2^-6 d) or
+     2^-10 d (below it) per element, without bias in the scale; tests/test_zero_train.sh measures
+     a dp2 run against uncompressed.
    - Bytes: dsk_zero.stats counts collectives, the bytes handed to the gradient reductions and
      what they would be uncompressed (plain_bytes), the all-gathers, and the wire bytes of the
-     private communicator.
+     private communicator. FP8 counts its message (codes and scales) once per unit in
+     reduce_bytes, as an all-reduce or reduce-scatter of it would be counted.
    - Memory: dsk_zero.memory holds the bytes this object allocated per role, read from the
      allocator (dsk_tensor_mem_stats) around each allocation at init; nothing is allocated later.
    - Checkpoints: every parameter is saved as three f32 tensors of its global shape, "<name>"
@@ -129,7 +148,7 @@
        checkpoints              dsk_zero_ckpt_mode, dsk_zero_ckpt_entries
        PowerSGD helpers         dsk_zero_powersgd_key, dsk_zero_powersgd_compresses
      implementation (DSK_ZERO_IMPLEMENTATION)
-       state; layout; progress thread (the operations: reductions plain, bf16 and PowerSGD, gathers;
+       state; layout; progress thread (the operations: reductions plain, bf16, PowerSGD and FP8, gathers;
        the queue, issue on CUDA, waits); init and free; weights; units (gather, release, gradient
        buffers, the pass); the step; checkpoints */
 
@@ -166,7 +185,8 @@ extern "C" {
 typedef enum dsk_zero_compress {
     DSK_ZERO_COMPRESS_NONE = 0, /* f32 reductions */
     DSK_ZERO_COMPRESS_BF16,     /* bf16 on the wire, f32 accumulation */
-    DSK_ZERO_COMPRESS_POWERSGD  /* PowerSGD rank powersgd_rank with error feedback and warm start */
+    DSK_ZERO_COMPRESS_POWERSGD, /* PowerSGD rank powersgd_rank with error feedback and warm start */
+    DSK_ZERO_COMPRESS_FP8       /* e4m3 codes with 1x128 f32 scales on the wire, f32 accumulation */
 } dsk_zero_compress;
 
 /* Zero fields take the defaults in brackets. */
@@ -186,6 +206,7 @@ typedef struct dsk_zero_opts {
     int powersgd_no_warm_start;           /* [0] warm start on: Q carries over from pass to pass */
     float powersgd_epsilon;               /* [0] added to column norms when orthogonalising */
     uint64_t powersgd_seed;               /* [0] stream of the random Q */
+    int fp8_error_feedback; /* [0] FP8: 1 adds each pass's quantisation residual to the next pass's gradients */
 } dsk_zero_opts;
 
 /* ---- parameters and state */
@@ -210,7 +231,8 @@ typedef struct dsk_zero_memory {
                           gather buffers (stage 3; f32 weights share the master shard) */
     int64_t grads;     /* the full f32 gradient slab (stages 0-1), or the shard and unit buffers (2-3) */
     int64_t optimizer; /* f32 master weights (where not the weights themselves) and both moments */
-    int64_t comm;      /* compression: bf16 staging, PowerSGD error feedback, P, Q and scratch */
+    int64_t comm;      /* compression: bf16 staging, PowerSGD error feedback, P, Q and scratch, FP8 codes,
+                          scales, the dequantised rows and the residual */
 } dsk_zero_memory;
 
 /* Cumulative figures of the collectives; dsk_zero_wait and dsk_zero_step update them. */
@@ -400,7 +422,8 @@ struct dsk__zero_impl {
     dsk_tensor *pbufs, *gbufs;
     int *pbuf_owner, *gbuf_owner;
     dsk_tensor wire16, chunk16;                 /* bf16 staging */
-    dsk_tensor err, pq, cp, unc;                /* PowerSGD */
+    dsk_tensor err, pq, cp, unc;                /* PowerSGD; err also FP8's residual */
+    dsk_tensor q8, rq8, sc8, rsc8, deq8;        /* FP8: codes and scales sent and received, dequantised rows */
     int in_pass, sync, fresh, have_gathers;
     int64_t iter, pass;                  /* reducing passes so far (PowerSGD's iteration); passes begun */
     /* progress thread and its queue of tickets [done + 1, next] */
@@ -694,6 +717,79 @@ static dsk_status dsk__zero_powersgd(dsk__zero_impl *zi, dsk__zero_u *u, float *
     return DSK_OK;
 }
 
+/* FP8 compression (see the top of the file). x (rows, c) f32 <-> codes q (rows, c) e4m3 and
+   scales (rows, ceil(c / 128)) f32 in 1x128 tiles: a tile never straddles two ranks' chunks. */
+static dsk_status dsk__zero_fp8_tensors(const dsk__zero_impl *zi, void *q, float *sc, int64_t rows, int64_t c,
+                                        dsk_tensor *Q, dsk_tensor *S) {
+    int64_t qs[2] = {rows, c}, ss[2] = {rows, (c + 127) / 128};
+    DSK__TRY(dsk_tensor_wrap(Q, q, DSK_E4M3, zi->device, 2, qs));
+    return dsk_tensor_wrap(S, sc, DSK_F32, zi->device, 2, ss);
+}
+static dsk_status dsk__zero_fp8_quantize(dsk__zero_impl *zi, void *q, float *sc, float *x, int64_t rows, int64_t c) {
+    dsk_tensor Q, S, X;
+    int64_t xs[2] = {rows, c};
+    DSK__TRY(dsk__zero_fp8_tensors(zi, q, sc, rows, c, &Q, &S));
+    DSK__TRY(dsk_tensor_wrap(&X, x, DSK_F32, zi->device, 2, xs));
+    return dsk_amp_fp8_block_quantize(&zi->pctx, &Q, &S, &X, 1, 128, 0);
+}
+static dsk_status dsk__zero_fp8_dequantize(dsk__zero_impl *zi, float *y, void *q, float *sc, int64_t rows, int64_t c) {
+    dsk_tensor Q, S, Y;
+    int64_t ys[2] = {rows, c};
+    DSK__TRY(dsk__zero_fp8_tensors(zi, q, sc, rows, c, &Q, &S));
+    DSK__TRY(dsk_tensor_wrap(&Y, y, DSK_F32, zi->device, 2, ys));
+    return dsk_amp_fp8_block_dequantize(&zi->pctx, &Y, &Q, &S, 1, 128);
+}
+
+/* Error feedback, before the codes are sent: g (nc) += the last residual, then quantised; the
+   residual becomes g - dequantised codes (in f32: -deq, then + g, is the one rounding of g - deq). */
+static dsk_status dsk__zero_fp8_encode(dsk__zero_impl *zi, dsk__zero_u *u, float *g, int64_t rows, int64_t c) {
+    float *err = zi->o.fp8_error_feedback ? (float *)zi->err.data + u->err_off : NULL;
+    dsk_tensor G = dsk__zero_t(zi, g, DSK_F32, rows * c), E = dsk__zero_t(zi, err, DSK_F32, rows * c);
+    if (err && u->has_err) DSK__TRY(dsk_add(&zi->pctx, &G, &G, &E));
+    DSK__TRY(dsk__zero_fp8_quantize(zi, zi->q8.data, (float *)zi->sc8.data, g, rows, c));
+    if (!err) return DSK_OK;
+    DSK__TRY(dsk__zero_fp8_dequantize(zi, err, zi->q8.data, (float *)zi->sc8.data, rows, c));
+    DSK__TRY(dsk_scale(&zi->pctx, &E, -1.0f));
+    DSK__TRY(dsk_add(&zi->pctx, &E, &E, &G));
+    u->has_err = 1;
+    return DSK_OK;
+}
+
+static dsk_status dsk__zero_all_to_all(dsk__zero_impl *zi, const void *send, void *recv, int64_t n, dsk_dtype dt) {
+    return zi->alone ? dsk__zero_copy_n(zi, recv, send, n, dt)
+                     : dsk_comm_all_to_all(&zi->comm, dsk__zero_cctx(zi), send, recv, n, dt);
+}
+
+/* FP8 reduction of unit u's full gradients g (N c, padded): each rank's chunks are quantised and
+   sent to their owners (all-to-all of codes and of scales), the owner dequantises the N rows and
+   sums them in f32 in rank order; stages 2-3 keep that sum, stages 0-1 quantise it again and
+   all-gather codes and scales (together the bytes of a ring all-reduce of the message). Then
+   times grad_post_scale (/ N for the average), rounded once. */
+static dsk_status dsk__zero_reduce_fp8(dsk__zero_impl *zi, const dsk__zero_op *op, float *g) {
+    dsk__zero_u *u = &zi->u[op->unit];
+    int64_t N = zi->world, c = u->chunk, S = (c + 127) / 128, me = zi->rank;
+    uint64_t msg = (uint64_t)(N * c) + (uint64_t)(N * S) * 4u,
+             plain = (uint64_t)(zi->stage <= 1 ? u->numel : N * c) * 4u;
+    uint8_t *rq = (uint8_t *)zi->rq8.data;
+    float *rs = (float *)zi->rsc8.data, *d = (float *)zi->deq8.data;
+    float s = zi->o.sum_only ? zi->o.grad_post_scale : zi->o.grad_post_scale / (float)N;
+    dsk_tensor acc = dsk__zero_t(zi, d, DSK_F32, c);
+    DSK__TRY(dsk__zero_fp8_encode(zi, u, g, N, c));
+    DSK__TRY(dsk__zero_coll_done(zi, dsk__zero_all_to_all(zi, zi->q8.data, rq, c, DSK_U8), msg, plain, 0));
+    DSK__TRY(dsk__zero_coll_done(zi, dsk__zero_all_to_all(zi, zi->sc8.data, rs, S, DSK_F32), 0, 0, 0));
+    DSK__TRY(dsk__zero_fp8_dequantize(zi, d, rq, rs, N, c));
+    for (int64_t j = 1; j < N; j++) {
+        dsk_tensor row = dsk__zero_t(zi, d + j * c, DSK_F32, c);
+        DSK__TRY(dsk_add(&zi->pctx, &acc, &acc, &row));
+    }
+    if (zi->stage >= 2) return dsk__zero_land(zi, (float *)zi->shard_g.data + u->shard_off, d, c, s, op->accumulate);
+    DSK__TRY(dsk__zero_fp8_quantize(zi, rq + me * c, rs + me * S, d, 1, c));
+    DSK__TRY(dsk__zero_coll_done(zi, dsk__zero_all_gather(zi, rq + me * c, rq, c, DSK_U8), 0, 0, 0));
+    DSK__TRY(dsk__zero_coll_done(zi, dsk__zero_all_gather(zi, rs + me * S, rs, S, DSK_F32), 0, 0, 0));
+    DSK__TRY(dsk__zero_fp8_dequantize(zi, d, rq, rs, N, c));
+    return dsk__zero_land(zi, g, d, u->numel, s, 0);
+}
+
 /* Reduces unit u's full gradients g over the group: in place (stages 0-1) or into this
    rank's chunk of the shard (stages 2-3, added when `accumulate`). */
 static dsk_status dsk__zero_reduce(dsk__zero_impl *zi, const dsk__zero_op *op) {
@@ -710,6 +806,7 @@ static dsk_status dsk__zero_reduce(dsk__zero_impl *zi, const dsk__zero_op *op) {
         if (full) return dsk__zero_land(zi, g, g, n, ps, 0);
         return dsk__zero_land(zi, shard, g + (int64_t)zi->rank * c, c, ps, op->accumulate);
     }
+    if (o->compress == DSK_ZERO_COMPRESS_FP8) return dsk__zero_reduce_fp8(zi, op, g);
     if (o->compress == DSK_ZERO_COMPRESS_BF16) {
         DSK__TRY(dsk__zero_cast(zi, w16, DSK_BF16, g, DSK_F32, full ? n : nc));
         if (full) {
@@ -910,8 +1007,13 @@ static dsk_status dsk__zero_check_opts(const char *fn, dsk_zero_opts *o, const d
     if (o->param_buffers < 2 || o->param_buffers > 64 || o->grad_buffers < 1 || o->grad_buffers > 64)
         return dsk_set_error(DSK_ERR_ARG, "%s: param_buffers %d (want 2..64) or grad_buffers %d (want 1..64)", fn,
                              o->param_buffers, o->grad_buffers);
-    if ((int)o->compress < DSK_ZERO_COMPRESS_NONE || o->compress > DSK_ZERO_COMPRESS_POWERSGD)
+    if ((int)o->compress < DSK_ZERO_COMPRESS_NONE || o->compress > DSK_ZERO_COMPRESS_FP8)
         return dsk_set_error(DSK_ERR_ARG, "%s: unknown compression %d", fn, (int)o->compress);
+    if (o->fp8_error_feedback != 0 && o->fp8_error_feedback != 1)
+        return dsk_set_error(DSK_ERR_ARG, "%s: fp8_error_feedback %d is not 0 or 1", fn, o->fp8_error_feedback);
+    if (o->fp8_error_feedback && o->compress != DSK_ZERO_COMPRESS_FP8)
+        return dsk_set_error(DSK_ERR_ARG, "%s: fp8_error_feedback is set but the compression is %d, not FP8 (%d)", fn,
+                             (int)o->compress, (int)DSK_ZERO_COMPRESS_FP8);
     if (o->powersgd_rank == 0) o->powersgd_rank = 1;
     if (o->powersgd_min_compression_rate == 0.0) o->powersgd_min_compression_rate = 2.0;
     if (o->powersgd_rank < 1 || o->powersgd_start_iter < 0 || !(o->powersgd_min_compression_rate > 0.0) ||
@@ -1048,7 +1150,7 @@ static void dsk__zero_layout(dsk_zero *z) {
             u->p_elems += p->rows * p->rank_r;
             u->q_elems += p->cols * p->rank_r;
         }
-        err += u->numel;
+        err += zi->o.compress == DSK_ZERO_COMPRESS_FP8 ? N * u->chunk : u->numel;
         pq += u->p_elems + u->q_elems;
     }
     zi->full = full;
@@ -1063,6 +1165,18 @@ static dsk_status dsk__zero_alloc(dsk_ctx *ctx, dsk_tensor *t, dsk_dtype dt, int
     DSK__TRY(dsk_tensor_fill(ctx, t, 0.0));
     *role += dsk_tensor_mem_stats(dev).live_bytes - before;
     return DSK_OK;
+}
+
+/* FP8: codes sent and received (u8), their scales (f32), the dequantised rows, the residual. */
+static dsk_status dsk__zero_alloc_fp8(dsk_zero *z, dsk_ctx *ctx) {
+    dsk__zero_impl *zi = z->impl;
+    int64_t *mem = &z->memory.comm, nsc = (int64_t)z->world_size * ((zi->max_chunk + 127) / 128);
+    DSK__TRY(dsk__zero_alloc(ctx, &zi->q8, DSK_U8, zi->max_unit, mem));
+    DSK__TRY(dsk__zero_alloc(ctx, &zi->rq8, DSK_U8, zi->max_unit, mem));
+    DSK__TRY(dsk__zero_alloc(ctx, &zi->sc8, DSK_F32, nsc, mem));
+    DSK__TRY(dsk__zero_alloc(ctx, &zi->rsc8, DSK_F32, nsc, mem));
+    DSK__TRY(dsk__zero_alloc(ctx, &zi->deq8, DSK_F32, zi->max_unit, mem));
+    return zi->o.fp8_error_feedback ? dsk__zero_alloc(ctx, &zi->err, DSK_F32, zi->full, mem) : DSK_OK;
 }
 
 static dsk_status dsk__zero_alloc_all(dsk_zero *z, dsk_ctx *ctx) {
@@ -1119,6 +1233,7 @@ static dsk_status dsk__zero_alloc_all(dsk_zero *z, dsk_ctx *ctx) {
         DSK__TRY(dsk__zero_alloc(ctx, &zi->pq, DSK_F32, pq, &mem->comm));
         DSK__TRY(dsk__zero_alloc(ctx, &zi->unc, DSK_F32, unc, &mem->comm));
     }
+    if (zi->o.compress == DSK_ZERO_COMPRESS_FP8) DSK__TRY(dsk__zero_alloc_fp8(z, ctx));
     return DSK_OK;
 }
 
@@ -1168,8 +1283,9 @@ DSK_API void dsk_zero_free(dsk_zero *z, dsk_ctx *ctx) {
             DSK_FREE(zi->p[i].name);
         }
     {
-        dsk_tensor *ts[] = {&zi->full_w, &zi->full_g, &zi->master, &zi->m, &zi->v, &zi->shard_w, &zi->shard_g,
-                            &zi->rs_tmp, &zi->wire16, &zi->chunk16, &zi->err, &zi->pq, &zi->cp, &zi->unc};
+        dsk_tensor *ts[] = {&zi->full_w, &zi->full_g, &zi->master,  &zi->m,    &zi->v,   &zi->shard_w, &zi->shard_g,
+                            &zi->rs_tmp, &zi->wire16, &zi->chunk16, &zi->err,  &zi->pq,  &zi->cp,      &zi->unc,
+                            &zi->q8,     &zi->rq8,    &zi->sc8,     &zi->rsc8, &zi->deq8};
         for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
     }
     if (zi->pbufs)
@@ -1695,6 +1811,8 @@ DSK_API dsk_status dsk_zero_step(dsk_zero *z, dsk_ctx *ctx, const dsk_adamw_opts
                                  "step (no synchronising pass ran its backward)", fn, zi->u[k].id,
                                  zi->p[zi->u[k].p0].name);
     zi->fresh = 1;
+    if (dec->skip)
+        for (int k = 0; k < z->n_units; k++) zi->u[k].has_err &= zi->o.compress != DSK_ZERO_COMPRESS_FP8;
     if (dec->skip) return DSK_OK;
     plain = o;
     plain.weight_decay = 0.0f;

@@ -8,7 +8,7 @@
 
    The program shows how to embed dsk in a trainer:
      dsk_tensor.h  ops and AdamW        (model: examples/train_model.h)
-     dsk_moe.h     the MoE feed-forward layers
+     dsk_moe.h     the MoE feed-forward layers (--ep-dispatch fp8: e4m3 rows to the experts)
      dsk_amp.h     loss scaling, non-finite check, clipping
      dsk_ckpt.h    async checkpoints and exact resume
      dsk_comm.h    ranks, collectives, expert parallelism
@@ -216,11 +216,12 @@ static void agreed_options(const options *o, char *buf, size_t n) {
     snprintf(buf, n, "seq=%d d_model=%d heads=%d layers=%d dense_layers=%d ffn_hidden=%d experts=%d shared=%d "
              "top_k=%d expert_hidden=%d groups=%d topk_groups=%d score=%s routed_scale=%.17g capacity=%.17g "
              "attn=%s q_lora=%d kv_lora=%d qk_nope=%d qk_rope=%d v_head=%d mtp=%d dtype=%s batch=%d accum=%d "
-             "seed=%lld tp=%d pp=%d micro=%d vstages=%d pp_schedule=%s ep=%d zero=%d grad_compress=%s",
+             "seed=%lld tp=%d pp=%d micro=%d vstages=%d pp_schedule=%s ep=%d zero=%d grad_compress=%s "
+             "ep_dispatch=%s",
              o->seq, o->d_model, o->heads, o->layers, o->dense_layers, o->ffn_hidden, o->experts, o->shared, o->top_k,
              o->expert_hidden, o->groups, o->topk_groups, o->score, o->routed_scale, o->capacity, o->attn, o->q_lora,
              o->kv_lora, o->qk_nope, o->qk_rope, o->v_head, o->mtp, o->dtype, o->batch, o->accum, o->seed, o->tp,
-             o->pp, o->micro, o->vstages, o->pp_schedule, o->ep, o->zero, o->grad_compress);
+             o->pp, o->micro, o->vstages, o->pp_schedule, o->ep, o->zero, o->grad_compress, o->ep_dispatch);
 }
 
 static void setup_comm(trainer *t) {
@@ -393,6 +394,7 @@ static void setup_model(trainer *t) {
     c.moe.capacity_factor = (float)o->capacity;
     c.moe.bias_rate = (float)o->bias_rate;
     c.moe.ep = t->have_comm && t->ep > 1 ? &t->ep_comm : NULL;
+    c.moe.ep_dispatch = strcmp(o->ep_dispatch, "fp8") == 0 ? DSK_MOE_DISPATCH_FP8 : DSK_MOE_DISPATCH_ACT;
     if (strcmp(o->attn, "mha") != 0 && strcmp(o->attn, "mla") != 0) fail(t, "--attn \"%s\": use mha or mla", o->attn);
     c.mla.attn = strcmp(o->attn, "mla") == 0 ? TMLA_ATTN_MLA : TMLA_ATTN_MHA;
     c.mla.q_lora_rank = o->q_lora;
@@ -577,6 +579,7 @@ typedef struct step_info {
     double data_ms;           /* waiting for the loader (set by the caller of train_step) */
     double sync_ms;           /* waiting for the gradient all-reduces after backward */
     double reduce_bytes, plain_bytes; /* --zero/--grad-compress: handed to this step's reductions, uncompressed */
+    double ep_bytes[2];               /* --ep: handed to the MoE layers' dispatch and combine all-to-alls (forward) */
     float scale;
     int64_t dropped;
     int skipped;
@@ -605,6 +608,7 @@ static dsk_status read_loss(trainer *t, float *out) {
 static dsk_status collect_moe_stats(trainer *t, step_info *si) {
     tm_model *m = &t->model;
     double v[2] = {0, 0}, worst[1] = {0};
+    si->ep_bytes[0] = si->ep_bytes[1] = 0;
     for (int l = m->cfg.n_dense; l < tm_n_blocks(&m->cfg); l++)
         if (m->blocks[l].is_moe) TM_TRY(dsk_moe_stats_request(&m->blocks[l].moe, &t->ctx));
     TM_TRY(dsk_ctx_sync(&t->ctx));
@@ -614,6 +618,8 @@ static dsk_status collect_moe_stats(trainer *t, step_info *si) {
         TM_TRY(dsk_moe_stats_collect(&m->blocks[l].moe, &t->ctx, st));
         v[0] += st->loss / (t->o->accum * (t->par.on ? t->par.M : 1)); /* summed over the step's micro-batches */
         v[1] += (double)st->dropped;
+        si->ep_bytes[0] += (double)st->dispatch_bytes;
+        si->ep_bytes[1] += (double)st->combine_bytes;
         if (st->mean_load > 0 && st->max_load / st->mean_load > worst[0]) worst[0] = st->max_load / st->mean_load;
     }
     if (t->par.on && t->par.pp > 1) {

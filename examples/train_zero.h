@@ -45,6 +45,7 @@ typedef struct tz_opts {
     int stage;                  /* 0..3 */
     dsk_zero_compress compress;
     int psgd_rank, psgd_start;  /* PowerSGD rank and first compressed pass */
+    int fp8_ef;                 /* FP8 with error feedback */
 } tz_opts;
 
 /* A reduction group: the ranks holding the same parameters (NULL: this rank alone). */
@@ -77,14 +78,20 @@ typedef struct tz {
                                    real one does not exist (ZeRO-2/3 forward passes; nothing writes it) */
 } tz;
 
-/* "none", "bf16", "powersgd:R" or "powersgd:R:START" (START: first compressed pass, [10]). */
+/* "none", "bf16", "fp8", "fp8:ef" (error feedback), "powersgd:R" or "powersgd:R:START" (START: first
+   compressed pass, [10]). */
 static int tz_parse_compress(const char *s, tz_opts *o) {
     char *end;
     o->compress = DSK_ZERO_COMPRESS_NONE;
     o->psgd_rank = 0;
     o->psgd_start = 10;
+    o->fp8_ef = !strcmp(s, "fp8:ef");
     if (!strcmp(s, "none")) return 1;
     if (!strcmp(s, "bf16")) { o->compress = DSK_ZERO_COMPRESS_BF16; return 1; }
+    if (!strcmp(s, "fp8") || o->fp8_ef) {
+        o->compress = DSK_ZERO_COMPRESS_FP8;
+        return 1;
+    }
     if (strncmp(s, "powersgd:", 9) != 0) return 0;
     o->compress = DSK_ZERO_COMPRESS_POWERSGD;
     o->psgd_rank = (int)strtol(s + 9, &end, 10);
@@ -319,6 +326,7 @@ static dsk_status tz_init(tz *t, tm_model *m, dsk_ctx *ctx, const tz_group *grou
         zo.compress = o->compress;
         zo.powersgd_rank = o->psgd_rank;
         zo.powersgd_start_iter = o->psgd_start;
+        zo.fp8_error_feedback = o->fp8_ef;
         zo.sum_only = g->sum_only;
         zo.grad_post_scale = g->post_scale;
         s = dsk_zero_init(&t->z[k], g->comm, ctx, &ps[k * m->n_params], n[k], &zo);

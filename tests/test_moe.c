@@ -22,6 +22,7 @@ typedef struct cfg {
     double min_margin; /* inputs are redrawn until routing is this far from any tie [1e-4] */
     double scale, aux, seq_aux, z, cf;
     const int *force; /* (T,K) replayed experts instead of the selection, or NULL */
+    const double *xe; /* (T,D) what the routed experts read instead of x (FP8 dispatch), or NULL */
 } cfg;
 
 /* Parameters in double, same layouts as the layer: wr (E,D), b (E), w1 w3 (E,F,D), w2 (E,D,F),
@@ -203,7 +204,8 @@ static double ref_forward(const cfg *c, const refp *w, const double *x, double *
         for (int k = 0; k < K; k++) {
             int e = o->sel[t * K + k];
             if (!o->kept[t * K + k]) continue;
-            ref_swiglu(x + t * D, w->w1 + (size_t)e * F * D, w->w2 + (size_t)e * D * F, w->w3 + (size_t)e * F * D, D, F, o->g[t * K + k], yt);
+            ref_swiglu((c->xe ? c->xe : x) + t * D, w->w1 + (size_t)e * F * D, w->w2 + (size_t)e * D * F,
+                       w->w3 + (size_t)e * F * D, D, F, o->g[t * K + k], yt);
         }
         if (c->Fs > 0) ref_swiglu(x + t * D, w->s1, w->s2, w->s3, D, c->Fs, 1.0, yt);
         if (R) for (int d = 0; d < D; d++) total += yt[d] * R[t * D + d];
@@ -1318,6 +1320,9 @@ static void test_bad_config(void) {
     b = o; b.capacity_factor = -1; expect_init_error(b, "capacity_factor -1");
     b = o; b.score = (dsk_moe_score)7; expect_init_error(b, "unknown score function 7");
     b = o; b.group_rule = (dsk_moe_group_rule)3; expect_init_error(b, "unknown group rule 3");
+    b = o;
+    b.ep_dispatch = (dsk_moe_dispatch)2;
+    expect_init_error(b, "unknown ep_dispatch 2");
     b = o; b.n_group = 4; b.topk_group = 3; b.group_rule = DSK_MOE_GROUP_MEGATRON;
     expect_init_error(b, "top_k 2 < topk_group 3 sums none");
     b = o; b.name = "x"; b.n_routed = 0; expect_init_error(b, "layer \"x\": n_routed 0");
@@ -1567,6 +1572,206 @@ out:
     dsk_tensor_free(NULL, &y); dsk_tensor_free(NULL, &dx);
     drop_layer(&ref, &own);
     munmap(j->shm, j->bytes);
+    dsk_test_end();
+}
+
+/* ---------------------------------------------------------------- FP8 dispatch */
+
+/* 2 ranks, D = 160 (a row is a 128-wide tile and a 32-wide one): the EP layer with FP8 dispatch
+   and with the default (f32 rows) against the float64 reference whose routed experts read the
+   quantised tokens; the bytes of its statistics against the formula. */
+enum { F8_T = 9, F8_D = 160, F8_E = 4, F8_K = 2, F8_F = 8, F8_FS = 6, F8_N = 2 };
+
+typedef struct f8_job {
+    float *x;                /* (N T, D) */
+    float *y[2];             /* [dispatch] (N T, D): rank r's rows at r T */
+    uint64_t (*bytes)[2][4]; /* [rank][dispatch]: forward's dispatch, combine; collected dispatch, combine */
+    int *status;             /* [rank] */
+    int port_ok;
+} f8_job;
+
+static dsk_moe_opts f8_opts(void) {
+    dsk_moe_opts o;
+    memset(&o, 0, sizeof o);
+    o.d_model = F8_D;
+    o.n_routed = F8_E;
+    o.top_k = F8_K;
+    o.d_expert = F8_F;
+    o.n_shared = 1;
+    o.d_shared = F8_FS;
+    o.init_std = 0.3f;
+    o.seed = 91;
+    return o;
+}
+
+/* One rank: a forward (and a backward, which must run) with each dispatch. */
+static int f8_rank_main(f8_job *j, int rank, int port) {
+    dsk_comm c;
+    dsk_comm_opts co;
+    int64_t shp[2] = {F8_T, F8_D};
+    float dyb[F8_T * F8_D], dxb[F8_T * F8_D];
+    memset(&co, 0, sizeof co);
+    co.backend = DSK_COMM_HOST;
+    co.master_addr = "127.0.0.1";
+    co.master_port = port;
+    co.timeout_s = 60;
+    if (dsk_comm_init(&c, rank, F8_N, &co) != DSK_OK) return 2;
+    for (int i = 0; i < F8_T * F8_D; i++) dyb[i] = 0.5f;
+    for (int fp8 = 0; fp8 < 2; fp8++) {
+        dsk_moe m;
+        owned own;
+        dsk_moe_opts o = f8_opts();
+        dsk_moe_stats st, col;
+        dsk_tensor x, y, dy, dx;
+        o.ep = &c;
+        o.ep_dispatch = fp8 ? DSK_MOE_DISPATCH_FP8 : DSK_MOE_DISPATCH_ACT;
+        if (make_layer(&m, &own, &o) != DSK_OK) return 3;
+        dsk_tensor_wrap(&x, j->x + rank * F8_T * F8_D, DSK_F32, dsk_cpu(), 2, shp);
+        dsk_tensor_wrap(&y, j->y[fp8] + rank * F8_T * F8_D, DSK_F32, dsk_cpu(), 2, shp);
+        dsk_tensor_wrap(&dy, dyb, DSK_F32, dsk_cpu(), 2, shp);
+        dsk_tensor_wrap(&dx, dxb, DSK_F32, dsk_cpu(), 2, shp);
+        memset(dxb, 0, sizeof dxb);
+        if (dsk_moe_forward(&m, NULL, &y, &x, &st) != DSK_OK) return 4;
+        if (dsk_moe_backward(&m, NULL, &dx, &dy, 1.0f) != DSK_OK) return 5;
+        for (int i = 0; i < F8_T * F8_D; i++)
+            if (!isfinite(dxb[i])) return 6;
+        if (dsk_moe_stats_request(&m, NULL) != DSK_OK || dsk_moe_stats_collect(&m, NULL, &col) != DSK_OK) return 7;
+        j->bytes[rank][fp8][0] = st.dispatch_bytes;
+        j->bytes[rank][fp8][1] = st.combine_bytes;
+        j->bytes[rank][fp8][2] = col.dispatch_bytes;
+        j->bytes[rank][fp8][3] = col.combine_bytes;
+        drop_layer(&m, &own);
+    }
+    dsk_comm_free(&c);
+    return 0;
+}
+
+static void f8_run(f8_job *j) {
+    size_t nx = (size_t)F8_N * F8_T * F8_D, bytes = 3 * nx * sizeof(float) + sizeof(uint64_t[F8_N][2][4]) + 64;
+    char *shm = (char *)mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    int port = 0;
+    j->x = (float *)shm;
+    j->y[0] = j->x + nx;
+    j->y[1] = j->y[0] + nx;
+    j->bytes = (uint64_t(*)[2][4])(j->y[1] + nx);
+    j->status = (int *)(j->bytes + F8_N);
+    for (size_t i = 0; i < nx; i++) {
+        j->x[i] = (float)dsk_test_rand(-1, 1) * (i % F8_D < 128 ? 1.0f : 0.01f); /* tiles of other scales */
+        j->y[0][i] = j->y[1][i] = NAN;
+    }
+    j->port_ok = dsk_comm_free_port("127.0.0.1", &port) == DSK_OK;
+    if (!j->port_ok) return;
+    for (int r = 0; r < F8_N; r++) {
+        pid_t pid = fork();
+        if (pid == 0) {
+            int rc = f8_rank_main(j, r, port);
+            if (rc) fprintf(stderr, "fp8 dispatch rank %d: step %d failed: %s\n", r, rc, dsk_last_error());
+            _exit(rc);
+        }
+        j->status[r] = pid < 0 ? -1 : 0;
+    }
+    for (int r = 0; r < F8_N; r++) {
+        int status = 0;
+        pid_t pid = wait(&status);
+        if (pid > 0 && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) j->status[r] = status ? status : -1;
+    }
+}
+
+/* x's rows as the experts read them after FP8 dispatch: 1x128 tiles, d = dsk_amp_fp8_block_scale
+   of the tile's amax, codes e4m3(x / d) (the f32 quotient), values the f32 of code * d. */
+static void f8_quantised(const float *x, int64_t rows, double *xe) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c0 = 0; c0 < F8_D; c0 += 128) {
+            int64_t c1 = c0 + 128 < F8_D ? c0 + 128 : F8_D;
+            float amax = 0.0f, d;
+            for (int64_t c = c0; c < c1; c++) amax = fabsf(x[r * F8_D + c]) > amax ? fabsf(x[r * F8_D + c]) : amax;
+            d = dsk_amp_fp8_block_scale(amax, 448.0f, 0);
+            for (int64_t c = c0; c < c1; c++) {
+                uint8_t q = dsk_f32_to_e4m3((float)((double)x[r * F8_D + c] / (double)d));
+                xe[r * F8_D + c] = (float)((double)dsk_e4m3_to_f32(q) * (double)d);
+            }
+        }
+}
+
+static double *f8_mirror(const dsk_moe_param *p) {
+    int64_t n = dsk_tensor_numel(&p->value);
+    double *d = (double *)calloc((size_t)n, sizeof(double));
+    for (int64_t i = 0; i < n; i++) d[i] = ((const float *)p->value.data)[i];
+    return d;
+}
+
+static void f8_check(f8_job *j) {
+    const int NT = F8_N * F8_T, El = F8_E / F8_N, S = (F8_D + 127) / 128;
+    cfg c = base_cfg(NT, F8_D, F8_E, F8_K, F8_F);
+    dsk_moe one;
+    owned own;
+    dsk_moe_opts o = f8_opts();
+    refp w;
+    refout ro;
+    double *xd = (double *)calloc((size_t)NT * F8_D, sizeof(double)), *xe = (double *)calloc((size_t)NT * F8_D, 8);
+    double *y_q = (double *)calloc((size_t)NT * F8_D, 8), *y_x = (double *)calloc((size_t)NT * F8_D, 8), worst = 0;
+    int sel[NT * F8_K], kept[NT * F8_K], load[F8_E], lcnt[NT * F8_E];
+    double g[NT * F8_K];
+    dsk_test_begin("FP8 expert dispatch, %d ranks, D %d (tiles of 128 and 32): y against float64 experts reading "
+                   "the quantised tokens; bytes per forward against n (D + 4 ceil(D/128)) and n D 4",
+                   F8_N, F8_D);
+    if (!j->port_ok) {
+        dsk_test_fail_at(__FILE__, __LINE__, "no free port: %s", dsk_last_error());
+        goto out;
+    }
+    for (int r = 0; r < F8_N; r++) DSK_TEST_EXPECT(j->status[r] == 0, "rank %d failed with status %d", r, j->status[r]);
+    DSK_TEST_OK(make_layer(&one, &own, &o)); /* the same seeded parameters, every expert */
+    c.n_shared = 1;
+    c.Fs = F8_FS;
+    w.wr = f8_mirror(one.router);
+    w.b = f8_mirror(one.bias);
+    w.w1 = f8_mirror(one.w1);
+    w.w2 = f8_mirror(one.w2);
+    w.w3 = f8_mirror(one.w3);
+    w.s1 = f8_mirror(one.sw1);
+    w.s2 = f8_mirror(one.sw2);
+    w.s3 = f8_mirror(one.sw3);
+    ro.sel = sel;
+    ro.g = g;
+    ro.kept = kept;
+    ro.load = load;
+    ro.lcnt = lcnt;
+    for (int i = 0; i < NT * F8_D; i++) xd[i] = j->x[i];
+    f8_quantised(j->x, NT, xe);
+    ref_forward(&c, &w, xd, y_x, NULL, &ro);
+    c.xe = xe;
+    ref_forward(&c, &w, xd, y_q, NULL, &ro);
+    DSK_TEST_EXPECT(ro.margin > 1e-5, "routing %.3g from a tie: f32 and f64 may choose differently", ro.margin);
+    DSK_TEST_CLOSE(j->y[1], y_q, (int64_t)NT * F8_D, 1e-4, 1e-5, "y, FP8 dispatch");
+    DSK_TEST_CLOSE(j->y[0], y_x, (int64_t)NT * F8_D, 1e-4, 1e-5, "y, f32 dispatch");
+    for (int i = 0; i < NT * F8_D; i++) worst = fmax(worst, fabs(y_q[i] - y_x[i]) / (1e-5 + 1e-4 * fabs(y_x[i])));
+    DSK_TEST_EXPECT(worst > 10, "the quantisation moved no output beyond 10x the tolerance (%.3g)", worst);
+    for (int r = 0; r < F8_N; r++) {
+        uint64_t n_kept = (uint64_t)F8_T * F8_K, R = 0;
+        for (int i = 0; i < NT * F8_K; i++) R += sel[i] / El == r;
+        for (int k = 0; k < 4; k += 2) {
+            DSK_TEST_EXPECT(j->bytes[r][1][k] == n_kept * (F8_D + 4 * S) && j->bytes[r][1][k + 1] == R * F8_D * 4,
+                            "rank %d FP8 (%s): dispatch %llu bytes (want %llu), combine %llu (want %llu)", r,
+                            k ? "collected" : "forward", (unsigned long long)j->bytes[r][1][k],
+                            (unsigned long long)(n_kept * (F8_D + 4 * S)), (unsigned long long)j->bytes[r][1][k + 1],
+                            (unsigned long long)(R * F8_D * 4));
+            DSK_TEST_EXPECT(j->bytes[r][0][k] == n_kept * F8_D * 4 && j->bytes[r][0][k + 1] == R * F8_D * 4,
+                            "rank %d f32 (%s): dispatch %llu bytes (want %llu), combine %llu (want %llu)", r,
+                            k ? "collected" : "forward", (unsigned long long)j->bytes[r][0][k],
+                            (unsigned long long)(n_kept * F8_D * 4), (unsigned long long)j->bytes[r][0][k + 1],
+                            (unsigned long long)(R * F8_D * 4));
+        }
+    }
+    drop_layer(&one, &own);
+    {
+        double *ws[] = {w.wr, w.b, w.w1, w.w2, w.w3, w.s1, w.s2, w.s3};
+        for (int i = 0; i < 8; i++) free(ws[i]);
+    }
+out:
+    free(xd);
+    free(xe);
+    free(y_q);
+    free(y_x);
     dsk_test_end();
 }
 
@@ -2380,16 +2585,19 @@ static void test_amp_unscale_bad(void) {
 int main(void) {
     dsk_test_init("test_moe");
     ep_job jobs[3];
+    f8_job f8;
     aj_job aj[2];
     sp_job sp[4];
     /* every forked rank first, before this process starts OpenMP threads */
     ep_run(&jobs[0], 2, 0);
     ep_run(&jobs[1], 4, 1);
     ep_run(&jobs[2], 2, 1);
+    f8_run(&f8);
     aj_run(&aj[0], 2);
     aj_run(&aj[1], 3);
     sp_jobs(sp);
     for (int i = 0; i < 3; i++) ep_check(&jobs[i]);
+    f8_check(&f8);
     for (int i = 0; i < 2; i++) aj_check(&aj[i]);
     for (int i = 0; i < 4; i++) sp_check(&sp[i]);
     DSK_TEST_RUN(test_amp_unscale_bad);

@@ -793,7 +793,7 @@ static void case_rank_dies(void) {
 /* One reduction pass of given local gradients; every rank copies its pieces of the reduced
    gradient (stage 0: whole tensors) into out[rank]. */
 typedef struct red_arg {
-    int stage, passes;
+    int stage, passes, step_ok; /* step_ok: each pass ends in a step that is not skipped */
     dsk_zero_opts o;
     float (*local)(int p, int r, int pass, int64_t i);
     float (*out)[8][1200];  /* [pass][rank][element], NaN where the rank holds nothing */
@@ -813,7 +813,8 @@ static void rank_reduce(dsk_comm *comm, void *argp) {
     for (int pass = 0; pass < a->passes; pass++) {
         dsk_amp_decision dec;
         memset(&dec, 0, sizeof dec);
-        dec.skip = 1;
+        dec.skip = !a->step_ok;
+        dec.grad_mult = 1.0f;
         DSK_TEST_OK(dsk_zero_begin(&z, NULL, 1));
         for (int u = NU - 1; u >= 0; u--) {
             DSK_TEST_OK(dsk_zero_backward_begin(&z, NULL, u));
@@ -832,7 +833,7 @@ static void rank_reduce(dsk_comm *comm, void *argp) {
             DSK_TEST_OK(dsk_zero_get_piece(&z, p, &pc));
             memcpy(&a->out[pass][r][g_off[p] + pc.first], pc.grad.data, (size_t)pc.count * sizeof(float));
         }
-        DSK_TEST_OK(dsk_zero_step(&z, NULL, NULL, 1, &dec)); /* skipped: closes the step */
+        DSK_TEST_OK(dsk_zero_step(&z, NULL, NULL, 1, &dec)); /* closes the step (skipped unless step_ok) */
     }
     a->stats[r] = z.stats;
     dsk_zero_free(&z, NULL);
@@ -906,6 +907,191 @@ static void case_bf16(int n, int stage) {
     DSK_TEST_EXPECT(a->stats[0].reduce_bytes * 2 == a->stats[0].plain_bytes && a->stats[0].plain_bytes > 0,
                     "payload %llu bytes, uncompressed %llu", (unsigned long long)a->stats[0].reduce_bytes,
                     (unsigned long long)a->stats[0].plain_bytes);
+    red_done(a);
+    dsk_test_end();
+}
+
+/* ---- FP8 compression: a float64 evaluation of the quantised arithmetic */
+
+/* Rank r's gradients: local_plain, with a NaN in "b0.w1" and an Inf in "b1.w1" on rank 1 of pass 0
+   when `poison`. */
+static int g_fp8_poison;
+static float local_fp8(int p, int r, int pass, int64_t i) {
+    if (g_fp8_poison && pass == 0 && r == 1 && p == 2 && i == 5) return NAN;
+    if (g_fp8_poison && pass == 0 && r == 1 && p == 5 && i == 100) return -INFINITY;
+    return local_plain(p, r, pass, i);
+}
+
+/* A 1x128 tile x[0..n) as the library quantises it: d = dsk_amp_fp8_block_scale(amax, 448),
+   codes e4m3(x / d) (x / d in f64 rounds to the f32 quotient), deq[i] = the f32 of code * d. */
+static float fp8_tile(const float *x, int64_t n, float *deq) {
+    float amax = 0.0f, d;
+    int nan = 0;
+    for (int64_t i = 0; i < n; i++) {
+        nan |= x[i] != x[i];
+        amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    }
+    d = dsk_amp_fp8_block_scale(nan ? NAN : amax, 448.0f, 0);
+    for (int64_t i = 0; i < n; i++)
+        deq[i] = (float)((double)dsk_e4m3_to_f32(dsk_f32_to_e4m3((float)((double)x[i] / (double)d))) * (double)d);
+    return d;
+}
+
+/* The spacing of e4m3 codes at |y| (normal: 2^(e - 3), subnormal 2^-9). */
+static double e4m3_ulp(double y) {
+    int e = y > 0 ? (int)floor(log2(y)) : -6;
+    return ldexp(1.0, (e < -6 ? -6 : e) - 3);
+}
+
+/* One pass of FP8 reduction of every unit, in f64 where the library's f32 cannot change the codes:
+   want and bound (|got - want| <= bound; NaN want: non-finite) per flat element. err[r] (f32, as
+   the library keeps it) is the residual, used when ef. See the derivation at case_fp8. */
+static void fp8_ref_pass(int n, int stage, int pass, int ef, float err[4][1200], double *want, double *bound) {
+    static float x[4][1200], deq[4][1200], v[1200];
+    static double dv[1200];
+    const double u = ldexp(1.0, -24);
+    float s = 1.0f / (float)n;
+    for (int k = 0, p0 = 0; k < NU; k++) {
+        int p1 = p0;
+        int64_t e0 = g_off[p0], numel, c, S;
+        while (p1 < NP && k_model[p1].unit == k) p1++;
+        numel = g_off[p1] - e0;
+        c = (numel + n - 1) / n;
+        S = (c + 127) / 128;
+        for (int r = 0; r < n; r++) {
+            for (int64_t e = 0; e < (int64_t)n * c; e++) {
+                int p = p0;
+                if (e >= numel) {
+                    x[r][e] = 0.0f;
+                    continue;
+                }
+                while (g_off[p + 1] <= e0 + e) p++;
+                x[r][e] = local_fp8(p, r, pass, e0 + e - g_off[p]);
+                if (ef) x[r][e] = (float)((double)x[r][e] + (double)err[r][e0 + e]);
+            }
+            for (int64_t j = 0; j < n; j++)
+                for (int64_t t = 0; t < S; t++) {
+                    int64_t a = j * c + t * 128, len = c - t * 128 < 128 ? c - t * 128 : 128;
+                    fp8_tile(x[r] + a, len, deq[r] + a);
+                }
+            for (int64_t e = 0; ef && e < numel; e++) err[r][e0 + e] = (float)((double)x[r][e] - (double)deq[r][e]);
+        }
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t t = 0; t < S; t++) {
+                int64_t a = j * c + t * 128, len = c - t * 128 < 128 ? c - t * 128 : 128;
+                double dmax = 0.0, d2 = 0.0;
+                for (int64_t e = a; e < a + len; e++) {
+                    double sum = 0.0, abs_sum = 0.0;
+                    for (int r = 0; r < n; r++) {
+                        sum += deq[r][e];
+                        abs_sum += fabs(deq[r][e]);
+                    }
+                    v[e] = (float)sum;
+                    dv[e] = (double)(n - 1) * u * abs_sum; /* the f32 sum's rounding, n - 1 additions */
+                    dmax = dv[e] > dmax ? dv[e] : dmax;
+                    if (stage >= 2 && e < numel) {
+                        want[e0 + e] = (double)s * sum;
+                        bound[e0 + e] = (double)s * dv[e] + u * fabs(want[e0 + e]) + 1e-45;
+                    }
+                }
+                if (stage >= 2) continue;
+                d2 = fp8_tile(v + a, len, v + a); /* the sum quantised again (stages 0-1) */
+                for (int64_t e = a; e < a + len && e < numel; e++) {
+                    want[e0 + e] = (double)s * v[e];
+                    bound[e0 + e] = (double)s * (2.0 * dmax + 1.5 * d2 * e4m3_ulp(fabs(v[e]) / d2)) +
+                                    u * fabs(want[e0 + e]) + 1e-45;
+                }
+            }
+        p0 = p1;
+    }
+}
+
+/* Every element within its bound of want on the ranks holding it; elements whose want is NaN
+   (a non-finite tile) are NaN or Inf on every rank. */
+static void expect_fp8(const red_arg *a, int n, int pass, const double *want, const double *bound, const char *what) {
+    for (int64_t i = 0; i < g_off[NP]; i++) {
+        int holders = 0;
+        for (int r = 0; r < n; r++) {
+            float got = a->out[pass][r][i];
+            if (want[i] != want[i]) {
+                if (isfinite(got)) {
+                    dsk_test_fail_at(__FILE__, __LINE__,
+                                     "%s pass %d: rank %d element %lld of a non-finite tile is "
+                                     "%.9g",
+                                     what, pass, r, (long long)i, (double)got);
+                    return;
+                }
+                continue;
+            }
+            if (got != got) continue;
+            holders++;
+            if (!(fabs((double)got - want[i]) <= bound[i])) {
+                dsk_test_fail_at(__FILE__, __LINE__, "%s pass %d: rank %d element %lld is %.9g, want %.9g within %.3g",
+                                 what, pass, r, (long long)i, (double)got, want[i], bound[i]);
+                return;
+            }
+        }
+        if (want[i] == want[i] && holders != (a->stage == 0 ? n : 1)) {
+            dsk_test_fail_at(__FILE__, __LINE__, "%s: element %lld held by %d ranks", what, (long long)i, holders);
+            return;
+        }
+    }
+}
+
+/* FP8 compression against fp8_ref_pass. The codes are the library's exactly (the same f32 inputs,
+   the scale rule, one division, one rounding to e4m3); what remains is f32 arithmetic: the sum of
+   n dequantised values in rank order errs by at most (n - 1) 2^-24 sum |deq| (first order), the
+   multiplier 1 / n adds 2^-24 of the result; in stages 0-1 the second quantisation sees that sum,
+   off by at most dmax (the tile's largest such error): its scale moves by at most dmax / 448 (so
+   a code times it by at most dmax), its code by at most one spacing, hence
+   2 dmax + 1.5 d ulp_e4m3 (half a spacing of rounding plus one of a flipped code).
+   ef: error feedback over two passes, each ending in a step (the residual survives); with
+   `skip` the steps are skipped and the residual must be dropped (pass 1 is then the plain
+   reference). poison: pass 0 has a NaN and an Inf on rank 1, whose tiles must reduce to NaN. */
+static void case_fp8(int n, int stage, int ef, int skip, int poison) {
+    red_arg *a = red_setup(stage, 2, DSK_ZERO_COMPRESS_FP8);
+    static double want[1200], bound[1200], plain[1200], pb[1200];
+    static float err[4][1200];
+    uint64_t msg = 0, raw = 0;
+    int differs = 0;
+    dsk_test_begin("fp8 compression, ZeRO-%d, %d ranks%s%s%s: e4m3 codes in 1x128 tiles, f32 sums of the "
+                   "dequantised rows, within the derived bound; bytes",
+                   stage, n, ef ? ", error feedback" : "", skip ? " dropped by skipped steps" : "",
+                   poison ? ", a NaN and an Inf" : "");
+    a->local = local_fp8;
+    a->o.fp8_error_feedback = ef;
+    a->step_ok = !skip;
+    g_fp8_poison = poison;
+    expect_ranks_ok(n, rank_reduce, a);
+    memset(err, 0, sizeof err);
+    for (int pass = 0; pass < 2; pass++) {
+        fp8_ref_pass(n, stage, pass, ef && !skip && pass > 0, err, want, bound);
+        expect_fp8(a, n, pass, want, bound, "fp8");
+        if (ef && !skip && pass == 1) { /* the residual changed something beyond the bound */
+            static float none[4][1200];
+            fp8_ref_pass(n, stage, pass, 0, none, plain, pb);
+            for (int64_t i = 0; i < g_off[NP]; i++) differs += fabs(plain[i] - want[i]) > bound[i] + pb[i];
+            DSK_TEST_EXPECT(differs > 0, "error feedback changed no element of pass 1");
+        }
+        if (ef && !skip && pass == 0) { /* the residuals of pass 0, as the library keeps them */
+            static double w0[1200], b0[1200];
+            fp8_ref_pass(n, stage, 0, 1, err, w0, b0);
+        }
+    }
+    for (int k = 0, p0 = 0; k < NU; k++) {
+        int p1 = p0;
+        int64_t c;
+        while (p1 < NP && k_model[p1].unit == k) p1++;
+        c = (g_off[p1] - g_off[p0] + n - 1) / n;
+        msg += 2 * (uint64_t)(n * c + 4 * n * ((c + 127) / 128));
+        raw += 2 * (uint64_t)(stage <= 1 ? g_off[p1] - g_off[p0] : n * c) * 4u;
+        p0 = p1;
+    }
+    DSK_TEST_EXPECT(a->stats[0].reduce_bytes == msg && a->stats[0].plain_bytes == raw,
+                    "payload %llu bytes (want %llu), uncompressed %llu (want %llu)",
+                    (unsigned long long)a->stats[0].reduce_bytes, (unsigned long long)msg,
+                    (unsigned long long)a->stats[0].plain_bytes, (unsigned long long)raw);
+    g_fp8_poison = 0;
     red_done(a);
     dsk_test_end();
 }
@@ -1194,7 +1380,7 @@ static void rank_experts(dsk_comm *comm, void *argp) {
         DSK_TEST_OK(dsk_ckpt_init(&ck, a->dir, &co));
         DSK_TEST_OK(dsk_zero_ckpt_entries(&ze, NULL, a->phase == 0 ? DSK_ZERO_CKPT_SAVE : DSK_ZERO_CKPT_LOAD, &e, &n));
         if (a->phase == 0) {
-            static dsk_ckpt_entry all[3 * NP];
+            static dsk_ckpt_entry all[2 * 3 * 5 * NP]; /* two objects, 3 roles, up to 2 ndim - 1 = 5 boxes a piece */
             const dsk_ckpt_entry *ed;
             int n2;
             memcpy(all, e, (size_t)n * sizeof *e);
@@ -1402,6 +1588,16 @@ static void case_errors(void) {
     o.compress = (dsk_zero_compress)7;
     DSK_TEST_STATUS(dsk_zero_init(&z, &c, NULL, ps, NP, &o), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("unknown compression 7");
+    o.compress = DSK_ZERO_COMPRESS_FP8;
+    o.fp8_error_feedback = 2;
+    DSK_TEST_STATUS(dsk_zero_init(&z, &c, NULL, ps, NP, &o), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("fp8_error_feedback 2 is not 0 or 1");
+    o.compress = DSK_ZERO_COMPRESS_BF16;
+    o.fp8_error_feedback = 1;
+    DSK_TEST_STATUS(dsk_zero_init(&z, &c, NULL, ps, NP, &o), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("fp8_error_feedback is set but the compression is 1, not FP8 (3)");
+    DSK_TEST_EXPECT(z.impl == NULL, "a failed init left state");
+    o.fp8_error_feedback = 0;
     o.compress = DSK_ZERO_COMPRESS_POWERSGD;
     o.powersgd_rank = -1;
     DSK_TEST_STATUS(dsk_zero_init(&z, &c, NULL, ps, NP, &o), DSK_ERR_ARG);
@@ -1539,6 +1735,12 @@ int main(void) {
     case_rank_dies();
     case_bf16(4, 0);
     case_bf16(3, 2);
+    case_fp8(4, 0, 0, 0, 0);
+    case_fp8(3, 2, 0, 0, 1);
+    case_fp8(2, 1, 1, 0, 0);
+    case_fp8(3, 3, 1, 0, 0);
+    case_fp8(2, 0, 1, 1, 0);
+    case_fp8(1, 2, 0, 0, 1);
     case_powersgd(3, 0, 0);
     case_powersgd(2, 3, 0);
     case_powersgd(3, 2, 1);

@@ -17,7 +17,8 @@
 #      other stages) and continues bit for bit as an unsharded (--zero 0) run resumed the same way.
 #   4. Compression on all of the corpus: PowerSGD rank 4 and bf16 end within 3% of the
 #      uncompressed validation loss after the same 150 steps, with the bytes handed to the
-#      reductions cut by the factor the shapes give (PowerSGD) or exactly 2 (bf16).
+#      reductions cut by the factor the shapes give (PowerSGD) or exactly 2 (bf16); fp8 and fp8:ef
+#      within 1%, with 3.5x to 4x fewer bytes.
 #   5. Each rank prints its memory at start, from the allocator: at 4 ranks the optimizer state
 #      is a quarter of --zero 0's (plus the padding of each unit's last chunk), --zero 2's
 #      gradients a quarter plus two units' buffers and one chunk (and the MoE layers' stand-in
@@ -225,6 +226,40 @@ EOF
 )
     case $verdict in ok*) ok "--grad-compress $c, 150 steps at 2 ranks: ${verdict#ok }";; *) bad "--grad-compress $c" "$verdict";; esac
 done
+# FP8 (e4m3 codes, 1x128 f32 scales; stage 0: all-to-all then all-gather), with and without error
+# feedback: the validation loss within 1% of uncompressed (a third of the 3% allowed above: half an
+# e4m3 spacing is 2^-4 of a value, bf16's 2^-8); the bytes handed over between 3.5x and 4x fewer
+# than f32 (4 / (1 + 4/128) = 3.88 for whole tiles; a unit's last tile and its chunks' padding cost
+# a little); the uncompressed figure the f32 run's.
+for c in fp8 fp8:ef; do
+    name=comp_${c/:/_}
+    run "$name" "${P[@]}" --grad-compress "$c"
+    ran comp_none "--grad-compress $c" && ran "$name" "--grad-compress $c" || continue
+    verdict=$($PY - "$work/comp_none.jsonl" "$work/$name.jsonl" <<'EOF'
+import json, sys
+def rows(p): return [json.loads(l) for l in open(p)]
+a, b = rows(sys.argv[1]), rows(sys.argv[2])
+va = [r["val_loss"] for r in a if r["type"] == "val"][-1]
+vb = [r["val_loss"] for r in b if r["type"] == "val"][-1]
+sa = [r for r in a if r["type"] == "step"]
+sb = [r for r in b if r["type"] == "step"]
+problems = []
+if not abs(vb / va - 1) <= 0.01: problems.append("validation loss %.4f against %.4f uncompressed (> 1%%)" % (vb, va))
+if len(sa) != len(sb) or not sa: problems.append("%d and %d steps" % (len(sa), len(sb)))
+for r0, r in zip(sa, sb):
+    f = r["reduce_bytes_uncompressed"] / r["reduce_bytes"]
+    if r["reduce_bytes_uncompressed"] != r0["reduce_bytes"] or not 3.5 < f <= 4.0:
+        problems.append("step %d: %s bytes, uncompressed %s (f32 run: %s)"
+                        % (r["step"], r["reduce_bytes"], r["reduce_bytes_uncompressed"], r0["reduce_bytes"]))
+        break
+print("; ".join(problems) if problems else
+      "ok validation loss %.4f vs %.4f uncompressed (%+.3f%%); %.0f vs %.0f bytes per step and rank (%.3fx fewer)"
+      % (vb, va, 100 * (vb / va - 1), sb[-1]["reduce_bytes"], sa[-1]["reduce_bytes"],
+         sa[-1]["reduce_bytes"] / sb[-1]["reduce_bytes"]))
+EOF
+)
+    case $verdict in ok*) ok "--grad-compress $c, 150 steps at 2 ranks: ${verdict#ok }";; *) bad "--grad-compress $c" "$verdict";; esac
+done
 
 echo "# section 5 at ${SECONDS}s"
 # ---- 5. memory per rank at start (parameters, gradients, optimizer state, activations), 4 ranks
@@ -283,9 +318,10 @@ expect_fail() { # NAME TEXT ARGS...: exits non-zero with TEXT in its output
     else bad "$name fails cleanly" "exit $(rc "$name")" "$(tail -2 "$work/$name.out")"; fi
 }
 expect_fail bad_zero "--zero 5: use 0, 1, 2 or 3" "${TINY[@]}" --steps 1 --zero 5
-expect_fail bad_compress "--grad-compress \"powersgd:0\": use none, bf16 or powersgd:R[:START]" "${TINY[@]}" --steps 1 --grad-compress powersgd:0
+expect_fail bad_compress "--grad-compress \"powersgd:0\": use none, bf16, fp8, fp8:ef or powersgd:R[:START]" "${TINY[@]}" --steps 1 --grad-compress powersgd:0
 expect_fail bad_compress2 "--grad-compress \"zip\"" "${TINY[@]}" --steps 1 --grad-compress zip
 expect_fail bad_compress3 "--grad-compress \"powersgd:2:x\"" "${TINY[@]}" --steps 1 --grad-compress powersgd:2:x
+expect_fail bad_compress4 "--grad-compress \"fp8:x\"" "${TINY[@]}" --steps 1 --grad-compress fp8:x
 expect_fail bad_check "--grad-check needs --dtype f32, one rank, the CPU and --zero 0 --grad-compress none" "${TINY[@]}" --steps 1 --zero 2 --grad-check 2
 expect_fail bad_graph "--cuda-graph runs without --zero and --grad-compress" "${TINY[@]}" --steps 1 --zero 1 --cuda-graph
 # every stage saves the same names and global shapes (boxes of the full tensors), so a --zero 0

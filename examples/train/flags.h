@@ -123,6 +123,9 @@
     X(BUF, 8, bind, "--bind", "none", "none | core | numa: pin each local rank (sysfs topology)") \
     /* ---- parallelism (train_par.h, train_zero.h) */ \
     X(INT, 0, ep, "--ep", 1, "expert-parallel ranks (divides the data-parallel ranks and --experts)") \
+    X(BUF, 8, ep_dispatch, "--ep-dispatch", "act", \
+      "act | fp8: the dispatch all-to-all's token rows in the activation dtype, or e4m3 with 1x128 scales " \
+      "(DeepSeek-V3; the combine stays in the activation dtype)") \
     X(INT, 0, tp, "--tp", 1, "tensor-parallel ranks (heads, FFN and vocabulary split; sequence parallel norms)") \
     X(INT, 0, pp, "--pp", 1, "pipeline stages (the blocks split into contiguous stages)") \
     X(BUF, 16, pp_schedule, "--pp-schedule", "1f1b", "gpipe | 1f1b | interleaved") \
@@ -131,7 +134,8 @@
     X(INT, 0, vstages, "--virtual-stages", 1, "stages per pipeline rank (--pp-schedule interleaved)") \
     X(INT, 0, zero, "--zero", 0, "ZeRO stage 0-3: shard optimizer state (1), gradients (2), weights (3)") \
     X(BUF, 32, grad_compress, "--grad-compress", "none", \
-      "none | bf16 | powersgd:R[:START] gradient reductions (PowerSGD rank R from pass START, 10 if not given)") \
+      "none | bf16 | fp8 | fp8:ef | powersgd:R[:START] gradient reductions (fp8: e4m3 with 1x128 scales, :ef with " \
+      "error feedback; PowerSGD rank R from pass START, 10 if not given)") \
     /* ---- Hugging Face checkpoints (train_hf.h) */ \
     X(STR, 0, init_from_hf, "--init-from-hf", NULL, \
       "DIR: start from a Hugging Face DeepSeek-V2/V3 checkpoint (config.json sets the model; --data: token shards " \

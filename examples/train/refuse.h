@@ -41,8 +41,13 @@ static void refuse_flags(const trainer *t) {
     if (o->warmup < 0 || o->ckpt_every < 0 || o->keep < 0 || o->sample_len < 0 || o->stop_at < 0)
         fail(t, "--warmup, --ckpt-every, --keep, --sample-len, --stop-at must be >= 0");
     if (o->zero < 0 || o->zero > 3) fail(t, "--zero %d: use 0, 1, 2 or 3", o->zero);
+    if (strcmp(o->ep_dispatch, "act") != 0 && strcmp(o->ep_dispatch, "fp8") != 0)
+        fail(t, "--ep-dispatch \"%s\": use act or fp8", o->ep_dispatch);
+    if (strcmp(o->ep_dispatch, "fp8") == 0 && o->ep < 2)
+        fail(t, "--ep-dispatch fp8 needs --ep 2 or more: without expert parallelism no rows are sent");
     if (!tz_parse_compress(o->grad_compress, &z))
-        fail(t, "--grad-compress \"%s\": use none, bf16 or powersgd:R[:START] (R >= 1, START >= 0)", o->grad_compress);
+        fail(t, "--grad-compress \"%s\": use none, bf16, fp8, fp8:ef or powersgd:R[:START] (R >= 1, START >= 0)",
+             o->grad_compress);
     if (o->cuda_graph && (o->zero > 0 || z.compress != DSK_ZERO_COMPRESS_NONE))
         fail(t, "--cuda-graph runs without --zero and --grad-compress");
     if (!(o->lr > 0) || o->min_lr < 0 || o->wd < 0 || o->clip < 0 || o->beta1 < 0 || o->beta1 >= 1 || o->beta2 < 0 ||

@@ -32,11 +32,12 @@ static void log_step(trainer *t, const step_info *si) {
                 "\"ms\":%.3f,\"cpu_ms\":%.3f,\"data_wait_ms\":%.3f,\"grad_sync_ms\":%.3f,\"tokens_per_s\":%.1f,\"mfu\":"
                 "%.6f,"
                 "\"comm_share\":%.6f,\"load_max_mean\":%.6f,\"dropped\":%lld,\"skipped\":%d,\"eta_s\":%.1f,"
-                "\"reduce_bytes\":%.0f,\"reduce_bytes_uncompressed\":%.0f}\n",
+                "\"reduce_bytes\":%.0f,\"reduce_bytes_uncompressed\":%.0f,\"ep_dispatch_bytes\":%.0f,"
+                "\"ep_combine_bytes\":%.0f}\n",
                 (long long)t->step, json_num(loss, si->loss), si->aux_loss, si->lr, json_num(norm, si->norm),
                 (double)si->scale, si->ms, si->cpu_ms, si->data_ms, si->sync_ms, si->tokens_per_s, si->mfu,
                 si->comm_share, si->load_ratio, (long long)si->dropped, si->skipped, eta, si->reduce_bytes,
-                si->plain_bytes);
+                si->plain_bytes, si->ep_bytes[0], si->ep_bytes[1]);
     }
     if (t->log) fflush(t->log);
 }
@@ -112,6 +113,9 @@ static void banner(trainer *t) {
     for (int i = 0; i < m->n_params; i++) total += tm_param_numel(&m->params[i]);
     say(t, "train_moe: %d rank%s (expert parallel %d), %s, %s compute\n", t->world, t->world > 1 ? "s" : "", t->ep,
         t->ctx.device.type == DSK_DEV_CUDA ? "CUDA" : "CPU", dsk_dtype_name(m->cfg.cdt));
+    if (t->ep > 1)
+        say(t, "expert dispatch: %s; the combine in the activation dtype\n",
+            strcmp(o->ep_dispatch, "fp8") == 0 ? "e4m3 codes with 1x128 f32 scales" : "rows in the activation dtype");
     say(t, "data: %s; %lld training and %lld held-out windows of %d tokens\n", t->data.source,
         (long long)t->data.n_train, (long long)t->data.n_val, o->seq + 1);
     const td_sampler *smp = &t->loader.smp;
@@ -151,6 +155,9 @@ static void banner(trainer *t) {
             say(t, " from pass %d: %.0f of %.0f elements, %.3fx fewer bytes", t->zopts.psgd_start, comp, all,
                 all / comp);
         else if (t->zopts.compress == DSK_ZERO_COMPRESS_BF16) say(t, ": 2x fewer bytes");
+        else if (t->zopts.compress == DSK_ZERO_COMPRESS_FP8)
+            say(t, ": e4m3 codes and 1x128 f32 scales, about 3.9x fewer bytes%s",
+                t->zopts.fp8_ef ? ", error feedback" : "");
         say(t, "\n");
     }
     if (o->cuda_graph)

@@ -7,7 +7,8 @@
    same small layered model in both: the gradient of every element is a (w - t) from the
    weights forward reads, computed on the host. After 3 steps the master weights and both
    moments of every piece must agree within 2e-6 relative (NCCL sums in its own order), in every
-   stage, with f32 and bf16 weights and with bf16 compression; the memory figures of the device
+   stage, with f32 and bf16 weights, with bf16 compression and with FP8 compression (with and
+   without error feedback); the memory figures of the device
    object come from the device allocator. Errors: PowerSGD on CUDA, mismatched backends.
    Without a usable CUDA device every case is skipped. */
 #define _POSIX_C_SOURCE 200809L /* mkdtemp, readlink, dirent: the library is linked, not included */
@@ -19,6 +20,7 @@
 #include <cuda_runtime.h>
 
 static dsk_comm NC, HC; /* nccl and host communicators of this rank */
+static int g_fp8_ef;    /* FP8 compression runs with error feedback */
 static dsk_ctx G;
 
 #define NPAR 5
@@ -84,6 +86,7 @@ static void train(dsk_comm *c, dsk_ctx *ctx, int stage, dsk_dtype cdt, dsk_zero_
     o.stage = stage;
     o.compute_dtype = cdt;
     o.compress = cmp;
+    o.fp8_error_feedback = cmp == DSK_ZERO_COMPRESS_FP8 && g_fp8_ef;
     if (dsk_zero_init(&z, c, ctx, ps, NPAR, &o) != DSK_OK) {
         dsk_test_fail_at(__FILE__, __LINE__, "dsk_zero_init: %s", dsk_last_error());
         return;
@@ -183,6 +186,16 @@ static void part_train(void) {
         train(&NC, &G, stage, DSK_F32, DSK_ZERO_COMPRESS_BF16, &dev, NULL);
         train(&HC, NULL, stage, DSK_F32, DSK_ZERO_COMPRESS_BF16, &host, NULL);
         snprintf(what, sizeof what, "ZeRO-%d, bf16 compression", stage);
+        compare(&dev, &host, what);
+    }
+    for (int stage = 0; stage < 4; stage++) { /* the same quantisation and f32 sums: only the transport differs */
+        char what[64];
+        memset(&dev, 0, sizeof dev);
+        memset(&host, 0, sizeof host);
+        g_fp8_ef = stage % 2;
+        train(&NC, &G, stage, DSK_F32, DSK_ZERO_COMPRESS_FP8, &dev, NULL);
+        train(&HC, NULL, stage, DSK_F32, DSK_ZERO_COMPRESS_FP8, &host, NULL);
+        snprintf(what, sizeof what, "ZeRO-%d, fp8 compression%s", stage, g_fp8_ef ? ", error feedback" : "");
         compare(&dev, &host, what);
     }
 }
