@@ -812,8 +812,9 @@ static inline DSK_HD float dsk_adamw_bias_correction(float beta, int64_t step) {
    same shape; m and v both f32 or both bf16) from `grad` (f32, bf16 or f16) times `grad_mult`
    (fuses loss unscaling and clipping). bf16 moments (DeepSeek-V3's, half the optimizer state)
    are read into f32, updated by dsk_adamw_update as f32 ones are, and rounded back to nearest
-   even; the weights get the update computed from the unrounded moments. If `param_copy` is not NULL (bf16, f16 or f32, same shape) it
-   receives the updated weights rounded to nearest even. opts NULL means dsk_adamw_defaults();
+   even; the weights get the update computed from the unrounded moments. If `param_copy` is not
+   NULL (bf16, f16 or f32, same shape) it receives the updated weights rounded to nearest even.
+   opts NULL means dsk_adamw_defaults();
    the CUDA launcher receives validated opts. */
 DSK_API dsk_status dsk_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_tensor *grad, dsk_tensor *m, dsk_tensor *v,
                                   const dsk_adamw_opts *opts, int64_t step, float grad_mult, dsk_tensor *param_copy);

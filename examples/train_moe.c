@@ -75,7 +75,7 @@ typedef struct options {
     int batch, accum, steps, warmup;
     double lr, min_lr, wd, clip, beta1, beta2;
     long long seed;
-    char dtype[8], device[8];
+    char dtype[8], device[8], optim_dtype[8];
     int threads;
     int cuda_graph;
     /* evaluation and output */
@@ -175,7 +175,10 @@ static const opt_spec OPTS[] = {
     {"--beta1", OPT_DOUBLE, O_(beta1), 0, "AdamW beta1"},
     {"--beta2", OPT_DOUBLE, O_(beta2), 0, "AdamW beta2"},
     {"--seed", OPT_LL, O_(seed), 0, "seed of weights and data order"},
-    {"--dtype", OPT_STRBUF, O_(dtype), sizeof(((options *)0)->dtype), "f32 | bf16 | fp16"},
+    {"--dtype", OPT_STRBUF, O_(dtype), sizeof(((options *)0)->dtype),
+     "f32 | bf16 | fp16 | fp8 (bf16, and every linear layer's and expert's GEMMs in block-scaled FP8)"},
+    {"--optim-dtype", OPT_STRBUF, O_(optim_dtype), sizeof(((options *)0)->optim_dtype),
+     "AdamW moments: f32 | bf16 (half the optimizer state)"},
     {"--threads", OPT_INT, O_(threads), 0, "CPU threads per rank (0 = OpenMP's default)"},
     {"--device", OPT_STRBUF, O_(device), sizeof(((options *)0)->device), "auto | cpu | cuda"},
     {"--cuda-graph", OPT_FLAG, O_(cuda_graph), 0,
@@ -292,6 +295,7 @@ static void set_defaults(options *o) {
     strcpy(o->grad_compress, "none");
     strcpy(o->bind, "none");
     strcpy(o->export_dtype, "bf16");
+    strcpy(o->optim_dtype, "f32");
     o->nproc = 0;
 }
 
@@ -691,9 +695,17 @@ static dsk_dtype compute_dtype(const trainer *t) {
     const char *d = t->o->dtype;
     if (!d[0]) return t->ctx.device.type == DSK_DEV_CUDA ? DSK_BF16 : DSK_F32;
     if (strcmp(d, "f32") == 0) return DSK_F32;
-    if (strcmp(d, "bf16") == 0) return DSK_BF16;
+    if (strcmp(d, "bf16") == 0 || strcmp(d, "fp8") == 0) return DSK_BF16; /* fp8: bf16 outside the FP8 GEMMs */
     if (strcmp(d, "fp16") == 0 || strcmp(d, "f16") == 0) return DSK_F16;
-    fail(t, "--dtype \"%s\": use f32, bf16 or fp16", d);
+    fail(t, "--dtype \"%s\": use f32, bf16, fp16 or fp8", d);
+}
+
+/* --optim-dtype: the dtype of AdamW's moments. */
+static dsk_dtype moment_dtype(const trainer *t) {
+    const char *d = t->o->optim_dtype;
+    if (strcmp(d, "f32") == 0) return DSK_F32;
+    if (strcmp(d, "bf16") == 0) return DSK_BF16;
+    fail(t, "--optim-dtype \"%s\": use f32 or bf16", d);
 }
 
 /* ---- data */
@@ -796,6 +808,8 @@ static void setup_model(trainer *t) {
     c.init_std = (float)o->init_std;
     if (!(o->init_std > 0)) fail(t, "--init-std %g: must be > 0", o->init_std);
     c.cdt = compute_dtype(t);
+    c.mdt = moment_dtype(t);
+    c.fp8 = strcmp(o->dtype, "fp8") == 0;
     c.seed = (uint64_t)o->seed;
     if (strcmp(o->score, "sigmoid") == 0) c.moe.score = DSK_MOE_SIGMOID;
     else if (strcmp(o->score, "softmax") == 0) c.moe.score = DSK_MOE_SOFTMAX;
@@ -1909,8 +1923,10 @@ static void print_memory(trainer *t) {
            t->rank, z.params / 1048576.0, z.grads / 1048576.0, z.optimizer / 1048576.0, z.comm / 1048576.0,
            (double)(t->mem_model - slabs) / 1048576.0,
            t->zopts.stage == 0 ? " (--zero 0: every rank holds everything)" : "");
-    printf("memory bytes, rank %d: parameters %lld, gradients %lld, optimizer state %lld, compression buffers %lld\n",
-           t->rank, (long long)z.params, (long long)z.grads, (long long)z.optimizer, (long long)z.comm);
+    printf("memory bytes, rank %d: parameters %lld, gradients %lld, optimizer state %lld, compression buffers %lld, "
+           "activations %lld\n",
+           t->rank, (long long)z.params, (long long)z.grads, (long long)z.optimizer, (long long)z.comm,
+           (long long)(t->mem_model - slabs));
     fflush(stdout);
 }
 
@@ -2263,6 +2279,9 @@ static void check_options(trainer *t) {
     if (!tz_parse_compress(o->grad_compress, &t->zopts))
         fail(t, "--grad-compress \"%s\": use none, bf16 or powersgd:R[:START] (R >= 1, START >= 0)", o->grad_compress);
     t->zopts.stage = o->zero;
+    t->zopts.moment_dtype = moment_dtype(t);
+    if (strcmp(o->dtype, "fp8") == 0 && (o->tp > 1 || o->pp > 1))
+        fail(t, "--dtype fp8 runs without --tp and --pp (their linear layers are not FP8 yet)");
     t->engine = !o->cuda_graph;
     if (o->cuda_graph && (o->zero > 0 || t->zopts.compress != DSK_ZERO_COMPRESS_NONE))
         fail(t, "--cuda-graph runs without --zero and --grad-compress");

@@ -45,6 +45,7 @@ typedef struct tz_opts {
     int stage;                  /* 0..3 */
     dsk_zero_compress compress;
     int psgd_rank, psgd_start;  /* PowerSGD rank and first compressed pass */
+    dsk_dtype moment_dtype;     /* AdamW's moments: f32 or bf16 (--optim-dtype) */
 } tz_opts;
 
 /* A reduction group: the ranks holding the same parameters (NULL: this rank alone). */
@@ -314,6 +315,7 @@ static dsk_status tz_init(tz *t, tm_model *m, dsk_ctx *ctx, const tz_group *grou
         memset(&zo, 0, sizeof zo);
         zo.stage = o->stage;
         zo.compute_dtype = t->obj_dt[k];
+        zo.moment_dtype = o->moment_dtype;
         zo.compress = o->compress;
         zo.powersgd_rank = o->psgd_rank;
         zo.powersgd_start_iter = o->psgd_start;
