@@ -275,7 +275,7 @@ typedef struct dsk_amp_param {
     const char *name;   /* for messages; may be NULL */
     dsk_tensor *master; /* f32 master weights */
     dsk_tensor *grad;   /* unscaled gradient, f32/bf16/f16 */
-    dsk_tensor *m, *v;  /* f32 AdamW moments */
+    dsk_tensor *m, *v;  /* AdamW moments: both f32 or both bf16 (dsk_adamw_step) */
     dsk_tensor *copy;   /* bf16/f16 compute copy, or NULL */
 } dsk_amp_param;
 
@@ -904,9 +904,13 @@ static dsk_status dsk__amp_check_param(const dsk_amp_param *p, int i) {
         if (!dsk_tensor_same_shape(ts[k], p->master))
             return dsk_set_error(DSK_ERR_ARG, "%s: %s is %s, master is %s", fn, what,
                                  dsk_tensor_describe(ts[k], a, sizeof a), dsk_tensor_describe(p->master, b, sizeof b));
-        if ((k == 1 || k == 2) ? ts[k]->dtype != DSK_F32 : !dsk__amp_is_grad_dtype(ts[k]->dtype))
+        if ((k == 1 || k == 2) ? ts[k]->dtype != DSK_F32 && ts[k]->dtype != DSK_BF16
+                               : !dsk__amp_is_grad_dtype(ts[k]->dtype))
             return dsk_set_error(DSK_ERR_ARG, "%s: %s has dtype %s", fn, what, dsk_dtype_name(ts[k]->dtype));
     }
+    if (p->m->dtype != p->v->dtype) /* dsk_adamw_step's moments: both f32 or both bf16 */
+        return dsk_set_error(DSK_ERR_ARG, "%s: params[%d] \"%s\": m is %s, v is %s (want one dtype)", fn, i, nm,
+                             dsk_dtype_name(p->m->dtype), dsk_dtype_name(p->v->dtype));
     return DSK_OK;
 }
 

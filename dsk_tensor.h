@@ -808,10 +808,13 @@ static inline DSK_HD float dsk_adamw_bias_correction(float beta, int64_t step) {
     return (float)(1.0 - pow((double)beta, (double)step));
 }
 
-/* One AdamW step at `step` (1-based) on f32 master weights `param` with f32 moments m, v
-   (all the same shape) from `grad` (f32, bf16 or f16) times `grad_mult` (fuses loss
-   unscaling and clipping). If `param_copy` is not NULL (bf16, f16 or f32, same shape) it
-   receives the updated weights rounded to nearest even. opts NULL means dsk_adamw_defaults();
+/* One AdamW step at `step` (1-based) on f32 master weights `param` with moments m, v (all the
+   same shape; m and v both f32 or both bf16) from `grad` (f32, bf16 or f16) times `grad_mult`
+   (fuses loss unscaling and clipping). bf16 moments (DeepSeek-V3's, half the optimizer state)
+   are read into f32, updated by dsk_adamw_update as f32 ones are, and rounded back to nearest
+   even; the weights get the update computed from the unrounded moments. If `param_copy` is not
+   NULL (bf16, f16 or f32, same shape) it receives the updated weights rounded to nearest even.
+   opts NULL means dsk_adamw_defaults();
    the CUDA launcher receives validated opts. */
 DSK_API dsk_status dsk_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_tensor *grad, dsk_tensor *m, dsk_tensor *v,
                                   const dsk_adamw_opts *opts, int64_t step, float grad_mult, dsk_tensor *param_copy);
@@ -4164,6 +4167,17 @@ static void dsk__adamw_rows(dsk_cpu_isa isa, float *p, float *m, float *v, const
     for (int64_t i = 0; i < n; i++) dsk_adamw_update(p + i, m + i, v + i, g[i] * gm, o->lr, o->beta1, o->beta2, o->eps, o->weight_decay, bc1, bc2);
 }
 
+/* AdamW's moments: m and v both f32 or both bf16. */
+static dsk_status dsk__need_moments(const char *fn, const dsk_tensor *m, const dsk_tensor *v) {
+    char a[96], b[96];
+    DSK__TRY(dsk__need(fn, "m", m));
+    DSK__TRY(dsk__need(fn, "v", v));
+    if ((m->dtype != DSK_F32 && m->dtype != DSK_BF16) || v->dtype != m->dtype)
+        return dsk_set_error(DSK_ERR_ARG, "%s: moments m %s and v %s must be both f32 or both bf16", fn,
+                             dsk_tensor_describe(m, a, sizeof a), dsk_tensor_describe(v, b, sizeof b));
+    return DSK_OK;
+}
+
 /* The options in force (opts, or the defaults for NULL), range-checked; nothing is replaced. */
 static dsk_status dsk__adamw_resolve(const dsk_adamw_opts *in, dsk_adamw_opts *o) {
     const char *fn = "dsk_adamw_step";
@@ -4194,9 +4208,8 @@ DSK_API dsk_status dsk_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_ten
     DSK__TRY(dsk__need_dtype(fn, "param", param, DSK_F32));
     DSK__TRY(dsk__need_float(fn, "grad", grad));
     DSK__TRY(dsk__need_same_shape(fn, "grad", grad, "param", param));
-    DSK__TRY(dsk__need_dtype(fn, "m", m, DSK_F32));
+    DSK__TRY(dsk__need_moments(fn, m, v));
     DSK__TRY(dsk__need_same_shape(fn, "m", m, "param", param));
-    DSK__TRY(dsk__need_dtype(fn, "v", v, DSK_F32));
     DSK__TRY(dsk__need_same_shape(fn, "v", v, "param", param));
     if (param_copy) {
         DSK__TRY(dsk__need_float(fn, "param_copy", param_copy));
@@ -4211,13 +4224,17 @@ DSK_API dsk_status dsk_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_ten
     bc1 = dsk_adamw_bias_correction(o.beta1, step);
     bc2 = dsk_adamw_bias_correction(o.beta2, step);
     n = dsk_tensor_numel(param);
-    p = (float *)param->data; mm = (float *)m->data; vv = (float *)v->data;
+    p = (float *)param->data;
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
     for (int64_t c = 0; c < (n + DSK__EW_CHUNK - 1) / DSK__EW_CHUNK; c++) {
-        float bg[DSK__EW_CHUNK];
+        float bg[DSK__EW_CHUNK], bm[DSK__EW_CHUNK], bv[DSK__EW_CHUNK];
         int64_t off = c * DSK__EW_CHUNK, len = n - off < DSK__EW_CHUNK ? n - off : DSK__EW_CHUNK;
-        dsk__adamw_rows(ctx ? ctx->cpu_isa : DSK_CPU_ISA_AUTO, p + off, mm + off, vv + off, dsk__row_in(grad, off, len, bg), len, grad_mult, &o,
-                        bc1, bc2);
+        mm = (float *)dsk__row_in(m, off, len, bm); /* bf16 moments: f32 copies in bm, bv, stored back below */
+        vv = (float *)dsk__row_in(v, off, len, bv);
+        dsk__adamw_rows(ctx ? ctx->cpu_isa : DSK_CPU_ISA_AUTO, p + off, mm, vv, dsk__row_in(grad, off, len, bg), len,
+                        grad_mult, &o, bc1, bc2);
+        dsk__row_out_done(m, off, len, mm);
+        dsk__row_out_done(v, off, len, vv);
         if (param_copy) dsk__store_row(param_copy->data, param_copy->dtype, off, p + off, len);
     }
     return DSK_OK;

@@ -193,6 +193,7 @@ typedef enum dsk_zero_compress {
 typedef struct dsk_zero_opts {
     int stage;                 /* [0] 0 (DDP), 1, 2 or 3 */
     dsk_dtype compute_dtype;   /* [f32] f32, bf16 or f16: the dtype of the weights forward reads */
+    dsk_dtype moment_dtype;    /* [f32] f32 or bf16: AdamW's two moments (bf16, as DeepSeek-V3: half their bytes) */
     int sum_only;              /* [0]: average over the group; 1: plain sum */
     float grad_post_scale;     /* [1] multiplies the reduced gradients (e.g. 1/world for a SUM over experts) */
     int param_buffers;         /* [2] stage 3: units gathered at once (>= 2: the current one and a prefetch) */
@@ -256,7 +257,7 @@ typedef struct dsk_zero {
 } dsk_zero;
 
 /* This rank's part of parameter p's optimizer state: elements [first, first + count) of the
-   flattened parameter, as 1-D f32 views (count may be 0). Stage 0: the whole parameter.
+   flattened parameter, as 1-D views (count may be 0; m and v in the moment dtype). Stage 0: the whole parameter.
    grad: the reduced gradient of those elements, valid from dsk_zero_wait to the next pass. */
 typedef struct dsk_zero_piece {
     int64_t first, count;
@@ -996,6 +997,9 @@ static dsk_status dsk__zero_check_opts(const char *fn, dsk_zero_opts *o, const d
     if (o->compute_dtype != DSK_F32 && o->compute_dtype != DSK_BF16 && o->compute_dtype != DSK_F16)
         return dsk_set_error(DSK_ERR_ARG, "%s: compute dtype %s is not f32, bf16 or f16", fn,
                              dsk_dtype_name(o->compute_dtype));
+    if (o->moment_dtype != DSK_F32 && o->moment_dtype != DSK_BF16)
+        return dsk_set_error(DSK_ERR_ARG, "%s: moment dtype %s is not f32 or bf16", fn,
+                             dsk_dtype_name(o->moment_dtype));
     if (o->sum_only != 0 && o->sum_only != 1)
         return dsk_set_error(DSK_ERR_ARG, "%s: sum_only %d is not 0 or 1", fn, o->sum_only);
     if (o->grad_post_scale == 0.0f) o->grad_post_scale = 1.0f;
@@ -1199,8 +1203,8 @@ static dsk_status dsk__zero_alloc_all(dsk_zero *z, dsk_ctx *ctx) {
         }
     }
     if (!zi->master_in_full) DSK__TRY(dsk__zero_alloc(ctx, &zi->master, DSK_F32, opt_n, &mem->optimizer));
-    DSK__TRY(dsk__zero_alloc(ctx, &zi->m, DSK_F32, opt_n, &mem->optimizer));
-    DSK__TRY(dsk__zero_alloc(ctx, &zi->v, DSK_F32, opt_n, &mem->optimizer));
+    DSK__TRY(dsk__zero_alloc(ctx, &zi->m, zi->o.moment_dtype, opt_n, &mem->optimizer));
+    DSK__TRY(dsk__zero_alloc(ctx, &zi->v, zi->o.moment_dtype, opt_n, &mem->optimizer));
     if (z->stage <= 1) DSK__TRY(dsk__zero_alloc(ctx, &zi->full_g, DSK_F32, zi->full, &mem->grads));
     if (z->stage >= 2) {
         DSK__TRY(dsk__zero_alloc(ctx, &zi->shard_g, DSK_F32, zi->shard, &mem->grads));

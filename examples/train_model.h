@@ -29,11 +29,16 @@
 
 #define TM_TRY(call) do { dsk_status tm_s_ = (call); if (tm_s_ != DSK_OK) return tm_s_; } while (0)
 
+#include "train_fp8.h" /* --dtype fp8: the FP8 linear layers */
+
 typedef struct tm_config {
     int vocab, seq, d_model, n_heads, n_layers, n_dense, ffn_hidden;
     int batch;          /* sequences per micro-batch on this rank */
     float rope_theta, norm_eps, init_std;
     dsk_dtype cdt;      /* compute dtype of weights copies and activations */
+    dsk_dtype mdt;      /* AdamW's moments: f32 or bf16 (--optim-dtype) */
+    int fp8;            /* 1: every linear layer's and expert's GEMMs in block-scaled FP8, their inputs kept in
+                           e4m3 for backward (DeepSeek-V3's recipe; cdt bf16; train_fp8.h) */
     uint64_t seed;
     dsk_moe_opts moe;   /* template of every MoE layer (name, d_model, dtype, seed are set per layer) */
     tmla_config mla;    /* attention kind and MLA sizes, MTP depth, recomputation (train_mla.h) */
@@ -67,6 +72,9 @@ typedef struct tm_block {
     dsk_tensor h1, rstd1, q, k, v, qr, kr, att, x2, h2, rstd2; /* (N, D) or (N) for rstd */
     dsk_tensor probs;                   /* (B, H, T, T) f32 attention probabilities */
     dsk_tensor g, u, a;                 /* (N, F) dense FFN */
+    /* --dtype fp8: the FP8 linears' inputs in e4m3 (h1 of wq wk wv, att of wo, h2 of w1 w3, a of w2); h1, att
+       and a dense block's h2 and a then pass through backward's scratch datt and da, idle in forward */
+    tf8_act f8_h1, f8_att, f8_h2, f8_a;
     /* MoE blocks */
     int is_moe;
     dsk_moe moe;
@@ -146,6 +154,7 @@ typedef struct tm_model {
     dsk_tensor dx, dh, dq, dk, dv, dqr, dkr, datt, dg, du, da;
     dsk_tensor dx32;                    /* (N, D) f32 copy of dx for the embedding gradient (bf16/f16 only) */
     tmla_model mla;                     /* MLA scratch and the MTP modules (train_mla.h) */
+    tf8_scratch f8;                     /* --dtype fp8: the FP8 linears' scratch */
 } tm_model;
 
 /* ------------------------------------------------------------------ phase timer */
@@ -196,6 +205,18 @@ static dsk_tensor tm_heads(const tm_model *m, const dsk_tensor *t, int nb) {
 
 static dsk_status tm_mm(tm_model *m, dsk_tensor *C, const dsk_tensor *A, int ta, const dsk_tensor *B, int tb, float beta) {
     return dsk_matmul(m->ctx, C, A, ta, B, tb, 1.0f, beta);
+}
+
+/* --dtype fp8: x (the input of one or more linear layers) quantised into its cache. */
+static dsk_status tm_keep(tm_model *m, tf8_act *act, const dsk_tensor *x) {
+    return m->cfg.fp8 ? tf8_keep(m->ctx, act, x) : DSK_OK;
+}
+
+/* A linear layer y = x w^T + beta y: in FP8 from x's cache (tm_keep) under --dtype fp8. */
+static dsk_status tm_linear(tm_model *m, dsk_tensor *y, const dsk_tensor *x, const tf8_act *act, const tm_param *w,
+                            float beta) {
+    if (m->cfg.fp8) return tf8_forward(m->ctx, &m->f8, y, act, &w->wc, beta);
+    return tm_mm(m, y, x, 0, &w->wc, 1, beta);
 }
 
 /* t <- 0 (dsk_tensor_fill clears +0 by memset on either device). */
@@ -347,6 +368,30 @@ static dsk_status tm_alloc2(tm_model *m, dsk_tensor *t, dsk_dtype dt, int64_t r,
     return dsk_tensor_alloc(m->ctx, t, dt, c ? 2 : 1, sh);
 }
 
+/* --dtype fp8: every block's FP8 caches and the shared scratch; the linears' bf16 inputs become
+   views of backward's datt (h1, att, a dense block's h2) and da (a). A MoE block's h2 stays its
+   own: the MoE layer's input. */
+static dsk_status tm_alloc_fp8(tm_model *m) {
+    const tm_config *c = &m->cfg;
+    int64_t N = (int64_t)c->batch * c->seq, D = c->d_model, F = c->ffn_hidden, W = D > F ? D : F;
+    TM_TRY(tf8_scratch_alloc(m->ctx, &m->f8, N, W, W));
+    for (int l = 0; l < c->n_layers; l++) {
+        tm_block *b = &m->blocks[l];
+        TM_TRY(tf8_act_alloc(m->ctx, &b->f8_h1, N, D));
+        TM_TRY(tf8_act_alloc(m->ctx, &b->f8_att, N, D));
+        b->h1 = m->datt;
+        b->h1.owns = 0;
+        b->att = b->h1;
+        if (l >= c->n_dense) continue;
+        TM_TRY(tf8_act_alloc(m->ctx, &b->f8_h2, N, D));
+        TM_TRY(tf8_act_alloc(m->ctx, &b->f8_a, N, F));
+        b->h2 = b->h1;
+        b->a = m->da;
+        b->a.owns = 0;
+    }
+    return DSK_OK;
+}
+
 static dsk_status tm_alloc_acts(tm_model *m) {
     const tm_config *c = &m->cfg;
     int64_t N = (int64_t)c->batch * c->seq, D = c->d_model, F = c->ffn_hidden, V = c->vocab;
@@ -355,7 +400,9 @@ static dsk_status tm_alloc_acts(tm_model *m) {
         tm_block *b = &m->blocks[l];
         if (tmla_custom_alloc(m)) { TM_TRY(tmla_alloc_block(m, l)); continue; }
         dsk_tensor *nd[] = {&b->x, &b->h1, &b->q, &b->k, &b->v, &b->qr, &b->kr, &b->att, &b->x2, &b->h2};
-        for (size_t i = 0; i < sizeof nd / sizeof nd[0]; i++) TM_TRY(tm_alloc2(m, nd[i], dt, N, D));
+        for (size_t i = 0; i < sizeof nd / sizeof nd[0]; i++) /* fp8: h1, att, a dense h2 in tm_alloc_fp8 */
+            if (!c->fp8 || (nd[i] != &b->h1 && nd[i] != &b->att && (nd[i] != &b->h2 || l >= c->n_dense)))
+                TM_TRY(tm_alloc2(m, nd[i], dt, N, D));
         TM_TRY(tm_alloc2(m, &b->rstd1, DSK_F32, N, 0));
         TM_TRY(tm_alloc2(m, &b->rstd2, DSK_F32, N, 0));
         int64_t ps[4] = {c->batch, c->n_heads, c->seq, c->seq};
@@ -363,7 +410,7 @@ static dsk_status tm_alloc_acts(tm_model *m) {
         if (l < c->n_dense) {
             TM_TRY(tm_alloc2(m, &b->g, dt, N, F));
             TM_TRY(tm_alloc2(m, &b->u, dt, N, F));
-            TM_TRY(tm_alloc2(m, &b->a, dt, N, F));
+            if (!c->fp8) TM_TRY(tm_alloc2(m, &b->a, dt, N, F));
         }
     }
     dsk_tensor *nd[] = {&m->x_final, &m->hf, &m->dx, &m->dh, &m->dq, &m->dk, &m->dv, &m->dqr, &m->dkr, &m->datt};
@@ -384,6 +431,7 @@ static dsk_status tm_alloc_acts(tm_model *m) {
     TM_TRY(dsk_tensor_alloc(m->ctx, &m->ids, DSK_I32, 1, &N));
     TM_TRY(dsk_tensor_alloc(m->ctx, &m->targets, DSK_I32, 1, &N));
     TM_TRY(dsk_tensor_alloc(m->ctx, &m->loss, DSK_F32, 0, NULL));
+    if (c->fp8) TM_TRY(tm_alloc_fp8(m));
     return tmla_alloc(m);
 }
 
@@ -629,6 +677,8 @@ static void tm_free(tm_model *m) {
             dsk_tensor *ts[] = {&b->x, &b->h1, &b->rstd1, &b->q, &b->k, &b->v, &b->qr, &b->kr, &b->att, &b->x2,
                                 &b->h2, &b->rstd2, &b->probs, &b->g, &b->u, &b->a, &b->mx, &b->my};
             for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
+            tf8_act *f8[] = {&b->f8_h1, &b->f8_att, &b->f8_h2, &b->f8_a};
+            for (size_t i = 0; i < sizeof f8 / sizeof f8[0]; i++) tf8_act_free(ctx, f8[i]);
             dsk_moe_free(&b->moe, ctx);
             dsk_tensor_free(ctx, &b->moe_bias);
         }
@@ -636,6 +686,7 @@ static void tm_free(tm_model *m) {
                         &m->logits, &m->dlogits, &m->ids, &m->targets, &m->loss, &m->dx, &m->dh, &m->dq, &m->dk,
                         &m->dv, &m->dqr, &m->dkr, &m->datt, &m->dg, &m->du, &m->da, &m->dx32};
     for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
+    tf8_scratch_free(ctx, &m->f8);
     free(m->blocks);
     free(m->moe_names);
     memset(m, 0, sizeof *m);
@@ -655,6 +706,9 @@ static dsk_status tm_check_config(const tm_config *c) {
     if (c->n_dense < 0 || c->n_dense > c->n_layers)
         return dsk_set_error(DSK_ERR_ARG, "--dense-layers %d outside [0, --layers %d]", c->n_dense, c->n_layers);
     if (c->n_layers > 100) return dsk_set_error(DSK_ERR_ARG, "--layers %d: at most 100", c->n_layers);
+    if (c->fp8 && (tmla_is_mla(&c->mla) || c->mla.recompute != TMLA_RECOMPUTE_NONE || c->mla.mtp_depth > 0))
+        return dsk_set_error(DSK_ERR_ARG, "--dtype fp8: the FP8 linears cover MHA blocks without --recompute and "
+                                          "--mtp (not --attn mla, recomputation or MTP yet)");
     return tmla_check_config(c);
 }
 
@@ -678,8 +732,8 @@ static dsk_status tm_init(tm_model *m, dsk_ctx *ctx, const tm_config *cfg) {
     if (!cfg->external) {
         TM_TRY(tm_alloc_slab(m, &m->slab_w, DSK_F32));
         TM_TRY(tm_alloc_slab(m, &m->slab_g, DSK_F32));
-        TM_TRY(tm_alloc_slab(m, &m->slab_m, DSK_F32));
-        TM_TRY(tm_alloc_slab(m, &m->slab_v, DSK_F32));
+        TM_TRY(tm_alloc_slab(m, &m->slab_m, cfg->mdt));
+        TM_TRY(tm_alloc_slab(m, &m->slab_v, cfg->mdt));
         if (cfg->cdt != DSK_F32) TM_TRY(tm_alloc_slab(m, &m->slab_wc, cfg->cdt));
         TM_TRY(tm_bind(m));
         TM_TRY(tm_init_weights(m));
@@ -694,11 +748,13 @@ static dsk_status tm_init(tm_model *m, dsk_ctx *ctx, const tm_config *cfg) {
 static dsk_status tm_dense_forward(tm_model *m, tm_block *b, int64_t N, dsk_tensor *y) {
     dsk_tensor h2 = tm_rows(&b->h2, N), g = tm_rows(&b->g, N), u = tm_rows(&b->u, N), a = tm_rows(&b->a, N);
     dsk_tensor x2 = tm_rows(&b->x2, N);
-    TM_T(TM_PH_FFN, tm_mm(m, &g, &h2, 0, &b->w1->wc, 1, 0.0f));
-    TM_T(TM_PH_FFN, tm_mm(m, &u, &h2, 0, &b->w3->wc, 1, 0.0f));
+    TM_T(TM_PH_FFN, tm_keep(m, &b->f8_h2, &h2));
+    TM_T(TM_PH_FFN, tm_linear(m, &g, &h2, &b->f8_h2, b->w1, 0.0f));
+    TM_T(TM_PH_FFN, tm_linear(m, &u, &h2, &b->f8_h2, b->w3, 0.0f));
     TM_T(TM_PH_FFN, dsk_swiglu(m->ctx, &a, &g, &u));
+    TM_T(TM_PH_FFN, tm_keep(m, &b->f8_a, &a));
     TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, y, &x2));
-    TM_T(TM_PH_FFN, tm_mm(m, y, &a, 0, &b->w2->wc, 1, 1.0f));
+    TM_T(TM_PH_FFN, tm_linear(m, y, &a, &b->f8_a, b->w2, 1.0f));
     return DSK_OK;
 }
 
@@ -711,9 +767,10 @@ static dsk_status tm_attn_forward(tm_model *m, tm_block *b, int nb) {
     dsk_tensor q = tm_rows(&b->q, N), k = tm_rows(&b->k, N), v = tm_rows(&b->v, N), att = tm_rows(&b->att, N);
     dsk_tensor x2 = tm_rows(&b->x2, N);
     TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &h1, &rstd1, &x, &b->ln1->wc, c->norm_eps));
-    TM_T(TM_PH_LINEAR, tm_mm(m, &q, &h1, 0, &b->wq->wc, 1, 0.0f));
-    TM_T(TM_PH_LINEAR, tm_mm(m, &k, &h1, 0, &b->wk->wc, 1, 0.0f));
-    TM_T(TM_PH_LINEAR, tm_mm(m, &v, &h1, 0, &b->wv->wc, 1, 0.0f));
+    TM_T(TM_PH_LINEAR, tm_keep(m, &b->f8_h1, &h1));
+    TM_T(TM_PH_LINEAR, tm_linear(m, &q, &h1, &b->f8_h1, b->wq, 0.0f));
+    TM_T(TM_PH_LINEAR, tm_linear(m, &k, &h1, &b->f8_h1, b->wk, 0.0f));
+    TM_T(TM_PH_LINEAR, tm_linear(m, &v, &h1, &b->f8_h1, b->wv, 0.0f));
     dsk_tensor q4 = tm_heads(m, &q, nb), k4 = tm_heads(m, &k, nb);
     dsk_tensor qr4 = tm_heads(m, &b->qr, nb), kr4 = tm_heads(m, &b->kr, nb);
     TM_T(TM_PH_ROPE, dsk_rope(m->ctx, &qr4, &q4, 0, c->rope_theta));
@@ -724,7 +781,8 @@ static dsk_status tm_attn_forward(tm_model *m, tm_block *b, int nb) {
     TM_TRY(dsk_tensor_slice(&b->probs, 0, 0, nb, &probs));
     TM_T(TM_PH_ATTN, dsk_attention(m->ctx, &att4, &probs, &qr4, &kr4, &v4, scale));
     TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &x2, &x));
-    TM_T(TM_PH_LINEAR, tm_mm(m, &x2, &att, 0, &b->wo->wc, 1, 1.0f));
+    TM_T(TM_PH_LINEAR, tm_keep(m, &b->f8_att, &att));
+    TM_T(TM_PH_LINEAR, tm_linear(m, &x2, &att, &b->f8_att, b->wo, 1.0f));
     dsk_tensor h2 = tm_rows(&b->h2, N), rstd2 = tm_rows(&b->rstd2, N);
     TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &h2, &rstd2, &x2, &b->ln2->wc, c->norm_eps));
     return DSK_OK;
@@ -795,21 +853,38 @@ static dsk_status tm_zero_grads(tm_model *m) {
     return DSK_OK;
 }
 
+/* The backward of n linear layers that read one input x (its cache act under --dtype fp8) with
+   output gradients dy[i]: w[i]'s gradient += dy[i]^T x, each made ready, then dx = sum over i
+   of dy[i] w[i] (in i order). Phase ph takes the time. */
+static dsk_status tm_linear_backward(tm_model *m, int ph, int n, tm_param **w, dsk_tensor **dy, const dsk_tensor *x,
+                                     const tf8_act *act, dsk_tensor *dx) {
+    if (!m->cfg.fp8) {
+        for (int i = 0; i < n; i++) TM_T(ph, tm_mm(m, &w[i]->g, dy[i], 1, x, 0, 1.0f));
+        for (int i = 0; i < n; i++) TM_T(TM_PH_MOVE, tm_ready(m, w[i]));
+        for (int i = 0; i < n; i++) TM_T(ph, tm_mm(m, dx, dy[i], 0, &w[i]->wc, 0, i ? 1.0f : 0.0f));
+        return DSK_OK;
+    }
+    TM_T(ph, tf8_input_t(m->ctx, &m->f8, act));
+    for (int i = 0; i < n; i++) { /* one output gradient's quantised forms at a time in the scratch */
+        TM_T(ph, tf8_grad(m->ctx, &m->f8, dy[i]));
+        TM_T(ph, tf8_backward_w(m->ctx, &m->f8, &w[i]->g, dy[i]->shape[0]));
+        TM_T(ph, tf8_backward_x(m->ctx, &m->f8, dx, &w[i]->wc, i ? 1.0f : 0.0f));
+    }
+    for (int i = 0; i < n; i++) TM_T(TM_PH_MOVE, tm_ready(m, w[i]));
+    return DSK_OK;
+}
+
 /* dx holds d(block output); adds the dense FFN's weight gradients, leaves d(h2) in dh. */
 static dsk_status tm_dense_backward(tm_model *m, tm_block *b) {
-    TM_T(TM_PH_FFN, tm_mm(m, &m->da, &m->dx, 0, &b->w2->wc, 0, 0.0f));  /* da (N,F) = dy (N,D) W2 (D,F) */
-    TM_T(TM_PH_FFN, tm_mm(m, &b->w2->g, &m->dx, 1, &b->a, 0, 1.0f));    /* dW2 (D,F) += dy^T a */
-    TM_T(TM_PH_MOVE, tm_ready(m, b->w2));
+    tm_param *w2[1] = {b->w2}, *w13[2] = {b->w1, b->w3};
+    dsk_tensor *dy2[1] = {&m->dx}, *dy13[2] = {&m->dg, &m->du};
+    /* dW2 (D,F) += dy^T a, da (N,F) = dy (N,D) W2 (D,F) */
+    TM_TRY(tm_linear_backward(m, TM_PH_FFN, 1, w2, dy2, &b->a, &b->f8_a, &m->da));
     TM_T(TM_PH_MOVE, tm_zero(m, &m->dg));
     TM_T(TM_PH_MOVE, tm_zero(m, &m->du));
     TM_T(TM_PH_FFN, dsk_swiglu_backward(m->ctx, &m->dg, &m->du, &m->da, &b->g, &b->u));
-    TM_T(TM_PH_FFN, tm_mm(m, &b->w1->g, &m->dg, 1, &b->h2, 0, 1.0f));   /* dW1 (F,D) += dg^T h2 */
-    TM_T(TM_PH_FFN, tm_mm(m, &b->w3->g, &m->du, 1, &b->h2, 0, 1.0f));
-    TM_T(TM_PH_MOVE, tm_ready(m, b->w1));
-    TM_T(TM_PH_MOVE, tm_ready(m, b->w3));
-    TM_T(TM_PH_FFN, tm_mm(m, &m->dh, &m->dg, 0, &b->w1->wc, 0, 0.0f));  /* dh2 = dg W1 + du W3 */
-    TM_T(TM_PH_FFN, tm_mm(m, &m->dh, &m->du, 0, &b->w3->wc, 0, 1.0f));
-    return DSK_OK;
+    /* dW1 (F,D) += dg^T h2, dW3 likewise; dh2 = dg W1 + du W3 */
+    return tm_linear_backward(m, TM_PH_FFN, 2, w13, dy13, &b->h2, &b->f8_h2, &m->dh);
 }
 
 /* dx holds d(x2); turns it into d(x) and adds the attention weights' gradients. */
@@ -818,9 +893,9 @@ static dsk_status tm_attn_backward(tm_model *m, tm_block *b) {
     int nb = c->batch;
     if (tmla_is_mla(&c->mla)) return tmla_attn_backward(m, b);
     TM_TRY(tmla_recompute_core(m, b));
-    TM_T(TM_PH_LINEAR, tm_mm(m, &b->wo->g, &m->dx, 1, &b->att, 0, 1.0f));  /* dWo += dx2^T att */
-    TM_T(TM_PH_MOVE, tm_ready(m, b->wo));
-    TM_T(TM_PH_LINEAR, tm_mm(m, &m->datt, &m->dx, 0, &b->wo->wc, 0, 0.0f));
+    tm_param *wo[1] = {b->wo}, *wqkv[3] = {b->wq, b->wk, b->wv};
+    dsk_tensor *dyo[1] = {&m->dx}, *dyqkv[3] = {&m->dq, &m->dk, &m->dv};
+    TM_TRY(tm_linear_backward(m, TM_PH_LINEAR, 1, wo, dyo, &b->att, &b->f8_att, &m->datt)); /* dWo += dx2^T att */
     /* dQ, dK, dV of the causal attention (accumulated: cleared first) */
     float scale = 1.0f / sqrtf((float)(c->d_model / c->n_heads));
     dsk_tensor qr4 = tm_heads(m, &b->qr, nb), kr4 = tm_heads(m, &b->kr, nb), v4 = tm_heads(m, &b->v, nb);
@@ -835,15 +910,8 @@ static dsk_status tm_attn_backward(tm_model *m, tm_block *b) {
     dsk_tensor dq4 = tm_heads(m, &m->dq, nb), dk4 = tm_heads(m, &m->dk, nb);
     TM_T(TM_PH_ROPE, dsk_rope_backward(m->ctx, &dq4, &dqr4, 0, c->rope_theta));
     TM_T(TM_PH_ROPE, dsk_rope_backward(m->ctx, &dk4, &dkr4, 0, c->rope_theta));
-    TM_T(TM_PH_LINEAR, tm_mm(m, &b->wq->g, &m->dq, 1, &b->h1, 0, 1.0f));   /* dWq (D,D) += dq^T h1 */
-    TM_T(TM_PH_LINEAR, tm_mm(m, &b->wk->g, &m->dk, 1, &b->h1, 0, 1.0f));
-    TM_T(TM_PH_LINEAR, tm_mm(m, &b->wv->g, &m->dv, 1, &b->h1, 0, 1.0f));
-    TM_T(TM_PH_MOVE, tm_ready(m, b->wq));
-    TM_T(TM_PH_MOVE, tm_ready(m, b->wk));
-    TM_T(TM_PH_MOVE, tm_ready(m, b->wv));
-    TM_T(TM_PH_LINEAR, tm_mm(m, &m->dh, &m->dq, 0, &b->wq->wc, 0, 0.0f)); /* dh1 = dq Wq + dk Wk + dv Wv */
-    TM_T(TM_PH_LINEAR, tm_mm(m, &m->dh, &m->dk, 0, &b->wk->wc, 0, 1.0f));
-    TM_T(TM_PH_LINEAR, tm_mm(m, &m->dh, &m->dv, 0, &b->wv->wc, 0, 1.0f));
+    /* dWq (D,D) += dq^T h1, dWk, dWv likewise; dh1 = dq Wq + dk Wk + dv Wv */
+    TM_TRY(tm_linear_backward(m, TM_PH_LINEAR, 3, wqkv, dyqkv, &b->h1, &b->f8_h1, &m->dh));
     TM_T(TM_PH_NORM, dsk_rmsnorm_backward(m->ctx, &m->dx, tm_grad(b->ln1), &m->dh, &b->x, &b->ln1->wc, &b->rstd1));
     TM_T(TM_PH_MOVE, tm_ready(m, b->ln1));
     return DSK_OK;

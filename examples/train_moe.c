@@ -197,9 +197,17 @@ static dsk_dtype compute_dtype(const trainer *t) {
     const char *d = t->o->dtype;
     if (!d[0]) return t->ctx.device.type == DSK_DEV_CUDA ? DSK_BF16 : DSK_F32;
     if (strcmp(d, "f32") == 0) return DSK_F32;
-    if (strcmp(d, "bf16") == 0) return DSK_BF16;
+    if (strcmp(d, "bf16") == 0 || strcmp(d, "fp8") == 0) return DSK_BF16; /* fp8: bf16 outside the FP8 GEMMs */
     if (strcmp(d, "fp16") == 0 || strcmp(d, "f16") == 0) return DSK_F16;
-    fail(t, "--dtype \"%s\": use f32, bf16 or fp16", d);
+    fail(t, "--dtype \"%s\": use f32, bf16, fp16 or fp8", d);
+}
+
+/* --optim-dtype: the dtype of AdamW's moments. */
+static dsk_dtype moment_dtype(const trainer *t) {
+    const char *d = t->o->optim_dtype;
+    if (strcmp(d, "f32") == 0) return DSK_F32;
+    if (strcmp(d, "bf16") == 0) return DSK_BF16;
+    fail(t, "--optim-dtype \"%s\": use f32 or bf16", d);
 }
 
 #include "train/refuse.h" /* every refused combination of flags */
@@ -377,6 +385,8 @@ static void setup_model(trainer *t) {
     c.init_std = (float)o->init_std;
     if (!(o->init_std > 0)) fail(t, "--init-std %g: must be > 0", o->init_std);
     c.cdt = compute_dtype(t);
+    c.mdt = moment_dtype(t);
+    c.fp8 = strcmp(o->dtype, "fp8") == 0;
     c.seed = (uint64_t)o->seed;
     if (strcmp(o->score, "sigmoid") == 0) c.moe.score = DSK_MOE_SIGMOID;
     else if (strcmp(o->score, "softmax") == 0) c.moe.score = DSK_MOE_SOFTMAX;
@@ -948,6 +958,7 @@ static void hf_options(trainer *t) {
 static void derive_options(trainer *t) {
     tz_parse_compress(t->o->grad_compress, &t->zopts);
     t->zopts.stage = t->o->zero;
+    t->zopts.moment_dtype = moment_dtype(t);
     t->engine = !t->o->cuda_graph;
 }
 

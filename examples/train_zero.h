@@ -46,6 +46,7 @@ typedef struct tz_opts {
     dsk_zero_compress compress;
     int psgd_rank, psgd_start;  /* PowerSGD rank and first compressed pass */
     int fp8_ef;                 /* FP8 with error feedback */
+    dsk_dtype moment_dtype;     /* AdamW's moments: f32 or bf16 (--optim-dtype) */
 } tz_opts;
 
 /* A reduction group: the ranks holding the same parameters (NULL: this rank alone). */
@@ -323,6 +324,7 @@ static dsk_status tz_init(tz *t, tm_model *m, dsk_ctx *ctx, const tz_group *grou
         memset(&zo, 0, sizeof zo);
         zo.stage = g->stage_cap && o->stage > g->stage_cap ? g->stage_cap : o->stage;
         zo.compute_dtype = t->obj_dt[k];
+        zo.moment_dtype = o->moment_dtype;
         zo.compress = o->compress;
         zo.powersgd_rank = o->psgd_rank;
         zo.powersgd_start_iter = o->psgd_start;

@@ -214,17 +214,17 @@ extern "C" dsk_status dsk_cuda_amp_decide(dsk_ctx *ctx, const void *block, dsk_a
 }
 
 /* dsk_adamw_step's kernel (kernels/tensor.cu) with lr, bias corrections and grad_mult read from the device. */
-__global__ static void dsk__amp_adamw_dev_kernel(float *p, const void *grad, dsk_dtype dtg, float *m, float *v,
-                                                 int64_t n, float b1, float b2, float eps, float wd,
+__global__ static void dsk__amp_adamw_dev_kernel(float *p, const void *grad, dsk_dtype dtg, void *m, void *v,
+                                                 dsk_dtype dtm, int64_t n, float b1, float b2, float eps, float wd,
                                                  const dsk_amp_step_vals *sv, void *copy, dsk_dtype dtc) {
     if (sv->skip) return;
     float lr = sv->lr, bc1 = sv->bc1, bc2 = sv->bc2, grad_mult = sv->grad_mult;
     DSK__CUDA_FOR(i, n) {
-        float pi = p[i], mi = m[i], vi = v[i];
+        float pi = p[i], mi = dsk_load_f32(m, dtm, i), vi = dsk_load_f32(v, dtm, i);
         dsk_adamw_update(&pi, &mi, &vi, dsk_load_f32(grad, dtg, i) * grad_mult, lr, b1, b2, eps, wd, bc1, bc2);
         p[i] = pi;
-        m[i] = mi;
-        v[i] = vi;
+        dsk_store_f32(m, dtm, i, mi);
+        dsk_store_f32(v, dtm, i, vi);
         if (copy) dsk_store_f32(copy, dtc, i, pi);
     }
 }
@@ -237,7 +237,7 @@ extern "C" dsk_status dsk_cuda_amp_adamw_dev(dsk_ctx *ctx, dsk_tensor *param, co
     DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     if (n == 0) return DSK_OK;
     DSK__CUDA_LAUNCH(fn, dsk__amp_adamw_dev_kernel, dsk__cuda_grid(n), DSK__AMP_THREADS, dsk__cuda_stream(ctx), n,
-                     (float *)param->data, grad->data, grad->dtype, (float *)m->data, (float *)v->data, n, opts->beta1,
+                     (float *)param->data, grad->data, grad->dtype, m->data, v->data, m->dtype, n, opts->beta1,
                      opts->beta2, opts->eps, opts->weight_decay, vals, copy ? copy->data : NULL,
                      copy ? copy->dtype : DSK_F32);
     return DSK_OK;

@@ -1370,15 +1370,16 @@ extern "C" dsk_status dsk_cuda_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, 
 
 /* ======================================================================= AdamW */
 
-__global__ void dsk__k_adamw(float *p, const void *grad, dsk_dtype dtg, float *m, float *v, int64_t n, float lr,
-                             float b1, float b2, float eps, float wd, float bc1, float bc2, float grad_mult, void *copy,
-                             dsk_dtype dtc) {
+/* m, v: f32 or bf16 (dtm), read into f32 and rounded back to nearest even, as on the CPU. */
+__global__ void dsk__k_adamw(float *p, const void *grad, dsk_dtype dtg, void *m, void *v, dsk_dtype dtm, int64_t n,
+                             float lr, float b1, float b2, float eps, float wd, float bc1, float bc2, float grad_mult,
+                             void *copy, dsk_dtype dtc) {
     DSK__CUDA_FOR(i, n) {
-        float pi = p[i], mi = m[i], vi = v[i];
+        float pi = p[i], mi = dsk_load_f32(m, dtm, i), vi = dsk_load_f32(v, dtm, i);
         dsk_adamw_update(&pi, &mi, &vi, dsk_load_f32(grad, dtg, i) * grad_mult, lr, b1, b2, eps, wd, bc1, bc2);
         p[i] = pi;
-        m[i] = mi;
-        v[i] = vi;
+        dsk_store_f32(m, dtm, i, mi);
+        dsk_store_f32(v, dtm, i, vi);
         if (copy) dsk_store_f32(copy, dtc, i, pi);
     }
 }
@@ -1392,7 +1393,7 @@ extern "C" dsk_status dsk_cuda_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const
     DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     if (n == 0) return DSK_OK;
     DSK__CUDA_LAUNCH(fn, dsk__k_adamw, dsk__cuda_grid(n), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), n,
-                     (float *)param->data, grad->data, grad->dtype, (float *)m->data, (float *)v->data, n, opts->lr,
+                     (float *)param->data, grad->data, grad->dtype, m->data, v->data, m->dtype, n, opts->lr,
                      opts->beta1, opts->beta2, opts->eps, opts->weight_decay, bc1, bc2, grad_mult,
                      param_copy ? param_copy->data : NULL, param_copy ? param_copy->dtype : DSK_F32);
     return DSK_OK;

@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Turns a train_moe --log file (JSON lines) into a loss-curve PNG.
 
-    python3 scripts/plot_loss.py run.jsonl loss.png
+    python3 scripts/plot_loss.py run.jsonl loss.png [other.jsonl]
 
 Training loss per step in blue, validation loss in red (dots joined), on a linear axis
-with labelled ticks. Plain Python (zlib + struct), so it runs wherever Python does; no
+with labelled ticks; a second run given (fp8 against bf16, say) adds its training loss in
+orange and its validation loss in green, labelled "vs". Plain Python (zlib + struct), so it runs wherever Python does; no
 plotting library needed."""
 import json
 import math
@@ -87,12 +88,10 @@ def fmt(v, step):
     return "%.*f" % (digits, v)
 
 
-def main(argv):
-    if len(argv) < 3:
-        print(__doc__.strip(), file=sys.stderr)
-        return 2
+def read_log(path):
+    """(training points, validation points) of a --log file, or None after printing why not."""
     train, val = [], []
-    with open(argv[1]) as f:
+    with open(path) as f:
         for n, line in enumerate(f, 1):
             line = line.strip()
             if not line:
@@ -100,16 +99,27 @@ def main(argv):
             try:
                 r = json.loads(line)
             except json.JSONDecodeError as e:
-                print("plot_loss: %s line %d: %s" % (argv[1], n, e), file=sys.stderr)
-                return 1
+                print("plot_loss: %s line %d: %s" % (path, n, e), file=sys.stderr)
+                return None
             if r.get("type") == "step" and r.get("loss") is not None:
                 train.append((r["step"], r["loss"]))
             elif r.get("type") == "val" and r.get("val_loss") is not None:
                 val.append((r["step"], r["val_loss"]))
     if not train:
-        print("plot_loss: %s has no step lines" % argv[1], file=sys.stderr)
+        print("plot_loss: %s has no step lines" % path, file=sys.stderr)
+        return None
+    return train, val
+
+
+def main(argv):
+    if len(argv) < 3:
+        print(__doc__.strip(), file=sys.stderr)
+        return 2
+    runs = [read_log(p) for p in [argv[1]] + argv[3:4]]
+    if None in runs:
         return 1
-    pts = train + val
+    train, val = runs[0]
+    pts = [p for t, v in runs for p in t + v]
     x0, x1 = min(p[0] for p in pts), max(p[0] for p in pts)
     y0, y1 = min(p[1] for p in pts), max(p[1] for p in pts)
     if x1 == x0:
@@ -130,22 +140,30 @@ def main(argv):
         c.text(sx(t) - 8, H - BOTTOM + 8, fmt(t, xs))
     c.line(LEFT, TOP, LEFT, H - BOTTOM, (0, 0, 0))
     c.line(LEFT, H - BOTTOM, W - RIGHT, H - BOTTOM, (0, 0, 0))
-    for (a, b), (p, q) in zip(train, train[1:]):
-        c.line(sx(a), sy(b), sx(p), sy(q), (31, 119, 180), 2)
-    for (a, b), (p, q) in zip(val, val[1:]):
-        c.line(sx(a), sy(b), sx(p), sy(q), (214, 39, 40), 1)
-    for a, b in val:
-        for dx in range(-3, 4):
-            c.line(sx(a) + dx, sy(b) - 3, sx(a) + dx, sy(b) + 3, (214, 39, 40))
+    colours = [((31, 119, 180), (214, 39, 40)), ((255, 127, 14), (44, 160, 44))]
+    for (tr, va), (ct, cv) in zip(runs, colours):
+        for (a, b), (p, q) in zip(tr, tr[1:]):
+            c.line(sx(a), sy(b), sx(p), sy(q), ct, 2)
+        for (a, b), (p, q) in zip(va, va[1:]):
+            c.line(sx(a), sy(b), sx(p), sy(q), cv, 1)
+        for a, b in va:
+            for dx in range(-3, 4):
+                c.line(sx(a) + dx, sy(b) - 3, sx(a) + dx, sy(b) + 3, cv)
     c.text(W // 2 - 16, H - 18, "step")
     c.text(LEFT + 10, 8, "loss (nats/token)")
     c.line(W - 190, 14, W - 160, 14, (31, 119, 180), 2)
     c.text(W - 152, 10, "train", (31, 119, 180))
     c.line(W - 90, 14, W - 60, 14, (214, 39, 40), 2)
     c.text(W - 52, 10, "val", (214, 39, 40))
+    if len(runs) > 1:
+        c.line(W - 250, 30, W - 220, 30, colours[1][0], 2)
+        c.text(W - 212, 26, "vs train", colours[1][0])
+        c.line(W - 130, 30, W - 100, 30, colours[1][1], 2)
+        c.text(W - 92, 26, "vs val", colours[1][1])
     with open(argv[2], "wb") as f:
         f.write(c.png())
-    print("plot_loss: %d training and %d validation points -> %s" % (len(train), len(val), argv[2]))
+    print("plot_loss: %d training and %d validation points%s -> %s" % (len(train), len(val),
+          " and a second run's" if len(runs) > 1 else "", argv[2]))
     return 0
 
 

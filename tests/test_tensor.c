@@ -2507,6 +2507,42 @@ static void test_adamw(dsk_dtype grad_dt, int with_copy, int opts) {
     }
 }
 
+/* bf16 moments against a float64 evaluation of each step from the stored bf16 moments: each
+   moment is the f64 update rounded once to bf16 (within a bf16 half-ulp, plus f32's rounding
+   of the sum before it), and the weights move by the update of the unrounded moments. */
+static void test_adamw_bf16_moments(void) {
+    int64_t n = 2053;
+    int bad_m = 0, bad_p = 0;
+    dsk_adamw_opts o = dsk_adamw_defaults();
+    dsk_tensor *p = tt_rand(DSK_F32, 1, SH(n), -1, 1), *m = tt_poisoned(DSK_BF16, 1, SH(n));
+    dsk_tensor *v = tt_poisoned(DSK_BF16, 1, SH(n));
+    o.lr = 1e-2f;
+    o.beta1 = 0.8f;
+    o.beta2 = 0.95f;
+    o.weight_decay = 0.1f;
+    DSK_TEST_OK(dsk_tensor_fill(NULL, m, 0.0));
+    DSK_TEST_OK(dsk_tensor_fill(NULL, v, 0.0));
+    for (int step = 1; step <= 5; step++) {
+        dsk_tensor *g = tt_rand(DSK_F32, 1, SH(n), -1, 1);
+        double *gv = tt_vals(g), *pw = tt_vals(p), *mw = tt_vals(m), *vw = tt_vals(v);
+        double bc1 = 1 - pow(o.beta1, step), bc2 = 1 - pow(o.beta2, step);
+        DSK_TEST_OK(dsk_adamw_step(NULL, p, g, m, v, &o, step, 0.5f, NULL));
+        for (int64_t i = 0; i < n; i++) {
+            double gi = 0.5 * gv[i], mn = o.beta1 * mw[i] + (1 - (double)o.beta1) * gi;
+            double vn = o.beta2 * vw[i] + (1 - (double)o.beta2) * gi * gi;
+            double pn = pw[i] * (1 - (double)o.lr * o.weight_decay) - o.lr * (mn / bc1) / (sqrt(vn / bc2) + o.eps);
+            double mgot = dsk_bf16_to_f32(((uint16_t *)m->data)[i]), vgot = dsk_bf16_to_f32(((uint16_t *)v->data)[i]);
+            double mterms = fabs(o.beta1 * mw[i]) + fabs(gi), vterms = fabs(o.beta2 * vw[i]) + gi * gi;
+            bad_m += fabs(mgot - mn) > fabs(mn) * 0x1p-8 + mterms * 0x1p-21; /* half-ulp of bf16, f32's sums */
+            bad_m += fabs(vgot - vn) > fabs(vn) * 0x1p-8 + vterms * 0x1p-21;
+            bad_p += fabs(((float *)p->data)[i] - pn) > 1e-5 * fabs(pn) + 1e-7;
+        }
+    }
+    DSK_TEST_EXPECT(bad_m == 0, "%d bf16 moments are not the f64 update rounded once", bad_m);
+    DSK_TEST_EXPECT(bad_p == 0, "%d weights differ from the f64 update of the unrounded moments", bad_p);
+    DSK_TEST_EXPECT(dsk_tensor_nbytes(m) * 2 == (size_t)n * sizeof(float), "bf16 moments take half the bytes");
+}
+
 /* ------------------------------------------------------------------ argument errors */
 
 
@@ -2601,6 +2637,7 @@ static void test_errors_topk_rope_attention(void) {
 static void test_errors_adamw(void) {
     dsk_tensor *p = tt_rand(DSK_F32, 1, SH(5), -1, 1), *g = tt_rand(DSK_BF16, 1, SH(5), -1, 1), *m = tt_new(DSK_F32, 1, SH(5)), *v = tt_new(DSK_F32, 1, SH(5));
     dsk_tensor *m4 = tt_new(DSK_F32, 1, SH(4)), *gi = tt_new(DSK_I32, 1, SH(5)), *pb = tt_new(DSK_BF16, 1, SH(5));
+    dsk_tensor *mb = tt_new(DSK_BF16, 1, SH(5)), *mh = tt_new(DSK_F16, 1, SH(5));
     dsk_adamw_opts o = dsk_adamw_defaults();
     TT_ERR(dsk_adamw_step(NULL, p, g, m, v, NULL, 0, 1.0f, NULL), DSK_ERR_ARG, "dsk_adamw_step: step 0 must be >= 1");
     TT_ERR(dsk_adamw_step(NULL, p, g, m4, v, NULL, 1, 1.0f, NULL), DSK_ERR_ARG, "m [4] f32 does not match the shape of param [5] f32");
@@ -2615,6 +2652,10 @@ static void test_errors_adamw(void) {
     o = dsk_adamw_defaults(); o.weight_decay = NAN;
     TT_ERR(dsk_adamw_step(NULL, p, g, m, v, &o, 1, 1.0f, NULL), DSK_ERR_ARG,
            "weight_decay nan must be finite and >= 0");
+    TT_ERR(dsk_adamw_step(NULL, p, g, m, mb, NULL, 1, 1.0f, NULL), DSK_ERR_ARG,
+           "moments m [5] f32 and v [5] bf16 must be both f32 or both bf16");
+    TT_ERR(dsk_adamw_step(NULL, p, g, mh, mh, NULL, 1, 1.0f, NULL), DSK_ERR_ARG,
+           "m [5] f16 and v [5] f16 must be both");
     memset(&o, 0, sizeof o); /* a zeroed struct is caught by its eps */
     TT_ERR(dsk_adamw_step(NULL, p, g, m, v, &o, 1, 1.0f, NULL), DSK_ERR_ARG, "eps 0 must be finite and > 0");
 }
@@ -3188,6 +3229,8 @@ int main(void) {
     TT_CASE("AdamW with bf16 param_copy"); test_adamw(DSK_F32, 1, 0);
     TT_CASE("AdamW with f16 param_copy, default options"); test_adamw(DSK_BF16, 2, 1);
     TT_CASE("AdamW options of 0 honoured: beta1, beta2 0, lr decaying to 0"); test_adamw(DSK_F32, 0, 2);
+    TT_CASE("AdamW with bf16 moments against f64 of the rounding");
+    test_adamw_bf16_moments();
     TT_CASE("embedding backward, rmsnorm dw, reduce: same bits on 1, 2, 3 threads"); test_reductions_thread_independent();
     TT_CASE("topk signed zeros, infinities, NaN"); test_topk_special();
     TT_CASE("group_by_key: stable counting sort, keys left out"); test_group_by_key();

@@ -227,7 +227,7 @@ fi
 #         as words, the others as set_defaults holds them; never an empty or a second default
 "$BIN" --help >"$work/help.out" 2>&1
 doubled=$(grep -nE '\[\]|\] \[[^]]*\]$' "$work/help.out")
-if grep -qxE '  --dtype +f32 \| bf16 \| fp16 \[bf16 on a GPU, f32 on the CPU\]' "$work/help.out" &&
+if grep -qxE '  --dtype +f32 \| bf16 \| fp16 \| fp8 \[bf16 on a GPU, f32 on the CPU\]' "$work/help.out" &&
    grep -qE '^  --peak-tflops .*[^]] \[CPU: measured at start; GPU: 989\]$' "$work/help.out" &&
    grep -qE '^  --lr +peak learning rate \[0.003\]$' "$work/help.out" &&
    grep -qE '^  --data +PATH\.\.\. .*[^]] \[C headers of /usr/include\]$' "$work/help.out" && [ -z "$doubled" ]; then

@@ -5,8 +5,8 @@
 # the eager run's logged losses, gradient norms, loss scales, skip flags and validation losses
 # bit for bit: bf16 with gradient accumulation; fp16 with its dynamic loss scale; fp16 with
 # --init-std 0.5, whose steps 1 and 3 overflow (skipped on the device, the scale backs off and
-# the step is captured again) and steps 2 and 4 apply. A capture fails on any host sync inside
-# it, so the runs also prove the captured steps make none. And --cuda-graph on the CPU or with
+# the step is captured again) and steps 2 and 4 apply; fp8 (FP8 linears) with bf16 AdamW moments.
+# A capture fails on any host sync inside it, so the runs also prove the captured steps make none. And --cuda-graph on the CPU or with
 # --zero fails with a message.
 # Prints `[test_train_graph] totals: P passed / F failed / S skipped`; exits non-zero on failure.
 TEST_NAME=test_train_graph
@@ -37,7 +37,7 @@ for line in open(sys.argv[1]):
 PYEOF
 }
 
-for variant in "bf16 --accum 2" "fp16" "fp16 --init-std 0.5"; do
+for variant in "bf16 --accum 2" "fp16" "fp16 --init-std 0.5" "fp8 --optim-dtype bf16"; do
     set -- $variant
     dt=$1; shift
     name="${dt}_$#"

@@ -153,9 +153,10 @@ static int64_t g_off[NP + 1]; /* offsets of the parameters in one flat array of 
 static void box_scatter(const dsk_ckpt_entry *e, int nd, const int64_t *sh, float *dst) {
     const dsk_tensor *t = e->tensor;
     int64_t n = dsk_tensor_numel(t);
-    int ok = e->split == DSK_CKPT_BOX && t->ndim == nd && t->dtype == DSK_F32 && dsk_tensor_is_contiguous(t);
+    int ok = e->split == DSK_CKPT_BOX && t->ndim == nd && (t->dtype == DSK_F32 || t->dtype == DSK_BF16) &&
+             dsk_tensor_is_contiguous(t);
     for (int d = 0; ok && d < nd; d++) ok = e->global_shape[d] == sh[d] && e->offset[d] + t->shape[d] <= sh[d];
-    DSK_TEST_EXPECT(ok, "%s: a contiguous f32 box of the parameter's global shape", e->name);
+    DSK_TEST_EXPECT(ok, "%s: a contiguous f32 or bf16 box of the parameter's global shape", e->name);
     for (int64_t i = 0; ok && i < n; i++) {
         int64_t rest = i, at = 0;
         for (int d = nd - 1, stride = 1; d >= 0; d--) {
@@ -163,7 +164,7 @@ static void box_scatter(const dsk_ckpt_entry *e, int nd, const int64_t *sh, floa
             rest /= t->shape[d];
             stride *= (int)sh[d];
         }
-        dst[at] = ((const float *)t->data)[i];
+        dst[at] = dsk_load_f32(t->data, t->dtype, i);
     }
 }
 
@@ -175,6 +176,7 @@ static float t_of(int p, int s, int64_t i) { return hashf(3, (uint64_t)p, (uint6
 typedef struct tcfg {
     int n, stage, accum, steps, first_step; /* first_step: steps already applied (a resume) */
     dsk_dtype cdt;
+    dsk_dtype mdt;      /* AdamW moments (f32 when zeroed) */
     float scale;        /* static loss scale; 0: none */
     float clip;         /* max global norm; 0: none */
     int nan_step;       /* step (1-based) at which the last rank's gradient gets a NaN; 0: never */
@@ -189,6 +191,7 @@ typedef struct tresult {
     double loss[MAX_STEPS][4], norm[MAX_STEPS][4];
     float mult[MAX_STEPS][4];
     int skip[MAX_STEPS][4];
+    int64_t opt_bytes[4]; /* each rank's optimizer state (dsk_zero_memory) */
 } tresult;
 
 static dsk_adamw_opts adamw_opts(void) {
@@ -277,8 +280,10 @@ static void rank_train(dsk_comm *comm, void *argp) {
     memset(&o, 0, sizeof o);
     o.stage = c->stage;
     o.compute_dtype = c->cdt;
+    o.moment_dtype = c->mdt;
     o.compress = c->compress;
     if (!TZ_OK(dsk_zero_init(&z, comm, NULL, ps, NP, &o))) return;
+    res->opt_bytes[r] = z.memory.optimizer;
     memset(&so, 0, sizeof so);
     so.mode = c->scale > 0 ? DSK_AMP_STATIC : DSK_AMP_NONE;
     so.init_scale = c->scale;
@@ -401,7 +406,7 @@ static void round_to(dsk_dtype dt, const float *x, float *y, int64_t n) {
 
 /* Replays cfg c on the state (master, m, v, applied) in res, appending to its per-step records. */
 static void ref_train(const tcfg *c, tresult *res, int64_t *applied) {
-    static float g[4][1200], red[1200], v[1200];
+    static float g[4][1200], red[1200], v[1200], mom[2][1200];
     dsk_amp_scaler sc;
     dsk_amp_scaler_opts so;
     dsk_adamw_opts ao = adamw_opts();
@@ -473,9 +478,17 @@ static void ref_train(const tcfg *c, tresult *res, int64_t *applied) {
                 if (k_model[p].no_decay) po.weight_decay = 0;
                 dsk_tensor_wrap(&w, res->master + g_off[p], DSK_F32, dsk_cpu(), 1, &np);
                 dsk_tensor_wrap(&gr, red + g_off[p], DSK_F32, dsk_cpu(), 1, &np);
-                dsk_tensor_wrap(&m, res->m + g_off[p], DSK_F32, dsk_cpu(), 1, &np);
-                dsk_tensor_wrap(&vv, res->v + g_off[p], DSK_F32, dsk_cpu(), 1, &np);
+                for (int64_t i = 0; i < np; i++) { /* the moments in their dtype (bf16: exact in res) */
+                    dsk_store_f32(mom[0], c->mdt, i, res->m[g_off[p] + i]);
+                    dsk_store_f32(mom[1], c->mdt, i, res->v[g_off[p] + i]);
+                }
+                dsk_tensor_wrap(&m, mom[0], c->mdt, dsk_cpu(), 1, &np);
+                dsk_tensor_wrap(&vv, mom[1], c->mdt, dsk_cpu(), 1, &np);
                 dsk_adamw_step(NULL, &w, &gr, &m, &vv, &po, *applied + 1, dec.grad_mult, NULL);
+                for (int64_t i = 0; i < np; i++) {
+                    res->m[g_off[p] + i] = dsk_load_f32(mom[0], c->mdt, i);
+                    res->v[g_off[p] + i] = dsk_load_f32(mom[1], c->mdt, i);
+                }
             }
             (*applied)++;
         }
@@ -571,6 +584,35 @@ static void case_train(int n, int stage, dsk_dtype cdt, float scale, float clip,
         for (int r = 0; r < n; r++) DSK_TEST_EXPECT(g_res->skip[nan_step - 1][r] == 1, "rank %d did not skip", r);
         DSK_TEST_EXPECT(g_res->skip[0][0] == 0, "step 1 skipped");
     }
+    dsk_test_end();
+}
+
+/* bf16 AdamW moments (moment_dtype): every stage against the replay with bf16 moments bit for bit,
+   and the optimizer state of an f32 model at stages 0-2 (moments only) half that of f32 moments. */
+static void case_moments(int n, int stage) {
+    static tresult want;
+    tcfg c;
+    int64_t applied = 0, f32_bytes[4];
+    memset(&c, 0, sizeof c);
+    c.n = n;
+    c.stage = stage;
+    c.accum = 1;
+    c.steps = 4;
+    c.cdt = DSK_F32;
+    c.clip = 0.5f;
+    dsk_test_begin("ZeRO-%d, %d ranks, bf16 moments: 4 steps equal the replay bit for bit; optimizer bytes halve",
+                   stage, n);
+    run_train(&c);
+    memcpy(f32_bytes, g_res->opt_bytes, sizeof f32_bytes);
+    c.mdt = DSK_BF16;
+    run_train(&c);
+    ref_init(&want);
+    ref_train(&c, &want, &applied);
+    expect_result(g_res, &want, n, c.steps, "bf16 moments");
+    for (int r = 0; r < n; r++)
+        DSK_TEST_EXPECT(f32_bytes[r] > 0 && g_res->opt_bytes[r] * 2 == f32_bytes[r],
+                        "rank %d optimizer state %lld bytes with bf16 moments, %lld with f32", r,
+                        (long long)g_res->opt_bytes[r], (long long)f32_bytes[r]);
     dsk_test_end();
 }
 
@@ -1581,6 +1623,10 @@ static void case_errors(void) {
     DSK_TEST_STATUS(dsk_zero_init(&z, &c, NULL, ps, NP, &o), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("compute dtype e4m3");
     o.compute_dtype = DSK_F32;
+    o.moment_dtype = DSK_F16;
+    DSK_TEST_STATUS(dsk_zero_init(&z, &c, NULL, ps, NP, &o), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("moment dtype f16 is not f32 or bf16");
+    o.moment_dtype = DSK_F32;
     o.sum_only = 2;
     DSK_TEST_STATUS(dsk_zero_init(&z, &c, NULL, ps, NP, &o), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("sum_only 2 is not 0 or 1");
@@ -1731,6 +1777,8 @@ int main(void) {
     for (int stage = 1; stage < 4; stage++) case_train(4, stage, DSK_BF16, 0, 0.25f, 0);
     for (int stage = 0; stage < 4; stage++) case_alone(stage);
     case_accum(3);
+    case_moments(2, 1);
+    case_moments(3, 2);
     case_memory();
     case_rank_dies();
     case_bf16(4, 0);

@@ -88,7 +88,8 @@
     X(DOUBLE, 0, beta2, "--beta2", 0.95, "AdamW beta2") \
     X(LL, 0, seed, "--seed", 1337, "seed of weights and data order") \
     /* ---- device and precision */ \
-    X(BUF, 8, dtype, "--dtype", "", "f32 | bf16 | fp16") \
+    X(BUF, 8, dtype, "--dtype", "", "f32 | bf16 | fp16 | fp8") \
+    X(BUF, 8, optim_dtype, "--optim-dtype", "f32", "AdamW moments: f32 | bf16 (half the optimizer state)") \
     X(INT, 0, threads, "--threads", 0, "CPU threads per rank (0 = OpenMP's default)") \
     X(BUF, 8, device, "--device", "auto", "auto | cpu | cuda") \
     X(FLAG, 0, cuda_graph, "--cuda-graph", 0, \

@@ -77,8 +77,10 @@ static void print_memory(trainer *t) {
            t->rank, z.params / 1048576.0, z.grads / 1048576.0, z.optimizer / 1048576.0, z.comm / 1048576.0,
            (double)(t->mem_model - slabs) / 1048576.0,
            t->zopts.stage == 0 ? " (--zero 0: every rank holds everything)" : "");
-    printf("memory bytes, rank %d: parameters %lld, gradients %lld, optimizer state %lld, compression buffers %lld\n",
-           t->rank, (long long)z.params, (long long)z.grads, (long long)z.optimizer, (long long)z.comm);
+    printf("memory bytes, rank %d: parameters %lld, gradients %lld, optimizer state %lld, compression buffers %lld, "
+           "activations %lld\n",
+           t->rank, (long long)z.params, (long long)z.grads, (long long)z.optimizer, (long long)z.comm,
+           (long long)(t->mem_model - slabs));
     fflush(stdout);
 }
 
