@@ -384,6 +384,7 @@ or compile with -D_GNU_SOURCE"
 #ifdef DSK_CUDA
 #include <cuda_runtime.h>
 #include <nccl.h>
+#include "kernels/dsk_kernels.h"
 #endif
 
 /* ---------------------------------------------------------------- small helpers */
@@ -2569,7 +2570,7 @@ static void dsk__comm_impl_free(dsk_comm *c) {
             else ncclCommAbort(m->nccl);
         }
     }
-    if (m->nccl_flag) cudaFree(m->nccl_flag);
+    dsk_cuda_free(NULL, m->nccl_flag);
 #endif
     dsk__comm_shm_unmap(m);
     for (int r = 0; m->fds && r < c->world_size; r++)
@@ -2706,14 +2707,12 @@ static dsk_status dsk__comm_nccl_init(dsk_comm *c, const char *fn, double t0) {
     int ndev = 0;
     size_t len = 0;
     dsk_status st;
-    cudaError_t ce = cudaGetDeviceCount(&ndev);
     char key[128];
-    if (ce != cudaSuccess || ndev == 0)
-        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: the nccl backend needs a CUDA device (rank %d: %s)", fn, c->rank,
-                             ce != cudaSuccess ? cudaGetErrorString(ce) : "0 devices");
-    if ((ce = cudaSetDevice(c->local_rank % ndev)) != cudaSuccess)
-        return dsk_set_error(DSK_ERR_CUDA, "%s: cudaSetDevice(%d): %s", fn, c->local_rank % ndev,
-                             cudaGetErrorString(ce));
+    DSK__TRY(dsk_cuda_device_count(&ndev));
+    if (ndev == 0)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: the nccl backend needs a CUDA device (rank %d: 0 devices)", fn,
+                             c->rank);
+    DSK__TRY(dsk_cuda_set_device(c->local_rank % ndev));
     snprintf(key, sizeof key, "dsk/%s/nccl_id", m->ns);
     if (c->rank == 0) {
         ncclResult_t r = ncclGetUniqueId(&id);
@@ -2729,11 +2728,7 @@ static dsk_status dsk__comm_nccl_init(dsk_comm *c, const char *fn, double t0) {
                                    "ncclCommInitRankConfig")) != DSK_OK)
         return dsk__comm_break(c, st); /* aborts what init left */
     DSK__TRY(dsk__comm_nccl_settle(c, fn, m->nccl, t0, "ncclCommInitRankConfig"));
-    if ((ce = cudaMalloc(&m->nccl_flag, sizeof(float))) != cudaSuccess) {
-        m->nccl_flag = NULL;
-        return dsk_set_error(DSK_ERR_CUDA, "%s: cudaMalloc(4): %s", fn, cudaGetErrorString(ce));
-    }
-    return DSK_OK;
+    return dsk_cuda_device_malloc(sizeof(float), &m->nccl_flag);
 }
 #endif
 
@@ -3565,13 +3560,10 @@ DSK_API dsk_status dsk_comm_sync(dsk_comm *c, dsk_ctx *ctx) {
     if (DSK__COMM_NCCL(c)) {
         double t0 = dsk__comm_now();
         for (;;) {
-            cudaError_t e = cudaStreamQuery(dsk__comm_stream(ctx));
+            int done = 0;
             ncclResult_t state = ncclSuccess;
-            if (e == cudaSuccess) return DSK_OK;
-            if (e != cudaErrorNotReady) {
-                dsk_set_error(DSK_ERR_CUDA, "%s: cudaStreamQuery: %s", fn, cudaGetErrorString(e));
-                return dsk__comm_break(c, DSK_ERR_CUDA);
-            }
+            if (dsk_cuda_stream_done(dsk__comm_stream(ctx), &done) != DSK_OK) return dsk__comm_break(c, DSK_ERR_CUDA);
+            if (done) return DSK_OK;
             ncclCommGetAsyncError(c->impl->nccl, &state);
             if (state != ncclSuccess && state != ncclInProgress) {
                 dsk__comm_nccl_check(c, fn, state, "an NCCL operation");
@@ -3636,21 +3628,17 @@ static dsk_status dsk__comm_nccl_split_records(dsk_comm *c, const char *fn, int 
                                                double t0) {
     int64_t mine[2], *d = NULL;
     size_t bytes = (size_t)2 * c->world_size * sizeof(int64_t);
-    cudaError_t e = cudaMalloc((void **)&d, bytes);
-    dsk_status st = DSK_OK;
+    dsk_status st = dsk_cuda_device_malloc(bytes, (void **)&d);
     mine[0] = color;
     mine[1] = key;
-    if (e != cudaSuccess)
-        return dsk_set_error(DSK_ERR_CUDA, "%s: cudaMalloc(%zu): %s", fn, bytes, cudaGetErrorString(e));
-    if ((e = cudaMemcpy(d + 2 * c->rank, mine, sizeof mine, cudaMemcpyHostToDevice)) != cudaSuccess)
-        st = dsk_set_error(DSK_ERR_CUDA, "%s: cudaMemcpy of the split record: %s", fn, cudaGetErrorString(e));
+    if (st != DSK_OK) return st;
+    st = dsk_cuda_memcpy_sync(d + 2 * c->rank, mine, sizeof mine, 1);
     if (st == DSK_OK)
         st = dsk__comm_nccl_done(c, fn, ncclAllGather(d + 2 * c->rank, d, 2, ncclInt64, c->impl->nccl, 0),
                                  "ncclAllGather (split records)", t0);
     if (st == DSK_OK) st = dsk_comm_sync(c, NULL);
-    if (st == DSK_OK && (e = cudaMemcpy(all, d, bytes, cudaMemcpyDeviceToHost)) != cudaSuccess)
-        st = dsk_set_error(DSK_ERR_CUDA, "%s: cudaMemcpy of the split records: %s", fn, cudaGetErrorString(e));
-    cudaFree(d);
+    if (st == DSK_OK) st = dsk_cuda_memcpy_sync(all, d, bytes, 0);
+    dsk_cuda_free(NULL, d);
     return st;
 }
 
@@ -3687,10 +3675,7 @@ static dsk_status dsk__comm_nccl_split_make(dsk_comm *c, const char *fn, int col
     }
     sub->impl->nccl = nc;
     sub->impl->timeout_s = c->impl->timeout_s;
-    if (cudaMalloc(&sub->impl->nccl_flag, sizeof(float)) != cudaSuccess) {
-        sub->impl->nccl_flag = NULL;
-        return dsk_set_error(DSK_ERR_CUDA, "%s: cudaMalloc(4) for the sub-group", fn);
-    }
+    DSK__TRY(dsk_cuda_device_malloc(sizeof(float), &sub->impl->nccl_flag));
     if (n != cnt || parents[r] != c->rank)
         return dsk_set_error(DSK_ERR_NCCL, "%s: ncclCommSplit made rank %d member %d of %d; the split records say %d "
                              "members", fn, c->rank, r, n, cnt);

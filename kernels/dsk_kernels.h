@@ -43,6 +43,18 @@ dsk_status dsk_cuda_graph_end(dsk_ctx *ctx, void **graph, void **exec);
 dsk_status dsk_cuda_graph_launch(dsk_ctx *ctx, void *exec);
 void dsk_cuda_graph_free(void *graph, void *exec);
 
+/* Streams and memory without a dsk_ctx (a communicator's setup, a module's own stream): `stream` is a
+   cudaStream_t, NULL the legacy default stream; `ev` an event of dsk_cuda_event_create. */
+dsk_status dsk_cuda_set_device(int index);                 /* makes device `index` current on this thread */
+dsk_status dsk_cuda_device_malloc(size_t bytes, void **p); /* cudaMalloc (synchronous); dsk_cuda_free(NULL, p) */
+dsk_status dsk_cuda_memcpy_sync(void *dst, const void *src, size_t bytes, int to_device); /* cudaMemcpy */
+dsk_status dsk_cuda_stream_create(void **stream); /* a non-blocking stream on the current device */
+dsk_status dsk_cuda_stream_sync(void *stream);
+void dsk_cuda_stream_destroy(void *stream);
+dsk_status dsk_cuda_stream_done(void *stream, int *done);      /* *done: 1 when all its work is done, else 0 */
+dsk_status dsk_cuda_stream_record(void *stream, void *ev);     /* records ev on stream */
+dsk_status dsk_cuda_stream_wait_event(void *stream, void *ev); /* stream waits for ev (the host does not) */
+
 /* ---- tensor ops (kernels/tensor.cu): same contracts as the dsk_tensor.h function of the same name */
 dsk_status dsk_cuda_tensor_copy(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor *src); /* same device, any dtypes/strides */
 dsk_status dsk_cuda_tensor_fill(dsk_ctx *ctx, dsk_tensor *t, double value);
