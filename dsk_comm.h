@@ -384,7 +384,6 @@ or compile with -D_GNU_SOURCE"
 #ifdef DSK_CUDA
 #include <cuda_runtime.h>
 #include <nccl.h>
-#include "kernels/dsk_kernels.h"
 #endif
 
 /* ---------------------------------------------------------------- small helpers */

@@ -7,7 +7,7 @@
                          CUDA kernel library links against the extern symbols)
      DSK_MALLOC/DSK_FREE host allocator override; define both or neither
      DSK_CUDA            enable the CUDA paths; the implementation then calls the launchers
-                         of kernels/dsk_kernels.h, built by nvcc (see the Makefile)
+                         of the CUDA launchers section, built by nvcc (see the Makefile)
      DSK_NO_CUDA         force the CPU-only build even where DSK_CUDA is set
    Threading: CPU ops use OpenMP when compiled with -fopenmp and run serially without it.
    Errors: every function that can fail returns a dsk_status; dsk_last_error() then holds a
@@ -71,6 +71,8 @@
      fused attention       dsk_attention_fused, dsk_attention_fused_backward
      FP8 GEMM              dsk_fp8_scaling (1x128 tiles, 128x128 blocks), the chunk math,
                            dsk_matmul_fp8, dsk_matmul_fp8_grouped
+     CUDA launchers        (DSK_CUDA) dsk_cuda_*: the runtime and the ops of kernels/tensor.cu,
+                           attention.cu, grouped.cu, fp8.cu
    Implementation only: the CPU GEMM (packed and direct nests, run-time micro-kernels), the CPU
    row primitives. */
 /* The comm, safetensors and ckpt implementations need POSIX 2008 (sockets, pread, O_CLOEXEC).
@@ -935,6 +937,124 @@ DSK_API dsk_status dsk_matmul_fp8_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk
                                           const dsk_tensor *B, const dsk_tensor *b_scales, dsk_fp8_scaling b_scaling,
                                           const dsk_tensor *offsets, float alpha, float beta);
 
+/* ---------------------------------------------------------------- CUDA launchers
+   The C entry points of the kernels behind this header: kernels/tensor.cu (the runtime and the
+   ops), attention.cu, grouped.cu and fp8.cu, built by nvcc into libdsk_kernels.a (and, for the
+   tests, as host C++ against the CUDA emulation in tests/cuda_emu).
+   Declared in CUDA builds (DSK_CUDA) and to nvcc; the implementation calls them after validating its arguments (shapes,
+   dtypes, devices), so a launcher may assume valid input. Every launcher makes ctx's device current
+   on the calling thread and enqueues on ctx->stream; launchers do not synchronise unless their
+   comment says so. Each returns DSK_OK or, with dsk_last_error() set: DSK_ERR_ARG (ctx is not an
+   initialised CUDA ctx, or a launcher's own argument check), DSK_ERR_OOM (device scratch memory),
+   DSK_ERR_UNSUPPORTED (sizes beyond a grid or cuBLAS limit), DSK_ERR_CUDA (a failed CUDA or cuBLAS
+   call; every call is checked, and cudaGetLastError() follows every launch, through
+   kernels/dsk_cuda.cuh). The headers above this one declare the launchers of
+   their own kernels (dsk_amp.h: kernels/amp.cu, dsk_moe.h: moe.cu, dsk_par.h: par.cu). */
+#if defined(DSK_CUDA) || defined(__CUDACC__) /* a CUDA build, or nvcc compiling the kernels */
+/* ---- runtime (kernels/tensor.cu) */
+dsk_status dsk_cuda_device_count(int *n);              /* 0 devices (no driver) is DSK_OK with *n = 0 */
+dsk_status dsk_cuda_ctx_init(dsk_ctx *ctx, int index); /* sets device, stream, cuBLAS handle, workspace */
+void dsk_cuda_ctx_free(dsk_ctx *ctx);                  /* releases what ctx_init made; safe on partial init */
+dsk_status dsk_cuda_sync(dsk_ctx *ctx);                /* cudaStreamSynchronize(ctx->stream) */
+dsk_status dsk_cuda_malloc(dsk_ctx *ctx, size_t bytes, void **p); /* cudaMallocAsync on ctx->stream */
+void dsk_cuda_free(dsk_ctx *ctx, void *p); /* cudaFreeAsync on ctx->stream (sync free if ctx NULL) */
+/* to_device = 1: host -> device, 0: device -> host; asynchronous on ctx->stream. A device-to-host
+   copy counts in ctx->counters (d2h_copies, d2h_bytes), as dsk_cuda_sync counts in syncs. */
+dsk_status dsk_cuda_memcpy(dsk_ctx *ctx, void *dst, const void *src, size_t bytes, int to_device);
+/* Pinned host memory (cudaHostAlloc; NULL on failure) and its release. */
+void *dsk_cuda_host_alloc(size_t bytes);
+void dsk_cuda_host_free(void *p);
+/* Events on ctx->stream (timing disabled): record one; wait on the host for one (counted as a
+   sync unless it had completed already). */
+dsk_status dsk_cuda_event_create(void **ev);
+dsk_status dsk_cuda_event_record(dsk_ctx *ctx, void *ev);
+dsk_status dsk_cuda_event_wait(dsk_ctx *ctx, void *ev);
+void dsk_cuda_event_destroy(void *ev);
+/* Capture of ctx->stream into a graph (global mode), instantiation, launch, release. */
+dsk_status dsk_cuda_graph_begin(dsk_ctx *ctx);
+dsk_status dsk_cuda_graph_end(dsk_ctx *ctx, void **graph, void **exec);
+dsk_status dsk_cuda_graph_launch(dsk_ctx *ctx, void *exec);
+void dsk_cuda_graph_free(void *graph, void *exec);
+
+/* Streams and memory without a dsk_ctx (a communicator's setup, a module's own stream): `stream` is a
+   cudaStream_t, NULL the legacy default stream; `ev` an event of dsk_cuda_event_create. */
+dsk_status dsk_cuda_set_device(int index);                 /* makes device `index` current on this thread */
+dsk_status dsk_cuda_device_malloc(size_t bytes, void **p); /* cudaMalloc (synchronous); dsk_cuda_free(NULL, p) */
+dsk_status dsk_cuda_memcpy_sync(void *dst, const void *src, size_t bytes, int to_device); /* cudaMemcpy */
+dsk_status dsk_cuda_stream_create(void **stream); /* a non-blocking stream on the current device */
+dsk_status dsk_cuda_stream_sync(void *stream);
+void dsk_cuda_stream_destroy(void *stream);
+dsk_status dsk_cuda_stream_done(void *stream, int *done);      /* *done: 1 when all its work is done, else 0 */
+dsk_status dsk_cuda_stream_record(void *stream, void *ev);     /* records ev on stream */
+dsk_status dsk_cuda_stream_wait_event(void *stream, void *ev); /* stream waits for ev (the host does not) */
+
+/* ---- tensor ops (kernels/tensor.cu): same contracts as the dsk_tensor.h function of the same name */
+dsk_status dsk_cuda_tensor_copy(dsk_ctx *ctx, dsk_tensor *dst,
+                                const dsk_tensor *src); /* same device, any dtypes/strides */
+dsk_status dsk_cuda_tensor_fill(dsk_ctx *ctx, dsk_tensor *t, double value);
+dsk_status dsk_cuda_tensor_uniform(dsk_ctx *ctx, dsk_tensor *t, uint64_t seed, uint64_t offset, float lo, float hi);
+dsk_status dsk_cuda_tensor_normal(dsk_ctx *ctx, dsk_tensor *t, uint64_t seed, uint64_t offset, float mean, float std);
+dsk_status dsk_cuda_matmul(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, int trans_a, const dsk_tensor *B,
+                           int trans_b, float alpha, float beta);
+/* out = dsk_ew_f(op, x, y, alpha) per element (y NULL for DSK_EW_SCALE): every elementwise op */
+dsk_status dsk_cuda_elementwise(dsk_ctx *ctx, dsk_ew_op op, dsk_tensor *out, const dsk_tensor *x, const dsk_tensor *y,
+                                float alpha);
+dsk_status dsk_cuda_reduce(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *in, int axis, dsk_reduce_op op);
+dsk_status dsk_cuda_sum_squares(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *in);
+dsk_status dsk_cuda_softmax(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x);
+dsk_status dsk_cuda_softmax_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *y, const dsk_tensor *dy);
+dsk_status dsk_cuda_rmsnorm(dsk_ctx *ctx, dsk_tensor *y, dsk_tensor *rstd, const dsk_tensor *x, const dsk_tensor *w,
+                            float eps);
+dsk_status dsk_cuda_rmsnorm_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk_tensor *dw, const dsk_tensor *dy,
+                                     const dsk_tensor *x, const dsk_tensor *w, const dsk_tensor *rstd);
+dsk_status dsk_cuda_silu(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x);
+dsk_status dsk_cuda_silu_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, const dsk_tensor *x);
+dsk_status dsk_cuda_swiglu(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *gate, const dsk_tensor *up);
+dsk_status dsk_cuda_swiglu_backward(dsk_ctx *ctx, dsk_tensor *dgate, dsk_tensor *dup, const dsk_tensor *dout,
+                                    const dsk_tensor *gate, const dsk_tensor *up);
+dsk_status dsk_cuda_embedding(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *table, const dsk_tensor *ids);
+dsk_status dsk_cuda_embedding_backward(dsk_ctx *ctx, dsk_tensor *dtable, const dsk_tensor *dout, const dsk_tensor *ids);
+dsk_status dsk_cuda_cross_entropy(dsk_ctx *ctx, dsk_tensor *loss, dsk_tensor *dlogits, const dsk_tensor *logits,
+                                  const dsk_tensor *targets, int32_t ignore_index, float grad_scale);
+dsk_status dsk_cuda_gather_rows(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *src, const dsk_tensor *idx);
+dsk_status dsk_cuda_scatter_add_rows(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor *src, const dsk_tensor *idx);
+dsk_status dsk_cuda_topk(dsk_ctx *ctx, dsk_tensor *values, dsk_tensor *indices, const dsk_tensor *x, int k);
+dsk_status dsk_cuda_rope(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, int64_t pos0, float theta);
+dsk_status dsk_cuda_rope_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, int64_t pos0, float theta);
+dsk_status dsk_cuda_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *probs, const dsk_tensor *q,
+                              const dsk_tensor *k, const dsk_tensor *v, float scale);
+dsk_status dsk_cuda_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tensor *dk, dsk_tensor *dv,
+                                       const dsk_tensor *dout, const dsk_tensor *q, const dsk_tensor *k,
+                                       const dsk_tensor *v, const dsk_tensor *probs, float scale);
+dsk_status dsk_cuda_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_tensor *grad, dsk_tensor *m, dsk_tensor *v,
+                               const dsk_adamw_opts *opts, int64_t step, float grad_mult, dsk_tensor *param_copy);
+
+/* ---- fused attention (kernels/attention.cu): the contracts of dsk_attention_fused and
+   dsk_attention_fused_backward (lse may be NULL in forward). bf16/f16 run on tensor cores (WMMA),
+   f32 on CUDA cores; head dims up to 256 (DSK_ERR_UNSUPPORTED beyond); backward takes device
+   scratch of B*H*T floats (D = rowsum(dout * out)); every sum in a fixed order, no atomics. */
+dsk_status dsk_cuda_attention_fused(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *lse, const dsk_tensor *q,
+                                    const dsk_tensor *k, const dsk_tensor *v, float scale);
+dsk_status dsk_cuda_attention_fused_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tensor *dk, dsk_tensor *dv,
+                                             const dsk_tensor *dout, const dsk_tensor *q, const dsk_tensor *k,
+                                             const dsk_tensor *v, const dsk_tensor *out, const dsk_tensor *lse,
+                                             float scale);
+
+/* ---- grouped rows (kernels/grouped.cu): same contracts as the dsk_tensor.h function of the same name;
+   the offsets are read on the device, the grids sized by bounds from the shapes */
+dsk_status dsk_cuda_group_by_key(dsk_ctx *ctx, dsk_tensor *perm, dsk_tensor *offsets, const dsk_tensor *keys);
+dsk_status dsk_cuda_matmul_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, int trans_a, const dsk_tensor *B,
+                                   int trans_b, const dsk_tensor *offsets, float alpha, float beta);
+dsk_status dsk_cuda_gather_rows_scaled(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *src, const dsk_tensor *idx,
+                                       const dsk_tensor *scale);
+
+/* ---- FP8 GEMM (kernels/fp8.cu): dsk_matmul_fp8 (offsets NULL: one segment of all of A's rows, B 2-D) and
+   dsk_matmul_fp8_grouped (offsets (G + 1) on the device, B (G, N, K)); a_rows, b_rows: rows per scale (1 or 128) */
+dsk_status dsk_cuda_matmul_fp8(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, const dsk_tensor *a_scales, int a_rows,
+                               const dsk_tensor *B, const dsk_tensor *b_scales, int b_rows, const dsk_tensor *offsets,
+                               float alpha, float beta);
+#endif
+
 #ifdef __cplusplus
 }
 #endif
@@ -951,9 +1071,6 @@ DSK_API dsk_status dsk_matmul_fp8_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk
 #include <float.h>
 #ifdef _OPENMP
 #include <omp.h>
-#endif
-#ifdef DSK_CUDA
-#include "kernels/dsk_kernels.h"
 #endif
 
 #ifdef __cplusplus

@@ -339,9 +339,6 @@ static inline int dsk_zero_powersgd_compresses(int ndim, int64_t rows, int64_t c
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#ifdef DSK_CUDA
-#include "kernels/dsk_kernels.h"
-#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif

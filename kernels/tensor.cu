@@ -1,5 +1,5 @@
 /* kernels/tensor.cu - the CUDA path of dsk_tensor.h: runtime (devices, streams, cuBLAS,
-   memory) and one launcher per tensor op, with the contracts of kernels/dsk_kernels.h.
+   memory) and one launcher per tensor op, with the contracts of dsk_tensor.h's CUDA launchers.
 
    Conventions (kernels/dsk_cuda.cuh): every launcher checks its ctx and makes its device
    current, enqueues on ctx->stream and returns without synchronising; every CUDA and cuBLAS

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # DESIGN.md's rules as checks (`make lint`; tests/test_lint.sh runs each in `make test`).
-#   scripts/lint.sh [check...]        checks: format columns state cuda commits places (default: all)
+#   scripts/lint.sh [check...]        checks: format columns state cuda includes commits places (default: all)
 #   scripts/lint.sh state [source...] the state check on some sources only (dsk_par.h, kernels/moe.cu)
 # Each check prints `ok   <check>: ...` or `FAIL <check>: ...` with what it found, file by file;
 # the script exits non-zero when one failed.
@@ -11,6 +11,10 @@
 #            exceptions (STATE_ALLOWED) and what tests/lint_baseline.txt still allows
 #   cuda     no CUDA runtime call in the library outside the CUDA helper: kernels/*.cu and .cuh,
 #            which include kernels/dsk_cuda.cuh; tests/lint_baseline.txt holds today's count per file
+#   includes the library's #include lines (dsk_*.h, kernels/*.cu, .cuh) have no cycle; a header
+#            includes only headers on lower floors of DESIGN.md's diagram, listed after its `->`,
+#            and nothing in kernels/; a kernels/*.cu includes its owner (the header declaring its
+#            launchers), headers below that and kernels/*.cuh; the .cuh helper builds on floor 0
 #   commits  commits after LINT_COMMIT_BASE: subject of at most 72 characters; a non-merge
 #            commit has a blank line, then the why
 #   places   DESIGN.md's count of the places to touch for a new elementwise op, recomputed
@@ -295,14 +299,105 @@ check_places() {
     fi
 }
 
+# The floors of DESIGN.md's diagram (section 1), as `header floor dep,dep,...` (the `-> a, b` list of the
+# modules a header builds on, from its line or its continuation lines, indented past column 10).
+design_floors() {
+    awk '/^## 1\. The house/ { on = 1 } on && /^```/ { if (inside) exit; inside = 1; next }
+         inside {
+             line = $0
+             if (match(line, /^floor [0-9]+/)) { floor = substr(line, 7, RLENGTH - 6) + 0; line = substr(line, RLENGTH + 1) }
+             n = split(line, w, " ")
+             if (n > 0 && w[1] ~ /^dsk_[a-z_]+\.h$/) { if (h != "") print h, f, deps; h = w[1]; f = floor; deps = "-" }
+             else if (n > 0 && w[1] !~ /^dsk_/ && line !~ /^           /) { if (h != "") print h, f, deps; h = "" }
+             if (h != "" && match(line, /-> .*$/)) { d = substr(line, RSTART + 3); gsub(/[ ]/, "", d); deps = d }
+         }
+         END { if (h != "") print h, f, deps }' DESIGN.md
+}
+
+# The library's own includes (`#include "..."` in dsk_*.h and kernels/: .cu, .cuh, .h), as
+# `file line target`; a target resolves next to the file first (kernels/x.cuh), then at the root.
+library_includes() {
+    local f dir line target
+    for f in $(include_files); do
+        dir=$(dirname "$f")
+        grep -nE '^[[:space:]]*#[[:space:]]*include[[:space:]]*"[^"]+"' "$f" | sed -E 's/^([0-9]+):.*"([^"]+)".*/\1 \2/' |
+            while read -r line target; do
+                if [ -f "$dir/$target" ]; then target=$(realpath -m --relative-to=. "$dir/$target")
+                elif [ -f "$target" ]; then target=$(realpath -m --relative-to=. "$target")
+                else continue; fi # not a library file (a system header in quotes)
+                echo "$f $line $target"
+            done
+    done
+}
+
+include_files() { ls dsk_*.h kernels/*.cu kernels/*.cuh kernels/*.h 2>/dev/null; }
+
+# The header that owns kernels/<name>.cu: the one whose CUDA launchers section names it
+# (`/* ---- <title> (kernels/<name>.cu`).
+kernel_owner() { grep -lE "^/\* ---- [^(]*\(kernels/$(basename "$1")" dsk_*.h 2>/dev/null | head -1; }
+
+check_includes() {
+    local problems=() f line target ff ft owner deps n_files n_edges cycle
+    design_floors >"$tmp/floors"
+    library_includes >"$tmp/includes"
+    floor_of() { awk -v h="$1" '$1 == h { print $2 }' "$tmp/floors"; }
+    for f in $(ls dsk_*.h); do [ -n "$(floor_of "$f")" ] || problems+=("$f: not on a floor of DESIGN.md's diagram"); done
+    for f in $(ls kernels/*.cu 2>/dev/null); do
+        [ -n "$(kernel_owner "$f")" ] || problems+=("$f: no owner (no header's CUDA launchers section names it)")
+    done
+    while read -r f line target; do
+        case $f in
+        dsk_*.h)
+            ff=$(floor_of "$f"); ft=$(floor_of "$target")
+            case $target in
+            kernels/*) problems+=("$f:$line: includes $target (a header includes no kernels/ file: they sit behind it)") ;;
+            *) [ -n "$ff" ] && [ -n "$ft" ] && [ "$ft" -ge "$ff" ] &&
+                   problems+=("$f:$line: includes $target (floor $ft, not below $f's floor $ff)")
+               deps=$(awk -v h="$f" '$1 == h { print $3 }' "$tmp/floors")
+               m=${target#dsk_}; m=${m%.h}
+               [ -n "$deps" ] && ! echo ",$deps," | grep -q ",$m," &&
+                   problems+=("$f:$line: includes $target, which DESIGN.md's diagram does not list after $f's ->") ;;
+            esac ;;
+        kernels/*.cu)
+            owner=$(kernel_owner "$f")
+            case $target in
+            kernels/*.cuh | kernels/*.h) ;;
+            dsk_*.h) [ -n "$owner" ] && [ "$target" != "$owner" ] && ff=$(floor_of "$owner") && ft=$(floor_of "$target") &&
+                         [ -n "$ft" ] && [ "$ft" -ge "$ff" ] &&
+                         problems+=("$f:$line: includes $target (floor $ft, not below its owner $owner's floor $ff)") ;;
+            *) problems+=("$f:$line: includes $target (a kernel includes its owner, headers below it and kernels/*.cuh)") ;;
+            esac ;;
+        kernels/*) # the helpers (.cuh, .h)
+            case $target in
+            kernels/*.cuh | kernels/*.h) ;;
+            dsk_*.h) [ "$(floor_of "$target")" = 0 ] ||
+                         problems+=("$f:$line: includes $target (the CUDA helper builds on floor 0 only)") ;;
+            *) problems+=("$f:$line: includes $target") ;;
+            esac ;;
+        esac
+    done <"$tmp/includes"
+    # Cycles, whatever the floors say: tsort names the files of a loop.
+    awk '$1 == $3 { print "self" }' "$tmp/includes" | grep -q self &&
+        problems+=("a file includes itself: $(awk '$1 == $3 { print $1 ":" $2 }' "$tmp/includes" | paste -sd' ')")
+    cycle=$(awk '$1 != $3 { print $1, $3 }' "$tmp/includes" | tsort 2>&1 >/dev/null | grep -v 'input contains a loop' |
+        sed 's/^tsort: //' | paste -sd' ')
+    [ -z "$cycle" ] || problems+=("an include cycle through: $cycle")
+    n_files=$(include_files | wc -l); n_edges=$(wc -l <"$tmp/includes")
+    if [ ${#problems[@]} -eq 0 ]; then
+        ok "includes: $n_files files, $n_edges includes: no cycle, headers include lower floors only, each kernel its owner"
+    else
+        bad "includes: ${#problems[@]} problems in the library's includes (DESIGN.md, The house)" "${problems[@]}"
+    fi
+}
+
 checks=("$@")
-[ ${#checks[@]} -gt 0 ] || checks=(format columns state cuda commits places)
+[ ${#checks[@]} -gt 0 ] || checks=(format columns state cuda includes commits places)
 case ${checks[0]} in
 state) shift; check_state "$@" ;;
 *) for c in "${checks[@]}"; do
        case $c in
-       format | columns | state | cuda | commits | places) "check_$c" ;;
-       *) echo "scripts/lint.sh: unknown check '$c' (format columns state cuda commits places)" >&2; exit 2 ;;
+       format | columns | state | cuda | includes | commits | places) "check_$c" ;;
+       *) echo "scripts/lint.sh: unknown check '$c' (format columns state cuda includes commits places)" >&2; exit 2 ;;
        esac
    done ;;
 esac

@@ -15,7 +15,7 @@ lint_git() { git -C "$work/tree" -c user.name=lint -c user.email=lint@localhost 
 
 # This tree: each check on its own.
 # A check that cannot run here (no base commit, no git clang-format) says "skipped (why)".
-for c in format columns state cuda commits places; do
+for c in format columns state cuda includes commits places; do
     out=$(bash scripts/lint.sh "$c" 2>&1)
     rc=$?
     first=$(echo "$out" | head -1)
@@ -99,6 +99,33 @@ echo 'cuda dsk_zero.h 1' >>"$t/tests/lint_baseline.txt"
 fails_naming "cuda fails below its baseline (dsk_zero.h allowed 1, has 0) until the baseline is lowered" \
     'below the baseline.*dsk_zero.h: 0, baseline 1: lower' cuda
 git -C "$t" checkout -q -- tests/lint_baseline.txt
+
+# Includes: upward, into kernels/, a kernel above its owner, one DESIGN.md does not list, a kernel
+# without owner, and the cycles the first two make.
+echo '#include "dsk_zero.h"' >>"$t/dsk_comm.h"
+fails_naming "includes fails on dsk_comm.h including dsk_zero.h (floor 3), naming the line" \
+    "dsk_comm.h:$(wc -l <"$t/dsk_comm.h"): includes dsk_zero.h \\(floor 3, not below dsk_comm.h's floor 1\\)" includes
+fails_naming "includes names the cycle dsk_comm.h -> dsk_zero.h -> dsk_comm.h" \
+    'an include cycle through: .*dsk_(comm|zero).h' includes
+git -C "$t" checkout -q -- dsk_comm.h
+echo '#include "kernels/dsk_cuda.cuh"' >>"$t/dsk_tensor.h"
+fails_naming "includes fails on dsk_tensor.h including kernels/dsk_cuda.cuh, naming the line" \
+    "dsk_tensor.h:$(wc -l <"$t/dsk_tensor.h"): includes kernels/dsk_cuda.cuh \\(a header includes no kernels/" includes
+fails_naming "includes names the cycle dsk_tensor.h -> kernels/dsk_cuda.cuh -> dsk_tensor.h" \
+    'an include cycle through: .*(dsk_tensor.h|kernels/dsk_cuda.cuh)' includes
+git -C "$t" checkout -q -- dsk_tensor.h
+echo '#include "dsk_zero.h"' >>"$t/kernels/moe.cu"
+fails_naming "includes fails on kernels/moe.cu including dsk_zero.h, above its owner dsk_moe.h" \
+    "kernels/moe.cu:[0-9]+: includes dsk_zero.h \\(floor 3, not below its owner dsk_moe.h's floor 2\\)" includes
+git -C "$t" checkout -q -- kernels/moe.cu
+echo '#include "dsk_amp.h"' >>"$t/dsk_par.h"
+fails_naming "includes fails on dsk_par.h including dsk_amp.h, which DESIGN.md's diagram does not list" \
+    "dsk_par.h:[0-9]+: includes dsk_amp.h, which DESIGN.md's diagram does not list" includes
+git -C "$t" checkout -q -- dsk_par.h
+echo '#include "dsk_cuda.cuh"' >"$t/kernels/planted.cu"
+fails_naming "includes fails on a kernel no header declares the launchers of" \
+    'kernels/planted.cu: no owner' includes
+rm -f "$t/kernels/planted.cu"
 
 # DESIGN.md's places for an elementwise op: one more in the code, or another number in DESIGN.md.
 echo 'static inline float dsk__lint_planted_place(float x) { return dsk_ew_f(DSK_EW_AXPY, x, x, 1.0f); }' \
