@@ -17,7 +17,7 @@
 #            launchers), headers below that and kernels/*.cuh; the .cuh helper builds on floor 0
 #   commits  commits after LINT_COMMIT_BASE: subject of at most 72 characters; a non-merge
 #            commit has a blank line, then the why
-#   places   DESIGN.md's count of the places to touch for a new elementwise op, recomputed
+#   places   DESIGN.md section 6's counts of the places to touch, recomputed on a case each (PLACES_CLAIMS)
 # LINT_BASE (a commit): what `format` and `columns` compare the working tree with; default the
 # merge-base with main, or HEAD~1 on main itself. tests/lint_baseline.txt can only go down: a
 # count above it fails, and so does one below it until the file is lowered to match.
@@ -263,40 +263,89 @@ enclosing_units() {
         "$tmp/units" - | sort -u
 }
 
-number_word() { # one..twenty as a number
+number_word() { # one..twenty, or digits, as a number
     local w=(zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen
              seventeen eighteen nineteen twenty) i
-    for i in "${!w[@]}"; do [ "${w[$i]}" = "$1" ] && { echo "$i"; return; }; done
+    [[ $1 =~ ^[0-9]+$ ]] && { echo "$1"; return; }
+    for i in "${!w[@]}"; do [ "${w[$i]}" = "${1,,}" ] && { echo "$i"; return; }; done
     echo "?"
 }
 
-# DESIGN.md section 6's count for a new elementwise op, recomputed on an existing one (dsk_axpy):
-# the library's places name its DSK_EW_ value or declare or define its function (callers are
-# not places); each test file that calls it is one place (its case).
-check_places() {
-    local design want_p want_f f lines units n_places=0 files=() where=() words
-    design=$(tr '\n' ' ' <DESIGN.md | grep -oE 'every entry of the list as it is: [a-z]+ places in [a-z]+ files' | head -1)
-    if [ -z "$design" ]; then bad "places: DESIGN.md no longer says \"every entry of the list as it is: N places in M files\""
-        return; fi
-    read -r -a words <<<"${design#*as it is: }" # N places in M files
-    want_p=$(number_word "${words[0]}"); want_f=$(number_word "${words[3]}")
+# C source with comments and string literals blanked, line for line (line numbers kept).
+strip_comments() {
+    awk '{
+        out = ""; n = length($0); i = 1
+        while (i <= n) {
+            c = substr($0, i, 1); d = substr($0, i, 2)
+            if (inc) { if (d == "*/") { inc = 0; i += 2 } else i++; continue }
+            if (ins) { if (c == "\\") i += 2; else { if (c == "\"") ins = 0; i++ } continue }
+            if (d == "/*") { inc = 1; i += 2; continue }
+            if (d == "//") break
+            if (c == "\"") { ins = 1; out = out "\"\""; i++; continue }
+            out = out c; i++
+        }
+        ins = 0; print out
+    }' "$1"
+}
+
+# DESIGN.md section 6's counts, each recomputed on an existing case: `title|case|library regex|test regex`.
+# A place is a function of the library (universal ctags) or a top-level line (an enum, a list entry, a
+# declaration) whose code, comments and strings aside, matches the library regex (definitions and
+# declarations, not callers); each test file whose code matches the test regex is one place (its case).
+# DESIGN.md states each as "<title> ...: N places in M files" in the paragraph the title opens.
+PLACES_CLAIMS=(
+    'An elementwise op of the BINARY form|dsk_mul|\bDSK_EW_MUL\b|dsk_status dsk_mul\(|\bdsk_mul\('
+    'An elementwise op of its own form|dsk_axpy|\bDSK_EW_AXPY\b|dsk_status dsk_axpy\(|\bdsk_axpy\('
+    'Any other tensor op|dsk_silu|DSK_HD float dsk_silu(_grad)?_f\(|dsk_status dsk_(cuda_)?silu(_backward)?\(|void dsk__k_silu(_bwd)?\(|\bdsk_silu(_backward)?\('
+    'A router score function|DSK_MOE_SIGMOID|\bDSK_MOE_SIGMOID\b|\bsigmoid\b|\bDSK_MOE_SIGMOID\b'
+)
+
+# places_of <library regex> <test regex>: prints `places files`; the places go to $tmp/where.
+places_of() {
+    local lib_re=$1 test_re=$2 f lines units n=0 nf=0
+    : >"$tmp/where"
     for f in $(ls dsk_*.h kernels/*); do
-        lines=$(grep -nE '\bDSK_EW_AXPY\b|dsk_status dsk_axpy\(' "$f" | cut -d: -f1)
+        strip_comments "$f" >"$tmp/code"
+        lines=$(grep -nE "$lib_re" "$tmp/code" | cut -d: -f1)
         [ -n "$lines" ] || continue
         units=$(echo "$lines" | enclosing_units "$f")
-        files+=("$f"); n_places=$((n_places + $(echo "$units" | wc -l)))
-        where+=("$f: $(echo "$units" | paste -sd, - | sed 's/,/, /g')")
+        nf=$((nf + 1)); n=$((n + $(echo "$units" | wc -l)))
+        echo "$f: $(echo "$units" | paste -sd, - | sed 's/,/, /g')" >>"$tmp/where"
     done
     for f in $(git ls-files 'tests/*.c' 2>/dev/null || ls tests/*.c tests/gpu/*.c); do
-        grep -qE '\bdsk_axpy\(' "$f" || continue
-        files+=("$f"); n_places=$((n_places + 1)); where+=("$f: its case")
+        strip_comments "$f" | grep -qE "$test_re" || continue
+        nf=$((nf + 1)); n=$((n + 1)); echo "$f: its case" >>"$tmp/where"
     done
-    if [ "$n_places" = "$want_p" ] && [ "${#files[@]}" = "$want_f" ]; then
-        ok "places: an elementwise op (as dsk_axpy): $n_places places in ${#files[@]} files, as DESIGN.md says"
-    else
-        bad "places: an elementwise op (as dsk_axpy) is $n_places places in ${#files[@]} files; DESIGN.md section 6" \
-            "says $want_p in $want_f (\"$design\"):" "${where[@]}"
-    fi
+    echo "$n $nf"
+}
+
+check_places() {
+    local claim title case lib_re test_re design para want_p want_f got words n_ok=0 summary=()
+    tr '\n' ' ' <DESIGN.md | sed 's/  */ /g' >"$tmp/design"
+    for claim in "${PLACES_CLAIMS[@]}"; do
+        IFS='|' read -r title case lib_re test_re <<<"$claim"
+        lib_re=${claim#"$title|$case|"}; lib_re=${lib_re%|*} # the library regex may hold '|'
+        test_re=${claim##*|}
+        design=
+        if grep -qF "**$title" "$tmp/design"; then # the paragraph: from its bold title to the next one
+            para=$(<"$tmp/design"); para=${para#*"**$title"}; para=${para#*"**"}; para=${para%%" **"*}
+            design=$(echo "$para" | grep -oE '[A-Za-z0-9]+ places in [a-z0-9]+ files' | head -1)
+        fi
+        if [ -z "$design" ]; then
+            bad "places: DESIGN.md section 6 no longer says \"$title ...: N places in M files\""; continue
+        fi
+        read -r -a words <<<"$design"
+        want_p=$(number_word "${words[0]}"); want_f=$(number_word "${words[3]}")
+        got=$(places_of "$lib_re" "$test_re")
+        if [ "$got" = "$want_p $want_f" ]; then
+            n_ok=$((n_ok + 1)); summary+=("$case ${got% *}/${got#* }")
+        else
+            bad "places: ${title,} (as $case) is ${got% *} places in ${got#* } files; DESIGN.md section 6 says" \
+                "$want_p in $want_f (\"$design\"):" "$(cat "$tmp/where")"
+        fi
+    done
+    [ "$n_ok" -eq ${#PLACES_CLAIMS[@]} ] &&
+        ok "places: DESIGN.md section 6's counts (places/files) recomputed: ${summary[*]}"
 }
 
 # The floors of DESIGN.md's diagram (section 1), as `header floor dep,dep,...` (the `-> a, b` list of the
