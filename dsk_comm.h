@@ -9,7 +9,9 @@
    -D_POSIX_C_SOURCE=200809L (where a system header came first and hid POSIX, as under glibc
    with -std=c11, the build stops at an #error that says so). Link with -lpthread (and -lnccl
    -lcudart under DSK_CUDA).
-   Options: DSK_STATIC, DSK_MALLOC/DSK_FREE, DSK_CUDA (adds the nccl backend), DSK_NO_CUDA.
+   Options: DSK_STATIC, DSK_MALLOC/DSK_FREE, DSK_CUDA (adds the nccl backend), DSK_NO_CUDA;
+   DSK_COMM_NO_LAUNCHER leaves out the local launcher (dsk_comm_spawn_local: fork and exec).
+   dsk_comm_options() names the switches the implementation was built with.
 
    Example (given dsk_ctx *ctx, float *grad, int64_t n):
        dsk_comm c;
@@ -85,11 +87,11 @@
 /* Contents. Each section starts with a rule comment "---- <title>"; search for the title.
    Declarations: types and options; communicators: init, free, split; collectives; tensor
    forms; expert-parallel routes; the bootstrap store; configuration agreement; local
-   launcher.
+   launcher (unless DSK_COMM_NO_LAUNCHER); options (dsk_comm_options).
    Implementation (after the "implementation" rule): small helpers; the key-value store
    server; communicator state; store client; configuration agreement; shared memory; the host
    backend's I/O engine; reductions (fixed rank order); host collectives; bootstrap and mesh;
-   init; collectives; split; tensor forms; expert-parallel routes; local launcher. */
+   init; collectives; split; tensor forms; expert-parallel routes; local launcher; options. */
 #if defined(DSK_COMM_IMPLEMENTATION) && !defined(_GNU_SOURCE) && !defined(_POSIX_C_SOURCE)
 #define _GNU_SOURCE
 #endif
@@ -325,6 +327,7 @@ DSK_API dsk_status dsk_comm_store_barrier(dsk_comm *c);
 DSK_API dsk_status dsk_comm_check_agree(dsk_comm *c, const char *what, const char *config);
 
 /* ---- local launcher */
+#ifndef DSK_COMM_NO_LAUNCHER
 typedef struct dsk_comm_spawn_opts {
     const char *master_addr; /* ["127.0.0.1"] */
     int master_port;         /* [a free port] */
@@ -339,10 +342,14 @@ typedef struct dsk_comm_spawn_opts {
    *worst_exit = the largest exit status (128 + signal for a rank killed by a signal).
    DSK_ERR_TIMEOUT if the timeout killed them. */
 DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_comm_spawn_opts *opts, int *worst_exit);
+#endif /* DSK_COMM_NO_LAUNCHER */
 /* A TCP port on addr that was free a moment ago (bind to port 0), for launchers and tests. */
 DSK_API dsk_status dsk_comm_free_port(const char *addr, int *port);
 
 DSK_API const char *dsk_comm_op_name(dsk_comm_op op); /* "sum", "avg", "max", "min" */
+/* The compile-out switches the implementation was built with, space-separated, "" for none:
+   "DSK_COMM_NO_LAUNCHER". */
+DSK_API const char *dsk_comm_options(void);
 
 #ifdef __cplusplus
 }
@@ -4533,6 +4540,7 @@ DSK_API dsk_status dsk_comm_free_port(const char *addr, int *port) {
     return DSK_OK;
 }
 
+#ifndef DSK_COMM_NO_LAUNCHER
 static void dsk__comm_write_fd(int fd, const char *p, size_t n) {
     while (n > 0) {
         ssize_t w = write(fd, p, n);
@@ -4704,6 +4712,17 @@ DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_com
     if (st == DSK_OK && killed)
         st = dsk_set_error(DSK_ERR_TIMEOUT, "%s: ranks still running after %.1f s were killed", fn, opts->timeout_s);
     return st;
+}
+#endif /* DSK_COMM_NO_LAUNCHER */
+
+/* ---------------------------------------------------------------- options */
+
+DSK_API const char *dsk_comm_options(void) {
+#ifdef DSK_COMM_NO_LAUNCHER
+    return "DSK_COMM_NO_LAUNCHER";
+#else
+    return "";
+#endif
 }
 
 #endif /* DSK_COMM_IMPLEMENTATION_DONE */
