@@ -20,7 +20,7 @@ CXXFLAGS+= -std=c++17 $(OPT) $(ARCH) -g -fopenmp $(WARN) -I. $(SAN)
 LDLIBS  += -lm -lpthread
 NVFLAGS ?= -O2 -std=c++17 $(GENCODE) -I. -Xcompiler -Wall,-Wextra,-Werror,-fPIC
 
-HEADERS  = $(wildcard dsk_*.h) kernels/dsk_kernels.h $(wildcard kernels/*.cuh)
+HEADERS  = $(wildcard dsk_*.h) $(wildcard kernels/*.cuh)
 KSRC     = $(wildcard kernels/*.cu)
 KOBJ     = $(patsubst kernels/%.cu,$(BUILD)/kernels/%.o,$(KSRC))
 KLIB     = $(BUILD)/libdsk_kernels.a

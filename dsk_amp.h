@@ -65,6 +65,7 @@
        FP8 scaling                scale rules (dsk_amp_fp8_scale, dsk_amp_fp8_block_scale), dsk_amp_amax,
                                   per-tensor current scaling and quantize, delayed scaling, DeepSeek-V3 blocks
                                   (dsk_amp_fp8_block_quantize, its transposed form _t, dequantize)
+       CUDA launchers             (DSK_CUDA) dsk_cuda_amp_*: kernels/amp.cu
      implementation (DSK_AMP_IMPLEMENTATION)
        checks, loss scaler, unscale + check, casts and optimizer step, device-resident step, FP8 */
 #ifndef DSK_AMP_H
@@ -473,6 +474,40 @@ DSK_API dsk_status dsk_amp_fp8_block_quantize_t(dsk_ctx *ctx, dsk_tensor *q, dsk
 DSK_API dsk_status dsk_amp_fp8_block_dequantize(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *q,
                                                 const dsk_tensor *scales, int br, int bc);
 
+/* ---------------------------------------------------------------- CUDA launchers
+   The C entry points of kernels/amp.cu, with the contracts of dsk_tensor.h's CUDA launchers. */
+#if defined(DSK_CUDA) || defined(__CUDACC__) /* a CUDA build, or nvcc compiling the kernels */
+/* ---- amp (kernels/amp.cu) */
+/* `block` is a scaler's device state: {double found_inf, sumsq; float scale; int32 growth, hysteresis}. */
+dsk_status dsk_cuda_amp_unscale(dsk_ctx *ctx, dsk_tensor *const *grads, int n,
+                                void *block); /* multi-tensor; writes found_inf, sumsq */
+dsk_status dsk_cuda_amp_update(dsk_ctx *ctx, void *block,
+                               const struct dsk_amp_scaler_opts *opts); /* dsk_amp_scaler_rule, 1 thread */
+dsk_status dsk_cuda_amp_cast(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor *src, int stochastic, uint64_t key);
+/* The device-resident step (dsk_amp_dstep): `vals` is its device dsk_amp_step_vals. decide: one thread writes
+   dsk_amp_decide(block's stats, max_norm) into vals; adamw_dev and cast_dev return at once when vals->skip, else
+   run dsk_adamw_step / the stochastic dsk_amp_cast with lr, bias corrections, grad_mult and step from vals. */
+dsk_status dsk_cuda_amp_decide(dsk_ctx *ctx, const void *block, struct dsk_amp_step_vals *vals, double max_norm);
+dsk_status dsk_cuda_amp_adamw_dev(dsk_ctx *ctx, dsk_tensor *param, const dsk_tensor *grad, dsk_tensor *m, dsk_tensor *v,
+                                  const dsk_adamw_opts *opts, const struct dsk_amp_step_vals *vals, dsk_tensor *copy);
+dsk_status dsk_cuda_amp_cast_dev(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor *src, uint64_t seed,
+                                 uint64_t tensor_id, const struct dsk_amp_step_vals *vals);
+dsk_status dsk_cuda_amp_amax(dsk_ctx *ctx, float *amax, const dsk_tensor *x, int accumulate); /* device f32 scalar */
+/* *scale = dsk_amp_fp8_scale(max of amax[0..n), fp8_max, margin, pow2, keep_prev ? *scale : 1);
+   then *clear = 0 if non-NULL. */
+dsk_status dsk_cuda_amp_fp8_scale(dsk_ctx *ctx, float *scale, const float *amax, int n, float fp8_max, int margin,
+                                  int pow2, int keep_prev, float *clear);
+dsk_status dsk_cuda_amp_fp8_quantize(dsk_ctx *ctx, dsk_tensor *q, const dsk_tensor *x, const float *scale);
+dsk_status dsk_cuda_amp_fp8_dequantize(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *q, const float *scale);
+dsk_status dsk_cuda_amp_fp8_block_quantize(dsk_ctx *ctx, dsk_tensor *q, dsk_tensor *scales, const dsk_tensor *x, int br,
+                                           int bc, int pow2);
+/* The same for x's transpose: q (C, R), x (R, C) */
+dsk_status dsk_cuda_amp_fp8_block_quantize_t(dsk_ctx *ctx, dsk_tensor *q, dsk_tensor *scales, const dsk_tensor *x,
+                                             int br, int bc, int pow2);
+dsk_status dsk_cuda_amp_fp8_block_dequantize(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *q, const dsk_tensor *scales,
+                                             int br, int bc);
+#endif
+
 #ifdef __cplusplus
 }
 #endif
@@ -490,9 +525,6 @@ DSK_API dsk_status dsk_amp_fp8_block_dequantize(dsk_ctx *ctx, dsk_tensor *y, con
 #endif
 #include <stdio.h>
 #include <stdlib.h>
-#ifdef DSK_CUDA
-#include "kernels/dsk_kernels.h"
-#endif
 
 #ifdef __cplusplus
 extern "C" {

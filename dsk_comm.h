@@ -9,7 +9,9 @@
    -D_POSIX_C_SOURCE=200809L (where a system header came first and hid POSIX, as under glibc
    with -std=c11, the build stops at an #error that says so). Link with -lpthread (and -lnccl
    -lcudart under DSK_CUDA).
-   Options: DSK_STATIC, DSK_MALLOC/DSK_FREE, DSK_CUDA (adds the nccl backend), DSK_NO_CUDA.
+   Options: DSK_STATIC, DSK_MALLOC/DSK_FREE, DSK_CUDA (adds the nccl backend), DSK_NO_CUDA;
+   DSK_COMM_NO_LAUNCHER leaves out the local launcher (dsk_comm_spawn_local: fork and exec).
+   dsk_comm_options() names the switches the implementation was built with.
 
    Example (given dsk_ctx *ctx, float *grad, int64_t n):
        dsk_comm c;
@@ -85,11 +87,11 @@
 /* Contents. Each section starts with a rule comment "---- <title>"; search for the title.
    Declarations: types and options; communicators: init, free, split; collectives; tensor
    forms; expert-parallel routes; the bootstrap store; configuration agreement; local
-   launcher.
+   launcher (unless DSK_COMM_NO_LAUNCHER); options (dsk_comm_options).
    Implementation (after the "implementation" rule): small helpers; the key-value store
    server; communicator state; store client; configuration agreement; shared memory; the host
    backend's I/O engine; reductions (fixed rank order); host collectives; bootstrap and mesh;
-   init; collectives; split; tensor forms; expert-parallel routes; local launcher. */
+   init; collectives; split; tensor forms; expert-parallel routes; local launcher; options. */
 #if defined(DSK_COMM_IMPLEMENTATION) && !defined(_GNU_SOURCE) && !defined(_POSIX_C_SOURCE)
 #define _GNU_SOURCE
 #endif
@@ -325,6 +327,7 @@ DSK_API dsk_status dsk_comm_store_barrier(dsk_comm *c);
 DSK_API dsk_status dsk_comm_check_agree(dsk_comm *c, const char *what, const char *config);
 
 /* ---- local launcher */
+#ifndef DSK_COMM_NO_LAUNCHER
 typedef struct dsk_comm_spawn_opts {
     const char *master_addr; /* ["127.0.0.1"] */
     int master_port;         /* [a free port] */
@@ -339,10 +342,14 @@ typedef struct dsk_comm_spawn_opts {
    *worst_exit = the largest exit status (128 + signal for a rank killed by a signal).
    DSK_ERR_TIMEOUT if the timeout killed them. */
 DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_comm_spawn_opts *opts, int *worst_exit);
+#endif /* DSK_COMM_NO_LAUNCHER */
 /* A TCP port on addr that was free a moment ago (bind to port 0), for launchers and tests. */
 DSK_API dsk_status dsk_comm_free_port(const char *addr, int *port);
 
 DSK_API const char *dsk_comm_op_name(dsk_comm_op op); /* "sum", "avg", "max", "min" */
+/* The compile-out switches the implementation was built with, space-separated, "" for none:
+   "DSK_COMM_NO_LAUNCHER". */
+DSK_API const char *dsk_comm_options(void);
 
 #ifdef __cplusplus
 }
@@ -2569,7 +2576,7 @@ static void dsk__comm_impl_free(dsk_comm *c) {
             else ncclCommAbort(m->nccl);
         }
     }
-    if (m->nccl_flag) cudaFree(m->nccl_flag);
+    dsk_cuda_free(NULL, m->nccl_flag);
 #endif
     dsk__comm_shm_unmap(m);
     for (int r = 0; m->fds && r < c->world_size; r++)
@@ -2706,14 +2713,12 @@ static dsk_status dsk__comm_nccl_init(dsk_comm *c, const char *fn, double t0) {
     int ndev = 0;
     size_t len = 0;
     dsk_status st;
-    cudaError_t ce = cudaGetDeviceCount(&ndev);
     char key[128];
-    if (ce != cudaSuccess || ndev == 0)
-        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: the nccl backend needs a CUDA device (rank %d: %s)", fn, c->rank,
-                             ce != cudaSuccess ? cudaGetErrorString(ce) : "0 devices");
-    if ((ce = cudaSetDevice(c->local_rank % ndev)) != cudaSuccess)
-        return dsk_set_error(DSK_ERR_CUDA, "%s: cudaSetDevice(%d): %s", fn, c->local_rank % ndev,
-                             cudaGetErrorString(ce));
+    DSK__TRY(dsk_cuda_device_count(&ndev));
+    if (ndev == 0)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: the nccl backend needs a CUDA device (rank %d: 0 devices)", fn,
+                             c->rank);
+    DSK__TRY(dsk_cuda_set_device(c->local_rank % ndev));
     snprintf(key, sizeof key, "dsk/%s/nccl_id", m->ns);
     if (c->rank == 0) {
         ncclResult_t r = ncclGetUniqueId(&id);
@@ -2729,11 +2734,7 @@ static dsk_status dsk__comm_nccl_init(dsk_comm *c, const char *fn, double t0) {
                                    "ncclCommInitRankConfig")) != DSK_OK)
         return dsk__comm_break(c, st); /* aborts what init left */
     DSK__TRY(dsk__comm_nccl_settle(c, fn, m->nccl, t0, "ncclCommInitRankConfig"));
-    if ((ce = cudaMalloc(&m->nccl_flag, sizeof(float))) != cudaSuccess) {
-        m->nccl_flag = NULL;
-        return dsk_set_error(DSK_ERR_CUDA, "%s: cudaMalloc(4): %s", fn, cudaGetErrorString(ce));
-    }
-    return DSK_OK;
+    return dsk_cuda_device_malloc(sizeof(float), &m->nccl_flag);
 }
 #endif
 
@@ -3565,13 +3566,10 @@ DSK_API dsk_status dsk_comm_sync(dsk_comm *c, dsk_ctx *ctx) {
     if (DSK__COMM_NCCL(c)) {
         double t0 = dsk__comm_now();
         for (;;) {
-            cudaError_t e = cudaStreamQuery(dsk__comm_stream(ctx));
+            int done = 0;
             ncclResult_t state = ncclSuccess;
-            if (e == cudaSuccess) return DSK_OK;
-            if (e != cudaErrorNotReady) {
-                dsk_set_error(DSK_ERR_CUDA, "%s: cudaStreamQuery: %s", fn, cudaGetErrorString(e));
-                return dsk__comm_break(c, DSK_ERR_CUDA);
-            }
+            if (dsk_cuda_stream_done(dsk__comm_stream(ctx), &done) != DSK_OK) return dsk__comm_break(c, DSK_ERR_CUDA);
+            if (done) return DSK_OK;
             ncclCommGetAsyncError(c->impl->nccl, &state);
             if (state != ncclSuccess && state != ncclInProgress) {
                 dsk__comm_nccl_check(c, fn, state, "an NCCL operation");
@@ -3636,21 +3634,17 @@ static dsk_status dsk__comm_nccl_split_records(dsk_comm *c, const char *fn, int 
                                                double t0) {
     int64_t mine[2], *d = NULL;
     size_t bytes = (size_t)2 * c->world_size * sizeof(int64_t);
-    cudaError_t e = cudaMalloc((void **)&d, bytes);
-    dsk_status st = DSK_OK;
+    dsk_status st = dsk_cuda_device_malloc(bytes, (void **)&d);
     mine[0] = color;
     mine[1] = key;
-    if (e != cudaSuccess)
-        return dsk_set_error(DSK_ERR_CUDA, "%s: cudaMalloc(%zu): %s", fn, bytes, cudaGetErrorString(e));
-    if ((e = cudaMemcpy(d + 2 * c->rank, mine, sizeof mine, cudaMemcpyHostToDevice)) != cudaSuccess)
-        st = dsk_set_error(DSK_ERR_CUDA, "%s: cudaMemcpy of the split record: %s", fn, cudaGetErrorString(e));
+    if (st != DSK_OK) return st;
+    st = dsk_cuda_memcpy_sync(d + 2 * c->rank, mine, sizeof mine, 1);
     if (st == DSK_OK)
         st = dsk__comm_nccl_done(c, fn, ncclAllGather(d + 2 * c->rank, d, 2, ncclInt64, c->impl->nccl, 0),
                                  "ncclAllGather (split records)", t0);
     if (st == DSK_OK) st = dsk_comm_sync(c, NULL);
-    if (st == DSK_OK && (e = cudaMemcpy(all, d, bytes, cudaMemcpyDeviceToHost)) != cudaSuccess)
-        st = dsk_set_error(DSK_ERR_CUDA, "%s: cudaMemcpy of the split records: %s", fn, cudaGetErrorString(e));
-    cudaFree(d);
+    if (st == DSK_OK) st = dsk_cuda_memcpy_sync(all, d, bytes, 0);
+    dsk_cuda_free(NULL, d);
     return st;
 }
 
@@ -3687,10 +3681,7 @@ static dsk_status dsk__comm_nccl_split_make(dsk_comm *c, const char *fn, int col
     }
     sub->impl->nccl = nc;
     sub->impl->timeout_s = c->impl->timeout_s;
-    if (cudaMalloc(&sub->impl->nccl_flag, sizeof(float)) != cudaSuccess) {
-        sub->impl->nccl_flag = NULL;
-        return dsk_set_error(DSK_ERR_CUDA, "%s: cudaMalloc(4) for the sub-group", fn);
-    }
+    DSK__TRY(dsk_cuda_device_malloc(sizeof(float), &sub->impl->nccl_flag));
     if (n != cnt || parents[r] != c->rank)
         return dsk_set_error(DSK_ERR_NCCL, "%s: ncclCommSplit made rank %d member %d of %d; the split records say %d "
                              "members", fn, c->rank, r, n, cnt);
@@ -4549,6 +4540,7 @@ DSK_API dsk_status dsk_comm_free_port(const char *addr, int *port) {
     return DSK_OK;
 }
 
+#ifndef DSK_COMM_NO_LAUNCHER
 static void dsk__comm_write_fd(int fd, const char *p, size_t n) {
     while (n > 0) {
         ssize_t w = write(fd, p, n);
@@ -4720,6 +4712,17 @@ DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_com
     if (st == DSK_OK && killed)
         st = dsk_set_error(DSK_ERR_TIMEOUT, "%s: ranks still running after %.1f s were killed", fn, opts->timeout_s);
     return st;
+}
+#endif /* DSK_COMM_NO_LAUNCHER */
+
+/* ---------------------------------------------------------------- options */
+
+DSK_API const char *dsk_comm_options(void) {
+#ifdef DSK_COMM_NO_LAUNCHER
+    return "DSK_COMM_NO_LAUNCHER";
+#else
+    return "";
+#endif
 }
 
 #endif /* DSK_COMM_IMPLEMENTATION_DONE */

@@ -168,6 +168,7 @@
                                  stats_collect/config_get/config_check, dsk_moe_amp_unscale (with dsk_amp.h)
        per-token routing math    dsk_moe_route_token, dsk_moe_route_token_backward
        the rest of the MoE math  losses, capacity, combine, gate gradient, bias update (DSK_HD: CPU and CUDA)
+       CUDA launchers            (DSK_CUDA) dsk_cuda_moe_*: kernels/moe.cu
      implementation (DSK_MOE_IMPLEMENTATION)
        state and buffer registry; options and init; parameters; MoE steps (CPU loops, CUDA launchers);
        expert-parallel exchange; forward; backward; statistics and bias; configuration in checkpoints;
@@ -886,6 +887,63 @@ static inline DSK_HD void dsk__moe_route_one(const dsk_moe_router *r, int64_t t,
     for (int k = 0; k < K; k++) keys[t * K + k] = bad ? -1 : sel[t * K + k];
 }
 
+/* ---------------------------------------------------------------- CUDA launchers
+   The C entry points of kernels/moe.cu, with the contracts of dsk_tensor.h's CUDA launchers. */
+#if defined(DSK_CUDA) || defined(__CUDACC__) /* a CUDA build, or nvcc compiling the kernels */
+/* ---- moe (kernels/moe.cu): the MoE steps of dsk_moe.h, each a kernel over the DSK_HD function of
+   the same name there; row-major buffers, slot i = t * K + k, T tokens, E experts, K slots */
+/* dsk__moe_route_one per token: u (T,E) -> prob (T,E), scratch (T, E + n_group), sel, gate (T,K), keys (T*K);
+   replay 1: sel holds the given experts (read, kept). */
+dsk_status dsk_cuda_moe_route(dsk_ctx *ctx, const struct dsk_moe_router *r, int64_t T, const float *u,
+                              const float *bias, float *prob, float *scratch, int32_t *sel, float *gate, int32_t *keys,
+                              int replay);
+/* The balancing losses over a loss span (this call's T rows are rows [row0, row0 + T) of N, on `ranks` ranks).
+   loss_parts: dsk__moe_loss_token per token, dsk__moe_switch_part per expert (aux_alpha > 0), dsk__moe_seq_part
+   per (sequence, expert) (seq_alpha > 0) and the tail into part (zeroed by the caller); the caller sums part
+   over the span's group; loss_finish: dsk__moe_loss_finish and dsk__moe_aux_coef per (sequence, expert). */
+typedef struct dsk_cuda_moe_loss_args {
+    int64_t T, N, row0, L, nseq;
+    int E, K, ranks, sigmoid, count_topk;
+    float aux_alpha, seq_alpha, z_beta;
+    const float *prob, *u;
+    const int32_t *sel;
+    double *ptot, *part, *loss;
+    float *lse, *aux;
+    int32_t *lsel;
+} dsk_cuda_moe_loss_args;
+dsk_status dsk_cuda_moe_loss_parts(dsk_ctx *ctx, const dsk_cuda_moe_loss_args *a);
+dsk_status dsk_cuda_moe_loss_finish(dsk_ctx *ctx, const dsk_cuda_moe_loss_args *a);
+/* keys2 (TK) = the expert of each slot that keeps its place under capacity cap (dsk__moe_capacity_keep), else -1. */
+dsk_status dsk_cuda_moe_capacity(dsk_ctx *ctx, int E, int drop, int64_t cap, int64_t TK, const int32_t *perm_all,
+                                 const int32_t *off_all, const float *gate, int32_t *keys2);
+/* pos (TK) = kept row of each slot or -1; row_tok, row_gate (n_rows) by dsk__moe_plan_row. */
+dsk_status dsk_cuda_moe_plan(dsk_ctx *ctx, int E, int K, int64_t TK, int64_t n_rows, const int32_t *perm,
+                             const int32_t *off, const float *gate, int32_t *pos, int32_t *row_tok, float *row_gate);
+/* cnt (3 + 2E) by dsk__moe_counts (one thread). */
+dsk_status dsk_cuda_moe_counts(dsk_ctx *ctx, int64_t T, int K, int E, const int32_t *off_all, const int32_t *off,
+                               int64_t *cnt);
+/* dsk__moe_accumulate (one thread). */
+dsk_status dsk_cuda_moe_accumulate(dsk_ctx *ctx, int E, int K, const int64_t *cnt, const int64_t *cnt_group,
+                                   const double *loss, int64_t *load, int64_t *acc_i, double *acc_f);
+/* y (T, D) in ydt by dsk__moe_combine_elem; rows (kept order) in rdt, shared (T, D) in sdt or NULL. */
+dsk_status dsk_cuda_moe_combine(dsk_ctx *ctx, int K, int64_t T, int64_t D, void *y, dsk_dtype ydt, const int32_t *pos,
+                                const float *gate, const void *rows, dsk_dtype rdt, const void *shared, dsk_dtype sdt);
+/* dgate (TK) = dy_t . row_pos (0 for dropped slots): a warp per slot, dsk__moe_dot_part per lane, a fixed tree. */
+dsk_status dsk_cuda_moe_dgate(dsk_ctx *ctx, int K, int64_t TK, int64_t D, float *dgate, const void *dy, dsk_dtype dydt,
+                              const int32_t *pos, const void *rows, dsk_dtype rdt);
+/* du (T,E) WRITTEN by dsk_moe_route_token_backward per token; aux (nseq, E) or NULL, token t in sequence
+   (row0 + t) / seq_len. */
+dsk_status dsk_cuda_moe_route_backward(dsk_ctx *ctx, const struct dsk_moe_router *r, int64_t T, const float *u,
+                                       const float *prob, const int32_t *sel, const float *dgate, const float *aux,
+                                       int64_t row0, int64_t seq_len, float aux_mult, float zcoef, float *du);
+/* dxf (T, D) f32 by dsk__moe_uncombine_elem from rows (kept order) in rdt. */
+dsk_status dsk_cuda_moe_uncombine(dsk_ctx *ctx, int K, int64_t T, int64_t D, float *dxf, const int32_t *pos,
+                                  const void *rows, dsk_dtype rdt);
+/* dsk__moe_bias_update (one thread), then load (E) zeroed; nothing when skip (device i32, may be NULL) is set. */
+dsk_status dsk_cuda_moe_bias_update(dsk_ctx *ctx, int E, float rate, int recenter, int64_t *load, float *bias,
+                                    const int32_t *skip);
+#endif
+
 #ifdef __cplusplus
 }
 #endif
@@ -898,9 +956,6 @@ static inline DSK_HD void dsk__moe_route_one(const dsk_moe_router *r, int64_t t,
 
 #include <stdio.h>
 #include <stdlib.h>
-#ifdef DSK_CUDA
-#include "kernels/dsk_kernels.h"
-#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif

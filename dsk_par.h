@@ -95,7 +95,7 @@
    License: MIT, see the end of the file. */
 /* Contents. Each section starts with a rule comment "---- <title>"; search for the title.
    Declarations: the rank grid; tensor-parallel mappings; parallel linears; vocabulary
-   parallelism; pipeline schedules; the pipeline executor.
+   parallelism; pipeline schedules; the pipeline executor; CUDA launchers (kernels/par.cu).
    Implementation (after the "implementation" rule): checks and helpers; the rank grid;
    mappings; parallel linears; vocabulary-parallel embedding; vocabulary-parallel
    cross-entropy; schedules: compute orders; schedules: placing the transfers; the executor. */
@@ -276,6 +276,23 @@ typedef struct dsk_par_stage_fns {
 DSK_API dsk_status dsk_par_pipeline_run(const dsk_par_schedule *s, dsk_comm *pp, dsk_ctx *ctx,
                                         const dsk_par_stage_fns *fns);
 
+/* ---------------------------------------------------------------- CUDA launchers
+   The C entry points of kernels/par.cu, with the contracts of dsk_tensor.h's CUDA launchers. */
+#if defined(DSK_CUDA) || defined(__CUDACC__) /* a CUDA build, or nvcc compiling the kernels */
+/* ---- par (kernels/par.cu): dsk_par_cross_entropy's passes on logits (R, Vl), columns
+   [lo, lo + Vl) of the full vocabulary, around its two all-reduces. */
+/* mx (R) f32 = row max over this rank's columns; *count (device i64) = targets != ignore_index. */
+dsk_status dsk_cuda_par_ce_max(dsk_ctx *ctx, float *mx, int64_t *count, const dsk_tensor *logits,
+                               const dsk_tensor *targets, int32_t ignore_index);
+/* acc (2R) f64: per row the sum of exp(x - mx) and the target's logit if this rank holds it (0 if not, or ignored). */
+dsk_status dsk_cuda_par_ce_sums(dsk_ctx *ctx, double *acc, const float *mx, const dsk_tensor *logits,
+                                const dsk_tensor *targets, int64_t lo, int32_t ignore_index);
+/* From the all-reduced mx and acc: loss (device scalar f32) and dlogits (or NULL) as dsk_par_cross_entropy. */
+dsk_status dsk_cuda_par_ce_finish(dsk_ctx *ctx, dsk_tensor *loss, dsk_tensor *dlogits, const float *mx,
+                                  const double *acc, const int64_t *count, const dsk_tensor *logits,
+                                  const dsk_tensor *targets, int64_t lo, int32_t ignore_index, float grad_scale);
+#endif
+
 #ifdef __cplusplus
 }
 #endif
@@ -289,9 +306,6 @@ DSK_API dsk_status dsk_par_pipeline_run(const dsk_par_schedule *s, dsk_comm *pp,
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef DSK_CUDA
-#include "kernels/dsk_kernels.h"
-#endif
 
 /* ---------------------------------------------------------------- checks and helpers */
 

@@ -7,7 +7,7 @@
                          CUDA kernel library links against the extern symbols)
      DSK_MALLOC/DSK_FREE host allocator override; define both or neither
      DSK_CUDA            enable the CUDA paths; the implementation then calls the launchers
-                         of kernels/dsk_kernels.h, built by nvcc (see the Makefile)
+                         of the CUDA launchers section, built by nvcc (see the Makefile)
      DSK_NO_CUDA         force the CPU-only build even where DSK_CUDA is set
    Threading: CPU ops use OpenMP when compiled with -fopenmp and run serially without it.
    Errors: every function that can fail returns a dsk_status; dsk_last_error() then holds a
@@ -71,6 +71,8 @@
      fused attention       dsk_attention_fused, dsk_attention_fused_backward
      FP8 GEMM              dsk_fp8_scaling (1x128 tiles, 128x128 blocks), the chunk math,
                            dsk_matmul_fp8, dsk_matmul_fp8_grouped
+     CUDA launchers        (DSK_CUDA) dsk_cuda_*: the runtime and the ops of kernels/tensor.cu,
+                           attention.cu, grouped.cu, fp8.cu
    Implementation only: the CPU GEMM (packed and direct nests, run-time micro-kernels), the CPU
    row primitives. */
 /* The comm, safetensors and ckpt implementations need POSIX 2008 (sockets, pread, O_CLOEXEC).
@@ -157,6 +159,18 @@ DSK_API void dsk_clear_error(void);
         dsk_status dsk__try_s_ = (call);                    \
         if (dsk__try_s_ != DSK_OK) return dsk__try_s_;      \
     } while (0)
+
+/* Device dispatch, the one spelling of it in an op's body: when `cuda` (the op's tensors are on a
+   CUDA device) the op returns the status of `launch`, its launcher's call; without DSK_CUDA the
+   call is compiled out. */
+#ifdef DSK_CUDA
+#define DSK__CUDA_PATH(cuda, launch) \
+    do { \
+        if (cuda) return (launch); \
+    } while (0)
+#else
+#define DSK__CUDA_PATH(cuda, launch) ((void)(cuda))
+#endif
 
 /* ------------------------------------------------------------------ dtypes */
 
@@ -578,14 +592,18 @@ static inline DSK_HD void dsk_rope_rotate(float x0, float x1, float c, float s, 
     *y1 = x0 * s + x1 * c;
 }
 
-/* The elementwise ops (value, public function), out = dsk_ew_f(op, x, y, alpha), one rounding per
-   f32 operation (no contraction into an FMA on either device). A new elementwise op is an entry
-   here, its case in dsk_ew_f and its public function: the CPU loop (dsk__ew) and the CUDA kernel
-   (dsk_cuda_elementwise) take every entry of the list as it is. */
-#define DSK_EW_OPS(X)                                                                                                  \
-    X(DSK_EW_ADD, "dsk_add") X(DSK_EW_MUL, "dsk_mul") X(DSK_EW_AXPY, "dsk_axpy") X(DSK_EW_SCALE, "dsk_scale")
-#define DSK__EW_ENUM(op, name) op,
-#define DSK__EW_NAME(op, name) name,
+/* The elementwise ops, out = dsk_ew_f(op, x, y, alpha), one rounding per f32 operation (no
+   contraction into an FMA on either device): each entry is the op's value, its public function and
+   that function's form. A BINARY op (out = f(a, b)) gets its body from this list; an OWN one (the
+   forms of dsk_scale and dsk_axpy) writes its argument checks and calls dsk__ew_run. The CPU loop
+   (dsk__ew), the one device dispatch (dsk__ew_run) and the CUDA kernel (dsk_cuda_elementwise) take
+   every entry as it is; dsk_ew_f's switch has no default, so an entry without its math does not
+   compile (-Wswitch, as ggml's static assertion on GGML_OP_COUNT). */
+#define DSK_EW_OPS(X) \
+    X(DSK_EW_ADD, dsk_add, BINARY) \
+    X(DSK_EW_MUL, dsk_mul, BINARY) X(DSK_EW_AXPY, dsk_axpy, OWN) X(DSK_EW_SCALE, dsk_scale, OWN)
+#define DSK__EW_ENUM(op, name, form) op,
+#define DSK__EW_NAME(op, name, form) #name,
 typedef enum dsk_ew_op { DSK_EW_OPS(DSK__EW_ENUM) DSK_EW_COUNT } dsk_ew_op;
 #if defined(__CUDA_ARCH__)
 #define DSK__FADD_RN(a, b) __fadd_rn(a, b)
@@ -599,8 +617,10 @@ static inline DSK_HD float dsk_ew_f(dsk_ew_op op, float x, float y, float alpha)
     case DSK_EW_ADD: return DSK__FADD_RN(x, y);                        /* x + y */
     case DSK_EW_MUL: return DSK__FMUL_RN(x, y);                        /* x * y */
     case DSK_EW_AXPY: return DSK__FADD_RN(x, DSK__FMUL_RN(alpha, y));  /* x + alpha y */
-    default: return DSK__FMUL_RN(alpha, x);                            /* DSK_EW_SCALE: alpha x */
+    case DSK_EW_SCALE: return DSK__FMUL_RN(alpha, x);                  /* alpha x */
+    case DSK_EW_COUNT: break;                                          /* not an op */
     }
+    return x;
 }
 
 /* ------------------------------------------------------------------ ops
@@ -938,6 +958,124 @@ DSK_API dsk_status dsk_matmul_fp8_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk
                                           const dsk_tensor *B, const dsk_tensor *b_scales, dsk_fp8_scaling b_scaling,
                                           const dsk_tensor *offsets, float alpha, float beta);
 
+/* ---------------------------------------------------------------- CUDA launchers
+   The C entry points of the kernels behind this header: kernels/tensor.cu (the runtime and the
+   ops), attention.cu, grouped.cu and fp8.cu, built by nvcc into libdsk_kernels.a (and, for the
+   tests, as host C++ against the CUDA emulation in tests/cuda_emu).
+   Declared in CUDA builds (DSK_CUDA) and to nvcc; the implementation calls them after validating its arguments (shapes,
+   dtypes, devices), so a launcher may assume valid input. Every launcher makes ctx's device current
+   on the calling thread and enqueues on ctx->stream; launchers do not synchronise unless their
+   comment says so. Each returns DSK_OK or, with dsk_last_error() set: DSK_ERR_ARG (ctx is not an
+   initialised CUDA ctx, or a launcher's own argument check), DSK_ERR_OOM (device scratch memory),
+   DSK_ERR_UNSUPPORTED (sizes beyond a grid or cuBLAS limit), DSK_ERR_CUDA (a failed CUDA or cuBLAS
+   call; every call is checked, and cudaGetLastError() follows every launch, through
+   kernels/dsk_cuda.cuh). The headers above this one declare the launchers of
+   their own kernels (dsk_amp.h: kernels/amp.cu, dsk_moe.h: moe.cu, dsk_par.h: par.cu). */
+#if defined(DSK_CUDA) || defined(__CUDACC__) /* a CUDA build, or nvcc compiling the kernels */
+/* ---- runtime (kernels/tensor.cu) */
+dsk_status dsk_cuda_device_count(int *n);              /* 0 devices (no driver) is DSK_OK with *n = 0 */
+dsk_status dsk_cuda_ctx_init(dsk_ctx *ctx, int index); /* sets device, stream, cuBLAS handle, workspace */
+void dsk_cuda_ctx_free(dsk_ctx *ctx);                  /* releases what ctx_init made; safe on partial init */
+dsk_status dsk_cuda_sync(dsk_ctx *ctx);                /* cudaStreamSynchronize(ctx->stream) */
+dsk_status dsk_cuda_malloc(dsk_ctx *ctx, size_t bytes, void **p); /* cudaMallocAsync on ctx->stream */
+void dsk_cuda_free(dsk_ctx *ctx, void *p); /* cudaFreeAsync on ctx->stream (sync free if ctx NULL) */
+/* to_device = 1: host -> device, 0: device -> host; asynchronous on ctx->stream. A device-to-host
+   copy counts in ctx->counters (d2h_copies, d2h_bytes), as dsk_cuda_sync counts in syncs. */
+dsk_status dsk_cuda_memcpy(dsk_ctx *ctx, void *dst, const void *src, size_t bytes, int to_device);
+/* Pinned host memory (cudaHostAlloc; NULL on failure) and its release. */
+void *dsk_cuda_host_alloc(size_t bytes);
+void dsk_cuda_host_free(void *p);
+/* Events on ctx->stream (timing disabled): record one; wait on the host for one (counted as a
+   sync unless it had completed already). */
+dsk_status dsk_cuda_event_create(void **ev);
+dsk_status dsk_cuda_event_record(dsk_ctx *ctx, void *ev);
+dsk_status dsk_cuda_event_wait(dsk_ctx *ctx, void *ev);
+void dsk_cuda_event_destroy(void *ev);
+/* Capture of ctx->stream into a graph (global mode), instantiation, launch, release. */
+dsk_status dsk_cuda_graph_begin(dsk_ctx *ctx);
+dsk_status dsk_cuda_graph_end(dsk_ctx *ctx, void **graph, void **exec);
+dsk_status dsk_cuda_graph_launch(dsk_ctx *ctx, void *exec);
+void dsk_cuda_graph_free(void *graph, void *exec);
+
+/* Streams and memory without a dsk_ctx (a communicator's setup, a module's own stream): `stream` is a
+   cudaStream_t, NULL the legacy default stream; `ev` an event of dsk_cuda_event_create. */
+dsk_status dsk_cuda_set_device(int index);                 /* makes device `index` current on this thread */
+dsk_status dsk_cuda_device_malloc(size_t bytes, void **p); /* cudaMalloc (synchronous); dsk_cuda_free(NULL, p) */
+dsk_status dsk_cuda_memcpy_sync(void *dst, const void *src, size_t bytes, int to_device); /* cudaMemcpy */
+dsk_status dsk_cuda_stream_create(void **stream); /* a non-blocking stream on the current device */
+dsk_status dsk_cuda_stream_sync(void *stream);
+void dsk_cuda_stream_destroy(void *stream);
+dsk_status dsk_cuda_stream_done(void *stream, int *done);      /* *done: 1 when all its work is done, else 0 */
+dsk_status dsk_cuda_stream_record(void *stream, void *ev);     /* records ev on stream */
+dsk_status dsk_cuda_stream_wait_event(void *stream, void *ev); /* stream waits for ev (the host does not) */
+
+/* ---- tensor ops (kernels/tensor.cu): same contracts as the dsk_tensor.h function of the same name */
+dsk_status dsk_cuda_tensor_copy(dsk_ctx *ctx, dsk_tensor *dst,
+                                const dsk_tensor *src); /* same device, any dtypes/strides */
+dsk_status dsk_cuda_tensor_fill(dsk_ctx *ctx, dsk_tensor *t, double value);
+dsk_status dsk_cuda_tensor_uniform(dsk_ctx *ctx, dsk_tensor *t, uint64_t seed, uint64_t offset, float lo, float hi);
+dsk_status dsk_cuda_tensor_normal(dsk_ctx *ctx, dsk_tensor *t, uint64_t seed, uint64_t offset, float mean, float std);
+dsk_status dsk_cuda_matmul(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, int trans_a, const dsk_tensor *B,
+                           int trans_b, float alpha, float beta);
+/* out = dsk_ew_f(op, x, y, alpha) per element (y NULL for DSK_EW_SCALE): every elementwise op */
+dsk_status dsk_cuda_elementwise(dsk_ctx *ctx, dsk_ew_op op, dsk_tensor *out, const dsk_tensor *x, const dsk_tensor *y,
+                                float alpha);
+dsk_status dsk_cuda_reduce(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *in, int axis, dsk_reduce_op op);
+dsk_status dsk_cuda_sum_squares(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *in);
+dsk_status dsk_cuda_softmax(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x);
+dsk_status dsk_cuda_softmax_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *y, const dsk_tensor *dy);
+dsk_status dsk_cuda_rmsnorm(dsk_ctx *ctx, dsk_tensor *y, dsk_tensor *rstd, const dsk_tensor *x, const dsk_tensor *w,
+                            float eps);
+dsk_status dsk_cuda_rmsnorm_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk_tensor *dw, const dsk_tensor *dy,
+                                     const dsk_tensor *x, const dsk_tensor *w, const dsk_tensor *rstd);
+dsk_status dsk_cuda_silu(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x);
+dsk_status dsk_cuda_silu_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, const dsk_tensor *x);
+dsk_status dsk_cuda_swiglu(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *gate, const dsk_tensor *up);
+dsk_status dsk_cuda_swiglu_backward(dsk_ctx *ctx, dsk_tensor *dgate, dsk_tensor *dup, const dsk_tensor *dout,
+                                    const dsk_tensor *gate, const dsk_tensor *up);
+dsk_status dsk_cuda_embedding(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *table, const dsk_tensor *ids);
+dsk_status dsk_cuda_embedding_backward(dsk_ctx *ctx, dsk_tensor *dtable, const dsk_tensor *dout, const dsk_tensor *ids);
+dsk_status dsk_cuda_cross_entropy(dsk_ctx *ctx, dsk_tensor *loss, dsk_tensor *dlogits, const dsk_tensor *logits,
+                                  const dsk_tensor *targets, int32_t ignore_index, float grad_scale);
+dsk_status dsk_cuda_gather_rows(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *src, const dsk_tensor *idx);
+dsk_status dsk_cuda_scatter_add_rows(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor *src, const dsk_tensor *idx);
+dsk_status dsk_cuda_topk(dsk_ctx *ctx, dsk_tensor *values, dsk_tensor *indices, const dsk_tensor *x, int k);
+dsk_status dsk_cuda_rope(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, int64_t pos0, float theta);
+dsk_status dsk_cuda_rope_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, int64_t pos0, float theta);
+dsk_status dsk_cuda_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *probs, const dsk_tensor *q,
+                              const dsk_tensor *k, const dsk_tensor *v, float scale);
+dsk_status dsk_cuda_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tensor *dk, dsk_tensor *dv,
+                                       const dsk_tensor *dout, const dsk_tensor *q, const dsk_tensor *k,
+                                       const dsk_tensor *v, const dsk_tensor *probs, float scale);
+dsk_status dsk_cuda_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_tensor *grad, dsk_tensor *m, dsk_tensor *v,
+                               const dsk_adamw_opts *opts, int64_t step, float grad_mult, dsk_tensor *param_copy);
+
+/* ---- fused attention (kernels/attention.cu): the contracts of dsk_attention_fused and
+   dsk_attention_fused_backward (lse may be NULL in forward). bf16/f16 run on tensor cores (WMMA),
+   f32 on CUDA cores; head dims up to 256 (DSK_ERR_UNSUPPORTED beyond); backward takes device
+   scratch of B*H*T floats (D = rowsum(dout * out)); every sum in a fixed order, no atomics. */
+dsk_status dsk_cuda_attention_fused(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *lse, const dsk_tensor *q,
+                                    const dsk_tensor *k, const dsk_tensor *v, float scale);
+dsk_status dsk_cuda_attention_fused_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tensor *dk, dsk_tensor *dv,
+                                             const dsk_tensor *dout, const dsk_tensor *q, const dsk_tensor *k,
+                                             const dsk_tensor *v, const dsk_tensor *out, const dsk_tensor *lse,
+                                             float scale);
+
+/* ---- grouped rows (kernels/grouped.cu): same contracts as the dsk_tensor.h function of the same name;
+   the offsets are read on the device, the grids sized by bounds from the shapes */
+dsk_status dsk_cuda_group_by_key(dsk_ctx *ctx, dsk_tensor *perm, dsk_tensor *offsets, const dsk_tensor *keys);
+dsk_status dsk_cuda_matmul_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, int trans_a, const dsk_tensor *B,
+                                   int trans_b, const dsk_tensor *offsets, float alpha, float beta);
+dsk_status dsk_cuda_gather_rows_scaled(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *src, const dsk_tensor *idx,
+                                       const dsk_tensor *scale);
+
+/* ---- FP8 GEMM (kernels/fp8.cu): dsk_matmul_fp8 (offsets NULL: one segment of all of A's rows, B 2-D) and
+   dsk_matmul_fp8_grouped (offsets (G + 1) on the device, B (G, N, K)); a_rows, b_rows: rows per scale (1 or 128) */
+dsk_status dsk_cuda_matmul_fp8(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, const dsk_tensor *a_scales, int a_rows,
+                               const dsk_tensor *B, const dsk_tensor *b_scales, int b_rows, const dsk_tensor *offsets,
+                               float alpha, float beta);
+#endif
+
 #ifdef __cplusplus
 }
 #endif
@@ -954,9 +1092,6 @@ DSK_API dsk_status dsk_matmul_fp8_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk
 #include <float.h>
 #ifdef _OPENMP
 #include <omp.h>
-#endif
-#ifdef DSK_CUDA
-#include "kernels/dsk_kernels.h"
 #endif
 
 #ifdef __cplusplus
@@ -2677,9 +2812,7 @@ DSK_API dsk_status dsk_matmul(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, 
     const char *names[3] = {"C", "A", "B"};
     DSK__TRY(dsk__matmul_check(C, A, trans_a, B, trans_b, &mc, &ma, &mb));
     DSK__TRY(dsk__need_devices("dsk_matmul", ctx, 3, ts, names, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_matmul(ctx, C, A, trans_a, B, trans_b, alpha, beta);
-#endif
+    DSK__CUDA_PATH(cuda, dsk_cuda_matmul(ctx, C, A, trans_a, B, trans_b, alpha, beta));
     (void)cuda;
     if (C->dtype != DSK_F32 && mc.rows * mc.cols > 0) {
         tmp = (float *)DSK_MALLOC((size_t)(mc.rows * mc.cols) * sizeof(float));
@@ -2769,7 +2902,7 @@ static float *dsk__scratch(const char *fn, dsk_ctx *ctx, int64_t per, dsk_status
 static void dsk__ew_f32(dsk_ew_op op, float *o, const float *x, const float *y, float alpha, int64_t n) {
     const float *yy = y ? y : x;
     switch (op) {
-#define DSK__EW_LOOP(OP, name)                                                                                         \
+#define DSK__EW_LOOP(OP, name, form) \
     case OP: DSK__OMP(simd) for (int64_t i = 0; i < n; i++) o[i] = dsk_ew_f(OP, x[i], yy[i], alpha); break;
         DSK_EW_OPS(DSK__EW_LOOP)
 #undef DSK__EW_LOOP
@@ -2792,6 +2925,14 @@ static void dsk__ew(dsk_ctx *ctx, dsk_ew_op op, dsk_tensor *out, const dsk_tenso
     }
 }
 
+/* The one device dispatch of the elementwise ops: CUDA tensors to the launcher, the others to dsk__ew. */
+static dsk_status dsk__ew_run(dsk_ctx *ctx, int cuda, dsk_ew_op op, dsk_tensor *out, const dsk_tensor *x,
+                              const dsk_tensor *y, float alpha) {
+    DSK__CUDA_PATH(cuda, dsk_cuda_elementwise(ctx, op, out, x, y, alpha));
+    dsk__ew(ctx, op, out, x, y, alpha);
+    return DSK_OK;
+}
+
 /* ---------------------------------------------------------------- elementwise */
 
 static dsk_status dsk__binary(const char *fn, dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *a, const dsk_tensor *b, int *cuda) {
@@ -2805,25 +2946,19 @@ static dsk_status dsk__binary(const char *fn, dsk_ctx *ctx, dsk_tensor *out, con
     return dsk__need_devices(fn, ctx, 3, ts, names, cuda);
 }
 
-DSK_API dsk_status dsk_add(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *a, const dsk_tensor *b) {
-    int cuda = 0;
-    DSK__TRY(dsk__binary("dsk_add", ctx, out, a, b, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_elementwise(ctx, DSK_EW_ADD, out, a, b, 0.0f);
-#endif
-    dsk__ew(ctx, DSK_EW_ADD, out, a, b, 0.0f);
-    return DSK_OK;
-}
-
-DSK_API dsk_status dsk_mul(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *a, const dsk_tensor *b) {
-    int cuda = 0;
-    DSK__TRY(dsk__binary("dsk_mul", ctx, out, a, b, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_elementwise(ctx, DSK_EW_MUL, out, a, b, 0.0f);
-#endif
-    dsk__ew(ctx, DSK_EW_MUL, out, a, b, 0.0f);
-    return DSK_OK;
-}
+/* The public function of each BINARY entry of DSK_EW_OPS (dsk_add, dsk_mul): checks, dispatch. */
+#define DSK__EW_DEFINE_BINARY(OP, name) \
+    DSK_API dsk_status name(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *a, const dsk_tensor *b) { \
+        int cuda = 0; \
+        DSK__TRY(dsk__binary(#name, ctx, out, a, b, &cuda)); \
+        return dsk__ew_run(ctx, cuda, OP, out, a, b, 0.0f); \
+    }
+#define DSK__EW_DEFINE_OWN(OP, name)
+#define DSK__EW_DEFINE(OP, name, form) DSK__EW_DEFINE_##form(OP, name)
+DSK_EW_OPS(DSK__EW_DEFINE)
+#undef DSK__EW_DEFINE
+#undef DSK__EW_DEFINE_OWN
+#undef DSK__EW_DEFINE_BINARY
 
 DSK_API dsk_status dsk_scale(dsk_ctx *ctx, dsk_tensor *t, float alpha) {
     int cuda = 0;
@@ -2831,11 +2966,7 @@ DSK_API dsk_status dsk_scale(dsk_ctx *ctx, dsk_tensor *t, float alpha) {
     const char *names[1] = {"t"};
     DSK__TRY(dsk__need_float("dsk_scale", "t", t));
     DSK__TRY(dsk__need_devices("dsk_scale", ctx, 1, ts, names, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_elementwise(ctx, DSK_EW_SCALE, t, t, NULL, alpha);
-#endif
-    dsk__ew(ctx, DSK_EW_SCALE, t, t, NULL, alpha);
-    return DSK_OK;
+    return dsk__ew_run(ctx, cuda, DSK_EW_SCALE, t, t, NULL, alpha);
 }
 
 DSK_API dsk_status dsk_axpy(dsk_ctx *ctx, dsk_tensor *y, float alpha, const dsk_tensor *x) {
@@ -2847,11 +2978,7 @@ DSK_API dsk_status dsk_axpy(dsk_ctx *ctx, dsk_tensor *y, float alpha, const dsk_
     DSK__TRY(dsk__need_same_shape("dsk_axpy", "x", x, "y", y));
     if (x->dtype != DSK_F32) DSK__TRY(dsk__need_same_dtype("dsk_axpy", "x", x, "y", y));
     DSK__TRY(dsk__need_devices("dsk_axpy", ctx, 2, ts, names, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_elementwise(ctx, DSK_EW_AXPY, y, y, x, alpha);
-#endif
-    dsk__ew(ctx, DSK_EW_AXPY, y, y, x, alpha);
-    return DSK_OK;
+    return dsk__ew_run(ctx, cuda, DSK_EW_AXPY, y, y, x, alpha);
 }
 
 /* ---------------------------------------------------------------- reductions */
@@ -2894,9 +3021,7 @@ DSK_API dsk_status dsk_reduce(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *i
         return dsk_set_error(DSK_ERR_ARG, "dsk_reduce: unknown op %d", (int)op);
     DSK__TRY(dsk__need_reduced_shape(out, in, axis));
     DSK__TRY(dsk__need_devices(fn, ctx, 2, ts, names, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_reduce(ctx, out, in, axis, op);
-#endif
+    DSK__CUDA_PATH(cuda, dsk_cuda_reduce(ctx, out, in, axis, op));
     for (int i = 0; i < axis; i++) outer *= in->shape[i];
     for (int i = axis + 1; i < in->ndim; i++) inner *= in->shape[i];
     len = in->shape[axis];
@@ -2934,9 +3059,7 @@ DSK_API dsk_status dsk_sum_squares(dsk_ctx *ctx, dsk_tensor *out, const dsk_tens
     DSK__TRY(dsk__need_scalar("dsk_sum_squares", "out", out));
     DSK__TRY(dsk__need_float("dsk_sum_squares", "in", in));
     DSK__TRY(dsk__need_devices("dsk_sum_squares", ctx, 2, ts, names, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_sum_squares(ctx, out, in);
-#endif
+    DSK__CUDA_PATH(cuda, dsk_cuda_sum_squares(ctx, out, in));
     n = dsk_tensor_numel(in);
     /* Fixed chunks with f64 partials, combined in chunk order: thread-count independent. */
     for (int64_t g0 = 0; g0 < n; g0 += (int64_t)DSK__SSQ_CHUNK * DSK__SSQ_GROUP) {
@@ -2973,9 +3096,7 @@ DSK_API dsk_status dsk_softmax(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x)
     DSK__TRY(dsk__need_rows(fn, "x", x));
     DSK__TRY(dsk__need_like(fn, "y", y, "x", x));
     DSK__TRY(dsk__need_devices(fn, ctx, 2, ts, names, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_softmax(ctx, y, x);
-#endif
+    DSK__CUDA_PATH(cuda, dsk_cuda_softmax(ctx, y, x));
     dsk__rows_cols(x, &R, &C);
     half = x->dtype != DSK_F32;
     if (!(scratch = dsk__scratch(fn, ctx, half ? 2 * C : 0, &s))) return s;
@@ -3008,9 +3129,7 @@ DSK_API dsk_status dsk_softmax_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_
     DSK__TRY(dsk__need_like(fn, "dy", dy, "y", y));
     DSK__TRY(dsk__need_like(fn, "dx", dx, "y", y));
     DSK__TRY(dsk__need_devices(fn, ctx, 3, ts, names, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_softmax_backward(ctx, dx, y, dy);
-#endif
+    DSK__CUDA_PATH(cuda, dsk_cuda_softmax_backward(ctx, dx, y, dy));
     dsk__rows_cols(y, &R, &C);
     half = y->dtype != DSK_F32;
     if (!(scratch = dsk__scratch(fn, ctx, half ? 3 * C : 0, &s))) return s;
@@ -3058,9 +3177,7 @@ DSK_API dsk_status dsk_rmsnorm(dsk_ctx *ctx, dsk_tensor *y, dsk_tensor *rstd, co
     }
     if (!(eps >= 0.0f) || isinf(eps)) return dsk_set_error(DSK_ERR_ARG, "dsk_rmsnorm: eps %g must be finite and >= 0", (double)eps);
     DSK__TRY(dsk__need_devices(fn, ctx, 4, ts, names, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_rmsnorm(ctx, y, rstd, x, w, eps);
-#endif
+    DSK__CUDA_PATH(cuda, dsk_cuda_rmsnorm(ctx, y, rstd, x, w, eps));
     half = x->dtype != DSK_F32;
     if (!(scratch = dsk__scratch(fn, ctx, half ? 3 * D : 0, &s))) return s;
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (R * D > DSK__PAR_MIN))
@@ -3109,9 +3226,7 @@ DSK_API dsk_status dsk_rmsnorm_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk_tensor
         DSK__TRY(dsk__need_like(fn, "dw", dw, "w", w));
     }
     DSK__TRY(dsk__need_devices(fn, ctx, 6, ts, names, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_rmsnorm_backward(ctx, dx, dw, dy, x, w, rstd);
-#endif
+    DSK__CUDA_PATH(cuda, dsk_cuda_rmsnorm_backward(ctx, dx, dw, dy, x, w, rstd));
     rs = (const float *)rstd->data;
     half = x->dtype != DSK_F32;
     if (!(scratch = dsk__scratch(fn, ctx, half ? 4 * D : D, &s))) return s;
@@ -3199,9 +3314,7 @@ DSK_API dsk_status dsk_silu(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x) {
     const dsk_tensor *ts[2] = {y, x};
     const char *names[2] = {"y", "x"};
     DSK__TRY(dsk__need_all_like("dsk_silu", ctx, 2, ts, names, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_silu(ctx, y, x);
-#endif
+    DSK__CUDA_PATH(cuda, dsk_cuda_silu(ctx, y, x));
     dsk__act(ctx, DSK__ACT_SILU, y, NULL, x, NULL, NULL);
     return DSK_OK;
 }
@@ -3211,9 +3324,7 @@ DSK_API dsk_status dsk_silu_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_ten
     const dsk_tensor *ts[3] = {dx, dy, x};
     const char *names[3] = {"dx", "dy", "x"};
     DSK__TRY(dsk__need_all_like("dsk_silu_backward", ctx, 3, ts, names, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_silu_backward(ctx, dx, dy, x);
-#endif
+    DSK__CUDA_PATH(cuda, dsk_cuda_silu_backward(ctx, dx, dy, x));
     dsk__act(ctx, DSK__ACT_SILU_BWD, dx, NULL, dy, x, NULL);
     return DSK_OK;
 }
@@ -3223,9 +3334,7 @@ DSK_API dsk_status dsk_swiglu(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *g
     const dsk_tensor *ts[3] = {out, gate, up};
     const char *names[3] = {"out", "gate", "up"};
     DSK__TRY(dsk__need_all_like("dsk_swiglu", ctx, 3, ts, names, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_swiglu(ctx, out, gate, up);
-#endif
+    DSK__CUDA_PATH(cuda, dsk_cuda_swiglu(ctx, out, gate, up));
     dsk__act(ctx, DSK__ACT_SWIGLU, out, NULL, gate, up, NULL);
     return DSK_OK;
 }
@@ -3236,9 +3345,7 @@ DSK_API dsk_status dsk_swiglu_backward(dsk_ctx *ctx, dsk_tensor *dgate, dsk_tens
     const dsk_tensor *ts[5] = {dgate, dup, dout, gate, up};
     const char *names[5] = {"dgate", "dup", "dout", "gate", "up"};
     DSK__TRY(dsk__need_all_like("dsk_swiglu_backward", ctx, 5, ts, names, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_swiglu_backward(ctx, dgate, dup, dout, gate, up);
-#endif
+    DSK__CUDA_PATH(cuda, dsk_cuda_swiglu_backward(ctx, dgate, dup, dout, gate, up));
     dsk__act(ctx, DSK__ACT_SWIGLU_BWD, dgate, dup, gate, up, dout);
     return DSK_OK;
 }
@@ -3300,9 +3407,7 @@ static dsk_status dsk__embedding_check(const char *fn, dsk_ctx *ctx, const char 
 DSK_API dsk_status dsk_embedding(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *table, const dsk_tensor *ids) {
     int cuda = 0;
     DSK__TRY(dsk__embedding_check("dsk_embedding", ctx, "out", out, "table", table, ids, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_embedding(ctx, out, table, ids);
-#endif
+    DSK__CUDA_PATH(cuda, dsk_cuda_embedding(ctx, out, table, ids));
     DSK__TRY(dsk__need_indices("dsk_embedding", "ids", ids, table->shape[0], 0, 0));
     dsk__gather_cpu(ctx, out, table, (const int32_t *)ids->data, dsk_tensor_numel(ids), table->shape[1]);
     return DSK_OK;
@@ -3311,9 +3416,7 @@ DSK_API dsk_status dsk_embedding(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor
 DSK_API dsk_status dsk_embedding_backward(dsk_ctx *ctx, dsk_tensor *dtable, const dsk_tensor *dout, const dsk_tensor *ids) {
     int cuda = 0;
     DSK__TRY(dsk__embedding_check("dsk_embedding_backward", ctx, "dout", dout, "dtable", dtable, ids, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_embedding_backward(ctx, dtable, dout, ids);
-#endif
+    DSK__CUDA_PATH(cuda, dsk_cuda_embedding_backward(ctx, dtable, dout, ids));
     DSK__TRY(dsk__need_indices("dsk_embedding_backward", "ids", ids, dtable->shape[0], 0, 0));
     dsk__scatter_add_cpu(ctx, dtable, dout, (const int32_t *)ids->data, dsk_tensor_numel(ids), dtable->shape[1]);
     return DSK_OK;
@@ -3342,9 +3445,7 @@ static dsk_status dsk__rows_check(const char *fn, dsk_ctx *ctx, const char *big_
 DSK_API dsk_status dsk_gather_rows(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *src, const dsk_tensor *idx) {
     int cuda = 0;
     DSK__TRY(dsk__rows_check("dsk_gather_rows", ctx, "src", src, "out", out, idx, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_gather_rows(ctx, out, src, idx);
-#endif
+    DSK__CUDA_PATH(cuda, dsk_cuda_gather_rows(ctx, out, src, idx));
     DSK__TRY(dsk__need_indices("dsk_gather_rows", "idx", idx, src->shape[0], 0, 0));
     dsk__gather_cpu(ctx, out, src, (const int32_t *)idx->data, idx->shape[0], src->shape[1]);
     return DSK_OK;
@@ -3353,9 +3454,7 @@ DSK_API dsk_status dsk_gather_rows(dsk_ctx *ctx, dsk_tensor *out, const dsk_tens
 DSK_API dsk_status dsk_scatter_add_rows(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor *src, const dsk_tensor *idx) {
     int cuda = 0;
     DSK__TRY(dsk__rows_check("dsk_scatter_add_rows", ctx, "dst", dst, "src", src, idx, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_scatter_add_rows(ctx, dst, src, idx);
-#endif
+    DSK__CUDA_PATH(cuda, dsk_cuda_scatter_add_rows(ctx, dst, src, idx));
     DSK__TRY(dsk__need_indices("dsk_scatter_add_rows", "idx", idx, dst->shape[0], 0, 0));
     dsk__scatter_add_cpu(ctx, dst, src, (const int32_t *)idx->data, idx->shape[0], dst->shape[1]);
     return DSK_OK;
@@ -3385,9 +3484,7 @@ DSK_API dsk_status dsk_cross_entropy(dsk_ctx *ctx, dsk_tensor *loss, dsk_tensor 
         DSK__TRY(dsk__need_like(fn, "dlogits", dlogits, "logits", logits));
     }
     DSK__TRY(dsk__need_devices(fn, ctx, 4, ts, names, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_cross_entropy(ctx, loss, dlogits, logits, targets, ignore_index, grad_scale);
-#endif
+    DSK__CUDA_PATH(cuda, dsk_cuda_cross_entropy(ctx, loss, dlogits, logits, targets, ignore_index, grad_scale));
     dsk__rows_cols(logits, &R, &V);
     DSK__TRY(dsk__need_indices(fn, "targets", targets, V, 1, ignore_index));
     tg = (const int32_t *)targets->data;
@@ -3459,9 +3556,7 @@ DSK_API dsk_status dsk_topk(dsk_ctx *ctx, dsk_tensor *values, dsk_tensor *indice
     if (!dsk_tensor_same_shape(indices, values))
         return dsk_set_error(DSK_ERR_ARG, "dsk_topk: indices %s must be (%lld, %d)", dsk_tensor_describe(indices, b, sizeof b), (long long)R, k);
     DSK__TRY(dsk__need_devices(fn, ctx, 3, ts, names, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_topk(ctx, values, indices, x, k);
-#endif
+    DSK__CUDA_PATH(cuda, dsk_cuda_topk(ctx, values, indices, x, k));
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (R * C * k > DSK__PAR_MIN))
     for (int64_t r = 0; r < R; r++) {
         const float *xr = (const float *)x->data + r * C;
@@ -3541,18 +3636,14 @@ static dsk_status dsk__rope_cpu(const char *fn, dsk_ctx *ctx, dsk_tensor *y, con
 DSK_API dsk_status dsk_rope(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, int64_t pos0, float theta) {
     int cuda = 0;
     DSK__TRY(dsk__rope_check("dsk_rope", ctx, "y", y, "x", x, theta, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_rope(ctx, y, x, pos0, theta);
-#endif
+    DSK__CUDA_PATH(cuda, dsk_cuda_rope(ctx, y, x, pos0, theta));
     return dsk__rope_cpu("dsk_rope", ctx, y, x, pos0, theta, 1.0f, 0);
 }
 
 DSK_API dsk_status dsk_rope_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, int64_t pos0, float theta) {
     int cuda = 0;
     DSK__TRY(dsk__rope_check("dsk_rope_backward", ctx, "dx", dx, "dy", dy, theta, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_rope_backward(ctx, dx, dy, pos0, theta);
-#endif
+    DSK__CUDA_PATH(cuda, dsk_cuda_rope_backward(ctx, dx, dy, pos0, theta));
     return dsk__rope_cpu("dsk_rope_backward", ctx, dx, dy, pos0, theta, -1.0f, 1);
 }
 
@@ -3630,9 +3721,7 @@ DSK_API dsk_status dsk_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *prob
     const char *names[5] = {"q", "k", "v", "out", "probs"};
     DSK__TRY(dsk__attention_check(fn, out, "out", probs, q, k, v, scale));
     DSK__TRY(dsk__need_devices(fn, ctx, 5, ts, names, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_attention(ctx, out, probs, q, k, v, scale);
-#endif
+    DSK__CUDA_PATH(cuda, dsk_cuda_attention(ctx, out, probs, q, k, v, scale));
     B = q->shape[0]; T = q->shape[1]; H = q->shape[2]; Dh = q->shape[3];
     half = q->dtype != DSK_F32;
     RB = 2 * uk.mr; /* query rows per block: the causal products stop at the block's last row */
@@ -3688,9 +3777,7 @@ DSK_API dsk_status dsk_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tens
     DSK__TRY(dsk__need_float(fn, "dv", dv));
     DSK__TRY(dsk__need_like(fn, "dv", dv, "q", q));
     DSK__TRY(dsk__need_devices(fn, ctx, 8, ts, names, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_attention_backward(ctx, dq, dk, dv, dout, q, k, v, probs, scale);
-#endif
+    DSK__CUDA_PATH(cuda, dsk_cuda_attention_backward(ctx, dq, dk, dv, dout, q, k, v, probs, scale));
     B = q->shape[0]; T = q->shape[1]; H = q->shape[2]; Dh = q->shape[3];
     half = q->dtype != DSK_F32;
     RB = 2 * uk.mr;
@@ -3785,9 +3872,7 @@ DSK_API dsk_status dsk_group_by_key(dsk_ctx *ctx, dsk_tensor *perm, dsk_tensor *
         return dsk_set_error(DSK_ERR_ARG, "%s: %lld keys into %lld groups exceed i32 positions", fn, (long long)N,
                              (long long)G);
     DSK__TRY(dsk__need_devices(fn, ctx, 3, ts, names, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_group_by_key(ctx, perm, offsets, keys);
-#endif
+    DSK__CUDA_PATH(cuda, dsk_cuda_group_by_key(ctx, perm, offsets, keys));
     off = (int32_t *)offsets->data;
     pm = (int32_t *)perm->data;
     k = (const int32_t *)keys->data;
@@ -3877,9 +3962,7 @@ DSK_API dsk_status dsk_matmul_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk_ten
     DSK__TRY(dsk__need_offsets(fn, offsets, &G));
     DSK__TRY(dsk__matmul_grouped_check(C, A, trans_a, B, trans_b, G, &weights));
     DSK__TRY(dsk__need_devices(fn, ctx, 4, ts, names, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_matmul_grouped(ctx, C, A, trans_a, B, trans_b, offsets, alpha, beta);
-#endif
+    DSK__CUDA_PATH(cuda, dsk_cuda_matmul_grouped(ctx, C, A, trans_a, B, trans_b, offsets, alpha, beta));
     R = A->shape[0];
     DSK__TRY(dsk__check_offsets(fn, offsets, G, R));
     off = (const int32_t *)offsets->data;
@@ -4102,9 +4185,7 @@ DSK_API dsk_status dsk_gather_rows_scaled(dsk_ctx *ctx, dsk_tensor *out, const d
         DSK__TRY(dsk__need_same_shape(fn, "scale", scale, "idx", idx));
     }
     DSK__TRY(dsk__need_devices(fn, ctx, 4, ts, names, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_gather_rows_scaled(ctx, out, src, idx, scale);
-#endif
+    DSK__CUDA_PATH(cuda, dsk_cuda_gather_rows_scaled(ctx, out, src, idx, scale));
     N = out->shape[0]; D = out->shape[1]; R = src->shape[0];
     ix = (const int32_t *)idx->data;
     for (int64_t i = 0; i < N; i++)
@@ -4218,9 +4299,7 @@ DSK_API dsk_status dsk_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_ten
     if (step < 1) return dsk_set_error(DSK_ERR_ARG, "dsk_adamw_step: step %lld must be >= 1", (long long)step);
     DSK__TRY(dsk__adamw_resolve(opts, &o));
     DSK__TRY(dsk__need_devices(fn, ctx, 5, ts, names, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_adamw_step(ctx, param, grad, m, v, &o, step, grad_mult, param_copy);
-#endif
+    DSK__CUDA_PATH(cuda, dsk_cuda_adamw_step(ctx, param, grad, m, v, &o, step, grad_mult, param_copy));
     bc1 = dsk_adamw_bias_correction(o.beta1, step);
     bc2 = dsk_adamw_bias_correction(o.beta2, step);
     n = dsk_tensor_numel(param);
@@ -4447,9 +4526,7 @@ DSK_API dsk_status dsk_attention_fused(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor
     const char *names[5] = {"q", "k", "v", "out", "lse"};
     DSK__TRY(dsk__fa_check(fn, out, "out", lse, 1, q, k, v, scale));
     DSK__TRY(dsk__need_devices(fn, ctx, 5, ts, names, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_attention_fused(ctx, out, lse, q, k, v, scale);
-#endif
+    DSK__CUDA_PATH(cuda, dsk_cuda_attention_fused(ctx, out, lse, q, k, v, scale));
     B = q->shape[0]; T = q->shape[1]; H = q->shape[2];
     nt = (T + DSK__FA_BR - 1) / DSK__FA_BR;
     if (B * H * T == 0) return DSK_OK;
@@ -4617,9 +4694,7 @@ DSK_API dsk_status dsk_attention_fused_backward(dsk_ctx *ctx, dsk_tensor *dq, ds
     DSK__TRY(dsk__fa_need4(fn, "dv", dv, q));
     DSK__TRY(dsk__need_same_shape(fn, "dv", dv, "v", v));
     DSK__TRY(dsk__need_devices(fn, ctx, 9, ts, names, &cuda));
-#ifdef DSK_CUDA
-    if (cuda) return dsk_cuda_attention_fused_backward(ctx, dq, dk, dv, dout, q, k, v, out, lse, scale);
-#endif
+    DSK__CUDA_PATH(cuda, dsk_cuda_attention_fused_backward(ctx, dq, dk, dv, dout, q, k, v, out, lse, scale));
     B = q->shape[0]; T = q->shape[1]; H = q->shape[2];
     if (B * H * T == 0) return DSK_OK;
     nt = (T + DSK__FA_BR - 1) / DSK__FA_BR;

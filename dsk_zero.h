@@ -362,9 +362,6 @@ static inline int dsk_zero_powersgd_compresses(int ndim, int64_t rows, int64_t c
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#ifdef DSK_CUDA
-#include <cuda_runtime.h>
-#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -437,8 +434,8 @@ struct dsk__zero_impl {
     dsk_status err_status;
     char errmsg[1200];
 #ifdef DSK_CUDA
-    cudaStream_t cs;      /* the communication stream (dev) */
-    cudaEvent_t *ev_ready, *ev_done; /* [qcap]: the caller's stream reached the op; the op is done */
+    void *cs;                   /* the communication stream (dev) */
+    void **ev_ready, **ev_done; /* [qcap]: the caller's stream reached the op; the op is done */
 #endif
     int64_t st_collectives;
     uint64_t st_reduce, st_plain, st_gather;
@@ -898,21 +895,17 @@ static dsk_status dsk__zero_error(const dsk_zero *z, const char *fn) {
 }
 
 #ifdef DSK_CUDA
-static cudaStream_t dsk__zero_stream(const dsk_ctx *ctx) { return ctx ? (cudaStream_t)ctx->stream : (cudaStream_t)0; }
+static void *dsk__zero_stream(const dsk_ctx *ctx) { return ctx ? ctx->stream : NULL; }
 
 /* CUDA: issues the operation on the communication stream now, after the caller's stream. */
 static dsk_status dsk__zero_issue_cuda(dsk__zero_impl *zi, dsk_ctx *ctx, const dsk__zero_op *op) {
     int k = (int)((op->ticket - 1) % zi->qcap);
-    cudaError_t e;
     dsk_status st;
-    if ((e = cudaEventRecord(zi->ev_ready[k], dsk__zero_stream(ctx))) != cudaSuccess ||
-        (e = cudaStreamWaitEvent(zi->cs, zi->ev_ready[k], 0)) != cudaSuccess)
-        return dsk_set_error(DSK_ERR_CUDA, "ordering after the caller's stream: %s", cudaGetErrorString(e));
+    DSK__TRY(dsk_cuda_stream_record(dsk__zero_stream(ctx), zi->ev_ready[k])); /* after the caller's stream */
+    DSK__TRY(dsk_cuda_stream_wait_event(zi->cs, zi->ev_ready[k]));
     st = op->kind == DSK__ZERO_OP_GATHER ? dsk__zero_gather(zi, op) : dsk__zero_reduce(zi, op);
     if (st != DSK_OK) return st;
-    if ((e = cudaEventRecord(zi->ev_done[k], zi->cs)) != cudaSuccess)
-        return dsk_set_error(DSK_ERR_CUDA, "cudaEventRecord on the communication stream: %s", cudaGetErrorString(e));
-    return DSK_OK;
+    return dsk_cuda_stream_record(zi->cs, zi->ev_done[k]);
 }
 #endif
 
@@ -959,12 +952,9 @@ static dsk_status dsk__zero_wait_ticket(dsk_zero *z, dsk_ctx *ctx, int64_t t, co
     double t0 = dsk__zero_now();
 #ifdef DSK_CUDA
     if (zi->dev) {
-        cudaError_t e;
         if (zi->err_status != DSK_OK) return dsk__zero_error(z, fn);
         if (t <= 0) return DSK_OK;
-        if ((e = cudaStreamWaitEvent(dsk__zero_stream(ctx), zi->ev_done[(t - 1) % zi->qcap], 0)) != cudaSuccess)
-            return dsk_set_error(DSK_ERR_CUDA, "%s: cudaStreamWaitEvent: %s", fn, cudaGetErrorString(e));
-        return DSK_OK;
+        return dsk_cuda_stream_wait_event(dsk__zero_stream(ctx), zi->ev_done[(t - 1) % zi->qcap]);
     }
 #endif
     (void)ctx;
@@ -1266,10 +1256,10 @@ DSK_API void dsk_zero_free(dsk_zero *z, dsk_ctx *ctx) {
         pthread_join(zi->thread, NULL);
     }
 #ifdef DSK_CUDA
-    if (zi->cs) (void)cudaStreamSynchronize(zi->cs); /* nothing may still use the buffers */
+    if (zi->cs) (void)dsk_cuda_stream_sync(zi->cs); /* nothing may still use the buffers */
     for (int i = 0; i < zi->qcap && zi->ev_ready; i++) {
-        if (zi->ev_ready[i]) cudaEventDestroy(zi->ev_ready[i]);
-        if (zi->ev_done[i]) cudaEventDestroy(zi->ev_done[i]);
+        dsk_cuda_event_destroy(zi->ev_ready[i]);
+        dsk_cuda_event_destroy(zi->ev_done[i]);
     }
     DSK_FREE(zi->ev_ready);
     DSK_FREE(zi->ev_done);
@@ -1297,7 +1287,7 @@ DSK_API void dsk_zero_free(dsk_zero *z, dsk_ctx *ctx) {
     if (zi->gbufs)
         for (int i = 0; i < zi->o.grad_buffers; i++) dsk_tensor_free(ctx, &zi->gbufs[i]);
 #ifdef DSK_CUDA
-    if (zi->cs) cudaStreamDestroy(zi->cs);
+    dsk_cuda_stream_destroy(zi->cs);
 #endif
     DSK_FREE(zi->pbufs); DSK_FREE(zi->gbufs); DSK_FREE(zi->pbuf_owner); DSK_FREE(zi->gbuf_owner);
     DSK_FREE(zi->p); DSK_FREE(zi->u); DSK_FREE(zi->q);
@@ -1355,22 +1345,20 @@ static dsk_status dsk__zero_init(dsk_zero *z, dsk_comm *c, dsk_ctx *ctx, const d
     zi->fresh = 1;
 #ifdef DSK_CUDA
     if (zi->dev) { /* a copy of the caller's context on a stream of its own, no workspace (nothing here needs one) */
-        cudaError_t e = cudaStreamCreateWithFlags(&zi->cs, cudaStreamNonBlocking);
+        st = dsk_cuda_stream_create(&zi->cs);
         zi->pctx = *ctx;
         zi->pctx.stream = zi->cs;
         zi->pctx.workspace = NULL;
         zi->pctx.workspace_bytes = 0;
         zi->pctx.cublas = NULL;
-        zi->ev_ready = (cudaEvent_t *)DSK_MALLOC((size_t)zi->qcap * sizeof(cudaEvent_t));
-        zi->ev_done = (cudaEvent_t *)DSK_MALLOC((size_t)zi->qcap * sizeof(cudaEvent_t));
+        zi->ev_ready = (void **)DSK_MALLOC((size_t)zi->qcap * sizeof(void *));
+        zi->ev_done = (void **)DSK_MALLOC((size_t)zi->qcap * sizeof(void *));
         if (!zi->ev_ready || !zi->ev_done) return dsk_set_error(DSK_ERR_OOM, "%s: event lists", fn);
-        memset(zi->ev_ready, 0, (size_t)zi->qcap * sizeof(cudaEvent_t));
-        memset(zi->ev_done, 0, (size_t)zi->qcap * sizeof(cudaEvent_t));
-        for (int i = 0; e == cudaSuccess && i < zi->qcap; i++)
-            if ((e = cudaEventCreateWithFlags(&zi->ev_ready[i], cudaEventDisableTiming)) == cudaSuccess)
-                e = cudaEventCreateWithFlags(&zi->ev_done[i], cudaEventDisableTiming);
-        if (e != cudaSuccess)
-            return dsk_set_error(DSK_ERR_CUDA, "%s: communication stream and events: %s", fn, cudaGetErrorString(e));
+        memset(zi->ev_ready, 0, (size_t)zi->qcap * sizeof(void *));
+        memset(zi->ev_done, 0, (size_t)zi->qcap * sizeof(void *));
+        for (int i = 0; st == DSK_OK && i < zi->qcap; i++)
+            if ((st = dsk_cuda_event_create(&zi->ev_ready[i])) == DSK_OK) st = dsk_cuda_event_create(&zi->ev_done[i]);
+        if (st != DSK_OK) return st; /* the communication stream and its events */
         /* the slabs were zeroed on the caller's stream: settle that before anything else touches them */
         DSK__TRY(dsk_ctx_sync(ctx));
         return zi->alone ? DSK_OK : dsk_comm_barrier(&zi->comm, &zi->pctx);

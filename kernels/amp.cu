@@ -1,4 +1,4 @@
-/* kernels/amp.cu - the CUDA path of dsk_amp.h, with the contracts of kernels/dsk_kernels.h.
+/* kernels/amp.cu - the CUDA path of dsk_amp.h, with the contracts of dsk_amp.h's CUDA launchers.
 
    Conventions (kernels/dsk_cuda.cuh): every launcher checks its ctx and makes its device
    current, enqueues on ctx->stream and returns without synchronising; every CUDA call is

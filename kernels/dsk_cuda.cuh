@@ -20,7 +20,7 @@
 #include <cublas_v2.h>
 #include <limits.h>
 #include <stdio.h>
-#include "dsk_kernels.h"
+#include "../dsk_tensor.h"
 
 /* ---------------------------------------------------------------- errors */
 

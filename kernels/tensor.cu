@@ -1,5 +1,5 @@
 /* kernels/tensor.cu - the CUDA path of dsk_tensor.h: runtime (devices, streams, cuBLAS,
-   memory) and one launcher per tensor op, with the contracts of kernels/dsk_kernels.h.
+   memory) and one launcher per tensor op, with the contracts of dsk_tensor.h's CUDA launchers.
 
    Conventions (kernels/dsk_cuda.cuh): every launcher checks its ctx and makes its device
    current, enqueues on ctx->stream and returns without synchronising; every CUDA and cuBLAS
@@ -213,6 +213,71 @@ extern "C" void dsk_cuda_graph_free(void *graph, void *exec) {
     if (exec) (void)cudaGraphExecDestroy((cudaGraphExec_t)exec);
     if (graph) (void)cudaGraphDestroy((cudaGraph_t)graph);
     (void)cudaGetLastError();
+}
+
+/* Streams and memory for callers without a dsk_ctx (a communicator's setup, a module's own
+   stream): `stream` is a cudaStream_t, NULL the legacy default stream. */
+extern "C" dsk_status dsk_cuda_set_device(int index) {
+    char detail[32];
+    snprintf(detail, sizeof detail, "device %d", index);
+    DSK__CUDA_CHECK("dsk_cuda_set_device", cudaSetDevice(index), detail);
+    return DSK_OK;
+}
+
+extern "C" dsk_status dsk_cuda_device_malloc(size_t bytes, void **p) {
+    char detail[48];
+    cudaError_t e;
+    *p = NULL;
+    e = cudaMalloc(p, bytes ? bytes : 1);
+    if (e == cudaSuccess) return DSK_OK;
+    *p = NULL;
+    snprintf(detail, sizeof detail, "%zu bytes", bytes);
+    (void)dsk__cuda_fail("dsk_cuda_device_malloc", "cudaMalloc", e, detail);
+    return e == cudaErrorMemoryAllocation ? DSK_ERR_OOM : DSK_ERR_CUDA;
+}
+
+extern "C" dsk_status dsk_cuda_memcpy_sync(void *dst, const void *src, size_t bytes, int to_device) {
+    char detail[64];
+    if (!bytes) return DSK_OK;
+    snprintf(detail, sizeof detail, "%zu bytes %s", bytes, to_device ? "host to device" : "device to host");
+    DSK__CUDA_CHECK("dsk_cuda_memcpy_sync",
+                    cudaMemcpy(dst, src, bytes, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost), detail);
+    return DSK_OK;
+}
+
+extern "C" dsk_status dsk_cuda_stream_create(void **stream) {
+    cudaStream_t s = NULL;
+    *stream = NULL;
+    DSK__CUDA_CHECK("dsk_cuda_stream_create", cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "");
+    *stream = s;
+    return DSK_OK;
+}
+
+extern "C" dsk_status dsk_cuda_stream_sync(void *stream) {
+    DSK__CUDA_CHECK("dsk_cuda_stream_sync", cudaStreamSynchronize((cudaStream_t)stream), "");
+    return DSK_OK;
+}
+
+extern "C" void dsk_cuda_stream_destroy(void *stream) {
+    if (stream) (void)cudaStreamDestroy((cudaStream_t)stream);
+    (void)cudaGetLastError();
+}
+
+extern "C" dsk_status dsk_cuda_stream_done(void *stream, int *done) {
+    cudaError_t e = cudaStreamQuery((cudaStream_t)stream);
+    *done = e == cudaSuccess;
+    if (e == cudaSuccess || e == cudaErrorNotReady) return DSK_OK;
+    return dsk__cuda_fail("dsk_cuda_stream_done", "cudaStreamQuery", e, "");
+}
+
+extern "C" dsk_status dsk_cuda_stream_record(void *stream, void *ev) {
+    DSK__CUDA_CHECK("dsk_cuda_stream_record", cudaEventRecord((cudaEvent_t)ev, (cudaStream_t)stream), "");
+    return DSK_OK;
+}
+
+extern "C" dsk_status dsk_cuda_stream_wait_event(void *stream, void *ev) {
+    DSK__CUDA_CHECK("dsk_cuda_stream_wait_event", cudaStreamWaitEvent((cudaStream_t)stream, (cudaEvent_t)ev, 0), "");
+    return DSK_OK;
 }
 
 /* Scratch buffer of `bytes` freed stream-ordered by dsk__scratch_free. */

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # DESIGN.md's rules as checks (`make lint`; tests/test_lint.sh runs each in `make test`).
-#   scripts/lint.sh [check...]        checks: format columns state cuda commits places (default: all)
+#   scripts/lint.sh [check...]        checks: format columns state cuda includes commits places (default: all)
 #   scripts/lint.sh state [source...] the state check on some sources only (dsk_par.h, kernels/moe.cu)
 # Each check prints `ok   <check>: ...` or `FAIL <check>: ...` with what it found, file by file;
 # the script exits non-zero when one failed.
@@ -11,9 +11,13 @@
 #            exceptions (STATE_ALLOWED) and what tests/lint_baseline.txt still allows
 #   cuda     no CUDA runtime call in the library outside the CUDA helper: kernels/*.cu and .cuh,
 #            which include kernels/dsk_cuda.cuh; tests/lint_baseline.txt holds today's count per file
+#   includes the library's #include lines (dsk_*.h, kernels/*.cu, .cuh) have no cycle; a header
+#            includes only headers on lower floors of DESIGN.md's diagram, listed after its `->`,
+#            and nothing in kernels/; a kernels/*.cu includes its owner (the header declaring its
+#            launchers), headers below that and kernels/*.cuh; the .cuh helper builds on floor 0
 #   commits  commits after LINT_COMMIT_BASE: subject of at most 72 characters; a non-merge
 #            commit has a blank line, then the why
-#   places   DESIGN.md's count of the places to touch for a new elementwise op, recomputed
+#   places   DESIGN.md section 6's counts of the places to touch, recomputed on a case each (PLACES_CLAIMS)
 # LINT_BASE (a commit): what `format` and `columns` compare the working tree with; default the
 # merge-base with main, or HEAD~1 on main itself. tests/lint_baseline.txt can only go down: a
 # count above it fails, and so does one below it until the file is lowered to match.
@@ -259,50 +263,190 @@ enclosing_units() {
         "$tmp/units" - | sort -u
 }
 
-number_word() { # one..twenty as a number
+number_word() { # one..twenty, or digits, as a number
     local w=(zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen
              seventeen eighteen nineteen twenty) i
-    for i in "${!w[@]}"; do [ "${w[$i]}" = "$1" ] && { echo "$i"; return; }; done
+    [[ $1 =~ ^[0-9]+$ ]] && { echo "$1"; return; }
+    for i in "${!w[@]}"; do [ "${w[$i]}" = "${1,,}" ] && { echo "$i"; return; }; done
     echo "?"
 }
 
-# DESIGN.md section 6's count for a new elementwise op, recomputed on an existing one (dsk_axpy):
-# the library's places name its DSK_EW_ value or declare or define its function (callers are
-# not places); each test file that calls it is one place (its case).
-check_places() {
-    local design want_p want_f f lines units n_places=0 files=() where=() words
-    design=$(tr '\n' ' ' <DESIGN.md | grep -oE 'every entry of the list as it is: [a-z]+ places in [a-z]+ files' | head -1)
-    if [ -z "$design" ]; then bad "places: DESIGN.md no longer says \"every entry of the list as it is: N places in M files\""
-        return; fi
-    read -r -a words <<<"${design#*as it is: }" # N places in M files
-    want_p=$(number_word "${words[0]}"); want_f=$(number_word "${words[3]}")
+# C source with comments and string literals blanked, line for line (line numbers kept).
+strip_comments() {
+    awk '{
+        out = ""; n = length($0); i = 1
+        while (i <= n) {
+            c = substr($0, i, 1); d = substr($0, i, 2)
+            if (inc) { if (d == "*/") { inc = 0; i += 2 } else i++; continue }
+            if (ins) { if (c == "\\") i += 2; else { if (c == "\"") ins = 0; i++ } continue }
+            if (d == "/*") { inc = 1; i += 2; continue }
+            if (d == "//") break
+            if (c == "\"") { ins = 1; out = out "\"\""; i++; continue }
+            out = out c; i++
+        }
+        ins = 0; print out
+    }' "$1"
+}
+
+# DESIGN.md section 6's counts, each recomputed on an existing case: `title|case|library regex|test regex`.
+# A place is a function of the library (universal ctags) or a top-level line (an enum, a list entry, a
+# declaration) whose code, comments and strings aside, matches the library regex (definitions and
+# declarations, not callers); each test file whose code matches the test regex is one place (its case).
+# DESIGN.md states each as "<title> ...: N places in M files" in the paragraph the title opens.
+PLACES_CLAIMS=(
+    'An elementwise op of the BINARY form|dsk_mul|\bDSK_EW_MUL\b|dsk_status dsk_mul\(|\bdsk_mul\('
+    'An elementwise op of its own form|dsk_axpy|\bDSK_EW_AXPY\b|dsk_status dsk_axpy\(|\bdsk_axpy\('
+    'Any other tensor op|dsk_silu|DSK_HD float dsk_silu(_grad)?_f\(|dsk_status dsk_(cuda_)?silu(_backward)?\(|void dsk__k_silu(_bwd)?\(|\bdsk_silu(_backward)?\('
+    'A router score function|DSK_MOE_SIGMOID|\bDSK_MOE_SIGMOID\b|\bsigmoid\b|\bDSK_MOE_SIGMOID\b'
+)
+
+# places_of <library regex> <test regex>: prints `places files`; the places go to $tmp/where.
+places_of() {
+    local lib_re=$1 test_re=$2 f lines units n=0 nf=0
+    : >"$tmp/where"
     for f in $(ls dsk_*.h kernels/*); do
-        lines=$(grep -nE '\bDSK_EW_AXPY\b|dsk_status dsk_axpy\(' "$f" | cut -d: -f1)
+        strip_comments "$f" >"$tmp/code"
+        lines=$(grep -nE "$lib_re" "$tmp/code" | cut -d: -f1)
         [ -n "$lines" ] || continue
         units=$(echo "$lines" | enclosing_units "$f")
-        files+=("$f"); n_places=$((n_places + $(echo "$units" | wc -l)))
-        where+=("$f: $(echo "$units" | paste -sd, - | sed 's/,/, /g')")
+        nf=$((nf + 1)); n=$((n + $(echo "$units" | wc -l)))
+        echo "$f: $(echo "$units" | paste -sd, - | sed 's/,/, /g')" >>"$tmp/where"
     done
     for f in $(git ls-files 'tests/*.c' 2>/dev/null || ls tests/*.c tests/gpu/*.c); do
-        grep -qE '\bdsk_axpy\(' "$f" || continue
-        files+=("$f"); n_places=$((n_places + 1)); where+=("$f: its case")
+        strip_comments "$f" | grep -qE "$test_re" || continue
+        nf=$((nf + 1)); n=$((n + 1)); echo "$f: its case" >>"$tmp/where"
     done
-    if [ "$n_places" = "$want_p" ] && [ "${#files[@]}" = "$want_f" ]; then
-        ok "places: an elementwise op (as dsk_axpy): $n_places places in ${#files[@]} files, as DESIGN.md says"
+    echo "$n $nf"
+}
+
+check_places() {
+    local claim title case lib_re test_re design para want_p want_f got words n_ok=0 summary=()
+    tr '\n' ' ' <DESIGN.md | sed 's/  */ /g' >"$tmp/design"
+    for claim in "${PLACES_CLAIMS[@]}"; do
+        IFS='|' read -r title case lib_re test_re <<<"$claim"
+        lib_re=${claim#"$title|$case|"}; lib_re=${lib_re%|*} # the library regex may hold '|'
+        test_re=${claim##*|}
+        design=
+        if grep -qF "**$title" "$tmp/design"; then # the paragraph: from its bold title to the next one
+            para=$(<"$tmp/design"); para=${para#*"**$title"}; para=${para#*"**"}; para=${para%%" **"*}
+            design=$(echo "$para" | grep -oE '[A-Za-z0-9]+ places in [a-z0-9]+ files' | head -1)
+        fi
+        if [ -z "$design" ]; then
+            bad "places: DESIGN.md section 6 no longer says \"$title ...: N places in M files\""; continue
+        fi
+        read -r -a words <<<"$design"
+        want_p=$(number_word "${words[0]}"); want_f=$(number_word "${words[3]}")
+        got=$(places_of "$lib_re" "$test_re")
+        if [ "$got" = "$want_p $want_f" ]; then
+            n_ok=$((n_ok + 1)); summary+=("$case ${got% *}/${got#* }")
+        else
+            bad "places: ${title,} (as $case) is ${got% *} places in ${got#* } files; DESIGN.md section 6 says" \
+                "$want_p in $want_f (\"$design\"):" "$(cat "$tmp/where")"
+        fi
+    done
+    [ "$n_ok" -eq ${#PLACES_CLAIMS[@]} ] &&
+        ok "places: DESIGN.md section 6's counts (places/files) recomputed: ${summary[*]}"
+}
+
+# The floors of DESIGN.md's diagram (section 1), as `header floor dep,dep,...` (the `-> a, b` list of the
+# modules a header builds on, from its line or its continuation lines, indented past column 10).
+design_floors() {
+    awk '/^## 1\. The house/ { on = 1 } on && /^```/ { if (inside) exit; inside = 1; next }
+         inside {
+             line = $0
+             if (match(line, /^floor [0-9]+/)) { floor = substr(line, 7, RLENGTH - 6) + 0; line = substr(line, RLENGTH + 1) }
+             n = split(line, w, " ")
+             if (n > 0 && w[1] ~ /^dsk_[a-z_]+\.h$/) { if (h != "") print h, f, deps; h = w[1]; f = floor; deps = "-" }
+             else if (n > 0 && w[1] !~ /^dsk_/ && line !~ /^           /) { if (h != "") print h, f, deps; h = "" }
+             if (h != "" && match(line, /-> .*$/)) { d = substr(line, RSTART + 3); gsub(/[ ]/, "", d); deps = d }
+         }
+         END { if (h != "") print h, f, deps }' DESIGN.md
+}
+
+# The library's own includes (`#include "..."` in dsk_*.h and kernels/: .cu, .cuh, .h), as
+# `file line target`; a target resolves next to the file first (kernels/x.cuh), then at the root.
+library_includes() {
+    local f dir line target
+    for f in $(include_files); do
+        dir=$(dirname "$f")
+        grep -nE '^[[:space:]]*#[[:space:]]*include[[:space:]]*"[^"]+"' "$f" | sed -E 's/^([0-9]+):.*"([^"]+)".*/\1 \2/' |
+            while read -r line target; do
+                if [ -f "$dir/$target" ]; then target=$(realpath -m --relative-to=. "$dir/$target")
+                elif [ -f "$target" ]; then target=$(realpath -m --relative-to=. "$target")
+                else continue; fi # not a library file (a system header in quotes)
+                echo "$f $line $target"
+            done
+    done
+}
+
+include_files() { ls dsk_*.h kernels/*.cu kernels/*.cuh kernels/*.h 2>/dev/null; }
+
+# The header that owns kernels/<name>.cu: the one whose CUDA launchers section names it
+# (`/* ---- <title> (kernels/<name>.cu`).
+kernel_owner() { grep -lE "^/\* ---- [^(]*\(kernels/$(basename "$1")" dsk_*.h 2>/dev/null | head -1; }
+
+check_includes() {
+    local problems=() f line target ff ft owner deps n_files n_edges cycle
+    design_floors >"$tmp/floors"
+    library_includes >"$tmp/includes"
+    floor_of() { awk -v h="$1" '$1 == h { print $2 }' "$tmp/floors"; }
+    for f in $(ls dsk_*.h); do [ -n "$(floor_of "$f")" ] || problems+=("$f: not on a floor of DESIGN.md's diagram"); done
+    for f in $(ls kernels/*.cu 2>/dev/null); do
+        [ -n "$(kernel_owner "$f")" ] || problems+=("$f: no owner (no header's CUDA launchers section names it)")
+    done
+    while read -r f line target; do
+        case $f in
+        dsk_*.h)
+            ff=$(floor_of "$f"); ft=$(floor_of "$target")
+            case $target in
+            kernels/*) problems+=("$f:$line: includes $target (a header includes no kernels/ file: they sit behind it)") ;;
+            *) [ -n "$ff" ] && [ -n "$ft" ] && [ "$ft" -ge "$ff" ] &&
+                   problems+=("$f:$line: includes $target (floor $ft, not below $f's floor $ff)")
+               deps=$(awk -v h="$f" '$1 == h { print $3 }' "$tmp/floors")
+               m=${target#dsk_}; m=${m%.h}
+               [ -n "$deps" ] && ! echo ",$deps," | grep -q ",$m," &&
+                   problems+=("$f:$line: includes $target, which DESIGN.md's diagram does not list after $f's ->") ;;
+            esac ;;
+        kernels/*.cu)
+            owner=$(kernel_owner "$f")
+            case $target in
+            kernels/*.cuh | kernels/*.h) ;;
+            dsk_*.h) [ -n "$owner" ] && [ "$target" != "$owner" ] && ff=$(floor_of "$owner") && ft=$(floor_of "$target") &&
+                         [ -n "$ft" ] && [ "$ft" -ge "$ff" ] &&
+                         problems+=("$f:$line: includes $target (floor $ft, not below its owner $owner's floor $ff)") ;;
+            *) problems+=("$f:$line: includes $target (a kernel includes its owner, headers below it and kernels/*.cuh)") ;;
+            esac ;;
+        kernels/*) # the helpers (.cuh, .h)
+            case $target in
+            kernels/*.cuh | kernels/*.h) ;;
+            dsk_*.h) [ "$(floor_of "$target")" = 0 ] ||
+                         problems+=("$f:$line: includes $target (the CUDA helper builds on floor 0 only)") ;;
+            *) problems+=("$f:$line: includes $target") ;;
+            esac ;;
+        esac
+    done <"$tmp/includes"
+    # Cycles, whatever the floors say: tsort names the files of a loop.
+    awk '$1 == $3 { print "self" }' "$tmp/includes" | grep -q self &&
+        problems+=("a file includes itself: $(awk '$1 == $3 { print $1 ":" $2 }' "$tmp/includes" | paste -sd' ')")
+    cycle=$(awk '$1 != $3 { print $1, $3 }' "$tmp/includes" | tsort 2>&1 >/dev/null | grep -v 'input contains a loop' |
+        sed 's/^tsort: //' | paste -sd' ')
+    [ -z "$cycle" ] || problems+=("an include cycle through: $cycle")
+    n_files=$(include_files | wc -l); n_edges=$(wc -l <"$tmp/includes")
+    if [ ${#problems[@]} -eq 0 ]; then
+        ok "includes: $n_files files, $n_edges includes: no cycle, headers include lower floors only, each kernel its owner"
     else
-        bad "places: an elementwise op (as dsk_axpy) is $n_places places in ${#files[@]} files; DESIGN.md section 6" \
-            "says $want_p in $want_f (\"$design\"):" "${where[@]}"
+        bad "includes: ${#problems[@]} problems in the library's includes (DESIGN.md, The house)" "${problems[@]}"
     fi
 }
 
 checks=("$@")
-[ ${#checks[@]} -gt 0 ] || checks=(format columns state cuda commits places)
+[ ${#checks[@]} -gt 0 ] || checks=(format columns state cuda includes commits places)
 case ${checks[0]} in
 state) shift; check_state "$@" ;;
 *) for c in "${checks[@]}"; do
        case $c in
-       format | columns | state | cuda | commits | places) "check_$c" ;;
-       *) echo "scripts/lint.sh: unknown check '$c' (format columns state cuda commits places)" >&2; exit 2 ;;
+       format | columns | state | cuda | includes | commits | places) "check_$c" ;;
+       *) echo "scripts/lint.sh: unknown check '$c' (format columns state cuda includes commits places)" >&2; exit 2 ;;
        esac
    done ;;
 esac

@@ -110,6 +110,31 @@ EOF
     echo "FAIL $label: does not build"; echo "$out" | head -10
   elif out=$("$work/noamp.$id") && echo "$out" | grep -q "FP8 dispatch needs dsk_amp.h"; then echo "ok   $label"
   else echo "FAIL $label: it says \"$out\""; fi >"$work/res.$id" ) &
+# DSK_COMM_NO_LAUNCHER: dsk_comm.h without its fork/exec launcher.
+sw_src=$(printf '#define DSK_COMM_IMPLEMENTATION\n#include "dsk_comm.h"\n')
+compile "dsk_comm.h, DSK_COMM_NO_LAUNCHER, gcc -std=c11 -O2" gcc -std=c11 -O2 -DDSK_COMM_NO_LAUNCHER -x c <<<"$sw_src"
+compile "dsk_comm.h, DSK_COMM_NO_LAUNCHER, g++ -std=c++17 -O2" g++ -std=c++17 -O2 -DDSK_COMM_NO_LAUNCHER -x c++ <<<"$sw_src"
+[ "$n_jobs" -gt "$max_jobs" ] && wait -n
+n_jobs=$((n_jobs + 1)) n_done=$((n_done + 1))
+( label="DSK_COMM_NO_LAUNCHER: dsk_comm_spawn_local is gone"
+  printf '#include "dsk_comm.h"\nint f(char **a) { int w; return (int)dsk_comm_spawn_local(2, a, NULL, &w); }\n' \
+    >"$work/gone_launcher.c"
+  if out=$(gcc -std=c11 -fsyntax-only -Wall -Wextra -Werror -I. -DDSK_COMM_NO_LAUNCHER "$work/gone_launcher.c" 2>&1); then
+    echo "FAIL $label: it still compiles"
+  elif echo "$out" | grep -q "dsk_comm_spawn_local"; then echo "ok   $label"
+  else echo "FAIL $label"; echo "$out" | head -5; fi >"$work/res.$(printf '%03d' "$n_done")" ) &
+for sw in "" "-DDSK_COMM_NO_LAUNCHER"; do
+  [ "$n_jobs" -gt "$max_jobs" ] && wait -n
+  n_jobs=$((n_jobs + 1)) n_done=$((n_done + 1))
+  ( id=$(printf '%03d' "$n_done") want="${sw#-D}"
+    label="dsk_comm_options reports \"$want\" (built with ${sw:-no switch})"
+    printf '#define DSK_TENSOR_IMPLEMENTATION\n#define DSK_COMM_IMPLEMENTATION\n#include "dsk_comm.h"\n#include <stdio.h>
+int main(void) { printf("%%s\\n", dsk_comm_options()); return 0; }\n' >"$work/opt.$id.c"
+    if ! out=$(gcc -std=c11 -O0 -Wall -Wextra -Werror -I. $sw "$work/opt.$id.c" -o "$work/opt.$id" -lm -lpthread -lrt 2>&1); then
+      echo "FAIL $label: does not build"; echo "$out" | head -10
+    elif [ "$("$work/opt.$id")" = "$want" ]; then echo "ok   $label"
+    else echo "FAIL $label: it says \"$("$work/opt.$id")\""; fi >"$work/res.$id" ) &
+done
 wait
 for r in "$work"/res.*; do
   cat "$r"

@@ -13,8 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
-#ifdef DSK_CUDA /* what the GPU cases call besides the API: the kernels' launchers, dsk_cuda_*, the runtime */
-#include "kernels/dsk_kernels.h"
+#ifdef DSK_CUDA /* what the GPU cases call besides the API and the launchers (dsk_cuda_*): the runtime */
 #include <cuda_runtime.h>
 #endif
 

@@ -5,8 +5,7 @@
    tests/dsk_test.h; static, one test program per translation unit. */
 #ifndef DSK_GPU_TEST_UTIL_H
 #define DSK_GPU_TEST_UTIL_H
-#ifdef DSK_CUDA /* what the GPU cases call besides the API: the kernels' launchers, dsk_cuda_*, the runtime */
-#include "kernels/dsk_kernels.h"
+#ifdef DSK_CUDA /* what the GPU cases call besides the API and the launchers (dsk_cuda_*): the runtime */
 #include <cuda_runtime.h>
 #endif
 

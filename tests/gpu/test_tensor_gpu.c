@@ -187,6 +187,48 @@ static void test_ctx_errors(void) {
     }
     DSK_TEST_OK(dsk_ctx_sync(&G));
 }
+
+/* The runtime launchers of callers without a ctx (dsk_comm.h, dsk_zero.h): device memory and
+   synchronous copies; a stream of their own that waits for an event of G's stream and then
+   copies what G's stream wrote (as dsk_zero's communication stream does); failures named. */
+static void test_runtime_no_ctx(void) {
+    int n = 0, done = -1;
+    void *d = NULL, *s = NULL, *ev = NULL;
+    dsk_tensor *h = hrand(DSK_F32, SH(7, 129), -1, 1), *dh = dalloc(DSK_F32, SH(7, 129));
+    dsk_tensor *back = halloc(DSK_F32, SH(7, 129)), *back2 = halloc(DSK_F32, SH(7, 129));
+    size_t bytes = (size_t)dsk_tensor_nbytes(h);
+    dsk_ctx sc = G;
+    DSK_TEST_OK(dsk_cuda_device_count(&n));
+    DSK_TEST_STATUS(dsk_cuda_set_device(n), DSK_ERR_CUDA);
+    DSK_TEST_ERROR_MENTIONS("cudaSetDevice");
+    DSK_TEST_OK(dsk_cuda_set_device(G.device.index));
+    DSK_TEST_STATUS(dsk_cuda_device_malloc((size_t)1 << 60, &d), DSK_ERR_OOM);
+    DSK_TEST_ERROR_MENTIONS("dsk_cuda_device_malloc");
+    DSK_TEST_EXPECT(d == NULL, "pointer %p after a failed allocation", d);
+    DSK_TEST_OK(dsk_tensor_fill(NULL, back, NAN));
+    DSK_TEST_OK(dsk_tensor_fill(NULL, back2, NAN));
+    DSK_TEST_OK(dsk_cuda_device_malloc(bytes, &d));
+    DSK_TEST_OK(dsk_cuda_memcpy_sync(d, h->data, bytes, 1));
+    DSK_TEST_OK(dsk_cuda_memcpy_sync(back->data, d, bytes, 0));
+    check_same(back, h, "dsk_cuda_memcpy_sync there and back");
+    DSK_TEST_OK(dsk_cuda_stream_create(&s));
+    DSK_TEST_OK(dsk_cuda_event_create(&ev));
+    sc.stream = s;
+    sc.cublas = NULL;
+    sc.workspace = NULL;
+    sc.workspace_bytes = 0;
+    DSK_TEST_OK(dsk_tensor_copy(&G, dh, h));
+    DSK_TEST_OK(dsk_cuda_stream_record(G.stream, ev));
+    DSK_TEST_OK(dsk_cuda_stream_wait_event(s, ev));
+    DSK_TEST_OK(dsk_cuda_memcpy(&sc, back2->data, dh->data, bytes, 0));
+    DSK_TEST_OK(dsk_cuda_stream_sync(s));
+    DSK_TEST_OK(dsk_cuda_stream_done(s, &done));
+    DSK_TEST_EXPECT(done == 1, "stream done %d after its synchronisation", done);
+    check_same(back2, h, "a copy on a stream of its own after an event of G's stream");
+    dsk_cuda_event_destroy(ev);
+    dsk_cuda_stream_destroy(s);
+    dsk_cuda_free(NULL, d);
+}
 #endif
 
 /* One thread drives two devices: each op makes its context's device current (a launch on a
@@ -787,6 +829,7 @@ int main(int argc, char **argv) {
     else test_no_device_fallback();
     dsk_test_end();
     CASE(test_ctx_errors(), "ctx and allocation errors");
+    CASE(test_runtime_no_ctx(), "runtime without a ctx: device memory, copies, a stream of its own, events");
 #endif
     CASE(test_two_devices(), "one thread, two devices: ops alternate between contexts");
 
