@@ -119,7 +119,13 @@
      layers an nccl one. On CUDA the counts exchange keeps one host sync per forward: NCCL's
      all-to-all-v takes its row counts on the host, and sizing the exchange by the exact counts
      moves P times fewer bytes than a bounded buffer of T*K rows per peer (see bench/RESULTS.md).
-     Backward reuses the forward's counts and does not sync.
+     Backward reuses the forward's counts and does not sync. opts.ep_dispatch = DSK_MOE_EP_BOUNDED
+     trades those bytes for the sync: each rank sends each peer a fixed block of Cp = T min(K, E/P)
+     rows (E/P * C under capacity C, when fewer; the same T on every rank), its kept rows for the
+     peer's experts then zero rows, with the local expert of each row beside it (a fixed-size
+     all-to-all of int32); the receiver sorts the rows by local expert on the device (stable: each
+     expert's rows by source rank, then in the source's order, as the exact exchange places them),
+     so nothing comes back to the host and the results are the exact exchange's bits.
      The recipe of a data-parallel step with EP (W ranks in all, EP groups of P, each expert held
      by the W/P ranks of equal ep rank, its "replica group"; each rank's loss the mean over its
      own tokens, the step's loss their mean over W; balancing losses over more than a rank's own
@@ -206,6 +212,12 @@ typedef enum dsk_moe_loss_count {
 } dsk_moe_loss_count;
 /* Which slots capacity mode drops: the lowest routing weights, or the latest tokens. */
 typedef enum dsk_moe_drop { DSK_MOE_DROP_PROB = 0, DSK_MOE_DROP_POSITION = 1 } dsk_moe_drop;
+/* How expert parallelism sizes its row exchange (see "Expert parallelism" above). */
+typedef enum dsk_moe_ep_dispatch {
+    DSK_MOE_EP_EXACT = 0,  /* rows sized by the exchanged counts: the fewest bytes; CUDA: one host sync a forward */
+    DSK_MOE_EP_BOUNDED = 1 /* a fixed block of rows per peer (the worst case), the counts on the device: no host
+                              sync (CUDA graphs), more bytes */
+} dsk_moe_ep_dispatch;
 
 /* The routing configuration: what every MoE step of the math below takes instead of positional
    flags (the layer resolves it from its options into dsk_moe.routing). A new score function is
@@ -250,6 +262,7 @@ typedef struct dsk_moe_opts {
     dsk_moe_drop drop;       /* [DSK_MOE_DROP_PROB] */
     dsk_dtype dtype;         /* parameters, x, y, dx, dy: DSK_F32 or DSK_BF16 [DSK_F32] */
     dsk_comm *ep;            /* expert-parallel group [NULL = every expert local] */
+    dsk_moe_ep_dispatch ep_dispatch; /* [DSK_MOE_EP_EXACT]; BOUNDED needs the same T on every rank of the group */
     float init_std;          /* dsk_moe_init_param: weights ~ N(0, init_std) [0.02] (router, experts, shared) */
     uint64_t seed;           /* dsk_moe_init_param's stream [0]; expert e gets the same numbers at any EP size */
 } dsk_moe_opts;
@@ -777,6 +790,29 @@ static inline DSK_HD void dsk__moe_plan_row(int64_t j, int K, int32_t n_kept, co
     row_gate[j] = j < n_kept ? gate[perm[j]] : 0.0f;
 }
 
+/* Bounded expert-parallel dispatch: peer r's block of Cp send rows holds the kept rows of its experts
+   [r El, (r+1) El) (kept order, off (P El + 1) their offsets) and zero rows after them. For send row q:
+   *row = its kept row or -1, *key = the receiving rank's local expert of that row or -1. */
+static inline DSK_HD void dsk__moe_ep_slot(int64_t q, int El, int64_t Cp, const int32_t *off, int32_t *row,
+                                           int32_t *key) {
+    int64_t r = q / Cp, j = off[r * El] + q % Cp;
+    int e = (int)(r * El);
+    *row = -1;
+    *key = -1;
+    if (j >= off[(r + 1) * El]) return;
+    while (off[e + 1] <= j) e++;
+    *row = (int32_t)j;
+    *key = (int32_t)(e - r * El);
+}
+
+/* ... and the inverse: the send row of kept row j (-1 at j >= the kept rows). */
+static inline DSK_HD int32_t dsk__moe_ep_unslot(int64_t j, int P, int El, int64_t Cp, const int32_t *off) {
+    int r = 0;
+    if (j >= off[P * El]) return -1;
+    while (off[(r + 1) * El] <= j) r++;
+    return (int32_t)(r * Cp + j - off[r * El]);
+}
+
 /* The counts of a forward (one thread): cnt[0] tokens, [1] slots dropped by capacity, [2]
    tokens with non-finite routing (their K slots were left out of the sort), [3, 3 + E)
    selections per expert, [3 + E, 3 + 2E) kept slots per expert; from the offsets of the full
@@ -943,6 +979,11 @@ enum dsk__moe_buf_id {
     DSK__MOE_LOCAL_OFF, /* (n_local + 1) i32 local experts' row segments (EP) */
     DSK__MOE_RG,        /* (R) i32 expert-major row -> received row (EP) */
     DSK__MOE_RGI,       /* (R) i32 its inverse (EP) */
+    DSK__MOE_EP_PAD,    /* (R = P Cp) i32 bounded EP: send row -> kept row or -1 (dsk__moe_ep_slot) */
+    DSK__MOE_EP_SKEY,   /* (R) i32 the receiver's local expert of each send row, -1 */
+    DSK__MOE_EP_RKEY,   /* (R) i32 the keys received */
+    DSK__MOE_EP_UNPAD,  /* (TK) i32 kept row -> send row, -1 */
+    DSK__MOE_STAGE2,    /* (R, D) act rows received (bounded EP) */
     DSK__MOE_WA,        /* act copies of w1 w2 w3 sw1 sw2 sw3 when their dtype is not act: 6 ids */
     DSK__MOE_WA_END = DSK__MOE_WA + 6,
     /* backward */
@@ -1007,6 +1048,7 @@ static void dsk__moe_spec(const dsk_moe *m, int id, int64_t T, int64_t R, dsk_dt
     int64_t N = m->st->N; /* the loss span's rows (sequences of the sequence-wise loss) */
     int64_t L = o->seq_aux_alpha > 0 && o->seq_len ? o->seq_len : (N > 0 ? N : 1), NS = N / L > 0 ? N / L : 1;
     int ep = m->ep_size > 1, shared = Fs > 0, losses = o->aux_alpha > 0 || o->seq_aux_alpha > 0 || o->z_beta > 0;
+    int bounded = ep && o->ep_dispatch == DSK_MOE_EP_BOUNDED;
     *dt = act;
     *cols = 0;
     *rows = 0;
@@ -1054,6 +1096,20 @@ static void dsk__moe_spec(const dsk_moe *m, int id, int64_t T, int64_t R, dsk_dt
     case DSK__MOE_RECV_CNT: *dt = DSK_I64; *rows = ep ? (int64_t)m->ep_size * m->n_local : 0; break;
     case DSK__MOE_LOCAL_OFF: *dt = DSK_I32; *rows = ep ? m->n_local + 1 : 0; break;
     case DSK__MOE_RG: case DSK__MOE_RGI: *dt = DSK_I32; *rows = ep ? R : 0; break;
+    case DSK__MOE_EP_PAD:
+    case DSK__MOE_EP_SKEY:
+    case DSK__MOE_EP_RKEY:
+        *dt = DSK_I32;
+        *rows = bounded ? R : 0;
+        break;
+    case DSK__MOE_EP_UNPAD:
+        *dt = DSK_I32;
+        *rows = bounded ? TK : 0;
+        break;
+    case DSK__MOE_STAGE2:
+        *rows = bounded ? R : 0;
+        *cols = D;
+        break;
     case DSK__MOE_DYA: *rows = act != o->dtype ? T : 0; *cols = D; break;
     case DSK__MOE_DXF: *dt = DSK_F32; *rows = T; *cols = D; break;
     case DSK__MOE_DU: *dt = DSK_F32; *rows = T; *cols = E; break;
@@ -1207,6 +1263,9 @@ static dsk_status dsk__moe_resolve(dsk_moe_opts *o, int ep_size) {
         return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": init_std %g must be finite and >= 0", fn, o->name,
                              (double)o->init_std);
     if (!o->init_std) o->init_std = 0.02f;
+    if (o->ep_dispatch != DSK_MOE_EP_EXACT && o->ep_dispatch != DSK_MOE_EP_BOUNDED)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": unknown ep_dispatch %d (exact 0, bounded 1)", fn, o->name,
+                             (int)o->ep_dispatch);
     if (o->n_routed % ep_size)
         return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": n_routed %d not divisible by the expert-parallel size %d",
                              fn, o->name, o->n_routed, ep_size);
@@ -1523,6 +1582,23 @@ static int64_t dsk__moe_rows_bound(const dsk_moe *m, int64_t T) {
     return cap * m->opts.n_routed < TK ? cap * m->opts.n_routed : TK;
 }
 
+/* Bounded expert parallelism: rows each rank sends each peer at most, Cp = T min(K, E/P) (a token's
+   experts are distinct), or E/P * C under capacity C per expert when that is fewer. */
+static int64_t dsk__moe_peer_rows(const dsk_moe *m, int64_t T) {
+    int64_t K = m->opts.top_k, El = m->n_local, cp = T * (K < El ? K : El), cap;
+    if (m->opts.capacity_factor <= 0) return cp;
+    cap = (int64_t)ceil((double)(T * K) / m->opts.n_routed * m->opts.capacity_factor);
+    return cap * El < cp ? cap * El : cp;
+}
+
+/* Rows of expert work for T tokens as the buffers are first sized: bounded EP P Cp, exact EP T*K (the
+   counts may say more), without EP dsk__moe_rows_bound. */
+static int64_t dsk__moe_rows_first(const dsk_moe *m, int64_t T) {
+    if (m->ep_size <= 1) return dsk__moe_rows_bound(m, T);
+    if (m->opts.ep_dispatch == DSK_MOE_EP_BOUNDED) return m->ep_size * dsk__moe_peer_rows(m, T);
+    return T * m->opts.top_k;
+}
+
 DSK_API dsk_status dsk_moe_reserve(dsk_moe *m, dsk_ctx *ctx, int64_t max_tokens) {
     dsk_tensor t;
     DSK__TRY(dsk__moe_need_layer(m, "dsk_moe_reserve"));
@@ -1532,8 +1608,7 @@ DSK_API dsk_status dsk_moe_reserve(dsk_moe *m, dsk_ctx *ctx, int64_t max_tokens)
     m->st->have_fwd = m->st->bwd_done = m->st->have_route = 0; /* buffers may move */
     m->st->N = m->st->span_on && m->st->span_rows > max_tokens ? m->st->span_rows : max_tokens; /* sequences */
     for (int id = 0; id < DSK__MOE_LOAD; id++)
-        DSK__TRY(dsk__moe_buf(m, ctx, id, max_tokens, m->ep_size > 1 ? max_tokens * m->opts.top_k
-                                                                     : dsk__moe_rows_bound(m, max_tokens), &t));
+        DSK__TRY(dsk__moe_buf(m, ctx, id, max_tokens, dsk__moe_rows_first(m, max_tokens), &t));
     return DSK_OK;
 }
 
@@ -1719,6 +1794,32 @@ static dsk_status dsk__moe_count(dsk_moe *m, dsk_ctx *ctx, int64_t T, const dsk_
     DSK__MOE_ON_CUDA(m, dsk_cuda_moe_counts(ctx, T, m->opts.top_k, m->opts.n_routed, DSK__MOE_I32(*off_all),
                                             DSK__MOE_I32(*off), DSK__MOE_I64(*cnt)));
     dsk__moe_counts(T, m->opts.top_k, m->opts.n_routed, DSK__MOE_I32(*off_all), DSK__MOE_I32(*off), DSK__MOE_I64(*cnt));
+    return DSK_OK;
+}
+
+/* Bounded EP: pad, skey (P Cp) by dsk__moe_ep_slot and unpad (TK) by dsk__moe_ep_unslot from the kept
+   offsets off (E + 1). */
+static dsk_status dsk__moe_ep_index(dsk_moe *m, dsk_ctx *ctx, int64_t Cp, int64_t TK, const dsk_tensor *off,
+                                    dsk_tensor *pad, dsk_tensor *skey, dsk_tensor *unpad) {
+    int P = m->ep_size, El = m->n_local;
+    const int32_t *o = DSK__MOE_I32(*off);
+    DSK__MOE_ON_CUDA(
+        m, dsk_cuda_moe_ep_index(ctx, P, El, Cp, TK, o, DSK__MOE_I32(*pad), DSK__MOE_I32(*skey), DSK__MOE_I32(*unpad)));
+    for (int64_t q = 0; q < P * Cp; q++)
+        dsk__moe_ep_slot(q, El, Cp, o, DSK__MOE_I32(*pad) + q, DSK__MOE_I32(*skey) + q);
+    for (int64_t j = 0; j < TK; j++) DSK__MOE_I32(*unpad)[j] = dsk__moe_ep_unslot(j, P, El, Cp, o);
+    return DSK_OK;
+}
+
+/* rgi (n) = the inverse of rg's first loff[El] entries (rgi[rg[j]] = j), -1 elsewhere. */
+static dsk_status dsk__moe_ep_inverse(dsk_moe *m, dsk_ctx *ctx, int64_t n, const dsk_tensor *rg, const dsk_tensor *loff,
+                                      dsk_tensor *rgi) {
+    const int32_t *g = DSK__MOE_I32(*rg);
+    int32_t *gi = DSK__MOE_I32(*rgi), used;
+    DSK__MOE_ON_CUDA(m, dsk_cuda_moe_ep_inverse(ctx, m->n_local, n, g, DSK__MOE_I32(*loff), gi));
+    used = DSK__MOE_I32(*loff)[m->n_local];
+    for (int64_t q = 0; q < n; q++) gi[q] = -1;
+    for (int32_t j = 0; j < used; j++) gi[g[j]] = j;
     return DSK_OK;
 }
 
@@ -2028,11 +2129,64 @@ static dsk_status dsk__moe_ep_counts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor 
     return dsk__moe_to_device(m, ctx, rgi.data, st->h_rg + *R, (size_t)*R * sizeof(int32_t));
 }
 
+/* Bounded EP after the dispatch (no host sync): the group's totals (cntg), the send layout
+   (EP_PAD, EP_UNPAD), the local expert of every row received (the keys travel beside the rows, in
+   a fixed-size all-to-all), and from them, on the device, the regroup index RG (a stable sort of
+   the received rows by local expert: each expert's rows by source rank, then in the source's kept
+   order, as the exact exchange places them), its inverse RGI and the local offsets. */
+static dsk_status dsk__moe_ep_bounded(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *off, const dsk_tensor *cnt,
+                                      dsk_tensor *cntg) {
+    struct dsk__moe_state *st = m->st;
+    int64_t T = st->T, R = st->R, Cp = R / m->ep_size, E = m->opts.n_routed;
+    dsk_tensor pad, skey, rkey, unpad, rg, rgi, loff;
+    DSK__TRY(dsk_comm_all_reduce(m->opts.ep, ctx, cnt->data, cntg->data, 3 + E, DSK_I64, DSK_COMM_SUM));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_EP_PAD, T, R, &pad));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_EP_SKEY, T, R, &skey));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_EP_RKEY, T, R, &rkey));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_EP_UNPAD, T, R, &unpad));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RG, T, R, &rg));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RGI, T, R, &rgi));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_LOCAL_OFF, T, R, &loff));
+    DSK__TRY(dsk__moe_ep_index(m, ctx, Cp, T * m->opts.top_k, off, &pad, &skey, &unpad));
+    DSK__TRY(dsk_comm_all_to_all(m->opts.ep, ctx, skey.data, rkey.data, Cp, DSK_I32));
+    DSK__TRY(dsk_group_by_key(ctx, &rg, &loff, &rkey));
+    return dsk__moe_ep_inverse(m, ctx, R, &rg, &loff, &rgi);
+}
+
+/* Bounded EP: rows (kept order) -> each peer's block of Cp rows -> dst (R), expert-major (rows past
+   the received ones zero). */
+static dsk_status dsk__moe_to_experts_bounded(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
+    struct dsk__moe_state *st = m->st;
+    dsk_tensor send, recv, pad = dsk__moe_saved(m, DSK__MOE_EP_PAD), rg = dsk__moe_saved(m, DSK__MOE_RG);
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->T, st->R, &send));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE2, st->T, st->R, &recv));
+    send = dsk__moe_rows(&send, st->R);
+    DSK__TRY(dsk_gather_rows_scaled(ctx, &send, rows, &pad, NULL));
+    DSK__TRY(
+        dsk_comm_all_to_all(m->opts.ep, ctx, send.data, recv.data, st->R / m->ep_size * m->opts.d_model, rows->dtype));
+    return dsk_gather_rows_scaled(ctx, dst, &recv, &rg, NULL);
+}
+
+/* ... and back: rows (R, expert-major) to their sources' blocks, then into dst (kept order). */
+static dsk_status dsk__moe_from_experts_bounded(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
+    struct dsk__moe_state *st = m->st;
+    dsk_tensor send, recv, rgi = dsk__moe_saved(m, DSK__MOE_RGI), unpad = dsk__moe_saved(m, DSK__MOE_EP_UNPAD);
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE2, st->T, st->R, &send));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->T, st->R, &recv));
+    recv = dsk__moe_rows(&recv, st->R);
+    unpad = dsk__moe_rows(&unpad, dst->shape[0]);
+    DSK__TRY(dsk_gather_rows_scaled(ctx, &send, rows, &rgi, NULL));
+    DSK__TRY(
+        dsk_comm_all_to_all(m->opts.ep, ctx, send.data, recv.data, st->R / m->ep_size * m->opts.d_model, rows->dtype));
+    return dsk_gather_rows_scaled(ctx, dst, &recv, &unpad, NULL);
+}
+
 /* Rows (n_kept of them, kept order) to their experts' ranks, regrouped expert-major into dst (R). */
 static dsk_status dsk__moe_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
     struct dsk__moe_state *st = m->st;
     int P = m->ep_size;
     dsk_tensor stage, rg;
+    if (m->opts.ep_dispatch == DSK_MOE_EP_BOUNDED) return dsk__moe_to_experts_bounded(m, ctx, rows, dst);
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->T, st->R, &stage));
     rg = dsk__moe_saved(m, DSK__MOE_RG);
     DSK__TRY(dsk_comm_all_to_all_v(m->opts.ep, ctx, rows->data, st->a2a, st->a2a + P, stage.data, st->a2a + 2 * P,
@@ -2046,6 +2200,7 @@ static dsk_status dsk__moe_from_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tens
     struct dsk__moe_state *st = m->st;
     int P = m->ep_size;
     dsk_tensor stage, rgi;
+    if (m->opts.ep_dispatch == DSK_MOE_EP_BOUNDED) return dsk__moe_from_experts_bounded(m, ctx, rows, dst);
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->T, st->R, &stage));
     rgi = dsk__moe_saved(m, DSK__MOE_RGI);
     stage = dsk__moe_rows(&stage, st->R);
@@ -2151,7 +2306,7 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     dsk_tensor xf, xa, u, prob, scr, sel, gate, keys, perm_all, off_all, perm, off, pos, row_tok, row_gate, cnt, cntg;
     dsk_tensor xs, xr, h1, h3, a, ob, hs1, hs3, as, ys, w[6], offsets;
     dsk__moe_loss_bufs lb;
-    R = ep ? TK : dsk__moe_rows_bound(m, T); /* sizes the buffers until the counts say more */
+    R = dsk__moe_rows_first(m, T); /* sizes the buffers (exact EP: until the counts say more) */
     st->T = T;
     st->R = R;
     st->N = N;
@@ -2208,7 +2363,8 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     n_kept = cpu ? DSK__MOE_I32(off)[E] : -1;
     if (ep) {
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_CNTG, T, R, &cntg));
-        DSK__TRY(dsk__moe_ep_counts(m, ctx, &cnt, &cntg, &n_kept, &R));
+        if (o->ep_dispatch == DSK_MOE_EP_BOUNDED) DSK__TRY(dsk__moe_ep_bounded(m, ctx, &off, &cnt, &cntg));
+        else DSK__TRY(dsk__moe_ep_counts(m, ctx, &cnt, &cntg, &n_kept, &R));
         st->R = R;
         offsets = dsk__moe_saved(m, DSK__MOE_LOCAL_OFF);
     } else if (cpu) {
@@ -2241,7 +2397,7 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     if (ep) {
         dsk_tensor back;
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_OB, T, R, &back));
-        back = dsk__moe_rows(&back, n_kept);
+        back = dsk__moe_rows(&back, n_rows);
         DSK__TRY(dsk__moe_from_experts(m, ctx, &ob, &back));
         ob = back;
     }
@@ -2285,7 +2441,7 @@ static dsk_status dsk__moe_backward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *d
     dsk_tensor w[6], dya, dxf, dgate, du, dos, dor, da, dh1, dh3, dxr, dxp;
     row_tok = dsk__moe_rows(&row_tok, n_rows);
     row_gate = dsk__moe_rows(&row_gate, n_rows);
-    if (ep) ob = dsk__moe_rows(&ob, st->n_kept);
+    if (ep) ob = dsk__moe_rows(&ob, n_rows);
     DSK__TRY(dsk__moe_weights_act(m, ctx, w));
     DSK__TRY(dsk__moe_act_input(m, ctx, DSK__MOE_DYA, dy, NULL, &dya));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DXF, T, R, &dxf));
@@ -2334,7 +2490,7 @@ static dsk_status dsk__moe_backward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *d
                                          &xr, &h1, &h3, &a, &w[0], &w[1], &w[2], &offsets));
     if (ep) {
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DXP, T, R, &dxp));
-        dxp = dsk__moe_rows(&dxp, st->n_kept);
+        dxp = dsk__moe_rows(&dxp, n_rows);
         DSK__TRY(dsk__moe_from_experts(m, ctx, &dxr, &dxp));
     } else {
         dxp = dxr;

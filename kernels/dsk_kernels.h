@@ -153,6 +153,12 @@ dsk_status dsk_cuda_moe_capacity(dsk_ctx *ctx, int E, int drop, int64_t cap, int
 /* pos (TK) = kept row of each slot or -1; row_tok, row_gate (n_rows) by dsk__moe_plan_row. */
 dsk_status dsk_cuda_moe_plan(dsk_ctx *ctx, int E, int K, int64_t TK, int64_t n_rows, const int32_t *perm,
                              const int32_t *off, const float *gate, int32_t *pos, int32_t *row_tok, float *row_gate);
+/* Bounded EP: pad, skey (P Cp) by dsk__moe_ep_slot, unpad (TK) by dsk__moe_ep_unslot; rgi (n) = the inverse
+   of rg's first loff[El] entries, -1 elsewhere. */
+dsk_status dsk_cuda_moe_ep_index(dsk_ctx *ctx, int P, int El, int64_t Cp, int64_t TK, const int32_t *off, int32_t *pad,
+                                 int32_t *skey, int32_t *unpad);
+dsk_status dsk_cuda_moe_ep_inverse(dsk_ctx *ctx, int El, int64_t n, const int32_t *rg, const int32_t *loff,
+                                   int32_t *rgi);
 /* cnt (3 + 2E) by dsk__moe_counts (one thread). */
 dsk_status dsk_cuda_moe_counts(dsk_ctx *ctx, int64_t T, int K, int E, const int32_t *off_all, const int32_t *off,
                                int64_t *cnt);

@@ -1318,6 +1318,9 @@ static void test_bad_config(void) {
     b = o; b.capacity_factor = -1; expect_init_error(b, "capacity_factor -1");
     b = o; b.score = (dsk_moe_score)7; expect_init_error(b, "unknown score function 7");
     b = o; b.group_rule = (dsk_moe_group_rule)3; expect_init_error(b, "unknown group rule 3");
+    b = o;
+    b.ep_dispatch = (dsk_moe_ep_dispatch)2;
+    expect_init_error(b, "unknown ep_dispatch 2");
     b = o; b.n_group = 4; b.topk_group = 3; b.group_rule = DSK_MOE_GROUP_MEGATRON;
     expect_init_error(b, "top_k 2 < topk_group 3 sums none");
     b = o; b.name = "x"; b.n_routed = 0; expect_init_error(b, "layer \"x\": n_routed 0");
@@ -1412,8 +1415,75 @@ static int ep_nonfinite(dsk_moe *m, int rank, const float *x_rows) {
     return ok;
 }
 
+/* One step (forward, backward, bias update over c) of a fresh layer of options o on this rank's rows:
+   y, dx, the gradient slab, the loads and the dropped count, then the updated bias, appended to buf
+   (malloc'd, *len floats). */
+static int ep_step_record(dsk_comm *c, dsk_moe_opts o, const float *x_rows, const float *dy_rows, float **buf,
+                          size_t *len) {
+    dsk_moe m;
+    owned own;
+    dsk_tensor x, y, dx, dy;
+    int64_t shp[2] = {EP_T, EP_D}, ng;
+    dsk_moe_stats st;
+    size_t at;
+    int rc = 0;
+    if (make_layer(&m, &own, &o) != DSK_OK) return 1;
+    ng = dsk_tensor_numel(&own.grads);
+    *len = (size_t)(2 * EP_T * EP_D + ng + EP_E + 1 + EP_E);
+    *buf = (float *)malloc(sizeof(float) * *len);
+    for (size_t i = 0; i < *len; i++) (*buf)[i] = NAN; /* poisoned */
+    dsk_tensor_wrap(&x, (void *)x_rows, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&dy, (void *)dy_rows, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&y, *buf, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&dx, *buf + EP_T * EP_D, DSK_F32, dsk_cpu(), 2, shp);
+    memset(dx.data, 0, sizeof(float) * EP_T * EP_D);
+    if (dsk_moe_forward(&m, NULL, &y, &x, &st) != DSK_OK || dsk_moe_backward(&m, NULL, &dx, &dy, 1.0f) != DSK_OK ||
+        dsk_moe_update_bias(&m, NULL, c) != DSK_OK) {
+        rc = 2;
+        goto done;
+    }
+    at = 2 * EP_T * EP_D;
+    memcpy(*buf + at, own.grads.data, sizeof(float) * (size_t)ng);
+    at += (size_t)ng;
+    for (int e = 0; e < EP_E; e++) (*buf)[at++] = (float)st.tokens_per_expert[e];
+    (*buf)[at++] = (float)st.dropped;
+    memcpy(*buf + at, m.bias->value.data, sizeof(float) * EP_E);
+done:
+    drop_layer(&m, &own);
+    return rc;
+}
+
+/* The bounded exchange (DSK_MOE_EP_BOUNDED) gives the exact one's results bit for bit, dropless and
+   under capacity (which must drop slots here): 1, or 0 with the differences on stderr. */
+static int ep_bounded_same(dsk_comm *c, dsk_moe_opts o, int rank, const float *x_rows, const float *dy_rows) {
+    int ok = 1;
+    for (int cap = 0; cap < 2; cap++) {
+        float *a = NULL, *b = NULL;
+        size_t na = 0, nb = 0;
+        o.capacity_factor = cap ? 0.75f : 0.0f;
+        o.ep_dispatch = DSK_MOE_EP_EXACT;
+        if (ep_step_record(c, o, x_rows, dy_rows, &a, &na)) ok = 0;
+        o.ep_dispatch = DSK_MOE_EP_BOUNDED;
+        if (ep_step_record(c, o, x_rows, dy_rows, &b, &nb)) ok = 0;
+        if (ok && (na != nb || memcmp(a, b, sizeof(float) * na) != 0)) {
+            size_t i = 0;
+            while (i < na && !memcmp(a + i, b + i, sizeof(float))) i++;
+            fprintf(stderr, "rank %d capacity %d: bounded differs from exact at float %zu of %zu: %g vs %g\n", rank,
+                    cap, i, na, i < na ? (double)b[i] : 0.0, i < na ? (double)a[i] : 0.0);
+            ok = 0;
+        }
+        if (ok && cap && !(a[na - EP_E - 1] > 0)) {
+            fprintf(stderr, "rank %d: capacity 0.75 dropped no slot\n", rank);
+            ok = 0;
+        }
+        free(a);
+        free(b);
+    }
+    return ok;
+}
+
 static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx, const float *gdy, float *out,
-                        int *bad_cfg_ok, int *nonfinite_ok) {
+                        int *bad_cfg_ok, int *nonfinite_ok, int *bounded_ok) {
     dsk_comm c;
     dsk_comm_opts co;
     dsk_moe m;
@@ -1448,6 +1518,7 @@ static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx,
     memcpy(out + ep_per_rank(n) - EP_E, m.bias->value.data, sizeof(float) * EP_E);
     *nonfinite_ok = ep_nonfinite(&m, rank, gx + rank * EP_T * EP_D);
     drop_layer(&m, &own);
+    *bounded_ok = ep_bounded_same(&c, o, rank, gx + rank * EP_T * EP_D, gdy + rank * EP_T * EP_D);
     dsk_comm_free(&c);
     return 0;
 }
@@ -1457,7 +1528,8 @@ typedef struct ep_job {
     int n, sigmoid, NT;
     size_t per_rank, bytes;
     float *shm, *gx, *gdy;
-    int *flags;      /* [r]: rank r exit status, [32 + r]: bad EP configuration reported, [48 + r]: NaN reported */
+    int *flags; /* [r]: rank r exit status, [32 + r]: bad EP configuration reported, [48 + r]: NaN reported,
+                        [16 + r]: the bounded exchange gave the exact one's bits */
     int port_ok;
 } ep_job;
 
@@ -1496,7 +1568,7 @@ static void ep_run(ep_job *j, int n, int sigmoid) {
         pid_t pid = fork();
         if (pid == 0) {
             int rc = ep_rank_main(r, n, port, sigmoid, j->gx, j->gdy, ep_result(j, r), &j->flags[32 + r],
-                                  &j->flags[48 + r]);
+                                  &j->flags[48 + r], &j->flags[16 + r]);
             if (rc) fprintf(stderr, "rank %d: step %d failed: %s\n", r, rc, dsk_last_error());
             _exit(rc);
         }
@@ -1517,7 +1589,8 @@ static void ep_check(ep_job *j) {
     dsk_tensor y, dx;
     dsk_moe_stats st;
     int64_t shp[2] = {NT, EP_D};
-    dsk_test_begin("expert parallel %s over %d ranks = 1 rank", j->sigmoid ? "sigmoid+groups" : "softmax", n);
+    dsk_test_begin("expert parallel %s over %d ranks = 1 rank, bounded exchange = exact",
+                   j->sigmoid ? "sigmoid+groups" : "softmax", n);
     memset(&y, 0, sizeof y); memset(&dx, 0, sizeof dx);
     DSK_TEST_OK(make_layer(&ref, &own, &o));
     if (!j->port_ok) { dsk_test_fail_at(__FILE__, __LINE__, "no free port: %s", dsk_last_error()); goto out; }
@@ -1526,6 +1599,8 @@ static void ep_check(ep_job *j) {
         DSK_TEST_EXPECT(j->flags[32 + r] == 1, "rank %d: E not divisible by the EP size was not reported", r);
         DSK_TEST_EXPECT(j->flags[48 + r] == 1, "rank %d: a NaN token on rank 0 did not fail the forward on every rank",
                         r);
+        DSK_TEST_EXPECT(j->flags[16 + r] == 1,
+                        "rank %d: the bounded exchange (dropless, capacity 0.75) differs from the exact one", r);
     }
     one_layer_step(&ref, j->gx, j->gdy, shp, &y, &dx, &st);
     for (int r = 0; r < n; r++) {
