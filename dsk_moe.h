@@ -45,7 +45,11 @@
      layer always has its bias b; without a bias V3 takes the largest c), for either score
      function; DSK_MOE_GROUP_MAX the largest c (DeepSeek-V2); DSK_MOE_GROUP_MEGATRON the sum
      of its top_k / topk_group largest c (Megatron-Core). The topk_group best groups are kept
-     (ties: lower group index) and every other expert is set to -inf.
+     (ties: lower group index) and every other expert is set to -inf. opts.node_limit = M is
+     DeepSeek-V3's node-limited routing ("each token to at most M nodes", the nodes ranked by the
+     sum of their top K/M affinities): the groups are the nodes of the expert-parallel group
+     (ranks numbered node by node), M kept, DSK_MOE_GROUP_MEGATRON's rule; its n_group in
+     checkpoints is then the number of nodes. stats.rows_off_node counts what crosses nodes.
      The top_k largest c are selected (ties: lower expert index), in descending order; that
      order is the token's slot order. Weights g_k = scale * p_k / (sum of selected p + 1e-20)
      with normalisation, g_k = scale * p_k without; the bias never enters g or its gradient.
@@ -263,6 +267,10 @@ typedef struct dsk_moe_opts {
     dsk_dtype dtype;         /* parameters, x, y, dx, dy: DSK_F32 or DSK_BF16 [DSK_F32] */
     dsk_comm *ep;            /* expert-parallel group [NULL = every expert local] */
     dsk_moe_ep_dispatch ep_dispatch; /* [DSK_MOE_EP_EXACT]; BOUNDED needs the same T on every rank of the group */
+    int node_limit;                  /* M > 0: each token's experts on at most M nodes of ep (DeepSeek-V3's node-limited
+                                routing): group-limited routing with the ep group's nodes as the groups, ranked by
+                                the sum of their top_k / M largest c (DSK_MOE_GROUP_MEGATRON's rule) [0: none];
+                                ep's ranks numbered node by node, n_group and topk_group left 0 */
     float init_std;          /* dsk_moe_init_param: weights ~ N(0, init_std) [0.02] (router, experts, shared) */
     uint64_t seed;           /* dsk_moe_init_param's stream [0]; expert e gets the same numbers at any EP size */
 } dsk_moe_opts;
@@ -307,6 +315,9 @@ typedef struct dsk_moe_stats {
     int64_t slots;                    /* routed (token, expert) pairs over the EP group, T*K summed */
     int64_t dropped;                  /* slots dropped by capacity over the EP group */
     int64_t nonfinite;                /* tokens with NaN/Inf routing (CUDA; the CPU fails the forward) */
+    int64_t rows_off_node;            /* expert parallelism: rows this rank's dispatch sent to ranks on other
+                                         nodes (exact: its kept rows; bounded: the whole blocks); combine and
+                                         backward's two exchanges move as many again each */
     const int64_t *tokens_per_expert; /* (E) slots each expert was selected for, EP group; owned by the layer */
     double max_load, mean_load;       /* max and mean of tokens_per_expert */
     double aux_loss, seq_aux_loss, z_loss; /* the loss span's loss terms (coefficients included) */
@@ -1272,6 +1283,35 @@ static dsk_status dsk__moe_resolve(dsk_moe_opts *o, int ep_size) {
     return DSK_OK;
 }
 
+/* Node-limited routing (opts.node_limit = M) as group-limited routing: the ep group's nodes are the
+   groups (expert parallelism places experts in rank order, so node g holds group g when ranks are
+   numbered node by node), M kept, each ranked by its top_k / M largest selection scores. */
+static dsk_status dsk__moe_node_groups(dsk_moe_opts *o) {
+    const char *fn = "dsk_moe_init", *name = o->name ? o->name : "moe";
+    const dsk_comm *c = o->ep;
+    if (!o->node_limit) return DSK_OK;
+    if (o->node_limit < 0 || !c)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": node_limit %d needs an expert-parallel group and M > 0",
+                             fn, name, o->node_limit);
+    if (o->n_group > 1 || o->topk_group)
+        return dsk_set_error(DSK_ERR_ARG,
+                             "%s: layer \"%s\": node_limit %d sets the groups; n_group %d, topk_group "
+                             "%d must be 0",
+                             fn, name, o->node_limit, o->n_group, o->topk_group);
+    if (c->world_size % c->n_nodes || c->node != c->rank / (c->world_size / c->n_nodes))
+        return dsk_set_error(DSK_ERR_ARG,
+                             "%s: layer \"%s\": node_limit needs the expert-parallel ranks numbered "
+                             "node by node on nodes of equal size (rank %d of %d is on node %d of %d)",
+                             fn, name, c->rank, c->world_size, c->node, c->n_nodes);
+    if (o->node_limit > c->n_nodes || o->top_k < o->node_limit)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": node_limit %d must be <= the %d nodes and <= top_k %d", fn,
+                             name, o->node_limit, c->n_nodes, o->top_k);
+    o->n_group = c->n_nodes;
+    o->topk_group = o->node_limit;
+    o->group_rule = DSK_MOE_GROUP_MEGATRON;
+    return DSK_OK;
+}
+
 /* The routing configuration of resolved options. */
 static dsk_moe_router dsk__moe_router_of(const dsk_moe_opts *o) {
     dsk_moe_router r;
@@ -1380,7 +1420,8 @@ DSK_API dsk_status dsk_moe_init(dsk_moe *m, dsk_ctx *ctx, const dsk_moe_opts *op
         m->ep_rank = opts->ep->rank;
         m->ep_size = opts->ep->world_size;
     }
-    s = dsk__moe_resolve(&m->opts, m->ep_size);
+    s = dsk__moe_node_groups(&m->opts);
+    if (s == DSK_OK) s = dsk__moe_resolve(&m->opts, m->ep_size);
     if (s != DSK_OK) {
         memset(m, 0, sizeof *m);
         return s;
@@ -2265,6 +2306,20 @@ static dsk_status dsk__moe_nonfinite_error(const dsk_moe *m, int64_t T, const in
                          m->opts.name, (long long)cnt_group[2]);
 }
 
+/* Rows the last forward's dispatch sent to other nodes (see dsk_moe_stats), with the ranks numbered
+   node by node (node of rank r: r / ranks per node); -1 when this rank sees otherwise. */
+static int64_t dsk__moe_rows_off_node(const dsk_moe *m) {
+    const dsk_comm *c = m->opts.ep;
+    int64_t n = 0, L;
+    if (m->ep_size <= 1) return 0;
+    L = c->n_nodes > 0 && c->world_size % c->n_nodes == 0 ? c->world_size / c->n_nodes : 0;
+    if (!L || c->node != c->rank / L) return -1;
+    for (int r = 0; r < m->ep_size; r++)
+        if (r / L != c->node)
+            n += m->opts.ep_dispatch == DSK_MOE_EP_BOUNDED ? m->st->R / m->ep_size : m->st->send_rows[r];
+    return n;
+}
+
 /* A forward's statistics from its counts (EP group) and this rank's losses, on the host. */
 static dsk_status dsk__moe_fill_stats(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *cntg, const dsk_tensor *loss,
                                       dsk_moe_stats *s) {
@@ -2281,6 +2336,7 @@ static dsk_status dsk__moe_fill_stats(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor
     s->slots = c[0] * m->opts.top_k;
     s->dropped = c[1];
     s->nonfinite = c[2];
+    s->rows_off_node = dsk__moe_rows_off_node(m);
     for (int e = 0; e < E; e++) {
         st->fwd_loads[e] = c[3 + e];
         s->max_load = (double)c[3 + e] > s->max_load ? (double)c[3 + e] : s->max_load;

@@ -1321,6 +1321,12 @@ static void test_bad_config(void) {
     b = o;
     b.ep_dispatch = (dsk_moe_ep_dispatch)2;
     expect_init_error(b, "unknown ep_dispatch 2");
+    b = o;
+    b.node_limit = 1;
+    expect_init_error(b, "node_limit 1 needs an expert-parallel group");
+    b = o;
+    b.node_limit = -1;
+    expect_init_error(b, "node_limit -1 needs an expert-parallel group and M > 0");
     b = o; b.n_group = 4; b.topk_group = 3; b.group_rule = DSK_MOE_GROUP_MEGATRON;
     expect_init_error(b, "top_k 2 < topk_group 3 sums none");
     b = o; b.name = "x"; b.n_routed = 0; expect_init_error(b, "layer \"x\": n_routed 0");
@@ -1482,8 +1488,101 @@ static int ep_bounded_same(dsk_comm *c, dsk_moe_opts o, int rank, const float *x
     return ok;
 }
 
+/* Node-limited routing (node_limit 1, the ranks on two emulated hosts) against a float64 reference of the
+   rule: node q's score is the sum of its top K/M selection scores c = p + b, the best M nodes are kept, the
+   top K of c among their experts selected; every token's experts on one node; stats.rows_off_node = the
+   slots this rank routed to the other node, counted here from the routing. 1 if all hold. */
+static int ep_node_limited(dsk_comm *c, dsk_moe_opts o, int rank, const float *x_rows) {
+    dsk_moe m;
+    owned own;
+    dsk_tensor x, y, sel;
+    int64_t shp[2] = {EP_T, EP_D}, ss[2] = {EP_T, EP_K}, off_node = 0;
+    int ok = 1, per_node = EP_E / c->n_nodes, w = EP_K / 1;
+    float yb[EP_T * EP_D];
+    int32_t sb[EP_T * EP_K];
+    dsk_moe_stats st, fs[2];
+    o.n_group = 0;
+    o.topk_group = 0;
+    o.node_limit = 1;
+    if (make_layer(&m, &own, &o) != DSK_OK) return 0;
+    for (int e = 0; e < EP_E; e++) ((float *)m.bias->value.data)[e] = (float)dsk_test_rand(-0.05, 0.05);
+    dsk_tensor_wrap(&x, (void *)x_rows, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&y, yb, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&sel, sb, DSK_I32, dsk_cpu(), 2, ss);
+    for (int i = 0; i < EP_T * EP_K; i++) sb[i] = -7; /* poisoned */
+    if (dsk_moe_forward(&m, NULL, &y, &x, &st) != DSK_OK || dsk_moe_routing(&m, NULL, &sel) != DSK_OK) ok = 0;
+    for (int t = 0; ok && t < EP_T; t++) {
+        const float *wr = (const float *)m.router->value.data, *b = (const float *)m.bias->value.data;
+        double u[EP_E], p[EP_E], cs[EP_E], mx = -1e300, sum = 0, qs[EP_E], margin = 1e300;
+        int best = 0, taken[EP_E] = {0};
+        for (int e = 0; e < EP_E; e++) {
+            u[e] = 0;
+            for (int d = 0; d < EP_D; d++) u[e] += (double)x_rows[t * EP_D + d] * wr[e * EP_D + d];
+            mx = u[e] > mx ? u[e] : mx;
+        }
+        for (int e = 0; e < EP_E; e++) {
+            p[e] = o.score == DSK_MOE_SIGMOID ? 1 / (1 + exp(-u[e])) : exp(u[e] - mx);
+            sum += p[e];
+        }
+        for (int e = 0; e < EP_E; e++) cs[e] = (o.score == DSK_MOE_SIGMOID ? p[e] : p[e] / sum) + b[e];
+        for (int q = 0; q < c->n_nodes; q++) { /* the sum of the node's top w scores */
+            double v[EP_E];
+            qs[q] = 0;
+            for (int i = 0; i < per_node; i++) v[i] = cs[q * per_node + i];
+            for (int k = 0; k < w && k < per_node; k++) {
+                int bi = 0;
+                for (int i = 1; i < per_node; i++)
+                    if (v[i] > v[bi]) bi = i;
+                qs[q] += v[bi];
+                v[bi] = -1e300;
+            }
+        }
+        for (int q = 1; q < c->n_nodes; q++) {
+            if (fabs(qs[q] - qs[best]) < margin) margin = fabs(qs[q] - qs[best]);
+            if (qs[q] > qs[best]) best = q;
+        }
+        for (int k = 0; k < EP_K; k++) { /* top K of the kept node's experts, descending */
+            int bi = -1;
+            for (int e = best * per_node; e < (best + 1) * per_node; e++)
+                if (!taken[e] && (bi < 0 || cs[e] > cs[bi])) bi = e;
+            taken[bi] = 1;
+            if (margin > 1e-5 && sb[t * EP_K + k] != bi) {
+                fprintf(stderr, "rank %d token %d slot %d: expert %d, the rule's %d\n", rank, t, k, sb[t * EP_K + k],
+                        bi);
+                ok = 0;
+            }
+            if (sb[t * EP_K + k] / per_node != sb[t * EP_K] / per_node) {
+                fprintf(stderr, "rank %d token %d: experts on two nodes\n", rank, t);
+                ok = 0;
+            }
+            off_node += sb[t * EP_K + k] / per_node != c->node;
+        }
+    }
+    if (ok && st.rows_off_node != off_node) {
+        fprintf(stderr, "rank %d: rows_off_node %lld, counted %lld\n", rank, (long long)st.rows_off_node,
+                (long long)off_node);
+        ok = 0;
+    }
+    drop_layer(&m, &own);
+    o.node_limit = 0; /* the figure beside it: the same tokens routed without the limit, exact and bounded */
+    for (int bounded = 0; ok && bounded < 2; bounded++) {
+        o.ep_dispatch = bounded ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
+        if (make_layer(&m, &own, &o) != DSK_OK) return 0;
+        if (dsk_moe_forward(&m, NULL, &y, &x, &fs[bounded]) != DSK_OK) ok = 0;
+        drop_layer(&m, &own);
+    }
+    if (ok && rank == 0) {
+        printf("# rank 0 of 4 on 2 nodes, %d tokens, top-%d of %d experts: rows its dispatch sends to the other node: "
+               "flat %lld, node-limited (M = 1) %lld, bounded %lld\n",
+               EP_T, EP_K, EP_E, (long long)fs[0].rows_off_node, (long long)st.rows_off_node,
+               (long long)fs[1].rows_off_node);
+        fflush(stdout);
+    }
+    return ok;
+}
+
 static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx, const float *gdy, float *out,
-                        int *bad_cfg_ok, int *nonfinite_ok, int *bounded_ok) {
+                        int *bad_cfg_ok, int *nonfinite_ok, int *bounded_ok, int *node_ok) {
     dsk_comm c;
     dsk_comm_opts co;
     dsk_moe m;
@@ -1494,6 +1593,7 @@ static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx,
     dsk_moe_stats st;
     memset(&co, 0, sizeof co);
     co.backend = DSK_COMM_HOST; co.master_addr = "127.0.0.1"; co.master_port = port; co.timeout_s = 60;
+    if (n == 4) co.host_id = rank < 2 ? "ep-host-a" : "ep-host-b"; /* two emulated nodes (TCP between them) */
     if (dsk_comm_init(&c, rank, n, &co) != DSK_OK) return 2;
     o.ep = &c;
     { /* E not divisible by the EP size fails on every rank, naming both */
@@ -1501,6 +1601,20 @@ static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx,
         dsk_moe_opts b = o;
         b.n_routed = n * 2 + 1; b.top_k = 1; b.n_group = 0; b.topk_group = 0;
         *bad_cfg_ok = dsk_moe_init(&bad, NULL, &b) == DSK_ERR_ARG && strstr(dsk_last_error(), "not divisible by the expert-parallel size") != NULL;
+        if (n == 4) { /* two nodes: a node limit above them, or beside explicit groups */
+            b = o;
+            b.n_group = 0;
+            b.topk_group = 0;
+            b.node_limit = 3;
+            *bad_cfg_ok = *bad_cfg_ok && dsk_moe_init(&bad, NULL, &b) == DSK_ERR_ARG &&
+                          strstr(dsk_last_error(), "node_limit 3 must be <= the 2 nodes") != NULL;
+            b = o;
+            b.n_group = 4;
+            b.topk_group = 2;
+            b.node_limit = 1;
+            *bad_cfg_ok = *bad_cfg_ok && dsk_moe_init(&bad, NULL, &b) == DSK_ERR_ARG &&
+                          strstr(dsk_last_error(), "node_limit 1 sets the groups; n_group 4, topk_group 2") != NULL;
+        }
     }
     if (make_layer(&m, &own, &o) != DSK_OK) return 3;
     dsk_tensor_wrap(&x, (void *)(gx + rank * EP_T * EP_D), DSK_F32, dsk_cpu(), 2, shp);
@@ -1519,6 +1633,7 @@ static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx,
     *nonfinite_ok = ep_nonfinite(&m, rank, gx + rank * EP_T * EP_D);
     drop_layer(&m, &own);
     *bounded_ok = ep_bounded_same(&c, o, rank, gx + rank * EP_T * EP_D, gdy + rank * EP_T * EP_D);
+    *node_ok = n == 4 ? ep_node_limited(&c, o, rank, gx + rank * EP_T * EP_D) : 1;
     dsk_comm_free(&c);
     return 0;
 }
@@ -1529,7 +1644,7 @@ typedef struct ep_job {
     size_t per_rank, bytes;
     float *shm, *gx, *gdy;
     int *flags; /* [r]: rank r exit status, [32 + r]: bad EP configuration reported, [48 + r]: NaN reported,
-                        [16 + r]: the bounded exchange gave the exact one's bits */
+                        [16 + r]: the bounded exchange gave the exact one's bits, [24 + r]: node-limited routing */
     int port_ok;
 } ep_job;
 
@@ -1568,7 +1683,7 @@ static void ep_run(ep_job *j, int n, int sigmoid) {
         pid_t pid = fork();
         if (pid == 0) {
             int rc = ep_rank_main(r, n, port, sigmoid, j->gx, j->gdy, ep_result(j, r), &j->flags[32 + r],
-                                  &j->flags[48 + r], &j->flags[16 + r]);
+                                  &j->flags[48 + r], &j->flags[16 + r], &j->flags[24 + r]);
             if (rc) fprintf(stderr, "rank %d: step %d failed: %s\n", r, rc, dsk_last_error());
             _exit(rc);
         }
@@ -1589,7 +1704,7 @@ static void ep_check(ep_job *j) {
     dsk_tensor y, dx;
     dsk_moe_stats st;
     int64_t shp[2] = {NT, EP_D};
-    dsk_test_begin("expert parallel %s over %d ranks = 1 rank, bounded exchange = exact",
+    dsk_test_begin("expert parallel %s over %d ranks = 1 rank, bounded exchange = exact, node-limited on 4",
                    j->sigmoid ? "sigmoid+groups" : "softmax", n);
     memset(&y, 0, sizeof y); memset(&dx, 0, sizeof dx);
     DSK_TEST_OK(make_layer(&ref, &own, &o));
@@ -1601,6 +1716,7 @@ static void ep_check(ep_job *j) {
                         r);
         DSK_TEST_EXPECT(j->flags[16 + r] == 1,
                         "rank %d: the bounded exchange (dropless, capacity 0.75) differs from the exact one", r);
+        DSK_TEST_EXPECT(j->flags[24 + r] == 1, "rank %d: node-limited routing (2 emulated nodes) broke its rule", r);
     }
     one_layer_step(&ref, j->gx, j->gdy, shp, &y, &dx, &st);
     for (int r = 0; r < n; r++) {
