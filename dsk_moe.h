@@ -130,6 +130,13 @@
      all-to-all of int32); the receiver sorts the rows by local expert on the device (stable: each
      expert's rows by source rank, then in the source's order, as the exact exchange places them),
      so nothing comes back to the host and the results are the exact exchange's bits.
+     Overlap (host backend, opts.ep_overlap 1; off by default: it needs a core the ranks' compute does
+     not use, bench/RESULTS.md): a second thread runs each exchange while
+     the layer computes what does not wait on it: the shared experts during the forward's dispatch
+     and the backward's, the router's backward while the expert gradients travel back. The same bits
+     as serial (each result's arithmetic is unchanged; only independent steps move). CUDA runs the
+     exchanges on the layer's stream, serial. Not yet: chunked dispatch (experts starting on the
+     first rows to arrive), overlap across micro-batches.
      The recipe of a data-parallel step with EP (W ranks in all, EP groups of P, each expert held
      by the W/P ranks of equal ep rank, its "replica group"; each rank's loss the mean over its
      own tokens, the step's loss their mean over W; balancing losses over more than a rank's own
@@ -267,6 +274,10 @@ typedef struct dsk_moe_opts {
     dsk_dtype dtype;         /* parameters, x, y, dx, dy: DSK_F32 or DSK_BF16 [DSK_F32] */
     dsk_comm *ep;            /* expert-parallel group [NULL = every expert local] */
     dsk_moe_ep_dispatch ep_dispatch; /* [DSK_MOE_EP_EXACT]; BOUNDED needs the same T on every rank of the group */
+    int ep_overlap;                  /* 1: on the host backend a second thread runs each expert exchange while the
+                                        layer computes what does not wait on it (forward: the shared experts;
+                                        backward: the shared experts, the router); the same bits as serial; it
+                                        needs a free core (bench/RESULTS.md) [0: serial] (CUDA: always serial) */
     int node_limit;                  /* M > 0: each token's experts on at most M nodes of ep (DeepSeek-V3's node-limited
                                 routing): group-limited routing with the ep group's nodes as the groups, ranked by
                                 the sum of their top_k / M largest c (DSK_MOE_GROUP_MEGATRON's rule) [0: none];
@@ -928,6 +939,7 @@ static inline DSK_HD void dsk__moe_route_one(const dsk_moe_router *r, int64_t t,
 #ifndef DSK_MOE_IMPLEMENTATION_DONE
 #define DSK_MOE_IMPLEMENTATION_DONE
 
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #ifdef DSK_CUDA
@@ -2222,6 +2234,67 @@ static dsk_status dsk__moe_from_experts_bounded(dsk_moe *m, dsk_ctx *ctx, const 
     return dsk_gather_rows_scaled(ctx, dst, &recv, &unpad, NULL);
 }
 
+/* An exchange (dsk__moe_to_experts, or with back dsk__moe_from_experts) on a second thread, so that the
+   caller computes meanwhile (host backend: the collective takes no ctx and the gathers use none of its
+   workspace). Its buffers are sized before it starts; the thread's error message comes back at the join. */
+typedef struct dsk__moe_async {
+    dsk_moe *m;
+    dsk_ctx *ctx;
+    const dsk_tensor *rows;
+    dsk_tensor *dst;
+    int back, started;
+    pthread_t thread;
+    dsk_status st;
+    char err[1024];
+} dsk__moe_async;
+
+static dsk_status dsk__moe_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst);
+static dsk_status dsk__moe_from_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst);
+
+static void *dsk__moe_async_main(void *p) {
+    dsk__moe_async *a = (dsk__moe_async *)p;
+    a->st = a->back ? dsk__moe_from_experts(a->m, a->ctx, a->rows, a->dst)
+                    : dsk__moe_to_experts(a->m, a->ctx, a->rows, a->dst);
+    if (a->st != DSK_OK) snprintf(a->err, sizeof a->err, "%s", dsk_last_error());
+    return NULL;
+}
+
+/* Starts the exchange: on a thread when the layer overlaps, else here and now. */
+static dsk_status dsk__moe_exchange_start(dsk__moe_async *a, dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows,
+                                          dsk_tensor *dst, int back) {
+    dsk_tensor t;
+    memset(a, 0, sizeof *a);
+    a->m = m;
+    a->ctx = ctx;
+    a->rows = rows;
+    a->dst = dst;
+    a->back = back;
+    if (m->opts.ep_overlap && m->device.type == DSK_DEV_CPU) { /* no allocation on the thread */
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, m->st->T, m->st->R, &t));
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE2, m->st->T, m->st->R, &t));
+        a->started = pthread_create(&a->thread, NULL, dsk__moe_async_main, a) == 0;
+    }
+    if (!a->started) dsk__moe_async_main(a); /* serial (or no thread to be had) */
+    return DSK_OK;
+}
+
+/* Waits for it; its status (and message). */
+static dsk_status dsk__moe_exchange_wait(dsk__moe_async *a) {
+    if (a->started) pthread_join(a->thread, NULL);
+    a->started = 0;
+    if (a->st != DSK_OK) return dsk_set_error(a->st, "%s", a->err);
+    return DSK_OK;
+}
+
+/* s, after joining a's thread (if any) when s is an error: the caller's error wins. */
+static dsk_status dsk__moe_join_on_error(dsk__moe_async *a, dsk_status s) {
+    char msg[1024];
+    if (s == DSK_OK || !a) return s;
+    snprintf(msg, sizeof msg, "%s", dsk_last_error());
+    (void)dsk__moe_exchange_wait(a);
+    return dsk_set_error(s, "%s", msg);
+}
+
 /* Rows (n_kept of them, kept order) to their experts' ranks, regrouped expert-major into dst (R). */
 static dsk_status dsk__moe_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
     struct dsk__moe_state *st = m->st;
@@ -2286,6 +2359,17 @@ static dsk_status dsk__moe_shared_forward(dsk_moe *m, dsk_ctx *ctx, const dsk_te
     DSK__TRY(dsk_matmul(ctx, h3, x, 0, &w[5], 1, 1.0f, 0.0f));
     DSK__TRY(dsk_swiglu(ctx, a, h1, h3));
     return dsk_matmul(ctx, out, a, 0, &w[4], 1, 1.0f, 0.0f);
+}
+
+/* The shared experts' forward of the rows xa into their buffers; ys: their output (T, D). */
+static dsk_status dsk__moe_shared_step(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *xa, const dsk_tensor *w, int64_t T,
+                                       int64_t R, dsk_tensor *ys) {
+    dsk_tensor hs1, hs3, as;
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_HS1, T, R, &hs1));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_HS3, T, R, &hs3));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_AS, T, R, &as));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_YS, T, R, ys));
+    return dsk__moe_shared_forward(m, ctx, xa, w, &hs1, &hs3, &as, ys);
 }
 
 /* The CPU fails a forward on non-finite routing (every rank of an EP group together). */
@@ -2360,8 +2444,9 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     int cpu = m->device.type == DSK_DEV_CPU, ep = m->ep_size > 1;
     int losses = o->aux_alpha > 0 || o->seq_aux_alpha > 0 || o->z_beta > 0;
     dsk_tensor xf, xa, u, prob, scr, sel, gate, keys, perm_all, off_all, perm, off, pos, row_tok, row_gate, cnt, cntg;
-    dsk_tensor xs, xr, h1, h3, a, ob, hs1, hs3, as, ys, w[6], offsets;
+    dsk_tensor xs, xr, h1, h3, a, ob, ys, w[6], offsets;
     dsk__moe_loss_bufs lb;
+    dsk__moe_async xch;
     R = dsk__moe_rows_first(m, T); /* sizes the buffers (exact EP: until the counts say more) */
     st->T = T;
     st->R = R;
@@ -2438,13 +2523,16 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     xs = dsk__moe_rows(&xs, n_rows);
     row_tok = dsk__moe_rows(&row_tok, n_rows);
     DSK__TRY(dsk_gather_rows_scaled(ctx, &xs, &xa, &row_tok, NULL));
-    /* routed experts: grouped GEMMs over the experts' row segments */
+    /* routed experts: grouped GEMMs over the experts' row segments; EP: the shared experts compute while
+       the rows travel */
     if (ep) {
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_XR, T, R, &xr));
-        DSK__TRY(dsk__moe_to_experts(m, ctx, &xs, &xr));
+        DSK__TRY(dsk__moe_exchange_start(&xch, m, ctx, &xs, &xr, 0));
     } else {
         xr = dsk__moe_rows(&xs, R);
     }
+    if (Fs > 0) DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_shared_step(m, ctx, &xa, w, T, R, &ys)));
+    if (ep) DSK__TRY(dsk__moe_exchange_wait(&xch));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_H1, T, R, &h1));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_H3, T, R, &h3));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_A, T, R, &a));
@@ -2457,14 +2545,6 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
         DSK__TRY(dsk__moe_from_experts(m, ctx, &ob, &back));
         ob = back;
     }
-    /* shared experts, then the combine */
-    if (Fs > 0) {
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_HS1, T, R, &hs1));
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_HS3, T, R, &hs3));
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_AS, T, R, &as));
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_YS, T, R, &ys));
-        DSK__TRY(dsk__moe_shared_forward(m, ctx, &xa, w, &hs1, &hs3, &as, &ys));
-    }
     DSK__TRY(dsk__moe_combine(m, ctx, y, &pos, &gate, &ob, Fs > 0 ? &ys : NULL));
     st->n_kept = n_kept;
     st->have_fwd = 1;
@@ -2474,11 +2554,43 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
 
 /* ---------------------------------------------------------------- backward */
 
+/* The shared experts' backward from dya: their gradients, and dxf (T, D) f32 WRITTEN (zeroed without
+   shared experts). */
+static dsk_status dsk__moe_shared_backward(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *dya, const dsk_tensor *xa,
+                                           const dsk_tensor *w, dsk_tensor *dxf) {
+    struct dsk__moe_state *st = m->st;
+    int64_t T = st->T, R = st->R, Fs = m->d_shared_total;
+    if (Fs > 0) {
+        dsk_tensor das, dhs1, dhs3, hs1 = dsk__moe_saved(m, DSK__MOE_HS1), hs3 = dsk__moe_saved(m, DSK__MOE_HS3);
+        dsk_tensor as = dsk__moe_saved(m, DSK__MOE_AS);
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DAS, T, R, &das));
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DHS1, T, R, &dhs1));
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DHS3, T, R, &dhs3));
+        DSK__TRY(dsk_matmul(ctx, &das, dya, 0, &w[4], 0, 1.0f, 0.0f));
+        DSK__TRY(dsk_matmul(ctx, &m->sw2->grad, dya, 1, &as, 0, 1.0f, 1.0f));
+        if (m->device.type == DSK_DEV_CPU && st->act == DSK_F32) { /* written: no zeroing pass, no read-back */
+            dsk_swiglu_grad_cpu(dsk_tensor_numel(&das), DSK__MOE_F32(hs1), DSK__MOE_F32(hs3), DSK__MOE_F32(das),
+                                DSK__MOE_F32(dhs1), DSK__MOE_F32(dhs3));
+        } else {
+            DSK__TRY(dsk_tensor_fill(ctx, &dhs1, 0.0));
+            DSK__TRY(dsk_tensor_fill(ctx, &dhs3, 0.0));
+            DSK__TRY(dsk_swiglu_backward(ctx, &dhs1, &dhs3, &das, &hs1, &hs3));
+        }
+        DSK__TRY(dsk_matmul(ctx, dxf, &dhs1, 0, &w[3], 0, 1.0f, 0.0f));
+        DSK__TRY(dsk_matmul(ctx, dxf, &dhs3, 0, &w[5], 0, 1.0f, 1.0f));
+        DSK__TRY(dsk_matmul(ctx, &m->sw1->grad, &dhs1, 1, xa, 0, 1.0f, 1.0f));
+        DSK__TRY(dsk_matmul(ctx, &m->sw3->grad, &dhs3, 1, xa, 0, 1.0f, 1.0f));
+    } else {
+        DSK__TRY(dsk_tensor_fill(ctx, dxf, 0.0));
+    }
+    return DSK_OK;
+}
+
 static dsk_status dsk__moe_backward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy,
                                          float aux_scale) {
     struct dsk__moe_state *st = m->st;
     const dsk_moe_opts *o = &m->opts;
-    int64_t T = st->T, R = st->R, K = o->top_k, Fs = m->d_shared_total;
+    int64_t T = st->T, R = st->R, K = o->top_k;
     int64_t n_rows = st->n_kept >= 0 ? st->n_kept : T * K;
     int ep = m->ep_size > 1;
     float zcoef = st->N > 0 ? o->z_beta * 2.0f / (float)st->N * aux_scale : 0.0f; /* per token of the span */
@@ -2495,48 +2607,27 @@ static dsk_status dsk__moe_backward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *d
     dsk_tensor offsets = dsk__moe_saved(m, ep ? DSK__MOE_LOCAL_OFF : o->capacity_factor > 0 ? DSK__MOE_OFF
                                                                                           : DSK__MOE_OFF_ALL);
     dsk_tensor w[6], dya, dxf, dgate, du, dos, dor, da, dh1, dh3, dxr, dxp;
+    dsk__moe_async xch;
     row_tok = dsk__moe_rows(&row_tok, n_rows);
     row_gate = dsk__moe_rows(&row_gate, n_rows);
     if (ep) ob = dsk__moe_rows(&ob, n_rows);
     DSK__TRY(dsk__moe_weights_act(m, ctx, w));
     DSK__TRY(dsk__moe_act_input(m, ctx, DSK__MOE_DYA, dy, NULL, &dya));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DXF, T, R, &dxf));
-    /* shared experts: dxf written here (or zeroed) */
-    if (Fs > 0) {
-        dsk_tensor das, dhs1, dhs3, hs1 = dsk__moe_saved(m, DSK__MOE_HS1), hs3 = dsk__moe_saved(m, DSK__MOE_HS3);
-        dsk_tensor as = dsk__moe_saved(m, DSK__MOE_AS);
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DAS, T, R, &das));
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DHS1, T, R, &dhs1));
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DHS3, T, R, &dhs3));
-        DSK__TRY(dsk_matmul(ctx, &das, &dya, 0, &w[4], 0, 1.0f, 0.0f));
-        DSK__TRY(dsk_matmul(ctx, &m->sw2->grad, &dya, 1, &as, 0, 1.0f, 1.0f));
-        if (m->device.type == DSK_DEV_CPU && st->act == DSK_F32) { /* written: no zeroing pass, no read-back */
-            dsk_swiglu_grad_cpu(dsk_tensor_numel(&das), DSK__MOE_F32(hs1), DSK__MOE_F32(hs3), DSK__MOE_F32(das),
-                                DSK__MOE_F32(dhs1), DSK__MOE_F32(dhs3));
-        } else {
-            DSK__TRY(dsk_tensor_fill(ctx, &dhs1, 0.0));
-            DSK__TRY(dsk_tensor_fill(ctx, &dhs3, 0.0));
-            DSK__TRY(dsk_swiglu_backward(ctx, &dhs1, &dhs3, &das, &hs1, &hs3));
-        }
-        DSK__TRY(dsk_matmul(ctx, &dxf, &dhs1, 0, &w[3], 0, 1.0f, 0.0f));
-        DSK__TRY(dsk_matmul(ctx, &dxf, &dhs3, 0, &w[5], 0, 1.0f, 1.0f));
-        DSK__TRY(dsk_matmul(ctx, &m->sw1->grad, &dhs1, 1, &xa, 0, 1.0f, 1.0f));
-        DSK__TRY(dsk_matmul(ctx, &m->sw3->grad, &dhs3, 1, &xa, 0, 1.0f, 1.0f));
-    } else {
-        DSK__TRY(dsk_tensor_fill(ctx, &dxf, 0.0));
-    }
     /* d gate = dy . o for the kept slots; rows back to the experts: g * dy */
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DGATE, T, R, &dgate));
     DSK__TRY(dsk__moe_dgate(m, ctx, &dgate, &dya, &pos, &ob));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DOS, T, R, &dos));
     dos = dsk__moe_rows(&dos, n_rows);
     DSK__TRY(dsk_gather_rows_scaled(ctx, &dos, &dya, &row_tok, &row_gate));
-    if (ep) {
+    if (ep) { /* the shared experts' backward while the rows travel */
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DOR, T, R, &dor));
-        DSK__TRY(dsk__moe_to_experts(m, ctx, &dos, &dor));
+        DSK__TRY(dsk__moe_exchange_start(&xch, m, ctx, &dos, &dor, 0));
     } else {
         dor = dsk__moe_rows(&dos, R);
     }
+    DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_shared_backward(m, ctx, &dya, &xa, w, &dxf)));
+    if (ep) DSK__TRY(dsk__moe_exchange_wait(&xch));
     /* routed experts */
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DA, T, R, &da));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DH1, T, R, &dh1));
@@ -2544,18 +2635,20 @@ static dsk_status dsk__moe_backward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *d
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DXR, T, R, &dxr));
     DSK__TRY(dsk_swiglu_grouped_backward(ctx, &dxr, &m->w1->grad, &m->w2->grad, &m->w3->grad, &da, &dh1, &dh3, &dor,
                                          &xr, &h1, &h3, &a, &w[0], &w[1], &w[2], &offsets));
-    if (ep) {
+    if (ep) { /* the router's backward while the rows travel back */
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DXP, T, R, &dxp));
         dxp = dsk__moe_rows(&dxp, n_rows);
-        DSK__TRY(dsk__moe_from_experts(m, ctx, &dxr, &dxp));
+        DSK__TRY(dsk__moe_exchange_start(&xch, m, ctx, &dxr, &dxp, 1));
     } else {
         dxp = dxr;
     }
     /* router: du (T, E) per token, the routed rows into dxf, then dx += du W_r, dW_r += du^T x */
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DU, T, R, &du));
-    DSK__TRY(dsk__moe_route_backward(m, ctx, T, &u, &prob, &sel, &dgate,
-                                     o->aux_alpha > 0 || o->seq_aux_alpha > 0 ? &aux : NULL, st->row0, st->seq_len,
-                                     aux_scale, zcoef, &du));
+    DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_DU, T, R, &du)));
+    DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL,
+                                    dsk__moe_route_backward(m, ctx, T, &u, &prob, &sel, &dgate,
+                                                            o->aux_alpha > 0 || o->seq_aux_alpha > 0 ? &aux : NULL,
+                                                            st->row0, st->seq_len, aux_scale, zcoef, &du)));
+    if (ep) DSK__TRY(dsk__moe_exchange_wait(&xch));
     DSK__TRY(dsk__moe_uncombine(m, ctx, &dxf, &pos, &dxp));
     DSK__TRY(dsk_matmul(ctx, &dxf, &du, 0, &m->router->value, 0, 1.0f, 1.0f));
     DSK__TRY(dsk_matmul(ctx, &m->router->grad, &du, 1, &xf, 0, 1.0f, 1.0f));
