@@ -1588,6 +1588,26 @@ static int ep_node_limited(dsk_comm *c, dsk_moe_opts o, int rank, const float *x
     return ok;
 }
 
+/* The bounded exchange needs the same T on every rank: rank 0 with one token fewer fails every rank's
+   forward (the fixed-size all-to-all's counts disagree), none hangs. Last: it leaves o.ep unusable. */
+static int ep_bounded_uneven(dsk_moe_opts o, int rank) {
+    dsk_moe m;
+    owned own;
+    dsk_tensor x, y;
+    int64_t shp[2] = {rank == 0 ? EP_T - 1 : EP_T, EP_D};
+    float xb[EP_T * EP_D], yb[EP_T * EP_D];
+    int ok;
+    o.ep_dispatch = DSK_MOE_EP_BOUNDED;
+    if (make_layer(&m, &own, &o) != DSK_OK) return 0;
+    for (int i = 0; i < EP_T * EP_D; i++) xb[i] = (float)dsk_test_rand(-1, 1);
+    dsk_tensor_wrap(&x, xb, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&y, yb, DSK_F32, dsk_cpu(), 2, shp);
+    ok = dsk_moe_forward(&m, NULL, &y, &x, NULL) != DSK_OK && strstr(dsk_last_error(), "all_to_all") != NULL;
+    if (!ok) fprintf(stderr, "rank %d: uneven T under the bounded exchange: %s\n", rank, dsk_last_error());
+    drop_layer(&m, &own);
+    return ok;
+}
+
 static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx, const float *gdy, float *out,
                         int *bad_cfg_ok, int *nonfinite_ok, int *bounded_ok, int *node_ok) {
     dsk_comm c;
@@ -1641,7 +1661,8 @@ static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx,
     drop_layer(&m, &own);
     *bounded_ok = ep_bounded_same(&c, o, rank, gx + rank * EP_T * EP_D, gdy + rank * EP_T * EP_D);
     *node_ok = n == 4 ? ep_node_limited(&c, o, rank, gx + rank * EP_T * EP_D) : 1;
-    dsk_comm_free(&c);
+    *node_ok = *node_ok && ep_bounded_uneven(o, rank);
+    dsk_comm_free(&c); /* unusable after the uneven exchange */
     return 0;
 }
 
@@ -1724,7 +1745,10 @@ static void ep_check(ep_job *j) {
         DSK_TEST_EXPECT(j->flags[16 + r] == 1,
                         "rank %d: overlapped or bounded exchanges (dropless, capacity 0.75) differ from the serial one",
                         r);
-        DSK_TEST_EXPECT(j->flags[24 + r] == 1, "rank %d: node-limited routing (2 emulated nodes) broke its rule", r);
+        DSK_TEST_EXPECT(j->flags[24 + r] == 1,
+                        "rank %d: node-limited routing (2 emulated nodes) broke its rule, or an uneven T under the "
+                        "bounded exchange did not fail every rank",
+                        r);
     }
     one_layer_step(&ref, j->gx, j->gdy, shp, &y, &dx, &st);
     for (int r = 0; r < n; r++) {
