@@ -49,8 +49,8 @@
    in one flat all-to-all-v or, on a communicator that spans nodes, in two hops: a row crosses
    to each destination node once, to the rank with the same node_rank there, which fans it
    out inside the node (DeepSeek-V3 / DeepEP). Node-limited routing (at most M nodes per
-   token) needs nothing here: give dsk_moe's router n_group = n_nodes groups in rank order
-   (experts of node g = group g, as expert parallelism places them) and topk_group = M.
+   token) needs nothing here: dsk_moe's opts.node_limit = M (group-limited routing with the
+   nodes as groups: experts of node g = group g, as expert parallelism places them).
 
    Semantics of the host backend (the reference the tests check exactly):
    - Counts are elements, never bytes. send == recv means in place.
@@ -272,9 +272,8 @@ DSK_API dsk_status dsk_comm_all_to_all_tensor(dsk_comm *c, dsk_ctx *ctx, dsk_ten
    and fewer rows cross nodes when a row has several slots on one node. The way back crosses
    once per slot (the outputs differ). The two hops run on a node communicator and a cross-
    node one (node_rank alike) that c splits off at the first two-hop route and keeps (NCCL:
-   ncclCommSplit). Node-limited routing (at most M nodes per token) is dsk_moe's group-limited
-   routing with n_group = n_nodes and topk_group = M, when node g holds the experts of group g
-   (expert parallelism places experts in rank order; launchers number ranks node by node).
+   ncclCommSplit). Node-limited routing (at most M nodes per token) is dsk_moe's opts.node_limit
+   (group-limited routing with the nodes as groups; launchers number ranks node by node).
    Host backend: CPU buffers. nccl: device buffers on ctx's stream, rows of an even number of
    bytes (gathered as 16- or 32-bit words). */
 typedef struct dsk_comm_route_opts {

@@ -45,7 +45,11 @@
      layer always has its bias b; without a bias V3 takes the largest c), for either score
      function; DSK_MOE_GROUP_MAX the largest c (DeepSeek-V2); DSK_MOE_GROUP_MEGATRON the sum
      of its top_k / topk_group largest c (Megatron-Core). The topk_group best groups are kept
-     (ties: lower group index) and every other expert is set to -inf.
+     (ties: lower group index) and every other expert is set to -inf. opts.node_limit = M is
+     DeepSeek-V3's node-limited routing ("each token to at most M nodes", the nodes ranked by the
+     sum of their top K/M affinities): the groups are the nodes of the expert-parallel group
+     (ranks numbered node by node), M kept, DSK_MOE_GROUP_MEGATRON's rule; its n_group in
+     checkpoints is then the number of nodes. stats.rows_off_node counts what crosses nodes.
      The top_k largest c are selected (ties: lower expert index), in descending order; that
      order is the token's slot order. Weights g_k = scale * p_k / (sum of selected p + 1e-20)
      with normalisation, g_k = scale * p_k without; the bias never enters g or its gradient.
@@ -119,7 +123,20 @@
      layers an nccl one. On CUDA the counts exchange keeps one host sync per forward: NCCL's
      all-to-all-v takes its row counts on the host, and sizing the exchange by the exact counts
      moves P times fewer bytes than a bounded buffer of T*K rows per peer (see bench/RESULTS.md).
-     Backward reuses the forward's counts and does not sync.
+     Backward reuses the forward's counts and does not sync. opts.ep_exchange = DSK_MOE_EP_BOUNDED
+     trades those bytes for the sync: each rank sends each peer a fixed block of Cp = T min(K, E/P)
+     rows (E/P * C under capacity C, when fewer; the same T on every rank), its kept rows for the
+     peer's experts then zero rows, with the local expert of each row beside it (a fixed-size
+     all-to-all of int32); the receiver sorts the rows by local expert on the device (stable: each
+     expert's rows by source rank, then in the source's order, as the exact exchange places them),
+     so nothing comes back to the host and the results are the exact exchange's bits.
+     Overlap (host backend, opts.ep_overlap 1; off by default: it needs a core the ranks' compute does
+     not use, bench/RESULTS.md): a second thread runs each exchange while
+     the layer computes what does not wait on it: the shared experts during the forward's dispatch
+     and the backward's, the router's backward while the expert gradients travel back. The same bits
+     as serial (each result's arithmetic is unchanged; only independent steps move). CUDA runs the
+     exchanges on the layer's stream, serial. Not yet: chunked dispatch (experts starting on the
+     first rows to arrive), overlap across micro-batches.
      FP8 dispatch (opts.ep_dispatch = DSK_MOE_DISPATCH_FP8, DeepSeek-V3's): the forward's kept
      rows are quantised in 1x128 tiles (dsk_amp_fp8_block_quantize: scale amax / 448, e4m3 codes;
      a tile with an Inf or a NaN dequantises to NaN) and the codes and scales go by two
@@ -217,6 +234,12 @@ typedef enum dsk_moe_drop { DSK_MOE_DROP_PROB = 0, DSK_MOE_DROP_POSITION = 1 } d
 /* What the forward's expert-parallel dispatch sends: rows in the activation dtype, or e4m3 codes
    with 1x128 f32 scales (DeepSeek-V3), dequantised to the activation dtype by the receiver. */
 typedef enum dsk_moe_dispatch { DSK_MOE_DISPATCH_ACT = 0, DSK_MOE_DISPATCH_FP8 = 1 } dsk_moe_dispatch;
+/* How expert parallelism sizes its row exchange (see "Expert parallelism" above). */
+typedef enum dsk_moe_ep_exchange {
+    DSK_MOE_EP_EXACT = 0,  /* rows sized by the exchanged counts: the fewest bytes; CUDA: one host sync a forward */
+    DSK_MOE_EP_BOUNDED = 1 /* a fixed block of rows per peer (the worst case), the counts on the device: no host
+                              sync (CUDA graphs), more bytes */
+} dsk_moe_ep_exchange;
 
 /* The routing configuration: what every MoE step of the math below takes instead of positional
    flags (the layer resolves it from its options into dsk_moe.routing). A new score function is
@@ -263,6 +286,16 @@ typedef struct dsk_moe_opts {
     dsk_comm *ep;            /* expert-parallel group [NULL = every expert local] */
     dsk_moe_dispatch ep_dispatch; /* [DSK_MOE_DISPATCH_ACT] the forward's token rows on the wire (with ep only;
                                      FP8 needs dsk_amp.h included before this file in the implementation) */
+    dsk_moe_ep_exchange ep_exchange; /* [DSK_MOE_EP_EXACT]; BOUNDED needs the same T on every rank of the group and
+                                        ep_dispatch ACT */
+    int ep_overlap;                  /* 1: on the host backend a second thread runs each expert exchange while the
+                                        layer computes what does not wait on it (forward: the shared experts;
+                                        backward: the shared experts, the router); the same bits as serial; it
+                                        needs a free core (bench/RESULTS.md) [0: serial] (CUDA: always serial) */
+    int node_limit;                  /* M > 0: each token's experts on at most M nodes of ep (DeepSeek-V3's node-limited
+                                routing): group-limited routing with the ep group's nodes as the groups, ranked by
+                                the sum of their top_k / M largest c (DSK_MOE_GROUP_MEGATRON's rule) [0: none];
+                                ep's ranks numbered node by node, n_group and topk_group left 0 */
     float init_std;          /* dsk_moe_init_param: weights ~ N(0, init_std) [0.02] (router, experts, shared) */
     uint64_t seed;           /* dsk_moe_init_param's stream [0]; expert e gets the same numbers at any EP size */
 } dsk_moe_opts;
@@ -307,6 +340,9 @@ typedef struct dsk_moe_stats {
     int64_t slots;                    /* routed (token, expert) pairs over the EP group, T*K summed */
     int64_t dropped;                  /* slots dropped by capacity over the EP group */
     int64_t nonfinite;                /* tokens with NaN/Inf routing (CUDA; the CPU fails the forward) */
+    int64_t rows_off_node;            /* expert parallelism: rows this rank's dispatch sent to ranks on other
+                                         nodes (exact: its kept rows; bounded: the whole blocks); combine and
+                                         backward's two exchanges move as many again each */
     const int64_t *tokens_per_expert; /* (E) slots each expert was selected for, EP group; owned by the layer */
     double max_load, mean_load;       /* max and mean of tokens_per_expert */
     double aux_loss, seq_aux_loss, z_loss; /* the loss span's loss terms (coefficients included) */
@@ -793,6 +829,29 @@ static inline DSK_HD void dsk__moe_plan_row(int64_t j, int K, int32_t n_kept, co
     row_gate[j] = j < n_kept ? gate[perm[j]] : 0.0f;
 }
 
+/* Bounded expert-parallel dispatch: peer r's block of Cp send rows holds the kept rows of its experts
+   [r El, (r+1) El) (kept order, off (P El + 1) their offsets) and zero rows after them. For send row q:
+   *row = its kept row or -1, *key = the receiving rank's local expert of that row or -1. */
+static inline DSK_HD void dsk__moe_ep_slot(int64_t q, int El, int64_t Cp, const int32_t *off, int32_t *row,
+                                           int32_t *key) {
+    int64_t r = q / Cp, j = off[r * El] + q % Cp;
+    int e = (int)(r * El);
+    *row = -1;
+    *key = -1;
+    if (j >= off[(r + 1) * El]) return;
+    while (off[e + 1] <= j) e++;
+    *row = (int32_t)j;
+    *key = (int32_t)(e - r * El);
+}
+
+/* ... and the inverse: the send row of kept row j (-1 at j >= the kept rows). */
+static inline DSK_HD int32_t dsk__moe_ep_unslot(int64_t j, int P, int El, int64_t Cp, const int32_t *off) {
+    int r = 0;
+    if (j >= off[P * El]) return -1;
+    while (off[(r + 1) * El] <= j) r++;
+    return (int32_t)(r * Cp + j - off[r * El]);
+}
+
 /* The counts of a forward (one thread): cnt[0] tokens, [1] slots dropped by capacity, [2]
    tokens with non-finite routing (their K slots were left out of the sort), [3, 3 + E)
    selections per expert, [3 + E, 3 + 2E) kept slots per expert; from the offsets of the full
@@ -919,6 +978,12 @@ dsk_status dsk_cuda_moe_capacity(dsk_ctx *ctx, int E, int drop, int64_t cap, int
 /* pos (TK) = kept row of each slot or -1; row_tok, row_gate (n_rows) by dsk__moe_plan_row. */
 dsk_status dsk_cuda_moe_plan(dsk_ctx *ctx, int E, int K, int64_t TK, int64_t n_rows, const int32_t *perm,
                              const int32_t *off, const float *gate, int32_t *pos, int32_t *row_tok, float *row_gate);
+/* Bounded EP: pad, skey (P Cp) by dsk__moe_ep_slot, unpad (TK) by dsk__moe_ep_unslot; rgi (n) = the inverse
+   of rg's first loff[El] entries, -1 elsewhere. */
+dsk_status dsk_cuda_moe_ep_index(dsk_ctx *ctx, int P, int El, int64_t Cp, int64_t TK, const int32_t *off, int32_t *pad,
+                                 int32_t *skey, int32_t *unpad);
+dsk_status dsk_cuda_moe_ep_inverse(dsk_ctx *ctx, int El, int64_t n, const int32_t *rg, const int32_t *loff,
+                                   int32_t *rgi);
 /* cnt (3 + 2E) by dsk__moe_counts (one thread). */
 dsk_status dsk_cuda_moe_counts(dsk_ctx *ctx, int64_t T, int K, int E, const int32_t *off_all, const int32_t *off,
                                int64_t *cnt);
@@ -954,6 +1019,7 @@ dsk_status dsk_cuda_moe_bias_update(dsk_ctx *ctx, int E, float rate, int recente
 #ifndef DSK_MOE_IMPLEMENTATION_DONE
 #define DSK_MOE_IMPLEMENTATION_DONE
 
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #ifdef _OPENMP
@@ -1017,6 +1083,11 @@ enum dsk__moe_buf_id {
     DSK__MOE_LOCAL_OFF, /* (n_local + 1) i32 local experts' row segments (EP) */
     DSK__MOE_RG,        /* (R) i32 expert-major row -> received row (EP) */
     DSK__MOE_RGI,       /* (R) i32 its inverse (EP) */
+    DSK__MOE_EP_PAD,    /* (R = P Cp) i32 bounded EP: send row -> kept row or -1 (dsk__moe_ep_slot) */
+    DSK__MOE_EP_SKEY,   /* (R) i32 the receiver's local expert of each send row, -1 */
+    DSK__MOE_EP_RKEY,   /* (R) i32 the keys received */
+    DSK__MOE_EP_UNPAD,  /* (TK) i32 kept row -> send row, -1 */
+    DSK__MOE_STAGE2,    /* (R, D) act rows received (bounded EP) */
     DSK__MOE_WA,        /* act copies of w1 w2 w3 sw1 sw2 sw3 when their dtype is not act: 6 ids */
     DSK__MOE_WA_END = DSK__MOE_WA + 6,
     /* backward */
@@ -1083,6 +1154,7 @@ static void dsk__moe_spec(const dsk_moe *m, int id, int64_t T, int64_t R, dsk_dt
     int64_t N = m->st->N; /* the loss span's rows (sequences of the sequence-wise loss) */
     int64_t L = o->seq_aux_alpha > 0 && o->seq_len ? o->seq_len : (N > 0 ? N : 1), NS = N / L > 0 ? N / L : 1;
     int ep = m->ep_size > 1, shared = Fs > 0, losses = o->aux_alpha > 0 || o->seq_aux_alpha > 0 || o->z_beta > 0;
+    int bounded = ep && o->ep_exchange == DSK_MOE_EP_BOUNDED;
     *dt = act;
     *cols = 0;
     *rows = 0;
@@ -1138,6 +1210,20 @@ static void dsk__moe_spec(const dsk_moe *m, int id, int64_t T, int64_t R, dsk_dt
     case DSK__MOE_RECV_CNT: *dt = DSK_I64; *rows = ep ? (int64_t)m->ep_size * m->n_local : 0; break;
     case DSK__MOE_LOCAL_OFF: *dt = DSK_I32; *rows = ep ? m->n_local + 1 : 0; break;
     case DSK__MOE_RG: case DSK__MOE_RGI: *dt = DSK_I32; *rows = ep ? R : 0; break;
+    case DSK__MOE_EP_PAD:
+    case DSK__MOE_EP_SKEY:
+    case DSK__MOE_EP_RKEY:
+        *dt = DSK_I32;
+        *rows = bounded ? R : 0;
+        break;
+    case DSK__MOE_EP_UNPAD:
+        *dt = DSK_I32;
+        *rows = bounded ? TK : 0;
+        break;
+    case DSK__MOE_STAGE2:
+        *rows = bounded ? R : 0;
+        *cols = D;
+        break;
     case DSK__MOE_DYA: *rows = act != o->dtype ? T : 0; *cols = D; break;
     case DSK__MOE_DXF: *dt = DSK_F32; *rows = T; *cols = D; break;
     case DSK__MOE_DU: *dt = DSK_F32; *rows = T; *cols = E; break;
@@ -1300,9 +1386,46 @@ static dsk_status dsk__moe_resolve(dsk_moe_opts *o, int ep_size) {
         return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": init_std %g must be finite and >= 0", fn, o->name,
                              (double)o->init_std);
     if (!o->init_std) o->init_std = 0.02f;
+    if (o->ep_exchange != DSK_MOE_EP_EXACT && o->ep_exchange != DSK_MOE_EP_BOUNDED)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": unknown ep_exchange %d (exact 0, bounded 1)", fn, o->name,
+                             (int)o->ep_exchange);
+    if (o->ep_exchange == DSK_MOE_EP_BOUNDED && o->ep_dispatch == DSK_MOE_DISPATCH_FP8)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED,
+                             "%s: layer \"%s\": FP8 dispatch runs on the exact exchange (ep_exchange 0), not the "
+                             "bounded one",
+                             fn, o->name);
     if (o->n_routed % ep_size)
         return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": n_routed %d not divisible by the expert-parallel size %d",
                              fn, o->name, o->n_routed, ep_size);
+    return DSK_OK;
+}
+
+/* Node-limited routing (opts.node_limit = M) as group-limited routing: the ep group's nodes are the
+   groups (expert parallelism places experts in rank order, so node g holds group g when ranks are
+   numbered node by node), M kept, each ranked by its top_k / M largest selection scores. */
+static dsk_status dsk__moe_node_groups(dsk_moe_opts *o) {
+    const char *fn = "dsk_moe_init", *name = o->name ? o->name : "moe";
+    const dsk_comm *c = o->ep;
+    if (!o->node_limit) return DSK_OK;
+    if (o->node_limit < 0 || !c)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": node_limit %d needs an expert-parallel group and M > 0",
+                             fn, name, o->node_limit);
+    if (o->n_group > 1 || o->topk_group)
+        return dsk_set_error(DSK_ERR_ARG,
+                             "%s: layer \"%s\": node_limit %d sets the groups; n_group %d, topk_group "
+                             "%d must be 0",
+                             fn, name, o->node_limit, o->n_group, o->topk_group);
+    if (c->world_size % c->n_nodes || c->node != c->rank / (c->world_size / c->n_nodes))
+        return dsk_set_error(DSK_ERR_ARG,
+                             "%s: layer \"%s\": node_limit needs the expert-parallel ranks numbered "
+                             "node by node on nodes of equal size (rank %d of %d is on node %d of %d)",
+                             fn, name, c->rank, c->world_size, c->node, c->n_nodes);
+    if (o->node_limit > c->n_nodes || o->top_k < o->node_limit)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": node_limit %d must be <= the %d nodes and <= top_k %d", fn,
+                             name, o->node_limit, c->n_nodes, o->top_k);
+    o->n_group = c->n_nodes;
+    o->topk_group = o->node_limit;
+    o->group_rule = DSK_MOE_GROUP_MEGATRON;
     return DSK_OK;
 }
 
@@ -1414,7 +1537,8 @@ DSK_API dsk_status dsk_moe_init(dsk_moe *m, dsk_ctx *ctx, const dsk_moe_opts *op
         m->ep_rank = opts->ep->rank;
         m->ep_size = opts->ep->world_size;
     }
-    s = dsk__moe_resolve(&m->opts, m->ep_size);
+    s = dsk__moe_node_groups(&m->opts);
+    if (s == DSK_OK) s = dsk__moe_resolve(&m->opts, m->ep_size);
     if (s != DSK_OK) {
         memset(m, 0, sizeof *m);
         return s;
@@ -1616,6 +1740,23 @@ static int64_t dsk__moe_rows_bound(const dsk_moe *m, int64_t T) {
     return cap * m->opts.n_routed < TK ? cap * m->opts.n_routed : TK;
 }
 
+/* Bounded expert parallelism: rows each rank sends each peer at most, Cp = T min(K, E/P) (a token's
+   experts are distinct), or E/P * C under capacity C per expert when that is fewer. */
+static int64_t dsk__moe_peer_rows(const dsk_moe *m, int64_t T) {
+    int64_t K = m->opts.top_k, El = m->n_local, cp = T * (K < El ? K : El), cap;
+    if (m->opts.capacity_factor <= 0) return cp;
+    cap = (int64_t)ceil((double)(T * K) / m->opts.n_routed * m->opts.capacity_factor);
+    return cap * El < cp ? cap * El : cp;
+}
+
+/* Rows of expert work for T tokens as the buffers are first sized: bounded EP P Cp, exact EP T*K (the
+   counts may say more), without EP dsk__moe_rows_bound. */
+static int64_t dsk__moe_rows_first(const dsk_moe *m, int64_t T) {
+    if (m->ep_size <= 1) return dsk__moe_rows_bound(m, T);
+    if (m->opts.ep_exchange == DSK_MOE_EP_BOUNDED) return m->ep_size * dsk__moe_peer_rows(m, T);
+    return T * m->opts.top_k;
+}
+
 DSK_API dsk_status dsk_moe_reserve(dsk_moe *m, dsk_ctx *ctx, int64_t max_tokens) {
     dsk_tensor t;
     DSK__TRY(dsk__moe_need_layer(m, "dsk_moe_reserve"));
@@ -1625,8 +1766,7 @@ DSK_API dsk_status dsk_moe_reserve(dsk_moe *m, dsk_ctx *ctx, int64_t max_tokens)
     m->st->have_fwd = m->st->bwd_done = m->st->have_route = 0; /* buffers may move */
     m->st->N = m->st->span_on && m->st->span_rows > max_tokens ? m->st->span_rows : max_tokens; /* sequences */
     for (int id = 0; id < DSK__MOE_LOAD; id++)
-        DSK__TRY(dsk__moe_buf(m, ctx, id, max_tokens, m->ep_size > 1 ? max_tokens * m->opts.top_k
-                                                                     : dsk__moe_rows_bound(m, max_tokens), &t));
+        DSK__TRY(dsk__moe_buf(m, ctx, id, max_tokens, dsk__moe_rows_first(m, max_tokens), &t));
     return DSK_OK;
 }
 
@@ -1812,6 +1952,32 @@ static dsk_status dsk__moe_count(dsk_moe *m, dsk_ctx *ctx, int64_t T, const dsk_
     DSK__MOE_ON_CUDA(m, dsk_cuda_moe_counts(ctx, T, m->opts.top_k, m->opts.n_routed, DSK__MOE_I32(*off_all),
                                             DSK__MOE_I32(*off), DSK__MOE_I64(*cnt)));
     dsk__moe_counts(T, m->opts.top_k, m->opts.n_routed, DSK__MOE_I32(*off_all), DSK__MOE_I32(*off), DSK__MOE_I64(*cnt));
+    return DSK_OK;
+}
+
+/* Bounded EP: pad, skey (P Cp) by dsk__moe_ep_slot and unpad (TK) by dsk__moe_ep_unslot from the kept
+   offsets off (E + 1). */
+static dsk_status dsk__moe_ep_index(dsk_moe *m, dsk_ctx *ctx, int64_t Cp, int64_t TK, const dsk_tensor *off,
+                                    dsk_tensor *pad, dsk_tensor *skey, dsk_tensor *unpad) {
+    int P = m->ep_size, El = m->n_local;
+    const int32_t *o = DSK__MOE_I32(*off);
+    DSK__MOE_ON_CUDA(
+        m, dsk_cuda_moe_ep_index(ctx, P, El, Cp, TK, o, DSK__MOE_I32(*pad), DSK__MOE_I32(*skey), DSK__MOE_I32(*unpad)));
+    for (int64_t q = 0; q < P * Cp; q++)
+        dsk__moe_ep_slot(q, El, Cp, o, DSK__MOE_I32(*pad) + q, DSK__MOE_I32(*skey) + q);
+    for (int64_t j = 0; j < TK; j++) DSK__MOE_I32(*unpad)[j] = dsk__moe_ep_unslot(j, P, El, Cp, o);
+    return DSK_OK;
+}
+
+/* rgi (n) = the inverse of rg's first loff[El] entries (rgi[rg[j]] = j), -1 elsewhere. */
+static dsk_status dsk__moe_ep_inverse(dsk_moe *m, dsk_ctx *ctx, int64_t n, const dsk_tensor *rg, const dsk_tensor *loff,
+                                      dsk_tensor *rgi) {
+    const int32_t *g = DSK__MOE_I32(*rg);
+    int32_t *gi = DSK__MOE_I32(*rgi), used;
+    DSK__MOE_ON_CUDA(m, dsk_cuda_moe_ep_inverse(ctx, m->n_local, n, g, DSK__MOE_I32(*loff), gi));
+    used = DSK__MOE_I32(*loff)[m->n_local];
+    for (int64_t q = 0; q < n; q++) gi[q] = -1;
+    for (int32_t j = 0; j < used; j++) gi[g[j]] = j;
     return DSK_OK;
 }
 
@@ -2121,11 +2287,133 @@ static dsk_status dsk__moe_ep_counts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor 
     return dsk__moe_to_device(m, ctx, rgi.data, st->h_rg + *R, (size_t)*R * sizeof(int32_t));
 }
 
+/* Bounded EP after the dispatch (no host sync): the group's totals (cntg), the send layout
+   (EP_PAD, EP_UNPAD), the local expert of every row received (the keys travel beside the rows, in
+   a fixed-size all-to-all), and from them, on the device, the regroup index RG (a stable sort of
+   the received rows by local expert: each expert's rows by source rank, then in the source's kept
+   order, as the exact exchange places them), its inverse RGI and the local offsets. */
+static dsk_status dsk__moe_ep_bounded(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *off, const dsk_tensor *cnt,
+                                      dsk_tensor *cntg) {
+    struct dsk__moe_state *st = m->st;
+    int64_t T = st->T, R = st->R, Cp = R / m->ep_size, E = m->opts.n_routed;
+    dsk_tensor pad, skey, rkey, unpad, rg, rgi, loff;
+    DSK__TRY(dsk_comm_all_reduce(m->opts.ep, ctx, cnt->data, cntg->data, 3 + E, DSK_I64, DSK_COMM_SUM));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_EP_PAD, T, R, &pad));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_EP_SKEY, T, R, &skey));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_EP_RKEY, T, R, &rkey));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_EP_UNPAD, T, R, &unpad));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RG, T, R, &rg));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RGI, T, R, &rgi));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_LOCAL_OFF, T, R, &loff));
+    DSK__TRY(dsk__moe_ep_index(m, ctx, Cp, T * m->opts.top_k, off, &pad, &skey, &unpad));
+    DSK__TRY(dsk_comm_all_to_all(m->opts.ep, ctx, skey.data, rkey.data, Cp, DSK_I32));
+    DSK__TRY(dsk_group_by_key(ctx, &rg, &loff, &rkey));
+    return dsk__moe_ep_inverse(m, ctx, R, &rg, &loff, &rgi);
+}
+
+/* Bounded EP: rows (kept order) -> each peer's block of Cp rows -> dst (R), expert-major (rows past
+   the received ones zero). */
+static dsk_status dsk__moe_to_experts_bounded(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
+    struct dsk__moe_state *st = m->st;
+    dsk_tensor send, recv, pad = dsk__moe_saved(m, DSK__MOE_EP_PAD), rg = dsk__moe_saved(m, DSK__MOE_RG);
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->T, st->R, &send));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE2, st->T, st->R, &recv));
+    send = dsk__moe_rows(&send, st->R);
+    DSK__TRY(dsk_gather_rows_scaled(ctx, &send, rows, &pad, NULL));
+    DSK__TRY(
+        dsk_comm_all_to_all(m->opts.ep, ctx, send.data, recv.data, st->R / m->ep_size * m->opts.d_model, rows->dtype));
+    return dsk_gather_rows_scaled(ctx, dst, &recv, &rg, NULL);
+}
+
+/* ... and back: rows (R, expert-major) to their sources' blocks, then into dst (kept order). */
+static dsk_status dsk__moe_from_experts_bounded(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
+    struct dsk__moe_state *st = m->st;
+    dsk_tensor send, recv, rgi = dsk__moe_saved(m, DSK__MOE_RGI), unpad = dsk__moe_saved(m, DSK__MOE_EP_UNPAD);
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE2, st->T, st->R, &send));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->T, st->R, &recv));
+    recv = dsk__moe_rows(&recv, st->R);
+    unpad = dsk__moe_rows(&unpad, dst->shape[0]);
+    DSK__TRY(dsk_gather_rows_scaled(ctx, &send, rows, &rgi, NULL));
+    DSK__TRY(
+        dsk_comm_all_to_all(m->opts.ep, ctx, send.data, recv.data, st->R / m->ep_size * m->opts.d_model, rows->dtype));
+    return dsk_gather_rows_scaled(ctx, dst, &recv, &unpad, NULL);
+}
+
+/* An exchange (DSK__MOE_XCH_*) on a second thread, so that the
+   caller computes meanwhile (host backend: the collective takes no ctx and the gathers use none of its
+   workspace). Its buffers are sized before it starts; the thread's error message comes back at the join. */
+typedef struct dsk__moe_async {
+    dsk_moe *m;
+    dsk_ctx *ctx;
+    const dsk_tensor *rows;
+    dsk_tensor *dst;
+    int way, started; /* way: DSK__MOE_XCH_* */
+    pthread_t thread;
+    dsk_status st;
+    char err[1024];
+} dsk__moe_async;
+
+/* The exchanges: the forward's dispatch (FP8 where opts.ep_dispatch says, its bytes counted), backward's rows
+   to the experts (in the activation dtype), rows back from the experts. */
+enum { DSK__MOE_XCH_DISPATCH, DSK__MOE_XCH_TO_EXPERTS, DSK__MOE_XCH_FROM_EXPERTS };
+
+static dsk_status dsk__moe_dispatch(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst);
+static dsk_status dsk__moe_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst);
+static dsk_status dsk__moe_from_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst);
+
+static void *dsk__moe_async_main(void *p) {
+    dsk__moe_async *a = (dsk__moe_async *)p;
+    a->st = a->way == DSK__MOE_XCH_FROM_EXPERTS ? dsk__moe_from_experts(a->m, a->ctx, a->rows, a->dst)
+            : a->way == DSK__MOE_XCH_DISPATCH   ? dsk__moe_dispatch(a->m, a->ctx, a->rows, a->dst)
+                                                : dsk__moe_to_experts(a->m, a->ctx, a->rows, a->dst);
+    if (a->st != DSK_OK) snprintf(a->err, sizeof a->err, "%s", dsk_last_error());
+    return NULL;
+}
+
+/* Starts the exchange: on a thread when the layer overlaps, else here and now. */
+static dsk_status dsk__moe_exchange_start(dsk__moe_async *a, dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows,
+                                          dsk_tensor *dst, int way) {
+    dsk_tensor t;
+    memset(a, 0, sizeof *a);
+    a->m = m;
+    a->ctx = ctx;
+    a->rows = rows;
+    a->dst = dst;
+    a->way = way;
+    /* FP8 dispatch sizes its code and scale buffers as it goes: it runs here, serial */
+    int fp8 = way == DSK__MOE_XCH_DISPATCH && m->opts.ep_dispatch == DSK_MOE_DISPATCH_FP8;
+    if (m->opts.ep_overlap && m->device.type == DSK_DEV_CPU && !fp8) { /* no allocation on the thread */
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, m->st->T, m->st->R, &t));
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE2, m->st->T, m->st->R, &t));
+        a->started = pthread_create(&a->thread, NULL, dsk__moe_async_main, a) == 0;
+    }
+    if (!a->started) dsk__moe_async_main(a); /* serial (or no thread to be had) */
+    return DSK_OK;
+}
+
+/* Waits for it; its status (and message). */
+static dsk_status dsk__moe_exchange_wait(dsk__moe_async *a) {
+    if (a->started) pthread_join(a->thread, NULL);
+    a->started = 0;
+    if (a->st != DSK_OK) return dsk_set_error(a->st, "%s", a->err);
+    return DSK_OK;
+}
+
+/* s, after joining a's thread (if any) when s is an error: the caller's error wins. */
+static dsk_status dsk__moe_join_on_error(dsk__moe_async *a, dsk_status s) {
+    char msg[1024];
+    if (s == DSK_OK || !a) return s;
+    snprintf(msg, sizeof msg, "%s", dsk_last_error());
+    (void)dsk__moe_exchange_wait(a);
+    return dsk_set_error(s, "%s", msg);
+}
+
 /* Rows (n_kept of them, kept order) to their experts' ranks, regrouped expert-major into dst (R). */
 static dsk_status dsk__moe_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
     struct dsk__moe_state *st = m->st;
     int P = m->ep_size;
     dsk_tensor stage, rg;
+    if (m->opts.ep_exchange == DSK_MOE_EP_BOUNDED) return dsk__moe_to_experts_bounded(m, ctx, rows, dst);
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->T, st->R, &stage));
     rg = dsk__moe_saved(m, DSK__MOE_RG);
     DSK__TRY(dsk_comm_all_to_all_v(m->opts.ep, ctx, rows->data, st->a2a, st->a2a + P, stage.data, st->a2a + 2 * P,
@@ -2195,6 +2483,7 @@ static dsk_status dsk__moe_dispatch(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *
     int64_t D = m->opts.d_model, n = rows->shape[0];
     size_t es = dsk_dtype_size(rows->dtype);
     int fp8 = m->opts.ep_dispatch == DSK_MOE_DISPATCH_FP8;
+    if (m->opts.ep_exchange == DSK_MOE_EP_BOUNDED) n = st->R; /* every peer's whole block */
     st->fwd_bytes[0] = fp8 ? (uint64_t)(n * (D + 4 * ((D + 127) / 128))) : (uint64_t)(n * D) * es;
     st->fwd_bytes[1] = (uint64_t)(st->R * D) * es;
     for (int i = 0; i < 2 && !m->eval; i++) st->acc_bytes[i] += st->fwd_bytes[i];
@@ -2209,6 +2498,7 @@ static dsk_status dsk__moe_from_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tens
     struct dsk__moe_state *st = m->st;
     int P = m->ep_size;
     dsk_tensor stage, rgi;
+    if (m->opts.ep_exchange == DSK_MOE_EP_BOUNDED) return dsk__moe_from_experts_bounded(m, ctx, rows, dst);
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->T, st->R, &stage));
     rgi = dsk__moe_saved(m, DSK__MOE_RGI);
     stage = dsk__moe_rows(&stage, st->R);
@@ -2255,6 +2545,17 @@ static dsk_status dsk__moe_shared_forward(dsk_moe *m, dsk_ctx *ctx, const dsk_te
     return dsk_matmul(ctx, out, a, 0, &w[4], 1, 1.0f, 0.0f);
 }
 
+/* The shared experts' forward of the rows xa into their buffers; ys: their output (T, D). */
+static dsk_status dsk__moe_shared_step(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *xa, const dsk_tensor *w, int64_t T,
+                                       int64_t R, dsk_tensor *ys) {
+    dsk_tensor hs1, hs3, as;
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_HS1, T, R, &hs1));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_HS3, T, R, &hs3));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_AS, T, R, &as));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_YS, T, R, ys));
+    return dsk__moe_shared_forward(m, ctx, xa, w, &hs1, &hs3, &as, ys);
+}
+
 /* The CPU fails a forward on non-finite routing (every rank of an EP group together). */
 static dsk_status dsk__moe_nonfinite_error(const dsk_moe *m, int64_t T, const int64_t *cnt_group) {
     const int32_t *keys = (const int32_t *)m->st->buf[DSK__MOE_KEYS].mem.data;
@@ -2273,6 +2574,20 @@ static dsk_status dsk__moe_nonfinite_error(const dsk_moe *m, int64_t T, const in
                          m->opts.name, (long long)cnt_group[2]);
 }
 
+/* Rows the last forward's dispatch sent to other nodes (see dsk_moe_stats), with the ranks numbered
+   node by node (node of rank r: r / ranks per node); -1 when this rank sees otherwise. */
+static int64_t dsk__moe_rows_off_node(const dsk_moe *m) {
+    const dsk_comm *c = m->opts.ep;
+    int64_t n = 0, L;
+    if (m->ep_size <= 1) return 0;
+    L = c->n_nodes > 0 && c->world_size % c->n_nodes == 0 ? c->world_size / c->n_nodes : 0;
+    if (!L || c->node != c->rank / L) return -1;
+    for (int r = 0; r < m->ep_size; r++)
+        if (r / L != c->node)
+            n += m->opts.ep_exchange == DSK_MOE_EP_BOUNDED ? m->st->R / m->ep_size : m->st->send_rows[r];
+    return n;
+}
+
 /* A forward's statistics from its counts (EP group) and this rank's losses, on the host. */
 static dsk_status dsk__moe_fill_stats(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *cntg, const dsk_tensor *loss,
                                       dsk_moe_stats *s) {
@@ -2289,6 +2604,7 @@ static dsk_status dsk__moe_fill_stats(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor
     s->slots = c[0] * m->opts.top_k;
     s->dropped = c[1];
     s->nonfinite = c[2];
+    s->rows_off_node = dsk__moe_rows_off_node(m);
     for (int e = 0; e < E; e++) {
         st->fwd_loads[e] = c[3 + e];
         s->max_load = (double)c[3 + e] > s->max_load ? (double)c[3 + e] : s->max_load;
@@ -2314,9 +2630,10 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     int cpu = m->device.type == DSK_DEV_CPU, ep = m->ep_size > 1;
     int losses = o->aux_alpha > 0 || o->seq_aux_alpha > 0 || o->z_beta > 0;
     dsk_tensor xf, xa, u, prob, scr, sel, gate, keys, perm_all, off_all, perm, off, pos, row_tok, row_gate, cnt, cntg;
-    dsk_tensor xs, xr, h1, h3, a, ob, hs1, hs3, as, ys, w[6], offsets;
+    dsk_tensor xs, xr, h1, h3, a, ob, ys, w[6], offsets;
     dsk__moe_loss_bufs lb;
-    R = ep ? TK : dsk__moe_rows_bound(m, T); /* sizes the buffers until the counts say more */
+    dsk__moe_async xch;
+    R = dsk__moe_rows_first(m, T); /* sizes the buffers (exact EP: until the counts say more) */
     st->T = T;
     st->R = R;
     st->N = N;
@@ -2373,7 +2690,8 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     n_kept = cpu ? DSK__MOE_I32(off)[E] : -1;
     if (ep) {
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_CNTG, T, R, &cntg));
-        DSK__TRY(dsk__moe_ep_counts(m, ctx, &cnt, &cntg, &n_kept, &R));
+        if (o->ep_exchange == DSK_MOE_EP_BOUNDED) DSK__TRY(dsk__moe_ep_bounded(m, ctx, &off, &cnt, &cntg));
+        else DSK__TRY(dsk__moe_ep_counts(m, ctx, &cnt, &cntg, &n_kept, &R));
         st->R = R;
         offsets = dsk__moe_saved(m, DSK__MOE_LOCAL_OFF);
     } else if (cpu) {
@@ -2391,13 +2709,16 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     xs = dsk__moe_rows(&xs, n_rows);
     row_tok = dsk__moe_rows(&row_tok, n_rows);
     DSK__TRY(dsk_gather_rows_scaled(ctx, &xs, &xa, &row_tok, NULL));
-    /* routed experts: grouped GEMMs over the experts' row segments */
+    /* routed experts: grouped GEMMs over the experts' row segments; EP: the shared experts compute while
+       the rows travel */
     if (ep) {
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_XR, T, R, &xr));
-        DSK__TRY(dsk__moe_dispatch(m, ctx, &xs, &xr));
+        DSK__TRY(dsk__moe_exchange_start(&xch, m, ctx, &xs, &xr, DSK__MOE_XCH_DISPATCH));
     } else {
         xr = dsk__moe_rows(&xs, R);
     }
+    if (Fs > 0) DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_shared_step(m, ctx, &xa, w, T, R, &ys)));
+    if (ep) DSK__TRY(dsk__moe_exchange_wait(&xch));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_H1, T, R, &h1));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_H3, T, R, &h3));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_A, T, R, &a));
@@ -2406,17 +2727,9 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     if (ep) {
         dsk_tensor back;
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_OB, T, R, &back));
-        back = dsk__moe_rows(&back, n_kept);
+        back = dsk__moe_rows(&back, n_rows);
         DSK__TRY(dsk__moe_from_experts(m, ctx, &ob, &back));
         ob = back;
-    }
-    /* shared experts, then the combine */
-    if (Fs > 0) {
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_HS1, T, R, &hs1));
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_HS3, T, R, &hs3));
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_AS, T, R, &as));
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_YS, T, R, &ys));
-        DSK__TRY(dsk__moe_shared_forward(m, ctx, &xa, w, &hs1, &hs3, &as, &ys));
     }
     DSK__TRY(dsk__moe_combine(m, ctx, y, &pos, &gate, &ob, Fs > 0 ? &ys : NULL));
     st->n_kept = n_kept;
@@ -2427,11 +2740,43 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
 
 /* ---------------------------------------------------------------- backward */
 
+/* The shared experts' backward from dya: their gradients, and dxf (T, D) f32 WRITTEN (zeroed without
+   shared experts). */
+static dsk_status dsk__moe_shared_backward(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *dya, const dsk_tensor *xa,
+                                           const dsk_tensor *w, dsk_tensor *dxf) {
+    struct dsk__moe_state *st = m->st;
+    int64_t T = st->T, R = st->R, Fs = m->d_shared_total;
+    if (Fs > 0) {
+        dsk_tensor das, dhs1, dhs3, hs1 = dsk__moe_saved(m, DSK__MOE_HS1), hs3 = dsk__moe_saved(m, DSK__MOE_HS3);
+        dsk_tensor as = dsk__moe_saved(m, DSK__MOE_AS);
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DAS, T, R, &das));
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DHS1, T, R, &dhs1));
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DHS3, T, R, &dhs3));
+        DSK__TRY(dsk_matmul(ctx, &das, dya, 0, &w[4], 0, 1.0f, 0.0f));
+        DSK__TRY(dsk_matmul(ctx, &m->sw2->grad, dya, 1, &as, 0, 1.0f, 1.0f));
+        if (m->device.type == DSK_DEV_CPU && st->act == DSK_F32) { /* written: no zeroing pass, no read-back */
+            dsk_swiglu_grad_cpu(dsk_tensor_numel(&das), DSK__MOE_F32(hs1), DSK__MOE_F32(hs3), DSK__MOE_F32(das),
+                                DSK__MOE_F32(dhs1), DSK__MOE_F32(dhs3));
+        } else {
+            DSK__TRY(dsk_tensor_fill(ctx, &dhs1, 0.0));
+            DSK__TRY(dsk_tensor_fill(ctx, &dhs3, 0.0));
+            DSK__TRY(dsk_swiglu_backward(ctx, &dhs1, &dhs3, &das, &hs1, &hs3));
+        }
+        DSK__TRY(dsk_matmul(ctx, dxf, &dhs1, 0, &w[3], 0, 1.0f, 0.0f));
+        DSK__TRY(dsk_matmul(ctx, dxf, &dhs3, 0, &w[5], 0, 1.0f, 1.0f));
+        DSK__TRY(dsk_matmul(ctx, &m->sw1->grad, &dhs1, 1, xa, 0, 1.0f, 1.0f));
+        DSK__TRY(dsk_matmul(ctx, &m->sw3->grad, &dhs3, 1, xa, 0, 1.0f, 1.0f));
+    } else {
+        DSK__TRY(dsk_tensor_fill(ctx, dxf, 0.0));
+    }
+    return DSK_OK;
+}
+
 static dsk_status dsk__moe_backward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy,
                                          float aux_scale) {
     struct dsk__moe_state *st = m->st;
     const dsk_moe_opts *o = &m->opts;
-    int64_t T = st->T, R = st->R, K = o->top_k, Fs = m->d_shared_total;
+    int64_t T = st->T, R = st->R, K = o->top_k;
     int64_t n_rows = st->n_kept >= 0 ? st->n_kept : T * K;
     int ep = m->ep_size > 1;
     float zcoef = st->N > 0 ? o->z_beta * 2.0f / (float)st->N * aux_scale : 0.0f; /* per token of the span */
@@ -2448,48 +2793,27 @@ static dsk_status dsk__moe_backward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *d
     dsk_tensor offsets = dsk__moe_saved(m, ep ? DSK__MOE_LOCAL_OFF : o->capacity_factor > 0 ? DSK__MOE_OFF
                                                                                           : DSK__MOE_OFF_ALL);
     dsk_tensor w[6], dya, dxf, dgate, du, dos, dor, da, dh1, dh3, dxr, dxp;
+    dsk__moe_async xch;
     row_tok = dsk__moe_rows(&row_tok, n_rows);
     row_gate = dsk__moe_rows(&row_gate, n_rows);
-    if (ep) ob = dsk__moe_rows(&ob, st->n_kept);
+    if (ep) ob = dsk__moe_rows(&ob, n_rows);
     DSK__TRY(dsk__moe_weights_act(m, ctx, w));
     DSK__TRY(dsk__moe_act_input(m, ctx, DSK__MOE_DYA, dy, NULL, &dya));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DXF, T, R, &dxf));
-    /* shared experts: dxf written here (or zeroed) */
-    if (Fs > 0) {
-        dsk_tensor das, dhs1, dhs3, hs1 = dsk__moe_saved(m, DSK__MOE_HS1), hs3 = dsk__moe_saved(m, DSK__MOE_HS3);
-        dsk_tensor as = dsk__moe_saved(m, DSK__MOE_AS);
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DAS, T, R, &das));
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DHS1, T, R, &dhs1));
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DHS3, T, R, &dhs3));
-        DSK__TRY(dsk_matmul(ctx, &das, &dya, 0, &w[4], 0, 1.0f, 0.0f));
-        DSK__TRY(dsk_matmul(ctx, &m->sw2->grad, &dya, 1, &as, 0, 1.0f, 1.0f));
-        if (m->device.type == DSK_DEV_CPU && st->act == DSK_F32) { /* written: no zeroing pass, no read-back */
-            dsk_swiglu_grad_cpu(dsk_tensor_numel(&das), DSK__MOE_F32(hs1), DSK__MOE_F32(hs3), DSK__MOE_F32(das),
-                                DSK__MOE_F32(dhs1), DSK__MOE_F32(dhs3));
-        } else {
-            DSK__TRY(dsk_tensor_fill(ctx, &dhs1, 0.0));
-            DSK__TRY(dsk_tensor_fill(ctx, &dhs3, 0.0));
-            DSK__TRY(dsk_swiglu_backward(ctx, &dhs1, &dhs3, &das, &hs1, &hs3));
-        }
-        DSK__TRY(dsk_matmul(ctx, &dxf, &dhs1, 0, &w[3], 0, 1.0f, 0.0f));
-        DSK__TRY(dsk_matmul(ctx, &dxf, &dhs3, 0, &w[5], 0, 1.0f, 1.0f));
-        DSK__TRY(dsk_matmul(ctx, &m->sw1->grad, &dhs1, 1, &xa, 0, 1.0f, 1.0f));
-        DSK__TRY(dsk_matmul(ctx, &m->sw3->grad, &dhs3, 1, &xa, 0, 1.0f, 1.0f));
-    } else {
-        DSK__TRY(dsk_tensor_fill(ctx, &dxf, 0.0));
-    }
     /* d gate = dy . o for the kept slots; rows back to the experts: g * dy */
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DGATE, T, R, &dgate));
     DSK__TRY(dsk__moe_dgate(m, ctx, &dgate, &dya, &pos, &ob));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DOS, T, R, &dos));
     dos = dsk__moe_rows(&dos, n_rows);
     DSK__TRY(dsk_gather_rows_scaled(ctx, &dos, &dya, &row_tok, &row_gate));
-    if (ep) {
+    if (ep) { /* the shared experts' backward while the rows travel */
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DOR, T, R, &dor));
-        DSK__TRY(dsk__moe_to_experts(m, ctx, &dos, &dor));
+        DSK__TRY(dsk__moe_exchange_start(&xch, m, ctx, &dos, &dor, DSK__MOE_XCH_TO_EXPERTS));
     } else {
         dor = dsk__moe_rows(&dos, R);
     }
+    DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_shared_backward(m, ctx, &dya, &xa, w, &dxf)));
+    if (ep) DSK__TRY(dsk__moe_exchange_wait(&xch));
     /* routed experts */
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DA, T, R, &da));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DH1, T, R, &dh1));
@@ -2497,18 +2821,20 @@ static dsk_status dsk__moe_backward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *d
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DXR, T, R, &dxr));
     DSK__TRY(dsk_swiglu_grouped_backward(ctx, &dxr, &m->w1->grad, &m->w2->grad, &m->w3->grad, &da, &dh1, &dh3, &dor,
                                          &xr, &h1, &h3, &a, &w[0], &w[1], &w[2], &offsets));
-    if (ep) {
+    if (ep) { /* the router's backward while the rows travel back */
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DXP, T, R, &dxp));
-        dxp = dsk__moe_rows(&dxp, st->n_kept);
-        DSK__TRY(dsk__moe_from_experts(m, ctx, &dxr, &dxp));
+        dxp = dsk__moe_rows(&dxp, n_rows);
+        DSK__TRY(dsk__moe_exchange_start(&xch, m, ctx, &dxr, &dxp, DSK__MOE_XCH_FROM_EXPERTS));
     } else {
         dxp = dxr;
     }
     /* router: du (T, E) per token, the routed rows into dxf, then dx += du W_r, dW_r += du^T x */
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DU, T, R, &du));
-    DSK__TRY(dsk__moe_route_backward(m, ctx, T, &u, &prob, &sel, &dgate,
-                                     o->aux_alpha > 0 || o->seq_aux_alpha > 0 ? &aux : NULL, st->row0, st->seq_len,
-                                     aux_scale, zcoef, &du));
+    DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_DU, T, R, &du)));
+    DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL,
+                                    dsk__moe_route_backward(m, ctx, T, &u, &prob, &sel, &dgate,
+                                                            o->aux_alpha > 0 || o->seq_aux_alpha > 0 ? &aux : NULL,
+                                                            st->row0, st->seq_len, aux_scale, zcoef, &du)));
+    if (ep) DSK__TRY(dsk__moe_exchange_wait(&xch));
     DSK__TRY(dsk__moe_uncombine(m, ctx, &dxf, &pos, &dxp));
     DSK__TRY(dsk_matmul(ctx, &dxf, &du, 0, &m->router->value, 0, 1.0f, 1.0f));
     DSK__TRY(dsk_matmul(ctx, &m->router->grad, &du, 1, &xf, 0, 1.0f, 1.0f));

@@ -162,6 +162,46 @@ extern "C" dsk_status dsk_cuda_moe_plan(dsk_ctx *ctx, int E, int K, int64_t TK, 
     return DSK_OK;
 }
 
+/* Bounded expert parallelism: the send layout (dsk__moe_ep_slot, dsk__moe_ep_unslot) and the inverse of
+   the regroup index, from offsets on the device. */
+__global__ void dsk__moe_k_ep_index(int P, int El, int64_t Cp, int64_t TK, const int32_t *off, int32_t *pad,
+                                    int32_t *skey, int32_t *unpad) {
+    DSK__CUDA_FOR(i, P * Cp + TK) {
+        if (i < P * Cp) dsk__moe_ep_slot(i, El, Cp, off, pad + i, skey + i);
+        else unpad[i - P * Cp] = dsk__moe_ep_unslot(i - P * Cp, P, El, Cp, off);
+    }
+}
+
+extern "C" dsk_status dsk_cuda_moe_ep_index(dsk_ctx *ctx, int P, int El, int64_t Cp, int64_t TK, const int32_t *off,
+                                            int32_t *pad, int32_t *skey, int32_t *unpad) {
+    static const char *fn = "dsk_moe_forward (bounded EP layout)";
+    int64_t n = P * Cp + TK;
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
+    if (n == 0) return DSK_OK;
+    DSK__CUDA_LAUNCH(fn, dsk__moe_k_ep_index, dsk__cuda_grid(n), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), n, P, El, Cp,
+                     TK, off, pad, skey, unpad);
+    return DSK_OK;
+}
+
+__global__ void dsk__moe_k_ep_inverse(int El, int64_t n, const int32_t *rg, const int32_t *loff, int32_t *rgi) {
+    int32_t used = loff[El];
+    DSK__CUDA_FOR(j, n) {
+        if (j < used) rgi[rg[j]] = (int32_t)j;
+    }
+}
+
+extern "C" dsk_status dsk_cuda_moe_ep_inverse(dsk_ctx *ctx, int El, int64_t n, const int32_t *rg, const int32_t *loff,
+                                              int32_t *rgi) {
+    static const char *fn = "dsk_moe_forward (bounded EP regroup)";
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
+    if (n == 0) return DSK_OK;
+    DSK__CUDA_LAUNCH(fn, dsk__moe_k_fill_i32, dsk__cuda_grid(n), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), n, rgi, n,
+                     (int32_t)-1);
+    DSK__CUDA_LAUNCH(fn, dsk__moe_k_ep_inverse, dsk__cuda_grid(n), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), n, El, n,
+                     rg, loff, rgi);
+    return DSK_OK;
+}
+
 __global__ void dsk__moe_k_counts(int64_t T, int K, int E, const int32_t *off_all, const int32_t *off, int64_t *cnt) {
     if (threadIdx.x == 0) dsk__moe_counts(T, K, E, off_all, off, cnt);
 }

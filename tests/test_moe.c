@@ -1323,6 +1323,15 @@ static void test_bad_config(void) {
     b = o;
     b.ep_dispatch = (dsk_moe_dispatch)2;
     expect_init_error(b, "unknown ep_dispatch 2");
+    b = o;
+    b.ep_exchange = (dsk_moe_ep_exchange)2;
+    expect_init_error(b, "unknown ep_exchange 2");
+    b = o;
+    b.node_limit = 1;
+    expect_init_error(b, "node_limit 1 needs an expert-parallel group");
+    b = o;
+    b.node_limit = -1;
+    expect_init_error(b, "node_limit -1 needs an expert-parallel group and M > 0");
     b = o; b.n_group = 4; b.topk_group = 3; b.group_rule = DSK_MOE_GROUP_MEGATRON;
     expect_init_error(b, "top_k 2 < topk_group 3 sums none");
     b = o; b.name = "x"; b.n_routed = 0; expect_init_error(b, "layer \"x\": n_routed 0");
@@ -1417,8 +1426,195 @@ static int ep_nonfinite(dsk_moe *m, int rank, const float *x_rows) {
     return ok;
 }
 
+/* One step (forward, backward, bias update over c) of a fresh layer of options o on this rank's rows:
+   y, dx, the gradient slab, the loads and the dropped count, then the updated bias, appended to buf
+   (malloc'd, *len floats). */
+static int ep_step_record(dsk_comm *c, dsk_moe_opts o, const float *x_rows, const float *dy_rows, float **buf,
+                          size_t *len) {
+    dsk_moe m;
+    owned own;
+    dsk_tensor x, y, dx, dy;
+    int64_t shp[2] = {EP_T, EP_D}, ng;
+    dsk_moe_stats st;
+    size_t at;
+    int rc = 0;
+    if (make_layer(&m, &own, &o) != DSK_OK) return 1;
+    ng = dsk_tensor_numel(&own.grads);
+    *len = (size_t)(2 * EP_T * EP_D + ng + EP_E + 1 + EP_E);
+    *buf = (float *)malloc(sizeof(float) * *len);
+    for (size_t i = 0; i < *len; i++) (*buf)[i] = NAN; /* poisoned */
+    dsk_tensor_wrap(&x, (void *)x_rows, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&dy, (void *)dy_rows, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&y, *buf, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&dx, *buf + EP_T * EP_D, DSK_F32, dsk_cpu(), 2, shp);
+    memset(dx.data, 0, sizeof(float) * EP_T * EP_D);
+    if (dsk_moe_forward(&m, NULL, &y, &x, &st) != DSK_OK || dsk_moe_backward(&m, NULL, &dx, &dy, 1.0f) != DSK_OK ||
+        dsk_moe_update_bias(&m, NULL, c) != DSK_OK) {
+        rc = 2;
+        goto done;
+    }
+    at = 2 * EP_T * EP_D;
+    memcpy(*buf + at, own.grads.data, sizeof(float) * (size_t)ng);
+    at += (size_t)ng;
+    for (int e = 0; e < EP_E; e++) (*buf)[at++] = (float)st.tokens_per_expert[e];
+    (*buf)[at++] = (float)st.dropped;
+    memcpy(*buf + at, m.bias->value.data, sizeof(float) * EP_E);
+done:
+    drop_layer(&m, &own);
+    return rc;
+}
+
+/* The exchange variants give the serial exact exchange's results bit for bit: the exact one overlapped
+   with compute (ep_overlap), the bounded one (DSK_MOE_EP_BOUNDED) serial and overlapped; dropless and
+   under capacity (which must drop slots here): 1, or 0 with the differences on stderr. */
+static int ep_bounded_same(dsk_comm *c, dsk_moe_opts o, int rank, const float *x_rows, const float *dy_rows) {
+    int ok = 1;
+    for (int cap = 0; cap < 2; cap++) {
+        float *a = NULL;
+        size_t na = 0;
+        o.capacity_factor = cap ? 0.75f : 0.0f;
+        o.ep_exchange = DSK_MOE_EP_EXACT;
+        o.ep_overlap = 0;
+        if (ep_step_record(c, o, x_rows, dy_rows, &a, &na)) ok = 0;
+        for (int v = 1; ok && v < 4; v++) {
+            float *b = NULL;
+            size_t nb = 0;
+            o.ep_exchange = v >= 2 ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
+            o.ep_overlap = v != 2;
+            if (ep_step_record(c, o, x_rows, dy_rows, &b, &nb)) ok = 0;
+            if (ok && (na != nb || memcmp(a, b, sizeof(float) * na) != 0)) {
+                size_t i = 0;
+                while (i < na && !memcmp(a + i, b + i, sizeof(float))) i++;
+                fprintf(stderr, "rank %d capacity %d: %s %s differs from the serial exact at float %zu of %zu\n", rank,
+                        cap, v >= 2 ? "bounded" : "exact", v == 2 ? "serial" : "overlapped", i, na);
+                ok = 0;
+            }
+            free(b);
+        }
+        if (ok && cap && !(a[na - EP_E - 1] > 0)) {
+            fprintf(stderr, "rank %d: capacity 0.75 dropped no slot\n", rank);
+            ok = 0;
+        }
+        free(a);
+    }
+    return ok;
+}
+
+/* Node-limited routing (node_limit 1, the ranks on two emulated hosts) against a float64 reference of the
+   rule: node q's score is the sum of its top K/M selection scores c = p + b, the best M nodes are kept, the
+   top K of c among their experts selected; every token's experts on one node; stats.rows_off_node = the
+   slots this rank routed to the other node, counted here from the routing. 1 if all hold. */
+static int ep_node_limited(dsk_comm *c, dsk_moe_opts o, int rank, const float *x_rows) {
+    dsk_moe m;
+    owned own;
+    dsk_tensor x, y, sel;
+    int64_t shp[2] = {EP_T, EP_D}, ss[2] = {EP_T, EP_K}, off_node = 0;
+    int ok = 1, per_node = EP_E / c->n_nodes, w = EP_K / 1;
+    float yb[EP_T * EP_D];
+    int32_t sb[EP_T * EP_K];
+    dsk_moe_stats st, fs[2];
+    o.n_group = 0;
+    o.topk_group = 0;
+    o.node_limit = 1;
+    if (make_layer(&m, &own, &o) != DSK_OK) return 0;
+    for (int e = 0; e < EP_E; e++) ((float *)m.bias->value.data)[e] = (float)dsk_test_rand(-0.05, 0.05);
+    dsk_tensor_wrap(&x, (void *)x_rows, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&y, yb, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&sel, sb, DSK_I32, dsk_cpu(), 2, ss);
+    for (int i = 0; i < EP_T * EP_K; i++) sb[i] = -7; /* poisoned */
+    if (dsk_moe_forward(&m, NULL, &y, &x, &st) != DSK_OK || dsk_moe_routing(&m, NULL, &sel) != DSK_OK) ok = 0;
+    for (int t = 0; ok && t < EP_T; t++) {
+        const float *wr = (const float *)m.router->value.data, *b = (const float *)m.bias->value.data;
+        double u[EP_E], p[EP_E], cs[EP_E], mx = -1e300, sum = 0, qs[EP_E], margin = 1e300;
+        int best = 0, taken[EP_E] = {0};
+        for (int e = 0; e < EP_E; e++) {
+            u[e] = 0;
+            for (int d = 0; d < EP_D; d++) u[e] += (double)x_rows[t * EP_D + d] * wr[e * EP_D + d];
+            mx = u[e] > mx ? u[e] : mx;
+        }
+        for (int e = 0; e < EP_E; e++) {
+            p[e] = o.score == DSK_MOE_SIGMOID ? 1 / (1 + exp(-u[e])) : exp(u[e] - mx);
+            sum += p[e];
+        }
+        for (int e = 0; e < EP_E; e++) cs[e] = (o.score == DSK_MOE_SIGMOID ? p[e] : p[e] / sum) + b[e];
+        for (int q = 0; q < c->n_nodes; q++) { /* the sum of the node's top w scores */
+            double v[EP_E];
+            qs[q] = 0;
+            for (int i = 0; i < per_node; i++) v[i] = cs[q * per_node + i];
+            for (int k = 0; k < w && k < per_node; k++) {
+                int bi = 0;
+                for (int i = 1; i < per_node; i++)
+                    if (v[i] > v[bi]) bi = i;
+                qs[q] += v[bi];
+                v[bi] = -1e300;
+            }
+        }
+        for (int q = 1; q < c->n_nodes; q++) {
+            if (fabs(qs[q] - qs[best]) < margin) margin = fabs(qs[q] - qs[best]);
+            if (qs[q] > qs[best]) best = q;
+        }
+        for (int k = 0; k < EP_K; k++) { /* top K of the kept node's experts, descending */
+            int bi = -1;
+            for (int e = best * per_node; e < (best + 1) * per_node; e++)
+                if (!taken[e] && (bi < 0 || cs[e] > cs[bi])) bi = e;
+            taken[bi] = 1;
+            if (margin > 1e-5 && sb[t * EP_K + k] != bi) {
+                fprintf(stderr, "rank %d token %d slot %d: expert %d, the rule's %d\n", rank, t, k, sb[t * EP_K + k],
+                        bi);
+                ok = 0;
+            }
+            if (sb[t * EP_K + k] / per_node != sb[t * EP_K] / per_node) {
+                fprintf(stderr, "rank %d token %d: experts on two nodes\n", rank, t);
+                ok = 0;
+            }
+            off_node += sb[t * EP_K + k] / per_node != c->node;
+        }
+    }
+    if (ok && st.rows_off_node != off_node) {
+        fprintf(stderr, "rank %d: rows_off_node %lld, counted %lld\n", rank, (long long)st.rows_off_node,
+                (long long)off_node);
+        ok = 0;
+    }
+    drop_layer(&m, &own);
+    o.node_limit = 0; /* the figure beside it: the same tokens routed without the limit, exact and bounded */
+    for (int bounded = 0; ok && bounded < 2; bounded++) {
+        o.ep_exchange = bounded ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
+        if (make_layer(&m, &own, &o) != DSK_OK) return 0;
+        if (dsk_moe_forward(&m, NULL, &y, &x, &fs[bounded]) != DSK_OK) ok = 0;
+        drop_layer(&m, &own);
+    }
+    if (ok && rank == 0) {
+        printf("# rank 0 of 4 on 2 nodes, %d tokens, top-%d of %d experts: rows its dispatch sends to the other node: "
+               "flat %lld, node-limited (M = 1) %lld, bounded %lld\n",
+               EP_T, EP_K, EP_E, (long long)fs[0].rows_off_node, (long long)st.rows_off_node,
+               (long long)fs[1].rows_off_node);
+        fflush(stdout);
+    }
+    return ok;
+}
+
+/* The bounded exchange needs the same T on every rank: rank 0 with one token fewer fails every rank's
+   forward (the fixed-size all-to-all's counts disagree), none hangs. Last: it leaves o.ep unusable. */
+static int ep_bounded_uneven(dsk_moe_opts o, int rank) {
+    dsk_moe m;
+    owned own;
+    dsk_tensor x, y;
+    int64_t shp[2] = {rank == 0 ? EP_T - 1 : EP_T, EP_D};
+    float xb[EP_T * EP_D], yb[EP_T * EP_D];
+    int ok;
+    o.ep_exchange = DSK_MOE_EP_BOUNDED;
+    if (make_layer(&m, &own, &o) != DSK_OK) return 0;
+    for (int i = 0; i < EP_T * EP_D; i++) xb[i] = (float)dsk_test_rand(-1, 1);
+    dsk_tensor_wrap(&x, xb, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&y, yb, DSK_F32, dsk_cpu(), 2, shp);
+    ok = dsk_moe_forward(&m, NULL, &y, &x, NULL) != DSK_OK && strstr(dsk_last_error(), "all_to_all") != NULL;
+    if (!ok) fprintf(stderr, "rank %d: uneven T under the bounded exchange: %s\n", rank, dsk_last_error());
+    drop_layer(&m, &own);
+    return ok;
+}
+
 static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx, const float *gdy, float *out,
-                        int *bad_cfg_ok, int *nonfinite_ok) {
+                        int *bad_cfg_ok, int *nonfinite_ok, int *bounded_ok, int *node_ok) {
     dsk_comm c;
     dsk_comm_opts co;
     dsk_moe m;
@@ -1429,6 +1625,7 @@ static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx,
     dsk_moe_stats st;
     memset(&co, 0, sizeof co);
     co.backend = DSK_COMM_HOST; co.master_addr = "127.0.0.1"; co.master_port = port; co.timeout_s = 60;
+    if (n == 4) co.host_id = rank < 2 ? "ep-host-a" : "ep-host-b"; /* two emulated nodes (TCP between them) */
     if (dsk_comm_init(&c, rank, n, &co) != DSK_OK) return 2;
     o.ep = &c;
     { /* E not divisible by the EP size fails on every rank, naming both */
@@ -1436,6 +1633,20 @@ static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx,
         dsk_moe_opts b = o;
         b.n_routed = n * 2 + 1; b.top_k = 1; b.n_group = 0; b.topk_group = 0;
         *bad_cfg_ok = dsk_moe_init(&bad, NULL, &b) == DSK_ERR_ARG && strstr(dsk_last_error(), "not divisible by the expert-parallel size") != NULL;
+        if (n == 4) { /* two nodes: a node limit above them, or beside explicit groups */
+            b = o;
+            b.n_group = 0;
+            b.topk_group = 0;
+            b.node_limit = 3;
+            *bad_cfg_ok = *bad_cfg_ok && dsk_moe_init(&bad, NULL, &b) == DSK_ERR_ARG &&
+                          strstr(dsk_last_error(), "node_limit 3 must be <= the 2 nodes") != NULL;
+            b = o;
+            b.n_group = 4;
+            b.topk_group = 2;
+            b.node_limit = 1;
+            *bad_cfg_ok = *bad_cfg_ok && dsk_moe_init(&bad, NULL, &b) == DSK_ERR_ARG &&
+                          strstr(dsk_last_error(), "node_limit 1 sets the groups; n_group 4, topk_group 2") != NULL;
+        }
     }
     if (make_layer(&m, &own, &o) != DSK_OK) return 3;
     dsk_tensor_wrap(&x, (void *)(gx + rank * EP_T * EP_D), DSK_F32, dsk_cpu(), 2, shp);
@@ -1453,7 +1664,10 @@ static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx,
     memcpy(out + ep_per_rank(n) - EP_E, m.bias->value.data, sizeof(float) * EP_E);
     *nonfinite_ok = ep_nonfinite(&m, rank, gx + rank * EP_T * EP_D);
     drop_layer(&m, &own);
-    dsk_comm_free(&c);
+    *bounded_ok = ep_bounded_same(&c, o, rank, gx + rank * EP_T * EP_D, gdy + rank * EP_T * EP_D);
+    *node_ok = n == 4 ? ep_node_limited(&c, o, rank, gx + rank * EP_T * EP_D) : 1;
+    *node_ok = *node_ok && ep_bounded_uneven(o, rank);
+    dsk_comm_free(&c); /* unusable after the uneven exchange */
     return 0;
 }
 
@@ -1462,7 +1676,8 @@ typedef struct ep_job {
     int n, sigmoid, NT;
     size_t per_rank, bytes;
     float *shm, *gx, *gdy;
-    int *flags;      /* [r]: rank r exit status, [32 + r]: bad EP configuration reported, [48 + r]: NaN reported */
+    int *flags; /* [r]: rank r exit status, [32 + r]: bad EP configuration reported, [48 + r]: NaN reported,
+                        [16 + r]: the bounded exchange gave the exact one's bits, [24 + r]: node-limited routing */
     int port_ok;
 } ep_job;
 
@@ -1501,7 +1716,7 @@ static void ep_run(ep_job *j, int n, int sigmoid) {
         pid_t pid = fork();
         if (pid == 0) {
             int rc = ep_rank_main(r, n, port, sigmoid, j->gx, j->gdy, ep_result(j, r), &j->flags[32 + r],
-                                  &j->flags[48 + r]);
+                                  &j->flags[48 + r], &j->flags[16 + r], &j->flags[24 + r]);
             if (rc) fprintf(stderr, "rank %d: step %d failed: %s\n", r, rc, dsk_last_error());
             _exit(rc);
         }
@@ -1522,7 +1737,8 @@ static void ep_check(ep_job *j) {
     dsk_tensor y, dx;
     dsk_moe_stats st;
     int64_t shp[2] = {NT, EP_D};
-    dsk_test_begin("expert parallel %s over %d ranks = 1 rank", j->sigmoid ? "sigmoid+groups" : "softmax", n);
+    dsk_test_begin("expert parallel %s over %d ranks = 1 rank, overlapped & bounded = serial, node-limited on 4",
+                   j->sigmoid ? "sigmoid+groups" : "softmax", n);
     memset(&y, 0, sizeof y); memset(&dx, 0, sizeof dx);
     DSK_TEST_OK(make_layer(&ref, &own, &o));
     if (!j->port_ok) { dsk_test_fail_at(__FILE__, __LINE__, "no free port: %s", dsk_last_error()); goto out; }
@@ -1530,6 +1746,13 @@ static void ep_check(ep_job *j) {
         DSK_TEST_EXPECT(j->flags[r] == 0, "a rank failed with status %d", j->flags[r]);
         DSK_TEST_EXPECT(j->flags[32 + r] == 1, "rank %d: E not divisible by the EP size was not reported", r);
         DSK_TEST_EXPECT(j->flags[48 + r] == 1, "rank %d: a NaN token on rank 0 did not fail the forward on every rank",
+                        r);
+        DSK_TEST_EXPECT(j->flags[16 + r] == 1,
+                        "rank %d: overlapped or bounded exchanges (dropless, capacity 0.75) differ from the serial one",
+                        r);
+        DSK_TEST_EXPECT(j->flags[24 + r] == 1,
+                        "rank %d: node-limited routing (2 emulated nodes) broke its rule, or an uneven T under the "
+                        "bounded exchange did not fail every rank",
                         r);
     }
     one_layer_step(&ref, j->gx, j->gdy, shp, &y, &dx, &st);

@@ -283,6 +283,75 @@ static dsk_moe_opts ep_opts(int sigmoid) {
     return o;
 }
 
+/* One step of a fresh layer of options o on this rank's rows gx, gdy (device): y, dx and the gradient slab
+   as host bytes (malloc'd, *n bytes); *syncs, *d2h: what the forward and backward did (after a reserve). */
+static char *ep_step_bytes(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_tensor *gx, const dsk_tensor *gdy,
+                           int64_t row0, int64_t NT, size_t *n, int64_t *syncs, int64_t *d2h) {
+    dsk_moe m;
+    owned mo;
+    dsk_tensor gy, gdx, h;
+    dsk_ctx_counters c0;
+    size_t xb = dsk_tensor_nbytes(gx), gb;
+    char *out = NULL;
+    memset(&gy, 0, sizeof gy);
+    memset(&gdx, 0, sizeof gdx);
+    if (make_layer(&m, &mo, g, &o) != DSK_OK || dsk_moe_set_loss_span(&m, c, row0, NT) != DSK_OK ||
+        dsk_moe_reserve(&m, g, gx->shape[0]) != DSK_OK || dsk_tensor_alloc(g, &gy, DSK_F32, 2, gx->shape) != DSK_OK ||
+        dsk_tensor_alloc(g, &gdx, DSK_F32, 2, gx->shape) != DSK_OK || dsk_tensor_fill(g, &gy, NAN) != DSK_OK ||
+        dsk_tensor_fill(g, &gdx, 0.0) != DSK_OK || dsk_ctx_sync(g) != DSK_OK)
+        goto done;
+    c0 = g->counters;
+    if (dsk_moe_forward(&m, g, &gy, gx, NULL) != DSK_OK || dsk_moe_backward(&m, g, &gdx, gdy, 1.0f) != DSK_OK)
+        goto done;
+    *syncs = g->counters.syncs - c0.syncs;
+    *d2h = g->counters.d2h_copies - c0.d2h_copies;
+    gb = dsk_tensor_nbytes(&mo.grads);
+    *n = 2 * xb + gb;
+    out = (char *)malloc(*n);
+    dsk_tensor_wrap(&h, out, DSK_F32, dsk_cpu(), 2, gx->shape);
+    if (dsk_tensor_copy(g, &h, &gy) != DSK_OK) goto fail;
+    dsk_tensor_wrap(&h, out + xb, DSK_F32, dsk_cpu(), 2, gx->shape);
+    if (dsk_tensor_copy(g, &h, &gdx) != DSK_OK) goto fail;
+    dsk_tensor_wrap(&h, out + 2 * xb, DSK_F32, dsk_cpu(), 1, mo.grads.shape);
+    if (dsk_tensor_copy(g, &h, &mo.grads) != DSK_OK || dsk_ctx_sync(g) != DSK_OK) goto fail;
+    goto done;
+fail:
+    free(out);
+    out = NULL;
+done:
+    dsk_tensor_free(g, &gy);
+    dsk_tensor_free(g, &gdx);
+    drop_layer(&m, &mo, g);
+    return out;
+}
+
+/* The bounded exchange over nccl, dropless and under capacity 0.75: a forward and backward make no host
+   sync and no device-to-host copy, and give the exact exchange's y, dx and gradients bit for bit. */
+static void ep_bounded_check(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_tensor *gx, const dsk_tensor *gdy,
+                             int64_t row0, int64_t NT) {
+    for (int cap = 0; cap < 2; cap++) {
+        size_t na = 0, nb = 0;
+        int64_t sa = -1, da = -1, sb = -1, db = -1;
+        char *a, *b;
+        o.capacity_factor = cap ? 0.75f : 0.0f;
+        o.ep_exchange = DSK_MOE_EP_EXACT;
+        a = ep_step_bytes(c, g, o, gx, gdy, row0, NT, &na, &sa, &da);
+        o.ep_exchange = DSK_MOE_EP_BOUNDED;
+        b = ep_step_bytes(c, g, o, gx, gdy, row0, NT, &nb, &sb, &db);
+        DSK_TEST_EXPECT(a && b, "capacity %g: a step failed: %s", (double)o.capacity_factor, dsk_last_error());
+        DSK_TEST_EXPECT(sb == 0 && db == 0, "capacity %g: bounded EP forward+backward: %lld syncs, %lld copies back",
+                        (double)o.capacity_factor, (long long)sb, (long long)db);
+        DSK_TEST_EXPECT(sa == 1, "capacity %g: exact EP: %lld syncs (want the counts' 1)", (double)o.capacity_factor,
+                        (long long)sa);
+        if (a && b) {
+            DSK_TEST_EXPECT(na == nb, "sizes %zu and %zu", na, nb);
+            DSK_TEST_SAME_BYTES(b, a, na < nb ? na : nb, "bounded exchange: y, dx, gradients = the exact exchange's");
+        }
+        free(a);
+        free(b);
+    }
+}
+
 /* One rank of an expert-parallel step: the global batch (every rank draws the same one),
    one CPU layer over all of it as the reference, and this rank's CUDA layer (its experts
    copied from the reference) over its rows, its loss span the global batch over the nccl world
@@ -392,6 +461,7 @@ static int ep_rank(int sigmoid) {
         snprintf(what, sizeof what, "grad %s", ref.params[i].name);
         compare(&g, &m.params[i].grad, &want, 1e-3, 1e-4, what);
     }
+    ep_bounded_check(&c, &g, o, &gx, &gdy, (int64_t)me * EP_T, NT);
     { /* rows adding up to NT, total_rows NT + 2 EP_T (whole sequences): NaN values, no host sync in the forward */
         dsk_ctx_counters c0;
         dsk_moe_stats bs;

@@ -1,0 +1,166 @@
+/* bench/bench_moe_ep.c - an expert-parallel MoE layer's forward + backward on forked CPU ranks (host backend:
+   shared memory, or TCP between two emulated hosts with --two-hosts), exchanges serial against overlapped
+   (dsk_moe_opts.ep_overlap), exact against bounded (ep_exchange), flat against node-limited routing. Per
+   variant, rank 0 prints the median step time, the time inside the layer's collectives (dsk_comm_stats.seconds:
+   in serial runs the exposed communication), the share of the serial run's communication the overlap hid,
+   (serial step - overlapped step) / serial communication, and the bytes a step sent to the other node.
+   Warm-up 2 steps, median of --repeats; a barrier before each step.
+   Usage: bench_moe_ep [--ranks P] [--tokens T] [--repeats N] [--two-hosts] */
+#define _POSIX_C_SOURCE 200809L
+#define DSK_TENSOR_IMPLEMENTATION
+#define DSK_COMM_IMPLEMENTATION
+#define DSK_MOE_IMPLEMENTATION
+#include "dsk_comm.h"
+#include "dsk_moe.h"
+#include "bench_util.h"
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+typedef struct variant {
+    const char *name;
+    int serial, bounded, node_limit;
+} variant;
+
+static const variant variants[] = {
+    {"exact, serial", 1, 0, 0},
+    {"exact, overlapped", 0, 0, 0},
+    {"bounded, serial", 1, 1, 0},
+    {"bounded, overlapped", 0, 1, 0},
+    {"exact, overlapped, node-limited", 0, 0, 1},
+};
+
+/* One variant on this rank: median step seconds, median seconds in collectives, bytes sent off node a step. */
+static int run_variant(dsk_comm *c, dsk_ctx *ctx, const variant *v, int T, int reps, double *step, double *comm,
+                       double *off_node) {
+    dsk_moe m;
+    dsk_moe_opts o;
+    dsk_tensor x, y, dx, dy, vals, grads;
+    int64_t sh[2], vb, gd, gs, ng;
+    double ts[64], cs[64];
+    memset(&o, 0, sizeof o);
+    o.d_model = 256;
+    o.n_routed = 16;
+    o.top_k = 4;
+    o.d_expert = 128;
+    o.n_shared = 1;
+    o.d_shared = 512;
+    o.score = DSK_MOE_SIGMOID;
+    o.routed_scale = 2.5f;
+    o.init_std = 0.05f;
+    o.seed = 5;
+    o.ep = c;
+    o.ep_overlap = !v->serial;
+    o.ep_exchange = v->bounded ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
+    o.node_limit = v->node_limit && c->n_nodes > 1 ? 1 : 0;
+    if (dsk_moe_init(&m, ctx, &o) != DSK_OK) return 1;
+    dsk_moe_slab_sizes(&m, &vb, &gd, &gs);
+    ng = gd + gs;
+    sh[0] = T;
+    sh[1] = o.d_model;
+    if (dsk_tensor_alloc(ctx, &vals, DSK_U8, 1, &vb) || dsk_tensor_alloc(ctx, &grads, DSK_F32, 1, &ng) ||
+        dsk_moe_bind_slabs(&m, ctx, &vals, &grads) || dsk_moe_init_params(&m, ctx) ||
+        dsk_tensor_alloc(ctx, &x, DSK_F32, 2, sh) || dsk_tensor_alloc(ctx, &y, DSK_F32, 2, sh) ||
+        dsk_tensor_alloc(ctx, &dx, DSK_F32, 2, sh) || dsk_tensor_alloc(ctx, &dy, DSK_F32, 2, sh))
+        return 2;
+    dsk_tensor_uniform(ctx, &x, 11 + (uint64_t)c->rank, 0, -1, 1);
+    dsk_tensor_uniform(ctx, &dy, 99 + (uint64_t)c->rank, 0, -1, 1);
+    *off_node = 0;
+    for (int i = 0; i < reps + 2; i++) {
+        dsk_comm_stats before;
+        double t0;
+        dsk_moe_stats st;
+        if (dsk_comm_barrier(c, ctx)) return 3;
+        before = c->stats;
+        t0 = bench_now_s();
+        if (dsk_moe_forward(&m, ctx, &y, &x, &st) || dsk_moe_backward(&m, ctx, &dx, &dy, 1.0f)) return 4;
+        if (i < 2) continue;
+        ts[i - 2] = bench_now_s() - t0;
+        cs[i - 2] = c->stats.seconds - before.seconds;
+        *off_node = (double)(c->stats.bytes_sent_off_node - before.bytes_sent_off_node);
+    }
+    *step = bench_median(ts, reps);
+    *comm = bench_median(cs, reps);
+    dsk_moe_free(&m, ctx);
+    dsk_tensor_free(ctx, &vals);
+    dsk_tensor_free(ctx, &grads);
+    dsk_tensor_free(ctx, &x);
+    dsk_tensor_free(ctx, &y);
+    dsk_tensor_free(ctx, &dx);
+    dsk_tensor_free(ctx, &dy);
+    return 0;
+}
+
+static int rank_main(int rank, int P, int port, int T, int reps, int two_hosts) {
+    dsk_comm c;
+    dsk_comm_opts co;
+    dsk_ctx ctx;
+    dsk_ctx_opts xo;
+    double serial_comm[2] = {0, 0}, serial_step[2] = {0, 0};
+    memset(&co, 0, sizeof co);
+    co.backend = DSK_COMM_HOST;
+    co.master_addr = "127.0.0.1";
+    co.master_port = port;
+    co.timeout_s = 120;
+    if (two_hosts) co.host_id = rank < P / 2 ? "bench-host-a" : "bench-host-b";
+    memset(&xo, 0, sizeof xo);
+    xo.n_threads = 1; /* P ranks share the machine's cores */
+    if (dsk_comm_init(&c, rank, P, &co) || dsk_ctx_init(&ctx, &xo)) return 2;
+    for (size_t i = 0; i < sizeof variants / sizeof variants[0]; i++) {
+        const variant *v = &variants[i];
+        double step, comm, off;
+        if (run_variant(&c, &ctx, v, T, reps, &step, &comm, &off)) {
+            fprintf(stderr, "rank %d: %s: %s\n", rank, v->name, dsk_last_error());
+            return 3;
+        }
+        if (v->serial) {
+            serial_comm[v->bounded] = comm;
+            serial_step[v->bounded] = step;
+        }
+        if (rank == 0) {
+            printf("%-34s step %8.2f ms  in collectives %7.2f ms", v->name, 1e3 * step, 1e3 * comm);
+            if (!v->serial && !v->node_limit && serial_comm[v->bounded] > 0)
+                printf("  hidden %5.1f%% of the serial run's %.2f ms",
+                       100 * (serial_step[v->bounded] - step) / serial_comm[v->bounded], 1e3 * serial_comm[v->bounded]);
+            if (two_hosts) printf("  off-node %.0f KiB/step", off / 1024);
+            printf("\n");
+            fflush(stdout);
+        }
+    }
+    dsk_ctx_free(&ctx);
+    dsk_comm_free(&c);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    int P = 4, T = 256, reps = 7, two_hosts = 0, port = 0, worst = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--ranks") && i + 1 < argc) P = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) T = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--repeats") && i + 1 < argc) reps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--two-hosts")) two_hosts = 1;
+        else {
+            fprintf(stderr, "usage: %s [--ranks P] [--tokens T] [--repeats N] [--two-hosts]\n", argv[0]);
+            return 2;
+        }
+    }
+    if (reps < 1 || reps > 64 || P < 2 || 16 % P) {
+        fprintf(stderr, "repeats 1..64, ranks dividing 16\n");
+        return 2;
+    }
+    if (dsk_comm_free_port("127.0.0.1", &port) != DSK_OK) return 2;
+    printf("# bench_moe_ep: %d ranks%s, %d tokens a rank, D 256, 16 experts top-4 (F 128), 1 shared (512), "
+           "f32, 1 thread a rank, median of %d\n",
+           P, two_hosts ? " on 2 emulated hosts (TCP between)" : " (shm)", T, reps);
+    fflush(stdout);
+    for (int r = 0; r < P; r++)
+        if (fork() == 0) _exit(rank_main(r, P, port, T, reps, two_hosts));
+    for (int r = 0; r < P; r++) {
+        int status = 0;
+        wait(&status);
+        if (!WIFEXITED(status) || WEXITSTATUS(status)) worst = 1;
+    }
+    return worst;
+}
