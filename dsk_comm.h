@@ -79,7 +79,9 @@
      and report the root cause ("rank 1 hung up ... after its own error: ..."). Rank 0
      serves the store: when a peer hangs up and the store is gone or silent too, the error
      names rank 0 as the likely first failure. An error is returned at the timeout, not
-     later (publishing it does not wait for the store).
+     later (publishing it does not wait for the store). A program that stops on an error of
+     its own calls dsk_comm_abort, which does the same for all its groups of the world and
+     keeps rank 0's store up until the other ranks have hung up.
    - A communicator is not thread-safe: one call at a time (dsk_zero.h reduces gradients on a
      communicator of its own, split at init, so the parent stays free during backward).
    Every rank must issue the same collectives in the same order (as with NCCL and MPI).
@@ -301,6 +303,15 @@ DSK_API dsk_status dsk_comm_route_dispatch(dsk_comm_route *rt, dsk_ctx *ctx, con
 DSK_API dsk_status dsk_comm_route_combine(dsk_comm_route *rt, dsk_ctx *ctx, const void *rows, int64_t row_elems,
                                           dsk_dtype dt, void *out);
 DSK_API void dsk_comm_route_free(dsk_comm_route *rt); /* zeroed/freed ok */
+
+/* A program's error exit: every communicator of c's world in this process (c, the world it was
+   split from and every split of both, expert routes' included) becomes unusable as after a failed
+   call: why (NULL: dsk_last_error()) is published in the store under this rank's world rank and
+   the connections half-close, so a peer blocked on this process in any group fails at once with
+   "... hung up ... after its own error: <why>". On the store's host (world rank 0) it then waits
+   until every other rank has hung up on it, at most the timeout, so the store outlives the look-ups.
+   Free the communicators after it as usual. Call it while no other thread uses them. */
+DSK_API void dsk_comm_abort(dsk_comm *c, const char *why);
 
 /* ---- the bootstrap store (world communicators and their sub-groups). Keys starting with
    "dsk/" are reserved. */
@@ -892,7 +903,9 @@ static const char *dsk__comm_kind_name(unsigned k) {
 typedef struct dsk__comm_link dsk__comm_link;
 
 struct dsk__comm_impl {
-    int world;
+    int world, rank;                     /* size of this communicator, this rank in it */
+    dsk__comm_impl *kin_prev, *kin_next; /* ring of this process's communicators of one world (the
+                                    world and its splits, split order) that dsk_comm_abort walks */
     dsk_comm *route_node, *route_cross; /* two-hop routes: split off at the first one, freed with this */
     int32_t *cpu;                /* this rank's CPU in the segment (NULL without shared memory) */
     int crowded;                 /* more ranks share this node's memory than it has CPUs: never spin */
@@ -1059,7 +1072,7 @@ static dsk_status dsk__comm_break(dsk_comm *c, dsk_status st) {
     snprintf(m->broken_msg, sizeof m->broken_msg, "%s", dsk_last_error());
     if (m->store_fd >= 0 && m->fds) {
         char key[160];
-        int w = m->world_of ? m->world_of[c->rank] : c->rank;
+        int w = m->world_of ? m->world_of[m->rank] : m->rank;
         double until = dsk__comm_now() + 1.0;
         snprintf(key, sizeof key, "dsk/fault/%d", w);
         if (dsk__comm_store_call(c, "dsk_comm", DSK__COMM_STORE_SET, key, m->broken_msg, strlen(m->broken_msg) + 1,
@@ -1070,12 +1083,59 @@ static dsk_status dsk__comm_break(dsk_comm *c, dsk_status st) {
         }
         dsk_set_error(st, "%s", m->broken_msg);
     }
-    for (int r = 0; m->fds && r < c->world_size; r++)
+    for (int r = 0; m->fds && r < m->world; r++)
         if (m->fds[r] >= 0) shutdown(m->fds[r], SHUT_WR);
 #ifdef DSK_CUDA
     if (m->nccl) { ncclCommAbort(m->nccl); m->nccl = NULL; }
 #endif
     return st;
+}
+
+/* The store's host after its abort: reads (and drops) what the other ranks send on the world's
+   mesh until each hangs up, so the store stays up while they look up the errors published. */
+static void dsk__comm_host_linger(dsk__comm_impl *m) {
+    double until = dsk__comm_now() + m->timeout_s;
+    for (;;) {
+        int n = 0;
+        for (int r = 0; r < m->world; r++)
+            if (m->fds[r] >= 0) {
+                m->pfd[n].fd = m->fds[r];
+                m->pfd[n].events = POLLIN;
+                m->pfd[n++].revents = 0;
+            }
+        if (n == 0 || dsk__comm_now() >= until || poll(m->pfd, (nfds_t)n, dsk__comm_ms_left(until)) < 0) return;
+        for (int i = 0; i < n; i++) {
+            char b[4096];
+            ssize_t k;
+            if (!m->pfd[i].revents) continue;
+            k = recv(m->pfd[i].fd, b, sizeof b, MSG_DONTWAIT);
+            if (k > 0 || (k < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK))) continue;
+            for (int r = 0; r < m->world; r++) /* hung up: stop watching it */
+                if (m->fds[r] == m->pfd[i].fd) {
+                    close(m->fds[r]);
+                    m->fds[r] = -1;
+                }
+        }
+    }
+}
+
+DSK_API void dsk_comm_abort(dsk_comm *c, const char *why) {
+    dsk__comm_impl *host = NULL, *k;
+    char msg[1024];
+    if (!c || !c->impl) return;
+    snprintf(msg, sizeof msg, "%s", why ? why : dsk_last_error());
+    k = c->impl;
+    do {
+        dsk_comm one;
+        memset(&one, 0, sizeof one); /* dsk__comm_break reads only the state behind impl */
+        one.impl = k;
+        dsk_set_error(DSK_ERR_STATE, "%s", msg);
+        dsk__comm_break(&one, DSK_ERR_STATE);
+        if (k->server && k->fds) host = k;
+        k = k->kin_next;
+    } while (k != c->impl);
+    if (host) dsk__comm_host_linger(host);
+    dsk_set_error(DSK_ERR_STATE, "%s", msg);
 }
 
 enum { DSK__COMM_STORE_UP, DSK__COMM_STORE_GONE, DSK__COMM_STORE_SILENT, DSK__COMM_STORE_NONE };
@@ -2392,6 +2452,8 @@ static dsk_status dsk__comm_impl_alloc(dsk_comm *c, const char *fn, const dsk_co
     m->shm_ok = (unsigned char *)DSK_MALLOC((size_t)n);
     m->links = (dsk__comm_link *)DSK_MALLOC((size_t)n * sizeof(dsk__comm_link));
     m->world = n;
+    m->rank = c->rank;
+    m->kin_prev = m->kin_next = m;
     if (!m->fds || !m->p2p_sent || !m->p2p_recvd || !m->pfd || !m->pidx || !m->ops || !m->srcs || !m->off ||
         !m->node_of || !m->shm_ok || !m->links)
         return dsk_set_error(DSK_ERR_OOM, "%s: communicator arrays for %d ranks", fn, n);
@@ -2555,6 +2617,8 @@ static dsk_status dsk__comm_shm_setup(dsk_comm *c, const char *fn) {
 static void dsk__comm_impl_free(dsk_comm *c) {
     dsk__comm_impl *m = c->impl;
     if (!m) return;
+    m->kin_prev->kin_next = m->kin_next;
+    m->kin_next->kin_prev = m->kin_prev;
     if (m->route_node) dsk_comm_free(m->route_node);
     if (m->route_cross) dsk_comm_free(m->route_cross);
     DSK_FREE(m->route_node);
@@ -3803,6 +3867,12 @@ DSK_API dsk_status dsk_comm_split(dsk_comm *c, int color, int key, dsk_comm *sub
     if (st != DSK_OK || color < 0) {
         dsk__comm_impl_free(sub);
         memset(sub, 0, sizeof *sub);
+    } else { /* join the parent's ring */
+        dsk__comm_impl *k = sub->impl, *p = c->impl;
+        k->kin_prev = p->kin_prev;
+        k->kin_next = p;
+        p->kin_prev->kin_next = k;
+        p->kin_prev = k;
     }
     return st;
 }

@@ -152,13 +152,10 @@ static void say(const trainer *t, const char *fmt, ...) {
 }
 
 /* The example's error path: print the message of the failing call and exit. */
-#define CHECK(call)                                                                                   \
-    do {                                                                                              \
-        dsk_status check_s_ = (call);                                                                 \
-        if (check_s_ != DSK_OK) {                                                                     \
-            fprintf(stderr, "train_moe: rank %d: %s: %s\n", t->rank, dsk_status_str(check_s_), dsk_last_error()); \
-            exit(1);                                                                                  \
-        }                                                                                             \
+#define CHECK(call) \
+    do { \
+        dsk_status check_s_ = (call); \
+        if (check_s_ != DSK_OK) fail(t, "%s: %s", dsk_status_str(check_s_), dsk_last_error()); \
     } while (0)
 
 static void fail(const trainer *t, const char *fmt, ...)
@@ -168,11 +165,14 @@ static void fail(const trainer *t, const char *fmt, ...)
     ;
 static void fail(const trainer *t, const char *fmt, ...) {
     va_list ap;
-    fprintf(stderr, "train_moe: rank %d: ", t->rank);
+    char msg[1100]; /* a library error (1024 at most) behind its status */
     va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
+    vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    fputc('\n', stderr);
+    fprintf(stderr, "train_moe: rank %d: %s\n", t->rank, msg);
+    /* every group of this rank hangs up with msg published, so blocked peers name it; rank 0
+       serves the store where they look it up, so it waits for them (dsk_comm_abort) */
+    if (t->have_comm) dsk_comm_abort((dsk_comm *)&t->comm, msg);
     exit(1);
 }
 

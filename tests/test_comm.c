@@ -885,6 +885,43 @@ static void case_sub_rank_dies(void) {
     DSK_TEST_EXPECT(g.status[2] == 128 + SIGKILL, "victim exited %d", g.status[2]);
 }
 
+/* dsk_comm_abort, a program's error exit: rank 0 fails on its own (no call failed) and aborts
+   through a sub-group {0, 1}; the world breaks with it, so rank 1 (blocked in the sub-group)
+   and rank 2 (blocked on rank 0 in the world) both report rank 0's own error, looked up in the
+   store rank 0 serves after it returned from the abort: they start their calls 0.3 s late,
+   and rank 0 exits (_exit, no dsk_comm_free) as soon as dsk_comm_abort returns. */
+static void rank_aborts(dsk_comm *c, void *arg) {
+    dsk_comm pair, none;
+    float x[16];
+    char why[96];
+    dsk_status st;
+    int failed_before = dsk_test_g.checks_failed_total;
+    snprintf(why, sizeof why, "rank 0 gave up on its own (token %llu)", (unsigned long long)(g_seed % 100000));
+    (void)arg;
+    gen(x, DSK_F32, 16, 41, c->rank);
+    DSK_TEST_OK(dsk_comm_split(c, c->rank < 2 ? 0 : DSK_COMM_NO_COLOR, c->rank, &pair));
+    DSK_TEST_OK(dsk_comm_barrier(c, NULL));
+    if (c->rank == 0) {
+        memset(&none, 0, sizeof none);
+        dsk_comm_abort(NULL, why); /* no communicator: nothing to do */
+        dsk_comm_abort(&none, why);
+        dsk_set_error(DSK_ERR_IO, "%s", why);
+        dsk_comm_abort(&pair, NULL);
+        DSK_TEST_STATUS(dsk_comm_all_reduce(c, NULL, x, x, 16, DSK_F32, DSK_COMM_SUM), DSK_ERR_STATE);
+        DSK_TEST_ERROR_MENTIONS(why);
+        fflush(stdout); /* exits as a program's error exit does: dsk_comm_free would keep the store up itself */
+        _exit(dsk_test_g.checks_failed_total > failed_before ? 1 : 0);
+    }
+    nanosleep(&(struct timespec){0, 300000000}, NULL);
+    st = c->rank == 1 ? dsk_comm_all_reduce(&pair, NULL, x, x, 16, DSK_F32, DSK_COMM_SUM)
+                      : dsk_comm_recv(c, NULL, x, 16, DSK_F32, 0);
+    printf("     rank %d: %s: %s\n", c->rank, dsk_status_str(st), dsk_last_error());
+    DSK_TEST_STATUS(st, DSK_ERR_PEER);
+    DSK_TEST_ERROR_MENTIONS("after its own error: ");
+    DSK_TEST_ERROR_MENTIONS(why);
+    if (c->rank == 1) dsk_comm_free(&pair);
+}
+
 /* Rank 0 hosts the store that relays root causes (issue 10 item 11): when it dies, every
    survivor must name it, not another survivor that failed after it. chain: ranks 1..3 each
    receive from the previous rank, so ranks 2 and 3 see a survivor hang up, never rank 0;
@@ -2530,6 +2567,14 @@ static void run_suite(void) {
     if (g_mode != MODE_TWO_HOSTS) {
         mode_begin("fault: rank 2 of 3 SIGSTOPped mid-run, 8 MB messages (sends block too)");
         case_rank_dies(SIGSTOP, 2 << 20);
+    }
+    mode_begin("fault: rank 0 aborts through a sub-group (dsk_comm_abort): blocked peers in the world and the "
+               "sub-group report its own error");
+    {
+        group g;
+        group_defaults(&g, 3);
+        g.opts = fault_opts(3.0);
+        expect_group_ok(&g, rank_aborts, NULL);
     }
     mode_begin("fault: rank 0 of 4 SIGKILLed, chain of receives: every survivor blames rank 0 (it hosts the store)");
     case_zero_dies(1);
