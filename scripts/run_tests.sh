@@ -15,23 +15,58 @@
 # AVX2 is what CI machines without AVX-512 run; the portable kernel, which no x86-64 machine
 # picks, is covered by test_tensor's every-ISA loop and test_moe_golden). Their cases count with
 # "@<isa>" in the name. DSK_CPU_ISA set by the caller: only that ISA, everything under it.
+# A second lane: the tests named in LANE (those that mostly wait, on timeouts and killed ranks:
+# test_comm spends a fifth of its time on a CPU) run one after another in the background while
+# the others run; their output prints, in order, before the totals. Tests that time signals
+# against a running trainer (test_prod) stay out of it.
 set -u
 BUILD=${BUILD:-build}
 cd "$(dirname "$0")/.."
 passed=0 failed=0 skipped=0
 log=$(mktemp)
 cov=$(mktemp -d)
-trap 'rm -rf "$log" "$cov"' EXIT
 
 ISA_PROGS=${ISA_PROGS-test_amp test_moe test_par test_zero}
 ISA_SCRIPTS=${ISA_SCRIPTS-test_par_train.sh test_zero_train.sh}
 ISA_SCRIPT_ISAS=${ISA_SCRIPT_ISAS-avx2}
 
+LANE=${LANE-test_comm}
+lane=$(mktemp -d)
+lane_n=0 lane_pid=
+trap 'rm -rf "$log" "$cov" "$lane"' EXIT
+
+in_lane() { case " $LANE " in *" $1 "*) return 0 ;; esac; return 1; }
+
 run_one() { # name, command... (a name "prog@isa" marks each output line with @isa)
   local name=$1; shift
   local start=$SECONDS
   "$@" >"$log" 2>&1
-  local rc=$?
+  account "$name" "$log" $? $((SECONDS - start))
+}
+
+# Runs the LANE tests among names/commands "name|command words" in the background.
+start_lane() {
+  ( i=0
+    for job in "$@"; do
+      i=$((i + 1)); start=$SECONDS
+      bash -c "${job#*|}" >"$lane/$i.log" 2>&1
+      echo "$? $((SECONDS - start)) ${job%%|*}" >"$lane/$i.rc"
+    done ) &
+  lane_pid=$! lane_n=$#
+}
+
+finish_lane() {
+  [ -n "$lane_pid" ] || return 0
+  wait "$lane_pid"
+  local i rc secs name
+  for ((i = 1; i <= lane_n; i++)); do
+    read -r rc secs name <"$lane/$i.rc"
+    account "$name" "$lane/$i.log" "$rc" "$secs"
+  done
+}
+
+account() { # name, log, exit status, seconds
+  local name=$1 log=$2 rc=$3 secs=$4
   case $name in *@*) sed "s/^/@${name##*@} /" "$log" ;; *) cat "$log" ;; esac
   local line
   line=$(grep -E '^\[.*\] totals: [0-9]+ passed / [0-9]+ failed / [0-9]+ skipped$' "$log" | tail -n 1)
@@ -45,7 +80,7 @@ run_one() { # name, command... (a name "prog@isa" marks each output line with @i
   else
     echo "FAIL $name exited with status $rc without a totals line"; failed=$((failed + 1))
   fi
-  echo "# $name: $((SECONDS - start)) s"
+  echo "# $name: $secs s"
 }
 
 # The CPU ISAs this machine and build have, best last: x86-64 builds always compile the AVX2 and
@@ -85,10 +120,14 @@ elif ls "$BUILD"/tests/gpu/test_* >/dev/null 2>&1; then
 fi
 emu_progs=$(ls "$BUILD"/emu/tests/test_* "$BUILD"/emu/tests/gpu/test_* 2>/dev/null)
 
-for p in $progs; do [ -x "$p" ] && run_one "$(basename "$p")" "$p"; done
+lane_jobs=()
+for p in $progs; do in_lane "$(basename "$p")" && [ -x "$p" ] && lane_jobs+=("$(basename "$p")|$p"); done
+for s in $scripts; do in_lane "$(basename "$s")" && lane_jobs+=("$(basename "$s")|BUILD=$BUILD bash $s"); done
+[ ${#lane_jobs[@]} -gt 0 ] && start_lane "${lane_jobs[@]}"
+for p in $progs; do in_lane "$(basename "$p")" || { [ -x "$p" ] && run_one "$(basename "$p")" "$p"; }; done
 for p in $emu_progs; do [ -x "$p" ] && run_one "emu/$(basename "$p")" env CUDA_EMU_COVERAGE_DIR="$cov" "$p"; done
 ls "$BUILD"/emu/tests/gpu/test_* >/dev/null 2>&1 && coverage
-for s in $scripts; do run_one "$(basename "$s")" env BUILD="$BUILD" bash "$s"; done
+for s in $scripts; do in_lane "$(basename "$s")" || run_one "$(basename "$s")" env BUILD="$BUILD" bash "$s"; done
 
 if [ -z "${DSK_CPU_ISA:-}" ] && [ "${1:-}" != gpu ]; then
   isas=$(cpu_isas)
@@ -107,5 +146,6 @@ else
   [ "${1:-}" != gpu ] && echo "# CPU ISA: DSK_CPU_ISA=$DSK_CPU_ISA for every run"
 fi
 
+finish_lane
 echo "$passed passed, $failed failed, $skipped skipped"
 [ "$failed" -eq 0 ]
