@@ -39,7 +39,7 @@ endif
 # without the macro and link it, as an stb-style user's program does. The tests that call a
 # module's private (static) functions or replace its allocator compile the implementation
 # themselves (SELF_IMPL; DESIGN.md, Tests). The kernels and the library call each other: a group.
-MODULES  = tensor comm moe amp ckpt par zero
+MODULES  = tensor comm moe amp ckpt par zero plan
 LIB      = $(BUILD)/libdsk.a
 LIB_LINK = -Wl,--start-group $(LIB) $(KLINK) -Wl,--end-group
 DEPS     = $(HEADERS) $(LIB) $(KLINK) $(CONFIG)
@@ -174,6 +174,8 @@ $(BUILD)/tests/test_mla: $(wildcard examples/*.h)
 # test_hf tests the Hugging Face import and export of the example model (examples/train_hf.h).
 $(BUILD)/tests/test_hf: $(wildcard examples/*.h)
 
+# dsk_plan is the trainer's own sizing code run without memory: it compiles train_moe.c into itself.
+$(BUILD)/examples/dsk_plan: examples/train_moe.c
 $(BUILD)/examples/%: examples/%.c $(wildcard examples/*.h) $(DEPS)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $< $(LIB_LINK) $(LDLIBS)

@@ -48,6 +48,7 @@
 #include "train_model.h"
 #include "train_metrics.h"
 #include "train_par.h"
+#include "../dsk_plan.h"
 #include "train_signals.h"
 #include "train_zero.h"
 
@@ -100,6 +101,7 @@ typedef struct options {
     int help;
     /* Hugging Face checkpoints (train_hf.h) */
     char *init_from_hf, *export_hf;
+    char *plan; /* dsk_plan's choice (train_plan.h) */
     char export_dtype[8];
 } options;
 
@@ -227,6 +229,9 @@ static const opt_spec OPTS[] = {
     {"--routing-record", OPT_STR, O_(routing_record), 0,
      "FILE: write the MoE routing decisions (rank r > 0: FILE.rank<r>)"},
     {"--routing-replay", OPT_STR, O_(routing_replay), 0, "FILE: take the MoE routing of a --routing-record run"},
+    {"--plan", OPT_STR, O_(plan), 0,
+     "FILE: the layout dsk_plan chose (its --json): --tp, --pp, --ep, --zero, --micro-batches, --virtual-stages, "
+     "--pp-schedule, --recompute"},
     {"--help", OPT_FLAG, O_(help), 0, "this text"},
 };
 #define N_OPTS ((int)(sizeof OPTS / sizeof OPTS[0]))
@@ -439,6 +444,24 @@ static int parse_args(options *o, int argc, char **argv) {
     return 0;
 }
 
+
+/* --plan FILE: the layout and batch of dsk_plan's JSON choice replace the flags' (dsk_plan.h). */
+static int apply_plan(options *o) {
+    static const char *const rc[3] = {"none", "attn", "full"};
+    dsk_plan_layout l;
+    dsk_plan_job job;
+    if (dsk_plan_choice_read(o->plan, &l, &job) != DSK_OK) {
+        fprintf(stderr, "train_moe: --plan: %s\n", dsk_last_error());
+        return 2;
+    }
+    o->tp = l.tp, o->pp = l.pp, o->ep = l.ep, o->zero = l.zero, o->vstages = l.vstages, o->seq = (int)job.seq;
+    o->micro = l.pp > 1 ? l.micro : 1;
+    o->accum = l.pp > 1 ? 1 : l.micro; /* without a pipeline the plan's passes are accumulation steps */
+    o->batch = (int)(job.sequences / o->accum);
+    snprintf(o->pp_schedule, sizeof o->pp_schedule, "%s", dsk_par_schedule_name(l.schedule));
+    snprintf(o->recompute, sizeof o->recompute, "%s", rc[l.recompute]);
+    return 0;
+}
 
 /* ------------------------------------------------------------------ the trainer */
 
@@ -779,7 +802,9 @@ static void setup_routes(trainer *t) {
 
 /* ---- model and optimizer groups */
 
-static void setup_model(trainer *t) {
+/* The model's configuration from the options (and config.json with --init-from-hf); dsk_plan
+   sizes a layout from it too (train_plan.h). */
+static void model_config(trainer *t, tm_config *out) {
     const options *o = t->o;
     tm_config c;
     memset(&c, 0, sizeof c);
@@ -841,6 +866,12 @@ static void setup_model(trainer *t) {
         CHECK(thf_model_config(&t->hf, &c));
     }
     if (o->dense_layers < o->layers && o->experts < 1) fail(t, "--experts %d: MoE blocks need at least 1 expert", o->experts);
+    *out = c;
+}
+
+static void setup_model(trainer *t) {
+    tm_config c;
+    model_config(t, &c);
     if (t->par.on) CHECK(tp_model_init(&t->par, &t->model, &t->ctx, &c));
     else CHECK(tm_init(&t->model, &t->ctx, &c));
 }
@@ -1909,8 +1940,10 @@ static void print_memory(trainer *t) {
            t->rank, z.params / 1048576.0, z.grads / 1048576.0, z.optimizer / 1048576.0, z.comm / 1048576.0,
            (double)(t->mem_model - slabs) / 1048576.0,
            t->zopts.stage == 0 ? " (--zero 0: every rank holds everything)" : "");
-    printf("memory bytes, rank %d: parameters %lld, gradients %lld, optimizer state %lld, compression buffers %lld\n",
-           t->rank, (long long)z.params, (long long)z.grads, (long long)z.optimizer, (long long)z.comm);
+    printf("memory bytes, rank %d: parameters %lld, gradients %lld, optimizer state %lld, compression buffers %lld, "
+           "activations %lld\n",
+           t->rank, (long long)z.params, (long long)z.grads, (long long)z.optimizer, (long long)z.comm,
+           (long long)(t->mem_model - slabs));
     fflush(stdout);
 }
 
@@ -2276,6 +2309,7 @@ int main(int argc, char **argv) {
     set_defaults(&o);
     if (apply_preset(&o, argc, argv) != 0) return 2;
     int rc = parse_args(&o, argc, argv);
+    if (!rc && o.plan) rc = apply_plan(&o);
     if (rc) return rc;
     if (o.help) { usage(stdout); return 0; }
     short_omp_spin(argv);
