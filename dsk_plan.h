@@ -39,8 +39,10 @@
      micro-batch, forward and backward), expert-parallel (dispatch and combine, forward and
      backward) and pipeline (one activation and one gradient per micro-batch and chunk) traffic
      is exposed; the gradient reductions overlap backward up to cluster.overlap of it. The
-     efficiency and the overlap are calibration (bench/plan_calibration.txt says how they were
-     measured).
+     efficiency and the overlap are calibration: bench/plan_rank.sh measures this machine's CPU
+     ranks into bench/plan_cpu_calibrated.json (its figures and command in bench/RESULTS.md); the
+     GPU files in examples/clusters/ carry datasheet peaks at the efficiency 0.4 until a GPU
+     session measures one.
    - Layouts enumerated: tp in 1, 2, 4, 8 (within a node, dividing heads, vocabulary and FFN),
      pp dividing world / tp and at most the layers, dp the rest (dividing the sequences), ep
      dividing dp and the experts, ZeRO 0-3, recomputation none / attn / full, schedules 1F1B,

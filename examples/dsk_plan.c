@@ -129,7 +129,24 @@ static int check_layout(const options *o, dsk_plan_layout *l, dsk_plan_job *job)
     return l->dp >= 1 && l->dp * o->tp * o->pp == o->nproc ? 0 : 2;
 }
 
-static int check_rank(trainer *t, plan_user *u, int rank) {
+/* With --cluster: the step time dsk_plan.h's model predicts for the layout (bench/plan_rank.sh). */
+static int check_time(const dsk_plan_model *pm, const char *cluster, const dsk_plan_layout *l, const dsk_plan_job *job,
+                      double red, double gat, int all) {
+    dsk_plan_cluster cl;
+    dsk_plan_result r;
+    memset(&r, 0, sizeof r);
+    r.layout = *l;
+    if (dsk_plan_cluster_read(&cl, cluster) != DSK_OK || dsk_plan_time(pm, &cl, job, red, gat, all, &r) != DSK_OK) {
+        fprintf(stderr, "dsk_plan: %s\n", dsk_last_error());
+        return 1;
+    }
+    printf("plan time: step %.6f s: compute %.6f, bubble %.6f, tp %.6f, ep %.6f, pp %.6f, gradients %.6f (exposed "
+           "%.6f)\n",
+           r.step_s, r.compute_s, r.bubble_s, r.tp_s, r.ep_s, r.pp_s, r.zero_s, r.zero_exposed_s);
+    return 0;
+}
+
+static int check_rank(trainer *t, plan_user *u, const dsk_plan_model *pm, const char *cluster, int rank) {
     const options *o = t->o;
     dsk_plan_layout l;
     dsk_plan_job job;
@@ -150,7 +167,7 @@ static int check_rank(trainer *t, plan_user *u, int rank) {
            rank, (long long)mem[l.zero].params, (long long)mem[l.zero].grads, (long long)mem[l.zero].optimizer,
            (long long)mem[l.zero].comm, (long long)mem[l.zero].activations, (long long)mem[l.zero].imbalance,
            red[l.zero], gat[l.zero]);
-    return 0;
+    return cluster ? check_time(pm, cluster, &l, &job, red[l.zero], gat[l.zero], all[l.zero]) : 0;
 }
 
 static int write_json(const char *path, const dsk_plan_result *r, const dsk_plan_job *job) {
@@ -233,7 +250,7 @@ int main(int argc, char **argv) {
     if (check >= 0) {
         dsk_plan_model pm;
         plan_model(t, &u, &pm);
-        rc = check_rank(t, &u, check);
+        rc = check_rank(t, &u, &pm, cluster, check);
     } else if (!cluster || sequences < 1) {
         fprintf(stderr, "dsk_plan: --cluster FILE and --sequences N (the global batch) are needed (or --check-rank)\n");
         rc = 2;
