@@ -11,14 +11,17 @@
 #      here means the planner and the trainer size something differently.
 #   2. Bad input: a cluster file without a field fails naming the field; one with a mistyped
 #      value names it; a model that fits no layout prints the smallest memory any layout needs
-#      against each GPU's and exits 3.
+#      against each GPU's and exits 3; train_moe --plan with a choice file missing a field, with an
+#      unknown one or a bad schedule fails naming it.
 #   3. The paper checks, compared with expected text checked in (tests/plan/*.expected):
 #      DeepSeek-V3 (tests/plan/deepseek-v3/config.json) on 2048 GPUs of 80 GB with 3840
 #      sequences of 4096 tokens: the best layouts fit and the set of fitting layouts includes
 #      DeepSeek's own (pp16, ep64, dp128, ZeRO-1); DeepSeek-V2-Lite on one node of 8 H200: a
 #      layout fits, with the reasons of the others. A change of the planner's output shows as a
 #      diff of the expected text (regenerate: DSK_PLAN_REGEN=1 tests/test_plan.sh).
-#   4. `train_moe --plan FILE` takes the layout of dsk_plan's JSON choice (its "grid" line).
+#   4. `train_moe --plan FILE` takes the layout of dsk_plan's JSON choice (its "rank grid" line).
+# The step-time ranking against measured steps is bench/plan_rank.sh (not here: minutes, and a loaded
+# machine moves the measured order).
 # Prints `[test_plan] totals: P passed / F failed / S skipped`.
 TEST_NAME=test_plan
 source "$(dirname "$0")/train_test_lib.sh"
@@ -95,6 +98,22 @@ if [ $rc -eq 3 ] && grep -qE 'no layout fits: the smallest needs [0-9.e-]+ GB pe
 else
     bad "bad input: a model that fits no layout" "exit $rc: $(grep -m2 -E 'fit|GB' "$work/small.out")"
 fi
+
+# a choice file train_moe --plan cannot take: a missing field, an unknown one, a bad schedule
+printf '{"tp": 1, "pp": 1, "dp": 2, "ep": 1, "micro_batches": 1, "virtual_stages": 1, "pp_schedule": "1f1b",
+  "recompute": "none", "sequences": 8, "seq": 32}' >"$work/nozero.json"
+sed 's/"seq": 32/"seq": 32, "zero": 1, "speed": 3/' "$work/nozero.json" >"$work/unknown.json"
+sed 's/"seq": 32/"seq": 32, "zero": 1/; s/"1f1b"/"2f2b"/' "$work/nozero.json" >"$work/sched.json"
+for c in 'nozero:missing field "zero"' 'unknown:unknown field "speed"' 'sched:"pp_schedule" "2f2b": gpipe, 1f1b or interleaved'; do
+    f=${c%%:*} msg=${c#*:}
+    "$BIN" "${TINY[@]}" --plan "$work/$f.json" >"$work/$f.out" 2>&1
+    rc=$?
+    if [ $rc -eq 2 ] && grep -qF -- "$msg" "$work/$f.out"; then
+        ok "bad input: train_moe --plan with a choice file whose $f is wrong fails: $msg"
+    else
+        bad "bad input: train_moe --plan, $f" "exit $rc: $(head -2 "$work/$f.out")"
+    fi
+done
 
 # ---- the paper checks, as expected text
 paper() {
