@@ -39,7 +39,7 @@ endif
 # without the macro and link it, as an stb-style user's program does. The tests that call a
 # module's private (static) functions or replace its allocator compile the implementation
 # themselves (SELF_IMPL; DESIGN.md, Tests). The kernels and the library call each other: a group.
-MODULES  = tensor comm moe amp ckpt par zero
+MODULES  = tensor comm moe amp ckpt par zero plan
 LIB      = $(BUILD)/libdsk.a
 LIB_LINK = -Wl,--start-group $(LIB) $(KLINK) -Wl,--end-group
 DEPS     = $(HEADERS) $(LIB) $(KLINK) $(CONFIG)
@@ -180,6 +180,8 @@ $(BUILD)/tests/trainer/test_model: $(EXAMPLE_HDR)
 # test_hf tests the Hugging Face import and export of the example model (examples/train_hf.h).
 $(BUILD)/tests/test_hf: $(EXAMPLE_HDR)
 
+# dsk_plan is the trainer's own sizing code run without memory: it compiles train_moe.c into itself.
+$(BUILD)/examples/dsk_plan: examples/train_moe.c $(EXAMPLE_HDR)
 $(BUILD)/examples/%: examples/%.c $(DEPS)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $< $(LIB_LINK) $(LDLIBS)

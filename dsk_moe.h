@@ -180,7 +180,7 @@
        options                   dsk_moe_score, dsk_moe_norm, dsk_moe_group_rule, dsk_moe_loss_count, dsk_moe_drop,
                                  dsk_moe_router, dsk_moe_opts
        the layer                 dsk_moe_param, dsk_moe_config, dsk_moe_stats, dsk_moe, dsk_moe_init/bind/bind_slabs/
-                                 init_param/init_params/reserve/free/find_param/set_loss_span/forward/
+                                 init_param/init_params/reserve(_bytes)/free/find_param/set_loss_span/forward/
                                  forward_replay/routing/backward/zero_grad/update_bias(_unless)/stats_request/
                                  stats_collect/config_get/config_check, dsk_moe_amp_unscale (with dsk_amp.h)
        per-token routing math    dsk_moe_route_token, dsk_moe_route_token_backward
@@ -396,6 +396,13 @@ DSK_API dsk_status dsk_moe_init_params(dsk_moe *m, dsk_ctx *ctx);
    backwards allocate nothing (before a CUDA graph capture). Expert parallelism sizes its
    received rows per call. Set the loss span first: its total_rows size the losses' buffers. */
 DSK_API dsk_status dsk_moe_reserve(dsk_moe *m, dsk_ctx *ctx, int64_t max_tokens);
+/* The bytes dsk_moe_reserve(m, ctx, max_tokens) allocates, computed by the same sizes without
+   allocating: with rows < 0 its expert rows (T K under expert parallelism, the capacity bound
+   without), else `rows` expert rows (the worst case of dropless expert parallelism: every
+   token of the ep group routed to this rank's experts, ep T K); act: the activations' dtype
+   (f32 on the CPU, the layer's dtype on CUDA). */
+DSK_API dsk_status dsk_moe_reserve_bytes(const dsk_moe *m, int64_t max_tokens, int64_t rows, dsk_dtype act,
+                                         int64_t *bytes);
 /* The parameter named `name` (full name, e.g. "moe.w1"), or NULL. */
 DSK_API dsk_moe_param *dsk_moe_find_param(dsk_moe *m, const char *name);
 /* The loss span of the forwards that follow (see "Losses"), until set again: their T rows are rows
@@ -1146,12 +1153,12 @@ struct dsk__moe_state {
                                                           the last request, the last collected */
 };
 
-/* The dtype and (rows, cols) of buffer id for T tokens and R expert rows (cols 0: 1-D). */
-static void dsk__moe_spec(const dsk_moe *m, int id, int64_t T, int64_t R, dsk_dtype *dt, int64_t *rows, int64_t *cols) {
+/* The dtype and (rows, cols) of buffer id for T tokens and R expert rows (cols 0: 1-D), with N
+   the loss span's rows (sequences of the sequence-wise loss) and act the activations' dtype. */
+static void dsk__moe_spec_at(const dsk_moe *m, int id, int64_t T, int64_t R, int64_t N, dsk_dtype act, dsk_dtype *dt,
+                             int64_t *rows, int64_t *cols) {
     const dsk_moe_opts *o = &m->opts;
-    dsk_dtype act = m->st->act;
     int64_t D = o->d_model, E = o->n_routed, K = o->top_k, F = o->d_expert, Fs = m->d_shared_total, TK = T * K;
-    int64_t N = m->st->N; /* the loss span's rows (sequences of the sequence-wise loss) */
     int64_t L = o->seq_aux_alpha > 0 && o->seq_len ? o->seq_len : (N > 0 ? N : 1), NS = N / L > 0 ? N / L : 1;
     int ep = m->ep_size > 1, shared = Fs > 0, losses = o->aux_alpha > 0 || o->seq_aux_alpha > 0 || o->z_beta > 0;
     int bounded = ep && o->ep_exchange == DSK_MOE_EP_BOUNDED;
@@ -1238,6 +1245,10 @@ static void dsk__moe_spec(const dsk_moe *m, int id, int64_t T, int64_t R, dsk_dt
         break;
     }
     }
+}
+
+static void dsk__moe_spec(const dsk_moe *m, int id, int64_t T, int64_t R, dsk_dtype *dt, int64_t *rows, int64_t *cols) {
+    dsk__moe_spec_at(m, id, T, R, m->st->N, m->st->act, dt, rows, cols);
 }
 
 /* Buffer id as a tensor for T tokens and R expert rows, grown when too small. Never called for
@@ -1757,6 +1768,11 @@ static int64_t dsk__moe_rows_first(const dsk_moe *m, int64_t T) {
     return T * m->opts.top_k;
 }
 
+/* The loss span's rows that dsk_moe_reserve sizes for calls of T tokens. */
+static int64_t dsk__moe_reserve_n(const dsk_moe *m, int64_t T) {
+    return m->st->span_on && m->st->span_rows > T ? m->st->span_rows : T;
+}
+
 DSK_API dsk_status dsk_moe_reserve(dsk_moe *m, dsk_ctx *ctx, int64_t max_tokens) {
     dsk_tensor t;
     DSK__TRY(dsk__moe_need_layer(m, "dsk_moe_reserve"));
@@ -1764,9 +1780,27 @@ DSK_API dsk_status dsk_moe_reserve(dsk_moe *m, dsk_ctx *ctx, int64_t max_tokens)
         return dsk_set_error(DSK_ERR_ARG, "dsk_moe_reserve: layer \"%s\": max_tokens %lld < 0", m->opts.name,
                              (long long)max_tokens);
     m->st->have_fwd = m->st->bwd_done = m->st->have_route = 0; /* buffers may move */
-    m->st->N = m->st->span_on && m->st->span_rows > max_tokens ? m->st->span_rows : max_tokens; /* sequences */
+    m->st->N = dsk__moe_reserve_n(m, max_tokens);              /* sequences */
     for (int id = 0; id < DSK__MOE_LOAD; id++)
         DSK__TRY(dsk__moe_buf(m, ctx, id, max_tokens, dsk__moe_rows_first(m, max_tokens), &t));
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_moe_reserve_bytes(const dsk_moe *m, int64_t max_tokens, int64_t rows, dsk_dtype act,
+                                         int64_t *bytes) {
+    DSK__TRY(dsk__moe_need_layer(m, "dsk_moe_reserve_bytes"));
+    if (max_tokens < 0 || !bytes)
+        return dsk_set_error(DSK_ERR_ARG, "dsk_moe_reserve_bytes: layer \"%s\": max_tokens %lld (>= 0), bytes %p",
+                             m->opts.name, (long long)max_tokens, (void *)bytes);
+    if (rows < 0) rows = dsk__moe_rows_first(m, max_tokens);
+    *bytes = 0;
+    for (int id = 0; id < DSK__MOE_LOAD; id++) {
+        dsk_dtype dt;
+        int64_t r, c, b;
+        dsk__moe_spec_at(m, id, max_tokens, rows, dsk__moe_reserve_n(m, max_tokens), act, &dt, &r, &c);
+        b = r * (c ? c : 1) * (int64_t)dsk_dtype_size(dt);
+        *bytes += b ? b : 1; /* dsk__moe_buf allocates an empty buffer as 1 byte */
+    }
     return DSK_OK;
 }
 

@@ -142,7 +142,8 @@
      declarations
        options                  dsk_zero_compress, dsk_zero_opts
        parameters and state     dsk_zero_param, dsk_zero_memory, dsk_zero_stats, dsk_zero, dsk_zero_piece
-       lifetime and weights     dsk_zero_init, dsk_zero_free, dsk_zero_get_piece, dsk_zero_refresh
+       lifetime and weights     dsk_zero_init, dsk_zero_plan (sizes without memory), dsk_zero_free,
+                                dsk_zero_get_piece, dsk_zero_refresh
        a training step          dsk_zero_begin, dsk_zero_forward_begin/end, dsk_zero_backward_begin/end,
                                 dsk_zero_grad_ready, dsk_zero_wait, dsk_zero_unscale_decide, dsk_zero_step
        checkpoints              dsk_zero_ckpt_mode, dsk_zero_ckpt_entries
@@ -272,6 +273,26 @@ typedef struct dsk_zero_piece {
    thread. On failure *z is zeroed. */
 DSK_API dsk_status dsk_zero_init(dsk_zero *z, dsk_comm *c, dsk_ctx *ctx, const dsk_zero_param *params, int n,
                                  const dsk_zero_opts *opts);
+/* What one rank's dsk_zero would hold and move, without allocating or communicating: the
+   layout and the list of slabs dsk_zero_init allocates (the same code), so `memory` equals
+   dsk_zero.memory after dsk_zero_init on rank `rank` of a group of `world_size` given the same
+   list (value and grad may be NULL here). Per reducing pass (stages 0-1: the last micro-batch of
+   a step; 2-3: every micro-batch): the bytes handed to the reductions and uncompressed, and the
+   collectives; per gather of every unit (stages 1-2: once per step; 3: before each unit's
+   forward and backward): the gathered bytes. These equal dsk_zero.stats' increments for
+   compression NONE and BF16; under POWERSGD the reduction bytes depend on the pass (the plain
+   start) and are given as the uncompressed ones. */
+typedef struct dsk_zero_plan_out {
+    dsk_zero_memory memory;
+    int n_units;
+    int64_t reduce_collectives;      /* per reducing pass: one per unit */
+    uint64_t reduce_bytes;           /* per reducing pass */
+    uint64_t plain_bytes;            /* per reducing pass, uncompressed (f32) */
+    uint64_t gather_bytes;           /* per gather of every unit (stages 1-3; 0 at stage 0) */
+    int64_t full_elems, shard_elems; /* every unit padded to world_size chunks; this rank's chunks */
+} dsk_zero_plan_out;
+DSK_API dsk_status dsk_zero_plan(const dsk_zero_param *params, int n, int world_size, int rank,
+                                 const dsk_zero_opts *opts, dsk_zero_plan_out *out);
 /* Drains the progress thread, frees everything, unbinds the caller's views (data NULL).
    Zeroed or freed objects are fine. */
 DSK_API void dsk_zero_free(dsk_zero *z, dsk_ctx *ctx);
@@ -423,6 +444,7 @@ struct dsk__zero_impl {
     dsk_tensor err, pq, cp, unc;                /* PowerSGD; err also FP8's residual */
     dsk_tensor q8, rq8, sc8, rsc8, deq8;        /* FP8: codes and scales sent and received, dequantised rows */
     int in_pass, sync, fresh, have_gathers;
+    int dry;                             /* dsk_zero_plan: slabs are counted, not allocated */
     int64_t iter, pass;                  /* reducing passes so far (PowerSGD's iteration); passes begun */
     /* progress thread and its queue of tickets [done + 1, next] */
     pthread_t thread;
@@ -1072,7 +1094,7 @@ static dsk_status dsk__zero_take_params(const char *fn, dsk_zero *z, const dsk_z
         if (!q->name || !*q->name || strlen(q->name) >= DSK__ZERO_NAME_MAX - 16)
             return dsk_set_error(DSK_ERR_ARG, "%s: params[%d] needs a name of 1 to %d characters", fn, i,
                                  DSK__ZERO_NAME_MAX - 17);
-        if (q->ndim < 1 || q->ndim > DSK_MAX_DIMS || !q->value || !q->grad || q->unit < 0)
+        if (q->ndim < 1 || q->ndim > DSK_MAX_DIMS || (!zi->dry && (!q->value || !q->grad)) || q->unit < 0)
             return dsk_set_error(DSK_ERR_ARG, "%s: params[%d] \"%s\": ndim %d (want 1..%d), value %p, grad %p, unit %d",
                                  fn, i, nm, q->ndim, DSK_MAX_DIMS, (void *)q->value, (void *)q->grad, q->unit);
         if (i > 0 && q->unit < ps[i - 1].unit)
@@ -1151,26 +1173,34 @@ static void dsk__zero_layout(dsk_zero *z) {
     zi->shard = shard;
 }
 
-/* Allocates a zeroed f32/bf16/f16 slab on ctx's device and adds its allocator-measured bytes to *role. */
+/* Allocates a zeroed f32/bf16/f16 slab on ctx's device and adds its allocator-measured bytes to *role
+   (dsk_zero_plan: adds the bytes the allocator would count, n times the dtype's size). */
 static dsk_status dsk__zero_alloc(dsk_ctx *ctx, dsk_tensor *t, dsk_dtype dt, int64_t n, int64_t *role) {
     dsk_device dev = ctx ? ctx->device : dsk_cpu();
     int64_t before = dsk_tensor_mem_stats(dev).live_bytes;
+    if (!t) {
+        *role += n * (int64_t)dsk_dtype_size(dt);
+        return DSK_OK;
+    }
     DSK__TRY(dsk_tensor_alloc(ctx, t, dt, 1, &n));
     DSK__TRY(dsk_tensor_fill(ctx, t, 0.0));
     *role += dsk_tensor_mem_stats(dev).live_bytes - before;
     return DSK_OK;
 }
 
+/* The tensor a slab is allocated into, or NULL when dsk_zero_plan only counts it. */
+static dsk_tensor *dsk__zero_slab(const dsk__zero_impl *zi, dsk_tensor *t) { return zi->dry ? NULL : t; }
+
 /* FP8: codes sent and received (u8), their scales (f32), the dequantised rows, the residual. */
 static dsk_status dsk__zero_alloc_fp8(dsk_zero *z, dsk_ctx *ctx) {
     dsk__zero_impl *zi = z->impl;
     int64_t *mem = &z->memory.comm, nsc = (int64_t)z->world_size * ((zi->max_chunk + 127) / 128);
-    DSK__TRY(dsk__zero_alloc(ctx, &zi->q8, DSK_U8, zi->max_unit, mem));
-    DSK__TRY(dsk__zero_alloc(ctx, &zi->rq8, DSK_U8, zi->max_unit, mem));
-    DSK__TRY(dsk__zero_alloc(ctx, &zi->sc8, DSK_F32, nsc, mem));
-    DSK__TRY(dsk__zero_alloc(ctx, &zi->rsc8, DSK_F32, nsc, mem));
-    DSK__TRY(dsk__zero_alloc(ctx, &zi->deq8, DSK_F32, zi->max_unit, mem));
-    return zi->o.fp8_error_feedback ? dsk__zero_alloc(ctx, &zi->err, DSK_F32, zi->full, mem) : DSK_OK;
+    DSK__TRY(dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->q8), DSK_U8, zi->max_unit, mem));
+    DSK__TRY(dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->rq8), DSK_U8, zi->max_unit, mem));
+    DSK__TRY(dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->sc8), DSK_F32, nsc, mem));
+    DSK__TRY(dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->rsc8), DSK_F32, nsc, mem));
+    DSK__TRY(dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->deq8), DSK_F32, zi->max_unit, mem));
+    return zi->o.fp8_error_feedback ? dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->err), DSK_F32, zi->full, mem) : DSK_OK;
 }
 
 static dsk_status dsk__zero_alloc_all(dsk_zero *z, dsk_ctx *ctx) {
@@ -1180,8 +1210,9 @@ static dsk_status dsk__zero_alloc_all(dsk_zero *z, dsk_ctx *ctx) {
     int64_t opt_n = z->stage == 0 ? zi->full : zi->shard, err = 0, pq = 0, cp = 0, unc = 0;
     int psgd = zi->o.compress == DSK_ZERO_COMPRESS_POWERSGD;
     zi->master_in_full = cdt == DSK_F32 && z->stage <= 2;
-    if (z->stage <= 2) DSK__TRY(dsk__zero_alloc(ctx, &zi->full_w, cdt, zi->full, &mem->params));
-    if (z->stage == 3 && cdt != DSK_F32) DSK__TRY(dsk__zero_alloc(ctx, &zi->shard_w, cdt, zi->shard, &mem->params));
+    if (z->stage <= 2) DSK__TRY(dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->full_w), cdt, zi->full, &mem->params));
+    if (z->stage == 3 && cdt != DSK_F32)
+        DSK__TRY(dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->shard_w), cdt, zi->shard, &mem->params));
     if (z->stage == 3) {
         zi->pbufs = (dsk_tensor *)DSK_MALLOC((size_t)zi->o.param_buffers * sizeof(dsk_tensor));
         zi->pbuf_owner = (int *)DSK_MALLOC((size_t)zi->o.param_buffers * sizeof(int));
@@ -1189,28 +1220,30 @@ static dsk_status dsk__zero_alloc_all(dsk_zero *z, dsk_ctx *ctx) {
         memset(zi->pbufs, 0, (size_t)zi->o.param_buffers * sizeof(dsk_tensor));
         for (int i = 0; i < zi->o.param_buffers; i++) {
             zi->pbuf_owner[i] = -1;
-            DSK__TRY(dsk__zero_alloc(ctx, &zi->pbufs[i], cdt, zi->max_unit, &mem->params));
+            DSK__TRY(dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->pbufs[i]), cdt, zi->max_unit, &mem->params));
         }
     }
-    if (!zi->master_in_full) DSK__TRY(dsk__zero_alloc(ctx, &zi->master, DSK_F32, opt_n, &mem->optimizer));
-    DSK__TRY(dsk__zero_alloc(ctx, &zi->m, zi->o.moment_dtype, opt_n, &mem->optimizer));
-    DSK__TRY(dsk__zero_alloc(ctx, &zi->v, zi->o.moment_dtype, opt_n, &mem->optimizer));
-    if (z->stage <= 1) DSK__TRY(dsk__zero_alloc(ctx, &zi->full_g, DSK_F32, zi->full, &mem->grads));
+    if (!zi->master_in_full)
+        DSK__TRY(dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->master), DSK_F32, opt_n, &mem->optimizer));
+    DSK__TRY(dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->m), zi->o.moment_dtype, opt_n, &mem->optimizer));
+    DSK__TRY(dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->v), zi->o.moment_dtype, opt_n, &mem->optimizer));
+    if (z->stage <= 1) DSK__TRY(dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->full_g), DSK_F32, zi->full, &mem->grads));
     if (z->stage >= 2) {
-        DSK__TRY(dsk__zero_alloc(ctx, &zi->shard_g, DSK_F32, zi->shard, &mem->grads));
-        DSK__TRY(dsk__zero_alloc(ctx, &zi->rs_tmp, DSK_F32, zi->max_chunk, &mem->grads));
+        DSK__TRY(dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->shard_g), DSK_F32, zi->shard, &mem->grads));
+        DSK__TRY(dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->rs_tmp), DSK_F32, zi->max_chunk, &mem->grads));
         zi->gbufs = (dsk_tensor *)DSK_MALLOC((size_t)zi->o.grad_buffers * sizeof(dsk_tensor));
         zi->gbuf_owner = (int *)DSK_MALLOC((size_t)zi->o.grad_buffers * sizeof(int));
         if (!zi->gbufs || !zi->gbuf_owner) return dsk_set_error(DSK_ERR_OOM, "dsk_zero_init: buffer lists");
         memset(zi->gbufs, 0, (size_t)zi->o.grad_buffers * sizeof(dsk_tensor));
         for (int i = 0; i < zi->o.grad_buffers; i++) {
             zi->gbuf_owner[i] = -1;
-            DSK__TRY(dsk__zero_alloc(ctx, &zi->gbufs[i], DSK_F32, zi->max_unit, &mem->grads));
+            DSK__TRY(dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->gbufs[i]), DSK_F32, zi->max_unit, &mem->grads));
         }
     }
     if (zi->o.compress == DSK_ZERO_COMPRESS_BF16) {
-        DSK__TRY(dsk__zero_alloc(ctx, &zi->wire16, DSK_BF16, zi->max_unit, &mem->comm));
-        if (z->stage >= 2) DSK__TRY(dsk__zero_alloc(ctx, &zi->chunk16, DSK_BF16, zi->max_chunk, &mem->comm));
+        DSK__TRY(dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->wire16), DSK_BF16, zi->max_unit, &mem->comm));
+        if (z->stage >= 2)
+            DSK__TRY(dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->chunk16), DSK_BF16, zi->max_chunk, &mem->comm));
     }
     if (psgd) {
         for (int k = 0; k < z->n_units; k++) {
@@ -1221,11 +1254,11 @@ static dsk_status dsk__zero_alloc_all(dsk_zero *z, dsk_ctx *ctx) {
             if (u->unc_elems > unc) unc = u->unc_elems;
         }
         if (!zi->o.powersgd_no_error_feedback) {
-            DSK__TRY(dsk__zero_alloc(ctx, &zi->err, DSK_F32, err, &mem->comm));
-            DSK__TRY(dsk__zero_alloc(ctx, &zi->cp, DSK_F32, cp, &mem->comm));
+            DSK__TRY(dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->err), DSK_F32, err, &mem->comm));
+            DSK__TRY(dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->cp), DSK_F32, cp, &mem->comm));
         }
-        DSK__TRY(dsk__zero_alloc(ctx, &zi->pq, DSK_F32, pq, &mem->comm));
-        DSK__TRY(dsk__zero_alloc(ctx, &zi->unc, DSK_F32, unc, &mem->comm));
+        DSK__TRY(dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->pq), DSK_F32, pq, &mem->comm));
+        DSK__TRY(dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->unc), DSK_F32, unc, &mem->comm));
     }
     if (zi->o.compress == DSK_ZERO_COMPRESS_FP8) DSK__TRY(dsk__zero_alloc_fp8(z, ctx));
     return DSK_OK;
@@ -1387,6 +1420,70 @@ DSK_API dsk_status dsk_zero_init(dsk_zero *z, dsk_comm *c, dsk_ctx *ctx, const d
         dsk_zero_free(z, ctx);
         dsk_set_error(st, "%s", msg);
     }
+    return st;
+}
+
+/* The collectives of the plan: each unit's reduction (the message dsk__zero_reduce hands over)
+   and gather (dsk__zero_gather's). */
+static void dsk__zero_plan_bytes(const dsk_zero *z, dsk_zero_plan_out *out) {
+    const dsk__zero_impl *zi = z->impl;
+    uint64_t esz = zi->o.compress == DSK_ZERO_COMPRESS_BF16 ? 2u : 4u;
+    for (int k = 0; k < z->n_units; k++) {
+        const dsk__zero_u *u = &zi->u[k];
+        uint64_t msg = (uint64_t)(z->stage <= 1 ? u->numel : (int64_t)zi->world * u->chunk);
+        out->reduce_bytes += msg * esz;
+        out->plain_bytes += msg * 4u;
+        if (z->stage >= 1) out->gather_bytes += (uint64_t)((int64_t)zi->world * u->chunk) * zi->cesz;
+    }
+    if (zi->o.compress == DSK_ZERO_COMPRESS_POWERSGD) out->reduce_bytes = out->plain_bytes;
+    out->reduce_collectives = z->n_units;
+}
+
+DSK_API dsk_status dsk_zero_plan(const dsk_zero_param *params, int n, int world_size, int rank,
+                                 const dsk_zero_opts *opts, dsk_zero_plan_out *out) {
+    const char *fn = "dsk_zero_plan";
+    dsk_zero z;
+    dsk__zero_impl *zi;
+    dsk_status st;
+    if (!out) return dsk_set_error(DSK_ERR_ARG, "%s: out is NULL", fn);
+    if (n < 1 || !params) return dsk_set_error(DSK_ERR_ARG, "%s: need at least one parameter (got %d)", fn, n);
+    if (world_size < 1 || rank < 0 || rank >= world_size)
+        return dsk_set_error(DSK_ERR_ARG, "%s: rank %d of a group of %d", fn, rank, world_size);
+    memset(&z, 0, sizeof z);
+    if (!(zi = (dsk__zero_impl *)DSK_MALLOC(sizeof *zi))) return dsk_set_error(DSK_ERR_OOM, "%s: state", fn);
+    memset(zi, 0, sizeof *zi);
+    z.impl = zi;
+    zi->dry = 1;
+    if (opts) zi->o = *opts;
+    z.stage = zi->stage = zi->o.stage;
+    z.rank = zi->rank = rank;
+    z.world_size = zi->world = world_size;
+    z.n_params = n;
+    zi->p = (dsk__zero_p *)DSK_MALLOC((size_t)n * sizeof *zi->p);
+    zi->u = (dsk__zero_u *)DSK_MALLOC((size_t)n * sizeof *zi->u);
+    st = zi->p && zi->u ? DSK_OK : dsk_set_error(DSK_ERR_OOM, "%s: tables for %d parameters", fn, n);
+    if (st == DSK_OK) {
+        memset(zi->p, 0, (size_t)n * sizeof *zi->p);
+        memset(zi->u, 0, (size_t)n * sizeof *zi->u);
+        st = dsk__zero_check_opts(fn, &zi->o, NULL);
+    }
+    z.stage = zi->stage = zi->o.stage;
+    zi->cesz = dsk_dtype_size(zi->o.compute_dtype);
+    if (st == DSK_OK) st = dsk__zero_take_params(fn, &z, params, n);
+    for (int i = 0; zi->p && i < n; i++) zi->p[i].value = zi->p[i].grad = NULL; /* the caller's: never bound */
+    if (st == DSK_OK) {
+        dsk__zero_layout(&z);
+        st = dsk__zero_alloc_all(&z, NULL);
+    }
+    if (st == DSK_OK) {
+        memset(out, 0, sizeof *out);
+        out->memory = z.memory;
+        out->n_units = z.n_units;
+        out->full_elems = zi->full;
+        out->shard_elems = zi->shard;
+        dsk__zero_plan_bytes(&z, out);
+    }
+    dsk_zero_free(&z, NULL);
     return st;
 }
 

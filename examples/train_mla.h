@@ -381,7 +381,7 @@ static dsk_status tmla_alloc_block(tm_model *m, int l) {
         TM_TRY(tmla_act(m, b, &b->att, core, dt, D));
         if (core && b != &m->blocks[0]) return tmla_act(m, b, &b->probs, 1, DSK_F32, 0);
         int64_t ps[4] = {c->batch, H, c->seq, c->seq};
-        return dsk_tensor_alloc(m->ctx, &b->probs, DSK_F32, 4, ps);
+        return tm_alloc_nd(m, &b->probs, DSK_F32, 4, ps);
     }
     int64_t dn = a->qk_nope_dim, dr = a->qk_rope_dim, dv = a->v_head_dim, dqk = dn + dr;
     if (a->q_lora_rank > 0) {
@@ -400,7 +400,7 @@ static dsk_status tmla_alloc_block(tm_model *m, int l) {
     if (core && b != &m->blocks[0]) return tmla_act(m, b, &p->lse, 1, DSK_F32, 0);
     int64_t ls[3] = {c->batch, H, c->seq};
     (void)N;
-    return dsk_tensor_alloc(m->ctx, &p->lse, DSK_F32, 3, ls);
+    return tm_alloc_nd(m, &p->lse, DSK_F32, 3, ls);
 }
 
 /* The MLA backward scratch and rope tables for N rows and H heads (the one-rank model: the
@@ -428,7 +428,7 @@ static dsk_status tmla_alloc_scratch(tm_model *m, int64_t N, int64_t H) {
     if (a->yarn) {
         TM_TRY(tm_alloc2(m, &s->ry_in, dt, N, H * 4));
         TM_TRY(tm_alloc2(m, &s->ry_out, dt, N, H * 4));
-        TM_TRY(tm_zero(m, &s->ry_in)); /* its first pair turns unused: finite */
+        if (!m->cfg.plan_bytes) TM_TRY(tm_zero(m, &s->ry_in)); /* its first pair turns unused: finite */
         for (int i = 0; i < a->qk_rope_dim / 2; i++) {
             double f = tmla_yarn_freq(a, c->rope_theta, i);
             s->ry_theta[i] = (float)(1.0 / (f * f));
@@ -458,7 +458,7 @@ static dsk_status tmla_alloc(tm_model *m) {
         TM_TRY(tm_alloc2(m, &t->dlogits, dt, N, V));
         TM_TRY(tm_alloc2(m, &t->ids, DSK_I32, N, 0));
         TM_TRY(tm_alloc2(m, &t->tgt, DSK_I32, N, 0));
-        TM_TRY(dsk_tensor_alloc(m->ctx, &t->loss, DSK_F32, 0, NULL));
+        TM_TRY(tm_alloc_nd(m, &t->loss, DSK_F32, 0, NULL));
     }
     if (a->mtp_depth > 0) {
         TM_TRY(tm_alloc2(m, &s->dcarry, dt, N, D));

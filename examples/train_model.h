@@ -44,6 +44,9 @@ typedef struct tm_config {
     tmla_config mla;    /* attention kind and MLA sizes, MTP depth, recomputation (train_mla.h) */
     int external;       /* 1: no slabs: the caller binds every parameter's wc and g (and binds the MoE layers'),
                            keeps masters and moments, initialises the weights (ZeRO, examples/train_zero.h) */
+    int64_t *plan_bytes; /* non-NULL: a plan (train_plan.h): activations and buffers are not allocated, their bytes
+                            are added here (tm_alloc_nd), and the MoE layers' workspace is counted, not reserved */
+    int plan_cuda;       /* with plan_bytes: count the MoE workspace as a GPU holds it (the layer's dtype) */
 } tm_config;
 
 /* Blocks of the model: the n_layers main ones, then one per MTP module (train_mla.h). */
@@ -363,9 +366,21 @@ static dsk_status tm_init_weights(tm_model *m) {
 
 /* ------------------------------------------------------------------ activations */
 
+/* Read-only: what a planned tensor points at (nothing may read or write it). */
+static const char tm_plan_mark = 0;
+
+/* Every activation and buffer of the model is allocated here: under a plan (cfg.plan_bytes) it
+   adds the bytes the allocator would count instead, and t becomes a header over no memory. */
+static dsk_status tm_alloc_nd(tm_model *m, dsk_tensor *t, dsk_dtype dt, int nd, const int64_t *shape) {
+    if (!m->cfg.plan_bytes) return dsk_tensor_alloc(m->ctx, t, dt, nd, shape);
+    TM_TRY(dsk_tensor_wrap(t, (void *)&tm_plan_mark, dt, dsk_cpu(), nd, shape));
+    *m->cfg.plan_bytes += (int64_t)dsk_tensor_nbytes(t);
+    return DSK_OK;
+}
+
 static dsk_status tm_alloc2(tm_model *m, dsk_tensor *t, dsk_dtype dt, int64_t r, int64_t c) {
     int64_t sh[2] = {r, c};
-    return dsk_tensor_alloc(m->ctx, t, dt, c ? 2 : 1, sh);
+    return tm_alloc_nd(m, t, dt, c ? 2 : 1, sh);
 }
 
 /* --dtype fp8: every block's FP8 caches and the shared scratch; the linears' bf16 inputs become
@@ -406,7 +421,7 @@ static dsk_status tm_alloc_acts(tm_model *m) {
         TM_TRY(tm_alloc2(m, &b->rstd1, DSK_F32, N, 0));
         TM_TRY(tm_alloc2(m, &b->rstd2, DSK_F32, N, 0));
         int64_t ps[4] = {c->batch, c->n_heads, c->seq, c->seq};
-        TM_TRY(dsk_tensor_alloc(m->ctx, &b->probs, DSK_F32, 4, ps));
+        TM_TRY(tm_alloc_nd(m, &b->probs, DSK_F32, 4, ps));
         if (l < c->n_dense) {
             TM_TRY(tm_alloc2(m, &b->g, dt, N, F));
             TM_TRY(tm_alloc2(m, &b->u, dt, N, F));
@@ -426,11 +441,11 @@ static dsk_status tm_alloc_acts(tm_model *m) {
     if (dt != DSK_F32) {
         TM_TRY(tm_alloc2(m, &m->dx32, DSK_F32, N, D));
         for (int i = 0; i < m->n_params; i++)
-            if (m->params[i].ndim == 1) TM_TRY(dsk_tensor_alloc(m->ctx, &m->params[i].gc, dt, 1, m->params[i].shape));
+            if (m->params[i].ndim == 1) TM_TRY(tm_alloc_nd(m, &m->params[i].gc, dt, 1, m->params[i].shape));
     }
-    TM_TRY(dsk_tensor_alloc(m->ctx, &m->ids, DSK_I32, 1, &N));
-    TM_TRY(dsk_tensor_alloc(m->ctx, &m->targets, DSK_I32, 1, &N));
-    TM_TRY(dsk_tensor_alloc(m->ctx, &m->loss, DSK_F32, 0, NULL));
+    TM_TRY(tm_alloc_nd(m, &m->ids, DSK_I32, 1, &N));
+    TM_TRY(tm_alloc_nd(m, &m->targets, DSK_I32, 1, &N));
+    TM_TRY(tm_alloc_nd(m, &m->loss, DSK_F32, 0, NULL));
     if (c->fp8) TM_TRY(tm_alloc_fp8(m));
     return tmla_alloc(m);
 }
@@ -455,7 +470,7 @@ static dsk_status tm_init_moe(tm_model *m, int l, char *name, size_t name_size) 
     o.seed = c->seed + 1000003ull * (uint64_t)(l + 1);
     TM_TRY(dsk_moe_init(&b->moe, m->ctx, &o));
     b->is_moe = 1;
-    TM_TRY(dsk_tensor_alloc(m->ctx, &b->moe_bias, DSK_F32, 1, &E));
+    TM_TRY(tm_alloc_nd(m, &b->moe_bias, DSK_F32, 1, &E));
     if (o.dtype != c->cdt) {
         TM_TRY(tm_alloc2(m, &b->mx, o.dtype, N, c->d_model));
         TM_TRY(tm_alloc2(m, &b->my, o.dtype, N, c->d_model));
@@ -463,9 +478,23 @@ static dsk_status tm_init_moe(tm_model *m, int l, char *name, size_t name_size) 
     return DSK_OK;
 }
 
+/* A plan's MoE workspace: what dsk_moe_reserve would allocate for tm_bind_moe's call. */
+static dsk_status tm_plan_moe(tm_model *m) {
+    for (int l = m->cfg.n_dense; l < tm_n_blocks(&m->cfg); l++) {
+        const tm_block *b = &m->blocks[l];
+        int64_t bytes;
+        if (!b->is_moe) continue;
+        TM_TRY(dsk_moe_reserve_bytes(&b->moe, (int64_t)m->cfg.batch * m->cfg.seq, -1,
+                                     m->cfg.plan_cuda ? b->moe.opts.dtype : DSK_F32, &bytes));
+        *m->cfg.plan_bytes += bytes;
+    }
+    return DSK_OK;
+}
+
 /* Binds every MoE layer's parameters: the compute copies and gradients in the model's slabs,
    the expert bias in its own small tensor (zero). Then the workspace for a full micro-batch. */
 static dsk_status tm_bind_moe(tm_model *m) {
+    if (m->cfg.plan_bytes) return tm_plan_moe(m);
     for (int i = 0; !m->cfg.external && i < m->n_params; i++) {
         tm_param *p = &m->params[i];
         if (p->moe_layer >= 0) TM_TRY(dsk_moe_bind(&m->blocks[p->moe_layer].moe, m->ctx, p->moe_index, &p->wc, &p->g));
@@ -712,8 +741,9 @@ static dsk_status tm_check_config(const tm_config *c) {
     return tmla_check_config(c);
 }
 
-/* Builds the model's dense parameters and activations on ctx's device. */
-static dsk_status tm_init(tm_model *m, dsk_ctx *ctx, const tm_config *cfg) {
+/* Declares the model's parameters (names, shapes, units; the MoE layers report theirs) without
+   slabs or activations: what tm_init starts with, and what a planner sizes (train_plan.h). */
+static dsk_status tm_declare_model(tm_model *m, dsk_ctx *ctx, const tm_config *cfg) {
     memset(m, 0, sizeof *m);
     m->cfg = *cfg;
     m->ctx = ctx;
@@ -729,6 +759,12 @@ static dsk_status tm_init(tm_model *m, dsk_ctx *ctx, const tm_config *cfg) {
         m->numel += tm_param_numel(&m->params[i]);
         if (i < m->n_dense_params) m->numel_dense = m->numel;
     }
+    return DSK_OK;
+}
+
+/* Builds the model's dense parameters and activations on ctx's device. */
+static dsk_status tm_init(tm_model *m, dsk_ctx *ctx, const tm_config *cfg) {
+    TM_TRY(tm_declare_model(m, ctx, cfg));
     if (!cfg->external) {
         TM_TRY(tm_alloc_slab(m, &m->slab_w, DSK_F32));
         TM_TRY(tm_alloc_slab(m, &m->slab_g, DSK_F32));

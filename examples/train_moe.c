@@ -56,6 +56,7 @@
 #include "train_model.h"
 #include "train_metrics.h"
 #include "train_par.h"
+#include "../dsk_plan.h"
 #include "train_signals.h"
 #include "train_zero.h"
 
@@ -368,7 +369,9 @@ static void setup_routes(trainer *t) {
 
 /* ---- model and optimizer groups */
 
-static void setup_model(trainer *t) {
+/* The model's configuration from the options (and config.json with --init-from-hf); dsk_plan
+   sizes a layout from it too (train_plan.h). */
+static void model_config(trainer *t, tm_config *out) {
     const options *o = t->o;
     tm_config c;
     memset(&c, 0, sizeof c);
@@ -433,6 +436,12 @@ static void setup_model(trainer *t) {
         CHECK(thf_model_config(&t->hf, &c));
     }
     if (o->dense_layers < o->layers && o->experts < 1) fail(t, "--experts %d: MoE blocks need at least 1 expert", o->experts);
+    *out = c;
+}
+
+static void setup_model(trainer *t) {
+    tm_config c;
+    model_config(t, &c);
     if (t->par.on) CHECK(tp_model_init(&t->par, &t->model, &t->ctx, &c));
     else CHECK(tm_init(&t->model, &t->ctx, &c));
 }
@@ -1072,11 +1081,30 @@ static void finish(trainer *t) {
         t->train_seconds > 0 ? 100 * t->data_wait_s / t->train_seconds : 0.0, (double)t->last_val);
 }
 
+/* --plan FILE: the layout and batch of dsk_plan's JSON choice replace the flags' (dsk_plan.h). */
+static int apply_plan(options *o) {
+    static const char *const rc[3] = {"none", "attn", "full"};
+    dsk_plan_layout l;
+    dsk_plan_job job;
+    if (dsk_plan_choice_read(o->plan, &l, &job) != DSK_OK) {
+        fprintf(stderr, "train_moe: --plan: %s\n", dsk_last_error());
+        return 2;
+    }
+    o->tp = l.tp, o->pp = l.pp, o->ep = l.ep, o->zero = l.zero, o->vstages = l.vstages, o->seq = (int)job.seq;
+    o->micro = l.pp > 1 ? l.micro : 1;
+    o->accum = l.pp > 1 ? 1 : l.micro; /* without a pipeline the plan's passes are accumulation steps */
+    o->batch = (int)(job.sequences / o->accum);
+    snprintf(o->pp_schedule, sizeof o->pp_schedule, "%s", dsk_par_schedule_name(l.schedule));
+    snprintf(o->recompute, sizeof o->recompute, "%s", rc[l.recompute]);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     options o;
     set_defaults(&o);
     if (apply_preset(&o, argc, argv) != 0) return 2;
     int rc = parse_args(&o, argc, argv);
+    if (!rc && o.plan) rc = apply_plan(&o);
     if (rc) return rc;
     if (o.help) {
         usage(stdout);

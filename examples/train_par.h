@@ -298,10 +298,10 @@ static dsk_status tp_act(tp_state *ps, tp_layer *L, dsk_tensor *t, int need, dsk
     int64_t sh[4] = {d0, d1, d2, d3};
     if (L->rc < need) {
         sh[0] *= ps->S;
-        return dsk_tensor_alloc(ps->ctx, t, dt, nd, sh);
+        return tm_alloc_nd(ps->m, t, dt, nd, sh);
     }
     dsk_tensor *one = (dsk_tensor *)((char *)&ps->sh + ((char *)t - (char *)L));
-    if (!one->data) TM_TRY(dsk_tensor_alloc(ps->ctx, one, dt, nd, sh));
+    if (!one->data) TM_TRY(tm_alloc_nd(ps->m, one, dt, nd, sh));
     *t = *one;
     t->owns = 0;
     return DSK_OK;
@@ -350,7 +350,7 @@ static dsk_status tp_alloc_mtp(tp_state *ps) {
         for (size_t i = 0; i < 3; i++) TM_TRY(tp_alloc(ps, nr[i], DSK_F32, Ns, 0));
         TM_TRY(tp_alloc(ps, &t->logits, dt, ps->Nm, ps->Vl));
         TM_TRY(tp_alloc(ps, &t->dlogits, dt, ps->Nm, ps->Vl));
-        TM_TRY(dsk_tensor_alloc(ps->ctx, &t->loss, DSK_F32, 0, NULL));
+        TM_TRY(tm_alloc_nd(m, &t->loss, DSK_F32, 0, NULL));
         if (ps->tp > 1) TM_TRY(tp_alloc(ps, &ps->mtp_hfg[k], dt, ps->Nm, D));
     }
     return tp_alloc(ps, &m->mla.dcarry, dt, Ns, D);
@@ -423,11 +423,11 @@ static dsk_status tp_alloc_acts(tp_state *ps) {
         if (ps->first >= 0 || (ps->last >= 0 && c->mla.mtp_depth > 0)) /* the embedding's f32 gradient from it */
             TM_TRY(tp_alloc(ps, &ps->dx32, DSK_F32, Nm, D));
         for (int i = 0; i < m->n_params; i++) /* norm weights' gradients in the compute dtype (tm_param.gc) */
-            if (m->params[i].ndim == 1) TM_TRY(dsk_tensor_alloc(m->ctx, &m->params[i].gc, dt, 1, m->params[i].shape));
+            if (m->params[i].ndim == 1) TM_TRY(tm_alloc_nd(m, &m->params[i].gc, dt, 1, m->params[i].shape));
     }
-    TM_TRY(dsk_tensor_alloc(m->ctx, &m->ids, DSK_I32, 1, &N));
-    TM_TRY(dsk_tensor_alloc(m->ctx, &m->targets, DSK_I32, 1, &N));
-    return dsk_tensor_alloc(m->ctx, &m->loss, DSK_F32, 0, NULL);
+    TM_TRY(tm_alloc_nd(m, &m->ids, DSK_I32, 1, &N));
+    TM_TRY(tm_alloc_nd(m, &m->targets, DSK_I32, 1, &N));
+    return tm_alloc_nd(m, &m->loss, DSK_F32, 0, NULL);
 }
 
 /* The grid, the stage and expert-replica groups and the schedule; dims.ep set by the caller.
@@ -447,10 +447,10 @@ static dsk_status tp_grid_init(tp_state *ps, dsk_comm *world, const dsk_par_dims
     return dsk_comm_split(world, ends ? at->tp : DSK_COMM_NO_COLOR, world->rank, &ps->embg);
 }
 
-/* The model of this rank: like tm_init with cfg->external (the engine binds the weights and
-   gradients: tp_places), for the stages and the tensor-parallel shard of the grid.
-   ps->tp/pp/v/M/kind and the grid are set. */
-static dsk_status tp_model_init(tp_state *ps, tm_model *m, dsk_ctx *ctx, const tm_config *cfg) {
+/* The parameters of this rank's stages and tensor-parallel shard, declared without
+   activations (tm_declare_model's part of tp_model_init; a planner sizes them: train_plan.h).
+   ps->tp/pp/v/M/kind and the grid's dims and coordinates are set. */
+static dsk_status tp_model_declare(tp_state *ps, tm_model *m, dsk_ctx *ctx, const tm_config *cfg) {
     memset(m, 0, sizeof *m);
     m->cfg = *cfg;
     m->ctx = ctx;
@@ -509,8 +509,21 @@ static dsk_status tp_model_init(tp_state *ps, tm_model *m, dsk_ctx *ctx, const t
         m->numel += tm_param_numel(&m->params[i]);
         if (i < m->n_dense_params) m->numel_dense = m->numel;
     }
+    return DSK_OK;
+}
+
+/* The model of this rank: like tm_init with cfg->external (the engine binds the weights and
+   gradients: tp_places), for the stages and the tensor-parallel shard of the grid.
+   ps->tp/pp/v/M/kind and the grid are set. */
+static dsk_status tp_model_init(tp_state *ps, tm_model *m, dsk_ctx *ctx, const tm_config *cfg) {
+    TM_TRY(tp_model_declare(ps, m, ctx, cfg));
     TM_TRY(tp_alloc_acts(ps));
-    return tm_bind_moe(m);
+    /* an MoE layer runs one micro-batch's rows at a time: its workspace is reserved for those (the
+       whole batch's, which dsk_plan showed is M x tp too much, would not fit at scale) */
+    m->cfg.batch = ps->Bm;
+    dsk_status s = tm_bind_moe(m);
+    m->cfg.batch = cfg->batch;
+    return s;
 }
 
 /* The engine's groups and where each of this rank's parameters goes (train_zero.h):

@@ -270,38 +270,20 @@ static void tz_free(tz *t) {
     memset(t, 0, sizeof *t);
 }
 
-/* Shards the model m (built with tm_config.external): parameter i over groups[place[i].group]
-   in the object of its part; fresh weights from `seed`; installs the model's hooks. Collective
-   over every group. */
-static dsk_status tz_init(tz *t, tm_model *m, dsk_ctx *ctx, const tz_group *groups, const tz_place *place,
-                          const tz_opts *o, uint64_t seed) {
-    dsk_zero_param *ps;
-    int n[TZ_MAX_OBJ] = {0};
-    int64_t scratch = 1;
-    dsk_status s = DSK_OK;
-    memset(t, 0, sizeof *t);
-    t->m = m;
-    t->ctx = ctx;
-    t->stage = o->stage;
-    t->obj_of = (int *)calloc((size_t)m->n_params, sizeof(int));
-    t->idx_of = (int *)calloc((size_t)m->n_params, sizeof(int));
-    ps = (dsk_zero_param *)calloc((size_t)(TZ_MAX_OBJ * m->n_params), sizeof *ps);
-    if (!t->obj_of || !t->idx_of || !ps) {
-        free(ps);
-        return dsk_set_error(DSK_ERR_OOM, "tz_init: parameter tables");
-    }
-    /* each object's list in unit order (the model's order is not: its experts come last) */
-    for (int unit = 0; unit <= m->cfg.n_layers + 1 && s == DSK_OK; unit++)
-        for (int i = 0; i < m->n_params && s == DSK_OK; i++) {
+/* Each object's parameter list (ps[k * n_params ...], n[k] of them) in unit order (the model's
+   order is not: its experts come last); *scratch: the largest MoE parameter. tz_init and tz_plan
+   build their objects from it. */
+static dsk_status tz_lists(tz *t, const tz_place *place, dsk_zero_param *ps, int *n, int64_t *scratch) {
+    tm_model *m = t->m;
+    for (int unit = 0; unit <= m->cfg.n_layers + 1; unit++)
+        for (int i = 0; i < m->n_params; i++) {
             tm_param *p = &m->params[i];
             const tz_place *pl = &place[i];
             int k;
             dsk_zero_param *q;
             if (p->unit != unit) continue;
-            if ((k = tz_object_of(t, p, pl)) < 0) {
-                s = dsk_set_error(DSK_ERR_ARG, "tz_init: more than %d (group, part, dtype) objects", TZ_MAX_OBJ);
-                break;
-            }
+            if ((k = tz_object_of(t, p, pl)) < 0)
+                return dsk_set_error(DSK_ERR_ARG, "tz_init: more than %d (group, part, dtype) objects", TZ_MAX_OBJ);
             q = &ps[k * m->n_params + n[k]];
             t->obj_of[i] = k;
             t->idx_of[i] = n[k]++;
@@ -316,21 +298,59 @@ static dsk_status tz_init(tz *t, tm_model *m, dsk_ctx *ctx, const tz_group *grou
             q->grad = &p->g;
             q->unit = p->unit;
             q->no_decay = !p->decay;
-            if (p->moe_layer >= 0 && tm_param_numel(p) > scratch) scratch = tm_param_numel(p);
+            if (p->moe_layer >= 0 && tm_param_numel(p) > *scratch) *scratch = tm_param_numel(p);
         }
+    return DSK_OK;
+}
+
+static dsk_zero_opts tz_zero_opts(const tz_opts *o, const tz_group *g, dsk_dtype dt) {
+    dsk_zero_opts zo;
+    memset(&zo, 0, sizeof zo);
+    zo.stage = g->stage_cap && o->stage > g->stage_cap ? g->stage_cap : o->stage;
+    zo.compute_dtype = dt;
+    zo.moment_dtype = o->moment_dtype;
+    zo.compress = o->compress;
+    zo.powersgd_rank = o->psgd_rank;
+    zo.powersgd_start_iter = o->psgd_start;
+    zo.fp8_error_feedback = o->fp8_ef;
+    zo.sum_only = g->sum_only;
+    zo.grad_post_scale = g->post_scale;
+    return zo;
+}
+
+static dsk_status tz_tables(tz *t, tm_model *m, dsk_ctx *ctx, int stage, dsk_zero_param **ps) {
+    memset(t, 0, sizeof *t);
+    t->m = m;
+    t->ctx = ctx;
+    t->stage = stage;
+    t->obj_of = (int *)calloc((size_t)m->n_params, sizeof(int));
+    t->idx_of = (int *)calloc((size_t)m->n_params, sizeof(int));
+    *ps = (dsk_zero_param *)calloc((size_t)(TZ_MAX_OBJ * m->n_params), sizeof **ps);
+    if (!t->obj_of || !t->idx_of || !*ps) {
+        free(*ps);
+        *ps = NULL;
+        return dsk_set_error(DSK_ERR_OOM, "tz_init: parameter tables");
+    }
+    return DSK_OK;
+}
+
+/* Shards the model m (built with tm_config.external): parameter i over groups[place[i].group]
+   in the object of its part; fresh weights from `seed`; installs the model's hooks. Collective
+   over every group. */
+static dsk_status tz_init(tz *t, tm_model *m, dsk_ctx *ctx, const tz_group *groups, const tz_place *place,
+                          const tz_opts *o, uint64_t seed) {
+    dsk_zero_param *ps;
+    int n[TZ_MAX_OBJ] = {0};
+    int64_t scratch = 1;
+    dsk_status s = tz_tables(t, m, ctx, o->stage, &ps);
+    if (s != DSK_OK) {
+        tz_free(t);
+        return s;
+    }
+    s = tz_lists(t, place, ps, n, &scratch);
     for (int k = 0; k < t->n_obj && s == DSK_OK; k++) {
         const tz_group *g = &groups[t->obj_group[k]];
-        dsk_zero_opts zo;
-        memset(&zo, 0, sizeof zo);
-        zo.stage = g->stage_cap && o->stage > g->stage_cap ? g->stage_cap : o->stage;
-        zo.compute_dtype = t->obj_dt[k];
-        zo.moment_dtype = o->moment_dtype;
-        zo.compress = o->compress;
-        zo.powersgd_rank = o->psgd_rank;
-        zo.powersgd_start_iter = o->psgd_start;
-        zo.fp8_error_feedback = o->fp8_ef;
-        zo.sum_only = g->sum_only;
-        zo.grad_post_scale = g->post_scale;
+        dsk_zero_opts zo = tz_zero_opts(o, g, t->obj_dt[k]);
         s = dsk_zero_init(&t->z[k], g->comm, ctx, &ps[k * m->n_params], n[k], &zo);
         t->zp[k] = &t->z[k];
     }

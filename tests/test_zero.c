@@ -787,6 +787,145 @@ static void case_memory(void) {
     dsk_test_end();
 }
 
+/* ------------------------------------------------------------------ the plan without memory */
+
+/* Random units of random 1-3 dimensional parameters (up to 40 of them), drawn from the seed. */
+#define PLAN_MAX 40
+typedef struct plan_arg {
+    int stage, np;
+    dsk_zero_compress compress;
+    dsk_dtype cdt;
+    int64_t shapes[PLAN_MAX][3];
+    int ndim[PLAN_MAX], unit[PLAN_MAX];
+} plan_arg;
+
+static void plan_draw(plan_arg *a, uint64_t seed) {
+    uint64_t k = 0;
+    int unit = 0;
+    a->np = 1 + (int)(dsk_rng_uniform_at(seed, 0, k++) * (PLAN_MAX - 1));
+    for (int i = 0; i < a->np; i++) {
+        if (i > 0 && dsk_rng_uniform_at(seed, 0, k++) < 0.3f) /* ids may skip */
+            unit += 1 + (int)(dsk_rng_uniform_at(seed, 0, k++) * 2);
+        a->unit[i] = unit;
+        a->ndim[i] = 1 + (int)(dsk_rng_uniform_at(seed, 0, k++) * 3);
+        for (int d = 0; d < 3; d++) a->shapes[i][d] = 1 + (int64_t)(dsk_rng_uniform_at(seed, 0, k++) * 37);
+    }
+}
+
+/* Each rank: dsk_zero_plan before dsk_zero_init equals the allocator's figures after it, and the
+   collectives' bytes of a gather of every unit (refresh at stages 1-2, a backward pass at 3) and
+   of a reducing pass equal the plan's. */
+static void rank_plan(dsk_comm *comm, void *argp) {
+    const plan_arg *a = (const plan_arg *)argp;
+    dsk_zero_param ps[PLAN_MAX];
+    dsk_tensor vals[PLAN_MAX], grads[PLAN_MAX];
+    char names[PLAN_MAX][16];
+    dsk_zero z;
+    dsk_zero_opts o;
+    dsk_zero_plan_out pl;
+    int n = comm ? comm->world_size : 1, r = comm ? comm->rank : 0;
+    int64_t before;
+    uint64_t g0;
+    memset(ps, 0, sizeof ps);
+    for (int i = 0; i < a->np; i++) {
+        snprintf(names[i], sizeof names[i], "p%d", i);
+        ps[i].name = names[i];
+        ps[i].ndim = a->ndim[i];
+        for (int d = 0; d < a->ndim[i]; d++) ps[i].shape[d] = a->shapes[i][d];
+        ps[i].value = &vals[i];
+        ps[i].grad = &grads[i];
+        ps[i].unit = a->unit[i];
+    }
+    memset(&o, 0, sizeof o);
+    o.stage = a->stage;
+    o.compute_dtype = a->cdt;
+    o.compress = a->compress;
+    memset(&pl, 0x5a, sizeof pl);
+    DSK_TEST_OK(dsk_zero_plan(ps, a->np, n, r, &o, &pl));
+    before = dsk_tensor_mem_stats(dsk_cpu()).live_bytes;
+    if (!TZ_OK(dsk_zero_init(&z, comm, NULL, ps, a->np, &o))) return;
+    DSK_TEST_EXPECT(dsk_tensor_mem_stats(dsk_cpu()).live_bytes - before ==
+                        pl.memory.params + pl.memory.grads + pl.memory.optimizer + pl.memory.comm,
+                    "rank %d: the plan's roles add to %lld, the allocator moved %lld", r,
+                    (long long)(pl.memory.params + pl.memory.grads + pl.memory.optimizer + pl.memory.comm),
+                    (long long)(dsk_tensor_mem_stats(dsk_cpu()).live_bytes - before));
+    DSK_TEST_EXPECT(pl.memory.params == z.memory.params && pl.memory.grads == z.memory.grads &&
+                        pl.memory.optimizer == z.memory.optimizer && pl.memory.comm == z.memory.comm &&
+                        pl.n_units == z.n_units,
+                    "rank %d: plan weights %lld gradients %lld optimizer %lld comm %lld units %d, init %lld %lld "
+                    "%lld %lld %d",
+                    r, (long long)pl.memory.params, (long long)pl.memory.grads, (long long)pl.memory.optimizer,
+                    (long long)pl.memory.comm, pl.n_units, (long long)z.memory.params, (long long)z.memory.grads,
+                    (long long)z.memory.optimizer, (long long)z.memory.comm, z.n_units);
+    DSK_TEST_OK(dsk_zero_refresh(&z, NULL));
+    g0 = z.stats.gather_bytes;
+    DSK_TEST_OK(dsk_zero_begin(&z, NULL, 1));
+    for (int u = a->unit[a->np - 1]; u >= 0; u--) {
+        int held = 0;
+        for (int i = 0; i < a->np; i++) held |= a->unit[i] == u;
+        if (!held) continue;
+        DSK_TEST_OK(dsk_zero_backward_begin(&z, NULL, u));
+        for (int i = a->np - 1; i >= 0; i--)
+            if (a->unit[i] == u) DSK_TEST_OK(dsk_zero_grad_ready(&z, NULL, i));
+        DSK_TEST_OK(dsk_zero_backward_end(&z, NULL, u));
+    }
+    DSK_TEST_OK(dsk_zero_wait(&z, NULL));
+    if (a->compress == DSK_ZERO_COMPRESS_POWERSGD) z.stats.reduce_bytes = pl.reduce_bytes; /* pass-dependent */
+    DSK_TEST_EXPECT(z.stats.reduce_bytes == pl.reduce_bytes && z.stats.plain_bytes == pl.plain_bytes,
+                    "rank %d: reduced %llu (plain %llu) bytes, the plan says %llu (%llu)", r,
+                    (unsigned long long)z.stats.reduce_bytes, (unsigned long long)z.stats.plain_bytes,
+                    (unsigned long long)pl.reduce_bytes, (unsigned long long)pl.plain_bytes);
+    DSK_TEST_EXPECT((a->stage == 3 ? z.stats.gather_bytes - g0 : g0) == pl.gather_bytes,
+                    "rank %d: gathered %llu bytes, the plan says %llu", r,
+                    (unsigned long long)(a->stage == 3 ? z.stats.gather_bytes - g0 : g0),
+                    (unsigned long long)pl.gather_bytes);
+    dsk_zero_free(&z, NULL);
+}
+
+static void case_plan(int n, int stage, dsk_dtype cdt, dsk_zero_compress compress) {
+    static plan_arg a;
+    memset(&a, 0, sizeof a);
+    a.stage = stage;
+    a.cdt = cdt;
+    a.compress = compress;
+    plan_draw(&a, g_seed ^ (uint64_t)(n * 131 + stage * 7 + (int)compress));
+    dsk_test_begin("dsk_zero_plan: %d ranks, ZeRO-%d, %s, compression %d, %d random parameters: memory by role "
+                   "and the bytes of each reduction and gather equal init's and the step's",
+                   n, stage, dsk_dtype_name(cdt), (int)compress, a.np);
+    if (n == 1) rank_plan(NULL, &a);
+    else expect_ranks_ok(n, rank_plan, &a);
+    dsk_test_end();
+}
+
+/* Bad input to dsk_zero_plan: each message names what is wrong; *out is left alone. */
+static void case_plan_errors(void) {
+    dsk_zero_param p;
+    dsk_zero_plan_out out;
+    dsk_zero_opts o;
+    dsk_test_begin("dsk_zero_plan refuses a rank outside the group, no parameters, a bad stage or shape");
+    memset(&p, 0, sizeof p);
+    memset(&o, 0, sizeof o);
+    p.name = "w";
+    p.ndim = 1;
+    p.shape[0] = 5;
+    memset(&out, 0x5a, sizeof out);
+    DSK_TEST_EXPECT(dsk_zero_plan(&p, 1, 4, 4, &o, &out) == DSK_ERR_ARG &&
+                        strstr(dsk_last_error(), "rank 4 of a group of 4"),
+                    "rank 4 of 4: %s", dsk_last_error());
+    DSK_TEST_EXPECT(dsk_zero_plan(&p, 0, 1, 0, &o, &out) == DSK_ERR_ARG && strstr(dsk_last_error(), "at least one"),
+                    "no parameters: %s", dsk_last_error());
+    o.stage = 4;
+    DSK_TEST_EXPECT(dsk_zero_plan(&p, 1, 1, 0, &o, &out) == DSK_ERR_ARG && strstr(dsk_last_error(), "stage 4"),
+                    "stage 4: %s", dsk_last_error());
+    o.stage = 1;
+    p.shape[0] = 0;
+    DSK_TEST_EXPECT(dsk_zero_plan(&p, 1, 1, 0, &o, &out) == DSK_ERR_ARG && strstr(dsk_last_error(), "shape[0] = 0"),
+                    "shape 0: %s", dsk_last_error());
+    DSK_TEST_EXPECT(out.n_units == 0x5a5a5a5a, "a refused plan wrote its output");
+    DSK_TEST_EXPECT(dsk_zero_plan(&p, 1, 1, 0, &o, NULL) == DSK_ERR_ARG, "out NULL accepted");
+    dsk_test_end();
+}
+
 /* ------------------------------------------------------------------ a rank dies during a gather */
 
 static void rank_dies(dsk_comm *comm, void *argp) {
@@ -1780,6 +1919,10 @@ int main(void) {
     case_moments(2, 1);
     case_moments(3, 2);
     case_memory();
+    for (int stage = 0; stage < 4; stage++) case_plan(1 + stage % 4, stage, DSK_BF16, DSK_ZERO_COMPRESS_NONE);
+    for (int stage = 0; stage < 4; stage++) case_plan(3, stage, DSK_F32, DSK_ZERO_COMPRESS_BF16);
+    case_plan(4, 2, DSK_F16, DSK_ZERO_COMPRESS_POWERSGD);
+    case_plan_errors();
     case_rank_dies();
     case_bf16(4, 0);
     case_bf16(3, 2);

@@ -150,6 +150,9 @@
     X(STR, 0, routing_record, "--routing-record", NULL, \
       "FILE: write the MoE routing decisions (rank r > 0: FILE.rank<r>)") \
     X(STR, 0, routing_replay, "--routing-replay", NULL, "FILE: take the MoE routing of a --routing-record run") \
+    X(STR, 0, plan, "--plan", NULL, \
+      "FILE: the layout dsk_plan chose (its --json): --tp, --pp, --ep, --zero, --micro-batches, --virtual-stages, " \
+      "--pp-schedule, --recompute") \
     X(FLAG, 0, help, "--help", 0, "this text")
 
 #define OPT_FIELD_INT(f, n) int f;

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The planner's step-time model against measured steps on this machine's CPU ranks (issue 30).
+#   1. Calibration: 4 data-parallel ranks train the model below (4 ranks share the machine's cores,
+#      so one rank alone would overstate each rank's rate); the median step's FLOP rate per rank
+#      (the trainer's FLOPs per token, dsk_plan's count) becomes the cluster's bf16_tflops at
+#      efficiency 1, written
+#      with the assumed links to bench/plan_cpu_calibrated.json (the command and figures go to
+#      bench/RESULTS.md by hand).
+#   2. Ranking: 8 layouts at 4 ranks, each trained for STEPS steps in the same run (in turn),
+#      the median step time against the plan's predicted step time (dsk_plan --check-rank with the
+#      calibrated cluster); prints both orders and Kendall's tau (want >= 0.6).
+# Not in `make test`: about 2 minutes on an idle 2-core machine, and a loaded one moves the order.
+# Usage: bash bench/plan_rank.sh [BUILD]   (default build)
+set -u
+cd "$(dirname "$0")/.."
+BUILD=${1:-build}
+BIN=$BUILD/examples/train_moe
+PLAN=$BUILD/examples/dsk_plan
+STEPS=${STEPS:-12}
+export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
+make --no-print-directory -s BUILD="$BUILD" "$BIN" "$PLAN" || exit 1
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+MODEL=(--seq 64 --d-model 64 --heads 4 --layers 4 --dense-layers 1 --ffn-hidden 128 --experts 8 --top-k 2
+       --expert-hidden 64 --shared 1 --batch 16 --data tests/data/corpus.txt --corpus-mb 0.5 --val-every 10
+       --val-interval 1000 --val-batches 1 --sample-len 0 --peak-tflops 0.1)
+median_ms() { # the median "ms" of a run's steps after the first 2
+    python3 -c 'import json,sys
+v=sorted(json.loads(l)["ms"] for l in open(sys.argv[1]) if "\"type\":\"step\"" in l or "\"ms\"" in l)
+v=v[2:] if len(v)>4 else v
+print(v[len(v)//2] if v else "nan")' "$1"
+}
+echo "load: $(cut -d' ' -f1-3 /proc/loadavg)"
+# 1. calibration
+"$BIN" "${MODEL[@]}" --nproc 4 --steps "$STEPS" --log "$work/cal.jsonl" >"$work/cal.out" 2>&1 ||
+    { tail -3 "$work/cal.out"; exit 1; }
+ms=$(median_ms "$work/cal.jsonl")
+fpt=$("$PLAN" --device cpu --cluster examples/clusters/cpu_8.json --sequences 16 "${MODEL[@]}" --top 1 2>/dev/null |
+    sed -nE 's/.*, ([0-9.e+]+) training FLOPs per token.*/\1/p')
+tflops=$(python3 -c "print(f'{16*64*$fpt/4/($ms*1e-3)/1e12:.6g}')")
+sed -E "s/\"bf16_tflops\": [0-9.e+-]+/\"bf16_tflops\": $tflops/; s/\"fp8_tflops\": [0-9.e+-]+/\"fp8_tflops\": $tflops/" \
+    examples/clusters/cpu_8.json >bench/plan_cpu_calibrated.json
+echo "calibration: 4 ranks (dp), median step $ms ms, $fpt FLOPs/token x 1024 tokens: $tflops TFLOP/s per rank" \
+    "-> bench/plan_cpu_calibrated.json"
+# 2. ranking at 4 ranks
+LAYOUTS=("--zero 0" "--zero 1" "--zero 3" "--ep 2 --zero 1" "--tp 2" "--tp 4" "--pp 2 --micro-batches 4"
+         "--tp 2 --pp 2 --micro-batches 2")
+printf '%-36s %12s %12s\n' layout "measured ms" "predicted ms"
+: >"$work/pairs"
+for l in "${LAYOUTS[@]}"; do
+    # shellcheck disable=SC2086
+    "$BIN" "${MODEL[@]}" --nproc 4 --steps "$STEPS" $l --log "$work/run.jsonl" >"$work/run.out" 2>&1 ||
+        { echo "run failed: $l"; tail -3 "$work/run.out"; continue; }
+    m=$(median_ms "$work/run.jsonl")
+    # shellcheck disable=SC2086
+    p=$("$PLAN" --device cpu --cluster bench/plan_cpu_calibrated.json --check-rank 0 --nproc 4 "${MODEL[@]}" $l |
+        sed -nE 's/^plan time: step ([0-9.]+) s.*/\1/p')
+    p=$(python3 -c "print(f'{$p*1e3:.3f}')")
+    printf '%-36s %12s %12s\n' "$l" "$m" "$p"
+    echo "$m $p" >>"$work/pairs"
+done
+python3 - "$work/pairs" <<'EOF'
+import sys
+xs = [tuple(map(float, l.split())) for l in open(sys.argv[1]) if l.strip()]
+c = d = 0
+for i in range(len(xs)):
+    for j in range(i + 1, len(xs)):
+        s = (xs[i][0] - xs[j][0]) * (xs[i][1] - xs[j][1])
+        c += s > 0
+        d += s < 0
+n = len(xs) * (len(xs) - 1) / 2
+print(f"Kendall tau over {len(xs)} layouts: {(c - d) / n:.3f} ({c} concordant, {d} discordant pairs)")
+EOF
+echo "load: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -1,0 +1,820 @@
+/* dsk_plan.h - a layout planner: from a model, a cluster and a batch to the fastest layout
+   (tensor, pipeline, expert and data parallelism, ZeRO stage, recomputation, schedule) whose
+   memory fits, with a predicted step time and the reason each other layout lost.
+
+   Usage: #define DSK_PLAN_IMPLEMENTATION in exactly one .c file before including (with the
+   implementations of dsk_tensor.h, dsk_comm.h and dsk_par.h somewhere in the program).
+   Options: DSK_STATIC, DSK_MALLOC/DSK_FREE as in dsk_tensor.h.
+
+   Example (given const dsk_plan_model *model, const char *cluster_json, char *out, size_t cap):
+       dsk_plan_cluster cl;
+       dsk_plan_job job;  memset(&job, 0, sizeof job);  job.sequences = 64;  job.seq = 4096;
+       dsk_plan_result *res = NULL;
+       int n = 0;
+       dsk_status st = dsk_plan_cluster_parse(&cl, cluster_json, strlen(cluster_json), "cluster.json");
+       if (st == DSK_OK) st = dsk_plan_run(model, &cl, &job, NULL, &res, &n);   // sorted: fitting, fastest first
+       if (st == DSK_OK) st = dsk_plan_table(res, n, &cl, 10, out, cap);      // the table with the reasons
+       dsk_plan_results_free(res);
+       return st;
+   End of example.
+
+   The contract.
+   - Memory is not estimated here: the model's callback (dsk_plan_model.memory) gives the bytes
+     of one rank per role for a layout and a pipeline stage, and the bytes its gradient
+     collectives hand over per step. A trainer computes them with its own sizing code:
+     examples/train_plan.h runs examples/train_moe.c's model declaration and allocation code in a
+     counting mode and dsk_zero_plan (the slabs dsk_zero_init allocates), so the figures are the
+     allocator's figures of a run (tests/test_plan.sh checks them against runs). A layout fits
+     when the worst stage's total is at most the GPU's memory less cluster.reserve_gb. The
+     worst case of dropless expert parallelism (mem.imbalance: every token of the expert group
+     routed to one rank's experts, its workspace grown to ep times the reserved rows) is shown,
+     not counted: at scale it is hundreds of GB per layer and no layout with expert parallelism
+     would fit, while real routing (balanced by the expert bias) stays near the reserved rows.
+   - The step time is a model: compute = the job's FLOPs (flops_per_token x tokens, plus the
+     forward recomputation reruns) over world x peak x efficiency, stretched by the schedule's
+     bubble (dsk_par_bubble_fraction); each collective's bytes over the link it crosses (ring
+     all-reduce 2 (n-1)/n, reduce-scatter, all-gather and all-to-all (n-1)/n of the message per
+     rank; intra-node when the group fits in a node, else the inter-node bandwidth) plus a
+     latency per message; tensor-parallel (4 collectives per attention and dense FFN half per
+     micro-batch, forward and backward), expert-parallel (dispatch and combine, forward and
+     backward) and pipeline (one activation and one gradient per micro-batch and chunk) traffic
+     is exposed; the gradient reductions overlap backward up to cluster.overlap of it. The
+     efficiency and the overlap are calibration: bench/plan_rank.sh measures this machine's CPU
+     ranks into bench/plan_cpu_calibrated.json (its figures and command in bench/RESULTS.md); the
+     GPU files in examples/clusters/ carry datasheet peaks at the efficiency 0.4 until a GPU
+     session measures one.
+   - Layouts enumerated: tp in 1, 2, 4, 8 (within a node, dividing heads, vocabulary and FFN),
+     pp dividing world / tp and at most the layers, dp the rest (dividing the sequences), ep
+     dividing dp and the experts, ZeRO 0-3, recomputation none / attn / full, schedules 1F1B,
+     GPipe and interleaved (2 virtual stages, when the micro-batches are a multiple of pp) with one
+     sequence per micro-batch; without a pipeline, gradient accumulation of one sequence per
+     pass. dsk_plan_space narrows the set.
+   - The callback may refuse a layout (DSK_ERR_UNSUPPORTED: the trainer does not run it); it is
+     left out.
+   - Bad input is named: a cluster file's missing or malformed field by its key; a model that
+     fits no layout: dsk_plan_run still returns every layout (none fits), and dsk_plan_table says
+     the smallest memory any layout needs against what each GPU has.
+   License: MIT, see the end of the file. */
+
+/* Contents
+     declarations
+       cluster        dsk_plan_cluster, dsk_plan_cluster_parse, dsk_plan_cluster_read
+       model and job  dsk_plan_layout, dsk_plan_memory, dsk_plan_model, dsk_plan_job, dsk_plan_space
+       planning       dsk_plan_result, dsk_plan_time, dsk_plan_run, dsk_plan_results_free
+       output         dsk_plan_layout_str, dsk_plan_table, dsk_plan_json, dsk_plan_choice_parse/read
+     implementation (DSK_PLAN_IMPLEMENTATION)
+       JSON fields; cluster; time model; enumeration and ranking; output */
+
+#if defined(DSK_STATIC) && defined(DSK_PLAN_IMPLEMENTATION)
+#ifndef DSK_TENSOR_IMPLEMENTATION
+#define DSK_TENSOR_IMPLEMENTATION
+#endif
+#ifndef DSK_COMM_IMPLEMENTATION
+#define DSK_COMM_IMPLEMENTATION
+#endif
+#ifndef DSK_PAR_IMPLEMENTATION
+#define DSK_PAR_IMPLEMENTATION
+#endif
+#endif
+#ifndef DSK_PLAN_H
+#define DSK_PLAN_H
+#include "dsk_tensor.h"
+#include "dsk_par.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- cluster */
+
+/* Every field required in the file unless marked optional [default]. */
+typedef struct dsk_plan_cluster {
+    char name[64];
+    int nodes, gpus_per_node;
+    double memory_gb;               /* per GPU, 1e9 bytes */
+    double bf16_tflops, fp8_tflops; /* peak dense per GPU */
+    double intra_gbps, inter_gbps;  /* per GPU and direction, GB/s: inside a node (NVLink), between nodes (NIC) */
+    double intra_latency_us, inter_latency_us;
+    double efficiency; /* optional [0.4]: the share of bf16 peak the GEMMs reach */
+    double overlap;    /* optional [0.8]: the share of backward the gradient collectives hide under */
+    double reserve_gb; /* optional [0]: memory per GPU no layout may use (context, fragmentation) */
+} dsk_plan_cluster;
+
+/* Parses a cluster description (a JSON object of the fields above); `what` names the source in
+   messages. A missing, duplicated, unknown or mistyped field fails naming it. */
+DSK_API dsk_status dsk_plan_cluster_parse(dsk_plan_cluster *c, const char *json, size_t n, const char *what);
+DSK_API dsk_status dsk_plan_cluster_read(dsk_plan_cluster *c, const char *path);
+
+/* ---- model and job */
+
+typedef enum dsk_plan_recompute {
+    DSK_PLAN_RECOMPUTE_NONE = 0,
+    DSK_PLAN_RECOMPUTE_ATTN,
+    DSK_PLAN_RECOMPUTE_FULL
+} dsk_plan_recompute;
+
+typedef struct dsk_plan_layout {
+    int tp, pp, dp, ep, zero;
+    int micro;                      /* pp > 1: micro-batches per step; pp 1: accumulation passes */
+    int vstages;                    /* interleaved: chunks per rank, else 1 */
+    dsk_par_schedule_kind schedule; /* pp > 1 */
+    dsk_plan_recompute recompute;
+} dsk_plan_layout;
+
+/* One rank's bytes by role, as its allocator counts them. */
+typedef struct dsk_plan_memory {
+    int64_t params, grads, optimizer; /* compute weights, f32 gradients, f32 masters and moments */
+    int64_t comm;                     /* communication buffers (compression staging) */
+    int64_t activations;              /* activations, scratch and workspaces held through the step */
+    int64_t imbalance;                /* dropless expert parallelism's worst case beyond it (every token of the
+                                         expert group routed to this rank's experts) */
+} dsk_plan_memory;
+
+typedef struct dsk_plan_job {
+    int64_t sequences; /* global batch per step */
+    int64_t seq;       /* tokens per sequence */
+} dsk_plan_job;
+
+/* The model: sizes for the traffic and FLOPs, and the trainer's memory for a layout. */
+typedef struct dsk_plan_model {
+    char name[64];
+    int layers, moe_layers, heads, n_routed, top_k;
+    int64_t d_model, vocab, ffn_hidden;
+    double flops_per_token;      /* training FLOPs per token (the trainer's count) */
+    double attn_flops_per_token; /* of which the attention cores' (recompute attn reruns their forward) */
+    double act_bytes;            /* bytes per element of activations on the wire (2: bf16) */
+    /* stage `stage` of the layout: its rank's memory; *reduce_bytes and *gather_bytes: what its
+       gradient reductions and weight gathers hand over per step (the messages, dsk_zero_plan's);
+       *reduce_all: 1 when the reductions are all-reduces (ZeRO 0-1), 0 reduce-scatters */
+    dsk_status (*memory)(void *user, const dsk_plan_layout *l, const dsk_plan_job *job, int stage, dsk_plan_memory *mem,
+                         double *reduce_bytes, double *gather_bytes, int *reduce_all);
+    void *user;
+} dsk_plan_model;
+
+/* Restricts the enumeration: a zero field allows every value; a nonzero one only that value
+   (tp, pp, ep, zero + 1, recompute + 1, schedule + 1). */
+typedef struct dsk_plan_space {
+    int tp, pp, ep, zero_plus1, recompute_plus1, schedule_plus1;
+} dsk_plan_space;
+
+/* ---- planning */
+
+typedef struct dsk_plan_result {
+    dsk_plan_layout layout;
+    dsk_plan_memory mem; /* the stage whose total is largest */
+    int worst_stage;
+    int64_t total; /* its total bytes, the imbalance's worst case left out */
+    int fits;
+    /* seconds per step: compute (with recomputation), the bubble, the exposed communication */
+    double step_s, compute_s, bubble_s, tp_s, ep_s, pp_s, zero_s, zero_exposed_s;
+    char why[200]; /* why it lost to the best (empty for the best) */
+} dsk_plan_result;
+
+/* The step time of a layout given its gradient traffic (fills the seconds of *r). */
+DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
+                                 double reduce_bytes, double gather_bytes, int reduce_all, dsk_plan_result *r);
+/* Enumerates, sizes and times every layout of the space (NULL: all); *out (dsk_plan_results_free)
+   sorted: the fitting ones fastest first, then the others smallest first; each `why` filled. */
+DSK_API dsk_status dsk_plan_run(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
+                                const dsk_plan_space *space, dsk_plan_result **out, int *n);
+DSK_API void dsk_plan_results_free(dsk_plan_result *r);
+
+/* ---- output */
+
+/* "tp2 pp4 1f1b m16 ep8 dp16 zero1 recompute none" */
+DSK_API void dsk_plan_layout_str(const dsk_plan_layout *l, char *buf, size_t cap);
+/* The best `top` layouts as a text table (memory by role in GB, step time and its parts), then
+   the best of each other kind with why it lost; when nothing fits, the smallest memory any
+   layout needs against each GPU's. DSK_ERR_ARG when cap is too small. */
+DSK_API dsk_status dsk_plan_table(const dsk_plan_result *r, int n, const dsk_plan_cluster *c, int top, char *buf,
+                                  size_t cap);
+/* One result as a flat JSON object: the layout and the job (what train_moe --plan reads), then
+   the predicted memory and time. */
+DSK_API dsk_status dsk_plan_json(const dsk_plan_result *r, const dsk_plan_job *job, char *buf, size_t cap);
+/* Reads dsk_plan_json's object back: the layout and the job (the predictions are checked for
+   being numbers and otherwise ignored). A missing or malformed field fails naming it. */
+DSK_API dsk_status dsk_plan_choice_parse(const char *json, size_t n, const char *what, dsk_plan_layout *l,
+                                         dsk_plan_job *job);
+DSK_API dsk_status dsk_plan_choice_read(const char *path, dsk_plan_layout *l, dsk_plan_job *job);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DSK_PLAN_H */
+
+#ifdef DSK_PLAN_IMPLEMENTATION
+#ifndef DSK_PLAN_IMPLEMENTATION_DONE
+#define DSK_PLAN_IMPLEMENTATION_DONE
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---------------------------------------------------------------- JSON fields */
+
+/* A flat JSON object of string and number values, read field by field. */
+typedef struct dsk__plan_field {
+    char key[32];
+    int is_str;
+    char str[64];
+    double num;
+} dsk__plan_field;
+
+static const char *dsk__plan_ws(const char *p, const char *e) {
+    while (p < e && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++;
+    return p;
+}
+
+/* A JSON string without escapes into out (cap bytes); returns the position after it or NULL. */
+static const char *dsk__plan_str(const char *p, const char *e, char *out, size_t cap) {
+    size_t n = 0;
+    if (p >= e || *p != '"') return NULL;
+    for (p++; p < e && *p != '"'; p++) {
+        if (*p == '\\' || (unsigned char)*p < 0x20 || n + 1 >= cap) return NULL;
+        out[n++] = *p;
+    }
+    out[n] = 0;
+    return p < e ? p + 1 : NULL;
+}
+
+static dsk_status dsk__plan_fields(const char *json, size_t len, const char *what, dsk__plan_field *f, int cap,
+                                   int *nf) {
+    const char *p = json, *e = json + len;
+    int n = 0;
+    p = dsk__plan_ws(p, e);
+    if (p >= e || *p != '{') return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan: %s: not a JSON object", what);
+    p = dsk__plan_ws(p + 1, e);
+    while (p < e && *p != '}') {
+        char *end;
+        if (n == cap) return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan: %s: more than %d fields", what, cap);
+        memset(&f[n], 0, sizeof f[n]);
+        if (!(p = dsk__plan_str(p, e, f[n].key, sizeof f[n].key)))
+            return dsk_set_error(DSK_ERR_CORRUPT,
+                                 "dsk_plan: %s: field %d: a key of at most 31 characters "
+                                 "in quotes expected",
+                                 what, n + 1);
+        p = dsk__plan_ws(p, e);
+        if (p >= e || *p != ':')
+            return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan: %s: \"%s\": ':' expected", what, f[n].key);
+        p = dsk__plan_ws(p + 1, e);
+        if (p < e && *p == '"') {
+            f[n].is_str = 1;
+            if (!(p = dsk__plan_str(p, e, f[n].str, sizeof f[n].str)))
+                return dsk_set_error(DSK_ERR_CORRUPT,
+                                     "dsk_plan: %s: \"%s\": a string of at most 63 "
+                                     "characters without escapes expected",
+                                     what, f[n].key);
+        } else {
+            char tmp[64];
+            size_t k = 0;
+            while (p + k < e && k < sizeof tmp - 1 && strchr("+-.0123456789eE", p[k])) k++;
+            memcpy(tmp, p, k);
+            tmp[k] = 0;
+            f[n].num = strtod(tmp, &end);
+            if (k == 0 || *end != 0 || !isfinite(f[n].num))
+                return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan: %s: \"%s\": a number expected", what, f[n].key);
+            p += k;
+        }
+        for (int i = 0; i < n; i++)
+            if (!strcmp(f[i].key, f[n].key))
+                return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan: %s: \"%s\" given twice", what, f[n].key);
+        n++;
+        p = dsk__plan_ws(p, e);
+        if (p < e && *p == ',') p = dsk__plan_ws(p + 1, e);
+        else if (p >= e || *p != '}')
+            return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan: %s: ',' or '}' expected after \"%s\"", what, f[n - 1].key);
+    }
+    if (p >= e || dsk__plan_ws(p + 1, e) != e)
+        return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan: %s: the object does not end with '}'", what);
+    *nf = n;
+    return DSK_OK;
+}
+
+/* ---------------------------------------------------------------- cluster */
+
+typedef struct dsk__plan_key {
+    const char *key;
+    size_t off;
+    int kind;   /* 0 double > 0, 1 int >= 1, 2 string, 3 double >= 0 */
+    int needed; /* 0: optional */
+} dsk__plan_key;
+
+static const dsk__plan_key dsk__plan_keys[] = {
+    {"name", offsetof(dsk_plan_cluster, name), 2, 1},
+    {"nodes", offsetof(dsk_plan_cluster, nodes), 1, 1},
+    {"gpus_per_node", offsetof(dsk_plan_cluster, gpus_per_node), 1, 1},
+    {"memory_gb", offsetof(dsk_plan_cluster, memory_gb), 0, 1},
+    {"bf16_tflops", offsetof(dsk_plan_cluster, bf16_tflops), 0, 1},
+    {"fp8_tflops", offsetof(dsk_plan_cluster, fp8_tflops), 0, 1},
+    {"intra_node_gbps", offsetof(dsk_plan_cluster, intra_gbps), 0, 1},
+    {"inter_node_gbps", offsetof(dsk_plan_cluster, inter_gbps), 0, 1},
+    {"intra_node_latency_us", offsetof(dsk_plan_cluster, intra_latency_us), 3, 1},
+    {"inter_node_latency_us", offsetof(dsk_plan_cluster, inter_latency_us), 3, 1},
+    {"efficiency", offsetof(dsk_plan_cluster, efficiency), 0, 0},
+    {"overlap", offsetof(dsk_plan_cluster, overlap), 3, 0},
+    {"reserve_gb", offsetof(dsk_plan_cluster, reserve_gb), 3, 0},
+};
+#define DSK__PLAN_NKEYS (int)(sizeof dsk__plan_keys / sizeof dsk__plan_keys[0])
+
+static dsk_status dsk__plan_set(dsk_plan_cluster *c, const dsk__plan_key *k, const dsk__plan_field *f,
+                                const char *what) {
+    char *at = (char *)c + k->off;
+    if ((k->kind == 2) != (f->is_str != 0))
+        return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_cluster_parse: %s: \"%s\" must be a %s", what, k->key,
+                             k->kind == 2 ? "string" : "number");
+    if (k->kind == 2) {
+        snprintf(at, sizeof c->name, "%s", f->str);
+        return DSK_OK;
+    }
+    if (k->kind == 1) {
+        if (f->num < 1 || f->num > 1e6 || f->num != floor(f->num))
+            return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_cluster_parse: %s: \"%s\" is %g: a whole number >= 1", what,
+                                 k->key, f->num);
+        *(int *)at = (int)f->num;
+        return DSK_OK;
+    }
+    if (k->kind == 0 ? !(f->num > 0) : !(f->num >= 0))
+        return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_cluster_parse: %s: \"%s\" is %g: must be %s", what, k->key,
+                             f->num, k->kind == 0 ? "> 0" : ">= 0");
+    *(double *)at = f->num;
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_plan_cluster_parse(dsk_plan_cluster *c, const char *json, size_t n, const char *what) {
+    dsk__plan_field f[2 * DSK__PLAN_NKEYS];
+    dsk_plan_cluster out;
+    int nf = 0;
+    if (!what) what = "cluster";
+    if (!c || !json) return dsk_set_error(DSK_ERR_ARG, "dsk_plan_cluster_parse: %s: cluster or text is NULL", what);
+    DSK__TRY(dsk__plan_fields(json, n, what, f, 2 * DSK__PLAN_NKEYS, &nf));
+    memset(&out, 0, sizeof out);
+    out.efficiency = 0.4;
+    out.overlap = 0.8;
+    for (int i = 0; i < nf; i++) {
+        int k = 0;
+        while (k < DSK__PLAN_NKEYS && strcmp(dsk__plan_keys[k].key, f[i].key)) k++;
+        if (k == DSK__PLAN_NKEYS)
+            return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_cluster_parse: %s: unknown field \"%s\"", what, f[i].key);
+        DSK__TRY(dsk__plan_set(&out, &dsk__plan_keys[k], &f[i], what));
+    }
+    for (int k = 0; k < DSK__PLAN_NKEYS; k++) {
+        int given = 0;
+        for (int i = 0; i < nf; i++) given |= !strcmp(dsk__plan_keys[k].key, f[i].key);
+        if (dsk__plan_keys[k].needed && !given)
+            return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_cluster_parse: %s: missing field \"%s\"", what,
+                                 dsk__plan_keys[k].key);
+    }
+    if (out.efficiency > 1 || out.overlap > 1)
+        return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_cluster_parse: %s: efficiency %g and overlap %g must be <= 1",
+                             what, out.efficiency, out.overlap);
+    *c = out;
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_plan_cluster_read(dsk_plan_cluster *c, const char *path) {
+    FILE *f;
+    char buf[8192];
+    size_t n;
+    if (!path) return dsk_set_error(DSK_ERR_ARG, "dsk_plan_cluster_read: path is NULL");
+    if (!(f = fopen(path, "rb"))) return dsk_set_error(DSK_ERR_IO, "dsk_plan_cluster_read: cannot open %s", path);
+    n = fread(buf, 1, sizeof buf, f);
+    fclose(f);
+    if (n == sizeof buf) return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_cluster_read: %s: over 8 KiB", path);
+    return dsk_plan_cluster_parse(c, buf, n, path);
+}
+
+/* ---------------------------------------------------------------- time model */
+
+/* Seconds of `msgs` messages moving `bytes` per rank in total over a group of n ranks that spans
+   `span` consecutive ranks of the world (in a node when span <= gpus_per_node). */
+static double dsk__plan_link(const dsk_plan_cluster *c, int span, double bytes, double msgs) {
+    int intra = span <= c->gpus_per_node;
+    double bw = 1e9 * (intra ? c->intra_gbps : c->inter_gbps);
+    double lat = 1e-6 * (intra ? c->intra_latency_us : c->inter_latency_us);
+    return bytes / bw + msgs * lat;
+}
+
+DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
+                                 double reduce_bytes, double gather_bytes, int reduce_all, dsk_plan_result *r) {
+    const dsk_plan_layout *l = &r->layout;
+    int world = l->tp * l->pp * l->dp, moe = m->moe_layers, dense = m->layers - m->moe_layers;
+    double tokens = (double)job->sequences * (double)job->seq, peak = 1e12 * c->bf16_tflops * c->efficiency;
+    double flops = m->flops_per_token, fwd = m->flops_per_token / 3, b;
+    double Nm = (double)job->seq * (double)job->sequences / (l->dp * (double)l->micro); /* tokens per micro-batch */
+    double per_layer_msgs, a = m->act_bytes, dpn = l->dp;
+    if (l->recompute == DSK_PLAN_RECOMPUTE_FULL) flops += fwd;
+    if (l->recompute == DSK_PLAN_RECOMPUTE_ATTN) flops += m->attn_flops_per_token / 3;
+    r->compute_s = tokens * flops / (world * peak);
+    b = l->pp > 1 ? dsk_par_bubble_fraction(l->schedule, l->pp, l->micro, l->vstages) : 0;
+    if (b < 0 || b >= 1)
+        return dsk_set_error(DSK_ERR_ARG, "dsk_plan_time: no bubble fraction for pp %d, m %d, v %d", l->pp, l->micro,
+                             l->vstages);
+    r->bubble_s = r->compute_s * b / (1 - b);
+    /* sequence-parallel gathers and scatters of (Nm, D): attention half of every layer, dense FFN half */
+    per_layer_msgs = 4.0 * (2 * (m->layers / (double)l->pp) + 2 * dense / (double)l->pp);
+    r->tp_s = l->tp > 1 ? l->micro * dsk__plan_link(c, l->tp,
+                                                    per_layer_msgs * (l->tp - 1.0) / l->tp * Nm / l->tp *
+                                                        (double)m->d_model * a * l->tp,
+                                                    per_layer_msgs)
+                        : 0;
+    /* dispatch and combine, forward and backward: each of the rank's Nm/tp tokens K times */
+    r->ep_s = l->ep > 1 ? l->micro * dsk__plan_link(c, l->ep * l->tp,
+                                                    4.0 * moe / l->pp * (l->ep - 1.0) / l->ep * Nm / l->tp * m->top_k *
+                                                        (double)m->d_model * a,
+                                                    4.0 * moe / l->pp)
+                        : 0;
+    r->pp_s = l->pp > 1 ? l->micro * l->vstages *
+                              dsk__plan_link(c, l->tp * l->dp + 1, 2.0 * Nm / l->tp * (double)m->d_model * a, 2.0)
+                        : 0;
+    r->zero_s = dpn > 1
+                    ? dsk__plan_link(
+                          c, l->dp * l->tp,
+                          (reduce_all ? 2.0 : 1.0) * (dpn - 1) / dpn * reduce_bytes + (dpn - 1) / dpn * gather_bytes, 0)
+                    : 0;
+    r->zero_exposed_s = r->zero_s - c->overlap * (2.0 / 3.0) * r->compute_s;
+    if (r->zero_exposed_s < 0) r->zero_exposed_s = 0;
+    r->step_s = r->compute_s + r->bubble_s + r->tp_s + r->ep_s + r->pp_s + r->zero_exposed_s;
+    return DSK_OK;
+}
+
+/* ---------------------------------------------------------------- enumeration and ranking */
+
+typedef struct dsk__plan_list {
+    dsk_plan_result *r;
+    int n, cap;
+} dsk__plan_list;
+
+static dsk_status dsk__plan_push(dsk__plan_list *L, const dsk_plan_result *r) {
+    if (L->n == L->cap) {
+        int cap = L->cap ? 2 * L->cap : 256;
+        dsk_plan_result *p = (dsk_plan_result *)DSK_MALLOC((size_t)cap * sizeof *p);
+        if (!p) return dsk_set_error(DSK_ERR_OOM, "dsk_plan_run: %d results", cap);
+        if (L->n) memcpy(p, L->r, (size_t)L->n * sizeof *p);
+        DSK_FREE(L->r);
+        L->r = p;
+        L->cap = cap;
+    }
+    L->r[L->n++] = *r;
+    return DSK_OK;
+}
+
+/* Sizes (the worst stage) and times one layout. */
+static dsk_status dsk__plan_eval(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
+                                 dsk_plan_result *r) {
+    double red = 0, gat = 0;
+    int all = 1;
+    r->total = -1;
+    for (int s = 0; s < r->layout.pp; s++) {
+        dsk_plan_memory mem;
+        double rb = 0, gb = 0;
+        int ra = 1;
+        int64_t tot;
+        memset(&mem, 0, sizeof mem);
+        DSK__TRY(m->memory(m->user, &r->layout, job, s, &mem, &rb, &gb, &ra));
+        tot = mem.params + mem.grads + mem.optimizer + mem.comm + mem.activations;
+        if (tot > r->total) {
+            r->total = tot;
+            r->mem = mem;
+            r->worst_stage = s;
+        }
+        if (rb + gb > red + gat) {
+            red = rb;
+            gat = gb;
+            all = ra;
+        }
+    }
+    r->fits = (double)r->total <= 1e9 * (c->memory_gb - c->reserve_gb);
+    return dsk_plan_time(m, c, job, red, gat, all, r);
+}
+
+static int dsk__plan_ok(int want, int v) { return want == 0 || want == v; }
+
+/* Every layout of one (tp, pp, dp, ep): ZeRO stages, recomputation, schedules. */
+static dsk_status dsk__plan_grid(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
+                                 const dsk_plan_space *sp, int tp, int pp, int dp, int ep, dsk__plan_list *L) {
+    int64_t per = job->sequences / dp;
+    for (int sch = 0; sch < 3; sch++) {
+        dsk_plan_result r;
+        memset(&r, 0, sizeof r);
+        r.layout.tp = tp;
+        r.layout.pp = pp;
+        r.layout.dp = dp;
+        r.layout.ep = ep;
+        r.layout.micro = (int)per;
+        r.layout.vstages = sch == DSK_PAR_INTERLEAVED ? 2 : 1;
+        r.layout.schedule = (dsk_par_schedule_kind)sch;
+        if (pp == 1 && sch != DSK_PAR_1F1B) continue; /* no pipeline: one entry */
+        if (!dsk__plan_ok(sp->schedule_plus1, sch + 1) && pp > 1) continue;
+        if (sch == DSK_PAR_INTERLEAVED && (per % pp || m->layers < 2 * pp)) continue;
+        for (int z = 0; z < 4; z++)
+            for (int rc = 0; rc < 3; rc++) {
+                if (!dsk__plan_ok(sp->zero_plus1, z + 1) || !dsk__plan_ok(sp->recompute_plus1, rc + 1)) continue;
+                dsk_status st;
+                r.layout.zero = z;
+                r.layout.recompute = (dsk_plan_recompute)rc;
+                st = dsk__plan_eval(m, c, job, &r);
+                if (st == DSK_ERR_UNSUPPORTED) continue; /* the trainer refuses this layout */
+                DSK__TRY(st);
+                DSK__TRY(dsk__plan_push(L, &r));
+            }
+    }
+    return DSK_OK;
+}
+
+static int dsk__plan_cmp(const void *a, const void *b) {
+    const dsk_plan_result *x = (const dsk_plan_result *)a, *y = (const dsk_plan_result *)b;
+    if (x->fits != y->fits) return y->fits - x->fits;
+    if (x->fits) return x->step_s < y->step_s ? -1 : x->step_s > y->step_s;
+    return x->total < y->total ? -1 : x->total > y->total;
+}
+
+/* Why r lost to the best: does not fit, or the part of its step that grew most. */
+static void dsk__plan_why(const dsk_plan_result *best, dsk_plan_result *r, const dsk_plan_cluster *c) {
+    const char *names[6] = {"compute (recomputation)", "pipeline bubble", "tensor-parallel comm",
+                            "expert-parallel comm",    "pipeline sends",  "exposed gradient comm"};
+    double d[6] = {r->compute_s - best->compute_s, r->bubble_s - best->bubble_s,
+                   r->tp_s - best->tp_s,           r->ep_s - best->ep_s,
+                   r->pp_s - best->pp_s,           r->zero_exposed_s - best->zero_exposed_s};
+    int k = 0;
+    if (r == best && r->fits) {
+        r->why[0] = 0;
+        return;
+    }
+    if (!r->fits) {
+        snprintf(r->why, sizeof r->why, "does not fit: %.4g GB of %.4g GB (stage %d)", (double)r->total / 1e9,
+                 c->memory_gb - c->reserve_gb, r->worst_stage);
+        return;
+    }
+    for (int i = 1; i < 6; i++)
+        if (d[i] > d[k]) k = i;
+    snprintf(r->why, sizeof r->why, "%.1f%% slower: %s +%.3g s (bubble %.1f%%, comm %.1f%% of its step)",
+             100 * (r->step_s / best->step_s - 1), names[k], d[k], 100 * r->bubble_s / r->step_s,
+             100 * (r->tp_s + r->ep_s + r->pp_s + r->zero_exposed_s) / r->step_s);
+}
+
+static int dsk__plan_divides(int64_t a, int64_t b) { return a > 0 && b % a == 0; }
+
+DSK_API dsk_status dsk_plan_run(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
+                                const dsk_plan_space *space, dsk_plan_result **out, int *n) {
+    dsk_plan_space all;
+    dsk__plan_list L;
+    int world;
+    dsk_status st = DSK_OK;
+    if (!m || !c || !job || !out || !n || !m->memory)
+        return dsk_set_error(DSK_ERR_ARG, "dsk_plan_run: model, its memory callback, cluster, job, out and n needed");
+    if (job->sequences < 1 || job->seq < 1)
+        return dsk_set_error(DSK_ERR_ARG, "dsk_plan_run: %lld sequences of %lld tokens", (long long)job->sequences,
+                             (long long)job->seq);
+    memset(&all, 0, sizeof all);
+    if (!space) space = &all;
+    memset(&L, 0, sizeof L);
+    world = c->nodes * c->gpus_per_node;
+    for (int tp = 1; tp <= 8 && tp <= c->gpus_per_node && st == DSK_OK; tp *= 2) {
+        if (!dsk__plan_ok(space->tp, tp) || world % tp || !dsk__plan_divides(tp, m->heads) ||
+            !dsk__plan_divides(tp, m->vocab) || !dsk__plan_divides(tp, m->ffn_hidden))
+            continue;
+        for (int pp = 1; pp <= world / tp && pp <= m->layers && st == DSK_OK; pp++) {
+            int dp = world / tp / pp;
+            if (!dsk__plan_ok(space->pp, pp) || (world / tp) % pp || job->sequences % dp) continue;
+            for (int ep = 1; ep <= dp && st == DSK_OK; ep++)
+                if (dsk__plan_ok(space->ep, ep) && dp % ep == 0 && (m->n_routed ? m->n_routed % ep == 0 : ep == 1))
+                    st = dsk__plan_grid(m, c, job, space, tp, pp, dp, ep, &L);
+        }
+    }
+    if (st == DSK_OK && L.n == 0)
+        st = dsk_set_error(DSK_ERR_ARG,
+                           "dsk_plan_run: no layout of %d GPUs splits %lld sequences and the model's "
+                           "heads, experts and layers",
+                           world, (long long)job->sequences);
+    if (st != DSK_OK) {
+        DSK_FREE(L.r);
+        return st;
+    }
+    qsort(L.r, (size_t)L.n, sizeof *L.r, dsk__plan_cmp);
+    for (int i = 0; i < L.n; i++) dsk__plan_why(&L.r[0], &L.r[i], c);
+    *out = L.r;
+    *n = L.n;
+    return DSK_OK;
+}
+
+DSK_API void dsk_plan_results_free(dsk_plan_result *r) { DSK_FREE(r); }
+
+/* ---------------------------------------------------------------- output */
+
+static const char *const dsk__plan_rc_names[3] = {"none", "attn", "full"};
+
+DSK_API void dsk_plan_layout_str(const dsk_plan_layout *l, char *buf, size_t cap) {
+    char pipe[48] = "";
+    if (l->pp > 1)
+        snprintf(pipe, sizeof pipe, " %s%s m%d", dsk_par_schedule_name(l->schedule),
+                 l->vstages > 1 ? (l->vstages == 2 ? " v2" : " v?") : "", l->micro);
+    else if (l->micro > 1) snprintf(pipe, sizeof pipe, " accum%d", l->micro);
+    snprintf(buf, cap, "tp%d pp%d%s ep%d dp%d zero%d recompute %s", l->tp, l->pp, pipe, l->ep, l->dp, l->zero,
+             dsk__plan_rc_names[l->recompute]);
+}
+
+typedef struct dsk__plan_out {
+    char *buf;
+    size_t cap, n;
+    int over;
+} dsk__plan_out;
+
+#if defined(__GNUC__)
+__attribute__((format(printf, 2, 3)))
+#endif
+static void
+dsk__plan_put(dsk__plan_out *o, const char *fmt, ...) {
+    va_list ap;
+    int k;
+    if (o->over) return;
+    va_start(ap, fmt);
+    k = vsnprintf(o->buf + o->n, o->cap - o->n, fmt, ap);
+    va_end(ap);
+    if (k < 0 || (size_t)k >= o->cap - o->n) o->over = 1;
+    else o->n += (size_t)k;
+}
+
+static void dsk__plan_row(dsk__plan_out *o, const dsk_plan_result *r) {
+    char s[128];
+    const dsk_plan_memory *m = &r->mem;
+    dsk_plan_layout_str(&r->layout, s, sizeof s);
+    dsk__plan_put(o, "%-52s %6.1f %6.1f %6.1f %6.1f %6.1f %7.1f %8.0f | %8.3f %5.1f%% %5.1f%%\n", s, m->params / 1e9,
+                  m->grads / 1e9, m->optimizer / 1e9, m->activations / 1e9, m->comm / 1e9, r->total / 1e9,
+                  m->imbalance / 1e9, r->step_s, 100 * r->bubble_s / r->step_s,
+                  100 * (r->tp_s + r->ep_s + r->pp_s + r->zero_exposed_s) / r->step_s);
+}
+
+/* The best result of each (tp, pp, ep, zero) other than the top ones, with why it lost. */
+static void dsk__plan_losers(dsk__plan_out *o, const dsk_plan_result *r, int n, int top) {
+    for (int i = top; i < n; i++) {
+        int seen = 0;
+        char s[128];
+        for (int j = 0; j < i && !seen; j++)
+            seen = r[j].layout.tp == r[i].layout.tp && r[j].layout.pp == r[i].layout.pp &&
+                   r[j].layout.ep == r[i].layout.ep && r[j].layout.zero == r[i].layout.zero;
+        if (seen) continue;
+        dsk_plan_layout_str(&r[i].layout, s, sizeof s);
+        dsk__plan_put(o, "  %-52s %s\n", s, r[i].why);
+    }
+}
+
+DSK_API dsk_status dsk_plan_table(const dsk_plan_result *r, int n, const dsk_plan_cluster *c, int top, char *buf,
+                                  size_t cap) {
+    dsk__plan_out o = {buf, cap, 0, 0};
+    int fit = 0;
+    if (!r || n < 1 || !c || !buf || cap < 1) return dsk_set_error(DSK_ERR_ARG, "dsk_plan_table: no results or buffer");
+    buf[0] = 0;
+    while (fit < n && r[fit].fits) fit++;
+    if (top > fit) top = fit;
+    dsk__plan_put(&o, "cluster %s: %d x %d GPUs of %.4g GB (%.4g usable), %.4g bf16 TFLOP/s at %.0f%%\n", c->name,
+                  c->nodes, c->gpus_per_node, c->memory_gb, c->memory_gb - c->reserve_gb, c->bf16_tflops,
+                  100 * c->efficiency);
+    if (fit == 0) {
+        char s[128];
+        dsk_plan_layout_str(&r[0].layout, s, sizeof s);
+        dsk__plan_put(&o, "no layout fits: the smallest needs %.4g GB per GPU (%s, stage %d); each GPU has %.4g GB\n",
+                      r[0].total / 1e9, s, r[0].worst_stage, c->memory_gb - c->reserve_gb);
+        dsk__plan_losers(&o, r, n < 8 ? n : 8, 0);
+    } else {
+        dsk__plan_put(&o, "%d of %d layouts fit; the best %d (GB per GPU, worst stage):\n", fit, n, top);
+        dsk__plan_put(&o, "%-52s %6s %6s %6s %6s %6s %7s %8s | %8s %6s %6s\n", "layout", "param", "grad", "optim",
+                      "act", "comm", "total", "+worst", "step s", "bubble", "comm");
+        for (int i = 0; i < top; i++) dsk__plan_row(&o, &r[i]);
+        dsk__plan_put(&o, "why the others lost (the best of each tp, pp, ep, ZeRO):\n");
+        dsk__plan_losers(&o, r, n, top);
+    }
+    if (o.over) return dsk_set_error(DSK_ERR_ARG, "dsk_plan_table: the table needs more than %zu bytes", cap);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_plan_json(const dsk_plan_result *r, const dsk_plan_job *job, char *buf, size_t cap) {
+    dsk__plan_out o = {buf, cap, 0, 0};
+    const dsk_plan_layout *l;
+    if (!r || !job || !buf || cap < 1)
+        return dsk_set_error(DSK_ERR_ARG, "dsk_plan_json: result, job and buffer needed");
+    l = &r->layout;
+    dsk__plan_put(
+        &o,
+        "{\"tp\": %d, \"pp\": %d, \"dp\": %d, \"ep\": %d, \"zero\": %d, \"micro_batches\": %d, "
+        "\"virtual_stages\": %d, \"pp_schedule\": \"%s\", \"recompute\": \"%s\", \"sequences\": %lld, "
+        "\"seq\": %lld, \"params_bytes\": %lld, \"grads_bytes\": %lld, \"optimizer_bytes\": %lld, "
+        "\"comm_bytes\": %lld, \"activations_bytes\": %lld, \"imbalance_bytes\": %lld, \"total_bytes\": %lld, "
+        "\"fits\": %d, \"step_s\": %.6g, \"compute_s\": %.6g, \"bubble_s\": %.6g, \"tp_s\": %.6g, "
+        "\"ep_s\": %.6g, \"pp_s\": %.6g, \"zero_exposed_s\": %.6g}\n",
+        l->tp, l->pp, l->dp, l->ep, l->zero, l->micro, l->vstages, dsk_par_schedule_name(l->schedule),
+        dsk__plan_rc_names[l->recompute], (long long)job->sequences, (long long)job->seq, (long long)r->mem.params,
+        (long long)r->mem.grads, (long long)r->mem.optimizer, (long long)r->mem.comm, (long long)r->mem.activations,
+        (long long)r->mem.imbalance, (long long)r->total, r->fits, r->step_s, r->compute_s, r->bubble_s, r->tp_s,
+        r->ep_s, r->pp_s, r->zero_exposed_s);
+    if (o.over) return dsk_set_error(DSK_ERR_ARG, "dsk_plan_json: more than %zu bytes", cap);
+    return DSK_OK;
+}
+
+static const char *const dsk__plan_choice_keys[] = {"tp",
+                                                    "pp",
+                                                    "dp",
+                                                    "ep",
+                                                    "zero",
+                                                    "micro_batches",
+                                                    "virtual_stages",
+                                                    "pp_schedule",
+                                                    "recompute",
+                                                    "sequences",
+                                                    "seq",
+                                                    "params_bytes",
+                                                    "grads_bytes",
+                                                    "optimizer_bytes",
+                                                    "comm_bytes",
+                                                    "activations_bytes",
+                                                    "imbalance_bytes",
+                                                    "total_bytes",
+                                                    "fits",
+                                                    "step_s",
+                                                    "compute_s",
+                                                    "bubble_s",
+                                                    "tp_s",
+                                                    "ep_s",
+                                                    "pp_s",
+                                                    "zero_exposed_s"};
+#define DSK__PLAN_NCHOICE (int)(sizeof dsk__plan_choice_keys / sizeof dsk__plan_choice_keys[0])
+
+/* Field k of the choice as a whole number >= lo (k < 7 or 9, 10), or its string (7, 8). */
+static dsk_status dsk__plan_choice_num(const dsk__plan_field *f, const char *what, double lo, int64_t *v) {
+    if (f->is_str || f->num < lo || f->num != floor(f->num) || f->num > 9e15)
+        return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_choice_parse: %s: \"%s\" must be a whole number >= %g", what,
+                             f->key, lo);
+    *v = (int64_t)f->num;
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_plan_choice_parse(const char *json, size_t n, const char *what, dsk_plan_layout *l,
+                                         dsk_plan_job *job) {
+    dsk__plan_field f[DSK__PLAN_NCHOICE + 4];
+    int nf = 0, have[DSK__PLAN_NCHOICE] = {0};
+    int64_t v[DSK__PLAN_NCHOICE] = {0};
+    dsk_plan_layout out;
+    char sched[64] = "", rc[64] = "";
+    if (!what) what = "choice";
+    if (!json || !l || !job) return dsk_set_error(DSK_ERR_ARG, "dsk_plan_choice_parse: %s: NULL argument", what);
+    DSK__TRY(dsk__plan_fields(json, n, what, f, DSK__PLAN_NCHOICE + 4, &nf));
+    for (int i = 0; i < nf; i++) {
+        int k = 0;
+        while (k < DSK__PLAN_NCHOICE && strcmp(dsk__plan_choice_keys[k], f[i].key)) k++;
+        if (k == DSK__PLAN_NCHOICE)
+            return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_choice_parse: %s: unknown field \"%s\"", what, f[i].key);
+        have[k] = 1;
+        if (k == 7 || k == 8) {
+            if (!f[i].is_str)
+                return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_choice_parse: %s: \"%s\" must be a string", what,
+                                     f[i].key);
+            snprintf(k == 7 ? sched : rc, 64, "%s", f[i].str);
+        } else if (k <= 10) {
+            DSK__TRY(dsk__plan_choice_num(&f[i], what, k == 4 ? 0 : 1, &v[k]));
+        } else if (f[i].is_str) {
+            return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_choice_parse: %s: \"%s\" must be a number", what, f[i].key);
+        }
+    }
+    for (int k = 0; k <= 10; k++)
+        if (!have[k])
+            return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_choice_parse: %s: missing field \"%s\"", what,
+                                 dsk__plan_choice_keys[k]);
+    memset(&out, 0, sizeof out);
+    if (dsk_par_schedule_parse(sched, &out.schedule) != DSK_OK)
+        return dsk_set_error(DSK_ERR_CORRUPT,
+                             "dsk_plan_choice_parse: %s: \"pp_schedule\" \"%s\": gpipe, 1f1b or "
+                             "interleaved",
+                             what, sched);
+    while ((int)out.recompute < 3 && strcmp(dsk__plan_rc_names[out.recompute], rc))
+        out.recompute = (dsk_plan_recompute)(out.recompute + 1);
+    if ((int)out.recompute == 3)
+        return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_choice_parse: %s: \"recompute\" \"%s\": none, attn or full",
+                             what, rc);
+    if (v[4] > 3)
+        return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_choice_parse: %s: \"zero\" %lld: 0-3", what, (long long)v[4]);
+    out.tp = (int)v[0], out.pp = (int)v[1], out.dp = (int)v[2], out.ep = (int)v[3], out.zero = (int)v[4];
+    out.micro = (int)v[5], out.vstages = (int)v[6];
+    job->sequences = v[9];
+    job->seq = v[10];
+    *l = out;
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_plan_choice_read(const char *path, dsk_plan_layout *l, dsk_plan_job *job) {
+    FILE *f;
+    char buf[4096];
+    size_t n;
+    if (!path) return dsk_set_error(DSK_ERR_ARG, "dsk_plan_choice_read: path is NULL");
+    if (!(f = fopen(path, "rb"))) return dsk_set_error(DSK_ERR_IO, "dsk_plan_choice_read: cannot open %s", path);
+    n = fread(buf, 1, sizeof buf, f);
+    fclose(f);
+    if (n == sizeof buf) return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_choice_read: %s: over 4 KiB", path);
+    return dsk_plan_choice_parse(buf, n, path, l, job);
+}
+
+#endif /* DSK_PLAN_IMPLEMENTATION_DONE */
+#endif /* DSK_PLAN_IMPLEMENTATION */
+
+/* MIT License. Copyright (c) 2026 the dsk authors. Permission is hereby granted, free of
+   charge, to any person obtaining a copy of this software, to deal in the software without
+   restriction, subject to including this notice. THE SOFTWARE IS PROVIDED "AS IS", WITHOUT
+   WARRANTY OF ANY KIND. */

@@ -1,0 +1,264 @@
+/* dsk_plan - the layout planner for examples/train_moe.c's model (dsk_plan.h over train_plan.h).
+
+   dsk_plan --cluster FILE --sequences N [--top K] [--json FILE] [--device cpu|cuda] [TRAINER FLAGS]
+   dsk_plan --check-rank R --nproc N [TRAINER FLAGS]
+
+   The model is the trainer's: its flags and --preset, or --init-from-hf DIR (a Hugging Face
+   config.json; only the file is read). Every layout of the cluster's GPUs is sized by the trainer's
+   own code without allocating (train_plan.h) and timed by dsk_plan.h's model; the table lists the
+   best, and why the best of each other (tp, pp, ep, ZeRO) lost; --json writes the best as the
+   choice `train_moe --plan FILE` runs. --device cuda (the default) sizes the MoE workspace as a GPU
+   holds it (the layer's dtype) and makes bf16 the default compute dtype; cpu as the CPU trainer.
+
+   --check-rank R: the memory train_moe would report for rank R of the layout its flags give
+   (--nproc ranks; --tp --pp --ep --zero --micro-batches ...), as lines tests/test_plan.sh reads. */
+#define main train_moe_main
+#include "train_moe.c"
+#undef main
+#include "train_plan.h"
+
+/* Stages that hold the same layers have the same memory: one model build answers them all, and
+   every ZeRO stage at once (tpl_rank). The key: the layout but its ZeRO stage, and what the rank's
+   chunks hold (the first stage's embedding, the last's head, dense and MoE layers). */
+typedef struct plan_entry {
+    dsk_plan_layout key;
+    int first, last, dense, moe;
+    dsk_status st;
+    char err[256];
+    dsk_plan_memory mem[4];
+    double reduce[4], gather[4];
+    int all[4];
+} plan_entry;
+
+typedef struct plan_user {
+    tm_config base;
+    tz_opts zo; /* --grad-compress */
+    int cuda;
+    plan_entry *cache;
+    int n, cap;
+} plan_user;
+
+static void plan_stage_key(const plan_user *u, const dsk_plan_layout *l, int stage, plan_entry *e) {
+    int L = u->base.n_layers, P = l->pp * l->vstages;
+    memset(e, 0, sizeof *e);
+    e->key = *l;
+    e->key.zero = 0;
+    for (int c = 0; c < l->vstages; c++) {
+        int s = c * l->pp + stage, lo = (int)((int64_t)s * L / P), hi = (int)((int64_t)(s + 1) * L / P);
+        e->first |= s == 0;
+        e->last |= s == P - 1;
+        for (int k = lo; k < hi; k++) {
+            if (k < u->base.n_dense) e->dense++;
+            else e->moe++;
+        }
+    }
+}
+
+static dsk_status plan_memory(void *user, const dsk_plan_layout *l, const dsk_plan_job *job, int stage,
+                              dsk_plan_memory *mem, double *reduce, double *gather, int *reduce_all) {
+    plan_user *u = (plan_user *)user;
+    plan_entry k, *e = NULL;
+    plan_stage_key(u, l, stage, &k);
+    for (int i = 0; i < u->n && !e; i++)
+        if (!memcmp(&u->cache[i].key, &k.key, sizeof k.key) && u->cache[i].first == k.first &&
+            u->cache[i].last == k.last && u->cache[i].dense == k.dense && u->cache[i].moe == k.moe)
+            e = &u->cache[i];
+    if (!e) {
+        if (u->n == u->cap) {
+            plan_entry *c = (plan_entry *)realloc(u->cache, (size_t)(u->cap ? 2 * u->cap : 64) * sizeof *c);
+            if (!c) return dsk_set_error(DSK_ERR_OOM, "dsk_plan: out of memory");
+            u->cache = c;
+            u->cap = u->cap ? 2 * u->cap : 64;
+        }
+        e = &u->cache[u->n++];
+        *e = k;
+        e->st = tpl_rank(&u->base, &u->zo, u->cuda, l, job, stage, e->mem, e->reduce, e->gather, e->all);
+        if (e->st != DSK_OK) snprintf(e->err, sizeof e->err, "%s", dsk_last_error());
+    }
+    if (e->st != DSK_OK) return dsk_set_error(e->st, "%s", e->err);
+    *mem = e->mem[l->zero];
+    *reduce = e->reduce[l->zero];
+    *gather = e->gather[l->zero];
+    *reduce_all = e->all[l->zero];
+    return DSK_OK;
+}
+
+/* The trainer's options from argv (planner flags taken out), its model configuration and the
+   model's sizes and FLOPs as the trainer counts them. */
+static void plan_model(trainer *t, plan_user *u, dsk_plan_model *pm) {
+    const options *o = t->o;
+    int shards = 0; /* the trainer's vocabulary: token shards (llm.c .bin files) have --vocab, bytes 256 */
+    for (int i = 0; i < o->n_data; i++) {
+        size_t k = strlen(o->data[i]);
+        shards |= k > 4 && !strcmp(o->data[i] + k - 4, ".bin");
+    }
+    t->data.vocab = o->init_from_hf || shards ? o->vocab : 256;
+    t->batch_local = 1;
+    t->engine = 1;
+    model_config(t, &u->base);
+    t->model.cfg = u->base;
+    memset(pm, 0, sizeof *pm);
+    snprintf(pm->name, sizeof pm->name, "%s", o->init_from_hf ? o->init_from_hf : o->preset[0] ? o->preset : "tiny");
+    pm->layers = o->layers;
+    pm->moe_layers = o->layers - o->dense_layers;
+    pm->heads = o->heads;
+    pm->n_routed = o->experts;
+    pm->top_k = o->top_k;
+    pm->d_model = o->d_model;
+    pm->vocab = t->data.vocab;
+    pm->ffn_hidden = o->ffn_hidden;
+    pm->flops_per_token = flops_per_token(t);
+    pm->attn_flops_per_token = o->layers * tmla_core_flops(&u->base);
+    pm->act_bytes = dsk_dtype_size(u->base.cdt);
+    pm->memory = plan_memory;
+    pm->user = u;
+}
+
+/* The layout of the trainer's flags at --nproc ranks. */
+static int check_layout(const options *o, dsk_plan_layout *l, dsk_plan_job *job) {
+    memset(l, 0, sizeof *l);
+    l->tp = o->tp, l->pp = o->pp, l->ep = o->ep, l->zero = o->zero, l->vstages = o->vstages;
+    l->dp = o->nproc / (o->tp * o->pp);
+    l->micro = o->pp > 1 ? o->micro : o->accum;
+    if (dsk_par_schedule_parse(o->pp_schedule, &l->schedule) != DSK_OK) return 2;
+    l->recompute = !strcmp(o->recompute, "full")   ? DSK_PLAN_RECOMPUTE_FULL
+                   : !strcmp(o->recompute, "attn") ? DSK_PLAN_RECOMPUTE_ATTN
+                                                   : DSK_PLAN_RECOMPUTE_NONE;
+    job->seq = o->seq;
+    job->sequences = (int64_t)o->batch * (o->pp > 1 ? 1 : o->accum);
+    return l->dp >= 1 && l->dp * o->tp * o->pp == o->nproc ? 0 : 2;
+}
+
+/* With --cluster: the step time dsk_plan.h's model predicts for the layout (bench/plan_rank.sh). */
+static int check_time(const dsk_plan_model *pm, const char *cluster, const dsk_plan_layout *l, const dsk_plan_job *job,
+                      double red, double gat, int all) {
+    dsk_plan_cluster cl;
+    dsk_plan_result r;
+    memset(&r, 0, sizeof r);
+    r.layout = *l;
+    if (dsk_plan_cluster_read(&cl, cluster) != DSK_OK || dsk_plan_time(pm, &cl, job, red, gat, all, &r) != DSK_OK) {
+        fprintf(stderr, "dsk_plan: %s\n", dsk_last_error());
+        return 1;
+    }
+    printf("plan time: step %.6f s: compute %.6f, bubble %.6f, tp %.6f, ep %.6f, pp %.6f, gradients %.6f (exposed "
+           "%.6f)\n",
+           r.step_s, r.compute_s, r.bubble_s, r.tp_s, r.ep_s, r.pp_s, r.zero_s, r.zero_exposed_s);
+    return 0;
+}
+
+static int check_rank(trainer *t, plan_user *u, const dsk_plan_model *pm, const char *cluster, int rank) {
+    const options *o = t->o;
+    dsk_plan_layout l;
+    dsk_plan_job job;
+    dsk_plan_memory mem[4];
+    double red[4], gat[4];
+    int all[4];
+    if (check_layout(o, &l, &job) != 0 || rank < 0 || rank >= o->nproc) {
+        fprintf(stderr, "dsk_plan: --check-rank %d: --nproc %d must be a multiple of --tp %d x --pp %d\n", rank,
+                o->nproc, o->tp, o->pp);
+        return 2;
+    }
+    if (tpl_rank(&u->base, &u->zo, u->cuda, &l, &job, rank / (l.tp * l.dp), mem, red, gat, all) != DSK_OK) {
+        fprintf(stderr, "dsk_plan: %s\n", dsk_last_error());
+        return 1;
+    }
+    printf("plan bytes, rank %d: parameters %lld, gradients %lld, optimizer state %lld, compression buffers %lld, "
+           "activations %lld, imbalance %lld, reduce per step %.0f, gather per step %.0f\n",
+           rank, (long long)mem[l.zero].params, (long long)mem[l.zero].grads, (long long)mem[l.zero].optimizer,
+           (long long)mem[l.zero].comm, (long long)mem[l.zero].activations, (long long)mem[l.zero].imbalance,
+           red[l.zero], gat[l.zero]);
+    return cluster ? check_time(pm, cluster, &l, &job, red[l.zero], gat[l.zero], all[l.zero]) : 0;
+}
+
+static int write_json(const char *path, const dsk_plan_result *r, const dsk_plan_job *job) {
+    char buf[2048];
+    FILE *f;
+    if (dsk_plan_json(r, job, buf, sizeof buf) != DSK_OK || !(f = fopen(path, "w"))) {
+        fprintf(stderr, "dsk_plan: --json %s: cannot write it\n", path);
+        return 1;
+    }
+    fputs(buf, f);
+    return fclose(f) == 0 ? 0 : 1;
+}
+
+static int plan(trainer *t, plan_user *u, const char *cluster, int64_t sequences, int top, const char *json) {
+    dsk_plan_model pm;
+    dsk_plan_cluster cl;
+    dsk_plan_job job;
+    dsk_plan_result *res = NULL;
+    size_t cap = 1 << 20;
+    char *buf = (char *)malloc(cap);
+    int n = 0, rc = 0;
+    plan_model(t, u, &pm);
+    job.sequences = sequences;
+    job.seq = t->o->seq;
+    if (!buf || dsk_plan_cluster_read(&cl, cluster) != DSK_OK ||
+        dsk_plan_run(&pm, &cl, &job, NULL, &res, &n) != DSK_OK ||
+        dsk_plan_table(res, n, &cl, top, buf, cap) != DSK_OK) {
+        fprintf(stderr, "dsk_plan: %s\n", buf ? dsk_last_error() : "out of memory");
+        free(buf);
+        dsk_plan_results_free(res);
+        return 1;
+    }
+    printf("model %s: %d layers (%d MoE), d_model %lld, %d experts top-%d, %.3g training FLOPs per token; "
+           "%lld sequences of %lld tokens per step\n%s",
+           pm.name, pm.layers, pm.moe_layers, (long long)pm.d_model, pm.n_routed, pm.top_k, pm.flops_per_token,
+           (long long)job.sequences, (long long)job.seq, buf);
+    if (!res[0].fits) rc = 3;
+    else if (json) rc = write_json(json, &res[0], &job);
+    free(buf);
+    dsk_plan_results_free(res);
+    return rc;
+}
+
+int main(int argc, char **argv) {
+    options o;
+    const char *cluster = NULL, *json = NULL, *device = "cuda";
+    long long sequences = 0;
+    int top = 8, check = -1, rc, n = 1;
+    char **rest = (char **)calloc((size_t)argc + 1, sizeof *rest);
+    trainer *t = (trainer *)calloc(1, sizeof *t);
+    plan_user u;
+    memset(&u, 0, sizeof u);
+    if (!rest || !t) return 1;
+    rest[0] = argv[0];
+    for (int i = 1; i < argc; i++) { /* the planner's flags; the rest are the trainer's */
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (v && !strcmp(a, "--cluster")) cluster = argv[++i];
+        else if (v && !strcmp(a, "--json")) json = argv[++i];
+        else if (v && !strcmp(a, "--sequences")) sequences = atoll(argv[++i]);
+        else if (v && !strcmp(a, "--top")) top = atoi(argv[++i]);
+        else if (v && !strcmp(a, "--check-rank")) check = atoi(argv[++i]);
+        else if (v && !strcmp(a, "--device")) device = argv[++i];
+        else rest[n++] = argv[i];
+    }
+    set_defaults(&o);
+    if (apply_preset(&o, n, rest) != 0 || (rc = parse_args(&o, n, rest)) != 0) return 2;
+    u.cuda = strcmp(device, "cpu") != 0;
+    if (u.cuda && !o.dtype[0]) strcpy(o.dtype, "bf16");
+    t->o = &o;
+    if (!tz_parse_compress(o.grad_compress, &u.zo)) {
+        fprintf(stderr, "dsk_plan: --grad-compress \"%s\": use none, bf16 or powersgd:R[:START]\n", o.grad_compress);
+        return 2;
+    }
+    if (o.init_from_hf) { /* config.json only; the layout is the plan's (the import's refusal of --tp/--pp aside) */
+        int tp = o.tp, pp = o.pp;
+        o.tp = o.pp = 1;
+        hf_options(t);
+        o.tp = tp, o.pp = pp;
+    }
+    if (check >= 0) {
+        dsk_plan_model pm;
+        plan_model(t, &u, &pm);
+        rc = check_rank(t, &u, &pm, cluster, check);
+    } else if (!cluster || sequences < 1) {
+        fprintf(stderr, "dsk_plan: --cluster FILE and --sequences N (the global batch) are needed (or --check-rank)\n");
+        rc = 2;
+    } else {
+        rc = plan(t, &u, cluster, sequences, top, json);
+    }
+    free(u.cache);
+    free(rest);
+    free(t);
+    return rc;
+}

@@ -1,0 +1,184 @@
+/* train_plan.h - one rank's memory under a layout of examples/train_moe.c's model, from the
+   trainer's own code without allocating it (dsk_plan's memory callback; examples/dsk_plan.c).
+
+   The model is built as a run builds it (tm_init, or tp_model_init for the stages and the
+   tensor-parallel shard of rank (tp 0, dp 0, pp `stage`)) with tm_config.plan_bytes set: every
+   activation, scratch tensor and buffer goes through tm_alloc_nd, which adds its bytes instead of
+   allocating, and the MoE layers' workspace is dsk_moe_reserve_bytes (the sizes dsk_moe_reserve
+   allocates). What it allocates for real on the way (each MoE layer's small state, as a run
+   does) is read from the allocator and counted too. The training state is tz_plan: the engine's
+   own parameter lists and dsk_zero_plan (dsk_zero_init's slabs) at the size of each group. So
+   the figures are those the allocator reports at the start of a run of the layout (train_moe's
+   "memory bytes" and "activations" lines; tests/test_plan.sh compares them).
+
+   Expert parallelism: dsk_moe_init takes its expert share from the communicator's size and rank;
+   the plan hands it a stand-in communicator of ep ranks (rank 0) that nothing calls (the layer
+   only reads its size at init). Beyond the start figures a dropless expert-parallel run grows
+   its workspace when a rank receives more than T K rows; mem->imbalance is the worst case (every
+   token of the expert group routed to this rank), dsk_moe_reserve_bytes at ep T K rows. */
+#ifndef TRAIN_PLAN_H
+#define TRAIN_PLAN_H
+
+#include "../dsk_plan.h"
+#include "train_model.h"
+#include "train_par.h"
+#include "train_zero.h"
+
+/* What tz_init would allocate (tz_memory's figures) and each object's collectives per pass,
+   without memory or communication: the same lists, dsk_zero_plan on each object at the size
+   of its group (group_size[g]: the ranks of groups[g]; the shards are the same on every rank).
+   plans[k] for k < *n_obj. m needs only its declared parameters (no slabs, no activations). */
+static dsk_status tz_plan(tm_model *m, const tz_group *groups, const int *group_size, const tz_place *place,
+                          const tz_opts *o, dsk_zero_memory *mem, dsk_zero_plan_out *plans, int *n_obj) {
+    tz t;
+    dsk_zero_param *ps;
+    int n[TZ_MAX_OBJ] = {0};
+    int64_t scratch = 1;
+    dsk_status s = tz_tables(&t, m, NULL, o->stage, &ps);
+    memset(mem, 0, sizeof *mem);
+    if (s == DSK_OK) s = tz_lists(&t, place, ps, n, &scratch);
+    for (int k = 0; k < t.n_obj && s == DSK_OK; k++) {
+        dsk_zero_opts zo = tz_zero_opts(o, &groups[t.obj_group[k]], t.obj_dt[k]);
+        s = dsk_zero_plan(&ps[k * m->n_params], n[k], group_size[t.obj_group[k]], 0, &zo, &plans[k]);
+        mem->params += plans[k].memory.params;
+        mem->grads += plans[k].memory.grads;
+        mem->optimizer += plans[k].memory.optimizer;
+        mem->comm += plans[k].memory.comm;
+    }
+    if (o->stage >= 2) mem->grads += scratch * 4; /* tz_memory counts the MoE layers' stand-in gradient */
+    *n_obj = t.n_obj;
+    free(ps);
+    tz_free(&t);
+    return s;
+}
+
+/* The grid of a layout and rank (tp 0, dp 0, pp stage) of it, set as tp_grid_init would. */
+static dsk_status tpl_grid(tp_state *ps, const dsk_plan_layout *l, int stage, int mtp) {
+    dsk_par_dims *d = &ps->grid.dims;
+    d->tp = l->tp;
+    d->pp = l->pp;
+    d->ep = l->ep;
+    d->dp = 0;
+    TM_TRY(dsk_par_dims_resolve(d, l->tp * l->pp * l->dp));
+    TM_TRY(dsk_par_coords_of(d, dsk_par_rank_of(d, 0, 0, stage), &ps->grid.at));
+    ps->tp = l->tp;
+    ps->pp = l->pp;
+    ps->dp = l->dp;
+    ps->ep = l->ep;
+    ps->M = l->micro;
+    ps->v = l->vstages;
+    ps->kind = l->schedule;
+    ps->embed_group = mtp > 0;
+    return DSK_OK;
+}
+
+/* The worst case of dropless expert parallelism beyond the reserved workspace: every MoE layer
+   on this rank receiving every token of its expert group (ep T K rows). */
+static dsk_status tpl_imbalance(const tm_model *m, int64_t T, int ep, int cuda, int64_t *out) {
+    *out = 0;
+    if (ep < 2) return DSK_OK;
+    for (int l = m->cfg.n_dense; l < tm_n_blocks(&m->cfg); l++) {
+        const dsk_moe *moe = &m->blocks[l].moe;
+        int64_t base, worst;
+        dsk_dtype act = cuda ? moe->opts.dtype : DSK_F32;
+        if (!m->blocks[l].is_moe) continue;
+        TM_TRY(dsk_moe_reserve_bytes(moe, T, -1, act, &base));
+        TM_TRY(dsk_moe_reserve_bytes(moe, T, (int64_t)ep * T * moe->opts.top_k, act, &worst));
+        *out += worst - base; /* each layer's workspace grows on its own and stays grown */
+    }
+    return DSK_OK;
+}
+
+/* The engine's objects for the model built above: their memory and their traffic per step. */
+static dsk_status tpl_engine(tm_model *m, tp_state *ps, const dsk_plan_layout *l, const tz_opts *zo, int zero,
+                             dsk_plan_memory *mem, double *reduce, double *gather, int *reduce_all) {
+    tz_group groups[TZ_MAX_GROUPS];
+    int sizes[TZ_MAX_GROUPS] = {0}, n_obj = 0;
+    tz_opts o;
+    dsk_zero_memory zm;
+    dsk_zero_plan_out *plans = (dsk_zero_plan_out *)calloc(TZ_MAX_OBJ, sizeof *plans);
+    tz_place *place = (tz_place *)calloc((size_t)m->n_params, sizeof *place);
+    dsk_status s = plans && place ? DSK_OK : dsk_set_error(DSK_ERR_OOM, "tpl_engine: out of memory");
+    o = *zo;
+    o.stage = zero;
+    if (s == DSK_OK && ps) {
+        tp_places(ps, groups, place);
+        sizes[TP_G_REPL] = l->tp * l->dp;             /* the stage */
+        sizes[TP_G_SHARD] = l->dp;                    /* tensor-parallel shards */
+        sizes[TP_G_EMBED] = 2 * l->dp;                /* the first and last stages' copies of the embedding */
+        sizes[TP_G_EXPERT] = l->tp * (l->dp / l->ep); /* the stage's ranks holding the same experts */
+    } else if (s == DSK_OK) {
+        tz_places_dp(m, NULL, NULL, l->dp, groups, place);
+        sizes[0] = l->dp;
+        sizes[1] = l->dp / l->ep;
+    }
+    if (s == DSK_OK) s = tz_plan(m, groups, sizes, place, &o, &zm, plans, &n_obj);
+    if (s == DSK_OK) {
+        /* ZeRO 0-1 reduce once per step, 2-3 every pass; 1-2 gather once, 3 before each unit's forward and backward */
+        double passes = zero <= 1 ? 1 : l->micro, gathers = zero == 3 ? 2.0 * l->micro : zero > 0;
+        mem->params = zm.params;
+        mem->grads = zm.grads;
+        mem->optimizer = zm.optimizer;
+        mem->comm = zm.comm;
+        *reduce = *gather = 0;
+        for (int k = 0; k < n_obj; k++) {
+            *reduce += passes * (double)plans[k].reduce_bytes;
+            *gather += gathers * (double)plans[k].gather_bytes;
+        }
+        *reduce_all = zero <= 1;
+    }
+    free(plans);
+    free(place);
+    return s;
+}
+
+/* The memory of rank (tp 0, dp 0, pp stage) of layout l for a model of configuration `base`
+   (train_moe's model_config), at each ZeRO stage z (l->zero aside): mem[z], and the bytes its
+   reductions and gathers hand over per step (zo: the engine's compression). cuda: size the MoE
+   workspace as a GPU holds it. A layout the trainer refuses (its checks in tm_init /
+   tp_model_init) is DSK_ERR_UNSUPPORTED with the trainer's message. */
+static dsk_status tpl_rank(const tm_config *base, const tz_opts *zo, int cuda, const dsk_plan_layout *l,
+                           const dsk_plan_job *job, int stage, dsk_plan_memory mem[4], double reduce[4],
+                           double gather[4], int reduce_all[4]) {
+    tm_config c = *base;
+    int64_t acts = 0, live0 = dsk_tensor_mem_stats(dsk_cpu()).live_bytes, T;
+    int par = l->tp > 1 || l->pp > 1;
+    dsk_comm ep; /* a stand-in: dsk_moe_init reads its size and rank, nothing calls it */
+    tm_model *m = (tm_model *)calloc(1, sizeof *m);
+    tp_state *ps = par ? (tp_state *)calloc(1, sizeof *ps) : NULL;
+    dsk_status s = m && (ps || !par) ? DSK_OK : dsk_set_error(DSK_ERR_OOM, "tpl_rank: out of memory");
+    memset(&ep, 0, sizeof ep);
+    ep.world_size = l->ep;
+    ep.backend = DSK_COMM_HOST;
+    ep.impl = (dsk__comm_impl *)(void *)&ep;
+    c.seq = (int)job->seq;
+    c.batch = (int)(job->sequences / l->dp / (par ? 1 : l->micro));
+    c.external = 1;
+    c.plan_bytes = &acts;
+    c.plan_cuda = cuda;
+    c.mla.recompute = (tmla_recompute)l->recompute;
+    c.moe.ep = l->ep > 1 ? &ep : NULL;
+    if (s == DSK_OK && par) s = tpl_grid(ps, l, stage, c.mla.mtp_depth);
+    if (s == DSK_OK) s = par ? tp_model_init(ps, m, NULL, &c) : tm_init(m, NULL, &c);
+    if (s != DSK_OK) {
+        char msg[600];
+        snprintf(msg, sizeof msg, "%s", dsk_last_error());
+        s = dsk_set_error(DSK_ERR_UNSUPPORTED, "the trainer refuses this layout: %s", msg);
+    }
+    memset(mem, 0, 4 * sizeof *mem);
+    for (int z = 0; z < 4 && s == DSK_OK; z++)
+        s = tpl_engine(m, ps, l, zo, z, &mem[z], &reduce[z], &gather[z], &reduce_all[z]);
+    T = (int64_t)(par ? ps->Bm : m->cfg.batch) * m->cfg.seq; /* tm_bind_moe's reservation */
+    if (s == DSK_OK) s = tpl_imbalance(m, T, l->ep, cuda, &mem[0].imbalance);
+    for (int z = 0; z < 4; z++) {
+        mem[z].imbalance = mem[0].imbalance;
+        mem[z].activations = acts + dsk_tensor_mem_stats(dsk_cpu()).live_bytes - live0;
+    }
+    if (ps) tp_free(ps);
+    if (m) tm_free(m);
+    free(ps);
+    free(m);
+    return s;
+}
+
+#endif /* TRAIN_PLAN_H */
