@@ -957,7 +957,7 @@ static void test_sgemm_raw(void) {
 }
 
 /* Every CPU GEMM path of the ISA under test against float64: the direct nest (f32, N <= 512)
-   with K across its 512-deep slices, the packed nest (N > 512), short edge tiles (M, N of 1, 7,
+   with K across its 256-deep slices, the packed nest (N > 512), short edge tiles (M, N of 1, 7,
    129), all four transpositions, alpha/beta and padded (strided) operands. */
 static void test_gemm_paths(void) {
     static const int64_t ms[3] = {1, 7, 129}, ns[4] = {1, 7, 33, 600}, ks[4] = {1, 7, 129, 700};
@@ -971,6 +971,14 @@ static void test_gemm_paths(void) {
                 if ((double)c.M * c.N * c.K > 2e7) c.K = 129;
                 if (!tt_matmul_run(&c, 1 + i % 3)) return;
             }
+}
+
+/* The direct nest's L2 blocks of N with copied A^T tiles, and a tall A^T (a weight gradient),
+   which the packed nest takes, against float64 on the ISA under test. */
+static void test_gemm_blocking(void) {
+    tt_mm c1 = {70, 301, 530, 1, 1, 0, 0, 0, 1, DSK_F32, DSK_F32, 1.0f, 0.5f};
+    tt_mm c2 = {530, 40, 300, 1, 1, 0, 0, 0, 0, DSK_F32, DSK_F32, -0.5f, 0.0f};
+    if (tt_matmul_run(&c1, 2)) tt_matmul_run(&c2, 3);
 }
 
 /* The same bits for 1, 2 and 3 threads on the ISA under test, in the direct and the packed nest. */
@@ -3133,6 +3141,8 @@ int main(void) {
         tt_cx = &cx;
         tt_isa = (dsk_cpu_isa)i;
         TT_CASE("%s GEMM: direct and packed nests, edges, K slices, vs float64", n); test_gemm_paths();
+        TT_CASE("%s GEMM: direct nest's N blocks and A^T tiles, tall A^T packed, vs float64", n);
+        test_gemm_blocking();
         TT_CASE("%s GEMM: same bits on 1, 2, 3 threads (direct and packed)", n); test_gemm_threads();
         TT_CASE("%s matmul: a batch of small products in one parallel region, vs float64 and 1/2/3 threads", n);
         test_matmul_batched_small();
