@@ -1746,9 +1746,8 @@ static void dsk__rows_cols(const dsk_tensor *t, int64_t *rows, int64_t *cols) {
    broadcasts) and B (NR-wide rows) with f32 FMAs; it is picked at run time from the CPU:
    AVX-512 (12 x 32), AVX2 + FMA (6 x 16) or portable C (4 x 16). Two loop nests feed it:
    direct  f32 operands, N <= DSK__DIRECT_N and no tall A^T (every product of a small model):
-           A is read in place through its strides (a bottom edge tile is copied, and an A^T tile
-           that several B tiles reuse), op(B) in place when its rows are contiguous, else each
-           KC slice is packed once per thread; N is cut into blocks that stay in L2.
+           A is read in place through its strides (a bottom edge tile is copied), op(B) in place
+           when its rows are contiguous, else each KC slice is packed once per thread.
    packed  everything else (bf16/f16 operands, wide N): BLIS-style, C cut into NC-wide column
            panels and K into KC-deep slices, op(B) packed into NR-wide micro-panels and each
            MC-tall block of op(A) into MR-tall micro-panels (converted to f32).
@@ -1760,8 +1759,7 @@ static void dsk__rows_cols(const dsk_tensor *t, int64_t *rows, int64_t *cols) {
 #define DSK__MC 144
 #define DSK__NC 3072
 #define DSK__DIRECT_N 512  /* widest op(B) the direct nest takes */
-#define DSK__DIRECT_KC 256 /* K slice of the direct nest: a 16-wide B panel of 16 KB stays in L1 */
-#define DSK__DIRECT_NB_BYTES 262144 /* the direct nest's op(B) block: half of a small L2 */
+#define DSK__DIRECT_KC 512 /* K slice of the direct nest */
 
 typedef struct dsk__gemm_args {
     int64_t M, N, K;
@@ -2074,7 +2072,6 @@ DSK_API const char *dsk_cpu_gemm_describe(dsk_cpu_isa isa, char *buf, size_t n) 
 
 static int64_t dsk__round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 static int64_t dsk__min64(int64_t a, int64_t b) { return a < b ? a : b; }
-static int64_t dsk__max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 /* C = beta * C (beta == 0 writes zeros, NaN in C included). */
 static void dsk__scale_c(const dsk__gemm_args *g) {
@@ -2104,47 +2101,29 @@ static int64_t dsk__gemm_scratch(const dsk__gemm_args *g, const dsk__ukernel *uk
     return dsk__min64(g->K, DSK__KC) * (DSK__MC + dsk__round_up(dsk__min64(nc, DSK__NC), uk->nr));
 }
 
-/* The direct nest's columns [jb, jb1) of C[i0:i1] for the K slice [pc, pc + kc): op(B) in place
-   (bp NULL) or packed from column j0 on (bp); ap: a tile of MR x kc floats. */
-static void dsk__gemm_direct_block(const dsk__gemm_args *g, const dsk__ukernel *uk, int64_t pc, int64_t kc, int64_t i0,
-                                   int64_t i1, int64_t jb, int64_t jb1, int64_t j0, const float *bp, int64_t b_rs,
-                                   float beta, float *ap) {
-    const float *A = (const float *)g->A, *B = (const float *)g->B;
-    int64_t MR = uk->mr, NR = uk->nr;
-    for (int64_t it = i0; it < i1; it += MR) {
-        int64_t m = dsk__min64(MR, i1 - it), a_rs = g->a_rs, a_cs = g->a_cs;
-        const float *a = A + it * g->a_rs + pc * g->a_cs;
-        /* rows past M must not be read: copy the short tile, zero padded; a tile of op(A) = A^T
-           (one cache line per k) is copied too when several B tiles reuse it */
-        if (m < MR || (a_cs != 1 && jb1 - jb > NR)) {
-            dsk__pack(ap, a, DSK_F32, g->a_rs, g->a_cs, m, kc, MR, 0, 1, 0);
-            a = ap;
-            a_rs = 1;
-            a_cs = MR;
-        }
-        for (int64_t jt = jb; jt < jb1; jt += NR) {
-            const float *b = bp ? bp + (jt - j0) * kc : B + pc * g->b_rs + jt * g->b_cs;
-            uk->fn(kc, a, a_rs, a_cs, b, b_rs, g->C + it * g->ldc + jt, g->ldc, (int)m, (int)dsk__min64(NR, jb1 - jt),
-                   g->alpha, beta);
-        }
-    }
-}
-
 /* Direct nest over the block C[i0:i1, j0:j1]; ws: dsk__gemm_scratch floats. */
 static void dsk__gemm_direct(const dsk__gemm_args *g, const dsk__ukernel *uk, int64_t i0, int64_t i1, int64_t j0, int64_t j1, float *ws) {
-    const float *B = (const float *)g->B;
+    const float *A = (const float *)g->A, *B = (const float *)g->B;
     int64_t MR = uk->mr, NR = uk->nr, nc = j1 - j0, in_place = dsk__gemm_b_in_place(g);
     float *ap = ws, *bp = ws + dsk__min64(g->K, DSK__DIRECT_KC) * MR;
     for (int64_t pc = 0; pc < g->K; pc += DSK__DIRECT_KC) {
         int64_t kc = dsk__min64(g->K - pc, DSK__DIRECT_KC), b_rs = in_place ? g->b_rs : NR;
-        int64_t nb = dsk__max64(NR, DSK__DIRECT_NB_BYTES / (kc * (int64_t)sizeof(float)) / NR * NR);
         float beta = pc == 0 ? g->beta : 1.0f;
         if (!in_place) /* X[j][p] = op(B)[pc + p][j0 + j]: rows step b_cs, columns b_rs */
             dsk__pack(bp, B + pc * g->b_rs + j0 * g->b_cs, DSK_F32, g->b_cs, g->b_rs, nc, kc, NR, 0, (nc + NR - 1) / NR,
                       dsk__pack_vec(uk->isa));
-        for (int64_t jb = j0; jb < j1; jb += nb) /* kc x nb of op(B) stays in L2 across A's row tiles */
-            dsk__gemm_direct_block(g, uk, pc, kc, i0, i1, jb, dsk__min64(j1, jb + nb), j0, in_place ? NULL : bp, b_rs,
-                                   beta, ap);
+        for (int64_t it = i0; it < i1; it += MR) {
+            int64_t m = dsk__min64(MR, i1 - it), a_rs = g->a_rs, a_cs = g->a_cs;
+            const float *a = A + it * g->a_rs + pc * g->a_cs;
+            if (m < MR) { /* rows past M must not be read: copy the short tile, zero padded */
+                dsk__pack(ap, a, DSK_F32, g->a_rs, g->a_cs, m, kc, MR, 0, 1, 0);
+                a = ap; a_rs = 1; a_cs = MR;
+            }
+            for (int64_t jt = j0; jt < j1; jt += NR) {
+                const float *b = in_place ? B + pc * g->b_rs + jt * g->b_cs : bp + (jt - j0) * kc;
+                uk->fn(kc, a, a_rs, a_cs, b, b_rs, g->C + it * g->ldc + jt, g->ldc, (int)m, (int)dsk__min64(NR, j1 - jt), g->alpha, beta);
+            }
+        }
     }
 }
 

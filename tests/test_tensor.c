@@ -957,7 +957,7 @@ static void test_sgemm_raw(void) {
 }
 
 /* Every CPU GEMM path of the ISA under test against float64: the direct nest (f32, N <= 512)
-   with K across its 256-deep slices, the packed nest (N > 512), short edge tiles (M, N of 1, 7,
+   with K across its 512-deep slices, the packed nest (N > 512), short edge tiles (M, N of 1, 7,
    129), all four transpositions, alpha/beta and padded (strided) operands. */
 static void test_gemm_paths(void) {
     static const int64_t ms[3] = {1, 7, 129}, ns[4] = {1, 7, 33, 600}, ks[4] = {1, 7, 129, 700};
@@ -973,8 +973,8 @@ static void test_gemm_paths(void) {
             }
 }
 
-/* The direct nest's L2 blocks of N with copied A^T tiles, and a tall A^T (a weight gradient),
-   which the packed nest takes, against float64 on the ISA under test. */
+/* A^T operands: a short one in the direct nest (N across many tiles, K across slices) and a
+   tall one (a weight gradient, M > 512), which the packed nest takes; against float64. */
 static void test_gemm_blocking(void) {
     tt_mm c1 = {70, 301, 530, 1, 1, 0, 0, 0, 1, DSK_F32, DSK_F32, 1.0f, 0.5f};
     tt_mm c2 = {530, 40, 300, 1, 1, 0, 0, 0, 0, DSK_F32, DSK_F32, -0.5f, 0.0f};
@@ -3141,7 +3141,7 @@ int main(void) {
         tt_cx = &cx;
         tt_isa = (dsk_cpu_isa)i;
         TT_CASE("%s GEMM: direct and packed nests, edges, K slices, vs float64", n); test_gemm_paths();
-        TT_CASE("%s GEMM: direct nest's N blocks and A^T tiles, tall A^T packed, vs float64", n);
+        TT_CASE("%s GEMM: A^T in the direct nest, tall A^T in the packed nest, vs float64", n);
         test_gemm_blocking();
         TT_CASE("%s GEMM: same bits on 1, 2, 3 threads (direct and packed)", n); test_gemm_threads();
         TT_CASE("%s matmul: a batch of small products in one parallel region, vs float64 and 1/2/3 threads", n);
