@@ -144,7 +144,7 @@ def main():
     print("# columns: median ms/step = wall time per step over every timed step of every round; best round = the")
     print("# least disturbed round's median; CPU ms/step = process CPU time per step (all threads), which other")
     print("# programs on the cores disturb least (on a quiet machine at 1 thread it equals the wall time); load avg =")
-    print("# the 1-minute load average before and after each run; kernel = dsk's GEMM micro-kernel, PyTorch's OpenBLAS core.")
+    print("# the 1-minute load average before and after each run; kernel = dsk's GEMM micro-kernel, PyTorch's BLAS (MKL or OpenBLAS's core).")
     verdicts = []
     for n in threads:
         for what, key, pick in (("median step", "ms", statistics.median), ("best round", "rounds", min),
