@@ -1883,9 +1883,9 @@ static void dsk__rows_cols(const dsk_tensor *t, int64_t *rows, int64_t *cols) {
    One register-blocked micro-kernel computes an MR x NR tile of C from k steps of A (MR
    broadcasts) and B (NR-wide rows) with f32 FMAs; it is picked at run time from the CPU:
    AVX-512 (12 x 32), AVX2 + FMA (6 x 16) or portable C (4 x 16). Two loop nests feed it:
-   direct  f32 operands and N <= DSK__DIRECT_N (every product of a small model): A is read in
-           place through its strides (a bottom edge tile is copied), op(B) in place when its
-           rows are contiguous, else each KC slice is packed once per thread; no copy of A.
+   direct  f32 operands, N <= DSK__DIRECT_N and no tall A^T (every product of a small model):
+           A is read in place through its strides (a bottom edge tile is copied), op(B) in place
+           when its rows are contiguous, else each KC slice is packed once per thread.
    packed  everything else (bf16/f16 operands, wide N): BLIS-style, C cut into NC-wide column
            panels and K into KC-deep slices, op(B) packed into NR-wide micro-panels and each
            MC-tall block of op(A) into MR-tall micro-panels (converted to f32).
@@ -2053,7 +2053,15 @@ static DSK__TARGET_AVX512 void dsk__ukernel_avx512(int64_t k, const float *a, in
 }
 
 /* AVX2 + FMA, 6 x 16: 12 accumulators, 2 B vectors, 1 broadcast; the same scheme with
-   vmaskmov for short rows (masked-off lanes are never read). */
+   vmaskmov for short rows (masked-off lanes are never read). Full tiles load and store C
+   with plain moves: a vmaskmov store is microcoded on AMD cores (tens of cycles each). */
+DSK__INLINE DSK__TARGET_AVX2 __m256 dsk__ld256(const float *p, __m256i k, int masked) {
+    return masked ? _mm256_maskload_ps(p, k) : _mm256_loadu_ps(p);
+}
+DSK__INLINE DSK__TARGET_AVX2 void dsk__st256(float *p, __m256i k, __m256 v, int masked) {
+    if (masked) _mm256_maskstore_ps(p, k, v);
+    else _mm256_storeu_ps(p, v);
+}
 #define DSK__K256_ZERO(i) __m256 c##i##a = _mm256_setzero_ps(), c##i##b = _mm256_setzero_ps();
 #define DSK__K256_FMA(i)                                                                          \
     {                                                                                             \
@@ -2061,16 +2069,16 @@ static DSK__TARGET_AVX512 void dsk__ukernel_avx512(int64_t k, const float *a, in
         c##i##a = _mm256_fmadd_ps(av_, b0, c##i##a);                                              \
         c##i##b = _mm256_fmadd_ps(av_, b1, c##i##b);                                              \
     }
-#define DSK__K256_STORE(i)                                                                        \
-    if ((i) < m) {                                                                                \
-        float *cr_ = c + (i) * ldc;                                                               \
-        __m256 v0_ = _mm256_mul_ps(va, c##i##a), v1_ = _mm256_mul_ps(va, c##i##b);                \
-        if (beta != 0.0f) {                                                                       \
-            v0_ = _mm256_fmadd_ps(vb, _mm256_maskload_ps(cr_, k0), v0_);                          \
-            v1_ = _mm256_fmadd_ps(vb, _mm256_maskload_ps(cr_ + 8, k1), v1_);                      \
-        }                                                                                         \
-        _mm256_maskstore_ps(cr_, k0, v0_);                                                        \
-        _mm256_maskstore_ps(cr_ + 8, k1, v1_);                                                    \
+#define DSK__K256_STORE(i) \
+    if ((i) < m) { \
+        float *cr_ = c + (i)*ldc; \
+        __m256 v0_ = _mm256_mul_ps(va, c##i##a), v1_ = _mm256_mul_ps(va, c##i##b); \
+        if (beta != 0.0f) { \
+            v0_ = _mm256_fmadd_ps(vb, dsk__ld256(cr_, k0, masked), v0_); \
+            v1_ = _mm256_fmadd_ps(vb, dsk__ld256(cr_ + 8, k1, masked), v1_); \
+        } \
+        dsk__st256(cr_, k0, v0_, masked); \
+        dsk__st256(cr_ + 8, k1, v1_, masked); \
     }
 DSK__INLINE DSK__TARGET_AVX2 void dsk__ukernel_avx2_body(int64_t k, const float *a, int64_t a_rs, int64_t a_cs, const float *b,
                                                         int64_t b_rs, float *c, int64_t ldc, int m, int n, float alpha, float beta,
@@ -2212,8 +2220,11 @@ static void dsk__scale_c(const dsk__gemm_args *g) {
         }
 }
 
-/* The direct nest serves f32 products whose op(B) is at most DSK__DIRECT_N wide. */
+/* The direct nest serves f32 products whose op(B) is at most DSK__DIRECT_N wide, but not a tall
+   op(A) = A^T (a weight gradient dY^T X): its tiles, one cache line per k, are better packed a
+   DSK__MC block at a time from A's contiguous rows. */
 static int dsk__gemm_is_direct(const dsk__gemm_args *g) {
+    if (g->a_cs != 1 && g->M > DSK__DIRECT_N) return 0;
     return g->a_dt == DSK_F32 && g->b_dt == DSK_F32 && g->N <= DSK__DIRECT_N;
 }
 /* op(B)'s rows are contiguous f32: the direct nest reads them in place. */

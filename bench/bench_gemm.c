@@ -7,8 +7,11 @@
    (OpenBLAS threads spin for a while after a call), median time per call; a sample of a small
    product times enough calls for 20 MFLOP. Prints the dsk micro-kernel and OpenBLAS's core,
    GFLOP/s of both, the ratio dsk / OpenBLAS, and the largest difference between the two results
-   relative to max |C|. OpenBLAS honours OPENBLAS_CORETYPE: unset it to let it pick its kernels.
-   Usage: bench_gemm [--threads N] [--repeats R] [--rounds K] [--quick] [--model] [--isa NAME] */
+   relative to max |C|. OpenBLAS honours OPENBLAS_CORETYPE: unset it to let it pick its kernels
+   (OPENBLAS_CORETYPE=Haswell is its AVX2 kernel family, the peer of --isa avx2). --cpu-time times
+   samples by the process's CPU time instead of the wall clock: on a loaded machine it leaves out
+   the time the threads waited for a core (at 2 threads it counts spinning threads too).
+   Usage: bench_gemm [--threads N] [--repeats R] [--rounds K] [--quick] [--model] [--isa NAME] [--cpu-time] */
 #define DSK_TENSOR_IMPLEMENTATION
 #include "dsk_tensor.h"
 #include "bench_util.h"
@@ -27,6 +30,14 @@ static void pause_s(double s) {
     nanosleep(&ts, NULL);
 }
 
+/* Seconds of wall time, or of the process's CPU time (cpu != 0). */
+static double now_s(int cpu) {
+    struct timespec ts;
+    if (!cpu) return bench_now_s();
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 static void run_dsk(dsk_ctx *ctx, const shape *s, const float *A, const float *B, float *C) {
     dsk_tensor a, b, c;
     int64_t sa[2] = {s->ta ? s->K : s->M, s->ta ? s->M : s->K}, sb[2] = {s->tb ? s->N : s->K, s->tb ? s->K : s->N}, sc[2] = {s->M, s->N};
@@ -41,7 +52,7 @@ static void run_blas(const shape *s, const float *A, const float *B, float *C) {
 }
 
 int main(int argc, char **argv) {
-    int threads = 2, repeats = 5, rounds = 2, quick = 0, model = 0;
+    int threads = 2, repeats = 5, rounds = 2, quick = 0, model = 0, cpu = 0;
     dsk_cpu_isa isa = DSK_CPU_ISA_AUTO;
     dsk_ctx ctx;
     dsk_ctx_opts co;
@@ -82,11 +93,15 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--rounds") && i + 1 < argc) rounds = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--quick")) quick = 1;
         else if (!strcmp(argv[i], "--model")) model = 1;
+        else if (!strcmp(argv[i], "--cpu-time")) cpu = 1;
         else if (!strcmp(argv[i], "--isa") && i + 1 < argc) {
             const char *n = argv[++i];
             isa = !strcmp(n, "portable") ? DSK_CPU_ISA_PORTABLE : !strcmp(n, "avx2") ? DSK_CPU_ISA_AVX2 : !strcmp(n, "avx512") ? DSK_CPU_ISA_AVX512 : (dsk_cpu_isa)-1;
         } else {
-            fprintf(stderr, "usage: %s [--threads N] [--repeats R] [--rounds K] [--quick] [--model] [--isa portable|avx2|avx512]\n", argv[0]);
+            fprintf(stderr,
+                    "usage: %s [--threads N] [--repeats R] [--rounds K] [--quick] [--model] [--isa "
+                    "portable|avx2|avx512] [--cpu-time]\n",
+                    argv[0]);
             return 2;
         }
     }
@@ -99,8 +114,10 @@ int main(int argc, char **argv) {
     co.cpu_isa = isa;
     BENCH_CHECK(dsk_ctx_init(&ctx, &co));
     openblas_set_num_threads(threads);
-    printf("# bench_gemm: f32 C = A B, %d threads (dsk n_threads and openblas_set_num_threads), median of %d x %d samples after a warm-up\n",
-           threads, rounds, repeats);
+    printf("# bench_gemm: f32 C = A B, %d threads (dsk n_threads and openblas_set_num_threads), median of %d x %d "
+           "samples after a warm-up, "
+           "%s time\n",
+           threads, rounds, repeats, cpu ? "process CPU" : "wall");
     printf("# dsk kernel %s (best here: %s), OpenBLAS %s\n", dsk_cpu_gemm_describe(ctx.cpu_isa, kname, sizeof kname),
            dsk_cpu_isa_name(dsk_cpu_isa_best()), openblas_get_corename());
     printf("# %-36s %5s %5s %5s %10s %10s %7s %9s\n", "shape", "M", "N", "K", "dsk GF/s", "blas GF/s", "ratio", "max diff");
@@ -124,15 +141,15 @@ int main(int argc, char **argv) {
         for (int r = 0; r < rounds; r++) {
             pause_s(0.3);
             for (int k = 0; k < repeats; k++) {
-                double t0 = bench_now_s();
+                double t0 = now_s(cpu);
                 for (int q = 0; q < inner; q++) run_dsk(&ctx, s, A, B, C1);
-                td[r * repeats + k] = (bench_now_s() - t0) / inner;
+                td[r * repeats + k] = (now_s(cpu) - t0) / inner;
             }
             pause_s(0.3);
             for (int k = 0; k < repeats; k++) {
-                double t0 = bench_now_s();
+                double t0 = now_s(cpu);
                 for (int q = 0; q < inner; q++) run_blas(s, A, B, C2);
-                tb[r * repeats + k] = (bench_now_s() - t0) / inner;
+                tb[r * repeats + k] = (now_s(cpu) - t0) / inner;
             }
         }
         gd = flop / bench_median(td, repeats * rounds) * 1e-9;

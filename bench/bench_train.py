@@ -7,9 +7,13 @@ which other programs on a shared machine disturb least), peak RSS, the BLAS kern
 ran and the load average around each run.
 
 Usage: python3 bench/bench_train.py [--dsk build/examples/train_moe] [--rounds 3] [--steps 40]
-           [--warmup 10] [--threads 1,2] [--python /usr/bin/python3] [--keep-openblas-env]
-           [--peer-default-spin]
-PyTorch is Debian's python3-torch (1.13) on the libblas alternative (OpenBLAS here). This machine
+           [--warmup 10] [--threads 1,2] [--python PYTHON] [--keep-openblas-env]
+           [--peer-default-spin] [--variants eager,sdpa,compile] [--model-args "--d-model 256 ..."]
+PyTorch runs in each of --variants: eager (materialised attention, as written for 1.13), sdpa (fused
+causal attention) and compile (sdpa under torch.compile; its compilation steps are excluded and
+reported apart by train_torch.py); dsk is compared with the best variant and split. --python picks
+the interpreter (default: the one running this script): PyTorch 2.x from PyPI (MKL) or Debian's
+/usr/bin/python3 with python3-torch (1.13: --variants eager) on the libblas alternative (OpenBLAS). This machine
 sets OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE for old OpenBLAS builds; they force OpenBLAS's AVX2 kernels
 on an AVX-512 CPU, so the peer runs without them (its fastest kernels) unless --keep-openblas-env.
 PyTorch's intra-op OpenMP threads get the short spin train_moe gives itself (GOMP_SPINCOUNT=1000)
@@ -45,7 +49,7 @@ def run_dsk(a, threads, log):
            "--val-batches", "1", "--log-every", "1000000", "--peak-tflops", "1", "--log", log]
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(threads)
-    out, rss, l0, l1 = run(cmd, env)
+    out, rss, l0, l1 = run(cmd + a.model_args.split(), env)
     ms, cpu = {}, {}
     with open(log) as f:
         for line in f:
@@ -58,7 +62,7 @@ def run_dsk(a, threads, log):
     return [ms[s] for s in steps], [cpu[s] for s in steps], rss, l0, l1, kernel.group(1) if kernel else "?"
 
 
-def run_torch(a, intra, blas):
+def run_torch(a, intra, blas, variant):
     env = dict(os.environ)
     if not a.keep_openblas_env:
         env.pop("OPENBLAS_CORETYPE", None)
@@ -68,23 +72,32 @@ def run_torch(a, intra, blas):
     if not a.peer_default_spin and not any(k in env for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")):
         env["GOMP_SPINCOUNT"] = "1000"  # the short spin train_moe gives itself: on a loaded machine 2 intra-op threads collapse without it
     cmd = [a.python, os.path.join(HERE, "train_torch.py"), "--steps", str(a.steps), "--threads", str(intra)]
+    cmd += {"eager": [], "sdpa": ["--sdpa"], "compile": ["--sdpa", "--compile"]}[variant] + a.model_args.split()
     out, rss, l0, l1 = run(cmd, env)
+    comp = re.search(r"^# compile_s ([0-9.]+)", out, re.M)
+    if comp:
+        print("# torch %s %dx%d: compile %s s (steps excluded)" % (variant, intra, blas, comp.group(1)), flush=True)
     rows = [m for m in re.finditer(r"^step (\d+) ms ([0-9.]+) cpu_ms ([0-9.]+)", out, re.M) if int(m.group(1)) > a.warmup]
-    core = re.search(r"openblas-([A-Za-z0-9]+)", out)
+    core = re.search(r"(openblas-[A-Za-z0-9]+|mkl)", out)
     return [float(m.group(2)) for m in rows], [float(m.group(3)) for m in rows], rss, l0, l1, core.group(1) if core else "?"
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--dsk", default=os.path.join(HERE, "..", "build", "examples", "train_moe"))
-    p.add_argument("--python", default="/usr/bin/python3")
+    p.add_argument("--python", default=sys.executable, help="PyTorch's interpreter (default: this one)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--threads", default="1,2")
     p.add_argument("--keep-openblas-env", action="store_true")
     p.add_argument("--peer-default-spin", action="store_true", help="run PyTorch with libgomp's default spin")
+    p.add_argument("--variants", default="eager,sdpa,compile", help="PyTorch variants: eager, sdpa, compile")
+    p.add_argument("--model-args", dest="model_args", default="", help="model flags passed to both, e.g. --d-model 256")
     a = p.parse_args()
+    variants = a.variants.split(",")
+    if any(v not in ("eager", "sdpa", "compile") for v in variants):
+        sys.exit("bench_train: --variants takes eager, sdpa, compile")
     if a.steps <= a.warmup:
         sys.exit("bench_train: --steps must exceed --warmup")
     tokens = 16 * 128
@@ -92,10 +105,11 @@ def main():
     # configurations: (label, threads, kind, intra, blas)
     configs = []
     for n in threads:
-        configs.append(("dsk", n, "dsk", n, 0))
+        configs.append(("dsk", n, "dsk", n, 0, ""))
         splits = [(1, 1)] if n == 1 else [(1, n), (n, 1)]
         for intra, blas in splits:
-            configs.append(("torch %dx%d" % (intra, blas), n, "torch", intra, blas))
+            for v in variants:
+                configs.append(("torch %dx%d %s" % (intra, blas, v), n, "torch", intra, blas, v))
     res = {c: {"ms": [], "cpu": [], "rounds": [], "rss": 0.0, "load": [], "info": ""} for c in configs}
     print("# bench_train: %d rounds x %d steps (first %d dropped), %d tokens/step, started %s, load %.2f %.2f %.2f"
           % ((a.rounds, a.steps, a.warmup, tokens, time.strftime("%Y-%m-%d %H:%M:%S %Z")) + os.getloadavg()), flush=True)
@@ -107,7 +121,7 @@ def main():
                 if c[2] == "dsk":
                     ms, cpu, rss, l0, l1, info = run_dsk(a, c[1], log)
                 else:
-                    ms, cpu, rss, l0, l1, info = run_torch(a, c[3], c[4])
+                    ms, cpu, rss, l0, l1, info = run_torch(a, c[3], c[4], c[5])
                 e = res[c]
                 e["ms"] += ms
                 e["cpu"] += cpu
@@ -130,12 +144,12 @@ def main():
     print("# columns: median ms/step = wall time per step over every timed step of every round; best round = the")
     print("# least disturbed round's median; CPU ms/step = process CPU time per step (all threads), which other")
     print("# programs on the cores disturb least (on a quiet machine at 1 thread it equals the wall time); load avg =")
-    print("# the 1-minute load average before and after each run; kernel = dsk's GEMM micro-kernel, PyTorch's OpenBLAS core.")
+    print("# the 1-minute load average before and after each run; kernel = dsk's GEMM micro-kernel, PyTorch's BLAS (MKL or OpenBLAS's core).")
     verdicts = []
     for n in threads:
         for what, key, pick in (("median step", "ms", statistics.median), ("best round", "rounds", min),
                                 ("CPU time per step", "cpu", statistics.median)):
-            d = pick(res[("dsk", n, "dsk", n, 0)][key])
+            d = pick(res[("dsk", n, "dsk", n, 0, "")][key])
             best = min((pick(res[c][key]), c[0]) for c in configs if c[1] == n and c[2] == "torch")
             print("ratio %d thread%s, %s: dsk %.0f tokens/s / PyTorch best (%s) %.0f tokens/s = %.2fx"
                   % (n, "s" if n > 1 else "", what, tokens / (d * 1e-3), best[1], tokens / (best[0] * 1e-3), best[0] / d))

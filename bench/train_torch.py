@@ -11,7 +11,13 @@ auxiliary-loss-free bias update (rate 1e-2). Untied LM head. AdamW (betas 0.9/0.
 The MoE is the idiomatic sort-by-expert form: argsort the (token, slot) pairs by expert, one
 batched SwiGLU per expert over its contiguous rows, index_add_ the weighted rows back.
 
-Usage: /usr/bin/python3 bench/train_torch.py --steps 40 --threads 1 [--seq 128 --batch 16 ...]
+Variants a PyTorch 2.x user would run: --sdpa computes attention with
+F.scaled_dot_product_attention(is_causal=True) (fused, no (T, T) probabilities kept); --compile
+wraps the model in torch.compile (inductor's C++/OpenMP code on the CPU): its first
+--compile-steps steps (compilation and recompilation) print as `# compile step` lines, apart from
+the timed ones, and `# compile_s` sums them.
+
+Usage: /usr/bin/python3 bench/train_torch.py --steps 40 --threads 1 [--sdpa] [--compile] [--seq 128 ...]
 Prints a header line (`# torch ..., openblas-<core>/<threads>, ...`), then one line per step:
 `step <i> ms <wall> cpu_ms <CPU time of every thread> loss <l>`.
 Thread split: --threads sets torch.set_num_threads (intra-op OpenMP); the BLAS pool (OpenBLAS
@@ -129,7 +135,7 @@ class Block(torch.nn.Module):
     def __init__(self, a, moe, out_std):
         super().__init__()
         D = a.d_model
-        self.H = a.heads
+        self.H, self.sdpa = a.heads, a.sdpa
         self.ln1, self.ln2 = RMSNorm(D, 1e-5), RMSNorm(D, 1e-5)
         self.wq, self.wk, self.wv = (torch.nn.Parameter(torch.randn(D, D) * a.init_std) for _ in range(3))
         self.wo = torch.nn.Parameter(torch.randn(D, D) * out_std)
@@ -145,9 +151,12 @@ class Block(torch.nn.Module):
         q = rope(F.linear(h, self.wq).view(B, T, H, Dh), cos, sin).transpose(1, 2)
         k = rope(F.linear(h, self.wk).view(B, T, H, Dh), cos, sin).transpose(1, 2)
         v = F.linear(h, self.wv).view(B, T, H, Dh).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(Dh))
-        att = att.masked_fill(mask, float("-inf")).softmax(dim=-1)
-        o = (att @ v).transpose(1, 2).reshape(B, T, D)
+        if self.sdpa:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(Dh))
+            o = att.masked_fill(mask, float("-inf")).softmax(dim=-1) @ v
+        o = o.transpose(1, 2).reshape(B, T, D)
         x = x + F.linear(o, self.wo)
         h = self.ln2(x)
         if isinstance(self.ffn, MoE):
@@ -180,7 +189,10 @@ class Model(torch.nn.Module):
 
 
 def blas_core():
-    """The kernel family OpenBLAS picked (torch's BLAS here is the libblas alternative)."""
+    """torch's BLAS: MKL (PyPI's torch 2.x) or the kernel family OpenBLAS picked (Debian's 1.13 on the
+    libblas alternative)."""
+    if torch.backends.mkl.is_available():
+        return "mkl/%d" % torch.get_num_threads()
     try:
         lib = ctypes.CDLL("libopenblas.so.0")
         lib.openblas_get_corename.restype = ctypes.c_char_p
@@ -214,7 +226,15 @@ def main():
     p.add_argument("--corpus", default="/usr/include")
     p.add_argument("--corpus-mb", dest="corpus_mb", type=float, default=4.0)
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--sdpa", action="store_true", help="fused causal attention (F.scaled_dot_product_attention)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
+    p.add_argument("--compile-steps", dest="compile_steps", type=int, default=3,
+                   help="first steps of a compiled model reported apart (compilation)")
     a = p.parse_args()
+    if a.sdpa and not hasattr(F, "scaled_dot_product_attention"):
+        sys.exit("train_torch: --sdpa needs torch 2.x (this is %s)" % torch.__version__)
+    if a.compile and not hasattr(torch, "compile"):
+        sys.exit("train_torch: --compile needs torch 2.x (this is %s)" % torch.__version__)
 
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
@@ -226,9 +246,12 @@ def main():
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}],
                             lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
     moes = [b.ffn for b in model.blocks if isinstance(b.ffn, MoE)]
-    print("# torch %s, %s, intra-op threads %d, interop %d, %.2fM parameters, %d tokens/step, corpus %.2f MB"
-          % (torch.__version__, blas_core(), torch.get_num_threads(), torch.get_num_interop_threads(), n_params / 1e6,
-             a.batch * a.seq, data.numel() / 1e6), flush=True)
+    run_model = torch.compile(model) if a.compile else model
+    print("# torch %s, %s, intra-op threads %d, interop %d, %.2fM parameters, %d tokens/step, corpus %.2f MB, "
+          "attention %s%s" % (torch.__version__, blas_core(), torch.get_num_threads(), torch.get_num_interop_threads(),
+                              n_params / 1e6, a.batch * a.seq, data.numel() / 1e6, "sdpa" if a.sdpa else "materialised",
+                              ", torch.compile" if a.compile else ""), flush=True)
+    compile_s = 0.0
     gen = torch.Generator().manual_seed(a.seed)
     for step in range(1, a.steps + 1):
         t0, c0 = time.perf_counter(), time.process_time()
@@ -242,7 +265,7 @@ def main():
         starts = torch.randint(0, data.numel() - a.seq - 1, (a.batch,), generator=gen)
         win = torch.stack([data[s:s + a.seq + 1] for s in starts.tolist()])
         ids, targets = win[:, :-1], win[:, 1:]
-        loss = model(ids, targets)
+        loss = run_model(ids, targets)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -250,7 +273,13 @@ def main():
         for m in moes:
             m.update_bias(a.bias_rate)
         ms, cpu_ms = (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
+        if a.compile and step <= a.compile_steps:
+            compile_s += ms * 1e-3
+            print("# compile step %d ms %.3f loss %.4f" % (step, ms, loss.item()), flush=True)
+            continue
         print("step %d ms %.3f cpu_ms %.3f loss %.4f" % (step, ms, cpu_ms, loss.item()), flush=True)
+    if a.compile:
+        print("# compile_s %.2f (the first %d steps)" % (compile_s, a.compile_steps), flush=True)
     print("# peak_rss_mb %.1f" % (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0), flush=True)
 
 

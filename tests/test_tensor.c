@@ -973,6 +973,14 @@ static void test_gemm_paths(void) {
             }
 }
 
+/* A^T operands: a short one in the direct nest (N across many tiles, K across slices) and a
+   tall one (a weight gradient, M > 512), which the packed nest takes; against float64. */
+static void test_gemm_blocking(void) {
+    tt_mm c1 = {70, 301, 530, 1, 1, 0, 0, 0, 1, DSK_F32, DSK_F32, 1.0f, 0.5f};
+    tt_mm c2 = {530, 40, 300, 1, 1, 0, 0, 0, 0, DSK_F32, DSK_F32, -0.5f, 0.0f};
+    if (tt_matmul_run(&c1, 2)) tt_matmul_run(&c2, 3);
+}
+
 /* The same bits for 1, 2 and 3 threads on the ISA under test, in the direct and the packed nest. */
 static void test_gemm_threads(void) {
     static const int64_t shapes[2][3] = {{157, 301, 530}, {157, 700, 300}};
@@ -3174,6 +3182,8 @@ int main(void) {
         tt_cx = &cx;
         tt_isa = (dsk_cpu_isa)i;
         TT_CASE("%s GEMM: direct and packed nests, edges, K slices, vs float64", n); test_gemm_paths();
+        TT_CASE("%s GEMM: A^T in the direct nest, tall A^T in the packed nest, vs float64", n);
+        test_gemm_blocking();
         TT_CASE("%s GEMM: same bits on 1, 2, 3 threads (direct and packed)", n); test_gemm_threads();
         TT_CASE("%s matmul: a batch of small products in one parallel region, vs float64 and 1/2/3 threads", n);
         test_matmul_batched_small();
