@@ -137,33 +137,7 @@ typedef struct tm_model {
     tf8_scratch f8;                     /* --dtype fp8: the FP8 linears' scratch */
 } tm_model;
 
-/* ------------------------------------------------------------------ phase timer */
-
-static double tm_clock(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-/* CPU time of the process (all threads): on a shared machine, what the phase itself cost. */
-static double tm_clock_cpu(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-/* Runs `call` (returning from the caller on failure); with m->profile its time goes to phase ph. */
-#define TM_T(ph, call)                                                           \
-    do {                                                                         \
-        double tm_t0_ = m->profile ? tm_clock() : 0.0;                           \
-        double tm_c0_ = m->profile ? tm_clock_cpu() : 0.0;                       \
-        TM_TRY(call);                                                            \
-        if (m->profile) {                                                        \
-            TM_TRY(dsk_ctx_sync(m->ctx));                                        \
-            m->phase_s[ph] += tm_clock() - tm_t0_;                               \
-            m->phase_cpu_s[ph] += tm_clock_cpu() - tm_c0_;                       \
-        }                                                                        \
-    } while (0)
+#include "train/timer.h" /* the phase timer: tm_clock, TM_T (--profile) */
 
 /* ------------------------------------------------------------------ views */
 
