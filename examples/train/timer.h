@@ -18,16 +18,16 @@ static double tm_clock_cpu(void) {
 }
 
 /* Runs `call` (returning from the caller on failure); with m->profile its time goes to phase ph. */
-#define TM_T(ph, call)                                                           \
-    do {                                                                         \
-        double tm_t0_ = m->profile ? tm_clock() : 0.0;                           \
-        double tm_c0_ = m->profile ? tm_clock_cpu() : 0.0;                       \
-        TM_TRY(call);                                                            \
-        if (m->profile) {                                                        \
-            TM_TRY(dsk_ctx_sync(m->ctx));                                        \
-            m->phase_s[ph] += tm_clock() - tm_t0_;                               \
-            m->phase_cpu_s[ph] += tm_clock_cpu() - tm_c0_;                       \
-        }                                                                        \
+#define TM_T(ph, call) \
+    do { \
+        double tm_t0_ = m->profile ? tm_clock() : 0.0; \
+        double tm_c0_ = m->profile ? tm_clock_cpu() : 0.0; \
+        TM_TRY(call); \
+        if (m->profile) { \
+            TM_TRY(dsk_ctx_sync(m->ctx)); \
+            m->phase_s[ph] += tm_clock() - tm_t0_; \
+            m->phase_cpu_s[ph] += tm_clock_cpu() - tm_c0_; \
+        } \
     } while (0)
 
 #endif /* TRAIN_TIMER_H */
