@@ -183,6 +183,9 @@ for cfg in "4 2 2 3" "2 3 3 1" "3 1 1 2"; do
 done
 
 echo "# section 4 at ${SECONDS}s"
+# Sections 4, 5 and 7 compare within loose bounds, count bytes or run the emulated GPU: no CPU
+# kernel's bits decide them, so run_tests.sh's re-run under another ISA (ISA_RERUN=1) skips them.
+if [ -z "${ISA_RERUN:-}" ]; then
 # ---- 4. compression on all of the corpus (473 KB): validation loss within 3%, bytes cut as expected
 P=(--seq 32 --d-model 32 --heads 2 --layers 3 --dense-layers 1 --ffn-hidden 64 --experts 4 --top-k 2
    --expert-hidden 32 --shared 1 --batch 8 --lr 3e-3 --warmup 5 --data "$CORPUS" --val-every 10
@@ -310,6 +313,8 @@ EOF
 fi
 
 echo "# section 6 at ${SECONDS}s"
+fi  # ISA_RERUN
+
 # ---- 6. errors: bad flags, a checkpoint of the other format, --grad-check, --cuda-graph
 expect_fail() { # NAME TEXT ARGS...: exits non-zero with TEXT in its output
     local name=$1 text=$2; shift 2
@@ -346,6 +351,7 @@ EOF
 done
 
 echo "# section 7 at ${SECONDS}s"
+if [ -z "${ISA_RERUN:-}" ]; then
 # ---- 7. the CUDA path on the emulated GPU (tests/cuda_emu: kernels, nccl, streams and events on the CPU):
 # 2 ranks (1 data x 2 expert), bf16: --zero 1, 2 and 3 log --zero 0's losses and norms bit for bit; the
 # --zero 2 checkpoint resumed by --zero 3 on one rank continues as --zero 0's resumed by --zero 0;
@@ -381,4 +387,5 @@ else
     fi
 fi
 
+fi  # ISA_RERUN
 finish
