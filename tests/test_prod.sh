@@ -337,16 +337,10 @@ fi
 
 # The same under torchrun (its agent restarts every worker; TORCHELASTIC_RESTART_COUNT makes them resume).
 if command -v torchrun >/dev/null 2>&1 && [ -n "$TORCH_PY" ]; then
-    # two free ports in a row: torchrun's agent store takes MASTER_PORT, dsk's store the next one
-    port=$($PY -c '
-import socket
-for _ in range(50):
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]
-    t = socket.socket()
-    try:
-        t.bind(("127.0.0.1", p + 1)); print(p); break
-    except OSError: pass
-    finally: s.close(); t.close()')
+    # two free ports in a row: torchrun's agent store takes MASTER_PORT, dsk's store the next one;
+    # below the ephemeral range, so no test beside this one (run_tests.sh's LANE) binding port 0
+    # can take the second meanwhile
+    port=$(free_ports 2)
     kill_at=$((3 + RANDOM % 35))
     # the worker is a script without arguments: torchrun 2.x's parser takes a trainer flag such as
     # --log after the program's name for an abbreviation of its own --log-dir and stops
