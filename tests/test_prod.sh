@@ -341,7 +341,7 @@ if command -v torchrun >/dev/null 2>&1 && [ -n "$TORCH_PY" ]; then
     # below the ephemeral range, so no test beside this one (run_tests.sh's LANE) binding port 0
     # can take the second meanwhile
     port=$(free_ports 2)
-    kill_at=$((3 + RANDOM % 35))
+    kill_at=$((3 + RANDOM % 20)) # well before the last of the 50 steps, even on a loaded machine
     # the worker is a script without arguments: torchrun 2.x's parser takes a trainer flag such as
     # --log after the program's name for an abbreviation of its own --log-dir and stops
     printf '#!/usr/bin/env bash\nexec %q' "$BIN" >"$work/tr_worker.sh"
