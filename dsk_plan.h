@@ -371,15 +371,21 @@ DSK_API dsk_status dsk_plan_cluster_parse(dsk_plan_cluster *c, const char *json,
     return DSK_OK;
 }
 
-DSK_API dsk_status dsk_plan_cluster_read(dsk_plan_cluster *c, const char *path) {
+/* A small file whole into buf (cap bytes, at most cap - 1 of file); *n its length. fn names the caller. */
+static dsk_status dsk__plan_read_small(const char *fn, const char *path, char *buf, size_t cap, size_t *n) {
     FILE *f;
+    if (!path) return dsk_set_error(DSK_ERR_ARG, "%s: path is NULL", fn);
+    if (!(f = fopen(path, "rb"))) return dsk_set_error(DSK_ERR_IO, "%s: cannot open %s", fn, path);
+    *n = fread(buf, 1, cap, f);
+    fclose(f);
+    if (*n == cap) return dsk_set_error(DSK_ERR_CORRUPT, "%s: %s: over %zu KiB", fn, path, cap / 1024);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_plan_cluster_read(dsk_plan_cluster *c, const char *path) {
     char buf[8192];
     size_t n;
-    if (!path) return dsk_set_error(DSK_ERR_ARG, "dsk_plan_cluster_read: path is NULL");
-    if (!(f = fopen(path, "rb"))) return dsk_set_error(DSK_ERR_IO, "dsk_plan_cluster_read: cannot open %s", path);
-    n = fread(buf, 1, sizeof buf, f);
-    fclose(f);
-    if (n == sizeof buf) return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_cluster_read: %s: over 8 KiB", path);
+    DSK__TRY(dsk__plan_read_small("dsk_plan_cluster_read", path, buf, sizeof buf, &n));
     return dsk_plan_cluster_parse(c, buf, n, path);
 }
 
@@ -800,14 +806,9 @@ DSK_API dsk_status dsk_plan_choice_parse(const char *json, size_t n, const char 
 }
 
 DSK_API dsk_status dsk_plan_choice_read(const char *path, dsk_plan_layout *l, dsk_plan_job *job) {
-    FILE *f;
     char buf[4096];
     size_t n;
-    if (!path) return dsk_set_error(DSK_ERR_ARG, "dsk_plan_choice_read: path is NULL");
-    if (!(f = fopen(path, "rb"))) return dsk_set_error(DSK_ERR_IO, "dsk_plan_choice_read: cannot open %s", path);
-    n = fread(buf, 1, sizeof buf, f);
-    fclose(f);
-    if (n == sizeof buf) return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_choice_read: %s: over 4 KiB", path);
+    DSK__TRY(dsk__plan_read_small("dsk_plan_choice_read", path, buf, sizeof buf, &n));
     return dsk_plan_choice_parse(buf, n, path, l, job);
 }
 
