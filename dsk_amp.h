@@ -611,6 +611,24 @@ static dsk_status dsk__amp_resolve(const dsk_amp_scaler_opts *in, dsk_amp_scaler
     return DSK_OK;
 }
 
+#ifdef DSK_CUDA
+/* The CUDA scaler's state: stats and state in one device block, copied up from the host's. */
+static dsk_status dsk__amp_scaler_init_cuda(dsk_amp_scaler *sc, dsk_ctx *ctx) {
+    char blk[sizeof(dsk_amp_stats) + sizeof(dsk_amp_scaler_state)];
+    dsk_status s;
+    memcpy(blk, &sc->stats, sizeof sc->stats);
+    memcpy(blk + sizeof sc->stats, &sc->state, sizeof sc->state);
+    s = dsk_cuda_malloc(ctx, sizeof blk, &sc->dev_block);
+    if (s == DSK_OK) s = dsk_cuda_memcpy(ctx, sc->dev_block, blk, sizeof blk, 1);
+    if (s == DSK_OK) s = dsk_cuda_sync(ctx);
+    if (s != DSK_OK) {
+        if (sc->dev_block) dsk_cuda_free(ctx, sc->dev_block);
+        memset(sc, 0, sizeof *sc);
+    }
+    return s;
+}
+#endif
+
 DSK_API dsk_status dsk_amp_scaler_init(dsk_amp_scaler *sc, dsk_ctx *ctx, const dsk_amp_scaler_opts *opts) {
     if (!sc) return dsk_set_error(DSK_ERR_ARG, "dsk_amp_scaler_init: scaler is NULL");
     memset(sc, 0, sizeof *sc);
@@ -619,21 +637,7 @@ DSK_API dsk_status dsk_amp_scaler_init(dsk_amp_scaler *sc, dsk_ctx *ctx, const d
     sc->state.scale = sc->opts.init_scale;
     sc->state.growth_tracker = 0;
     sc->state.hysteresis_left = sc->opts.hysteresis;
-#ifdef DSK_CUDA
-    if (sc->device.type == DSK_DEV_CUDA) {
-        char blk[sizeof(dsk_amp_stats) + sizeof(dsk_amp_scaler_state)];
-        memcpy(blk, &sc->stats, sizeof sc->stats);
-        memcpy(blk + sizeof sc->stats, &sc->state, sizeof sc->state);
-        dsk_status s = dsk_cuda_malloc(ctx, sizeof blk, &sc->dev_block);
-        if (s == DSK_OK) s = dsk_cuda_memcpy(ctx, sc->dev_block, blk, sizeof blk, 1);
-        if (s == DSK_OK) s = dsk_cuda_sync(ctx);
-        if (s != DSK_OK) {
-            if (sc->dev_block) dsk_cuda_free(ctx, sc->dev_block);
-            memset(sc, 0, sizeof *sc);
-        }
-        return s;
-    }
-#endif
+    DSK__CUDA_PATH(sc->device.type == DSK_DEV_CUDA, dsk__amp_scaler_init_cuda(sc, ctx));
     if (sc->device.type != DSK_DEV_CPU) {
         memset(sc, 0, sizeof *sc);
         return dsk_set_error(DSK_ERR_UNSUPPORTED, "dsk_amp_scaler_init: ctx device type %d not available in this build",
@@ -659,18 +663,26 @@ static dsk_status dsk__amp_need_scaler(const char *fn, const dsk_ctx *ctx, const
     return dsk__amp_need_ctx(fn, ctx, sc->device);
 }
 
+/* Copies `bytes` between device memory `dev` and host memory, synced. */
+static dsk_status dsk__amp_dev_io(dsk_ctx *ctx, void *dev, void *host, size_t bytes, int to_device) {
+#ifdef DSK_CUDA
+    DSK__TRY(dsk_cuda_memcpy(ctx, to_device ? dev : host, to_device ? (const void *)host : (const void *)dev, bytes,
+                             to_device));
+    return dsk_cuda_sync(ctx);
+#else
+    (void)ctx;
+    (void)dev;
+    (void)host;
+    (void)bytes;
+    (void)to_device;
+    return dsk_set_error(DSK_ERR_UNSUPPORTED, "dsk_amp: CUDA scaler in a build without DSK_CUDA");
+#endif
+}
+
 /* Copies `bytes` at `offset` of the scaler's device block to or from host memory, synced. */
 static dsk_status dsk__amp_block_io(dsk_ctx *ctx, const dsk_amp_scaler *sc, size_t offset, void *host, size_t bytes,
                                     int to_device) {
-#ifdef DSK_CUDA
-    char *dev = (char *)sc->dev_block + offset;
-    DSK__TRY(dsk_cuda_memcpy(ctx, to_device ? (void *)dev : host, to_device ? (const void *)host : (const void *)dev,
-                             bytes, to_device));
-    return dsk_cuda_sync(ctx);
-#else
-    (void)ctx; (void)sc; (void)offset; (void)host; (void)bytes; (void)to_device;
-    return dsk_set_error(DSK_ERR_UNSUPPORTED, "dsk_amp: CUDA scaler in a build without DSK_CUDA");
-#endif
+    return dsk__amp_dev_io(ctx, (char *)sc->dev_block + offset, host, bytes, to_device);
 }
 
 DSK_API dsk_status dsk_amp_state_get(const dsk_amp_scaler *sc, dsk_ctx *ctx, dsk_amp_scaler_state *out) {
@@ -733,9 +745,7 @@ DSK_API dsk_status dsk_amp_stats_set(dsk_amp_scaler *sc, dsk_ctx *ctx, const dsk
 
 DSK_API dsk_status dsk_amp_update(dsk_amp_scaler *sc, dsk_ctx *ctx) {
     DSK__TRY(dsk__amp_need_scaler("dsk_amp_update", ctx, sc));
-#ifdef DSK_CUDA
-    if (sc->device.type == DSK_DEV_CUDA) return dsk_cuda_amp_update(ctx, sc->dev_block, &sc->opts);
-#endif
+    DSK__CUDA_PATH(sc->device.type == DSK_DEV_CUDA, dsk_cuda_amp_update(ctx, sc->dev_block, &sc->opts));
     dsk_amp_scaler_rule(&sc->state, dsk_amp_stats_overflow(sc->stats), &sc->opts);
     return DSK_OK;
 }
@@ -857,9 +867,7 @@ DSK_API dsk_status dsk_amp_unscale(dsk_amp_scaler *sc, dsk_ctx *ctx, dsk_tensor 
                                  dsk_tensor_describe(grads[i], b, sizeof b));
     }
     DSK__TRY(dsk__amp_no_overlap(fn, grads, n));
-#ifdef DSK_CUDA
-    if (sc->device.type == DSK_DEV_CUDA) return dsk_cuda_amp_unscale(ctx, grads, n, sc->dev_block);
-#endif
+    DSK__CUDA_PATH(sc->device.type == DSK_DEV_CUDA, dsk_cuda_amp_unscale(ctx, grads, n, sc->dev_block));
     return dsk__amp_unscale_cpu(sc, grads, n);
 }
 
@@ -904,11 +912,8 @@ DSK_API dsk_status dsk_amp_cast(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor 
                              dsk_tensor_describe(dst, a, sizeof a), dsk_tensor_describe(src, b, sizeof b));
     if (mode != DSK_AMP_ROUND_NEAREST && mode != DSK_AMP_ROUND_STOCHASTIC)
         return dsk_set_error(DSK_ERR_ARG, "%s: unknown rounding mode %d", fn, (int)mode);
-#ifdef DSK_CUDA
-    if (src->device.type == DSK_DEV_CUDA)
-        return dsk_cuda_amp_cast(ctx, dst, src, mode == DSK_AMP_ROUND_STOCHASTIC,
-                                 dsk_amp_sr_key(seed, tensor_id, step));
-#endif
+    DSK__CUDA_PATH(src->device.type == DSK_DEV_CUDA, dsk_cuda_amp_cast(ctx, dst, src, mode == DSK_AMP_ROUND_STOCHASTIC,
+                                                                       dsk_amp_sr_key(seed, tensor_id, step)));
     dsk__amp_cast_cpu(dst, src, mode, dsk_amp_sr_key(seed, tensor_id, step));
     return DSK_OK;
 }
@@ -996,38 +1001,45 @@ static dsk_status dsk__amp_check_betas(const char *fn, const dsk_adamw_opts *o) 
     return DSK_OK;
 }
 
+#ifdef DSK_CUDA
+/* The CUDA dstep's values: device memory, and pinned host memory for the schedule's upload. */
+static dsk_status dsk__amp_dstep_vals_cuda(const char *fn, dsk_amp_dstep *ds, dsk_ctx *ctx,
+                                           const dsk_amp_step_vals *v) {
+    void *dev = NULL;
+    ds->pinned = (dsk_amp_step_vals *)dsk_cuda_host_alloc(sizeof *v);
+    if (!ds->pinned) return dsk_set_error(DSK_ERR_OOM, "%s: no pinned host memory for %zu bytes", fn, sizeof *v);
+    DSK__TRY(dsk_cuda_malloc(ctx, sizeof *v, &dev));
+    ds->vals = (dsk_amp_step_vals *)dev;
+    *ds->pinned = *v;
+    DSK__TRY(dsk_cuda_memcpy(ctx, ds->vals, ds->pinned, sizeof *v, 1));
+    return dsk_cuda_sync(ctx);
+}
+#endif
+
+/* The dstep's values on its device, set to v (what is taken is kept in ds for dsk_amp_dstep_free). */
+static dsk_status dsk__amp_dstep_vals(const char *fn, dsk_amp_dstep *ds, dsk_ctx *ctx, const dsk_amp_step_vals *v) {
+    DSK__CUDA_PATH(ds->device.type == DSK_DEV_CUDA, dsk__amp_dstep_vals_cuda(fn, ds, ctx, v));
+    (void)ctx; /* the CPU's values need none */
+    if (ds->device.type != DSK_DEV_CPU)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: ctx device type %d not available in this build", fn,
+                             (int)ds->device.type);
+    ds->vals = (dsk_amp_step_vals *)DSK_MALLOC(sizeof *v);
+    if (!ds->vals) return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory", fn);
+    *ds->vals = *v;
+    return DSK_OK;
+}
+
 DSK_API dsk_status dsk_amp_dstep_init(dsk_amp_dstep *ds, dsk_ctx *ctx) {
     const char *fn = "dsk_amp_dstep_init";
     dsk_amp_step_vals v;
-    dsk_status s = DSK_OK;
+    dsk_status s;
     if (!ds) return dsk_set_error(DSK_ERR_ARG, "%s: dstep is NULL", fn);
     memset(ds, 0, sizeof *ds);
     memset(&v, 0, sizeof v);
     v.skip = 1;
     ds->device = ctx ? ctx->device : dsk_cpu();
     ds->beta1 = ds->beta2 = -1.0f; /* no schedule yet */
-#ifdef DSK_CUDA
-    if (ds->device.type == DSK_DEV_CUDA) {
-        void *dev = NULL;
-        ds->pinned = (dsk_amp_step_vals *)dsk_cuda_host_alloc(sizeof v);
-        if (!ds->pinned) s = dsk_set_error(DSK_ERR_OOM, "%s: no pinned host memory for %zu bytes", fn, sizeof v);
-        if (s == DSK_OK) s = dsk_cuda_malloc(ctx, sizeof v, &dev);
-        ds->vals = (dsk_amp_step_vals *)dev;
-        if (s == DSK_OK) {
-            *ds->pinned = v;
-            s = dsk_cuda_memcpy(ctx, ds->vals, ds->pinned, sizeof v, 1);
-        }
-        if (s == DSK_OK) s = dsk_cuda_sync(ctx);
-    } else
-#endif
-    if (ds->device.type == DSK_DEV_CPU) {
-        ds->vals = (dsk_amp_step_vals *)DSK_MALLOC(sizeof v);
-        if (!ds->vals) s = dsk_set_error(DSK_ERR_OOM, "%s: out of host memory", fn);
-        else *ds->vals = v;
-    } else {
-        s = dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: ctx device type %d not available in this build", fn,
-                          (int)ds->device.type);
-    }
+    s = dsk__amp_dstep_vals(fn, ds, ctx, &v);
     if (s == DSK_OK) s = dsk_tensor_wrap(&ds->skip, &ds->vals->skip, DSK_I32, ds->device, 0, NULL);
     if (s != DSK_OK) dsk_amp_dstep_free(ds, ctx);
     return s;
@@ -1069,23 +1081,16 @@ DSK_API dsk_status dsk_amp_dstep_schedule(dsk_amp_dstep *ds, dsk_ctx *ctx, float
 
 DSK_API dsk_status dsk_amp_dstep_upload(dsk_amp_dstep *ds, dsk_ctx *ctx) {
     DSK__TRY(dsk__amp_need_dstep("dsk_amp_dstep_upload", ctx, ds));
-#ifdef DSK_CUDA
-    if (ds->device.type == DSK_DEV_CUDA)
-        return dsk_cuda_memcpy(ctx, (char *)ds->vals + DSK__AMP_SCHED_OFF,
-                               (const char *)ds->pinned + DSK__AMP_SCHED_OFF, DSK__AMP_SCHED_BYTES, 1);
-#endif
+    DSK__CUDA_PATH(ds->device.type == DSK_DEV_CUDA,
+                   dsk_cuda_memcpy(ctx, (char *)ds->vals + DSK__AMP_SCHED_OFF,
+                                   (const char *)ds->pinned + DSK__AMP_SCHED_OFF, DSK__AMP_SCHED_BYTES, 1));
     return DSK_OK;
 }
 
 DSK_API dsk_status dsk_amp_dstep_get(const dsk_amp_dstep *ds, dsk_ctx *ctx, dsk_amp_step_vals *out) {
     DSK__TRY(dsk__amp_need_dstep("dsk_amp_dstep_get", ctx, ds));
     if (!out) return dsk_set_error(DSK_ERR_ARG, "dsk_amp_dstep_get: out is NULL");
-#ifdef DSK_CUDA
-    if (ds->device.type == DSK_DEV_CUDA) {
-        DSK__TRY(dsk_cuda_memcpy(ctx, out, ds->vals, sizeof *out, 0));
-        return dsk_cuda_sync(ctx);
-    }
-#endif
+    DSK__CUDA_PATH(ds->device.type == DSK_DEV_CUDA, dsk__amp_dev_io(ctx, ds->vals, out, sizeof *out, 0));
     *out = *ds->vals;
     return DSK_OK;
 }
@@ -1099,15 +1104,28 @@ DSK_API dsk_status dsk_amp_decide_dev(dsk_amp_dstep *ds, dsk_ctx *ctx, const dsk
         return dsk_set_error(DSK_ERR_ARG, "%s: the scaler is on %s:%d, the dstep on %s:%d", fn,
                              sc->device.type == DSK_DEV_CUDA ? "cuda" : "cpu", sc->device.index,
                              ds->device.type == DSK_DEV_CUDA ? "cuda" : "cpu", ds->device.index);
-#ifdef DSK_CUDA
-    if (ds->device.type == DSK_DEV_CUDA) return dsk_cuda_amp_decide(ctx, sc->dev_block, ds->vals, max_norm);
-#endif
+    DSK__CUDA_PATH(ds->device.type == DSK_DEV_CUDA, dsk_cuda_amp_decide(ctx, sc->dev_block, ds->vals, max_norm));
     d = dsk_amp_decide(sc->stats, max_norm);
     ds->vals->skip = d.skip;
     ds->vals->grad_mult = d.grad_mult;
     ds->vals->norm = d.norm;
     return DSK_OK;
 }
+
+#ifdef DSK_CUDA
+/* dsk_amp_step_dev's CUDA path: each parameter's AdamW and cast read the decision from ds->vals. */
+static dsk_status dsk__amp_step_dev_cuda(dsk_ctx *ctx, const dsk_amp_param *params, int n, const dsk_adamw_opts *opts,
+                                         const dsk_amp_dstep *ds, dsk_amp_round round, uint64_t seed) {
+    for (int i = 0; i < n; i++) {
+        const dsk_amp_param *p = &params[i];
+        int rne_copy = p->copy && round == DSK_AMP_ROUND_NEAREST;
+        dsk_tensor *copy = rne_copy ? p->copy : NULL; /* refreshed by the AdamW pass itself */
+        DSK__TRY(dsk_cuda_amp_adamw_dev(ctx, p->master, p->grad, p->m, p->v, opts, ds->vals, copy));
+        if (p->copy && !rne_copy) DSK__TRY(dsk_cuda_amp_cast_dev(ctx, p->copy, p->master, seed, (uint64_t)i, ds->vals));
+    }
+    return DSK_OK;
+}
+#endif
 
 DSK_API dsk_status dsk_amp_step_dev(dsk_ctx *ctx, const dsk_amp_param *params, int n, const dsk_adamw_opts *opts,
                                     const dsk_amp_dstep *ds, dsk_amp_round round, uint64_t seed) {
@@ -1130,19 +1148,7 @@ DSK_API dsk_status dsk_amp_step_dev(dsk_ctx *ctx, const dsk_amp_param *params, i
             return dsk_set_error(DSK_ERR_ARG, "%s: params[%d] \"%s\" is not on the dstep's device", fn, i,
                                  params[i].name ? params[i].name : "");
     }
-#ifdef DSK_CUDA
-    if (ds->device.type == DSK_DEV_CUDA) {
-        for (int i = 0; i < n; i++) {
-            const dsk_amp_param *p = &params[i];
-            int rne_copy = p->copy && round == DSK_AMP_ROUND_NEAREST;
-            dsk_tensor *copy = rne_copy ? p->copy : NULL; /* refreshed by the AdamW pass itself */
-            DSK__TRY(dsk_cuda_amp_adamw_dev(ctx, p->master, p->grad, p->m, p->v, opts, ds->vals, copy));
-            if (p->copy && !rne_copy)
-                DSK__TRY(dsk_cuda_amp_cast_dev(ctx, p->copy, p->master, seed, (uint64_t)i, ds->vals));
-        }
-        return DSK_OK;
-    }
-#endif
+    DSK__CUDA_PATH(ds->device.type == DSK_DEV_CUDA, dsk__amp_step_dev_cuda(ctx, params, n, opts, ds, round, seed));
     {
         const dsk_amp_step_vals *v = ds->vals;
         dsk_amp_decision d;
@@ -1182,9 +1188,7 @@ DSK_API dsk_status dsk_amp_amax(dsk_ctx *ctx, dsk_tensor *amax, const dsk_tensor
     DSK__TRY(dsk__amp_fp8_in(fn, "x", x, x ? x->device : dsk_cpu()));
     DSK__TRY(dsk__amp_scalar_f32(fn, "amax", amax, x->device));
     DSK__TRY(dsk__amp_need_ctx(fn, ctx, x->device));
-#ifdef DSK_CUDA
-    if (x->device.type == DSK_DEV_CUDA) return dsk_cuda_amp_amax(ctx, (float *)amax->data, x, accumulate);
-#endif
+    DSK__CUDA_PATH(x->device.type == DSK_DEV_CUDA, dsk_cuda_amp_amax(ctx, (float *)amax->data, x, accumulate));
     {
         float *out = (float *)amax->data;
         uint32_t m = dsk_f32_bits(dsk__amp_amax_cpu(x)), prior = dsk_f32_bits(*out);
@@ -1204,6 +1208,17 @@ static dsk_status dsk__amp_margin(const char *fn, int margin) {
     return DSK_OK;
 }
 
+#ifdef DSK_CUDA
+/* dsk_amp_fp8_current_scale's CUDA path: x's amax, then the scale from it, on the device. */
+static dsk_status dsk__amp_current_scale_cuda(dsk_ctx *ctx, dsk_tensor *scale, dsk_tensor *amax, const dsk_tensor *x,
+                                              dsk_dtype fmt, int margin, int pow2) {
+    /* without amax, the scale slot holds it: the scale kernel may read and write one slot */
+    float *am = amax ? (float *)amax->data : (float *)scale->data;
+    DSK__TRY(dsk_cuda_amp_amax(ctx, am, x, 0));
+    return dsk_cuda_amp_fp8_scale(ctx, (float *)scale->data, am, 1, dsk_amp_fp8_max(fmt), margin, pow2, 0, NULL);
+}
+#endif
+
 DSK_API dsk_status dsk_amp_fp8_current_scale(dsk_ctx *ctx, dsk_tensor *scale, dsk_tensor *amax, const dsk_tensor *x,
                                              dsk_dtype fmt, int margin, int pow2) {
     const char *fn = "dsk_amp_fp8_current_scale";
@@ -1213,14 +1228,7 @@ DSK_API dsk_status dsk_amp_fp8_current_scale(dsk_ctx *ctx, dsk_tensor *scale, ds
     DSK__TRY(dsk__amp_scalar_f32(fn, "scale", scale, x->device));
     if (amax) DSK__TRY(dsk__amp_scalar_f32(fn, "amax", amax, x->device));
     DSK__TRY(dsk__amp_need_ctx(fn, ctx, x->device));
-#ifdef DSK_CUDA
-    if (x->device.type == DSK_DEV_CUDA) {
-        /* without amax, the scale slot holds it: the scale kernel may read and write one slot */
-        float *am = amax ? (float *)amax->data : (float *)scale->data;
-        DSK__TRY(dsk_cuda_amp_amax(ctx, am, x, 0));
-        return dsk_cuda_amp_fp8_scale(ctx, (float *)scale->data, am, 1, dsk_amp_fp8_max(fmt), margin, pow2, 0, NULL);
-    }
-#endif
+    DSK__CUDA_PATH(x->device.type == DSK_DEV_CUDA, dsk__amp_current_scale_cuda(ctx, scale, amax, x, fmt, margin, pow2));
     {
         float a = dsk__amp_amax_cpu(x);
         if (amax) *(float *)amax->data = a;
@@ -1239,9 +1247,7 @@ DSK_API dsk_status dsk_amp_fp8_quantize(dsk_ctx *ctx, dsk_tensor *q, const dsk_t
     if (!dsk__amp_is_fp8(q->dtype) || !dsk_tensor_same_shape(q, x))
         return dsk_set_error(DSK_ERR_ARG, "%s: q %s must be e4m3 or e5m2 of x's shape %s", fn,
                              dsk_tensor_describe(q, a, sizeof a), dsk_tensor_describe(x, b, sizeof b));
-#ifdef DSK_CUDA
-    if (x->device.type == DSK_DEV_CUDA) return dsk_cuda_amp_fp8_quantize(ctx, q, x, (const float *)scale->data);
-#endif
+    DSK__CUDA_PATH(x->device.type == DSK_DEV_CUDA, dsk_cuda_amp_fp8_quantize(ctx, q, x, (const float *)scale->data));
     {
         float sc = *(const float *)scale->data;
         uint8_t *o = (uint8_t *)q->data;
@@ -1261,9 +1267,7 @@ DSK_API dsk_status dsk_amp_fp8_dequantize(dsk_ctx *ctx, dsk_tensor *y, const dsk
     if (!dsk__amp_is_fp8(q->dtype) || !dsk_tensor_same_shape(q, y))
         return dsk_set_error(DSK_ERR_ARG, "%s: q %s must be e4m3 or e5m2 of y's shape %s", fn,
                              dsk_tensor_describe(q, a, sizeof a), dsk_tensor_describe(y, b, sizeof b));
-#ifdef DSK_CUDA
-    if (q->device.type == DSK_DEV_CUDA) return dsk_cuda_amp_fp8_dequantize(ctx, y, q, (const float *)scale->data);
-#endif
+    DSK__CUDA_PATH(q->device.type == DSK_DEV_CUDA, dsk_cuda_amp_fp8_dequantize(ctx, y, q, (const float *)scale->data));
     {
         float inv = 1.0f / *(const float *)scale->data;
         const uint8_t *in = (const uint8_t *)q->data;
@@ -1330,6 +1334,18 @@ DSK_API dsk_status dsk_amp_fp8_delayed_quantize(dsk_amp_fp8_delayed *d, dsk_ctx 
     return dsk_amp_amax(ctx, &slot, x, 1);
 }
 
+#ifdef DSK_CUDA
+/* dsk_amp_fp8_delayed_update's CUDA path: the scale from the history (or its slot pos), slot next cleared. */
+static dsk_status dsk__amp_delayed_update_cuda(dsk_amp_fp8_delayed *d, dsk_ctx *ctx, float *h, int64_t next) {
+    int most_recent = d->opts.algo == DSK_AMP_AMAX_MOST_RECENT;
+    DSK__TRY(dsk_cuda_amp_fp8_scale(ctx, (float *)d->scale.data, most_recent ? h + d->pos : h,
+                                    most_recent ? 1 : d->opts.history_len, dsk_amp_fp8_max(d->opts.fmt), d->opts.margin,
+                                    d->opts.pow2, 1, h + next));
+    d->pos = next;
+    return DSK_OK;
+}
+#endif
+
 DSK_API dsk_status dsk_amp_fp8_delayed_update(dsk_amp_fp8_delayed *d, dsk_ctx *ctx) {
     const char *fn = "dsk_amp_fp8_delayed_update";
     float *h;
@@ -1338,16 +1354,7 @@ DSK_API dsk_status dsk_amp_fp8_delayed_update(dsk_amp_fp8_delayed *d, dsk_ctx *c
     DSK__TRY(dsk__amp_need_ctx(fn, ctx, d->history.device));
     h = (float *)d->history.data;
     next = (d->pos + 1) % d->opts.history_len;
-#ifdef DSK_CUDA
-    if (d->history.device.type == DSK_DEV_CUDA) {
-        int most_recent = d->opts.algo == DSK_AMP_AMAX_MOST_RECENT;
-        dsk_status s = dsk_cuda_amp_fp8_scale(ctx, (float *)d->scale.data, most_recent ? h + d->pos : h,
-                                              most_recent ? 1 : d->opts.history_len, dsk_amp_fp8_max(d->opts.fmt),
-                                              d->opts.margin, d->opts.pow2, 1, h + next);
-        if (s == DSK_OK) d->pos = next;
-        return s;
-    }
-#endif
+    DSK__CUDA_PATH(d->history.device.type == DSK_DEV_CUDA, dsk__amp_delayed_update_cuda(d, ctx, h, next));
     {
         uint32_t m = 0;
         float *sc = (float *)d->scale.data;
@@ -1413,9 +1420,7 @@ DSK_API dsk_status dsk_amp_fp8_block_quantize(dsk_ctx *ctx, dsk_tensor *q, dsk_t
     DSK__TRY(dsk__amp_check(fn, "scales", scales, x->device));
     DSK__TRY(dsk__amp_need_ctx(fn, ctx, x->device));
     DSK__TRY(dsk__amp_block_args(fn, x, q, scales, br, bc));
-#ifdef DSK_CUDA
-    if (x->device.type == DSK_DEV_CUDA) return dsk_cuda_amp_fp8_block_quantize(ctx, q, scales, x, br, bc, pow2);
-#endif
+    DSK__CUDA_PATH(x->device.type == DSK_DEV_CUDA, dsk_cuda_amp_fp8_block_quantize(ctx, q, scales, x, br, bc, pow2));
     {
         int64_t R = x->shape[0], C = x->shape[1], SR = scales->shape[0], SC = scales->shape[1];
         float fmax = dsk_amp_fp8_max(q->dtype), *sc = (float *)scales->data;
@@ -1484,9 +1489,7 @@ DSK_API dsk_status dsk_amp_fp8_block_quantize_t(dsk_ctx *ctx, dsk_tensor *q, dsk
         return dsk_set_error(DSK_ERR_ARG, "%s: tensor %s must be 2-D (R, C)", fn, dsk_tensor_describe(x, a, sizeof a));
     DSK__TRY(dsk_tensor_transpose(x, 0, 1, &xt)); /* only its shape is used: the checks are those of x^T */
     DSK__TRY(dsk__amp_block_args(fn, &xt, q, scales, br, bc));
-#ifdef DSK_CUDA
-    if (x->device.type == DSK_DEV_CUDA) return dsk_cuda_amp_fp8_block_quantize_t(ctx, q, scales, x, br, bc, pow2);
-#endif
+    DSK__CUDA_PATH(x->device.type == DSK_DEV_CUDA, dsk_cuda_amp_fp8_block_quantize_t(ctx, q, scales, x, br, bc, pow2));
     {
         int64_t C = x->shape[1], SC = scales->shape[1];
         uint32_t *cm = (uint32_t *)DSK_MALLOC((size_t)(SC * C) * (sizeof(uint32_t) + sizeof(float)) + 1);
@@ -1510,9 +1513,7 @@ DSK_API dsk_status dsk_amp_fp8_block_dequantize(dsk_ctx *ctx, dsk_tensor *y, con
     DSK__TRY(dsk__amp_check(fn, "scales", scales, q->device));
     DSK__TRY(dsk__amp_need_ctx(fn, ctx, q->device));
     DSK__TRY(dsk__amp_block_args(fn, y, q, scales, br, bc));
-#ifdef DSK_CUDA
-    if (q->device.type == DSK_DEV_CUDA) return dsk_cuda_amp_fp8_block_dequantize(ctx, y, q, scales, br, bc);
-#endif
+    DSK__CUDA_PATH(q->device.type == DSK_DEV_CUDA, dsk_cuda_amp_fp8_block_dequantize(ctx, y, q, scales, br, bc));
     {
         int64_t R = q->shape[0], C = q->shape[1], SC = scales->shape[1];
         const float *sc = (const float *)scales->data;

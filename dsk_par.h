@@ -349,6 +349,20 @@ static dsk_status dsk__par_need_backend(const char *fn, const dsk_comm *tp, cons
                          name, cuda ? "a CUDA device" : "the CPU", tp->backend == DSK_COMM_NCCL ? "nccl" : "host");
 }
 
+/* A tensor on a device this build runs: a CUDA one needs DSK_CUDA. */
+static dsk_status dsk__par_need_build(const char *fn, const char *name, const dsk_tensor *t) {
+#ifndef DSK_CUDA
+    char d[96];
+    if (t->device.type == DSK_DEV_CUDA)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: %s %s on a CUDA device in a build without DSK_CUDA", fn, name,
+                             dsk_tensor_describe(t, d, sizeof d));
+#endif
+    (void)fn;
+    (void)name;
+    (void)t;
+    return DSK_OK;
+}
+
 /* A contiguous temporary like `like` with shape sh (on like's device). */
 static dsk_status dsk__par_temp(dsk_ctx *ctx, const dsk_tensor *like, dsk_tensor *t, dsk_dtype dt, int ndim,
                                 const int64_t *sh) {
@@ -929,14 +943,9 @@ DSK_API dsk_status dsk_par_cross_entropy(dsk_comm *tp, dsk_ctx *ctx, dsk_tensor 
         return dsk_set_error(DSK_ERR_ARG, "%s: logits %s, targets and loss must be on one device", fn,
                              dsk_tensor_describe(logits, d, sizeof d));
     DSK__TRY(dsk__par_need_backend(fn, tp, "logits", logits));
-    if (logits->device.type == DSK_DEV_CUDA) {
-#ifdef DSK_CUDA
-        return dsk__par_ce_cuda(tp, ctx, loss, dlogits, logits, targets, lo, ignore_index, grad_scale);
-#else
-        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: logits %s on a CUDA device in a build without DSK_CUDA", fn,
-                             dsk_tensor_describe(logits, d, sizeof d));
-#endif
-    }
+    DSK__TRY(dsk__par_need_build(fn, "logits", logits));
+    DSK__CUDA_PATH(logits->device.type == DSK_DEV_CUDA,
+                   dsk__par_ce_cuda(tp, ctx, loss, dlogits, logits, targets, lo, ignore_index, grad_scale));
     tg = (const int32_t *)targets->data;
     for (int64_t r = 0; r < R; r++) {
         if (tg[r] == ignore_index) continue;
