@@ -175,10 +175,9 @@ $(SELF_IMPL): LIB_LINK = $(KLINK)
 
 # The trainer includes its examples/train_*.h and train/*.h; the other examples are one file each.
 $(BUILD)/examples/train_moe $(EMU)/examples/train_moe: $(EXAMPLE_HDR)
-# trainer/test_model tests the example model (examples/train_model.h, train_mla.h).
-$(BUILD)/tests/trainer/test_model: $(EXAMPLE_HDR)
-# test_hf tests the Hugging Face import and export of the example model (examples/train_hf.h).
-$(BUILD)/tests/test_hf: $(EXAMPLE_HDR)
+# trainer/test_model tests the example model (examples/train_model.h, train_mla.h), trainer/test_hf
+# its Hugging Face import and export (examples/train_hf.h).
+$(BUILD)/tests/trainer/test_model $(BUILD)/tests/trainer/test_hf: $(EXAMPLE_HDR)
 
 # dsk_plan is the trainer's own sizing code run without memory: it compiles train_moe.c into itself.
 $(BUILD)/examples/dsk_plan: examples/train_moe.c $(EXAMPLE_HDR)

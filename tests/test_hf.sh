@@ -2,8 +2,8 @@
 # Hugging Face DeepSeek checkpoints in and out of examples/train_moe.c (examples/train_hf.h),
 # against the committed fixtures under tests/hf/ (tests/hf/make_fixture.py wrote them with
 # transformers):
-# - build/tests/test_hf (the C cases: import -> logits and loss, FP8, round trips, bad input),
-#   keeping its exports of the fixtures' (moved) weights for the checks below;
+# - build/tests/trainer/test_hf (the C cases: import -> logits and loss, FP8, round trips, bad
+#   input), keeping its exports of the fixtures' (moved) weights for the checks below;
 # - Python's safetensors reads every tensor of those exports and of the trainer's f32, bf16 and
 #   fp8 exports after two fine-tuning steps: the hub's names and shapes, config.json with every
 #   key of the fixture's (tests/hf/check_export.py);
@@ -21,13 +21,13 @@
 TEST_NAME=test_hf
 source "$(dirname "$0")/train_test_lib.sh"
 need_built "$BIN"
-need_built "$BUILD/tests/test_hf"
+need_built "$BUILD/tests/trainer/test_hf"
 
 mkdir -p "$work/keep"
-if "$BUILD/tests/test_hf" "$work/keep" >"$work/c.out" 2>&1; then
-    ok "build/tests/test_hf: $(tail -1 "$work/c.out")"
+if "$BUILD/tests/trainer/test_hf" "$work/keep" >"$work/c.out" 2>&1; then
+    ok "build/tests/trainer/test_hf: $(tail -1 "$work/c.out")"
 else
-    bad "build/tests/test_hf" "$(grep -E 'FAIL|tests/test_hf.c' "$work/c.out" | head -5)"
+    bad "build/tests/trainer/test_hf" "$(grep -E 'FAIL|tests/trainer/test_hf.c' "$work/c.out" | head -5)"
 fi
 
 # an llm.c token shard over the fixtures' 64-token vocabulary, from the frozen corpus

@@ -175,8 +175,8 @@ static void test_import_mtp(void) {
         DSK_TEST_OK(dsk_tensor_copy(&g_ctx, &got, e.tensor));
         e.tensor = &want;
         DSK_TEST_OK(dsk_ckpt_hf_read_dequant(&hf, &g_ctx, &e, 1, h.block));
-        DSK_TEST_EXPECT(memcmp(want.data, got.data, (size_t)dsk_tensor_numel(&got) * 4) == 0,
-                        "%s imported bitwise", e.name);
+        DSK_TEST_EXPECT(memcmp(want.data, got.data, (size_t)dsk_tensor_numel(&got) * 4) == 0, "%s imported bitwise",
+                        e.name);
         checked++;
         dsk_tensor_free(NULL, &want);
         dsk_tensor_free(NULL, &got);
@@ -235,7 +235,14 @@ static void test_import_mtp(void) {
     DSK_TEST_EXPECT(h2.num_nextn_predict_layers == 1, "the export declares %d MTP layers", h2.num_nextn_predict_layers);
     DSK_TEST_EXPECT(same_weights(&m, &back), "export -> import of the MTP model is bitwise");
     tm_free(&back);
-    free(lg); free(ids); free(tg); free(all); free(wantf); free(got); free(wl); free(want);
+    free(lg);
+    free(ids);
+    free(tg);
+    free(all);
+    free(wantf);
+    free(got);
+    free(wl);
+    free(want);
     free(r.tokens);
     free(r.logits);
     tm_free(&m);
@@ -377,8 +384,8 @@ static void test_fp8_import(void) {
         g_mtp = 0;
         DSK_TEST_OK(dsk_tensor_fill(&g_ctx, &m.slab_w, NAN));
         DSK_TEST_OK(thf_load(&m, &h, "tests/hf/v3_fp8"));
-        DSK_TEST_EXPECT(h.fp8 && h.block[0] == 16 && h.block[1] == 16,
-                        "quantization_config read: fp8 %d block %d x %d", h.fp8, h.block[0], h.block[1]);
+        DSK_TEST_EXPECT(h.fp8 && h.block[0] == 16 && h.block[1] == 16, "quantization_config read: fp8 %d block %d x %d",
+                        h.fp8, h.block[0], h.block[1]);
         int fp8 = check_dequant(&m, "tests/hf/v3_fp8", 16, 1), want = mtp ? 72 : 40;
         DSK_TEST_EXPECT(fp8 == want, "%d FP8 tensors in the fixture (--mtp %d), saw %d", want, mtp, fp8);
         tm_free(&m);
@@ -389,8 +396,9 @@ static void test_fp8_import(void) {
 static int same_weights(const tm_model *a, const tm_model *b) {
     int same = memcmp(a->slab_w.data, b->slab_w.data, dsk_tensor_nbytes(&a->slab_w)) == 0;
     for (int l = a->cfg.n_dense; l < tm_n_blocks(&a->cfg); l++) /* MoE MTP blocks' biases too */
-        if (a->blocks[l].is_moe) same &= memcmp(a->blocks[l].moe_bias.data, b->blocks[l].moe_bias.data,
-                       dsk_tensor_nbytes(&a->blocks[l].moe_bias)) == 0;
+        if (a->blocks[l].is_moe)
+            same &= memcmp(a->blocks[l].moe_bias.data, b->blocks[l].moe_bias.data,
+                           dsk_tensor_nbytes(&a->blocks[l].moe_bias)) == 0;
     return same;
 }
 
@@ -547,7 +555,9 @@ static void load_fails_in(const char *fixture, int block, const char *dir, const
     tm_free(&m);
 }
 
-static void load_fails(const char *dir, const char *n1, const char *n2) { load_fails_in("tests/hf/v3", 0, dir, n1, n2); }
+static void load_fails(const char *dir, const char *n1, const char *n2) {
+    load_fails_in("tests/hf/v3", 0, dir, n1, n2);
+}
 
 static void load_fails_fp8(const char *dir, int block, const char *n1, const char *n2) {
     load_fails_in("tests/hf/v3_fp8", block, dir, n1, n2);
@@ -617,12 +627,12 @@ static void test_bad_library(void) {
     dsk_ckpt_hf_deepseek_config h;
     snprintf(dir, sizeof dir, "%s/badlib", g_tmp);
     snprintf(path, sizeof path, "%s/config.json", dir);
-    const char *edits[][3] = {{"\"hidden_size\": 32", "\"hidden_size\": \"32\"", "\"hidden_size\" is not an integer"},
-                              {"\"norm_topk_prob\": true", "\"norm_topk_prob\": 1", "\"norm_topk_prob\" is not true"},
-                              {"DeepseekV3ForCausalLM", "LlamaForCausalLM", "\"architectures\" names neither"},
-                              {"\"scoring_func\": \"sigmoid\"", "\"scoring_func\": \"relu\"",
-                               "\"scoring_func\" is \"relu\""},
-                              {"\"rope_theta\": 10000.0", "\"rope_theta\": null", "\"rope_theta\" is not a number"}};
+    const char *edits[][3] = {
+        {"\"hidden_size\": 32", "\"hidden_size\": \"32\"", "\"hidden_size\" is not an integer"},
+        {"\"norm_topk_prob\": true", "\"norm_topk_prob\": 1", "\"norm_topk_prob\" is not true"},
+        {"DeepseekV3ForCausalLM", "LlamaForCausalLM", "\"architectures\" names neither"},
+        {"\"scoring_func\": \"sigmoid\"", "\"scoring_func\": \"relu\"", "\"scoring_func\" is \"relu\""},
+        {"\"rope_theta\": 10000.0", "\"rope_theta\": null", "\"rope_theta\" is not a number"}};
     for (size_t i = 0; i < sizeof edits / sizeof edits[0]; i++) {
         copy_fixture("tests/hf/v3", dir);
         edit_file(path, edits[i][0], edits[i][1]);
