@@ -1698,6 +1698,16 @@ static void one_layer_step(dsk_moe *m, float *xs, float *dys, const int64_t *shp
 
 static float *ep_result(const ep_job *j, int r) { return j->gdy + (size_t)j->NT * EP_D + j->per_rank * (size_t)r; }
 
+/* Waits for the n ranks forked: status[r], r in the order they end, is the wait status of a rank that
+   failed (-1 if that is 0); the others are left as they are. */
+static void wait_ranks(int n, int *status) {
+    for (int r = 0; r < n; r++) {
+        int st = 0;
+        pid_t pid = wait(&st);
+        if (pid > 0 && !(WIFEXITED(st) && WEXITSTATUS(st) == 0)) status[r] = st ? st : -1;
+    }
+}
+
 /* Forks the ranks and waits for them. Called before this process uses OpenMP (libgomp's
    thread pool does not survive fork). */
 static void ep_run(ep_job *j, int n, int sigmoid) {
@@ -1722,11 +1732,7 @@ static void ep_run(ep_job *j, int n, int sigmoid) {
         }
         j->flags[r] = pid < 0 ? -1 : 0;
     }
-    for (int r = 0; r < n; r++) {
-        int status = 0;
-        pid_t pid = wait(&status);
-        if (pid > 0 && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) j->flags[r] = status ? status : -1;
-    }
+    wait_ranks(n, j->flags);
 }
 
 static void ep_check(ep_job *j) {
@@ -1893,11 +1899,7 @@ static void f8_run(f8_job *j) {
         }
         j->status[r] = pid < 0 ? -1 : 0;
     }
-    for (int r = 0; r < F8_N; r++) {
-        int status = 0;
-        pid_t pid = wait(&status);
-        if (pid > 0 && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) j->status[r] = status ? status : -1;
-    }
+    wait_ranks(F8_N, j->status);
 }
 
 /* x's rows as the experts read them after FP8 dispatch: 1x128 tiles, d = dsk_amp_fp8_block_scale
@@ -2753,11 +2755,7 @@ static void aj_run(aj_job *j, int n) {
             _exit(rc);
         }
     }
-    for (int r = 0; r < n; r++) {
-        int status = 0;
-        pid_t pid = wait(&status);
-        if (pid > 0 && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) j->status[r] = status ? status : -1;
-    }
+    wait_ranks(n, j->status);
 }
 
 /* Against float64: sumsq = the replicated gradients once + every rank's sharded ones, on every
