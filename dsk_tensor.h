@@ -1678,9 +1678,7 @@ DSK_API dsk_status dsk_tensor_fill(dsk_ctx *ctx, dsk_tensor *t, double value) {
     dsk_status s;
     int64_t n;
     if ((s = dsk__need("dsk_tensor_fill", "tensor", t)) != DSK_OK) return s;
-#ifdef DSK_CUDA
-    if (t->device.type == DSK_DEV_CUDA) return dsk_cuda_tensor_fill(ctx, t, value);
-#endif
+    DSK__CUDA_PATH(t->device.type == DSK_DEV_CUDA, dsk_cuda_tensor_fill(ctx, t, value));
     (void)ctx;
     n = dsk_tensor_numel(t);
     if (n > 0 && dsk_tensor_is_contiguous(t)) {
@@ -1710,9 +1708,7 @@ DSK_API dsk_status dsk_tensor_uniform(dsk_ctx *ctx, dsk_tensor *t, uint64_t seed
     if ((s = dsk__need("dsk_tensor_uniform", "tensor", t)) != DSK_OK) return s;
     if (!dsk_dtype_is_float(t->dtype))
         return dsk_set_error(DSK_ERR_ARG, "dsk_tensor_uniform: dtype %s is not a float type", dsk_dtype_name(t->dtype));
-#ifdef DSK_CUDA
-    if (t->device.type == DSK_DEV_CUDA) return dsk_cuda_tensor_uniform(ctx, t, seed, offset, lo, hi);
-#endif
+    DSK__CUDA_PATH(t->device.type == DSK_DEV_CUDA, dsk_cuda_tensor_uniform(ctx, t, seed, offset, lo, hi));
     (void)ctx;
     for (int64_t i = 0, n = dsk_tensor_numel(t); i < n; i++)
         dsk_store_f64(t->data, t->dtype, dsk__offset(t, i), lo + (hi - lo) * dsk_rng_uniform_at(seed, offset, (uint64_t)i));
@@ -1724,9 +1720,7 @@ DSK_API dsk_status dsk_tensor_normal(dsk_ctx *ctx, dsk_tensor *t, uint64_t seed,
     if ((s = dsk__need("dsk_tensor_normal", "tensor", t)) != DSK_OK) return s;
     if (!dsk_dtype_is_float(t->dtype))
         return dsk_set_error(DSK_ERR_ARG, "dsk_tensor_normal: dtype %s is not a float type", dsk_dtype_name(t->dtype));
-#ifdef DSK_CUDA
-    if (t->device.type == DSK_DEV_CUDA) return dsk_cuda_tensor_normal(ctx, t, seed, offset, mean, std);
-#endif
+    DSK__CUDA_PATH(t->device.type == DSK_DEV_CUDA, dsk_cuda_tensor_normal(ctx, t, seed, offset, mean, std));
     (void)ctx;
     for (int64_t i = 0, n = dsk_tensor_numel(t); i < n; i++)
         dsk_store_f64(t->data, t->dtype, dsk__offset(t, i), mean + std * dsk_rng_normal_at(seed, offset, (uint64_t)i));
@@ -4944,10 +4938,8 @@ DSK_API dsk_status dsk_matmul_fp8(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor 
     if (A->shape[0] > INT32_MAX)
         return dsk_set_error(DSK_ERR_ARG, "%s: A has %lld rows, more than i32 row offsets hold", fn,
                              (long long)A->shape[0]);
-#ifdef DSK_CUDA
-    if (cuda)
-        return dsk_cuda_matmul_fp8(ctx, C, A, a_scales, (int)a_scaling, B, b_scales, (int)b_scaling, NULL, alpha, beta);
-#endif
+    DSK__CUDA_PATH(
+        cuda, dsk_cuda_matmul_fp8(ctx, C, A, a_scales, (int)a_scaling, B, b_scales, (int)b_scaling, NULL, alpha, beta));
     dsk__fp8_args_init(&p, C, A, a_scales, a_scaling, B, b_scales, b_scaling, alpha, beta);
     off[0] = 0;
     off[1] = (int32_t)A->shape[0];
@@ -4996,11 +4988,8 @@ DSK_API dsk_status dsk_matmul_fp8_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk
     DSK__TRY(dsk__fp8_need_scales(fn, "a_scales", a_scales, "A", A, DSK_FP8_TILE_1X128));
     DSK__TRY(dsk__fp8_need_scales(fn, "b_scales", b_scales, "B", B, b_scaling));
     DSK__TRY(dsk__need_devices(fn, ctx, 6, ts, names, &cuda));
-#ifdef DSK_CUDA
-    if (cuda)
-        return dsk_cuda_matmul_fp8(ctx, C, A, a_scales, DSK_FP8_TILE_1X128, B, b_scales, (int)b_scaling, offsets, alpha,
-                                   beta);
-#endif
+    DSK__CUDA_PATH(cuda, dsk_cuda_matmul_fp8(ctx, C, A, a_scales, DSK_FP8_TILE_1X128, B, b_scales, (int)b_scaling,
+                                             offsets, alpha, beta));
     DSK__TRY(dsk__check_offsets(fn, offsets, G, A->shape[weights ? 1 : 0]));
     dsk__fp8_args_init(&p, C, A, a_scales, DSK_FP8_TILE_1X128, B, b_scales, b_scaling, alpha, beta);
     p.off = (const int32_t *)offsets->data;
