@@ -1096,6 +1096,7 @@ static int apply_plan(options *o) {
     o->batch = (int)(job.sequences / o->accum);
     snprintf(o->pp_schedule, sizeof o->pp_schedule, "%s", dsk_par_schedule_name(l.schedule));
     snprintf(o->recompute, sizeof o->recompute, "%s", rc[l.recompute]);
+    snprintf(o->optim_dtype, sizeof o->optim_dtype, "%s", dsk_dtype_name(l.moments));
     return 0;
 }
 
