@@ -37,7 +37,9 @@
      rank; intra-node when the group fits in a node, else the inter-node bandwidth) plus a
      latency per message; tensor-parallel (4 collectives per attention and dense FFN half per
      micro-batch, forward and backward), expert-parallel (dispatch and combine, forward and
-     backward) and pipeline (one activation and one gradient per micro-batch and chunk) traffic
+     backward) and pipeline (the sends of the busiest stage's schedule, whose bytes the model's
+     callback gives: examples/train_plan.h walks the trainer's schedule and buffers, and
+     tests/test_plan.sh compares them with the bytes a run hands to dsk_comm_send) traffic
      is exposed; the gradient reductions overlap backward up to cluster.overlap of it. The
      efficiency and the overlap are calibration: bench/plan_rank.sh measures this machine's CPU
      ranks into bench/plan_cpu_calibrated.json (its figures and command in bench/RESULTS.md); the
@@ -148,9 +150,10 @@ typedef struct dsk_plan_model {
     double act_bytes;            /* bytes per element of activations on the wire (2: bf16) */
     /* stage `stage` of the layout: its rank's memory; *reduce_bytes and *gather_bytes: what its
        gradient reductions and weight gathers hand over per step (the messages, dsk_zero_plan's);
-       *reduce_all: 1 when the reductions are all-reduces (ZeRO 0-1), 0 reduce-scatters */
+       *reduce_all: 1 when the reductions are all-reduces (ZeRO 0-1), 0 reduce-scatters;
+       *send_bytes: what its pipeline sends (activations and gradients) hand over per step */
     dsk_status (*memory)(void *user, const dsk_plan_layout *l, const dsk_plan_job *job, int stage, dsk_plan_memory *mem,
-                         double *reduce_bytes, double *gather_bytes, int *reduce_all);
+                         double *reduce_bytes, double *gather_bytes, int *reduce_all, double *send_bytes);
     void *user;
 } dsk_plan_model;
 
@@ -168,12 +171,13 @@ typedef struct dsk_plan_result {
     int worst_stage;
     int64_t total; /* its total bytes, the imbalance's worst case left out */
     int fits;
+    double pp_bytes; /* the busiest stage's pipeline sends per step (the callback's send_bytes) */
     /* seconds per step: compute (with recomputation), the bubble, the exposed communication */
     double step_s, compute_s, bubble_s, tp_s, ep_s, pp_s, zero_s, zero_exposed_s;
     char why[200]; /* why it lost to the best (empty for the best) */
 } dsk_plan_result;
 
-/* The step time of a layout given its gradient traffic (fills the seconds of *r). */
+/* The step time of r->layout given its gradient traffic and r->pp_bytes (fills the seconds of *r). */
 DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
                                  double reduce_bytes, double gather_bytes, int reduce_all, dsk_plan_result *r);
 /* Enumerates, sizes and times every layout of the space (NULL: all); *out (dsk_plan_results_free)
@@ -434,9 +438,7 @@ DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster
                                                         (double)m->d_model * a,
                                                     4.0 * moe / l->pp)
                         : 0;
-    r->pp_s = l->pp > 1 ? l->micro * l->vstages *
-                              dsk__plan_link(c, l->tp * l->dp + 1, 2.0 * Nm / l->tp * (double)m->d_model * a, 2.0)
-                        : 0;
+    r->pp_s = l->pp > 1 ? dsk__plan_link(c, l->tp * l->dp + 1, r->pp_bytes, 2.0 * l->micro * l->vstages) : 0;
     r->zero_s = dpn > 1
                     ? dsk__plan_link(
                           c, l->dp * l->tp,
@@ -475,13 +477,15 @@ static dsk_status dsk__plan_eval(const dsk_plan_model *m, const dsk_plan_cluster
     double red = 0, gat = 0;
     int all = 1;
     r->total = -1;
+    r->pp_bytes = 0;
     for (int s = 0; s < r->layout.pp; s++) {
         dsk_plan_memory mem;
-        double rb = 0, gb = 0;
+        double rb = 0, gb = 0, sb = 0;
         int ra = 1;
         int64_t tot;
         memset(&mem, 0, sizeof mem);
-        DSK__TRY(m->memory(m->user, &r->layout, job, s, &mem, &rb, &gb, &ra));
+        DSK__TRY(m->memory(m->user, &r->layout, job, s, &mem, &rb, &gb, &ra, &sb));
+        if (sb > r->pp_bytes) r->pp_bytes = sb;
         tot = mem.params + mem.grads + mem.optimizer + mem.comm + mem.activations;
         if (tot > r->total) {
             r->total = tot;

@@ -8,8 +8,15 @@
 #      buffers, activations: its "memory bytes" line) must equal what `dsk_plan --check-rank R`
 #      predicts for that rank, exactly (the planner runs the trainer's own sizing code), and the
 #      bytes handed to the gradient reductions in the step (the JSON log's reduce_bytes, rank 0)
-#      must equal the predicted ones exactly. The issue allows 2% (activations 5%); a difference
-#      here means the planner and the trainer size something differently.
+#      must equal the predicted ones exactly, and so must the bytes rank 0 handed to the pipeline's
+#      sends in the step (the JSON log's pp_send_bytes, dsk_comm's send_payload counter on the
+#      pipeline group: activations and gradients) against the plan's walk of the same schedule,
+#      and the bytes its MoE layers handed to the expert-parallel dispatch (every token's K rows,
+#      dropless) and, under --ep-exchange bounded (fixed blocks), the combine (the log's
+#      ep_dispatch_bytes, ep_combine_bytes); the exact exchange's combine follows the routing and
+#      is not compared. The issue allows 2% (activations 5%); a difference here means the planner
+#      and the trainer size something differently. Tensor-parallel collectives are not compared
+#      byte for byte (bench/RESULTS.md says why).
 #   2. Bad input: a cluster file without a field fails naming the field; one with a mistyped
 #      value names it; a model that fits no layout prints the smallest memory any layout needs
 #      against each GPU's and exits 3; train_moe --plan with a choice file missing a field, with an
@@ -48,17 +55,24 @@ layout() {
         got=$(grep -o "memory bytes, rank $r: .*" "$out" | head -1 |
             sed -E 's/.*parameters ([0-9]+), gradients ([0-9]+), optimizer state ([0-9]+), compression buffers ([0-9]+), activations ([0-9]+).*/\1 \2 \3 \4 \5/')
         want=$("$PLAN" --device cpu --check-rank "$r" --nproc "$n" "${TINY[@]}" "$@" 2>&1 |
-            sed -E 's/.*parameters ([0-9]+), gradients ([0-9]+), optimizer state ([0-9]+), compression buffers ([0-9]+), activations ([0-9]+),.*reduce per step ([0-9]+).*/\1 \2 \3 \4 \5 \6/')
+            sed -E 's/.*parameters ([0-9]+), gradients ([0-9]+), optimizer state ([0-9]+), compression buffers ([0-9]+), activations ([0-9]+),.*reduce per step ([0-9]+),.*pipeline sends per step ([0-9]+), ep dispatch per step ([0-9]+), ep combine per step (-?[0-9]+).*/\1 \2 \3 \4 \5 \6 \7 \8 \9/')
         [ "$got" = "$(echo "$want" | cut -d' ' -f1-5)" ] || diffs+=("rank $r: run $got, plan $want")
         if [ "$r" -eq 0 ]; then
             got=$(grep -o '"reduce_bytes":[0-9]*' "$work/$name.jsonl" | head -1 | cut -d: -f2)
             [ "$got" = "$(echo "$want" | cut -d' ' -f6)" ] || diffs+=("rank 0: reduced ${got:-?} bytes, plan $want")
+            got=$(grep -o '"pp_send_bytes":[0-9]*' "$work/$name.jsonl" | head -1 | cut -d: -f2)
+            [ "$got" = "$(echo "$want" | cut -d' ' -f7)" ] || diffs+=("rank 0: sent ${got:-?} pipeline bytes, plan $want")
+            got=$(grep -o '"ep_dispatch_bytes":[0-9]*' "$work/$name.jsonl" | head -1 | cut -d: -f2)
+            [ "$got" = "$(echo "$want" | cut -d' ' -f8)" ] || diffs+=("rank 0: dispatched ${got:-?} bytes, plan $want")
+            got=$(grep -o '"ep_combine_bytes":[0-9]*' "$work/$name.jsonl" | head -1 | cut -d: -f2)
+            [ "$(echo "$want" | cut -d' ' -f9)" = -1 ] || [ "$got" = "$(echo "$want" | cut -d' ' -f9)" ] ||
+                diffs+=("rank 0: combined ${got:-?} bytes, plan $want")
         fi
     done
     if [ ${#diffs[@]} -eq 0 ]; then
-        ok "memory: $name ($n ranks: $*): every rank's parameters, gradients, optimizer state, buffers and activations and the step's reduction bytes equal the plan's"
+        ok "memory: $name ($n ranks: $*): every rank's parameters, gradients, optimizer state, buffers and activations and the step's reduction, pipeline-send and expert-exchange bytes equal the plan's"
     else
-        bad "memory: $name: the plan differs from the run (parameters gradients optimizer comm activations [reduce])" "${diffs[@]}"
+        bad "memory: $name: the plan differs from the run (parameters gradients optimizer comm activations [reduce sends dispatch combine])" "${diffs[@]}"
     fi
 }
 
@@ -73,6 +87,9 @@ layout v3mla_ep2_zero3 2 --preset v3 --experts 8 --groups 4 --topk-groups 2 --ep
 layout interleaved 4 --pp 2 --pp-schedule interleaved --virtual-stages 2 --micro-batches 2 --preset v2-lite
 layout dp2_moments_bf16 2 --optim-dtype bf16
 layout pp2ep2_zero1_moments_bf16 8 --pp 2 --ep 2 --micro-batches 2 --zero 1 --optim-dtype bf16 --recompute full
+layout ep2_bounded 4 --ep 2 --ep-exchange bounded --zero 1
+layout tp2pp2ep2_bounded 8 --tp 2 --pp 2 --ep 2 --micro-batches 2 --pp-schedule interleaved --virtual-stages 2 \
+    --ep-exchange bounded --preset v2-lite
 
 # ---- bad input
 echo '{"name": "x", "nodes": 1, "gpus_per_node": 8, "memory_gb": 80, "bf16_tflops": 989, "fp8_tflops": 1979,
@@ -119,6 +136,14 @@ for c in 'nozero:missing field "zero"' 'unknown:unknown field "speed"' 'sched:"p
         bad "bad input: train_moe --plan, $f" "exit $rc: $(head -2 "$work/$f.out")"
     fi
 done
+
+"$BIN" "${TINY[@]}" --ep-exchange ring >"$work/exchange.out" 2>&1
+rc=$?
+if [ $rc -ne 0 ] && grep -qF -- '--ep-exchange "ring": use exact or bounded' "$work/exchange.out"; then
+    ok "bad input: train_moe --ep-exchange ring fails naming the flag and its values"
+else
+    bad "bad input: --ep-exchange ring" "exit $rc: $(head -2 "$work/exchange.out")"
+fi
 
 # ---- the paper checks, as expected text
 paper() {
