@@ -152,10 +152,13 @@ typedef struct dsk_comm_opts {
 
 /* Bytes this rank sent and received (headers included), calls, and seconds spent inside
    collectives. bytes_sent_off_node: the part of bytes_sent that went to ranks on other nodes
-   (host backend; the routes count their rows on nccl too). */
+   (host backend; the routes count their rows on nccl too). send_payload: the bytes of the
+   messages handed to dsk_comm_send that returned DSK_OK (count x dtype size, no headers; both
+   backends): a pipeline's activations and gradients, comparable with a plan's. */
 typedef struct dsk_comm_stats {
     uint64_t bytes_sent, bytes_received;
     uint64_t bytes_sent_off_node;
+    uint64_t send_payload;
     int64_t calls;
     double seconds;
 } dsk_comm_stats;
@@ -3615,7 +3618,9 @@ static dsk_status dsk__comm_p2p(dsk_comm *c, const char *fn, dsk_ctx *ctx, void 
 }
 
 DSK_API dsk_status dsk_comm_send(dsk_comm *c, dsk_ctx *ctx, const void *buf, int64_t count, dsk_dtype dt, int peer) {
-    return dsk__comm_p2p(c, "dsk_comm_send", ctx, (void *)buf, count, dt, peer, 1);
+    dsk_status st = dsk__comm_p2p(c, "dsk_comm_send", ctx, (void *)buf, count, dt, peer, 1);
+    if (st == DSK_OK) c->stats.send_payload += (uint64_t)count * dsk_dtype_size(dt);
+    return st;
 }
 
 DSK_API dsk_status dsk_comm_recv(dsk_comm *c, dsk_ctx *ctx, void *buf, int64_t count, dsk_dtype dt, int peer) {

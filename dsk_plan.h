@@ -37,7 +37,9 @@
      rank; intra-node when the group fits in a node, else the inter-node bandwidth) plus a
      latency per message; tensor-parallel (4 collectives per attention and dense FFN half per
      micro-batch, forward and backward), expert-parallel (dispatch and combine, forward and
-     backward) and pipeline (one activation and one gradient per micro-batch and chunk) traffic
+     backward) and pipeline (the sends of the busiest stage's schedule, whose bytes the model's
+     callback gives: examples/train_plan.h walks the trainer's schedule and buffers, and
+     tests/test_plan.sh compares them with the bytes a run hands to dsk_comm_send) traffic
      is exposed; the gradient reductions overlap backward up to cluster.overlap of it. The
      efficiency and the overlap are calibration: bench/plan_rank.sh measures this machine's CPU
      ranks into bench/plan_cpu_calibrated.json (its figures and command in bench/RESULTS.md); the
@@ -45,7 +47,10 @@
      session measures one.
    - Layouts enumerated: tp in 1, 2, 4, 8 (within a node, dividing heads, vocabulary and FFN),
      pp dividing world / tp and at most the layers, dp the rest (dividing the sequences), ep
-     dividing dp and the experts, ZeRO 0-3, recomputation none / attn / full, schedules 1F1B,
+     dividing dp and the experts, ZeRO 0-3, recomputation none / attn / full, AdamW's moments
+     in f32 or bf16 (DeepSeek-V3's choice: half their bytes; the time model does not tell them
+     apart, so on a tie the f32 one ranks first and the table lists a bf16 layout only when its
+     f32 twin does not fit), schedules 1F1B,
      GPipe and interleaved (2 virtual stages, when the micro-batches are a multiple of pp) with one
      sequence per micro-batch; without a pipeline, gradient accumulation of one sequence per
      pass. dsk_plan_space narrows the set.
@@ -118,6 +123,7 @@ typedef struct dsk_plan_layout {
     int vstages;                    /* interleaved: chunks per rank, else 1 */
     dsk_par_schedule_kind schedule; /* pp > 1 */
     dsk_plan_recompute recompute;
+    dsk_dtype moments; /* AdamW's two moments: DSK_F32 or DSK_BF16 (DeepSeek-V3's; the masters stay f32) */
 } dsk_plan_layout;
 
 /* One rank's bytes by role, as its allocator counts them. */
@@ -144,16 +150,17 @@ typedef struct dsk_plan_model {
     double act_bytes;            /* bytes per element of activations on the wire (2: bf16) */
     /* stage `stage` of the layout: its rank's memory; *reduce_bytes and *gather_bytes: what its
        gradient reductions and weight gathers hand over per step (the messages, dsk_zero_plan's);
-       *reduce_all: 1 when the reductions are all-reduces (ZeRO 0-1), 0 reduce-scatters */
+       *reduce_all: 1 when the reductions are all-reduces (ZeRO 0-1), 0 reduce-scatters;
+       *send_bytes: what its pipeline sends (activations and gradients) hand over per step */
     dsk_status (*memory)(void *user, const dsk_plan_layout *l, const dsk_plan_job *job, int stage, dsk_plan_memory *mem,
-                         double *reduce_bytes, double *gather_bytes, int *reduce_all);
+                         double *reduce_bytes, double *gather_bytes, int *reduce_all, double *send_bytes);
     void *user;
 } dsk_plan_model;
 
 /* Restricts the enumeration: a zero field allows every value; a nonzero one only that value
-   (tp, pp, ep, zero + 1, recompute + 1, schedule + 1). */
+   (tp, pp, ep, zero + 1, recompute + 1, schedule + 1, the moments' dtype + 1). */
 typedef struct dsk_plan_space {
-    int tp, pp, ep, zero_plus1, recompute_plus1, schedule_plus1;
+    int tp, pp, ep, zero_plus1, recompute_plus1, schedule_plus1, moments_plus1;
 } dsk_plan_space;
 
 /* ---- planning */
@@ -164,12 +171,13 @@ typedef struct dsk_plan_result {
     int worst_stage;
     int64_t total; /* its total bytes, the imbalance's worst case left out */
     int fits;
+    double pp_bytes; /* the busiest stage's pipeline sends per step (the callback's send_bytes) */
     /* seconds per step: compute (with recomputation), the bubble, the exposed communication */
     double step_s, compute_s, bubble_s, tp_s, ep_s, pp_s, zero_s, zero_exposed_s;
     char why[200]; /* why it lost to the best (empty for the best) */
 } dsk_plan_result;
 
-/* The step time of a layout given its gradient traffic (fills the seconds of *r). */
+/* The step time of r->layout given its gradient traffic and r->pp_bytes (fills the seconds of *r). */
 DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
                                  double reduce_bytes, double gather_bytes, int reduce_all, dsk_plan_result *r);
 /* Enumerates, sizes and times every layout of the space (NULL: all); *out (dsk_plan_results_free)
@@ -180,11 +188,12 @@ DSK_API void dsk_plan_results_free(dsk_plan_result *r);
 
 /* ---- output */
 
-/* "tp2 pp4 1f1b m16 ep8 dp16 zero1 recompute none" */
+/* "tp2 pp4 1f1b m16 ep8 dp16 zero1 recompute none moments f32" */
 DSK_API void dsk_plan_layout_str(const dsk_plan_layout *l, char *buf, size_t cap);
-/* The best `top` layouts as a text table (memory by role in GB, step time and its parts), then
-   the best of each other kind with why it lost; when nothing fits, the smallest memory any
-   layout needs against each GPU's. DSK_ERR_ARG when cap is too small. */
+/* The best `top` layouts as a text table (memory by role in GB, step time and its parts; a
+   layout with bf16 moments left out when its f32 twin fits), then the best of each other kind
+   with why it lost; when nothing fits, the smallest memory any layout needs against each GPU's.
+   DSK_ERR_ARG when cap is too small. */
 DSK_API dsk_status dsk_plan_table(const dsk_plan_result *r, int n, const dsk_plan_cluster *c, int top, char *buf,
                                   size_t cap);
 /* One result as a flat JSON object: the layout and the job (what train_moe --plan reads), then
@@ -429,9 +438,7 @@ DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster
                                                         (double)m->d_model * a,
                                                     4.0 * moe / l->pp)
                         : 0;
-    r->pp_s = l->pp > 1 ? l->micro * l->vstages *
-                              dsk__plan_link(c, l->tp * l->dp + 1, 2.0 * Nm / l->tp * (double)m->d_model * a, 2.0)
-                        : 0;
+    r->pp_s = l->pp > 1 ? dsk__plan_link(c, l->tp * l->dp + 1, r->pp_bytes, 2.0 * l->micro * l->vstages) : 0;
     r->zero_s = dpn > 1
                     ? dsk__plan_link(
                           c, l->dp * l->tp,
@@ -470,13 +477,15 @@ static dsk_status dsk__plan_eval(const dsk_plan_model *m, const dsk_plan_cluster
     double red = 0, gat = 0;
     int all = 1;
     r->total = -1;
+    r->pp_bytes = 0;
     for (int s = 0; s < r->layout.pp; s++) {
         dsk_plan_memory mem;
-        double rb = 0, gb = 0;
+        double rb = 0, gb = 0, sb = 0;
         int ra = 1;
         int64_t tot;
         memset(&mem, 0, sizeof mem);
-        DSK__TRY(m->memory(m->user, &r->layout, job, s, &mem, &rb, &gb, &ra));
+        DSK__TRY(m->memory(m->user, &r->layout, job, s, &mem, &rb, &gb, &ra, &sb));
+        if (sb > r->pp_bytes) r->pp_bytes = sb;
         tot = mem.params + mem.grads + mem.optimizer + mem.comm + mem.activations;
         if (tot > r->total) {
             r->total = tot;
@@ -512,17 +521,21 @@ static dsk_status dsk__plan_grid(const dsk_plan_model *m, const dsk_plan_cluster
         if (pp == 1 && sch != DSK_PAR_1F1B) continue; /* no pipeline: one entry */
         if (!dsk__plan_ok(sp->schedule_plus1, sch + 1) && pp > 1) continue;
         if (sch == DSK_PAR_INTERLEAVED && (per % pp || m->layers < 2 * pp)) continue;
-        for (int z = 0; z < 4; z++)
-            for (int rc = 0; rc < 3; rc++) {
-                if (!dsk__plan_ok(sp->zero_plus1, z + 1) || !dsk__plan_ok(sp->recompute_plus1, rc + 1)) continue;
-                dsk_status st;
-                r.layout.zero = z;
-                r.layout.recompute = (dsk_plan_recompute)rc;
-                st = dsk__plan_eval(m, c, job, &r);
-                if (st == DSK_ERR_UNSUPPORTED) continue; /* the trainer refuses this layout */
-                DSK__TRY(st);
-                DSK__TRY(dsk__plan_push(L, &r));
-            }
+        for (int k = 0; k < 24; k++) { /* ZeRO stage, recomputation, the moments' dtype */
+            int z = k / 6, rc = k / 2 % 3;
+            dsk_dtype md = k % 2 ? DSK_BF16 : DSK_F32;
+            dsk_status st;
+            if (!dsk__plan_ok(sp->zero_plus1, z + 1) || !dsk__plan_ok(sp->recompute_plus1, rc + 1) ||
+                !dsk__plan_ok(sp->moments_plus1, (int)md + 1))
+                continue;
+            r.layout.zero = z;
+            r.layout.recompute = (dsk_plan_recompute)rc;
+            r.layout.moments = md;
+            st = dsk__plan_eval(m, c, job, &r);
+            if (st == DSK_ERR_UNSUPPORTED) continue; /* the trainer refuses this layout */
+            DSK__TRY(st);
+            DSK__TRY(dsk__plan_push(L, &r));
+        }
     }
     return DSK_OK;
 }
@@ -530,7 +543,9 @@ static dsk_status dsk__plan_grid(const dsk_plan_model *m, const dsk_plan_cluster
 static int dsk__plan_cmp(const void *a, const void *b) {
     const dsk_plan_result *x = (const dsk_plan_result *)a, *y = (const dsk_plan_result *)b;
     if (x->fits != y->fits) return y->fits - x->fits;
-    if (x->fits) return x->step_s < y->step_s ? -1 : x->step_s > y->step_s;
+    if (x->fits && x->step_s != y->step_s) return x->step_s < y->step_s ? -1 : 1;
+    if (x->fits && x->layout.moments != y->layout.moments) /* a tie: f32 moments first (no rounding) */
+        return x->layout.moments == DSK_F32 ? -1 : 1;
     return x->total < y->total ? -1 : x->total > y->total;
 }
 
@@ -615,8 +630,8 @@ DSK_API void dsk_plan_layout_str(const dsk_plan_layout *l, char *buf, size_t cap
         snprintf(pipe, sizeof pipe, " %s%s m%d", dsk_par_schedule_name(l->schedule),
                  l->vstages > 1 ? (l->vstages == 2 ? " v2" : " v?") : "", l->micro);
     else if (l->micro > 1) snprintf(pipe, sizeof pipe, " accum%d", l->micro);
-    snprintf(buf, cap, "tp%d pp%d%s ep%d dp%d zero%d recompute %s", l->tp, l->pp, pipe, l->ep, l->dp, l->zero,
-             dsk__plan_rc_names[l->recompute]);
+    snprintf(buf, cap, "tp%d pp%d%s ep%d dp%d zero%d recompute %s moments %s", l->tp, l->pp, pipe, l->ep, l->dp,
+             l->zero, dsk__plan_rc_names[l->recompute], dsk_dtype_name(l->moments));
 }
 
 typedef struct dsk__plan_out {
@@ -644,15 +659,30 @@ static void dsk__plan_row(dsk__plan_out *o, const dsk_plan_result *r) {
     char s[128];
     const dsk_plan_memory *m = &r->mem;
     dsk_plan_layout_str(&r->layout, s, sizeof s);
-    dsk__plan_put(o, "%-52s %6.1f %6.1f %6.1f %6.1f %6.1f %7.1f %8.0f | %8.3f %5.1f%% %5.1f%%\n", s, m->params / 1e9,
+    dsk__plan_put(o, "%-72s %6.1f %6.1f %6.1f %6.1f %6.1f %7.1f %8.0f | %8.3f %5.1f%% %5.1f%%\n", s, m->params / 1e9,
                   m->grads / 1e9, m->optimizer / 1e9, m->activations / 1e9, m->comm / 1e9, r->total / 1e9,
                   m->imbalance / 1e9, r->step_s, 100 * r->bubble_s / r->step_s,
                   100 * (r->tp_s + r->ep_s + r->pp_s + r->zero_exposed_s) / r->step_s);
 }
 
-/* The best result of each (tp, pp, ep, zero) other than the top ones, with why it lost. */
-static void dsk__plan_losers(dsk__plan_out *o, const dsk_plan_result *r, int n, int top) {
-    for (int i = top; i < n; i++) {
+/* r[i] has bf16 moments and its f32 twin (the same layout otherwise) is among the first `fit`:
+   the twin ranks first on the same step time and needs no rounding of the moments. */
+static int dsk__plan_twin_fits(const dsk_plan_result *r, int fit, int i) {
+    dsk_plan_layout a = r[i].layout;
+    if (a.moments != DSK_BF16) return 0;
+    for (int j = 0; j < fit; j++) {
+        const dsk_plan_layout *b = &r[j].layout;
+        if (b->moments == DSK_F32 && b->tp == a.tp && b->pp == a.pp && b->dp == a.dp && b->ep == a.ep &&
+            b->zero == a.zero && b->micro == a.micro && b->vstages == a.vstages && b->schedule == a.schedule &&
+            b->recompute == a.recompute)
+            return 1;
+    }
+    return 0;
+}
+
+/* The best result of each (tp, pp, ep, zero) from r[from] on, with why it lost. */
+static void dsk__plan_losers(dsk__plan_out *o, const dsk_plan_result *r, int n, int from) {
+    for (int i = from; i < n; i++) {
         int seen = 0;
         char s[128];
         for (int j = 0; j < i && !seen; j++)
@@ -660,18 +690,18 @@ static void dsk__plan_losers(dsk__plan_out *o, const dsk_plan_result *r, int n, 
                    r[j].layout.ep == r[i].layout.ep && r[j].layout.zero == r[i].layout.zero;
         if (seen) continue;
         dsk_plan_layout_str(&r[i].layout, s, sizeof s);
-        dsk__plan_put(o, "  %-52s %s\n", s, r[i].why);
+        dsk__plan_put(o, "  %-72s %s\n", s, r[i].why);
     }
 }
 
 DSK_API dsk_status dsk_plan_table(const dsk_plan_result *r, int n, const dsk_plan_cluster *c, int top, char *buf,
                                   size_t cap) {
     dsk__plan_out o = {buf, cap, 0, 0};
-    int fit = 0;
+    int fit = 0, shown = 0, end = 0;
     if (!r || n < 1 || !c || !buf || cap < 1) return dsk_set_error(DSK_ERR_ARG, "dsk_plan_table: no results or buffer");
     buf[0] = 0;
     while (fit < n && r[fit].fits) fit++;
-    if (top > fit) top = fit;
+    for (; end < fit && shown < top; end++) shown += !dsk__plan_twin_fits(r, fit, end);
     dsk__plan_put(&o, "cluster %s: %d x %d GPUs of %.4g GB (%.4g usable), %.4g bf16 TFLOP/s at %.0f%%\n", c->name,
                   c->nodes, c->gpus_per_node, c->memory_gb, c->memory_gb - c->reserve_gb, c->bf16_tflops,
                   100 * c->efficiency);
@@ -682,12 +712,13 @@ DSK_API dsk_status dsk_plan_table(const dsk_plan_result *r, int n, const dsk_pla
                       r[0].total / 1e9, s, r[0].worst_stage, c->memory_gb - c->reserve_gb);
         dsk__plan_losers(&o, r, n < 8 ? n : 8, 0);
     } else {
-        dsk__plan_put(&o, "%d of %d layouts fit; the best %d (GB per GPU, worst stage):\n", fit, n, top);
-        dsk__plan_put(&o, "%-52s %6s %6s %6s %6s %6s %7s %8s | %8s %6s %6s\n", "layout", "param", "grad", "optim",
+        dsk__plan_put(&o, "%d of %d layouts fit; the best %d (GB per GPU, worst stage):\n", fit, n, shown);
+        dsk__plan_put(&o, "%-72s %6s %6s %6s %6s %6s %7s %8s | %8s %6s %6s\n", "layout", "param", "grad", "optim",
                       "act", "comm", "total", "+worst", "step s", "bubble", "comm");
-        for (int i = 0; i < top; i++) dsk__plan_row(&o, &r[i]);
+        for (int i = 0; i < end; i++)
+            if (!dsk__plan_twin_fits(r, fit, i)) dsk__plan_row(&o, &r[i]);
         dsk__plan_put(&o, "why the others lost (the best of each tp, pp, ep, ZeRO):\n");
-        dsk__plan_losers(&o, r, n, top);
+        dsk__plan_losers(&o, r, n, end);
     }
     if (o.over) return dsk_set_error(DSK_ERR_ARG, "dsk_plan_table: the table needs more than %zu bytes", cap);
     return DSK_OK;
@@ -702,16 +733,17 @@ DSK_API dsk_status dsk_plan_json(const dsk_plan_result *r, const dsk_plan_job *j
     dsk__plan_put(
         &o,
         "{\"tp\": %d, \"pp\": %d, \"dp\": %d, \"ep\": %d, \"zero\": %d, \"micro_batches\": %d, "
-        "\"virtual_stages\": %d, \"pp_schedule\": \"%s\", \"recompute\": \"%s\", \"sequences\": %lld, "
+        "\"virtual_stages\": %d, \"pp_schedule\": \"%s\", \"recompute\": \"%s\", \"moments\": \"%s\", "
+        "\"sequences\": %lld, "
         "\"seq\": %lld, \"params_bytes\": %lld, \"grads_bytes\": %lld, \"optimizer_bytes\": %lld, "
         "\"comm_bytes\": %lld, \"activations_bytes\": %lld, \"imbalance_bytes\": %lld, \"total_bytes\": %lld, "
         "\"fits\": %d, \"step_s\": %.6g, \"compute_s\": %.6g, \"bubble_s\": %.6g, \"tp_s\": %.6g, "
         "\"ep_s\": %.6g, \"pp_s\": %.6g, \"zero_exposed_s\": %.6g}\n",
         l->tp, l->pp, l->dp, l->ep, l->zero, l->micro, l->vstages, dsk_par_schedule_name(l->schedule),
-        dsk__plan_rc_names[l->recompute], (long long)job->sequences, (long long)job->seq, (long long)r->mem.params,
-        (long long)r->mem.grads, (long long)r->mem.optimizer, (long long)r->mem.comm, (long long)r->mem.activations,
-        (long long)r->mem.imbalance, (long long)r->total, r->fits, r->step_s, r->compute_s, r->bubble_s, r->tp_s,
-        r->ep_s, r->pp_s, r->zero_exposed_s);
+        dsk__plan_rc_names[l->recompute], dsk_dtype_name(l->moments), (long long)job->sequences, (long long)job->seq,
+        (long long)r->mem.params, (long long)r->mem.grads, (long long)r->mem.optimizer, (long long)r->mem.comm,
+        (long long)r->mem.activations, (long long)r->mem.imbalance, (long long)r->total, r->fits, r->step_s,
+        r->compute_s, r->bubble_s, r->tp_s, r->ep_s, r->pp_s, r->zero_exposed_s);
     if (o.over) return dsk_set_error(DSK_ERR_ARG, "dsk_plan_json: more than %zu bytes", cap);
     return DSK_OK;
 }
@@ -725,6 +757,7 @@ static const char *const dsk__plan_choice_keys[] = {"tp",
                                                     "virtual_stages",
                                                     "pp_schedule",
                                                     "recompute",
+                                                    "moments",
                                                     "sequences",
                                                     "seq",
                                                     "params_bytes",
@@ -744,7 +777,7 @@ static const char *const dsk__plan_choice_keys[] = {"tp",
                                                     "zero_exposed_s"};
 #define DSK__PLAN_NCHOICE (int)(sizeof dsk__plan_choice_keys / sizeof dsk__plan_choice_keys[0])
 
-/* Field k of the choice as a whole number >= lo (k < 7 or 9, 10), or its string (7, 8). */
+/* Field k of the choice as a whole number >= lo (k < 7 or 10, 11), or its string (7-9). */
 static dsk_status dsk__plan_choice_num(const dsk__plan_field *f, const char *what, double lo, int64_t *v) {
     if (f->is_str || f->num < lo || f->num != floor(f->num) || f->num > 9e15)
         return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_choice_parse: %s: \"%s\" must be a whole number >= %g", what,
@@ -759,7 +792,7 @@ DSK_API dsk_status dsk_plan_choice_parse(const char *json, size_t n, const char 
     int nf = 0, have[DSK__PLAN_NCHOICE] = {0};
     int64_t v[DSK__PLAN_NCHOICE] = {0};
     dsk_plan_layout out;
-    char sched[64] = "", rc[64] = "";
+    char str[3][64] = {"", "", ""}; /* pp_schedule, recompute, moments */
     if (!what) what = "choice";
     if (!json || !l || !job) return dsk_set_error(DSK_ERR_ARG, "dsk_plan_choice_parse: %s: NULL argument", what);
     DSK__TRY(dsk__plan_fields(json, n, what, f, DSK__PLAN_NCHOICE + 4, &nf));
@@ -769,38 +802,42 @@ DSK_API dsk_status dsk_plan_choice_parse(const char *json, size_t n, const char 
         if (k == DSK__PLAN_NCHOICE)
             return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_choice_parse: %s: unknown field \"%s\"", what, f[i].key);
         have[k] = 1;
-        if (k == 7 || k == 8) {
+        if (k >= 7 && k <= 9) {
             if (!f[i].is_str)
                 return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_choice_parse: %s: \"%s\" must be a string", what,
                                      f[i].key);
-            snprintf(k == 7 ? sched : rc, 64, "%s", f[i].str);
-        } else if (k <= 10) {
+            snprintf(str[k - 7], 64, "%s", f[i].str);
+        } else if (k <= 11) {
             DSK__TRY(dsk__plan_choice_num(&f[i], what, k == 4 ? 0 : 1, &v[k]));
         } else if (f[i].is_str) {
             return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_choice_parse: %s: \"%s\" must be a number", what, f[i].key);
         }
     }
-    for (int k = 0; k <= 10; k++)
+    for (int k = 0; k <= 11; k++)
         if (!have[k])
             return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_choice_parse: %s: missing field \"%s\"", what,
                                  dsk__plan_choice_keys[k]);
     memset(&out, 0, sizeof out);
-    if (dsk_par_schedule_parse(sched, &out.schedule) != DSK_OK)
+    if (dsk_par_schedule_parse(str[0], &out.schedule) != DSK_OK)
         return dsk_set_error(DSK_ERR_CORRUPT,
                              "dsk_plan_choice_parse: %s: \"pp_schedule\" \"%s\": gpipe, 1f1b or "
                              "interleaved",
-                             what, sched);
-    while ((int)out.recompute < 3 && strcmp(dsk__plan_rc_names[out.recompute], rc))
+                             what, str[0]);
+    while ((int)out.recompute < 3 && strcmp(dsk__plan_rc_names[out.recompute], str[1]))
         out.recompute = (dsk_plan_recompute)(out.recompute + 1);
     if ((int)out.recompute == 3)
         return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_choice_parse: %s: \"recompute\" \"%s\": none, attn or full",
-                             what, rc);
+                             what, str[1]);
+    if (strcmp(str[2], "f32") && strcmp(str[2], "bf16"))
+        return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_choice_parse: %s: \"moments\" \"%s\": f32 or bf16", what,
+                             str[2]);
+    out.moments = strcmp(str[2], "f32") ? DSK_BF16 : DSK_F32;
     if (v[4] > 3)
         return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_choice_parse: %s: \"zero\" %lld: 0-3", what, (long long)v[4]);
     out.tp = (int)v[0], out.pp = (int)v[1], out.dp = (int)v[2], out.ep = (int)v[3], out.zero = (int)v[4];
     out.micro = (int)v[5], out.vstages = (int)v[6];
-    job->sequences = v[9];
-    job->seq = v[10];
+    job->sequences = v[10];
+    job->seq = v[11];
     *l = out;
     return DSK_OK;
 }

@@ -10,13 +10,18 @@
 #      the median step time against the plan's predicted step time (dsk_plan --check-rank with the
 #      calibrated cluster); prints both orders and Kendall's tau (want >= 0.6).
 # Not in `make test`: about 2 minutes on an idle 2-core machine, and a loaded one moves the order.
-# Usage: bash bench/plan_rank.sh [BUILD]   (default build)
+# FIELD=cpu_ms measures rank 0's CPU time per step instead of its wall time (the JSON log's cpu_ms):
+# other processes' load then stops counting, but so does any wait that sleeps (a pipeline bubble, a
+# blocked collective), which the plan's step time includes; neither is right on a shared machine.
+# Usage: [FIELD=ms|cpu_ms] bash bench/plan_rank.sh [BUILD]   (default build, FIELD ms)
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${1:-build}
 BIN=$BUILD/examples/train_moe
 PLAN=$BUILD/examples/dsk_plan
 STEPS=${STEPS:-12}
+FIELD=${FIELD:-ms}
+case $FIELD in ms | cpu_ms) ;; *) echo "FIELD=$FIELD: ms or cpu_ms" >&2; exit 2 ;; esac
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
 make --no-print-directory -s BUILD="$BUILD" "$BIN" "$PLAN" || exit 1
 work=$(mktemp -d)
@@ -24,11 +29,11 @@ trap 'rm -rf "$work"' EXIT
 MODEL=(--seq 64 --d-model 64 --heads 4 --layers 4 --dense-layers 1 --ffn-hidden 128 --experts 8 --top-k 2
        --expert-hidden 64 --shared 1 --batch 16 --data tests/data/corpus.txt --corpus-mb 0.5 --val-every 10
        --val-interval 1000 --val-batches 1 --sample-len 0 --peak-tflops 0.1)
-median_ms() { # the median "ms" of a run's steps after the first 2
+median_ms() { # the median FIELD of a run's steps after the first 2
     python3 -c 'import json,sys
-v=sorted(json.loads(l)["ms"] for l in open(sys.argv[1]) if "\"type\":\"step\"" in l or "\"ms\"" in l)
+v=sorted(json.loads(l)[sys.argv[2]] for l in open(sys.argv[1]) if "\"type\":\"step\"" in l)
 v=v[2:] if len(v)>4 else v
-print(v[len(v)//2] if v else "nan")' "$1"
+print(v[len(v)//2] if v else "nan")' "$1" "$FIELD"
 }
 echo "load: $(cut -d' ' -f1-3 /proc/loadavg)"
 # 1. calibration
@@ -40,12 +45,12 @@ fpt=$("$PLAN" --device cpu --cluster examples/clusters/cpu_8.json --sequences 16
 tflops=$(python3 -c "print(f'{16*64*$fpt/4/($ms*1e-3)/1e12:.6g}')")
 sed -E "s/\"bf16_tflops\": [0-9.e+-]+/\"bf16_tflops\": $tflops/; s/\"fp8_tflops\": [0-9.e+-]+/\"fp8_tflops\": $tflops/" \
     examples/clusters/cpu_8.json >bench/plan_cpu_calibrated.json
-echo "calibration: 4 ranks (dp), median step $ms ms, $fpt FLOPs/token x 1024 tokens: $tflops TFLOP/s per rank" \
+echo "calibration: 4 ranks (dp), median step $ms ms ($FIELD), $fpt FLOPs/token x 1024 tokens: $tflops TFLOP/s per rank" \
     "-> bench/plan_cpu_calibrated.json"
 # 2. ranking at 4 ranks
 LAYOUTS=("--zero 0" "--zero 1" "--zero 3" "--ep 2 --zero 1" "--tp 2" "--tp 4" "--pp 2 --micro-batches 4"
          "--tp 2 --pp 2 --micro-batches 2")
-printf '%-36s %12s %12s\n' layout "measured ms" "predicted ms"
+printf '%-36s %12s %12s\n' layout "measured $FIELD" "predicted ms"
 : >"$work/pairs"
 for l in "${LAYOUTS[@]}"; do
     # shellcheck disable=SC2086

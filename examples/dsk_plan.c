@@ -18,16 +18,16 @@
 #include "train_plan.h"
 
 /* Stages that hold the same layers have the same memory: one model build answers them all, and
-   every ZeRO stage at once (tpl_rank). The key: the layout but its ZeRO stage, and what the rank's
+   every ZeRO stage and moments' dtype at once (tpl_rank). The key: the layout but those, and what the rank's
    chunks hold (the first stage's embedding, the last's head, dense and MoE layers). */
 typedef struct plan_entry {
     dsk_plan_layout key;
     int first, last, dense, moe;
     dsk_status st;
     char err[256];
-    dsk_plan_memory mem[4];
-    double reduce[4], gather[4];
-    int all[4];
+    dsk_plan_memory mem[TPL_VARIANTS];
+    double reduce[TPL_VARIANTS], gather[TPL_VARIANTS], send, ep[2];
+    int all[TPL_VARIANTS];
 } plan_entry;
 
 typedef struct plan_user {
@@ -43,6 +43,7 @@ static void plan_stage_key(const plan_user *u, const dsk_plan_layout *l, int sta
     memset(e, 0, sizeof *e);
     e->key = *l;
     e->key.zero = 0;
+    e->key.moments = DSK_F32;
     for (int c = 0; c < l->vstages; c++) {
         int s = c * l->pp + stage, lo = (int)((int64_t)s * L / P), hi = (int)((int64_t)(s + 1) * L / P);
         e->first |= s == 0;
@@ -55,7 +56,7 @@ static void plan_stage_key(const plan_user *u, const dsk_plan_layout *l, int sta
 }
 
 static dsk_status plan_memory(void *user, const dsk_plan_layout *l, const dsk_plan_job *job, int stage,
-                              dsk_plan_memory *mem, double *reduce, double *gather, int *reduce_all) {
+                              dsk_plan_memory *mem, double *reduce, double *gather, int *reduce_all, double *send) {
     plan_user *u = (plan_user *)user;
     plan_entry k, *e = NULL;
     plan_stage_key(u, l, stage, &k);
@@ -72,14 +73,16 @@ static dsk_status plan_memory(void *user, const dsk_plan_layout *l, const dsk_pl
         }
         e = &u->cache[u->n++];
         *e = k;
-        e->st = tpl_rank(&u->base, &u->zo, u->cuda, l, job, stage, e->mem, e->reduce, e->gather, e->all);
+        e->st =
+            tpl_rank(&u->base, &u->zo, u->cuda, l, job, stage, e->mem, e->reduce, e->gather, e->all, &e->send, e->ep);
         if (e->st != DSK_OK) snprintf(e->err, sizeof e->err, "%s", dsk_last_error());
     }
     if (e->st != DSK_OK) return dsk_set_error(e->st, "%s", e->err);
-    *mem = e->mem[l->zero];
-    *reduce = e->reduce[l->zero];
-    *gather = e->gather[l->zero];
-    *reduce_all = e->all[l->zero];
+    *mem = e->mem[tpl_variant(l)];
+    *reduce = e->reduce[tpl_variant(l)];
+    *gather = e->gather[tpl_variant(l)];
+    *reduce_all = e->all[tpl_variant(l)];
+    *send = e->send;
     return DSK_OK;
 }
 
@@ -115,8 +118,10 @@ static void plan_model(trainer *t, plan_user *u, dsk_plan_model *pm) {
 }
 
 /* The layout of the trainer's flags at --nproc ranks. */
-static int check_layout(const options *o, dsk_plan_layout *l, dsk_plan_job *job) {
+static int check_layout(const trainer *t, dsk_plan_layout *l, dsk_plan_job *job) {
+    const options *o = t->o;
     memset(l, 0, sizeof *l);
+    l->moments = moment_dtype(t);
     l->tp = o->tp, l->pp = o->pp, l->ep = o->ep, l->zero = o->zero, l->vstages = o->vstages;
     l->dp = o->nproc / (o->tp * o->pp);
     l->micro = o->pp > 1 ? o->micro : o->accum;
@@ -131,11 +136,12 @@ static int check_layout(const options *o, dsk_plan_layout *l, dsk_plan_job *job)
 
 /* With --cluster: the step time dsk_plan.h's model predicts for the layout (bench/plan_rank.sh). */
 static int check_time(const dsk_plan_model *pm, const char *cluster, const dsk_plan_layout *l, const dsk_plan_job *job,
-                      double red, double gat, int all) {
+                      double red, double gat, int all, double send) {
     dsk_plan_cluster cl;
     dsk_plan_result r;
     memset(&r, 0, sizeof r);
     r.layout = *l;
+    r.pp_bytes = send;
     if (dsk_plan_cluster_read(&cl, cluster) != DSK_OK || dsk_plan_time(pm, &cl, job, red, gat, all, &r) != DSK_OK) {
         fprintf(stderr, "dsk_plan: %s\n", dsk_last_error());
         return 1;
@@ -150,24 +156,26 @@ static int check_rank(trainer *t, plan_user *u, const dsk_plan_model *pm, const 
     const options *o = t->o;
     dsk_plan_layout l;
     dsk_plan_job job;
-    dsk_plan_memory mem[4];
-    double red[4], gat[4];
-    int all[4];
-    if (check_layout(o, &l, &job) != 0 || rank < 0 || rank >= o->nproc) {
+    dsk_plan_memory mem[TPL_VARIANTS];
+    double red[TPL_VARIANTS], gat[TPL_VARIANTS], send, ep[2];
+    int all[TPL_VARIANTS], v;
+    if (check_layout(t, &l, &job) != 0 || rank < 0 || rank >= o->nproc) {
         fprintf(stderr, "dsk_plan: --check-rank %d: --nproc %d must be a multiple of --tp %d x --pp %d\n", rank,
                 o->nproc, o->tp, o->pp);
         return 2;
     }
-    if (tpl_rank(&u->base, &u->zo, u->cuda, &l, &job, rank / (l.tp * l.dp), mem, red, gat, all) != DSK_OK) {
+    if (tpl_rank(&u->base, &u->zo, u->cuda, &l, &job, rank / (l.tp * l.dp), mem, red, gat, all, &send, ep) != DSK_OK) {
         fprintf(stderr, "dsk_plan: %s\n", dsk_last_error());
         return 1;
     }
-    printf("plan bytes, rank %d: parameters %lld, gradients %lld, optimizer state %lld, compression buffers %lld, "
-           "activations %lld, imbalance %lld, reduce per step %.0f, gather per step %.0f\n",
-           rank, (long long)mem[l.zero].params, (long long)mem[l.zero].grads, (long long)mem[l.zero].optimizer,
-           (long long)mem[l.zero].comm, (long long)mem[l.zero].activations, (long long)mem[l.zero].imbalance,
-           red[l.zero], gat[l.zero]);
-    return cluster ? check_time(pm, cluster, &l, &job, red[l.zero], gat[l.zero], all[l.zero]) : 0;
+    v = tpl_variant(&l);
+    printf(
+        "plan bytes, rank %d: parameters %lld, gradients %lld, optimizer state %lld, compression buffers %lld, "
+        "activations %lld, imbalance %lld, reduce per step %.0f, gather per step %.0f, pipeline sends per step %.0f, "
+        "ep dispatch per step %.0f, ep combine per step %.0f\n",
+        rank, (long long)mem[v].params, (long long)mem[v].grads, (long long)mem[v].optimizer, (long long)mem[v].comm,
+        (long long)mem[v].activations, (long long)mem[v].imbalance, red[v], gat[v], send, ep[0], ep[1]);
+    return cluster ? check_time(pm, cluster, &l, &job, red[v], gat[v], all[v], send) : 0;
 }
 
 static int write_json(const char *path, const dsk_plan_result *r, const dsk_plan_job *job) {

@@ -222,15 +222,16 @@ static dsk_dtype moment_dtype(const trainer *t) {
 /* The options every rank must share (model shape, MoE, dtype, batch, layout), checked as soon
    as the ranks meet, so a mismatch names the option rather than a collective's symptom. */
 static void agreed_options(const options *o, char *buf, size_t n) {
-    snprintf(buf, n, "seq=%d d_model=%d heads=%d layers=%d dense_layers=%d ffn_hidden=%d experts=%d shared=%d "
+    snprintf(buf, n,
+             "seq=%d d_model=%d heads=%d layers=%d dense_layers=%d ffn_hidden=%d experts=%d shared=%d "
              "top_k=%d expert_hidden=%d groups=%d topk_groups=%d score=%s routed_scale=%.17g capacity=%.17g "
              "attn=%s q_lora=%d kv_lora=%d qk_nope=%d qk_rope=%d v_head=%d mtp=%d dtype=%s batch=%d accum=%d "
              "seed=%lld tp=%d pp=%d micro=%d vstages=%d pp_schedule=%s ep=%d zero=%d grad_compress=%s "
-             "ep_dispatch=%s",
+             "ep_dispatch=%s ep_exchange=%s",
              o->seq, o->d_model, o->heads, o->layers, o->dense_layers, o->ffn_hidden, o->experts, o->shared, o->top_k,
              o->expert_hidden, o->groups, o->topk_groups, o->score, o->routed_scale, o->capacity, o->attn, o->q_lora,
-             o->kv_lora, o->qk_nope, o->qk_rope, o->v_head, o->mtp, o->dtype, o->batch, o->accum, o->seed, o->tp,
-             o->pp, o->micro, o->vstages, o->pp_schedule, o->ep, o->zero, o->grad_compress, o->ep_dispatch);
+             o->kv_lora, o->qk_nope, o->qk_rope, o->v_head, o->mtp, o->dtype, o->batch, o->accum, o->seed, o->tp, o->pp,
+             o->micro, o->vstages, o->pp_schedule, o->ep, o->zero, o->grad_compress, o->ep_dispatch, o->ep_exchange);
 }
 
 static void setup_comm(trainer *t) {
@@ -408,6 +409,9 @@ static void model_config(trainer *t, tm_config *out) {
     c.moe.bias_rate = (float)o->bias_rate;
     c.moe.ep = t->have_comm && t->ep > 1 ? &t->ep_comm : NULL;
     c.moe.ep_dispatch = strcmp(o->ep_dispatch, "fp8") == 0 ? DSK_MOE_DISPATCH_FP8 : DSK_MOE_DISPATCH_ACT;
+    if (strcmp(o->ep_exchange, "exact") != 0 && strcmp(o->ep_exchange, "bounded") != 0)
+        fail(t, "--ep-exchange \"%s\": use exact or bounded", o->ep_exchange);
+    c.moe.ep_exchange = strcmp(o->ep_exchange, "bounded") == 0 ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
     if (strcmp(o->attn, "mha") != 0 && strcmp(o->attn, "mla") != 0) fail(t, "--attn \"%s\": use mha or mla", o->attn);
     c.mla.attn = strcmp(o->attn, "mla") == 0 ? TMLA_ATTN_MLA : TMLA_ATTN_MHA;
     c.mla.q_lora_rank = o->q_lora;
@@ -599,6 +603,7 @@ typedef struct step_info {
     double sync_ms;           /* waiting for the gradient all-reduces after backward */
     double reduce_bytes, plain_bytes; /* --zero/--grad-compress: handed to this step's reductions, uncompressed */
     double ep_bytes[2];               /* --ep: handed to the MoE layers' dispatch and combine all-to-alls (forward) */
+    double pp_bytes;                  /* --pp: handed to the pipeline's sends (activations and gradients) */
     float scale;
     int64_t dropped;
     int skipped;
@@ -712,6 +717,7 @@ static dsk_status train_step(trainer *t, step_info *si) {
     const options *o = t->o;
     tm_model *m = &t->model;
     double t0 = now_s(), c0 = cpu_s(), comm0 = comm_seconds(t);
+    uint64_t pp0 = t->par.on ? t->par.grid.pp.stats.send_payload : 0;
     float scale, loss;
     TM_TRY(dsk_amp_scale_get(&t->scaler, &t->ctx, &scale));
     m->aux_scale = scale * (float)t->dp_size / (float)o->accum; /* see setup_loss_span */
@@ -737,6 +743,7 @@ static dsk_status train_step(trainer *t, step_info *si) {
         TM_TRY(read_loss(t, &loss));
         si->loss += loss / o->accum;
     }
+    if (t->par.on) si->pp_bytes = (double)(t->par.grid.pp.stats.send_payload - pp0);
     double sync0 = now_s();
     if (t->engine) TM_TRY(tz_wait(&t->zero));
     double t_opt = now_s(), t_opt_cpu = cpu_s();
@@ -1096,6 +1103,7 @@ static int apply_plan(options *o) {
     o->batch = (int)(job.sequences / o->accum);
     snprintf(o->pp_schedule, sizeof o->pp_schedule, "%s", dsk_par_schedule_name(l.schedule));
     snprintf(o->recompute, sizeof o->recompute, "%s", rc[l.recompute]);
+    snprintf(o->optim_dtype, sizeof o->optim_dtype, "%s", dsk_dtype_name(l.moments));
     return 0;
 }
 

@@ -89,9 +89,15 @@ static dsk_status tpl_imbalance(const tm_model *m, int64_t T, int ep, int cuda, 
     return DSK_OK;
 }
 
+/* The sizes tpl_rank answers at once: each ZeRO stage with AdamW's moments in f32, then in bf16. */
+#define TPL_VARIANTS 8
+
+/* The variant of l (its ZeRO stage and moments) in tpl_rank's arrays. */
+static int tpl_variant(const dsk_plan_layout *l) { return (l->moments == DSK_BF16 ? 4 : 0) + l->zero; }
+
 /* The engine's objects for the model built above: their memory and their traffic per step. */
 static dsk_status tpl_engine(tm_model *m, tp_state *ps, const dsk_plan_layout *l, const tz_opts *zo, int zero,
-                             dsk_plan_memory *mem, double *reduce, double *gather, int *reduce_all) {
+                             dsk_dtype moments, dsk_plan_memory *mem, double *reduce, double *gather, int *reduce_all) {
     tz_group groups[TZ_MAX_GROUPS];
     int sizes[TZ_MAX_GROUPS] = {0}, n_obj = 0;
     tz_opts o;
@@ -101,6 +107,7 @@ static dsk_status tpl_engine(tm_model *m, tp_state *ps, const dsk_plan_layout *l
     dsk_status s = plans && place ? DSK_OK : dsk_set_error(DSK_ERR_OOM, "tpl_engine: out of memory");
     o = *zo;
     o.stage = zero;
+    o.moment_dtype = moments;
     if (s == DSK_OK && ps) {
         tp_places(ps, groups, place);
         sizes[TP_G_REPL] = l->tp * l->dp;             /* the stage */
@@ -132,14 +139,60 @@ static dsk_status tpl_engine(tm_model *m, tp_state *ps, const dsk_plan_layout *l
     return s;
 }
 
+/* The bytes the pipeline's sends of the rank built above hand over per step: its schedule's
+   activation and gradient sends (dsk_par_schedule), each the trainer's buffer (tp_buffer). */
+static double tpl_send_bytes(tp_state *ps) {
+    double n = 0;
+    for (int i = 0; ps && ps->pp > 1 && i < ps->sched.n; i++) {
+        const dsk_par_action *a = &ps->sched.actions[i];
+        dsk_tensor t;
+        if (a->kind != DSK_PAR_SEND_ACT && a->kind != DSK_PAR_SEND_GRAD) continue;
+        if (tp_buffer(ps, a, &t) == DSK_OK) n += (double)dsk_tensor_nbytes(&t);
+    }
+    return n;
+}
+
+/* Rows one forward of MoE layer `moe` hands to its dispatch (combine: 1) for T tokens, as
+   dsk_moe counts them (dsk_moe_stats): exact exchange, every token's K rows (its own experts'
+   included; dropless only, else -1) and the combine as many rows as the routing sends back (-1);
+   bounded, ep blocks of T min(K, E/ep) rows each way (capacity caps them as the layer does). */
+static int64_t tpl_ep_rows(const dsk_moe *moe, int64_t T, int combine) {
+    int64_t K = moe->opts.top_k, El = moe->n_local, cp = T * (K < El ? K : El), cap;
+    if (moe->opts.ep_exchange != DSK_MOE_EP_BOUNDED) return combine || moe->opts.capacity_factor > 0 ? -1 : T * K;
+    if (moe->opts.capacity_factor > 0) {
+        cap = (int64_t)ceil((double)(T * K) / moe->opts.n_routed * moe->opts.capacity_factor);
+        if (cap * El < cp) cp = cap * El;
+    }
+    return moe->ep_size * cp;
+}
+
+/* The bytes the MoE layers of the rank built above hand to their forwards' dispatch (ep[0]) and
+   combine (ep[1]) all-to-alls per step, `calls` forwards of T tokens each (-1: set by the routing). */
+static void tpl_ep_bytes(const tm_model *m, const tp_state *ps, int64_t T, int calls, int cuda, double ep[2]) {
+    ep[0] = ep[1] = 0;
+    for (int l = m->cfg.n_dense; l < tm_n_blocks(&m->cfg); l++) {
+        const dsk_moe *moe = &m->blocks[l].moe;
+        int64_t D = moe->opts.d_model, es = dsk_dtype_size(cuda ? moe->opts.dtype : DSK_F32);
+        if (!m->blocks[l].is_moe || moe->ep_size < 2 || (ps && !ps->layers[l].on)) continue;
+        for (int k = 0; k < 2; k++) {
+            int64_t rows = tpl_ep_rows(moe, T, k), row = es * D;
+            if (k == 0 && moe->opts.ep_dispatch == DSK_MOE_DISPATCH_FP8) row = D + 4 * ((D + 127) / 128);
+            ep[k] = rows < 0 || ep[k] < 0 ? -1 : ep[k] + (double)calls * (double)(rows * row);
+        }
+    }
+}
+
 /* The memory of rank (tp 0, dp 0, pp stage) of layout l for a model of configuration `base`
-   (train_moe's model_config), at each ZeRO stage z (l->zero aside): mem[z], and the bytes its
-   reductions and gathers hand over per step (zo: the engine's compression). cuda: size the MoE
-   workspace as a GPU holds it. A layout the trainer refuses (its checks in tm_init /
-   tp_model_init) is DSK_ERR_UNSUPPORTED with the trainer's message. */
+   (train_moe's model_config), at each ZeRO stage and moments' dtype (l->zero and l->moments
+   aside; index tpl_variant): mem[], and the bytes its reductions and gathers hand over per step
+   (zo: the engine's compression); *send: its pipeline sends' bytes per step; ep_bytes: its MoE
+   layers' dispatch and combine bytes per step (tpl_ep_bytes). cuda: size the MoE workspace as a
+   GPU holds it. A layout the trainer refuses (its checks in tm_init / tp_model_init) is
+   DSK_ERR_UNSUPPORTED with the trainer's message. */
 static dsk_status tpl_rank(const tm_config *base, const tz_opts *zo, int cuda, const dsk_plan_layout *l,
-                           const dsk_plan_job *job, int stage, dsk_plan_memory mem[4], double reduce[4],
-                           double gather[4], int reduce_all[4]) {
+                           const dsk_plan_job *job, int stage, dsk_plan_memory mem[TPL_VARIANTS],
+                           double reduce[TPL_VARIANTS], double gather[TPL_VARIANTS], int reduce_all[TPL_VARIANTS],
+                           double *send, double ep_bytes[2]) {
     tm_config c = *base;
     int64_t acts = 0, live0 = dsk_tensor_mem_stats(dsk_cpu()).live_bytes, T;
     int par = l->tp > 1 || l->pp > 1;
@@ -165,14 +218,18 @@ static dsk_status tpl_rank(const tm_config *base, const tz_opts *zo, int cuda, c
         snprintf(msg, sizeof msg, "%s", dsk_last_error());
         s = dsk_set_error(DSK_ERR_UNSUPPORTED, "the trainer refuses this layout: %s", msg);
     }
-    memset(mem, 0, 4 * sizeof *mem);
-    for (int z = 0; z < 4 && s == DSK_OK; z++)
-        s = tpl_engine(m, ps, l, zo, z, &mem[z], &reduce[z], &gather[z], &reduce_all[z]);
+    memset(mem, 0, TPL_VARIANTS * sizeof *mem);
+    for (int k = 0; k < TPL_VARIANTS && s == DSK_OK; k++)
+        s = tpl_engine(m, ps, l, zo, k % 4, k < 4 ? DSK_F32 : DSK_BF16, &mem[k], &reduce[k], &gather[k],
+                       &reduce_all[k]);
     T = (int64_t)(par ? ps->Bm : m->cfg.batch) * m->cfg.seq; /* tm_bind_moe's reservation */
+    *send = s == DSK_OK ? tpl_send_bytes(ps) : 0;
+    ep_bytes[0] = ep_bytes[1] = 0;
+    if (s == DSK_OK) tpl_ep_bytes(m, ps, par ? ps->Ns : T, par ? ps->M : l->micro, cuda, ep_bytes);
     if (s == DSK_OK) s = tpl_imbalance(m, T, l->ep, cuda, &mem[0].imbalance);
-    for (int z = 0; z < 4; z++) {
-        mem[z].imbalance = mem[0].imbalance;
-        mem[z].activations = acts + dsk_tensor_mem_stats(dsk_cpu()).live_bytes - live0;
+    for (int k = 0; k < TPL_VARIANTS; k++) {
+        mem[k].imbalance = mem[0].imbalance;
+        mem[k].activations = acts + dsk_tensor_mem_stats(dsk_cpu()).live_bytes - live0;
     }
     if (ps) tp_free(ps);
     if (m) tm_free(m);

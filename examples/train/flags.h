@@ -127,6 +127,9 @@
     X(BUF, 8, ep_dispatch, "--ep-dispatch", "act", \
       "act | fp8: the dispatch all-to-all's token rows in the activation dtype, or e4m3 with 1x128 scales " \
       "(DeepSeek-V3; the combine stays in the activation dtype)") \
+    X(BUF, 8, ep_exchange, "--ep-exchange", "exact", \
+      "exact | bounded: the expert exchanges move the routed rows, or every peer's fixed block of T min(K, E/ep) " \
+      "rows (bytes set by the shapes, not the routing; dsk_moe's ep_exchange)") \
     X(INT, 0, tp, "--tp", 1, "tensor-parallel ranks (heads, FFN and vocabulary split; sequence parallel norms)") \
     X(INT, 0, pp, "--pp", 1, "pipeline stages (the blocks split into contiguous stages)") \
     X(BUF, 16, pp_schedule, "--pp-schedule", "1f1b", "gpipe | 1f1b | interleaved") \
