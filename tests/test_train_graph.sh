@@ -6,7 +6,8 @@
 # bit for bit: bf16 with gradient accumulation; fp16 with its dynamic loss scale; fp16 with
 # --init-std 0.5, whose steps 1 and 3 overflow (skipped on the device, the scale backs off and
 # the step is captured again) and steps 2 and 4 apply; fp8 (FP8 linears) with bf16 AdamW moments;
-# two ranks with expert parallelism (--nproc 2 --ep 2, the bounded exchange, bf16 with --accum 2),
+# two ranks with expert parallelism (--nproc 2 --ep 2, the bounded exchange: bf16 with --accum 2 over
+# 10 steps, and fp16 --init-std 0.5, whose overflowing steps skip and capture again),
 # whose graph holds the passes with their expert all-to-alls over the emulated NCCL and whose
 # gradient all-reduce and AdamW run after each launch (the expert bytes logged too); and two
 # data-parallel ranks in f32.
@@ -43,7 +44,8 @@ PYEOF
 }
 
 for variant in "bf16 --accum 2" "fp16" "fp16 --init-std 0.5" "fp8 --optim-dtype bf16" \
-               "bf16 --accum 2 --nproc 2 --ep 2 --ep-exchange bounded" "f32 --nproc 2"; do
+               "bf16 --accum 2 --nproc 2 --ep 2 --ep-exchange bounded --steps 10" \
+               "fp16 --init-std 0.5 --nproc 2 --ep 2 --ep-exchange bounded" "f32 --nproc 2"; do
     set -- $variant
     dt=$1; shift
     name="${dt}_$#"
@@ -55,7 +57,8 @@ for variant in "bf16 --accum 2" "fp16" "fp16 --init-std 0.5" "fp8 --optim-dtype 
         continue
     fi
     a=$(fields "eager_$name"); b=$(fields "graph_$name")
-    if [ -n "$a" ] && [ "$a" = "$b" ] && [ "$(echo "$a" | grep -c '^step')" -eq 4 ] &&
+    steps=4; [[ " $* " == *" --steps 10 "* ]] && steps=10
+    if [ -n "$a" ] && [ "$a" = "$b" ] && [ "$(echo "$a" | grep -c '^step')" -eq $steps ] &&
        grep -q "cuda graph: each step replays one captured graph" "$work/graph_$name.out"; then ok "$what"
     else bad "$what" "$(diff <(echo "$a") <(echo "$b") | head -6)"; fi
     if [[ " $* " == *" --init-std "* ]]; then # the overflow run: skipped and applied steps, more than one loss scale
