@@ -81,6 +81,8 @@ typedef struct trainer {
     dsk_amp_dstep dstep;          /* --cuda-graph: lr, the AdamW step and the skip decision on the device */
     dsk_tensor g_ids, g_tgt, g_loss; /* --cuda-graph: each micro-batch's inputs and loss, on the device */
     int g_micro;                  /* --cuda-graph: micro-batches staged for this step's graph */
+    int g_captured;               /* --cuda-graph: this step captured the graph (else replayed it) */
+    double g_ep_bytes[2];         /* --cuda-graph: the captured step's expert dispatch and combine bytes */
     dsk_ctx ctx;
     td_corpus data;
     tm_model model;
@@ -252,6 +254,7 @@ static void setup_comm(trainer *t) {
         CHECK(dsk_comm_check_agree(&t->comm, "train_moe options", agree));
     }
     refuse_layout(t);
+    t->engine |= t->world > 1; /* --cuda-graph on several ranks: the engine reduces after each launch (graph.h) */
     t->ep = o->ep;
     t->dp_size = t->world / (o->tp * o->pp);
     t->batch_local = o->batch / t->dp_size;
@@ -737,7 +740,7 @@ static dsk_status train_step(trainer *t, step_info *si) {
             si->loss += l / o->accum;
             continue;
         }
-        if (t->engine) TM_TRY(tz_begin(&t->zero, a == o->accum - 1));
+        if (t->engine && !o->cuda_graph) TM_TRY(tz_begin(&t->zero, a == o->accum - 1)); /* graph_step: once */
         TM_TRY(micro_batch(t, scale / (float)o->accum));
         if (o->cuda_graph) { if (a == o->accum - 1) TM_TRY(graph_step(t, scale / (float)o->accum, si)); continue; }
         TM_TRY(read_loss(t, &loss));
@@ -753,9 +756,10 @@ static dsk_status train_step(trainer *t, step_info *si) {
     si->loss = l2[0];
     dsk_amp_decision dec;
     si->lr = lr_at(o, t->step + 1);
-    if (o->cuda_graph) TM_TRY(graph_decision(t, &dec)); /* the replayed graph applied AdamW, bias and scale updates */
+    if (!t->engine) TM_TRY(graph_decision(t, &dec)); /* the replayed graph applied AdamW, bias and scale updates */
     else TM_TRY(engine_step(t, si, &dec));
     TM_TRY(collect_moe_stats(t, si));
+    if (o->cuda_graph) graph_ep_bytes(t, si);
     t->prof_opt += now_s() - t_opt;
     t->prof_opt_cpu += cpu_s() - t_opt_cpu;
     t->step++;

@@ -5,9 +5,14 @@
 # the eager run's logged losses, gradient norms, loss scales, skip flags and validation losses
 # bit for bit: bf16 with gradient accumulation; fp16 with its dynamic loss scale; fp16 with
 # --init-std 0.5, whose steps 1 and 3 overflow (skipped on the device, the scale backs off and
-# the step is captured again) and steps 2 and 4 apply; fp8 (FP8 linears) with bf16 AdamW moments.
-# A capture fails on any host sync inside it, so the runs also prove the captured steps make none. And --cuda-graph on the CPU or with
-# --zero fails with a message.
+# the step is captured again) and steps 2 and 4 apply; fp8 (FP8 linears) with bf16 AdamW moments;
+# two ranks with expert parallelism (--nproc 2 --ep 2, the bounded exchange: bf16 with --accum 2 over
+# 10 steps, and fp16 --init-std 0.5, whose overflowing steps skip and capture again),
+# whose graph holds the passes with their expert all-to-alls over the emulated NCCL and whose
+# gradient all-reduce and AdamW run after each launch (the expert bytes logged too); and two
+# data-parallel ranks in f32.
+# A capture fails on any host sync inside it, so the runs also prove the captured steps make none.
+# And --cuda-graph on the CPU, with --zero, or with --ep and the exact exchange fails with a message.
 # Prints `[test_train_graph] totals: P passed / F failed / S skipped`; exits non-zero on failure.
 TEST_NAME=test_train_graph
 source "$(dirname "$0")/train_test_lib.sh"
@@ -32,12 +37,15 @@ import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
     if r["type"] == "step":
-        print("step", r["step"], repr(r["loss"]), repr(r["grad_norm"]), repr(r["loss_scale"]), r["skipped"])
+        print("step", r["step"], repr(r["loss"]), repr(r["grad_norm"]), repr(r["loss_scale"]), r["skipped"],
+              r.get("ep_dispatch_bytes"), r.get("ep_combine_bytes"))
     elif r["type"] == "val": print("val", r["step"], repr(r["val_loss"]))
 PYEOF
 }
 
-for variant in "bf16 --accum 2" "fp16" "fp16 --init-std 0.5" "fp8 --optim-dtype bf16"; do
+for variant in "bf16 --accum 2" "fp16" "fp16 --init-std 0.5" "fp8 --optim-dtype bf16" \
+               "bf16 --accum 2 --nproc 2 --ep 2 --ep-exchange bounded --steps 10" \
+               "fp16 --init-std 0.5 --nproc 2 --ep 2 --ep-exchange bounded" "f32 --nproc 2"; do
     set -- $variant
     dt=$1; shift
     name="${dt}_$#"
@@ -49,7 +57,8 @@ for variant in "bf16 --accum 2" "fp16" "fp16 --init-std 0.5" "fp8 --optim-dtype 
         continue
     fi
     a=$(fields "eager_$name"); b=$(fields "graph_$name")
-    if [ -n "$a" ] && [ "$a" = "$b" ] && [ "$(echo "$a" | grep -c '^step')" -eq 4 ] &&
+    steps=4; [[ " $* " == *" --steps 10 "* ]] && steps=10
+    if [ -n "$a" ] && [ "$a" = "$b" ] && [ "$(echo "$a" | grep -c '^step')" -eq $steps ] &&
        grep -q "cuda graph: each step replays one captured graph" "$work/graph_$name.out"; then ok "$what"
     else bad "$what" "$(diff <(echo "$a") <(echo "$b") | head -6)"; fi
     if [[ " $* " == *" --init-std "* ]]; then # the overflow run: skipped and applied steps, more than one loss scale
@@ -68,8 +77,14 @@ else
     bad "--cuda-graph with --zero fails with a message" "exit $(cat "$work/zero.rc")" "$(tail -2 "$work/zero.out")"
 fi
 
+run exact "${TINY[@]}" --ep 2 --cuda-graph
+what="--cuda-graph with --ep 2 and the exact exchange fails with a message"
+want="--cuda-graph with --ep 2 needs --ep-exchange bounded"
+if [ "$(cat "$work/exact.rc")" -ne 0 ] && grep -q -- "$want" "$work/exact.out"; then ok "$what"
+else bad "$what" "exit $(cat "$work/exact.rc")" "$(tail -2 "$work/exact.out")"; fi
+
 run cpu "${TINY[@]}" --device cpu --cuda-graph
-if [ "$(cat "$work/cpu.rc")" -ne 0 ] && grep -q -- "--cuda-graph needs one rank on a GPU" "$work/cpu.out"; then
+if [ "$(cat "$work/cpu.rc")" -ne 0 ] && grep -q -- "--cuda-graph needs GPUs" "$work/cpu.out"; then
     ok "--cuda-graph on the CPU fails with a message"
 else
     bad "--cuda-graph on the CPU fails with a message" "exit $(cat "$work/cpu.rc")" "$(tail -2 "$work/cpu.out")"

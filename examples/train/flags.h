@@ -93,7 +93,7 @@
     X(INT, 0, threads, "--threads", 0, "CPU threads per rank (0 = OpenMP's default)") \
     X(BUF, 8, device, "--device", "auto", "auto | cpu | cuda") \
     X(FLAG, 0, cuda_graph, "--cuda-graph", 0, \
-      "capture a whole step (forward, backward, optimizer) as a CUDA graph once and replay it (one GPU rank)") \
+      "capture a step as a CUDA graph once and replay it (one GPU: forward, backward, optimizer; more: the passes)") \
     /* ---- evaluation and output */ \
     X(INT, 0, val_interval, "--val-interval", 100, "steps between validation runs") \
     X(INT, 0, val_batches, "--val-batches", 8, "global batches per validation run") \

@@ -52,6 +52,14 @@ static void refuse_flags(const trainer *t) {
              o->grad_compress);
     if (o->cuda_graph && (o->zero > 0 || z.compress != DSK_ZERO_COMPRESS_NONE))
         fail(t, "--cuda-graph runs without --zero and --grad-compress");
+    if (o->cuda_graph && (o->tp > 1 || o->pp > 1))
+        fail(t, "--cuda-graph runs without --tp and --pp (the captured step runs the whole model, not a pipeline's "
+                "schedule)");
+    if (o->cuda_graph && o->ep > 1 && strcmp(o->ep_exchange, "bounded") != 0)
+        fail(t,
+             "--cuda-graph with --ep %d needs --ep-exchange bounded: the exact exchange waits on the host for the "
+             "counts, which a graph capture cannot hold",
+             o->ep);
     if (!(o->lr > 0) || o->min_lr < 0 || o->wd < 0 || o->clip < 0 || o->beta1 < 0 || o->beta1 >= 1 || o->beta2 < 0 ||
         o->beta2 >= 1)
         fail(t,
@@ -115,11 +123,8 @@ static void refuse_layout(const trainer *t) {
 /* What needs the device (t->ctx) and the world size. */
 static void refuse_device(const trainer *t) {
     const options *o = t->o;
-    if (o->cuda_graph && (t->ctx.device.type != DSK_DEV_CUDA || t->world > 1))
-        fail(t,
-             "--cuda-graph needs one rank on a GPU (this run: %d ranks on %s): the gradient reductions of several "
-             "ranks synchronise through host-side events that a graph cannot hold",
-             t->world, t->ctx.device.type == DSK_DEV_CUDA ? "GPUs" : "the CPU");
+    if (o->cuda_graph && t->ctx.device.type != DSK_DEV_CUDA)
+        fail(t, "--cuda-graph needs GPUs (this run is on the CPU): a CUDA graph holds device work");
     if (o->cuda_graph && o->profile)
         fail(t, "--cuda-graph and --profile exclude each other: --profile synchronises the device after each op, "
                 "which a graph capture cannot hold");

@@ -162,9 +162,12 @@ static void banner(trainer *t) {
                 t->zopts.fp8_ef ? ", error feedback" : "");
         say(t, "\n");
     }
-    if (o->cuda_graph)
+    if (o->cuda_graph && !t->engine)
         say(t, "cuda graph: each step replays one captured graph (every micro-batch's forward, loss and backward, "
                "unscale, skip/clip decision, AdamW, bias and loss-scale updates)\n");
+    else if (o->cuda_graph)
+        say(t, "cuda graph: each step replays one captured graph (every micro-batch's forward, loss and backward, "
+               "the expert exchanges included), then reduces the gradients and steps the optimizer eagerly\n");
     say(t, "batch %d x %d tokens x %d accum, %d steps, lr %g (warm-up %d, cosine to %g), clip %g\n", o->batch, o->seq,
         o->accum, o->steps, o->lr, o->warmup, o->min_lr, o->clip);
     char how[96];

@@ -11,8 +11,8 @@
    kinds, freed memory, poison, pinned memory. Streams and events in order across streams;
    graph capture and replay, fork and join, invalidation. cuBLAS against a float64 GEMM;
    cub's radix sort against std::stable_sort. NCCL over 2 and 4 processes: every collective,
-   data type and reduction against exact references, groups, send/recv, split, a mismatch,
-   and a peer that aborts or dies. */
+   data type and reduction against exact references, groups, send/recv, split, an all-reduce
+   captured in a graph and launched three times, a mismatch, and a peer that aborts or dies. */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <cublas_v2.h>
@@ -895,6 +895,42 @@ static int nccl_child(int rank, int n, const char *idhex, const char *scenario) 
             CU(cudaFree(dp));
             CU(cudaFree(ds));
             CU(cudaFree(da));
+        }
+        { /* an all-reduce captured in a graph with the copy feeding it: nothing runs at capture, and each
+             launch reduces the inputs of its own time (the collective's order is taken at launch) */
+            size_t c = 1031;
+            float *src = dev_alloc<float>(c), *d = dev_alloc<float>(c);
+            cudaGraph_t g = NULL;
+            cudaGraphExec_t ge = NULL;
+            std::vector<float> poison(c, -7.0f);
+            CU(cudaMemcpy(d, poison.data(), c * sizeof(float), cudaMemcpyHostToDevice));
+            CU(cudaStreamBeginCapture(R.s, cudaStreamCaptureModeGlobal));
+            CU(cudaMemcpyAsync(d, src, c * sizeof(float), cudaMemcpyDeviceToDevice, R.s));
+            r = ncclAllReduce(d, d, c, ncclFloat32, ncclSum, R.comm, R.s);
+            nexpect(R, r == ncclSuccess, "all-reduce in a capture: %s", ncclGetErrorString(r));
+            CU(cudaStreamEndCapture(R.s, &g));
+            nexpect(R, to_host(d, c)[0] == -7.0f, "the captured all-reduce ran during the capture");
+            CU(cudaGraphInstantiate(&ge, g, 0));
+            for (int l = 0; l < 3; l++) {
+                std::vector<float> in(c);
+                for (size_t i = 0; i < c; i++) in[i] = (float)nval(ncclFloat32, rank, i, tag + l, ncclSum);
+                CU(cudaMemcpy(src, in.data(), c * sizeof(float), cudaMemcpyHostToDevice));
+                CU(cudaGraphLaunch(ge, R.s));
+                CU(cudaStreamSynchronize(R.s));
+                std::vector<float> got = to_host(d, c);
+                int bad = 0;
+                for (size_t i = 0; i < c; i++) {
+                    double want = 0;
+                    for (int q = 0; q < n; q++) want += nval(ncclFloat32, q, i, tag + l, ncclSum);
+                    bad += got[i] != (float)want;
+                }
+                nexpect(R, bad == 0, "launch %d of a captured all-reduce: %d of %zu elements wrong", l, bad, c);
+            }
+            tag += 3;
+            CU(cudaGraphExecDestroy(ge));
+            CU(cudaGraphDestroy(g));
+            CU(cudaFree(src));
+            CU(cudaFree(d));
         }
         { /* split by parity, ranks reversed */
             ncclComm_t sub = NULL;
