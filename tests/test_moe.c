@@ -3250,10 +3250,192 @@ static void test_fp8_experts_nonfinite(void) {
                     "expert_gemm 7: %s", dsk_last_error());
 }
 
+
+/* FP8 experts under expert parallelism (2 forked ranks, each holding 2 of the 4 experts), with the
+   rows dispatched in f32 and in FP8: y and dx are one rank's bits (every row's arithmetic is the
+   same), and each rank's expert gradients are the reference's for its own rows (its experts' rows
+   from both ranks, by rank then token), whose token tiles start at its first row. */
+enum { X8P_T = 70, X8P_N = 2, X8P_NT = X8P_N * X8P_T, X8P_EL = X8_E / X8P_N };
+
+typedef struct x8p_job {
+    float *x, *dy;       /* (NT, D), drawn from their own stream (the other cases' draws stay as they were) */
+    float *y[2], *dx[2]; /* [dispatch] (NT, D): rank r's rows at r T */
+    float *g[2][X8P_N];  /* [dispatch][rank] w1, w2, w3 gradients of the rank's experts */
+    int *status;         /* [rank] */
+    int port_ok;
+    size_t bytes;
+} x8p_job;
+
+static int64_t x8p_gsize(void) { return 3 * (int64_t)X8P_EL * X8_F * X8_D; }
+
+static void x8p_layer_inputs(dsk_moe *m, const float *x, const float *dy, int64_t T, dsk_tensor *tx, dsk_tensor *tdy,
+                             int32_t *sel, int64_t t0) {
+    int64_t shp[2] = {T, X8_D};
+    int32_t *all = (int32_t *)malloc(sizeof(int32_t) * X8P_NT * X8_K);
+    x8_assign(X8P_NT, all);
+    memcpy(sel, all + t0 * X8_K, sizeof(int32_t) * (size_t)(T * X8_K));
+    free(all);
+    dsk_tensor_fill(NULL, &m->router->value, 0.0);
+    dsk_tensor_wrap(tx, (void *)(x + t0 * X8_D), DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(tdy, (void *)(dy + t0 * X8_D), DSK_F32, dsk_cpu(), 2, shp);
+}
+
+static int x8p_rank_main(x8p_job *j, int rank, int port) {
+    dsk_comm c;
+    dsk_comm_opts co;
+    int64_t shp[2] = {X8P_T, X8_D}, ssh[2] = {X8P_T, X8_K};
+    int32_t sel[X8P_T * X8_K];
+    memset(&co, 0, sizeof co);
+    co.backend = DSK_COMM_HOST;
+    co.master_addr = "127.0.0.1";
+    co.master_port = port;
+    co.timeout_s = 60;
+    if (dsk_comm_init(&c, rank, X8P_N, &co) != DSK_OK) return 2;
+    for (int fp8 = 0; fp8 < 2; fp8++) {
+        dsk_moe m;
+        owned own;
+        dsk_moe_opts o = x8_opts();
+        dsk_tensor x, y, dy, dx, ts;
+        o.ep = &c;
+        o.ep_dispatch = fp8 ? DSK_MOE_DISPATCH_FP8 : DSK_MOE_DISPATCH_ACT;
+        if (make_layer(&m, &own, &o) != DSK_OK) return 3;
+        x8p_layer_inputs(&m, j->x, j->dy, X8P_T, &x, &dy, sel, (int64_t)rank * X8P_T);
+        dsk_tensor_wrap(&y, j->y[fp8] + rank * X8P_T * X8_D, DSK_F32, dsk_cpu(), 2, shp);
+        dsk_tensor_wrap(&dx, j->dx[fp8] + rank * X8P_T * X8_D, DSK_F32, dsk_cpu(), 2, shp);
+        dsk_tensor_wrap(&ts, sel, DSK_I32, dsk_cpu(), 2, ssh);
+        dsk_tensor_fill(NULL, &dx, 0.0);
+        if (dsk_moe_forward_replay(&m, NULL, &y, &x, &ts, NULL) != DSK_OK) return 4;
+        if (dsk_moe_backward(&m, NULL, &dx, &dy, 1.0f) != DSK_OK) return 5;
+        memcpy(j->g[fp8][rank], m.w1->grad.data, sizeof(float) * (size_t)(x8p_gsize() / 3));
+        memcpy(j->g[fp8][rank] + x8p_gsize() / 3, m.w2->grad.data, sizeof(float) * (size_t)(x8p_gsize() / 3));
+        memcpy(j->g[fp8][rank] + 2 * x8p_gsize() / 3, m.w3->grad.data, sizeof(float) * (size_t)(x8p_gsize() / 3));
+        drop_layer(&m, &own);
+    }
+    dsk_comm_free(&c);
+    return 0;
+}
+
+static void x8p_run(x8p_job *j) {
+    size_t nx = (size_t)X8P_NT * X8_D, ng = (size_t)x8p_gsize();
+    char *shm;
+    int port = 0;
+    j->bytes = (6 * nx + 4 * ng) * sizeof(float) + 64;
+    shm = (char *)mmap(NULL, j->bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    j->x = (float *)shm;
+    j->dy = j->x + nx;
+    for (int d = 0; d < 2; d++) {
+        j->y[d] = j->dy + nx + 2 * d * nx;
+        j->dx[d] = j->y[d] + nx;
+        for (int r = 0; r < X8P_N; r++) j->g[d][r] = j->x + 6 * nx + (size_t)(2 * d + r) * ng;
+    }
+    j->status = (int *)(j->x + 6 * nx + 4 * ng);
+    for (size_t i = 0; i < nx; i++) {
+        j->x[i] = (float)(2 * dsk_rng_uniform_at(31, 0, i) - 1);
+        j->dy[i] = (float)(2 * dsk_rng_uniform_at(32, 0, i) - 1);
+    }
+    for (size_t i = 2 * nx; i < 6 * nx + 4 * ng; i++) j->x[i] = NAN; /* poisoned */
+    j->port_ok = dsk_comm_free_port("127.0.0.1", &port) == DSK_OK;
+    if (!j->port_ok) return;
+    for (int r = 0; r < X8P_N; r++) {
+        pid_t pid = fork();
+        if (pid == 0) {
+            int rc = x8p_rank_main(j, r, port);
+            if (rc) fprintf(stderr, "fp8 experts rank %d: step %d failed: %s\n", r, rc, dsk_last_error());
+            _exit(rc);
+        }
+        j->status[r] = pid < 0 ? -1 : 0;
+    }
+    for (int r = 0; r < X8P_N; r++) {
+        int status = 0;
+        pid_t pid = wait(&status);
+        if (pid > 0 && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) j->status[r] = status ? status : -1;
+    }
+}
+
+/* Rank r's expert rows (its experts in order, each expert's rows by token) from the assignment. */
+static int x8p_rows(int r, int *tok, int *seg) {
+    int32_t sel[X8P_NT * X8_K];
+    int n = 0;
+    x8_assign(X8P_NT, sel);
+    seg[0] = 0;
+    for (int e = r * X8P_EL; e < (r + 1) * X8P_EL; e++) {
+        for (int t = 0; t < X8P_NT; t++)
+            for (int k = 0; k < X8_K; k++)
+                if (sel[t * X8_K + k] == e) tok[n++] = t;
+        seg[e - r * X8P_EL + 1] = n;
+    }
+    return n;
+}
+
+static void x8p_check(x8p_job *j) {
+    dsk_moe one;
+    owned own;
+    dsk_moe_opts o = x8_opts();
+    dsk_tensor x, dy, y, dx, ts;
+    int64_t shp[2] = {X8P_NT, X8_D}, ssh[2] = {X8P_NT, X8_K}, nx = (int64_t)X8P_NT * X8_D;
+    int32_t sel[X8P_NT * X8_K];
+    float *y1 = (float *)malloc(sizeof(float) * (size_t)nx), *dx1 = (float *)malloc(sizeof(float) * (size_t)nx);
+    dsk_test_begin("FP8 experts over 2 expert-parallel ranks, f32 and FP8 dispatch: y, dx = 1 rank's bits; expert "
+                   "gradients = the reference's for the rank's rows");
+    DSK_TEST_OK(make_layer(&one, &own, &o));
+    if (!j->port_ok) {
+        dsk_test_fail_at(__FILE__, __LINE__, "no free port: %s", dsk_last_error());
+        goto out;
+    }
+    for (int r = 0; r < X8P_N; r++)
+        DSK_TEST_EXPECT(j->status[r] == 0, "rank %d failed with status %d", r, j->status[r]);
+    x8p_layer_inputs(&one, j->x, j->dy, X8P_NT, &x, &dy, sel, 0);
+    dsk_tensor_wrap(&y, y1, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&dx, dx1, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&ts, sel, DSK_I32, dsk_cpu(), 2, ssh);
+    dsk_tensor_fill(NULL, &dx, 0.0);
+    DSK_TEST_OK(dsk_moe_forward_replay(&one, NULL, &y, &x, &ts, NULL));
+    DSK_TEST_OK(dsk_moe_backward(&one, NULL, &dx, &dy, 1.0f));
+    for (int d = 0; d < 2; d++) {
+        char what[64];
+        snprintf(what, sizeof what, "y, %s dispatch", d ? "fp8" : "f32");
+        DSK_TEST_SAME_BYTES(j->y[d], y1, sizeof(float) * (size_t)nx, what);
+        snprintf(what, sizeof what, "dx, %s dispatch", d ? "fp8" : "f32");
+        DSK_TEST_SAME_BYTES(j->dx[d], dx1, sizeof(float) * (size_t)nx, what);
+    }
+    for (int r = 0; r < X8P_N; r++) {
+        int tok[X8P_NT * X8_K], seg[X8P_EL + 1], n = x8p_rows(r, tok, seg);
+        int64_t per = (int64_t)X8P_EL * X8_F * X8_D, w0 = (int64_t)r * per;
+        float *xr = (float *)malloc(sizeof(float) * (size_t)(n * X8_D + 1)),
+              *dor = (float *)malloc(sizeof(float) * (size_t)(n * X8_D + 1));
+        x8_ref ref;
+        for (int i = 0; i < n; i++)
+            for (int c = 0; c < X8_D; c++) {
+                xr[i * X8_D + c] = j->x[tok[i] * X8_D + c];
+                dor[i * X8_D + c] = 0.25f * j->dy[tok[i] * X8_D + c];
+            }
+        x8_ref_init(&ref, xr, n, X8_F, seg, X8P_EL, (float *)one.w1->value.data + w0, (float *)one.w2->value.data + w0,
+                    (float *)one.w3->value.data + w0);
+        x8_forward(&ref);
+        x8_backward(&ref, dor);
+        for (int d = 0; d < 2; d++)
+            for (int p = 0; p < 3; p++) {
+                int bad = x8_outside(j->g[d][r] + p * per, ref.g[p], ref.gtol[p], per, "rank's expert gradient");
+                DSK_TEST_EXPECT(bad == 0, "rank %d, %s dispatch, w%d gradient: %d of %lld outside the bound", r,
+                                d ? "fp8" : "f32", p + 1, bad, (long long)per);
+            }
+        x8_ref_free(&ref);
+        free(xr);
+        free(dor);
+    }
+out:
+    drop_layer(&one, &own);
+    free(y1);
+    free(dx1);
+    munmap(j->x, j->bytes);
+    dsk_test_end();
+}
+
 int main(void) {
     dsk_test_init("test_moe");
     ep_job jobs[3];
     f8_job f8;
+    x8p_job x8p;
     aj_job aj[2];
     sp_job sp[4];
     /* every forked rank first, before this process starts OpenMP threads */
@@ -3261,6 +3443,7 @@ int main(void) {
     ep_run(&jobs[1], 4, 1);
     ep_run(&jobs[2], 2, 1);
     f8_run(&f8);
+    x8p_run(&x8p);
     aj_run(&aj[0], 2);
     aj_run(&aj[1], 3);
     sp_jobs(sp);
@@ -3296,5 +3479,6 @@ int main(void) {
     DSK_TEST_RUN(test_loss_span_bad); /* last: the cases before it draw what they drew before it existed */
     DSK_TEST_RUN(test_fp8_experts);
     DSK_TEST_RUN(test_fp8_experts_nonfinite);
+    x8p_check(&x8p);
     return dsk_test_finish();
 }
