@@ -408,6 +408,7 @@ static void model_config(trainer *t, tm_config *out) {
     c.moe.bias_rate = (float)o->bias_rate;
     c.moe.ep = t->have_comm && t->ep > 1 ? &t->ep_comm : NULL;
     c.moe.ep_dispatch = strcmp(o->ep_dispatch, "fp8") == 0 ? DSK_MOE_DISPATCH_FP8 : DSK_MOE_DISPATCH_ACT;
+    c.moe.expert_gemm = c.fp8 ? DSK_MOE_GEMM_FP8 : DSK_MOE_GEMM_ACT; /* --dtype fp8: the experts' GEMMs too */
     if (strcmp(o->attn, "mha") != 0 && strcmp(o->attn, "mla") != 0) fail(t, "--attn \"%s\": use mha or mla", o->attn);
     c.mla.attn = strcmp(o->attn, "mla") == 0 ? TMLA_ATTN_MLA : TMLA_ATTN_MHA;
     c.mla.q_lora_rank = o->q_lora;
