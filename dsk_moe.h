@@ -2638,6 +2638,19 @@ static dsk_status dsk__moe_to_experts_fp8(dsk_moe *m, dsk_ctx *ctx, const dsk_te
 }
 #endif
 
+/* The SwiGLU gradient dh1, dh3 WRITTEN from da, h1, h3 (all (n, F) act). */
+static dsk_status dsk__moe_swiglu_grad(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dh1, dsk_tensor *dh3,
+                                       const dsk_tensor *da, const dsk_tensor *h1, const dsk_tensor *h3) {
+    if (m->device.type == DSK_DEV_CPU && m->st->act == DSK_F32) { /* written: no zeroing pass */
+        dsk_swiglu_grad_cpu(dsk_tensor_numel(da), DSK__MOE_F32(*h1), DSK__MOE_F32(*h3), DSK__MOE_F32(*da),
+                            DSK__MOE_F32(*dh1), DSK__MOE_F32(*dh3));
+        return DSK_OK;
+    }
+    DSK__TRY(dsk_tensor_fill(ctx, dh1, 0.0));
+    DSK__TRY(dsk_tensor_fill(ctx, dh3, 0.0));
+    return dsk_swiglu_backward(ctx, dh1, dh3, da, h1, h3);
+}
+
 #ifdef DSK_AMP_H
 /* ---------------------------------------------------------------- FP8 experts
    opts.expert_gemm = DSK_MOE_GEMM_FP8: each projection's three GEMMs on dsk_matmul_fp8_grouped
@@ -2724,19 +2737,6 @@ static dsk_status dsk__moe_f8_input_t(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor
     DSK__TRY(dsk_tensor_wrap(&x, flat.data, m->st->act, m->device, 2, sh));
     if (sh[0] > 0 && sh[1] > 0) DSK__TRY(dsk_amp_fp8_block_dequantize(ctx, &x, q, s, 1, 128));
     return dsk__moe_f8_act(m, ctx, &x, 1, DSK__MOE_ITQ, DSK__MOE_ITS, xtq, xts);
-}
-
-/* The swiglu gradient dh1, dh3 WRITTEN from da, h1, h3 (all (n, F) act). */
-static dsk_status dsk__moe_f8_swiglu_grad(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dh1, dsk_tensor *dh3,
-                                          const dsk_tensor *da, const dsk_tensor *h1, const dsk_tensor *h3) {
-    if (m->device.type == DSK_DEV_CPU && m->st->act == DSK_F32) { /* written: no zeroing pass */
-        dsk_swiglu_grad_cpu(dsk_tensor_numel(da), DSK__MOE_F32(*h1), DSK__MOE_F32(*h3), DSK__MOE_F32(*da),
-                            DSK__MOE_F32(*dh1), DSK__MOE_F32(*dh3));
-        return DSK_OK;
-    }
-    DSK__TRY(dsk_tensor_fill(ctx, dh1, 0.0));
-    DSK__TRY(dsk_tensor_fill(ctx, dh3, 0.0));
-    return dsk_swiglu_backward(ctx, dh1, dh3, da, h1, h3);
 }
 
 /* The tokens xa (T, D) into XQ (when sized: shared experts, or the routed rows' source without EP). */
@@ -2841,7 +2841,7 @@ static dsk_status dsk__moe_f8_swiglu_backward(dsk_moe *m, dsk_ctx *ctx, dsk__moe
     DSK__TRY(dsk_tensor_wrap(&da, flat.data, m->st->act, m->device, 2, sh));
     if (b->off) DSK__TRY(dsk_tensor_fill(ctx, &da, 0.0)); /* rows outside the segments */
     DSK__TRY(dsk__moe_f8_gemm(m, ctx, &da, &gq, &gs, &b->w[1], 1, b->off, 0.0f));
-    DSK__TRY(dsk__moe_f8_swiglu_grad(m, ctx, &b->dh1, &b->dh3, &da, b->h1, b->h3));
+    DSK__TRY(dsk__moe_swiglu_grad(m, ctx, &b->dh1, &b->dh3, &da, b->h1, b->h3));
     /* w1, w3: their gradients from dh^T and x^T, then dx = dh1 w1 + dh3 w3 */
     DSK__TRY(dsk__moe_f8_input_t(m, ctx, b->xq, b->xs, b->x_id, &xtq, &xts));
     DSK__TRY(dsk__moe_f8_wgrad(m, ctx, b->g[0], &b->dh1, &xtq, &xts, b->off));
@@ -3176,14 +3176,7 @@ static dsk_status dsk__moe_shared_backward(dsk_moe *m, dsk_ctx *ctx, const dsk_t
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DHS3, T, R, &dhs3));
         DSK__TRY(dsk_matmul(ctx, &das, dya, 0, &w[4], 0, 1.0f, 0.0f));
         DSK__TRY(dsk_matmul(ctx, &m->sw2->grad, dya, 1, &as, 0, 1.0f, 1.0f));
-        if (m->device.type == DSK_DEV_CPU && st->act == DSK_F32) { /* written: no zeroing pass, no read-back */
-            dsk_swiglu_grad_cpu(dsk_tensor_numel(&das), DSK__MOE_F32(hs1), DSK__MOE_F32(hs3), DSK__MOE_F32(das),
-                                DSK__MOE_F32(dhs1), DSK__MOE_F32(dhs3));
-        } else {
-            DSK__TRY(dsk_tensor_fill(ctx, &dhs1, 0.0));
-            DSK__TRY(dsk_tensor_fill(ctx, &dhs3, 0.0));
-            DSK__TRY(dsk_swiglu_backward(ctx, &dhs1, &dhs3, &das, &hs1, &hs3));
-        }
+        DSK__TRY(dsk__moe_swiglu_grad(m, ctx, &dhs1, &dhs3, &das, &hs1, &hs3));
         DSK__TRY(dsk_matmul(ctx, dxf, &dhs1, 0, &w[3], 0, 1.0f, 0.0f));
         DSK__TRY(dsk_matmul(ctx, dxf, &dhs3, 0, &w[5], 0, 1.0f, 1.0f));
         DSK__TRY(dsk_matmul(ctx, &m->sw1->grad, &dhs1, 1, xa, 0, 1.0f, 1.0f));
