@@ -2639,8 +2639,8 @@ static dsk_status dsk__moe_to_experts_fp8(dsk_moe *m, dsk_ctx *ctx, const dsk_te
 #endif
 
 /* The SwiGLU gradient dh1, dh3 WRITTEN from da, h1, h3 (all (n, F) act). */
-static dsk_status dsk__moe_swiglu_grad(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dh1, dsk_tensor *dh3,
-                                       const dsk_tensor *da, const dsk_tensor *h1, const dsk_tensor *h3) {
+static dsk_status dsk__moe_swiglu_grad(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dh1, dsk_tensor *dh3, const dsk_tensor *da,
+                                       const dsk_tensor *h1, const dsk_tensor *h3) {
     if (m->device.type == DSK_DEV_CPU && m->st->act == DSK_F32) { /* written: no zeroing pass */
         dsk_swiglu_grad_cpu(dsk_tensor_numel(da), DSK__MOE_F32(*h1), DSK__MOE_F32(*h3), DSK__MOE_F32(*da),
                             DSK__MOE_F32(*dh1), DSK__MOE_F32(*dh3));

@@ -2,7 +2,8 @@
    (softmax, sigmoid, groups, bias, normalisation), capacity, shared experts, loss terms, the
    bias update, gradients by central finite differences, bf16, expert parallelism over forked
    host-backend ranks (the layer, and the mixed-precision statistics' join), routing record and
-   replay, and bad configurations and calls. */
+   replay, the experts' GEMMs in FP8 (against a float64 evaluation of the same quantised operands,
+   and under expert parallelism), and bad configurations and calls. */
 #define _DEFAULT_SOURCE /* MAP_ANONYMOUS for the ranks' shared results (POSIX alone lacks it) */
 #include "dsk_comm.h"
 #include "dsk_amp.h" /* before dsk_moe.h: dsk_moe_amp_unscale */
