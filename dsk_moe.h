@@ -144,6 +144,7 @@
      (and their weight gradients) read those values. The combine, and backward's exchanges, stay
      in the activation dtype; backward passes the input gradient straight through the rounding.
      stats.dispatch_bytes and combine_bytes count the forward's two exchanges per rank.
+     With FP8 experts the received codes and scales are the experts' input as they come.
      The recipe of a data-parallel step with EP (W ranks in all, EP groups of P, each expert held
      by the W/P ranks of equal ep rank, its "replica group"; each rank's loss the mean over its
      own tokens, the step's loss their mean over W; balancing losses over more than a rank's own
@@ -161,6 +162,22 @@
          (found_inf, sumsq) = stats(replicated) + SUM over ep of stats(sharded) in the scaler, the
          same on every rank; one all-reduce SUM of every rank's stats over the world would count
          the replicated ones W times.
+   FP8 experts (opts.expert_gemm = DSK_MOE_GEMM_FP8, DeepSeek-V3's recipe; needs dsk_amp.h): every
+     GEMM of the routed experts (dsk_matmul_fp8_grouped over the segments, offsets on the device) and
+     of the shared ones (dsk_matmul_fp8) runs in block-scaled e4m3 with f32 accumulation: forward
+     h = x w^T, input gradient dx = dh w, weight gradient dw += dh^T x. Activations and output
+     gradients in 1x128 tiles, weights in 128x128 blocks per expert (quantised from the compute copy
+     at each use), the weight gradient's two operands quantised along the tokens (the chunks on the
+     grid of 128 from the first expert row, so a tile may span two experts' rows). The GEMMs' inputs
+     that backward needs, the experts' rows x and silu(h1) h3 of routed and shared experts, are kept
+     as e4m3 codes with their f32 scales instead of in the activation dtype (a row's codes are the
+     same whether it is quantised before or after the gather or the FP8 dispatch); h1 and h3 stay
+     in the activation dtype for the SwiGLU's backward; router, gating, combine and losses are
+     unchanged. A NaN or Inf reaches every output that reads its tile or block. Forward outputs and
+     dx are row-local: with expert parallelism they are one rank's bits; the weight gradients' tiles
+     along the tokens follow each rank's rows. dsk_moe_reserve(_bytes) counts the caches and the
+     scratch (one set per layer: the widest projection's weights, an output gradient in both layouts,
+     an input's transpose).
    Devices: one pipeline for both. The same sequence of calls runs on either device (dsk_tensor
      ops; the MoE-specific steps run a CPU loop or a CUDA kernel over the same DSK_HD functions
      below), with one buffer registry. Activations are f32 on the CPU (a bf16 layer converts x and
@@ -234,6 +251,9 @@ typedef enum dsk_moe_drop { DSK_MOE_DROP_PROB = 0, DSK_MOE_DROP_POSITION = 1 } d
 /* What the forward's expert-parallel dispatch sends: rows in the activation dtype, or e4m3 codes
    with 1x128 f32 scales (DeepSeek-V3), dequantised to the activation dtype by the receiver. */
 typedef enum dsk_moe_dispatch { DSK_MOE_DISPATCH_ACT = 0, DSK_MOE_DISPATCH_FP8 = 1 } dsk_moe_dispatch;
+/* How the experts (routed and shared) run their GEMMs: in the activation dtype, or block-scaled FP8
+   (DeepSeek-V3's recipe, see "FP8 experts" above). */
+typedef enum dsk_moe_expert_gemm { DSK_MOE_GEMM_ACT = 0, DSK_MOE_GEMM_FP8 = 1 } dsk_moe_expert_gemm;
 /* How expert parallelism sizes its row exchange (see "Expert parallelism" above). */
 typedef enum dsk_moe_ep_exchange {
     DSK_MOE_EP_EXACT = 0,  /* rows sized by the exchanged counts: the fewest bytes; CUDA: one host sync a forward */
@@ -288,6 +308,8 @@ typedef struct dsk_moe_opts {
                                      FP8 needs dsk_amp.h included before this file in the implementation) */
     dsk_moe_ep_exchange ep_exchange; /* [DSK_MOE_EP_EXACT]; BOUNDED needs the same T on every rank of the group and
                                         ep_dispatch ACT */
+    dsk_moe_expert_gemm expert_gemm; /* [DSK_MOE_GEMM_ACT]; FP8 needs dsk_amp.h included before this file in the
+                                        implementation */
     int ep_overlap;                  /* 1: on the host backend a second thread runs each expert exchange while the
                                         layer computes what does not wait on it (forward: the shared experts;
                                         backward: the shared experts, the router); the same bits as serial; it
@@ -1095,7 +1117,25 @@ enum dsk__moe_buf_id {
     DSK__MOE_EP_RKEY,   /* (R) i32 the keys received */
     DSK__MOE_EP_UNPAD,  /* (TK) i32 kept row -> send row, -1 */
     DSK__MOE_STAGE2,    /* (R, D) act rows received (bounded EP) */
-    DSK__MOE_WA,        /* act copies of w1 w2 w3 sw1 sw2 sw3 when their dtype is not act: 6 ids */
+    /* FP8 experts (opts.expert_gemm): e4m3 caches with their 1x128 f32 scales, kept for backward */
+    DSK__MOE_XQ,   /* (T, D) the tokens (the shared experts' input; the routed rows' source without EP) */
+    DSK__MOE_XQS,  /* (T, ceil(D / 128)) */
+    DSK__MOE_RQ,   /* (R, D) the experts' input rows */
+    DSK__MOE_RQS,  /* (R, ceil(D / 128)) */
+    DSK__MOE_AQ,   /* (R, F) silu(h1) h3, the input of w2 */
+    DSK__MOE_AQS,  /* (R, ceil(F / 128)) */
+    DSK__MOE_ASQ,  /* (T, Fs) the shared experts' silu(h1) h3 */
+    DSK__MOE_ASQS, /* (T, ceil(Fs / 128)) */
+    /* and their scratch, flat, viewed per GEMM (forward and backward) */
+    DSK__MOE_W8,  /* e4m3 one projection's weights of every local expert (or a shared one), 128x128 blocks */
+    DSK__MOE_W8S, /* f32 their scales */
+    DSK__MOE_GQ,  /* e4m3 an output gradient (or h) in 1x128 tiles, rows (R or T) x its width */
+    DSK__MOE_GQS, /* f32 */
+    DSK__MOE_GTQ, /* e4m3 an output gradient transposed, tiles along the tokens (weight gradients) */
+    DSK__MOE_GTS, /* f32 */
+    DSK__MOE_ITQ, /* e4m3 a cached input transposed, tiles along the tokens (weight gradients) */
+    DSK__MOE_ITS, /* f32 */
+    DSK__MOE_WA,  /* act copies of w1 w2 w3 sw1 sw2 sw3 when their dtype is not act: 6 ids */
     DSK__MOE_WA_END = DSK__MOE_WA + 6,
     /* backward */
     DSK__MOE_DYA = DSK__MOE_WA_END, /* (T, D) act dy, when act is not the layer's dtype */
@@ -1153,6 +1193,55 @@ struct dsk__moe_state {
                                                           the last request, the last collected */
 };
 
+static int64_t dsk__moe_max(int64_t a, int64_t b) { return a > b ? a : b; }
+static int64_t dsk__moe_chunks(int64_t k) { return (k + 127) / 128; } /* 1x128 tiles of a row of k */
+
+/* dsk__moe_spec_at for the FP8 experts' buffers (0 rows unless opts.expert_gemm is FP8). Under FP8
+   the activation-dtype copies that only fed a GEMM are gone: A and AS (computed in DA and DAS, then
+   quantised), XS and XR (the rows gathered in DOS, received in DOR, quantised; without EP the
+   tokens' codes are gathered instead). The scratch is sized by the widest GEMM of either kind. */
+static void dsk__moe_spec_fp8(const dsk_moe *m, int id, int64_t T, int64_t R, dsk_dtype *dt, int64_t *rows,
+                              int64_t *cols) {
+    const dsk_moe_opts *o = &m->opts;
+    int64_t D = o->d_model, F = o->d_expert, Fs = m->d_shared_total, El = m->n_local;
+    int64_t W = dsk__moe_max(D, F), Ws = Fs > 0 ? dsk__moe_max(D, Fs) : 0, Ts = Fs > 0 ? T : 0;
+    int codes = (id - DSK__MOE_XQ) % 2 == 0; /* the ids alternate e4m3 codes, f32 scales */
+    *dt = codes ? DSK_E4M3 : DSK_F32;
+    *rows = 0;
+    *cols = 0;
+    if (o->expert_gemm != DSK_MOE_GEMM_FP8) return;
+    switch (id) {
+    case DSK__MOE_XQ:
+    case DSK__MOE_XQS:
+        *rows = Fs > 0 || m->ep_size <= 1 ? T : 0;
+        *cols = D;
+        break;
+    case DSK__MOE_RQ:
+    case DSK__MOE_RQS:
+        *rows = R;
+        *cols = D;
+        break;
+    case DSK__MOE_AQ:
+    case DSK__MOE_AQS:
+        *rows = R;
+        *cols = F;
+        break;
+    case DSK__MOE_ASQ:
+    case DSK__MOE_ASQS:
+        *rows = Ts;
+        *cols = Fs;
+        break;
+    case DSK__MOE_W8: *rows = dsk__moe_max(El * F * D, Fs * D); break;
+    case DSK__MOE_W8S: *rows = dsk__moe_max(El * dsk__moe_chunks(F), dsk__moe_chunks(Fs)) * dsk__moe_chunks(D); break;
+    case DSK__MOE_GQ: *rows = dsk__moe_max(R * W, Ts * Ws); break;
+    case DSK__MOE_GQS: *rows = dsk__moe_max(R * dsk__moe_chunks(W), Ts * dsk__moe_chunks(Ws)); break;
+    case DSK__MOE_GTQ:
+    case DSK__MOE_ITQ: *rows = dsk__moe_max(W * R, Ws * Ts); break;
+    default: /* GTS, ITS */ *rows = dsk__moe_max(W * dsk__moe_chunks(R), Ws * dsk__moe_chunks(Ts)); break;
+    }
+    if (*cols && !codes) *cols = dsk__moe_chunks(*cols);
+}
+
 /* The dtype and (rows, cols) of buffer id for T tokens and R expert rows (cols 0: 1-D), with N
    the loss span's rows (sequences of the sequence-wise loss) and act the activations' dtype. */
 static void dsk__moe_spec_at(const dsk_moe *m, int id, int64_t T, int64_t R, int64_t N, dsk_dtype act, dsk_dtype *dt,
@@ -1161,10 +1250,14 @@ static void dsk__moe_spec_at(const dsk_moe *m, int id, int64_t T, int64_t R, int
     int64_t D = o->d_model, E = o->n_routed, K = o->top_k, F = o->d_expert, Fs = m->d_shared_total, TK = T * K;
     int64_t L = o->seq_aux_alpha > 0 && o->seq_len ? o->seq_len : (N > 0 ? N : 1), NS = N / L > 0 ? N / L : 1;
     int ep = m->ep_size > 1, shared = Fs > 0, losses = o->aux_alpha > 0 || o->seq_aux_alpha > 0 || o->z_beta > 0;
-    int bounded = ep && o->ep_exchange == DSK_MOE_EP_BOUNDED;
+    int bounded = ep && o->ep_exchange == DSK_MOE_EP_BOUNDED, fp8 = o->expert_gemm == DSK_MOE_GEMM_FP8;
     *dt = act;
     *cols = 0;
     *rows = 0;
+    if (id >= DSK__MOE_XQ && id <= DSK__MOE_ITS) {
+        dsk__moe_spec_fp8(m, id, T, R, dt, rows, cols);
+        return;
+    }
     switch (id) {
     case DSK__MOE_XF: *dt = DSK_F32; *rows = T; *cols = D; break;
     case DSK__MOE_XA: *rows = act == DSK_F32 ? 0 : T; *cols = D; break;
@@ -1196,8 +1289,16 @@ static void dsk__moe_spec_at(const dsk_moe *m, int id, int64_t T, int64_t R, int
     case DSK__MOE_OFF_ALL: case DSK__MOE_OFF: *dt = DSK_I32; *rows = E + 1; break;
     case DSK__MOE_CNT: *dt = DSK_I64; *rows = 3 + 2 * E; break;
     case DSK__MOE_CNTG: *dt = DSK_I64; *rows = ep ? 3 + 2 * E : 0; break;
-    case DSK__MOE_XS: case DSK__MOE_DOS: *rows = TK; *cols = D; break;
-    case DSK__MOE_XR: case DSK__MOE_DOR: *rows = ep ? R : 0; *cols = D; break;
+    case DSK__MOE_XS:
+    case DSK__MOE_DOS:
+        *rows = id == DSK__MOE_XS && fp8 ? 0 : TK;
+        *cols = D;
+        break;
+    case DSK__MOE_XR:
+    case DSK__MOE_DOR:
+        *rows = ep && (id == DSK__MOE_DOR || !fp8) ? R : 0;
+        *cols = D;
+        break;
     case DSK__MOE_STAGE: *rows = ep ? (R > TK ? R : TK) : 0; *cols = D; break;
     case DSK__MOE_Q8:
     case DSK__MOE_Q8R:
@@ -1209,10 +1310,14 @@ static void dsk__moe_spec_at(const dsk_moe *m, int id, int64_t T, int64_t R, int
         break;
     case DSK__MOE_OB: case DSK__MOE_DXP: *rows = ep ? TK : 0; *cols = D; break;
     case DSK__MOE_H1: case DSK__MOE_H3: case DSK__MOE_A: case DSK__MOE_DA: case DSK__MOE_DH1: case DSK__MOE_DH3:
-        *rows = R; *cols = F; break;
+        *rows = id == DSK__MOE_A && fp8 ? 0 : R;
+        *cols = F;
+        break;
     case DSK__MOE_O: case DSK__MOE_DXR: *rows = R; *cols = D; break;
     case DSK__MOE_HS1: case DSK__MOE_HS3: case DSK__MOE_AS: case DSK__MOE_DAS: case DSK__MOE_DHS1: case DSK__MOE_DHS3:
-        *rows = shared ? T : 0; *cols = Fs; break;
+        *rows = shared && !(id == DSK__MOE_AS && fp8) ? T : 0;
+        *cols = Fs;
+        break;
     case DSK__MOE_YS: *rows = shared ? T : 0; *cols = D; break;
     case DSK__MOE_RECV_CNT: *dt = DSK_I64; *rows = ep ? (int64_t)m->ep_size * m->n_local : 0; break;
     case DSK__MOE_LOCAL_OFF: *dt = DSK_I32; *rows = ep ? m->n_local + 1 : 0; break;
@@ -1388,6 +1493,16 @@ static dsk_status dsk__moe_resolve(dsk_moe_opts *o, int ep_size) {
         return dsk_set_error(DSK_ERR_UNSUPPORTED,
                              "%s: layer \"%s\": FP8 dispatch needs dsk_amp.h included before "
                              "dsk_moe.h in the implementation",
+                             fn, o->name);
+#endif
+    if (o->expert_gemm != DSK_MOE_GEMM_ACT && o->expert_gemm != DSK_MOE_GEMM_FP8)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": unknown expert_gemm %d (act 0, fp8 1)", fn, o->name,
+                             (int)o->expert_gemm);
+#ifndef DSK_AMP_H
+    if (o->expert_gemm == DSK_MOE_GEMM_FP8)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED,
+                             "%s: layer \"%s\": FP8 experts need dsk_amp.h included before dsk_moe.h in the "
+                             "implementation",
                              fn, o->name);
 #endif
     if (o->dtype != DSK_F32 && o->dtype != DSK_BF16)
@@ -2475,6 +2590,17 @@ static dsk_status dsk__moe_fp8_dequantize(dsk_ctx *ctx, const dsk_tensor *q, con
     return dst->shape[0] > 0 ? dsk_amp_fp8_block_dequantize(ctx, dst, q, s, 1, 128) : DSK_OK;
 }
 
+/* FP8 experts: the received codes and scales, regrouped expert-major, are the experts' input (RQ). */
+static dsk_status dsk__moe_f8_received(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *qr, const dsk_tensor *sr,
+                                       const dsk_tensor *rg) {
+    dsk_tensor rq, rs;
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RQ, m->st->T, m->st->R, &rq));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RQS, m->st->T, m->st->R, &rs));
+    if (m->st->R == 0) return DSK_OK;
+    DSK__TRY(dsk_gather_rows_scaled(ctx, &rq, qr, rg, NULL));
+    return dsk_gather_rows_scaled(ctx, &rs, sr, rg, NULL);
+}
+
 /* dsk__moe_to_experts with FP8 on the wire: codes and scales go by two all-to-all-v of the
    forward's row counts, the receiver dequantises and regroups. */
 static dsk_status dsk__moe_to_experts_fp8(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
@@ -2505,10 +2631,262 @@ static dsk_status dsk__moe_to_experts_fp8(dsk_moe *m, dsk_ctx *ctx, const dsk_te
     DSK__TRY(e);
     qr = dsk__moe_rows(&qr, st->R);
     sr = dsk__moe_rows(&sr, st->R);
+    if (m->opts.expert_gemm == DSK_MOE_GEMM_FP8) return dsk__moe_f8_received(m, ctx, &qr, &sr, &rg);
     stage = dsk__moe_rows(&stage, st->R);
     DSK__TRY(dsk__moe_fp8_dequantize(ctx, &qr, &sr, &stage));
     return dsk_gather_rows(ctx, dst, &stage, &rg);
 }
+#endif
+
+/* The SwiGLU gradient dh1, dh3 WRITTEN from da, h1, h3 (all (n, F) act). */
+static dsk_status dsk__moe_swiglu_grad(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dh1, dsk_tensor *dh3, const dsk_tensor *da,
+                                       const dsk_tensor *h1, const dsk_tensor *h3) {
+    if (m->device.type == DSK_DEV_CPU && m->st->act == DSK_F32) { /* written: no zeroing pass */
+        dsk_swiglu_grad_cpu(dsk_tensor_numel(da), DSK__MOE_F32(*h1), DSK__MOE_F32(*h3), DSK__MOE_F32(*da),
+                            DSK__MOE_F32(*dh1), DSK__MOE_F32(*dh3));
+        return DSK_OK;
+    }
+    DSK__TRY(dsk_tensor_fill(ctx, dh1, 0.0));
+    DSK__TRY(dsk_tensor_fill(ctx, dh3, 0.0));
+    return dsk_swiglu_backward(ctx, dh1, dh3, da, h1, h3);
+}
+
+#ifdef DSK_AMP_H
+/* ---------------------------------------------------------------- FP8 experts
+   opts.expert_gemm = DSK_MOE_GEMM_FP8: each projection's three GEMMs on dsk_matmul_fp8_grouped
+   (routed experts, the segment offsets on the device) and dsk_matmul_fp8 (shared experts), with
+   dsk_amp's quantisers: activations and output gradients in 1x128 tiles, weights in 128x128
+   blocks per expert (quantised from the activation-dtype copy at each use), the weight gradients
+   from both operands quantised along the tokens, f32 accumulation. The inputs of the GEMMs that
+   backward needs (x rows, silu(h1) h3) stay as e4m3 codes and scales; backward dequantises one
+   into a buffer that is free at that point and quantises its transpose. */
+
+/* A view of flat buffer id (its dtype) as a tensor of ndim dims from element `at`. */
+static dsk_status dsk__moe_f8_view(dsk_moe *m, dsk_ctx *ctx, int id, int64_t at, int ndim, const int64_t *shape,
+                                   dsk_tensor *out) {
+    dsk_tensor flat;
+    DSK__TRY(dsk__moe_buf(m, ctx, id, m->st->T, m->st->R, &flat));
+    return dsk_tensor_wrap(out, (char *)flat.data + (size_t)at * dsk_dtype_size(flat.dtype), flat.dtype, m->device,
+                           ndim, shape);
+}
+
+/* x (n, k) into codes and 1x128 scales, as (n, k) and (n, ceil(k/128)) views of buffers q and s;
+   t 1: its transpose, tiles along the n rows: (k, n) and (k, ceil(n/128)). */
+static dsk_status dsk__moe_f8_act(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *x, int t, int q, int s, dsk_tensor *xq,
+                                  dsk_tensor *xs) {
+    int64_t n = x->shape[0], k = x->shape[1], r = t ? k : n, c = t ? n : k;
+    int64_t qsh[2] = {r, c}, ssh[2] = {r, dsk__moe_chunks(c)};
+    DSK__TRY(dsk__moe_f8_view(m, ctx, q, 0, 2, qsh, xq));
+    DSK__TRY(dsk__moe_f8_view(m, ctx, s, 0, 2, ssh, xs));
+    if (n == 0 || k == 0) return DSK_OK;
+    return t ? dsk_amp_fp8_block_quantize_t(ctx, xq, xs, x, 1, 128, 0)
+             : dsk_amp_fp8_block_quantize(ctx, xq, xs, x, 1, 128, 0);
+}
+
+/* The weights w (G, N, K) (or one (N, K)) in 128x128 blocks per expert into W8: as they are (t 0,
+   B (G, N, K) of C = A w[g]^T) or transposed (t 1, B (G, K, N) of C = A w[g]). */
+static dsk_status dsk__moe_f8_weights(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *w, int t, dsk_tensor *wq,
+                                      dsk_tensor *ws) {
+    int nd = w->ndim;
+    int64_t G = nd == 3 ? w->shape[0] : 1, N = w->shape[nd - 2], K = w->shape[nd - 1], r = t ? K : N, c = t ? N : K;
+    int64_t qsh[3] = {G, r, c}, ssh[3] = {G, dsk__moe_chunks(r), dsk__moe_chunks(c)}, wsh[2] = {N, K};
+    DSK__TRY(dsk__moe_f8_view(m, ctx, DSK__MOE_W8, 0, nd, qsh + 3 - nd, wq));
+    DSK__TRY(dsk__moe_f8_view(m, ctx, DSK__MOE_W8S, 0, nd, ssh + 3 - nd, ws));
+    for (int64_t g = 0; g < G && N * K > 0; g++) {
+        dsk_tensor wg, qg, sg;
+        int64_t ns = ssh[1] * ssh[2];
+        dsk_tensor_wrap(&wg, (char *)w->data + (size_t)(g * N * K) * dsk_dtype_size(w->dtype), w->dtype, m->device, 2,
+                        wsh);
+        DSK__TRY(dsk__moe_f8_view(m, ctx, DSK__MOE_W8, g * N * K, 2, qsh + 1, &qg));
+        DSK__TRY(dsk__moe_f8_view(m, ctx, DSK__MOE_W8S, g * ns, 2, ssh + 1, &sg));
+        DSK__TRY(t ? dsk_amp_fp8_block_quantize_t(ctx, &qg, &sg, &wg, 128, 128, 0)
+                   : dsk_amp_fp8_block_quantize(ctx, &qg, &sg, &wg, 128, 128, 0));
+    }
+    return DSK_OK;
+}
+
+/* C = A w^T + beta C (t 0) or A w + beta C (t 1): A (codes and 1x128 scales) by the weights w in
+   128x128 blocks; grouped over the segments off when w is (G, N, K), else one GEMM. */
+static dsk_status dsk__moe_f8_gemm(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *aq, const dsk_tensor *as,
+                                   const dsk_tensor *w, int t, const dsk_tensor *off, float beta) {
+    dsk_tensor wq, ws;
+    DSK__TRY(dsk__moe_f8_weights(m, ctx, w, t, &wq, &ws));
+    if (C->shape[0] == 0 || C->shape[1] == 0) return DSK_OK;
+    if (w->ndim == 3) return dsk_matmul_fp8_grouped(ctx, C, aq, as, &wq, &ws, DSK_FP8_BLOCK_128X128, off, 1.0f, beta);
+    return dsk_matmul_fp8(ctx, C, aq, as, DSK_FP8_TILE_1X128, &wq, &ws, DSK_FP8_BLOCK_128X128, 1.0f, beta);
+}
+
+/* gw += dy^T x from dy (n, o) act and the cached x already transposed into ITQ (k, n): both along
+   the tokens; grouped (gw (G, o, k), the segments cutting the tokens) when off is given. */
+static dsk_status dsk__moe_f8_wgrad(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *gw, const dsk_tensor *dy,
+                                    const dsk_tensor *xtq, const dsk_tensor *xts, const dsk_tensor *off) {
+    dsk_tensor gtq, gts;
+    DSK__TRY(dsk__moe_f8_act(m, ctx, dy, 1, DSK__MOE_GTQ, DSK__MOE_GTS, &gtq, &gts));
+    if (dy->shape[0] == 0) return DSK_OK;
+    if (off) return dsk_matmul_fp8_grouped(ctx, gw, &gtq, &gts, xtq, xts, DSK_FP8_TILE_1X128, off, 1.0f, 1.0f);
+    return dsk_matmul_fp8(ctx, gw, &gtq, &gts, DSK_FP8_TILE_1X128, xtq, xts, DSK_FP8_TILE_1X128, 1.0f, 1.0f);
+}
+
+/* A cached input (codes q, scales s, (n, k)) dequantised into buffer id (act, free at this point),
+   then its transpose quantised along the tokens into ITQ (k, n). */
+static dsk_status dsk__moe_f8_input_t(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *q, const dsk_tensor *s, int id,
+                                      dsk_tensor *xtq, dsk_tensor *xts) {
+    dsk_tensor x, flat;
+    int64_t sh[2] = {q->shape[0], q->shape[1]};
+    DSK__TRY(dsk__moe_buf(m, ctx, id, m->st->T, m->st->R, &flat));
+    DSK__TRY(dsk_tensor_wrap(&x, flat.data, m->st->act, m->device, 2, sh));
+    if (sh[0] > 0 && sh[1] > 0) DSK__TRY(dsk_amp_fp8_block_dequantize(ctx, &x, q, s, 1, 128));
+    return dsk__moe_f8_act(m, ctx, &x, 1, DSK__MOE_ITQ, DSK__MOE_ITS, xtq, xts);
+}
+
+/* The tokens xa (T, D) into XQ (when sized: shared experts, or the routed rows' source without EP). */
+static dsk_status dsk__moe_f8_tokens(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *xa) {
+    dsk_tensor q, s;
+    if (m->d_shared_total == 0 && m->ep_size > 1) return DSK_OK;
+    return dsk__moe_f8_act(m, ctx, xa, 0, DSK__MOE_XQ, DSK__MOE_XQS, &q, &s);
+}
+
+/* The experts' input rows into RQ: without EP the tokens' codes gathered (a row's 1x128 tiles are
+   its own, so these are the gathered rows' codes); with EP the rows received in the activation
+   dtype, quantised (FP8 dispatch fills RQ as it receives). */
+static dsk_status dsk__moe_f8_rows(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *row_tok, const dsk_tensor *xr) {
+    struct dsk__moe_state *st = m->st;
+    dsk_tensor xq, xs, rq, rs;
+    if (m->ep_size > 1) {
+        if (m->opts.ep_dispatch == DSK_MOE_DISPATCH_FP8) return DSK_OK;
+        return dsk__moe_f8_act(m, ctx, xr, 0, DSK__MOE_RQ, DSK__MOE_RQS, &rq, &rs);
+    }
+    xq = dsk__moe_saved(m, DSK__MOE_XQ);
+    xs = dsk__moe_saved(m, DSK__MOE_XQS);
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RQ, st->T, st->R, &rq));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RQS, st->T, st->R, &rs));
+    rq = dsk__moe_rows(&rq, row_tok->shape[0]);
+    rs = dsk__moe_rows(&rs, row_tok->shape[0]);
+    if (row_tok->shape[0] == 0) return DSK_OK;
+    DSK__TRY(dsk_gather_rows_scaled(ctx, &rq, &xq, row_tok, NULL));
+    return dsk_gather_rows_scaled(ctx, &rs, &xs, row_tok, NULL);
+}
+
+/* A SwiGLU in FP8 from the input's codes xq, xs (n, D): h1, h3 (n, Fh), a computed in buffer a_id
+   and kept as codes in aq_id, out (n, D); w: w1, w2, w3 (grouped over off when 3-D). h1, h3 and
+   out are zeroed first when grouped (rows outside the segments, a bound on CUDA, stay zero). */
+static dsk_status dsk__moe_f8_swiglu(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *xq, const dsk_tensor *xs,
+                                     const dsk_tensor *w1, const dsk_tensor *w2, const dsk_tensor *w3,
+                                     const dsk_tensor *off, int a_id, int aq_id, dsk_tensor *h1, dsk_tensor *h3,
+                                     dsk_tensor *out) {
+    dsk_tensor a, aq, as;
+    if (off) {
+        DSK__TRY(dsk_tensor_fill(ctx, h1, 0.0));
+        DSK__TRY(dsk_tensor_fill(ctx, h3, 0.0));
+    }
+    DSK__TRY(dsk__moe_f8_gemm(m, ctx, h1, xq, xs, w1, 0, off, 0.0f));
+    DSK__TRY(dsk__moe_f8_gemm(m, ctx, h3, xq, xs, w3, 0, off, 0.0f));
+    DSK__TRY(dsk__moe_buf(m, ctx, a_id, m->st->T, m->st->R, &a));
+    a = dsk__moe_rows(&a, h1->shape[0]);
+    if (h1->shape[0] > 0) DSK__TRY(dsk_swiglu(ctx, &a, h1, h3));
+    DSK__TRY(dsk__moe_f8_act(m, ctx, &a, 0, aq_id, aq_id + 1, &aq, &as));
+    return dsk__moe_f8_gemm(m, ctx, out, &aq, &as, w2, 0, off, 0.0f);
+}
+
+/* The routed experts' forward: h1, h3 into H1, H3, their output into o (R, D). */
+static dsk_status dsk__moe_f8_experts_forward(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *w, const dsk_tensor *off,
+                                              dsk_tensor *o) {
+    struct dsk__moe_state *st = m->st;
+    dsk_tensor rq, rs, h1, h3;
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RQ, st->T, st->R, &rq));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RQS, st->T, st->R, &rs));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_H1, st->T, st->R, &h1));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_H3, st->T, st->R, &h3));
+    DSK__TRY(dsk_tensor_fill(ctx, o, 0.0));
+    return dsk__moe_f8_swiglu(m, ctx, &rq, &rs, &w[0], &w[1], &w[2], off, DSK__MOE_DA, DSK__MOE_AQ, &h1, &h3, o);
+}
+
+/* The shared experts' forward from XQ into HS1, HS3, ASQ and ys (T, D). */
+static dsk_status dsk__moe_f8_shared_forward(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *w, dsk_tensor *ys) {
+    struct dsk__moe_state *st = m->st;
+    dsk_tensor xq = dsk__moe_saved(m, DSK__MOE_XQ), xs = dsk__moe_saved(m, DSK__MOE_XQS), hs1, hs3;
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_HS1, st->T, st->R, &hs1));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_HS3, st->T, st->R, &hs3));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_YS, st->T, st->R, ys));
+    return dsk__moe_f8_swiglu(m, ctx, &xq, &xs, &w[3], &w[4], &w[5], NULL, DSK__MOE_DAS, DSK__MOE_ASQ, &hs1, &hs3, ys);
+}
+
+/* A SwiGLU's backward in FP8 from dy (n, D) act: x's and a's caches (codes, scales), h1, h3; the
+   weight gradients g1, g2, g3 accumulated; dx (n, D) WRITTEN. Scratch: buffer da_id (act, n x Fh)
+   holds a dequantised then da, x_id (act, n x D) x dequantised; dh1, dh3 (n, Fh) act. */
+typedef struct dsk__moe_f8_bwd {
+    const dsk_tensor *xq, *xs, *aq, *as, *h1, *h3, *w, *off; /* w: w1, w2, w3 */
+    dsk_tensor *g[3];                                        /* gradients of w1, w2, w3 */
+    int da_id, x_id;
+    dsk_tensor dh1, dh3;
+} dsk__moe_f8_bwd;
+
+static void dsk__moe_f8_bwd_set(dsk__moe_f8_bwd *b, const dsk_tensor *xq, const dsk_tensor *xs, const dsk_tensor *aq,
+                                const dsk_tensor *as, const dsk_tensor *h1, const dsk_tensor *h3, const dsk_tensor *w,
+                                const dsk_tensor *off, int da_id, int x_id) {
+    memset(b, 0, sizeof *b);
+    b->xq = xq, b->xs = xs, b->aq = aq, b->as = as, b->h1 = h1, b->h3 = h3, b->w = w, b->off = off;
+    b->da_id = da_id, b->x_id = x_id;
+}
+
+static dsk_status dsk__moe_f8_swiglu_backward(dsk_moe *m, dsk_ctx *ctx, dsk__moe_f8_bwd *b, const dsk_tensor *dy,
+                                              dsk_tensor *dx) {
+    int64_t n = dy->shape[0], Fh = b->h1->shape[1], sh[2] = {n, Fh};
+    dsk_tensor xtq, xts, gq, gs, da, flat;
+    /* w2: its gradient from dy^T and a^T, then da = dy w2 */
+    DSK__TRY(dsk__moe_f8_input_t(m, ctx, b->aq, b->as, b->da_id, &xtq, &xts));
+    DSK__TRY(dsk__moe_f8_wgrad(m, ctx, b->g[1], dy, &xtq, &xts, b->off));
+    DSK__TRY(dsk__moe_f8_act(m, ctx, dy, 0, DSK__MOE_GQ, DSK__MOE_GQS, &gq, &gs));
+    DSK__TRY(dsk__moe_buf(m, ctx, b->da_id, m->st->T, m->st->R, &flat));
+    DSK__TRY(dsk_tensor_wrap(&da, flat.data, m->st->act, m->device, 2, sh));
+    if (b->off) DSK__TRY(dsk_tensor_fill(ctx, &da, 0.0)); /* rows outside the segments */
+    DSK__TRY(dsk__moe_f8_gemm(m, ctx, &da, &gq, &gs, &b->w[1], 1, b->off, 0.0f));
+    DSK__TRY(dsk__moe_swiglu_grad(m, ctx, &b->dh1, &b->dh3, &da, b->h1, b->h3));
+    /* w1, w3: their gradients from dh^T and x^T, then dx = dh1 w1 + dh3 w3 */
+    DSK__TRY(dsk__moe_f8_input_t(m, ctx, b->xq, b->xs, b->x_id, &xtq, &xts));
+    DSK__TRY(dsk__moe_f8_wgrad(m, ctx, b->g[0], &b->dh1, &xtq, &xts, b->off));
+    DSK__TRY(dsk__moe_f8_wgrad(m, ctx, b->g[2], &b->dh3, &xtq, &xts, b->off));
+    if (b->off) DSK__TRY(dsk_tensor_fill(ctx, dx, 0.0));
+    DSK__TRY(dsk__moe_f8_act(m, ctx, &b->dh1, 0, DSK__MOE_GQ, DSK__MOE_GQS, &gq, &gs));
+    DSK__TRY(dsk__moe_f8_gemm(m, ctx, dx, &gq, &gs, &b->w[0], 1, b->off, 0.0f));
+    DSK__TRY(dsk__moe_f8_act(m, ctx, &b->dh3, 0, DSK__MOE_GQ, DSK__MOE_GQS, &gq, &gs));
+    return dsk__moe_f8_gemm(m, ctx, dx, &gq, &gs, &b->w[2], 1, b->off, 1.0f);
+}
+
+/* The routed experts' backward from dor (R, D): their gradients, dxr (R, D) WRITTEN. */
+static dsk_status dsk__moe_f8_experts_backward(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *w, const dsk_tensor *off,
+                                               const dsk_tensor *dor, dsk_tensor *dxr) {
+    dsk_tensor xq = dsk__moe_saved(m, DSK__MOE_RQ), xs = dsk__moe_saved(m, DSK__MOE_RQS);
+    dsk_tensor aq = dsk__moe_saved(m, DSK__MOE_AQ), as = dsk__moe_saved(m, DSK__MOE_AQS);
+    dsk_tensor h1 = dsk__moe_saved(m, DSK__MOE_H1), h3 = dsk__moe_saved(m, DSK__MOE_H3);
+    dsk__moe_f8_bwd b;
+    dsk__moe_f8_bwd_set(&b, &xq, &xs, &aq, &as, &h1, &h3, w, off, DSK__MOE_DA, DSK__MOE_DXR);
+    b.g[0] = &m->w1->grad, b.g[1] = &m->w2->grad, b.g[2] = &m->w3->grad;
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DH1, m->st->T, m->st->R, &b.dh1));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DH3, m->st->T, m->st->R, &b.dh3));
+    return dsk__moe_f8_swiglu_backward(m, ctx, &b, dor, dxr);
+}
+
+/* The shared experts' backward from dya (T, D): their gradients, dxf (T, D) f32 WRITTEN. */
+static dsk_status dsk__moe_f8_shared_backward(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *w, const dsk_tensor *dya,
+                                              dsk_tensor *dxf) {
+    dsk_tensor xq = dsk__moe_saved(m, DSK__MOE_XQ), xs = dsk__moe_saved(m, DSK__MOE_XQS);
+    dsk_tensor aq = dsk__moe_saved(m, DSK__MOE_ASQ), as = dsk__moe_saved(m, DSK__MOE_ASQS);
+    dsk_tensor h1 = dsk__moe_saved(m, DSK__MOE_HS1), h3 = dsk__moe_saved(m, DSK__MOE_HS3);
+    dsk__moe_f8_bwd b;
+    dsk__moe_f8_bwd_set(&b, &xq, &xs, &aq, &as, &h1, &h3, w + 3, NULL, DSK__MOE_DAS, DSK__MOE_YS);
+    b.g[0] = &m->sw1->grad, b.g[1] = &m->sw2->grad, b.g[2] = &m->sw3->grad;
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DHS1, m->st->T, m->st->R, &b.dh1));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DHS3, m->st->T, m->st->R, &b.dh3));
+    return dsk__moe_f8_swiglu_backward(m, ctx, &b, dya, dxf);
+}
+#endif
+
+/* A call of the FP8 experts' code, which needs dsk_amp.h (dsk_moe_init refuses the option without it). */
+#ifdef DSK_AMP_H
+#define DSK__MOE_F8(call) (call)
+#else
+#define DSK__MOE_F8(call) dsk_set_error(DSK_ERR_UNSUPPORTED, "dsk_moe: FP8 experts need dsk_amp.h")
 #endif
 
 /* The forward's exchange of EP rows: FP8 or the activation dtype; counts the bytes handed over. */
@@ -2661,7 +3039,7 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     int64_t K = o->top_k, E = o->n_routed, TK = T * K, Fs = m->d_shared_total, n_kept, R, n_rows;
     int64_t N = st->span_on ? st->span_rows : T; /* the loss span: the micro-batch this call is part of */
     int64_t L = o->seq_aux_alpha > 0 && o->seq_len ? o->seq_len : (N > 0 ? N : 1), nseq = N / L > 0 ? N / L : 1;
-    int cpu = m->device.type == DSK_DEV_CPU, ep = m->ep_size > 1;
+    int cpu = m->device.type == DSK_DEV_CPU, ep = m->ep_size > 1, fp8 = o->expert_gemm == DSK_MOE_GEMM_FP8;
     int losses = o->aux_alpha > 0 || o->seq_aux_alpha > 0 || o->z_beta > 0;
     dsk_tensor xf, xa, u, prob, scr, sel, gate, keys, perm_all, off_all, perm, off, pos, row_tok, row_gate, cnt, cntg;
     dsk_tensor xs, xr, h1, h3, a, ob, ys, w[6], offsets;
@@ -2739,25 +3117,35 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_ROW_TOK, T, R, &row_tok));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_ROW_GATE, T, R, &row_gate));
     DSK__TRY(dsk__moe_plan(m, ctx, n_rows, &perm, &off, &gate, &pos, &row_tok, &row_gate));
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_XS, T, R, &xs));
-    xs = dsk__moe_rows(&xs, n_rows);
     row_tok = dsk__moe_rows(&row_tok, n_rows);
-    DSK__TRY(dsk_gather_rows_scaled(ctx, &xs, &xa, &row_tok, NULL));
+    if (fp8) DSK__TRY(DSK__MOE_F8(dsk__moe_f8_tokens(m, ctx, &xa)));
+    if (!fp8 || ep) { /* FP8: the rows to send in DOS, a buffer of backward's */
+        DSK__TRY(dsk__moe_buf(m, ctx, fp8 ? DSK__MOE_DOS : DSK__MOE_XS, T, R, &xs));
+        xs = dsk__moe_rows(&xs, n_rows);
+        DSK__TRY(dsk_gather_rows_scaled(ctx, &xs, &xa, &row_tok, NULL));
+    }
     /* routed experts: grouped GEMMs over the experts' row segments; EP: the shared experts compute while
        the rows travel */
     if (ep) {
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_XR, T, R, &xr));
+        DSK__TRY(dsk__moe_buf(m, ctx, fp8 ? DSK__MOE_DOR : DSK__MOE_XR, T, R, &xr));
         DSK__TRY(dsk__moe_exchange_start(&xch, m, ctx, &xs, &xr, DSK__MOE_XCH_DISPATCH));
-    } else {
+    } else if (!fp8) {
         xr = dsk__moe_rows(&xs, R);
     }
-    if (Fs > 0) DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_shared_step(m, ctx, &xa, w, T, R, &ys)));
+    if (Fs > 0)
+        DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, fp8 ? DSK__MOE_F8(dsk__moe_f8_shared_forward(m, ctx, w, &ys))
+                                                              : dsk__moe_shared_step(m, ctx, &xa, w, T, R, &ys)));
     if (ep) DSK__TRY(dsk__moe_exchange_wait(&xch));
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_H1, T, R, &h1));
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_H3, T, R, &h3));
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_A, T, R, &a));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_O, T, R, &ob));
-    DSK__TRY(dsk_swiglu_grouped(ctx, &ob, &h1, &h3, &a, &xr, &w[0], &w[1], &w[2], &offsets));
+    if (fp8) {
+        DSK__TRY(DSK__MOE_F8(dsk__moe_f8_rows(m, ctx, &row_tok, &xr)));
+        DSK__TRY(DSK__MOE_F8(dsk__moe_f8_experts_forward(m, ctx, w, &offsets, &ob)));
+    } else {
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_H1, T, R, &h1));
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_H3, T, R, &h3));
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_A, T, R, &a));
+        DSK__TRY(dsk_swiglu_grouped(ctx, &ob, &h1, &h3, &a, &xr, &w[0], &w[1], &w[2], &offsets));
+    }
     if (ep) {
         dsk_tensor back;
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_OB, T, R, &back));
@@ -2788,14 +3176,7 @@ static dsk_status dsk__moe_shared_backward(dsk_moe *m, dsk_ctx *ctx, const dsk_t
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DHS3, T, R, &dhs3));
         DSK__TRY(dsk_matmul(ctx, &das, dya, 0, &w[4], 0, 1.0f, 0.0f));
         DSK__TRY(dsk_matmul(ctx, &m->sw2->grad, dya, 1, &as, 0, 1.0f, 1.0f));
-        if (m->device.type == DSK_DEV_CPU && st->act == DSK_F32) { /* written: no zeroing pass, no read-back */
-            dsk_swiglu_grad_cpu(dsk_tensor_numel(&das), DSK__MOE_F32(hs1), DSK__MOE_F32(hs3), DSK__MOE_F32(das),
-                                DSK__MOE_F32(dhs1), DSK__MOE_F32(dhs3));
-        } else {
-            DSK__TRY(dsk_tensor_fill(ctx, &dhs1, 0.0));
-            DSK__TRY(dsk_tensor_fill(ctx, &dhs3, 0.0));
-            DSK__TRY(dsk_swiglu_backward(ctx, &dhs1, &dhs3, &das, &hs1, &hs3));
-        }
+        DSK__TRY(dsk__moe_swiglu_grad(m, ctx, &dhs1, &dhs3, &das, &hs1, &hs3));
         DSK__TRY(dsk_matmul(ctx, dxf, &dhs1, 0, &w[3], 0, 1.0f, 0.0f));
         DSK__TRY(dsk_matmul(ctx, dxf, &dhs3, 0, &w[5], 0, 1.0f, 1.0f));
         DSK__TRY(dsk_matmul(ctx, &m->sw1->grad, &dhs1, 1, xa, 0, 1.0f, 1.0f));
@@ -2812,7 +3193,7 @@ static dsk_status dsk__moe_backward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *d
     const dsk_moe_opts *o = &m->opts;
     int64_t T = st->T, R = st->R, K = o->top_k;
     int64_t n_rows = st->n_kept >= 0 ? st->n_kept : T * K;
-    int ep = m->ep_size > 1;
+    int ep = m->ep_size > 1, fp8 = o->expert_gemm == DSK_MOE_GEMM_FP8;
     float zcoef = st->N > 0 ? o->z_beta * 2.0f / (float)st->N * aux_scale : 0.0f; /* per token of the span */
     /* what the forward saved */
     dsk_tensor xf = dsk__moe_saved(m, DSK__MOE_XF), xa = st->act == DSK_F32 ? xf : dsk__moe_saved(m, DSK__MOE_XA);
@@ -2822,7 +3203,7 @@ static dsk_status dsk__moe_backward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *d
     dsk_tensor row_tok = dsk__moe_saved(m, DSK__MOE_ROW_TOK), row_gate = dsk__moe_saved(m, DSK__MOE_ROW_GATE);
     dsk_tensor h1 = dsk__moe_saved(m, DSK__MOE_H1), h3 = dsk__moe_saved(m, DSK__MOE_H3),
                a = dsk__moe_saved(m, DSK__MOE_A);
-    dsk_tensor xr = ep ? dsk__moe_saved(m, DSK__MOE_XR) : dsk__moe_rows(&xs, R);
+    dsk_tensor xr = fp8 ? xs : ep ? dsk__moe_saved(m, DSK__MOE_XR) : dsk__moe_rows(&xs, R); /* FP8: RQ instead */
     dsk_tensor ob = dsk__moe_saved(m, ep ? DSK__MOE_OB : DSK__MOE_O);
     dsk_tensor offsets = dsk__moe_saved(m, ep ? DSK__MOE_LOCAL_OFF : o->capacity_factor > 0 ? DSK__MOE_OFF
                                                                                           : DSK__MOE_OFF_ALL);
@@ -2846,15 +3227,19 @@ static dsk_status dsk__moe_backward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *d
     } else {
         dor = dsk__moe_rows(&dos, R);
     }
-    DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_shared_backward(m, ctx, &dya, &xa, w, &dxf)));
+    DSK__TRY(dsk__moe_join_on_error(
+        ep ? &xch : NULL, fp8 && m->d_shared_total > 0 ? DSK__MOE_F8(dsk__moe_f8_shared_backward(m, ctx, w, &dya, &dxf))
+                                                       : dsk__moe_shared_backward(m, ctx, &dya, &xa, w, &dxf)));
     if (ep) DSK__TRY(dsk__moe_exchange_wait(&xch));
     /* routed experts */
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DA, T, R, &da));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DH1, T, R, &dh1));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DH3, T, R, &dh3));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DXR, T, R, &dxr));
-    DSK__TRY(dsk_swiglu_grouped_backward(ctx, &dxr, &m->w1->grad, &m->w2->grad, &m->w3->grad, &da, &dh1, &dh3, &dor,
-                                         &xr, &h1, &h3, &a, &w[0], &w[1], &w[2], &offsets));
+    if (fp8) DSK__TRY(DSK__MOE_F8(dsk__moe_f8_experts_backward(m, ctx, w, &offsets, &dor, &dxr)));
+    else
+        DSK__TRY(dsk_swiglu_grouped_backward(ctx, &dxr, &m->w1->grad, &m->w2->grad, &m->w3->grad, &da, &dh1, &dh3, &dor,
+                                             &xr, &h1, &h3, &a, &w[0], &w[1], &w[2], &offsets));
     if (ep) { /* the router's backward while the rows travel back */
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DXP, T, R, &dxp));
         dxp = dsk__moe_rows(&dxp, n_rows);

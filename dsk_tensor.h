@@ -782,7 +782,8 @@ DSK_API dsk_status dsk_swiglu_grouped_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk
 
 /* out (N, D) row i = scale[i] * src (R, D) row idx[i], math in f32 and rounded once; scale (N)
    f32 or NULL (a plain copy of the row); idx (N) i32, a negative idx[i] gives a zero row (the
-   padding of a buffer sized by a bound). out and src share a dtype. */
+   padding of a buffer sized by a bound). out and src share a dtype: f32, bf16, f16, or, for
+   plain copies (scale NULL), e4m3 and e5m2 codes. */
 DSK_API dsk_status dsk_gather_rows_scaled(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *src, const dsk_tensor *idx,
                                           const dsk_tensor *scale);
 
@@ -1750,6 +1751,7 @@ static int dsk__thread_id(void) {
 }
 
 static int dsk__is_cfloat(dsk_dtype dt) { return dt == DSK_F32 || dt == DSK_BF16 || dt == DSK_F16; }
+static int dsk__is_fp8(dsk_dtype dt) { return dt == DSK_E4M3 || dt == DSK_E5M2; }
 
 /* ---- argument checks: each names the function, the argument and its shape/dtype */
 
@@ -4174,9 +4176,14 @@ DSK_API dsk_status dsk_gather_rows_scaled(dsk_ctx *ctx, dsk_tensor *out, const d
     const dsk_tensor *ts[4] = {src, out, idx, scale};
     const char *names[4] = {"src", "out", "idx", "scale"};
     dsk__rowk rk;
-    DSK__TRY(dsk__need_float(fn, "src", src));
+    if (scale || !dsk__is_fp8(src->dtype)) { /* fp8 codes: plain copies only */
+        DSK__TRY(dsk__need_float(fn, "src", src));
+        DSK__TRY(dsk__need_float(fn, "out", out));
+    } else {
+        DSK__TRY(dsk__need_contig(fn, "src", src));
+        DSK__TRY(dsk__need_contig(fn, "out", out));
+    }
     DSK__TRY(dsk__need_ndim(fn, "src", src, 2));
-    DSK__TRY(dsk__need_float(fn, "out", out));
     DSK__TRY(dsk__need_ndim(fn, "out", out, 2));
     DSK__TRY(dsk__need_same_dtype(fn, "out", out, "src", src));
     DSK__TRY(dsk__need_dtype(fn, "idx", idx, DSK_I32));

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# --dtype fp8 (every linear layer's three GEMMs in block-scaled FP8, DeepSeek-V3's recipe,
-# examples/train_fp8.h) and --optim-dtype bf16 (AdamW moments in bf16) in examples/train_moe.c:
+# --dtype fp8 (every linear layer's and MoE expert's three GEMMs in block-scaled FP8, DeepSeek-V3's
+# recipe, examples/train_fp8.h and dsk_moe.h's expert_gemm) and --optim-dtype bf16 (AdamW moments in bf16) in examples/train_moe.c:
 # fp8 trains as bf16 does (300 steps, the same seed: the final validation loss within 0.25% of
 # bf16's, DeepSeek-V3's figure, and the training loss smoothed over the last 50 steps within 1%,
 # this tiny model's measured 0.57% with room (bench/RESULTS.md says why), each bound raised to
-# twice bf16's own distance from f32 where that is larger; the same with --ep 2
+# twice bf16's own distance from f32 where that is larger; the same with --ep 2 and FP8 dispatch
 # over 100 steps), and is not bf16 under another name (the losses differ); its activation memory is bf16's
-# less exactly what the e4m3 caches of the linears' inputs save, net of the FP8 scratch (the
+# less exactly what the e4m3 caches of the linears' and experts' inputs save, net of the FP8 scratch (the
 # bytes computed here from the shapes); bf16 moments halve an f32 model's optimizer state; bad
 # values of both flags and the layouts fp8 does not cover yet fail with a message.
 # The model is test_train.sh's tiny one (d_model 32: K below 128, the partial-block path).
@@ -74,8 +74,9 @@ what="--dtype fp8 vs bf16, 300 steps: validation loss within max(0.25%, twice bf
 what="$what (${b_val:-?}), smoothed training loss within max(1%, twice that distance) (${b_smooth:-?})"
 compare "$what" bf16 fp8 "${b_smooth:-0}" "${b_val:-0}"
 run bf16_ep2 "${TINY[@]}" --dtype bf16 --steps 100 --val-interval 100 --nproc 2 --ep 2
-run fp8_ep2 "${TINY[@]}" --dtype fp8 --steps 100 --val-interval 100 --nproc 2 --ep 2
-compare "--dtype fp8 vs bf16 with --ep 2 (2 ranks), 100 steps: the same bounds" bf16_ep2 fp8_ep2 0.01 0.0025
+run fp8_ep2 "${TINY[@]}" --dtype fp8 --steps 100 --val-interval 100 --nproc 2 --ep 2 --ep-dispatch fp8
+compare "--dtype fp8 --ep-dispatch fp8 vs bf16 with --ep 2 (2 ranks), 100 steps: the same bounds" bf16_ep2 fp8_ep2 0.01 \
+    0.0025
 
 # ---- 2. memory: the activations' bytes and the optimizer state's, from the allocator
 # mem NAME FIELD: rank 0's bytes of FIELD from the "memory bytes" line
@@ -92,10 +93,22 @@ inputs = L * 2 * [(N, D)] + dense * [(N, D), (N, F)]  # h1 and att of every bloc
 saved = sum(2 * n * k - cache(n, k) for n, k in inputs)
 W = max(D, F)                                         # the shared scratch, sized by the widest linear
 scratch = W * W + 4 * ch(W) ** 2 + 2 * N * W + 4 * N * ch(W) + 4 * W * ch(N) + N * W + 4 * W * ch(N)
-print(saved - scratch)
+# the MoE layers' FP8 experts (dsk_moe.h, buffers per layer, f32 on the CPU): the gathered rows x, silu(h1) h3 of
+# the experts and of the shared expert become e4m3 caches (the tokens' codes, the expert rows', both a's); their
+# f32 buffers become empty (1 byte each); the scratch is the widest projection's weights, an output gradient in
+# 1x128 tiles and along the tokens, an input's transpose; the 16 FP8 buffers were empty (1 byte) under bf16
+E, K, Fe, Fs, R = 4, 2, 32, 32, N * 2
+W, Ws = max(D, Fe), max(D, Fs)
+gone = 4 * (R * D + R * Fe + N * Fs) - 3
+caches = cache(N, D) + cache(R, D) + cache(R, Fe) + cache(N, Fs)
+moe_scratch = (max(E * Fe * D, Fs * D) + 4 * max(E * ch(Fe), ch(Fs)) * ch(D) + max(R * W, N * Ws)
+               + 4 * max(R * ch(W), N * ch(Ws)) + 2 * (max(W * R, Ws * N) + 4 * max(W * ch(R), Ws * ch(N))))
+moe = (L - dense) * (gone - (caches + moe_scratch - 16))
+print(saved - scratch + moe)
 EOF
 )
-what="--dtype fp8 activations: bf16's less the e4m3 caches' saving net of the FP8 scratch (want $want bytes)"
+what="--dtype fp8 activations: bf16's less the e4m3 caches' saving (linears and MoE experts) net of the FP8 scratch"
+what="$what (want $want bytes)"
 if [ -n "$a" ] && [ -n "$b" ] && [ "$((a - b))" -eq "$want" ] && [ "$want" -gt 0 ]; then
     ok "$what: $a -> $b"
 else

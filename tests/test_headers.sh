@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every dsk header compiles on its own, with its IMPLEMENTATION macro, as C11 and as C++17
 # under -Wall -Wextra -Werror, with and without DSK_CUDA (and with DSK_STATIC on the CPU).
-# Also: the compile-out switches, and dsk_moe.h without dsk_amp.h refusing FP8 dispatch.
+# Also: the compile-out switches, and dsk_moe.h without dsk_amp.h refusing FP8 dispatch and experts.
 # The compilers run as parallel jobs (one per CPU); results print in order.
 cd "$(dirname "$0")/.."
 passed=0 failed=0
@@ -89,10 +89,11 @@ int main(void) { printf("%%s|%%s\\n", dsk_ckpt_options(), dsk_safetensors_option
     elif [ "$("$work/opt.$id")" = "$want|$want_st" ]; then echo "ok   $label"
     else echo "FAIL $label: it says \"$("$work/opt.$id")\""; fi >"$work/res.$id" ) &
 done
-# dsk_moe.h built without dsk_amp.h has no block quantiser: FP8 dispatch is refused at init, naming it
+# dsk_moe.h built without dsk_amp.h has no block quantiser: FP8 dispatch and FP8 experts are refused at
+# init, naming it
 [ "$n_jobs" -gt "$max_jobs" ] && wait -n
 n_jobs=$((n_jobs + 1)) n_done=$((n_done + 1))
-( id=$(printf '%03d' "$n_done") label="dsk_moe.h without dsk_amp.h refuses FP8 dispatch (DSK_ERR_UNSUPPORTED)"
+( id=$(printf '%03d' "$n_done") label="dsk_moe.h without dsk_amp.h refuses FP8 dispatch and FP8 experts (DSK_ERR_UNSUPPORTED)"
   cat >"$work/noamp.$id.c" <<'EOF'
 #define DSK_TENSOR_IMPLEMENTATION
 #define DSK_COMM_IMPLEMENTATION
@@ -107,12 +108,16 @@ int main(void) {
     o.d_model = 16; o.n_routed = 4; o.top_k = 2; o.d_expert = 8; o.ep_dispatch = DSK_MOE_DISPATCH_FP8;
     if (dsk_moe_init(&m, NULL, &o) != DSK_ERR_UNSUPPORTED) return 1;
     puts(dsk_last_error());
+    o.ep_dispatch = DSK_MOE_DISPATCH_ACT; o.expert_gemm = DSK_MOE_GEMM_FP8;
+    if (dsk_moe_init(&m, NULL, &o) != DSK_ERR_UNSUPPORTED) return 1;
+    puts(dsk_last_error());
     return 0;
 }
 EOF
   if ! out=$(gcc -std=c11 -O0 -Wall -Wextra -Werror -I. "$work/noamp.$id.c" -o "$work/noamp.$id" -lm -lpthread 2>&1); then
     echo "FAIL $label: does not build"; echo "$out" | head -10
-  elif out=$("$work/noamp.$id") && echo "$out" | grep -q "FP8 dispatch needs dsk_amp.h"; then echo "ok   $label"
+  elif out=$("$work/noamp.$id") && echo "$out" | grep -q "FP8 dispatch needs dsk_amp.h" &&
+       echo "$out" | grep -q "FP8 experts need dsk_amp.h"; then echo "ok   $label"
   else echo "FAIL $label: it says \"$out\""; fi >"$work/res.$id" ) &
 # DSK_COMM_NO_LAUNCHER: dsk_comm.h without its fork/exec launcher.
 sw_src=$(printf '#define DSK_COMM_IMPLEMENTATION\n#include "dsk_comm.h"\n')

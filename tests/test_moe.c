@@ -2,7 +2,8 @@
    (softmax, sigmoid, groups, bias, normalisation), capacity, shared experts, loss terms, the
    bias update, gradients by central finite differences, bf16, expert parallelism over forked
    host-backend ranks (the layer, and the mixed-precision statistics' join), routing record and
-   replay, and bad configurations and calls. */
+   replay, the experts' GEMMs in FP8 (against a float64 evaluation of the same quantised operands,
+   and under expert parallelism), and bad configurations and calls. */
 #define _DEFAULT_SOURCE /* MAP_ANONYMOUS for the ranks' shared results (POSIX alone lacks it) */
 #include "dsk_comm.h"
 #include "dsk_amp.h" /* before dsk_moe.h: dsk_moe_amp_unscale */
@@ -2803,10 +2804,637 @@ static void test_amp_unscale_bad(void) {
     dsk_amp_scaler_free(&sc, NULL);
 }
 
+/* ---------------------------------------------------------------- FP8 experts */
+
+/* opts.expert_gemm = DSK_MOE_GEMM_FP8 against a float64 evaluation of the same quantised operands.
+   The reference quantises with dsk_amp's quantisers what the layer quantises, from the same f32
+   values: the layer's inputs, and its intermediates (h1, h3, silu(h1) h3, da, dh1, dh3), which it
+   computes by the specified f32 arithmetic (x8_f32: per 128-wide chunk an f32 dot in k order, then
+   fmaf(dot, sa sb, acc); dsk_swiglu_f and dsk_swiglu_grad_f), so every operand's codes and scales
+   are the layer's. The outputs (y, dx, every expert's and shared expert's gradient) are computed
+   from those operands in double and the layer's must lie within the chunk order's bound
+   (x8_gamma: 128 products in f32, one fmaf and one scale product per chunk, then the f32 sums of
+   the combine) of them. The router weights are 0 and the routing is replayed (no ties to avoid):
+   every gate is 1/E exactly and the router adds nothing to dx, which is the experts' alone. */
+enum { X8_D = 160, X8_E = 4, X8_K = 2, X8_F = 136, X8_FS = 136 };
+
+/* An operand as the FP8 GEMMs read it: rows of k codes, each row's scale per 128-wide chunk. */
+typedef struct x8_op {
+    int64_t rows, k, nch;
+    uint8_t *q;
+    float *s; /* (rows, nch) */
+} x8_op;
+
+static void x8_op_free(x8_op *o) {
+    free(o->q);
+    free(o->s);
+    memset(o, 0, sizeof *o);
+}
+
+/* v (n, c) f32 quantised by dsk_amp in 1x128 tiles or 128x128 blocks (blk), as it is (t 0: the
+   operand's rows are v's) or transposed (t 1: the operand's rows are v's columns, k runs along v's
+   rows). */
+static x8_op x8_quant(const float *v, int64_t n, int64_t c, int t, int blk) {
+    x8_op o;
+    int64_t r = t ? c : n, k = t ? n : c, br = blk ? 128 : 1, sr = (r + br - 1) / br, sh[2] = {n, c}, qsh[2] = {r, k};
+    int64_t ssh[2] = {sr, (k + 127) / 128};
+    float *s = (float *)malloc(sizeof(float) * (size_t)(sr * ssh[1] + 1));
+    dsk_tensor tv, tq, ts;
+    o.rows = r;
+    o.k = k;
+    o.nch = ssh[1];
+    o.q = (uint8_t *)malloc((size_t)(r * k + 1));
+    o.s = (float *)malloc(sizeof(float) * (size_t)(r * o.nch + 1));
+    dsk_tensor_wrap(&tv, (void *)v, DSK_F32, dsk_cpu(), 2, sh);
+    dsk_tensor_wrap(&tq, o.q, DSK_E4M3, dsk_cpu(), 2, qsh);
+    dsk_tensor_wrap(&ts, s, DSK_F32, dsk_cpu(), 2, ssh);
+    if (r * k > 0)
+        DSK_TEST_OK(t ? dsk_amp_fp8_block_quantize_t(NULL, &tq, &ts, &tv, (int)br, 128, 0)
+                      : dsk_amp_fp8_block_quantize(NULL, &tq, &ts, &tv, (int)br, 128, 0));
+    for (int64_t i = 0; i < r; i++)
+        for (int64_t ch = 0; ch < o.nch; ch++) o.s[i * o.nch + ch] = s[(i / br) * o.nch + ch];
+    free(s);
+    return o;
+}
+
+/* Operand row i dequantised the way the layer's backward does (f32 code times scale, rounded to
+   f32), as an f32 row of v's layout: out (k). */
+static void x8_dequant_row(const x8_op *o, int64_t i, float *out) {
+    for (int64_t j = 0; j < o->k; j++) out[j] = dsk_e4m3_to_f32(o->q[i * o->k + j]) * o->s[i * o->nch + j / 128];
+}
+
+/* The layer's f32 value of sum over k in [k0, k1) of A[i,k] B[j,k] (chunks on the grid of 128). */
+static float x8_f32(const x8_op *A, int64_t i, const x8_op *B, int64_t j, int64_t k0, int64_t k1) {
+    float acc = 0.0f;
+    for (int64_t c = k0 / 128; c * 128 < k1; c++) {
+        float dot = 0.0f;
+        for (int64_t k = c * 128 > k0 ? c * 128 : k0; k < (c + 1) * 128 && k < k1; k++)
+            dot += dsk_e4m3_to_f32(A->q[i * A->k + k]) * dsk_e4m3_to_f32(B->q[j * B->k + k]);
+        acc = fmaf(dot, A->s[i * A->nch + c] * B->s[j * B->nch + c], acc);
+    }
+    return acc;
+}
+
+/* The same sum in double from the dequantised operands; *S gets sum |A[i,k]| |B[j,k]|. */
+static double x8_f64(const x8_op *A, int64_t i, const x8_op *B, int64_t j, int64_t k0, int64_t k1, double *S) {
+    double acc = 0.0, s = 0.0;
+    for (int64_t k = k0; k < k1; k++) {
+        double a = (double)dsk_e4m3_to_f32(A->q[i * A->k + k]) * A->s[i * A->nch + k / 128];
+        double b = (double)dsk_e4m3_to_f32(B->q[j * B->k + k]) * B->s[j * B->nch + k / 128];
+        acc += a * b;
+        s += fabs(a * b);
+    }
+    *S = s;
+    return acc;
+}
+
+/* The bound on |f32 - double| of such a sum over n elements, per unit of S: each chunk's dot in f32
+   (at most 128 roundings), its scale product and fmaf, the chunks' sum, with a factor 2 of room. */
+static double x8_gamma(int64_t n) { return 2.0 * (double)(128 + 2 * ((n + 127) / 128 + 1) + 2) * 0x1p-24; }
+
+/* One SwiGLU's operands and results in the reference: x rows (n, D) with their expert's weights. */
+typedef struct x8_ref {
+    int64_t n;      /* rows */
+    int64_t Fh;     /* hidden width */
+    const int *seg; /* (G + 1) row segments, G experts (1 for the shared experts) */
+    int G;
+    x8_op xq, w1[X8_E], w2[X8_E], w3[X8_E], w1t[X8_E], w2t[X8_E], w3t[X8_E], aq;
+    float *h1, *h3;         /* (n, Fh) the layer's f32 values */
+    double *o, *oS;         /* (n, D) the output in double and its S */
+    double *dx, *dxtol;     /* (n, D) the input gradient and its bound */
+    double *g[3], *gtol[3]; /* the weight gradients w1 (G, Fh, D), w2 (G, D, Fh), w3 and their bounds */
+} x8_ref;
+
+/* The forward: h1, h3 in f32 as the layer computes them, a = swiglu quantised, o in double. */
+static void x8_forward(x8_ref *r) {
+    int64_t n = r->n, Fh = r->Fh;
+    float *a = (float *)calloc((size_t)(n * Fh + 1), sizeof(float));
+    for (int g = 0; g < r->G; g++)
+        for (int64_t i = r->seg[g]; i < r->seg[g + 1]; i++)
+            for (int64_t f = 0; f < Fh; f++) {
+                r->h1[i * Fh + f] = x8_f32(&r->xq, i, &r->w1[g], f, 0, X8_D);
+                r->h3[i * Fh + f] = x8_f32(&r->xq, i, &r->w3[g], f, 0, X8_D);
+                a[i * Fh + f] = dsk_swiglu_f(r->h1[i * Fh + f], r->h3[i * Fh + f]);
+            }
+    r->aq = x8_quant(a, n, Fh, 0, 0);
+    for (int g = 0; g < r->G; g++)
+        for (int64_t i = r->seg[g]; i < r->seg[g + 1]; i++)
+            for (int64_t d = 0; d < X8_D; d++)
+                r->o[i * X8_D + d] = x8_f64(&r->aq, i, &r->w2[g], d, 0, Fh, &r->oS[i * X8_D + d]);
+    free(a);
+}
+
+/* gw[g] (M, N) = sum over the rows of segment g of At[:, rows] Bt[:, rows] (operands along the rows). */
+static void x8_wgrad(const x8_ref *r, const x8_op *At, const x8_op *Bt, double *gw, double *tol) {
+    int64_t M = At->rows, N = Bt->rows;
+    for (int g = 0; g < r->G; g++)
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < N; j++) {
+                double S;
+                gw[(g * M + i) * N + j] = x8_f64(At, i, Bt, j, r->seg[g], r->seg[g + 1], &S);
+                tol[(g * M + i) * N + j] = x8_gamma(r->n) * S;
+            }
+}
+
+/* The backward from dy rows (n, D) f32: the weight gradients and dx in double with their bounds. */
+static void x8_backward(x8_ref *r, const float *dy) {
+    int64_t n = r->n, Fh = r->Fh;
+    float *da = (float *)calloc((size_t)(n * Fh + 1), sizeof(float)), *dh1 = (float *)calloc((size_t)(n * Fh + 1), 4);
+    float *dh3 = (float *)calloc((size_t)(n * Fh + 1), 4),
+          *deq = (float *)calloc((size_t)(n * (Fh > X8_D ? Fh : X8_D) + 1), 4);
+    x8_op gq = x8_quant(dy, n, X8_D, 0, 0), gt = x8_quant(dy, n, X8_D, 1, 0), at, xt, h1q, h1t, h3q, h3t;
+    for (int64_t i = 0; i < n; i++) x8_dequant_row(&r->aq, i, deq + i * Fh);
+    at = x8_quant(deq, n, Fh, 1, 0);
+    x8_wgrad(r, &gt, &at, r->g[1], r->gtol[1]);
+    for (int g = 0; g < r->G; g++)
+        for (int64_t i = r->seg[g]; i < r->seg[g + 1]; i++)
+            for (int64_t f = 0; f < Fh; f++) {
+                int64_t e = i * Fh + f;
+                da[e] = x8_f32(&gq, i, &r->w2t[g], f, 0, X8_D);
+                dsk_swiglu_grad_f(r->h1[e], r->h3[e], da[e], &dh1[e], &dh3[e]);
+            }
+    for (int64_t i = 0; i < n; i++) x8_dequant_row(&r->xq, i, deq + i * X8_D);
+    xt = x8_quant(deq, n, X8_D, 1, 0);
+    h1q = x8_quant(dh1, n, Fh, 0, 0);
+    h1t = x8_quant(dh1, n, Fh, 1, 0);
+    h3q = x8_quant(dh3, n, Fh, 0, 0);
+    h3t = x8_quant(dh3, n, Fh, 1, 0);
+    x8_wgrad(r, &h1t, &xt, r->g[0], r->gtol[0]);
+    x8_wgrad(r, &h3t, &xt, r->g[2], r->gtol[2]);
+    for (int g = 0; g < r->G; g++)
+        for (int64_t i = r->seg[g]; i < r->seg[g + 1]; i++)
+            for (int64_t d = 0; d < X8_D; d++) {
+                double S1, S3,
+                    v = x8_f64(&h1q, i, &r->w1t[g], d, 0, Fh, &S1) + x8_f64(&h3q, i, &r->w3t[g], d, 0, Fh, &S3);
+                r->dx[i * X8_D + d] = v;
+                r->dxtol[i * X8_D + d] = x8_gamma(Fh) * (S1 + S3) + 0x1p-23 * fabs(v);
+            }
+    x8_op_free(&gq);
+    x8_op_free(&gt);
+    x8_op_free(&at);
+    x8_op_free(&xt);
+    x8_op_free(&h1q);
+    x8_op_free(&h1t);
+    x8_op_free(&h3q);
+    x8_op_free(&h3t);
+    free(da);
+    free(dh1);
+    free(dh3);
+    free(deq);
+}
+
+/* The reference of one SwiGLU over n rows x (n, D) f32 in G segments, weights w1 w3 (G, Fh, D) and
+   w2 (G, D, Fh) f32. */
+static void x8_ref_init(x8_ref *r, const float *x, int64_t n, int64_t Fh, const int *seg, int G, const float *w1,
+                        const float *w2, const float *w3) {
+    memset(r, 0, sizeof *r);
+    r->n = n;
+    r->Fh = Fh;
+    r->seg = seg;
+    r->G = G;
+    r->xq = x8_quant(x, n, X8_D, 0, 0);
+    for (int g = 0; g < G; g++) {
+        const float *a = w1 + g * Fh * X8_D, *b = w2 + g * Fh * X8_D, *c = w3 + g * Fh * X8_D;
+        r->w1[g] = x8_quant(a, Fh, X8_D, 0, 1);
+        r->w1t[g] = x8_quant(a, Fh, X8_D, 1, 1);
+        r->w2[g] = x8_quant(b, X8_D, Fh, 0, 1);
+        r->w2t[g] = x8_quant(b, X8_D, Fh, 1, 1);
+        r->w3[g] = x8_quant(c, Fh, X8_D, 0, 1);
+        r->w3t[g] = x8_quant(c, Fh, X8_D, 1, 1);
+    }
+    r->h1 = (float *)calloc((size_t)(n * Fh + 1), sizeof(float));
+    r->h3 = (float *)calloc((size_t)(n * Fh + 1), sizeof(float));
+    r->o = (double *)calloc((size_t)(n * X8_D + 1), sizeof(double));
+    r->oS = (double *)calloc((size_t)(n * X8_D + 1), sizeof(double));
+    r->dx = (double *)calloc((size_t)(n * X8_D + 1), sizeof(double));
+    r->dxtol = (double *)calloc((size_t)(n * X8_D + 1), sizeof(double));
+    for (int p = 0; p < 3; p++) {
+        r->g[p] = (double *)calloc((size_t)(G * Fh * X8_D), sizeof(double));
+        r->gtol[p] = (double *)calloc((size_t)(G * Fh * X8_D), sizeof(double));
+    }
+}
+
+static void x8_ref_free(x8_ref *r) {
+    x8_op_free(&r->xq);
+    x8_op_free(&r->aq);
+    for (int g = 0; g < r->G; g++) {
+        x8_op_free(&r->w1[g]);
+        x8_op_free(&r->w2[g]);
+        x8_op_free(&r->w3[g]);
+        x8_op_free(&r->w1t[g]);
+        x8_op_free(&r->w2t[g]);
+        x8_op_free(&r->w3t[g]);
+    }
+    free(r->h1);
+    free(r->h3);
+    free(r->o);
+    free(r->oS);
+    free(r->dx);
+    free(r->dxtol);
+    for (int p = 0; p < 3; p++) {
+        free(r->g[p]);
+        free(r->gtol[p]);
+    }
+}
+
+/* got (f32, n) against want within tol elementwise: the count outside, the worst excess on stderr. */
+static int x8_outside(const float *got, const double *want, const double *tol, int64_t n, const char *what) {
+    int bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double d = fabs((double)got[i] - want[i]);
+        if (!(d <= tol[i])) {
+            if (!bad)
+                fprintf(stderr, "  %s[%lld]: %.9g vs %.9g (bound %.3g)\n", what, (long long)i, got[i], want[i], tol[i]);
+            bad++;
+        }
+    }
+    return bad;
+}
+
+/* A layer of the FP8 experts (f32, router weights 0, softmax without normalisation: gates 1/E). */
+static dsk_moe_opts x8_opts(void) {
+    dsk_moe_opts o;
+    memset(&o, 0, sizeof o);
+    o.d_model = X8_D;
+    o.n_routed = X8_E;
+    o.top_k = X8_K;
+    o.d_expert = X8_F;
+    o.n_shared = 1;
+    o.d_shared = X8_FS;
+    o.norm = DSK_MOE_NORM_OFF;
+    o.init_std = 0.05f;
+    o.seed = 17;
+    o.expert_gemm = DSK_MOE_GEMM_FP8;
+    return o;
+}
+
+/* Token t's experts: token 0 -> 1, 3; the others -> 2, 3: segments of 0, 1, T - 1 and T rows. */
+static void x8_assign(int T, int32_t *sel) {
+    for (int t = 0; t < T; t++) {
+        sel[t * X8_K] = t == 0 ? 1 : 2;
+        sel[t * X8_K + 1] = 3;
+    }
+}
+
+/* Random f32 values in [lo, hi). */
+static void x8_fill(float *p, int64_t n, double lo, double hi) {
+    for (int64_t i = 0; i < n; i++) p[i] = (float)dsk_test_rand(lo, hi);
+}
+
+/* The layer's y, dx and gradients (forward replaying x8_assign, backward of dy) against the
+   reference on T tokens; rows of x scaled by 2^(t mod 7 - 3) so the tiles' scales differ. */
+static void test_fp8_experts(void) {
+    enum { T = 130, R = 2 * T };
+    static const int seg[X8_E + 1] = {0, 0, 1, T, R}, seg1[2] = {0, T};
+    dsk_moe m;
+    owned own;
+    dsk_moe_opts o = x8_opts();
+    float *x = (float *)malloc(sizeof(float) * T * X8_D), *dy = (float *)malloc(sizeof(float) * T * X8_D);
+    float *xr = (float *)malloc(sizeof(float) * R * X8_D), *dor = (float *)malloc(sizeof(float) * R * X8_D);
+    float *y = (float *)malloc(sizeof(float) * T * X8_D), *dx = (float *)malloc(sizeof(float) * T * X8_D);
+    double *want = (double *)malloc(sizeof(double) * T * X8_D), *tol = (double *)malloc(sizeof(double) * T * X8_D);
+    int32_t sel[T * X8_K];
+    int64_t shp[2] = {T, X8_D}, ssh[2] = {T, X8_K}, live0, need;
+    dsk_tensor tx, ty, tdx, tdy, tsel;
+    x8_ref rr, sr;
+    int bad;
+    DSK_TEST_OK(make_layer(&m, &own, &o));
+    DSK_TEST_OK(dsk_tensor_fill(NULL, &m.router->value, 0.0));
+    x8_fill((float *)m.w1->value.data, dsk_tensor_numel(&m.w1->value), -0.5, 0.5);
+    x8_fill((float *)m.w2->value.data, dsk_tensor_numel(&m.w2->value), -0.5, 0.5);
+    x8_fill((float *)m.w3->value.data, dsk_tensor_numel(&m.w3->value), -0.5, 0.5);
+    x8_fill((float *)m.sw1->value.data, dsk_tensor_numel(&m.sw1->value), -0.5, 0.5);
+    x8_fill((float *)m.sw2->value.data, dsk_tensor_numel(&m.sw2->value), -0.5, 0.5);
+    x8_fill((float *)m.sw3->value.data, dsk_tensor_numel(&m.sw3->value), -0.5, 0.5);
+    x8_fill(x, T * X8_D, -1, 1);
+    x8_fill(dy, T * X8_D, -1, 1);
+    for (int t = 0; t < T; t++)
+        for (int d = 0; d < X8_D; d++) x[t * X8_D + d] = ldexpf(x[t * X8_D + d], t % 7 - 3);
+    x8_assign(T, sel);
+    dsk_tensor_wrap(&tx, x, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&tdy, dy, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&ty, y, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&tdx, dx, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&tsel, sel, DSK_I32, dsk_cpu(), 2, ssh);
+    dsk_test_poison_f32(y, T * X8_D);
+    memset(dx, 0, sizeof(float) * T * X8_D);
+    /* the reservation counts every buffer: the forward and backward then allocate nothing */
+    live0 = dsk_tensor_mem_stats(dsk_cpu()).live_bytes;
+    DSK_TEST_OK(dsk_moe_reserve(&m, NULL, T));
+    DSK_TEST_OK(dsk_moe_reserve_bytes(&m, T, -1, DSK_F32, &need));
+    DSK_TEST_EXPECT(dsk_tensor_mem_stats(dsk_cpu()).live_bytes - live0 == need,
+                    "dsk_moe_reserve allocated %lld bytes, dsk_moe_reserve_bytes says %lld",
+                    (long long)(dsk_tensor_mem_stats(dsk_cpu()).live_bytes - live0), (long long)need);
+    live0 = dsk_tensor_mem_stats(dsk_cpu()).live_bytes;
+    DSK_TEST_OK(dsk_moe_forward_replay(&m, NULL, &ty, &tx, &tsel, NULL));
+    DSK_TEST_OK(dsk_moe_backward(&m, NULL, &tdx, &tdy, 1.0f));
+    DSK_TEST_EXPECT(dsk_tensor_mem_stats(dsk_cpu()).live_bytes == live0,
+                    "forward + backward grew the workspace by %lld",
+                    (long long)(dsk_tensor_mem_stats(dsk_cpu()).live_bytes - live0));
+    /* the reference: routed rows expert-major (token 0 at rows 0 and T, token t > 0 at t and T + t) */
+    for (int r = 0; r < R; r++) {
+        int t = r < T ? r : r - T;
+        for (int d = 0; d < X8_D; d++) {
+            xr[r * X8_D + d] = x[t * X8_D + d];
+            dor[r * X8_D + d] = 0.25f * dy[t * X8_D + d]; /* the gate, 1/E: exact */
+        }
+    }
+    x8_ref_init(&rr, xr, R, X8_F, seg, X8_E, (float *)m.w1->value.data, (float *)m.w2->value.data,
+                (float *)m.w3->value.data);
+    x8_ref_init(&sr, x, T, X8_FS, seg1, 1, (float *)m.sw1->value.data, (float *)m.sw2->value.data,
+                (float *)m.sw3->value.data);
+    x8_forward(&rr);
+    x8_forward(&sr);
+    x8_backward(&rr, dor);
+    x8_backward(&sr, dy);
+    for (int t = 0; t < T; t++)
+        for (int d = 0; d < X8_D; d++) {
+            int64_t i = t * X8_D + d, a = (int64_t)t * X8_D + d, b = (int64_t)(T + t) * X8_D + d;
+            double oa = 0.25 * rr.o[a], ob = 0.25 * rr.o[b], ys = sr.o[i];
+            want[i] = oa + ob + ys;
+            tol[i] = 0.25 * x8_gamma(X8_F) * (rr.oS[a] + rr.oS[b]) + x8_gamma(X8_FS) * sr.oS[i] +
+                     4 * 0x1p-24 * (fabs(oa) + fabs(ob) + fabs(ys));
+        }
+    bad = x8_outside(y, want, tol, T * X8_D, "y");
+    DSK_TEST_EXPECT(bad == 0, "y: %d of %d elements outside the chunk order's bound", bad, T * X8_D);
+    for (int t = 0; t < T; t++)
+        for (int d = 0; d < X8_D; d++) {
+            int64_t i = t * X8_D + d, a = (int64_t)t * X8_D + d, b = (int64_t)(T + t) * X8_D + d;
+            want[i] = rr.dx[a] + rr.dx[b] + sr.dx[i];
+            tol[i] = rr.dxtol[a] + rr.dxtol[b] + sr.dxtol[i] +
+                     4 * 0x1p-24 * (fabs(rr.dx[a]) + fabs(rr.dx[b]) + fabs(sr.dx[i]));
+        }
+    bad = x8_outside(dx, want, tol, T * X8_D, "dx");
+    DSK_TEST_EXPECT(bad == 0, "dx: %d of %d elements outside the chunk order's bound", bad, T * X8_D);
+    {
+        dsk_moe_param *ps[6] = {m.w1, m.w2, m.w3, m.sw1, m.sw2, m.sw3};
+        for (int p = 0; p < 6; p++) {
+            const x8_ref *r = p < 3 ? &rr : &sr;
+            int64_t n = dsk_tensor_numel(&ps[p]->grad);
+            bad = x8_outside((const float *)ps[p]->grad.data, r->g[p % 3], r->gtol[p % 3], n, ps[p]->name);
+            DSK_TEST_EXPECT(bad == 0, "%s gradient: %d of %lld elements outside the chunk order's bound", ps[p]->name,
+                            bad, (long long)n);
+        }
+    }
+    x8_ref_free(&rr);
+    x8_ref_free(&sr);
+    drop_layer(&m, &own);
+    free(x);
+    free(dy);
+    free(xr);
+    free(dor);
+    free(y);
+    free(dx);
+    free(want);
+    free(tol);
+}
+
+
+/* Non-finite values stay non-finite through the FP8 experts and reach only what reads them: a NaN
+   in one weight of expert 2 makes the output of its tokens (1 .. T-1) NaN and leaves token 0's
+   finite; a NaN in one element of dy makes that token's dx non-finite (the others' stay finite)
+   and the expert gradients that sum it. And an unknown expert_gemm is refused. */
+static void test_fp8_experts_nonfinite(void) {
+    enum { T = 20 };
+    dsk_moe m, bad;
+    owned own;
+    dsk_moe_opts o = x8_opts();
+    float y[T * X8_D], dx[T * X8_D], dy[T * X8_D], x[T * X8_D], w;
+    int32_t sel[T * X8_K];
+    int64_t shp[2] = {T, X8_D}, ssh[2] = {T, X8_K}, nw2;
+    dsk_tensor tx, ty, tdx, tdy, tsel;
+    int row0 = 0, rows = 0, other = 0, g2 = 0;
+    DSK_TEST_OK(make_layer(&m, &own, &o));
+    x8_fill(x, T * X8_D, -1, 1);
+    x8_fill(dy, T * X8_D, -1, 1);
+    x8_assign(T, sel);
+    dsk_tensor_wrap(&tx, x, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&ty, y, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&tdx, dx, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&tdy, dy, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&tsel, sel, DSK_I32, dsk_cpu(), 2, ssh);
+    w = ((float *)m.w1->value.data)[(2 * X8_F + 5) * X8_D + 7];
+    ((float *)m.w1->value.data)[(2 * X8_F + 5) * X8_D + 7] = NAN;
+    dsk_test_poison_f32(y, T * X8_D);
+    DSK_TEST_OK(dsk_moe_forward_replay(&m, NULL, &ty, &tx, &tsel, NULL));
+    for (int t = 0; t < T; t++)
+        for (int d = 0; d < X8_D; d++) {
+            row0 += t == 0 && !isfinite(y[t * X8_D + d]);
+            rows += t > 0 && !isfinite(y[t * X8_D + d]);
+        }
+    DSK_TEST_EXPECT(row0 == 0 && rows == (T - 1) * X8_D,
+                    "a NaN in expert 2's w1: %d non-finite y in token 0 (want 0), %d in tokens 1.. (want %d)", row0,
+                    rows, (T - 1) * X8_D);
+    ((float *)m.w1->value.data)[(2 * X8_F + 5) * X8_D + 7] = w;
+    dy[5 * X8_D + 3] = NAN;
+    memset(dx, 0, sizeof dx);
+    DSK_TEST_OK(dsk_moe_forward_replay(&m, NULL, &ty, &tx, &tsel, NULL));
+    DSK_TEST_OK(dsk_moe_backward(&m, NULL, &tdx, &tdy, 1.0f));
+    rows = 0;
+    for (int t = 0; t < T; t++)
+        for (int d = 0; d < X8_D; d++) {
+            rows += t == 5 && !isfinite(dx[t * X8_D + d]);
+            other += t != 5 && !isfinite(dx[t * X8_D + d]);
+        }
+    nw2 = X8_F * X8_D;
+    for (int64_t i = 0; i < nw2; i++) g2 += !isfinite(((const float *)m.w2->grad.data)[2 * nw2 + i]);
+    DSK_TEST_EXPECT(rows > 0 && other == 0 && g2 > 0,
+                    "a NaN in token 5's dy: %d non-finite dx in token 5 (want > 0), %d elsewhere (want 0), %d in "
+                    "expert 2's w2 gradient (want > 0)",
+                    rows, other, g2);
+    drop_layer(&m, &own);
+    o.expert_gemm = (dsk_moe_expert_gemm)7;
+    DSK_TEST_EXPECT(dsk_moe_init(&bad, NULL, &o) == DSK_ERR_ARG &&
+                        strstr(dsk_last_error(), "unknown expert_gemm 7 (act 0, fp8 1)") != NULL,
+                    "expert_gemm 7: %s", dsk_last_error());
+}
+
+
+/* FP8 experts under expert parallelism (2 forked ranks, each holding 2 of the 4 experts), with the
+   rows dispatched in f32 and in FP8: y and dx are one rank's bits (every row's arithmetic is the
+   same), and each rank's expert gradients are the reference's for its own rows (its experts' rows
+   from both ranks, by rank then token), whose token tiles start at its first row. */
+enum { X8P_T = 70, X8P_N = 2, X8P_NT = X8P_N * X8P_T, X8P_EL = X8_E / X8P_N };
+
+typedef struct x8p_job {
+    float *x, *dy;       /* (NT, D), drawn from their own stream (the other cases' draws stay as they were) */
+    float *y[2], *dx[2]; /* [dispatch] (NT, D): rank r's rows at r T */
+    float *g[2][X8P_N];  /* [dispatch][rank] w1, w2, w3 gradients of the rank's experts */
+    int *status;         /* [rank] */
+    int port_ok;
+    size_t bytes;
+} x8p_job;
+
+static int64_t x8p_gsize(void) { return 3 * (int64_t)X8P_EL * X8_F * X8_D; }
+
+static void x8p_layer_inputs(dsk_moe *m, const float *x, const float *dy, int64_t T, dsk_tensor *tx, dsk_tensor *tdy,
+                             int32_t *sel, int64_t t0) {
+    int64_t shp[2] = {T, X8_D};
+    int32_t *all = (int32_t *)malloc(sizeof(int32_t) * X8P_NT * X8_K);
+    x8_assign(X8P_NT, all);
+    memcpy(sel, all + t0 * X8_K, sizeof(int32_t) * (size_t)(T * X8_K));
+    free(all);
+    dsk_tensor_fill(NULL, &m->router->value, 0.0);
+    dsk_tensor_wrap(tx, (void *)(x + t0 * X8_D), DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(tdy, (void *)(dy + t0 * X8_D), DSK_F32, dsk_cpu(), 2, shp);
+}
+
+static int x8p_rank_main(x8p_job *j, int rank, int port) {
+    dsk_comm c;
+    dsk_comm_opts co;
+    int64_t shp[2] = {X8P_T, X8_D}, ssh[2] = {X8P_T, X8_K};
+    int32_t sel[X8P_T * X8_K];
+    memset(&co, 0, sizeof co);
+    co.backend = DSK_COMM_HOST;
+    co.master_addr = "127.0.0.1";
+    co.master_port = port;
+    co.timeout_s = 60;
+    if (dsk_comm_init(&c, rank, X8P_N, &co) != DSK_OK) return 2;
+    for (int fp8 = 0; fp8 < 2; fp8++) {
+        dsk_moe m;
+        owned own;
+        dsk_moe_opts o = x8_opts();
+        dsk_tensor x, y, dy, dx, ts;
+        o.ep = &c;
+        o.ep_dispatch = fp8 ? DSK_MOE_DISPATCH_FP8 : DSK_MOE_DISPATCH_ACT;
+        if (make_layer(&m, &own, &o) != DSK_OK) return 3;
+        x8p_layer_inputs(&m, j->x, j->dy, X8P_T, &x, &dy, sel, (int64_t)rank * X8P_T);
+        dsk_tensor_wrap(&y, j->y[fp8] + rank * X8P_T * X8_D, DSK_F32, dsk_cpu(), 2, shp);
+        dsk_tensor_wrap(&dx, j->dx[fp8] + rank * X8P_T * X8_D, DSK_F32, dsk_cpu(), 2, shp);
+        dsk_tensor_wrap(&ts, sel, DSK_I32, dsk_cpu(), 2, ssh);
+        dsk_tensor_fill(NULL, &dx, 0.0);
+        if (dsk_moe_forward_replay(&m, NULL, &y, &x, &ts, NULL) != DSK_OK) return 4;
+        if (dsk_moe_backward(&m, NULL, &dx, &dy, 1.0f) != DSK_OK) return 5;
+        memcpy(j->g[fp8][rank], m.w1->grad.data, sizeof(float) * (size_t)(x8p_gsize() / 3));
+        memcpy(j->g[fp8][rank] + x8p_gsize() / 3, m.w2->grad.data, sizeof(float) * (size_t)(x8p_gsize() / 3));
+        memcpy(j->g[fp8][rank] + 2 * x8p_gsize() / 3, m.w3->grad.data, sizeof(float) * (size_t)(x8p_gsize() / 3));
+        drop_layer(&m, &own);
+    }
+    dsk_comm_free(&c);
+    return 0;
+}
+
+static void x8p_run(x8p_job *j) {
+    size_t nx = (size_t)X8P_NT * X8_D, ng = (size_t)x8p_gsize();
+    char *shm;
+    int port = 0;
+    j->bytes = (6 * nx + 4 * ng) * sizeof(float) + 64;
+    shm = (char *)mmap(NULL, j->bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    j->x = (float *)shm;
+    j->dy = j->x + nx;
+    for (int d = 0; d < 2; d++) {
+        j->y[d] = j->dy + nx + 2 * d * nx;
+        j->dx[d] = j->y[d] + nx;
+        for (int r = 0; r < X8P_N; r++) j->g[d][r] = j->x + 6 * nx + (size_t)(2 * d + r) * ng;
+    }
+    j->status = (int *)(j->x + 6 * nx + 4 * ng);
+    for (size_t i = 0; i < nx; i++) {
+        j->x[i] = (float)(2 * dsk_rng_uniform_at(31, 0, i) - 1);
+        j->dy[i] = (float)(2 * dsk_rng_uniform_at(32, 0, i) - 1);
+    }
+    for (size_t i = 2 * nx; i < 6 * nx + 4 * ng; i++) j->x[i] = NAN; /* poisoned */
+    j->port_ok = dsk_comm_free_port("127.0.0.1", &port) == DSK_OK;
+    if (!j->port_ok) return;
+    for (int r = 0; r < X8P_N; r++) {
+        pid_t pid = fork();
+        if (pid == 0) {
+            int rc = x8p_rank_main(j, r, port);
+            if (rc) fprintf(stderr, "fp8 experts rank %d: step %d failed: %s\n", r, rc, dsk_last_error());
+            _exit(rc);
+        }
+        j->status[r] = pid < 0 ? -1 : 0;
+    }
+    for (int r = 0; r < X8P_N; r++) {
+        int status = 0;
+        pid_t pid = wait(&status);
+        if (pid > 0 && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) j->status[r] = status ? status : -1;
+    }
+}
+
+/* Rank r's expert rows (its experts in order, each expert's rows by token) from the assignment. */
+static int x8p_rows(int r, int *tok, int *seg) {
+    int32_t sel[X8P_NT * X8_K];
+    int n = 0;
+    x8_assign(X8P_NT, sel);
+    seg[0] = 0;
+    for (int e = r * X8P_EL; e < (r + 1) * X8P_EL; e++) {
+        for (int t = 0; t < X8P_NT; t++)
+            for (int k = 0; k < X8_K; k++)
+                if (sel[t * X8_K + k] == e) tok[n++] = t;
+        seg[e - r * X8P_EL + 1] = n;
+    }
+    return n;
+}
+
+static void x8p_check(x8p_job *j) {
+    dsk_moe one;
+    owned own;
+    dsk_moe_opts o = x8_opts();
+    dsk_tensor x, dy, y, dx, ts;
+    int64_t shp[2] = {X8P_NT, X8_D}, ssh[2] = {X8P_NT, X8_K}, nx = (int64_t)X8P_NT * X8_D;
+    int32_t sel[X8P_NT * X8_K];
+    float *y1 = (float *)malloc(sizeof(float) * (size_t)nx), *dx1 = (float *)malloc(sizeof(float) * (size_t)nx);
+    dsk_test_begin("FP8 experts over 2 expert-parallel ranks, f32 and FP8 dispatch: y, dx = 1 rank's bits; expert "
+                   "gradients = the reference's for the rank's rows");
+    DSK_TEST_OK(make_layer(&one, &own, &o));
+    if (!j->port_ok) {
+        dsk_test_fail_at(__FILE__, __LINE__, "no free port: %s", dsk_last_error());
+        goto out;
+    }
+    for (int r = 0; r < X8P_N; r++)
+        DSK_TEST_EXPECT(j->status[r] == 0, "rank %d failed with status %d", r, j->status[r]);
+    x8p_layer_inputs(&one, j->x, j->dy, X8P_NT, &x, &dy, sel, 0);
+    dsk_tensor_wrap(&y, y1, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&dx, dx1, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&ts, sel, DSK_I32, dsk_cpu(), 2, ssh);
+    dsk_tensor_fill(NULL, &dx, 0.0);
+    DSK_TEST_OK(dsk_moe_forward_replay(&one, NULL, &y, &x, &ts, NULL));
+    DSK_TEST_OK(dsk_moe_backward(&one, NULL, &dx, &dy, 1.0f));
+    for (int d = 0; d < 2; d++) {
+        char what[64];
+        snprintf(what, sizeof what, "y, %s dispatch", d ? "fp8" : "f32");
+        DSK_TEST_SAME_BYTES(j->y[d], y1, sizeof(float) * (size_t)nx, what);
+        snprintf(what, sizeof what, "dx, %s dispatch", d ? "fp8" : "f32");
+        DSK_TEST_SAME_BYTES(j->dx[d], dx1, sizeof(float) * (size_t)nx, what);
+    }
+    for (int r = 0; r < X8P_N; r++) {
+        int tok[X8P_NT * X8_K], seg[X8P_EL + 1], n = x8p_rows(r, tok, seg);
+        int64_t per = (int64_t)X8P_EL * X8_F * X8_D, w0 = (int64_t)r * per;
+        float *xr = (float *)malloc(sizeof(float) * (size_t)(n * X8_D + 1)),
+              *dor = (float *)malloc(sizeof(float) * (size_t)(n * X8_D + 1));
+        x8_ref ref;
+        for (int i = 0; i < n; i++)
+            for (int c = 0; c < X8_D; c++) {
+                xr[i * X8_D + c] = j->x[tok[i] * X8_D + c];
+                dor[i * X8_D + c] = 0.25f * j->dy[tok[i] * X8_D + c];
+            }
+        x8_ref_init(&ref, xr, n, X8_F, seg, X8P_EL, (float *)one.w1->value.data + w0, (float *)one.w2->value.data + w0,
+                    (float *)one.w3->value.data + w0);
+        x8_forward(&ref);
+        x8_backward(&ref, dor);
+        for (int d = 0; d < 2; d++)
+            for (int p = 0; p < 3; p++) {
+                int bad = x8_outside(j->g[d][r] + p * per, ref.g[p], ref.gtol[p], per, "rank's expert gradient");
+                DSK_TEST_EXPECT(bad == 0, "rank %d, %s dispatch, w%d gradient: %d of %lld outside the bound", r,
+                                d ? "fp8" : "f32", p + 1, bad, (long long)per);
+            }
+        x8_ref_free(&ref);
+        free(xr);
+        free(dor);
+    }
+out:
+    drop_layer(&one, &own);
+    free(y1);
+    free(dx1);
+    munmap(j->x, j->bytes);
+    dsk_test_end();
+}
+
 int main(void) {
     dsk_test_init("test_moe");
     ep_job jobs[3];
     f8_job f8;
+    x8p_job x8p;
     aj_job aj[2];
     sp_job sp[4];
     /* every forked rank first, before this process starts OpenMP threads */
@@ -2814,6 +3442,7 @@ int main(void) {
     ep_run(&jobs[1], 4, 1);
     ep_run(&jobs[2], 2, 1);
     f8_run(&f8);
+    x8p_run(&x8p);
     aj_run(&aj[0], 2);
     aj_run(&aj[1], 3);
     sp_jobs(sp);
@@ -2847,5 +3476,8 @@ int main(void) {
     test_forward_nonfinite();
     DSK_TEST_RUN(test_route_token_nonfinite);
     DSK_TEST_RUN(test_loss_span_bad); /* last: the cases before it draw what they drew before it existed */
+    DSK_TEST_RUN(test_fp8_experts);
+    DSK_TEST_RUN(test_fp8_experts_nonfinite);
+    x8p_check(&x8p);
     return dsk_test_finish();
 }

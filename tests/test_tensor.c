@@ -1784,6 +1784,24 @@ static void test_gather_rows_scaled(dsk_dtype dt) {
     }
 }
 
+/* Plain copies of fp8 codes (e4m3, e5m2): rows bit for bit, zero codes for negative indices; a
+   scale with fp8 rows is refused (codes have no arithmetic here). */
+static void test_gather_rows_fp8(dsk_dtype dt) {
+    dsk_tensor *src = tt_new(dt, 2, SH(9, 33)), *out = tt_new(dt, 2, SH(12, 33)), *idx = tt_ids(1, SH(12), 9);
+    dsk_tensor *sc = tt_new(DSK_F32, 1, SH(12));
+    uint8_t *s = (uint8_t *)src->data, *o = (uint8_t *)out->data;
+    int32_t *ix = (int32_t *)idx->data;
+    int bad = 0;
+    for (int i = 0; i < 9 * 33; i++) s[i] = (uint8_t)dsk_test_rand_int(256);
+    memset(o, 0xa5, 12 * 33); /* poisoned */
+    ix[3] = -1;
+    DSK_TEST_OK(dsk_gather_rows_scaled(NULL, out, src, idx, NULL));
+    for (int i = 0; i < 12; i++)
+        for (int j = 0; j < 33; j++) bad += o[i * 33 + j] != (ix[i] < 0 ? 0 : s[ix[i] * 33 + j]);
+    DSK_TEST_EXPECT(bad == 0, "%d codes wrong", bad);
+    TT_ERR(dsk_gather_rows_scaled(NULL, out, src, idx, sc), DSK_ERR_ARG, "dtype must be f32, bf16 or f16");
+}
+
 /* y (bf16 / f16) += alpha x (f32): one rounding of the f32 sum. */
 static void test_axpy_mixed(dsk_dtype dt) {
     dsk_tensor *y = tt_rand(dt, 2, SH(37, 11), -2, 2), *x = tt_rand(DSK_F32, 2, SH(37, 11), -2, 2);
@@ -3283,6 +3301,10 @@ int main(void) {
     TT_CASE("attention (1, 700, 2, 64) f32 vs float64: score products wider than the direct GEMM nest"); test_attention_long();
     TT_CASE("errors: fused attention"); test_errors_attention_fused();
     TT_CASE("errors: CUDA tensors and devices"); test_errors_devices();
+    TT_CASE("gather_rows_scaled e4m3: plain copies of codes, zero rows");
+    test_gather_rows_fp8(DSK_E4M3);
+    TT_CASE("gather_rows_scaled e5m2: plain copies of codes, zero rows");
+    test_gather_rows_fp8(DSK_E5M2);
     tt_release();
     return dsk_test_finish();
 }

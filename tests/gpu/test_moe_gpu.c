@@ -5,12 +5,14 @@
    statistics that come back by request, a forward and backward captured as a CUDA graph and
    replayed bit for bit, non-finite routing without a sync, expert parallelism over nccl; the
    routing recorded on CUDA is the CPU's, and a random assignment replayed on both gives the same
-   outputs, loads and gradients.
+   outputs, loads and gradients; FP8 experts give the CPU's bits.
    Without a usable GPU every case reports as skipped. */
 #define DSK_TENSOR_IMPLEMENTATION
 #define DSK_COMM_IMPLEMENTATION
 #define DSK_MOE_IMPLEMENTATION
+#define DSK_AMP_IMPLEMENTATION
 #include "dsk_comm.h"
+#include "dsk_amp.h" /* before dsk_moe.h: the FP8 experts */
 #include "dsk_moe.h"
 #include "tests/dsk_test.h"
 
@@ -676,6 +678,96 @@ static void run_nonfinite(dsk_ctx *gctx, dsk_moe_score score, float bad) {
     dsk_test_end();
 }
 
+/* FP8 experts (opts.expert_gemm) on CUDA and on the CPU, f32 layers with the router weights 0 (every
+   gate 1/E, exactly, on both) and a replayed routing: the FP8 arithmetic is specified to the bit
+   (dsk_matmul_fp8, dsk_amp's quantisers), so y, dx and every expert's and shared expert's gradient
+   are the CPU's bit for bit (the router's gradient, an f32 GEMM of each device, within a tolerance);
+   the forward and backward make no host sync and no device-to-host copy. */
+static void test_fp8_experts(dsk_ctx *gctx) {
+    enum { T = 77, D = 160, E = 4, K = 2 };
+    dsk_moe cm, gm;
+    owned co, go;
+    dsk_moe_opts o;
+    dsk_tensor hx, hy, hdy, hdx, gx, gy, gdy, gdx, asg;
+    int64_t shp[2] = {T, D}, ash[2] = {T, K};
+    dsk_ctx_counters before;
+    dsk_test_begin("cuda vs cpu: FP8 experts (routed and shared), f32: y, dx, expert gradients bit for bit");
+    if (!dsk_cuda_available()) {
+        dsk_test_skip("no usable CUDA device");
+        dsk_test_end();
+        return;
+    }
+    memset(&o, 0, sizeof o);
+    o.d_model = D;
+    o.n_routed = E;
+    o.top_k = K;
+    o.d_expert = 136;
+    o.n_shared = 1;
+    o.d_shared = 72;
+    o.norm = DSK_MOE_NORM_OFF;
+    o.init_std = 0.3f;
+    o.seed = 23;
+    o.expert_gemm = DSK_MOE_GEMM_FP8;
+    DSK_TEST_OK(make_layer(&cm, &co, NULL, &o));
+    DSK_TEST_OK(make_layer(&gm, &go, gctx, &o));
+    DSK_TEST_OK(dsk_tensor_fill(NULL, &cm.router->value, 0.0));
+    DSK_TEST_OK(dsk_tensor_copy(gctx, &go.values, &co.values));
+    DSK_TEST_OK(dsk_moe_reserve(&gm, gctx, T));
+    dsk_tensor_alloc(NULL, &hx, DSK_F32, 2, shp);
+    dsk_tensor_alloc(NULL, &hy, DSK_F32, 2, shp);
+    dsk_tensor_alloc(NULL, &hdy, DSK_F32, 2, shp);
+    dsk_tensor_alloc(NULL, &hdx, DSK_F32, 2, shp);
+    dsk_tensor_alloc(gctx, &gx, DSK_F32, 2, shp);
+    dsk_tensor_alloc(gctx, &gy, DSK_F32, 2, shp);
+    dsk_tensor_alloc(gctx, &gdy, DSK_F32, 2, shp);
+    dsk_tensor_alloc(gctx, &gdx, DSK_F32, 2, shp);
+    dsk_tensor_alloc(NULL, &asg, DSK_I32, 2, ash);
+    for (int t = 0; t < T; t++) { /* experts 1..3 (expert 0 gets no row), distinct per token */
+        ((int32_t *)asg.data)[t * K] = 1 + t % 3;
+        ((int32_t *)asg.data)[t * K + 1] = 1 + (t % 3 + 1 + (t / 3) % 2) % 3;
+    }
+    dsk_tensor_uniform(NULL, &hx, 51, 0, -2, 2);
+    dsk_tensor_uniform(NULL, &hdy, 52, 0, -1, 1);
+    DSK_TEST_OK(dsk_tensor_copy(gctx, &gx, &hx));
+    DSK_TEST_OK(dsk_tensor_copy(gctx, &gdy, &hdy));
+    DSK_TEST_OK(dsk_tensor_fill(gctx, &gy, NAN));
+    DSK_TEST_OK(dsk_tensor_fill(NULL, &hy, NAN));
+    DSK_TEST_OK(dsk_tensor_fill(gctx, &gdx, 0.0));
+    DSK_TEST_OK(dsk_tensor_fill(NULL, &hdx, 0.0));
+    DSK_TEST_OK(dsk_moe_forward_replay(&cm, NULL, &hy, &hx, &asg, NULL));
+    DSK_TEST_OK(dsk_moe_backward(&cm, NULL, &hdx, &hdy, 1.0f));
+    DSK_TEST_OK(dsk_moe_forward_replay(&gm, gctx, &gy, &gx, &asg, NULL)); /* copies the routing to the device */
+    DSK_TEST_OK(dsk_ctx_sync(gctx));
+    before = gctx->counters;
+    DSK_TEST_OK(dsk_moe_forward_replay(&gm, gctx, &gy, &gx, &asg, NULL));
+    DSK_TEST_OK(dsk_moe_backward(&gm, gctx, &gdx, &gdy, 1.0f));
+    DSK_TEST_EXPECT(gctx->counters.syncs == before.syncs && gctx->counters.d2h_copies == before.d2h_copies,
+                    "forward + backward made %lld syncs and %lld device-to-host copies",
+                    (long long)(gctx->counters.syncs - before.syncs),
+                    (long long)(gctx->counters.d2h_copies - before.d2h_copies));
+    compare(gctx, &gy, &hy, 0, 0, "y");
+    compare(gctx, &gdx, &hdx, 0, 0, "dx");
+    for (int i = 0; i < cm.n_params; i++) {
+        char what[128];
+        int router = i == DSK_MOE_P_ROUTER;
+        if (!cm.params[i].trainable) continue;
+        snprintf(what, sizeof what, "grad %s", cm.params[i].name);
+        compare(gctx, &gm.params[i].grad, &cm.params[i].grad, router ? 1e-4 : 0, router ? 1e-5 : 0, what);
+    }
+    dsk_tensor_free(NULL, &hx);
+    dsk_tensor_free(NULL, &hy);
+    dsk_tensor_free(NULL, &hdy);
+    dsk_tensor_free(NULL, &hdx);
+    dsk_tensor_free(NULL, &asg);
+    dsk_tensor_free(gctx, &gx);
+    dsk_tensor_free(gctx, &gy);
+    dsk_tensor_free(gctx, &gdy);
+    dsk_tensor_free(gctx, &gdx);
+    drop_layer(&cm, &co, NULL);
+    drop_layer(&gm, &go, gctx);
+    dsk_test_end();
+}
+
 int main(int argc, char **argv) {
     dsk_ctx gctx;
     dsk_ctx_opts co;
@@ -717,6 +809,7 @@ int main(int argc, char **argv) {
 #endif
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&gctx, &cases[i]);
     test_no_sync_and_graph(&gctx);
+    test_fp8_experts(&gctx);
     run_nonfinite(&gctx, DSK_MOE_SOFTMAX, INFINITY);
     run_nonfinite(&gctx, DSK_MOE_SIGMOID, NAN);
     test_two_devices(&gctx, ndev);

@@ -613,6 +613,16 @@ static void test_gather_rows_scaled(dsk_dtype dt, int64_t R, int64_t N, int64_t 
     check_same(gout, out, "gather_rows_scaled, plain rows");
 }
 
+/* Plain copies of fp8 codes (the FP8 experts' rows), zero codes for negative indices. */
+static void test_gather_rows_fp8(dsk_dtype dt, int64_t R, int64_t N, int64_t D) {
+    dsk_tensor *src = hrand(dt, SH(R, D), -400, 400), *idx = hints(SH(N), R);
+    dsk_tensor *out = halloc(dt, SH(N, D)), *gout = dpoison(out);
+    ((int32_t *)idx->data)[N - 1] = -1;
+    DSK_TEST_OK(dsk_gather_rows_scaled(NULL, out, src, idx, NULL));
+    DSK_TEST_OK(dsk_gather_rows_scaled(&G, gout, dev(src), dev(idx), NULL));
+    check_same(gout, out, "gather_rows_scaled, fp8 codes");
+}
+
 /* ctx->counters: a sync and a device-to-host copy count, a launch or an upload does not; a
    graph replays what was captured and refuses a sync inside the capture. */
 static void test_counters_and_graph(void) {
@@ -928,6 +938,8 @@ int main(int argc, char **argv) {
     for (int d = 0; d < 3; d++)
         CASE(test_gather_rows_scaled(d == 0 ? DSK_F32 : d == 1 ? DSK_BF16 : DSK_F16, 13, 50, 129),
              "gather_rows_scaled %s", d == 0 ? "f32" : d == 1 ? "bf16" : "f16");
+    CASE(test_gather_rows_fp8(DSK_E4M3, 13, 50, 160), "gather_rows_scaled e4m3 codes");
+    CASE(test_gather_rows_fp8(DSK_E5M2, 13, 50, 33), "gather_rows_scaled e5m2 codes");
     CASE(test_counters_and_graph(), "ctx counters; graph capture and replay; a sync inside a capture fails");
     CASE(test_topk(7, 1, 1, 0), "topk R 7 C 1 k 1");
     CASE(test_topk(7, 8, 8, 1), "topk R 7 C 8 k 8, NaN and -Inf");
