@@ -137,6 +137,18 @@
      as serial (each result's arithmetic is unchanged; only independent steps move). CUDA runs the
      exchanges on the layer's stream, serial. Not yet: chunked dispatch (experts starting on the
      first rows to arrive), overlap across micro-batches.
+     Routes across nodes (opts.ep_route): FLAT sends a row per kept (token, expert) to the expert's rank in
+     one all-to-all-v; TWO_HOP sends each token's row once to every node holding one of its kept experts (to
+     the rank with this rank's node_rank there, which copies it to its slots on that node: dsk_moe_route,
+     DeepSeek-V3 / DeepEP), with the token's routing beside it (2K int32 per row crossing, once a forward), for
+     the forward's dispatch and backward's rows to the experts (dy, scaled by the gates at the receiver: the
+     sender's product g * dy); the outputs and input gradients come back one row per slot. The same bits as
+     flat (tests: dropless, capacity, node-limited). AUTO (the default) takes two hops where the ep group spans
+     several nodes and they can run: the exact exchange, ep_dispatch ACT, a CPU layer (host backend; CUDA
+     layers exchange flat for now), nodes of one size; TWO_HOP asked for elsewhere fails init with
+     DSK_ERR_UNSUPPORTED naming the reason. Two-hop exchanges run serial (ep_overlap does not move them).
+     stats.bytes_off_node counts the bytes of rows each rank's exchanges send to other nodes (flat and bounded
+     too), stats.rows_off_node the dispatch's rows (two hops: token rows).
      FP8 dispatch (opts.ep_dispatch = DSK_MOE_DISPATCH_FP8, DeepSeek-V3's): the forward's kept
      rows are quantised in 1x128 tiles (dsk_amp_fp8_block_quantize: scale amax / 448, e4m3 codes;
      a tile with an Inf or a NaN dequantises to NaN) and the codes and scales go by two
@@ -241,6 +253,15 @@ typedef enum dsk_moe_ep_exchange {
     DSK_MOE_EP_BOUNDED = 1 /* a fixed block of rows per peer (the worst case), the counts on the device: no host
                               sync (CUDA graphs), more bytes */
 } dsk_moe_ep_exchange;
+/* How expert parallelism's rows cross nodes (see "Expert parallelism" above). */
+typedef enum dsk_moe_ep_route {
+    DSK_MOE_ROUTE_AUTO = 0,   /* two hops when the ep group spans several nodes and the layer can (TWO_HOP's
+                                 conditions), else flat */
+    DSK_MOE_ROUTE_FLAT = 1,   /* one all-to-all-v of the kept rows: a row per (token, expert) to the expert's rank */
+    DSK_MOE_ROUTE_TWO_HOP = 2 /* token rows through a two-hop dsk_moe_route: once to each node holding one of the
+                                 token's experts, then inside it; needs the exact exchange, ep_dispatch ACT, a CPU
+                                 layer and nodes of one size */
+} dsk_moe_ep_route;
 
 /* The routing configuration: what every MoE step of the math below takes instead of positional
    flags (the layer resolves it from its options into dsk_moe.routing). A new score function is
@@ -293,6 +314,7 @@ typedef struct dsk_moe_opts {
                                         layer computes what does not wait on it (forward: the shared experts;
                                         backward: the shared experts, the router); the same bits as serial; it
                                         needs a free core (bench/RESULTS.md) [0: serial] (CUDA: always serial) */
+    dsk_moe_ep_route ep_route;       /* [DSK_MOE_ROUTE_AUTO]; resolved by init to FLAT or TWO_HOP */
     int node_limit;                  /* M > 0: each token's experts on at most M nodes of ep (DeepSeek-V3's node-limited
                                 routing): group-limited routing with the ep group's nodes as the groups, ranked by
                                 the sum of their top_k / M largest c (DSK_MOE_GROUP_MEGATRON's rule) [0: none];
@@ -342,8 +364,8 @@ typedef struct dsk_moe_stats {
     int64_t dropped;                  /* slots dropped by capacity over the EP group */
     int64_t nonfinite;                /* tokens with NaN/Inf routing (CUDA; the CPU fails the forward) */
     int64_t rows_off_node;            /* expert parallelism: rows this rank's dispatch sent to ranks on other
-                                         nodes (exact: its kept rows; bounded: the whole blocks); combine and
-                                         backward's two exchanges move as many again each */
+                                         nodes (exact: its kept rows; bounded: the whole blocks; two hops: token
+                                         rows, once per other node); bytes_off_node counts every exchange */
     const int64_t *tokens_per_expert; /* (E) slots each expert was selected for, EP group; owned by the layer */
     double max_load, mean_load;       /* max and mean of tokens_per_expert */
     double aux_loss, seq_aux_loss, z_loss; /* the loss span's loss terms (coefficients included) */
@@ -351,6 +373,10 @@ typedef struct dsk_moe_stats {
     uint64_t dispatch_bytes;          /* EP: bytes this rank handed to the forward's dispatch all-to-all (its kept rows,
                                          its own experts' included: n D act bytes, or n (D + 4 ceil(D / 128)) FP8) */
     uint64_t combine_bytes;           /* EP: bytes handed to the forward's combine all-to-all (R D act bytes) */
+    uint64_t bytes_off_node;          /* EP: bytes of rows this rank's exchanges sent to ranks on other nodes: a
+                                         forward's stats its dispatch and combine, collected ones every forward's and
+                                         backward's since the request (two hops: with the 8K bytes of routing of
+                                         each token row the forward sends across; the counts exchange not counted) */
 } dsk_moe_stats;
 
 struct dsk__moe_state;
@@ -1201,6 +1227,9 @@ struct dsk__moe_state {
     int requested;           /* a request is pending or collected */
     uint64_t fwd_bytes[2], acc_bytes[2], col_bytes[2]; /* EP dispatch and combine bytes: the last forward's, since
                                                           the last request, the last collected */
+    uint64_t off_bytes[3];    /* EP bytes sent to other nodes: the last forward's, since the last request, collected */
+    int in_forward;           /* the exchanges count into off_bytes[0] too */
+    struct dsk__moe_hop *hop; /* opts.ep_route TWO_HOP: the last forward's route and indices */
 };
 
 /* The dtype and (rows, cols) of buffer id for T tokens and R expert rows (cols 0: 1-D), with N
@@ -1342,6 +1371,8 @@ static dsk_tensor dsk__moe_rows(const dsk_tensor *t, int64_t n) {
     return v;
 }
 
+static void dsk__moe_hop_free(struct dsk__moe_hop *h);
+
 static void dsk__moe_state_free(dsk_moe *m, dsk_ctx *ctx) {
     struct dsk__moe_state *st = m->st;
     for (int i = 0; i < DSK__MOE_NBUF; i++) dsk_tensor_free(ctx, &st->buf[i].mem);
@@ -1357,6 +1388,7 @@ static void dsk__moe_state_free(dsk_moe *m, dsk_ctx *ctx) {
     DSK_FREE(st->h_cnt); DSK_FREE(st->h_recv_cnt); DSK_FREE(st->a2a); DSK_FREE(st->send_rows);
     DSK_FREE(st->recv_rows); DSK_FREE(st->local_off); DSK_FREE(st->h_rg); DSK_FREE(st->fwd_loads);
     DSK_FREE(st->col_acc_i); DSK_FREE(st->col_acc_f);
+    dsk__moe_hop_free(st->hop);
     DSK_FREE(st);
     m->st = NULL;
 }
@@ -1585,6 +1617,33 @@ static dsk_status dsk__moe_alloc_state(dsk_moe *m, dsk_ctx *ctx) {
     return dsk_tensor_fill(ctx, &t, 0.0);
 }
 
+/* opts.ep_route resolved to FLAT or TWO_HOP (AUTO: two hops where the ep group spans nodes and they can run). */
+static dsk_status dsk__moe_ep_route_resolve(dsk_moe *m) {
+    dsk_moe_opts *o = &m->opts;
+    const dsk_comm *c = o->ep;
+    const char *no = NULL;
+    int even = 1;
+    if (o->ep_route != DSK_MOE_ROUTE_AUTO && o->ep_route != DSK_MOE_ROUTE_FLAT && o->ep_route != DSK_MOE_ROUTE_TWO_HOP)
+        return dsk_set_error(DSK_ERR_ARG, "dsk_moe_init: layer \"%s\": unknown ep_route %d (auto 0, flat 1, two-hop 2)",
+                             o->name, (int)o->ep_route);
+    for (int r = 0; m->ep_size > 1 && r < c->world_size; r++) {
+        int size = 0;
+        for (int q = 0; q < c->world_size; q++) size += dsk_comm_node_of(c, q) == dsk_comm_node_of(c, r);
+        even = even && size == c->node_size;
+    }
+    if (m->ep_size <= 1) no = "an expert-parallel group of 2 or more ranks";
+    else if (o->ep_exchange != DSK_MOE_EP_EXACT) no = "the exact exchange (ep_exchange 0), not the bounded one";
+    else if (o->ep_dispatch != DSK_MOE_DISPATCH_ACT) no = "dispatch in the activation dtype (ep_dispatch 0), not FP8";
+    else if (m->device.type != DSK_DEV_CPU) no = "a CPU layer (CUDA layers exchange flat)";
+    else if (!even) no = "an expert-parallel group whose nodes have one size";
+    if (o->ep_route == DSK_MOE_ROUTE_AUTO)
+        o->ep_route = !no && c->n_nodes > 1 ? DSK_MOE_ROUTE_TWO_HOP : DSK_MOE_ROUTE_FLAT;
+    else if (o->ep_route == DSK_MOE_ROUTE_TWO_HOP && no)
+        return dsk_set_error(m->ep_size <= 1 ? DSK_ERR_ARG : DSK_ERR_UNSUPPORTED,
+                             "dsk_moe_init: layer \"%s\": ep_route two-hop needs %s", o->name, no);
+    return DSK_OK;
+}
+
 DSK_API dsk_status dsk_moe_init(dsk_moe *m, dsk_ctx *ctx, const dsk_moe_opts *opts) {
     dsk_status s;
     if (!m) return dsk_set_error(DSK_ERR_ARG, "dsk_moe_init: layer is NULL");
@@ -1623,6 +1682,10 @@ DSK_API dsk_status dsk_moe_init(dsk_moe *m, dsk_ctx *ctx, const dsk_moe_opts *op
         return dsk_set_error(DSK_ERR_UNSUPPORTED, "dsk_moe_init: CUDA context in a build without DSK_CUDA");
     }
 #endif
+    if ((s = dsk__moe_ep_route_resolve(m)) != DSK_OK) {
+        memset(m, 0, sizeof *m);
+        return s;
+    }
     dsk__moe_declare(m);
     s = dsk__moe_alloc_state(m, ctx);
     if (s != DSK_OK) { /* free what was made, keep the first error's message */
@@ -3112,6 +3175,215 @@ static dsk_status dsk__moe_from_experts_bounded(dsk_moe *m, dsk_ctx *ctx, const 
     return dsk_gather_rows_scaled(ctx, dst, &recv, &unpad, NULL);
 }
 
+/* Two hops in the layer (opts.ep_route TWO_HOP, CPU). The forward's dispatch and backward's rows to the
+   experts send token rows (x, dy) through a dsk_moe_route: each crosses once to every node holding one of its
+   kept slots, then fans out inside it. The routing travels beside them once per forward ((T, 2K) int32: each
+   slot's expert or -1, then its gate's bits), so the receiver places every row where the flat exchange puts it
+   (expert-major: by local expert, source rank, then the source's kept order) and backward scales dy by the
+   gate there (the product g * dy the sender makes on the flat path: the same bits). Outputs come back by the
+   route's combine, one row per slot, then into the kept order. */
+struct dsk__moe_hop {
+    dsk_moe_route rt;
+    int32_t *dest;     /* (T K) the rank of each slot's expert, -1 for a dropped slot */
+    int32_t *meta;     /* (T + R, 2K) the routing sent, then the routing received */
+    int32_t *rg, *rgi; /* (R) expert-major row <- received row, and back */
+    int32_t *kidx;     /* (n_kept) kept row <- the route's used slot */
+    float *gate;       /* (R) expert-major: each received row's gate */
+    float *stage[2];   /* (max(R, n_kept), D) rows between the route and the gathers */
+    int64_t rows;      /* rows of a stage */
+};
+
+static void dsk__moe_hop_arrays_free(struct dsk__moe_hop *h) {
+    dsk_moe_route_free(&h->rt);
+    DSK_FREE(h->dest);
+    DSK_FREE(h->meta);
+    DSK_FREE(h->rg);
+    DSK_FREE(h->rgi);
+    DSK_FREE(h->kidx);
+    DSK_FREE(h->gate);
+    DSK_FREE(h->stage[0]);
+    DSK_FREE(h->stage[1]);
+    memset(h, 0, sizeof *h);
+}
+
+static void dsk__moe_hop_free(struct dsk__moe_hop *h) {
+    if (!h) return;
+    dsk__moe_hop_arrays_free(h);
+    DSK_FREE(h);
+}
+
+/* Counts bytes an exchange sent to other nodes: into the forward's statistics during a forward, and
+   (outside eval) into the collected ones. */
+static void dsk__moe_count_off(dsk_moe *m, uint64_t bytes) {
+    if (m->st->in_forward) m->st->off_bytes[0] += bytes;
+    if (!m->eval) m->st->off_bytes[1] += bytes;
+}
+
+/* Flat and bounded exchanges: bytes of rows of `row` bytes sent to ranks on other nodes, toward the
+   experts (send_rows) or back from them (recv_rows); bounded: every peer's whole block. */
+static uint64_t dsk__moe_flat_off(const dsk_moe *m, int back, size_t row) {
+    const dsk_comm *c = m->opts.ep;
+    uint64_t n = 0;
+    for (int r = 0; r < m->ep_size; r++)
+        if (dsk_comm_node_of(c, r) != c->node)
+            n += (uint64_t)(m->opts.ep_exchange == DSK_MOE_EP_BOUNDED ? m->st->R / m->ep_size
+                            : back                                    ? m->st->recv_rows[r]
+                                                                      : m->st->send_rows[r]);
+    return n * row;
+}
+
+/* Received routing (R rows of 2K) -> each received row's local expert (le) and gate bits (gb); a token's rows
+   arrive together, in slot order, one per slot of this rank. */
+static dsk_status dsk__moe_hop_parse(dsk_moe *m, const int32_t *meta, int32_t *le, int32_t *gb) {
+    const dsk_moe_route *rt = &m->st->hop->rt;
+    int K = m->opts.top_k, El = m->n_local;
+    int64_t row = 0;
+    for (int p = 0; p < m->ep_size; p++) {
+        int64_t end = row + rt->recv_counts[p];
+        while (row < end) {
+            const int32_t *mr = meta + row * 2 * K;
+            int64_t first = row;
+            for (int k = 0; k < K; k++) {
+                int e = mr[k] - m->expert0;
+                if (mr[k] < 0 || e >= El || e < 0) continue;
+                if (row >= end)
+                    return dsk_set_error(DSK_ERR_CORRUPT,
+                                         "dsk_moe_forward: rank %d sent fewer rows than its routing "
+                                         "names",
+                                         p);
+                le[row] = e;
+                gb[row++] = mr[K + k];
+            }
+            if (row == first)
+                return dsk_set_error(DSK_ERR_CORRUPT,
+                                     "dsk_moe_forward: rank %d sent a row for none of this rank's "
+                                     "experts",
+                                     p);
+        }
+    }
+    return DSK_OK;
+}
+
+/* The received rows expert-major (a stable sort by local expert of the route's order: by source rank, then
+   the source's (token, slot) order, which is its kept order within an expert): rg, rgi, gate. */
+static dsk_status dsk__moe_hop_regroup(dsk_moe *m, const int32_t *le, const int32_t *gb) {
+    struct dsk__moe_state *st = m->st;
+    struct dsk__moe_hop *h = st->hop;
+    int El = m->n_local;
+    int64_t at[1024], *pa = El <= 1024 ? at : (int64_t *)DSK_MALLOC((size_t)El * sizeof(int64_t));
+    dsk_status s = DSK_OK;
+    if (!pa) return dsk_set_error(DSK_ERR_OOM, "dsk_moe_forward: %d experts' offsets", El);
+    for (int e = 0; e < El; e++) pa[e] = st->local_off[e];
+    for (int64_t j = 0; j < st->R; j++) {
+        int64_t q = pa[le[j]]++;
+        h->rg[q] = (int32_t)j;
+        h->rgi[j] = (int32_t)q;
+        memcpy(&h->gate[q], &gb[j], sizeof(float));
+    }
+    for (int e = 0; e < El && s == DSK_OK; e++)
+        if (pa[e] != st->local_off[e + 1])
+            s = dsk_set_error(DSK_ERR_CORRUPT,
+                              "dsk_moe_forward: local expert %d: the routing brought %lld rows, the "
+                              "counts %lld",
+                              e, (long long)(pa[e] - st->local_off[e]),
+                              (long long)(st->local_off[e + 1] - st->local_off[e]));
+    if (pa != at) DSK_FREE(pa);
+    return s;
+}
+
+/* The forward's route (collective over ep): destinations and routing of this rank's T tokens from the kept
+   order (perm, off (E + 1) the experts' offsets in it, gate (T K)), sent to the experts' ranks; every index
+   of the exchanges that follow. */
+static dsk_status dsk__moe_hop_plan(dsk_moe *m, dsk_ctx *ctx, int64_t T, int64_t n_kept, const dsk_tensor *perm,
+                                    const dsk_tensor *off, const dsk_tensor *gate) {
+    struct dsk__moe_state *st = m->st;
+    struct dsk__moe_hop *h = st->hop;
+    int K = m->opts.top_k, E = m->opts.n_routed, El = m->n_local;
+    int64_t TK = T * K, R = st->R, s = 0, D = m->opts.d_model;
+    const int32_t *pm = DSK__MOE_I32(*perm), *of = DSK__MOE_I32(*off);
+    const float *g = DSK__MOE_F32(*gate);
+    int32_t *le;
+    dsk_moe_route_opts ro = {1};
+    dsk_status e;
+    if (!h) {
+        if (!(h = st->hop = (struct dsk__moe_hop *)DSK_MALLOC(sizeof *h)))
+            return dsk_set_error(DSK_ERR_OOM, "dsk_moe_forward: two-hop state");
+        memset(h, 0, sizeof *h);
+    }
+    dsk__moe_hop_arrays_free(h);
+    h->rows = R > n_kept ? R : n_kept;
+    h->dest = (int32_t *)DSK_MALLOC((size_t)(TK + 1) * sizeof(int32_t));
+    h->meta = (int32_t *)DSK_MALLOC((size_t)((T + 2 * R) * 2 * K + 1) * sizeof(int32_t));
+    h->rg = (int32_t *)DSK_MALLOC((size_t)(R + 1) * sizeof(int32_t));
+    h->rgi = (int32_t *)DSK_MALLOC((size_t)(R + 1) * sizeof(int32_t));
+    h->kidx = (int32_t *)DSK_MALLOC((size_t)(n_kept + TK + 1) * sizeof(int32_t));
+    h->gate = (float *)DSK_MALLOC((size_t)(R + 1) * sizeof(float));
+    for (int i = 0; i < 2; i++) h->stage[i] = (float *)DSK_MALLOC((size_t)(h->rows * D + 1) * sizeof(float));
+    if (!h->dest || !h->meta || !h->rg || !h->rgi || !h->kidx || !h->gate || !h->stage[0] || !h->stage[1])
+        return dsk_set_error(DSK_ERR_OOM, "dsk_moe_forward: two-hop indices of %lld tokens, %lld rows", (long long)T,
+                             (long long)R);
+    for (int64_t f = 0; f < TK; f++) {
+        h->dest[f] = -1;
+        h->meta[(f / K) * 2 * K + f % K] = -1;
+        h->meta[(f / K) * 2 * K + K + f % K] = 0;
+    }
+    for (int x = 0; x < E; x++)
+        for (int64_t q = of[x]; q < of[x + 1]; q++) {
+            int64_t f = pm[q];
+            h->dest[f] = x / El;
+            h->meta[(f / K) * 2 * K + f % K] = x;
+            memcpy(&h->meta[(f / K) * 2 * K + K + f % K], &g[f], sizeof(float));
+        }
+    for (int64_t f = 0; f < TK; f++) h->kidx[n_kept + f] = h->dest[f] >= 0 ? (int32_t)s++ : -1; /* used slots */
+    for (int64_t q = 0; q < n_kept; q++) h->kidx[q] = h->kidx[n_kept + pm[q]];
+    DSK__TRY(dsk_moe_route_init(&h->rt, m->opts.ep, ctx, T, K, h->dest, &ro));
+    if (h->rt.recv_rows != R)
+        return dsk_set_error(DSK_ERR_CORRUPT, "dsk_moe_forward: the route brings %lld rows, the counts %lld",
+                             (long long)h->rt.recv_rows, (long long)R);
+    le = h->meta + (T + R) * 2 * K;
+    DSK__TRY(dsk_moe_route_dispatch(&h->rt, ctx, h->meta, 2 * K, DSK_I32, h->meta + T * 2 * K));
+    dsk__moe_count_off(m, (uint64_t)h->rt.dispatch_rows_off_node * 2 * K * sizeof(int32_t));
+    e = dsk__moe_hop_parse(m, h->meta + T * 2 * K, le, le + R);
+    return e == DSK_OK ? dsk__moe_hop_regroup(m, le, le + R) : e;
+}
+
+/* A (rows, cols) view of host memory. */
+static dsk_tensor dsk__moe_host_view(void *p, dsk_dtype dt, int64_t rows, int64_t cols) {
+    dsk_tensor t;
+    int64_t sh[2] = {rows, cols};
+    (void)dsk_tensor_wrap(&t, p, dt, dsk_cpu(), cols ? 2 : 1, sh);
+    return t;
+}
+
+/* Token rows (T, D) through the route to the experts' ranks, expert-major into dst (R, D); scaled: times each
+   row's gate (backward's g * dy). */
+static dsk_status dsk__moe_hop_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *tok, dsk_tensor *dst,
+                                          int scaled) {
+    struct dsk__moe_hop *h = m->st->hop;
+    int64_t R = m->st->R, D = m->opts.d_model;
+    dsk_tensor stage = dsk__moe_host_view(h->stage[0], DSK_F32, R, D), rg = dsk__moe_host_view(h->rg, DSK_I32, R, 0);
+    dsk_tensor gate = dsk__moe_host_view(h->gate, DSK_F32, R, 0);
+    DSK__TRY(dsk_moe_route_dispatch(&h->rt, ctx, tok->data, D, tok->dtype, h->stage[0]));
+    dsk__moe_count_off(m, (uint64_t)h->rt.dispatch_rows_off_node * (uint64_t)D * dsk_dtype_size(tok->dtype));
+    return dsk_gather_rows_scaled(ctx, dst, &stage, &rg, scaled ? &gate : NULL);
+}
+
+/* Rows (R, expert-major) back through the route to their tokens' ranks, into dst (n_kept, kept order). */
+static dsk_status dsk__moe_hop_from_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
+    struct dsk__moe_hop *h = m->st->hop;
+    int64_t R = m->st->R, D = m->opts.d_model, n = dst->shape[0];
+    dsk_tensor sent = dsk__moe_host_view(h->stage[0], DSK_F32, R, D), rgi = dsk__moe_host_view(h->rgi, DSK_I32, R, 0);
+    dsk_tensor back = dsk__moe_host_view(h->stage[1], DSK_F32, h->rt.slots, D);
+    dsk_tensor kidx = dsk__moe_host_view(h->kidx, DSK_I32, n, 0);
+    if (h->rt.slots != n)
+        return dsk_set_error(DSK_ERR_CORRUPT, "dsk_moe: the route returns %lld rows for %lld kept slots",
+                             (long long)h->rt.slots, (long long)n);
+    DSK__TRY(dsk_gather_rows(ctx, &sent, rows, &rgi));
+    DSK__TRY(dsk_moe_route_combine(&h->rt, ctx, h->stage[0], D, rows->dtype, h->stage[1]));
+    dsk__moe_count_off(m, (uint64_t)h->rt.combine_rows_off_node * (uint64_t)D * dsk_dtype_size(rows->dtype));
+    return dsk_gather_rows(ctx, dst, &back, &kidx);
+}
+
 /* An exchange (DSK__MOE_XCH_*) on a second thread, so that the
    caller computes meanwhile (host backend: the collective takes no ctx and the gathers use none of its
    workspace). Its buffers are sized before it starts; the thread's error message comes back at the join. */
@@ -3155,7 +3427,8 @@ static dsk_status dsk__moe_exchange_start(dsk__moe_async *a, dsk_moe *m, dsk_ctx
     a->way = way;
     /* FP8 dispatch sizes its code and scale buffers as it goes: it runs here, serial */
     int fp8 = way == DSK__MOE_XCH_DISPATCH && m->opts.ep_dispatch == DSK_MOE_DISPATCH_FP8;
-    if (m->opts.ep_overlap && m->device.type == DSK_DEV_CPU && !fp8) { /* no allocation on the thread */
+    /* FP8 and two hops allocate as they go: serial */
+    if (m->opts.ep_overlap && m->device.type == DSK_DEV_CPU && !fp8 && m->opts.ep_route != DSK_MOE_ROUTE_TWO_HOP) {
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, m->st->T, m->st->R, &t));
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE2, m->st->T, m->st->R, &t));
         a->started = pthread_create(&a->thread, NULL, dsk__moe_async_main, a) == 0;
@@ -3186,6 +3459,8 @@ static dsk_status dsk__moe_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor
     struct dsk__moe_state *st = m->st;
     int P = m->ep_size;
     dsk_tensor stage, rg;
+    if (m->opts.ep_route == DSK_MOE_ROUTE_TWO_HOP) return dsk__moe_hop_to_experts(m, ctx, rows, dst, 1);
+    dsk__moe_count_off(m, dsk__moe_flat_off(m, 0, (size_t)m->opts.d_model * dsk_dtype_size(rows->dtype)));
     if (m->opts.ep_exchange == DSK_MOE_EP_BOUNDED) return dsk__moe_to_experts_bounded(m, ctx, rows, dst);
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->T, st->R, &stage));
     rg = dsk__moe_saved(m, DSK__MOE_RG);
@@ -3260,8 +3535,12 @@ static dsk_status dsk__moe_dispatch(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *
     st->fwd_bytes[0] = fp8 ? (uint64_t)(n * (D + 4 * ((D + 127) / 128))) : (uint64_t)(n * D) * es;
     st->fwd_bytes[1] = (uint64_t)(st->R * D) * es;
     for (int i = 0; i < 2 && !m->eval; i++) st->acc_bytes[i] += st->fwd_bytes[i];
+    if (m->opts.ep_route == DSK_MOE_ROUTE_TWO_HOP) return dsk__moe_hop_to_experts(m, ctx, rows, dst, 0);
 #ifdef DSK_AMP_H
-    if (fp8) return dsk__moe_to_experts_fp8(m, ctx, rows, dst);
+    if (fp8) {
+        dsk__moe_count_off(m, dsk__moe_flat_off(m, 0, (size_t)(D + 4 * ((D + 127) / 128))));
+        return dsk__moe_to_experts_fp8(m, ctx, rows, dst);
+    }
 #endif
     return dsk__moe_to_experts(m, ctx, rows, dst);
 }
@@ -3271,6 +3550,8 @@ static dsk_status dsk__moe_from_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tens
     struct dsk__moe_state *st = m->st;
     int P = m->ep_size;
     dsk_tensor stage, rgi;
+    if (m->opts.ep_route == DSK_MOE_ROUTE_TWO_HOP) return dsk__moe_hop_from_experts(m, ctx, rows, dst);
+    dsk__moe_count_off(m, dsk__moe_flat_off(m, 1, (size_t)m->opts.d_model * dsk_dtype_size(rows->dtype)));
     if (m->opts.ep_exchange == DSK_MOE_EP_BOUNDED) return dsk__moe_from_experts_bounded(m, ctx, rows, dst);
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->T, st->R, &stage));
     rgi = dsk__moe_saved(m, DSK__MOE_RGI);
@@ -3354,6 +3635,7 @@ static int64_t dsk__moe_rows_off_node(const dsk_moe *m) {
     int64_t n = 0, L;
     if (m->ep_size <= 1) return 0;
     L = c->n_nodes > 0 && c->world_size % c->n_nodes == 0 ? c->world_size / c->n_nodes : 0;
+    if (m->opts.ep_route == DSK_MOE_ROUTE_TWO_HOP) return m->st->hop->rt.dispatch_rows_off_node;
     if (!L || c->node != c->rank / L) return -1;
     for (int r = 0; r < m->ep_size; r++)
         if (r / L != c->node)
@@ -3390,6 +3672,7 @@ static dsk_status dsk__moe_fill_stats(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor
     s->loss = hl[3];
     s->dispatch_bytes = m->ep_size > 1 ? st->fwd_bytes[0] : 0;
     s->combine_bytes = m->ep_size > 1 ? st->fwd_bytes[1] : 0;
+    s->bytes_off_node = st->off_bytes[0];
     return DSK_OK;
 }
 
@@ -3400,13 +3683,15 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     int64_t K = o->top_k, E = o->n_routed, TK = T * K, Fs = m->d_shared_total, n_kept, R, n_rows;
     int64_t N = st->span_on ? st->span_rows : T; /* the loss span: the micro-batch this call is part of */
     int64_t L = o->seq_aux_alpha > 0 && o->seq_len ? o->seq_len : (N > 0 ? N : 1), nseq = N / L > 0 ? N / L : 1;
-    int cpu = m->device.type == DSK_DEV_CPU, ep = m->ep_size > 1;
+    int cpu = m->device.type == DSK_DEV_CPU, ep = m->ep_size > 1, two = ep && o->ep_route == DSK_MOE_ROUTE_TWO_HOP;
     int losses = o->aux_alpha > 0 || o->seq_aux_alpha > 0 || o->z_beta > 0;
     dsk_tensor xf, xa, u, prob, scr, sel, gate, keys, perm_all, off_all, perm, off, pos, row_tok, row_gate, cnt, cntg;
     dsk_tensor xs, xr, h1, h3, a, ob, ys, w[6], offsets;
     dsk__moe_loss_bufs lb;
     dsk__moe_async xch;
     R = dsk__moe_rows_first(m, T); /* sizes the buffers (exact EP: until the counts say more) */
+    st->in_forward = 1;
+    st->off_bytes[0] = 0;
     st->T = T;
     st->R = R;
     st->N = N;
@@ -3483,10 +3768,11 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     row_tok = dsk__moe_rows(&row_tok, n_rows);
     DSK__TRY(dsk_gather_rows_scaled(ctx, &xs, &xa, &row_tok, NULL));
     /* routed experts: grouped GEMMs over the experts' row segments; EP: the shared experts compute while
-       the rows travel */
+       the rows travel (two hops: the tokens' rows) */
     if (ep) {
+        if (two) DSK__TRY(dsk__moe_hop_plan(m, ctx, T, n_kept, &perm, &off, &gate));
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_XR, T, R, &xr));
-        DSK__TRY(dsk__moe_exchange_start(&xch, m, ctx, &xs, &xr, DSK__MOE_XCH_DISPATCH));
+        DSK__TRY(dsk__moe_exchange_start(&xch, m, ctx, two ? &xa : &xs, &xr, DSK__MOE_XCH_DISPATCH));
     } else {
         xr = dsk__moe_rows(&xs, R);
     }
@@ -3506,6 +3792,7 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     }
     DSK__TRY(dsk__moe_combine(m, ctx, y, &pos, &gate, &ob, Fs > 0 ? &ys : NULL));
     st->n_kept = n_kept;
+    st->in_forward = 0;
     st->have_fwd = 1;
     st->have_route = 1;
     return stats ? dsk__moe_fill_stats(m, ctx, &cntg, &lb.loss, stats) : DSK_OK;
@@ -3551,7 +3838,7 @@ static dsk_status dsk__moe_backward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *d
     const dsk_moe_opts *o = &m->opts;
     int64_t T = st->T, R = st->R, K = o->top_k;
     int64_t n_rows = st->n_kept >= 0 ? st->n_kept : T * K;
-    int ep = m->ep_size > 1;
+    int ep = m->ep_size > 1, two = ep && o->ep_route == DSK_MOE_ROUTE_TWO_HOP;
     float zcoef = st->N > 0 ? o->z_beta * 2.0f / (float)st->N * aux_scale : 0.0f; /* per token of the span */
     /* what the forward saved */
     dsk_tensor xf = dsk__moe_saved(m, DSK__MOE_XF), xa = st->act == DSK_F32 ? xf : dsk__moe_saved(m, DSK__MOE_XA);
@@ -3581,7 +3868,8 @@ static dsk_status dsk__moe_backward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *d
     DSK__TRY(dsk_gather_rows_scaled(ctx, &dos, &dya, &row_tok, &row_gate));
     if (ep) { /* the shared experts' backward while the rows travel */
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DOR, T, R, &dor));
-        DSK__TRY(dsk__moe_exchange_start(&xch, m, ctx, &dos, &dor, DSK__MOE_XCH_TO_EXPERTS));
+        st->in_forward = 0;
+        DSK__TRY(dsk__moe_exchange_start(&xch, m, ctx, two ? &dya : &dos, &dor, DSK__MOE_XCH_TO_EXPERTS));
     } else {
         dor = dsk__moe_rows(&dos, R);
     }
@@ -3633,6 +3921,8 @@ DSK_API dsk_status dsk_moe_stats_request(dsk_moe *m, dsk_ctx *ctx) {
         st->col_bytes[i] = st->acc_bytes[i];
         st->acc_bytes[i] = 0;
     }
+    st->off_bytes[2] = st->off_bytes[1];
+    st->off_bytes[1] = 0;
     DSK__TRY(dsk_tensor_fill(ctx, &st->buf[DSK__MOE_ACC_I].mem, 0.0));
     return dsk_tensor_fill(ctx, &st->buf[DSK__MOE_ACC_F].mem, 0.0);
 }
@@ -3668,6 +3958,7 @@ DSK_API dsk_status dsk_moe_stats_collect(dsk_moe *m, dsk_ctx *ctx, dsk_moe_stats
     out->loss = f[0] + f[1] + f[2];
     out->dispatch_bytes = st->col_bytes[0];
     out->combine_bytes = st->col_bytes[1];
+    out->bytes_off_node = st->off_bytes[2];
     return DSK_OK;
 }
 

@@ -1516,6 +1516,7 @@ static int ep_node_limited(dsk_comm *c, dsk_moe_opts o, int rank, const float *x
     o.n_group = 0;
     o.topk_group = 0;
     o.node_limit = 1;
+    o.ep_route = DSK_MOE_ROUTE_FLAT; /* rows_off_node counts slots (two hops: tokens, ep_two_hop) */
     if (make_layer(&m, &own, &o) != DSK_OK) return 0;
     for (int e = 0; e < EP_E; e++) ((float *)m.bias->value.data)[e] = (float)dsk_test_rand(-0.05, 0.05);
     dsk_tensor_wrap(&x, (void *)x_rows, DSK_F32, dsk_cpu(), 2, shp);
@@ -1593,6 +1594,109 @@ static int ep_node_limited(dsk_comm *c, dsk_moe_opts o, int rank, const float *x
     return ok;
 }
 
+/* Bytes rank me's exchanges send off its node in one forward and backward, from every rank's routing all
+   (P ranks of T tokens, top K, dropless; ranks numbered node by node, L per node): flat, a row per slot whose
+   expert sits on another node, and back; two hops, a token row per other node holding one of its experts
+   (forward: with its 2K int32 of routing), and back the slots this rank relays (those of tokens of the rank
+   with its node_rank on each other node, for experts on this node). *fwd: the forward's part. */
+static uint64_t ep_off_bytes(const int32_t *all, int P, int L, int me, int two, uint64_t *fwd) {
+    uint64_t row = sizeof(float) * EP_D, to = 0, meta = 0, back = 0;
+    int El = EP_E / P;
+    for (int p = 0; p < P; p++)
+        for (int t = 0; t < EP_T; t++) {
+            int seen = 0;
+            for (int k = 0; k < EP_K; k++) {
+                int e = all[((size_t)p * EP_T + t) * EP_K + k], b = e / El / L;
+                if (p == me && b != me / L && !(two && (seen >> b & 1))) {
+                    to += row;
+                    meta += two ? 2 * EP_K * sizeof(int32_t) : 0;
+                }
+                if (p == me) seen |= 1 << b;
+                if (p / L != me / L && (two ? b == me / L && p % L == me % L : e / El == me)) back += row;
+            }
+        }
+    *fwd = to + meta + back;
+    return 2 * (to + back) + meta;
+}
+
+/* Two hops in the layer (4 ranks on 2 emulated nodes): the two-hop layer gives the flat one's outputs,
+   gradients, loads and bias bit for bit, dropless, under capacity 0.75 and node-limited (M = 1); and its
+   statistics count the bytes sent off the node as ep_off_bytes computes them from the routing, fewer over the
+   group than the flat layer's. 1 if all hold. */
+static int ep_two_hop(dsk_comm *c, dsk_moe_opts o, int rank, const float *x_rows, const float *dy_rows) {
+    int ok = 1;
+    uint64_t got[2], want[2], fgot[2], fwant[2], sum[2];
+    for (int cfg = 0; ok && cfg < 3; cfg++) {
+        float *a = NULL, *b = NULL;
+        size_t na = 0, nb = 0;
+        dsk_moe_opts v = o;
+        v.capacity_factor = cfg == 1 ? 0.75f : 0.0f;
+        if (cfg == 2) {
+            v.n_group = 0;
+            v.topk_group = 0;
+            v.node_limit = 1;
+        }
+        v.ep_route = DSK_MOE_ROUTE_FLAT;
+        if (ep_step_record(c, v, x_rows, dy_rows, &a, &na)) ok = 0;
+        v.ep_route = DSK_MOE_ROUTE_TWO_HOP;
+        if (ep_step_record(c, v, x_rows, dy_rows, &b, &nb)) ok = 0;
+        if (ok && (na != nb || memcmp(a, b, sizeof(float) * na) != 0)) {
+            size_t i = 0;
+            while (i < na && !memcmp(a + i, b + i, sizeof(float))) i++;
+            fprintf(stderr, "rank %d config %d: two hops differ from flat at float %zu of %zu\n", rank, cfg, i, na);
+            ok = 0;
+        }
+        free(a);
+        free(b);
+    }
+    for (int two = 0; ok && two < 2; two++) {
+        dsk_moe m;
+        owned own;
+        dsk_tensor x, y, dx, dy, sel;
+        int64_t shp[2] = {EP_T, EP_D}, ss[2] = {EP_T, EP_K};
+        float yb[EP_T * EP_D], dxb[EP_T * EP_D];
+        int32_t sb[EP_T * EP_K], all[4 * EP_T * EP_K];
+        dsk_moe_stats fs, cs;
+        o.ep_route = two ? DSK_MOE_ROUTE_TWO_HOP : DSK_MOE_ROUTE_FLAT;
+        if (make_layer(&m, &own, &o) != DSK_OK) return 0;
+        dsk_tensor_wrap(&x, (void *)x_rows, DSK_F32, dsk_cpu(), 2, shp);
+        dsk_tensor_wrap(&dy, (void *)dy_rows, DSK_F32, dsk_cpu(), 2, shp);
+        dsk_tensor_wrap(&y, yb, DSK_F32, dsk_cpu(), 2, shp);
+        dsk_tensor_wrap(&dx, dxb, DSK_F32, dsk_cpu(), 2, shp);
+        dsk_tensor_wrap(&sel, sb, DSK_I32, dsk_cpu(), 2, ss);
+        memset(dxb, 0, sizeof dxb);
+        if (dsk_moe_forward(&m, NULL, &y, &x, &fs) != DSK_OK || dsk_moe_backward(&m, NULL, &dx, &dy, 1.0f) != DSK_OK ||
+            dsk_moe_stats_request(&m, NULL) != DSK_OK || dsk_moe_stats_collect(&m, NULL, &cs) != DSK_OK ||
+            dsk_moe_routing(&m, NULL, &sel) != DSK_OK ||
+            dsk_comm_all_gather(c, NULL, sb, all, EP_T * EP_K, DSK_I32) != DSK_OK)
+            ok = 0;
+        got[two] = cs.bytes_off_node;
+        fgot[two] = fs.bytes_off_node;
+        want[two] = ep_off_bytes(all, c->world_size, c->node_size, rank, two, &fwant[two]);
+        drop_layer(&m, &own);
+    }
+    for (int two = 0; ok && two < 2; two++)
+        if (got[two] != want[two] || fgot[two] != fwant[two]) {
+            fprintf(stderr, "rank %d %s: bytes off the node %llu (forward %llu), counted %llu (%llu)\n", rank,
+                    two ? "two-hop" : "flat", (unsigned long long)got[two], (unsigned long long)fgot[two],
+                    (unsigned long long)want[two], (unsigned long long)fwant[two]);
+            ok = 0;
+        }
+    if (dsk_comm_all_reduce(c, NULL, got, sum, 2, DSK_I64, DSK_COMM_SUM) != DSK_OK) return 0;
+    if (ok && !(sum[1] < sum[0])) {
+        fprintf(stderr, "rank %d: two hops sent %llu bytes off the nodes, flat %llu\n", rank,
+                (unsigned long long)sum[1], (unsigned long long)sum[0]);
+        ok = 0;
+    }
+    if (ok && rank == 0) {
+        printf("# 4 ranks on 2 nodes, %d tokens each, top-%d of %d experts, D %d, dropless: bytes sent off the "
+               "nodes in a forward and backward, all ranks: flat %llu, two-hop %llu\n",
+               EP_T, EP_K, EP_E, EP_D, (unsigned long long)sum[0], (unsigned long long)sum[1]);
+        fflush(stdout);
+    }
+    return ok;
+}
+
 /* The bounded exchange needs the same T on every rank: rank 0 with one token fewer fails every rank's
    forward (the fixed-size all-to-all's counts disagree), none hangs. Last: it leaves o.ep unusable. */
 static int ep_bounded_uneven(dsk_moe_opts o, int rank) {
@@ -1647,6 +1751,24 @@ static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx,
             *bad_cfg_ok = *bad_cfg_ok && dsk_moe_init(&bad, NULL, &b) == DSK_ERR_ARG &&
                           strstr(dsk_last_error(), "node_limit 1 sets the groups; n_group 4, topk_group 2") != NULL;
         }
+        /* two hops refused where they cannot run, naming why */
+        b = o;
+        b.ep_route = DSK_MOE_ROUTE_TWO_HOP;
+        b.ep_exchange = DSK_MOE_EP_BOUNDED;
+        *bad_cfg_ok = *bad_cfg_ok && dsk_moe_init(&bad, NULL, &b) == DSK_ERR_UNSUPPORTED &&
+                      strstr(dsk_last_error(), "two-hop needs the exact exchange") != NULL;
+        b.ep_exchange = DSK_MOE_EP_EXACT;
+        b.ep_dispatch = DSK_MOE_DISPATCH_FP8;
+        *bad_cfg_ok = *bad_cfg_ok && dsk_moe_init(&bad, NULL, &b) == DSK_ERR_UNSUPPORTED &&
+                      strstr(dsk_last_error(), "(ep_dispatch 0), not FP8") != NULL;
+        b.ep_dispatch = DSK_MOE_DISPATCH_ACT;
+        b.ep = NULL;
+        *bad_cfg_ok = *bad_cfg_ok && dsk_moe_init(&bad, NULL, &b) == DSK_ERR_ARG &&
+                      strstr(dsk_last_error(), "two-hop needs an expert-parallel group of 2 or more ranks") != NULL;
+        b.ep = &c;
+        b.ep_route = (dsk_moe_ep_route)3;
+        *bad_cfg_ok = *bad_cfg_ok && dsk_moe_init(&bad, NULL, &b) == DSK_ERR_ARG &&
+                      strstr(dsk_last_error(), "unknown ep_route 3") != NULL;
     }
     if (make_layer(&m, &own, &o) != DSK_OK) return 3;
     dsk_tensor_wrap(&x, (void *)(gx + rank * EP_T * EP_D), DSK_F32, dsk_cpu(), 2, shp);
@@ -1666,6 +1788,7 @@ static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx,
     drop_layer(&m, &own);
     *bounded_ok = ep_bounded_same(&c, o, rank, gx + rank * EP_T * EP_D, gdy + rank * EP_T * EP_D);
     *node_ok = n == 4 ? ep_node_limited(&c, o, rank, gx + rank * EP_T * EP_D) : 1;
+    *node_ok = *node_ok && (n != 4 || ep_two_hop(&c, o, rank, gx + rank * EP_T * EP_D, gdy + rank * EP_T * EP_D));
     *node_ok = *node_ok && ep_bounded_uneven(o, rank);
     dsk_comm_free(&c); /* unusable after the uneven exchange */
     return 0;
@@ -1737,22 +1860,26 @@ static void ep_check(ep_job *j) {
     dsk_tensor y, dx;
     dsk_moe_stats st;
     int64_t shp[2] = {NT, EP_D};
-    dsk_test_begin("expert parallel %s over %d ranks = 1 rank, overlapped & bounded = serial, node-limited on 4",
+    dsk_test_begin("expert parallel %s over %d ranks = 1 rank, overlapped & bounded = serial, node-limited and "
+                   "two-hop = flat (bits, bytes off the node) on 4",
                    j->sigmoid ? "sigmoid+groups" : "softmax", n);
     memset(&y, 0, sizeof y); memset(&dx, 0, sizeof dx);
     DSK_TEST_OK(make_layer(&ref, &own, &o));
     if (!j->port_ok) { dsk_test_fail_at(__FILE__, __LINE__, "no free port: %s", dsk_last_error()); goto out; }
     for (int r = 0; r < n; r++) {
         DSK_TEST_EXPECT(j->flags[r] == 0, "a rank failed with status %d", j->flags[r]);
-        DSK_TEST_EXPECT(j->flags[32 + r] == 1, "rank %d: E not divisible by the EP size was not reported", r);
+        DSK_TEST_EXPECT(j->flags[32 + r] == 1,
+                        "rank %d: E not divisible by the EP size, or a two-hop route it cannot run, was not refused",
+                        r);
         DSK_TEST_EXPECT(j->flags[48 + r] == 1, "rank %d: a NaN token on rank 0 did not fail the forward on every rank",
                         r);
         DSK_TEST_EXPECT(j->flags[16 + r] == 1,
                         "rank %d: overlapped or bounded exchanges (dropless, capacity 0.75) differ from the serial one",
                         r);
         DSK_TEST_EXPECT(j->flags[24 + r] == 1,
-                        "rank %d: node-limited routing (2 emulated nodes) broke its rule, or an uneven T under the "
-                        "bounded exchange did not fail every rank",
+                        "rank %d: node-limited routing (2 emulated nodes) broke its rule, two hops differ from flat "
+                        "or miscount the bytes off the node, or an uneven T under the bounded exchange did not fail "
+                        "every rank",
                         r);
     }
     one_layer_step(&ref, j->gx, j->gdy, shp, &y, &dx, &st);
