@@ -3185,6 +3185,24 @@ static void rank_route_uneven(dsk_comm *c, void *arg) {
     dsk_moe_route_free(&rt);
 }
 
+/* A layer over 3 ranks on nodes of 2 and 1 (two emulated hosts): two hops refused (nodes of one size),
+   AUTO resolved to the flat exchange. */
+static void rank_moe_route_uneven(dsk_comm *c, void *arg) {
+    dsk_moe m;
+    dsk_moe_opts o = ep_opts(0);
+    (void)arg;
+    o.n_routed = 6;
+    o.ep = c;
+    o.ep_route = DSK_MOE_ROUTE_TWO_HOP;
+    DSK_TEST_STATUS(dsk_moe_init(&m, NULL, &o), DSK_ERR_UNSUPPORTED);
+    DSK_TEST_ERROR_MENTIONS("two-hop needs an expert-parallel group whose nodes have one size");
+    o.ep_route = DSK_MOE_ROUTE_AUTO;
+    DSK_TEST_OK(dsk_moe_init(&m, NULL, &o));
+    DSK_TEST_EXPECT(m.opts.ep_route == DSK_MOE_ROUTE_FLAT, "AUTO over uneven nodes resolved to %d, not flat",
+                    (int)m.opts.ep_route);
+    dsk_moe_free(&m, NULL);
+}
+
 /* Forks n ranks that init a host communicator over the current mode and run fn; a rank exits 1
    when one of its checks failed. Called before this process starts OpenMP threads. */
 static void rt_case(const char *name, void (*fn)(dsk_comm *, void *), int n, int mode) {
@@ -3240,6 +3258,8 @@ static void test_routes(void) {
     rt_case(name, rank_routes, 4, RT_TWO_HOSTS);
     rt_case("routes: bad arguments, ranks that build different kinds", rank_route_misuse, 3, RT_SHM);
     rt_case("routes: two hops over nodes of 2 and 1 ranks", rank_route_uneven, 3, RT_TWO_HOSTS);
+    rt_case("layer: ep_route two-hop refused over nodes of 2 and 1 ranks, AUTO flat", rank_moe_route_uneven, 3,
+            RT_TWO_HOSTS);
 }
 
 int main(void) {
