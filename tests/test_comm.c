@@ -2174,6 +2174,37 @@ static void case_ring_interleavings(void) {
     }
 }
 
+/* dsk_comm_node_comms: this rank's node (node_size ranks, in rank order) and the cross-node group (one rank per
+   node, node_rank alike), split once and kept; dsk_comm_node_of; bad arguments. */
+static void rank_node_comms(dsk_comm *c, void *arg) {
+    dsk_comm *node = NULL, *cross = NULL, *node2 = NULL, *cross2 = NULL;
+    (void)arg;
+    DSK_TEST_STATUS(dsk_comm_node_comms(c, NULL, &cross), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("node or cross is NULL");
+    DSK_TEST_STATUS(dsk_comm_node_comms(NULL, &node, &cross), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("communicator is NULL or not initialised");
+    DSK_TEST_EXPECT(dsk_comm_node_of(c, -1) == -1 && dsk_comm_node_of(c, c->world_size) == -1 &&
+                        dsk_comm_node_of(NULL, 0) == -1,
+                    "a rank out of range has a node");
+    for (int r = 0; r < c->world_size; r++)
+        DSK_TEST_EXPECT(dsk_comm_node_of(c, r) == host_of(r, c->world_size), "rank %d: node %d, host %d", r,
+                        dsk_comm_node_of(c, r), host_of(r, c->world_size));
+    DSK_TEST_OK(dsk_comm_node_comms(c, &node, &cross));
+    DSK_TEST_OK(dsk_comm_node_comms(c, &node2, &cross2));
+    if (!node || !cross) return;
+    DSK_TEST_EXPECT(node == node2 && cross == cross2, "a second call split again");
+    DSK_TEST_EXPECT(node->world_size == c->node_size && node->rank == c->node_rank, "node group: rank %d of %d",
+                    node->rank, node->world_size);
+    DSK_TEST_EXPECT(cross->world_size == c->n_nodes && cross->rank == c->node, "cross group: rank %d of %d",
+                    cross->rank, cross->world_size);
+    {
+        int64_t mine = c->rank, sum = -1, want = 0;
+        DSK_TEST_OK(dsk_comm_all_reduce(node, NULL, &mine, &sum, 1, DSK_I64, DSK_COMM_SUM));
+        for (int r = 0; r < c->world_size; r++) want += host_of(r, c->world_size) == c->node ? r : 0;
+        DSK_TEST_EXPECT(sum == want, "node group sums ranks to %lld, want %lld", (long long)sum, (long long)want);
+    }
+}
+
 /* ------------------------------------------------------------------ shared memory */
 
 static void *kill_soon(void *arg) {
@@ -2331,6 +2362,7 @@ static void run_suite(void) {
     if (g_mode != MODE_TWO_HOSTS) coll_case("split: parity groups, NO_COLOR, nested", rank_split, 3, 0);
     coll_case("split: parity groups, NO_COLOR, nested", rank_split, 4, 0);
     coll_case("NaN propagates through sum, avg, max, min; ranks agree bitwise", rank_nan, 3, 0);
+    coll_case("node communicators: the node's and the cross-node ranks, kept; bad arguments", rank_node_comms, 4, 0);
     if (g_mode == MODE_SHM)
         coll_case("rings: payloads ending 1 to 7 bytes into a line, larger than a ring", rank_stream_tails, 2, 0);
     mode_begin("fault: rank 2 of 3 SIGKILLed mid-run, small messages");
