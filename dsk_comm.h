@@ -45,12 +45,9 @@
    numbered in the order of their lowest rank (dsk_comm.node, n_nodes, node_rank, node_size).
    Host backend: ranks of one node share memory unless opts.transport says TCP.
 
-   Expert-parallel routes (dsk_comm_route_*): rows with up to k destination ranks each, sent
-   in one flat all-to-all-v or, on a communicator that spans nodes, in two hops: a row crosses
-   to each destination node once, to the rank with the same node_rank there, which fans it
-   out inside the node (DeepSeek-V3 / DeepEP). Node-limited routing (at most M nodes per
-   token) needs nothing here: dsk_moe's opts.node_limit = M (group-limited routing with the
-   nodes as groups: experts of node g = group g, as expert parallelism places them).
+   Node communicators (dsk_comm_node_comms): the ranks of this rank's node, and the ranks with
+   its node_rank on every node, split off once and kept with c: what a two-hop exchange across
+   nodes needs (dsk_moe.h's expert-parallel routes, DeepSeek-V3 / DeepEP).
 
    Semantics of the host backend (the reference the tests check exactly):
    - Counts are elements, never bytes. send == recv means in place.
@@ -88,12 +85,12 @@
    License: MIT, see the end of the file. */
 /* Contents. Each section starts with a rule comment "---- <title>"; search for the title.
    Declarations: types and options; communicators: init, free, split; collectives; tensor
-   forms; expert-parallel routes; the bootstrap store; configuration agreement; local
+   forms; the bootstrap store; configuration agreement; local
    launcher (unless DSK_COMM_NO_LAUNCHER); options (dsk_comm_options).
    Implementation (after the "implementation" rule): small helpers; the key-value store
    server; communicator state; store client; configuration agreement; shared memory; the host
    backend's I/O engine; reductions (fixed rank order); host collectives; bootstrap and mesh;
-   init; collectives; split; tensor forms; expert-parallel routes; local launcher; options. */
+   init; collectives; split; tensor forms; local launcher; options. */
 #if defined(DSK_COMM_IMPLEMENTATION) && !defined(_GNU_SOURCE) && !defined(_POSIX_C_SOURCE)
 #define _GNU_SOURCE
 #endif
@@ -152,7 +149,7 @@ typedef struct dsk_comm_opts {
 
 /* Bytes this rank sent and received (headers included), calls, and seconds spent inside
    collectives. bytes_sent_off_node: the part of bytes_sent that went to ranks on other nodes
-   (host backend; the routes count their rows on nccl too). send_payload: the bytes of the
+   (host backend; dsk_moe.h's routes count their rows on nccl too). send_payload: the bytes of the
    messages handed to dsk_comm_send that returned DSK_OK (count x dtype size, no headers; both
    backends): a pipeline's activations and gradients, comparable with a plan's. */
 typedef struct dsk_comm_stats {
@@ -197,6 +194,13 @@ DSK_API void dsk_comm_free(dsk_comm *c);
 /* Collective over c: ranks with the same color form *sub, ordered by (key, rank).
    color DSK_COMM_NO_COLOR: *sub is zeroed (world_size 0). Same backend as c. */
 DSK_API dsk_status dsk_comm_split(dsk_comm *c, int color, int key, dsk_comm *sub);
+/* c's node communicator (the ranks of this rank's node, in rank order) and cross-node one (the
+   rank with this rank's node_rank on every node, ranked by node), split off at the first call
+   (collective over c) and kept with c: freed by dsk_comm_free(c), aborted with it; the caller
+   must not free them. For exchanges in two hops across nodes (dsk_moe.h's routes). */
+DSK_API dsk_status dsk_comm_node_comms(dsk_comm *c, dsk_comm **node, dsk_comm **cross);
+/* The node of rank `rank` of c (numbered as c->node is), or -1 for a rank out of range. */
+DSK_API int dsk_comm_node_of(const dsk_comm *c, int rank);
 
 /* ---- collectives on (pointer, count, dtype). Host backend: CPU memory, ctx unused (may be
    NULL). nccl: device memory, enqueued on ctx->stream (NULL: the default stream); call
@@ -258,57 +262,8 @@ DSK_API dsk_status dsk_comm_broadcast_tensor(dsk_comm *c, dsk_ctx *ctx, dsk_tens
 /* out, in: same shape and dtype, numel divisible by world_size. */
 DSK_API dsk_status dsk_comm_all_to_all_tensor(dsk_comm *c, dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *in);
 
-/* ---- expert-parallel routes: token dispatch and combine, flat or in two hops
-   A route sends each of this rank's n_rows rows (row_elems elements of one dtype) to up to k
-   ranks and brings one row back from each (the expert outputs). Build it once per routing
-   decision (collective over c; every rank passes the same opts), then dispatch and combine
-   any number of times, with any dtype. c must outlive the route.
-   dest (n_rows, k) int32, host memory: the rank each slot (row i, slot j) goes to, -1 for an
-   unused slot. A rank may appear in several slots of a row (two of its experts): each slot is
-   a row of its own at the receiver. S = the used slots of this rank.
-   dispatch: recv (recv_rows, row_elems) = the rows sent to this rank, by source rank, then by
-   (row, slot) at the source: exactly what a flat all-to-all-v gives when every rank packs its
-   rows for each destination in (row, slot) order (recv_counts[p] rows from rank p).
-   combine: rows (recv_rows, row_elems) in the order dispatch delivered go back to their
-   sources; out (S, row_elems) = the row that came back for each used slot, in (row, slot) order.
-   two_hop (a communicator whose nodes all have the same number of ranks): a row crosses to
-   each destination node once, to the rank with this rank's node_rank there, which copies it to
-   its slots on that node (DeepSeek-V3, DeepEP); results are bitwise those of the flat route,
-   and fewer rows cross nodes when a row has several slots on one node. The way back crosses
-   once per slot (the outputs differ). The two hops run on a node communicator and a cross-
-   node one (node_rank alike) that c splits off at the first two-hop route and keeps (NCCL:
-   ncclCommSplit). Node-limited routing (at most M nodes per token) is dsk_moe's opts.node_limit
-   (group-limited routing with the nodes as groups; launchers number ranks node by node).
-   Host backend: CPU buffers. nccl: device buffers on ctx's stream, rows of an even number of
-   bytes (gathered as 16- or 32-bit words). */
-typedef struct dsk_comm_route_opts {
-    int two_hop; /* [0]: one all-to-all-v over c; 1: across nodes, then inside them */
-} dsk_comm_route_opts;
-
-typedef struct dsk__comm_route_impl dsk__comm_route_impl;
-typedef struct dsk_comm_route {
-    int64_t n_rows, slots;        /* rows this rank sends, its used slots (rows combine returns) */
-    int k, two_hop;
-    int64_t recv_rows;            /* rows dispatch delivers to this rank */
-    const int64_t *recv_counts;   /* [world_size] of them from each rank (the route owns the array) */
-    /* rows this rank sends to other nodes in one dispatch and in one combine */
-    int64_t dispatch_rows_off_node, combine_rows_off_node;
-    dsk__comm_route_impl *impl;
-} dsk_comm_route;
-
-/* Collective over c. ctx: nccl keeps the route's index arrays on its GPU (host: unused, may be NULL). */
-DSK_API dsk_status dsk_comm_route_init(dsk_comm_route *rt, dsk_comm *c, dsk_ctx *ctx, int64_t n_rows, int k,
-                                       const int32_t *dest, const dsk_comm_route_opts *opts);
-/* rows (n_rows, row_elems) -> recv (recv_rows, row_elems). Collective over c. */
-DSK_API dsk_status dsk_comm_route_dispatch(dsk_comm_route *rt, dsk_ctx *ctx, const void *rows, int64_t row_elems,
-                                           dsk_dtype dt, void *recv);
-/* rows (recv_rows, row_elems) -> out (slots, row_elems). Collective over c. */
-DSK_API dsk_status dsk_comm_route_combine(dsk_comm_route *rt, dsk_ctx *ctx, const void *rows, int64_t row_elems,
-                                          dsk_dtype dt, void *out);
-DSK_API void dsk_comm_route_free(dsk_comm_route *rt); /* zeroed/freed ok */
-
 /* A program's error exit: every communicator of c's world in this process (c, the world it was
-   split from and every split of both, expert routes' included) becomes unusable as after a failed
+   split from and every split of both, node communicators included) becomes unusable as after a failed
    call: why (NULL: dsk_last_error()) is published in the store under this rank's world rank and
    the connections half-close, so a peer blocked on this process in any group fails at once with
    "... hung up ... after its own error: <why>". On the store's host (world rank 0) it then waits
@@ -909,7 +864,7 @@ struct dsk__comm_impl {
     int world, rank;                     /* size of this communicator, this rank in it */
     dsk__comm_impl *kin_prev, *kin_next; /* ring of this process's communicators of one world (the
                                     world and its splits, split order) that dsk_comm_abort walks */
-    dsk_comm *route_node, *route_cross; /* two-hop routes: split off at the first one, freed with this */
+    dsk_comm *node_comm, *cross_comm;    /* dsk_comm_node_comms: split off at the first call, freed with this */
     int32_t *cpu;                /* this rank's CPU in the segment (NULL without shared memory) */
     int crowded;                 /* more ranks share this node's memory than it has CPUs: never spin */
     double timeout_s;
@@ -2622,10 +2577,10 @@ static void dsk__comm_impl_free(dsk_comm *c) {
     if (!m) return;
     m->kin_prev->kin_next = m->kin_next;
     m->kin_next->kin_prev = m->kin_prev;
-    if (m->route_node) dsk_comm_free(m->route_node);
-    if (m->route_cross) dsk_comm_free(m->route_cross);
-    DSK_FREE(m->route_node);
-    DSK_FREE(m->route_cross);
+    if (m->node_comm) dsk_comm_free(m->node_comm);
+    if (m->cross_comm) dsk_comm_free(m->cross_comm);
+    DSK_FREE(m->node_comm);
+    DSK_FREE(m->cross_comm);
 #ifdef DSK_CUDA
     if (m->nccl) {
         if (m->broken) ncclCommAbort(m->nccl);
@@ -3882,6 +3837,46 @@ DSK_API dsk_status dsk_comm_split(dsk_comm *c, int color, int key, dsk_comm *sub
     return st;
 }
 
+DSK_API int dsk_comm_node_of(const dsk_comm *c, int rank) {
+    if (!c || !c->impl || rank < 0 || rank >= c->world_size) return -1;
+    return c->impl->node_of[rank];
+}
+
+DSK_API dsk_status dsk_comm_node_comms(dsk_comm *c, dsk_comm **node, dsk_comm **cross) {
+    const char *fn = "dsk_comm_node_comms";
+    dsk__comm_impl *m;
+    if (!node || !cross) return dsk_set_error(DSK_ERR_ARG, "%s: node or cross is NULL", fn);
+    *node = *cross = NULL;
+    DSK__TRY(dsk__comm_check(c, fn));
+    m = c->impl;
+    if (!m->node_comm) {
+        m->node_comm = (dsk_comm *)DSK_MALLOC(sizeof(dsk_comm));
+        m->cross_comm = (dsk_comm *)DSK_MALLOC(sizeof(dsk_comm));
+        if (!m->node_comm || !m->cross_comm) {
+            DSK_FREE(m->node_comm);
+            DSK_FREE(m->cross_comm);
+            m->node_comm = m->cross_comm = NULL;
+            return dsk_set_error(DSK_ERR_OOM, "%s: two communicators", fn);
+        }
+        memset(m->node_comm, 0, sizeof(dsk_comm));
+        memset(m->cross_comm, 0, sizeof(dsk_comm));
+        if (dsk_comm_split(c, c->node, c->rank, m->node_comm) != DSK_OK ||
+            dsk_comm_split(c, c->node_rank, c->node, m->cross_comm) != DSK_OK) {
+            char msg[1200];
+            snprintf(msg, sizeof msg, "%s: splitting the node and cross-node communicators: %s", fn, dsk_last_error());
+            dsk_comm_free(m->node_comm);
+            dsk_comm_free(m->cross_comm);
+            DSK_FREE(m->node_comm);
+            DSK_FREE(m->cross_comm);
+            m->node_comm = m->cross_comm = NULL;
+            return dsk_set_error(DSK_ERR_PEER, "%s", msg);
+        }
+    }
+    *node = m->node_comm;
+    *cross = m->cross_comm;
+    return DSK_OK;
+}
+
 /* ---------------------------------------------------------------- tensor forms */
 
 static dsk_status dsk__comm_tensor_check(dsk_comm *c, const char *fn, const char *name, const dsk_tensor *t) {
@@ -3944,661 +3939,6 @@ DSK_API dsk_status dsk_comm_all_to_all_tensor(dsk_comm *c, dsk_ctx *ctx, dsk_ten
         return dsk_set_error(DSK_ERR_ARG, "%s: in %s does not split into %d equal blocks", fn,
                              dsk_tensor_describe(in, d, sizeof d), c->world_size);
     return dsk_comm_all_to_all(c, ctx, in->data, out->data, dsk_tensor_numel(in) / c->world_size, in->dtype);
-}
-
-/* ---------------------------------------------------------------- expert-parallel routes
-   A route is a plan of gathers and all-to-all-v's over row indices (int32), built on the host
-   by dsk_comm_route_init; dispatch and combine replay it on the rows.
-   Flat: dispatch gathers the slot rows in (destination, row, slot) order and all-to-all-v's
-   them over c; combine all-to-all-v's the rows back and gathers them into slot order.
-   Two hops, this rank on node a with node_rank i: hop 1 (cross communicator, one rank per node,
-   rank = node) sends each row once to every other node it has slots on, with the local
-   destinations of its slots there (k int32 per row, exchanged at init); hop 2 (node
-   communicator) sends each local rank d the blocks of every source this rank relays (itself,
-   and the ranks with node_rank i on other nodes), in source order, each block in (row, slot)
-   order; d places each block where the flat route would have put it. Combine runs it back:
-   hop 2 returns each forwarded row to its relay, hop 1 returns the relayed slots' rows to
-   their sources in (row, slot) order, and every rank gathers its slots from the two. */
-
-struct dsk__comm_route_impl {
-    dsk_comm *c, *node, *cross;    /* node, cross: c's two-hop communicators (NULL when flat) */
-    int64_t *recv_counts;          /* [world] */
-    /* row counts per peer; flat uses a (rows to each rank) and b (rows from each rank) */
-    int64_t *c1s, *c1r;            /* hop 1: rows to / from each node (cross communicator) */
-    int64_t *c2s, *c2r;            /* hop 2: rows to / from each local rank (node communicator) */
-    int64_t *v1s, *w1r;            /* combine, hop 1: rows back to / from each node */
-    int64_t n1, h1, s2, r2, v1, w1; /* their totals */
-    /* gathers: dst row q = src row idx[q] */
-    int32_t *g1;                   /* (n1) hop-1 send <- rows */
-    int32_t *g2;                   /* (s2) hop-2 send <- [rows | hop-1 received]; flat: (slots) send <- rows */
-    int32_t *p2;                   /* (recv_rows) recv <- hop-2 received */
-    int32_t *q2;                   /* (recv_rows) hop-2 back send <- rows given to combine */
-    int32_t *q1;                   /* (v1) hop-1 back send <- hop-2 back received */
-    int32_t *qo;                   /* (slots) out <- [hop-2 back received | hop-1 back received]; flat: <- returned */
-    int64_t *tmp;                  /* [2 * world] element counts of one all-to-all-v */
-    char *scratch;                 /* host: reused buffer for the intermediate rows */
-    size_t scratch_bytes;
-#ifdef DSK_CUDA
-    dsk_tensor dev[6];             /* nccl: g1, g2, p2, q2, q1, qo on the device */
-#endif
-};
-
-enum { DSK__ROUTE_G1, DSK__ROUTE_G2, DSK__ROUTE_P2, DSK__ROUTE_Q2, DSK__ROUTE_Q1, DSK__ROUTE_QO };
-
-DSK_API void dsk_comm_route_free(dsk_comm_route *rt) {
-    dsk__comm_route_impl *ri;
-    if (!rt) return;
-    ri = rt->impl;
-    if (ri) {
-#ifdef DSK_CUDA
-        for (int i = 0; i < 6; i++) dsk_tensor_free(NULL, &ri->dev[i]);
-#endif
-        DSK_FREE(ri->recv_counts); DSK_FREE(ri->c1s); DSK_FREE(ri->g1); DSK_FREE(ri->g2); DSK_FREE(ri->p2);
-        DSK_FREE(ri->q2); DSK_FREE(ri->q1); DSK_FREE(ri->qo); DSK_FREE(ri->tmp); DSK_FREE(ri->scratch);
-        DSK_FREE(ri);
-    }
-    memset(rt, 0, sizeof *rt);
-}
-
-static int32_t *dsk__comm_route_idx(int64_t n) { return (int32_t *)DSK_MALLOC((size_t)(n ? n : 1) * sizeof(int32_t)); }
-
-/* c's node and cross-node communicators, split off the first time (collective over c). */
-static dsk_status dsk__comm_route_comms(dsk_comm *c, const char *fn) {
-    dsk__comm_impl *m = c->impl;
-    if (m->route_node) return DSK_OK;
-    m->route_node = (dsk_comm *)DSK_MALLOC(sizeof(dsk_comm));
-    m->route_cross = (dsk_comm *)DSK_MALLOC(sizeof(dsk_comm));
-    if (!m->route_node || !m->route_cross) {
-        DSK_FREE(m->route_node);
-        DSK_FREE(m->route_cross);
-        m->route_node = m->route_cross = NULL;
-        return dsk_set_error(DSK_ERR_OOM, "%s: two-hop communicators", fn);
-    }
-    memset(m->route_node, 0, sizeof(dsk_comm));
-    memset(m->route_cross, 0, sizeof(dsk_comm));
-    if (dsk_comm_split(c, c->node, c->rank, m->route_node) != DSK_OK ||
-        dsk_comm_split(c, c->node_rank, c->node, m->route_cross) != DSK_OK) {
-        char msg[1200];
-        snprintf(msg, sizeof msg, "%s: splitting the node and cross-node communicators: %s", fn, dsk_last_error());
-        dsk_comm_free(m->route_node);
-        dsk_comm_free(m->route_cross);
-        DSK_FREE(m->route_node);
-        DSK_FREE(m->route_cross);
-        m->route_node = m->route_cross = NULL;
-        return dsk_set_error(DSK_ERR_PEER, "%s", msg);
-    }
-    return DSK_OK;
-}
-
-/* An all-to-all of `per` elements of host memory with every rank of comm (nccl: staged
-   through device memory on ctx's stream; the wait is bounded by the timeout). */
-static dsk_status dsk__comm_route_meta(dsk_comm *comm, dsk_ctx *ctx, const void *send, const int64_t *scnt,
-                                       void *recv, const int64_t *rcnt, dsk_dtype dt) {
-#ifdef DSK_CUDA
-    if (DSK__COMM_NCCL(comm)) {
-        int64_t ns = 0, nr = 0, sh[1];
-        size_t esz = dsk_dtype_size(dt);
-        dsk_tensor hs, hr, ds, dr;
-        dsk_status st;
-        for (int p = 0; p < comm->world_size; p++) { ns += scnt[p]; nr += rcnt[p]; }
-        memset(&ds, 0, sizeof ds);
-        memset(&dr, 0, sizeof dr);
-        sh[0] = (int64_t)(ns * (int64_t)esz);
-        st = dsk_tensor_wrap(&hs, (void *)send, DSK_U8, dsk_cpu(), 1, sh);
-        if (st == DSK_OK) st = dsk_tensor_alloc(ctx, &ds, DSK_U8, 1, sh);
-        if (st == DSK_OK) st = dsk_tensor_copy(ctx, &ds, &hs);
-        sh[0] = (int64_t)(nr * (int64_t)esz);
-        if (st == DSK_OK) st = dsk_tensor_wrap(&hr, recv, DSK_U8, dsk_cpu(), 1, sh);
-        if (st == DSK_OK) st = dsk_tensor_alloc(ctx, &dr, DSK_U8, 1, sh);
-        if (st == DSK_OK) st = dsk_comm_all_to_all_v(comm, ctx, ds.data, scnt, NULL, dr.data, rcnt, NULL, dt);
-        if (st == DSK_OK) st = dsk_comm_sync(comm, ctx);
-        if (st == DSK_OK) st = dsk_tensor_copy(ctx, &hr, &dr);
-        dsk_tensor_free(ctx, &ds);
-        dsk_tensor_free(ctx, &dr);
-        return st;
-    }
-#endif
-    (void)ctx;
-    return dsk_comm_all_to_all_v(comm, NULL, send, scnt, NULL, recv, rcnt, NULL, dt);
-}
-
-/* One int64 to and from every rank of comm: recv[p] = what rank p put in its send[me]. */
-static dsk_status dsk__comm_route_counts(dsk_comm *comm, dsk_ctx *ctx, const int64_t *send, int64_t *recv,
-                                         int64_t *ones) {
-    for (int p = 0; p < comm->world_size; p++) ones[p] = 1;
-    return dsk__comm_route_meta(comm, ctx, send, ones, recv, ones, DSK_I64);
-}
-
-/* rank_at[b * L + j]: the j-th rank (in rank order) of node b. */
-static void dsk__comm_node_ranks(const dsk_comm *c, int L, int *rank_at) {
-    int *fill = rank_at + (size_t)c->n_nodes * (size_t)L;
-    for (int b = 0; b < c->n_nodes; b++) fill[b] = 0;
-    for (int r = 0; r < c->world_size; r++) {
-        int b = c->impl->node_of[r];
-        rank_at[(size_t)b * L + fill[b]++] = r;
-    }
-}
-
-/* The flat plan: send in (destination, row, slot) order; combine's returned rows, grouped the
-   same way, go back to slot order. cnt: slots per destination. */
-static dsk_status dsk__comm_route_flat(dsk_comm_route *rt, const char *fn, const int32_t *dest, const int64_t *cnt) {
-    dsk__comm_route_impl *ri = rt->impl;
-    int n = ri->c->world_size;
-    int64_t *at = ri->tmp, s = 0;
-    if (!(ri->g2 = dsk__comm_route_idx(rt->slots)) || !(ri->qo = dsk__comm_route_idx(rt->slots)))
-        return dsk_set_error(DSK_ERR_OOM, "%s: route of %lld slots", fn, (long long)rt->slots);
-    dsk__comm_prefix(cnt, n, at);
-    for (int64_t i = 0; i < rt->n_rows; i++)
-        for (int j = 0; j < rt->k; j++) {
-            int d = dest[i * rt->k + j];
-            if (d < 0) continue;
-            ri->g2[at[d]] = (int32_t)i;
-            ri->qo[s++] = (int32_t)at[d]++;
-        }
-    memcpy(ri->c1s, cnt, (size_t)n * sizeof(int64_t)); /* flat: rows to / from each rank in c1s / c1r */
-    memcpy(ri->c1r, ri->recv_counts, (size_t)n * sizeof(int64_t));
-    for (int p = 0; p < n; p++)
-        if (ri->c->impl->node_of[p] != ri->c->node) rt->dispatch_rows_off_node += cnt[p];
-    rt->combine_rows_off_node = 0;
-    for (int p = 0; p < n; p++)
-        if (ri->c->impl->node_of[p] != ri->c->node) rt->combine_rows_off_node += ri->recv_counts[p];
-    return DSK_OK;
-}
-
-/* The sources a relay on node a with node_rank l carries in hop 2: the rank with node_rank l on
-   every node (on node a: the relay itself), in rank order. src[0..N). */
-static void dsk__comm_relay_sources(const dsk_comm *c, const int *rank_at, int l, int *src) {
-    int N = c->n_nodes, L = c->node_size;
-    for (int b = 0; b < N; b++) {
-        int r = rank_at[(size_t)b * L + l], j = b;
-        while (j > 0 && src[j - 1] > r) {
-            src[j] = src[j - 1];
-            j--;
-        }
-        src[j] = r;
-    }
-}
-
-/* The two-hop plan (see the section comment). Collective over the node and cross communicators.
-   slot_id[i * k + j]: the index of used slot (i, j) in (row, slot) order, -1 if unused. */
-static dsk_status dsk__comm_route_plan2(dsk_comm_route *rt, dsk_ctx *ctx, const char *fn, const int32_t *dest,
-                                        const int64_t *slot_id, int *rank_at, int *local_of) {
-    dsk__comm_route_impl *ri = rt->impl;
-    dsk_comm *c = ri->c;
-    const int N = c->n_nodes, L = c->node_size, a = c->node, me_l = c->node_rank, K = rt->k;
-    const int *node_of = c->impl->node_of;
-    int64_t *off1 = ri->tmp, *at = ri->tmp + c->world_size, *ones = ri->tmp + 3 * c->world_size;
-    int64_t *seen = NULL, *v1pos = NULL, y = 0;
-    int32_t *m1s = NULL, *m1r = NULL;
-    int *src = (int *)(rank_at + (size_t)N * L + N); /* N more ints, allocated by the caller */
-    dsk_status st = DSK_OK;
-    /* hop 1: each row once to every other node it has slots on, with its slots' local ranks there */
-    if (!(seen = (int64_t *)DSK_MALLOC((size_t)N * sizeof(int64_t))))
-        return dsk_set_error(DSK_ERR_OOM, "%s: %d nodes", fn, N);
-    for (int b = 0; b < N; b++) { ri->c1s[b] = 0; seen[b] = -1; }
-    for (int64_t i = 0; i < rt->n_rows; i++)
-        for (int j = 0; j < K; j++) {
-            int d = dest[i * K + j], b = d < 0 ? a : node_of[d];
-            if (b != a && seen[b] != i) { seen[b] = i; ri->c1s[b]++; }
-        }
-    ri->n1 = 0;
-    for (int b = 0; b < N; b++) ri->n1 += ri->c1s[b];
-    if (!(ri->g1 = dsk__comm_route_idx(ri->n1)) ||
-        !(m1s = (int32_t *)DSK_MALLOC((size_t)(ri->n1 ? ri->n1 : 1) * K * sizeof(int32_t)))) {
-        st = dsk_set_error(DSK_ERR_OOM, "%s: %lld hop-1 rows", fn, (long long)ri->n1);
-        goto done;
-    }
-    dsk__comm_prefix(ri->c1s, N, at);
-    for (int b = 0; b < N; b++) seen[b] = -1;
-    for (int64_t i = 0; i < rt->n_rows; i++)
-        for (int j = 0; j < K; j++) {
-            int d = dest[i * K + j], b = d < 0 ? a : node_of[d];
-            int64_t pos;
-            if (b == a || seen[b] == i) continue;
-            seen[b] = i;
-            pos = at[b]++;
-            ri->g1[pos] = (int32_t)i;
-            for (int jj = 0; jj < K; jj++) {
-                int dd = dest[i * K + jj];
-                m1s[pos * K + jj] = dd >= 0 && node_of[dd] == b ? local_of[dd] : -1;
-            }
-        }
-    if ((st = dsk__comm_route_counts(ri->cross, ctx, ri->c1s, ri->c1r, ones)) != DSK_OK) goto done;
-    ri->h1 = 0;
-    for (int b = 0; b < N; b++) { off1[b] = ri->h1; ri->h1 += ri->c1r[b]; }
-    if (!(m1r = (int32_t *)DSK_MALLOC((size_t)(ri->h1 ? ri->h1 : 1) * K * sizeof(int32_t))) ||
-        !(v1pos = (int64_t *)DSK_MALLOC((size_t)(ri->h1 ? ri->h1 : 1) * K * sizeof(int64_t)))) {
-        st = dsk_set_error(DSK_ERR_OOM, "%s: %lld hop-1 rows received", fn, (long long)ri->h1);
-        goto done;
-    }
-    for (int b = 0; b < N; b++) { at[b] = ri->c1s[b] * K; at[N + b] = ri->c1r[b] * K; }
-    if ((st = dsk__comm_route_meta(ri->cross, ctx, m1s, at, m1r, at + N, DSK_I32)) != DSK_OK) goto done;
-    /* where the relayed slots go back in combine: per source node, in (row, slot) order */
-    ri->v1 = 0;
-    for (int b = 0; b < N; b++) {
-        ri->v1s[b] = 0;
-        for (int64_t t = off1[b]; t < off1[b] + ri->c1r[b]; t++)
-            for (int j = 0; j < K; j++) {
-                v1pos[t * K + j] = m1r[t * K + j] >= 0 ? ri->v1 + ri->v1s[b]++ : -1;
-                if (m1r[t * K + j] < -1 || m1r[t * K + j] >= L) {
-                    st = dsk_set_error(DSK_ERR_CORRUPT, "%s: node %d sent local rank %d for a node of %d ranks", fn, b,
-                                       (int)m1r[t * K + j], L);
-                    goto done;
-                }
-            }
-        ri->v1 += ri->v1s[b];
-    }
-    /* hop 2: to each local rank, the blocks of the sources this rank relays, in rank order */
-    ri->s2 = ri->v1;
-    for (int64_t i = 0; i < rt->n_rows; i++)
-        for (int j = 0; j < K; j++) ri->s2 += dest[i * K + j] >= 0 && node_of[dest[i * K + j]] == a;
-    if (!(ri->g2 = dsk__comm_route_idx(ri->s2)) || !(ri->q1 = dsk__comm_route_idx(ri->v1)) ||
-        !(ri->qo = dsk__comm_route_idx(rt->slots)) || !(ri->p2 = dsk__comm_route_idx(rt->recv_rows)) ||
-        !(ri->q2 = dsk__comm_route_idx(rt->recv_rows))) {
-        st = dsk_set_error(DSK_ERR_OOM, "%s: %lld hop-2 rows", fn, (long long)ri->s2);
-        goto done;
-    }
-    dsk__comm_relay_sources(c, rank_at, me_l, src);
-    for (int ld = 0; ld < L; ld++) {
-        int d = rank_at[(size_t)a * L + ld];
-        int64_t x0 = y;
-        for (int e = 0; e < N; e++) {
-            int b = node_of[src[e]];
-            if (b == a) { /* this rank's own slots on d */
-                for (int64_t i = 0; i < rt->n_rows; i++)
-                    for (int j = 0; j < K; j++)
-                        if (dest[i * K + j] == d) {
-                            ri->g2[y] = (int32_t)i;
-                            ri->qo[slot_id[i * K + j]] = (int32_t)y++;
-                        }
-                continue;
-            }
-            for (int64_t t = off1[b]; t < off1[b] + ri->c1r[b]; t++)
-                for (int j = 0; j < K; j++)
-                    if (m1r[t * K + j] == ld) {
-                        ri->g2[y] = (int32_t)(rt->n_rows + t);
-                        ri->q1[v1pos[t * K + j]] = (int32_t)y++;
-                    }
-        }
-        ri->c2s[ld] = y - x0;
-    }
-    if ((st = dsk__comm_route_counts(ri->node, ctx, ri->c2s, ri->c2r, ones)) != DSK_OK) goto done;
-    /* what arrives from each local relay: its sources' blocks (every rank is the source of one
-       relay: the one with its node_rank), placed where the flat route puts them */
-    y = 0;
-    for (int lr = 0; lr < L; lr++) y += ri->c2r[lr];
-    if (y != rt->recv_rows) {
-        st = dsk_set_error(DSK_ERR_CORRUPT, "%s: the relays of rank %d send it %lld rows, its sources %lld", fn,
-                           c->rank, (long long)y, (long long)rt->recv_rows);
-        goto done;
-    }
-    dsk__comm_prefix(ri->recv_counts, c->world_size, at);
-    y = 0;
-    for (int lr = 0; lr < L; lr++) {
-        int64_t y0 = y;
-        dsk__comm_relay_sources(c, rank_at, lr, src);
-        for (int e = 0; e < N; e++)
-            for (int64_t q = 0; q < ri->recv_counts[src[e]]; q++) {
-                ri->p2[at[src[e]] + q] = (int32_t)y;
-                ri->q2[y++] = (int32_t)(at[src[e]] + q);
-            }
-        if (y - y0 != ri->c2r[lr]) {
-            st = dsk_set_error(DSK_ERR_CORRUPT, "%s: local rank %d relays %lld rows to rank %d, which expects %lld", fn,
-                               lr, (long long)ri->c2r[lr], c->rank, (long long)(y - y0));
-            goto done;
-        }
-    }
-    ri->r2 = y;
-    /* combine, hop 1 back: this rank's slots on other nodes, from the relay there */
-    if ((st = dsk__comm_route_counts(ri->cross, ctx, ri->v1s, ri->w1r, ones)) != DSK_OK) goto done;
-    ri->w1 = 0;
-    for (int b = 0; b < N; b++) {
-        at[b] = 0;
-        off1[b] = ri->w1;
-        ri->w1 += ri->w1r[b];
-    }
-    for (int64_t i = 0; i < rt->n_rows; i++)
-        for (int j = 0; j < K; j++) {
-            int d = dest[i * K + j], b = d < 0 ? a : node_of[d];
-            if (b != a) ri->qo[slot_id[i * K + j]] = (int32_t)(ri->s2 + off1[b] + at[b]++);
-        }
-    for (int b = 0; b < N; b++)
-        if (at[b] != ri->w1r[b]) {
-            st = dsk_set_error(DSK_ERR_CORRUPT, "%s: rank %d has %lld slots on node %d, whose relay returns %lld", fn,
-                               c->rank, (long long)at[b], b, (long long)ri->w1r[b]);
-            goto done;
-        }
-    rt->dispatch_rows_off_node = ri->n1;
-    rt->combine_rows_off_node = ri->v1;
-done:
-    DSK_FREE(seen);
-    DSK_FREE(m1s);
-    DSK_FREE(m1r);
-    DSK_FREE(v1pos);
-    return st;
-}
-
-/* How dispatch and combine move rows: host memcpy, or (nccl) device gathers of the rows seen
-   as 32- or 16-bit words, and all-to-all-v's in elements of the caller's dtype. */
-typedef struct dsk__comm_rows {
-    dsk_comm_route *rt;
-    dsk_ctx *ctx;
-    dsk_dtype dt, word; /* word: the dtype the device gathers rows as */
-    int64_t row_elems, words;
-    size_t row;         /* bytes */
-    int dev;
-} dsk__comm_rows;
-
-/* dst rows q = src rows idx[q], q < n; which: the index array's slot on the device. */
-static dsk_status dsk__comm_rows_gather(dsk__comm_rows *rw, void *dst, const void *src, int64_t src_rows,
-                                        const int32_t *idx, int which, int64_t n) {
-    if (n == 0) return DSK_OK;
-#ifdef DSK_CUDA
-    if (rw->dev) {
-        dsk_tensor o, s;
-        int64_t so[2] = {n, rw->words}, ss[2] = {src_rows, rw->words};
-        DSK__TRY(dsk_tensor_wrap(&o, dst, rw->word, rw->ctx->device, 2, so));
-        DSK__TRY(dsk_tensor_wrap(&s, (void *)src, rw->word, rw->ctx->device, 2, ss));
-        return dsk_gather_rows(rw->ctx, &o, &s, &rw->rt->impl->dev[which]);
-    }
-#endif
-    (void)which;
-    (void)src_rows;
-    for (int64_t q = 0; q < n; q++)
-        memcpy((char *)dst + (size_t)q * rw->row, (const char *)src + (size_t)idx[q] * rw->row, rw->row);
-    return DSK_OK;
-}
-
-static dsk_status dsk__comm_rows_copy(dsk__comm_rows *rw, void *dst, const void *src, int64_t n) {
-    if (n == 0) return DSK_OK;
-#ifdef DSK_CUDA
-    if (rw->dev) {
-        dsk_tensor o, s;
-        int64_t sh[2] = {n, rw->words};
-        DSK__TRY(dsk_tensor_wrap(&o, dst, rw->word, rw->ctx->device, 2, sh));
-        DSK__TRY(dsk_tensor_wrap(&s, (void *)src, rw->word, rw->ctx->device, 2, sh));
-        return dsk_tensor_copy(rw->ctx, &o, &s);
-    }
-#endif
-    memcpy(dst, src, (size_t)n * rw->row);
-    return DSK_OK;
-}
-
-/* All-to-all-v over comm of scnt[p] rows to p and rcnt[p] rows from p, packed. */
-static dsk_status dsk__comm_rows_a2av(dsk__comm_rows *rw, dsk_comm *comm, const void *send, const int64_t *scnt,
-                                      void *recv, const int64_t *rcnt) {
-    int64_t *e = rw->rt->impl->tmp;
-    int n = comm->world_size;
-    for (int p = 0; p < n; p++) {
-        e[p] = scnt[p] * rw->row_elems;
-        e[n + p] = rcnt[p] * rw->row_elems;
-    }
-    return dsk_comm_all_to_all_v(comm, rw->ctx, send, e, NULL, recv, e + n, NULL, rw->dt);
-}
-
-/* n bytes for intermediate rows: the route's reused host buffer, or (nccl) device memory. */
-static dsk_status dsk__comm_rows_buffer(dsk__comm_rows *rw, const char *fn, size_t n, void *devbuf, char **out) {
-    dsk__comm_route_impl *ri = rw->rt->impl;
-#ifdef DSK_CUDA
-    if (rw->dev) {
-        dsk_tensor *t = (dsk_tensor *)devbuf;
-        int64_t sh[1] = {(int64_t)(n ? n : 1)};
-        DSK__TRY(dsk_tensor_alloc(rw->ctx, t, DSK_U8, 1, sh));
-        *out = (char *)t->data;
-        return DSK_OK;
-    }
-#endif
-    (void)devbuf;
-    if (n > ri->scratch_bytes || !ri->scratch) {
-        char *p = (char *)DSK_MALLOC(n ? n : 1);
-        if (!p) return dsk_set_error(DSK_ERR_OOM, "%s: %zu bytes of intermediate rows", fn, n);
-        DSK_FREE(ri->scratch);
-        ri->scratch = p;
-        ri->scratch_bytes = n;
-    }
-    *out = ri->scratch;
-    return DSK_OK;
-}
-
-/* Checks a dispatch or combine call and fills rw; n_in, n_out: the rows of its two buffers. */
-static dsk_status dsk__comm_rows_begin(dsk__comm_rows *rw, const char *fn, dsk_comm_route *rt, dsk_ctx *ctx,
-                                       const void *in, int64_t n_in, int64_t row_elems, dsk_dtype dt, const void *out,
-                                       int64_t n_out) {
-    memset(rw, 0, sizeof *rw);
-    if (!rt || !rt->impl) return dsk_set_error(DSK_ERR_ARG, "%s: route is NULL or not initialised", fn);
-    DSK__TRY(dsk__comm_check(rt->impl->c, fn));
-    if (!dsk__comm_dtype_ok(dt))
-        return dsk_set_error(DSK_ERR_ARG, "%s: dtype %s is not supported (f32, f16, bf16, f64, i32, i64, u8)", fn,
-                             dsk_dtype_name(dt));
-    if (row_elems < 0) return dsk_set_error(DSK_ERR_ARG, "%s: row_elems %lld is negative", fn, (long long)row_elems);
-    if ((n_in && row_elems && !in) || (n_out && row_elems && !out))
-        return dsk_set_error(DSK_ERR_ARG, "%s: NULL buffer for %lld rows in, %lld out", fn, (long long)n_in,
-                             (long long)n_out);
-    rw->rt = rt;
-    rw->ctx = ctx;
-    rw->dt = dt;
-    rw->row_elems = row_elems;
-    rw->row = (size_t)row_elems * dsk_dtype_size(dt);
-    rw->dev = DSK__COMM_NCCL(rt->impl->c);
-    if (rw->dev) {
-        rw->word = rw->row % 4 == 0 ? DSK_F32 : DSK_BF16;
-        rw->words = (int64_t)(rw->row / dsk_dtype_size(rw->word));
-        if (rw->row % 2)
-            return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: rows of %zu bytes on the nccl backend (it gathers rows as "
-                                 "16-bit words)", fn, rw->row);
-    }
-    return DSK_OK;
-}
-
-/* Adds what the two-hop communicators moved since *before to c's statistics (host), or the rows
-   that left the node (nccl, which counts no bytes). */
-static void dsk__comm_route_stats(dsk__comm_rows *rw, const dsk_comm_stats *before, int64_t rows_off_node, double t0) {
-    dsk__comm_route_impl *ri = rw->rt->impl;
-    dsk_comm_stats *s = &ri->c->stats;
-    s->calls++;
-    s->seconds += dsk__comm_now() - t0;
-    if (rw->dev) {
-        s->bytes_sent_off_node += (uint64_t)rows_off_node * rw->row;
-        return;
-    }
-    for (int h = 0; h < 2; h++) {
-        const dsk_comm_stats *now = h ? &ri->cross->stats : &ri->node->stats;
-        s->bytes_sent += now->bytes_sent - before[h].bytes_sent;
-        s->bytes_received += now->bytes_received - before[h].bytes_received;
-        s->bytes_sent_off_node += now->bytes_sent_off_node - before[h].bytes_sent_off_node;
-    }
-}
-
-DSK_API dsk_status dsk_comm_route_dispatch(dsk_comm_route *rt, dsk_ctx *ctx, const void *rows, int64_t row_elems,
-                                           dsk_dtype dt, void *recv) {
-    const char *fn = "dsk_comm_route_dispatch";
-    dsk__comm_rows rw;
-    dsk__comm_route_impl *ri;
-    dsk_comm_stats before[2];
-    double t0 = dsk__comm_now();
-    dsk_tensor buf;
-    char *s1 = NULL, *cat, *s2 = NULL, *r2;
-    dsk_status st;
-    DSK__TRY(dsk__comm_rows_begin(&rw, fn, rt, ctx, rows, rt ? rt->n_rows : 0, row_elems, dt, recv,
-                                  rt ? rt->recv_rows : 0));
-    ri = rt->impl;
-    memset(&buf, 0, sizeof buf);
-    if (!rt->two_hop) { /* send <- rows in (destination, row, slot) order; all-to-all-v into recv */
-        DSK__TRY(dsk__comm_rows_buffer(&rw, fn, (size_t)rt->slots * rw.row, &buf, &s2));
-        if ((st = dsk__comm_rows_gather(&rw, s2, rows, rt->n_rows, ri->g2, DSK__ROUTE_G2, rt->slots)) == DSK_OK)
-            st = dsk__comm_rows_a2av(&rw, ri->c, s2, ri->c1s, recv, ri->c1r);
-        if (rw.dev && st == DSK_OK) ri->c->stats.bytes_sent_off_node += (uint64_t)rt->dispatch_rows_off_node * rw.row;
-        dsk_tensor_free(ctx, &buf);
-        return st;
-    }
-    before[0] = ri->node->stats;
-    before[1] = ri->cross->stats;
-    /* the parts are 64 bytes apart, so a send and a receive never share an address, even empty */
-    DSK__TRY(dsk__comm_rows_buffer(&rw, fn, (size_t)(ri->n1 + rt->n_rows + ri->h1 + ri->s2 + ri->r2) * rw.row + 192,
-                                   &buf, &s1));
-    cat = s1 + (size_t)ri->n1 * rw.row + 64; /* [rows | hop 1 received] */
-    s2 = cat + (size_t)(rt->n_rows + ri->h1) * rw.row + 64;
-    r2 = s2 + (size_t)ri->s2 * rw.row + 64;
-    st = dsk__comm_rows_gather(&rw, s1, rows, rt->n_rows, ri->g1, DSK__ROUTE_G1, ri->n1);
-    if (st == DSK_OK) st = dsk__comm_rows_copy(&rw, cat, rows, rt->n_rows);
-    if (st == DSK_OK)
-        st = dsk__comm_rows_a2av(&rw, ri->cross, s1, ri->c1s, cat + (size_t)rt->n_rows * rw.row, ri->c1r);
-    if (st == DSK_OK) st = dsk__comm_rows_gather(&rw, s2, cat, rt->n_rows + ri->h1, ri->g2, DSK__ROUTE_G2, ri->s2);
-    if (st == DSK_OK) st = dsk__comm_rows_a2av(&rw, ri->node, s2, ri->c2s, r2, ri->c2r);
-    if (st == DSK_OK) st = dsk__comm_rows_gather(&rw, recv, r2, ri->r2, ri->p2, DSK__ROUTE_P2, rt->recv_rows);
-    if (st == DSK_OK) dsk__comm_route_stats(&rw, before, rt->dispatch_rows_off_node, t0);
-    dsk_tensor_free(ctx, &buf);
-    return st;
-}
-
-DSK_API dsk_status dsk_comm_route_combine(dsk_comm_route *rt, dsk_ctx *ctx, const void *rows, int64_t row_elems,
-                                          dsk_dtype dt, void *out) {
-    const char *fn = "dsk_comm_route_combine";
-    dsk__comm_rows rw;
-    dsk__comm_route_impl *ri;
-    dsk_comm_stats before[2];
-    double t0 = dsk__comm_now();
-    dsk_tensor buf;
-    char *t2 = NULL, *u2, *v1;
-    dsk_status st;
-    DSK__TRY(dsk__comm_rows_begin(&rw, fn, rt, ctx, rows, rt ? rt->recv_rows : 0, row_elems, dt, out,
-                                  rt ? rt->slots : 0));
-    ri = rt->impl;
-    memset(&buf, 0, sizeof buf);
-    if (!rt->two_hop) { /* all-to-all-v back, grouped by destination; then slot order */
-        DSK__TRY(dsk__comm_rows_buffer(&rw, fn, (size_t)rt->slots * rw.row, &buf, &t2));
-        if ((st = dsk__comm_rows_a2av(&rw, ri->c, rows, ri->c1r, t2, ri->c1s)) == DSK_OK)
-            st = dsk__comm_rows_gather(&rw, out, t2, rt->slots, ri->qo, DSK__ROUTE_QO, rt->slots);
-        if (rw.dev && st == DSK_OK) ri->c->stats.bytes_sent_off_node += (uint64_t)rt->combine_rows_off_node * rw.row;
-        dsk_tensor_free(ctx, &buf);
-        return st;
-    }
-    before[0] = ri->node->stats;
-    before[1] = ri->cross->stats;
-    DSK__TRY(dsk__comm_rows_buffer(&rw, fn, (size_t)(rt->recv_rows + ri->s2 + ri->w1 + ri->v1) * rw.row + 128, &buf,
-                                   &t2));
-    u2 = t2 + (size_t)rt->recv_rows * rw.row + 64; /* [hop 2 back | hop 1 back] */
-    v1 = u2 + (size_t)(ri->s2 + ri->w1) * rw.row + 64;
-    st = dsk__comm_rows_gather(&rw, t2, rows, rt->recv_rows, ri->q2, DSK__ROUTE_Q2, rt->recv_rows);
-    if (st == DSK_OK) st = dsk__comm_rows_a2av(&rw, ri->node, t2, ri->c2r, u2, ri->c2s);
-    if (st == DSK_OK) st = dsk__comm_rows_gather(&rw, v1, u2, ri->s2, ri->q1, DSK__ROUTE_Q1, ri->v1);
-    if (st == DSK_OK) st = dsk__comm_rows_a2av(&rw, ri->cross, v1, ri->v1s, u2 + (size_t)ri->s2 * rw.row, ri->w1r);
-    if (st == DSK_OK) st = dsk__comm_rows_gather(&rw, out, u2, ri->s2 + ri->w1, ri->qo, DSK__ROUTE_QO, rt->slots);
-    if (st == DSK_OK) dsk__comm_route_stats(&rw, before, rt->combine_rows_off_node, t0);
-    dsk_tensor_free(ctx, &buf);
-    return st;
-}
-
-#ifdef DSK_CUDA
-/* nccl: the index arrays on ctx's device. */
-static dsk_status dsk__comm_route_upload(dsk_comm_route *rt, dsk_ctx *ctx) {
-    dsk__comm_route_impl *ri = rt->impl;
-    const int32_t *idx[6] = {ri->g1, ri->g2, ri->p2, ri->q2, ri->q1, ri->qo};
-    int64_t len[6] = {ri->n1, rt->two_hop ? ri->s2 : rt->slots, rt->recv_rows, rt->recv_rows, ri->v1, rt->slots};
-    for (int i = 0; i < 6; i++) {
-        dsk_tensor h;
-        int64_t sh[1] = {len[i]};
-        if (!idx[i] || !len[i]) continue;
-        DSK__TRY(dsk_tensor_wrap(&h, (void *)idx[i], DSK_I32, dsk_cpu(), 1, sh));
-        DSK__TRY(dsk_tensor_alloc(ctx, &ri->dev[i], DSK_I32, 1, sh));
-        DSK__TRY(dsk_tensor_copy(ctx, &ri->dev[i], &h));
-    }
-    return dsk_ctx_sync(ctx); /* the host arrays may change after init returns */
-}
-#endif
-
-DSK_API dsk_status dsk_comm_route_init(dsk_comm_route *rt, dsk_comm *c, dsk_ctx *ctx, int64_t n_rows, int k,
-                                       const int32_t *dest, const dsk_comm_route_opts *opts) {
-    const char *fn = "dsk_comm_route_init";
-    dsk__comm_route_impl *ri;
-    int64_t *pairs, *slot_id = NULL;
-    int n, two = opts && opts->two_hop, *rank_at = NULL;
-    dsk_status st = DSK_OK;
-    if (!rt) return dsk_set_error(DSK_ERR_ARG, "%s: route is NULL", fn);
-    memset(rt, 0, sizeof *rt);
-    DSK__TRY(dsk__comm_check(c, fn));
-    n = c->world_size;
-    if (n_rows < 0 || k < 1 || n_rows * (int64_t)k > INT32_MAX || (n_rows && !dest))
-        return dsk_set_error(DSK_ERR_ARG, "%s: need n_rows >= 0 (got %lld), 1 <= k, n_rows * k <= 2^31 - 1 (k %d) and "
-                             "dest", fn, (long long)n_rows, k);
-    for (int64_t i = 0; i < n_rows * k; i++)
-        if (dest[i] < -1 || dest[i] >= n)
-            return dsk_set_error(DSK_ERR_ARG, "%s: row %lld slot %d goes to rank %d, not in [-1, %d)", fn,
-                                 (long long)(i / k), (int)(i % k), (int)dest[i], n);
-    if (DSK__COMM_NCCL(c) && (!ctx || ctx->device.type != DSK_DEV_CUDA))
-        return dsk_set_error(DSK_ERR_ARG, "%s: the nccl backend needs a ctx on the GPU (its index arrays live there)",
-                             fn);
-    if (two)
-        for (int r = 0; r < n; r++) {
-            int size = 0;
-            for (int q = 0; q < n; q++) size += c->impl->node_of[q] == c->impl->node_of[r];
-            if (size != c->node_size)
-                return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: two hops need nodes of one size, but node %d has %d "
-                                     "ranks and node %d has %d", fn, c->node, c->node_size, c->impl->node_of[r], size);
-        }
-    if (!(ri = (dsk__comm_route_impl *)DSK_MALLOC(sizeof *ri))) return dsk_set_error(DSK_ERR_OOM, "%s: route", fn);
-    memset(ri, 0, sizeof *ri);
-    rt->impl = ri;
-    rt->n_rows = n_rows;
-    rt->k = k;
-    rt->two_hop = two;
-    ri->c = c;
-    ri->recv_counts = (int64_t *)DSK_MALLOC((size_t)n * sizeof(int64_t));
-    ri->c1s = (int64_t *)DSK_MALLOC((size_t)6 * n * sizeof(int64_t));
-    ri->tmp = (int64_t *)DSK_MALLOC((size_t)4 * n * sizeof(int64_t));
-    slot_id = (int64_t *)DSK_MALLOC((size_t)(n_rows * k + 1) * sizeof(int64_t));
-    if (!ri->recv_counts || !ri->c1s || !ri->tmp || !slot_id) {
-        st = dsk_set_error(DSK_ERR_OOM, "%s: route of %lld rows over %d ranks", fn, (long long)n_rows, n);
-        goto done;
-    }
-    ri->c1r = ri->c1s + n;
-    ri->c2s = ri->c1s + 2 * n;
-    ri->c2r = ri->c1s + 3 * n;
-    ri->v1s = ri->c1s + 4 * n;
-    ri->w1r = ri->c1s + 5 * n;
-    rt->recv_counts = ri->recv_counts;
-    /* slots to each rank, and the kind of route, to every rank: all must have built the same kind */
-    pairs = ri->tmp;
-    for (int p = 0; p < 2 * n; p++) pairs[p] = p % 2 ? two : 0;
-    for (int64_t i = 0; i < n_rows * k; i++) {
-        slot_id[i] = dest[i] < 0 ? -1 : rt->slots++;
-        if (dest[i] >= 0) pairs[2 * dest[i]]++;
-    }
-    for (int p = 0; p < n; p++) ri->c2s[p] = pairs[2 * p]; /* kept: c2s is rewritten by the two-hop plan */
-    for (int p = 0; p < n; p++) ri->c1s[p] = 2; /* elements to and from each rank */
-    if ((st = dsk__comm_route_meta(c, ctx, pairs, ri->c1s, pairs + 2 * n, ri->c1s, DSK_I64)) != DSK_OK) goto done;
-    for (int p = 0; p < n; p++) {
-        ri->recv_counts[p] = pairs[2 * n + 2 * p];
-        rt->recv_rows += ri->recv_counts[p];
-        if (pairs[2 * n + 2 * p + 1] != two) {
-            st = dsk_set_error(DSK_ERR_ARG, "%s: rank %d built a %s route but this rank (%d) a %s one", fn, p,
-                               two ? "flat" : "two-hop", c->rank, two ? "two-hop" : "flat");
-            goto done;
-        }
-    }
-    if (!two) st = dsk__comm_route_flat(rt, fn, dest, ri->c2s);
-    else if ((st = dsk__comm_route_comms(c, fn)) == DSK_OK) {
-        int L = c->node_size, N = c->n_nodes;
-        ri->node = c->impl->route_node;
-        ri->cross = c->impl->route_cross;
-        if (!(rank_at = (int *)DSK_MALLOC(((size_t)N * L + 2 * (size_t)N + (size_t)n) * sizeof(int))))
-            st = dsk_set_error(DSK_ERR_OOM, "%s: %d nodes of %d ranks", fn, N, L);
-        else {
-            int *local_of = rank_at + (size_t)N * L + 2 * (size_t)N;
-            dsk__comm_node_ranks(c, L, rank_at);
-            for (int b = 0; b < N; b++)
-                for (int j = 0; j < L; j++) local_of[rank_at[(size_t)b * L + j]] = j;
-            st = dsk__comm_route_plan2(rt, ctx, fn, dest, slot_id, rank_at, local_of);
-        }
-    }
-#ifdef DSK_CUDA
-    if (st == DSK_OK && DSK__COMM_NCCL(c)) st = dsk__comm_route_upload(rt, ctx);
-#endif
-done:
-    DSK_FREE(slot_id);
-    DSK_FREE(rank_at);
-    if (st != DSK_OK) dsk_comm_route_free(rt);
-    return st;
 }
 
 /* ---------------------------------------------------------------- local launcher */

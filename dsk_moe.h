@@ -137,6 +137,18 @@
      as serial (each result's arithmetic is unchanged; only independent steps move). CUDA runs the
      exchanges on the layer's stream, serial. Not yet: chunked dispatch (experts starting on the
      first rows to arrive), overlap across micro-batches.
+     Routes across nodes (opts.ep_route): FLAT sends a row per kept (token, expert) to the expert's rank in
+     one all-to-all-v; TWO_HOP sends each token's row once to every node holding one of its kept experts (to
+     the rank with this rank's node_rank there, which copies it to its slots on that node: dsk_moe_route,
+     DeepSeek-V3 / DeepEP), with the token's routing beside it (2K int32 per row crossing, once a forward), for
+     the forward's dispatch and backward's rows to the experts (dy, scaled by the gates at the receiver: the
+     sender's product g * dy); the outputs and input gradients come back one row per slot. The same bits as
+     flat (tests: dropless, capacity, node-limited). AUTO (the default) takes two hops where the ep group spans
+     several nodes and they can run: the exact exchange, ep_dispatch ACT, a CPU layer (host backend; CUDA
+     layers exchange flat for now), nodes of one size; TWO_HOP asked for elsewhere fails init with
+     DSK_ERR_UNSUPPORTED naming the reason. Two-hop exchanges run serial (ep_overlap does not move them).
+     stats.bytes_off_node counts the bytes of rows each rank's exchanges send to other nodes (flat and bounded
+     too), stats.rows_off_node the dispatch's rows (two hops: token rows).
      FP8 dispatch (opts.ep_dispatch = DSK_MOE_DISPATCH_FP8, DeepSeek-V3's): the forward's kept
      rows are quantised in 1x128 tiles (dsk_amp_fp8_block_quantize: scale amax / 448, e4m3 codes;
      a tile with an Inf or a NaN dequantises to NaN) and the codes and scales go by two
@@ -200,13 +212,14 @@
                                  init_param/init_params/reserve(_bytes)/free/find_param/set_loss_span/forward/
                                  forward_replay/routing/backward/zero_grad/update_bias(_unless)/stats_request/
                                  stats_collect/config_get/config_check, dsk_moe_amp_unscale (with dsk_amp.h)
+       expert-parallel routes    dsk_moe_route_opts, dsk_moe_route, dsk_moe_route_init/dispatch/combine/free
        per-token routing math    dsk_moe_route_token, dsk_moe_route_token_backward
        the rest of the MoE math  losses, capacity, combine, gate gradient, bias update (DSK_HD: CPU and CUDA)
        CUDA launchers            (DSK_CUDA) dsk_cuda_moe_*: kernels/moe.cu
      implementation (DSK_MOE_IMPLEMENTATION)
        state and buffer registry; options and init; parameters; MoE steps (CPU loops, CUDA launchers);
-       expert-parallel exchange; forward; backward; statistics and bias; configuration in checkpoints;
-       mixed-precision statistics under EP; public entry points */
+       expert-parallel routes; expert-parallel exchange; forward; backward; statistics and bias;
+       configuration in checkpoints; mixed-precision statistics under EP; public entry points */
 /* With DSK_STATIC every dsk function is static, so this file must also compile its dependencies. */
 #if defined(DSK_STATIC) && defined(DSK_MOE_IMPLEMENTATION)
 #ifndef DSK_TENSOR_IMPLEMENTATION
@@ -260,6 +273,15 @@ typedef enum dsk_moe_ep_exchange {
     DSK_MOE_EP_BOUNDED = 1 /* a fixed block of rows per peer (the worst case), the counts on the device: no host
                               sync (CUDA graphs), more bytes */
 } dsk_moe_ep_exchange;
+/* How expert parallelism's rows cross nodes (see "Expert parallelism" above). */
+typedef enum dsk_moe_ep_route {
+    DSK_MOE_ROUTE_AUTO = 0,   /* two hops when the ep group spans several nodes and the layer can (TWO_HOP's
+                                 conditions), else flat */
+    DSK_MOE_ROUTE_FLAT = 1,   /* one all-to-all-v of the kept rows: a row per (token, expert) to the expert's rank */
+    DSK_MOE_ROUTE_TWO_HOP = 2 /* token rows through a two-hop dsk_moe_route: once to each node holding one of the
+                                 token's experts, then inside it; needs the exact exchange, ep_dispatch ACT,
+                                 expert_gemm ACT, a CPU layer and nodes of one size */
+} dsk_moe_ep_route;
 
 /* The routing configuration: what every MoE step of the math below takes instead of positional
    flags (the layer resolves it from its options into dsk_moe.routing). A new score function is
@@ -314,6 +336,7 @@ typedef struct dsk_moe_opts {
                                         layer computes what does not wait on it (forward: the shared experts;
                                         backward: the shared experts, the router); the same bits as serial; it
                                         needs a free core (bench/RESULTS.md) [0: serial] (CUDA: always serial) */
+    dsk_moe_ep_route ep_route;       /* [DSK_MOE_ROUTE_AUTO]; resolved by init to FLAT or TWO_HOP */
     int node_limit;                  /* M > 0: each token's experts on at most M nodes of ep (DeepSeek-V3's node-limited
                                 routing): group-limited routing with the ep group's nodes as the groups, ranked by
                                 the sum of their top_k / M largest c (DSK_MOE_GROUP_MEGATRON's rule) [0: none];
@@ -363,8 +386,8 @@ typedef struct dsk_moe_stats {
     int64_t dropped;                  /* slots dropped by capacity over the EP group */
     int64_t nonfinite;                /* tokens with NaN/Inf routing (CUDA; the CPU fails the forward) */
     int64_t rows_off_node;            /* expert parallelism: rows this rank's dispatch sent to ranks on other
-                                         nodes (exact: its kept rows; bounded: the whole blocks); combine and
-                                         backward's two exchanges move as many again each */
+                                         nodes (exact: its kept rows; bounded: the whole blocks; two hops: token
+                                         rows, once per other node); bytes_off_node counts every exchange */
     const int64_t *tokens_per_expert; /* (E) slots each expert was selected for, EP group; owned by the layer */
     double max_load, mean_load;       /* max and mean of tokens_per_expert */
     double aux_loss, seq_aux_loss, z_loss; /* the loss span's loss terms (coefficients included) */
@@ -372,6 +395,10 @@ typedef struct dsk_moe_stats {
     uint64_t dispatch_bytes;          /* EP: bytes this rank handed to the forward's dispatch all-to-all (its kept rows,
                                          its own experts' included: n D act bytes, or n (D + 4 ceil(D / 128)) FP8) */
     uint64_t combine_bytes;           /* EP: bytes handed to the forward's combine all-to-all (R D act bytes) */
+    uint64_t bytes_off_node;          /* EP: bytes of rows this rank's exchanges sent to ranks on other nodes: a
+                                         forward's stats its dispatch and combine, collected ones every forward's and
+                                         backward's since the request (two hops: with the 8K bytes of routing of
+                                         each token row the forward sends across; the counts exchange not counted) */
 } dsk_moe_stats;
 
 struct dsk__moe_state;
@@ -499,6 +526,54 @@ DSK_API dsk_status dsk_moe_config_check(const dsk_moe *m, const char *prefix, co
 DSK_API dsk_status dsk_moe_amp_unscale(dsk_amp_scaler *sc, dsk_ctx *ctx, dsk_comm *ep, dsk_tensor *const *rep,
                                        int n_rep, dsk_tensor *const *sharded, int n_sharded);
 #endif
+
+/* ---- expert-parallel routes: token dispatch and combine, flat or in two hops
+   A route sends each of this rank's n_rows rows (row_elems elements of one dtype) to up to k
+   ranks and brings one row back from each (the expert outputs). Build it once per routing
+   decision (collective over c; every rank passes the same opts), then dispatch and combine
+   any number of times, with any dtype. c must outlive the route.
+   dest (n_rows, k) int32, host memory: the rank each slot (row i, slot j) goes to, -1 for an
+   unused slot. A rank may appear in several slots of a row (two of its experts): each slot is
+   a row of its own at the receiver. S = the used slots of this rank.
+   dispatch: recv (recv_rows, row_elems) = the rows sent to this rank, by source rank, then by
+   (row, slot) at the source: exactly what a flat all-to-all-v gives when every rank packs its
+   rows for each destination in (row, slot) order (recv_counts[p] rows from rank p).
+   combine: rows (recv_rows, row_elems) in the order dispatch delivered go back to their
+   sources; out (S, row_elems) = the row that came back for each used slot, in (row, slot) order.
+   two_hop (a communicator whose nodes all have the same number of ranks): a row crosses to
+   each destination node once, to the rank with this rank's node_rank there, which copies it to
+   its slots on that node (DeepSeek-V3, DeepEP); results are bitwise those of the flat route,
+   and fewer rows cross nodes when a row has several slots on one node. The way back crosses
+   once per slot (the outputs differ). The two hops run on c's node communicator and cross-node
+   one (dsk_comm_node_comms: split off at the first two-hop route, kept with c; NCCL:
+   ncclCommSplit). The layer routes this way under opts.ep_route (see "Expert parallelism").
+   Host backend: CPU buffers. nccl: device buffers on ctx's stream, rows of an even number of
+   bytes (gathered as 16- or 32-bit words). */
+typedef struct dsk_moe_route_opts {
+    int two_hop; /* [0]: one all-to-all-v over c; 1: across nodes, then inside them */
+} dsk_moe_route_opts;
+
+typedef struct dsk__moe_route_impl dsk__moe_route_impl;
+typedef struct dsk_moe_route {
+    int64_t n_rows, slots; /* rows this rank sends, its used slots (rows combine returns) */
+    int k, two_hop;
+    int64_t recv_rows;          /* rows dispatch delivers to this rank */
+    const int64_t *recv_counts; /* [world_size] of them from each rank (the route owns the array) */
+    /* rows this rank sends to other nodes in one dispatch and in one combine */
+    int64_t dispatch_rows_off_node, combine_rows_off_node;
+    dsk__moe_route_impl *impl;
+} dsk_moe_route;
+
+/* Collective over c. ctx: nccl keeps the route's index arrays on its GPU (host: unused, may be NULL). */
+DSK_API dsk_status dsk_moe_route_init(dsk_moe_route *rt, dsk_comm *c, dsk_ctx *ctx, int64_t n_rows, int k,
+                                      const int32_t *dest, const dsk_moe_route_opts *opts);
+/* rows (n_rows, row_elems) -> recv (recv_rows, row_elems). Collective over c. */
+DSK_API dsk_status dsk_moe_route_dispatch(dsk_moe_route *rt, dsk_ctx *ctx, const void *rows, int64_t row_elems,
+                                          dsk_dtype dt, void *recv);
+/* rows (recv_rows, row_elems) -> out (slots, row_elems). Collective over c. */
+DSK_API dsk_status dsk_moe_route_combine(dsk_moe_route *rt, dsk_ctx *ctx, const void *rows, int64_t row_elems,
+                                         dsk_dtype dt, void *out);
+DSK_API void dsk_moe_route_free(dsk_moe_route *rt); /* zeroed/freed ok */
 
 /* ---- per-token routing math shared by the CPU path and the CUDA kernels */
 
@@ -1051,6 +1126,7 @@ dsk_status dsk_cuda_moe_bias_update(dsk_ctx *ctx, int E, float rate, int recente
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -1191,6 +1267,9 @@ struct dsk__moe_state {
     int requested;           /* a request is pending or collected */
     uint64_t fwd_bytes[2], acc_bytes[2], col_bytes[2]; /* EP dispatch and combine bytes: the last forward's, since
                                                           the last request, the last collected */
+    uint64_t off_bytes[3];    /* EP bytes sent to other nodes: the last forward's, since the last request, collected */
+    int in_forward;           /* the exchanges count into off_bytes[0] too */
+    struct dsk__moe_hop *hop; /* opts.ep_route TWO_HOP: the last forward's route and indices */
 };
 
 static int64_t dsk__moe_max(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -1397,6 +1476,8 @@ static dsk_tensor dsk__moe_rows(const dsk_tensor *t, int64_t n) {
     return v;
 }
 
+static void dsk__moe_hop_free(struct dsk__moe_hop *h);
+
 static void dsk__moe_state_free(dsk_moe *m, dsk_ctx *ctx) {
     struct dsk__moe_state *st = m->st;
     for (int i = 0; i < DSK__MOE_NBUF; i++) dsk_tensor_free(ctx, &st->buf[i].mem);
@@ -1412,6 +1493,7 @@ static void dsk__moe_state_free(dsk_moe *m, dsk_ctx *ctx) {
     DSK_FREE(st->h_cnt); DSK_FREE(st->h_recv_cnt); DSK_FREE(st->a2a); DSK_FREE(st->send_rows);
     DSK_FREE(st->recv_rows); DSK_FREE(st->local_off); DSK_FREE(st->h_rg); DSK_FREE(st->fwd_loads);
     DSK_FREE(st->col_acc_i); DSK_FREE(st->col_acc_f);
+    dsk__moe_hop_free(st->hop);
     DSK_FREE(st);
     m->st = NULL;
 }
@@ -1650,6 +1732,34 @@ static dsk_status dsk__moe_alloc_state(dsk_moe *m, dsk_ctx *ctx) {
     return dsk_tensor_fill(ctx, &t, 0.0);
 }
 
+/* opts.ep_route resolved to FLAT or TWO_HOP (AUTO: two hops where the ep group spans nodes and they can run). */
+static dsk_status dsk__moe_ep_route_resolve(dsk_moe *m) {
+    dsk_moe_opts *o = &m->opts;
+    const dsk_comm *c = o->ep;
+    const char *no = NULL;
+    int even = 1;
+    if (o->ep_route != DSK_MOE_ROUTE_AUTO && o->ep_route != DSK_MOE_ROUTE_FLAT && o->ep_route != DSK_MOE_ROUTE_TWO_HOP)
+        return dsk_set_error(DSK_ERR_ARG, "dsk_moe_init: layer \"%s\": unknown ep_route %d (auto 0, flat 1, two-hop 2)",
+                             o->name, (int)o->ep_route);
+    for (int r = 0; m->ep_size > 1 && r < c->world_size; r++) {
+        int size = 0;
+        for (int q = 0; q < c->world_size; q++) size += dsk_comm_node_of(c, q) == dsk_comm_node_of(c, r);
+        even = even && size == c->node_size;
+    }
+    if (m->ep_size <= 1) no = "an expert-parallel group of 2 or more ranks";
+    else if (o->ep_exchange != DSK_MOE_EP_EXACT) no = "the exact exchange (ep_exchange 0), not the bounded one";
+    else if (o->ep_dispatch != DSK_MOE_DISPATCH_ACT) no = "dispatch in the activation dtype (ep_dispatch 0), not FP8";
+    else if (o->expert_gemm != DSK_MOE_GEMM_ACT) no = "experts in the activation dtype (expert_gemm 0), not FP8";
+    else if (m->device.type != DSK_DEV_CPU) no = "a CPU layer (CUDA layers exchange flat)";
+    else if (!even) no = "an expert-parallel group whose nodes have one size";
+    if (o->ep_route == DSK_MOE_ROUTE_AUTO)
+        o->ep_route = !no && c->n_nodes > 1 ? DSK_MOE_ROUTE_TWO_HOP : DSK_MOE_ROUTE_FLAT;
+    else if (o->ep_route == DSK_MOE_ROUTE_TWO_HOP && no)
+        return dsk_set_error(m->ep_size <= 1 ? DSK_ERR_ARG : DSK_ERR_UNSUPPORTED,
+                             "dsk_moe_init: layer \"%s\": ep_route two-hop needs %s", o->name, no);
+    return DSK_OK;
+}
+
 DSK_API dsk_status dsk_moe_init(dsk_moe *m, dsk_ctx *ctx, const dsk_moe_opts *opts) {
     dsk_status s;
     if (!m) return dsk_set_error(DSK_ERR_ARG, "dsk_moe_init: layer is NULL");
@@ -1688,6 +1798,10 @@ DSK_API dsk_status dsk_moe_init(dsk_moe *m, dsk_ctx *ctx, const dsk_moe_opts *op
         return dsk_set_error(DSK_ERR_UNSUPPORTED, "dsk_moe_init: CUDA context in a build without DSK_CUDA");
     }
 #endif
+    if ((s = dsk__moe_ep_route_resolve(m)) != DSK_OK) {
+        memset(m, 0, sizeof *m);
+        return s;
+    }
     dsk__moe_declare(m);
     s = dsk__moe_alloc_state(m, ctx);
     if (s != DSK_OK) { /* free what was made, keep the first error's message */
@@ -2331,6 +2445,695 @@ static dsk_status dsk__moe_check_io(const dsk_moe *m, const char *fn, const char
     return DSK_OK;
 }
 
+/* ---------------------------------------------------------------- expert-parallel routes
+   A route is a plan of gathers and all-to-all-v's over row indices (int32), built on the host
+   by dsk_moe_route_init; dispatch and combine replay it on the rows.
+   Flat: dispatch gathers the slot rows in (destination, row, slot) order and all-to-all-v's
+   them over c; combine all-to-all-v's the rows back and gathers them into slot order.
+   Two hops, this rank on node a with node_rank i: hop 1 (cross communicator, one rank per node,
+   rank = node) sends each row once to every other node it has slots on, with the local
+   destinations of its slots there (k int32 per row, exchanged at init); hop 2 (node
+   communicator) sends each local rank d the blocks of every source this rank relays (itself,
+   and the ranks with node_rank i on other nodes), in source order, each block in (row, slot)
+   order; d places each block where the flat route would have put it. Combine runs it back:
+   hop 2 returns each forwarded row to its relay, hop 1 returns the relayed slots' rows to
+   their sources in (row, slot) order, and every rank gathers its slots from the two. */
+
+/* Routes take c as dsk_comm.h's collectives do: initialised, on either backend. */
+static dsk_status dsk__moe_route_check(const dsk_comm *c, const char *fn) {
+    if (!c || !c->impl) return dsk_set_error(DSK_ERR_ARG, "%s: communicator is NULL or not initialised", fn);
+    return DSK_OK;
+}
+
+/* The dtypes dsk_comm's all-to-all-v carries. */
+static int dsk__moe_route_dtype_ok(dsk_dtype dt) {
+    return dt == DSK_F32 || dt == DSK_F16 || dt == DSK_BF16 || dt == DSK_F64 || dt == DSK_I32 || dt == DSK_I64 ||
+           dt == DSK_U8;
+}
+
+static void dsk__moe_prefix(const int64_t *counts, int n, int64_t *displs) {
+    int64_t s = 0;
+    for (int p = 0; p < n; p++) {
+        displs[p] = s;
+        s += counts[p];
+    }
+}
+
+static double dsk__moe_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+#ifdef DSK_CUDA
+#define DSK__MOE_NCCL(c) ((c)->backend == DSK_COMM_NCCL)
+#else
+#define DSK__MOE_NCCL(c) 0
+#endif
+
+struct dsk__moe_route_impl {
+    dsk_comm *c, *node, *cross; /* node, cross: c's node communicators (NULL when flat) */
+    int *node_of;               /* [world] node of each rank of c */
+    int64_t *recv_counts;       /* [world] */
+    /* row counts per peer; flat uses a (rows to each rank) and b (rows from each rank) */
+    int64_t *c1s, *c1r;             /* hop 1: rows to / from each node (cross communicator) */
+    int64_t *c2s, *c2r;             /* hop 2: rows to / from each local rank (node communicator) */
+    int64_t *v1s, *w1r;             /* combine, hop 1: rows back to / from each node */
+    int64_t n1, h1, s2, r2, v1, w1; /* their totals */
+    /* gathers: dst row q = src row idx[q] */
+    int32_t *g1;   /* (n1) hop-1 send <- rows */
+    int32_t *g2;   /* (s2) hop-2 send <- [rows | hop-1 received]; flat: (slots) send <- rows */
+    int32_t *p2;   /* (recv_rows) recv <- hop-2 received */
+    int32_t *q2;   /* (recv_rows) hop-2 back send <- rows given to combine */
+    int32_t *q1;   /* (v1) hop-1 back send <- hop-2 back received */
+    int32_t *qo;   /* (slots) out <- [hop-2 back received | hop-1 back received]; flat: <- returned */
+    int64_t *tmp;  /* [2 * world] element counts of one all-to-all-v */
+    char *scratch; /* host: reused buffer for the intermediate rows */
+    size_t scratch_bytes;
+#ifdef DSK_CUDA
+    dsk_tensor dev[6]; /* nccl: g1, g2, p2, q2, q1, qo on the device */
+#endif
+};
+
+enum { DSK__MOE_RT_G1, DSK__MOE_RT_G2, DSK__MOE_RT_P2, DSK__MOE_RT_Q2, DSK__MOE_RT_Q1, DSK__MOE_RT_QO };
+
+DSK_API void dsk_moe_route_free(dsk_moe_route *rt) {
+    dsk__moe_route_impl *ri;
+    if (!rt) return;
+    ri = rt->impl;
+    if (ri) {
+#ifdef DSK_CUDA
+        for (int i = 0; i < 6; i++) dsk_tensor_free(NULL, &ri->dev[i]);
+#endif
+        DSK_FREE(ri->recv_counts);
+        DSK_FREE(ri->node_of);
+        DSK_FREE(ri->c1s);
+        DSK_FREE(ri->g1);
+        DSK_FREE(ri->g2);
+        DSK_FREE(ri->p2);
+        DSK_FREE(ri->q2);
+        DSK_FREE(ri->q1);
+        DSK_FREE(ri->qo);
+        DSK_FREE(ri->tmp);
+        DSK_FREE(ri->scratch);
+        DSK_FREE(ri);
+    }
+    memset(rt, 0, sizeof *rt);
+}
+
+static int32_t *dsk__moe_route_idx(int64_t n) { return (int32_t *)DSK_MALLOC((size_t)(n ? n : 1) * sizeof(int32_t)); }
+
+/* An all-to-all of `per` elements of host memory with every rank of comm (nccl: staged
+   through device memory on ctx's stream; the wait is bounded by the timeout). */
+static dsk_status dsk__moe_route_meta(dsk_comm *comm, dsk_ctx *ctx, const void *send, const int64_t *scnt, void *recv,
+                                      const int64_t *rcnt, dsk_dtype dt) {
+#ifdef DSK_CUDA
+    if (DSK__MOE_NCCL(comm)) {
+        int64_t ns = 0, nr = 0, sh[1];
+        size_t esz = dsk_dtype_size(dt);
+        dsk_tensor hs, hr, ds, dr;
+        dsk_status st;
+        for (int p = 0; p < comm->world_size; p++) {
+            ns += scnt[p];
+            nr += rcnt[p];
+        }
+        memset(&ds, 0, sizeof ds);
+        memset(&dr, 0, sizeof dr);
+        sh[0] = (int64_t)(ns * (int64_t)esz);
+        st = dsk_tensor_wrap(&hs, (void *)send, DSK_U8, dsk_cpu(), 1, sh);
+        if (st == DSK_OK) st = dsk_tensor_alloc(ctx, &ds, DSK_U8, 1, sh);
+        if (st == DSK_OK) st = dsk_tensor_copy(ctx, &ds, &hs);
+        sh[0] = (int64_t)(nr * (int64_t)esz);
+        if (st == DSK_OK) st = dsk_tensor_wrap(&hr, recv, DSK_U8, dsk_cpu(), 1, sh);
+        if (st == DSK_OK) st = dsk_tensor_alloc(ctx, &dr, DSK_U8, 1, sh);
+        if (st == DSK_OK) st = dsk_comm_all_to_all_v(comm, ctx, ds.data, scnt, NULL, dr.data, rcnt, NULL, dt);
+        if (st == DSK_OK) st = dsk_comm_sync(comm, ctx);
+        if (st == DSK_OK) st = dsk_tensor_copy(ctx, &hr, &dr);
+        dsk_tensor_free(ctx, &ds);
+        dsk_tensor_free(ctx, &dr);
+        return st;
+    }
+#endif
+    (void)ctx;
+    return dsk_comm_all_to_all_v(comm, NULL, send, scnt, NULL, recv, rcnt, NULL, dt);
+}
+
+/* One int64 to and from every rank of comm: recv[p] = what rank p put in its send[me]. */
+static dsk_status dsk__moe_route_counts(dsk_comm *comm, dsk_ctx *ctx, const int64_t *send, int64_t *recv,
+                                        int64_t *ones) {
+    for (int p = 0; p < comm->world_size; p++) ones[p] = 1;
+    return dsk__moe_route_meta(comm, ctx, send, ones, recv, ones, DSK_I64);
+}
+
+/* rank_at[b * L + j]: the j-th rank (in rank order) of node b. */
+static void dsk__moe_node_ranks(const dsk_comm *c, const int *node_of, int L, int *rank_at) {
+    int *fill = rank_at + (size_t)c->n_nodes * (size_t)L;
+    for (int b = 0; b < c->n_nodes; b++) fill[b] = 0;
+    for (int r = 0; r < c->world_size; r++) {
+        int b = node_of[r];
+        rank_at[(size_t)b * L + fill[b]++] = r;
+    }
+}
+
+/* The flat plan: send in (destination, row, slot) order; combine's returned rows, grouped the
+   same way, go back to slot order. cnt: slots per destination. */
+static dsk_status dsk__moe_route_flat(dsk_moe_route *rt, const char *fn, const int32_t *dest, const int64_t *cnt) {
+    dsk__moe_route_impl *ri = rt->impl;
+    int n = ri->c->world_size;
+    int64_t *at = ri->tmp, s = 0;
+    if (!(ri->g2 = dsk__moe_route_idx(rt->slots)) || !(ri->qo = dsk__moe_route_idx(rt->slots)))
+        return dsk_set_error(DSK_ERR_OOM, "%s: route of %lld slots", fn, (long long)rt->slots);
+    dsk__moe_prefix(cnt, n, at);
+    for (int64_t i = 0; i < rt->n_rows; i++)
+        for (int j = 0; j < rt->k; j++) {
+            int d = dest[i * rt->k + j];
+            if (d < 0) continue;
+            ri->g2[at[d]] = (int32_t)i;
+            ri->qo[s++] = (int32_t)at[d]++;
+        }
+    memcpy(ri->c1s, cnt, (size_t)n * sizeof(int64_t)); /* flat: rows to / from each rank in c1s / c1r */
+    memcpy(ri->c1r, ri->recv_counts, (size_t)n * sizeof(int64_t));
+    for (int p = 0; p < n; p++)
+        if (ri->node_of[p] != ri->c->node) rt->dispatch_rows_off_node += cnt[p];
+    rt->combine_rows_off_node = 0;
+    for (int p = 0; p < n; p++)
+        if (ri->node_of[p] != ri->c->node) rt->combine_rows_off_node += ri->recv_counts[p];
+    return DSK_OK;
+}
+
+/* The sources a relay on node a with node_rank l carries in hop 2: the rank with node_rank l on
+   every node (on node a: the relay itself), in rank order. src[0..N). */
+static void dsk__moe_relay_sources(const dsk_comm *c, const int *rank_at, int l, int *src) {
+    int N = c->n_nodes, L = c->node_size;
+    for (int b = 0; b < N; b++) {
+        int r = rank_at[(size_t)b * L + l], j = b;
+        while (j > 0 && src[j - 1] > r) {
+            src[j] = src[j - 1];
+            j--;
+        }
+        src[j] = r;
+    }
+}
+
+/* The two-hop plan (see the section comment). Collective over the node and cross communicators.
+   slot_id[i * k + j]: the index of used slot (i, j) in (row, slot) order, -1 if unused. */
+static dsk_status dsk__moe_route_plan2(dsk_moe_route *rt, dsk_ctx *ctx, const char *fn, const int32_t *dest,
+                                       const int64_t *slot_id, int *rank_at, int *local_of) {
+    dsk__moe_route_impl *ri = rt->impl;
+    dsk_comm *c = ri->c;
+    const int N = c->n_nodes, L = c->node_size, a = c->node, me_l = c->node_rank, K = rt->k;
+    const int *node_of = ri->node_of;
+    int64_t *off1 = ri->tmp, *at = ri->tmp + c->world_size, *ones = ri->tmp + 3 * c->world_size;
+    int64_t *seen = NULL, *v1pos = NULL, y = 0;
+    int32_t *m1s = NULL, *m1r = NULL;
+    int *src = (int *)(rank_at + (size_t)N * L + N); /* N more ints, allocated by the caller */
+    dsk_status st = DSK_OK;
+    /* hop 1: each row once to every other node it has slots on, with its slots' local ranks there */
+    if (!(seen = (int64_t *)DSK_MALLOC((size_t)N * sizeof(int64_t))))
+        return dsk_set_error(DSK_ERR_OOM, "%s: %d nodes", fn, N);
+    for (int b = 0; b < N; b++) {
+        ri->c1s[b] = 0;
+        seen[b] = -1;
+    }
+    for (int64_t i = 0; i < rt->n_rows; i++)
+        for (int j = 0; j < K; j++) {
+            int d = dest[i * K + j], b = d < 0 ? a : node_of[d];
+            if (b != a && seen[b] != i) {
+                seen[b] = i;
+                ri->c1s[b]++;
+            }
+        }
+    ri->n1 = 0;
+    for (int b = 0; b < N; b++) ri->n1 += ri->c1s[b];
+    if (!(ri->g1 = dsk__moe_route_idx(ri->n1)) ||
+        !(m1s = (int32_t *)DSK_MALLOC((size_t)(ri->n1 ? ri->n1 : 1) * K * sizeof(int32_t)))) {
+        st = dsk_set_error(DSK_ERR_OOM, "%s: %lld hop-1 rows", fn, (long long)ri->n1);
+        goto done;
+    }
+    dsk__moe_prefix(ri->c1s, N, at);
+    for (int b = 0; b < N; b++) seen[b] = -1;
+    for (int64_t i = 0; i < rt->n_rows; i++)
+        for (int j = 0; j < K; j++) {
+            int d = dest[i * K + j], b = d < 0 ? a : node_of[d];
+            int64_t pos;
+            if (b == a || seen[b] == i) continue;
+            seen[b] = i;
+            pos = at[b]++;
+            ri->g1[pos] = (int32_t)i;
+            for (int jj = 0; jj < K; jj++) {
+                int dd = dest[i * K + jj];
+                m1s[pos * K + jj] = dd >= 0 && node_of[dd] == b ? local_of[dd] : -1;
+            }
+        }
+    if ((st = dsk__moe_route_counts(ri->cross, ctx, ri->c1s, ri->c1r, ones)) != DSK_OK) goto done;
+    ri->h1 = 0;
+    for (int b = 0; b < N; b++) {
+        off1[b] = ri->h1;
+        ri->h1 += ri->c1r[b];
+    }
+    if (!(m1r = (int32_t *)DSK_MALLOC((size_t)(ri->h1 ? ri->h1 : 1) * K * sizeof(int32_t))) ||
+        !(v1pos = (int64_t *)DSK_MALLOC((size_t)(ri->h1 ? ri->h1 : 1) * K * sizeof(int64_t)))) {
+        st = dsk_set_error(DSK_ERR_OOM, "%s: %lld hop-1 rows received", fn, (long long)ri->h1);
+        goto done;
+    }
+    for (int b = 0; b < N; b++) {
+        at[b] = ri->c1s[b] * K;
+        at[N + b] = ri->c1r[b] * K;
+    }
+    if ((st = dsk__moe_route_meta(ri->cross, ctx, m1s, at, m1r, at + N, DSK_I32)) != DSK_OK) goto done;
+    /* where the relayed slots go back in combine: per source node, in (row, slot) order */
+    ri->v1 = 0;
+    for (int b = 0; b < N; b++) {
+        ri->v1s[b] = 0;
+        for (int64_t t = off1[b]; t < off1[b] + ri->c1r[b]; t++)
+            for (int j = 0; j < K; j++) {
+                v1pos[t * K + j] = m1r[t * K + j] >= 0 ? ri->v1 + ri->v1s[b]++ : -1;
+                if (m1r[t * K + j] < -1 || m1r[t * K + j] >= L) {
+                    st = dsk_set_error(DSK_ERR_CORRUPT, "%s: node %d sent local rank %d for a node of %d ranks", fn, b,
+                                       (int)m1r[t * K + j], L);
+                    goto done;
+                }
+            }
+        ri->v1 += ri->v1s[b];
+    }
+    /* hop 2: to each local rank, the blocks of the sources this rank relays, in rank order */
+    ri->s2 = ri->v1;
+    for (int64_t i = 0; i < rt->n_rows; i++)
+        for (int j = 0; j < K; j++) ri->s2 += dest[i * K + j] >= 0 && node_of[dest[i * K + j]] == a;
+    if (!(ri->g2 = dsk__moe_route_idx(ri->s2)) || !(ri->q1 = dsk__moe_route_idx(ri->v1)) ||
+        !(ri->qo = dsk__moe_route_idx(rt->slots)) || !(ri->p2 = dsk__moe_route_idx(rt->recv_rows)) ||
+        !(ri->q2 = dsk__moe_route_idx(rt->recv_rows))) {
+        st = dsk_set_error(DSK_ERR_OOM, "%s: %lld hop-2 rows", fn, (long long)ri->s2);
+        goto done;
+    }
+    dsk__moe_relay_sources(c, rank_at, me_l, src);
+    for (int ld = 0; ld < L; ld++) {
+        int d = rank_at[(size_t)a * L + ld];
+        int64_t x0 = y;
+        for (int e = 0; e < N; e++) {
+            int b = node_of[src[e]];
+            if (b == a) { /* this rank's own slots on d */
+                for (int64_t i = 0; i < rt->n_rows; i++)
+                    for (int j = 0; j < K; j++)
+                        if (dest[i * K + j] == d) {
+                            ri->g2[y] = (int32_t)i;
+                            ri->qo[slot_id[i * K + j]] = (int32_t)y++;
+                        }
+                continue;
+            }
+            for (int64_t t = off1[b]; t < off1[b] + ri->c1r[b]; t++)
+                for (int j = 0; j < K; j++)
+                    if (m1r[t * K + j] == ld) {
+                        ri->g2[y] = (int32_t)(rt->n_rows + t);
+                        ri->q1[v1pos[t * K + j]] = (int32_t)y++;
+                    }
+        }
+        ri->c2s[ld] = y - x0;
+    }
+    if ((st = dsk__moe_route_counts(ri->node, ctx, ri->c2s, ri->c2r, ones)) != DSK_OK) goto done;
+    /* what arrives from each local relay: its sources' blocks (every rank is the source of one
+       relay: the one with its node_rank), placed where the flat route puts them */
+    y = 0;
+    for (int lr = 0; lr < L; lr++) y += ri->c2r[lr];
+    if (y != rt->recv_rows) {
+        st = dsk_set_error(DSK_ERR_CORRUPT, "%s: the relays of rank %d send it %lld rows, its sources %lld", fn,
+                           c->rank, (long long)y, (long long)rt->recv_rows);
+        goto done;
+    }
+    dsk__moe_prefix(ri->recv_counts, c->world_size, at);
+    y = 0;
+    for (int lr = 0; lr < L; lr++) {
+        int64_t y0 = y;
+        dsk__moe_relay_sources(c, rank_at, lr, src);
+        for (int e = 0; e < N; e++)
+            for (int64_t q = 0; q < ri->recv_counts[src[e]]; q++) {
+                ri->p2[at[src[e]] + q] = (int32_t)y;
+                ri->q2[y++] = (int32_t)(at[src[e]] + q);
+            }
+        if (y - y0 != ri->c2r[lr]) {
+            st = dsk_set_error(DSK_ERR_CORRUPT, "%s: local rank %d relays %lld rows to rank %d, which expects %lld", fn,
+                               lr, (long long)ri->c2r[lr], c->rank, (long long)(y - y0));
+            goto done;
+        }
+    }
+    ri->r2 = y;
+    /* combine, hop 1 back: this rank's slots on other nodes, from the relay there */
+    if ((st = dsk__moe_route_counts(ri->cross, ctx, ri->v1s, ri->w1r, ones)) != DSK_OK) goto done;
+    ri->w1 = 0;
+    for (int b = 0; b < N; b++) {
+        at[b] = 0;
+        off1[b] = ri->w1;
+        ri->w1 += ri->w1r[b];
+    }
+    for (int64_t i = 0; i < rt->n_rows; i++)
+        for (int j = 0; j < K; j++) {
+            int d = dest[i * K + j], b = d < 0 ? a : node_of[d];
+            if (b != a) ri->qo[slot_id[i * K + j]] = (int32_t)(ri->s2 + off1[b] + at[b]++);
+        }
+    for (int b = 0; b < N; b++)
+        if (at[b] != ri->w1r[b]) {
+            st = dsk_set_error(DSK_ERR_CORRUPT, "%s: rank %d has %lld slots on node %d, whose relay returns %lld", fn,
+                               c->rank, (long long)at[b], b, (long long)ri->w1r[b]);
+            goto done;
+        }
+    rt->dispatch_rows_off_node = ri->n1;
+    rt->combine_rows_off_node = ri->v1;
+done:
+    DSK_FREE(seen);
+    DSK_FREE(m1s);
+    DSK_FREE(m1r);
+    DSK_FREE(v1pos);
+    return st;
+}
+
+/* How dispatch and combine move rows: host memcpy, or (nccl) device gathers of the rows seen
+   as 32- or 16-bit words, and all-to-all-v's in elements of the caller's dtype. */
+typedef struct dsk__moe_rowio {
+    dsk_moe_route *rt;
+    dsk_ctx *ctx;
+    dsk_dtype dt, word; /* word: the dtype the device gathers rows as */
+    int64_t row_elems, words;
+    size_t row; /* bytes */
+    int dev;
+} dsk__moe_rowio;
+
+/* dst rows q = src rows idx[q], q < n; which: the index array's slot on the device. */
+static dsk_status dsk__moe_rowio_gather(dsk__moe_rowio *rw, void *dst, const void *src, int64_t src_rows,
+                                        const int32_t *idx, int which, int64_t n) {
+    if (n == 0) return DSK_OK;
+#ifdef DSK_CUDA
+    if (rw->dev) {
+        dsk_tensor o, s;
+        int64_t so[2] = {n, rw->words}, ss[2] = {src_rows, rw->words};
+        DSK__TRY(dsk_tensor_wrap(&o, dst, rw->word, rw->ctx->device, 2, so));
+        DSK__TRY(dsk_tensor_wrap(&s, (void *)src, rw->word, rw->ctx->device, 2, ss));
+        return dsk_gather_rows(rw->ctx, &o, &s, &rw->rt->impl->dev[which]);
+    }
+#endif
+    (void)which;
+    (void)src_rows;
+    for (int64_t q = 0; q < n; q++)
+        memcpy((char *)dst + (size_t)q * rw->row, (const char *)src + (size_t)idx[q] * rw->row, rw->row);
+    return DSK_OK;
+}
+
+static dsk_status dsk__moe_rowio_copy(dsk__moe_rowio *rw, void *dst, const void *src, int64_t n) {
+    if (n == 0) return DSK_OK;
+#ifdef DSK_CUDA
+    if (rw->dev) {
+        dsk_tensor o, s;
+        int64_t sh[2] = {n, rw->words};
+        DSK__TRY(dsk_tensor_wrap(&o, dst, rw->word, rw->ctx->device, 2, sh));
+        DSK__TRY(dsk_tensor_wrap(&s, (void *)src, rw->word, rw->ctx->device, 2, sh));
+        return dsk_tensor_copy(rw->ctx, &o, &s);
+    }
+#endif
+    memcpy(dst, src, (size_t)n * rw->row);
+    return DSK_OK;
+}
+
+/* All-to-all-v over comm of scnt[p] rows to p and rcnt[p] rows from p, packed. */
+static dsk_status dsk__moe_rowio_a2av(dsk__moe_rowio *rw, dsk_comm *comm, const void *send, const int64_t *scnt,
+                                      void *recv, const int64_t *rcnt) {
+    int64_t *e = rw->rt->impl->tmp;
+    int n = comm->world_size;
+    for (int p = 0; p < n; p++) {
+        e[p] = scnt[p] * rw->row_elems;
+        e[n + p] = rcnt[p] * rw->row_elems;
+    }
+    return dsk_comm_all_to_all_v(comm, rw->ctx, send, e, NULL, recv, e + n, NULL, rw->dt);
+}
+
+/* n bytes for intermediate rows: the route's reused host buffer, or (nccl) device memory. */
+static dsk_status dsk__moe_rowio_buffer(dsk__moe_rowio *rw, const char *fn, size_t n, void *devbuf, char **out) {
+    dsk__moe_route_impl *ri = rw->rt->impl;
+#ifdef DSK_CUDA
+    if (rw->dev) {
+        dsk_tensor *t = (dsk_tensor *)devbuf;
+        int64_t sh[1] = {(int64_t)(n ? n : 1)};
+        DSK__TRY(dsk_tensor_alloc(rw->ctx, t, DSK_U8, 1, sh));
+        *out = (char *)t->data;
+        return DSK_OK;
+    }
+#endif
+    (void)devbuf;
+    if (n > ri->scratch_bytes || !ri->scratch) {
+        char *p = (char *)DSK_MALLOC(n ? n : 1);
+        if (!p) return dsk_set_error(DSK_ERR_OOM, "%s: %zu bytes of intermediate rows", fn, n);
+        DSK_FREE(ri->scratch);
+        ri->scratch = p;
+        ri->scratch_bytes = n;
+    }
+    *out = ri->scratch;
+    return DSK_OK;
+}
+
+/* Checks a dispatch or combine call and fills rw; n_in, n_out: the rows of its two buffers. */
+static dsk_status dsk__moe_rowio_begin(dsk__moe_rowio *rw, const char *fn, dsk_moe_route *rt, dsk_ctx *ctx,
+                                       const void *in, int64_t n_in, int64_t row_elems, dsk_dtype dt, const void *out,
+                                       int64_t n_out) {
+    memset(rw, 0, sizeof *rw);
+    if (!rt || !rt->impl) return dsk_set_error(DSK_ERR_ARG, "%s: route is NULL or not initialised", fn);
+    DSK__TRY(dsk__moe_route_check(rt->impl->c, fn));
+    if (!dsk__moe_route_dtype_ok(dt))
+        return dsk_set_error(DSK_ERR_ARG, "%s: dtype %s is not supported (f32, f16, bf16, f64, i32, i64, u8)", fn,
+                             dsk_dtype_name(dt));
+    if (row_elems < 0) return dsk_set_error(DSK_ERR_ARG, "%s: row_elems %lld is negative", fn, (long long)row_elems);
+    if ((n_in && row_elems && !in) || (n_out && row_elems && !out))
+        return dsk_set_error(DSK_ERR_ARG, "%s: NULL buffer for %lld rows in, %lld out", fn, (long long)n_in,
+                             (long long)n_out);
+    rw->rt = rt;
+    rw->ctx = ctx;
+    rw->dt = dt;
+    rw->row_elems = row_elems;
+    rw->row = (size_t)row_elems * dsk_dtype_size(dt);
+    rw->dev = DSK__MOE_NCCL(rt->impl->c);
+    if (rw->dev) {
+        rw->word = rw->row % 4 == 0 ? DSK_F32 : DSK_BF16;
+        rw->words = (int64_t)(rw->row / dsk_dtype_size(rw->word));
+        if (rw->row % 2)
+            return dsk_set_error(DSK_ERR_UNSUPPORTED,
+                                 "%s: rows of %zu bytes on the nccl backend (it gathers rows as "
+                                 "16-bit words)",
+                                 fn, rw->row);
+    }
+    return DSK_OK;
+}
+
+/* Adds what the two-hop communicators moved since *before to c's statistics (host), or the rows
+   that left the node (nccl, which counts no bytes). */
+static void dsk__moe_route_stats(dsk__moe_rowio *rw, const dsk_comm_stats *before, int64_t rows_off_node, double t0) {
+    dsk__moe_route_impl *ri = rw->rt->impl;
+    dsk_comm_stats *s = &ri->c->stats;
+    s->calls++;
+    s->seconds += dsk__moe_now() - t0;
+    if (rw->dev) {
+        s->bytes_sent_off_node += (uint64_t)rows_off_node * rw->row;
+        return;
+    }
+    for (int h = 0; h < 2; h++) {
+        const dsk_comm_stats *now = h ? &ri->cross->stats : &ri->node->stats;
+        s->bytes_sent += now->bytes_sent - before[h].bytes_sent;
+        s->bytes_received += now->bytes_received - before[h].bytes_received;
+        s->bytes_sent_off_node += now->bytes_sent_off_node - before[h].bytes_sent_off_node;
+    }
+}
+
+DSK_API dsk_status dsk_moe_route_dispatch(dsk_moe_route *rt, dsk_ctx *ctx, const void *rows, int64_t row_elems,
+                                          dsk_dtype dt, void *recv) {
+    const char *fn = "dsk_moe_route_dispatch";
+    dsk__moe_rowio rw;
+    dsk__moe_route_impl *ri;
+    dsk_comm_stats before[2];
+    double t0 = dsk__moe_now();
+    dsk_tensor buf;
+    char *s1 = NULL, *cat, *s2 = NULL, *r2;
+    dsk_status st;
+    DSK__TRY(
+        dsk__moe_rowio_begin(&rw, fn, rt, ctx, rows, rt ? rt->n_rows : 0, row_elems, dt, recv, rt ? rt->recv_rows : 0));
+    ri = rt->impl;
+    memset(&buf, 0, sizeof buf);
+    if (!rt->two_hop) { /* send <- rows in (destination, row, slot) order; all-to-all-v into recv */
+        DSK__TRY(dsk__moe_rowio_buffer(&rw, fn, (size_t)rt->slots * rw.row, &buf, &s2));
+        if ((st = dsk__moe_rowio_gather(&rw, s2, rows, rt->n_rows, ri->g2, DSK__MOE_RT_G2, rt->slots)) == DSK_OK)
+            st = dsk__moe_rowio_a2av(&rw, ri->c, s2, ri->c1s, recv, ri->c1r);
+        if (rw.dev && st == DSK_OK) ri->c->stats.bytes_sent_off_node += (uint64_t)rt->dispatch_rows_off_node * rw.row;
+        dsk_tensor_free(ctx, &buf);
+        return st;
+    }
+    before[0] = ri->node->stats;
+    before[1] = ri->cross->stats;
+    /* the parts are 64 bytes apart, so a send and a receive never share an address, even empty */
+    DSK__TRY(dsk__moe_rowio_buffer(&rw, fn, (size_t)(ri->n1 + rt->n_rows + ri->h1 + ri->s2 + ri->r2) * rw.row + 192,
+                                   &buf, &s1));
+    cat = s1 + (size_t)ri->n1 * rw.row + 64; /* [rows | hop 1 received] */
+    s2 = cat + (size_t)(rt->n_rows + ri->h1) * rw.row + 64;
+    r2 = s2 + (size_t)ri->s2 * rw.row + 64;
+    st = dsk__moe_rowio_gather(&rw, s1, rows, rt->n_rows, ri->g1, DSK__MOE_RT_G1, ri->n1);
+    if (st == DSK_OK) st = dsk__moe_rowio_copy(&rw, cat, rows, rt->n_rows);
+    if (st == DSK_OK) st = dsk__moe_rowio_a2av(&rw, ri->cross, s1, ri->c1s, cat + (size_t)rt->n_rows * rw.row, ri->c1r);
+    if (st == DSK_OK) st = dsk__moe_rowio_gather(&rw, s2, cat, rt->n_rows + ri->h1, ri->g2, DSK__MOE_RT_G2, ri->s2);
+    if (st == DSK_OK) st = dsk__moe_rowio_a2av(&rw, ri->node, s2, ri->c2s, r2, ri->c2r);
+    if (st == DSK_OK) st = dsk__moe_rowio_gather(&rw, recv, r2, ri->r2, ri->p2, DSK__MOE_RT_P2, rt->recv_rows);
+    if (st == DSK_OK) dsk__moe_route_stats(&rw, before, rt->dispatch_rows_off_node, t0);
+    dsk_tensor_free(ctx, &buf);
+    return st;
+}
+
+DSK_API dsk_status dsk_moe_route_combine(dsk_moe_route *rt, dsk_ctx *ctx, const void *rows, int64_t row_elems,
+                                         dsk_dtype dt, void *out) {
+    const char *fn = "dsk_moe_route_combine";
+    dsk__moe_rowio rw;
+    dsk__moe_route_impl *ri;
+    dsk_comm_stats before[2];
+    double t0 = dsk__moe_now();
+    dsk_tensor buf;
+    char *t2 = NULL, *u2, *v1;
+    dsk_status st;
+    DSK__TRY(
+        dsk__moe_rowio_begin(&rw, fn, rt, ctx, rows, rt ? rt->recv_rows : 0, row_elems, dt, out, rt ? rt->slots : 0));
+    ri = rt->impl;
+    memset(&buf, 0, sizeof buf);
+    if (!rt->two_hop) { /* all-to-all-v back, grouped by destination; then slot order */
+        DSK__TRY(dsk__moe_rowio_buffer(&rw, fn, (size_t)rt->slots * rw.row, &buf, &t2));
+        if ((st = dsk__moe_rowio_a2av(&rw, ri->c, rows, ri->c1r, t2, ri->c1s)) == DSK_OK)
+            st = dsk__moe_rowio_gather(&rw, out, t2, rt->slots, ri->qo, DSK__MOE_RT_QO, rt->slots);
+        if (rw.dev && st == DSK_OK) ri->c->stats.bytes_sent_off_node += (uint64_t)rt->combine_rows_off_node * rw.row;
+        dsk_tensor_free(ctx, &buf);
+        return st;
+    }
+    before[0] = ri->node->stats;
+    before[1] = ri->cross->stats;
+    DSK__TRY(
+        dsk__moe_rowio_buffer(&rw, fn, (size_t)(rt->recv_rows + ri->s2 + ri->w1 + ri->v1) * rw.row + 128, &buf, &t2));
+    u2 = t2 + (size_t)rt->recv_rows * rw.row + 64; /* [hop 2 back | hop 1 back] */
+    v1 = u2 + (size_t)(ri->s2 + ri->w1) * rw.row + 64;
+    st = dsk__moe_rowio_gather(&rw, t2, rows, rt->recv_rows, ri->q2, DSK__MOE_RT_Q2, rt->recv_rows);
+    if (st == DSK_OK) st = dsk__moe_rowio_a2av(&rw, ri->node, t2, ri->c2r, u2, ri->c2s);
+    if (st == DSK_OK) st = dsk__moe_rowio_gather(&rw, v1, u2, ri->s2, ri->q1, DSK__MOE_RT_Q1, ri->v1);
+    if (st == DSK_OK) st = dsk__moe_rowio_a2av(&rw, ri->cross, v1, ri->v1s, u2 + (size_t)ri->s2 * rw.row, ri->w1r);
+    if (st == DSK_OK) st = dsk__moe_rowio_gather(&rw, out, u2, ri->s2 + ri->w1, ri->qo, DSK__MOE_RT_QO, rt->slots);
+    if (st == DSK_OK) dsk__moe_route_stats(&rw, before, rt->combine_rows_off_node, t0);
+    dsk_tensor_free(ctx, &buf);
+    return st;
+}
+
+#ifdef DSK_CUDA
+/* nccl: the index arrays on ctx's device. */
+static dsk_status dsk__moe_route_upload(dsk_moe_route *rt, dsk_ctx *ctx) {
+    dsk__moe_route_impl *ri = rt->impl;
+    const int32_t *idx[6] = {ri->g1, ri->g2, ri->p2, ri->q2, ri->q1, ri->qo};
+    int64_t len[6] = {ri->n1, rt->two_hop ? ri->s2 : rt->slots, rt->recv_rows, rt->recv_rows, ri->v1, rt->slots};
+    for (int i = 0; i < 6; i++) {
+        dsk_tensor h;
+        int64_t sh[1] = {len[i]};
+        if (!idx[i] || !len[i]) continue;
+        DSK__TRY(dsk_tensor_wrap(&h, (void *)idx[i], DSK_I32, dsk_cpu(), 1, sh));
+        DSK__TRY(dsk_tensor_alloc(ctx, &ri->dev[i], DSK_I32, 1, sh));
+        DSK__TRY(dsk_tensor_copy(ctx, &ri->dev[i], &h));
+    }
+    return dsk_ctx_sync(ctx); /* the host arrays may change after init returns */
+}
+#endif
+
+DSK_API dsk_status dsk_moe_route_init(dsk_moe_route *rt, dsk_comm *c, dsk_ctx *ctx, int64_t n_rows, int k,
+                                      const int32_t *dest, const dsk_moe_route_opts *opts) {
+    const char *fn = "dsk_moe_route_init";
+    dsk__moe_route_impl *ri;
+    int64_t *pairs, *slot_id = NULL;
+    int n, two = opts && opts->two_hop, *rank_at = NULL;
+    dsk_status st = DSK_OK;
+    if (!rt) return dsk_set_error(DSK_ERR_ARG, "%s: route is NULL", fn);
+    memset(rt, 0, sizeof *rt);
+    DSK__TRY(dsk__moe_route_check(c, fn));
+    n = c->world_size;
+    if (n_rows < 0 || k < 1 || n_rows * (int64_t)k > INT32_MAX || (n_rows && !dest))
+        return dsk_set_error(DSK_ERR_ARG,
+                             "%s: need n_rows >= 0 (got %lld), 1 <= k, n_rows * k <= 2^31 - 1 (k %d) and "
+                             "dest",
+                             fn, (long long)n_rows, k);
+    for (int64_t i = 0; i < n_rows * k; i++)
+        if (dest[i] < -1 || dest[i] >= n)
+            return dsk_set_error(DSK_ERR_ARG, "%s: row %lld slot %d goes to rank %d, not in [-1, %d)", fn,
+                                 (long long)(i / k), (int)(i % k), (int)dest[i], n);
+    if (DSK__MOE_NCCL(c) && (!ctx || ctx->device.type != DSK_DEV_CUDA))
+        return dsk_set_error(DSK_ERR_ARG, "%s: the nccl backend needs a ctx on the GPU (its index arrays live there)",
+                             fn);
+    if (two)
+        for (int r = 0; r < n; r++) {
+            int size = 0;
+            for (int q = 0; q < n; q++) size += dsk_comm_node_of(c, q) == dsk_comm_node_of(c, r);
+            if (size != c->node_size)
+                return dsk_set_error(DSK_ERR_UNSUPPORTED,
+                                     "%s: two hops need nodes of one size, but node %d has %d "
+                                     "ranks and node %d has %d",
+                                     fn, c->node, c->node_size, dsk_comm_node_of(c, r), size);
+        }
+    if (!(ri = (dsk__moe_route_impl *)DSK_MALLOC(sizeof *ri))) return dsk_set_error(DSK_ERR_OOM, "%s: route", fn);
+    memset(ri, 0, sizeof *ri);
+    rt->impl = ri;
+    rt->n_rows = n_rows;
+    rt->k = k;
+    rt->two_hop = two;
+    ri->c = c;
+    ri->recv_counts = (int64_t *)DSK_MALLOC((size_t)n * sizeof(int64_t));
+    ri->c1s = (int64_t *)DSK_MALLOC((size_t)6 * n * sizeof(int64_t));
+    ri->tmp = (int64_t *)DSK_MALLOC((size_t)4 * n * sizeof(int64_t));
+    ri->node_of = (int *)DSK_MALLOC((size_t)n * sizeof(int));
+    slot_id = (int64_t *)DSK_MALLOC((size_t)(n_rows * k + 1) * sizeof(int64_t));
+    if (!ri->recv_counts || !ri->c1s || !ri->tmp || !ri->node_of || !slot_id) {
+        st = dsk_set_error(DSK_ERR_OOM, "%s: route of %lld rows over %d ranks", fn, (long long)n_rows, n);
+        goto done;
+    }
+    ri->c1r = ri->c1s + n;
+    ri->c2s = ri->c1s + 2 * n;
+    ri->c2r = ri->c1s + 3 * n;
+    ri->v1s = ri->c1s + 4 * n;
+    ri->w1r = ri->c1s + 5 * n;
+    rt->recv_counts = ri->recv_counts;
+    for (int p = 0; p < n; p++) ri->node_of[p] = dsk_comm_node_of(c, p);
+    /* slots to each rank, and the kind of route, to every rank: all must have built the same kind */
+    pairs = ri->tmp;
+    for (int p = 0; p < 2 * n; p++) pairs[p] = p % 2 ? two : 0;
+    for (int64_t i = 0; i < n_rows * k; i++) {
+        slot_id[i] = dest[i] < 0 ? -1 : rt->slots++;
+        if (dest[i] >= 0) pairs[2 * dest[i]]++;
+    }
+    for (int p = 0; p < n; p++) ri->c2s[p] = pairs[2 * p]; /* kept: c2s is rewritten by the two-hop plan */
+    for (int p = 0; p < n; p++) ri->c1s[p] = 2;            /* elements to and from each rank */
+    if ((st = dsk__moe_route_meta(c, ctx, pairs, ri->c1s, pairs + 2 * n, ri->c1s, DSK_I64)) != DSK_OK) goto done;
+    for (int p = 0; p < n; p++) {
+        ri->recv_counts[p] = pairs[2 * n + 2 * p];
+        rt->recv_rows += ri->recv_counts[p];
+        if (pairs[2 * n + 2 * p + 1] != two) {
+            st = dsk_set_error(DSK_ERR_ARG, "%s: rank %d built a %s route but this rank (%d) a %s one", fn, p,
+                               two ? "flat" : "two-hop", c->rank, two ? "two-hop" : "flat");
+            goto done;
+        }
+    }
+    if (!two) st = dsk__moe_route_flat(rt, fn, dest, ri->c2s);
+    else if ((st = dsk_comm_node_comms(c, &ri->node, &ri->cross)) == DSK_OK) {
+        int L = c->node_size, N = c->n_nodes;
+        if (!(rank_at = (int *)DSK_MALLOC(((size_t)N * L + 2 * (size_t)N + (size_t)n) * sizeof(int))))
+            st = dsk_set_error(DSK_ERR_OOM, "%s: %d nodes of %d ranks", fn, N, L);
+        else {
+            int *local_of = rank_at + (size_t)N * L + 2 * (size_t)N;
+            dsk__moe_node_ranks(c, ri->node_of, L, rank_at);
+            for (int b = 0; b < N; b++)
+                for (int j = 0; j < L; j++) local_of[rank_at[(size_t)b * L + j]] = j;
+            st = dsk__moe_route_plan2(rt, ctx, fn, dest, slot_id, rank_at, local_of);
+        }
+    }
+#ifdef DSK_CUDA
+    if (st == DSK_OK && DSK__MOE_NCCL(c)) st = dsk__moe_route_upload(rt, ctx);
+#endif
+done:
+    DSK_FREE(slot_id);
+    DSK_FREE(rank_at);
+    if (st != DSK_OK) dsk_moe_route_free(rt);
+    return st;
+}
+
 /* ---------------------------------------------------------------- expert-parallel exchange */
 
 /* Host copies of small device arrays: the CPU reads its buffers where they are; CUDA copies
@@ -2488,6 +3291,215 @@ static dsk_status dsk__moe_from_experts_bounded(dsk_moe *m, dsk_ctx *ctx, const 
     return dsk_gather_rows_scaled(ctx, dst, &recv, &unpad, NULL);
 }
 
+/* Two hops in the layer (opts.ep_route TWO_HOP, CPU). The forward's dispatch and backward's rows to the
+   experts send token rows (x, dy) through a dsk_moe_route: each crosses once to every node holding one of its
+   kept slots, then fans out inside it. The routing travels beside them once per forward ((T, 2K) int32: each
+   slot's expert or -1, then its gate's bits), so the receiver places every row where the flat exchange puts it
+   (expert-major: by local expert, source rank, then the source's kept order) and backward scales dy by the
+   gate there (the product g * dy the sender makes on the flat path: the same bits). Outputs come back by the
+   route's combine, one row per slot, then into the kept order. */
+struct dsk__moe_hop {
+    dsk_moe_route rt;
+    int32_t *dest;     /* (T K) the rank of each slot's expert, -1 for a dropped slot */
+    int32_t *meta;     /* (T + R, 2K) the routing sent, then the routing received */
+    int32_t *rg, *rgi; /* (R) expert-major row <- received row, and back */
+    int32_t *kidx;     /* (n_kept) kept row <- the route's used slot */
+    float *gate;       /* (R) expert-major: each received row's gate */
+    float *stage[2];   /* (max(R, n_kept), D) rows between the route and the gathers */
+    int64_t rows;      /* rows of a stage */
+};
+
+static void dsk__moe_hop_arrays_free(struct dsk__moe_hop *h) {
+    dsk_moe_route_free(&h->rt);
+    DSK_FREE(h->dest);
+    DSK_FREE(h->meta);
+    DSK_FREE(h->rg);
+    DSK_FREE(h->rgi);
+    DSK_FREE(h->kidx);
+    DSK_FREE(h->gate);
+    DSK_FREE(h->stage[0]);
+    DSK_FREE(h->stage[1]);
+    memset(h, 0, sizeof *h);
+}
+
+static void dsk__moe_hop_free(struct dsk__moe_hop *h) {
+    if (!h) return;
+    dsk__moe_hop_arrays_free(h);
+    DSK_FREE(h);
+}
+
+/* Counts bytes an exchange sent to other nodes: into the forward's statistics during a forward, and
+   (outside eval) into the collected ones. */
+static void dsk__moe_count_off(dsk_moe *m, uint64_t bytes) {
+    if (m->st->in_forward) m->st->off_bytes[0] += bytes;
+    if (!m->eval) m->st->off_bytes[1] += bytes;
+}
+
+/* Flat and bounded exchanges: bytes of rows of `row` bytes sent to ranks on other nodes, toward the
+   experts (send_rows) or back from them (recv_rows); bounded: every peer's whole block. */
+static uint64_t dsk__moe_flat_off(const dsk_moe *m, int back, size_t row) {
+    const dsk_comm *c = m->opts.ep;
+    uint64_t n = 0;
+    for (int r = 0; r < m->ep_size; r++)
+        if (dsk_comm_node_of(c, r) != c->node)
+            n += (uint64_t)(m->opts.ep_exchange == DSK_MOE_EP_BOUNDED ? m->st->R / m->ep_size
+                            : back                                    ? m->st->recv_rows[r]
+                                                                      : m->st->send_rows[r]);
+    return n * row;
+}
+
+/* Received routing (R rows of 2K) -> each received row's local expert (le) and gate bits (gb); a token's rows
+   arrive together, in slot order, one per slot of this rank. */
+static dsk_status dsk__moe_hop_parse(dsk_moe *m, const int32_t *meta, int32_t *le, int32_t *gb) {
+    const dsk_moe_route *rt = &m->st->hop->rt;
+    int K = m->opts.top_k, El = m->n_local;
+    int64_t row = 0;
+    for (int p = 0; p < m->ep_size; p++) {
+        int64_t end = row + rt->recv_counts[p];
+        while (row < end) {
+            const int32_t *mr = meta + row * 2 * K;
+            int64_t first = row;
+            for (int k = 0; k < K; k++) {
+                int e = mr[k] - m->expert0;
+                if (mr[k] < 0 || e >= El || e < 0) continue;
+                if (row >= end)
+                    return dsk_set_error(DSK_ERR_CORRUPT,
+                                         "dsk_moe_forward: rank %d sent fewer rows than its routing "
+                                         "names",
+                                         p);
+                le[row] = e;
+                gb[row++] = mr[K + k];
+            }
+            if (row == first)
+                return dsk_set_error(DSK_ERR_CORRUPT,
+                                     "dsk_moe_forward: rank %d sent a row for none of this rank's "
+                                     "experts",
+                                     p);
+        }
+    }
+    return DSK_OK;
+}
+
+/* The received rows expert-major (a stable sort by local expert of the route's order: by source rank, then
+   the source's (token, slot) order, which is its kept order within an expert): rg, rgi, gate. */
+static dsk_status dsk__moe_hop_regroup(dsk_moe *m, const int32_t *le, const int32_t *gb) {
+    struct dsk__moe_state *st = m->st;
+    struct dsk__moe_hop *h = st->hop;
+    int El = m->n_local;
+    int64_t at[1024], *pa = El <= 1024 ? at : (int64_t *)DSK_MALLOC((size_t)El * sizeof(int64_t));
+    dsk_status s = DSK_OK;
+    if (!pa) return dsk_set_error(DSK_ERR_OOM, "dsk_moe_forward: %d experts' offsets", El);
+    for (int e = 0; e < El; e++) pa[e] = st->local_off[e];
+    for (int64_t j = 0; j < st->R; j++) {
+        int64_t q = pa[le[j]]++;
+        h->rg[q] = (int32_t)j;
+        h->rgi[j] = (int32_t)q;
+        memcpy(&h->gate[q], &gb[j], sizeof(float));
+    }
+    for (int e = 0; e < El && s == DSK_OK; e++)
+        if (pa[e] != st->local_off[e + 1])
+            s = dsk_set_error(DSK_ERR_CORRUPT,
+                              "dsk_moe_forward: local expert %d: the routing brought %lld rows, the "
+                              "counts %lld",
+                              e, (long long)(pa[e] - st->local_off[e]),
+                              (long long)(st->local_off[e + 1] - st->local_off[e]));
+    if (pa != at) DSK_FREE(pa);
+    return s;
+}
+
+/* The forward's route (collective over ep): destinations and routing of this rank's T tokens from the kept
+   order (perm, off (E + 1) the experts' offsets in it, gate (T K)), sent to the experts' ranks; every index
+   of the exchanges that follow. */
+static dsk_status dsk__moe_hop_plan(dsk_moe *m, dsk_ctx *ctx, int64_t T, int64_t n_kept, const dsk_tensor *perm,
+                                    const dsk_tensor *off, const dsk_tensor *gate) {
+    struct dsk__moe_state *st = m->st;
+    struct dsk__moe_hop *h = st->hop;
+    int K = m->opts.top_k, E = m->opts.n_routed, El = m->n_local;
+    int64_t TK = T * K, R = st->R, s = 0, D = m->opts.d_model;
+    const int32_t *pm = DSK__MOE_I32(*perm), *of = DSK__MOE_I32(*off);
+    const float *g = DSK__MOE_F32(*gate);
+    int32_t *le;
+    dsk_moe_route_opts ro = {1};
+    dsk_status e;
+    if (!h) {
+        if (!(h = st->hop = (struct dsk__moe_hop *)DSK_MALLOC(sizeof *h)))
+            return dsk_set_error(DSK_ERR_OOM, "dsk_moe_forward: two-hop state");
+        memset(h, 0, sizeof *h);
+    }
+    dsk__moe_hop_arrays_free(h);
+    h->rows = R > n_kept ? R : n_kept;
+    h->dest = (int32_t *)DSK_MALLOC((size_t)(TK + 1) * sizeof(int32_t));
+    h->meta = (int32_t *)DSK_MALLOC((size_t)((T + 2 * R) * 2 * K + 1) * sizeof(int32_t));
+    h->rg = (int32_t *)DSK_MALLOC((size_t)(R + 1) * sizeof(int32_t));
+    h->rgi = (int32_t *)DSK_MALLOC((size_t)(R + 1) * sizeof(int32_t));
+    h->kidx = (int32_t *)DSK_MALLOC((size_t)(n_kept + TK + 1) * sizeof(int32_t));
+    h->gate = (float *)DSK_MALLOC((size_t)(R + 1) * sizeof(float));
+    for (int i = 0; i < 2; i++) h->stage[i] = (float *)DSK_MALLOC((size_t)(h->rows * D + 1) * sizeof(float));
+    if (!h->dest || !h->meta || !h->rg || !h->rgi || !h->kidx || !h->gate || !h->stage[0] || !h->stage[1])
+        return dsk_set_error(DSK_ERR_OOM, "dsk_moe_forward: two-hop indices of %lld tokens, %lld rows", (long long)T,
+                             (long long)R);
+    for (int64_t f = 0; f < TK; f++) {
+        h->dest[f] = -1;
+        h->meta[(f / K) * 2 * K + f % K] = -1;
+        h->meta[(f / K) * 2 * K + K + f % K] = 0;
+    }
+    for (int x = 0; x < E; x++)
+        for (int64_t q = of[x]; q < of[x + 1]; q++) {
+            int64_t f = pm[q];
+            h->dest[f] = x / El;
+            h->meta[(f / K) * 2 * K + f % K] = x;
+            memcpy(&h->meta[(f / K) * 2 * K + K + f % K], &g[f], sizeof(float));
+        }
+    for (int64_t f = 0; f < TK; f++) h->kidx[n_kept + f] = h->dest[f] >= 0 ? (int32_t)s++ : -1; /* used slots */
+    for (int64_t q = 0; q < n_kept; q++) h->kidx[q] = h->kidx[n_kept + pm[q]];
+    DSK__TRY(dsk_moe_route_init(&h->rt, m->opts.ep, ctx, T, K, h->dest, &ro));
+    if (h->rt.recv_rows != R)
+        return dsk_set_error(DSK_ERR_CORRUPT, "dsk_moe_forward: the route brings %lld rows, the counts %lld",
+                             (long long)h->rt.recv_rows, (long long)R);
+    le = h->meta + (T + R) * 2 * K;
+    DSK__TRY(dsk_moe_route_dispatch(&h->rt, ctx, h->meta, 2 * K, DSK_I32, h->meta + T * 2 * K));
+    dsk__moe_count_off(m, (uint64_t)h->rt.dispatch_rows_off_node * 2 * K * sizeof(int32_t));
+    e = dsk__moe_hop_parse(m, h->meta + T * 2 * K, le, le + R);
+    return e == DSK_OK ? dsk__moe_hop_regroup(m, le, le + R) : e;
+}
+
+/* A (rows, cols) view of host memory. */
+static dsk_tensor dsk__moe_host_view(void *p, dsk_dtype dt, int64_t rows, int64_t cols) {
+    dsk_tensor t;
+    int64_t sh[2] = {rows, cols};
+    (void)dsk_tensor_wrap(&t, p, dt, dsk_cpu(), cols ? 2 : 1, sh);
+    return t;
+}
+
+/* Token rows (T, D) through the route to the experts' ranks, expert-major into dst (R, D); scaled: times each
+   row's gate (backward's g * dy). */
+static dsk_status dsk__moe_hop_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *tok, dsk_tensor *dst,
+                                          int scaled) {
+    struct dsk__moe_hop *h = m->st->hop;
+    int64_t R = m->st->R, D = m->opts.d_model;
+    dsk_tensor stage = dsk__moe_host_view(h->stage[0], DSK_F32, R, D), rg = dsk__moe_host_view(h->rg, DSK_I32, R, 0);
+    dsk_tensor gate = dsk__moe_host_view(h->gate, DSK_F32, R, 0);
+    DSK__TRY(dsk_moe_route_dispatch(&h->rt, ctx, tok->data, D, tok->dtype, h->stage[0]));
+    dsk__moe_count_off(m, (uint64_t)h->rt.dispatch_rows_off_node * (uint64_t)D * dsk_dtype_size(tok->dtype));
+    return dsk_gather_rows_scaled(ctx, dst, &stage, &rg, scaled ? &gate : NULL);
+}
+
+/* Rows (R, expert-major) back through the route to their tokens' ranks, into dst (n_kept, kept order). */
+static dsk_status dsk__moe_hop_from_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
+    struct dsk__moe_hop *h = m->st->hop;
+    int64_t R = m->st->R, D = m->opts.d_model, n = dst->shape[0];
+    dsk_tensor sent = dsk__moe_host_view(h->stage[0], DSK_F32, R, D), rgi = dsk__moe_host_view(h->rgi, DSK_I32, R, 0);
+    dsk_tensor back = dsk__moe_host_view(h->stage[1], DSK_F32, h->rt.slots, D);
+    dsk_tensor kidx = dsk__moe_host_view(h->kidx, DSK_I32, n, 0);
+    if (h->rt.slots != n)
+        return dsk_set_error(DSK_ERR_CORRUPT, "dsk_moe: the route returns %lld rows for %lld kept slots",
+                             (long long)h->rt.slots, (long long)n);
+    DSK__TRY(dsk_gather_rows(ctx, &sent, rows, &rgi));
+    DSK__TRY(dsk_moe_route_combine(&h->rt, ctx, h->stage[0], D, rows->dtype, h->stage[1]));
+    dsk__moe_count_off(m, (uint64_t)h->rt.combine_rows_off_node * (uint64_t)D * dsk_dtype_size(rows->dtype));
+    return dsk_gather_rows(ctx, dst, &back, &kidx);
+}
+
 /* An exchange (DSK__MOE_XCH_*) on a second thread, so that the
    caller computes meanwhile (host backend: the collective takes no ctx and the gathers use none of its
    workspace). Its buffers are sized before it starts; the thread's error message comes back at the join. */
@@ -2531,7 +3543,8 @@ static dsk_status dsk__moe_exchange_start(dsk__moe_async *a, dsk_moe *m, dsk_ctx
     a->way = way;
     /* FP8 dispatch sizes its code and scale buffers as it goes: it runs here, serial */
     int fp8 = way == DSK__MOE_XCH_DISPATCH && m->opts.ep_dispatch == DSK_MOE_DISPATCH_FP8;
-    if (m->opts.ep_overlap && m->device.type == DSK_DEV_CPU && !fp8) { /* no allocation on the thread */
+    /* FP8 and two hops allocate as they go: serial */
+    if (m->opts.ep_overlap && m->device.type == DSK_DEV_CPU && !fp8 && m->opts.ep_route != DSK_MOE_ROUTE_TWO_HOP) {
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, m->st->T, m->st->R, &t));
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE2, m->st->T, m->st->R, &t));
         a->started = pthread_create(&a->thread, NULL, dsk__moe_async_main, a) == 0;
@@ -2562,6 +3575,8 @@ static dsk_status dsk__moe_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor
     struct dsk__moe_state *st = m->st;
     int P = m->ep_size;
     dsk_tensor stage, rg;
+    if (m->opts.ep_route == DSK_MOE_ROUTE_TWO_HOP) return dsk__moe_hop_to_experts(m, ctx, rows, dst, 1);
+    dsk__moe_count_off(m, dsk__moe_flat_off(m, 0, (size_t)m->opts.d_model * dsk_dtype_size(rows->dtype)));
     if (m->opts.ep_exchange == DSK_MOE_EP_BOUNDED) return dsk__moe_to_experts_bounded(m, ctx, rows, dst);
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->T, st->R, &stage));
     rg = dsk__moe_saved(m, DSK__MOE_RG);
@@ -2899,8 +3914,12 @@ static dsk_status dsk__moe_dispatch(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *
     st->fwd_bytes[0] = fp8 ? (uint64_t)(n * (D + 4 * ((D + 127) / 128))) : (uint64_t)(n * D) * es;
     st->fwd_bytes[1] = (uint64_t)(st->R * D) * es;
     for (int i = 0; i < 2 && !m->eval; i++) st->acc_bytes[i] += st->fwd_bytes[i];
+    if (m->opts.ep_route == DSK_MOE_ROUTE_TWO_HOP) return dsk__moe_hop_to_experts(m, ctx, rows, dst, 0);
 #ifdef DSK_AMP_H
-    if (fp8) return dsk__moe_to_experts_fp8(m, ctx, rows, dst);
+    if (fp8) {
+        dsk__moe_count_off(m, dsk__moe_flat_off(m, 0, (size_t)(D + 4 * ((D + 127) / 128))));
+        return dsk__moe_to_experts_fp8(m, ctx, rows, dst);
+    }
 #endif
     return dsk__moe_to_experts(m, ctx, rows, dst);
 }
@@ -2910,6 +3929,8 @@ static dsk_status dsk__moe_from_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tens
     struct dsk__moe_state *st = m->st;
     int P = m->ep_size;
     dsk_tensor stage, rgi;
+    if (m->opts.ep_route == DSK_MOE_ROUTE_TWO_HOP) return dsk__moe_hop_from_experts(m, ctx, rows, dst);
+    dsk__moe_count_off(m, dsk__moe_flat_off(m, 1, (size_t)m->opts.d_model * dsk_dtype_size(rows->dtype)));
     if (m->opts.ep_exchange == DSK_MOE_EP_BOUNDED) return dsk__moe_from_experts_bounded(m, ctx, rows, dst);
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->T, st->R, &stage));
     rgi = dsk__moe_saved(m, DSK__MOE_RGI);
@@ -2993,6 +4014,7 @@ static int64_t dsk__moe_rows_off_node(const dsk_moe *m) {
     int64_t n = 0, L;
     if (m->ep_size <= 1) return 0;
     L = c->n_nodes > 0 && c->world_size % c->n_nodes == 0 ? c->world_size / c->n_nodes : 0;
+    if (m->opts.ep_route == DSK_MOE_ROUTE_TWO_HOP) return m->st->hop->rt.dispatch_rows_off_node;
     if (!L || c->node != c->rank / L) return -1;
     for (int r = 0; r < m->ep_size; r++)
         if (r / L != c->node)
@@ -3029,6 +4051,7 @@ static dsk_status dsk__moe_fill_stats(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor
     s->loss = hl[3];
     s->dispatch_bytes = m->ep_size > 1 ? st->fwd_bytes[0] : 0;
     s->combine_bytes = m->ep_size > 1 ? st->fwd_bytes[1] : 0;
+    s->bytes_off_node = st->off_bytes[0];
     return DSK_OK;
 }
 
@@ -3040,12 +4063,15 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     int64_t N = st->span_on ? st->span_rows : T; /* the loss span: the micro-batch this call is part of */
     int64_t L = o->seq_aux_alpha > 0 && o->seq_len ? o->seq_len : (N > 0 ? N : 1), nseq = N / L > 0 ? N / L : 1;
     int cpu = m->device.type == DSK_DEV_CPU, ep = m->ep_size > 1, fp8 = o->expert_gemm == DSK_MOE_GEMM_FP8;
+    int two = ep && o->ep_route == DSK_MOE_ROUTE_TWO_HOP; /* never with fp8 (dsk__moe_ep_route_resolve) */
     int losses = o->aux_alpha > 0 || o->seq_aux_alpha > 0 || o->z_beta > 0;
     dsk_tensor xf, xa, u, prob, scr, sel, gate, keys, perm_all, off_all, perm, off, pos, row_tok, row_gate, cnt, cntg;
     dsk_tensor xs, xr, h1, h3, a, ob, ys, w[6], offsets;
     dsk__moe_loss_bufs lb;
     dsk__moe_async xch;
     R = dsk__moe_rows_first(m, T); /* sizes the buffers (exact EP: until the counts say more) */
+    st->in_forward = 1;
+    st->off_bytes[0] = 0;
     st->T = T;
     st->R = R;
     st->N = N;
@@ -3125,10 +4151,11 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
         DSK__TRY(dsk_gather_rows_scaled(ctx, &xs, &xa, &row_tok, NULL));
     }
     /* routed experts: grouped GEMMs over the experts' row segments; EP: the shared experts compute while
-       the rows travel */
+       the rows travel (two hops: the tokens' rows) */
     if (ep) {
+        if (two) DSK__TRY(dsk__moe_hop_plan(m, ctx, T, n_kept, &perm, &off, &gate));
         DSK__TRY(dsk__moe_buf(m, ctx, fp8 ? DSK__MOE_DOR : DSK__MOE_XR, T, R, &xr));
-        DSK__TRY(dsk__moe_exchange_start(&xch, m, ctx, &xs, &xr, DSK__MOE_XCH_DISPATCH));
+        DSK__TRY(dsk__moe_exchange_start(&xch, m, ctx, two ? &xa : &xs, &xr, DSK__MOE_XCH_DISPATCH));
     } else if (!fp8) {
         xr = dsk__moe_rows(&xs, R);
     }
@@ -3155,6 +4182,7 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     }
     DSK__TRY(dsk__moe_combine(m, ctx, y, &pos, &gate, &ob, Fs > 0 ? &ys : NULL));
     st->n_kept = n_kept;
+    st->in_forward = 0;
     st->have_fwd = 1;
     st->have_route = 1;
     return stats ? dsk__moe_fill_stats(m, ctx, &cntg, &lb.loss, stats) : DSK_OK;
@@ -3193,7 +4221,7 @@ static dsk_status dsk__moe_backward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *d
     const dsk_moe_opts *o = &m->opts;
     int64_t T = st->T, R = st->R, K = o->top_k;
     int64_t n_rows = st->n_kept >= 0 ? st->n_kept : T * K;
-    int ep = m->ep_size > 1, fp8 = o->expert_gemm == DSK_MOE_GEMM_FP8;
+    int ep = m->ep_size > 1, fp8 = o->expert_gemm == DSK_MOE_GEMM_FP8, two = ep && o->ep_route == DSK_MOE_ROUTE_TWO_HOP;
     float zcoef = st->N > 0 ? o->z_beta * 2.0f / (float)st->N * aux_scale : 0.0f; /* per token of the span */
     /* what the forward saved */
     dsk_tensor xf = dsk__moe_saved(m, DSK__MOE_XF), xa = st->act == DSK_F32 ? xf : dsk__moe_saved(m, DSK__MOE_XA);
@@ -3223,7 +4251,8 @@ static dsk_status dsk__moe_backward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *d
     DSK__TRY(dsk_gather_rows_scaled(ctx, &dos, &dya, &row_tok, &row_gate));
     if (ep) { /* the shared experts' backward while the rows travel */
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DOR, T, R, &dor));
-        DSK__TRY(dsk__moe_exchange_start(&xch, m, ctx, &dos, &dor, DSK__MOE_XCH_TO_EXPERTS));
+        st->in_forward = 0;
+        DSK__TRY(dsk__moe_exchange_start(&xch, m, ctx, two ? &dya : &dos, &dor, DSK__MOE_XCH_TO_EXPERTS));
     } else {
         dor = dsk__moe_rows(&dos, R);
     }
@@ -3279,6 +4308,8 @@ DSK_API dsk_status dsk_moe_stats_request(dsk_moe *m, dsk_ctx *ctx) {
         st->col_bytes[i] = st->acc_bytes[i];
         st->acc_bytes[i] = 0;
     }
+    st->off_bytes[2] = st->off_bytes[1];
+    st->off_bytes[1] = 0;
     DSK__TRY(dsk_tensor_fill(ctx, &st->buf[DSK__MOE_ACC_I].mem, 0.0));
     return dsk_tensor_fill(ctx, &st->buf[DSK__MOE_ACC_F].mem, 0.0);
 }
@@ -3314,6 +4345,7 @@ DSK_API dsk_status dsk_moe_stats_collect(dsk_moe *m, dsk_ctx *ctx, dsk_moe_stats
     out->loss = f[0] + f[1] + f[2];
     out->dispatch_bytes = st->col_bytes[0];
     out->combine_bytes = st->col_bytes[1];
+    out->bytes_off_node = st->off_bytes[2];
     return DSK_OK;
 }
 

@@ -1,9 +1,11 @@
 /* bench/bench_moe_ep.c - an expert-parallel MoE layer's forward + backward on forked CPU ranks (host backend:
    shared memory, or TCP between two emulated hosts with --two-hosts), exchanges serial against overlapped
-   (dsk_moe_opts.ep_overlap), exact against bounded (ep_exchange), flat against node-limited routing. Per
-   variant, rank 0 prints the median step time, the time inside the layer's collectives (dsk_comm_stats.seconds:
-   in serial runs the exposed communication), the share of the serial run's communication the overlap hid,
-   (serial step - overlapped step) / serial communication, and the bytes a step sent to the other node.
+   (dsk_moe_opts.ep_overlap), exact against bounded (ep_exchange), flat against two-hop routes (ep_route) and
+   node-limited routing. Per variant, rank 0 prints the median step time, the time inside the layer's
+   collectives (dsk_comm_stats.seconds: in serial runs the exposed communication), the share of the serial run's
+   communication the overlap hid, (serial step - overlapped step) / serial communication, and the bytes a step
+   sent to the other node: the layer's count of its rows (dsk_moe_stats.bytes_off_node, exact) and what
+   dsk_comm counted on the wire (headers and the counts exchange included).
    Warm-up 2 steps, median of --repeats; a barrier before each step.
    Usage: bench_moe_ep [--ranks P] [--tokens T] [--repeats N] [--two-hosts] */
 #define _POSIX_C_SOURCE 200809L
@@ -21,18 +23,21 @@
 
 typedef struct variant {
     const char *name;
-    int serial, bounded, node_limit;
+    int serial, bounded, node_limit, two_hop;
 } variant;
 
 static const variant variants[] = {
-    {"exact, serial", 1, 0, 0},
-    {"exact, overlapped", 0, 0, 0},
-    {"bounded, serial", 1, 1, 0},
-    {"bounded, overlapped", 0, 1, 0},
-    {"exact, overlapped, node-limited", 0, 0, 1},
+    {"exact, serial", 1, 0, 0, 0},
+    {"exact, overlapped", 0, 0, 0, 0},
+    {"bounded, serial", 1, 1, 0, 0},
+    {"bounded, overlapped", 0, 1, 0, 0},
+    {"exact, overlapped, node-limited", 0, 0, 1, 0},
+    {"exact, serial, two-hop", 1, 0, 0, 1},
+    {"exact, serial, two-hop, node-limited", 1, 0, 1, 1},
 };
 
-/* One variant on this rank: median step seconds, median seconds in collectives, bytes sent off node a step. */
+/* One variant on this rank: median step seconds, median seconds in collectives, bytes sent off node a step
+   (off_node[0]: the layer's rows, [1]: on the wire). */
 static int run_variant(dsk_comm *c, dsk_ctx *ctx, const variant *v, int T, int reps, double *step, double *comm,
                        double *off_node) {
     dsk_moe m;
@@ -55,6 +60,7 @@ static int run_variant(dsk_comm *c, dsk_ctx *ctx, const variant *v, int T, int r
     o.ep_overlap = !v->serial;
     o.ep_exchange = v->bounded ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
     o.node_limit = v->node_limit && c->n_nodes > 1 ? 1 : 0;
+    o.ep_route = v->two_hop ? DSK_MOE_ROUTE_TWO_HOP : DSK_MOE_ROUTE_FLAT;
     if (dsk_moe_init(&m, ctx, &o) != DSK_OK) return 1;
     dsk_moe_slab_sizes(&m, &vb, &gd, &gs);
     ng = gd + gs;
@@ -67,19 +73,22 @@ static int run_variant(dsk_comm *c, dsk_ctx *ctx, const variant *v, int T, int r
         return 2;
     dsk_tensor_uniform(ctx, &x, 11 + (uint64_t)c->rank, 0, -1, 1);
     dsk_tensor_uniform(ctx, &dy, 99 + (uint64_t)c->rank, 0, -1, 1);
-    *off_node = 0;
+    off_node[0] = off_node[1] = 0;
     for (int i = 0; i < reps + 2; i++) {
         dsk_comm_stats before;
         double t0;
-        dsk_moe_stats st;
+        dsk_moe_stats st, col;
         if (dsk_comm_barrier(c, ctx)) return 3;
         before = c->stats;
         t0 = bench_now_s();
         if (dsk_moe_forward(&m, ctx, &y, &x, &st) || dsk_moe_backward(&m, ctx, &dx, &dy, 1.0f)) return 4;
+        t0 = bench_now_s() - t0;
+        if (dsk_moe_stats_request(&m, ctx) || dsk_moe_stats_collect(&m, ctx, &col)) return 5; /* this step's */
         if (i < 2) continue;
-        ts[i - 2] = bench_now_s() - t0;
+        ts[i - 2] = t0;
         cs[i - 2] = c->stats.seconds - before.seconds;
-        *off_node = (double)(c->stats.bytes_sent_off_node - before.bytes_sent_off_node);
+        off_node[1] = (double)(c->stats.bytes_sent_off_node - before.bytes_sent_off_node);
+        off_node[0] = (double)col.bytes_off_node;
     }
     *step = bench_median(ts, reps);
     *comm = bench_median(cs, reps);
@@ -110,8 +119,8 @@ static int rank_main(int rank, int P, int port, int T, int reps, int two_hosts) 
     if (dsk_comm_init(&c, rank, P, &co) || dsk_ctx_init(&ctx, &xo)) return 2;
     for (size_t i = 0; i < sizeof variants / sizeof variants[0]; i++) {
         const variant *v = &variants[i];
-        double step, comm, off;
-        if (run_variant(&c, &ctx, v, T, reps, &step, &comm, &off)) {
+        double step, comm, off[2];
+        if (run_variant(&c, &ctx, v, T, reps, &step, &comm, off)) {
             fprintf(stderr, "rank %d: %s: %s\n", rank, v->name, dsk_last_error());
             return 3;
         }
@@ -120,11 +129,11 @@ static int rank_main(int rank, int P, int port, int T, int reps, int two_hosts) 
             serial_step[v->bounded] = step;
         }
         if (rank == 0) {
-            printf("%-34s step %8.2f ms  in collectives %7.2f ms", v->name, 1e3 * step, 1e3 * comm);
+            printf("%-38s step %8.2f ms  in collectives %7.2f ms", v->name, 1e3 * step, 1e3 * comm);
             if (!v->serial && !v->node_limit && serial_comm[v->bounded] > 0)
                 printf("  hidden %5.1f%% of the serial run's %.2f ms",
                        100 * (serial_step[v->bounded] - step) / serial_comm[v->bounded], 1e3 * serial_comm[v->bounded]);
-            if (two_hosts) printf("  off-node %.0f KiB/step", off / 1024);
+            if (two_hosts) printf("  off-node rows %.1f KiB/step (wire %.1f)", off[0] / 1024, off[1] / 1024);
             printf("\n");
             fflush(stdout);
         }

@@ -82,7 +82,7 @@ typedef struct trainer {
     dsk_tensor g_ids, g_tgt, g_loss; /* --cuda-graph: each micro-batch's inputs and loss, on the device */
     int g_micro;                  /* --cuda-graph: micro-batches staged for this step's graph */
     int g_captured;               /* --cuda-graph: this step captured the graph (else replayed it) */
-    double g_ep_bytes[2];         /* --cuda-graph: the captured step's expert dispatch and combine bytes */
+    double g_ep_bytes[3];         /* --cuda-graph: the captured step's expert exchange bytes (as step_info's) */
     dsk_ctx ctx;
     td_corpus data;
     tm_model model;
@@ -606,8 +606,9 @@ typedef struct step_info {
     double data_ms;           /* waiting for the loader (set by the caller of train_step) */
     double sync_ms;           /* waiting for the gradient all-reduces after backward */
     double reduce_bytes, plain_bytes; /* --zero/--grad-compress: handed to this step's reductions, uncompressed */
-    double ep_bytes[2];               /* --ep: handed to the MoE layers' dispatch and combine all-to-alls (forward) */
-    double pp_bytes;                  /* --pp: handed to the pipeline's sends (activations and gradients) */
+    double ep_bytes[3]; /* --ep: handed to the MoE layers' dispatch and combine all-to-alls (forward); sent to other
+                           nodes by all their exchanges (forward and backward) */
+    double pp_bytes;    /* --pp: handed to the pipeline's sends (activations and gradients) */
     float scale;
     int64_t dropped;
     int skipped;
@@ -636,7 +637,7 @@ static dsk_status read_loss(trainer *t, float *out) {
 static dsk_status collect_moe_stats(trainer *t, step_info *si) {
     tm_model *m = &t->model;
     double v[2] = {0, 0}, worst[1] = {0};
-    si->ep_bytes[0] = si->ep_bytes[1] = 0;
+    si->ep_bytes[0] = si->ep_bytes[1] = si->ep_bytes[2] = 0;
     for (int l = m->cfg.n_dense; l < tm_n_blocks(&m->cfg); l++)
         if (m->blocks[l].is_moe) TM_TRY(dsk_moe_stats_request(&m->blocks[l].moe, &t->ctx));
     TM_TRY(dsk_ctx_sync(&t->ctx));
@@ -648,6 +649,7 @@ static dsk_status collect_moe_stats(trainer *t, step_info *si) {
         v[1] += (double)st->dropped;
         si->ep_bytes[0] += (double)st->dispatch_bytes;
         si->ep_bytes[1] += (double)st->combine_bytes;
+        si->ep_bytes[2] += (double)st->bytes_off_node;
         if (st->mean_load > 0 && st->max_load / st->mean_load > worst[0]) worst[0] = st->max_load / st->mean_load;
     }
     if (t->par.on && t->par.pp > 1) {

@@ -2174,220 +2174,35 @@ static void case_ring_interleavings(void) {
     }
 }
 
-/* ------------------------------------------------------------------ expert-parallel routes */
-
-#define ROUTE_K 3
-#define ROUTE_E 5 /* f32 elements per row */
-
-static int64_t route_rows(int r) { return r == 1 ? 0 : 17 + 5 * r; } /* rank 1 sends nothing */
-
-/* Rank r's destinations: random ranks or -1 (unused), a rank repeated in a row now and then;
-   row 0 has two slots on the last two ranks (one node with two emulated hosts), so a two-hop
-   route sends that row across once where the flat one sends it twice. */
-static void route_dest(int r, int n, int32_t *dest) {
-    for (int64_t q = 0; q < route_rows(r) * ROUTE_K; q++)
-        dest[q] = (int32_t)(mix64(g_seed ^ mix64(777 + (uint64_t)r) ^ (uint64_t)q) % (uint64_t)(n + 1)) - 1;
-    if (route_rows(r) == 0) return;
-    dest[0] = n - 1;
-    dest[1] = n > 1 ? n - 2 : n - 1;
-}
-
-/* What an expert on rank d makes of received row q: deterministic, different per rank and row. */
-static void route_expert(int d, int64_t q, const float *in, float *out) {
-    for (int e = 0; e < ROUTE_E; e++) out[e] = in[e] * 2.0f + (float)(d * 1000 + q);
-}
-
-typedef struct route_world {
-    int n;
-    int32_t *dest[8];
-    float *rows[8];
-    uint8_t *bytes[8]; /* 3-byte rows: an odd row size */
-} route_world;
-
-static void route_world_make(route_world *w, int n) {
-    w->n = n;
-    for (int p = 0; p < n; p++) {
-        w->dest[p] = (int32_t *)malloc((size_t)(route_rows(p) + 1) * ROUTE_K * sizeof(int32_t));
-        w->rows[p] = (float *)malloc((size_t)(route_rows(p) + 1) * ROUTE_E * sizeof(float));
-        w->bytes[p] = (uint8_t *)malloc((size_t)(route_rows(p) + 1) * 3);
-        route_dest(p, n, w->dest[p]);
-        gen(w->rows[p], DSK_F32, route_rows(p) * ROUTE_E, 4242, p);
-        gen(w->bytes[p], DSK_U8, route_rows(p) * 3, 4343, p);
-    }
-}
-
-static void route_world_free(route_world *w) {
-    for (int p = 0; p < w->n; p++) { free(w->dest[p]); free(w->rows[p]); free(w->bytes[p]); }
-}
-
-/* The rows rank me must receive (source order, then (row, slot) order), row_bytes each, from
-   the sources' buffers src[p]; returns their number, counts[p] per source. */
-static int64_t route_want(const route_world *w, int me, void *const *src, size_t row_bytes, char *out,
-                          int64_t *counts) {
-    int64_t q = 0;
-    for (int p = 0; p < w->n; p++) {
-        counts[p] = 0;
-        for (int64_t s = 0; s < route_rows(p) * ROUTE_K; s++)
-            if (w->dest[p][s] == me) {
-                if (out) memcpy(out + (size_t)q * row_bytes, (const char *)src[p] + (size_t)(s / ROUTE_K) * row_bytes,
-                                row_bytes);
-                counts[p]++;
-                q++;
-            }
-    }
-    return q;
-}
-
-/* Rows (per row, per slot) rank me sends off its node: a flat route sends one per slot, a
-   two-hop one per (row, destination node). */
-static int64_t route_off_node(const route_world *w, int me, int two_hop) {
-    int64_t rows = 0;
-    for (int64_t i = 0; i < route_rows(me); i++) {
-        int seen = 0; /* bit: a node this row already went to */
-        for (int j = 0; j < ROUTE_K; j++) {
-            int d = w->dest[me][i * ROUTE_K + j], b;
-            if (d < 0 || (b = host_of(d, w->n)) == host_of(me, w->n)) continue;
-            if (!two_hop || !(seen >> b & 1)) rows++;
-            seen |= 1 << b;
-        }
-    }
-    return rows;
-}
-
-/* Dispatch and combine through a flat and a two-hop route: both bitwise what the flat
-   all-to-all-v semantics give; with two emulated hosts the two-hop route sends fewer rows and
-   bytes off the node. */
-static void rank_routes(dsk_comm *c, void *arg) {
-    int n = c->world_size, me = c->rank;
-    route_world w;
-    int64_t counts[8], want_counts[8], R = route_rows(me), slots = 0, nrecv;
-    uint64_t off_bytes[2] = {0, 0};
-    float *want, *got, *experts, *want_out, *out;
-    uint8_t *wantb, *gotb;
+/* dsk_comm_node_comms: this rank's node (node_size ranks, in rank order) and the cross-node group (one rank per
+   node, node_rank alike), split once and kept; dsk_comm_node_of; bad arguments. */
+static void rank_node_comms(dsk_comm *c, void *arg) {
+    dsk_comm *node = NULL, *cross = NULL, *node2 = NULL, *cross2 = NULL;
     (void)arg;
-    route_world_make(&w, n);
-    nrecv = route_want(&w, me, (void *const *)w.rows, ROUTE_E * sizeof(float), NULL, want_counts);
-    want = (float *)malloc((size_t)(nrecv + 1) * ROUTE_E * sizeof(float));
-    got = (float *)malloc((size_t)(nrecv + 1) * ROUTE_E * sizeof(float));
-    experts = (float *)malloc((size_t)(nrecv + 1) * ROUTE_E * sizeof(float));
-    wantb = (uint8_t *)malloc((size_t)(nrecv + 1) * 3);
-    gotb = (uint8_t *)malloc((size_t)(nrecv + 1) * 3);
-    route_want(&w, me, (void *const *)w.rows, ROUTE_E * sizeof(float), (char *)want, counts);
-    route_want(&w, me, (void *const *)w.bytes, 3, (char *)wantb, counts);
-    for (int64_t s = 0; s < R * ROUTE_K; s++) slots += w.dest[me][s] >= 0;
-    want_out = (float *)malloc((size_t)(slots + 1) * ROUTE_E * sizeof(float));
-    out = (float *)malloc((size_t)(slots + 1) * ROUTE_E * sizeof(float));
-    /* what comes back for slot (i, j): the expert on d applied to row i at its place in d's rows */
+    DSK_TEST_STATUS(dsk_comm_node_comms(c, NULL, &cross), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("node or cross is NULL");
+    DSK_TEST_STATUS(dsk_comm_node_comms(NULL, &node, &cross), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("communicator is NULL or not initialised");
+    DSK_TEST_EXPECT(dsk_comm_node_of(c, -1) == -1 && dsk_comm_node_of(c, c->world_size) == -1 &&
+                        dsk_comm_node_of(NULL, 0) == -1,
+                    "a rank out of range has a node");
+    for (int r = 0; r < c->world_size; r++)
+        DSK_TEST_EXPECT(dsk_comm_node_of(c, r) == host_of(r, c->world_size), "rank %d: node %d, host %d", r,
+                        dsk_comm_node_of(c, r), host_of(r, c->world_size));
+    DSK_TEST_OK(dsk_comm_node_comms(c, &node, &cross));
+    DSK_TEST_OK(dsk_comm_node_comms(c, &node2, &cross2));
+    if (!node || !cross) return;
+    DSK_TEST_EXPECT(node == node2 && cross == cross2, "a second call split again");
+    DSK_TEST_EXPECT(node->world_size == c->node_size && node->rank == c->node_rank, "node group: rank %d of %d",
+                    node->rank, node->world_size);
+    DSK_TEST_EXPECT(cross->world_size == c->n_nodes && cross->rank == c->node, "cross group: rank %d of %d",
+                    cross->rank, cross->world_size);
     {
-        int64_t s = 0, sent[8] = {0};
-        for (int64_t q = 0; q < R * ROUTE_K; q++) {
-            int d = w.dest[me][q];
-            int64_t at = 0, cd[8];
-            if (d < 0) continue;
-            route_want(&w, d, (void *const *)w.rows, ROUTE_E * sizeof(float), NULL, cd);
-            for (int p = 0; p < me; p++) at += cd[p];
-            route_expert(d, at + sent[d]++, w.rows[me] + (q / ROUTE_K) * ROUTE_E, want_out + s++ * ROUTE_E);
-        }
+        int64_t mine = c->rank, sum = -1, want = 0;
+        DSK_TEST_OK(dsk_comm_all_reduce(node, NULL, &mine, &sum, 1, DSK_I64, DSK_COMM_SUM));
+        for (int r = 0; r < c->world_size; r++) want += host_of(r, c->world_size) == c->node ? r : 0;
+        DSK_TEST_EXPECT(sum == want, "node group sums ranks to %lld, want %lld", (long long)sum, (long long)want);
     }
-    for (int two = 0; two < 2; two++) {
-        dsk_comm_route rt;
-        dsk_comm_route_opts o;
-        uint64_t before;
-        char label[96];
-        memset(&o, 0, sizeof o);
-        o.two_hop = two;
-        snprintf(label, sizeof label, "rank %d: %s route", me, two ? "two-hop" : "flat");
-        DSK_TEST_OK(dsk_comm_route_init(&rt, c, NULL, R, ROUTE_K, w.dest[me], &o));
-        if (!rt.impl) continue;
-        DSK_TEST_EXPECT(rt.recv_rows == nrecv && rt.slots == slots && rt.two_hop == two,
-                        "%s: %lld rows received, %lld slots; want %lld, %lld", label, (long long)rt.recv_rows,
-                        (long long)rt.slots, (long long)nrecv, (long long)slots);
-        for (int p = 0; p < n; p++)
-            DSK_TEST_EXPECT(rt.recv_counts[p] == want_counts[p], "%s: %lld rows from rank %d, want %lld", label,
-                            (long long)rt.recv_counts[p], p, (long long)want_counts[p]);
-        DSK_TEST_EXPECT(rt.dispatch_rows_off_node == route_off_node(&w, me, two),
-                        "%s: %lld rows off the node, want %lld", label, (long long)rt.dispatch_rows_off_node,
-                        (long long)route_off_node(&w, me, two));
-        for (int rep = 0; rep < 2; rep++) { /* a route is reused */
-            dsk_test_poison_bytes(got, (size_t)nrecv * ROUTE_E * sizeof(float));
-            before = c->stats.bytes_sent_off_node;
-            DSK_TEST_OK(dsk_comm_route_dispatch(&rt, NULL, w.rows[me], ROUTE_E, DSK_F32, got));
-            off_bytes[two] = c->stats.bytes_sent_off_node - before;
-            DSK_TEST_SAME_BYTES(got, want, (size_t)nrecv * ROUTE_E * sizeof(float), label);
-        }
-        memset(gotb, 0xa5, (size_t)nrecv * 3);
-        DSK_TEST_OK(dsk_comm_route_dispatch(&rt, NULL, w.bytes[me], 3, DSK_U8, gotb));
-        DSK_TEST_SAME_BYTES(gotb, wantb, (size_t)nrecv * 3, label);
-        for (int64_t q = 0; q < nrecv; q++) route_expert(me, q, got + q * ROUTE_E, experts + q * ROUTE_E);
-        dsk_test_poison_bytes(out, (size_t)slots * ROUTE_E * sizeof(float));
-        DSK_TEST_OK(dsk_comm_route_combine(&rt, NULL, experts, ROUTE_E, DSK_F32, out));
-        DSK_TEST_SAME_BYTES(out, want_out, (size_t)slots * ROUTE_E * sizeof(float), label);
-        DSK_TEST_EXPECT(off_bytes[two] >= (uint64_t)rt.dispatch_rows_off_node * ROUTE_E * sizeof(float),
-                        "%s: %llu bytes off the node for %lld rows", label, (unsigned long long)off_bytes[two],
-                        (long long)rt.dispatch_rows_off_node);
-        dsk_comm_route_free(&rt);
-        dsk_comm_route_free(&rt); /* freed twice is fine */
-    }
-    if (c->n_nodes == 1)
-        DSK_TEST_EXPECT(off_bytes[0] == 0 && off_bytes[1] == 0, "one node, yet %llu and %llu bytes off it",
-                        (unsigned long long)off_bytes[0], (unsigned long long)off_bytes[1]);
-    else
-        DSK_TEST_EXPECT(off_bytes[1] < off_bytes[0] && route_off_node(&w, me, 1) <= route_off_node(&w, me, 0),
-                        "rank %d: two hops sent %llu bytes (%lld rows) off the node, flat %llu (%lld rows)", me,
-                        (unsigned long long)off_bytes[1], (long long)route_off_node(&w, me, 1),
-                        (unsigned long long)off_bytes[0], (long long)route_off_node(&w, me, 0));
-    if (c->n_nodes > 1 && host_of(me, n) == 0 && R > 0)
-        DSK_TEST_EXPECT(route_off_node(&w, me, 1) < route_off_node(&w, me, 0),
-                        "rank %d: row 0 has two slots on the other node, yet two hops send as many rows", me);
-    free(want); free(got); free(experts); free(wantb); free(gotb); free(want_out); free(out);
-    route_world_free(&w);
-}
-
-/* Misuse: bad destinations and arguments fail at once; ranks that build different kinds of
-   route all fail, and the communicator still works. */
-static void rank_route_misuse(dsk_comm *c, void *arg) {
-    int32_t dest[6] = {0, -1, 0, 0, -1, -1};
-    dsk_comm_route rt;
-    dsk_comm_route_opts o;
-    float x[4] = {1, 2, 3, 4};
-    (void)arg;
-    memset(&o, 0, sizeof o);
-    dest[3] = c->world_size;
-    DSK_TEST_STATUS(dsk_comm_route_init(&rt, c, NULL, 2, 3, dest, &o), DSK_ERR_ARG);
-    DSK_TEST_ERROR_MENTIONS("row 1 slot 0 goes to rank");
-    DSK_TEST_EXPECT(rt.impl == NULL, "a failed init left a route");
-    DSK_TEST_STATUS(dsk_comm_route_init(&rt, c, NULL, 2, 0, dest, &o), DSK_ERR_ARG);
-    DSK_TEST_STATUS(dsk_comm_route_init(&rt, c, NULL, 2, 3, NULL, &o), DSK_ERR_ARG);
-    DSK_TEST_STATUS(dsk_comm_route_dispatch(&rt, NULL, x, 1, DSK_F32, x), DSK_ERR_ARG);
-    DSK_TEST_ERROR_MENTIONS("route is NULL or not initialised");
-    dest[3] = 0;
-    o.two_hop = c->rank == 0;
-    DSK_TEST_STATUS(dsk_comm_route_init(&rt, c, NULL, 2, 3, dest, &o), DSK_ERR_ARG);
-    DSK_TEST_ERROR_MENTIONS(c->rank == 0 ? "a flat route but this rank (0) a two-hop one"
-                                         : "rank 0 built a two-hop route");
-    o.two_hop = 0;
-    DSK_TEST_OK(dsk_comm_route_init(&rt, c, NULL, 2, 3, dest, &o));
-    DSK_TEST_STATUS(dsk_comm_route_dispatch(&rt, NULL, x, -1, DSK_F32, x), DSK_ERR_ARG);
-    DSK_TEST_ERROR_MENTIONS("row_elems -1 is negative");
-    DSK_TEST_STATUS(dsk_comm_route_combine(&rt, NULL, x, 1, DSK_E4M3, x), DSK_ERR_ARG);
-    DSK_TEST_ERROR_MENTIONS("dtype e4m3 is not supported");
-    dsk_comm_route_free(&rt);
-    DSK_TEST_OK(dsk_comm_barrier(c, NULL));
-}
-
-/* Two hosts of 2 and 1 ranks: a two-hop route needs nodes of one size. */
-static void rank_route_uneven(dsk_comm *c, void *arg) {
-    int32_t dest[2] = {0, (c->rank + 1) % c->world_size};
-    dsk_comm_route rt;
-    dsk_comm_route_opts o;
-    (void)arg;
-    memset(&o, 0, sizeof o);
-    o.two_hop = 1;
-    DSK_TEST_STATUS(dsk_comm_route_init(&rt, c, NULL, 1, 2, dest, &o), DSK_ERR_UNSUPPORTED);
-    DSK_TEST_ERROR_MENTIONS("two hops need nodes of one size");
-    o.two_hop = 0;
-    DSK_TEST_OK(dsk_comm_route_init(&rt, c, NULL, 1, 2, dest, &o));
-    dsk_comm_route_free(&rt);
 }
 
 /* ------------------------------------------------------------------ shared memory */
@@ -2542,18 +2357,14 @@ static void run_suite(void) {
         coll_case("all_to_all_v: uneven counts with zeros, packed and with gaps", rank_all_to_all_v, n, 0);
         coll_case("send/recv ring and barrier", rank_send_recv, n, 0);
         coll_case("tensor forms", rank_tensors, n, 0);
-        coll_case("routes: flat and two-hop dispatch and combine, bitwise the flat all-to-all-v; rows off the node",
-                  rank_routes, n, 0);
         if (g_mode == MODE_SHM) coll_case("store set/get/add/barrier", rank_store, n, 0);
     }
     if (g_mode != MODE_TWO_HOSTS) coll_case("split: parity groups, NO_COLOR, nested", rank_split, 3, 0);
     coll_case("split: parity groups, NO_COLOR, nested", rank_split, 4, 0);
     coll_case("NaN propagates through sum, avg, max, min; ranks agree bitwise", rank_nan, 3, 0);
-    if (g_mode == MODE_SHM)
-        coll_case("routes: bad arguments, ranks that build different kinds", rank_route_misuse, 3, 0);
+    coll_case("node communicators: the node's and the cross-node ranks, kept; bad arguments", rank_node_comms, 4, 0);
     if (g_mode == MODE_SHM)
         coll_case("rings: payloads ending 1 to 7 bytes into a line, larger than a ring", rank_stream_tails, 2, 0);
-    if (g_mode == MODE_TWO_HOSTS) coll_case("routes: two hops over nodes of 2 and 1 ranks", rank_route_uneven, 3, 0);
     mode_begin("fault: rank 2 of 3 SIGKILLed mid-run, small messages");
     case_rank_dies(SIGKILL, 100);
     mode_begin("fault: rank 2 of 3 SIGKILLed in a sub-group's all-reduce -> named with its world rank");

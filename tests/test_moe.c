@@ -1517,6 +1517,7 @@ static int ep_node_limited(dsk_comm *c, dsk_moe_opts o, int rank, const float *x
     o.n_group = 0;
     o.topk_group = 0;
     o.node_limit = 1;
+    o.ep_route = DSK_MOE_ROUTE_FLAT; /* rows_off_node counts slots (two hops: tokens, ep_two_hop) */
     if (make_layer(&m, &own, &o) != DSK_OK) return 0;
     for (int e = 0; e < EP_E; e++) ((float *)m.bias->value.data)[e] = (float)dsk_test_rand(-0.05, 0.05);
     dsk_tensor_wrap(&x, (void *)x_rows, DSK_F32, dsk_cpu(), 2, shp);
@@ -1594,6 +1595,109 @@ static int ep_node_limited(dsk_comm *c, dsk_moe_opts o, int rank, const float *x
     return ok;
 }
 
+/* Bytes rank me's exchanges send off its node in one forward and backward, from every rank's routing all
+   (P ranks of T tokens, top K, dropless; ranks numbered node by node, L per node): flat, a row per slot whose
+   expert sits on another node, and back; two hops, a token row per other node holding one of its experts
+   (forward: with its 2K int32 of routing), and back the slots this rank relays (those of tokens of the rank
+   with its node_rank on each other node, for experts on this node). *fwd: the forward's part. */
+static uint64_t ep_off_bytes(const int32_t *all, int P, int L, int me, int two, uint64_t *fwd) {
+    uint64_t row = sizeof(float) * EP_D, to = 0, meta = 0, back = 0;
+    int El = EP_E / P;
+    for (int p = 0; p < P; p++)
+        for (int t = 0; t < EP_T; t++) {
+            int seen = 0;
+            for (int k = 0; k < EP_K; k++) {
+                int e = all[((size_t)p * EP_T + t) * EP_K + k], b = e / El / L;
+                if (p == me && b != me / L && !(two && (seen >> b & 1))) {
+                    to += row;
+                    meta += two ? 2 * EP_K * sizeof(int32_t) : 0;
+                }
+                if (p == me) seen |= 1 << b;
+                if (p / L != me / L && (two ? b == me / L && p % L == me % L : e / El == me)) back += row;
+            }
+        }
+    *fwd = to + meta + back;
+    return 2 * (to + back) + meta;
+}
+
+/* Two hops in the layer (4 ranks on 2 emulated nodes): the two-hop layer gives the flat one's outputs,
+   gradients, loads and bias bit for bit, dropless, under capacity 0.75 and node-limited (M = 1); and its
+   statistics count the bytes sent off the node as ep_off_bytes computes them from the routing, fewer over the
+   group than the flat layer's. 1 if all hold. */
+static int ep_two_hop(dsk_comm *c, dsk_moe_opts o, int rank, const float *x_rows, const float *dy_rows) {
+    int ok = 1;
+    uint64_t got[2], want[2], fgot[2], fwant[2], sum[2];
+    for (int cfg = 0; ok && cfg < 3; cfg++) {
+        float *a = NULL, *b = NULL;
+        size_t na = 0, nb = 0;
+        dsk_moe_opts v = o;
+        v.capacity_factor = cfg == 1 ? 0.75f : 0.0f;
+        if (cfg == 2) {
+            v.n_group = 0;
+            v.topk_group = 0;
+            v.node_limit = 1;
+        }
+        v.ep_route = DSK_MOE_ROUTE_FLAT;
+        if (ep_step_record(c, v, x_rows, dy_rows, &a, &na)) ok = 0;
+        v.ep_route = DSK_MOE_ROUTE_TWO_HOP;
+        if (ep_step_record(c, v, x_rows, dy_rows, &b, &nb)) ok = 0;
+        if (ok && (na != nb || memcmp(a, b, sizeof(float) * na) != 0)) {
+            size_t i = 0;
+            while (i < na && !memcmp(a + i, b + i, sizeof(float))) i++;
+            fprintf(stderr, "rank %d config %d: two hops differ from flat at float %zu of %zu\n", rank, cfg, i, na);
+            ok = 0;
+        }
+        free(a);
+        free(b);
+    }
+    for (int two = 0; ok && two < 2; two++) {
+        dsk_moe m;
+        owned own;
+        dsk_tensor x, y, dx, dy, sel;
+        int64_t shp[2] = {EP_T, EP_D}, ss[2] = {EP_T, EP_K};
+        float yb[EP_T * EP_D], dxb[EP_T * EP_D];
+        int32_t sb[EP_T * EP_K], all[4 * EP_T * EP_K];
+        dsk_moe_stats fs, cs;
+        o.ep_route = two ? DSK_MOE_ROUTE_TWO_HOP : DSK_MOE_ROUTE_FLAT;
+        if (make_layer(&m, &own, &o) != DSK_OK) return 0;
+        dsk_tensor_wrap(&x, (void *)x_rows, DSK_F32, dsk_cpu(), 2, shp);
+        dsk_tensor_wrap(&dy, (void *)dy_rows, DSK_F32, dsk_cpu(), 2, shp);
+        dsk_tensor_wrap(&y, yb, DSK_F32, dsk_cpu(), 2, shp);
+        dsk_tensor_wrap(&dx, dxb, DSK_F32, dsk_cpu(), 2, shp);
+        dsk_tensor_wrap(&sel, sb, DSK_I32, dsk_cpu(), 2, ss);
+        memset(dxb, 0, sizeof dxb);
+        if (dsk_moe_forward(&m, NULL, &y, &x, &fs) != DSK_OK || dsk_moe_backward(&m, NULL, &dx, &dy, 1.0f) != DSK_OK ||
+            dsk_moe_stats_request(&m, NULL) != DSK_OK || dsk_moe_stats_collect(&m, NULL, &cs) != DSK_OK ||
+            dsk_moe_routing(&m, NULL, &sel) != DSK_OK ||
+            dsk_comm_all_gather(c, NULL, sb, all, EP_T * EP_K, DSK_I32) != DSK_OK)
+            ok = 0;
+        got[two] = cs.bytes_off_node;
+        fgot[two] = fs.bytes_off_node;
+        want[two] = ep_off_bytes(all, c->world_size, c->node_size, rank, two, &fwant[two]);
+        drop_layer(&m, &own);
+    }
+    for (int two = 0; ok && two < 2; two++)
+        if (got[two] != want[two] || fgot[two] != fwant[two]) {
+            fprintf(stderr, "rank %d %s: bytes off the node %llu (forward %llu), counted %llu (%llu)\n", rank,
+                    two ? "two-hop" : "flat", (unsigned long long)got[two], (unsigned long long)fgot[two],
+                    (unsigned long long)want[two], (unsigned long long)fwant[two]);
+            ok = 0;
+        }
+    if (dsk_comm_all_reduce(c, NULL, got, sum, 2, DSK_I64, DSK_COMM_SUM) != DSK_OK) return 0;
+    if (ok && !(sum[1] < sum[0])) {
+        fprintf(stderr, "rank %d: two hops sent %llu bytes off the nodes, flat %llu\n", rank,
+                (unsigned long long)sum[1], (unsigned long long)sum[0]);
+        ok = 0;
+    }
+    if (ok && rank == 0) {
+        printf("# 4 ranks on 2 nodes, %d tokens each, top-%d of %d experts, D %d, dropless: bytes sent off the "
+               "nodes in a forward and backward, all ranks: flat %llu, two-hop %llu\n",
+               EP_T, EP_K, EP_E, EP_D, (unsigned long long)sum[0], (unsigned long long)sum[1]);
+        fflush(stdout);
+    }
+    return ok;
+}
+
 /* The bounded exchange needs the same T on every rank: rank 0 with one token fewer fails every rank's
    forward (the fixed-size all-to-all's counts disagree), none hangs. Last: it leaves o.ep unusable. */
 static int ep_bounded_uneven(dsk_moe_opts o, int rank) {
@@ -1648,6 +1752,28 @@ static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx,
             *bad_cfg_ok = *bad_cfg_ok && dsk_moe_init(&bad, NULL, &b) == DSK_ERR_ARG &&
                           strstr(dsk_last_error(), "node_limit 1 sets the groups; n_group 4, topk_group 2") != NULL;
         }
+        /* two hops refused where they cannot run, naming why */
+        b = o;
+        b.ep_route = DSK_MOE_ROUTE_TWO_HOP;
+        b.ep_exchange = DSK_MOE_EP_BOUNDED;
+        *bad_cfg_ok = *bad_cfg_ok && dsk_moe_init(&bad, NULL, &b) == DSK_ERR_UNSUPPORTED &&
+                      strstr(dsk_last_error(), "two-hop needs the exact exchange") != NULL;
+        b.ep_exchange = DSK_MOE_EP_EXACT;
+        b.ep_dispatch = DSK_MOE_DISPATCH_FP8;
+        *bad_cfg_ok = *bad_cfg_ok && dsk_moe_init(&bad, NULL, &b) == DSK_ERR_UNSUPPORTED &&
+                      strstr(dsk_last_error(), "(ep_dispatch 0), not FP8") != NULL;
+        b.ep_dispatch = DSK_MOE_DISPATCH_ACT;
+        b.expert_gemm = DSK_MOE_GEMM_FP8;
+        *bad_cfg_ok = *bad_cfg_ok && dsk_moe_init(&bad, NULL, &b) == DSK_ERR_UNSUPPORTED &&
+                      strstr(dsk_last_error(), "(expert_gemm 0), not FP8") != NULL;
+        b.expert_gemm = DSK_MOE_GEMM_ACT;
+        b.ep = NULL;
+        *bad_cfg_ok = *bad_cfg_ok && dsk_moe_init(&bad, NULL, &b) == DSK_ERR_ARG &&
+                      strstr(dsk_last_error(), "two-hop needs an expert-parallel group of 2 or more ranks") != NULL;
+        b.ep = &c;
+        b.ep_route = (dsk_moe_ep_route)3;
+        *bad_cfg_ok = *bad_cfg_ok && dsk_moe_init(&bad, NULL, &b) == DSK_ERR_ARG &&
+                      strstr(dsk_last_error(), "unknown ep_route 3") != NULL;
     }
     if (make_layer(&m, &own, &o) != DSK_OK) return 3;
     dsk_tensor_wrap(&x, (void *)(gx + rank * EP_T * EP_D), DSK_F32, dsk_cpu(), 2, shp);
@@ -1667,6 +1793,7 @@ static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx,
     drop_layer(&m, &own);
     *bounded_ok = ep_bounded_same(&c, o, rank, gx + rank * EP_T * EP_D, gdy + rank * EP_T * EP_D);
     *node_ok = n == 4 ? ep_node_limited(&c, o, rank, gx + rank * EP_T * EP_D) : 1;
+    *node_ok = *node_ok && (n != 4 || ep_two_hop(&c, o, rank, gx + rank * EP_T * EP_D, gdy + rank * EP_T * EP_D));
     *node_ok = *node_ok && ep_bounded_uneven(o, rank);
     dsk_comm_free(&c); /* unusable after the uneven exchange */
     return 0;
@@ -1744,22 +1871,26 @@ static void ep_check(ep_job *j) {
     dsk_tensor y, dx;
     dsk_moe_stats st;
     int64_t shp[2] = {NT, EP_D};
-    dsk_test_begin("expert parallel %s over %d ranks = 1 rank, overlapped & bounded = serial, node-limited on 4",
+    dsk_test_begin("expert parallel %s over %d ranks = 1 rank, overlapped & bounded = serial, node-limited and "
+                   "two-hop = flat (bits, bytes off the node) on 4",
                    j->sigmoid ? "sigmoid+groups" : "softmax", n);
     memset(&y, 0, sizeof y); memset(&dx, 0, sizeof dx);
     DSK_TEST_OK(make_layer(&ref, &own, &o));
     if (!j->port_ok) { dsk_test_fail_at(__FILE__, __LINE__, "no free port: %s", dsk_last_error()); goto out; }
     for (int r = 0; r < n; r++) {
         DSK_TEST_EXPECT(j->flags[r] == 0, "a rank failed with status %d", j->flags[r]);
-        DSK_TEST_EXPECT(j->flags[32 + r] == 1, "rank %d: E not divisible by the EP size was not reported", r);
+        DSK_TEST_EXPECT(j->flags[32 + r] == 1,
+                        "rank %d: E not divisible by the EP size, or a two-hop route it cannot run, was not refused",
+                        r);
         DSK_TEST_EXPECT(j->flags[48 + r] == 1, "rank %d: a NaN token on rank 0 did not fail the forward on every rank",
                         r);
         DSK_TEST_EXPECT(j->flags[16 + r] == 1,
                         "rank %d: overlapped or bounded exchanges (dropless, capacity 0.75) differ from the serial one",
                         r);
         DSK_TEST_EXPECT(j->flags[24 + r] == 1,
-                        "rank %d: node-limited routing (2 emulated nodes) broke its rule, or an uneven T under the "
-                        "bounded exchange did not fail every rank",
+                        "rank %d: node-limited routing (2 emulated nodes) broke its rule, two hops differ from flat "
+                        "or miscount the bytes off the node, or an uneven T under the bounded exchange did not fail "
+                        "every rank",
                         r);
     }
     one_layer_step(&ref, j->gx, j->gdy, shp, &y, &dx, &st);
@@ -3430,6 +3561,337 @@ out:
     dsk_test_end();
 }
 
+
+/* ---------------------------------------------------------------- expert-parallel routes (dsk_moe_route_*) */
+
+/* The transports a route case runs over: shared memory, TCP, or two emulated hosts (ranks
+   [0, (n+1)/2) on one, the rest on the other: shared memory inside each, TCP across). */
+enum { RT_SHM, RT_TCP, RT_TWO_HOSTS };
+static const char *k_rt_modes[] = {"shared memory", "TCP", "2 emulated hosts"};
+static int rt_mode;
+static uint64_t rt_seed;
+
+static int host_of(int r, int n) { return rt_mode == RT_TWO_HOSTS && r >= (n + 1) / 2; }
+
+static uint64_t mix64(uint64_t z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* Element i of rank r's rows for `tag`: f32 in [-2, 2), never 0, or u8. */
+static void rt_gen(void *buf, dsk_dtype dt, int64_t n, uint64_t tag, int r) {
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t u = mix64(rt_seed ^ mix64(tag * 131 + (uint64_t)r) ^ (uint64_t)i * 0xD1B54A32D192ED03ull);
+        float f = (float)((double)(u >> 11) * (1.0 / 9007199254740992.0) * 4.0 - 2.0);
+        if (dt == DSK_F32) ((float *)buf)[i] = f == 0 ? 0.5f : f;
+        else ((uint8_t *)buf)[i] = (uint8_t)(u >> 56);
+    }
+}
+
+#define ROUTE_K 3
+#define ROUTE_E 5 /* f32 elements per row */
+
+static int64_t route_rows(int r) { return r == 1 ? 0 : 17 + 5 * r; } /* rank 1 sends nothing */
+
+/* Rank r's destinations: random ranks or -1 (unused), a rank repeated in a row now and then;
+   row 0 has two slots on the last two ranks (one node with two emulated hosts), so a two-hop
+   route sends that row across once where the flat one sends it twice. */
+static void route_dest(int r, int n, int32_t *dest) {
+    for (int64_t q = 0; q < route_rows(r) * ROUTE_K; q++)
+        dest[q] = (int32_t)(mix64(rt_seed ^ mix64(777 + (uint64_t)r) ^ (uint64_t)q) % (uint64_t)(n + 1)) - 1;
+    if (route_rows(r) == 0) return;
+    dest[0] = n - 1;
+    dest[1] = n > 1 ? n - 2 : n - 1;
+}
+
+/* What an expert on rank d makes of received row q: deterministic, different per rank and row. */
+static void route_expert(int d, int64_t q, const float *in, float *out) {
+    for (int e = 0; e < ROUTE_E; e++) out[e] = in[e] * 2.0f + (float)(d * 1000 + q);
+}
+
+typedef struct route_world {
+    int n;
+    int32_t *dest[8];
+    float *rows[8];
+    uint8_t *bytes[8]; /* 3-byte rows: an odd row size */
+} route_world;
+
+static void route_world_make(route_world *w, int n) {
+    w->n = n;
+    for (int p = 0; p < n; p++) {
+        w->dest[p] = (int32_t *)malloc((size_t)(route_rows(p) + 1) * ROUTE_K * sizeof(int32_t));
+        w->rows[p] = (float *)malloc((size_t)(route_rows(p) + 1) * ROUTE_E * sizeof(float));
+        w->bytes[p] = (uint8_t *)malloc((size_t)(route_rows(p) + 1) * 3);
+        route_dest(p, n, w->dest[p]);
+        rt_gen(w->rows[p], DSK_F32, route_rows(p) * ROUTE_E, 4242, p);
+        rt_gen(w->bytes[p], DSK_U8, route_rows(p) * 3, 4343, p);
+    }
+}
+
+static void route_world_free(route_world *w) {
+    for (int p = 0; p < w->n; p++) {
+        free(w->dest[p]);
+        free(w->rows[p]);
+        free(w->bytes[p]);
+    }
+}
+
+/* The rows rank me must receive (source order, then (row, slot) order), row_bytes each, from
+   the sources' buffers src[p]; returns their number, counts[p] per source. */
+static int64_t route_want(const route_world *w, int me, void *const *src, size_t row_bytes, char *out,
+                          int64_t *counts) {
+    int64_t q = 0;
+    for (int p = 0; p < w->n; p++) {
+        counts[p] = 0;
+        for (int64_t s = 0; s < route_rows(p) * ROUTE_K; s++)
+            if (w->dest[p][s] == me) {
+                if (out)
+                    memcpy(out + (size_t)q * row_bytes, (const char *)src[p] + (size_t)(s / ROUTE_K) * row_bytes,
+                           row_bytes);
+                counts[p]++;
+                q++;
+            }
+    }
+    return q;
+}
+
+/* Rows (per row, per slot) rank me sends off its node: a flat route sends one per slot, a
+   two-hop one per (row, destination node). */
+static int64_t route_off_node(const route_world *w, int me, int two_hop) {
+    int64_t rows = 0;
+    for (int64_t i = 0; i < route_rows(me); i++) {
+        int seen = 0; /* bit: a node this row already went to */
+        for (int j = 0; j < ROUTE_K; j++) {
+            int d = w->dest[me][i * ROUTE_K + j], b;
+            if (d < 0 || (b = host_of(d, w->n)) == host_of(me, w->n)) continue;
+            if (!two_hop || !(seen >> b & 1)) rows++;
+            seen |= 1 << b;
+        }
+    }
+    return rows;
+}
+
+/* Dispatch and combine through a flat and a two-hop route: both bitwise what the flat
+   all-to-all-v semantics give; with two emulated hosts the two-hop route sends fewer rows and
+   bytes off the node. */
+static void rank_routes(dsk_comm *c, void *arg) {
+    int n = c->world_size, me = c->rank;
+    route_world w;
+    int64_t counts[8], want_counts[8], R = route_rows(me), slots = 0, nrecv;
+    uint64_t off_bytes[2] = {0, 0};
+    float *want, *got, *experts, *want_out, *out;
+    uint8_t *wantb, *gotb;
+    (void)arg;
+    route_world_make(&w, n);
+    nrecv = route_want(&w, me, (void *const *)w.rows, ROUTE_E * sizeof(float), NULL, want_counts);
+    want = (float *)malloc((size_t)(nrecv + 1) * ROUTE_E * sizeof(float));
+    got = (float *)malloc((size_t)(nrecv + 1) * ROUTE_E * sizeof(float));
+    experts = (float *)malloc((size_t)(nrecv + 1) * ROUTE_E * sizeof(float));
+    wantb = (uint8_t *)malloc((size_t)(nrecv + 1) * 3);
+    gotb = (uint8_t *)malloc((size_t)(nrecv + 1) * 3);
+    route_want(&w, me, (void *const *)w.rows, ROUTE_E * sizeof(float), (char *)want, counts);
+    route_want(&w, me, (void *const *)w.bytes, 3, (char *)wantb, counts);
+    for (int64_t s = 0; s < R * ROUTE_K; s++) slots += w.dest[me][s] >= 0;
+    want_out = (float *)malloc((size_t)(slots + 1) * ROUTE_E * sizeof(float));
+    out = (float *)malloc((size_t)(slots + 1) * ROUTE_E * sizeof(float));
+    /* what comes back for slot (i, j): the expert on d applied to row i at its place in d's rows */
+    {
+        int64_t s = 0, sent[8] = {0};
+        for (int64_t q = 0; q < R * ROUTE_K; q++) {
+            int d = w.dest[me][q];
+            int64_t at = 0, cd[8];
+            if (d < 0) continue;
+            route_want(&w, d, (void *const *)w.rows, ROUTE_E * sizeof(float), NULL, cd);
+            for (int p = 0; p < me; p++) at += cd[p];
+            route_expert(d, at + sent[d]++, w.rows[me] + (q / ROUTE_K) * ROUTE_E, want_out + s++ * ROUTE_E);
+        }
+    }
+    for (int two = 0; two < 2; two++) {
+        dsk_moe_route rt;
+        dsk_moe_route_opts o;
+        uint64_t before;
+        char label[96];
+        memset(&o, 0, sizeof o);
+        o.two_hop = two;
+        snprintf(label, sizeof label, "rank %d: %s route", me, two ? "two-hop" : "flat");
+        DSK_TEST_OK(dsk_moe_route_init(&rt, c, NULL, R, ROUTE_K, w.dest[me], &o));
+        if (!rt.impl) continue;
+        DSK_TEST_EXPECT(rt.recv_rows == nrecv && rt.slots == slots && rt.two_hop == two,
+                        "%s: %lld rows received, %lld slots; want %lld, %lld", label, (long long)rt.recv_rows,
+                        (long long)rt.slots, (long long)nrecv, (long long)slots);
+        for (int p = 0; p < n; p++)
+            DSK_TEST_EXPECT(rt.recv_counts[p] == want_counts[p], "%s: %lld rows from rank %d, want %lld", label,
+                            (long long)rt.recv_counts[p], p, (long long)want_counts[p]);
+        DSK_TEST_EXPECT(rt.dispatch_rows_off_node == route_off_node(&w, me, two),
+                        "%s: %lld rows off the node, want %lld", label, (long long)rt.dispatch_rows_off_node,
+                        (long long)route_off_node(&w, me, two));
+        for (int rep = 0; rep < 2; rep++) { /* a route is reused */
+            dsk_test_poison_bytes(got, (size_t)nrecv * ROUTE_E * sizeof(float));
+            before = c->stats.bytes_sent_off_node;
+            DSK_TEST_OK(dsk_moe_route_dispatch(&rt, NULL, w.rows[me], ROUTE_E, DSK_F32, got));
+            off_bytes[two] = c->stats.bytes_sent_off_node - before;
+            DSK_TEST_SAME_BYTES(got, want, (size_t)nrecv * ROUTE_E * sizeof(float), label);
+        }
+        memset(gotb, 0xa5, (size_t)nrecv * 3);
+        DSK_TEST_OK(dsk_moe_route_dispatch(&rt, NULL, w.bytes[me], 3, DSK_U8, gotb));
+        DSK_TEST_SAME_BYTES(gotb, wantb, (size_t)nrecv * 3, label);
+        for (int64_t q = 0; q < nrecv; q++) route_expert(me, q, got + q * ROUTE_E, experts + q * ROUTE_E);
+        dsk_test_poison_bytes(out, (size_t)slots * ROUTE_E * sizeof(float));
+        DSK_TEST_OK(dsk_moe_route_combine(&rt, NULL, experts, ROUTE_E, DSK_F32, out));
+        DSK_TEST_SAME_BYTES(out, want_out, (size_t)slots * ROUTE_E * sizeof(float), label);
+        DSK_TEST_EXPECT(off_bytes[two] >= (uint64_t)rt.dispatch_rows_off_node * ROUTE_E * sizeof(float),
+                        "%s: %llu bytes off the node for %lld rows", label, (unsigned long long)off_bytes[two],
+                        (long long)rt.dispatch_rows_off_node);
+        dsk_moe_route_free(&rt);
+        dsk_moe_route_free(&rt); /* freed twice is fine */
+    }
+    if (c->n_nodes == 1)
+        DSK_TEST_EXPECT(off_bytes[0] == 0 && off_bytes[1] == 0, "one node, yet %llu and %llu bytes off it",
+                        (unsigned long long)off_bytes[0], (unsigned long long)off_bytes[1]);
+    else
+        DSK_TEST_EXPECT(off_bytes[1] < off_bytes[0] && route_off_node(&w, me, 1) <= route_off_node(&w, me, 0),
+                        "rank %d: two hops sent %llu bytes (%lld rows) off the node, flat %llu (%lld rows)", me,
+                        (unsigned long long)off_bytes[1], (long long)route_off_node(&w, me, 1),
+                        (unsigned long long)off_bytes[0], (long long)route_off_node(&w, me, 0));
+    if (c->n_nodes > 1 && host_of(me, n) == 0 && R > 0)
+        DSK_TEST_EXPECT(route_off_node(&w, me, 1) < route_off_node(&w, me, 0),
+                        "rank %d: row 0 has two slots on the other node, yet two hops send as many rows", me);
+    free(want);
+    free(got);
+    free(experts);
+    free(wantb);
+    free(gotb);
+    free(want_out);
+    free(out);
+    route_world_free(&w);
+}
+
+/* Misuse: bad destinations and arguments fail at once; ranks that build different kinds of
+   route all fail, and the communicator still works. */
+static void rank_route_misuse(dsk_comm *c, void *arg) {
+    int32_t dest[6] = {0, -1, 0, 0, -1, -1};
+    dsk_moe_route rt;
+    dsk_moe_route_opts o;
+    float x[4] = {1, 2, 3, 4};
+    (void)arg;
+    memset(&o, 0, sizeof o);
+    dest[3] = c->world_size;
+    DSK_TEST_STATUS(dsk_moe_route_init(&rt, c, NULL, 2, 3, dest, &o), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("row 1 slot 0 goes to rank");
+    DSK_TEST_EXPECT(rt.impl == NULL, "a failed init left a route");
+    DSK_TEST_STATUS(dsk_moe_route_init(&rt, c, NULL, 2, 0, dest, &o), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_moe_route_init(&rt, c, NULL, 2, 3, NULL, &o), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_moe_route_dispatch(&rt, NULL, x, 1, DSK_F32, x), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("route is NULL or not initialised");
+    dest[3] = 0;
+    o.two_hop = c->rank == 0;
+    DSK_TEST_STATUS(dsk_moe_route_init(&rt, c, NULL, 2, 3, dest, &o), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS(c->rank == 0 ? "a flat route but this rank (0) a two-hop one"
+                                         : "rank 0 built a two-hop route");
+    o.two_hop = 0;
+    DSK_TEST_OK(dsk_moe_route_init(&rt, c, NULL, 2, 3, dest, &o));
+    DSK_TEST_STATUS(dsk_moe_route_dispatch(&rt, NULL, x, -1, DSK_F32, x), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("row_elems -1 is negative");
+    DSK_TEST_STATUS(dsk_moe_route_combine(&rt, NULL, x, 1, DSK_E4M3, x), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dtype e4m3 is not supported");
+    dsk_moe_route_free(&rt);
+    DSK_TEST_OK(dsk_comm_barrier(c, NULL));
+}
+
+/* Two hosts of 2 and 1 ranks: a two-hop route needs nodes of one size. */
+static void rank_route_uneven(dsk_comm *c, void *arg) {
+    int32_t dest[2] = {0, (c->rank + 1) % c->world_size};
+    dsk_moe_route rt;
+    dsk_moe_route_opts o;
+    (void)arg;
+    memset(&o, 0, sizeof o);
+    o.two_hop = 1;
+    DSK_TEST_STATUS(dsk_moe_route_init(&rt, c, NULL, 1, 2, dest, &o), DSK_ERR_UNSUPPORTED);
+    DSK_TEST_ERROR_MENTIONS("two hops need nodes of one size");
+    o.two_hop = 0;
+    DSK_TEST_OK(dsk_moe_route_init(&rt, c, NULL, 1, 2, dest, &o));
+    dsk_moe_route_free(&rt);
+}
+
+/* A layer over 3 ranks on nodes of 2 and 1 (two emulated hosts): two hops refused (nodes of one size),
+   AUTO resolved to the flat exchange. */
+static void rank_moe_route_uneven(dsk_comm *c, void *arg) {
+    dsk_moe m;
+    dsk_moe_opts o = ep_opts(0);
+    (void)arg;
+    o.n_routed = 6;
+    o.ep = c;
+    o.ep_route = DSK_MOE_ROUTE_TWO_HOP;
+    DSK_TEST_STATUS(dsk_moe_init(&m, NULL, &o), DSK_ERR_UNSUPPORTED);
+    DSK_TEST_ERROR_MENTIONS("two-hop needs an expert-parallel group whose nodes have one size");
+    o.ep_route = DSK_MOE_ROUTE_AUTO;
+    DSK_TEST_OK(dsk_moe_init(&m, NULL, &o));
+    DSK_TEST_EXPECT(m.opts.ep_route == DSK_MOE_ROUTE_FLAT, "AUTO over uneven nodes resolved to %d, not flat",
+                    (int)m.opts.ep_route);
+    dsk_moe_free(&m, NULL);
+}
+
+/* Forks n ranks that init a host communicator over the current mode and run fn; a rank exits 1
+   when one of its checks failed. Called before this process starts OpenMP threads. */
+static void rt_case(const char *name, void (*fn)(dsk_comm *, void *), int n, int mode) {
+    pid_t pid[4];
+    int port = 0;
+    rt_mode = mode;
+    dsk_test_begin("[%s] %s, %d rank%s", k_rt_modes[mode], name, n, n > 1 ? "s" : "");
+    if (dsk_comm_free_port("127.0.0.1", &port) != DSK_OK) {
+        dsk_test_fail_at(__FILE__, __LINE__, "no free port: %s", dsk_last_error());
+        dsk_test_end();
+        return;
+    }
+    fflush(stdout);
+    for (int r = 0; r < n; r++) {
+        pid[r] = fork();
+        if (pid[r] == 0) {
+            dsk_comm c;
+            dsk_comm_opts o;
+            memset(&o, 0, sizeof o);
+            o.backend = DSK_COMM_HOST;
+            o.master_addr = "127.0.0.1";
+            o.master_port = port;
+            o.timeout_s = 30;
+            if (mode == RT_TCP) o.transport = DSK_COMM_TRANSPORT_TCP;
+            if (mode == RT_TWO_HOSTS) o.host_id = host_of(r, n) ? "route-host-b" : "route-host-a";
+            if (dsk_comm_init(&c, r, n, &o) != DSK_OK)
+                dsk_test_fail_at(__FILE__, __LINE__, "rank %d: dsk_comm_init: %s", r, dsk_last_error());
+            else {
+                fn(&c, NULL);
+                dsk_comm_free(&c);
+            }
+            fflush(stdout);
+            _exit(dsk_test_g.checks_failed_total > 0 ? 1 : 0);
+        }
+    }
+    for (int r = 0; r < n; r++) {
+        int st = -1;
+        if (pid[r] > 0) waitpid(pid[r], &st, 0);
+        DSK_TEST_EXPECT(pid[r] > 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "rank %d of %d failed (status %d)", r, n,
+                        st);
+    }
+    dsk_test_end();
+}
+
+/* The route cases of test_comm before the routes moved here: 1 to 4 ranks over shared memory, 2 over
+   TCP, 4 on two emulated hosts; misuse on 3; two hops over uneven nodes. */
+static void test_routes(void) {
+    const char *name =
+        "routes: flat and two-hop dispatch and combine, bitwise the flat all-to-all-v; rows off the node";
+    rt_seed = dsk_test_g.seed ^ 0x726f757465ull;
+    for (int n = 1; n <= 4; n++) rt_case(name, rank_routes, n, RT_SHM);
+    rt_case(name, rank_routes, 2, RT_TCP);
+    rt_case(name, rank_routes, 4, RT_TWO_HOSTS);
+    rt_case("routes: bad arguments, ranks that build different kinds", rank_route_misuse, 3, RT_SHM);
+    rt_case("routes: two hops over nodes of 2 and 1 ranks", rank_route_uneven, 3, RT_TWO_HOSTS);
+    rt_case("layer: ep_route two-hop refused over nodes of 2 and 1 ranks, AUTO flat", rank_moe_route_uneven, 3,
+            RT_TWO_HOSTS);
+}
+
 int main(void) {
     dsk_test_init("test_moe");
     ep_job jobs[3];
@@ -3438,6 +3900,7 @@ int main(void) {
     aj_job aj[2];
     sp_job sp[4];
     /* every forked rank first, before this process starts OpenMP threads */
+    test_routes();
     ep_run(&jobs[0], 2, 0);
     ep_run(&jobs[1], 4, 1);
     ep_run(&jobs[2], 2, 1);

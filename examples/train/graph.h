@@ -156,7 +156,7 @@ static dsk_status graph_step(trainer *t, float gscale, step_info *si) {
    calls, which only the capture does; a replay moves the captured step's bytes again (the
    bounded exchange's blocks are set by the shapes, not the routing). */
 static void graph_ep_bytes(trainer *t, step_info *si) {
-    for (int i = 0; i < 2; i++)
+    for (int i = 0; i < 3; i++)
         if (t->g_captured) t->g_ep_bytes[i] = si->ep_bytes[i];
         else si->ep_bytes[i] = t->g_ep_bytes[i];
 }

@@ -10,6 +10,7 @@
    every call through NCCL. Without a usable CUDA device every case is skipped. */
 #define _POSIX_C_SOURCE 200809L /* mkdtemp, readlink, dirent: the library is linked, not included */
 #include "../../dsk_comm.h"
+#include "../../dsk_moe.h" /* its expert-parallel routes */
 #include "tests/dsk_test.h"
 #include "tests/gpu/gpu_test_spawn.h"
 
@@ -230,8 +231,8 @@ static void part_routes(void) {
                     NC.n_nodes, HC.n_nodes);
     for (int two = 0; two < 2; two++)
         for (int d = 0; d < 2; d++) {
-            dsk_comm_route nr, hr;
-            dsk_comm_route_opts o;
+            dsk_moe_route nr, hr;
+            dsk_moe_route_opts o;
             dsk_dtype dt = d ? DSK_BF16 : DSK_F32;
             int64_t E = d ? 3 : 5;
             size_t row = (size_t)E * dsk_dtype_size(dt);
@@ -239,8 +240,8 @@ static void part_routes(void) {
             void *din, *drecv, *dback;
             memset(&o, 0, sizeof o);
             o.two_hop = two;
-            DSK_TEST_OK(dsk_comm_route_init(&hr, &HC, NULL, rows, k, dest, &o));
-            DSK_TEST_OK(dsk_comm_route_init(&nr, &NC, &G, rows, k, dest, &o));
+            DSK_TEST_OK(dsk_moe_route_init(&hr, &HC, NULL, rows, k, dest, &o));
+            DSK_TEST_OK(dsk_moe_route_init(&nr, &NC, &G, rows, k, dest, &o));
             if (!hr.impl || !nr.impl) return;
             DSK_TEST_EXPECT(nr.recv_rows == hr.recv_rows && nr.slots == hr.slots &&
                                 nr.dispatch_rows_off_node == hr.dispatch_rows_off_node &&
@@ -257,20 +258,20 @@ static void part_routes(void) {
             dback = dev_poisoned((size_t)hr.slots * row);
             snprintf(label, sizeof label, "rank %d: %s route, %s rows", me, two ? "two-hop" : "flat",
                      dsk_dtype_name(dt));
-            DSK_TEST_OK(dsk_comm_route_dispatch(&hr, NULL, in, E, dt, want));
-            DSK_TEST_OK(dsk_comm_route_dispatch(&nr, &G, din, E, dt, drecv));
+            DSK_TEST_OK(dsk_moe_route_dispatch(&hr, NULL, in, E, dt, want));
+            DSK_TEST_OK(dsk_moe_route_dispatch(&nr, &G, din, E, dt, drecv));
             to_host(got, drecv, (size_t)hr.recv_rows * row);
             DSK_TEST_SAME_BYTES(got, want, (size_t)hr.recv_rows * row, label);
-            DSK_TEST_OK(dsk_comm_route_combine(&hr, NULL, want, E, dt, back_want));
-            DSK_TEST_OK(dsk_comm_route_combine(&nr, &G, drecv, E, dt, dback));
+            DSK_TEST_OK(dsk_moe_route_combine(&hr, NULL, want, E, dt, back_want));
+            DSK_TEST_OK(dsk_moe_route_combine(&nr, &G, drecv, E, dt, dback));
             to_host(back_got, dback, (size_t)hr.slots * row);
             DSK_TEST_SAME_BYTES(back_got, back_want, (size_t)hr.slots * row, label);
             cudaFree(din);
             cudaFree(drecv);
             cudaFree(dback);
             free(in); free(want); free(got); free(back_want); free(back_got);
-            dsk_comm_route_free(&nr);
-            dsk_comm_route_free(&hr);
+            dsk_moe_route_free(&nr);
+            dsk_moe_route_free(&hr);
         }
     free(dest);
 }

@@ -397,6 +397,13 @@ static int ep_rank(int sigmoid) {
     DSK_TEST_OK(dsk_moe_forward(&ref, NULL, &y, &x, &rs));
     DSK_TEST_OK(dsk_moe_backward(&ref, NULL, &dx, &dy, 1.0f));
     o.ep = &c;
+    { /* two hops are CPU-only for now: a CUDA layer asking for them fails init, naming why */
+        dsk_moe bad;
+        dsk_moe_opts b = o;
+        b.ep_route = DSK_MOE_ROUTE_TWO_HOP;
+        DSK_TEST_STATUS(dsk_moe_init(&bad, &g, &b), DSK_ERR_UNSUPPORTED);
+        DSK_TEST_ERROR_MENTIONS("ep_route two-hop needs a CPU layer");
+    }
     DSK_TEST_OK(make_layer(&m, &mo, &g, &o));
     DSK_TEST_OK(dsk_moe_set_loss_span(&m, &c, (int64_t)me * EP_T, NT));
     for (int i = 0; i < m.n_params; i++) { /* the reference's parameters; experts: this rank's slice */
