@@ -695,12 +695,13 @@ static dsk_status tm_linear_backward(tm_model *m, int ph, int n, tm_param **w, d
         for (int i = 0; i < n; i++) TM_T(ph, tm_mm(m, dx, dy[i], 0, &w[i]->wc, 0, i ? 1.0f : 0.0f));
         return DSK_OK;
     }
-    TM_T(ph, tf8_input_t(m->ctx, &m->f8, act));
-    for (int i = 0; i < n; i++) { /* one output gradient's quantised forms at a time in the scratch */
-        TM_T(ph, tf8_grad(m->ctx, &m->f8, dy[i]));
-        TM_T(ph, tf8_backward_w(m->ctx, &m->f8, &w[i]->g, dy[i]->shape[0]));
-        TM_T(ph, tf8_backward_x(m->ctx, &m->f8, dx, &w[i]->wc, i ? 1.0f : 0.0f));
+    dsk_tensor *gw[3];
+    const dsk_tensor *wc[3];
+    for (int i = 0; i < n; i++) {
+        gw[i] = &w[i]->g;
+        wc[i] = &w[i]->wc;
     }
+    TM_T(ph, tf8_linear_backward(m->ctx, &m->f8, n, gw, wc, (const dsk_tensor *const *)dy, act, dx));
     for (int i = 0; i < n; i++) TM_T(TM_PH_MOVE, tm_ready(m, w[i]));
     return DSK_OK;
 }
