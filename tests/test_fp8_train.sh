@@ -11,7 +11,8 @@
 # values of both flags and the layouts fp8 does not cover yet fail with a message.
 # Under tensor and pipeline parallelism (section 4): fp8 against bf16 as tp2 x pp2 x ZeRO-1 with the
 # same bounds, pp2 against one rank's --accum 2 bit for bit, tp2 x pp2 against one rank within a
-# bound derived from one rank's FP8 error.
+# bound derived from one rank's FP8 error. --recompute attn|full with fp8 (section 5, one rank and
+# tp2 x pp2) logs the run without it bit for bit, with fewer activation bytes.
 # The model is test_train.sh's tiny one (d_model 32: K below 128, the partial-block path).
 # Prints `[test_fp8_train] totals: P passed / F failed / S skipped`; exits non-zero on failure.
 TEST_NAME=test_fp8_train
@@ -213,4 +214,39 @@ EOF
 what="--dtype fp8 as tp2 x pp2 x ZeRO-1 against one rank, 5 steps: within twice one rank's fp8-to-bf16 distance"
 what="$what plus bf16's layout distance"
 case $verdict in ok*) ok "$what: ${verdict#ok }" ;; *) bad "$what" "$verdict" "$(tail -2 "$work/r_ft.out")" ;; esac
+
+# ---- 5. --recompute attn|full with --dtype fp8, on one rank and as tp2 x pp2 x ZeRO-1: the caches
+# of the linears' inputs stay per block (and per in-flight micro-batch), the recomputed forward
+# quantises the same values into them again, so every logged number (step and validation) equals
+# the run without recomputation bit for bit, with fewer activation bytes on rank 0
+# all_fields NAME: every logged number of a run, one line per record
+all_fields() {
+    $PY - "$work/$1.jsonl" <<'PYEOF'
+import json, sys
+for r in map(json.loads, open(sys.argv[1])):
+    if r["type"] == "step": print("step", r["step"], repr(r["loss"]), repr(r["grad_norm"]))
+    elif r["type"] == "val": print("val", r["step"], repr(r["val_loss"]))
+PYEOF
+}
+act_bytes() { sed -nE 's/.*memory bytes, rank 0: .*activations ([0-9]+).*/\1/p' "$work/$1.out" | head -1; }
+for lay in one par; do
+    flags=(); [ "$lay" = par ] && flags=("${PAR[@]}")
+    for mode in none attn full; do
+        run "rc_${lay}_$mode" "${TINY[@]}" "${flags[@]}" --dtype fp8 --recompute $mode --steps 10 --val-interval 5
+    done
+    ref=$(all_fields "rc_${lay}_none")
+    for mode in attn full; do
+        name=rc_${lay}_$mode got=$(all_fields "rc_${lay}_$mode") a=$(act_bytes "rc_${lay}_none") b=$(act_bytes "$name")
+        what="--dtype fp8 --recompute $mode ($lay: ${flags[*]:-one rank}) logs every step and validation of the run"
+        what="$what without it bit for bit, with fewer activation bytes"
+        if [ "$(rc "rc_${lay}_none")" -eq 0 ] && [ "$(rc "$name")" -eq 0 ] &&
+           [ "$(echo "$ref" | grep -c "^step")" -eq 10 ] && [ "$ref" = "$got" ] && [ -n "$a" ] && [ -n "$b" ] &&
+           [ "$b" -lt "$a" ]; then
+            ok "$what ($a -> $b bytes)"
+        else
+            bad "$what" "exit $(rc "rc_${lay}_none")/$(rc "$name"), activations ${a:-?} -> ${b:-?}" \
+                "$(diff <(echo "$ref") <(echo "$got") | head -4)" "$(tail -2 "$work/$name.out")"
+        fi
+    done
+done
 finish
