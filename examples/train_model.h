@@ -342,12 +342,13 @@ static dsk_status tm_alloc_fp8(tm_model *m) {
     const tm_config *c = &m->cfg;
     int64_t N = (int64_t)c->batch * c->seq, D = c->d_model, F = c->ffn_hidden, W = D > F ? D : F;
     TM_TRY(tf8_scratch_alloc(m->ctx, &m->f8, N, W, W));
-    for (int l = 0; l < c->n_layers; l++) {
+    for (int l = 0; l < tm_n_blocks(c); l++) { /* and the MTP modules' blocks (train_mla.h allocates theirs) */
         tm_block *b = &m->blocks[l];
+        int dense = l < c->n_dense || (l >= c->n_layers && !c->mla.mtp_moe);
         TM_TRY(tf8_act_alloc(m->ctx, &b->f8_h1, N, D));
         TM_TRY(tf8_act_alloc(m->ctx, &b->f8_att, N, D));
-        if (l < c->n_dense) TM_TRY(tf8_act_alloc(m->ctx, &b->f8_h2, N, D));
-        if (l < c->n_dense) TM_TRY(tf8_act_alloc(m->ctx, &b->f8_a, N, F));
+        if (dense) TM_TRY(tf8_act_alloc(m->ctx, &b->f8_h2, N, D));
+        if (dense) TM_TRY(tf8_act_alloc(m->ctx, &b->f8_a, N, F));
         if (tmla_custom_alloc(m)) continue;
         b->h1 = m->datt;
         b->h1.owns = 0;
@@ -532,9 +533,8 @@ static dsk_status tm_check_config(const tm_config *c) {
     if (c->n_dense < 0 || c->n_dense > c->n_layers)
         return dsk_set_error(DSK_ERR_ARG, "--dense-layers %d outside [0, --layers %d]", c->n_dense, c->n_layers);
     if (c->n_layers > 100) return dsk_set_error(DSK_ERR_ARG, "--layers %d: at most 100", c->n_layers);
-    if (c->fp8 && (tmla_is_mla(&c->mla) || c->mla.mtp_depth > 0))
-        return dsk_set_error(DSK_ERR_ARG, "--dtype fp8: the FP8 linears cover MHA blocks without --mtp (not --attn "
-                                          "mla or MTP yet)");
+    if (c->fp8 && tmla_is_mla(&c->mla))
+        return dsk_set_error(DSK_ERR_ARG, "--dtype fp8: the FP8 linears cover MHA blocks (not --attn mla yet)");
     return tmla_check_config(c);
 }
 

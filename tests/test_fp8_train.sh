@@ -12,7 +12,8 @@
 # Under tensor and pipeline parallelism (section 4): fp8 against bf16 as tp2 x pp2 x ZeRO-1 with the
 # same bounds, pp2 against one rank's --accum 2 bit for bit, tp2 x pp2 against one rank within a
 # bound derived from one rank's FP8 error. --recompute attn|full with fp8 (section 5, one rank and
-# tp2 x pp2) logs the run without it bit for bit, with fewer activation bytes.
+# tp2 x pp2) logs the run without it bit for bit, with fewer activation bytes; --mtp 1 with fp8
+# (section 6) against bf16 and as tp2 x pp2 against one rank.
 # The model is test_train.sh's tiny one (d_model 32: K below 128, the partial-block path).
 # Prints `[test_fp8_train] totals: P passed / F failed / S skipped`; exits non-zero on failure.
 TEST_NAME=test_fp8_train
@@ -130,7 +131,6 @@ expect_fail() { # name, message regex, args...
 expect_fail optim_dtype '--optim-dtype "f16": use f32 or bf16' "${TINY[@]}" --optim-dtype f16 --steps 1
 expect_fail dtype '--dtype "fp7": use f32, bf16, fp16 or fp8' "${TINY[@]}" --dtype fp7 --steps 1
 expect_fail fp8_mla '--dtype fp8: the FP8 linears cover MHA blocks' "${TINY[@]}" --dtype fp8 --attn mla --steps 1
-expect_fail fp8_mtp '--dtype fp8: the FP8 linears cover MHA blocks' "${TINY[@]}" --dtype fp8 --mtp 1 --steps 1
 
 # ---- 4. the tensor- and pipeline-parallel model (train_par.h) in FP8: each column- and row-parallel
 # shard runs its three GEMMs in FP8 from its input's e4m3 cache (one per in-flight micro-batch), the
@@ -191,12 +191,15 @@ fi
 # fp8 (the worst relative difference of a step's loss, and of a step's gradient norm) is at most
 # twice one rank's fp8-to-bf16 distance plus bf16's own tp2 x pp2-to-one-rank distance. Later steps
 # are not compared: a clipped step amplifies FP8's noise chaotically (bench/RESULTS.md).
-run r_b1 "${TINY[@]}" --dtype bf16 --steps 5 --val-interval 5 --routing-record "$work/r.bin"
-REP=(--steps 5 --val-interval 5 --routing-replay "$work/r.bin")
-run r_f1 "${TINY[@]}" --dtype fp8 "${REP[@]}"
-run r_bt "${TINY[@]}" "${PAR[@]}" --dtype bf16 "${REP[@]}"
-run r_ft "${TINY[@]}" "${PAR[@]}" --dtype fp8 "${REP[@]}"
-verdict=$($PY - "$work"/r_{b1,f1,bt,ft}.jsonl <<'EOF'
+# layout_vs_one TAG WHAT ARGS...: the runs TAG_{b1,f1,bt,ft} with ARGS added, and the check
+layout_vs_one() {
+    local tag=$1 what=$2 verdict; shift 2
+    run "${tag}_b1" "${TINY[@]}" "$@" --dtype bf16 --steps 5 --val-interval 5 --routing-record "$work/$tag.bin"
+    local rep=(--steps 5 --val-interval 5 --routing-replay "$work/$tag.bin")
+    run "${tag}_f1" "${TINY[@]}" "$@" --dtype fp8 "${rep[@]}"
+    run "${tag}_bt" "${TINY[@]}" "$@" "${PAR[@]}" --dtype bf16 "${rep[@]}"
+    run "${tag}_ft" "${TINY[@]}" "$@" "${PAR[@]}" --dtype fp8 "${rep[@]}"
+    verdict=$($PY - "$work/${tag}"_{b1,f1,bt,ft}.jsonl <<'EOF'
 import json, sys
 def rows(p):
     return [(r["loss"], r["grad_norm"]) for r in map(json.loads, open(p)) if r["type"] == "step"]
@@ -211,9 +214,10 @@ for i, name in ((0, "loss"), (1, "gradient norm")):
 print("ok " + ", ".join(out))
 EOF
 )
+    case $verdict in ok*) ok "$what: ${verdict#ok }" ;; *) bad "$what" "$verdict" "$(tail -2 "$work/${tag}_ft.out")" ;; esac
+}
 what="--dtype fp8 as tp2 x pp2 x ZeRO-1 against one rank, 5 steps: within twice one rank's fp8-to-bf16 distance"
-what="$what plus bf16's layout distance"
-case $verdict in ok*) ok "$what: ${verdict#ok }" ;; *) bad "$what" "$verdict" "$(tail -2 "$work/r_ft.out")" ;; esac
+layout_vs_one r "$what plus bf16's layout distance"
 
 # ---- 5. --recompute attn|full with --dtype fp8, on one rank and as tp2 x pp2 x ZeRO-1: the caches
 # of the linears' inputs stay per block (and per in-flight micro-batch), the recomputed forward
@@ -249,4 +253,16 @@ for lay in one par; do
         fi
     done
 done
+
+# ---- 6. --mtp 1 with --dtype fp8: the MTP module's block runs its linears in FP8 as the main ones
+# (its projection and the shared head stay bf16), against bf16 over 100 steps with section 1's
+# bounds (bf16's distance from f32 measured with --mtp 1), and as tp2 x pp2 x ZeRO-1 against one
+# rank as in 4 (c)
+for dt in f32 bf16 fp8; do run "mtp_$dt" "${TINY[@]}" --mtp 1 --dtype $dt --steps 100 --val-interval 100; done
+read -r m_smooth m_val < <(bounds mtp_f32 mtp_bf16)
+what="--dtype fp8 --mtp 1 vs bf16, 100 steps: validation within max(0.25%, twice bf16's distance from f32)"
+compare "$what (${m_val:-?}), smoothed within max(1%, twice that) (${m_smooth:-?})" mtp_bf16 mtp_fp8 "${m_smooth:-0}" \
+    "${m_val:-0}"
+what="--dtype fp8 --mtp 1 as tp2 x pp2 x ZeRO-1 against one rank, 5 steps: within twice one rank's fp8-to-bf16"
+layout_vs_one mtp1 "$what distance plus bf16's layout distance" --mtp 1
 finish
