@@ -89,6 +89,14 @@ static void tf8_act_rows(const tf8_act *a, int64_t n, dsk_tensor *q, dsk_tensor 
     dsk_tensor_slice(&a->s, 0, 0, n, s);
 }
 
+/* Rows [i n, (i + 1) n) of a cache (one slot of a cache that holds several). */
+static tf8_act tf8_act_part(const tf8_act *a, int64_t i, int64_t n) {
+    tf8_act v;
+    dsk_tensor_slice(&a->q, 0, i * n, n, &v.q);
+    dsk_tensor_slice(&a->s, 0, i * n, n, &v.s);
+    return v;
+}
+
 /* Quantises x (n, K) into the first n rows of its cache. */
 static dsk_status tf8_keep(dsk_ctx *ctx, tf8_act *a, const dsk_tensor *x) {
     dsk_tensor q, s;
@@ -140,6 +148,20 @@ static dsk_status tf8_backward_w(dsk_ctx *ctx, tf8_scratch *sc, dsk_tensor *gw, 
     dsk_tensor gtq = tf8_gview(sc, 1, n, o), gts = tf8_view(&sc->gts, o, tf8_chunks(n));
     dsk_tensor xtq = tf8_view(&sc->xtq, k, n), xts = tf8_view(&sc->xts, k, tf8_chunks(n));
     return dsk_matmul_fp8(ctx, gw, &gtq, &gts, DSK_FP8_TILE_1X128, &xtq, &xts, DSK_FP8_TILE_1X128, 1.0f, 1.0f);
+}
+
+/* The backward of n linear layers that read one input (its cache a) with output gradients dy[i]:
+   gw[i] (f32) += dy[i]^T x, then dx = sum over i of dy[i] w[i] (in i order, written). */
+static dsk_status tf8_linear_backward(dsk_ctx *ctx, tf8_scratch *sc, int n, dsk_tensor *const *gw,
+                                      const dsk_tensor *const *w, const dsk_tensor *const *dy, const tf8_act *a,
+                                      dsk_tensor *dx) {
+    TM_TRY(tf8_input_t(ctx, sc, a));
+    for (int i = 0; i < n; i++) { /* one output gradient's quantised forms at a time in the scratch */
+        TM_TRY(tf8_grad(ctx, sc, dy[i]));
+        TM_TRY(tf8_backward_w(ctx, sc, gw[i], dy[i]->shape[0]));
+        TM_TRY(tf8_backward_x(ctx, sc, dx, w[i], i ? 1.0f : 0.0f));
+    }
+    return DSK_OK;
 }
 
 #endif /* TRAIN_FP8_H */

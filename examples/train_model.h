@@ -336,21 +336,24 @@ static dsk_status tm_alloc2(tm_model *m, dsk_tensor *t, dsk_dtype dt, int64_t r,
 
 /* --dtype fp8: every block's FP8 caches and the shared scratch; the linears' bf16 inputs become
    views of backward's datt (h1, att, a dense block's h2) and da (a). A MoE block's h2 stays its
-   own: the MoE layer's input. */
+   own: the MoE layer's input. Under --recompute train_mla.h has allocated the blocks'
+   activations (shared between blocks as the mode has them) and they stay its own. */
 static dsk_status tm_alloc_fp8(tm_model *m) {
     const tm_config *c = &m->cfg;
     int64_t N = (int64_t)c->batch * c->seq, D = c->d_model, F = c->ffn_hidden, W = D > F ? D : F;
     TM_TRY(tf8_scratch_alloc(m->ctx, &m->f8, N, W, W));
-    for (int l = 0; l < c->n_layers; l++) {
+    for (int l = 0; l < tm_n_blocks(c); l++) { /* and the MTP modules' blocks (train_mla.h allocates theirs) */
         tm_block *b = &m->blocks[l];
+        int dense = l < c->n_dense || (l >= c->n_layers && !c->mla.mtp_moe);
         TM_TRY(tf8_act_alloc(m->ctx, &b->f8_h1, N, D));
         TM_TRY(tf8_act_alloc(m->ctx, &b->f8_att, N, D));
+        if (dense) TM_TRY(tf8_act_alloc(m->ctx, &b->f8_h2, N, D));
+        if (dense) TM_TRY(tf8_act_alloc(m->ctx, &b->f8_a, N, F));
+        if (tmla_custom_alloc(m)) continue;
         b->h1 = m->datt;
         b->h1.owns = 0;
         b->att = b->h1;
         if (l >= c->n_dense) continue;
-        TM_TRY(tf8_act_alloc(m->ctx, &b->f8_h2, N, D));
-        TM_TRY(tf8_act_alloc(m->ctx, &b->f8_a, N, F));
         b->h2 = b->h1;
         b->a = m->da;
         b->a.owns = 0;
@@ -530,9 +533,8 @@ static dsk_status tm_check_config(const tm_config *c) {
     if (c->n_dense < 0 || c->n_dense > c->n_layers)
         return dsk_set_error(DSK_ERR_ARG, "--dense-layers %d outside [0, --layers %d]", c->n_dense, c->n_layers);
     if (c->n_layers > 100) return dsk_set_error(DSK_ERR_ARG, "--layers %d: at most 100", c->n_layers);
-    if (c->fp8 && (tmla_is_mla(&c->mla) || c->mla.recompute != TMLA_RECOMPUTE_NONE || c->mla.mtp_depth > 0))
-        return dsk_set_error(DSK_ERR_ARG, "--dtype fp8: the FP8 linears cover MHA blocks without --recompute and "
-                                          "--mtp (not --attn mla, recomputation or MTP yet)");
+    if (c->fp8 && tmla_is_mla(&c->mla))
+        return dsk_set_error(DSK_ERR_ARG, "--dtype fp8: the FP8 linears cover MHA blocks (not --attn mla yet)");
     return tmla_check_config(c);
 }
 
@@ -695,12 +697,13 @@ static dsk_status tm_linear_backward(tm_model *m, int ph, int n, tm_param **w, d
         for (int i = 0; i < n; i++) TM_T(ph, tm_mm(m, dx, dy[i], 0, &w[i]->wc, 0, i ? 1.0f : 0.0f));
         return DSK_OK;
     }
-    TM_T(ph, tf8_input_t(m->ctx, &m->f8, act));
-    for (int i = 0; i < n; i++) { /* one output gradient's quantised forms at a time in the scratch */
-        TM_T(ph, tf8_grad(m->ctx, &m->f8, dy[i]));
-        TM_T(ph, tf8_backward_w(m->ctx, &m->f8, &w[i]->g, dy[i]->shape[0]));
-        TM_T(ph, tf8_backward_x(m->ctx, &m->f8, dx, &w[i]->wc, i ? 1.0f : 0.0f));
+    dsk_tensor *gw[3];
+    const dsk_tensor *wc[3];
+    for (int i = 0; i < n; i++) {
+        gw[i] = &w[i]->g;
+        wc[i] = &w[i]->wc;
     }
+    TM_T(ph, tf8_linear_backward(m->ctx, &m->f8, n, gw, wc, (const dsk_tensor *const *)dy, act, dx));
     for (int i = 0; i < n; i++) TM_T(TM_PH_MOVE, tm_ready(m, w[i]));
     return DSK_OK;
 }

@@ -54,14 +54,17 @@
      rank), as they are per rank under data parallelism; the tests run dropless without them.
    Sampling runs the prompt as sequence 0 of one micro-batch (the others hold the last batch's
      tokens; with a capacity factor they share the experts' slots).
-   Dtypes (--dtype f32|bf16|f16) as train_model.h has them: f32 masters, gradients and moments
+   Dtypes (--dtype f32|bf16|f16|fp8) as train_model.h has them: f32 masters, gradients and moments
      (the engine's); compute copies wc of the weights, which every op reads; activations, the
      residual stream sent between stages, the sequence-parallel gathers and scatters and the
      logits in the compute dtype; norms' rstd, attention probabilities, routers, the
      cross-entropy's math and the loss f32; norm weights' gradients accumulate in gc (compute
      dtype), copied to g when their unit's backward ends (tm_ready); the embedding's gradient
      from an f32 copy of the (gathered) dx. An f16 model runs its MoE layers in f32 (through the
-     layer's mx/my); the trainer's loss scale comes in as gscale.
+     layer's mx/my); the trainer's loss scale comes in as gscale. --dtype fp8 (bf16 otherwise):
+     each column- and row-parallel shard's three GEMMs in FP8 (train_fp8.h), its input kept for
+     backward in an e4m3 cache per slot (f8_h1 .. f8_a), the bf16 input one shared slot (tp_need_f8);
+     the tensor-parallel collectives bf16 (train/par_run.h's tp_column_forward and the others).
    Limits (refused with a message): --tp divides the heads, the FFN hidden size, the
      vocabulary and the tokens of a micro-batch; every global stage holds a block; --mtp with
      --pp only at --zero 0-1 (train_moe.c: the embedding's copy would gather and reduce in
@@ -98,6 +101,7 @@ typedef struct tp_layer {
     /* per slot (S slots of rows each) */
     dsk_tensor x, h1, rstd1, h1g, q, k, v, qr, kr, att, probs, x2, h2, rstd2, h2g, g, u, a;
     tmla_block mla; /* --attn mla: the latents, queries, keys, values and core output per slot (tensors only) */
+    tf8_act f8_h1, f8_att, f8_h2, f8_a; /* --dtype fp8: the linears' inputs in e4m3 per slot (h1g, att; dense h2g, a) */
     int rc;         /* tmla_recompute mode: what the layer's backward recomputes (MTP blocks: none) */
     int moe_micro; /* micro-batch of the MoE layer's saved forward (-1: none) */
     int64_t bias_off[1], bias_full[1];
@@ -307,6 +311,20 @@ static dsk_status tp_act(tp_state *ps, tp_layer *L, dsk_tensor *t, int need, dsk
     return DSK_OK;
 }
 
+/* tp_act's need of an activation that only the forward reads under --dtype fp8 (a linear's input,
+   kept for backward in its e4m3 cache instead): none, one slot every layer shares; else `need`. */
+static int tp_need_f8(const tp_state *ps, int need) { return ps->m->cfg.fp8 ? TMLA_RECOMPUTE_NONE : need; }
+
+/* --dtype fp8: layer L's caches of its linears' inputs, S slots of a micro-batch's Nm rows. */
+static dsk_status tp_alloc_f8(tp_state *ps, tp_layer *L, int dense) {
+    int64_t n = ps->S * ps->Nm;
+    TM_TRY(tf8_act_alloc(ps->ctx, &L->f8_h1, n, ps->D));
+    TM_TRY(tf8_act_alloc(ps->ctx, &L->f8_att, n, ps->Dl));
+    if (!dense) return DSK_OK;
+    TM_TRY(tf8_act_alloc(ps->ctx, &L->f8_h2, n, ps->D));
+    return tf8_act_alloc(ps->ctx, &L->f8_a, n, ps->Fl);
+}
+
 /* The MLA activations of layer l, S slots of a micro-batch's Nm rows and the rank's Hl heads
    (the latents whole on every rank: they come from the gathered input). */
 static dsk_status tp_alloc_mla(tp_state *ps, tp_layer *L) {
@@ -369,9 +387,11 @@ static dsk_status tp_alloc_acts(tp_state *ps) {
         int F = TMLA_RECOMPUTE_FULL;
         if (!L->on) continue;
         L->rc = l < c->n_layers ? c->mla.recompute : TMLA_RECOMPUTE_NONE;
+        int dense = !m->blocks[l].is_moe, F8 = tp_need_f8(ps, F); /* F8: a linear's input (fp8: cached) */
         TM_TRY(tp_alloc(ps, &L->x, dt, S * Ns, D));
-        dsk_tensor *ns[] = {&L->h1, &L->x2, &L->h2};
-        for (size_t i = 0; i < 3; i++) TM_TRY(tp_act(ps, L, ns[i], F, dt, 2, Ns, D, 0, 0));
+        TM_TRY(tp_act(ps, L, &L->h1, F8, dt, 2, Ns, D, 0, 0));
+        TM_TRY(tp_act(ps, L, &L->x2, F, dt, 2, Ns, D, 0, 0));
+        TM_TRY(tp_act(ps, L, &L->h2, dense ? F8 : F, dt, 2, Ns, D, 0, 0)); /* an MoE layer's input stays */
         TM_TRY(tp_act(ps, L, &L->rstd1, F, DSK_F32, 1, Ns, 0, 0, 0));
         TM_TRY(tp_act(ps, L, &L->rstd2, F, DSK_F32, 1, Ns, 0, 0, 0));
         if (mla) {
@@ -379,15 +399,17 @@ static dsk_status tp_alloc_acts(tp_state *ps) {
         } else {
             dsk_tensor *nl[] = {&L->q, &L->k, &L->v, &L->qr, &L->kr};
             for (size_t i = 0; i < 5; i++) TM_TRY(tp_act(ps, L, nl[i], F, dt, 2, Nm, Dl, 0, 0));
-            TM_TRY(tp_act(ps, L, &L->att, TMLA_RECOMPUTE_ATTN, dt, 2, Nm, Dl, 0, 0));
+            TM_TRY(tp_act(ps, L, &L->att, tp_need_f8(ps, TMLA_RECOMPUTE_ATTN), dt, 2, Nm, Dl, 0, 0));
             TM_TRY(tp_act(ps, L, &L->probs, TMLA_RECOMPUTE_ATTN, DSK_F32, 4, ps->Bm, ps->Hl, c->seq, c->seq));
         }
-        if (ps->tp > 1) TM_TRY(tp_act(ps, L, &L->h1g, F, dt, 2, Nm, D, 0, 0));
-        if (!m->blocks[l].is_moe) {
-            if (ps->tp > 1) TM_TRY(tp_act(ps, L, &L->h2g, F, dt, 2, Nm, D, 0, 0));
-            dsk_tensor *nf[] = {&L->g, &L->u, &L->a};
-            for (size_t i = 0; i < 3; i++) TM_TRY(tp_act(ps, L, nf[i], F, dt, 2, Nm, Fl, 0, 0));
+        if (ps->tp > 1) TM_TRY(tp_act(ps, L, &L->h1g, F8, dt, 2, Nm, D, 0, 0));
+        if (dense) {
+            if (ps->tp > 1) TM_TRY(tp_act(ps, L, &L->h2g, F8, dt, 2, Nm, D, 0, 0));
+            TM_TRY(tp_act(ps, L, &L->g, F, dt, 2, Nm, Fl, 0, 0));
+            TM_TRY(tp_act(ps, L, &L->u, F, dt, 2, Nm, Fl, 0, 0));
+            TM_TRY(tp_act(ps, L, &L->a, F8, dt, 2, Nm, Fl, 0, 0));
         }
+        if (c->fp8) TM_TRY(tp_alloc_f8(ps, L, dense));
         L->moe_micro = -1;
         L->bias_full[0] = c->moe.n_routed;
     }
@@ -396,6 +418,8 @@ static dsk_status tp_alloc_acts(tp_state *ps) {
     TM_TRY(tp_alloc(ps, &ps->rstdf, DSK_F32, Ns, 0));
     TM_TRY(tp_alloc(ps, &ps->big, dt, Nm, D));
     if (ps->tp > 1) TM_TRY(tp_alloc(ps, &ps->hfg, dt, Nm, D));
+    if (c->fp8) /* the FP8 linears' scratch, for a micro-batch and the rank's widest shard (Dl <= D) */
+        TM_TRY(tf8_scratch_alloc(ps->ctx, &m->f8, Nm, D > Fl ? D : Fl, D > Fl ? D : Fl));
     if (mla) { /* train_mla.h's scratch for a micro-batch and this rank's heads; tp_unit_ready marks gradients */
         m->mla.heads = ps->Hl;
         m->mla.unit_ready = 1;
@@ -574,6 +598,8 @@ static void tp_free(tp_state *ps) {
             dsk_tensor *ms[] = {&p->cq,      &p->cqn, &p->rstd_q, &p->q, &p->ckv, &p->ckvn,
                                 &p->rstd_kv, &p->kpe, &p->kvb,    &p->k, &p->att, &p->lse};
             for (size_t i = 0; i < sizeof ms / sizeof ms[0]; i++) dsk_tensor_free(ctx, ms[i]);
+            tf8_act *f8[] = {&L->f8_h1, &L->f8_att, &L->f8_h2, &L->f8_a};
+            for (size_t i = 0; i < sizeof f8 / sizeof f8[0]; i++) tf8_act_free(ctx, f8[i]);
         }
     for (int c = 0; c < 16; c++) {
         tp_chunk *ch = &ps->chunks[c];

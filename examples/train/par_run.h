@@ -8,6 +8,7 @@
 
 typedef struct tp_acts { /* one slot of a layer */
     dsk_tensor x, h1, rstd1, h1g, q, k, v, qr, kr, att, probs, x2, h2, rstd2, h2g, g, u, a;
+    tf8_act f8_h1, f8_att, f8_h2, f8_a; /* --dtype fp8: the caches of the linears' inputs h1g, att, h2g, a */
 } tp_acts;
 
 /* The slot of a layer's activation that `need` recomputes (tp_act): 0 when shared. */
@@ -17,28 +18,35 @@ static tp_acts tp_slot(tp_state *ps, int l, int slot) {
     tp_layer *L = &ps->layers[l];
     tp_acts s;
     int f = tp_sl(L, TMLA_RECOMPUTE_FULL, slot), a = tp_sl(L, TMLA_RECOMPUTE_ATTN, slot);
+    int dense = !ps->m->blocks[l].is_moe, f8 = tp_sl(L, tp_need_f8(ps, TMLA_RECOMPUTE_FULL), slot); /* tp_alloc_acts */
     memset(&s, 0, sizeof s);
     s.x = tp_part(&L->x, slot, ps->Ns);
-    s.h1 = tp_part(&L->h1, f, ps->Ns);
+    s.h1 = tp_part(&L->h1, f8, ps->Ns);
     s.rstd1 = tp_part(&L->rstd1, f, ps->Ns);
     s.x2 = tp_part(&L->x2, f, ps->Ns);
-    s.h2 = tp_part(&L->h2, f, ps->Ns);
+    s.h2 = tp_part(&L->h2, dense ? f8 : f, ps->Ns);
     s.rstd2 = tp_part(&L->rstd2, f, ps->Ns);
-    s.h1g = ps->tp > 1 ? tp_part(&L->h1g, f, ps->Nm) : s.h1;
+    s.h1g = ps->tp > 1 ? tp_part(&L->h1g, f8, ps->Nm) : s.h1;
     if (!tmla_is_mla(&ps->m->cfg.mla)) { /* MLA's own: tp_mla_slot */
         s.q = tp_part(&L->q, f, ps->Nm);
         s.k = tp_part(&L->k, f, ps->Nm);
         s.v = tp_part(&L->v, f, ps->Nm);
         s.qr = tp_part(&L->qr, f, ps->Nm);
         s.kr = tp_part(&L->kr, f, ps->Nm);
-        s.att = tp_part(&L->att, a, ps->Nm);
+        s.att = tp_part(&L->att, tp_sl(L, tp_need_f8(ps, TMLA_RECOMPUTE_ATTN), slot), ps->Nm);
         s.probs = tp_part(&L->probs, a, ps->Bm);
     }
-    if (!ps->m->blocks[l].is_moe) {
-        s.h2g = ps->tp > 1 ? tp_part(&L->h2g, f, ps->Nm) : s.h2;
+    if (dense) {
+        s.h2g = ps->tp > 1 ? tp_part(&L->h2g, f8, ps->Nm) : s.h2;
         s.g = tp_part(&L->g, f, ps->Nm);
         s.u = tp_part(&L->u, f, ps->Nm);
-        s.a = tp_part(&L->a, f, ps->Nm);
+        s.a = tp_part(&L->a, f8, ps->Nm);
+    }
+    if (ps->m->cfg.fp8) {
+        s.f8_h1 = tf8_act_part(&L->f8_h1, slot, ps->Nm);
+        s.f8_att = tf8_act_part(&L->f8_att, slot, ps->Nm);
+        if (dense) s.f8_h2 = tf8_act_part(&L->f8_h2, slot, ps->Nm);
+        if (dense) s.f8_a = tf8_act_part(&L->f8_a, slot, ps->Nm);
     }
     return s;
 }
@@ -80,18 +88,72 @@ static dsk_status tp_moe_backward(tp_state *ps, int l) {
     return dsk_tensor_copy(ps->ctx, &ps->dh, &mx);
 }
 
+/* The parallel linears of dsk_par.h, or under --dtype fp8 the same layout with each shard's
+   GEMMs in FP8 (train_fp8.h): the input the shard multiplies (the gathered one when sequence
+   parallel) quantised into its e4m3 cache in forward, which backward reads instead of the bf16
+   input; the tensor-parallel collectives (gathers, reduce-scatters, all-reduces) in bf16 as
+   without. A row-parallel shard's K is its D/tp or F/tp columns, so its 1x128 scales and 128x128
+   weight blocks cover other elements than one rank's: the layouts agree within FP8's rounding,
+   not bit for bit. */
+
+/* Y[i] = Xf W[i]^T for i < n (dsk_par_column_forward); fp8: Xf kept in act. */
+static dsk_status tp_column_forward(tp_state *ps, int n, dsk_tensor *const *Y, const dsk_tensor *const *W,
+                                    const dsk_tensor *X, dsk_tensor *xg, tf8_act *act) {
+    tm_model *m = ps->m;
+    if (!m->cfg.fp8) return dsk_par_column_forward(&ps->grid.tp, ps->ctx, n, Y, W, X, xg);
+    if (xg) TM_TRY(dsk_par_map_forward(&ps->grid.tp, ps->ctx, DSK_PAR_MAP_GATHER, 0, xg, X));
+    TM_TRY(tf8_keep(ps->ctx, act, xg ? xg : X));
+    for (int i = 0; i < n; i++) TM_TRY(tf8_forward(ps->ctx, &m->f8, Y[i], act, W[i], 0.0f));
+    return DSK_OK;
+}
+
+/* dW[i] += dY[i]^T Xf, d(X) summed over tp (dsk_par_column_backward); fp8: Xf from act. */
+static dsk_status tp_column_backward(tp_state *ps, int n, dsk_tensor *dX, dsk_tensor *dxg, dsk_tensor *const *dW,
+                                     const dsk_tensor *const *dY, const dsk_tensor *const *W, const dsk_tensor *Xf,
+                                     const tf8_act *act) {
+    dsk_comm *tp = &ps->grid.tp;
+    if (!ps->m->cfg.fp8) return dsk_par_column_backward(tp, ps->ctx, n, dX, dxg, dW, dY, W, Xf);
+    TM_TRY(tf8_linear_backward(ps->ctx, &ps->m->f8, n, dW, W, dY, act, dxg ? dxg : dX));
+    if (dxg) return dsk_par_map_forward(tp, ps->ctx, DSK_PAR_MAP_SCATTER, 0, dX, dxg);
+    return dsk_par_map_forward(tp, ps->ctx, DSK_PAR_MAP_REDUCE, 0, dX, dX);
+}
+
+/* The row-parallel linear's partial product X W^T into p (this rank's part of the sum over tp);
+   fp8: X kept in act. beta as dsk_matmul. */
+static dsk_status tp_row_partial(tp_state *ps, dsk_tensor *p, const dsk_tensor *X, const dsk_tensor *W, tf8_act *act,
+                                 float beta) {
+    if (!ps->m->cfg.fp8) return dsk_matmul(ps->ctx, p, X, 0, W, 1, 1.0f, beta);
+    TM_TRY(tf8_keep(ps->ctx, act, X));
+    return tf8_forward(ps->ctx, &ps->m->f8, p, act, W, beta);
+}
+
+/* dX = dYf W, dW += dYf^T X, dYf the gathered dY when dyg (dsk_par_row_backward); fp8: X from act. */
+static dsk_status tp_row_backward(tp_state *ps, dsk_tensor *dX, dsk_tensor *dW, const dsk_tensor *dY, dsk_tensor *dyg,
+                                  const dsk_tensor *X, const dsk_tensor *W, const tf8_act *act) {
+    dsk_comm *tp = &ps->grid.tp;
+    if (!ps->m->cfg.fp8) return dsk_par_row_backward(tp, ps->ctx, dX, dW, dY, dyg, X, W);
+    if (dyg) TM_TRY(dsk_par_map_forward(tp, ps->ctx, DSK_PAR_MAP_GATHER, 0, dyg, dY));
+    const dsk_tensor *dYf = dyg ? dyg : dY;
+    return tf8_linear_backward(ps->ctx, &ps->m->f8, 1, &dW, &W, &dYf, act, dX);
+}
+
 /* y = r + X W^T through the row-parallel linear W. On one tensor-parallel rank as train_model.h
    does it: y = r, then one GEMM adds to it (one rounding in bf16/f16, the one-rank bits); over
-   several the linear's reduced output, then the add. */
+   several the linear's reduced output, then the add. fp8: X kept in act. */
 static dsk_status tp_row_residual(tp_state *ps, tm_phase ph, dsk_tensor *y, const dsk_tensor *r, const dsk_tensor *X,
-                                  const dsk_tensor *W) {
+                                  const dsk_tensor *W, tf8_act *act) {
     tm_model *m = ps->m;
     if (ps->tp == 1) {
         TM_T(TM_PH_MOVE, dsk_tensor_copy(ps->ctx, y, r));
-        TM_T(ph, dsk_matmul(ps->ctx, y, X, 0, W, 1, 1.0f, 1.0f));
+        TM_T(ph, tp_row_partial(ps, y, X, W, act, 1.0f));
         return DSK_OK;
     }
-    TM_T(ph, dsk_par_row_forward(&ps->grid.tp, ps->ctx, &ps->tmp, tp_sp(ps, &ps->big), X, W));
+    if (!m->cfg.fp8) {
+        TM_T(ph, dsk_par_row_forward(&ps->grid.tp, ps->ctx, &ps->tmp, tp_sp(ps, &ps->big), X, W));
+    } else {
+        TM_T(ph, tp_row_partial(ps, &ps->big, X, W, act, 0.0f));
+        TM_T(ph, dsk_par_map_forward(&ps->grid.tp, ps->ctx, DSK_PAR_MAP_SCATTER, 0, &ps->tmp, &ps->big));
+    }
     TM_T(TM_PH_MOVE, dsk_add(ps->ctx, y, r, &ps->tmp));
     return DSK_OK;
 }
@@ -123,7 +185,7 @@ static dsk_status tp_mla_forward(tp_state *ps, int l, int slot, tp_acts *s) {
     if (ps->tp > 1)
         TM_T(TM_PH_MOVE, dsk_par_map_forward(&ps->grid.tp, ps->ctx, DSK_PAR_MAP_GATHER, 0, &s->h1g, &s->h1));
     TM_TRY(tmla_latent_forward(m, b, ps->Bm, &s->h1g));
-    return tp_row_residual(ps, TM_PH_LINEAR, &s->x2, &s->x, &b->mla.att, &b->mla.wo->wc);
+    return tp_row_residual(ps, TM_PH_LINEAR, &s->x2, &s->x, &b->mla.att, &b->mla.wo->wc, NULL);
 }
 
 /* ps->dx holds d(x2) of slot s: d(h1) into ps->dh and the MLA weights' gradients. The rank's
@@ -172,13 +234,13 @@ static dsk_status tp_attn_half(tp_state *ps, int l, int slot, tp_acts *s) {
     } else {
         dsk_tensor *Y3[3] = {&s->q, &s->k, &s->v};
         const dsk_tensor *W3[3] = {&b->wq->wc, &b->wk->wc, &b->wv->wc};
-        TM_T(TM_PH_LINEAR, dsk_par_column_forward(&ps->grid.tp, ctx, 3, Y3, W3, &s->h1, tp_sp(ps, &s->h1g)));
+        TM_T(TM_PH_LINEAR, tp_column_forward(ps, 3, Y3, W3, &s->h1, tp_sp(ps, &s->h1g), &s->f8_h1));
         dsk_tensor q4 = tp_heads(ps, &s->q), k4 = tp_heads(ps, &s->k), qr4 = tp_heads(ps, &s->qr);
         dsk_tensor kr4 = tp_heads(ps, &s->kr);
         TM_T(TM_PH_ROPE, dsk_rope(ctx, &qr4, &q4, 0, c->rope_theta));
         TM_T(TM_PH_ROPE, dsk_rope(ctx, &kr4, &k4, 0, c->rope_theta));
         TM_TRY(tp_core(ps, l, slot, s));
-        TM_TRY(tp_row_residual(ps, TM_PH_LINEAR, &s->x2, &s->x, &s->att, &b->wo->wc));
+        TM_TRY(tp_row_residual(ps, TM_PH_LINEAR, &s->x2, &s->x, &s->att, &b->wo->wc, &s->f8_att));
     }
     TM_T(TM_PH_NORM, dsk_rmsnorm(ctx, &s->h2, &s->rstd2, &s->x2, &b->ln2->wc, c->norm_eps));
     return DSK_OK;
@@ -189,7 +251,7 @@ static dsk_status tp_ffn_in(tp_state *ps, const tm_block *b, tp_acts *s) {
     tm_model *m = ps->m;
     dsk_tensor *Y2[2] = {&s->g, &s->u};
     const dsk_tensor *W2[2] = {&b->w1->wc, &b->w3->wc};
-    TM_T(TM_PH_FFN, dsk_par_column_forward(&ps->grid.tp, ps->ctx, 2, Y2, W2, &s->h2, tp_sp(ps, &s->h2g)));
+    TM_T(TM_PH_FFN, tp_column_forward(ps, 2, Y2, W2, &s->h2, tp_sp(ps, &s->h2g), &s->f8_h2));
     TM_T(TM_PH_FFN, dsk_swiglu(ps->ctx, &s->a, &s->g, &s->u));
     return DSK_OK;
 }
@@ -202,7 +264,7 @@ static dsk_status tp_block_forward(tp_state *ps, int l, int slot, int micro, dsk
     TM_TRY(tp_attn_half(ps, l, slot, &s));
     if (!b->is_moe) {
         TM_TRY(tp_ffn_in(ps, b, &s));
-        return tp_row_residual(ps, TM_PH_FFN, y, &s.x2, &s.a, &b->w2->wc);
+        return tp_row_residual(ps, TM_PH_FFN, y, &s.x2, &s.a, &b->w2->wc, &s.f8_a);
     }
     TM_T(TM_PH_MOE, tp_moe_forward(ps, l, micro, y, &s.h2, m->want_stats ? &b->stats : NULL));
     ps->layers[l].moe_micro = ps->train && !b->moe.eval ? micro : -1;
@@ -215,10 +277,9 @@ static dsk_status tp_mha_backward(tp_state *ps, int l, tp_acts *s) {
     tm_model *m = ps->m;
     tm_block *b = &m->blocks[l];
     dsk_ctx *ctx = ps->ctx;
-    dsk_comm *tp = &ps->grid.tp;
     const tm_config *c = &m->cfg;
     TM_T(TM_PH_LINEAR,
-         dsk_par_row_backward(tp, ctx, &ps->datt, &b->wo->g, &ps->dx, tp_sp(ps, &ps->big), &s->att, &b->wo->wc));
+         tp_row_backward(ps, &ps->datt, &b->wo->g, &ps->dx, tp_sp(ps, &ps->big), &s->att, &b->wo->wc, &s->f8_att));
     dsk_tensor *zs[] = {&ps->dqr, &ps->dkr, &ps->dv, &ps->dq, &ps->dk};
     for (size_t i = 0; i < 5; i++) TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, zs[i], 0.0));
     dsk_tensor qr4 = tp_heads(ps, &s->qr), kr4 = tp_heads(ps, &s->kr), v4 = tp_heads(ps, &s->v);
@@ -230,7 +291,7 @@ static dsk_status tp_mha_backward(tp_state *ps, int l, tp_acts *s) {
     TM_T(TM_PH_ROPE, dsk_rope_backward(ctx, &dk4, &dkr4, 0, c->rope_theta));
     dsk_tensor *dW[3] = {&b->wq->g, &b->wk->g, &b->wv->g};
     const dsk_tensor *dY[3] = {&ps->dq, &ps->dk, &ps->dv}, *W[3] = {&b->wq->wc, &b->wk->wc, &b->wv->wc};
-    TM_T(TM_PH_LINEAR, dsk_par_column_backward(tp, ctx, 3, &ps->dh, tp_sp(ps, &ps->big), dW, dY, W, &s->h1g));
+    TM_T(TM_PH_LINEAR, tp_column_backward(ps, 3, &ps->dh, tp_sp(ps, &ps->big), dW, dY, W, &s->h1g, &s->f8_h1));
     return DSK_OK;
 }
 
@@ -239,7 +300,6 @@ static dsk_status tp_block_backward(tp_state *ps, int l, int slot, int micro) {
     tm_model *m = ps->m;
     tm_block *b = &m->blocks[l];
     dsk_ctx *ctx = ps->ctx;
-    dsk_comm *tp = &ps->grid.tp;
     const tm_config *c = &m->cfg;
     tp_acts s = tp_slot(ps, l, slot);
     int rc = ps->layers[l].rc;
@@ -249,13 +309,13 @@ static dsk_status tp_block_backward(tp_state *ps, int l, int slot, int micro) {
     }
     if (!b->is_moe) {
         TM_T(TM_PH_FFN,
-             dsk_par_row_backward(tp, ctx, &ps->da, &b->w2->g, &ps->dx, tp_sp(ps, &ps->big), &s.a, &b->w2->wc));
+             tp_row_backward(ps, &ps->da, &b->w2->g, &ps->dx, tp_sp(ps, &ps->big), &s.a, &b->w2->wc, &s.f8_a));
         TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, &ps->dg, 0.0));
         TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, &ps->du, 0.0));
         TM_T(TM_PH_FFN, dsk_swiglu_backward(ctx, &ps->dg, &ps->du, &ps->da, &s.g, &s.u));
         dsk_tensor *dW[2] = {&b->w1->g, &b->w3->g};
         const dsk_tensor *dY[2] = {&ps->dg, &ps->du}, *W[2] = {&b->w1->wc, &b->w3->wc};
-        TM_T(TM_PH_FFN, dsk_par_column_backward(tp, ctx, 2, &ps->dh, tp_sp(ps, &ps->big), dW, dY, W, &s.h2g));
+        TM_T(TM_PH_FFN, tp_column_backward(ps, 2, &ps->dh, tp_sp(ps, &ps->big), dW, dY, W, &s.h2g, &s.f8_h2));
     } else {
         tp_layer *L = &ps->layers[l];
         if (L->moe_micro != micro) { /* another micro-batch ran through the layer since: its forward again */

@@ -41,8 +41,6 @@ static void refuse_flags(const trainer *t) {
     if (o->warmup < 0 || o->ckpt_every < 0 || o->keep < 0 || o->sample_len < 0 || o->stop_at < 0)
         fail(t, "--warmup, --ckpt-every, --keep, --sample-len, --stop-at must be >= 0");
     if (o->zero < 0 || o->zero > 3) fail(t, "--zero %d: use 0, 1, 2 or 3", o->zero);
-    if (strcmp(o->dtype, "fp8") == 0 && (o->tp > 1 || o->pp > 1))
-        fail(t, "--dtype fp8 runs without --tp and --pp (their linear layers are not FP8 yet)");
     if (strcmp(o->ep_dispatch, "act") != 0 && strcmp(o->ep_dispatch, "fp8") != 0)
         fail(t, "--ep-dispatch \"%s\": use act or fp8", o->ep_dispatch);
     if (strcmp(o->ep_dispatch, "fp8") == 0 && o->ep < 2)
