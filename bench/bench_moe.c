@@ -24,13 +24,6 @@
 #include <string.h>
 #include <unistd.h>
 
-/* CPU seconds of every thread of the process (a load-independent view of the CPU's work). */
-static double cpu_now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 typedef struct shape {
     const char *name;
     int D, E, K, F, n_shared, n_group, topk_group;
@@ -163,12 +156,12 @@ static void run_shape(const shape *sh, int T, int warmup, int repeats, const cha
     BENCH_CHECK(dsk_tensor_fill(ctx, &dx, 0.0));
     BENCH_CHECK(dsk_tensor_uniform(ctx, &m.bias->value, 3, 0, -1e-3f, 1e-3f));
     for (int it = 0; it < warmup + repeats; it++) {
-        double t0 = bench_now_s(), c0 = cpu_now_s();
+        double t0 = bench_now_s(), c0 = bench_cpu_s();
         BENCH_CHECK(dsk_moe_forward(&m, ctx, &y, &x, NULL));
         BENCH_CHECK(dsk_moe_backward(&m, ctx, &dx, &dy, 1.0f));
         BENCH_CHECK(dsk_ctx_sync(ctx));
         if (it >= warmup) times[it - warmup] = bench_now_s() - t0;
-        if (it >= warmup) cpu_times[it - warmup] = cpu_now_s() - c0;
+        if (it >= warmup) cpu_times[it - warmup] = bench_cpu_s() - c0;
     }
     dsk_ms = 1e3 * bench_median(times, repeats);
     cpu_ms = 1e3 * bench_median(cpu_times, repeats);

@@ -1,5 +1,6 @@
-/* bench_util.h - what every program in bench/ needs: a monotonic clock, the median of repeated
-   timings and a check that stops the run on a failed dsk call. Static inline, nothing to link.
+/* bench_util.h - what every program in bench/ needs: a monotonic and a CPU-time clock, the median
+   of repeated timings and a check that stops the run on a failed dsk call. Static inline, nothing
+   to link.
    BENCH_CHECK names dsk_status, dsk_status_str and dsk_last_error: include a dsk header first
    where it is used (mpi_allreduce.c, Open MPI's peer without dsk, uses bench_median only). */
 #ifndef BENCH_UTIL_H
@@ -8,12 +9,17 @@
 #include <stdlib.h>
 #include <time.h>
 
-/* Seconds on CLOCK_MONOTONIC (an arbitrary origin: subtract two readings). */
-static inline double bench_now_s(void) {
+static inline double bench__clock_s(clockid_t id) {
     struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
+    clock_gettime(id, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
+
+/* Seconds on CLOCK_MONOTONIC (an arbitrary origin: subtract two readings). */
+static inline double bench_now_s(void) { return bench__clock_s(CLOCK_MONOTONIC); }
+
+/* CPU seconds of every thread of the process (a load-independent view of the CPU's work). */
+static inline double bench_cpu_s(void) { return bench__clock_s(CLOCK_PROCESS_CPUTIME_ID); }
 
 static inline int bench__cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;

@@ -133,12 +133,6 @@ typedef struct trainer {
     int have_hf;
 } trainer;
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* Prints on rank 0 only. */
 static void say(const trainer *t, const char *fmt, ...)
 #if defined(__GNUC__)
@@ -340,9 +334,9 @@ static dsk_status upload_batch(trainer *t) {
    loader (this rank's DistributedSampler stream), waiting for its thread if it is behind. */
 static dsk_status load_train_batch(trainer *t) {
     int64_t k = t->data_pos / t->o->batch;
-    double t0 = now_s();
+    double t0 = tm_clock();
     TM_TRY(td_loader_next(&t->loader, k, t->h_ids, t->h_tgt, t->h_index));
-    t->data_wait_s += now_s() - t0;
+    t->data_wait_s += tm_clock() - t0;
     if (t->sample_log >= 0)
         TM_TRY(td_log_batch(t->sample_log, t->dp_rank, &t->loader.smp, k, t->batch_local, t->h_index));
     t->data_pos += t->o->batch;
@@ -530,7 +524,7 @@ static void setup_loss_span(trainer *t) {
    1-3: whole temporary tensors, each rank keeping its pieces), then the compute copies. */
 static void import_hf(trainer *t) {
     tm_model *m = &t->model;
-    double t0 = now_s();
+    double t0 = tm_clock();
     int whole = !t->engine || t->zopts.stage == 0;
     dsk_status s = DSK_OK;
     if (!t->have_hf) return;
@@ -544,7 +538,7 @@ static void import_hf(trainer *t) {
     CHECK(s);
     if (t->engine) CHECK(tz_refresh(&t->zero)); /* --cuda-graph: thf_load rounded the slab's copies */
     say(t, "imported %s (DeepseekV%dForCausalLM, %s) in %.3f s\n", t->o->init_from_hf, t->hf.version,
-        t->hf.fp8 ? "FP8 e4m3 dequantised" : "weights as stored", now_s() - t0);
+        t->hf.fp8 ? "FP8 e4m3 dequantised" : "weights as stored", tm_clock() - t0);
 }
 
 /* ---- FLOPs and the device peak */
@@ -574,9 +568,9 @@ static double measure_cpu_peak(const trainer *t) {
     for (int64_t i = 0; i < 3 * n * n; i++) a[i] = (float)((i * 7919) % 1000) * 1e-3f;
     double best = 1e30;
     for (int r = 0; r < CPU_PEAK_REPS; r++) {
-        double t0 = now_s();
+        double t0 = tm_clock();
         dsk_sgemm_cpu(0, 0, n, n, n, 1.0f, a, n, a + n * n, n, 0.0f, a + 2 * n * n, n, t->ctx.n_threads);
-        double dt = now_s() - t0;
+        double dt = tm_clock() - t0;
         if (dt < best) best = dt;
     }
     free(a);
@@ -711,18 +705,10 @@ static dsk_status micro_batch(trainer *t, float gscale) {
     return tm_backward(m);
 }
 
-/* CPU seconds of this process, every thread (wall time on a shared machine also counts the
-   time other programs hold the cores). */
-static double cpu_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 static dsk_status train_step(trainer *t, step_info *si) {
     const options *o = t->o;
     tm_model *m = &t->model;
-    double t0 = now_s(), c0 = cpu_s(), comm0 = comm_seconds(t);
+    double t0 = tm_clock(), c0 = tm_clock_cpu(), comm0 = comm_seconds(t);
     uint64_t pp0 = t->par.on ? t->par.grid.pp.stats.send_payload : 0;
     float scale, loss;
     TM_TRY(dsk_amp_scale_get(&t->scaler, &t->ctx, &scale));
@@ -730,11 +716,11 @@ static dsk_status train_step(trainer *t, step_info *si) {
     if (!o->cuda_graph) TM_TRY(tm_zero_grads(&t->model)); /* --cuda-graph: in the step's graph */
     memset(si, 0, sizeof *si);
     for (int a = 0; a < o->accum; a++) {
-        double td = now_s(), tdc = cpu_s();
+        double td = tm_clock(), tdc = tm_clock_cpu();
         TM_TRY(load_train_batch(t));
         routes_at(t, TM_PHASE_TRAIN, a, t->h_index);
-        t->prof_data += now_s() - td;
-        t->prof_data_cpu += cpu_s() - tdc;
+        t->prof_data += tm_clock() - td;
+        t->prof_data_cpu += tm_clock_cpu() - tdc;
         if (t->par.on) { /* the pipeline's micro-batches (train_par.h) */
             double l;
             m->aux_scale = scale * (float)t->dp_size / (float)(o->accum * t->par.M);
@@ -750,10 +736,10 @@ static dsk_status train_step(trainer *t, step_info *si) {
         si->loss += loss / o->accum;
     }
     if (t->par.on) si->pp_bytes = (double)(t->par.grid.pp.stats.send_payload - pp0);
-    double sync0 = now_s();
+    double sync0 = tm_clock();
     if (t->engine) TM_TRY(tz_wait(&t->zero));
-    double t_opt = now_s(), t_opt_cpu = cpu_s();
-    si->sync_ms = 1e3 * (now_s() - sync0);
+    double t_opt = tm_clock(), t_opt_cpu = tm_clock_cpu();
+    si->sync_ms = 1e3 * (tm_clock() - sync0);
     float l2[1] = {t->par.on ? tp_loss_part(&t->par, si->loss) : (float)si->loss};
     TM_TRY(allreduce_host(t, &t->comm, l2, 1, DSK_F32, t->par.on ? DSK_COMM_SUM : DSK_COMM_AVG));
     si->loss = l2[0];
@@ -763,14 +749,14 @@ static dsk_status train_step(trainer *t, step_info *si) {
     else TM_TRY(engine_step(t, si, &dec));
     TM_TRY(collect_moe_stats(t, si));
     if (o->cuda_graph) graph_ep_bytes(t, si);
-    t->prof_opt += now_s() - t_opt;
-    t->prof_opt_cpu += cpu_s() - t_opt_cpu;
+    t->prof_opt += tm_clock() - t_opt;
+    t->prof_opt_cpu += tm_clock_cpu() - t_opt_cpu;
     t->step++;
     si->skipped = dec.skip;
     si->norm = dec.norm;
     si->scale = scale;
-    si->ms = 1e3 * (now_s() - t0);
-    si->cpu_ms = 1e3 * (cpu_s() - c0);
+    si->ms = 1e3 * (tm_clock() - t0);
+    si->cpu_ms = 1e3 * (tm_clock_cpu() - c0);
     t->prof_step += si->ms * 1e-3;
     t->prof_step_cpu += si->cpu_ms * 1e-3;
     t->prof_steps++;
@@ -1044,7 +1030,7 @@ static int train_loop(trainer *t) {
     const options *o = t->o;
     int64_t last_saved = t->step;
     int stop_sig = 0, save;
-    t->t_start = now_s();
+    t->t_start = tm_clock();
     t->model.profile = o->profile;
     while (t->step < o->steps && !(o->stop_at > 0 && t->step >= o->stop_at)) {
         step_info si;
@@ -1065,9 +1051,9 @@ static int train_loop(trainer *t) {
     }
     if (t->have_ck) {
         if (last_saved != t->step) CHECK(save_counted(t));
-        double t0 = now_s();
+        double t0 = tm_clock();
         CHECK(dsk_ckpt_wait(&t->ck));
-        t->mv.checkpoint_s += now_s() - t0;
+        t->mv.checkpoint_s += tm_clock() - t0;
     }
     write_metrics(t, NULL);
     return stop_sig;
@@ -1076,16 +1062,16 @@ static int train_loop(trainer *t) {
 /* A run that reached its end: reports, the sample, --export-hf, the summary line. */
 static void finish(trainer *t) {
     const options *o = t->o;
-    double wall = now_s() - t->t_start;
+    double wall = tm_clock() - t->t_start;
     report_mla(t, "end");
     if (o->profile) profile_report(t);
     if (t->step == o->steps) CHECK(generate(t));
     CHECK(tm_routes_close(&t->routes));
     if (o->export_hf && t->rank == 0) {
-        double t0 = now_s();
+        double t0 = tm_clock();
         CHECK(thf_export(&t->model, t->have_hf ? &t->hf : NULL, o->export_hf, o->export_dtype, 0));
         say(t, "exported step %lld to %s (%s) in %.2f s\n", (long long)t->step, o->export_hf, o->export_dtype,
-            now_s() - t0);
+            tm_clock() - t0);
     }
     say(t,
         "done: %lld steps in %.1f s (%.0f tokens/s, %.2f%% of step time waiting for data), final validation loss "

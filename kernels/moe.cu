@@ -118,6 +118,13 @@ __global__ void dsk__moe_k_fill_i32(int32_t *p, int64_t n, int32_t v) {
     DSK__CUDA_FOR(i, n) p[i] = v;
 }
 
+/* p[0..n) = -1 (no slot, no row): the entries the next kernel leaves unset. */
+static dsk_status dsk__moe_unset_i32(const char *fn, dsk_ctx *ctx, int32_t *p, int64_t n) {
+    DSK__CUDA_LAUNCH(fn, dsk__moe_k_fill_i32, dsk__cuda_grid(n), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), n, p, n,
+                     (int32_t)-1);
+    return DSK_OK;
+}
+
 /* One block per expert: each slot of its segment (in position order) keeps its place or not. */
 __global__ void dsk__moe_k_capacity(int drop, int64_t cap, const int32_t *perm_all, const int32_t *off_all,
                                     const float *gate, int32_t *keys2) {
@@ -133,8 +140,7 @@ extern "C" dsk_status dsk_cuda_moe_capacity(dsk_ctx *ctx, int E, int drop, int64
     static const char *fn = "dsk_moe_forward (capacity)";
     DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     if (TK == 0) return DSK_OK;
-    DSK__CUDA_LAUNCH(fn, dsk__moe_k_fill_i32, dsk__cuda_grid(TK), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), TK, keys2,
-                     TK, (int32_t)-1);
+    DSK__TRY(dsk__moe_unset_i32(fn, ctx, keys2, TK));
     DSK__CUDA_LAUNCH(fn, dsk__moe_k_capacity, (unsigned)E, 128, dsk__cuda_stream(ctx), TK, drop, cap, perm_all, off_all,
                      gate, keys2);
     return DSK_OK;
@@ -155,8 +161,7 @@ extern "C" dsk_status dsk_cuda_moe_plan(dsk_ctx *ctx, int E, int K, int64_t TK, 
     static const char *fn = "dsk_moe_forward (dispatch plan)";
     DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     if (TK == 0) return DSK_OK;
-    DSK__CUDA_LAUNCH(fn, dsk__moe_k_fill_i32, dsk__cuda_grid(TK), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), TK, pos, TK,
-                     (int32_t)-1);
+    DSK__TRY(dsk__moe_unset_i32(fn, ctx, pos, TK));
     DSK__CUDA_LAUNCH(fn, dsk__moe_k_plan, dsk__cuda_grid(TK), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), TK, E, K, TK,
                      n_rows, perm, off, gate, pos, row_tok, row_gate);
     return DSK_OK;
@@ -195,8 +200,7 @@ extern "C" dsk_status dsk_cuda_moe_ep_inverse(dsk_ctx *ctx, int El, int64_t n, c
     static const char *fn = "dsk_moe_forward (bounded EP regroup)";
     DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     if (n == 0) return DSK_OK;
-    DSK__CUDA_LAUNCH(fn, dsk__moe_k_fill_i32, dsk__cuda_grid(n), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), n, rgi, n,
-                     (int32_t)-1);
+    DSK__TRY(dsk__moe_unset_i32(fn, ctx, rgi, n));
     DSK__CUDA_LAUNCH(fn, dsk__moe_k_ep_inverse, dsk__cuda_grid(n), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), n, El, n,
                      rg, loff, rgi);
     return DSK_OK;

@@ -106,18 +106,17 @@ git -C "$t" checkout -q -- tests/lint_baseline.txt
 
 # Includes: upward, into kernels/, a kernel above its owner, one DESIGN.md does not list, a kernel
 # without owner, and the cycles the first two make.
-echo '#include "dsk_zero.h"' >>"$t/dsk_comm.h"
-fails_naming "includes fails on dsk_comm.h including dsk_zero.h (floor 3), naming the line" \
-    "dsk_comm.h:$(wc -l <"$t/dsk_comm.h"): includes dsk_zero.h \\(floor 3, not below dsk_comm.h's floor 1\\)" includes
-fails_naming "includes names the cycle dsk_comm.h -> dsk_zero.h -> dsk_comm.h" \
-    'an include cycle through: .*dsk_(comm|zero).h' includes
-git -C "$t" checkout -q -- dsk_comm.h
-echo '#include "kernels/dsk_cuda.cuh"' >>"$t/dsk_tensor.h"
-fails_naming "includes fails on dsk_tensor.h including kernels/dsk_cuda.cuh, naming the line" \
-    "dsk_tensor.h:$(wc -l <"$t/dsk_tensor.h"): includes kernels/dsk_cuda.cuh \\(a header includes no kernels/" includes
-fails_naming "includes names the cycle dsk_tensor.h -> kernels/dsk_cuda.cuh -> dsk_tensor.h" \
-    'an include cycle through: .*(dsk_tensor.h|kernels/dsk_cuda.cuh)' includes
-git -C "$t" checkout -q -- dsk_tensor.h
+# cycle_fails file header why cycle: `#include "header"` planted at the end of file fails the check,
+# naming the line and why (a pattern), and names the cycle it makes (a pattern of its files).
+cycle_fails() {
+    local f=$1 h=$2
+    echo "#include \"$h\"" >>"$t/$f"
+    fails_naming "includes fails on $f including $h, naming the line" "$f:$(wc -l <"$t/$f"): includes $h $3" includes
+    failed_naming "includes names the cycle $f -> $h -> $f" "an include cycle through: .*$4"
+    git -C "$t" checkout -q -- "$f"
+}
+cycle_fails dsk_comm.h dsk_zero.h "\\(floor 3, not below dsk_comm.h's floor 1\\)" 'dsk_(comm|zero).h'
+cycle_fails dsk_tensor.h kernels/dsk_cuda.cuh "\\(a header includes no kernels/" '(dsk_tensor.h|kernels/dsk_cuda.cuh)'
 echo '#include "dsk_zero.h"' >>"$t/kernels/moe.cu"
 fails_naming "includes fails on kernels/moe.cu including dsk_zero.h, above its owner dsk_moe.h" \
     "kernels/moe.cu:[0-9]+: includes dsk_zero.h \\(floor 3, not below its owner dsk_moe.h's floor 2\\)" includes

@@ -94,30 +94,26 @@ layout tp2pp2ep2_bounded 8 --tp 2 --pp 2 --ep 2 --micro-batches 2 --pp-schedule 
 # ---- bad input
 echo '{"name": "x", "nodes": 1, "gpus_per_node": 8, "memory_gb": 80, "bf16_tflops": 989, "fp8_tflops": 1979,
   "intra_node_gbps": 450, "intra_node_latency_us": 3, "inter_node_latency_us": 8}' >"$work/missing.json"
-"$PLAN" --cluster "$work/missing.json" --sequences 8 "${TINY[@]}" >"$work/missing.out" 2>&1
-rc=$?
-if [ $rc -ne 0 ] && grep -q 'missing field "inter_node_gbps"' "$work/missing.out"; then
-    ok "bad input: a cluster file without inter_node_gbps fails naming it"
-else
-    bad "bad input: a cluster file without a field" "exit $rc: $(head -2 "$work/missing.out")"
-fi
+# plan_fails NAME STATUS PATTERN LABEL ARGS...: dsk_plan --cluster $work/NAME.json ARGS exits with STATUS
+# ("nonzero": any but 0) and its output matches PATTERN (grep -E).
+plan_fails() {
+    local name=$1 want=$2 pattern=$3 label=$4 rc
+    shift 4
+    "$PLAN" --cluster "$work/$name.json" --sequences 8 "$@" "${TINY[@]}" >"$work/$name.out" 2>&1
+    rc=$?
+    if { [ "$want" = nonzero ] && [ $rc -ne 0 ] || [ $rc = "$want" ]; } && grep -qE "$pattern" "$work/$name.out"; then
+        ok "bad input: $label"
+    else
+        bad "bad input: $label" "exit $rc (want $want); want output matching /$pattern/: $(head -3 "$work/$name.out")"
+    fi
+}
+plan_fails missing nonzero 'missing field "inter_node_gbps"' "a cluster file without inter_node_gbps fails naming it"
 sed 's/"nodes": 1/"nodes": "one"/; s/"intra_node_latency_us": 3/"inter_node_gbps": 50, "intra_node_latency_us": 3/' \
     "$work/missing.json" >"$work/typed.json"
-"$PLAN" --cluster "$work/typed.json" --sequences 8 "${TINY[@]}" >"$work/typed.out" 2>&1
-rc=$?
-if [ $rc -ne 0 ] && grep -q '"nodes" must be a number' "$work/typed.out"; then
-    ok "bad input: a cluster file with \"nodes\": \"one\" fails naming the field"
-else
-    bad "bad input: a mistyped field" "exit $rc: $(head -2 "$work/typed.out")"
-fi
+plan_fails typed nonzero '"nodes" must be a number' "a cluster file with \"nodes\": \"one\" fails naming the field"
 sed 's/"memory_gb": 80/"memory_gb": 0.0001/' "$work/typed.json" | sed 's/"nodes": "one"/"nodes": 1/' >"$work/small.json"
-"$PLAN" --cluster "$work/small.json" --sequences 8 --device cpu "${TINY[@]}" >"$work/small.out" 2>&1
-rc=$?
-if [ $rc -eq 3 ] && grep -qE 'no layout fits: the smallest needs [0-9.e-]+ GB per GPU \(tp[0-9]+ pp.*\); each GPU has 0.0001 GB' "$work/small.out"; then
-    ok "bad input: a model that fits no layout: exit 3 and the smallest memory any layout needs against each GPU's"
-else
-    bad "bad input: a model that fits no layout" "exit $rc: $(grep -m2 -E 'fit|GB' "$work/small.out")"
-fi
+plan_fails small 3 'no layout fits: the smallest needs [0-9.e-]+ GB per GPU \(tp[0-9]+ pp.*\); each GPU has 0.0001 GB' \
+    "a model that fits no layout: exit 3 and the smallest memory any layout needs against each GPU's" --device cpu
 
 # a choice file train_moe --plan cannot take: a missing field, an unknown one, a bad schedule
 printf '{"tp": 1, "pp": 1, "dp": 2, "ep": 1, "micro_batches": 1, "virtual_stages": 1, "pp_schedule": "1f1b",

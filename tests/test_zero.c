@@ -1733,6 +1733,20 @@ static void case_experts(void) {
 
 /* ------------------------------------------------------------------ errors */
 
+/* dsk_zero_init over (params, n, o) fails with DSK_ERR_ARG, its error mentions `why`, and it leaves
+   no state in the (poisoned) object. */
+static void zero_init_refuses(dsk_comm *c, const dsk_zero_param *params, int n, const dsk_zero_opts *o,
+                              const char *why) {
+    dsk_zero z;
+    dsk_status s;
+    memset(&z, 0x5a, sizeof z);
+    s = dsk_zero_init(&z, c, NULL, params, n, o);
+    DSK_TEST_EXPECT(s == DSK_ERR_ARG, "dsk_zero_init returned %s, want DSK_ERR_ARG (%s; last error: %s)",
+                    dsk_status_str(s), why, dsk_last_error());
+    DSK_TEST_ERROR_MENTIONS(why);
+    DSK_TEST_EXPECT(z.impl == NULL, "a failed init (%s) left state", why);
+}
+
 static void case_errors(void) {
     dsk_comm c;
     dsk_comm_opts co;
@@ -1754,78 +1768,60 @@ static void case_errors(void) {
     zero_params(ps, vals, grads);
     memset(&o, 0, sizeof o);
     o.stage = 4;
-    DSK_TEST_STATUS(dsk_zero_init(&z, &c, NULL, ps, NP, &o), DSK_ERR_ARG);
-    DSK_TEST_ERROR_MENTIONS("stage 4 is not 0, 1, 2 or 3");
-    DSK_TEST_EXPECT(z.impl == NULL, "a failed init left state");
+    zero_init_refuses(&c, ps, NP, &o, "stage 4 is not 0, 1, 2 or 3");
     o.stage = 1;
     o.compute_dtype = DSK_E4M3;
-    DSK_TEST_STATUS(dsk_zero_init(&z, &c, NULL, ps, NP, &o), DSK_ERR_ARG);
-    DSK_TEST_ERROR_MENTIONS("compute dtype e4m3");
+    zero_init_refuses(&c, ps, NP, &o, "compute dtype e4m3");
     o.compute_dtype = DSK_F32;
     o.moment_dtype = DSK_F16;
-    DSK_TEST_STATUS(dsk_zero_init(&z, &c, NULL, ps, NP, &o), DSK_ERR_ARG);
-    DSK_TEST_ERROR_MENTIONS("moment dtype f16 is not f32 or bf16");
+    zero_init_refuses(&c, ps, NP, &o, "moment dtype f16 is not f32 or bf16");
     o.moment_dtype = DSK_F32;
     o.sum_only = 2;
-    DSK_TEST_STATUS(dsk_zero_init(&z, &c, NULL, ps, NP, &o), DSK_ERR_ARG);
-    DSK_TEST_ERROR_MENTIONS("sum_only 2 is not 0 or 1");
+    zero_init_refuses(&c, ps, NP, &o, "sum_only 2 is not 0 or 1");
     o.sum_only = 0;
     o.compress = (dsk_zero_compress)7;
-    DSK_TEST_STATUS(dsk_zero_init(&z, &c, NULL, ps, NP, &o), DSK_ERR_ARG);
-    DSK_TEST_ERROR_MENTIONS("unknown compression 7");
+    zero_init_refuses(&c, ps, NP, &o, "unknown compression 7");
     o.compress = DSK_ZERO_COMPRESS_FP8;
     o.fp8_error_feedback = 2;
-    DSK_TEST_STATUS(dsk_zero_init(&z, &c, NULL, ps, NP, &o), DSK_ERR_ARG);
-    DSK_TEST_ERROR_MENTIONS("fp8_error_feedback 2 is not 0 or 1");
+    zero_init_refuses(&c, ps, NP, &o, "fp8_error_feedback 2 is not 0 or 1");
     o.compress = DSK_ZERO_COMPRESS_BF16;
     o.fp8_error_feedback = 1;
-    DSK_TEST_STATUS(dsk_zero_init(&z, &c, NULL, ps, NP, &o), DSK_ERR_ARG);
-    DSK_TEST_ERROR_MENTIONS("fp8_error_feedback is set but the compression is 1, not FP8 (3)");
-    DSK_TEST_EXPECT(z.impl == NULL, "a failed init left state");
+    zero_init_refuses(&c, ps, NP, &o, "fp8_error_feedback is set but the compression is 1, not FP8 (3)");
     o.fp8_error_feedback = 0;
     o.compress = DSK_ZERO_COMPRESS_POWERSGD;
     o.powersgd_rank = -1;
-    DSK_TEST_STATUS(dsk_zero_init(&z, &c, NULL, ps, NP, &o), DSK_ERR_ARG);
-    DSK_TEST_ERROR_MENTIONS("PowerSGD rank -1");
+    zero_init_refuses(&c, ps, NP, &o, "PowerSGD rank -1");
     o.compress = DSK_ZERO_COMPRESS_NONE;
     o.powersgd_rank = 0;
     o.param_buffers = 1;
-    DSK_TEST_STATUS(dsk_zero_init(&z, &c, NULL, ps, NP, &o), DSK_ERR_ARG);
-    DSK_TEST_ERROR_MENTIONS("param_buffers 1 (want 2..64)");
+    zero_init_refuses(&c, ps, NP, &o, "param_buffers 1 (want 2..64)");
     o.param_buffers = 0;
     o.grad_post_scale = -1.0f;
-    DSK_TEST_STATUS(dsk_zero_init(&z, &c, NULL, ps, NP, &o), DSK_ERR_ARG);
-    DSK_TEST_ERROR_MENTIONS("grad_post_scale -1");
+    zero_init_refuses(&c, ps, NP, &o, "grad_post_scale -1");
     o.grad_post_scale = 0;
     memcpy(bad, ps, sizeof bad);
     bad[3].unit = 0;
-    DSK_TEST_STATUS(dsk_zero_init(&z, &c, NULL, bad, NP, &o), DSK_ERR_ARG);
-    DSK_TEST_ERROR_MENTIONS("params[3] \"b0.w2\" has unit 0 after unit 1");
+    zero_init_refuses(&c, bad, NP, &o, "params[3] \"b0.w2\" has unit 0 after unit 1");
     memcpy(bad, ps, sizeof bad);
     bad[2].shape[1] = 0;
-    DSK_TEST_STATUS(dsk_zero_init(&z, &c, NULL, bad, NP, &o), DSK_ERR_ARG);
-    DSK_TEST_ERROR_MENTIONS("params[2] \"b0.w1\": shape[1] = 0");
+    zero_init_refuses(&c, bad, NP, &o, "params[2] \"b0.w1\": shape[1] = 0");
     memcpy(bad, ps, sizeof bad);
     bad[1].grad = NULL;
-    DSK_TEST_STATUS(dsk_zero_init(&z, &c, NULL, bad, NP, &o), DSK_ERR_ARG);
-    DSK_TEST_ERROR_MENTIONS("params[1] \"b0.ln\"");
+    zero_init_refuses(&c, bad, NP, &o, "params[1] \"b0.ln\"");
     memcpy(bad, ps, sizeof bad);
     bad[6].global_shape[0] = 4;
     bad[6].global_shape[1] = 5;
     bad[6].global_shape[2] = 8;
     bad[6].offset[0] = 2;
-    DSK_TEST_STATUS(dsk_zero_init(&z, &c, NULL, bad, NP, &o), DSK_ERR_ARG);
-    DSK_TEST_ERROR_MENTIONS("params[6] \"b1.experts\": dim 0's [2, 5) does not fit in the global tensor's 4");
+    zero_init_refuses(&c, bad, NP, &o,
+                      "params[6] \"b1.experts\": dim 0's [2, 5) does not fit in the global tensor's 4");
     bad[6].offset[0] = 0;
     bad[6].offset[2] = -1;
-    DSK_TEST_STATUS(dsk_zero_init(&z, &c, NULL, bad, NP, &o), DSK_ERR_ARG);
-    DSK_TEST_ERROR_MENTIONS("dim 2's [-1, 7) does not fit in the global tensor's 8");
+    zero_init_refuses(&c, bad, NP, &o, "dim 2's [-1, 7) does not fit in the global tensor's 8");
     memcpy(bad, ps, sizeof bad);
     bad[0].name = "";
-    DSK_TEST_STATUS(dsk_zero_init(&z, &c, NULL, bad, NP, &o), DSK_ERR_ARG);
-    DSK_TEST_ERROR_MENTIONS("params[0] needs a name");
-    DSK_TEST_STATUS(dsk_zero_init(&z, &c, NULL, ps, 0, &o), DSK_ERR_ARG);
-    DSK_TEST_ERROR_MENTIONS("need at least one parameter");
+    zero_init_refuses(&c, bad, NP, &o, "params[0] needs a name");
+    zero_init_refuses(&c, ps, 0, &o, "need at least one parameter");
     memset(&cuda_ctx, 0, sizeof cuda_ctx);
     cuda_ctx.device.type = DSK_DEV_CUDA;
 #ifdef DSK_CUDA

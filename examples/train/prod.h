@@ -67,9 +67,9 @@ static double checkpoint_bytes(trainer *t) {
 
 /* save_checkpoint, counted for the metrics. */
 static dsk_status save_counted(trainer *t) {
-    double t0 = now_s();
+    double t0 = tm_clock();
     dsk_status s = save_checkpoint(t);
-    t->mv.checkpoint_s += now_s() - t0;
+    t->mv.checkpoint_s += tm_clock() - t0;
     if (s == DSK_OK) {
         t->mv.checkpoints++;
         if (t->metrics_on) t->mv.checkpoint_bytes += checkpoint_bytes(t);
