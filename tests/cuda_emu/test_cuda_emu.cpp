@@ -20,6 +20,7 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <errno.h>
 #include <stdarg.h>
 #include <string>
@@ -426,8 +427,11 @@ static void test_copies(void) {
 
 /* ---------------------------------------------------------------- streams, events */
 
-static volatile int g_gate;
+/* The gate holds a stream in a host function until the test opens it; g_held says the stream has
+   reached it (so the 20 ms hold starts after the stream's earlier operations ran, however late). */
+static std::atomic<int> g_gate, g_held;
 static void wait_gate(void *) {
+    g_held = 1;
     while (!g_gate) usleep(1000);
 }
 
@@ -446,6 +450,7 @@ static void test_streams_events(void) {
     CU(cudaEventCreate(&t1));
     CU(cudaMemsetAsync(x, 0, 4000, a));
     g_gate = 0;
+    g_held = 0;
     CU(cudaEventRecord(t0, a));
     CU(cudaLaunchHostFunc(a, wait_gate, NULL)); /* holds stream a */
     LAUNCH(k_add, (4), (64), 0, a, x, 1000, 2.5f);
@@ -453,6 +458,7 @@ static void test_streams_events(void) {
     CU(cudaEventRecord(t1, a));
     CU(cudaStreamWaitEvent(b, done, 0));
     CU(cudaMemcpyAsync(y, x, 4000, cudaMemcpyDeviceToDevice, b));
+    while (!g_held) usleep(1000);
     usleep(20000);
     DSK_TEST_EXPECT(cudaEventQuery(done) == cudaErrorNotReady, "the event completed while its stream was held");
     DSK_TEST_EXPECT(cudaStreamQuery(a) == cudaErrorNotReady && cudaStreamQuery(b) == cudaErrorNotReady, "streams idle while held");
