@@ -1741,7 +1741,7 @@ static dsk_status dsk__moe_ep_route_resolve(dsk_moe *m) {
     if (o->ep_route != DSK_MOE_ROUTE_AUTO && o->ep_route != DSK_MOE_ROUTE_FLAT && o->ep_route != DSK_MOE_ROUTE_TWO_HOP)
         return dsk_set_error(DSK_ERR_ARG, "dsk_moe_init: layer \"%s\": unknown ep_route %d (auto 0, flat 1, two-hop 2)",
                              o->name, (int)o->ep_route);
-    for (int r = 0; m->ep_size > 1 && r < c->world_size; r++) {
+    for (int r = 0; m->ep_size > 1 && c->n_nodes > 1 && r < c->world_size; r++) { /* one node: nothing to check */
         int size = 0;
         for (int q = 0; q < c->world_size; q++) size += dsk_comm_node_of(c, q) == dsk_comm_node_of(c, r);
         even = even && size == c->node_size;

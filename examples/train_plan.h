@@ -196,7 +196,7 @@ static dsk_status tpl_rank(const tm_config *base, const tz_opts *zo, int cuda, c
     tm_config c = *base;
     int64_t acts = 0, live0 = dsk_tensor_mem_stats(dsk_cpu()).live_bytes, T;
     int par = l->tp > 1 || l->pp > 1;
-    dsk_comm ep; /* a stand-in: dsk_moe_init reads its size and rank, nothing calls it */
+    dsk_comm ep; /* a stand-in: dsk_moe_init reads its size, rank and node count (0: one node), nothing calls it */
     tm_model *m = (tm_model *)calloc(1, sizeof *m);
     tp_state *ps = par ? (tp_state *)calloc(1, sizeof *ps) : NULL;
     dsk_status s = m && (ps || !par) ? DSK_OK : dsk_set_error(DSK_ERR_OOM, "tpl_rank: out of memory");
