@@ -1836,10 +1836,33 @@ static void wait_ranks(int n, int *status) {
     }
 }
 
-/* Forks the ranks and waits for them. Called before this process uses OpenMP (libgomp's
-   thread pool does not survive fork). */
-static void ep_run(ep_job *j, int n, int sigmoid) {
+/* Forks n ranks that run fn(job, rank, port), each returning 0 or the step that failed, on a free port and waits for
+   them: status[r] as wait_ranks leaves it, -1 for a rank not forked. Returns 0, forking none, when no port is free.
+   Called before this process uses OpenMP (libgomp's thread pool does not survive fork). */
+static int run_ranks(const char *what, int n, int (*fn)(void *job, int rank, int port), void *job, int *status) {
     int port = 0;
+    if (dsk_comm_free_port("127.0.0.1", &port) != DSK_OK) return 0;
+    for (int r = 0; r < n; r++) {
+        pid_t pid = fork();
+        if (pid == 0) {
+            int rc = fn(job, r, port);
+            if (rc) fprintf(stderr, "%s %d: step %d failed: %s\n", what, r, rc, dsk_last_error());
+            _exit(rc);
+        }
+        status[r] = pid < 0 ? -1 : 0;
+    }
+    wait_ranks(n, status);
+    return 1;
+}
+
+static int ep_rank(void *job, int r, int port) {
+    ep_job *j = (ep_job *)job;
+    return ep_rank_main(r, j->n, port, j->sigmoid, j->gx, j->gdy, ep_result(j, r), &j->flags[32 + r], &j->flags[48 + r],
+                        &j->flags[16 + r], &j->flags[24 + r]);
+}
+
+/* Forks the ranks and waits for them (run_ranks). */
+static void ep_run(ep_job *j, int n, int sigmoid) {
     memset(j, 0, sizeof *j);
     j->n = n; j->sigmoid = sigmoid; j->NT = EP_T * n;
     j->per_rank = ep_per_rank(n);
@@ -1848,19 +1871,7 @@ static void ep_run(ep_job *j, int n, int sigmoid) {
     j->gx = j->shm; j->gdy = j->shm + j->NT * EP_D;
     j->flags = (int *)(j->gdy + (size_t)j->NT * EP_D + j->per_rank * n);
     ep_inputs(j->gx, j->gdy, j->NT);
-    j->port_ok = dsk_comm_free_port("127.0.0.1", &port) == DSK_OK;
-    if (!j->port_ok) return;
-    for (int r = 0; r < n; r++) {
-        pid_t pid = fork();
-        if (pid == 0) {
-            int rc = ep_rank_main(r, n, port, sigmoid, j->gx, j->gdy, ep_result(j, r), &j->flags[32 + r],
-                                  &j->flags[48 + r], &j->flags[16 + r], &j->flags[24 + r]);
-            if (rc) fprintf(stderr, "rank %d: step %d failed: %s\n", r, rc, dsk_last_error());
-            _exit(rc);
-        }
-        j->flags[r] = pid < 0 ? -1 : 0;
-    }
-    wait_ranks(n, j->flags);
+    j->port_ok = run_ranks("rank", n, ep_rank, j, j->flags);
 }
 
 static void ep_check(ep_job *j) {
@@ -1966,7 +1977,8 @@ static dsk_moe_opts f8_opts(void) {
 }
 
 /* One rank: a forward (and a backward, which must run) with each dispatch. */
-static int f8_rank_main(f8_job *j, int rank, int port) {
+static int f8_rank_main(void *job, int rank, int port) {
+    f8_job *j = (f8_job *)job;
     dsk_comm c;
     dsk_comm_opts co;
     int64_t shp[2] = {F8_T, F8_D};
@@ -2010,7 +2022,6 @@ static int f8_rank_main(f8_job *j, int rank, int port) {
 static void f8_run(f8_job *j) {
     size_t nx = (size_t)F8_N * F8_T * F8_D, bytes = 3 * nx * sizeof(float) + sizeof(uint64_t[F8_N][2][4]) + 64;
     char *shm = (char *)mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-    int port = 0;
     j->x = (float *)shm;
     j->y[0] = j->x + nx;
     j->y[1] = j->y[0] + nx;
@@ -2020,18 +2031,7 @@ static void f8_run(f8_job *j) {
         j->x[i] = (float)dsk_test_rand(-1, 1) * (i % F8_D < 128 ? 1.0f : 0.01f); /* tiles of other scales */
         j->y[0][i] = j->y[1][i] = NAN;
     }
-    j->port_ok = dsk_comm_free_port("127.0.0.1", &port) == DSK_OK;
-    if (!j->port_ok) return;
-    for (int r = 0; r < F8_N; r++) {
-        pid_t pid = fork();
-        if (pid == 0) {
-            int rc = f8_rank_main(j, r, port);
-            if (rc) fprintf(stderr, "fp8 dispatch rank %d: step %d failed: %s\n", r, rc, dsk_last_error());
-            _exit(rc);
-        }
-        j->status[r] = pid < 0 ? -1 : 0;
-    }
-    wait_ranks(F8_N, j->status);
+    j->port_ok = run_ranks("fp8 dispatch rank", F8_N, f8_rank_main, j, j->status);
 }
 
 /* x's rows as the experts read them after FP8 dispatch: 1x128 tiles, d = dsk_amp_fp8_block_scale
@@ -2870,24 +2870,17 @@ static int aj_rank_main(int rank, int n, int port, double *out) {
 
 typedef struct aj_job { int n, port_ok, status[8]; double *out; } aj_job;
 
+static int aj_rank(void *job, int r, int port) {
+    return aj_rank_main(r, ((aj_job *)job)->n, port, ((aj_job *)job)->out);
+}
+
 static void aj_run(aj_job *j, int n) {
-    int port = 0;
     memset(j, 0, sizeof *j);
     j->n = n;
     j->out = (double *)mmap(NULL, sizeof(double) * 3 * AJ_CASES * n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
                             -1, 0);
     for (int i = 0; i < 3 * AJ_CASES * n; i++) j->out[i] = NAN; /* poisoned */
-    j->port_ok = dsk_comm_free_port("127.0.0.1", &port) == DSK_OK;
-    if (!j->port_ok) return;
-    for (int r = 0; r < n; r++) {
-        pid_t pid = fork();
-        if (pid == 0) {
-            int rc = aj_rank_main(r, n, port, j->out);
-            if (rc) fprintf(stderr, "rank %d: step %d failed: %s\n", r, rc, dsk_last_error());
-            _exit(rc);
-        }
-    }
-    wait_ranks(n, j->status);
+    j->port_ok = run_ranks("rank", n, aj_rank, j, j->status);
 }
 
 /* Against float64: sumsq = the replicated gradients once + every rank's sharded ones, on every
@@ -3410,7 +3403,8 @@ static void x8p_layer_inputs(dsk_moe *m, const float *x, const float *dy, int64_
     dsk_tensor_wrap(tdy, (void *)(dy + t0 * X8_D), DSK_F32, dsk_cpu(), 2, shp);
 }
 
-static int x8p_rank_main(x8p_job *j, int rank, int port) {
+static int x8p_rank_main(void *job, int rank, int port) {
+    x8p_job *j = (x8p_job *)job;
     dsk_comm c;
     dsk_comm_opts co;
     int64_t shp[2] = {X8P_T, X8_D}, ssh[2] = {X8P_T, X8_K};
@@ -3448,7 +3442,6 @@ static int x8p_rank_main(x8p_job *j, int rank, int port) {
 static void x8p_run(x8p_job *j) {
     size_t nx = (size_t)X8P_NT * X8_D, ng = (size_t)x8p_gsize();
     char *shm;
-    int port = 0;
     j->bytes = (6 * nx + 4 * ng) * sizeof(float) + 64;
     shm = (char *)mmap(NULL, j->bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     j->x = (float *)shm;
@@ -3464,22 +3457,7 @@ static void x8p_run(x8p_job *j) {
         j->dy[i] = (float)(2 * dsk_rng_uniform_at(32, 0, i) - 1);
     }
     for (size_t i = 2 * nx; i < 6 * nx + 4 * ng; i++) j->x[i] = NAN; /* poisoned */
-    j->port_ok = dsk_comm_free_port("127.0.0.1", &port) == DSK_OK;
-    if (!j->port_ok) return;
-    for (int r = 0; r < X8P_N; r++) {
-        pid_t pid = fork();
-        if (pid == 0) {
-            int rc = x8p_rank_main(j, r, port);
-            if (rc) fprintf(stderr, "fp8 experts rank %d: step %d failed: %s\n", r, rc, dsk_last_error());
-            _exit(rc);
-        }
-        j->status[r] = pid < 0 ? -1 : 0;
-    }
-    for (int r = 0; r < X8P_N; r++) {
-        int status = 0;
-        pid_t pid = wait(&status);
-        if (pid > 0 && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) j->status[r] = status ? status : -1;
-    }
+    j->port_ok = run_ranks("fp8 experts rank", X8P_N, x8p_rank_main, j, j->status);
 }
 
 /* Rank r's expert rows (its experts in order, each expert's rows by token) from the assignment. */
