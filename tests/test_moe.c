@@ -3551,17 +3551,11 @@ static uint64_t rt_seed;
 
 static int host_of(int r, int n) { return rt_mode == RT_TWO_HOSTS && r >= (n + 1) / 2; }
 
-static uint64_t mix64(uint64_t z) {
-    z += 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
 /* Element i of rank r's rows for `tag`: f32 in [-2, 2), never 0, or u8. */
 static void rt_gen(void *buf, dsk_dtype dt, int64_t n, uint64_t tag, int r) {
     for (int64_t i = 0; i < n; i++) {
-        uint64_t u = mix64(rt_seed ^ mix64(tag * 131 + (uint64_t)r) ^ (uint64_t)i * 0xD1B54A32D192ED03ull);
+        uint64_t u =
+            dsk_test_mix64(rt_seed ^ dsk_test_mix64(tag * 131 + (uint64_t)r) ^ (uint64_t)i * 0xD1B54A32D192ED03ull);
         float f = (float)((double)(u >> 11) * (1.0 / 9007199254740992.0) * 4.0 - 2.0);
         if (dt == DSK_F32) ((float *)buf)[i] = f == 0 ? 0.5f : f;
         else ((uint8_t *)buf)[i] = (uint8_t)(u >> 56);
@@ -3577,8 +3571,10 @@ static int64_t route_rows(int r) { return r == 1 ? 0 : 17 + 5 * r; } /* rank 1 s
    row 0 has two slots on the last two ranks (one node with two emulated hosts), so a two-hop
    route sends that row across once where the flat one sends it twice. */
 static void route_dest(int r, int n, int32_t *dest) {
-    for (int64_t q = 0; q < route_rows(r) * ROUTE_K; q++)
-        dest[q] = (int32_t)(mix64(rt_seed ^ mix64(777 + (uint64_t)r) ^ (uint64_t)q) % (uint64_t)(n + 1)) - 1;
+    for (int64_t q = 0; q < route_rows(r) * ROUTE_K; q++) {
+        uint64_t u = dsk_test_mix64(rt_seed ^ dsk_test_mix64(777 + (uint64_t)r) ^ (uint64_t)q);
+        dest[q] = (int32_t)(u % (uint64_t)(n + 1)) - 1;
+    }
     if (route_rows(r) == 0) return;
     dest[0] = n - 1;
     dest[1] = n > 1 ? n - 2 : n - 1;
