@@ -1718,20 +1718,29 @@ static int ep_bounded_uneven(dsk_moe_opts o, int rank) {
     return ok;
 }
 
+/* Rank `rank` of n joins a host communicator at 127.0.0.1:port (60 s timeout); host_id NULL: this host. */
+static dsk_status host_comm(dsk_comm *c, int rank, int n, int port, const char *host_id) {
+    dsk_comm_opts co;
+    memset(&co, 0, sizeof co);
+    co.backend = DSK_COMM_HOST;
+    co.master_addr = "127.0.0.1";
+    co.master_port = port;
+    co.timeout_s = 60;
+    co.host_id = host_id;
+    return dsk_comm_init(c, rank, n, &co);
+}
+
 static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx, const float *gdy, float *out,
                         int *bad_cfg_ok, int *nonfinite_ok, int *bounded_ok, int *node_ok) {
     dsk_comm c;
-    dsk_comm_opts co;
     dsk_moe m;
     owned own;
     dsk_moe_opts o = ep_opts(sigmoid);
     dsk_tensor x, y, dx, dy;
     int64_t shp[2] = {EP_T, EP_D};
     dsk_moe_stats st;
-    memset(&co, 0, sizeof co);
-    co.backend = DSK_COMM_HOST; co.master_addr = "127.0.0.1"; co.master_port = port; co.timeout_s = 60;
-    if (n == 4) co.host_id = rank < 2 ? "ep-host-a" : "ep-host-b"; /* two emulated nodes (TCP between them) */
-    if (dsk_comm_init(&c, rank, n, &co) != DSK_OK) return 2;
+    /* with 4 ranks, two emulated nodes (TCP between them) */
+    if (host_comm(&c, rank, n, port, n == 4 ? (rank < 2 ? "ep-host-a" : "ep-host-b") : NULL) != DSK_OK) return 2;
     o.ep = &c;
     { /* E not divisible by the EP size fails on every rank, naming both */
         dsk_moe bad;
@@ -1980,15 +1989,9 @@ static dsk_moe_opts f8_opts(void) {
 static int f8_rank_main(void *job, int rank, int port) {
     f8_job *j = (f8_job *)job;
     dsk_comm c;
-    dsk_comm_opts co;
     int64_t shp[2] = {F8_T, F8_D};
     float dyb[F8_T * F8_D], dxb[F8_T * F8_D];
-    memset(&co, 0, sizeof co);
-    co.backend = DSK_COMM_HOST;
-    co.master_addr = "127.0.0.1";
-    co.master_port = port;
-    co.timeout_s = 60;
-    if (dsk_comm_init(&c, rank, F8_N, &co) != DSK_OK) return 2;
+    if (host_comm(&c, rank, F8_N, port, NULL) != DSK_OK) return 2;
     for (int i = 0; i < F8_T * F8_D; i++) dyb[i] = 0.5f;
     for (int fp8 = 0; fp8 < 2; fp8++) {
         dsk_moe m;
@@ -2213,13 +2216,7 @@ static void sp_load(const sp_job *j, dsk_moe *m) {
 
 static dsk_comm sp_connect(int rank, int n, int port, int *ok) {
     dsk_comm c;
-    dsk_comm_opts co;
-    memset(&co, 0, sizeof co);
-    co.backend = DSK_COMM_HOST;
-    co.master_addr = "127.0.0.1";
-    co.master_port = port;
-    co.timeout_s = 60;
-    *ok = dsk_comm_init(&c, rank, n, &co) == DSK_OK;
+    *ok = host_comm(&c, rank, n, port, NULL) == DSK_OK;
     return c;
 }
 
@@ -2830,14 +2827,11 @@ static uint64_t aj_seed(int sharded, int rank, int i) {
 
 static int aj_rank_main(int rank, int n, int port, double *out) {
     dsk_comm c;
-    dsk_comm_opts co;
     dsk_amp_scaler sc;
     dsk_amp_scaler_opts so;
     dsk_tensor g[4];
     float scale;
-    memset(&co, 0, sizeof co);
-    co.backend = DSK_COMM_HOST; co.master_addr = "127.0.0.1"; co.master_port = port; co.timeout_s = 60;
-    if (dsk_comm_init(&c, rank, n, &co) != DSK_OK) return 2;
+    if (host_comm(&c, rank, n, port, NULL) != DSK_OK) return 2;
     memset(&so, 0, sizeof so);
     if (dsk_amp_scaler_init(&sc, NULL, &so) != DSK_OK || dsk_amp_scale_get(&sc, NULL, &scale) != DSK_OK) return 3;
     for (int i = 0; i < 4; i++) {
@@ -3406,15 +3400,9 @@ static void x8p_layer_inputs(dsk_moe *m, const float *x, const float *dy, int64_
 static int x8p_rank_main(void *job, int rank, int port) {
     x8p_job *j = (x8p_job *)job;
     dsk_comm c;
-    dsk_comm_opts co;
     int64_t shp[2] = {X8P_T, X8_D}, ssh[2] = {X8P_T, X8_K};
     int32_t sel[X8P_T * X8_K];
-    memset(&co, 0, sizeof co);
-    co.backend = DSK_COMM_HOST;
-    co.master_addr = "127.0.0.1";
-    co.master_port = port;
-    co.timeout_s = 60;
-    if (dsk_comm_init(&c, rank, X8P_N, &co) != DSK_OK) return 2;
+    if (host_comm(&c, rank, X8P_N, port, NULL) != DSK_OK) return 2;
     for (int fp8 = 0; fp8 < 2; fp8++) {
         dsk_moe m;
         owned own;
