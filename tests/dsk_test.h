@@ -48,11 +48,17 @@ static inline double dsk_test_now(void) {
 }
 
 /* ---- random inputs (splitmix64; independent of the library's RNG on purpose) */
-static inline uint64_t dsk_test_rand_u64(void) {
-    uint64_t z = (dsk_test_g.rng += 0x9E3779B97F4A7C15ull);
+/* splitmix64's output for state z: a hash of z, for inputs drawn from their indices. */
+static inline uint64_t dsk_test_mix64(uint64_t z) {
+    z += 0x9E3779B97F4A7C15ull;
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return z ^ (z >> 31);
+}
+static inline uint64_t dsk_test_rand_u64(void) {
+    uint64_t z = dsk_test_mix64(dsk_test_g.rng);
+    dsk_test_g.rng += 0x9E3779B97F4A7C15ull;
+    return z;
 }
 /* Uniform in [lo, hi). */
 static inline double dsk_test_rand(double lo, double hi) { return lo + (hi - lo) * (double)(dsk_test_rand_u64() >> 11) * (1.0 / 9007199254740992.0); }

@@ -178,20 +178,14 @@ static void expect_group_ok(group *g, rank_fn fn, void *arg) {
 
 /* ------------------------------------------------------------------ inputs and references */
 
-static uint64_t mix64(uint64_t z) {
-    z += 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
 static uint64_t g_seed;
 
 /* Element i of rank r's input for call `tag`: floats in [-2, 2) (exact in the dtype), never 0;
    integers small enough that sums of 4 ranks are exact. */
 static void gen(void *buf, dsk_dtype dt, int64_t n, uint64_t tag, int r) {
     for (int64_t i = 0; i < n; i++) {
-        uint64_t u = mix64(g_seed ^ mix64(tag * 131 + (uint64_t)r) ^ (uint64_t)i * 0xD1B54A32D192ED03ull);
+        uint64_t u =
+            dsk_test_mix64(g_seed ^ dsk_test_mix64(tag * 131 + (uint64_t)r) ^ (uint64_t)i * 0xD1B54A32D192ED03ull);
         double d = (double)(u >> 11) * (1.0 / 9007199254740992.0) * 4.0 - 2.0; /* f64: all 53 bits */
         float f = (float)d;
         if (f == 0) f = 0.5f;
@@ -536,7 +530,7 @@ static void rank_all_to_all(dsk_comm *c, void *arg) {
 
 /* counts[s][d]: elements rank s sends rank d in round `tag`; about a third are 0. */
 static int64_t a2av_count(uint64_t tag, int s, int d, int64_t scale) {
-    uint64_t u = mix64(g_seed ^ mix64(tag * 7 + (uint64_t)s * 64 + (uint64_t)d));
+    uint64_t u = dsk_test_mix64(g_seed ^ dsk_test_mix64(tag * 7 + (uint64_t)s * 64 + (uint64_t)d));
     return (u % 3 == 0) ? 0 : (int64_t)((u >> 8) % (uint64_t)scale) + 1;
 }
 
@@ -2115,11 +2109,11 @@ static void case_ring_interleavings(void) {
         w->rx = r->tx = (dsk__comm_chan *)back;
         w->rxd = r->txd = back + sizeof(dsk__comm_chan);
         for (int m = 0; m < msgs; m++) {
-            uint64_t u = mix64(rng ^ (uint64_t)m);
+            uint64_t u = dsk_test_mix64(rng ^ (uint64_t)m);
             lens[m] = u % 5 == 0 ? u % 64 : u % 3 == 0 ? u % (R / 2) : u % (3 * R);
         }
         while (got < msgs) {
-            if (mix64(rng ^ ++steps) & 1) {
+            if (dsk_test_mix64(rng ^ ++steps) & 1) {
                 if (!wbusy && sent < msgs) {
                     dsk__comm_wire h = dsk__comm_wire_make(a.impl, DSK__COMM_SEND, DSK_U8, 0, -1, (int64_t)lens[sent]);
                     wbuf = (char *)malloc(lens[sent] + 1);

@@ -58,14 +58,10 @@ EOF
     case $verdict in ok*) ok "$what (${verdict#ok })" ;; *) bad "$what" "$verdict" ;; esac
 }
 
-# ---- 1. fp8 against bf16: 300 steps, one rank; 100 steps, --ep 2 over 2 ranks
-# The bounds: DeepSeek-V3's 0.25% (validation) and 1% (smoothed), or twice bf16's own distance
-# from f32 where that is larger: at 256 tokens a step the trajectories of this tiny model part by
-# a few tenths of a percent whatever the rounding (0.32% between fp8 and bf16 under AVX2 kernels)
-run f32 "${TINY[@]}" --dtype f32 --steps 300 --val-interval 300
-run bf16 "${TINY[@]}" --dtype bf16 --steps 300 --val-interval 300
-run fp8 "${TINY[@]}" --dtype fp8 --steps 300 --val-interval 300
-read -r b_smooth b_val < <($PY - "$work/f32.jsonl" "$work/bf16.jsonl" <<'EOF' 2>/dev/null
+# bounds A B: max(1%, twice B's distance from A) for the loss smoothed over the last 50 steps and
+# max(0.25%, twice that distance) for the last validation loss (A the f32 run, B bf16's)
+bounds() {
+    $PY - "$work/$1.jsonl" "$work/$2.jsonl" <<'EOF' 2>/dev/null
 import json, sys
 def read(p):
     rows = [json.loads(l) for l in open(p)]
@@ -74,7 +70,16 @@ def read(p):
 (sf, vf), (sb, vb) = read(sys.argv[1]), read(sys.argv[2])
 print("%.6f %.6f" % (max(0.01, 2 * abs(sb - sf) / sb), max(0.0025, 2 * abs(vb - vf) / vb)))
 EOF
-)
+}
+
+# ---- 1. fp8 against bf16: 300 steps, one rank; 100 steps, --ep 2 over 2 ranks
+# The bounds: DeepSeek-V3's 0.25% (validation) and 1% (smoothed), or twice bf16's own distance
+# from f32 where that is larger: at 256 tokens a step the trajectories of this tiny model part by
+# a few tenths of a percent whatever the rounding (0.32% between fp8 and bf16 under AVX2 kernels)
+run f32 "${TINY[@]}" --dtype f32 --steps 300 --val-interval 300
+run bf16 "${TINY[@]}" --dtype bf16 --steps 300 --val-interval 300
+run fp8 "${TINY[@]}" --dtype fp8 --steps 300 --val-interval 300
+read -r b_smooth b_val < <(bounds f32 bf16)
 what="--dtype fp8 vs bf16, 300 steps: validation loss within max(0.25%, twice bf16's distance from f32)"
 what="$what (${b_val:-?}), smoothed training loss within max(1%, twice that distance) (${b_smooth:-?})"
 compare "$what" bf16 fp8 "${b_smooth:-0}" "${b_val:-0}"
@@ -149,19 +154,6 @@ expect_fail fp8_mla '--dtype fp8: the FP8 linears cover MHA blocks' "${TINY[@]}"
 # shard runs its three GEMMs in FP8 from its input's e4m3 cache (one per in-flight micro-batch), the
 # tensor-parallel gathers and reduce-scatters stay bf16
 PAR=(--nproc 4 --tp 2 --pp 2 --micro-batches 2 --zero 1)
-# bounds A B: max(1%, twice B's distance from A) for the loss smoothed over the last 50 steps and
-# max(0.25%, twice that distance) for the last validation loss (A the f32 run, B bf16's)
-bounds() {
-    $PY - "$work/$1.jsonl" "$work/$2.jsonl" <<'EOF' 2>/dev/null
-import json, sys
-def read(p):
-    rows = [json.loads(l) for l in open(p)]
-    steps = [r["loss"] for r in rows if r["type"] == "step"]
-    return sum(steps[-50:]) / len(steps[-50:]), [r["val_loss"] for r in rows if r["type"] == "val"][-1]
-(sf, vf), (sb, vb) = read(sys.argv[1]), read(sys.argv[2])
-print("%.6f %.6f" % (max(0.01, 2 * abs(sb - sf) / sb), max(0.0025, 2 * abs(vb - vf) / vb)))
-EOF
-}
 # (a) fp8 against bf16 as tp2 x pp2 x ZeRO-1, 150 steps (section 1's bounds, bf16's distance from
 # f32 measured in this layout; 150 steps keep the three 4-rank runs short; bench/RESULTS.md has 300)
 for dt in f32 bf16 fp8; do run "par_$dt" "${TINY[@]}" "${PAR[@]}" --dtype $dt --steps 150 --val-interval 150; done

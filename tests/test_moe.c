@@ -1718,20 +1718,29 @@ static int ep_bounded_uneven(dsk_moe_opts o, int rank) {
     return ok;
 }
 
+/* Rank `rank` of n joins a host communicator at 127.0.0.1:port (60 s timeout); host_id NULL: this host. */
+static dsk_status host_comm(dsk_comm *c, int rank, int n, int port, const char *host_id) {
+    dsk_comm_opts co;
+    memset(&co, 0, sizeof co);
+    co.backend = DSK_COMM_HOST;
+    co.master_addr = "127.0.0.1";
+    co.master_port = port;
+    co.timeout_s = 60;
+    co.host_id = host_id;
+    return dsk_comm_init(c, rank, n, &co);
+}
+
 static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx, const float *gdy, float *out,
                         int *bad_cfg_ok, int *nonfinite_ok, int *bounded_ok, int *node_ok) {
     dsk_comm c;
-    dsk_comm_opts co;
     dsk_moe m;
     owned own;
     dsk_moe_opts o = ep_opts(sigmoid);
     dsk_tensor x, y, dx, dy;
     int64_t shp[2] = {EP_T, EP_D};
     dsk_moe_stats st;
-    memset(&co, 0, sizeof co);
-    co.backend = DSK_COMM_HOST; co.master_addr = "127.0.0.1"; co.master_port = port; co.timeout_s = 60;
-    if (n == 4) co.host_id = rank < 2 ? "ep-host-a" : "ep-host-b"; /* two emulated nodes (TCP between them) */
-    if (dsk_comm_init(&c, rank, n, &co) != DSK_OK) return 2;
+    /* with 4 ranks, two emulated nodes (TCP between them) */
+    if (host_comm(&c, rank, n, port, n == 4 ? (rank < 2 ? "ep-host-a" : "ep-host-b") : NULL) != DSK_OK) return 2;
     o.ep = &c;
     { /* E not divisible by the EP size fails on every rank, naming both */
         dsk_moe bad;
@@ -1836,10 +1845,33 @@ static void wait_ranks(int n, int *status) {
     }
 }
 
-/* Forks the ranks and waits for them. Called before this process uses OpenMP (libgomp's
-   thread pool does not survive fork). */
-static void ep_run(ep_job *j, int n, int sigmoid) {
+/* Forks n ranks that run fn(job, rank, port), each returning 0 or the step that failed, on a free port and waits for
+   them: status[r] as wait_ranks leaves it, -1 for a rank not forked. Returns 0, forking none, when no port is free.
+   Called before this process uses OpenMP (libgomp's thread pool does not survive fork). */
+static int run_ranks(const char *what, int n, int (*fn)(void *job, int rank, int port), void *job, int *status) {
     int port = 0;
+    if (dsk_comm_free_port("127.0.0.1", &port) != DSK_OK) return 0;
+    for (int r = 0; r < n; r++) {
+        pid_t pid = fork();
+        if (pid == 0) {
+            int rc = fn(job, r, port);
+            if (rc) fprintf(stderr, "%s %d: step %d failed: %s\n", what, r, rc, dsk_last_error());
+            _exit(rc);
+        }
+        status[r] = pid < 0 ? -1 : 0;
+    }
+    wait_ranks(n, status);
+    return 1;
+}
+
+static int ep_rank(void *job, int r, int port) {
+    ep_job *j = (ep_job *)job;
+    return ep_rank_main(r, j->n, port, j->sigmoid, j->gx, j->gdy, ep_result(j, r), &j->flags[32 + r], &j->flags[48 + r],
+                        &j->flags[16 + r], &j->flags[24 + r]);
+}
+
+/* Forks the ranks and waits for them (run_ranks). */
+static void ep_run(ep_job *j, int n, int sigmoid) {
     memset(j, 0, sizeof *j);
     j->n = n; j->sigmoid = sigmoid; j->NT = EP_T * n;
     j->per_rank = ep_per_rank(n);
@@ -1848,19 +1880,7 @@ static void ep_run(ep_job *j, int n, int sigmoid) {
     j->gx = j->shm; j->gdy = j->shm + j->NT * EP_D;
     j->flags = (int *)(j->gdy + (size_t)j->NT * EP_D + j->per_rank * n);
     ep_inputs(j->gx, j->gdy, j->NT);
-    j->port_ok = dsk_comm_free_port("127.0.0.1", &port) == DSK_OK;
-    if (!j->port_ok) return;
-    for (int r = 0; r < n; r++) {
-        pid_t pid = fork();
-        if (pid == 0) {
-            int rc = ep_rank_main(r, n, port, sigmoid, j->gx, j->gdy, ep_result(j, r), &j->flags[32 + r],
-                                  &j->flags[48 + r], &j->flags[16 + r], &j->flags[24 + r]);
-            if (rc) fprintf(stderr, "rank %d: step %d failed: %s\n", r, rc, dsk_last_error());
-            _exit(rc);
-        }
-        j->flags[r] = pid < 0 ? -1 : 0;
-    }
-    wait_ranks(n, j->flags);
+    j->port_ok = run_ranks("rank", n, ep_rank, j, j->flags);
 }
 
 static void ep_check(ep_job *j) {
@@ -1966,17 +1986,12 @@ static dsk_moe_opts f8_opts(void) {
 }
 
 /* One rank: a forward (and a backward, which must run) with each dispatch. */
-static int f8_rank_main(f8_job *j, int rank, int port) {
+static int f8_rank_main(void *job, int rank, int port) {
+    f8_job *j = (f8_job *)job;
     dsk_comm c;
-    dsk_comm_opts co;
     int64_t shp[2] = {F8_T, F8_D};
     float dyb[F8_T * F8_D], dxb[F8_T * F8_D];
-    memset(&co, 0, sizeof co);
-    co.backend = DSK_COMM_HOST;
-    co.master_addr = "127.0.0.1";
-    co.master_port = port;
-    co.timeout_s = 60;
-    if (dsk_comm_init(&c, rank, F8_N, &co) != DSK_OK) return 2;
+    if (host_comm(&c, rank, F8_N, port, NULL) != DSK_OK) return 2;
     for (int i = 0; i < F8_T * F8_D; i++) dyb[i] = 0.5f;
     for (int fp8 = 0; fp8 < 2; fp8++) {
         dsk_moe m;
@@ -2010,7 +2025,6 @@ static int f8_rank_main(f8_job *j, int rank, int port) {
 static void f8_run(f8_job *j) {
     size_t nx = (size_t)F8_N * F8_T * F8_D, bytes = 3 * nx * sizeof(float) + sizeof(uint64_t[F8_N][2][4]) + 64;
     char *shm = (char *)mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-    int port = 0;
     j->x = (float *)shm;
     j->y[0] = j->x + nx;
     j->y[1] = j->y[0] + nx;
@@ -2020,18 +2034,7 @@ static void f8_run(f8_job *j) {
         j->x[i] = (float)dsk_test_rand(-1, 1) * (i % F8_D < 128 ? 1.0f : 0.01f); /* tiles of other scales */
         j->y[0][i] = j->y[1][i] = NAN;
     }
-    j->port_ok = dsk_comm_free_port("127.0.0.1", &port) == DSK_OK;
-    if (!j->port_ok) return;
-    for (int r = 0; r < F8_N; r++) {
-        pid_t pid = fork();
-        if (pid == 0) {
-            int rc = f8_rank_main(j, r, port);
-            if (rc) fprintf(stderr, "fp8 dispatch rank %d: step %d failed: %s\n", r, rc, dsk_last_error());
-            _exit(rc);
-        }
-        j->status[r] = pid < 0 ? -1 : 0;
-    }
-    wait_ranks(F8_N, j->status);
+    j->port_ok = run_ranks("fp8 dispatch rank", F8_N, f8_rank_main, j, j->status);
 }
 
 /* x's rows as the experts read them after FP8 dispatch: 1x128 tiles, d = dsk_amp_fp8_block_scale
@@ -2213,13 +2216,7 @@ static void sp_load(const sp_job *j, dsk_moe *m) {
 
 static dsk_comm sp_connect(int rank, int n, int port, int *ok) {
     dsk_comm c;
-    dsk_comm_opts co;
-    memset(&co, 0, sizeof co);
-    co.backend = DSK_COMM_HOST;
-    co.master_addr = "127.0.0.1";
-    co.master_port = port;
-    co.timeout_s = 60;
-    *ok = dsk_comm_init(&c, rank, n, &co) == DSK_OK;
+    *ok = host_comm(&c, rank, n, port, NULL) == DSK_OK;
     return c;
 }
 
@@ -2830,14 +2827,11 @@ static uint64_t aj_seed(int sharded, int rank, int i) {
 
 static int aj_rank_main(int rank, int n, int port, double *out) {
     dsk_comm c;
-    dsk_comm_opts co;
     dsk_amp_scaler sc;
     dsk_amp_scaler_opts so;
     dsk_tensor g[4];
     float scale;
-    memset(&co, 0, sizeof co);
-    co.backend = DSK_COMM_HOST; co.master_addr = "127.0.0.1"; co.master_port = port; co.timeout_s = 60;
-    if (dsk_comm_init(&c, rank, n, &co) != DSK_OK) return 2;
+    if (host_comm(&c, rank, n, port, NULL) != DSK_OK) return 2;
     memset(&so, 0, sizeof so);
     if (dsk_amp_scaler_init(&sc, NULL, &so) != DSK_OK || dsk_amp_scale_get(&sc, NULL, &scale) != DSK_OK) return 3;
     for (int i = 0; i < 4; i++) {
@@ -2870,24 +2864,17 @@ static int aj_rank_main(int rank, int n, int port, double *out) {
 
 typedef struct aj_job { int n, port_ok, status[8]; double *out; } aj_job;
 
+static int aj_rank(void *job, int r, int port) {
+    return aj_rank_main(r, ((aj_job *)job)->n, port, ((aj_job *)job)->out);
+}
+
 static void aj_run(aj_job *j, int n) {
-    int port = 0;
     memset(j, 0, sizeof *j);
     j->n = n;
     j->out = (double *)mmap(NULL, sizeof(double) * 3 * AJ_CASES * n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
                             -1, 0);
     for (int i = 0; i < 3 * AJ_CASES * n; i++) j->out[i] = NAN; /* poisoned */
-    j->port_ok = dsk_comm_free_port("127.0.0.1", &port) == DSK_OK;
-    if (!j->port_ok) return;
-    for (int r = 0; r < n; r++) {
-        pid_t pid = fork();
-        if (pid == 0) {
-            int rc = aj_rank_main(r, n, port, j->out);
-            if (rc) fprintf(stderr, "rank %d: step %d failed: %s\n", r, rc, dsk_last_error());
-            _exit(rc);
-        }
-    }
-    wait_ranks(n, j->status);
+    j->port_ok = run_ranks("rank", n, aj_rank, j, j->status);
 }
 
 /* Against float64: sumsq = the replicated gradients once + every rank's sharded ones, on every
@@ -3410,17 +3397,12 @@ static void x8p_layer_inputs(dsk_moe *m, const float *x, const float *dy, int64_
     dsk_tensor_wrap(tdy, (void *)(dy + t0 * X8_D), DSK_F32, dsk_cpu(), 2, shp);
 }
 
-static int x8p_rank_main(x8p_job *j, int rank, int port) {
+static int x8p_rank_main(void *job, int rank, int port) {
+    x8p_job *j = (x8p_job *)job;
     dsk_comm c;
-    dsk_comm_opts co;
     int64_t shp[2] = {X8P_T, X8_D}, ssh[2] = {X8P_T, X8_K};
     int32_t sel[X8P_T * X8_K];
-    memset(&co, 0, sizeof co);
-    co.backend = DSK_COMM_HOST;
-    co.master_addr = "127.0.0.1";
-    co.master_port = port;
-    co.timeout_s = 60;
-    if (dsk_comm_init(&c, rank, X8P_N, &co) != DSK_OK) return 2;
+    if (host_comm(&c, rank, X8P_N, port, NULL) != DSK_OK) return 2;
     for (int fp8 = 0; fp8 < 2; fp8++) {
         dsk_moe m;
         owned own;
@@ -3448,7 +3430,6 @@ static int x8p_rank_main(x8p_job *j, int rank, int port) {
 static void x8p_run(x8p_job *j) {
     size_t nx = (size_t)X8P_NT * X8_D, ng = (size_t)x8p_gsize();
     char *shm;
-    int port = 0;
     j->bytes = (6 * nx + 4 * ng) * sizeof(float) + 64;
     shm = (char *)mmap(NULL, j->bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     j->x = (float *)shm;
@@ -3464,22 +3445,7 @@ static void x8p_run(x8p_job *j) {
         j->dy[i] = (float)(2 * dsk_rng_uniform_at(32, 0, i) - 1);
     }
     for (size_t i = 2 * nx; i < 6 * nx + 4 * ng; i++) j->x[i] = NAN; /* poisoned */
-    j->port_ok = dsk_comm_free_port("127.0.0.1", &port) == DSK_OK;
-    if (!j->port_ok) return;
-    for (int r = 0; r < X8P_N; r++) {
-        pid_t pid = fork();
-        if (pid == 0) {
-            int rc = x8p_rank_main(j, r, port);
-            if (rc) fprintf(stderr, "fp8 experts rank %d: step %d failed: %s\n", r, rc, dsk_last_error());
-            _exit(rc);
-        }
-        j->status[r] = pid < 0 ? -1 : 0;
-    }
-    for (int r = 0; r < X8P_N; r++) {
-        int status = 0;
-        pid_t pid = wait(&status);
-        if (pid > 0 && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) j->status[r] = status ? status : -1;
-    }
+    j->port_ok = run_ranks("fp8 experts rank", X8P_N, x8p_rank_main, j, j->status);
 }
 
 /* Rank r's expert rows (its experts in order, each expert's rows by token) from the assignment. */
@@ -3573,17 +3539,11 @@ static uint64_t rt_seed;
 
 static int host_of(int r, int n) { return rt_mode == RT_TWO_HOSTS && r >= (n + 1) / 2; }
 
-static uint64_t mix64(uint64_t z) {
-    z += 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
 /* Element i of rank r's rows for `tag`: f32 in [-2, 2), never 0, or u8. */
 static void rt_gen(void *buf, dsk_dtype dt, int64_t n, uint64_t tag, int r) {
     for (int64_t i = 0; i < n; i++) {
-        uint64_t u = mix64(rt_seed ^ mix64(tag * 131 + (uint64_t)r) ^ (uint64_t)i * 0xD1B54A32D192ED03ull);
+        uint64_t u =
+            dsk_test_mix64(rt_seed ^ dsk_test_mix64(tag * 131 + (uint64_t)r) ^ (uint64_t)i * 0xD1B54A32D192ED03ull);
         float f = (float)((double)(u >> 11) * (1.0 / 9007199254740992.0) * 4.0 - 2.0);
         if (dt == DSK_F32) ((float *)buf)[i] = f == 0 ? 0.5f : f;
         else ((uint8_t *)buf)[i] = (uint8_t)(u >> 56);
@@ -3599,8 +3559,10 @@ static int64_t route_rows(int r) { return r == 1 ? 0 : 17 + 5 * r; } /* rank 1 s
    row 0 has two slots on the last two ranks (one node with two emulated hosts), so a two-hop
    route sends that row across once where the flat one sends it twice. */
 static void route_dest(int r, int n, int32_t *dest) {
-    for (int64_t q = 0; q < route_rows(r) * ROUTE_K; q++)
-        dest[q] = (int32_t)(mix64(rt_seed ^ mix64(777 + (uint64_t)r) ^ (uint64_t)q) % (uint64_t)(n + 1)) - 1;
+    for (int64_t q = 0; q < route_rows(r) * ROUTE_K; q++) {
+        uint64_t u = dsk_test_mix64(rt_seed ^ dsk_test_mix64(777 + (uint64_t)r) ^ (uint64_t)q);
+        dest[q] = (int32_t)(u % (uint64_t)(n + 1)) - 1;
+    }
     if (route_rows(r) == 0) return;
     dest[0] = n - 1;
     dest[1] = n > 1 ? n - 2 : n - 1;

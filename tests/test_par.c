@@ -96,16 +96,9 @@ static void expect_ranks_ok(int n, rank_fn fn, void *arg) {
 
 /* ------------------------------------------------------------------ inputs */
 
-static uint64_t mix64(uint64_t z) {
-    z += 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
 /* Element i of input `tag`: in [-1, 1), never 0, the same on every rank. */
 static float gen1(uint64_t tag, int64_t i) {
-    uint64_t u = mix64(dsk_test_g.seed ^ mix64(tag * 7919u) ^ (uint64_t)i * 0xD1B54A32D192ED03ull);
+    uint64_t u = dsk_test_mix64(dsk_test_g.seed ^ dsk_test_mix64(tag * 7919u) ^ (uint64_t)i * 0xD1B54A32D192ED03ull);
     float f = (float)((double)(u >> 11) * (1.0 / 9007199254740992.0) * 2.0 - 1.0);
     return f == 0 ? 0.25f : f;
 }
@@ -734,8 +727,8 @@ static void rank_vocab(dsk_comm *c, void *arg) {
     gen(logits, N * V, 13);
     for (int64_t i = 0; i < N * V; i++) logits[i] *= 6.0f; /* spread, so the max matters */
     for (int64_t t = 0; t < N; t++) {
-        ids[t] = (int32_t)(mix64(dsk_test_g.seed + 31 * (uint64_t)t) % (uint64_t)V);
-        tg[t] = t % 5 == 3 ? -1 : (int32_t)(mix64(dsk_test_g.seed + 77 * (uint64_t)t) % (uint64_t)V);
+        ids[t] = (int32_t)(dsk_test_mix64(dsk_test_g.seed + 31 * (uint64_t)t) % (uint64_t)V);
+        tg[t] = t % 5 == 3 ? -1 : (int32_t)(dsk_test_mix64(dsk_test_g.seed + 77 * (uint64_t)t) % (uint64_t)V);
     }
     ids[0] = 0;
     ids[1] = (int32_t)(V - 1); /* both ends of the vocabulary */

@@ -129,15 +129,10 @@ static const pspec k_model[] = {
 
 static uint64_t g_seed;
 
-static uint64_t mix64(uint64_t z) {
-    z += 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
 /* Uniform in [lo, hi) from (tag, a, b, c), as f32. */
 static float hashf(uint64_t tag, uint64_t a, uint64_t b, uint64_t c, float lo, float hi) {
-    uint64_t u = mix64(g_seed ^ mix64(tag * 1000003u + a) ^ mix64(b * 7919u + c * 104729u + 17u));
+    uint64_t u =
+        dsk_test_mix64(g_seed ^ dsk_test_mix64(tag * 1000003u + a) ^ dsk_test_mix64(b * 7919u + c * 104729u + 17u));
     return lo + (hi - lo) * (float)((double)(u >> 11) * (1.0 / 9007199254740992.0));
 }
 

@@ -20,17 +20,10 @@
 static dsk_comm NC, HC; /* nccl and host communicators of this rank */
 static dsk_ctx G;
 
-static uint64_t mix64(uint64_t z) {
-    z += 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
 /* Rank r's input for `tag`: floats in [-2, 2) exact in the dtype, small integers. */
 static void gen(void *buf, dsk_dtype dt, int64_t n, uint64_t tag, int r) {
     for (int64_t i = 0; i < n; i++) {
-        uint64_t u = mix64(mix64(tag * 131 + (uint64_t)r) ^ (uint64_t)i * 0xD1B54A32D192ED03ull);
+        uint64_t u = dsk_test_mix64(dsk_test_mix64(tag * 131 + (uint64_t)r) ^ (uint64_t)i * 0xD1B54A32D192ED03ull);
         double d = (double)(u >> 11) * (1.0 / 9007199254740992.0) * 4.0 - 2.0;
         float f = (float)d;
         switch (dt) {
@@ -226,7 +219,7 @@ static void part_routes(void) {
     int64_t rows = 23 + 4 * me;
     int32_t *dest = (int32_t *)malloc((size_t)rows * k * sizeof(int32_t));
     for (int64_t q = 0; q < rows * k; q++)
-        dest[q] = (int32_t)(mix64(55 + (uint64_t)me * 1000 + (uint64_t)q) % (uint64_t)(n + 1)) - 1;
+        dest[q] = (int32_t)(dsk_test_mix64(55 + (uint64_t)me * 1000 + (uint64_t)q) % (uint64_t)(n + 1)) - 1;
     DSK_TEST_EXPECT(NC.n_nodes == HC.n_nodes && NC.n_nodes == (n > 1 ? 2 : 1), "nodes: nccl %d, host %d",
                     NC.n_nodes, HC.n_nodes);
     for (int two = 0; two < 2; two++)

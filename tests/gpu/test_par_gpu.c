@@ -17,20 +17,13 @@
 static dsk_comm NC, HC; /* nccl and host communicators of this rank */
 static dsk_ctx G;
 
-static uint64_t mix64(uint64_t z) {
-    z += 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
 /* A host f32 tensor (rows, cols) of input `tag`, the same on every rank, values in [-1, 1). */
 static dsk_tensor host_in(int64_t rows, int64_t cols, uint64_t tag) {
     dsk_tensor t;
     int64_t sh[2] = {rows, cols};
     DSK_TEST_OK(dsk_tensor_alloc(NULL, &t, DSK_F32, 2, sh));
     for (int64_t i = 0; i < rows * cols; i++) {
-        uint64_t u = mix64(mix64(tag) ^ (uint64_t)i * 0xD1B54A32D192ED03ull);
+        uint64_t u = dsk_test_mix64(dsk_test_mix64(tag) ^ (uint64_t)i * 0xD1B54A32D192ED03ull);
         ((float *)t.data)[i] = (float)((double)(u >> 11) * (1.0 / 9007199254740992.0) * 2.0 - 1.0);
     }
     return t;
@@ -160,8 +153,8 @@ static void part_vocab(void) {
     DSK_TEST_OK(dsk_tensor_alloc(NULL, &hids, DSK_I32, 1, &N));
     DSK_TEST_OK(dsk_tensor_alloc(NULL, &htg, DSK_I32, 1, &N));
     for (int64_t t = 0; t < N; t++) {
-        ((int32_t *)hids.data)[t] = (int32_t)(mix64(777 + (uint64_t)t) % (uint64_t)(Vl * n));
-        ((int32_t *)htg.data)[t] = t % 4 == 1 ? -1 : (int32_t)(mix64(999 + (uint64_t)t) % (uint64_t)(Vl * n));
+        ((int32_t *)hids.data)[t] = (int32_t)(dsk_test_mix64(777 + (uint64_t)t) % (uint64_t)(Vl * n));
+        ((int32_t *)htg.data)[t] = t % 4 == 1 ? -1 : (int32_t)(dsk_test_mix64(999 + (uint64_t)t) % (uint64_t)(Vl * n));
     }
     for (int64_t i = 0; i < N * Vl; i++) ((float *)hl.data)[i] *= 8.0f;
     dids = dev_of(&hids); dt = dev_of(&ht); dout = dev_of(&ho); dp = dev_of(&hp); dd = dev_of(&hd); dg = dev_of(&hg);
