@@ -40,7 +40,12 @@
      backward) and pipeline (the sends of the busiest stage's schedule, whose bytes the model's
      callback gives: examples/train_plan.h walks the trainer's schedule and buffers, and
      tests/test_plan.sh compares them with the bytes a run hands to dsk_comm_send) traffic
-     is exposed; the gradient reductions overlap backward up to cluster.overlap of it. The
+     is exposed; the gradient reductions overlap backward up to cluster.overlap of it. CPU ranks
+     that share cores (cluster.cores_per_node below the ranks of a node; bf16_tflops is then one
+     core's rate): a waiting rank gives its core away, so the step is the larger of that
+     one-device-per-rank step (the critical path) and the node's busy work (every rank's compute
+     and communication, CPU work on the host backend, overlapped or not) over its cores
+     (result.cores_s is what this adds; the derivation is at dsk__plan_shared_cores). The
      efficiency and the overlap are calibration: bench/plan_rank.sh measures this machine's CPU
      ranks into bench/plan_cpu_calibrated.json (its figures and command in bench/RESULTS.md); the
      GPU files in examples/clusters/ carry datasheet peaks at the efficiency 0.4 until a GPU
@@ -102,6 +107,7 @@ typedef struct dsk_plan_cluster {
     double efficiency; /* optional [0.4]: the share of bf16 peak the GEMMs reach */
     double overlap;    /* optional [0.8]: the share of backward the gradient collectives hide under */
     double reserve_gb; /* optional [0]: memory per GPU no layout may use (context, fragmentation) */
+    int cores_per_node; /* optional [0]: the CPU cores a node's ranks share (CPU ranks); 0: a device per rank */
 } dsk_plan_cluster;
 
 /* Parses a cluster description (a JSON object of the fields above); `what` names the source in
@@ -174,6 +180,7 @@ typedef struct dsk_plan_result {
     double pp_bytes; /* the busiest stage's pipeline sends per step (the callback's send_bytes) */
     /* seconds per step: compute (with recomputation), the bubble, the exposed communication */
     double step_s, compute_s, bubble_s, tp_s, ep_s, pp_s, zero_s, zero_exposed_s;
+    double cores_s; /* what ranks sharing a node's cores add (cluster.cores_per_node; dsk_plan_time) */
     char why[200]; /* why it lost to the best (empty for the best) */
 } dsk_plan_result;
 
@@ -304,7 +311,7 @@ static dsk_status dsk__plan_fields(const char *json, size_t len, const char *wha
 typedef struct dsk__plan_key {
     const char *key;
     size_t off;
-    int kind;   /* 0 double > 0, 1 int >= 1, 2 string, 3 double >= 0 */
+    int kind;   /* 0 double > 0, 1 int >= 1, 2 string, 3 double >= 0, 4 int >= 0 */
     int needed; /* 0: optional */
 } dsk__plan_key;
 
@@ -322,6 +329,7 @@ static const dsk__plan_key dsk__plan_keys[] = {
     {"efficiency", offsetof(dsk_plan_cluster, efficiency), 0, 0},
     {"overlap", offsetof(dsk_plan_cluster, overlap), 3, 0},
     {"reserve_gb", offsetof(dsk_plan_cluster, reserve_gb), 3, 0},
+    {"cores_per_node", offsetof(dsk_plan_cluster, cores_per_node), 4, 0},
 };
 #define DSK__PLAN_NKEYS (int)(sizeof dsk__plan_keys / sizeof dsk__plan_keys[0])
 
@@ -335,10 +343,11 @@ static dsk_status dsk__plan_set(dsk_plan_cluster *c, const dsk__plan_key *k, con
         snprintf(at, sizeof c->name, "%s", f->str);
         return DSK_OK;
     }
-    if (k->kind == 1) {
-        if (f->num < 1 || f->num > 1e6 || f->num != floor(f->num))
-            return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_cluster_parse: %s: \"%s\" is %g: a whole number >= 1", what,
-                                 k->key, f->num);
+    if (k->kind == 1 || k->kind == 4) {
+        int lo = k->kind == 1;
+        if (f->num < lo || f->num > 1e6 || f->num != floor(f->num))
+            return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_cluster_parse: %s: \"%s\" is %g: a whole number >= %d",
+                                 what, k->key, f->num, lo);
         *(int *)at = (int)f->num;
         return DSK_OK;
     }
@@ -409,6 +418,25 @@ static double dsk__plan_link(const dsk_plan_cluster *c, int span, double bytes, 
     return bytes / bw + msgs * lat;
 }
 
+/* Ranks sharing cores (a node runs more ranks than cluster.cores_per_node). A core runs one rank at
+   a time, and a waiting rank gives its core away (on such a node dsk_comm's host backend never spins:
+   it yields, then sleeps in poll()), so a bubble or a wait costs nothing while another rank has work.
+   Each rank's busy work W is its compute and its communication: on the host backend every byte is
+   copied by the ranks' CPUs (into the shared-memory ring and out, the reduction's fold, the system
+   calls that wake a sleeper), so all of it is CPU work, hidden under backward or not. The node's
+   cores run the R ranks' R W (the node's ranks taken alike, the modelled rank's W for each) at most
+   `cores` at a time: step >= R W / cores. And no rank ends before its own chain of dependences,
+   the one-device-per-rank step: step >= that. The step is the larger bound (work-bound when the cores
+   never idle, path-bound when they do); r->cores_s is what it adds to the one-device-per-rank step. */
+static void dsk__plan_shared_cores(const dsk_plan_cluster *c, int world, dsk_plan_result *r) {
+    int ranks = world < c->gpus_per_node ? world : c->gpus_per_node;
+    double work = ranks * (r->compute_s + r->tp_s + r->ep_s + r->pp_s + r->zero_s);
+    r->cores_s = 0;
+    if (c->cores_per_node > 0 && ranks > c->cores_per_node && work / c->cores_per_node > r->step_s)
+        r->cores_s = work / c->cores_per_node - r->step_s;
+    r->step_s += r->cores_s;
+}
+
 DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
                                  double reduce_bytes, double gather_bytes, int reduce_all, dsk_plan_result *r) {
     const dsk_plan_layout *l = &r->layout;
@@ -447,6 +475,7 @@ DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster
     r->zero_exposed_s = r->zero_s - c->overlap * (2.0 / 3.0) * r->compute_s;
     if (r->zero_exposed_s < 0) r->zero_exposed_s = 0;
     r->step_s = r->compute_s + r->bubble_s + r->tp_s + r->ep_s + r->pp_s + r->zero_exposed_s;
+    dsk__plan_shared_cores(c, world, r);
     return DSK_OK;
 }
 
@@ -551,11 +580,13 @@ static int dsk__plan_cmp(const void *a, const void *b) {
 
 /* Why r lost to the best: does not fit, or the part of its step that grew most. */
 static void dsk__plan_why(const dsk_plan_result *best, dsk_plan_result *r, const dsk_plan_cluster *c) {
-    const char *names[6] = {"compute (recomputation)", "pipeline bubble", "tensor-parallel comm",
-                            "expert-parallel comm",    "pipeline sends",  "exposed gradient comm"};
-    double d[6] = {r->compute_s - best->compute_s, r->bubble_s - best->bubble_s,
+    const char *names[7] = {
+        "compute (recomputation)", "pipeline bubble",       "tensor-parallel comm", "expert-parallel comm",
+        "pipeline sends",          "exposed gradient comm", "shared cores"};
+    double d[7] = {r->compute_s - best->compute_s, r->bubble_s - best->bubble_s,
                    r->tp_s - best->tp_s,           r->ep_s - best->ep_s,
-                   r->pp_s - best->pp_s,           r->zero_exposed_s - best->zero_exposed_s};
+                   r->pp_s - best->pp_s,           r->zero_exposed_s - best->zero_exposed_s,
+                   r->cores_s - best->cores_s};
     int k = 0;
     if (r == best && r->fits) {
         r->why[0] = 0;
@@ -566,7 +597,7 @@ static void dsk__plan_why(const dsk_plan_result *best, dsk_plan_result *r, const
                  c->memory_gb - c->reserve_gb, r->worst_stage);
         return;
     }
-    for (int i = 1; i < 6; i++)
+    for (int i = 1; i < 7; i++)
         if (d[i] > d[k]) k = i;
     snprintf(r->why, sizeof r->why, "%.1f%% slower: %s +%.3g s (bubble %.1f%%, comm %.1f%% of its step)",
              100 * (r->step_s / best->step_s - 1), names[k], d[k], 100 * r->bubble_s / r->step_s,
@@ -738,12 +769,12 @@ DSK_API dsk_status dsk_plan_json(const dsk_plan_result *r, const dsk_plan_job *j
         "\"seq\": %lld, \"params_bytes\": %lld, \"grads_bytes\": %lld, \"optimizer_bytes\": %lld, "
         "\"comm_bytes\": %lld, \"activations_bytes\": %lld, \"imbalance_bytes\": %lld, \"total_bytes\": %lld, "
         "\"fits\": %d, \"step_s\": %.6g, \"compute_s\": %.6g, \"bubble_s\": %.6g, \"tp_s\": %.6g, "
-        "\"ep_s\": %.6g, \"pp_s\": %.6g, \"zero_exposed_s\": %.6g}\n",
+        "\"ep_s\": %.6g, \"pp_s\": %.6g, \"zero_exposed_s\": %.6g, \"cores_s\": %.6g}\n",
         l->tp, l->pp, l->dp, l->ep, l->zero, l->micro, l->vstages, dsk_par_schedule_name(l->schedule),
         dsk__plan_rc_names[l->recompute], dsk_dtype_name(l->moments), (long long)job->sequences, (long long)job->seq,
         (long long)r->mem.params, (long long)r->mem.grads, (long long)r->mem.optimizer, (long long)r->mem.comm,
         (long long)r->mem.activations, (long long)r->mem.imbalance, (long long)r->total, r->fits, r->step_s,
-        r->compute_s, r->bubble_s, r->tp_s, r->ep_s, r->pp_s, r->zero_exposed_s);
+        r->compute_s, r->bubble_s, r->tp_s, r->ep_s, r->pp_s, r->zero_exposed_s, r->cores_s);
     if (o.over) return dsk_set_error(DSK_ERR_ARG, "dsk_plan_json: more than %zu bytes", cap);
     return DSK_OK;
 }
@@ -774,7 +805,8 @@ static const char *const dsk__plan_choice_keys[] = {"tp",
                                                     "tp_s",
                                                     "ep_s",
                                                     "pp_s",
-                                                    "zero_exposed_s"};
+                                                    "zero_exposed_s",
+                                                    "cores_s"};
 #define DSK__PLAN_NCHOICE (int)(sizeof dsk__plan_choice_keys / sizeof dsk__plan_choice_keys[0])
 
 /* Field k of the choice as a whole number >= lo (k < 7 or 10, 11), or its string (7-9). */

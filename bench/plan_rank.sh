@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # The planner's step-time model against measured steps on this machine's CPU ranks (issue 30).
-#   1. Calibration: 4 data-parallel ranks train the model below (4 ranks share the machine's cores,
-#      so one rank alone would overstate each rank's rate); the median step's FLOP rate per rank
-#      (the trainer's FLOPs per token, dsk_plan's count) becomes the cluster's bf16_tflops at
-#      efficiency 1, written
-#      with the assumed links to bench/plan_cpu_calibrated.json (the command and figures go to
-#      bench/RESULTS.md by hand).
+#   1. Calibration: 4 data-parallel ranks train the model below; the machine's cores (online CPUs) become
+#      the cluster's cores_per_node, and the median step's FLOP rate per core (the trainer's FLOPs
+#      per token, dsk_plan's count, over min(4, cores) cores: 4 ranks on fewer cores share them, which
+#      the time model knows) its bf16_tflops at efficiency 1, written with the assumed links to
+#      bench/plan_cpu_calibrated.json (the command and figures go to bench/RESULTS.md by hand).
 #   2. Ranking: 8 layouts at 4 ranks, each trained for STEPS steps in the same run (in turn),
 #      the median step time against the plan's predicted step time (dsk_plan --check-rank with the
 #      calibrated cluster); prints both orders and Kendall's tau (want >= 0.6).
@@ -42,10 +41,12 @@ echo "load: $(cut -d' ' -f1-3 /proc/loadavg)"
 ms=$(median_ms "$work/cal.jsonl")
 fpt=$("$PLAN" --device cpu --cluster examples/clusters/cpu_8.json --sequences 16 "${MODEL[@]}" --top 1 2>/dev/null |
     sed -nE 's/.*, ([0-9.e+]+) training FLOPs per token.*/\1/p')
-tflops=$(python3 -c "print(f'{16*64*$fpt/4/($ms*1e-3)/1e12:.6g}')")
-sed -E "s/\"bf16_tflops\": [0-9.e+-]+/\"bf16_tflops\": $tflops/; s/\"fp8_tflops\": [0-9.e+-]+/\"fp8_tflops\": $tflops/" \
-    examples/clusters/cpu_8.json >bench/plan_cpu_calibrated.json
-echo "calibration: 4 ranks (dp), median step $ms ms ($FIELD), $fpt FLOPs/token x 1024 tokens: $tflops TFLOP/s per rank" \
+cores=$(getconf _NPROCESSORS_ONLN) # the machine's, as dsk_comm counts them (nproc follows OMP_NUM_THREADS)
+tflops=$(python3 -c "print(f'{16*64*$fpt/min(4,$cores)/($ms*1e-3)/1e12:.6g}')")
+sed -E "s/\"bf16_tflops\": [0-9.e+-]+/\"bf16_tflops\": $tflops/; s/\"fp8_tflops\": [0-9.e+-]+/\"fp8_tflops\": $tflops/;
+        s/\"cores_per_node\": [0-9]+/\"cores_per_node\": $cores/" examples/clusters/cpu_8.json >bench/plan_cpu_calibrated.json
+echo "calibration: 4 ranks (dp) on $cores cores, median step $ms ms ($FIELD), $fpt FLOPs/token x 1024 tokens:" \
+    "$tflops TFLOP/s per core" \
     "-> bench/plan_cpu_calibrated.json"
 # 2. ranking at 4 ranks
 LAYOUTS=("--zero 0" "--zero 1" "--zero 3" "--ep 2 --zero 1" "--tp 2" "--tp 4" "--pp 2 --micro-batches 4"

@@ -147,8 +147,8 @@ static int check_time(const dsk_plan_model *pm, const char *cluster, const dsk_p
         return 1;
     }
     printf("plan time: step %.6f s: compute %.6f, bubble %.6f, tp %.6f, ep %.6f, pp %.6f, gradients %.6f (exposed "
-           "%.6f)\n",
-           r.step_s, r.compute_s, r.bubble_s, r.tp_s, r.ep_s, r.pp_s, r.zero_s, r.zero_exposed_s);
+           "%.6f), shared cores %.6f\n",
+           r.step_s, r.compute_s, r.bubble_s, r.tp_s, r.ep_s, r.pp_s, r.zero_s, r.zero_exposed_s, r.cores_s);
     return 0;
 }
 
