@@ -5,20 +5,22 @@
 #      per token, dsk_plan's count, over min(4, cores) cores: 4 ranks on fewer cores share them, which
 #      the time model knows) its bf16_tflops at efficiency 1, written with the assumed links to
 #      bench/plan_cpu_calibrated.json (the command and figures go to bench/RESULTS.md by hand).
-#   2. Ranking: 8 layouts at 4 ranks, each trained for STEPS steps in the same run (in turn),
-#      the median step time against the plan's predicted step time (dsk_plan --check-rank with the
-#      calibrated cluster); prints both orders and Kendall's tau (want >= 0.6).
+#   2. Ranking: 8 layouts at 4 ranks, each trained for STEPS steps in ROUNDS alternating rounds in
+#      the same run, the median of the rounds' median steps against the plan's predicted step
+#      (dsk_plan --check-rank) with the calibrated cluster and with it as one device per rank;
+#      prints the orders and Kendall's tau of both (want >= 0.6).
 # Not in `make test`: about 2 minutes on an idle 2-core machine, and a loaded one moves the order.
 # FIELD=cpu_ms measures rank 0's CPU time per step instead of its wall time (the JSON log's cpu_ms):
 # other processes' load then stops counting, but so does any wait that sleeps (a pipeline bubble, a
 # blocked collective), which the plan's step time includes; neither is right on a shared machine.
-# Usage: [FIELD=ms|cpu_ms] bash bench/plan_rank.sh [BUILD]   (default build, FIELD ms)
+# Usage: [FIELD=ms|cpu_ms] [STEPS=12] [ROUNDS=3] bash bench/plan_rank.sh [BUILD]   (default build, FIELD ms)
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${1:-build}
 BIN=$BUILD/examples/train_moe
 PLAN=$BUILD/examples/dsk_plan
 STEPS=${STEPS:-12}
+ROUNDS=${ROUNDS:-3}
 FIELD=${FIELD:-ms}
 case $FIELD in ms | cpu_ms) ;; *) echo "FIELD=$FIELD: ms or cpu_ms" >&2; exit 2 ;; esac
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
@@ -48,33 +50,49 @@ sed -E "s/\"bf16_tflops\": [0-9.e+-]+/\"bf16_tflops\": $tflops/; s/\"fp8_tflops\
 echo "calibration: 4 ranks (dp) on $cores cores, median step $ms ms ($FIELD), $fpt FLOPs/token x 1024 tokens:" \
     "$tflops TFLOP/s per core" \
     "-> bench/plan_cpu_calibrated.json"
-# 2. ranking at 4 ranks
+# 2. ranking at 4 ranks: ROUNDS rounds, each running every layout in turn (a change of the machine's
+#    load then falls on every layout alike), the median of a layout's rounds against its predicted
+#    step with the calibrated cluster and with the same one as one device per rank (cores_per_node
+#    0, the rate per rank the calibration run measured)
 LAYOUTS=("--zero 0" "--zero 1" "--zero 3" "--ep 2 --zero 1" "--tp 2" "--tp 4" "--pp 2 --micro-batches 4"
          "--tp 2 --pp 2 --micro-batches 2")
-printf '%-36s %12s %12s\n' layout "measured $FIELD" "predicted ms"
+sed -E "s/\"cores_per_node\": [0-9]+/\"cores_per_node\": 0/;
+        s/_tflops\": [0-9.e+-]+/_tflops\": $(python3 -c "print(f'{$tflops*min(4,$cores)/4:.6g}')")/" \
+    bench/plan_cpu_calibrated.json >"$work/device.json"
+for ((r = 0; r < ROUNDS; r++)); do
+    for i in "${!LAYOUTS[@]}"; do
+        # shellcheck disable=SC2086
+        "$BIN" "${MODEL[@]}" --nproc 4 --steps "$STEPS" ${LAYOUTS[$i]} --log "$work/run.jsonl" >"$work/run.out" 2>&1 ||
+            { echo "run failed: ${LAYOUTS[$i]}"; tail -3 "$work/run.out"; exit 1; }
+        median_ms "$work/run.jsonl" >>"$work/$i.ms"
+    done
+done
+predict() { # cluster, layout flags: the predicted step in ms
+    # shellcheck disable=SC2086
+    "$PLAN" --device cpu --cluster "$1" --check-rank 0 --nproc 4 "${MODEL[@]}" $2 |
+        sed -nE 's/^plan time: step ([0-9.]+) s.*/\1/p'
+}
+printf '%-36s %14s %14s %14s\n' layout "measured $FIELD" "shared cores" "device/rank"
 : >"$work/pairs"
-for l in "${LAYOUTS[@]}"; do
-    # shellcheck disable=SC2086
-    "$BIN" "${MODEL[@]}" --nproc 4 --steps "$STEPS" $l --log "$work/run.jsonl" >"$work/run.out" 2>&1 ||
-        { echo "run failed: $l"; tail -3 "$work/run.out"; continue; }
-    m=$(median_ms "$work/run.jsonl")
-    # shellcheck disable=SC2086
-    p=$("$PLAN" --device cpu --cluster bench/plan_cpu_calibrated.json --check-rank 0 --nproc 4 "${MODEL[@]}" $l |
-        sed -nE 's/^plan time: step ([0-9.]+) s.*/\1/p')
-    p=$(python3 -c "print(f'{$p*1e3:.3f}')")
-    printf '%-36s %12s %12s\n' "$l" "$m" "$p"
-    echo "$m $p" >>"$work/pairs"
+for i in "${!LAYOUTS[@]}"; do
+    m=$(sort -g "$work/$i.ms" | sed -n "$(((ROUNDS + 1) / 2))p")
+    p=$(predict bench/plan_cpu_calibrated.json "${LAYOUTS[$i]}")
+    q=$(predict "$work/device.json" "${LAYOUTS[$i]}")
+    printf '%-36s %14s %14.3f %14.3f   rounds: %s\n' "${LAYOUTS[$i]}" "$m" "$(python3 -c "print($p*1e3)")" \
+        "$(python3 -c "print($q*1e3)")" "$(tr '\n' ' ' <"$work/$i.ms")"
+    echo "$m $p $q" >>"$work/pairs"
 done
 python3 - "$work/pairs" <<'EOF'
 import sys
 xs = [tuple(map(float, l.split())) for l in open(sys.argv[1]) if l.strip()]
-c = d = 0
-for i in range(len(xs)):
-    for j in range(i + 1, len(xs)):
-        s = (xs[i][0] - xs[j][0]) * (xs[i][1] - xs[j][1])
-        c += s > 0
-        d += s < 0
-n = len(xs) * (len(xs) - 1) / 2
-print(f"Kendall tau over {len(xs)} layouts: {(c - d) / n:.3f} ({c} concordant, {d} discordant pairs)")
+for k, name in ((1, "shared cores (cores_per_node)"), (2, "one device per rank")):
+    c = d = 0
+    for i in range(len(xs)):
+        for j in range(i + 1, len(xs)):
+            s = (xs[i][0] - xs[j][0]) * (xs[i][k] - xs[j][k])
+            c += s > 0
+            d += s < 0
+    n = len(xs) * (len(xs) - 1) / 2
+    print(f"Kendall tau over {len(xs)} layouts, {name}: {(c - d) / n:.3f} ({c} concordant, {d} discordant pairs)")
 EOF
 echo "load: $(cut -d' ' -f1-3 /proc/loadavg)"
