@@ -21,10 +21,11 @@ need_built "$PLAN"
 
 SMALL=(--seq 64 --d-model 64 --heads 4 --layers 4 --dense-layers 1 --ffn-hidden 128 --experts 8 --top-k 2
        --expert-hidden 64 --shared 1 --batch 16 --data "$CORPUS" --corpus-mb 0.05)
-# cluster NAME FIELD: this machine's CPU cluster file with the calibrated rate, FIELD appended (may be empty)
+# cluster NAME FIELD: examples/clusters/cpu_8.json (a fixed rate, so a recalibration moves no bound) without its
+# cores_per_node, FIELD appended (may be empty)
 cluster() {
     local add=${2:+  $2\\n}
-    sed -E '/"cores_per_node"/d; s/"overlap": ([0-9.]+),?/"overlap": \1'"${2:+,}"'/' bench/plan_cpu_calibrated.json |
+    sed -E '/"cores_per_node"/d; s/"overlap": ([0-9.]+),?/"overlap": \1'"${2:+,}"'/' examples/clusters/cpu_8.json |
         sed -E "s/^\\}/$add}/" >"$work/$1.json"
 }
 # parts NAME FLAGS...: "step compute bubble tp ep pp gradients exposed cores" of rank 0's plan
