@@ -35,12 +35,13 @@
      bubble (dsk_par_bubble_fraction); each collective's bytes over the link it crosses (ring
      all-reduce 2 (n-1)/n, reduce-scatter, all-gather and all-to-all (n-1)/n of the message per
      rank; intra-node when the group fits in a node, else the inter-node bandwidth) plus a
-     latency per message; tensor-parallel (4 collectives per attention and dense FFN half per
-     micro-batch, forward and backward), expert-parallel (dispatch and combine, forward and
-     backward) and pipeline (the sends of the busiest stage's schedule, whose bytes the model's
-     callback gives: examples/train_plan.h walks the trainer's schedule and buffers, and
-     tests/test_plan.sh compares them with the bytes a run hands to dsk_comm_send) traffic
-     is exposed; the gradient reductions overlap backward up to cluster.overlap of it. The
+     latency per message; tensor-parallel (the busiest stage's collectives by kind and their
+     calls, which the model's callback gives: examples/train_plan.h walks the trainer's call
+     sites, tests/test_plan.sh compares them with a run's dsk_comm_stats), expert-parallel
+     (dispatch and combine, forward and backward) and pipeline (the sends of the busiest stage's
+     schedule, whose bytes the model's callback gives: examples/train_plan.h walks the trainer's
+     schedule and buffers, and tests/test_plan.sh compares them with the bytes a run hands to
+     dsk_comm_send) traffic is exposed; the gradient reductions overlap backward up to cluster.overlap of it. The
      efficiency and the overlap are calibration: bench/plan_rank.sh measures this machine's CPU
      ranks into bench/plan_cpu_calibrated.json (its figures and command in bench/RESULTS.md); the
      GPU files in examples/clusters/ carry datasheet peaks at the efficiency 0.4 until a GPU
@@ -135,6 +136,12 @@ typedef struct dsk_plan_memory {
                                          expert group routed to this rank's experts) */
 } dsk_plan_memory;
 
+/* A rank's tensor-parallel collectives per step: the whole messages by kind, in bytes, as
+   dsk_comm_stats' payload counters count them, and how many calls. */
+typedef struct dsk_plan_tp {
+    double all_reduce, all_gather, reduce_scatter, calls;
+} dsk_plan_tp;
+
 typedef struct dsk_plan_job {
     int64_t sequences; /* global batch per step */
     int64_t seq;       /* tokens per sequence */
@@ -151,9 +158,11 @@ typedef struct dsk_plan_model {
     /* stage `stage` of the layout: its rank's memory; *reduce_bytes and *gather_bytes: what its
        gradient reductions and weight gathers hand over per step (the messages, dsk_zero_plan's);
        *reduce_all: 1 when the reductions are all-reduces (ZeRO 0-1), 0 reduce-scatters;
-       *send_bytes: what its pipeline sends (activations and gradients) hand over per step */
+       *send_bytes: what its pipeline sends (activations and gradients) hand over per step;
+       *tp: its tensor-parallel collectives per step (zero without tensor parallelism) */
     dsk_status (*memory)(void *user, const dsk_plan_layout *l, const dsk_plan_job *job, int stage, dsk_plan_memory *mem,
-                         double *reduce_bytes, double *gather_bytes, int *reduce_all, double *send_bytes);
+                         double *reduce_bytes, double *gather_bytes, int *reduce_all, double *send_bytes,
+                         dsk_plan_tp *tp);
     void *user;
 } dsk_plan_model;
 
@@ -172,12 +181,13 @@ typedef struct dsk_plan_result {
     int64_t total; /* its total bytes, the imbalance's worst case left out */
     int fits;
     double pp_bytes; /* the busiest stage's pipeline sends per step (the callback's send_bytes) */
+    dsk_plan_tp tp;  /* the busiest stage's tensor-parallel collectives per step (the callback's tp) */
     /* seconds per step: compute (with recomputation), the bubble, the exposed communication */
     double step_s, compute_s, bubble_s, tp_s, ep_s, pp_s, zero_s, zero_exposed_s;
     char why[200]; /* why it lost to the best (empty for the best) */
 } dsk_plan_result;
 
-/* The step time of r->layout given its gradient traffic and r->pp_bytes (fills the seconds of *r). */
+/* The step time of r->layout given its gradient traffic, r->pp_bytes and r->tp (fills the seconds of *r). */
 DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
                                  double reduce_bytes, double gather_bytes, int reduce_all, dsk_plan_result *r);
 /* Enumerates, sizes and times every layout of the space (NULL: all); *out (dsk_plan_results_free)
@@ -412,11 +422,11 @@ static double dsk__plan_link(const dsk_plan_cluster *c, int span, double bytes, 
 DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
                                  double reduce_bytes, double gather_bytes, int reduce_all, dsk_plan_result *r) {
     const dsk_plan_layout *l = &r->layout;
-    int world = l->tp * l->pp * l->dp, moe = m->moe_layers, dense = m->layers - m->moe_layers;
+    int world = l->tp * l->pp * l->dp, moe = m->moe_layers;
     double tokens = (double)job->sequences * (double)job->seq, peak = 1e12 * c->bf16_tflops * c->efficiency;
     double flops = m->flops_per_token, fwd = m->flops_per_token / 3, b;
     double Nm = (double)job->seq * (double)job->sequences / (l->dp * (double)l->micro); /* tokens per micro-batch */
-    double per_layer_msgs, a = m->act_bytes, dpn = l->dp;
+    double a = m->act_bytes, dpn = l->dp, tpn = l->tp;
     if (l->recompute == DSK_PLAN_RECOMPUTE_FULL) flops += fwd;
     if (l->recompute == DSK_PLAN_RECOMPUTE_ATTN) flops += m->attn_flops_per_token / 3;
     r->compute_s = tokens * flops / (world * peak);
@@ -425,13 +435,11 @@ DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster
         return dsk_set_error(DSK_ERR_ARG, "dsk_plan_time: no bubble fraction for pp %d, m %d, v %d", l->pp, l->micro,
                              l->vstages);
     r->bubble_s = r->compute_s * b / (1 - b);
-    /* sequence-parallel gathers and scatters of (Nm, D): attention half of every layer, dense FFN half */
-    per_layer_msgs = 4.0 * (2 * (m->layers / (double)l->pp) + 2 * dense / (double)l->pp);
-    r->tp_s = l->tp > 1 ? l->micro * dsk__plan_link(c, l->tp,
-                                                    per_layer_msgs * (l->tp - 1.0) / l->tp * Nm / l->tp *
-                                                        (double)m->d_model * a * l->tp,
-                                                    per_layer_msgs)
-                        : 0;
+    r->tp_s = l->tp > 1
+                  ? dsk__plan_link(c, l->tp,
+                                   (tpn - 1) / tpn * (2 * r->tp.all_reduce + r->tp.all_gather + r->tp.reduce_scatter),
+                                   r->tp.calls)
+                  : 0;
     /* dispatch and combine, forward and backward: each of the rank's Nm/tp tokens K times */
     r->ep_s = l->ep > 1 ? l->micro * dsk__plan_link(c, l->ep * l->tp,
                                                     4.0 * moe / l->pp * (l->ep - 1.0) / l->ep * Nm / l->tp * m->top_k *
@@ -471,6 +479,9 @@ static dsk_status dsk__plan_push(dsk__plan_list *L, const dsk_plan_result *r) {
     return DSK_OK;
 }
 
+/* What a rank's tensor-parallel collectives hand over per step, all kinds. */
+static double dsk__plan_tp_total(const dsk_plan_tp *tp) { return tp->all_reduce + tp->all_gather + tp->reduce_scatter; }
+
 /* Sizes (the worst stage) and times one layout. */
 static dsk_status dsk__plan_eval(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
                                  dsk_plan_result *r) {
@@ -478,14 +489,18 @@ static dsk_status dsk__plan_eval(const dsk_plan_model *m, const dsk_plan_cluster
     int all = 1;
     r->total = -1;
     r->pp_bytes = 0;
+    memset(&r->tp, 0, sizeof r->tp);
     for (int s = 0; s < r->layout.pp; s++) {
         dsk_plan_memory mem;
+        dsk_plan_tp tp;
         double rb = 0, gb = 0, sb = 0;
         int ra = 1;
         int64_t tot;
         memset(&mem, 0, sizeof mem);
-        DSK__TRY(m->memory(m->user, &r->layout, job, s, &mem, &rb, &gb, &ra, &sb));
+        memset(&tp, 0, sizeof tp);
+        DSK__TRY(m->memory(m->user, &r->layout, job, s, &mem, &rb, &gb, &ra, &sb, &tp));
         if (sb > r->pp_bytes) r->pp_bytes = sb;
+        if (dsk__plan_tp_total(&tp) > dsk__plan_tp_total(&r->tp)) r->tp = tp;
         tot = mem.params + mem.grads + mem.optimizer + mem.comm + mem.activations;
         if (tot > r->total) {
             r->total = tot;

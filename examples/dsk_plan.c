@@ -26,7 +26,7 @@ typedef struct plan_entry {
     dsk_status st;
     char err[256];
     dsk_plan_memory mem[TPL_VARIANTS];
-    double reduce[TPL_VARIANTS], gather[TPL_VARIANTS], send, ep[2];
+    double reduce[TPL_VARIANTS], gather[TPL_VARIANTS], send, ep[2], tp[TP_TRAFFIC];
     int all[TPL_VARIANTS];
 } plan_entry;
 
@@ -55,8 +55,17 @@ static void plan_stage_key(const plan_user *u, const dsk_plan_layout *l, int sta
     }
 }
 
+/* The trainer's tensor-parallel traffic (tpl_tp_traffic) as dsk_plan.h takes it. */
+static void plan_tp(const double tr[TP_TRAFFIC], dsk_plan_tp *tp) {
+    tp->all_reduce = tr[TP_AR];
+    tp->all_gather = tr[TP_AG];
+    tp->reduce_scatter = tr[TP_RS];
+    tp->calls = tr[TP_CALLS];
+}
+
 static dsk_status plan_memory(void *user, const dsk_plan_layout *l, const dsk_plan_job *job, int stage,
-                              dsk_plan_memory *mem, double *reduce, double *gather, int *reduce_all, double *send) {
+                              dsk_plan_memory *mem, double *reduce, double *gather, int *reduce_all, double *send,
+                              dsk_plan_tp *tp) {
     plan_user *u = (plan_user *)user;
     plan_entry k, *e = NULL;
     plan_stage_key(u, l, stage, &k);
@@ -73,8 +82,8 @@ static dsk_status plan_memory(void *user, const dsk_plan_layout *l, const dsk_pl
         }
         e = &u->cache[u->n++];
         *e = k;
-        e->st =
-            tpl_rank(&u->base, &u->zo, u->cuda, l, job, stage, e->mem, e->reduce, e->gather, e->all, &e->send, e->ep);
+        e->st = tpl_rank(&u->base, &u->zo, u->cuda, l, job, stage, e->mem, e->reduce, e->gather, e->all, &e->send,
+                         e->ep, e->tp);
         if (e->st != DSK_OK) snprintf(e->err, sizeof e->err, "%s", dsk_last_error());
     }
     if (e->st != DSK_OK) return dsk_set_error(e->st, "%s", e->err);
@@ -83,6 +92,7 @@ static dsk_status plan_memory(void *user, const dsk_plan_layout *l, const dsk_pl
     *gather = e->gather[tpl_variant(l)];
     *reduce_all = e->all[tpl_variant(l)];
     *send = e->send;
+    plan_tp(e->tp, tp);
     return DSK_OK;
 }
 
@@ -136,12 +146,13 @@ static int check_layout(const trainer *t, dsk_plan_layout *l, dsk_plan_job *job)
 
 /* With --cluster: the step time dsk_plan.h's model predicts for the layout (bench/plan_rank.sh). */
 static int check_time(const dsk_plan_model *pm, const char *cluster, const dsk_plan_layout *l, const dsk_plan_job *job,
-                      double red, double gat, int all, double send) {
+                      double red, double gat, int all, double send, const double tr[TP_TRAFFIC]) {
     dsk_plan_cluster cl;
     dsk_plan_result r;
     memset(&r, 0, sizeof r);
     r.layout = *l;
     r.pp_bytes = send;
+    plan_tp(tr, &r.tp);
     if (dsk_plan_cluster_read(&cl, cluster) != DSK_OK || dsk_plan_time(pm, &cl, job, red, gat, all, &r) != DSK_OK) {
         fprintf(stderr, "dsk_plan: %s\n", dsk_last_error());
         return 1;
@@ -157,14 +168,15 @@ static int check_rank(trainer *t, plan_user *u, const dsk_plan_model *pm, const 
     dsk_plan_layout l;
     dsk_plan_job job;
     dsk_plan_memory mem[TPL_VARIANTS];
-    double red[TPL_VARIANTS], gat[TPL_VARIANTS], send, ep[2];
+    double red[TPL_VARIANTS], gat[TPL_VARIANTS], send, ep[2], tr[TP_TRAFFIC];
     int all[TPL_VARIANTS], v;
     if (check_layout(t, &l, &job) != 0 || rank < 0 || rank >= o->nproc) {
         fprintf(stderr, "dsk_plan: --check-rank %d: --nproc %d must be a multiple of --tp %d x --pp %d\n", rank,
                 o->nproc, o->tp, o->pp);
         return 2;
     }
-    if (tpl_rank(&u->base, &u->zo, u->cuda, &l, &job, rank / (l.tp * l.dp), mem, red, gat, all, &send, ep) != DSK_OK) {
+    if (tpl_rank(&u->base, &u->zo, u->cuda, &l, &job, rank / (l.tp * l.dp), mem, red, gat, all, &send, ep, tr) !=
+        DSK_OK) {
         fprintf(stderr, "dsk_plan: %s\n", dsk_last_error());
         return 1;
     }
@@ -172,10 +184,12 @@ static int check_rank(trainer *t, plan_user *u, const dsk_plan_model *pm, const 
     printf(
         "plan bytes, rank %d: parameters %lld, gradients %lld, optimizer state %lld, compression buffers %lld, "
         "activations %lld, imbalance %lld, reduce per step %.0f, gather per step %.0f, pipeline sends per step %.0f, "
-        "ep dispatch per step %.0f, ep combine per step %.0f\n",
+        "ep dispatch per step %.0f, ep combine per step %.0f, tp all-reduce per step %.0f, tp all-gather per step "
+        "%.0f, tp reduce-scatter per step %.0f, tp calls per step %.0f\n",
         rank, (long long)mem[v].params, (long long)mem[v].grads, (long long)mem[v].optimizer, (long long)mem[v].comm,
-        (long long)mem[v].activations, (long long)mem[v].imbalance, red[v], gat[v], send, ep[0], ep[1]);
-    return cluster ? check_time(pm, cluster, &l, &job, red[v], gat[v], all[v], send) : 0;
+        (long long)mem[v].activations, (long long)mem[v].imbalance, red[v], gat[v], send, ep[0], ep[1], tr[TP_AR],
+        tr[TP_AG], tr[TP_RS], tr[TP_CALLS]);
+    return cluster ? check_time(pm, cluster, &l, &job, red[v], gat[v], all[v], send, tr) : 0;
 }
 
 static int write_json(const char *path, const dsk_plan_result *r, const dsk_plan_job *job) {

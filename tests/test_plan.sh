@@ -14,9 +14,12 @@
 #      and the bytes its MoE layers handed to the expert-parallel dispatch (every token's K rows,
 #      dropless) and, under --ep-exchange bounded (fixed blocks), the combine (the log's
 #      ep_dispatch_bytes, ep_combine_bytes); the exact exchange's combine follows the routing and
-#      is not compared. The issue allows 2% (activations 5%); a difference here means the planner
-#      and the trainer size something differently. Tensor-parallel collectives are not compared
-#      byte for byte (bench/RESULTS.md says why).
+#      is not compared; and rank 0's tensor-parallel collectives in the step (the log's
+#      tp_all_reduce_bytes, tp_all_gather_bytes, tp_reduce_scatter_bytes and tp_calls, from the tp
+#      group's dsk_comm_stats) against the plan's walk of the trainer's call sites
+#      (train_plan.h's tpl_tp_traffic): tp 2 and 4, with a pipeline, recomputation full and attn, bf16 (the
+#      embedding's f32 path), MLA and an MTP module. The issue allows 2% (activations 5%); a
+#      difference here means the planner and the trainer size something differently.
 #   2. Bad input: a cluster file without a field fails naming the field; one with a mistyped
 #      value names it; a model that fits no layout prints the smallest memory any layout needs
 #      against each GPU's and exits 3; train_moe --plan with a choice file missing a field, with an
@@ -45,7 +48,7 @@ TINY=(--seq 32 --d-model 32 --heads 2 --layers 4 --dense-layers 1 --ffn-hidden 6
 layout() {
     local name=$1 n=$2
     shift 2
-    local out=$work/$name.out want got r diffs=()
+    local out=$work/$name.out want got r line k diffs=()
     "$BIN" "${TINY[@]}" --nproc "$n" --log "$work/$name.jsonl" "$@" >"$out" 2>&1
     if [ $? -ne 0 ]; then
         bad "memory: $name: the run failed" "$(tail -3 "$out")"
@@ -54,7 +57,8 @@ layout() {
     for ((r = 0; r < n; r++)); do
         got=$(grep -o "memory bytes, rank $r: .*" "$out" | head -1 |
             sed -E 's/.*parameters ([0-9]+), gradients ([0-9]+), optimizer state ([0-9]+), compression buffers ([0-9]+), activations ([0-9]+).*/\1 \2 \3 \4 \5/')
-        want=$("$PLAN" --device cpu --check-rank "$r" --nproc "$n" "${TINY[@]}" "$@" 2>&1 |
+        line=$("$PLAN" --device cpu --check-rank "$r" --nproc "$n" "${TINY[@]}" "$@" 2>&1)
+        want=$(echo "$line" |
             sed -E 's/.*parameters ([0-9]+), gradients ([0-9]+), optimizer state ([0-9]+), compression buffers ([0-9]+), activations ([0-9]+),.*reduce per step ([0-9]+),.*pipeline sends per step ([0-9]+), ep dispatch per step ([0-9]+), ep combine per step (-?[0-9]+).*/\1 \2 \3 \4 \5 \6 \7 \8 \9/')
         [ "$got" = "$(echo "$want" | cut -d' ' -f1-5)" ] || diffs+=("rank $r: run $got, plan $want")
         if [ "$r" -eq 0 ]; then
@@ -67,12 +71,17 @@ layout() {
             got=$(grep -o '"ep_combine_bytes":[0-9]*' "$work/$name.jsonl" | head -1 | cut -d: -f2)
             [ "$(echo "$want" | cut -d' ' -f9)" = -1 ] || [ "$got" = "$(echo "$want" | cut -d' ' -f9)" ] ||
                 diffs+=("rank 0: combined ${got:-?} bytes, plan $want")
+            want=$(echo "$line" | sed -E 's/.*tp all-reduce per step ([0-9]+), tp all-gather per step ([0-9]+), tp reduce-scatter per step ([0-9]+), tp calls per step ([0-9]+).*/\1 \2 \3 \4/')
+            got=$(for k in all_reduce_bytes all_gather_bytes reduce_scatter_bytes calls; do
+                grep -o "\"tp_$k\":[0-9]*" "$work/$name.jsonl" | head -1 | cut -d: -f2
+            done | xargs)
+            [ "$got" = "$want" ] || diffs+=("rank 0: tensor-parallel all-reduce, all-gather, reduce-scatter bytes and calls: run ${got:-?}, plan $want")
         fi
     done
     if [ ${#diffs[@]} -eq 0 ]; then
-        ok "memory: $name ($n ranks: $*): every rank's parameters, gradients, optimizer state, buffers and activations and the step's reduction, pipeline-send and expert-exchange bytes equal the plan's"
+        ok "memory: $name ($n ranks: $*): every rank's parameters, gradients, optimizer state, buffers and activations and the step's reduction, pipeline-send, expert-exchange and tensor-parallel bytes equal the plan's"
     else
-        bad "memory: $name: the plan differs from the run (parameters gradients optimizer comm activations [reduce sends dispatch combine])" "${diffs[@]}"
+        bad "memory: $name: the plan differs from the run (parameters gradients optimizer comm activations [reduce sends dispatch combine] [tp])" "${diffs[@]}"
     fi
 }
 
@@ -88,6 +97,9 @@ layout interleaved 4 --pp 2 --pp-schedule interleaved --virtual-stages 2 --micro
 layout dp2_moments_bf16 2 --optim-dtype bf16
 layout pp2ep2_zero1_moments_bf16 8 --pp 2 --ep 2 --micro-batches 2 --zero 1 --optim-dtype bf16 --recompute full
 layout ep2_bounded 4 --ep 2 --ep-exchange bounded --zero 1
+layout tp4 4 --tp 4 --heads 4
+layout tp2_full 2 --tp 2 --recompute full --dtype bf16
+layout tp2_mla_mtp 2 --tp 2 --attn mla --mtp 1 --mtp-ffn dense --recompute attn
 layout tp2pp2ep2_bounded 8 --tp 2 --pp 2 --ep 2 --micro-batches 2 --pp-schedule interleaved --virtual-stages 2 \
     --ep-exchange bounded --preset v2-lite
 
