@@ -9,6 +9,7 @@
    best, and why the best of each other (tp, pp, ep, ZeRO) lost; --json writes the best as the
    choice `train_moe --plan FILE` runs. --device cuda (the default) sizes the MoE workspace as a GPU
    holds it (the layer's dtype) and makes bf16 the default compute dtype; cpu as the CPU trainer.
+   With bf16 compute every layout is also planned with FP8 GEMMs (the trainer's --dtype fp8).
 
    --check-rank R: the memory train_moe would report for rank R of the layout its flags give
    (--nproc ranks; --tp --pp --ep --zero --micro-batches ...), as lines tests/test_plan.sh reads. */
@@ -31,7 +32,7 @@ typedef struct plan_entry {
 } plan_entry;
 
 typedef struct plan_user {
-    tm_config base;
+    tm_config base, base_fp8; /* the model of the flags' compute dtype (fp8 taken as bf16), and with --dtype fp8 */
     tz_opts zo; /* --grad-compress */
     int cuda;
     plan_entry *cache;
@@ -82,8 +83,8 @@ static dsk_status plan_memory(void *user, const dsk_plan_layout *l, const dsk_pl
         }
         e = &u->cache[u->n++];
         *e = k;
-        e->st = tpl_rank(&u->base, &u->zo, u->cuda, l, job, stage, e->mem, e->reduce, e->gather, e->all, &e->send,
-                         e->ep, e->tp);
+        e->st = tpl_rank(l->fp8 ? &u->base_fp8 : &u->base, &u->zo, u->cuda, l, job, stage, e->mem, e->reduce, e->gather,
+                         e->all, &e->send, e->ep, e->tp);
         if (e->st != DSK_OK) snprintf(e->err, sizeof e->err, "%s", dsk_last_error());
     }
     if (e->st != DSK_OK) return dsk_set_error(e->st, "%s", e->err);
@@ -96,11 +97,24 @@ static dsk_status plan_memory(void *user, const dsk_plan_layout *l, const dsk_pl
     return DSK_OK;
 }
 
+/* Of the trainer's flops_per_token, the GEMMs --dtype fp8 runs in FP8 (train_fp8.h and the experts'): every
+   block's linears and experts and the MTP modules' blocks; not the router, the LM head, the MTP
+   projection or the attention cores. */
+static double plan_fp8_flops(const trainer *t) {
+    const options *o = t->o;
+    const tm_config *c = &t->model.cfg;
+    double D = o->d_model, experts = 3 * D * o->expert_hidden * (o->top_k + o->shared), dense = 3 * D * o->ffn_hidden;
+    double w = c->mla.mtp_depth * (tmla_attn_weights(c) + (c->mla.mtp_moe ? experts : dense));
+    for (int l = 0; l < o->layers; l++) w += tmla_attn_weights(c) + (l < o->dense_layers ? dense : experts);
+    return 6 * w;
+}
+
 /* The trainer's options from argv (planner flags taken out), its model configuration and the
    model's sizes and FLOPs as the trainer counts them. */
 static void plan_model(trainer *t, plan_user *u, dsk_plan_model *pm) {
     const options *o = t->o;
     int shards = 0; /* the trainer's vocabulary: token shards (llm.c .bin files) have --vocab, bytes 256 */
+    char dtype[sizeof o->dtype];
     for (int i = 0; i < o->n_data; i++) {
         size_t k = strlen(o->data[i]);
         shards |= k > 4 && !strcmp(o->data[i] + k - 4, ".bin");
@@ -108,7 +122,12 @@ static void plan_model(trainer *t, plan_user *u, dsk_plan_model *pm) {
     t->data.vocab = o->init_from_hf || shards ? o->vocab : 256;
     t->batch_local = 1;
     t->engine = 1;
+    snprintf(dtype, sizeof dtype, "%s", o->dtype); /* the configurations under --dtype fp8 and without */
+    snprintf(t->o->dtype, sizeof t->o->dtype, "fp8");
+    model_config(t, &u->base_fp8);
+    snprintf(t->o->dtype, sizeof t->o->dtype, "%s", strcmp(dtype, "fp8") ? dtype : "bf16");
     model_config(t, &u->base);
+    snprintf(t->o->dtype, sizeof t->o->dtype, "%s", dtype);
     t->model.cfg = u->base;
     memset(pm, 0, sizeof *pm);
     snprintf(pm->name, sizeof pm->name, "%s", o->init_from_hf ? o->init_from_hf : o->preset[0] ? o->preset : "tiny");
@@ -122,6 +141,7 @@ static void plan_model(trainer *t, plan_user *u, dsk_plan_model *pm) {
     pm->ffn_hidden = o->ffn_hidden;
     pm->flops_per_token = flops_per_token(t);
     pm->attn_flops_per_token = o->layers * tmla_core_flops(&u->base);
+    pm->fp8_flops_per_token = u->base.cdt == DSK_BF16 ? plan_fp8_flops(t) : 0; /* FP8 layouts: bf16 ones */
     pm->act_bytes = dsk_dtype_size(u->base.cdt);
     pm->memory = plan_memory;
     pm->user = u;
@@ -132,6 +152,7 @@ static int check_layout(const trainer *t, dsk_plan_layout *l, dsk_plan_job *job)
     const options *o = t->o;
     memset(l, 0, sizeof *l);
     l->moments = moment_dtype(t);
+    l->fp8 = !strcmp(o->dtype, "fp8");
     l->tp = o->tp, l->pp = o->pp, l->ep = o->ep, l->zero = o->zero, l->vstages = o->vstages;
     l->dp = o->nproc / (o->tp * o->pp);
     l->micro = o->pp > 1 ? o->micro : o->accum;
@@ -175,8 +196,8 @@ static int check_rank(trainer *t, plan_user *u, const dsk_plan_model *pm, const 
                 o->nproc, o->tp, o->pp);
         return 2;
     }
-    if (tpl_rank(&u->base, &u->zo, u->cuda, &l, &job, rank / (l.tp * l.dp), mem, red, gat, all, &send, ep, tr) !=
-        DSK_OK) {
+    if (tpl_rank(l.fp8 ? &u->base_fp8 : &u->base, &u->zo, u->cuda, &l, &job, rank / (l.tp * l.dp), mem, red, gat, all,
+                 &send, ep, tr) != DSK_OK) {
         fprintf(stderr, "dsk_plan: %s\n", dsk_last_error());
         return 1;
     }

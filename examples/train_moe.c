@@ -1100,6 +1100,8 @@ static int apply_plan(options *o) {
     snprintf(o->pp_schedule, sizeof o->pp_schedule, "%s", dsk_par_schedule_name(l.schedule));
     snprintf(o->recompute, sizeof o->recompute, "%s", rc[l.recompute]);
     snprintf(o->optim_dtype, sizeof o->optim_dtype, "%s", dsk_dtype_name(l.moments));
+    if (l.fp8 || !strcmp(o->dtype, "fp8")) /* the plan's FP8 layouts are bf16 ones with FP8 GEMMs */
+        snprintf(o->dtype, sizeof o->dtype, "%s", l.fp8 ? "fp8" : "bf16");
     return 0;
 }
 

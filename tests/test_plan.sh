@@ -102,6 +102,10 @@ layout tp2_full 2 --tp 2 --recompute full --dtype bf16
 layout tp2_mla_mtp 2 --tp 2 --attn mla --mtp 1 --mtp-ffn dense --recompute attn
 layout tp2pp2ep2_bounded 8 --tp 2 --pp 2 --ep 2 --micro-batches 2 --pp-schedule interleaved --virtual-stages 2 \
     --ep-exchange bounded --preset v2-lite
+# FP8 GEMMs: the e4m3 caches of the linears' inputs and the shared scratch, counted by the plan without memory
+layout dp2_fp8_zero1 2 --dtype fp8 --zero 1
+layout tp2_fp8 2 --tp 2 --dtype fp8
+layout pp2_fp8_attn 2 --pp 2 --micro-batches 2 --dtype fp8 --recompute attn
 
 # ---- bad input
 echo '{"name": "x", "nodes": 1, "gpus_per_node": 8, "memory_gb": 80, "bf16_tflops": 989, "fp8_tflops": 1979,
@@ -185,6 +189,33 @@ else
     bad "paper: V2-Lite: a layout fits" "$(sed -n 2,4p "$work/v2lite_8.txt")"
 fi
 
+# ---- FP8 in the enumeration: every layout also with FP8 GEMMs where the trainer runs them (MHA: the best on a
+# GPU node is one, its GEMMs at fp8_tflops), none where it refuses them (MLA: the trainer's refusal, half the layouts)
+"$PLAN" --cluster examples/clusters/h200_1x8.json --sequences 8 "${TINY[@]}" --top 4 >"$work/fp8_mha.txt" 2>&1
+"$PLAN" --cluster examples/clusters/h200_1x8.json --sequences 8 "${TINY[@]}" --attn mla --top 4 >"$work/fp8_mla.txt" 2>&1
+n_mha=$(sed -nE 's/^[0-9]+ of ([0-9]+) layouts fit.*/\1/p' "$work/fp8_mha.txt")
+n_mla=$(sed -nE 's/^[0-9]+ of ([0-9]+) layouts fit.*/\1/p' "$work/fp8_mla.txt")
+best=$(sed -n 5p "$work/fp8_mha.txt" | cut -c1-72 | sed "s/ *$//")
+if [ -n "$n_mha" ] && [ "$n_mha" = "$((2 * ${n_mla:-0}))" ] && [[ "$best" == *" fp8" ]] &&
+    ! grep -q " fp8 " "$work/fp8_mla.txt"; then
+    ok "fp8: MHA enumerates $n_mha layouts, half with FP8 GEMMs, and the best has them ($best); MLA: $n_mla, none"
+else
+    bad "fp8: the enumeration" "MHA $n_mha layouts, best '$best'; MLA $n_mla layouts: $(grep -m1 ' fp8 ' "$work/fp8_mla.txt")"
+fi
+# the compute of a layout with FP8 GEMMs: its GEMMs' share at fp8_tflops (1979, bf16 989 on the H200 file), the rest
+# (attention cores, router, LM head) at bf16_tflops: faster than the bf16 layout, slower than all of it at the FP8 peak
+cs=()
+for d in bf16 fp8; do
+    "$PLAN" --cluster examples/clusters/h200_1x8.json --check-rank 0 --nproc 8 "${TINY[@]}" --d-model 1024 --heads 8 \
+        --ffn-hidden 2048 --expert-hidden 512 --seq 1024 --batch 64 --dtype $d >"$work/time_$d.out" 2>&1
+    cs+=("$(sed -nE 's/^plan time: .* compute ([0-9.]+),.*/\1/p' "$work/time_$d.out")")
+done
+if awk -v b="${cs[0]}" -v f="${cs[1]}" 'BEGIN { exit !(b > 0 && f < b && f > b * 989 / 1979) }'; then
+    ok "fp8: the predicted compute with FP8 GEMMs ${cs[1]} s lies between bf16's ${cs[0]} s and all of it at the FP8 peak"
+else
+    bad "fp8: the predicted compute" "bf16 '${cs[0]}' s, fp8 '${cs[1]}' s: $(head -2 "$work/time_fp8.out")"
+fi
+
 # ---- train_moe --plan
 "$PLAN" --cluster examples/clusters/cpu_8.json --device cpu --sequences 8 "${TINY[@]}" --json "$work/cpu.json" >"$work/cpu.out" 2>&1
 want=$(sed -E 's/.*"tp": ([0-9]+), "pp": ([0-9]+), "dp": ([0-9]+), "ep": ([0-9]+).*/tp \1 x dp \3 \\(ep \4 inside\\) x pp \2/' "$work/cpu.json" 2>/dev/null)
@@ -208,5 +239,18 @@ if [ -n "${opt[0]}" ] && [ -n "${opt[1]}" ] && [ "${opt[1]}" -lt "${opt[0]}" ]; 
     ok "train_moe --plan: the choice's \"moments\": \"bf16\" runs bf16 moments (rank 0's optimizer state ${opt[1]} bytes, f32 ${opt[0]})"
 else
     bad "train_moe --plan: the choice's moments" "optimizer state with f32 moments '${opt[0]}', with bf16 '${opt[1]}'"
+fi
+# the choice's "fp8": 1 runs the FP8 GEMMs (bf16 compute); "fp8": 2 fails naming the field
+for v in 1 2; do
+    sed -E 's/"fp8": [0-9]+/"fp8": '"$v"'/' "$work/cpu.json" >"$work/cpu_fp8_$v.json"
+    "$BIN" "${TINY[@]}" --nproc 8 --plan "$work/cpu_fp8_$v.json" >"$work/run_fp8_$v.out" 2>&1
+    rc[v]=$?
+done
+if [ "${rc[1]}" -eq 0 ] && grep -q "bf16 compute with FP8 GEMMs" "$work/run_fp8_1.out" && [ "${rc[2]}" -eq 2 ] &&
+    grep -qF '"fp8" 2: 0 or 1' "$work/run_fp8_2.out"; then
+    ok "train_moe --plan: the choice's \"fp8\": 1 runs FP8 GEMMs; \"fp8\": 2 fails naming the field"
+else
+    bad "train_moe --plan: the choice's fp8" "fp8 1: exit ${rc[1]}: $(grep -m1 'compute' "$work/run_fp8_1.out")" \
+        "fp8 2: exit ${rc[2]}: $(head -2 "$work/run_fp8_2.out")"
 fi
 finish

@@ -116,8 +116,9 @@ static void banner(trainer *t) {
     const tm_model *m = &t->model;
     int64_t total = 0;
     for (int i = 0; i < m->n_params; i++) total += tm_param_numel(&m->params[i]);
-    say(t, "train_moe: %d rank%s (expert parallel %d), %s, %s compute\n", t->world, t->world > 1 ? "s" : "", t->ep,
-        t->ctx.device.type == DSK_DEV_CUDA ? "CUDA" : "CPU", dsk_dtype_name(m->cfg.cdt));
+    say(t, "train_moe: %d rank%s (expert parallel %d), %s, %s compute%s\n", t->world, t->world > 1 ? "s" : "", t->ep,
+        t->ctx.device.type == DSK_DEV_CUDA ? "CUDA" : "CPU", dsk_dtype_name(m->cfg.cdt),
+        m->cfg.fp8 ? " with FP8 GEMMs" : "");
     if (t->ep > 1)
         say(t, "expert dispatch: %s; the combine in the activation dtype\n",
             strcmp(o->ep_dispatch, "fp8") == 0 ? "e4m3 codes with 1x128 f32 scales" : "rows in the activation dtype");
