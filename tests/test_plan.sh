@@ -18,8 +18,10 @@
 #      tp_all_reduce_bytes, tp_all_gather_bytes, tp_reduce_scatter_bytes and tp_calls, from the tp
 #      group's dsk_comm_stats) against the plan's walk of the trainer's call sites
 #      (train_plan.h's tpl_tp_traffic): tp 2 and 4, with a pipeline, recomputation full and attn, bf16 (the
-#      embedding's f32 path), MLA and an MTP module. The issue allows 2% (activations 5%); a
-#      difference here means the planner and the trainer size something differently.
+#      embedding's f32 path), MLA and an MTP module; then the same figures of every rank's first
+#      step (its "step bytes" line) against the plan of its stage (the last stage's head and MTP
+#      modules, interleaved chunks). The issue allows 2% (activations 5%); a difference here means
+#      the planner and the trainer size something differently.
 #   2. Bad input: a cluster file without a field fails naming the field; one with a mistyped
 #      value names it; a model that fits no layout prints the smallest memory any layout needs
 #      against each GPU's and exits 3; train_moe --plan with a choice file missing a field, with an
@@ -77,6 +79,13 @@ layout() {
             done | xargs)
             [ "$got" = "$want" ] || diffs+=("rank 0: tensor-parallel all-reduce, all-gather, reduce-scatter bytes and calls: run ${got:-?}, plan $want")
         fi
+        # every rank's first step (its "step bytes" line; the log is rank 0's) against the plan for its stage
+        got=$(grep -o "step bytes, rank $r: .*" "$out" | head -1 |
+            sed -E 's/.*reduce ([0-9]+), pipeline sends ([0-9]+), ep dispatch ([0-9]+), ep combine ([0-9]+), tp all-reduce ([0-9]+), tp all-gather ([0-9]+), tp reduce-scatter ([0-9]+), tp calls ([0-9]+).*/\1 \2 \3 \4 \5 \6 \7 \8/')
+        want=$(echo "$line" |
+            sed -E 's/.*reduce per step ([0-9]+),.*pipeline sends per step ([0-9]+), ep dispatch per step ([0-9]+), ep combine per step (-?[0-9]+), tp all-reduce per step ([0-9]+), tp all-gather per step ([0-9]+), tp reduce-scatter per step ([0-9]+), tp calls per step ([0-9]+).*/\1 \2 \3 \4 \5 \6 \7 \8/')
+        [ "$(echo "$want" | cut -d' ' -f4)" != -1 ] || got=$(echo "$got" | awk 'NF == 8 { $4 = -1 } { print }')
+        [ "$got" = "$want" ] || diffs+=("rank $r: the step's reduce, sends, dispatch, combine, tp bytes and calls: run ${got:-?}, plan $want")
     done
     if [ ${#diffs[@]} -eq 0 ]; then
         ok "memory: $name ($n ranks: $*): every rank's parameters, gradients, optimizer state, buffers and activations and the step's reduction, pipeline-send, expert-exchange and tensor-parallel bytes equal the plan's"

@@ -11,8 +11,19 @@ static const char *json_num(char buf[32], double x) {
     return buf;
 }
 
+/* Every rank, after the first step: what its collectives handed over in it (the --log line's
+   figures, which only rank 0 writes), for tests/test_plan.sh to compare rank by rank. */
+static void print_step_bytes(const trainer *t, const step_info *si) {
+    printf("step bytes, rank %d: reduce %.0f, pipeline sends %.0f, ep dispatch %.0f, ep combine %.0f, tp all-reduce "
+           "%.0f, tp all-gather %.0f, tp reduce-scatter %.0f, tp calls %.0f\n",
+           t->rank, si->reduce_bytes, si->pp_bytes, si->ep_bytes[0], si->ep_bytes[1], si->tp[0], si->tp[1], si->tp[2],
+           si->tp[3]);
+    fflush(stdout);
+}
+
 static void log_step(trainer *t, const step_info *si) {
     const options *o = t->o;
+    if (t->step == 1) print_step_bytes(t, si);
     t->train_seconds += si->ms * 1e-3;
     t->steps_timed++;
     double eta = t->train_seconds / (double)t->steps_timed * (double)(o->steps - t->step);
