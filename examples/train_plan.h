@@ -252,11 +252,10 @@ static void tpl_head_traffic(tp_state *ps, double tr[TP_TRAFFIC]) {
 }
 
 /* The tensor-parallel traffic (train/par_run.h's TP_AR ...) of one training step of the rank built
-   in tpl_rank (tp_train_batch: every chunk's
-   forward and backward of each of the M micro-batches, tp_forward_chunk and tp_backward_chunk),
-   computed from the layout and the tensors alone (a plan's model has them as headers over no
-   memory), each function below the twin of the trainer's function it names. Zero without
-   tensor parallelism. */
+   in tpl_rank (tp_train_batch: every chunk's forward and backward of each of the M micro-batches,
+   tp_forward_chunk and tp_backward_chunk), computed from the layout and the tensors alone (a
+   plan's model has them as headers over no memory), each function above the twin of the
+   trainer's function it names. Zero without tensor parallelism. */
 static void tpl_tp_traffic(tp_state *ps, double tr[TP_TRAFFIC]) {
     double one[TP_TRAFFIC] = {0};
     int mtp = ps->m->cfg.mla.mtp_depth > 0 && ps->last >= 0;
