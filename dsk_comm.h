@@ -151,11 +151,15 @@ typedef struct dsk_comm_opts {
    collectives. bytes_sent_off_node: the part of bytes_sent that went to ranks on other nodes
    (host backend; dsk_moe.h's routes count their rows on nccl too). send_payload: the bytes of the
    messages handed to dsk_comm_send that returned DSK_OK (count x dtype size, no headers; both
-   backends): a pipeline's activations and gradients, comparable with a plan's. */
+   backends): a pipeline's activations and gradients, comparable with a plan's. The same for the
+   collectives that returned DSK_OK, each the whole message (as dsk_zero counts its reductions):
+   all_reduce_payload count x size, reduce_scatter_payload the input (world x recv_count),
+   all_gather_payload the output (world x send_count): a tensor-parallel group's traffic. */
 typedef struct dsk_comm_stats {
     uint64_t bytes_sent, bytes_received;
     uint64_t bytes_sent_off_node;
     uint64_t send_payload;
+    uint64_t all_reduce_payload, reduce_scatter_payload, all_gather_payload;
     int64_t calls;
     double seconds;
 } dsk_comm_stats;
@@ -3180,6 +3184,18 @@ static dsk_status dsk__comm_done(dsk_comm *c, dsk_status st, double t0) {
     return st;
 }
 
+/* Adds a finished collective's whole message, `count` elements, to c->stats' counter of its kind
+   (0 all-reduce, 1 reduce-scatter, 2 all-gather). */
+static dsk_status dsk__comm_payload(dsk_comm *c, dsk_status st, int kind, int64_t count, dsk_dtype dt) {
+    uint64_t *counter[3];
+    if (st != DSK_OK) return st;
+    counter[0] = &c->stats.all_reduce_payload;
+    counter[1] = &c->stats.reduce_scatter_payload;
+    counter[2] = &c->stats.all_gather_payload;
+    *counter[kind] += (uint64_t)count * dsk_dtype_size(dt);
+    return st;
+}
+
 static dsk_status dsk__comm_coll_check(dsk_comm *c, const char *fn, const void *send, const void *recv, int64_t count,
                                        dsk_dtype dt) {
     DSK__TRY(dsk__comm_check(c, fn));
@@ -3232,8 +3248,8 @@ static dsk_status dsk__comm_nccl_done(dsk_comm *c, const char *fn, ncclResult_t 
 #define DSK__COMM_NCCL(c) 0
 #endif
 
-DSK_API dsk_status dsk_comm_all_reduce(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t count,
-                                       dsk_dtype dt, dsk_comm_op op) {
+static dsk_status dsk__comm_all_reduce_call(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t count,
+                                            dsk_dtype dt, dsk_comm_op op) {
     const char *fn = "dsk_comm_all_reduce";
     double t0 = dsk__comm_now();
     DSK__TRY(dsk__comm_coll_check(c, fn, send, recv, count, dt));
@@ -3259,8 +3275,14 @@ DSK_API dsk_status dsk_comm_all_reduce(dsk_comm *c, dsk_ctx *ctx, const void *se
     return dsk__comm_done(c, dsk__comm_host_all_reduce(c, fn, (const char *)send, (char *)recv, count, dt, op, t0), t0);
 }
 
-DSK_API dsk_status dsk_comm_reduce_scatter(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t recv_count,
-                                           dsk_dtype dt, dsk_comm_op op) {
+DSK_API dsk_status dsk_comm_all_reduce(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t count,
+                                       dsk_dtype dt, dsk_comm_op op) {
+    dsk_status st = dsk__comm_all_reduce_call(c, ctx, send, recv, count, dt, op);
+    return dsk__comm_payload(c, st, 0, st == DSK_OK ? count : 0, dt);
+}
+
+static dsk_status dsk__comm_reduce_scatter_call(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv,
+                                                int64_t recv_count, dsk_dtype dt, dsk_comm_op op) {
     const char *fn = "dsk_comm_reduce_scatter";
     double t0 = dsk__comm_now();
     DSK__TRY(dsk__comm_coll_check(c, fn, send, recv, recv_count, dt));
@@ -3287,8 +3309,14 @@ DSK_API dsk_status dsk_comm_reduce_scatter(dsk_comm *c, dsk_ctx *ctx, const void
         c, dsk__comm_host_reduce_scatter(c, fn, (const char *)send, (char *)recv, recv_count, dt, op, t0), t0);
 }
 
-DSK_API dsk_status dsk_comm_all_gather(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t send_count,
-                                       dsk_dtype dt) {
+DSK_API dsk_status dsk_comm_reduce_scatter(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t recv_count,
+                                           dsk_dtype dt, dsk_comm_op op) {
+    dsk_status st = dsk__comm_reduce_scatter_call(c, ctx, send, recv, recv_count, dt, op);
+    return dsk__comm_payload(c, st, 1, st == DSK_OK ? recv_count * c->world_size : 0, dt);
+}
+
+static dsk_status dsk__comm_all_gather_call(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t send_count,
+                                            dsk_dtype dt) {
     const char *fn = "dsk_comm_all_gather";
     double t0 = dsk__comm_now();
     DSK__TRY(dsk__comm_coll_check(c, fn, send, recv, send_count, dt));
@@ -3305,6 +3333,12 @@ DSK_API dsk_status dsk_comm_all_gather(dsk_comm *c, dsk_ctx *ctx, const void *se
 #endif
     return dsk__comm_done(c, dsk__comm_host_all_gather(c, fn, (const char *)send, (char *)recv, send_count, dt, t0),
                           t0);
+}
+
+DSK_API dsk_status dsk_comm_all_gather(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t send_count,
+                                       dsk_dtype dt) {
+    dsk_status st = dsk__comm_all_gather_call(c, ctx, send, recv, send_count, dt);
+    return dsk__comm_payload(c, st, 2, st == DSK_OK ? send_count * c->world_size : 0, dt);
 }
 
 DSK_API dsk_status dsk_comm_broadcast(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t count,

@@ -35,12 +35,15 @@
      bubble (dsk_par_bubble_fraction); each collective's bytes over the link it crosses (ring
      all-reduce 2 (n-1)/n, reduce-scatter, all-gather and all-to-all (n-1)/n of the message per
      rank; intra-node when the group fits in a node, else the inter-node bandwidth) plus a
-     latency per message; tensor-parallel (4 collectives per attention and dense FFN half per
-     micro-batch, forward and backward), expert-parallel (dispatch and combine, forward and
-     backward) and pipeline (the sends of the busiest stage's schedule, whose bytes the model's
-     callback gives: examples/train_plan.h walks the trainer's schedule and buffers, and
-     tests/test_plan.sh compares them with the bytes a run hands to dsk_comm_send) traffic
-     is exposed; the gradient reductions overlap backward up to cluster.overlap of it. CPU ranks
+     latency per message; tensor-parallel (the busiest stage's collectives by kind and their
+     calls, which the model's callback gives: examples/train_plan.h walks the trainer's call
+     sites, tests/test_plan.sh compares them with a run's dsk_comm_stats), expert-parallel
+     (dispatch and combine, forward and backward) and pipeline (the sends of the busiest stage's
+     schedule, whose bytes the model's callback gives: examples/train_plan.h walks the trainer's
+     schedule and buffers, and tests/test_plan.sh compares them with the bytes a run hands to
+     dsk_comm_send) traffic is exposed; the gradient reductions overlap backward up to
+     cluster.overlap of it. An FP8 layout runs the model's fp8_flops_per_token (and their
+     recomputed forward) at fp8_tflops instead of bf16_tflops, at the same efficiency. CPU ranks
      that share cores (cluster.cores_per_node below the ranks of a node; bf16_tflops is then one
      core's rate): a waiting rank gives its core away, so the step is the larger of that
      one-device-per-rank step (the critical path) and the node's busy work (every rank's compute
@@ -55,7 +58,8 @@
      dividing dp and the experts, ZeRO 0-3, recomputation none / attn / full, AdamW's moments
      in f32 or bf16 (DeepSeek-V3's choice: half their bytes; the time model does not tell them
      apart, so on a tie the f32 one ranks first and the table lists a bf16 layout only when its
-     f32 twin does not fit), schedules 1F1B,
+     f32 twin does not fit), FP8 GEMMs or not (when the model has FP8 FLOPs; the callback
+     refuses what the trainer does not run in FP8), schedules 1F1B,
      GPipe and interleaved (2 virtual stages, when the micro-batches are a multiple of pp) with one
      sequence per micro-batch; without a pipeline, gradient accumulation of one sequence per
      pass. dsk_plan_space narrows the set.
@@ -130,6 +134,7 @@ typedef struct dsk_plan_layout {
     dsk_par_schedule_kind schedule; /* pp > 1 */
     dsk_plan_recompute recompute;
     dsk_dtype moments; /* AdamW's two moments: DSK_F32 or DSK_BF16 (DeepSeek-V3's; the masters stay f32) */
+    int fp8;           /* 1: the GEMMs of dsk_plan_model.fp8_flops_per_token in FP8 (the trainer's --dtype fp8) */
 } dsk_plan_layout;
 
 /* One rank's bytes by role, as its allocator counts them. */
@@ -140,6 +145,12 @@ typedef struct dsk_plan_memory {
     int64_t imbalance;                /* dropless expert parallelism's worst case beyond it (every token of the
                                          expert group routed to this rank's experts) */
 } dsk_plan_memory;
+
+/* A rank's tensor-parallel collectives per step: the whole messages by kind, in bytes, as
+   dsk_comm_stats' payload counters count them, and how many calls. */
+typedef struct dsk_plan_tp {
+    double all_reduce, all_gather, reduce_scatter, calls;
+} dsk_plan_tp;
 
 typedef struct dsk_plan_job {
     int64_t sequences; /* global batch per step */
@@ -153,20 +164,23 @@ typedef struct dsk_plan_model {
     int64_t d_model, vocab, ffn_hidden;
     double flops_per_token;      /* training FLOPs per token (the trainer's count) */
     double attn_flops_per_token; /* of which the attention cores' (recompute attn reruns their forward) */
+    double fp8_flops_per_token;  /* of which the GEMMs an FP8 layout runs in FP8 (0: no FP8 layouts) */
     double act_bytes;            /* bytes per element of activations on the wire (2: bf16) */
     /* stage `stage` of the layout: its rank's memory; *reduce_bytes and *gather_bytes: what its
        gradient reductions and weight gathers hand over per step (the messages, dsk_zero_plan's);
        *reduce_all: 1 when the reductions are all-reduces (ZeRO 0-1), 0 reduce-scatters;
-       *send_bytes: what its pipeline sends (activations and gradients) hand over per step */
+       *send_bytes: what its pipeline sends (activations and gradients) hand over per step;
+       *tp: its tensor-parallel collectives per step (zero without tensor parallelism) */
     dsk_status (*memory)(void *user, const dsk_plan_layout *l, const dsk_plan_job *job, int stage, dsk_plan_memory *mem,
-                         double *reduce_bytes, double *gather_bytes, int *reduce_all, double *send_bytes);
+                         double *reduce_bytes, double *gather_bytes, int *reduce_all, double *send_bytes,
+                         dsk_plan_tp *tp);
     void *user;
 } dsk_plan_model;
 
 /* Restricts the enumeration: a zero field allows every value; a nonzero one only that value
-   (tp, pp, ep, zero + 1, recompute + 1, schedule + 1, the moments' dtype + 1). */
+   (tp, pp, ep, zero + 1, recompute + 1, schedule + 1, the moments' dtype + 1, fp8 + 1). */
 typedef struct dsk_plan_space {
-    int tp, pp, ep, zero_plus1, recompute_plus1, schedule_plus1, moments_plus1;
+    int tp, pp, ep, zero_plus1, recompute_plus1, schedule_plus1, moments_plus1, fp8_plus1;
 } dsk_plan_space;
 
 /* ---- planning */
@@ -178,13 +192,14 @@ typedef struct dsk_plan_result {
     int64_t total; /* its total bytes, the imbalance's worst case left out */
     int fits;
     double pp_bytes; /* the busiest stage's pipeline sends per step (the callback's send_bytes) */
+    dsk_plan_tp tp;  /* the busiest stage's tensor-parallel collectives per step (the callback's tp) */
     /* seconds per step: compute (with recomputation), the bubble, the exposed communication */
     double step_s, compute_s, bubble_s, tp_s, ep_s, pp_s, zero_s, zero_exposed_s;
     double cores_s; /* what ranks sharing a node's cores add (cluster.cores_per_node; dsk_plan_time) */
     char why[200]; /* why it lost to the best (empty for the best) */
 } dsk_plan_result;
 
-/* The step time of r->layout given its gradient traffic and r->pp_bytes (fills the seconds of *r). */
+/* The step time of r->layout given its gradient traffic, r->pp_bytes and r->tp (fills the seconds of *r). */
 DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
                                  double reduce_bytes, double gather_bytes, int reduce_all, dsk_plan_result *r);
 /* Enumerates, sizes and times every layout of the space (NULL: all); *out (dsk_plan_results_free)
@@ -195,7 +210,7 @@ DSK_API void dsk_plan_results_free(dsk_plan_result *r);
 
 /* ---- output */
 
-/* "tp2 pp4 1f1b m16 ep8 dp16 zero1 recompute none moments f32" */
+/* "tp2 pp4 1f1b m16 ep8 dp16 zero1 recompute none moments f32" (then " fp8" for an FP8 layout) */
 DSK_API void dsk_plan_layout_str(const dsk_plan_layout *l, char *buf, size_t cap);
 /* The best `top` layouts as a text table (memory by role in GB, step time and its parts; a
    layout with bf16 moments left out when its f32 twin fits), then the best of each other kind
@@ -207,7 +222,8 @@ DSK_API dsk_status dsk_plan_table(const dsk_plan_result *r, int n, const dsk_pla
    the predicted memory and time. */
 DSK_API dsk_status dsk_plan_json(const dsk_plan_result *r, const dsk_plan_job *job, char *buf, size_t cap);
 /* Reads dsk_plan_json's object back: the layout and the job (the predictions are checked for
-   being numbers and otherwise ignored). A missing or malformed field fails naming it. */
+   being numbers and otherwise ignored; "fp8" may be left out: 0). A missing or malformed field
+   fails naming it. */
 DSK_API dsk_status dsk_plan_choice_parse(const char *json, size_t n, const char *what, dsk_plan_layout *l,
                                          dsk_plan_job *job);
 DSK_API dsk_status dsk_plan_choice_read(const char *path, dsk_plan_layout *l, dsk_plan_job *job);
@@ -440,26 +456,27 @@ static void dsk__plan_shared_cores(const dsk_plan_cluster *c, int world, dsk_pla
 DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
                                  double reduce_bytes, double gather_bytes, int reduce_all, dsk_plan_result *r) {
     const dsk_plan_layout *l = &r->layout;
-    int world = l->tp * l->pp * l->dp, moe = m->moe_layers, dense = m->layers - m->moe_layers;
+    int world = l->tp * l->pp * l->dp, moe = m->moe_layers;
     double tokens = (double)job->sequences * (double)job->seq, peak = 1e12 * c->bf16_tflops * c->efficiency;
     double flops = m->flops_per_token, fwd = m->flops_per_token / 3, b;
     double Nm = (double)job->seq * (double)job->sequences / (l->dp * (double)l->micro); /* tokens per micro-batch */
-    double per_layer_msgs, a = m->act_bytes, dpn = l->dp;
+    double a = m->act_bytes, dpn = l->dp, tpn = l->tp;
     if (l->recompute == DSK_PLAN_RECOMPUTE_FULL) flops += fwd;
     if (l->recompute == DSK_PLAN_RECOMPUTE_ATTN) flops += m->attn_flops_per_token / 3;
     r->compute_s = tokens * flops / (world * peak);
+    if (l->fp8) /* the FP8 GEMMs' share (a full recomputation reruns their forward) at the fp8 peak */
+        r->compute_s -= tokens * m->fp8_flops_per_token * (l->recompute == DSK_PLAN_RECOMPUTE_FULL ? 4.0 / 3 : 1) *
+                        (1 - c->bf16_tflops / c->fp8_tflops) / (world * peak);
     b = l->pp > 1 ? dsk_par_bubble_fraction(l->schedule, l->pp, l->micro, l->vstages) : 0;
     if (b < 0 || b >= 1)
         return dsk_set_error(DSK_ERR_ARG, "dsk_plan_time: no bubble fraction for pp %d, m %d, v %d", l->pp, l->micro,
                              l->vstages);
     r->bubble_s = r->compute_s * b / (1 - b);
-    /* sequence-parallel gathers and scatters of (Nm, D): attention half of every layer, dense FFN half */
-    per_layer_msgs = 4.0 * (2 * (m->layers / (double)l->pp) + 2 * dense / (double)l->pp);
-    r->tp_s = l->tp > 1 ? l->micro * dsk__plan_link(c, l->tp,
-                                                    per_layer_msgs * (l->tp - 1.0) / l->tp * Nm / l->tp *
-                                                        (double)m->d_model * a * l->tp,
-                                                    per_layer_msgs)
-                        : 0;
+    r->tp_s = l->tp > 1
+                  ? dsk__plan_link(c, l->tp,
+                                   (tpn - 1) / tpn * (2 * r->tp.all_reduce + r->tp.all_gather + r->tp.reduce_scatter),
+                                   r->tp.calls)
+                  : 0;
     /* dispatch and combine, forward and backward: each of the rank's Nm/tp tokens K times */
     r->ep_s = l->ep > 1 ? l->micro * dsk__plan_link(c, l->ep * l->tp,
                                                     4.0 * moe / l->pp * (l->ep - 1.0) / l->ep * Nm / l->tp * m->top_k *
@@ -500,6 +517,9 @@ static dsk_status dsk__plan_push(dsk__plan_list *L, const dsk_plan_result *r) {
     return DSK_OK;
 }
 
+/* What a rank's tensor-parallel collectives hand over per step, all kinds. */
+static double dsk__plan_tp_total(const dsk_plan_tp *tp) { return tp->all_reduce + tp->all_gather + tp->reduce_scatter; }
+
 /* Sizes (the worst stage) and times one layout. */
 static dsk_status dsk__plan_eval(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
                                  dsk_plan_result *r) {
@@ -507,14 +527,18 @@ static dsk_status dsk__plan_eval(const dsk_plan_model *m, const dsk_plan_cluster
     int all = 1;
     r->total = -1;
     r->pp_bytes = 0;
+    memset(&r->tp, 0, sizeof r->tp);
     for (int s = 0; s < r->layout.pp; s++) {
         dsk_plan_memory mem;
+        dsk_plan_tp tp;
         double rb = 0, gb = 0, sb = 0;
         int ra = 1;
         int64_t tot;
         memset(&mem, 0, sizeof mem);
-        DSK__TRY(m->memory(m->user, &r->layout, job, s, &mem, &rb, &gb, &ra, &sb));
+        memset(&tp, 0, sizeof tp);
+        DSK__TRY(m->memory(m->user, &r->layout, job, s, &mem, &rb, &gb, &ra, &sb, &tp));
         if (sb > r->pp_bytes) r->pp_bytes = sb;
+        if (dsk__plan_tp_total(&tp) > dsk__plan_tp_total(&r->tp)) r->tp = tp;
         tot = mem.params + mem.grads + mem.optimizer + mem.comm + mem.activations;
         if (tot > r->total) {
             r->total = tot;
@@ -550,13 +574,15 @@ static dsk_status dsk__plan_grid(const dsk_plan_model *m, const dsk_plan_cluster
         if (pp == 1 && sch != DSK_PAR_1F1B) continue; /* no pipeline: one entry */
         if (!dsk__plan_ok(sp->schedule_plus1, sch + 1) && pp > 1) continue;
         if (sch == DSK_PAR_INTERLEAVED && (per % pp || m->layers < 2 * pp)) continue;
-        for (int k = 0; k < 24; k++) { /* ZeRO stage, recomputation, the moments' dtype */
-            int z = k / 6, rc = k / 2 % 3;
+        for (int k = 0; k < 48; k++) { /* ZeRO stage, recomputation, the moments' dtype, FP8 */
+            int z = k / 6 % 4, rc = k / 2 % 3, f8 = k / 24;
             dsk_dtype md = k % 2 ? DSK_BF16 : DSK_F32;
             dsk_status st;
             if (!dsk__plan_ok(sp->zero_plus1, z + 1) || !dsk__plan_ok(sp->recompute_plus1, rc + 1) ||
-                !dsk__plan_ok(sp->moments_plus1, (int)md + 1))
+                !dsk__plan_ok(sp->moments_plus1, (int)md + 1) || !dsk__plan_ok(sp->fp8_plus1, f8 + 1) ||
+                (f8 && !(m->fp8_flops_per_token > 0)))
                 continue;
+            r.layout.fp8 = f8;
             r.layout.zero = z;
             r.layout.recompute = (dsk_plan_recompute)rc;
             r.layout.moments = md;
@@ -661,8 +687,8 @@ DSK_API void dsk_plan_layout_str(const dsk_plan_layout *l, char *buf, size_t cap
         snprintf(pipe, sizeof pipe, " %s%s m%d", dsk_par_schedule_name(l->schedule),
                  l->vstages > 1 ? (l->vstages == 2 ? " v2" : " v?") : "", l->micro);
     else if (l->micro > 1) snprintf(pipe, sizeof pipe, " accum%d", l->micro);
-    snprintf(buf, cap, "tp%d pp%d%s ep%d dp%d zero%d recompute %s moments %s", l->tp, l->pp, pipe, l->ep, l->dp,
-             l->zero, dsk__plan_rc_names[l->recompute], dsk_dtype_name(l->moments));
+    snprintf(buf, cap, "tp%d pp%d%s ep%d dp%d zero%d recompute %s moments %s%s", l->tp, l->pp, pipe, l->ep, l->dp,
+             l->zero, dsk__plan_rc_names[l->recompute], dsk_dtype_name(l->moments), l->fp8 ? " fp8" : "");
 }
 
 typedef struct dsk__plan_out {
@@ -705,7 +731,7 @@ static int dsk__plan_twin_fits(const dsk_plan_result *r, int fit, int i) {
         const dsk_plan_layout *b = &r[j].layout;
         if (b->moments == DSK_F32 && b->tp == a.tp && b->pp == a.pp && b->dp == a.dp && b->ep == a.ep &&
             b->zero == a.zero && b->micro == a.micro && b->vstages == a.vstages && b->schedule == a.schedule &&
-            b->recompute == a.recompute)
+            b->recompute == a.recompute && b->fp8 == a.fp8)
             return 1;
     }
     return 0;
@@ -765,16 +791,16 @@ DSK_API dsk_status dsk_plan_json(const dsk_plan_result *r, const dsk_plan_job *j
         &o,
         "{\"tp\": %d, \"pp\": %d, \"dp\": %d, \"ep\": %d, \"zero\": %d, \"micro_batches\": %d, "
         "\"virtual_stages\": %d, \"pp_schedule\": \"%s\", \"recompute\": \"%s\", \"moments\": \"%s\", "
-        "\"sequences\": %lld, "
+        "\"fp8\": %d, \"sequences\": %lld, "
         "\"seq\": %lld, \"params_bytes\": %lld, \"grads_bytes\": %lld, \"optimizer_bytes\": %lld, "
         "\"comm_bytes\": %lld, \"activations_bytes\": %lld, \"imbalance_bytes\": %lld, \"total_bytes\": %lld, "
         "\"fits\": %d, \"step_s\": %.6g, \"compute_s\": %.6g, \"bubble_s\": %.6g, \"tp_s\": %.6g, "
         "\"ep_s\": %.6g, \"pp_s\": %.6g, \"zero_exposed_s\": %.6g, \"cores_s\": %.6g}\n",
         l->tp, l->pp, l->dp, l->ep, l->zero, l->micro, l->vstages, dsk_par_schedule_name(l->schedule),
-        dsk__plan_rc_names[l->recompute], dsk_dtype_name(l->moments), (long long)job->sequences, (long long)job->seq,
-        (long long)r->mem.params, (long long)r->mem.grads, (long long)r->mem.optimizer, (long long)r->mem.comm,
-        (long long)r->mem.activations, (long long)r->mem.imbalance, (long long)r->total, r->fits, r->step_s,
-        r->compute_s, r->bubble_s, r->tp_s, r->ep_s, r->pp_s, r->zero_exposed_s, r->cores_s);
+        dsk__plan_rc_names[l->recompute], dsk_dtype_name(l->moments), l->fp8, (long long)job->sequences,
+        (long long)job->seq, (long long)r->mem.params, (long long)r->mem.grads, (long long)r->mem.optimizer,
+        (long long)r->mem.comm, (long long)r->mem.activations, (long long)r->mem.imbalance, (long long)r->total,
+        r->fits, r->step_s, r->compute_s, r->bubble_s, r->tp_s, r->ep_s, r->pp_s, r->zero_exposed_s, r->cores_s);
     if (o.over) return dsk_set_error(DSK_ERR_ARG, "dsk_plan_json: more than %zu bytes", cap);
     return DSK_OK;
 }
@@ -806,8 +832,10 @@ static const char *const dsk__plan_choice_keys[] = {"tp",
                                                     "ep_s",
                                                     "pp_s",
                                                     "zero_exposed_s",
-                                                    "cores_s"};
+                                                    "cores_s",
+                                                    "fp8"};
 #define DSK__PLAN_NCHOICE (int)(sizeof dsk__plan_choice_keys / sizeof dsk__plan_choice_keys[0])
+#define DSK__PLAN_CHOICE_FP8 (DSK__PLAN_NCHOICE - 1) /* optional: 0 (the default) or 1 */
 
 /* Field k of the choice as a whole number >= lo (k < 7 or 10, 11), or its string (7-9). */
 static dsk_status dsk__plan_choice_num(const dsk__plan_field *f, const char *what, double lo, int64_t *v) {
@@ -839,8 +867,8 @@ DSK_API dsk_status dsk_plan_choice_parse(const char *json, size_t n, const char 
                 return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_choice_parse: %s: \"%s\" must be a string", what,
                                      f[i].key);
             snprintf(str[k - 7], 64, "%s", f[i].str);
-        } else if (k <= 11) {
-            DSK__TRY(dsk__plan_choice_num(&f[i], what, k == 4 ? 0 : 1, &v[k]));
+        } else if (k <= 11 || k == DSK__PLAN_CHOICE_FP8) {
+            DSK__TRY(dsk__plan_choice_num(&f[i], what, k == 4 || k == DSK__PLAN_CHOICE_FP8 ? 0 : 1, &v[k]));
         } else if (f[i].is_str) {
             return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_choice_parse: %s: \"%s\" must be a number", what, f[i].key);
         }
@@ -866,6 +894,10 @@ DSK_API dsk_status dsk_plan_choice_parse(const char *json, size_t n, const char 
     out.moments = strcmp(str[2], "f32") ? DSK_BF16 : DSK_F32;
     if (v[4] > 3)
         return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_choice_parse: %s: \"zero\" %lld: 0-3", what, (long long)v[4]);
+    if (v[DSK__PLAN_CHOICE_FP8] > 1)
+        return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_choice_parse: %s: \"fp8\" %lld: 0 or 1", what,
+                             (long long)v[DSK__PLAN_CHOICE_FP8]);
+    out.fp8 = (int)v[DSK__PLAN_CHOICE_FP8];
     out.tp = (int)v[0], out.pp = (int)v[1], out.dp = (int)v[2], out.ep = (int)v[3], out.zero = (int)v[4];
     out.micro = (int)v[5], out.vstages = (int)v[6];
     job->sequences = v[10];

@@ -9,6 +9,7 @@
    best, and why the best of each other (tp, pp, ep, ZeRO) lost; --json writes the best as the
    choice `train_moe --plan FILE` runs. --device cuda (the default) sizes the MoE workspace as a GPU
    holds it (the layer's dtype) and makes bf16 the default compute dtype; cpu as the CPU trainer.
+   With bf16 compute every layout is also planned with FP8 GEMMs (the trainer's --dtype fp8).
 
    --check-rank R: the memory train_moe would report for rank R of the layout its flags give
    (--nproc ranks; --tp --pp --ep --zero --micro-batches ...), as lines tests/test_plan.sh reads. */
@@ -26,12 +27,12 @@ typedef struct plan_entry {
     dsk_status st;
     char err[256];
     dsk_plan_memory mem[TPL_VARIANTS];
-    double reduce[TPL_VARIANTS], gather[TPL_VARIANTS], send, ep[2];
+    double reduce[TPL_VARIANTS], gather[TPL_VARIANTS], send, ep[2], tp[TP_TRAFFIC];
     int all[TPL_VARIANTS];
 } plan_entry;
 
 typedef struct plan_user {
-    tm_config base;
+    tm_config base, base_fp8; /* the model of the flags' compute dtype (fp8 taken as bf16), and with --dtype fp8 */
     tz_opts zo; /* --grad-compress */
     int cuda;
     plan_entry *cache;
@@ -55,8 +56,17 @@ static void plan_stage_key(const plan_user *u, const dsk_plan_layout *l, int sta
     }
 }
 
+/* The trainer's tensor-parallel traffic (tpl_tp_traffic) as dsk_plan.h takes it. */
+static void plan_tp(const double tr[TP_TRAFFIC], dsk_plan_tp *tp) {
+    tp->all_reduce = tr[TP_AR];
+    tp->all_gather = tr[TP_AG];
+    tp->reduce_scatter = tr[TP_RS];
+    tp->calls = tr[TP_CALLS];
+}
+
 static dsk_status plan_memory(void *user, const dsk_plan_layout *l, const dsk_plan_job *job, int stage,
-                              dsk_plan_memory *mem, double *reduce, double *gather, int *reduce_all, double *send) {
+                              dsk_plan_memory *mem, double *reduce, double *gather, int *reduce_all, double *send,
+                              dsk_plan_tp *tp) {
     plan_user *u = (plan_user *)user;
     plan_entry k, *e = NULL;
     plan_stage_key(u, l, stage, &k);
@@ -73,8 +83,8 @@ static dsk_status plan_memory(void *user, const dsk_plan_layout *l, const dsk_pl
         }
         e = &u->cache[u->n++];
         *e = k;
-        e->st =
-            tpl_rank(&u->base, &u->zo, u->cuda, l, job, stage, e->mem, e->reduce, e->gather, e->all, &e->send, e->ep);
+        e->st = tpl_rank(l->fp8 ? &u->base_fp8 : &u->base, &u->zo, u->cuda, l, job, stage, e->mem, e->reduce, e->gather,
+                         e->all, &e->send, e->ep, e->tp);
         if (e->st != DSK_OK) snprintf(e->err, sizeof e->err, "%s", dsk_last_error());
     }
     if (e->st != DSK_OK) return dsk_set_error(e->st, "%s", e->err);
@@ -83,7 +93,20 @@ static dsk_status plan_memory(void *user, const dsk_plan_layout *l, const dsk_pl
     *gather = e->gather[tpl_variant(l)];
     *reduce_all = e->all[tpl_variant(l)];
     *send = e->send;
+    plan_tp(e->tp, tp);
     return DSK_OK;
+}
+
+/* Of the trainer's flops_per_token, the GEMMs --dtype fp8 runs in FP8 (train_fp8.h and the experts'): every
+   block's linears and experts and the MTP modules' blocks; not the router, the LM head, the MTP
+   projection or the attention cores. */
+static double plan_fp8_flops(const trainer *t) {
+    const options *o = t->o;
+    const tm_config *c = &t->model.cfg;
+    double D = o->d_model, experts = 3 * D * o->expert_hidden * (o->top_k + o->shared), dense = 3 * D * o->ffn_hidden;
+    double w = c->mla.mtp_depth * (tmla_attn_weights(c) + (c->mla.mtp_moe ? experts : dense));
+    for (int l = 0; l < o->layers; l++) w += tmla_attn_weights(c) + (l < o->dense_layers ? dense : experts);
+    return 6 * w;
 }
 
 /* The trainer's options from argv (planner flags taken out), its model configuration and the
@@ -91,6 +114,7 @@ static dsk_status plan_memory(void *user, const dsk_plan_layout *l, const dsk_pl
 static void plan_model(trainer *t, plan_user *u, dsk_plan_model *pm) {
     const options *o = t->o;
     int shards = 0; /* the trainer's vocabulary: token shards (llm.c .bin files) have --vocab, bytes 256 */
+    char dtype[sizeof o->dtype];
     for (int i = 0; i < o->n_data; i++) {
         size_t k = strlen(o->data[i]);
         shards |= k > 4 && !strcmp(o->data[i] + k - 4, ".bin");
@@ -98,7 +122,12 @@ static void plan_model(trainer *t, plan_user *u, dsk_plan_model *pm) {
     t->data.vocab = o->init_from_hf || shards ? o->vocab : 256;
     t->batch_local = 1;
     t->engine = 1;
+    snprintf(dtype, sizeof dtype, "%s", o->dtype); /* the configurations under --dtype fp8 and without */
+    snprintf(t->o->dtype, sizeof t->o->dtype, "fp8");
+    model_config(t, &u->base_fp8);
+    snprintf(t->o->dtype, sizeof t->o->dtype, "%s", strcmp(dtype, "fp8") ? dtype : "bf16");
     model_config(t, &u->base);
+    snprintf(t->o->dtype, sizeof t->o->dtype, "%s", dtype);
     t->model.cfg = u->base;
     memset(pm, 0, sizeof *pm);
     snprintf(pm->name, sizeof pm->name, "%s", o->init_from_hf ? o->init_from_hf : o->preset[0] ? o->preset : "tiny");
@@ -112,6 +141,7 @@ static void plan_model(trainer *t, plan_user *u, dsk_plan_model *pm) {
     pm->ffn_hidden = o->ffn_hidden;
     pm->flops_per_token = flops_per_token(t);
     pm->attn_flops_per_token = o->layers * tmla_core_flops(&u->base);
+    pm->fp8_flops_per_token = u->base.cdt == DSK_BF16 ? plan_fp8_flops(t) : 0; /* FP8 layouts: bf16 ones */
     pm->act_bytes = dsk_dtype_size(u->base.cdt);
     pm->memory = plan_memory;
     pm->user = u;
@@ -122,6 +152,7 @@ static int check_layout(const trainer *t, dsk_plan_layout *l, dsk_plan_job *job)
     const options *o = t->o;
     memset(l, 0, sizeof *l);
     l->moments = moment_dtype(t);
+    l->fp8 = !strcmp(o->dtype, "fp8");
     l->tp = o->tp, l->pp = o->pp, l->ep = o->ep, l->zero = o->zero, l->vstages = o->vstages;
     l->dp = o->nproc / (o->tp * o->pp);
     l->micro = o->pp > 1 ? o->micro : o->accum;
@@ -136,12 +167,13 @@ static int check_layout(const trainer *t, dsk_plan_layout *l, dsk_plan_job *job)
 
 /* With --cluster: the step time dsk_plan.h's model predicts for the layout (bench/plan_rank.sh). */
 static int check_time(const dsk_plan_model *pm, const char *cluster, const dsk_plan_layout *l, const dsk_plan_job *job,
-                      double red, double gat, int all, double send) {
+                      double red, double gat, int all, double send, const double tr[TP_TRAFFIC]) {
     dsk_plan_cluster cl;
     dsk_plan_result r;
     memset(&r, 0, sizeof r);
     r.layout = *l;
     r.pp_bytes = send;
+    plan_tp(tr, &r.tp);
     if (dsk_plan_cluster_read(&cl, cluster) != DSK_OK || dsk_plan_time(pm, &cl, job, red, gat, all, &r) != DSK_OK) {
         fprintf(stderr, "dsk_plan: %s\n", dsk_last_error());
         return 1;
@@ -157,14 +189,15 @@ static int check_rank(trainer *t, plan_user *u, const dsk_plan_model *pm, const 
     dsk_plan_layout l;
     dsk_plan_job job;
     dsk_plan_memory mem[TPL_VARIANTS];
-    double red[TPL_VARIANTS], gat[TPL_VARIANTS], send, ep[2];
+    double red[TPL_VARIANTS], gat[TPL_VARIANTS], send, ep[2], tr[TP_TRAFFIC];
     int all[TPL_VARIANTS], v;
     if (check_layout(t, &l, &job) != 0 || rank < 0 || rank >= o->nproc) {
         fprintf(stderr, "dsk_plan: --check-rank %d: --nproc %d must be a multiple of --tp %d x --pp %d\n", rank,
                 o->nproc, o->tp, o->pp);
         return 2;
     }
-    if (tpl_rank(&u->base, &u->zo, u->cuda, &l, &job, rank / (l.tp * l.dp), mem, red, gat, all, &send, ep) != DSK_OK) {
+    if (tpl_rank(l.fp8 ? &u->base_fp8 : &u->base, &u->zo, u->cuda, &l, &job, rank / (l.tp * l.dp), mem, red, gat, all,
+                 &send, ep, tr) != DSK_OK) {
         fprintf(stderr, "dsk_plan: %s\n", dsk_last_error());
         return 1;
     }
@@ -172,10 +205,12 @@ static int check_rank(trainer *t, plan_user *u, const dsk_plan_model *pm, const 
     printf(
         "plan bytes, rank %d: parameters %lld, gradients %lld, optimizer state %lld, compression buffers %lld, "
         "activations %lld, imbalance %lld, reduce per step %.0f, gather per step %.0f, pipeline sends per step %.0f, "
-        "ep dispatch per step %.0f, ep combine per step %.0f\n",
+        "ep dispatch per step %.0f, ep combine per step %.0f, tp all-reduce per step %.0f, tp all-gather per step "
+        "%.0f, tp reduce-scatter per step %.0f, tp calls per step %.0f\n",
         rank, (long long)mem[v].params, (long long)mem[v].grads, (long long)mem[v].optimizer, (long long)mem[v].comm,
-        (long long)mem[v].activations, (long long)mem[v].imbalance, red[v], gat[v], send, ep[0], ep[1]);
-    return cluster ? check_time(pm, cluster, &l, &job, red[v], gat[v], all[v], send) : 0;
+        (long long)mem[v].activations, (long long)mem[v].imbalance, red[v], gat[v], send, ep[0], ep[1], tr[TP_AR],
+        tr[TP_AG], tr[TP_RS], tr[TP_CALLS]);
+    return cluster ? check_time(pm, cluster, &l, &job, red[v], gat[v], all[v], send, tr) : 0;
 }
 
 static int write_json(const char *path, const dsk_plan_result *r, const dsk_plan_job *job) {

@@ -35,14 +35,18 @@ typedef struct tf8_scratch {
 
 static int64_t tf8_chunks(int64_t k) { return (k + DSK_FP8_BLOCK - 1) / DSK_FP8_BLOCK; }
 
-static dsk_status tf8_alloc1(dsk_ctx *ctx, dsk_tensor *t, dsk_dtype dt, int64_t n) {
-    return dsk_tensor_alloc(ctx, t, dt, 1, &n);
+/* How the caches and the scratch are allocated: the model's allocator (train_model.h's
+   tm_alloc_fn: allocated, or under a plan counted over no memory). */
+typedef dsk_status (*tf8_alloc_fn)(void *user, dsk_tensor *t, dsk_dtype dt, int nd, const int64_t *shape);
+
+static dsk_status tf8_alloc1(tf8_alloc_fn fn, void *user, dsk_tensor *t, dsk_dtype dt, int64_t n) {
+    return fn(user, t, dt, 1, &n);
 }
 
-static dsk_status tf8_act_alloc(dsk_ctx *ctx, tf8_act *a, int64_t n, int64_t k) {
+static dsk_status tf8_act_alloc(tf8_alloc_fn fn, void *user, tf8_act *a, int64_t n, int64_t k) {
     int64_t sq[2] = {n, k}, ss[2] = {n, tf8_chunks(k)};
-    TM_TRY(dsk_tensor_alloc(ctx, &a->q, DSK_E4M3, 2, sq));
-    return dsk_tensor_alloc(ctx, &a->s, DSK_F32, 2, ss);
+    TM_TRY(fn(user, &a->q, DSK_E4M3, 2, sq));
+    return fn(user, &a->s, DSK_F32, 2, ss);
 }
 
 static void tf8_act_free(dsk_ctx *ctx, tf8_act *a) {
@@ -51,15 +55,15 @@ static void tf8_act_free(dsk_ctx *ctx, tf8_act *a) {
 }
 
 /* Room for inputs of n rows and at most k columns, outputs of at most o columns. */
-static dsk_status tf8_scratch_alloc(dsk_ctx *ctx, tf8_scratch *s, int64_t n, int64_t k, int64_t o) {
+static dsk_status tf8_scratch_alloc(tf8_alloc_fn fn, void *user, tf8_scratch *s, int64_t n, int64_t k, int64_t o) {
     int64_t big = k > o ? k : o;
-    TM_TRY(tf8_alloc1(ctx, &s->wq, DSK_E4M3, k * o));
-    TM_TRY(tf8_alloc1(ctx, &s->ws, DSK_F32, tf8_chunks(big) * tf8_chunks(big)));
-    TM_TRY(tf8_alloc1(ctx, &s->buf, DSK_BF16, n * big)); /* n k bf16, or 2 n o codes */
-    TM_TRY(tf8_alloc1(ctx, &s->gs, DSK_F32, n * tf8_chunks(o)));
-    TM_TRY(tf8_alloc1(ctx, &s->gts, DSK_F32, o * tf8_chunks(n)));
-    TM_TRY(tf8_alloc1(ctx, &s->xtq, DSK_E4M3, n * k));
-    return tf8_alloc1(ctx, &s->xts, DSK_F32, k * tf8_chunks(n));
+    TM_TRY(tf8_alloc1(fn, user, &s->wq, DSK_E4M3, k * o));
+    TM_TRY(tf8_alloc1(fn, user, &s->ws, DSK_F32, tf8_chunks(big) * tf8_chunks(big)));
+    TM_TRY(tf8_alloc1(fn, user, &s->buf, DSK_BF16, n * big)); /* n k bf16, or 2 n o codes */
+    TM_TRY(tf8_alloc1(fn, user, &s->gs, DSK_F32, n * tf8_chunks(o)));
+    TM_TRY(tf8_alloc1(fn, user, &s->gts, DSK_F32, o * tf8_chunks(n)));
+    TM_TRY(tf8_alloc1(fn, user, &s->xtq, DSK_E4M3, n * k));
+    return tf8_alloc1(fn, user, &s->xts, DSK_F32, k * tf8_chunks(n));
 }
 
 static void tf8_scratch_free(dsk_ctx *ctx, tf8_scratch *s) {

@@ -329,6 +329,11 @@ static dsk_status tm_alloc_nd(tm_model *m, dsk_tensor *t, dsk_dtype dt, int nd, 
     return DSK_OK;
 }
 
+/* tm_alloc_nd as train_fp8.h's allocators take it (user: the model). */
+static dsk_status tm_alloc_fn(void *m, dsk_tensor *t, dsk_dtype dt, int nd, const int64_t *shape) {
+    return tm_alloc_nd((tm_model *)m, t, dt, nd, shape);
+}
+
 static dsk_status tm_alloc2(tm_model *m, dsk_tensor *t, dsk_dtype dt, int64_t r, int64_t c) {
     int64_t sh[2] = {r, c};
     return tm_alloc_nd(m, t, dt, c ? 2 : 1, sh);
@@ -341,14 +346,14 @@ static dsk_status tm_alloc2(tm_model *m, dsk_tensor *t, dsk_dtype dt, int64_t r,
 static dsk_status tm_alloc_fp8(tm_model *m) {
     const tm_config *c = &m->cfg;
     int64_t N = (int64_t)c->batch * c->seq, D = c->d_model, F = c->ffn_hidden, W = D > F ? D : F;
-    TM_TRY(tf8_scratch_alloc(m->ctx, &m->f8, N, W, W));
+    TM_TRY(tf8_scratch_alloc(tm_alloc_fn, m, &m->f8, N, W, W));
     for (int l = 0; l < tm_n_blocks(c); l++) { /* and the MTP modules' blocks (train_mla.h allocates theirs) */
         tm_block *b = &m->blocks[l];
         int dense = l < c->n_dense || (l >= c->n_layers && !c->mla.mtp_moe);
-        TM_TRY(tf8_act_alloc(m->ctx, &b->f8_h1, N, D));
-        TM_TRY(tf8_act_alloc(m->ctx, &b->f8_att, N, D));
-        if (dense) TM_TRY(tf8_act_alloc(m->ctx, &b->f8_h2, N, D));
-        if (dense) TM_TRY(tf8_act_alloc(m->ctx, &b->f8_a, N, F));
+        TM_TRY(tf8_act_alloc(tm_alloc_fn, m, &b->f8_h1, N, D));
+        TM_TRY(tf8_act_alloc(tm_alloc_fn, m, &b->f8_att, N, D));
+        if (dense) TM_TRY(tf8_act_alloc(tm_alloc_fn, m, &b->f8_h2, N, D));
+        if (dense) TM_TRY(tf8_act_alloc(tm_alloc_fn, m, &b->f8_a, N, F));
         if (tmla_custom_alloc(m)) continue;
         b->h1 = m->datt;
         b->h1.owns = 0;

@@ -603,6 +603,7 @@ typedef struct step_info {
     double ep_bytes[3]; /* --ep: handed to the MoE layers' dispatch and combine all-to-alls (forward); sent to other
                            nodes by all their exchanges (forward and backward) */
     double pp_bytes;    /* --pp: handed to the pipeline's sends (activations and gradients) */
+    double tp[4];       /* --tp: this step's tensor-parallel collectives (tp_traffic: bytes by kind, calls) */
     float scale;
     int64_t dropped;
     int skipped;
@@ -710,6 +711,7 @@ static dsk_status train_step(trainer *t, step_info *si) {
     tm_model *m = &t->model;
     double t0 = tm_clock(), c0 = tm_clock_cpu(), comm0 = comm_seconds(t);
     uint64_t pp0 = t->par.on ? t->par.grid.pp.stats.send_payload : 0;
+    dsk_comm_stats tp0 = t->par.grid.tp.stats;
     float scale, loss;
     TM_TRY(dsk_amp_scale_get(&t->scaler, &t->ctx, &scale));
     m->aux_scale = scale * (float)t->dp_size / (float)o->accum; /* see setup_loss_span */
@@ -736,6 +738,7 @@ static dsk_status train_step(trainer *t, step_info *si) {
         si->loss += loss / o->accum;
     }
     if (t->par.on) si->pp_bytes = (double)(t->par.grid.pp.stats.send_payload - pp0);
+    if (t->par.on) tp_traffic_since(&t->par, &tp0, si->tp);
     double sync0 = tm_clock();
     if (t->engine) TM_TRY(tz_wait(&t->zero));
     double t_opt = tm_clock(), t_opt_cpu = tm_clock_cpu();
@@ -1097,6 +1100,8 @@ static int apply_plan(options *o) {
     snprintf(o->pp_schedule, sizeof o->pp_schedule, "%s", dsk_par_schedule_name(l.schedule));
     snprintf(o->recompute, sizeof o->recompute, "%s", rc[l.recompute]);
     snprintf(o->optim_dtype, sizeof o->optim_dtype, "%s", dsk_dtype_name(l.moments));
+    if (l.fp8 || !strcmp(o->dtype, "fp8")) /* the plan's FP8 layouts are bf16 ones with FP8 GEMMs */
+        snprintf(o->dtype, sizeof o->dtype, "%s", l.fp8 ? "fp8" : "bf16");
     return 0;
 }
 

@@ -318,11 +318,11 @@ static int tp_need_f8(const tp_state *ps, int need) { return ps->m->cfg.fp8 ? TM
 /* --dtype fp8: layer L's caches of its linears' inputs, S slots of a micro-batch's Nm rows. */
 static dsk_status tp_alloc_f8(tp_state *ps, tp_layer *L, int dense) {
     int64_t n = ps->S * ps->Nm;
-    TM_TRY(tf8_act_alloc(ps->ctx, &L->f8_h1, n, ps->D));
-    TM_TRY(tf8_act_alloc(ps->ctx, &L->f8_att, n, ps->Dl));
+    TM_TRY(tf8_act_alloc(tm_alloc_fn, ps->m, &L->f8_h1, n, ps->D));
+    TM_TRY(tf8_act_alloc(tm_alloc_fn, ps->m, &L->f8_att, n, ps->Dl));
     if (!dense) return DSK_OK;
-    TM_TRY(tf8_act_alloc(ps->ctx, &L->f8_h2, n, ps->D));
-    return tf8_act_alloc(ps->ctx, &L->f8_a, n, ps->Fl);
+    TM_TRY(tf8_act_alloc(tm_alloc_fn, ps->m, &L->f8_h2, n, ps->D));
+    return tf8_act_alloc(tm_alloc_fn, ps->m, &L->f8_a, n, ps->Fl);
 }
 
 /* The MLA activations of layer l, S slots of a micro-batch's Nm rows and the rank's Hl heads
@@ -419,7 +419,7 @@ static dsk_status tp_alloc_acts(tp_state *ps) {
     TM_TRY(tp_alloc(ps, &ps->big, dt, Nm, D));
     if (ps->tp > 1) TM_TRY(tp_alloc(ps, &ps->hfg, dt, Nm, D));
     if (c->fp8) /* the FP8 linears' scratch, for a micro-batch and the rank's widest shard (Dl <= D) */
-        TM_TRY(tf8_scratch_alloc(ps->ctx, &m->f8, Nm, D > Fl ? D : Fl, D > Fl ? D : Fl));
+        TM_TRY(tf8_scratch_alloc(tm_alloc_fn, m, &m->f8, Nm, D > Fl ? D : Fl, D > Fl ? D : Fl));
     if (mla) { /* train_mla.h's scratch for a micro-batch and this rank's heads; tp_unit_ready marks gradients */
         m->mla.heads = ps->Hl;
         m->mla.unit_ready = 1;

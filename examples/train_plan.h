@@ -182,17 +182,109 @@ static void tpl_ep_bytes(const tm_model *m, const tp_state *ps, int64_t T, int c
     }
 }
 
+/* One collective of `kind` whose whole message is `bytes`. */
+static void tpl_coll(double tr[TP_TRAFFIC], int kind, double bytes) {
+    tr[kind] += bytes;
+    tr[TP_CALLS] += 1;
+}
+
+/* A sequence-parallel gather into, or reduce-scatter out of, the (Nm, ..) tensor t. */
+static void tpl_coll_t(double tr[TP_TRAFFIC], int kind, const dsk_tensor *t) {
+    tpl_coll(tr, kind, (double)dsk_tensor_nbytes(t));
+}
+
+/* dsk_par_cross_entropy over logits: the rows' max (f32) and their two sums (f64) all-reduced. */
+static void tpl_ce_traffic(const dsk_tensor *logits, double tr[TP_TRAFFIC]) {
+    tpl_coll(tr, TP_AR, 4.0 * (double)logits->shape[0]);
+    tpl_coll(tr, TP_AR, 16.0 * (double)logits->shape[0]);
+}
+
+/* tp_attn_half: the gather of h1 (MHA's column-parallel QKV, MLA's latents), Wo's reduce-scatter. */
+static void tpl_attn_half_traffic(tp_state *ps, int l, double tr[TP_TRAFFIC]) {
+    tp_acts s = tp_slot(ps, l, 0);
+    tpl_coll_t(tr, TP_AG, &s.h1g);
+    tpl_coll_t(tr, TP_RS, &ps->big);
+}
+
+/* tp_block_forward (a dense FFN: the gather of h2, W2's reduce-scatter; the MoE layer: none). */
+static void tpl_block_forward_traffic(tp_state *ps, int l, double tr[TP_TRAFFIC]) {
+    tpl_attn_half_traffic(ps, l, tr);
+    if (ps->m->blocks[l].is_moe) return;
+    tp_acts s = tp_slot(ps, l, 0);
+    tpl_coll_t(tr, TP_AG, &s.h2g);
+    tpl_coll_t(tr, TP_RS, &ps->big);
+}
+
+/* tp_block_backward: the recomputed forward (full), each row-parallel linear's gather of d(out)
+   and each column-parallel one's reduce-scatter of d(in) (MLA: Wo, the latents' d(h1g)). */
+static void tpl_block_backward_traffic(tp_state *ps, int l, double tr[TP_TRAFFIC]) {
+    int dense = !ps->m->blocks[l].is_moe;
+    tp_acts s = tp_slot(ps, l, 0);
+    if (ps->layers[l].rc == TMLA_RECOMPUTE_FULL) {
+        tpl_attn_half_traffic(ps, l, tr);
+        if (dense) tpl_coll_t(tr, TP_AG, &s.h2g);
+    }
+    for (int half = dense ? 0 : 1; half < 2; half++) {
+        tpl_coll_t(tr, TP_AG, &ps->big);
+        tpl_coll_t(tr, TP_RS, &ps->big);
+    }
+}
+
+/* tp_head (training, with its MTP modules' forward and backward and, when the first stage is
+   elsewhere, their embeddings from the last stage's copy). */
+static void tpl_head_traffic(tp_state *ps, double tr[TP_TRAFFIC]) {
+    const tm_config *c = &ps->m->cfg;
+    int mtp = c->mla.mtp_depth, copy = mtp > 0 && ps->first < 0;
+    for (int k = 0; copy && k < mtp; k++) tpl_coll_t(tr, TP_RS, &ps->big); /* tp_mtp_embed */
+    tpl_coll_t(tr, TP_AG, &ps->hfg);
+    tpl_ce_traffic(&ps->logits, tr);
+    for (int k = 1; k <= mtp; k++) { /* tp_mtp_forward */
+        tpl_block_forward_traffic(ps, c->n_layers + k - 1, tr);
+        tpl_coll_t(tr, TP_AG, &ps->mtp_hfg[k - 1]);
+        tpl_ce_traffic(&ps->m->mla.mtp[k - 1].logits, tr);
+    }
+    for (int k = mtp; k >= 1; k--) { /* tp_mtp_backward */
+        tpl_coll_t(tr, TP_RS, &ps->big);
+        tpl_block_backward_traffic(ps, c->n_layers + k - 1, tr);
+    }
+    tpl_coll_t(tr, TP_RS, &ps->big);
+    for (int k = 0; copy && k < mtp; k++) tpl_coll_t(tr, TP_AG, &ps->big); /* tp_mtp_embed_backward */
+}
+
+/* The tensor-parallel traffic (train/par_run.h's TP_AR ...) of one training step of the rank built
+   in tpl_rank (tp_train_batch: every chunk's forward and backward of each of the M micro-batches,
+   tp_forward_chunk and tp_backward_chunk), computed from the layout and the tensors alone (a
+   plan's model has them as headers over no memory), each function above the twin of the
+   trainer's function it names. Zero without tensor parallelism. */
+static void tpl_tp_traffic(tp_state *ps, double tr[TP_TRAFFIC]) {
+    double one[TP_TRAFFIC] = {0};
+    int mtp = ps->m->cfg.mla.mtp_depth > 0 && ps->last >= 0;
+    for (int k = 0; k < TP_TRAFFIC; k++) tr[k] = 0;
+    if (ps->tp < 2) return;
+    for (int c = 0; c < ps->v; c++) {
+        const tp_chunk *ch = &ps->chunks[c];
+        int embeds = ch->stage == 0 ? 1 + (mtp ? ps->m->cfg.mla.mtp_depth : 0) : 0;
+        for (int k = 0; k < embeds; k++) tpl_coll_t(one, TP_RS, &ps->big); /* dsk_par_embedding_forward */
+        for (int l = ch->lo; l < ch->hi; l++) tpl_block_forward_traffic(ps, l, one);
+        if (c == ps->last) tpl_head_traffic(ps, one);
+        for (int l = ch->hi - 1; l >= ch->lo; l--) tpl_block_backward_traffic(ps, l, one);
+        for (int k = 0; k < embeds; k++) tpl_coll_t(one, TP_AG, &ps->big); /* tp_embed_backward */
+    }
+    for (int k = 0; k < TP_TRAFFIC; k++) tr[k] = ps->M * one[k];
+}
+
 /* The memory of rank (tp 0, dp 0, pp stage) of layout l for a model of configuration `base`
    (train_moe's model_config), at each ZeRO stage and moments' dtype (l->zero and l->moments
    aside; index tpl_variant): mem[], and the bytes its reductions and gathers hand over per step
    (zo: the engine's compression); *send: its pipeline sends' bytes per step; ep_bytes: its MoE
-   layers' dispatch and combine bytes per step (tpl_ep_bytes). cuda: size the MoE workspace as a
-   GPU holds it. A layout the trainer refuses (its checks in tm_init / tp_model_init) is
-   DSK_ERR_UNSUPPORTED with the trainer's message. */
+   layers' dispatch and combine bytes per step (tpl_ep_bytes); tp: its tensor-parallel collectives
+   per step (tpl_tp_traffic: bytes by kind, calls). cuda: size the MoE workspace as a GPU holds it.
+   A layout the trainer refuses (its checks in tm_init / tp_model_init) is DSK_ERR_UNSUPPORTED with
+   the trainer's message. */
 static dsk_status tpl_rank(const tm_config *base, const tz_opts *zo, int cuda, const dsk_plan_layout *l,
                            const dsk_plan_job *job, int stage, dsk_plan_memory mem[TPL_VARIANTS],
                            double reduce[TPL_VARIANTS], double gather[TPL_VARIANTS], int reduce_all[TPL_VARIANTS],
-                           double *send, double ep_bytes[2]) {
+                           double *send, double ep_bytes[2], double tp[TP_TRAFFIC]) {
     tm_config c = *base;
     int64_t acts = 0, live0 = dsk_tensor_mem_stats(dsk_cpu()).live_bytes, T;
     int par = l->tp > 1 || l->pp > 1;
@@ -224,6 +316,8 @@ static dsk_status tpl_rank(const tm_config *base, const tz_opts *zo, int cuda, c
                        &reduce_all[k]);
     T = (int64_t)(par ? ps->Bm : m->cfg.batch) * m->cfg.seq; /* tm_bind_moe's reservation */
     *send = s == DSK_OK ? tpl_send_bytes(ps) : 0;
+    memset(tp, 0, TP_TRAFFIC * sizeof *tp);
+    if (s == DSK_OK && ps) tpl_tp_traffic(ps, tp);
     ep_bytes[0] = ep_bytes[1] = 0;
     if (s == DSK_OK) tpl_ep_bytes(m, ps, par ? ps->Ns : T, par ? ps->M : l->micro, cuda, ep_bytes);
     if (s == DSK_OK) s = tpl_imbalance(m, T, l->ep, cuda, &mem[0].imbalance);

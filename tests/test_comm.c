@@ -297,21 +297,37 @@ static void check_all_reduce(dsk_comm *c, dsk_dtype dt, dsk_comm_op op, int64_t 
     free_all(n, in);
 }
 
+/* The payload counter of a collective's kind moved by `want` bytes since `before`, after a call
+   that failed (a negative count) added nothing. */
+static void check_payload(const char *kind, const dsk_comm *c, uint64_t before, uint64_t now, uint64_t want,
+                          dsk_status bad) {
+    DSK_TEST_STATUS(bad, DSK_ERR_ARG);
+    DSK_TEST_EXPECT(now - before == want, "rank %d of %d: %s_payload counted %llu bytes, the calls handed over %llu",
+                    c->rank, c->world_size, kind, (unsigned long long)(now - before), (unsigned long long)want);
+}
+
 static void rank_all_reduce(dsk_comm *c, void *arg) {
-    uint64_t tag = 1000;
+    uint64_t tag = 1000, before = c->stats.all_reduce_payload, whole = 0;
+    float x = 1;
     (void)arg;
     for (size_t d = 0; d < sizeof k_dtypes / sizeof *k_dtypes; d++)
         for (size_t o = 0; o < 4; o++)
-            for (size_t s = 0; s < sizeof k_sizes / sizeof *k_sizes; s++)
+            for (size_t s = 0; s < sizeof k_sizes / sizeof *k_sizes; s++) {
                 check_all_reduce(c, k_dtypes[d], k_ops[o], k_sizes[s], (int)((s + o) & 1), tag++);
+                whole += (uint64_t)k_sizes[s] * dsk_dtype_size(k_dtypes[d]);
+            }
     /* several MB, many pieces */
     check_all_reduce(c, DSK_F32, DSK_COMM_SUM, 1500007, 0, tag++);
     check_all_reduce(c, DSK_BF16, DSK_COMM_AVG, 1000003, 1, tag++);
+    whole += 1500007 * 4 + 1000003 * 2;
+    check_payload("all_reduce", c, before, c->stats.all_reduce_payload, whole,
+                  dsk_comm_all_reduce(c, NULL, &x, &x, -1, DSK_F32, DSK_COMM_SUM));
 }
 
 static void rank_reduce_scatter(dsk_comm *c, void *arg) {
     int n = c->world_size;
-    uint64_t tag = 2000;
+    uint64_t tag = 2000, before = c->stats.reduce_scatter_payload, whole = 0; /* the whole inputs */
+    float x = 1;
     (void)arg;
     for (size_t d = 0; d < sizeof k_dtypes / sizeof *k_dtypes; d++)
         for (size_t o = 0; o < 4; o++)
@@ -342,12 +358,16 @@ static void rank_reduce_scatter(dsk_comm *c, void *arg) {
                 free(got);
                 free(want);
                 free_all(n, in);
+                whole += (uint64_t)len * (uint64_t)n * esz;
             }
+    check_payload("reduce_scatter", c, before, c->stats.reduce_scatter_payload, whole,
+                  dsk_comm_reduce_scatter(c, NULL, &x, &x, -1, DSK_F32, DSK_COMM_SUM));
 }
 
 static void rank_all_gather(dsk_comm *c, void *arg) {
     int n = c->world_size;
-    uint64_t tag = 3000;
+    uint64_t tag = 3000, before = c->stats.all_gather_payload, whole = 0; /* the whole outputs */
+    float x = 1;
     (void)arg;
     for (size_t d = 0; d < sizeof k_dtypes / sizeof *k_dtypes; d++)
         for (size_t s = 0; s < sizeof k_sizes / sizeof *k_sizes; s++)
@@ -372,7 +392,10 @@ static void rank_all_gather(dsk_comm *c, void *arg) {
                 free(got);
                 free(want);
                 free_all(n, in);
+                whole += (uint64_t)blk * (uint64_t)n;
             }
+    check_payload("all_gather", c, before, c->stats.all_gather_payload, whole,
+                  dsk_comm_all_gather(c, NULL, &x, &x, -1, DSK_F32));
 }
 
 static void rank_broadcast(dsk_comm *c, void *arg) {

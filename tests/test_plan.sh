@@ -14,9 +14,14 @@
 #      and the bytes its MoE layers handed to the expert-parallel dispatch (every token's K rows,
 #      dropless) and, under --ep-exchange bounded (fixed blocks), the combine (the log's
 #      ep_dispatch_bytes, ep_combine_bytes); the exact exchange's combine follows the routing and
-#      is not compared. The issue allows 2% (activations 5%); a difference here means the planner
-#      and the trainer size something differently. Tensor-parallel collectives are not compared
-#      byte for byte (bench/RESULTS.md says why).
+#      is not compared; and rank 0's tensor-parallel collectives in the step (the log's
+#      tp_all_reduce_bytes, tp_all_gather_bytes, tp_reduce_scatter_bytes and tp_calls, from the tp
+#      group's dsk_comm_stats) against the plan's walk of the trainer's call sites
+#      (train_plan.h's tpl_tp_traffic): tp 2 and 4, with a pipeline, recomputation full and attn, bf16 (the
+#      embedding's f32 path), MLA and an MTP module; then the same figures of every rank's first
+#      step (its "step bytes" line) against the plan of its stage (the last stage's head and MTP
+#      modules, interleaved chunks). The issue allows 2% (activations 5%); a difference here means
+#      the planner and the trainer size something differently.
 #   2. Bad input: a cluster file without a field fails naming the field; one with a mistyped
 #      value names it; a model that fits no layout prints the smallest memory any layout needs
 #      against each GPU's and exits 3; train_moe --plan with a choice file missing a field, with an
@@ -45,7 +50,7 @@ TINY=(--seq 32 --d-model 32 --heads 2 --layers 4 --dense-layers 1 --ffn-hidden 6
 layout() {
     local name=$1 n=$2
     shift 2
-    local out=$work/$name.out want got r diffs=()
+    local out=$work/$name.out want got r line k diffs=()
     "$BIN" "${TINY[@]}" --nproc "$n" --log "$work/$name.jsonl" "$@" >"$out" 2>&1
     if [ $? -ne 0 ]; then
         bad "memory: $name: the run failed" "$(tail -3 "$out")"
@@ -54,7 +59,8 @@ layout() {
     for ((r = 0; r < n; r++)); do
         got=$(grep -o "memory bytes, rank $r: .*" "$out" | head -1 |
             sed -E 's/.*parameters ([0-9]+), gradients ([0-9]+), optimizer state ([0-9]+), compression buffers ([0-9]+), activations ([0-9]+).*/\1 \2 \3 \4 \5/')
-        want=$("$PLAN" --device cpu --check-rank "$r" --nproc "$n" "${TINY[@]}" "$@" 2>&1 |
+        line=$("$PLAN" --device cpu --check-rank "$r" --nproc "$n" "${TINY[@]}" "$@" 2>&1)
+        want=$(echo "$line" |
             sed -E 's/.*parameters ([0-9]+), gradients ([0-9]+), optimizer state ([0-9]+), compression buffers ([0-9]+), activations ([0-9]+),.*reduce per step ([0-9]+),.*pipeline sends per step ([0-9]+), ep dispatch per step ([0-9]+), ep combine per step (-?[0-9]+).*/\1 \2 \3 \4 \5 \6 \7 \8 \9/')
         [ "$got" = "$(echo "$want" | cut -d' ' -f1-5)" ] || diffs+=("rank $r: run $got, plan $want")
         if [ "$r" -eq 0 ]; then
@@ -67,12 +73,24 @@ layout() {
             got=$(grep -o '"ep_combine_bytes":[0-9]*' "$work/$name.jsonl" | head -1 | cut -d: -f2)
             [ "$(echo "$want" | cut -d' ' -f9)" = -1 ] || [ "$got" = "$(echo "$want" | cut -d' ' -f9)" ] ||
                 diffs+=("rank 0: combined ${got:-?} bytes, plan $want")
+            want=$(echo "$line" | sed -E 's/.*tp all-reduce per step ([0-9]+), tp all-gather per step ([0-9]+), tp reduce-scatter per step ([0-9]+), tp calls per step ([0-9]+).*/\1 \2 \3 \4/')
+            got=$(for k in all_reduce_bytes all_gather_bytes reduce_scatter_bytes calls; do
+                grep -o "\"tp_$k\":[0-9]*" "$work/$name.jsonl" | head -1 | cut -d: -f2
+            done | xargs)
+            [ "$got" = "$want" ] || diffs+=("rank 0: tensor-parallel all-reduce, all-gather, reduce-scatter bytes and calls: run ${got:-?}, plan $want")
         fi
+        # every rank's first step (its "step bytes" line; the log is rank 0's) against the plan for its stage
+        got=$(grep -o "step bytes, rank $r: .*" "$out" | head -1 |
+            sed -E 's/.*reduce ([0-9]+), pipeline sends ([0-9]+), ep dispatch ([0-9]+), ep combine ([0-9]+), tp all-reduce ([0-9]+), tp all-gather ([0-9]+), tp reduce-scatter ([0-9]+), tp calls ([0-9]+).*/\1 \2 \3 \4 \5 \6 \7 \8/')
+        want=$(echo "$line" |
+            sed -E 's/.*reduce per step ([0-9]+),.*pipeline sends per step ([0-9]+), ep dispatch per step ([0-9]+), ep combine per step (-?[0-9]+), tp all-reduce per step ([0-9]+), tp all-gather per step ([0-9]+), tp reduce-scatter per step ([0-9]+), tp calls per step ([0-9]+).*/\1 \2 \3 \4 \5 \6 \7 \8/')
+        [ "$(echo "$want" | cut -d' ' -f4)" != -1 ] || got=$(echo "$got" | awk 'NF == 8 { $4 = -1 } { print }')
+        [ "$got" = "$want" ] || diffs+=("rank $r: the step's reduce, sends, dispatch, combine, tp bytes and calls: run ${got:-?}, plan $want")
     done
     if [ ${#diffs[@]} -eq 0 ]; then
-        ok "memory: $name ($n ranks: $*): every rank's parameters, gradients, optimizer state, buffers and activations and the step's reduction, pipeline-send and expert-exchange bytes equal the plan's"
+        ok "memory: $name ($n ranks: $*): every rank's parameters, gradients, optimizer state, buffers and activations and the step's reduction, pipeline-send, expert-exchange and tensor-parallel bytes equal the plan's"
     else
-        bad "memory: $name: the plan differs from the run (parameters gradients optimizer comm activations [reduce sends dispatch combine])" "${diffs[@]}"
+        bad "memory: $name: the plan differs from the run (parameters gradients optimizer comm activations [reduce sends dispatch combine] [tp])" "${diffs[@]}"
     fi
 }
 
@@ -88,8 +106,15 @@ layout interleaved 4 --pp 2 --pp-schedule interleaved --virtual-stages 2 --micro
 layout dp2_moments_bf16 2 --optim-dtype bf16
 layout pp2ep2_zero1_moments_bf16 8 --pp 2 --ep 2 --micro-batches 2 --zero 1 --optim-dtype bf16 --recompute full
 layout ep2_bounded 4 --ep 2 --ep-exchange bounded --zero 1
+layout tp4 4 --tp 4 --heads 4
+layout tp2_full 2 --tp 2 --recompute full --dtype bf16
+layout tp2_mla_mtp 2 --tp 2 --attn mla --mtp 1 --mtp-ffn dense --recompute attn
 layout tp2pp2ep2_bounded 8 --tp 2 --pp 2 --ep 2 --micro-batches 2 --pp-schedule interleaved --virtual-stages 2 \
     --ep-exchange bounded --preset v2-lite
+# FP8 GEMMs: the e4m3 caches of the linears' inputs and the shared scratch, counted by the plan without memory
+layout dp2_fp8_zero1 2 --dtype fp8 --zero 1
+layout tp2_fp8 2 --tp 2 --dtype fp8
+layout pp2_fp8_attn 2 --pp 2 --micro-batches 2 --dtype fp8 --recompute attn
 
 # ---- bad input
 echo '{"name": "x", "nodes": 1, "gpus_per_node": 8, "memory_gb": 80, "bf16_tflops": 989, "fp8_tflops": 1979,
@@ -173,6 +198,33 @@ else
     bad "paper: V2-Lite: a layout fits" "$(sed -n 2,4p "$work/v2lite_8.txt")"
 fi
 
+# ---- FP8 in the enumeration: every layout also with FP8 GEMMs where the trainer runs them (MHA: the best on a
+# GPU node is one, its GEMMs at fp8_tflops), none where it refuses them (MLA: the trainer's refusal, half the layouts)
+"$PLAN" --cluster examples/clusters/h200_1x8.json --sequences 8 "${TINY[@]}" --top 4 >"$work/fp8_mha.txt" 2>&1
+"$PLAN" --cluster examples/clusters/h200_1x8.json --sequences 8 "${TINY[@]}" --attn mla --top 4 >"$work/fp8_mla.txt" 2>&1
+n_mha=$(sed -nE 's/^[0-9]+ of ([0-9]+) layouts fit.*/\1/p' "$work/fp8_mha.txt")
+n_mla=$(sed -nE 's/^[0-9]+ of ([0-9]+) layouts fit.*/\1/p' "$work/fp8_mla.txt")
+best=$(sed -n 5p "$work/fp8_mha.txt" | cut -c1-72 | sed "s/ *$//")
+if [ -n "$n_mha" ] && [ "$n_mha" = "$((2 * ${n_mla:-0}))" ] && [[ "$best" == *" fp8" ]] &&
+    ! grep -q " fp8 " "$work/fp8_mla.txt"; then
+    ok "fp8: MHA enumerates $n_mha layouts, half with FP8 GEMMs, and the best has them ($best); MLA: $n_mla, none"
+else
+    bad "fp8: the enumeration" "MHA $n_mha layouts, best '$best'; MLA $n_mla layouts: $(grep -m1 ' fp8 ' "$work/fp8_mla.txt")"
+fi
+# the compute of a layout with FP8 GEMMs: its GEMMs' share at fp8_tflops (1979, bf16 989 on the H200 file), the rest
+# (attention cores, router, LM head) at bf16_tflops: faster than the bf16 layout, slower than all of it at the FP8 peak
+cs=()
+for d in bf16 fp8; do
+    "$PLAN" --cluster examples/clusters/h200_1x8.json --check-rank 0 --nproc 8 "${TINY[@]}" --d-model 1024 --heads 8 \
+        --ffn-hidden 2048 --expert-hidden 512 --seq 1024 --batch 64 --dtype $d >"$work/time_$d.out" 2>&1
+    cs+=("$(sed -nE 's/^plan time: .* compute ([0-9.]+),.*/\1/p' "$work/time_$d.out")")
+done
+if awk -v b="${cs[0]}" -v f="${cs[1]}" 'BEGIN { exit !(b > 0 && f < b && f > b * 989 / 1979) }'; then
+    ok "fp8: the predicted compute with FP8 GEMMs ${cs[1]} s lies between bf16's ${cs[0]} s and all of it at the FP8 peak"
+else
+    bad "fp8: the predicted compute" "bf16 '${cs[0]}' s, fp8 '${cs[1]}' s: $(head -2 "$work/time_fp8.out")"
+fi
+
 # ---- train_moe --plan
 "$PLAN" --cluster examples/clusters/cpu_8.json --device cpu --sequences 8 "${TINY[@]}" --json "$work/cpu.json" >"$work/cpu.out" 2>&1
 want=$(sed -E 's/.*"tp": ([0-9]+), "pp": ([0-9]+), "dp": ([0-9]+), "ep": ([0-9]+).*/tp \1 x dp \3 \\(ep \4 inside\\) x pp \2/' "$work/cpu.json" 2>/dev/null)
@@ -196,5 +248,18 @@ if [ -n "${opt[0]}" ] && [ -n "${opt[1]}" ] && [ "${opt[1]}" -lt "${opt[0]}" ]; 
     ok "train_moe --plan: the choice's \"moments\": \"bf16\" runs bf16 moments (rank 0's optimizer state ${opt[1]} bytes, f32 ${opt[0]})"
 else
     bad "train_moe --plan: the choice's moments" "optimizer state with f32 moments '${opt[0]}', with bf16 '${opt[1]}'"
+fi
+# the choice's "fp8": 1 runs the FP8 GEMMs (bf16 compute); "fp8": 2 fails naming the field
+for v in 1 2; do
+    sed -E 's/"fp8": [0-9]+/"fp8": '"$v"'/' "$work/cpu.json" >"$work/cpu_fp8_$v.json"
+    "$BIN" "${TINY[@]}" --nproc 8 --plan "$work/cpu_fp8_$v.json" >"$work/run_fp8_$v.out" 2>&1
+    rc[v]=$?
+done
+if [ "${rc[1]}" -eq 0 ] && grep -q "bf16 compute with FP8 GEMMs" "$work/run_fp8_1.out" && [ "${rc[2]}" -eq 2 ] &&
+    grep -qF '"fp8" 2: 0 or 1' "$work/run_fp8_2.out"; then
+    ok "train_moe --plan: the choice's \"fp8\": 1 runs FP8 GEMMs; \"fp8\": 2 fails naming the field"
+else
+    bad "train_moe --plan: the choice's fp8" "fp8 1: exit ${rc[1]}: $(grep -m1 'compute' "$work/run_fp8_1.out")" \
+        "fp8 2: exit ${rc[2]}: $(head -2 "$work/run_fp8_2.out")"
 fi
 finish

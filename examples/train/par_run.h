@@ -648,6 +648,25 @@ static dsk_status tp_logits_row(tp_state *ps, int64_t row, float *out) {
     return dsk_tensor_copy(ps->ctx, &hrow, &ps->vrow);
 }
 
+/* ------------------------------------------------------------------ tensor-parallel traffic */
+
+/* What the tensor-parallel collectives of a step hand over, as the tp group's dsk_comm_stats
+   count it: bytes of whole messages by kind (TP_AR all-reduce, TP_AG all-gather, TP_RS
+   reduce-scatter; dsk_par's gathers and scatters along rows are one call each) and calls. The
+   trainer logs a step's (tp_traffic_since); the planner computes it without running one
+   (train_plan.h's tpl_tp_traffic) from the same tensors the call sites above pass, walked in
+   their order: a call site added or changed above without its twin there fails
+   tests/test_plan.sh. */
+enum { TP_AR = 0, TP_AG, TP_RS, TP_CALLS, TP_TRAFFIC };
+
+static void tp_traffic_since(const tp_state *ps, const dsk_comm_stats *before, double tr[TP_TRAFFIC]) {
+    const dsk_comm_stats *now = &ps->grid.tp.stats;
+    tr[TP_AR] = (double)(now->all_reduce_payload - before->all_reduce_payload);
+    tr[TP_AG] = (double)(now->all_gather_payload - before->all_gather_payload);
+    tr[TP_RS] = (double)(now->reduce_scatter_payload - before->reduce_scatter_payload);
+    tr[TP_CALLS] = (double)(now->calls - before->calls);
+}
+
 /* ------------------------------------------------------------------ loss */
 
 /* This rank's part of the world's mean of a value the last stage's ranks hold (one per

@@ -11,8 +11,19 @@ static const char *json_num(char buf[32], double x) {
     return buf;
 }
 
+/* Every rank, after the first step: what its collectives handed over in it (the --log line's
+   figures, which only rank 0 writes), for tests/test_plan.sh to compare rank by rank. */
+static void print_step_bytes(const trainer *t, const step_info *si) {
+    printf("step bytes, rank %d: reduce %.0f, pipeline sends %.0f, ep dispatch %.0f, ep combine %.0f, tp all-reduce "
+           "%.0f, tp all-gather %.0f, tp reduce-scatter %.0f, tp calls %.0f\n",
+           t->rank, si->reduce_bytes, si->pp_bytes, si->ep_bytes[0], si->ep_bytes[1], si->tp[0], si->tp[1], si->tp[2],
+           si->tp[3]);
+    fflush(stdout);
+}
+
 static void log_step(trainer *t, const step_info *si) {
     const options *o = t->o;
+    if (t->step == 1) print_step_bytes(t, si);
     t->train_seconds += si->ms * 1e-3;
     t->steps_timed++;
     double eta = t->train_seconds / (double)t->steps_timed * (double)(o->steps - t->step);
@@ -33,11 +44,14 @@ static void log_step(trainer *t, const step_info *si) {
                 "%.6f,"
                 "\"comm_share\":%.6f,\"load_max_mean\":%.6f,\"dropped\":%lld,\"skipped\":%d,\"eta_s\":%.1f,"
                 "\"reduce_bytes\":%.0f,\"reduce_bytes_uncompressed\":%.0f,\"ep_dispatch_bytes\":%.0f,"
-                "\"ep_combine_bytes\":%.0f,\"ep_bytes_off_node\":%.0f,\"pp_send_bytes\":%.0f}\n",
+                "\"ep_combine_bytes\":%.0f,\"ep_bytes_off_node\":%.0f,\"pp_send_bytes\":%.0f,"
+                "\"tp_all_reduce_bytes\":%.0f,\"tp_all_gather_bytes\":%.0f,\"tp_reduce_scatter_bytes\":%.0f,"
+                "\"tp_calls\":%.0f}\n",
                 (long long)t->step, json_num(loss, si->loss), si->aux_loss, si->lr, json_num(norm, si->norm),
                 (double)si->scale, si->ms, si->cpu_ms, si->data_ms, si->sync_ms, si->tokens_per_s, si->mfu,
                 si->comm_share, si->load_ratio, (long long)si->dropped, si->skipped, eta, si->reduce_bytes,
-                si->plain_bytes, si->ep_bytes[0], si->ep_bytes[1], si->ep_bytes[2], si->pp_bytes);
+                si->plain_bytes, si->ep_bytes[0], si->ep_bytes[1], si->ep_bytes[2], si->pp_bytes, si->tp[0], si->tp[1],
+                si->tp[2], si->tp[3]);
     }
     if (t->log) fflush(t->log);
 }
@@ -113,8 +127,9 @@ static void banner(trainer *t) {
     const tm_model *m = &t->model;
     int64_t total = 0;
     for (int i = 0; i < m->n_params; i++) total += tm_param_numel(&m->params[i]);
-    say(t, "train_moe: %d rank%s (expert parallel %d), %s, %s compute\n", t->world, t->world > 1 ? "s" : "", t->ep,
-        t->ctx.device.type == DSK_DEV_CUDA ? "CUDA" : "CPU", dsk_dtype_name(m->cfg.cdt));
+    say(t, "train_moe: %d rank%s (expert parallel %d), %s, %s compute%s\n", t->world, t->world > 1 ? "s" : "", t->ep,
+        t->ctx.device.type == DSK_DEV_CUDA ? "CUDA" : "CPU", dsk_dtype_name(m->cfg.cdt),
+        m->cfg.fp8 ? " with FP8 GEMMs" : "");
     if (t->ep > 1)
         say(t, "expert dispatch: %s; the combine in the activation dtype\n",
             strcmp(o->ep_dispatch, "fp8") == 0 ? "e4m3 codes with 1x128 f32 scales" : "rows in the activation dtype");
