@@ -1,9 +1,11 @@
 /* bench/bench_moe_ep.c - an expert-parallel MoE layer's forward + backward on forked CPU ranks (host backend:
    shared memory, or TCP between two emulated hosts with --two-hosts), exchanges serial against overlapped
-   (dsk_moe_opts.ep_overlap), exact against bounded (ep_exchange), flat against two-hop routes (ep_route) and
-   node-limited routing. Per variant, rank 0 prints the median step time, the time inside the layer's
-   collectives (dsk_comm_stats.seconds: in serial runs the exposed communication), the share of the serial run's
-   communication the overlap hid, (serial step - overlapped step) / serial communication, and the bytes a step
+   (dsk_moe_opts.ep_overlap) with and without chunked dispatch (ep_chunk), exact against bounded (ep_exchange),
+   flat against two-hop routes (ep_route) and node-limited routing. Per variant, rank 0 prints the median step
+   time, the time inside the layer's collectives (dsk_comm_stats.seconds: in serial runs the communication
+   alone, as nothing runs beside it), the share of the serial run's communication the overlap hid,
+   1 - (step - compute) / communication with compute = serial step - serial communication, that is
+   (serial step - overlapped step) / serial communication, and the bytes a step
    sent to the other node: the layer's count of its rows (dsk_moe_stats.bytes_off_node, exact) and what
    dsk_comm counted on the wire (headers and the counts exchange included).
    Warm-up 2 steps, median of --repeats; a barrier before each step.
@@ -23,17 +25,19 @@
 
 typedef struct variant {
     const char *name;
-    int serial, bounded, node_limit, two_hop;
+    int serial, bounded, node_limit, two_hop, chunked;
 } variant;
 
 static const variant variants[] = {
-    {"exact, serial", 1, 0, 0, 0},
-    {"exact, overlapped", 0, 0, 0, 0},
-    {"bounded, serial", 1, 1, 0, 0},
-    {"bounded, overlapped", 0, 1, 0, 0},
-    {"exact, overlapped, node-limited", 0, 0, 1, 0},
-    {"exact, serial, two-hop", 1, 0, 0, 1},
-    {"exact, serial, two-hop, node-limited", 1, 0, 1, 1},
+    {"exact, serial", 1, 0, 0, 0, 0},
+    {"exact, overlapped", 0, 0, 0, 0, 0},
+    {"exact, overlapped, chunked", 0, 0, 0, 0, 1},
+    {"bounded, serial", 1, 1, 0, 0, 0},
+    {"bounded, overlapped", 0, 1, 0, 0, 0},
+    {"exact, overlapped, node-limited", 0, 0, 1, 0, 0},
+    {"exact, overlapped, chunked, node-limited", 0, 0, 1, 0, 1},
+    {"exact, serial, two-hop", 1, 0, 0, 1, 0},
+    {"exact, serial, two-hop, node-limited", 1, 0, 1, 1, 0},
 };
 
 /* One variant on this rank: median step seconds, median seconds in collectives, bytes sent off node a step
@@ -61,6 +65,7 @@ static int run_variant(dsk_comm *c, dsk_ctx *ctx, const variant *v, int T, int r
     o.ep_exchange = v->bounded ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
     o.node_limit = v->node_limit && c->n_nodes > 1 ? 1 : 0;
     o.ep_route = v->two_hop ? DSK_MOE_ROUTE_TWO_HOP : DSK_MOE_ROUTE_FLAT;
+    o.ep_chunk = v->chunked ? DSK_MOE_CHUNK_AUTO : DSK_MOE_CHUNK_OFF;
     if (dsk_moe_init(&m, ctx, &o) != DSK_OK) return 1;
     dsk_moe_slab_sizes(&m, &vb, &gd, &gs);
     ng = gd + gs;
@@ -129,7 +134,7 @@ static int rank_main(int rank, int P, int port, int T, int reps, int two_hosts) 
             serial_step[v->bounded] = step;
         }
         if (rank == 0) {
-            printf("%-38s step %8.2f ms  in collectives %7.2f ms", v->name, 1e3 * step, 1e3 * comm);
+            printf("%-42s step %8.2f ms  in collectives %7.2f ms", v->name, 1e3 * step, 1e3 * comm);
             if (!v->serial && !v->node_limit && serial_comm[v->bounded] > 0)
                 printf("  hidden %5.1f%% of the serial run's %.2f ms",
                        100 * (serial_step[v->bounded] - step) / serial_comm[v->bounded], 1e3 * serial_comm[v->bounded]);
