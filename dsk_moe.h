@@ -135,8 +135,9 @@
      the layer computes what does not wait on it: the shared experts during the forward's dispatch
      and the backward's, the router's backward while the expert gradients travel back. The same bits
      as serial (each result's arithmetic is unchanged; only independent steps move). Chunked dispatch
-     (opts.ep_chunk, on by default where it applies: ep_overlap's thread, the exact flat exchange of
-     activation rows, ACT experts, the default ISA's row kernels): the rank's own rows need no transport,
+     (opts.ep_chunk: ON where it applies: ep_overlap's thread, the exact flat exchange of activation rows,
+     ACT experts, the default ISA's row kernels; AUTO, the default, only where the node has a core free
+     for each rank's exchange thread, as without one it slowed the step): the rank's own rows need no transport,
      so the thread exchanges only the other ranks' rows while the routed experts compute the own ones
      (forward: their MLP; backward: the input gradient of the output gradients' own rows), then the rest
      after the exchange (the host all-to-all-v reports no per-peer arrival: one chunk for all the
@@ -292,9 +293,12 @@ typedef enum dsk_moe_ep_route {
 } dsk_moe_ep_route;
 /* Chunked dispatch (see "Overlap" above): whether the routed experts start on the rows that need no transport. */
 typedef enum dsk_moe_ep_chunk {
-    DSK_MOE_CHUNK_AUTO = 0, /* where it applies: ep_overlap's thread runs the exchange (host backend), the exact flat
-                               exchange of activation rows, ACT experts */
-    DSK_MOE_CHUNK_OFF = 1   /* the experts wait for every row */
+    DSK_MOE_CHUNK_AUTO = 0, /* ON where the node has a core free for each rank's exchange thread: its ranks times
+                               (ctx->n_threads + 1) within its online CPUs (a NULL ctx's ops take every core);
+                               without one, chunking slowed the step (bench/RESULTS.md) */
+    DSK_MOE_CHUNK_OFF = 1,  /* the experts wait for every row */
+    DSK_MOE_CHUNK_ON = 2    /* where it applies: ep_overlap's thread runs the exchange (host backend), the exact
+                               flat exchange of activation rows, ACT experts */
 } dsk_moe_ep_chunk;
 
 /* The routing configuration: what every MoE step of the math below takes instead of positional
@@ -351,7 +355,7 @@ typedef struct dsk_moe_opts {
                                         backward: the shared experts, the router); the same bits as serial; it
                                         needs a free core (bench/RESULTS.md) [0: serial] (CUDA: always serial) */
     dsk_moe_ep_route ep_route;       /* [DSK_MOE_ROUTE_AUTO]; resolved by init to FLAT or TWO_HOP */
-    dsk_moe_ep_chunk ep_chunk;       /* [DSK_MOE_CHUNK_AUTO: on where it applies] chunked dispatch; the same bits */
+    dsk_moe_ep_chunk ep_chunk;       /* [DSK_MOE_CHUNK_AUTO] chunked dispatch (with ep_overlap); the same bits */
     int node_limit;                  /* M > 0: each token's experts on at most M nodes of ep (DeepSeek-V3's node-limited
                                 routing): group-limited routing with the ep group's nodes as the groups, ranked by
                                 the sum of their top_k / M largest c (DSK_MOE_GROUP_MEGATRON's rule) [0: none];
@@ -1142,6 +1146,7 @@ dsk_status dsk_cuda_moe_bias_update(dsk_ctx *ctx, int E, float rate, int recente
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
+#include <unistd.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -1614,8 +1619,8 @@ static dsk_status dsk__moe_resolve(dsk_moe_opts *o, int ep_size) {
     if (o->ep_exchange != DSK_MOE_EP_EXACT && o->ep_exchange != DSK_MOE_EP_BOUNDED)
         return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": unknown ep_exchange %d (exact 0, bounded 1)", fn, o->name,
                              (int)o->ep_exchange);
-    if (o->ep_chunk != DSK_MOE_CHUNK_AUTO && o->ep_chunk != DSK_MOE_CHUNK_OFF)
-        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": unknown ep_chunk %d (auto 0, off 1)", fn, o->name,
+    if (o->ep_chunk != DSK_MOE_CHUNK_AUTO && o->ep_chunk != DSK_MOE_CHUNK_OFF && o->ep_chunk != DSK_MOE_CHUNK_ON)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": unknown ep_chunk %d (auto 0, off 1, on 2)", fn, o->name,
                              (int)o->ep_chunk);
     if (o->ep_exchange == DSK_MOE_EP_BOUNDED && o->ep_dispatch == DSK_MOE_DISPATCH_FP8)
         return dsk_set_error(DSK_ERR_UNSUPPORTED,
@@ -3597,14 +3602,23 @@ static dsk_status dsk__moe_join_on_error(dsk__moe_async *a, dsk_status s) {
    bits whatever rows share its GEMM (dsk_matmul's rows contract); the weight gradients, sums over rows, run
    once over the whole segments after the last chunk, as serial. */
 
-/* Chunks on this call: CPU f32 experts, the exact flat exchange of activation rows on ep_overlap's thread, and
-   (backward's SwiGLU gradient, dsk_swiglu_grad_cpu) the default ISA's row kernels. */
+/* AUTO's test: a core free for the exchange thread of each of the EP group's ranks on this node, beside their
+   compute threads (other processes on the node are not counted). */
+static int dsk__moe_core_free(const dsk_moe *m, const dsk_ctx *ctx) {
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    int node_ranks = m->opts.ep->node_size > 0 ? m->opts.ep->node_size : m->ep_size;
+    return ctx && ctx->n_threads > 0 && cpus > 0 && (long)node_ranks * (ctx->n_threads + 1) <= cpus;
+}
+
+/* Chunks on this call: ON (or AUTO with a core free), CPU f32 experts, the exact flat exchange of activation rows
+   on ep_overlap's thread, and (backward's SwiGLU gradient, dsk_swiglu_grad_cpu) the default ISA's row kernels. */
 static int dsk__moe_chunking(const dsk_moe *m, const dsk_ctx *ctx) {
     const dsk_moe_opts *o = &m->opts;
-    return m->ep_size > 1 && o->ep_chunk == DSK_MOE_CHUNK_AUTO && o->ep_overlap && m->device.type == DSK_DEV_CPU &&
-           m->st->act == DSK_F32 && o->ep_exchange == DSK_MOE_EP_EXACT && o->ep_route == DSK_MOE_ROUTE_FLAT &&
-           o->ep_dispatch == DSK_MOE_DISPATCH_ACT && o->expert_gemm == DSK_MOE_GEMM_ACT &&
-           (!ctx || ctx->cpu_isa == dsk_cpu_isa_auto());
+    if (m->ep_size <= 1 || !o->ep_overlap || o->ep_chunk == DSK_MOE_CHUNK_OFF) return 0;
+    if (o->ep_chunk == DSK_MOE_CHUNK_AUTO && !dsk__moe_core_free(m, ctx)) return 0;
+    return m->device.type == DSK_DEV_CPU && m->st->act == DSK_F32 && o->ep_exchange == DSK_MOE_EP_EXACT &&
+           o->ep_route == DSK_MOE_ROUTE_FLAT && o->ep_dispatch == DSK_MOE_DISPATCH_ACT &&
+           o->expert_gemm == DSK_MOE_GEMM_ACT && (!ctx || ctx->cpu_isa == dsk_cpu_isa_auto());
 }
 
 /* Rows of local expert e from rank r: [*r0, *r0 + *n) of the expert-major layout. */

@@ -71,7 +71,7 @@ static int run_setup(dsk_comm *c, dsk_ctx *ctx, const variant *v, int T, run *r)
     o.ep_exchange = v->bounded ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
     o.node_limit = v->node_limit && c->n_nodes > 1 ? 1 : 0;
     o.ep_route = v->two_hop ? DSK_MOE_ROUTE_TWO_HOP : DSK_MOE_ROUTE_FLAT;
-    o.ep_chunk = v->chunked ? DSK_MOE_CHUNK_AUTO : DSK_MOE_CHUNK_OFF;
+    o.ep_chunk = v->chunked ? DSK_MOE_CHUNK_ON : DSK_MOE_CHUNK_OFF;
     if (dsk_moe_init(&r->m, ctx, &o) != DSK_OK) return 1;
     dsk_moe_slab_sizes(&r->m, &vb, &gd, &gs);
     ng = gd + gs;

@@ -1328,8 +1328,8 @@ static void test_bad_config(void) {
     b.ep_exchange = (dsk_moe_ep_exchange)2;
     expect_init_error(b, "unknown ep_exchange 2");
     b = o;
-    b.ep_chunk = (dsk_moe_ep_chunk)2;
-    expect_init_error(b, "unknown ep_chunk 2 (auto 0, off 1)");
+    b.ep_chunk = (dsk_moe_ep_chunk)3;
+    expect_init_error(b, "unknown ep_chunk 3 (auto 0, off 1, on 2)");
     b = o;
     b.ep_chunk = (dsk_moe_ep_chunk)-1;
     expect_init_error(b, "unknown ep_chunk -1");
@@ -1472,7 +1472,7 @@ done:
 }
 
 /* The exchange variants give the serial exact exchange's results bit for bit: the exact one overlapped with
-   compute (ep_overlap) and chunked (ep_chunk's default there: the experts start on this rank's own rows) or not,
+   compute (ep_overlap) and chunked (ep_chunk ON: the experts start on this rank's own rows) or not,
    the bounded one (DSK_MOE_EP_BOUNDED) serial and overlapped; dropless, under capacity (which must drop slots
    here) and, across emulated nodes, with node-limited routing: 1, or 0 with the differences on stderr. */
 static int ep_bounded_same(dsk_comm *c, dsk_moe_opts o, int rank, const float *x_rows, const float *dy_rows) {
@@ -1500,7 +1500,7 @@ static int ep_bounded_same(dsk_comm *c, dsk_moe_opts o, int rank, const float *x
             size_t nd = 0;
             b.ep_exchange = v >= 3 ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
             b.ep_overlap = v != 3;
-            b.ep_chunk = v == 2 ? DSK_MOE_CHUNK_OFF : DSK_MOE_CHUNK_AUTO;
+            b.ep_chunk = v == 1 ? DSK_MOE_CHUNK_ON : DSK_MOE_CHUNK_OFF;
             int got = ep_step_record(c, b, x_rows, dy_rows, &d, &nd) == 0;
             if (!got) ok = same = 0;
             if (got && a && (na != nd || memcmp(a, d, sizeof(float) * na) != 0)) {
