@@ -1472,12 +1472,17 @@ done:
 }
 
 /* The exchange variants give the serial exact exchange's results bit for bit: the exact one overlapped with
-   compute (ep_overlap) and chunked (ep_chunk ON: the experts start on this rank's own rows) or not,
-   the bounded one (DSK_MOE_EP_BOUNDED) serial and overlapped; dropless, under capacity (which must drop slots
-   here) and, across emulated nodes, with node-limited routing: 1, or 0 with the differences on stderr. */
+   compute (ep_overlap) and chunked (ep_chunk ON: the experts start on this rank's own rows) or not, the exact one
+   serial with ep_chunk ON (chunking needs the overlap's thread), the bounded one (DSK_MOE_EP_BOUNDED) serial and
+   overlapped; dropless, under capacity (which must drop slots here) and, across emulated nodes, with node-limited
+   routing: 1, or 0 with the differences on stderr. */
 static int ep_bounded_same(dsk_comm *c, dsk_moe_opts o, int rank, const float *x_rows, const float *dy_rows) {
-    static const char *names[] = {"", "exact overlapped chunked", "exact overlapped unchunked", "bounded serial",
-                                  "bounded overlapped"};
+    static const char *names[] = {"",
+                                  "exact overlapped chunked",
+                                  "exact overlapped unchunked",
+                                  "bounded serial",
+                                  "bounded overlapped",
+                                  "exact serial with ep_chunk ON"};
     static const char *cfs[] = {"dropless", "capacity", "node-limited"};
     int ok = 1;
     for (int cf = 0; cf < (c->n_nodes > 1 ? 3 : 2); cf++) {
@@ -1495,12 +1500,12 @@ static int ep_bounded_same(dsk_comm *c, dsk_moe_opts o, int rank, const float *x
         b.ep_exchange = DSK_MOE_EP_EXACT;
         b.ep_overlap = 0;
         if (ep_step_record(c, b, x_rows, dy_rows, &a, &na)) ok = same = 0;
-        for (int v = 1; v < 5; v++) {
+        for (int v = 1; v < 6; v++) {
             float *d = NULL;
             size_t nd = 0;
-            b.ep_exchange = v >= 3 ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
-            b.ep_overlap = v != 3;
-            b.ep_chunk = v == 1 ? DSK_MOE_CHUNK_ON : DSK_MOE_CHUNK_OFF;
+            b.ep_exchange = v == 3 || v == 4 ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
+            b.ep_overlap = v != 3 && v != 5;
+            b.ep_chunk = v == 1 || v == 5 ? DSK_MOE_CHUNK_ON : DSK_MOE_CHUNK_OFF;
             int got = ep_step_record(c, b, x_rows, dy_rows, &d, &nd) == 0;
             if (!got) ok = same = 0;
             if (got && a && (na != nd || memcmp(a, d, sizeof(float) * na) != 0)) {
