@@ -134,9 +134,18 @@
      not use, bench/RESULTS.md): a second thread runs each exchange while
      the layer computes what does not wait on it: the shared experts during the forward's dispatch
      and the backward's, the router's backward while the expert gradients travel back. The same bits
-     as serial (each result's arithmetic is unchanged; only independent steps move). CUDA runs the
-     exchanges on the layer's stream, serial. Not yet: chunked dispatch (experts starting on the
-     first rows to arrive), overlap across micro-batches.
+     as serial (each result's arithmetic is unchanged; only independent steps move). Chunked dispatch
+     (opts.ep_chunk: ON where it applies: ep_overlap's thread, the exact flat exchange of activation rows,
+     ACT experts, the default ISA's row kernels; AUTO, the default, only where the node has a core free
+     for each rank's exchange thread, as without one it slowed the step): the rank's own rows need no transport,
+     so the thread exchanges only the other ranks' rows while the routed experts compute the own ones
+     (forward: their MLP; backward: the input gradient of the output gradients' own rows), then the rest
+     after the exchange (the host all-to-all-v reports no per-peer arrival: one chunk for all the
+     peers). Each expert's rows come by source rank, so a chunk is a sub-range of each expert's segment;
+     a row's results have the same bits whatever rows share its GEMM (dsk_matmul's rows contract), and
+     the weight gradients, sums over rows, run once over whole segments after the last chunk: the
+     serial bits. CUDA runs the exchanges on the layer's stream, serial. Not yet: per-peer chunks,
+     chunked combine, overlap across micro-batches.
      Routes across nodes (opts.ep_route): FLAT sends a row per kept (token, expert) to the expert's rank in
      one all-to-all-v; TWO_HOP sends each token's row once to every node holding one of its kept experts (to
      the rank with this rank's node_rank there, which copies it to its slots on that node: dsk_moe_route,
@@ -282,6 +291,15 @@ typedef enum dsk_moe_ep_route {
                                  token's experts, then inside it; needs the exact exchange, ep_dispatch ACT,
                                  expert_gemm ACT, a CPU layer and nodes of one size */
 } dsk_moe_ep_route;
+/* Chunked dispatch (see "Overlap" above): whether the routed experts start on the rows that need no transport. */
+typedef enum dsk_moe_ep_chunk {
+    DSK_MOE_CHUNK_AUTO = 0, /* ON where the node has a core free for each rank's exchange thread: its ranks times
+                               (ctx->n_threads + 1) within its online CPUs (a NULL ctx's ops take every core);
+                               without one, chunking slowed the step (bench/RESULTS.md) */
+    DSK_MOE_CHUNK_OFF = 1,  /* the experts wait for every row */
+    DSK_MOE_CHUNK_ON = 2    /* where it applies: ep_overlap's thread runs the exchange (host backend), the exact
+                               flat exchange of activation rows, ACT experts */
+} dsk_moe_ep_chunk;
 
 /* The routing configuration: what every MoE step of the math below takes instead of positional
    flags (the layer resolves it from its options into dsk_moe.routing). A new score function is
@@ -337,6 +355,7 @@ typedef struct dsk_moe_opts {
                                         backward: the shared experts, the router); the same bits as serial; it
                                         needs a free core (bench/RESULTS.md) [0: serial] (CUDA: always serial) */
     dsk_moe_ep_route ep_route;       /* [DSK_MOE_ROUTE_AUTO]; resolved by init to FLAT or TWO_HOP */
+    dsk_moe_ep_chunk ep_chunk;       /* [DSK_MOE_CHUNK_AUTO] chunked dispatch (with ep_overlap); the same bits */
     int node_limit;                  /* M > 0: each token's experts on at most M nodes of ep (DeepSeek-V3's node-limited
                                 routing): group-limited routing with the ep group's nodes as the groups, ranked by
                                 the sum of their top_k / M largest c (DSK_MOE_GROUP_MEGATRON's rule) [0: none];
@@ -1127,6 +1146,7 @@ dsk_status dsk_cuda_moe_bias_update(dsk_ctx *ctx, int E, float rate, int recente
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
+#include <unistd.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -1255,7 +1275,8 @@ struct dsk__moe_state {
     /* host side */
     int64_t *h_cnt;          /* (3 + 2E) counts on the host (CUDA: copied back when asked for) */
     int64_t *h_recv_cnt;     /* (P * n_local) EP counts on the host */
-    int64_t *a2a;            /* (4P) all-to-all-v counts and displacements, forward direction (elements) */
+    int64_t *a2a;            /* (8P) all-to-all-v counts and displacements, forward direction (elements), then
+                                the same without this rank's own rows (chunked dispatch) */
     int64_t *send_rows, *recv_rows; /* (P) */
     int64_t *local_off;      /* (n_local + 1) */
     int32_t *h_rg;           /* (R, 2) regroup index and its inverse on the host (EP), grown */
@@ -1269,6 +1290,7 @@ struct dsk__moe_state {
                                                           the last request, the last collected */
     uint64_t off_bytes[3];    /* EP bytes sent to other nodes: the last forward's, since the last request, collected */
     int in_forward;           /* the exchanges count into off_bytes[0] too */
+    int chunked;              /* this call's exchange to the experts leaves this rank's own rows to the caller */
     struct dsk__moe_hop *hop; /* opts.ep_route TWO_HOP: the last forward's route and indices */
 };
 
@@ -1597,6 +1619,9 @@ static dsk_status dsk__moe_resolve(dsk_moe_opts *o, int ep_size) {
     if (o->ep_exchange != DSK_MOE_EP_EXACT && o->ep_exchange != DSK_MOE_EP_BOUNDED)
         return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": unknown ep_exchange %d (exact 0, bounded 1)", fn, o->name,
                              (int)o->ep_exchange);
+    if (o->ep_chunk != DSK_MOE_CHUNK_AUTO && o->ep_chunk != DSK_MOE_CHUNK_OFF && o->ep_chunk != DSK_MOE_CHUNK_ON)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": unknown ep_chunk %d (auto 0, off 1, on 2)", fn, o->name,
+                             (int)o->ep_chunk);
     if (o->ep_exchange == DSK_MOE_EP_BOUNDED && o->ep_dispatch == DSK_MOE_DISPATCH_FP8)
         return dsk_set_error(DSK_ERR_UNSUPPORTED,
                              "%s: layer \"%s\": FP8 dispatch runs on the exact exchange (ep_exchange 0), not the "
@@ -1702,7 +1727,7 @@ static dsk_status dsk__moe_alloc_state(dsk_moe *m, dsk_ctx *ctx) {
     st->n_kept = -1;
     st->h_cnt = (int64_t *)DSK_MALLOC((size_t)(3 + 2 * E) * sizeof(int64_t));
     st->h_recv_cnt = (int64_t *)DSK_MALLOC((size_t)(P * El) * sizeof(int64_t));
-    st->a2a = (int64_t *)DSK_MALLOC((size_t)(4 * P) * sizeof(int64_t));
+    st->a2a = (int64_t *)DSK_MALLOC((size_t)(8 * P) * sizeof(int64_t));
     st->send_rows = (int64_t *)DSK_MALLOC((size_t)P * sizeof(int64_t));
     st->recv_rows = (int64_t *)DSK_MALLOC((size_t)P * sizeof(int64_t));
     st->local_off = (int64_t *)DSK_MALLOC((size_t)(El + 1) * sizeof(int64_t));
@@ -3570,6 +3595,174 @@ static dsk_status dsk__moe_join_on_error(dsk__moe_async *a, dsk_status s) {
     return dsk_set_error(s, "%s", msg);
 }
 
+/* ---- chunked dispatch (opts.ep_chunk): the routed experts compute this rank's own rows (they need no
+   transport) while ep_overlap's thread exchanges the other ranks', then the rest. In the expert-major layout
+   each expert's rows come by source rank, so a chunk is a sub-range of each expert's segment: own = the block
+   of this rank, the others = the blocks before and after it. A row's outputs and input gradients have the same
+   bits whatever rows share its GEMM (dsk_matmul's rows contract); the weight gradients, sums over rows, run
+   once over the whole segments after the last chunk, as serial. */
+
+/* AUTO's test: a core free for the exchange thread of each of the EP group's ranks on this node, beside their
+   compute threads (other processes on the node are not counted). */
+static int dsk__moe_core_free(const dsk_moe *m, const dsk_ctx *ctx) {
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    int node_ranks = m->opts.ep->node_size > 0 ? m->opts.ep->node_size : m->ep_size;
+    return ctx && ctx->n_threads > 0 && cpus > 0 && (long)node_ranks * (ctx->n_threads + 1) <= cpus;
+}
+
+/* Chunks on this call: ON (or AUTO with a core free), CPU f32 experts, the exact flat exchange of activation rows
+   on ep_overlap's thread, and (backward's SwiGLU gradient, dsk_swiglu_grad_cpu) the default ISA's row kernels. */
+static int dsk__moe_chunking(const dsk_moe *m, const dsk_ctx *ctx) {
+    const dsk_moe_opts *o = &m->opts;
+    if (m->ep_size <= 1 || !o->ep_overlap || o->ep_chunk == DSK_MOE_CHUNK_OFF) return 0;
+    if (o->ep_chunk == DSK_MOE_CHUNK_AUTO && !dsk__moe_core_free(m, ctx)) return 0;
+    return m->device.type == DSK_DEV_CPU && m->st->act == DSK_F32 && o->ep_exchange == DSK_MOE_EP_EXACT &&
+           o->ep_route == DSK_MOE_ROUTE_FLAT && o->ep_dispatch == DSK_MOE_DISPATCH_ACT &&
+           o->expert_gemm == DSK_MOE_GEMM_ACT && (!ctx || ctx->cpu_isa == dsk_cpu_isa_auto());
+}
+
+/* Rows of local expert e from rank r: [*r0, *r0 + *n) of the expert-major layout. */
+static void dsk__moe_block(const dsk_moe *m, int r, int e, int64_t *r0, int64_t *n) {
+    const struct dsk__moe_state *st = m->st;
+    int El = m->n_local;
+    *r0 = st->local_off[e];
+    for (int q = 0; q < r; q++) *r0 += st->h_recv_cnt[q * El + e];
+    *n = st->h_recv_cnt[r * El + e];
+}
+
+/* The row ranges of local expert e in a chunk (own: this rank's block; else the lower and the higher ranks'
+   blocks, each range possibly empty): r0[i], n[i]; returns how many. */
+static int dsk__moe_chunk_ranges(const dsk_moe *m, int e, int own, int64_t r0[2], int64_t n[2]) {
+    int64_t b0, bn;
+    dsk__moe_block(m, m->ep_rank, e, &b0, &bn);
+    if (own) {
+        r0[0] = b0;
+        n[0] = bn;
+        return 1;
+    }
+    r0[0] = m->st->local_off[e];
+    n[0] = b0 - r0[0];
+    r0[1] = b0 + bn;
+    n[1] = m->st->local_off[e + 1] - r0[1];
+    return 2;
+}
+
+/* Copies the (rank, local expert) blocks of rows, this rank's own (own 1) or the other ranks' (own 0), from
+   src to their places in dst (expert-major). src: the exchange's rank-major receive buffer, or for own rows the
+   send buffer (kept order, where this rank's rows to itself lie in the same order). Plain copies: the regroup's
+   bits. */
+static void dsk__moe_place_blocks(const dsk_moe *m, char *dst, const char *src, size_t row, int own) {
+    const struct dsk__moe_state *st = m->st;
+    int P = m->ep_size, El = m->n_local;
+    int64_t D = m->opts.d_model;
+    for (int r = 0; r < P; r++) {
+        int64_t from = (own ? st->a2a[P + r] : st->a2a[3 * P + r]) / D, to, n; /* rank r's first row in src */
+        if ((r == m->ep_rank) != own) continue;
+        for (int e = 0; e < El; e++, from += n) {
+            dsk__moe_block(m, r, e, &to, &n);
+            if (n) memcpy(dst + (size_t)to * row, src + (size_t)from * row, (size_t)n * row);
+        }
+    }
+}
+
+/* The exchange's part of a chunked dispatch: the other ranks' rows only, into their places in dst. */
+static dsk_status dsk__moe_others_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
+    struct dsk__moe_state *st = m->st;
+    int P = m->ep_size, me = m->ep_rank;
+    int64_t *v = st->a2a + 4 * P;
+    dsk_tensor stage;
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->T, st->R, &stage));
+    memcpy(v, st->a2a, (size_t)(4 * P) * sizeof(int64_t));
+    v[me] = v[2 * P + me] = 0;
+    DSK__TRY(
+        dsk_comm_all_to_all_v(m->opts.ep, ctx, rows->data, v, v + P, stage.data, v + 2 * P, v + 3 * P, rows->dtype));
+    dsk__moe_place_blocks(m, (char *)dst->data, (const char *)stage.data,
+                          (size_t)m->opts.d_model * dsk_dtype_size(rows->dtype), 0);
+    return DSK_OK;
+}
+
+/* Rows r0 .. r0 + n of t (a view). */
+static dsk_tensor dsk__moe_row_range(const dsk_tensor *t, int64_t r0, int64_t n) {
+    dsk_tensor v;
+    dsk_tensor_slice(t, 0, r0, n, &v);
+    return v;
+}
+
+/* Forward of a chunk: this rank's own rows placed from xs (kept order) into xr, then (own or not) the routed
+   experts on the chunk's rows of xr, expert by expert: ob, h1, h3, a there. */
+static dsk_status dsk__moe_experts_chunk(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *w, const dsk_tensor *xs,
+                                         const dsk_tensor *xr, dsk_tensor *ob, dsk_tensor *h1, dsk_tensor *h3,
+                                         dsk_tensor *a, int own) {
+    int32_t seg[2] = {0, 0};
+    int64_t r0[2], n[2], two = 2;
+    dsk_tensor off;
+    if (own)
+        dsk__moe_place_blocks(m, (char *)xr->data, (const char *)xs->data, (size_t)m->opts.d_model * sizeof(float), 1);
+    (void)dsk_tensor_wrap(&off, seg, DSK_I32, dsk_cpu(), 1, &two);
+    for (int e = 0; e < m->n_local; e++)
+        for (int i = 0, k = dsk__moe_chunk_ranges(m, e, own, r0, n); i < k; i++) {
+            dsk_tensor w1, w2, w3, x = dsk__moe_row_range(xr, r0[i], n[i]), o = dsk__moe_row_range(ob, r0[i], n[i]);
+            dsk_tensor p1 = dsk__moe_row_range(h1, r0[i], n[i]), p3 = dsk__moe_row_range(h3, r0[i], n[i]);
+            dsk_tensor pa = dsk__moe_row_range(a, r0[i], n[i]);
+            if (!n[i]) continue;
+            seg[1] = (int32_t)n[i];
+            dsk_tensor_slice(&w[0], 0, e, 1, &w1);
+            dsk_tensor_slice(&w[1], 0, e, 1, &w2);
+            dsk_tensor_slice(&w[2], 0, e, 1, &w3);
+            DSK__TRY(dsk_swiglu_grouped(ctx, &o, &p1, &p3, &pa, &x, &w1, &w2, &w3, &off));
+        }
+    return DSK_OK;
+}
+
+/* The SwiGLU gradient dh1, dh3 WRITTEN from da, h1, h3 (all (n, F) act). */
+static dsk_status dsk__moe_swiglu_grad(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dh1, dsk_tensor *dh3, const dsk_tensor *da,
+                                       const dsk_tensor *h1, const dsk_tensor *h3) {
+    if (m->device.type == DSK_DEV_CPU && m->st->act == DSK_F32) { /* written: no zeroing pass */
+        dsk_swiglu_grad_cpu(dsk_tensor_numel(da), DSK__MOE_F32(*h1), DSK__MOE_F32(*h3), DSK__MOE_F32(*da),
+                            DSK__MOE_F32(*dh1), DSK__MOE_F32(*dh3));
+        return DSK_OK;
+    }
+    DSK__TRY(dsk_tensor_fill(ctx, dh1, 0.0));
+    DSK__TRY(dsk_tensor_fill(ctx, dh3, 0.0));
+    return dsk_swiglu_backward(ctx, dh1, dh3, da, h1, h3);
+}
+
+/* Backward of a chunk: this rank's own output-gradient rows placed from dos (kept order) into dor, then the
+   per-row part of the experts' backward on the chunk's rows (da, dh1, dh3 and the input gradient dxr there:
+   dsk_swiglu_grouped_backward's arithmetic), expert by expert. */
+static dsk_status dsk__moe_experts_chunk_backward(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *w, const dsk_tensor *dos,
+                                                  const dsk_tensor *dor, const dsk_tensor *h1, const dsk_tensor *h3,
+                                                  dsk_tensor *da, dsk_tensor *dh1, dsk_tensor *dh3, dsk_tensor *dxr,
+                                                  int own) {
+    int64_t D = m->opts.d_model, F = m->opts.d_expert, r0[2], n[2];
+    if (own) dsk__moe_place_blocks(m, (char *)dor->data, (const char *)dos->data, (size_t)D * sizeof(float), 1);
+    for (int e = 0; e < m->n_local; e++)
+        for (int i = 0, k = dsk__moe_chunk_ranges(m, e, own, r0, n); i < k; i++) {
+            dsk_tensor g = dsk__moe_row_range(dor, r0[i], n[i]), q = dsk__moe_row_range(da, r0[i], n[i]);
+            dsk_tensor p1 = dsk__moe_row_range(h1, r0[i], n[i]), p3 = dsk__moe_row_range(h3, r0[i], n[i]);
+            dsk_tensor q1 = dsk__moe_row_range(dh1, r0[i], n[i]), q3 = dsk__moe_row_range(dh3, r0[i], n[i]);
+            dsk_tensor dx = dsk__moe_row_range(dxr, r0[i], n[i]);
+            dsk_tensor w1 = dsk__moe_host_view((float *)w[0].data + e * F * D, DSK_F32, F, D);
+            dsk_tensor w2 = dsk__moe_host_view((float *)w[1].data + e * D * F, DSK_F32, D, F);
+            dsk_tensor w3 = dsk__moe_host_view((float *)w[2].data + e * F * D, DSK_F32, F, D);
+            if (!n[i]) continue;
+            DSK__TRY(dsk_matmul(ctx, &q, &g, 0, &w2, 0, 1.0f, 0.0f));
+            DSK__TRY(dsk__moe_swiglu_grad(m, ctx, &q1, &q3, &q, &p1, &p3));
+            DSK__TRY(dsk_matmul(ctx, &dx, &q1, 0, &w1, 0, 1.0f, 0.0f));
+            DSK__TRY(dsk_matmul(ctx, &dx, &q3, 0, &w3, 0, 1.0f, 1.0f));
+        }
+    return DSK_OK;
+}
+
+/* The experts' weight gradients after the last chunk, over whole segments in the serial order. */
+static dsk_status dsk__moe_chunked_wgrad(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *off, const dsk_tensor *dor,
+                                         const dsk_tensor *xr, const dsk_tensor *a, const dsk_tensor *dh1,
+                                         const dsk_tensor *dh3) {
+    DSK__TRY(dsk_matmul_grouped(ctx, &m->w2->grad, dor, 1, a, 0, off, 1.0f, 1.0f));
+    DSK__TRY(dsk_matmul_grouped(ctx, &m->w1->grad, dh1, 1, xr, 0, off, 1.0f, 1.0f));
+    return dsk_matmul_grouped(ctx, &m->w3->grad, dh3, 1, xr, 0, off, 1.0f, 1.0f);
+}
+
 /* Rows (n_kept of them, kept order) to their experts' ranks, regrouped expert-major into dst (R). */
 static dsk_status dsk__moe_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
     struct dsk__moe_state *st = m->st;
@@ -3578,6 +3771,7 @@ static dsk_status dsk__moe_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor
     if (m->opts.ep_route == DSK_MOE_ROUTE_TWO_HOP) return dsk__moe_hop_to_experts(m, ctx, rows, dst, 1);
     dsk__moe_count_off(m, dsk__moe_flat_off(m, 0, (size_t)m->opts.d_model * dsk_dtype_size(rows->dtype)));
     if (m->opts.ep_exchange == DSK_MOE_EP_BOUNDED) return dsk__moe_to_experts_bounded(m, ctx, rows, dst);
+    if (st->chunked) return dsk__moe_others_to_experts(m, ctx, rows, dst);
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->T, st->R, &stage));
     rg = dsk__moe_saved(m, DSK__MOE_RG);
     DSK__TRY(dsk_comm_all_to_all_v(m->opts.ep, ctx, rows->data, st->a2a, st->a2a + P, stage.data, st->a2a + 2 * P,
@@ -3652,19 +3846,6 @@ static dsk_status dsk__moe_to_experts_fp8(dsk_moe *m, dsk_ctx *ctx, const dsk_te
     return dsk_gather_rows(ctx, dst, &stage, &rg);
 }
 #endif
-
-/* The SwiGLU gradient dh1, dh3 WRITTEN from da, h1, h3 (all (n, F) act). */
-static dsk_status dsk__moe_swiglu_grad(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dh1, dsk_tensor *dh3, const dsk_tensor *da,
-                                       const dsk_tensor *h1, const dsk_tensor *h3) {
-    if (m->device.type == DSK_DEV_CPU && m->st->act == DSK_F32) { /* written: no zeroing pass */
-        dsk_swiglu_grad_cpu(dsk_tensor_numel(da), DSK__MOE_F32(*h1), DSK__MOE_F32(*h3), DSK__MOE_F32(*da),
-                            DSK__MOE_F32(*dh1), DSK__MOE_F32(*dh3));
-        return DSK_OK;
-    }
-    DSK__TRY(dsk_tensor_fill(ctx, dh1, 0.0));
-    DSK__TRY(dsk_tensor_fill(ctx, dh3, 0.0));
-    return dsk_swiglu_backward(ctx, dh1, dh3, da, h1, h3);
-}
 
 #ifdef DSK_AMP_H
 /* ---------------------------------------------------------------- FP8 experts
@@ -4155,6 +4336,7 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     if (ep) {
         if (two) DSK__TRY(dsk__moe_hop_plan(m, ctx, T, n_kept, &perm, &off, &gate));
         DSK__TRY(dsk__moe_buf(m, ctx, fp8 ? DSK__MOE_DOR : DSK__MOE_XR, T, R, &xr));
+        st->chunked = dsk__moe_chunking(m, ctx);
         DSK__TRY(dsk__moe_exchange_start(&xch, m, ctx, two ? &xa : &xs, &xr, DSK__MOE_XCH_DISPATCH));
     } else if (!fp8) {
         xr = dsk__moe_rows(&xs, R);
@@ -4162,15 +4344,21 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     if (Fs > 0)
         DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, fp8 ? DSK__MOE_F8(dsk__moe_f8_shared_forward(m, ctx, w, &ys))
                                                               : dsk__moe_shared_step(m, ctx, &xa, w, T, R, &ys)));
+    DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_O, T, R, &ob)));
+    if (!fp8) {
+        DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_H1, T, R, &h1)));
+        DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_H3, T, R, &h3)));
+        DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_A, T, R, &a)));
+    }
+    if (ep && st->chunked) /* this rank's own rows while the others' travel */
+        DSK__TRY(dsk__moe_join_on_error(&xch, dsk__moe_experts_chunk(m, ctx, w, &xs, &xr, &ob, &h1, &h3, &a, 1)));
     if (ep) DSK__TRY(dsk__moe_exchange_wait(&xch));
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_O, T, R, &ob));
     if (fp8) {
         DSK__TRY(DSK__MOE_F8(dsk__moe_f8_rows(m, ctx, &row_tok, &xr)));
         DSK__TRY(DSK__MOE_F8(dsk__moe_f8_experts_forward(m, ctx, w, &offsets, &ob)));
+    } else if (ep && st->chunked) {
+        DSK__TRY(dsk__moe_experts_chunk(m, ctx, w, &xs, &xr, &ob, &h1, &h3, &a, 0));
     } else {
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_H1, T, R, &h1));
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_H3, T, R, &h3));
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_A, T, R, &a));
         DSK__TRY(dsk_swiglu_grouped(ctx, &ob, &h1, &h3, &a, &xr, &w[0], &w[1], &w[2], &offsets));
     }
     if (ep) {
@@ -4252,6 +4440,7 @@ static dsk_status dsk__moe_backward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *d
     if (ep) { /* the shared experts' backward while the rows travel */
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DOR, T, R, &dor));
         st->in_forward = 0;
+        st->chunked = dsk__moe_chunking(m, ctx);
         DSK__TRY(dsk__moe_exchange_start(&xch, m, ctx, two ? &dya : &dos, &dor, DSK__MOE_XCH_TO_EXPERTS));
     } else {
         dor = dsk__moe_rows(&dos, R);
@@ -4259,14 +4448,20 @@ static dsk_status dsk__moe_backward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *d
     DSK__TRY(dsk__moe_join_on_error(
         ep ? &xch : NULL, fp8 && m->d_shared_total > 0 ? DSK__MOE_F8(dsk__moe_f8_shared_backward(m, ctx, w, &dya, &dxf))
                                                        : dsk__moe_shared_backward(m, ctx, &dya, &xa, w, &dxf)));
+    /* routed experts (chunked: this rank's own rows while the others' travel) */
+    DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_DA, T, R, &da)));
+    DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_DH1, T, R, &dh1)));
+    DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_DH3, T, R, &dh3)));
+    DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_DXR, T, R, &dxr)));
+    if (ep && st->chunked)
+        DSK__TRY(dsk__moe_join_on_error(
+            &xch, dsk__moe_experts_chunk_backward(m, ctx, w, &dos, &dor, &h1, &h3, &da, &dh1, &dh3, &dxr, 1)));
     if (ep) DSK__TRY(dsk__moe_exchange_wait(&xch));
-    /* routed experts */
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DA, T, R, &da));
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DH1, T, R, &dh1));
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DH3, T, R, &dh3));
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DXR, T, R, &dxr));
     if (fp8) DSK__TRY(DSK__MOE_F8(dsk__moe_f8_experts_backward(m, ctx, w, &offsets, &dor, &dxr)));
-    else
+    else if (ep && st->chunked) {
+        DSK__TRY(dsk__moe_experts_chunk_backward(m, ctx, w, &dos, &dor, &h1, &h3, &da, &dh1, &dh3, &dxr, 0));
+        DSK__TRY(dsk__moe_chunked_wgrad(m, ctx, &offsets, &dor, &xr, &a, &dh1, &dh3));
+    } else
         DSK__TRY(dsk_swiglu_grouped_backward(ctx, &dxr, &m->w1->grad, &m->w2->grad, &m->w3->grad, &da, &dh1, &dh3, &dor,
                                              &xr, &h1, &h3, &a, &w[0], &w[1], &w[2], &offsets));
     if (ep) { /* the router's backward while the rows travel back */

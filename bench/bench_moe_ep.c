@@ -1,12 +1,15 @@
 /* bench/bench_moe_ep.c - an expert-parallel MoE layer's forward + backward on forked CPU ranks (host backend:
    shared memory, or TCP between two emulated hosts with --two-hosts), exchanges serial against overlapped
-   (dsk_moe_opts.ep_overlap), exact against bounded (ep_exchange), flat against two-hop routes (ep_route) and
-   node-limited routing. Per variant, rank 0 prints the median step time, the time inside the layer's
-   collectives (dsk_comm_stats.seconds: in serial runs the exposed communication), the share of the serial run's
-   communication the overlap hid, (serial step - overlapped step) / serial communication, and the bytes a step
+   (dsk_moe_opts.ep_overlap) with and without chunked dispatch (ep_chunk), exact against bounded (ep_exchange),
+   flat against two-hop routes (ep_route) and node-limited routing. Per variant, rank 0 prints the median step
+   time, the time inside the layer's collectives (dsk_comm_stats.seconds: in serial runs the communication
+   alone, as nothing runs beside it), the share of the serial run's communication the overlap hid,
+   1 - (step - compute) / communication with compute = serial step - serial communication, that is
+   (serial step - overlapped step) / serial communication, and the bytes a step
    sent to the other node: the layer's count of its rows (dsk_moe_stats.bytes_off_node, exact) and what
    dsk_comm counted on the wire (headers and the counts exchange included).
-   Warm-up 2 steps, median of --repeats; a barrier before each step.
+   Warm-up 2 rounds, median of --repeats; each round one step of every variant in turn (the load, which
+   drifts, weighs on all alike); a barrier before each step.
    Usage: bench_moe_ep [--ranks P] [--tokens T] [--repeats N] [--two-hosts] */
 #define _POSIX_C_SOURCE 200809L
 #define DSK_TENSOR_IMPLEMENTATION
@@ -23,28 +26,35 @@
 
 typedef struct variant {
     const char *name;
-    int serial, bounded, node_limit, two_hop;
+    int serial, bounded, node_limit, two_hop, chunked;
 } variant;
 
 static const variant variants[] = {
-    {"exact, serial", 1, 0, 0, 0},
-    {"exact, overlapped", 0, 0, 0, 0},
-    {"bounded, serial", 1, 1, 0, 0},
-    {"bounded, overlapped", 0, 1, 0, 0},
-    {"exact, overlapped, node-limited", 0, 0, 1, 0},
-    {"exact, serial, two-hop", 1, 0, 0, 1},
-    {"exact, serial, two-hop, node-limited", 1, 0, 1, 1},
+    {"exact, serial", 1, 0, 0, 0, 0},
+    {"exact, overlapped", 0, 0, 0, 0, 0},
+    {"exact, overlapped, chunked", 0, 0, 0, 0, 1},
+    {"bounded, serial", 1, 1, 0, 0, 0},
+    {"bounded, overlapped", 0, 1, 0, 0, 0},
+    {"exact, overlapped, node-limited", 0, 0, 1, 0, 0},
+    {"exact, overlapped, chunked, node-limited", 0, 0, 1, 0, 1},
+    {"exact, serial, two-hop", 1, 0, 0, 1, 0},
+    {"exact, serial, two-hop, node-limited", 1, 0, 1, 1, 0},
 };
 
-/* One variant on this rank: median step seconds, median seconds in collectives, bytes sent off node a step
-   (off_node[0]: the layer's rows, [1]: on the wire). */
-static int run_variant(dsk_comm *c, dsk_ctx *ctx, const variant *v, int T, int reps, double *step, double *comm,
-                       double *off_node) {
+#define NV (int)(sizeof variants / sizeof variants[0])
+
+/* One variant's layer on this rank, its tensors and its per-round figures. */
+typedef struct run {
     dsk_moe m;
-    dsk_moe_opts o;
     dsk_tensor x, y, dx, dy, vals, grads;
+    double ts[64], cs[64], off_node[2]; /* off_node[0]: the layer's rows off the node a step, [1]: on the wire */
+} run;
+
+/* Builds variant v's layer and inputs on this rank. */
+static int run_setup(dsk_comm *c, dsk_ctx *ctx, const variant *v, int T, run *r) {
+    dsk_moe_opts o;
     int64_t sh[2], vb, gd, gs, ng;
-    double ts[64], cs[64];
+    memset(r, 0, sizeof *r);
     memset(&o, 0, sizeof o);
     o.d_model = 256;
     o.n_routed = 16;
@@ -61,53 +71,78 @@ static int run_variant(dsk_comm *c, dsk_ctx *ctx, const variant *v, int T, int r
     o.ep_exchange = v->bounded ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
     o.node_limit = v->node_limit && c->n_nodes > 1 ? 1 : 0;
     o.ep_route = v->two_hop ? DSK_MOE_ROUTE_TWO_HOP : DSK_MOE_ROUTE_FLAT;
-    if (dsk_moe_init(&m, ctx, &o) != DSK_OK) return 1;
-    dsk_moe_slab_sizes(&m, &vb, &gd, &gs);
+    o.ep_chunk = v->chunked ? DSK_MOE_CHUNK_ON : DSK_MOE_CHUNK_OFF;
+    if (dsk_moe_init(&r->m, ctx, &o) != DSK_OK) return 1;
+    dsk_moe_slab_sizes(&r->m, &vb, &gd, &gs);
     ng = gd + gs;
     sh[0] = T;
     sh[1] = o.d_model;
-    if (dsk_tensor_alloc(ctx, &vals, DSK_U8, 1, &vb) || dsk_tensor_alloc(ctx, &grads, DSK_F32, 1, &ng) ||
-        dsk_moe_bind_slabs(&m, ctx, &vals, &grads) || dsk_moe_init_params(&m, ctx) ||
-        dsk_tensor_alloc(ctx, &x, DSK_F32, 2, sh) || dsk_tensor_alloc(ctx, &y, DSK_F32, 2, sh) ||
-        dsk_tensor_alloc(ctx, &dx, DSK_F32, 2, sh) || dsk_tensor_alloc(ctx, &dy, DSK_F32, 2, sh))
+    if (dsk_tensor_alloc(ctx, &r->vals, DSK_U8, 1, &vb) || dsk_tensor_alloc(ctx, &r->grads, DSK_F32, 1, &ng) ||
+        dsk_moe_bind_slabs(&r->m, ctx, &r->vals, &r->grads) || dsk_moe_init_params(&r->m, ctx) ||
+        dsk_tensor_alloc(ctx, &r->x, DSK_F32, 2, sh) || dsk_tensor_alloc(ctx, &r->y, DSK_F32, 2, sh) ||
+        dsk_tensor_alloc(ctx, &r->dx, DSK_F32, 2, sh) || dsk_tensor_alloc(ctx, &r->dy, DSK_F32, 2, sh))
         return 2;
-    dsk_tensor_uniform(ctx, &x, 11 + (uint64_t)c->rank, 0, -1, 1);
-    dsk_tensor_uniform(ctx, &dy, 99 + (uint64_t)c->rank, 0, -1, 1);
-    off_node[0] = off_node[1] = 0;
-    for (int i = 0; i < reps + 2; i++) {
-        dsk_comm_stats before;
-        double t0;
-        dsk_moe_stats st, col;
-        if (dsk_comm_barrier(c, ctx)) return 3;
-        before = c->stats;
-        t0 = bench_now_s();
-        if (dsk_moe_forward(&m, ctx, &y, &x, &st) || dsk_moe_backward(&m, ctx, &dx, &dy, 1.0f)) return 4;
-        t0 = bench_now_s() - t0;
-        if (dsk_moe_stats_request(&m, ctx) || dsk_moe_stats_collect(&m, ctx, &col)) return 5; /* this step's */
-        if (i < 2) continue;
-        ts[i - 2] = t0;
-        cs[i - 2] = c->stats.seconds - before.seconds;
-        off_node[1] = (double)(c->stats.bytes_sent_off_node - before.bytes_sent_off_node);
-        off_node[0] = (double)col.bytes_off_node;
-    }
-    *step = bench_median(ts, reps);
-    *comm = bench_median(cs, reps);
-    dsk_moe_free(&m, ctx);
-    dsk_tensor_free(ctx, &vals);
-    dsk_tensor_free(ctx, &grads);
-    dsk_tensor_free(ctx, &x);
-    dsk_tensor_free(ctx, &y);
-    dsk_tensor_free(ctx, &dx);
-    dsk_tensor_free(ctx, &dy);
+    dsk_tensor_uniform(ctx, &r->x, 11 + (uint64_t)c->rank, 0, -1, 1);
+    dsk_tensor_uniform(ctx, &r->dy, 99 + (uint64_t)c->rank, 0, -1, 1);
     return 0;
 }
 
+/* One timed step (forward + backward) of r's layer after a barrier; round i < 2 is warm-up. */
+static int run_step(dsk_comm *c, dsk_ctx *ctx, run *r, int i) {
+    dsk_comm_stats before;
+    dsk_moe_stats st, col;
+    double t0;
+    if (dsk_comm_barrier(c, ctx)) return 3;
+    before = c->stats;
+    t0 = bench_now_s();
+    if (dsk_moe_forward(&r->m, ctx, &r->y, &r->x, &st) || dsk_moe_backward(&r->m, ctx, &r->dx, &r->dy, 1.0f)) return 4;
+    t0 = bench_now_s() - t0;
+    if (dsk_moe_stats_request(&r->m, ctx) || dsk_moe_stats_collect(&r->m, ctx, &col)) return 5; /* this step's */
+    if (i < 2) return 0;
+    r->ts[i - 2] = t0;
+    r->cs[i - 2] = c->stats.seconds - before.seconds;
+    r->off_node[1] = (double)(c->stats.bytes_sent_off_node - before.bytes_sent_off_node);
+    r->off_node[0] = (double)col.bytes_off_node;
+    return 0;
+}
+
+static void run_free(dsk_ctx *ctx, run *r) {
+    dsk_moe_free(&r->m, ctx);
+    dsk_tensor_free(ctx, &r->vals);
+    dsk_tensor_free(ctx, &r->grads);
+    dsk_tensor_free(ctx, &r->x);
+    dsk_tensor_free(ctx, &r->y);
+    dsk_tensor_free(ctx, &r->dx);
+    dsk_tensor_free(ctx, &r->dy);
+}
+
+/* Rank 0's line for variant v: median step and time in collectives, the share of the serial run's
+   communication hidden (against the serial variant of the same exchange), the bytes off the node. */
+static void report(const variant *v, run *r, const run *serial, int reps, int two_hosts) {
+    double step = bench_median(r->ts, reps), comm = bench_median(r->cs, reps);
+    printf("%-42s step %8.2f ms  in collectives %7.2f ms", v->name, 1e3 * step, 1e3 * comm);
+    if (!v->serial && !v->node_limit && serial) {
+        double ss[64], sc[64], s_step, s_comm;
+        memcpy(ss, serial->ts, sizeof ss);
+        memcpy(sc, serial->cs, sizeof sc);
+        s_step = bench_median(ss, reps);
+        s_comm = bench_median(sc, reps);
+        if (s_comm > 0)
+            printf("  hidden %5.1f%% of the serial run's %.2f ms", 100 * (s_step - step) / s_comm, 1e3 * s_comm);
+    }
+    if (two_hosts) printf("  off-node rows %.1f KiB/step (wire %.1f)", r->off_node[0] / 1024, r->off_node[1] / 1024);
+    printf("\n");
+}
+
+/* Every variant's layer, then rounds of one step of each in turn (so that the machine's load, which drifts,
+   weighs on all of them alike), then the medians. */
 static int rank_main(int rank, int P, int port, int T, int reps, int two_hosts) {
     dsk_comm c;
     dsk_comm_opts co;
     dsk_ctx ctx;
     dsk_ctx_opts xo;
-    double serial_comm[2] = {0, 0}, serial_step[2] = {0, 0};
+    run *runs;
+    int rc = 0;
     memset(&co, 0, sizeof co);
     co.backend = DSK_COMM_HOST;
     co.master_addr = "127.0.0.1";
@@ -117,30 +152,25 @@ static int rank_main(int rank, int P, int port, int T, int reps, int two_hosts) 
     memset(&xo, 0, sizeof xo);
     xo.n_threads = 1; /* P ranks share the machine's cores */
     if (dsk_comm_init(&c, rank, P, &co) || dsk_ctx_init(&ctx, &xo)) return 2;
-    for (size_t i = 0; i < sizeof variants / sizeof variants[0]; i++) {
-        const variant *v = &variants[i];
-        double step, comm, off[2];
-        if (run_variant(&c, &ctx, v, T, reps, &step, &comm, off)) {
-            fprintf(stderr, "rank %d: %s: %s\n", rank, v->name, dsk_last_error());
-            return 3;
-        }
-        if (v->serial) {
-            serial_comm[v->bounded] = comm;
-            serial_step[v->bounded] = step;
-        }
-        if (rank == 0) {
-            printf("%-38s step %8.2f ms  in collectives %7.2f ms", v->name, 1e3 * step, 1e3 * comm);
-            if (!v->serial && !v->node_limit && serial_comm[v->bounded] > 0)
-                printf("  hidden %5.1f%% of the serial run's %.2f ms",
-                       100 * (serial_step[v->bounded] - step) / serial_comm[v->bounded], 1e3 * serial_comm[v->bounded]);
-            if (two_hosts) printf("  off-node rows %.1f KiB/step (wire %.1f)", off[0] / 1024, off[1] / 1024);
-            printf("\n");
-            fflush(stdout);
-        }
+    if (!(runs = (run *)calloc(NV, sizeof *runs))) return 2;
+    for (int v = 0; v < NV && !rc; v++) rc = run_setup(&c, &ctx, &variants[v], T, &runs[v]);
+    for (int i = 0; i < reps + 2 && !rc; i++)
+        for (int v = 0; v < NV && !rc; v++) rc = run_step(&c, &ctx, &runs[v], i);
+    if (rc) fprintf(stderr, "rank %d: step %d: %s\n", rank, rc, dsk_last_error());
+    for (int v = 0; v < NV && rank == 0 && !rc; v++) {
+        const run *serial = NULL;
+        for (int s = 0; s < NV; s++)
+            if (variants[s].serial && variants[s].bounded == variants[v].bounded && !variants[s].two_hop &&
+                !variants[s].node_limit)
+                serial = &runs[s];
+        report(&variants[v], &runs[v], serial, reps, two_hosts);
     }
+    fflush(stdout);
+    for (int v = 0; v < NV; v++) run_free(&ctx, &runs[v]);
+    free(runs);
     dsk_ctx_free(&ctx);
     dsk_comm_free(&c);
-    return 0;
+    return rc ? 3 : 0;
 }
 
 int main(int argc, char **argv) {

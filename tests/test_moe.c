@@ -1328,6 +1328,12 @@ static void test_bad_config(void) {
     b.ep_exchange = (dsk_moe_ep_exchange)2;
     expect_init_error(b, "unknown ep_exchange 2");
     b = o;
+    b.ep_chunk = (dsk_moe_ep_chunk)3;
+    expect_init_error(b, "unknown ep_chunk 3 (auto 0, off 1, on 2)");
+    b = o;
+    b.ep_chunk = (dsk_moe_ep_chunk)-1;
+    expect_init_error(b, "unknown ep_chunk -1");
+    b = o;
     b.node_limit = 1;
     expect_init_error(b, "node_limit 1 needs an expert-parallel group");
     b = o;
@@ -1465,34 +1471,53 @@ done:
     return rc;
 }
 
-/* The exchange variants give the serial exact exchange's results bit for bit: the exact one overlapped
-   with compute (ep_overlap), the bounded one (DSK_MOE_EP_BOUNDED) serial and overlapped; dropless and
-   under capacity (which must drop slots here): 1, or 0 with the differences on stderr. */
+/* The exchange variants give the serial exact exchange's results bit for bit: the exact one overlapped with
+   compute (ep_overlap) and chunked (ep_chunk ON: the experts start on this rank's own rows) or not, the exact one
+   serial with ep_chunk ON (chunking needs the overlap's thread), the bounded one (DSK_MOE_EP_BOUNDED) serial and
+   overlapped; dropless, under capacity (which must drop slots here) and, across emulated nodes, with node-limited
+   routing: 1, or 0 with the differences on stderr. */
 static int ep_bounded_same(dsk_comm *c, dsk_moe_opts o, int rank, const float *x_rows, const float *dy_rows) {
+    static const char *names[] = {"",
+                                  "exact overlapped chunked",
+                                  "exact overlapped unchunked",
+                                  "bounded serial",
+                                  "bounded overlapped",
+                                  "exact serial with ep_chunk ON"};
+    static const char *cfs[] = {"dropless", "capacity", "node-limited"};
     int ok = 1;
-    for (int cap = 0; cap < 2; cap++) {
+    for (int cf = 0; cf < (c->n_nodes > 1 ? 3 : 2); cf++) {
         float *a = NULL;
         size_t na = 0;
-        o.capacity_factor = cap ? 0.75f : 0.0f;
-        o.ep_exchange = DSK_MOE_EP_EXACT;
-        o.ep_overlap = 0;
-        if (ep_step_record(c, o, x_rows, dy_rows, &a, &na)) ok = 0;
-        for (int v = 1; ok && v < 4; v++) {
-            float *b = NULL;
-            size_t nb = 0;
-            o.ep_exchange = v >= 2 ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
-            o.ep_overlap = v != 2;
-            if (ep_step_record(c, o, x_rows, dy_rows, &b, &nb)) ok = 0;
-            if (ok && (na != nb || memcmp(a, b, sizeof(float) * na) != 0)) {
-                size_t i = 0;
-                while (i < na && !memcmp(a + i, b + i, sizeof(float))) i++;
-                fprintf(stderr, "rank %d capacity %d: %s %s differs from the serial exact at float %zu of %zu\n", rank,
-                        cap, v >= 2 ? "bounded" : "exact", v == 2 ? "serial" : "overlapped", i, na);
-                ok = 0;
-            }
-            free(b);
+        int same = 1; /* every variant runs (the ranks' collectives stay in step) and says whether it differs */
+        dsk_moe_opts b = o;
+        b.capacity_factor = cf == 1 ? 0.75f : 0.0f;
+        if (cf == 2) { /* each token's experts on one node */
+            b.n_group = 0;
+            b.topk_group = 0;
+            b.node_limit = 1;
         }
-        if (ok && cap && !(a[na - EP_E - 1] > 0)) {
+        b.ep_route = DSK_MOE_ROUTE_FLAT;
+        b.ep_exchange = DSK_MOE_EP_EXACT;
+        b.ep_overlap = 0;
+        if (ep_step_record(c, b, x_rows, dy_rows, &a, &na)) ok = same = 0;
+        for (int v = 1; v < 6; v++) {
+            float *d = NULL;
+            size_t nd = 0;
+            b.ep_exchange = v == 3 || v == 4 ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
+            b.ep_overlap = v != 3 && v != 5;
+            b.ep_chunk = v == 1 || v == 5 ? DSK_MOE_CHUNK_ON : DSK_MOE_CHUNK_OFF;
+            int got = ep_step_record(c, b, x_rows, dy_rows, &d, &nd) == 0;
+            if (!got) ok = same = 0;
+            if (got && a && (na != nd || memcmp(a, d, sizeof(float) * na) != 0)) {
+                size_t i = 0;
+                while (i < na && !memcmp(a + i, d + i, sizeof(float))) i++;
+                fprintf(stderr, "rank %d %s: %s differs from the serial exact at float %zu of %zu\n", rank, cfs[cf],
+                        names[v], i, na);
+                ok = same = 0;
+            }
+            free(d);
+        }
+        if (same && cf == 1 && !(a[na - EP_E - 1] > 0)) {
             fprintf(stderr, "rank %d: capacity 0.75 dropped no slot\n", rank);
             ok = 0;
         }
@@ -1891,9 +1916,10 @@ static void ep_check(ep_job *j) {
     dsk_tensor y, dx;
     dsk_moe_stats st;
     int64_t shp[2] = {NT, EP_D};
-    dsk_test_begin("expert parallel %s over %d ranks = 1 rank, overlapped & bounded = serial, node-limited and "
-                   "two-hop = flat (bits, bytes off the node) on 4",
-                   j->sigmoid ? "sigmoid+groups" : "softmax", n);
+    dsk_test_begin(
+        "expert parallel %s over %d ranks = 1 rank, overlapped (chunked or not) & bounded = serial, node-limited and "
+        "two-hop = flat (bits, bytes off the node) on 4",
+        j->sigmoid ? "sigmoid+groups" : "softmax", n);
     memset(&y, 0, sizeof y); memset(&dx, 0, sizeof dx);
     DSK_TEST_OK(make_layer(&ref, &own, &o));
     if (!j->port_ok) { dsk_test_fail_at(__FILE__, __LINE__, "no free port: %s", dsk_last_error()); goto out; }
@@ -1905,7 +1931,8 @@ static void ep_check(ep_job *j) {
         DSK_TEST_EXPECT(j->flags[48 + r] == 1, "rank %d: a NaN token on rank 0 did not fail the forward on every rank",
                         r);
         DSK_TEST_EXPECT(j->flags[16 + r] == 1,
-                        "rank %d: overlapped or bounded exchanges (dropless, capacity 0.75) differ from the serial one",
+                        "rank %d: overlapped (chunked or not) or bounded exchanges (dropless, capacity 0.75, "
+                        "node-limited) differ from the serial one",
                         r);
         DSK_TEST_EXPECT(j->flags[24 + r] == 1,
                         "rank %d: node-limited routing (2 emulated nodes) broke its rule, two hops differ from flat "
