@@ -314,36 +314,35 @@ what="--dtype fp8 --mtp 1 as tp2 x pp2 x ZeRO-1 against one rank, 5 steps: withi
 layout_vs_one mtp1 "$what distance plus bf16's layout distance" --mtp 1
 
 # ---- 7. --attn mla with --dtype fp8: MLA's linear layers and the MTP module's projection in FP8 from
-# e4m3 caches (the latent norms, RoPE and the core bf16), against bf16 over 60 steps with section 1's
-# bounds (the training loss smoothed over the last 50), bf16's distance from f32 measured with MLA;
-# and as tp2 x pp2 x ZeRO-1 against one rank as in 4 (c) (recomputation: section 5; pp2: 4 (b))
-for dt in f32 bf16 fp8; do run "mla_$dt" "${TINY[@]}" "${MLA[@]}" --mtp 1 --dtype $dt --steps 60 --val-interval 60; done
-read -r a_smooth a_val < <(bounds mla_f32 mla_bf16)
-what="--dtype fp8 ${MLA[*]} --mtp 1 vs bf16, 60 steps: validation within max(0.25%, twice bf16's distance from f32)"
-compare "$what (${a_val:-?}), smoothed within max(1%, twice that) (${a_smooth:-?})" mla_bf16 mla_fp8 "${a_smooth:-0}" \
-    "${a_val:-0}"
-# The first 5 steps of the same runs, before the trajectories part: every step's loss within max(0.25%,
-# twice bf16's distance from f32 at that step) of bf16's and its gradient norm within max(1%, twice that
-# distance) (the norm sums few squares here: fp8 measured 0.48% from bf16 at worst, bf16 0.37% from f32)
+# e4m3 caches (the latent norms, RoPE and the core bf16) against bf16, same seed, over the first 5 steps
+# (before the trajectories part; over 60 steps this tiny model's loss no longer tells a wrong gradient
+# from rounding: with wkv_a's gradient and share of d(h1) dropped it stayed within section 1's
+# bounds): every step's loss finite and within max(0.25%, twice bf16's distance from f32 at that
+# step) of bf16's, its gradient norm within max(1%, twice that distance) (the norm sums few squares
+# here: fp8 measured 0.48% from bf16 at worst, bf16 0.37% from f32), and not bf16's bits. Then as
+# tp2 x pp2 x ZeRO-1 against one rank as in 4 (c) (recomputation: section 5; pp2: 4 (b))
+for dt in f32 bf16 fp8; do run "mla_$dt" "${TINY[@]}" "${MLA[@]}" --mtp 1 --dtype $dt --steps 5 --val-interval 5; done
 verdict=$($PY - "$work"/mla_{f32,bf16,fp8}.jsonl <<'EOF'
 import json, math, sys
 def rows(p):
-    return [(r["loss"], r["grad_norm"]) for r in map(json.loads, open(p)) if r["type"] == "step"][:5]
+    return [(r["loss"], r["grad_norm"]) for r in map(json.loads, open(p)) if r["type"] == "step"]
 f, b, e = map(rows, sys.argv[1:4])
 if not all(len(x) == 5 for x in (f, b, e)): print("bad: not 5 steps each"); sys.exit()
+if e == b: print("bad: the losses and norms are bit for bit bf16's"); sys.exit()
 worst = [0.0, 0.0]
 for s in range(5):
     for i, floor in ((0, 0.0025), (1, 0.01)):
         d, bound = abs(e[s][i] - b[s][i]) / b[s][i], max(floor, 2 * abs(b[s][i] - f[s][i]) / f[s][i])
         if not (math.isfinite(e[s][i]) and d <= bound):
-            print("bad step %d %s %r vs bf16 %r: %.3g over %.3g" % (s + 1, ("loss", "norm")[i], e[s][i], b[s][i], d, bound))
+            what = ("loss", "norm")[i]
+            print("bad step %d %s %r vs bf16 %r: %.3g over %.3g" % (s + 1, what, e[s][i], b[s][i], d, bound))
             sys.exit()
         worst[i] = max(worst[i], d)
 print("ok worst loss %.3g, gradient norm %.3g" % tuple(worst))
 EOF
 )
-what="--dtype fp8 ${MLA[*]} --mtp 1 vs bf16, steps 1-5: each loss within max(0.25%, twice bf16's distance from"
-what="$what f32), each gradient norm within max(1%, twice that)"
+what="--dtype fp8 ${MLA[*]} --mtp 1 vs bf16, steps 1-5: each loss finite and within max(0.25%, twice bf16's"
+what="$what distance from f32), each gradient norm within max(1%, twice that)"
 case $verdict in ok*) ok "$what (${verdict#ok })" ;; *) bad "$what" "$verdict" ;; esac
 what="--dtype fp8 ${MLA[*]} --mtp 1 as tp2 x pp2 x ZeRO-1 against one rank, 5 steps: within twice one rank's"
 layout_vs_one mla "$what fp8-to-bf16 distance plus bf16's layout distance" "${MLA[@]}" --mtp 1
