@@ -129,12 +129,14 @@ typedef struct tmla_model {
 
 static inline int tmla_is_mla(const tmla_config *a) { return a->attn == TMLA_ATTN_MLA; }
 
-/* The widest input or output of an MLA block's linear layers with H heads (0 for MHA): the FP8 scratch's size. */
-static inline int64_t tmla_widest_linear(const tmla_config *a, int64_t H) {
-    int64_t r = 0, w[] = {a->q_lora_rank, H * (a->qk_nope_dim + a->qk_rope_dim), a->kv_lora_rank,
-                          H * (a->qk_nope_dim + a->v_head_dim), H * a->v_head_dim};
-    for (size_t i = 0; tmla_is_mla(a) && i < sizeof w / sizeof w[0]; i++) r = w[i] > r ? w[i] : r;
-    return r;
+/* The FP8 scratch's width (train_fp8.h): the widest of w (the caller's linears), the inputs and outputs of an MLA
+   block's linears with H heads and the MTP projection's input [hn | en] (2D). */
+static inline int64_t tmla_fp8_width(const tmla_config *a, int64_t H, int64_t D, int64_t w) {
+    int64_t m = tmla_is_mla(a), dn = a->qk_nope_dim;
+    int64_t ws[] = {a->mtp_depth > 0 ? 2 * D : 0, m * a->q_lora_rank,           m * H * (dn + a->qk_rope_dim),
+                    m * a->kv_lora_rank,          m * H * (dn + a->v_head_dim), m * H * a->v_head_dim};
+    for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) w = ws[i] > w ? ws[i] : w;
+    return w;
 }
 
 /* ------------------------------------------------------------------ prototypes (train_model.h calls these) */
@@ -348,6 +350,12 @@ static dsk_status tmla_check_config(const void *cfg) {
 
 /* ------------------------------------------------------------------ activations */
 
+/* An FP8 cache of n rows of k columns (tf8_act_alloc's shapes) through tm_alloc2, which a plan counts. */
+static dsk_status tmla_alloc_cache(tm_model *m, tf8_act *a, int64_t n, int64_t k) {
+    TM_TRY(tm_alloc2(m, &a->q, DSK_E4M3, n, k));
+    return tm_alloc2(m, &a->s, DSK_F32, n, tf8_chunks(k));
+}
+
 /* 1 when train_mla.h allocates the blocks' activations (MLA, or shared buffers). */
 static int tmla_custom_alloc(const tm_model *m) {
     return tmla_is_mla(&m->cfg.mla) || m->cfg.mla.recompute != TMLA_RECOMPUTE_NONE || m->cfg.mla.mtp_depth > 0;
@@ -408,6 +416,8 @@ static dsk_status tmla_alloc_block(tm_model *m, int l) {
     TM_TRY(tmla_act(m, b, &p->q, full, dt, H * dqk));
     TM_TRY(tmla_act(m, b, &p->ckv, full, dt, a->kv_lora_rank));
     TM_TRY(tmla_act(m, b, &p->ckvn, f8, dt, a->kv_lora_rank));
+    if (c->fp8 && a->q_lora_rank > 0) TM_TRY(tmla_alloc_cache(m, &p->f8_cqn, N, a->q_lora_rank));
+    if (c->fp8) TM_TRY(tmla_alloc_cache(m, &p->f8_ckvn, N, a->kv_lora_rank)); /* the up-projections' inputs */
     TM_TRY(tmla_act(m, b, &p->rstd_kv, full, DSK_F32, 0));
     TM_TRY(tmla_act(m, b, &p->kpe, full, dt, dr));
     TM_TRY(tmla_act(m, b, &p->kvb, full, dt, H * (dn + dv)));
@@ -415,7 +425,6 @@ static dsk_status tmla_alloc_block(tm_model *m, int l) {
     TM_TRY(tmla_act(m, b, &p->att, core, dt, H * dv));
     if (core && b != &m->blocks[0]) return tmla_act(m, b, &p->lse, 1, DSK_F32, 0);
     int64_t ls[3] = {c->batch, H, c->seq};
-    (void)N;
     return tm_alloc_nd(m, &p->lse, DSK_F32, 3, ls);
 }
 
@@ -437,7 +446,7 @@ static dsk_status tmla_alloc_scratch(tm_model *m, int64_t N, int64_t H) {
     TM_TRY(tm_alloc2(m, &s->datt, dt, N, H * dv));
     TM_TRY(tm_alloc2(m, &s->dc, dt, N, a->kv_lora_rank));
     TM_TRY(tm_alloc2(m, &s->dc2, dt, N, a->kv_lora_rank));
-    if (c->fp8) TM_TRY(tm_alloc_cache(m, &s->f8_att, N, H * dv));
+    if (c->fp8) TM_TRY(tmla_alloc_cache(m, &s->f8_att, N, H * dv));
     if (a->q_lora_rank > 0) {
         TM_TRY(tm_alloc2(m, &s->dcq, dt, N, a->q_lora_rank));
         TM_TRY(tm_alloc2(m, &s->dcq2, dt, N, a->q_lora_rank));
@@ -476,7 +485,7 @@ static dsk_status tmla_alloc(tm_model *m) {
         TM_TRY(tm_alloc2(m, &t->ids, DSK_I32, N, 0));
         TM_TRY(tm_alloc2(m, &t->tgt, DSK_I32, N, 0));
         TM_TRY(tm_alloc_nd(m, &t->loss, DSK_F32, 0, NULL));
-        if (c->fp8) TM_TRY(tm_alloc_cache(m, &t->f8_in, N, 2 * D));
+        if (c->fp8) TM_TRY(tmla_alloc_cache(m, &t->f8_in, N, 2 * D));
     }
     if (a->mtp_depth > 0) {
         TM_TRY(tm_alloc2(m, &s->dcarry, dt, N, D));

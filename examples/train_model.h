@@ -334,36 +334,20 @@ static dsk_status tm_alloc2(tm_model *m, dsk_tensor *t, dsk_dtype dt, int64_t r,
     return tm_alloc_nd(m, t, dt, c ? 2 : 1, sh);
 }
 
-/* An FP8 cache of n rows of k columns (tf8_act_alloc's shapes) through tm_alloc2. */
-static dsk_status tm_alloc_cache(tm_model *m, tf8_act *a, int64_t n, int64_t k) {
-    TM_TRY(tm_alloc2(m, &a->q, DSK_E4M3, n, k));
-    return tm_alloc2(m, &a->s, DSK_F32, n, tf8_chunks(k));
-}
-
-/* --dtype fp8: every block's FP8 caches and the shared scratch (sized by the widest linear: the FFN's, MLA's, the
-   MTP projection's 2D inputs); the linears' bf16 inputs become views of backward's datt (h1, att, a dense block's
-   h2) and da (a). A MoE block's h2 stays its own: the MoE layer's input. Under --recompute, MLA or --mtp
-   train_mla.h has allocated the blocks' activations (a linear's input shared between blocks) and they stay its
-   own. An MLA block caches h1 (its down-projections' input), the normed latents (the up-projections'); Wo's input
-   is the model's one cache (tmla_alloc_scratch). */
+/* --dtype fp8: every block's FP8 caches and the shared scratch; the linears' bf16 inputs become
+   views of backward's datt (h1, att, a dense block's h2) and da (a). A MoE block's h2 stays its
+   own: the MoE layer's input. Under --recompute, MLA or --mtp train_mla.h has allocated the blocks'
+   activations (and an MLA block's latent caches) and they stay its own. */
 static dsk_status tm_alloc_fp8(tm_model *m) {
     const tm_config *c = &m->cfg;
-    const tmla_config *a = &c->mla;
-    int64_t N = (int64_t)c->batch * c->seq, D = c->d_model, F = c->ffn_hidden, W = D > F ? D : F;
-    int64_t Wm = tmla_widest_linear(a, c->n_heads);
-    W = W > Wm ? W : Wm;
-    W = a->mtp_depth > 0 && 2 * D > W ? 2 * D : W;
+    int64_t N = (int64_t)c->batch * c->seq, D = c->d_model, F = c->ffn_hidden;
+    int64_t W = tmla_fp8_width(&c->mla, c->n_heads, D, D > F ? D : F);
     TM_TRY(tf8_scratch_alloc(m->ctx, &m->f8, N, W, W));
     for (int l = 0; l < tm_n_blocks(c); l++) { /* and the MTP modules' blocks (train_mla.h allocates theirs) */
         tm_block *b = &m->blocks[l];
         int dense = l < c->n_dense || (l >= c->n_layers && !c->mla.mtp_moe);
         TM_TRY(tf8_act_alloc(m->ctx, &b->f8_h1, N, D));
-        if (tmla_is_mla(a)) {
-            if (a->q_lora_rank > 0) TM_TRY(tm_alloc_cache(m, &b->mla.f8_cqn, N, a->q_lora_rank));
-            TM_TRY(tm_alloc_cache(m, &b->mla.f8_ckvn, N, a->kv_lora_rank));
-        } else {
-            TM_TRY(tf8_act_alloc(m->ctx, &b->f8_att, N, D));
-        }
+        if (!tmla_is_mla(&c->mla)) TM_TRY(tf8_act_alloc(m->ctx, &b->f8_att, N, D)); /* MLA: tmla_model's one */
         if (dense) TM_TRY(tf8_act_alloc(m->ctx, &b->f8_h2, N, D));
         if (dense) TM_TRY(tf8_act_alloc(m->ctx, &b->f8_a, N, F));
         if (tmla_custom_alloc(m)) continue;
@@ -721,10 +705,8 @@ static dsk_status tm_linear_backward(tm_model *m, int ph, int n, tm_param **w, d
                                      const tf8_act *act, dsk_tensor *dx) {
     dsk_tensor *gw[3];
     const dsk_tensor *wc[3];
-    for (int i = 0; i < n; i++) {
-        gw[i] = &w[i]->g;
-        wc[i] = &w[i]->wc;
-    }
+    for (int i = 0; i < n; i++) gw[i] = &w[i]->g;
+    for (int i = 0; i < n; i++) wc[i] = &w[i]->wc;
     TM_TRY(tm_linears_backward(m, ph, n, gw, wc, dy, x, act, dx));
     for (int i = 0; i < n && !m->mla.unit_ready; i++) TM_T(TM_PH_MOVE, tm_ready(m, w[i]));
     return DSK_OK;

@@ -321,8 +321,8 @@ static dsk_status tp_alloc_f8(tp_state *ps, tp_layer *L, int dense) {
     const tmla_config *a = &ps->m->cfg.mla;
     int64_t n = ps->S * ps->Nm;
     TM_TRY(tf8_act_alloc(ps->ctx, &L->f8_h1, n, ps->D));
-    if (tmla_is_mla(a) && a->q_lora_rank > 0) TM_TRY(tm_alloc_cache(ps->m, &L->mla.f8_cqn, n, a->q_lora_rank));
-    if (tmla_is_mla(a)) TM_TRY(tm_alloc_cache(ps->m, &L->mla.f8_ckvn, n, a->kv_lora_rank));
+    if (tmla_is_mla(a) && a->q_lora_rank > 0) TM_TRY(tmla_alloc_cache(ps->m, &L->mla.f8_cqn, n, a->q_lora_rank));
+    if (tmla_is_mla(a)) TM_TRY(tmla_alloc_cache(ps->m, &L->mla.f8_ckvn, n, a->kv_lora_rank));
     else TM_TRY(tf8_act_alloc(ps->ctx, &L->f8_att, n, ps->Dl));
     if (!dense) return DSK_OK;
     TM_TRY(tf8_act_alloc(ps->ctx, &L->f8_h2, n, ps->D));
@@ -374,7 +374,7 @@ static dsk_status tp_alloc_mtp(tp_state *ps) {
         TM_TRY(tp_alloc(ps, &t->dlogits, dt, ps->Nm, ps->Vl));
         TM_TRY(tm_alloc_nd(m, &t->loss, DSK_F32, 0, NULL));
         if (ps->tp > 1) TM_TRY(tp_alloc(ps, &ps->mtp_hfg[k], dt, ps->Nm, D));
-        if (m->cfg.fp8) TM_TRY(tm_alloc_cache(m, &t->f8_in, Ns, 2 * D)); /* the projection's input */
+        if (m->cfg.fp8) TM_TRY(tmla_alloc_cache(m, &t->f8_in, Ns, 2 * D)); /* the projection's input */
     }
     if (m->cfg.fp8 && m->cfg.mla.mtp_depth > 0) TM_TRY(tp_alloc(ps, &m->mla.cat, dt, Ns, 2 * D));
     return tp_alloc(ps, &m->mla.dcarry, dt, Ns, D);
@@ -424,13 +424,9 @@ static dsk_status tp_alloc_acts(tp_state *ps) {
     TM_TRY(tp_alloc(ps, &ps->rstdf, DSK_F32, Ns, 0));
     TM_TRY(tp_alloc(ps, &ps->big, dt, Nm, D));
     if (ps->tp > 1) TM_TRY(tp_alloc(ps, &ps->hfg, dt, Nm, D));
-    if (c->fp8) { /* the FP8 linears' scratch, for a micro-batch and the rank's widest shard (Dl <= D; MLA's, the
-                     MTP projection's 2D input) */
-        int64_t W = D > Fl ? D : Fl, Wm = tmla_widest_linear(&c->mla, ps->Hl);
-        W = W > Wm ? W : Wm;
-        W = c->mla.mtp_depth > 0 && 2 * D > W ? 2 * D : W;
+    int64_t W = tmla_fp8_width(&c->mla, ps->Hl, D, D > Fl ? D : Fl); /* Dl <= D; MLA's shards: the rank's heads */
+    if (c->fp8) /* the FP8 linears' scratch, for a micro-batch and the rank's widest shard */
         TM_TRY(tf8_scratch_alloc(ps->ctx, &m->f8, Nm, W, W));
-    }
     if (mla) { /* train_mla.h's scratch for a micro-batch and this rank's heads; tp_unit_ready marks gradients */
         m->mla.heads = ps->Hl;
         m->mla.unit_ready = 1;
