@@ -36,7 +36,7 @@ typedef struct tf8_scratch {
 static int64_t tf8_chunks(int64_t k) { return (k + DSK_FP8_BLOCK - 1) / DSK_FP8_BLOCK; }
 
 /* How the caches and the scratch are allocated: the model's allocator (train_model.h's
-   tm_alloc_fn: allocated, or under a plan counted over no memory). */
+   tm_alloc_nd: allocated, or under a plan counted over no memory). */
 typedef dsk_status (*tf8_alloc_fn)(void *user, dsk_tensor *t, dsk_dtype dt, int nd, const int64_t *shape);
 
 static dsk_status tf8_alloc1(tf8_alloc_fn fn, void *user, dsk_tensor *t, dsk_dtype dt, int64_t n) {

@@ -92,6 +92,7 @@ typedef struct tmla_block {
     dsk_tensor att;                     /* (N, H*v) attention output */
     dsk_tensor lse;                     /* (B, H, T) f32 row log-sum-exp */
     int recompute;                      /* this block's buffers are shared: tmla_recompute mode */
+    tf8_act f8_cqn, f8_ckvn;            /* --dtype fp8: Wq_b's and Wkv_b's inputs in e4m3 (h1's: tm_block.f8_h1) */
 } tmla_block;
 
 /* One MTP module: parameters, inputs and saved activations. */
@@ -102,6 +103,7 @@ typedef struct tmla_mtp {
     dsk_tensor demb;                    /* (N, D) d(emb), applied to the embedding in its own backward unit */
     dsk_tensor y, hf, rstdf, logits, dlogits; /* block output, final norm, head */
     dsk_tensor loss;                    /* scalar f32 */
+    tf8_act f8_in;                      /* --dtype fp8: the projection's input [hn | en] (N, 2D) in e4m3 */
 } tmla_mtp;
 
 /* Model-wide MLA/MTP state: backward scratch and the MTP modules. */
@@ -116,6 +118,9 @@ typedef struct tmla_model {
     float ry_theta[TMLA_MAX_ROPE / 2];  /* YaRN: per pair i the theta with which dsk_rope's second pair of four
                                            turns at pair i's ramped frequency: theta_i = f_i^-2 */
     dsk_tensor dcarry, dtmp;            /* (N, D) MTP backward */
+    tf8_act f8_att;                     /* --dtype fp8: Wo's input (N, H*v) in e4m3, quantised from the bf16 attention
+                                           output (which the core's backward reads) in forward and again in backward */
+    dsk_tensor cat;                     /* (N, 2D) --dtype fp8 and --mtp: [hn | en], then its gradient */
     int eval;                           /* 1: forward passes skip the MTP modules */
     int64_t heads;                      /* heads this rank runs [0: all]; train_par.h: n_heads / tp */
     int unit_ready;                     /* 1: the caller marks gradients final per unit (train_par.h), not the
@@ -123,6 +128,16 @@ typedef struct tmla_model {
 } tmla_model;
 
 static inline int tmla_is_mla(const tmla_config *a) { return a->attn == TMLA_ATTN_MLA; }
+
+/* The FP8 scratch's width (train_fp8.h): the widest of w (the caller's linears), the inputs and outputs of an MLA
+   block's linears with H heads and the MTP projection's input [hn | en] (2D). */
+static inline int64_t tmla_fp8_width(const tmla_config *a, int64_t H, int64_t D, int64_t w) {
+    int64_t m = tmla_is_mla(a), dn = a->qk_nope_dim;
+    int64_t ws[] = {a->mtp_depth > 0 ? 2 * D : 0, m * a->q_lora_rank,           m * H * (dn + a->qk_rope_dim),
+                    m * a->kv_lora_rank,          m * H * (dn + a->v_head_dim), m * H * a->v_head_dim};
+    for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) w = ws[i] > w ? ws[i] : w;
+    return w;
+}
 
 /* ------------------------------------------------------------------ prototypes (train_model.h calls these) */
 
@@ -335,16 +350,21 @@ static dsk_status tmla_check_config(const void *cfg) {
 
 /* ------------------------------------------------------------------ activations */
 
+/* An FP8 cache of n rows of k columns through the model's allocator, which a plan counts. */
+static dsk_status tmla_alloc_cache(tm_model *m, tf8_act *a, int64_t n, int64_t k) {
+    return tf8_act_alloc(tm_alloc_nd, m, a, n, k);
+}
+
 /* 1 when train_mla.h allocates the blocks' activations (MLA, or shared buffers). */
 static int tmla_custom_alloc(const tm_model *m) {
     return tmla_is_mla(&m->cfg.mla) || m->cfg.mla.recompute != TMLA_RECOMPUTE_NONE || m->cfg.mla.mtp_depth > 0;
 }
 
 /* Allocates t (N rows by `cols`, or (N) when cols == 0), or with `share` makes it a view of
-   the same tensor of block 0 (the shared buffers of recomputation). */
+   the same tensor of block 0 where block 0 has it (the shared buffers of recomputation and of FP8). */
 static dsk_status tmla_act(tm_model *m, tm_block *b, dsk_tensor *t, int share, dsk_dtype dt, int64_t cols) {
-    if (share && b != &m->blocks[0]) {
-        const dsk_tensor *src = (const dsk_tensor *)((const char *)&m->blocks[0] + ((const char *)t - (const char *)b));
+    const dsk_tensor *src = (const dsk_tensor *)((const char *)&m->blocks[0] + ((const char *)t - (const char *)b));
+    if (share && b != &m->blocks[0] && src->data) {
         *t = *src;
         t->owns = 0;
         return DSK_OK;
@@ -353,7 +373,9 @@ static dsk_status tmla_act(tm_model *m, tm_block *b, dsk_tensor *t, int share, d
 }
 
 /* Block l's activations; main blocks share all but their input under --recompute full and
-   the attention core's output and statistics under --recompute attn. MTP blocks own theirs. */
+   the attention core's output and statistics under --recompute attn. MTP blocks own theirs,
+   except that under --dtype fp8 every block shares the inputs only its FP8 linears read (kept in
+   their e4m3 caches): h1, a dense FFN's h2 and a, MHA's attention output, MLA's normed latents. */
 static dsk_status tmla_alloc_block(tm_model *m, int l) {
     const tm_config *c = &m->cfg;
     const tmla_config *a = &c->mla;
@@ -361,24 +383,25 @@ static dsk_status tmla_alloc_block(tm_model *m, int l) {
     tmla_block *p = &b->mla;
     int mode = l < c->n_layers ? a->recompute : TMLA_RECOMPUTE_NONE;
     int full = mode == TMLA_RECOMPUTE_FULL, core = mode != TMLA_RECOMPUTE_NONE;
-    int dense = l < c->n_dense || (l >= c->n_layers && !a->mtp_moe);
+    int dense = l < c->n_dense || (l >= c->n_layers && !a->mtp_moe), f8 = full || c->fp8;
     int64_t D = c->d_model, F = c->ffn_hidden, H = c->n_heads, N = (int64_t)c->batch * c->seq;
     dsk_dtype dt = c->cdt;
     p->recompute = mode;
     TM_TRY(tmla_act(m, b, &b->x, 0, dt, D));
-    dsk_tensor *nd[] = {&b->h1, &b->x2, &b->h2};
-    for (size_t i = 0; i < sizeof nd / sizeof nd[0]; i++) TM_TRY(tmla_act(m, b, nd[i], full, dt, D));
+    TM_TRY(tmla_act(m, b, &b->h1, f8, dt, D));
+    TM_TRY(tmla_act(m, b, &b->x2, full, dt, D));
+    TM_TRY(tmla_act(m, b, &b->h2, dense ? f8 : full, dt, D)); /* an MoE layer's input stays */
     TM_TRY(tmla_act(m, b, &b->rstd1, full, DSK_F32, 0));
     TM_TRY(tmla_act(m, b, &b->rstd2, full, DSK_F32, 0));
     if (dense) {
         TM_TRY(tmla_act(m, b, &b->g, full, dt, F));
         TM_TRY(tmla_act(m, b, &b->u, full, dt, F));
-        TM_TRY(tmla_act(m, b, &b->a, full, dt, F));
+        TM_TRY(tmla_act(m, b, &b->a, f8, dt, F));
     }
     if (!tmla_is_mla(a)) {
         dsk_tensor *md[] = {&b->q, &b->k, &b->v, &b->qr, &b->kr};
         for (size_t i = 0; i < sizeof md / sizeof md[0]; i++) TM_TRY(tmla_act(m, b, md[i], full, dt, D));
-        TM_TRY(tmla_act(m, b, &b->att, core, dt, D));
+        TM_TRY(tmla_act(m, b, &b->att, core || c->fp8, dt, D));
         if (core && b != &m->blocks[0]) return tmla_act(m, b, &b->probs, 1, DSK_F32, 0);
         int64_t ps[4] = {c->batch, H, c->seq, c->seq};
         return tm_alloc_nd(m, &b->probs, DSK_F32, 4, ps);
@@ -386,12 +409,14 @@ static dsk_status tmla_alloc_block(tm_model *m, int l) {
     int64_t dn = a->qk_nope_dim, dr = a->qk_rope_dim, dv = a->v_head_dim, dqk = dn + dr;
     if (a->q_lora_rank > 0) {
         TM_TRY(tmla_act(m, b, &p->cq, full, dt, a->q_lora_rank));
-        TM_TRY(tmla_act(m, b, &p->cqn, full, dt, a->q_lora_rank));
+        TM_TRY(tmla_act(m, b, &p->cqn, f8, dt, a->q_lora_rank));
         TM_TRY(tmla_act(m, b, &p->rstd_q, full, DSK_F32, 0));
     }
     TM_TRY(tmla_act(m, b, &p->q, full, dt, H * dqk));
     TM_TRY(tmla_act(m, b, &p->ckv, full, dt, a->kv_lora_rank));
-    TM_TRY(tmla_act(m, b, &p->ckvn, full, dt, a->kv_lora_rank));
+    TM_TRY(tmla_act(m, b, &p->ckvn, f8, dt, a->kv_lora_rank));
+    if (c->fp8 && a->q_lora_rank > 0) TM_TRY(tmla_alloc_cache(m, &p->f8_cqn, N, a->q_lora_rank));
+    if (c->fp8) TM_TRY(tmla_alloc_cache(m, &p->f8_ckvn, N, a->kv_lora_rank)); /* the up-projections' inputs */
     TM_TRY(tmla_act(m, b, &p->rstd_kv, full, DSK_F32, 0));
     TM_TRY(tmla_act(m, b, &p->kpe, full, dt, dr));
     TM_TRY(tmla_act(m, b, &p->kvb, full, dt, H * (dn + dv)));
@@ -399,7 +424,6 @@ static dsk_status tmla_alloc_block(tm_model *m, int l) {
     TM_TRY(tmla_act(m, b, &p->att, core, dt, H * dv));
     if (core && b != &m->blocks[0]) return tmla_act(m, b, &p->lse, 1, DSK_F32, 0);
     int64_t ls[3] = {c->batch, H, c->seq};
-    (void)N;
     return tm_alloc_nd(m, &p->lse, DSK_F32, 3, ls);
 }
 
@@ -421,6 +445,7 @@ static dsk_status tmla_alloc_scratch(tm_model *m, int64_t N, int64_t H) {
     TM_TRY(tm_alloc2(m, &s->datt, dt, N, H * dv));
     TM_TRY(tm_alloc2(m, &s->dc, dt, N, a->kv_lora_rank));
     TM_TRY(tm_alloc2(m, &s->dc2, dt, N, a->kv_lora_rank));
+    if (c->fp8) TM_TRY(tmla_alloc_cache(m, &s->f8_att, N, H * dv));
     if (a->q_lora_rank > 0) {
         TM_TRY(tm_alloc2(m, &s->dcq, dt, N, a->q_lora_rank));
         TM_TRY(tm_alloc2(m, &s->dcq2, dt, N, a->q_lora_rank));
@@ -459,10 +484,12 @@ static dsk_status tmla_alloc(tm_model *m) {
         TM_TRY(tm_alloc2(m, &t->ids, DSK_I32, N, 0));
         TM_TRY(tm_alloc2(m, &t->tgt, DSK_I32, N, 0));
         TM_TRY(tm_alloc_nd(m, &t->loss, DSK_F32, 0, NULL));
+        if (c->fp8) TM_TRY(tmla_alloc_cache(m, &t->f8_in, N, 2 * D));
     }
     if (a->mtp_depth > 0) {
         TM_TRY(tm_alloc2(m, &s->dcarry, dt, N, D));
         TM_TRY(tm_alloc2(m, &s->dtmp, dt, N, D));
+        if (c->fp8) TM_TRY(tm_alloc2(m, &s->cat, dt, N, 2 * D));
     }
     return DSK_OK;
 }
@@ -472,6 +499,8 @@ static void tmla_free_block(dsk_ctx *ctx, tm_block *b) {
     dsk_tensor *ts[] = {&p->cq, &p->cqn, &p->rstd_q, &p->q, &p->ckv, &p->ckvn, &p->rstd_kv, &p->kpe, &p->kvb, &p->k,
                         &p->att, &p->lse};
     for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
+    tf8_act_free(ctx, &p->f8_cqn);
+    tf8_act_free(ctx, &p->f8_ckvn);
 }
 
 /* Frees what train_mla.h allocated (views are only zeroed). Before tm_free's own loop. */
@@ -488,10 +517,12 @@ static void tmla_free(tm_model *m) {
         dsk_tensor *ts[] = {&t->ids, &t->tgt, &t->emb, &t->en, &t->rstd_e, &t->hn, &t->rstd_h, &t->y, &t->hf, &t->rstdf,
                             &t->logits, &t->dlogits, &t->loss, &t->demb};
         for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
+        tf8_act_free(ctx, &t->f8_in);
     }
-    dsk_tensor *ts[] = {&s->pe, &s->pe2, &s->dpe1, &s->dkpe, &s->dq, &s->dk, &s->dkvb, &s->datt, &s->dc, &s->dc2,
-                        &s->dcq, &s->dcq2, &s->yscr, &s->dcarry, &s->dtmp, &s->ry_in, &s->ry_out};
+    dsk_tensor *ts[] = {&s->pe,  &s->pe2, &s->dpe1, &s->dkpe, &s->dq,     &s->dk,   &s->dkvb,  &s->datt,   &s->dc,
+                        &s->dc2, &s->dcq, &s->dcq2, &s->yscr, &s->dcarry, &s->dtmp, &s->ry_in, &s->ry_out, &s->cat};
     for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
+    tf8_act_free(ctx, &s->f8_att);
 }
 
 /* ------------------------------------------------------------------ MLA forward and backward */
@@ -511,7 +542,8 @@ static dsk_status tmla_core(tm_model *m, tm_block *b, int nb) {
 
 /* The attention of an MLA block from its normed input h1 (nb sequences, every row of the
    micro-batch): the latents, queries, keys and values of this rank's heads and the core, att
-   and lse; everything backward needs saved. */
+   and lse; everything backward needs saved. Under --dtype fp8 the linears run in FP8 from
+   the e4m3 caches of h1 (b->f8_h1) and of the normed latents (tm_linear). */
 static dsk_status tmla_latent_forward(tm_model *m, tm_block *b, int nb, const dsk_tensor *h1) {
     const tm_config *c = &m->cfg;
     const tmla_config *a = &c->mla;
@@ -521,13 +553,15 @@ static dsk_status tmla_latent_forward(tm_model *m, tm_block *b, int nb, const ds
     int64_t R = a->kv_lora_rank;
     dsk_tensor q = tm_rows(&p->q, N), ckv = tm_rows(&p->ckv, N), ckvn = tm_rows(&p->ckvn, N);
     dsk_tensor rkv = tm_rows(&p->rstd_kv, N), kpe = tm_rows(&p->kpe, N), kvb = tm_rows(&p->kvb, N);
+    TM_T(TM_PH_LINEAR, tm_keep(m, &b->f8_h1, h1));
     if (a->q_lora_rank > 0) {
         dsk_tensor cq = tm_rows(&p->cq, N), cqn = tm_rows(&p->cqn, N), rq = tm_rows(&p->rstd_q, N);
-        TM_T(TM_PH_LINEAR, tm_mm(m, &cq, h1, 0, &p->wq_a->wc, 1, 0.0f));
+        TM_T(TM_PH_LINEAR, tm_linear(m, &cq, h1, &b->f8_h1, &p->wq_a->wc, 0.0f));
         TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &cqn, &rq, &cq, &p->q_norm->wc, tmla_latent_eps(c)));
-        TM_T(TM_PH_LINEAR, tm_mm(m, &q, &cqn, 0, &p->wq_b->wc, 1, 0.0f));
+        TM_T(TM_PH_LINEAR, tm_keep(m, &p->f8_cqn, &cqn));
+        TM_T(TM_PH_LINEAR, tm_linear(m, &q, &cqn, &p->f8_cqn, &p->wq_b->wc, 0.0f));
     } else {
-        TM_T(TM_PH_LINEAR, tm_mm(m, &q, h1, 0, &p->wq->wc, 1, 0.0f));
+        TM_T(TM_PH_LINEAR, tm_linear(m, &q, h1, &b->f8_h1, &p->wq->wc, 0.0f));
     }
     /* rotate the rope part of every query head through a contiguous copy */
     dsk_tensor q4 = tmla_heads(m, &p->q, nb, H, dqk), qpe = tmla_cols(&q4, dn, dr),
@@ -537,12 +571,13 @@ static dsk_status tmla_latent_forward(tm_model *m, tm_block *b, int nb, const ds
     TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &qpe, &pe4));
     /* [c | kr] = Wkv_a h1 as two products over the weight's row blocks */
     dsk_tensor wc = tmla_wrows(&p->wkv_a->wc, 0, R), wr = tmla_wrows(&p->wkv_a->wc, R, dr);
-    TM_T(TM_PH_LINEAR, tm_mm(m, &ckv, h1, 0, &wc, 1, 0.0f));
-    TM_T(TM_PH_LINEAR, tm_mm(m, &kpe, h1, 0, &wr, 1, 0.0f));
+    TM_T(TM_PH_LINEAR, tm_linear(m, &ckv, h1, &b->f8_h1, &wc, 0.0f));
+    TM_T(TM_PH_LINEAR, tm_linear(m, &kpe, h1, &b->f8_h1, &wr, 0.0f));
     dsk_tensor kpe4 = tmla_heads(m, &p->kpe, nb, 1, dr);
     TM_T(TM_PH_ROPE, tmla_rotate(m, &kpe4, &kpe4, 0));
     TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &ckvn, &rkv, &ckv, &p->kv_norm->wc, tmla_latent_eps(c)));
-    TM_T(TM_PH_LINEAR, tm_mm(m, &kvb, &ckvn, 0, &p->wkv_b->wc, 1, 0.0f));
+    TM_T(TM_PH_LINEAR, tm_keep(m, &p->f8_ckvn, &ckvn));
+    TM_T(TM_PH_LINEAR, tm_linear(m, &kvb, &ckvn, &p->f8_ckvn, &p->wkv_b->wc, 0.0f));
     /* keys: [k_nope_h | rope key], the rope key broadcast over the heads (stride 0) */
     dsk_tensor kvb4 = tmla_heads(m, &p->kvb, nb, H, dn + a->v_head_dim), k4 = tmla_heads(m, &p->k, nb, H, dqk);
     dsk_tensor kn = tmla_cols(&k4, 0, dn), kr = tmla_cols(&k4, dn, dr), kvn = tmla_cols(&kvb4, 0, dn), kb = kpe4;
@@ -564,32 +599,28 @@ static dsk_status tmla_attn_forward(tm_model *m, tm_block *b, int nb) {
     dsk_tensor att = tm_rows(&p->att, N), x2 = tm_rows(&b->x2, N), h2 = tm_rows(&b->h2, N),
                rstd2 = tm_rows(&b->rstd2, N);
     TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &x2, &x));
-    TM_T(TM_PH_LINEAR, tm_mm(m, &x2, &att, 0, &p->wo->wc, 1, 1.0f));
+    TM_T(TM_PH_LINEAR, tm_keep(m, &m->mla.f8_att, &att));
+    TM_T(TM_PH_LINEAR, tm_linear(m, &x2, &att, &m->mla.f8_att, &p->wo->wc, 1.0f));
     TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &h2, &rstd2, &x2, &b->ln2->wc, c->norm_eps));
     return DSK_OK;
 }
 
-/* The query path backward from dq (pre-rope gradient): weight gradients, dh = d(h1) written. */
-static dsk_status tmla_query_backward(tm_model *m, tm_block *b, const dsk_tensor *h1, dsk_tensor *dh) {
-    const tmla_config *a = &m->cfg.mla;
+/* The query path backward from dq (pre-rope gradient) down to the linear that reads h1: with
+   a query latent, Wq_b's gradients and the latent norm's. *w is that linear (Wq or Wq_a), *dy
+   its output gradient. */
+static dsk_status tmla_query_backward(tm_model *m, tm_block *b, tm_param **w, dsk_tensor **dy) {
     tmla_block *p = &b->mla;
     tmla_model *s = &m->mla;
-    if (a->q_lora_rank == 0) {
-        TM_T(TM_PH_LINEAR, tm_mm(m, &p->wq->g, &s->dq, 1, h1, 0, 1.0f));
-        TM_T(TM_PH_MOVE, tmla_ready(m, p->wq));
-        TM_T(TM_PH_LINEAR, tm_mm(m, dh, &s->dq, 0, &p->wq->wc, 0, 0.0f));
-        return DSK_OK;
-    }
-    TM_T(TM_PH_LINEAR, tm_mm(m, &p->wq_b->g, &s->dq, 1, &p->cqn, 0, 1.0f));
-    TM_T(TM_PH_MOVE, tmla_ready(m, p->wq_b));
-    TM_T(TM_PH_LINEAR, tm_mm(m, &s->dcq, &s->dq, 0, &p->wq_b->wc, 0, 0.0f));
+    tm_param *wq_b[1] = {p->wq_b};
+    dsk_tensor *dq[1] = {&s->dq};
+    *w = m->cfg.mla.q_lora_rank > 0 ? p->wq_a : p->wq;
+    *dy = m->cfg.mla.q_lora_rank > 0 ? &s->dcq2 : &s->dq;
+    if (m->cfg.mla.q_lora_rank == 0) return DSK_OK;
+    TM_TRY(tm_linear_backward(m, TM_PH_LINEAR, 1, wq_b, dq, &p->cqn, &p->f8_cqn, &s->dcq));
     TM_T(TM_PH_MOVE, tm_zero(m, &s->dcq2));
     TM_T(TM_PH_NORM,
          dsk_rmsnorm_backward(m->ctx, &s->dcq2, tm_grad(p->q_norm), &s->dcq, &p->cq, &p->q_norm->wc, &p->rstd_q));
     TM_T(TM_PH_MOVE, tmla_ready(m, p->q_norm));
-    TM_T(TM_PH_LINEAR, tm_mm(m, &p->wq_a->g, &s->dcq2, 1, h1, 0, 1.0f));
-    TM_T(TM_PH_MOVE, tmla_ready(m, p->wq_a));
-    TM_T(TM_PH_LINEAR, tm_mm(m, dh, &s->dcq2, 0, &p->wq_a->wc, 0, 0.0f));
     return DSK_OK;
 }
 
@@ -628,21 +659,22 @@ static dsk_status tmla_latent_backward(tm_model *m, tm_block *b, int nb, const d
     TM_T(TM_PH_ROPE, tmla_rotate(m, &pe24, &pe4, 1));
     TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &dqr, &pe24));
     /* kv latent path */
-    TM_T(TM_PH_LINEAR, tm_mm(m, &p->wkv_b->g, &s->dkvb, 1, &p->ckvn, 0, 1.0f));
-    TM_T(TM_PH_MOVE, tmla_ready(m, p->wkv_b));
-    TM_T(TM_PH_LINEAR, tm_mm(m, &s->dc, &s->dkvb, 0, &p->wkv_b->wc, 0, 0.0f));
+    tm_param *wkv_b[1] = {p->wkv_b}, *wq;
+    dsk_tensor *dkvb[1] = {&s->dkvb}, *dyq;
+    TM_TRY(tm_linear_backward(m, TM_PH_LINEAR, 1, wkv_b, dkvb, &p->ckvn, &p->f8_ckvn, &s->dc));
     TM_T(TM_PH_MOVE, tm_zero(m, &s->dc2));
     TM_T(TM_PH_NORM,
          dsk_rmsnorm_backward(m->ctx, &s->dc2, tm_grad(p->kv_norm), &s->dc, &p->ckv, &p->kv_norm->wc, &p->rstd_kv));
     TM_T(TM_PH_MOVE, tmla_ready(m, p->kv_norm));
+    TM_TRY(tmla_query_backward(m, b, &wq, &dyq));
+    /* the three linears that read h1: the query's, Wkv_a's latent rows and rope-key rows; dh written */
     dsk_tensor gc = tmla_wrows(&p->wkv_a->g, 0, R), gr = tmla_wrows(&p->wkv_a->g, R, dr);
-    TM_T(TM_PH_LINEAR, tm_mm(m, &gc, &s->dc2, 1, h1, 0, 1.0f));
-    TM_T(TM_PH_LINEAR, tm_mm(m, &gr, &s->dkpe, 1, h1, 0, 1.0f));
-    TM_T(TM_PH_MOVE, tmla_ready(m, p->wkv_a));
-    TM_TRY(tmla_query_backward(m, b, h1, dh)); /* writes dh */
     dsk_tensor wc = tmla_wrows(&p->wkv_a->wc, 0, R), wr = tmla_wrows(&p->wkv_a->wc, R, dr);
-    TM_T(TM_PH_LINEAR, tm_mm(m, dh, &s->dc2, 0, &wc, 0, 1.0f));
-    TM_T(TM_PH_LINEAR, tm_mm(m, dh, &s->dkpe, 0, &wr, 0, 1.0f));
+    dsk_tensor *gw[3] = {&wq->g, &gc, &gr}, *dy[3] = {dyq, &s->dc2, &s->dkpe};
+    const dsk_tensor *w[3] = {&wq->wc, &wc, &wr};
+    TM_TRY(tm_linears_backward(m, TM_PH_LINEAR, 3, gw, w, dy, h1, &b->f8_h1, dh));
+    TM_T(TM_PH_MOVE, tmla_ready(m, wq));
+    TM_T(TM_PH_MOVE, tmla_ready(m, p->wkv_a));
     return DSK_OK;
 }
 
@@ -650,10 +682,11 @@ static dsk_status tmla_latent_backward(tm_model *m, tm_block *b, int nb, const d
 static dsk_status tmla_attn_backward(tm_model *m, tm_block *b) {
     tmla_block *p = &b->mla;
     int nb = m->cfg.batch;
+    tm_param *wo[1] = {p->wo};
+    dsk_tensor *dx[1] = {&m->dx};
     if (p->recompute == TMLA_RECOMPUTE_ATTN) TM_TRY(tmla_core(m, b, nb));
-    TM_T(TM_PH_LINEAR, tm_mm(m, &p->wo->g, &m->dx, 1, &p->att, 0, 1.0f)); /* dWo += dx2^T att */
-    TM_T(TM_PH_MOVE, tm_ready(m, p->wo));
-    TM_T(TM_PH_LINEAR, tm_mm(m, &m->mla.datt, &m->dx, 0, &p->wo->wc, 0, 0.0f));
+    TM_T(TM_PH_LINEAR, tm_keep(m, &m->mla.f8_att, &p->att)); /* fp8: forward's codes again, from the same values */
+    TM_TRY(tm_linear_backward(m, TM_PH_LINEAR, 1, wo, dx, &p->att, &m->mla.f8_att, &m->mla.datt)); /* dWo, datt */
     TM_TRY(tmla_latent_backward(m, b, nb, &b->h1, &m->dh));
     TM_T(TM_PH_NORM, dsk_rmsnorm_backward(m->ctx, &m->dx, tm_grad(b->ln1), &m->dh, &b->x, &b->ln1->wc, &b->rstd1));
     TM_T(TM_PH_MOVE, tm_ready(m, b->ln1));

@@ -25,11 +25,10 @@
 
 #include "../dsk_moe.h"
 #include "../dsk_tensor.h"
-#include "train_mla.h" /* MLA, MTP, recomputation: types and prototypes here, definitions at the end */
-
 #define TM_TRY(call) do { dsk_status tm_s_ = (call); if (tm_s_ != DSK_OK) return tm_s_; } while (0)
 
 #include "train_fp8.h" /* --dtype fp8: the FP8 linear layers */
+#include "train_mla.h" /* MLA, MTP, recomputation: types and prototypes here, definitions at the end */
 
 typedef struct tm_config {
     int vocab, seq, d_model, n_heads, n_layers, n_dense, ffn_hidden;
@@ -166,11 +165,12 @@ static dsk_status tm_keep(tm_model *m, tf8_act *act, const dsk_tensor *x) {
     return m->cfg.fp8 ? tf8_keep(m->ctx, act, x) : DSK_OK;
 }
 
-/* A linear layer y = x w^T + beta y: in FP8 from x's cache (tm_keep) under --dtype fp8. */
-static dsk_status tm_linear(tm_model *m, dsk_tensor *y, const dsk_tensor *x, const tf8_act *act, const tm_param *w,
+/* A linear layer y = x w^T + beta y (w a compute copy, or rows of one): in FP8 from x's cache (tm_keep) under
+   --dtype fp8. */
+static dsk_status tm_linear(tm_model *m, dsk_tensor *y, const dsk_tensor *x, const tf8_act *act, const dsk_tensor *w,
                             float beta) {
-    if (m->cfg.fp8) return tf8_forward(m->ctx, &m->f8, y, act, &w->wc, beta);
-    return tm_mm(m, y, x, 0, &w->wc, 1, beta);
+    if (m->cfg.fp8) return tf8_forward(m->ctx, &m->f8, y, act, w, beta);
+    return tm_mm(m, y, x, 0, w, 1, beta);
 }
 
 /* t <- 0 (dsk_tensor_fill clears +0 by memset on either device). */
@@ -320,18 +320,14 @@ static dsk_status tm_init_weights(tm_model *m) {
 /* Read-only: what a planned tensor points at (nothing may read or write it). */
 static const char tm_plan_mark = 0;
 
-/* Every activation and buffer of the model is allocated here: under a plan (cfg.plan_bytes) it
-   adds the bytes the allocator would count instead, and t becomes a header over no memory. */
-static dsk_status tm_alloc_nd(tm_model *m, dsk_tensor *t, dsk_dtype dt, int nd, const int64_t *shape) {
+/* Every activation and buffer of the model is allocated here (user: the tm_model, as tf8_alloc_fn): under a plan
+   (cfg.plan_bytes) it adds the bytes the allocator would count instead, and t becomes a header over no memory. */
+static dsk_status tm_alloc_nd(void *user, dsk_tensor *t, dsk_dtype dt, int nd, const int64_t *shape) {
+    tm_model *m = (tm_model *)user;
     if (!m->cfg.plan_bytes) return dsk_tensor_alloc(m->ctx, t, dt, nd, shape);
     TM_TRY(dsk_tensor_wrap(t, (void *)&tm_plan_mark, dt, dsk_cpu(), nd, shape));
     *m->cfg.plan_bytes += (int64_t)dsk_tensor_nbytes(t);
     return DSK_OK;
-}
-
-/* tm_alloc_nd as train_fp8.h's allocators take it (user: the model). */
-static dsk_status tm_alloc_fn(void *m, dsk_tensor *t, dsk_dtype dt, int nd, const int64_t *shape) {
-    return tm_alloc_nd((tm_model *)m, t, dt, nd, shape);
 }
 
 static dsk_status tm_alloc2(tm_model *m, dsk_tensor *t, dsk_dtype dt, int64_t r, int64_t c) {
@@ -341,19 +337,20 @@ static dsk_status tm_alloc2(tm_model *m, dsk_tensor *t, dsk_dtype dt, int64_t r,
 
 /* --dtype fp8: every block's FP8 caches and the shared scratch; the linears' bf16 inputs become
    views of backward's datt (h1, att, a dense block's h2) and da (a). A MoE block's h2 stays its
-   own: the MoE layer's input. Under --recompute train_mla.h has allocated the blocks'
-   activations (shared between blocks as the mode has them) and they stay its own. */
+   own: the MoE layer's input. Under --recompute, MLA or --mtp train_mla.h has allocated the blocks'
+   activations (and an MLA block's latent caches) and they stay its own. */
 static dsk_status tm_alloc_fp8(tm_model *m) {
     const tm_config *c = &m->cfg;
-    int64_t N = (int64_t)c->batch * c->seq, D = c->d_model, F = c->ffn_hidden, W = D > F ? D : F;
-    TM_TRY(tf8_scratch_alloc(tm_alloc_fn, m, &m->f8, N, W, W));
+    int64_t N = (int64_t)c->batch * c->seq, D = c->d_model, F = c->ffn_hidden;
+    int64_t W = tmla_fp8_width(&c->mla, c->n_heads, D, D > F ? D : F);
+    TM_TRY(tf8_scratch_alloc(tm_alloc_nd, m, &m->f8, N, W, W));
     for (int l = 0; l < tm_n_blocks(c); l++) { /* and the MTP modules' blocks (train_mla.h allocates theirs) */
         tm_block *b = &m->blocks[l];
         int dense = l < c->n_dense || (l >= c->n_layers && !c->mla.mtp_moe);
-        TM_TRY(tf8_act_alloc(tm_alloc_fn, m, &b->f8_h1, N, D));
-        TM_TRY(tf8_act_alloc(tm_alloc_fn, m, &b->f8_att, N, D));
-        if (dense) TM_TRY(tf8_act_alloc(tm_alloc_fn, m, &b->f8_h2, N, D));
-        if (dense) TM_TRY(tf8_act_alloc(tm_alloc_fn, m, &b->f8_a, N, F));
+        TM_TRY(tf8_act_alloc(tm_alloc_nd, m, &b->f8_h1, N, D));
+        if (!tmla_is_mla(&c->mla)) TM_TRY(tf8_act_alloc(tm_alloc_nd, m, &b->f8_att, N, D)); /* MLA: tmla_model's one */
+        if (dense) TM_TRY(tf8_act_alloc(tm_alloc_nd, m, &b->f8_h2, N, D));
+        if (dense) TM_TRY(tf8_act_alloc(tm_alloc_nd, m, &b->f8_a, N, F));
         if (tmla_custom_alloc(m)) continue;
         b->h1 = m->datt;
         b->h1.owns = 0;
@@ -538,8 +535,6 @@ static dsk_status tm_check_config(const tm_config *c) {
     if (c->n_dense < 0 || c->n_dense > c->n_layers)
         return dsk_set_error(DSK_ERR_ARG, "--dense-layers %d outside [0, --layers %d]", c->n_dense, c->n_layers);
     if (c->n_layers > 100) return dsk_set_error(DSK_ERR_ARG, "--layers %d: at most 100", c->n_layers);
-    if (c->fp8 && tmla_is_mla(&c->mla))
-        return dsk_set_error(DSK_ERR_ARG, "--dtype fp8: the FP8 linears cover MHA blocks (not --attn mla yet)");
     return tmla_check_config(c);
 }
 
@@ -587,12 +582,12 @@ static dsk_status tm_dense_forward(tm_model *m, tm_block *b, int64_t N, dsk_tens
     dsk_tensor h2 = tm_rows(&b->h2, N), g = tm_rows(&b->g, N), u = tm_rows(&b->u, N), a = tm_rows(&b->a, N);
     dsk_tensor x2 = tm_rows(&b->x2, N);
     TM_T(TM_PH_FFN, tm_keep(m, &b->f8_h2, &h2));
-    TM_T(TM_PH_FFN, tm_linear(m, &g, &h2, &b->f8_h2, b->w1, 0.0f));
-    TM_T(TM_PH_FFN, tm_linear(m, &u, &h2, &b->f8_h2, b->w3, 0.0f));
+    TM_T(TM_PH_FFN, tm_linear(m, &g, &h2, &b->f8_h2, &b->w1->wc, 0.0f));
+    TM_T(TM_PH_FFN, tm_linear(m, &u, &h2, &b->f8_h2, &b->w3->wc, 0.0f));
     TM_T(TM_PH_FFN, dsk_swiglu(m->ctx, &a, &g, &u));
     TM_T(TM_PH_FFN, tm_keep(m, &b->f8_a, &a));
     TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, y, &x2));
-    TM_T(TM_PH_FFN, tm_linear(m, y, &a, &b->f8_a, b->w2, 1.0f));
+    TM_T(TM_PH_FFN, tm_linear(m, y, &a, &b->f8_a, &b->w2->wc, 1.0f));
     return DSK_OK;
 }
 
@@ -606,9 +601,9 @@ static dsk_status tm_attn_forward(tm_model *m, tm_block *b, int nb) {
     dsk_tensor x2 = tm_rows(&b->x2, N);
     TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &h1, &rstd1, &x, &b->ln1->wc, c->norm_eps));
     TM_T(TM_PH_LINEAR, tm_keep(m, &b->f8_h1, &h1));
-    TM_T(TM_PH_LINEAR, tm_linear(m, &q, &h1, &b->f8_h1, b->wq, 0.0f));
-    TM_T(TM_PH_LINEAR, tm_linear(m, &k, &h1, &b->f8_h1, b->wk, 0.0f));
-    TM_T(TM_PH_LINEAR, tm_linear(m, &v, &h1, &b->f8_h1, b->wv, 0.0f));
+    TM_T(TM_PH_LINEAR, tm_linear(m, &q, &h1, &b->f8_h1, &b->wq->wc, 0.0f));
+    TM_T(TM_PH_LINEAR, tm_linear(m, &k, &h1, &b->f8_h1, &b->wk->wc, 0.0f));
+    TM_T(TM_PH_LINEAR, tm_linear(m, &v, &h1, &b->f8_h1, &b->wv->wc, 0.0f));
     dsk_tensor q4 = tm_heads(m, &q, nb), k4 = tm_heads(m, &k, nb);
     dsk_tensor qr4 = tm_heads(m, &b->qr, nb), kr4 = tm_heads(m, &b->kr, nb);
     TM_T(TM_PH_ROPE, dsk_rope(m->ctx, &qr4, &q4, 0, c->rope_theta));
@@ -620,7 +615,7 @@ static dsk_status tm_attn_forward(tm_model *m, tm_block *b, int nb) {
     TM_T(TM_PH_ATTN, dsk_attention(m->ctx, &att4, &probs, &qr4, &kr4, &v4, scale));
     TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &x2, &x));
     TM_T(TM_PH_LINEAR, tm_keep(m, &b->f8_att, &att));
-    TM_T(TM_PH_LINEAR, tm_linear(m, &x2, &att, &b->f8_att, b->wo, 1.0f));
+    TM_T(TM_PH_LINEAR, tm_linear(m, &x2, &att, &b->f8_att, &b->wo->wc, 1.0f));
     dsk_tensor h2 = tm_rows(&b->h2, N), rstd2 = tm_rows(&b->rstd2, N);
     TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &h2, &rstd2, &x2, &b->ln2->wc, c->norm_eps));
     return DSK_OK;
@@ -691,25 +686,30 @@ static dsk_status tm_zero_grads(tm_model *m) {
     return DSK_OK;
 }
 
-/* The backward of n linear layers that read one input x (its cache act under --dtype fp8) with
-   output gradients dy[i]: w[i]'s gradient += dy[i]^T x, each made ready, then dx = sum over i
-   of dy[i] w[i] (in i order). Phase ph takes the time. */
-static dsk_status tm_linear_backward(tm_model *m, int ph, int n, tm_param **w, dsk_tensor **dy, const dsk_tensor *x,
-                                     const tf8_act *act, dsk_tensor *dx) {
-    if (!m->cfg.fp8) {
-        for (int i = 0; i < n; i++) TM_T(ph, tm_mm(m, &w[i]->g, dy[i], 1, x, 0, 1.0f));
-        for (int i = 0; i < n; i++) TM_T(TM_PH_MOVE, tm_ready(m, w[i]));
-        for (int i = 0; i < n; i++) TM_T(ph, tm_mm(m, dx, dy[i], 0, &w[i]->wc, 0, i ? 1.0f : 0.0f));
+/* The backward of n linear layers that read one input x (its cache act under --dtype fp8) with weights w[i]
+   (compute copies, or rows of one) and output gradients dy[i]: gw[i] += dy[i]^T x, then dx = sum over i of
+   dy[i] w[i] (in i order, written). Phase ph takes the time. */
+static dsk_status tm_linears_backward(tm_model *m, int ph, int n, dsk_tensor *const *gw, const dsk_tensor *const *w,
+                                      dsk_tensor *const *dy, const dsk_tensor *x, const tf8_act *act, dsk_tensor *dx) {
+    if (m->cfg.fp8) {
+        TM_T(ph, tf8_linear_backward(m->ctx, &m->f8, n, gw, w, (const dsk_tensor *const *)dy, act, dx));
         return DSK_OK;
     }
+    for (int i = 0; i < n; i++) TM_T(ph, tm_mm(m, gw[i], dy[i], 1, x, 0, 1.0f));
+    for (int i = 0; i < n; i++) TM_T(ph, tm_mm(m, dx, dy[i], 0, w[i], 0, i ? 1.0f : 0.0f));
+    return DSK_OK;
+}
+
+/* tm_linears_backward of the parameters w[i], each made ready after (unless the caller marks whole units:
+   tmla_model.unit_ready). */
+static dsk_status tm_linear_backward(tm_model *m, int ph, int n, tm_param **w, dsk_tensor **dy, const dsk_tensor *x,
+                                     const tf8_act *act, dsk_tensor *dx) {
     dsk_tensor *gw[3];
     const dsk_tensor *wc[3];
-    for (int i = 0; i < n; i++) {
-        gw[i] = &w[i]->g;
-        wc[i] = &w[i]->wc;
-    }
-    TM_T(ph, tf8_linear_backward(m->ctx, &m->f8, n, gw, wc, (const dsk_tensor *const *)dy, act, dx));
-    for (int i = 0; i < n; i++) TM_T(TM_PH_MOVE, tm_ready(m, w[i]));
+    for (int i = 0; i < n; i++) gw[i] = &w[i]->g;
+    for (int i = 0; i < n; i++) wc[i] = &w[i]->wc;
+    TM_TRY(tm_linears_backward(m, ph, n, gw, wc, dy, x, act, dx));
+    for (int i = 0; i < n && !m->mla.unit_ready; i++) TM_T(TM_PH_MOVE, tm_ready(m, w[i]));
     return DSK_OK;
 }
 

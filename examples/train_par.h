@@ -315,14 +315,18 @@ static dsk_status tp_act(tp_state *ps, tp_layer *L, dsk_tensor *t, int need, dsk
    kept for backward in its e4m3 cache instead): none, one slot every layer shares; else `need`. */
 static int tp_need_f8(const tp_state *ps, int need) { return ps->m->cfg.fp8 ? TMLA_RECOMPUTE_NONE : need; }
 
-/* --dtype fp8: layer L's caches of its linears' inputs, S slots of a micro-batch's Nm rows. */
+/* --dtype fp8: layer L's caches of its linears' inputs, S slots of a micro-batch's Nm rows (MLA: h1g and the
+   normed latents; Wo's input has the model's one cache, tmla_alloc_scratch). */
 static dsk_status tp_alloc_f8(tp_state *ps, tp_layer *L, int dense) {
+    const tmla_config *a = &ps->m->cfg.mla;
     int64_t n = ps->S * ps->Nm;
-    TM_TRY(tf8_act_alloc(tm_alloc_fn, ps->m, &L->f8_h1, n, ps->D));
-    TM_TRY(tf8_act_alloc(tm_alloc_fn, ps->m, &L->f8_att, n, ps->Dl));
+    TM_TRY(tf8_act_alloc(tm_alloc_nd, ps->m, &L->f8_h1, n, ps->D));
+    if (tmla_is_mla(a) && a->q_lora_rank > 0) TM_TRY(tmla_alloc_cache(ps->m, &L->mla.f8_cqn, n, a->q_lora_rank));
+    if (tmla_is_mla(a)) TM_TRY(tmla_alloc_cache(ps->m, &L->mla.f8_ckvn, n, a->kv_lora_rank));
+    else TM_TRY(tf8_act_alloc(tm_alloc_nd, ps->m, &L->f8_att, n, ps->Dl));
     if (!dense) return DSK_OK;
-    TM_TRY(tf8_act_alloc(tm_alloc_fn, ps->m, &L->f8_h2, n, ps->D));
-    return tf8_act_alloc(tm_alloc_fn, ps->m, &L->f8_a, n, ps->Fl);
+    TM_TRY(tf8_act_alloc(tm_alloc_nd, ps->m, &L->f8_h2, n, ps->D));
+    return tf8_act_alloc(tm_alloc_nd, ps->m, &L->f8_a, n, ps->Fl);
 }
 
 /* The MLA activations of layer l, S slots of a micro-batch's Nm rows and the rank's Hl heads
@@ -332,15 +336,15 @@ static dsk_status tp_alloc_mla(tp_state *ps, tp_layer *L) {
     tmla_block *p = &L->mla;
     dsk_dtype dt = ps->m->cfg.cdt;
     int64_t R = ps->Nm, H = ps->Hl, dn = a->qk_nope_dim, dr = a->qk_rope_dim, dqk = dn + dr, ql = a->q_lora_rank;
-    int F = TMLA_RECOMPUTE_FULL;
+    int F = TMLA_RECOMPUTE_FULL, F8 = tp_need_f8(ps, F); /* the normed latents: the up-projections' inputs */
     if (ql > 0) {
         TM_TRY(tp_act(ps, L, &p->cq, F, dt, 2, R, ql, 0, 0));
-        TM_TRY(tp_act(ps, L, &p->cqn, F, dt, 2, R, ql, 0, 0));
+        TM_TRY(tp_act(ps, L, &p->cqn, F8, dt, 2, R, ql, 0, 0));
         TM_TRY(tp_act(ps, L, &p->rstd_q, F, DSK_F32, 1, R, 0, 0, 0));
     }
     TM_TRY(tp_act(ps, L, &p->q, F, dt, 2, R, H * dqk, 0, 0));
     TM_TRY(tp_act(ps, L, &p->ckv, F, dt, 2, R, a->kv_lora_rank, 0, 0));
-    TM_TRY(tp_act(ps, L, &p->ckvn, F, dt, 2, R, a->kv_lora_rank, 0, 0));
+    TM_TRY(tp_act(ps, L, &p->ckvn, F8, dt, 2, R, a->kv_lora_rank, 0, 0));
     TM_TRY(tp_act(ps, L, &p->rstd_kv, F, DSK_F32, 1, R, 0, 0, 0));
     TM_TRY(tp_act(ps, L, &p->kpe, F, dt, 2, R, dr, 0, 0));
     TM_TRY(tp_act(ps, L, &p->kvb, F, dt, 2, R, H * (dn + a->v_head_dim), 0, 0));
@@ -370,7 +374,9 @@ static dsk_status tp_alloc_mtp(tp_state *ps) {
         TM_TRY(tp_alloc(ps, &t->dlogits, dt, ps->Nm, ps->Vl));
         TM_TRY(tm_alloc_nd(m, &t->loss, DSK_F32, 0, NULL));
         if (ps->tp > 1) TM_TRY(tp_alloc(ps, &ps->mtp_hfg[k], dt, ps->Nm, D));
+        if (m->cfg.fp8) TM_TRY(tmla_alloc_cache(m, &t->f8_in, Ns, 2 * D)); /* the projection's input */
     }
+    if (m->cfg.fp8 && m->cfg.mla.mtp_depth > 0) TM_TRY(tp_alloc(ps, &m->mla.cat, dt, Ns, 2 * D));
     return tp_alloc(ps, &m->mla.dcarry, dt, Ns, D);
 }
 
@@ -418,8 +424,9 @@ static dsk_status tp_alloc_acts(tp_state *ps) {
     TM_TRY(tp_alloc(ps, &ps->rstdf, DSK_F32, Ns, 0));
     TM_TRY(tp_alloc(ps, &ps->big, dt, Nm, D));
     if (ps->tp > 1) TM_TRY(tp_alloc(ps, &ps->hfg, dt, Nm, D));
-    if (c->fp8) /* the FP8 linears' scratch, for a micro-batch and the rank's widest shard (Dl <= D) */
-        TM_TRY(tf8_scratch_alloc(tm_alloc_fn, m, &m->f8, Nm, D > Fl ? D : Fl, D > Fl ? D : Fl));
+    int64_t W = tmla_fp8_width(&c->mla, ps->Hl, D, D > Fl ? D : Fl); /* Dl <= D; MLA's shards: the rank's heads */
+    if (c->fp8) /* the FP8 linears' scratch, for a micro-batch and the rank's widest shard */
+        TM_TRY(tf8_scratch_alloc(tm_alloc_nd, m, &m->f8, Nm, W, W));
     if (mla) { /* train_mla.h's scratch for a micro-batch and this rank's heads; tp_unit_ready marks gradients */
         m->mla.heads = ps->Hl;
         m->mla.unit_ready = 1;
@@ -598,7 +605,7 @@ static void tp_free(tp_state *ps) {
             dsk_tensor *ms[] = {&p->cq,      &p->cqn, &p->rstd_q, &p->q, &p->ckv, &p->ckvn,
                                 &p->rstd_kv, &p->kpe, &p->kvb,    &p->k, &p->att, &p->lse};
             for (size_t i = 0; i < sizeof ms / sizeof ms[0]; i++) dsk_tensor_free(ctx, ms[i]);
-            tf8_act *f8[] = {&L->f8_h1, &L->f8_att, &L->f8_h2, &L->f8_a};
+            tf8_act *f8[] = {&L->f8_h1, &L->f8_att, &L->f8_h2, &L->f8_a, &p->f8_cqn, &p->f8_ckvn};
             for (size_t i = 0; i < sizeof f8 / sizeof f8[0]; i++) tf8_act_free(ctx, f8[i]);
         }
     for (int c = 0; c < 16; c++) {

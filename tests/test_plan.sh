@@ -115,6 +115,8 @@ layout tp2pp2ep2_bounded 8 --tp 2 --pp 2 --ep 2 --micro-batches 2 --pp-schedule 
 layout dp2_fp8_zero1 2 --dtype fp8 --zero 1
 layout tp2_fp8 2 --tp 2 --dtype fp8
 layout pp2_fp8_attn 2 --pp 2 --micro-batches 2 --dtype fp8 --recompute attn
+layout mla_fp8_mtp 1 --attn mla --q-lora-rank 16 --mtp 1 --dtype fp8
+layout tp2_mla_fp8_full 2 --tp 2 --attn mla --q-lora-rank 16 --dtype fp8 --recompute full
 
 # ---- bad input
 echo '{"name": "x", "nodes": 1, "gpus_per_node": 8, "memory_gb": 80, "bf16_tflops": 989, "fp8_tflops": 1979,
@@ -198,19 +200,24 @@ else
     bad "paper: V2-Lite: a layout fits" "$(sed -n 2,4p "$work/v2lite_8.txt")"
 fi
 
-# ---- FP8 in the enumeration: every layout also with FP8 GEMMs where the trainer runs them (MHA: the best on a
-# GPU node is one, its GEMMs at fp8_tflops), none where it refuses them (MLA: the trainer's refusal, half the layouts)
-"$PLAN" --cluster examples/clusters/h200_1x8.json --sequences 8 "${TINY[@]}" --top 4 >"$work/fp8_mha.txt" 2>&1
-"$PLAN" --cluster examples/clusters/h200_1x8.json --sequences 8 "${TINY[@]}" --attn mla --top 4 >"$work/fp8_mla.txt" 2>&1
-n_mha=$(sed -nE 's/^[0-9]+ of ([0-9]+) layouts fit.*/\1/p' "$work/fp8_mha.txt")
-n_mla=$(sed -nE 's/^[0-9]+ of ([0-9]+) layouts fit.*/\1/p' "$work/fp8_mla.txt")
-best=$(sed -n 5p "$work/fp8_mha.txt" | cut -c1-72 | sed "s/ *$//")
-if [ -n "$n_mha" ] && [ "$n_mha" = "$((2 * ${n_mla:-0}))" ] && [[ "$best" == *" fp8" ]] &&
-    ! grep -q " fp8 " "$work/fp8_mla.txt"; then
-    ok "fp8: MHA enumerates $n_mha layouts, half with FP8 GEMMs, and the best has them ($best); MLA: $n_mla, none"
-else
-    bad "fp8: the enumeration" "MHA $n_mha layouts, best '$best'; MLA $n_mla layouts: $(grep -m1 ' fp8 ' "$work/fp8_mla.txt")"
-fi
+# ---- FP8 in the enumeration: with bf16 compute every layout also with FP8 GEMMs (MHA and MLA: the best on a GPU
+# node is one, its GEMMs at fp8_tflops); with f32 compute none (the trainer's FP8 recipe computes in bf16)
+for a in mha mla; do
+    for d in bf16 f32; do
+        "$PLAN" --cluster examples/clusters/h200_1x8.json --sequences 8 "${TINY[@]}" --attn $a --dtype $d --top 4 \
+            >"$work/fp8_${a}_$d.txt" 2>&1
+    done
+    n_bf16=$(sed -nE 's/^[0-9]+ of ([0-9]+) layouts fit.*/\1/p' "$work/fp8_${a}_bf16.txt")
+    n_f32=$(sed -nE 's/^[0-9]+ of ([0-9]+) layouts fit.*/\1/p' "$work/fp8_${a}_f32.txt")
+    best=$(sed -n 5p "$work/fp8_${a}_bf16.txt" | cut -c1-72 | sed "s/ *$//")
+    if [ -n "$n_bf16" ] && [ "$n_bf16" = "$((2 * ${n_f32:-0}))" ] && [[ "$best" == *" fp8" ]] &&
+        ! grep -q " fp8 " "$work/fp8_${a}_f32.txt"; then
+        ok "fp8 ($a): bf16 enumerates $n_bf16 layouts, half with FP8 GEMMs, and the best has them ($best); f32: $n_f32, none"
+    else
+        bad "fp8 ($a): the enumeration" "bf16 $n_bf16 layouts, best '$best'; f32 $n_f32 layouts: $(grep -m1 ' fp8 ' \
+            "$work/fp8_${a}_f32.txt")"
+    fi
+done
 # the compute of a layout with FP8 GEMMs: its GEMMs' share at fp8_tflops (1979, bf16 989 on the H200 file), the rest
 # (attention cores, router, LM head) at bf16_tflops: faster than the bf16 layout, slower than all of it at the FP8 peak
 cs=()

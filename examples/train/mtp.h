@@ -43,10 +43,52 @@ static dsk_status tmla_mtp_embed(tm_model *m, int nb) {
     return DSK_OK;
 }
 
+/* x = M [hn | en], module t's projection on the rows of x. bf16: two products over M's column
+   blocks; --dtype fp8: one FP8 linear on the concatenation (in m->mla.cat), kept in t->f8_in. */
+static dsk_status tmla_mtp_proj_forward(tm_model *m, tmla_mtp *t, dsk_tensor *x, const dsk_tensor *hn,
+                                        const dsk_tensor *en) {
+    int64_t D = m->cfg.d_model;
+    if (!m->cfg.fp8) {
+        dsk_tensor ph = tmla_cols(&t->proj->wc, 0, D), pe = tmla_cols(&t->proj->wc, D, D);
+        TM_T(TM_PH_LINEAR, tm_mm(m, x, hn, 0, &ph, 1, 0.0f));
+        TM_T(TM_PH_LINEAR, tm_mm(m, x, en, 0, &pe, 1, 1.0f));
+        return DSK_OK;
+    }
+    dsk_tensor cat = tm_rows(&m->mla.cat, x->shape[0]), ch = tmla_cols(&cat, 0, D), ce = tmla_cols(&cat, D, D);
+    TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &ch, hn));
+    TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &ce, en));
+    TM_T(TM_PH_LINEAR, tf8_keep(m->ctx, &t->f8_in, &cat));
+    TM_T(TM_PH_LINEAR, tf8_forward(m->ctx, &m->f8, x, &t->f8_in, &t->proj->wc, 0.0f));
+    return DSK_OK;
+}
+
+/* The projection's backward from dx: M's gradient added (the caller makes it ready), d(hn) and
+   d(en) written (fp8: through m->mla.cat). */
+static dsk_status tmla_mtp_proj_backward(tm_model *m, tmla_mtp *t, const dsk_tensor *dx, dsk_tensor *dhn,
+                                         dsk_tensor *den) {
+    int64_t D = m->cfg.d_model;
+    if (!m->cfg.fp8) {
+        dsk_tensor ph = tmla_cols(&t->proj->wc, 0, D), pe = tmla_cols(&t->proj->wc, D, D);
+        dsk_tensor gh = tmla_cols(&t->proj->g, 0, D), ge = tmla_cols(&t->proj->g, D, D);
+        TM_T(TM_PH_LINEAR, tm_mm(m, &gh, dx, 1, &t->hn, 0, 1.0f));
+        TM_T(TM_PH_LINEAR, tm_mm(m, &ge, dx, 1, &t->en, 0, 1.0f));
+        TM_T(TM_PH_LINEAR, tm_mm(m, dhn, dx, 0, &ph, 0, 0.0f));
+        TM_T(TM_PH_LINEAR, tm_mm(m, den, dx, 0, &pe, 0, 0.0f));
+        return DSK_OK;
+    }
+    dsk_tensor cat = tm_rows(&m->mla.cat, dx->shape[0]), ch = tmla_cols(&cat, 0, D), ce = tmla_cols(&cat, D, D);
+    dsk_tensor *g = &t->proj->g;
+    const dsk_tensor *w = &t->proj->wc;
+    TM_T(TM_PH_LINEAR, tf8_linear_backward(m->ctx, &m->f8, 1, &g, &w, &dx, &t->f8_in, &cat));
+    TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, dhn, &ch));
+    TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, den, &ce));
+    return DSK_OK;
+}
+
 /* The D modules after the main forward (nb sequences); skipped by evaluation passes. */
 static dsk_status tmla_mtp_forward(tm_model *m, int nb) {
     const tm_config *c = &m->cfg;
-    int64_t N = (int64_t)nb * c->seq, D = c->d_model;
+    int64_t N = (int64_t)nb * c->seq;
     if (m->mla.eval) return DSK_OK;
     for (int k = 1; k <= c->mla.mtp_depth; k++) {
         tmla_mtp *t = &m->mla.mtp[k - 1];
@@ -55,11 +97,9 @@ static dsk_status tmla_mtp_forward(tm_model *m, int nb) {
         dsk_tensor emb = tm_rows(&t->emb, N), en = tm_rows(&t->en, N), hn = tm_rows(&t->hn, N);
         dsk_tensor re = tm_rows(&t->rstd_e, N), rh = tm_rows(&t->rstd_h, N), x = tm_rows(&b->x, N),
                    y = tm_rows(&t->y, N);
-        dsk_tensor ph = tmla_cols(&t->proj->wc, 0, D), pe = tmla_cols(&t->proj->wc, D, D);
         TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &hn, &rh, &prev, &t->hnorm->wc, c->norm_eps));
         TM_T(TM_PH_NORM, dsk_rmsnorm(m->ctx, &en, &re, &emb, &t->enorm->wc, c->norm_eps));
-        TM_T(TM_PH_LINEAR, tm_mm(m, &x, &hn, 0, &ph, 1, 0.0f)); /* M [hn | en] as two products */
-        TM_T(TM_PH_LINEAR, tm_mm(m, &x, &en, 0, &pe, 1, 1.0f));
+        TM_TRY(tmla_mtp_proj_forward(m, t, &x, &hn, &en));
         TM_TRY(tm_attn_forward(m, b, nb));
         if (b->is_moe) TM_T(TM_PH_MOE, tm_moe_forward(m, c->n_layers + k - 1, N, &y));
         else TM_TRY(tm_dense_forward(m, b, N, &y));
@@ -131,7 +171,6 @@ static dsk_status tmla_mtp_ffn_backward(tm_model *m, int l) {
 static dsk_status tmla_mtp_backward(tm_model *m) {
     const tm_config *c = &m->cfg;
     tmla_model *s = &m->mla;
-    int64_t D = c->d_model;
     for (int k = c->mla.mtp_depth; k >= 1; k--) {
         tmla_mtp *t = &s->mtp[k - 1];
         tm_block *b = &m->blocks[c->n_layers + k - 1];
@@ -146,13 +185,8 @@ static dsk_status tmla_mtp_backward(tm_model *m) {
         TM_T(TM_PH_NORM, dsk_rmsnorm_backward(m->ctx, &m->dx, tm_grad(b->ln2), &m->dh, &b->x2, &b->ln2->wc, &b->rstd2));
         TM_T(TM_PH_MOVE, tm_ready(m, b->ln2));
         TM_TRY(tm_attn_backward(m, b)); /* dx = d(block input) */
-        dsk_tensor ph = tmla_cols(&t->proj->wc, 0, D), pe = tmla_cols(&t->proj->wc, D, D);
-        dsk_tensor gh = tmla_cols(&t->proj->g, 0, D), ge = tmla_cols(&t->proj->g, D, D);
-        TM_T(TM_PH_LINEAR, tm_mm(m, &gh, &m->dx, 1, &t->hn, 0, 1.0f));
-        TM_T(TM_PH_LINEAR, tm_mm(m, &ge, &m->dx, 1, &t->en, 0, 1.0f));
+        TM_TRY(tmla_mtp_proj_backward(m, t, &m->dx, &m->dh, &s->dtmp)); /* d(hn), d(en) */
         TM_T(TM_PH_MOVE, tm_ready(m, t->proj));
-        TM_T(TM_PH_LINEAR, tm_mm(m, &m->dh, &m->dx, 0, &ph, 0, 0.0f));   /* d(hn) */
-        TM_T(TM_PH_LINEAR, tm_mm(m, &s->dtmp, &m->dx, 0, &pe, 0, 0.0f)); /* d(en) */
         TM_T(TM_PH_MOVE, tm_zero(m, &t->demb));
         TM_T(TM_PH_NORM,
              dsk_rmsnorm_backward(m->ctx, &t->demb, tm_grad(t->enorm), &s->dtmp, &t->emb, &t->enorm->wc, &t->rstd_e));

@@ -44,7 +44,7 @@ static tp_acts tp_slot(tp_state *ps, int l, int slot) {
     }
     if (ps->m->cfg.fp8) {
         s.f8_h1 = tf8_act_part(&L->f8_h1, slot, ps->Nm);
-        s.f8_att = tf8_act_part(&L->f8_att, slot, ps->Nm);
+        if (L->f8_att.q.data) s.f8_att = tf8_act_part(&L->f8_att, slot, ps->Nm); /* MHA's (MLA: tmla_model's) */
         if (dense) s.f8_h2 = tf8_act_part(&L->f8_h2, slot, ps->Nm);
         if (dense) s.f8_a = tf8_act_part(&L->f8_a, slot, ps->Nm);
     }
@@ -164,13 +164,19 @@ static void tp_mla_slot(tp_state *ps, int l, int slot) {
     const tmla_block *L = &Ly->mla;
     tmla_block *p = &ps->m->blocks[l].mla;
     int f = tp_sl(Ly, TMLA_RECOMPUTE_FULL, slot), a = tp_sl(Ly, TMLA_RECOMPUTE_ATTN, slot);
-    const dsk_tensor *src[] = {&L->cq,   &L->cqn,     &L->rstd_q, &L->q,   &L->ckv,
-                               &L->ckvn, &L->rstd_kv, &L->kpe,    &L->kvb, &L->k};
-    dsk_tensor *dst[] = {&p->cq, &p->cqn, &p->rstd_q, &p->q, &p->ckv, &p->ckvn, &p->rstd_kv, &p->kpe, &p->kvb, &p->k};
+    int f8 = tp_sl(Ly, tp_need_f8(ps, TMLA_RECOMPUTE_FULL), slot); /* the normed latents (tp_alloc_mla) */
+    const dsk_tensor *src[] = {&L->cq, &L->rstd_q, &L->q, &L->ckv, &L->rstd_kv, &L->kpe, &L->kvb, &L->k};
+    dsk_tensor *dst[] = {&p->cq, &p->rstd_q, &p->q, &p->ckv, &p->rstd_kv, &p->kpe, &p->kvb, &p->k};
     for (size_t i = 0; i < sizeof src / sizeof src[0]; i++)
         if (src[i]->data) *dst[i] = tp_part(src[i], f, ps->Nm);
+    if (L->cqn.data) p->cqn = tp_part(&L->cqn, f8, ps->Nm);
+    p->ckvn = tp_part(&L->ckvn, f8, ps->Nm);
     p->att = tp_part(&L->att, a, ps->Nm);
     p->lse = tp_part(&L->lse, a, ps->Bm);
+    if (!ps->m->cfg.fp8) return;
+    ps->m->blocks[l].f8_h1 = tf8_act_part(&Ly->f8_h1, slot, ps->Nm); /* the caches: one per slot */
+    if (L->f8_cqn.q.data) p->f8_cqn = tf8_act_part(&L->f8_cqn, slot, ps->Nm);
+    p->f8_ckvn = tf8_act_part(&L->f8_ckvn, slot, ps->Nm);
 }
 
 /* MLA's attention half on slot s (h1 = RMSNorm(x) done): x2 = x + Wo att. Megatron-Core's
@@ -185,7 +191,7 @@ static dsk_status tp_mla_forward(tp_state *ps, int l, int slot, tp_acts *s) {
     if (ps->tp > 1)
         TM_T(TM_PH_MOVE, dsk_par_map_forward(&ps->grid.tp, ps->ctx, DSK_PAR_MAP_GATHER, 0, &s->h1g, &s->h1));
     TM_TRY(tmla_latent_forward(m, b, ps->Bm, &s->h1g));
-    return tp_row_residual(ps, TM_PH_LINEAR, &s->x2, &s->x, &b->mla.att, &b->mla.wo->wc, NULL);
+    return tp_row_residual(ps, TM_PH_LINEAR, &s->x2, &s->x, &b->mla.att, &b->mla.wo->wc, &m->mla.f8_att);
 }
 
 /* ps->dx holds d(x2) of slot s: d(h1) into ps->dh and the MLA weights' gradients. The rank's
@@ -200,8 +206,9 @@ static dsk_status tp_mla_backward(tp_state *ps, int l, int slot, tp_acts *s) {
     dsk_comm *tp = &ps->grid.tp;
     dsk_tensor *dh = ps->tp > 1 ? &ps->big : &ps->dh; /* d(h1g): all Nm rows */
     tp_mla_slot(ps, l, slot);
-    TM_T(TM_PH_LINEAR, dsk_par_row_backward(tp, ps->ctx, &m->mla.datt, &b->mla.wo->g, &ps->dx, tp_sp(ps, &ps->big),
-                                            &b->mla.att, &b->mla.wo->wc));
+    if (m->cfg.fp8) TM_T(TM_PH_LINEAR, tf8_keep(ps->ctx, &m->mla.f8_att, &b->mla.att)); /* forward's codes again */
+    TM_T(TM_PH_LINEAR, tp_row_backward(ps, &m->mla.datt, &b->mla.wo->g, &ps->dx, tp_sp(ps, &ps->big), &b->mla.att,
+                                       &b->mla.wo->wc, &m->mla.f8_att));
     TM_TRY(tmla_latent_backward(m, b, ps->Bm, &s->h1g, dh));
     if (ps->tp > 1) TM_T(TM_PH_MOVE, dsk_par_map_forward(tp, ps->ctx, DSK_PAR_MAP_SCATTER, 0, &ps->dh, dh));
     return DSK_OK;
@@ -406,11 +413,9 @@ static dsk_status tp_mtp_forward(tp_state *ps, int micro) {
         int l = c->n_layers + k - 1;
         const dsk_tensor *prev = k == 1 ? &ps->xf : &m->mla.mtp[k - 2].y;
         dsk_tensor emb = tp_mtp_rows(ps, &t->emb, micro), x = tp_slot(ps, l, 0).x;
-        dsk_tensor ph = tmla_cols(&t->proj->wc, 0, ps->D), pe = tmla_cols(&t->proj->wc, ps->D, ps->D);
         TM_T(TM_PH_NORM, dsk_rmsnorm(ctx, &t->hn, &t->rstd_h, prev, &t->hnorm->wc, c->norm_eps));
         TM_T(TM_PH_NORM, dsk_rmsnorm(ctx, &t->en, &t->rstd_e, &emb, &t->enorm->wc, c->norm_eps));
-        TM_T(TM_PH_LINEAR, tm_mm(m, &x, &t->hn, 0, &ph, 1, 0.0f));
-        TM_T(TM_PH_LINEAR, tm_mm(m, &x, &t->en, 0, &pe, 1, 1.0f));
+        TM_TRY(tmla_mtp_proj_forward(m, t, &x, &t->hn, &t->en));
         TM_TRY(tp_block_forward(ps, l, 0, micro, &t->y));
         dsk_tensor *Y[1] = {&t->logits}, tg = tp_mtp_rows(ps, &t->tgt, micro);
         const dsk_tensor *W[1] = {&m->lm_head->wc};
@@ -442,12 +447,7 @@ static dsk_status tp_mtp_backward(tp_state *ps, int micro) {
              k == c->mla.mtp_depth ? dsk_tensor_fill(ctx, &ps->dx, 0.0) : dsk_tensor_copy(ctx, &ps->dx, &s->dcarry));
         TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &ps->dx, tm_grad(t->norm), &ps->dh, &t->y, &t->norm->wc, &t->rstdf));
         TM_TRY(tp_block_backward(ps, l, 0, micro)); /* dx = d(block input) */
-        dsk_tensor ph = tmla_cols(&t->proj->wc, 0, ps->D), pe = tmla_cols(&t->proj->wc, ps->D, ps->D);
-        dsk_tensor gh = tmla_cols(&t->proj->g, 0, ps->D), ge = tmla_cols(&t->proj->g, ps->D, ps->D);
-        TM_T(TM_PH_LINEAR, tm_mm(m, &gh, &ps->dx, 1, &t->hn, 0, 1.0f));
-        TM_T(TM_PH_LINEAR, tm_mm(m, &ge, &ps->dx, 1, &t->en, 0, 1.0f));
-        TM_T(TM_PH_LINEAR, tm_mm(m, &ps->dh, &ps->dx, 0, &ph, 0, 0.0f));  /* d(hn) */
-        TM_T(TM_PH_LINEAR, tm_mm(m, &ps->tmp, &ps->dx, 0, &pe, 0, 0.0f)); /* d(en) */
+        TM_TRY(tmla_mtp_proj_backward(m, t, &ps->dx, &ps->dh, &ps->tmp)); /* d(hn), d(en) */
         TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, &demb, 0.0));
         TM_T(TM_PH_NORM,
              dsk_rmsnorm_backward(ctx, &demb, tm_grad(t->enorm), &ps->tmp, &emb, &t->enorm->wc, &t->rstd_e));
