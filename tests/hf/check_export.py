@@ -117,8 +117,8 @@ def load_transformers(exp):
 
 
 def check_keys(exp):
+    model, bad = load_transformers(exp)  # first: it exits 3 when torch or transformers is missing
     import torch
-    model, bad = load_transformers(exp)
     with torch.no_grad():
         out = model(input_ids=torch.zeros(1, 4, dtype=torch.long)).logits
     print(f"{type(model).__name__}: logits {tuple(out.shape)}, finite {bool(torch.isfinite(out).all())}")
