@@ -196,7 +196,9 @@ DSK_API dsk_status dsk_comm_init(dsk_comm *c, int rank, int world_size, const ds
    ranks to hang up, so a late peer still gets its last reply. */
 DSK_API void dsk_comm_free(dsk_comm *c);
 /* Collective over c: ranks with the same color form *sub, ordered by (key, rank).
-   color DSK_COMM_NO_COLOR: *sub is zeroed (world_size 0). Same backend as c. */
+   color DSK_COMM_NO_COLOR: *sub is zeroed (world_size 0). Same backend as c. Host backend: it
+   returns once every rank's group is set up (they meet through rank 0's store), so any rank
+   may free c right after. */
 DSK_API dsk_status dsk_comm_split(dsk_comm *c, int color, int key, dsk_comm *sub);
 /* c's node communicator (the ranks of this rank's node, in rank order) and cross-node one (the
    rank with this rank's node_rank on every node, ranked by node), split off at the first call
@@ -3773,7 +3775,7 @@ static dsk_status dsk__comm_nccl_split(dsk_comm *c, const char *fn, int color, i
 
 static dsk_status dsk__comm_host_split(dsk_comm *c, const char *fn, int color, int key, dsk_comm *sub, double t0) {
     dsk__comm_impl *pm = c->impl, *m;
-    int n = c->world_size, lfd = -1, cnt = 0, me = -1, *parents = NULL;
+    int n = c->world_size, lfd = -1, cnt = 0, me = -1, *parents = NULL, gathered = 0;
     dsk__comm_split_rec mine, *all;
     char *eps = NULL;
     dsk_status st;
@@ -3789,6 +3791,7 @@ static dsk_status dsk__comm_host_split(dsk_comm *c, const char *fn, int color, i
     st = dsk__comm_host_all_gather(c, fn, (const char *)&mine, (char *)all, (int64_t)sizeof mine, DSK_U8, t0);
     pm->seq++;
     pm->splits++;
+    gathered = st == DSK_OK;
     if (st != DSK_OK || color < 0) goto out;
     /* members of my color in (key, rank) order: stable insertion sort of their indices */
     {
@@ -3836,6 +3839,12 @@ out:
     DSK_FREE(all);
     DSK_FREE(eps);
     DSK_FREE(parents);
+    if (gathered) { /* no rank returns before every new group has set up over rank 0's store (which rank 0 would
+                       otherwise free under a late group's feet if it returned and freed c first) */
+        dsk_status bs = dsk__comm_host_barrier(c, fn, t0);
+        pm->seq++;
+        if (st == DSK_OK) st = bs;
+    }
     return st;
 }
 
