@@ -131,16 +131,16 @@ static inline int tmla_is_mla(const tmla_config *a) { return a->attn == TMLA_ATT
 
 /* The weights (out, in) of the FP8 linears, pairs in sh, which size their scratch (train_fp8.h), absent ones (0, 0):
    an MLA block's with H heads (Wq or Wq_a, Wq_b, Wkv_a's latent and rope-key rows, Wkv_b, Wo), or MHA's projections
-   of Dl columns or rows (the rank's heads), the dense FFN's of Fl (0: no dense block), the MTP projection (D, 2D). */
+   of Dl columns or rows (the rank's heads), the dense FFN's of Fl and the MTP projection (Dt, 2 Dt) (0: none). */
 #define TMLA_FP8_SHAPES 11
-static inline int tmla_fp8_shapes(const tmla_config *a, int64_t H, int64_t D, int64_t Dl, int64_t Fl,
+static inline int tmla_fp8_shapes(const tmla_config *a, int64_t H, int64_t D, int64_t Dl, int64_t Fl, int64_t Dt,
                                   int64_t sh[2 * TMLA_FP8_SHAPES]) {
     int64_t m = tmla_is_mla(a), ql = m * a->q_lora_rank, kv = m * a->kv_lora_rank, dr = m * a->qk_rope_dim, mD = m * D;
     int64_t hq = m * H * (a->qk_nope_dim + a->qk_rope_dim), q0 = ql > 0 ? ql : hq, q1 = ql > 0 ? hq : 0;
     int64_t kvb = m * H * (a->qk_nope_dim + a->v_head_dim), o = m * H * a->v_head_dim, hD = (1 - m) * D;
-    int64_t hDl = (1 - m) * Dl, fD = Fl > 0 ? D : 0, t = a->mtp_depth > 0 ? D : 0, t2 = 2 * t;
+    int64_t hDl = (1 - m) * Dl, fD = Fl > 0 ? D : 0, t2 = 2 * Dt;
     const int64_t s[2 * TMLA_FP8_SHAPES] = {q0, mD,  q1, ql, kv,  mD, dr, mD, kvb, kv, mD,
-                                            o,  hDl, hD, hD, hDl, Fl, fD, fD, Fl,  t,  t2};
+                                            o,  hDl, hD, hD, hDl, Fl, fD, fD, Fl,  Dt, t2};
     memcpy(sh, s, sizeof s);
     return TMLA_FP8_SHAPES;
 }

@@ -63,7 +63,9 @@
      from an f32 copy of the (gathered) dx. An f16 model runs its MoE layers in f32 (through the
      layer's mx/my); the trainer's loss scale comes in as gscale. --dtype fp8 (bf16 otherwise):
      each column- and row-parallel shard's three GEMMs in FP8 (train_fp8.h), its input kept for
-     backward in an e4m3 cache per slot (f8_h1 .. f8_a), the bf16 input one shared slot (tp_need_f8);
+     backward in an e4m3 cache per slot (f8_h1 .. f8_a; the one shared slot of what the layer's backward
+     recomputes and quantises again: all under --recompute full, MHA's Wo input under attn: tp_cache),
+     the bf16 input one shared slot (tp_need_f8);
      the tensor-parallel collectives bf16 (train/par_run.h's tp_column_forward and the others).
    Limits (refused with a message): --tp divides the heads, the FFN hidden size, the
      vocabulary and the tokens of a micro-batch; every global stage holds a block; --mtp with
@@ -434,9 +436,10 @@ static dsk_status tp_alloc_acts(tp_state *ps) {
     TM_TRY(tp_alloc(ps, &ps->rstdf, DSK_F32, Ns, 0));
     TM_TRY(tp_alloc(ps, &ps->big, dt, Nm, D));
     if (ps->tp > 1) TM_TRY(tp_alloc(ps, &ps->hfg, dt, Nm, D));
-    int64_t sh[2 * TMLA_FP8_SHAPES]; /* the FP8 linears' scratch, for a micro-batch and the rank's shards */
+    /* the FP8 linears' scratch, for a micro-batch and the rank's shards (the MTP projection's on the last stage) */
+    int64_t sh[2 * TMLA_FP8_SHAPES], Dt = ps->last >= 0 && c->mla.mtp_depth > 0 ? D : 0;
     if (c->fp8)
-        TM_TRY(tf8_scratch_alloc(tm_alloc_nd, m, &m->f8, Nm, tmla_fp8_shapes(&c->mla, ps->Hl, D, Dl, Fd, sh), sh));
+        TM_TRY(tf8_scratch_alloc(tm_alloc_nd, m, &m->f8, Nm, tmla_fp8_shapes(&c->mla, ps->Hl, D, Dl, Fd, Dt, sh), sh));
     if (mla) { /* train_mla.h's scratch for a micro-batch and this rank's heads; tp_unit_ready marks gradients */
         m->mla.heads = ps->Hl;
         m->mla.unit_ready = 1;

@@ -94,17 +94,17 @@ compare "--dtype fp8 --ep-dispatch fp8 vs bf16 with --ep 2 (2 ranks), 100 steps:
 
 # ---- 2. memory: the activations' bytes and the optimizer state's, from the allocator
 # mem NAME FIELD: rank 0's bytes of FIELD from the "memory bytes" line
-mem() { sed -nE "s/^memory bytes, rank 0: .*$2 ([0-9]+).*/\1/p" "$work/$1.out" | head -1; }
+mem() { sed -nE "s/.*memory bytes, rank 0: .*$2 ([0-9]+).*/\1/p" "$work/$1.out" | head -1; }
 # The shapes (python, before each check's own lines): N tokens, width D, FFN F, n_dense dense blocks; 1x128 scales
 # are f32; the FP8 scratch every linear shares, sized by their weights (out, in); one MoE layer's change
 MEMPY=$(cat <<'EOF'
 N, D, F, dense = 8 * 32, 32, 64, 1
 ch = lambda k: -(-k // 128)
 cache = lambda n, k: n * k + 4 * n * ch(k)            # e4m3 codes + f32 scales
-def scratch(shapes): # a weight's codes and blocks' scales, an input dequantised or an output gradient's two layouts,
-    w, wb = max(o * k for o, k in shapes), max(ch(o) * ch(k) for o, k in shapes) # their scales, an input's transpose
-    K, O = max(k for o, k in shapes), max(o for o, k in shapes)
-    return w + 4 * wb + 2 * N * max(K, O) + 4 * N * ch(O) + 4 * O * ch(N) + N * K + 4 * K * ch(N)
+def scratch(shapes, n=N): # a weight's codes and blocks' scales, an input dequantised or an output gradient's two
+    w, wb = max(o * k for o, k in shapes), max(ch(o) * ch(k) for o, k in shapes) # layouts, their scales, an input's
+    K, O = max(k for o, k in shapes), max(o for o, k in shapes)                   # transpose, for n rows
+    return w + 4 * wb + 2 * n * max(K, O) + 4 * n * ch(O) + 4 * O * ch(n) + n * K + 4 * K * ch(n)
 # the MoE layers' FP8 experts (dsk_moe.h, buffers per layer, f32 on the CPU): the gathered rows x, silu(h1) h3 of
 # the experts and of the shared expert become e4m3 caches (the tokens' codes, the expert rows', both a's); their
 # f32 buffers become empty (1 byte each); the scratch is the widest projection's weights, an output gradient in
@@ -320,6 +320,28 @@ for lay in one par mla_one mla_par; do # MLA with --mtp 1
         fi
     done
 done
+
+# The bytes as tp2 x pp2 (rank 0: tensor-parallel rank 0 of stage 0, which holds the dense block 0 only): fp8
+# under --recompute full against bf16's holds one slot of caches for the layers and micro-batches, a micro-batch's
+# Nm rows of the rank's shards (h1, MHA's att, h2, a; MLA: h1, the latents, h2, a and wo's model-wide one), and the
+# scratch for Nm rows of the shards (no MTP projection: the last stage's)
+for lay in par mla_par; do
+    flags=("${PAR[@]}"); [[ $lay = mla* ]] && flags+=("${MLA[@]}" --mtp 1)
+    for dt in bf16 fp8; do run "mem_${lay}_full_$dt" "${TINY[@]}" "${flags[@]}" --recompute full --dtype $dt --steps 1 \
+        --val-interval 1; done
+done
+want=$(mem_want '
+n, Dl, Fl = 4 * 32, D // 2, F // 2
+print(2 * cache(n, D) + cache(n, Dl) + cache(n, Fl) + scratch([(Dl, D), (D, Dl), (Fl, D), (D, Fl)], n))')
+what="--dtype fp8 --recompute full as ${PAR[*]}, rank 0: bf16's activations plus one slot of caches (h1, att, h2, a)"
+mem_check "$what and the FP8 scratch" mem_par_full_fp8 mem_par_full_bf16 "$want"
+want=$(mem_want '
+n, Fl, Hl = 4 * 32, F // 2, H // 2
+sh = [(Q, D), (Hl * (dn + dr), Q), (RK, D), (dr, D), (Hl * (dn + dv), RK), (D, Hl * dv), (Fl, D), (D, Fl)]
+print(2 * cache(n, D) + cache(n, Q) + cache(n, RK) + cache(n, Fl) + cache(n, Hl * dv) + scratch(sh, n))')
+what="--dtype fp8 --recompute full as ${PAR[*]} ${MLA[*]} --mtp 1, rank 0: bf16's activations plus one slot of"
+mem_check "$what caches (h1, the latents, h2, a, wo's) and the FP8 scratch" mem_mla_par_full_fp8 mem_mla_par_full_bf16 \
+    "$want"
 
 # ---- 6. --mtp 1 with --dtype fp8: the MTP module's block runs its linears in FP8 as the main ones
 # (its projection and the shared head stay bf16), against bf16 over 100 steps with section 1's
