@@ -9,7 +9,9 @@
    The input x is quantised once in forward and kept for backward in e4m3 with its scales (the
    cache, about half a bf16 copy's bytes), not in bf16; backward dequantises it into shared
    scratch and quantises its transpose for the weight gradient. The scratch is one set for the
-   model (sized by the largest weight and the widest input and output), so the caches' saving grows with the layer count. The weights are quantised from
+   model (sized by the largest weight and the widest input and output), so the caches' saving
+   grows with the layer count; under --recompute the blocks share the caches of the inputs they
+   recompute (train_mla.h's tmla_cache, train_par.h's tp_cache). The weights are quantised from
    their bf16 compute copy at each use. Everything else (attention core, norms, embedding, LM
    head, router, gating) stays bf16; the master weights and gradients stay f32. */
 #ifndef TRAIN_FP8_H
