@@ -9,7 +9,9 @@
    The input x is quantised once in forward and kept for backward in e4m3 with its scales (the
    cache, about half a bf16 copy's bytes), not in bf16; backward dequantises it into shared
    scratch and quantises its transpose for the weight gradient. The scratch is one set for the
-   model (sized by the widest linear), so the caches' saving grows with the layer count. The weights are quantised from
+   model (sized by the largest weight and the widest input and output), so the caches' saving
+   grows with the layer count; under --recompute the blocks share the caches of the inputs they
+   recompute (train_mla.h's tmla_cache, train_par.h's tp_cache). The weights are quantised from
    their bf16 compute copy at each use. Everything else (attention core, norms, embedding, LM
    head, router, gating) stays bf16; the master weights and gradients stay f32. */
 #ifndef TRAIN_FP8_H
@@ -54,11 +56,21 @@ static void tf8_act_free(dsk_ctx *ctx, tf8_act *a) {
     dsk_tensor_free(ctx, &a->s);
 }
 
-/* Room for inputs of n rows and at most k columns, outputs of at most o columns. */
-static dsk_status tf8_scratch_alloc(tf8_alloc_fn fn, void *user, tf8_scratch *s, int64_t n, int64_t k, int64_t o) {
+/* Room for inputs of n rows to the linears of `count` weight shapes, pairs (out, in) in sh: the most elements and
+   128x128 blocks of a weight, the widest input and output. */
+static dsk_status tf8_scratch_alloc(tf8_alloc_fn fn, void *user, tf8_scratch *s, int64_t n, int count,
+                                    const int64_t *sh) {
+    int64_t w = 0, wb = 0, k = 0, o = 0;
+    for (int i = 0; i < count; i++) {
+        int64_t oi = sh[2 * i], ki = sh[2 * i + 1], bi = tf8_chunks(oi) * tf8_chunks(ki);
+        w = oi * ki > w ? oi * ki : w;
+        wb = bi > wb ? bi : wb;
+        k = ki > k ? ki : k;
+        o = oi > o ? oi : o;
+    }
     int64_t big = k > o ? k : o;
-    TM_TRY(tf8_alloc1(fn, user, &s->wq, DSK_E4M3, k * o));
-    TM_TRY(tf8_alloc1(fn, user, &s->ws, DSK_F32, tf8_chunks(big) * tf8_chunks(big)));
+    TM_TRY(tf8_alloc1(fn, user, &s->wq, DSK_E4M3, w));
+    TM_TRY(tf8_alloc1(fn, user, &s->ws, DSK_F32, wb));
     TM_TRY(tf8_alloc1(fn, user, &s->buf, DSK_BF16, n * big)); /* n k bf16, or 2 n o codes */
     TM_TRY(tf8_alloc1(fn, user, &s->gs, DSK_F32, n * tf8_chunks(o)));
     TM_TRY(tf8_alloc1(fn, user, &s->gts, DSK_F32, o * tf8_chunks(n)));

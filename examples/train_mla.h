@@ -129,14 +129,20 @@ typedef struct tmla_model {
 
 static inline int tmla_is_mla(const tmla_config *a) { return a->attn == TMLA_ATTN_MLA; }
 
-/* The FP8 scratch's width (train_fp8.h): the widest of w (the caller's linears), the inputs and outputs of an MLA
-   block's linears with H heads and the MTP projection's input [hn | en] (2D). */
-static inline int64_t tmla_fp8_width(const tmla_config *a, int64_t H, int64_t D, int64_t w) {
-    int64_t m = tmla_is_mla(a), dn = a->qk_nope_dim;
-    int64_t ws[] = {a->mtp_depth > 0 ? 2 * D : 0, m * a->q_lora_rank,           m * H * (dn + a->qk_rope_dim),
-                    m * a->kv_lora_rank,          m * H * (dn + a->v_head_dim), m * H * a->v_head_dim};
-    for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) w = ws[i] > w ? ws[i] : w;
-    return w;
+/* The weights (out, in) of the FP8 linears, pairs in sh, which size their scratch (train_fp8.h), absent ones (0, 0):
+   an MLA block's with H heads (Wq or Wq_a, Wq_b, Wkv_a's latent and rope-key rows, Wkv_b, Wo), or MHA's projections
+   of Dl columns or rows (the rank's heads), the dense FFN's of Fl and the MTP projection (Dt, 2 Dt) (0: none). */
+#define TMLA_FP8_SHAPES 11
+static inline int tmla_fp8_shapes(const tmla_config *a, int64_t H, int64_t D, int64_t Dl, int64_t Fl, int64_t Dt,
+                                  int64_t sh[2 * TMLA_FP8_SHAPES]) {
+    int64_t m = tmla_is_mla(a), ql = m * a->q_lora_rank, kv = m * a->kv_lora_rank, dr = m * a->qk_rope_dim, mD = m * D;
+    int64_t hq = m * H * (a->qk_nope_dim + a->qk_rope_dim), q0 = ql > 0 ? ql : hq, q1 = ql > 0 ? hq : 0;
+    int64_t kvb = m * H * (a->qk_nope_dim + a->v_head_dim), o = m * H * a->v_head_dim, hD = (1 - m) * D;
+    int64_t hDl = (1 - m) * Dl, fD = Fl > 0 ? D : 0, t2 = 2 * Dt;
+    const int64_t s[2 * TMLA_FP8_SHAPES] = {q0, mD,  q1, ql, kv,  mD, dr, mD, kvb, kv, mD,
+                                            o,  hDl, hD, hD, hDl, Fl, fD, fD, Fl,  Dt, t2};
+    memcpy(sh, s, sizeof s);
+    return TMLA_FP8_SHAPES;
 }
 
 /* ------------------------------------------------------------------ prototypes (train_model.h calls these) */
@@ -152,6 +158,7 @@ static dsk_status tmla_attn_forward(struct tm_model *m, struct tm_block *b, int 
 static dsk_status tmla_attn_backward(struct tm_model *m, struct tm_block *b);
 static dsk_status tmla_recompute_core(struct tm_model *m, struct tm_block *b);
 static dsk_status tmla_recompute_block(struct tm_model *m, int l);
+static dsk_status tmla_cache(struct tm_model *m, int l, tf8_act *a, int need, int64_t k);
 static dsk_status tmla_mtp_embed(struct tm_model *m, int nb);
 static dsk_status tmla_mtp_forward(struct tm_model *m, int nb);
 static dsk_status tmla_mtp_loss(struct tm_model *m, float grad_scale);
@@ -355,6 +362,18 @@ static dsk_status tmla_alloc_cache(tm_model *m, tf8_act *a, int64_t n, int64_t k
     return tf8_act_alloc(tm_alloc_nd, m, a, n, k);
 }
 
+/* Block l's FP8 cache a (N x k), or block 0's when its backward recomputes the input (mode >= need) and quantises
+   it again (the same codes): shared as the recomputed bf16 activations are (an MTP block keeps its own). */
+static dsk_status tmla_cache(tm_model *m, int l, tf8_act *a, int need, int64_t k) {
+    const tm_config *c = &m->cfg;
+    const tf8_act *src = (const tf8_act *)((const char *)m->blocks + ((const char *)a - (const char *)&m->blocks[l]));
+    if (l == 0 || l >= c->n_layers || c->mla.recompute < need || !src->q.data)
+        return tmla_alloc_cache(m, a, (int64_t)c->batch * c->seq, k);
+    *a = *src;
+    a->q.owns = a->s.owns = 0;
+    return DSK_OK;
+}
+
 /* 1 when train_mla.h allocates the blocks' activations (MLA, or shared buffers). */
 static int tmla_custom_alloc(const tm_model *m) {
     return tmla_is_mla(&m->cfg.mla) || m->cfg.mla.recompute != TMLA_RECOMPUTE_NONE || m->cfg.mla.mtp_depth > 0;
@@ -384,7 +403,7 @@ static dsk_status tmla_alloc_block(tm_model *m, int l) {
     int mode = l < c->n_layers ? a->recompute : TMLA_RECOMPUTE_NONE;
     int full = mode == TMLA_RECOMPUTE_FULL, core = mode != TMLA_RECOMPUTE_NONE;
     int dense = l < c->n_dense || (l >= c->n_layers && !a->mtp_moe), f8 = full || c->fp8;
-    int64_t D = c->d_model, F = c->ffn_hidden, H = c->n_heads, N = (int64_t)c->batch * c->seq;
+    int64_t D = c->d_model, F = c->ffn_hidden, H = c->n_heads;
     dsk_dtype dt = c->cdt;
     p->recompute = mode;
     TM_TRY(tmla_act(m, b, &b->x, 0, dt, D));
@@ -415,8 +434,8 @@ static dsk_status tmla_alloc_block(tm_model *m, int l) {
     TM_TRY(tmla_act(m, b, &p->q, full, dt, H * dqk));
     TM_TRY(tmla_act(m, b, &p->ckv, full, dt, a->kv_lora_rank));
     TM_TRY(tmla_act(m, b, &p->ckvn, f8, dt, a->kv_lora_rank));
-    if (c->fp8 && a->q_lora_rank > 0) TM_TRY(tmla_alloc_cache(m, &p->f8_cqn, N, a->q_lora_rank));
-    if (c->fp8) TM_TRY(tmla_alloc_cache(m, &p->f8_ckvn, N, a->kv_lora_rank)); /* the up-projections' inputs */
+    if (c->fp8 && a->q_lora_rank > 0) TM_TRY(tmla_cache(m, l, &p->f8_cqn, TMLA_RECOMPUTE_FULL, a->q_lora_rank));
+    if (c->fp8) TM_TRY(tmla_cache(m, l, &p->f8_ckvn, TMLA_RECOMPUTE_FULL, a->kv_lora_rank)); /* the up-projections' */
     TM_TRY(tmla_act(m, b, &p->rstd_kv, full, DSK_F32, 0));
     TM_TRY(tmla_act(m, b, &p->kpe, full, dt, dr));
     TM_TRY(tmla_act(m, b, &p->kvb, full, dt, H * (dn + dv)));
@@ -704,6 +723,7 @@ static dsk_status tmla_recompute_core(tm_model *m, tm_block *b) {
     dsk_tensor qr4 = tm_heads(m, &b->qr, nb), kr4 = tm_heads(m, &b->kr, nb), v4 = tm_heads(m, &b->v, nb);
     dsk_tensor att4 = tm_heads(m, &b->att, nb);
     TM_T(TM_PH_ATTN, dsk_attention(m->ctx, &att4, &b->probs, &qr4, &kr4, &v4, scale));
+    TM_T(TM_PH_LINEAR, tm_keep(m, &b->f8_att, &b->att)); /* fp8: Wo's input into the blocks' one cache again */
     return DSK_OK;
 }
 

@@ -335,22 +335,22 @@ static dsk_status tm_alloc2(tm_model *m, dsk_tensor *t, dsk_dtype dt, int64_t r,
     return tm_alloc_nd(m, t, dt, c ? 2 : 1, sh);
 }
 
-/* --dtype fp8: every block's FP8 caches and the shared scratch; the linears' bf16 inputs become
-   views of backward's datt (h1, att, a dense block's h2) and da (a). A MoE block's h2 stays its
-   own: the MoE layer's input. Under --recompute, MLA or --mtp train_mla.h has allocated the blocks'
-   activations (and an MLA block's latent caches) and they stay its own. */
+/* --dtype fp8: the blocks' FP8 caches (shared under --recompute: tmla_cache) and the scratch; the linears' bf16 inputs
+   become views of backward's datt (h1, att, a dense block's h2) and da (a); a MoE block's h2 is the MoE layer's input.
+   Under --recompute, MLA or --mtp train_mla.h allocates the blocks' activations (and MLA's latent caches). */
 static dsk_status tm_alloc_fp8(tm_model *m) {
     const tm_config *c = &m->cfg;
     int64_t N = (int64_t)c->batch * c->seq, D = c->d_model, F = c->ffn_hidden;
-    int64_t W = tmla_fp8_width(&c->mla, c->n_heads, D, D > F ? D : F);
-    TM_TRY(tf8_scratch_alloc(tm_alloc_nd, m, &m->f8, N, W, W));
+    int64_t sh[2 * TMLA_FP8_SHAPES], Fd = c->n_dense > 0 || (c->mla.mtp_depth > 0 && !c->mla.mtp_moe) ? F : 0;
+    int64_t Dt = c->mla.mtp_depth > 0 ? D : 0; /* the MTP projection's */
+    TM_TRY(tf8_scratch_alloc(tm_alloc_nd, m, &m->f8, N, tmla_fp8_shapes(&c->mla, c->n_heads, D, D, Fd, Dt, sh), sh));
     for (int l = 0; l < tm_n_blocks(c); l++) { /* and the MTP modules' blocks (train_mla.h allocates theirs) */
         tm_block *b = &m->blocks[l];
         int dense = l < c->n_dense || (l >= c->n_layers && !c->mla.mtp_moe);
-        TM_TRY(tf8_act_alloc(tm_alloc_nd, m, &b->f8_h1, N, D));
-        if (!tmla_is_mla(&c->mla)) TM_TRY(tf8_act_alloc(tm_alloc_nd, m, &b->f8_att, N, D)); /* MLA: tmla_model's one */
-        if (dense) TM_TRY(tf8_act_alloc(tm_alloc_nd, m, &b->f8_h2, N, D));
-        if (dense) TM_TRY(tf8_act_alloc(tm_alloc_nd, m, &b->f8_a, N, F));
+        TM_TRY(tmla_cache(m, l, &b->f8_h1, TMLA_RECOMPUTE_FULL, D));
+        if (!tmla_is_mla(&c->mla)) TM_TRY(tmla_cache(m, l, &b->f8_att, TMLA_RECOMPUTE_ATTN, D)); /* MLA: the model's */
+        if (dense) TM_TRY(tmla_cache(m, l, &b->f8_h2, TMLA_RECOMPUTE_FULL, D));
+        if (dense) TM_TRY(tmla_cache(m, l, &b->f8_a, TMLA_RECOMPUTE_FULL, F));
         if (tmla_custom_alloc(m)) continue;
         b->h1 = m->datt;
         b->h1.owns = 0;

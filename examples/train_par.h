@@ -63,7 +63,9 @@
      from an f32 copy of the (gathered) dx. An f16 model runs its MoE layers in f32 (through the
      layer's mx/my); the trainer's loss scale comes in as gscale. --dtype fp8 (bf16 otherwise):
      each column- and row-parallel shard's three GEMMs in FP8 (train_fp8.h), its input kept for
-     backward in an e4m3 cache per slot (f8_h1 .. f8_a), the bf16 input one shared slot (tp_need_f8);
+     backward in an e4m3 cache per slot (f8_h1 .. f8_a; the one shared slot of what the layer's backward
+     recomputes and quantises again: all under --recompute full, MHA's Wo input under attn: tp_cache),
+     the bf16 input one shared slot (tp_need_f8);
      the tensor-parallel collectives bf16 (train/par_run.h's tp_column_forward and the others).
    Limits (refused with a message): --tp divides the heads, the FFN hidden size, the
      vocabulary and the tokens of a micro-batch; every global stage holds a block; --mtp with
@@ -315,18 +317,26 @@ static dsk_status tp_act(tp_state *ps, tp_layer *L, dsk_tensor *t, int need, dsk
    kept for backward in its e4m3 cache instead): none, one slot every layer shares; else `need`. */
 static int tp_need_f8(const tp_state *ps, int need) { return ps->m->cfg.fp8 ? TMLA_RECOMPUTE_NONE : need; }
 
-/* --dtype fp8: layer L's caches of its linears' inputs, S slots of a micro-batch's Nm rows (MLA: h1g and the
-   normed latents; Wo's input has the model's one cache, tmla_alloc_scratch). */
+/* --dtype fp8: layer L's cache a of its linear's input (a slot: Nm rows, k columns), as tp_act places the
+   activations: S slots, or the one slot of ps->sh every layer shares when its backward recomputes the input
+   (L->rc >= need) and quantises it there again (the same values, the same codes). */
+static dsk_status tp_cache(tp_state *ps, tp_layer *L, tf8_act *a, int need, int64_t k) {
+    TM_TRY(tp_act(ps, L, &a->q, need, DSK_E4M3, 2, ps->Nm, k, 0, 0));
+    return tp_act(ps, L, &a->s, need, DSK_F32, 2, ps->Nm, tf8_chunks(k), 0, 0);
+}
+
+/* --dtype fp8: layer L's caches of its linears' inputs (MLA: h1g and the normed latents; Wo's input has the
+   model's one cache, tmla_alloc_scratch); MHA's Wo input is recomputed under --recompute attn too. */
 static dsk_status tp_alloc_f8(tp_state *ps, tp_layer *L, int dense) {
     const tmla_config *a = &ps->m->cfg.mla;
-    int64_t n = ps->S * ps->Nm;
-    TM_TRY(tf8_act_alloc(tm_alloc_nd, ps->m, &L->f8_h1, n, ps->D));
-    if (tmla_is_mla(a) && a->q_lora_rank > 0) TM_TRY(tmla_alloc_cache(ps->m, &L->mla.f8_cqn, n, a->q_lora_rank));
-    if (tmla_is_mla(a)) TM_TRY(tmla_alloc_cache(ps->m, &L->mla.f8_ckvn, n, a->kv_lora_rank));
-    else TM_TRY(tf8_act_alloc(tm_alloc_nd, ps->m, &L->f8_att, n, ps->Dl));
+    int F = TMLA_RECOMPUTE_FULL;
+    TM_TRY(tp_cache(ps, L, &L->f8_h1, F, ps->D));
+    if (tmla_is_mla(a) && a->q_lora_rank > 0) TM_TRY(tp_cache(ps, L, &L->mla.f8_cqn, F, a->q_lora_rank));
+    if (tmla_is_mla(a)) TM_TRY(tp_cache(ps, L, &L->mla.f8_ckvn, F, a->kv_lora_rank));
+    else TM_TRY(tp_cache(ps, L, &L->f8_att, TMLA_RECOMPUTE_ATTN, ps->Dl));
     if (!dense) return DSK_OK;
-    TM_TRY(tf8_act_alloc(tm_alloc_nd, ps->m, &L->f8_h2, n, ps->D));
-    return tf8_act_alloc(tm_alloc_nd, ps->m, &L->f8_a, n, ps->Fl);
+    TM_TRY(tp_cache(ps, L, &L->f8_h2, F, ps->D));
+    return tp_cache(ps, L, &L->f8_a, F, ps->Fl);
 }
 
 /* The MLA activations of layer l, S slots of a micro-batch's Nm rows and the rank's Hl heads
@@ -388,6 +398,7 @@ static dsk_status tp_alloc_acts(tp_state *ps) {
     int64_t S = ps->S, Nm = ps->Nm, Ns = ps->Ns, D = ps->D, Dl = ps->Dl, Fl = ps->Fl, N = (int64_t)c->batch * c->seq;
     dsk_dtype dt = c->cdt;
     int mla = tmla_is_mla(&c->mla);
+    int64_t Fd = 0; /* Fl when the rank has a dense FFN (the FP8 scratch's) */
     for (int l = 0; l < tm_n_blocks(c); l++) {
         tp_layer *L = &ps->layers[l];
         int F = TMLA_RECOMPUTE_FULL;
@@ -416,6 +427,7 @@ static dsk_status tp_alloc_acts(tp_state *ps) {
             TM_TRY(tp_act(ps, L, &L->a, F8, dt, 2, Nm, Fl, 0, 0));
         }
         if (c->fp8) TM_TRY(tp_alloc_f8(ps, L, dense));
+        if (dense) Fd = Fl;
         L->moe_micro = -1;
         L->bias_full[0] = c->moe.n_routed;
     }
@@ -424,9 +436,10 @@ static dsk_status tp_alloc_acts(tp_state *ps) {
     TM_TRY(tp_alloc(ps, &ps->rstdf, DSK_F32, Ns, 0));
     TM_TRY(tp_alloc(ps, &ps->big, dt, Nm, D));
     if (ps->tp > 1) TM_TRY(tp_alloc(ps, &ps->hfg, dt, Nm, D));
-    int64_t W = tmla_fp8_width(&c->mla, ps->Hl, D, D > Fl ? D : Fl); /* Dl <= D; MLA's shards: the rank's heads */
-    if (c->fp8) /* the FP8 linears' scratch, for a micro-batch and the rank's widest shard */
-        TM_TRY(tf8_scratch_alloc(tm_alloc_nd, m, &m->f8, Nm, W, W));
+    /* the FP8 linears' scratch, for a micro-batch and the rank's shards (the MTP projection's on the last stage) */
+    int64_t sh[2 * TMLA_FP8_SHAPES], Dt = ps->last >= 0 && c->mla.mtp_depth > 0 ? D : 0;
+    if (c->fp8)
+        TM_TRY(tf8_scratch_alloc(tm_alloc_nd, m, &m->f8, Nm, tmla_fp8_shapes(&c->mla, ps->Hl, D, Dl, Fd, Dt, sh), sh));
     if (mla) { /* train_mla.h's scratch for a micro-batch and this rank's heads; tp_unit_ready marks gradients */
         m->mla.heads = ps->Hl;
         m->mla.unit_ready = 1;

@@ -94,19 +94,17 @@ compare "--dtype fp8 --ep-dispatch fp8 vs bf16 with --ep 2 (2 ranks), 100 steps:
 
 # ---- 2. memory: the activations' bytes and the optimizer state's, from the allocator
 # mem NAME FIELD: rank 0's bytes of FIELD from the "memory bytes" line
-mem() { sed -nE "s/^memory bytes, rank 0: .*$2 ([0-9]+).*/\1/p" "$work/$1.out" | head -1; }
-run mem_bf16 "${TINY[@]}" --dtype bf16 --steps 1 --val-interval 1
-run mem_fp8 "${TINY[@]}" --dtype fp8 --steps 1 --val-interval 1
-a=$(mem mem_bf16 activations) b=$(mem mem_fp8 activations)
-# the shapes: N tokens, width D, FFN F, L blocks of which n_dense dense ones; 1x128 scales are f32
-want=$($PY - <<'EOF'
-N, D, F, L, dense = 8 * 32, 32, 64, 3, 1
+mem() { sed -nE "s/.*memory bytes, rank 0: .*$2 ([0-9]+).*/\1/p" "$work/$1.out" | head -1; }
+# The shapes (python, before each check's own lines): N tokens, width D, FFN F, n_dense dense blocks; 1x128 scales
+# are f32; the FP8 scratch every linear shares, sized by their weights (out, in); one MoE layer's change
+MEMPY=$(cat <<'EOF'
+N, D, F, dense = 8 * 32, 32, 64, 1
 ch = lambda k: -(-k // 128)
-cache = lambda n, k: n * k + 4 * n * ch(k)          # e4m3 codes + f32 scales
-inputs = L * 2 * [(N, D)] + dense * [(N, D), (N, F)]  # h1 and att of every block; h2 and a of the dense ones
-saved = sum(2 * n * k - cache(n, k) for n, k in inputs)
-W = max(D, F)                                         # the shared scratch, sized by the widest linear
-scratch = W * W + 4 * ch(W) ** 2 + 2 * N * W + 4 * N * ch(W) + 4 * W * ch(N) + N * W + 4 * W * ch(N)
+cache = lambda n, k: n * k + 4 * n * ch(k)            # e4m3 codes + f32 scales
+def scratch(shapes, n=N): # a weight's codes and blocks' scales, an input dequantised or an output gradient's two
+    w, wb = max(o * k for o, k in shapes), max(ch(o) * ch(k) for o, k in shapes) # layouts, their scales, an input's
+    K, O = max(k for o, k in shapes), max(o for o, k in shapes)                   # transpose, for n rows
+    return w + 4 * wb + 2 * n * max(K, O) + 4 * n * ch(O) + 4 * O * ch(n) + n * K + 4 * K * ch(n)
 # the MoE layers' FP8 experts (dsk_moe.h, buffers per layer, f32 on the CPU): the gathered rows x, silu(h1) h3 of
 # the experts and of the shared expert become e4m3 caches (the tokens' codes, the expert rows', both a's); their
 # f32 buffers become empty (1 byte each); the scratch is the widest projection's weights, an output gradient in
@@ -114,52 +112,74 @@ scratch = W * W + 4 * ch(W) ** 2 + 2 * N * W + 4 * N * ch(W) + 4 * W * ch(N) + N
 E, K, Fe, Fs, R = 4, 2, 32, 32, N * 2
 W, Ws = max(D, Fe), max(D, Fs)
 gone = 4 * (R * D + R * Fe + N * Fs) - 3
-caches = cache(N, D) + cache(R, D) + cache(R, Fe) + cache(N, Fs)
+mc = cache(N, D) + cache(R, D) + cache(R, Fe) + cache(N, Fs)
 moe_scratch = (max(E * Fe * D, Fs * D) + 4 * max(E * ch(Fe), ch(Fs)) * ch(D) + max(R * W, N * Ws)
                + 4 * max(R * ch(W), N * ch(Ws)) + 2 * (max(W * R, Ws * N) + 4 * max(W * ch(R), Ws * ch(N))))
-moe = (L - dense) * (gone - (caches + moe_scratch - 16))
-print(saved - scratch + moe)
+moe = gone - (mc + moe_scratch - 16)                  # one MoE layer's saving
+MHA = [(D, D), (D, D), (F, D), (D, F)]                # wq wk wv, wo, w1 w3, w2
+H, Q, RK, dn, dr, dv = 2, 16, 32, 16, 16, 32          # MLA: heads, query and kv latents, nope, rope and value dims
+MLA = [(Q, D), (H * (dn + dr), Q), (RK, D), (dr, D), (H * (dn + dv), RK), (D, H * dv), (F, D), (D, F)]
 EOF
 )
+# mem_want PYTHON: MEMPY, then the lines that print the bytes
+mem_want() { printf '%s\n%s\n' "$MEMPY" "$1" | $PY -; }
+# mem_check WHAT A B WANT: run A's activation bytes less run B's equal WANT
+mem_check() {
+    local a b
+    a=$(mem "$2" activations) b=$(mem "$3" activations)
+    if [ -n "$a" ] && [ -n "$b" ] && [ -n "$4" ] && [ "$((a - b))" -eq "$4" ]; then
+        ok "$1 (want $4 bytes): $a -> $b"
+    else
+        bad "$1 (want ${4:-?} bytes)" "${2#mem_} ${a:-?} ${3#mem_} ${b:-?}: $((${a:-0} - ${b:-0}))"
+    fi
+}
+run mem_bf16 "${TINY[@]}" --dtype bf16 --steps 1 --val-interval 1
+run mem_fp8 "${TINY[@]}" --dtype fp8 --steps 1 --val-interval 1
+want=$(mem_want '
+L = 3
+inputs = L * 2 * [(N, D)] + dense * [(N, D), (N, F)]  # h1 and att of every block; h2 and a of the dense ones
+print(sum(2 * n * k - cache(n, k) for n, k in inputs) - scratch(MHA) + (L - dense) * moe)')
 what="--dtype fp8 activations: bf16's less the e4m3 caches' saving (linears and MoE experts) net of the FP8 scratch"
-what="$what (want $want bytes)"
-if [ -n "$a" ] && [ -n "$b" ] && [ "$((a - b))" -eq "$want" ] && [ "$want" -gt 0 ]; then
-    ok "$what: $a -> $b"
-else
-    bad "$what" "bf16 ${a:-?} fp8 ${b:-?}: saved $((${a:-0} - ${b:-0}))"
-fi
+mem_check "$what" mem_bf16 mem_fp8 "$want"
 # MLA (4 layers: the savings grow by block, the scratch and the model-wide caches do not): the
 # blocks share one buffer of each input only the FP8 linears read (h1 and the normed latents; the
 # dense block 0's h2 and a are its own, as under bf16) and cache them in e4m3; wo's input, the
 # attention output, stays bf16 (the fused core's backward reads it) with one model-wide e4m3 cache
 run mem_mla_bf16 "${TINY[@]}" "${MLA[@]}" --layers 4 --dtype bf16 --steps 1 --val-interval 1
 run mem_mla_fp8 "${TINY[@]}" "${MLA[@]}" --layers 4 --dtype fp8 --steps 1 --val-interval 1
-a=$(mem mem_mla_bf16 activations) b=$(mem mem_mla_fp8 activations)
-want=$($PY - <<'EOF'
-N, D, F, L, dense = 8 * 32, 32, 64, 4, 1
-H, Q, R, dn, dr, dv = 2, 16, 32, 16, 16, 32           # heads, query and kv latents, nope, rope and value dims
-ch = lambda k: -(-k // 128)
-cache = lambda n, k: n * k + 4 * n * ch(k)
-shared = (L - 1) * 2 * N * (D + R + Q)                # h1, the kv and the query latents normed: one buffer, not L
-caches = L * (cache(N, D) + cache(N, R) + cache(N, Q)) + dense * (cache(N, D) + cache(N, F)) + cache(N, H * dv)
-W = max(D, F, Q, H * (dn + dr), R, H * (dn + dv), H * dv)  # the widest linear
-scratch = W * W + 4 * ch(W) ** 2 + 2 * N * W + 4 * N * ch(W) + 4 * W * ch(N) + N * W + 4 * W * ch(N)
-E, K, Fe, Fs, R = 4, 2, 32, 32, N * 2                 # the MoE layers' FP8 experts, as above
-W, Ws = max(D, Fe), max(D, Fs)
-gone = 4 * (R * D + R * Fe + N * Fs) - 3
-mc = cache(N, D) + cache(R, D) + cache(R, Fe) + cache(N, Fs)
-moe_scratch = (max(E * Fe * D, Fs * D) + 4 * max(E * ch(Fe), ch(Fs)) * ch(D) + max(R * W, N * Ws)
-               + 4 * max(R * ch(W), N * ch(Ws)) + 2 * (max(W * R, Ws * N) + 4 * max(W * ch(R), Ws * ch(N))))
-print(shared - caches - scratch + (L - dense) * (gone - (mc + moe_scratch - 16)))
-EOF
-)
+want=$(mem_want '
+L = 4
+shared = (L - 1) * 2 * N * (D + RK + Q)               # h1, the kv and the query latents normed: one buffer, not L
+caches = L * (cache(N, D) + cache(N, RK) + cache(N, Q)) + dense * (cache(N, D) + cache(N, F)) + cache(N, H * dv)
+print(shared - caches - scratch(MLA) + (L - dense) * moe)')
 what="--dtype fp8 --attn mla activations: bf16's less the e4m3 caches' saving (MLA's linears, the FFN's and MoE"
-what="$what experts') net of the caches and the FP8 scratch (want $want bytes)"
-if [ -n "$a" ] && [ -n "$b" ] && [ "$((a - b))" -eq "$want" ] && [ "$want" -gt 0 ]; then
-    ok "$what: $a -> $b"
-else
-    bad "$what" "bf16 ${a:-?} fp8 ${b:-?}: saved $((${a:-0} - ${b:-0}))"
-fi
+mem_check "$what experts') net of the caches and the FP8 scratch" mem_mla_bf16 mem_mla_fp8 "$want"
+# Under --recompute (fp8 against bf16 in the same mode): with full the blocks' forward reruns before their
+# backward and quantises its inputs again, so every block shares block 0's caches, one set, as every bf16
+# activation but the block input is shared; with attn MHA's blocks share Wo's input's cache (the core's output,
+# recomputed) and their h1 (only the FP8 linears read it), each caching it
+for mode in attn full; do
+    run "mem_${mode}_bf16" "${TINY[@]}" --recompute $mode --dtype bf16 --steps 1 --val-interval 1
+    run "mem_${mode}_fp8" "${TINY[@]}" --recompute $mode --dtype fp8 --steps 1 --val-interval 1
+done
+run mem_mla_full_bf16 "${TINY[@]}" "${MLA[@]}" --layers 4 --recompute full --dtype bf16 --steps 1 --val-interval 1
+run mem_mla_full_fp8 "${TINY[@]}" "${MLA[@]}" --layers 4 --recompute full --dtype fp8 --steps 1 --val-interval 1
+want=$(mem_want '
+L = 3
+caches = L * cache(N, D) + cache(N, D) + dense * (cache(N, D) + cache(N, F)) # h1 per block, att one, h2 a dense
+print((L - 1) * 2 * N * D - caches - scratch(MHA) + (L - dense) * moe)')
+what="--dtype fp8 --recompute attn activations: bf16's with h1 one buffer, net of the h1 caches, one att cache"
+mem_check "$what (the blocks share it), the dense block's and the FP8 scratch" mem_attn_bf16 mem_attn_fp8 "$want"
+want=$(mem_want '
+print((3 - dense) * moe - scratch(MHA) - (2 * cache(N, D) + dense * (cache(N, D) + cache(N, F))))')
+what="--dtype fp8 --recompute full activations: bf16's plus one set of caches (h1, att, the dense h2 and a) that"
+mem_check "$what the blocks share, the FP8 scratch, less the MoE saving" mem_full_bf16 mem_full_fp8 "$want"
+want=$(mem_want '
+one = cache(N, D) + cache(N, RK) + cache(N, Q) + dense * (cache(N, D) + cache(N, F)) + cache(N, H * dv)
+print((4 - dense) * moe - scratch(MLA) - one)')
+what="--dtype fp8 ${MLA[*]} --recompute full activations: bf16's plus one set of caches (h1, the latents, the"
+mem_check "$what dense h2 and a; wo's model-wide one), the FP8 scratch, less the MoE saving" mem_mla_full_bf16 \
+    mem_mla_full_fp8 "$want"
 run mom_f32 "${TINY[@]}" --dtype f32 --steps 2 --val-interval 2
 run mom_bf16 "${TINY[@]}" --dtype f32 --optim-dtype bf16 --steps 2 --val-interval 2
 a=$(mem mom_f32 "optimizer state") b=$(mem mom_bf16 "optimizer state")
@@ -300,6 +320,28 @@ for lay in one par mla_one mla_par; do # MLA with --mtp 1
         fi
     done
 done
+
+# The bytes as tp2 x pp2 (rank 0: tensor-parallel rank 0 of stage 0, which holds the dense block 0 only): fp8
+# under --recompute full against bf16's holds one slot of caches for the layers and micro-batches, a micro-batch's
+# Nm rows of the rank's shards (h1, MHA's att, h2, a; MLA: h1, the latents, h2, a and wo's model-wide one), and the
+# scratch for Nm rows of the shards (no MTP projection: the last stage's)
+for lay in par mla_par; do
+    flags=("${PAR[@]}"); [[ $lay = mla* ]] && flags+=("${MLA[@]}" --mtp 1)
+    for dt in bf16 fp8; do run "mem_${lay}_full_$dt" "${TINY[@]}" "${flags[@]}" --recompute full --dtype $dt --steps 1 \
+        --val-interval 1; done
+done
+want=$(mem_want '
+n, Dl, Fl = 4 * 32, D // 2, F // 2
+print(2 * cache(n, D) + cache(n, Dl) + cache(n, Fl) + scratch([(Dl, D), (D, Dl), (Fl, D), (D, Fl)], n))')
+what="--dtype fp8 --recompute full as ${PAR[*]}, rank 0: bf16's activations plus one slot of caches (h1, att, h2, a)"
+mem_check "$what and the FP8 scratch" mem_par_full_fp8 mem_par_full_bf16 "$want"
+want=$(mem_want '
+n, Fl, Hl = 4 * 32, F // 2, H // 2
+sh = [(Q, D), (Hl * (dn + dr), Q), (RK, D), (dr, D), (Hl * (dn + dv), RK), (D, Hl * dv), (Fl, D), (D, Fl)]
+print(2 * cache(n, D) + cache(n, Q) + cache(n, RK) + cache(n, Fl) + cache(n, Hl * dv) + scratch(sh, n))')
+what="--dtype fp8 --recompute full as ${PAR[*]} ${MLA[*]} --mtp 1, rank 0: bf16's activations plus one slot of"
+mem_check "$what caches (h1, the latents, h2, a, wo's) and the FP8 scratch" mem_mla_par_full_fp8 mem_mla_par_full_bf16 \
+    "$want"
 
 # ---- 6. --mtp 1 with --dtype fp8: the MTP module's block runs its linears in FP8 as the main ones
 # (its projection and the shared head stay bf16), against bf16 over 100 steps with section 1's

@@ -43,10 +43,10 @@ static tp_acts tp_slot(tp_state *ps, int l, int slot) {
         s.a = tp_part(&L->a, f8, ps->Nm);
     }
     if (ps->m->cfg.fp8) {
-        s.f8_h1 = tf8_act_part(&L->f8_h1, slot, ps->Nm);
-        if (L->f8_att.q.data) s.f8_att = tf8_act_part(&L->f8_att, slot, ps->Nm); /* MHA's (MLA: tmla_model's) */
-        if (dense) s.f8_h2 = tf8_act_part(&L->f8_h2, slot, ps->Nm);
-        if (dense) s.f8_a = tf8_act_part(&L->f8_a, slot, ps->Nm);
+        s.f8_h1 = tf8_act_part(&L->f8_h1, f, ps->Nm);
+        if (L->f8_att.q.data) s.f8_att = tf8_act_part(&L->f8_att, a, ps->Nm); /* MHA's (MLA: tmla_model's) */
+        if (dense) s.f8_h2 = tf8_act_part(&L->f8_h2, f, ps->Nm);
+        if (dense) s.f8_a = tf8_act_part(&L->f8_a, f, ps->Nm);
     }
     return s;
 }
@@ -174,9 +174,9 @@ static void tp_mla_slot(tp_state *ps, int l, int slot) {
     p->att = tp_part(&L->att, a, ps->Nm);
     p->lse = tp_part(&L->lse, a, ps->Bm);
     if (!ps->m->cfg.fp8) return;
-    ps->m->blocks[l].f8_h1 = tf8_act_part(&Ly->f8_h1, slot, ps->Nm); /* the caches: one per slot */
-    if (L->f8_cqn.q.data) p->f8_cqn = tf8_act_part(&L->f8_cqn, slot, ps->Nm);
-    p->f8_ckvn = tf8_act_part(&L->f8_ckvn, slot, ps->Nm);
+    ps->m->blocks[l].f8_h1 = tf8_act_part(&Ly->f8_h1, f, ps->Nm); /* the caches (tp_alloc_f8) */
+    if (L->f8_cqn.q.data) p->f8_cqn = tf8_act_part(&L->f8_cqn, f, ps->Nm);
+    p->f8_ckvn = tf8_act_part(&L->f8_ckvn, f, ps->Nm);
 }
 
 /* MLA's attention half on slot s (h1 = RMSNorm(x) done): x2 = x + Wo att. Megatron-Core's
@@ -313,6 +313,7 @@ static dsk_status tp_block_backward(tp_state *ps, int l, int slot, int micro) {
     if (rc == TMLA_RECOMPUTE_FULL) { /* only x was kept: the forward again (an MoE layer keeps its own state) */
         TM_TRY(tp_attn_half(ps, l, slot, &s));
         if (!b->is_moe) TM_TRY(tp_ffn_in(ps, b, &s));
+        if (s.f8_a.q.data) TM_T(TM_PH_FFN, tf8_keep(ctx, &s.f8_a, &s.a)); /* fp8: W2's input (tp_row_residual's) */
     }
     if (!b->is_moe) {
         TM_T(TM_PH_FFN,
@@ -337,6 +338,7 @@ static dsk_status tp_block_backward(tp_state *ps, int l, int slot, int micro) {
     }
     TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &ps->dx, tm_grad(b->ln2), &ps->dh, &s.x2, &b->ln2->wc, &s.rstd2));
     if (rc == TMLA_RECOMPUTE_ATTN) TM_TRY(tp_core(ps, l, slot, &s)); /* the core's shared output again */
+    if (rc == TMLA_RECOMPUTE_ATTN && s.f8_att.q.data) TM_T(TM_PH_LINEAR, tf8_keep(ctx, &s.f8_att, &s.att)); /* MHA */
     if (tmla_is_mla(&c->mla)) TM_TRY(tp_mla_backward(ps, l, slot, &s));
     else TM_TRY(tp_mha_backward(ps, l, &s));
     TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &ps->dx, tm_grad(b->ln1), &ps->dh, &s.x, &b->ln1->wc, &s.rstd1));
