@@ -2062,6 +2062,12 @@ DSK__INLINE DSK__TARGET_AVX2 void dsk__st256(float *p, __m256i k, __m256 v, int 
     else _mm256_storeu_ps(p, v);
 }
 #define DSK__K256_ZERO(i) __m256 c##i##a = _mm256_setzero_ps(), c##i##b = _mm256_setzero_ps();
+/* The tile's rows of C (first and last element: one line or two) are fetched while the k loop runs. */
+#define DSK__K256_PREFETCH(i) \
+    if ((i) < m) { \
+        _mm_prefetch((const char *)(c + (i)*ldc), _MM_HINT_T0); \
+        _mm_prefetch((const char *)(c + (i)*ldc + n - 1), _MM_HINT_T0); \
+    }
 #define DSK__K256_FMA(i)                                                                          \
     {                                                                                             \
         __m256 av_ = _mm256_broadcast_ss(a + (i) * a_rs);                                         \
@@ -2086,6 +2092,7 @@ DSK__INLINE DSK__TARGET_AVX2 void dsk__ukernel_avx2_body(int64_t k, const float 
     __m256i k0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane), k1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8), lane);
     __m256 va = _mm256_set1_ps(alpha), vb = _mm256_set1_ps(beta), b0, b1;
     DSK__ROWS6(DSK__K256_ZERO)
+    DSK__ROWS6(DSK__K256_PREFETCH)
     for (int64_t p = 0; p < k; p++, a += a_cs, b += b_rs) {
         if (masked) {
             b0 = _mm256_maskload_ps(b, k0);
