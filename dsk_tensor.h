@@ -2236,10 +2236,11 @@ static int dsk__gemm_is_direct(const dsk__gemm_args *g) {
 /* op(B)'s rows are contiguous f32: the direct nest reads them in place, unless their stride is a
    multiple of 512 bytes and the K slice is deeper than 64 rows: such rows map to at most 8 of the
    64 sets of a 32 KB 8-way L1, so no more than 64 of them stay cached and each tile row of C would
-   fetch the panel again from L2 (a power-of-two N: 0.5x of OpenBLAS at 512^3); those are packed. */
+   fetch the panel again from L2 (a power-of-two N: 0.5x of OpenBLAS at 512^3); those are packed
+   when M has enough tile rows (256) to repay the copy (at 128^3 packing was slower). */
 static int dsk__gemm_b_in_place(const dsk__gemm_args *g) {
     if (g->b_dt != DSK_F32 || (g->b_cs != 1 && g->N != 1)) return 0;
-    return g->N == 1 || !g->b_pack || g->b_rs % 128 != 0 || g->K <= 64;
+    return g->N == 1 || !g->b_pack || g->b_rs % 128 != 0 || g->K <= 64 || g->M < 256;
 }
 
 /* Floats of scratch one thread needs for a block of C nc columns wide. */
