@@ -1881,7 +1881,8 @@ static void dsk__rows_cols(const dsk_tensor *t, int64_t *rows, int64_t *cols) {
    AVX-512 (12 x 32), AVX2 + FMA (6 x 16) or portable C (4 x 16). Two loop nests feed it:
    direct  f32 operands, N <= DSK__DIRECT_N and no tall A^T (every product of a small model):
            A is read in place through its strides (a bottom edge tile is copied), op(B) in place
-           when its rows are contiguous, else each KC slice is packed once per thread.
+           when its rows are contiguous and their stride spreads them over L1's sets
+           (dsk__gemm_b_in_place), else each KC slice is packed once per thread.
    packed  everything else (bf16/f16 operands, wide N): BLIS-style, C cut into NC-wide column
            panels and K into KC-deep slices, op(B) packed into NR-wide micro-panels and each
            MC-tall block of op(A) into MR-tall micro-panels (converted to f32).
@@ -1902,6 +1903,8 @@ typedef struct dsk__gemm_args {
     const void *A; dsk_dtype a_dt; int64_t a_rs, a_cs;
     const void *B; dsk_dtype b_dt; int64_t b_rs, b_cs;
     float *C; int64_t ldc;
+    int b_pack; /* 1: the direct nest may pack rows of op(B) it could read in place (dsk__gemm_b_in_place);
+                   0 for callers whose scratch assumes in-place rows (the attention products) */
 } dsk__gemm_args;
 
 /* C[0:m, 0:n] = alpha * sum_{p < k} A[i][p] B[p][j] + beta * C (beta == 0: C is not read), with
@@ -2059,6 +2062,12 @@ DSK__INLINE DSK__TARGET_AVX2 void dsk__st256(float *p, __m256i k, __m256 v, int 
     else _mm256_storeu_ps(p, v);
 }
 #define DSK__K256_ZERO(i) __m256 c##i##a = _mm256_setzero_ps(), c##i##b = _mm256_setzero_ps();
+/* The tile's rows of C (first and last element: one line or two) are fetched while the k loop runs. */
+#define DSK__K256_PREFETCH(i) \
+    if ((i) < m) { \
+        _mm_prefetch((const char *)(c + (i)*ldc), _MM_HINT_T0); \
+        _mm_prefetch((const char *)(c + (i)*ldc + n - 1), _MM_HINT_T0); \
+    }
 #define DSK__K256_FMA(i)                                                                          \
     {                                                                                             \
         __m256 av_ = _mm256_broadcast_ss(a + (i) * a_rs);                                         \
@@ -2083,6 +2092,7 @@ DSK__INLINE DSK__TARGET_AVX2 void dsk__ukernel_avx2_body(int64_t k, const float 
     __m256i k0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane), k1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8), lane);
     __m256 va = _mm256_set1_ps(alpha), vb = _mm256_set1_ps(beta), b0, b1;
     DSK__ROWS6(DSK__K256_ZERO)
+    DSK__ROWS6(DSK__K256_PREFETCH)
     for (int64_t p = 0; p < k; p++, a += a_cs, b += b_rs) {
         if (masked) {
             b0 = _mm256_maskload_ps(b, k0);
@@ -2223,8 +2233,15 @@ static int dsk__gemm_is_direct(const dsk__gemm_args *g) {
     if (g->a_cs != 1 && g->M > DSK__DIRECT_N) return 0;
     return g->a_dt == DSK_F32 && g->b_dt == DSK_F32 && g->N <= DSK__DIRECT_N;
 }
-/* op(B)'s rows are contiguous f32: the direct nest reads them in place. */
-static int dsk__gemm_b_in_place(const dsk__gemm_args *g) { return g->b_dt == DSK_F32 && (g->b_cs == 1 || g->N == 1); }
+/* op(B)'s rows are contiguous f32: the direct nest reads them in place, unless their stride is a
+   multiple of 512 bytes and the K slice is deeper than 64 rows: such rows map to at most 8 of the
+   64 sets of a 32 KB 8-way L1, so no more than 64 of them stay cached and each tile row of C would
+   fetch the panel again from L2 (a power-of-two N: 0.5x of OpenBLAS at 512^3); those are packed
+   when M has enough tile rows (256) to repay the copy (at 128^3 packing was slower). */
+static int dsk__gemm_b_in_place(const dsk__gemm_args *g) {
+    if (g->b_dt != DSK_F32 || (g->b_cs != 1 && g->N != 1)) return 0;
+    return g->N == 1 || !g->b_pack || g->b_rs % 128 != 0 || g->K <= 64 || g->M < 256;
+}
 
 /* Floats of scratch one thread needs for a block of C nc columns wide. */
 static int64_t dsk__gemm_scratch(const dsk__gemm_args *g, const dsk__ukernel *uk, int64_t nc) {
@@ -2375,6 +2392,7 @@ static dsk__gemm_args dsk__sgemm_args(int trans_a, int trans_b, int64_t M, int64
     g.A = A; g.a_dt = DSK_F32; g.a_rs = trans_a ? 1 : lda; g.a_cs = trans_a ? lda : 1;
     g.B = B; g.b_dt = DSK_F32; g.b_rs = trans_b ? 1 : ldb; g.b_cs = trans_b ? ldb : 1;
     g.C = C; g.ldc = ldc;
+    g.b_pack = 1;
     return g;
 }
 
@@ -2832,6 +2850,7 @@ DSK_API dsk_status dsk_matmul(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, 
     g.alpha = alpha; g.beta = beta;
     g.a_dt = A->dtype; g.a_rs = trans_a ? 1 : ma.ld; g.a_cs = trans_a ? ma.ld : 1;
     g.b_dt = B->dtype; g.b_rs = trans_b ? 1 : mb.ld; g.b_cs = trans_b ? mb.ld : 1;
+    g.b_pack = 1;
     if (!tmp && mc.batch > 1 && !dsk__gemm_threaded(&g)) {
         g.A = A->data; g.B = B->data; g.C = (float *)C->data; g.ldc = mc.ld;
         return dsk__matmul_batched(ctx, &g, &uk, &mc, &ma, &mb, ae, be);
@@ -3704,6 +3723,7 @@ static void dsk__attn_gemm(const dsk__ukernel *uk, int64_t M, int64_t N, int64_t
     g.M = M; g.N = N; g.K = K; g.alpha = alpha; g.beta = beta;
     g.A = a; g.a_dt = DSK_F32; g.a_rs = a_rs; g.a_cs = a_cs;
     g.B = b; g.b_dt = DSK_F32; g.b_rs = ldb; g.b_cs = 1;
+    g.b_pack = 0; /* ws holds DSK__DIRECT_KC * MR floats */
     g.C = c; g.ldc = ldc;
     dsk__gemm_serial(&g, uk, ws);
 }
@@ -3936,6 +3956,7 @@ static dsk_status dsk__grouped_one(const dsk_tensor *A, int trans_a, const dsk_t
     size_t ae = dsk_dtype_size(A->dtype), be = dsk_dtype_size(B->dtype);
     int64_t n = r1 - r0;
     a.alpha = alpha; a.beta = beta; a.a_dt = A->dtype; a.b_dt = B->dtype; a.C = c; a.ldc = ldc;
+    a.b_pack = 1;
     if (weights) { /* (M, N) = A[r0:r1]^T (M x n) B[r0:r1] (n x N) */
         int64_t M = A->shape[1], N = B->shape[1];
         a.M = M; a.N = N; a.K = n;
@@ -4013,6 +4034,7 @@ static int dsk__sgemm_nt(int ta, int tb, int64_t M, int64_t N, int64_t K, const 
     g.A = A; g.a_dt = DSK_F32; g.a_rs = ta ? 1 : lda; g.a_cs = ta ? lda : 1;
     g.B = B; g.b_dt = DSK_F32; g.b_rs = tb ? 1 : ldb; g.b_cs = tb ? ldb : 1;
     g.C = C; g.ldc = ldc;
+    g.b_pack = 1;
     return dsk__gemm(&g, uk, nt) != DSK_OK;
 }
 

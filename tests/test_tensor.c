@@ -887,21 +887,23 @@ static void test_matmul_shapes(int ta, int tb) {
 static void test_matmul_variants(void) {
     tt_mm cs[] = {
         /* M, N, K, batch, ta, tb, a3, b3, pad, in, out, alpha, beta */
-        {290, 300, 260, 1, 0, 0, 0, 0, 0, DSK_F32, DSK_F32, 1.0f, 0.0f},  /* crosses KC and MC */
-        {7, 3100, 270, 1, 1, 0, 0, 0, 1, DSK_F32, DSK_F32, 0.5f, 0.0f},   /* crosses NC */
-        {33, 17, 129, 1, 0, 1, 0, 0, 1, DSK_F32, DSK_F32, -1.5f, 0.75f},  /* alpha and beta */
+        {290, 300, 260, 1, 0, 0, 0, 0, 0, DSK_F32, DSK_F32, 1.0f, 0.0f}, /* crosses KC and MC */
+        {7, 3100, 270, 1, 1, 0, 0, 0, 1, DSK_F32, DSK_F32, 0.5f, 0.0f},  /* crosses NC */
+        {33, 17, 129, 1, 0, 1, 0, 0, 1, DSK_F32, DSK_F32, -1.5f, 0.75f}, /* alpha and beta */
         {17, 33, 1, 1, 1, 1, 0, 0, 0, DSK_F32, DSK_F32, 2.0f, 1.0f},
-        {5, 7, 9, 4, 0, 0, 1, 1, 0, DSK_F32, DSK_F32, 1.0f, 0.0f},        /* batched */
-        {5, 7, 9, 3, 1, 0, 1, 0, 1, DSK_F32, DSK_F32, 1.0f, 0.5f},        /* B shared by the batch */
-        {5, 7, 9, 3, 0, 1, 0, 1, 1, DSK_F32, DSK_F32, 1.0f, 0.0f},        /* A shared by the batch */
-        {67, 130, 17, 2, 1, 1, 1, 1, 1, DSK_BF16, DSK_F32, 1.0f, 0.0f},   /* bf16 inputs */
-        {67, 130, 17, 1, 0, 0, 0, 0, 0, DSK_BF16, DSK_BF16, 1.0f, 0.0f},  /* bf16 out */
+        {5, 7, 9, 4, 0, 0, 1, 1, 0, DSK_F32, DSK_F32, 1.0f, 0.0f},       /* batched */
+        {5, 7, 9, 3, 1, 0, 1, 0, 1, DSK_F32, DSK_F32, 1.0f, 0.5f},       /* B shared by the batch */
+        {5, 7, 9, 3, 0, 1, 0, 1, 1, DSK_F32, DSK_F32, 1.0f, 0.0f},       /* A shared by the batch */
+        {67, 130, 17, 2, 1, 1, 1, 1, 1, DSK_BF16, DSK_F32, 1.0f, 0.0f},  /* bf16 inputs */
+        {67, 130, 17, 1, 0, 0, 0, 0, 0, DSK_BF16, DSK_BF16, 1.0f, 0.0f}, /* bf16 out */
         {31, 18, 70, 2, 0, 1, 1, 0, 1, DSK_BF16, DSK_BF16, 1.0f, 1.0f},
-        {67, 130, 17, 1, 1, 0, 0, 0, 1, DSK_F16, DSK_F32, 1.0f, 0.0f},    /* f16 */
+        {67, 130, 17, 1, 1, 0, 0, 0, 1, DSK_F16, DSK_F32, 1.0f, 0.0f}, /* f16 */
         {9, 40, 300, 3, 0, 0, 1, 1, 0, DSK_F16, DSK_F16, 0.25f, 2.0f},
         {1, 1, 1, 1, 0, 0, 0, 0, 0, DSK_F32, DSK_F32, 1.0f, 0.0f},
         {133, 97, 401, 1, 1, 1, 0, 0, 1, DSK_F32, DSK_F32, 1.0f, 0.5f},   /* threaded, odd edges */
         {131, 67, 517, 2, 0, 1, 1, 0, 1, DSK_BF16, DSK_BF16, 1.0f, 0.0f}, /* threaded bf16 */
+        /* B's rows 512 bytes apart, which alias in L1: the direct nest packs them */
+        {260, 128, 530, 1, 0, 0, 0, 0, 0, DSK_F32, DSK_F32, 1.0f, 0.5f},
     };
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
         TT_CASE("matmul variant %zu: %lldx%lldx%lld batch %lld %s->%s", i, (long long)cs[i].M, (long long)cs[i].N, (long long)cs[i].K,
