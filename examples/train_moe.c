@@ -409,6 +409,10 @@ static void model_config(trainer *t, tm_config *out) {
     if (strcmp(o->ep_exchange, "exact") != 0 && strcmp(o->ep_exchange, "bounded") != 0)
         fail(t, "--ep-exchange \"%s\": use exact or bounded", o->ep_exchange);
     c.moe.ep_exchange = strcmp(o->ep_exchange, "bounded") == 0 ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
+    if (strcmp(o->ep_overlap, "off") != 0 && strcmp(o->ep_overlap, "on") != 0 && strcmp(o->ep_overlap, "chunked") != 0)
+        fail(t, "--ep-overlap \"%s\": use off, on or chunked", o->ep_overlap);
+    c.moe.ep_overlap = strcmp(o->ep_overlap, "off") != 0;
+    c.moe.ep_chunk = strcmp(o->ep_overlap, "chunked") == 0 ? DSK_MOE_CHUNK_ON : DSK_MOE_CHUNK_AUTO;
     c.moe.expert_gemm = c.fp8 ? DSK_MOE_GEMM_FP8 : DSK_MOE_GEMM_ACT; /* --dtype fp8: the experts' GEMMs too */
     if (strcmp(o->attn, "mha") != 0 && strcmp(o->attn, "mla") != 0) fail(t, "--attn \"%s\": use mha or mla", o->attn);
     c.mla.attn = strcmp(o->attn, "mla") == 0 ? TMLA_ATTN_MLA : TMLA_ATTN_MHA;

@@ -156,6 +156,27 @@ for dt in bf16 fp16; do
     fi
 done
 
+# --ep-overlap: the expert exchanges on a second thread beside what does not wait on them, and with chunked, the
+# experts starting on a rank's own rows first (dsk_moe's ep_overlap, ep_chunk): every logged number is the serial
+# run's, bit for bit (dp2 x ep2 in bf16, and tp2 x dp2 x ep2 with its two trainers' MoE calls).
+for spec in "dp2ep2|--nproc 2 --ep 2 --dtype bf16" "tp2ep2|--nproc 4 --tp 2 --ep 2"; do
+    name=${spec%%|*}
+    for ov in off on chunked; do
+        # shellcheck disable=SC2086
+        run "ov_${name}_$ov" "${TINY[@]}" --steps 8 ${spec#*|} --ep-overlap $ov --log "$work/ov_${name}_$ov.jsonl"
+    done
+    a=$(fields "ov_${name}_off")
+    what="--ep-overlap on and chunked, ${spec#*|}: every logged number equals the serial exchange's bit for bit"
+    if [ "$(rc "ov_${name}_off")$(rc "ov_${name}_on")$(rc "ov_${name}_chunked")" = 000 ] &&
+       [ "$(echo "$a" | grep -c '^step')" -eq 8 ] && [ "$a" = "$(fields "ov_${name}_on")" ] &&
+       [ "$a" = "$(fields "ov_${name}_chunked")" ]; then
+        ok "$what"
+    else
+        bad "$what" "exit $(rc "ov_${name}_off")/$(rc "ov_${name}_on")/$(rc "ov_${name}_chunked")" \
+            "$(diff <(echo "$a") <(fields "ov_${name}_chunked") | head -4)"
+    fi
+done
+
 # Layouts in bf16 against one rank in bf16 over 30 steps, routing replayed from the bf16 record.
 # Tensor parallelism rounds the row-parallel outputs' partial sums and then the residual add
 # (one rank rounds once), and micro-batches sum the f32 weight gradients in another order, which
@@ -682,6 +703,7 @@ expect_fail() { # name, message regex, args...
 expect_fail grid_divide '--tp 3 x --pp 1 = 3 must divide the world size 4' "${TINY[@]}" --nproc 4 --tp 3
 expect_fail ep_dp '--ep 2 must divide the 1 data-parallel ranks' "${TINY[@]}" --nproc 4 --tp 2 --pp 2 --ep 2
 expect_fail tp_heads '--tp 4 must divide --heads 2' "${TINY[@]}" --nproc 4 --tp 4 --heads 2
+expect_fail ep_overlap '--ep-overlap "ring": use off, on or chunked' "${TINY[@]}" --nproc 2 --ep 2 --ep-overlap ring
 expect_fail mla_tp_heads '--tp 4 must divide --heads 2' "${TINY[@]}" "${MLA[@]}" --nproc 4 --tp 4 --heads 2
 expect_fail pp_layers '--layers 4 cannot fill 8 pipeline stages' "${TINY[@]}" --nproc 4 --pp 4 --pp-schedule interleaved --virtual-stages 2 --micro-batches 4
 expect_fail micro_no_pp '--micro-batches, --virtual-stages and --pp-schedule need --pp 2' "${TINY[@]}" --micro-batches 2
