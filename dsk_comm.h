@@ -3186,18 +3186,6 @@ static dsk_status dsk__comm_done(dsk_comm *c, dsk_status st, double t0) {
     return st;
 }
 
-/* Adds a finished collective's whole message, `count` elements, to c->stats' counter of its kind
-   (0 all-reduce, 1 reduce-scatter, 2 all-gather). */
-static dsk_status dsk__comm_payload(dsk_comm *c, dsk_status st, int kind, int64_t count, dsk_dtype dt) {
-    uint64_t *counter[3];
-    if (st != DSK_OK) return st;
-    counter[0] = &c->stats.all_reduce_payload;
-    counter[1] = &c->stats.reduce_scatter_payload;
-    counter[2] = &c->stats.all_gather_payload;
-    *counter[kind] += (uint64_t)count * dsk_dtype_size(dt);
-    return st;
-}
-
 static dsk_status dsk__comm_coll_check(dsk_comm *c, const char *fn, const void *send, const void *recv, int64_t count,
                                        dsk_dtype dt) {
     DSK__TRY(dsk__comm_check(c, fn));
@@ -3280,7 +3268,8 @@ static dsk_status dsk__comm_all_reduce_call(dsk_comm *c, dsk_ctx *ctx, const voi
 DSK_API dsk_status dsk_comm_all_reduce(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t count,
                                        dsk_dtype dt, dsk_comm_op op) {
     dsk_status st = dsk__comm_all_reduce_call(c, ctx, send, recv, count, dt, op);
-    return dsk__comm_payload(c, st, 0, st == DSK_OK ? count : 0, dt);
+    if (st == DSK_OK) c->stats.all_reduce_payload += (uint64_t)count * dsk_dtype_size(dt);
+    return st;
 }
 
 static dsk_status dsk__comm_reduce_scatter_call(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv,
@@ -3314,7 +3303,8 @@ static dsk_status dsk__comm_reduce_scatter_call(dsk_comm *c, dsk_ctx *ctx, const
 DSK_API dsk_status dsk_comm_reduce_scatter(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t recv_count,
                                            dsk_dtype dt, dsk_comm_op op) {
     dsk_status st = dsk__comm_reduce_scatter_call(c, ctx, send, recv, recv_count, dt, op);
-    return dsk__comm_payload(c, st, 1, st == DSK_OK ? recv_count * c->world_size : 0, dt);
+    if (st == DSK_OK) c->stats.reduce_scatter_payload += (uint64_t)(recv_count * c->world_size) * dsk_dtype_size(dt);
+    return st;
 }
 
 static dsk_status dsk__comm_all_gather_call(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t send_count,
@@ -3340,7 +3330,8 @@ static dsk_status dsk__comm_all_gather_call(dsk_comm *c, dsk_ctx *ctx, const voi
 DSK_API dsk_status dsk_comm_all_gather(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t send_count,
                                        dsk_dtype dt) {
     dsk_status st = dsk__comm_all_gather_call(c, ctx, send, recv, send_count, dt);
-    return dsk__comm_payload(c, st, 2, st == DSK_OK ? send_count * c->world_size : 0, dt);
+    if (st == DSK_OK) c->stats.all_gather_payload += (uint64_t)(send_count * c->world_size) * dsk_dtype_size(dt);
+    return st;
 }
 
 DSK_API dsk_status dsk_comm_broadcast(dsk_comm *c, dsk_ctx *ctx, const void *send, void *recv, int64_t count,

@@ -1491,12 +1491,15 @@ static dsk_tensor dsk__moe_saved(const dsk_moe *m, int id) {
     return t;
 }
 
-/* The first n rows of t (a view). */
-static dsk_tensor dsk__moe_rows(const dsk_tensor *t, int64_t n) {
+/* Rows r0 .. r0 + n of t (a view). */
+static dsk_tensor dsk__moe_row_range(const dsk_tensor *t, int64_t r0, int64_t n) {
     dsk_tensor v;
-    dsk_tensor_slice(t, 0, 0, n, &v);
+    dsk_tensor_slice(t, 0, r0, n, &v);
     return v;
 }
+
+/* The first n rows of t (a view). */
+static dsk_tensor dsk__moe_rows(const dsk_tensor *t, int64_t n) { return dsk__moe_row_range(t, 0, n); }
 
 static void dsk__moe_hop_free(struct dsk__moe_hop *h);
 
@@ -3679,13 +3682,6 @@ static dsk_status dsk__moe_others_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk
     dsk__moe_place_blocks(m, (char *)dst->data, (const char *)stage.data,
                           (size_t)m->opts.d_model * dsk_dtype_size(rows->dtype), 0);
     return DSK_OK;
-}
-
-/* Rows r0 .. r0 + n of t (a view). */
-static dsk_tensor dsk__moe_row_range(const dsk_tensor *t, int64_t r0, int64_t n) {
-    dsk_tensor v;
-    dsk_tensor_slice(t, 0, r0, n, &v);
-    return v;
 }
 
 /* Forward of a chunk: this rank's own rows placed from xs (kept order) into xr, then (own or not) the routed
