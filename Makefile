@@ -30,9 +30,13 @@ KLIB     = $(BUILD)/libdsk_kernels.a
 ifeq ($(CUDA),1)
 CFLAGS  += -DDSK_CUDA -I$(CUDA_HOME)/include
 CXXFLAGS+= -DDSK_CUDA -I$(CUDA_HOME)/include
-LDLIBS  := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lnccl -lcudart -lstdc++ $(LDLIBS)
+# No -lcublas: kernels/tensor.cu dlopens it when the first CUDA context is made, so that CPU-only
+# runs of a CUDA build do not pay for loading it. -ldl: dlopen before glibc 2.34.
+LDLIBS  := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lnccl -lcudart -ldl -lstdc++ $(LDLIBS)
+CUBLAS_LIB = -lcublas
 KLINK    = $(KLIB)
 else
+CUBLAS_LIB =
 KLINK    =
 endif
 
@@ -190,6 +194,9 @@ $(BUILD)/examples/%: examples/%.c $(DEPS)
 # Benchmarks link their peers (OpenBLAS, Open MPI) where they need them; see bench/*.c. They
 # compile the implementation themselves.
 BENCH_LIBS_bench_gemm = -lopenblas
+# bench_fp8 and bench_gpu_ops call cuBLAS themselves (their peer): linked, where the library dlopens it.
+BENCH_LIBS_bench_fp8 = $(CUBLAS_LIB)
+BENCH_LIBS_bench_gpu_ops = $(CUBLAS_LIB)
 $(BUILD)/bench/%: bench/%.c bench/bench_util.h $(DEPS)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $< $(BENCH_LIBS_$*) $(KLINK) $(LDLIBS)

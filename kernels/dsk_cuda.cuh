@@ -2,7 +2,7 @@
    launcher checks its context, reports errors and launches the same way.
 
    Contents
-     errors        dsk__cuda_fail, dsk__cuda_cublas_fail, DSK__CUDA_CHECK, DSK__CUDA_CUBLAS
+     errors        dsk__cuda_fail, dsk__cuda_cublas_fail, DSK__CUDA_CHECK
      launches      DSK__CUDA_KERNEL (the one spelling of a launch), dsk__cuda_launched,
                    DSK__CUDA_LAUNCH (launch and check), DSK__CUDA_LAUNCHED (the same as an
                    expression, for paths that clean up before returning), DSK__CUDA_LAUNCHED_SHMEM
@@ -32,22 +32,23 @@ static inline dsk_status dsk__cuda_fail(const char *fn, const char *call, cudaEr
                          cudaGetErrorString(e), detail && *detail ? "; " : "", detail ? detail : "");
 }
 
+/* cuBLAS's text for a status (cublasGetStatusString); kernels/tensor.cu, which loads cuBLAS at run
+   time in a real CUDA build and never calls it through a NULL pointer. */
+const char *dsk__cuda_cublas_status_string(cublasStatus_t st);
+
+/* A failed cuBLAS call `call` in `fn`. Every cuBLAS call is in kernels/tensor.cu, through its
+   table of entry points (dsk__cublas there): nothing else calls cuBLAS. */
 static inline dsk_status dsk__cuda_cublas_fail(const char *fn, const char *call, cublasStatus_t st,
                                                const char *detail) {
-    return dsk_set_error(DSK_ERR_CUDA, "%s: %s failed: %s (%d)%s%s", fn, call, cublasGetStatusString(st), (int)st,
-                         detail && *detail ? "; " : "", detail ? detail : "");
+    return dsk_set_error(DSK_ERR_CUDA, "%s: %s failed: %s (%d)%s%s", fn, call, dsk__cuda_cublas_status_string(st),
+                         (int)st, detail && *detail ? "; " : "", detail ? detail : "");
 }
 
-/* Returns from the calling function when a CUDA runtime / cuBLAS call fails. */
-#define DSK__CUDA_CHECK(fn, call, detail)                                                     \
-    do {                                                                                      \
-        cudaError_t dsk__cuda_e_ = (call);                                                    \
+/* Returns from the calling function when a CUDA runtime call fails. */
+#define DSK__CUDA_CHECK(fn, call, detail) \
+    do { \
+        cudaError_t dsk__cuda_e_ = (call); \
         if (dsk__cuda_e_ != cudaSuccess) return dsk__cuda_fail(fn, #call, dsk__cuda_e_, detail); \
-    } while (0)
-#define DSK__CUDA_CUBLAS(fn, call, detail)                                                              \
-    do {                                                                                                \
-        cublasStatus_t dsk__cuda_st_ = (call);                                                          \
-        if (dsk__cuda_st_ != CUBLAS_STATUS_SUCCESS) return dsk__cuda_cublas_fail(fn, #call, dsk__cuda_st_, detail); \
     } while (0)
 
 /* ---------------------------------------------------------------- launches */

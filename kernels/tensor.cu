@@ -15,7 +15,126 @@
    and NaN gradient row. */
 #include <cub/cub.cuh>
 #include <math.h>
+#include <type_traits>
 #include "dsk_cuda.cuh"
+#ifndef DSK_CUDA_EMU
+#include <dlfcn.h>
+#include <mutex>
+#endif
+
+/* ======================================================================= cuBLAS, loaded on first use
+
+   A real CUDA build does not link cuBLAS: loading libcublas and libcublasLt costs every process
+   about 0.1 s of CPU (their static initialisers), CPU-only runs included. The first
+   dsk_cuda_ctx_init dlopens "libcublas.so.<CUBLAS_VER_MAJOR>" (the toolkit compiled against) once
+   and resolves the entry points below; a missing library or symbol is its DSK_ERR_CUDA. The
+   CUDA emulator (DSK_CUDA_EMU) links its cuBLAS statically: the table holds its functions. */
+/* cublasGemmStridedBatchedEx is overloaded in C++ (an int64_t variant): its int one, checked
+   against the header (an unevaluated static_cast picks the overload of this type, or fails). */
+typedef cublasStatus_t (*dsk__cublas_gemm_sb_fn)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int,
+                                                 const void *, const void *, cudaDataType, int, long long int,
+                                                 const void *, cudaDataType, int, long long int, const void *, void *,
+                                                 cudaDataType, int, long long int, int, cublasComputeType_t,
+                                                 cublasGemmAlgo_t);
+static_assert(std::is_same<decltype(static_cast<dsk__cublas_gemm_sb_fn>(&cublasGemmStridedBatchedEx)),
+                           dsk__cublas_gemm_sb_fn>::value,
+              "cublasGemmStridedBatchedEx's prototype");
+struct dsk__cublas_fns {
+    decltype(&cublasCreate) create;
+    decltype(&cublasDestroy) destroy;
+    decltype(&cublasSetStream) set_stream;
+    decltype(&cublasSetWorkspace) set_workspace;
+    decltype(&cublasGetStatusString) status_string;
+    dsk__cublas_gemm_sb_fn gemm_strided_batched_ex;
+};
+
+#ifdef DSK_CUDA_EMU
+static const dsk__cublas_fns dsk__cublas = {cublasCreate,       cublasDestroy,         cublasSetStream,
+                                            cublasSetWorkspace, cublasGetStatusString, cublasGemmStridedBatchedEx};
+static dsk_status dsk__cublas_ready(void) { return DSK_OK; }
+#else
+#define DSK__CUBLAS_STR2(x) #x
+#define DSK__CUBLAS_STR(x) DSK__CUBLAS_STR2(x)
+#define DSK__CUBLAS_LIB "libcublas.so." DSK__CUBLAS_STR(CUBLAS_VER_MAJOR)
+
+static dsk__cublas_fns dsk__cublas; /* all set by dsk__cublas_ready's one load, or all NULL */
+/* Every entry point: its field and the name libcublas exports. */
+#define DSK__CUBLAS_FNS(X) \
+    X(create, "cublasCreate_v2") \
+    X(destroy, "cublasDestroy_v2") \
+    X(set_stream, "cublasSetStream_v2") \
+    X(set_workspace, "cublasSetWorkspace_v2") \
+    X(status_string, "cublasGetStatusString") \
+    X(gemm_strided_batched_ex, "cublasGemmStridedBatchedEx")
+
+/* dlopens `lib` and resolves every entry point into *f (the exported names: cublas_v2.h maps
+   cublasCreate to cublasCreate_v2 and so on). On failure *f is untouched and the library closed. */
+static dsk_status dsk__cublas_open(const char *lib, dsk__cublas_fns *f, void **handle) {
+    static const char *fn = "dsk_ctx_init";
+    dsk__cublas_fns t;
+    const char *err;
+    void *h;
+    dlerror();
+    if (!(h = dlopen(lib, RTLD_NOW | RTLD_LOCAL))) {
+        err = dlerror();
+        return dsk_set_error(DSK_ERR_CUDA, "%s: loading cuBLAS: dlopen(\"%s\") failed: %s", fn, lib,
+                             err ? err : "(no dlerror)");
+    }
+#define DSK__CUBLAS_SYM(field, name) \
+    dlerror(); \
+    if (!(t.field = reinterpret_cast<decltype(t.field)>(dlsym(h, name)))) { \
+        err = dlerror(); \
+        dsk_set_error(DSK_ERR_CUDA, "%s: loading cuBLAS: dlsym(\"%s\", \"%s\") failed: %s", fn, lib, name, \
+                      err ? err : "(NULL)"); \
+        dlclose(h); \
+        return DSK_ERR_CUDA; \
+    }
+    DSK__CUBLAS_FNS(DSK__CUBLAS_SYM)
+#undef DSK__CUBLAS_SYM
+    *f = t;
+    *handle = h;
+    return DSK_OK;
+}
+
+/* The process's one load of cuBLAS (thread-safe); its failure is returned, with its message, to
+   every call. */
+static dsk_status dsk__cublas_ready(void) {
+    static std::once_flag once;
+    static dsk_status status;
+    static char message[512];
+    std::call_once(once, [] {
+        void *h = NULL;
+        status = dsk__cublas_open(DSK__CUBLAS_LIB, &dsk__cublas, &h);
+        if (status != DSK_OK) snprintf(message, sizeof message, "%s", dsk_last_error());
+    });
+    if (status != DSK_OK) return dsk_set_error(status, "%s", message);
+    return DSK_OK;
+}
+
+/* For tests (tests/test_tensor.c), not a public API: lib NULL loads cuBLAS as dsk_cuda_ctx_init
+   does and checks every entry point is set; otherwise a trial load of `lib` (closed again) that
+   leaves the process's table alone, to see a load's errors. */
+extern "C" dsk_status dsk__cuda_cublas_load(const char *lib) {
+    if (!lib) {
+        DSK__TRY(dsk__cublas_ready());
+#define DSK__CUBLAS_SET(field, name) \
+    if (!dsk__cublas.field) return dsk_set_error(DSK_ERR_CUDA, "dsk__cuda_cublas_load: %s is not set", name);
+        DSK__CUBLAS_FNS(DSK__CUBLAS_SET)
+#undef DSK__CUBLAS_SET
+        return DSK_OK;
+    } else {
+        dsk__cublas_fns t;
+        void *h = NULL;
+        DSK__TRY(dsk__cublas_open(lib, &t, &h));
+        dlclose(h);
+        return DSK_OK;
+    }
+}
+#endif
+
+const char *dsk__cuda_cublas_status_string(cublasStatus_t st) {
+    return dsk__cublas.status_string ? dsk__cublas.status_string(st) : "(cuBLAS not loaded)";
+}
 
 /* ======================================================================= runtime */
 
@@ -44,6 +163,7 @@ extern "C" dsk_status dsk_cuda_ctx_init(dsk_ctx *ctx, int index) {
     DSK__TRY(dsk_cuda_device_count(&n));
     if (index < 0 || index >= n)
         return dsk_set_error(DSK_ERR_ARG, "%s: CUDA device %d requested, %d present", fn, index, n);
+    DSK__TRY(dsk__cublas_ready());
     snprintf(detail, sizeof detail, "device %d", index);
     DSK__CUDA_CHECK(fn, cudaSetDevice(index), detail);
     ctx->device.type = DSK_DEV_CUDA;
@@ -54,17 +174,17 @@ extern "C" dsk_status dsk_cuda_ctx_init(dsk_ctx *ctx, int index) {
        driver, so per-op scratch allocations stay cheap. */
     DSK__CUDA_CHECK(fn, cudaDeviceGetDefaultMemPool(&pool, index), detail);
     DSK__CUDA_CHECK(fn, cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep), detail);
-    if ((st = cublasCreate(&handle)) != CUBLAS_STATUS_SUCCESS)
+    if ((st = dsk__cublas.create(&handle)) != CUBLAS_STATUS_SUCCESS)
         return dsk__cuda_cublas_fail(fn, "cublasCreate", st, detail);
     ctx->cublas = handle;
-    if ((st = cublasSetStream(handle, stream)) != CUBLAS_STATUS_SUCCESS)
+    if ((st = dsk__cublas.set_stream(handle, stream)) != CUBLAS_STATUS_SUCCESS)
         return dsk__cuda_cublas_fail(fn, "cublasSetStream", st, detail);
     if (ctx->workspace_bytes) {
         void *ws = NULL;
         snprintf(detail, sizeof detail, "device %d, workspace of %zu bytes", index, ctx->workspace_bytes);
         DSK__CUDA_CHECK(fn, cudaMallocAsync(&ws, ctx->workspace_bytes, stream), detail);
         ctx->workspace = ws;
-        if ((st = cublasSetWorkspace(handle, ws, ctx->workspace_bytes)) != CUBLAS_STATUS_SUCCESS)
+        if ((st = dsk__cublas.set_workspace(handle, ws, ctx->workspace_bytes)) != CUBLAS_STATUS_SUCCESS)
             return dsk__cuda_cublas_fail(fn, "cublasSetWorkspace", st, detail);
     }
     DSK__CUDA_CHECK(fn, cudaStreamSynchronize(stream), detail);
@@ -76,7 +196,7 @@ extern "C" void dsk_cuda_ctx_free(dsk_ctx *ctx) {
     if (!ctx) return;
     stream = (cudaStream_t)ctx->stream;
     if (ctx->device.type == DSK_DEV_CUDA) (void)cudaSetDevice(ctx->device.index);
-    if (ctx->cublas) (void)cublasDestroy((cublasHandle_t)ctx->cublas);
+    if (ctx->cublas) (void)dsk__cublas.destroy((cublasHandle_t)ctx->cublas);
     if (ctx->workspace) {
         if (stream) (void)cudaFreeAsync(ctx->workspace, stream);
         else (void)cudaFree(ctx->workspace);
@@ -522,7 +642,7 @@ static dsk_status dsk__gemm(dsk_ctx *ctx, const char *fn, int ta, int tb, int64_
     if (M > INT_MAX || N > INT_MAX || K > INT_MAX || batch > INT_MAX || A.ld > INT_MAX || B.ld > INT_MAX ||
         ldc > INT_MAX)
         return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: sizes beyond cuBLAS's int range: %s", fn, detail);
-    st = cublasGemmStridedBatchedEx(
+    st = dsk__cublas.gemm_strided_batched_ex(
         (cublasHandle_t)ctx->cublas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)N, (int)M,
         (int)K, &alpha, B.p, B.dt, (int)B.ld, (long long)B.bs, A.p, A.dt, (int)A.ld, (long long)A.bs, &beta, C,
         dsk__cuda_dtype(cdt), (int)ldc, (long long)sc, (int)batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);

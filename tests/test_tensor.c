@@ -2705,6 +2705,48 @@ static void test_errors_devices(void) {
 #endif
 }
 
+/* cuBLAS, which a real CUDA build dlopens when it makes its first CUDA context (kernels/tensor.cu)
+   instead of linking it: not mapped before, then every entry point resolved, and the errors of a
+   missing library or symbol. Runs without a GPU (it loads the library, makes no handle). */
+#if defined(DSK_CUDA) && !defined(DSK_CUDA_EMU)
+dsk_status dsk__cuda_cublas_load(const char *lib); /* kernels/tensor.cu, for tests */
+
+static int tt_cublas_mapped(void) {
+    char line[4096];
+    int found = 0;
+    FILE *f = fopen("/proc/self/maps", "r");
+    if (!f) return -1;
+    while (!found && fgets(line, sizeof line, f)) found = strstr(line, "/libcublas.so") != NULL;
+    fclose(f);
+    return found;
+}
+
+static void test_cublas_load(void) {
+    int n = 0;
+    DSK_TEST_OK(dsk_cuda_device_count(&n));
+    if (n == 0) /* no CUDA ctx can have been made: the library must not be loaded yet */
+        DSK_TEST_EXPECT(tt_cublas_mapped() == 0, "libcublas mapped before any CUDA context (linked?)");
+    TT_ERR(dsk__cuda_cublas_load("libcublas.so.0-dsk-missing"), DSK_ERR_CUDA,
+           "dsk_ctx_init: loading cuBLAS: dlopen(\"libcublas.so.0-dsk-missing\") failed: ");
+    TT_ERR(dsk__cuda_cublas_load("libm.so.6"), DSK_ERR_CUDA,
+           "dsk_ctx_init: loading cuBLAS: dlsym(\"libm.so.6\", \"cublasCreate_v2\") failed: ");
+    dsk_clear_error();
+    DSK_TEST_OK(dsk__cuda_cublas_load(NULL));
+    DSK_TEST_OK(dsk__cuda_cublas_load(NULL)); /* loaded once; the second call finds it */
+    DSK_TEST_EXPECT(tt_cublas_mapped() == 1, "libcublas not mapped after loading it");
+}
+#else
+static void test_cublas_load(void) {
+    dsk_test_skip("cuBLAS is dlopened only by a real CUDA build (this one: %s)",
+#ifdef DSK_CUDA
+                  "the CUDA emulator"
+#else
+                  "CUDA=0"
+#endif
+    );
+}
+#endif
+
 /* ------------------------------------------------------------------ rows: the same bits for any row count
    The contract of dsk_matmul's comment: a row's result does not depend on how many rows a call
    is given, how they are split between calls, or the thread count. Each case computes its op on
@@ -3303,6 +3345,8 @@ int main(void) {
     TT_CASE("attention (1, 700, 2, 64) f32 vs float64: score products wider than the direct GEMM nest"); test_attention_long();
     TT_CASE("errors: fused attention"); test_errors_attention_fused();
     TT_CASE("errors: CUDA tensors and devices"); test_errors_devices();
+    TT_CASE("cuBLAS loaded on first use: not mapped before, every entry point, missing library or symbol");
+    test_cublas_load();
     TT_CASE("gather_rows_scaled e4m3: plain copies of codes, zero rows");
     test_gather_rows_fp8(DSK_E4M3);
     TT_CASE("gather_rows_scaled e5m2: plain copies of codes, zero rows");
