@@ -112,23 +112,15 @@ static dsk_status dsk__cublas_ready(void) {
 }
 
 /* For tests (tests/test_tensor.c), not a public API: lib NULL loads cuBLAS as dsk_cuda_ctx_init
-   does and checks every entry point is set; otherwise a trial load of `lib` (closed again) that
-   leaves the process's table alone, to see a load's errors. */
+   does (dsk__cublas_open sets every entry point or none); otherwise a trial load of `lib` (closed
+   again) that leaves the process's table alone, to see a load's errors. */
 extern "C" dsk_status dsk__cuda_cublas_load(const char *lib) {
-    if (!lib) {
-        DSK__TRY(dsk__cublas_ready());
-#define DSK__CUBLAS_SET(field, name) \
-    if (!dsk__cublas.field) return dsk_set_error(DSK_ERR_CUDA, "dsk__cuda_cublas_load: %s is not set", name);
-        DSK__CUBLAS_FNS(DSK__CUBLAS_SET)
-#undef DSK__CUBLAS_SET
-        return DSK_OK;
-    } else {
-        dsk__cublas_fns t;
-        void *h = NULL;
-        DSK__TRY(dsk__cublas_open(lib, &t, &h));
-        dlclose(h);
-        return DSK_OK;
-    }
+    dsk__cublas_fns t;
+    void *h = NULL;
+    if (!lib) return dsk__cublas_ready();
+    DSK__TRY(dsk__cublas_open(lib, &t, &h));
+    dlclose(h);
+    return DSK_OK;
 }
 #endif
 
