@@ -249,6 +249,18 @@ DSK_API dsk_status dsk_comm_all_to_all(dsk_comm *c, dsk_ctx *ctx, const void *se
 DSK_API dsk_status dsk_comm_all_to_all_v(dsk_comm *c, dsk_ctx *ctx, const void *send, const int64_t *send_counts,
                                          const int64_t *send_displs, void *recv, const int64_t *recv_counts,
                                          const int64_t *recv_displs, dsk_dtype dt);
+/* Called once for each rank p (this one included) when p's message to this rank is in recv. */
+typedef void (*dsk_comm_arrived_fn)(void *arg, int rank);
+/* dsk_comm_all_to_all_v that says which messages have landed while the others still travel, so that a
+   consumer can start on the first (dsk_moe's chunked dispatch). host: arrived(arg, p) runs in the calling
+   thread as soon as rank p's message is whole in recv, in the order the messages complete (this rank's own
+   first), before the call returns; on an error some ranks are never reported. nccl: the messages are
+   ordered on ctx's stream, so arrived runs for every rank, in rank order, once the exchange is enqueued
+   (work enqueued on that stream after it sees the data). arrived may be NULL. */
+DSK_API dsk_status dsk_comm_all_to_all_v_notify(dsk_comm *c, dsk_ctx *ctx, const void *send, const int64_t *send_counts,
+                                                const int64_t *send_displs, void *recv, const int64_t *recv_counts,
+                                                const int64_t *recv_displs, dsk_dtype dt, dsk_comm_arrived_fn arrived,
+                                                void *arg);
 /* Point to point; each send must meet a recv of the same count and dtype on `peer`. */
 DSK_API dsk_status dsk_comm_send(dsk_comm *c, dsk_ctx *ctx, const void *buf, int64_t count, dsk_dtype dt, int peer);
 DSK_API dsk_status dsk_comm_recv(dsk_comm *c, dsk_ctx *ctx, void *buf, int64_t count, dsk_dtype dt, int peer);
@@ -905,6 +917,8 @@ struct dsk__comm_impl {
     struct dsk__comm_io *ops;         /* [2 * world] */
     const void **srcs;           /* [2 * world] */
     int64_t *off;                /* [world + 1] */
+    dsk_comm_arrived_fn arrived; /* dsk_comm_all_to_all_v_notify's, during its io run; else NULL */
+    void *arrived_arg;
 #ifdef DSK_CUDA
     ncclComm_t nccl;
     void *nccl_flag;             /* one device float for barriers */
@@ -1597,6 +1611,7 @@ typedef struct dsk__comm_io {
     dsk__comm_wire got;      /* received */
     char *buf;
     size_t len, done;   /* done counts header + payload bytes */
+    int told;           /* a finished receive was reported to dsk__comm_impl.arrived */
 } dsk__comm_io;
 
 static void dsk__comm_wire_describe(const dsk__comm_wire *h, char *buf, size_t n) {
@@ -1926,6 +1941,16 @@ static int dsk__comm_io_wait(dsk_comm *c, const char *fn, dsk__comm_io *ops, int
    NULL) whenever nothing can move; the job is complete on return. Errors break the comm.
    Shared-memory ops move without system calls; when none can, the engine spins, then yields
    (looking at TCP ops without waiting, if any) until DSK__COMM_SPIN_S, then sleeps in poll(). */
+/* m->arrived (if set) for each receive of ops[0..n) that finished since the last look. */
+static void dsk__comm_tell_arrivals(dsk__comm_impl *m, dsk__comm_io *ops, int n) {
+    if (!m->arrived) return;
+    for (int i = 0; i < n; i++)
+        if (!ops[i].is_send && !ops[i].told && dsk__comm_io_finished(&ops[i])) {
+            ops[i].told = 1;
+            m->arrived(m->arrived_arg, ops[i].peer);
+        }
+}
+
 static dsk_status dsk__comm_io_run(dsk_comm *c, const char *fn, dsk__comm_io *ops, int n, double t0,
                                    dsk__comm_fold_job *job) {
     dsk__comm_impl *m = c->impl;
@@ -1945,6 +1970,7 @@ static dsk_status dsk__comm_io_run(dsk_comm *c, const char *fn, dsk__comm_io *op
             moved |= r;
             shm_wait += !dsk__comm_io_finished(&ops[i]);
         }
+        dsk__comm_tell_arrivals(m, ops, n);
         if (!shm_wait && !tcp_wait) {
             if (idle) dsk__comm_fold_slice(job, m->srcs + c->world_size, 0);
             return DSK_OK;
@@ -2005,6 +2031,7 @@ static void dsk__comm_io_post(dsk__comm_io *op, int peer, int is_send, const dsk
     op->buf = (char *)buf;
     op->len = len;
     op->done = 0;
+    op->told = 0;
 }
 
 /* ---------------------------------------------------------------- reductions (fixed rank order) */
@@ -2346,18 +2373,21 @@ static dsk_status dsk__comm_host_scatter(dsk_comm *c, const char *fn, const char
     return dsk__comm_io_run(c, fn, m->ops, no, t0, NULL);
 }
 
-/* Shared by all_to_all and all_to_all_v: message to p = scount[p] elements at send + sdis[p]. */
+/* Shared by all_to_all and all_to_all_v: message to p = scount[p] elements at send + sdis[p]; arrived (may be
+   NULL) told of each rank's message as it lands. */
 static dsk_status dsk__comm_host_a2a(dsk_comm *c, const char *fn, int kind, const char *send, const int64_t *scount,
                                      const int64_t *sdis, char *recv, const int64_t *rcount, const int64_t *rdis,
-                                     dsk_dtype dt, double t0) {
+                                     dsk_dtype dt, double t0, dsk_comm_arrived_fn arrived, void *arg) {
     dsk__comm_impl *m = c->impl;
     int n = c->world_size, me = c->rank, no = 0;
     size_t esz = dsk_dtype_size(dt);
+    dsk_status st;
     for (int p = 0; p < n; p++) {
         dsk__comm_wire hs, hr;
         if (p == me) {
             if (scount[p])
                 memmove(recv + rdis[p] * (int64_t)esz, send + sdis[p] * (int64_t)esz, (size_t)scount[p] * esz);
+            if (arrived) arrived(arg, me);
             continue;
         }
         hs = dsk__comm_wire_make(m, kind, dt, 0, -1, scount[p]);
@@ -2369,7 +2399,11 @@ static dsk_status dsk__comm_host_a2a(dsk_comm *c, const char *fn, int kind, cons
         dsk__comm_io_post(&m->ops[no++], p, 1, &hs, send + sdis[p] * (int64_t)esz, (size_t)scount[p] * esz);
         dsk__comm_io_post(&m->ops[no++], p, 0, &hr, recv + rdis[p] * (int64_t)esz, (size_t)rcount[p] * esz);
     }
-    return dsk__comm_io_run(c, fn, m->ops, no, t0, NULL);
+    m->arrived = arrived;
+    m->arrived_arg = arg;
+    st = dsk__comm_io_run(c, fn, m->ops, no, t0, NULL);
+    m->arrived = NULL;
+    return st;
 }
 
 static dsk_status dsk__comm_host_barrier(dsk_comm *c, const char *fn, double t0) {
@@ -3516,15 +3550,15 @@ DSK_API dsk_status dsk_comm_all_to_all(dsk_comm *c, dsk_ctx *ctx, const void *se
     }
     if (st == DSK_OK)
         st = dsk__comm_host_a2a(c, fn, DSK__COMM_ALL_TO_ALL, (const char *)send, v, v + n, (char *)recv, v, v + n, dt,
-                                t0);
+                                t0, NULL, NULL);
     DSK_FREE(v);
     return dsk__comm_done(c, st, t0);
 }
 
-DSK_API dsk_status dsk_comm_all_to_all_v(dsk_comm *c, dsk_ctx *ctx, const void *send, const int64_t *send_counts,
-                                         const int64_t *send_displs, void *recv, const int64_t *recv_counts,
-                                         const int64_t *recv_displs, dsk_dtype dt) {
-    const char *fn = "dsk_comm_all_to_all_v";
+static dsk_status dsk__comm_a2a_v(dsk_comm *c, dsk_ctx *ctx, const char *fn, const void *send,
+                                  const int64_t *send_counts, const int64_t *send_displs, void *recv,
+                                  const int64_t *recv_counts, const int64_t *recv_displs, dsk_dtype dt,
+                                  dsk_comm_arrived_fn arrived, void *arg) {
     double t0 = dsk__comm_now();
     dsk_status st;
     int64_t *d;
@@ -3556,15 +3590,31 @@ DSK_API dsk_status dsk_comm_all_to_all_v(dsk_comm *c, dsk_ctx *ctx, const void *
     else dsk__comm_prefix(recv_counts, n, d + n);
     (void)ctx;
 #ifdef DSK_CUDA
-    if (DSK__COMM_NCCL(c))
+    if (DSK__COMM_NCCL(c)) {
         st = dsk__comm_nccl_a2a(c, fn, (const char *)send, send_counts, d, (char *)recv, recv_counts, d + n, dt, ctx,
                                 t0);
-    else
+        for (int p = 0; p < n && st == DSK_OK && arrived; p++) arrived(arg, p); /* stream-ordered */
+    } else
 #endif
         st = dsk__comm_host_a2a(c, fn, DSK__COMM_ALL_TO_ALL_V, (const char *)send, send_counts, d, (char *)recv,
-                                recv_counts, d + n, dt, t0);
+                                recv_counts, d + n, dt, t0, arrived, arg);
     DSK_FREE(d);
     return dsk__comm_done(c, st, t0);
+}
+
+DSK_API dsk_status dsk_comm_all_to_all_v(dsk_comm *c, dsk_ctx *ctx, const void *send, const int64_t *send_counts,
+                                         const int64_t *send_displs, void *recv, const int64_t *recv_counts,
+                                         const int64_t *recv_displs, dsk_dtype dt) {
+    return dsk__comm_a2a_v(c, ctx, "dsk_comm_all_to_all_v", send, send_counts, send_displs, recv, recv_counts,
+                           recv_displs, dt, NULL, NULL);
+}
+
+DSK_API dsk_status dsk_comm_all_to_all_v_notify(dsk_comm *c, dsk_ctx *ctx, const void *send, const int64_t *send_counts,
+                                                const int64_t *send_displs, void *recv, const int64_t *recv_counts,
+                                                const int64_t *recv_displs, dsk_dtype dt, dsk_comm_arrived_fn arrived,
+                                                void *arg) {
+    return dsk__comm_a2a_v(c, ctx, "dsk_comm_all_to_all_v_notify", send, send_counts, send_displs, recv, recv_counts,
+                           recv_displs, dt, arrived, arg);
 }
 
 static dsk_status dsk__comm_p2p(dsk_comm *c, const char *fn, dsk_ctx *ctx, void *buf, int64_t count, dsk_dtype dt,

@@ -557,10 +557,29 @@ static int64_t a2av_count(uint64_t tag, int s, int d, int64_t scale) {
     return (u % 3 == 0) ? 0 : (int64_t)((u >> 8) % (uint64_t)scale) + 1;
 }
 
-static void rank_all_to_all_v(dsk_comm *c, void *arg) {
+/* dsk_comm_all_to_all_v_notify's callback: rank p's block must be whole in got when p is reported, each rank
+   once, this rank's own first. */
+typedef struct a2av_told {
+    const char *got, *want;
+    const int64_t *rd, *rc;
+    size_t esz;
+    int told[8], calls, first;
+} a2av_told;
+
+static void a2av_arrived(void *arg, int p) {
+    a2av_told *t = (a2av_told *)arg;
+    if (t->calls++ == 0) t->first = p;
+    if (p < 0 || p >= 8) return;
+    t->told[p]++;
+    if (memcmp(t->got + t->rd[p] * (int64_t)t->esz, t->want + t->rd[p] * (int64_t)t->esz, (size_t)t->rc[p] * t->esz))
+        t->told[p] = -1000; /* reported before its data landed */
+}
+
+/* all_to_all_v against the blocks computed here, or (notify) its _notify form, whose callback checks each
+   rank's block as it is reported. */
+static void a2av_check(dsk_comm *c, int notify) {
     int n = c->world_size, me = c->rank;
     static const int64_t scales[] = {1, 5, 130, 40000};
-    (void)arg;
     for (size_t d = 0; d < sizeof k_dtypes / sizeof *k_dtypes; d++)
         for (size_t s = 0; s < sizeof scales / sizeof *scales; s++)
             for (int packed = 0; packed < 2; packed++) {
@@ -599,13 +618,34 @@ static void rank_all_to_all_v(dsk_comm *c, void *arg) {
                 }
                 snprintf(label, sizeof label, "rank %d: all_to_all_v %s scale %lld%s", me, dsk_dtype_name(dt),
                          (long long)scales[s], packed ? " packed (NULL displacements)" : " with gaps");
-                DSK_TEST_OK(
-                    dsk_comm_all_to_all_v(c, NULL, in[me], sc, packed ? NULL : sd, got, rc, packed ? NULL : rd, dt));
+                if (notify) {
+                    a2av_told t = {got, want, rd, rc, esz, {0}, 0, -1};
+                    DSK_TEST_OK(dsk_comm_all_to_all_v_notify(c, NULL, in[me], sc, packed ? NULL : sd, got, rc,
+                                                             packed ? NULL : rd, dt, a2av_arrived, &t));
+                    DSK_TEST_EXPECT(t.calls == n && t.first == me, "%s: %d reports, the first for rank %d", label,
+                                    t.calls, t.first);
+                    for (int p = 0; p < n; p++)
+                        DSK_TEST_EXPECT(t.told[p] == 1, "%s: rank %d reported %d times (< 0: before its data)", label,
+                                        p, t.told[p]);
+                } else {
+                    DSK_TEST_OK(dsk_comm_all_to_all_v(c, NULL, in[me], sc, packed ? NULL : sd, got, rc,
+                                                      packed ? NULL : rd, dt));
+                }
                 DSK_TEST_SAME_BYTES(got, want, (size_t)rtot * esz, label);
                 free(got);
                 free(want);
                 free_all(n, in);
             }
+}
+
+static void rank_all_to_all_v(dsk_comm *c, void *arg) {
+    (void)arg;
+    a2av_check(c, 0);
+}
+
+static void rank_all_to_all_v_notify(dsk_comm *c, void *arg) {
+    (void)arg;
+    a2av_check(c, 1);
 }
 
 /* Ring: each rank sends to rank + 1 and receives from rank - 1 (even ranks send first). */
@@ -2372,6 +2412,8 @@ static void run_suite(void) {
         coll_case("scatter: 7 dtypes x 6 sizes x 2 roots, in place and not", rank_scatter, n, 0);
         coll_case("all_to_all: 7 dtypes x 6 sizes", rank_all_to_all, n, 0);
         coll_case("all_to_all_v: uneven counts with zeros, packed and with gaps", rank_all_to_all_v, n, 0);
+        coll_case("all_to_all_v_notify: each rank reported once, own first, after its block landed",
+                  rank_all_to_all_v_notify, n, 0);
         coll_case("send/recv ring and barrier", rank_send_recv, n, 0);
         coll_case("tensor forms", rank_tensors, n, 0);
         if (g_mode == MODE_SHM) coll_case("store set/get/add/barrier", rank_store, n, 0);

@@ -98,6 +98,14 @@ static void compare(const void *got, const void *want, dsk_dtype dt, int64_t n, 
     }
 }
 
+/* dsk_comm_all_to_all_v_notify's reports on nccl: every rank, in rank order (the messages are stream-ordered). */
+static int g_told[8], g_told_n;
+static void record_arrival(void *arg, int p) {
+    (void)arg;
+    if (g_told_n < 8) g_told[g_told_n] = p;
+    g_told_n++;
+}
+
 static const dsk_dtype k_dtypes[] = {DSK_F32, DSK_F16, DSK_BF16, DSK_F64, DSK_I32, DSK_I64, DSK_U8};
 static const int64_t k_sizes[] = {1, 7, 129, 70001};
 
@@ -177,6 +185,14 @@ static void part_collectives(void) {
             DSK_TEST_EXPECT(cudaMemset(dout, 0, nb) == cudaSuccess, "cudaMemset");
             DSK_TEST_OK(dsk_comm_all_to_all_v(&HC, NULL, in, sc, NULL, want, rc, NULL, dt));
             DSK_TEST_OK(dsk_comm_all_to_all_v(&NC, &G, din, sc, NULL, dout, rc, NULL, dt));
+            to_host(got, dout, nb);
+            compare(got, want, dt, len * n, 1, label);
+            DSK_TEST_EXPECT(cudaMemset(dout, 0, nb) == cudaSuccess, "cudaMemset");
+            g_told_n = 0;
+            DSK_TEST_OK(dsk_comm_all_to_all_v_notify(&NC, &G, din, sc, NULL, dout, rc, NULL, dt, record_arrival, NULL));
+            DSK_TEST_EXPECT(g_told_n == n, "%s: notify reported %d ranks of %d", label, g_told_n, n);
+            for (int q = 0; q < n && q < g_told_n && q < 8; q++)
+                DSK_TEST_EXPECT(g_told[q] == q, "%s: notify's report %d is rank %d", label, q, g_told[q]);
             to_host(got, dout, nb);
             compare(got, want, dt, len * n, 1, label);
             DSK_TEST_EXPECT(cudaFree(din) == cudaSuccess && cudaFree(dout) == cudaSuccess, "cudaFree");
