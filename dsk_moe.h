@@ -139,13 +139,14 @@
      ACT experts, the default ISA's row kernels; AUTO, the default, only where the node has a core free
      for each rank's exchange thread, as without one it slowed the step): the rank's own rows need no transport,
      so the thread exchanges only the other ranks' rows while the routed experts compute the own ones
-     (forward: their MLP; backward: the input gradient of the output gradients' own rows), then the rest
-     after the exchange (the host all-to-all-v reports no per-peer arrival: one chunk for all the
-     peers). Each expert's rows come by source rank, so a chunk is a sub-range of each expert's segment;
-     a row's results have the same bits whatever rows share its GEMM (dsk_matmul's rows contract), and
-     the weight gradients, sums over rows, run once over whole segments after the last chunk: the
-     serial bits. CUDA runs the exchanges on the layer's stream, serial. Not yet: per-peer chunks,
-     chunked combine, overlap across micro-batches.
+     (forward: their MLP; backward: the input gradient of the output gradients' own rows), then each
+     other rank's rows as they land (dsk_comm_all_to_all_v_notify: the thread places a rank's rows when
+     its message is whole and hands the rank over; stats.ep_chunks counts the chunks). Each expert's rows
+     come by source rank, so a chunk is a sub-range of each expert's segment; a row's results have the
+     same bits whatever rows share its GEMM (dsk_matmul's rows contract) and whatever order the chunks
+     run in, and the weight gradients, sums over rows, run once over whole segments after the last
+     chunk: the serial bits. CUDA runs the exchanges on the layer's stream, serial. Not yet: chunked
+     combine, overlap across micro-batches.
      Routes across nodes (opts.ep_route): FLAT sends a row per kept (token, expert) to the expert's rank in
      one all-to-all-v; TWO_HOP sends each token's row once to every node holding one of its kept experts (to
      the rank with this rank's node_rank there, which copies it to its slots on that node: dsk_moe_route,
@@ -418,6 +419,9 @@ typedef struct dsk_moe_stats {
                                          forward's stats its dispatch and combine, collected ones every forward's and
                                          backward's since the request (two hops: with the 8K bytes of routing of
                                          each token row the forward sends across; the counts exchange not counted) */
+    int64_t ep_chunks;                /* EP chunked dispatch (opts.ep_chunk), a forward's own stats: the chunks its
+                                         routed experts ran in (this rank's own rows, then each other rank's as they
+                                         landed: the EP size); 0 unchunked */
 } dsk_moe_stats;
 
 struct dsk__moe_state;
@@ -1278,6 +1282,7 @@ struct dsk__moe_state {
     int64_t *a2a;            /* (8P) all-to-all-v counts and displacements, forward direction (elements), then
                                 the same without this rank's own rows (chunked dispatch) */
     int64_t *send_rows, *recv_rows; /* (P) */
+    int *arrival_order;             /* (P) chunked dispatch: the ranks whose rows landed, in that order */
     int64_t *local_off;      /* (n_local + 1) */
     int32_t *h_rg;           /* (R, 2) regroup index and its inverse on the host (EP), grown */
     int64_t h_rg_cap;
@@ -1291,6 +1296,8 @@ struct dsk__moe_state {
     uint64_t off_bytes[3];    /* EP bytes sent to other nodes: the last forward's, since the last request, collected */
     int in_forward;           /* the exchanges count into off_bytes[0] too */
     int chunked;              /* this call's exchange to the experts leaves this rank's own rows to the caller */
+    int64_t fwd_chunks;       /* the last forward's chunks (dsk_moe_stats.ep_chunks) */
+    struct dsk__moe_arrivals *arrivals; /* chunked: the running exchange's hand-over (dsk__moe_async) */
     struct dsk__moe_hop *hop; /* opts.ep_route TWO_HOP: the last forward's route and indices */
 };
 
@@ -1516,7 +1523,11 @@ static void dsk__moe_state_free(dsk_moe *m, dsk_ctx *ctx) {
     }
 #endif
     DSK_FREE(st->h_cnt); DSK_FREE(st->h_recv_cnt); DSK_FREE(st->a2a); DSK_FREE(st->send_rows);
-    DSK_FREE(st->recv_rows); DSK_FREE(st->local_off); DSK_FREE(st->h_rg); DSK_FREE(st->fwd_loads);
+    DSK_FREE(st->recv_rows);
+    DSK_FREE(st->arrival_order);
+    DSK_FREE(st->local_off);
+    DSK_FREE(st->h_rg);
+    DSK_FREE(st->fwd_loads);
     DSK_FREE(st->col_acc_i); DSK_FREE(st->col_acc_f);
     dsk__moe_hop_free(st->hop);
     DSK_FREE(st);
@@ -1732,6 +1743,7 @@ static dsk_status dsk__moe_alloc_state(dsk_moe *m, dsk_ctx *ctx) {
     st->h_recv_cnt = (int64_t *)DSK_MALLOC((size_t)(P * El) * sizeof(int64_t));
     st->a2a = (int64_t *)DSK_MALLOC((size_t)(8 * P) * sizeof(int64_t));
     st->send_rows = (int64_t *)DSK_MALLOC((size_t)P * sizeof(int64_t));
+    st->arrival_order = (int *)DSK_MALLOC((size_t)P * sizeof(int));
     st->recv_rows = (int64_t *)DSK_MALLOC((size_t)P * sizeof(int64_t));
     st->local_off = (int64_t *)DSK_MALLOC((size_t)(El + 1) * sizeof(int64_t));
     st->fwd_loads = (int64_t *)DSK_MALLOC((size_t)E * sizeof(int64_t));
@@ -1746,8 +1758,8 @@ static dsk_status dsk__moe_alloc_state(dsk_moe *m, dsk_ctx *ctx) {
         st->col_acc_i = (int64_t *)DSK_MALLOC((size_t)(5 + E) * sizeof(int64_t));
         st->col_acc_f = (double *)DSK_MALLOC(3 * sizeof(double));
     }
-    if (!st->h_cnt || !st->h_recv_cnt || !st->a2a || !st->send_rows || !st->recv_rows || !st->local_off ||
-        !st->fwd_loads || !st->col_acc_i || !st->col_acc_f)
+    if (!st->h_cnt || !st->h_recv_cnt || !st->a2a || !st->send_rows || !st->recv_rows || !st->arrival_order ||
+        !st->local_off || !st->fwd_loads || !st->col_acc_i || !st->col_acc_f)
         return dsk_set_error(DSK_ERR_OOM, "dsk_moe_init: out of host memory");
     memset(st->col_acc_i, 0, (size_t)(5 + E) * sizeof(int64_t));
     memset(st->col_acc_f, 0, 3 * sizeof(double));
@@ -3531,15 +3543,30 @@ static dsk_status dsk__moe_hop_from_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_
 /* An exchange (DSK__MOE_XCH_*) on a second thread, so that the
    caller computes meanwhile (host backend: the collective takes no ctx and the gathers use none of its
    workspace). Its buffers are sized before it starts; the thread's error message comes back at the join. */
+/* Chunked dispatch's hand-over from ep_overlap's thread to the layer: the thread places each rank's rows
+   (expert-major) as they land (dsk_comm_all_to_all_v_notify) and queues the rank; the layer computes the
+   queued ranks' chunks in turn. */
+typedef struct dsk__moe_arrivals {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int *order;  /* (P) the other ranks whose rows are in place, in the order they landed */
+    int n, done; /* queued; the exchange returned */
+    dsk_moe *m;
+    char *dst;       /* the experts' rows (expert-major) */
+    const char *src; /* the exchange's receive buffer (rank-major) */
+    size_t row;      /* bytes of a row */
+} dsk__moe_arrivals;
+
 typedef struct dsk__moe_async {
     dsk_moe *m;
     dsk_ctx *ctx;
     const dsk_tensor *rows;
     dsk_tensor *dst;
-    int way, started; /* way: DSK__MOE_XCH_* */
+    int way, started, chunked; /* way: DSK__MOE_XCH_*; chunked: arr is initialised and in st->arrivals */
     pthread_t thread;
     dsk_status st;
     char err[1024];
+    dsk__moe_arrivals arr;
 } dsk__moe_async;
 
 /* The exchanges: the forward's dispatch (FP8 where opts.ep_dispatch says, its bytes counted), backward's rows
@@ -3556,6 +3583,12 @@ static void *dsk__moe_async_main(void *p) {
             : a->way == DSK__MOE_XCH_DISPATCH   ? dsk__moe_dispatch(a->m, a->ctx, a->rows, a->dst)
                                                 : dsk__moe_to_experts(a->m, a->ctx, a->rows, a->dst);
     if (a->st != DSK_OK) snprintf(a->err, sizeof a->err, "%s", dsk_last_error());
+    if (a->chunked) { /* a rank that never landed ends the layer's wait */
+        pthread_mutex_lock(&a->arr.mu);
+        a->arr.done = 1;
+        pthread_cond_broadcast(&a->arr.cv);
+        pthread_mutex_unlock(&a->arr.mu);
+    }
     return NULL;
 }
 
@@ -3569,14 +3602,26 @@ static dsk_status dsk__moe_exchange_start(dsk__moe_async *a, dsk_moe *m, dsk_ctx
     a->rows = rows;
     a->dst = dst;
     a->way = way;
-    /* FP8 dispatch sizes its code and scale buffers as it goes: it runs here, serial */
+    /* FP8 dispatch sizes its code and scale buffers as it goes, and two hops allocate as they go: serial */
     int fp8 = way == DSK__MOE_XCH_DISPATCH && m->opts.ep_dispatch == DSK_MOE_DISPATCH_FP8;
-    /* FP8 and two hops allocate as they go: serial */
-    if (m->opts.ep_overlap && m->device.type == DSK_DEV_CPU && !fp8 && m->opts.ep_route != DSK_MOE_ROUTE_TWO_HOP) {
+    int thread =
+        m->opts.ep_overlap && m->device.type == DSK_DEV_CPU && !fp8 && m->opts.ep_route != DSK_MOE_ROUTE_TWO_HOP;
+    if (thread) {
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, m->st->T, m->st->R, &t));
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE2, m->st->T, m->st->R, &t));
-        a->started = pthread_create(&a->thread, NULL, dsk__moe_async_main, a) == 0;
     }
+    if (m->st->chunked && way != DSK__MOE_XCH_FROM_EXPERTS) {
+        if (pthread_mutex_init(&a->arr.mu, NULL)) return dsk_set_error(DSK_ERR_OOM, "dsk_moe: pthread_mutex_init");
+        if (pthread_cond_init(&a->arr.cv, NULL)) {
+            pthread_mutex_destroy(&a->arr.mu);
+            return dsk_set_error(DSK_ERR_OOM, "dsk_moe: pthread_cond_init");
+        }
+        a->arr.order = m->st->arrival_order;
+        a->arr.m = m;
+        a->chunked = 1;
+        m->st->arrivals = &a->arr;
+    }
+    if (thread) a->started = pthread_create(&a->thread, NULL, dsk__moe_async_main, a) == 0;
     if (!a->started) dsk__moe_async_main(a); /* serial (or no thread to be had) */
     return DSK_OK;
 }
@@ -3585,6 +3630,12 @@ static dsk_status dsk__moe_exchange_start(dsk__moe_async *a, dsk_moe *m, dsk_ctx
 static dsk_status dsk__moe_exchange_wait(dsk__moe_async *a) {
     if (a->started) pthread_join(a->thread, NULL);
     a->started = 0;
+    if (a->chunked) {
+        pthread_cond_destroy(&a->arr.cv);
+        pthread_mutex_destroy(&a->arr.mu);
+        a->m->st->arrivals = NULL;
+        a->chunked = 0;
+    }
     if (a->st != DSK_OK) return dsk_set_error(a->st, "%s", a->err);
     return DSK_OK;
 }
@@ -3599,11 +3650,11 @@ static dsk_status dsk__moe_join_on_error(dsk__moe_async *a, dsk_status s) {
 }
 
 /* ---- chunked dispatch (opts.ep_chunk): the routed experts compute this rank's own rows (they need no
-   transport) while ep_overlap's thread exchanges the other ranks', then the rest. In the expert-major layout
-   each expert's rows come by source rank, so a chunk is a sub-range of each expert's segment: own = the block
-   of this rank, the others = the blocks before and after it. A row's outputs and input gradients have the same
-   bits whatever rows share its GEMM (dsk_matmul's rows contract); the weight gradients, sums over rows, run
-   once over the whole segments after the last chunk, as serial. */
+   transport) while ep_overlap's thread exchanges the other ranks', then each other rank's rows as they land
+   (dsk_comm_all_to_all_v_notify), in that order. In the expert-major layout each expert's rows come by source
+   rank, so rank r's chunk is r's block of each expert's segment. A row's outputs and input gradients have the
+   same bits whatever rows share its GEMM (dsk_matmul's rows contract) and whatever order the chunks run in; the
+   weight gradients, sums over rows, run once over the whole segments after the last chunk, as serial. */
 
 /* AUTO's test: a core free for the exchange thread of each of the EP group's ranks on this node, beside their
    compute threads (other processes on the node are not counted). */
@@ -3633,80 +3684,87 @@ static void dsk__moe_block(const dsk_moe *m, int r, int e, int64_t *r0, int64_t 
     *n = st->h_recv_cnt[r * El + e];
 }
 
-/* The row ranges of local expert e in a chunk (own: this rank's block; else the lower and the higher ranks'
-   blocks, each range possibly empty): r0[i], n[i]; returns how many. */
-static int dsk__moe_chunk_ranges(const dsk_moe *m, int e, int own, int64_t r0[2], int64_t n[2]) {
-    int64_t b0, bn;
-    dsk__moe_block(m, m->ep_rank, e, &b0, &bn);
-    if (own) {
-        r0[0] = b0;
-        n[0] = bn;
-        return 1;
-    }
-    r0[0] = m->st->local_off[e];
-    n[0] = b0 - r0[0];
-    r0[1] = b0 + bn;
-    n[1] = m->st->local_off[e + 1] - r0[1];
-    return 2;
-}
-
-/* Copies the (rank, local expert) blocks of rows, this rank's own (own 1) or the other ranks' (own 0), from
-   src to their places in dst (expert-major). src: the exchange's rank-major receive buffer, or for own rows the
-   send buffer (kept order, where this rank's rows to itself lie in the same order). Plain copies: the regroup's
-   bits. */
-static void dsk__moe_place_blocks(const dsk_moe *m, char *dst, const char *src, size_t row, int own) {
+/* Copies rank r's (rank, local expert) blocks of rows from src to their places in dst (expert-major). src: the
+   exchange's rank-major receive buffer, or for this rank's own rows the send buffer (kept order, where its rows
+   to itself lie in the same order). Plain copies: the regroup's bits. */
+static void dsk__moe_place_rank(const dsk_moe *m, char *dst, const char *src, size_t row, int r) {
     const struct dsk__moe_state *st = m->st;
-    int P = m->ep_size, El = m->n_local;
-    int64_t D = m->opts.d_model;
-    for (int r = 0; r < P; r++) {
-        int64_t from = (own ? st->a2a[P + r] : st->a2a[3 * P + r]) / D, to, n; /* rank r's first row in src */
-        if ((r == m->ep_rank) != own) continue;
-        for (int e = 0; e < El; e++, from += n) {
-            dsk__moe_block(m, r, e, &to, &n);
-            if (n) memcpy(dst + (size_t)to * row, src + (size_t)from * row, (size_t)n * row);
-        }
+    int P = m->ep_size;
+    int64_t from = (r == m->ep_rank ? st->a2a[P + r] : st->a2a[3 * P + r]) / m->opts.d_model, to, n;
+    for (int e = 0; e < m->n_local; e++, from += n) {
+        dsk__moe_block(m, r, e, &to, &n);
+        if (n) memcpy(dst + (size_t)to * row, src + (size_t)from * row, (size_t)n * row);
     }
 }
 
-/* The exchange's part of a chunked dispatch: the other ranks' rows only, into their places in dst. */
+/* dsk_comm_all_to_all_v_notify's callback, on ep_overlap's thread: rank r's rows into place, r queued. */
+static void dsk__moe_arrived(void *arg, int r) {
+    dsk__moe_arrivals *v = (dsk__moe_arrivals *)arg;
+    if (r == v->m->ep_rank) return; /* the layer places and computes its own rows */
+    dsk__moe_place_rank(v->m, v->dst, v->src, v->row, r);
+    pthread_mutex_lock(&v->mu);
+    v->order[v->n++] = r;
+    pthread_cond_signal(&v->cv);
+    pthread_mutex_unlock(&v->mu);
+}
+
+/* The exchange's part of a chunked dispatch: the other ranks' rows only, each into its places in dst as it
+   lands (st->arrivals, which dsk__moe_exchange_start set). */
 static dsk_status dsk__moe_others_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
     struct dsk__moe_state *st = m->st;
+    dsk__moe_arrivals *v = st->arrivals;
     int P = m->ep_size, me = m->ep_rank;
-    int64_t *v = st->a2a + 4 * P;
+    int64_t *c = st->a2a + 4 * P;
     dsk_tensor stage;
+    if (!v)
+        return dsk_set_error(DSK_ERR_STATE, "dsk_moe: layer \"%s\": a chunked exchange outside its thread's start",
+                             m->opts.name);
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->T, st->R, &stage));
-    memcpy(v, st->a2a, (size_t)(4 * P) * sizeof(int64_t));
-    v[me] = v[2 * P + me] = 0;
-    DSK__TRY(
-        dsk_comm_all_to_all_v(m->opts.ep, ctx, rows->data, v, v + P, stage.data, v + 2 * P, v + 3 * P, rows->dtype));
-    dsk__moe_place_blocks(m, (char *)dst->data, (const char *)stage.data,
-                          (size_t)m->opts.d_model * dsk_dtype_size(rows->dtype), 0);
-    return DSK_OK;
+    memcpy(c, st->a2a, (size_t)(4 * P) * sizeof(int64_t));
+    c[me] = c[2 * P + me] = 0;
+    v->dst = (char *)dst->data;
+    v->src = (const char *)stage.data;
+    v->row = (size_t)m->opts.d_model * dsk_dtype_size(rows->dtype);
+    return dsk_comm_all_to_all_v_notify(m->opts.ep, ctx, rows->data, c, c + P, stage.data, c + 2 * P, c + 3 * P,
+                                        rows->dtype, dsk__moe_arrived, v);
 }
 
-/* Forward of a chunk: this rank's own rows placed from xs (kept order) into xr, then (own or not) the routed
-   experts on the chunk's rows of xr, expert by expert: ob, h1, h3, a there. */
+/* The k-th other rank whose rows are in place (waiting for it), or -1 once all P - 1 came or the exchange ended
+   without it (its error comes at the join). */
+static int dsk__moe_next_arrival(dsk__moe_async *a, int k) {
+    dsk__moe_arrivals *v = &a->arr;
+    int r;
+    if (k >= a->m->ep_size - 1) return -1;
+    pthread_mutex_lock(&v->mu);
+    while (v->n <= k && !v->done) pthread_cond_wait(&v->cv, &v->mu);
+    r = k < v->n ? v->order[k] : -1;
+    pthread_mutex_unlock(&v->mu);
+    return r;
+}
+
+/* Forward of rank r's chunk: (this rank's own: its rows placed from xs, kept order, into xr) the routed experts
+   on r's rows of xr, expert by expert: ob, h1, h3, a there. */
 static dsk_status dsk__moe_experts_chunk(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *w, const dsk_tensor *xs,
                                          const dsk_tensor *xr, dsk_tensor *ob, dsk_tensor *h1, dsk_tensor *h3,
-                                         dsk_tensor *a, int own) {
+                                         dsk_tensor *a, int r) {
     int32_t seg[2] = {0, 0};
-    int64_t r0[2], n[2], two = 2;
+    int64_t r0, n, two = 2;
     dsk_tensor off;
-    if (own)
-        dsk__moe_place_blocks(m, (char *)xr->data, (const char *)xs->data, (size_t)m->opts.d_model * sizeof(float), 1);
+    if (r == m->ep_rank)
+        dsk__moe_place_rank(m, (char *)xr->data, (const char *)xs->data, (size_t)m->opts.d_model * sizeof(float), r);
     (void)dsk_tensor_wrap(&off, seg, DSK_I32, dsk_cpu(), 1, &two);
-    for (int e = 0; e < m->n_local; e++)
-        for (int i = 0, k = dsk__moe_chunk_ranges(m, e, own, r0, n); i < k; i++) {
-            dsk_tensor w1, w2, w3, x = dsk__moe_row_range(xr, r0[i], n[i]), o = dsk__moe_row_range(ob, r0[i], n[i]);
-            dsk_tensor p1 = dsk__moe_row_range(h1, r0[i], n[i]), p3 = dsk__moe_row_range(h3, r0[i], n[i]);
-            dsk_tensor pa = dsk__moe_row_range(a, r0[i], n[i]);
-            if (!n[i]) continue;
-            seg[1] = (int32_t)n[i];
-            dsk_tensor_slice(&w[0], 0, e, 1, &w1);
-            dsk_tensor_slice(&w[1], 0, e, 1, &w2);
-            dsk_tensor_slice(&w[2], 0, e, 1, &w3);
-            DSK__TRY(dsk_swiglu_grouped(ctx, &o, &p1, &p3, &pa, &x, &w1, &w2, &w3, &off));
-        }
+    for (int e = 0; e < m->n_local; e++) {
+        dsk__moe_block(m, r, e, &r0, &n);
+        if (!n) continue;
+        dsk_tensor w1, w2, w3, x = dsk__moe_row_range(xr, r0, n), o = dsk__moe_row_range(ob, r0, n);
+        dsk_tensor p1 = dsk__moe_row_range(h1, r0, n), p3 = dsk__moe_row_range(h3, r0, n);
+        dsk_tensor pa = dsk__moe_row_range(a, r0, n);
+        seg[1] = (int32_t)n;
+        dsk_tensor_slice(&w[0], 0, e, 1, &w1);
+        dsk_tensor_slice(&w[1], 0, e, 1, &w2);
+        dsk_tensor_slice(&w[2], 0, e, 1, &w3);
+        DSK__TRY(dsk_swiglu_grouped(ctx, &o, &p1, &p3, &pa, &x, &w1, &w2, &w3, &off));
+    }
     return DSK_OK;
 }
 
@@ -3723,30 +3781,31 @@ static dsk_status dsk__moe_swiglu_grad(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dh1
     return dsk_swiglu_backward(ctx, dh1, dh3, da, h1, h3);
 }
 
-/* Backward of a chunk: this rank's own output-gradient rows placed from dos (kept order) into dor, then the
-   per-row part of the experts' backward on the chunk's rows (da, dh1, dh3 and the input gradient dxr there:
+/* Backward of rank r's chunk: (this rank's own: its output-gradient rows placed from dos, kept order, into dor)
+   the per-row part of the experts' backward on r's rows (da, dh1, dh3 and the input gradient dxr there:
    dsk_swiglu_grouped_backward's arithmetic), expert by expert. */
 static dsk_status dsk__moe_experts_chunk_backward(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *w, const dsk_tensor *dos,
                                                   const dsk_tensor *dor, const dsk_tensor *h1, const dsk_tensor *h3,
                                                   dsk_tensor *da, dsk_tensor *dh1, dsk_tensor *dh3, dsk_tensor *dxr,
-                                                  int own) {
-    int64_t D = m->opts.d_model, F = m->opts.d_expert, r0[2], n[2];
-    if (own) dsk__moe_place_blocks(m, (char *)dor->data, (const char *)dos->data, (size_t)D * sizeof(float), 1);
-    for (int e = 0; e < m->n_local; e++)
-        for (int i = 0, k = dsk__moe_chunk_ranges(m, e, own, r0, n); i < k; i++) {
-            dsk_tensor g = dsk__moe_row_range(dor, r0[i], n[i]), q = dsk__moe_row_range(da, r0[i], n[i]);
-            dsk_tensor p1 = dsk__moe_row_range(h1, r0[i], n[i]), p3 = dsk__moe_row_range(h3, r0[i], n[i]);
-            dsk_tensor q1 = dsk__moe_row_range(dh1, r0[i], n[i]), q3 = dsk__moe_row_range(dh3, r0[i], n[i]);
-            dsk_tensor dx = dsk__moe_row_range(dxr, r0[i], n[i]);
-            dsk_tensor w1 = dsk__moe_host_view((float *)w[0].data + e * F * D, DSK_F32, F, D);
-            dsk_tensor w2 = dsk__moe_host_view((float *)w[1].data + e * D * F, DSK_F32, D, F);
-            dsk_tensor w3 = dsk__moe_host_view((float *)w[2].data + e * F * D, DSK_F32, F, D);
-            if (!n[i]) continue;
-            DSK__TRY(dsk_matmul(ctx, &q, &g, 0, &w2, 0, 1.0f, 0.0f));
-            DSK__TRY(dsk__moe_swiglu_grad(m, ctx, &q1, &q3, &q, &p1, &p3));
-            DSK__TRY(dsk_matmul(ctx, &dx, &q1, 0, &w1, 0, 1.0f, 0.0f));
-            DSK__TRY(dsk_matmul(ctx, &dx, &q3, 0, &w3, 0, 1.0f, 1.0f));
-        }
+                                                  int r) {
+    int64_t D = m->opts.d_model, F = m->opts.d_expert, r0, n;
+    if (r == m->ep_rank)
+        dsk__moe_place_rank(m, (char *)dor->data, (const char *)dos->data, (size_t)D * sizeof(float), r);
+    for (int e = 0; e < m->n_local; e++) {
+        dsk__moe_block(m, r, e, &r0, &n);
+        if (!n) continue;
+        dsk_tensor g = dsk__moe_row_range(dor, r0, n), q = dsk__moe_row_range(da, r0, n);
+        dsk_tensor p1 = dsk__moe_row_range(h1, r0, n), p3 = dsk__moe_row_range(h3, r0, n);
+        dsk_tensor q1 = dsk__moe_row_range(dh1, r0, n), q3 = dsk__moe_row_range(dh3, r0, n);
+        dsk_tensor dx = dsk__moe_row_range(dxr, r0, n);
+        dsk_tensor w1 = dsk__moe_host_view((float *)w[0].data + e * F * D, DSK_F32, F, D);
+        dsk_tensor w2 = dsk__moe_host_view((float *)w[1].data + e * D * F, DSK_F32, D, F);
+        dsk_tensor w3 = dsk__moe_host_view((float *)w[2].data + e * F * D, DSK_F32, F, D);
+        DSK__TRY(dsk_matmul(ctx, &q, &g, 0, &w2, 0, 1.0f, 0.0f));
+        DSK__TRY(dsk__moe_swiglu_grad(m, ctx, &q1, &q3, &q, &p1, &p3));
+        DSK__TRY(dsk_matmul(ctx, &dx, &q1, 0, &w1, 0, 1.0f, 0.0f));
+        DSK__TRY(dsk_matmul(ctx, &dx, &q3, 0, &w3, 0, 1.0f, 1.0f));
+    }
     return DSK_OK;
 }
 
@@ -4229,6 +4288,7 @@ static dsk_status dsk__moe_fill_stats(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor
     s->dispatch_bytes = m->ep_size > 1 ? st->fwd_bytes[0] : 0;
     s->combine_bytes = m->ep_size > 1 ? st->fwd_bytes[1] : 0;
     s->bytes_off_node = st->off_bytes[0];
+    s->ep_chunks = st->fwd_chunks;
     return DSK_OK;
 }
 
@@ -4346,15 +4406,15 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
         DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_H3, T, R, &h3)));
         DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_A, T, R, &a)));
     }
-    if (ep && st->chunked) /* this rank's own rows while the others' travel */
-        DSK__TRY(dsk__moe_join_on_error(&xch, dsk__moe_experts_chunk(m, ctx, w, &xs, &xr, &ob, &h1, &h3, &a, 1)));
+    st->fwd_chunks = 0;
+    if (ep && st->chunked) /* this rank's own rows while the others' travel, then each other rank's as it lands */
+        for (int k = 0, r = m->ep_rank; r >= 0; r = dsk__moe_next_arrival(&xch, k++), st->fwd_chunks++)
+            DSK__TRY(dsk__moe_join_on_error(&xch, dsk__moe_experts_chunk(m, ctx, w, &xs, &xr, &ob, &h1, &h3, &a, r)));
     if (ep) DSK__TRY(dsk__moe_exchange_wait(&xch));
     if (fp8) {
         DSK__TRY(DSK__MOE_F8(dsk__moe_f8_rows(m, ctx, &row_tok, &xr)));
         DSK__TRY(DSK__MOE_F8(dsk__moe_f8_experts_forward(m, ctx, w, &offsets, &ob)));
-    } else if (ep && st->chunked) {
-        DSK__TRY(dsk__moe_experts_chunk(m, ctx, w, &xs, &xr, &ob, &h1, &h3, &a, 0));
-    } else {
+    } else if (!(ep && st->chunked)) {
         DSK__TRY(dsk_swiglu_grouped(ctx, &ob, &h1, &h3, &a, &xr, &w[0], &w[1], &w[2], &offsets));
     }
     if (ep) {
@@ -4449,15 +4509,14 @@ static dsk_status dsk__moe_backward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *d
     DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_DH1, T, R, &dh1)));
     DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_DH3, T, R, &dh3)));
     DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_DXR, T, R, &dxr)));
-    if (ep && st->chunked)
-        DSK__TRY(dsk__moe_join_on_error(
-            &xch, dsk__moe_experts_chunk_backward(m, ctx, w, &dos, &dor, &h1, &h3, &da, &dh1, &dh3, &dxr, 1)));
+    if (ep && st->chunked) /* as the forward */
+        for (int k = 0, r = m->ep_rank; r >= 0; r = dsk__moe_next_arrival(&xch, k++))
+            DSK__TRY(dsk__moe_join_on_error(
+                &xch, dsk__moe_experts_chunk_backward(m, ctx, w, &dos, &dor, &h1, &h3, &da, &dh1, &dh3, &dxr, r)));
     if (ep) DSK__TRY(dsk__moe_exchange_wait(&xch));
     if (fp8) DSK__TRY(DSK__MOE_F8(dsk__moe_f8_experts_backward(m, ctx, w, &offsets, &dor, &dxr)));
-    else if (ep && st->chunked) {
-        DSK__TRY(dsk__moe_experts_chunk_backward(m, ctx, w, &dos, &dor, &h1, &h3, &da, &dh1, &dh3, &dxr, 0));
-        DSK__TRY(dsk__moe_chunked_wgrad(m, ctx, &offsets, &dor, &xr, &a, &dh1, &dh3));
-    } else
+    else if (ep && st->chunked) DSK__TRY(dsk__moe_chunked_wgrad(m, ctx, &offsets, &dor, &xr, &a, &dh1, &dh3));
+    else
         DSK__TRY(dsk_swiglu_grouped_backward(ctx, &dxr, &m->w1->grad, &m->w2->grad, &m->w3->grad, &da, &dh1, &dh3, &dor,
                                              &xr, &h1, &h3, &a, &w[0], &w[1], &w[2], &offsets));
     if (ep) { /* the router's backward while the rows travel back */

@@ -1435,9 +1435,9 @@ static int ep_nonfinite(dsk_moe *m, int rank, const float *x_rows) {
 
 /* One step (forward, backward, bias update over c) of a fresh layer of options o on this rank's rows:
    y, dx, the gradient slab, the loads and the dropped count, then the updated bias, appended to buf
-   (malloc'd, *len floats). */
+   (malloc'd, *len floats); *chunks (may be NULL) the forward's stats.ep_chunks. */
 static int ep_step_record(dsk_comm *c, dsk_moe_opts o, const float *x_rows, const float *dy_rows, float **buf,
-                          size_t *len) {
+                          size_t *len, int64_t *chunks) {
     dsk_moe m;
     owned own;
     dsk_tensor x, y, dx, dy;
@@ -1460,6 +1460,7 @@ static int ep_step_record(dsk_comm *c, dsk_moe_opts o, const float *x_rows, cons
         rc = 2;
         goto done;
     }
+    if (chunks) *chunks = st.ep_chunks;
     at = 2 * EP_T * EP_D;
     memcpy(*buf + at, own.grads.data, sizeof(float) * (size_t)ng);
     at += (size_t)ng;
@@ -1472,7 +1473,8 @@ done:
 }
 
 /* The exchange variants give the serial exact exchange's results bit for bit: the exact one overlapped with
-   compute (ep_overlap) and chunked (ep_chunk ON: the experts start on this rank's own rows) or not, the exact one
+   compute (ep_overlap) and chunked (ep_chunk ON: the experts start on this rank's own rows, then run each other
+   rank's as they land, one chunk per rank, which stats.ep_chunks must show) or not, the exact one
    serial with ep_chunk ON (chunking needs the overlap's thread), the bounded one (DSK_MOE_EP_BOUNDED) serial and
    overlapped; dropless, under capacity (which must drop slots here) and, across emulated nodes, with node-limited
    routing: 1, or 0 with the differences on stderr. */
@@ -1499,15 +1501,21 @@ static int ep_bounded_same(dsk_comm *c, dsk_moe_opts o, int rank, const float *x
         b.ep_route = DSK_MOE_ROUTE_FLAT;
         b.ep_exchange = DSK_MOE_EP_EXACT;
         b.ep_overlap = 0;
-        if (ep_step_record(c, b, x_rows, dy_rows, &a, &na)) ok = same = 0;
+        if (ep_step_record(c, b, x_rows, dy_rows, &a, &na, NULL)) ok = same = 0;
         for (int v = 1; v < 6; v++) {
             float *d = NULL;
             size_t nd = 0;
             b.ep_exchange = v == 3 || v == 4 ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
             b.ep_overlap = v != 3 && v != 5;
             b.ep_chunk = v == 1 || v == 5 ? DSK_MOE_CHUNK_ON : DSK_MOE_CHUNK_OFF;
-            int got = ep_step_record(c, b, x_rows, dy_rows, &d, &nd) == 0;
+            int64_t chunks = -1;
+            int got = ep_step_record(c, b, x_rows, dy_rows, &d, &nd, &chunks) == 0;
             if (!got) ok = same = 0;
+            if (got && chunks != (v == 1 ? c->world_size : 0)) { /* own rows, then one chunk per other rank */
+                fprintf(stderr, "rank %d %s: %s ran %lld chunks, not %d\n", rank, cfs[cf], names[v], (long long)chunks,
+                        v == 1 ? c->world_size : 0);
+                ok = same = 0;
+            }
             if (got && a && (na != nd || memcmp(a, d, sizeof(float) * na) != 0)) {
                 size_t i = 0;
                 while (i < na && !memcmp(a + i, d + i, sizeof(float))) i++;
@@ -1663,9 +1671,9 @@ static int ep_two_hop(dsk_comm *c, dsk_moe_opts o, int rank, const float *x_rows
             v.node_limit = 1;
         }
         v.ep_route = DSK_MOE_ROUTE_FLAT;
-        if (ep_step_record(c, v, x_rows, dy_rows, &a, &na)) ok = 0;
+        if (ep_step_record(c, v, x_rows, dy_rows, &a, &na, NULL)) ok = 0;
         v.ep_route = DSK_MOE_ROUTE_TWO_HOP;
-        if (ep_step_record(c, v, x_rows, dy_rows, &b, &nb)) ok = 0;
+        if (ep_step_record(c, v, x_rows, dy_rows, &b, &nb, NULL)) ok = 0;
         if (ok && (na != nb || memcmp(a, b, sizeof(float) * na) != 0)) {
             size_t i = 0;
             while (i < na && !memcmp(a + i, b + i, sizeof(float))) i++;
