@@ -48,7 +48,9 @@
      core's rate): a waiting rank gives its core away, so the step is the larger of that
      one-device-per-rank step (the critical path) and the node's busy work (every rank's compute
      and communication, CPU work on the host backend, overlapped or not) over its cores
-     (result.cores_s is what this adds; the derivation is at dsk__plan_shared_cores). The
+     (result.cores_s is what this adds; the derivation is at dsk__plan_shared_cores). The optimizer
+     step, after the reductions, streams memory.optimizer_step bytes (the callback's count) at
+     cluster.memory_gbps when the file gives it (result.opt_s). The
      efficiency and the overlap are calibration: bench/plan_rank.sh measures this machine's CPU
      ranks into bench/plan_cpu_calibrated.json (its figures and command in bench/RESULTS.md); the
      GPU files in examples/clusters/ carry datasheet peaks at the efficiency 0.4 until a GPU
@@ -56,10 +58,10 @@
    - Layouts enumerated: tp in 1, 2, 4, 8 (within a node, dividing heads, vocabulary and FFN),
      pp dividing world / tp and at most the layers, dp the rest (dividing the sequences), ep
      dividing dp and the experts, ZeRO 0-3, recomputation none / attn / full, AdamW's moments
-     in f32 or bf16 (DeepSeek-V3's choice: half their bytes; the time model does not tell them
-     apart, so on a tie the f32 one ranks first and the table lists a bf16 layout only when its
-     f32 twin does not fit), FP8 GEMMs or not (when the model has FP8 FLOPs; the callback
-     refuses what the trainer does not run in FP8), schedules 1F1B,
+     in f32 or bf16 (DeepSeek-V3's choice: half their bytes; the time model tells them apart only
+     by the optimizer step's bytes, so on a tie the f32 one ranks first and the table lists a bf16
+     layout only when its f32 twin does not fit or is slower), FP8 GEMMs or not (when the model
+     has FP8 FLOPs; the callback refuses what the trainer does not run in FP8), schedules 1F1B,
      GPipe and interleaved (2 virtual stages, when the micro-batches are a multiple of pp) with one
      sequence per micro-batch; without a pipeline, gradient accumulation of one sequence per
      pass. dsk_plan_space narrows the set.
@@ -112,6 +114,8 @@ typedef struct dsk_plan_cluster {
     double overlap;    /* optional [0.8]: the share of backward the gradient collectives hide under */
     double reserve_gb; /* optional [0]: memory per GPU no layout may use (context, fragmentation) */
     int cores_per_node; /* optional [0]: the CPU cores a node's ranks share (CPU ranks); 0: a device per rank */
+    double memory_gbps; /* optional [0]: GB/s at which a rank's optimizer step streams its bytes (the memory's
+                           bandwidth per GPU; CPU ranks: per rank); 0: the optimizer step is not timed */
 } dsk_plan_cluster;
 
 /* Parses a cluster description (a JSON object of the fields above); `what` names the source in
@@ -144,6 +148,9 @@ typedef struct dsk_plan_memory {
     int64_t activations;              /* activations, scratch and workspaces held through the step */
     int64_t imbalance;                /* dropless expert parallelism's worst case beyond it (every token of the
                                          expert group routed to this rank's experts) */
+    int64_t optimizer_step;           /* not held: the bytes its optimizer step reads and writes (AdamW: each
+                                         element's gradient, master, moments and weight), which the time model
+                                         streams at cluster.memory_gbps */
 } dsk_plan_memory;
 
 /* A rank's tensor-parallel collectives per step: the whole messages by kind, in bytes, as
@@ -195,6 +202,7 @@ typedef struct dsk_plan_result {
     dsk_plan_tp tp;  /* the busiest stage's tensor-parallel collectives per step (the callback's tp) */
     /* seconds per step: compute (with recomputation), the bubble, the exposed communication */
     double step_s, compute_s, bubble_s, tp_s, ep_s, pp_s, zero_s, zero_exposed_s;
+    double opt_s;   /* the optimizer step (mem.optimizer_step at cluster.memory_gbps; 0 without it) */
     double cores_s; /* what ranks sharing a node's cores add (cluster.cores_per_node; dsk_plan_time) */
     char why[200]; /* why it lost to the best (empty for the best) */
 } dsk_plan_result;
@@ -346,6 +354,7 @@ static const dsk__plan_key dsk__plan_keys[] = {
     {"overlap", offsetof(dsk_plan_cluster, overlap), 3, 0},
     {"reserve_gb", offsetof(dsk_plan_cluster, reserve_gb), 3, 0},
     {"cores_per_node", offsetof(dsk_plan_cluster, cores_per_node), 4, 0},
+    {"memory_gbps", offsetof(dsk_plan_cluster, memory_gbps), 3, 0},
 };
 #define DSK__PLAN_NKEYS (int)(sizeof dsk__plan_keys / sizeof dsk__plan_keys[0])
 
@@ -446,7 +455,7 @@ static double dsk__plan_link(const dsk_plan_cluster *c, int span, double bytes, 
    never idle, path-bound when they do); r->cores_s is what it adds to the one-device-per-rank step. */
 static void dsk__plan_shared_cores(const dsk_plan_cluster *c, int world, dsk_plan_result *r) {
     int ranks = world < c->gpus_per_node ? world : c->gpus_per_node;
-    double work = ranks * (r->compute_s + r->tp_s + r->ep_s + r->pp_s + r->zero_s);
+    double work = ranks * (r->compute_s + r->tp_s + r->ep_s + r->pp_s + r->zero_s + r->opt_s);
     r->cores_s = 0;
     if (c->cores_per_node > 0 && ranks > c->cores_per_node && work / c->cores_per_node > r->step_s)
         r->cores_s = work / c->cores_per_node - r->step_s;
@@ -491,7 +500,9 @@ DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster
                     : 0;
     r->zero_exposed_s = r->zero_s - c->overlap * (2.0 / 3.0) * r->compute_s;
     if (r->zero_exposed_s < 0) r->zero_exposed_s = 0;
-    r->step_s = r->compute_s + r->bubble_s + r->tp_s + r->ep_s + r->pp_s + r->zero_exposed_s;
+    /* AdamW after the reductions: memory-bound, nothing beside it */
+    r->opt_s = c->memory_gbps > 0 ? (double)r->mem.optimizer_step / (1e9 * c->memory_gbps) : 0;
+    r->step_s = r->compute_s + r->bubble_s + r->tp_s + r->ep_s + r->pp_s + r->zero_exposed_s + r->opt_s;
     dsk__plan_shared_cores(c, world, r);
     return DSK_OK;
 }
@@ -606,13 +617,13 @@ static int dsk__plan_cmp(const void *a, const void *b) {
 
 /* Why r lost to the best: does not fit, or the part of its step that grew most. */
 static void dsk__plan_why(const dsk_plan_result *best, dsk_plan_result *r, const dsk_plan_cluster *c) {
-    const char *names[7] = {
+    const char *names[8] = {
         "compute (recomputation)", "pipeline bubble",       "tensor-parallel comm", "expert-parallel comm",
-        "pipeline sends",          "exposed gradient comm", "shared cores"};
-    double d[7] = {r->compute_s - best->compute_s, r->bubble_s - best->bubble_s,
+        "pipeline sends",          "exposed gradient comm", "shared cores",         "optimizer step"};
+    double d[8] = {r->compute_s - best->compute_s, r->bubble_s - best->bubble_s,
                    r->tp_s - best->tp_s,           r->ep_s - best->ep_s,
                    r->pp_s - best->pp_s,           r->zero_exposed_s - best->zero_exposed_s,
-                   r->cores_s - best->cores_s};
+                   r->cores_s - best->cores_s,     r->opt_s - best->opt_s};
     int k = 0;
     if (r == best && r->fits) {
         r->why[0] = 0;
@@ -623,7 +634,7 @@ static void dsk__plan_why(const dsk_plan_result *best, dsk_plan_result *r, const
                  c->memory_gb - c->reserve_gb, r->worst_stage);
         return;
     }
-    for (int i = 1; i < 7; i++)
+    for (int i = 1; i < 8; i++)
         if (d[i] > d[k]) k = i;
     snprintf(r->why, sizeof r->why, "%.1f%% slower: %s +%.3g s (bubble %.1f%%, comm %.1f%% of its step)",
              100 * (r->step_s / best->step_s - 1), names[k], d[k], 100 * r->bubble_s / r->step_s,
@@ -722,8 +733,9 @@ static void dsk__plan_row(dsk__plan_out *o, const dsk_plan_result *r) {
                   100 * (r->tp_s + r->ep_s + r->pp_s + r->zero_exposed_s) / r->step_s);
 }
 
-/* r[i] has bf16 moments and its f32 twin (the same layout otherwise) is among the first `fit`:
-   the twin ranks first on the same step time and needs no rounding of the moments. */
+/* r[i] has bf16 moments and its f32 twin (the same layout otherwise) is among the first `fit` and no
+   slower (the time model tells them apart only by the optimizer step's bytes): the twin needs no
+   rounding of the moments. */
 static int dsk__plan_twin_fits(const dsk_plan_result *r, int fit, int i) {
     dsk_plan_layout a = r[i].layout;
     if (a.moments != DSK_BF16) return 0;
@@ -731,7 +743,7 @@ static int dsk__plan_twin_fits(const dsk_plan_result *r, int fit, int i) {
         const dsk_plan_layout *b = &r[j].layout;
         if (b->moments == DSK_F32 && b->tp == a.tp && b->pp == a.pp && b->dp == a.dp && b->ep == a.ep &&
             b->zero == a.zero && b->micro == a.micro && b->vstages == a.vstages && b->schedule == a.schedule &&
-            b->recompute == a.recompute && b->fp8 == a.fp8)
+            b->recompute == a.recompute && b->fp8 == a.fp8 && r[j].step_s <= r[i].step_s)
             return 1;
     }
     return 0;
@@ -795,12 +807,13 @@ DSK_API dsk_status dsk_plan_json(const dsk_plan_result *r, const dsk_plan_job *j
         "\"seq\": %lld, \"params_bytes\": %lld, \"grads_bytes\": %lld, \"optimizer_bytes\": %lld, "
         "\"comm_bytes\": %lld, \"activations_bytes\": %lld, \"imbalance_bytes\": %lld, \"total_bytes\": %lld, "
         "\"fits\": %d, \"step_s\": %.6g, \"compute_s\": %.6g, \"bubble_s\": %.6g, \"tp_s\": %.6g, "
-        "\"ep_s\": %.6g, \"pp_s\": %.6g, \"zero_exposed_s\": %.6g, \"cores_s\": %.6g}\n",
+        "\"ep_s\": %.6g, \"pp_s\": %.6g, \"zero_exposed_s\": %.6g, \"cores_s\": %.6g, \"opt_s\": %.6g}\n",
         l->tp, l->pp, l->dp, l->ep, l->zero, l->micro, l->vstages, dsk_par_schedule_name(l->schedule),
         dsk__plan_rc_names[l->recompute], dsk_dtype_name(l->moments), l->fp8, (long long)job->sequences,
         (long long)job->seq, (long long)r->mem.params, (long long)r->mem.grads, (long long)r->mem.optimizer,
         (long long)r->mem.comm, (long long)r->mem.activations, (long long)r->mem.imbalance, (long long)r->total,
-        r->fits, r->step_s, r->compute_s, r->bubble_s, r->tp_s, r->ep_s, r->pp_s, r->zero_exposed_s, r->cores_s);
+        r->fits, r->step_s, r->compute_s, r->bubble_s, r->tp_s, r->ep_s, r->pp_s, r->zero_exposed_s, r->cores_s,
+        r->opt_s);
     if (o.over) return dsk_set_error(DSK_ERR_ARG, "dsk_plan_json: more than %zu bytes", cap);
     return DSK_OK;
 }
@@ -833,6 +846,7 @@ static const char *const dsk__plan_choice_keys[] = {"tp",
                                                     "pp_s",
                                                     "zero_exposed_s",
                                                     "cores_s",
+                                                    "opt_s",
                                                     "fp8"};
 #define DSK__PLAN_NCHOICE (int)(sizeof dsk__plan_choice_keys / sizeof dsk__plan_choice_keys[0])
 #define DSK__PLAN_CHOICE_FP8 (DSK__PLAN_NCHOICE - 1) /* optional: 0 (the default) or 1 */

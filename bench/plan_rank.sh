@@ -3,7 +3,8 @@
 #   1. Calibration: 4 data-parallel ranks train the model below; the machine's cores (online CPUs) become
 #      the cluster's cores_per_node, and the median step's FLOP rate per core (the trainer's FLOPs
 #      per token, dsk_plan's count, over min(4, cores) cores: 4 ranks on fewer cores share them, which
-#      the time model knows) its bf16_tflops at efficiency 1, written with the assumed links to
+#      the time model knows; the model's own gradient reduction and optimizer step for that run taken
+#      out first) its bf16_tflops at efficiency 1, written with the assumed links and memory_gbps to
 #      bench/plan_cpu_calibrated.json (the command and figures go to bench/RESULTS.md by hand).
 #   2. Ranking: 8 layouts at 4 ranks, each trained for STEPS steps in ROUNDS alternating rounds in
 #      the same run, the median of the rounds' median steps against the plan's predicted step
@@ -44,7 +45,10 @@ ms=$(median_ms "$work/cal.jsonl")
 fpt=$("$PLAN" --device cpu --cluster examples/clusters/cpu_8.json --sequences 16 "${MODEL[@]}" --top 1 2>/dev/null |
     sed -nE 's/.*, ([0-9.e+]+) training FLOPs per token.*/\1/p')
 cores=$(getconf _NPROCESSORS_ONLN) # the machine's, as dsk_comm counts them (nproc follows OMP_NUM_THREADS)
-tflops=$(python3 -c "print(f'{16*64*$fpt/min(4,$cores)/($ms*1e-3)/1e12:.6g}')")
+# a rank's busy time besides compute in that run, as the model prices it: the reduction and the optimizer step
+other=$("$PLAN" --device cpu --cluster examples/clusters/cpu_8.json --check-rank 0 --nproc 4 "${MODEL[@]}" |
+    sed -nE 's/^plan time: .*, gradients ([0-9.]+) \(exposed [0-9.]+\), optimizer ([0-9.]+),.*/\1 + \2/p')
+tflops=$(python3 -c "print(f'{16*64*$fpt/(min(4,$cores)*$ms*1e-3 - 4*(${other:-0}))/1e12:.6g}')")
 sed -E "s/\"bf16_tflops\": [0-9.e+-]+/\"bf16_tflops\": $tflops/; s/\"fp8_tflops\": [0-9.e+-]+/\"fp8_tflops\": $tflops/;
         s/\"cores_per_node\": [0-9]+/\"cores_per_node\": $cores/" examples/clusters/cpu_8.json >bench/plan_cpu_calibrated.json
 echo "calibration: 4 ranks (dp) on $cores cores, median step $ms ms ($FIELD), $fpt FLOPs/token x 1024 tokens:" \

@@ -167,11 +167,13 @@ static int check_layout(const trainer *t, dsk_plan_layout *l, dsk_plan_job *job)
 
 /* With --cluster: the step time dsk_plan.h's model predicts for the layout (bench/plan_rank.sh). */
 static int check_time(const dsk_plan_model *pm, const char *cluster, const dsk_plan_layout *l, const dsk_plan_job *job,
-                      double red, double gat, int all, double send, const double tr[TP_TRAFFIC]) {
+                      const dsk_plan_memory *mem, double red, double gat, int all, double send,
+                      const double tr[TP_TRAFFIC]) {
     dsk_plan_cluster cl;
     dsk_plan_result r;
     memset(&r, 0, sizeof r);
     r.layout = *l;
+    r.mem = *mem;
     r.pp_bytes = send;
     plan_tp(tr, &r.tp);
     if (dsk_plan_cluster_read(&cl, cluster) != DSK_OK || dsk_plan_time(pm, &cl, job, red, gat, all, &r) != DSK_OK) {
@@ -179,8 +181,8 @@ static int check_time(const dsk_plan_model *pm, const char *cluster, const dsk_p
         return 1;
     }
     printf("plan time: step %.6f s: compute %.6f, bubble %.6f, tp %.6f, ep %.6f, pp %.6f, gradients %.6f (exposed "
-           "%.6f), shared cores %.6f\n",
-           r.step_s, r.compute_s, r.bubble_s, r.tp_s, r.ep_s, r.pp_s, r.zero_s, r.zero_exposed_s, r.cores_s);
+           "%.6f), optimizer %.6f, shared cores %.6f\n",
+           r.step_s, r.compute_s, r.bubble_s, r.tp_s, r.ep_s, r.pp_s, r.zero_s, r.zero_exposed_s, r.opt_s, r.cores_s);
     return 0;
 }
 
@@ -206,11 +208,11 @@ static int check_rank(trainer *t, plan_user *u, const dsk_plan_model *pm, const 
         "plan bytes, rank %d: parameters %lld, gradients %lld, optimizer state %lld, compression buffers %lld, "
         "activations %lld, imbalance %lld, reduce per step %.0f, gather per step %.0f, pipeline sends per step %.0f, "
         "ep dispatch per step %.0f, ep combine per step %.0f, tp all-reduce per step %.0f, tp all-gather per step "
-        "%.0f, tp reduce-scatter per step %.0f, tp calls per step %.0f\n",
+        "%.0f, tp reduce-scatter per step %.0f, tp calls per step %.0f, optimizer step %lld\n",
         rank, (long long)mem[v].params, (long long)mem[v].grads, (long long)mem[v].optimizer, (long long)mem[v].comm,
         (long long)mem[v].activations, (long long)mem[v].imbalance, red[v], gat[v], send, ep[0], ep[1], tr[TP_AR],
-        tr[TP_AG], tr[TP_RS], tr[TP_CALLS]);
-    return cluster ? check_time(pm, cluster, &l, &job, red[v], gat[v], all[v], send, tr) : 0;
+        tr[TP_AG], tr[TP_RS], tr[TP_CALLS], (long long)mem[v].optimizer_step);
+    return cluster ? check_time(pm, cluster, &l, &job, &mem[v], red[v], gat[v], all[v], send, tr) : 0;
 }
 
 static int write_json(const char *path, const dsk_plan_result *r, const dsk_plan_job *job) {

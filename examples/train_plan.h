@@ -24,18 +24,30 @@
 #include "train_par.h"
 #include "train_zero.h"
 
+/* The bytes an optimizer step reads and writes per element it updates: the f32 gradient twice (the
+   clipping norm, then AdamW), both moments read and written, and the f32 master read and written
+   with the compute-dtype weight written (an f32 weight is its own master). */
+static int64_t tz_opt_step_bytes(dsk_dtype weight, dsk_dtype moments) {
+    int64_t master = weight == DSK_F32 ? 8 : 8 + (int64_t)dsk_dtype_size(weight);
+    return 2 * 4 + 4 * (int64_t)dsk_dtype_size(moments) + master;
+}
+
 /* What tz_init would allocate (tz_memory's figures) and each object's collectives per pass,
    without memory or communication: the same lists, dsk_zero_plan on each object at the size
    of its group (group_size[g]: the ranks of groups[g]; the shards are the same on every rank).
-   plans[k] for k < *n_obj. m needs only its declared parameters (no slabs, no activations). */
+   plans[k] for k < *n_obj; *opt_step: the bytes the optimizer step moves (tz_opt_step_bytes for
+   each element it updates: every one at stage 0, the rank's shard above). m needs only its
+   declared parameters (no slabs, no activations). */
 static dsk_status tz_plan(tm_model *m, const tz_group *groups, const int *group_size, const tz_place *place,
-                          const tz_opts *o, dsk_zero_memory *mem, dsk_zero_plan_out *plans, int *n_obj) {
+                          const tz_opts *o, dsk_zero_memory *mem, dsk_zero_plan_out *plans, int *n_obj,
+                          int64_t *opt_step) {
     tz t;
     dsk_zero_param *ps;
     int n[TZ_MAX_OBJ] = {0};
     int64_t scratch = 1;
     dsk_status s = tz_tables(&t, m, NULL, o->stage, &ps);
     memset(mem, 0, sizeof *mem);
+    *opt_step = 0;
     if (s == DSK_OK) s = tz_lists(&t, place, ps, n, &scratch);
     for (int k = 0; k < t.n_obj && s == DSK_OK; k++) {
         dsk_zero_opts zo = tz_zero_opts(o, &groups[t.obj_group[k]], t.obj_dt[k]);
@@ -44,6 +56,8 @@ static dsk_status tz_plan(tm_model *m, const tz_group *groups, const int *group_
         mem->grads += plans[k].memory.grads;
         mem->optimizer += plans[k].memory.optimizer;
         mem->comm += plans[k].memory.comm;
+        *opt_step += (o->stage == 0 ? plans[k].full_elems : plans[k].shard_elems) *
+                     tz_opt_step_bytes(t.obj_dt[k], o->moment_dtype);
     }
     if (o->stage >= 2) mem->grads += scratch * 4; /* tz_memory counts the MoE layers' stand-in gradient */
     *n_obj = t.n_obj;
@@ -119,7 +133,7 @@ static dsk_status tpl_engine(tm_model *m, tp_state *ps, const dsk_plan_layout *l
         sizes[0] = l->dp;
         sizes[1] = l->dp / l->ep;
     }
-    if (s == DSK_OK) s = tz_plan(m, groups, sizes, place, &o, &zm, plans, &n_obj);
+    if (s == DSK_OK) s = tz_plan(m, groups, sizes, place, &o, &zm, plans, &n_obj, &mem->optimizer_step);
     if (s == DSK_OK) {
         /* ZeRO 0-1 reduce once per step, 2-3 every pass; 1-2 gather once, 3 before each unit's forward and backward */
         double passes = zero <= 1 ? 1 : l->micro, gathers = zero == 3 ? 2.0 * l->micro : zero > 0;

@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # The planner's time model for CPU ranks that share cores (dsk_plan.h: cluster.cores_per_node,
-# dsk__plan_shared_cores; issue 30). `dsk_plan --check-rank 0 --cluster FILE` prints the predicted
-# step and its parts for layouts of a small model at 4 ranks; this checks them against the
-# derivation, computed here from the printed parts:
+# dsk__plan_shared_cores; issue 30) and its optimizer step (cluster.memory_gbps). `dsk_plan
+# --check-rank 0 --cluster FILE` prints the predicted step and its parts for layouts of a small model
+# at 4 ranks; this checks them against the derivation, computed here from the printed parts:
 #   1. Without the field, with 0, or with at least as many cores as the node's ranks, the step is
-#      the one-device-per-rank step (compute + bubble + exposed comm), shared cores 0.
+#      the one-device-per-rank step (compute + bubble + exposed comm + optimizer), shared cores 0.
 #   2. 4 ranks on 2 cores, data parallel (no bubble): work-bound, the step is
-#      4 (compute + every collective's time, hidden under backward or not) / 2.
+#      4 (compute + every collective's time, hidden under backward or not, + optimizer) / 2.
 #   3. 4 ranks on 3 cores: pp2 1F1B with 8 micro-batches (bubble 1/9) is work-bound as well;
 #      with 2 micro-batches (bubble 1/3) the critical path is the longer: the step is the
 #      one-device-per-rank step, shared cores 0.
 #   4. Bad input: "cores_per_node" -1, 2.5 or "two" fails naming the field.
+#   5. The optimizer step's bytes per element it updates: f32 weights 32 (the gradient read twice,
+#      both moments and the weight read and written: 4x the optimizer state, 8/3 of it at ZeRO-3, whose
+#      state counts the weights' shard), bf16 weights 34 (an f32 master read and written, the weight
+#      written) and 26 with bf16 moments; a bf16 model keeps some objects in f32, so their elements and
+#      the bf16 ones are solved from the optimizer state with f32 and with bf16 moments (ZeRO 1-2).
+#      The optimizer's time is those bytes at memory_gbps; without the field it is 0.
 # Runs no training (each case is one dsk_plan call): seconds. The measured ranking is
 # bench/plan_rank.sh (not here: a loaded machine moves the measured order).
 # Prints `[test_plan_cores] totals: P passed / F failed / S skipped`.
@@ -28,15 +34,27 @@ cluster() {
     sed -E '/"cores_per_node"/d; s/"overlap": ([0-9.]+),?/"overlap": \1'"${2:+,}"'/' examples/clusters/cpu_8.json |
         sed -E "s/^\\}/$add}/" >"$work/$1.json"
 }
-# parts NAME FLAGS...: "step compute bubble tp ep pp gradients exposed cores" of rank 0's plan
+# parts NAME FLAGS...: "step compute bubble tp ep pp gradients exposed optimizer cores" of rank 0's plan
 parts() {
     local name=$1
     shift
     "$PLAN" --device cpu --cluster "$work/$name.json" --check-rank 0 --nproc 4 "${SMALL[@]}" "$@" 2>&1 |
-        sed -nE 's/^plan time: step ([0-9.]+) s: compute ([0-9.]+), bubble ([0-9.]+), tp ([0-9.]+), ep ([0-9.]+), pp ([0-9.]+), gradients ([0-9.]+) \(exposed ([0-9.]+)\), shared cores ([0-9.]+)$/\1 \2 \3 \4 \5 \6 \7 \8 \9/p'
+        python3 -c 'import re, sys
+r = r"^plan time: step (\S+) s: compute (\S+), bubble (\S+), tp (\S+), ep (\S+), pp (\S+), gradients (\S+) " \
+    r"\(exposed (\S+)\), optimizer (\S+), shared cores (\S+)$"
+for line in sys.stdin:
+    m = re.match(r, line.rstrip("\n"))
+    if m: print(" ".join(m.groups()))'
+}
+# bytes NAME FLAGS...: "optimizer-state optimizer-step" bytes of rank 0's plan
+bytes() {
+    local name=$1
+    shift
+    "$PLAN" --device cpu --cluster "$work/$name.json" --check-rank 0 --nproc 4 "${SMALL[@]}" "$@" 2>&1 |
+        sed -nE 's/^plan bytes, rank 0: .*optimizer state ([0-9]+),.*optimizer step ([0-9]+)$/\1 \2/p'
 }
 # expect NAME CORES LABEL FLAGS...: the step equals max(path, 4 busy / CORES) (CORES 0: path), within
-# the 6 printed decimals
+# the 6 printed decimals of up to 7 parts (4 / CORES times their 5e-7 each, and the step's own)
 expect() {
     local name=$1 cores=$2 label=$3 p verdict
     shift 3
@@ -45,12 +63,12 @@ expect() {
         python3 - "$cores" $p <<'EOF'
 import sys
 c = int(sys.argv[1])
-if len(sys.argv) != 11:
+if len(sys.argv) != 12:
     print("no plan time line"); sys.exit()
-step, comp, bub, tp, ep, pp, grad, exp, cores = map(float, sys.argv[2:])
-path = comp + bub + tp + ep + pp + exp
-want = max(path, 4 * (comp + tp + ep + pp + grad) / c) if c and c < 4 else path
-ok = abs(step - want) <= 2e-6 and abs(cores - (want - path)) <= 2e-6
+step, comp, bub, tp, ep, pp, grad, exp, opt, cores = map(float, sys.argv[2:])
+path = comp + bub + tp + ep + pp + exp + opt
+want = max(path, 4 * (comp + tp + ep + pp + grad + opt) / c) if c and c < 4 else path
+ok = abs(step - want) <= 8e-6 and abs(cores - (want - path)) <= 8e-6
 print("ok" if ok else f"step {step} (shared cores {cores}), want {want:.6f} (path {path:.6f})")
 EOF
     )
@@ -74,12 +92,64 @@ done
 expect three 3 "4 ranks on 3 cores, pp2 1F1B m8: work-bound (bubble 1/9 given away)" --pp 2 --micro-batches 8
 expect three 3 "4 ranks on 3 cores, pp2 1F1B m2: path-bound (bubble 1/3), the one-device-per-rank step" --pp 2 \
     --micro-batches 2
-p3=$(parts three --pp 2 --micro-batches 8 | cut -d' ' -f9)
-p2=$(parts three --pp 2 --micro-batches 2 | cut -d' ' -f9)
+p3=$(parts three --pp 2 --micro-batches 8 | cut -d' ' -f10)
+p2=$(parts three --pp 2 --micro-batches 2 | cut -d' ' -f10)
 if python3 -c "import sys; sys.exit(not (float('$p3') > 0 and float('$p2') == 0))" 2>/dev/null; then
     ok "both bounds are reached: shared cores $p3 s at m8, 0 at m2"
 else
     bad "both bounds reached" "shared cores at m8 '$p3' (want > 0), at m2 '$p2' (want 0)"
+fi
+
+# 5. the optimizer step
+for l in "--zero 0" "--zero 1" "--zero 2" "--zero 3" "--tp 2"; do
+    # shellcheck disable=SC2086
+    read -r state step <<<"$(bytes none $l)"
+    per=8 # bytes of optimizer state per element: both moments (ZeRO-3: and the weights' f32 shard)
+    [ "$l" = "--zero 3" ] && per=12
+    if [ -n "${state:-}" ] && [ "$step" -gt 0 ] && [ $((step * per)) -eq $((32 * state)) ]; then
+        ok "optimizer step, f32, $l: $step bytes = 32 per element of the optimizer state $state ($per each)"
+    else
+        bad "optimizer step, f32, $l" "state '${state:-}', step '${step:-}' (want 32 / $per x the state)"
+    fi
+done
+for l in "--zero 1" "--zero 2"; do
+    # shellcheck disable=SC2086
+    read -r s32 t32 <<<"$(bytes none $l --dtype bf16)"
+    # shellcheck disable=SC2086
+    read -r s16 t16 <<<"$(bytes none $l --dtype bf16 --optim-dtype bf16)"
+    verdict=$(
+        python3 - "${s32:-x}" "${t32:-x}" "${s16:-x}" "${t16:-x}" <<'EOF'
+import sys
+try:
+    s32, t32, s16, t16 = map(int, sys.argv[1:])
+except ValueError:
+    print("no plan bytes line"); sys.exit()
+# bf16 objects hold 12 bytes of state per element (f32 master, f32 moments) or 8 (bf16 moments); f32 ones 8 or 4:
+# 12 x + 8 y = s32 and 8 x + 4 y = s16, so 4 x = 2 s16 - s32
+x, r = divmod(2 * s16 - s32, 4)
+y, r2 = divmod(s16 - 8 * x, 4)
+want = (34 * x + 32 * y, 26 * x + 24 * y)
+ok = r == 0 and r2 == 0 and x > 0 and y >= 0 and (t32, t16) == want
+print("ok %d %d" % (x, y) if ok else f"states {s32} {s16}, steps {t32} {t16}: want {want} (bf16 {x}, f32 {y})")
+EOF
+    )
+    if [[ $verdict == ok* ]]; then
+        read -r _ x y <<<"$verdict"
+        ok "optimizer step, bf16, $l: $x bf16 and $y f32 elements: $t32 bytes (34, 32 each), $t16 with bf16 moments (26, 24)"
+    else
+        bad "optimizer step, bf16, $l" "$verdict"
+    fi
+done
+sed '/"memory_gbps"/d' "$work/none.json" >"$work/nomem.json"
+read -r _ step <<<"$(bytes none --zero 1)"
+o10=$(parts none --zero 1 | cut -d' ' -f9)
+o0=$(parts nomem --zero 1 | cut -d' ' -f9)
+gbps=$(sed -nE 's/.*"memory_gbps": ([0-9.]+).*/\1/p' "$work/none.json")
+if python3 -c "import sys; sys.exit(not (abs(float('$o10') - $step / ($gbps * 1e9)) <= 1e-6 and float('$o0') == 0))" \
+    2>/dev/null; then
+    ok "optimizer time: $step bytes at $gbps GB/s = $o10 s; without memory_gbps 0"
+else
+    bad "optimizer time" "'$o10' s for $step bytes at '$gbps' GB/s; without the field '$o0' (want 0)"
 fi
 
 for v in -1 2.5 '"two"'; do
