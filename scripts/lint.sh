@@ -273,7 +273,8 @@ number_word() { # one..twenty, or digits, as a number
 
 # C source with comments and string literals blanked, line for line (line numbers kept).
 strip_comments() {
-    awk '{
+    awk '!inc && index($0, "/") == 0 && index($0, "\"") == 0 { print; next } # nothing to blank: as is
+    {
         out = ""; n = length($0); i = 1
         while (i <= n) {
             c = substr($0, i, 1); d = substr($0, i, 2)
@@ -286,6 +287,13 @@ strip_comments() {
         }
         ins = 0; print out
     }' "$1"
+}
+
+# strip_comments of a file, kept in $tmp/stripped for the next claim that reads it; prints its path.
+stripped() {
+    local out=$tmp/stripped/${1//\//__}
+    [ -f "$out" ] || { mkdir -p "$tmp/stripped" && strip_comments "$1" >"$out"; }
+    echo "$out"
 }
 
 # DESIGN.md section 6's counts, each recomputed on an existing case: `title|case|library regex|test regex`.
@@ -305,32 +313,31 @@ places_of() {
     local lib_re=$1 test_re=$2 f lines units n=0 nf=0
     : >"$tmp/where"
     for f in $(ls dsk_*.h kernels/*); do
-        strip_comments "$f" >"$tmp/code"
-        lines=$(grep -nE "$lib_re" "$tmp/code" | cut -d: -f1)
+        lines=$(grep -nE "$lib_re" "$(stripped "$f")" | cut -d: -f1)
         [ -n "$lines" ] || continue
         units=$(echo "$lines" | enclosing_units "$f")
         nf=$((nf + 1)); n=$((n + $(echo "$units" | wc -l)))
         echo "$f: $(echo "$units" | paste -sd, - | sed 's/,/, /g')" >>"$tmp/where"
     done
     for f in $(git ls-files 'tests/*.c' 2>/dev/null || ls tests/*.c tests/gpu/*.c); do
-        strip_comments "$f" | grep -qE "$test_re" || continue
+        grep -qE "$test_re" "$(stripped "$f")" || continue
         nf=$((nf + 1)); n=$((n + 1)); echo "$f: its case" >>"$tmp/where"
     done
     echo "$n $nf"
 }
 
 check_places() {
-    local claim title case lib_re test_re design para want_p want_f got words n_ok=0 summary=()
+    local claim title case lib_re test_re design want_p want_f got words n_ok=0 summary=()
     tr '\n' ' ' <DESIGN.md | sed 's/  */ /g' >"$tmp/design"
     for claim in "${PLACES_CLAIMS[@]}"; do
         IFS='|' read -r title case lib_re test_re <<<"$claim"
         lib_re=${claim#"$title|$case|"}; lib_re=${lib_re%|*} # the library regex may hold '|'
         test_re=${claim##*|}
         design=
-        if grep -qF "**$title" "$tmp/design"; then # the paragraph: from its bold title to the next one
-            para=$(<"$tmp/design"); para=${para#*"**$title"}; para=${para#*"**"}; para=${para%%" **"*}
-            design=$(echo "$para" | grep -oE '[A-Za-z0-9]+ places in [a-z0-9]+ files' | head -1)
-        fi
+        # the paragraph: from its bold title to the next one (awk: bash's ${x#*pat} on the whole file is slow)
+        design=$(awk -v t="**$title" '{ i = index($0, t); if (!i) exit; s = substr($0, i + length(t))
+                                        s = substr(s, index(s, "**") + 2); k = index(s, " **"); print k ? substr(s, 1, k - 1) : s }' \
+                     "$tmp/design" | grep -oE '[A-Za-z0-9]+ places in [a-z0-9]+ files' | head -1)
         if [ -z "$design" ]; then
             bad "places: DESIGN.md section 6 no longer says \"$title ...: N places in M files\""; continue
         fi

@@ -152,6 +152,9 @@ const char *bar_name(int kind) {
     static const char *names[] = {"__syncthreads", "__syncthreads_or", "__syncthreads_and", "__syncthreads_count"};
     return kind >= 0 && kind <= BAR_COUNT ? names[kind] : "__syncthreads";
 }
+/* __FILE__ of two call sites: one literal in the common case, so the pointers decide before strcmp
+   (a barrier or warp intrinsic compares them once per arriving thread). */
+bool same_file(const char *a, const char *b) { return a == b || !strcmp(a, b); }
 const char *base_name(const char *path) {
     const char *s = strrchr(path, '/');
     return s ? s + 1 : path;
@@ -368,7 +371,7 @@ void on_warp_arrive(block_run &b, emu_thread &t) {
         if (w.exited & mask)
             kfault(b, &t, cudaErrorIllegalInstruction, "%s at %s:%d with mask 0x%08x, but lanes 0x%08x of the warp have exited",
                    warp_name(t.kind), base_name(t.file), t.line, mask, w.exited & mask);
-    } else if (w.kind != t.kind || w.mask != mask || w.line != t.line || strcmp(w.file, t.file)) {
+    } else if (w.kind != t.kind || w.mask != mask || w.line != t.line || !same_file(w.file, t.file)) {
         kfault(b, &t, cudaErrorIllegalInstruction, "lanes of warp %d meet at different warp intrinsics: %s (mask 0x%08x) at %s:%d "
                "and %s (mask 0x%08x) at %s:%d", t.warp, warp_name(w.kind), w.mask, base_name(w.file), w.line, warp_name(t.kind),
                mask, base_name(t.file), t.line);
@@ -404,7 +407,7 @@ void on_bar_arrive(block_run &b, emu_thread &t) {
     if (b.nbar == 0) {
         b.bar_file = t.file;
         b.bar_line = t.line;
-    } else if (b.bar_line != t.line || strcmp(b.bar_file, t.file)) {
+    } else if (b.bar_line != t.line || !same_file(b.bar_file, t.file)) {
         kfault(b, &t, cudaErrorIllegalInstruction, "threads of the block wait at different barriers: %s at %s:%d and %s:%d",
                bar_name(t.kind), base_name(t.file), t.line, base_name(b.bar_file), b.bar_line);
     }
