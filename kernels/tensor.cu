@@ -774,10 +774,16 @@ struct dsk__op_max {
 };
 
 /* Reduces one value per thread over the block in a fixed tree (warp butterflies, then warp 0
-   over the warp results) and returns the result to every thread. `sh` holds 32 T. */
+   over the warp results) and returns the result to every thread. `sh` holds 32 T. A block of
+   one warp (rows of up to 32 columns) is done after the butterfly, which leaves the result in
+   every lane: its __syncwarp orders the caller's shared memory as the barriers would. */
 template <typename T, typename Op> __device__ T dsk__block_reduce(T v, Op op, T identity, T *sh) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
     for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (nwarps == 1) {
+        __syncwarp();
+        return v;
+    }
     if (lane == 0) sh[warp] = v;
     __syncthreads();
     if (warp == 0) {

@@ -18,7 +18,8 @@
    - Kernels: one kernel runs at a time (static __shared__ variables live in one section).
      Blocks run in a random order; every thread of a block is a fiber that runs until it
      reaches a barrier, a warp intrinsic or its end; the next fiber is drawn at random among
-     the runnable ones, from a generator seeded by CUDA_EMU_SEED and the launch number.
+     the runnable ones, from a generator seeded by CUDA_EMU_SEED and the launch number, and
+     the fiber that stopped switches to it directly.
      A warp intrinsic completes when every lane in its mask has arrived; a barrier when
      every thread of the block has. Misuse is a fault (see cuda_runtime.h): the kernel stops,
      the error is reported at the next synchronising call on the device.

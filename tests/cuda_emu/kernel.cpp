@@ -135,8 +135,9 @@ void *g_sched_sp;
 block_run *g_block;
 emu_thread *g_running;
 #ifdef CUDA_EMU_ASAN
-const void *g_sched_lo;
+const void *g_sched_lo; /* the scheduler's stack, for ASan (as the fiber entered from it learns it) */
 size_t g_sched_len;
+bool g_from_sched;
 #endif
 
 std::mutex g_count_mu;
@@ -179,29 +180,52 @@ void kfault(block_run &b, const emu_thread *t, cudaError_t code, const char *fmt
 
 /* ---------------------------------------------------------------- fibers */
 
-void yield_to_scheduler(fiber *f) {
+/* Fibers switch to one another: the thread that stops at a barrier, a warp intrinsic or its
+   end does the scheduler's bookkeeping on its own stack and resumes the next runnable thread
+   directly (one switch per stop, none when it picks itself). Only when nothing is runnable (the
+   block is done, or stuck) does it switch back to the scheduler (run_block). */
+void yield_thread(emu_thread *t);
+
+/* ASan's side of arriving on a fiber's stack; the fiber entered from the scheduler records the
+   scheduler's stack, which the switch back to it names. */
+void arrived(void *fake) {
 #ifdef CUDA_EMU_ASAN
-    __sanitizer_start_switch_fiber(&f->fake, g_sched_lo, g_sched_len);
-#endif
-#if defined(__x86_64__)
-    cuda_emu_switch(&f->sp, g_sched_sp);
+    const void *lo;
+    size_t len;
+    __sanitizer_finish_switch_fiber(fake, &lo, &len);
+    if (g_from_sched) {
+        g_sched_lo = lo;
+        g_sched_len = len;
+        g_from_sched = false;
+    }
 #else
-    swapcontext(&f->uc, (ucontext_t *)g_sched_sp);
-#endif
-#ifdef CUDA_EMU_ASAN
-    __sanitizer_finish_switch_fiber(f->fake, &g_sched_lo, &g_sched_len);
+    (void)fake;
 #endif
 }
 
-/* The body of every fiber: run the assigned CUDA thread, report, wait for the next one. */
-void fiber_main(fiber *f) {
+/* Leaves fiber f for thread `to` (nullptr: the scheduler); returns when f is resumed. */
+void switch_from(fiber *f, emu_thread *to) {
+    g_running = to;
+    cur = to ? &to->ctx : nullptr;
 #ifdef CUDA_EMU_ASAN
-    __sanitizer_finish_switch_fiber(nullptr, &g_sched_lo, &g_sched_len);
+    __sanitizer_start_switch_fiber(&f->fake, to ? (const void *)(to->f->map + kGuard) : g_sched_lo,
+                                   to ? kStackBytes : g_sched_len);
 #endif
+#if defined(__x86_64__)
+    cuda_emu_switch(&f->sp, to ? to->f->sp : g_sched_sp);
+#else
+    swapcontext(&f->uc, to ? &to->f->uc : (ucontext_t *)g_sched_sp);
+#endif
+    arrived(f->fake);
+}
+
+/* The body of every fiber: run the assigned CUDA thread, report, wait for the next one. */
+void fiber_main(fiber *) {
+    arrived(nullptr);
     for (;;) {
         g_block->l->run_thread();
         g_running->state = T_DONE;
-        yield_to_scheduler(f);
+        yield_thread(g_running);
     }
 }
 
@@ -251,11 +275,13 @@ void fiber_delete(fiber *f) {
     delete f;
 }
 
+/* From the scheduler: runs the block's threads from t on until nothing is runnable. */
 void resume(emu_thread *t) {
     g_running = t;
     cur = &t->ctx;
 #ifdef CUDA_EMU_ASAN
     void *fake = nullptr;
+    g_from_sched = true;
     __sanitizer_start_switch_fiber(&fake, t->f->map + kGuard, kStackBytes);
 #endif
 #if defined(__x86_64__)
@@ -284,6 +310,16 @@ unsigned lanes_present(const block_run &b, int warp) {
 void make_runnable(block_run &b, emu_thread &t) {
     t.state = T_RUN;
     b.runnable.push_back((int)(&t - &b.th[0]));
+}
+
+/* A random runnable thread, taken off the list; nullptr when none is. */
+emu_thread *take_runnable(block_run &b) {
+    if (b.runnable.empty()) return nullptr;
+    size_t k = (size_t)(((unsigned __int128)next_random(&b.rng) * b.runnable.size()) >> 64);
+    emu_thread *t = &b.th[(size_t)b.runnable[k]];
+    b.runnable[k] = b.runnable.back();
+    b.runnable.pop_back();
+    return t;
 }
 
 /* Source lane of a shuffle (the lane itself when CUDA says so). */
@@ -470,23 +506,23 @@ void run_block(block_run &b, uint3 bid) {
     if (+__start_cuda_emu_shared && +__stop_cuda_emu_shared > +__start_cuda_emu_shared)
         memset(__start_cuda_emu_shared, 0xff, (size_t)(__stop_cuda_emu_shared - __start_cuda_emu_shared));
     if (b.dyn_bytes) memset(b.dyn_shared, 0xff, b.dyn_bytes);
-    while (b.ndone < b.n) {
-        if (b.runnable.empty()) {
-            report_stuck(b);
-            return;
-        }
-        size_t k = (size_t)(next_random(&b.rng) % b.runnable.size());
-        emu_thread &t = b.th[(size_t)b.runnable[k]];
-        b.runnable[k] = b.runnable.back();
-        b.runnable.pop_back();
-        resume(&t);
-        switch (t.state) {
-        case T_DONE: on_exit(b, t); break;
-        case T_WARP: on_warp_arrive(b, t); break;
-        case T_BAR: on_bar_arrive(b, t); break;
-        default: break;
-        }
+    /* The threads hand over to one another and come back here when none is runnable. */
+    resume(take_runnable(b));
+    if (b.ndone < b.n) report_stuck(b);
+}
+
+/* On t's fiber: t stopped (its state says where); record it and run the next runnable thread. */
+void yield_thread(emu_thread *t) {
+    block_run &b = *g_block;
+    switch (t->state) {
+    case T_DONE: on_exit(b, *t); break;
+    case T_WARP: on_warp_arrive(b, *t); break;
+    case T_BAR: on_bar_arrive(b, *t); break;
+    default: break;
     }
+    emu_thread *next = take_runnable(b);
+    if (next == t) return;
+    switch_from(t->f, next);
 }
 
 } // namespace
@@ -507,7 +543,7 @@ uint64_t warp_op(int kind, unsigned mask, uint64_t value, int arg, int width, co
     t->file = file;
     t->line = line;
     t->state = T_WARP;
-    yield_to_scheduler(t->f);
+    yield_thread(t);
     return t->result;
 }
 
@@ -522,7 +558,7 @@ int block_op(int kind, int pred, const char *file, int line) {
     t->file = file;
     t->line = line;
     t->state = T_BAR;
-    yield_to_scheduler(t->f);
+    yield_thread(t);
     return (int)t->result;
 }
 
