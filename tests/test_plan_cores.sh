@@ -39,7 +39,7 @@ parts() {
     local name=$1
     shift
     "$PLAN" --device cpu --cluster "$work/$name.json" --check-rank 0 --nproc 4 "${SMALL[@]}" "$@" 2>&1 |
-        python3 -c 'import re, sys
+        "$PY" -c 'import re, sys
 r = r"^plan time: step (\S+) s: compute (\S+), bubble (\S+), tp (\S+), ep (\S+), pp (\S+), gradients (\S+) " \
     r"\(exposed (\S+)\), optimizer (\S+), shared cores (\S+)$"
 for line in sys.stdin:
@@ -60,7 +60,7 @@ expect() {
     shift 3
     p=$(parts "$name" "$@")
     verdict=$(
-        python3 - "$cores" $p <<'EOF'
+        "$PY" - "$cores" $p <<'EOF'
 import sys
 c = int(sys.argv[1])
 if len(sys.argv) != 12:
@@ -94,7 +94,7 @@ expect three 3 "4 ranks on 3 cores, pp2 1F1B m2: path-bound (bubble 1/3), the on
     --micro-batches 2
 p3=$(parts three --pp 2 --micro-batches 8 | cut -d' ' -f10)
 p2=$(parts three --pp 2 --micro-batches 2 | cut -d' ' -f10)
-if python3 -c "import sys; sys.exit(not (float('$p3') > 0 and float('$p2') == 0))" 2>/dev/null; then
+if "$PY" -c "import sys; sys.exit(not (float('$p3') > 0 and float('$p2') == 0))" 2>/dev/null; then
     ok "both bounds are reached: shared cores $p3 s at m8, 0 at m2"
 else
     bad "both bounds reached" "shared cores at m8 '$p3' (want > 0), at m2 '$p2' (want 0)"
@@ -118,7 +118,7 @@ for l in "--zero 1" "--zero 2"; do
     # shellcheck disable=SC2086
     read -r s16 t16 <<<"$(bytes none $l --dtype bf16 --optim-dtype bf16)"
     verdict=$(
-        python3 - "${s32:-x}" "${t32:-x}" "${s16:-x}" "${t16:-x}" <<'EOF'
+        "$PY" - "${s32:-x}" "${t32:-x}" "${s16:-x}" "${t16:-x}" <<'EOF'
 import sys
 try:
     s32, t32, s16, t16 = map(int, sys.argv[1:])
@@ -145,7 +145,7 @@ read -r _ step <<<"$(bytes none --zero 1)"
 o10=$(parts none --zero 1 | cut -d' ' -f9)
 o0=$(parts nomem --zero 1 | cut -d' ' -f9)
 gbps=$(sed -nE 's/.*"memory_gbps": ([0-9.]+).*/\1/p' "$work/none.json")
-if python3 -c "import sys; sys.exit(not (abs(float('$o10') - $step / ($gbps * 1e9)) <= 1e-6 and float('$o0') == 0))" \
+if "$PY" -c "import sys; sys.exit(not (abs(float('$o10') - $step / ($gbps * 1e9)) <= 1e-6 and float('$o0') == 0))" \
     2>/dev/null; then
     ok "optimizer time: $step bytes at $gbps GB/s = $o10 s; without memory_gbps 0"
 else
