@@ -44,9 +44,9 @@ done
 # compiled for real, warnings that only optimisation finds (maybe-uninitialized,
 # format-truncation) must not break an embedder's -Werror. gcc -O2 is left out: `make tests`
 # compiles every module with it (libdsk.a), and CI builds both the CUDA and the CPU
-# configuration. Those warnings come from gcc's middle end, which C and C++ share, so g++ only
-# parses (its front end's warnings), as clang does, whose warnings come from its front end (CI's
-# clang build compiles every module too).
+# configuration. Those warnings come from gcc's middle end, which C and C++ share, so g++ and
+# clang only parse: what they add is their front ends' warnings (CI's clang build compiles every
+# module too).
 all_src=$(printf '#define %s_IMPLEMENTATION\n' DSK_TENSOR DSK_COMM DSK_MOE DSK_AMP DSK_SAFETENSORS DSK_CKPT DSK_PAR DSK_ZERO
           printf '#include "%s"\n' dsk_*.h)
 compile() { # label, compiler..., reads the source from stdin

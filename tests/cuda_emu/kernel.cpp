@@ -275,7 +275,8 @@ void fiber_delete(fiber *f) {
     delete f;
 }
 
-/* From the scheduler: runs the block's threads from t on until nothing is runnable. */
+/* From the scheduler: runs the block's threads from t on until nothing is runnable (the switch
+   back, switch_from(..., nullptr), clears g_running and cur). */
 void resume(emu_thread *t) {
     g_running = t;
     cur = &t->ctx;
@@ -296,8 +297,6 @@ void resume(emu_thread *t) {
 #ifdef CUDA_EMU_ASAN
     __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #endif
-    g_running = nullptr;
-    cur = nullptr;
 }
 
 /* ---------------------------------------------------------------- warps and barriers */
