@@ -1388,27 +1388,56 @@ static dsk_status dsk__amp_block_args(const char *fn, const dsk_tensor *x, const
     return DSK_OK;
 }
 
-/* Block rows of the CPU path, with loops free of the dtype switch for f32 input. */
-static uint32_t dsk__amp_row_amax(const void *x, dsk_dtype dt, int64_t off, int64_t len) {
-    uint32_t m = 0;
-    if (dt == DSK_F32) {
-        const float *p = (const float *)x + off;
-        for (int64_t i = 0; i < len; i++) { uint32_t a = dsk_amp_abs_bits(p[i]); m = a > m ? a : m; }
+/* OpenMP pragmas only when compiled with -fopenmp (no unknown-pragma warnings without). */
+#ifdef _OPENMP
+#define DSK__AMP_OMP(x) _Pragma(#x)
+#else
+#define DSK__AMP_OMP(x)
+#endif
+
+/* The CPU quantisers read their input DSK__AMP_PIECE elements at a time as f32 (f32 in place), so
+   that the loops over a piece have no dtype switch and vectorise (dsk_f32_to_e4m3 is branch-free). */
+#define DSK__AMP_PIECE 256
+
+static const float *dsk__amp_piece(float *buf, const void *x, dsk_dtype dt, int64_t off, int64_t n) {
+    if (dt == DSK_F32) return (const float *)x + off;
+    dsk_load_f32_n(buf, x, dt, off, n);
+    return buf;
+}
+/* The larger of m and the dsk_amp_abs_bits of v[0, n). */
+static uint32_t dsk__amp_amax_f32(const float *v, int64_t n, uint32_t m) {
+    DSK__AMP_OMP(omp simd reduction(max : m))
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t a = dsk_amp_abs_bits(v[i]);
+        m = a > m ? a : m;
+    }
+    return m;
+}
+/* o[i] = the fmt code of v[i] / d, i in [0, n). */
+static void dsk__amp_codes_f32(uint8_t *o, const float *v, int64_t n, float d, dsk_dtype fmt) {
+    if (fmt == DSK_E4M3) {
+        DSK__AMP_OMP(omp simd)
+        for (int64_t i = 0; i < n; i++) o[i] = dsk_f32_to_e4m3(v[i] / d);
     } else {
-        for (int64_t i = 0; i < len; i++) {
-            uint32_t a = dsk_amp_abs_bits(dsk_load_f32(x, dt, off + i));
-            m = a > m ? a : m;
-        }
+        for (int64_t i = 0; i < n; i++) o[i] = dsk_f32_to_e5m2(v[i] / d);
+    }
+}
+/* A block row: the largest dsk_amp_abs_bits of elements [off, off + len) of x, and their codes. */
+static uint32_t dsk__amp_row_amax(const void *x, dsk_dtype dt, int64_t off, int64_t len) {
+    float buf[DSK__AMP_PIECE];
+    uint32_t m = 0;
+    for (int64_t i = 0; i < len; i += DSK__AMP_PIECE) {
+        int64_t n = len - i < DSK__AMP_PIECE ? len - i : DSK__AMP_PIECE;
+        m = dsk__amp_amax_f32(dsk__amp_piece(buf, x, dt, off + i, n), n, m);
     }
     return m;
 }
 static void dsk__amp_row_quantize(uint8_t *o, dsk_dtype fmt, const void *x, dsk_dtype dt, int64_t off, int64_t len,
                                   float d) {
-    if (dt == DSK_F32 && fmt == DSK_E4M3) {
-        const float *p = (const float *)x + off;
-        for (int64_t i = 0; i < len; i++) o[i] = dsk_f32_to_e4m3(p[i] / d);
-    } else {
-        for (int64_t i = 0; i < len; i++) o[i] = dsk_amp_to_fp8(dsk_load_f32(x, dt, off + i) / d, fmt);
+    float buf[DSK__AMP_PIECE];
+    for (int64_t i = 0; i < len; i += DSK__AMP_PIECE) {
+        int64_t n = len - i < DSK__AMP_PIECE ? len - i : DSK__AMP_PIECE;
+        dsk__amp_codes_f32(o + i, dsk__amp_piece(buf, x, dt, off + i, n), n, d, fmt);
     }
 }
 
@@ -1446,34 +1475,37 @@ DSK_API dsk_status dsk_amp_fp8_block_quantize(dsk_ctx *ctx, dsk_tensor *q, dsk_t
     return DSK_OK;
 }
 
+/* Columns of x per tile of the transposed quantisation: whole blocks of br columns, at least 64. */
+static int64_t dsk__amp_tile_cols(int br) { return br >= 64 ? br : (64 + br - 1) / br * br; }
+
 /* Band jb of the transposed quantisation: x's rows [jb bc, jb bc + bc), i.e. column block jb of
-   q (C, R). The column maxima over the band are taken row by row (contiguous reads) into cm, each
-   (br x bc) block's scale from them (cd: the scale of each column), then the codes; the same
-   values as a block at a time, in an order the cache likes. */
+   q (C, R). A tile of columns at a time is read row by row (contiguous reads) as f32 into t
+   transposed (t[column][row]), so that each column's run over the band is contiguous: its
+   maximum, its block's scale, then its codes, a vector loop each. */
 static void dsk__amp_quantize_t_band(dsk_tensor *q, dsk_tensor *scales, const dsk_tensor *x, int64_t jb, int br, int bc,
-                                     int pow2, uint32_t *cm, float *cd) {
-    int64_t R = x->shape[0], C = x->shape[1], SR = scales->shape[0], SC = scales->shape[1];
-    int64_t r0 = jb * bc, r1 = r0 + bc < R ? r0 + bc : R;
-    float fmax = dsk_amp_fp8_max(q->dtype), *sc = (float *)scales->data;
+                                     int pow2, float *t) {
+    int64_t R = x->shape[0], C = x->shape[1], SC = scales->shape[1], tc = dsk__amp_tile_cols(br);
+    int64_t r0 = jb * bc, nr = r0 + bc < R ? bc : R - r0;
+    float fmax = dsk_amp_fp8_max(q->dtype), *sc = (float *)scales->data, buf[DSK__AMP_PIECE];
     uint8_t *o = (uint8_t *)q->data;
-    for (int64_t c = 0; c < C; c++) cm[c] = 0;
-    for (int64_t r = r0; r < r1; r++)
-        for (int64_t c = 0; c < C; c++) {
-            uint32_t a = dsk_amp_abs_bits(dsk_load_f32(x->data, x->dtype, r * C + c));
-            cm[c] = a > cm[c] ? a : cm[c];
+    for (int64_t c0 = 0; c0 < C; c0 += tc) {
+        int64_t nc = c0 + tc < C ? tc : C - c0;
+        for (int64_t r = 0; r < nr; r++)
+            for (int64_t i = 0; i < nc; i += DSK__AMP_PIECE) {
+                int64_t n = nc - i < DSK__AMP_PIECE ? nc - i : DSK__AMP_PIECE;
+                const float *v = dsk__amp_piece(buf, x->data, x->dtype, (r0 + r) * C + c0 + i, n);
+                for (int64_t k = 0; k < n; k++) t[(i + k) * bc + r] = v[k];
+            }
+        for (int64_t b0 = 0; b0 < nc; b0 += br) { /* the (br x bc) blocks of q: br columns of x */
+            int64_t b1 = b0 + br < nc ? b0 + br : nc;
+            uint32_t m = 0;
+            float d;
+            for (int64_t c = b0; c < b1; c++) m = dsk__amp_amax_f32(t + c * bc, nr, m);
+            d = dsk_amp_fp8_block_scale(dsk_bits_f32(m), fmax, pow2);
+            sc[((c0 + b0) / br) * SC + jb] = d;
+            for (int64_t c = b0; c < b1; c++) dsk__amp_codes_f32(o + (c0 + c) * R + r0, t + c * bc, nr, d, q->dtype);
         }
-    for (int64_t i = 0; i < SR; i++) {
-        int64_t c0 = i * br, c1 = c0 + br < C ? c0 + br : C;
-        uint32_t m = 0;
-        float d;
-        for (int64_t c = c0; c < c1; c++) m = cm[c] > m ? cm[c] : m;
-        d = dsk_amp_fp8_block_scale(dsk_bits_f32(m), fmax, pow2);
-        sc[i * SC + jb] = d;
-        for (int64_t c = c0; c < c1; c++) cd[c] = d;
     }
-    for (int64_t c = 0; c < C; c++)
-        for (int64_t r = r0; r < r1; r++)
-            o[c * R + r] = dsk_amp_to_fp8(dsk_load_f32(x->data, x->dtype, r * C + c) / cd[c], q->dtype);
 }
 
 DSK_API dsk_status dsk_amp_fp8_block_quantize_t(dsk_ctx *ctx, dsk_tensor *q, dsk_tensor *scales, const dsk_tensor *x,
@@ -1491,16 +1523,16 @@ DSK_API dsk_status dsk_amp_fp8_block_quantize_t(dsk_ctx *ctx, dsk_tensor *q, dsk
     DSK__TRY(dsk__amp_block_args(fn, &xt, q, scales, br, bc));
     DSK__CUDA_PATH(x->device.type == DSK_DEV_CUDA, dsk_cuda_amp_fp8_block_quantize_t(ctx, q, scales, x, br, bc, pow2));
     {
-        int64_t C = x->shape[1], SC = scales->shape[1];
-        uint32_t *cm = (uint32_t *)DSK_MALLOC((size_t)(SC * C) * (sizeof(uint32_t) + sizeof(float)) + 1);
-        if (!cm)
-            return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for %lld column maxima", fn, (long long)(SC * C));
+        int64_t SC = scales->shape[1], tile = dsk__amp_tile_cols(br) * bc;
+        float *t = (float *)DSK_MALLOC((size_t)(SC * tile) * sizeof(float) + 1); /* a tile per band */
+        if (!t)
+            return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for %lld bands of %lld floats", fn, (long long)SC,
+                                 (long long)tile);
 #ifdef _OPENMP
-#pragma omp parallel for schedule(static) if (SC > 1 && x->shape[0] * C > 65536)
+#pragma omp parallel for schedule(static) if (SC > 1 && x->shape[0] * x->shape[1] > 65536)
 #endif
-        for (int64_t jb = 0; jb < SC; jb++)
-            dsk__amp_quantize_t_band(q, scales, x, jb, br, bc, pow2, cm + jb * C, (float *)(cm + SC * C) + jb * C);
-        DSK_FREE(cm);
+        for (int64_t jb = 0; jb < SC; jb++) dsk__amp_quantize_t_band(q, scales, x, jb, br, bc, pow2, t + jb * tile);
+        DSK_FREE(t);
     }
     return DSK_OK;
 }
@@ -1518,10 +1550,14 @@ DSK_API dsk_status dsk_amp_fp8_block_dequantize(dsk_ctx *ctx, dsk_tensor *y, con
         int64_t R = q->shape[0], C = q->shape[1], SC = scales->shape[1];
         const float *sc = (const float *)scales->data;
         const uint8_t *in = (const uint8_t *)q->data;
+        float value[256], row[DSK__AMP_PIECE]; /* each code's value; a piece of a row of y */
+        for (int i = 0; i < 256; i++) value[i] = dsk_amp_from_fp8((uint8_t)i, q->dtype);
         for (int64_t r = 0; r < R; r++)
-            for (int64_t c = 0; c < C; c++)
-                dsk_store_f32(y->data, y->dtype, r * C + c,
-                              dsk_amp_from_fp8(in[r * C + c], q->dtype) * sc[(r / br) * SC + c / bc]);
+            for (int64_t c0 = 0; c0 < C; c0 += DSK__AMP_PIECE) {
+                int64_t n = C - c0 < DSK__AMP_PIECE ? C - c0 : DSK__AMP_PIECE;
+                for (int64_t k = 0; k < n; k++) row[k] = value[in[r * C + c0 + k]] * sc[(r / br) * SC + (c0 + k) / bc];
+                dsk_store_f32_n(y->data, y->dtype, r * C + c0, row, n);
+            }
     }
     return DSK_OK;
 }

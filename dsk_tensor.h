@@ -245,12 +245,19 @@ static inline DSK_HD float dsk_e4m3_to_f32(uint8_t b) {
     if (mag == 0x7fu) return dsk_bits_f32(sign | 0x7fc00000u);
     return dsk_bits_f32(sign | dsk_f32_bits(dsk__minifloat_to_f32(mag, 3, 7)));
 }
+/* Branch-free, so that a CPU loop of it vectorises (the FP8 quantisers), with the bits
+   dsk__round_minifloat(f, 3, 7) saturated at 0x7e would give (checked on all 2^32 inputs):
+   from 2^-6 up, the f32 bits rounded to 3 mantissa bits (ties to even) and rebiased; below,
+   the subnormal step 2^-9 is the f32 ulp of 2^14, so |f| + 2^14 rounds (to even) to
+   2^14 + mag * 2^-9. Inf saturates with the overflow; a NaN's saturated 0x7e becomes 0x7f. */
 static inline DSK_HD uint8_t dsk_f32_to_e4m3(float f) {
     uint32_t u = dsk_f32_bits(f), sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return (uint8_t)(sign | 0x7fu);
-    if (a == 0x7f800000u) return (uint8_t)(sign | 0x7eu);
-    uint32_t mag = dsk__round_minifloat(f, 3, 7);
-    return (uint8_t)(sign | (mag > 0x7eu ? 0x7eu : mag));
+    uint32_t normal = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - ((127u - 7u) << 3);
+    uint32_t subnormal = dsk_f32_bits(dsk_bits_f32(a) + 16384.0f) - 0x46800000u; /* 0x46800000: 2^14 */
+    uint32_t is_sub = 0u - (uint32_t)(a < 0x3c800000u);                          /* 0x3c800000: 2^-6 */
+    uint32_t mag = (subnormal & is_sub) | (normal & ~is_sub); /* masks: gcc turns a ?: here into a branch */
+    mag = mag > 0x7eu ? 0x7eu : mag;
+    return (uint8_t)(sign | mag | ((0u - (uint32_t)(a > 0x7f800000u)) & 1u));
 }
 static inline DSK_HD float dsk_e5m2_to_f32(uint8_t b) {
     uint32_t sign = (uint32_t)(b & 0x80u) << 24, mag = b & 0x7fu;
@@ -320,6 +327,43 @@ static inline DSK_HD float dsk_store_f32(void *p, dsk_dtype dt, int64_t i, float
     case DSK_F64: ((double *)p)[i] = dsk_f32_to_f64(x); return x;
     default: ((float *)p)[i] = x; return x;
     }
+}
+/* dst[i] = element off + i of a contiguous buffer of float dtype dt, as f32, n at a time (host code:
+   the dtype switch outside the element loop). */
+static inline void dsk_load_f32_n(float *dst, const void *src, dsk_dtype dt, int64_t off, int64_t n) {
+    if (dt == DSK_F32) {
+        memcpy(dst, (const float *)src + off, (size_t)n * sizeof(float));
+        return;
+    }
+    if (dt == DSK_BF16) {
+        const uint16_t *q = (const uint16_t *)src + off;
+        for (int64_t i = 0; i < n; i++) dst[i] = dsk_bf16_to_f32(q[i]);
+        return;
+    }
+    if (dt == DSK_F16) {
+        const uint16_t *q = (const uint16_t *)src + off;
+        for (int64_t i = 0; i < n; i++) dst[i] = dsk_f16_to_f32(q[i]);
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) dst[i] = dsk_load_f32(src, dt, off + i);
+}
+/* Element off + i of dst (float dtype dt) = src[i], rounded to nearest even. */
+static inline void dsk_store_f32_n(void *dst, dsk_dtype dt, int64_t off, const float *src, int64_t n) {
+    if (dt == DSK_F32) {
+        memcpy((float *)dst + off, src, (size_t)n * sizeof(float));
+        return;
+    }
+    if (dt == DSK_BF16) {
+        uint16_t *q = (uint16_t *)dst + off;
+        for (int64_t i = 0; i < n; i++) q[i] = dsk_f32_to_bf16(src[i]);
+        return;
+    }
+    if (dt == DSK_F16) {
+        uint16_t *q = (uint16_t *)dst + off;
+        for (int64_t i = 0; i < n; i++) q[i] = dsk_f32_to_f16(src[i]);
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) dsk_store_f32(dst, dt, off + i, src[i]);
 }
 /* x rounded to the float dtype dt and back: what a store followed by a load gives. */
 static inline DSK_HD float dsk_round_f32(dsk_dtype dt, float x) {
@@ -2882,35 +2926,21 @@ DSK_API dsk_status dsk_matmul(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, 
    The row ops below compute in f32 on whole rows: f32 data in place, bf16/f16 converted into a
    per-thread row buffer with the dtype switch outside the element loop, and stored back once. */
 
-/* dst[i] = element off + i of a contiguous buffer of float dtype dt, as f32. */
-static void dsk__load_row(float *dst, const void *src, dsk_dtype dt, int64_t off, int64_t n) {
-    if (dt == DSK_F32) { memcpy(dst, (const float *)src + off, (size_t)n * sizeof(float)); return; }
-    if (dt == DSK_BF16) { const uint16_t *q = (const uint16_t *)src + off; for (int64_t i = 0; i < n; i++) dst[i] = dsk_bf16_to_f32(q[i]); return; }
-    if (dt == DSK_F16) { const uint16_t *q = (const uint16_t *)src + off; for (int64_t i = 0; i < n; i++) dst[i] = dsk_f16_to_f32(q[i]); return; }
-    for (int64_t i = 0; i < n; i++) dst[i] = dsk_load_f32(src, dt, off + i);
-}
-/* Element off + i of dst (float dtype dt) = src[i], rounded to nearest even. */
-static void dsk__store_row(void *dst, dsk_dtype dt, int64_t off, const float *src, int64_t n) {
-    if (dt == DSK_F32) { memcpy((float *)dst + off, src, (size_t)n * sizeof(float)); return; }
-    if (dt == DSK_BF16) { uint16_t *q = (uint16_t *)dst + off; for (int64_t i = 0; i < n; i++) q[i] = dsk_f32_to_bf16(src[i]); return; }
-    if (dt == DSK_F16) { uint16_t *q = (uint16_t *)dst + off; for (int64_t i = 0; i < n; i++) q[i] = dsk_f32_to_f16(src[i]); return; }
-    for (int64_t i = 0; i < n; i++) dsk_store_f32(dst, dt, off + i, src[i]);
-}
 /* Elements [off, off + n) of t as f32: t's own data when f32, else a converted copy in buf. */
 static const float *dsk__row_in(const dsk_tensor *t, int64_t off, int64_t n, float *buf) {
     if (t->dtype == DSK_F32) return (const float *)t->data + off;
-    dsk__load_row(buf, t->data, t->dtype, off, n);
+    dsk_load_f32_n(buf, t->data, t->dtype, off, n);
     return buf;
 }
 /* Where to write elements [off, off + n) of t in f32 (t's data or buf); dsk__row_out_done stores buf. */
 static float *dsk__row_out(dsk_tensor *t, int64_t off, float *buf) { return t->dtype == DSK_F32 ? (float *)t->data + off : buf; }
 static void dsk__row_out_done(dsk_tensor *t, int64_t off, int64_t n, const float *buf) {
-    if (t->dtype != DSK_F32) dsk__store_row(t->data, t->dtype, off, buf, n);
+    if (t->dtype != DSK_F32) dsk_store_f32_n(t->data, t->dtype, off, buf, n);
 }
 /* The same for an output that accumulates (+=): buf starts as the current values. */
 static float *dsk__row_acc(dsk_tensor *t, int64_t off, int64_t n, float *buf) {
     if (t->dtype == DSK_F32) return (float *)t->data + off;
-    dsk__load_row(buf, t->data, t->dtype, off, n);
+    dsk_load_f32_n(buf, t->data, t->dtype, off, n);
     return buf;
 }
 /* Per-thread f32 scratch: n_threads blocks of `per` floats (thread t uses block t). */
@@ -4348,7 +4378,7 @@ DSK_API dsk_status dsk_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_ten
                         grad_mult, &o, bc1, bc2);
         dsk__row_out_done(m, off, len, mm);
         dsk__row_out_done(v, off, len, vv);
-        if (param_copy) dsk__store_row(param_copy->data, param_copy->dtype, off, p + off, len);
+        if (param_copy) dsk_store_f32_n(param_copy->data, param_copy->dtype, off, p + off, len);
     }
     return DSK_OK;
 }
