@@ -4855,8 +4855,9 @@ static dsk_status dsk__fp8_need_out(const char *fn, const dsk_tensor *C, const d
     return DSK_OK;
 }
 
-/* The CPU tiles: TM rows x TN columns, the columns the chunk dot's vector width. */
-#define DSK__FP8_TM 16
+/* The CPU tiles: TM rows x TN columns. B's chunk is decoded once per tile: the more rows share it,
+   the less decoding per product. */
+#define DSK__FP8_TM 64
 #define DSK__FP8_TN 64
 #if DSK__FP8_TN % DSK_FP8_DOT_W
 #error "dsk: the CPU FP8 tile must hold whole groups of DSK_FP8_DOT_W columns"
@@ -4882,36 +4883,75 @@ static void dsk__fp8_lut(float *lut, dsk_dtype dt) {
     for (int i = 0; i < 256; i++) lut[i] = dt == DSK_E4M3 ? dsk_e4m3_to_f32((uint8_t)i) : dsk_e5m2_to_f32((uint8_t)i);
 }
 
+#define DSK__FP8_ROWS 4 /* rows of a tile whose sums dsk__fp8_dot_rows keeps in registers at once */
+
+#if defined(__GNUC__) || defined(__clang__)
+typedef float dsk__f32x8 __attribute__((vector_size(32)));
+/* dsk_fp8_chunk_dot for DSK__FP8_ROWS rows of a (lda DSK_FP8_BLOCK) against b (ldb nj, ldj 1):
+   dot[r * nj + j], the same sums (one vector lane each, k ascending; the products of fp8 values
+   are exact, so a fused multiply-add changes nothing), with the 8 vectors of a group's sums in
+   registers: a row at a time the adds' latency would bound the loop. */
+static void dsk__fp8_dot_rows(float *dot, int nj, const float *a, const float *b, int n) {
+    const float *a0 = a, *a1 = a + DSK_FP8_BLOCK, *a2 = a + 2 * DSK_FP8_BLOCK, *a3 = a + 3 * DSK_FP8_BLOCK;
+    for (int j0 = 0; j0 < nj; j0 += DSK_FP8_DOT_W) { /* named sums: gcc keeps an array of them in memory */
+        dsk__f32x8 s00 = {0}, s01 = {0}, s10 = {0}, s11 = {0}, s20 = {0}, s21 = {0}, s30 = {0}, s31 = {0}, b0, b1;
+        for (int k = 0; k < n; k++) {
+            memcpy(&b0, b + k * nj + j0, sizeof b0);
+            memcpy(&b1, b + k * nj + j0 + 8, sizeof b1);
+            s00 += a0[k] * b0, s01 += a0[k] * b1, s10 += a1[k] * b0, s11 += a1[k] * b1;
+            s20 += a2[k] * b0, s21 += a2[k] * b1, s30 += a3[k] * b0, s31 += a3[k] * b1;
+        }
+        memcpy(dot + j0, &s00, 32), memcpy(dot + j0 + 8, &s01, 32);
+        memcpy(dot + nj + j0, &s10, 32), memcpy(dot + nj + j0 + 8, &s11, 32);
+        memcpy(dot + 2 * nj + j0, &s20, 32), memcpy(dot + 2 * nj + j0 + 8, &s21, 32);
+        memcpy(dot + 3 * nj + j0, &s30, 32), memcpy(dot + 3 * nj + j0 + 8, &s31, 32);
+    }
+}
+#else
+static void dsk__fp8_dot_rows(float *dot, int nj, const float *a, const float *b, int n) {
+    for (int r = 0; r < DSK__FP8_ROWS; r++) dsk_fp8_chunk_dot(dot + r * nj, nj, a + r * DSK_FP8_BLOCK, b, nj, 1, n);
+}
+#endif
+
 /* Rows [i0, i1) x columns [j0, j1) of segment g's product (of C[g] in the weights form, whose K
-   is the segment's); w: TM * 128 + 128 * TN + TM * TN floats. */
+   is the segment's); w: TM * 128 + 128 * TN + TM * TN floats. The columns are computed in whole
+   groups of DSK_FP8_DOT_W (zeros past j1), the rows DSK__FP8_ROWS at a time and the last ones alone. */
 static void dsk__fp8_tile(const dsk__fp8_args *p, int64_t g, int64_t i0, int64_t i1, int64_t j0, int64_t j1, float *w) {
     float *ad = w, *bd = ad + DSK__FP8_TM * DSK_FP8_BLOCK, *acc = bd + DSK_FP8_BLOCK * DSK__FP8_TN;
-    float dot[DSK__FP8_TN];
+    float dot[DSK__FP8_ROWS * DSK__FP8_TN], s_b[DSK__FP8_TN]; /* s_b: the chunk's scales of B's rows */
     const uint8_t *B = p->B + g * p->b_step;
     const float *sb = p->sb + g * p->sb_step;
     int64_t m = i1 - i0, nn = j1 - j0, klo = p->weights ? p->off[g] : 0, khi = p->weights ? p->off[g + 1] : p->K;
+    int nj = (int)((nn + DSK_FP8_DOT_W - 1) / DSK_FP8_DOT_W * DSK_FP8_DOT_W);
     for (int64_t e = 0; e < DSK__FP8_TM * DSK__FP8_TN; e++) acc[e] = 0.0f;
     for (int64_t c = klo / DSK_FP8_BLOCK; klo < khi && c * DSK_FP8_BLOCK < khi; c++) { /* chunks cut to [klo, khi) */
         int64_t k0 = c * DSK_FP8_BLOCK > klo ? c * DSK_FP8_BLOCK : klo;
         int n = (int)((c + 1) * DSK_FP8_BLOCK < khi ? (c + 1) * DSK_FP8_BLOCK - k0 : khi - k0);
         for (int64_t i = 0; i < m; i++)
             for (int k = 0; k < n; k++) ad[i * DSK_FP8_BLOCK + k] = p->lut_a[p->A[(i0 + i) * p->K + k0 + k]];
-        for (int64_t j = 0; j < DSK__FP8_TN; j++) /* B's rows as columns, zeros past the last */
-            for (int k = 0; k < n; k++) bd[k * DSK__FP8_TN + j] = j < nn ? p->lut_b[B[(j0 + j) * p->K + k0 + k]] : 0.0f;
-        for (int64_t i = 0; i < m; i++) {
-            float s_a = p->sa[((i0 + i) / p->a_rows) * p->kc + c];
-            dsk_fp8_chunk_dot(dot, DSK__FP8_TN, ad + i * DSK_FP8_BLOCK, bd, DSK__FP8_TN, 1, n);
-            for (int64_t j = 0; j < nn; j++)
-                acc[i * DSK__FP8_TN + j] =
-                    dsk_fp8_chunk_acc(acc[i * DSK__FP8_TN + j], dot[j], s_a, sb[((j0 + j) / p->b_rows) * p->kc + c]);
+        for (int64_t j = 0; j < nj; j++) /* B's rows as columns, zeros past the last */
+            for (int k = 0; k < n; k++) bd[k * nj + j] = j < nn ? p->lut_b[B[(j0 + j) * p->K + k0 + k]] : 0.0f;
+        for (int64_t j = 0; j < nn; j++) s_b[j] = sb[((j0 + j) / p->b_rows) * p->kc + c];
+        for (int64_t i = 0; i < m; i += DSK__FP8_ROWS) {
+            int rows = m - i < DSK__FP8_ROWS ? (int)(m - i) : DSK__FP8_ROWS;
+            if (rows == DSK__FP8_ROWS) dsk__fp8_dot_rows(dot, nj, ad + i * DSK_FP8_BLOCK, bd, n);
+            else
+                for (int r = 0; r < rows; r++)
+                    dsk_fp8_chunk_dot(dot + r * nj, nj, ad + (i + r) * DSK_FP8_BLOCK, bd, nj, 1, n);
+            for (int r = 0; r < rows; r++) {
+                float s_a = p->sa[((i0 + i + r) / p->a_rows) * p->kc + c], *row = acc + (i + r) * DSK__FP8_TN;
+                for (int64_t j = 0; j < nn; j++) row[j] = dsk_fp8_chunk_acc(row[j], dot[r * nj + j], s_a, s_b[j]);
+            }
         }
     }
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t j = 0; j < nn; j++) {
-            int64_t o = g * p->c_step + (i0 + i) * p->N + j0 + j;
-            float old = p->beta != 0.0f ? dsk_load_f32(p->C, p->c_dt, o) : 0.0f;
-            dsk_store_f32(p->C, p->c_dt, o, dsk_fp8_out(acc[i * DSK__FP8_TN + j], p->alpha, p->beta, old));
-        }
+    for (int64_t i = 0; i < m; i++) { /* C's rows, converted a row at a time (the old values into dot) */
+        int64_t o = g * p->c_step + (i0 + i) * p->N + j0;
+        float *row = acc + i * DSK__FP8_TN;
+        if (p->beta != 0.0f) dsk_load_f32_n(dot, p->C, p->c_dt, o, nn);
+        for (int64_t j = 0; j < nn; j++)
+            row[j] = dsk_fp8_out(row[j], p->alpha, p->beta, p->beta != 0.0f ? dot[j] : 0.0f);
+        dsk_store_f32_n(p->C, p->c_dt, o, row, nn);
+    }
 }
 
 /* Every segment's tiles on the ctx's threads; p->task0 is filled here. */

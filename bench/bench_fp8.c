@@ -7,8 +7,8 @@
    the weights; weights: the experts' weight gradients dy^T x over those rows).
    Each variant: one warm-up call, then `rounds` alternating blocks of `repeats` samples, median
    time per call. Prints GFLOP/s (2 M N K per product), the ratio fp8 / bf16, and the machine's
-   load average. The FP8 path is a reference (exact arithmetic in a fixed order: a chunk's dot
-   products in k order, vectorised across 64 columns), not a fast kernel.
+   load average. The FP8 path computes exact arithmetic in a fixed order (a chunk's dot products
+   in k order, 4 rows x 16 columns of them in vector registers), the bits the CUDA kernel gives.
    With --cuda (a CUDA build and device): the CUDA path instead, at DeepSeek-V3's expert shape
    (d_model 7168, expert hidden 2048): dsk_matmul_fp8 (bf16 out) against cublasGemmEx bf16 (f32
    accumulation, bf16 out) on 4096 rows, and dsk_matmul_fp8_grouped against dsk_matmul_grouped
