@@ -1624,6 +1624,24 @@ static int64_t dsk__offset(const dsk_tensor *t, int64_t lin) {
     return off;
 }
 
+/* The float dtypes whose values f32 holds exactly (f64 does not). */
+static int dsk__is_f32_exact(dsk_dtype dt) { return dt == DSK_F32 || dt == DSK_BF16 || dt == DSK_F16; }
+
+/* n contiguous elements between two of those dtypes, a piece at a time through f32: the values
+   the f64 cast engine gives (a NaN passes through f64 quietened, as x86 converts it). */
+static void dsk__convert_f32(void *dst, dsk_dtype ddt, const void *src, dsk_dtype sdt, int64_t n) {
+    float buf[256];
+    for (int64_t i = 0; i < n; i += 256) {
+        int64_t len = n - i < 256 ? n - i : 256;
+        dsk_load_f32_n(buf, src, sdt, i, len);
+        for (int64_t k = 0; k < len; k++) {
+            uint32_t u = dsk_f32_bits(buf[k]);
+            buf[k] = (u & 0x7fffffffu) > 0x7f800000u ? dsk_bits_f32(u | 0x00400000u) : buf[k];
+        }
+        dsk_store_f32_n(dst, ddt, i, buf, len);
+    }
+}
+
 static dsk_status dsk__copy_cpu(dsk_tensor *dst, const dsk_tensor *src) {
     int64_t n = dsk_tensor_numel(src);
     size_t es = dsk_dtype_size(src->dtype);
@@ -1646,6 +1664,11 @@ static dsk_status dsk__copy_cpu(dsk_tensor *dst, const dsk_tensor *src) {
     if (dst->dtype == src->dtype) {
         for (int64_t i = 0; i < n; i++)
             memcpy((char *)dst->data + (size_t)dsk__offset(dst, i) * es, (const char *)src->data + (size_t)dsk__offset(src, i) * es, es);
+        return DSK_OK;
+    }
+    if (dsk__is_f32_exact(src->dtype) && dsk__is_f32_exact(dst->dtype) && dsk_tensor_is_contiguous(dst) &&
+        dsk_tensor_is_contiguous(src)) {
+        dsk__convert_f32(dst->data, dst->dtype, src->data, src->dtype, n);
         return DSK_OK;
     }
     for (int64_t i = 0; i < n; i++)
@@ -2908,7 +2931,7 @@ DSK_API dsk_status dsk_matmul(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, 
             g.C = tmp; g.ldc = mc.cols;
             if (beta != 0.0f)
                 for (int64_t i = 0; i < mc.rows; i++)
-                    for (int64_t j = 0; j < mc.cols; j++) tmp[i * mc.cols + j] = dsk_load_f32(cdata, C->dtype, i * mc.ld + j);
+                    dsk_load_f32_n(tmp + i * mc.cols, cdata, C->dtype, i * mc.ld, mc.cols);
         } else {
             g.C = (float *)cdata; g.ldc = mc.ld;
         }
@@ -2916,7 +2939,7 @@ DSK_API dsk_status dsk_matmul(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, 
         if (s != DSK_OK) { if (tmp) DSK_FREE(tmp); return s; }
         if (tmp)
             for (int64_t i = 0; i < mc.rows; i++)
-                for (int64_t j = 0; j < mc.cols; j++) dsk_store_f32(cdata, C->dtype, i * mc.ld + j, tmp[i * mc.cols + j]);
+                dsk_store_f32_n(cdata, C->dtype, i * mc.ld, tmp + i * mc.cols, mc.cols);
     }
     if (tmp) DSK_FREE(tmp);
     return DSK_OK;
@@ -3729,8 +3752,7 @@ static dsk_status dsk__attention_check(const char *fn, const dsk_tensor *o, cons
 static const float *dsk__attn_in(const dsk_tensor *t, int64_t b, int64_t h, float *buf, int64_t *ld) {
     int64_t T = t->shape[1], H = t->shape[2], Dh = t->shape[3], base = (b * T * H + h) * Dh;
     if (t->dtype == DSK_F32) { *ld = H * Dh; return (const float *)t->data + base; }
-    for (int64_t i = 0; i < T; i++)
-        for (int64_t d = 0; d < Dh; d++) buf[i * Dh + d] = dsk_load_f32(t->data, t->dtype, base + i * H * Dh + d);
+    for (int64_t i = 0; i < T; i++) dsk_load_f32_n(buf + i * Dh, t->data, t->dtype, base + i * H * Dh, Dh);
     *ld = Dh;
     return buf;
 }
@@ -3808,8 +3830,7 @@ DSK_API dsk_status dsk_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *prob
             dsk__attn_gemm(&uk, i1 - i0, Dh, i1, 1.0f, P + i0 * T, T, 1, V, ldv, 0.0f, O + i0 * ldo, ldo, ws);
         }
         if (half)
-            for (int64_t i = 0; i < T; i++)
-                for (int64_t d = 0; d < Dh; d++) dsk_store_f32(out->data, out->dtype, base + i * H * Dh + d, O[i * Dh + d]);
+            for (int64_t i = 0; i < T; i++) dsk_store_f32_n(out->data, out->dtype, base + i * H * Dh, O + i * Dh, Dh);
     }
     DSK_FREE(scratch);
     return DSK_OK;
@@ -4034,8 +4055,7 @@ DSK_API dsk_status dsk_matmul_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk_ten
         if (!tmp)
             return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for an f32 copy of C (%lld elements)", fn,
                                  (long long)((last - first) * cols));
-        if (beta != 0.0f)
-            for (int64_t i = 0; i < (last - first) * cols; i++) tmp[i] = dsk_load_f32(C->data, C->dtype, first * cols + i);
+        if (beta != 0.0f) dsk_load_f32_n(tmp, C->data, C->dtype, first * cols, (last - first) * cols);
     }
     /* many small products run side by side, one thread each; a single one uses them all */
     nt = G > 1 ? 1 : dsk__threads(ctx);
@@ -4048,7 +4068,7 @@ DSK_API dsk_status dsk_matmul_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk_ten
                                             cols, &uk, nt) != DSK_OK;
     }
     if (tmp) {
-        for (int64_t i = 0; i < (last - first) * cols; i++) dsk_store_f32(C->data, C->dtype, first * cols + i, tmp[i]);
+        dsk_store_f32_n(C->data, C->dtype, first * cols, tmp, (last - first) * cols);
         DSK_FREE(tmp);
     }
     if (failed) return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for the GEMM packing buffers", fn);

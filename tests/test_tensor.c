@@ -749,6 +749,36 @@ static void test_copy_casts(dsk_dtype src_dt) {
     }
 }
 
+/* Contiguous copies between f32, bf16 and f16 (converted a piece at a time through f32) give the
+   bits of the element-wise cast engine, which a copy from a transposed view runs: on random bit
+   patterns, so values that round, subnormals, Inf and NaNs quiet and signalling, over pieces. */
+static void test_copy_float_pieces(void) {
+    static const dsk_dtype fl[3] = {DSK_F32, DSK_BF16, DSK_F16};
+    for (int a = 0; a < 3; a++)
+        for (int b = 0; b < 3; b++) {
+            dsk_tensor *src = tt_new(fl[a], 2, SH(23, 29)), *d1 = tt_new(fl[b], 2, SH(23, 29)), tr;
+            dsk_tensor *d2 = tt_new(fl[b], 2, SH(29, 23));
+            size_t es = dsk_dtype_size(fl[b]);
+            int64_t bad = 0, first = -1;
+            if (a == b) continue;
+            for (size_t i = 0; i < dsk_tensor_nbytes(src); i++)
+                ((uint8_t *)src->data)[i] = (uint8_t)dsk_test_rand_u64();
+            memset(d1->data, 0xA5, dsk_tensor_nbytes(d1));
+            memset(d2->data, 0x5A, dsk_tensor_nbytes(d2));
+            DSK_TEST_OK(dsk_tensor_transpose(src, 0, 1, &tr));
+            DSK_TEST_OK(dsk_tensor_copy(NULL, d1, src));
+            DSK_TEST_OK(dsk_tensor_copy(NULL, d2, &tr));
+            for (int64_t i = 0; i < 23; i++)
+                for (int64_t j = 0; j < 29; j++)
+                    if (memcmp((char *)d1->data + (i * 29 + j) * es, (char *)d2->data + (j * 23 + i) * es, es)) {
+                        bad++;
+                        first = first < 0 ? i * 29 + j : first;
+                    }
+            DSK_TEST_EXPECT(bad == 0, "%s -> %s: %lld of 667 elements differ from the element-wise cast (first %lld)",
+                            dsk_dtype_name(fl[a]), dsk_dtype_name(fl[b]), (long long)bad, (long long)first);
+        }
+}
+
 /* Same-dtype strided copies move bits: int64 beyond 2^53 and NaN payloads survive. */
 static void test_copy_strided_exact(void) {
     dsk_tensor *a = tt_new(DSK_I64, 2, SH(5, 3)), *b = tt_new(DSK_I64, 2, SH(3, 5)), *f = tt_new(DSK_F32, 2, SH(4, 2)),
@@ -3188,6 +3218,8 @@ int main(void) {
         TT_CASE("copy from %s to every dtype, contiguous and strided", dsk_dtype_name((dsk_dtype)d));
         test_copy_casts((dsk_dtype)d);
     }
+    TT_CASE("contiguous f32/bf16/f16 copies give the element-wise cast's bits (random bit patterns)");
+    test_copy_float_pieces();
     TT_CASE("strided same-dtype copy keeps int64 > 2^53 and NaN payloads"); test_copy_strided_exact();
     TT_CASE("same-dtype copy between column slices and from a broadcast view"); test_copy_rows();
     TT_CASE("copy rounding: f64 to bf16, u8, i32 (saturation, NaN)");
