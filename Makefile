@@ -97,7 +97,9 @@ endif
 .PHONY: all tests examples bench run test test-gpu lint sanitize tsan fuzz print-cuda clean
 all: tests examples
 
-tests: $(TESTS) $(GPU_TESTS) $(if $(filter 1,$(EMULATE)),$(EMU_TESTS) $(EMU_EXAMPLES))
+# The GPU tests as nvcc's build links them only in a CUDA build: built with CUDA=0 every case would
+# skip (the emulated builds in $(EMU) run them).
+tests: $(TESTS) $(if $(filter 1,$(CUDA)),$(GPU_TESTS)) $(if $(filter 1,$(EMULATE)),$(EMU_TESTS) $(EMU_EXAMPLES))
 examples: $(EXAMPLES)
 # Benchmarks whose peer is missing here are left out: bench_gemm without OpenBLAS (another
 # BLAS's cblas.h lacks openblas_*), mpi_allreduce without Open MPI's mpi.h. Probed when asked.
