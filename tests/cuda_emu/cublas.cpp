@@ -20,11 +20,6 @@ static uint32_t bits_of(float f) {
     memcpy(&u, &f, 4);
     return u;
 }
-static float float_of(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 unsigned short f32_to_bf16(float f) {
     uint32_t u = bits_of(f);
@@ -32,7 +27,6 @@ unsigned short f32_to_bf16(float f) {
     u += 0x7fffu + ((u >> 16) & 1u);
     return (unsigned short)(u >> 16);
 }
-float bf16_to_f32(unsigned short h) { return float_of((uint32_t)h << 16); }
 
 /* A float as a minifloat with `mbits` mantissa bits, exponent bias `bias` and largest finite
    magnitude code `maxcode` (sign not included): round to nearest even, NaN kept. `sat`

@@ -32,6 +32,7 @@
 #ifndef CUDA_EMU_EMU_H
 #define CUDA_EMU_EMU_H
 
+#include "cuda_bf16.h"
 #include "cuda_runtime.h"
 
 #include <atomic>
@@ -144,8 +145,7 @@ bool capture_forbids(const char *what);
 /* Round-to-nearest-even conversions, NaN kept a NaN; e4m3 saturates to +-448 (no infinity). */
 unsigned short f32_to_f16(float f);
 float f16_to_f32(unsigned short h);
-unsigned short f32_to_bf16(float f);
-float bf16_to_f32(unsigned short h);
+unsigned short f32_to_bf16(float f); /* bf16_to_f32: inline, include/cuda_bf16.h */
 unsigned char f32_to_e4m3(float f);
 float e4m3_to_f32(unsigned char b);
 unsigned char f32_to_e5m2(float f);

@@ -47,14 +47,14 @@ const char *op_name(int op) {
 
 int lane() { return linear_tid() % 32; }
 
-int element_index(int lane, int e) {
+const int16_t *element_indices() {
     std::call_once(g_map_once, make_map);
-    return g_index[lane * 8 + e];
+    return g_index;
 }
 
-int element_owner(int index) {
+const int16_t *element_owners() {
     std::call_once(g_map_once, make_map);
-    return g_owner[index];
+    return g_owner;
 }
 
 const lane_args *collective(const lane_args &mine, const char *name, size_t elem_bytes, const char *file, int line) {

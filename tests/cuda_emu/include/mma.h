@@ -40,9 +40,11 @@ const lane_args *collective(const lane_args &mine, const char *name, size_t elem
 void collective_end(const char *name, const char *file, int line);
 /* Lane of the calling thread in its warp. */
 int lane();
-/* Matrix position (row * 16 + col) of element e of lane l's fragment, and back. */
-int element_index(int lane, int e);
-int element_owner(int index); /* lane * 8 + e */
+/* The fragments' layout as tables (read once per call: an mma looks up 256 entries):
+   element_indices()[lane * 8 + e] is the matrix position (row * 16 + col) of element e of
+   lane's fragment, element_owners()[position] is lane * 8 + e back. */
+const int16_t *element_indices();
+const int16_t *element_owners();
 
 inline float to_f32(float x) { return x; }
 inline float to_f32(__half x) { return __half2float(x); }
@@ -92,9 +94,10 @@ template <class T> inline T &at(T *p, unsigned ldm, int layout, int r, int c) {
 template <class F, class T> inline void load(F &f, const T *p, unsigned ldm, int layout, int op, const char *name, const char *file, int line) {
     cuda_emu::wmma_impl::lane_args a = {op, p, ldm, layout, {nullptr, nullptr, nullptr}};
     int lane = cuda_emu::wmma_impl::lane();
+    const int16_t *index = cuda_emu::wmma_impl::element_indices() + lane * 8;
     cuda_emu::wmma_impl::collective(a, name, sizeof(T), file, line);
     for (int e = 0; e < 8; e++) {
-        int idx = cuda_emu::wmma_impl::element_index(lane, e);
+        int idx = index[e];
         f.x[e] = at(p, ldm, layout, idx / 16, idx % 16);
     }
 }
@@ -112,9 +115,10 @@ inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float> &f, const 
 inline void store_matrix_sync(float *p, const fragment<accumulator, 16, 16, 16, float> &f, unsigned ldm, layout_t layout, CUDA_EMU_SITE) {
     int lo = layout == mem_row_major ? 0 : 1, lane = cuda_emu::wmma_impl::lane();
     cuda_emu::wmma_impl::lane_args a = {cuda_emu::wmma_impl::OP_STORE, p, ldm, lo, {nullptr, nullptr, nullptr}};
+    const int16_t *index = cuda_emu::wmma_impl::element_indices() + lane * 8;
     cuda_emu::wmma_impl::collective(a, "wmma::store_matrix_sync", sizeof(float), CUDA_EMU_AT);
     for (int e = 0; e < 8; e++) {
-        int idx = cuda_emu::wmma_impl::element_index(lane, e);
+        int idx = index[e];
         detail::at(p, ldm, lo, idx / 16, idx % 16) = f.x[e];
     }
 }
@@ -130,11 +134,12 @@ inline void mma_sync(fragment<accumulator, 16, 16, 16, float> &d, const fragment
     float out[8];
     const lane_args *all = collective(mine, "wmma::mma_sync", sizeof(T), CUDA_EMU_AT);
     (void)satf;
+    const int16_t *index = element_indices() + lane * 8, *owner = element_owners();
     for (int e = 0; e < 8; e++) {
-        int idx = element_index(lane, e), r = idx / 16, col = idx % 16;
+        int idx = index[e], r = idx / 16, col = idx % 16;
         float s = c.x[e];
         for (int k = 0; k < 16; k++) {
-            int ia = element_owner(r * 16 + k), ib = element_owner(k * 16 + col);
+            int ia = owner[r * 16 + k], ib = owner[k * 16 + col];
             const T *fa = (const T *)all[ia / 8].frag[0], *fb = (const T *)all[ib / 8].frag[1];
             s += to_f32(fa[ia % 8]) * to_f32(fb[ib % 8]);
         }
