@@ -139,6 +139,25 @@ struct gemm {
 /* op(X) (rows x cols) element (r, c) of a column-major X with leading dimension ld. */
 size_t at_index(cublasOperation_t t, int r, int c, int ld) { return t == CUBLAS_OP_N ? (size_t)r + (size_t)c * ld : (size_t)c + (size_t)r * ld; }
 
+const int kRows = 4; /* rows of op(A) per pass over a row of op(B)^T */
+
+/* acc[i] = the k-ordered fmaf sum of a[i k + p] b[p] (rows at most kRows): rows in step, so the
+   sums' additions overlap; half_acc rounds each partial to f16 as CUBLAS_COMPUTE_16F does. */
+void dot_rows(float *acc, int rows, const float *a, const float *b, int k, bool half_acc) {
+    float s[kRows] = {0, 0, 0, 0};
+    if (rows == kRows && !half_acc) {
+        for (int p = 0; p < k; p++)
+            for (int i = 0; i < kRows; i++) s[i] = fmaf(a[(size_t)i * k + p], b[p], s[i]);
+    } else {
+        for (int i = 0; i < rows; i++)
+            for (int p = 0; p < k; p++) {
+                s[i] = fmaf(a[(size_t)i * k + p], b[p], s[i]);
+                if (half_acc) s[i] = f16_to_f32(f32_to_f16(s[i]));
+            }
+    }
+    for (int i = 0; i < rows; i++) acc[i] = s[i];
+}
+
 void run_gemm(const gemm &g) {
     double alpha = g.alpha, beta = g.beta;
     std::vector<float> a((size_t)g.m * g.k), b((size_t)g.n * g.k);
@@ -169,26 +188,28 @@ void run_gemm(const gemm &g) {
                 else b[(size_t)j * g.k + p] = (float)v;
             }
         for (int j = 0; j < g.n; j++)
-            for (int i = 0; i < g.m; i++) {
-                size_t ci = (size_t)i + (size_t)j * g.ldc;
-                double r;
+            for (int i0 = 0; i0 < g.m; i0 += kRows) {
+                int rows = g.m - i0 < kRows ? g.m - i0 : kRows;
+                double r[kRows];
                 if (g.f64) {
-                    double acc = 0;
-                    for (int p = 0; p < g.k; p++) acc = fma(a64[(size_t)i * g.k + p], b64[(size_t)j * g.k + p], acc);
-                    r = alpha * acc;
-                    if (beta != 0.0) r = fma(beta, load(C, g.ct, ci), r);
-                } else {
-                    float acc = 0, fr;
-                    const float *ar = a.data() + (size_t)i * g.k, *br = b.data() + (size_t)j * g.k;
-                    for (int p = 0; p < g.k; p++) {
-                        acc = fmaf(ar[p], br[p], acc);
-                        if (g.half_acc) acc = f16_to_f32(f32_to_f16(acc));
+                    for (int i = 0; i < rows; i++) {
+                        double acc = 0;
+                        for (int p = 0; p < g.k; p++)
+                            acc = fma(a64[(size_t)(i0 + i) * g.k + p], b64[(size_t)j * g.k + p], acc);
+                        r[i] = alpha * acc;
                     }
-                    fr = (float)alpha * acc;
-                    if (beta != 0.0) fr = fmaf((float)beta, (float)load(C, g.ct, ci), fr); /* beta 0: C is not read */
-                    r = fr;
+                } else {
+                    float acc[kRows];
+                    dot_rows(acc, rows, a.data() + (size_t)i0 * g.k, b.data() + (size_t)j * g.k, g.k, g.half_acc);
+                    for (int i = 0; i < rows; i++) r[i] = (float)alpha * acc[i];
                 }
-                store(C, g.ct, ci, r);
+                for (int i = 0; i < rows; i++) {
+                    size_t ci = (size_t)(i0 + i) + (size_t)j * g.ldc;
+                    if (beta != 0.0) /* beta 0: C is not read */
+                        r[i] = g.f64 ? fma(beta, load(C, g.ct, ci), r[i])
+                                     : fmaf((float)beta, (float)load(C, g.ct, ci), (float)r[i]);
+                    store(C, g.ct, ci, r[i]);
+                }
             }
     }
 }
