@@ -43,7 +43,7 @@ compare() {
         bad "$what" "exit $(rc "$a")/$(rc "$b")" "$(tail -3 "$work/$b.out")"
         return
     fi
-    verdict=$($PY - "$work/$a.jsonl" "$work/$b.jsonl" "$4" "$5" <<'EOF'
+    verdict=$($PYS - "$work/$a.jsonl" "$work/$b.jsonl" "$4" "$5" <<'EOF'
 import json, sys
 def read(p):
     rows = [json.loads(l) for l in open(p)]
@@ -65,7 +65,7 @@ EOF
 # bounds A B: max(1%, twice B's distance from A) for the loss smoothed over the last 50 steps and
 # max(0.25%, twice that distance) for the last validation loss (A the f32 run, B bf16's)
 bounds() {
-    $PY - "$work/$1.jsonl" "$work/$2.jsonl" <<'EOF' 2>/dev/null
+    $PYS - "$work/$1.jsonl" "$work/$2.jsonl" <<'EOF' 2>/dev/null
 import json, sys
 def read(p):
     rows = [json.loads(l) for l in open(p)]
@@ -122,7 +122,7 @@ MLA = [(Q, D), (H * (dn + dr), Q), (RK, D), (dr, D), (H * (dn + dv), RK), (D, H 
 EOF
 )
 # mem_want PYTHON: MEMPY, then the lines that print the bytes
-mem_want() { printf '%s\n%s\n' "$MEMPY" "$1" | $PY -; }
+mem_want() { printf '%s\n%s\n' "$MEMPY" "$1" | $PYS -; }
 # mem_check WHAT A B WANT: run A's activation bytes less run B's equal WANT
 mem_check() {
     local a b
@@ -219,7 +219,7 @@ compare "$what" par_bf16 par_fp8 "${p_smooth:-0}" "${p_val:-0}"
 
 # steps NAME: every step's logged loss and gradient norm, one line per step
 steps() {
-    $PY - "$work/$1.jsonl" <<'EOF'
+    $PYS - "$work/$1.jsonl" <<'EOF'
 import json, sys
 for r in map(json.loads, open(sys.argv[1])):
     if r["type"] == "step": print("step", r["step"], repr(r["loss"]), repr(r["grad_norm"]))
@@ -264,7 +264,7 @@ layout_vs_one() {
     run "${tag}_f1" "${TINY[@]}" "$@" --dtype fp8 "${rep[@]}"
     run "${tag}_bt" "${TINY[@]}" "$@" "${PAR[@]}" --dtype bf16 "${rep[@]}"
     run "${tag}_ft" "${TINY[@]}" "$@" "${PAR[@]}" --dtype fp8 "${rep[@]}"
-    verdict=$($PY - "$work/${tag}"_{b1,f1,bt,ft}.jsonl <<'EOF'
+    verdict=$($PYS - "$work/${tag}"_{b1,f1,bt,ft}.jsonl <<'EOF'
 import json, sys
 def rows(p):
     return [(r["loss"], r["grad_norm"]) for r in map(json.loads, open(p)) if r["type"] == "step"]
@@ -291,7 +291,7 @@ layout_vs_one r "$what plus bf16's layout distance"
 # MLA and --mtp 1 (MLA's wo input quantised again in backward from the recomputed core's output)
 # all_fields NAME: every logged number of a run, one line per record
 all_fields() {
-    $PY - "$work/$1.jsonl" <<'PYEOF'
+    $PYS - "$work/$1.jsonl" <<'PYEOF'
 import json, sys
 for r in map(json.loads, open(sys.argv[1])):
     if r["type"] == "step": print("step", r["step"], repr(r["loss"]), repr(r["grad_norm"]))
@@ -364,7 +364,7 @@ layout_vs_one mtp1 "$what distance plus bf16's layout distance" --mtp 1
 # here: fp8 measured 0.48% from bf16 at worst, bf16 0.37% from f32), and not bf16's bits. Then as
 # tp2 x pp2 x ZeRO-1 against one rank as in 4 (c) (recomputation: section 5; pp2: 4 (b))
 for dt in f32 bf16 fp8; do run "mla_$dt" "${TINY[@]}" "${MLA[@]}" --mtp 1 --dtype $dt --steps 5 --val-interval 5; done
-verdict=$($PY - "$work"/mla_{f32,bf16,fp8}.jsonl <<'EOF'
+verdict=$($PYS - "$work"/mla_{f32,bf16,fp8}.jsonl <<'EOF'
 import json, math, sys
 def rows(p):
     return [(r["loss"], r["grad_norm"]) for r in map(json.loads, open(p)) if r["type"] == "step"]

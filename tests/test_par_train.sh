@@ -58,7 +58,7 @@ rc() { cat "$work/$1.rc"; }
 # worst relative difference of the common steps' losses and validation losses (at least $3
 # of them), or an error
 compare_losses() {
-    $PY - "$work/$1.jsonl" "$work/$2.jsonl" "$3" <<'EOF'
+    $PYS - "$work/$1.jsonl" "$work/$2.jsonl" "$3" <<'EOF'
 import json, sys
 def rows(p): # the loss of every step and every validation
     return {(r["type"], r["step"]): r["loss" if r["type"] == "step" else "val_loss"] for r in map(json.loads, open(p))}
@@ -69,7 +69,7 @@ if len(common) < int(sys.argv[3]) or any(a[k] is None or b[k] is None for k in c
 print("%.3g" % max(abs(a[k] - b[k]) / abs(a[k]) for k in common))
 EOF
 }
-within() { $PY -c "import sys; sys.exit(0 if float('$1') <= $2 else 1)" 2>/dev/null; }
+within() { $PYS -c "import sys; sys.exit(0 if float('$1') <= $2 else 1)" 2>/dev/null; }
 
 # ---- 1. layouts against one rank: loss every step, weights and moments at the end
 REC=(--routing-replay "$work/routes.bin")
@@ -131,7 +131,7 @@ fi
 # so in bf16 and in fp16 (its MoE layers in f32, dynamic loss scaling) every logged number
 # equals one rank's bit for bit: loss, gradient norm, loss scale, skip flag, validation loss.
 fields() { # the logged numbers of a run, one line per record
-    $PY - "$work/$1.jsonl" <<'PYEOF'
+    $PYS - "$work/$1.jsonl" <<'PYEOF'
 import json, sys
 for r in map(json.loads, open(sys.argv[1])):
     if r["type"] == "step":
@@ -192,7 +192,7 @@ done
 run one_f32b "${TINY[@]}" --steps 30 --log "$work/one_f32b.jsonl" --ckpt-dir "$work/ck_one_f32b" \
     --routing-replay "$work/routes_bf16.bin"
 loss_rms() { # RMS of the relative difference of the common logged losses (at least $3), or an error
-    $PY - "$work/$1.jsonl" "$work/$2.jsonl" "$3" <<'EOF'
+    $PYS - "$work/$1.jsonl" "$work/$2.jsonl" "$3" <<'EOF'
 import json, math, sys
 def rows(p):
     return {(r["type"], r["step"]): r["loss" if r["type"] == "step" else "val_loss"] for r in map(json.loads, open(p))}
@@ -205,8 +205,8 @@ EOF
 }
 d_loss=$( [ "$(rc one_bf16)" -eq 0 ] && [ "$(rc one_f32b)" -eq 0 ] && loss_rms one_bf16 one_f32b 33)
 read -r _ _ d_w _ < <($PY tests/par_ckpt_compare.py "$work/ck_one_bf16" "$work/ck_one_f32b" 2>&1)
-bound_loss=$($PY -c "print('%.3g' % (2 * float('$d_loss')))" 2>/dev/null)
-bound_w=$($PY -c "print('%.3g' % (2 * float('${d_w:-x}')))" 2>/dev/null)
+bound_loss=$($PYS -c "print('%.3g' % (2 * float('$d_loss')))" 2>/dev/null)
+bound_w=$($PYS -c "print('%.3g' % (2 * float('${d_w:-x}')))" 2>/dev/null)
 BF_LAYOUTS=(
     "tp2pp2_bf16|4|--tp 2 --pp 2 --micro-batches 2"
     "pp2il_bf16|2|--pp 2 --pp-schedule interleaved --virtual-stages 2 --micro-batches 4"
@@ -316,8 +316,8 @@ if [ "$(rc mla1_bf16)" -ne 0 ] || [ "$(rc mla1_f32b)" -ne 0 ] || [ "$(rc mla4_bf
 else
     d_loss=$(loss_rms mla1_bf16 mla1_f32b 11)
     read -r _ _ d_w _ < <($PY tests/par_ckpt_compare.py "$work/ck_mla1_bf16" "$work/ck_mla1_f32b" 2>&1)
-    b_loss=$($PY -c "print('%.3g' % (2 * float('$d_loss')))" 2>/dev/null)
-    b_w=$($PY -c "print('%.3g' % (2 * float('${d_w:-x}')))" 2>/dev/null)
+    b_loss=$($PYS -c "print('%.3g' % (2 * float('$d_loss')))" 2>/dev/null)
+    b_w=$($PYS -c "print('%.3g' % (2 * float('${d_w:-x}')))" 2>/dev/null)
     loss=$(loss_rms mla1_bf16 mla4_bf16 11)
     read -r _ _ pl2 pl2_at _ < <($PY tests/par_ckpt_compare.py "$work/ck_mla1_bf16" "$work/ck_mla4_bf16" 2>&1)
     if [ -n "$b_loss" ] && [ -n "$b_w" ] && within "$loss" "$b_loss" && within "${pl2:-x}" "$b_w"; then
@@ -387,7 +387,7 @@ what="--dtype fp16 as $flags: an overflowing step is skipped on every rank and t
 if [ "$(rc $sk)" -ne 0 ]; then
     bad "$what" "exit $(rc $sk)" "$(grep -E 'rank|error' "$work/$sk.out" | tail -3)"
 else
-    read -r verdict k n_skip last_scale <<<"$($PY - "$work/$sk.jsonl" <<'EOF'
+    read -r verdict k n_skip last_scale <<<"$($PYS - "$work/$sk.jsonl" <<'EOF'
 import json, sys
 r = [x for x in map(json.loads, open(sys.argv[1])) if x["type"] == "step"]
 good = len(r) == 8 and any(x["skipped"] for x in r) and not all(x["skipped"] for x in r)
@@ -449,7 +449,7 @@ resume_case() { # SRC_NAME SRC_N SRC_FLAGS DST_NAME DST_N DST_FLAGS
     local loss pmax pl2 pl2_at first_step
     loss=$(compare_losses "straight_$sname" "res_$dname" 15)
     read -r pmax _ pl2 pl2_at _ < <($PY tests/par_ckpt_compare.py "$work/ck_s_$sname" "$work/ck_$dname.r" 2>&1)
-    first_step=$($PY -c "import json; print(min(r['step'] for r in map(json.loads, open('$work/res_$dname.jsonl')) if r['type'] == 'step'))" 2>&1)
+    first_step=$($PYS -c "import json; print(min(r['step'] for r in map(json.loads, open('$work/res_$dname.jsonl')) if r['type'] == 'step'))" 2>&1)
     if [ "$first_step" = 16 ] && grep -q "resume: step 15 " "$work/res_$dname.out" && within "$loss" 1e-5 &&
        within "${pl2:-x}" 1e-5; then
         ok "$what (loss $loss; parameters: L2 $pl2, largest element $pmax)"
@@ -498,7 +498,7 @@ else
         --log "$work/emub4.jsonl" --routing-replay "$work/emub_routes.bin" >"$work/emub4.out" 2>&1; e4=$?
     d=$( [ $e1 -eq 0 ] && [ $ef -eq 0 ] && loss_rms emub1 emubf 6)
     loss=$( [ $e1 -eq 0 ] && [ $e4 -eq 0 ] && loss_rms emub1 emub4 6)
-    bound=$($PY -c "print('%.3g' % (2 * float('$d')))" 2>/dev/null)
+    bound=$($PYS -c "print('%.3g' % (2 * float('$d')))" 2>/dev/null)
     what="tp2 x pp2 in bf16 on the emulated GPU matches one emulated GPU in bf16 over 6 steps"
     what="$what within twice its distance from f32"
     if [ -n "$bound" ] && within "$loss" "$bound" &&
@@ -532,7 +532,7 @@ fi
 LOSSES=(--aux-loss 0.01 --seq-aux-loss 0.01 --z-loss 0.001)
 run obj1 "${TINY[@]}" "${LOSSES[@]}" --steps 10 --log "$work/obj1.jsonl" --routing-record "$work/obj_routes.bin"
 compare_aux() { # A B: worst relative difference of the steps' aux losses, or an error
-    $PY - "$work/$1.jsonl" "$work/$2.jsonl" <<'EOF'
+    $PYS - "$work/$1.jsonl" "$work/$2.jsonl" <<'EOF'
 import json, sys
 def aux(p): return {r["step"]: r["aux_loss"] for r in map(json.loads, open(p)) if r["type"] == "step"}
 a, b = aux(sys.argv[1]), aux(sys.argv[2])
@@ -641,7 +641,7 @@ for spec in "pp2dp2|4|--pp 2 --micro-batches 2|2|2" "tp2pp2dp2|8|--tp 2 --pp 2 -
     run "mem0_$name" "${TINY[@]}" --steps 1 --nproc "$n" $flags --zero 0
     # shellcheck disable=SC2086
     run "mem1_$name" "${TINY[@]}" --steps 1 --nproc "$n" $flags --zero 1
-    verdict=$($PY - "$work/mem0_$name.out" "$work/mem1_$name.out" "$n" "$dp" "$nmax" <<'EOF'
+    verdict=$($PYS - "$work/mem0_$name.out" "$work/mem1_$name.out" "$n" "$dp" "$nmax" <<'EOF'
 import re, sys
 def opt(p):
     return {int(r): int(v) for r, v in re.findall(r"memory bytes, rank (\d+): .*optimizer state (\d+),", open(p).read())}
