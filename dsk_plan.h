@@ -31,8 +31,9 @@
      not counted: at scale it is hundreds of GB per layer and no layout with expert parallelism
      would fit, while real routing (balanced by the expert bias) stays near the reserved rows.
    - The step time is a model: compute = the job's FLOPs (flops_per_token x tokens, plus the
-     forward recomputation reruns) over world x peak x efficiency, stretched by the schedule's
-     bubble (dsk_par_bubble_fraction); each collective's bytes over the link it crosses (ring
+     forward recomputation reruns) over world x peak x efficiency, plus the schedule's bubble,
+     dsk_par_bubble_fraction x compute (in units of the ideal compute); each collective's bytes
+     over the link it crosses (ring
      all-reduce 2 (n-1)/n, reduce-scatter, all-gather and all-to-all (n-1)/n of the message per
      rank; intra-node when the group fits in a node, else the inter-node bandwidth) plus a
      latency per message; tensor-parallel (the busiest stage's collectives by kind and their
@@ -476,11 +477,9 @@ DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster
     if (l->fp8) /* the FP8 GEMMs' share (a full recomputation reruns their forward) at the fp8 peak */
         r->compute_s -= tokens * m->fp8_flops_per_token * (l->recompute == DSK_PLAN_RECOMPUTE_FULL ? 4.0 / 3 : 1) *
                         (1 - c->bf16_tflops / c->fp8_tflops) / (world * peak);
+    /* the bubble in units of the ideal (bubble-free) compute time: (p - 1) / m, (p - 1) / (v m) */
     b = l->pp > 1 ? dsk_par_bubble_fraction(l->schedule, l->pp, l->micro, l->vstages) : 0;
-    if (b < 0 || b >= 1)
-        return dsk_set_error(DSK_ERR_ARG, "dsk_plan_time: no bubble fraction for pp %d, m %d, v %d", l->pp, l->micro,
-                             l->vstages);
-    r->bubble_s = r->compute_s * b / (1 - b);
+    r->bubble_s = r->compute_s * b;
     r->tp_s = l->tp > 1
                   ? dsk__plan_link(c, l->tp,
                                    (tpn - 1) / tpn * (2 * r->tp.all_reduce + r->tp.all_gather + r->tp.reduce_scatter),

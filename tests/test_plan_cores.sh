@@ -7,8 +7,8 @@
 #      the one-device-per-rank step (compute + bubble + exposed comm + optimizer), shared cores 0.
 #   2. 4 ranks on 2 cores, data parallel (no bubble): work-bound, the step is
 #      4 (compute + every collective's time, hidden under backward or not, + optimizer) / 2.
-#   3. 4 ranks on 3 cores: pp2 1F1B with 8 micro-batches (bubble 1/9) is work-bound as well;
-#      with 2 micro-batches (bubble 1/3) the critical path is the longer: the step is the
+#   3. 4 ranks on 3 cores: pp2 1F1B with 8 micro-batches (bubble 1/8 of the compute) is work-bound as well;
+#      with 2 micro-batches (bubble 1/2) the critical path is the longer: the step is the
 #      one-device-per-rank step, shared cores 0.
 #   4. Bad input: "cores_per_node" -1, 2.5 or "two" fails naming the field.
 #   5. The optimizer step's bytes per element it updates: f32 weights 32 (the gradient read twice,
@@ -17,6 +17,8 @@
 #      written) and 26 with bf16 moments; a bf16 model keeps some objects in f32, so their elements and
 #      the bf16 ones are solved from the optimizer state with f32 and with bf16 moments (ZeRO 1-2).
 #      The optimizer's time is those bytes at memory_gbps; without the field it is 0.
+#   6. The bubble in units of the ideal compute: compute x (p - 1) / m (GPipe, 1F1B), x (p - 1) / (v m)
+#      (interleaved), with fewer micro-batches than stages too.
 # Runs no training (each case is one dsk_plan call): seconds. The measured ranking is
 # bench/plan_rank.sh (not here: a loaded machine moves the measured order).
 # Prints `[test_plan_cores] totals: P passed / F failed / S skipped`.
@@ -89,8 +91,8 @@ for l in "--zero 0" "--zero 3" "--tp 4" "--ep 2 --zero 1"; do
     # shellcheck disable=SC2086
     expect two 2 "4 ranks on 2 cores, $l: work-bound, 4 (compute + all comm) / 2" $l
 done
-expect three 3 "4 ranks on 3 cores, pp2 1F1B m8: work-bound (bubble 1/9 given away)" --pp 2 --micro-batches 8
-expect three 3 "4 ranks on 3 cores, pp2 1F1B m2: path-bound (bubble 1/3), the one-device-per-rank step" --pp 2 \
+expect three 3 "4 ranks on 3 cores, pp2 1F1B m8: work-bound (bubble 1/8 given away)" --pp 2 --micro-batches 8
+expect three 3 "4 ranks on 3 cores, pp2 1F1B m2: path-bound (bubble 1/2), the one-device-per-rank step" --pp 2 \
     --micro-batches 2
 p3=$(parts three --pp 2 --micro-batches 8 | cut -d' ' -f10)
 p2=$(parts three --pp 2 --micro-batches 2 | cut -d' ' -f10)
@@ -99,6 +101,18 @@ if "$PY" -c "import sys; sys.exit(not (float('$p3') > 0 and float('$p2') == 0))"
 else
     bad "both bounds reached" "shared cores at m8 '$p3' (want > 0), at m2 '$p2' (want 0)"
 fi
+
+# 6. the bubble (REFERENCE.md: Megatron's (p - 1) / m is in units of the ideal, bubble-free compute)
+for l in "2 4 1f1b 1" "4 4 1f1b 1" "4 1 1f1b 1" "4 2 gpipe 1" "2 4 interleaved 2"; do
+    read -r pp m sched v <<<"$l"
+    read -r _ comp bub _ <<<"$(parts none --pp "$pp" --micro-batches "$m" --pp-schedule "$sched" --virtual-stages "$v")"
+    want=$("$PY" -c "print(f'{${comp:-0} * ($pp - 1) / ($m * $v):.6f}')")
+    if [ -n "${bub:-}" ] && "$PY" -c "import sys; sys.exit(abs($bub - $want) > 2e-6)"; then
+        ok "bubble: pp$pp m$m $sched v$v: $bub s = compute $comp x ($pp - 1) / ($m x $v)"
+    else
+        bad "bubble: pp$pp m$m $sched v$v" "bubble '${bub:-}' s, want $want (compute '${comp:-}')"
+    fi
+done
 
 # 5. the optimizer step
 for l in "--zero 0" "--zero 1" "--zero 2" "--zero 3" "--tp 2"; do
