@@ -160,6 +160,12 @@ typedef struct dsk_plan_tp {
     double all_reduce, all_gather, reduce_scatter, calls;
 } dsk_plan_tp;
 
+/* Training FLOPs per token (forward and backward, the trainer's count): all of them, and of them the
+   attention cores' (what recompute attn reruns) and the GEMMs' an FP8 layout runs in FP8. */
+typedef struct dsk_plan_flops {
+    double total, attn, fp8;
+} dsk_plan_flops;
+
 typedef struct dsk_plan_job {
     int64_t sequences; /* global batch per step */
     int64_t seq;       /* tokens per sequence */
@@ -178,10 +184,12 @@ typedef struct dsk_plan_model {
        gradient reductions and weight gathers hand over per step (the messages, dsk_zero_plan's);
        *reduce_all: 1 when the reductions are all-reduces (ZeRO 0-1), 0 reduce-scatters;
        *send_bytes: what its pipeline sends (activations and gradients) hand over per step;
-       *tp: its tensor-parallel collectives per step (zero without tensor parallelism) */
+       *tp: its tensor-parallel collectives per step (zero without tensor parallelism);
+       *flops: the FLOPs per token of the stage's layers (all its chunks; the first's embedding, the
+       last's head and MTP modules), all its tp ranks together (left zero: the model's over pp) */
     dsk_status (*memory)(void *user, const dsk_plan_layout *l, const dsk_plan_job *job, int stage, dsk_plan_memory *mem,
                          double *reduce_bytes, double *gather_bytes, int *reduce_all, double *send_bytes,
-                         dsk_plan_tp *tp);
+                         dsk_plan_tp *tp, dsk_plan_flops *flops);
     void *user;
 } dsk_plan_model;
 
@@ -201,6 +209,7 @@ typedef struct dsk_plan_result {
     int fits;
     double pp_bytes; /* the busiest stage's pipeline sends per step (the callback's send_bytes) */
     dsk_plan_tp tp;  /* the busiest stage's tensor-parallel collectives per step (the callback's tp) */
+    dsk_plan_flops stage_flops; /* the stage with the most FLOPs per token (the callback's flops; pp > 1) */
     /* seconds per step: compute (with recomputation), the bubble, the exposed communication */
     double step_s, compute_s, bubble_s, tp_s, ep_s, pp_s, zero_s, zero_exposed_s;
     double opt_s;   /* the optimizer step (mem.optimizer_step at cluster.memory_gbps; 0 without it) */
@@ -450,33 +459,46 @@ static double dsk__plan_link(const dsk_plan_cluster *c, int span, double bytes, 
    Each rank's busy work W is its compute and its communication: on the host backend every byte is
    copied by the ranks' CPUs (into the shared-memory ring and out, the reduction's fold, the system
    calls that wake a sleeper), so all of it is CPU work, hidden under backward or not. The node's
-   cores run the R ranks' R W (the node's ranks taken alike, the modelled rank's W for each) at most
-   `cores` at a time: step >= R W / cores. And no rank ends before its own chain of dependences,
-   the one-device-per-rank step: step >= that. The step is the larger bound (work-bound when the cores
-   never idle, path-bound when they do); r->cores_s is what it adds to the one-device-per-rank step. */
-static void dsk__plan_shared_cores(const dsk_plan_cluster *c, int world, dsk_plan_result *r) {
+   cores run the R ranks' R W (the node's ranks taken alike, the modelled rank's W for each, its
+   compute the stages' mean `compute_s`) at most `cores` at a time: step >= R W / cores. And no rank
+   ends before its own chain of dependences, the one-device-per-rank step: step >= that. The step is
+   the larger bound (work-bound when the cores never idle, path-bound when they do); r->cores_s is what
+   it adds to the one-device-per-rank step. */
+static void dsk__plan_shared_cores(const dsk_plan_cluster *c, int world, double compute_s, dsk_plan_result *r) {
     int ranks = world < c->gpus_per_node ? world : c->gpus_per_node;
-    double work = ranks * (r->compute_s + r->tp_s + r->ep_s + r->pp_s + r->zero_s + r->opt_s);
+    double work = ranks * (compute_s + r->tp_s + r->ep_s + r->pp_s + r->zero_s + r->opt_s);
     r->cores_s = 0;
     if (c->cores_per_node > 0 && ranks > c->cores_per_node && work / c->cores_per_node > r->step_s)
         r->cores_s = work / c->cores_per_node - r->step_s;
     r->step_s += r->cores_s;
 }
 
+/* Seconds of `share` ranks computing f's FLOPs for the job's tokens (with l's recomputation; FP8's GEMMs at the
+   fp8 peak). */
+static double dsk__plan_compute_s(const dsk_plan_cluster *c, const dsk_plan_job *job, const dsk_plan_layout *l,
+                                  const dsk_plan_flops *f, int share) {
+    double tokens = (double)job->sequences * (double)job->seq, peak = 1e12 * c->bf16_tflops * c->efficiency;
+    double flops = f->total, s;
+    if (l->recompute == DSK_PLAN_RECOMPUTE_FULL) flops += f->total / 3;
+    if (l->recompute == DSK_PLAN_RECOMPUTE_ATTN) flops += f->attn / 3;
+    s = tokens * flops / (share * peak);
+    if (l->fp8) /* the FP8 GEMMs' share (a full recomputation reruns their forward) at the fp8 peak */
+        s -= tokens * f->fp8 * (l->recompute == DSK_PLAN_RECOMPUTE_FULL ? 4.0 / 3 : 1) *
+             (1 - c->bf16_tflops / c->fp8_tflops) / (share * peak);
+    return s;
+}
+
 DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
                                  double reduce_bytes, double gather_bytes, int reduce_all, dsk_plan_result *r) {
     const dsk_plan_layout *l = &r->layout;
     int world = l->tp * l->pp * l->dp, moe = m->moe_layers;
-    double tokens = (double)job->sequences * (double)job->seq, peak = 1e12 * c->bf16_tflops * c->efficiency;
-    double flops = m->flops_per_token, fwd = m->flops_per_token / 3, b;
+    dsk_plan_flops model = {m->flops_per_token, m->attn_flops_per_token, m->fp8_flops_per_token};
+    double mean_s = dsk__plan_compute_s(c, job, l, &model, world), b;                   /* the stages' mean */
     double Nm = (double)job->seq * (double)job->sequences / (l->dp * (double)l->micro); /* tokens per micro-batch */
     double a = m->act_bytes, dpn = l->dp, tpn = l->tp;
-    if (l->recompute == DSK_PLAN_RECOMPUTE_FULL) flops += fwd;
-    if (l->recompute == DSK_PLAN_RECOMPUTE_ATTN) flops += m->attn_flops_per_token / 3;
-    r->compute_s = tokens * flops / (world * peak);
-    if (l->fp8) /* the FP8 GEMMs' share (a full recomputation reruns their forward) at the fp8 peak */
-        r->compute_s -= tokens * m->fp8_flops_per_token * (l->recompute == DSK_PLAN_RECOMPUTE_FULL ? 4.0 / 3 : 1) *
-                        (1 - c->bf16_tflops / c->fp8_tflops) / (world * peak);
+    /* a pipeline keeps its busiest stage's pace */
+    r->compute_s =
+        l->pp > 1 && r->stage_flops.total > 0 ? dsk__plan_compute_s(c, job, l, &r->stage_flops, l->tp * l->dp) : mean_s;
     /* the bubble in units of the ideal (bubble-free) compute time: (p - 1) / m, (p - 1) / (v m) */
     b = l->pp > 1 ? dsk_par_bubble_fraction(l->schedule, l->pp, l->micro, l->vstages) : 0;
     r->bubble_s = r->compute_s * b;
@@ -502,7 +524,7 @@ DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster
     /* AdamW after the reductions: memory-bound, nothing beside it */
     r->opt_s = c->memory_gbps > 0 ? (double)r->mem.optimizer_step / (1e9 * c->memory_gbps) : 0;
     r->step_s = r->compute_s + r->bubble_s + r->tp_s + r->ep_s + r->pp_s + r->zero_exposed_s + r->opt_s;
-    dsk__plan_shared_cores(c, world, r);
+    dsk__plan_shared_cores(c, world, mean_s, r);
     return DSK_OK;
 }
 
@@ -538,16 +560,20 @@ static dsk_status dsk__plan_eval(const dsk_plan_model *m, const dsk_plan_cluster
     r->total = -1;
     r->pp_bytes = 0;
     memset(&r->tp, 0, sizeof r->tp);
+    memset(&r->stage_flops, 0, sizeof r->stage_flops);
     for (int s = 0; s < r->layout.pp; s++) {
         dsk_plan_memory mem;
         dsk_plan_tp tp;
+        dsk_plan_flops fl;
         double rb = 0, gb = 0, sb = 0;
         int ra = 1;
         int64_t tot;
         memset(&mem, 0, sizeof mem);
         memset(&tp, 0, sizeof tp);
-        DSK__TRY(m->memory(m->user, &r->layout, job, s, &mem, &rb, &gb, &ra, &sb, &tp));
+        memset(&fl, 0, sizeof fl);
+        DSK__TRY(m->memory(m->user, &r->layout, job, s, &mem, &rb, &gb, &ra, &sb, &tp, &fl));
         if (sb > r->pp_bytes) r->pp_bytes = sb;
+        if (fl.total > r->stage_flops.total) r->stage_flops = fl;
         if (dsk__plan_tp_total(&tp) > dsk__plan_tp_total(&r->tp)) r->tp = tp;
         tot = mem.params + mem.grads + mem.optimizer + mem.comm + mem.activations;
         if (tot > r->total) {
@@ -616,9 +642,14 @@ static int dsk__plan_cmp(const void *a, const void *b) {
 
 /* Why r lost to the best: does not fit, or the part of its step that grew most. */
 static void dsk__plan_why(const dsk_plan_result *best, dsk_plan_result *r, const dsk_plan_cluster *c) {
-    const char *names[8] = {
-        "compute (recomputation)", "pipeline bubble",       "tensor-parallel comm", "expert-parallel comm",
-        "pipeline sends",          "exposed gradient comm", "shared cores",         "optimizer step"};
+    const char *names[8] = {"compute (recomputation, busiest stage)",
+                            "pipeline bubble",
+                            "tensor-parallel comm",
+                            "expert-parallel comm",
+                            "pipeline sends",
+                            "exposed gradient comm",
+                            "shared cores",
+                            "optimizer step"};
     double d[8] = {r->compute_s - best->compute_s, r->bubble_s - best->bubble_s,
                    r->tp_s - best->tp_s,           r->ep_s - best->ep_s,
                    r->pp_s - best->pp_s,           r->zero_exposed_s - best->zero_exposed_s,

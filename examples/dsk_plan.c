@@ -29,6 +29,7 @@ typedef struct plan_entry {
     dsk_plan_memory mem[TPL_VARIANTS];
     double reduce[TPL_VARIANTS], gather[TPL_VARIANTS], send, ep[2], tp[TP_TRAFFIC];
     int all[TPL_VARIANTS];
+    dsk_plan_flops flops;
 } plan_entry;
 
 typedef struct plan_user {
@@ -66,7 +67,7 @@ static void plan_tp(const double tr[TP_TRAFFIC], dsk_plan_tp *tp) {
 
 static dsk_status plan_memory(void *user, const dsk_plan_layout *l, const dsk_plan_job *job, int stage,
                               dsk_plan_memory *mem, double *reduce, double *gather, int *reduce_all, double *send,
-                              dsk_plan_tp *tp) {
+                              dsk_plan_tp *tp, dsk_plan_flops *flops) {
     plan_user *u = (plan_user *)user;
     plan_entry k, *e = NULL;
     plan_stage_key(u, l, stage, &k);
@@ -84,7 +85,7 @@ static dsk_status plan_memory(void *user, const dsk_plan_layout *l, const dsk_pl
         e = &u->cache[u->n++];
         *e = k;
         e->st = tpl_rank(l->fp8 ? &u->base_fp8 : &u->base, &u->zo, u->cuda, l, job, stage, e->mem, e->reduce, e->gather,
-                         e->all, &e->send, e->ep, e->tp);
+                         e->all, &e->send, e->ep, e->tp, &e->flops);
         if (e->st != DSK_OK) snprintf(e->err, sizeof e->err, "%s", dsk_last_error());
     }
     if (e->st != DSK_OK) return dsk_set_error(e->st, "%s", e->err);
@@ -93,20 +94,24 @@ static dsk_status plan_memory(void *user, const dsk_plan_layout *l, const dsk_pl
     *gather = e->gather[tpl_variant(l)];
     *reduce_all = e->all[tpl_variant(l)];
     *send = e->send;
+    *flops = e->flops;
     plan_tp(e->tp, tp);
     return DSK_OK;
 }
 
-/* Of the trainer's flops_per_token, the GEMMs --dtype fp8 runs in FP8 (train_fp8.h and the experts'): every
-   block's linears and experts and the MTP modules' blocks; not the router, the LM head, the MTP
-   projection or the attention cores. */
-static double plan_fp8_flops(const trainer *t) {
-    const options *o = t->o;
-    const tm_config *c = &t->model.cfg;
-    double D = o->d_model, experts = 3 * D * o->expert_hidden * (o->top_k + o->shared), dense = 3 * D * o->ffn_hidden;
-    double w = c->mla.mtp_depth * (tmla_attn_weights(c) + (c->mla.mtp_moe ? experts : dense));
-    for (int l = 0; l < o->layers; l++) w += tmla_attn_weights(c) + (l < o->dense_layers ? dense : experts);
-    return 6 * w;
+/* Of the model's training FLOPs per token, the GEMMs --dtype fp8 runs in FP8 (tmla_block_flops' fp8): every
+   block's linears and experts and the MTP modules' blocks. */
+static double plan_fp8_flops(const tm_config *c) {
+    double f = c->mla.mtp_depth * tmla_block_flops(c, c->mla.mtp_moe, 1).fp8;
+    for (int l = 0; l < c->n_layers; l++) f += tmla_layer_flops(c, l).fp8;
+    return f;
+}
+
+/* Of them, the attention cores' of the main blocks (what --recompute attn reruns). */
+static double plan_attn_flops(const tm_config *c) {
+    double f = 0;
+    for (int l = 0; l < c->n_layers; l++) f += tmla_layer_flops(c, l).attn;
+    return f;
 }
 
 /* The trainer's options from argv (planner flags taken out), its model configuration and the
@@ -139,9 +144,9 @@ static void plan_model(trainer *t, plan_user *u, dsk_plan_model *pm) {
     pm->d_model = o->d_model;
     pm->vocab = t->data.vocab;
     pm->ffn_hidden = o->ffn_hidden;
-    pm->flops_per_token = flops_per_token(t);
-    pm->attn_flops_per_token = o->layers * tmla_core_flops(&u->base);
-    pm->fp8_flops_per_token = u->base.cdt == DSK_BF16 ? plan_fp8_flops(t) : 0; /* FP8 layouts: bf16 ones */
+    pm->flops_per_token = tmla_model_flops(&u->base);
+    pm->attn_flops_per_token = plan_attn_flops(&u->base);
+    pm->fp8_flops_per_token = u->base.cdt == DSK_BF16 ? plan_fp8_flops(&u->base) : 0; /* FP8 layouts: bf16 ones */
     pm->act_bytes = dsk_dtype_size(u->base.cdt);
     pm->memory = plan_memory;
     pm->user = u;
@@ -168,11 +173,12 @@ static int check_layout(const trainer *t, dsk_plan_layout *l, dsk_plan_job *job)
 /* With --cluster: the step time dsk_plan.h's model predicts for the layout (bench/plan_rank.sh). */
 static int check_time(const dsk_plan_model *pm, const char *cluster, const dsk_plan_layout *l, const dsk_plan_job *job,
                       const dsk_plan_memory *mem, double red, double gat, int all, double send,
-                      const double tr[TP_TRAFFIC]) {
+                      const double tr[TP_TRAFFIC], const dsk_plan_flops *busiest) {
     dsk_plan_cluster cl;
     dsk_plan_result r;
     memset(&r, 0, sizeof r);
     r.layout = *l;
+    r.stage_flops = *busiest;
     r.mem = *mem;
     r.pp_bytes = send;
     plan_tp(tr, &r.tp);
@@ -186,12 +192,36 @@ static int check_time(const dsk_plan_model *pm, const char *cluster, const dsk_p
     return 0;
 }
 
+/* Prints the FLOPs per token of every stage of l (the model's callback, as dsk_plan_run asks) and puts the
+   busiest's into *busiest. */
+static int check_flops(const dsk_plan_model *pm, const dsk_plan_layout *l, const dsk_plan_job *job,
+                       dsk_plan_flops *busiest) {
+    memset(busiest, 0, sizeof *busiest);
+    printf("plan flops per token: model %.9g", pm->flops_per_token);
+    for (int s = 0; s < l->pp; s++) {
+        dsk_plan_memory mem;
+        dsk_plan_tp tp;
+        dsk_plan_flops f;
+        double rb, gb, sb;
+        int ra;
+        if (pm->memory(pm->user, l, job, s, &mem, &rb, &gb, &ra, &sb, &tp, &f) != DSK_OK) {
+            fprintf(stderr, "\ndsk_plan: %s\n", dsk_last_error());
+            return 1;
+        }
+        printf(", stage %d %.9g", s, f.total);
+        if (f.total > busiest->total) *busiest = f;
+    }
+    printf("\n");
+    return 0;
+}
+
 static int check_rank(trainer *t, plan_user *u, const dsk_plan_model *pm, const char *cluster, int rank) {
     const options *o = t->o;
     dsk_plan_layout l;
     dsk_plan_job job;
     dsk_plan_memory mem[TPL_VARIANTS];
     double red[TPL_VARIANTS], gat[TPL_VARIANTS], send, ep[2], tr[TP_TRAFFIC];
+    dsk_plan_flops flops, busiest;
     int all[TPL_VARIANTS], v;
     if (check_layout(t, &l, &job) != 0 || rank < 0 || rank >= o->nproc) {
         fprintf(stderr, "dsk_plan: --check-rank %d: --nproc %d must be a multiple of --tp %d x --pp %d\n", rank,
@@ -199,7 +229,7 @@ static int check_rank(trainer *t, plan_user *u, const dsk_plan_model *pm, const 
         return 2;
     }
     if (tpl_rank(l.fp8 ? &u->base_fp8 : &u->base, &u->zo, u->cuda, &l, &job, rank / (l.tp * l.dp), mem, red, gat, all,
-                 &send, ep, tr) != DSK_OK) {
+                 &send, ep, tr, &flops) != DSK_OK) {
         fprintf(stderr, "dsk_plan: %s\n", dsk_last_error());
         return 1;
     }
@@ -212,7 +242,8 @@ static int check_rank(trainer *t, plan_user *u, const dsk_plan_model *pm, const 
         rank, (long long)mem[v].params, (long long)mem[v].grads, (long long)mem[v].optimizer, (long long)mem[v].comm,
         (long long)mem[v].activations, (long long)mem[v].imbalance, red[v], gat[v], send, ep[0], ep[1], tr[TP_AR],
         tr[TP_AG], tr[TP_RS], tr[TP_CALLS], (long long)mem[v].optimizer_step);
-    return cluster ? check_time(pm, cluster, &l, &job, &mem[v], red[v], gat[v], all[v], send, tr) : 0;
+    if (check_flops(pm, &l, &job, &busiest) != 0) return 1;
+    return cluster ? check_time(pm, cluster, &l, &job, &mem[v], red[v], gat[v], all[v], send, tr, &busiest) : 0;
 }
 
 static int write_json(const char *path, const dsk_plan_result *r, const dsk_plan_job *job) {

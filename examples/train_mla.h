@@ -757,13 +757,41 @@ static double tmla_core_flops(const tm_config *c) {
     return 6.0 * c->seq * c->n_heads * (a->qk_nope_dim + a->qk_rope_dim + a->v_head_dim) / 2.0;
 }
 
-/* Training FLOPs per token of the MTP modules: 6 x (projection, attention, FFN (dense, or the
-   MoE's router and active experts), shared head) + their attention cores. */
-static double tmla_mtp_flops(const tm_config *c) {
+/* Training FLOPs per token of one block: 6 x its weights (an MTP module's projection, the attention, the
+   FFN (dense, or the MoE's router and active experts), an MTP module's shared head) + its attention core;
+   of them the core's (attn) and the GEMMs --dtype fp8 runs in FP8 (fp8: the attention's and the FFN's or
+   experts' linears; not the router, the projection, the head or the core). */
+typedef struct tmla_flops {
+    double total, attn, fp8;
+} tmla_flops;
+static tmla_flops tmla_block_flops(const tm_config *c, int moe, int mtp) {
     const dsk_moe_opts *o = &c->moe;
-    double D = c->d_model, moe = D * o->n_routed + 3 * D * (double)o->d_expert * (o->top_k + o->n_shared);
-    double w = 2 * D * D + tmla_attn_weights(c) + (c->mla.mtp_moe ? moe : 3 * D * c->ffn_hidden) + D * c->vocab;
-    return c->mla.mtp_depth * (6 * w + tmla_core_flops(c));
+    double D = c->d_model, experts = 3 * D * (double)o->d_expert * (o->top_k + o->n_shared);
+    double ffn = moe ? D * o->n_routed + experts : 3 * D * c->ffn_hidden;
+    double w = (mtp ? 2 * D * D : 0) + tmla_attn_weights(c) + ffn + (mtp ? D * c->vocab : 0);
+    tmla_flops f = {6 * w + tmla_core_flops(c), tmla_core_flops(c),
+                    6 * (tmla_attn_weights(c) + (moe ? experts : 3 * D * c->ffn_hidden))};
+    return f;
+}
+
+/* Of main block l (the first n_dense dense, the rest MoE). */
+static tmla_flops tmla_layer_flops(const tm_config *c, int l) { return tmla_block_flops(c, l >= c->n_dense, 0); }
+
+/* Training FLOPs per token of the MTP modules (their blocks: tmla_block_flops). */
+static double tmla_mtp_flops(const tm_config *c) {
+    return c->mla.mtp_depth * tmla_block_flops(c, c->mla.mtp_moe, 1).total;
+}
+
+/* Training FLOPs per token of the LM head. */
+static double tmla_head_flops(const tm_config *c) { return 6.0 * c->d_model * c->vocab; }
+
+/* Training FLOPs per token of the model: every block, the head and the MTP modules: 6 x active parameters
+   (embedding lookups excluded) + causal attention 6 L D T (Kaplan et al. 2020, arXiv:2001.08361, Table 1:
+   6N + 6 n_layer n_ctx d_model). */
+static double tmla_model_flops(const tm_config *c) {
+    double f = 0;
+    for (int l = 0; l < c->n_layers; l++) f += tmla_layer_flops(c, l).total;
+    return f + tmla_head_flops(c) + tmla_mtp_flops(c);
 }
 
 /* ------------------------------------------------------------------ memory report */

@@ -547,20 +547,6 @@ static void import_hf(trainer *t) {
 
 /* ---- FLOPs and the device peak */
 
-/* Training FLOPs per token: 6 x active parameters (embedding lookups excluded) + causal
-   attention 6 L D T (Kaplan et al. 2020, arXiv:2001.08361, Table 1: 6N + 6 n_layer n_ctx d_model). */
-static double flops_per_token(const trainer *t) {
-    const options *o = t->o;
-    double D = o->d_model, active = 0;
-    for (int l = 0; l < o->layers; l++) {
-        active += tmla_attn_weights(&t->model.cfg);
-        if (l < o->dense_layers) active += 3 * D * o->ffn_hidden;
-        else active += D * o->experts + 3 * D * o->expert_hidden * (o->top_k + o->shared);
-    }
-    active += D * t->data.vocab; /* LM head */
-    return 6 * active + o->layers * tmla_core_flops(&t->model.cfg) + tmla_mtp_flops(&t->model.cfg);
-}
-
 /* The CPU's f32 GEMM rate on this context's threads: the best of CPU_PEAK_REPS 512^3 products
    with dsk_sgemm_cpu, so MFU reads as "share of what this CPU's GEMM does". Other programs
    running meanwhile make it low; step_mfu then raises it to the rate a step reaches. */
@@ -1002,7 +988,7 @@ static void setup(trainer *t) {
     import_hf(t);
     setup_routes(t);
     setup_metrics(t);
-    t->flops_per_token = flops_per_token(t);
+    t->flops_per_token = tmla_model_flops(&t->model.cfg);
     t->peak_flops = o->peak_tflops > 0                   ? o->peak_tflops * 1e12
                     : t->ctx.device.type == DSK_DEV_CUDA ? 989e12
                                                          : measure_cpu_peak(t);

@@ -287,18 +287,37 @@ static void tpl_tp_traffic(tp_state *ps, double tr[TP_TRAFFIC]) {
     for (int k = 0; k < TP_TRAFFIC; k++) tr[k] = ps->M * one[k];
 }
 
+/* The training FLOPs per token of the layers of the rank built above (ps NULL: the whole model), all its tp
+   ranks together: its chunks' blocks, and on the last stage the LM head and the MTP modules. */
+static dsk_plan_flops tpl_stage_flops(const tm_config *c, const tp_state *ps) {
+    dsk_plan_flops f = {0, 0, 0};
+    for (int k = 0; k < (ps ? ps->v : 1); k++)
+        for (int l = ps ? ps->chunks[k].lo : 0; l < (ps ? ps->chunks[k].hi : c->n_layers); l++) {
+            tmla_flops b = tmla_layer_flops(c, l);
+            f.total += b.total;
+            f.attn += b.attn;
+            f.fp8 += b.fp8;
+        }
+    if (!ps || ps->last >= 0) {
+        tmla_flops b = tmla_block_flops(c, c->mla.mtp_moe, 1);
+        f.total += tmla_head_flops(c) + c->mla.mtp_depth * b.total;
+        f.fp8 += c->mla.mtp_depth * b.fp8;
+    }
+    return f;
+}
+
 /* The memory of rank (tp 0, dp 0, pp stage) of layout l for a model of configuration `base`
    (train_moe's model_config), at each ZeRO stage and moments' dtype (l->zero and l->moments
    aside; index tpl_variant): mem[], and the bytes its reductions and gathers hand over per step
    (zo: the engine's compression); *send: its pipeline sends' bytes per step; ep_bytes: its MoE
    layers' dispatch and combine bytes per step (tpl_ep_bytes); tp: its tensor-parallel collectives
-   per step (tpl_tp_traffic: bytes by kind, calls). cuda: size the MoE workspace as a GPU holds it.
-   A layout the trainer refuses (its checks in tm_init / tp_model_init) is DSK_ERR_UNSUPPORTED with
-   the trainer's message. */
+   per step (tpl_tp_traffic: bytes by kind, calls); *flops: its layers' FLOPs per token
+   (tpl_stage_flops). cuda: size the MoE workspace as a GPU holds it. A layout the trainer refuses
+   (its checks in tm_init / tp_model_init) is DSK_ERR_UNSUPPORTED with the trainer's message. */
 static dsk_status tpl_rank(const tm_config *base, const tz_opts *zo, int cuda, const dsk_plan_layout *l,
                            const dsk_plan_job *job, int stage, dsk_plan_memory mem[TPL_VARIANTS],
                            double reduce[TPL_VARIANTS], double gather[TPL_VARIANTS], int reduce_all[TPL_VARIANTS],
-                           double *send, double ep_bytes[2], double tp[TP_TRAFFIC]) {
+                           double *send, double ep_bytes[2], double tp[TP_TRAFFIC], dsk_plan_flops *flops) {
     tm_config c = *base;
     int64_t acts = 0, live0 = dsk_tensor_mem_stats(dsk_cpu()).live_bytes, T;
     int par = l->tp > 1 || l->pp > 1;
@@ -330,6 +349,8 @@ static dsk_status tpl_rank(const tm_config *base, const tz_opts *zo, int cuda, c
                        &reduce_all[k]);
     T = (int64_t)(par ? ps->Bm : m->cfg.batch) * m->cfg.seq; /* tm_bind_moe's reservation */
     *send = s == DSK_OK ? tpl_send_bytes(ps) : 0;
+    memset(flops, 0, sizeof *flops);
+    if (s == DSK_OK) *flops = tpl_stage_flops(&m->cfg, ps);
     memset(tp, 0, TP_TRAFFIC * sizeof *tp);
     if (s == DSK_OK && ps) tpl_tp_traffic(ps, tp);
     ep_bytes[0] = ep_bytes[1] = 0;

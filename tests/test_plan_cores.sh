@@ -19,6 +19,10 @@
 #      The optimizer's time is those bytes at memory_gbps; without the field it is 0.
 #   6. The bubble in units of the ideal compute: compute x (p - 1) / m (GPipe, 1F1B), x (p - 1) / (v m)
 #      (interleaved), with fewer micro-batches than stages too.
+#   7. A pipeline's compute is its busiest stage's: the stages' FLOPs per token follow the trainer's
+#      split (stage s holds layers [s L / P, (s + 1) L / P); the last adds the LM head, 6 D V, and the
+#      MTP modules), sum to the model's, and the busiest sets the compute: pp4's is 4 x busiest / model
+#      times dp4's (the same FLOPs over 4 ranks either way).
 # Runs no training (each case is one dsk_plan call): seconds. The measured ranking is
 # bench/plan_rank.sh (not here: a loaded machine moves the measured order).
 # Prints `[test_plan_cores] totals: P passed / F failed / S skipped`.
@@ -36,7 +40,8 @@ cluster() {
     sed -E '/"cores_per_node"/d; s/"overlap": ([0-9.]+),?/"overlap": \1'"${2:+,}"'/' examples/clusters/cpu_8.json |
         sed -E "s/^\\}/$add}/" >"$work/$1.json"
 }
-# parts NAME FLAGS...: "step compute bubble tp ep pp gradients exposed optimizer cores" of rank 0's plan
+# parts NAME FLAGS...: "step compute bubble tp ep pp gradients exposed optimizer cores mean" of rank 0's plan,
+# mean: the stages' mean compute (compute is the busiest stage's: x the model's FLOPs / (pp x the busiest's))
 parts() {
     local name=$1
     shift
@@ -44,9 +49,15 @@ parts() {
         "$PY" -c 'import re, sys
 r = r"^plan time: step (\S+) s: compute (\S+), bubble (\S+), tp (\S+), ep (\S+), pp (\S+), gradients (\S+) " \
     r"\(exposed (\S+)\), optimizer (\S+), shared cores (\S+)$"
+stages = []
 for line in sys.stdin:
-    m = re.match(r, line.rstrip("\n"))
-    if m: print(" ".join(m.groups()))'
+    line = line.rstrip("\n")
+    if line.startswith("plan flops per token: model "):
+        model = float(line.split()[5].rstrip(","))
+        stages = [float(x) for x in re.findall(r", stage [0-9]+ ([0-9.e+-]+)", line)]
+    m = re.match(r, line)
+    if m and stages:
+        print(" ".join(m.groups()), float(m.group(2)) * model / (len(stages) * max(stages)))'
 }
 # bytes NAME FLAGS...: "optimizer-state optimizer-step" bytes of rank 0's plan
 bytes() {
@@ -65,11 +76,11 @@ expect() {
         "$PY" - "$cores" $p <<'EOF'
 import sys
 c = int(sys.argv[1])
-if len(sys.argv) != 12:
+if len(sys.argv) != 13:
     print("no plan time line"); sys.exit()
-step, comp, bub, tp, ep, pp, grad, exp, opt, cores = map(float, sys.argv[2:])
+step, comp, bub, tp, ep, pp, grad, exp, opt, cores, mean = map(float, sys.argv[2:])
 path = comp + bub + tp + ep + pp + exp + opt
-want = max(path, 4 * (comp + tp + ep + pp + grad + opt) / c) if c and c < 4 else path
+want = max(path, 4 * (mean + tp + ep + pp + grad + opt) / c) if c and c < 4 else path
 ok = abs(step - want) <= 8e-6 and abs(cores - (want - path)) <= 8e-6
 print("ok" if ok else f"step {step} (shared cores {cores}), want {want:.6f} (path {path:.6f})")
 EOF
@@ -113,6 +124,39 @@ for l in "2 4 1f1b 1" "4 4 1f1b 1" "4 1 1f1b 1" "4 2 gpipe 1" "2 4 interleaved 2
         bad "bubble: pp$pp m$m $sched v$v" "bubble '${bub:-}' s, want $want (compute '${comp:-}')"
     fi
 done
+
+# 7. the stages' FLOPs
+flops_line() { # FLAGS...: "model stage0 stage1 ..." of the plan's FLOPs per token
+    "$PLAN" --device cpu --cluster "$work/none.json" --check-rank 0 --nproc 4 "${SMALL[@]}" "$@" 2>&1 |
+        sed -nE 's/^plan flops per token: model ([0-9.e+]+)(.*)$/\1\2/p' | sed -E 's/, stage [0-9]+ / /g'
+}
+read -r model s0 s1 s2 s3 <<<"$(flops_line --pp 4 --micro-batches 4)"
+head=$((6 * 64 * 256)) # 6 D V: SMALL's d_model, the byte vocabulary
+if [ -n "${s3:-}" ] && "$PY" -c "import sys
+m, a, b, c, d = map(float, '$model $s0 $s1 $s2 $s3'.split())
+sys.exit(not (b == c and d - c == $head and abs(a + b + c + d - m) <= 1e-9 * m and a < b))"; then
+    ok "stage FLOPs, pp4: dense layer $s0, MoE layers $s1 $s2, MoE layer + head $s3 (+ 6 D V = $head); sum = model $model"
+else
+    bad "stage FLOPs, pp4" "got '$model $s0 ${s1:-} ${s2:-} ${s3:-}' (want stage 1 = stage 2, stage 3 - stage 2 = $head, sum = model)"
+fi
+for l in "--pp 2 --micro-batches 4 --mtp 1" "--pp 2 --micro-batches 4 --pp-schedule interleaved --virtual-stages 2"; do
+    # shellcheck disable=SC2086
+    read -r -a f <<<"$(flops_line $l)"
+    if [ ${#f[@]} -eq 3 ] && "$PY" -c "import sys; sys.exit(abs(${f[1]} + ${f[2]} - ${f[0]}) > 1e-9 * ${f[0]})"; then
+        ok "stage FLOPs, $l: ${f[1]} + ${f[2]} = model ${f[0]}"
+    else
+        bad "stage FLOPs, $l" "got '${f[*]}' (want 2 stages summing to the model)"
+    fi
+done
+read -r _ cdp _ <<<"$(parts none --zero 1)"
+read -r _ cpp _ <<<"$(parts none --pp 4 --micro-batches 4)"
+if [ -n "${cpp:-}" ] && "$PY" -c "import sys
+want = $cdp * 4 * max($s0, $s1, $s2, $s3) / $model
+sys.exit(abs($cpp - want) > 4e-6)"; then
+    ok "pp4's compute $cpp s = dp4's $cdp x 4 x busiest stage / model"
+else
+    bad "pp4's compute: the busiest stage's" "pp4 '${cpp:-}' s, dp4 '${cdp:-}' s, stages $s0 $s1 $s2 $s3 of $model"
+fi
 
 # 5. the optimizer step
 for l in "--zero 0" "--zero 1" "--zero 2" "--zero 3" "--tp 2"; do
