@@ -38,16 +38,21 @@ typedef struct plan_user {
     int cuda;
     plan_entry *cache;
     int n, cap;
+    int split_P, split[TP_MAX_LAYERS + 1]; /* the trainer's split of the layers over split_P stages */
 } plan_user;
 
-static void plan_stage_key(const plan_user *u, const dsk_plan_layout *l, int stage, plan_entry *e) {
-    int L = u->base.n_layers, P = l->pp * l->vstages;
+static void plan_stage_key(plan_user *u, const dsk_plan_layout *l, int stage, plan_entry *e) {
+    int P = l->pp * l->vstages;
     memset(e, 0, sizeof *e);
     e->key = *l;
     e->key.zero = 0;
     e->key.moments = DSK_F32;
-    for (int c = 0; c < l->vstages; c++) {
-        int s = c * l->pp + stage, lo = (int)((int64_t)s * L / P), hi = (int)((int64_t)(s + 1) * L / P);
+    if (u->split_P != P && P <= u->base.n_layers && u->base.n_layers <= TP_MAX_LAYERS) {
+        tp_split_layers(&u->base, P, u->split);
+        u->split_P = P;
+    }
+    for (int c = 0; c < l->vstages && u->split_P == P; c++) {
+        int s = c * l->pp + stage, lo = u->split[s], hi = u->split[s + 1];
         e->first |= s == 0;
         e->last |= s == P - 1;
         for (int k = lo; k < hi; k++) {

@@ -151,8 +151,38 @@ typedef struct tp_state {
 
 /* ------------------------------------------------------------------ layout */
 
-static int tp_layers_lo(const tp_state *ps, int stage) {
-    return (int)((int64_t)stage * ps->m->cfg.n_layers / (ps->pp * ps->v));
+/* The pipeline's split of the layers over its P global stages (stage s holds [bound[s], bound[s + 1])), each
+   stage at least one layer. A pipeline keeps its busiest stage's pace, so the split is one whose busiest stage
+   (its blocks' FLOPs per token, tmla_layer_flops; the last's also its LM head and MTP modules) has the fewest
+   FLOPs, the bound found by bisection; under it each stage from the last back takes as many layers as fit, so
+   the early stages, which hold the most micro-batches in flight under 1F1B, are the lightest. P <= n_layers
+   <= TP_MAX_LAYERS. */
+#define TP_MAX_LAYERS 1024
+static int tp_split_greedy(const double *pre, int L, int P, double head, double cap, int bound[]) {
+    int end = L;
+    bound[P] = L;
+    for (int s = P; s > 0; s--) { /* stage s - 1: [start, end), at least one layer left to each earlier stage */
+        double extra = s == P ? head : 0;
+        int start = end - 1;
+        while (start > s - 1 && pre[end] - pre[start - 1] + extra <= cap) start--;
+        if (s == 1) start = 0;
+        if (pre[end] - pre[start] + extra > cap) return 0;
+        bound[s - 1] = end = start;
+    }
+    return 1;
+}
+static void tp_split_layers(const tm_config *c, int P, int bound[]) {
+    int L = c->n_layers;
+    double pre[TP_MAX_LAYERS + 1], head = tmla_head_flops(c) + tmla_mtp_flops(c), lo = 0, hi;
+    pre[0] = 0;
+    for (int l = 0; l < L; l++) pre[l + 1] = pre[l] + tmla_layer_flops(c, l).total;
+    hi = pre[L] + head; /* one stage could hold it all: every split fits */
+    for (int it = 0; it < 64 && hi - lo > 1e-9 * hi; it++) {
+        double mid = (lo + hi) / 2;
+        if (tp_split_greedy(pre, L, P, head, mid, bound)) hi = mid;
+        else lo = mid;
+    }
+    tp_split_greedy(pre, L, P, head, hi, bound);
 }
 
 /* The chunk of this rank that holds layer l, or -1. */
@@ -177,6 +207,8 @@ static dsk_status tp_check(const tp_state *ps, const tm_config *c) {
     if (c->moe.seq_aux_alpha > 0 && (c->batch / ps->M) % tp)
         return dsk_set_error(DSK_ERR_ARG, "the sequence-wise aux loss needs whole sequences per tensor-parallel rank: "
                              "--tp %d must divide the %d sequences of a micro-batch", tp, c->batch / ps->M);
+    if (c->n_layers > TP_MAX_LAYERS)
+        return dsk_set_error(DSK_ERR_ARG, "--layers %d under --tp/--pp: at most %d", c->n_layers, TP_MAX_LAYERS);
     if (c->n_layers < S)
         return dsk_set_error(DSK_ERR_ARG, "--layers %d cannot fill %d pipeline stages (--pp %d x --virtual-stages %d)",
                              c->n_layers, S, ps->pp, ps->v);
@@ -506,11 +538,13 @@ static dsk_status tp_model_declare(tp_state *ps, tm_model *m, dsk_ctx *ctx, cons
         return dsk_set_error(DSK_ERR_ARG, "tp_model_init: the model must be external (tz_init binds it)");
     int r = ps->grid.at.pp, P = ps->pp * ps->v;
     ps->first = ps->last = -1;
+    int bound[TP_MAX_LAYERS + 1];
+    tp_split_layers(cfg, P, bound);
     for (int c = 0; c < ps->v; c++) {
         tp_chunk *ch = &ps->chunks[c];
         ch->stage = c * ps->pp + r;
-        ch->lo = tp_layers_lo(ps, ch->stage);
-        ch->hi = tp_layers_lo(ps, ch->stage + 1);
+        ch->lo = bound[ch->stage];
+        ch->hi = bound[ch->stage + 1];
         if (ch->stage == 0) ps->first = c;
         if (ch->stage == P - 1) ps->last = c;
     }

@@ -109,13 +109,15 @@ def scratch(shapes, n=N): # a weight's codes and blocks' scales, an input dequan
 # the experts and of the shared expert become e4m3 caches (the tokens' codes, the expert rows', both a's); their
 # f32 buffers become empty (1 byte each); the scratch is the widest projection's weights, an output gradient in
 # 1x128 tiles and along the tokens, an input's transpose; the 16 FP8 buffers were empty (1 byte) under bf16
-E, K, Fe, Fs, R = 4, 2, 32, 32, N * 2
-W, Ws = max(D, Fe), max(D, Fs)
-gone = 4 * (R * D + R * Fe + N * Fs) - 3
-mc = cache(N, D) + cache(R, D) + cache(R, Fe) + cache(N, Fs)
-moe_scratch = (max(E * Fe * D, Fs * D) + 4 * max(E * ch(Fe), ch(Fs)) * ch(D) + max(R * W, N * Ws)
-               + 4 * max(R * ch(W), N * ch(Ws)) + 2 * (max(W * R, Ws * N) + 4 * max(W * ch(R), Ws * ch(N))))
-moe = gone - (mc + moe_scratch - 16)                  # one MoE layer's saving
+def moe_saving(N):                                    # one MoE layer's saving, its workspace reserved for N tokens
+    E, K, Fe, Fs, R = 4, 2, 32, 32, N * 2
+    W, Ws = max(D, Fe), max(D, Fs)
+    gone = 4 * (R * D + R * Fe + N * Fs) - 3
+    mc = cache(N, D) + cache(R, D) + cache(R, Fe) + cache(N, Fs)
+    moe_scratch = (max(E * Fe * D, Fs * D) + 4 * max(E * ch(Fe), ch(Fs)) * ch(D) + max(R * W, N * Ws)
+                   + 4 * max(R * ch(W), N * ch(Ws)) + 2 * (max(W * R, Ws * N) + 4 * max(W * ch(R), Ws * ch(N))))
+    return gone - (mc + moe_scratch - 16)
+moe = moe_saving(N)
 MHA = [(D, D), (D, D), (F, D), (D, F)]                # wq wk wv, wo, w1 w3, w2
 H, Q, RK, dn, dr, dv = 2, 16, 32, 16, 16, 32          # MLA: heads, query and kv latents, nope, rope and value dims
 MLA = [(Q, D), (H * (dn + dr), Q), (RK, D), (dr, D), (H * (dn + dv), RK), (D, H * dv), (F, D), (D, F)]
@@ -321,10 +323,12 @@ for lay in one par mla_one mla_par; do # MLA with --mtp 1
     done
 done
 
-# The bytes as tp2 x pp2 (rank 0: tensor-parallel rank 0 of stage 0, which holds the dense block 0 only): fp8
-# under --recompute full against bf16's holds one slot of caches for the layers and micro-batches, a micro-batch's
-# Nm rows of the rank's shards (h1, MHA's att, h2, a; MLA: h1, the latents, h2, a and wo's model-wide one), and the
-# scratch for Nm rows of the shards (no MTP projection: the last stage's)
+# The bytes as tp2 x pp2 (rank 0: tensor-parallel rank 0 of stage 0, which holds the dense block 0 and the MoE
+# block 1: the FLOP-balanced split gives the last stage the other MoE block and the head): fp8 under --recompute
+# full against bf16's holds one slot of caches for the layers and micro-batches, a micro-batch's Nm rows of the
+# rank's shards (h1, MHA's att, h2, a; MLA: h1, the latents, h2, a and wo's model-wide one), and the scratch for Nm
+# rows of the shards (no MTP projection: the last stage's), less the MoE layer's saving (its workspace reserved
+# for a micro-batch's Nm tokens)
 for lay in par mla_par; do
     flags=("${PAR[@]}"); [[ $lay = mla* ]] && flags+=("${MLA[@]}" --mtp 1)
     for dt in bf16 fp8; do run "mem_${lay}_full_$dt" "${TINY[@]}" "${flags[@]}" --recompute full --dtype $dt --steps 1 \
@@ -332,15 +336,18 @@ for lay in par mla_par; do
 done
 want=$(mem_want '
 n, Dl, Fl = 4 * 32, D // 2, F // 2
-print(2 * cache(n, D) + cache(n, Dl) + cache(n, Fl) + scratch([(Dl, D), (D, Dl), (Fl, D), (D, Fl)], n))')
+print(2 * cache(n, D) + cache(n, Dl) + cache(n, Fl) + scratch([(Dl, D), (D, Dl), (Fl, D), (D, Fl)], n)
+      - moe_saving(n))')
 what="--dtype fp8 --recompute full as ${PAR[*]}, rank 0: bf16's activations plus one slot of caches (h1, att, h2, a)"
-mem_check "$what and the FP8 scratch" mem_par_full_fp8 mem_par_full_bf16 "$want"
+mem_check "$what and the FP8 scratch, less the MoE layer's saving" mem_par_full_fp8 mem_par_full_bf16 "$want"
 want=$(mem_want '
 n, Fl, Hl = 4 * 32, F // 2, H // 2
 sh = [(Q, D), (Hl * (dn + dr), Q), (RK, D), (dr, D), (Hl * (dn + dv), RK), (D, Hl * dv), (Fl, D), (D, Fl)]
-print(2 * cache(n, D) + cache(n, Q) + cache(n, RK) + cache(n, Fl) + cache(n, Hl * dv) + scratch(sh, n))')
+print(2 * cache(n, D) + cache(n, Q) + cache(n, RK) + cache(n, Fl) + cache(n, Hl * dv) + scratch(sh, n)
+      - moe_saving(n))')
 what="--dtype fp8 --recompute full as ${PAR[*]} ${MLA[*]} --mtp 1, rank 0: bf16's activations plus one slot of"
-mem_check "$what caches (h1, the latents, h2, a, wo's) and the FP8 scratch" mem_mla_par_full_fp8 mem_mla_par_full_bf16 \
+mem_check "$what caches (h1, the latents, h2, a, wo's) and the FP8 scratch, less the MoE layer's saving" \
+    mem_mla_par_full_fp8 mem_mla_par_full_bf16 \
     "$want"
 
 # ---- 6. --mtp 1 with --dtype fp8: the MTP module's block runs its linears in FP8 as the main ones

@@ -19,10 +19,11 @@
 #      The optimizer's time is those bytes at memory_gbps; without the field it is 0.
 #   6. The bubble in units of the ideal compute: compute x (p - 1) / m (GPipe, 1F1B), x (p - 1) / (v m)
 #      (interleaved), with fewer micro-batches than stages too.
-#   7. A pipeline's compute is its busiest stage's: the stages' FLOPs per token follow the trainer's
-#      split (stage s holds layers [s L / P, (s + 1) L / P); the last adds the LM head, 6 D V, and the
-#      MTP modules), sum to the model's, and the busiest sets the compute: pp4's is 4 x busiest / model
-#      times dp4's (the same FLOPs over 4 ranks either way).
+#   7. A pipeline's compute is its busiest stage's: the stages' FLOPs per token (the last adds the LM
+#      head, 6 D V, and the MTP modules) sum to the model's, the busiest sets the compute (pp4's is
+#      4 x busiest / model times dp4's: the same FLOPs over 4 ranks either way), and the trainer's split
+#      (train_par.h's tp_split_layers) is the contiguous one whose busiest stage is lightest: 3 layers
+#      on 2 stages go 2 + 1 (dense and MoE, then MoE and the head), where L / P would give 1 + 2.
 # Runs no training (each case is one dsk_plan call): seconds. The measured ranking is
 # bench/plan_rank.sh (not here: a loaded machine moves the measured order).
 # Prints `[test_plan_cores] totals: P passed / F failed / S skipped`.
@@ -138,6 +139,16 @@ sys.exit(not (b == c and d - c == $head and abs(a + b + c + d - m) <= 1e-9 * m a
     ok "stage FLOPs, pp4: dense layer $s0, MoE layers $s1 $s2, MoE layer + head $s3 (+ 6 D V = $head); sum = model $model"
 else
     bad "stage FLOPs, pp4" "got '$model $s0 ${s1:-} ${s2:-} ${s3:-}' (want stage 1 = stage 2, stage 3 - stage 2 = $head, sum = model)"
+fi
+# 3 layers on 2 stages: every contiguous split of the layers (dense, MoE, MoE; the head last), from pp4's figures
+read -r model3 a b <<<"$(flops_line --pp 2 --micro-batches 4 --layers 3)"
+if [ -n "${b:-}" ] && "$PY" -c "import sys
+d, m, h = $s0, $s1, $s3 - $s1
+best = min(max(d, 2 * m + h), max(d + m, m + h))
+sys.exit(not ($a == d + m and $b == m + h and max($a, $b) == best and abs($a + $b - $model3) <= 1e-9 * $model3))"; then
+    ok "split, 3 layers on 2 stages: $a (dense + MoE) and $b (MoE + head), the lightest busiest stage of the 2 splits"
+else
+    bad "split, 3 layers on 2 stages" "stages '${a:-}' '${b:-}' of '${model3:-}' (want dense + MoE, MoE + head from $s0 $s1 $s3)"
 fi
 for l in "--pp 2 --micro-batches 4 --mtp 1" "--pp 2 --micro-batches 4 --pp-schedule interleaved --virtual-stages 2"; do
     # shellcheck disable=SC2086
