@@ -30,32 +30,31 @@
      routed to one rank's experts, its workspace grown to ep times the reserved rows) is shown,
      not counted: at scale it is hundreds of GB per layer and no layout with expert parallelism
      would fit, while real routing (balanced by the expert bias) stays near the reserved rows.
-   - The step time is a model: compute = the job's FLOPs (flops_per_token x tokens, plus the
-     forward recomputation reruns) over world x peak x efficiency, plus the schedule's bubble,
-     dsk_par_bubble_fraction x compute (in units of the ideal compute); each collective's bytes
-     over the link it crosses (ring
-     all-reduce 2 (n-1)/n, reduce-scatter, all-gather and all-to-all (n-1)/n of the message per
-     rank; intra-node when the group fits in a node, else the inter-node bandwidth) plus a
-     latency per message; tensor-parallel (the busiest stage's collectives by kind and their
-     calls, which the model's callback gives: examples/train_plan.h walks the trainer's call
-     sites, tests/test_plan.sh compares them with a run's dsk_comm_stats), expert-parallel
+   - The step time is a model: compute = the job's FLOPs (flops_per_token x tokens, plus the forward
+     recomputation reruns) over world x peak x efficiency (a pipeline's: its busiest stage's, the
+     model callback's flops, over tp x dp x peak x efficiency), plus the schedule's bubble,
+     dsk_par_bubble_fraction x compute (in units of the ideal compute); each collective's bytes over
+     the link it crosses (ring all-reduce 2 (n-1)/n, reduce-scatter, all-gather and all-to-all
+     (n-1)/n of the message per rank; intra-node when the group fits in a node, else the inter-node
+     bandwidth) plus a latency per message; tensor-parallel (the busiest stage's collectives by kind
+     and their calls, which the model's callback gives: examples/train_plan.h walks the trainer's
+     call sites, tests/test_plan.sh compares them with a run's dsk_comm_stats), expert-parallel
      (dispatch and combine, forward and backward) and pipeline (the sends of the busiest stage's
      schedule, whose bytes the model's callback gives: examples/train_plan.h walks the trainer's
      schedule and buffers, and tests/test_plan.sh compares them with the bytes a run hands to
      dsk_comm_send) traffic is exposed; the gradient reductions overlap backward up to
-     cluster.overlap of it. An FP8 layout runs the model's fp8_flops_per_token (and their
-     recomputed forward) at fp8_tflops instead of bf16_tflops, at the same efficiency. CPU ranks
-     that share cores (cluster.cores_per_node below the ranks of a node; bf16_tflops is then one
-     core's rate): a waiting rank gives its core away, so the step is the larger of that
-     one-device-per-rank step (the critical path) and the node's busy work (every rank's compute
-     and communication, CPU work on the host backend, overlapped or not) over its cores
-     (result.cores_s is what this adds; the derivation is at dsk__plan_shared_cores). The optimizer
-     step, after the reductions, streams memory.optimizer_step bytes (the callback's count) at
-     cluster.memory_gbps when the file gives it (result.opt_s). The
-     efficiency and the overlap are calibration: bench/plan_rank.sh measures this machine's CPU
-     ranks into bench/plan_cpu_calibrated.json (its figures and command in bench/RESULTS.md); the
-     GPU files in examples/clusters/ carry datasheet peaks at the efficiency 0.4 until a GPU
-     session measures one.
+     cluster.overlap of it. An FP8 layout runs the model's fp8_flops_per_token (and their recomputed
+     forward) at fp8_tflops instead of bf16_tflops, at the same efficiency. CPU ranks that share
+     cores (cluster.cores_per_node below the ranks of a node; bf16_tflops is then one core's rate):
+     a waiting rank gives its core away, so the step is the larger of that one-device-per-rank step
+     (the critical path) and the node's busy work (every rank's compute and communication, CPU work
+     on the host backend, overlapped or not) over its cores (result.cores_s is what this adds; the
+     derivation is at dsk__plan_shared_cores). The optimizer step, after the reductions, streams
+     memory.optimizer_step bytes (the callback's count) at cluster.memory_gbps when the file gives
+     it (result.opt_s). The efficiency and the overlap are calibration: bench/plan_rank.sh measures
+     this machine's CPU ranks into bench/plan_cpu_calibrated.json (its figures and command in
+     bench/RESULTS.md); the GPU files in examples/clusters/ carry datasheet peaks at the efficiency
+     0.4 until a GPU session measures one.
    - Layouts enumerated: tp in 1, 2, 4, 8 (within a node, dividing heads, vocabulary and FFN),
      pp dividing world / tp and at most the layers, dp the rest (dividing the sequences), ep
      dividing dp and the experts, ZeRO 0-3, recomputation none / attn / full, AdamW's moments
@@ -185,8 +184,8 @@ typedef struct dsk_plan_model {
        *reduce_all: 1 when the reductions are all-reduces (ZeRO 0-1), 0 reduce-scatters;
        *send_bytes: what its pipeline sends (activations and gradients) hand over per step;
        *tp: its tensor-parallel collectives per step (zero without tensor parallelism);
-       *flops: the FLOPs per token of the stage's layers (all its chunks; the first's embedding, the
-       last's head and MTP modules), all its tp ranks together (left zero: the model's over pp) */
+       *flops: the FLOPs per token of the stage's layers (all its chunks; the last's head and MTP
+       modules too), all its tp ranks together (left zero: the model's over pp) */
     dsk_status (*memory)(void *user, const dsk_plan_layout *l, const dsk_plan_job *job, int stage, dsk_plan_memory *mem,
                          double *reduce_bytes, double *gather_bytes, int *reduce_all, double *send_bytes,
                          dsk_plan_tp *tp, dsk_plan_flops *flops);
