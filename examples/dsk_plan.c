@@ -104,26 +104,12 @@ static dsk_status plan_memory(void *user, const dsk_plan_layout *l, const dsk_pl
     return DSK_OK;
 }
 
-/* Of the model's training FLOPs per token, the GEMMs --dtype fp8 runs in FP8 (tmla_block_flops' fp8): every
-   block's linears and experts and the MTP modules' blocks. */
-static double plan_fp8_flops(const tm_config *c) {
-    double f = c->mla.mtp_depth * tmla_block_flops(c, c->mla.mtp_moe, 1).fp8;
-    for (int l = 0; l < c->n_layers; l++) f += tmla_layer_flops(c, l).fp8;
-    return f;
-}
-
-/* Of them, the attention cores' of the main blocks (what --recompute attn reruns). */
-static double plan_attn_flops(const tm_config *c) {
-    double f = 0;
-    for (int l = 0; l < c->n_layers; l++) f += tmla_layer_flops(c, l).attn;
-    return f;
-}
-
 /* The trainer's options from argv (planner flags taken out), its model configuration and the
    model's sizes and FLOPs as the trainer counts them. */
 static void plan_model(trainer *t, plan_user *u, dsk_plan_model *pm) {
     const options *o = t->o;
     int shards = 0; /* the trainer's vocabulary: token shards (llm.c .bin files) have --vocab, bytes 256 */
+    dsk_plan_flops all;
     char dtype[sizeof o->dtype];
     for (int i = 0; i < o->n_data; i++) {
         size_t k = strlen(o->data[i]);
@@ -149,9 +135,10 @@ static void plan_model(trainer *t, plan_user *u, dsk_plan_model *pm) {
     pm->d_model = o->d_model;
     pm->vocab = t->data.vocab;
     pm->ffn_hidden = o->ffn_hidden;
-    pm->flops_per_token = tmla_model_flops(&u->base);
-    pm->attn_flops_per_token = plan_attn_flops(&u->base);
-    pm->fp8_flops_per_token = u->base.cdt == DSK_BF16 ? plan_fp8_flops(&u->base) : 0; /* FP8 layouts: bf16 ones */
+    all = tpl_stage_flops(&u->base, NULL); /* the trainer's count, tmla_model_flops */
+    pm->flops_per_token = all.total;
+    pm->attn_flops_per_token = all.attn;
+    pm->fp8_flops_per_token = u->base.cdt == DSK_BF16 ? all.fp8 : 0; /* FP8 layouts: bf16 ones */
     pm->act_bytes = dsk_dtype_size(u->base.cdt);
     pm->memory = plan_memory;
     pm->user = u;

@@ -777,6 +777,16 @@ static tmla_flops tmla_block_flops(const tm_config *c, int moe, int mtp) {
 /* Of main block l (the first n_dense dense, the rest MoE). */
 static tmla_flops tmla_layer_flops(const tm_config *c, int l) { return tmla_block_flops(c, l >= c->n_dense, 0); }
 
+/* Adds main blocks [lo, hi)'s FLOPs into *f, a block at a time. */
+static void tmla_add_layers_flops(const tm_config *c, int lo, int hi, tmla_flops *f) {
+    for (int l = lo; l < hi; l++) {
+        tmla_flops b = tmla_layer_flops(c, l);
+        f->total += b.total;
+        f->attn += b.attn;
+        f->fp8 += b.fp8;
+    }
+}
+
 /* Training FLOPs per token of the MTP modules (their blocks: tmla_block_flops). */
 static double tmla_mtp_flops(const tm_config *c) {
     return c->mla.mtp_depth * tmla_block_flops(c, c->mla.mtp_moe, 1).total;
@@ -789,9 +799,9 @@ static double tmla_head_flops(const tm_config *c) { return 6.0 * c->d_model * c-
    (embedding lookups excluded) + causal attention 6 L D T (Kaplan et al. 2020, arXiv:2001.08361, Table 1:
    6N + 6 n_layer n_ctx d_model). */
 static double tmla_model_flops(const tm_config *c) {
-    double f = 0;
-    for (int l = 0; l < c->n_layers; l++) f += tmla_layer_flops(c, l).total;
-    return f + tmla_head_flops(c) + tmla_mtp_flops(c);
+    tmla_flops f = {0, 0, 0};
+    tmla_add_layers_flops(c, 0, c->n_layers, &f);
+    return f.total + tmla_head_flops(c) + tmla_mtp_flops(c);
 }
 
 /* ------------------------------------------------------------------ memory report */

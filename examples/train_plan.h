@@ -287,23 +287,19 @@ static void tpl_tp_traffic(tp_state *ps, double tr[TP_TRAFFIC]) {
     for (int k = 0; k < TP_TRAFFIC; k++) tr[k] = ps->M * one[k];
 }
 
-/* The training FLOPs per token of the layers of the rank built above (ps NULL: the whole model), all its tp
-   ranks together: its chunks' blocks, and on the last stage the LM head and the MTP modules. */
+/* The training FLOPs per token of the layers of the rank built above (ps NULL: the whole model, as
+   tmla_model_flops counts it), all its tp ranks together: its chunks' blocks, and on the last stage the LM
+   head and the MTP modules. */
 static dsk_plan_flops tpl_stage_flops(const tm_config *c, const tp_state *ps) {
-    dsk_plan_flops f = {0, 0, 0};
+    tmla_flops f = {0, 0, 0};
     for (int k = 0; k < (ps ? ps->v : 1); k++)
-        for (int l = ps ? ps->chunks[k].lo : 0; l < (ps ? ps->chunks[k].hi : c->n_layers); l++) {
-            tmla_flops b = tmla_layer_flops(c, l);
-            f.total += b.total;
-            f.attn += b.attn;
-            f.fp8 += b.fp8;
-        }
+        tmla_add_layers_flops(c, ps ? ps->chunks[k].lo : 0, ps ? ps->chunks[k].hi : c->n_layers, &f);
     if (!ps || ps->last >= 0) {
-        tmla_flops b = tmla_block_flops(c, c->mla.mtp_moe, 1);
-        f.total += tmla_head_flops(c) + c->mla.mtp_depth * b.total;
-        f.fp8 += c->mla.mtp_depth * b.fp8;
+        f.total = f.total + tmla_head_flops(c) + tmla_mtp_flops(c);
+        f.fp8 += c->mla.mtp_depth * tmla_block_flops(c, c->mla.mtp_moe, 1).fp8;
     }
-    return f;
+    dsk_plan_flops out = {f.total, f.attn, f.fp8};
+    return out;
 }
 
 /* The memory of rank (tp 0, dp 0, pp stage) of layout l for a model of configuration `base`
