@@ -1631,10 +1631,11 @@ static int dsk__is_f32_exact(dsk_dtype dt) { return dt == DSK_F32 || dt == DSK_B
    the f64 cast engine gives (a NaN passes through f64 quietened, as x86 converts it). */
 static void dsk__convert_f32(void *dst, dsk_dtype ddt, const void *src, dsk_dtype sdt, int64_t n) {
     float buf[256];
-    for (int64_t i = 0; i < n; i += 256) {
-        int64_t len = n - i < 256 ? n - i : 256;
+    const int64_t piece = (int64_t)(sizeof buf / sizeof buf[0]);
+    for (int64_t i = 0; i < n; i += piece) {
+        int64_t len = n - i < piece ? n - i : piece;
         dsk_load_f32_n(buf, src, sdt, i, len);
-        for (int64_t k = 0; k < len; k++) {
+        for (int64_t k = 0; k < len; k++) { /* dsk_f64_to_f32(dsk_f32_to_f64(x)), without branches */
             uint32_t u = dsk_f32_bits(buf[k]);
             buf[k] = (u & 0x7fffffffu) > 0x7f800000u ? dsk_bits_f32(u | 0x00400000u) : buf[k];
         }
