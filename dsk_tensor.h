@@ -1805,10 +1805,12 @@ DSK_API dsk_status dsk_tensor_normal(dsk_ctx *ctx, dsk_tensor *t, uint64_t seed,
 #define DSK__OMP(x)
 #endif
 
-/* Below this many elements (or flops) an op runs on one thread: a 1 MB row op takes ~0.1 ms on
+/* Below this many elements (or flops) an op runs on one thread: a 256 KB row op takes ~25 us on
    one core, while a fork and join costs microseconds on an idle machine and milliseconds when
-   the team's threads must wait for a core (bench/RESULTS.md, Training). */
-#define DSK__PAR_MIN 262144
+   the team's threads must wait for a core (bench/RESULTS.md, Training). At 262144 the main job's
+   row ops (2048 tokens x 128) ran on one thread of two: 8% of its 2-thread step on a quiet
+   machine, and no faster under load. dsk_moe.h's row loops use the same bound. */
+#define DSK__PAR_MIN 65536
 
 static int dsk__thread_id(void) {
 #ifdef _OPENMP
