@@ -1808,7 +1808,7 @@ DSK_API dsk_status dsk_tensor_normal(dsk_ctx *ctx, dsk_tensor *t, uint64_t seed,
 /* Below this many elements (or flops) an op runs on one thread: a 256 KB row op takes ~25 us on
    one core, while a fork and join costs microseconds on an idle machine and milliseconds when
    the team's threads must wait for a core (bench/RESULTS.md, Training). At 262144 the main job's
-   row ops (2048 tokens x 128) ran on one thread of two: 8% of its 2-thread step on a quiet
+   row ops (2048 tokens x 128) ran on one thread of two: 3.5-9% of its 2-thread step on a quiet
    machine, and no faster under load. dsk_moe.h's row loops use the same bound. */
 #define DSK__PAR_MIN 65536
 
