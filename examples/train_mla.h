@@ -795,13 +795,21 @@ static double tmla_mtp_flops(const tm_config *c) {
 /* Training FLOPs per token of the LM head. */
 static double tmla_head_flops(const tm_config *c) { return 6.0 * c->d_model * c->vocab; }
 
+/* Adds what the last pipeline stage holds besides its blocks, the LM head and the MTP modules, into *f (their
+   attention cores not in attn: --recompute attn reruns the main blocks'). */
+static void tmla_add_tail_flops(const tm_config *c, tmla_flops *f) {
+    f->total = f->total + tmla_head_flops(c) + tmla_mtp_flops(c);
+    f->fp8 += c->mla.mtp_depth * tmla_block_flops(c, c->mla.mtp_moe, 1).fp8;
+}
+
 /* Training FLOPs per token of the model: every block, the head and the MTP modules: 6 x active parameters
    (embedding lookups excluded) + causal attention 6 L D T (Kaplan et al. 2020, arXiv:2001.08361, Table 1:
    6N + 6 n_layer n_ctx d_model). */
 static double tmla_model_flops(const tm_config *c) {
     tmla_flops f = {0, 0, 0};
     tmla_add_layers_flops(c, 0, c->n_layers, &f);
-    return f.total + tmla_head_flops(c) + tmla_mtp_flops(c);
+    tmla_add_tail_flops(c, &f);
+    return f.total;
 }
 
 /* ------------------------------------------------------------------ memory report */

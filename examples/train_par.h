@@ -173,7 +173,10 @@ static int tp_split_greedy(const double *pre, int L, int P, double head, double 
 }
 static void tp_split_layers(const tm_config *c, int P, int bound[]) {
     int L = c->n_layers;
-    double pre[TP_MAX_LAYERS + 1], head = tmla_head_flops(c) + tmla_mtp_flops(c), lo = 0, hi;
+    tmla_flops tail = {0, 0, 0};
+    double pre[TP_MAX_LAYERS + 1], head, lo = 0, hi;
+    tmla_add_tail_flops(c, &tail);
+    head = tail.total;
     pre[0] = 0;
     for (int l = 0; l < L; l++) pre[l + 1] = pre[l] + tmla_layer_flops(c, l).total;
     hi = pre[L] + head; /* one stage could hold it all: every split fits */

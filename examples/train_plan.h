@@ -294,10 +294,7 @@ static dsk_plan_flops tpl_stage_flops(const tm_config *c, const tp_state *ps) {
     tmla_flops f = {0, 0, 0};
     for (int k = 0; k < (ps ? ps->v : 1); k++)
         tmla_add_layers_flops(c, ps ? ps->chunks[k].lo : 0, ps ? ps->chunks[k].hi : c->n_layers, &f);
-    if (!ps || ps->last >= 0) {
-        f.total = f.total + tmla_head_flops(c) + tmla_mtp_flops(c);
-        f.fp8 += c->mla.mtp_depth * tmla_block_flops(c, c->mla.mtp_moe, 1).fp8;
-    }
+    if (!ps || ps->last >= 0) tmla_add_tail_flops(c, &f);
     dsk_plan_flops out = {f.total, f.attn, f.fp8};
     return out;
 }
