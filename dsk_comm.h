@@ -261,6 +261,19 @@ DSK_API dsk_status dsk_comm_all_to_all_v_notify(dsk_comm *c, dsk_ctx *ctx, const
                                                 const int64_t *send_displs, void *recv, const int64_t *recv_counts,
                                                 const int64_t *recv_displs, dsk_dtype dt, dsk_comm_arrived_fn arrived,
                                                 void *arg);
+/* Whether this rank's message to rank p may leave: 1 (its block of send is final), 0 (not yet), -1 (never: the
+   caller failed). */
+typedef int (*dsk_comm_ready_fn)(void *arg, int rank);
+/* dsk_comm_all_to_all_v whose messages leave as the caller finishes them, while another of its threads still
+   computes the later blocks (dsk_moe's chunked combine). host: the calling thread asks ready(arg, p) for each
+   rank p (this one too) until it says 1 and only then sends p's message (copies its own block), receiving
+   meanwhile; ready must not block. A -1 ends the call with DSK_ERR_STATE and breaks the communicator, as the
+   peers wait for messages that will not come; so does a gate still shut at the deadline (DSK_ERR_TIMEOUT).
+   nccl: waits until every block is ready, then enqueues the exchange on ctx's stream. */
+DSK_API dsk_status dsk_comm_all_to_all_v_gated(dsk_comm *c, dsk_ctx *ctx, const void *send, const int64_t *send_counts,
+                                               const int64_t *send_displs, void *recv, const int64_t *recv_counts,
+                                               const int64_t *recv_displs, dsk_dtype dt, dsk_comm_ready_fn ready,
+                                               void *arg);
 /* Point to point; each send must meet a recv of the same count and dtype on `peer`. */
 DSK_API dsk_status dsk_comm_send(dsk_comm *c, dsk_ctx *ctx, const void *buf, int64_t count, dsk_dtype dt, int peer);
 DSK_API dsk_status dsk_comm_recv(dsk_comm *c, dsk_ctx *ctx, void *buf, int64_t count, dsk_dtype dt, int peer);
@@ -919,6 +932,8 @@ struct dsk__comm_impl {
     int64_t *off;                /* [world + 1] */
     dsk_comm_arrived_fn arrived; /* dsk_comm_all_to_all_v_notify's, during its io run; else NULL */
     void *arrived_arg;
+    dsk_comm_ready_fn ready; /* dsk_comm_all_to_all_v_gated's, during its io run; else NULL */
+    void *ready_arg;
 #ifdef DSK_CUDA
     ncclComm_t nccl;
     void *nccl_flag;             /* one device float for barriers */
@@ -1612,6 +1627,7 @@ typedef struct dsk__comm_io {
     char *buf;
     size_t len, done;   /* done counts header + payload bytes */
     int told;           /* a finished receive was reported to dsk__comm_impl.arrived */
+    int gated;          /* a send that waits for dsk__comm_impl.ready to open it */
 } dsk__comm_io;
 
 static void dsk__comm_wire_describe(const dsk__comm_wire *h, char *buf, size_t n) {
@@ -1888,6 +1904,12 @@ static dsk_status dsk__comm_io_timeout(dsk_comm *c, const char *fn, const dsk__c
     if (w < 0) w = 0;
     dsk__comm_wire_describe(&ops[w].hdr, what, sizeof what);
     dsk__comm_peer_name(c, ops[w].peer, peer, sizeof peer);
+    if (ops[w].gated) {
+        dsk_set_error(DSK_ERR_TIMEOUT,
+                      "%s: timed out after %.2f s waiting for the caller to ready its message to %s (%s)", fn,
+                      dsk__comm_now() - t0, peer, what);
+        return dsk__comm_break(c, DSK_ERR_TIMEOUT);
+    }
     dsk_set_error(DSK_ERR_TIMEOUT,
                   "%s: timed out after %.2f s waiting for %s to %s (%zu of %zu bytes) in %s; "
                   "it may be stopped, overloaded or in a different call",
@@ -1905,7 +1927,7 @@ static int dsk__comm_io_wait(dsk_comm *c, const char *fn, dsk__comm_io *ops, int
     int k = 0, shm = 0, r;
     for (int i = 0; i < n; i++) {
         int p = ops[i].peer;
-        if (dsk__comm_io_finished(&ops[i])) continue;
+        if (dsk__comm_io_finished(&ops[i]) || ops[i].gated) continue;
         if (dsk__comm_is_shm(m, p)) {
             shm = 1;
             if (ms != 0) __atomic_store_n(&m->links[p].rx->sleeping, 1u, __ATOMIC_RELAXED);
@@ -1951,6 +1973,25 @@ static void dsk__comm_tell_arrivals(dsk__comm_impl *m, dsk__comm_io *ops, int n)
         }
 }
 
+/* Asks m->ready about each gated send of ops[0..n): the number opened, or -1 (*err set) when the caller gave up. */
+static int dsk__comm_open_gates(dsk_comm *c, const char *fn, dsk__comm_io *ops, int n, dsk_status *err) {
+    dsk__comm_impl *m = c->impl;
+    int opened = 0, r;
+    for (int i = 0; i < n; i++) {
+        if (!ops[i].gated) continue;
+        if ((r = m->ready(m->ready_arg, ops[i].peer)) < 0) {
+            *err = dsk_set_error(DSK_ERR_STATE, "%s: the caller gave up its message to rank %d (its own error)", fn,
+                                 ops[i].peer);
+            return -1;
+        }
+        if (r > 0) {
+            ops[i].gated = 0;
+            opened++;
+        }
+    }
+    return opened;
+}
+
 static dsk_status dsk__comm_io_run(dsk_comm *c, const char *fn, dsk__comm_io *ops, int n, double t0,
                                    dsk__comm_fold_job *job) {
     dsk__comm_impl *m = c->impl;
@@ -1958,10 +1999,18 @@ static dsk_status dsk__comm_io_run(dsk_comm *c, const char *fn, dsk__comm_io *op
     unsigned looks = 0; /* idle looks since data last moved */
     int shared_cpu = 0; /* a peer this rank waits for last waited on this CPU: spinning would keep it off */
     for (;;) {
-        int shm_wait = 0, tcp_wait = 0, moved = 0, idle = job && job->done < job->len, r;
+        int shm_wait = 0, tcp_wait = 0, gate_wait = 0, moved = 0, idle = job && job->done < job->len, r;
         dsk_status err = DSK_OK;
+        if (m->ready && (r = dsk__comm_open_gates(c, fn, ops, n, &err)) != 0) {
+            if (r < 0) return dsk__comm_break(c, err);
+            moved = 1;
+        }
         for (int i = 0; i < n; i++) {
             if (dsk__comm_io_finished(&ops[i])) continue;
+            if (ops[i].gated) {
+                gate_wait++;
+                continue;
+            }
             if (!dsk__comm_is_shm(m, ops[i].peer)) {
                 tcp_wait++;
                 continue;
@@ -1971,7 +2020,7 @@ static dsk_status dsk__comm_io_run(dsk_comm *c, const char *fn, dsk__comm_io *op
             shm_wait += !dsk__comm_io_finished(&ops[i]);
         }
         dsk__comm_tell_arrivals(m, ops, n);
-        if (!shm_wait && !tcp_wait) {
+        if (!shm_wait && !tcp_wait && !gate_wait) {
             if (idle) dsk__comm_fold_slice(job, m->srcs + c->world_size, 0);
             return DSK_OK;
         }
@@ -2004,7 +2053,7 @@ static dsk_status dsk__comm_io_run(dsk_comm *c, const char *fn, dsk__comm_io *op
         {
             double now = dsk__comm_now();
             if (now >= deadline) return dsk__comm_io_timeout(c, fn, ops, n, t0);
-            if (shm_wait) {
+            if (shm_wait || gate_wait) {
                 if (spin_from == 0) spin_from = now;
                 if (now - spin_from < DSK__COMM_PAUSE_S && !shared_cpu && !m->crowded) {
                     dsk__comm_cpu_relax();
@@ -2016,8 +2065,10 @@ static dsk_status dsk__comm_io_run(dsk_comm *c, const char *fn, dsk__comm_io *op
                 }
             }
         }
-        if (dsk__comm_io_wait(c, fn, ops, n, dsk__comm_ms_left(deadline), &err) < 0) return dsk__comm_break(c, err);
-        spin_from = 0;
+        /* a shut gate opens without a wake-up: look again within a millisecond */
+        r = gate_wait && dsk__comm_ms_left(deadline) > 1 ? 1 : dsk__comm_ms_left(deadline);
+        if (dsk__comm_io_wait(c, fn, ops, n, r, &err) < 0) return dsk__comm_break(c, err);
+        if (!gate_wait) spin_from = 0; /* past the spin, a shut gate is looked at once a millisecond */
         looks = 0;
     }
 }
@@ -2032,6 +2083,7 @@ static void dsk__comm_io_post(dsk__comm_io *op, int peer, int is_send, const dsk
     op->len = len;
     op->done = 0;
     op->told = 0;
+    op->gated = 0;
 }
 
 /* ---------------------------------------------------------------- reductions (fixed rank order) */
@@ -2373,11 +2425,31 @@ static dsk_status dsk__comm_host_scatter(dsk_comm *c, const char *fn, const char
     return dsk__comm_io_run(c, fn, m->ops, no, t0, NULL);
 }
 
+/* Waits (yielding) until ready(arg, p) opens p's gate: DSK_OK, or the communicator broken as in io_run. */
+static dsk_status dsk__comm_await_gate(dsk_comm *c, const char *fn, dsk_comm_ready_fn ready, void *arg, int p,
+                                       double t0) {
+    int r;
+    while ((r = ready(arg, p)) == 0) {
+        if (dsk__comm_now() >= t0 + c->impl->timeout_s) {
+            dsk_set_error(DSK_ERR_TIMEOUT,
+                          "%s: timed out after %.2f s waiting for the caller to ready its block for rank %d", fn,
+                          dsk__comm_now() - t0, p);
+            return dsk__comm_break(c, DSK_ERR_TIMEOUT);
+        }
+        sched_yield();
+    }
+    if (r > 0) return DSK_OK;
+    dsk_set_error(DSK_ERR_STATE, "%s: the caller gave up its message to rank %d (its own error)", fn, p);
+    return dsk__comm_break(c, DSK_ERR_STATE);
+}
+
 /* Shared by all_to_all and all_to_all_v: message to p = scount[p] elements at send + sdis[p]; arrived (may be
-   NULL) told of each rank's message as it lands. */
+   NULL) told of each rank's message as it lands; ready (may be NULL) opens each message's gate (this rank's own
+   block is copied last, after the others' gates opened). */
 static dsk_status dsk__comm_host_a2a(dsk_comm *c, const char *fn, int kind, const char *send, const int64_t *scount,
                                      const int64_t *sdis, char *recv, const int64_t *rcount, const int64_t *rdis,
-                                     dsk_dtype dt, double t0, dsk_comm_arrived_fn arrived, void *arg) {
+                                     dsk_dtype dt, double t0, dsk_comm_arrived_fn arrived, dsk_comm_ready_fn ready,
+                                     void *arg) {
     dsk__comm_impl *m = c->impl;
     int n = c->world_size, me = c->rank, no = 0;
     size_t esz = dsk_dtype_size(dt);
@@ -2385,7 +2457,7 @@ static dsk_status dsk__comm_host_a2a(dsk_comm *c, const char *fn, int kind, cons
     for (int p = 0; p < n; p++) {
         dsk__comm_wire hs, hr;
         if (p == me) {
-            if (scount[p])
+            if (scount[p] && !ready)
                 memmove(recv + rdis[p] * (int64_t)esz, send + sdis[p] * (int64_t)esz, (size_t)scount[p] * esz);
             if (arrived) arrived(arg, me);
             continue;
@@ -2398,11 +2470,20 @@ static dsk_status dsk__comm_host_a2a(dsk_comm *c, const char *fn, int kind, cons
         }
         dsk__comm_io_post(&m->ops[no++], p, 1, &hs, send + sdis[p] * (int64_t)esz, (size_t)scount[p] * esz);
         dsk__comm_io_post(&m->ops[no++], p, 0, &hr, recv + rdis[p] * (int64_t)esz, (size_t)rcount[p] * esz);
+        m->ops[no - 2].gated = ready != NULL;
     }
     m->arrived = arrived;
     m->arrived_arg = arg;
+    m->ready = ready;
+    m->ready_arg = arg;
     st = dsk__comm_io_run(c, fn, m->ops, no, t0, NULL);
     m->arrived = NULL;
+    m->ready = NULL;
+    if (st == DSK_OK && ready) {
+        st = dsk__comm_await_gate(c, fn, ready, arg, me, t0);
+        if (st == DSK_OK && scount[me])
+            memmove(recv + rdis[me] * (int64_t)esz, send + sdis[me] * (int64_t)esz, (size_t)scount[me] * esz);
+    }
     return st;
 }
 
@@ -3550,7 +3631,7 @@ DSK_API dsk_status dsk_comm_all_to_all(dsk_comm *c, dsk_ctx *ctx, const void *se
     }
     if (st == DSK_OK)
         st = dsk__comm_host_a2a(c, fn, DSK__COMM_ALL_TO_ALL, (const char *)send, v, v + n, (char *)recv, v, v + n, dt,
-                                t0, NULL, NULL);
+                                t0, NULL, NULL, NULL);
     DSK_FREE(v);
     return dsk__comm_done(c, st, t0);
 }
@@ -3558,7 +3639,7 @@ DSK_API dsk_status dsk_comm_all_to_all(dsk_comm *c, dsk_ctx *ctx, const void *se
 static dsk_status dsk__comm_a2a_v(dsk_comm *c, dsk_ctx *ctx, const char *fn, const void *send,
                                   const int64_t *send_counts, const int64_t *send_displs, void *recv,
                                   const int64_t *recv_counts, const int64_t *recv_displs, dsk_dtype dt,
-                                  dsk_comm_arrived_fn arrived, void *arg) {
+                                  dsk_comm_arrived_fn arrived, dsk_comm_ready_fn ready, void *arg) {
     double t0 = dsk__comm_now();
     dsk_status st;
     int64_t *d;
@@ -3591,13 +3672,16 @@ static dsk_status dsk__comm_a2a_v(dsk_comm *c, dsk_ctx *ctx, const char *fn, con
     (void)ctx;
 #ifdef DSK_CUDA
     if (DSK__COMM_NCCL(c)) {
-        st = dsk__comm_nccl_a2a(c, fn, (const char *)send, send_counts, d, (char *)recv, recv_counts, d + n, dt, ctx,
-                                t0);
+        st = DSK_OK;
+        for (int p = 0; p < n && st == DSK_OK && ready; p++) st = dsk__comm_await_gate(c, fn, ready, arg, p, t0);
+        if (st == DSK_OK)
+            st = dsk__comm_nccl_a2a(c, fn, (const char *)send, send_counts, d, (char *)recv, recv_counts, d + n, dt,
+                                    ctx, t0);
         for (int p = 0; p < n && st == DSK_OK && arrived; p++) arrived(arg, p); /* stream-ordered */
     } else
 #endif
         st = dsk__comm_host_a2a(c, fn, DSK__COMM_ALL_TO_ALL_V, (const char *)send, send_counts, d, (char *)recv,
-                                recv_counts, d + n, dt, t0, arrived, arg);
+                                recv_counts, d + n, dt, t0, arrived, ready, arg);
     DSK_FREE(d);
     return dsk__comm_done(c, st, t0);
 }
@@ -3606,7 +3690,7 @@ DSK_API dsk_status dsk_comm_all_to_all_v(dsk_comm *c, dsk_ctx *ctx, const void *
                                          const int64_t *send_displs, void *recv, const int64_t *recv_counts,
                                          const int64_t *recv_displs, dsk_dtype dt) {
     return dsk__comm_a2a_v(c, ctx, "dsk_comm_all_to_all_v", send, send_counts, send_displs, recv, recv_counts,
-                           recv_displs, dt, NULL, NULL);
+                           recv_displs, dt, NULL, NULL, NULL);
 }
 
 DSK_API dsk_status dsk_comm_all_to_all_v_notify(dsk_comm *c, dsk_ctx *ctx, const void *send, const int64_t *send_counts,
@@ -3614,7 +3698,16 @@ DSK_API dsk_status dsk_comm_all_to_all_v_notify(dsk_comm *c, dsk_ctx *ctx, const
                                                 const int64_t *recv_displs, dsk_dtype dt, dsk_comm_arrived_fn arrived,
                                                 void *arg) {
     return dsk__comm_a2a_v(c, ctx, "dsk_comm_all_to_all_v_notify", send, send_counts, send_displs, recv, recv_counts,
-                           recv_displs, dt, arrived, arg);
+                           recv_displs, dt, arrived, NULL, arg);
+}
+
+DSK_API dsk_status dsk_comm_all_to_all_v_gated(dsk_comm *c, dsk_ctx *ctx, const void *send, const int64_t *send_counts,
+                                               const int64_t *send_displs, void *recv, const int64_t *recv_counts,
+                                               const int64_t *recv_displs, dsk_dtype dt, dsk_comm_ready_fn ready,
+                                               void *arg) {
+    if (!ready) return dsk_set_error(DSK_ERR_ARG, "dsk_comm_all_to_all_v_gated: ready is NULL");
+    return dsk__comm_a2a_v(c, ctx, "dsk_comm_all_to_all_v_gated", send, send_counts, send_displs, recv, recv_counts,
+                           recv_displs, dt, NULL, ready, arg);
 }
 
 static dsk_status dsk__comm_p2p(dsk_comm *c, const char *fn, dsk_ctx *ctx, void *buf, int64_t count, dsk_dtype dt,

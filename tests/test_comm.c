@@ -575,8 +575,66 @@ static void a2av_arrived(void *arg, int p) {
         t->told[p] = -1000; /* reported before its data landed */
 }
 
-/* all_to_all_v against the blocks computed here, or (notify) its _notify form, whose callback checks each
-   rank's block as it is reported. */
+/* dsk_comm_all_to_all_v_gated's side: a thread writes this rank's send blocks into a poisoned buffer one by one,
+   in an order the seed shuffles, a pause before each, and opens each block's gate after writing it; a message
+   that left before its gate carries poison, which the receiver's comparison catches. */
+typedef struct a2av_filler {
+    char *send;      /* poisoned until written */
+    const char *src; /* the blocks' data */
+    const int64_t *sd, *sc;
+    size_t esz;
+    int n, order[8];
+    int gate[8]; /* 0 shut, 1 open (atomics) */
+    int asked;   /* ready's calls (atomic) */
+} a2av_filler;
+
+static void *a2av_fill(void *arg) {
+    a2av_filler *f = (a2av_filler *)arg;
+    for (int i = 0; i < f->n; i++) {
+        int p = f->order[i];
+        nanosleep(&(struct timespec){0, 300000}, NULL);
+        memcpy(f->send + f->sd[p] * (int64_t)f->esz, f->src + f->sd[p] * (int64_t)f->esz, (size_t)f->sc[p] * f->esz);
+        __atomic_store_n(&f->gate[p], 1, __ATOMIC_RELEASE);
+    }
+    return NULL;
+}
+
+static int a2av_ready(void *arg, int p) {
+    a2av_filler *f = (a2av_filler *)arg;
+    __atomic_add_fetch(&f->asked, 1, __ATOMIC_RELAXED);
+    return p >= 0 && p < f->n ? __atomic_load_n(&f->gate[p], __ATOMIC_ACQUIRE) : -1;
+}
+
+/* The gated exchange of in (tot elements) with a2av_fill filling a poisoned copy meanwhile; packed: NULL
+   displacements to the call (sd and rd are then the prefix sums). */
+static dsk_status a2av_gated(dsk_comm *c, const void *in, int64_t tot, const int64_t *sc, const int64_t *sd, void *got,
+                             const int64_t *rc, const int64_t *rd, int packed, dsk_dtype dt, uint64_t tag, int *asked) {
+    int n = c->world_size;
+    size_t esz = dsk_dtype_size(dt);
+    a2av_filler f = {(char *)malloc((size_t)tot * esz), (const char *)in, sd, sc, esz, n, {0}, {0}, 0};
+    pthread_t th;
+    dsk_status st;
+    dsk_test_poison_bytes(f.send, (size_t)tot * esz);
+    for (int p = 0; p < n; p++) f.order[p] = p;
+    for (int p = n - 1; p > 0; p--) { /* Fisher-Yates from the seed */
+        int q = (int)(dsk_test_mix64(g_seed ^ (tag * 31 + (uint64_t)p)) % (uint64_t)(p + 1)), t = f.order[p];
+        f.order[p] = f.order[q];
+        f.order[q] = t;
+    }
+    if (pthread_create(&th, NULL, a2av_fill, &f)) {
+        free(f.send);
+        return dsk_set_error(DSK_ERR_OOM, "test: pthread_create");
+    }
+    st = dsk_comm_all_to_all_v_gated(c, NULL, f.send, sc, packed ? NULL : sd, got, rc, packed ? NULL : rd, dt,
+                                     a2av_ready, &f);
+    pthread_join(th, NULL);
+    *asked = __atomic_load_n(&f.asked, __ATOMIC_RELAXED);
+    free(f.send);
+    return st;
+}
+
+/* all_to_all_v against the blocks computed here, or its _notify form (mode 1), whose callback checks each
+   rank's block as it is reported, or its _gated form (mode 2), whose blocks are written as it runs. */
 static void a2av_check(dsk_comm *c, int notify) {
     int n = c->world_size, me = c->rank;
     static const int64_t scales[] = {1, 5, 130, 40000};
@@ -618,7 +676,13 @@ static void a2av_check(dsk_comm *c, int notify) {
                 }
                 snprintf(label, sizeof label, "rank %d: all_to_all_v %s scale %lld%s", me, dsk_dtype_name(dt),
                          (long long)scales[s], packed ? " packed (NULL displacements)" : " with gaps");
-                if (notify) {
+                if (notify == 2) {
+                    int64_t tot = 1;
+                    int asked = 0;
+                    for (int q = 0; q < n; q++) tot += sc[q] + gap;
+                    DSK_TEST_OK(a2av_gated(c, in[me], tot, sc, sd, got, rc, rd, packed, dt, tag, &asked));
+                    DSK_TEST_EXPECT(asked >= n, "%s: ready asked %d times for %d ranks", label, asked, n);
+                } else if (notify) {
                     a2av_told t = {got, want, rd, rc, esz, {0}, 0, -1};
                     DSK_TEST_OK(dsk_comm_all_to_all_v_notify(c, NULL, in[me], sc, packed ? NULL : sd, got, rc,
                                                              packed ? NULL : rd, dt, a2av_arrived, &t));
@@ -646,6 +710,32 @@ static void rank_all_to_all_v(dsk_comm *c, void *arg) {
 static void rank_all_to_all_v_notify(dsk_comm *c, void *arg) {
     (void)arg;
     a2av_check(c, 1);
+}
+
+static void rank_all_to_all_v_gated(dsk_comm *c, void *arg) {
+    (void)arg;
+    a2av_check(c, 2);
+}
+
+static int a2av_give_up(void *arg, int p) {
+    (void)arg;
+    (void)p;
+    return -1;
+}
+
+/* Every rank gives up its messages (ready says -1): each call fails with DSK_ERR_STATE naming a rank, and the
+   communicator is broken after it (the peers will never get those messages); ready NULL is DSK_ERR_ARG. */
+static void rank_all_to_all_v_gated_give_up(dsk_comm *c, void *arg) {
+    int n = c->world_size;
+    int64_t cnt[8], x[8] = {0}, y[8];
+    (void)arg;
+    for (int p = 0; p < n; p++) cnt[p] = 1;
+    DSK_TEST_STATUS(dsk_comm_all_to_all_v_gated(c, NULL, x, cnt, NULL, y, cnt, NULL, DSK_I64, NULL, NULL), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("ready is NULL");
+    DSK_TEST_STATUS(dsk_comm_all_to_all_v_gated(c, NULL, x, cnt, NULL, y, cnt, NULL, DSK_I64, a2av_give_up, NULL),
+                    DSK_ERR_STATE);
+    DSK_TEST_ERROR_MENTIONS("dsk_comm_all_to_all_v_gated: the caller gave up its message to rank");
+    DSK_TEST_EXPECT(dsk_comm_barrier(c, NULL) != DSK_OK, "a barrier after a given-up exchange succeeded");
 }
 
 /* Ring: each rank sends to rank + 1 and receives from rank - 1 (even ranks send first). */
@@ -2414,6 +2504,10 @@ static void run_suite(void) {
         coll_case("all_to_all_v: uneven counts with zeros, packed and with gaps", rank_all_to_all_v, n, 0);
         coll_case("all_to_all_v_notify: each rank reported once, own first, after its block landed",
                   rank_all_to_all_v_notify, n, 0);
+        coll_case("all_to_all_v_gated: blocks written as it runs, in a shuffled order, none sent before its gate",
+                  rank_all_to_all_v_gated, n, 0);
+        coll_case("all_to_all_v_gated: a gate that says -1 fails the call and breaks the communicator",
+                  rank_all_to_all_v_gated_give_up, n, 0);
         coll_case("send/recv ring and barrier", rank_send_recv, n, 0);
         coll_case("tensor forms", rank_tensors, n, 0);
         if (g_mode == MODE_SHM) coll_case("store set/get/add/barrier", rank_store, n, 0);
