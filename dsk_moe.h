@@ -141,12 +141,16 @@
      so the thread exchanges only the other ranks' rows while the routed experts compute the own ones
      (forward: their MLP; backward: the input gradient of the output gradients' own rows), then each
      other rank's rows as they land (dsk_comm_all_to_all_v_notify: the thread places a rank's rows when
-     its message is whole and hands the rank over; stats.ep_chunks counts the chunks). Each expert's rows
+     its message is whole and hands the rank over; stats.ep_chunks counts the chunks). The return is
+     chunked with it: as each chunk's results are computed (forward: the experts' outputs, the combine;
+     backward: the input gradients) they leave for their rank while the later chunks compute
+     (dsk_comm_all_to_all_v_gated, on the same thread after the exchange to the experts), and in the
+     backward the weight gradients compute while the last ones travel. Each expert's rows
      come by source rank, so a chunk is a sub-range of each expert's segment; a row's results have the
      same bits whatever rows share its GEMM (dsk_matmul's rows contract) and whatever order the chunks
      run in, and the weight gradients, sums over rows, run once over whole segments after the last
-     chunk: the serial bits. CUDA runs the exchanges on the layer's stream, serial. Not yet: chunked
-     combine, overlap across micro-batches.
+     chunk: the serial bits. CUDA runs the exchanges on the layer's stream, serial. Not yet: overlap
+     across micro-batches.
      Routes across nodes (opts.ep_route): FLAT sends a row per kept (token, expert) to the expert's rank in
      one all-to-all-v; TWO_HOP sends each token's row once to every node holding one of its kept experts (to
      the rank with this rank's node_rank there, which copies it to its slots on that node: dsk_moe_route,
@@ -356,7 +360,8 @@ typedef struct dsk_moe_opts {
                                         backward: the shared experts, the router); the same bits as serial; it
                                         needs a free core (bench/RESULTS.md) [0: serial] (CUDA: always serial) */
     dsk_moe_ep_route ep_route;       /* [DSK_MOE_ROUTE_AUTO]; resolved by init to FLAT or TWO_HOP */
-    dsk_moe_ep_chunk ep_chunk;       /* [DSK_MOE_CHUNK_AUTO] chunked dispatch (with ep_overlap); the same bits */
+    dsk_moe_ep_chunk ep_chunk;       /* [DSK_MOE_CHUNK_AUTO] chunked dispatch and return (with ep_overlap); the
+                                        same bits */
     int node_limit;                  /* M > 0: each token's experts on at most M nodes of ep (DeepSeek-V3's node-limited
                                 routing): group-limited routing with the ep group's nodes as the groups, ranked by
                                 the sum of their top_k / M largest c (DSK_MOE_GROUP_MEGATRON's rule) [0: none];
@@ -1283,6 +1288,8 @@ struct dsk__moe_state {
                                 the same without this rank's own rows (chunked dispatch) */
     int64_t *send_rows, *recv_rows; /* (P) */
     int *arrival_order;             /* (P) chunked dispatch: the ranks whose rows landed, in that order */
+    int *gates;                     /* (P) chunked return: 1 once a rank's results are in STAGE, -1 if the layer
+                                       failed (dsk_comm_all_to_all_v_gated's ready) */
     int64_t *local_off;      /* (n_local + 1) */
     int32_t *h_rg;           /* (R, 2) regroup index and its inverse on the host (EP), grown */
     int64_t h_rg_cap;
@@ -1525,6 +1532,7 @@ static void dsk__moe_state_free(dsk_moe *m, dsk_ctx *ctx) {
     DSK_FREE(st->h_cnt); DSK_FREE(st->h_recv_cnt); DSK_FREE(st->a2a); DSK_FREE(st->send_rows);
     DSK_FREE(st->recv_rows);
     DSK_FREE(st->arrival_order);
+    DSK_FREE(st->gates);
     DSK_FREE(st->local_off);
     DSK_FREE(st->h_rg);
     DSK_FREE(st->fwd_loads);
@@ -1744,6 +1752,7 @@ static dsk_status dsk__moe_alloc_state(dsk_moe *m, dsk_ctx *ctx) {
     st->a2a = (int64_t *)DSK_MALLOC((size_t)(8 * P) * sizeof(int64_t));
     st->send_rows = (int64_t *)DSK_MALLOC((size_t)P * sizeof(int64_t));
     st->arrival_order = (int *)DSK_MALLOC((size_t)P * sizeof(int));
+    st->gates = (int *)DSK_MALLOC((size_t)P * sizeof(int));
     st->recv_rows = (int64_t *)DSK_MALLOC((size_t)P * sizeof(int64_t));
     st->local_off = (int64_t *)DSK_MALLOC((size_t)(El + 1) * sizeof(int64_t));
     st->fwd_loads = (int64_t *)DSK_MALLOC((size_t)E * sizeof(int64_t));
@@ -1759,7 +1768,7 @@ static dsk_status dsk__moe_alloc_state(dsk_moe *m, dsk_ctx *ctx) {
         st->col_acc_f = (double *)DSK_MALLOC(3 * sizeof(double));
     }
     if (!st->h_cnt || !st->h_recv_cnt || !st->a2a || !st->send_rows || !st->recv_rows || !st->arrival_order ||
-        !st->local_off || !st->fwd_loads || !st->col_acc_i || !st->col_acc_f)
+        !st->gates || !st->local_off || !st->fwd_loads || !st->col_acc_i || !st->col_acc_f)
         return dsk_set_error(DSK_ERR_OOM, "dsk_moe_init: out of host memory");
     memset(st->col_acc_i, 0, (size_t)(5 + E) * sizeof(int64_t));
     memset(st->col_acc_f, 0, 3 * sizeof(double));
@@ -3562,6 +3571,8 @@ typedef struct dsk__moe_async {
     dsk_ctx *ctx;
     const dsk_tensor *rows;
     dsk_tensor *dst;
+    dsk_tensor *back;          /* chunked: after the exchange to the experts, the results return into back, each rank's
+                         as the layer opens its gate (dsk__moe_return_gated) */
     int way, started, chunked; /* way: DSK__MOE_XCH_*; chunked: arr is initialised and in st->arrivals */
     pthread_t thread;
     dsk_status st;
@@ -3576,25 +3587,28 @@ enum { DSK__MOE_XCH_DISPATCH, DSK__MOE_XCH_TO_EXPERTS, DSK__MOE_XCH_FROM_EXPERTS
 static dsk_status dsk__moe_dispatch(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst);
 static dsk_status dsk__moe_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst);
 static dsk_status dsk__moe_from_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst);
+static dsk_status dsk__moe_return_gated(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dst);
 
 static void *dsk__moe_async_main(void *p) {
     dsk__moe_async *a = (dsk__moe_async *)p;
     a->st = a->way == DSK__MOE_XCH_FROM_EXPERTS ? dsk__moe_from_experts(a->m, a->ctx, a->rows, a->dst)
             : a->way == DSK__MOE_XCH_DISPATCH   ? dsk__moe_dispatch(a->m, a->ctx, a->rows, a->dst)
                                                 : dsk__moe_to_experts(a->m, a->ctx, a->rows, a->dst);
-    if (a->st != DSK_OK) snprintf(a->err, sizeof a->err, "%s", dsk_last_error());
     if (a->chunked) { /* a rank that never landed ends the layer's wait */
         pthread_mutex_lock(&a->arr.mu);
         a->arr.done = 1;
         pthread_cond_broadcast(&a->arr.cv);
         pthread_mutex_unlock(&a->arr.mu);
     }
+    if (a->st == DSK_OK && a->back) a->st = dsk__moe_return_gated(a->m, a->ctx, a->back);
+    if (a->st != DSK_OK) snprintf(a->err, sizeof a->err, "%s", dsk_last_error());
     return NULL;
 }
 
-/* Starts the exchange: on a thread when the layer overlaps, else here and now. */
+/* Starts the exchange: on a thread when the layer overlaps, else here and now. back: where the chunked results
+   return (NULL: the caller returns them itself). */
 static dsk_status dsk__moe_exchange_start(dsk__moe_async *a, dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows,
-                                          dsk_tensor *dst, int way) {
+                                          dsk_tensor *dst, int way, dsk_tensor *back) {
     dsk_tensor t;
     memset(a, 0, sizeof *a);
     a->m = m;
@@ -3620,6 +3634,8 @@ static dsk_status dsk__moe_exchange_start(dsk__moe_async *a, dsk_moe *m, dsk_ctx
         a->arr.m = m;
         a->chunked = 1;
         m->st->arrivals = &a->arr;
+        a->back = back;
+        memset(m->st->gates, 0, (size_t)m->ep_size * sizeof(int));
     }
     if (thread) a->started = pthread_create(&a->thread, NULL, dsk__moe_async_main, a) == 0;
     if (!a->started) dsk__moe_async_main(a); /* serial (or no thread to be had) */
@@ -3645,6 +3661,8 @@ static dsk_status dsk__moe_join_on_error(dsk__moe_async *a, dsk_status s) {
     char msg[1024];
     if (s == DSK_OK || !a) return s;
     snprintf(msg, sizeof msg, "%s", dsk_last_error());
+    for (int r = 0; a->back && r < a->m->ep_size; r++) /* the return's gates that are still shut never open */
+        __atomic_store_n(&a->m->st->gates[r], -1, __ATOMIC_RELEASE);
     (void)dsk__moe_exchange_wait(a);
     return dsk_set_error(s, "%s", msg);
 }
@@ -3740,6 +3758,37 @@ static int dsk__moe_next_arrival(dsk__moe_async *a, int k) {
     r = k < v->n ? v->order[k] : -1;
     pthread_mutex_unlock(&v->mu);
     return r;
+}
+
+/* The chunked return's regroup, once rank r's chunk is computed: r's rows of the expert-major src (r's block of each
+   local expert's segment) to r's place in the rank-major STAGE (the exchange to the experts' receive displacements;
+   plain copies, dsk__moe_from_experts' gather), then r's gate opens. STAGE's block for r is free: r's rows that
+   landed there were placed before r's chunk ran (this rank's own never land there). */
+static void dsk__moe_release_rank(dsk_moe *m, const dsk_tensor *src, int r) {
+    struct dsk__moe_state *st = m->st;
+    int64_t D = m->opts.d_model, to = st->a2a[3 * m->ep_size + r] / D, from, n;
+    size_t row = (size_t)D * dsk_dtype_size(src->dtype);
+    char *stage = (char *)st->buf[DSK__MOE_STAGE].mem.data;
+    for (int e = 0; e < m->n_local; e++, to += n) {
+        dsk__moe_block(m, r, e, &from, &n);
+        if (n) memcpy(stage + (size_t)to * row, (const char *)src->data + (size_t)from * row, (size_t)n * row);
+    }
+    __atomic_store_n(&st->gates[r], 1, __ATOMIC_RELEASE);
+}
+
+/* dsk_comm_all_to_all_v_gated's ready: rank r's gate (st->gates). */
+static int dsk__moe_gate(void *arg, int r) { return __atomic_load_n(&((const int *)arg)[r], __ATOMIC_ACQUIRE); }
+
+/* The chunked return, on ep_overlap's thread after the exchange to the experts: the results (STAGE, rank-major)
+   back to their ranks into dst (kept order), each rank's block leaving once the layer released it. */
+static dsk_status dsk__moe_return_gated(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dst) {
+    struct dsk__moe_state *st = m->st;
+    int P = m->ep_size;
+    dsk_tensor stage;
+    dsk__moe_count_off(m, dsk__moe_flat_off(m, 1, (size_t)m->opts.d_model * dsk_dtype_size(dst->dtype)));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->T, st->R, &stage));
+    return dsk_comm_all_to_all_v_gated(m->opts.ep, ctx, stage.data, st->a2a + 2 * P, st->a2a + 3 * P, dst->data,
+                                       st->a2a, st->a2a + P, dst->dtype, dsk__moe_gate, st->gates);
 }
 
 /* Forward of rank r's chunk: (this rank's own: its rows placed from xs, kept order, into xr) the routed experts
@@ -4303,7 +4352,7 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     int two = ep && o->ep_route == DSK_MOE_ROUTE_TWO_HOP; /* never with fp8 (dsk__moe_ep_route_resolve) */
     int losses = o->aux_alpha > 0 || o->seq_aux_alpha > 0 || o->z_beta > 0;
     dsk_tensor xf, xa, u, prob, scr, sel, gate, keys, perm_all, off_all, perm, off, pos, row_tok, row_gate, cnt, cntg;
-    dsk_tensor xs, xr, h1, h3, a, ob, ys, w[6], offsets;
+    dsk_tensor xs, xr, h1, h3, a, ob, back, ys, w[6], offsets;
     dsk__moe_loss_bufs lb;
     dsk__moe_async xch;
     R = dsk__moe_rows_first(m, T); /* sizes the buffers (exact EP: until the counts say more) */
@@ -4392,8 +4441,11 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
     if (ep) {
         if (two) DSK__TRY(dsk__moe_hop_plan(m, ctx, T, n_kept, &perm, &off, &gate));
         DSK__TRY(dsk__moe_buf(m, ctx, fp8 ? DSK__MOE_DOR : DSK__MOE_XR, T, R, &xr));
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_OB, T, R, &back));
+        back = dsk__moe_rows(&back, n_rows);
         st->chunked = dsk__moe_chunking(m, ctx);
-        DSK__TRY(dsk__moe_exchange_start(&xch, m, ctx, two ? &xa : &xs, &xr, DSK__MOE_XCH_DISPATCH));
+        DSK__TRY(dsk__moe_exchange_start(&xch, m, ctx, two ? &xa : &xs, &xr, DSK__MOE_XCH_DISPATCH,
+                                         st->chunked ? &back : NULL));
     } else if (!fp8) {
         xr = dsk__moe_rows(&xs, R);
     }
@@ -4407,9 +4459,12 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
         DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_A, T, R, &a)));
     }
     st->fwd_chunks = 0;
-    if (ep && st->chunked) /* this rank's own rows while the others' travel, then each other rank's as it lands */
-        for (int k = 0, r = m->ep_rank; r >= 0; r = dsk__moe_next_arrival(&xch, k++), st->fwd_chunks++)
+    if (ep && st->chunked) /* this rank's own rows while the others' travel, then each other rank's as it lands;
+                              each chunk's outputs leave as soon as they are computed */
+        for (int k = 0, r = m->ep_rank; r >= 0; r = dsk__moe_next_arrival(&xch, k++), st->fwd_chunks++) {
             DSK__TRY(dsk__moe_join_on_error(&xch, dsk__moe_experts_chunk(m, ctx, w, &xs, &xr, &ob, &h1, &h3, &a, r)));
+            dsk__moe_release_rank(m, &ob, r);
+        }
     if (ep) DSK__TRY(dsk__moe_exchange_wait(&xch));
     if (fp8) {
         DSK__TRY(DSK__MOE_F8(dsk__moe_f8_rows(m, ctx, &row_tok, &xr)));
@@ -4418,10 +4473,7 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
         DSK__TRY(dsk_swiglu_grouped(ctx, &ob, &h1, &h3, &a, &xr, &w[0], &w[1], &w[2], &offsets));
     }
     if (ep) {
-        dsk_tensor back;
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_OB, T, R, &back));
-        back = dsk__moe_rows(&back, n_rows);
-        DSK__TRY(dsk__moe_from_experts(m, ctx, &ob, &back));
+        if (!st->chunked) DSK__TRY(dsk__moe_from_experts(m, ctx, &ob, &back));
         ob = back;
     }
     DSK__TRY(dsk__moe_combine(m, ctx, y, &pos, &gate, &ob, Fs > 0 ? &ys : NULL));
@@ -4496,8 +4548,11 @@ static dsk_status dsk__moe_backward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *d
     if (ep) { /* the shared experts' backward while the rows travel */
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DOR, T, R, &dor));
         st->in_forward = 0;
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DXP, T, R, &dxp));
+        dxp = dsk__moe_rows(&dxp, n_rows);
         st->chunked = dsk__moe_chunking(m, ctx);
-        DSK__TRY(dsk__moe_exchange_start(&xch, m, ctx, two ? &dya : &dos, &dor, DSK__MOE_XCH_TO_EXPERTS));
+        DSK__TRY(dsk__moe_exchange_start(&xch, m, ctx, two ? &dya : &dos, &dor, DSK__MOE_XCH_TO_EXPERTS,
+                                         st->chunked ? &dxp : NULL));
     } else {
         dor = dsk__moe_rows(&dos, R);
     }
@@ -4509,23 +4564,22 @@ static dsk_status dsk__moe_backward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *d
     DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_DH1, T, R, &dh1)));
     DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_DH3, T, R, &dh3)));
     DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_DXR, T, R, &dxr)));
-    if (ep && st->chunked) /* as the forward */
-        for (int k = 0, r = m->ep_rank; r >= 0; r = dsk__moe_next_arrival(&xch, k++))
+    if (ep && st->chunked) /* as the forward; the weight gradients compute while the last rows travel back */
+        for (int k = 0, r = m->ep_rank; r >= 0; r = dsk__moe_next_arrival(&xch, k++)) {
             DSK__TRY(dsk__moe_join_on_error(
                 &xch, dsk__moe_experts_chunk_backward(m, ctx, w, &dos, &dor, &h1, &h3, &da, &dh1, &dh3, &dxr, r)));
-    if (ep) DSK__TRY(dsk__moe_exchange_wait(&xch));
+            dsk__moe_release_rank(m, &dxr, r);
+        }
+    if (ep && !st->chunked) DSK__TRY(dsk__moe_exchange_wait(&xch));
     if (fp8) DSK__TRY(DSK__MOE_F8(dsk__moe_f8_experts_backward(m, ctx, w, &offsets, &dor, &dxr)));
-    else if (ep && st->chunked) DSK__TRY(dsk__moe_chunked_wgrad(m, ctx, &offsets, &dor, &xr, &a, &dh1, &dh3));
+    else if (ep && st->chunked)
+        DSK__TRY(dsk__moe_join_on_error(&xch, dsk__moe_chunked_wgrad(m, ctx, &offsets, &dor, &xr, &a, &dh1, &dh3)));
     else
         DSK__TRY(dsk_swiglu_grouped_backward(ctx, &dxr, &m->w1->grad, &m->w2->grad, &m->w3->grad, &da, &dh1, &dh3, &dor,
                                              &xr, &h1, &h3, &a, &w[0], &w[1], &w[2], &offsets));
-    if (ep) { /* the router's backward while the rows travel back */
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DXP, T, R, &dxp));
-        dxp = dsk__moe_rows(&dxp, n_rows);
-        DSK__TRY(dsk__moe_exchange_start(&xch, m, ctx, &dxr, &dxp, DSK__MOE_XCH_FROM_EXPERTS));
-    } else {
-        dxp = dxr;
-    }
+    if (ep && !st->chunked) /* the router's backward while the rows travel back */
+        DSK__TRY(dsk__moe_exchange_start(&xch, m, ctx, &dxr, &dxp, DSK__MOE_XCH_FROM_EXPERTS, NULL));
+    else if (!ep) dxp = dxr;
     /* router: du (T, E) per token, the routed rows into dxf, then dx += du W_r, dW_r += du^T x */
     DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_DU, T, R, &du)));
     DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL,

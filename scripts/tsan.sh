@@ -8,7 +8,8 @@
 #   train_moe   the loader thread (--prefetch), the metrics server (--metrics-port, scraped
 #               while it trains), async checkpoints (--ckpt-every), the local launcher
 #               with two ranks over shared memory (--nproc 2), and the MoE layers' exchange
-#               thread handing each rank's rows over as they land (--ep 4 --ep-overlap chunked)
+#               thread handing each rank's rows over as they land and sending each chunk's
+#               results as the layer releases them (--ep 4 --ep-overlap chunked)
 # OpenMP: the OpenMP runtime (libgomp, or clang's libomp here) is not built with TSan, so TSan
 # cannot see its barriers and reports every parallel region's hand-over as a race that is not
 # there. OMP_NUM_THREADS=1 runs a region on the calling thread; regions with an explicit thread
@@ -73,7 +74,7 @@ check test_ckpt "$BUILD/tests/test_ckpt"
 check test_comm "$BUILD/tests/test_comm"
 check "train_moe --prefetch 2 --metrics-port (scraped) --ckpt-every 10" train_threads
 check "train_moe --nproc 2 (launcher, two ranks over shared memory)" "$BIN" "${TINY[@]}" --steps 10 --nproc 2
-check "train_moe --nproc 4 --ep 4 --ep-overlap chunked (exchange thread, per-rank chunks)" "$BIN" "${TINY[@]}" \
+check "train_moe --nproc 4 --ep 4 --ep-overlap chunked (exchange thread, per-rank chunks both ways)" "$BIN" "${TINY[@]}" \
     --steps 6 --nproc 4 --ep 4 --ep-overlap chunked
 echo "$passed passed, $failed failed, 0 skipped"
 [ "$failed" -eq 0 ]
