@@ -245,7 +245,8 @@ TSAN_BUILD ?= build-tsan
 TSAN_CC    ?= clang
 tsan:
 	$(MAKE) BUILD=$(TSAN_BUILD) CC=$(TSAN_CC) CUDA=0 EMULATE=0 OPT=-O1 SAN="-fsanitize=thread -fno-omit-frame-pointer" \
-	    $(TSAN_BUILD)/tests/test_ckpt $(TSAN_BUILD)/tests/test_comm $(TSAN_BUILD)/examples/train_moe
+	    $(TSAN_BUILD)/tests/test_ckpt $(TSAN_BUILD)/tests/test_comm $(TSAN_BUILD)/examples/train_moe \
+	    $(TSAN_BUILD)/bench/bench_moe_ep
 	@BUILD=$(TSAN_BUILD) bash scripts/tsan.sh
 
 fuzz:

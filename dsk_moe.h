@@ -160,7 +160,8 @@
      flat (tests: dropless, capacity, node-limited). AUTO (the default) takes two hops where the ep group spans
      several nodes and they can run: the exact exchange, ep_dispatch ACT, a CPU layer (host backend; CUDA
      layers exchange flat for now), nodes of one size; TWO_HOP asked for elsewhere fails init with
-     DSK_ERR_UNSUPPORTED naming the reason. Two-hop exchanges run serial (ep_overlap does not move them).
+     DSK_ERR_UNSUPPORTED naming the reason. ep_overlap moves two-hop exchanges to its thread as it does flat
+     ones (not chunked: a node's rows come through its relay as one message).
      stats.bytes_off_node counts the bytes of rows each rank's exchanges send to other nodes (flat and bounded
      too), stats.rows_off_node the dispatch's rows (two hops: token rows).
      FP8 dispatch (opts.ep_dispatch = DSK_MOE_DISPATCH_FP8, DeepSeek-V3's): the forward's kept
@@ -3616,10 +3617,10 @@ static dsk_status dsk__moe_exchange_start(dsk__moe_async *a, dsk_moe *m, dsk_ctx
     a->rows = rows;
     a->dst = dst;
     a->way = way;
-    /* FP8 dispatch sizes its code and scale buffers as it goes, and two hops allocate as they go: serial */
+    /* FP8 dispatch sizes its code and scale buffers as it goes: serial. Two hops use the forward's route (its
+       own scratch and communicators) and staging, sized by the route's plan before the thread starts. */
     int fp8 = way == DSK__MOE_XCH_DISPATCH && m->opts.ep_dispatch == DSK_MOE_DISPATCH_FP8;
-    int thread =
-        m->opts.ep_overlap && m->device.type == DSK_DEV_CPU && !fp8 && m->opts.ep_route != DSK_MOE_ROUTE_TWO_HOP;
+    int thread = m->opts.ep_overlap && m->device.type == DSK_DEV_CPU && !fp8;
     if (thread) {
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, m->st->T, m->st->R, &t));
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE2, m->st->T, m->st->R, &t));

@@ -10,6 +10,8 @@
 #               with two ranks over shared memory (--nproc 2), and the MoE layers' exchange
 #               thread handing each rank's rows over as they land and sending each chunk's
 #               results as the layer releases them (--ep 4 --ep-overlap chunked)
+#   bench_moe_ep  every exchange variant of the MoE layer once, 4 ranks on two emulated hosts: the
+#               exchange thread beside the compute for flat, chunked, bounded and two-hop exchanges
 # OpenMP: the OpenMP runtime (libgomp, or clang's libomp here) is not built with TSan, so TSan
 # cannot see its barriers and reports every parallel region's hand-over as a race that is not
 # there. OMP_NUM_THREADS=1 runs a region on the calling thread; regions with an explicit thread
@@ -76,5 +78,7 @@ check "train_moe --prefetch 2 --metrics-port (scraped) --ckpt-every 10" train_th
 check "train_moe --nproc 2 (launcher, two ranks over shared memory)" "$BIN" "${TINY[@]}" --steps 10 --nproc 2
 check "train_moe --nproc 4 --ep 4 --ep-overlap chunked (exchange thread, per-rank chunks both ways)" "$BIN" "${TINY[@]}" \
     --steps 6 --nproc 4 --ep 4 --ep-overlap chunked
+check "bench_moe_ep --ranks 4 --two-hosts (every exchange variant, two-hop on the exchange thread)" \
+    "$BUILD/bench/bench_moe_ep" --ranks 4 --tokens 64 --repeats 1 --two-hosts
 echo "$passed passed, $failed failed, 0 skipped"
 [ "$failed" -eq 0 ]

@@ -1653,8 +1653,9 @@ static uint64_t ep_off_bytes(const int32_t *all, int P, int L, int me, int two, 
     return 2 * (to + back) + meta;
 }
 
-/* Two hops in the layer (4 ranks on 2 emulated nodes): the two-hop layer gives the flat one's outputs,
-   gradients, loads and bias bit for bit, dropless, under capacity 0.75 and node-limited (M = 1); and its
+/* Two hops in the layer (4 ranks on 2 emulated nodes): the two-hop layer, serial and on ep_overlap's thread,
+   gives the flat one's outputs, gradients, loads and bias bit for bit, dropless, under capacity 0.75 and
+   node-limited (M = 1); and its
    statistics count the bytes sent off the node as ep_off_bytes computes them from the routing, fewer over the
    group than the flat layer's. 1 if all hold. */
 static int ep_two_hop(dsk_comm *c, dsk_moe_opts o, int rank, const float *x_rows, const float *dy_rows) {
@@ -1671,17 +1672,22 @@ static int ep_two_hop(dsk_comm *c, dsk_moe_opts o, int rank, const float *x_rows
             v.node_limit = 1;
         }
         v.ep_route = DSK_MOE_ROUTE_FLAT;
+        v.ep_overlap = 0;
         if (ep_step_record(c, v, x_rows, dy_rows, &a, &na, NULL)) ok = 0;
         v.ep_route = DSK_MOE_ROUTE_TWO_HOP;
-        if (ep_step_record(c, v, x_rows, dy_rows, &b, &nb, NULL)) ok = 0;
-        if (ok && (na != nb || memcmp(a, b, sizeof(float) * na) != 0)) {
-            size_t i = 0;
-            while (i < na && !memcmp(a + i, b + i, sizeof(float))) i++;
-            fprintf(stderr, "rank %d config %d: two hops differ from flat at float %zu of %zu\n", rank, cfg, i, na);
-            ok = 0;
+        for (int ov = 0; ov < 2; ov++, b = NULL) { /* serial, then on ep_overlap's thread */
+            v.ep_overlap = ov;
+            if (ep_step_record(c, v, x_rows, dy_rows, &b, &nb, NULL)) ok = 0;
+            if (ok && (na != nb || memcmp(a, b, sizeof(float) * na) != 0)) {
+                size_t i = 0;
+                while (i < na && !memcmp(a + i, b + i, sizeof(float))) i++;
+                fprintf(stderr, "rank %d config %d: two hops%s differ from flat at float %zu of %zu\n", rank, cfg,
+                        ov ? " overlapped" : "", i, na);
+                ok = 0;
+            }
+            free(b);
         }
         free(a);
-        free(b);
     }
     for (int two = 0; ok && two < 2; two++) {
         dsk_moe m;
