@@ -130,11 +130,14 @@
      all-to-all of int32); the receiver sorts the rows by local expert on the device (stable: each
      expert's rows by source rank, then in the source's order, as the exact exchange places them),
      so nothing comes back to the host and the results are the exact exchange's bits.
-     Overlap (host backend, opts.ep_overlap 1; off by default: it needs a core the ranks' compute does
-     not use, bench/RESULTS.md): a second thread runs each exchange while
-     the layer computes what does not wait on it: the shared experts during the forward's dispatch
-     and the backward's, the router's backward while the expert gradients travel back. The same bits
-     as serial (each result's arithmetic is unchanged; only independent steps move). Chunked dispatch
+     Overlap (opts.ep_overlap 1; off by default: on the host it needs a core the ranks' compute does
+     not use, bench/RESULTS.md): a second thread (host backend), or a stream of the layer's own that
+     waits for an event on the layer's stream and that the layer's stream waits for in turn (CUDA, no
+     host wait, so a bounded step stays a CUDA graph: the graph holds the fork and the join), runs each
+     exchange while the layer computes what does not wait on it: the shared experts during the
+     forward's dispatch and the backward's, the router's backward while the expert gradients travel
+     back. The same bits as serial (each result's arithmetic is unchanged; only independent steps
+     move). Chunked dispatch
      (opts.ep_chunk: ON where it applies: ep_overlap's thread, the exact flat exchange of activation rows,
      ACT experts, the default ISA's row kernels; AUTO, the default, only where the node has a core free
      for each rank's exchange thread, as without one it slowed the step): the rank's own rows need no transport,
@@ -149,8 +152,8 @@
      come by source rank, so a chunk is a sub-range of each expert's segment; a row's results have the
      same bits whatever rows share its GEMM (dsk_matmul's rows contract) and whatever order the chunks
      run in, and the weight gradients, sums over rows, run once over whole segments after the last
-     chunk: the serial bits. CUDA runs the exchanges on the layer's stream, serial. Not yet: overlap
-     across micro-batches.
+     chunk: the serial bits. CUDA does not chunk (the exchange stream runs each exchange whole). Not yet:
+     overlap across micro-batches.
      Routes across nodes (opts.ep_route): FLAT sends a row per kept (token, expert) to the expert's rank in
      one all-to-all-v; TWO_HOP sends each token's row once to every node holding one of its kept experts (to
      the rank with this rank's node_rank there, which copies it to its slots on that node: dsk_moe_route,
@@ -356,10 +359,12 @@ typedef struct dsk_moe_opts {
                                         ep_dispatch ACT */
     dsk_moe_expert_gemm expert_gemm; /* [DSK_MOE_GEMM_ACT]; FP8 needs dsk_amp.h included before this file in the
                                         implementation */
-    int ep_overlap;                  /* 1: on the host backend a second thread runs each expert exchange while the
-                                        layer computes what does not wait on it (forward: the shared experts;
-                                        backward: the shared experts, the router); the same bits as serial; it
-                                        needs a free core (bench/RESULTS.md) [0: serial] (CUDA: always serial) */
+    int ep_overlap;                  /* 1: each expert exchange runs beside what the layer computes that does not
+                                        wait on it (forward: the shared experts; backward: the shared experts,
+                                        the router): host backend on a second thread (it needs a free core,
+                                        bench/RESULTS.md), CUDA on a stream of the layer's own, ordered by events
+                                        (no host wait; FP8 dispatch stays serial); the same bits as serial
+                                        [0: serial] */
     dsk_moe_ep_route ep_route;       /* [DSK_MOE_ROUTE_AUTO]; resolved by init to FLAT or TWO_HOP */
     dsk_moe_ep_chunk ep_chunk;       /* [DSK_MOE_CHUNK_AUTO] chunked dispatch and return (with ep_overlap); the
                                         same bits */
@@ -1306,6 +1311,8 @@ struct dsk__moe_state {
     int chunked;              /* this call's exchange to the experts leaves this rank's own rows to the caller */
     int64_t fwd_chunks;       /* the last forward's chunks (dsk_moe_stats.ep_chunks) */
     struct dsk__moe_arrivals *arrivals; /* chunked: the running exchange's hand-over (dsk__moe_async) */
+    void *side, *ev_fork, *ev_join;     /* CUDA with ep_overlap: the exchanges' stream, and the events that order
+                                           it after the layer's stream and the layer's stream after it */
     struct dsk__moe_hop *hop; /* opts.ep_route TWO_HOP: the last forward's route and indices */
 };
 
@@ -1520,12 +1527,19 @@ static void dsk__moe_hop_free(struct dsk__moe_hop *h);
 
 static void dsk__moe_state_free(dsk_moe *m, dsk_ctx *ctx) {
     struct dsk__moe_state *st = m->st;
+#ifdef DSK_CUDA
+    if (st->side) (void)dsk_cuda_stream_sync(st->side); /* nothing may still use the buffers */
+#endif
     for (int i = 0; i < DSK__MOE_NBUF; i++) dsk_tensor_free(ctx, &st->buf[i].mem);
 #ifdef DSK_CUDA
     if (m->device.type == DSK_DEV_CUDA) { /* pinned, not DSK_MALLOC'd */
         dsk_cuda_host_free(st->col_acc_i);
         dsk_cuda_host_free(st->col_acc_f);
         dsk_cuda_event_destroy(st->event);
+        dsk_cuda_stream_destroy(st->side);
+        dsk_cuda_event_destroy(st->ev_fork);
+        dsk_cuda_event_destroy(st->ev_join);
+        st->side = st->ev_fork = st->ev_join = NULL;
         st->col_acc_i = NULL;
         st->col_acc_f = NULL;
     }
@@ -1762,6 +1776,11 @@ static dsk_status dsk__moe_alloc_state(dsk_moe *m, dsk_ctx *ctx) {
         st->col_acc_i = (int64_t *)dsk_cuda_host_alloc((size_t)(5 + E) * sizeof(int64_t));
         st->col_acc_f = (double *)dsk_cuda_host_alloc(3 * sizeof(double));
         DSK__TRY(dsk_cuda_event_create(&st->event));
+        if (m->opts.ep_overlap && P > 1) { /* the exchanges' stream */
+            DSK__TRY(dsk_cuda_stream_create(&st->side));
+            DSK__TRY(dsk_cuda_event_create(&st->ev_fork));
+            DSK__TRY(dsk_cuda_event_create(&st->ev_join));
+        }
     } else
 #endif
     {
@@ -3575,6 +3594,9 @@ typedef struct dsk__moe_async {
     dsk_tensor *back;          /* chunked: after the exchange to the experts, the results return into back, each rank's
                          as the layer opens its gate (dsk__moe_return_gated) */
     int way, started, chunked; /* way: DSK__MOE_XCH_*; chunked: arr is initialised and in st->arrivals */
+    int forked;                /* CUDA: the exchange was issued on st->side, after ev_fork */
+    dsk_ctx side, *caller;     /* CUDA: the caller's ctx on st->side (no workspace: the exchanges need none) */
+    dsk_ctx_counters at_fork;  /* side's counters when it was made */
     pthread_t thread;
     dsk_status st;
     char err[1024];
@@ -3639,7 +3661,24 @@ static dsk_status dsk__moe_exchange_start(dsk__moe_async *a, dsk_moe *m, dsk_ctx
         memset(m->st->gates, 0, (size_t)m->ep_size * sizeof(int));
     }
     if (thread) a->started = pthread_create(&a->thread, NULL, dsk__moe_async_main, a) == 0;
-    if (!a->started) dsk__moe_async_main(a); /* serial (or no thread to be had) */
+#ifdef DSK_CUDA
+    if (m->st->side && !fp8) { /* issued on the exchanges' stream, after what the layer's stream holds */
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, m->st->T, m->st->R, &t));
+        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE2, m->st->T, m->st->R, &t));
+        DSK__TRY(dsk_cuda_event_record(ctx, m->st->ev_fork));
+        DSK__TRY(dsk_cuda_stream_wait_event(m->st->side, m->st->ev_fork));
+        a->side = *ctx;
+        a->side.stream = m->st->side;
+        a->side.cublas = NULL;
+        a->side.workspace = NULL;
+        a->side.workspace_bytes = 0;
+        a->at_fork = ctx->counters;
+        a->caller = ctx;
+        a->ctx = &a->side;
+        a->forked = 1;
+    }
+#endif
+    if (!a->started) dsk__moe_async_main(a); /* serial (or no thread to be had), or issued on the side stream */
     return DSK_OK;
 }
 
@@ -3647,6 +3686,19 @@ static dsk_status dsk__moe_exchange_start(dsk__moe_async *a, dsk_moe *m, dsk_ctx
 static dsk_status dsk__moe_exchange_wait(dsk__moe_async *a) {
     if (a->started) pthread_join(a->thread, NULL);
     a->started = 0;
+#ifdef DSK_CUDA
+    if (a->forked) { /* the layer's stream waits for the exchange (the host does not) */
+        struct dsk__moe_state *st = a->m->st;
+        dsk_ctx_counters *c = &a->caller->counters, *s0 = &a->at_fork, *s1 = &a->side.counters;
+        dsk_status s = dsk_cuda_stream_record(st->side, st->ev_join);
+        if (s == DSK_OK) s = dsk_cuda_stream_wait_event(a->caller->stream, st->ev_join);
+        c->syncs += s1->syncs - s0->syncs; /* what the exchange counted on the side ctx */
+        c->d2h_copies += s1->d2h_copies - s0->d2h_copies;
+        c->d2h_bytes += s1->d2h_bytes - s0->d2h_bytes;
+        a->forked = 0;
+        if (s != DSK_OK && a->st == DSK_OK) return s;
+    }
+#endif
     if (a->chunked) {
         pthread_cond_destroy(&a->arr.cv);
         pthread_mutex_destroy(&a->arr.mu);

@@ -9,7 +9,9 @@
 # two ranks with expert parallelism (--nproc 2 --ep 2, the bounded exchange: bf16 with --accum 2 over
 # 10 steps, and fp16 --init-std 0.5, whose overflowing steps skip and capture again),
 # whose graph holds the passes with their expert all-to-alls over the emulated NCCL and whose
-# gradient all-reduce and AdamW run after each launch (the expert bytes logged too); and two
+# gradient all-reduce and AdamW run after each launch (the expert bytes logged too); the bf16 one
+# again with --ep-overlap on (the exchanges on the layers' own stream, forked and joined by events
+# inside the graph), whose eager run also logs the serial exchange's numbers bit for bit; and two
 # data-parallel ranks in f32.
 # A capture fails on any host sync inside it, so the runs also prove the captured steps make none.
 # And --cuda-graph on the CPU, with --zero, or with --ep and the exact exchange fails with a message.
@@ -45,6 +47,7 @@ PYEOF
 
 for variant in "bf16 --accum 2" "fp16" "fp16 --init-std 0.5" "fp8 --optim-dtype bf16" \
                "bf16 --accum 2 --nproc 2 --ep 2 --ep-exchange bounded --steps 10" \
+               "bf16 --accum 2 --nproc 2 --ep 2 --ep-exchange bounded --steps 10 --ep-overlap on" \
                "fp16 --init-std 0.5 --nproc 2 --ep 2 --ep-exchange bounded" "f32 --nproc 2"; do
     set -- $variant
     dt=$1; shift
@@ -69,6 +72,10 @@ for variant in "bf16 --accum 2" "fp16" "fp16 --init-std 0.5" "fp8 --optim-dtype 
         else bad "$what" "skip flags seen: '$skips', loss scales: $scales" "$b"; fi
     fi
 done
+
+what="--ep-overlap on, bf16 --accum 2 --nproc 2 --ep 2 --ep-exchange bounded: the eager run logs the serial one's numbers"
+a=$(fields eager_bf16_10); b=$(fields eager_bf16_12)
+if [ -n "$a" ] && [ "$a" = "$b" ]; then ok "$what"; else bad "$what" "$(diff <(echo "$a") <(echo "$b") | head -6)"; fi
 
 run zero "${TINY[@]}" --zero 1 --cuda-graph
 if [ "$(cat "$work/zero.rc")" -ne 0 ] && grep -q -- "--cuda-graph runs without --zero" "$work/zero.out"; then

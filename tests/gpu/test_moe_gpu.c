@@ -328,29 +328,43 @@ done:
 }
 
 /* The bounded exchange over nccl, dropless and under capacity 0.75: a forward and backward make no host
-   sync and no device-to-host copy, and give the exact exchange's y, dx and gradients bit for bit. */
+   sync and no device-to-host copy, and give the exact exchange's y, dx and gradients bit for bit; and so do
+   both exchanges with ep_overlap (issued on the layer's exchange stream, beside the shared experts and the
+   router's backward), with the serial exchange's syncs. */
 static void ep_bounded_check(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_tensor *gx, const dsk_tensor *gdy,
                              int64_t row0, int64_t NT) {
+    static const char *names[] = {"", "bounded serial", "exact overlapped", "bounded overlapped"};
     for (int cap = 0; cap < 2; cap++) {
-        size_t na = 0, nb = 0;
-        int64_t sa = -1, da = -1, sb = -1, db = -1;
-        char *a, *b;
+        size_t na = 0;
+        int64_t sa = -1, da = -1;
+        char *a;
         o.capacity_factor = cap ? 0.75f : 0.0f;
         o.ep_exchange = DSK_MOE_EP_EXACT;
+        o.ep_overlap = 0;
         a = ep_step_bytes(c, g, o, gx, gdy, row0, NT, &na, &sa, &da);
-        o.ep_exchange = DSK_MOE_EP_BOUNDED;
-        b = ep_step_bytes(c, g, o, gx, gdy, row0, NT, &nb, &sb, &db);
-        DSK_TEST_EXPECT(a && b, "capacity %g: a step failed: %s", (double)o.capacity_factor, dsk_last_error());
-        DSK_TEST_EXPECT(sb == 0 && db == 0, "capacity %g: bounded EP forward+backward: %lld syncs, %lld copies back",
-                        (double)o.capacity_factor, (long long)sb, (long long)db);
+        DSK_TEST_EXPECT(a, "capacity %g: the exact step failed: %s", (double)o.capacity_factor, dsk_last_error());
         DSK_TEST_EXPECT(sa == 1, "capacity %g: exact EP: %lld syncs (want the counts' 1)", (double)o.capacity_factor,
                         (long long)sa);
-        if (a && b) {
-            DSK_TEST_EXPECT(na == nb, "sizes %zu and %zu", na, nb);
-            DSK_TEST_SAME_BYTES(b, a, na < nb ? na : nb, "bounded exchange: y, dx, gradients = the exact exchange's");
+        for (int v = 1; v < 4; v++) {
+            size_t nb = 0;
+            int64_t sb = -1, db = -1, want = v == 2 ? 1 : 0;
+            char *b;
+            o.ep_exchange = v == 2 ? DSK_MOE_EP_EXACT : DSK_MOE_EP_BOUNDED;
+            o.ep_overlap = v >= 2;
+            b = ep_step_bytes(c, g, o, gx, gdy, row0, NT, &nb, &sb, &db);
+            DSK_TEST_EXPECT(b, "capacity %g: %s: the step failed: %s", (double)o.capacity_factor, names[v],
+                            dsk_last_error());
+            DSK_TEST_EXPECT(sb == want && db == (v == 2 ? da : 0),
+                            "capacity %g: %s EP forward+backward: %lld syncs, %lld copies back (want %lld, %lld)",
+                            (double)o.capacity_factor, names[v], (long long)sb, (long long)db, (long long)want,
+                            (long long)(v == 2 ? da : 0));
+            if (a && b) {
+                DSK_TEST_EXPECT(na == nb, "%s: sizes %zu and %zu", names[v], na, nb);
+                DSK_TEST_SAME_BYTES(b, a, na < nb ? na : nb, names[v]);
+            }
+            free(b);
         }
         free(a);
-        free(b);
     }
 }
 
