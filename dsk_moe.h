@@ -363,7 +363,7 @@ typedef struct dsk_moe_opts {
                                         wait on it (forward: the shared experts; backward: the shared experts,
                                         the router): host backend on a second thread (it needs a free core,
                                         bench/RESULTS.md), CUDA on a stream of the layer's own, ordered by events
-                                        (no host wait; FP8 dispatch stays serial); the same bits as serial
+                                        (no host wait); the same bits as serial
                                         [0: serial] */
     dsk_moe_ep_route ep_route;       /* [DSK_MOE_ROUTE_AUTO]; resolved by init to FLAT or TWO_HOP */
     dsk_moe_ep_chunk ep_chunk;       /* [DSK_MOE_CHUNK_AUTO] chunked dispatch and return (with ep_overlap); the
@@ -3628,25 +3628,30 @@ static void *dsk__moe_async_main(void *p) {
     return NULL;
 }
 
-/* Starts the exchange: on a thread when the layer overlaps, else here and now. back: where the chunked results
-   return (NULL: the caller returns them itself). */
+/* Sizes the buffers an exchange running beside the layer uses (staging; FP8 dispatch's codes and scales, and
+   FP8 experts' inputs), so that it only looks them up. Two hops use the forward's route (its own scratch and
+   communicators) and staging, sized by the route's plan. */
+static dsk_status dsk__moe_exchange_buffers(dsk_moe *m, dsk_ctx *ctx) {
+    static const int ids[] = {DSK__MOE_STAGE, DSK__MOE_STAGE2, DSK__MOE_Q8, DSK__MOE_Q8S,
+                              DSK__MOE_Q8R,   DSK__MOE_Q8RS,   DSK__MOE_RQ, DSK__MOE_RQS};
+    int n = m->opts.ep_dispatch != DSK_MOE_DISPATCH_FP8 ? 2 : m->opts.expert_gemm == DSK_MOE_GEMM_FP8 ? 8 : 6;
+    dsk_tensor t;
+    for (int i = 0; i < n; i++) DSK__TRY(dsk__moe_buf(m, ctx, ids[i], m->st->T, m->st->R, &t));
+    return DSK_OK;
+}
+
+/* Starts the exchange: on a thread (host) or the exchanges' stream (CUDA) when the layer overlaps, else here
+   and now. back: where the chunked results return (NULL: the caller returns them itself). */
 static dsk_status dsk__moe_exchange_start(dsk__moe_async *a, dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows,
                                           dsk_tensor *dst, int way, dsk_tensor *back) {
-    dsk_tensor t;
+    int thread = m->opts.ep_overlap && m->device.type == DSK_DEV_CPU;
     memset(a, 0, sizeof *a);
     a->m = m;
     a->ctx = ctx;
     a->rows = rows;
     a->dst = dst;
     a->way = way;
-    /* FP8 dispatch sizes its code and scale buffers as it goes: serial. Two hops use the forward's route (its
-       own scratch and communicators) and staging, sized by the route's plan before the thread starts. */
-    int fp8 = way == DSK__MOE_XCH_DISPATCH && m->opts.ep_dispatch == DSK_MOE_DISPATCH_FP8;
-    int thread = m->opts.ep_overlap && m->device.type == DSK_DEV_CPU && !fp8;
-    if (thread) {
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, m->st->T, m->st->R, &t));
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE2, m->st->T, m->st->R, &t));
-    }
+    if (thread || m->st->side) DSK__TRY(dsk__moe_exchange_buffers(m, ctx));
     if (m->st->chunked && way != DSK__MOE_XCH_FROM_EXPERTS) {
         if (pthread_mutex_init(&a->arr.mu, NULL)) return dsk_set_error(DSK_ERR_OOM, "dsk_moe: pthread_mutex_init");
         if (pthread_cond_init(&a->arr.cv, NULL)) {
@@ -3662,9 +3667,7 @@ static dsk_status dsk__moe_exchange_start(dsk__moe_async *a, dsk_moe *m, dsk_ctx
     }
     if (thread) a->started = pthread_create(&a->thread, NULL, dsk__moe_async_main, a) == 0;
 #ifdef DSK_CUDA
-    if (m->st->side && !fp8) { /* issued on the exchanges' stream, after what the layer's stream holds */
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, m->st->T, m->st->R, &t));
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE2, m->st->T, m->st->R, &t));
+    if (m->st->side) { /* issued on the exchanges' stream, after what the layer's stream holds */
         DSK__TRY(dsk_cuda_event_record(ctx, m->st->ev_fork));
         DSK__TRY(dsk_cuda_stream_wait_event(m->st->side, m->st->ev_fork));
         a->side = *ctx;

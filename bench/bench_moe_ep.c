@@ -1,7 +1,7 @@
 /* bench/bench_moe_ep.c - an expert-parallel MoE layer's forward + backward on forked CPU ranks (host backend:
    shared memory, or TCP between two emulated hosts with --two-hosts), exchanges serial against overlapped
    (dsk_moe_opts.ep_overlap) with and without chunked dispatch (ep_chunk), exact against bounded (ep_exchange),
-   flat against two-hop routes (ep_route) and node-limited routing. Per variant, rank 0 prints the median step
+   flat against two-hop routes (ep_route) and node-limited routing, and FP8 dispatch serial and overlapped. Per variant, rank 0 prints the median step
    time, the time inside the layer's collectives (dsk_comm_stats.seconds: in serial runs the communication
    alone, as nothing runs beside it), the share of the serial run's communication the overlap hid,
    1 - (step - compute) / communication with compute = serial step - serial communication, that is
@@ -15,7 +15,9 @@
 #define DSK_TENSOR_IMPLEMENTATION
 #define DSK_COMM_IMPLEMENTATION
 #define DSK_MOE_IMPLEMENTATION
+#define DSK_AMP_IMPLEMENTATION
 #include "dsk_comm.h"
+#include "dsk_amp.h"
 #include "dsk_moe.h"
 #include "bench_util.h"
 #include <stdio.h>
@@ -26,20 +28,22 @@
 
 typedef struct variant {
     const char *name;
-    int serial, bounded, node_limit, two_hop, chunked;
+    int serial, bounded, node_limit, two_hop, chunked, fp8; /* fp8: FP8 dispatch (e4m3 rows, 1x128 scales) */
 } variant;
 
 static const variant variants[] = {
-    {"exact, serial", 1, 0, 0, 0, 0},
-    {"exact, overlapped", 0, 0, 0, 0, 0},
-    {"exact, overlapped, chunked", 0, 0, 0, 0, 1},
-    {"bounded, serial", 1, 1, 0, 0, 0},
-    {"bounded, overlapped", 0, 1, 0, 0, 0},
-    {"exact, overlapped, node-limited", 0, 0, 1, 0, 0},
-    {"exact, overlapped, chunked, node-limited", 0, 0, 1, 0, 1},
-    {"exact, serial, two-hop", 1, 0, 0, 1, 0},
-    {"exact, overlapped, two-hop", 0, 0, 0, 1, 0},
-    {"exact, serial, two-hop, node-limited", 1, 0, 1, 1, 0},
+    {"exact, serial", 1, 0, 0, 0, 0, 0},
+    {"exact, overlapped", 0, 0, 0, 0, 0, 0},
+    {"exact, overlapped, chunked", 0, 0, 0, 0, 1, 0},
+    {"bounded, serial", 1, 1, 0, 0, 0, 0},
+    {"bounded, overlapped", 0, 1, 0, 0, 0, 0},
+    {"exact, overlapped, node-limited", 0, 0, 1, 0, 0, 0},
+    {"exact, overlapped, chunked, node-limited", 0, 0, 1, 0, 1, 0},
+    {"exact, serial, two-hop", 1, 0, 0, 1, 0, 0},
+    {"exact, overlapped, two-hop", 0, 0, 0, 1, 0, 0},
+    {"exact, serial, FP8 dispatch", 1, 0, 0, 0, 0, 1},
+    {"exact, overlapped, FP8 dispatch", 0, 0, 0, 0, 0, 1},
+    {"exact, serial, two-hop, node-limited", 1, 0, 1, 1, 0, 0},
 };
 
 #define NV (int)(sizeof variants / sizeof variants[0])
@@ -73,6 +77,7 @@ static int run_setup(dsk_comm *c, dsk_ctx *ctx, const variant *v, int T, run *r)
     o.node_limit = v->node_limit && c->n_nodes > 1 ? 1 : 0;
     o.ep_route = v->two_hop ? DSK_MOE_ROUTE_TWO_HOP : DSK_MOE_ROUTE_FLAT;
     o.ep_chunk = v->chunked ? DSK_MOE_CHUNK_ON : DSK_MOE_CHUNK_OFF;
+    o.ep_dispatch = v->fp8 ? DSK_MOE_DISPATCH_FP8 : DSK_MOE_DISPATCH_ACT;
     if (dsk_moe_init(&r->m, ctx, &o) != DSK_OK) return 1;
     dsk_moe_slab_sizes(&r->m, &vb, &gd, &gs);
     ng = gd + gs;
@@ -162,7 +167,8 @@ static int rank_main(int rank, int P, int port, int T, int reps, int two_hosts) 
         const run *serial = NULL;
         for (int s = 0; s < NV; s++)
             if (variants[s].serial && variants[s].bounded == variants[v].bounded &&
-                variants[s].two_hop == variants[v].two_hop && !variants[s].node_limit)
+                variants[s].two_hop == variants[v].two_hop && variants[s].fp8 == variants[v].fp8 &&
+                !variants[s].node_limit)
                 serial = &runs[s];
         report(&variants[v], &runs[v], serial, reps, two_hosts);
     }

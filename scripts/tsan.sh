@@ -11,7 +11,8 @@
 #               thread handing each rank's rows over as they land and sending each chunk's
 #               results as the layer releases them (--ep 4 --ep-overlap chunked)
 #   bench_moe_ep  every exchange variant of the MoE layer once, 4 ranks on two emulated hosts: the
-#               exchange thread beside the compute for flat, chunked, bounded and two-hop exchanges
+#               exchange thread beside the compute for flat, chunked, bounded, two-hop and FP8
+#               dispatch exchanges
 # OpenMP: the OpenMP runtime (libgomp, or clang's libomp here) is not built with TSan, so TSan
 # cannot see its barriers and reports every parallel region's hand-over as a race that is not
 # there. OMP_NUM_THREADS=1 runs a region on the calling thread; regions with an explicit thread

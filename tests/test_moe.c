@@ -1477,7 +1477,8 @@ done:
    rank's as they land, one chunk per rank, which stats.ep_chunks must show) or not, the exact one
    serial with ep_chunk ON (chunking needs the overlap's thread), the bounded one (DSK_MOE_EP_BOUNDED) serial and
    overlapped; dropless, under capacity (which must drop slots here) and, across emulated nodes, with node-limited
-   routing: 1, or 0 with the differences on stderr. */
+   routing. Then FP8 dispatch (with experts in the activation dtype and in FP8) overlapped against serial:
+   1, or 0 with the differences on stderr. */
 static int ep_bounded_same(dsk_comm *c, dsk_moe_opts o, int rank, const float *x_rows, const float *dy_rows) {
     static const char *names[] = {"",
                                   "exact overlapped chunked",
@@ -1530,6 +1531,27 @@ static int ep_bounded_same(dsk_comm *c, dsk_moe_opts o, int rank, const float *x
             ok = 0;
         }
         free(a);
+    }
+    for (int f8e = 0; f8e < 2; f8e++) { /* FP8 dispatch, its codes and scales sized before the thread starts */
+        float *r[2] = {NULL, NULL};
+        size_t n[2] = {0, 0};
+        dsk_moe_opts b = o;
+        b.ep_route = DSK_MOE_ROUTE_FLAT;
+        b.ep_exchange = DSK_MOE_EP_EXACT;
+        b.ep_dispatch = DSK_MOE_DISPATCH_FP8;
+        b.expert_gemm = f8e ? DSK_MOE_GEMM_FP8 : DSK_MOE_GEMM_ACT;
+        b.ep_chunk = DSK_MOE_CHUNK_OFF;
+        for (int ov = 0; ov < 2; ov++) {
+            b.ep_overlap = ov;
+            if (ep_step_record(c, b, x_rows, dy_rows, &r[ov], &n[ov], NULL)) ok = 0;
+        }
+        if (r[0] && r[1] && (n[0] != n[1] || memcmp(r[0], r[1], sizeof(float) * n[0]) != 0)) {
+            fprintf(stderr, "rank %d: FP8 dispatch%s overlapped differs from serial\n", rank,
+                    f8e ? " with FP8 experts" : "");
+            ok = 0;
+        }
+        free(r[0]);
+        free(r[1]);
     }
     return ok;
 }
@@ -1931,8 +1953,8 @@ static void ep_check(ep_job *j) {
     dsk_moe_stats st;
     int64_t shp[2] = {NT, EP_D};
     dsk_test_begin(
-        "expert parallel %s over %d ranks = 1 rank, overlapped (chunked or not) & bounded = serial, node-limited and "
-        "two-hop = flat (bits, bytes off the node) on 4",
+        "expert parallel %s over %d ranks = 1 rank, overlapped (chunked or not; FP8 dispatch too) & bounded = "
+        "serial, node-limited and two-hop = flat (bits, bytes off the node) on 4",
         j->sigmoid ? "sigmoid+groups" : "softmax", n);
     memset(&y, 0, sizeof y); memset(&dx, 0, sizeof dx);
     DSK_TEST_OK(make_layer(&ref, &own, &o));
@@ -1946,7 +1968,7 @@ static void ep_check(ep_job *j) {
                         r);
         DSK_TEST_EXPECT(j->flags[16 + r] == 1,
                         "rank %d: overlapped (chunked or not) or bounded exchanges (dropless, capacity 0.75, "
-                        "node-limited) differ from the serial one",
+                        "node-limited), or FP8 dispatch overlapped, differ from the serial one",
                         r);
         DSK_TEST_EXPECT(j->flags[24 + r] == 1,
                         "rank %d: node-limited routing (2 emulated nodes) broke its rule, two hops differ from flat "

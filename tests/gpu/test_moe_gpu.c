@@ -330,7 +330,7 @@ done:
 /* The bounded exchange over nccl, dropless and under capacity 0.75: a forward and backward make no host
    sync and no device-to-host copy, and give the exact exchange's y, dx and gradients bit for bit; and so do
    both exchanges with ep_overlap (issued on the layer's exchange stream, beside the shared experts and the
-   router's backward), with the serial exchange's syncs. */
+   router's backward), with the serial exchange's syncs; and FP8 dispatch overlapped gives its serial bits. */
 static void ep_bounded_check(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_tensor *gx, const dsk_tensor *gdy,
                              int64_t row0, int64_t NT) {
     static const char *names[] = {"", "bounded serial", "exact overlapped", "bounded overlapped"};
@@ -365,6 +365,27 @@ static void ep_bounded_check(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_
             free(b);
         }
         free(a);
+    }
+    o.capacity_factor = 0.0f;
+    o.ep_exchange = DSK_MOE_EP_EXACT;
+    o.ep_dispatch = DSK_MOE_DISPATCH_FP8;
+    {
+        size_t n[2] = {0, 0};
+        int64_t sy[2] = {-1, -1}, d2h[2] = {-1, -1};
+        char *r[2];
+        for (int ov = 0; ov < 2; ov++) {
+            o.ep_overlap = ov;
+            r[ov] = ep_step_bytes(c, g, o, gx, gdy, row0, NT, &n[ov], &sy[ov], &d2h[ov]);
+        }
+        DSK_TEST_EXPECT(r[0] && r[1], "FP8 dispatch: a step failed: %s", dsk_last_error());
+        DSK_TEST_EXPECT(sy[1] == sy[0] && d2h[1] == d2h[0], "FP8 dispatch overlapped: %lld syncs, %lld copies back",
+                        (long long)sy[1], (long long)d2h[1]);
+        if (r[0] && r[1]) {
+            DSK_TEST_EXPECT(n[0] == n[1], "FP8 dispatch: sizes %zu and %zu", n[0], n[1]);
+            DSK_TEST_SAME_BYTES(r[1], r[0], n[0] < n[1] ? n[0] : n[1], "FP8 dispatch overlapped = serial");
+        }
+        free(r[0]);
+        free(r[1]);
     }
 }
 
