@@ -525,6 +525,9 @@ dsk_status dsk_cuda_amp_fp8_block_dequantize(dsk_ctx *ctx, dsk_tensor *y, const 
 #endif
 #include <stdio.h>
 #include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #ifdef __cplusplus
 extern "C" {
@@ -532,6 +535,17 @@ extern "C" {
 
 /* Elements per CPU chunk: the fixed unit of every f64 partial sum (thread-count independent). */
 #define DSK__AMP_CHUNK 16384
+
+/* Threads of a CPU loop: ctx's (a rank of several on one machine asks for its share), else OpenMP's default.
+   Every loop's result is the same for any count. */
+static int dsk__amp_threads(const dsk_ctx *ctx) {
+#ifdef _OPENMP
+    return ctx && ctx->n_threads > 0 ? ctx->n_threads : omp_get_max_threads();
+#else
+    (void)ctx;
+    return 1;
+#endif
+}
 
 static int dsk__amp_is_grad_dtype(dsk_dtype dt) { return dt == DSK_F32 || dt == DSK_BF16 || dt == DSK_F16; }
 static int dsk__amp_is_fp8(dsk_dtype dt) { return dt == DSK_E4M3 || dt == DSK_E5M2; }
@@ -793,7 +807,9 @@ static void dsk__amp_unscale_chunk(dsk_tensor *g, int64_t start, int64_t len, fl
     *found = bad != 0;
 }
 
-static dsk_status dsk__amp_unscale_cpu(dsk_amp_scaler *sc, dsk_tensor *const *g, int n) {
+static dsk_status dsk__amp_unscale_cpu(dsk_amp_scaler *sc, const dsk_ctx *ctx, dsk_tensor *const *g, int n) {
+    int nt = dsk__amp_threads(ctx);
+    (void)nt; /* without OpenMP */
     int64_t nc = dsk__amp_count_chunks(g, n), c = 0;
     float inv = dsk_amp_inv_scale(sc->state.scale);
     dsk__amp_chunk *ch;
@@ -812,7 +828,7 @@ static dsk_status dsk__amp_unscale_cpu(dsk_amp_scaler *sc, dsk_tensor *const *g,
             ch[c].t = i; ch[c].start = s; ch[c].len = m - s < DSK__AMP_CHUNK ? m - s : DSK__AMP_CHUNK;
         }
 #ifdef _OPENMP
-#pragma omp parallel for schedule(static) if (nc > 1)
+#pragma omp parallel for schedule(static) num_threads(nt) if (nc > 1)
 #endif
     for (int64_t k = 0; k < nc; k++) dsk__amp_unscale_chunk(g[ch[k].t], ch[k].start, ch[k].len, inv, &part[k], &bad[k]);
     for (int64_t k = 0; k < nc; k++) { sum += part[k]; found |= bad[k]; }
@@ -868,24 +884,27 @@ DSK_API dsk_status dsk_amp_unscale(dsk_amp_scaler *sc, dsk_ctx *ctx, dsk_tensor 
     }
     DSK__TRY(dsk__amp_no_overlap(fn, grads, n));
     DSK__CUDA_PATH(sc->device.type == DSK_DEV_CUDA, dsk_cuda_amp_unscale(ctx, grads, n, sc->dev_block));
-    return dsk__amp_unscale_cpu(sc, grads, n);
+    return dsk__amp_unscale_cpu(sc, ctx, grads, n);
 }
 
 /* ---------------------------------------------------------------- casts and optimizer step */
 
-static void dsk__amp_cast_cpu(dsk_tensor *dst, const dsk_tensor *src, dsk_amp_round mode, uint64_t key) {
+static void dsk__amp_cast_cpu(const dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor *src, dsk_amp_round mode,
+                              uint64_t key) {
     const float *x = (const float *)src->data;
     int64_t n = dsk_tensor_numel(src);
+    int nt = dsk__amp_threads(ctx);
+    (void)nt; /* without OpenMP */
     if (mode == DSK_AMP_ROUND_NEAREST || dst->dtype == DSK_F32) {
 #ifdef _OPENMP
-#pragma omp parallel for schedule(static) if (n > 65536)
+#pragma omp parallel for schedule(static) num_threads(nt) if (n > 65536)
 #endif
         for (int64_t i = 0; i < n; i++) dsk_store_f32(dst->data, dst->dtype, i, x[i]);
         return;
     }
     /* one Philox call per group of four elements (the words dsk_amp_sr_bits hands out) */
 #ifdef _OPENMP
-#pragma omp parallel for schedule(static) if (n > 16384)
+#pragma omp parallel for schedule(static) num_threads(nt) if (n > 16384)
 #endif
     for (int64_t g = 0; g < (n + 3) / 4; g++) {
         uint32_t r[4];
@@ -914,7 +933,7 @@ DSK_API dsk_status dsk_amp_cast(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor 
         return dsk_set_error(DSK_ERR_ARG, "%s: unknown rounding mode %d", fn, (int)mode);
     DSK__CUDA_PATH(src->device.type == DSK_DEV_CUDA, dsk_cuda_amp_cast(ctx, dst, src, mode == DSK_AMP_ROUND_STOCHASTIC,
                                                                        dsk_amp_sr_key(seed, tensor_id, step)));
-    dsk__amp_cast_cpu(dst, src, mode, dsk_amp_sr_key(seed, tensor_id, step));
+    dsk__amp_cast_cpu(ctx, dst, src, mode, dsk_amp_sr_key(seed, tensor_id, step));
     return DSK_OK;
 }
 
@@ -1455,7 +1474,7 @@ DSK_API dsk_status dsk_amp_fp8_block_quantize(dsk_ctx *ctx, dsk_tensor *q, dsk_t
         float fmax = dsk_amp_fp8_max(q->dtype), *sc = (float *)scales->data;
         uint8_t *o = (uint8_t *)q->data;
 #ifdef _OPENMP
-#pragma omp parallel for schedule(static) if (SR * SC > 16)
+#pragma omp parallel for schedule(static) num_threads(dsk__amp_threads(ctx)) if (SR * SC > 16)
 #endif
         for (int64_t blk = 0; blk < SR * SC; blk++) {
             int64_t r0 = (blk / SC) * br, c0 = (blk % SC) * bc, r1 = r0 + br < R ? r0 + br : R,
@@ -1529,7 +1548,8 @@ DSK_API dsk_status dsk_amp_fp8_block_quantize_t(dsk_ctx *ctx, dsk_tensor *q, dsk
             return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for %lld bands of %lld floats", fn, (long long)SC,
                                  (long long)tile);
 #ifdef _OPENMP
-#pragma omp parallel for schedule(static) if (SC > 1 && x->shape[0] * x->shape[1] > 65536)
+#pragma omp parallel for schedule(static) \
+    num_threads(dsk__amp_threads(ctx)) if (SC > 1 && x->shape[0] * x->shape[1] > 65536)
 #endif
         for (int64_t jb = 0; jb < SC; jb++) dsk__amp_quantize_t_band(q, scales, x, jb, br, bc, pow2, t + jb * tile);
         DSK_FREE(t);
