@@ -3591,9 +3591,9 @@ typedef struct dsk__moe_async {
     dsk_ctx *ctx;
     const dsk_tensor *rows;
     dsk_tensor *dst;
-    dsk_tensor *back;          /* chunked: after the exchange to the experts, the results return into back, each rank's
-                         as the layer opens its gate (dsk__moe_return_gated) */
+    dsk_tensor *back;          /* chunked: the results return here, each rank's once the layer opens its gate */
     int way, started, chunked; /* way: DSK__MOE_XCH_*; chunked: arr is initialised and in st->arrivals */
+    int deferred;              /* chunked without a thread: the return runs at the wait, once every gate is open */
     int forked;                /* CUDA: the exchange was issued on st->side, after ev_fork */
     dsk_ctx side, *caller;     /* CUDA: the caller's ctx on st->side (no workspace: the exchanges need none) */
     dsk_ctx_counters at_fork;  /* side's counters when it was made */
@@ -3623,7 +3623,7 @@ static void *dsk__moe_async_main(void *p) {
         pthread_cond_broadcast(&a->arr.cv);
         pthread_mutex_unlock(&a->arr.mu);
     }
-    if (a->st == DSK_OK && a->back) a->st = dsk__moe_return_gated(a->m, a->ctx, a->back);
+    if (a->st == DSK_OK && a->back && !a->deferred) a->st = dsk__moe_return_gated(a->m, a->ctx, a->back);
     if (a->st != DSK_OK) snprintf(a->err, sizeof a->err, "%s", dsk_last_error());
     return NULL;
 }
@@ -3681,6 +3681,7 @@ static dsk_status dsk__moe_exchange_start(dsk__moe_async *a, dsk_moe *m, dsk_ctx
         a->forked = 1;
     }
 #endif
+    a->deferred = !a->started && a->back;    /* the gates open only as the caller computes */
     if (!a->started) dsk__moe_async_main(a); /* serial (or no thread to be had), or issued on the side stream */
     return DSK_OK;
 }
@@ -3689,6 +3690,9 @@ static dsk_status dsk__moe_exchange_start(dsk__moe_async *a, dsk_moe *m, dsk_ctx
 static dsk_status dsk__moe_exchange_wait(dsk__moe_async *a) {
     if (a->started) pthread_join(a->thread, NULL);
     a->started = 0;
+    if (a->deferred && a->st == DSK_OK && (a->st = dsk__moe_return_gated(a->m, a->ctx, a->back)) != DSK_OK)
+        snprintf(a->err, sizeof a->err, "%s", dsk_last_error());
+    a->deferred = 0;
 #ifdef DSK_CUDA
     if (a->forked) { /* the layer's stream waits for the exchange (the host does not) */
         struct dsk__moe_state *st = a->m->st;
