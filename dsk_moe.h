@@ -160,11 +160,14 @@
      DeepSeek-V3 / DeepEP), with the token's routing beside it (2K int32 per row crossing, once a forward), for
      the forward's dispatch and backward's rows to the experts (dy, scaled by the gates at the receiver: the
      sender's product g * dy); the outputs and input gradients come back one row per slot. The same bits as
-     flat (tests: dropless, capacity, node-limited). AUTO (the default) takes two hops where the ep group spans
-     several nodes and they can run: the exact exchange, ep_dispatch ACT, a CPU layer (host backend; CUDA
-     layers exchange flat for now), nodes of one size; TWO_HOP asked for elsewhere fails init with
-     DSK_ERR_UNSUPPORTED naming the reason. ep_overlap moves two-hop exchanges to its thread as it does flat
-     ones (not chunked: a node's rows come through its relay as one message).
+     flat (tests: dropless, capacity, node-limited; CPU ranks and emulated GPUs). AUTO (the default) takes two
+     hops where the ep group spans several nodes and they can run: the exact exchange, ep_dispatch ACT, nodes
+     of one size, a CPU layer; TWO_HOP asked for where they cannot fails init with DSK_ERR_UNSUPPORTED naming
+     the reason. A CUDA layer takes them when asked (TWO_HOP), not by AUTO: the route is planned on the host
+     each forward (the kept order and gates come back, the route's own setup exchanges its counts through
+     host memory: about 20 host syncs a forward at 4 ranks against the flat route's 1), which costs more
+     than it saves until the plan moves to the device. ep_overlap moves two-hop exchanges to its thread or
+     stream as it does flat ones (not chunked: a node's rows come through its relay as one message).
      stats.bytes_off_node counts the bytes of rows each rank's exchanges send to other nodes (flat and bounded
      too), stats.rows_off_node the dispatch's rows (two hops: token rows).
      FP8 dispatch (opts.ep_dispatch = DSK_MOE_DISPATCH_FP8, DeepSeek-V3's): the forward's kept
@@ -293,12 +296,12 @@ typedef enum dsk_moe_ep_exchange {
 } dsk_moe_ep_exchange;
 /* How expert parallelism's rows cross nodes (see "Expert parallelism" above). */
 typedef enum dsk_moe_ep_route {
-    DSK_MOE_ROUTE_AUTO = 0,   /* two hops when the ep group spans several nodes and the layer can (TWO_HOP's
-                                 conditions), else flat */
+    DSK_MOE_ROUTE_AUTO = 0,   /* two hops when the ep group spans several nodes and a CPU layer can (TWO_HOP's
+                                 conditions), else flat (CUDA: flat) */
     DSK_MOE_ROUTE_FLAT = 1,   /* one all-to-all-v of the kept rows: a row per (token, expert) to the expert's rank */
     DSK_MOE_ROUTE_TWO_HOP = 2 /* token rows through a two-hop dsk_moe_route: once to each node holding one of the
                                  token's experts, then inside it; needs the exact exchange, ep_dispatch ACT,
-                                 expert_gemm ACT, a CPU layer and nodes of one size */
+                                 expert_gemm ACT and nodes of one size */
 } dsk_moe_ep_route;
 /* Chunked dispatch (see "Overlap" above): whether the routed experts start on the rows that need no transport. */
 typedef enum dsk_moe_ep_chunk {
@@ -1523,7 +1526,7 @@ static dsk_tensor dsk__moe_row_range(const dsk_tensor *t, int64_t r0, int64_t n)
 /* The first n rows of t (a view). */
 static dsk_tensor dsk__moe_rows(const dsk_tensor *t, int64_t n) { return dsk__moe_row_range(t, 0, n); }
 
-static void dsk__moe_hop_free(struct dsk__moe_hop *h);
+static void dsk__moe_hop_free(struct dsk__moe_hop *h, dsk_ctx *ctx);
 
 static void dsk__moe_state_free(dsk_moe *m, dsk_ctx *ctx) {
     struct dsk__moe_state *st = m->st;
@@ -1552,7 +1555,7 @@ static void dsk__moe_state_free(dsk_moe *m, dsk_ctx *ctx) {
     DSK_FREE(st->h_rg);
     DSK_FREE(st->fwd_loads);
     DSK_FREE(st->col_acc_i); DSK_FREE(st->col_acc_f);
-    dsk__moe_hop_free(st->hop);
+    dsk__moe_hop_free(st->hop, ctx);
     DSK_FREE(st);
     m->st = NULL;
 }
@@ -1819,10 +1822,10 @@ static dsk_status dsk__moe_ep_route_resolve(dsk_moe *m) {
     else if (o->ep_exchange != DSK_MOE_EP_EXACT) no = "the exact exchange (ep_exchange 0), not the bounded one";
     else if (o->ep_dispatch != DSK_MOE_DISPATCH_ACT) no = "dispatch in the activation dtype (ep_dispatch 0), not FP8";
     else if (o->expert_gemm != DSK_MOE_GEMM_ACT) no = "experts in the activation dtype (expert_gemm 0), not FP8";
-    else if (m->device.type != DSK_DEV_CPU) no = "a CPU layer (CUDA layers exchange flat)";
     else if (!even) no = "an expert-parallel group whose nodes have one size";
-    if (o->ep_route == DSK_MOE_ROUTE_AUTO)
-        o->ep_route = !no && c->n_nodes > 1 ? DSK_MOE_ROUTE_TWO_HOP : DSK_MOE_ROUTE_FLAT;
+    if (o->ep_route == DSK_MOE_ROUTE_AUTO) /* CUDA: flat, as a two-hop route is planned on the host (syncs) */
+        o->ep_route =
+            !no && c->n_nodes > 1 && m->device.type == DSK_DEV_CPU ? DSK_MOE_ROUTE_TWO_HOP : DSK_MOE_ROUTE_FLAT;
     else if (o->ep_route == DSK_MOE_ROUTE_TWO_HOP && no)
         return dsk_set_error(m->ep_size <= 1 ? DSK_ERR_ARG : DSK_ERR_UNSUPPORTED,
                              "dsk_moe_init: layer \"%s\": ep_route two-hop needs %s", o->name, no);
@@ -3360,13 +3363,26 @@ static dsk_status dsk__moe_from_experts_bounded(dsk_moe *m, dsk_ctx *ctx, const 
     return dsk_gather_rows_scaled(ctx, dst, &recv, &unpad, NULL);
 }
 
-/* Two hops in the layer (opts.ep_route TWO_HOP, CPU). The forward's dispatch and backward's rows to the
+/* Two hops in the layer (opts.ep_route TWO_HOP). The forward's dispatch and backward's rows to the
    experts send token rows (x, dy) through a dsk_moe_route: each crosses once to every node holding one of its
    kept slots, then fans out inside it. The routing travels beside them once per forward ((T, 2K) int32: each
    slot's expert or -1, then its gate's bits), so the receiver places every row where the flat exchange puts it
    (expert-major: by local expert, source rank, then the source's kept order) and backward scales dy by the
    gate there (the product g * dy the sender makes on the flat path: the same bits). Outputs come back by the
-   route's combine, one row per slot, then into the kept order. */
+   route's combine, one row per slot, then into the kept order. The plan is made on the host; a CUDA layer
+   copies the kept order and gates back once a forward (after the counts' sync, which the exact exchange has
+   anyway), sends the routing from device memory, and uploads the indices for its device gathers. */
+enum {
+    DSK__MOE_HOP_RG,
+    DSK__MOE_HOP_RGI,
+    DSK__MOE_HOP_KIDX,
+    DSK__MOE_HOP_GATE,
+    DSK__MOE_HOP_STAGE0,
+    DSK__MOE_HOP_STAGE1,
+    DSK__MOE_HOP_META,
+    DSK__MOE_HOP_N
+};
+
 struct dsk__moe_hop {
     dsk_moe_route rt;
     int32_t *dest;     /* (T K) the rank of each slot's expert, -1 for a dropped slot */
@@ -3374,11 +3390,13 @@ struct dsk__moe_hop {
     int32_t *rg, *rgi; /* (R) expert-major row <- received row, and back */
     int32_t *kidx;     /* (n_kept) kept row <- the route's used slot */
     float *gate;       /* (R) expert-major: each received row's gate */
-    float *stage[2];   /* (max(R, n_kept), D) rows between the route and the gathers */
+    float *stage[2];   /* (max(R, n_kept), D) rows between the route and the gathers (CPU) */
     int64_t rows;      /* rows of a stage */
+    dsk_tensor dev[DSK__MOE_HOP_N]; /* CUDA: rg, rgi, kidx, gate, the stages (act) and meta on the device */
 };
 
-static void dsk__moe_hop_arrays_free(struct dsk__moe_hop *h) {
+static void dsk__moe_hop_arrays_free(struct dsk__moe_hop *h, dsk_ctx *ctx) {
+    for (int i = 0; i < DSK__MOE_HOP_N; i++) dsk_tensor_free(ctx, &h->dev[i]);
     dsk_moe_route_free(&h->rt);
     DSK_FREE(h->dest);
     DSK_FREE(h->meta);
@@ -3391,10 +3409,25 @@ static void dsk__moe_hop_arrays_free(struct dsk__moe_hop *h) {
     memset(h, 0, sizeof *h);
 }
 
-static void dsk__moe_hop_free(struct dsk__moe_hop *h) {
+static void dsk__moe_hop_free(struct dsk__moe_hop *h, dsk_ctx *ctx) {
     if (!h) return;
-    dsk__moe_hop_arrays_free(h);
+    dsk__moe_hop_arrays_free(h, ctx);
     DSK_FREE(h);
+}
+
+/* Array i (DSK__MOE_HOP_*) of the two-hop state as a (rows, cols) tensor on the layer's device: the host array
+   on the CPU, its device copy on CUDA. */
+static dsk_tensor dsk__moe_hop_view(const dsk_moe *m, int i, int64_t rows, int64_t cols) {
+    struct dsk__moe_hop *h = m->st->hop;
+    void *host[DSK__MOE_HOP_N] = {h->rg, h->rgi, h->kidx, h->gate, h->stage[0], h->stage[1], h->meta};
+    dsk_dtype dt = i == DSK__MOE_HOP_GATE                                 ? DSK_F32
+                   : i == DSK__MOE_HOP_STAGE0 || i == DSK__MOE_HOP_STAGE1 ? m->st->act
+                                                                          : DSK_I32;
+    int64_t sh[2] = {rows, cols};
+    dsk_tensor t;
+    (void)dsk_tensor_wrap(&t, m->device.type == DSK_DEV_CPU ? host[i] : h->dev[i].data, dt, m->device, cols ? 2 : 1,
+                          sh);
+    return t;
 }
 
 /* Counts bytes an exchange sent to other nodes: into the forward's statistics during a forward, and
@@ -3476,6 +3509,53 @@ static dsk_status dsk__moe_hop_regroup(dsk_moe *m, const int32_t *le, const int3
     return s;
 }
 
+/* CUDA: host copies of the kept order perm, the experts' offsets off (E + 1) and the slots' gates (T K), one
+   array *in (DSK_FREE): perm's elements, then off's, then the gates' bits. */
+static dsk_status dsk__moe_hop_inputs(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *perm, const dsk_tensor *off,
+                                      const dsk_tensor *gate, int32_t **in) {
+    int64_t np = dsk_tensor_numel(perm), no = dsk_tensor_numel(off), ng = dsk_tensor_numel(gate);
+    int32_t *h = (int32_t *)DSK_MALLOC((size_t)(np + no + ng + 1) * sizeof(int32_t));
+    dsk_status e;
+    if (!h) return dsk_set_error(DSK_ERR_OOM, "dsk_moe_forward: host copies of %lld slots", (long long)ng);
+    e = dsk__moe_to_host(m, ctx, h, perm->data, (size_t)np * sizeof(int32_t));
+    if (e == DSK_OK) e = dsk__moe_to_host(m, ctx, h + np, off->data, (size_t)no * sizeof(int32_t));
+    if (e == DSK_OK) e = dsk__moe_to_host(m, ctx, h + np + no, gate->data, (size_t)ng * sizeof(float));
+    if (e == DSK_OK) e = dsk_ctx_sync(ctx);
+    if (e != DSK_OK) {
+        DSK_FREE(h);
+        return e;
+    }
+    *in = h;
+    return DSK_OK;
+}
+
+/* The routing (T, 2K) of h->meta through the route into h->meta + T 2K; CUDA: from and into device memory. */
+static dsk_status dsk__moe_hop_routing(dsk_moe *m, dsk_ctx *ctx, int64_t T) {
+    struct dsk__moe_hop *h = m->st->hop;
+    int64_t w = 2 * m->opts.top_k, R = m->st->R, n = (T + R) * w + 1;
+    int32_t *d;
+    if (m->device.type == DSK_DEV_CPU) return dsk_moe_route_dispatch(&h->rt, ctx, h->meta, w, DSK_I32, h->meta + T * w);
+    DSK__TRY(dsk_tensor_alloc_on(ctx, m->device, &h->dev[DSK__MOE_HOP_META], DSK_I32, 1, &n));
+    d = (int32_t *)h->dev[DSK__MOE_HOP_META].data;
+    DSK__TRY(dsk__moe_to_device(m, ctx, d, h->meta, (size_t)(T * w) * sizeof(int32_t)));
+    DSK__TRY(dsk_moe_route_dispatch(&h->rt, ctx, d, w, DSK_I32, d + T * w));
+    DSK__TRY(dsk__moe_to_host(m, ctx, h->meta + T * w, d + T * w, (size_t)(R * w) * sizeof(int32_t)));
+    return dsk_ctx_sync(ctx);
+}
+
+/* CUDA: the plan's indices and gates on the device, and the stages (act) between the route and the gathers. */
+static dsk_status dsk__moe_hop_upload(dsk_moe *m, dsk_ctx *ctx, int64_t n_kept) {
+    struct dsk__moe_hop *h = m->st->hop;
+    int64_t R = m->st->R, n[4] = {R + 1, R + 1, n_kept + 1, R + 1}, sh[2] = {h->rows + 1, m->opts.d_model};
+    const void *src[4] = {h->rg, h->rgi, h->kidx, h->gate};
+    for (int i = 0; i < 4; i++) {
+        DSK__TRY(dsk_tensor_alloc_on(ctx, m->device, &h->dev[i], i == DSK__MOE_HOP_GATE ? DSK_F32 : DSK_I32, 1, &n[i]));
+        DSK__TRY(dsk__moe_to_device(m, ctx, h->dev[i].data, src[i], (size_t)(n[i] - 1) * sizeof(int32_t)));
+    }
+    DSK__TRY(dsk_tensor_alloc_on(ctx, m->device, &h->dev[DSK__MOE_HOP_STAGE0], m->st->act, 2, sh));
+    return dsk_tensor_alloc_on(ctx, m->device, &h->dev[DSK__MOE_HOP_STAGE1], m->st->act, 2, sh);
+}
+
 /* The forward's route (collective over ep): destinations and routing of this rank's T tokens from the kept
    order (perm, off (E + 1) the experts' offsets in it, gate (T K)), sent to the experts' ranks; every index
    of the exchanges that follow. */
@@ -3483,11 +3563,11 @@ static dsk_status dsk__moe_hop_plan(dsk_moe *m, dsk_ctx *ctx, int64_t T, int64_t
                                     const dsk_tensor *off, const dsk_tensor *gate) {
     struct dsk__moe_state *st = m->st;
     struct dsk__moe_hop *h = st->hop;
-    int K = m->opts.top_k, E = m->opts.n_routed, El = m->n_local;
-    int64_t TK = T * K, R = st->R, s = 0, D = m->opts.d_model;
+    int K = m->opts.top_k, E = m->opts.n_routed, El = m->n_local, dev = m->device.type != DSK_DEV_CPU;
+    int64_t TK = T * K, R = st->R, s = 0, D = m->opts.d_model, np = dsk_tensor_numel(perm);
     const int32_t *pm = DSK__MOE_I32(*perm), *of = DSK__MOE_I32(*off);
     const float *g = DSK__MOE_F32(*gate);
-    int32_t *le;
+    int32_t *le, *in = NULL;
     dsk_moe_route_opts ro = {1};
     dsk_status e;
     if (!h) {
@@ -3495,7 +3575,7 @@ static dsk_status dsk__moe_hop_plan(dsk_moe *m, dsk_ctx *ctx, int64_t T, int64_t
             return dsk_set_error(DSK_ERR_OOM, "dsk_moe_forward: two-hop state");
         memset(h, 0, sizeof *h);
     }
-    dsk__moe_hop_arrays_free(h);
+    dsk__moe_hop_arrays_free(h, ctx);
     h->rows = R > n_kept ? R : n_kept;
     h->dest = (int32_t *)DSK_MALLOC((size_t)(TK + 1) * sizeof(int32_t));
     h->meta = (int32_t *)DSK_MALLOC((size_t)((T + 2 * R) * 2 * K + 1) * sizeof(int32_t));
@@ -3503,10 +3583,16 @@ static dsk_status dsk__moe_hop_plan(dsk_moe *m, dsk_ctx *ctx, int64_t T, int64_t
     h->rgi = (int32_t *)DSK_MALLOC((size_t)(R + 1) * sizeof(int32_t));
     h->kidx = (int32_t *)DSK_MALLOC((size_t)(n_kept + TK + 1) * sizeof(int32_t));
     h->gate = (float *)DSK_MALLOC((size_t)(R + 1) * sizeof(float));
-    for (int i = 0; i < 2; i++) h->stage[i] = (float *)DSK_MALLOC((size_t)(h->rows * D + 1) * sizeof(float));
-    if (!h->dest || !h->meta || !h->rg || !h->rgi || !h->kidx || !h->gate || !h->stage[0] || !h->stage[1])
+    for (int i = 0; i < 2 && !dev; i++) h->stage[i] = (float *)DSK_MALLOC((size_t)(h->rows * D + 1) * sizeof(float));
+    if (!h->dest || !h->meta || !h->rg || !h->rgi || !h->kidx || !h->gate || (!dev && (!h->stage[0] || !h->stage[1])))
         return dsk_set_error(DSK_ERR_OOM, "dsk_moe_forward: two-hop indices of %lld tokens, %lld rows", (long long)T,
                              (long long)R);
+    if (dev) DSK__TRY(dsk__moe_hop_inputs(m, ctx, perm, off, gate, &in));
+    if (in) { /* the device arrays' host copies */
+        pm = in;
+        of = in + np;
+        g = (const float *)(in + np + E + 1);
+    }
     for (int64_t f = 0; f < TK; f++) {
         h->dest[f] = -1;
         h->meta[(f / K) * 2 * K + f % K] = -1;
@@ -3521,15 +3607,17 @@ static dsk_status dsk__moe_hop_plan(dsk_moe *m, dsk_ctx *ctx, int64_t T, int64_t
         }
     for (int64_t f = 0; f < TK; f++) h->kidx[n_kept + f] = h->dest[f] >= 0 ? (int32_t)s++ : -1; /* used slots */
     for (int64_t q = 0; q < n_kept; q++) h->kidx[q] = h->kidx[n_kept + pm[q]];
+    DSK_FREE(in);
     DSK__TRY(dsk_moe_route_init(&h->rt, m->opts.ep, ctx, T, K, h->dest, &ro));
     if (h->rt.recv_rows != R)
         return dsk_set_error(DSK_ERR_CORRUPT, "dsk_moe_forward: the route brings %lld rows, the counts %lld",
                              (long long)h->rt.recv_rows, (long long)R);
     le = h->meta + (T + R) * 2 * K;
-    DSK__TRY(dsk_moe_route_dispatch(&h->rt, ctx, h->meta, 2 * K, DSK_I32, h->meta + T * 2 * K));
+    DSK__TRY(dsk__moe_hop_routing(m, ctx, T));
     dsk__moe_count_off(m, (uint64_t)h->rt.dispatch_rows_off_node * 2 * K * sizeof(int32_t));
     e = dsk__moe_hop_parse(m, h->meta + T * 2 * K, le, le + R);
-    return e == DSK_OK ? dsk__moe_hop_regroup(m, le, le + R) : e;
+    if (e == DSK_OK) e = dsk__moe_hop_regroup(m, le, le + R);
+    return e == DSK_OK && dev ? dsk__moe_hop_upload(m, ctx, n_kept) : e;
 }
 
 /* A (rows, cols) view of host memory. */
@@ -3546,9 +3634,10 @@ static dsk_status dsk__moe_hop_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_te
                                           int scaled) {
     struct dsk__moe_hop *h = m->st->hop;
     int64_t R = m->st->R, D = m->opts.d_model;
-    dsk_tensor stage = dsk__moe_host_view(h->stage[0], DSK_F32, R, D), rg = dsk__moe_host_view(h->rg, DSK_I32, R, 0);
-    dsk_tensor gate = dsk__moe_host_view(h->gate, DSK_F32, R, 0);
-    DSK__TRY(dsk_moe_route_dispatch(&h->rt, ctx, tok->data, D, tok->dtype, h->stage[0]));
+    dsk_tensor stage = dsk__moe_hop_view(m, DSK__MOE_HOP_STAGE0, R, D),
+               rg = dsk__moe_hop_view(m, DSK__MOE_HOP_RG, R, 0);
+    dsk_tensor gate = dsk__moe_hop_view(m, DSK__MOE_HOP_GATE, R, 0);
+    DSK__TRY(dsk_moe_route_dispatch(&h->rt, ctx, tok->data, D, tok->dtype, stage.data));
     dsk__moe_count_off(m, (uint64_t)h->rt.dispatch_rows_off_node * (uint64_t)D * dsk_dtype_size(tok->dtype));
     return dsk_gather_rows_scaled(ctx, dst, &stage, &rg, scaled ? &gate : NULL);
 }
@@ -3557,14 +3646,15 @@ static dsk_status dsk__moe_hop_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_te
 static dsk_status dsk__moe_hop_from_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
     struct dsk__moe_hop *h = m->st->hop;
     int64_t R = m->st->R, D = m->opts.d_model, n = dst->shape[0];
-    dsk_tensor sent = dsk__moe_host_view(h->stage[0], DSK_F32, R, D), rgi = dsk__moe_host_view(h->rgi, DSK_I32, R, 0);
-    dsk_tensor back = dsk__moe_host_view(h->stage[1], DSK_F32, h->rt.slots, D);
-    dsk_tensor kidx = dsk__moe_host_view(h->kidx, DSK_I32, n, 0);
+    dsk_tensor sent = dsk__moe_hop_view(m, DSK__MOE_HOP_STAGE0, R, D);
+    dsk_tensor rgi = dsk__moe_hop_view(m, DSK__MOE_HOP_RGI, R, 0);
+    dsk_tensor back = dsk__moe_hop_view(m, DSK__MOE_HOP_STAGE1, h->rt.slots, D);
+    dsk_tensor kidx = dsk__moe_hop_view(m, DSK__MOE_HOP_KIDX, n, 0);
     if (h->rt.slots != n)
         return dsk_set_error(DSK_ERR_CORRUPT, "dsk_moe: the route returns %lld rows for %lld kept slots",
                              (long long)h->rt.slots, (long long)n);
     DSK__TRY(dsk_gather_rows(ctx, &sent, rows, &rgi));
-    DSK__TRY(dsk_moe_route_combine(&h->rt, ctx, h->stage[0], D, rows->dtype, h->stage[1]));
+    DSK__TRY(dsk_moe_route_combine(&h->rt, ctx, sent.data, D, rows->dtype, back.data));
     dsk__moe_count_off(m, (uint64_t)h->rt.combine_rows_off_node * (uint64_t)D * dsk_dtype_size(rows->dtype));
     return dsk_gather_rows(ctx, dst, &back, &kidx);
 }

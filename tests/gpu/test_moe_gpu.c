@@ -389,14 +389,53 @@ static void ep_bounded_check(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_
     }
 }
 
+/* Two hops over the emulated hosts (ep_route TWO_HOP; AUTO routes flat on CUDA): the CUDA layer routed in two
+   hops (serial and with ep_overlap) gives the flat route's y, dx and gradients bit for bit, dropless and under
+   capacity 0.75; the host syncs of its forward and backward are printed (the route is planned on the host). */
+static void ep_two_hop_check(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_tensor *gx, const dsk_tensor *gdy,
+                             int64_t row0, int64_t NT) {
+    for (int cap = 0; cap < 2; cap++) {
+        size_t na = 0;
+        int64_t sa, da;
+        char *a;
+        o.capacity_factor = cap ? 0.75f : 0.0f;
+        o.ep_route = DSK_MOE_ROUTE_FLAT;
+        o.ep_overlap = 0;
+        a = ep_step_bytes(c, g, o, gx, gdy, row0, NT, &na, &sa, &da);
+        DSK_TEST_EXPECT(a, "capacity %g: the flat step failed: %s", (double)o.capacity_factor, dsk_last_error());
+        o.ep_route = DSK_MOE_ROUTE_TWO_HOP;
+        for (int ov = 0; ov < 2; ov++) {
+            size_t nb = 0;
+            int64_t sb, db;
+            char *b;
+            o.ep_overlap = ov;
+            b = ep_step_bytes(c, g, o, gx, gdy, row0, NT, &nb, &sb, &db);
+            DSK_TEST_EXPECT(b, "capacity %g: the two-hop step failed: %s", (double)o.capacity_factor, dsk_last_error());
+            if (!cap && !ov && c->rank == 0)
+                printf(
+                    "# rank 0: a two-hop forward and backward: %lld host syncs, %lld copies back (flat: %lld, %lld)\n",
+                    (long long)sb, (long long)db, (long long)sa, (long long)da);
+            if (a && b) {
+                DSK_TEST_EXPECT(na == nb, "two hops: sizes %zu and %zu", na, nb);
+                DSK_TEST_SAME_BYTES(b, a, na < nb ? na : nb,
+                                    ov ? "two hops overlapped: y, dx, gradients = flat"
+                                       : "two hops: y, dx, gradients = flat");
+            }
+            free(b);
+        }
+        free(a);
+    }
+}
+
 /* One rank of an expert-parallel step: the global batch (every rank draws the same one),
    one CPU layer over all of it as the reference, and this rank's CUDA layer (its experts
    copied from the reference) over its rows, its loss span the global batch over the nccl world
    (sequences of 2 EP_T rows straddling ranks); compares y, dx, its experts' gradients, the
    dense gradients summed over ranks (an nccl all-reduce), the EP-group loads and the loss
    values (the global batch's on every rank); then a span whose rows do not add up to its
-   total_rows makes the loss NaN without a host sync. */
-static int ep_rank(int sigmoid) {
+   total_rows makes the loss NaN without a host sync. hosts: the ranks' halves on two emulated hosts, where the
+   layer routes in two hops (ep_route AUTO), and two hops against flat. */
+static int ep_rank(int sigmoid, int hosts) {
     dsk_comm c;
     dsk_comm_opts co;
     dsk_ctx g;
@@ -411,6 +450,10 @@ static int ep_rank(int sigmoid) {
     memset(&co, 0, sizeof co);
     co.backend = DSK_COMM_NCCL;
     co.timeout_s = 120;
+    if (hosts) { /* the launcher's RANK and WORLD_SIZE: the first half on one host, the rest on the other */
+        const char *r = getenv("RANK"), *w = getenv("WORLD_SIZE");
+        co.host_id = 2 * atoi(r ? r : "0") < atoi(w ? w : "1") ? "emulated-host-a" : "emulated-host-b";
+    }
     if (dsk_comm_init_env(&c, &co) != DSK_OK) { printf("nccl init: %s\n", dsk_last_error()); return 3; }
     n = c.world_size;
     me = c.rank;
@@ -432,13 +475,15 @@ static int ep_rank(int sigmoid) {
     DSK_TEST_OK(dsk_moe_forward(&ref, NULL, &y, &x, &rs));
     DSK_TEST_OK(dsk_moe_backward(&ref, NULL, &dx, &dy, 1.0f));
     o.ep = &c;
-    { /* two hops are CPU-only for now: a CUDA layer asking for them fails init, naming why */
+    { /* two hops with the bounded exchange fail init, naming why */
         dsk_moe bad;
         dsk_moe_opts b = o;
         b.ep_route = DSK_MOE_ROUTE_TWO_HOP;
+        b.ep_exchange = DSK_MOE_EP_BOUNDED;
         DSK_TEST_STATUS(dsk_moe_init(&bad, &g, &b), DSK_ERR_UNSUPPORTED);
-        DSK_TEST_ERROR_MENTIONS("ep_route two-hop needs a CPU layer");
+        DSK_TEST_ERROR_MENTIONS("ep_route two-hop needs the exact exchange");
     }
+    DSK_TEST_EXPECT(c.n_nodes == (hosts ? 2 : 1), "%d nodes", c.n_nodes);
     DSK_TEST_OK(make_layer(&m, &mo, &g, &o));
     DSK_TEST_OK(dsk_moe_set_loss_span(&m, &c, (int64_t)me * EP_T, NT));
     for (int i = 0; i < m.n_params; i++) { /* the reference's parameters; experts: this rank's slice */
@@ -459,15 +504,17 @@ static int ep_rank(int sigmoid) {
     DSK_TEST_OK(dsk_tensor_copy(&g, &gdy, &dys));
     DSK_TEST_OK(dsk_tensor_fill(&g, &gy, NAN));
     DSK_TEST_OK(dsk_tensor_fill(&g, &gdx, 0.0));
-    {   /* expert parallelism keeps one host sync per forward (the counts), none in backward */
+    { /* expert parallelism keeps one host sync per forward (the counts), none in backward (AUTO routes flat on
+           CUDA, also across hosts) */
         dsk_ctx_counters c0;
-        int64_t sent = 0, back;
+        int64_t sent = 0, back, want_syncs = 1, want_d2h = 2;
         DSK_TEST_OK(dsk_ctx_sync(&g));
         c0 = g.counters;
         DSK_TEST_OK(dsk_moe_forward(&m, &g, &gy, &gx, NULL));
-        DSK_TEST_EXPECT(g.counters.syncs - c0.syncs == 1 && g.counters.d2h_copies - c0.d2h_copies == 2,
-                        "EP forward: %lld syncs, %lld copies back (want 1 and 2: the counts)",
-                        (long long)(g.counters.syncs - c0.syncs), (long long)(g.counters.d2h_copies - c0.d2h_copies));
+        DSK_TEST_EXPECT(g.counters.syncs - c0.syncs == want_syncs && g.counters.d2h_copies - c0.d2h_copies == want_d2h,
+                        "EP forward: %lld syncs, %lld copies back (want %lld and %lld)",
+                        (long long)(g.counters.syncs - c0.syncs), (long long)(g.counters.d2h_copies - c0.d2h_copies),
+                        (long long)want_syncs, (long long)want_d2h);
         back = g.counters.d2h_bytes - c0.d2h_bytes;
         c0 = g.counters;
         DSK_TEST_OK(dsk_moe_backward(&m, &g, &gdx, &gdy, 1.0f));
@@ -506,6 +553,7 @@ static int ep_rank(int sigmoid) {
         compare(&g, &m.params[i].grad, &want, 1e-3, 1e-4, what);
     }
     ep_bounded_check(&c, &g, o, &gx, &gdy, (int64_t)me * EP_T, NT);
+    if (hosts) ep_two_hop_check(&c, &g, o, &gx, &gdy, (int64_t)me * EP_T, NT);
     { /* rows adding up to NT, total_rows NT + 2 EP_T (whole sequences): NaN values, no host sync in the forward */
         dsk_ctx_counters c0;
         dsk_moe_stats bs;
@@ -531,13 +579,15 @@ static int ep_rank(int sigmoid) {
     return dsk_test_g.failed ? 1 : 0;
 }
 
-/* Starts `ranks` processes of this program, each one rank of ep_rank(). */
-static void run_ep(int ranks, int ndev, int sigmoid) {
-    char self[4096], *av[] = {self, (char *)"--ep-rank", (char *)(sigmoid ? "1" : "0"), NULL};
+/* Starts `ranks` processes of this program, each one rank of ep_rank() (hosts: on two emulated hosts). */
+static void run_ep(int ranks, int ndev, int sigmoid, int hosts) {
+    char self[4096],
+        *av[] = {self, (char *)"--ep-rank", (char *)(sigmoid ? "1" : "0"), (char *)(hosts ? "2" : "1"), NULL};
     ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
     dsk_comm_spawn_opts so;
     int worst = -1, port = 0;
-    dsk_test_begin("expert parallel over %d ranks on the nccl backend (%s) = one CPU layer", ranks, sigmoid ? "sigmoid+groups" : "softmax");
+    dsk_test_begin("expert parallel over %d ranks on the nccl backend (%s)%s = one CPU layer", ranks,
+                   sigmoid ? "sigmoid+groups" : "softmax", hosts ? " on 2 emulated hosts, two hops = flat" : "");
     if (ndev < ranks) {
         dsk_test_skip("needs %d CUDA devices (one per rank), %d present", ranks, ndev);
         dsk_test_end();
@@ -832,9 +882,9 @@ int main(int argc, char **argv) {
         {"sigmoid+groups+shared", 200, 128, 16, 4, 64, 1, 4, 2, DSK_MOE_SIGMOID, 0, 0.01f, 0, 0.001f, 0, DSK_BF16,
          DSK_MOE_GROUP_DEEPSEEK_V3},
     };
-    if (argc == 3 && !strcmp(argv[1], "--ep-rank")) {
+    if (argc == 4 && !strcmp(argv[1], "--ep-rank")) {
         dsk_test_init("test_moe_gpu rank");
-        return ep_rank(atoi(argv[2]));
+        return ep_rank(atoi(argv[2]), atoi(argv[3]) == 2);
     }
     dsk_test_init("test_moe_gpu");
     memset(&co, 0, sizeof co);
@@ -856,7 +906,8 @@ int main(int argc, char **argv) {
     run_nonfinite(&gctx, DSK_MOE_SIGMOID, NAN);
     test_two_devices(&gctx, ndev);
     dsk_ctx_free(&gctx);
-    run_ep(2, ndev, 0);
-    run_ep(4, ndev, 1);
+    run_ep(2, ndev, 0, 0);
+    run_ep(4, ndev, 1, 0);
+    run_ep(4, ndev, 1, 1);
     return dsk_test_finish();
 }
