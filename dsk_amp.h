@@ -525,9 +525,6 @@ dsk_status dsk_cuda_amp_fp8_block_dequantize(dsk_ctx *ctx, dsk_tensor *y, const 
 #endif
 #include <stdio.h>
 #include <stdlib.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #ifdef __cplusplus
 extern "C" {
@@ -535,17 +532,6 @@ extern "C" {
 
 /* Elements per CPU chunk: the fixed unit of every f64 partial sum (thread-count independent). */
 #define DSK__AMP_CHUNK 16384
-
-/* Threads of a CPU loop: ctx's (a rank of several on one machine asks for its share), else OpenMP's default.
-   Every loop's result is the same for any count. */
-static int dsk__amp_threads(const dsk_ctx *ctx) {
-#ifdef _OPENMP
-    return ctx && ctx->n_threads > 0 ? ctx->n_threads : omp_get_max_threads();
-#else
-    (void)ctx;
-    return 1;
-#endif
-}
 
 static int dsk__amp_is_grad_dtype(dsk_dtype dt) { return dt == DSK_F32 || dt == DSK_BF16 || dt == DSK_F16; }
 static int dsk__amp_is_fp8(dsk_dtype dt) { return dt == DSK_E4M3 || dt == DSK_E5M2; }
@@ -808,7 +794,7 @@ static void dsk__amp_unscale_chunk(dsk_tensor *g, int64_t start, int64_t len, fl
 }
 
 static dsk_status dsk__amp_unscale_cpu(dsk_amp_scaler *sc, const dsk_ctx *ctx, dsk_tensor *const *g, int n) {
-    int nt = dsk__amp_threads(ctx);
+    int nt = dsk_ctx_threads(ctx);
     (void)nt; /* without OpenMP */
     int64_t nc = dsk__amp_count_chunks(g, n), c = 0;
     float inv = dsk_amp_inv_scale(sc->state.scale);
@@ -893,7 +879,7 @@ static void dsk__amp_cast_cpu(const dsk_ctx *ctx, dsk_tensor *dst, const dsk_ten
                               uint64_t key) {
     const float *x = (const float *)src->data;
     int64_t n = dsk_tensor_numel(src);
-    int nt = dsk__amp_threads(ctx);
+    int nt = dsk_ctx_threads(ctx);
     (void)nt; /* without OpenMP */
     if (mode == DSK_AMP_ROUND_NEAREST || dst->dtype == DSK_F32) {
 #ifdef _OPENMP
@@ -1474,7 +1460,7 @@ DSK_API dsk_status dsk_amp_fp8_block_quantize(dsk_ctx *ctx, dsk_tensor *q, dsk_t
         float fmax = dsk_amp_fp8_max(q->dtype), *sc = (float *)scales->data;
         uint8_t *o = (uint8_t *)q->data;
 #ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(dsk__amp_threads(ctx)) if (SR * SC > 16)
+#pragma omp parallel for schedule(static) num_threads(dsk_ctx_threads(ctx)) if (SR * SC > 16)
 #endif
         for (int64_t blk = 0; blk < SR * SC; blk++) {
             int64_t r0 = (blk / SC) * br, c0 = (blk % SC) * bc, r1 = r0 + br < R ? r0 + br : R,
@@ -1549,7 +1535,7 @@ DSK_API dsk_status dsk_amp_fp8_block_quantize_t(dsk_ctx *ctx, dsk_tensor *q, dsk
                                  (long long)tile);
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) \
-    num_threads(dsk__amp_threads(ctx)) if (SC > 1 && x->shape[0] * x->shape[1] > 65536)
+    num_threads(dsk_ctx_threads(ctx)) if (SC > 1 && x->shape[0] * x->shape[1] > 65536)
 #endif
         for (int64_t jb = 0; jb < SC; jb++) dsk__amp_quantize_t_band(q, scales, x, jb, br, bc, pow2, t + jb * tile);
         DSK_FREE(t);

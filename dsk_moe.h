@@ -1165,9 +1165,6 @@ dsk_status dsk_cuda_moe_bias_update(dsk_ctx *ctx, int E, float rate, int recente
 #include <stdlib.h>
 #include <time.h>
 #include <unistd.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 /* ---------------------------------------------------------------- state and buffer registry */
 
@@ -2109,14 +2106,6 @@ DSK_API dsk_status dsk_moe_reserve_bytes(const dsk_moe *m, int64_t max_tokens, i
    Each step runs the DSK_HD math of the declarations: a loop here on the CPU, a kernel of
    kernels/moe.cu on CUDA. Tensors are the registry's buffers on the layer's device. */
 
-static int dsk__moe_threads(const dsk_ctx *ctx) {
-#ifdef _OPENMP
-    return ctx && ctx->n_threads > 0 ? ctx->n_threads : omp_get_max_threads();
-#else
-    (void)ctx;
-    return 1;
-#endif
-}
 
 /* The layer's steps run on its device: CUDA layers call the kernels of kernels/moe.cu. */
 #ifdef DSK_CUDA
@@ -2137,7 +2126,7 @@ static int dsk__moe_threads(const dsk_ctx *ctx) {
    experts to take). */
 static dsk_status dsk__moe_route(dsk_moe *m, dsk_ctx *ctx, int64_t T, const dsk_tensor *u, dsk_tensor *prob,
                                  dsk_tensor *scr, dsk_tensor *sel, dsk_tensor *gate, dsk_tensor *keys, int replay) {
-    int nt = dsk__moe_threads(ctx);
+    int nt = dsk_ctx_threads(ctx);
     const float *bias = (const float *)m->bias->value.data;
     DSK__MOE_ON_CUDA(m, dsk_cuda_moe_route(ctx, &m->routing, T, DSK__MOE_F32(*u), bias, DSK__MOE_F32(*prob),
                                            DSK__MOE_F32(*scr), DSK__MOE_I32(*sel), DSK__MOE_F32(*gate),
@@ -2179,7 +2168,7 @@ static dsk_status dsk__moe_losses(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *pr
                                   const dsk_tensor *sel, dsk__moe_loss_bufs *lb) {
     const struct dsk__moe_state *st = m->st;
     const dsk_moe_opts *o = &m->opts;
-    int E = o->n_routed, K = o->top_k, sig = o->score == DSK_MOE_SIGMOID, nt = dsk__moe_threads(ctx), ok;
+    int E = o->n_routed, K = o->top_k, sig = o->score == DSK_MOE_SIGMOID, nt = dsk_ctx_threads(ctx), ok;
     int has_s = o->aux_alpha > 0 && st->N > 0, has_q = o->seq_aux_alpha > 0 && st->N > 0;
     int topk = o->loss_count == DSK_MOE_COUNT_TOPK;
     int64_t T = st->T, N = st->N, L = st->seq_len, nseq = st->n_seq, n_part = dsk_tensor_numel(&lb->part);
@@ -2250,7 +2239,7 @@ static dsk_status dsk__moe_losses(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *pr
 /* Capacity: keys2[slot] = its expert when it keeps its place, else -1 (from the full sort). */
 static dsk_status dsk__moe_capacity(dsk_moe *m, dsk_ctx *ctx, int64_t cap, const dsk_tensor *perm_all,
                                     const dsk_tensor *off_all, const dsk_tensor *gate, dsk_tensor *keys2) {
-    int E = m->opts.n_routed, nt = dsk__moe_threads(ctx);
+    int E = m->opts.n_routed, nt = dsk_ctx_threads(ctx);
     const int32_t *pa = DSK__MOE_I32(*perm_all), *oa = DSK__MOE_I32(*off_all);
     int32_t *k2 = DSK__MOE_I32(*keys2);
     DSK__MOE_ON_CUDA(m, dsk_cuda_moe_capacity(ctx, E, m->opts.drop, cap, dsk_tensor_numel(keys2), pa, oa,
@@ -2397,7 +2386,7 @@ static void dsk__moe_dgate_f32(int64_t i0, int n, int K, const int32_t *pos, con
 static dsk_status dsk__moe_combine(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *pos,
                                    const dsk_tensor *gate, const dsk_tensor *rows, const dsk_tensor *shared) {
     int64_t T = y->shape[0], D = y->shape[1];
-    int K = m->opts.top_k, nt = dsk__moe_threads(ctx);
+    int K = m->opts.top_k, nt = dsk_ctx_threads(ctx);
     DSK__MOE_ON_CUDA(m, dsk_cuda_moe_combine(ctx, K, T, D, y->data, y->dtype, DSK__MOE_I32(*pos), DSK__MOE_F32(*gate),
                                              rows->data, rows->dtype, shared ? shared->data : NULL,
                                              shared ? shared->dtype : DSK_F32));
@@ -2423,7 +2412,7 @@ static dsk_status dsk__moe_combine(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, cons
 static dsk_status dsk__moe_dgate(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dgate, const dsk_tensor *dy,
                                  const dsk_tensor *pos, const dsk_tensor *rows) {
     int64_t TK = dsk_tensor_numel(dgate), D = dy->shape[1];
-    int K = m->opts.top_k, nt = dsk__moe_threads(ctx);
+    int K = m->opts.top_k, nt = dsk_ctx_threads(ctx);
     DSK__MOE_ON_CUDA(m, dsk_cuda_moe_dgate(ctx, K, TK, D, DSK__MOE_F32(*dgate), dy->data, dy->dtype, DSK__MOE_I32(*pos),
                                            rows->data, rows->dtype));
     (void)nt;
@@ -2450,7 +2439,7 @@ static dsk_status dsk__moe_route_backward(dsk_moe *m, dsk_ctx *ctx, int64_t T, c
                                           const dsk_tensor *prob, const dsk_tensor *sel, const dsk_tensor *dgate,
                                           const dsk_tensor *aux, int64_t row0, int64_t seq_len, float aux_scale,
                                           float zcoef, dsk_tensor *du) {
-    int E = m->opts.n_routed, K = m->opts.top_k, nt = dsk__moe_threads(ctx);
+    int E = m->opts.n_routed, K = m->opts.top_k, nt = dsk_ctx_threads(ctx);
     DSK__MOE_ON_CUDA(m, dsk_cuda_moe_route_backward(ctx, &m->routing, T, DSK__MOE_F32(*u), DSK__MOE_F32(*prob),
                                                     DSK__MOE_I32(*sel), DSK__MOE_F32(*dgate),
                                                     aux ? DSK__MOE_F32(*aux) : NULL, row0, seq_len, aux_scale, zcoef,
@@ -2469,7 +2458,7 @@ static dsk_status dsk__moe_route_backward(dsk_moe *m, dsk_ctx *ctx, int64_t T, c
 static dsk_status dsk__moe_uncombine(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dxf, const dsk_tensor *pos,
                                      const dsk_tensor *rows) {
     int64_t T = dxf->shape[0], D = dxf->shape[1];
-    int K = m->opts.top_k, nt = dsk__moe_threads(ctx);
+    int K = m->opts.top_k, nt = dsk_ctx_threads(ctx);
     DSK__MOE_ON_CUDA(m, dsk_cuda_moe_uncombine(ctx, K, T, D, DSK__MOE_F32(*dxf), DSK__MOE_I32(*pos), rows->data,
                                                rows->dtype));
     (void)nt;

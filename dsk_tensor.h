@@ -501,6 +501,8 @@ DSK_API int dsk_cuda_available(void);
 DSK_API dsk_status dsk_ctx_init(dsk_ctx *ctx, const dsk_ctx_opts *opts); /* opts may be NULL */
 DSK_API void dsk_ctx_free(dsk_ctx *ctx);                                  /* zeroed/freed ok */
 DSK_API dsk_status dsk_ctx_sync(dsk_ctx *ctx); /* waits for the context's stream */
+/* Threads a CPU op on ctx runs on: ctx->n_threads, else (NULL ctx or 0) dsk_ctx_opts.n_threads' default. */
+DSK_API int dsk_ctx_threads(const dsk_ctx *ctx);
 DSK_API dsk_device dsk_cpu(void);
 /* The best CPU GEMM instruction set this CPU and build have (checked at run time). */
 DSK_API dsk_cpu_isa dsk_cpu_isa_best(void);
@@ -1350,6 +1352,8 @@ DSK_API void dsk_graph_free(dsk_graph *g) {
 }
 
 static int dsk__threads(const dsk_ctx *ctx) { return ctx && ctx->n_threads > 0 ? ctx->n_threads : dsk__default_threads(); }
+
+DSK_API int dsk_ctx_threads(const dsk_ctx *ctx) { return dsk__threads(ctx); }
 
 /* ---------------------------------------------------------------- tensors */
 
