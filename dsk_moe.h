@@ -3760,8 +3760,10 @@ static dsk_status dsk__moe_exchange_start(dsk__moe_async *a, dsk_moe *m, dsk_ctx
         a->forked = 1;
     }
 #endif
-    a->deferred = !a->started && a->back;    /* the gates open only as the caller computes */
-    if (!a->started) dsk__moe_async_main(a); /* serial (or no thread to be had), or issued on the side stream */
+    if (!a->started) {                 /* serial (or no thread to be had), or issued on the side stream */
+        a->deferred = a->back != NULL; /* no thread: the gates open only as the caller computes */
+        dsk__moe_async_main(a);
+    }
     return DSK_OK;
 }
 
