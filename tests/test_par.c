@@ -34,6 +34,7 @@ static int run_ranks(int n, rank_fn fn, void *arg, double timeout_s, double limi
     dsk_comm_opts o;
     int port = 0, ok = 1;
     double t0 = dsk_test_now();
+    for (int r = 0; r < n; r++) status[r] = -1; /* what the caller reads if no rank starts */
     if (dsk_comm_free_port("127.0.0.1", &port) != DSK_OK) {
         dsk_test_fail_at(__FILE__, __LINE__, "no free port: %s", dsk_last_error());
         return 0;
@@ -62,7 +63,6 @@ static int run_ranks(int n, rank_fn fn, void *arg, double timeout_s, double limi
             _exit(dsk_test_g.checks_failed_total > failed_before ? 1 : 0);
         }
     }
-    for (int r = 0; r < n; r++) status[r] = -1;
     for (int left = n; left > 0;) {
         for (int r = 0; r < n; r++) {
             int st;
