@@ -39,20 +39,28 @@ trap 'rm -rf "$log" "$cov" "$lane"' EXIT
 
 in_lane() { case " $LANE " in *" $1 "*) return 0 ;; esac; return 1; }
 
+# timed LOG COMMAND...: runs COMMAND with its output in LOG; prints "status wall-seconds cpu-seconds" (cpu: user and
+# system time of COMMAND and its children, what a 2-core CI machine's budget is spent in)
+timed() {
+  local log=$1 t rc TIMEFORMAT='%R %U %S'
+  shift
+  t=$({ time "$@" >"$log" 2>&1; } 2>&1)
+  rc=$?
+  echo "$rc $(echo "$t" | tail -n 1 | awk '{ printf "%.0f %.0f", $1, $2 + $3 }')"
+}
+
 run_one() { # name, command... (a name "prog@isa" marks each output line with @isa)
-  local name=$1; shift
-  local start=$SECONDS
-  "$@" >"$log" 2>&1
-  account "$name" "$log" $? $((SECONDS - start))
+  local name=$1 rc secs cpu; shift
+  read -r rc secs cpu < <(timed "$log" "$@")
+  account "$name" "$log" "$rc" "$secs" "$cpu"
 }
 
 # Runs the LANE tests among names/commands "name|command words" in the background.
 start_lane() {
   ( i=0
     for job in "$@"; do
-      i=$((i + 1)); start=$SECONDS
-      bash -c "${job#*|}" >"$lane/$i.log" 2>&1
-      echo "$? $((SECONDS - start)) ${job%%|*}" >"$lane/$i.rc"
+      i=$((i + 1))
+      echo "$(timed "$lane/$i.log" bash -c "${job#*|}") ${job%%|*}" >"$lane/$i.rc"
     done ) &
   lane_pid=$! lane_n=$#
 }
@@ -60,15 +68,15 @@ start_lane() {
 finish_lane() {
   [ -n "$lane_pid" ] || return 0
   wait "$lane_pid"
-  local i rc secs name
+  local i rc secs cpu name
   for ((i = 1; i <= lane_n; i++)); do
-    read -r rc secs name <"$lane/$i.rc"
-    account "$name" "$lane/$i.log" "$rc" "$secs"
+    read -r rc secs cpu name <"$lane/$i.rc"
+    account "$name" "$lane/$i.log" "$rc" "$secs" "$cpu"
   done
 }
 
-account() { # name, log, exit status, seconds
-  local name=$1 log=$2 rc=$3 secs=$4
+account() { # name, log, exit status, seconds, CPU seconds
+  local name=$1 log=$2 rc=$3 secs=$4 cpu=$5
   case $name in *@*) sed "s/^/@${name##*@} /" "$log" ;; *) cat "$log" ;; esac
   local line
   line=$(grep -E '^\[.*\] totals: [0-9]+ passed / [0-9]+ failed / [0-9]+ skipped$' "$log" | tail -n 1)
@@ -82,7 +90,7 @@ account() { # name, log, exit status, seconds
   else
     echo "FAIL $name exited with status $rc without a totals line"; failed=$((failed + 1))
   fi
-  echo "# $name: $secs s"
+  echo "# $name: $secs s (cpu $cpu s)"
 }
 
 # The CPU ISAs this machine and build have, best last: x86-64 builds always compile the AVX2 and
