@@ -2,7 +2,6 @@
    file-based barrier), resharding, async save, rotation, latest, the DeepSeek hub names, and
    every fault the issue lists: SIGKILLed writers, corrupt/truncated checkpoints, a full disk.
    The safetensors files themselves: tests/test_safetensors.c. */
-#define DSK_TENSOR_IMPLEMENTATION
 #define DSK_CKPT_IMPLEMENTATION
 #include "dsk_tensor.h"
 #include "dsk_ckpt.h"

@@ -9,7 +9,6 @@
    another job on the port, a duplicate rank, bad environment, busy port, missing store,
    close + re-init without leaks. Launchers: dsk_comm_spawn_local, mpirun and torchrun when
    installed; run with `<binary> --rank-child` it is a rank of those end-to-end cases. */
-#define DSK_TENSOR_IMPLEMENTATION
 #define DSK_COMM_IMPLEMENTATION
 #include "dsk_comm.h"
 #include "tests/dsk_test.h"

@@ -1,12 +1,11 @@
 /* test_safetensors.c - dsk_safetensors.h alone: this file includes no other dsk header (the
-   header brings dsk_tensor.h, whose implementation is compiled here too). CRC32C; files of
+   header brings dsk_tensor.h, whose implementation comes from libdsk.a). CRC32C; files of
    every dtype and shape written and read back, strided sources, casts, boxes and raw bytes;
    Hugging Face sharded sets; the files Python's safetensors package wrote (tests/interop/py,
    tests/interop/edge: written by tests/interop/check_safetensors.py write-py / edge-cases,
    or the directories given as arguments); and bad input (malformed, truncated, hostile and
    flipped files, bad arguments), each refused with an error naming the file, tensor and values.
    Usage: test_safetensors [PY_DIR EDGE_DIR] (with them: only the Python files there). */
-#define DSK_TENSOR_IMPLEMENTATION
 #define DSK_SAFETENSORS_IMPLEMENTATION
 #include "dsk_safetensors.h"
 #include "tests/dsk_test.h"
