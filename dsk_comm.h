@@ -1348,7 +1348,9 @@ DSK_API dsk_status dsk_comm_check_agree(dsk_comm *c, const char *what, const cha
    before that is removed by the next segment created in the same pid namespace. */
 
 #define DSK__COMM_SHM_MAGIC 0x314d48534b5344ull /* "DSKSHM1" */
-#ifdef MAP_POPULATE /* fault the rings in at init, not in the first lap of small messages */
+/* The rings fault in at init, not in the first lap of small messages: each rank its own channels
+   (dsk__comm_shm_prefault), else (no MADV_POPULATE_WRITE in the headers) the whole segment. */
+#if defined(MAP_POPULATE) && !defined(MADV_POPULATE_WRITE)
 #define DSK__COMM_MAP_FLAGS (MAP_SHARED | MAP_POPULATE)
 #else
 #define DSK__COMM_MAP_FLAGS MAP_SHARED
@@ -2567,6 +2569,19 @@ static void dsk__comm_set_nodes(dsk_comm *c, const int *same) {
     }
 }
 
+/* Maps this rank's pages of one channel (a rank uses 2 (L - 1) of the segment's L * L channels:
+   every rank mapping all of them, MAP_POPULATE, made an 8-rank job's start mostly page-table work).
+   Where the kernel predates MADV_POPULATE_WRITE (5.14) the pages fault in on first use. */
+static void dsk__comm_shm_prefault(const void *p, size_t n) {
+#ifdef MADV_POPULATE_WRITE
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), a = (uintptr_t)p & ~(page - 1);
+    (void)madvise((void *)a, (size_t)((uintptr_t)p + n - a), MADV_POPULATE_WRITE);
+#else
+    (void)p;
+    (void)n;
+#endif
+}
+
 /* Points this rank's links to the members g[0..L) of its node group (this rank is g[me])
    inside the mapped segment. */
 static void dsk__comm_shm_link(dsk_comm *c, const int *g, int L, int me) {
@@ -2582,6 +2597,8 @@ static void dsk__comm_shm_link(dsk_comm *c, const int *g, int L, int me) {
         l->txd = (char *)(l->tx + 1);
         l->rxd = (char *)(l->rx + 1);
         l->peer_cpu = &b->cpu;
+        dsk__comm_shm_prefault(l->tx, sizeof *l->tx + m->ring);
+        dsk__comm_shm_prefault(l->rx, sizeof *l->rx + m->ring);
     }
     c->shm_peers = L - 1;
     m->crowded = L > (int)sysconf(_SC_NPROCESSORS_ONLN); /* the machine's, not this rank's affinity */
