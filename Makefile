@@ -7,6 +7,9 @@ CXX     ?= g++
 NVCC    ?= nvcc
 BUILD   ?= build
 CUDA_HOME ?= /usr/local/cuda
+# NCCL_HOME: where NCCL is when it is not in CUDA_HOME (include/nccl.h, lib/libnccl.so), e.g. pip's
+# nvidia-nccl wheel; scripts/device_check.sh finds it.
+NCCL_HOME ?=
 CUDA    ?= $(if $(shell command -v $(NVCC) 2>/dev/null),1,0)
 ARCH    ?= -march=native
 OPT     ?= -O2
@@ -15,7 +18,7 @@ DEBUG   ?= -g
 SAN     ?=
 GENCODE ?= -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90
 
-WARN     = -Wall -Wextra -Werror
+WARN    ?= -Wall -Wextra -Werror
 C_BASE   = -std=c11 $(OPT) $(ARCH) $(DEBUG) -fopenmp $(WARN) -I. $(SAN)
 CFLAGS  += $(C_BASE)
 CXXFLAGS+= -std=c++17 $(OPT) $(ARCH) $(DEBUG) -fopenmp $(WARN) -I. $(SAN)
@@ -35,6 +38,11 @@ CXXFLAGS+= -DDSK_CUDA -I$(CUDA_HOME)/include
 LDLIBS  := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lnccl -lcudart -ldl -lstdc++ $(LDLIBS)
 CUBLAS_LIB = -lcublas
 KLINK    = $(KLIB)
+ifneq ($(NCCL_HOME),)
+CFLAGS  += -I$(NCCL_HOME)/include
+CXXFLAGS+= -I$(NCCL_HOME)/include
+LDLIBS  := -L$(NCCL_HOME)/lib -Wl,-rpath,$(NCCL_HOME)/lib $(LDLIBS)
+endif
 else
 CUBLAS_LIB =
 KLINK    =
