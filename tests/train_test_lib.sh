@@ -1,7 +1,7 @@
 # tests/train_test_lib.sh - what the trainer's shell tests share. Set TEST_NAME, then source it:
 # the repository becomes the working directory; BUILD (default build), BIN (the CPU trainer; set
 # it again after sourcing for another build), PY and PYS (PY -S, for standard-library helpers) are
-# set; every rank runs one passive OpenMP thread (tiny models gain nothing from more, and spinning
+# set; the machine's GPUs are hidden (the CPU trainer stays on the CPU); every rank runs one passive OpenMP thread (tiny models gain nothing from more, and spinning
 # threads on a busy machine cost far more than they give); $work is a scratch directory removed at exit; ok/bad/skip count cases,
 # finish prints the totals line and exits non-zero on a failure; need_built BIN builds BIN or
 # fails the program.
@@ -21,6 +21,9 @@ PY=$(python3 -c 'import sys; print(sys.executable)' 2>/dev/null)
 # site-packages' path files), Python starts in half the time.
 PYS="$PY -S"
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
+# The machine's GPUs hidden: these scripts test the CPU trainer on the CPU whatever the machine has
+# (--device auto would take a GPU); the emulated GPU (tests/cuda_emu) keeps its devices.
+export CUDA_VISIBLE_DEVICES= CUDA_EMU_DEVICES=${CUDA_EMU_DEVICES:-4}
 passed=0 failed=0 skipped=0
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -52,7 +52,8 @@ uint64_t env_u64(const char *name, uint64_t dflt) {
 int visible_devices() {
     const char *v = getenv("CUDA_VISIBLE_DEVICES");
     int n = 0;
-    if (v) { /* as many devices as the list names; an empty list hides them all */
+    if (v && !(getenv("CUDA_EMU_DEVICES") && *getenv("CUDA_EMU_DEVICES"))) {
+        /* as many devices as the list names; an empty list hides them all */
         for (const char *p = v; *p;) {
             while (*p == ',' || *p == ' ') p++;
             if (!*p) break;

@@ -687,8 +687,12 @@ static void test_bad_library(void) {
 }
 
 int main(int argc, char **argv) {
+    dsk_ctx_opts co;
     dsk_test_init("test_hf");
-    DSK_TEST_OK(dsk_ctx_init(&g_ctx, NULL));
+    /* the trainer's model on the CPU, whatever the machine has: test_hf.sh runs the device path */
+    memset(&co, 0, sizeof co);
+    co.device = DSK_PREFER_CPU;
+    DSK_TEST_OK(dsk_ctx_init(&g_ctx, &co));
     snprintf(g_tmp, sizeof g_tmp, "/tmp/test_hf.XXXXXX");
     if (!mkdtemp(g_tmp)) return 1;
     g_keep = argc > 1 ? argv[1] : g_tmp;

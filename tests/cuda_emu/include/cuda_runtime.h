@@ -127,8 +127,9 @@ typedef enum cudaDeviceAttr {
     cudaDevAttrMemoryPoolsSupported = 115
 } cudaDeviceAttr;
 
-/* Devices: CUDA_EMU_DEVICES (default 4), or as many as CUDA_VISIBLE_DEVICES lists ("" = none:
-   cudaGetDeviceCount then fails with cudaErrorNoDevice, as on a machine without a GPU). */
+/* Devices: CUDA_EMU_DEVICES where it is set, else as many as CUDA_VISIBLE_DEVICES lists ("" = none:
+   cudaGetDeviceCount then fails with cudaErrorNoDevice, as on a machine without a GPU), else 4. So a
+   test can hide a machine's real GPUs (CUDA_VISIBLE_DEVICES empty) and keep emulated ones. */
 cudaError_t cudaGetDeviceCount(int *count);
 cudaError_t cudaSetDevice(int device);
 cudaError_t cudaGetDevice(int *device);
