@@ -108,7 +108,7 @@ extern "C" {
 /* ---- types and options */
 
 typedef enum dsk_comm_backend {
-    DSK_COMM_AUTO = 0, /* nccl when built with DSK_CUDA and a GPU is usable, else host */
+    DSK_COMM_AUTO = 0, /* nccl when built with DSK_CUDA and every rank has a CUDA device of its own, else host */
     DSK_COMM_HOST,
     DSK_COMM_NCCL
 } dsk_comm_backend;
@@ -3040,7 +3040,46 @@ typedef struct dsk__comm_rank_rec {
     uint64_t small_bytes, piece_bytes;
     int32_t backend, transport;
     char host[DSK__COMM_HOST_MAX + 16]; /* host identity: same string, same node */
+    char gpu[32];                       /* the PCI bus id of the device nccl would give it; "" none */
 } dsk__comm_rank_rec;
+
+/* The device a rank takes on nccl (dsk__comm_nccl_init: local rank modulo the visible devices),
+   by PCI bus id, so that ranks given one GPU each by CUDA_VISIBLE_DEVICES count as distinct. */
+static void dsk__comm_gpu_identity(int local_rank, char *buf, int len) {
+    buf[0] = 0;
+#ifdef DSK_CUDA
+    int ndev = 0;
+    if (dsk_cuda_device_count(&ndev) == DSK_OK && ndev > 0 &&
+        dsk_cuda_device_bus_id(local_rank % ndev, buf, len) != DSK_OK)
+        buf[0] = 0;
+#else
+    (void)local_rank;
+    (void)len;
+#endif
+}
+
+/* The backend from every rank's record: auto is nccl where each rank has a device of its own (none
+   missing, no two ranks of a host on one: nccl refuses those, "Duplicate GPU detected"), else host;
+   nccl asked for where that does not hold is an error naming the ranks. */
+static dsk_status dsk__comm_resolve_backend(dsk_comm *c, const char *fn, dsk__comm_rank_rec *recs,
+                                            dsk_comm_backend *be) {
+    int n = c->world_size, a = -1, b = -1;
+    for (int r = 0; r < n && a < 0; r++) {
+        if (!recs[r].gpu[0]) a = r;
+        for (int q = 0; q < r && a < 0; q++)
+            if (!strcmp(recs[q].gpu, recs[r].gpu) && !strcmp(recs[q].host, recs[r].host)) a = q, b = r;
+    }
+    if (*be == DSK_COMM_AUTO) *be = a < 0 ? DSK_COMM_NCCL : DSK_COMM_HOST;
+    for (int r = 0; r < n; r++) recs[r].backend = (int32_t)*be;
+    if (*be != DSK_COMM_NCCL || a < 0) return DSK_OK;
+    if (b < 0)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED,
+                             "%s: the nccl backend needs a CUDA device on every rank; rank %d has none", fn, a);
+    return dsk_set_error(DSK_ERR_UNSUPPORTED,
+                         "%s: the nccl backend needs a CUDA device per rank; ranks %d and %d (%s) would share "
+                         "device %s (fewer visible devices than local ranks)",
+                         fn, a, b, recs[a].host, recs[a].gpu);
+}
 
 static dsk_status dsk__comm_same_options(dsk_comm *c, const char *fn, const dsk__comm_rank_rec *mine,
                                          const dsk__comm_rank_rec *theirs, int r) {
@@ -3107,12 +3146,11 @@ static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, in
         if (p && *p) port = atoi(p);
     }
     if (port <= 0 || port > 65535) return dsk_set_error(DSK_ERR_ARG, "%s: master port %d not in [1, 65535]", fn, port);
-    if (be == DSK_COMM_AUTO) be = dsk_cuda_available() ? DSK_COMM_NCCL : DSK_COMM_HOST;
 #ifndef DSK_CUDA
     if (be == DSK_COMM_NCCL)
         return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: the nccl backend needs a build with DSK_CUDA", fn);
 #endif
-    if (be != DSK_COMM_HOST && be != DSK_COMM_NCCL)
+    if (be != DSK_COMM_AUTO && be != DSK_COMM_HOST && be != DSK_COMM_NCCL)
         return dsk_set_error(DSK_ERR_ARG, "%s: unknown backend %d", fn, (int)be);
     DSK__TRY(dsk__comm_resolve(fn, addr, port, &store_sa));
     c->rank = rank;
@@ -3139,7 +3177,8 @@ static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, in
     mine.piece_bytes = m->piece_bytes;
     mine.transport = (int32_t)(o ? o->transport : DSK_COMM_TRANSPORT_AUTO);
     dsk__comm_host_identity(o ? o->host_id : NULL, mine.host, sizeof mine.host);
-    if (be == DSK_COMM_HOST) DSK__TRY(dsk__comm_mesh_listen(c, fn, &lfd, mine.ep));
+    dsk__comm_gpu_identity(c->local_rank, mine.gpu, (int)sizeof mine.gpu);
+    if (be != DSK_COMM_NCCL) DSK__TRY(dsk__comm_mesh_listen(c, fn, &lfd, mine.ep));
     snprintf(key, sizeof key, "dsk/w/rank/%d", rank);
     if ((st = dsk__comm_store_set(c, fn, key, &mine, sizeof mine)) != DSK_OK) goto done;
     if (!(recs = (dsk__comm_rank_rec *)DSK_MALLOC((size_t)world * sizeof *recs))) {
@@ -3160,6 +3199,8 @@ static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, in
         else if (st == DSK_OK)
             st = dsk__comm_same_options(c, fn, &mine, &recs[r], r);
     }
+    if (st == DSK_OK) st = dsk__comm_resolve_backend(c, fn, recs, &be);
+    c->backend = be;
     if (st == DSK_OK) st = dsk__comm_world_nodes(c, fn, recs);
 #ifdef DSK_CUDA
     if (st == DSK_OK && be == DSK_COMM_NCCL) st = dsk__comm_nccl_init(c, fn, t0);

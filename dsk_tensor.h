@@ -1047,6 +1047,7 @@ void dsk_cuda_graph_free(void *graph, void *exec);
 /* Streams and memory without a dsk_ctx (a communicator's setup, a module's own stream): `stream` is a
    cudaStream_t, NULL the legacy default stream; `ev` an event of dsk_cuda_event_create. */
 dsk_status dsk_cuda_set_device(int index);                 /* makes device `index` current on this thread */
+dsk_status dsk_cuda_device_bus_id(int index, char *buf, int len); /* its PCI bus id, "0000:3c:00.0" (len >= 13) */
 dsk_status dsk_cuda_device_malloc(size_t bytes, void **p); /* cudaMalloc (synchronous); dsk_cuda_free(NULL, p) */
 dsk_status dsk_cuda_memcpy_sync(void *dst, const void *src, size_t bytes, int to_device); /* cudaMemcpy */
 dsk_status dsk_cuda_stream_create(void **stream); /* a non-blocking stream on the current device */

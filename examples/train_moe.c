@@ -239,6 +239,9 @@ static void setup_comm(trainer *t) {
         dsk_comm_opts co;
         memset(&co, 0, sizeof co);
         co.timeout_s = 120;
+        /* the device decides the backend; auto: nccl where each local rank has a GPU of its own */
+        if (strcmp(o->device, "cpu") == 0) co.backend = DSK_COMM_HOST;
+        else if (strcmp(o->device, "cuda") == 0) co.backend = DSK_COMM_NCCL;
         CHECK(dsk_comm_init_env(&t->comm, &co));
         t->have_comm = 1;
         t->rank = t->comm.rank;
@@ -282,6 +285,7 @@ static void setup_device(trainer *t) {
     if (strcmp(o->device, "cpu") == 0) co.device = DSK_PREFER_CPU;
     else if (strcmp(o->device, "cuda") == 0) co.device = DSK_PREFER_CUDA;
     else if (strcmp(o->device, "auto") != 0) fail(t, "--device \"%s\": use auto, cpu or cuda", o->device);
+    else if (t->have_comm && t->comm.backend == DSK_COMM_HOST) co.device = DSK_PREFER_CPU; /* fewer GPUs than ranks */
     co.cuda_index = t->have_comm ? t->comm.local_rank : 0;
     co.n_threads = o->threads ? o->threads : t->bind_cpus; /* OpenMP counted the CPUs before --bind */
 #ifdef _OPENMP

@@ -336,6 +336,13 @@ extern "C" dsk_status dsk_cuda_set_device(int index) {
     return DSK_OK;
 }
 
+extern "C" dsk_status dsk_cuda_device_bus_id(int index, char *buf, int len) {
+    char detail[32];
+    snprintf(detail, sizeof detail, "device %d", index);
+    DSK__CUDA_CHECK("dsk_cuda_device_bus_id", cudaDeviceGetPCIBusId(buf, len, index), detail);
+    return DSK_OK;
+}
+
 extern "C" dsk_status dsk_cuda_device_malloc(size_t bytes, void **p) {
     char detail[48];
     cudaError_t e;

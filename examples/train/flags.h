@@ -91,7 +91,8 @@
     X(BUF, 8, dtype, "--dtype", "", "f32 | bf16 | fp16 | fp8") \
     X(BUF, 8, optim_dtype, "--optim-dtype", "f32", "AdamW moments: f32 | bf16 (half the optimizer state)") \
     X(INT, 0, threads, "--threads", 0, "CPU threads per rank (0 = OpenMP's default)") \
-    X(BUF, 8, device, "--device", "auto", "auto | cpu | cuda") \
+    X(BUF, 8, device, "--device", "auto", \
+      "auto (the GPUs where every rank has one of its own, else the CPU) | cpu | cuda") \
     X(FLAG, 0, cuda_graph, "--cuda-graph", 0, \
       "capture a step as a CUDA graph once and replay it (one GPU: forward, backward, optimizer; more: the passes)") \
     /* ---- evaluation and output */ \
