@@ -366,6 +366,15 @@ static inline DSK_HD float dsk_amp_fp8_max(dsk_dtype fmt) {
 static inline DSK_HD uint8_t dsk_amp_to_fp8(float x, dsk_dtype fmt) {
     return fmt == DSK_E4M3 ? dsk_f32_to_e4m3(x) : dsk_f32_to_e5m2(x);
 }
+/* x / d and x * s as the fp8 quantisers take them: a NaN result gets the sign of the operands'
+   product (IEEE's rule for the sign of a quotient), where hardware differs (x86 gives -inf / inf
+   and 0 / 0 the negative default NaN and passes an operand's NaN on; a GPU gives +NaN), so the
+   CPU and the CUDA kernels write the same NaN code. */
+static inline DSK_HD float dsk__amp_nan_sign(float v, float a, float b) {
+    return v != v ? dsk_bits_f32(((dsk_f32_bits(a) ^ dsk_f32_bits(b)) & 0x80000000u) | 0x7fc00000u) : v;
+}
+static inline DSK_HD float dsk_amp_fp8_quotient(float x, float d) { return dsk__amp_nan_sign(x / d, x, d); }
+static inline DSK_HD float dsk_amp_fp8_product(float x, float s) { return dsk__amp_nan_sign(x * s, x, s); }
 static inline DSK_HD float dsk_amp_from_fp8(uint8_t b, dsk_dtype fmt) {
     return fmt == DSK_E4M3 ? dsk_e4m3_to_f32(b) : dsk_e5m2_to_f32(b);
 }
@@ -1257,7 +1266,7 @@ DSK_API dsk_status dsk_amp_fp8_quantize(dsk_ctx *ctx, dsk_tensor *q, const dsk_t
         float sc = *(const float *)scale->data;
         uint8_t *o = (uint8_t *)q->data;
         for (int64_t i = 0, n = dsk_tensor_numel(x); i < n; i++)
-            o[i] = dsk_amp_to_fp8(dsk_load_f32(x->data, x->dtype, i) * sc, q->dtype);
+            o[i] = dsk_amp_to_fp8(dsk_amp_fp8_product(dsk_load_f32(x->data, x->dtype, i), sc), q->dtype);
     }
     return DSK_OK;
 }
@@ -1422,9 +1431,9 @@ static uint32_t dsk__amp_amax_f32(const float *v, int64_t n, uint32_t m) {
 static void dsk__amp_codes_f32(uint8_t *o, const float *v, int64_t n, float d, dsk_dtype fmt) {
     if (fmt == DSK_E4M3) {
         DSK__AMP_OMP(omp simd)
-        for (int64_t i = 0; i < n; i++) o[i] = dsk_f32_to_e4m3(v[i] / d);
+        for (int64_t i = 0; i < n; i++) o[i] = dsk_f32_to_e4m3(dsk_amp_fp8_quotient(v[i], d));
     } else {
-        for (int64_t i = 0; i < n; i++) o[i] = dsk_f32_to_e5m2(v[i] / d);
+        for (int64_t i = 0; i < n; i++) o[i] = dsk_f32_to_e5m2(dsk_amp_fp8_quotient(v[i], d));
     }
 }
 /* A block row: the largest dsk_amp_abs_bits of elements [off, off + len) of x, and their codes. */

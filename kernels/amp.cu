@@ -320,7 +320,7 @@ extern "C" dsk_status dsk_cuda_amp_fp8_scale(dsk_ctx *ctx, float *scale, const f
 __global__ static void dsk__amp_quantize_kernel(uint8_t *q, dsk_dtype fmt, const void *x, dsk_dtype dt, int64_t n,
                                                 const float *scale) {
     float s = *scale;
-    DSK__CUDA_FOR(i, n) q[i] = dsk_amp_to_fp8(dsk_load_f32(x, dt, i) * s, fmt);
+    DSK__CUDA_FOR(i, n) q[i] = dsk_amp_to_fp8(dsk_amp_fp8_product(dsk_load_f32(x, dt, i), s), fmt);
 }
 
 __global__ static void dsk__amp_dequantize_kernel(void *y, dsk_dtype dt, const uint8_t *q, dsk_dtype fmt, int64_t n,
@@ -375,8 +375,9 @@ __global__ static void dsk__amp_block_quantize_kernel(uint8_t *q, dsk_dtype fmt,
     if (threadIdx.x == 0) scales[b] = d;
     for (int64_t e = threadIdx.x; e < cnt; e += DSK__AMP_THREADS) {
         int64_t i = (r0 + e / cols) * C + c0 + e % cols;
-        q[i] =
-            dsk_amp_to_fp8(dsk_load_f32(x, dt, dsk__amp_block_src(r0 + e / cols, c0 + e % cols, R, C, trans)) / d, fmt);
+        q[i] = dsk_amp_to_fp8(
+            dsk_amp_fp8_quotient(dsk_load_f32(x, dt, dsk__amp_block_src(r0 + e / cols, c0 + e % cols, R, C, trans)), d),
+            fmt);
     }
 }
 

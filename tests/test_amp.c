@@ -1023,12 +1023,15 @@ static void test_fp8_block_nonfinite(dsk_dtype fmt, int pow2) {
     for (int64_t r = 0; r < R; r++)
         for (int64_t cb = 0; cb < 2; cb++) {
             float d = ((float *)sc.data)[r * 2 + cb];
-            int hit = r < 3 && cb == 0, finite_y = 0, nan_codes = 0, bad_round = 0;
+            int hit = r < 3 && cb == 0, finite_y = 0, nan_codes = 0, bad_round = 0, bad_sign = 0;
             for (int64_t c = cb * 128; c < (cb + 1) * 128; c++) {
                 double xi = ((float *)x.data)[r * C + c], yi = ((float *)y.data)[r * C + c];
+                uint8_t code = ((uint8_t *)q.data)[r * C + c];
+                int nan = isnan(fmt == DSK_E4M3 ? dsk_e4m3_to_f32(code) : dsk_e5m2_to_f32(code));
                 finite_y += isfinite(yi) != 0;
-                nan_codes += isnan(fmt == DSK_E4M3 ? dsk_e4m3_to_f32(((uint8_t *)q.data)[r * C + c])
-                                                   : dsk_e5m2_to_f32(((uint8_t *)q.data)[r * C + c]));
+                nan_codes += nan;
+                /* a NaN code's sign: x's times the (positive) scale's, not the hardware's default NaN */
+                bad_sign += nan && (code >> 7) != (signbit(xi) != 0);
                 if (!hit) bad_round += !(fabs(yi - xi) <= fp8_bound(fmt, xi, 1.0 / d));
             }
             if (hit) {
@@ -1038,6 +1041,8 @@ static void test_fp8_block_nonfinite(dsk_dtype fmt, int pow2) {
                                 (double)bad[r], finite_y);
                 DSK_TEST_EXPECT(nan_codes == (r == 2 ? 128 : 1), "row %lld with %g: %d NaN codes", (long long)r,
                                 (double)bad[r], nan_codes);
+                DSK_TEST_EXPECT(bad_sign == 0, "row %lld with %g: %d NaN codes of the wrong sign", (long long)r,
+                                (double)bad[r], bad_sign);
             } else {
                 DSK_TEST_EXPECT(isfinite(d) && d > 0 && d <= 1.0 / fmx * 4, "row %lld block %lld: scale %g",
                                 (long long)r, (long long)cb, (double)d);
