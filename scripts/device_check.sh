@@ -5,7 +5,9 @@
 # the others. Logs go to $OUT when it is set (device machine), else to build-gpu/device_check/:
 # device_check.log (everything) and summary.txt (the table).
 # Usage: bash scripts/device_check.sh     (DEVICE_CHECK_BUDGET=seconds overrides the 470 s budget,
-#        DEVICE_CHECK_JOBS the 16 parallel build jobs)
+#        DEVICE_CHECK_JOBS the 16 parallel build jobs; to rerun what failed: DEVICE_CHECK_BENCHES="name ..."
+#        runs only those benchmarks, "" none; DEVICE_CHECK_TESTS="test_train.sh trainer/test_hf ..."
+#        runs those of tests/ instead of the whole suite)
 set -u
 cd "$(dirname "$0")/.."
 BUILD=build-gpu
@@ -124,6 +126,7 @@ if [ "$n_gpu_tests" -eq 0 ]; then rows+=("GPU tests|not built|0|no $BUILD/tests/
 # 3. GPU benchmarks.
 for b in "${GPU_BENCHES[@]}"; do
   IFS='|' read -r name limit cmd <<<"$b"
+  [ -z "${DEVICE_CHECK_BENCHES+set}" ] || [[ " $DEVICE_CHECK_BENCHES " == *" $name "* ]] || continue
   prog=$(printf '%s\n' $cmd | grep -m 1 "^$BUILD/")   # the program, after any `env VAR=...`
   if [ -x "$prog" ]; then
     step "$name" "$limit" summary $cmd
@@ -132,8 +135,18 @@ for b in "${GPU_BENCHES[@]}"; do
   fi
 done
 
-# 4. The whole test suite (CPU tests too, on a machine that has a GPU) with the time left.
-step "all tests (run_tests.sh)" 240 totals env BUILD=$BUILD bash scripts/run_tests.sh
+# 4. The whole test suite (CPU tests too, on a machine that has a GPU) with the time left, or the
+#    tests DEVICE_CHECK_TESTS names.
+if [ -n "${DEVICE_CHECK_TESTS:-}" ]; then
+  for t in $DEVICE_CHECK_TESTS; do
+    case $t in
+      *.sh) step "$t" 150 totals env BUILD=$BUILD bash "tests/$t" ;;
+      *) step "$t" 150 totals "$BUILD/tests/$t" ;;
+    esac
+  done
+else
+  step "all tests (run_tests.sh)" 240 totals env BUILD=$BUILD bash scripts/run_tests.sh
+fi
 
 # Summary, last.
 {
