@@ -3177,7 +3177,7 @@ static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, in
     mine.piece_bytes = m->piece_bytes;
     mine.transport = (int32_t)(o ? o->transport : DSK_COMM_TRANSPORT_AUTO);
     dsk__comm_host_identity(o ? o->host_id : NULL, mine.host, sizeof mine.host);
-    dsk__comm_gpu_identity(c->local_rank, mine.gpu, (int)sizeof mine.gpu);
+    if (be != DSK_COMM_HOST) dsk__comm_gpu_identity(c->local_rank, mine.gpu, (int)sizeof mine.gpu);
     if (be != DSK_COMM_NCCL) DSK__TRY(dsk__comm_mesh_listen(c, fn, &lfd, mine.ep));
     snprintf(key, sizeof key, "dsk/w/rank/%d", rank);
     if ((st = dsk__comm_store_set(c, fn, key, &mine, sizeof mine)) != DSK_OK) goto done;
