@@ -115,7 +115,8 @@ tests: $(TESTS) $(if $(filter 1,$(NVCC_TESTS)),$(GPU_TESTS)) $(if $(filter 1,$(E
 examples: $(EXAMPLES)
 # Benchmarks whose peer is missing here are left out: bench_gemm without OpenBLAS (another
 # BLAS's cblas.h lacks openblas_*), mpi_allreduce without Open MPI's mpi.h. Probed when asked.
-bench:
+# The libraries first: the recursive make must not build them beside this one (make -j tests bench).
+bench: $(LIB) $(KLINK)
 	@skip=""; \
 	printf '#include <cblas.h>\nint main(void) { openblas_set_num_threads(1); return 0; }\n' | \
 	    $(CC) -x c - -lopenblas -o /dev/null 2>/dev/null || skip="$$skip bench_gemm"; \
