@@ -25,7 +25,7 @@ trap 'rm -f "$STEP_OUT"' EXIT
 GPU_BENCHES=(
   "bench_gpu_ops|90|$BUILD/bench/bench_gpu_ops"
   "comm_bench|60|env RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 $BUILD/bench/comm_bench --nccl -b 8 -e 268435456"
-  "bench_moe|100|$BUILD/bench/bench_moe --cuda --tokens 8192 --repeats 5"
+  "bench_moe|100|$BUILD/bench/bench_moe --cuda --tokens 8192 --repeats 5 --python python3"
   "train_graph|60|bash bench/train_graph_step.sh $BUILD/examples/train_moe"
   "bench_attention|60|$BUILD/bench/bench_attention --gpu --repeats 5"
   "bench_zero|60|$BUILD/bench/bench_zero --cuda --units 8 --dim 2048 --batch 512 --dtype bf16 --steps 20 --warmup 3"
