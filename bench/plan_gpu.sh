@@ -3,7 +3,8 @@
 # GPU, the `efficiency` of examples/clusters/h200_*.json (dsk_plan.h assumes 0.4 where a file gives
 # none). train_moe trains a mid-sized model below in bf16 on the GPU; the step's FLOPs are the
 # planner's own count (dsk_plan's "training FLOPs per token" x the step's tokens), over the median
-# step after the first 3, over the cluster file's bf16_tflops. scripts/device_check.sh runs it.
+# step after the first 3, over the cluster file's bf16_tflops. scripts/device_check.sh runs it; the
+# figure goes into bench/plan_gpu_calibrated.json and bench/RESULTS.md by hand.
 # Usage: bash bench/plan_gpu.sh TRAIN_MOE [CLUSTER]   (dsk_plan beside TRAIN_MOE; CLUSTER default
 #        examples/clusters/h200_1x8.json)
 set -u
