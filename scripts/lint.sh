@@ -123,11 +123,12 @@ check_columns() {
 
 # Compiles one library source as the Makefile does (a header with its IMPLEMENTATION macro; a
 # .cu file as host C++ against the CUDA emulator, as build/emu does) into $tmp/state/<n>.o.
-# -O1: gcc folds a static it proves is never written into read-only data or away, so what is
-# left in writable sections is state the code writes (or whose address escapes).
+# -Og: gcc folds a static it proves is never written into read-only data or away, so what is
+# left in writable sections is state the code writes (or whose address escapes); -O0 folds
+# nothing, and -Og finds what -O1 does in two thirds of the time.
 compile_source() {
     local src=$1 obj=$tmp/state/$(echo "$1" | tr '/.' '__').o cc
-    local common=(-O1 -g -fno-common -fno-pie -I. -Itests/cuda_emu/include -DDSK_CUDA -c -o "$obj")
+    local common=(-Og -g -fno-common -fno-pie -I. -Itests/cuda_emu/include -DDSK_CUDA -c -o "$obj")
     case $src in
     dsk_*.h)
         local m=${src#dsk_}; m=${m%.h}

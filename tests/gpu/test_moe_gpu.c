@@ -7,10 +7,9 @@
    routing recorded on CUDA is the CPU's, and a random assignment replayed on both gives the same
    outputs, loads and gradients; FP8 experts give the CPU's bits.
    Without a usable GPU every case reports as skipped. */
-#define DSK_TENSOR_IMPLEMENTATION
-#define DSK_COMM_IMPLEMENTATION
-#define DSK_MOE_IMPLEMENTATION
-#define DSK_AMP_IMPLEMENTATION
+#define _POSIX_C_SOURCE 200809L /* readlink: the other modules are linked, not included */
+#include <unistd.h>
+#define DSK_MOE_IMPLEMENTATION /* the layer's state (dsk__moe_state: the rows an EP rank sent) */
 #include "dsk_comm.h"
 #include "dsk_amp.h" /* before dsk_moe.h: the FP8 experts */
 #include "dsk_moe.h"
