@@ -173,6 +173,7 @@ typedef struct dsk_comm {
     int node_rank, node_size;         /* index among its node's ranks (in rank order) and their count */
     int shm_peers;                    /* host: peers reached through shared memory (the others: TCP) */
     dsk_comm_backend backend; /* DSK_COMM_HOST or DSK_COMM_NCCL once initialised */
+    int cuda_device;          /* nccl: the CUDA device this rank uses (local rank mod visible ones); host: -1 */
     dsk_comm_stats stats;     /* host backend: updated by every call */
     dsk__comm_impl *impl;
 } dsk_comm;
@@ -2877,7 +2878,8 @@ static dsk_status dsk__comm_nccl_init(dsk_comm *c, const char *fn, double t0) {
     if (ndev == 0)
         return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: the nccl backend needs a CUDA device (rank %d: 0 devices)", fn,
                              c->rank);
-    DSK__TRY(dsk_cuda_set_device(c->local_rank % ndev));
+    c->cuda_device = c->local_rank % ndev;
+    DSK__TRY(dsk_cuda_set_device(c->cuda_device));
     snprintf(key, sizeof key, "dsk/%s/nccl_id", m->ns);
     if (c->rank == 0) {
         ncclResult_t r = ncclGetUniqueId(&id);
@@ -3201,6 +3203,7 @@ static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, in
     }
     if (st == DSK_OK) st = dsk__comm_resolve_backend(c, fn, recs, &be);
     c->backend = be;
+    c->cuda_device = -1;
     if (st == DSK_OK) st = dsk__comm_world_nodes(c, fn, recs);
 #ifdef DSK_CUDA
     if (st == DSK_OK && be == DSK_COMM_NCCL) st = dsk__comm_nccl_init(c, fn, t0);
@@ -4050,6 +4053,7 @@ DSK_API dsk_status dsk_comm_split(dsk_comm *c, int color, int key, dsk_comm *sub
         return dsk_set_error(DSK_ERR_ARG, "%s: color %d is negative (use DSK_COMM_NO_COLOR to join no group)", fn,
                              color);
     memset(sub, 0, sizeof *sub);
+    sub->cuda_device = c->cuda_device;
 #ifdef DSK_CUDA
     if (DSK__COMM_NCCL(c)) {
         sub->backend = DSK_COMM_NCCL;

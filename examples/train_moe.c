@@ -286,7 +286,7 @@ static void setup_device(trainer *t) {
     else if (strcmp(o->device, "cuda") == 0) co.device = DSK_PREFER_CUDA;
     else if (strcmp(o->device, "auto") != 0) fail(t, "--device \"%s\": use auto, cpu or cuda", o->device);
     else if (t->have_comm && t->comm.backend == DSK_COMM_HOST) co.device = DSK_PREFER_CPU; /* fewer GPUs than ranks */
-    co.cuda_index = t->have_comm ? t->comm.local_rank : 0;
+    co.cuda_index = t->have_comm && t->comm.cuda_device >= 0 ? t->comm.cuda_device : 0;    /* nccl's device */
     co.n_threads = o->threads ? o->threads : t->bind_cpus; /* OpenMP counted the CPUs before --bind */
 #ifdef _OPENMP
     if (co.n_threads > 0) omp_set_num_threads(co.n_threads); /* the parallel loops that take no ctx follow OpenMP's default */

@@ -64,11 +64,19 @@ static inline int gpu_test_rank_open(dsk_comm *nc, dsk_comm *hc, dsk_ctx *g, con
     o.timeout_s = 120;
     o.host_id = host_id;
     if (dsk_comm_init_env(nc, &o) != DSK_OK) { printf("nccl init: %s\n", dsk_last_error()); return 3; }
+    if (nc->cuda_device != nc->local_rank) { /* one device per rank here */
+        printf("nccl: cuda_device %d, want the local rank %d\n", nc->cuda_device, nc->local_rank);
+        return 3;
+    }
     o.backend = DSK_COMM_HOST;
     o.master_addr = "127.0.0.1";
     o.master_port = atoi(port ? port : "0") + 1;
     if (dsk_comm_init(hc, nc->rank, nc->world_size, &o) != DSK_OK) {
         printf("host init: %s\n", dsk_last_error());
+        return 3;
+    }
+    if (hc->cuda_device != -1) {
+        printf("host: cuda_device %d, want -1\n", hc->cuda_device);
         return 3;
     }
     memset(&co, 0, sizeof co);
