@@ -15,7 +15,7 @@
 # data-parallel ranks in f32.
 # A capture fails on any host sync inside it, so the runs also prove the captured steps make none.
 # And --cuda-graph on the CPU, with --zero, or with --ep and the exact exchange fails with a message.
-# With fewer GPUs than local ranks --device auto trains on the CPU, and cuda fails naming the counts.
+# With fewer GPUs than local ranks --device auto trains on the CPU, and cuda fails naming the ranks that would share one.
 # Prints `[test_train_graph] totals: P passed / F failed / S skipped`; exits non-zero on failure.
 TEST_NAME=test_train_graph
 source "$(dirname "$0")/train_test_lib.sh"
@@ -92,18 +92,19 @@ if [ "$(cat "$work/exact.rc")" -ne 0 ] && grep -q -- "$want" "$work/exact.out"; 
 else bad "$what" "exit $(cat "$work/exact.rc")" "$(tail -2 "$work/exact.out")"; fi
 
 # fewer GPUs than local ranks: auto trains on the CPU over the host backend, cuda fails naming the
-# counts (nccl would refuse two ranks on one device), and --device cpu stays off nccl where GPUs are
+# ranks and their device (nccl would refuse two ranks on one), and --device cpu stays off nccl where GPUs are
 for dev in auto cuda cpu; do
     CUDA_EMU_DEVICES=$([ $dev = cpu ] && echo 4 || echo 1) run "few_$dev" "${TINY[@]}" --nproc 2 --device $dev --steps 2
 done
 if [ "$(cat "$work/few_auto.rc")" -eq 0 ] && grep -q "2 ranks (expert parallel 1), CPU" "$work/few_auto.out"; then
     ok "--nproc 2 on 1 GPU, --device auto: the CPU"
-else bad "--nproc 2 on 1 GPU, --device auto: the CPU" "exit $(cat "$work/few_auto.rc")" "$(tail -2 "$work/few_auto.out")"; fi
+else bad "--nproc 2 on 1 GPU, --device auto: the CPU" "exit $(cat "$work/few_auto.rc")" \
+    "$(tail -2 "$work/few_auto.out")"; fi
 want="the nccl backend needs a CUDA device per rank; ranks 0 and 1 ("
 if [ "$(cat "$work/few_cuda.rc")" -ne 0 ] && grep -qF -- "$want" "$work/few_cuda.out"; then
-    ok "--nproc 2 on 1 GPU, --device cuda: fails naming the counts"
-else bad "--nproc 2 on 1 GPU, --device cuda: fails naming the counts" "exit $(cat "$work/few_cuda.rc")" \
-    "$(tail -2 "$work/few_cuda.out")"; fi
+    ok "--nproc 2 on 1 GPU, --device cuda: fails naming the two ranks and the device"
+else bad "--nproc 2 on 1 GPU, --device cuda: fails naming the two ranks and the device" \
+    "exit $(cat "$work/few_cuda.rc")" "$(tail -2 "$work/few_cuda.out")"; fi
 if [ "$(cat "$work/few_cpu.rc")" -eq 0 ] && grep -q "2 ranks (expert parallel 1), CPU" "$work/few_cpu.out"; then
     ok "--nproc 2 --device cpu on 4 GPUs: the CPU over the host backend"
 else bad "--nproc 2 --device cpu on 4 GPUs: the CPU over the host backend" "exit $(cat "$work/few_cpu.rc")" \
