@@ -880,6 +880,23 @@ static void test_fp8_round_trip(dsk_dtype fmt) {
         }
         dsk_tensor_free(NULL, &one);
     }
+    /* a NaN scale: every code a NaN with the sign of x times the scale's (+), the hardware's aside
+       (x86 gives 1 * NaN and -2 * NaN the scale's NaN, a GPU +NaN; -NaN * NaN keeps x's on x86) */
+    {
+        float v[3] = {-NAN, 1.0f, -2.0f};
+        dsk_tensor nan_scale = scalar(NAN);
+        x.shape[0] = q.shape[0] = 3;
+        memcpy(x.data, v, sizeof v);
+        dsk_test_poison_bytes(q.data, 3);
+        DSK_TEST_OK(dsk_amp_fp8_quantize(NULL, &q, &x, &nan_scale));
+        for (int i = 0; i < 3; i++) {
+            uint8_t c = ((uint8_t *)q.data)[i];
+            DSK_TEST_EXPECT(isnan(decode(fmt, c)) && (c >> 7) == (signbit(v[i]) != 0),
+                            "%s: %g times a NaN scale -> code 0x%02x, want a NaN of x's sign", dsk_dtype_name(fmt),
+                            (double)v[i], c);
+        }
+        dsk_tensor_free(NULL, &nan_scale);
+    }
     dsk_tensor_free(NULL, &x); dsk_tensor_free(NULL, &q); dsk_tensor_free(NULL, &y);
 }
 
