@@ -704,8 +704,8 @@ static dsk_status tm_linears_backward(tm_model *m, int ph, int n, dsk_tensor *co
    tmla_model.unit_ready). */
 static dsk_status tm_linear_backward(tm_model *m, int ph, int n, tm_param **w, dsk_tensor **dy, const dsk_tensor *x,
                                      const tf8_act *act, dsk_tensor *dx) {
-    dsk_tensor *gw[3];
-    const dsk_tensor *wc[3];
+    dsk_tensor *gw[3] = {NULL, NULL, NULL}; /* initialised: gcc -O1 with ASan cannot see n <= 3 */
+    const dsk_tensor *wc[3] = {NULL, NULL, NULL};
     for (int i = 0; i < n; i++) gw[i] = &w[i]->g;
     for (int i = 0; i < n; i++) wc[i] = &w[i]->wc;
     TM_TRY(tm_linears_backward(m, ph, n, gw, wc, dy, x, act, dx));
