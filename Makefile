@@ -170,7 +170,6 @@ $(EMU)/tests/gpu/%: tests/gpu/%.c tests/dsk_test.h $(wildcard tests/gpu/*.h) $(E
 	@mkdir -p $(dir $@)
 	$(CC) $(EMU_CFLAGS) -o $@ $< $(EMU_LIBS)
 
-
 $(EMU)/examples/%: examples/%.c $(EMU_DEPS)
 	@mkdir -p $(dir $@)
 	$(CC) $(EMU_CFLAGS) -o $@ $< $(EMU_LIBS)

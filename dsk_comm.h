@@ -2870,16 +2870,10 @@ static dsk_status dsk__comm_nccl_init(dsk_comm *c, const char *fn, double t0) {
     dsk__comm_impl *m = c->impl;
     ncclUniqueId id;
     ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
-    int ndev = 0;
     size_t len = 0;
     dsk_status st;
     char key[128];
-    DSK__TRY(dsk_cuda_device_count(&ndev));
-    if (ndev == 0)
-        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: the nccl backend needs a CUDA device (rank %d: 0 devices)", fn,
-                             c->rank);
-    c->cuda_device = c->local_rank % ndev;
-    DSK__TRY(dsk_cuda_set_device(c->cuda_device));
+    DSK__TRY(dsk_cuda_set_device(c->cuda_device)); /* dsk__comm_gpu_identity's, checked by every rank's record */
     snprintf(key, sizeof key, "dsk/%s/nccl_id", m->ns);
     if (c->rank == 0) {
         ncclResult_t r = ncclGetUniqueId(&id);
@@ -3045,17 +3039,18 @@ typedef struct dsk__comm_rank_rec {
     char gpu[32];                       /* the PCI bus id of the device nccl would give it; "" none */
 } dsk__comm_rank_rec;
 
-/* The device a rank takes on nccl (dsk__comm_nccl_init: local rank modulo the visible devices),
-   by PCI bus id, so that ranks given one GPU each by CUDA_VISIBLE_DEVICES count as distinct. */
-static void dsk__comm_gpu_identity(int local_rank, char *buf, int len) {
+/* The device this rank takes on nccl, c->cuda_device (local rank modulo the visible devices; -1
+   without one), and its PCI bus id in buf ("" without), so that ranks given one GPU each by
+   CUDA_VISIBLE_DEVICES count as distinct. */
+static void dsk__comm_gpu_identity(dsk_comm *c, char *buf, int len) {
     buf[0] = 0;
+    c->cuda_device = -1;
 #ifdef DSK_CUDA
     int ndev = 0;
-    if (dsk_cuda_device_count(&ndev) == DSK_OK && ndev > 0 &&
-        dsk_cuda_device_bus_id(local_rank % ndev, buf, len) != DSK_OK)
-        buf[0] = 0;
+    if (dsk_cuda_device_count(&ndev) != DSK_OK || ndev == 0) return;
+    if (dsk_cuda_device_bus_id(c->local_rank % ndev, buf, len) == DSK_OK) c->cuda_device = c->local_rank % ndev;
+    else buf[0] = 0;
 #else
-    (void)local_rank;
     (void)len;
 #endif
 }
@@ -3179,7 +3174,8 @@ static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, in
     mine.piece_bytes = m->piece_bytes;
     mine.transport = (int32_t)(o ? o->transport : DSK_COMM_TRANSPORT_AUTO);
     dsk__comm_host_identity(o ? o->host_id : NULL, mine.host, sizeof mine.host);
-    if (be != DSK_COMM_HOST) dsk__comm_gpu_identity(c->local_rank, mine.gpu, (int)sizeof mine.gpu);
+    c->cuda_device = -1;
+    if (be != DSK_COMM_HOST) dsk__comm_gpu_identity(c, mine.gpu, (int)sizeof mine.gpu);
     if (be != DSK_COMM_NCCL) DSK__TRY(dsk__comm_mesh_listen(c, fn, &lfd, mine.ep));
     snprintf(key, sizeof key, "dsk/w/rank/%d", rank);
     if ((st = dsk__comm_store_set(c, fn, key, &mine, sizeof mine)) != DSK_OK) goto done;
@@ -3203,7 +3199,7 @@ static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, in
     }
     if (st == DSK_OK) st = dsk__comm_resolve_backend(c, fn, recs, &be);
     c->backend = be;
-    c->cuda_device = -1;
+    if (be != DSK_COMM_NCCL) c->cuda_device = -1;
     if (st == DSK_OK) st = dsk__comm_world_nodes(c, fn, recs);
 #ifdef DSK_CUDA
     if (st == DSK_OK && be == DSK_COMM_NCCL) st = dsk__comm_nccl_init(c, fn, t0);

@@ -184,7 +184,7 @@ static int rank_main(dsk_comm *c, const cfg *g, FILE *out) {
         dsk_ctx_opts co;
         memset(&co, 0, sizeof co);
         co.device = DSK_PREFER_CUDA;
-        co.cuda_index = c->local_rank;
+        co.cuda_index = c->cuda_device;
         if (dsk_ctx_init(&ctx, &co) != DSK_OK || cudaMalloc((void **)&send, (size_t)g->hi) != cudaSuccess ||
             cudaMalloc((void **)&recv, (size_t)g->hi) != cudaSuccess) {
             fprintf(stderr, "rank %d: device buffers: %s\n", c->rank, dsk_last_error());

@@ -140,30 +140,30 @@ rm -f "$t/kernels/planted.cu"
 
 # DESIGN.md section 6's places: one more in the code, or another number in DESIGN.md.
 planted_places() {
-echo 'static inline float dsk__lint_planted_place(float x) { return dsk_ew_f(DSK_EW_AXPY, x, x, 1.0f); }' \
-    >>"$t/dsk_tensor.h"
-fails_naming "places fails on a seventh place for an elementwise op of its own form, naming it" \
-    'own form \(as dsk_axpy\) is 7 places in 3 files' places
-fails_naming "places names the new place" 'dsk_tensor.h: .*dsk__lint_planted_place' places
-git -C "$t" checkout -q -- dsk_tensor.h
-echo 'static inline float dsk__lint_planted_mul(float x) { return dsk_ew_f(DSK_EW_MUL, x, x, 1.0f); }' >>"$t/dsk_tensor.h"
-fails_naming "places fails on a sixth place for a BINARY elementwise op" 'BINARY form \(as dsk_mul\) is 6 places in 3 files' places
-git -C "$t" checkout -q -- dsk_tensor.h
-echo 'static inline int dsk__lint_planted_score(int s) { return s == DSK_MOE_SIGMOID; }' >>"$t/dsk_moe.h"
-fails_naming "places fails on one more place for a router score" \
-    'router score function \(as DSK_MOE_SIGMOID\) is [0-9]+ places in [0-9]+ files; DESIGN.md section 6 says' places
-fails_naming "places names the router score's new place" 'dsk_moe.h: .*dsk__lint_planted_score' places
-git -C "$t" checkout -q -- dsk_moe.h
-tr '\n' '\v' <"$t/DESIGN.md" | sed -E 's/(its body \(argument checks, then `dsk__ew_run`\): )six/\1seven/' |
-    tr '\v' '\n' >"$t/design" && mv "$t/design" "$t/DESIGN.md"
-fails_naming "places fails when DESIGN.md says seven places for an op of its own form" \
-    'own form \(as dsk_axpy\) is 6 places in 3 files; DESIGN.md section 6 says' places
-git -C "$t" checkout -q -- DESIGN.md
-echo '/* dsk_mul_planted_comment: dsk_status dsk_mul( DSK_EW_MUL */' >>"$t/dsk_tensor.h"
-if out=$(cd "$t" && env "${lint_env[@]}" bash scripts/lint.sh places 2>&1); then
-    ok "places passes over a comment that names an op (comments are not places)"
-else bad "places passes over a comment that names an op (comments are not places)" "$out"; fi
-git -C "$t" checkout -q -- dsk_tensor.h
+    echo 'static inline float dsk__lint_planted_place(float x) { return dsk_ew_f(DSK_EW_AXPY, x, x, 1.0f); }' \
+        >>"$t/dsk_tensor.h"
+    fails_naming "places fails on a seventh place for an elementwise op of its own form, naming it" \
+        'own form \(as dsk_axpy\) is 7 places in 3 files' places
+    fails_naming "places names the new place" 'dsk_tensor.h: .*dsk__lint_planted_place' places
+    git -C "$t" checkout -q -- dsk_tensor.h
+    echo 'static inline float dsk__lint_planted_mul(float x) { return dsk_ew_f(DSK_EW_MUL, x, x, 1.0f); }' >>"$t/dsk_tensor.h"
+    fails_naming "places fails on a sixth place for a BINARY elementwise op" 'BINARY form \(as dsk_mul\) is 6 places in 3 files' places
+    git -C "$t" checkout -q -- dsk_tensor.h
+    echo 'static inline int dsk__lint_planted_score(int s) { return s == DSK_MOE_SIGMOID; }' >>"$t/dsk_moe.h"
+    fails_naming "places fails on one more place for a router score" \
+        'router score function \(as DSK_MOE_SIGMOID\) is [0-9]+ places in [0-9]+ files; DESIGN.md section 6 says' places
+    fails_naming "places names the router score's new place" 'dsk_moe.h: .*dsk__lint_planted_score' places
+    git -C "$t" checkout -q -- dsk_moe.h
+    tr '\n' '\v' <"$t/DESIGN.md" | sed -E 's/(its body \(argument checks, then `dsk__ew_run`\): )six/\1seven/' |
+        tr '\v' '\n' >"$t/design" && mv "$t/design" "$t/DESIGN.md"
+    fails_naming "places fails when DESIGN.md says seven places for an op of its own form" \
+        'own form \(as dsk_axpy\) is 6 places in 3 files; DESIGN.md section 6 says' places
+    git -C "$t" checkout -q -- DESIGN.md
+    echo '/* dsk_mul_planted_comment: dsk_status dsk_mul( DSK_EW_MUL */' >>"$t/dsk_tensor.h"
+    if out=$(cd "$t" && env "${lint_env[@]}" bash scripts/lint.sh places 2>&1); then
+        ok "places passes over a comment that names an op (comments are not places)"
+    else bad "places passes over a comment that names an op (comments are not places)" "$out"; fi
+    git -C "$t" checkout -q -- dsk_tensor.h
 }
 if [ -n "${why_skipped[places]:-}" ]; then skip "places' planted places: ${why_skipped[places]}"
 else planted_places; fi

@@ -15,7 +15,8 @@
 # data-parallel ranks in f32.
 # A capture fails on any host sync inside it, so the runs also prove the captured steps make none.
 # And --cuda-graph on the CPU, with --zero, or with --ep and the exact exchange fails with a message.
-# With fewer GPUs than local ranks --device auto trains on the CPU, and cuda fails naming the ranks that would share one.
+# With fewer GPUs than local ranks --device auto trains on the CPU, and cuda fails naming the ranks
+# that would share one.
 # Prints `[test_train_graph] totals: P passed / F failed / S skipped`; exits non-zero on failure.
 TEST_NAME=test_train_graph
 source "$(dirname "$0")/train_test_lib.sh"

@@ -81,7 +81,7 @@ static inline int gpu_test_rank_open(dsk_comm *nc, dsk_comm *hc, dsk_ctx *g, con
     }
     memset(&co, 0, sizeof co);
     co.device = DSK_PREFER_CUDA;
-    co.cuda_index = nc->local_rank;
+    co.cuda_index = nc->cuda_device;
     if (dsk_ctx_init(g, &co) != DSK_OK) { printf("ctx: %s\n", dsk_last_error()); return 3; }
     return 0;
 }

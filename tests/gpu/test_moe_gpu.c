@@ -459,7 +459,7 @@ static int ep_rank(int sigmoid, int hosts) {
     NT = (int64_t)EP_T * n;
     memset(&go, 0, sizeof go);
     go.device = DSK_PREFER_CUDA;
-    go.cuda_index = c.local_rank;
+    go.cuda_index = c.cuda_device;
     if (dsk_ctx_init(&g, &go) != DSK_OK) { printf("ctx: %s\n", dsk_last_error()); return 3; }
     dsk_test_begin("expert parallel rank %d of %d", me, n);
     shp[0] = NT; shp[1] = EP_D;
