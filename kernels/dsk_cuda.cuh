@@ -8,7 +8,7 @@
                    expression, for paths that clean up before returning), DSK__CUDA_LAUNCHED_SHMEM
                    (with dynamic shared memory), DSK__CUDA_DYNAMIC_SHARED (its declaration)
      shapes        DSK__CUDA_THREADS, dsk__cuda_grid, dsk__cuda_row_threads,
-                   dsk__cuda_check_rows, DSK__CUDA_FOR
+                   dsk__cuda_check_rows, DSK__CUDA_FOR, DSK__CUDA_UNROLL
      context       dsk__cuda_need_ctx (a CUDA ctx, its device made current), dsk__cuda_stream
 
    Under DSK_CUDA_EMU the file is compiled as host C++ against the CPU emulation in
@@ -117,6 +117,14 @@ static inline dsk_status dsk__cuda_check_rows(const char *fn, int64_t rows) {
 
 #define DSK__CUDA_FOR(i, n) \
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (int64_t)gridDim.x * blockDim.x)
+
+/* Unrolls the loop that follows in nvcc's build, where a fragment or register array indexed by
+   the loop must stay in registers; nothing in the emulation (a host compiler warns of the pragma). */
+#ifdef DSK_CUDA_EMU
+#define DSK__CUDA_UNROLL
+#else
+#define DSK__CUDA_UNROLL _Pragma("unroll")
+#endif
 
 /* ---------------------------------------------------------------- context */
 

@@ -9,8 +9,8 @@
    where any expert may receive every routed row; cuBLASLt 13.1 has no grouped layout. Ours is
    launched over a bound of tiles (R / BM + G row tiles), each block finds its segment and tile
    from the offsets in device memory, and bf16/f16 inputs run on the tensor cores through WMMA
-   (m16n16k16, f32 accumulation; 4 warps of 32 x 32 on a 64 x 64 x 32 tile staged in shared
-   memory); f32 inputs take a SIMT tile of the same shape.
+   (m16n16k16, f32 accumulation; 8 warps of 64 x 32 on a 128 x 128 tile, K in steps of 32 staged
+   in shared memory with 128-bit loads, two stages); f32 inputs take a SIMT tile of 64 x 64.
 
    Conventions (kernels/dsk_cuda.cuh): launchers check their ctx and make its device current,
    enqueue on ctx->stream, never synchronise and never read device memory on the host: every
@@ -19,6 +19,7 @@
    by one thread over k in increasing order; counts are integer atomics (exact in any order).
    Scratch comes from cudaMallocAsync on the stream and is freed stream-ordered. */
 #include <mma.h>
+#include <type_traits>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include "dsk_cuda.cuh"
@@ -158,73 +159,151 @@ __device__ void dsk__gmm_tile(dsk__gview a, dsk__gview b, int64_t m_lim, int64_t
         }
 }
 
-/* The same tile on the tensor cores for 16-bit inputs of type T (__nv_bfloat16 or __half) with
-   128 threads: A (BM x BK) and B (BK x BN) staged as raw 16-bit values, warp w computes rows
-   32 (w / 2) .. +32 and columns 32 (w % 2) .. +32 as 2 x 2 WMMA fragments, the accumulators go
-   through shared memory to the masked epilogue. */
-#define DSK__GMM_TK 32
-/* Shared memory of the tensor-core tile; every fragment pointer into it is 256-bit aligned (rows
-   padded to 80, 144 and 272 bytes, fragments at multiples of 16 rows and 16 columns). */
-struct alignas(32) dsk__gmm_tc_smem {
-    uint16_t As[DSK__GMM_BM][DSK__GMM_TK + 8];
-    uint16_t Bs[DSK__GMM_TK][DSK__GMM_BN + 8];
-    float Cs[DSK__GMM_BM][DSK__GMM_BN + 4];
+/* The tile on the tensor cores for 16-bit inputs of type T (__nv_bfloat16 or __half): a 128 x 128
+   tile by 256 threads, K in steps of 32. Each step's A (128 x 32) and B (32 x 128) panels are staged
+   as raw 16-bit values in the layout their source has in memory (A_COL: A contiguous along m, as
+   the weights form's A^T; B_COL: B contiguous along k, as op(B) = B^T), so that 8 neighbours move
+   as one 128-bit load, and the WMMA fragments are loaded in the matching layout. Two stages: the
+   next step's chunks are loaded into registers while the tensor cores work on this step's panels,
+   then stored to the other stage (one barrier a step). Warp w computes rows 64 (w / 4) .. +64 and
+   columns 32 (w % 4) .. +32 as 4 x 2 fragments (m16n16k16, f32 sums over k in order); each
+   fragment goes through the warp's own 16 x 16 of shared memory to the masked epilogue. */
+#define DSK__GMM_TC_BM 128
+#define DSK__GMM_TC_BN 128
+#define DSK__GMM_TC_BK 32
+#define DSK__GMM_TC_THREADS 256
+#define DSK__GMM_TC_PANEL (DSK__GMM_TC_BM * (DSK__GMM_TC_BK + 8)) /* the larger panel, in elements */
+/* A chunk: 8 16-bit elements, one 128-bit load or store. */
+struct alignas(16) dsk__gmm_chunk {
+    uint32_t w[4];
 };
-template <class T>
-__device__ void dsk__gmm_tile_tc(dsk__gview a, dsk__gview b, int64_t m_lim, int64_t n_lim, int64_t k_lim, void *c,
-                                 dsk_dtype cdt, int64_t ldc, float alpha, float beta) {
+/* Shared memory of the tensor-core tile: two stages of the A and B panels (rows padded by 8
+   elements, 16 bytes, against bank conflicts; every fragment pointer is 256-bit aligned), and,
+   once the last step is done, each warp's 16 x 16 output fragment. */
+union alignas(32) dsk__gmm_tc_smem {
+    uint16_t panel[2][2][DSK__GMM_TC_PANEL];
+    float out[DSK__GMM_TC_THREADS / 32][16][16];
+};
+
+/* Chunk c of a panel of INNER-element rows: elements (o, i .. i + 7), o = c / (INNER / 8),
+   i = 8 (c % (INNER / 8)), each at p[o * os + i * is] if o < o_lim and i < i_lim, else zero. One
+   128-bit load where the eight are contiguous, inside the limits and 16-byte aligned. */
+template <int INNER>
+__device__ dsk__gmm_chunk dsk__gmm_fetch(const uint16_t *p, int64_t os, int64_t is, int64_t o_lim, int64_t i_lim,
+                                         int c) {
+    int64_t o = c / (INNER / 8), i = (int64_t)(c % (INNER / 8)) * 8;
+    dsk__gmm_chunk v = {{0, 0, 0, 0}};
+    if (o >= o_lim || i >= i_lim) return v;
+    const uint16_t *q = p + o * os + i * is;
+    if (is == 1 && i + 8 <= i_lim && ((uintptr_t)q & 15) == 0) return *(const dsk__gmm_chunk *)q;
+    for (int j = 0; j < 8 && i + j < i_lim; j++) v.w[j / 2] |= (uint32_t)q[j * is] << (16 * (j % 2));
+    return v;
+}
+
+/* The same chunk into the staged panel (rows of INNER + 8 elements). */
+template <int INNER> __device__ void dsk__gmm_put(uint16_t *panel, int c, dsk__gmm_chunk v) {
+    int o = c / (INNER / 8), i = (c % (INNER / 8)) * 8;
+    *(dsk__gmm_chunk *)&panel[o * (INNER + 8) + i] = v;
+}
+
+/* The chunks of one step's panels this thread moves (the panels hold 512 chunks each). */
+#define DSK__GMM_TC_CHUNKS (DSK__GMM_TC_BM * DSK__GMM_TC_BK / 8 / DSK__GMM_TC_THREADS)
+
+template <class T, int A_COL, int B_COL>
+__device__ void dsk__gmm_tile_tc(dsk__gmm_tc_smem &sm, dsk__gview a, dsk__gview b, int64_t m_lim, int64_t n_lim,
+                                 int64_t k_lim, void *c, dsk_dtype cdt, int64_t ldc, float alpha, float beta) {
     using namespace nvcuda;
-    __shared__ dsk__gmm_tc_smem sm;
-    uint16_t(*As)[DSK__GMM_TK + 8] = sm.As;
-    uint16_t(*Bs)[DSK__GMM_BN + 8] = sm.Bs;
-    float(*Cs)[DSK__GMM_BN + 4] = sm.Cs;
+    typedef typename std::conditional<A_COL, wmma::col_major, wmma::row_major>::type a_layout;
+    typedef typename std::conditional<B_COL, wmma::col_major, wmma::row_major>::type b_layout;
+    const int BM = DSK__GMM_TC_BM, BN = DSK__GMM_TC_BN, BK = DSK__GMM_TC_BK;
+    const int A_IN = A_COL ? BM : BK, B_IN = B_COL ? BK : BN; /* the panels' contiguous extents */
     const uint16_t *ap = (const uint16_t *)a.p, *bp = (const uint16_t *)b.p;
-    int warp = threadIdx.x / 32, wm = (warp / 2) * 32, wn = (warp % 2) * 32;
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
-    for (int i = 0; i < 2; i++)
-        for (int j = 0; j < 2; j++) wmma::fill_fragment(acc[i][j], 0.0f);
-    for (int64_t k0 = 0; k0 < k_lim; k0 += DSK__GMM_TK) {
-        for (int e = threadIdx.x; e < DSK__GMM_BM * DSK__GMM_TK; e += blockDim.x) {
-            int mm = e / DSK__GMM_TK, kk = e % DSK__GMM_TK;
-            As[mm][kk] = mm < m_lim && k0 + kk < k_lim ? ap[mm * a.rs + (k0 + kk) * a.cs] : (uint16_t)0;
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wm = (warp / 4) * 64, wn = (warp % 4) * 32;
+    int64_t steps = (k_lim + BK - 1) / BK;
+    dsk__gmm_chunk ra[DSK__GMM_TC_CHUNKS], rb[DSK__GMM_TC_CHUNKS];
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[8]; /* fragment (i, j) at 2 i + j */
+    DSK__CUDA_UNROLL
+    for (int f = 0; f < 8; f++) wmma::fill_fragment(acc[f], 0.0f);
+    for (int64_t s = 0; s <= steps; s++) {
+        if (s < steps) { /* fetch step s (its panels' sources start at k0 = s BK) */
+            int64_t k0 = s * BK, kl = k_lim - k0;
+            DSK__CUDA_UNROLL
+            for (int u = 0; u < DSK__GMM_TC_CHUNKS; u++) {
+                int ch = threadIdx.x + u * DSK__GMM_TC_THREADS;
+                ra[u] = A_COL ? dsk__gmm_fetch<A_IN>(ap + k0 * a.cs, a.cs, a.rs, kl, m_lim, ch)
+                              : dsk__gmm_fetch<A_IN>(ap + k0 * a.cs, a.rs, a.cs, m_lim, kl, ch);
+                rb[u] = B_COL ? dsk__gmm_fetch<B_IN>(bp + k0 * b.rs, b.cs, b.rs, n_lim, kl, ch)
+                              : dsk__gmm_fetch<B_IN>(bp + k0 * b.rs, b.rs, b.cs, kl, n_lim, ch);
+            }
         }
-        for (int e = threadIdx.x; e < DSK__GMM_TK * DSK__GMM_BN; e += blockDim.x) {
-            int kk = e / DSK__GMM_BN, nn = e % DSK__GMM_BN;
-            Bs[kk][nn] = nn < n_lim && k0 + kk < k_lim ? bp[(k0 + kk) * b.rs + nn * b.cs] : (uint16_t)0;
+        if (s > 0) { /* step s - 1 on the tensor cores */
+            const T *As = (const T *)sm.panel[(s - 1) & 1][0], *Bs = (const T *)sm.panel[(s - 1) & 1][1];
+            DSK__CUDA_UNROLL
+            for (int kk = 0; kk < BK; kk += 16) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, T, a_layout> fa[4];
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, b_layout> fb[2];
+                DSK__CUDA_UNROLL
+                for (int i = 0; i < 4; i++) {
+                    const T *p = A_COL ? As + kk * (A_IN + 8) + wm + 16 * i : As + (wm + 16 * i) * (A_IN + 8) + kk;
+                    wmma::load_matrix_sync(fa[i], p, A_IN + 8);
+                }
+                DSK__CUDA_UNROLL
+                for (int j = 0; j < 2; j++) {
+                    const T *p = B_COL ? Bs + (wn + 16 * j) * (B_IN + 8) + kk : Bs + kk * (B_IN + 8) + wn + 16 * j;
+                    wmma::load_matrix_sync(fb[j], p, B_IN + 8);
+                }
+                DSK__CUDA_UNROLL
+                for (int f = 0; f < 8; f++) wmma::mma_sync(acc[f], fa[f / 2], fb[f % 2], acc[f]);
+            }
         }
-        __syncthreads();
-        for (int kk = 0; kk < DSK__GMM_TK; kk += 16) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa[2];
-            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> fb[2];
-            for (int i = 0; i < 2; i++) wmma::load_matrix_sync(fa[i], (const T *)&As[wm + 16 * i][kk], DSK__GMM_TK + 8);
-            for (int j = 0; j < 2; j++) wmma::load_matrix_sync(fb[j], (const T *)&Bs[kk][wn + 16 * j], DSK__GMM_BN + 8);
-            for (int i = 0; i < 2; i++)
-                for (int j = 0; j < 2; j++) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+        if (s < steps) { /* stage step s where step s - 2 was: every warp passed the last barrier */
+            DSK__CUDA_UNROLL
+            for (int u = 0; u < DSK__GMM_TC_CHUNKS; u++) {
+                int ch = threadIdx.x + u * DSK__GMM_TC_THREADS;
+                dsk__gmm_put<A_IN>(sm.panel[s & 1][0], ch, ra[u]);
+                dsk__gmm_put<B_IN>(sm.panel[s & 1][1], ch, rb[u]);
+            }
         }
         __syncthreads();
     }
-    for (int i = 0; i < 2; i++)
-        for (int j = 0; j < 2; j++)
-            wmma::store_matrix_sync(&Cs[wm + 16 * i][wn + 16 * j], acc[i][j], DSK__GMM_BN + 4, wmma::mem_row_major);
-    __syncthreads();
-    for (int e = threadIdx.x; e < DSK__GMM_BM * DSK__GMM_BN; e += blockDim.x) {
-        int64_t m = e / DSK__GMM_BN, n = e % DSK__GMM_BN;
-        float v = alpha * Cs[m][n];
-        if (m >= m_lim || n >= n_lim) continue;
-        if (beta != 0.0f) v += beta * dsk_load_f32(c, cdt, m * ldc + n);
-        dsk_store_f32(c, cdt, m * ldc + n, v);
+    DSK__CUDA_UNROLL
+    for (int f = 0; f < 8; f++) {
+        wmma::store_matrix_sync(&sm.out[warp][0][0], acc[f], 16, wmma::mem_row_major);
+        __syncwarp();
+        for (int e = lane; e < 256; e += 32) {
+            int64_t m = wm + 16 * (f / 2) + e / 16, n = wn + 16 * (f % 2) + e % 16;
+            float v = alpha * sm.out[warp][e / 16][e % 16];
+            if (m >= m_lim || n >= n_lim) continue;
+            if (beta != 0.0f) v += beta * dsk_load_f32(c, cdt, m * ldc + n);
+            dsk_store_f32(c, cdt, m * ldc + n, v);
+        }
+        __syncwarp();
     }
 }
 
 /* Which tile kernel runs: f32 inputs on the SIMT tile, bf16 and f16 on the tensor cores. */
 enum { DSK__GMM_SIMT = 0, DSK__GMM_BF16 = 1, DSK__GMM_F16 = 2 };
+/* Each tile's extent in C, for the kernels and their launchers alike. */
+template <int TILE> struct dsk__gmm_dims {
+    enum { BM = TILE == DSK__GMM_SIMT ? DSK__GMM_BM : DSK__GMM_TC_BM };
+    enum { BN = TILE == DSK__GMM_SIMT ? DSK__GMM_BN : DSK__GMM_TC_BN };
+};
 
+/* One tile of C. a_col: op(A) is contiguous along m (the weights form's A^T); b_col: op(B) is
+   contiguous along k (op(B) = B^T). Only the tensor-core tile stages by layout. */
 template <int TILE>
-__device__ void dsk__gmm_tile_of(dsk__gview a, dsk__gview b, int64_t m_lim, int64_t n_lim, int64_t k_lim, void *c,
-                                 dsk_dtype cdt, int64_t ldc, float alpha, float beta) {
-    if (TILE == DSK__GMM_BF16) dsk__gmm_tile_tc<__nv_bfloat16>(a, b, m_lim, n_lim, k_lim, c, cdt, ldc, alpha, beta);
-    else if (TILE == DSK__GMM_F16) dsk__gmm_tile_tc<__half>(a, b, m_lim, n_lim, k_lim, c, cdt, ldc, alpha, beta);
-    else dsk__gmm_tile(a, b, m_lim, n_lim, k_lim, c, cdt, ldc, alpha, beta);
+__device__ void dsk__gmm_tile_of(int a_col, int b_col, dsk__gview a, dsk__gview b, int64_t m_lim, int64_t n_lim,
+                                 int64_t k_lim, void *c, dsk_dtype cdt, int64_t ldc, float alpha, float beta) {
+    if constexpr (TILE == DSK__GMM_SIMT) {
+        (void)a_col, (void)b_col;
+        dsk__gmm_tile(a, b, m_lim, n_lim, k_lim, c, cdt, ldc, alpha, beta);
+    } else {
+        typedef typename std::conditional<TILE == DSK__GMM_BF16, __nv_bfloat16, __half>::type T;
+        __shared__ dsk__gmm_tc_smem sm;
+        if (a_col) dsk__gmm_tile_tc<T, 1, 0>(sm, a, b, m_lim, n_lim, k_lim, c, cdt, ldc, alpha, beta);
+        else if (b_col) dsk__gmm_tile_tc<T, 0, 1>(sm, a, b, m_lim, n_lim, k_lim, c, cdt, ldc, alpha, beta);
+        else dsk__gmm_tile_tc<T, 0, 0>(sm, a, b, m_lim, n_lim, k_lim, c, cdt, ldc, alpha, beta);
+    }
 }
 
 /* Rows form: block x walks the row tiles of every segment in order (grid sized by the bound
@@ -233,17 +312,21 @@ template <int TILE>
 __device__ void dsk__gmm_rows(const int32_t *off, int64_t G, int64_t K, int64_t N, const void *A, const void *B,
                               dsk_dtype ab, size_t es, int trans_b, void *C, dsk_dtype cdt, size_t ec, float alpha,
                               float beta) {
+    const int64_t BM = dsk__gmm_dims<TILE>::BM, BN = dsk__gmm_dims<TILE>::BN;
     __shared__ int64_t found[2];
-    int64_t r0, n0 = (int64_t)blockIdx.y * DSK__GMM_BN;
+    int64_t r0, n0 = (int64_t)blockIdx.y * BN;
     if (threadIdx.x == 0) { /* segment g, and its row tile, of this block */
         int64_t t = blockIdx.x, g = 0;
         found[0] = -1;
         for (; g < G; g++) {
-            int64_t tiles = (off[g + 1] - off[g] + DSK__GMM_BM - 1) / DSK__GMM_BM;
+            int64_t tiles = (off[g + 1] - off[g] + BM - 1) / BM;
             if (t < tiles) break;
             t -= tiles;
         }
-        if (g < G) { found[0] = g; found[1] = off[g] + t * DSK__GMM_BM; }
+        if (g < G) {
+            found[0] = g;
+            found[1] = off[g] + t * BM;
+        }
     }
     __syncthreads();
     if (found[0] < 0) return; /* the whole block: past the last tile */
@@ -253,9 +336,8 @@ __device__ void dsk__gmm_rows(const int32_t *off, int64_t G, int64_t K, int64_t 
         dsk__gview a = {(const char *)A + (size_t)(r0 * K) * es, ab, K, 1};
         dsk__gview b = {(const char *)B + (size_t)(g * K * N + (trans_b ? n0 * K : n0)) * es, ab, trans_b ? 1 : N,
                         trans_b ? K : 1};
-        dsk__gmm_tile_of<TILE>(a, b, m_lim < DSK__GMM_BM ? m_lim : DSK__GMM_BM,
-                               N - n0 < DSK__GMM_BN ? N - n0 : DSK__GMM_BN, K, (char *)C + (size_t)(r0 * N + n0) * ec,
-                               cdt, N, alpha, beta);
+        dsk__gmm_tile_of<TILE>(0, trans_b, a, b, m_lim < BM ? m_lim : BM, N - n0 < BN ? N - n0 : BN, K,
+                               (char *)C + (size_t)(r0 * N + n0) * ec, cdt, N, alpha, beta);
     }
 }
 
@@ -263,13 +345,13 @@ __device__ void dsk__gmm_rows(const int32_t *off, int64_t G, int64_t K, int64_t 
 template <int TILE>
 __device__ void dsk__gmm_weights(const int32_t *off, int64_t M, int64_t N, const void *A, const void *B, dsk_dtype ab,
                                  size_t es, void *C, dsk_dtype cdt, size_t ec, float alpha, float beta) {
-    int64_t g = blockIdx.y, tiles_n = (N + DSK__GMM_BN - 1) / DSK__GMM_BN;
-    int64_t m0 = (blockIdx.x / tiles_n) * DSK__GMM_BM, n0 = (blockIdx.x % tiles_n) * DSK__GMM_BN;
+    const int64_t BM = dsk__gmm_dims<TILE>::BM, BN = dsk__gmm_dims<TILE>::BN;
+    int64_t g = blockIdx.y, tiles_n = (N + BN - 1) / BN;
+    int64_t m0 = (blockIdx.x / tiles_n) * BM, n0 = (blockIdx.x % tiles_n) * BN;
     int64_t s0 = off[g], n = off[g + 1] - s0;
     dsk__gview a = {(const char *)A + (size_t)(s0 * M + m0) * es, ab, 1, M};
     dsk__gview b = {(const char *)B + (size_t)(s0 * N + n0) * es, ab, N, 1};
-    dsk__gmm_tile_of<TILE>(a, b, M - m0 < DSK__GMM_BM ? M - m0 : DSK__GMM_BM,
-                           N - n0 < DSK__GMM_BN ? N - n0 : DSK__GMM_BN, n,
+    dsk__gmm_tile_of<TILE>(1, 0, a, b, M - m0 < BM ? M - m0 : BM, N - n0 < BN ? N - n0 : BN, n,
                            (char *)C + (size_t)((g * M + m0) * N + n0) * ec, cdt, N, alpha, beta);
 }
 
@@ -283,20 +365,36 @@ __device__ void dsk__gmm_weights(const int32_t *off, int64_t M, int64_t N, const
 __global__ void dsk__k_gmm_rows_simt(DSK__GMM_ROWS_ARGS) {
     dsk__gmm_rows<DSK__GMM_SIMT>(off, G, K, N, A, B, ab, es, trans_b, C, cdt, ec, alpha, beta);
 }
-__global__ void dsk__k_gmm_rows_bf16(DSK__GMM_ROWS_ARGS) {
+__global__ void __launch_bounds__(256, 2) dsk__k_gmm_rows_bf16(DSK__GMM_ROWS_ARGS) {
     dsk__gmm_rows<DSK__GMM_BF16>(off, G, K, N, A, B, ab, es, trans_b, C, cdt, ec, alpha, beta);
 }
-__global__ void dsk__k_gmm_rows_f16(DSK__GMM_ROWS_ARGS) {
+__global__ void __launch_bounds__(256, 2) dsk__k_gmm_rows_f16(DSK__GMM_ROWS_ARGS) {
     dsk__gmm_rows<DSK__GMM_F16>(off, G, K, N, A, B, ab, es, trans_b, C, cdt, ec, alpha, beta);
 }
 __global__ void dsk__k_gmm_weights_simt(DSK__GMM_W_ARGS) {
     dsk__gmm_weights<DSK__GMM_SIMT>(off, M, N, A, B, ab, es, C, cdt, ec, alpha, beta);
 }
-__global__ void dsk__k_gmm_weights_bf16(DSK__GMM_W_ARGS) {
+__global__ void __launch_bounds__(256, 2) dsk__k_gmm_weights_bf16(DSK__GMM_W_ARGS) {
     dsk__gmm_weights<DSK__GMM_BF16>(off, M, N, A, B, ab, es, C, cdt, ec, alpha, beta);
 }
-__global__ void dsk__k_gmm_weights_f16(DSK__GMM_W_ARGS) {
+__global__ void __launch_bounds__(256, 2) dsk__k_gmm_weights_f16(DSK__GMM_W_ARGS) {
     dsk__gmm_weights<DSK__GMM_F16>(off, M, N, A, B, ab, es, C, cdt, ec, alpha, beta);
+}
+
+/* The grid of one form and tile: weights, (tiles of C[g], G); rows, (the bound of row tiles
+   R / BM + G, column tiles). 0 when there is no tile; an error beyond CUDA's grid. */
+template <int TILE>
+static dsk_status dsk__gmm_grid(const char *fn, int weights, int64_t G, int64_t R, int64_t M, int64_t N, dim3 *grid) {
+    const int64_t BM = dsk__gmm_dims<TILE>::BM, BN = dsk__gmm_dims<TILE>::BN;
+    int64_t x = weights ? ((M + BM - 1) / BM) * ((N + BN - 1) / BN) : (R + BM - 1) / BM + G;
+    int64_t y = weights ? G : (N + BN - 1) / BN;
+    *grid = dim3(0, 0);
+    if ((weights && x == 0) || (!weights && (R == 0 || y == 0))) return DSK_OK;
+    if (x > INT_MAX || y > 65535)
+        return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: a grid of %lld x %lld tiles exceeds CUDA's", fn, (long long)x,
+                             (long long)y);
+    *grid = dim3((unsigned)x, (unsigned)y);
+    return DSK_OK;
 }
 
 extern "C" dsk_status dsk_cuda_matmul_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk_tensor *A, int trans_a,
@@ -305,40 +403,35 @@ extern "C" dsk_status dsk_cuda_matmul_grouped(dsk_ctx *ctx, dsk_tensor *C, const
     static const char *fn = "dsk_matmul_grouped";
     int64_t G = offsets->shape[0] - 1;
     const int32_t *off = (const int32_t *)offsets->data;
+    size_t es = dsk_dtype_size(A->dtype), ec = dsk_dtype_size(C->dtype);
+    int tile = A->dtype == DSK_BF16 ? DSK__GMM_BF16 : A->dtype == DSK_F16 ? DSK__GMM_F16 : DSK__GMM_SIMT;
+    dim3 grid;
     DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     if (G == 0) return DSK_OK;
     if (trans_a) { /* weights: C (G, M, N) */
         int64_t M = C->shape[1], N = C->shape[2];
-        int64_t tiles = ((M + DSK__GMM_BM - 1) / DSK__GMM_BM) * ((N + DSK__GMM_BN - 1) / DSK__GMM_BN);
-        if (tiles == 0) return DSK_OK;
-        if (tiles > INT_MAX || G > 65535)
-            return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: %lld tiles x %lld groups exceed the grid", fn,
-                                 (long long)tiles, (long long)G);
-        dim3 grid((unsigned)tiles, (unsigned)G);
-        size_t es = dsk_dtype_size(A->dtype), ec = dsk_dtype_size(C->dtype);
-        if (A->dtype == DSK_BF16)
-            DSK__CUDA_LAUNCH(fn, dsk__k_gmm_weights_bf16, grid, 128, dsk__cuda_stream(ctx), G * M * N, off, M, N,
+        DSK__TRY(tile == DSK__GMM_SIMT ? dsk__gmm_grid<DSK__GMM_SIMT>(fn, 1, G, 0, M, N, &grid)
+                                       : dsk__gmm_grid<DSK__GMM_BF16>(fn, 1, G, 0, M, N, &grid));
+        if (grid.x == 0) return DSK_OK;
+        if (tile == DSK__GMM_BF16)
+            DSK__CUDA_LAUNCH(fn, dsk__k_gmm_weights_bf16, grid, 256, dsk__cuda_stream(ctx), G * M * N, off, M, N,
                              A->data, B->data, A->dtype, es, C->data, C->dtype, ec, alpha, beta);
-        else if (A->dtype == DSK_F16)
-            DSK__CUDA_LAUNCH(fn, dsk__k_gmm_weights_f16, grid, 128, dsk__cuda_stream(ctx), G * M * N, off, M, N,
+        else if (tile == DSK__GMM_F16)
+            DSK__CUDA_LAUNCH(fn, dsk__k_gmm_weights_f16, grid, 256, dsk__cuda_stream(ctx), G * M * N, off, M, N,
                              A->data, B->data, A->dtype, es, C->data, C->dtype, ec, alpha, beta);
         else
             DSK__CUDA_LAUNCH(fn, dsk__k_gmm_weights_simt, grid, 256, dsk__cuda_stream(ctx), G * M * N, off, M, N,
                              A->data, B->data, A->dtype, es, C->data, C->dtype, ec, alpha, beta);
-    } else { /* rows: C (R, N); row tiles bounded by R / BM + G */
+    } else { /* rows: C (R, N) */
         int64_t R = A->shape[0], K = A->shape[1], N = C->shape[1];
-        int64_t tiles_m = (R + DSK__GMM_BM - 1) / DSK__GMM_BM + G, tiles_n = (N + DSK__GMM_BN - 1) / DSK__GMM_BN;
-        if (R == 0 || tiles_n == 0) return DSK_OK;
-        if (tiles_m > INT_MAX || tiles_n > 65535)
-            return dsk_set_error(DSK_ERR_UNSUPPORTED, "%s: %lld x %lld tiles exceed the grid", fn, (long long)tiles_m,
-                                 (long long)tiles_n);
-        dim3 grid((unsigned)tiles_m, (unsigned)tiles_n);
-        size_t es = dsk_dtype_size(A->dtype), ec = dsk_dtype_size(C->dtype);
-        if (A->dtype == DSK_BF16)
-            DSK__CUDA_LAUNCH(fn, dsk__k_gmm_rows_bf16, grid, 128, dsk__cuda_stream(ctx), R * N, off, G, K, N, A->data,
+        DSK__TRY(tile == DSK__GMM_SIMT ? dsk__gmm_grid<DSK__GMM_SIMT>(fn, 0, G, R, 0, N, &grid)
+                                       : dsk__gmm_grid<DSK__GMM_BF16>(fn, 0, G, R, 0, N, &grid));
+        if (grid.x == 0) return DSK_OK;
+        if (tile == DSK__GMM_BF16)
+            DSK__CUDA_LAUNCH(fn, dsk__k_gmm_rows_bf16, grid, 256, dsk__cuda_stream(ctx), R * N, off, G, K, N, A->data,
                              B->data, A->dtype, es, trans_b, C->data, C->dtype, ec, alpha, beta);
-        else if (A->dtype == DSK_F16)
-            DSK__CUDA_LAUNCH(fn, dsk__k_gmm_rows_f16, grid, 128, dsk__cuda_stream(ctx), R * N, off, G, K, N, A->data,
+        else if (tile == DSK__GMM_F16)
+            DSK__CUDA_LAUNCH(fn, dsk__k_gmm_rows_f16, grid, 256, dsk__cuda_stream(ctx), R * N, off, G, K, N, A->data,
                              B->data, A->dtype, es, trans_b, C->data, C->dtype, ec, alpha, beta);
         else
             DSK__CUDA_LAUNCH(fn, dsk__k_gmm_rows_simt, grid, 256, dsk__cuda_stream(ctx), R * N, off, G, K, N, A->data,

@@ -934,6 +934,15 @@ int main(int argc, char **argv) {
     CASE(test_matmul_grouped(DSK_BF16, DSK_F32, 1, 0, 6, 200, 64, 17, 0, 1.0f), "matmul_grouped weights bf16 -> f32");
     CASE(test_matmul_grouped(DSK_F16, DSK_F16, 1, 0, 3, 60, 9, 20, 0, 0.0f), "matmul_grouped weights f16");
     CASE(test_matmul_grouped(DSK_F16, DSK_F32, 0, 1, 4, 90, 0, 40, 48, 0.25f), "matmul_grouped rows f16 -> f32 tb beta");
+    /* The tensor-core tile's 128-bit staging in each operand layout: segments past one 128-row tile,
+       several K steps and a short last one, partial column tiles; then K odd (element loads only). */
+    CASE(test_matmul_grouped(DSK_BF16, DSK_F32, 0, 1, 3, 700, 0, 200, 136, 0.0f),
+         "matmul_grouped rows bf16 tb 128-bit");
+    CASE(test_matmul_grouped(DSK_BF16, DSK_BF16, 0, 0, 3, 400, 0, 136, 72, 0.5f),
+         "matmul_grouped rows bf16 128-bit beta");
+    CASE(test_matmul_grouped(DSK_BF16, DSK_F32, 1, 0, 3, 600, 136, 144, 0, 0.5f),
+         "matmul_grouped weights bf16 128-bit");
+    CASE(test_matmul_grouped(DSK_F16, DSK_F32, 0, 1, 3, 300, 0, 130, 81, 0.0f), "matmul_grouped rows f16 tb K 81");
     CASE(test_swiglu_grouped(DSK_F32), "swiglu_grouped + backward f32");
     CASE(test_swiglu_grouped(DSK_BF16), "swiglu_grouped + backward bf16");
     for (int d = 0; d < 3; d++)
