@@ -1049,7 +1049,7 @@ void dsk_cuda_graph_free(void *graph, void *exec);
 dsk_status dsk_cuda_set_device(int index);                 /* makes device `index` current on this thread */
 dsk_status dsk_cuda_device_bus_id(int index, char *buf, int len); /* its PCI bus id, "0000:3c:00.0" (len >= 13) */
 dsk_status dsk_cuda_device_malloc(size_t bytes, void **p); /* cudaMalloc (synchronous); dsk_cuda_free(NULL, p) */
-dsk_status dsk_cuda_memcpy_sync(void *dst, const void *src, size_t bytes, int to_device); /* cudaMemcpy */
+dsk_status dsk_cuda_memcpy_sync(void *dst, const void *src, size_t bytes, int to_device); /* done on return */
 dsk_status dsk_cuda_stream_create(void **stream); /* a non-blocking stream on the current device */
 dsk_status dsk_cuda_stream_sync(void *stream);
 void dsk_cuda_stream_destroy(void *stream);

@@ -90,11 +90,12 @@ static long long wrong_values(dsk_comm *c, dsk_ctx *ctx, int coll, float *send, 
     if (coll == AG && in_place) for (int64_t i = 0; i < per; i++) host[me * per + i] = input_value(me, i);
 #ifdef DSK_CUDA
     if (c->backend == DSK_COMM_NCCL) {
-        cudaMemcpy(send, host, (size_t)count * 4, cudaMemcpyHostToDevice);
-        if (run_coll(c, ctx, coll, send, recv, bytes, in_place) != DSK_OK || dsk_comm_sync(c, ctx) != DSK_OK)
+        /* a plain cudaMemcpy may return before the bytes land, and nccl's stream would not wait */
+        if (dsk_cuda_memcpy_sync(send, host, (size_t)count * 4, 1) != DSK_OK ||
+            run_coll(c, ctx, coll, send, recv, bytes, in_place) != DSK_OK || dsk_comm_sync(c, ctx) != DSK_OK)
             return count;
         dst = coll == RS && in_place ? send + me * per : in_place ? send : recv;
-        cudaMemcpy(host, dst, (size_t)outn * 4, cudaMemcpyDeviceToHost);
+        if (dsk_cuda_memcpy_sync(host, dst, (size_t)outn * 4, 0) != DSK_OK) return count;
         dst = host;
     } else
 #endif

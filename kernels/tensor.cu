@@ -355,12 +355,17 @@ extern "C" dsk_status dsk_cuda_device_malloc(size_t bytes, void **p) {
     return e == cudaErrorMemoryAllocation ? DSK_ERR_OOM : DSK_ERR_CUDA;
 }
 
+/* cudaMemcpy returns from a copy out of pageable host memory once the bytes are staged, before
+   the DMA to the device has landed ("API synchronization behavior" in the CUDA runtime's
+   reference), and work on a non-blocking stream does not wait for it: the stream the copy ran
+   on is synchronised too, so the bytes are in place when this returns. */
 extern "C" dsk_status dsk_cuda_memcpy_sync(void *dst, const void *src, size_t bytes, int to_device) {
     char detail[64];
     if (!bytes) return DSK_OK;
     snprintf(detail, sizeof detail, "%zu bytes %s", bytes, to_device ? "host to device" : "device to host");
     DSK__CUDA_CHECK("dsk_cuda_memcpy_sync",
                     cudaMemcpy(dst, src, bytes, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost), detail);
+    if (to_device) DSK__CUDA_CHECK("dsk_cuda_memcpy_sync", cudaStreamSynchronize(0), detail);
     return DSK_OK;
 }
 

@@ -41,7 +41,7 @@ static void gen(void *buf, dsk_dtype dt, int64_t n, uint64_t tag, int r) {
 static void *dev_from(const void *host, size_t bytes) {
     void *d = NULL;
     DSK_TEST_EXPECT(cudaMalloc(&d, bytes ? bytes : 1) == cudaSuccess, "cudaMalloc %zu", bytes);
-    if (d && bytes) DSK_TEST_EXPECT(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice) == cudaSuccess, "to device");
+    if (d) DSK_TEST_OK(dsk_cuda_memcpy_sync(d, host, bytes, 1)); /* the bytes landed: nccl's stream does not wait */
     return d;
 }
 /* Device memory of `bytes` filled with 0xff bytes (NaN in every float dtype): outputs start poisoned. */
