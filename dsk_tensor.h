@@ -3940,6 +3940,30 @@ static dsk_status dsk__check_offsets(const char *fn, const dsk_tensor *offsets, 
     return DSK_OK;
 }
 
+/* The order in which the CPU's threads take the segments of (checked) offsets: the most rows
+   first, ties in index order. Each segment's products run on one thread, so with the largest
+   last (routing is often that uneven: a third of the rows on one expert of eight) one thread
+   would finish it alone; largest first, the last to start is a short one. *order: G indices
+   from DSK_MALLOC, NULL when G < 2 (nothing to order). Sorted as keys (INT32_MAX - rows) << 32 | g
+   (rows and g fit in 31 bits: offsets are int32), decoded in place. */
+static int dsk__i64_cmp(const void *pa, const void *pb) {
+    int64_t a = *(const int64_t *)pa, b = *(const int64_t *)pb;
+    return a < b ? -1 : a > b;
+}
+static dsk_status dsk__segments_largest_first(const char *fn, const int32_t *off, int64_t G, int64_t **order) {
+    int64_t *o;
+    *order = NULL;
+    if (G < 2 || G > INT32_MAX) return DSK_OK;
+    o = (int64_t *)DSK_MALLOC((size_t)G * sizeof *o);
+    if (!o)
+        return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for the order of %lld segments", fn, (long long)G);
+    for (int64_t g = 0; g < G; g++) o[g] = ((int64_t)(INT32_MAX - (off[g + 1] - off[g])) << 32) | g;
+    qsort(o, (size_t)G, sizeof *o, dsk__i64_cmp);
+    for (int64_t i = 0; i < G; i++) o[i] &= 0xffffffff;
+    *order = o;
+    return DSK_OK;
+}
+
 DSK_API dsk_status dsk_group_by_key(dsk_ctx *ctx, dsk_tensor *perm, dsk_tensor *offsets, const dsk_tensor *keys) {
     const char *fn = "dsk_group_by_key";
     const dsk_tensor *ts[3] = {keys, perm, offsets};
@@ -4039,7 +4063,7 @@ DSK_API dsk_status dsk_matmul_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk_ten
     const dsk_tensor *ts[4] = {C, A, B, offsets};
     const char *names[4] = {"C", "A", "B", "offsets"};
     int cuda, weights = 0, failed = 0, nt;
-    int64_t G, R, per, cols, first, last;
+    int64_t G, R, per, cols, first, last, *order;
     const int32_t *off;
     float *tmp = NULL;
     dsk__ukernel uk = dsk__ukernel_for(ctx ? ctx->cpu_isa : DSK_CPU_ISA_AUTO);
@@ -4058,23 +4082,28 @@ DSK_API dsk_status dsk_matmul_grouped(dsk_ctx *ctx, dsk_tensor *C, const dsk_ten
     per = weights ? C->shape[1] * cols : 0;
     first = weights ? 0 : off[0];
     last = weights ? G * C->shape[1] : off[G];
+    DSK__TRY(dsk__segments_largest_first(fn, off, G, &order));
     if (C->dtype != DSK_F32 && last > first) {
         tmp = (float *)DSK_MALLOC((size_t)((last - first) * cols) * sizeof(float));
-        if (!tmp)
+        if (!tmp) {
+            DSK_FREE(order);
             return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for an f32 copy of C (%lld elements)", fn,
                                  (long long)((last - first) * cols));
+        }
         if (beta != 0.0f) dsk_load_f32_n(tmp, C->data, C->dtype, first * cols, (last - first) * cols);
     }
     /* many small products run side by side, one thread each; a single one uses them all */
     nt = G > 1 ? 1 : dsk__threads(ctx);
     DSK__OMP(parallel for schedule(dynamic, 1) num_threads(dsk__threads(ctx)) if (G > 1) reduction(|| : failed))
-    for (int64_t g = 0; g < G; g++) {
+    for (int64_t i = 0; i < G; i++) {
+        int64_t g = order ? order[i] : i;
         float *c = tmp ? tmp + (weights ? g * per : (off[g] - first) * cols)
                        : (float *)C->data + (weights ? g * per : off[g] * cols);
         if (!weights && off[g + 1] == off[g]) continue;
         failed = failed || dsk__grouped_one(A, trans_a, B, trans_b, weights, g, off[g], off[g + 1], alpha, beta, c,
                                             cols, &uk, nt) != DSK_OK;
     }
+    DSK_FREE(order);
     if (tmp) {
         dsk_store_f32_n(C->data, C->dtype, first * cols, tmp, (last - first) * cols);
         DSK_FREE(tmp);
@@ -4139,7 +4168,7 @@ DSK_API dsk_status dsk_swiglu_grouped(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor 
     const char *fn = "dsk_swiglu_grouped";
     const dsk_tensor *ts[8] = {x, out, h1, h3, a, w1, w2, w3};
     const char *names[8] = {"x", "out", "h1", "h3", "a", "w1", "w2", "w3"};
-    int64_t G, F, D, R, rf[2], rd[2];
+    int64_t G, F, D, R, rf[2], rd[2], *order;
     int cuda, failed = 0, nt;
     const int32_t *off;
     dsk__ukernel uk = dsk__ukernel_for(ctx ? ctx->cpu_isa : DSK_CPU_ISA_AUTO);
@@ -4161,11 +4190,12 @@ DSK_API dsk_status dsk_swiglu_grouped(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor 
     }
     DSK__TRY(dsk__check_offsets(fn, offsets, G, R));
     off = (const int32_t *)offsets->data;
+    DSK__TRY(dsk__segments_largest_first(fn, off, G, &order));
     nt = G > 1 ? 1 : dsk__threads(ctx);
     /* each segment's MLP on one thread: many small GEMMs scale better side by side */
     DSK__OMP(parallel for schedule(dynamic, 1) num_threads(dsk__threads(ctx)) if (G > 1) reduction(|| : failed))
-    for (int64_t g = 0; g < G; g++) {
-        int64_t r0 = off[g], n = off[g + 1] - r0;
+    for (int64_t i = 0; i < G; i++) {
+        int64_t g = order ? order[i] : i, r0 = off[g], n = off[g + 1] - r0;
         const float *xs = (const float *)x->data + r0 * D;
         float *p1 = (float *)h1->data + r0 * F, *p3 = (float *)h3->data + r0 * F, *pa = (float *)a->data + r0 * F;
         if (n == 0) continue;
@@ -4175,6 +4205,7 @@ DSK_API dsk_status dsk_swiglu_grouped(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor 
         failed = failed || dsk__sgemm_nt(0, 1, n, D, F, pa, F, (const float *)w2->data + g * D * F, F, 0.0f,
                                          (float *)out->data + r0 * D, D, &uk, nt);
     }
+    DSK_FREE(order);
     if (failed) return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for the GEMM packing buffers", fn);
     return DSK_OK;
 }
@@ -4187,7 +4218,7 @@ DSK_API dsk_status dsk_swiglu_grouped_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk
     const char *fn = "dsk_swiglu_grouped_backward";
     const dsk_tensor *ts[15] = {x, dx, dw1, dw2, dw3, da, dh1, dh3, dout, h1, h3, a, w1, w2, w3};
     const char *names[15] = {"x", "dx", "dw1", "dw2", "dw3", "da", "dh1", "dh3", "dout", "h1", "h3", "a", "w1", "w2", "w3"};
-    int64_t G, F, D, R, rf[2], rd[2], gfd[3], gdf[3];
+    int64_t G, F, D, R, rf[2], rd[2], gfd[3], gdf[3], *order;
     int cuda, failed = 0, nt;
     const int32_t *off;
     dsk__ukernel uk = dsk__ukernel_for(ctx ? ctx->cpu_isa : DSK_CPU_ISA_AUTO);
@@ -4222,10 +4253,11 @@ DSK_API dsk_status dsk_swiglu_grouped_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk
     }
     DSK__TRY(dsk__check_offsets(fn, offsets, G, R));
     off = (const int32_t *)offsets->data;
+    DSK__TRY(dsk__segments_largest_first(fn, off, G, &order));
     nt = G > 1 ? 1 : dsk__threads(ctx);
     DSK__OMP(parallel for schedule(dynamic, 1) num_threads(dsk__threads(ctx)) if (G > 1) reduction(|| : failed))
-    for (int64_t g = 0; g < G; g++) {
-        int64_t r0 = off[g], n = off[g + 1] - r0;
+    for (int64_t i = 0; i < G; i++) {
+        int64_t g = order ? order[i] : i, r0 = off[g], n = off[g + 1] - r0;
         const float *xs = (const float *)x->data + r0 * D, *dy = (const float *)dout->data + r0 * D;
         const float *p1 = (const float *)h1->data + r0 * F, *p3 = (const float *)h3->data + r0 * F;
         const float *w1g = (const float *)w1->data + g * F * D, *w3g = (const float *)w3->data + g * F * D;
@@ -4241,6 +4273,7 @@ DSK_API dsk_status dsk_swiglu_grouped_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk
         failed = failed || dsk__sgemm_nt(1, 0, F, D, n, q1, F, xs, D, 1.0f, (float *)dw1->data + g * F * D, D, &uk, nt);
         failed = failed || dsk__sgemm_nt(1, 0, F, D, n, q3, F, xs, D, 1.0f, (float *)dw3->data + g * F * D, D, &uk, nt);
     }
+    DSK_FREE(order);
     if (failed) return dsk_set_error(DSK_ERR_OOM, "%s: out of host memory for the GEMM packing buffers", fn);
     return DSK_OK;
 }
