@@ -8,10 +8,11 @@ ran and the load average around each run.
 
 Usage: python3 bench/bench_train.py [--dsk build/examples/train_moe] [--rounds 3] [--steps 40]
            [--warmup 10] [--threads 1,2] [--python PYTHON] [--keep-openblas-env]
-           [--peer-default-spin] [--variants eager,sdpa,compile] [--model-args "--d-model 256 ..."]
+           [--peer-default-spin] [--variants eager,sdpa,grouped,compile] [--model-args "--d-model 256 ..."]
 PyTorch runs in each of --variants: eager (materialised attention, as written for 1.13), sdpa (fused
-causal attention) and compile (sdpa under torch.compile; its compilation steps are excluded and
-reported apart by train_torch.py); dsk is compared with the best variant and split. --python picks
+causal attention), grouped (sdpa, and the routed experts through torch._grouped_mm: torch 2.8 or later)
+and compile (sdpa under torch.compile; its compilation steps are excluded and reported apart by
+train_torch.py); dsk is compared with the best variant and split. --python picks
 the interpreter (default: the one running this script): PyTorch 2.x from PyPI (MKL) or Debian's
 /usr/bin/python3 with python3-torch (1.13: --variants eager) on the libblas alternative (OpenBLAS). This machine
 sets OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE for old OpenBLAS builds; they force OpenBLAS's AVX2 kernels
@@ -72,7 +73,8 @@ def run_torch(a, intra, blas, variant):
     if not a.peer_default_spin and not any(k in env for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")):
         env["GOMP_SPINCOUNT"] = "1000"  # the short spin train_moe gives itself: on a loaded machine 2 intra-op threads collapse without it
     cmd = [a.python, os.path.join(HERE, "train_torch.py"), "--steps", str(a.steps), "--threads", str(intra)]
-    cmd += {"eager": [], "sdpa": ["--sdpa"], "compile": ["--sdpa", "--compile"]}[variant] + a.model_args.split()
+    cmd += {"eager": [], "sdpa": ["--sdpa"], "grouped": ["--sdpa", "--grouped"],
+            "compile": ["--sdpa", "--compile"]}[variant] + a.model_args.split()
     out, rss, l0, l1 = run(cmd, env)
     comp = re.search(r"^# compile_s ([0-9.]+)", out, re.M)
     if comp:
@@ -92,12 +94,13 @@ def main():
     p.add_argument("--threads", default="1,2")
     p.add_argument("--keep-openblas-env", action="store_true")
     p.add_argument("--peer-default-spin", action="store_true", help="run PyTorch with libgomp's default spin")
-    p.add_argument("--variants", default="eager,sdpa,compile", help="PyTorch variants: eager, sdpa, compile")
+    p.add_argument("--variants", default="eager,sdpa,grouped,compile",
+                   help="PyTorch variants: eager, sdpa, grouped, compile")
     p.add_argument("--model-args", dest="model_args", default="", help="model flags passed to both, e.g. --d-model 256")
     a = p.parse_args()
     variants = a.variants.split(",")
-    if any(v not in ("eager", "sdpa", "compile") for v in variants):
-        sys.exit("bench_train: --variants takes eager, sdpa, compile")
+    if any(v not in ("eager", "sdpa", "grouped", "compile") for v in variants):
+        sys.exit("bench_train: --variants takes eager, sdpa, grouped, compile")
     if a.steps <= a.warmup:
         sys.exit("bench_train: --steps must exceed --warmup")
     tokens = 16 * 128

@@ -12,12 +12,14 @@ The MoE is the idiomatic sort-by-expert form: argsort the (token, slot) pairs by
 batched SwiGLU per expert over its contiguous rows, index_add_ the weighted rows back.
 
 Variants a PyTorch 2.x user would run: --sdpa computes attention with
-F.scaled_dot_product_attention(is_causal=True) (fused, no (T, T) probabilities kept); --compile
+F.scaled_dot_product_attention(is_causal=True) (fused, no (T, T) probabilities kept); --grouped runs
+the routed experts as three grouped GEMMs (torch._grouped_mm over the sorted rows, its offsets the
+experts' cumulative counts: PyTorch's own grouped GEMM, the CPU's too since 2.8) instead of the loop; --compile
 wraps the model in torch.compile (inductor's C++/OpenMP code on the CPU): its first
 --compile-steps steps (compilation and recompilation) print as `# compile step` lines, apart from
 the timed ones, and `# compile_s` sums them.
 
-Usage: /usr/bin/python3 bench/train_torch.py --steps 40 --threads 1 [--sdpa] [--compile] [--seq 128 ...]
+Usage: /usr/bin/python3 bench/train_torch.py --steps 40 --threads 1 [--sdpa] [--grouped] [--compile] [--seq 128 ...]
 Prints a header line (`# torch ..., openblas-<core>/<threads>, ...`), then one line per step:
 `step <i> ms <wall> cpu_ms <CPU time of every thread> loss <l>`.
 Thread split: --threads sets torch.set_num_threads (intra-op OpenMP); the BLAS pool (OpenBLAS
@@ -90,9 +92,9 @@ class SwiGLU(torch.nn.Module):
 
 
 class MoE(torch.nn.Module):
-    def __init__(self, d, n_experts, top_k, f, n_shared, std):
+    def __init__(self, d, n_experts, top_k, f, n_shared, std, grouped):
         super().__init__()
-        self.E, self.K = n_experts, top_k
+        self.E, self.K, self.grouped = n_experts, top_k, grouped
         self.router = torch.nn.Parameter(torch.randn(n_experts, d) * std)
         self.register_buffer("bias", torch.zeros(n_experts))
         self.register_buffer("load", torch.zeros(n_experts))
@@ -114,11 +116,18 @@ class MoE(torch.nn.Module):
         order = flat.argsort(stable=True)
         tok = order // self.K
         xs = x[tok]
-        outs = []
-        for e, chunk in enumerate(xs.split(counts.tolist())):
-            if chunk.shape[0]:
-                outs.append(F.linear(F.silu(F.linear(chunk, self.w1[e])) * F.linear(chunk, self.w3[e]), self.w2[e]))
-        ys = torch.cat(outs) * w.flatten()[order].unsqueeze(1)
+        if self.grouped:
+            offs = counts.cumsum(0).to(torch.int32)
+            h = F.silu(torch._grouped_mm(xs, self.w1.transpose(-2, -1), offs=offs))
+            h = h * torch._grouped_mm(xs, self.w3.transpose(-2, -1), offs=offs)
+            ys = torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)
+        else:
+            outs = []
+            for e, chunk in enumerate(xs.split(counts.tolist())):
+                if chunk.shape[0]:
+                    outs.append(F.linear(F.silu(F.linear(chunk, self.w1[e])) * F.linear(chunk, self.w3[e]), self.w2[e]))
+            ys = torch.cat(outs)
+        ys = ys * w.flatten()[order].unsqueeze(1)
         y = torch.zeros_like(x).index_add_(0, tok, ys)
         if self.shared is not None:
             y = y + self.shared(x)
@@ -140,7 +149,7 @@ class Block(torch.nn.Module):
         self.wq, self.wk, self.wv = (torch.nn.Parameter(torch.randn(D, D) * a.init_std) for _ in range(3))
         self.wo = torch.nn.Parameter(torch.randn(D, D) * out_std)
         if moe:
-            self.ffn = MoE(D, a.experts, a.top_k, a.expert_hidden, a.shared, a.init_std)
+            self.ffn = MoE(D, a.experts, a.top_k, a.expert_hidden, a.shared, a.init_std, a.grouped)
         else:
             self.ffn = SwiGLU(D, a.ffn_hidden, a.init_std, out_std)
 
@@ -227,12 +236,15 @@ def main():
     p.add_argument("--corpus-mb", dest="corpus_mb", type=float, default=4.0)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--sdpa", action="store_true", help="fused causal attention (F.scaled_dot_product_attention)")
+    p.add_argument("--grouped", action="store_true", help="the routed experts through torch._grouped_mm")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
     p.add_argument("--compile-steps", dest="compile_steps", type=int, default=3,
                    help="first steps of a compiled model reported apart (compilation)")
     a = p.parse_args()
     if a.sdpa and not hasattr(F, "scaled_dot_product_attention"):
         sys.exit("train_torch: --sdpa needs torch 2.x (this is %s)" % torch.__version__)
+    if a.grouped and not hasattr(torch, "_grouped_mm"):
+        sys.exit("train_torch: --grouped needs torch._grouped_mm (torch 2.8 or later; this is %s)" % torch.__version__)
     if a.compile and not hasattr(torch, "compile"):
         sys.exit("train_torch: --compile needs torch 2.x (this is %s)" % torch.__version__)
 
@@ -248,9 +260,10 @@ def main():
     moes = [b.ffn for b in model.blocks if isinstance(b.ffn, MoE)]
     run_model = torch.compile(model) if a.compile else model
     print("# torch %s, %s, intra-op threads %d, interop %d, %.2fM parameters, %d tokens/step, corpus %.2f MB, "
-          "attention %s%s" % (torch.__version__, blas_core(), torch.get_num_threads(), torch.get_num_interop_threads(),
+          "attention %s%s%s" % (torch.__version__, blas_core(), torch.get_num_threads(), torch.get_num_interop_threads(),
                               n_params / 1e6, a.batch * a.seq, data.numel() / 1e6, "sdpa" if a.sdpa else "materialised",
-                              ", torch.compile" if a.compile else ""), flush=True)
+                              ", grouped experts" if a.grouped else "", ", torch.compile" if a.compile else ""),
+          flush=True)
     compile_s = 0.0
     gen = torch.Generator().manual_seed(a.seed)
     for step in range(1, a.steps + 1):
