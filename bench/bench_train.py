@@ -10,7 +10,7 @@ Usage: python3 bench/bench_train.py [--dsk build/examples/train_moe] [--rounds 3
            [--warmup 10] [--threads 1,2] [--python PYTHON] [--keep-openblas-env]
            [--peer-default-spin] [--variants eager,sdpa,grouped,compile] [--model-args "--d-model 256 ..."]
 PyTorch runs in each of --variants: eager (materialised attention, as written for 1.13), sdpa (fused
-causal attention), grouped (sdpa, and the routed experts through torch._grouped_mm: torch 2.8 or later)
+causal attention), grouped (sdpa, and the routed experts through torch._grouped_mm, which 2.15 has)
 and compile (sdpa under torch.compile; its compilation steps are excluded and reported apart by
 train_torch.py); dsk is compared with the best variant and split. --python picks
 the interpreter (default: the one running this script): PyTorch 2.x from PyPI (MKL) or Debian's

@@ -14,8 +14,8 @@ batched SwiGLU per expert over its contiguous rows, index_add_ the weighted rows
 Variants a PyTorch 2.x user would run: --sdpa computes attention with
 F.scaled_dot_product_attention(is_causal=True) (fused, no (T, T) probabilities kept); --grouped runs
 the routed experts as three grouped GEMMs (torch._grouped_mm over the sorted rows, its offsets the
-experts' cumulative counts: PyTorch's own grouped GEMM, the CPU's too since 2.8) instead of the loop; --compile
-wraps the model in torch.compile (inductor's C++/OpenMP code on the CPU): its first
+experts' cumulative counts: PyTorch's own grouped GEMM, CPU and f32 included in 2.15) instead of the
+loop; --compile wraps the model in torch.compile (inductor's C++/OpenMP code on the CPU): its first
 --compile-steps steps (compilation and recompilation) print as `# compile step` lines, apart from
 the timed ones, and `# compile_s` sums them.
 
@@ -244,7 +244,7 @@ def main():
     if a.sdpa and not hasattr(F, "scaled_dot_product_attention"):
         sys.exit("train_torch: --sdpa needs torch 2.x (this is %s)" % torch.__version__)
     if a.grouped and not hasattr(torch, "_grouped_mm"):
-        sys.exit("train_torch: --grouped needs torch._grouped_mm (torch 2.8 or later; this is %s)" % torch.__version__)
+        sys.exit("train_torch: --grouped needs torch._grouped_mm (torch 2.15 has it; this is %s)" % torch.__version__)
     if a.compile and not hasattr(torch, "compile"):
         sys.exit("train_torch: --compile needs torch 2.x (this is %s)" % torch.__version__)
 
