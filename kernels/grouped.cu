@@ -283,11 +283,13 @@ __device__ void dsk__gmm_tile_tc(dsk__gmm_tc_smem &sm, dsk__gview a, dsk__gview 
 
 /* Which tile kernel runs: f32 inputs on the SIMT tile, bf16 and f16 on the tensor cores. */
 enum { DSK__GMM_SIMT = 0, DSK__GMM_BF16 = 1, DSK__GMM_F16 = 2 };
-/* Each tile's extent in C, for the kernels and their launchers alike. */
-template <int TILE> struct dsk__gmm_dims {
-    enum { BM = TILE == DSK__GMM_SIMT ? DSK__GMM_BM : DSK__GMM_TC_BM };
-    enum { BN = TILE == DSK__GMM_SIMT ? DSK__GMM_BN : DSK__GMM_TC_BN };
-};
+/* Each tile's extent in C, rows and columns, for the kernels and their launcher alike. */
+__host__ __device__ constexpr int64_t dsk__gmm_bm(int tile) {
+    return tile == DSK__GMM_SIMT ? DSK__GMM_BM : DSK__GMM_TC_BM;
+}
+__host__ __device__ constexpr int64_t dsk__gmm_bn(int tile) {
+    return tile == DSK__GMM_SIMT ? DSK__GMM_BN : DSK__GMM_TC_BN;
+}
 
 /* One tile of C. a_col: op(A) is contiguous along m (the weights form's A^T); b_col: op(B) is
    contiguous along k (op(B) = B^T). Only the tensor-core tile stages by layout. */
@@ -312,7 +314,7 @@ template <int TILE>
 __device__ void dsk__gmm_rows(const int32_t *off, int64_t G, int64_t K, int64_t N, const void *A, const void *B,
                               dsk_dtype ab, size_t es, int trans_b, void *C, dsk_dtype cdt, size_t ec, float alpha,
                               float beta) {
-    const int64_t BM = dsk__gmm_dims<TILE>::BM, BN = dsk__gmm_dims<TILE>::BN;
+    const int64_t BM = dsk__gmm_bm(TILE), BN = dsk__gmm_bn(TILE);
     __shared__ int64_t found[2];
     int64_t r0, n0 = (int64_t)blockIdx.y * BN;
     if (threadIdx.x == 0) { /* segment g, and its row tile, of this block */
@@ -345,7 +347,7 @@ __device__ void dsk__gmm_rows(const int32_t *off, int64_t G, int64_t K, int64_t 
 template <int TILE>
 __device__ void dsk__gmm_weights(const int32_t *off, int64_t M, int64_t N, const void *A, const void *B, dsk_dtype ab,
                                  size_t es, void *C, dsk_dtype cdt, size_t ec, float alpha, float beta) {
-    const int64_t BM = dsk__gmm_dims<TILE>::BM, BN = dsk__gmm_dims<TILE>::BN;
+    const int64_t BM = dsk__gmm_bm(TILE), BN = dsk__gmm_bn(TILE);
     int64_t g = blockIdx.y, tiles_n = (N + BN - 1) / BN;
     int64_t m0 = (blockIdx.x / tiles_n) * BM, n0 = (blockIdx.x % tiles_n) * BN;
     int64_t s0 = off[g], n = off[g + 1] - s0;
@@ -383,9 +385,9 @@ __global__ void __launch_bounds__(256, 2) dsk__k_gmm_weights_f16(DSK__GMM_W_ARGS
 
 /* The grid of one form and tile: weights, (tiles of C[g], G); rows, (the bound of row tiles
    R / BM + G, column tiles). 0 when there is no tile; an error beyond CUDA's grid. */
-template <int TILE>
-static dsk_status dsk__gmm_grid(const char *fn, int weights, int64_t G, int64_t R, int64_t M, int64_t N, dim3 *grid) {
-    const int64_t BM = dsk__gmm_dims<TILE>::BM, BN = dsk__gmm_dims<TILE>::BN;
+static dsk_status dsk__gmm_grid(const char *fn, int tile, int weights, int64_t G, int64_t R, int64_t M, int64_t N,
+                                dim3 *grid) {
+    const int64_t BM = dsk__gmm_bm(tile), BN = dsk__gmm_bn(tile);
     int64_t x = weights ? ((M + BM - 1) / BM) * ((N + BN - 1) / BN) : (R + BM - 1) / BM + G;
     int64_t y = weights ? G : (N + BN - 1) / BN;
     *grid = dim3(0, 0);
@@ -410,8 +412,7 @@ extern "C" dsk_status dsk_cuda_matmul_grouped(dsk_ctx *ctx, dsk_tensor *C, const
     if (G == 0) return DSK_OK;
     if (trans_a) { /* weights: C (G, M, N) */
         int64_t M = C->shape[1], N = C->shape[2];
-        DSK__TRY(tile == DSK__GMM_SIMT ? dsk__gmm_grid<DSK__GMM_SIMT>(fn, 1, G, 0, M, N, &grid)
-                                       : dsk__gmm_grid<DSK__GMM_BF16>(fn, 1, G, 0, M, N, &grid));
+        DSK__TRY(dsk__gmm_grid(fn, tile, 1, G, 0, M, N, &grid));
         if (grid.x == 0) return DSK_OK;
         if (tile == DSK__GMM_BF16)
             DSK__CUDA_LAUNCH(fn, dsk__k_gmm_weights_bf16, grid, 256, dsk__cuda_stream(ctx), G * M * N, off, M, N,
@@ -424,8 +425,7 @@ extern "C" dsk_status dsk_cuda_matmul_grouped(dsk_ctx *ctx, dsk_tensor *C, const
                              A->data, B->data, A->dtype, es, C->data, C->dtype, ec, alpha, beta);
     } else { /* rows: C (R, N) */
         int64_t R = A->shape[0], K = A->shape[1], N = C->shape[1];
-        DSK__TRY(tile == DSK__GMM_SIMT ? dsk__gmm_grid<DSK__GMM_SIMT>(fn, 0, G, R, 0, N, &grid)
-                                       : dsk__gmm_grid<DSK__GMM_BF16>(fn, 0, G, R, 0, N, &grid));
+        DSK__TRY(dsk__gmm_grid(fn, tile, 0, G, R, 0, N, &grid));
         if (grid.x == 0) return DSK_OK;
         if (tile == DSK__GMM_BF16)
             DSK__CUDA_LAUNCH(fn, dsk__k_gmm_rows_bf16, grid, 256, dsk__cuda_stream(ctx), R * N, off, G, K, N, A->data,

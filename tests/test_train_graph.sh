@@ -35,6 +35,13 @@ run() { # name args...
     timeout 300 "$BIN" "$@" --log "$work/$name.jsonl" >"$work/$name.out" 2>&1
     echo $? >"$work/$name.rc"
 }
+expect_run() { # name ok|fail text what: the run exited 0 (ok) or not (fail) and its output has the text
+    local rc exited=fail
+    rc=$(cat "$work/$1.rc")
+    [ "$rc" -eq 0 ] && exited=ok
+    if [ "$exited" = "$2" ] && grep -qF -- "$3" "$work/$1.out"; then ok "$4"
+    else bad "$4" "exit $rc" "$(tail -2 "$work/$1.out")"; fi
+}
 fields() { # the logged numbers of a run, one line per record
     $PY - "$work/$1.jsonl" <<'PYEOF'
 import json, sys
@@ -80,41 +87,22 @@ a=$(fields eager_bf16_10); b=$(fields eager_bf16_12)
 if [ -n "$a" ] && [ "$a" = "$b" ]; then ok "$what"; else bad "$what" "$(diff <(echo "$a") <(echo "$b") | head -6)"; fi
 
 run zero "${TINY[@]}" --zero 1 --cuda-graph
-if [ "$(cat "$work/zero.rc")" -ne 0 ] && grep -q -- "--cuda-graph runs without --zero" "$work/zero.out"; then
-    ok "--cuda-graph with --zero fails with a message"
-else
-    bad "--cuda-graph with --zero fails with a message" "exit $(cat "$work/zero.rc")" "$(tail -2 "$work/zero.out")"
-fi
+expect_run zero fail "--cuda-graph runs without --zero" "--cuda-graph with --zero fails with a message"
 
 run exact "${TINY[@]}" --ep 2 --cuda-graph
-what="--cuda-graph with --ep 2 and the exact exchange fails with a message"
-want="--cuda-graph with --ep 2 needs --ep-exchange bounded"
-if [ "$(cat "$work/exact.rc")" -ne 0 ] && grep -q -- "$want" "$work/exact.out"; then ok "$what"
-else bad "$what" "exit $(cat "$work/exact.rc")" "$(tail -2 "$work/exact.out")"; fi
+expect_run exact fail "--cuda-graph with --ep 2 needs --ep-exchange bounded" \
+    "--cuda-graph with --ep 2 and the exact exchange fails with a message"
 
 # fewer GPUs than local ranks: auto trains on the CPU over the host backend, cuda fails naming the
 # ranks and their device (nccl would refuse two ranks on one), and --device cpu stays off nccl where GPUs are
 for dev in auto cuda cpu; do
     CUDA_EMU_DEVICES=$([ $dev = cpu ] && echo 4 || echo 1) run "few_$dev" "${TINY[@]}" --nproc 2 --device $dev --steps 2
 done
-if [ "$(cat "$work/few_auto.rc")" -eq 0 ] && grep -q "2 ranks (expert parallel 1), CPU" "$work/few_auto.out"; then
-    ok "--nproc 2 on 1 GPU, --device auto: the CPU"
-else bad "--nproc 2 on 1 GPU, --device auto: the CPU" "exit $(cat "$work/few_auto.rc")" \
-    "$(tail -2 "$work/few_auto.out")"; fi
-want="the nccl backend needs a CUDA device per rank; ranks 0 and 1 ("
-if [ "$(cat "$work/few_cuda.rc")" -ne 0 ] && grep -qF -- "$want" "$work/few_cuda.out"; then
-    ok "--nproc 2 on 1 GPU, --device cuda: fails naming the two ranks and the device"
-else bad "--nproc 2 on 1 GPU, --device cuda: fails naming the two ranks and the device" \
-    "exit $(cat "$work/few_cuda.rc")" "$(tail -2 "$work/few_cuda.out")"; fi
-if [ "$(cat "$work/few_cpu.rc")" -eq 0 ] && grep -q "2 ranks (expert parallel 1), CPU" "$work/few_cpu.out"; then
-    ok "--nproc 2 --device cpu on 4 GPUs: the CPU over the host backend"
-else bad "--nproc 2 --device cpu on 4 GPUs: the CPU over the host backend" "exit $(cat "$work/few_cpu.rc")" \
-    "$(tail -2 "$work/few_cpu.out")"; fi
+expect_run few_auto ok "2 ranks (expert parallel 1), CPU" "--nproc 2 on 1 GPU, --device auto: the CPU"
+expect_run few_cuda fail "the nccl backend needs a CUDA device per rank; ranks 0 and 1 (" \
+    "--nproc 2 on 1 GPU, --device cuda: fails naming the two ranks and the device"
+expect_run few_cpu ok "2 ranks (expert parallel 1), CPU" "--nproc 2 --device cpu on 4 GPUs: the CPU over the host backend"
 
 run cpu "${TINY[@]}" --device cpu --cuda-graph
-if [ "$(cat "$work/cpu.rc")" -ne 0 ] && grep -q -- "--cuda-graph needs GPUs" "$work/cpu.out"; then
-    ok "--cuda-graph on the CPU fails with a message"
-else
-    bad "--cuda-graph on the CPU fails with a message" "exit $(cat "$work/cpu.rc")" "$(tail -2 "$work/cpu.out")"
-fi
+expect_run cpu fail "--cuda-graph needs GPUs" "--cuda-graph on the CPU fails with a message"
 finish

@@ -1,8 +1,9 @@
 # tests/train_test_lib.sh - what the trainer's shell tests share. Set TEST_NAME, then source it:
 # the repository becomes the working directory; BUILD (default build), BIN (the CPU trainer; set
 # it again after sourcing for another build), PY and PYS (PY -S, for standard-library helpers) are
-# set; the machine's GPUs are hidden (the CPU trainer stays on the CPU); every rank runs one passive OpenMP thread (tiny models gain nothing from more, and spinning
-# threads on a busy machine cost far more than they give); $work is a scratch directory removed at exit; ok/bad/skip count cases,
+# set; the machine's GPUs are hidden (the CPU trainer stays on the CPU); every rank runs one passive
+# OpenMP thread (tiny models gain nothing from more, and spinning threads on a busy machine cost far
+# more than they give); $work is a scratch directory removed at exit; ok/bad/skip count cases,
 # finish prints the totals line and exits non-zero on a failure; need_built BIN builds BIN or
 # fails the program.
 # Every run trains on CORPUS (tests/data/corpus.txt, pass `--data "$CORPUS"`), text the repository
