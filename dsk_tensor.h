@@ -2683,6 +2683,17 @@ DSK__INLINE DSK__TARGET_AVX2 __m256 dsk__exp256(__m256 x) {
 DSK__INLINE DSK__TARGET_AVX2 __m256i dsk__tail256(int64_t left) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left < 8 ? left : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
+/* The 8 floats at p, of which `left` (from 1) are the row's: lanes past the row read as zero. vmaskmov
+   only at the tail: on AMD's cores a masked store costs about 13 plain ones (microcoded) and a masked
+   load 2, so a row loop masking every vector ran its row kernels several times slower there. */
+DSK__INLINE DSK__TARGET_AVX2 __m256 dsk__load256(const float *p, int64_t left) {
+    return left >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, dsk__tail256(left));
+}
+/* Stores the row's lanes [0, min(left, 8)) of v at p; nothing past them. */
+DSK__INLINE DSK__TARGET_AVX2 void dsk__store256(float *p, int64_t left, __m256 v) {
+    if (left >= 8) _mm256_storeu_ps(p, v);
+    else _mm256_maskstore_ps(p, dsk__tail256(left), v);
+}
 DSK__INLINE DSK__TARGET_AVX2 __m256 dsk__sigmoid256(__m256 g) {
     __m256 one = _mm256_set1_ps(1.0f);
     return _mm256_div_ps(one, _mm256_add_ps(one, dsk__exp256(_mm256_xor_ps(g, _mm256_set1_ps(-0.0f)))));
@@ -2699,7 +2710,7 @@ static DSK__TARGET_AVX2 float dsk__max_avx2(const float *x, int64_t n) {
     float t[8], r = -INFINITY;
     for (int64_t i = 0; i < n; i += 8) {
         __m256i k = dsk__tail256(n - i);
-        __m256 v = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_maskload_ps(x + i, k), _mm256_castsi256_ps(k));
+        __m256 v = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), dsk__load256(x + i, n - i), _mm256_castsi256_ps(k));
         nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
         m = _mm256_max_ps(m, v);
     }
@@ -2712,77 +2723,70 @@ static DSK__TARGET_AVX2 float dsk__exp_sum_avx2(float *y, const float *x, int64_
     __m256 s = _mm256_setzero_ps(), vs = _mm256_set1_ps(sub);
     for (int64_t i = 0; i < n; i += 8) {
         __m256i k = dsk__tail256(n - i);
-        __m256 e = dsk__exp256(_mm256_sub_ps(_mm256_maskload_ps(x + i, k), vs));
+        __m256 e = dsk__exp256(_mm256_sub_ps(dsk__load256(x + i, n - i), vs));
         e = _mm256_and_ps(e, _mm256_castsi256_ps(k));
-        _mm256_maskstore_ps(y + i, k, e);
+        dsk__store256(y + i, n - i, e);
         s = _mm256_add_ps(s, e);
     }
     return dsk__hsum256(s);
 }
 static DSK__TARGET_AVX2 void dsk__scale_avx2(float *y, const float *x, float s, int64_t n) {
     __m256 vs = _mm256_set1_ps(s);
-    for (int64_t i = 0; i < n; i += 8) {
-        __m256i k = dsk__tail256(n - i);
-        _mm256_maskstore_ps(y + i, k, _mm256_mul_ps(vs, _mm256_maskload_ps(x + i, k)));
-    }
+    for (int64_t i = 0; i < n; i += 8) { dsk__store256(y + i, n - i, _mm256_mul_ps(vs, dsk__load256(x + i, n - i))); }
 }
 static DSK__TARGET_AVX2 float dsk__dot_avx2(const float *a, const float *b, int64_t n) {
     __m256 s = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; i += 8) {
-        __m256i k = dsk__tail256(n - i);
-        s = _mm256_fmadd_ps(_mm256_maskload_ps(a + i, k), _mm256_maskload_ps(b + i, k), s);
+        s = _mm256_fmadd_ps(dsk__load256(a + i, n - i), dsk__load256(b + i, n - i), s);
     }
     return dsk__hsum256(s);
 }
 static DSK__TARGET_AVX2 void dsk__mul_scale_avx2(float *y, const float *x, const float *w, float s, int64_t n) {
     __m256 vs = _mm256_set1_ps(s);
     for (int64_t i = 0; i < n; i += 8) {
-        __m256i k = dsk__tail256(n - i);
-        _mm256_maskstore_ps(y + i, k, _mm256_mul_ps(_mm256_mul_ps(_mm256_maskload_ps(x + i, k), vs), _mm256_maskload_ps(w + i, k)));
+        dsk__store256(y + i, n - i,
+                      _mm256_mul_ps(_mm256_mul_ps(dsk__load256(x + i, n - i), vs), dsk__load256(w + i, n - i)));
     }
 }
 static DSK__TARGET_AVX2 void dsk__sub_mul_avx2(float *y, const float *p, const float *d, float c, int64_t n, int acc) {
     __m256 vc = _mm256_set1_ps(c);
     for (int64_t i = 0; i < n; i += 8) {
-        __m256i k = dsk__tail256(n - i);
-        __m256 v = _mm256_mul_ps(_mm256_maskload_ps(p + i, k), _mm256_sub_ps(_mm256_maskload_ps(d + i, k), vc));
-        if (acc) v = _mm256_add_ps(_mm256_maskload_ps(y + i, k), v);
-        _mm256_maskstore_ps(y + i, k, v);
+        __m256 v = _mm256_mul_ps(dsk__load256(p + i, n - i), _mm256_sub_ps(dsk__load256(d + i, n - i), vc));
+        if (acc) v = _mm256_add_ps(dsk__load256(y + i, n - i), v);
+        dsk__store256(y + i, n - i, v);
     }
 }
 static DSK__TARGET_AVX2 void dsk__swiglu_avx2(float *out, const float *g, const float *u, int64_t n) {
     for (int64_t i = 0; i < n; i += 8) {
-        __m256i k = dsk__tail256(n - i);
-        __m256 vg = _mm256_maskload_ps(g + i, k);
-        _mm256_maskstore_ps(out + i, k, _mm256_mul_ps(_mm256_mul_ps(vg, dsk__sigmoid256(vg)), _mm256_maskload_ps(u + i, k)));
+        __m256 vg = dsk__load256(g + i, n - i);
+        dsk__store256(out + i, n - i,
+                      _mm256_mul_ps(_mm256_mul_ps(vg, dsk__sigmoid256(vg)), dsk__load256(u + i, n - i)));
     }
 }
 static DSK__TARGET_AVX2 void dsk__swiglu_bwd_avx2(float *dg, float *du, const float *dout, const float *g, const float *u, int64_t n,
                                                   int acc) {
     __m256 one = _mm256_set1_ps(1.0f);
     for (int64_t i = 0; i < n; i += 8) {
-        __m256i k = dsk__tail256(n - i);
-        __m256 vg = _mm256_maskload_ps(g + i, k), vu = _mm256_maskload_ps(u + i, k), vd = _mm256_maskload_ps(dout + i, k);
+        __m256 vg = dsk__load256(g + i, n - i), vu = dsk__load256(u + i, n - i), vd = dsk__load256(dout + i, n - i);
         __m256 s = dsk__sigmoid256(vg), grad = _mm256_mul_ps(s, _mm256_fmadd_ps(vg, _mm256_sub_ps(one, s), one));
         __m256 a = _mm256_mul_ps(_mm256_mul_ps(vd, vu), grad), b = _mm256_mul_ps(vd, _mm256_mul_ps(vg, s));
         if (acc) {
-            a = _mm256_add_ps(_mm256_maskload_ps(dg + i, k), a);
-            b = _mm256_add_ps(_mm256_maskload_ps(du + i, k), b);
+            a = _mm256_add_ps(dsk__load256(dg + i, n - i), a);
+            b = _mm256_add_ps(dsk__load256(du + i, n - i), b);
         }
-        _mm256_maskstore_ps(dg + i, k, a);
-        _mm256_maskstore_ps(du + i, k, b);
+        dsk__store256(dg + i, n - i, a);
+        dsk__store256(du + i, n - i, b);
     }
 }
 static DSK__TARGET_AVX2 void dsk__rope_avx2(float *y, const float *x, const float *cs, int64_t n, int acc) {
     __m256 neg_even = _mm256_castsi256_ps(_mm256_setr_epi32((int)0x80000000u, 0, (int)0x80000000u, 0, (int)0x80000000u, 0,
                                                             (int)0x80000000u, 0));
     for (int64_t i = 0; i < n; i += 8) {
-        __m256i k = dsk__tail256(n - i);
-        __m256 vx = _mm256_maskload_ps(x + i, k), vcs = _mm256_maskload_ps(cs + i, k);
+        __m256 vx = dsk__load256(x + i, n - i), vcs = dsk__load256(cs + i, n - i);
         __m256 c = _mm256_moveldup_ps(vcs), sn = _mm256_xor_ps(_mm256_movehdup_ps(vcs), neg_even);
         __m256 v = _mm256_add_ps(_mm256_mul_ps(vx, c), _mm256_mul_ps(_mm256_permute_ps(vx, 0xB1), sn));
-        if (acc) v = _mm256_add_ps(v, _mm256_maskload_ps(y + i, k));
-        _mm256_maskstore_ps(y + i, k, v);
+        if (acc) v = _mm256_add_ps(v, dsk__load256(y + i, n - i));
+        dsk__store256(y + i, n - i, v);
     }
 }
 #endif
@@ -4368,17 +4372,16 @@ static DSK__TARGET_AVX2 void dsk__adamw_avx2(float *p, float *m, float *v, const
     __m256 lr = _mm256_set1_ps(o->lr), lrwd = _mm256_set1_ps(o->lr * o->weight_decay), eps = _mm256_set1_ps(o->eps);
     __m256 vbc1 = _mm256_set1_ps(bc1), vbc2 = _mm256_set1_ps(bc2), vgm = _mm256_set1_ps(gm);
     for (int64_t i = 0; i < n; i += 8) {
-        __m256i k = dsk__tail256(n - i);
-        __m256 gi = _mm256_mul_ps(_mm256_maskload_ps(g + i, k), vgm), pi = _mm256_maskload_ps(p + i, k);
-        __m256 mn = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_maskload_ps(m + i, k)), _mm256_mul_ps(c1, gi));
+        __m256 gi = _mm256_mul_ps(dsk__load256(g + i, n - i), vgm), pi = dsk__load256(p + i, n - i);
+        __m256 mn = _mm256_add_ps(_mm256_mul_ps(b1, dsk__load256(m + i, n - i)), _mm256_mul_ps(c1, gi));
         __m256 vn =
-            _mm256_add_ps(_mm256_mul_ps(b2, _mm256_maskload_ps(v + i, k)), _mm256_mul_ps(_mm256_mul_ps(c2, gi), gi));
+            _mm256_add_ps(_mm256_mul_ps(b2, dsk__load256(v + i, n - i)), _mm256_mul_ps(_mm256_mul_ps(c2, gi), gi));
         __m256 pn = _mm256_sub_ps(pi, _mm256_mul_ps(lrwd, pi));
         __m256 den = _mm256_add_ps(_mm256_sqrt_ps(_mm256_div_ps(vn, vbc2)), eps);
         pn = _mm256_sub_ps(pn, _mm256_div_ps(_mm256_mul_ps(lr, _mm256_div_ps(mn, vbc1)), den));
-        _mm256_maskstore_ps(m + i, k, mn);
-        _mm256_maskstore_ps(v + i, k, vn);
-        _mm256_maskstore_ps(p + i, k, pn);
+        dsk__store256(m + i, n - i, mn);
+        dsk__store256(v + i, n - i, vn);
+        dsk__store256(p + i, n - i, pn);
     }
 }
 #endif
