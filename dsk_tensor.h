@@ -1954,16 +1954,17 @@ static void dsk__rows_cols(const dsk_tensor *t, int64_t *rows, int64_t *cols) {
    One register-blocked micro-kernel computes an MR x NR tile of C from k steps of A (MR
    broadcasts) and B (NR-wide rows) with f32 FMAs; it is picked at run time from the CPU:
    AVX-512 (12 x 32), AVX2 + FMA (6 x 16) or portable C (4 x 16). Two loop nests feed it:
-   direct  f32 operands, N <= DSK__DIRECT_N and no tall A^T (every product of a small model):
+   direct  f32 operands, N <= DSK__DIRECT_N and no tall or deep A^T (dsk__gemm_is_direct):
            A is read in place through its strides (a bottom edge tile is copied), op(B) in place
            when its rows are contiguous and their stride spreads them over L1's sets
-           (dsk__gemm_b_in_place), else each KC slice is packed once per thread.
-   packed  everything else (bf16/f16 operands, wide N): BLIS-style, C cut into NC-wide column
-           panels and K into KC-deep slices, op(B) packed into NR-wide micro-panels and each
-           MC-tall block of op(A) into MR-tall micro-panels (converted to f32).
-   Threads own disjoint blocks of C and never split K; the loop nest and the K slices depend on
-   the shape only, so every element of C sums its products in the same order whatever the
-   thread count. */
+           (dsk__gemm_b_in_place), else each K slice is packed once per thread.
+   packed  everything else (bf16/f16 operands, wide N, weight gradients A^T B): BLIS-style, C cut
+           into NC-wide column panels and K into slices, op(B) packed into NR-wide micro-panels
+           and each MC-tall block of op(A) into MR-tall micro-panels (converted to f32).
+   K slices are DSK__DIRECT_KC deep for the f32 products of at most DSK__DIRECT_N columns in
+   either nest (dsk__gemm_kc), DSK__KC for the rest. Threads own disjoint blocks of C and never
+   split K; the loop nest and the K slices depend on the shape only, so every element of C sums
+   its products in the same order whatever the thread count. */
 
 #define DSK__KC 256
 #define DSK__MC 144
@@ -1978,8 +1979,9 @@ typedef struct dsk__gemm_args {
     const void *A; dsk_dtype a_dt; int64_t a_rs, a_cs;
     const void *B; dsk_dtype b_dt; int64_t b_rs, b_cs;
     float *C; int64_t ldc;
-    int b_pack; /* 1: the direct nest may pack rows of op(B) it could read in place (dsk__gemm_b_in_place);
-                   0 for callers whose scratch assumes in-place rows (the attention products) */
+    int b_pack; /* 1: the direct nest may pack rows of op(B) it could read in place (dsk__gemm_b_in_place) and a
+                   deep A^T may go to the packed nest; 0 for callers whose scratch holds the direct nest's A
+                   tile only (the attention products) */
 } dsk__gemm_args;
 
 /* C[0:m, 0:n] = alpha * sum_{p < k} A[i][p] B[p][j] + beta * C (beta == 0: C is not read), with
@@ -2026,8 +2028,37 @@ static void dsk__pack_t_f32(float *dst, const float *src, int64_t rs, int64_t kc
 
 /* vec: the f32 panels that transpose (cs == 1) and are full may go through dsk__pack_t_f32's
    vector transposes (AVX2 and up; the same values either way). */
+/* dsk__pack for f32 rows that are contiguous (rs == 1, cs != 1): row p of panel c is the w floats at
+   src + p * cs + c * w, copied whole; a copy of a constant length becomes a few vector moves, where the
+   element loop of DSK__PACK_LOOP took about a third of a weight gradient's time (A^T and op(B) packed). */
+static void dsk__pack_rows_f32(float *dst, const float *src, int64_t cs, int64_t rows, int64_t kc, int64_t w,
+                               int64_t c0, int64_t c1) {
+    for (int64_t p0 = 0; p0 < kc; p0 += 32) /* 32 source rows stay in L1 while each panel takes its part */
+        for (int64_t c = c0; c < c1; c++)
+            for (int64_t p = p0; p < dsk__pack_min(p0 + 32, kc); p++) {
+                float *d = dst + c * w * kc + p * w;
+                const float *s = src + p * cs + c * w;
+                int64_t nr = dsk__pack_min(rows - c * w, w);
+                if (nr < w) { /* the last panel: zeros past `rows` */
+                    for (int64_t r = 0; r < w; r++) d[r] = r < nr ? s[r] : 0.0f;
+                    continue;
+                }
+                switch (w) { /* the micro-kernels' MR and NR */
+                case 6: memcpy(d, s, 6 * sizeof *d); break;
+                case 12: memcpy(d, s, 12 * sizeof *d); break;
+                case 16: memcpy(d, s, 16 * sizeof *d); break;
+                case 32: memcpy(d, s, 32 * sizeof *d); break;
+                default: memcpy(d, s, (size_t)w * sizeof *d);
+                }
+            }
+}
+
 static void dsk__pack(float *dst, const void *src, dsk_dtype dt, int64_t rs, int64_t cs, int64_t rows, int64_t kc, int64_t w,
                       int64_t c0, int64_t c1, int vec) {
+    if (dt == DSK_F32 && rs == 1 && cs != 1) {
+        dsk__pack_rows_f32(dst, (const float *)src, cs, rows, kc, w, c0, c1);
+        return;
+    }
     if (dt == DSK_F32 && cs == 1 && rs != 1 && vec) {
         int64_t full = dsk__pack_min(c1, rows / w);
         for (; c0 < full; c0++) dsk__pack_t_f32(dst + c0 * w * kc, (const float *)src + c0 * w * rs, rs, kc, w);
@@ -2301,13 +2332,23 @@ static void dsk__scale_c(const dsk__gemm_args *g) {
         }
 }
 
-/* The direct nest serves f32 products whose op(B) is at most DSK__DIRECT_N wide, but not a tall
-   op(A) = A^T (a weight gradient dY^T X): its tiles, one cache line per k, are better packed a
-   DSK__MC block at a time from A's contiguous rows. */
-static int dsk__gemm_is_direct(const dsk__gemm_args *g) {
+/* The f32 products the direct nest is made for: op(B) at most DSK__DIRECT_N wide, and not a tall
+   op(A) = A^T (a weight gradient dY^T X), whose tiles, one cache line per k, are better packed a
+   DSK__MC block at a time from A's contiguous rows. Their K slices are DSK__DIRECT_KC deep in
+   either nest, so the nest a product runs in does not change its bits. */
+static int dsk__gemm_narrow(const dsk__gemm_args *g) {
     if (g->a_cs != 1 && g->M > DSK__DIRECT_N) return 0;
     return g->a_dt == DSK_F32 && g->b_dt == DSK_F32 && g->N <= DSK__DIRECT_N;
 }
+/* A narrow product runs direct unless op(A) = A^T is 256 or more deep: read in place, its tiles and
+   op(B)'s rows step 4 N bytes a k, both in the few L1 sets such strides reach, and the kernel
+   waited on L2 (0.65-0.8x of OpenBLAS on the trainer's dW shapes); packed they stream. Callers
+   whose scratch holds the direct nest's tile only (b_pack 0) stay direct. */
+static int dsk__gemm_is_direct(const dsk__gemm_args *g) {
+    return dsk__gemm_narrow(g) && (g->a_cs == 1 || g->K < 256 || !g->b_pack);
+}
+/* The K slice of the packed nest. */
+static int64_t dsk__gemm_kc(const dsk__gemm_args *g) { return dsk__gemm_narrow(g) ? DSK__DIRECT_KC : DSK__KC; }
 /* op(B)'s rows are contiguous f32: the direct nest reads them in place, unless their stride is a
    multiple of 512 bytes and the K slice is deeper than 64 rows: such rows map to at most 8 of the
    64 sets of a 32 KB 8-way L1, so no more than 64 of them stay cached and each tile row of C would
@@ -2324,7 +2365,7 @@ static int64_t dsk__gemm_scratch(const dsk__gemm_args *g, const dsk__ukernel *uk
         int64_t kc = dsk__min64(g->K, DSK__DIRECT_KC);
         return kc * uk->mr + (dsk__gemm_b_in_place(g) ? 0 : kc * dsk__round_up(nc, uk->nr));
     }
-    return dsk__min64(g->K, DSK__KC) * (DSK__MC + dsk__round_up(dsk__min64(nc, DSK__NC), uk->nr));
+    return dsk__min64(g->K, dsk__gemm_kc(g)) * (DSK__MC + dsk__round_up(dsk__min64(nc, DSK__NC), uk->nr));
 }
 
 /* Direct nest over the block C[i0:i1, j0:j1]; ws: dsk__gemm_scratch floats. */
@@ -2356,12 +2397,12 @@ static void dsk__gemm_direct(const dsk__gemm_args *g, const dsk__ukernel *uk, in
 /* Packed (BLIS) nest over the block C[i0:i1, j0:j1]; ws: dsk__gemm_scratch floats. */
 static void dsk__gemm_packed(const dsk__gemm_args *g, const dsk__ukernel *uk, int64_t i0, int64_t i1, int64_t j0, int64_t j1, float *ws) {
     size_t ae = dsk_dtype_size(g->a_dt), be = dsk_dtype_size(g->b_dt);
-    int64_t MR = uk->mr, NR = uk->nr;
-    float *ap = ws, *bp = ws + dsk__min64(g->K, DSK__KC) * DSK__MC;
+    int64_t MR = uk->mr, NR = uk->nr, KC = dsk__gemm_kc(g);
+    float *ap = ws, *bp = ws + dsk__min64(g->K, KC) * DSK__MC;
     for (int64_t jc = j0; jc < j1; jc += DSK__NC) {
         int64_t nc = dsk__min64(j1 - jc, DSK__NC), n_jr = (nc + NR - 1) / NR;
-        for (int64_t pc = 0; pc < g->K; pc += DSK__KC) {
-            int64_t kc = dsk__min64(g->K - pc, DSK__KC);
+        for (int64_t pc = 0; pc < g->K; pc += KC) {
+            int64_t kc = dsk__min64(g->K - pc, KC);
             float beta = pc == 0 ? g->beta : 1.0f;
             /* X[j][p] = op(B)[pc + p][jc + j]: panel rows step b_cs, columns b_rs */
             dsk__pack(bp, (const char *)g->B + (size_t)(pc * g->b_rs + jc * g->b_cs) * be, g->b_dt, g->b_cs, g->b_rs, nc, kc, NR, 0, n_jr,

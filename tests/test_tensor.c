@@ -1013,6 +1013,38 @@ static void test_gemm_blocking(void) {
     if (tt_matmul_run(&c1, 2)) tt_matmul_run(&c2, 3);
 }
 
+/* A deep A^T (a weight gradient) runs in the packed nest, the same product with A transposed in
+   memory in the direct nest: both slice K by DSK__DIRECT_KC and sum each slice in order, so their
+   bits are the same (the nest is a matter of speed, never of results), beta and K past a slice
+   included, on 1 and 2 threads; the direct one against float64 by the other cases. */
+static void test_gemm_nest_bits(void) {
+    static const int64_t shapes[3][3] = {{128, 128, 2048}, {70, 301, 530}, {131, 17, 256}};
+    for (int s = 0; s < 3; s++) {
+        int64_t M = shapes[s][0], N = shapes[s][1], K = shapes[s][2];
+        dsk_tensor *At = tt_rand(DSK_F32, 2, SH(K, M), -1, 1), *A = tt_poisoned(DSK_F32, 2, SH(M, K));
+        dsk_tensor *B = tt_rand(DSK_F32, 2, SH(K, N), -1, 1), *C0 = tt_rand(DSK_F32, 2, SH(M, N), -1, 1), *C[2];
+        for (int64_t p = 0; p < K; p++)
+            for (int64_t i = 0; i < M; i++) ((float *)A->data)[i * K + p] = ((const float *)At->data)[p * M + i];
+        for (int t = 0; t < 2; t++) {
+            dsk_ctx ctx;
+            dsk_ctx_opts o;
+            memset(&o, 0, sizeof o);
+            o.device = DSK_PREFER_CPU;
+            o.n_threads = t + 1;
+            o.cpu_isa = tt_isa;
+            DSK_TEST_OK(dsk_ctx_init(&ctx, &o));
+            for (int v = 0; v < 2; v++) {
+                C[v] = tt_poisoned(DSK_F32, 2, SH(M, N));
+                memcpy(C[v]->data, C0->data, (size_t)(M * N) * 4);
+            }
+            DSK_TEST_OK(dsk_matmul(&ctx, C[0], At, 1, B, 0, 0.75f, 0.5f));
+            DSK_TEST_OK(dsk_matmul(&ctx, C[1], A, 0, B, 0, 0.75f, 0.5f));
+            DSK_TEST_SAME_BYTES(C[0]->data, C[1]->data, (size_t)(M * N) * 4, "A^T packed vs A direct");
+            dsk_ctx_free(&ctx);
+        }
+    }
+}
+
 /* The same bits for 1, 2 and 3 threads on the ISA under test, in the direct and the packed nest. */
 static void test_gemm_threads(void) {
     static const int64_t shapes[2][3] = {{157, 301, 530}, {157, 700, 300}};
@@ -3279,6 +3311,8 @@ int main(void) {
         TT_CASE("%s GEMM: A^T in the direct nest, tall A^T in the packed nest, vs float64", n);
         test_gemm_blocking();
         TT_CASE("%s GEMM: same bits on 1, 2, 3 threads (direct and packed)", n); test_gemm_threads();
+        TT_CASE("%s GEMM: a deep A^T (packed) has the bits of A in memory order (direct)", n);
+        test_gemm_nest_bits();
         TT_CASE("%s matmul: a batch of small products in one parallel region, vs float64 and 1/2/3 threads", n);
         test_matmul_batched_small();
         TT_CASE("%s row primitives: exp, SwiGLU and rope bitwise the scalar math, the rest vs float64", n); test_row_kernels();
