@@ -2034,23 +2034,32 @@ static void dsk__pack_t_f32(float *dst, const float *src, int64_t rs, int64_t kc
 static void dsk__pack_rows_f32(float *dst, const float *src, int64_t cs, int64_t rows, int64_t kc, int64_t w,
                                int64_t c0, int64_t c1) {
     for (int64_t p0 = 0; p0 < kc; p0 += 32) /* 32 source rows stay in L1 while each panel takes its part */
-        for (int64_t c = c0; c < c1; c++)
-            for (int64_t p = p0; p < dsk__pack_min(p0 + 32, kc); p++) {
-                float *d = dst + c * w * kc + p * w;
-                const float *s = src + p * cs + c * w;
-                int64_t nr = dsk__pack_min(rows - c * w, w);
-                if (nr < w) { /* the last panel: zeros past `rows` */
-                    for (int64_t r = 0; r < w; r++) d[r] = r < nr ? s[r] : 0.0f;
-                    continue;
-                }
-                switch (w) { /* the micro-kernels' MR and NR */
-                case 6: memcpy(d, s, 6 * sizeof *d); break;
-                case 12: memcpy(d, s, 12 * sizeof *d); break;
-                case 16: memcpy(d, s, 16 * sizeof *d); break;
-                case 32: memcpy(d, s, 32 * sizeof *d); break;
-                default: memcpy(d, s, (size_t)w * sizeof *d);
-                }
+        for (int64_t c = c0; c < c1; c++) {
+            int64_t n = dsk__pack_min(kc - p0, 32), nr = dsk__pack_min(rows - c * w, w);
+            float *d = dst + c * w * kc + p0 * w;
+            const float *s = src + p0 * cs + c * w;
+            if (nr < w) { /* the last panel: zeros past `rows` */
+                for (int64_t p = 0; p < n; p++)
+                    for (int64_t r = 0; r < w; r++) d[p * w + r] = r < nr ? s[p * cs + r] : 0.0f;
+                continue;
             }
+            switch (w) { /* the micro-kernels' MR and NR: copies of a constant length */
+            case 6:
+                for (int64_t p = 0; p < n; p++) memcpy(d + p * 6, s + p * cs, 6 * sizeof *d);
+                break;
+            case 12:
+                for (int64_t p = 0; p < n; p++) memcpy(d + p * 12, s + p * cs, 12 * sizeof *d);
+                break;
+            case 16:
+                for (int64_t p = 0; p < n; p++) memcpy(d + p * 16, s + p * cs, 16 * sizeof *d);
+                break;
+            case 32:
+                for (int64_t p = 0; p < n; p++) memcpy(d + p * 32, s + p * cs, 32 * sizeof *d);
+                break;
+            default:
+                for (int64_t p = 0; p < n; p++) memcpy(d + p * w, s + p * cs, (size_t)w * sizeof *d);
+            }
+        }
 }
 
 static void dsk__pack(float *dst, const void *src, dsk_dtype dt, int64_t rs, int64_t cs, int64_t rows, int64_t kc, int64_t w,
