@@ -2026,8 +2026,6 @@ static int64_t dsk__pack_min(int64_t a, int64_t b) { return a < b ? a : b; }
 
 static void dsk__pack_t_f32(float *dst, const float *src, int64_t rs, int64_t kc, int64_t w);
 
-/* vec: the f32 panels that transpose (cs == 1) and are full may go through dsk__pack_t_f32's
-   vector transposes (AVX2 and up; the same values either way). */
 /* dsk__pack for f32 rows that are contiguous (rs == 1, cs != 1): row p of panel c is the w floats at
    src + p * cs + c * w, copied whole; a copy of a constant length becomes a few vector moves, where the
    element loop of DSK__PACK_LOOP took about a third of a weight gradient's time (A^T and op(B) packed). */
@@ -2062,6 +2060,8 @@ static void dsk__pack_rows_f32(float *dst, const float *src, int64_t cs, int64_t
         }
 }
 
+/* vec: the f32 panels that transpose (cs == 1) and are full may go through dsk__pack_t_f32's
+   vector transposes (AVX2 and up; the same values either way). */
 static void dsk__pack(float *dst, const void *src, dsk_dtype dt, int64_t rs, int64_t cs, int64_t rows, int64_t kc, int64_t w,
                       int64_t c0, int64_t c1, int vec) {
     if (dt == DSK_F32 && rs == 1 && cs != 1) {
@@ -2782,7 +2782,7 @@ static DSK__TARGET_AVX2 float dsk__exp_sum_avx2(float *y, const float *x, int64_
 }
 static DSK__TARGET_AVX2 void dsk__scale_avx2(float *y, const float *x, float s, int64_t n) {
     __m256 vs = _mm256_set1_ps(s);
-    for (int64_t i = 0; i < n; i += 8) { dsk__store256(y + i, n - i, _mm256_mul_ps(vs, dsk__load256(x + i, n - i))); }
+    for (int64_t i = 0; i < n; i += 8) dsk__store256(y + i, n - i, _mm256_mul_ps(vs, dsk__load256(x + i, n - i)));
 }
 static DSK__TARGET_AVX2 float dsk__dot_avx2(const float *a, const float *b, int64_t n) {
     __m256 s = _mm256_setzero_ps();
