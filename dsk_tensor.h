@@ -2026,6 +2026,10 @@ static int64_t dsk__pack_min(int64_t a, int64_t b) { return a < b ? a : b; }
 
 static void dsk__pack_t_f32(float *dst, const float *src, int64_t rs, int64_t kc, int64_t w);
 
+/* n rows of W floats from s (rows cs apart) to d (rows W apart); W a constant where it can be. */
+#define DSK__PACK_ROWS(W) \
+    for (int64_t p = 0; p < n; p++) memcpy(d + p * (W), s + p * cs, (size_t)(W) * sizeof *d)
+
 /* dsk__pack for f32 rows that are contiguous (rs == 1, cs != 1): row p of panel c is the w floats at
    src + p * cs + c * w, copied whole; a copy of a constant length becomes a few vector moves, where the
    element loop of DSK__PACK_LOOP took about a third of a weight gradient's time (A^T and op(B) packed). */
@@ -2041,21 +2045,13 @@ static void dsk__pack_rows_f32(float *dst, const float *src, int64_t cs, int64_t
                     for (int64_t r = 0; r < w; r++) d[p * w + r] = r < nr ? s[p * cs + r] : 0.0f;
                 continue;
             }
-            switch (w) { /* the micro-kernels' MR and NR: copies of a constant length */
-            case 6:
-                for (int64_t p = 0; p < n; p++) memcpy(d + p * 6, s + p * cs, 6 * sizeof *d);
-                break;
-            case 12:
-                for (int64_t p = 0; p < n; p++) memcpy(d + p * 12, s + p * cs, 12 * sizeof *d);
-                break;
-            case 16:
-                for (int64_t p = 0; p < n; p++) memcpy(d + p * 16, s + p * cs, 16 * sizeof *d);
-                break;
-            case 32:
-                for (int64_t p = 0; p < n; p++) memcpy(d + p * 32, s + p * cs, 32 * sizeof *d);
-                break;
-            default:
-                for (int64_t p = 0; p < n; p++) memcpy(d + p * w, s + p * cs, (size_t)w * sizeof *d);
+            /* the micro-kernels' MR and NR as constants: each row's copy becomes a few vector moves */
+            switch (w) {
+            case 6: DSK__PACK_ROWS(6); break;
+            case 12: DSK__PACK_ROWS(12); break;
+            case 16: DSK__PACK_ROWS(16); break;
+            case 32: DSK__PACK_ROWS(32); break;
+            default: DSK__PACK_ROWS(w);
             }
         }
 }

@@ -869,20 +869,25 @@ static dsk_tensor *tt_operand(dsk_dtype dt, int three, int64_t batch, int64_t ro
     return v;
 }
 
+/* A CPU context of n_threads on the ISA under test. */
+static dsk_status tt_isa_ctx(dsk_ctx *ctx, int n_threads) {
+    dsk_ctx_opts o;
+    memset(&o, 0, sizeof o);
+    o.device = DSK_PREFER_CPU;
+    o.n_threads = n_threads;
+    o.cpu_isa = tt_isa;
+    return dsk_ctx_init(ctx, &o);
+}
+
 static int tt_matmul_run(const tt_mm *c, int n_threads) {
     dsk_ctx ctx;
-    dsk_ctx_opts o;
     int64_t M = c->M, N = c->N, K = c->K, B = c->batch, ar = c->ta ? K : M, ac = c->ta ? M : K, br = c->tb ? N : K, bc = c->tb ? K : N;
     dsk_tensor *A = tt_operand(c->in, c->a3, B, ar, ac, c->pad), *Bm = tt_operand(c->in, c->b3, B, br, bc, c->pad);
     int three = c->a3 || c->b3;
     dsk_tensor *C = tt_operand(c->out, three, B, M, N, c->pad);
     double *want = tt_zeros(B * M * N), *c0;
     char what[160];
-    memset(&o, 0, sizeof o);
-    o.device = DSK_PREFER_CPU;
-    o.n_threads = n_threads;
-    o.cpu_isa = tt_isa;
-    dsk_ctx_init(&ctx, &o);
+    tt_isa_ctx(&ctx, n_threads);
     if (c->beta == 0.0f)
         for (int64_t i = 0; i < dsk_tensor_numel(C); i++) tt_set(C, i, NAN);
     c0 = tt_vals(C);
@@ -1027,12 +1032,7 @@ static void test_gemm_nest_bits(void) {
             for (int64_t i = 0; i < M; i++) ((float *)A->data)[i * K + p] = ((const float *)At->data)[p * M + i];
         for (int t = 0; t < 2; t++) {
             dsk_ctx ctx;
-            dsk_ctx_opts o;
-            memset(&o, 0, sizeof o);
-            o.device = DSK_PREFER_CPU;
-            o.n_threads = t + 1;
-            o.cpu_isa = tt_isa;
-            DSK_TEST_OK(dsk_ctx_init(&ctx, &o));
+            DSK_TEST_OK(tt_isa_ctx(&ctx, t + 1));
             for (int v = 0; v < 2; v++) {
                 C[v] = tt_poisoned(DSK_F32, 2, SH(M, N));
                 memcpy(C[v]->data, C0->data, (size_t)(M * N) * 4);
@@ -1053,12 +1053,7 @@ static void test_gemm_threads(void) {
         dsk_tensor *A = tt_rand(DSK_F32, 2, SH(M, K), -1, 1), *B = tt_rand(DSK_F32, 2, SH(N, K), -1, 1), *C[3];
         for (int t = 0; t < 3; t++) {
             dsk_ctx ctx;
-            dsk_ctx_opts o;
-            memset(&o, 0, sizeof o);
-            o.device = DSK_PREFER_CPU;
-            o.n_threads = t + 1;
-            o.cpu_isa = tt_isa;
-            DSK_TEST_OK(dsk_ctx_init(&ctx, &o));
+            DSK_TEST_OK(tt_isa_ctx(&ctx, t + 1));
             C[t] = tt_poisoned(DSK_F32, 2, SH(M, N));
             DSK_TEST_OK(dsk_matmul(&ctx, C[t], A, 0, B, 1, 1.0f, 0.0f));
             dsk_ctx_free(&ctx);
@@ -1076,12 +1071,7 @@ static void test_matmul_batched_small(void) {
     if (!tt_matmul_run(&c, 2)) return;
     for (int t = 0; t < 3; t++) {
         dsk_ctx ctx;
-        dsk_ctx_opts o;
-        memset(&o, 0, sizeof o);
-        o.device = DSK_PREFER_CPU;
-        o.n_threads = t + 1;
-        o.cpu_isa = tt_isa;
-        DSK_TEST_OK(dsk_ctx_init(&ctx, &o));
+        DSK_TEST_OK(tt_isa_ctx(&ctx, t + 1));
         C[t] = tt_poisoned(DSK_F32, 3, SH(24, 64, 48));
         DSK_TEST_OK(dsk_matmul(&ctx, C[t], A, 0, B, 0, 1.0f, 0.0f));
         dsk_ctx_free(&ctx);
