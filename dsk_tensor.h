@@ -2027,8 +2027,8 @@ static int64_t dsk__pack_min(int64_t a, int64_t b) { return a < b ? a : b; }
 static void dsk__pack_t_f32(float *dst, const float *src, int64_t rs, int64_t kc, int64_t w);
 
 /* n rows of W floats from s (rows cs apart) to d (rows W apart); W a constant where it can be. */
-#define DSK__PACK_ROWS(W) \
-    for (int64_t p = 0; p < n; p++) memcpy(d + p * (W), s + p * cs, (size_t)(W) * sizeof *d)
+#define DSK__PACK_ROWS(d, s, cs, n, W) \
+    for (int64_t p_ = 0; p_ < (n); p_++) memcpy((d) + p_ * (W), (s) + p_ * (cs), (size_t)(W) * sizeof *(d))
 
 /* dsk__pack for f32 rows that are contiguous (rs == 1, cs != 1): row p of panel c is the w floats at
    src + p * cs + c * w, copied whole; a copy of a constant length becomes a few vector moves, where the
@@ -2047,11 +2047,11 @@ static void dsk__pack_rows_f32(float *dst, const float *src, int64_t cs, int64_t
             }
             /* the micro-kernels' MR and NR as constants: each row's copy becomes a few vector moves */
             switch (w) {
-            case 6: DSK__PACK_ROWS(6); break;
-            case 12: DSK__PACK_ROWS(12); break;
-            case 16: DSK__PACK_ROWS(16); break;
-            case 32: DSK__PACK_ROWS(32); break;
-            default: DSK__PACK_ROWS(w);
+            case 6: DSK__PACK_ROWS(d, s, cs, n, 6); break;
+            case 12: DSK__PACK_ROWS(d, s, cs, n, 12); break;
+            case 16: DSK__PACK_ROWS(d, s, cs, n, 16); break;
+            case 32: DSK__PACK_ROWS(d, s, cs, n, 32); break;
+            default: DSK__PACK_ROWS(d, s, cs, n, w);
             }
         }
 }
