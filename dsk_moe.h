@@ -396,6 +396,7 @@ typedef struct dsk_moe_param {
 } dsk_moe_param;
 
 #define DSK_MOE_N_PARAMS 8
+#define DSK_MOE_MAX_SLOTS 4096 /* saved forwards a layer keeps at most (dsk_moe_set_slots) */
 /* params[] indices (the shared experts exist when n_shared > 0: n_params 8, else 5). */
 enum { DSK_MOE_P_ROUTER = 0, DSK_MOE_P_BIAS, DSK_MOE_P_W1, DSK_MOE_P_W2, DSK_MOE_P_W3, DSK_MOE_P_SW1, DSK_MOE_P_SW2,
        DSK_MOE_P_SW3 };
@@ -463,7 +464,9 @@ DSK_API dsk_status dsk_moe_init(dsk_moe *m, dsk_ctx *ctx, const dsk_moe_opts *op
 DSK_API void dsk_moe_free(dsk_moe *m, dsk_ctx *ctx); /* zeroed/freed ok; never frees bound memory */
 /* Binds parameter `index`: value with the parameter's shape and dtype, grad f32 of that shape
    (NULL for the bias; required for a trainable parameter), both contiguous on the layer's
-   device. The layer keeps views; the memory stays the caller's and must outlive the binding. */
+   device. The layer keeps views; the memory stays the caller's and must outlive the binding.
+   Saved forwards stay: a backward reads the views bound when it runs, so between a forward and
+   its backward rebind only the same values (ZeRO-3's parameters gathered again elsewhere). */
 DSK_API dsk_status dsk_moe_bind(dsk_moe *m, dsk_ctx *ctx, int index, const dsk_tensor *value, const dsk_tensor *grad);
 /* Sizes for dsk_moe_bind_slabs: value bytes (parameters in params[] order, each 256-byte
    aligned) and f32 gradient elements (dense parameters first, then the expert-sharded ones). */
@@ -501,9 +504,40 @@ DSK_API dsk_moe_param *dsk_moe_find_param(dsk_moe *m, const char *name);
    row0 < 0, total_rows < 0, row0 > total_rows or a group that is not initialised; DSK_ERR_UNSUPPORTED for a
    group on the other backend; the forward checks the rest (see "Losses"). Changes nothing on failure. */
 DSK_API dsk_status dsk_moe_set_loss_span(dsk_moe *m, dsk_comm *group, int64_t row0, int64_t total_rows);
-/* y (T, D) = MoE(x (T, D)), both opts.dtype on the layer's device; saves what backward needs
-   (one forward in flight per layer). stats may be NULL; given on CUDA it costs one sync (the
-   statistics are read back at once): pass NULL and use dsk_moe_stats_collect to stay sync-free.
+/* Saved forwards (pipeline schedules, several micro-batches in flight through one layer): the layer
+   keeps n forwards for their backwards [1], one in each slot 0 .. n-1; dsk_moe_use_slot picks the
+   slot the forwards and backwards that follow save into and differentiate. A micro-batch's forward
+   and backward in its own slot give the bits they give with one slot, run back to back (the
+   weight gradients sum in the order the backwards run). Each slot holds its own copy of what a
+   forward keeps (dsk_moe_reserve_bytes counts them all); the workspace the calls only pass
+   through is the layer's, once. Set before dsk_moe_reserve (which sizes every slot). The current
+   slot stays, or becomes 0 when it is dropped. DSK_ERR_ARG for n outside 1 .. DSK_MOE_MAX_SLOTS;
+   DSK_ERR_STATE when a dropped slot holds a forward no backward has used; DSK_ERR_OOM. Changes
+   nothing on failure. */
+DSK_API dsk_status dsk_moe_set_slots(dsk_moe *m, dsk_ctx *ctx, int n);
+/* Slot `slot` for the forwards and backwards that follow (DSK_ERR_ARG outside 0 .. n-1). */
+DSK_API dsk_status dsk_moe_use_slot(dsk_moe *m, int slot);
+/* A forward or backward in two calls, so that the caller computes something else while the layer's tokens
+   travel (overlap across micro-batches: another micro-batch's attention, another layer's backward):
+   dsk_moe_forward_begin routes x, computes the balancing losses and gathers the rows, and under expert
+   parallelism starts their dispatch (on ep_overlap's thread or stream; without ep_overlap it runs in the
+   begin); dsk_moe_forward_end computes the shared and routed experts, brings the outputs back and writes
+   y. dsk_moe_backward_begin / _end split a backward alike at the exchange of the rows' gradients. The
+   pair gives the bits of dsk_moe_forward (dsk_moe_backward), which is its begin and end in one call. In
+   between, the layer takes no other call but its end (DSK_ERR_STATE: forward, backward, reserve, bind,
+   dsk_moe_set_slots, dsk_moe_use_slot); other layers run as they like, except that two exchanges must not
+   be in flight on one communicator at once: end one layer's before beginning another's on the same
+   expert-parallel group. x, dy and the tensors they alias must stay unchanged until the end. An end with a
+   bad y (dx) fails with DSK_ERR_ARG and leaves the begun call pending; a begin or end that fails otherwise
+   leaves none (the exchange joined). dsk_moe_free waits for an exchange in flight. */
+DSK_API dsk_status dsk_moe_forward_begin(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *x);
+DSK_API dsk_status dsk_moe_forward_end(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, dsk_moe_stats *stats);
+DSK_API dsk_status dsk_moe_backward_begin(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *dy, float aux_scale);
+DSK_API dsk_status dsk_moe_backward_end(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx);
+/* y (T, D) = MoE(x (T, D)), both opts.dtype on the layer's device; saves what backward needs in
+   the current slot (dsk_moe_set_slots: one forward in flight per slot). stats may be NULL; given on
+   CUDA it costs one sync (the statistics are read back at once): pass NULL and use
+   dsk_moe_stats_collect to stay sync-free.
    CPU: DSK_ERR_NONFINITE when a token's router logits are NaN/Inf (see "Non-finite input"). */
 DSK_API dsk_status dsk_moe_forward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, dsk_moe_stats *stats);
 /* dsk_moe_forward with the routing given instead of selected: experts (T, K) i32 on the CPU,
@@ -512,10 +546,10 @@ DSK_API dsk_status dsk_moe_forward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, cons
    anything changes: the layer keeps its saved forward, loads and statistics. */
 DSK_API dsk_status dsk_moe_forward_replay(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x,
                                           const dsk_tensor *experts, dsk_moe_stats *stats);
-/* The last forward's routing into experts ((T, K) i32 on the CPU): each token's experts in slot
-   order. CUDA: one copy and one sync. DSK_ERR_STATE before any forward (or after a failed one). */
+/* The routing of the current slot's forward into experts ((T, K) i32 on the CPU): each token's
+   experts in slot order. CUDA: one copy and one sync. DSK_ERR_STATE before any forward (or after a failed one). */
 DSK_API dsk_status dsk_moe_routing(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *experts);
-/* dx (T, D) += d/dx, every parameter gradient += its part, for the last forward; dy (T, D).
+/* dx (T, D) += d/dx, every parameter gradient += its part, for the current slot's forward; dy (T, D).
    aux_scale weights the gradients of the layer's loss terms (1; the loss scale under amp;
    divided by the micro-batch count when the model loss is). One backward per forward: a second
    one fails with DSK_ERR_STATE (its gradients would be added twice) until a forward runs. */
@@ -1178,38 +1212,21 @@ dsk_status dsk_cuda_moe_bias_update(dsk_ctx *ctx, int E, float rate, int recente
 /* Every buffer of the pipeline, on the layer's device (act: f32 on the CPU, the layer's dtype on
    CUDA; TK = T * K slots; R = rows of expert work: the kept slots, or their bound T*K on CUDA). */
 enum dsk__moe_buf_id {
-    /* forward, kept for backward */
+    /* a forward's activations and indices, kept for its backward: one set per saved forward
+       (dsk_moe_set_slots); FP8 experts' e4m3 caches with their 1x128 f32 scales among them */
     DSK__MOE_XF,       /* (T, D) f32 x: the router's input */
     DSK__MOE_XA,       /* (T, D) act x, when act is not f32 (else XF) */
     DSK__MOE_U,        /* (T, E) f32 logits */
     DSK__MOE_PROB,     /* (T, E) f32 scores */
-    DSK__MOE_SCR,      /* (T, E + n_group) f32 routing scratch */
     DSK__MOE_SEL,      /* (T, K) i32 experts in slot order */
-    DSK__MOE_GATE,     /* (T, K) f32 weights */
-    DSK__MOE_KEYS,     /* (TK) i32 sort keys: the experts, -1 for non-finite tokens */
-    DSK__MOE_PTOT,     /* (T) f64 sum of a token's scores (losses) */
-    DSK__MOE_LSE,      /* (T) f32 logsumexp (z-loss) */
-    DSK__MOE_LSEL,     /* (T, K) i32 experts the losses count */
-    DSK__MOE_PART,     /* (2E + 2 nseq E + 4) f64 the losses' partial sums, summed over the loss span's group */
     DSK__MOE_AUX,      /* (nseq, E) f32 d loss / d p' coefficients for backward (the span's sequences) */
-    DSK__MOE_LOSS,     /* (4) f64 aux, seq_aux, z, total */
-    DSK__MOE_PERM_ALL, /* (TK) i32 every routed slot by expert */
-    DSK__MOE_OFF_ALL,  /* (E + 1) i32 its offsets */
-    DSK__MOE_KEYS2,    /* (TK) i32 keys after capacity */
-    DSK__MOE_PERM,     /* (TK) i32 kept slots by expert (-1 past them) */
-    DSK__MOE_OFF,      /* (E + 1) i32 their offsets: the experts' row segments */
+    DSK__MOE_OFF_ALL,  /* (E + 1) i32 the experts' offsets in PERM_ALL */
+    DSK__MOE_OFF,      /* (E + 1) i32 their offsets in PERM: the experts' row segments */
     DSK__MOE_POS,      /* (TK) i32 slot -> kept row, -1 dropped */
     DSK__MOE_ROW_TOK,  /* (TK) i32 kept row -> token, -1 past the kept rows */
     DSK__MOE_ROW_GATE, /* (TK) f32 kept row -> weight */
-    DSK__MOE_CNT,      /* (3 + 2E) i64 this rank's counts (dsk__moe_counts) */
-    DSK__MOE_CNTG,     /* (3 + 2E) i64 counts summed over the EP group */
     DSK__MOE_XS,       /* (TK, D) act token rows in kept order */
     DSK__MOE_XR,       /* (R, D) act rows received by this rank's experts, expert-major (EP) */
-    DSK__MOE_STAGE,    /* (max(R, TK), D) act rows of an all-to-all-v (EP) */
-    DSK__MOE_Q8,       /* (TK, D) e4m3 codes of the dispatched rows (EP, FP8 dispatch) */
-    DSK__MOE_Q8S,      /* (TK, ceil(D / 128)) f32 their scales */
-    DSK__MOE_Q8R,      /* (R, D) e4m3 codes received */
-    DSK__MOE_Q8RS,     /* (R, ceil(D / 128)) f32 their scales */
     DSK__MOE_H1,       /* (R, F) act */
     DSK__MOE_H3,       /* (R, F) act */
     DSK__MOE_A,        /* (R, F) act silu(h1) h3 */
@@ -1218,26 +1235,45 @@ enum dsk__moe_buf_id {
     DSK__MOE_HS1,      /* (T, Fs) act shared experts */
     DSK__MOE_HS3,
     DSK__MOE_AS,
-    DSK__MOE_YS,        /* (T, D) act shared output */
-    DSK__MOE_RECV_CNT,  /* (P, n_local) i64 rows each rank sends to each local expert (EP) */
     DSK__MOE_LOCAL_OFF, /* (n_local + 1) i32 local experts' row segments (EP) */
     DSK__MOE_RG,        /* (R) i32 expert-major row -> received row (EP) */
     DSK__MOE_RGI,       /* (R) i32 its inverse (EP) */
     DSK__MOE_EP_PAD,    /* (R = P Cp) i32 bounded EP: send row -> kept row or -1 (dsk__moe_ep_slot) */
-    DSK__MOE_EP_SKEY,   /* (R) i32 the receiver's local expert of each send row, -1 */
-    DSK__MOE_EP_RKEY,   /* (R) i32 the keys received */
     DSK__MOE_EP_UNPAD,  /* (TK) i32 kept row -> send row, -1 */
-    DSK__MOE_STAGE2,    /* (R, D) act rows received (bounded EP) */
-    /* FP8 experts (opts.expert_gemm): e4m3 caches with their 1x128 f32 scales, kept for backward */
-    DSK__MOE_XQ,   /* (T, D) the tokens (the shared experts' input; the routed rows' source without EP) */
-    DSK__MOE_XQS,  /* (T, ceil(D / 128)) */
-    DSK__MOE_RQ,   /* (R, D) the experts' input rows */
-    DSK__MOE_RQS,  /* (R, ceil(D / 128)) */
-    DSK__MOE_AQ,   /* (R, F) silu(h1) h3, the input of w2 */
-    DSK__MOE_AQS,  /* (R, ceil(F / 128)) */
-    DSK__MOE_ASQ,  /* (T, Fs) the shared experts' silu(h1) h3 */
-    DSK__MOE_ASQS, /* (T, ceil(Fs / 128)) */
-    /* and their scratch, flat, viewed per GEMM (forward and backward) */
+    DSK__MOE_XQ,        /* (T, D) the tokens (the shared experts' input; the routed rows' source without EP) */
+    DSK__MOE_XQS,       /* (T, ceil(D / 128)) */
+    DSK__MOE_RQ,        /* (R, D) the experts' input rows */
+    DSK__MOE_RQS,       /* (R, ceil(D / 128)) */
+    DSK__MOE_AQ,        /* (R, F) silu(h1) h3, the input of w2 */
+    DSK__MOE_AQS,       /* (R, ceil(F / 128)) */
+    DSK__MOE_ASQ,       /* (T, Fs) the shared experts' silu(h1) h3 */
+    DSK__MOE_ASQS,      /* (T, ceil(Fs / 128)) */
+    DSK__MOE_NSAVED,
+    /* the forward's scratch */
+    DSK__MOE_SCR = DSK__MOE_NSAVED, /* (T, E + n_group) f32 routing scratch */
+    DSK__MOE_GATE,                  /* (T, K) f32 weights */
+    DSK__MOE_KEYS,                  /* (TK) i32 sort keys: the experts, -1 for non-finite tokens */
+    DSK__MOE_PTOT,                  /* (T) f64 sum of a token's scores (losses) */
+    DSK__MOE_LSE,                   /* (T) f32 logsumexp (z-loss) */
+    DSK__MOE_LSEL,                  /* (T, K) i32 experts the losses count */
+    DSK__MOE_PART,     /* (2E + 2 nseq E + 4) f64 the losses' partial sums, summed over the loss span's group */
+    DSK__MOE_LOSS,     /* (4) f64 aux, seq_aux, z, total */
+    DSK__MOE_PERM_ALL, /* (TK) i32 every routed slot by expert */
+    DSK__MOE_KEYS2,    /* (TK) i32 keys after capacity */
+    DSK__MOE_PERM,     /* (TK) i32 kept slots by expert (-1 past them) */
+    DSK__MOE_CNT,      /* (3 + 2E) i64 this rank's counts (dsk__moe_counts) */
+    DSK__MOE_CNTG,     /* (3 + 2E) i64 counts summed over the EP group */
+    DSK__MOE_STAGE,    /* (max(R, TK), D) act rows of an all-to-all-v (EP) */
+    DSK__MOE_Q8,       /* (TK, D) e4m3 codes of the dispatched rows (EP, FP8 dispatch) */
+    DSK__MOE_Q8S,      /* (TK, ceil(D / 128)) f32 their scales */
+    DSK__MOE_Q8R,      /* (R, D) e4m3 codes received */
+    DSK__MOE_Q8RS,     /* (R, ceil(D / 128)) f32 their scales */
+    DSK__MOE_YS,       /* (T, D) act shared output */
+    DSK__MOE_RECV_CNT, /* (P, n_local) i64 rows each rank sends to each local expert (EP) */
+    DSK__MOE_EP_SKEY,  /* (R) i32 the receiver's local expert of each send row, -1 */
+    DSK__MOE_EP_RKEY,  /* (R) i32 the keys received */
+    DSK__MOE_STAGE2,   /* (R, D) act rows received (bounded EP) */
+    /* FP8 experts' scratch, flat, viewed per GEMM (forward and backward) */
     DSK__MOE_W8,  /* e4m3 one projection's weights of every local expert (or a shared one), 128x128 blocks */
     DSK__MOE_W8S, /* f32 their scales */
     DSK__MOE_GQ,  /* e4m3 an output gradient (or h) in 1x128 tiles, rows (R or T) x its width */
@@ -1270,35 +1306,52 @@ enum dsk__moe_buf_id {
     DSK__MOE_NBUF
 };
 
-typedef struct dsk__moe_slot { dsk_tensor mem; size_t cap; } dsk__moe_slot;
+typedef struct dsk__moe_store {
+    dsk_tensor mem;
+    size_t cap;
+} dsk__moe_store; /* a buffer and its bytes */
 
-struct dsk__moe_state {
+/* A saved forward (a slot of dsk_moe_set_slots): what one forward leaves for its backward. */
+struct dsk__moe_fwd {
     int have_fwd;            /* a forward's activations are saved and no backward has used them */
     int bwd_done;            /* a backward used the saved forward (a second one would add its gradients again) */
-    int have_route;          /* the last forward's routing is in SEL (dsk_moe_routing) */
+    int have_route;          /* the forward's routing is in SEL (dsk_moe_routing) */
     int64_t T;               /* tokens of the saved forward */
     int64_t row0, N;         /* its loss span: its rows are rows [row0, row0 + T) of N (no span: 0 and T) */
     int ranks;               /* ranks of the span's group (1: none) */
-    dsk_comm *span_group;    /* the loss span set for the next forwards (dsk_moe_set_loss_span) */
-    int64_t span_row0, span_rows;
-    int span_on;             /* 0: none, each call its own micro-batch */
     int64_t n_kept;          /* kept slots of this rank, when the host knows it (CPU; EP), else -1 */
     int64_t R;               /* rows of expert work in the buffers: exact (CPU, EP) or T*K's bound (CUDA) */
     int64_t n_seq, seq_len;  /* sequences of the sequence-wise loss */
-    dsk_dtype act;           /* activation dtype */
-    dsk__moe_slot buf[DSK__MOE_NBUF];
-    /* host side */
-    int64_t *h_cnt;          /* (3 + 2E) counts on the host (CUDA: copied back when asked for) */
     int64_t *h_recv_cnt;     /* (P * n_local) EP counts on the host */
     int64_t *a2a;            /* (8P) all-to-all-v counts and displacements, forward direction (elements), then
                                 the same without this rank's own rows (chunked dispatch) */
     int64_t *send_rows, *recv_rows; /* (P) */
-    int *arrival_order;             /* (P) chunked dispatch: the ranks whose rows landed, in that order */
-    int *gates;                     /* (P) chunked return: 1 once a rank's results are in STAGE, -1 if the layer
-                                       failed (dsk_comm_all_to_all_v_gated's ready) */
     int64_t *local_off;      /* (n_local + 1) */
     int32_t *h_rg;           /* (R, 2) regroup index and its inverse on the host (EP), grown */
     int64_t h_rg_cap;
+    struct dsk__moe_hop *hop; /* opts.ep_route TWO_HOP: the forward's route and indices */
+    dsk__moe_store buf[DSK__MOE_NSAVED];
+};
+
+enum { DSK__MOE_PEND_NONE, DSK__MOE_PEND_FWD, DSK__MOE_PEND_BWD }; /* what a layer has begun and not ended */
+
+struct dsk__moe_state {
+    struct dsk__moe_fwd **fwds; /* the saved forwards (dsk_moe_set_slots) */
+    int n_fwds;
+    struct dsk__moe_fwd *f; /* the one the next forward and backward use (dsk_moe_use_slot) */
+    dsk_comm *span_group;   /* the loss span set for the next forwards (dsk_moe_set_loss_span) */
+    int64_t span_row0, span_rows;
+    int span_on;                   /* 0: none, each call its own micro-batch */
+    dsk_dtype act;                 /* activation dtype */
+    int pending;                   /* DSK__MOE_PEND_*: a forward or backward begun and not ended */
+    struct dsk__moe_pending *pend; /* its record (made at the first begin) */
+    /* the scratch and persistent buffers (the kept ones are each saved forward's) */
+    dsk__moe_store buf[DSK__MOE_NBUF - DSK__MOE_NSAVED];
+    /* host side */
+    int64_t *h_cnt;          /* (3 + 2E) counts on the host (CUDA: copied back when asked for) */
+    int *arrival_order;      /* (P) chunked dispatch: the ranks whose rows landed, in that order */
+    int *gates;              /* (P) chunked return: 1 once a rank's results are in STAGE, -1 if the layer
+                                failed (dsk_comm_all_to_all_v_gated's ready) */
     int64_t *fwd_loads;      /* (E) the last forward's stats.tokens_per_expert */
     int64_t *col_acc_i;      /* (5 + E) the last collected statistics (CUDA: pinned) */
     double *col_acc_f;       /* (3) */
@@ -1313,7 +1366,6 @@ struct dsk__moe_state {
     struct dsk__moe_arrivals *arrivals; /* chunked: the running exchange's hand-over (dsk__moe_async) */
     void *side, *ev_fork, *ev_join;     /* CUDA with ep_overlap: the exchanges' stream, and the events that order
                                            it after the layer's stream and the layer's stream after it */
-    struct dsk__moe_hop *hop; /* opts.ep_route TWO_HOP: the last forward's route and indices */
 };
 
 static int64_t dsk__moe_max(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -1328,7 +1380,7 @@ static void dsk__moe_spec_fp8(const dsk_moe *m, int id, int64_t T, int64_t R, ds
     const dsk_moe_opts *o = &m->opts;
     int64_t D = o->d_model, F = o->d_expert, Fs = m->d_shared_total, El = m->n_local;
     int64_t W = dsk__moe_max(D, F), Ws = Fs > 0 ? dsk__moe_max(D, Fs) : 0, Ts = Fs > 0 ? T : 0;
-    int codes = (id - DSK__MOE_XQ) % 2 == 0; /* the ids alternate e4m3 codes, f32 scales */
+    int codes = (id - (id < DSK__MOE_W8 ? DSK__MOE_XQ : DSK__MOE_W8)) % 2 == 0; /* codes, f32 scales, alternately */
     *dt = codes ? DSK_E4M3 : DSK_F32;
     *rows = 0;
     *cols = 0;
@@ -1377,7 +1429,7 @@ static void dsk__moe_spec_at(const dsk_moe *m, int id, int64_t T, int64_t R, int
     *dt = act;
     *cols = 0;
     *rows = 0;
-    if (id >= DSK__MOE_XQ && id <= DSK__MOE_ITS) {
+    if ((id >= DSK__MOE_XQ && id <= DSK__MOE_ASQS) || (id >= DSK__MOE_W8 && id <= DSK__MOE_ITS)) {
         dsk__moe_spec_fp8(m, id, T, R, dt, rows, cols);
         return;
     }
@@ -1476,13 +1528,18 @@ static void dsk__moe_spec_at(const dsk_moe *m, int id, int64_t T, int64_t R, int
 }
 
 static void dsk__moe_spec(const dsk_moe *m, int id, int64_t T, int64_t R, dsk_dtype *dt, int64_t *rows, int64_t *cols) {
-    dsk__moe_spec_at(m, id, T, R, m->st->N, m->st->act, dt, rows, cols);
+    dsk__moe_spec_at(m, id, T, R, m->st->f->N, m->st->act, dt, rows, cols);
+}
+
+/* Buffer id's memory: the current saved forward's for a kept buffer, else the layer's. */
+static dsk__moe_store *dsk__moe_store_of(struct dsk__moe_state *st, int id) {
+    return id < DSK__MOE_NSAVED ? &st->f->buf[id] : &st->buf[id - DSK__MOE_NSAVED];
 }
 
 /* Buffer id as a tensor for T tokens and R expert rows, grown when too small. Never called for
    a buffer whose contents must survive (forward activations from backward use dsk__moe_saved). */
 static dsk_status dsk__moe_buf(dsk_moe *m, dsk_ctx *ctx, int id, int64_t T, int64_t R, dsk_tensor *out) {
-    dsk__moe_slot *b = &m->st->buf[id];
+    dsk__moe_store *b = dsk__moe_store_of(m->st, id);
     dsk_dtype dt;
     int64_t rows, cols, shape[2];
     size_t bytes;
@@ -1506,10 +1563,10 @@ static dsk_tensor dsk__moe_saved(const dsk_moe *m, int id) {
     dsk_tensor t;
     dsk_dtype dt;
     int64_t rows, cols, shape[2];
-    dsk__moe_spec(m, id, st->T, st->R, &dt, &rows, &cols);
+    dsk__moe_spec(m, id, st->f->T, st->f->R, &dt, &rows, &cols);
     shape[0] = rows;
     shape[1] = cols;
-    dsk_tensor_wrap(&t, st->buf[id].mem.data, dt, m->device, cols ? 2 : 1, shape);
+    dsk_tensor_wrap(&t, dsk__moe_store_of(m->st, id)->mem.data, dt, m->device, cols ? 2 : 1, shape);
     return t;
 }
 
@@ -1525,12 +1582,47 @@ static dsk_tensor dsk__moe_rows(const dsk_tensor *t, int64_t n) { return dsk__mo
 
 static void dsk__moe_hop_free(struct dsk__moe_hop *h, dsk_ctx *ctx);
 
+static void dsk__moe_fwd_free(struct dsk__moe_fwd *f, dsk_ctx *ctx) {
+    if (!f) return;
+    for (int i = 0; i < DSK__MOE_NSAVED; i++) dsk_tensor_free(ctx, &f->buf[i].mem);
+    DSK_FREE(f->h_recv_cnt);
+    DSK_FREE(f->a2a);
+    DSK_FREE(f->send_rows);
+    DSK_FREE(f->recv_rows);
+    DSK_FREE(f->local_off);
+    DSK_FREE(f->h_rg);
+    dsk__moe_hop_free(f->hop, ctx);
+    DSK_FREE(f);
+}
+
+/* A saved forward's host arrays, sized for the layer's expert parallelism; NULL when out of memory. */
+static struct dsk__moe_fwd *dsk__moe_fwd_new(const dsk_moe *m) {
+    int64_t P = m->ep_size, El = m->n_local;
+    struct dsk__moe_fwd *f = (struct dsk__moe_fwd *)DSK_MALLOC(sizeof *f);
+    if (!f) return NULL;
+    memset(f, 0, sizeof *f);
+    f->n_kept = -1;
+    f->h_recv_cnt = (int64_t *)DSK_MALLOC((size_t)(P * El) * sizeof(int64_t));
+    f->a2a = (int64_t *)DSK_MALLOC((size_t)(8 * P) * sizeof(int64_t));
+    f->send_rows = (int64_t *)DSK_MALLOC((size_t)P * sizeof(int64_t));
+    f->recv_rows = (int64_t *)DSK_MALLOC((size_t)P * sizeof(int64_t));
+    f->local_off = (int64_t *)DSK_MALLOC((size_t)(El + 1) * sizeof(int64_t));
+    if (f->h_recv_cnt && f->a2a && f->send_rows && f->recv_rows && f->local_off) return f;
+    dsk__moe_fwd_free(f, NULL);
+    return NULL;
+}
+
+static void dsk__moe_pending_free(struct dsk__moe_state *st);
+
 static void dsk__moe_state_free(dsk_moe *m, dsk_ctx *ctx) {
     struct dsk__moe_state *st = m->st;
+    dsk__moe_pending_free(st); /* after its exchange, if one is in flight */
 #ifdef DSK_CUDA
     if (st->side) (void)dsk_cuda_stream_sync(st->side); /* nothing may still use the buffers */
 #endif
-    for (int i = 0; i < DSK__MOE_NBUF; i++) dsk_tensor_free(ctx, &st->buf[i].mem);
+    for (int i = 0; i < st->n_fwds; i++) dsk__moe_fwd_free(st->fwds[i], ctx);
+    DSK_FREE(st->fwds);
+    for (int i = 0; i < DSK__MOE_NBUF - DSK__MOE_NSAVED; i++) dsk_tensor_free(ctx, &st->buf[i].mem);
 #ifdef DSK_CUDA
     if (m->device.type == DSK_DEV_CUDA) { /* pinned, not DSK_MALLOC'd */
         dsk_cuda_host_free(st->col_acc_i);
@@ -1544,15 +1636,12 @@ static void dsk__moe_state_free(dsk_moe *m, dsk_ctx *ctx) {
         st->col_acc_f = NULL;
     }
 #endif
-    DSK_FREE(st->h_cnt); DSK_FREE(st->h_recv_cnt); DSK_FREE(st->a2a); DSK_FREE(st->send_rows);
-    DSK_FREE(st->recv_rows);
+    DSK_FREE(st->h_cnt);
     DSK_FREE(st->arrival_order);
     DSK_FREE(st->gates);
-    DSK_FREE(st->local_off);
-    DSK_FREE(st->h_rg);
     DSK_FREE(st->fwd_loads);
-    DSK_FREE(st->col_acc_i); DSK_FREE(st->col_acc_f);
-    dsk__moe_hop_free(st->hop, ctx);
+    DSK_FREE(st->col_acc_i);
+    DSK_FREE(st->col_acc_f);
     DSK_FREE(st);
     m->st = NULL;
 }
@@ -1755,21 +1844,19 @@ static int64_t dsk__moe_param_numel(const dsk_moe_param *p) {
 
 static dsk_status dsk__moe_alloc_state(dsk_moe *m, dsk_ctx *ctx) {
     struct dsk__moe_state *st;
-    int64_t E = m->opts.n_routed, P = m->ep_size, El = m->n_local;
+    int64_t E = m->opts.n_routed, P = m->ep_size;
     dsk_tensor t;
     m->st = st = (struct dsk__moe_state *)DSK_MALLOC(sizeof *st);
     if (!st) return dsk_set_error(DSK_ERR_OOM, "dsk_moe_init: out of host memory");
     memset(st, 0, sizeof *st);
     st->act = m->device.type == DSK_DEV_CPU ? DSK_F32 : m->opts.dtype;
-    st->n_kept = -1;
+    st->fwds = (struct dsk__moe_fwd **)DSK_MALLOC(sizeof *st->fwds);
+    if (!st->fwds || !(st->fwds[0] = st->f = dsk__moe_fwd_new(m)))
+        return dsk_set_error(DSK_ERR_OOM, "dsk_moe_init: out of host memory");
+    st->n_fwds = 1;
     st->h_cnt = (int64_t *)DSK_MALLOC((size_t)(3 + 2 * E) * sizeof(int64_t));
-    st->h_recv_cnt = (int64_t *)DSK_MALLOC((size_t)(P * El) * sizeof(int64_t));
-    st->a2a = (int64_t *)DSK_MALLOC((size_t)(8 * P) * sizeof(int64_t));
-    st->send_rows = (int64_t *)DSK_MALLOC((size_t)P * sizeof(int64_t));
     st->arrival_order = (int *)DSK_MALLOC((size_t)P * sizeof(int));
     st->gates = (int *)DSK_MALLOC((size_t)P * sizeof(int));
-    st->recv_rows = (int64_t *)DSK_MALLOC((size_t)P * sizeof(int64_t));
-    st->local_off = (int64_t *)DSK_MALLOC((size_t)(El + 1) * sizeof(int64_t));
     st->fwd_loads = (int64_t *)DSK_MALLOC((size_t)E * sizeof(int64_t));
 #ifdef DSK_CUDA
     if (m->device.type == DSK_DEV_CUDA) { /* statistics come back into pinned memory after an event */
@@ -1787,8 +1874,7 @@ static dsk_status dsk__moe_alloc_state(dsk_moe *m, dsk_ctx *ctx) {
         st->col_acc_i = (int64_t *)DSK_MALLOC((size_t)(5 + E) * sizeof(int64_t));
         st->col_acc_f = (double *)DSK_MALLOC(3 * sizeof(double));
     }
-    if (!st->h_cnt || !st->h_recv_cnt || !st->a2a || !st->send_rows || !st->recv_rows || !st->arrival_order ||
-        !st->gates || !st->local_off || !st->fwd_loads || !st->col_acc_i || !st->col_acc_f)
+    if (!st->h_cnt || !st->arrival_order || !st->gates || !st->fwd_loads || !st->col_acc_i || !st->col_acc_f)
         return dsk_set_error(DSK_ERR_OOM, "dsk_moe_init: out of host memory");
     memset(st->col_acc_i, 0, (size_t)(5 + E) * sizeof(int64_t));
     memset(st->col_acc_f, 0, 3 * sizeof(double));
@@ -1894,6 +1980,15 @@ static dsk_status dsk__moe_need_layer(const dsk_moe *m, const char *fn) {
     return DSK_OK;
 }
 
+/* No forward or backward begun and not ended holds the layer. */
+static dsk_status dsk__moe_need_idle(const dsk_moe *m, const char *fn) {
+    int fwd = m->st->pending == DSK__MOE_PEND_FWD;
+    if (m->st->pending == DSK__MOE_PEND_NONE) return DSK_OK;
+    return dsk_set_error(DSK_ERR_STATE, "%s: layer \"%s\": a %s was begun and not ended: call %s first", fn,
+                         m->opts.name, fwd ? "forward" : "backward",
+                         fwd ? "dsk_moe_forward_end" : "dsk_moe_backward_end");
+}
+
 /* t is a contiguous tensor of p's shape and dtype dt with data on the layer's device. */
 static dsk_status dsk__moe_need_view(const dsk_moe *m, const char *fn, const dsk_moe_param *p, const char *what,
                                      const dsk_tensor *t, dsk_dtype dt) {
@@ -1917,6 +2012,7 @@ DSK_API dsk_status dsk_moe_bind(dsk_moe *m, dsk_ctx *ctx, int index, const dsk_t
     dsk_moe_param *p;
     (void)ctx;
     DSK__TRY(dsk__moe_need_layer(m, fn));
+    DSK__TRY(dsk__moe_need_idle(m, fn));
     if (index < 0 || index >= m->n_params)
         return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": parameter index %d outside [0, %d)", fn, m->opts.name,
                              index, m->n_params);
@@ -1935,7 +2031,6 @@ DSK_API dsk_status dsk_moe_bind(dsk_moe *m, dsk_ctx *ctx, int index, const dsk_t
         p->grad = *grad;
         p->grad.owns = 0;
     }
-    m->st->have_fwd = m->st->bwd_done = 0;
     return DSK_OK;
 }
 
@@ -1973,6 +2068,7 @@ DSK_API dsk_status dsk_moe_bind_slabs(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *valu
     int64_t voff[DSK_MOE_N_PARAMS], goff[DSK_MOE_N_PARAMS], vb, gd, gs;
     char a[96], b[96];
     DSK__TRY(dsk__moe_need_layer(m, fn));
+    DSK__TRY(dsk__moe_need_idle(m, fn));
     if (!values || !grads) return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": a slab is NULL", fn, m->opts.name);
     dsk__moe_slab_layout(m, voff, goff, &vb, &gd, &gs);
     if (values->dtype != DSK_U8 || dsk_tensor_numel(values) < vb || !dsk_tensor_is_contiguous(values) ||
@@ -2071,16 +2167,88 @@ static int64_t dsk__moe_reserve_n(const dsk_moe *m, int64_t T) {
     return m->st->span_on && m->st->span_rows > T ? m->st->span_rows : T;
 }
 
-DSK_API dsk_status dsk_moe_reserve(dsk_moe *m, dsk_ctx *ctx, int64_t max_tokens) {
+/* dsk_moe_reserve's buffers ids [id0, id1) for the current saved forward (which forgets its forward: they may move). */
+static dsk_status dsk__moe_reserve_ids(dsk_moe *m, dsk_ctx *ctx, int id0, int id1, int64_t max_tokens) {
+    struct dsk__moe_fwd *f = m->st->f;
     dsk_tensor t;
+    f->have_fwd = f->bwd_done = f->have_route = 0;
+    f->N = dsk__moe_reserve_n(m, max_tokens); /* sequences */
+    for (int id = id0; id < id1; id++)
+        DSK__TRY(dsk__moe_buf(m, ctx, id, max_tokens, dsk__moe_rows_first(m, max_tokens), &t));
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_moe_reserve(dsk_moe *m, dsk_ctx *ctx, int64_t max_tokens) {
+    struct dsk__moe_state *st;
+    struct dsk__moe_fwd *cur;
+    dsk_status s = DSK_OK;
     DSK__TRY(dsk__moe_need_layer(m, "dsk_moe_reserve"));
+    DSK__TRY(dsk__moe_need_idle(m, "dsk_moe_reserve"));
     if (max_tokens < 0)
         return dsk_set_error(DSK_ERR_ARG, "dsk_moe_reserve: layer \"%s\": max_tokens %lld < 0", m->opts.name,
                              (long long)max_tokens);
-    m->st->have_fwd = m->st->bwd_done = m->st->have_route = 0; /* buffers may move */
-    m->st->N = dsk__moe_reserve_n(m, max_tokens);              /* sequences */
-    for (int id = 0; id < DSK__MOE_LOAD; id++)
-        DSK__TRY(dsk__moe_buf(m, ctx, id, max_tokens, dsk__moe_rows_first(m, max_tokens), &t));
+    st = m->st;
+    cur = st->f;
+    for (int k = 0; k < st->n_fwds && s == DSK_OK; k++) { /* every saved forward's kept buffers */
+        st->f = st->fwds[k];
+        s = dsk__moe_reserve_ids(m, ctx, 0, DSK__MOE_NSAVED, max_tokens);
+    }
+    st->f = cur;
+    return s == DSK_OK ? dsk__moe_reserve_ids(m, ctx, DSK__MOE_NSAVED, DSK__MOE_LOAD, max_tokens) : s;
+}
+
+/* The index of the current saved forward. */
+static int dsk__moe_slot_index(const struct dsk__moe_state *st) {
+    int k = 0;
+    while (k < st->n_fwds - 1 && st->fwds[k] != st->f) k++;
+    return k;
+}
+
+DSK_API dsk_status dsk_moe_set_slots(dsk_moe *m, dsk_ctx *ctx, int n) {
+    const char *fn = "dsk_moe_set_slots";
+    struct dsk__moe_state *st;
+    struct dsk__moe_fwd **fw;
+    int cur;
+    DSK__TRY(dsk__moe_need_layer(m, fn));
+    DSK__TRY(dsk__moe_need_idle(m, fn));
+    st = m->st;
+    if (n < 1 || n > DSK_MOE_MAX_SLOTS)
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": %d slots: want 1 to %d", fn, m->opts.name, n,
+                             DSK_MOE_MAX_SLOTS);
+    for (int k = n; k < st->n_fwds; k++)
+        if (st->fwds[k]->have_fwd)
+            return dsk_set_error(DSK_ERR_STATE,
+                                 "%s: layer \"%s\": slot %d of %d holds a forward no backward has used: run its "
+                                 "backward before dropping the slot",
+                                 fn, m->opts.name, k, st->n_fwds);
+    cur = dsk__moe_slot_index(st);
+    if (n > st->n_fwds) {
+        if (!(fw = (struct dsk__moe_fwd **)DSK_MALLOC((size_t)n * sizeof *fw)))
+            return dsk_set_error(DSK_ERR_OOM, "%s: layer \"%s\": out of host memory for %d slots", fn, m->opts.name, n);
+        memcpy(fw, st->fwds, (size_t)st->n_fwds * sizeof *fw);
+        for (int k = st->n_fwds; k < n; k++)
+            if (!(fw[k] = dsk__moe_fwd_new(m))) {
+                while (--k >= st->n_fwds) dsk__moe_fwd_free(fw[k], ctx);
+                DSK_FREE(fw);
+                return dsk_set_error(DSK_ERR_OOM, "%s: layer \"%s\": out of host memory for %d slots", fn, m->opts.name,
+                                     n);
+            }
+        DSK_FREE(st->fwds);
+        st->fwds = fw;
+    }
+    for (int k = n; k < st->n_fwds; k++) dsk__moe_fwd_free(st->fwds[k], ctx);
+    st->n_fwds = n;
+    st->f = st->fwds[cur < n ? cur : 0];
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_moe_use_slot(dsk_moe *m, int slot) {
+    DSK__TRY(dsk__moe_need_layer(m, "dsk_moe_use_slot"));
+    DSK__TRY(dsk__moe_need_idle(m, "dsk_moe_use_slot"));
+    if (slot < 0 || slot >= m->st->n_fwds)
+        return dsk_set_error(DSK_ERR_ARG, "dsk_moe_use_slot: layer \"%s\": slot %d of %d", m->opts.name, slot,
+                             m->st->n_fwds);
+    m->st->f = m->st->fwds[slot];
     return DSK_OK;
 }
 
@@ -2097,7 +2265,8 @@ DSK_API dsk_status dsk_moe_reserve_bytes(const dsk_moe *m, int64_t max_tokens, i
         int64_t r, c, b;
         dsk__moe_spec_at(m, id, max_tokens, rows, dsk__moe_reserve_n(m, max_tokens), act, &dt, &r, &c);
         b = r * (c ? c : 1) * (int64_t)dsk_dtype_size(dt);
-        *bytes += b ? b : 1; /* dsk__moe_buf allocates an empty buffer as 1 byte */
+        b = b ? b : 1;                                          /* dsk__moe_buf allocates an empty buffer as 1 byte */
+        *bytes += id < DSK__MOE_NSAVED ? m->st->n_fwds * b : b; /* a kept buffer in every saved forward */
     }
     return DSK_OK;
 }
@@ -2148,16 +2317,17 @@ typedef struct dsk__moe_loss_bufs {
    sees the same sums, so all of them fail). */
 static dsk_status dsk__moe_span_error(const dsk_moe *m, const double *tail) {
     const struct dsk__moe_state *st = m->st;
-    if (tail[2] != (double)st->ranks * (double)st->N || tail[3] != (double)st->ranks * ((double)st->N * st->N))
+    if (tail[2] != (double)st->f->ranks * (double)st->f->N ||
+        tail[3] != (double)st->f->ranks * ((double)st->f->N * st->f->N))
         return dsk_set_error(DSK_ERR_ARG,
                              "dsk_moe_forward: layer \"%s\": the loss span's total_rows differs between the %d ranks "
                              "of its group (this rank %lld, their sum %.0f); nothing was computed",
-                             m->opts.name, st->ranks, (long long)st->N, tail[2]);
+                             m->opts.name, st->f->ranks, (long long)st->f->N, tail[2]);
     return dsk_set_error(DSK_ERR_ARG,
                          "dsk_moe_forward: layer \"%s\": the loss span's group holds %.0f rows in all over its %d "
                          "rank(s), not total_rows %lld (this rank rows [%lld, %lld)); nothing was computed",
-                         m->opts.name, tail[1], st->ranks, (long long)st->N, (long long)st->row0,
-                         (long long)(st->row0 + st->T));
+                         m->opts.name, tail[1], st->f->ranks, (long long)st->f->N, (long long)st->f->row0,
+                         (long long)(st->f->row0 + st->f->T));
 }
 
 /* The balancing losses of the saved forward's T tokens over its loss span (st: row0, N, seq_len, n_seq, ranks):
@@ -2169,9 +2339,9 @@ static dsk_status dsk__moe_losses(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *pr
     const struct dsk__moe_state *st = m->st;
     const dsk_moe_opts *o = &m->opts;
     int E = o->n_routed, K = o->top_k, sig = o->score == DSK_MOE_SIGMOID, nt = dsk_ctx_threads(ctx), ok;
-    int has_s = o->aux_alpha > 0 && st->N > 0, has_q = o->seq_aux_alpha > 0 && st->N > 0;
+    int has_s = o->aux_alpha > 0 && st->f->N > 0, has_q = o->seq_aux_alpha > 0 && st->f->N > 0;
     int topk = o->loss_count == DSK_MOE_COUNT_TOPK;
-    int64_t T = st->T, N = st->N, L = st->seq_len, nseq = st->n_seq, n_part = dsk_tensor_numel(&lb->part);
+    int64_t T = st->f->T, N = st->f->N, L = st->f->seq_len, nseq = st->f->n_seq, n_part = dsk_tensor_numel(&lb->part);
     const float *p = DSK__MOE_F32(*prob);
     const double *ptot = DSK__MOE_F64(lb->ptot);
     const int32_t *lsel = DSK__MOE_I32(lb->lsel);
@@ -2183,12 +2353,12 @@ static dsk_status dsk__moe_losses(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *pr
         dsk_cuda_moe_loss_args a;
         a.T = T;
         a.N = N;
-        a.row0 = st->row0;
+        a.row0 = st->f->row0;
         a.L = L;
         a.nseq = nseq;
         a.E = E;
         a.K = K;
-        a.ranks = st->ranks;
+        a.ranks = st->f->ranks;
         a.sigmoid = sig;
         a.count_topk = topk;
         a.aux_alpha = o->aux_alpha; a.seq_alpha = o->seq_aux_alpha; a.z_beta = o->z_beta;
@@ -2200,7 +2370,7 @@ static dsk_status dsk__moe_losses(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *pr
         a.aux = DSK__MOE_F32(lb->aux);
         a.lsel = DSK__MOE_I32(lb->lsel);
         DSK__TRY(dsk_cuda_moe_loss_parts(ctx, &a));
-        if (st->ranks > 1) /* one exchange on the stream, no host sync: an inconsistent span makes the values NaN */
+        if (st->f->ranks > 1) /* one exchange on the stream, no host sync: an inconsistent span makes the values NaN */
             DSK__TRY(dsk_comm_all_reduce(st->span_group, ctx, part, part, n_part, DSK_F64, DSK_COMM_SUM));
         return dsk_cuda_moe_loss_finish(ctx, &a);
     }
@@ -2218,21 +2388,21 @@ static dsk_status dsk__moe_losses(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *pr
     if (has_q) {
         DSK__MOE_OMP(omp parallel for schedule(static) num_threads(nt))
         for (int64_t qj = 0; qj < nseq * E; qj++)
-            dsk__moe_seq_part((int)(qj % E), qj / E, st->row0, T, L, nseq, E, K, sig, p, ptot, lsel, part);
+            dsk__moe_seq_part((int)(qj % E), qj / E, st->f->row0, T, L, nseq, E, K, sig, p, ptot, lsel, part);
     }
     dsk__moe_part_tail_fill(T, N, o->z_beta > 0 ? DSK__MOE_F32(lb->lse) : NULL, tail);
-    if (st->ranks > 1) { /* the tail first: a total_rows that differs between ranks sizes the parts differently */
+    if (st->f->ranks > 1) { /* the tail first: a total_rows that differs between ranks sizes the parts differently */
         DSK__TRY(dsk_comm_all_reduce(st->span_group, ctx, tail, tail, DSK__MOE_PART_TAIL, DSK_F64, DSK_COMM_SUM));
-        if (!dsk__moe_span_ok(tail, st->ranks, N)) return dsk__moe_span_error(m, tail);
+        if (!dsk__moe_span_ok(tail, st->f->ranks, N)) return dsk__moe_span_error(m, tail);
         DSK__TRY(
             dsk_comm_all_reduce(st->span_group, ctx, part, part, n_part - DSK__MOE_PART_TAIL, DSK_F64, DSK_COMM_SUM));
     }
-    ok = dsk__moe_loss_finish(E, K, N, L, nseq, st->ranks, o->aux_alpha, o->seq_aux_alpha, o->z_beta, part,
+    ok = dsk__moe_loss_finish(E, K, N, L, nseq, st->f->ranks, o->aux_alpha, o->seq_aux_alpha, o->z_beta, part,
                               DSK__MOE_F64(lb->loss));
     if (!ok) return dsk__moe_span_error(m, tail); /* a group of one rank whose rows are not the span */
     aux = DSK__MOE_F32(lb->aux);
     for (int64_t qj = 0; qj < nseq * E; qj++)
-        aux[qj] = dsk__moe_aux_coef(qj, E, K, N, L, nseq, st->ranks, o->aux_alpha, o->seq_aux_alpha, part);
+        aux[qj] = dsk__moe_aux_coef(qj, E, K, N, L, nseq, st->f->ranks, o->aux_alpha, o->seq_aux_alpha, part);
     return DSK_OK;
 }
 
@@ -2310,12 +2480,13 @@ static dsk_status dsk__moe_accumulate_step(dsk_moe *m, dsk_ctx *ctx, const dsk_t
     struct dsk__moe_state *st = m->st;
     DSK__MOE_ON_CUDA(m, dsk_cuda_moe_accumulate(ctx, m->opts.n_routed, m->opts.top_k, DSK__MOE_I64(*cnt),
                                                 DSK__MOE_I64(*cntg), DSK__MOE_F64(*loss),
-                                                DSK__MOE_I64(st->buf[DSK__MOE_LOAD].mem),
-                                                DSK__MOE_I64(st->buf[DSK__MOE_ACC_I].mem),
-                                                DSK__MOE_F64(st->buf[DSK__MOE_ACC_F].mem)));
+                                                DSK__MOE_I64(dsk__moe_store_of(st, DSK__MOE_LOAD)->mem),
+                                                DSK__MOE_I64(dsk__moe_store_of(st, DSK__MOE_ACC_I)->mem),
+                                                DSK__MOE_F64(dsk__moe_store_of(st, DSK__MOE_ACC_F)->mem)));
     dsk__moe_accumulate(m->opts.n_routed, m->opts.top_k, DSK__MOE_I64(*cnt), DSK__MOE_I64(*cntg), DSK__MOE_F64(*loss),
-                        DSK__MOE_I64(st->buf[DSK__MOE_LOAD].mem), DSK__MOE_I64(st->buf[DSK__MOE_ACC_I].mem),
-                        DSK__MOE_F64(st->buf[DSK__MOE_ACC_F].mem));
+                        DSK__MOE_I64(dsk__moe_store_of(st, DSK__MOE_LOAD)->mem),
+                        DSK__MOE_I64(dsk__moe_store_of(st, DSK__MOE_ACC_I)->mem),
+                        DSK__MOE_F64(dsk__moe_store_of(st, DSK__MOE_ACC_F)->mem));
     return DSK_OK;
 }
 
@@ -2479,12 +2650,12 @@ static dsk_status dsk__moe_uncombine(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dxf, 
 /* skip: NULL, or an i32 on the layer's device; nothing changes when it holds a non-zero value. */
 static dsk_status dsk__moe_bias_step(dsk_moe *m, dsk_ctx *ctx, const int32_t *skip) {
     DSK__MOE_ON_CUDA(m, dsk_cuda_moe_bias_update(ctx, m->opts.n_routed, m->opts.bias_rate, m->opts.bias_recenter,
-                                                 DSK__MOE_I64(m->st->buf[DSK__MOE_LOAD].mem),
+                                                 DSK__MOE_I64(dsk__moe_store_of(m->st, DSK__MOE_LOAD)->mem),
                                                  (float *)m->bias->value.data, skip));
     if (skip && *skip) return DSK_OK;
     dsk__moe_bias_update(m->opts.n_routed, m->opts.bias_rate, m->opts.bias_recenter,
-                         DSK__MOE_I64(m->st->buf[DSK__MOE_LOAD].mem), (float *)m->bias->value.data);
-    return dsk_tensor_fill(ctx, &m->st->buf[DSK__MOE_LOAD].mem, 0.0);
+                         DSK__MOE_I64(dsk__moe_store_of(m->st, DSK__MOE_LOAD)->mem), (float *)m->bias->value.data);
+    return dsk_tensor_fill(ctx, &dsk__moe_store_of(m->st, DSK__MOE_LOAD)->mem, 0.0);
 }
 
 /* ---------------------------------------------------------------- argument checks */
@@ -3222,26 +3393,26 @@ static dsk_status dsk__moe_to_device(dsk_moe *m, dsk_ctx *ctx, void *dst, const 
 }
 
 /* The regroup index of expert parallelism on the host: expert-major row q <- received
-   (rank-major) row rg[q], and rg's inverse after it (2R entries in st->h_rg). */
+   (rank-major) row rg[q], and rg's inverse after it (2R entries in st->f->h_rg). */
 static dsk_status dsk__moe_regroup_index(dsk_moe *m, const int64_t *recv, int64_t R) {
     struct dsk__moe_state *st = m->st;
     int P = m->ep_size, El = m->n_local;
     int64_t src = 0;
     int32_t *g, *gi;
-    if (2 * R > st->h_rg_cap) {
-        DSK_FREE(st->h_rg);
-        st->h_rg = (int32_t *)DSK_MALLOC((size_t)(2 * R + 1) * sizeof(int32_t));
-        st->h_rg_cap = st->h_rg ? 2 * R : 0;
-        if (!st->h_rg)
+    if (2 * R > st->f->h_rg_cap) {
+        DSK_FREE(st->f->h_rg);
+        st->f->h_rg = (int32_t *)DSK_MALLOC((size_t)(2 * R + 1) * sizeof(int32_t));
+        st->f->h_rg_cap = st->f->h_rg ? 2 * R : 0;
+        if (!st->f->h_rg)
             return dsk_set_error(DSK_ERR_OOM, "dsk_moe_forward: out of host memory for %lld rows", (long long)R);
     }
-    g = st->h_rg;
-    gi = st->h_rg + R;
+    g = st->f->h_rg;
+    gi = st->f->h_rg + R;
     for (int r = 0; r < P; r++)
         for (int e = 0; e < El; e++) {
             int64_t before = 0; /* rows of expert e from ranks < r */
             for (int r2 = 0; r2 < r; r2++) before += recv[r2 * El + e];
-            for (int64_t j = 0; j < recv[r * El + e]; j++) g[st->local_off[e] + before + j] = (int32_t)(src + j);
+            for (int64_t j = 0; j < recv[r * El + e]; j++) g[st->f->local_off[e] + before + j] = (int32_t)(src + j);
             src += recv[r * El + e];
         }
     for (int64_t q = 0; q < R; q++) gi[g[q]] = (int32_t)q;
@@ -3250,14 +3421,14 @@ static dsk_status dsk__moe_regroup_index(dsk_moe *m, const int64_t *recv, int64_
 
 /* After the dispatch: the kept slots per expert go to their owners (all-to-all of the counts),
    the group's totals are summed (cntg), and the host learns the layout of the row exchange:
-   st->send_rows, recv_rows, a2a, local_off, the regroup index and *n_kept, *R. CUDA: one host
+   st->f->send_rows, recv_rows, a2a, local_off, the regroup index and *n_kept, *R. CUDA: one host
    sync here (the counts), the only one of a forward with expert parallelism. */
 static dsk_status dsk__moe_ep_counts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *cnt, dsk_tensor *cntg,
                                      int64_t *n_kept, int64_t *R) {
     struct dsk__moe_state *st = m->st;
     dsk_comm *c = m->opts.ep;
     int P = m->ep_size, El = m->n_local, E = m->opts.n_routed;
-    int64_t D = m->opts.d_model, so = 0, ro = 0, *kept = st->h_cnt + 3 + E, *recv = st->h_recv_cnt;
+    int64_t D = m->opts.d_model, so = 0, ro = 0, *kept = st->h_cnt + 3 + E, *recv = st->f->h_recv_cnt;
     dsk_tensor recv_cnt, rg, rgi, loff;
     int32_t lo[1024], *lop;
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RECV_CNT, 0, 0, &recv_cnt));
@@ -3269,35 +3440,39 @@ static dsk_status dsk__moe_ep_counts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor 
     *n_kept = 0;
     for (int e = 0; e < E; e++) *n_kept += kept[e];
     for (int r = 0; r < P; r++) {
-        st->send_rows[r] = 0;
-        st->recv_rows[r] = 0;
+        st->f->send_rows[r] = 0;
+        st->f->recv_rows[r] = 0;
         for (int e = 0; e < El; e++) {
-            st->send_rows[r] += kept[r * El + e];
-            st->recv_rows[r] += recv[r * El + e];
+            st->f->send_rows[r] += kept[r * El + e];
+            st->f->recv_rows[r] += recv[r * El + e];
         }
-        st->a2a[r] = st->send_rows[r] * D; st->a2a[P + r] = so; so += st->a2a[r];
-        st->a2a[2 * P + r] = st->recv_rows[r] * D; st->a2a[3 * P + r] = ro; ro += st->a2a[2 * P + r];
+        st->f->a2a[r] = st->f->send_rows[r] * D;
+        st->f->a2a[P + r] = so;
+        so += st->f->a2a[r];
+        st->f->a2a[2 * P + r] = st->f->recv_rows[r] * D;
+        st->f->a2a[3 * P + r] = ro;
+        ro += st->f->a2a[2 * P + r];
     }
-    st->local_off[0] = 0;
+    st->f->local_off[0] = 0;
     for (int e = 0; e < El; e++) {
-        st->local_off[e + 1] = st->local_off[e];
-        for (int r = 0; r < P; r++) st->local_off[e + 1] += recv[r * El + e];
+        st->f->local_off[e + 1] = st->f->local_off[e];
+        for (int r = 0; r < P; r++) st->f->local_off[e + 1] += recv[r * El + e];
     }
-    *R = st->local_off[El];
+    *R = st->f->local_off[El];
     DSK__TRY(dsk__moe_regroup_index(m, recv, *R));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RG, 0, *R, &rg));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RGI, 0, *R, &rgi));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_LOCAL_OFF, 0, 0, &loff));
     lop = El + 1 <= 1024 ? lo : (int32_t *)DSK_MALLOC((size_t)(El + 1) * sizeof(int32_t));
     if (!lop) return dsk_set_error(DSK_ERR_OOM, "dsk_moe_forward: out of host memory");
-    for (int e = 0; e <= El; e++) lop[e] = (int32_t)st->local_off[e];
+    for (int e = 0; e <= El; e++) lop[e] = (int32_t)st->f->local_off[e];
     {
         dsk_status s = dsk__moe_to_device(m, ctx, loff.data, lop, (size_t)(El + 1) * sizeof(int32_t));
         if (lop != lo) DSK_FREE(lop);
         DSK__TRY(s);
     }
-    DSK__TRY(dsk__moe_to_device(m, ctx, rg.data, st->h_rg, (size_t)*R * sizeof(int32_t)));
-    return dsk__moe_to_device(m, ctx, rgi.data, st->h_rg + *R, (size_t)*R * sizeof(int32_t));
+    DSK__TRY(dsk__moe_to_device(m, ctx, rg.data, st->f->h_rg, (size_t)*R * sizeof(int32_t)));
+    return dsk__moe_to_device(m, ctx, rgi.data, st->f->h_rg + *R, (size_t)*R * sizeof(int32_t));
 }
 
 /* Bounded EP after the dispatch (no host sync): the group's totals (cntg), the send layout
@@ -3308,7 +3483,7 @@ static dsk_status dsk__moe_ep_counts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor 
 static dsk_status dsk__moe_ep_bounded(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *off, const dsk_tensor *cnt,
                                       dsk_tensor *cntg) {
     struct dsk__moe_state *st = m->st;
-    int64_t T = st->T, R = st->R, Cp = R / m->ep_size, E = m->opts.n_routed;
+    int64_t T = st->f->T, R = st->f->R, Cp = R / m->ep_size, E = m->opts.n_routed;
     dsk_tensor pad, skey, rkey, unpad, rg, rgi, loff;
     DSK__TRY(dsk_comm_all_reduce(m->opts.ep, ctx, cnt->data, cntg->data, 3 + E, DSK_I64, DSK_COMM_SUM));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_EP_PAD, T, R, &pad));
@@ -3329,12 +3504,12 @@ static dsk_status dsk__moe_ep_bounded(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor
 static dsk_status dsk__moe_to_experts_bounded(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
     struct dsk__moe_state *st = m->st;
     dsk_tensor send, recv, pad = dsk__moe_saved(m, DSK__MOE_EP_PAD), rg = dsk__moe_saved(m, DSK__MOE_RG);
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->T, st->R, &send));
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE2, st->T, st->R, &recv));
-    send = dsk__moe_rows(&send, st->R);
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->f->T, st->f->R, &send));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE2, st->f->T, st->f->R, &recv));
+    send = dsk__moe_rows(&send, st->f->R);
     DSK__TRY(dsk_gather_rows_scaled(ctx, &send, rows, &pad, NULL));
-    DSK__TRY(
-        dsk_comm_all_to_all(m->opts.ep, ctx, send.data, recv.data, st->R / m->ep_size * m->opts.d_model, rows->dtype));
+    DSK__TRY(dsk_comm_all_to_all(m->opts.ep, ctx, send.data, recv.data, st->f->R / m->ep_size * m->opts.d_model,
+                                 rows->dtype));
     return dsk_gather_rows_scaled(ctx, dst, &recv, &rg, NULL);
 }
 
@@ -3342,13 +3517,13 @@ static dsk_status dsk__moe_to_experts_bounded(dsk_moe *m, dsk_ctx *ctx, const ds
 static dsk_status dsk__moe_from_experts_bounded(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
     struct dsk__moe_state *st = m->st;
     dsk_tensor send, recv, rgi = dsk__moe_saved(m, DSK__MOE_RGI), unpad = dsk__moe_saved(m, DSK__MOE_EP_UNPAD);
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE2, st->T, st->R, &send));
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->T, st->R, &recv));
-    recv = dsk__moe_rows(&recv, st->R);
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE2, st->f->T, st->f->R, &send));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->f->T, st->f->R, &recv));
+    recv = dsk__moe_rows(&recv, st->f->R);
     unpad = dsk__moe_rows(&unpad, dst->shape[0]);
     DSK__TRY(dsk_gather_rows_scaled(ctx, &send, rows, &rgi, NULL));
-    DSK__TRY(
-        dsk_comm_all_to_all(m->opts.ep, ctx, send.data, recv.data, st->R / m->ep_size * m->opts.d_model, rows->dtype));
+    DSK__TRY(dsk_comm_all_to_all(m->opts.ep, ctx, send.data, recv.data, st->f->R / m->ep_size * m->opts.d_model,
+                                 rows->dtype));
     return dsk_gather_rows_scaled(ctx, dst, &recv, &unpad, NULL);
 }
 
@@ -3407,7 +3582,7 @@ static void dsk__moe_hop_free(struct dsk__moe_hop *h, dsk_ctx *ctx) {
 /* Array i (DSK__MOE_HOP_*) of the two-hop state as a (rows, cols) tensor on the layer's device: the host array
    on the CPU, its device copy on CUDA. */
 static dsk_tensor dsk__moe_hop_view(const dsk_moe *m, int i, int64_t rows, int64_t cols) {
-    struct dsk__moe_hop *h = m->st->hop;
+    struct dsk__moe_hop *h = m->st->f->hop;
     void *host[DSK__MOE_HOP_N] = {h->rg, h->rgi, h->kidx, h->gate, h->stage[0], h->stage[1], h->meta};
     dsk_dtype dt = i == DSK__MOE_HOP_GATE                                 ? DSK_F32
                    : i == DSK__MOE_HOP_STAGE0 || i == DSK__MOE_HOP_STAGE1 ? m->st->act
@@ -3433,16 +3608,16 @@ static uint64_t dsk__moe_flat_off(const dsk_moe *m, int back, size_t row) {
     uint64_t n = 0;
     for (int r = 0; r < m->ep_size; r++)
         if (dsk_comm_node_of(c, r) != c->node)
-            n += (uint64_t)(m->opts.ep_exchange == DSK_MOE_EP_BOUNDED ? m->st->R / m->ep_size
-                            : back                                    ? m->st->recv_rows[r]
-                                                                      : m->st->send_rows[r]);
+            n += (uint64_t)(m->opts.ep_exchange == DSK_MOE_EP_BOUNDED ? m->st->f->R / m->ep_size
+                            : back                                    ? m->st->f->recv_rows[r]
+                                                                      : m->st->f->send_rows[r]);
     return n * row;
 }
 
 /* Received routing (R rows of 2K) -> each received row's local expert (le) and gate bits (gb); a token's rows
    arrive together, in slot order, one per slot of this rank. */
 static dsk_status dsk__moe_hop_parse(dsk_moe *m, const int32_t *meta, int32_t *le, int32_t *gb) {
-    const dsk_moe_route *rt = &m->st->hop->rt;
+    const dsk_moe_route *rt = &m->st->f->hop->rt;
     int K = m->opts.top_k, El = m->n_local;
     int64_t row = 0;
     for (int p = 0; p < m->ep_size; p++) {
@@ -3475,25 +3650,25 @@ static dsk_status dsk__moe_hop_parse(dsk_moe *m, const int32_t *meta, int32_t *l
    the source's (token, slot) order, which is its kept order within an expert): rg, rgi, gate. */
 static dsk_status dsk__moe_hop_regroup(dsk_moe *m, const int32_t *le, const int32_t *gb) {
     struct dsk__moe_state *st = m->st;
-    struct dsk__moe_hop *h = st->hop;
+    struct dsk__moe_hop *h = st->f->hop;
     int El = m->n_local;
     int64_t at[1024], *pa = El <= 1024 ? at : (int64_t *)DSK_MALLOC((size_t)El * sizeof(int64_t));
     dsk_status s = DSK_OK;
     if (!pa) return dsk_set_error(DSK_ERR_OOM, "dsk_moe_forward: %d experts' offsets", El);
-    for (int e = 0; e < El; e++) pa[e] = st->local_off[e];
-    for (int64_t j = 0; j < st->R; j++) {
+    for (int e = 0; e < El; e++) pa[e] = st->f->local_off[e];
+    for (int64_t j = 0; j < st->f->R; j++) {
         int64_t q = pa[le[j]]++;
         h->rg[q] = (int32_t)j;
         h->rgi[j] = (int32_t)q;
         memcpy(&h->gate[q], &gb[j], sizeof(float));
     }
     for (int e = 0; e < El && s == DSK_OK; e++)
-        if (pa[e] != st->local_off[e + 1])
+        if (pa[e] != st->f->local_off[e + 1])
             s = dsk_set_error(DSK_ERR_CORRUPT,
                               "dsk_moe_forward: local expert %d: the routing brought %lld rows, the "
                               "counts %lld",
-                              e, (long long)(pa[e] - st->local_off[e]),
-                              (long long)(st->local_off[e + 1] - st->local_off[e]));
+                              e, (long long)(pa[e] - st->f->local_off[e]),
+                              (long long)(st->f->local_off[e + 1] - st->f->local_off[e]));
     if (pa != at) DSK_FREE(pa);
     return s;
 }
@@ -3520,8 +3695,8 @@ static dsk_status dsk__moe_hop_inputs(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor
 
 /* The routing (T, 2K) of h->meta through the route into h->meta + T 2K; CUDA: from and into device memory. */
 static dsk_status dsk__moe_hop_routing(dsk_moe *m, dsk_ctx *ctx, int64_t T) {
-    struct dsk__moe_hop *h = m->st->hop;
-    int64_t w = 2 * m->opts.top_k, R = m->st->R, n = (T + R) * w + 1;
+    struct dsk__moe_hop *h = m->st->f->hop;
+    int64_t w = 2 * m->opts.top_k, R = m->st->f->R, n = (T + R) * w + 1;
     int32_t *d;
     if (m->device.type == DSK_DEV_CPU) return dsk_moe_route_dispatch(&h->rt, ctx, h->meta, w, DSK_I32, h->meta + T * w);
     DSK__TRY(dsk_tensor_alloc_on(ctx, m->device, &h->dev[DSK__MOE_HOP_META], DSK_I32, 1, &n));
@@ -3534,8 +3709,8 @@ static dsk_status dsk__moe_hop_routing(dsk_moe *m, dsk_ctx *ctx, int64_t T) {
 
 /* CUDA: the plan's indices and gates on the device, and the stages (act) between the route and the gathers. */
 static dsk_status dsk__moe_hop_upload(dsk_moe *m, dsk_ctx *ctx, int64_t n_kept) {
-    struct dsk__moe_hop *h = m->st->hop;
-    int64_t R = m->st->R, n[4] = {R + 1, R + 1, n_kept + 1, R + 1}, sh[2] = {h->rows + 1, m->opts.d_model};
+    struct dsk__moe_hop *h = m->st->f->hop;
+    int64_t R = m->st->f->R, n[4] = {R + 1, R + 1, n_kept + 1, R + 1}, sh[2] = {h->rows + 1, m->opts.d_model};
     const void *src[4] = {h->rg, h->rgi, h->kidx, h->gate};
     for (int i = 0; i < 4; i++) {
         DSK__TRY(dsk_tensor_alloc_on(ctx, m->device, &h->dev[i], i == DSK__MOE_HOP_GATE ? DSK_F32 : DSK_I32, 1, &n[i]));
@@ -3551,16 +3726,16 @@ static dsk_status dsk__moe_hop_upload(dsk_moe *m, dsk_ctx *ctx, int64_t n_kept) 
 static dsk_status dsk__moe_hop_plan(dsk_moe *m, dsk_ctx *ctx, int64_t T, int64_t n_kept, const dsk_tensor *perm,
                                     const dsk_tensor *off, const dsk_tensor *gate) {
     struct dsk__moe_state *st = m->st;
-    struct dsk__moe_hop *h = st->hop;
+    struct dsk__moe_hop *h = st->f->hop;
     int K = m->opts.top_k, E = m->opts.n_routed, El = m->n_local, dev = m->device.type != DSK_DEV_CPU;
-    int64_t TK = T * K, R = st->R, s = 0, D = m->opts.d_model, np = dsk_tensor_numel(perm);
+    int64_t TK = T * K, R = st->f->R, s = 0, D = m->opts.d_model, np = dsk_tensor_numel(perm);
     const int32_t *pm = DSK__MOE_I32(*perm), *of = DSK__MOE_I32(*off);
     const float *g = DSK__MOE_F32(*gate);
     int32_t *le, *in = NULL;
     dsk_moe_route_opts ro = {1};
     dsk_status e;
     if (!h) {
-        if (!(h = st->hop = (struct dsk__moe_hop *)DSK_MALLOC(sizeof *h)))
+        if (!(h = st->f->hop = (struct dsk__moe_hop *)DSK_MALLOC(sizeof *h)))
             return dsk_set_error(DSK_ERR_OOM, "dsk_moe_forward: two-hop state");
         memset(h, 0, sizeof *h);
     }
@@ -3621,8 +3796,8 @@ static dsk_tensor dsk__moe_host_view(void *p, dsk_dtype dt, int64_t rows, int64_
    row's gate (backward's g * dy). */
 static dsk_status dsk__moe_hop_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *tok, dsk_tensor *dst,
                                           int scaled) {
-    struct dsk__moe_hop *h = m->st->hop;
-    int64_t R = m->st->R, D = m->opts.d_model;
+    struct dsk__moe_hop *h = m->st->f->hop;
+    int64_t R = m->st->f->R, D = m->opts.d_model;
     dsk_tensor stage = dsk__moe_hop_view(m, DSK__MOE_HOP_STAGE0, R, D),
                rg = dsk__moe_hop_view(m, DSK__MOE_HOP_RG, R, 0);
     dsk_tensor gate = dsk__moe_hop_view(m, DSK__MOE_HOP_GATE, R, 0);
@@ -3633,8 +3808,8 @@ static dsk_status dsk__moe_hop_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_te
 
 /* Rows (R, expert-major) back through the route to their tokens' ranks, into dst (n_kept, kept order). */
 static dsk_status dsk__moe_hop_from_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
-    struct dsk__moe_hop *h = m->st->hop;
-    int64_t R = m->st->R, D = m->opts.d_model, n = dst->shape[0];
+    struct dsk__moe_hop *h = m->st->f->hop;
+    int64_t R = m->st->f->R, D = m->opts.d_model, n = dst->shape[0];
     dsk_tensor sent = dsk__moe_hop_view(m, DSK__MOE_HOP_STAGE0, R, D);
     dsk_tensor rgi = dsk__moe_hop_view(m, DSK__MOE_HOP_RGI, R, 0);
     dsk_tensor back = dsk__moe_hop_view(m, DSK__MOE_HOP_STAGE1, h->rt.slots, D);
@@ -3686,6 +3861,35 @@ typedef struct dsk__moe_async {
    to the experts (in the activation dtype), rows back from the experts. */
 enum { DSK__MOE_XCH_DISPATCH, DSK__MOE_XCH_TO_EXPERTS, DSK__MOE_XCH_FROM_EXPERTS };
 
+/* A forward or backward between its begin and its end (dsk_moe_forward_begin .. _end): the exchange in
+   flight and what the end reads. One per layer (st->pend). */
+typedef struct dsk__moe_pending {
+    int kind; /* DSK__MOE_PEND_* */
+    int64_t T, R, n_rows;
+    float aux_scale;                                                      /* backward */
+    dsk_tensor w[6];                                                      /* the weights in the activation dtype */
+    dsk_tensor xa, xs, xr, back, pos, gate, row_tok, cntg, loss, offsets; /* forward */
+    dsk_tensor dya, dxf, dgate, dos, dor, dxp;                            /* backward */
+    dsk__moe_async xch;                                                   /* expert parallelism: the exchange */
+} dsk__moe_pending;
+
+static dsk_status dsk__moe_exchange_wait(dsk__moe_async *a);
+
+static void dsk__moe_pending_free(struct dsk__moe_state *st) {
+    if (st->pending != DSK__MOE_PEND_NONE && st->pend && st->pend->xch.m) (void)dsk__moe_exchange_wait(&st->pend->xch);
+    DSK_FREE(st->pend);
+    st->pend = NULL;
+}
+
+static void dsk__moe_pending_set(dsk__moe_pending *p, int kind, int64_t T, int64_t R, int64_t n_rows,
+                                 const dsk_tensor *w) {
+    p->kind = kind;
+    p->T = T;
+    p->R = R;
+    p->n_rows = n_rows;
+    memcpy(p->w, w, sizeof p->w);
+}
+
 static dsk_status dsk__moe_dispatch(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst);
 static dsk_status dsk__moe_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst);
 static dsk_status dsk__moe_from_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst);
@@ -3715,7 +3919,7 @@ static dsk_status dsk__moe_exchange_buffers(dsk_moe *m, dsk_ctx *ctx) {
                               DSK__MOE_Q8R,   DSK__MOE_Q8RS,   DSK__MOE_RQ, DSK__MOE_RQS};
     int n = m->opts.ep_dispatch != DSK_MOE_DISPATCH_FP8 ? 2 : m->opts.expert_gemm == DSK_MOE_GEMM_FP8 ? 8 : 6;
     dsk_tensor t;
-    for (int i = 0; i < n; i++) DSK__TRY(dsk__moe_buf(m, ctx, ids[i], m->st->T, m->st->R, &t));
+    for (int i = 0; i < n; i++) DSK__TRY(dsk__moe_buf(m, ctx, ids[i], m->st->f->T, m->st->f->R, &t));
     return DSK_OK;
 }
 
@@ -3838,9 +4042,9 @@ static int dsk__moe_chunking(const dsk_moe *m, const dsk_ctx *ctx) {
 static void dsk__moe_block(const dsk_moe *m, int r, int e, int64_t *r0, int64_t *n) {
     const struct dsk__moe_state *st = m->st;
     int El = m->n_local;
-    *r0 = st->local_off[e];
-    for (int q = 0; q < r; q++) *r0 += st->h_recv_cnt[q * El + e];
-    *n = st->h_recv_cnt[r * El + e];
+    *r0 = st->f->local_off[e];
+    for (int q = 0; q < r; q++) *r0 += st->f->h_recv_cnt[q * El + e];
+    *n = st->f->h_recv_cnt[r * El + e];
 }
 
 /* Copies rank r's (rank, local expert) blocks of rows from src to their places in dst (expert-major). src: the
@@ -3849,7 +4053,7 @@ static void dsk__moe_block(const dsk_moe *m, int r, int e, int64_t *r0, int64_t 
 static void dsk__moe_place_rank(const dsk_moe *m, char *dst, const char *src, size_t row, int r) {
     const struct dsk__moe_state *st = m->st;
     int P = m->ep_size;
-    int64_t from = (r == m->ep_rank ? st->a2a[P + r] : st->a2a[3 * P + r]) / m->opts.d_model, to, n;
+    int64_t from = (r == m->ep_rank ? st->f->a2a[P + r] : st->f->a2a[3 * P + r]) / m->opts.d_model, to, n;
     for (int e = 0; e < m->n_local; e++, from += n) {
         dsk__moe_block(m, r, e, &to, &n);
         if (n) memcpy(dst + (size_t)to * row, src + (size_t)from * row, (size_t)n * row);
@@ -3873,13 +4077,13 @@ static dsk_status dsk__moe_others_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk
     struct dsk__moe_state *st = m->st;
     dsk__moe_arrivals *v = st->arrivals;
     int P = m->ep_size, me = m->ep_rank;
-    int64_t *c = st->a2a + 4 * P;
+    int64_t *c = st->f->a2a + 4 * P;
     dsk_tensor stage;
     if (!v)
         return dsk_set_error(DSK_ERR_STATE, "dsk_moe: layer \"%s\": a chunked exchange outside its thread's start",
                              m->opts.name);
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->T, st->R, &stage));
-    memcpy(c, st->a2a, (size_t)(4 * P) * sizeof(int64_t));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->f->T, st->f->R, &stage));
+    memcpy(c, st->f->a2a, (size_t)(4 * P) * sizeof(int64_t));
     c[me] = c[2 * P + me] = 0;
     v->dst = (char *)dst->data;
     v->src = (const char *)stage.data;
@@ -3907,9 +4111,9 @@ static int dsk__moe_next_arrival(dsk__moe_async *a, int k) {
    landed there were placed before r's chunk ran (this rank's own never land there). */
 static void dsk__moe_release_rank(dsk_moe *m, const dsk_tensor *src, int r) {
     struct dsk__moe_state *st = m->st;
-    int64_t D = m->opts.d_model, to = st->a2a[3 * m->ep_size + r] / D, from, n;
+    int64_t D = m->opts.d_model, to = st->f->a2a[3 * m->ep_size + r] / D, from, n;
     size_t row = (size_t)D * dsk_dtype_size(src->dtype);
-    char *stage = (char *)st->buf[DSK__MOE_STAGE].mem.data;
+    char *stage = (char *)dsk__moe_store_of(st, DSK__MOE_STAGE)->mem.data;
     for (int e = 0; e < m->n_local; e++, to += n) {
         dsk__moe_block(m, r, e, &from, &n);
         if (n) memcpy(stage + (size_t)to * row, (const char *)src->data + (size_t)from * row, (size_t)n * row);
@@ -3927,9 +4131,9 @@ static dsk_status dsk__moe_return_gated(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *ds
     int P = m->ep_size;
     dsk_tensor stage;
     dsk__moe_count_off(m, dsk__moe_flat_off(m, 1, (size_t)m->opts.d_model * dsk_dtype_size(dst->dtype)));
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->T, st->R, &stage));
-    return dsk_comm_all_to_all_v_gated(m->opts.ep, ctx, stage.data, st->a2a + 2 * P, st->a2a + 3 * P, dst->data,
-                                       st->a2a, st->a2a + P, dst->dtype, dsk__moe_gate, st->gates);
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->f->T, st->f->R, &stage));
+    return dsk_comm_all_to_all_v_gated(m->opts.ep, ctx, stage.data, st->f->a2a + 2 * P, st->f->a2a + 3 * P, dst->data,
+                                       st->f->a2a, st->f->a2a + P, dst->dtype, dsk__moe_gate, st->gates);
 }
 
 /* Forward of rank r's chunk: (this rank's own: its rows placed from xs, kept order, into xr) the routed experts
@@ -4017,11 +4221,11 @@ static dsk_status dsk__moe_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor
     dsk__moe_count_off(m, dsk__moe_flat_off(m, 0, (size_t)m->opts.d_model * dsk_dtype_size(rows->dtype)));
     if (m->opts.ep_exchange == DSK_MOE_EP_BOUNDED) return dsk__moe_to_experts_bounded(m, ctx, rows, dst);
     if (st->chunked) return dsk__moe_others_to_experts(m, ctx, rows, dst);
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->T, st->R, &stage));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->f->T, st->f->R, &stage));
     rg = dsk__moe_saved(m, DSK__MOE_RG);
-    DSK__TRY(dsk_comm_all_to_all_v(m->opts.ep, ctx, rows->data, st->a2a, st->a2a + P, stage.data, st->a2a + 2 * P,
-                                   st->a2a + 3 * P, rows->dtype));
-    stage = dsk__moe_rows(&stage, st->R);
+    DSK__TRY(dsk_comm_all_to_all_v(m->opts.ep, ctx, rows->data, st->f->a2a, st->f->a2a + P, stage.data,
+                                   st->f->a2a + 2 * P, st->f->a2a + 3 * P, rows->dtype));
+    stage = dsk__moe_rows(&stage, st->f->R);
     return dsk_gather_rows(ctx, dst, &stage, &rg);
 }
 
@@ -4032,8 +4236,8 @@ static dsk_status dsk__moe_fp8_quantize(dsk_moe *m, dsk_ctx *ctx, const dsk_tens
                                         dsk_tensor *s) {
     struct dsk__moe_state *st = m->st;
     int64_t n = rows->shape[0];
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_Q8, st->T, st->R, q));
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_Q8S, st->T, st->R, s));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_Q8, st->f->T, st->f->R, q));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_Q8S, st->f->T, st->f->R, s));
     *q = dsk__moe_rows(q, n);
     *s = dsk__moe_rows(s, n);
     return n > 0 ? dsk_amp_fp8_block_quantize(ctx, q, s, rows, 1, 128, 0) : DSK_OK;
@@ -4048,9 +4252,9 @@ static dsk_status dsk__moe_fp8_dequantize(dsk_ctx *ctx, const dsk_tensor *q, con
 static dsk_status dsk__moe_f8_received(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *qr, const dsk_tensor *sr,
                                        const dsk_tensor *rg) {
     dsk_tensor rq, rs;
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RQ, m->st->T, m->st->R, &rq));
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RQS, m->st->T, m->st->R, &rs));
-    if (m->st->R == 0) return DSK_OK;
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RQ, m->st->f->T, m->st->f->R, &rq));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RQS, m->st->f->T, m->st->f->R, &rs));
+    if (m->st->f->R == 0) return DSK_OK;
     DSK__TRY(dsk_gather_rows_scaled(ctx, &rq, qr, rg, NULL));
     return dsk_gather_rows_scaled(ctx, &rs, sr, rg, NULL);
 }
@@ -4064,29 +4268,29 @@ static dsk_status dsk__moe_to_experts_fp8(dsk_moe *m, dsk_ctx *ctx, const dsk_te
     dsk_tensor q, s, qr, sr, stage, rg = dsk__moe_saved(m, DSK__MOE_RG);
     dsk_status e;
     DSK__TRY(dsk__moe_fp8_quantize(m, ctx, rows, &q, &s));
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_Q8R, st->T, st->R, &qr));
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_Q8RS, st->T, st->R, &sr));
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->T, st->R, &stage));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_Q8R, st->f->T, st->f->R, &qr));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_Q8RS, st->f->T, st->f->R, &sr));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->f->T, st->f->R, &stage));
     if (!(v = (int64_t *)DSK_MALLOC((size_t)(4 * P) * sizeof(int64_t))))
         return dsk_set_error(DSK_ERR_OOM, "dsk_moe_forward: out of host memory for %d counts", 4 * P);
     for (int r = 0; r < P; r++) { /* the scales' counts and displacements: S per row */
-        v[r] = st->send_rows[r] * S;
+        v[r] = st->f->send_rows[r] * S;
         v[P + r] = so;
         so += v[r];
-        v[2 * P + r] = st->recv_rows[r] * S;
+        v[2 * P + r] = st->f->recv_rows[r] * S;
         v[3 * P + r] = ro;
         ro += v[2 * P + r];
     }
-    e = dsk_comm_all_to_all_v(m->opts.ep, ctx, q.data, st->a2a, st->a2a + P, qr.data, st->a2a + 2 * P, st->a2a + 3 * P,
-                              DSK_U8);
+    e = dsk_comm_all_to_all_v(m->opts.ep, ctx, q.data, st->f->a2a, st->f->a2a + P, qr.data, st->f->a2a + 2 * P,
+                              st->f->a2a + 3 * P, DSK_U8);
     if (e == DSK_OK)
         e = dsk_comm_all_to_all_v(m->opts.ep, ctx, s.data, v, v + P, sr.data, v + 2 * P, v + 3 * P, DSK_F32);
     DSK_FREE(v);
     DSK__TRY(e);
-    qr = dsk__moe_rows(&qr, st->R);
-    sr = dsk__moe_rows(&sr, st->R);
+    qr = dsk__moe_rows(&qr, st->f->R);
+    sr = dsk__moe_rows(&sr, st->f->R);
     if (m->opts.expert_gemm == DSK_MOE_GEMM_FP8) return dsk__moe_f8_received(m, ctx, &qr, &sr, &rg);
-    stage = dsk__moe_rows(&stage, st->R);
+    stage = dsk__moe_rows(&stage, st->f->R);
     DSK__TRY(dsk__moe_fp8_dequantize(ctx, &qr, &sr, &stage));
     return dsk_gather_rows(ctx, dst, &stage, &rg);
 }
@@ -4106,7 +4310,7 @@ static dsk_status dsk__moe_to_experts_fp8(dsk_moe *m, dsk_ctx *ctx, const dsk_te
 static dsk_status dsk__moe_f8_view(dsk_moe *m, dsk_ctx *ctx, int id, int64_t at, int ndim, const int64_t *shape,
                                    dsk_tensor *out) {
     dsk_tensor flat;
-    DSK__TRY(dsk__moe_buf(m, ctx, id, m->st->T, m->st->R, &flat));
+    DSK__TRY(dsk__moe_buf(m, ctx, id, m->st->f->T, m->st->f->R, &flat));
     return dsk_tensor_wrap(out, (char *)flat.data + (size_t)at * dsk_dtype_size(flat.dtype), flat.dtype, m->device,
                            ndim, shape);
 }
@@ -4174,7 +4378,7 @@ static dsk_status dsk__moe_f8_input_t(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor
                                       dsk_tensor *xtq, dsk_tensor *xts) {
     dsk_tensor x, flat;
     int64_t sh[2] = {q->shape[0], q->shape[1]};
-    DSK__TRY(dsk__moe_buf(m, ctx, id, m->st->T, m->st->R, &flat));
+    DSK__TRY(dsk__moe_buf(m, ctx, id, m->st->f->T, m->st->f->R, &flat));
     DSK__TRY(dsk_tensor_wrap(&x, flat.data, m->st->act, m->device, 2, sh));
     if (sh[0] > 0 && sh[1] > 0) DSK__TRY(dsk_amp_fp8_block_dequantize(ctx, &x, q, s, 1, 128));
     return dsk__moe_f8_act(m, ctx, &x, 1, DSK__MOE_ITQ, DSK__MOE_ITS, xtq, xts);
@@ -4199,8 +4403,8 @@ static dsk_status dsk__moe_f8_rows(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *r
     }
     xq = dsk__moe_saved(m, DSK__MOE_XQ);
     xs = dsk__moe_saved(m, DSK__MOE_XQS);
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RQ, st->T, st->R, &rq));
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RQS, st->T, st->R, &rs));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RQ, st->f->T, st->f->R, &rq));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RQS, st->f->T, st->f->R, &rs));
     rq = dsk__moe_rows(&rq, row_tok->shape[0]);
     rs = dsk__moe_rows(&rs, row_tok->shape[0]);
     if (row_tok->shape[0] == 0) return DSK_OK;
@@ -4222,7 +4426,7 @@ static dsk_status dsk__moe_f8_swiglu(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor 
     }
     DSK__TRY(dsk__moe_f8_gemm(m, ctx, h1, xq, xs, w1, 0, off, 0.0f));
     DSK__TRY(dsk__moe_f8_gemm(m, ctx, h3, xq, xs, w3, 0, off, 0.0f));
-    DSK__TRY(dsk__moe_buf(m, ctx, a_id, m->st->T, m->st->R, &a));
+    DSK__TRY(dsk__moe_buf(m, ctx, a_id, m->st->f->T, m->st->f->R, &a));
     a = dsk__moe_rows(&a, h1->shape[0]);
     if (h1->shape[0] > 0) DSK__TRY(dsk_swiglu(ctx, &a, h1, h3));
     DSK__TRY(dsk__moe_f8_act(m, ctx, &a, 0, aq_id, aq_id + 1, &aq, &as));
@@ -4234,10 +4438,10 @@ static dsk_status dsk__moe_f8_experts_forward(dsk_moe *m, dsk_ctx *ctx, const ds
                                               dsk_tensor *o) {
     struct dsk__moe_state *st = m->st;
     dsk_tensor rq, rs, h1, h3;
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RQ, st->T, st->R, &rq));
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RQS, st->T, st->R, &rs));
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_H1, st->T, st->R, &h1));
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_H3, st->T, st->R, &h3));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RQ, st->f->T, st->f->R, &rq));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_RQS, st->f->T, st->f->R, &rs));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_H1, st->f->T, st->f->R, &h1));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_H3, st->f->T, st->f->R, &h3));
     DSK__TRY(dsk_tensor_fill(ctx, o, 0.0));
     return dsk__moe_f8_swiglu(m, ctx, &rq, &rs, &w[0], &w[1], &w[2], off, DSK__MOE_DA, DSK__MOE_AQ, &h1, &h3, o);
 }
@@ -4246,9 +4450,9 @@ static dsk_status dsk__moe_f8_experts_forward(dsk_moe *m, dsk_ctx *ctx, const ds
 static dsk_status dsk__moe_f8_shared_forward(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *w, dsk_tensor *ys) {
     struct dsk__moe_state *st = m->st;
     dsk_tensor xq = dsk__moe_saved(m, DSK__MOE_XQ), xs = dsk__moe_saved(m, DSK__MOE_XQS), hs1, hs3;
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_HS1, st->T, st->R, &hs1));
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_HS3, st->T, st->R, &hs3));
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_YS, st->T, st->R, ys));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_HS1, st->f->T, st->f->R, &hs1));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_HS3, st->f->T, st->f->R, &hs3));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_YS, st->f->T, st->f->R, ys));
     return dsk__moe_f8_swiglu(m, ctx, &xq, &xs, &w[3], &w[4], &w[5], NULL, DSK__MOE_DAS, DSK__MOE_ASQ, &hs1, &hs3, ys);
 }
 
@@ -4278,7 +4482,7 @@ static dsk_status dsk__moe_f8_swiglu_backward(dsk_moe *m, dsk_ctx *ctx, dsk__moe
     DSK__TRY(dsk__moe_f8_input_t(m, ctx, b->aq, b->as, b->da_id, &xtq, &xts));
     DSK__TRY(dsk__moe_f8_wgrad(m, ctx, b->g[1], dy, &xtq, &xts, b->off));
     DSK__TRY(dsk__moe_f8_act(m, ctx, dy, 0, DSK__MOE_GQ, DSK__MOE_GQS, &gq, &gs));
-    DSK__TRY(dsk__moe_buf(m, ctx, b->da_id, m->st->T, m->st->R, &flat));
+    DSK__TRY(dsk__moe_buf(m, ctx, b->da_id, m->st->f->T, m->st->f->R, &flat));
     DSK__TRY(dsk_tensor_wrap(&da, flat.data, m->st->act, m->device, 2, sh));
     if (b->off) DSK__TRY(dsk_tensor_fill(ctx, &da, 0.0)); /* rows outside the segments */
     DSK__TRY(dsk__moe_f8_gemm(m, ctx, &da, &gq, &gs, &b->w[1], 1, b->off, 0.0f));
@@ -4303,8 +4507,8 @@ static dsk_status dsk__moe_f8_experts_backward(dsk_moe *m, dsk_ctx *ctx, const d
     dsk__moe_f8_bwd b;
     dsk__moe_f8_bwd_set(&b, &xq, &xs, &aq, &as, &h1, &h3, w, off, DSK__MOE_DA, DSK__MOE_DXR);
     b.g[0] = &m->w1->grad, b.g[1] = &m->w2->grad, b.g[2] = &m->w3->grad;
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DH1, m->st->T, m->st->R, &b.dh1));
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DH3, m->st->T, m->st->R, &b.dh3));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DH1, m->st->f->T, m->st->f->R, &b.dh1));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DH3, m->st->f->T, m->st->f->R, &b.dh3));
     return dsk__moe_f8_swiglu_backward(m, ctx, &b, dor, dxr);
 }
 
@@ -4317,8 +4521,8 @@ static dsk_status dsk__moe_f8_shared_backward(dsk_moe *m, dsk_ctx *ctx, const ds
     dsk__moe_f8_bwd b;
     dsk__moe_f8_bwd_set(&b, &xq, &xs, &aq, &as, &h1, &h3, w + 3, NULL, DSK__MOE_DAS, DSK__MOE_YS);
     b.g[0] = &m->sw1->grad, b.g[1] = &m->sw2->grad, b.g[2] = &m->sw3->grad;
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DHS1, m->st->T, m->st->R, &b.dh1));
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DHS3, m->st->T, m->st->R, &b.dh3));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DHS1, m->st->f->T, m->st->f->R, &b.dh1));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DHS3, m->st->f->T, m->st->f->R, &b.dh3));
     return dsk__moe_f8_swiglu_backward(m, ctx, &b, dya, dxf);
 }
 #endif
@@ -4336,9 +4540,9 @@ static dsk_status dsk__moe_dispatch(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *
     int64_t D = m->opts.d_model, n = rows->shape[0];
     size_t es = dsk_dtype_size(rows->dtype);
     int fp8 = m->opts.ep_dispatch == DSK_MOE_DISPATCH_FP8;
-    if (m->opts.ep_exchange == DSK_MOE_EP_BOUNDED) n = st->R; /* every peer's whole block */
+    if (m->opts.ep_exchange == DSK_MOE_EP_BOUNDED) n = st->f->R; /* every peer's whole block */
     st->fwd_bytes[0] = fp8 ? (uint64_t)(n * (D + 4 * ((D + 127) / 128))) : (uint64_t)(n * D) * es;
-    st->fwd_bytes[1] = (uint64_t)(st->R * D) * es;
+    st->fwd_bytes[1] = (uint64_t)(st->f->R * D) * es;
     for (int i = 0; i < 2 && !m->eval; i++) st->acc_bytes[i] += st->fwd_bytes[i];
     if (m->opts.ep_route == DSK_MOE_ROUTE_TWO_HOP) return dsk__moe_hop_to_experts(m, ctx, rows, dst, 0);
 #ifdef DSK_AMP_H
@@ -4358,12 +4562,12 @@ static dsk_status dsk__moe_from_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tens
     if (m->opts.ep_route == DSK_MOE_ROUTE_TWO_HOP) return dsk__moe_hop_from_experts(m, ctx, rows, dst);
     dsk__moe_count_off(m, dsk__moe_flat_off(m, 1, (size_t)m->opts.d_model * dsk_dtype_size(rows->dtype)));
     if (m->opts.ep_exchange == DSK_MOE_EP_BOUNDED) return dsk__moe_from_experts_bounded(m, ctx, rows, dst);
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->T, st->R, &stage));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->f->T, st->f->R, &stage));
     rgi = dsk__moe_saved(m, DSK__MOE_RGI);
-    stage = dsk__moe_rows(&stage, st->R);
+    stage = dsk__moe_rows(&stage, st->f->R);
     DSK__TRY(dsk_gather_rows(ctx, &stage, rows, &rgi));
-    return dsk_comm_all_to_all_v(m->opts.ep, ctx, stage.data, st->a2a + 2 * P, st->a2a + 3 * P, dst->data, st->a2a,
-                                 st->a2a + P, rows->dtype);
+    return dsk_comm_all_to_all_v(m->opts.ep, ctx, stage.data, st->f->a2a + 2 * P, st->f->a2a + 3 * P, dst->data,
+                                 st->f->a2a, st->f->a2a + P, rows->dtype);
 }
 
 /* ---------------------------------------------------------------- forward */
@@ -4417,7 +4621,7 @@ static dsk_status dsk__moe_shared_step(dsk_moe *m, dsk_ctx *ctx, const dsk_tenso
 
 /* The CPU fails a forward on non-finite routing (every rank of an EP group together). */
 static dsk_status dsk__moe_nonfinite_error(const dsk_moe *m, int64_t T, const int64_t *cnt_group) {
-    const int32_t *keys = (const int32_t *)m->st->buf[DSK__MOE_KEYS].mem.data;
+    const int32_t *keys = (const int32_t *)dsk__moe_store_of(m->st, DSK__MOE_KEYS)->mem.data;
     int64_t first = -1, n_bad = 0, K = m->opts.top_k;
     for (int64_t t = 0; t < T; t++)
         if (keys[t * K] < 0 && !n_bad++) first = t;
@@ -4440,11 +4644,11 @@ static int64_t dsk__moe_rows_off_node(const dsk_moe *m) {
     int64_t n = 0, L;
     if (m->ep_size <= 1) return 0;
     L = c->n_nodes > 0 && c->world_size % c->n_nodes == 0 ? c->world_size / c->n_nodes : 0;
-    if (m->opts.ep_route == DSK_MOE_ROUTE_TWO_HOP) return m->st->hop->rt.dispatch_rows_off_node;
+    if (m->opts.ep_route == DSK_MOE_ROUTE_TWO_HOP) return m->st->f->hop->rt.dispatch_rows_off_node;
     if (!L || c->node != c->rank / L) return -1;
     for (int r = 0; r < m->ep_size; r++)
         if (r / L != c->node)
-            n += m->opts.ep_exchange == DSK_MOE_EP_BOUNDED ? m->st->R / m->ep_size : m->st->send_rows[r];
+            n += m->opts.ep_exchange == DSK_MOE_EP_BOUNDED ? m->st->f->R / m->ep_size : m->st->f->send_rows[r];
     return n;
 }
 
@@ -4482,30 +4686,35 @@ static dsk_status dsk__moe_fill_stats(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor
     return DSK_OK;
 }
 
-static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, int64_t T,
-                                        const dsk_tensor *replay, dsk_moe_stats *stats) {
+/* A forward up to its dispatch: the routing, the balancing losses, the kept rows, and under expert
+   parallelism the exchange begun (on ep_overlap's thread or stream, or done here); what the end reads in
+   st->pend. */
+static dsk_status dsk__moe_forward_begin_impl(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *x, int64_t T,
+                                              const dsk_tensor *replay) {
     struct dsk__moe_state *st = m->st;
+    dsk__moe_pending *p = st->pend;
     const dsk_moe_opts *o = &m->opts;
-    int64_t K = o->top_k, E = o->n_routed, TK = T * K, Fs = m->d_shared_total, n_kept, R, n_rows;
+    int64_t K = o->top_k, E = o->n_routed, TK = T * K, n_kept, R, n_rows;
     int64_t N = st->span_on ? st->span_rows : T; /* the loss span: the micro-batch this call is part of */
     int64_t L = o->seq_aux_alpha > 0 && o->seq_len ? o->seq_len : (N > 0 ? N : 1), nseq = N / L > 0 ? N / L : 1;
     int cpu = m->device.type == DSK_DEV_CPU, ep = m->ep_size > 1, fp8 = o->expert_gemm == DSK_MOE_GEMM_FP8;
     int two = ep && o->ep_route == DSK_MOE_ROUTE_TWO_HOP; /* never with fp8 (dsk__moe_ep_route_resolve) */
     int losses = o->aux_alpha > 0 || o->seq_aux_alpha > 0 || o->z_beta > 0;
     dsk_tensor xf, xa, u, prob, scr, sel, gate, keys, perm_all, off_all, perm, off, pos, row_tok, row_gate, cnt, cntg;
-    dsk_tensor xs, xr, h1, h3, a, ob, back, ys, w[6], offsets;
+    dsk_tensor xs, xr, back, w[6], offsets;
     dsk__moe_loss_bufs lb;
-    dsk__moe_async xch;
+    memset(&xs, 0, sizeof xs); /* FP8 without EP: no rows gathered, none sent */
+    xr = back = xs;
     R = dsk__moe_rows_first(m, T); /* sizes the buffers (exact EP: until the counts say more) */
     st->in_forward = 1;
     st->off_bytes[0] = 0;
-    st->T = T;
-    st->R = R;
-    st->N = N;
-    st->row0 = st->span_on ? st->span_row0 : 0;
-    st->ranks = st->span_on && st->span_group ? st->span_group->world_size : 1;
-    st->seq_len = L;
-    st->n_seq = nseq;
+    st->f->T = T;
+    st->f->R = R;
+    st->f->N = N;
+    st->f->row0 = st->span_on ? st->span_row0 : 0;
+    st->f->ranks = st->span_on && st->span_group ? st->span_group->world_size : 1;
+    st->f->seq_len = L;
+    st->f->n_seq = nseq;
     /* router: u = x W_r^T in f32 */
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_XF, T, R, &xf));
     DSK__TRY(dsk_tensor_copy(ctx, &xf, x));
@@ -4557,10 +4766,10 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_CNTG, T, R, &cntg));
         if (o->ep_exchange == DSK_MOE_EP_BOUNDED) DSK__TRY(dsk__moe_ep_bounded(m, ctx, &off, &cnt, &cntg));
         else DSK__TRY(dsk__moe_ep_counts(m, ctx, &cnt, &cntg, &n_kept, &R));
-        st->R = R;
+        st->f->R = R;
         offsets = dsk__moe_saved(m, DSK__MOE_LOCAL_OFF);
     } else if (cpu) {
-        R = st->R = n_kept;
+        R = st->f->R = n_kept;
     }
     if (cpu && DSK__MOE_I64(cntg)[2] > 0) return dsk__moe_nonfinite_error(m, T, DSK__MOE_I64(cntg));
     if (!m->eval) DSK__TRY(dsk__moe_accumulate_step(m, ctx, &cnt, &cntg, &lb.loss));
@@ -4577,52 +4786,67 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
         xs = dsk__moe_rows(&xs, n_rows);
         DSK__TRY(dsk_gather_rows_scaled(ctx, &xs, &xa, &row_tok, NULL));
     }
-    /* routed experts: grouped GEMMs over the experts' row segments; EP: the shared experts compute while
-       the rows travel (two hops: the tokens' rows) */
+    st->f->n_kept = n_kept;
+    /* the rows to the experts (two hops: the tokens' rows) */
     if (ep) {
         if (two) DSK__TRY(dsk__moe_hop_plan(m, ctx, T, n_kept, &perm, &off, &gate));
         DSK__TRY(dsk__moe_buf(m, ctx, fp8 ? DSK__MOE_DOR : DSK__MOE_XR, T, R, &xr));
         DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_OB, T, R, &back));
         back = dsk__moe_rows(&back, n_rows);
-        st->chunked = dsk__moe_chunking(m, ctx);
-        DSK__TRY(dsk__moe_exchange_start(&xch, m, ctx, two ? &xa : &xs, &xr, DSK__MOE_XCH_DISPATCH,
-                                         st->chunked ? &back : NULL));
     } else if (!fp8) {
         xr = dsk__moe_rows(&xs, R);
     }
+    dsk__moe_pending_set(p, DSK__MOE_PEND_FWD, T, R, n_rows, w);
+    p->xa = xa, p->xs = xs, p->xr = xr, p->back = back, p->pos = pos, p->gate = gate, p->row_tok = row_tok;
+    p->cntg = cntg, p->loss = lb.loss, p->offsets = offsets;
+    if (!ep) return DSK_OK;
+    st->chunked = dsk__moe_chunking(m, ctx);
+    return dsk__moe_exchange_start(&p->xch, m, ctx, two ? &p->xa : &p->xs, &p->xr, DSK__MOE_XCH_DISPATCH,
+                                   st->chunked ? &p->back : NULL);
+}
+
+/* The rest of a forward begun: the shared experts (while the rows travel), the routed experts (chunked:
+   this rank's own rows while the other ranks' travel, then each other rank's as it lands; each chunk's outputs
+   leave as soon as they are computed), the outputs back and combined into y. */
+static dsk_status dsk__moe_forward_end_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, dsk_moe_stats *stats) {
+    struct dsk__moe_state *st = m->st;
+    dsk__moe_pending *p = st->pend;
+    int64_t T = p->T, R = p->R, Fs = m->d_shared_total;
+    int ep = m->ep_size > 1, fp8 = m->opts.expert_gemm == DSK_MOE_GEMM_FP8;
+    dsk__moe_async *xch = ep ? &p->xch : NULL;
+    dsk_tensor h1, h3, a, ob, ys, *w = p->w;
     if (Fs > 0)
-        DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, fp8 ? DSK__MOE_F8(dsk__moe_f8_shared_forward(m, ctx, w, &ys))
-                                                              : dsk__moe_shared_step(m, ctx, &xa, w, T, R, &ys)));
-    DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_O, T, R, &ob)));
+        DSK__TRY(dsk__moe_join_on_error(xch, fp8 ? DSK__MOE_F8(dsk__moe_f8_shared_forward(m, ctx, w, &ys))
+                                                 : dsk__moe_shared_step(m, ctx, &p->xa, w, T, R, &ys)));
+    DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_O, T, R, &ob)));
     if (!fp8) {
-        DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_H1, T, R, &h1)));
-        DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_H3, T, R, &h3)));
-        DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_A, T, R, &a)));
+        DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_H1, T, R, &h1)));
+        DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_H3, T, R, &h3)));
+        DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_A, T, R, &a)));
     }
     st->fwd_chunks = 0;
-    if (ep && st->chunked) /* this rank's own rows while the others' travel, then each other rank's as it lands;
-                              each chunk's outputs leave as soon as they are computed */
-        for (int k = 0, r = m->ep_rank; r >= 0; r = dsk__moe_next_arrival(&xch, k++), st->fwd_chunks++) {
-            DSK__TRY(dsk__moe_join_on_error(&xch, dsk__moe_experts_chunk(m, ctx, w, &xs, &xr, &ob, &h1, &h3, &a, r)));
+    if (ep && st->chunked)
+        for (int k = 0, r = m->ep_rank; r >= 0; r = dsk__moe_next_arrival(xch, k++), st->fwd_chunks++) {
+            DSK__TRY(
+                dsk__moe_join_on_error(xch, dsk__moe_experts_chunk(m, ctx, w, &p->xs, &p->xr, &ob, &h1, &h3, &a, r)));
             dsk__moe_release_rank(m, &ob, r);
         }
-    if (ep) DSK__TRY(dsk__moe_exchange_wait(&xch));
+    if (ep) DSK__TRY(dsk__moe_exchange_wait(xch));
     if (fp8) {
-        DSK__TRY(DSK__MOE_F8(dsk__moe_f8_rows(m, ctx, &row_tok, &xr)));
-        DSK__TRY(DSK__MOE_F8(dsk__moe_f8_experts_forward(m, ctx, w, &offsets, &ob)));
+        DSK__TRY(DSK__MOE_F8(dsk__moe_f8_rows(m, ctx, &p->row_tok, &p->xr)));
+        DSK__TRY(DSK__MOE_F8(dsk__moe_f8_experts_forward(m, ctx, w, &p->offsets, &ob)));
     } else if (!(ep && st->chunked)) {
-        DSK__TRY(dsk_swiglu_grouped(ctx, &ob, &h1, &h3, &a, &xr, &w[0], &w[1], &w[2], &offsets));
+        DSK__TRY(dsk_swiglu_grouped(ctx, &ob, &h1, &h3, &a, &p->xr, &w[0], &w[1], &w[2], &p->offsets));
     }
     if (ep) {
-        if (!st->chunked) DSK__TRY(dsk__moe_from_experts(m, ctx, &ob, &back));
-        ob = back;
+        if (!st->chunked) DSK__TRY(dsk__moe_from_experts(m, ctx, &ob, &p->back));
+        ob = p->back;
     }
-    DSK__TRY(dsk__moe_combine(m, ctx, y, &pos, &gate, &ob, Fs > 0 ? &ys : NULL));
-    st->n_kept = n_kept;
+    DSK__TRY(dsk__moe_combine(m, ctx, y, &p->pos, &p->gate, &ob, Fs > 0 ? &ys : NULL));
     st->in_forward = 0;
-    st->have_fwd = 1;
-    st->have_route = 1;
-    return stats ? dsk__moe_fill_stats(m, ctx, &cntg, &lb.loss, stats) : DSK_OK;
+    st->f->have_fwd = 1;
+    st->f->have_route = 1;
+    return stats ? dsk__moe_fill_stats(m, ctx, &p->cntg, &p->loss, stats) : DSK_OK;
 }
 
 /* ---------------------------------------------------------------- backward */
@@ -4632,7 +4856,7 @@ static dsk_status dsk__moe_forward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y,
 static dsk_status dsk__moe_shared_backward(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *dya, const dsk_tensor *xa,
                                            const dsk_tensor *w, dsk_tensor *dxf) {
     struct dsk__moe_state *st = m->st;
-    int64_t T = st->T, R = st->R, Fs = m->d_shared_total;
+    int64_t T = st->f->T, R = st->f->R, Fs = m->d_shared_total;
     if (Fs > 0) {
         dsk_tensor das, dhs1, dhs3, hs1 = dsk__moe_saved(m, DSK__MOE_HS1), hs3 = dsk__moe_saved(m, DSK__MOE_HS3);
         dsk_tensor as = dsk__moe_saved(m, DSK__MOE_AS);
@@ -4652,86 +4876,112 @@ static dsk_status dsk__moe_shared_backward(dsk_moe *m, dsk_ctx *ctx, const dsk_t
     return DSK_OK;
 }
 
-static dsk_status dsk__moe_backward_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy,
-                                         float aux_scale) {
-    struct dsk__moe_state *st = m->st;
+/* The tensors a forward saved for its backward (the current slot's), its n_rows kept rows. */
+typedef struct dsk__moe_kept {
+    dsk_tensor xf, xa, u, prob, sel, pos, aux, xs, row_tok, row_gate, h1, h3, a, xr, ob, offsets;
+} dsk__moe_kept;
+
+static dsk__moe_kept dsk__moe_kept_views(const dsk_moe *m, int64_t n_rows) {
     const dsk_moe_opts *o = &m->opts;
-    int64_t T = st->T, R = st->R, K = o->top_k;
-    int64_t n_rows = st->n_kept >= 0 ? st->n_kept : T * K;
-    int ep = m->ep_size > 1, fp8 = o->expert_gemm == DSK_MOE_GEMM_FP8, two = ep && o->ep_route == DSK_MOE_ROUTE_TWO_HOP;
-    float zcoef = st->N > 0 ? o->z_beta * 2.0f / (float)st->N * aux_scale : 0.0f; /* per token of the span */
-    /* what the forward saved */
-    dsk_tensor xf = dsk__moe_saved(m, DSK__MOE_XF), xa = st->act == DSK_F32 ? xf : dsk__moe_saved(m, DSK__MOE_XA);
-    dsk_tensor u = dsk__moe_saved(m, DSK__MOE_U), prob = dsk__moe_saved(m, DSK__MOE_PROB);
-    dsk_tensor sel = dsk__moe_saved(m, DSK__MOE_SEL), pos = dsk__moe_saved(m, DSK__MOE_POS);
-    dsk_tensor aux = dsk__moe_saved(m, DSK__MOE_AUX), xs = dsk__moe_saved(m, DSK__MOE_XS);
-    dsk_tensor row_tok = dsk__moe_saved(m, DSK__MOE_ROW_TOK), row_gate = dsk__moe_saved(m, DSK__MOE_ROW_GATE);
-    dsk_tensor h1 = dsk__moe_saved(m, DSK__MOE_H1), h3 = dsk__moe_saved(m, DSK__MOE_H3),
-               a = dsk__moe_saved(m, DSK__MOE_A);
-    dsk_tensor xr = fp8 ? xs : ep ? dsk__moe_saved(m, DSK__MOE_XR) : dsk__moe_rows(&xs, R); /* FP8: RQ instead */
-    dsk_tensor ob = dsk__moe_saved(m, ep ? DSK__MOE_OB : DSK__MOE_O);
-    dsk_tensor offsets = dsk__moe_saved(m, ep ? DSK__MOE_LOCAL_OFF : o->capacity_factor > 0 ? DSK__MOE_OFF
-                                                                                          : DSK__MOE_OFF_ALL);
-    dsk_tensor w[6], dya, dxf, dgate, du, dos, dor, da, dh1, dh3, dxr, dxp;
-    dsk__moe_async xch;
-    row_tok = dsk__moe_rows(&row_tok, n_rows);
-    row_gate = dsk__moe_rows(&row_gate, n_rows);
-    if (ep) ob = dsk__moe_rows(&ob, n_rows);
+    int ep = m->ep_size > 1, fp8 = o->expert_gemm == DSK_MOE_GEMM_FP8;
+    dsk__moe_kept k;
+    k.xf = dsk__moe_saved(m, DSK__MOE_XF);
+    k.xa = m->st->act == DSK_F32 ? k.xf : dsk__moe_saved(m, DSK__MOE_XA);
+    k.u = dsk__moe_saved(m, DSK__MOE_U), k.prob = dsk__moe_saved(m, DSK__MOE_PROB);
+    k.sel = dsk__moe_saved(m, DSK__MOE_SEL), k.pos = dsk__moe_saved(m, DSK__MOE_POS);
+    k.aux = dsk__moe_saved(m, DSK__MOE_AUX), k.xs = dsk__moe_saved(m, DSK__MOE_XS);
+    k.row_tok = dsk__moe_saved(m, DSK__MOE_ROW_TOK), k.row_gate = dsk__moe_saved(m, DSK__MOE_ROW_GATE);
+    k.h1 = dsk__moe_saved(m, DSK__MOE_H1), k.h3 = dsk__moe_saved(m, DSK__MOE_H3), k.a = dsk__moe_saved(m, DSK__MOE_A);
+    k.xr = fp8 ? k.xs : ep ? dsk__moe_saved(m, DSK__MOE_XR) : dsk__moe_rows(&k.xs, m->st->f->R); /* FP8: RQ */
+    k.ob = dsk__moe_saved(m, ep ? DSK__MOE_OB : DSK__MOE_O);
+    k.offsets = dsk__moe_saved(m, ep ? DSK__MOE_LOCAL_OFF : o->capacity_factor > 0 ? DSK__MOE_OFF : DSK__MOE_OFF_ALL);
+    k.row_tok = dsk__moe_rows(&k.row_tok, n_rows);
+    k.row_gate = dsk__moe_rows(&k.row_gate, n_rows);
+    if (ep) k.ob = dsk__moe_rows(&k.ob, n_rows);
+    return k;
+}
+
+/* A backward up to its rows' exchange: d gate = dy . o for the kept slots, the rows g * dy to go back to the
+   experts, and under expert parallelism their exchange begun (beside what the end computes first). */
+static dsk_status dsk__moe_backward_begin_impl(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *dy, float aux_scale) {
+    struct dsk__moe_state *st = m->st;
+    dsk__moe_pending *p = st->pend;
+    const dsk_moe_opts *o = &m->opts;
+    int64_t T = st->f->T, R = st->f->R, n_rows = st->f->n_kept >= 0 ? st->f->n_kept : T * o->top_k;
+    int ep = m->ep_size > 1, two = ep && o->ep_route == DSK_MOE_ROUTE_TWO_HOP;
+    dsk__moe_kept k = dsk__moe_kept_views(m, n_rows);
+    dsk_tensor w[6];
     DSK__TRY(dsk__moe_weights_act(m, ctx, w));
-    DSK__TRY(dsk__moe_act_input(m, ctx, DSK__MOE_DYA, dy, NULL, &dya));
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DXF, T, R, &dxf));
-    /* d gate = dy . o for the kept slots; rows back to the experts: g * dy */
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DGATE, T, R, &dgate));
-    DSK__TRY(dsk__moe_dgate(m, ctx, &dgate, &dya, &pos, &ob));
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DOS, T, R, &dos));
-    dos = dsk__moe_rows(&dos, n_rows);
-    DSK__TRY(dsk_gather_rows_scaled(ctx, &dos, &dya, &row_tok, &row_gate));
-    if (ep) { /* the shared experts' backward while the rows travel */
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DOR, T, R, &dor));
-        st->in_forward = 0;
-        DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DXP, T, R, &dxp));
-        dxp = dsk__moe_rows(&dxp, n_rows);
-        st->chunked = dsk__moe_chunking(m, ctx);
-        DSK__TRY(dsk__moe_exchange_start(&xch, m, ctx, two ? &dya : &dos, &dor, DSK__MOE_XCH_TO_EXPERTS,
-                                         st->chunked ? &dxp : NULL));
-    } else {
-        dor = dsk__moe_rows(&dos, R);
+    dsk__moe_pending_set(p, DSK__MOE_PEND_BWD, T, R, n_rows, w);
+    p->aux_scale = aux_scale;
+    DSK__TRY(dsk__moe_act_input(m, ctx, DSK__MOE_DYA, dy, NULL, &p->dya));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DXF, T, R, &p->dxf));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DGATE, T, R, &p->dgate));
+    DSK__TRY(dsk__moe_dgate(m, ctx, &p->dgate, &p->dya, &k.pos, &k.ob));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DOS, T, R, &p->dos));
+    p->dos = dsk__moe_rows(&p->dos, n_rows);
+    DSK__TRY(dsk_gather_rows_scaled(ctx, &p->dos, &p->dya, &k.row_tok, &k.row_gate));
+    if (!ep) {
+        p->dor = dsk__moe_rows(&p->dos, R);
+        return DSK_OK;
     }
-    DSK__TRY(dsk__moe_join_on_error(
-        ep ? &xch : NULL, fp8 && m->d_shared_total > 0 ? DSK__MOE_F8(dsk__moe_f8_shared_backward(m, ctx, w, &dya, &dxf))
-                                                       : dsk__moe_shared_backward(m, ctx, &dya, &xa, w, &dxf)));
-    /* routed experts (chunked: this rank's own rows while the others' travel) */
-    DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_DA, T, R, &da)));
-    DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_DH1, T, R, &dh1)));
-    DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_DH3, T, R, &dh3)));
-    DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_DXR, T, R, &dxr)));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DOR, T, R, &p->dor));
+    st->in_forward = 0;
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DXP, T, R, &p->dxp));
+    p->dxp = dsk__moe_rows(&p->dxp, n_rows);
+    st->chunked = dsk__moe_chunking(m, ctx);
+    return dsk__moe_exchange_start(&p->xch, m, ctx, two ? &p->dya : &p->dos, &p->dor, DSK__MOE_XCH_TO_EXPERTS,
+                                   st->chunked ? &p->dxp : NULL);
+}
+
+/* The rest of a backward begun: the shared experts' backward while the rows travel, the routed experts'
+   (chunked: this rank's own rows while the others' travel), the rows back (beside the router's backward), then
+   dx += d/dx. */
+static dsk_status dsk__moe_backward_end_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx) {
+    struct dsk__moe_state *st = m->st;
+    dsk__moe_pending *p = st->pend;
+    const dsk_moe_opts *o = &m->opts;
+    int64_t T = p->T, R = p->R;
+    int ep = m->ep_size > 1, fp8 = o->expert_gemm == DSK_MOE_GEMM_FP8;
+    float zcoef = st->f->N > 0 ? o->z_beta * 2.0f / (float)st->f->N * p->aux_scale : 0.0f; /* per token of the span */
+    dsk__moe_kept k = dsk__moe_kept_views(m, p->n_rows);
+    dsk__moe_async *xch = ep ? &p->xch : NULL;
+    dsk_tensor *w = p->w, da, dh1, dh3, dxr, du;
+    DSK__TRY(dsk__moe_join_on_error(xch, fp8 && m->d_shared_total > 0
+                                             ? DSK__MOE_F8(dsk__moe_f8_shared_backward(m, ctx, w, &p->dya, &p->dxf))
+                                             : dsk__moe_shared_backward(m, ctx, &p->dya, &k.xa, w, &p->dxf)));
+    DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_DA, T, R, &da)));
+    DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_DH1, T, R, &dh1)));
+    DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_DH3, T, R, &dh3)));
+    DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_DXR, T, R, &dxr)));
     if (ep && st->chunked) /* as the forward; the weight gradients compute while the last rows travel back */
-        for (int k = 0, r = m->ep_rank; r >= 0; r = dsk__moe_next_arrival(&xch, k++)) {
-            DSK__TRY(dsk__moe_join_on_error(
-                &xch, dsk__moe_experts_chunk_backward(m, ctx, w, &dos, &dor, &h1, &h3, &da, &dh1, &dh3, &dxr, r)));
+        for (int c = 0, r = m->ep_rank; r >= 0; r = dsk__moe_next_arrival(xch, c++)) {
+            DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_experts_chunk_backward(m, ctx, w, &p->dos, &p->dor, &k.h1,
+                                                                                 &k.h3, &da, &dh1, &dh3, &dxr, r)));
             dsk__moe_release_rank(m, &dxr, r);
         }
-    if (ep && !st->chunked) DSK__TRY(dsk__moe_exchange_wait(&xch));
-    if (fp8) DSK__TRY(DSK__MOE_F8(dsk__moe_f8_experts_backward(m, ctx, w, &offsets, &dor, &dxr)));
+    if (ep && !st->chunked) DSK__TRY(dsk__moe_exchange_wait(xch));
+    if (fp8) DSK__TRY(DSK__MOE_F8(dsk__moe_f8_experts_backward(m, ctx, w, &k.offsets, &p->dor, &dxr)));
     else if (ep && st->chunked)
-        DSK__TRY(dsk__moe_join_on_error(&xch, dsk__moe_chunked_wgrad(m, ctx, &offsets, &dor, &xr, &a, &dh1, &dh3)));
+        DSK__TRY(
+            dsk__moe_join_on_error(xch, dsk__moe_chunked_wgrad(m, ctx, &k.offsets, &p->dor, &k.xr, &k.a, &dh1, &dh3)));
     else
-        DSK__TRY(dsk_swiglu_grouped_backward(ctx, &dxr, &m->w1->grad, &m->w2->grad, &m->w3->grad, &da, &dh1, &dh3, &dor,
-                                             &xr, &h1, &h3, &a, &w[0], &w[1], &w[2], &offsets));
+        DSK__TRY(dsk_swiglu_grouped_backward(ctx, &dxr, &m->w1->grad, &m->w2->grad, &m->w3->grad, &da, &dh1, &dh3,
+                                             &p->dor, &k.xr, &k.h1, &k.h3, &k.a, &w[0], &w[1], &w[2], &k.offsets));
     if (ep && !st->chunked) /* the router's backward while the rows travel back */
-        DSK__TRY(dsk__moe_exchange_start(&xch, m, ctx, &dxr, &dxp, DSK__MOE_XCH_FROM_EXPERTS, NULL));
-    else if (!ep) dxp = dxr;
+        DSK__TRY(dsk__moe_exchange_start(xch, m, ctx, &dxr, &p->dxp, DSK__MOE_XCH_FROM_EXPERTS, NULL));
+    else if (!ep) p->dxp = dxr;
     /* router: du (T, E) per token, the routed rows into dxf, then dx += du W_r, dW_r += du^T x */
-    DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_DU, T, R, &du)));
-    DSK__TRY(dsk__moe_join_on_error(ep ? &xch : NULL,
-                                    dsk__moe_route_backward(m, ctx, T, &u, &prob, &sel, &dgate,
-                                                            o->aux_alpha > 0 || o->seq_aux_alpha > 0 ? &aux : NULL,
-                                                            st->row0, st->seq_len, aux_scale, zcoef, &du)));
-    if (ep) DSK__TRY(dsk__moe_exchange_wait(&xch));
-    DSK__TRY(dsk__moe_uncombine(m, ctx, &dxf, &pos, &dxp));
-    DSK__TRY(dsk_matmul(ctx, &dxf, &du, 0, &m->router->value, 0, 1.0f, 1.0f));
-    DSK__TRY(dsk_matmul(ctx, &m->router->grad, &du, 1, &xf, 0, 1.0f, 1.0f));
-    return dsk_axpy(ctx, dx, 1.0f, &dxf);
+    DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_DU, T, R, &du)));
+    DSK__TRY(
+        dsk__moe_join_on_error(xch, dsk__moe_route_backward(m, ctx, T, &k.u, &k.prob, &k.sel, &p->dgate,
+                                                            o->aux_alpha > 0 || o->seq_aux_alpha > 0 ? &k.aux : NULL,
+                                                            st->f->row0, st->f->seq_len, p->aux_scale, zcoef, &du)));
+    if (ep) DSK__TRY(dsk__moe_exchange_wait(xch));
+    DSK__TRY(dsk__moe_uncombine(m, ctx, &p->dxf, &k.pos, &p->dxp));
+    DSK__TRY(dsk_matmul(ctx, &p->dxf, &du, 0, &m->router->value, 0, 1.0f, 1.0f));
+    DSK__TRY(dsk_matmul(ctx, &m->router->grad, &du, 1, &k.xf, 0, 1.0f, 1.0f));
+    return dsk_axpy(ctx, dx, 1.0f, &p->dxf);
 }
 
 /* ---------------------------------------------------------------- statistics and bias */
@@ -4742,9 +4992,10 @@ DSK_API dsk_status dsk_moe_stats_request(dsk_moe *m, dsk_ctx *ctx) {
     DSK__TRY(dsk__moe_need_layer(m, "dsk_moe_stats_request"));
     st = m->st;
     E = m->opts.n_routed;
+    DSK__TRY(dsk__moe_to_host(m, ctx, st->col_acc_i, dsk__moe_store_of(st, DSK__MOE_ACC_I)->mem.data,
+                              (size_t)(5 + E) * sizeof(int64_t)));
     DSK__TRY(
-        dsk__moe_to_host(m, ctx, st->col_acc_i, st->buf[DSK__MOE_ACC_I].mem.data, (size_t)(5 + E) * sizeof(int64_t)));
-    DSK__TRY(dsk__moe_to_host(m, ctx, st->col_acc_f, st->buf[DSK__MOE_ACC_F].mem.data, 3 * sizeof(double)));
+        dsk__moe_to_host(m, ctx, st->col_acc_f, dsk__moe_store_of(st, DSK__MOE_ACC_F)->mem.data, 3 * sizeof(double)));
 #ifdef DSK_CUDA
     if (m->device.type == DSK_DEV_CUDA) DSK__TRY(dsk_cuda_event_record(ctx, st->event));
 #endif
@@ -4755,8 +5006,8 @@ DSK_API dsk_status dsk_moe_stats_request(dsk_moe *m, dsk_ctx *ctx) {
     }
     st->off_bytes[2] = st->off_bytes[1];
     st->off_bytes[1] = 0;
-    DSK__TRY(dsk_tensor_fill(ctx, &st->buf[DSK__MOE_ACC_I].mem, 0.0));
-    return dsk_tensor_fill(ctx, &st->buf[DSK__MOE_ACC_F].mem, 0.0);
+    DSK__TRY(dsk_tensor_fill(ctx, &dsk__moe_store_of(st, DSK__MOE_ACC_I)->mem, 0.0));
+    return dsk_tensor_fill(ctx, &dsk__moe_store_of(st, DSK__MOE_ACC_F)->mem, 0.0);
 }
 
 DSK_API dsk_status dsk_moe_stats_collect(dsk_moe *m, dsk_ctx *ctx, dsk_moe_stats *out) {
@@ -4799,7 +5050,7 @@ DSK_API dsk_status dsk_moe_update_bias(dsk_moe *m, dsk_ctx *ctx, dsk_comm *comm)
     dsk_tensor *load;
     DSK__TRY(dsk__moe_need_layer(m, fn));
     DSK__TRY(dsk__moe_need_bound(m, fn));
-    load = &m->st->buf[DSK__MOE_LOAD].mem;
+    load = &dsk__moe_store_of(m->st, DSK__MOE_LOAD)->mem;
     if (comm && comm->world_size > 1) {
         if ((m->device.type == DSK_DEV_CUDA) != (comm->backend == DSK_COMM_NCCL))
             return dsk_set_error(DSK_ERR_UNSUPPORTED,
@@ -4991,27 +5242,81 @@ static dsk_status dsk__moe_check_span(const dsk_moe *m, const char *fn, int64_t 
 }
 
 /* dsk_moe_forward and dsk_moe_forward_replay: every argument checked before the layer changes. */
-static dsk_status dsk__moe_forward_checked(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x,
-                                           const dsk_tensor *replay, dsk_moe_stats *stats, const char *fn) {
+/* The pending forward or backward's record, made at the layer's first begin; NULL when out of memory. */
+static dsk__moe_pending *dsk__moe_pending_of(dsk_moe *m) {
+    if (!m->st->pend && (m->st->pend = (dsk__moe_pending *)DSK_MALLOC(sizeof(dsk__moe_pending))) != NULL)
+        memset(m->st->pend, 0, sizeof(dsk__moe_pending));
+    if (!m->st->pend) dsk_set_error(DSK_ERR_OOM, "dsk_moe: layer \"%s\": out of host memory", m->opts.name);
+    return m->st->pend;
+}
+
+static dsk_status dsk__moe_need_cuda_ctx(const dsk_moe *m, const dsk_ctx *ctx, const char *fn) {
+    if (m->device.type == DSK_DEV_CUDA && (!ctx || ctx->device.type != DSK_DEV_CUDA))
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\" is on CUDA: pass its CUDA ctx", fn, m->opts.name);
+    return DSK_OK;
+}
+
+/* Checks a forward's input, then runs the forward to its dispatch (st->pending FWD until its end). */
+static dsk_status dsk__moe_forward_start(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *x, const dsk_tensor *replay,
+                                         const char *fn) {
+    struct dsk__moe_state *st;
     int64_t T;
+    dsk_status s;
+    DSK__TRY(dsk__moe_need_layer(m, fn));
+    DSK__TRY(dsk__moe_need_bound(m, fn));
+    DSK__TRY(dsk__moe_need_idle(m, fn));
+    DSK__TRY(dsk__moe_check_io(m, fn, "x", x, -1));
+    T = x->shape[0];
+    if (replay) DSK__TRY(dsk__moe_check_replay(m, fn, replay, T));
+    DSK__TRY(dsk__moe_check_span(m, fn, T));
+    DSK__TRY(dsk__moe_need_cuda_ctx(m, ctx, fn));
+    if (!dsk__moe_pending_of(m)) return DSK_ERR_OOM;
+    st = m->st;
+    st->f->have_fwd = st->f->bwd_done = st->f->have_route = 0;
+    st->pending = DSK__MOE_PEND_FWD;
+    s = dsk__moe_forward_begin_impl(m, ctx, x, T, replay);
+    if (s != DSK_OK) st->pending = DSK__MOE_PEND_NONE; /* no exchange runs after a failed start */
+    return s;
+}
+
+/* Checks y against the forward begun, then ends it. A bad y leaves it begun. */
+static dsk_status dsk__moe_forward_finish(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, dsk_moe_stats *stats,
+                                          const char *fn) {
+    struct dsk__moe_state *st;
     dsk_status s;
     if (stats) memset(stats, 0, sizeof *stats);
     DSK__TRY(dsk__moe_need_layer(m, fn));
-    DSK__TRY(dsk__moe_need_bound(m, fn));
-    DSK__TRY(dsk__moe_check_io(m, fn, "x", x, -1));
-    T = x->shape[0];
-    DSK__TRY(dsk__moe_check_io(m, fn, "y", y, T));
-    if (replay) DSK__TRY(dsk__moe_check_replay(m, fn, replay, T));
-    DSK__TRY(dsk__moe_check_span(m, fn, T));
-    if (m->device.type == DSK_DEV_CUDA && (!ctx || ctx->device.type != DSK_DEV_CUDA))
-        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\" is on CUDA: pass its CUDA ctx", fn, m->opts.name);
-    m->st->have_fwd = m->st->bwd_done = m->st->have_route = 0;
-    s = dsk__moe_forward_impl(m, ctx, y, x, T, replay, stats);
+    st = m->st;
+    if (st->pending != DSK__MOE_PEND_FWD)
+        return dsk_set_error(DSK_ERR_STATE, "%s: layer \"%s\": no forward begun (dsk_moe_forward_begin)", fn,
+                             m->opts.name);
+    DSK__TRY(dsk__moe_check_io(m, fn, "y", y, st->pend->T));
+    DSK__TRY(dsk__moe_need_cuda_ctx(m, ctx, fn));
+    s = dsk__moe_forward_end_impl(m, ctx, y, stats);
+    st->pending = DSK__MOE_PEND_NONE; /* the end joined the exchange, whatever its status */
     if (s != DSK_OK) {
-        m->st->have_fwd = m->st->have_route = 0;
+        st->f->have_fwd = st->f->have_route = 0;
         if (stats) memset(stats, 0, sizeof *stats);
     }
     return s;
+}
+
+static dsk_status dsk__moe_forward_checked(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x,
+                                           const dsk_tensor *replay, dsk_moe_stats *stats, const char *fn) {
+    if (stats) memset(stats, 0, sizeof *stats);
+    DSK__TRY(dsk__moe_need_layer(m, fn));
+    DSK__TRY(dsk__moe_check_io(m, fn, "x", x, -1));
+    DSK__TRY(dsk__moe_check_io(m, fn, "y", y, x->shape[0]));
+    DSK__TRY(dsk__moe_forward_start(m, ctx, x, replay, fn));
+    return dsk__moe_forward_finish(m, ctx, y, stats, fn);
+}
+
+DSK_API dsk_status dsk_moe_forward_begin(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *x) {
+    return dsk__moe_forward_start(m, ctx, x, NULL, "dsk_moe_forward_begin");
+}
+
+DSK_API dsk_status dsk_moe_forward_end(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, dsk_moe_stats *stats) {
+    return dsk__moe_forward_finish(m, ctx, y, stats, "dsk_moe_forward_end");
 }
 
 DSK_API dsk_status dsk_moe_set_loss_span(dsk_moe *m, dsk_comm *group, int64_t row0, int64_t total_rows) {
@@ -5057,44 +5362,82 @@ DSK_API dsk_status dsk_moe_routing(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *experts
     char b[96];
     DSK__TRY(dsk__moe_need_layer(m, fn));
     st = m->st;
-    if (!st->have_route)
+    if (!st->f->have_route)
         return dsk_set_error(DSK_ERR_STATE, "%s: layer \"%s\": no forward has routed tokens since the layer was made "
                              "or its workspace reserved", fn, m->opts.name);
     if (!experts) return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": experts is NULL", fn, m->opts.name);
-    if (experts->dtype != DSK_I32 || experts->ndim != 2 || experts->shape[0] != st->T ||
+    if (experts->dtype != DSK_I32 || experts->ndim != 2 || experts->shape[0] != st->f->T ||
         experts->shape[1] != m->opts.top_k || experts->device.type != DSK_DEV_CPU ||
-        !dsk_tensor_is_contiguous(experts) || (!experts->data && st->T > 0))
+        !dsk_tensor_is_contiguous(experts) || (!experts->data && st->f->T > 0))
         return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": experts is %s, want [%lld,%d] i32, contiguous on the CPU",
-                             fn, m->opts.name, dsk_tensor_describe(experts, b, sizeof b), (long long)st->T,
+                             fn, m->opts.name, dsk_tensor_describe(experts, b, sizeof b), (long long)st->f->T,
                              m->opts.top_k);
-    if (st->T == 0) return DSK_OK;
-    DSK__TRY(dsk__moe_to_host(m, ctx, experts->data, st->buf[DSK__MOE_SEL].mem.data,
-                              (size_t)(st->T * m->opts.top_k) * sizeof(int32_t)));
+    if (st->f->T == 0) return DSK_OK;
+    DSK__TRY(dsk__moe_to_host(m, ctx, experts->data, dsk__moe_store_of(m->st, DSK__MOE_SEL)->mem.data,
+                              (size_t)(st->f->T * m->opts.top_k) * sizeof(int32_t)));
     return dsk_ctx_sync(ctx); /* CUDA: the copy is done when this returns */
+}
+
+/* Checks a backward's dy and state, then runs it to its exchange (st->pending BWD until its end). */
+static dsk_status dsk__moe_backward_start(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *dy, float aux_scale,
+                                          const char *fn) {
+    struct dsk__moe_state *st;
+    dsk_status s;
+    DSK__TRY(dsk__moe_need_layer(m, fn));
+    DSK__TRY(dsk__moe_need_idle(m, fn));
+    st = m->st;
+    if (st->f->bwd_done)
+        return dsk_set_error(DSK_ERR_STATE,
+                             "%s: layer \"%s\": a backward already used the forward in slot %d (its gradients would "
+                             "be added twice): run a forward first",
+                             fn, m->opts.name, dsk__moe_slot_index(st));
+    if (!st->f->have_fwd)
+        return dsk_set_error(DSK_ERR_STATE, "%s: layer \"%s\": no forward to differentiate in slot %d", fn,
+                             m->opts.name, dsk__moe_slot_index(st));
+    DSK__TRY(dsk__moe_need_bound(m, fn));
+    DSK__TRY(dsk__moe_check_io(m, fn, "dy", dy, st->f->T));
+    if (!isfinite(aux_scale))
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": aux_scale %g is not finite", fn, m->opts.name,
+                             (double)aux_scale);
+    DSK__TRY(dsk__moe_need_cuda_ctx(m, ctx, fn));
+    if (!dsk__moe_pending_of(m)) return DSK_ERR_OOM;
+    /* from here the gradients change: this forward is used up, even if a step below fails */
+    st->f->have_fwd = 0;
+    st->f->bwd_done = 1;
+    st->pending = DSK__MOE_PEND_BWD;
+    s = dsk__moe_backward_begin_impl(m, ctx, dy, aux_scale);
+    if (s != DSK_OK) st->pending = DSK__MOE_PEND_NONE;
+    return s;
+}
+
+/* Checks dx against the backward begun, then ends it. A bad dx leaves it begun. */
+static dsk_status dsk__moe_backward_finish(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx, const char *fn) {
+    dsk_status s;
+    DSK__TRY(dsk__moe_need_layer(m, fn));
+    if (m->st->pending != DSK__MOE_PEND_BWD)
+        return dsk_set_error(DSK_ERR_STATE, "%s: layer \"%s\": no backward begun (dsk_moe_backward_begin)", fn,
+                             m->opts.name);
+    DSK__TRY(dsk__moe_check_io(m, fn, "dx", dx, m->st->pend->T));
+    DSK__TRY(dsk__moe_need_cuda_ctx(m, ctx, fn));
+    s = dsk__moe_backward_end_impl(m, ctx, dx);
+    m->st->pending = DSK__MOE_PEND_NONE;
+    return s;
 }
 
 DSK_API dsk_status dsk_moe_backward(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, float aux_scale) {
     const char *fn = "dsk_moe_backward";
     DSK__TRY(dsk__moe_need_layer(m, fn));
-    if (m->st->bwd_done)
-        return dsk_set_error(DSK_ERR_STATE,
-                             "%s: layer \"%s\": a backward already used the last forward (its gradients would be "
-                             "added twice): run a forward first",
-                             fn, m->opts.name);
-    if (!m->st->have_fwd)
-        return dsk_set_error(DSK_ERR_STATE, "%s: layer \"%s\": no forward to differentiate", fn, m->opts.name);
-    DSK__TRY(dsk__moe_need_bound(m, fn));
-    DSK__TRY(dsk__moe_check_io(m, fn, "dy", dy, m->st->T));
-    DSK__TRY(dsk__moe_check_io(m, fn, "dx", dx, m->st->T));
-    if (!isfinite(aux_scale))
-        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": aux_scale %g is not finite", fn, m->opts.name,
-                             (double)aux_scale);
-    if (m->device.type == DSK_DEV_CUDA && (!ctx || ctx->device.type != DSK_DEV_CUDA))
-        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\" is on CUDA: pass its CUDA ctx", fn, m->opts.name);
-    /* from here the gradients change: this forward is used up, even if a step below fails */
-    m->st->have_fwd = 0;
-    m->st->bwd_done = 1;
-    return dsk__moe_backward_impl(m, ctx, dx, dy, aux_scale);
+    if (m->st->f->have_fwd && !m->st->f->bwd_done) DSK__TRY(dsk__moe_check_io(m, fn, "dx", dx, m->st->f->T));
+    DSK__TRY(dsk__moe_backward_start(m, ctx, dy, aux_scale, fn));
+    return dsk__moe_backward_finish(m, ctx, dx, fn);
+}
+
+DSK_API dsk_status dsk_moe_backward_begin(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *dy, float aux_scale) {
+    return dsk__moe_backward_start(m, ctx, dy, aux_scale, "dsk_moe_backward_begin");
+}
+
+DSK_API dsk_status dsk_moe_backward_end(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx) {
+    return dsk__moe_backward_finish(m, ctx, dx, "dsk_moe_backward_end");
 }
 
 #endif /* DSK_MOE_IMPLEMENTATION_DONE */

@@ -802,7 +802,7 @@ static void test_grad_accumulates(void) {
         DSK_TEST_OK(dsk_moe_backward(&f.m, NULL, &dx, &dy, 1.0f));
         memcpy(g1, f.own.grads.data, sizeof(float) * ng);
         DSK_TEST_STATUS(dsk_moe_backward(&f.m, NULL, &dx, &dy, 1.0f), DSK_ERR_STATE);
-        DSK_TEST_ERROR_MENTIONS("dsk_moe_backward: layer \"moe\": a backward already used the last forward");
+        DSK_TEST_ERROR_MENTIONS("dsk_moe_backward: layer \"moe\": a backward already used the forward in slot 0");
         DSK_TEST_SAME_BYTES(f.own.grads.data, g1, sizeof(float) * ng, "grads after a refused second backward");
         DSK_TEST_EXPECT(run_forward(&f, NULL), "second forward");
         DSK_TEST_OK(dsk_moe_backward(&f.m, NULL, &dx, &dy, 1.0f));
@@ -815,6 +815,246 @@ static void test_grad_accumulates(void) {
         dsk_tensor_free(NULL, &dx); dsk_tensor_free(NULL, &dy);
     }
     free_fixture(&f);
+}
+
+/* ---------------------------------------------------------------- saved forwards (dsk_moe_set_slots) */
+
+enum { SL_MB = 4 }; /* micro-batches */
+
+static dsk_moe_opts x8_opts(void);
+
+typedef struct sl_io {
+    int T[SL_MB];
+    float *x[SL_MB], *dy[SL_MB]; /* (T[i], D) each */
+} sl_io;
+
+static sl_io sl_draw(int D, const int *T) {
+    sl_io io;
+    for (int i = 0; i < SL_MB; i++) {
+        io.T[i] = T[i];
+        io.x[i] = (float *)malloc(sizeof(float) * (size_t)(T[i] * D));
+        io.dy[i] = (float *)malloc(sizeof(float) * (size_t)(T[i] * D));
+        for (int j = 0; j < T[i] * D; j++) {
+            io.x[i][j] = (float)dsk_test_rand(-1, 1);
+            io.dy[i][j] = (float)dsk_test_rand(-1, 1);
+        }
+    }
+    return io;
+}
+
+static void sl_free(sl_io *io) {
+    for (int i = 0; i < SL_MB; i++) {
+        free(io->x[i]);
+        free(io->dy[i]);
+    }
+}
+
+/* What a caller computes between a begin and its end (another micro-batch's attention): a 64 x 64 product. */
+static int sl_other_work(void) {
+    int64_t sh[2] = {64, 64};
+    dsk_tensor t[3];
+    int ok = 1;
+    for (int i = 0; i < 3; i++) ok = dsk_tensor_alloc(NULL, &t[i], DSK_F32, 2, sh) == DSK_OK && ok;
+    for (int i = 0; ok && i < 2 * 64 * 64; i++) ((float *)t[i / 4096].data)[i % 4096] = (float)(i % 101 - 50) / 50;
+    ok = ok && dsk_matmul(NULL, &t[2], &t[0], 0, &t[1], 1, 1.0f, 0.0f) == DSK_OK;
+    for (int i = 0; i < 3; i++) dsk_tensor_free(NULL, &t[i]);
+    return ok;
+}
+
+/* One call of the schedule below on micro-batch i: its forward into y, or its backward into dx (zeroed first);
+   split: begin, other work, end. */
+static int sl_call(dsk_moe *m, const sl_io *io, int i, int forward, int split, float *y, float *dx) {
+    int64_t shp[2] = {io->T[i], m->opts.d_model};
+    dsk_tensor a, b;
+    if (forward) {
+        dsk_tensor_wrap(&a, io->x[i], DSK_F32, dsk_cpu(), 2, shp);
+        dsk_tensor_wrap(&b, y, DSK_F32, dsk_cpu(), 2, shp);
+        if (!split) return dsk_moe_forward(m, NULL, &b, &a, NULL) == DSK_OK;
+        return dsk_moe_forward_begin(m, NULL, &a) == DSK_OK && sl_other_work() &&
+               dsk_moe_forward_end(m, NULL, &b, NULL) == DSK_OK;
+    }
+    memset(dx, 0, sizeof(float) * (size_t)(shp[0] * shp[1]));
+    dsk_tensor_wrap(&a, io->dy[i], DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&b, dx, DSK_F32, dsk_cpu(), 2, shp);
+    if (!split) return dsk_moe_backward(m, NULL, &b, &a, 1.0f) == DSK_OK;
+    return dsk_moe_backward_begin(m, NULL, &a, 1.0f) == DSK_OK && sl_other_work() &&
+           dsk_moe_backward_end(m, NULL, &b) == DSK_OK;
+}
+
+/* The micro-batches of io through a fresh layer of options o as a pipeline stage runs them: micro-batch i in
+   slot i mod `slots`, forwards up to `slots` ahead of the backwards, backwards in micro-batch order (slots 1:
+   each forward's backward at once), then the bias update; split: each call in two (sl_call). Results: each
+   micro-batch's y and dx, the gradient slab and the updated bias (malloc'd, poisoned first, *len floats); NULL
+   when a call failed. */
+static float *sl_run(dsk_moe_opts o, const sl_io *io, int slots, int split, size_t *len) {
+    dsk_moe m;
+    owned own;
+    size_t off[SL_MB + 1] = {0}, ng;
+    float *buf;
+    int fwd = 0, bwd = 0, ok;
+    if (make_layer(&m, &own, &o) != DSK_OK) return NULL;
+    for (int i = 0; i < SL_MB; i++) off[i + 1] = off[i] + 2 * (size_t)(io->T[i] * o.d_model);
+    ng = (size_t)dsk_tensor_numel(&own.grads);
+    *len = off[SL_MB] + ng + (size_t)o.n_routed;
+    buf = (float *)malloc(sizeof(float) * *len);
+    for (size_t i = 0; i < *len; i++) buf[i] = NAN;
+    ok = dsk_moe_set_slots(&m, NULL, slots) == DSK_OK;
+    while (ok && bwd < SL_MB) {
+        int forward = fwd < SL_MB && fwd - bwd < slots, i = forward ? fwd++ : bwd++;
+        ok = dsk_moe_use_slot(&m, i % slots) == DSK_OK &&
+             sl_call(&m, io, i, forward, split, buf + off[i], buf + off[i] + (size_t)(io->T[i] * o.d_model));
+    }
+    ok = ok && dsk_moe_update_bias(&m, NULL, NULL) == DSK_OK;
+    if (ok) {
+        memcpy(buf + off[SL_MB], own.grads.data, sizeof(float) * ng);
+        memcpy(buf + off[SL_MB] + ng, m.bias->value.data, sizeof(float) * (size_t)o.n_routed);
+    } else {
+        fprintf(stderr, "sl_run: %s\n", dsk_last_error());
+        free(buf);
+        buf = NULL;
+    }
+    drop_layer(&m, &own);
+    return buf;
+}
+
+/* Micro-batches of 12, 8, 20 and 4 tokens through 2 and 4 slots (forwards 1 and 3 ahead, slots reused), and
+   each call split in its begin and end, give the serial order's bits: every y, dx, gradient and the bias after
+   its update. */
+static void check_slots(const char *what, dsk_moe_opts o) {
+    static const int T[SL_MB] = {12, 8, 20, 4};
+    sl_io io = sl_draw(o.d_model, T);
+    size_t n1 = 0, n = 0;
+    float *serial = sl_run(o, &io, 1, 0, &n1);
+    dsk_test_begin("saved forwards: %s, 4 micro-batches in 2 and 4 slots, calls split or not = serial (bits)", what);
+    DSK_TEST_EXPECT(serial != NULL, "the serial run failed");
+    for (int v = 0; serial && v < 4; v++) {
+        int slots = v < 2 ? 2 : 4, split = v % 2;
+        float *got = sl_run(o, &io, slots, split, &n);
+        char msg[64];
+        snprintf(msg, sizeof msg, "%d slots%s: y, dx, gradients, bias", slots, split ? ", split" : "");
+        DSK_TEST_EXPECT(got != NULL, "the run in %d slots%s failed", slots, split ? ", split" : "");
+        if (got) DSK_TEST_SAME_BYTES(got, serial, sizeof(float) * n1, msg);
+        free(got);
+    }
+    free(serial);
+    sl_free(&io);
+    dsk_test_end();
+}
+
+static void test_slots_same_bits(void) {
+    cfg c = base_cfg(16, 8, 16, 2, 6);
+    dsk_moe_opts o;
+    c.n_shared = 1;
+    c.Fs = 6;
+    c.aux = 0.01;
+    c.seq_aux = 0.02;
+    c.seq_len = 4;
+    c.z = 0.001;
+    o = opts_of(&c, DSK_F32);
+    o.init_std = 0.5f;
+    check_slots("softmax, shared expert, the three losses", o);
+    c.sigmoid = 1;
+    c.n_group = 4;
+    c.topk_group = 2;
+    c.aux = c.seq_aux = c.z = 0;
+    c.cf = 1.0;
+    c.scale = 2.5;
+    o = opts_of(&c, DSK_F32);
+    o.init_std = 0.5f;
+    check_slots("sigmoid, groups, capacity 1 (drops)", o);
+    check_slots("FP8 experts", x8_opts());
+}
+
+/* Bad slot counts and slots; a slot whose forward waits for its backward is not dropped. */
+static void test_slots_bad(void) {
+    static const int T[SL_MB] = {5, 5, 5, 5};
+    cfg c = base_cfg(5, 8, 4, 2, 6);
+    dsk_moe_opts o = opts_of(&c, DSK_F32);
+    sl_io io = sl_draw(c.D, T);
+    dsk_moe m;
+    owned own;
+    float y[5 * 8], dx[5 * 8];
+    DSK_TEST_OK(make_layer(&m, &own, &o));
+    DSK_TEST_STATUS(dsk_moe_set_slots(&m, NULL, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_moe_set_slots: layer \"moe\": 0 slots: want 1 to 4096");
+    DSK_TEST_STATUS(dsk_moe_set_slots(&m, NULL, DSK_MOE_MAX_SLOTS + 1), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("4097 slots: want 1 to 4096");
+    DSK_TEST_STATUS(dsk_moe_use_slot(&m, 1), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_moe_use_slot: layer \"moe\": slot 1 of 1");
+    DSK_TEST_OK(dsk_moe_set_slots(&m, NULL, 3));
+    DSK_TEST_STATUS(dsk_moe_use_slot(&m, -1), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("slot -1 of 3");
+    DSK_TEST_OK(dsk_moe_use_slot(&m, 2));
+    DSK_TEST_EXPECT(sl_call(&m, &io, 0, 1, 0, y, dx), "forward in slot 2: %s", dsk_last_error());
+    DSK_TEST_OK(dsk_moe_use_slot(&m, 1));
+    DSK_TEST_EXPECT(!sl_call(&m, &io, 0, 0, 0, y, dx), "a backward in slot 1, which holds no forward, ran");
+    DSK_TEST_ERROR_MENTIONS("no forward to differentiate in slot 1");
+    DSK_TEST_STATUS(dsk_moe_set_slots(&m, NULL, 2), DSK_ERR_STATE);
+    DSK_TEST_ERROR_MENTIONS("slot 2 of 3 holds a forward no backward has used");
+    DSK_TEST_OK(dsk_moe_use_slot(&m, 2)); /* the refusal kept the slot and its forward */
+    DSK_TEST_EXPECT(sl_call(&m, &io, 0, 0, 0, y, dx), "backward in slot 2 after the refused drop: %s",
+                    dsk_last_error());
+    DSK_TEST_EXPECT(!sl_call(&m, &io, 0, 0, 0, y, dx), "a second backward of slot 2's forward ran");
+    DSK_TEST_ERROR_MENTIONS("a backward already used the forward in slot 2");
+    DSK_TEST_OK(dsk_moe_set_slots(&m, NULL, 2)); /* slot 2 dropped: the current slot becomes 0 */
+    DSK_TEST_EXPECT(!sl_call(&m, &io, 0, 0, 0, y, dx), "a backward in slot 0, which holds no forward, ran");
+    DSK_TEST_ERROR_MENTIONS("no forward to differentiate in slot 0");
+    drop_layer(&m, &own);
+    sl_free(&io);
+}
+
+/* A forward or backward split in its begin and end: calls out of order, or on the layer between them, fail
+   naming what is pending; an end with a bad output tensor fails and leaves the call pending. */
+static void test_split_bad(void) {
+    cfg c = base_cfg(6, 8, 4, 2, 6);
+    dsk_moe_opts o = opts_of(&c, DSK_F32);
+    static const int T[SL_MB] = {6, 6, 6, 6};
+    sl_io io = sl_draw(c.D, T);
+    dsk_moe m;
+    owned own;
+    float y[6 * 8], y1[6 * 8], dx[6 * 8];
+    int64_t shp[2] = {6, 8}, bad[2] = {5, 8};
+    dsk_tensor x, dy, ty, ty1, tdx, tbad;
+    dsk_tensor_wrap(&x, io.x[0], DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&dy, io.dy[0], DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&ty, y, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&ty1, y1, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&tdx, dx, DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&tbad, y, DSK_F32, dsk_cpu(), 2, bad);
+    memset(dx, 0, sizeof dx);
+    DSK_TEST_OK(make_layer(&m, &own, &o));
+    DSK_TEST_STATUS(dsk_moe_forward_end(&m, NULL, &ty, NULL), DSK_ERR_STATE);
+    DSK_TEST_ERROR_MENTIONS("dsk_moe_forward_end: layer \"moe\": no forward begun");
+    DSK_TEST_STATUS(dsk_moe_backward_end(&m, NULL, &tdx), DSK_ERR_STATE);
+    DSK_TEST_ERROR_MENTIONS("dsk_moe_backward_end: layer \"moe\": no backward begun");
+    DSK_TEST_OK(dsk_moe_forward_begin(&m, NULL, &x));
+    DSK_TEST_STATUS(dsk_moe_forward_begin(&m, NULL, &x), DSK_ERR_STATE);
+    DSK_TEST_ERROR_MENTIONS("a forward was begun and not ended: call dsk_moe_forward_end first");
+    DSK_TEST_STATUS(dsk_moe_forward(&m, NULL, &ty, &x, NULL), DSK_ERR_STATE);
+    DSK_TEST_STATUS(dsk_moe_backward(&m, NULL, &tdx, &dy, 1.0f), DSK_ERR_STATE);
+    DSK_TEST_ERROR_MENTIONS("dsk_moe_backward: layer \"moe\": a forward was begun and not ended");
+    DSK_TEST_STATUS(dsk_moe_backward_end(&m, NULL, &tdx), DSK_ERR_STATE);
+    DSK_TEST_STATUS(dsk_moe_use_slot(&m, 0), DSK_ERR_STATE);
+    DSK_TEST_STATUS(dsk_moe_set_slots(&m, NULL, 2), DSK_ERR_STATE);
+    DSK_TEST_STATUS(dsk_moe_reserve(&m, NULL, 6), DSK_ERR_STATE);
+    DSK_TEST_ERROR_MENTIONS("dsk_moe_reserve: layer \"moe\": a forward was begun and not ended");
+    DSK_TEST_STATUS(dsk_moe_forward_end(&m, NULL, &tbad, NULL), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_moe_forward_end: layer \"moe\": y is");
+    DSK_TEST_OK(dsk_moe_forward_end(&m, NULL, &ty, NULL)); /* the refused end left the forward pending */
+    DSK_TEST_OK(dsk_moe_forward(&m, NULL, &ty1, &x, NULL));
+    DSK_TEST_SAME_BYTES(y, y1, sizeof y, "the split forward's y = dsk_moe_forward's");
+    DSK_TEST_OK(dsk_moe_backward_begin(&m, NULL, &dy, 1.0f));
+    DSK_TEST_STATUS(dsk_moe_forward_begin(&m, NULL, &x), DSK_ERR_STATE);
+    DSK_TEST_ERROR_MENTIONS("a backward was begun and not ended: call dsk_moe_backward_end first");
+    dsk_tensor_wrap(&tbad, dx, DSK_F32, dsk_cpu(), 2, bad);
+    DSK_TEST_STATUS(dsk_moe_backward_end(&m, NULL, &tbad), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_moe_backward_end: layer \"moe\": dx is");
+    DSK_TEST_OK(dsk_moe_backward_end(&m, NULL, &tdx));
+    DSK_TEST_STATUS(dsk_moe_backward_begin(&m, NULL, &dy, 1.0f), DSK_ERR_STATE);
+    DSK_TEST_ERROR_MENTIONS("a backward already used the forward in slot 0");
+    DSK_TEST_OK(dsk_moe_forward_begin(&m, NULL, &x)); /* freed with a forward pending */
+    drop_layer(&m, &own);
+    sl_free(&io);
 }
 
 /* ---------------------------------------------------------------- routing record and replay */
@@ -1361,7 +1601,7 @@ static void test_bad_calls(void) {
     dsk_tensor_alloc(NULL, &yb, DSK_BF16, 2, s2); dsk_tensor_alloc(NULL, &x3, DSK_F32, 2, s3);
     dsk_tensor_fill(NULL, &x, 0.5);
     DSK_TEST_STATUS(dsk_moe_backward(&m, NULL, &x, &y, 1.0f), DSK_ERR_STATE);
-    DSK_TEST_ERROR_MENTIONS("no forward to differentiate");
+    DSK_TEST_ERROR_MENTIONS("no forward to differentiate in slot 0");
     DSK_TEST_STATUS(dsk_moe_forward(&m, NULL, &y, &x3, NULL), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("x is [5,12] f32, want [5,16] f32");
     DSK_TEST_STATUS(dsk_moe_forward(&m, NULL, &yb, &x, NULL), DSK_ERR_ARG);
@@ -1553,6 +1793,51 @@ static int ep_bounded_same(dsk_comm *c, dsk_moe_opts o, int rank, const float *x
         free(r[0]);
         free(r[1]);
     }
+    return ok;
+}
+
+/* Saved forwards under expert parallelism: 4 micro-batches made of the rank's rows through 2 slots (the
+   pipeline order of sl_run), each call in one piece or split in its begin and end, give the serial order's
+   bits, with the exact exchange serial and overlapped and chunked, the bounded one overlapped, FP8 dispatch
+   and experts overlapped, and across 2 nodes two hops. */
+static int ep_slots_same(const dsk_comm *c, dsk_moe_opts o, int rank, const float *x_rows, const float *dy_rows) {
+    static const char *names[] = {"exact serial", "exact overlapped chunked", "bounded overlapped",
+                                  "FP8 dispatch and experts overlapped", "two hops"};
+    sl_io io;
+    int ok = 1;
+    for (int i = 0; i < SL_MB; i++) { /* x, dy; dy, x; -x, 2 dy; (x + dy) / 2, -dy */
+        io.T[i] = EP_T;
+        io.x[i] = (float *)malloc(sizeof(float) * EP_T * EP_D);
+        io.dy[i] = (float *)malloc(sizeof(float) * EP_T * EP_D);
+        for (int j = 0; j < EP_T * EP_D; j++) {
+            float x = x_rows[j], d = dy_rows[j];
+            io.x[i][j] = i == 0 ? x : i == 1 ? d : i == 2 ? -x : 0.5f * (x + d);
+            io.dy[i][j] = i == 0 ? d : i == 1 ? x : i == 2 ? 2.0f * d : -d;
+        }
+    }
+    for (int v = 0; v < (c->n_nodes > 1 ? 5 : 4); v++) {
+        dsk_moe_opts b = o;
+        size_t n1 = 0, n2 = 0;
+        float *serial, *slots;
+        b.ep_overlap = v > 0 && v < 4;
+        b.ep_chunk = v == 1 ? DSK_MOE_CHUNK_ON : DSK_MOE_CHUNK_OFF;
+        b.ep_exchange = v == 2 ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
+        b.ep_dispatch = v == 3 ? DSK_MOE_DISPATCH_FP8 : DSK_MOE_DISPATCH_ACT;
+        b.expert_gemm = v == 3 ? DSK_MOE_GEMM_FP8 : DSK_MOE_GEMM_ACT;
+        b.ep_route = v == 4 ? DSK_MOE_ROUTE_TWO_HOP : DSK_MOE_ROUTE_FLAT;
+        serial = sl_run(b, &io, 1, 0, &n1);
+        for (int split = 0; split < 2; split++) {
+            slots = sl_run(b, &io, 2, split, &n2);
+            if (!serial || !slots || n1 != n2 || memcmp(serial, slots, sizeof(float) * n1) != 0) {
+                fprintf(stderr, "rank %d: saved forwards%s, %s: %s\n", rank, split ? " split" : "", names[v],
+                        serial && slots ? "2 slots differ from serial" : "a run failed");
+                ok = 0;
+            }
+            free(slots);
+        }
+        free(serial);
+    }
+    sl_free(&io);
     return ok;
 }
 
@@ -1862,6 +2147,7 @@ static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx,
     *nonfinite_ok = ep_nonfinite(&m, rank, gx + rank * EP_T * EP_D);
     drop_layer(&m, &own);
     *bounded_ok = ep_bounded_same(&c, o, rank, gx + rank * EP_T * EP_D, gdy + rank * EP_T * EP_D);
+    *bounded_ok = ep_slots_same(&c, o, rank, gx + rank * EP_T * EP_D, gdy + rank * EP_T * EP_D) && *bounded_ok;
     *node_ok = n == 4 ? ep_node_limited(&c, o, rank, gx + rank * EP_T * EP_D) : 1;
     *node_ok = *node_ok && (n != 4 || ep_two_hop(&c, o, rank, gx + rank * EP_T * EP_D, gdy + rank * EP_T * EP_D));
     *node_ok = *node_ok && ep_bounded_uneven(o, rank);
@@ -1954,7 +2240,7 @@ static void ep_check(ep_job *j) {
     int64_t shp[2] = {NT, EP_D};
     dsk_test_begin(
         "expert parallel %s over %d ranks = 1 rank, overlapped (chunked or not; FP8 dispatch too) & bounded = "
-        "serial, node-limited and two-hop = flat (bits, bytes off the node) on 4",
+        "serial, 2 saved forwards = serial order, node-limited and two-hop = flat (bits, bytes off the node) on 4",
         j->sigmoid ? "sigmoid+groups" : "softmax", n);
     memset(&y, 0, sizeof y); memset(&dx, 0, sizeof dx);
     DSK_TEST_OK(make_layer(&ref, &own, &o));
@@ -1968,7 +2254,8 @@ static void ep_check(ep_job *j) {
                         r);
         DSK_TEST_EXPECT(j->flags[16 + r] == 1,
                         "rank %d: overlapped (chunked or not) or bounded exchanges (dropless, capacity 0.75, "
-                        "node-limited), or FP8 dispatch overlapped, differ from the serial one",
+                        "node-limited), or FP8 dispatch overlapped, differ from the serial one, or saved forwards "
+                        "in 2 slots from the serial order",
                         r);
         DSK_TEST_EXPECT(j->flags[24 + r] == 1,
                         "rank %d: node-limited routing (2 emulated nodes) broke its rule, two hops differ from flat "
@@ -3950,6 +4237,9 @@ int main(void) {
     test_backward_variants();
     test_switch_loss_ignores_seq_len();
     DSK_TEST_RUN(test_grad_accumulates);
+    DSK_TEST_RUN(test_slots_same_bits);
+    DSK_TEST_RUN(test_slots_bad);
+    DSK_TEST_RUN(test_split_bad);
     test_replay_variants();
     DSK_TEST_RUN(test_replay_bad_input);
     DSK_TEST_RUN(test_routing_before_forward);

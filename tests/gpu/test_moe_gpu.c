@@ -388,6 +388,86 @@ static void ep_bounded_check(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_
     }
 }
 
+/* Two micro-batches (gx, gdy; then gdy, gx) through a fresh layer of options o, reserved in `slots` saved
+   forwards: serially (slots 1) or both forwards before the backwards (slots 2, micro-batch i in slot i), each
+   call in one piece or (split) in its begin and end. y, dx of each and the gradient slab as host bytes (malloc'd,
+   *n bytes); *syncs: the host syncs of the four calls. */
+static char *ep_slots_bytes(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_tensor *gx, const dsk_tensor *gdy,
+                            int64_t row0, int64_t NT, int slots, int split, size_t *n, int64_t *syncs) {
+    static const int order[2][4] = {{0, 2, 1, 3}, {0, 1, 2, 3}}; /* calls: 0, 1 the forwards, 2, 3 the backwards */
+    const dsk_tensor *in[2][2] = {{gx, gdy}, {gdy, gx}};         /* [micro-batch]: x, dy */
+    dsk_moe m;
+    owned mo;
+    dsk_tensor out[4], h; /* y0, y1, dx0, dx1 */
+    size_t xb = dsk_tensor_nbytes(gx), gb;
+    int64_t s0;
+    char *bytes = NULL;
+    int ok;
+    memset(out, 0, sizeof out);
+    ok = make_layer(&m, &mo, g, &o) == DSK_OK && dsk_moe_set_loss_span(&m, c, row0, NT) == DSK_OK &&
+         dsk_moe_set_slots(&m, g, slots) == DSK_OK && dsk_moe_reserve(&m, g, gx->shape[0]) == DSK_OK;
+    for (int i = 0; ok && i < 4; i++)
+        ok = dsk_tensor_alloc(g, &out[i], DSK_F32, 2, gx->shape) == DSK_OK &&
+             dsk_tensor_fill(g, &out[i], i < 2 ? NAN : 0.0) == DSK_OK;
+    ok = ok && dsk_ctx_sync(g) == DSK_OK;
+    s0 = g->counters.syncs;
+    for (int k = 0; ok && k < 4; k++) {
+        int call = order[slots - 1][k], mb = call % 2;
+        ok = dsk_moe_use_slot(&m, slots == 2 ? mb : 0) == DSK_OK;
+        if (ok && split && call < 2)
+            ok = dsk_moe_forward_begin(&m, g, in[mb][0]) == DSK_OK &&
+                 dsk_moe_forward_end(&m, g, &out[mb], NULL) == DSK_OK;
+        else if (ok && split)
+            ok = dsk_moe_backward_begin(&m, g, in[mb][1], 1.0f) == DSK_OK &&
+                 dsk_moe_backward_end(&m, g, &out[2 + mb]) == DSK_OK;
+        else if (ok)
+            ok = (call < 2 ? dsk_moe_forward(&m, g, &out[mb], in[mb][0], NULL)
+                           : dsk_moe_backward(&m, g, &out[2 + mb], in[mb][1], 1.0f)) == DSK_OK;
+    }
+    *syncs = g->counters.syncs - s0;
+    gb = dsk_tensor_nbytes(&mo.grads);
+    *n = 4 * xb + gb;
+    if (ok) bytes = (char *)malloc(*n);
+    for (int i = 0; bytes && ok && i < 5; i++) {
+        if (i < 4) dsk_tensor_wrap(&h, bytes + i * xb, DSK_F32, dsk_cpu(), 2, gx->shape);
+        else dsk_tensor_wrap(&h, bytes + 4 * xb, DSK_F32, dsk_cpu(), 1, mo.grads.shape);
+        ok = dsk_tensor_copy(g, &h, i < 4 ? &out[i] : &mo.grads) == DSK_OK;
+    }
+    if (!ok || dsk_ctx_sync(g) != DSK_OK) {
+        free(bytes);
+        bytes = NULL;
+    }
+    for (int i = 0; i < 4; i++) dsk_tensor_free(g, &out[i]);
+    drop_layer(&m, &mo, g);
+    return bytes;
+}
+
+/* Saved forwards over nccl: two micro-batches in 2 slots, calls in one piece or split in begin and end, give
+   the serial order's y, dx and gradients bit for bit, with the exact exchange and the bounded one overlapped
+   (whose calls make no host sync). */
+static void ep_slots_check(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_tensor *gx, const dsk_tensor *gdy,
+                           int64_t row0, int64_t NT) {
+    for (int bounded = 0; bounded < 2; bounded++) {
+        size_t n[3] = {0, 0, 0};
+        int64_t sy[3] = {-1, -1, -1};
+        char *r[3];
+        o.ep_exchange = bounded ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
+        o.ep_overlap = bounded;
+        for (int k = 0; k < 3; k++) /* 1 slot; 2; 2 split */
+            r[k] = ep_slots_bytes(c, g, o, gx, gdy, row0, NT, k ? 2 : 1, k == 2, &n[k], &sy[k]);
+        DSK_TEST_EXPECT(r[0] && r[1] && r[2], "saved forwards (%s): a run failed: %s", bounded ? "bounded" : "exact",
+                        dsk_last_error());
+        DSK_TEST_EXPECT(!bounded || (sy[0] == 0 && sy[1] == 0 && sy[2] == 0),
+                        "bounded: %lld, %lld and %lld host syncs (want 0)", (long long)sy[0], (long long)sy[1],
+                        (long long)sy[2]);
+        for (int k = 1; k < 3 && r[0]; k++)
+            if (r[k])
+                DSK_TEST_SAME_BYTES(r[k], r[0], n[0] < n[k] ? n[0] : n[k],
+                                    k == 1 ? "2 slots = serial: y, dx, gradients" : "2 slots, split = serial");
+        for (int k = 0; k < 3; k++) free(r[k]);
+    }
+}
+
 /* Two hops over the emulated hosts (ep_route TWO_HOP; AUTO routes flat on CUDA): the CUDA layer routed in two
    hops (serial and with ep_overlap) gives the flat route's y, dx and gradients bit for bit, dropless and under
    capacity 0.75; the host syncs of its forward and backward are printed (the route is planned on the host). */
@@ -519,7 +599,7 @@ static int ep_rank(int sigmoid, int hosts) {
         DSK_TEST_OK(dsk_moe_backward(&m, &g, &gdx, &gdy, 1.0f));
         DSK_TEST_EXPECT(g.counters.syncs == c0.syncs && g.counters.d2h_copies == c0.d2h_copies,
                         "EP backward: %lld syncs", (long long)(g.counters.syncs - c0.syncs));
-        for (int r = 0; r < n; r++) sent += m.st->send_rows[r];
+        for (int r = 0; r < n; r++) sent += m.st->f->send_rows[r];
         printf("# rank %d: EP forward, 1 sync, %lld bytes of counts back; rows sent %lld of %lld bytes (a bounded "
                "exchange without the sync: %lld bytes)\n", me, (long long)back,
                (long long)sent, (long long)(sent * EP_D * 4), (long long)((int64_t)n * EP_T * EP_K * EP_D * 4));
@@ -552,6 +632,7 @@ static int ep_rank(int sigmoid, int hosts) {
         compare(&g, &m.params[i].grad, &want, 1e-3, 1e-4, what);
     }
     ep_bounded_check(&c, &g, o, &gx, &gdy, (int64_t)me * EP_T, NT);
+    ep_slots_check(&c, &g, o, &gx, &gdy, (int64_t)me * EP_T, NT);
     if (hosts) ep_two_hop_check(&c, &g, o, &gx, &gdy, (int64_t)me * EP_T, NT);
     { /* rows adding up to NT, total_rows NT + 2 EP_T (whole sequences): NaN values, no host sync in the forward */
         dsk_ctx_counters c0;
