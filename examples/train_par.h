@@ -47,9 +47,11 @@
      interleaved schedule); rank r runs stages c pp + r. The embedding is on global stage 0, the
      final norm, LM head and loss on the last; the residual stream (N/tp, D) of a micro-batch
      travels between stages by send/receive of the executor. Activations of in-flight
-     micro-batches sit in slots (micro mod the schedule's in-flight bound). An MoE layer keeps
-     one forward for its backward; when another micro-batch ran through it since, backward runs
-     its forward again first (in eval mode: counted once for the expert bias).
+     micro-batches sit in slots (micro mod the schedule's in-flight bound), and so do an MoE
+     layer's saved forwards (dsk_moe_set_slots, the same slot). Under --recompute full it keeps one
+     forward for its backward, which runs it again first when another micro-batch ran through the
+     layer since (in eval mode: counted once for the expert bias); an MTP module's layer runs its
+     backward right after its forward: one slot.
    Balancing losses and expert capacity are per MoE call (a micro-batch's N/tp tokens on a
      rank), as they are per rank under data parallelism; the tests run dropless without them.
    Sampling runs the prompt as sequence 0 of one micro-batch (the others hold the last batch's
@@ -461,6 +463,8 @@ static dsk_status tp_alloc_acts(tp_state *ps) {
             TM_TRY(tp_act(ps, L, &L->u, F, dt, 2, Nm, Fl, 0, 0));
             TM_TRY(tp_act(ps, L, &L->a, F8, dt, 2, Nm, Fl, 0, 0));
         }
+        if (!dense) /* a saved forward per slot, but one under full recomputation and in an MTP module */
+            TM_TRY(dsk_moe_set_slots(&m->blocks[l].moe, ps->ctx, l >= c->n_layers || L->rc >= F ? 1 : (int)S));
         if (c->fp8) TM_TRY(tp_alloc_f8(ps, L, dense));
         if (dense) Fd = Fl;
         L->moe_micro = -1;

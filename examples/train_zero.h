@@ -118,26 +118,17 @@ static int tz_object_of(tz *t, const tm_param *p, const tz_place *pl) {
 }
 
 /* Binds the MoE parameters of unit `unit` (-1: all) to their current views, an absent gradient
-   to scratch. Before a forward. Between a forward and its backward (keep_forward) only the
-   views' addresses change: dsk_moe_bind would drop the saved forward, so the layer's views are
-   pointed at the new addresses directly (the same weights, now gathered elsewhere; the layer
-   reads its views afresh in backward). */
+   to scratch. Before a forward, and between a forward and its backward (keep_forward: the same
+   weights gathered elsewhere, and the real gradient; the layer's saved forwards stay). */
 static dsk_status tz_bind_moe(tz *t, int unit, int keep_forward) {
     tm_model *m = t->m;
     for (int i = 0; i < m->n_params; i++) {
         tm_param *p = &m->params[i];
         dsk_tensor g = p->g;
-        dsk_moe_param *mp;
         if (p->moe_layer < 0 || (unit >= 0 && p->unit != unit)) continue;
-        mp = &m->blocks[p->moe_layer].moe.params[p->moe_index];
-        if (keep_forward) {
-            if (!p->wc.data || !p->g.data)
-                return dsk_set_error(DSK_ERR_STATE, "tz_bind_moe: \"%s\" has no weights or gradient in its backward",
-                                     p->name);
-            mp->value.data = p->wc.data;
-            mp->grad.data = p->g.data;
-            continue;
-        }
+        if (keep_forward && (!p->wc.data || !p->g.data))
+            return dsk_set_error(DSK_ERR_STATE, "tz_bind_moe: \"%s\" has no weights or gradient in its backward",
+                                 p->name);
         if (!g.data) TM_TRY(dsk_tensor_wrap(&g, t->scratch.data, DSK_F32, t->scratch.device, p->ndim, p->shape));
         TM_TRY(dsk_moe_bind(&m->blocks[p->moe_layer].moe, t->ctx, p->moe_index, &p->wc, &g));
     }
