@@ -1,7 +1,10 @@
 /* bench/bench_moe_ep.c - an expert-parallel MoE layer's forward + backward on forked CPU ranks (host backend:
    shared memory, or TCP between two emulated hosts with --two-hosts), exchanges serial against overlapped
    (dsk_moe_opts.ep_overlap) with and without chunked dispatch (ep_chunk), exact against bounded (ep_exchange),
-   flat against two-hop routes (ep_route) and node-limited routing, and FP8 dispatch serial and overlapped. Per variant, rank 0 prints the median step
+   flat against two-hop routes (ep_route) and node-limited routing, FP8 dispatch serial and overlapped, and
+   overlap across micro-batches: with "other work" (another micro-batch's q, k, v projections: a T x D x 3D
+   GEMM) after the forward and after the backward, or between each call's begin and end (dsk_moe_forward_begin
+   / _end, split), where it runs while the layer's rows travel. Per variant, rank 0 prints the median step
    time, the time inside the layer's collectives (dsk_comm_stats.seconds: in serial runs the communication
    alone, as nothing runs beside it), the share of the serial run's communication the overlap hid,
    1 - (step - compute) / communication with compute = serial step - serial communication, that is
@@ -29,21 +32,25 @@
 typedef struct variant {
     const char *name;
     int serial, bounded, node_limit, two_hop, chunked, fp8; /* fp8: FP8 dispatch (e4m3 rows, 1x128 scales) */
+    int work, split; /* work: other work after each call; split: between each call's begin and end */
 } variant;
 
 static const variant variants[] = {
-    {"exact, serial", 1, 0, 0, 0, 0, 0},
-    {"exact, overlapped", 0, 0, 0, 0, 0, 0},
-    {"exact, overlapped, chunked", 0, 0, 0, 0, 1, 0},
-    {"bounded, serial", 1, 1, 0, 0, 0, 0},
-    {"bounded, overlapped", 0, 1, 0, 0, 0, 0},
-    {"exact, overlapped, node-limited", 0, 0, 1, 0, 0, 0},
-    {"exact, overlapped, chunked, node-limited", 0, 0, 1, 0, 1, 0},
-    {"exact, serial, two-hop", 1, 0, 0, 1, 0, 0},
-    {"exact, overlapped, two-hop", 0, 0, 0, 1, 0, 0},
-    {"exact, serial, FP8 dispatch", 1, 0, 0, 0, 0, 1},
-    {"exact, overlapped, FP8 dispatch", 0, 0, 0, 0, 0, 1},
-    {"exact, serial, two-hop, node-limited", 1, 0, 1, 1, 0, 0},
+    {"exact, serial", 1, 0, 0, 0, 0, 0, 0, 0},
+    {"exact, overlapped", 0, 0, 0, 0, 0, 0, 0, 0},
+    {"exact, overlapped, chunked", 0, 0, 0, 0, 1, 0, 0, 0},
+    {"bounded, serial", 1, 1, 0, 0, 0, 0, 0, 0},
+    {"bounded, overlapped", 0, 1, 0, 0, 0, 0, 0, 0},
+    {"exact, overlapped, node-limited", 0, 0, 1, 0, 0, 0, 0, 0},
+    {"exact, overlapped, chunked, node-limited", 0, 0, 1, 0, 1, 0, 0, 0},
+    {"exact, serial, two-hop", 1, 0, 0, 1, 0, 0, 0, 0},
+    {"exact, overlapped, two-hop", 0, 0, 0, 1, 0, 0, 0, 0},
+    {"exact, serial, FP8 dispatch", 1, 0, 0, 0, 0, 1, 0, 0},
+    {"exact, overlapped, FP8 dispatch", 0, 0, 0, 0, 0, 1, 0, 0},
+    {"exact, serial, two-hop, node-limited", 1, 0, 1, 1, 0, 0, 0, 0},
+    {"exact, serial, + other work", 1, 0, 0, 0, 0, 0, 1, 0},
+    {"exact, overlapped, + other work", 0, 0, 0, 0, 0, 0, 1, 0},
+    {"exact, overlapped, other work split in", 0, 0, 0, 0, 0, 0, 1, 1},
 };
 
 #define NV (int)(sizeof variants / sizeof variants[0])
@@ -51,7 +58,7 @@ static const variant variants[] = {
 /* One variant's layer on this rank, its tensors and its per-round figures. */
 typedef struct run {
     dsk_moe m;
-    dsk_tensor x, y, dx, dy, vals, grads;
+    dsk_tensor x, y, dx, dy, vals, grads, wq, q; /* wq, q: the other work's weights (3D, D) and output (T, 3D) */
     double ts[64], cs[64], off_node[2]; /* off_node[0]: the layer's rows off the node a step, [1]: on the wire */
 } run;
 
@@ -88,20 +95,37 @@ static int run_setup(dsk_comm *c, dsk_ctx *ctx, const variant *v, int T, run *r)
         dsk_tensor_alloc(ctx, &r->x, DSK_F32, 2, sh) || dsk_tensor_alloc(ctx, &r->y, DSK_F32, 2, sh) ||
         dsk_tensor_alloc(ctx, &r->dx, DSK_F32, 2, sh) || dsk_tensor_alloc(ctx, &r->dy, DSK_F32, 2, sh))
         return 2;
+    sh[1] = 3 * o.d_model;
+    if (dsk_tensor_alloc(ctx, &r->q, DSK_F32, 2, sh)) return 2;
+    sh[0] = 3 * o.d_model;
+    sh[1] = o.d_model;
+    if (dsk_tensor_alloc(ctx, &r->wq, DSK_F32, 2, sh)) return 2;
+    dsk_tensor_uniform(ctx, &r->wq, 7, 0, -1, 1);
     dsk_tensor_uniform(ctx, &r->x, 11 + (uint64_t)c->rank, 0, -1, 1);
     dsk_tensor_uniform(ctx, &r->dy, 99 + (uint64_t)c->rank, 0, -1, 1);
     return 0;
 }
 
+/* The other work: q = x Wq^T, another micro-batch's q, k, v projections. */
+static int run_work(dsk_ctx *ctx, run *r) { return dsk_matmul(ctx, &r->q, &r->x, 0, &r->wq, 1, 1.0f, 0.0f) != DSK_OK; }
+
 /* One timed step (forward + backward) of r's layer after a barrier; round i < 2 is warm-up. */
-static int run_step(dsk_comm *c, dsk_ctx *ctx, run *r, int i) {
+static int run_step(dsk_comm *c, dsk_ctx *ctx, const variant *v, run *r, int i) {
     dsk_comm_stats before;
     dsk_moe_stats st, col;
     double t0;
     if (dsk_comm_barrier(c, ctx)) return 3;
     before = c->stats;
     t0 = bench_now_s();
-    if (dsk_moe_forward(&r->m, ctx, &r->y, &r->x, &st) || dsk_moe_backward(&r->m, ctx, &r->dx, &r->dy, 1.0f)) return 4;
+    if (v->split) {
+        if (dsk_moe_forward_begin(&r->m, ctx, &r->x) || run_work(ctx, r) ||
+            dsk_moe_forward_end(&r->m, ctx, &r->y, &st) || dsk_moe_backward_begin(&r->m, ctx, &r->dy, 1.0f) ||
+            run_work(ctx, r) || dsk_moe_backward_end(&r->m, ctx, &r->dx))
+            return 4;
+    } else if (dsk_moe_forward(&r->m, ctx, &r->y, &r->x, &st) || (v->work && run_work(ctx, r)) ||
+               dsk_moe_backward(&r->m, ctx, &r->dx, &r->dy, 1.0f) || (v->work && run_work(ctx, r))) {
+        return 4;
+    }
     t0 = bench_now_s() - t0;
     if (dsk_moe_stats_request(&r->m, ctx) || dsk_moe_stats_collect(&r->m, ctx, &col)) return 5; /* this step's */
     if (i < 2) return 0;
@@ -120,6 +144,8 @@ static void run_free(dsk_ctx *ctx, run *r) {
     dsk_tensor_free(ctx, &r->y);
     dsk_tensor_free(ctx, &r->dx);
     dsk_tensor_free(ctx, &r->dy);
+    dsk_tensor_free(ctx, &r->wq);
+    dsk_tensor_free(ctx, &r->q);
 }
 
 /* Rank 0's line for variant v: median step and time in collectives, the share of the serial run's
@@ -161,14 +187,14 @@ static int rank_main(int rank, int P, int port, int T, int reps, int two_hosts) 
     if (!(runs = (run *)calloc(NV, sizeof *runs))) return 2;
     for (int v = 0; v < NV && !rc; v++) rc = run_setup(&c, &ctx, &variants[v], T, &runs[v]);
     for (int i = 0; i < reps + 2 && !rc; i++)
-        for (int v = 0; v < NV && !rc; v++) rc = run_step(&c, &ctx, &runs[v], i);
+        for (int v = 0; v < NV && !rc; v++) rc = run_step(&c, &ctx, &variants[v], &runs[v], i);
     if (rc) fprintf(stderr, "rank %d: step %d: %s\n", rank, rc, dsk_last_error());
     for (int v = 0; v < NV && rank == 0 && !rc; v++) {
         const run *serial = NULL;
         for (int s = 0; s < NV; s++)
             if (variants[s].serial && variants[s].bounded == variants[v].bounded &&
                 variants[s].two_hop == variants[v].two_hop && variants[s].fp8 == variants[v].fp8 &&
-                !variants[s].node_limit)
+                variants[s].work == variants[v].work && !variants[s].node_limit)
                 serial = &runs[s];
         report(&variants[v], &runs[v], serial, reps, two_hosts);
     }
