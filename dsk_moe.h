@@ -529,7 +529,8 @@ DSK_API dsk_status dsk_moe_use_slot(dsk_moe *m, int slot);
    be in flight on one communicator at once: end one layer's before beginning another's on the same
    expert-parallel group. x, dy and the tensors they alias must stay unchanged until the end. An end with a
    bad y (dx) fails with DSK_ERR_ARG and leaves the begun call pending; a begin or end that fails otherwise
-   leaves none (the exchange joined). dsk_moe_free waits for an exchange in flight. */
+   leaves none (the exchange joined). dsk_moe_free waits for an exchange in flight (a chunked one's return
+   fails, as no end opens its gates, and with it the group: end the call first to keep the group). */
 DSK_API dsk_status dsk_moe_forward_begin(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *x);
 DSK_API dsk_status dsk_moe_forward_end(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, dsk_moe_stats *stats);
 DSK_API dsk_status dsk_moe_backward_begin(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *dy, float aux_scale);
@@ -3873,10 +3874,13 @@ typedef struct dsk__moe_pending {
     dsk__moe_async xch;                                                   /* expert parallelism: the exchange */
 } dsk__moe_pending;
 
-static dsk_status dsk__moe_exchange_wait(dsk__moe_async *a);
+static dsk_status dsk__moe_join_on_error(dsk__moe_async *a, dsk_status s);
 
+/* Frees the pending record; a begun call's exchange is joined first, a chunked return's shut gates failed
+   (no end will open them). */
 static void dsk__moe_pending_free(struct dsk__moe_state *st) {
-    if (st->pending != DSK__MOE_PEND_NONE && st->pend && st->pend->xch.m) (void)dsk__moe_exchange_wait(&st->pend->xch);
+    if (st->pending != DSK__MOE_PEND_NONE && st->pend && st->pend->xch.m)
+        (void)dsk__moe_join_on_error(&st->pend->xch, DSK_ERR_STATE);
     DSK_FREE(st->pend);
     st->pend = NULL;
 }

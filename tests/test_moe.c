@@ -1837,6 +1837,21 @@ static int ep_slots_same(const dsk_comm *c, dsk_moe_opts o, int rank, const floa
         }
         free(serial);
     }
+    { /* freed with a forward begun (every rank alike): the layer joins the exchange thread first */
+        dsk_moe m;
+        owned own;
+        dsk_moe_opts b = o;
+        dsk_tensor x;
+        int64_t shp[2] = {EP_T, EP_D};
+        b.ep_overlap = 1;
+        b.ep_chunk = DSK_MOE_CHUNK_OFF;
+        dsk_tensor_wrap(&x, io.x[0], DSK_F32, dsk_cpu(), 2, shp);
+        if (make_layer(&m, &own, &b) != DSK_OK || dsk_moe_forward_begin(&m, NULL, &x) != DSK_OK) {
+            fprintf(stderr, "rank %d: a forward begun to free: %s\n", rank, dsk_last_error());
+            ok = 0;
+        }
+        drop_layer(&m, &own);
+    }
     sl_free(&io);
     return ok;
 }
