@@ -100,7 +100,7 @@
      an N that differs between ranks sizes their exchanges differently, which NCCL cannot tell (it hangs until the
      communicator's timeout). Without a span, or with a span of the call's own rows, the bits are those of the call
      alone. The sums run in f64 in a fixed order on both devices (the same code): CPU and CUDA agree.
-   Routing record and replay: dsk_moe_routing copies the last forward's decisions, each token's
+   Routing record and replay: dsk_moe_routing copies the current slot's forward's decisions, each token's
      K experts in slot order ((T, K) i32 on the host); dsk_moe_forward_replay takes such decisions
      instead of selecting (no group limit, no bias in the choice): the weights g come from the
      current scores p of the given experts by the formula above (so a recorded routing replayed on
