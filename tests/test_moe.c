@@ -1799,7 +1799,7 @@ static int ep_bounded_same(dsk_comm *c, dsk_moe_opts o, int rank, const float *x
 /* Saved forwards under expert parallelism: 4 micro-batches made of the rank's rows through 2 slots (the
    pipeline order of sl_run), each call in one piece or split in its begin and end, give the serial order's
    bits, with the exact exchange serial and overlapped and chunked, the bounded one overlapped, FP8 dispatch
-   and experts overlapped, and across 2 nodes two hops. */
+   and experts overlapped, and across 2 nodes two hops; dropless, under capacity and (2 nodes) node-limited. */
 static int ep_slots_same(const dsk_comm *c, dsk_moe_opts o, int rank, const float *x_rows, const float *dy_rows) {
     static const char *names[] = {"exact serial", "exact overlapped chunked", "bounded overlapped",
                                   "FP8 dispatch and experts overlapped", "two hops"};
@@ -1815,10 +1815,19 @@ static int ep_slots_same(const dsk_comm *c, dsk_moe_opts o, int rank, const floa
             io.dy[i][j] = i == 0 ? d : i == 1 ? x : i == 2 ? 2.0f * d : -d;
         }
     }
-    for (int v = 0; v < (c->n_nodes > 1 ? 5 : 4); v++) {
+    for (int k = 0; k < 5 * 3; k++) {
+        static const char *cfs[] = {"dropless", "capacity 0.75", "node-limited"};
+        int v = k % 5, cf = k / 5;
         dsk_moe_opts b = o;
         size_t n1 = 0, n2 = 0;
         float *serial, *slots;
+        if ((v == 4 || cf == 2) && c->n_nodes < 2) continue; /* two hops and node limits: across nodes */
+        b.capacity_factor = cf == 1 ? 0.75f : 0.0f;
+        if (cf == 2) { /* each token's experts on one node */
+            b.n_group = 0;
+            b.topk_group = 0;
+            b.node_limit = 1;
+        }
         b.ep_overlap = v > 0 && v < 4;
         b.ep_chunk = v == 1 ? DSK_MOE_CHUNK_ON : DSK_MOE_CHUNK_OFF;
         b.ep_exchange = v == 2 ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
@@ -1829,8 +1838,8 @@ static int ep_slots_same(const dsk_comm *c, dsk_moe_opts o, int rank, const floa
         for (int split = 0; split < 2; split++) {
             slots = sl_run(b, &io, 2, split, &n2);
             if (!serial || !slots || n1 != n2 || memcmp(serial, slots, sizeof(float) * n1) != 0) {
-                fprintf(stderr, "rank %d: saved forwards%s, %s: %s\n", rank, split ? " split" : "", names[v],
-                        serial && slots ? "2 slots differ from serial" : "a run failed");
+                fprintf(stderr, "rank %d: saved forwards%s, %s, %s: %s\n", rank, split ? " split" : "", names[v],
+                        cfs[cf], serial && slots ? "2 slots differ from serial" : "a run failed");
                 ok = 0;
             }
             free(slots);
