@@ -1981,6 +1981,13 @@ static dsk_status dsk__moe_need_layer(const dsk_moe *m, const char *fn) {
     return DSK_OK;
 }
 
+/* A CUDA layer's calls take a CUDA ctx. */
+static dsk_status dsk__moe_need_cuda_ctx(const dsk_moe *m, const dsk_ctx *ctx, const char *fn) {
+    if (m->device.type == DSK_DEV_CUDA && (!ctx || ctx->device.type != DSK_DEV_CUDA))
+        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\" is on CUDA: pass its CUDA ctx", fn, m->opts.name);
+    return DSK_OK;
+}
+
 /* No forward or backward begun and not ended holds the layer. */
 static dsk_status dsk__moe_need_idle(const dsk_moe *m, const char *fn) {
     int fwd = m->st->pending == DSK__MOE_PEND_FWD;
@@ -5078,8 +5085,7 @@ DSK_API dsk_status dsk_moe_update_bias_unless(dsk_moe *m, dsk_ctx *ctx, const ds
         return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\": skip is on %s, the layer on %s", fn, m->opts.name,
                              skip->device.type == DSK_DEV_CUDA ? "CUDA" : "the CPU",
                              m->device.type == DSK_DEV_CUDA ? "CUDA" : "the CPU");
-    if (m->device.type == DSK_DEV_CUDA && (!ctx || ctx->device.type != DSK_DEV_CUDA))
-        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\" is on CUDA: pass its CUDA ctx", fn, m->opts.name);
+    DSK__TRY(dsk__moe_need_cuda_ctx(m, ctx, fn));
     return dsk__moe_bias_step(m, ctx, (const int32_t *)skip->data);
 }
 
@@ -5252,12 +5258,6 @@ static dsk__moe_pending *dsk__moe_pending_of(dsk_moe *m) {
         memset(m->st->pend, 0, sizeof(dsk__moe_pending));
     if (!m->st->pend) dsk_set_error(DSK_ERR_OOM, "dsk_moe: layer \"%s\": out of host memory", m->opts.name);
     return m->st->pend;
-}
-
-static dsk_status dsk__moe_need_cuda_ctx(const dsk_moe *m, const dsk_ctx *ctx, const char *fn) {
-    if (m->device.type == DSK_DEV_CUDA && (!ctx || ctx->device.type != DSK_DEV_CUDA))
-        return dsk_set_error(DSK_ERR_ARG, "%s: layer \"%s\" is on CUDA: pass its CUDA ctx", fn, m->opts.name);
-    return DSK_OK;
 }
 
 /* Checks a forward's input, then runs the forward to its dispatch (st->pending FWD until its end). */
