@@ -354,6 +354,12 @@ static dsk_status tp_act(tp_state *ps, tp_layer *L, dsk_tensor *t, int need, dsk
    kept for backward in its e4m3 cache instead): none, one slot every layer shares; else `need`. */
 static int tp_need_f8(const tp_state *ps, int need) { return ps->m->cfg.fp8 ? TMLA_RECOMPUTE_NONE : need; }
 
+/* Saved forwards of MoE block l's layer: one per activation slot, but one under full recomputation and in an MTP
+   module (whose layer then runs a forward again when another micro-batch went through it since). */
+static int tp_moe_slots(const tp_state *ps, int l) {
+    return l >= ps->m->cfg.n_layers || ps->layers[l].rc >= TMLA_RECOMPUTE_FULL ? 1 : ps->S;
+}
+
 /* --dtype fp8: layer L's cache a of its linear's input (a slot: Nm rows, k columns), as tp_act places the
    activations: S slots, or the one slot of ps->sh every layer shares when its backward recomputes the input
    (L->rc >= need) and quantises it there again (the same values, the same codes). */
@@ -463,8 +469,7 @@ static dsk_status tp_alloc_acts(tp_state *ps) {
             TM_TRY(tp_act(ps, L, &L->u, F, dt, 2, Nm, Fl, 0, 0));
             TM_TRY(tp_act(ps, L, &L->a, F8, dt, 2, Nm, Fl, 0, 0));
         }
-        if (!dense) /* a saved forward per slot, but one under full recomputation and in an MTP module */
-            TM_TRY(dsk_moe_set_slots(&m->blocks[l].moe, ps->ctx, l >= c->n_layers || L->rc >= F ? 1 : (int)S));
+        if (!dense) TM_TRY(dsk_moe_set_slots(&m->blocks[l].moe, ps->ctx, tp_moe_slots(ps, l)));
         if (c->fp8) TM_TRY(tp_alloc_f8(ps, L, dense));
         if (dense) Fd = Fl;
         L->moe_micro = -1;

@@ -273,7 +273,7 @@ static dsk_status tp_block_forward(tp_state *ps, int l, int slot, int micro, dsk
         TM_TRY(tp_ffn_in(ps, b, &s));
         return tp_row_residual(ps, TM_PH_FFN, y, &s.x2, &s.a, &b->w2->wc, &s.f8_a);
     }
-    TM_TRY(dsk_moe_use_slot(&b->moe, tp_sl(&ps->layers[l], TMLA_RECOMPUTE_FULL, slot)));
+    TM_TRY(dsk_moe_use_slot(&b->moe, tp_moe_slots(ps, l) > 1 ? slot : 0));
     TM_T(TM_PH_MOE, tp_moe_forward(ps, l, micro, y, &s.h2, m->want_stats ? &b->stats : NULL));
     ps->layers[l].moe_micro = ps->train && !b->moe.eval ? micro : -1;
     TM_T(TM_PH_MOVE, dsk_add(ps->ctx, y, y, &s.x2));
@@ -327,8 +327,9 @@ static dsk_status tp_block_backward(tp_state *ps, int l, int slot, int micro) {
         TM_T(TM_PH_FFN, tp_column_backward(ps, 2, &ps->dh, tp_sp(ps, &ps->big), dW, dY, W, &s.h2g, &s.f8_h2));
     } else {
         tp_layer *L = &ps->layers[l];
-        TM_TRY(dsk_moe_use_slot(&b->moe, tp_sl(L, TMLA_RECOMPUTE_FULL, slot)));
-        if (rc >= TMLA_RECOMPUTE_FULL && L->moe_micro != micro) { /* another micro-batch ran through it since */
+        int one = tp_moe_slots(ps, l) == 1;
+        TM_TRY(dsk_moe_use_slot(&b->moe, one ? 0 : slot));
+        if (one && L->moe_micro != micro) { /* another micro-batch ran through the layer since: its forward again */
             int eval = b->moe.eval;
             b->moe.eval = 1;
             dsk_status st = tp_moe_forward(ps, l, micro, &ps->tmp, &s.h2, NULL);
