@@ -92,6 +92,15 @@
        GPipe m; 1F1B min(p - r, m); interleaved min(2 (p - r - 1) + (v - 1) p + 1, m v)
        (m v when m = p). Bubble (idle share of the ideal compute time): (p - 1) / m for GPipe
        and 1F1B, (p - 1) / (v m) interleaved; the unit-step run reaches exactly these.
+     Paired (dsk_par_schedule_init_paired): each steady-state forward runs with the backward
+       after it, of another micro-batch, as one FORWARD_BACKWARD action, so that the model can
+       interleave the two (one's expert all-to-all in flight while the other computes:
+       Megatron-Core's combined 1F1B, DualPipe's overlapped chunks). A pair needs both inputs
+       when it starts and sends both outputs when it ends, so the warm-up grows to the
+       interleaved one's plus one, 2 (p - r - 1) + (v - 1) p + 1 forwards (1F1B: 2 (p - r) - 1),
+       which keeps the bubble formula above (the unit-step run, a pair two steps) at the price
+       of activations: min(warm-up + 1, m v) chunks in flight, 2 p instead of p on rank 0 under
+       1F1B. The forwards and the backwards keep their unpaired order. GPipe has no pairs.
    License: MIT, see the end of the file. */
 /* Contents. Each section starts with a rule comment "---- <title>"; search for the title.
    Declarations: the rank grid; tensor-parallel mappings; parallel linears; vocabulary
@@ -220,10 +229,12 @@ typedef enum dsk_par_schedule_kind { DSK_PAR_GPIPE = 0, DSK_PAR_1F1B, DSK_PAR_IN
 typedef enum dsk_par_action_kind {
     DSK_PAR_FORWARD = 0,
     DSK_PAR_BACKWARD,
-    DSK_PAR_SEND_ACT,  /* the output activation of (micro, chunk) to the next stage's rank */
-    DSK_PAR_RECV_ACT,  /* the input activation of (micro, chunk) from the previous stage's rank */
-    DSK_PAR_SEND_GRAD, /* the input gradient of (micro, chunk) to the previous stage's rank */
-    DSK_PAR_RECV_GRAD  /* the output gradient of (micro, chunk) from the next stage's rank */
+    DSK_PAR_SEND_ACT,        /* the output activation of (micro, chunk) to the next stage's rank */
+    DSK_PAR_RECV_ACT,        /* the input activation of (micro, chunk) from the previous stage's rank */
+    DSK_PAR_SEND_GRAD,       /* the input gradient of (micro, chunk) to the previous stage's rank */
+    DSK_PAR_RECV_GRAD,       /* the output gradient of (micro, chunk) from the next stage's rank */
+    DSK_PAR_FORWARD_BACKWARD /* paired schedules: the forward of (micro, chunk) and the backward of
+                                (bwd_micro, bwd_chunk), another micro-batch, as one computation */
 } dsk_par_action_kind;
 
 typedef struct dsk_par_action {
@@ -231,7 +242,8 @@ typedef struct dsk_par_action {
     int micro; /* micro-batch, 0 .. m-1 */
     int chunk; /* this rank's chunk, 0 .. v-1 */
     int stage; /* its global stage chunk * p + rank */
-    int peer;  /* pipeline rank sent to / received from; -1 for FORWARD and BACKWARD */
+    int peer;  /* pipeline rank sent to / received from; -1 for computations */
+    int bwd_micro, bwd_chunk, bwd_stage; /* FORWARD_BACKWARD's backward; -1 otherwise */
 } dsk_par_action;
 
 typedef struct dsk_par_schedule {
@@ -239,7 +251,8 @@ typedef struct dsk_par_schedule {
     int stages, micro, chunks, rank; /* p, m, v, r */
     int n;                           /* actions */
     dsk_par_action *actions;         /* owned */
-    int in_flight;                   /* dsk_par_in_flight_bound for this rank */
+    int paired;                      /* built by dsk_par_schedule_init_paired */
+    int in_flight;                   /* dsk_par_in_flight_bound for this rank (+1 paired) */
     double bubble;                   /* dsk_par_bubble_fraction */
 } dsk_par_schedule;
 
@@ -247,6 +260,13 @@ typedef struct dsk_par_schedule {
    and 1F1B; m a multiple of p for the interleaved schedule with v > 1). */
 DSK_API dsk_status dsk_par_schedule_init(dsk_par_schedule *s, dsk_par_schedule_kind kind, int stages, int micro,
                                          int chunks, int rank);
+/* The same schedule with each steady-state forward and backward of two different micro-batches
+   paired into one FORWARD_BACKWARD action, so that the model can interleave them (one micro-batch's
+   expert exchange in flight while the other computes): one more warm-up forward per rank (the
+   last stage's backward k pairs with forward k + 1), so one more micro-batch chunk in flight. The
+   forwards and the backwards keep their order: gradients accumulate as in the unpaired schedule. */
+DSK_API dsk_status dsk_par_schedule_init_paired(dsk_par_schedule *s, dsk_par_schedule_kind kind, int stages, int micro,
+                                                int chunks, int rank);
 DSK_API void dsk_par_schedule_free(dsk_par_schedule *s); /* zeroed/freed ok */
 /* (p - 1) / m for GPipe and 1F1B, (p - 1) / (v m) for the interleaved schedule. */
 DSK_API double dsk_par_bubble_fraction(dsk_par_schedule_kind kind, int stages, int micro, int chunks);
@@ -267,6 +287,8 @@ typedef struct dsk_par_stage_fns {
     /* The contiguous buffer action a (a send or receive) reads or fills: CPU memory on the host
        backend, device memory on nccl. Both ends must give the same count and dtype. */
     dsk_status (*buffer)(void *user, const dsk_par_action *a, dsk_tensor *t);
+    /* A paired schedule's FORWARD_BACKWARD; NULL: forward, then backward. */
+    dsk_status (*forward_backward)(void *user, int micro, int chunk, int bwd_micro, int bwd_chunk);
 } dsk_par_stage_fns;
 
 /* Runs s's actions in order on pp (the pipeline group: pp->rank == s->rank, pp->world_size ==
@@ -976,9 +998,9 @@ DSK_API dsk_status dsk_par_schedule_parse(const char *name, dsk_par_schedule_kin
 }
 
 DSK_API const char *dsk_par_action_name(dsk_par_action_kind kind) {
-    static const char *names[] = {"forward", "backward", "send activation", "receive activation", "send gradient",
-                                  "receive gradient"};
-    return (int)kind >= 0 && (int)kind <= (int)DSK_PAR_RECV_GRAD ? names[kind] : "invalid";
+    static const char *names[] = {"forward",       "backward",         "send activation",     "receive activation",
+                                  "send gradient", "receive gradient", "forward and backward"};
+    return (int)kind >= 0 && (int)kind <= (int)DSK_PAR_FORWARD_BACKWARD ? names[kind] : "invalid";
 }
 
 static dsk_status dsk__par_sched_check(const char *fn, dsk_par_schedule_kind kind, int p, int m, int v, int r) {
@@ -1014,6 +1036,14 @@ static int dsk__par_warmup(dsk_par_schedule_kind kind, int p, int m, int v, int 
     return w < total ? w : total;
 }
 
+/* Paired: the interleaved warm-up (1F1B's doubled: 2 (p - r - 1) at v = 1) and one more, so that a
+   pair's gradient has come back when it starts and the stages keep 1F1B's (interleaved's) bubble. */
+static int dsk__par_warmup_paired(dsk_par_schedule_kind kind, int p, int m, int v, int r) {
+    int total = m * v, w = 2 * (p - r - 1) + (v - 1) * p + 1;
+    if (kind == DSK_PAR_GPIPE || (v > 1 && m == p)) return dsk__par_warmup(kind, p, m, v, r);
+    return w < total ? w : total;
+}
+
 DSK_API int dsk_par_in_flight_bound(dsk_par_schedule_kind kind, int stages, int micro, int chunks, int rank) {
     int total, w;
     if (dsk__par_sched_check("dsk_par_in_flight_bound", kind, stages, micro, chunks, rank) != DSK_OK) return -1;
@@ -1022,8 +1052,11 @@ DSK_API int dsk_par_in_flight_bound(dsk_par_schedule_kind kind, int stages, int 
     return w + 1 < total ? w + 1 : total;
 }
 
-/* Compute i of rank r's order as (backward?, micro, chunk). */
-typedef struct dsk__par_op { int bwd, micro, chunk; } dsk__par_op;
+/* Compute i of rank r's order as (backward?, micro, chunk); pair: a forward that runs with the
+   backward after it as one computation. */
+typedef struct dsk__par_op {
+    int bwd, micro, chunk, pair;
+} dsk__par_op;
 
 /* The k-th forward (or backward) of a rank: (micro, chunk) in Megatron's interleaved order;
    with v = 1 simply micro-batch k. */
@@ -1031,14 +1064,16 @@ static dsk__par_op dsk__par_kth(int p, int v, int k, int bwd) {
     dsk__par_op o;
     int c = (k % (p * v)) / p;
     o.bwd = bwd;
+    o.pair = 0;
     o.micro = v == 1 ? k : (k / (p * v)) * p + k % p;
     o.chunk = v == 1 ? 0 : bwd ? v - 1 - c : c;
     return o;
 }
 
-/* Rank r's compute order: 2 m v operations. */
-static void dsk__par_order(dsk_par_schedule_kind kind, int p, int m, int v, int r, dsk__par_op *ops) {
-    int total = m * v, w = dsk__par_warmup(kind, p, m, v, r), n = 0;
+/* Rank r's compute order: 2 m v operations; paired: one more warm-up forward, and each steady
+   forward paired with the backward after it unless they are of the same micro-batch. */
+static void dsk__par_order(dsk_par_schedule_kind kind, int p, int m, int v, int r, int paired, dsk__par_op *ops) {
+    int total = m * v, w = paired ? dsk__par_warmup_paired(kind, p, m, v, r) : dsk__par_warmup(kind, p, m, v, r), n = 0;
     if (kind == DSK_PAR_GPIPE) {
         for (int k = 0; k < total; k++) ops[n++] = dsk__par_kth(p, v, k, 0);
         for (int k = 0; k < total; k++) ops[n++] = dsk__par_kth(p, v, k, 1);
@@ -1046,8 +1081,10 @@ static void dsk__par_order(dsk_par_schedule_kind kind, int p, int m, int v, int 
     }
     for (int k = 0; k < w; k++) ops[n++] = dsk__par_kth(p, v, k, 0);
     for (int k = 0; k < total - w; k++) {
-        ops[n++] = dsk__par_kth(p, v, w + k, 0);
-        ops[n++] = dsk__par_kth(p, v, k, 1);
+        ops[n] = dsk__par_kth(p, v, w + k, 0);
+        ops[n + 1] = dsk__par_kth(p, v, k, 1);
+        ops[n].pair = paired && ops[n].micro != ops[n + 1].micro;
+        n += 2;
     }
     for (int k = total - w; k < total; k++) ops[n++] = dsk__par_kth(p, v, k, 1);
 }
@@ -1065,20 +1102,33 @@ typedef struct dsk__par_sim {
     dsk__par_op *order;        /* [p][2 m v] */
     int *pos;                  /* [p] next operation of each rank */
     unsigned char *act, *grad; /* [S][m]: input activation / output gradient available */
-    int *msg;                  /* messages of the current step: (is_grad, micro, from stage) triples */
+    int *msg;                  /* messages of the current step: (is_grad, micro, from stage) triples, 2 per rank */
     dsk_par_action *out;       /* the requested rank's list */
     int n_out, rank;
+    const char *fn;
 } dsk__par_sim;
 
-static void dsk__par_emit(dsk__par_sim *z, int rank, dsk_par_action_kind kind, int micro, int stage, int peer) {
+static dsk_par_action *dsk__par_emit(dsk__par_sim *z, int rank, dsk_par_action_kind kind, int micro, int stage,
+                                     int peer) {
     dsk_par_action *a;
-    if (rank != z->rank) return;
+    if (rank != z->rank) return NULL;
     a = &z->out[z->n_out++];
     a->kind = kind;
     a->micro = micro;
     a->stage = stage;
     a->chunk = stage / z->p;
     a->peer = peer;
+    a->bwd_micro = a->bwd_chunk = a->bwd_stage = -1;
+    return a;
+}
+
+/* Rank r runs operation o (global stage s): its message, if it makes one, joins the step's. */
+static void dsk__par_produce(dsk__par_sim *z, const dsk__par_op *o, int s, int *n_msg) {
+    if (o->bwd ? s == 0 : s == z->S - 1) return;
+    z->msg[3 * *n_msg] = o->bwd;
+    z->msg[3 * *n_msg + 1] = o->micro;
+    z->msg[3 * *n_msg + 2] = s;
+    (*n_msg)++;
 }
 
 /* Whether rank r's next operation has its input. */
@@ -1094,26 +1144,38 @@ static dsk_status dsk__par_simulate(dsk__par_sim *z) {
     while (left > 0) {
         int n_msg = 0, ran = 0;
         for (int r = 0; r < z->p; r++) {
-            const dsk__par_op *o;
+            const dsk__par_op *o, *b;
+            dsk_par_action *a;
             int s;
             if (z->pos[r] == per) continue;
             o = &z->order[(size_t)r * per + z->pos[r]];
-            if (!dsk__par_ready(z, r, o)) continue;
+            b = o->pair ? o + 1 : NULL;
+            if (!dsk__par_ready(z, r, o) || (b && !dsk__par_ready(z, r, b))) continue;
             s = o->chunk * z->p + r;
-            dsk__par_emit(z, r, o->bwd ? DSK_PAR_BACKWARD : DSK_PAR_FORWARD, o->micro, s, -1);
-            z->pos[r]++;
-            left--;
-            ran++;
-            if (o->bwd ? s > 0 : s < z->S - 1) {
-                z->msg[3 * n_msg] = o->bwd;
-                z->msg[3 * n_msg + 1] = o->micro;
-                z->msg[3 * n_msg + 2] = s;
-                n_msg++;
+            a = dsk__par_emit(z, r,
+                              b        ? DSK_PAR_FORWARD_BACKWARD
+                              : o->bwd ? DSK_PAR_BACKWARD
+                                       : DSK_PAR_FORWARD,
+                              o->micro, s, -1);
+            dsk__par_produce(z, o, s, &n_msg);
+            if (b) {
+                int sb = b->chunk * z->p + r;
+                if (a) {
+                    a->bwd_micro = b->micro;
+                    a->bwd_chunk = b->chunk;
+                    a->bwd_stage = sb;
+                }
+                dsk__par_produce(z, b, sb, &n_msg);
             }
+            z->pos[r] += b ? 2 : 1;
+            left -= b ? 2 : 1;
+            ran++;
         }
         if (!ran)
-            return dsk_set_error(DSK_ERR_STATE, "dsk_par_schedule_init: the compute orders of %d stages, %d "
-                                 "micro-batches, %d chunks wait on each other", z->p, z->m, z->v);
+            return dsk_set_error(DSK_ERR_STATE,
+                                 "%s: the compute orders of %d stages, %d micro-batches, %d chunks "
+                                 "wait on each other",
+                                 z->fn, z->p, z->m, z->v);
         /* this step's messages, in producer-rank order, on both ends */
         for (int i = 0; i < n_msg; i++) {
             int bwd = z->msg[3 * i], mb = z->msg[3 * i + 1], s = z->msg[3 * i + 2];
@@ -1128,9 +1190,8 @@ static dsk_status dsk__par_simulate(dsk__par_sim *z) {
     return DSK_OK;
 }
 
-DSK_API dsk_status dsk_par_schedule_init(dsk_par_schedule *s, dsk_par_schedule_kind kind, int stages, int micro,
-                                         int chunks, int rank) {
-    const char *fn = "dsk_par_schedule_init";
+static dsk_status dsk__par_schedule_build(const char *fn, dsk_par_schedule *s, dsk_par_schedule_kind kind, int stages,
+                                          int micro, int chunks, int rank, int paired) {
     dsk__par_sim z;
     dsk_status st;
     size_t per;
@@ -1144,12 +1205,13 @@ DSK_API dsk_status dsk_par_schedule_init(dsk_par_schedule *s, dsk_par_schedule_k
     z.v = chunks;
     z.S = stages * chunks;
     z.rank = rank;
+    z.fn = fn;
     per = (size_t)2 * micro * chunks;
     z.order = (dsk__par_op *)DSK_MALLOC((size_t)stages * per * sizeof *z.order);
     z.pos = (int *)DSK_MALLOC((size_t)stages * sizeof(int));
     z.act = (unsigned char *)DSK_MALLOC((size_t)z.S * micro);
     z.grad = (unsigned char *)DSK_MALLOC((size_t)z.S * micro);
-    z.msg = (int *)DSK_MALLOC((size_t)stages * 3 * sizeof(int));
+    z.msg = (int *)DSK_MALLOC((size_t)stages * 6 * sizeof(int));
     z.out = (dsk_par_action *)DSK_MALLOC(per * 3 * sizeof *z.out); /* each op: itself + at most one send, one recv */
     if (!z.order || !z.pos || !z.act || !z.grad || !z.msg || !z.out) {
         st = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for %d stages x %zu operations", fn, stages, per);
@@ -1158,7 +1220,7 @@ DSK_API dsk_status dsk_par_schedule_init(dsk_par_schedule *s, dsk_par_schedule_k
     memset(z.pos, 0, (size_t)stages * sizeof(int));
     memset(z.act, 0, (size_t)z.S * micro);
     memset(z.grad, 0, (size_t)z.S * micro);
-    for (int r = 0; r < stages; r++) dsk__par_order(kind, stages, micro, chunks, r, z.order + (size_t)r * per);
+    for (int r = 0; r < stages; r++) dsk__par_order(kind, stages, micro, chunks, r, paired, z.order + (size_t)r * per);
     st = dsk__par_simulate(&z);
     if (st != DSK_OK) goto done;
     s->kind = kind;
@@ -1169,7 +1231,12 @@ DSK_API dsk_status dsk_par_schedule_init(dsk_par_schedule *s, dsk_par_schedule_k
     s->n = z.n_out;
     s->actions = z.out;
     z.out = NULL;
+    s->paired = paired;
     s->in_flight = dsk_par_in_flight_bound(kind, stages, micro, chunks, rank);
+    if (paired) {
+        int w = dsk__par_warmup_paired(kind, stages, micro, chunks, rank);
+        s->in_flight = w + 1 < micro * chunks ? w + 1 : micro * chunks;
+    }
     s->bubble = dsk_par_bubble_fraction(kind, stages, micro, chunks);
 done:
     DSK_FREE(z.order);
@@ -1179,6 +1246,16 @@ done:
     DSK_FREE(z.msg);
     DSK_FREE(z.out);
     return st;
+}
+
+DSK_API dsk_status dsk_par_schedule_init(dsk_par_schedule *s, dsk_par_schedule_kind kind, int stages, int micro,
+                                         int chunks, int rank) {
+    return dsk__par_schedule_build("dsk_par_schedule_init", s, kind, stages, micro, chunks, rank, 0);
+}
+
+DSK_API dsk_status dsk_par_schedule_init_paired(dsk_par_schedule *s, dsk_par_schedule_kind kind, int stages, int micro,
+                                                int chunks, int rank) {
+    return dsk__par_schedule_build("dsk_par_schedule_init_paired", s, kind, stages, micro, chunks, rank, 1);
 }
 
 /* ---------------------------------------------------------------- the executor */
@@ -1199,6 +1276,14 @@ DSK_API dsk_status dsk_par_pipeline_run(const dsk_par_schedule *s, dsk_comm *pp,
         switch (a->kind) {
         case DSK_PAR_FORWARD: st = fns->forward(fns->user, a->micro, a->chunk); break;
         case DSK_PAR_BACKWARD: st = fns->backward(fns->user, a->micro, a->chunk); break;
+        case DSK_PAR_FORWARD_BACKWARD:
+            if (fns->forward_backward) {
+                st = fns->forward_backward(fns->user, a->micro, a->chunk, a->bwd_micro, a->bwd_chunk);
+                break;
+            }
+            st = fns->forward(fns->user, a->micro, a->chunk);
+            if (st == DSK_OK) st = fns->backward(fns->user, a->bwd_micro, a->bwd_chunk);
+            break;
         default:
             st = fns->buffer(fns->user, a, &t);
             if (st == DSK_OK && (!t.data || !dsk_tensor_is_contiguous(&t)))
@@ -1210,11 +1295,14 @@ DSK_API dsk_status dsk_par_pipeline_run(const dsk_par_schedule *s, dsk_comm *pp,
                 st = dsk_comm_recv(pp, ctx, t.data, dsk_tensor_numel(&t), t.dtype, a->peer);
         }
         if (st != DSK_OK) {
-            char why[1024], peer[48] = "";
+            char why[1024], peer[80] = "";
             snprintf(why, sizeof why, "%s", dsk_last_error());
             if (a->peer >= 0)
                 snprintf(peer, sizeof peer, " %s pipeline rank %d",
                          a->kind == DSK_PAR_SEND_ACT || a->kind == DSK_PAR_SEND_GRAD ? "to" : "from", a->peer);
+            if (a->kind == DSK_PAR_FORWARD_BACKWARD)
+                snprintf(peer, sizeof peer, "; backward of micro-batch %d, chunk %d, stage %d", a->bwd_micro,
+                         a->bwd_chunk, a->bwd_stage);
             return dsk_set_error(st, "%s: pipeline rank %d, action %d of %d (%s of micro-batch %d, chunk %d, stage "
                                  "%d%s): %s", fn, s->rank, i, s->n, dsk_par_action_name(a->kind), a->micro, a->chunk,
                                  a->stage, peer, why);

@@ -167,7 +167,23 @@ static sim_result simulate(dsk_par_schedule *sc, int p, int m, int v, const char
             if (s % p != r || a->chunk != s / p || a->micro < 0 || a->micro >= m || s < 0 || s >= S)
                 SIM_FAIL("%s: rank %d action %d: stage %d chunk %d micro %d do not belong here", what, r, pos[r], s,
                          a->chunk, a->micro);
-            if (a->kind == DSK_PAR_FORWARD) {
+            if (a->kind == DSK_PAR_FORWARD_BACKWARD) { /* the forward, then the backward, one unit each */
+                int sb = a->bwd_stage, mb = a->bwd_micro, ready;
+                if (sb % p != r || a->bwd_chunk != sb / p || mb < 0 || mb >= m || sb < 0 || sb >= S || mb == a->micro)
+                    SIM_FAIL("%s: rank %d action %d pairs forward micro %d with backward micro %d stage %d", what, r,
+                             pos[r], a->micro, mb, sb);
+                ready = s == 0 || (owner(s - 1, p) == r ? fw[(s - 1) * m + a->micro] : racts[s * m + a->micro]);
+                ready = ready && fw[sb * m + mb] &&
+                        (sb == S - 1 || (owner(sb + 1, p) == r ? bw[(sb + 1) * m + mb] : rgrad[sb * m + mb]));
+                if (!ready) SIM_FAIL("%s: rank %d runs the pair (F%d, B%d) before its inputs", what, r, a->micro, mb);
+                if (fw[s * m + a->micro]++) SIM_FAIL("%s: forward of micro %d stage %d twice", what, a->micro, s);
+                if (bw[sb * m + mb]++) SIM_FAIL("%s: backward of micro %d stage %d twice", what, mb, sb);
+                clock[r] += 2;
+                if (++held[r] > res.in_flight[r]) res.in_flight[r] = held[r];
+                held[r]--;
+                pos[r]++;
+                moved = 1;
+            } else if (a->kind == DSK_PAR_FORWARD) {
                 int ready = s == 0 || (owner(s - 1, p) == r ? fw[(s - 1) * m + a->micro] : racts[s * m + a->micro]);
                 if (!ready)
                     SIM_FAIL("%s: rank %d runs forward of micro %d stage %d before its input", what, r, a->micro, s);
@@ -281,21 +297,116 @@ out:
     return ok;
 }
 
+/* The computations of a list in order, a paired one as its forward then its backward: (backward?,
+   micro, chunk) triples into ops; returns their count. */
+static int compute_order(const dsk_par_schedule *s, int *ops) {
+    int n = 0;
+    for (int i = 0; i < s->n; i++) {
+        const dsk_par_action *a = &s->actions[i];
+        if (a->kind != DSK_PAR_FORWARD && a->kind != DSK_PAR_BACKWARD && a->kind != DSK_PAR_FORWARD_BACKWARD) continue;
+        ops[n++] = a->kind == DSK_PAR_BACKWARD, ops[n++] = a->micro, ops[n++] = a->chunk;
+        if (a->kind == DSK_PAR_FORWARD_BACKWARD) ops[n++] = 1, ops[n++] = a->bwd_micro, ops[n++] = a->bwd_chunk;
+    }
+    return n / 3;
+}
+
+/* The forwards of a list in order and its backwards in order, each a sequence of (micro, chunk). */
+static void split_order(const int *ops, int n, int *fwd, int *bwd) {
+    int nf = 0, nb = 0;
+    for (int i = 0; i < n; i++) {
+        int *to = ops[3 * i] ? bwd + 2 * nb++ : fwd + 2 * nf++;
+        to[0] = ops[3 * i + 1], to[1] = ops[3 * i + 2];
+    }
+}
+
+/* A paired schedule: every rank's list runs (the checker above) with the unpaired schedule's
+   bubble, its forwards and its backwards each in the unpaired order (gradients accumulate as
+   there), the warm-up 2 (p - r - 1) + (v - 1) p + 1 forwards (capped at m v; every forward when
+   interleaved with m = p; GPipe unpaired) and one more chunk than that in flight, and under 1F1B
+   every steady-state forward paired. *pairs counts the pairs. */
+static int check_paired(dsk_par_schedule_kind kind, int p, int m, int v, int *pairs) {
+    dsk_par_schedule sc[16], un;
+    char what[96];
+    int ok = 1, *ops = NULL, *ops_un = NULL, *f1 = NULL, *f2 = NULL;
+    sim_result res;
+    snprintf(what, sizeof what, "paired %s p=%d m=%d v=%d", dsk_par_schedule_name(kind), p, m, v);
+    memset(sc, 0, sizeof sc);
+    memset(&un, 0, sizeof un);
+    for (int r = 0; r < p; r++)
+        if (dsk_par_schedule_init_paired(&sc[r], kind, p, m, v, r) != DSK_OK) {
+            dsk_test_fail_at(__FILE__, __LINE__, "%s rank %d: %s", what, r, dsk_last_error());
+            ok = 0;
+        }
+    if (!ok) goto out;
+    res = simulate(sc, p, m, v, what, 0);
+    if (!res.ok) {
+        ok = 0;
+        goto out;
+    }
+    if (fabs((double)(res.makespan - 2 * m * v) / (2.0 * m * v) - dsk_par_bubble_fraction(kind, p, m, v)) > 1e-12) {
+        dsk_test_fail_at(__FILE__, __LINE__, "%s: makespan %d, bubble %.6f, unpaired formula %.6f", what, res.makespan,
+                         (double)(res.makespan - 2 * m * v) / (2.0 * m * v), dsk_par_bubble_fraction(kind, p, m, v));
+        ok = 0;
+    }
+    ops = (int *)malloc(sizeof(int) * 6 * m * v);
+    ops_un = (int *)malloc(sizeof(int) * 6 * m * v);
+    f1 = (int *)malloc(sizeof(int) * 4 * m * v);
+    f2 = (int *)malloc(sizeof(int) * 4 * m * v);
+    for (int r = 0; r < p && ok; r++) {
+        int n, n_un, fused = 0, w = 2 * (p - r - 1) + (v - 1) * p + 1, bound;
+        if ((v > 1 && m == p) || kind == DSK_PAR_GPIPE) w = m * v; /* every forward first, as unpaired */
+        w = w < m * v ? w : m * v;
+        bound = w + 1 < m * v ? w + 1 : m * v;
+        DSK_TEST_OK(dsk_par_schedule_init(&un, kind, p, m, v, r));
+        n = compute_order(&sc[r], ops);
+        n_un = compute_order(&un, ops_un);
+        split_order(ops, n, f1, f1 + 2 * m * v);
+        split_order(ops_un, n_un, f2, f2 + 2 * m * v);
+        if (n != n_un || memcmp(f1, f2, sizeof(int) * 4 * m * v) != 0) {
+            dsk_test_fail_at(__FILE__, __LINE__, "%s rank %d: forwards or backwards out of the unpaired order", what,
+                             r);
+            ok = 0;
+        }
+        if (res.in_flight[r] > bound || sc[r].in_flight != bound || !sc[r].paired) {
+            dsk_test_fail_at(__FILE__, __LINE__, "%s rank %d: %d chunks in flight, bound %d, schedule says %d", what, r,
+                             res.in_flight[r], bound, sc[r].in_flight);
+            ok = 0;
+        }
+        for (int i = 0; i < sc[r].n; i++) fused += sc[r].actions[i].kind == DSK_PAR_FORWARD_BACKWARD;
+        if (kind == DSK_PAR_1F1B && fused != m - w) {
+            dsk_test_fail_at(__FILE__, __LINE__, "%s rank %d: %d pairs, want %d", what, r, fused, m - w);
+            ok = 0;
+        }
+        *pairs += fused;
+        dsk_par_schedule_free(&un);
+    }
+out:
+    free(ops);
+    free(ops_un);
+    free(f1);
+    free(f2);
+    for (int r = 0; r < p; r++) dsk_par_schedule_free(&sc[r]);
+    return ok;
+}
+
 static void test_schedules_property(void) {
-    int n = 0, bad = 0;
+    int n = 0, bad = 0, pairs = 0;
     for (int p = 1; p <= 8; p++)
         for (int m = 1; m <= 12; m++) {
             bad += !check_schedule(DSK_PAR_GPIPE, p, m, 1);
             bad += !check_schedule(DSK_PAR_1F1B, p, m, 1);
-            n += 2;
+            bad += !check_paired(DSK_PAR_GPIPE, p, m, 1, &pairs);
+            bad += !check_paired(DSK_PAR_1F1B, p, m, 1, &pairs);
+            n += 4;
         }
     for (int p = 1; p <= 6; p++)
         for (int v = 1; v <= 4; v++)
             for (int k = 1; k <= 4; k++) {
                 bad += !check_schedule(DSK_PAR_INTERLEAVED, p, k * p, v);
-                n++;
+                bad += !check_paired(DSK_PAR_INTERLEAVED, p, k * p, v, &pairs);
+                n += 2;
             }
-    printf("     %d configurations checked, %d failed\n", n, bad);
+    printf("     %d configurations checked (half of them paired, %d pairs), %d failed\n", n, pairs, bad);
 }
 
 /* The checker must catch what it claims to: rank 0's adjacent "send activation, receive
@@ -385,6 +496,8 @@ static void test_schedule_errors(void) {
     DSK_TEST_STATUS(dsk_par_schedule_init(&s, DSK_PAR_1F1B, 4, 0, 1, 0), DSK_ERR_ARG);
     DSK_TEST_STATUS(dsk_par_schedule_init(&s, (dsk_par_schedule_kind)7, 4, 4, 1, 0), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("unknown schedule 7");
+    DSK_TEST_STATUS(dsk_par_schedule_init_paired(&s, DSK_PAR_INTERLEAVED, 4, 6, 2, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dsk_par_schedule_init_paired: interleaved schedule with 2 chunks: 6 micro-batches");
     DSK_TEST_EXPECT(s.actions == NULL && s.n == 0, "failed init leaves the schedule zeroed");
     DSK_TEST_STATUS(dsk_par_schedule_parse("zb", &k), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("\"zb\" is not a schedule");
@@ -918,6 +1031,7 @@ typedef struct pipe_ok {
     dsk_comm *c;
     int p, m, v;
     float *slot; /* [4][m][v][64]: received activations, sent ones, received gradients, sent ones */
+    int pairs;   /* forward_backward calls */
 } pipe_ok;
 
 static uint64_t msg_tag(int grad, int micro, int from_stage) {
@@ -953,12 +1067,19 @@ static dsk_status ok_check(pipe_ok *ps, int grad, int micro, int chunk) {
 
 static dsk_status ok_forward(void *user, int micro, int chunk) { return ok_check((pipe_ok *)user, 0, micro, chunk); }
 static dsk_status ok_backward(void *user, int micro, int chunk) { return ok_check((pipe_ok *)user, 1, micro, chunk); }
+static dsk_status ok_pair(void *user, int micro, int chunk, int bwd_micro, int bwd_chunk) {
+    pipe_ok *ps = (pipe_ok *)user;
+    ps->pairs++;
+    DSK__TRY(ok_check(ps, 0, micro, chunk));
+    return ok_check(ps, 1, bwd_micro, bwd_chunk);
+}
 
 static void rank_pipe_ok(dsk_comm *c, void *arg) {
     pipe_ok ps;
     dsk_par_schedule s;
     dsk_par_stage_fns fns;
-    int v = *(int *)arg;
+    const int *how = (const int *)arg; /* chunks; 0 unpaired, 1 paired, 2 paired with forward_backward */
+    int v = how[0], want = 0;
     memset(&ps, 0, sizeof ps);
     ps.c = c;
     ps.p = c->world_size;
@@ -970,8 +1091,15 @@ static void rank_pipe_ok(dsk_comm *c, void *arg) {
     fns.forward = ok_forward;
     fns.backward = ok_backward;
     fns.buffer = ok_buffer;
-    DSK_TEST_OK(dsk_par_schedule_init(&s, v > 1 ? DSK_PAR_INTERLEAVED : DSK_PAR_1F1B, ps.p, ps.m, v, c->rank));
+    if (how[1] == 2) fns.forward_backward = ok_pair;
+    if (how[1])
+        DSK_TEST_OK(
+            dsk_par_schedule_init_paired(&s, v > 1 ? DSK_PAR_INTERLEAVED : DSK_PAR_1F1B, ps.p, ps.m, v, c->rank));
+    else DSK_TEST_OK(dsk_par_schedule_init(&s, v > 1 ? DSK_PAR_INTERLEAVED : DSK_PAR_1F1B, ps.p, ps.m, v, c->rank));
     DSK_TEST_OK(dsk_par_pipeline_run(&s, c, NULL, &fns));
+    for (int i = 0; i < s.n && how[1] == 2; i++) want += s.actions[i].kind == DSK_PAR_FORWARD_BACKWARD;
+    DSK_TEST_EXPECT(ps.pairs == want, "rank %d: %d forward_backward calls, the list has %d", c->rank, ps.pairs, want);
+    DSK_TEST_EXPECT(how[1] != 2 || c->rank > 0 || want > 0, "rank 0 has no pair to run");
     dsk_par_schedule_free(&s);
     free(ps.slot);
 }
@@ -995,11 +1123,16 @@ static void rank_pipe_no_buffer(dsk_comm *c, void *arg) {
 }
 
 static void test_pipeline_runs(void) {
-    int v1 = 1, v2 = 2;
+    int v1[2] = {1, 0}, v2[2] = {2, 0}, p1[2] = {1, 2}, p2[2] = {2, 2}, p0[2] = {2, 1};
     dsk_test_begin("pipeline executor: 1F1B on 4 ranks, blocking sends, to the end");
-    expect_ranks_ok(4, rank_pipe_ok, &v1);
+    expect_ranks_ok(4, rank_pipe_ok, v1);
     dsk_test_begin("pipeline executor: interleaved (2 chunks) on 3 ranks, to the end");
-    expect_ranks_ok(3, rank_pipe_ok, &v2);
+    expect_ranks_ok(3, rank_pipe_ok, v2);
+    dsk_test_begin("pipeline executor: paired 1F1B on 4 ranks, each pair's two inputs there");
+    expect_ranks_ok(4, rank_pipe_ok, p1);
+    dsk_test_begin("pipeline executor: paired interleaved on 3 ranks, pairs by forward_backward and without it");
+    expect_ranks_ok(3, rank_pipe_ok, p2);
+    expect_ranks_ok(3, rank_pipe_ok, p0);
     dsk_test_begin("pipeline executor: a buffer callback without memory fails its action on 2 ranks");
     expect_ranks_ok(2, rank_pipe_no_buffer, NULL);
     dsk_test_end();
