@@ -223,11 +223,12 @@ static void agreed_options(const options *o, char *buf, size_t n) {
              "top_k=%d expert_hidden=%d groups=%d topk_groups=%d score=%s routed_scale=%.17g capacity=%.17g "
              "attn=%s q_lora=%d kv_lora=%d qk_nope=%d qk_rope=%d v_head=%d mtp=%d dtype=%s batch=%d accum=%d "
              "seed=%lld tp=%d pp=%d micro=%d vstages=%d pp_schedule=%s ep=%d zero=%d grad_compress=%s "
-             "ep_dispatch=%s ep_exchange=%s",
+             "ep_dispatch=%s ep_exchange=%s pair_micro=%d",
              o->seq, o->d_model, o->heads, o->layers, o->dense_layers, o->ffn_hidden, o->experts, o->shared, o->top_k,
              o->expert_hidden, o->groups, o->topk_groups, o->score, o->routed_scale, o->capacity, o->attn, o->q_lora,
              o->kv_lora, o->qk_nope, o->qk_rope, o->v_head, o->mtp, o->dtype, o->batch, o->accum, o->seed, o->tp, o->pp,
-             o->micro, o->vstages, o->pp_schedule, o->ep, o->zero, o->grad_compress, o->ep_dispatch, o->ep_exchange);
+             o->micro, o->vstages, o->pp_schedule, o->ep, o->zero, o->grad_compress, o->ep_dispatch, o->ep_exchange,
+             o->pair_micro);
 }
 
 static void setup_comm(trainer *t) {
@@ -256,7 +257,8 @@ static void setup_comm(trainer *t) {
     t->dp_size = t->world / (o->tp * o->pp);
     t->batch_local = o->batch / t->dp_size;
     t->dp_rank = 0;
-    t->par.on = o->tp > 1 || o->pp > 1;
+    t->par.on = o->tp > 1 || o->pp > 1 || o->pair_micro;
+    t->par.paired = o->pair_micro;
     CHECK(dsk_par_schedule_parse(o->pp_schedule, &t->par.kind)); /* refuse_layout checked it */
     t->par.M = o->micro;
     t->par.v = o->vstages;
@@ -597,6 +599,7 @@ typedef struct step_info {
     double ep_bytes[3]; /* --ep: handed to the MoE layers' dispatch and combine all-to-alls (forward); sent to other
                            nodes by all their exchanges (forward and backward) */
     double pp_bytes;    /* --pp: handed to the pipeline's sends (activations and gradients) */
+    int64_t paired;     /* --pair-micro-batches: expert exchanges that travelled while the other micro-batch computed */
     double tp[4];       /* --tp: this step's tensor-parallel collectives (tp_traffic: bytes by kind, calls) */
     float scale;
     int64_t dropped;
@@ -705,6 +708,7 @@ static dsk_status train_step(trainer *t, step_info *si) {
     tm_model *m = &t->model;
     double t0 = tm_clock(), c0 = tm_clock_cpu(), comm0 = comm_seconds(t);
     uint64_t pp0 = t->par.on ? t->par.grid.pp.stats.send_payload : 0;
+    int64_t paired0 = t->par.paired_exchanges;
     dsk_comm_stats tp0 = t->par.grid.tp.stats;
     float scale, loss;
     TM_TRY(dsk_amp_scale_get(&t->scaler, &t->ctx, &scale));
@@ -732,6 +736,7 @@ static dsk_status train_step(trainer *t, step_info *si) {
         si->loss += loss / o->accum;
     }
     if (t->par.on) si->pp_bytes = (double)(t->par.grid.pp.stats.send_payload - pp0);
+    si->paired = t->par.paired_exchanges - paired0;
     if (t->par.on) tp_traffic_since(&t->par, &tp0, si->tp);
     double sync0 = tm_clock();
     if (t->engine) TM_TRY(tz_wait(&t->zero));

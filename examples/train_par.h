@@ -120,6 +120,7 @@ typedef struct tp_state {
     int on;
     int tp, pp, dp, ep, v, M, S;    /* S: activation slots (the schedule's in-flight bound) */
     dsk_par_schedule_kind kind;
+    int paired;                     /* set before tp_model_init: --pair-micro-batches (dsk_par_schedule_init_paired) */
     dsk_par_grid grid;              /* its ep and edp groups are the trainer's */
     dsk_comm stage;                 /* same pipeline stage (tp x dp) */
     dsk_comm xrep;                  /* same stage and same experts (tp x edp) */
@@ -143,6 +144,9 @@ typedef struct tp_state {
     tp_chunk chunks[16];
     int first, last;                /* chunk holding global stage 0 / the last one, or -1 */
     dsk_tensor dx, dh, tmp, big, datt, dq, dk, dv, dqr, dkr, dg, du, da;
+    dsk_tensor fdx, fdh;      /* paired: the running gradient of a forward's head (train/par_run.h's streams) */
+    struct tp_stream *pend;   /* the stream whose expert exchange is in flight (train/par_run.h) */
+    int64_t paired_exchanges; /* expert exchanges that travelled while a pair's other micro-batch computed */
     dsk_tensor xf, hf, rstdf, hfg, logits, dlogits, vrow; /* vrow (V): a row of logits gathered over tp */
     dsk_tensor dx32;                  /* bf16/f16, first stage: (Nm, D) f32 copy of the gathered dx */
     dsk_tensor mtp_hfg[TMLA_MAX_MTP]; /* tp > 1: each MTP module's gathered final norm output (Nm, D) */
@@ -477,6 +481,8 @@ static dsk_status tp_alloc_acts(tp_state *ps) {
     }
     dsk_tensor *sd[] = {&ps->dx, &ps->dh, &ps->tmp, &ps->xf, &ps->hf};
     for (size_t i = 0; i < 5; i++) TM_TRY(tp_alloc(ps, sd[i], dt, Ns, D));
+    if (ps->paired && ps->last >= 0) TM_TRY(tp_alloc(ps, &ps->fdx, dt, Ns, D));
+    if (ps->paired && ps->last >= 0) TM_TRY(tp_alloc(ps, &ps->fdh, dt, Ns, D));
     TM_TRY(tp_alloc(ps, &ps->rstdf, DSK_F32, Ns, 0));
     TM_TRY(tp_alloc(ps, &ps->big, dt, Nm, D));
     if (ps->tp > 1) TM_TRY(tp_alloc(ps, &ps->hfg, dt, Nm, D));
@@ -573,7 +579,8 @@ static dsk_status tp_model_declare(tp_state *ps, tm_model *m, dsk_ctx *ctx, cons
     ps->embed_copy = cfg->mla.mtp_depth > 0 && ps->pp > 1;
     if (ps->embed_copy && !ps->embed_group)
         return dsk_set_error(DSK_ERR_ARG, "tp_model_init: --mtp under --pp needs embed_group set before tp_grid_init");
-    TM_TRY(dsk_par_schedule_init(&ps->sched, ps->kind, ps->pp, ps->M, ps->v, r));
+    if (ps->paired) TM_TRY(dsk_par_schedule_init_paired(&ps->sched, ps->kind, ps->pp, ps->M, ps->v, r));
+    else TM_TRY(dsk_par_schedule_init(&ps->sched, ps->kind, ps->pp, ps->M, ps->v, r));
     ps->S = ps->sched.in_flight < ps->M ? ps->sched.in_flight : ps->M;
     if (ps->S < 1) ps->S = 1;
     int nb = tm_n_blocks(cfg); /* the MTP blocks after the layers, on the last stage (in the head's part) */
@@ -672,9 +679,9 @@ static void tp_free(tp_state *ps) {
         dsk_tensor *ts[] = {&ch->in_act, &ch->out_act, &ch->in_grad, &ch->out_grad};
         for (size_t i = 0; i < 4; i++) dsk_tensor_free(ctx, ts[i]);
     }
-    dsk_tensor *ts[] = {&ps->dx, &ps->dh,    &ps->tmp, &ps->big,    &ps->datt,    &ps->dq,   &ps->dk,
-                        &ps->dv, &ps->dqr,   &ps->dkr, &ps->dg,     &ps->du,      &ps->da,   &ps->xf,
-                        &ps->hf, &ps->rstdf, &ps->hfg, &ps->logits, &ps->dlogits, &ps->vrow, &ps->dx32};
+    dsk_tensor *ts[] = {&ps->dx,  &ps->dh,     &ps->tmp,     &ps->big,  &ps->datt, &ps->dq,  &ps->dk, &ps->dv,
+                        &ps->dqr, &ps->dkr,    &ps->dg,      &ps->du,   &ps->da,   &ps->xf,  &ps->hf, &ps->rstdf,
+                        &ps->hfg, &ps->logits, &ps->dlogits, &ps->vrow, &ps->dx32, &ps->fdx, &ps->fdh};
     for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dsk_tensor_free(ctx, ts[i]);
     for (int k = 0; k < TMLA_MAX_MTP; k++) dsk_tensor_free(ctx, &ps->mtp_hfg[k]);
     free(ps->layers);

@@ -28,6 +28,9 @@
 #   bound; pp2 with one micro-batch bit for bit); two MTP
 #   modules with MoE FFNs as tp2 x pp2 and as pp2 x dp2 at --zero 2 and 3, in f32;
 #   --recompute attn|full under tp2 x pp2 bit for bit as without, with fewer activation bytes;
+#   --pair-micro-batches (pp2 x ep2, interleaved with ZeRO-2 in fp16, an MTP head reached while the
+#   backward is in a block, tp2 x pp2 with MLA, on the emulated GPU over nccl) bit for bit as without,
+#   and on one stage as --accum;
 #   the grid and the bubble are printed; unsupported combinations fail with a message.
 # Routing is replayed: the one-rank reference writes every MoE decision (--routing-record: each
 #   step's, validation's and sampled token's top-k experts per layer and token) and every layout
@@ -176,6 +179,49 @@ for spec in "dp2ep2|--nproc 2 --ep 2 --dtype bf16" "tp2ep2|--nproc 4 --tp 2 --ep
             "$(diff <(echo "$a") <(fields "ov_${name}_chunked") | head -4)"
     fi
 done
+
+# --pair-micro-batches: each steady forward runs with the backward after it, interleaved at the MoE layers (one
+# micro-batch's expert exchange on its thread while the other computes; dsk_par_schedule_init_paired): every logged
+# number is the unpaired schedule's bit for bit, exchanges did travel beside the other micro-batch
+# (ep_paired_exchanges, rank 0's), and on one stage it logs --accum's step numbers. With 7 layers the interleaved
+# last stage's chunk is the shorter of its two, so its forward reaches the head while the pair's backward is still
+# in a block: the head (the MTP module's backward) must keep to its own running gradient, and the module's MoE
+# layer must wait for the backward's exchange in flight (each fault fails the case).
+paired() { # the step records' ep_paired_exchanges summed
+    $PYS -c "import json, sys; print(sum(r.get('ep_paired_exchanges', 0) for r in map(json.loads, open(sys.argv[1])) if r['type'] == 'step'))" "$work/$1.jsonl" 2>/dev/null
+}
+for spec in "pp2ep2|--nproc 4 --pp 2 --ep 2 --micro-batches 4 --dtype bf16 --ep-overlap on" \
+            "ipp2ep2z2|--nproc 4 --pp 2 --pp-schedule interleaved --virtual-stages 2 --ep 2 --micro-batches 4 --zero 2 --dtype fp16 --ep-overlap chunked" \
+            "ipp2ep2mtp|--nproc 4 --pp 2 --pp-schedule interleaved --virtual-stages 2 --ep 2 --micro-batches 4 --layers 7 --mtp 1 --mtp-ffn moe --ep-overlap on" \
+            "tp2pp2mla|--nproc 4 --tp 2 --pp 2 --micro-batches 4 --recompute attn --attn mla --q-lora-rank 16 --kv-lora-rank 16 --qk-nope-dim 8 --qk-rope-dim 4 --v-head-dim 8"; do
+    name=${spec%%|*}
+    # shellcheck disable=SC2086
+    run "pair_${name}_0" "${TINY[@]}" --steps 6 ${spec#*|} --log "$work/pair_${name}_0.jsonl"
+    # shellcheck disable=SC2086
+    run "pair_${name}_1" "${TINY[@]}" --steps 6 ${spec#*|} --pair-micro-batches --log "$work/pair_${name}_1.jsonl"
+    a=$(fields "pair_${name}_0")
+    n=$(paired "pair_${name}_1")
+    what="--pair-micro-batches, ${spec#*|}: every logged number equals the unpaired run's bit for bit ($n exchanges paired)"
+    if [ "$(rc "pair_${name}_0")$(rc "pair_${name}_1")" = 00 ] && [ "$(echo "$a" | grep -c '^step')" -eq 6 ] &&
+       [ "$a" = "$(fields "pair_${name}_1")" ] && [ "${n:-0}" -gt 0 ]; then
+        ok "$what"
+    else
+        bad "$what" "exit $(rc "pair_${name}_0")/$(rc "pair_${name}_1")" \
+            "$(diff <(echo "$a") <(fields "pair_${name}_1") | head -4)"
+    fi
+done
+run pair_acc "${TINY[@]}" --steps 6 --nproc 2 --ep 2 --batch 4 --accum 2 --dtype bf16 --ep-overlap on --log "$work/pair_acc.jsonl"
+run pair_pp1 "${TINY[@]}" --steps 6 --nproc 2 --ep 2 --batch 8 --micro-batches 2 --pair-micro-batches --dtype bf16 \
+    --ep-overlap on --log "$work/pair_pp1.jsonl"
+a=$(fields pair_acc | grep '^step')
+n=$(paired pair_pp1)
+what="--pair-micro-batches on one stage, dp2 x ep2 in bf16, --micro-batches 2 logs --accum 2's steps bit for bit ($n exchanges paired)"
+if [ "$(rc pair_acc)$(rc pair_pp1)" = 00 ] && [ "$(echo "$a" | grep -c '^step')" -eq 6 ] &&
+   [ "$a" = "$(fields pair_pp1 | grep '^step')" ] && [ "${n:-0}" -gt 0 ]; then
+    ok "$what"
+else
+    bad "$what" "exit $(rc pair_acc)/$(rc pair_pp1)" "$(diff <(echo "$a") <(fields pair_pp1 | grep '^step') | head -4)"
+fi
 
 # Layouts in bf16 against one rank in bf16 over 30 steps, routing replayed from the bf16 record.
 # Tensor parallelism rounds the row-parallel outputs' partial sums and then the residual add
@@ -521,6 +567,23 @@ else
     else
         bad "$what" "exit $e1/$e4, loss $loss" "$(grep -E 'rank|error' "$work/emum4.out" | tail -3)"
     fi
+    # --pair-micro-batches over nccl: each exchange on the layer's own stream while the other micro-batch's
+    # kernels run on the compute stream; the unpaired run's numbers bit for bit
+    EPP=(--steps 6 --device cuda --dtype bf16 --nproc 4 --pp 2 --ep 2 --micro-batches 4 --ep-exchange bounded
+         --ep-overlap on)
+    timeout 300 "$EMU_BIN" "${TINY[@]}" "${EPP[@]}" --log "$work/pair_emu_0.jsonl" >"$work/pair_emu_0.out" 2>&1; e1=$?
+    timeout 300 "$EMU_BIN" "${TINY[@]}" "${EPP[@]}" --pair-micro-batches --log "$work/pair_emu_1.jsonl" \
+        >"$work/pair_emu_1.out" 2>&1; e4=$?
+    a=$(fields pair_emu_0)
+    n=$(paired pair_emu_1)
+    what="--pair-micro-batches as pp2 x ep2 in bf16 on the emulated GPU (nccl, bounded exchange on the layer's stream)"
+    what="$what logs the unpaired run's numbers bit for bit ($n exchanges paired)"
+    if [ "$e1$e4" = 00 ] && [ "$(echo "$a" | grep -c '^step')" -eq 6 ] && [ "$a" = "$(fields pair_emu_1)" ] &&
+       [ "${n:-0}" -gt 0 ] && grep -q "4 ranks (expert parallel 2), CUDA, bf16" "$work/pair_emu_1.out"; then
+        ok "$what"
+    else
+        bad "$what" "exit $e1/$e4" "$(grep -E 'rank|error' "$work/pair_emu_1.out" | tail -3)"
+    fi
 fi
 
 # ---- the same objective in every layout: with the Switch, sequence-wise and z losses on, every
@@ -707,6 +770,11 @@ expect_fail ep_overlap '--ep-overlap "ring": use off, on or chunked' "${TINY[@]}
 expect_fail mla_tp_heads '--tp 4 must divide --heads 2' "${TINY[@]}" "${MLA[@]}" --nproc 4 --tp 4 --heads 2
 expect_fail pp_layers '--layers 4 cannot fill 8 pipeline stages' "${TINY[@]}" --nproc 4 --pp 4 --pp-schedule interleaved --virtual-stages 2 --micro-batches 4
 expect_fail micro_no_pp '--micro-batches, --virtual-stages and --pp-schedule need --pp 2' "${TINY[@]}" --micro-batches 2
+expect_fail pair_one '--pair-micro-batches needs several ranks' "${TINY[@]}" --micro-batches 2 --pair-micro-batches
+expect_fail pair_m1 '--pair-micro-batches needs --micro-batches 2 or more' "${TINY[@]}" --nproc 2 --pp 2 --pair-micro-batches
+expect_fail pair_gpipe '--pair-micro-batches needs --pp-schedule 1f1b or interleaved' "${TINY[@]}" --nproc 2 --pp 2 --micro-batches 2 --pp-schedule gpipe --pair-micro-batches
+expect_fail pair_zero3 '--pair-micro-batches runs with --zero 0 to 2' "${TINY[@]}" --nproc 2 --pp 2 --micro-batches 2 --zero 3 --pair-micro-batches
+expect_fail pair_full '--pair-micro-batches runs without --recompute full' "${TINY[@]}" --nproc 2 --pp 2 --micro-batches 2 --recompute full --pair-micro-batches
 expect_fail micro_divide '--micro-batches 3 must divide the 8 sequences' "${TINY[@]}" --nproc 2 --pp 2 --micro-batches 3
 expect_fail virtual_kind '--virtual-stages 2 needs --pp-schedule interleaved' "${TINY[@]}" --nproc 2 --pp 2 --virtual-stages 2
 expect_fail interleaved_m 'interleaved needs --micro-batches \(3\) to be a multiple of --pp 2' "${TINY[@]}" --nproc 2 --pp 2 --pp-schedule interleaved --micro-batches 3

@@ -140,6 +140,10 @@
     X(INT, 0, micro, "--micro-batches", 1, \
       "pipeline micro-batches per step (divides the sequences per data-parallel rank)") \
     X(INT, 0, vstages, "--virtual-stages", 1, "stages per pipeline rank (--pp-schedule interleaved)") \
+    X(FLAG, 0, pair_micro, "--pair-micro-batches", 0, \
+      "run each steady forward with the backward after it, interleaved at the MoE layers: one micro-batch's expert " \
+      "exchange travels while the other computes (--ep-overlap on or chunked); more activations in flight; with " \
+      "--pp 1 the --micro-batches are the step's; the same bits") \
     X(INT, 0, zero, "--zero", 0, "ZeRO stage 0-3: shard optimizer state (1), gradients (2), weights (3)") \
     X(BUF, 32, grad_compress, "--grad-compress", "none", \
       "none | bf16 | fp8 | fp8:ef | powersgd:R[:START] gradient reductions (fp8: e4m3 with 1x128 scales, :ef with " \

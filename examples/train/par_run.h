@@ -58,33 +58,62 @@ static int64_t tp_row0(const tp_state *ps, int micro) {
     return (int64_t)micro * ps->Nm + (int64_t)ps->grid.at.tp * ps->Ns;
 }
 
-/* y = MoE(h) of block l on this rank's Ns rows of micro-batch `micro`; through the layer's f32
-   buffers mx/my when it computes in another dtype than the model (f16: tm_moe_dtype), as
-   tm_moe_forward does. */
-static dsk_status tp_moe_forward(tp_state *ps, int l, int micro, dsk_tensor *y, const dsk_tensor *h,
-                                 dsk_moe_stats *st) {
+/* A recorded or replayed routing (--routes): the MoE forward runs whole in its begin. */
+static int tp_moe_whole(const tp_state *ps) { return ps->m->routes && ps->m->routes->mode != TM_ROUTES_OFF; }
+
+/* y = MoE(h) of block l on this rank's Ns rows of micro-batch `micro`, in two calls split where
+   the rows' exchange starts (dsk_moe_forward_begin; tp_moe_forward_end writes y): through the
+   layer's f32 buffers mx/my when it computes in another dtype than the model (f16: tm_moe_dtype),
+   as tm_moe_forward does. */
+static dsk_status tp_moe_forward_begin(tp_state *ps, int l, int micro, dsk_tensor *y, const dsk_tensor *h,
+                                       dsk_moe_stats *st) {
     tm_model *m = ps->m;
     tm_block *b = &m->blocks[l];
-    if (!b->mx.data) return tm_moe_call(m, &b->moe, l, tp_row0(ps, micro), y, h, st);
-    dsk_tensor mx = tm_rows(&b->mx, ps->Ns), my = tm_rows(&b->my, ps->Ns);
-    TM_TRY(dsk_tensor_copy(ps->ctx, &mx, h));
-    TM_TRY(tm_moe_call(m, &b->moe, l, tp_row0(ps, micro), &my, &mx, st));
+    dsk_tensor mx, my;
+    const dsk_tensor *x = h;
+    if (b->mx.data) {
+        mx = tm_rows(&b->mx, ps->Ns);
+        my = tm_rows(&b->my, ps->Ns);
+        TM_TRY(dsk_tensor_copy(ps->ctx, &mx, h));
+        x = &mx;
+    }
+    if (tp_moe_whole(ps)) return tm_moe_call(m, &b->moe, l, tp_row0(ps, micro), b->mx.data ? &my : y, x, st);
+    TM_TRY(dsk_moe_set_loss_span(&b->moe, m->loss_group, m->loss_row0, m->loss_rows));
+    return dsk_moe_forward_begin(&b->moe, ps->ctx, x);
+}
+
+static dsk_status tp_moe_forward_end(tp_state *ps, int l, dsk_tensor *y, dsk_moe_stats *st) {
+    tm_block *b = &ps->m->blocks[l];
+    dsk_tensor my;
+    if (!b->mx.data) return tp_moe_whole(ps) ? DSK_OK : dsk_moe_forward_end(&b->moe, ps->ctx, y, st);
+    my = tm_rows(&b->my, ps->Ns);
+    if (!tp_moe_whole(ps)) TM_TRY(dsk_moe_forward_end(&b->moe, ps->ctx, &my, st));
     return dsk_tensor_copy(ps->ctx, y, &my);
 }
 
-/* ps->dx holds d(block output): the MoE layer's backward of its last forward, d(h2) into ps->dh
-   (through mx/my as tm_moe_backward). */
-static dsk_status tp_moe_backward(tp_state *ps, int l) {
+/* ps->dx holds d(block output): the MoE layer's backward of its forward in the slot in use, split
+   at the exchange of the rows' gradients; tp_moe_backward_end writes d(h2) into ps->dh (through
+   mx/my as tm_moe_backward). */
+static dsk_status tp_moe_backward_begin(tp_state *ps, int l) {
     tm_model *m = ps->m;
     tm_block *b = &m->blocks[l];
+    dsk_tensor my;
+    if (!b->my.data) return dsk_moe_backward_begin(&b->moe, ps->ctx, &ps->dx, m->aux_scale);
+    my = tm_rows(&b->my, ps->Ns);
+    TM_TRY(dsk_tensor_copy(ps->ctx, &my, &ps->dx));
+    return dsk_moe_backward_begin(&b->moe, ps->ctx, &my, m->aux_scale);
+}
+
+static dsk_status tp_moe_backward_end(tp_state *ps, int l) {
+    tm_block *b = &ps->m->blocks[l];
+    dsk_tensor mx;
     if (!b->mx.data) {
         TM_TRY(dsk_tensor_fill(ps->ctx, &ps->dh, 0.0));
-        return dsk_moe_backward(&b->moe, ps->ctx, &ps->dh, &ps->dx, m->aux_scale);
+        return dsk_moe_backward_end(&b->moe, ps->ctx, &ps->dh);
     }
-    dsk_tensor mx = tm_rows(&b->mx, ps->Ns), my = tm_rows(&b->my, ps->Ns);
-    TM_TRY(dsk_tensor_copy(ps->ctx, &my, &ps->dx));
+    mx = tm_rows(&b->mx, ps->Ns);
     TM_TRY(dsk_tensor_fill(ps->ctx, &mx, 0.0));
-    TM_TRY(dsk_moe_backward(&b->moe, ps->ctx, &mx, &my, m->aux_scale));
+    TM_TRY(dsk_moe_backward_end(&b->moe, ps->ctx, &mx));
     return dsk_tensor_copy(ps->ctx, &ps->dh, &mx);
 }
 
@@ -263,21 +292,51 @@ static dsk_status tp_ffn_in(tp_state *ps, const tm_block *b, tp_acts *s) {
     return DSK_OK;
 }
 
-/* Block l on slot `slot` (its x filled): y = block(x), everything backward needs kept. */
-static dsk_status tp_block_forward(tp_state *ps, int l, int slot, int micro, dsk_tensor *y) {
-    tm_model *m = ps->m;
-    tm_block *b = &m->blocks[l];
+/* Block l on slot `slot` (its x filled), y = block(x) with everything backward needs kept, in
+   three parts around an MoE layer's exchange: up to it (a dense block whole), the MoE layer's
+   begin (tp_block_forward_moe, 0) and end (1), the rest (tp_block_forward_post). */
+static dsk_status tp_block_forward_pre(tp_state *ps, int l, int slot, dsk_tensor *y) {
+    tm_block *b = &ps->m->blocks[l];
     tp_acts s = tp_slot(ps, l, slot);
     TM_TRY(tp_attn_half(ps, l, slot, &s));
     if (!b->is_moe) {
         TM_TRY(tp_ffn_in(ps, b, &s));
         return tp_row_residual(ps, TM_PH_FFN, y, &s.x2, &s.a, &b->w2->wc, &s.f8_a);
     }
-    TM_TRY(dsk_moe_use_slot(&b->moe, tp_moe_slots(ps, l) > 1 ? slot : 0));
-    TM_T(TM_PH_MOE, tp_moe_forward(ps, l, micro, y, &s.h2, m->want_stats ? &b->stats : NULL));
-    ps->layers[l].moe_micro = ps->train && !b->moe.eval ? micro : -1;
-    TM_T(TM_PH_MOVE, dsk_add(ps->ctx, y, y, &s.x2));
     return DSK_OK;
+}
+
+static dsk_status tp_block_forward_moe(tp_state *ps, int l, int slot, int micro, dsk_tensor *y, int end) {
+    tm_model *m = ps->m;
+    tm_block *b = &m->blocks[l];
+    dsk_moe_stats *st = m->want_stats ? &b->stats : NULL;
+    dsk_tensor h2 = tp_slot(ps, l, slot).h2;
+    if (end) {
+        TM_T(TM_PH_MOE, tp_moe_forward_end(ps, l, y, st));
+        return DSK_OK;
+    }
+    TM_TRY(dsk_moe_use_slot(&b->moe, tp_moe_slots(ps, l) > 1 ? slot : 0)); /* here: the layer may be busy before */
+    TM_T(TM_PH_MOE, tp_moe_forward_begin(ps, l, micro, y, &h2, st));
+    return DSK_OK;
+}
+
+static dsk_status tp_block_forward_post(tp_state *ps, int l, int slot, int micro, dsk_tensor *y) {
+    tm_model *m = ps->m;
+    tm_block *b = &m->blocks[l];
+    if (!b->is_moe) return DSK_OK;
+    dsk_tensor x2 = tp_slot(ps, l, slot).x2;
+    ps->layers[l].moe_micro = ps->train && !b->moe.eval ? micro : -1;
+    TM_T(TM_PH_MOVE, dsk_add(ps->ctx, y, y, &x2));
+    return DSK_OK;
+}
+
+static dsk_status tp_block_forward(tp_state *ps, int l, int slot, int micro, dsk_tensor *y) {
+    TM_TRY(tp_block_forward_pre(ps, l, slot, y));
+    if (ps->m->blocks[l].is_moe) {
+        TM_TRY(tp_block_forward_moe(ps, l, slot, micro, y, 0));
+        TM_TRY(tp_block_forward_moe(ps, l, slot, micro, y, 1));
+    }
+    return tp_block_forward_post(ps, l, slot, micro, y);
 }
 
 /* ps->dx holds d(x2) of slot s of an MHA block: d(h1) into ps->dh and the weights' gradients. */
@@ -303,12 +362,14 @@ static dsk_status tp_mha_backward(tp_state *ps, int l, tp_acts *s) {
     return DSK_OK;
 }
 
-/* ps->dx holds d(block output) of slot `slot`; leaves d(block input) there, gradients added. */
-static dsk_status tp_block_backward(tp_state *ps, int l, int slot, int micro) {
+/* ps->dx holds d(block output) of slot `slot`; leaves d(block input) there, gradients added. In
+   three parts around an MoE layer's exchange as the forward: up to it (recomputation; a dense
+   block's FFN, d(h2) into ps->dh), the MoE layer's begin and end (tp_block_backward_moe: d(h2)
+   into ps->dh), the rest (tp_block_backward_post: the norms and the attention). */
+static dsk_status tp_block_backward_pre(tp_state *ps, int l, int slot, int micro) {
     tm_model *m = ps->m;
     tm_block *b = &m->blocks[l];
     dsk_ctx *ctx = ps->ctx;
-    const tm_config *c = &m->cfg;
     tp_acts s = tp_slot(ps, l, slot);
     int rc = ps->layers[l].rc;
     if (rc == TMLA_RECOMPUTE_FULL) { /* only x was kept: the forward again (an MoE layer keeps its own state) */
@@ -325,20 +386,46 @@ static dsk_status tp_block_backward(tp_state *ps, int l, int slot, int micro) {
         dsk_tensor *dW[2] = {&b->w1->g, &b->w3->g};
         const dsk_tensor *dY[2] = {&ps->dg, &ps->du}, *W[2] = {&b->w1->wc, &b->w3->wc};
         TM_T(TM_PH_FFN, tp_column_backward(ps, 2, &ps->dh, tp_sp(ps, &ps->big), dW, dY, W, &s.h2g, &s.f8_h2));
-    } else {
-        tp_layer *L = &ps->layers[l];
-        int one = tp_moe_slots(ps, l) == 1;
-        TM_TRY(dsk_moe_use_slot(&b->moe, one ? 0 : slot));
-        if (one && L->moe_micro != micro) { /* another micro-batch ran through the layer since: its forward again */
-            int eval = b->moe.eval;
-            b->moe.eval = 1;
-            dsk_status st = tp_moe_forward(ps, l, micro, &ps->tmp, &s.h2, NULL);
-            b->moe.eval = eval;
-            TM_TRY(st);
-        }
-        L->moe_micro = -1;
-        TM_T(TM_PH_MOE, tp_moe_backward(ps, l));
+        return DSK_OK;
     }
+    tp_layer *L = &ps->layers[l];
+    if (tp_moe_slots(ps, l) == 1 && L->moe_micro != micro) { /* another micro-batch ran through the layer since: */
+        int eval = b->moe.eval;                              /* its forward again */
+        dsk_status st;
+        if (ps->pend) /* tp_pair_run: no second exchange in flight (paired schedules keep S slots) */
+            return dsk_set_error(DSK_ERR_STATE,
+                                 "tp_block_backward: layer %d's forward again while another "
+                                 "micro-batch's expert exchange is in flight",
+                                 l);
+        TM_TRY(dsk_moe_use_slot(&b->moe, 0));
+        b->moe.eval = 1;
+        st = tp_moe_forward_begin(ps, l, micro, &ps->tmp, &s.h2, NULL);
+        if (st == DSK_OK) st = tp_moe_forward_end(ps, l, &ps->tmp, NULL);
+        b->moe.eval = eval;
+        TM_TRY(st);
+    }
+    L->moe_micro = -1;
+    return DSK_OK;
+}
+
+static dsk_status tp_block_backward_moe(tp_state *ps, int l, int slot, int end) {
+    tm_model *m = ps->m;
+    if (end) {
+        TM_T(TM_PH_MOE, tp_moe_backward_end(ps, l));
+        return DSK_OK;
+    }
+    TM_TRY(dsk_moe_use_slot(&m->blocks[l].moe, tp_moe_slots(ps, l) > 1 ? slot : 0));
+    TM_T(TM_PH_MOE, tp_moe_backward_begin(ps, l));
+    return DSK_OK;
+}
+
+static dsk_status tp_block_backward_post(tp_state *ps, int l, int slot) {
+    tm_model *m = ps->m;
+    tm_block *b = &m->blocks[l];
+    dsk_ctx *ctx = ps->ctx;
+    const tm_config *c = &m->cfg;
+    tp_acts s = tp_slot(ps, l, slot);
+    int rc = ps->layers[l].rc;
     TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &ps->dx, tm_grad(b->ln2), &ps->dh, &s.x2, &b->ln2->wc, &s.rstd2));
     if (rc == TMLA_RECOMPUTE_ATTN) TM_TRY(tp_core(ps, l, slot, &s)); /* the core's shared output again */
     if (rc == TMLA_RECOMPUTE_ATTN && s.f8_att.q.data) TM_T(TM_PH_LINEAR, tf8_keep(ctx, &s.f8_att, &s.att)); /* MHA */
@@ -346,6 +433,15 @@ static dsk_status tp_block_backward(tp_state *ps, int l, int slot, int micro) {
     else TM_TRY(tp_mha_backward(ps, l, &s));
     TM_T(TM_PH_NORM, dsk_rmsnorm_backward(ctx, &ps->dx, tm_grad(b->ln1), &ps->dh, &s.x, &b->ln1->wc, &s.rstd1));
     return DSK_OK;
+}
+
+static dsk_status tp_block_backward(tp_state *ps, int l, int slot, int micro) {
+    TM_TRY(tp_block_backward_pre(ps, l, slot, micro));
+    if (ps->m->blocks[l].is_moe) {
+        TM_TRY(tp_block_backward_moe(ps, l, slot, 0));
+        TM_TRY(tp_block_backward_moe(ps, l, slot, 1));
+    }
+    return tp_block_backward_post(ps, l, slot);
 }
 
 /* ------------------------------------------------------------------ MTP */
@@ -482,21 +578,6 @@ static dsk_status tp_pass(tp_state *ps, int chunk, int micro) {
     return ps->pass_begin ? ps->pass_begin(ps->pass_user, chunk, ps->sync_last && micro == ps->M - 1) : DSK_OK;
 }
 
-/* Block l's forward inside its unit's edges. */
-static dsk_status tp_unit_forward(tp_state *ps, int l, int slot, int micro, dsk_tensor *y) {
-    TM_TRY(tm_unit(ps->m, l + 1, TM_FWD_BEGIN));
-    TM_TRY(tp_block_forward(ps, l, slot, micro, y));
-    return tm_unit(ps->m, l + 1, TM_FWD_END);
-}
-
-/* Block l's backward inside its unit's edges, its gradients then final. */
-static dsk_status tp_unit_backward(tp_state *ps, int l, int slot, int micro) {
-    TM_TRY(tm_unit(ps->m, l + 1, TM_BWD_BEGIN));
-    TM_TRY(tp_block_backward(ps, l, slot, micro));
-    TM_TRY(tp_unit_ready(ps, l + 1));
-    return tm_unit(ps->m, l + 1, TM_BWD_END);
-}
-
 
 /* The last global stage's head on ps->xf: loss (added to loss_sum); in training also its
    backward, leaving d(xf) in the chunk's out_grad of this micro-batch. */
@@ -543,52 +624,232 @@ static dsk_status tp_head(tp_state *ps, int micro) {
     return tm_unit(m, 0, TM_BWD_END);
 }
 
-static dsk_status tp_forward_chunk(void *user, int micro, int chunk) {
-    tp_state *ps = (tp_state *)user;
+/* ------------------------------------------------------------------ streams
+
+   A micro-batch's forward or backward through a chunk is a stream of steps: compute up to a
+   MoE layer's exchange, the exchange's begin, its end, compute up to the next, ... A forward or
+   backward alone runs them in order (tp_stream_run); a paired schedule's forward-backward
+   (dsk_par_schedule_init_paired) interleaves two streams so that one's rows travel while the
+   other computes (tp_pair_run), with one exchange in flight at a time: the expert group's
+   messages stay in the serial order. Between their steps the two share only what a step
+   finishes with, except the running gradient ps->dx / ps->dh, which the forward's head (its
+   backward, the MTP modules) uses too: the forward runs the head on its own pair (fdx, fdh). */
+
+enum { TP_AT_START = 0, TP_AT_PRE, TP_AT_POST, TP_AT_DONE };
+
+typedef struct tp_stream {
+    int bwd, micro, chunk, slot;
+    int l, at; /* the layer of the next step and where in it (TP_AT_*) */
+} tp_stream;
+
+static tp_stream tp_stream_of(const tp_state *ps, int bwd, int micro, int chunk) {
+    tp_stream st;
+    st.bwd = bwd;
+    st.micro = micro;
+    st.chunk = chunk;
+    st.slot = ps->train ? micro % ps->S : 0;
+    st.l = bwd ? ps->chunks[chunk].hi - 1 : ps->chunks[chunk].lo;
+    st.at = TP_AT_START;
+    return st;
+}
+
+/* The forward's output of layer l: the next layer's input, the head's, or the chunk's. */
+static dsk_tensor tp_stream_out(tp_state *ps, const tp_stream *st) {
+    const tp_chunk *ch = &ps->chunks[st->chunk];
+    if (st->l + 1 < ch->hi) return tp_slot(ps, st->l + 1, st->slot).x;
+    return st->chunk == ps->last ? ps->xf : tp_part(&ch->out_act, st->micro, ps->Ns);
+}
+
+/* The forward's input of the chunk: the embedding (its unit), or the received activation. */
+static dsk_status tp_forward_start(tp_state *ps, const tp_stream *st) {
     tm_model *m = ps->m;
-    const tp_chunk *ch = &ps->chunks[chunk];
-    int slot = ps->train ? micro % ps->S : 0;
-    dsk_tensor x0 = tp_slot(ps, ch->lo, slot).x;
+    const tp_chunk *ch = &ps->chunks[st->chunk];
+    dsk_tensor x0 = tp_slot(ps, ch->lo, st->slot).x;
     if (ch->stage == 0) {
-        dsk_tensor ids = tp_part(&m->ids, micro, ps->Nm);
+        dsk_tensor ids = tp_part(&m->ids, st->micro, ps->Nm);
         TM_TRY(tm_unit(m, 0, TM_FWD_BEGIN));
         TM_T(TM_PH_EMBED,
              dsk_par_embedding_forward(&ps->grid.tp, ps->ctx, &x0, tp_sp(ps, &ps->big), &m->embed->wc, &ids));
-        if (ps->train && m->cfg.mla.mtp_depth > 0 && ps->last >= 0) TM_TRY(tp_mtp_embed(ps, micro)); /* MTP's */
-        TM_TRY(tm_unit(m, 0, TM_FWD_END));
-    } else {
-        dsk_tensor in = tp_part(&ch->in_act, micro, ps->Ns);
-        TM_T(TM_PH_MOVE, dsk_tensor_copy(ps->ctx, &x0, &in));
+        if (ps->train && m->cfg.mla.mtp_depth > 0 && ps->last >= 0) TM_TRY(tp_mtp_embed(ps, st->micro)); /* MTP's */
+        return tm_unit(m, 0, TM_FWD_END);
     }
-    for (int l = ch->lo; l < ch->hi; l++) {
-        dsk_tensor y = l + 1 < ch->hi      ? tp_slot(ps, l + 1, slot).x
-                       : chunk == ps->last ? ps->xf
-                                           : tp_part(&ch->out_act, micro, ps->Ns);
-        TM_TRY(tp_unit_forward(ps, l, slot, micro, &y));
-    }
-    return chunk == ps->last ? tp_head(ps, micro) : DSK_OK;
+    dsk_tensor in = tp_part(&ch->in_act, st->micro, ps->Ns);
+    TM_T(TM_PH_MOVE, dsk_tensor_copy(ps->ctx, &x0, &in));
+    return DSK_OK;
 }
 
-static dsk_status tp_backward_chunk(void *user, int micro, int chunk) {
-    tp_state *ps = (tp_state *)user;
+/* The backward's start: the engine's pass and d(chunk output). */
+static dsk_status tp_backward_start(tp_state *ps, const tp_stream *st) {
     tm_model *m = ps->m;
-    const tp_chunk *ch = &ps->chunks[chunk];
-    int slot = micro % ps->S;
-    dsk_tensor og = tp_part(&ch->out_grad, micro, ps->Ns);
-    TM_TRY(tp_pass(ps, chunk, micro));
+    dsk_tensor og = tp_part(&ps->chunks[st->chunk].out_grad, st->micro, ps->Ns);
+    TM_TRY(tp_pass(ps, st->chunk, st->micro));
     TM_T(TM_PH_MOVE, dsk_tensor_copy(ps->ctx, &ps->dx, &og));
-    for (int l = ch->hi - 1; l >= ch->lo; l--) TM_TRY(tp_unit_backward(ps, l, slot, micro));
-    if (ch->stage == 0) {
-        dsk_tensor ids = tp_part(&m->ids, micro, ps->Nm);
+    return DSK_OK;
+}
+
+/* The backward's end: the embedding's gradient (its unit), or d(chunk input) to send. */
+static dsk_status tp_backward_finish(tp_state *ps, const tp_stream *st) {
+    tm_model *m = ps->m;
+    if (ps->chunks[st->chunk].stage == 0) {
+        dsk_tensor ids = tp_part(&m->ids, st->micro, ps->Nm);
         TM_TRY(tm_unit(m, 0, TM_BWD_BEGIN));
-        if (m->cfg.mla.mtp_depth > 0 && ps->last >= 0) TM_TRY(tp_mtp_embed_backward(ps, micro)); /* MTP's */
+        if (m->cfg.mla.mtp_depth > 0 && ps->last >= 0) TM_TRY(tp_mtp_embed_backward(ps, st->micro)); /* MTP's */
         TM_TRY(tp_embed_backward(ps, &ps->dx, &ids));
         TM_TRY(tp_unit_ready(ps, 0));
         return tm_unit(m, 0, TM_BWD_END);
     }
-    dsk_tensor ig = tp_part(&ch->in_grad, micro, ps->Ns);
+    dsk_tensor ig = tp_part(&ps->chunks[st->chunk].in_grad, st->micro, ps->Ns);
     TM_T(TM_PH_MOVE, dsk_tensor_copy(ps->ctx, &ig, &ps->dx));
     return DSK_OK;
+}
+
+static void tp_swap(dsk_tensor *a, dsk_tensor *b) {
+    dsk_tensor t = *a;
+    *a = *b;
+    *b = t;
+}
+
+static dsk_status tp_stream_end(tp_state *ps, tp_stream *st);
+
+/* Ends the exchange in flight, if one is. */
+static dsk_status tp_quiet(tp_state *ps) {
+    tp_stream *p = ps->pend;
+    ps->pend = NULL;
+    return p ? tp_stream_end(ps, p) : DSK_OK;
+}
+
+/* The forward's end: the head on the last stage (its MTP modules exchange rows themselves, so
+   the exchange in flight ends first), on the forward's own running-gradient pair when paired. */
+static dsk_status tp_forward_finish(tp_state *ps, const tp_stream *st) {
+    dsk_status s;
+    if (st->chunk != ps->last) return DSK_OK;
+    if (ps->m->cfg.mla.mtp_depth > 0) TM_TRY(tp_quiet(ps));
+    if (!ps->fdx.data) return tp_head(ps, st->micro);
+    tp_swap(&ps->dx, &ps->fdx);
+    tp_swap(&ps->dh, &ps->fdh);
+    s = tp_head(ps, st->micro);
+    tp_swap(&ps->dx, &ps->fdx);
+    tp_swap(&ps->dh, &ps->fdh);
+    return s;
+}
+
+/* Whether block l's backward opens its unit (tm_unit) at its MoE layer's begin rather than
+   before its first part: an MoE block that recomputes nothing has no work before the exchange,
+   and the unit's hooks may rebind the layer (ZeRO-2), which the other micro-batch of a pair may
+   still be running a forward through. */
+static int tp_unit_at_begin(const tp_state *ps, int l) {
+    return ps->m->blocks[l].is_moe && ps->layers[l].rc != TMLA_RECOMPUTE_FULL;
+}
+
+/* Runs st's compute up to its next exchange (*more = 1) or to its end (*more = 0). A block's
+   unit (tm_unit) opens before its first part (tp_unit_at_begin) and closes after its last. */
+static dsk_status tp_stream_compute(tp_state *ps, tp_stream *st, int *more) {
+    const tp_chunk *ch = &ps->chunks[st->chunk];
+    *more = 0;
+    if (st->at == TP_AT_START) {
+        TM_TRY(st->bwd ? tp_backward_start(ps, st) : tp_forward_start(ps, st));
+        st->at = TP_AT_PRE;
+    }
+    while (st->at != TP_AT_DONE) {
+        int l = st->l;
+        if (st->at == TP_AT_POST) {
+            if (st->bwd) {
+                TM_TRY(tp_block_backward_post(ps, l, st->slot));
+                TM_TRY(tp_unit_ready(ps, l + 1));
+                TM_TRY(tm_unit(ps->m, l + 1, TM_BWD_END));
+            } else {
+                dsk_tensor y = tp_stream_out(ps, st);
+                TM_TRY(tp_block_forward_post(ps, l, st->slot, st->micro, &y));
+                TM_TRY(tm_unit(ps->m, l + 1, TM_FWD_END));
+            }
+            st->l += st->bwd ? -1 : 1;
+            st->at = TP_AT_PRE;
+            continue;
+        }
+        if (st->bwd ? l < ch->lo : l >= ch->hi) {
+            TM_TRY(st->bwd ? tp_backward_finish(ps, st) : tp_forward_finish(ps, st));
+            st->at = TP_AT_DONE;
+            break;
+        }
+        if (!st->bwd || !tp_unit_at_begin(ps, l)) TM_TRY(tm_unit(ps->m, l + 1, st->bwd ? TM_BWD_BEGIN : TM_FWD_BEGIN));
+        if (st->bwd) {
+            TM_TRY(tp_block_backward_pre(ps, l, st->slot, st->micro));
+        } else {
+            dsk_tensor y = tp_stream_out(ps, st);
+            TM_TRY(tp_block_forward_pre(ps, l, st->slot, &y));
+        }
+        st->at = TP_AT_POST;
+        if (ps->m->blocks[l].is_moe) {
+            *more = 1;
+            break;
+        }
+    }
+    return DSK_OK;
+}
+
+/* Layer st->l's exchange: begin (st then pending: ps->pend), end. */
+static dsk_status tp_stream_begin(tp_state *ps, tp_stream *st) {
+    dsk_tensor y = tp_stream_out(ps, st);
+    if (st->bwd && tp_unit_at_begin(ps, st->l)) TM_TRY(tm_unit(ps->m, st->l + 1, TM_BWD_BEGIN));
+    ps->pend = st;
+    return st->bwd ? tp_block_backward_moe(ps, st->l, st->slot, 0)
+                   : tp_block_forward_moe(ps, st->l, st->slot, st->micro, &y, 0);
+}
+
+static dsk_status tp_stream_end(tp_state *ps, tp_stream *st) {
+    dsk_tensor y = tp_stream_out(ps, st);
+    return st->bwd ? tp_block_backward_moe(ps, st->l, st->slot, 1)
+                   : tp_block_forward_moe(ps, st->l, st->slot, st->micro, &y, 1);
+}
+
+/* One stream alone, in order. */
+static dsk_status tp_stream_run(tp_state *ps, tp_stream *st) {
+    int more;
+    for (;;) {
+        TM_TRY(tp_stream_compute(ps, st, &more));
+        if (!more) return DSK_OK;
+        TM_TRY(tp_stream_begin(ps, st));
+        TM_TRY(tp_quiet(ps));
+    }
+}
+
+/* Two streams interleaved: a's rows travel while b computes up to its own exchange, which
+   starts when a's has ended; then b's travel while a computes; and so on. When one stream is
+   done the other runs alone. Each stream's steps keep their order, so its bits are its own. */
+static dsk_status tp_pair_run(tp_state *ps, tp_stream *a, tp_stream *b) {
+    tp_stream *cur = a, *other = b;
+    int more;
+    for (;;) {
+        TM_TRY(tp_stream_compute(ps, cur, &more));
+        ps->paired_exchanges += ps->pend != NULL;
+        TM_TRY(tp_quiet(ps));
+        if (!more) return tp_stream_run(ps, other);
+        TM_TRY(tp_stream_begin(ps, cur));
+        cur = other;
+        other = ps->pend;
+    }
+}
+
+static dsk_status tp_forward_chunk(void *user, int micro, int chunk) {
+    tp_state *ps = (tp_state *)user;
+    tp_stream st = tp_stream_of(ps, 0, micro, chunk);
+    return tp_stream_run(ps, &st);
+}
+
+static dsk_status tp_backward_chunk(void *user, int micro, int chunk) {
+    tp_state *ps = (tp_state *)user;
+    tp_stream st = tp_stream_of(ps, 1, micro, chunk);
+    return tp_stream_run(ps, &st);
+}
+
+/* A paired schedule's forward of (micro, chunk) with the backward of (bwd_micro, bwd_chunk),
+   interleaved; the backward leads (its first exchange travels while the forward starts). */
+static dsk_status tp_forward_backward(void *user, int micro, int chunk, int bwd_micro, int bwd_chunk) {
+    tp_state *ps = (tp_state *)user;
+    tp_stream f = tp_stream_of(ps, 0, micro, chunk), b = tp_stream_of(ps, 1, bwd_micro, bwd_chunk);
+    dsk_status s = tp_pair_run(ps, &b, &f);
+    ps->pend = NULL; /* an error with an exchange in flight: the layer's free joins it */
+    return s;
 }
 
 static dsk_status tp_buffer(void *user, const dsk_par_action *a, dsk_tensor *t) {
@@ -605,7 +866,7 @@ static dsk_status tp_buffer(void *user, const dsk_par_action *a, dsk_tensor *t) 
 /* Forward and backward of the M micro-batches in the model's ids/targets by the schedule; loss
    gradients scaled by gscale each. *loss: the mean micro-batch loss on the last stage, else 0. */
 static dsk_status tp_train_batch(tp_state *ps, float gscale, double *loss) {
-    dsk_par_stage_fns f = {ps, tp_forward_chunk, tp_backward_chunk, tp_buffer};
+    dsk_par_stage_fns f = {ps, tp_forward_chunk, tp_backward_chunk, tp_buffer, tp_forward_backward};
     ps->train = 1;
     ps->gscale = gscale;
     ps->loss_sum = 0;

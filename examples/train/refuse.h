@@ -107,9 +107,24 @@ static void refuse_layout(const trainer *t) {
     if (o->batch % dp != 0)
         fail(t, "--batch %d (global) must be a multiple of the %s %d", o->batch,
              o->tp * o->pp > 1 ? "data-parallel ranks" : "world size", dp);
-    if (o->tp == 1 && o->pp == 1 && (o->micro > 1 || o->vstages > 1 || strcmp(o->pp_schedule, "1f1b") != 0))
+    if (o->tp == 1 && o->pp == 1 &&
+        ((o->micro > 1 && !o->pair_micro) || o->vstages > 1 || strcmp(o->pp_schedule, "1f1b") != 0))
         fail(t, "--micro-batches, --virtual-stages and --pp-schedule need --pp 2 or more (--accum accumulates "
-                "gradients without a pipeline)");
+                "gradients without a pipeline; --pair-micro-batches takes --micro-batches on one stage)");
+    if (o->pair_micro && t->world == 1)
+        fail(t, "--pair-micro-batches needs several ranks: it hides one micro-batch's expert or pipeline traffic "
+                "behind another's compute");
+    if (o->pair_micro && o->micro < 2)
+        fail(t,
+             "--pair-micro-batches needs --micro-batches 2 or more (it pairs one's forward with another's backward)");
+    if (o->pair_micro && strcmp(o->pp_schedule, "gpipe") == 0)
+        fail(t, "--pair-micro-batches needs --pp-schedule 1f1b or interleaved: gpipe runs every forward first");
+    if (o->pair_micro && o->zero == 3)
+        fail(t, "--pair-micro-batches runs with --zero 0 to 2: at ZeRO-3 a forward opening a block's unit rebinds "
+                "its gathered weights into the MoE layer, which the pair's backward may still be using");
+    if (o->pair_micro && strcmp(o->recompute, "full") == 0)
+        fail(t, "--pair-micro-batches runs without --recompute full: a recomputed block's MoE layer keeps one forward, "
+                "which the other micro-batch of a pair would replace");
     if (dsk_par_schedule_parse(o->pp_schedule, &kind) != DSK_OK)
         fail(t, "--pp-schedule \"%s\": use gpipe, 1f1b or interleaved", o->pp_schedule);
     if (o->vstages > 1 && kind != DSK_PAR_INTERLEAVED)

@@ -46,12 +46,12 @@ static void log_step(trainer *t, const step_info *si) {
                 "\"reduce_bytes\":%.0f,\"reduce_bytes_uncompressed\":%.0f,\"ep_dispatch_bytes\":%.0f,"
                 "\"ep_combine_bytes\":%.0f,\"ep_bytes_off_node\":%.0f,\"pp_send_bytes\":%.0f,"
                 "\"tp_all_reduce_bytes\":%.0f,\"tp_all_gather_bytes\":%.0f,\"tp_reduce_scatter_bytes\":%.0f,"
-                "\"tp_calls\":%.0f}\n",
+                "\"tp_calls\":%.0f,\"ep_paired_exchanges\":%lld}\n",
                 (long long)t->step, json_num(loss, si->loss), si->aux_loss, si->lr, json_num(norm, si->norm),
                 (double)si->scale, si->ms, si->cpu_ms, si->data_ms, si->sync_ms, si->tokens_per_s, si->mfu,
                 si->comm_share, si->load_ratio, (long long)si->dropped, si->skipped, eta, si->reduce_bytes,
                 si->plain_bytes, si->ep_bytes[0], si->ep_bytes[1], si->ep_bytes[2], si->pp_bytes, si->tp[0], si->tp[1],
-                si->tp[2], si->tp[3]);
+                si->tp[2], si->tp[3], (long long)si->paired);
     }
     if (t->log) fflush(t->log);
 }
@@ -157,10 +157,10 @@ static void banner(trainer *t) {
         say(t,
             "parallel model: %d heads, FFN %d and vocabulary %d split over tp %d (sequence-parallel norms, "
             "vocabulary-parallel loss), MoE layers on each tp rank's tokens; pipeline %s, %d stage%s x %d virtual, "
-            "%d micro-batches of %d sequences, bubble %.3f, at most %d in flight on rank 0 of the pipeline\n",
+            "%d micro-batches of %d sequences%s, bubble %.3f, at most %d in flight on rank 0 of the pipeline\n",
             o->heads, o->ffn_hidden, m->cfg.vocab, ps->tp, dsk_par_schedule_name(ps->kind), ps->pp,
-            ps->pp > 1 ? "s" : "", ps->v, ps->M, ps->Bm, dsk_par_bubble_fraction(ps->kind, ps->pp, ps->M, ps->v),
-            dsk_par_in_flight_bound(ps->kind, ps->pp, ps->M, ps->v, 0));
+            ps->pp > 1 ? "s" : "", ps->v, ps->M, ps->Bm, ps->paired ? " (forwards and backwards paired)" : "",
+            dsk_par_bubble_fraction(ps->kind, ps->pp, ps->M, ps->v), ps->sched.in_flight);
     }
     report_mla(t, "start");
     if (t->engine) {
