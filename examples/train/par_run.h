@@ -315,7 +315,8 @@ static dsk_status tp_block_forward_moe(tp_state *ps, int l, int slot, int micro,
         TM_T(TM_PH_MOE, tp_moe_forward_end(ps, l, y, st));
         return DSK_OK;
     }
-    TM_TRY(dsk_moe_use_slot(&b->moe, tp_moe_slots(ps, l) > 1 ? slot : 0)); /* here: the layer may be busy before */
+    /* the slot at the begin, not before: until then a pair's other micro-batch may be in the layer */
+    TM_TRY(dsk_moe_use_slot(&b->moe, tp_moe_slots(ps, l) > 1 ? slot : 0));
     TM_T(TM_PH_MOE, tp_moe_forward_begin(ps, l, micro, y, &h2, st));
     return DSK_OK;
 }
@@ -791,9 +792,10 @@ static dsk_status tp_stream_compute(tp_state *ps, tp_stream *st, int *more) {
 static dsk_status tp_stream_begin(tp_state *ps, tp_stream *st) {
     dsk_tensor y = tp_stream_out(ps, st);
     if (st->bwd && tp_unit_at_begin(ps, st->l)) TM_TRY(tm_unit(ps->m, st->l + 1, TM_BWD_BEGIN));
+    if (st->bwd) TM_TRY(tp_block_backward_moe(ps, st->l, st->slot, 0));
+    else TM_TRY(tp_block_forward_moe(ps, st->l, st->slot, st->micro, &y, 0));
     ps->pend = st;
-    return st->bwd ? tp_block_backward_moe(ps, st->l, st->slot, 0)
-                   : tp_block_forward_moe(ps, st->l, st->slot, st->micro, &y, 0);
+    return DSK_OK;
 }
 
 static dsk_status tp_stream_end(tp_state *ps, tp_stream *st) {
