@@ -139,6 +139,9 @@ typedef struct dsk_plan_layout {
     dsk_plan_recompute recompute;
     dsk_dtype moments; /* AdamW's two moments: DSK_F32 or DSK_BF16 (DeepSeek-V3's; the masters stay f32) */
     int fp8;           /* 1: the GEMMs of dsk_plan_model.fp8_flops_per_token in FP8 (the trainer's --dtype fp8) */
+    int paired;        /* 1: forwards and backwards paired (dsk_par_schedule_init_paired, the trainer's
+                          --pair-micro-batches: more in flight); sized by a model callback that honours it
+                          (dsk_plan --check-rank), not tried by dsk_plan_search nor written to its choice */
 } dsk_plan_layout;
 
 /* One rank's bytes by role, as its allocator counts them. */
@@ -943,6 +946,7 @@ DSK_API dsk_status dsk_plan_choice_parse(const char *json, size_t n, const char 
     out.fp8 = (int)v[DSK__PLAN_CHOICE_FP8];
     out.tp = (int)v[0], out.pp = (int)v[1], out.dp = (int)v[2], out.ep = (int)v[3], out.zero = (int)v[4];
     out.micro = (int)v[5], out.vstages = (int)v[6];
+    out.paired = 0;
     job->sequences = v[10];
     job->seq = v[11];
     *l = out;

@@ -82,6 +82,7 @@ static dsk_status tpl_grid(tp_state *ps, const dsk_plan_layout *l, int stage, in
     ps->M = l->micro;
     ps->v = l->vstages;
     ps->kind = l->schedule;
+    ps->paired = l->paired;
     ps->embed_group = mtp > 0;
     return DSK_OK;
 }
@@ -313,7 +314,7 @@ static dsk_status tpl_rank(const tm_config *base, const tz_opts *zo, int cuda, c
                            double *send, double ep_bytes[2], double tp[TP_TRAFFIC], dsk_plan_flops *flops) {
     tm_config c = *base;
     int64_t acts = 0, live0 = dsk_tensor_mem_stats(dsk_cpu()).live_bytes, T;
-    int par = l->tp > 1 || l->pp > 1;
+    int par = l->tp > 1 || l->pp > 1 || l->paired;
     dsk_comm ep; /* a stand-in: dsk_moe_init reads its size, rank and node count (0: one node), nothing calls it */
     tm_model *m = (tm_model *)calloc(1, sizeof *m);
     tp_state *ps = par ? (tp_state *)calloc(1, sizeof *ps) : NULL;

@@ -2,7 +2,8 @@
 # The layout planner (dsk_plan.h, examples/dsk_plan.c, examples/train_plan.h; issue 30).
 #   1. Memory and bytes against runs: for a subset of layouts that covers each axis (1-8 ranks;
 #      data, expert, tensor and pipeline parallelism; ZeRO 0-3; recomputation none, attn, full;
-#      f32 and bf16 compute; AdamW's moments in f32 and bf16; MHA and MLA with an MoE MTP block)
+#      f32 and bf16 compute; AdamW's moments in f32 and bf16; MHA and MLA with an MoE MTP block;
+#      paired schedules)
 #      train_moe runs one step on CPU ranks and
 #      every rank's allocator figures (parameters, gradients, optimizer state, compression
 #      buffers, activations: its "memory bytes" line) must equal what `dsk_plan --check-rank R`
@@ -118,6 +119,9 @@ layout pp2_fp8_attn 2 --pp 2 --micro-batches 2 --dtype fp8 --recompute attn
 layout pp2_fp8_full 2 --pp 2 --micro-batches 2 --dtype fp8 --recompute full
 layout mla_fp8_mtp 1 --attn mla --q-lora-rank 16 --mtp 1 --dtype fp8
 layout tp2_mla_fp8_full 2 --tp 2 --attn mla --q-lora-rank 16 --dtype fp8 --recompute full
+# paired schedules (--pair-micro-batches): the larger in-flight bound, on a pipeline and on one stage
+layout pp2ep2_pair 4 --pp 2 --ep 2 --micro-batches 4 --pair-micro-batches --zero 1
+layout ep2_pair_one_stage 2 --ep 2 --micro-batches 2 --pair-micro-batches
 
 # ---- bad input
 echo '{"name": "x", "nodes": 1, "gpus_per_node": 8, "memory_gb": 80, "bf16_tflops": 989, "fp8_tflops": 1979,
