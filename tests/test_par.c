@@ -252,6 +252,20 @@ out:
     return res;
 }
 
+/* Every rank's list (paired or not) into sc, zeroed first; 1 when all were built (failures reported). */
+static int build_lists(dsk_par_schedule *sc, dsk_par_schedule_kind kind, int p, int m, int v, int paired,
+                       const char *what) {
+    int ok = 1;
+    memset(sc, 0, (size_t)p * sizeof *sc);
+    for (int r = 0; r < p; r++)
+        if ((paired ? dsk_par_schedule_init_paired(&sc[r], kind, p, m, v, r)
+                    : dsk_par_schedule_init(&sc[r], kind, p, m, v, r)) != DSK_OK) {
+            dsk_test_fail_at(__FILE__, __LINE__, "%s rank %d: %s", what, r, dsk_last_error());
+            ok = 0;
+        }
+    return ok;
+}
+
 /* Builds every rank's list and checks them; returns 1 when all properties hold. */
 static int check_schedule(dsk_par_schedule_kind kind, int p, int m, int v) {
     dsk_par_schedule sc[16];
@@ -259,13 +273,10 @@ static int check_schedule(dsk_par_schedule_kind kind, int p, int m, int v) {
     int ok = 1;
     sim_result res;
     snprintf(what, sizeof what, "%s p=%d m=%d v=%d", dsk_par_schedule_name(kind), p, m, v);
-    memset(sc, 0, sizeof sc);
-    for (int r = 0; r < p; r++)
-        if (dsk_par_schedule_init(&sc[r], kind, p, m, v, r) != DSK_OK) {
-            dsk_test_fail_at(__FILE__, __LINE__, "%s rank %d: %s", what, r, dsk_last_error());
-            ok = 0;
-        }
-    if (!ok) goto out;
+    if (!build_lists(sc, kind, p, m, v, 0, what)) {
+        ok = 0;
+        goto out;
+    }
     res = simulate(sc, p, m, v, what, 0);
     if (!res.ok) { ok = 0; goto out; }
     {
@@ -330,14 +341,11 @@ static int check_paired(dsk_par_schedule_kind kind, int p, int m, int v, int *pa
     int ok = 1, *ops = NULL, *ops_un = NULL, *f1 = NULL, *f2 = NULL;
     sim_result res;
     snprintf(what, sizeof what, "paired %s p=%d m=%d v=%d", dsk_par_schedule_name(kind), p, m, v);
-    memset(sc, 0, sizeof sc);
     memset(&un, 0, sizeof un);
-    for (int r = 0; r < p; r++)
-        if (dsk_par_schedule_init_paired(&sc[r], kind, p, m, v, r) != DSK_OK) {
-            dsk_test_fail_at(__FILE__, __LINE__, "%s rank %d: %s", what, r, dsk_last_error());
-            ok = 0;
-        }
-    if (!ok) goto out;
+    if (!build_lists(sc, kind, p, m, v, 1, what)) {
+        ok = 0;
+        goto out;
+    }
     res = simulate(sc, p, m, v, what, 0);
     if (!res.ok) {
         ok = 0;
