@@ -116,6 +116,12 @@ typedef struct tp_chunk {
     dsk_tensor in_act, out_act, in_grad, out_grad; /* (M Ns, D): one (Ns, D) per micro-batch */
 } tp_chunk;
 
+/* One micro-batch's forward or backward through a chunk as steps (train/par_run.h's streams). */
+typedef struct tp_stream {
+    int bwd, micro, chunk, slot;
+    int l, at; /* the layer of the next step and where in it (TP_AT_*) */
+} tp_stream;
+
 typedef struct tp_state {
     int on;
     int tp, pp, dp, ep, v, M, S;    /* S: activation slots (the schedule's in-flight bound) */
@@ -145,7 +151,8 @@ typedef struct tp_state {
     int first, last;                /* chunk holding global stage 0 / the last one, or -1 */
     dsk_tensor dx, dh, tmp, big, datt, dq, dk, dv, dqr, dkr, dg, du, da;
     dsk_tensor fdx, fdh;      /* paired: the running gradient of a forward's head (train/par_run.h's streams) */
-    struct tp_stream *pend;   /* the stream whose expert exchange is in flight (train/par_run.h) */
+    tp_stream streams[2];     /* the streams running: one, or a pair's backward and forward */
+    tp_stream *pend;          /* the one whose expert exchange is in flight, or NULL */
     int64_t paired_exchanges; /* expert exchanges that travelled while a pair's other micro-batch computed */
     dsk_tensor xf, hf, rstdf, hfg, logits, dlogits, vrow; /* vrow (V): a row of logits gathered over tp */
     dsk_tensor dx32;                  /* bf16/f16, first stage: (Nm, D) f32 copy of the gathered dx */

@@ -638,11 +638,6 @@ static dsk_status tp_head(tp_state *ps, int micro) {
 
 enum { TP_AT_START = 0, TP_AT_PRE, TP_AT_POST, TP_AT_DONE };
 
-typedef struct tp_stream {
-    int bwd, micro, chunk, slot;
-    int l, at; /* the layer of the next step and where in it (TP_AT_*) */
-} tp_stream;
-
 static tp_stream tp_stream_of(const tp_state *ps, int bwd, int micro, int chunk) {
     tp_stream st;
     st.bwd = bwd;
@@ -834,22 +829,24 @@ static dsk_status tp_pair_run(tp_state *ps, tp_stream *a, tp_stream *b) {
 
 static dsk_status tp_forward_chunk(void *user, int micro, int chunk) {
     tp_state *ps = (tp_state *)user;
-    tp_stream st = tp_stream_of(ps, 0, micro, chunk);
-    return tp_stream_run(ps, &st);
+    ps->streams[0] = tp_stream_of(ps, 0, micro, chunk);
+    return tp_stream_run(ps, &ps->streams[0]);
 }
 
 static dsk_status tp_backward_chunk(void *user, int micro, int chunk) {
     tp_state *ps = (tp_state *)user;
-    tp_stream st = tp_stream_of(ps, 1, micro, chunk);
-    return tp_stream_run(ps, &st);
+    ps->streams[0] = tp_stream_of(ps, 1, micro, chunk);
+    return tp_stream_run(ps, &ps->streams[0]);
 }
 
 /* A paired schedule's forward of (micro, chunk) with the backward of (bwd_micro, bwd_chunk),
    interleaved; the backward leads (its first exchange travels while the forward starts). */
 static dsk_status tp_forward_backward(void *user, int micro, int chunk, int bwd_micro, int bwd_chunk) {
     tp_state *ps = (tp_state *)user;
-    tp_stream f = tp_stream_of(ps, 0, micro, chunk), b = tp_stream_of(ps, 1, bwd_micro, bwd_chunk);
-    dsk_status s = tp_pair_run(ps, &b, &f);
+    dsk_status s;
+    ps->streams[0] = tp_stream_of(ps, 1, bwd_micro, bwd_chunk);
+    ps->streams[1] = tp_stream_of(ps, 0, micro, chunk);
+    s = tp_pair_run(ps, &ps->streams[0], &ps->streams[1]);
     ps->pend = NULL; /* an error with an exchange in flight: the layer's free joins it */
     return s;
 }
