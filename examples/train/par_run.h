@@ -783,21 +783,22 @@ static dsk_status tp_stream_compute(tp_state *ps, tp_stream *st, int *more) {
     return DSK_OK;
 }
 
-/* Layer st->l's exchange: begin (st then pending: ps->pend), end. */
+/* Layer st->l's MoE call, its begin (end 0) or its end (1); tp_stream_begin leaves st pending (ps->pend). */
+static dsk_status tp_stream_moe(tp_state *ps, tp_stream *st, int end) {
+    dsk_tensor y;
+    if (st->bwd) return tp_block_backward_moe(ps, st->l, st->slot, end);
+    y = tp_stream_out(ps, st);
+    return tp_block_forward_moe(ps, st->l, st->slot, st->micro, &y, end);
+}
+
 static dsk_status tp_stream_begin(tp_state *ps, tp_stream *st) {
-    dsk_tensor y = tp_stream_out(ps, st);
     if (st->bwd && tp_unit_at_begin(ps, st->l)) TM_TRY(tm_unit(ps->m, st->l + 1, TM_BWD_BEGIN));
-    if (st->bwd) TM_TRY(tp_block_backward_moe(ps, st->l, st->slot, 0));
-    else TM_TRY(tp_block_forward_moe(ps, st->l, st->slot, st->micro, &y, 0));
+    TM_TRY(tp_stream_moe(ps, st, 0));
     ps->pend = st;
     return DSK_OK;
 }
 
-static dsk_status tp_stream_end(tp_state *ps, tp_stream *st) {
-    dsk_tensor y = tp_stream_out(ps, st);
-    return st->bwd ? tp_block_backward_moe(ps, st->l, st->slot, 1)
-                   : tp_block_forward_moe(ps, st->l, st->slot, st->micro, &y, 1);
-}
+static dsk_status tp_stream_end(tp_state *ps, tp_stream *st) { return tp_stream_moe(ps, st, 1); }
 
 /* One stream alone, in order. */
 static dsk_status tp_stream_run(tp_state *ps, tp_stream *st) {
