@@ -343,7 +343,10 @@ typedef struct dsk_comm_spawn_opts {
    DSK_ERR_TIMEOUT if the timeout killed them. */
 DSK_API dsk_status dsk_comm_spawn_local(int n, char *const argv[], const dsk_comm_spawn_opts *opts, int *worst_exit);
 #endif /* DSK_COMM_NO_LAUNCHER */
-/* A TCP port on addr that was free a moment ago (bind to port 0), for launchers and tests. */
+/* A TCP port on addr that was free a moment ago, for launchers and tests: a random one below the
+   kernel's ephemeral range (Linux: /proc/sys/net/ipv4/ip_local_port_range), where no outgoing
+   connection's source port can take it between this call and the bind that uses it; the kernel's
+   pick (a bind to port 0) when that range leaves no room or every try is taken. */
 DSK_API dsk_status dsk_comm_free_port(const char *addr, int *port);
 
 DSK_API const char *dsk_comm_op_name(dsk_comm_op op); /* "sum", "avg", "max", "min" */
@@ -4178,12 +4181,46 @@ DSK_API dsk_status dsk_comm_all_to_all_tensor(dsk_comm *c, dsk_ctx *ctx, dsk_ten
 
 /* ---------------------------------------------------------------- local launcher */
 
+/* The lowest port of the kernel's ephemeral range (32768, Linux's default, when it cannot be read). */
+static int dsk__comm_ephemeral_low(void) {
+    FILE *f = fopen("/proc/sys/net/ipv4/ip_local_port_range", "r");
+    int lo = 32768, hi = 0;
+    if (f) {
+        if (fscanf(f, "%d %d", &lo, &hi) != 2) lo = 32768;
+        fclose(f);
+    }
+    return lo;
+}
+
+/* Tries up to 64 random ports in [DSK__COMM_PORT_MIN, the ephemeral range's low end). */
+#define DSK__COMM_PORT_MIN 20000
+static int dsk__comm_quiet_port(const char *fn, const struct sockaddr_in *addr) {
+    static unsigned seq;
+    int lo = dsk__comm_ephemeral_low(), fd;
+    uint64_t x =
+        ((uint64_t)getpid() << 32) ^ (uint64_t)(dsk__comm_now() * 1e9) ^ __atomic_add_fetch(&seq, 1, __ATOMIC_RELAXED);
+    if (lo - DSK__COMM_PORT_MIN < 1000) return 0;
+    for (int i = 0; i < 64; i++) {
+        struct sockaddr_in sa = *addr;
+        int port;
+        x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+        port = DSK__COMM_PORT_MIN + (int)((x >> 33) % (uint64_t)(lo - DSK__COMM_PORT_MIN));
+        sa.sin_port = htons((uint16_t)port);
+        if (dsk__comm_listen(fn, &sa, NULL, &fd, NULL) == DSK_OK) {
+            close(fd);
+            return port;
+        }
+    }
+    return 0;
+}
+
 DSK_API dsk_status dsk_comm_free_port(const char *addr, int *port) {
     const char *fn = "dsk_comm_free_port";
     struct sockaddr_in sa;
     int fd;
     if (!port) return dsk_set_error(DSK_ERR_ARG, "%s: port is NULL", fn);
     DSK__TRY(dsk__comm_resolve(fn, addr ? addr : "127.0.0.1", 0, &sa));
+    if ((*port = dsk__comm_quiet_port(fn, &sa)) != 0) return DSK_OK;
     DSK__TRY(dsk__comm_listen(fn, &sa, NULL, &fd, port));
     close(fd);
     return DSK_OK;

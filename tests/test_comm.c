@@ -935,6 +935,30 @@ static void case_store_timeout(void) {
     dsk_comm_free(&c);
 }
 
+/* dsk_comm_free_port: ports a store can listen on, and not one port for every call (random
+   below the kernel's ephemeral range: concurrent tests choosing alike would collide). */
+static void case_free_port(void) {
+    int ports[16], distinct = 0;
+    for (int i = 0; i < 16; i++) {
+        dsk_comm c;
+        dsk_comm_opts o;
+        memset(&o, 0, sizeof o);
+        o.backend = DSK_COMM_HOST;
+        o.master_addr = "127.0.0.1";
+        ports[i] = 0;
+        DSK_TEST_OK(dsk_comm_free_port("127.0.0.1", &ports[i]));
+        DSK_TEST_EXPECT(ports[i] >= 1024 && ports[i] < 65536, "port %d", ports[i]);
+        o.master_port = ports[i];
+        DSK_TEST_OK(dsk_comm_init(&c, 0, 1, &o));
+        dsk_comm_free(&c);
+        distinct += i == 0 || ports[i] != ports[i - 1];
+    }
+    DSK_TEST_EXPECT(distinct >= 12, "%d distinct ports in 16 calls", distinct);
+    DSK_TEST_OK(dsk_comm_free_port(NULL, &ports[0]));
+    DSK_TEST_STATUS(dsk_comm_free_port("127.0.0.1", NULL), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("port is NULL");
+}
+
 /* MAX and MIN propagate NaN, SUM does too; every rank agrees bitwise (checked against rank 0's bytes). */
 static void rank_nan(dsk_comm *c, void *arg) {
     int n = c->world_size, me = c->rank;
@@ -2596,6 +2620,7 @@ int main(int argc, char **argv) {
     mode_begin("a rank that asks for TCP: pairs with it use TCP, the others shared memory (3 ranks)");
     case_tcp_rank();
     DSK_TEST_RUN(case_store_timeout);
+    DSK_TEST_RUN(case_free_port);
     dsk_test_begin(
         "job identity: a rank of another job (opts.job_id) reaching this job's store fails, the job runs on");
     case_two_jobs(0);
