@@ -535,6 +535,20 @@ DSK_API dsk_status dsk_moe_forward_begin(dsk_moe *m, dsk_ctx *ctx, const dsk_ten
 DSK_API dsk_status dsk_moe_forward_end(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, dsk_moe_stats *stats);
 DSK_API dsk_status dsk_moe_backward_begin(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *dy, float aux_scale);
 DSK_API dsk_status dsk_moe_backward_end(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx);
+/* Steps between a begin and its end, for callers that interleave two calls' exchanges on one expert group
+   (one micro-batch's dispatch travels while another's experts compute, and its return while the first's
+   experts compute; overlap across micro-batches): dsk_moe_experts computes the begun call's shared and
+   routed experts (forward) or their backward, once the rows have arrived; dsk_moe_return_begin starts the
+   experts' results back to their tokens' ranks (on ep_overlap's thread or stream, as the dispatch); dsk_moe_wait
+   joins the exchange the call has in flight, if it has one, computing nothing, so that another layer's
+   exchange may begin on the group. Each is optional, and each does what the steps before it would have done
+   had they not been called (dsk_moe_wait, though, computes only where a chunked exchange (ep_chunk) carries
+   the results back as they are computed: before dsk_moe_experts, it computes them); a step already done
+   does nothing; the end does what is left. The bits are those of the begin and end alone. DSK_ERR_STATE
+   with no call begun; a step that fails ends the call begun, its exchange joined. */
+DSK_API dsk_status dsk_moe_experts(dsk_moe *m, dsk_ctx *ctx);
+DSK_API dsk_status dsk_moe_return_begin(dsk_moe *m, dsk_ctx *ctx);
+DSK_API dsk_status dsk_moe_wait(dsk_moe *m, dsk_ctx *ctx);
 /* y (T, D) = MoE(x (T, D)), both opts.dtype on the layer's device; saves what backward needs in
    the current slot (dsk_moe_set_slots: one forward in flight per slot). stats may be NULL; given on
    CUDA it costs one sync (the statistics are read back at once): pass NULL and use
@@ -3869,15 +3883,22 @@ typedef struct dsk__moe_async {
    to the experts (in the activation dtype), rows back from the experts. */
 enum { DSK__MOE_XCH_DISPATCH, DSK__MOE_XCH_TO_EXPERTS, DSK__MOE_XCH_FROM_EXPERTS };
 
+/* How far a call begun has come: its rows sent (or travelling), the experts computed (a chunked exchange's
+   return travelling), the experts' results on their way back (dsk_moe_experts, dsk_moe_return_begin). */
+enum { DSK__MOE_AT_SENT, DSK__MOE_AT_COMPUTED, DSK__MOE_AT_RETURNING };
+
 /* A forward or backward between its begin and its end (dsk_moe_forward_begin .. _end): the exchange in
    flight and what the end reads. One per layer (st->pend). */
 typedef struct dsk__moe_pending {
-    int kind; /* DSK__MOE_PEND_* */
+    int kind;   /* DSK__MOE_PEND_* */
+    int at;     /* DSK__MOE_AT_* */
+    int flying; /* xch started and not joined */
     int64_t T, R, n_rows;
     float aux_scale;                                                      /* backward */
     dsk_tensor w[6];                                                      /* the weights in the activation dtype */
     dsk_tensor xa, xs, xr, back, pos, gate, row_tok, cntg, loss, offsets; /* forward */
-    dsk_tensor dya, dxf, dgate, dos, dor, dxp;                            /* backward */
+    dsk_tensor ob, ys;                                                    /* forward: the experts' outputs */
+    dsk_tensor dya, dxf, dgate, dos, dor, dxp, dxr;                       /* backward */
     dsk__moe_async xch;                                                   /* expert parallelism: the exchange */
 } dsk__moe_pending;
 
@@ -3895,6 +3916,8 @@ static void dsk__moe_pending_free(struct dsk__moe_state *st) {
 static void dsk__moe_pending_set(dsk__moe_pending *p, int kind, int64_t T, int64_t R, int64_t n_rows,
                                  const dsk_tensor *w) {
     p->kind = kind;
+    p->at = DSK__MOE_AT_SENT;
+    p->flying = 0;
     p->T = T;
     p->R = R;
     p->n_rows = n_rows;
@@ -4812,48 +4835,78 @@ static dsk_status dsk__moe_forward_begin_impl(dsk_moe *m, dsk_ctx *ctx, const ds
     p->cntg = cntg, p->loss = lb.loss, p->offsets = offsets;
     if (!ep) return DSK_OK;
     st->chunked = dsk__moe_chunking(m, ctx);
-    return dsk__moe_exchange_start(&p->xch, m, ctx, two ? &p->xa : &p->xs, &p->xr, DSK__MOE_XCH_DISPATCH,
-                                   st->chunked ? &p->back : NULL);
+    DSK__TRY(dsk__moe_exchange_start(&p->xch, m, ctx, two ? &p->xa : &p->xs, &p->xr, DSK__MOE_XCH_DISPATCH,
+                                     st->chunked ? &p->back : NULL));
+    p->flying = 1;
+    return DSK_OK;
 }
 
-/* The rest of a forward begun: the shared experts (while the rows travel), the routed experts (chunked:
-   this rank's own rows while the other ranks' travel, then each other rank's as it lands; each chunk's outputs
-   leave as soon as they are computed), the outputs back and combined into y. */
-static dsk_status dsk__moe_forward_end_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, dsk_moe_stats *stats) {
+/* The exchange in flight of the call begun, joined. */
+static dsk_status dsk__moe_pending_join(dsk__moe_pending *p) {
+    if (!p->flying) return DSK_OK;
+    p->flying = 0;
+    return dsk__moe_exchange_wait(&p->xch);
+}
+
+/* A forward's experts: the shared experts (while the rows travel), the routed experts (chunked: this rank's
+   own rows while the other ranks' travel, then each other rank's as it lands; each chunk's outputs leave as
+   soon as they are computed, and travel on after this returns) into p->ob. */
+static dsk_status dsk__moe_forward_experts_impl(dsk_moe *m, dsk_ctx *ctx) {
     struct dsk__moe_state *st = m->st;
     dsk__moe_pending *p = st->pend;
-    int64_t T = p->T, R = p->R, Fs = m->d_shared_total;
+    int64_t T = p->T, R = p->R;
     int ep = m->ep_size > 1, fp8 = m->opts.expert_gemm == DSK_MOE_GEMM_FP8;
-    dsk__moe_async *xch = ep ? &p->xch : NULL;
-    dsk_tensor h1, h3, a, ob, ys, *w = p->w;
-    if (Fs > 0)
-        DSK__TRY(dsk__moe_join_on_error(xch, fp8 ? DSK__MOE_F8(dsk__moe_f8_shared_forward(m, ctx, w, &ys))
-                                                 : dsk__moe_shared_step(m, ctx, &p->xa, w, T, R, &ys)));
-    DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_O, T, R, &ob)));
+    dsk__moe_async *xch = p->flying ? &p->xch : NULL;
+    dsk_tensor h1, h3, a, *w = p->w;
+    if (m->d_shared_total > 0)
+        DSK__TRY(dsk__moe_join_on_error(xch, fp8 ? DSK__MOE_F8(dsk__moe_f8_shared_forward(m, ctx, w, &p->ys))
+                                                 : dsk__moe_shared_step(m, ctx, &p->xa, w, T, R, &p->ys)));
+    DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_O, T, R, &p->ob)));
     if (!fp8) {
         DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_H1, T, R, &h1)));
         DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_H3, T, R, &h3)));
         DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_A, T, R, &a)));
     }
     st->fwd_chunks = 0;
-    if (ep && st->chunked)
+    p->at = DSK__MOE_AT_COMPUTED;
+    if (ep && st->chunked) {
         for (int k = 0, r = m->ep_rank; r >= 0; r = dsk__moe_next_arrival(xch, k++), st->fwd_chunks++) {
-            DSK__TRY(
-                dsk__moe_join_on_error(xch, dsk__moe_experts_chunk(m, ctx, w, &p->xs, &p->xr, &ob, &h1, &h3, &a, r)));
-            dsk__moe_release_rank(m, &ob, r);
+            DSK__TRY(dsk__moe_join_on_error(
+                xch, dsk__moe_experts_chunk(m, ctx, w, &p->xs, &p->xr, &p->ob, &h1, &h3, &a, r)));
+            dsk__moe_release_rank(m, &p->ob, r);
         }
-    if (ep) DSK__TRY(dsk__moe_exchange_wait(xch));
+        return DSK_OK;
+    }
+    DSK__TRY(dsk__moe_pending_join(p));
     if (fp8) {
         DSK__TRY(DSK__MOE_F8(dsk__moe_f8_rows(m, ctx, &p->row_tok, &p->xr)));
-        DSK__TRY(DSK__MOE_F8(dsk__moe_f8_experts_forward(m, ctx, w, &p->offsets, &ob)));
-    } else if (!(ep && st->chunked)) {
-        DSK__TRY(dsk_swiglu_grouped(ctx, &ob, &h1, &h3, &a, &p->xr, &w[0], &w[1], &w[2], &p->offsets));
+        return DSK__MOE_F8(dsk__moe_f8_experts_forward(m, ctx, w, &p->offsets, &p->ob));
     }
-    if (ep) {
-        if (!st->chunked) DSK__TRY(dsk__moe_from_experts(m, ctx, &ob, &p->back));
-        ob = p->back;
-    }
-    DSK__TRY(dsk__moe_combine(m, ctx, y, &p->pos, &p->gate, &ob, Fs > 0 ? &ys : NULL));
+    return dsk_swiglu_grouped(ctx, &p->ob, &h1, &h3, &a, &p->xr, &w[0], &w[1], &w[2], &p->offsets);
+}
+
+/* The experts' outputs on their way back to their tokens' ranks (p->back): on ep_overlap's thread or
+   stream when `overlap`, else here and now. A chunked exchange returns them itself. */
+static dsk_status dsk__moe_forward_return_impl(dsk_moe *m, dsk_ctx *ctx, int overlap) {
+    dsk__moe_pending *p = m->st->pend;
+    p->at = DSK__MOE_AT_RETURNING;
+    if (m->ep_size <= 1 || m->st->chunked) return DSK_OK;
+    if (!overlap) return dsk__moe_from_experts(m, ctx, &p->ob, &p->back);
+    DSK__TRY(dsk__moe_exchange_start(&p->xch, m, ctx, &p->ob, &p->back, DSK__MOE_XCH_FROM_EXPERTS, NULL));
+    p->flying = 1;
+    return DSK_OK;
+}
+
+/* The rest of a forward begun: what dsk_moe_experts and dsk_moe_return_begin did not do, the outputs back,
+   combined into y. */
+static dsk_status dsk__moe_forward_end_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, dsk_moe_stats *stats) {
+    struct dsk__moe_state *st = m->st;
+    dsk__moe_pending *p = st->pend;
+    if (p->at < DSK__MOE_AT_COMPUTED) DSK__TRY(dsk__moe_forward_experts_impl(m, ctx));
+    if (p->at < DSK__MOE_AT_RETURNING) DSK__TRY(dsk__moe_forward_return_impl(m, ctx, 0));
+    DSK__TRY(dsk__moe_pending_join(p));
+    DSK__TRY(dsk__moe_combine(m, ctx, y, &p->pos, &p->gate, m->ep_size > 1 ? &p->back : &p->ob,
+                              m->d_shared_total > 0 ? &p->ys : NULL));
     st->in_forward = 0;
     st->f->have_fwd = 1;
     st->f->have_route = 1;
@@ -4941,54 +4994,76 @@ static dsk_status dsk__moe_backward_begin_impl(dsk_moe *m, dsk_ctx *ctx, const d
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DXP, T, R, &p->dxp));
     p->dxp = dsk__moe_rows(&p->dxp, n_rows);
     st->chunked = dsk__moe_chunking(m, ctx);
-    return dsk__moe_exchange_start(&p->xch, m, ctx, two ? &p->dya : &p->dos, &p->dor, DSK__MOE_XCH_TO_EXPERTS,
-                                   st->chunked ? &p->dxp : NULL);
+    DSK__TRY(dsk__moe_exchange_start(&p->xch, m, ctx, two ? &p->dya : &p->dos, &p->dor, DSK__MOE_XCH_TO_EXPERTS,
+                                     st->chunked ? &p->dxp : NULL));
+    p->flying = 1;
+    return DSK_OK;
 }
 
-/* The rest of a backward begun: the shared experts' backward while the rows travel, the routed experts'
-   (chunked: this rank's own rows while the others' travel), the rows back (beside the router's backward), then
-   dx += d/dx. */
-static dsk_status dsk__moe_backward_end_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx) {
+/* A backward's experts: the shared experts' backward while the rows travel, the routed experts' (chunked:
+   this rank's own rows while the others' travel; their input gradients leave as they are computed, and the
+   weight gradients compute while the last travel back) into p->dxr. */
+static dsk_status dsk__moe_backward_experts_impl(dsk_moe *m, dsk_ctx *ctx) {
     struct dsk__moe_state *st = m->st;
     dsk__moe_pending *p = st->pend;
-    const dsk_moe_opts *o = &m->opts;
     int64_t T = p->T, R = p->R;
-    int ep = m->ep_size > 1, fp8 = o->expert_gemm == DSK_MOE_GEMM_FP8;
-    float zcoef = st->f->N > 0 ? o->z_beta * 2.0f / (float)st->f->N * p->aux_scale : 0.0f; /* per token of the span */
+    int ep = m->ep_size > 1, fp8 = m->opts.expert_gemm == DSK_MOE_GEMM_FP8;
     dsk__moe_kept k = dsk__moe_kept_views(m, p->n_rows);
-    dsk__moe_async *xch = ep ? &p->xch : NULL;
-    dsk_tensor *w = p->w, da, dh1, dh3, dxr, du;
+    dsk__moe_async *xch = p->flying ? &p->xch : NULL;
+    dsk_tensor *w = p->w, da, dh1, dh3;
     DSK__TRY(dsk__moe_join_on_error(xch, fp8 && m->d_shared_total > 0
                                              ? DSK__MOE_F8(dsk__moe_f8_shared_backward(m, ctx, w, &p->dya, &p->dxf))
                                              : dsk__moe_shared_backward(m, ctx, &p->dya, &k.xa, w, &p->dxf)));
     DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_DA, T, R, &da)));
     DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_DH1, T, R, &dh1)));
     DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_DH3, T, R, &dh3)));
-    DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_DXR, T, R, &dxr)));
-    if (ep && st->chunked) /* as the forward; the weight gradients compute while the last rows travel back */
+    DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_DXR, T, R, &p->dxr)));
+    p->at = DSK__MOE_AT_COMPUTED;
+    if (ep && st->chunked) { /* as the forward; the weight gradients compute while the last rows travel back */
         for (int c = 0, r = m->ep_rank; r >= 0; r = dsk__moe_next_arrival(xch, c++)) {
             DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_experts_chunk_backward(m, ctx, w, &p->dos, &p->dor, &k.h1,
-                                                                                 &k.h3, &da, &dh1, &dh3, &dxr, r)));
-            dsk__moe_release_rank(m, &dxr, r);
+                                                                                 &k.h3, &da, &dh1, &dh3, &p->dxr, r)));
+            dsk__moe_release_rank(m, &p->dxr, r);
         }
-    if (ep && !st->chunked) DSK__TRY(dsk__moe_exchange_wait(xch));
-    if (fp8) DSK__TRY(DSK__MOE_F8(dsk__moe_f8_experts_backward(m, ctx, w, &k.offsets, &p->dor, &dxr)));
-    else if (ep && st->chunked)
-        DSK__TRY(
-            dsk__moe_join_on_error(xch, dsk__moe_chunked_wgrad(m, ctx, &k.offsets, &p->dor, &k.xr, &k.a, &dh1, &dh3)));
-    else
-        DSK__TRY(dsk_swiglu_grouped_backward(ctx, &dxr, &m->w1->grad, &m->w2->grad, &m->w3->grad, &da, &dh1, &dh3,
-                                             &p->dor, &k.xr, &k.h1, &k.h3, &k.a, &w[0], &w[1], &w[2], &k.offsets));
-    if (ep && !st->chunked) /* the router's backward while the rows travel back */
-        DSK__TRY(dsk__moe_exchange_start(xch, m, ctx, &dxr, &p->dxp, DSK__MOE_XCH_FROM_EXPERTS, NULL));
-    else if (!ep) p->dxp = dxr;
+        return dsk__moe_join_on_error(xch,
+                                      dsk__moe_chunked_wgrad(m, ctx, &k.offsets, &p->dor, &k.xr, &k.a, &dh1, &dh3));
+    }
+    DSK__TRY(dsk__moe_pending_join(p));
+    if (!ep) p->dxp = p->dxr;
+    if (fp8) return DSK__MOE_F8(dsk__moe_f8_experts_backward(m, ctx, w, &k.offsets, &p->dor, &p->dxr));
+    return dsk_swiglu_grouped_backward(ctx, &p->dxr, &m->w1->grad, &m->w2->grad, &m->w3->grad, &da, &dh1, &dh3, &p->dor,
+                                       &k.xr, &k.h1, &k.h3, &k.a, &w[0], &w[1], &w[2], &k.offsets);
+}
+
+/* The rows' input gradients on their way back to their tokens' ranks (p->dxp), on ep_overlap's thread or
+   stream (a chunked exchange returns them itself). */
+static dsk_status dsk__moe_backward_return_impl(dsk_moe *m, dsk_ctx *ctx) {
+    dsk__moe_pending *p = m->st->pend;
+    p->at = DSK__MOE_AT_RETURNING;
+    if (m->ep_size <= 1 || m->st->chunked) return DSK_OK;
+    DSK__TRY(dsk__moe_exchange_start(&p->xch, m, ctx, &p->dxr, &p->dxp, DSK__MOE_XCH_FROM_EXPERTS, NULL));
+    p->flying = 1;
+    return DSK_OK;
+}
+
+/* The rest of a backward begun: what dsk_moe_experts and dsk_moe_return_begin did not do, the router's
+   backward while the rows travel back, then dx += d/dx. */
+static dsk_status dsk__moe_backward_end_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx) {
+    struct dsk__moe_state *st = m->st;
+    dsk__moe_pending *p = st->pend;
+    const dsk_moe_opts *o = &m->opts;
+    float zcoef = st->f->N > 0 ? o->z_beta * 2.0f / (float)st->f->N * p->aux_scale : 0.0f; /* per token of the span */
+    dsk__moe_kept k = dsk__moe_kept_views(m, p->n_rows);
+    dsk_tensor du;
+    if (p->at < DSK__MOE_AT_COMPUTED) DSK__TRY(dsk__moe_backward_experts_impl(m, ctx));
+    if (p->at < DSK__MOE_AT_RETURNING) DSK__TRY(dsk__moe_backward_return_impl(m, ctx));
     /* router: du (T, E) per token, the routed rows into dxf, then dx += du W_r, dW_r += du^T x */
-    DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_DU, T, R, &du)));
-    DSK__TRY(
-        dsk__moe_join_on_error(xch, dsk__moe_route_backward(m, ctx, T, &k.u, &k.prob, &k.sel, &p->dgate,
+    DSK__TRY(dsk__moe_join_on_error(p->flying ? &p->xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_DU, p->T, p->R, &du)));
+    DSK__TRY(dsk__moe_join_on_error(p->flying ? &p->xch : NULL,
+                                    dsk__moe_route_backward(m, ctx, p->T, &k.u, &k.prob, &k.sel, &p->dgate,
                                                             o->aux_alpha > 0 || o->seq_aux_alpha > 0 ? &k.aux : NULL,
                                                             st->f->row0, st->f->seq_len, p->aux_scale, zcoef, &du)));
-    if (ep) DSK__TRY(dsk__moe_exchange_wait(xch));
+    DSK__TRY(dsk__moe_pending_join(p));
     DSK__TRY(dsk__moe_uncombine(m, ctx, &p->dxf, &k.pos, &p->dxp));
     DSK__TRY(dsk_matmul(ctx, &p->dxf, &du, 0, &m->router->value, 0, 1.0f, 1.0f));
     DSK__TRY(dsk_matmul(ctx, &m->router->grad, &du, 1, &k.xf, 0, 1.0f, 1.0f));
@@ -5442,6 +5517,56 @@ DSK_API dsk_status dsk_moe_backward_begin(dsk_moe *m, dsk_ctx *ctx, const dsk_te
 
 DSK_API dsk_status dsk_moe_backward_end(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx) {
     return dsk__moe_backward_finish(m, ctx, dx, "dsk_moe_backward_end");
+}
+
+/* The call begun, for a step between its begin and end. */
+static dsk_status dsk__moe_need_pending(dsk_moe *m, dsk_ctx *ctx, const char *fn) {
+    DSK__TRY(dsk__moe_need_layer(m, fn));
+    if (m->st->pending == DSK__MOE_PEND_NONE)
+        return dsk_set_error(DSK_ERR_STATE, "%s: layer \"%s\": no forward or backward begun", fn, m->opts.name);
+    return dsk__moe_need_cuda_ctx(m, ctx, fn);
+}
+
+/* s; a failed step ends the call begun (its exchange joined; a forward leaves nothing to differentiate). */
+static dsk_status dsk__moe_step_status(dsk_moe *m, dsk_status s) {
+    struct dsk__moe_state *st = m->st;
+    if (s == DSK_OK) return s;
+    s = dsk__moe_join_on_error(st->pend->flying ? &st->pend->xch : NULL, s);
+    if (st->pending == DSK__MOE_PEND_FWD) st->f->have_fwd = st->f->have_route = 0;
+    st->pending = DSK__MOE_PEND_NONE;
+    return s;
+}
+
+static dsk_status dsk__moe_experts_step(dsk_moe *m, dsk_ctx *ctx) {
+    return m->st->pending == DSK__MOE_PEND_FWD ? dsk__moe_forward_experts_impl(m, ctx)
+                                               : dsk__moe_backward_experts_impl(m, ctx);
+}
+
+DSK_API dsk_status dsk_moe_experts(dsk_moe *m, dsk_ctx *ctx) {
+    DSK__TRY(dsk__moe_need_pending(m, ctx, "dsk_moe_experts"));
+    if (m->st->pend->at >= DSK__MOE_AT_COMPUTED) return DSK_OK;
+    return dsk__moe_step_status(m, dsk__moe_experts_step(m, ctx));
+}
+
+DSK_API dsk_status dsk_moe_return_begin(dsk_moe *m, dsk_ctx *ctx) {
+    dsk_status s = DSK_OK;
+    DSK__TRY(dsk__moe_need_pending(m, ctx, "dsk_moe_return_begin"));
+    if (m->st->pend->at >= DSK__MOE_AT_RETURNING) return DSK_OK;
+    if (m->st->pend->at < DSK__MOE_AT_COMPUTED) s = dsk__moe_experts_step(m, ctx);
+    if (s == DSK_OK)
+        s = m->st->pending == DSK__MOE_PEND_FWD ? dsk__moe_forward_return_impl(m, ctx, 1)
+                                                : dsk__moe_backward_return_impl(m, ctx);
+    return dsk__moe_step_status(m, s);
+}
+
+DSK_API dsk_status dsk_moe_wait(dsk_moe *m, dsk_ctx *ctx) {
+    dsk__moe_pending *p;
+    dsk_status s = DSK_OK;
+    DSK__TRY(dsk__moe_need_pending(m, ctx, "dsk_moe_wait"));
+    p = m->st->pend;
+    if (p->flying && m->st->chunked && p->at < DSK__MOE_AT_COMPUTED) s = dsk__moe_experts_step(m, ctx);
+    if (s == DSK_OK) s = dsk__moe_pending_join(p);
+    return dsk__moe_step_status(m, s);
 }
 
 #endif /* DSK_MOE_IMPLEMENTATION_DONE */

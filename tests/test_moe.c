@@ -861,23 +861,36 @@ static int sl_other_work(void) {
     return ok;
 }
 
-/* One call of the schedule below on micro-batch i: its forward into y, or its backward into dx (zeroed first);
-   split: begin, other work, end. */
-static int sl_call(dsk_moe *m, const sl_io *io, int i, int forward, int split, float *y, float *dx) {
+/* How a call is made: whole; its begin, other work, its end; every step with other work between (begin,
+   wait, experts, return, wait, end); begin, the return's begin (which computes the experts), end. */
+enum { SL_WHOLE, SL_SPLIT, SL_STEPS, SL_SKIP, SL_MODES };
+
+/* The steps between a begin and its end in mode `mode`. */
+static int sl_between(dsk_moe *m, int mode) {
+    if (mode == SL_SPLIT) return sl_other_work();
+    if (mode == SL_SKIP) return dsk_moe_return_begin(m, NULL) == DSK_OK && sl_other_work();
+    return sl_other_work() && dsk_moe_wait(m, NULL) == DSK_OK && dsk_moe_experts(m, NULL) == DSK_OK &&
+           sl_other_work() && dsk_moe_return_begin(m, NULL) == DSK_OK && sl_other_work() &&
+           dsk_moe_wait(m, NULL) == DSK_OK && dsk_moe_wait(m, NULL) == DSK_OK;
+}
+
+/* One call of the schedule below on micro-batch i: its forward into y, or its backward into dx (zeroed first),
+   made as `mode` says (SL_*). */
+static int sl_call(dsk_moe *m, const sl_io *io, int i, int forward, int mode, float *y, float *dx) {
     int64_t shp[2] = {io->T[i], m->opts.d_model};
     dsk_tensor a, b;
     if (forward) {
         dsk_tensor_wrap(&a, io->x[i], DSK_F32, dsk_cpu(), 2, shp);
         dsk_tensor_wrap(&b, y, DSK_F32, dsk_cpu(), 2, shp);
-        if (!split) return dsk_moe_forward(m, NULL, &b, &a, NULL) == DSK_OK;
-        return dsk_moe_forward_begin(m, NULL, &a) == DSK_OK && sl_other_work() &&
+        if (mode == SL_WHOLE) return dsk_moe_forward(m, NULL, &b, &a, NULL) == DSK_OK;
+        return dsk_moe_forward_begin(m, NULL, &a) == DSK_OK && sl_between(m, mode) &&
                dsk_moe_forward_end(m, NULL, &b, NULL) == DSK_OK;
     }
     memset(dx, 0, sizeof(float) * (size_t)(shp[0] * shp[1]));
     dsk_tensor_wrap(&a, io->dy[i], DSK_F32, dsk_cpu(), 2, shp);
     dsk_tensor_wrap(&b, dx, DSK_F32, dsk_cpu(), 2, shp);
-    if (!split) return dsk_moe_backward(m, NULL, &b, &a, 1.0f) == DSK_OK;
-    return dsk_moe_backward_begin(m, NULL, &a, 1.0f) == DSK_OK && sl_other_work() &&
+    if (mode == SL_WHOLE) return dsk_moe_backward(m, NULL, &b, &a, 1.0f) == DSK_OK;
+    return dsk_moe_backward_begin(m, NULL, &a, 1.0f) == DSK_OK && sl_between(m, mode) &&
            dsk_moe_backward_end(m, NULL, &b) == DSK_OK;
 }
 
@@ -886,7 +899,7 @@ static int sl_call(dsk_moe *m, const sl_io *io, int i, int forward, int split, f
    each forward's backward at once), then the bias update; split: each call in two (sl_call). Results: each
    micro-batch's y and dx, the gradient slab and the updated bias (malloc'd, poisoned first, *len floats); NULL
    when a call failed. */
-static float *sl_run(dsk_moe_opts o, const sl_io *io, int slots, int split, size_t *len) {
+static float *sl_run(dsk_moe_opts o, const sl_io *io, int slots, int mode, size_t *len) {
     dsk_moe m;
     owned own;
     size_t off[SL_MB + 1] = {0}, ng;
@@ -902,7 +915,7 @@ static float *sl_run(dsk_moe_opts o, const sl_io *io, int slots, int split, size
     while (ok && bwd < SL_MB) {
         int forward = fwd < SL_MB && fwd - bwd < slots, i = forward ? fwd++ : bwd++;
         ok = dsk_moe_use_slot(&m, i % slots) == DSK_OK &&
-             sl_call(&m, io, i, forward, split, buf + off[i], buf + off[i] + (size_t)(io->T[i] * o.d_model));
+             sl_call(&m, io, i, forward, mode, buf + off[i], buf + off[i] + (size_t)(io->T[i] * o.d_model));
     }
     ok = ok && dsk_moe_update_bias(&m, NULL, NULL) == DSK_OK;
     if (ok) {
@@ -917,25 +930,104 @@ static float *sl_run(dsk_moe_opts o, const sl_io *io, int slots, int split, size
     return buf;
 }
 
+/* x (dy) of micro-batch i into y (dx, zeroed first) through layer m, the call begun only. */
+static int sl_begin(dsk_moe *m, const sl_io *io, int i, int forward, float *dx) {
+    int64_t shp[2] = {io->T[i], m->opts.d_model};
+    dsk_tensor a;
+    dsk_tensor_wrap(&a, forward ? io->x[i] : io->dy[i], DSK_F32, dsk_cpu(), 2, shp);
+    if (forward) return dsk_moe_forward_begin(m, NULL, &a) == DSK_OK;
+    memset(dx, 0, sizeof(float) * (size_t)(shp[0] * shp[1]));
+    return dsk_moe_backward_begin(m, NULL, &a, 1.0f) == DSK_OK;
+}
+
+static int sl_end(dsk_moe *m, const sl_io *io, int i, int forward, float *out) {
+    int64_t shp[2] = {io->T[i], m->opts.d_model};
+    dsk_tensor b;
+    dsk_tensor_wrap(&b, out, DSK_F32, dsk_cpu(), 2, shp);
+    return (forward ? dsk_moe_forward_end(m, NULL, &b, NULL) : dsk_moe_backward_end(m, NULL, &b)) == DSK_OK;
+}
+
+/* Two layers a and b of options o (b's weights from seed + 1), one expert group, as a paired schedule runs
+   them: b's forward of micro-batch 1, then a's forward of micro-batch 0 beside b's backward of micro-batch 1,
+   then a's backward. `interleaved`: the pair's steps alternate with one exchange in flight on the group at a
+   time (b's rows travel while a computes, a's while b's experts compute, b's return while a's experts compute,
+   a's return while b ends), else each call whole. Results: y0, y1, dx0, dx1 and both gradient slabs (malloc'd,
+   poisoned first, *len floats); NULL when a call failed. */
+static float *sl_pair(dsk_moe_opts o, const sl_io *io, int interleaved, size_t *len) {
+    dsk_moe a, b;
+    owned oa, ob;
+    dsk_moe_opts o1 = o;
+    size_t n0 = (size_t)(io->T[0] * o.d_model), n1 = (size_t)(io->T[1] * o.d_model), ng;
+    float *buf, *y0, *y1, *dx0, *dx1;
+    int ok;
+    o1.seed = o.seed + 1;
+    if (make_layer(&a, &oa, &o) != DSK_OK) return NULL;
+    if (make_layer(&b, &ob, &o1) != DSK_OK) {
+        drop_layer(&a, &oa);
+        return NULL;
+    }
+    ng = (size_t)dsk_tensor_numel(&oa.grads);
+    *len = 2 * (n0 + n1) + 2 * ng;
+    buf = (float *)malloc(sizeof(float) * *len);
+    for (size_t i = 0; i < *len; i++) buf[i] = NAN;
+    y0 = buf, y1 = y0 + n0, dx0 = y1 + n1, dx1 = dx0 + n0;
+    ok = sl_call(&b, io, 1, 1, SL_WHOLE, y1, NULL);
+    if (!interleaved) {
+        ok = ok && sl_call(&a, io, 0, 1, SL_WHOLE, y0, NULL) && sl_call(&b, io, 1, 0, SL_WHOLE, NULL, dx1);
+    } else {
+        ok = ok && sl_begin(&b, io, 1, 0, dx1) && sl_other_work() && dsk_moe_wait(&b, NULL) == DSK_OK &&
+             sl_begin(&a, io, 0, 1, NULL) && dsk_moe_experts(&b, NULL) == DSK_OK && dsk_moe_wait(&a, NULL) == DSK_OK &&
+             dsk_moe_return_begin(&b, NULL) == DSK_OK && dsk_moe_experts(&a, NULL) == DSK_OK &&
+             dsk_moe_wait(&b, NULL) == DSK_OK && dsk_moe_return_begin(&a, NULL) == DSK_OK &&
+             sl_end(&b, io, 1, 0, dx1) && sl_end(&a, io, 0, 1, y0);
+    }
+    ok = ok && sl_call(&a, io, 0, 0, SL_WHOLE, NULL, dx0);
+    if (ok) {
+        memcpy(dx1 + n1, oa.grads.data, sizeof(float) * ng);
+        memcpy(dx1 + n1 + ng, ob.grads.data, sizeof(float) * ng);
+    } else {
+        fprintf(stderr, "sl_pair: %s\n", dsk_last_error());
+        free(buf);
+        buf = NULL;
+    }
+    drop_layer(&a, &oa);
+    drop_layer(&b, &ob);
+    return buf;
+}
+
+/* sl_pair interleaved = each call whole, bit for bit; 1 if so. */
+static int sl_pair_same(dsk_moe_opts o, const sl_io *io) {
+    size_t n1 = 0, n2 = 0;
+    float *whole = sl_pair(o, io, 0, &n1), *steps = sl_pair(o, io, 1, &n2);
+    int ok = whole && steps && n1 == n2 && memcmp(whole, steps, sizeof(float) * n1) == 0;
+    free(whole);
+    free(steps);
+    return ok;
+}
+
 /* Micro-batches of 12, 8, 20 and 4 tokens through 2 and 4 slots (forwards 1 and 3 ahead, slots reused), and
-   each call split in its begin and end, give the serial order's bits: every y, dx, gradient and the bias after
-   its update. */
+   each call whole, split in its begin and end, or in all its steps, give the serial order's bits: every y, dx,
+   gradient and the bias after its update. */
 static void check_slots(const char *what, dsk_moe_opts o) {
     static const int T[SL_MB] = {12, 8, 20, 4};
+    static const char *modes[] = {"", ", split", ", in steps", ", return begun"};
     sl_io io = sl_draw(o.d_model, T);
     size_t n1 = 0, n = 0;
-    float *serial = sl_run(o, &io, 1, 0, &n1);
-    dsk_test_begin("saved forwards: %s, 4 micro-batches in 2 and 4 slots, calls split or not = serial (bits)", what);
+    float *serial = sl_run(o, &io, 1, SL_WHOLE, &n1);
+    dsk_test_begin("saved forwards: %s, 4 micro-batches in 2 and 4 slots, calls whole or in steps = serial (bits)",
+                   what);
     DSK_TEST_EXPECT(serial != NULL, "the serial run failed");
-    for (int v = 0; serial && v < 4; v++) {
-        int slots = v < 2 ? 2 : 4, split = v % 2;
-        float *got = sl_run(o, &io, slots, split, &n);
+    for (int v = 0; serial && v < 2 * SL_MODES; v++) {
+        int slots = v < SL_MODES ? 2 : 4, mode = v % SL_MODES;
+        float *got = sl_run(o, &io, slots, mode, &n);
         char msg[64];
-        snprintf(msg, sizeof msg, "%d slots%s: y, dx, gradients, bias", slots, split ? ", split" : "");
-        DSK_TEST_EXPECT(got != NULL, "the run in %d slots%s failed", slots, split ? ", split" : "");
+        snprintf(msg, sizeof msg, "%d slots%s: y, dx, gradients, bias", slots, modes[mode]);
+        DSK_TEST_EXPECT(got != NULL, "the run in %d slots%s failed", slots, modes[mode]);
         if (got) DSK_TEST_SAME_BYTES(got, serial, sizeof(float) * n1, msg);
         free(got);
     }
+    DSK_TEST_EXPECT(sl_pair_same(o, &io), "two layers' forward and backward in interleaved steps differ from "
+                                          "the calls whole (or failed)");
     free(serial);
     sl_free(&io);
     dsk_test_end();
@@ -1052,6 +1144,27 @@ static void test_split_bad(void) {
     DSK_TEST_OK(dsk_moe_backward_end(&m, NULL, &tdx));
     DSK_TEST_STATUS(dsk_moe_backward_begin(&m, NULL, &dy, 1.0f), DSK_ERR_STATE);
     DSK_TEST_ERROR_MENTIONS("a backward already used the forward in slot 0");
+    /* the steps between: none without a call begun, none twice */
+    DSK_TEST_STATUS(dsk_moe_experts(&m, NULL), DSK_ERR_STATE);
+    DSK_TEST_ERROR_MENTIONS("dsk_moe_experts: layer \"moe\": no forward or backward begun");
+    DSK_TEST_STATUS(dsk_moe_return_begin(&m, NULL), DSK_ERR_STATE);
+    DSK_TEST_ERROR_MENTIONS("dsk_moe_return_begin: layer \"moe\": no forward or backward begun");
+    DSK_TEST_STATUS(dsk_moe_wait(&m, NULL), DSK_ERR_STATE);
+    DSK_TEST_ERROR_MENTIONS("dsk_moe_wait: layer \"moe\": no forward or backward begun");
+    DSK_TEST_STATUS(dsk_moe_experts(NULL, NULL), DSK_ERR_ARG);
+    memset(y, 0xff, sizeof y);
+    DSK_TEST_OK(dsk_moe_forward_begin(&m, NULL, &x));
+    DSK_TEST_OK(dsk_moe_experts(&m, NULL));
+    DSK_TEST_OK(dsk_moe_experts(&m, NULL));                                   /* done: nothing */
+    DSK_TEST_STATUS(dsk_moe_forward(&m, NULL, &ty, &x, NULL), DSK_ERR_STATE); /* still a call begun */
+    DSK_TEST_ERROR_MENTIONS("a forward was begun and not ended");
+    DSK_TEST_OK(dsk_moe_return_begin(&m, NULL));
+    DSK_TEST_OK(dsk_moe_return_begin(&m, NULL));
+    DSK_TEST_OK(dsk_moe_wait(&m, NULL));
+    DSK_TEST_OK(dsk_moe_wait(&m, NULL));
+    DSK_TEST_OK(dsk_moe_forward_end(&m, NULL, &ty, NULL));
+    DSK_TEST_SAME_BYTES(y, y1, sizeof y, "the forward in steps (each twice): y = dsk_moe_forward's");
+    DSK_TEST_STATUS(dsk_moe_wait(&m, NULL), DSK_ERR_STATE); /* ended */
     DSK_TEST_OK(dsk_moe_forward_begin(&m, NULL, &x)); /* freed with a forward pending */
     drop_layer(&m, &own);
     sl_free(&io);
@@ -1797,9 +1910,10 @@ static int ep_bounded_same(dsk_comm *c, dsk_moe_opts o, int rank, const float *x
 }
 
 /* Saved forwards under expert parallelism: 4 micro-batches made of the rank's rows through 2 slots (the
-   pipeline order of sl_run), each call in one piece or split in its begin and end, give the serial order's
-   bits, with the exact exchange serial and overlapped and chunked, the bounded one overlapped, FP8 dispatch
-   and experts overlapped, and across 2 nodes two hops; dropless, under capacity and (2 nodes) node-limited. */
+   pipeline order of sl_run), each call split in its begin and end or in all its steps, and (dropless) two
+   layers' calls in interleaved steps (sl_pair), give the serial order's bits, with the exact exchange serial
+   and overlapped and chunked, the bounded one overlapped, FP8 dispatch and experts overlapped, and across 2
+   nodes two hops; dropless, under capacity and (2 nodes) node-limited. */
 static int ep_slots_same(const dsk_comm *c, dsk_moe_opts o, int rank, const float *x_rows, const float *dy_rows) {
     static const char *names[] = {"exact serial", "exact overlapped chunked", "bounded overlapped",
                                   "FP8 dispatch and experts overlapped", "two hops"};
@@ -1834,15 +1948,20 @@ static int ep_slots_same(const dsk_comm *c, dsk_moe_opts o, int rank, const floa
         b.ep_dispatch = v == 3 ? DSK_MOE_DISPATCH_FP8 : DSK_MOE_DISPATCH_ACT;
         b.expert_gemm = v == 3 ? DSK_MOE_GEMM_FP8 : DSK_MOE_GEMM_ACT;
         b.ep_route = v == 4 ? DSK_MOE_ROUTE_TWO_HOP : DSK_MOE_ROUTE_FLAT;
-        serial = sl_run(b, &io, 1, 0, &n1);
-        for (int split = 0; split < 2; split++) {
-            slots = sl_run(b, &io, 2, split, &n2);
+        serial = sl_run(b, &io, 1, SL_WHOLE, &n1);
+        for (int mode = SL_SPLIT; mode < SL_SKIP; mode++) { /* the others: test_slots_same_bits */
+            slots = sl_run(b, &io, 2, mode, &n2);
             if (!serial || !slots || n1 != n2 || memcmp(serial, slots, sizeof(float) * n1) != 0) {
-                fprintf(stderr, "rank %d: saved forwards%s, %s, %s: %s\n", rank, split ? " split" : "", names[v],
-                        cfs[cf], serial && slots ? "2 slots differ from serial" : "a run failed");
+                fprintf(stderr, "rank %d: saved forwards, mode %d, %s, %s: %s\n", rank, mode, names[v], cfs[cf],
+                        serial && slots ? "2 slots differ from serial" : "a run failed");
                 ok = 0;
             }
             free(slots);
+        }
+        if (cf == 0 && !sl_pair_same(b, &io)) {
+            fprintf(stderr, "rank %d: two layers in interleaved steps, %s, %s: differ from the calls whole\n", rank,
+                    names[v], cfs[cf]);
+            ok = 0;
         }
         free(serial);
     }

@@ -390,8 +390,9 @@ static void ep_bounded_check(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_
 
 /* Two micro-batches (gx, gdy; then gdy, gx) through a fresh layer of options o, reserved in `slots` saved
    forwards: serially (slots 1) or both forwards before the backwards (slots 2, micro-batch i in slot i), each
-   call in one piece or (split) in its begin and end. y, dx of each and the gradient slab as host bytes (malloc'd,
-   *n bytes); *syncs: the host syncs of the four calls. */
+   call in one piece, (split 1) in its begin and end, or (split 2) in all its steps (begin, wait, experts, the
+   return's begin, wait, end). y, dx of each and the gradient slab as host bytes (malloc'd, *n bytes); *syncs: the
+   host syncs of the four calls. */
 static char *ep_slots_bytes(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_tensor *gx, const dsk_tensor *gdy,
                             int64_t row0, int64_t NT, int slots, int split, size_t *n, int64_t *syncs) {
     static const int order[2][4] = {{0, 2, 1, 3}, {0, 1, 2, 3}}; /* calls: 0, 1 the forwards, 2, 3 the backwards */
@@ -414,12 +415,15 @@ static char *ep_slots_bytes(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_t
     for (int k = 0; ok && k < 4; k++) {
         int call = order[slots - 1][k], mb = call % 2;
         ok = dsk_moe_use_slot(&m, slots == 2 ? mb : 0) == DSK_OK;
-        if (ok && split && call < 2)
-            ok = dsk_moe_forward_begin(&m, g, in[mb][0]) == DSK_OK &&
-                 dsk_moe_forward_end(&m, g, &out[mb], NULL) == DSK_OK;
-        else if (ok && split)
-            ok = dsk_moe_backward_begin(&m, g, in[mb][1], 1.0f) == DSK_OK &&
-                 dsk_moe_backward_end(&m, g, &out[2 + mb]) == DSK_OK;
+        if (ok && split)
+            ok = (call < 2 ? dsk_moe_forward_begin(&m, g, in[mb][0])
+                           : dsk_moe_backward_begin(&m, g, in[mb][1], 1.0f)) == DSK_OK;
+        if (ok && split == 2)
+            ok = dsk_moe_wait(&m, g) == DSK_OK && dsk_moe_experts(&m, g) == DSK_OK &&
+                 dsk_moe_return_begin(&m, g) == DSK_OK && dsk_moe_wait(&m, g) == DSK_OK;
+        if (ok && split)
+            ok = (call < 2 ? dsk_moe_forward_end(&m, g, &out[mb], NULL) : dsk_moe_backward_end(&m, g, &out[2 + mb])) ==
+                 DSK_OK;
         else if (ok)
             ok = (call < 2 ? dsk_moe_forward(&m, g, &out[mb], in[mb][0], NULL)
                            : dsk_moe_backward(&m, g, &out[2 + mb], in[mb][1], 1.0f)) == DSK_OK;
@@ -442,29 +446,29 @@ static char *ep_slots_bytes(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_t
     return bytes;
 }
 
-/* Saved forwards over nccl: two micro-batches in 2 slots, calls in one piece or split in begin and end, give
-   the serial order's y, dx and gradients bit for bit, with the exact exchange and the bounded one overlapped
-   (whose calls make no host sync). */
+/* Saved forwards over nccl: two micro-batches in 2 slots, calls in one piece, split in begin and end or in all
+   their steps, give the serial order's y, dx and gradients bit for bit, with the exact exchange and the
+   bounded one overlapped (whose calls make no host sync). */
 static void ep_slots_check(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_tensor *gx, const dsk_tensor *gdy,
                            int64_t row0, int64_t NT) {
     for (int bounded = 0; bounded < 2; bounded++) {
-        size_t n[3] = {0, 0, 0};
-        int64_t sy[3] = {-1, -1, -1};
-        char *r[3];
+        static const char *what[] = {"", "2 slots = serial: y, dx, gradients", "2 slots, split = serial",
+                                     "2 slots, in steps = serial"};
+        size_t n[4] = {0, 0, 0, 0};
+        int64_t sy[4] = {-1, -1, -1, -1};
+        char *r[4];
         o.ep_exchange = bounded ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
         o.ep_overlap = bounded;
-        for (int k = 0; k < 3; k++) /* 1 slot; 2; 2 split */
-            r[k] = ep_slots_bytes(c, g, o, gx, gdy, row0, NT, k ? 2 : 1, k == 2, &n[k], &sy[k]);
-        DSK_TEST_EXPECT(r[0] && r[1] && r[2], "saved forwards (%s): a run failed: %s", bounded ? "bounded" : "exact",
-                        dsk_last_error());
-        DSK_TEST_EXPECT(!bounded || (sy[0] == 0 && sy[1] == 0 && sy[2] == 0),
-                        "bounded: %lld, %lld and %lld host syncs (want 0)", (long long)sy[0], (long long)sy[1],
-                        (long long)sy[2]);
-        for (int k = 1; k < 3 && r[0]; k++)
-            if (r[k])
-                DSK_TEST_SAME_BYTES(r[k], r[0], n[0] < n[k] ? n[0] : n[k],
-                                    k == 1 ? "2 slots = serial: y, dx, gradients" : "2 slots, split = serial");
-        for (int k = 0; k < 3; k++) free(r[k]);
+        for (int k = 0; k < 4; k++) /* 1 slot; 2; 2 split; 2 in steps */
+            r[k] = ep_slots_bytes(c, g, o, gx, gdy, row0, NT, k ? 2 : 1, k >= 2 ? k - 1 : 0, &n[k], &sy[k]);
+        DSK_TEST_EXPECT(r[0] && r[1] && r[2] && r[3], "saved forwards (%s): a run failed: %s",
+                        bounded ? "bounded" : "exact", dsk_last_error());
+        DSK_TEST_EXPECT(!bounded || (sy[0] == 0 && sy[1] == 0 && sy[2] == 0 && sy[3] == 0),
+                        "bounded: %lld, %lld, %lld and %lld host syncs (want 0)", (long long)sy[0], (long long)sy[1],
+                        (long long)sy[2], (long long)sy[3]);
+        for (int k = 1; k < 4 && r[0]; k++)
+            if (r[k]) DSK_TEST_SAME_BYTES(r[k], r[0], n[0] < n[k] ? n[0] : n[k], what[k]);
+        for (int k = 0; k < 4; k++) free(r[k]);
     }
 }
 
