@@ -119,7 +119,8 @@ typedef struct tp_chunk {
 /* One micro-batch's forward or backward through a chunk as steps (train/par_run.h's streams). */
 typedef struct tp_stream {
     int bwd, micro, chunk, slot;
-    int l, at; /* the layer of the next step and where in it (TP_AT_*) */
+    int l, at;  /* the layer of the next step and where in it (TP_AT_*) */
+    int paired; /* beside another stream: its MoE calls in steps (dsk_moe_experts, ...) */
 } tp_stream;
 
 typedef struct tp_state {

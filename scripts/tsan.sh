@@ -11,7 +11,8 @@
 #               thread handing each rank's rows over as they land and sending each chunk's
 #               results as the layer releases them (--ep 4 --ep-overlap chunked), and that thread
 #               exchanging one micro-batch's rows while the rank computes another's
-#               (--pp 2 --ep 2 --pair-micro-batches)
+#               (--pp 2 --ep 2 --pair-micro-batches; chunked, and with --ep-overlap on on one
+#               stage, where the experts' results return on the thread too)
 #   bench_moe_ep  every exchange variant of the MoE layer once, 4 ranks on two emulated hosts: the
 #               exchange thread beside the compute for flat, chunked, bounded, two-hop and FP8
 #               dispatch exchanges
@@ -83,6 +84,8 @@ check "train_moe --nproc 4 --ep 4 --ep-overlap chunked (exchange thread, per-ran
     --steps 6 --nproc 4 --ep 4 --ep-overlap chunked
 check "train_moe --nproc 4 --pp 2 --ep 2 --pair-micro-batches (an exchange beside the other micro-batch)" "$BIN" \
     "${TINY[@]}" --steps 6 --nproc 4 --pp 2 --ep 2 --micro-batches 2 --ep-overlap chunked --pair-micro-batches
+check "train_moe --nproc 2 --ep 2 --micro-batches 2 --pair-micro-batches (returns beside the other micro-batch)" \
+    "$BIN" "${TINY[@]}" --steps 6 --nproc 2 --ep 2 --batch 8 --micro-batches 2 --ep-overlap on --pair-micro-batches --layers 4
 check "bench_moe_ep --ranks 4 --two-hosts (every exchange variant, two-hop on the exchange thread)" \
     "$BUILD/bench/bench_moe_ep" --ranks 4 --tokens 64 --repeats 1 --two-hosts
 echo "$passed passed, $failed failed, 0 skipped"

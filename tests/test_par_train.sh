@@ -181,9 +181,9 @@ for spec in "dp2ep2|--nproc 2 --ep 2 --dtype bf16" "tp2ep2|--nproc 4 --tp 2 --ep
 done
 
 # --pair-micro-batches: each steady forward runs with the backward after it, interleaved at the MoE layers (one
-# micro-batch's expert exchange on its thread while the other computes; dsk_par_schedule_init_paired): every logged
-# number is the unpaired schedule's bit for bit, exchanges did travel beside the other micro-batch
-# (ep_paired_exchanges, rank 0's), and on one stage it logs --accum's step numbers. With 7 layers the interleaved
+# micro-batch's expert exchange, dispatch or return, on its thread while the other computes;
+# dsk_par_schedule_init_paired): every logged number is the unpaired schedule's bit for bit, exchanges did travel
+# beside the other micro-batch (ep_paired_exchanges, rank 0's), and on one stage it logs --accum's step numbers. With 7 layers the interleaved
 # last stage's chunk is the shorter of its two, so its forward reaches the head while the pair's backward is still
 # in a block: the head (the MTP module's backward) must keep to its own running gradient, and the module's MoE
 # layer must wait for the backward's exchange in flight (each fault fails the case).
@@ -215,9 +215,10 @@ run pair_pp1 "${TINY[@]}" --steps 6 --nproc 2 --ep 2 --batch 8 --micro-batches 2
     --ep-overlap on --log "$work/pair_pp1.jsonl"
 a=$(fields pair_acc | grep '^step')
 n=$(paired pair_pp1)
-what="--pair-micro-batches on one stage, dp2 x ep2 in bf16, --micro-batches 2 logs --accum 2's steps bit for bit ($n exchanges paired)"
+what="--pair-micro-batches on one stage, dp2 x ep2 in bf16, --micro-batches 2 logs --accum 2's steps bit for bit ($n exchanges"
+what="$what paired: more than the pair's 6 MoE calls a step, 36, so returns travelled beside the other micro-batch too)"
 if [ "$(rc pair_acc)$(rc pair_pp1)" = 00 ] && [ "$(echo "$a" | grep -c '^step')" -eq 6 ] &&
-   [ "$a" = "$(fields pair_pp1 | grep '^step')" ] && [ "${n:-0}" -gt 0 ]; then
+   [ "$a" = "$(fields pair_pp1 | grep '^step')" ] && [ "${n:-0}" -gt 36 ]; then
     ok "$what"
 else
     bad "$what" "exit $(rc pair_acc)/$(rc pair_pp1)" "$(diff <(echo "$a") <(fields pair_pp1 | grep '^step') | head -4)"

@@ -628,15 +628,23 @@ static dsk_status tp_head(tp_state *ps, int micro) {
 /* ------------------------------------------------------------------ streams
 
    A micro-batch's forward or backward through a chunk is a stream of steps: compute up to a
-   MoE layer's exchange, the exchange's begin, its end, compute up to the next, ... A forward or
-   backward alone runs them in order (tp_stream_run); a paired schedule's forward-backward
-   (dsk_par_schedule_init_paired) interleaves two streams so that one's rows travel while the
-   other computes (tp_pair_run), with one exchange in flight at a time: the expert group's
-   messages stay in the serial order. Between their steps the two share only what a step
-   finishes with, except the running gradient ps->dx / ps->dh, which the forward's head (its
-   backward, the MTP modules) uses too: the forward runs the head on its own pair (fdx, fdh). */
+   MoE layer's exchange, the exchange's begin, ..., its end, compute up to the next, ... A forward
+   or backward alone runs them in order (tp_stream_run), each MoE call begun and ended. A paired
+   schedule's forward-backward (dsk_par_schedule_init_paired) interleaves two streams so that
+   one's rows travel while the other computes (tp_pair_run), with one exchange in flight at a
+   time, so that the expert group's messages keep one order: a stream computes up to where it
+   starts an exchange (an MoE layer's begin, or the return of its experts' results once they
+   are computed: dsk_moe_experts, dsk_moe_return_begin), the other's exchange is joined
+   (dsk_moe_wait), its own starts, and the other computes. Both directions of every exchange
+   travel beside the other stream's compute: its attention and dense layers, or its experts.
+   Between their steps the two share only what a step finishes with, except the running
+   gradient ps->dx / ps->dh, which the forward's head (its backward, the MTP modules) uses too:
+   the forward runs the head on its own pair (fdx, fdh). */
 
-enum { TP_AT_START = 0, TP_AT_PRE, TP_AT_POST, TP_AT_DONE };
+/* Where a stream is in block l: before its first part; before its MoE layer's begin; the call
+   begun (rows travelling); its experts computed; their results travelling back; the MoE call
+   ended (or no MoE layer), before the block's rest. */
+enum { TP_AT_START = 0, TP_AT_PRE, TP_AT_MOE, TP_AT_SENT, TP_AT_COMPUTED, TP_AT_RETURNING, TP_AT_POST, TP_AT_DONE };
 
 static tp_stream tp_stream_of(const tp_state *ps, int bwd, int micro, int chunk) {
     tp_stream st;
@@ -646,8 +654,12 @@ static tp_stream tp_stream_of(const tp_state *ps, int bwd, int micro, int chunk)
     st.slot = ps->train ? micro % ps->S : 0;
     st.l = bwd ? ps->chunks[chunk].hi - 1 : ps->chunks[chunk].lo;
     st.at = TP_AT_START;
+    st.paired = 0;
     return st;
 }
+
+/* Whether st runs its MoE calls in steps: paired, and not a recorded or replayed forward (whole in its begin). */
+static int tp_stepwise(const tp_state *ps, const tp_stream *st) { return st->paired && (st->bwd || !tp_moe_whole(ps)); }
 
 /* The forward's output of layer l: the next layer's input, the head's, or the chunk's. */
 static dsk_tensor tp_stream_out(tp_state *ps, const tp_stream *st) {
@@ -705,17 +717,51 @@ static void tp_swap(dsk_tensor *a, dsk_tensor *b) {
     *b = t;
 }
 
-static dsk_status tp_stream_end(tp_state *ps, tp_stream *st);
+enum { TP_MOE_BEGIN, TP_MOE_EXPERTS, TP_MOE_RETURN, TP_MOE_END };
 
-/* Ends the exchange in flight, if one is. */
+/* Layer st->l's MoE call: its begin, a step between (TP_MOE_EXPERTS, TP_MOE_RETURN) or its end. */
+static dsk_status tp_stream_moe(tp_state *ps, tp_stream *st, int step) {
+    tm_model *m = ps->m;
+    dsk_moe *moe = &m->blocks[st->l].moe;
+    dsk_tensor y;
+    if (step == TP_MOE_EXPERTS) TM_T(TM_PH_MOE, dsk_moe_experts(moe, ps->ctx));
+    if (step == TP_MOE_RETURN) TM_T(TM_PH_MOE, dsk_moe_return_begin(moe, ps->ctx));
+    if (step == TP_MOE_EXPERTS || step == TP_MOE_RETURN) return DSK_OK;
+    if (st->bwd) return tp_block_backward_moe(ps, st->l, st->slot, step == TP_MOE_END);
+    y = tp_stream_out(ps, st);
+    return tp_block_forward_moe(ps, st->l, st->slot, st->micro, &y, step == TP_MOE_END);
+}
+
+/* Ends st's MoE call (what its steps left). */
+static dsk_status tp_stream_end(tp_state *ps, tp_stream *st) {
+    TM_TRY(tp_stream_moe(ps, st, TP_MOE_END));
+    if (ps->pend == st) ps->pend = NULL;
+    st->at = TP_AT_POST;
+    return DSK_OK;
+}
+
+/* Joins the exchange in flight, if one is; its stream's call stays begun where it was. */
 static dsk_status tp_quiet(tp_state *ps) {
+    tm_model *m = ps->m;
     tp_stream *p = ps->pend;
     ps->pend = NULL;
-    return p ? tp_stream_end(ps, p) : DSK_OK;
+    if (p && !tp_stepwise(ps, p)) return tp_stream_end(ps, p);
+    if (p) TM_T(TM_PH_MOE, dsk_moe_wait(&m->blocks[p->l].moe, ps->ctx));
+    return DSK_OK;
+}
+
+/* A layer holds one call begun: the other stream's there ends before st's begins (a pair of one
+   chunk's forward and backward cross in its middle layer). */
+static dsk_status tp_settle(tp_state *ps, const tp_stream *st) {
+    for (int i = 0; i < 2; i++) {
+        tp_stream *o = &ps->streams[i];
+        if (o != st && o->l == st->l && o->at >= TP_AT_SENT && o->at <= TP_AT_RETURNING) TM_TRY(tp_stream_end(ps, o));
+    }
+    return DSK_OK;
 }
 
 /* The forward's end: the head on the last stage (its MTP modules exchange rows themselves, so
-   the exchange in flight ends first), on the forward's own running-gradient pair when paired. */
+   the exchange in flight is joined first), on the forward's own running-gradient pair when paired. */
 static dsk_status tp_forward_finish(tp_state *ps, const tp_stream *st) {
     dsk_status s;
     if (st->chunk != ps->last) return DSK_OK;
@@ -737,8 +783,40 @@ static int tp_unit_at_begin(const tp_state *ps, int l) {
     return ps->m->blocks[l].is_moe && ps->layers[l].rc != TMLA_RECOMPUTE_FULL;
 }
 
-/* Runs st's compute up to its next exchange (*more = 1) or to its end (*more = 0). A block's
-   unit (tm_unit) opens before its first part (tp_unit_at_begin) and closes after its last. */
+/* A block's part before its MoE layer; TP_AT_MOE, or TP_AT_POST without one. */
+static dsk_status tp_stream_pre(tp_state *ps, tp_stream *st) {
+    int l = st->l;
+    if (!st->bwd || !tp_unit_at_begin(ps, l)) TM_TRY(tm_unit(ps->m, l + 1, st->bwd ? TM_BWD_BEGIN : TM_FWD_BEGIN));
+    if (st->bwd) {
+        TM_TRY(tp_block_backward_pre(ps, l, st->slot, st->micro));
+    } else {
+        dsk_tensor y = tp_stream_out(ps, st);
+        TM_TRY(tp_block_forward_pre(ps, l, st->slot, &y));
+    }
+    st->at = ps->m->blocks[l].is_moe ? TP_AT_MOE : TP_AT_POST;
+    return DSK_OK;
+}
+
+/* A block's part after its MoE layer, its unit closed; on to the next block. */
+static dsk_status tp_stream_post(tp_state *ps, tp_stream *st) {
+    int l = st->l;
+    if (st->bwd) {
+        TM_TRY(tp_block_backward_post(ps, l, st->slot));
+        TM_TRY(tp_unit_ready(ps, l + 1));
+        TM_TRY(tm_unit(ps->m, l + 1, TM_BWD_END));
+    } else {
+        dsk_tensor y = tp_stream_out(ps, st);
+        TM_TRY(tp_block_forward_post(ps, l, st->slot, st->micro, &y));
+        TM_TRY(tm_unit(ps->m, l + 1, TM_FWD_END));
+    }
+    st->l += st->bwd ? -1 : 1;
+    st->at = TP_AT_PRE;
+    return DSK_OK;
+}
+
+/* Runs st's compute up to where it starts an exchange (*more = 1: tp_stream_start) or to its end
+   (*more = 0). A block's unit (tm_unit) opens before its first part (tp_unit_at_begin) and
+   closes after its last. */
 static dsk_status tp_stream_compute(tp_state *ps, tp_stream *st, int *more) {
     const tp_chunk *ch = &ps->chunks[st->chunk];
     *more = 0;
@@ -747,73 +825,58 @@ static dsk_status tp_stream_compute(tp_state *ps, tp_stream *st, int *more) {
         st->at = TP_AT_PRE;
     }
     while (st->at != TP_AT_DONE) {
-        int l = st->l;
-        if (st->at == TP_AT_POST) {
-            if (st->bwd) {
-                TM_TRY(tp_block_backward_post(ps, l, st->slot));
-                TM_TRY(tp_unit_ready(ps, l + 1));
-                TM_TRY(tm_unit(ps->m, l + 1, TM_BWD_END));
-            } else {
-                dsk_tensor y = tp_stream_out(ps, st);
-                TM_TRY(tp_block_forward_post(ps, l, st->slot, st->micro, &y));
-                TM_TRY(tm_unit(ps->m, l + 1, TM_FWD_END));
-            }
-            st->l += st->bwd ? -1 : 1;
-            st->at = TP_AT_PRE;
-            continue;
-        }
-        if (st->bwd ? l < ch->lo : l >= ch->hi) {
-            TM_TRY(st->bwd ? tp_backward_finish(ps, st) : tp_forward_finish(ps, st));
-            st->at = TP_AT_DONE;
-            break;
-        }
-        if (!st->bwd || !tp_unit_at_begin(ps, l)) TM_TRY(tm_unit(ps->m, l + 1, st->bwd ? TM_BWD_BEGIN : TM_FWD_BEGIN));
-        if (st->bwd) {
-            TM_TRY(tp_block_backward_pre(ps, l, st->slot, st->micro));
-        } else {
-            dsk_tensor y = tp_stream_out(ps, st);
-            TM_TRY(tp_block_forward_pre(ps, l, st->slot, &y));
-        }
-        st->at = TP_AT_POST;
-        if (ps->m->blocks[l].is_moe) {
+        int step = tp_stepwise(ps, st);
+        if (st->at == TP_AT_MOE || (st->at == TP_AT_COMPUTED && step)) {
             *more = 1;
             break;
+        }
+        if (st->at == TP_AT_SENT && step) {
+            TM_TRY(tp_stream_moe(ps, st, TP_MOE_EXPERTS));
+            st->at = TP_AT_COMPUTED;
+        } else if (st->at >= TP_AT_SENT && st->at <= TP_AT_RETURNING) {
+            TM_TRY(tp_stream_end(ps, st));
+        } else if (st->at == TP_AT_POST) {
+            TM_TRY(tp_stream_post(ps, st));
+        } else if (st->bwd ? st->l < ch->lo : st->l >= ch->hi) {
+            TM_TRY(st->bwd ? tp_backward_finish(ps, st) : tp_forward_finish(ps, st));
+            st->at = TP_AT_DONE;
+        } else {
+            TM_TRY(tp_stream_pre(ps, st));
         }
     }
     return DSK_OK;
 }
 
-/* Layer st->l's MoE call, its begin (end 0) or its end (1); tp_stream_begin leaves st pending (ps->pend). */
-static dsk_status tp_stream_moe(tp_state *ps, tp_stream *st, int end) {
-    dsk_tensor y;
-    if (st->bwd) return tp_block_backward_moe(ps, st->l, st->slot, end);
-    y = tp_stream_out(ps, st);
-    return tp_block_forward_moe(ps, st->l, st->slot, st->micro, &y, end);
-}
-
-static dsk_status tp_stream_begin(tp_state *ps, tp_stream *st) {
-    if (st->bwd && tp_unit_at_begin(ps, st->l)) TM_TRY(tm_unit(ps->m, st->l + 1, TM_BWD_BEGIN));
-    TM_TRY(tp_stream_moe(ps, st, 0));
+/* Starts st's next exchange, its MoE layer's begin or its experts' return; st pending (ps->pend). */
+static dsk_status tp_stream_start(tp_state *ps, tp_stream *st) {
+    if (st->at == TP_AT_COMPUTED) {
+        TM_TRY(tp_stream_moe(ps, st, TP_MOE_RETURN));
+        st->at = TP_AT_RETURNING;
+    } else {
+        TM_TRY(tp_settle(ps, st));
+        if (st->bwd && tp_unit_at_begin(ps, st->l)) TM_TRY(tm_unit(ps->m, st->l + 1, TM_BWD_BEGIN));
+        TM_TRY(tp_stream_moe(ps, st, TP_MOE_BEGIN));
+        st->at = TP_AT_SENT;
+    }
     ps->pend = st;
     return DSK_OK;
 }
 
-static dsk_status tp_stream_end(tp_state *ps, tp_stream *st) { return tp_stream_moe(ps, st, 1); }
-
-/* One stream alone, in order. */
+/* One stream alone, in order (each MoE call begun and ended). */
 static dsk_status tp_stream_run(tp_state *ps, tp_stream *st) {
     int more;
+    st->paired = 0;
     for (;;) {
         TM_TRY(tp_stream_compute(ps, st, &more));
         if (!more) return DSK_OK;
-        TM_TRY(tp_stream_begin(ps, st));
-        TM_TRY(tp_quiet(ps));
+        TM_TRY(tp_stream_start(ps, st));
+        ps->pend = NULL; /* its own next step ends it */
     }
 }
 
-/* Two streams interleaved: a's rows travel while b computes up to its own exchange, which
-   starts when a's has ended; then b's travel while a computes; and so on. When one stream is
-   done the other runs alone. Each stream's steps keep their order, so its bits are its own. */
+/* Two streams interleaved: a computes up to where it starts an exchange, b's in flight is
+   joined, a's starts, then b computes, and so on. When one stream is done the other runs
+   alone. Each stream's steps keep their order, so its bits are its own. */
 static dsk_status tp_pair_run(tp_state *ps, tp_stream *a, tp_stream *b) {
     tp_stream *cur = a, *other = b;
     int more;
@@ -822,7 +885,7 @@ static dsk_status tp_pair_run(tp_state *ps, tp_stream *a, tp_stream *b) {
         ps->paired_exchanges += ps->pend != NULL;
         TM_TRY(tp_quiet(ps));
         if (!more) return tp_stream_run(ps, other);
-        TM_TRY(tp_stream_begin(ps, cur));
+        TM_TRY(tp_stream_start(ps, cur));
         cur = other;
         other = ps->pend;
     }
@@ -847,6 +910,7 @@ static dsk_status tp_forward_backward(void *user, int micro, int chunk, int bwd_
     dsk_status s;
     ps->streams[0] = tp_stream_of(ps, 1, bwd_micro, bwd_chunk);
     ps->streams[1] = tp_stream_of(ps, 0, micro, chunk);
+    ps->streams[0].paired = ps->streams[1].paired = 1;
     s = tp_pair_run(ps, &ps->streams[0], &ps->streams[1]);
     ps->pend = NULL; /* an error with an exchange in flight: the layer's free joins it */
     return s;
