@@ -42,7 +42,9 @@
      (dispatch and combine, forward and backward) and pipeline (the sends of the busiest stage's
      schedule, whose bytes the model's callback gives: examples/train_plan.h walks the trainer's
      schedule and buffers, and tests/test_plan.sh compares them with the bytes a run hands to
-     dsk_comm_send) traffic is exposed; the gradient reductions overlap backward up to
+     dsk_comm_send) traffic is exposed, except that with forwards and backwards paired (the
+     trainer's --pair-micro-batches) a pair's expert exchanges travel beside the other micro-batch's
+     compute (result.ep_hidden_s, dsk__plan_pair_hidden); the gradient reductions overlap backward up to
      cluster.overlap of it. An FP8 layout runs the model's fp8_flops_per_token (and their recomputed
      forward) at fp8_tflops instead of bf16_tflops, at the same efficiency. CPU ranks that share
      cores (cluster.cores_per_node below the ranks of a node; bf16_tflops is then one core's rate):
@@ -64,7 +66,9 @@
      has FP8 FLOPs; the callback refuses what the trainer does not run in FP8), schedules 1F1B,
      GPipe and interleaved (2 virtual stages, when the micro-batches are a multiple of pp) with one
      sequence per micro-batch; without a pipeline, gradient accumulation of one sequence per
-     pass. dsk_plan_space narrows the set.
+     pass; with expert parallelism and 2 or more micro-batches, each of these unpaired and paired
+     (1F1B and interleaved, ZeRO 0-2, without full recomputation: what the trainer pairs; on one
+     stage the passes become paired micro-batches). dsk_plan_space narrows the set.
    - The callback may refuse a layout (DSK_ERR_UNSUPPORTED: the trainer does not run it); it is
      left out.
    - Bad input is named: a cluster file's missing or malformed field by its key; a model that
@@ -133,15 +137,15 @@ typedef enum dsk_plan_recompute {
 
 typedef struct dsk_plan_layout {
     int tp, pp, dp, ep, zero;
-    int micro;                      /* pp > 1: micro-batches per step; pp 1: accumulation passes */
+    int micro;                      /* pp > 1 or paired: micro-batches per step; else pp 1: accumulation passes */
     int vstages;                    /* interleaved: chunks per rank, else 1 */
     dsk_par_schedule_kind schedule; /* pp > 1 */
     dsk_plan_recompute recompute;
     dsk_dtype moments; /* AdamW's two moments: DSK_F32 or DSK_BF16 (DeepSeek-V3's; the masters stay f32) */
     int fp8;           /* 1: the GEMMs of dsk_plan_model.fp8_flops_per_token in FP8 (the trainer's --dtype fp8) */
     int paired;        /* 1: forwards and backwards paired (dsk_par_schedule_init_paired, the trainer's
-                          --pair-micro-batches: more in flight); sized by a model callback that honours it
-                          (dsk_plan --check-rank), not tried by dsk_plan_search nor written to its choice */
+                          --pair-micro-batches: more in flight, the expert exchanges beside the other
+                          micro-batch's compute) */
 } dsk_plan_layout;
 
 /* One rank's bytes by role, as its allocator counts them. */
@@ -196,9 +200,9 @@ typedef struct dsk_plan_model {
 } dsk_plan_model;
 
 /* Restricts the enumeration: a zero field allows every value; a nonzero one only that value
-   (tp, pp, ep, zero + 1, recompute + 1, schedule + 1, the moments' dtype + 1, fp8 + 1). */
+   (tp, pp, ep, zero + 1, recompute + 1, schedule + 1, the moments' dtype + 1, fp8 + 1, paired + 1). */
 typedef struct dsk_plan_space {
-    int tp, pp, ep, zero_plus1, recompute_plus1, schedule_plus1, moments_plus1, fp8_plus1;
+    int tp, pp, ep, zero_plus1, recompute_plus1, schedule_plus1, moments_plus1, fp8_plus1, paired_plus1;
 } dsk_plan_space;
 
 /* ---- planning */
@@ -214,7 +218,8 @@ typedef struct dsk_plan_result {
     dsk_plan_flops stage_flops; /* the stage with the most FLOPs per token (the callback's flops; pp > 1) */
     /* seconds per step: compute (with recomputation), the bubble, the exposed communication */
     double step_s, compute_s, bubble_s, tp_s, ep_s, pp_s, zero_s, zero_exposed_s;
-    double opt_s;   /* the optimizer step (mem.optimizer_step at cluster.memory_gbps; 0 without it) */
+    double ep_hidden_s; /* of ep_s, what travels beside the other micro-batch of a pair (paired layouts) */
+    double opt_s;       /* the optimizer step (mem.optimizer_step at cluster.memory_gbps; 0 without it) */
     double cores_s; /* what ranks sharing a node's cores add (cluster.cores_per_node; dsk_plan_time) */
     char why[200]; /* why it lost to the best (empty for the best) */
 } dsk_plan_result;
@@ -490,6 +495,24 @@ static double dsk__plan_compute_s(const dsk_plan_cluster *c, const dsk_plan_job 
     return s;
 }
 
+/* Of the expert exchanges' ep_s, what a paired layout hides beside the other micro-batch of each pair. Pipeline
+   rank 0 (the most warm-up) runs 2 (p - 1) + (v - 1) p + 1 of its m v chunk forwards before its first pair
+   (dsk_par_schedule_init_paired; one on one stage) and as many backwards after its last, so a share (m v - w)
+   / (m v) of its chunk passes run in pairs. In a pair each stream's chunk has L MoE layers, 2 L exchanges
+   (dispatch and return), and every one travels beside the other stream's compute but about one of each
+   stream's: the pair's first, and where the two streams meet in one layer (the trainer's counts: 10 of 12 at
+   L = 3, 2 of 4 at L = 1), so (2 L - 1) / (2 L) of them. Hidden is at most the pairs' compute beside it. */
+static double dsk__plan_pair_hidden(const dsk_plan_model *m, const dsk_plan_layout *l, double ep_s, double compute_s) {
+    int p = l->pp, v = l->vstages > 0 ? l->vstages : 1, mv = l->micro * v;
+    int w = 2 * (p - 1) + (v - 1) * p + 1;
+    double L = (double)m->moe_layers / (p * v), share, cross, hidden;
+    if (!l->paired || l->ep < 2 || w >= mv || L <= 0) return 0;
+    share = (double)(mv - w) / mv;
+    cross = L >= 1 ? (2 * L - 1) / (2 * L) : 0.5;
+    hidden = ep_s * share * cross;
+    return hidden < compute_s * share ? hidden : compute_s * share;
+}
+
 DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
                                  double reduce_bytes, double gather_bytes, int reduce_all, dsk_plan_result *r) {
     const dsk_plan_layout *l = &r->layout;
@@ -515,6 +538,7 @@ DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster
                                                         (double)m->d_model * a,
                                                     4.0 * moe / l->pp)
                         : 0;
+    r->ep_hidden_s = dsk__plan_pair_hidden(m, l, r->ep_s, r->compute_s);
     r->pp_s = l->pp > 1 ? dsk__plan_link(c, l->tp * l->dp + 1, r->pp_bytes, 2.0 * l->micro * l->vstages) : 0;
     r->zero_s = dpn > 1
                     ? dsk__plan_link(
@@ -525,7 +549,8 @@ DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster
     if (r->zero_exposed_s < 0) r->zero_exposed_s = 0;
     /* AdamW after the reductions: memory-bound, nothing beside it */
     r->opt_s = c->memory_gbps > 0 ? (double)r->mem.optimizer_step / (1e9 * c->memory_gbps) : 0;
-    r->step_s = r->compute_s + r->bubble_s + r->tp_s + r->ep_s + r->pp_s + r->zero_exposed_s + r->opt_s;
+    r->step_s =
+        r->compute_s + r->bubble_s + r->tp_s + r->ep_s - r->ep_hidden_s + r->pp_s + r->zero_exposed_s + r->opt_s;
     dsk__plan_shared_cores(c, world, mean_s, r);
     return DSK_OK;
 }
@@ -612,14 +637,17 @@ static dsk_status dsk__plan_grid(const dsk_plan_model *m, const dsk_plan_cluster
         if (pp == 1 && sch != DSK_PAR_1F1B) continue; /* no pipeline: one entry */
         if (!dsk__plan_ok(sp->schedule_plus1, sch + 1) && pp > 1) continue;
         if (sch == DSK_PAR_INTERLEAVED && (per % pp || m->layers < 2 * pp)) continue;
-        for (int k = 0; k < 48; k++) { /* ZeRO stage, recomputation, the moments' dtype, FP8 */
-            int z = k / 6 % 4, rc = k / 2 % 3, f8 = k / 24;
+        for (int k = 0; k < 96; k++) { /* ZeRO stage, recomputation, the moments' dtype, FP8, paired */
+            int z = k / 6 % 4, rc = k / 2 % 3, f8 = k / 24 % 2, pair = k / 48;
             dsk_dtype md = k % 2 ? DSK_BF16 : DSK_F32;
             dsk_status st;
             if (!dsk__plan_ok(sp->zero_plus1, z + 1) || !dsk__plan_ok(sp->recompute_plus1, rc + 1) ||
                 !dsk__plan_ok(sp->moments_plus1, (int)md + 1) || !dsk__plan_ok(sp->fp8_plus1, f8 + 1) ||
-                (f8 && !(m->fp8_flops_per_token > 0)))
+                !dsk__plan_ok(sp->paired_plus1, pair + 1) || (f8 && !(m->fp8_flops_per_token > 0)))
                 continue;
+            if (pair && (ep < 2 || per < 2 || sch == DSK_PAR_GPIPE || z == 3 || rc == DSK_PLAN_RECOMPUTE_FULL))
+                continue; /* what the trainer pairs (examples/train/refuse.h) */
+            r.layout.paired = pair;
             r.layout.fp8 = f8;
             r.layout.zero = z;
             r.layout.recompute = (dsk_plan_recompute)rc;
@@ -642,6 +670,14 @@ static int dsk__plan_cmp(const void *a, const void *b) {
     return x->total < y->total ? -1 : x->total > y->total;
 }
 
+/* The expert-parallel comm r's step waits for. */
+static double dsk__plan_ep_exposed(const dsk_plan_result *r) { return r->ep_s - r->ep_hidden_s; }
+
+/* Its exposed communication's share of r's step, in percent. */
+static double dsk__plan_comm_pct(const dsk_plan_result *r) {
+    return 100 * (r->tp_s + dsk__plan_ep_exposed(r) + r->pp_s + r->zero_exposed_s) / r->step_s;
+}
+
 /* Why r lost to the best: does not fit, or the part of its step that grew most. */
 static void dsk__plan_why(const dsk_plan_result *best, dsk_plan_result *r, const dsk_plan_cluster *c) {
     const char *names[8] = {"compute (recomputation, busiest stage)",
@@ -653,7 +689,7 @@ static void dsk__plan_why(const dsk_plan_result *best, dsk_plan_result *r, const
                             "shared cores",
                             "optimizer step"};
     double d[8] = {r->compute_s - best->compute_s, r->bubble_s - best->bubble_s,
-                   r->tp_s - best->tp_s,           r->ep_s - best->ep_s,
+                   r->tp_s - best->tp_s,           dsk__plan_ep_exposed(r) - dsk__plan_ep_exposed(best),
                    r->pp_s - best->pp_s,           r->zero_exposed_s - best->zero_exposed_s,
                    r->cores_s - best->cores_s,     r->opt_s - best->opt_s};
     int k = 0;
@@ -670,7 +706,7 @@ static void dsk__plan_why(const dsk_plan_result *best, dsk_plan_result *r, const
         if (d[i] > d[k]) k = i;
     snprintf(r->why, sizeof r->why, "%.1f%% slower: %s +%.3g s (bubble %.1f%%, comm %.1f%% of its step)",
              100 * (r->step_s / best->step_s - 1), names[k], d[k], 100 * r->bubble_s / r->step_s,
-             100 * (r->tp_s + r->ep_s + r->pp_s + r->zero_exposed_s) / r->step_s);
+             dsk__plan_comm_pct(r));
 }
 
 static int dsk__plan_divides(int64_t a, int64_t b) { return a > 0 && b % a == 0; }
@@ -729,9 +765,10 @@ DSK_API void dsk_plan_layout_str(const dsk_plan_layout *l, char *buf, size_t cap
     if (l->pp > 1)
         snprintf(pipe, sizeof pipe, " %s%s m%d", dsk_par_schedule_name(l->schedule),
                  l->vstages > 1 ? (l->vstages == 2 ? " v2" : " v?") : "", l->micro);
-    else if (l->micro > 1) snprintf(pipe, sizeof pipe, " accum%d", l->micro);
-    snprintf(buf, cap, "tp%d pp%d%s ep%d dp%d zero%d recompute %s moments %s%s", l->tp, l->pp, pipe, l->ep, l->dp,
-             l->zero, dsk__plan_rc_names[l->recompute], dsk_dtype_name(l->moments), l->fp8 ? " fp8" : "");
+    else if (l->micro > 1) snprintf(pipe, sizeof pipe, " %s%d", l->paired ? "m" : "accum", l->micro);
+    snprintf(buf, cap, "tp%d pp%d%s ep%d dp%d zero%d recompute %s moments %s%s%s", l->tp, l->pp, pipe, l->ep, l->dp,
+             l->zero, dsk__plan_rc_names[l->recompute], dsk_dtype_name(l->moments), l->fp8 ? " fp8" : "",
+             l->paired ? " paired" : "");
 }
 
 typedef struct dsk__plan_out {
@@ -759,10 +796,9 @@ static void dsk__plan_row(dsk__plan_out *o, const dsk_plan_result *r) {
     char s[128];
     const dsk_plan_memory *m = &r->mem;
     dsk_plan_layout_str(&r->layout, s, sizeof s);
-    dsk__plan_put(o, "%-72s %6.1f %6.1f %6.1f %6.1f %6.1f %7.1f %8.0f | %8.3f %5.1f%% %5.1f%%\n", s, m->params / 1e9,
+    dsk__plan_put(o, "%-80s %6.1f %6.1f %6.1f %6.1f %6.1f %7.1f %8.0f | %8.3f %5.1f%% %5.1f%%\n", s, m->params / 1e9,
                   m->grads / 1e9, m->optimizer / 1e9, m->activations / 1e9, m->comm / 1e9, r->total / 1e9,
-                  m->imbalance / 1e9, r->step_s, 100 * r->bubble_s / r->step_s,
-                  100 * (r->tp_s + r->ep_s + r->pp_s + r->zero_exposed_s) / r->step_s);
+                  m->imbalance / 1e9, r->step_s, 100 * r->bubble_s / r->step_s, dsk__plan_comm_pct(r));
 }
 
 /* r[i] has bf16 moments and its f32 twin (the same layout otherwise) is among the first `fit` and no
@@ -775,7 +811,7 @@ static int dsk__plan_twin_fits(const dsk_plan_result *r, int fit, int i) {
         const dsk_plan_layout *b = &r[j].layout;
         if (b->moments == DSK_F32 && b->tp == a.tp && b->pp == a.pp && b->dp == a.dp && b->ep == a.ep &&
             b->zero == a.zero && b->micro == a.micro && b->vstages == a.vstages && b->schedule == a.schedule &&
-            b->recompute == a.recompute && b->fp8 == a.fp8 && r[j].step_s <= r[i].step_s)
+            b->recompute == a.recompute && b->fp8 == a.fp8 && b->paired == a.paired && r[j].step_s <= r[i].step_s)
             return 1;
     }
     return 0;
@@ -791,7 +827,7 @@ static void dsk__plan_losers(dsk__plan_out *o, const dsk_plan_result *r, int n, 
                    r[j].layout.ep == r[i].layout.ep && r[j].layout.zero == r[i].layout.zero;
         if (seen) continue;
         dsk_plan_layout_str(&r[i].layout, s, sizeof s);
-        dsk__plan_put(o, "  %-72s %s\n", s, r[i].why);
+        dsk__plan_put(o, "  %-80s %s\n", s, r[i].why);
     }
 }
 
@@ -814,7 +850,7 @@ DSK_API dsk_status dsk_plan_table(const dsk_plan_result *r, int n, const dsk_pla
         dsk__plan_losers(&o, r, n < 8 ? n : 8, 0);
     } else {
         dsk__plan_put(&o, "%d of %d layouts fit; the best %d (GB per GPU, worst stage):\n", fit, n, shown);
-        dsk__plan_put(&o, "%-72s %6s %6s %6s %6s %6s %7s %8s | %8s %6s %6s\n", "layout", "param", "grad", "optim",
+        dsk__plan_put(&o, "%-80s %6s %6s %6s %6s %6s %7s %8s | %8s %6s %6s\n", "layout", "param", "grad", "optim",
                       "act", "comm", "total", "+worst", "step s", "bubble", "comm");
         for (int i = 0; i < end; i++)
             if (!dsk__plan_twin_fits(r, fit, i)) dsk__plan_row(&o, &r[i]);
@@ -835,17 +871,18 @@ DSK_API dsk_status dsk_plan_json(const dsk_plan_result *r, const dsk_plan_job *j
         &o,
         "{\"tp\": %d, \"pp\": %d, \"dp\": %d, \"ep\": %d, \"zero\": %d, \"micro_batches\": %d, "
         "\"virtual_stages\": %d, \"pp_schedule\": \"%s\", \"recompute\": \"%s\", \"moments\": \"%s\", "
-        "\"fp8\": %d, \"sequences\": %lld, "
+        "\"fp8\": %d, \"paired\": %d, \"sequences\": %lld, "
         "\"seq\": %lld, \"params_bytes\": %lld, \"grads_bytes\": %lld, \"optimizer_bytes\": %lld, "
         "\"comm_bytes\": %lld, \"activations_bytes\": %lld, \"imbalance_bytes\": %lld, \"total_bytes\": %lld, "
         "\"fits\": %d, \"step_s\": %.6g, \"compute_s\": %.6g, \"bubble_s\": %.6g, \"tp_s\": %.6g, "
-        "\"ep_s\": %.6g, \"pp_s\": %.6g, \"zero_exposed_s\": %.6g, \"cores_s\": %.6g, \"opt_s\": %.6g}\n",
+        "\"ep_s\": %.6g, \"ep_hidden_s\": %.6g, \"pp_s\": %.6g, \"zero_exposed_s\": %.6g, \"cores_s\": %.6g, "
+        "\"opt_s\": %.6g}\n",
         l->tp, l->pp, l->dp, l->ep, l->zero, l->micro, l->vstages, dsk_par_schedule_name(l->schedule),
-        dsk__plan_rc_names[l->recompute], dsk_dtype_name(l->moments), l->fp8, (long long)job->sequences,
+        dsk__plan_rc_names[l->recompute], dsk_dtype_name(l->moments), l->fp8, l->paired, (long long)job->sequences,
         (long long)job->seq, (long long)r->mem.params, (long long)r->mem.grads, (long long)r->mem.optimizer,
         (long long)r->mem.comm, (long long)r->mem.activations, (long long)r->mem.imbalance, (long long)r->total,
-        r->fits, r->step_s, r->compute_s, r->bubble_s, r->tp_s, r->ep_s, r->pp_s, r->zero_exposed_s, r->cores_s,
-        r->opt_s);
+        r->fits, r->step_s, r->compute_s, r->bubble_s, r->tp_s, r->ep_s, r->ep_hidden_s, r->pp_s, r->zero_exposed_s,
+        r->cores_s, r->opt_s);
     if (o.over) return dsk_set_error(DSK_ERR_ARG, "dsk_plan_json: more than %zu bytes", cap);
     return DSK_OK;
 }
@@ -879,9 +916,12 @@ static const char *const dsk__plan_choice_keys[] = {"tp",
                                                     "zero_exposed_s",
                                                     "cores_s",
                                                     "opt_s",
-                                                    "fp8"};
+                                                    "ep_hidden_s",
+                                                    "fp8",
+                                                    "paired"};
 #define DSK__PLAN_NCHOICE (int)(sizeof dsk__plan_choice_keys / sizeof dsk__plan_choice_keys[0])
-#define DSK__PLAN_CHOICE_FP8 (DSK__PLAN_NCHOICE - 1) /* optional: 0 (the default) or 1 */
+#define DSK__PLAN_CHOICE_FP8 (DSK__PLAN_NCHOICE - 2)    /* optional: 0 (the default) or 1 */
+#define DSK__PLAN_CHOICE_PAIRED (DSK__PLAN_NCHOICE - 1) /* optional: 0 (the default) or 1 */
 
 /* Field k of the choice as a whole number >= lo (k < 7 or 10, 11), or its string (7-9). */
 static dsk_status dsk__plan_choice_num(const dsk__plan_field *f, const char *what, double lo, int64_t *v) {
@@ -913,8 +953,8 @@ DSK_API dsk_status dsk_plan_choice_parse(const char *json, size_t n, const char 
                 return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_choice_parse: %s: \"%s\" must be a string", what,
                                      f[i].key);
             snprintf(str[k - 7], 64, "%s", f[i].str);
-        } else if (k <= 11 || k == DSK__PLAN_CHOICE_FP8) {
-            DSK__TRY(dsk__plan_choice_num(&f[i], what, k == 4 || k == DSK__PLAN_CHOICE_FP8 ? 0 : 1, &v[k]));
+        } else if (k <= 11 || k >= DSK__PLAN_CHOICE_FP8) {
+            DSK__TRY(dsk__plan_choice_num(&f[i], what, k == 4 || k >= DSK__PLAN_CHOICE_FP8 ? 0 : 1, &v[k]));
         } else if (f[i].is_str) {
             return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_choice_parse: %s: \"%s\" must be a number", what, f[i].key);
         }
@@ -943,10 +983,13 @@ DSK_API dsk_status dsk_plan_choice_parse(const char *json, size_t n, const char 
     if (v[DSK__PLAN_CHOICE_FP8] > 1)
         return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_choice_parse: %s: \"fp8\" %lld: 0 or 1", what,
                              (long long)v[DSK__PLAN_CHOICE_FP8]);
+    if (v[DSK__PLAN_CHOICE_PAIRED] > 1)
+        return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_choice_parse: %s: \"paired\" %lld: 0 or 1", what,
+                             (long long)v[DSK__PLAN_CHOICE_PAIRED]);
     out.fp8 = (int)v[DSK__PLAN_CHOICE_FP8];
+    out.paired = (int)v[DSK__PLAN_CHOICE_PAIRED];
     out.tp = (int)v[0], out.pp = (int)v[1], out.dp = (int)v[2], out.ep = (int)v[3], out.zero = (int)v[4];
     out.micro = (int)v[5], out.vstages = (int)v[6];
-    out.paired = 0;
     job->sequences = v[10];
     job->seq = v[11];
     *l = out;

@@ -180,8 +180,9 @@ static int check_time(const dsk_plan_model *pm, const char *cluster, const dsk_p
         return 1;
     }
     printf("plan time: step %.6f s: compute %.6f, bubble %.6f, tp %.6f, ep %.6f, pp %.6f, gradients %.6f (exposed "
-           "%.6f), optimizer %.6f, shared cores %.6f\n",
-           r.step_s, r.compute_s, r.bubble_s, r.tp_s, r.ep_s, r.pp_s, r.zero_s, r.zero_exposed_s, r.opt_s, r.cores_s);
+           "%.6f), optimizer %.6f, shared cores %.6f, ep hidden %.6f\n",
+           r.step_s, r.compute_s, r.bubble_s, r.tp_s, r.ep_s, r.pp_s, r.zero_s, r.zero_exposed_s, r.opt_s, r.cores_s,
+           r.ep_hidden_s);
     return 0;
 }
 

@@ -1093,8 +1093,9 @@ static int apply_plan(options *o) {
         return 2;
     }
     o->tp = l.tp, o->pp = l.pp, o->ep = l.ep, o->zero = l.zero, o->vstages = l.vstages, o->seq = (int)job.seq;
-    o->micro = l.pp > 1 ? l.micro : 1;
-    o->accum = l.pp > 1 ? 1 : l.micro; /* without a pipeline the plan's passes are accumulation steps */
+    o->micro = l.pp > 1 || l.paired ? l.micro : 1;
+    o->accum = l.pp > 1 || l.paired ? 1 : l.micro; /* one stage: accumulation steps, or paired micro-batches */
+    o->pair_micro = l.paired;
     o->batch = (int)(job.sequences / o->accum);
     snprintf(o->pp_schedule, sizeof o->pp_schedule, "%s", dsk_par_schedule_name(l.schedule));
     snprintf(o->recompute, sizeof o->recompute, "%s", rc[l.recompute]);

@@ -33,7 +33,11 @@
 #      DeepSeek's own (pp16, ep64, dp128, ZeRO-1) in FP8; DeepSeek-V2-Lite on one node of 8 H200: a
 #      layout fits, with the reasons of the others. A change of the planner's output shows as a
 #      diff of the expected text (regenerate: DSK_PLAN_REGEN=1 tests/test_plan.sh).
-#   4. `train_moe --plan FILE` takes the layout of dsk_plan's JSON choice (its "rank grid" line).
+#   4. `train_moe --plan FILE` takes the layout of dsk_plan's JSON choice (its "rank grid" line), its moments,
+#      FP8 and pairing.
+#   5. Pairing (--pair-micro-batches) in the time model: the share of the expert exchanges the planner counts as
+#      hidden equals the share the trainer logs as paired (one stage; a pipeline's stages hold unequal MoE layers,
+#      which the model takes at their mean); the enumeration pairs only what the trainer pairs.
 # The step-time ranking against measured steps is bench/plan_rank.sh (not here: minutes, and a loaded
 # machine moves the measured order).
 # Prints `[test_plan] totals: P passed / F failed / S skipped`.
@@ -275,5 +279,63 @@ if [ "${rc[1]}" -eq 0 ] && grep -q "bf16 compute with FP8 GEMMs" "$work/run_fp8_
 else
     bad "train_moe --plan: the choice's fp8" "fp8 1: exit ${rc[1]}: $(grep -m1 'compute' "$work/run_fp8_1.out")" \
         "fp8 2: exit ${rc[2]}: $(head -2 "$work/run_fp8_2.out")"
+fi
+# the choice's "paired": 1 (one stage, dp8 x ep2, 2 micro-batches) runs --pair-micro-batches; "paired": 2 fails
+# naming the field
+for v in 1 2; do
+    sed -E 's/"tp": [0-9]+, "pp": [0-9]+, "dp": [0-9]+, "ep": [0-9]+/"tp": 1, "pp": 1, "dp": 8, "ep": 2/;
+            s/"micro_batches": [0-9]+/"micro_batches": 2/; s/"sequences": [0-9]+/"sequences": 16/;
+            s/"recompute": "[a-z]+"/"recompute": "none"/; s/"zero": [0-9]+/"zero": 1/;
+            s/"paired": [0-9]+/"paired": '"$v"'/' "$work/cpu.json" >"$work/cpu_pair_$v.json"
+    "$BIN" "${TINY[@]}" --nproc 8 --plan "$work/cpu_pair_$v.json" >"$work/run_pair_$v.out" 2>&1
+    rc[v]=$?
+done
+if [ "${rc[1]}" -eq 0 ] && grep -q "forwards and backwards paired" "$work/run_pair_1.out" && [ "${rc[2]}" -eq 2 ] &&
+    grep -qF '"paired" 2: 0 or 1' "$work/run_pair_2.out"; then
+    ok "train_moe --plan: the choice's \"paired\": 1 runs --pair-micro-batches; \"paired\": 2 fails naming the field"
+else
+    bad "train_moe --plan: the choice's paired" "paired 1: exit ${rc[1]}: $(grep -m2 -E 'micro|rror' "$work/run_pair_1.out")" \
+        "paired 2: exit ${rc[2]}: $(head -2 "$work/run_pair_2.out")"
+fi
+
+# ---- pairing in the time model: of a paired layout's expert exchanges the planner counts as hidden (ep hidden / ep
+# of --check-rank's time) the share the trainer logs as travelling beside the other micro-batch (ep_paired_exchanges
+# of all the step's exchanges: micro-batches x 3 MoE layers x 4, dispatch and return forward and backward), on one
+# stage with 2 and 4 micro-batches (on devices of their own: a cluster without cores_per_node); and the enumeration
+# pairs only what the trainer pairs (expert parallelism, 1F1B or interleaved, ZeRO 0-2, no full recomputation)
+sed -E '/"cores_per_node"/d; s/"overlap": ([0-9.]+),/"overlap": \1/' examples/clusters/cpu_8.json >"$work/cpu_dev.json"
+for m in 2 4; do
+    P=(--nproc 2 --ep 2 --batch 8 --micro-batches "$m" --pair-micro-batches)
+    "$BIN" "${TINY[@]}" "${P[@]}" --log "$work/pairs_$m.jsonl" >"$work/pairs_$m.out" 2>&1
+    "$PLAN" --device cpu --cluster "$work/cpu_dev.json" --check-rank 0 "${TINY[@]}" "${P[@]}" >"$work/pairs_plan_$m.out" 2>&1
+    verdict=$($PYS - "$work/pairs_$m.jsonl" "$work/pairs_plan_$m.out" "$m" <<'EOF'
+import json, re, sys
+try:
+    steps = [r for r in map(json.loads, open(sys.argv[1])) if r["type"] == "step"]
+    got = steps[0]["ep_paired_exchanges"] / (int(sys.argv[3]) * 3 * 4)
+    t = re.search(r"ep ([0-9.]+), pp .* ep hidden ([0-9.]+)$", open(sys.argv[2]).read(), re.M)
+    ep = float(t.group(1))
+    want = float(t.group(2)) / ep
+except Exception as e:
+    print("no figures: %r" % e); sys.exit()
+tol = 5e-7 * (1 + want) / ep + 1e-9  # the 6 decimals --check-rank prints
+print("ok %.4f" % got if got > 0 and abs(got - want) <= tol else "trainer %.6f, planner %.6f (+- %.2g)" % (got, want, tol))
+EOF
+)
+    if [[ "$verdict" == ok* ]]; then
+        ok "pairing: dp2 x ep2, $m paired micro-batches: the planner hides the share of the expert exchanges the trainer pairs (${verdict#ok })"
+    else
+        bad "pairing: dp2 x ep2, $m paired micro-batches: hidden share" "$verdict"
+    fi
+done
+"$PLAN" --cluster examples/clusters/h200_1x8.json --sequences 16 "${TINY[@]}" --top 100000 >"$work/pairs_all.txt" 2>&1
+n_pair=$(grep -c ' paired ' "$work/pairs_all.txt")
+refused=' ep1 | gpipe | zero3 | recompute full | m1 '
+n_bad=$(grep ' paired ' "$work/pairs_all.txt" | grep -cE "$refused")
+if [ "$n_pair" -gt 0 ] && [ "$n_bad" -eq 0 ]; then
+    ok "pairing: the enumeration pairs $n_pair layouts of 8 GPUs, each one the trainer pairs"
+else
+    bad "pairing: the enumeration" "$n_pair paired, $n_bad of them the trainer refuses: $(grep ' paired ' "$work/pairs_all.txt" |
+        grep -m1 -E "$refused")"
 fi
 finish

@@ -49,7 +49,7 @@ parts() {
     "$PLAN" --device cpu --cluster "$work/$name.json" --check-rank 0 --nproc 4 "${SMALL[@]}" "$@" 2>&1 |
         "$PY" -c 'import re, sys
 r = r"^plan time: step (\S+) s: compute (\S+), bubble (\S+), tp (\S+), ep (\S+), pp (\S+), gradients (\S+) " \
-    r"\(exposed (\S+)\), optimizer (\S+), shared cores (\S+)$"
+    r"\(exposed (\S+)\), optimizer (\S+), shared cores (\S+), ep hidden (\S+)$"
 stages = []
 for line in sys.stdin:
     line = line.rstrip("\n")
@@ -77,10 +77,10 @@ expect() {
         "$PY" - "$cores" $p <<'EOF'
 import sys
 c = int(sys.argv[1])
-if len(sys.argv) != 13:
+if len(sys.argv) != 14:
     print("no plan time line"); sys.exit()
-step, comp, bub, tp, ep, pp, grad, exp, opt, cores, mean = map(float, sys.argv[2:])
-path = comp + bub + tp + ep + pp + exp + opt
+step, comp, bub, tp, ep, pp, grad, exp, opt, cores, hid, mean = map(float, sys.argv[2:])
+path = comp + bub + tp + ep - hid + pp + exp + opt
 want = max(path, 4 * (mean + tp + ep + pp + grad + opt) / c) if c and c < 4 else path
 ok = abs(step - want) <= 8e-6 and abs(cores - (want - path)) <= 8e-6
 print("ok" if ok else f"step {step} (shared cores {cores}), want {want:.6f} (path {path:.6f})")
