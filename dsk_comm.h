@@ -145,6 +145,12 @@ typedef struct dsk_comm_opts {
        share memory. [DSK_HOST_ID, else the kernel's boot id and the host name]. Setting it
        emulates several hosts on one machine (tests do). At most 120 characters. */
     const char *host_id;
+    /* host: an emulated network link, for measuring overlap where the CPUs that copy the bytes are
+       all busy computing (a NIC moves them without the CPU): every call on the communicator and
+       its splits lasts at least link_latency_us + (bytes this rank sent) / link_gbps, sleeping
+       out the rest after the real transfer, on the thread that made the call. [DSK_LINK_GBPS and
+       DSK_LINK_LATENCY_US; 0: no emulation] (GB/s = 1e9 bytes/s) */
+    double link_gbps, link_latency_us;
 } dsk_comm_opts;
 
 /* Bytes this rank sent and received (headers included), calls, and seconds spent inside
@@ -938,6 +944,8 @@ struct dsk__comm_impl {
     void *arrived_arg;
     dsk_comm_ready_fn ready; /* dsk_comm_all_to_all_v_gated's, during its io run; else NULL */
     void *ready_arg;
+    double link_bps, link_s; /* opts.link_gbps (bytes/s) and link_latency_us (s); 0: no emulated link */
+    uint64_t link_mark;      /* stats.bytes_sent when the last call ended */
 #ifdef DSK_CUDA
     ncclComm_t nccl;
     void *nccl_flag;             /* one device float for barriers */
@@ -2511,6 +2519,29 @@ static dsk_status dsk__comm_host_barrier(dsk_comm *c, const char *fn, double t0)
 
 typedef struct dsk__comm_hello { uint32_t magic; int32_t rank; uint64_t tag; } dsk__comm_hello;
 
+/* An emulated link's option into *out: `given` (name: its field), else the environment variable `env`, else 0. */
+static dsk_status dsk__comm_link_opt(const char *fn, double given, const char *name, const char *env, double *out) {
+    const char *v = getenv(env);
+    char *end;
+    if (!(given >= 0 && given < 1e12)) return dsk_set_error(DSK_ERR_ARG, "%s: %s %g: want 0 or more", fn, name, given);
+    *out = given;
+    if (given > 0 || !v || !*v) return DSK_OK;
+    *out = strtod(v, &end);
+    if (*end || !(*out >= 0 && *out < 1e12))
+        return dsk_set_error(DSK_ERR_ARG, "%s: %s=\"%s\": want a number, 0 or more", fn, env, v);
+    return DSK_OK;
+}
+
+/* A world communicator's emulated link, from its options or the environment. */
+static dsk_status dsk__comm_link_setup(dsk_comm *c, const char *fn, const dsk_comm_opts *o) {
+    double gbps, us;
+    DSK__TRY(dsk__comm_link_opt(fn, o ? o->link_gbps : 0, "link_gbps", "DSK_LINK_GBPS", &gbps));
+    DSK__TRY(dsk__comm_link_opt(fn, o ? o->link_latency_us : 0, "link_latency_us", "DSK_LINK_LATENCY_US", &us));
+    c->impl->link_bps = 1e9 * gbps;
+    c->impl->link_s = 1e-6 * us;
+    return DSK_OK;
+}
+
 static dsk_status dsk__comm_impl_alloc(dsk_comm *c, const char *fn, const dsk_comm_opts *o, const char *addr,
                                        int port) {
     dsk__comm_impl *m = (dsk__comm_impl *)DSK_MALLOC(sizeof *m);
@@ -3159,6 +3190,7 @@ static dsk_status dsk__comm_init_world(dsk_comm *c, const char *fn, int rank, in
     c->local_rank = o && o->local_world_size > 0 ? o->local_rank : rank;
     c->backend = be;
     DSK__TRY(dsk__comm_impl_alloc(c, fn, o, addr, port));
+    DSK__TRY(dsk__comm_link_setup(c, fn, o));
     m = c->impl;
     snprintf(m->ns, sizeof m->ns, "w");
     deadline = t0 + m->timeout_s;
@@ -3353,8 +3385,20 @@ DSK_API dsk_status dsk_comm_init_env(dsk_comm *c, const dsk_comm_opts *opts) {
 
 /* ---------------------------------------------------------------- collectives */
 
+/* The emulated link (opts.link_gbps): a call that began at t0 ends no sooner than its bytes would
+   have crossed the link. */
+static void dsk__comm_link_wait(dsk_comm *c, double t0) {
+    dsk__comm_impl *m = c->impl;
+    double until, left;
+    if (m->link_bps <= 0 && m->link_s <= 0) return;
+    until = t0 + m->link_s + (m->link_bps > 0 ? (double)(c->stats.bytes_sent - m->link_mark) / m->link_bps : 0);
+    m->link_mark = c->stats.bytes_sent;
+    if ((left = until - dsk__comm_now()) > 0) dsk__comm_sleep_s(left);
+}
+
 /* Counts one finished call: its time and the sequence number the next call carries. */
 static dsk_status dsk__comm_done(dsk_comm *c, dsk_status st, double t0) {
+    if (st == DSK_OK && c->backend == DSK_COMM_HOST) dsk__comm_link_wait(c, t0);
     c->impl->seq++;
     c->stats.calls++;
     c->stats.seconds += dsk__comm_now() - t0;
@@ -3797,6 +3841,7 @@ static dsk_status dsk__comm_p2p(dsk_comm *c, const char *fn, dsk_ctx *ctx, void 
     h.seq = is_send ? m->p2p_sent[peer]++ : m->p2p_recvd[peer]++;
     dsk__comm_io_post(&m->ops[0], peer, is_send, &h, buf, (size_t)count * dsk_dtype_size(dt));
     st = dsk__comm_io_run(c, fn, m->ops, 1, t0, NULL);
+    if (st == DSK_OK) dsk__comm_link_wait(c, t0);
     c->stats.calls++;
     c->stats.seconds += dsk__comm_now() - t0;
     return st;
@@ -4017,6 +4062,8 @@ static dsk_status dsk__comm_host_split(dsk_comm *c, const char *fn, int color, i
     m->timeout_s = pm->timeout_s;
     m->small_bytes = pm->small_bytes;
     m->piece_bytes = pm->piece_bytes;
+    m->link_bps = pm->link_bps;
+    m->link_s = pm->link_s;
     memcpy(m->my_ip, pm->my_ip, sizeof m->my_ip);
     snprintf(m->ns, sizeof m->ns, "%.40s/%llu.%d", pm->ns, (unsigned long long)pm->splits, color);
     m->tag = pm->tag ^ (0x9E3779B97F4A7C15ull * (pm->splits * 65536u + (uint64_t)color + 1));

@@ -6,6 +6,10 @@
 # rounds so that the machine's load falls on both alike). CPU ranks over the host backend: shared memory
 # on one host, or TCP between two emulated hosts (DSK_HOST_ID per process, launched as torchrun would).
 # comm share = seconds inside dsk_comm calls / step time on rank 0.
+# LINK_GBPS=G: every communicator on an emulated link of G GB/s (dsk_comm_opts.link_gbps, DSK_LINK_GBPS: a call
+# lasts at least its bytes over G, the rest slept on the calling thread, as a NIC moves bytes without the CPU),
+# and each round also runs the unpaired layout without it: the link's time in the unpaired step (unpaired with
+# the link - without) is the communication alone, and hidden = (unpaired - paired, both with the link) / that.
 # Usage: bash bench/bench_pair.sh [STEPS] [ROUNDS]   (default 12 steps, the first 2 warm-up; 3 rounds).
 # BENCH_ARGS="..." replaces the model flags (default: the trainer's default model). Not part of `make test`.
 set -u
@@ -30,6 +34,7 @@ echo "model: ${MODEL[*]:-the default model}; 1 thread a rank; $STEPS steps, medi
 # name | ranks | hosts | unpaired flags | paired flags
 LAYOUTS=(
     "dp2 x ep2, 2 micro-batches|2|1|--ep 2 --accum 2 --batch 8|--ep 2 --micro-batches 2 --batch 16 --pair-micro-batches"
+    "dp2 x ep2, 8 micro-batches|2|1|--ep 2 --accum 8 --batch 2|--ep 2 --micro-batches 8 --batch 16 --pair-micro-batches"
     "dp2 x ep2, 2 micro-batches, TCP|2|2|--ep 2 --accum 2 --batch 8|--ep 2 --micro-batches 2 --batch 16 --pair-micro-batches"
     "pp2 x ep2, 1f1b, m 4|4|1|--pp 2 --ep 2 --micro-batches 4|--pp 2 --ep 2 --micro-batches 4 --pair-micro-batches"
 )
@@ -52,28 +57,37 @@ rows = [r for r in map(json.loads, open(sys.argv[1])) if r["type"] == "step"][2:
 print("%.2f %.2f" % (statistics.median(r["ms"] for r in rows), 100 * statistics.mean(r["comm_share"] for r in rows)))
 EOF
 }
+LINK=${LINK_GBPS:-}
+KS="0 1"
+[ -n "$LINK" ] && KS="0 1 2" && echo "emulated link: $LINK GB/s on every communicator (DSK_LINK_GBPS)"
 echo
-echo "| layout | unpaired step ms | paired step ms | comm share % unpaired / paired | paired / unpaired |"
-echo "| --- | --- | --- | --- | --- |"
+echo "| layout | unpaired step ms | paired step ms | comm share % unpaired / paired | paired / unpaired |${LINK:+ unpaired without the link ms | hidden |}"
+echo "| --- | --- | --- | --- | --- |${LINK:+ --- | --- |}"
 i=0
 for spec in "${LAYOUTS[@]}"; do
     IFS='|' read -r name n hosts plain pair <<<"$spec"
     i=$((i + 1))
-    ms0=() ms1=() c0=() c1=() fail=""
+    ms0=() ms1=() ms2=() c0=() c1=() fail=""
     for r in $(seq "$ROUNDS"); do
-        for k in 0 1; do
+        for k in $KS; do
             f=$plain; [ $k = 1 ] && f=$pair
             # shellcheck disable=SC2086
-            launch "$n" "$hosts" "$work/$i.$r.$k.jsonl" "${MODEL[@]}" "${COMMON[@]}" $f >"$work/$i.$r.$k.out" 2>&1 ||
+            DSK_LINK_GBPS=$([ $k = 2 ] || echo "$LINK") launch "$n" "$hosts" "$work/$i.$r.$k.jsonl" "${MODEL[@]}" \
+                "${COMMON[@]}" $f >"$work/$i.$r.$k.out" 2>&1 ||
                 fail="exit $?: $(grep -m1 -E 'rank .*: ' "$work/$i.$r.$k.out" | cut -c1-100)"
             [ -n "$fail" ] && break 2
             read -r ms cs < <(step_ms "$work/$i.$r.$k.jsonl")
-            if [ $k = 0 ]; then ms0+=("$ms"); c0+=("$cs"); else ms1+=("$ms"); c1+=("$cs"); fi
+            case $k in 0) ms0+=("$ms"); c0+=("$cs") ;; 1) ms1+=("$ms"); c1+=("$cs") ;; 2) ms2+=("$ms") ;; esac
         done
     done
     if [ -n "$fail" ]; then echo "| $name | failed ($fail) | | | |"; continue; fi
     a=$(median "${ms0[@]}"); b=$(median "${ms1[@]}")
-    echo "| $name | $a | $b | $(median "${c0[@]}") / $(median "${c1[@]}") | $(python3 -c "print('%.3f' % ($b / $a))") |"
+    extra=""
+    if [ -n "$LINK" ]; then
+        z=$(median "${ms2[@]}")
+        extra=" $z | $(python3 -c "print('%.0f%%' % (100 * ($a - $b) / ($a - $z)) if $a > $z else 'n/a')") |"
+    fi
+    echo "| $name | $a | $b | $(median "${c0[@]}") / $(median "${c1[@]}") | $(python3 -c "print('%.3f' % ($b / $a))") |$extra"
 done
 echo
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -959,6 +959,68 @@ static void case_free_port(void) {
     DSK_TEST_ERROR_MENTIONS("port is NULL");
 }
 
+/* The emulated link (opts.link_gbps 0.05, link_latency_us 2000): an all-to-all lasts at least the
+   latency plus the bytes this rank sent over 50 MB/s, and delivers the data intact; a split inherits the
+   link (its all-reduce lasts the latency at least). Bad values fail init naming the field or variable. */
+enum { LINK_N = 1 << 18 }; /* floats a rank sends in all */
+static void rank_link(dsk_comm *c, void *arg) {
+    int n = c->world_size, me = c->rank;
+    float *x = (float *)malloc(sizeof(float) * LINK_N), *y = (float *)malloc(sizeof(float) * LINK_N);
+    double t0, dt, want;
+    uint64_t b0;
+    dsk_comm sub;
+    (void)arg;
+    for (int i = 0; i < LINK_N; i++) x[i] = (float)(me * LINK_N + i);
+    b0 = c->stats.bytes_sent;
+    t0 = dsk_test_now();
+    DSK_TEST_OK(dsk_comm_all_to_all(c, NULL, x, y, LINK_N / n, DSK_F32));
+    dt = dsk_test_now() - t0;
+    want = 2e-3 + (double)(c->stats.bytes_sent - b0) / 5e7;
+    DSK_TEST_EXPECT(c->stats.bytes_sent - b0 >= (uint64_t)(sizeof(float) * LINK_N / n * (n - 1)),
+                    "rank %d sent %llu bytes", me, (unsigned long long)(c->stats.bytes_sent - b0));
+    DSK_TEST_EXPECT(dt >= want - 1e-4 && dt < want + 2.0, "rank %d: the all-to-all took %.4f s, the link %.4f s", me,
+                    dt, want);
+    for (int r = 0, bad = 0; r < n && !bad; r++)
+        for (int i = 0; i < LINK_N / n && !bad; i++)
+            if (y[r * (LINK_N / n) + i] != (float)(r * LINK_N + me * (LINK_N / n) + i)) {
+                DSK_TEST_EXPECT(0, "rank %d: element %d from rank %d is %g", me, i, r, (double)y[r * (LINK_N / n) + i]);
+                bad = 1;
+            }
+    DSK_TEST_OK(dsk_comm_split(c, 0, me, &sub));
+    t0 = dsk_test_now();
+    DSK_TEST_OK(dsk_comm_all_reduce(&sub, NULL, x, y, 16, DSK_F32, DSK_COMM_SUM));
+    DSK_TEST_EXPECT(dsk_test_now() - t0 >= 2e-3 - 1e-4,
+                    "rank %d: a split's all-reduce took %.4f s, under the "
+                    "link's latency",
+                    me, dsk_test_now() - t0);
+    dsk_comm_free(&sub);
+    free(x);
+    free(y);
+}
+
+static void case_link(void) {
+    group g;
+    dsk_comm c;
+    dsk_comm_opts o;
+    memset(&o, 0, sizeof o);
+    dsk_test_begin("[%s] an emulated link: calls last their bytes over its bandwidth and its latency",
+                   k_mode_names[g_mode]);
+    group_defaults(&g, 2);
+    g.opts.link_gbps = 0.05;
+    g.opts.link_latency_us = 2000;
+    expect_group_ok(&g, rank_link, NULL);
+    o.backend = DSK_COMM_HOST;
+    o.link_gbps = -1;
+    DSK_TEST_STATUS(dsk_comm_init(&c, 0, 1, &o), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("link_gbps -1: want 0 or more");
+    o.link_gbps = 0;
+    setenv("DSK_LINK_LATENCY_US", "slow", 1);
+    DSK_TEST_STATUS(dsk_comm_init(&c, 0, 1, &o), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("DSK_LINK_LATENCY_US=\"slow\": want a number");
+    unsetenv("DSK_LINK_LATENCY_US");
+    dsk_test_end();
+}
+
 /* MAX and MIN propagate NaN, SUM does too; every rank agrees bitwise (checked against rank 0's bytes). */
 static void rank_nan(dsk_comm *c, void *arg) {
     int n = c->world_size, me = c->rank;
@@ -2538,6 +2600,7 @@ static void run_suite(void) {
     if (g_mode != MODE_TWO_HOSTS) coll_case("split: parity groups, NO_COLOR, nested", rank_split, 3, 0);
     coll_case("split: parity groups, NO_COLOR, nested", rank_split, 4, 0);
     coll_case("NaN propagates through sum, avg, max, min; ranks agree bitwise", rank_nan, 3, 0);
+    case_link();
     coll_case("node communicators: the node's and the cross-node ranks, kept; bad arguments", rank_node_comms, 4, 0);
     if (g_mode == MODE_SHM)
         coll_case("rings: payloads ending 1 to 7 bytes into a line, larger than a ring", rank_stream_tails, 2, 0);
