@@ -4,7 +4,8 @@
    flat against two-hop routes (ep_route) and node-limited routing, FP8 dispatch serial and overlapped, and
    overlap across micro-batches: with "other work" (another micro-batch's q, k, v projections: a T x D x 3D
    GEMM) after the forward and after the backward, or between each call's begin and end (dsk_moe_forward_begin
-   / _end, split), where it runs while the layer's rows travel. Per variant, rank 0 prints the median step
+   / _end, split), where it runs while the layer's rows travel, or half of it while the rows travel to the
+   experts and half while their results travel back (dsk_moe_experts, dsk_moe_return_begin: in steps). Per variant, rank 0 prints the median step
    time, the time inside the layer's collectives (dsk_comm_stats.seconds: in serial runs the communication
    alone, as nothing runs beside it), the share of the serial run's communication the overlap hid,
    1 - (step - compute) / communication with compute = serial step - serial communication, that is
@@ -32,7 +33,8 @@
 typedef struct variant {
     const char *name;
     int serial, bounded, node_limit, two_hop, chunked, fp8; /* fp8: FP8 dispatch (e4m3 rows, 1x128 scales) */
-    int work, split; /* work: other work after each call; split: between each call's begin and end */
+    int work, split; /* work: other work after each call; split: between each call's begin and end (2: halves
+                        beside each of its two exchanges) */
 } variant;
 
 static const variant variants[] = {
@@ -51,6 +53,7 @@ static const variant variants[] = {
     {"exact, serial, + other work", 1, 0, 0, 0, 0, 0, 1, 0},
     {"exact, overlapped, + other work", 0, 0, 0, 0, 0, 0, 1, 0},
     {"exact, overlapped, other work split in", 0, 0, 0, 0, 0, 0, 1, 1},
+    {"exact, overlapped, other work in steps", 0, 0, 0, 0, 0, 0, 1, 2},
 };
 
 #define NV (int)(sizeof variants / sizeof variants[0])
@@ -109,6 +112,22 @@ static int run_setup(dsk_comm *c, dsk_ctx *ctx, const variant *v, int T, run *r)
 /* The other work: q = x Wq^T, another micro-batch's q, k, v projections. */
 static int run_work(dsk_ctx *ctx, run *r) { return dsk_matmul(ctx, &r->q, &r->x, 0, &r->wq, 1, 1.0f, 0.0f) != DSK_OK; }
 
+/* Half h (0, 1) of the other work: its rows [h T/2, (h + 1) T/2). */
+static int run_work_half(dsk_ctx *ctx, run *r, int h) {
+    dsk_tensor q = r->q, x = r->x;
+    int64_t T = r->x.shape[0], lo = h ? T / 2 : 0;
+    q.shape[0] = x.shape[0] = h ? T - T / 2 : T / 2;
+    q.data = (float *)r->q.data + lo * r->q.shape[1];
+    x.data = (float *)r->x.data + lo * r->x.shape[1];
+    return dsk_matmul(ctx, &q, &x, 0, &r->wq, 1, 1.0f, 0.0f) != DSK_OK;
+}
+
+/* The steps between a begun call's begin and end with the other work in halves beside its two exchanges. */
+static int run_steps(dsk_ctx *ctx, run *r) {
+    return run_work_half(ctx, r, 0) || dsk_moe_experts(&r->m, ctx) || dsk_moe_return_begin(&r->m, ctx) ||
+           run_work_half(ctx, r, 1);
+}
+
 /* One timed step (forward + backward) of r's layer after a barrier; round i < 2 is warm-up. */
 static int run_step(dsk_comm *c, dsk_ctx *ctx, const variant *v, run *r, int i) {
     dsk_comm_stats before;
@@ -118,9 +137,9 @@ static int run_step(dsk_comm *c, dsk_ctx *ctx, const variant *v, run *r, int i) 
     before = c->stats;
     t0 = bench_now_s();
     if (v->split) {
-        if (dsk_moe_forward_begin(&r->m, ctx, &r->x) || run_work(ctx, r) ||
+        if (dsk_moe_forward_begin(&r->m, ctx, &r->x) || (v->split == 2 ? run_steps(ctx, r) : run_work(ctx, r)) ||
             dsk_moe_forward_end(&r->m, ctx, &r->y, &st) || dsk_moe_backward_begin(&r->m, ctx, &r->dy, 1.0f) ||
-            run_work(ctx, r) || dsk_moe_backward_end(&r->m, ctx, &r->dx))
+            (v->split == 2 ? run_steps(ctx, r) : run_work(ctx, r)) || dsk_moe_backward_end(&r->m, ctx, &r->dx))
             return 4;
     } else if (dsk_moe_forward(&r->m, ctx, &r->y, &r->x, &st) || (v->work && run_work(ctx, r)) ||
                dsk_moe_backward(&r->m, ctx, &r->dx, &r->dy, 1.0f) || (v->work && run_work(ctx, r))) {
