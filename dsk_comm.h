@@ -4242,10 +4242,8 @@ static int dsk__comm_ephemeral_low(void) {
 /* Tries up to 64 random ports in [DSK__COMM_PORT_MIN, the ephemeral range's low end). */
 #define DSK__COMM_PORT_MIN 20000
 static int dsk__comm_quiet_port(const char *fn, const struct sockaddr_in *addr) {
-    static unsigned seq;
     int lo = dsk__comm_ephemeral_low(), fd;
-    uint64_t x =
-        ((uint64_t)getpid() << 32) ^ (uint64_t)(dsk__comm_now() * 1e9) ^ __atomic_add_fetch(&seq, 1, __ATOMIC_RELAXED);
+    uint64_t x = ((uint64_t)getpid() << 32) ^ (uint64_t)(dsk__comm_now() * 1e9); /* the clock moves between calls */
     if (lo - DSK__COMM_PORT_MIN < 1000) return 0;
     for (int i = 0; i < 64; i++) {
         struct sockaddr_in sa = *addr;
