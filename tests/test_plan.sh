@@ -267,36 +267,30 @@ if [ -n "${opt[0]}" ] && [ -n "${opt[1]}" ] && [ "${opt[1]}" -lt "${opt[0]}" ]; 
 else
     bad "train_moe --plan: the choice's moments" "optimizer state with f32 moments '${opt[0]}', with bf16 '${opt[1]}'"
 fi
-# the choice's "fp8": 1 runs the FP8 GEMMs (bf16 compute); "fp8": 2 fails naming the field
-for v in 1 2; do
-    sed -E 's/"fp8": [0-9]+/"fp8": '"$v"'/' "$work/cpu.json" >"$work/cpu_fp8_$v.json"
-    "$BIN" "${TINY[@]}" --nproc 8 --plan "$work/cpu_fp8_$v.json" >"$work/run_fp8_$v.out" 2>&1
-    rc[v]=$?
-done
-if [ "${rc[1]}" -eq 0 ] && grep -q "bf16 compute with FP8 GEMMs" "$work/run_fp8_1.out" && [ "${rc[2]}" -eq 2 ] &&
-    grep -qF '"fp8" 2: 0 or 1' "$work/run_fp8_2.out"; then
-    ok "train_moe --plan: the choice's \"fp8\": 1 runs FP8 GEMMs; \"fp8\": 2 fails naming the field"
-else
-    bad "train_moe --plan: the choice's fp8" "fp8 1: exit ${rc[1]}: $(grep -m1 'compute' "$work/run_fp8_1.out")" \
-        "fp8 2: exit ${rc[2]}: $(head -2 "$work/run_fp8_2.out")"
-fi
-# the choice's "paired": 1 (one stage, dp8 x ep2, 2 micro-batches) runs --pair-micro-batches; "paired": 2 fails
-# naming the field
-for v in 1 2; do
-    sed -E 's/"tp": [0-9]+, "pp": [0-9]+, "dp": [0-9]+, "ep": [0-9]+/"tp": 1, "pp": 1, "dp": 8, "ep": 2/;
-            s/"micro_batches": [0-9]+/"micro_batches": 2/; s/"sequences": [0-9]+/"sequences": 16/;
-            s/"recompute": "[a-z]+"/"recompute": "none"/; s/"zero": [0-9]+/"zero": 1/;
-            s/"paired": [0-9]+/"paired": '"$v"'/' "$work/cpu.json" >"$work/cpu_pair_$v.json"
-    "$BIN" "${TINY[@]}" --nproc 8 --plan "$work/cpu_pair_$v.json" >"$work/run_pair_$v.out" 2>&1
-    rc[v]=$?
-done
-if [ "${rc[1]}" -eq 0 ] && grep -q "forwards and backwards paired" "$work/run_pair_1.out" && [ "${rc[2]}" -eq 2 ] &&
-    grep -qF '"paired" 2: 0 or 1' "$work/run_pair_2.out"; then
-    ok "train_moe --plan: the choice's \"paired\": 1 runs --pair-micro-batches; \"paired\": 2 fails naming the field"
-else
-    bad "train_moe --plan: the choice's paired" "paired 1: exit ${rc[1]}: $(grep -m2 -E 'micro|rror' "$work/run_pair_1.out")" \
-        "paired 2: exit ${rc[2]}: $(head -2 "$work/run_pair_2.out")"
-fi
+# choice_field NAME EDIT WANT: the choice edited by the sed program EDIT with @V@ as 1, then 2: 1 runs and prints
+# WANT; 2 fails naming the field
+choice_field() {
+    local name=$1 edit=$2 want=$3 v
+    for v in 1 2; do
+        sed -E "${edit//@V@/$v}" "$work/cpu.json" >"$work/cpu_${name}_$v.json"
+        "$BIN" "${TINY[@]}" --nproc 8 --plan "$work/cpu_${name}_$v.json" >"$work/run_${name}_$v.out" 2>&1
+        rc[v]=$?
+    done
+    if [ "${rc[1]}" -eq 0 ] && grep -q "$want" "$work/run_${name}_1.out" && [ "${rc[2]}" -eq 2 ] &&
+        grep -qF "\"$name\" 2: 0 or 1" "$work/run_${name}_2.out"; then
+        ok "train_moe --plan: the choice's \"$name\": 1 runs ($want); \"$name\": 2 fails naming the field"
+    else
+        bad "train_moe --plan: the choice's $name" "$name 1: exit ${rc[1]}: $(grep -m2 -E 'compute|micro|rror' \
+            "$work/run_${name}_1.out")" "$name 2: exit ${rc[2]}: $(head -2 "$work/run_${name}_2.out")"
+    fi
+}
+# "fp8": 1 runs the FP8 GEMMs (bf16 compute); "paired": 1 (one stage, dp8 x ep2, 2 micro-batches) runs
+# --pair-micro-batches
+choice_field fp8 's/"fp8": [0-9]+/"fp8": @V@/' "bf16 compute with FP8 GEMMs"
+choice_field paired 's/"tp": [0-9]+, "pp": [0-9]+, "dp": [0-9]+, "ep": [0-9]+/"tp": 1, "pp": 1, "dp": 8, "ep": 2/;
+    s/"micro_batches": [0-9]+/"micro_batches": 2/; s/"sequences": [0-9]+/"sequences": 16/;
+    s/"recompute": "[a-z]+"/"recompute": "none"/; s/"zero": [0-9]+/"zero": 1/; s/"paired": [0-9]+/"paired": @V@/' \
+    "forwards and backwards paired"
 
 # ---- pairing in the time model: of a paired layout's expert exchanges the planner counts as hidden (ep hidden / ep
 # of --check-rank's time) the share the trainer logs as travelling beside the other micro-batch (ep_paired_exchanges
