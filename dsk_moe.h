@@ -4868,7 +4868,6 @@ static dsk_status dsk__moe_forward_experts_impl(dsk_moe *m, dsk_ctx *ctx) {
         DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_A, T, R, &a)));
     }
     st->fwd_chunks = 0;
-    p->at = DSK__MOE_AT_COMPUTED;
     if (ep && st->chunked) {
         for (int k = 0, r = m->ep_rank; r >= 0; r = dsk__moe_next_arrival(xch, k++), st->fwd_chunks++) {
             DSK__TRY(dsk__moe_join_on_error(
@@ -4889,7 +4888,6 @@ static dsk_status dsk__moe_forward_experts_impl(dsk_moe *m, dsk_ctx *ctx) {
    stream when `overlap`, else here and now. A chunked exchange returns them itself. */
 static dsk_status dsk__moe_forward_return_impl(dsk_moe *m, dsk_ctx *ctx, int overlap) {
     dsk__moe_pending *p = m->st->pend;
-    p->at = DSK__MOE_AT_RETURNING;
     if (m->ep_size <= 1 || m->st->chunked) return DSK_OK;
     if (!overlap) return dsk__moe_from_experts(m, ctx, &p->ob, &p->back);
     DSK__TRY(dsk__moe_exchange_start(&p->xch, m, ctx, &p->ob, &p->back, DSK__MOE_XCH_FROM_EXPERTS, NULL));
@@ -4897,13 +4895,40 @@ static dsk_status dsk__moe_forward_return_impl(dsk_moe *m, dsk_ctx *ctx, int ove
     return DSK_OK;
 }
 
+static dsk_status dsk__moe_backward_experts_impl(dsk_moe *m, dsk_ctx *ctx);
+static dsk_status dsk__moe_backward_return_impl(dsk_moe *m, dsk_ctx *ctx);
+
+/* The begun call's experts, unless computed (then DSK__MOE_AT_COMPUTED). */
+static dsk_status dsk__moe_experts_step(dsk_moe *m, dsk_ctx *ctx) {
+    dsk__moe_pending *p = m->st->pend;
+    dsk_status s;
+    if (p->at >= DSK__MOE_AT_COMPUTED) return DSK_OK;
+    s = m->st->pending == DSK__MOE_PEND_FWD ? dsk__moe_forward_experts_impl(m, ctx)
+                                            : dsk__moe_backward_experts_impl(m, ctx);
+    if (s == DSK_OK) p->at = DSK__MOE_AT_COMPUTED;
+    return s;
+}
+
+/* Its experts' results on their way back (the experts first), unless they are (then DSK__MOE_AT_RETURNING);
+   `overlap`: the forward's on ep_overlap's thread or stream, else in place (the backward's always beside its
+   router's backward). */
+static dsk_status dsk__moe_return_step(dsk_moe *m, dsk_ctx *ctx, int overlap) {
+    dsk__moe_pending *p = m->st->pend;
+    dsk_status s;
+    if (p->at >= DSK__MOE_AT_RETURNING) return DSK_OK;
+    DSK__TRY(dsk__moe_experts_step(m, ctx));
+    s = m->st->pending == DSK__MOE_PEND_FWD ? dsk__moe_forward_return_impl(m, ctx, overlap)
+                                            : dsk__moe_backward_return_impl(m, ctx);
+    if (s == DSK_OK) p->at = DSK__MOE_AT_RETURNING;
+    return s;
+}
+
 /* The rest of a forward begun: what dsk_moe_experts and dsk_moe_return_begin did not do, the outputs back,
    combined into y. */
 static dsk_status dsk__moe_forward_end_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, dsk_moe_stats *stats) {
     struct dsk__moe_state *st = m->st;
     dsk__moe_pending *p = st->pend;
-    if (p->at < DSK__MOE_AT_COMPUTED) DSK__TRY(dsk__moe_forward_experts_impl(m, ctx));
-    if (p->at < DSK__MOE_AT_RETURNING) DSK__TRY(dsk__moe_forward_return_impl(m, ctx, 0));
+    DSK__TRY(dsk__moe_return_step(m, ctx, 0));
     DSK__TRY(dsk__moe_pending_join(p));
     DSK__TRY(dsk__moe_combine(m, ctx, y, &p->pos, &p->gate, m->ep_size > 1 ? &p->back : &p->ob,
                               m->d_shared_total > 0 ? &p->ys : NULL));
@@ -5018,7 +5043,6 @@ static dsk_status dsk__moe_backward_experts_impl(dsk_moe *m, dsk_ctx *ctx) {
     DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_DH1, T, R, &dh1)));
     DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_DH3, T, R, &dh3)));
     DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_DXR, T, R, &p->dxr)));
-    p->at = DSK__MOE_AT_COMPUTED;
     if (ep && st->chunked) { /* as the forward; the weight gradients compute while the last rows travel back */
         for (int c = 0, r = m->ep_rank; r >= 0; r = dsk__moe_next_arrival(xch, c++)) {
             DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_experts_chunk_backward(m, ctx, w, &p->dos, &p->dor, &k.h1,
@@ -5039,7 +5063,6 @@ static dsk_status dsk__moe_backward_experts_impl(dsk_moe *m, dsk_ctx *ctx) {
    stream (a chunked exchange returns them itself). */
 static dsk_status dsk__moe_backward_return_impl(dsk_moe *m, dsk_ctx *ctx) {
     dsk__moe_pending *p = m->st->pend;
-    p->at = DSK__MOE_AT_RETURNING;
     if (m->ep_size <= 1 || m->st->chunked) return DSK_OK;
     DSK__TRY(dsk__moe_exchange_start(&p->xch, m, ctx, &p->dxr, &p->dxp, DSK__MOE_XCH_FROM_EXPERTS, NULL));
     p->flying = 1;
@@ -5055,8 +5078,7 @@ static dsk_status dsk__moe_backward_end_impl(dsk_moe *m, dsk_ctx *ctx, dsk_tenso
     float zcoef = st->f->N > 0 ? o->z_beta * 2.0f / (float)st->f->N * p->aux_scale : 0.0f; /* per token of the span */
     dsk__moe_kept k = dsk__moe_kept_views(m, p->n_rows);
     dsk_tensor du;
-    if (p->at < DSK__MOE_AT_COMPUTED) DSK__TRY(dsk__moe_backward_experts_impl(m, ctx));
-    if (p->at < DSK__MOE_AT_RETURNING) DSK__TRY(dsk__moe_backward_return_impl(m, ctx));
+    DSK__TRY(dsk__moe_return_step(m, ctx, 0));
     /* router: du (T, E) per token, the routed rows into dxf, then dx += du W_r, dW_r += du^T x */
     DSK__TRY(dsk__moe_join_on_error(p->flying ? &p->xch : NULL, dsk__moe_buf(m, ctx, DSK__MOE_DU, p->T, p->R, &du)));
     DSK__TRY(dsk__moe_join_on_error(p->flying ? &p->xch : NULL,
@@ -5537,26 +5559,14 @@ static dsk_status dsk__moe_step_status(dsk_moe *m, dsk_status s) {
     return s;
 }
 
-static dsk_status dsk__moe_experts_step(dsk_moe *m, dsk_ctx *ctx) {
-    return m->st->pending == DSK__MOE_PEND_FWD ? dsk__moe_forward_experts_impl(m, ctx)
-                                               : dsk__moe_backward_experts_impl(m, ctx);
-}
-
 DSK_API dsk_status dsk_moe_experts(dsk_moe *m, dsk_ctx *ctx) {
     DSK__TRY(dsk__moe_need_pending(m, ctx, "dsk_moe_experts"));
-    if (m->st->pend->at >= DSK__MOE_AT_COMPUTED) return DSK_OK;
     return dsk__moe_step_status(m, dsk__moe_experts_step(m, ctx));
 }
 
 DSK_API dsk_status dsk_moe_return_begin(dsk_moe *m, dsk_ctx *ctx) {
-    dsk_status s = DSK_OK;
     DSK__TRY(dsk__moe_need_pending(m, ctx, "dsk_moe_return_begin"));
-    if (m->st->pend->at >= DSK__MOE_AT_RETURNING) return DSK_OK;
-    if (m->st->pend->at < DSK__MOE_AT_COMPUTED) s = dsk__moe_experts_step(m, ctx);
-    if (s == DSK_OK)
-        s = m->st->pending == DSK__MOE_PEND_FWD ? dsk__moe_forward_return_impl(m, ctx, 1)
-                                                : dsk__moe_backward_return_impl(m, ctx);
-    return dsk__moe_step_status(m, s);
+    return dsk__moe_step_status(m, dsk__moe_return_step(m, ctx, 1));
 }
 
 DSK_API dsk_status dsk_moe_wait(dsk_moe *m, dsk_ctx *ctx) {
@@ -5564,7 +5574,7 @@ DSK_API dsk_status dsk_moe_wait(dsk_moe *m, dsk_ctx *ctx) {
     dsk_status s = DSK_OK;
     DSK__TRY(dsk__moe_need_pending(m, ctx, "dsk_moe_wait"));
     p = m->st->pend;
-    if (p->flying && m->st->chunked && p->at < DSK__MOE_AT_COMPUTED) s = dsk__moe_experts_step(m, ctx);
+    if (p->flying && m->st->chunked) s = dsk__moe_experts_step(m, ctx);
     if (s == DSK_OK) s = dsk__moe_pending_join(p);
     return dsk__moe_step_status(m, s);
 }

@@ -874,24 +874,35 @@ static int sl_between(dsk_moe *m, int mode) {
            dsk_moe_wait(m, NULL) == DSK_OK && dsk_moe_wait(m, NULL) == DSK_OK;
 }
 
+/* x (dy) of micro-batch i into y (dx, zeroed first) through layer m, the call begun only. */
+static int sl_begin(dsk_moe *m, const sl_io *io, int i, int forward, float *dx) {
+    int64_t shp[2] = {io->T[i], m->opts.d_model};
+    dsk_tensor a;
+    dsk_tensor_wrap(&a, forward ? io->x[i] : io->dy[i], DSK_F32, dsk_cpu(), 2, shp);
+    if (forward) return dsk_moe_forward_begin(m, NULL, &a) == DSK_OK;
+    memset(dx, 0, sizeof(float) * (size_t)(shp[0] * shp[1]));
+    return dsk_moe_backward_begin(m, NULL, &a, 1.0f) == DSK_OK;
+}
+
+static int sl_end(dsk_moe *m, const sl_io *io, int i, int forward, float *out) {
+    int64_t shp[2] = {io->T[i], m->opts.d_model};
+    dsk_tensor b;
+    dsk_tensor_wrap(&b, out, DSK_F32, dsk_cpu(), 2, shp);
+    return (forward ? dsk_moe_forward_end(m, NULL, &b, NULL) : dsk_moe_backward_end(m, NULL, &b)) == DSK_OK;
+}
+
 /* One call of the schedule below on micro-batch i: its forward into y, or its backward into dx (zeroed first),
    made as `mode` says (SL_*). */
 static int sl_call(dsk_moe *m, const sl_io *io, int i, int forward, int mode, float *y, float *dx) {
     int64_t shp[2] = {io->T[i], m->opts.d_model};
     dsk_tensor a, b;
-    if (forward) {
-        dsk_tensor_wrap(&a, io->x[i], DSK_F32, dsk_cpu(), 2, shp);
-        dsk_tensor_wrap(&b, y, DSK_F32, dsk_cpu(), 2, shp);
-        if (mode == SL_WHOLE) return dsk_moe_forward(m, NULL, &b, &a, NULL) == DSK_OK;
-        return dsk_moe_forward_begin(m, NULL, &a) == DSK_OK && sl_between(m, mode) &&
-               dsk_moe_forward_end(m, NULL, &b, NULL) == DSK_OK;
-    }
+    if (mode != SL_WHOLE)
+        return sl_begin(m, io, i, forward, dx) && sl_between(m, mode) && sl_end(m, io, i, forward, forward ? y : dx);
+    dsk_tensor_wrap(&a, forward ? io->x[i] : io->dy[i], DSK_F32, dsk_cpu(), 2, shp);
+    dsk_tensor_wrap(&b, forward ? y : dx, DSK_F32, dsk_cpu(), 2, shp);
+    if (forward) return dsk_moe_forward(m, NULL, &b, &a, NULL) == DSK_OK;
     memset(dx, 0, sizeof(float) * (size_t)(shp[0] * shp[1]));
-    dsk_tensor_wrap(&a, io->dy[i], DSK_F32, dsk_cpu(), 2, shp);
-    dsk_tensor_wrap(&b, dx, DSK_F32, dsk_cpu(), 2, shp);
-    if (mode == SL_WHOLE) return dsk_moe_backward(m, NULL, &b, &a, 1.0f) == DSK_OK;
-    return dsk_moe_backward_begin(m, NULL, &a, 1.0f) == DSK_OK && sl_between(m, mode) &&
-           dsk_moe_backward_end(m, NULL, &b) == DSK_OK;
+    return dsk_moe_backward(m, NULL, &b, &a, 1.0f) == DSK_OK;
 }
 
 /* The micro-batches of io through a fresh layer of options o as a pipeline stage runs them: micro-batch i in
@@ -928,23 +939,6 @@ static float *sl_run(dsk_moe_opts o, const sl_io *io, int slots, int mode, size_
     }
     drop_layer(&m, &own);
     return buf;
-}
-
-/* x (dy) of micro-batch i into y (dx, zeroed first) through layer m, the call begun only. */
-static int sl_begin(dsk_moe *m, const sl_io *io, int i, int forward, float *dx) {
-    int64_t shp[2] = {io->T[i], m->opts.d_model};
-    dsk_tensor a;
-    dsk_tensor_wrap(&a, forward ? io->x[i] : io->dy[i], DSK_F32, dsk_cpu(), 2, shp);
-    if (forward) return dsk_moe_forward_begin(m, NULL, &a) == DSK_OK;
-    memset(dx, 0, sizeof(float) * (size_t)(shp[0] * shp[1]));
-    return dsk_moe_backward_begin(m, NULL, &a, 1.0f) == DSK_OK;
-}
-
-static int sl_end(dsk_moe *m, const sl_io *io, int i, int forward, float *out) {
-    int64_t shp[2] = {io->T[i], m->opts.d_model};
-    dsk_tensor b;
-    dsk_tensor_wrap(&b, out, DSK_F32, dsk_cpu(), 2, shp);
-    return (forward ? dsk_moe_forward_end(m, NULL, &b, NULL) : dsk_moe_backward_end(m, NULL, &b)) == DSK_OK;
 }
 
 /* Two layers a and b of options o (b's weights from seed + 1), one expert group, as a paired schedule runs
