@@ -167,9 +167,11 @@ typedef struct dsk_plan_tp {
 } dsk_plan_tp;
 
 /* Training FLOPs per token (forward and backward, the trainer's count): all of them, and of them the
-   attention cores' (what recompute attn reruns) and the GEMMs' an FP8 layout runs in FP8. */
+   attention cores' (what recompute attn reruns) and the GEMMs' an FP8 layout runs in FP8; and the MoE
+   layers they hold (a stage's: its chunks' blocks). */
 typedef struct dsk_plan_flops {
     double total, attn, fp8;
+    int moe_layers;
 } dsk_plan_flops;
 
 typedef struct dsk_plan_job {
@@ -216,6 +218,7 @@ typedef struct dsk_plan_result {
     double pp_bytes; /* the busiest stage's pipeline sends per step (the callback's send_bytes) */
     dsk_plan_tp tp;  /* the busiest stage's tensor-parallel collectives per step (the callback's tp) */
     dsk_plan_flops stage_flops; /* the stage with the most FLOPs per token (the callback's flops; pp > 1) */
+    int lead_moe_layers;        /* pipeline rank 0's MoE layers (its chunks'; the callback's flops of stage 0) */
     /* seconds per step: compute (with recomputation), the bubble, the exposed communication */
     double step_s, compute_s, bubble_s, tp_s, ep_s, pp_s, zero_s, zero_exposed_s;
     double ep_hidden_s; /* of ep_s, what travels beside the other micro-batch of a pair (paired layouts) */
@@ -498,14 +501,17 @@ static double dsk__plan_compute_s(const dsk_plan_cluster *c, const dsk_plan_job 
 /* Of the expert exchanges' ep_s, what a paired layout hides beside the other micro-batch of each pair. Pipeline
    rank 0 (the most warm-up) runs 2 (p - 1) + (v - 1) p + 1 of its m v chunk forwards before its first pair
    (dsk_par_schedule_init_paired; one on one stage) and as many backwards after its last, so a share (m v - w)
-   / (m v) of its chunk passes run in pairs. In a pair each stream's chunk has L MoE layers, 2 L exchanges
-   (dispatch and return), and every one travels beside the other stream's compute but about one of each
-   stream's: the pair's first, and where the two streams meet in one layer (the trainer's counts: 10 of 12 at
-   L = 3, 2 of 4 at L = 1), so (2 L - 1) / (2 L) of them. Hidden is at most the pairs' compute beside it. */
-static double dsk__plan_pair_hidden(const dsk_plan_model *m, const dsk_plan_layout *l, double ep_s, double compute_s) {
+   / (m v) of its chunk passes run in pairs. In a pair each stream's chunk has L MoE layers (rank 0's lead_moe
+   over its v chunks; the model's over p v when unknown), 2 L exchanges (dispatch and return), and every one
+   travels beside the other stream's compute but about one of each stream's: the pair's first, and where the
+   two streams meet in one layer (the trainer's counts: 10 of 12 at L = 3, 2 of 4 at L = 1), so (2 L - 1) /
+   (2 L) of them: of rank 0's 4 m v L exchanges, 2 (m v - w) (2 L - 1) paired, what the trainer logs
+   (tests/test_plan.sh). Hidden is at most the pairs' compute beside it. */
+static double dsk__plan_pair_hidden(const dsk_plan_model *m, const dsk_plan_layout *l, int lead_moe, double ep_s,
+                                    double compute_s) {
     int p = l->pp, v = l->vstages > 0 ? l->vstages : 1, mv = l->micro * v;
     int w = 2 * (p - 1) + (v - 1) * p + 1;
-    double L = (double)m->moe_layers / (p * v), share, cross, hidden;
+    double L = (lead_moe > 0 ? (double)lead_moe : (double)m->moe_layers / p) / v, share, cross, hidden;
     if (!l->paired || l->ep < 2 || w >= mv || L <= 0) return 0;
     share = (double)(mv - w) / mv;
     cross = L >= 1 ? (2 * L - 1) / (2 * L) : 0.5;
@@ -517,7 +523,7 @@ DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster
                                  double reduce_bytes, double gather_bytes, int reduce_all, dsk_plan_result *r) {
     const dsk_plan_layout *l = &r->layout;
     int world = l->tp * l->pp * l->dp, moe = m->moe_layers;
-    dsk_plan_flops model = {m->flops_per_token, m->attn_flops_per_token, m->fp8_flops_per_token};
+    dsk_plan_flops model = {m->flops_per_token, m->attn_flops_per_token, m->fp8_flops_per_token, m->moe_layers};
     double mean_s = dsk__plan_compute_s(c, job, l, &model, world), b;                   /* the stages' mean */
     double Nm = (double)job->seq * (double)job->sequences / (l->dp * (double)l->micro); /* tokens per micro-batch */
     double a = m->act_bytes, dpn = l->dp, tpn = l->tp;
@@ -538,7 +544,7 @@ DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster
                                                         (double)m->d_model * a,
                                                     4.0 * moe / l->pp)
                         : 0;
-    r->ep_hidden_s = dsk__plan_pair_hidden(m, l, r->ep_s, r->compute_s);
+    r->ep_hidden_s = dsk__plan_pair_hidden(m, l, r->lead_moe_layers, r->ep_s, r->compute_s);
     r->pp_s = l->pp > 1 ? dsk__plan_link(c, l->tp * l->dp + 1, r->pp_bytes, 2.0 * l->micro * l->vstages) : 0;
     r->zero_s = dpn > 1
                     ? dsk__plan_link(
@@ -601,6 +607,7 @@ static dsk_status dsk__plan_eval(const dsk_plan_model *m, const dsk_plan_cluster
         DSK__TRY(m->memory(m->user, &r->layout, job, s, &mem, &rb, &gb, &ra, &sb, &tp, &fl));
         if (sb > r->pp_bytes) r->pp_bytes = sb;
         if (fl.total > r->stage_flops.total) r->stage_flops = fl;
+        if (s == 0) r->lead_moe_layers = fl.moe_layers;
         if (dsk__plan_tp_total(&tp) > dsk__plan_tp_total(&r->tp)) r->tp = tp;
         tot = mem.params + mem.grads + mem.optimizer + mem.comm + mem.activations;
         if (tot > r->total) {

@@ -290,13 +290,17 @@ static void tpl_tp_traffic(tp_state *ps, double tr[TP_TRAFFIC]) {
 
 /* The training FLOPs per token of the layers of the rank built above (ps NULL: the whole model, as
    tmla_model_flops counts it), all its tp ranks together: its chunks' blocks, and on the last stage the LM
-   head and the MTP modules. */
+   head and the MTP modules; and its chunks' MoE blocks (the first n_dense blocks are dense). */
 static dsk_plan_flops tpl_stage_flops(const tm_config *c, const tp_state *ps) {
     tmla_flops f = {0, 0, 0};
-    for (int k = 0; k < (ps ? ps->v : 1); k++)
-        tmla_add_layers_flops(c, ps ? ps->chunks[k].lo : 0, ps ? ps->chunks[k].hi : c->n_layers, &f);
+    int moe = 0;
+    for (int k = 0; k < (ps ? ps->v : 1); k++) {
+        int lo = ps ? ps->chunks[k].lo : 0, hi = ps ? ps->chunks[k].hi : c->n_layers;
+        tmla_add_layers_flops(c, lo, hi, &f);
+        for (int l = lo; l < hi; l++) moe += l >= c->n_dense;
+    }
     if (!ps || ps->last >= 0) tmla_add_tail_flops(c, &f);
-    dsk_plan_flops out = {f.total, f.attn, f.fp8};
+    dsk_plan_flops out = {f.total, f.attn, f.fp8, moe};
     return out;
 }
 

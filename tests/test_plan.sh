@@ -36,8 +36,8 @@
 #   4. `train_moe --plan FILE` takes the layout of dsk_plan's JSON choice (its "rank grid" line), its moments,
 #      FP8 and pairing.
 #   5. Pairing (--pair-micro-batches) in the time model: the share of the expert exchanges the planner counts as
-#      hidden equals the share the trainer logs as paired (one stage; a pipeline's stages hold unequal MoE layers,
-#      which the model takes at their mean); the enumeration pairs only what the trainer pairs.
+#      hidden equals the share the trainer logs as paired (one stage, and a pipeline whose stages hold unequal MoE
+#      layers); the enumeration pairs only what the trainer pairs.
 # The step-time ranking against measured steps is bench/plan_rank.sh (not here: minutes, and a loaded
 # machine moves the measured order).
 # Prints `[test_plan] totals: P passed / F failed / S skipped`.
@@ -64,7 +64,7 @@ layout() {
     for ((r = 0; r < n; r++)); do
         got=$(grep -o "memory bytes, rank $r: .*" "$out" | head -1 |
             sed -E 's/.*parameters ([0-9]+), gradients ([0-9]+), optimizer state ([0-9]+), compression buffers ([0-9]+), activations ([0-9]+).*/\1 \2 \3 \4 \5/')
-        line=$("$PLAN" --device cpu --check-rank "$r" --nproc "$n" "${TINY[@]}" "$@" 2>&1 | grep -v '^plan flops per token: ')
+        line=$("$PLAN" --device cpu --check-rank "$r" --nproc "$n" "${TINY[@]}" "$@" 2>&1 | grep '^plan bytes, rank ')
         want=$(echo "$line" |
             sed -E 's/.*parameters ([0-9]+), gradients ([0-9]+), optimizer state ([0-9]+), compression buffers ([0-9]+), activations ([0-9]+),.*reduce per step ([0-9]+),.*pipeline sends per step ([0-9]+), ep dispatch per step ([0-9]+), ep combine per step (-?[0-9]+).*/\1 \2 \3 \4 \5 \6 \7 \8 \9/')
         [ "$got" = "$(echo "$want" | cut -d' ' -f1-5)" ] || diffs+=("rank $r: run $got, plan $want")
@@ -294,32 +294,43 @@ choice_field paired 's/"tp": [0-9]+, "pp": [0-9]+, "dp": [0-9]+, "ep": [0-9]+/"t
 
 # ---- pairing in the time model: of a paired layout's expert exchanges the planner counts as hidden (ep hidden / ep
 # of --check-rank's time) the share the trainer logs as travelling beside the other micro-batch (ep_paired_exchanges
-# of all the step's exchanges: micro-batches x 3 MoE layers x 4, dispatch and return forward and backward), on one
-# stage with 2 and 4 micro-batches (on devices of their own: a cluster without cores_per_node); and the enumeration
+# of rank 0's exchanges in the step: micro-batches x its MoE layers (--check-rank's stage 0) x 4, dispatch and
+# return forward and backward), on one stage with 2 and 4 micro-batches and on a pipeline whose first stage holds
+# fewer MoE layers than the mean (on devices of their own: a cluster without cores_per_node); and the enumeration
 # pairs only what the trainer pairs (expert parallelism, 1F1B or interleaved, ZeRO 0-2, no full recomputation)
 sed -E '/"cores_per_node"/d; s/"overlap": ([0-9.]+),/"overlap": \1/' examples/clusters/cpu_8.json >"$work/cpu_dev.json"
-for m in 2 4; do
-    P=(--nproc 2 --ep 2 --batch 8 --micro-batches "$m" --pair-micro-batches)
-    "$BIN" "${TINY[@]}" "${P[@]}" --log "$work/pairs_$m.jsonl" >"$work/pairs_$m.out" 2>&1
-    "$PLAN" --device cpu --cluster "$work/cpu_dev.json" --check-rank 0 "${TINY[@]}" "${P[@]}" >"$work/pairs_plan_$m.out" 2>&1
-    verdict=$($PYS - "$work/pairs_$m.jsonl" "$work/pairs_plan_$m.out" "$m" <<'EOF'
+for spec in "dp2 x ep2, 2 paired micro-batches|2|--nproc 2 --ep 2 --micro-batches 2" \
+    "dp2 x ep2, 4 paired micro-batches|4|--nproc 2 --ep 2 --micro-batches 4" \
+    "pp2 x ep2, 1f1b, 4 paired micro-batches|4|--nproc 4 --pp 2 --ep 2 --micro-batches 4"; do
+    IFS='|' read -r name m flags <<<"$spec"
+    read -r -a P <<<"$flags --batch 8 --pair-micro-batches"
+    tag=pairs_${P[1]}_$m
+    "$BIN" "${TINY[@]}" "${P[@]}" --log "$work/$tag.jsonl" >"$work/$tag.out" 2>&1
+    "$PLAN" --device cpu --cluster "$work/cpu_dev.json" --check-rank 0 "${TINY[@]}" "${P[@]}" >"$work/${tag}_plan.out" 2>&1
+    verdict=$($PYS - "$work/$tag.jsonl" "$work/${tag}_plan.out" "$m" <<'EOF'
 import json, re, sys
 try:
+    plan = open(sys.argv[2]).read()
+    moe0 = int(re.search(r"^plan MoE layers: model [0-9]+, stage 0 ([0-9]+)", plan, re.M).group(1))
     steps = [r for r in map(json.loads, open(sys.argv[1])) if r["type"] == "step"]
-    got = steps[0]["ep_paired_exchanges"] / (int(sys.argv[3]) * 3 * 4)
-    t = re.search(r"ep ([0-9.]+), pp .* ep hidden ([0-9.]+)$", open(sys.argv[2]).read(), re.M)
+    paired, total = steps[0]["ep_paired_exchanges"], int(sys.argv[3]) * moe0 * 4
+    t = re.search(r"ep ([0-9.]+), pp .* ep hidden ([0-9.]+)$", plan, re.M)
     ep = float(t.group(1))
     want = float(t.group(2)) / ep
 except Exception as e:
     print("no figures: %r" % e); sys.exit()
+got = paired / total
 tol = 5e-7 * (1 + want) / ep + 1e-9  # the 6 decimals --check-rank prints
-print("ok %.4f" % got if got > 0 and abs(got - want) <= tol else "trainer %.6f, planner %.6f (+- %.2g)" % (got, want, tol))
+if paired > 0 and abs(got - want) <= tol:
+    print("ok %d of %d, %.4f" % (paired, total, got))
+else:
+    print("trainer %d of %d = %.6f, planner %.6f (+- %.2g)" % (paired, total, got, want, tol))
 EOF
 )
     if [[ "$verdict" == ok* ]]; then
-        ok "pairing: dp2 x ep2, $m paired micro-batches: the planner hides the share of the expert exchanges the trainer pairs (${verdict#ok })"
+        ok "pairing: $name: the planner hides the share of the expert exchanges the trainer pairs (${verdict#ok })"
     else
-        bad "pairing: dp2 x ep2, $m paired micro-batches: hidden share" "$verdict"
+        bad "pairing: $name: hidden share" "$verdict"
     fi
 done
 "$PLAN" --cluster examples/clusters/h200_1x8.json --sequences 16 "${TINY[@]}" --top 100000 >"$work/pairs_all.txt" 2>&1
