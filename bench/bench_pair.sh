@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
-# --pair-micro-batches figures of examples/train_moe.c (issue 31's overlap across micro-batches): the
-# step time and communication share of expert-parallel layouts with each steady forward paired with
-# the backward after it (one micro-batch's expert exchange on the layer's thread while the other
-# computes), against the same layout unpaired (the peer, measured in the same run, alternating
-# rounds so that the machine's load falls on both alike). CPU ranks over the host backend: shared memory
-# on one host, or TCP between two emulated hosts (DSK_HOST_ID per process, launched as torchrun would).
-# comm share = seconds inside dsk_comm calls / step time on rank 0.
+# --pair-micro-batches figures of examples/train_moe.c (issue 31's overlap across micro-batches): for expert-parallel
+# layouts, in alternating rounds (the machine's load falls on all alike), the step with the expert exchanges serial
+# (--ep-overlap off: the peer, and the communication alone: the time inside the expert-parallel communicator's calls,
+# the step log's ep_comm_ms), overlapped in the layer (--ep-overlap on: the shared expert beside the dispatch) and
+# paired (--pair-micro-batches: one micro-batch's exchanges on the layer's thread while the other computes). The
+# hidden share of each is (serial step - its step) / the serial exchanges' time, as bench_moe_ep reports it for the
+# layer alone. CPU ranks over the host backend: shared memory on one host, or TCP between two emulated hosts
+# (DSK_HOST_ID per process, launched as torchrun would).
 # LINK_GBPS=G: every communicator on an emulated link of G GB/s (dsk_comm_opts.link_gbps, DSK_LINK_GBPS: a call
-# lasts at least its bytes over G, the rest slept on the calling thread, as a NIC moves bytes without the CPU),
-# and each round also runs the unpaired layout without it: the link's time in the unpaired step (unpaired with
-# the link - without) is the communication alone, and hidden = (unpaired - paired, both with the link) / that.
+# lasts at least its bytes over G, the rest slept on the calling thread, as a NIC moves bytes without the CPU).
 # Usage: bash bench/bench_pair.sh [STEPS] [ROUNDS]   (default 12 steps, the first 2 warm-up; 3 rounds).
 # BENCH_ARGS="..." replaces the model flags (default: the trainer's default model). Not part of `make test`.
 set -u
@@ -23,8 +22,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
 read -r -a MODEL <<<"${BENCH_ARGS:-}"
-COMMON=(--steps "$STEPS" --sample-len 0 --val-interval 100000 --dtype f32 --device cpu --peak-tflops 0.1
-        --ep-overlap on)
+COMMON=(--steps "$STEPS" --sample-len 0 --val-interval 100000 --dtype f32 --device cpu --peak-tflops 0.1)
 flags=$(grep -m1 '^flags' /proc/cpuinfo)
 isa=$(for f in avx2 avx512f; do case " $flags " in *" $f "*) printf '%s ' "$f" ;; esac; done)
 echo "machine: $(getconf _NPROCESSORS_ONLN) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'); ${isa:-no avx2}), load average" \
@@ -50,44 +48,41 @@ launch() { # RANKS HOSTS LOG ARGS...: one run; on HOSTS > 1 the ranks split over
     return $rc
 }
 median() { python3 -c "import statistics, sys; print('%.1f' % statistics.median(map(float, sys.argv[1:])))" "$@"; }
-step_ms() { # JSONL: the median step ms and mean comm share (%) of steps 3..
+step_ms() { # JSONL: the median step ms and expert-parallel communicator ms of steps 3..
     python3 - "$1" <<'EOF'
 import json, statistics, sys
 rows = [r for r in map(json.loads, open(sys.argv[1])) if r["type"] == "step"][2:]
-print("%.2f %.2f" % (statistics.median(r["ms"] for r in rows), 100 * statistics.mean(r["comm_share"] for r in rows)))
+print("%.2f %.2f" % (statistics.median(r["ms"] for r in rows), statistics.median(r["ep_comm_ms"] for r in rows)))
 EOF
 }
-LINK=${LINK_GBPS:-}
-KS="0 1"
-[ -n "$LINK" ] && KS="0 1 2" && echo "emulated link: $LINK GB/s on every communicator (DSK_LINK_GBPS)"
+unset DSK_LINK_GBPS
+if [ -n "${LINK_GBPS:-}" ]; then
+    export DSK_LINK_GBPS=$LINK_GBPS
+    echo "emulated link: $LINK_GBPS GB/s on every communicator (DSK_LINK_GBPS)"
+fi
+hidden() { python3 -c "import sys; s, c, x = map(float, sys.argv[1:]); print('%.0f%%' % (100 * (s - x) / c) if c > 0 else 'n/a')" "$@"; }
 echo
-echo "| layout | unpaired step ms | paired step ms | comm share % unpaired / paired | paired / unpaired |${LINK:+ unpaired without the link ms | hidden |}"
-echo "| --- | --- | --- | --- | --- |${LINK:+ --- | --- |}"
+echo "| layout | serial step ms | serial exchanges ms | overlapped step ms | paired step ms | hidden: overlapped / paired |"
+echo "| --- | --- | --- | --- | --- | --- |"
 i=0
 for spec in "${LAYOUTS[@]}"; do
     IFS='|' read -r name n hosts plain pair <<<"$spec"
     i=$((i + 1))
-    ms0=() ms1=() ms2=() c0=() c1=() fail=""
+    ms0=() ms1=() ms2=() c0=() fail=""
     for r in $(seq "$ROUNDS"); do
-        for k in $KS; do
-            f=$plain; [ $k = 1 ] && f=$pair
+        for k in 0 1 2; do
+            case $k in 0) f="$plain --ep-overlap off" ;; 1) f="$plain --ep-overlap on" ;; 2) f="$pair --ep-overlap on" ;; esac
             # shellcheck disable=SC2086
-            DSK_LINK_GBPS=$([ $k = 2 ] || echo "$LINK") launch "$n" "$hosts" "$work/$i.$r.$k.jsonl" "${MODEL[@]}" \
-                "${COMMON[@]}" $f >"$work/$i.$r.$k.out" 2>&1 ||
+            launch "$n" "$hosts" "$work/$i.$r.$k.jsonl" "${MODEL[@]}" "${COMMON[@]}" $f >"$work/$i.$r.$k.out" 2>&1 ||
                 fail="exit $?: $(grep -m1 -E 'rank .*: ' "$work/$i.$r.$k.out" | cut -c1-100)"
             [ -n "$fail" ] && break 2
             read -r ms cs < <(step_ms "$work/$i.$r.$k.jsonl")
-            case $k in 0) ms0+=("$ms"); c0+=("$cs") ;; 1) ms1+=("$ms"); c1+=("$cs") ;; 2) ms2+=("$ms") ;; esac
+            case $k in 0) ms0+=("$ms"); c0+=("$cs") ;; 1) ms1+=("$ms") ;; 2) ms2+=("$ms") ;; esac
         done
     done
-    if [ -n "$fail" ]; then echo "| $name | failed ($fail) | | | |"; continue; fi
-    a=$(median "${ms0[@]}"); b=$(median "${ms1[@]}")
-    extra=""
-    if [ -n "$LINK" ]; then
-        z=$(median "${ms2[@]}")
-        extra=" $z | $(python3 -c "print('%.0f%%' % (100 * ($a - $b) / ($a - $z)) if $a > $z else 'n/a')") |"
-    fi
-    echo "| $name | $a | $b | $(median "${c0[@]}") / $(median "${c1[@]}") | $(python3 -c "print('%.3f' % ($b / $a))") |$extra"
+    if [ -n "$fail" ]; then echo "| $name | failed ($fail) | | | | |"; continue; fi
+    a=$(median "${ms0[@]}") c=$(median "${c0[@]}") b=$(median "${ms1[@]}") p=$(median "${ms2[@]}")
+    echo "| $name | $a | $c | $b | $p | $(hidden "$a" "$c" "$b") / $(hidden "$a" "$c" "$p") |"
 done
 echo
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"

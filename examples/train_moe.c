@@ -600,6 +600,8 @@ typedef struct step_info {
                            nodes by all their exchanges (forward and backward) */
     double pp_bytes;    /* --pp: handed to the pipeline's sends (activations and gradients) */
     int64_t paired;     /* --pair-micro-batches: expert exchanges that travelled while the other micro-batch computed */
+    double
+        ep_comm_ms; /* --ep: inside the expert-parallel communicator's calls (serial exchanges: their exposed time) */
     double tp[4];       /* --tp: this step's tensor-parallel collectives (tp_traffic: bytes by kind, calls) */
     float scale;
     int64_t dropped;
@@ -706,7 +708,7 @@ static dsk_status micro_batch(trainer *t, float gscale) {
 static dsk_status train_step(trainer *t, step_info *si) {
     const options *o = t->o;
     tm_model *m = &t->model;
-    double t0 = tm_clock(), c0 = tm_clock_cpu(), comm0 = comm_seconds(t);
+    double t0 = tm_clock(), c0 = tm_clock_cpu(), comm0 = comm_seconds(t), ep0 = t->ep_comm.stats.seconds;
     uint64_t pp0 = t->par.on ? t->par.grid.pp.stats.send_payload : 0;
     int64_t paired0 = t->par.paired_exchanges;
     dsk_comm_stats tp0 = t->par.grid.tp.stats;
@@ -765,6 +767,7 @@ static dsk_status train_step(trainer *t, step_info *si) {
     si->tokens_per_s = (double)o->batch * o->accum * o->seq / (si->ms * 1e-3);
     si->mfu = step_mfu(t, si->tokens_per_s);
     si->comm_share = (comm_seconds(t) - comm0) / (si->ms * 1e-3);
+    si->ep_comm_ms = 1e3 * (t->ep_comm.stats.seconds - ep0);
     return DSK_OK;
 }
 

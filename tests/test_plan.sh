@@ -321,14 +321,16 @@ except Exception as e:
     print("no figures: %r" % e); sys.exit()
 got = paired / total
 tol = 5e-7 * (1 + want) / ep + 1e-9  # the 6 decimals --check-rank prints
-if paired > 0 and abs(got - want) <= tol:
+if not 0 < steps[0]["ep_comm_ms"] <= steps[0]["ms"]:  # time inside the expert-parallel communicator's calls
+    print("ep_comm_ms %.3f outside (0, step %.3f]" % (steps[0]["ep_comm_ms"], steps[0]["ms"]))
+elif paired > 0 and abs(got - want) <= tol:
     print("ok %d of %d, %.4f" % (paired, total, got))
 else:
     print("trainer %d of %d = %.6f, planner %.6f (+- %.2g)" % (paired, total, got, want, tol))
 EOF
 )
     if [[ "$verdict" == ok* ]]; then
-        ok "pairing: $name: the planner hides the share of the expert exchanges the trainer pairs (${verdict#ok })"
+        ok "pairing: $name: the planner hides the share of the expert exchanges the trainer pairs (${verdict#ok }; the log's ep_comm_ms within the step)"
     else
         bad "pairing: $name: hidden share" "$verdict"
     fi

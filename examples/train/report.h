@@ -46,12 +46,12 @@ static void log_step(trainer *t, const step_info *si) {
                 "\"reduce_bytes\":%.0f,\"reduce_bytes_uncompressed\":%.0f,\"ep_dispatch_bytes\":%.0f,"
                 "\"ep_combine_bytes\":%.0f,\"ep_bytes_off_node\":%.0f,\"pp_send_bytes\":%.0f,"
                 "\"tp_all_reduce_bytes\":%.0f,\"tp_all_gather_bytes\":%.0f,\"tp_reduce_scatter_bytes\":%.0f,"
-                "\"tp_calls\":%.0f,\"ep_paired_exchanges\":%lld}\n",
+                "\"tp_calls\":%.0f,\"ep_paired_exchanges\":%lld,\"ep_comm_ms\":%.3f}\n",
                 (long long)t->step, json_num(loss, si->loss), si->aux_loss, si->lr, json_num(norm, si->norm),
                 (double)si->scale, si->ms, si->cpu_ms, si->data_ms, si->sync_ms, si->tokens_per_s, si->mfu,
                 si->comm_share, si->load_ratio, (long long)si->dropped, si->skipped, eta, si->reduce_bytes,
                 si->plain_bytes, si->ep_bytes[0], si->ep_bytes[1], si->ep_bytes[2], si->pp_bytes, si->tp[0], si->tp[1],
-                si->tp[2], si->tp[3], (long long)si->paired);
+                si->tp[2], si->tp[3], (long long)si->paired, si->ep_comm_ms);
     }
     if (t->log) fflush(t->log);
 }
