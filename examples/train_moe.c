@@ -600,8 +600,7 @@ typedef struct step_info {
                            nodes by all their exchanges (forward and backward) */
     double pp_bytes;    /* --pp: handed to the pipeline's sends (activations and gradients) */
     int64_t paired;     /* --pair-micro-batches: expert exchanges that travelled while the other micro-batch computed */
-    double
-        ep_comm_ms; /* --ep: inside the expert-parallel communicator's calls (serial exchanges: their exposed time) */
+    double ep_comm_ms;  /* --ep: inside the expert-parallel communicator's calls (serial: exposed time) */
     double tp[4];       /* --tp: this step's tensor-parallel collectives (tp_traffic: bytes by kind, calls) */
     float scale;
     int64_t dropped;
