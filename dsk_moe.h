@@ -140,7 +140,9 @@
      move). Chunked dispatch
      (opts.ep_chunk: ON where it applies: ep_overlap's thread, the exact flat exchange of activation rows,
      ACT experts, the default ISA's row kernels; AUTO, the default, only where the node has a core free
-     for each rank's exchange thread, as without one it slowed the step): the rank's own rows need no transport,
+     for each rank's exchange thread, as without one it slowed the step over shared memory; ON pays where the
+     link is slower than the compute: on an emulated 0.1 GB/s link it hid the most of every overlap,
+     bench/RESULTS.md): the rank's own rows need no transport,
      so the thread exchanges only the other ranks' rows while the routed experts compute the own ones
      (forward: their MLP; backward: the input gradient of the output gradients' own rows), then each
      other rank's rows as they land (dsk_comm_all_to_all_v_notify: the thread places a rank's rows when
