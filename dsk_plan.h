@@ -503,7 +503,8 @@ static double dsk__plan_compute_s(const dsk_plan_cluster *c, const dsk_plan_job 
    rank 0 (the most warm-up) runs 2 (p - 1) + (v - 1) p + 1 of its m v chunk forwards before its first pair
    (dsk_par_schedule_init_paired; one on one stage) and as many backwards after its last, so a share (m v - w)
    / (m v) of its chunk passes run in pairs. In a pair each stream's chunk has L MoE layers (rank 0's lead_moe
-   over its v chunks; the model's over p v when unknown), 2 L exchanges (dispatch and return), and every one
+   over its v chunks; the model's over p v when lead_moe is 0: unknown, or rank 0 holds only dense blocks and is
+   no proxy for the stages that pair), 2 L exchanges (dispatch and return), and every one
    travels beside the other stream's compute but about one of each stream's: the pair's first, and where the
    two streams meet in one layer (the trainer's counts: 10 of 12 at L = 3, 2 of 4 at L = 1), so (2 L - 1) /
    (2 L) of them: of rank 0's 4 m v L exchanges, 2 (m v - w) (2 L - 1) paired, what the trainer logs

@@ -5,11 +5,11 @@
    overlap across micro-batches: with "other work" (another micro-batch's q, k, v projections: a T x D x 3D
    GEMM) after the forward and after the backward, or between each call's begin and end (dsk_moe_forward_begin
    / _end, split), where it runs while the layer's rows travel, or half of it while the rows travel to the
-   experts and half while their results travel back (dsk_moe_experts, dsk_moe_return_begin: in steps). Per variant, rank 0 prints the median step
-   time, the time inside the layer's collectives (dsk_comm_stats.seconds: in serial runs the communication
-   alone, as nothing runs beside it), the share of the serial run's communication the overlap hid,
-   1 - (step - compute) / communication with compute = serial step - serial communication, that is
-   (serial step - overlapped step) / serial communication, and the bytes a step
+   experts and half while their results travel back (dsk_moe_experts, dsk_moe_return_begin: in steps). Per
+   variant, rank 0 prints the median step time, the time inside the layer's collectives (dsk_comm_stats.seconds:
+   in serial runs the communication alone, as nothing runs beside it), the share of the serial run's
+   communication the overlap hid, 1 - (step - compute) / communication with compute = serial step - serial
+   communication, that is (serial step - overlapped step) / serial communication, and the bytes a step
    sent to the other node: the layer's count of its rows (dsk_moe_stats.bytes_off_node, exact) and what
    dsk_comm counted on the wire (headers and the counts exchange included).
    Warm-up 2 rounds, median of --repeats; each round one step of every variant in turn (the load, which
@@ -109,23 +109,21 @@ static int run_setup(dsk_comm *c, dsk_ctx *ctx, const variant *v, int T, run *r)
     return 0;
 }
 
-/* The other work: q = x Wq^T, another micro-batch's q, k, v projections. */
-static int run_work(dsk_ctx *ctx, run *r) { return dsk_matmul(ctx, &r->q, &r->x, 0, &r->wq, 1, 1.0f, 0.0f) != DSK_OK; }
-
-/* Half h (0, 1) of the other work: its rows [h T/2, (h + 1) T/2). */
-static int run_work_half(dsk_ctx *ctx, run *r, int h) {
-    dsk_tensor q = r->q, x = r->x;
-    int64_t T = r->x.shape[0], lo = h ? T / 2 : 0;
-    q.shape[0] = x.shape[0] = h ? T - T / 2 : T / 2;
-    q.data = (float *)r->q.data + lo * r->q.shape[1];
-    x.data = (float *)r->x.data + lo * r->x.shape[1];
-    return dsk_matmul(ctx, &q, &x, 0, &r->wq, 1, 1.0f, 0.0f) != DSK_OK;
+/* The other work on rows [lo, hi) of x: q = x Wq^T, another micro-batch's q, k, v projections. */
+static int run_work_rows(dsk_ctx *ctx, run *r, int64_t lo, int64_t hi) {
+    dsk_tensor q, x;
+    return dsk_tensor_slice(&r->q, 0, lo, hi - lo, &q) != DSK_OK ||
+           dsk_tensor_slice(&r->x, 0, lo, hi - lo, &x) != DSK_OK ||
+           dsk_matmul(ctx, &q, &x, 0, &r->wq, 1, 1.0f, 0.0f) != DSK_OK;
 }
+
+static int run_work(dsk_ctx *ctx, run *r) { return run_work_rows(ctx, r, 0, r->x.shape[0]); }
 
 /* The steps between a begun call's begin and end with the other work in halves beside its two exchanges. */
 static int run_steps(dsk_ctx *ctx, run *r) {
-    return run_work_half(ctx, r, 0) || dsk_moe_experts(&r->m, ctx) || dsk_moe_return_begin(&r->m, ctx) ||
-           run_work_half(ctx, r, 1);
+    int64_t T = r->x.shape[0];
+    return run_work_rows(ctx, r, 0, T / 2) || dsk_moe_experts(&r->m, ctx) || dsk_moe_return_begin(&r->m, ctx) ||
+           run_work_rows(ctx, r, T / 2, T);
 }
 
 /* One timed step (forward + backward) of r's layer after a barrier; round i < 2 is warm-up. */

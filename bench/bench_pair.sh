@@ -6,8 +6,8 @@
 # chunked (--ep-overlap chunked: the routed experts on this rank's own rows, then on each rank's as they land),
 # paired (--pair-micro-batches: one micro-batch's exchanges on the layer's thread while the other computes) and
 # paired and chunked. The hidden share of each is (serial step - its step) / the serial exchanges' time, as
-# bench_moe_ep reports it for the layer alone. CPU ranks over the host backend: shared memory on one host, or TCP between two emulated hosts
-# (DSK_HOST_ID per process, launched as torchrun would).
+# bench_moe_ep reports it for the layer alone. CPU ranks over the host backend: shared memory on one host, or TCP
+# between two emulated hosts (DSK_HOST_ID per process, launched as torchrun would).
 # LINK_GBPS=G: every communicator on an emulated link of G GB/s (dsk_comm_opts.link_gbps, DSK_LINK_GBPS: a call
 # lasts at least its bytes over G, the rest slept on the calling thread, as a NIC moves bytes without the CPU).
 # Usage: bash bench/bench_pair.sh [STEPS] [ROUNDS]   (default 12 steps, the first 2 warm-up; 3 rounds).
@@ -61,7 +61,9 @@ if [ -n "${LINK_GBPS:-}" ]; then
     export DSK_LINK_GBPS=$LINK_GBPS
     echo "emulated link: $LINK_GBPS GB/s on every communicator (DSK_LINK_GBPS)"
 fi
-hidden() { python3 -c "import sys; s, c, x = map(float, sys.argv[1:]); print('%.0f%%' % (100 * (s - x) / c) if c > 0 else 'n/a')" "$@"; }
+hidden() { # SERIAL_MS SERIAL_EXCHANGES_MS STEP_MS: the share of the serial exchanges' time the step hid
+    python3 -c "import sys; s, c, x = map(float, sys.argv[1:]); print('%.0f%%' % (100 * (s - x) / c) if c > 0 else 'n/a')" "$@"
+}
 echo
 echo "| layout | serial step ms | serial exchanges ms | step ms: overlapped / chunked / paired / paired, chunked |" \
      "hidden: overlapped / chunked / paired / paired, chunked |"
@@ -70,35 +72,28 @@ i=0
 for spec in "${LAYOUTS[@]}"; do
     IFS='|' read -r name n hosts plain pair <<<"$spec"
     i=$((i + 1))
-    ms0=() ms1=() ms2=() ms3=() ms4=() c0=() fail=""
+    modes=("$plain --ep-overlap off" "$plain --ep-overlap on" "$plain --ep-overlap chunked" "$pair --ep-overlap on"
+           "$pair --ep-overlap chunked")
+    ms=("" "" "" "" "") c0="" fail=""
     for r in $(seq "$ROUNDS"); do
         for k in 0 1 2 3 4; do
-            case $k in
-                0) f="$plain --ep-overlap off" ;;
-                1) f="$plain --ep-overlap on" ;;
-                2) f="$plain --ep-overlap chunked" ;;
-                3) f="$pair --ep-overlap on" ;;
-                4) f="$pair --ep-overlap chunked" ;;
-            esac
+            f=${modes[k]}
             # shellcheck disable=SC2086
             launch "$n" "$hosts" "$work/$i.$r.$k.jsonl" "${MODEL[@]}" "${COMMON[@]}" $f >"$work/$i.$r.$k.out" 2>&1 ||
                 fail="exit $?: $(grep -m1 -E 'rank .*: ' "$work/$i.$r.$k.out" | cut -c1-100)"
             [ -n "$fail" ] && break 2
-            read -r ms cs < <(step_ms "$work/$i.$r.$k.jsonl")
-            case $k in
-                0) ms0+=("$ms"); c0+=("$cs") ;;
-                1) ms1+=("$ms") ;;
-                2) ms2+=("$ms") ;;
-                3) ms3+=("$ms") ;;
-                4) ms4+=("$ms") ;;
-            esac
+            read -r m cs < <(step_ms "$work/$i.$r.$k.jsonl")
+            ms[k]+=" $m"
+            [ "$k" = 0 ] && c0+=" $cs"
         done
     done
     if [ -n "$fail" ]; then echo "| $name | failed ($fail) | | | |"; continue; fi
-    a=$(median "${ms0[@]}") c=$(median "${c0[@]}") steps=() shares=()
-    for x in "$(median "${ms1[@]}")" "$(median "${ms2[@]}")" "$(median "${ms3[@]}")" "$(median "${ms4[@]}")"; do
-        steps+=("$x")
-        shares+=("$(hidden "$a" "$c" "$x")")
+    # shellcheck disable=SC2086
+    a=$(median ${ms[0]}) c=$(median $c0) steps=() shares=()
+    for k in 1 2 3 4; do
+        # shellcheck disable=SC2086
+        steps+=("$(median ${ms[k]})")
+        shares+=("$(hidden "$a" "$c" "${steps[k - 1]}")")
     done
     echo "| $name | $a | $c | ${steps[0]} / ${steps[1]} / ${steps[2]} / ${steps[3]} |" \
          "${shares[0]} / ${shares[1]} / ${shares[2]} / ${shares[3]} |"
