@@ -281,6 +281,20 @@ DSK_API dsk_status dsk_comm_all_to_all_v_gated(dsk_comm *c, dsk_ctx *ctx, const 
                                                const int64_t *send_displs, void *recv, const int64_t *recv_counts,
                                                const int64_t *recv_displs, dsk_dtype dt, dsk_comm_ready_fn ready,
                                                void *arg);
+/* dsk_comm_all_to_all_v in two calls, so that the caller computes while the rows travel without a thread of
+   its own (dsk_moe's overlap over shared memory and TCP). host: _start posts the messages and moves what the
+   transport takes now (this rank's own block copied, what fits the shared-memory rings or the sockets'
+   buffers sent, what has landed received) and returns; *unsent (may be NULL) is the bytes of this rank's
+   messages still to leave, which move only inside dsk_comm_finish (from this thread or another). nccl: the
+   exchange is enqueued on ctx's stream; *unsent is 0. Until dsk_comm_finish returns, send and recv belong to
+   the exchange and the communicator takes no other call (DSK_ERR_STATE naming the call). An emulated link
+   (opts.link_gbps) counts the exchange's time from _start. stats.seconds adds the time inside both calls. */
+DSK_API dsk_status dsk_comm_all_to_all_v_start(dsk_comm *c, dsk_ctx *ctx, const void *send, const int64_t *send_counts,
+                                               const int64_t *send_displs, void *recv, const int64_t *recv_counts,
+                                               const int64_t *recv_displs, dsk_dtype dt, size_t *unsent);
+/* Completes the exchange dsk_comm_all_to_all_v_start began: returns when this rank's messages have left and
+   its receives are in recv. DSK_ERR_STATE when none is in flight. */
+DSK_API dsk_status dsk_comm_finish(dsk_comm *c, dsk_ctx *ctx);
 /* Point to point; each send must meet a recv of the same count and dtype on `peer`. */
 DSK_API dsk_status dsk_comm_send(dsk_comm *c, dsk_ctx *ctx, const void *buf, int64_t count, dsk_dtype dt, int peer);
 DSK_API dsk_status dsk_comm_recv(dsk_comm *c, dsk_ctx *ctx, void *buf, int64_t count, dsk_dtype dt, int peer);
@@ -946,6 +960,8 @@ struct dsk__comm_impl {
     void *ready_arg;
     double link_bps, link_s; /* opts.link_gbps (bytes/s) and link_latency_us (s); 0: no emulated link */
     uint64_t link_mark;      /* stats.bytes_sent when the last call ended */
+    int started, started_n;  /* an exchange begun by dsk_comm_all_to_all_v_start: its ops[0..started_n) */
+    double started_t0, started_s; /* when it began, and the seconds its start took */
 #ifdef DSK_CUDA
     ncclComm_t nccl;
     void *nccl_flag;             /* one device float for barriers */
@@ -1181,7 +1197,8 @@ static int dsk__comm_peer_fault(dsk_comm *c, int peer, char *buf, size_t cap) {
     return st == DSK_OK ? DSK__COMM_STORE_UP : m->store_gone ? DSK__COMM_STORE_GONE : DSK__COMM_STORE_SILENT;
 }
 
-static dsk_status dsk__comm_check(const dsk_comm *c, const char *fn) {
+/* Whether the communicator can take a call (the store's too, which travel apart from the ranks' messages). */
+static dsk_status dsk__comm_usable(const dsk_comm *c, const char *fn) {
     if (!c || !c->impl) return dsk_set_error(DSK_ERR_ARG, "%s: communicator is NULL or not initialised", fn);
     if (c->impl->broken)
         return dsk_set_error(DSK_ERR_STATE, "%s: communicator (rank %d of %d) is unusable after an earlier error: %s",
@@ -1189,26 +1206,37 @@ static dsk_status dsk__comm_check(const dsk_comm *c, const char *fn) {
     return DSK_OK;
 }
 
+/* Whether it can take a call between the ranks (none while an exchange begun is in flight). */
+static dsk_status dsk__comm_check(const dsk_comm *c, const char *fn) {
+    DSK__TRY(dsk__comm_usable(c, fn));
+    if (c->impl->started)
+        return dsk_set_error(DSK_ERR_STATE,
+                             "%s: rank %d's exchange begun by dsk_comm_all_to_all_v_start is in flight; "
+                             "dsk_comm_finish it first",
+                             fn, c->rank);
+    return DSK_OK;
+}
+
 DSK_API dsk_status dsk_comm_store_set(dsk_comm *c, const char *key, const void *val, size_t len) {
-    DSK__TRY(dsk__comm_check(c, "dsk_comm_store_set"));
+    DSK__TRY(dsk__comm_usable(c, "dsk_comm_store_set"));
     if (!key || (!val && len)) return dsk_set_error(DSK_ERR_ARG, "dsk_comm_store_set: key or value is NULL");
     return dsk__comm_store_set(c, "dsk_comm_store_set", key, val, len);
 }
 
 DSK_API dsk_status dsk_comm_store_get(dsk_comm *c, const char *key, void *buf, size_t cap, size_t *len) {
-    DSK__TRY(dsk__comm_check(c, "dsk_comm_store_get"));
+    DSK__TRY(dsk__comm_usable(c, "dsk_comm_store_get"));
     if (!key || (!buf && cap)) return dsk_set_error(DSK_ERR_ARG, "dsk_comm_store_get: key or buffer is NULL");
     return dsk__comm_store_get(c, "dsk_comm_store_get", key, buf, cap, len);
 }
 
 DSK_API dsk_status dsk_comm_store_add(dsk_comm *c, const char *key, int64_t delta, int64_t *result) {
-    DSK__TRY(dsk__comm_check(c, "dsk_comm_store_add"));
+    DSK__TRY(dsk__comm_usable(c, "dsk_comm_store_add"));
     if (!key) return dsk_set_error(DSK_ERR_ARG, "dsk_comm_store_add: key is NULL");
     return dsk__comm_store_add(c, "dsk_comm_store_add", key, delta, result);
 }
 
 DSK_API dsk_status dsk_comm_store_barrier(dsk_comm *c) {
-    DSK__TRY(dsk__comm_check(c, "dsk_comm_store_barrier"));
+    DSK__TRY(dsk__comm_usable(c, "dsk_comm_store_barrier"));
     return dsk__comm_store_barrier(c, "dsk_comm_store_barrier");
 }
 
@@ -2457,21 +2485,18 @@ static dsk_status dsk__comm_await_gate(dsk_comm *c, const char *fn, dsk_comm_rea
     return dsk__comm_break(c, DSK_ERR_STATE);
 }
 
-/* Shared by all_to_all and all_to_all_v: message to p = scount[p] elements at send + sdis[p]; arrived (may be
-   NULL) told of each rank's message as it lands; ready (may be NULL) opens each message's gate (this rank's own
-   block is copied last, after the others' gates opened). */
-static dsk_status dsk__comm_host_a2a(dsk_comm *c, const char *fn, int kind, const char *send, const int64_t *scount,
-                                     const int64_t *sdis, char *recv, const int64_t *rcount, const int64_t *rdis,
-                                     dsk_dtype dt, double t0, dsk_comm_arrived_fn arrived, dsk_comm_ready_fn ready,
-                                     void *arg) {
+/* Posts an all-to-all's messages in c->impl->ops (message to p = scount[p] elements at send + sdis[p]) and copies
+   this rank's own block unless `gated` (its gate opens last); returns the number of ops. */
+static int dsk__comm_a2a_post(dsk_comm *c, int kind, const char *send, const int64_t *scount, const int64_t *sdis,
+                              char *recv, const int64_t *rcount, const int64_t *rdis, dsk_dtype dt, int gated,
+                              dsk_comm_arrived_fn arrived, void *arg) {
     dsk__comm_impl *m = c->impl;
     int n = c->world_size, me = c->rank, no = 0;
     size_t esz = dsk_dtype_size(dt);
-    dsk_status st;
     for (int p = 0; p < n; p++) {
         dsk__comm_wire hs, hr;
         if (p == me) {
-            if (scount[p] && !ready)
+            if (scount[p] && !gated)
                 memmove(recv + rdis[p] * (int64_t)esz, send + sdis[p] * (int64_t)esz, (size_t)scount[p] * esz);
             if (arrived) arrived(arg, me);
             continue;
@@ -2484,8 +2509,45 @@ static dsk_status dsk__comm_host_a2a(dsk_comm *c, const char *fn, int kind, cons
         }
         dsk__comm_io_post(&m->ops[no++], p, 1, &hs, send + sdis[p] * (int64_t)esz, (size_t)scount[p] * esz);
         dsk__comm_io_post(&m->ops[no++], p, 0, &hr, recv + rdis[p] * (int64_t)esz, (size_t)rcount[p] * esz);
-        m->ops[no - 2].gated = ready != NULL;
+        m->ops[no - 2].gated = gated;
     }
+    return no;
+}
+
+/* Moves what ops[0..n) allow now, without waiting: -1 on error (*err set), else the bytes of sends left. */
+static int64_t dsk__comm_io_push(dsk_comm *c, const char *fn, dsk__comm_io *ops, int n, dsk_status *err) {
+    dsk__comm_impl *m = c->impl;
+    int moved = 1, r;
+    int64_t left = 0;
+    while (moved) {
+        int tcp = 0;
+        moved = 0;
+        for (int i = 0; i < n; i++) {
+            if (dsk__comm_io_finished(&ops[i])) continue;
+            if (!dsk__comm_is_shm(m, ops[i].peer)) tcp = 1;
+            else if ((r = dsk__comm_shm_step(c, fn, &ops[i], err)) < 0) return -1;
+            else moved |= r;
+        }
+        if (tcp && (r = dsk__comm_io_wait(c, fn, ops, n, 0, err)) < 0) return -1;
+        moved |= tcp && r > 0;
+    }
+    for (int i = 0; i < n; i++)
+        if (ops[i].is_send) left += (int64_t)(sizeof(dsk__comm_wire) + ops[i].len - ops[i].done);
+    return left;
+}
+
+/* Shared by all_to_all and all_to_all_v: message to p = scount[p] elements at send + sdis[p]; arrived (may be
+   NULL) told of each rank's message as it lands; ready (may be NULL) opens each message's gate (this rank's own
+   block is copied last, after the others' gates opened). */
+static dsk_status dsk__comm_host_a2a(dsk_comm *c, const char *fn, int kind, const char *send, const int64_t *scount,
+                                     const int64_t *sdis, char *recv, const int64_t *rcount, const int64_t *rdis,
+                                     dsk_dtype dt, double t0, dsk_comm_arrived_fn arrived, dsk_comm_ready_fn ready,
+                                     void *arg) {
+    dsk__comm_impl *m = c->impl;
+    int me = c->rank, no;
+    size_t esz = dsk_dtype_size(dt);
+    dsk_status st;
+    no = dsk__comm_a2a_post(c, kind, send, scount, sdis, recv, rcount, rdis, dt, ready != NULL, arrived, arg);
     m->arrived = arrived;
     m->arrived_arg = arg;
     m->ready = ready;
@@ -2499,6 +2561,21 @@ static dsk_status dsk__comm_host_a2a(dsk_comm *c, const char *fn, int kind, cons
             memmove(recv + rdis[me] * (int64_t)esz, send + sdis[me] * (int64_t)esz, (size_t)scount[me] * esz);
     }
     return st;
+}
+
+/* dsk_comm_all_to_all_v_start on the host: posted, moved as far as the transport takes it now (*unsent: the
+   bytes of sends left); the ops stay for dsk_comm_finish. */
+static dsk_status dsk__comm_host_a2a_start(dsk_comm *c, const char *fn, const char *send, const int64_t *scount,
+                                           const int64_t *sdis, char *recv, const int64_t *rcount, const int64_t *rdis,
+                                           dsk_dtype dt, size_t *unsent) {
+    dsk__comm_impl *m = c->impl;
+    dsk_status st = DSK_OK;
+    int64_t left;
+    m->started_n =
+        dsk__comm_a2a_post(c, DSK__COMM_ALL_TO_ALL_V, send, scount, sdis, recv, rcount, rdis, dt, 0, NULL, NULL);
+    if ((left = dsk__comm_io_push(c, fn, m->ops, m->started_n, &st)) < 0) return dsk__comm_break(c, st);
+    if (unsent) *unsent = (size_t)left;
+    return DSK_OK;
 }
 
 static dsk_status dsk__comm_host_barrier(dsk_comm *c, const char *fn, double t0) {
@@ -3743,7 +3820,8 @@ DSK_API dsk_status dsk_comm_all_to_all(dsk_comm *c, dsk_ctx *ctx, const void *se
 static dsk_status dsk__comm_a2a_v(dsk_comm *c, dsk_ctx *ctx, const char *fn, const void *send,
                                   const int64_t *send_counts, const int64_t *send_displs, void *recv,
                                   const int64_t *recv_counts, const int64_t *recv_displs, dsk_dtype dt,
-                                  dsk_comm_arrived_fn arrived, dsk_comm_ready_fn ready, void *arg) {
+                                  dsk_comm_arrived_fn arrived, dsk_comm_ready_fn ready, void *arg, int start,
+                                  size_t *unsent) {
     double t0 = dsk__comm_now();
     dsk_status st;
     int64_t *d;
@@ -3784,9 +3862,17 @@ static dsk_status dsk__comm_a2a_v(dsk_comm *c, dsk_ctx *ctx, const char *fn, con
         for (int p = 0; p < n && st == DSK_OK && arrived; p++) arrived(arg, p); /* stream-ordered */
     } else
 #endif
-        st = dsk__comm_host_a2a(c, fn, DSK__COMM_ALL_TO_ALL_V, (const char *)send, send_counts, d, (char *)recv,
-                                recv_counts, d + n, dt, t0, arrived, ready, arg);
+        st = start ? dsk__comm_host_a2a_start(c, fn, (const char *)send, send_counts, d, (char *)recv, recv_counts,
+                                              d + n, dt, unsent)
+                   : dsk__comm_host_a2a(c, fn, DSK__COMM_ALL_TO_ALL_V, (const char *)send, send_counts, d, (char *)recv,
+                                        recv_counts, d + n, dt, t0, arrived, ready, arg);
     DSK_FREE(d);
+    if (start && st == DSK_OK) { /* the call ends in dsk_comm_finish */
+        c->impl->started = 1;
+        c->impl->started_t0 = t0;
+        c->impl->started_s = dsk__comm_now() - t0;
+        return DSK_OK;
+    }
     return dsk__comm_done(c, st, t0);
 }
 
@@ -3794,7 +3880,37 @@ DSK_API dsk_status dsk_comm_all_to_all_v(dsk_comm *c, dsk_ctx *ctx, const void *
                                          const int64_t *send_displs, void *recv, const int64_t *recv_counts,
                                          const int64_t *recv_displs, dsk_dtype dt) {
     return dsk__comm_a2a_v(c, ctx, "dsk_comm_all_to_all_v", send, send_counts, send_displs, recv, recv_counts,
-                           recv_displs, dt, NULL, NULL, NULL);
+                           recv_displs, dt, NULL, NULL, NULL, 0, NULL);
+}
+
+DSK_API dsk_status dsk_comm_all_to_all_v_start(dsk_comm *c, dsk_ctx *ctx, const void *send, const int64_t *send_counts,
+                                               const int64_t *send_displs, void *recv, const int64_t *recv_counts,
+                                               const int64_t *recv_displs, dsk_dtype dt, size_t *unsent) {
+    if (unsent) *unsent = 0;
+    return dsk__comm_a2a_v(c, ctx, "dsk_comm_all_to_all_v_start", send, send_counts, send_displs, recv, recv_counts,
+                           recv_displs, dt, NULL, NULL, NULL, 1, unsent);
+}
+
+DSK_API dsk_status dsk_comm_finish(dsk_comm *c, dsk_ctx *ctx) {
+    const char *fn = "dsk_comm_finish";
+    dsk__comm_impl *m;
+    double t0 = dsk__comm_now();
+    dsk_status st = DSK_OK;
+    (void)ctx;
+    DSK__TRY(dsk__comm_usable(c, fn));
+    m = c->impl;
+    if (!m->started)
+        return dsk_set_error(DSK_ERR_STATE, "%s: rank %d has no exchange begun by dsk_comm_all_to_all_v_start", fn,
+                             c->rank);
+    m->started = 0;
+    if (c->backend == DSK_COMM_HOST) {
+        st = dsk__comm_io_run(c, fn, m->ops, m->started_n, t0, NULL);
+        if (st == DSK_OK) dsk__comm_link_wait(c, m->started_t0);
+    }
+    m->seq++;
+    c->stats.calls++;
+    c->stats.seconds += m->started_s + (dsk__comm_now() - t0);
+    return st;
 }
 
 DSK_API dsk_status dsk_comm_all_to_all_v_notify(dsk_comm *c, dsk_ctx *ctx, const void *send, const int64_t *send_counts,
@@ -3802,7 +3918,7 @@ DSK_API dsk_status dsk_comm_all_to_all_v_notify(dsk_comm *c, dsk_ctx *ctx, const
                                                 const int64_t *recv_displs, dsk_dtype dt, dsk_comm_arrived_fn arrived,
                                                 void *arg) {
     return dsk__comm_a2a_v(c, ctx, "dsk_comm_all_to_all_v_notify", send, send_counts, send_displs, recv, recv_counts,
-                           recv_displs, dt, arrived, NULL, arg);
+                           recv_displs, dt, arrived, NULL, arg, 0, NULL);
 }
 
 DSK_API dsk_status dsk_comm_all_to_all_v_gated(dsk_comm *c, dsk_ctx *ctx, const void *send, const int64_t *send_counts,
@@ -3811,7 +3927,7 @@ DSK_API dsk_status dsk_comm_all_to_all_v_gated(dsk_comm *c, dsk_ctx *ctx, const 
                                                void *arg) {
     if (!ready) return dsk_set_error(DSK_ERR_ARG, "dsk_comm_all_to_all_v_gated: ready is NULL");
     return dsk__comm_a2a_v(c, ctx, "dsk_comm_all_to_all_v_gated", send, send_counts, send_displs, recv, recv_counts,
-                           recv_displs, dt, NULL, ready, arg);
+                           recv_displs, dt, NULL, ready, arg, 0, NULL);
 }
 
 static dsk_status dsk__comm_p2p(dsk_comm *c, const char *fn, dsk_ctx *ctx, void *buf, int64_t count, dsk_dtype dt,

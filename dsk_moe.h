@@ -130,8 +130,12 @@
      all-to-all of int32); the receiver sorts the rows by local expert on the device (stable: each
      expert's rows by source rank, then in the source's order, as the exact exchange places them),
      so nothing comes back to the host and the results are the exact exchange's bits.
-     Overlap (opts.ep_overlap 1; off by default: on the host it needs a core the ranks' compute does
-     not use, bench/RESULTS.md): a second thread (host backend), or a stream of the layer's own that
+     Overlap (opts.ep_overlap 1; off by default: on the host it pays where the link is slower than the
+     compute, bench/RESULTS.md): the exchange's all-to-all-v begun (dsk_comm_all_to_all_v_start: the
+     messages the shared-memory rings or the sockets take leave at once) and finished at the wait, or on a
+     second thread when the transport left bytes unsent (the flat exact exchange of activation rows,
+     unchunked; a thread for every exchange cost more over shared memory than it hid); the other host
+     exchanges on a second thread (host backend); or a stream of the layer's own that
      waits for an event on the layer's stream and that the layer's stream waits for in turn (CUDA, no
      host wait, so a bounded step stays a CUDA graph: the graph holds the fork and the join), runs each
      exchange while the layer computes what does not wait on it: the shared experts during the
@@ -366,9 +370,9 @@ typedef struct dsk_moe_opts {
                                         implementation */
     int ep_overlap;                  /* 1: each expert exchange runs beside what the layer computes that does not
                                         wait on it (forward: the shared experts; backward: the shared experts,
-                                        the router): host backend on a second thread (it needs a free core,
-                                        bench/RESULTS.md), CUDA on a stream of the layer's own, ordered by events
-                                        (no host wait); the same bits as serial
+                                        the router): host backend begun and finished around it, or on a
+                                        second thread (see above), CUDA on a stream of the layer's own, ordered
+                                        by events (no host wait); the same bits as serial
                                         [0: serial] */
     dsk_moe_ep_route ep_route;       /* [DSK_MOE_ROUTE_AUTO]; resolved by init to FLAT or TWO_HOP */
     dsk_moe_ep_chunk ep_chunk;       /* [DSK_MOE_CHUNK_AUTO] chunked dispatch and return (with ep_overlap); the
@@ -1379,6 +1383,8 @@ struct dsk__moe_state {
     uint64_t off_bytes[3];    /* EP bytes sent to other nodes: the last forward's, since the last request, collected */
     int in_forward;           /* the exchanges count into off_bytes[0] too */
     int chunked;              /* this call's exchange to the experts leaves this rank's own rows to the caller */
+    int xch_begin;            /* the exchange running now only begins its all-to-all (dsk__moe_begins) */
+    size_t xch_unsent;        /* its bytes the transport did not take at the start */
     int64_t fwd_chunks;       /* the last forward's chunks (dsk_moe_stats.ep_chunks) */
     struct dsk__moe_arrivals *arrivals; /* chunked: the running exchange's hand-over (dsk__moe_async) */
     void *side, *ev_fork, *ev_join;     /* CUDA with ep_overlap: the exchanges' stream, and the events that order
@@ -3873,6 +3879,8 @@ typedef struct dsk__moe_async {
     int way, started, chunked; /* way: DSK__MOE_XCH_*; chunked: arr is initialised and in st->arrivals */
     int deferred;              /* chunked without a thread: the return runs at the wait, once every gate is open */
     int forked;                /* CUDA: the exchange was issued on st->side, after ev_fork */
+    int begun;                 /* host: its all-to-all begun (dsk__moe_begins), finished at the wait or on the
+                                  thread when the transport could not take all of it at the start */
     dsk_ctx side, *caller;     /* CUDA: the caller's ctx on st->side (no workspace: the exchanges need none) */
     dsk_ctx_counters at_fork;  /* side's counters when it was made */
     pthread_t thread;
@@ -3947,6 +3955,41 @@ static void *dsk__moe_async_main(void *p) {
     return NULL;
 }
 
+static dsk_status dsk__moe_stage_to_experts(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dst);
+
+/* Whether an overlapped host exchange runs without a thread: the flat exact exchange of activation rows, not
+   chunked, whose all-to-all-v begins at the start (the messages the transport takes now: shared-memory rings,
+   sockets' buffers) and finishes at the wait, or on the thread when the transport did not take them all. A
+   thread of its own cost the step more over shared memory than the exchange it hid (bench/RESULTS.md). */
+static int dsk__moe_begins(const dsk_moe *m, int way) {
+    return m->device.type == DSK_DEV_CPU && m->opts.ep_route != DSK_MOE_ROUTE_TWO_HOP &&
+           m->opts.ep_exchange != DSK_MOE_EP_BOUNDED && !m->st->chunked &&
+           (way != DSK__MOE_XCH_DISPATCH || m->opts.ep_dispatch != DSK_MOE_DISPATCH_FP8);
+}
+
+/* The begun exchange's end: its all-to-all finished, the rows to the experts regrouped. */
+static dsk_status dsk__moe_exchange_finish(dsk__moe_async *a) {
+    DSK__TRY(dsk_comm_finish(a->m->opts.ep, a->ctx));
+    return a->way == DSK__MOE_XCH_FROM_EXPERTS ? DSK_OK : dsk__moe_stage_to_experts(a->m, a->ctx, a->dst);
+}
+
+static void *dsk__moe_finish_main(void *p) {
+    dsk__moe_async *a = (dsk__moe_async *)p;
+    if ((a->st = dsk__moe_exchange_finish(a)) != DSK_OK) snprintf(a->err, sizeof a->err, "%s", dsk_last_error());
+    return NULL;
+}
+
+/* Begins the exchange (dsk__moe_begins); a thread finishes what the transport did not take. */
+static void dsk__moe_exchange_begin(dsk__moe_async *a) {
+    struct dsk__moe_state *st = a->m->st;
+    st->xch_begin = 1;
+    st->xch_unsent = 0;
+    dsk__moe_async_main(a);
+    st->xch_begin = 0;
+    a->begun = a->st == DSK_OK;
+    if (a->begun && st->xch_unsent > 0) a->started = pthread_create(&a->thread, NULL, dsk__moe_finish_main, a) == 0;
+}
+
 /* Sizes the buffers an exchange running beside the layer uses (staging; FP8 dispatch's codes and scales, and
    FP8 experts' inputs), so that it only looks them up. Two hops use the forward's route (its own scratch and
    communicators) and staging, sized by the route's plan. */
@@ -3971,6 +4014,10 @@ static dsk_status dsk__moe_exchange_start(dsk__moe_async *a, dsk_moe *m, dsk_ctx
     a->dst = dst;
     a->way = way;
     if (thread || m->st->side) DSK__TRY(dsk__moe_exchange_buffers(m, ctx));
+    if (thread && dsk__moe_begins(m, way)) {
+        dsk__moe_exchange_begin(a);
+        return DSK_OK;
+    }
     if (m->st->chunked && way != DSK__MOE_XCH_FROM_EXPERTS) {
         if (pthread_mutex_init(&a->arr.mu, NULL)) return dsk_set_error(DSK_ERR_OOM, "dsk_moe: pthread_mutex_init");
         if (pthread_cond_init(&a->arr.cv, NULL)) {
@@ -4010,7 +4057,9 @@ static dsk_status dsk__moe_exchange_start(dsk__moe_async *a, dsk_moe *m, dsk_ctx
 /* Waits for it; its status (and message). */
 static dsk_status dsk__moe_exchange_wait(dsk__moe_async *a) {
     if (a->started) pthread_join(a->thread, NULL);
-    a->started = 0;
+    else if (a->begun && (a->st = dsk__moe_exchange_finish(a)) != DSK_OK)
+        snprintf(a->err, sizeof a->err, "%s", dsk_last_error());
+    a->started = a->begun = 0;
     if (a->deferred && a->st == DSK_OK && (a->st = dsk__moe_return_gated(a->m, a->ctx, a->back)) != DSK_OK)
         snprintf(a->err, sizeof a->err, "%s", dsk_last_error());
     a->deferred = 0;
@@ -4249,20 +4298,33 @@ static dsk_status dsk__moe_chunked_wgrad(dsk_moe *m, dsk_ctx *ctx, const dsk_ten
 }
 
 /* Rows (n_kept of them, kept order) to their experts' ranks, regrouped expert-major into dst (R). */
+/* The flat exchange's all-to-all-v on the layer's communicator: whole, or begun (st->xch_begin). */
+static dsk_status dsk__moe_a2a(dsk_moe *m, dsk_ctx *ctx, const void *send, const int64_t *sc, const int64_t *sd,
+                               void *recv, const int64_t *rc, const int64_t *rd, dsk_dtype dt) {
+    if (!m->st->xch_begin) return dsk_comm_all_to_all_v(m->opts.ep, ctx, send, sc, sd, recv, rc, rd, dt);
+    return dsk_comm_all_to_all_v_start(m->opts.ep, ctx, send, sc, sd, recv, rc, rd, dt, &m->st->xch_unsent);
+}
+
+/* The rows to the experts, landed in STAGE (by source rank), regrouped expert-major into dst. */
+static dsk_status dsk__moe_stage_to_experts(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dst) {
+    dsk_tensor stage, rg = dsk__moe_saved(m, DSK__MOE_RG);
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, m->st->f->T, m->st->f->R, &stage));
+    stage = dsk__moe_rows(&stage, m->st->f->R);
+    return dsk_gather_rows(ctx, dst, &stage, &rg);
+}
+
 static dsk_status dsk__moe_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
     struct dsk__moe_state *st = m->st;
     int P = m->ep_size;
-    dsk_tensor stage, rg;
+    dsk_tensor stage;
     if (m->opts.ep_route == DSK_MOE_ROUTE_TWO_HOP) return dsk__moe_hop_to_experts(m, ctx, rows, dst, 1);
     dsk__moe_count_off(m, dsk__moe_flat_off(m, 0, (size_t)m->opts.d_model * dsk_dtype_size(rows->dtype)));
     if (m->opts.ep_exchange == DSK_MOE_EP_BOUNDED) return dsk__moe_to_experts_bounded(m, ctx, rows, dst);
     if (st->chunked) return dsk__moe_others_to_experts(m, ctx, rows, dst);
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->f->T, st->f->R, &stage));
-    rg = dsk__moe_saved(m, DSK__MOE_RG);
-    DSK__TRY(dsk_comm_all_to_all_v(m->opts.ep, ctx, rows->data, st->f->a2a, st->f->a2a + P, stage.data,
-                                   st->f->a2a + 2 * P, st->f->a2a + 3 * P, rows->dtype));
-    stage = dsk__moe_rows(&stage, st->f->R);
-    return dsk_gather_rows(ctx, dst, &stage, &rg);
+    DSK__TRY(dsk__moe_a2a(m, ctx, rows->data, st->f->a2a, st->f->a2a + P, stage.data, st->f->a2a + 2 * P,
+                          st->f->a2a + 3 * P, rows->dtype));
+    return st->xch_begin ? DSK_OK : dsk__moe_stage_to_experts(m, ctx, dst);
 }
 
 #ifdef DSK_AMP_H
@@ -4602,8 +4664,8 @@ static dsk_status dsk__moe_from_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tens
     rgi = dsk__moe_saved(m, DSK__MOE_RGI);
     stage = dsk__moe_rows(&stage, st->f->R);
     DSK__TRY(dsk_gather_rows(ctx, &stage, rows, &rgi));
-    return dsk_comm_all_to_all_v(m->opts.ep, ctx, stage.data, st->f->a2a + 2 * P, st->f->a2a + 3 * P, dst->data,
-                                 st->f->a2a, st->f->a2a + P, rows->dtype);
+    return dsk__moe_a2a(m, ctx, stage.data, st->f->a2a + 2 * P, st->f->a2a + 3 * P, dst->data, st->f->a2a,
+                        st->f->a2a + P, rows->dtype);
 }
 
 /* ---------------------------------------------------------------- forward */

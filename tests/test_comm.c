@@ -632,8 +632,33 @@ static dsk_status a2av_gated(dsk_comm *c, const void *in, int64_t tot, const int
     return st;
 }
 
+static void *a2av_finish_main(void *c) { return (void *)(intptr_t)dsk_comm_finish((dsk_comm *)c, NULL); }
+
+/* The exchange begun (dsk_comm_all_to_all_v_start) and finished: here, or on a thread of its own when the
+   transport left bytes unsent, as dsk_moe does; one call counted, at the finish. */
+static void a2av_begun(dsk_comm *c, const void *in, const int64_t *sc, const int64_t *sd, void *got, const int64_t *rc,
+                       const int64_t *rd, dsk_dtype dt, int64_t send_bytes, const char *label) {
+    size_t unsent = (size_t)-1;
+    int64_t calls = c->stats.calls;
+    DSK_TEST_OK(dsk_comm_all_to_all_v_start(c, NULL, in, sc, sd, got, rc, rd, dt, &unsent));
+    DSK_TEST_EXPECT(unsent <= (size_t)send_bytes + (size_t)c->world_size * 64, "%s: %zu bytes unsent of %lld", label,
+                    unsent, (long long)send_bytes);
+    DSK_TEST_EXPECT(c->stats.calls == calls, "%s: counted at the start", label);
+    if (unsent > 0) {
+        pthread_t th;
+        void *rv = NULL;
+        DSK_TEST_EXPECT(pthread_create(&th, NULL, a2av_finish_main, c) == 0, "%s: pthread_create", label);
+        pthread_join(th, &rv);
+        DSK_TEST_EXPECT((dsk_status)(intptr_t)rv == DSK_OK, "%s: finish on a thread: %s", label, dsk_last_error());
+    } else {
+        DSK_TEST_OK(dsk_comm_finish(c, NULL));
+    }
+    DSK_TEST_EXPECT(c->stats.calls == calls + 1, "%s: %lld calls counted", label, (long long)(c->stats.calls - calls));
+}
+
 /* all_to_all_v against the blocks computed here, or its _notify form (mode 1), whose callback checks each
-   rank's block as it is reported, or its _gated form (mode 2), whose blocks are written as it runs. */
+   rank's block as it is reported, or its _gated form (mode 2), whose blocks are written as it runs, or begun
+   and finished (mode 3). */
 static void a2av_check(dsk_comm *c, int notify) {
     int n = c->world_size, me = c->rank;
     static const int64_t scales[] = {1, 5, 130, 40000};
@@ -675,7 +700,10 @@ static void a2av_check(dsk_comm *c, int notify) {
                 }
                 snprintf(label, sizeof label, "rank %d: all_to_all_v %s scale %lld%s", me, dsk_dtype_name(dt),
                          (long long)scales[s], packed ? " packed (NULL displacements)" : " with gaps");
-                if (notify == 2) {
+                if (notify == 3) {
+                    a2av_begun(c, in[me], sc, packed ? NULL : sd, got, rc, packed ? NULL : rd, dt,
+                               (stot - (int64_t)n * gap) * (int64_t)esz, label);
+                } else if (notify == 2) {
                     int64_t tot = 1;
                     int asked = 0;
                     for (int q = 0; q < n; q++) tot += sc[q] + gap;
@@ -714,6 +742,39 @@ static void rank_all_to_all_v_notify(dsk_comm *c, void *arg) {
 static void rank_all_to_all_v_gated(dsk_comm *c, void *arg) {
     (void)arg;
     a2av_check(c, 2);
+}
+
+static void rank_all_to_all_v_begun(dsk_comm *c, void *arg) {
+    (void)arg;
+    a2av_check(c, 3);
+}
+
+/* Misuse of a begun exchange: a finish with none begun, and any other call (a second start, a barrier) while
+   one is in flight, fail with DSK_ERR_STATE naming the call and leave the exchange and the communicator as
+   they were: its finish then delivers every rank's message. */
+static void rank_all_to_all_v_begun_misuse(dsk_comm *c, void *arg) {
+    int n = c->world_size, me = c->rank;
+    int64_t cnt[8], x[8], y[8], z[8];
+    (void)arg;
+    for (int p = 0; p < n; p++) {
+        cnt[p] = 1;
+        x[p] = 100 * me + p;
+        y[p] = -1;
+    }
+    DSK_TEST_STATUS(dsk_comm_finish(c, NULL), DSK_ERR_STATE);
+    DSK_TEST_ERROR_MENTIONS("dsk_comm_finish: rank");
+    DSK_TEST_ERROR_MENTIONS("has no exchange begun by dsk_comm_all_to_all_v_start");
+    DSK_TEST_OK(dsk_comm_all_to_all_v_start(c, NULL, x, cnt, NULL, y, cnt, NULL, DSK_I64, NULL));
+    DSK_TEST_STATUS(dsk_comm_all_to_all_v_start(c, NULL, x, cnt, NULL, z, cnt, NULL, DSK_I64, NULL), DSK_ERR_STATE);
+    DSK_TEST_ERROR_MENTIONS("dsk_comm_all_to_all_v_start: rank");
+    DSK_TEST_ERROR_MENTIONS("exchange begun by dsk_comm_all_to_all_v_start is in flight; dsk_comm_finish it first");
+    DSK_TEST_STATUS(dsk_comm_barrier(c, NULL), DSK_ERR_STATE);
+    DSK_TEST_ERROR_MENTIONS("dsk_comm_barrier: rank");
+    DSK_TEST_OK(dsk_comm_finish(c, NULL));
+    for (int p = 0; p < n; p++)
+        DSK_TEST_EXPECT(y[p] == 100 * p + me, "rank %d: got %lld from rank %d, not %d", me, (long long)y[p], p,
+                        100 * p + me);
+    DSK_TEST_OK(dsk_comm_barrier(c, NULL));
 }
 
 static int a2av_give_up(void *arg, int p) {
@@ -2593,6 +2654,10 @@ static void run_suite(void) {
                   rank_all_to_all_v_gated, n, 0);
         coll_case("all_to_all_v_gated: a gate that says -1 fails the call and breaks the communicator",
                   rank_all_to_all_v_gated_give_up, n, 0);
+        coll_case("all_to_all_v_start + finish: = all_to_all_v; finished on a thread where bytes were left unsent",
+                  rank_all_to_all_v_begun, n, 0);
+        coll_case("all_to_all_v_start: finish with none begun, calls while one is in flight refused (state)",
+                  rank_all_to_all_v_begun_misuse, n, 0);
         coll_case("send/recv ring and barrier", rank_send_recv, n, 0);
         coll_case("tensor forms", rank_tensors, n, 0);
         if (g_mode == MODE_SHM) coll_case("store set/get/add/barrier", rank_store, n, 0);

@@ -195,6 +195,18 @@ static void part_collectives(void) {
                 DSK_TEST_EXPECT(g_told[q] == q, "%s: notify's report %d is rank %d", label, q, g_told[q]);
             to_host(got, dout, nb);
             compare(got, want, dt, len * n, 1, label);
+            { /* begun and finished: enqueued at the start, nothing left unsent, one call counted */
+                size_t unsent = 1;
+                int64_t calls = NC.stats.calls;
+                DSK_TEST_EXPECT(cudaMemset(dout, 0, nb) == cudaSuccess, "cudaMemset");
+                DSK_TEST_OK(dsk_comm_all_to_all_v_start(&NC, &G, din, sc, NULL, dout, rc, NULL, dt, &unsent));
+                DSK_TEST_EXPECT(unsent == 0, "%s: nccl start left %zu bytes unsent", label, unsent);
+                DSK_TEST_OK(dsk_comm_finish(&NC, &G));
+                DSK_TEST_EXPECT(NC.stats.calls == calls + 1, "%s: start and finish counted %lld calls", label,
+                                (long long)(NC.stats.calls - calls));
+                to_host(got, dout, nb);
+                compare(got, want, dt, len * n, 1, label);
+            }
             DSK_TEST_EXPECT(cudaFree(din) == cudaSuccess && cudaFree(dout) == cudaSuccess, "cudaFree");
             free(in);
             free(want);
