@@ -4,7 +4,8 @@
 #   test_ckpt   async saves: the writer thread, the snapshot it copies, dsk_ckpt_wait, readers
 #               (dsk_ckpt_verify, dsk_ckpt_latest) checking manifests while it writes one
 #   test_comm   the host backend's progress and bucket threads, the shared-memory rings
-#               between ranks, the store server
+#               between ranks, the store server, an all-to-all-v begun on one thread and
+#               finished on another
 #   train_moe   the loader thread (--prefetch), the metrics server (--metrics-port, scraped
 #               while it trains), async checkpoints (--ckpt-every), the local launcher
 #               with two ranks over shared memory (--nproc 2), and the MoE layers' exchange
