@@ -31,16 +31,17 @@
      not counted: at scale it is hundreds of GB per layer and no layout with expert parallelism
      would fit, while real routing (balanced by the expert bias) stays near the reserved rows.
    - The step time is a model: compute = the job's FLOPs (flops_per_token x tokens, plus the forward
-     recomputation reruns) over world x peak x efficiency (a pipeline's: its busiest stage's, the
-     model callback's flops, over tp x dp x peak x efficiency), plus the schedule's bubble,
+     recomputation reruns) over world x peak x efficiency (a pipeline's: the stage that keeps its pace,
+     the most compute and expert exchanges of the model callback's flops and MoE layers per stage,
+     dsk_plan_pace_stage, over tp x dp x peak x efficiency), plus the schedule's bubble,
      dsk_par_bubble_fraction x compute (in units of the ideal compute); each collective's bytes over
      the link it crosses (ring all-reduce 2 (n-1)/n, reduce-scatter, all-gather and all-to-all
      (n-1)/n of the message per rank; intra-node when the group fits in a node, else the inter-node
      bandwidth) plus a latency per message; tensor-parallel (the busiest stage's collectives by kind
      and their calls, which the model's callback gives: examples/train_plan.h walks the trainer's
      call sites, tests/test_plan.sh compares them with a run's dsk_comm_stats), expert-parallel
-     (dispatch and combine, forward and backward) and pipeline (the sends of the busiest stage's
-     schedule, whose bytes the model's callback gives: examples/train_plan.h walks the trainer's
+     (dispatch and combine, forward and backward, of that stage's MoE layers) and pipeline (the sends
+     of the busiest stage's schedule, whose bytes the model's callback gives: examples/train_plan.h walks the trainer's
      schedule and buffers, and tests/test_plan.sh compares them with the bytes a run hands to
      dsk_comm_send) traffic is exposed, except that with forwards and backwards paired (the
      trainer's --pair-micro-batches) a pair's expert exchanges travel beside the other micro-batch's
@@ -218,7 +219,8 @@ typedef struct dsk_plan_result {
     int fits;
     double pp_bytes; /* the busiest stage's pipeline sends per step (the callback's send_bytes) */
     dsk_plan_tp tp;  /* the busiest stage's tensor-parallel collectives per step (the callback's tp) */
-    dsk_plan_flops stage_flops; /* the stage with the most FLOPs per token (the callback's flops; pp > 1) */
+    dsk_plan_flops stage_flops; /* the stage that keeps a pipeline's pace: the most compute and expert exchanges (the
+                                   callback's flops; pp > 1); moe_layers -1: not counted, the stages' mean taken */
     int lead_moe_layers;        /* pipeline rank 0's MoE layers (its chunks'; the callback's flops of stage 0) */
     /* seconds per step: compute (with recomputation), the bubble, the exposed communication */
     double step_s, compute_s, bubble_s, tp_s, ep_s, pp_s, zero_s, zero_exposed_s;
@@ -231,6 +233,11 @@ typedef struct dsk_plan_result {
 /* The step time of r->layout given its gradient traffic, r->pp_bytes and r->tp (fills the seconds of *r). */
 DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
                                  double reduce_bytes, double gather_bytes, int reduce_all, dsk_plan_result *r);
+/* Of a layout's pp stages' FLOPs (the callback's, stages[0..pp)), the one that keeps the pipeline's pace: the
+   most compute and expert exchanges (dsk_plan_result.stage_flops; moe_layers -1 where no stage counts its MoE
+   layers while the model has some: then the busiest stage, whose exchanges dsk_plan_time takes as the mean's). */
+DSK_API dsk_plan_flops dsk_plan_pace_stage(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
+                                           const dsk_plan_layout *l, const dsk_plan_flops *stages);
 /* Enumerates, sizes and times every layout of the space (NULL: all); *out (dsk_plan_results_free)
    sorted: the fitting ones fastest first, then the others smallest first; each `why` filled. */
 DSK_API dsk_status dsk_plan_run(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
@@ -521,15 +528,54 @@ static double dsk__plan_pair_hidden(const dsk_plan_model *m, const dsk_plan_layo
     return hidden < compute_s * share ? hidden : compute_s * share;
 }
 
+/* The expert exchanges of a rank holding L MoE layers per step: dispatch and combine, forward and backward, each
+   of the rank's tokens of a micro-batch (over tp) K times in each layer, every micro-batch. */
+static double dsk__plan_ep_s(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
+                             const dsk_plan_layout *l, double L) {
+    double Nm = (double)job->seq * (double)job->sequences / (l->dp * (double)l->micro); /* tokens per micro-batch */
+    if (l->ep < 2) return 0;
+    return l->micro *
+           dsk__plan_link(c, l->ep * l->tp,
+                          4.0 * L * (l->ep - 1.0) / l->ep * Nm / l->tp * m->top_k * (double)m->d_model * m->act_bytes,
+                          4.0 * L);
+}
+
+DSK_API dsk_plan_flops dsk_plan_pace_stage(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
+                                           const dsk_plan_layout *l, const dsk_plan_flops *stages) {
+    dsk_plan_flops slowest = stages[0], busiest = stages[0];
+    double slowest_s = -1;
+    int counted = 0;
+    for (int s = 0; s < l->pp; s++) {
+        double pace = dsk__plan_compute_s(c, job, l, &stages[s], l->tp * l->dp) +
+                      dsk__plan_ep_s(m, c, job, l, stages[s].moe_layers);
+        if (stages[s].total > busiest.total) busiest = stages[s];
+        if (pace > slowest_s) {
+            slowest_s = pace;
+            slowest = stages[s];
+        }
+        counted |= stages[s].moe_layers > 0;
+    }
+    if (counted || m->moe_layers == 0) return slowest;
+    busiest.moe_layers = -1; /* not counted: the busiest stage's compute and the stages' mean exchanges */
+    return busiest;
+}
+
+/* The MoE layers of the stage that keeps a pipeline's pace (r->stage_flops), or the stages' mean where the
+   callback does not count them (-1) or there is no pipeline. */
+static double dsk__plan_stage_moe(const dsk_plan_model *m, const dsk_plan_result *r) {
+    const dsk_plan_layout *l = &r->layout;
+    return l->pp > 1 && r->stage_flops.total > 0 && r->stage_flops.moe_layers >= 0 ? r->stage_flops.moe_layers
+                                                                                   : (double)m->moe_layers / l->pp;
+}
+
 DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
                                  double reduce_bytes, double gather_bytes, int reduce_all, dsk_plan_result *r) {
     const dsk_plan_layout *l = &r->layout;
-    int world = l->tp * l->pp * l->dp, moe = m->moe_layers;
+    int world = l->tp * l->pp * l->dp;
     dsk_plan_flops model = {m->flops_per_token, m->attn_flops_per_token, m->fp8_flops_per_token, m->moe_layers};
-    double mean_s = dsk__plan_compute_s(c, job, l, &model, world), b;                   /* the stages' mean */
-    double Nm = (double)job->seq * (double)job->sequences / (l->dp * (double)l->micro); /* tokens per micro-batch */
-    double a = m->act_bytes, dpn = l->dp, tpn = l->tp;
-    /* a pipeline keeps its busiest stage's pace */
+    double mean_s = dsk__plan_compute_s(c, job, l, &model, world), b; /* the stages' mean */
+    double dpn = l->dp, tpn = l->tp;
+    /* a pipeline keeps its slowest stage's pace (dsk__plan_eval picks it) */
     r->compute_s =
         l->pp > 1 && r->stage_flops.total > 0 ? dsk__plan_compute_s(c, job, l, &r->stage_flops, l->tp * l->dp) : mean_s;
     /* the bubble in units of the ideal (bubble-free) compute time: (p - 1) / m, (p - 1) / (v m) */
@@ -540,12 +586,7 @@ DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster
                                    (tpn - 1) / tpn * (2 * r->tp.all_reduce + r->tp.all_gather + r->tp.reduce_scatter),
                                    r->tp.calls)
                   : 0;
-    /* dispatch and combine, forward and backward: each of the rank's Nm/tp tokens K times */
-    r->ep_s = l->ep > 1 ? l->micro * dsk__plan_link(c, l->ep * l->tp,
-                                                    4.0 * moe / l->pp * (l->ep - 1.0) / l->ep * Nm / l->tp * m->top_k *
-                                                        (double)m->d_model * a,
-                                                    4.0 * moe / l->pp)
-                        : 0;
+    r->ep_s = dsk__plan_ep_s(m, c, job, l, dsk__plan_stage_moe(m, r));
     r->ep_hidden_s = dsk__plan_pair_hidden(m, l, r->lead_moe_layers, r->ep_s, r->compute_s);
     r->pp_s = l->pp > 1 ? dsk__plan_link(c, l->tp * l->dp + 1, r->pp_bytes, 2.0 * l->micro * l->vstages) : 0;
     r->zero_s = dpn > 1
@@ -592,6 +633,9 @@ static dsk_status dsk__plan_eval(const dsk_plan_model *m, const dsk_plan_cluster
                                  dsk_plan_result *r) {
     double red = 0, gat = 0;
     int all = 1;
+    dsk_plan_flops *stages = (dsk_plan_flops *)DSK_MALLOC((size_t)r->layout.pp * sizeof *stages);
+    dsk_status st = DSK_OK;
+    if (!stages) return dsk_set_error(DSK_ERR_OOM, "dsk_plan_run: %d stages' FLOPs", r->layout.pp);
     r->total = -1;
     r->pp_bytes = 0;
     memset(&r->tp, 0, sizeof r->tp);
@@ -606,9 +650,9 @@ static dsk_status dsk__plan_eval(const dsk_plan_model *m, const dsk_plan_cluster
         memset(&mem, 0, sizeof mem);
         memset(&tp, 0, sizeof tp);
         memset(&fl, 0, sizeof fl);
-        DSK__TRY(m->memory(m->user, &r->layout, job, s, &mem, &rb, &gb, &ra, &sb, &tp, &fl));
+        if ((st = m->memory(m->user, &r->layout, job, s, &mem, &rb, &gb, &ra, &sb, &tp, &fl)) != DSK_OK) break;
         if (sb > r->pp_bytes) r->pp_bytes = sb;
-        if (fl.total > r->stage_flops.total) r->stage_flops = fl;
+        stages[s] = fl;
         if (s == 0) r->lead_moe_layers = fl.moe_layers;
         if (dsk__plan_tp_total(&tp) > dsk__plan_tp_total(&r->tp)) r->tp = tp;
         tot = mem.params + mem.grads + mem.optimizer + mem.comm + mem.activations;
@@ -623,6 +667,9 @@ static dsk_status dsk__plan_eval(const dsk_plan_model *m, const dsk_plan_cluster
             all = ra;
         }
     }
+    if (st == DSK_OK) r->stage_flops = dsk_plan_pace_stage(m, c, job, &r->layout, stages);
+    DSK_FREE(stages);
+    if (st != DSK_OK) return st;
     r->fits = (double)r->total <= 1e9 * (c->memory_gb - c->reserve_gb);
     return dsk_plan_time(m, c, job, red, gat, all, r);
 }

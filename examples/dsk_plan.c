@@ -166,17 +166,21 @@ static int check_layout(const trainer *t, dsk_plan_layout *l, dsk_plan_job *job)
 /* With --cluster: the step time dsk_plan.h's model predicts for the layout (bench/plan_rank.sh). */
 static int check_time(const dsk_plan_model *pm, const char *cluster, const dsk_plan_layout *l, const dsk_plan_job *job,
                       const dsk_plan_memory *mem, double red, double gat, int all, double send,
-                      const double tr[TP_TRAFFIC], const dsk_plan_flops *busiest, int lead_moe) {
+                      const double tr[TP_TRAFFIC], const dsk_plan_flops *stages) {
     dsk_plan_cluster cl;
     dsk_plan_result r;
     memset(&r, 0, sizeof r);
     r.layout = *l;
-    r.stage_flops = *busiest;
-    r.lead_moe_layers = lead_moe;
+    r.lead_moe_layers = stages[0].moe_layers;
     r.mem = *mem;
     r.pp_bytes = send;
     plan_tp(tr, &r.tp);
-    if (dsk_plan_cluster_read(&cl, cluster) != DSK_OK || dsk_plan_time(pm, &cl, job, red, gat, all, &r) != DSK_OK) {
+    if (dsk_plan_cluster_read(&cl, cluster) != DSK_OK) {
+        fprintf(stderr, "dsk_plan: %s\n", dsk_last_error());
+        return 1;
+    }
+    r.stage_flops = dsk_plan_pace_stage(pm, &cl, job, l, stages);
+    if (dsk_plan_time(pm, &cl, job, red, gat, all, &r) != DSK_OK) {
         fprintf(stderr, "dsk_plan: %s\n", dsk_last_error());
         return 1;
     }
@@ -188,15 +192,9 @@ static int check_time(const dsk_plan_model *pm, const char *cluster, const dsk_p
 }
 
 /* Prints the FLOPs per token and the MoE layers of every stage of l (the model's callback, as dsk_plan_run asks),
-   puts the busiest's FLOPs into *busiest and stage 0's MoE layers into *lead_moe. */
+   into stages[0..pp). */
 static int check_flops(const dsk_plan_model *pm, const dsk_plan_layout *l, const dsk_plan_job *job,
-                       dsk_plan_flops *busiest, int *lead_moe) {
-    int *moe = (int *)calloc((size_t)l->pp, sizeof *moe);
-    if (!moe) {
-        fprintf(stderr, "dsk_plan: out of memory\n");
-        return 1;
-    }
-    memset(busiest, 0, sizeof *busiest);
+                       dsk_plan_flops *stages) {
     printf("plan flops per token: model %.9g", pm->flops_per_token);
     for (int s = 0; s < l->pp; s++) {
         dsk_plan_memory mem;
@@ -206,18 +204,14 @@ static int check_flops(const dsk_plan_model *pm, const dsk_plan_layout *l, const
         int ra;
         if (pm->memory(pm->user, l, job, s, &mem, &rb, &gb, &ra, &sb, &tp, &f) != DSK_OK) {
             fprintf(stderr, "\ndsk_plan: %s\n", dsk_last_error());
-            free(moe);
             return 1;
         }
         printf(", stage %d %.9g", s, f.total);
-        moe[s] = f.moe_layers;
-        if (f.total > busiest->total) *busiest = f;
+        stages[s] = f;
     }
     printf("\nplan MoE layers: model %d", pm->moe_layers);
-    for (int s = 0; s < l->pp; s++) printf(", stage %d %d", s, moe[s]);
+    for (int s = 0; s < l->pp; s++) printf(", stage %d %d", s, stages[s].moe_layers);
     printf("\n");
-    *lead_moe = moe[0];
-    free(moe);
     return 0;
 }
 
@@ -227,8 +221,8 @@ static int check_rank(trainer *t, plan_user *u, const dsk_plan_model *pm, const 
     dsk_plan_job job;
     dsk_plan_memory mem[TPL_VARIANTS];
     double red[TPL_VARIANTS], gat[TPL_VARIANTS], send, ep[2], tr[TP_TRAFFIC];
-    dsk_plan_flops flops, busiest;
-    int all[TPL_VARIANTS], v, lead_moe = 0;
+    dsk_plan_flops flops, *stages;
+    int all[TPL_VARIANTS], v, rc;
     if (check_layout(t, &l, &job) != 0 || rank < 0 || rank >= o->nproc) {
         fprintf(stderr, "dsk_plan: --check-rank %d: --nproc %d must be a multiple of --tp %d x --pp %d\n", rank,
                 o->nproc, o->tp, o->pp);
@@ -248,9 +242,14 @@ static int check_rank(trainer *t, plan_user *u, const dsk_plan_model *pm, const 
         rank, (long long)mem[v].params, (long long)mem[v].grads, (long long)mem[v].optimizer, (long long)mem[v].comm,
         (long long)mem[v].activations, (long long)mem[v].imbalance, red[v], gat[v], send, ep[0], ep[1], tr[TP_AR],
         tr[TP_AG], tr[TP_RS], tr[TP_CALLS], (long long)mem[v].optimizer_step);
-    if (check_flops(pm, &l, &job, &busiest, &lead_moe) != 0) return 1;
-    return cluster ? check_time(pm, cluster, &l, &job, &mem[v], red[v], gat[v], all[v], send, tr, &busiest, lead_moe)
-                   : 0;
+    if (!(stages = (dsk_plan_flops *)calloc((size_t)l.pp, sizeof *stages))) {
+        fprintf(stderr, "dsk_plan: out of memory\n");
+        return 1;
+    }
+    rc = check_flops(pm, &l, &job, stages);
+    if (rc == 0 && cluster) rc = check_time(pm, cluster, &l, &job, &mem[v], red[v], gat[v], all[v], send, tr, stages);
+    free(stages);
+    return rc;
 }
 
 static int write_json(const char *path, const dsk_plan_result *r, const dsk_plan_job *job) {

@@ -24,6 +24,8 @@
 #      4 x busiest / model times dp4's: the same FLOPs over 4 ranks either way), and the trainer's split
 #      (train_par.h's tp_split_layers) is the contiguous one whose busiest stage is lightest: 3 layers
 #      on 2 stages go 2 + 1 (dense and MoE, then MoE and the head), where L / P would give 1 + 2.
+#   8. The stage that keeps a pipeline's pace (dsk_plan_pace_stage) is the one of the most compute and expert
+#      exchanges: the busiest by FLOPs on a fast link, the one with the MoE layers on a slow one.
 # Runs no training (each case is one dsk_plan call): seconds. The measured ranking is
 # bench/plan_rank.sh (not here: a loaded machine moves the measured order).
 # Prints `[test_plan_cores] totals: P passed / F failed / S skipped`.
@@ -168,6 +170,26 @@ sys.exit(abs($cpp - want) > 4e-6)"; then
 else
     bad "pp4's compute: the busiest stage's" "pp4 '${cpp:-}' s, dp4 '${cdp:-}' s, stages $s0 $s1 $s2 $s3 of $model"
 fi
+# 8. the stage that keeps the pace: 2 dense layers of a wide FFN, then 2 MoE layers, on pp2 x ep2 (stage 0: the
+# dense ones, the most FLOPs, no MoE layer; stage 1: both MoE layers and the head). On the usual link stage 0's
+# compute sets the pace and it makes no expert exchange; on a link 10^4 times slower stage 1's compute and its
+# two layers' exchanges do: 4 micro-batches x (4 x 2 layers x (ep - 1) / ep x 128 tokens x K 2 x D 64 x 4 bytes
+# over the link + 8 messages' latency).
+sed -E 's/"intra_node_gbps": [0-9.]+/"intra_node_gbps": 0.0002/' "$work/none.json" >"$work/slow.json"
+PACE=(--layers 4 --dense-layers 2 --ffn-hidden 512 --pp 2 --ep 2 --micro-batches 4)
+read -r model a b <<<"$(flops_line "${PACE[@]}")"
+read -r _ cdp _ <<<"$(parts none --zero 1 --layers 4 --dense-layers 2 --ffn-hidden 512)"
+for link in none slow; do
+    read -r _ comp _ _ ep _ <<<"$(parts "$link" "${PACE[@]}")"
+    if [ "$link" = none ]; then stage=$a want_ep=0; else stage=$b want_ep="4 * (4 * 2 * 0.5 * 128 * 2 * 64 * 4 / 2e5 + 8 * 30e-6)"; fi
+    if [ -n "${ep:-}" ] && "$PY" -c "import sys
+sys.exit(not ($a > $b and abs($comp - $cdp * 2 * $stage / $model) <= 4e-6 and abs($ep - ($want_ep)) <= 1e-6 + 1e-6 * $ep))"; then
+        ok "pace stage, pp2 x ep2, link $link: compute $comp s (the stage of $stage FLOPs per token), ep $ep s"
+    else
+        bad "pace stage, pp2 x ep2, link $link" \
+            "compute '${comp:-}' s, ep '${ep:-}' s; want the stage of $stage FLOPs per token (of $a, $b; dp4 ${cdp:-}) and ep $want_ep"
+    fi
+done
 
 # 5. the optimizer step
 for l in "--zero 0" "--zero 1" "--zero 2" "--zero 3" "--tp 2"; do
