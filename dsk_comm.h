@@ -3902,11 +3902,11 @@ DSK_API dsk_status dsk_comm_finish(dsk_comm *c, dsk_ctx *ctx) {
     if (!m->started)
         return dsk_set_error(DSK_ERR_STATE, "%s: rank %d has no exchange begun by dsk_comm_all_to_all_v_start", fn,
                              c->rank);
-    m->started = 0;
     if (c->backend == DSK_COMM_HOST) {
         st = dsk__comm_io_run(c, fn, m->ops, m->started_n, t0, NULL);
         if (st == DSK_OK) dsk__comm_link_wait(c, m->started_t0);
     }
+    m->started = 0; /* only now: the ops were in use until here */
     m->seq++;
     c->stats.calls++;
     c->stats.seconds += m->started_s + (dsk__comm_now() - t0);
