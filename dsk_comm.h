@@ -2528,8 +2528,10 @@ static int64_t dsk__comm_io_push(dsk_comm *c, const char *fn, dsk__comm_io *ops,
             else if ((r = dsk__comm_shm_step(c, fn, &ops[i], err)) < 0) return -1;
             else moved |= r;
         }
-        if (tcp && (r = dsk__comm_io_wait(c, fn, ops, n, 0, err)) < 0) return -1;
-        moved |= tcp && r > 0;
+        if (tcp) {
+            if ((r = dsk__comm_io_wait(c, fn, ops, n, 0, err)) < 0) return -1;
+            moved |= r > 0;
+        }
     }
     for (int i = 0; i < n; i++)
         if (ops[i].is_send) left += (int64_t)(sizeof(dsk__comm_wire) + ops[i].len - ops[i].done);
