@@ -526,9 +526,9 @@ DSK_API dsk_status dsk_moe_use_slot(dsk_moe *m, int slot);
 /* A forward or backward in two calls, so that the caller computes something else while the layer's tokens
    travel (overlap across micro-batches: another micro-batch's attention, another layer's backward):
    dsk_moe_forward_begin routes x, computes the balancing losses and gathers the rows, and under expert
-   parallelism starts their dispatch (on ep_overlap's thread or stream; without ep_overlap it runs in the
-   begin); dsk_moe_forward_end computes the shared and routed experts, brings the outputs back and writes
-   y. dsk_moe_backward_begin / _end split a backward alike at the exchange of the rows' gradients. The
+   parallelism starts their dispatch (in flight under ep_overlap: begun on the host, on its thread or stream;
+   without ep_overlap it runs in the begin); dsk_moe_forward_end computes the shared and routed experts, brings
+   the outputs back and writes y. dsk_moe_backward_begin / _end split a backward alike at the exchange of the rows' gradients. The
    pair gives the bits of dsk_moe_forward (dsk_moe_backward), which is its begin and end in one call. In
    between, the layer takes no other call but its end (DSK_ERR_STATE: forward, backward, reserve, bind,
    dsk_moe_set_slots, dsk_moe_use_slot); other layers run as they like, except that two exchanges must not
@@ -545,7 +545,7 @@ DSK_API dsk_status dsk_moe_backward_end(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx
    (one micro-batch's dispatch travels while another's experts compute, and its return while the first's
    experts compute; overlap across micro-batches): dsk_moe_experts computes the begun call's shared and
    routed experts (forward) or their backward, once the rows have arrived; dsk_moe_return_begin starts the
-   experts' results back to their tokens' ranks (on ep_overlap's thread or stream, as the dispatch); dsk_moe_wait
+   experts' results back to their tokens' ranks (in flight under ep_overlap, as the dispatch); dsk_moe_wait
    joins the exchange the call has in flight, if it has one, computing nothing, so that another layer's
    exchange may begin on the group. Each is optional, and each does what the steps before it would have done
    had they not been called (dsk_moe_wait, though, computes only where a chunked exchange (ep_chunk) carries
@@ -4785,7 +4785,7 @@ static dsk_status dsk__moe_fill_stats(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor
 }
 
 /* A forward up to its dispatch: the routing, the balancing losses, the kept rows, and under expert
-   parallelism the exchange begun (on ep_overlap's thread or stream, or done here); what the end reads in
+   parallelism the exchange begun (in flight under ep_overlap, or done here); what the end reads in
    st->pend. */
 static dsk_status dsk__moe_forward_begin_impl(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *x, int64_t T,
                                               const dsk_tensor *replay) {
@@ -4948,8 +4948,8 @@ static dsk_status dsk__moe_forward_experts_impl(dsk_moe *m, dsk_ctx *ctx) {
     return dsk_swiglu_grouped(ctx, &p->ob, &h1, &h3, &a, &p->xr, &w[0], &w[1], &w[2], &p->offsets);
 }
 
-/* The experts' outputs on their way back to their tokens' ranks (p->back): on ep_overlap's thread or
-   stream when `overlap`, else here and now. A chunked exchange returns them itself. */
+/* The experts' outputs on their way back to their tokens' ranks (p->back): in flight under ep_overlap
+   when `overlap`, else here and now. A chunked exchange returns them itself. */
 static dsk_status dsk__moe_forward_return_impl(dsk_moe *m, dsk_ctx *ctx, int overlap) {
     dsk__moe_pending *p = m->st->pend;
     if (m->ep_size <= 1 || m->st->chunked) return DSK_OK;
@@ -4974,7 +4974,7 @@ static dsk_status dsk__moe_experts_step(dsk_moe *m, dsk_ctx *ctx) {
 }
 
 /* Its experts' results on their way back (the experts first), unless they are (then DSK__MOE_AT_RETURNING);
-   `overlap`: the forward's on ep_overlap's thread or stream, else in place (the backward's always beside its
+   `overlap`: the forward's in flight under ep_overlap, else in place (the backward's always beside its
    router's backward). */
 static dsk_status dsk__moe_return_step(dsk_moe *m, dsk_ctx *ctx, int overlap) {
     dsk__moe_pending *p = m->st->pend;
@@ -5123,8 +5123,8 @@ static dsk_status dsk__moe_backward_experts_impl(dsk_moe *m, dsk_ctx *ctx) {
                                        &k.xr, &k.h1, &k.h3, &k.a, &w[0], &w[1], &w[2], &k.offsets);
 }
 
-/* The rows' input gradients on their way back to their tokens' ranks (p->dxp), on ep_overlap's thread or
-   stream (a chunked exchange returns them itself). */
+/* The rows' input gradients on their way back to their tokens' ranks (p->dxp), in flight under
+   ep_overlap (a chunked exchange returns them itself). */
 static dsk_status dsk__moe_backward_return_impl(dsk_moe *m, dsk_ctx *ctx) {
     dsk__moe_pending *p = m->st->pend;
     if (m->ep_size <= 1 || m->st->chunked) return DSK_OK;

@@ -4,7 +4,7 @@
 # (--ep-overlap off: the peer, and the communication alone: the time inside the expert-parallel communicator's calls,
 # the step log's ep_comm_ms), overlapped in the layer (--ep-overlap on: the shared expert beside the dispatch),
 # chunked (--ep-overlap chunked: the routed experts on this rank's own rows, then on each rank's as they land),
-# paired (--pair-micro-batches: one micro-batch's exchanges on the layer's thread while the other computes) and
+# paired (--pair-micro-batches: one micro-batch's exchanges in flight while the other computes) and
 # paired and chunked. The hidden share of each is (serial step - its step) / the serial exchanges' time, as
 # bench_moe_ep reports it for the layer alone. CPU ranks over the host backend: shared memory on one host, or TCP
 # between two emulated hosts (DSK_HOST_ID per process, launched as torchrun would).
