@@ -523,20 +523,20 @@ DSK_API dsk_status dsk_moe_set_loss_span(dsk_moe *m, dsk_comm *group, int64_t ro
 DSK_API dsk_status dsk_moe_set_slots(dsk_moe *m, dsk_ctx *ctx, int n);
 /* Slot `slot` for the forwards and backwards that follow (DSK_ERR_ARG outside 0 .. n-1). */
 DSK_API dsk_status dsk_moe_use_slot(dsk_moe *m, int slot);
-/* A forward or backward in two calls, so that the caller computes something else while the layer's tokens
-   travel (overlap across micro-batches: another micro-batch's attention, another layer's backward):
-   dsk_moe_forward_begin routes x, computes the balancing losses and gathers the rows, and under expert
-   parallelism starts their dispatch (in flight under ep_overlap: begun on the host, on its thread or stream;
-   without ep_overlap it runs in the begin); dsk_moe_forward_end computes the shared and routed experts, brings
-   the outputs back and writes y. dsk_moe_backward_begin / _end split a backward alike at the exchange of the rows' gradients. The
-   pair gives the bits of dsk_moe_forward (dsk_moe_backward), which is its begin and end in one call. In
-   between, the layer takes no other call but its end (DSK_ERR_STATE: forward, backward, reserve, bind,
-   dsk_moe_set_slots, dsk_moe_use_slot); other layers run as they like, except that two exchanges must not
-   be in flight on one communicator at once: end one layer's before beginning another's on the same
-   expert-parallel group. x, dy and the tensors they alias must stay unchanged until the end. An end with a
-   bad y (dx) fails with DSK_ERR_ARG and leaves the begun call pending; a begin or end that fails otherwise
-   leaves none (the exchange joined). dsk_moe_free waits for an exchange in flight (a chunked one's return
-   fails, as no end opens its gates, and with it the group: end the call first to keep the group). */
+/* A forward or backward in two calls, so that the caller computes something else while the layer's tokens travel
+   (overlap across micro-batches: another micro-batch's attention, another layer's backward): dsk_moe_forward_begin
+   routes x, computes the balancing losses and gathers the rows, and under expert parallelism starts their dispatch
+   (in flight under ep_overlap: begun on the host, on its thread or stream; without ep_overlap it runs in the begin);
+   dsk_moe_forward_end computes the shared and routed experts, brings the outputs back and writes y.
+   dsk_moe_backward_begin / _end split a backward alike at the exchange of the rows' gradients. The pair gives the
+   bits of dsk_moe_forward (dsk_moe_backward), which is its begin and end in one call. In between, the layer takes no
+   other call but its end (DSK_ERR_STATE: forward, backward, reserve, bind, dsk_moe_set_slots, dsk_moe_use_slot);
+   other layers run as they like, except that two exchanges must not be in flight on one communicator at once: end
+   one layer's before beginning another's on the same expert-parallel group. x, dy and the tensors they alias must
+   stay unchanged until the end. An end with a bad y (dx) fails with DSK_ERR_ARG and leaves the begun call pending; a
+   begin or end that fails otherwise leaves none (the exchange joined). dsk_moe_free waits for an exchange in flight
+   (a chunked one's return fails, as no end opens its gates, and with it the group: end the call first to keep the
+   group). */
 DSK_API dsk_status dsk_moe_forward_begin(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *x);
 DSK_API dsk_status dsk_moe_forward_end(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, dsk_moe_stats *stats);
 DSK_API dsk_status dsk_moe_backward_begin(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *dy, float aux_scale);
