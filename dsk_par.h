@@ -101,13 +101,18 @@
        which keeps the bubble formula above (the unit-step run, a pair two steps) at the price
        of activations: min(warm-up + 1, m v) chunks in flight, 2 p instead of p on rank 0 under
        1F1B. The forwards and the backwards keep their unpaired order. GPipe has no pairs.
+     Timed (dsk_par_schedule_time): every rank's list run as the executor runs it (blocking sends and
+       receives in the list's order) with each stage's own forward and backward time and a link time per
+       message. The formulas above hold for equal stages; where the first or last stage carries the
+       embedding or the head, or the stages hold different numbers of MoE layers, the lists' fixed order
+       makes the faster stages wait on the slowest one's messages, and dsk_plan.h prices that.
    License: MIT, see the end of the file. */
 /* Contents. Each section starts with a rule comment "---- <title>"; search for the title.
    Declarations: the rank grid; tensor-parallel mappings; parallel linears; vocabulary
    parallelism; pipeline schedules; the pipeline executor; CUDA launchers (kernels/par.cu).
    Implementation (after the "implementation" rule): checks and helpers; the rank grid;
    mappings; parallel linears; vocabulary-parallel embedding; vocabulary-parallel
-   cross-entropy; schedules: compute orders; schedules: placing the transfers; the executor. */
+   cross-entropy; schedules: compute orders; schedules: placing the transfers; schedules: timed; the executor. */
 #if defined(DSK_STATIC) && defined(DSK_PAR_IMPLEMENTATION) && !defined(DSK_COMM_IMPLEMENTATION)
 #define DSK_COMM_IMPLEMENTATION
 #endif
@@ -270,6 +275,13 @@ DSK_API dsk_status dsk_par_schedule_init_paired(dsk_par_schedule *s, dsk_par_sch
 DSK_API void dsk_par_schedule_free(dsk_par_schedule *s); /* zeroed/freed ok */
 /* (p - 1) / m for GPipe and 1F1B, (p - 1) / (v m) for the interleaved schedule. */
 DSK_API double dsk_par_bubble_fraction(dsk_par_schedule_kind kind, int stages, int micro, int chunks);
+/* The time of a step under a schedule whose stages take different times: every rank runs its list
+   (dsk_par_schedule_init's, paired: _paired's) as dsk_par_pipeline_run does, the forward and the backward of
+   global stage s = c p + r (c < v) taking fwd_s[s] and bwd_s[s] seconds a micro-batch (a pair their sum), a send
+   and its receive meeting (blocking) and then taking link_s. *step_s: when the last rank ends, the bubble
+   included (equal stages, f + b a micro-batch and no link: the formula's (1 + bubble) m v (f + b)). */
+DSK_API dsk_status dsk_par_schedule_time(dsk_par_schedule_kind kind, int stages, int micro, int chunks, int paired,
+                                         const double *fwd_s, const double *bwd_s, double link_s, double *step_s);
 /* The most micro-batch chunks rank `rank` holds activations of (formulas at the top). */
 DSK_API int dsk_par_in_flight_bound(dsk_par_schedule_kind kind, int stages, int micro, int chunks, int rank);
 DSK_API const char *dsk_par_schedule_name(dsk_par_schedule_kind kind); /* "gpipe", "1f1b", "interleaved" */
@@ -1104,15 +1116,18 @@ typedef struct dsk__par_sim {
     unsigned char *act, *grad; /* [S][m]: input activation / output gradient available */
     int *msg;                  /* messages of the current step: (is_grad, micro, from stage) triples, 2 per rank */
     dsk_par_action *out;       /* the requested rank's list */
-    int n_out, rank;
+    int n_out, rank;           /* rank -1: every rank's, into outs[r] (n_outs[r] each, 3 x 2 m v room) */
+    dsk_par_action *outs;
+    int *n_outs;
     const char *fn;
 } dsk__par_sim;
 
 static dsk_par_action *dsk__par_emit(dsk__par_sim *z, int rank, dsk_par_action_kind kind, int micro, int stage,
                                      int peer) {
     dsk_par_action *a;
-    if (rank != z->rank) return NULL;
-    a = &z->out[z->n_out++];
+    if (z->rank < 0) a = &z->outs[(size_t)rank * 6 * z->m * z->v + (size_t)z->n_outs[rank]++];
+    else if (rank != z->rank) return NULL;
+    else a = &z->out[z->n_out++];
     a->kind = kind;
     a->micro = micro;
     a->stage = stage;
@@ -1190,6 +1205,34 @@ static dsk_status dsk__par_simulate(dsk__par_sim *z) {
     return DSK_OK;
 }
 
+static void dsk__par_sim_free(dsk__par_sim *z) {
+    DSK_FREE(z->order);
+    DSK_FREE(z->pos);
+    DSK_FREE(z->act);
+    DSK_FREE(z->grad);
+    DSK_FREE(z->msg);
+}
+
+/* Every rank's compute order and the run's state (dsk__par_sim_free after, failed or not); the fields the caller
+   set (rank, out or outs) are kept. */
+static dsk_status dsk__par_sim_init(dsk__par_sim *z, const char *fn, dsk_par_schedule_kind kind, int p, int m, int v,
+                                    int paired) {
+    size_t per = (size_t)2 * m * v;
+    z->p = p, z->m = m, z->v = v, z->S = p * v, z->fn = fn;
+    z->order = (dsk__par_op *)DSK_MALLOC((size_t)p * per * sizeof *z->order);
+    z->pos = (int *)DSK_MALLOC((size_t)p * sizeof(int));
+    z->act = (unsigned char *)DSK_MALLOC((size_t)z->S * m);
+    z->grad = (unsigned char *)DSK_MALLOC((size_t)z->S * m);
+    z->msg = (int *)DSK_MALLOC((size_t)p * 6 * sizeof(int));
+    if (!z->order || !z->pos || !z->act || !z->grad || !z->msg) /* the caller's dsk__par_sim_free frees what came */
+        return dsk_set_error(DSK_ERR_OOM, "%s: out of memory for %d stages x %zu operations", fn, p, per);
+    memset(z->pos, 0, (size_t)p * sizeof(int));
+    memset(z->act, 0, (size_t)z->S * m);
+    memset(z->grad, 0, (size_t)z->S * m);
+    for (int r = 0; r < p; r++) dsk__par_order(kind, p, m, v, r, paired, z->order + (size_t)r * per);
+    return DSK_OK;
+}
+
 static dsk_status dsk__par_schedule_build(const char *fn, dsk_par_schedule *s, dsk_par_schedule_kind kind, int stages,
                                           int micro, int chunks, int rank, int paired) {
     dsk__par_sim z;
@@ -1200,29 +1243,17 @@ static dsk_status dsk__par_schedule_build(const char *fn, dsk_par_schedule *s, d
     DSK__TRY(dsk__par_sched_check(fn, kind, stages, micro, chunks, rank));
     if (kind == DSK_PAR_INTERLEAVED && chunks == 1) kind = DSK_PAR_1F1B;
     memset(&z, 0, sizeof z);
-    z.p = stages;
-    z.m = micro;
-    z.v = chunks;
-    z.S = stages * chunks;
     z.rank = rank;
-    z.fn = fn;
     per = (size_t)2 * micro * chunks;
-    z.order = (dsk__par_op *)DSK_MALLOC((size_t)stages * per * sizeof *z.order);
-    z.pos = (int *)DSK_MALLOC((size_t)stages * sizeof(int));
-    z.act = (unsigned char *)DSK_MALLOC((size_t)z.S * micro);
-    z.grad = (unsigned char *)DSK_MALLOC((size_t)z.S * micro);
-    z.msg = (int *)DSK_MALLOC((size_t)stages * 6 * sizeof(int));
     z.out = (dsk_par_action *)DSK_MALLOC(per * 3 * sizeof *z.out); /* each op: itself + at most one send, one recv */
-    if (!z.order || !z.pos || !z.act || !z.grad || !z.msg || !z.out) {
-        st = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for %d stages x %zu operations", fn, stages, per);
-        goto done;
+    if (!z.out) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory for %zu actions", fn, per * 3);
+    st = dsk__par_sim_init(&z, fn, kind, stages, micro, chunks, paired);
+    if (st == DSK_OK) st = dsk__par_simulate(&z);
+    dsk__par_sim_free(&z);
+    if (st != DSK_OK) {
+        DSK_FREE(z.out);
+        return st;
     }
-    memset(z.pos, 0, (size_t)stages * sizeof(int));
-    memset(z.act, 0, (size_t)z.S * micro);
-    memset(z.grad, 0, (size_t)z.S * micro);
-    for (int r = 0; r < stages; r++) dsk__par_order(kind, stages, micro, chunks, r, paired, z.order + (size_t)r * per);
-    st = dsk__par_simulate(&z);
-    if (st != DSK_OK) goto done;
     s->kind = kind;
     s->stages = stages;
     s->micro = micro;
@@ -1230,7 +1261,6 @@ static dsk_status dsk__par_schedule_build(const char *fn, dsk_par_schedule *s, d
     s->rank = rank;
     s->n = z.n_out;
     s->actions = z.out;
-    z.out = NULL;
     s->paired = paired;
     s->in_flight = dsk_par_in_flight_bound(kind, stages, micro, chunks, rank);
     if (paired) {
@@ -1238,14 +1268,7 @@ static dsk_status dsk__par_schedule_build(const char *fn, dsk_par_schedule *s, d
         s->in_flight = w + 1 < micro * chunks ? w + 1 : micro * chunks;
     }
     s->bubble = dsk_par_bubble_fraction(kind, stages, micro, chunks);
-done:
-    DSK_FREE(z.order);
-    DSK_FREE(z.pos);
-    DSK_FREE(z.act);
-    DSK_FREE(z.grad);
-    DSK_FREE(z.msg);
-    DSK_FREE(z.out);
-    return st;
+    return DSK_OK;
 }
 
 DSK_API dsk_status dsk_par_schedule_init(dsk_par_schedule *s, dsk_par_schedule_kind kind, int stages, int micro,
@@ -1256,6 +1279,100 @@ DSK_API dsk_status dsk_par_schedule_init(dsk_par_schedule *s, dsk_par_schedule_k
 DSK_API dsk_status dsk_par_schedule_init_paired(dsk_par_schedule *s, dsk_par_schedule_kind kind, int stages, int micro,
                                                 int chunks, int rank) {
     return dsk__par_schedule_build("dsk_par_schedule_init_paired", s, kind, stages, micro, chunks, rank, 1);
+}
+
+/* ---------------------------------------------------------------- schedules: timed */
+
+/* Every rank's list as the placing run writes it: lists [p][6 m v] (rank r's n[r] actions from r * 6 m v). */
+static dsk_status dsk__par_all_lists(const char *fn, dsk_par_schedule_kind kind, int p, int m, int v, int paired,
+                                     dsk_par_action *lists, int *n) {
+    dsk__par_sim z;
+    dsk_status st;
+    memset(&z, 0, sizeof z);
+    z.rank = -1, z.outs = lists, z.n_outs = n;
+    for (int r = 0; r < p; r++) n[r] = 0;
+    st = dsk__par_sim_init(&z, fn, kind, p, m, v, paired);
+    if (st == DSK_OK) st = dsk__par_simulate(&z);
+    dsk__par_sim_free(&z);
+    return st;
+}
+
+/* Runs rank r's list from *pos while it can: computations for their times, a send once its receiver is at the
+   matching receive (both then leave at the later arrival plus link_s). Returns the actions run. */
+static int dsk__par_time_rank(const dsk_par_action *lists, const int *n, size_t room, int r, int *pos, double *clock,
+                              const double *fwd_s, const double *bwd_s, double link_s) {
+    int ran = 0;
+    while (pos[r] < n[r]) {
+        const dsk_par_action *a = &lists[(size_t)r * room + (size_t)pos[r]];
+        if (a->kind == DSK_PAR_FORWARD) clock[r] += fwd_s[a->stage];
+        else if (a->kind == DSK_PAR_BACKWARD) clock[r] += bwd_s[a->stage];
+        else if (a->kind == DSK_PAR_FORWARD_BACKWARD) clock[r] += fwd_s[a->stage] + bwd_s[a->bwd_stage];
+        else if (a->kind == DSK_PAR_SEND_ACT || a->kind == DSK_PAR_SEND_GRAD) {
+            int q = a->peer;
+            const dsk_par_action *b = pos[q] < n[q] ? &lists[(size_t)q * room + (size_t)pos[q]] : NULL;
+            double t;
+            if (!b || (b->kind != DSK_PAR_RECV_ACT && b->kind != DSK_PAR_RECV_GRAD) || b->peer != r) break;
+            t = (clock[r] > clock[q] ? clock[r] : clock[q]) + link_s;
+            clock[r] = clock[q] = t;
+            pos[q]++;
+            ran++;
+        } else break; /* a receive: its sender moves both */
+        pos[r]++;
+        ran++;
+    }
+    return ran;
+}
+
+DSK_API dsk_status dsk_par_schedule_time(dsk_par_schedule_kind kind, int stages, int micro, int chunks, int paired,
+                                         const double *fwd_s, const double *bwd_s, double link_s, double *step_s) {
+    const char *fn = "dsk_par_schedule_time";
+    int S, left = 0, *n, *pos;
+    size_t room;
+    dsk_par_action *lists;
+    double *clock;
+    dsk_status st = DSK_OK;
+    if (!fwd_s || !bwd_s || !step_s) return dsk_set_error(DSK_ERR_ARG, "%s: fwd_s, bwd_s or step_s is NULL", fn);
+    DSK__TRY(dsk__par_sched_check(fn, kind, stages, micro, chunks, 0));
+    if (!(link_s >= 0) || isinf(link_s))
+        return dsk_set_error(DSK_ERR_ARG, "%s: link_s %g must be finite and >= 0", fn, link_s);
+    S = stages * chunks;
+    for (int s = 0; s < S; s++)
+        if (!(fwd_s[s] >= 0) || !(bwd_s[s] >= 0) || isinf(fwd_s[s]) || isinf(bwd_s[s]))
+            return dsk_set_error(DSK_ERR_ARG, "%s: stage %d of %d: forward %g s, backward %g s: need finite times >= 0",
+                                 fn, s, S, fwd_s[s], bwd_s[s]);
+    if (kind == DSK_PAR_INTERLEAVED && chunks == 1) kind = DSK_PAR_1F1B;
+    room = (size_t)6 * micro * chunks; /* each computation, at most one send and one receive */
+    lists = (dsk_par_action *)DSK_MALLOC((size_t)stages * room * sizeof *lists);
+    n = (int *)DSK_MALLOC((size_t)stages * sizeof *n);
+    pos = (int *)DSK_MALLOC((size_t)stages * sizeof *pos);
+    clock = (double *)DSK_MALLOC((size_t)stages * sizeof *clock);
+    if (!lists || !n || !pos || !clock)
+        st = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for %d stages x %zu actions", fn, stages, room);
+    if (st == DSK_OK) st = dsk__par_all_lists(fn, kind, stages, micro, chunks, paired, lists, n);
+    for (int r = 0; st == DSK_OK && r < stages; r++) {
+        left += n[r];
+        pos[r] = 0;
+        clock[r] = 0.0;
+    }
+    /* the lists run with rendezvous sends (the placing run's promise), so every sweep moves until all end */
+    while (st == DSK_OK && left > 0) {
+        int ran = 0;
+        for (int r = 0; r < stages; r++) ran += dsk__par_time_rank(lists, n, room, r, pos, clock, fwd_s, bwd_s, link_s);
+        if (!ran)
+            st = dsk_set_error(DSK_ERR_STATE,
+                               "%s: the lists of %d stages, %d micro-batches, %d chunks wait on each other", fn, stages,
+                               micro, chunks);
+        left -= ran;
+    }
+    if (st == DSK_OK) {
+        *step_s = 0.0;
+        for (int r = 0; r < stages; r++) *step_s = clock[r] > *step_s ? clock[r] : *step_s;
+    }
+    DSK_FREE(lists);
+    DSK_FREE(n);
+    DSK_FREE(pos);
+    DSK_FREE(clock);
+    return st;
 }
 
 /* ---------------------------------------------------------------- the executor */

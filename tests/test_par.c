@@ -492,6 +492,115 @@ static void test_schedule_shapes(void) {
     DSK_TEST_EXPECT(k == DSK_PAR_GPIPE, "parse");
 }
 
+/* The step under every rank's action list (the library's lists, read here) as the executor runs them: in order,
+   the global stage s's forward and backward taking fwd[s] and bwd[s] seconds (a pair their sum), a send waiting
+   for its receiver to reach the receive, both then leaving at the later of the two plus link. Written apart from
+   dsk_par_schedule_time, over the public lists; -1 if the lists stop. */
+static double timed_lists(const dsk_par_schedule *sc, int p, const double *fwd, const double *bwd, double link) {
+    int moved = 1, pos[16] = {0};
+    double clock[16] = {0}, step = 0;
+    while (moved) {
+        moved = 0;
+        for (int r = 0; r < p; r++) {
+            const dsk_par_action *a = pos[r] < sc[r].n ? &sc[r].actions[pos[r]] : NULL;
+            if (!a) continue;
+            if (a->kind == DSK_PAR_FORWARD) clock[r] += fwd[a->stage];
+            else if (a->kind == DSK_PAR_BACKWARD) clock[r] += bwd[a->stage];
+            else if (a->kind == DSK_PAR_FORWARD_BACKWARD) clock[r] += fwd[a->stage] + bwd[a->bwd_stage];
+            else if (a->kind == DSK_PAR_SEND_ACT || a->kind == DSK_PAR_SEND_GRAD) {
+                int q = a->peer;
+                const dsk_par_action *b = pos[q] < sc[q].n ? &sc[q].actions[pos[q]] : NULL;
+                if (!b || b->peer != r || (b->kind != DSK_PAR_RECV_ACT && b->kind != DSK_PAR_RECV_GRAD)) continue;
+                clock[r] = clock[q] = fmax(clock[r], clock[q]) + link;
+                pos[q]++;
+            } else continue;
+            pos[r]++;
+            moved = 1;
+        }
+    }
+    for (int r = 0; r < p; r++) {
+        if (pos[r] != sc[r].n) return -1;
+        step = fmax(step, clock[r]);
+    }
+    return step;
+}
+
+/* dsk_par_schedule_time: equal stages give the bubble formula's step; random unequal stages and links the step of
+   the lists timed above; a two-stage 1F1B by hand (a heavy last stage idles the first less than (p - 1) / m
+   of the heaviest says); bad input. */
+static void test_schedule_time(void) {
+    static const struct {
+        dsk_par_schedule_kind kind;
+        int p, m, v;
+    } cases[] = {
+        {DSK_PAR_GPIPE, 1, 3, 1},       {DSK_PAR_GPIPE, 4, 6, 1},       {DSK_PAR_1F1B, 2, 2, 1},
+        {DSK_PAR_1F1B, 4, 8, 1},        {DSK_PAR_1F1B, 8, 5, 1},        {DSK_PAR_1F1B, 3, 7, 1},
+        {DSK_PAR_INTERLEAVED, 2, 4, 2}, {DSK_PAR_INTERLEAVED, 4, 8, 2}, {DSK_PAR_INTERLEAVED, 4, 4, 3},
+        {DSK_PAR_INTERLEAVED, 3, 9, 4},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        for (int paired = 0; paired < 2; paired++) {
+            int p = cases[i].p, m = cases[i].m, v = cases[i].v, S = p * v;
+            double fwd[64], bwd[64], step, want, got;
+            dsk_par_schedule sc[16];
+            if (paired && cases[i].kind == DSK_PAR_GPIPE) continue; /* GPipe has no pairs */
+            for (int s = 0; s < S; s++) fwd[s] = 1.0, bwd[s] = 1.0;
+            DSK_TEST_OK(dsk_par_schedule_time(cases[i].kind, p, m, v, paired, fwd, bwd, 0.0, &step));
+            want = (1 + dsk_par_bubble_fraction(cases[i].kind, p, m, v)) * m * v * 2.0;
+            DSK_TEST_EXPECT(fabs(step - want) < 1e-9, "%s p %d m %d v %d paired %d: equal stages %.9g s, formula %.9g",
+                            dsk_par_schedule_name(cases[i].kind), p, m, v, paired, step, want);
+            if (v == 1) { /* GPipe and 1F1B reach the formula for any forward : backward (not the interleaved lists) */
+                for (int s = 0; s < S; s++) fwd[s] = 0.5, bwd[s] = 1.0;
+                DSK_TEST_OK(dsk_par_schedule_time(cases[i].kind, p, m, v, paired, fwd, bwd, 0.0, &step));
+                want = (1 + dsk_par_bubble_fraction(cases[i].kind, p, m, v)) * m * v * 1.5;
+                DSK_TEST_EXPECT(fabs(step - want) < 1e-9,
+                                "%s p %d m %d paired %d: backward twice the forward: %.9g s, "
+                                "formula %.9g",
+                                dsk_par_schedule_name(cases[i].kind), p, m, paired, step, want);
+            }
+            if (!build_lists(sc, cases[i].kind, p, m, v, paired, "timed")) continue;
+            for (int round = 0; round < 3; round++) {
+                double link = round == 0 ? 0.0 : dsk_test_rand(0.0, 0.5);
+                for (int s = 0; s < S; s++) fwd[s] = dsk_test_rand(0.1, 2.0), bwd[s] = dsk_test_rand(0.2, 4.0);
+                DSK_TEST_OK(dsk_par_schedule_time(cases[i].kind, p, m, v, paired, fwd, bwd, link, &got));
+                want = timed_lists(sc, p, fwd, bwd, link);
+                DSK_TEST_EXPECT(want > 0 && fabs(got - want) <= 1e-12 * want,
+                                "%s p %d m %d v %d paired %d link %g: %.12g s, the lists' %.12g s",
+                                dsk_par_schedule_name(cases[i].kind), p, m, v, paired, link, got, want);
+            }
+            for (int r = 0; r < p; r++) dsk_par_schedule_free(&sc[r]);
+        }
+    {
+        /* p 2, m 2, 1F1B; stage 0: f 1, b 2; stage 1: f 3, b 6. Lists: rank 0 F0 >a0 F1 >a1 <g0 B0 <g1 B1, rank 1
+           <a0 F0 <a1 B0 >g0 F1 B1 >g1. Rank 0: F0 [0,1], a0 at 1, F1 [1,2], a1 waits for rank 1's F0 until 4,
+           B0 [10,12], B1 [19,21]; rank 1: F0 [1,4], B0 [4,10], F1 [10,13], B1 [13,19]. With a link of 0.5: a0
+           at 1.5, rank 1 F0 [1.5,4.5], a1 at 5, B0 [5,11], g0 at 11.5, F1 [11.5,14.5], B1 [14.5,20.5], g1 at 21,
+           rank 0 B1 [21,23]. */
+        double f[2] = {1, 3}, b[2] = {2, 6}, step;
+        DSK_TEST_OK(dsk_par_schedule_time(DSK_PAR_1F1B, 2, 2, 1, 0, f, b, 0.0, &step));
+        DSK_TEST_EXPECT(step == 21.0, "by hand: %g, want 21 (the heaviest stage's 18 plus (p - 1) / m of it: 27)",
+                        step);
+        DSK_TEST_OK(dsk_par_schedule_time(DSK_PAR_1F1B, 2, 2, 1, 0, f, b, 0.5, &step));
+        DSK_TEST_EXPECT(step == 23.0, "by hand with a link of 0.5: %g, want 23", step);
+    }
+    {
+        double f[4] = {1, 1, 1, 1}, b[4] = {1, -1, 1, 1}, step = -7;
+        DSK_TEST_STATUS(dsk_par_schedule_time(DSK_PAR_1F1B, 4, 8, 1, 0, f, b, 0.0, &step), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("stage 1 of 4: forward 1 s, backward -1 s");
+        b[1] = NAN;
+        DSK_TEST_STATUS(dsk_par_schedule_time(DSK_PAR_1F1B, 4, 8, 1, 0, f, b, 0.0, &step), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("backward nan s");
+        b[1] = 1;
+        DSK_TEST_STATUS(dsk_par_schedule_time(DSK_PAR_1F1B, 4, 8, 1, 0, f, b, -0.1, &step), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("link_s -0.1");
+        DSK_TEST_STATUS(dsk_par_schedule_time(DSK_PAR_INTERLEAVED, 2, 3, 2, 0, f, b, 0.0, &step), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("not a multiple of the 2 stages");
+        DSK_TEST_STATUS(dsk_par_schedule_time(DSK_PAR_1F1B, 4, 8, 1, 0, NULL, b, 0.0, &step), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("is NULL");
+        DSK_TEST_EXPECT(step == -7, "a refused call wrote %g", step);
+    }
+}
+
 static void test_schedule_errors(void) {
     dsk_par_schedule s;
     dsk_par_schedule_kind k;
@@ -1249,6 +1358,7 @@ int main(void) {
     DSK_TEST_RUN(test_schedule_checker_catches_faults);
     DSK_TEST_RUN(test_schedule_shapes);
     DSK_TEST_RUN(test_schedule_errors);
+    DSK_TEST_RUN(test_schedule_time);
     DSK_TEST_RUN(test_grid_errors);
     DSK_TEST_RUN(test_grid);
     DSK_TEST_RUN(test_one_rank_is_plain);
