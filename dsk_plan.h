@@ -33,8 +33,11 @@
    - The step time is a model: compute = the job's FLOPs (flops_per_token x tokens, plus the forward
      recomputation reruns) over world x peak x efficiency (a pipeline's: the stage that keeps its pace,
      the most compute and expert exchanges of the model callback's flops and MoE layers per stage,
-     dsk_plan_pace_stage, over tp x dp x peak x efficiency), plus the schedule's bubble,
-     dsk_par_bubble_fraction x compute (in units of the ideal compute); each collective's bytes over
+     dsk_plan_stages, over tp x dp x peak x efficiency), plus the schedule's bubble: the schedule's lists
+     run with each stage's own compute and expert exchanges (dsk_par_schedule_time; a stage's chunks
+     alike, its forward a third of its FLOPs without recomputation and half its exchanges), less the
+     pace stage's busy time, which for equal stages is dsk_par_bubble_fraction x its compute and
+     exchanges, and for unequal ones what the lighter stages' order makes them wait; each collective's bytes over
      the link it crosses (ring all-reduce 2 (n-1)/n, reduce-scatter, all-gather and all-to-all
      (n-1)/n of the message per rank; intra-node when the group fits in a node, else the inter-node
      bandwidth) plus a latency per message; tensor-parallel (the busiest stage's collectives by kind
@@ -81,7 +84,8 @@
      declarations
        cluster        dsk_plan_cluster, dsk_plan_cluster_parse, dsk_plan_cluster_read
        model and job  dsk_plan_layout, dsk_plan_memory, dsk_plan_model, dsk_plan_job, dsk_plan_space
-       planning       dsk_plan_result, dsk_plan_time, dsk_plan_run, dsk_plan_results_free
+       planning       dsk_plan_result, dsk_plan_time, dsk_plan_stages, dsk_plan_stage_times, dsk_plan_run,
+                      dsk_plan_results_free
        output         dsk_plan_layout_str, dsk_plan_table, dsk_plan_json, dsk_plan_choice_parse/read
      implementation (DSK_PLAN_IMPLEMENTATION)
        JSON fields; cluster; time model; enumeration and ranking; output */
@@ -221,6 +225,8 @@ typedef struct dsk_plan_result {
     dsk_plan_tp tp;  /* the busiest stage's tensor-parallel collectives per step (the callback's tp) */
     dsk_plan_flops stage_flops; /* the stage that keeps a pipeline's pace: the most compute and expert exchanges (the
                                    callback's flops; pp > 1); moe_layers -1: not counted, the stages' mean taken */
+    double pipe_s; /* a pipeline's compute and expert exchanges under its schedule, each stage at its own, the
+                      bubble included (dsk_plan_stages; pp > 1) */
     int lead_moe_layers;        /* pipeline rank 0's MoE layers (its chunks'; the callback's flops of stage 0) */
     /* seconds per step: compute (with recomputation), the bubble, the exposed communication */
     double step_s, compute_s, bubble_s, tp_s, ep_s, pp_s, zero_s, zero_exposed_s;
@@ -230,14 +236,21 @@ typedef struct dsk_plan_result {
     char why[200]; /* why it lost to the best (empty for the best) */
 } dsk_plan_result;
 
-/* The step time of r->layout given its gradient traffic, r->pp_bytes and r->tp (fills the seconds of *r). */
+/* The step time of r->layout given its gradient traffic, r->pp_bytes, r->tp and (pp > 1) dsk_plan_stages' fields
+   (fills the seconds of *r). */
 DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
                                  double reduce_bytes, double gather_bytes, int reduce_all, dsk_plan_result *r);
-/* Of a layout's pp stages' FLOPs (the callback's, stages[0..pp)), the one that keeps the pipeline's pace: the
-   most compute and expert exchanges (dsk_plan_result.stage_flops; moe_layers -1 where no stage counts its MoE
-   layers while the model has some: then the busiest stage, whose exchanges dsk_plan_time takes as the mean's). */
-DSK_API dsk_plan_flops dsk_plan_pace_stage(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
-                                           const dsk_plan_layout *l, const dsk_plan_flops *stages);
+/* From r->layout's pp stages' FLOPs (the callback's, stages[0..pp)): r->stage_flops, the stage that keeps the
+   pipeline's pace, the most compute and expert exchanges (moe_layers -1 where no stage counts its MoE layers while
+   the model has some: then the busiest stage, every stage's exchanges the mean's), and r->pipe_s, the schedule's
+   lists timed with each stage's compute and exchanges (dsk_par_schedule_time). pp 1: both zeroed. */
+DSK_API dsk_status dsk_plan_stages(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
+                                   const dsk_plan_flops *stages, dsk_plan_result *r);
+/* What dsk_plan_stages times: a micro-batch's forward and backward of each global stage k pp + s (fwd_s, bwd_s: pp v
+   each), stage s's compute and expert exchanges over its chunks alike, the forward a third of its FLOPs without
+   recomputation and half its exchanges. */
+DSK_API void dsk_plan_stage_times(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
+                                  const dsk_plan_layout *l, const dsk_plan_flops *stages, double *fwd_s, double *bwd_s);
 /* Enumerates, sizes and times every layout of the space (NULL: all); *out (dsk_plan_results_free)
    sorted: the fitting ones fastest first, then the others smallest first; each `why` filled. */
 DSK_API dsk_status dsk_plan_run(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
@@ -540,24 +553,60 @@ static double dsk__plan_ep_s(const dsk_plan_model *m, const dsk_plan_cluster *c,
                           4.0 * L);
 }
 
-DSK_API dsk_plan_flops dsk_plan_pace_stage(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
-                                           const dsk_plan_layout *l, const dsk_plan_flops *stages) {
-    dsk_plan_flops slowest = stages[0], busiest = stages[0];
-    double slowest_s = -1;
-    int counted = 0;
-    for (int s = 0; s < l->pp; s++) {
-        double pace = dsk__plan_compute_s(c, job, l, &stages[s], l->tp * l->dp) +
-                      dsk__plan_ep_s(m, c, job, l, stages[s].moe_layers);
-        if (stages[s].total > busiest.total) busiest = stages[s];
-        if (pace > slowest_s) {
-            slowest_s = pace;
-            slowest = stages[s];
+/* The MoE layers whose exchanges stage s pays: its own, or the stages' mean where none counts them (counted 0). */
+static double dsk__plan_layers_of(const dsk_plan_model *m, const dsk_plan_layout *l, const dsk_plan_flops *stage,
+                                  int counted) {
+    return counted || m->moe_layers == 0 ? (double)stage->moe_layers : (double)m->moe_layers / l->pp;
+}
+
+/* Seconds of stage f's forward passes: a third of its FLOPs without recomputation, and half its exchanges. */
+static double dsk__plan_forward_s(const dsk_plan_cluster *c, const dsk_plan_job *job, const dsk_plan_layout *l,
+                                  const dsk_plan_flops *f, double ep_s) {
+    dsk_plan_layout plain = *l;
+    plain.recompute = DSK_PLAN_RECOMPUTE_NONE;
+    return dsk__plan_compute_s(c, job, &plain, f, l->tp * l->dp) / 3 + ep_s / 2;
+}
+
+DSK_API void dsk_plan_stage_times(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
+                                  const dsk_plan_layout *l, const dsk_plan_flops *stages, double *fwd_s,
+                                  double *bwd_s) {
+    int p = l->pp, v = l->vstages > 0 ? l->vstages : 1, counted = 0;
+    double mv = (double)l->micro * v;
+    for (int s = 0; s < p; s++) counted |= stages[s].moe_layers > 0;
+    for (int s = 0; s < p; s++) {
+        double ep = dsk__plan_ep_s(m, c, job, l, dsk__plan_layers_of(m, l, &stages[s], counted));
+        double busy = dsk__plan_compute_s(c, job, l, &stages[s], l->tp * l->dp) + ep;
+        double f = dsk__plan_forward_s(c, job, l, &stages[s], ep);
+        for (int k = 0; k < v; k++) { /* each of the rank's chunks alike */
+            fwd_s[k * p + s] = f / mv;
+            bwd_s[k * p + s] = (busy - f) / mv;
         }
-        counted |= stages[s].moe_layers > 0;
     }
-    if (counted || m->moe_layers == 0) return slowest;
-    busiest.moe_layers = -1; /* not counted: the busiest stage's compute and the stages' mean exchanges */
-    return busiest;
+}
+
+DSK_API dsk_status dsk_plan_stages(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
+                                   const dsk_plan_flops *stages, dsk_plan_result *r) {
+    const dsk_plan_layout *l = &r->layout;
+    int p = l->pp, v = l->vstages > 0 ? l->vstages : 1, counted = 0, pace = 0;
+    double *fwd, *bwd;
+    dsk_status st;
+    memset(&r->stage_flops, 0, sizeof r->stage_flops);
+    r->pipe_s = 0;
+    if (p <= 1) return DSK_OK;
+    fwd = (double *)DSK_MALLOC((size_t)2 * p * v * sizeof *fwd);
+    if (!fwd) return dsk_set_error(DSK_ERR_OOM, "dsk_plan_stages: %d stages' times", p * v);
+    bwd = fwd + p * v;
+    dsk_plan_stage_times(m, c, job, l, stages, fwd, bwd);
+    for (int s = 0; s < p; s++) {
+        counted |= stages[s].moe_layers > 0;
+        if (fwd[s] + bwd[s] > fwd[pace] + bwd[pace]) pace = s;
+    }
+    r->stage_flops = stages[pace];
+    if (!counted && m->moe_layers > 0) r->stage_flops.moe_layers = -1; /* every stage's exchanges the mean's */
+    /* the sends' time is r->pp_s, apart */
+    st = dsk_par_schedule_time(l->schedule, p, l->micro, v, l->paired, fwd, bwd, 0.0, &r->pipe_s);
+    DSK_FREE(fwd);
+    return st;
 }
 
 /* The MoE layers of the stage that keeps a pipeline's pace (r->stage_flops), or the stages' mean where the
@@ -573,20 +622,23 @@ DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster
     const dsk_plan_layout *l = &r->layout;
     int world = l->tp * l->pp * l->dp;
     dsk_plan_flops model = {m->flops_per_token, m->attn_flops_per_token, m->fp8_flops_per_token, m->moe_layers};
-    double mean_s = dsk__plan_compute_s(c, job, l, &model, world), b; /* the stages' mean */
+    double mean_s = dsk__plan_compute_s(c, job, l, &model, world); /* the stages' mean */
     double dpn = l->dp, tpn = l->tp;
-    /* a pipeline keeps its slowest stage's pace (dsk__plan_eval picks it) */
-    r->compute_s =
-        l->pp > 1 && r->stage_flops.total > 0 ? dsk__plan_compute_s(c, job, l, &r->stage_flops, l->tp * l->dp) : mean_s;
-    /* the bubble in units of the ideal (bubble-free) compute time: (p - 1) / m, (p - 1) / (v m) */
-    b = l->pp > 1 ? dsk_par_bubble_fraction(l->schedule, l->pp, l->micro, l->vstages) : 0;
-    r->bubble_s = r->compute_s * b;
+    if (l->pp > 1 && !(r->pipe_s > 0))
+        return dsk_set_error(DSK_ERR_ARG,
+                             "dsk_plan_time: a pipeline of %d stages without its stages' times "
+                             "(dsk_plan_stages first)",
+                             l->pp);
+    /* a pipeline keeps its slowest stage's pace (dsk_plan_stages picks it) */
+    r->compute_s = l->pp > 1 ? dsk__plan_compute_s(c, job, l, &r->stage_flops, l->tp * l->dp) : mean_s;
     r->tp_s = l->tp > 1
                   ? dsk__plan_link(c, l->tp,
                                    (tpn - 1) / tpn * (2 * r->tp.all_reduce + r->tp.all_gather + r->tp.reduce_scatter),
                                    r->tp.calls)
                   : 0;
     r->ep_s = dsk__plan_ep_s(m, c, job, l, dsk__plan_stage_moe(m, r));
+    /* what the schedule adds to the pace stage's busy time (its own bubble and its waits on the others) */
+    r->bubble_s = l->pp > 1 && r->pipe_s > r->compute_s + r->ep_s ? r->pipe_s - r->compute_s - r->ep_s : 0;
     r->ep_hidden_s = dsk__plan_pair_hidden(m, l, r->lead_moe_layers, r->ep_s, r->compute_s);
     r->pp_s = l->pp > 1 ? dsk__plan_link(c, l->tp * l->dp + 1, r->pp_bytes, 2.0 * l->micro * l->vstages) : 0;
     r->zero_s = dpn > 1
@@ -667,7 +719,7 @@ static dsk_status dsk__plan_eval(const dsk_plan_model *m, const dsk_plan_cluster
             all = ra;
         }
     }
-    if (st == DSK_OK) r->stage_flops = dsk_plan_pace_stage(m, c, job, &r->layout, stages);
+    if (st == DSK_OK) st = dsk_plan_stages(m, c, job, stages, r);
     DSK_FREE(stages);
     if (st != DSK_OK) return st;
     r->fits = (double)r->total <= 1e9 * (c->memory_gb - c->reserve_gb);

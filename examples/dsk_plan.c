@@ -163,6 +163,23 @@ static int check_layout(const trainer *t, dsk_plan_layout *l, dsk_plan_job *job)
     return l->dp >= 1 && l->dp * o->tp * o->pp == o->nproc ? 0 : 2;
 }
 
+/* A pipeline's timed schedule: each stage's forward and backward of a micro-batch chunk, and the lists' step. */
+static int print_pipeline(const dsk_plan_model *pm, const dsk_plan_cluster *cl, const dsk_plan_job *job,
+                          const dsk_plan_layout *l, const dsk_plan_flops *stages, double pipe_s) {
+    int n = l->pp * (l->vstages > 0 ? l->vstages : 1);
+    double *f = (double *)malloc(2 * (size_t)n * sizeof *f);
+    if (!f) {
+        fprintf(stderr, "dsk_plan: out of memory for %d stages' times\n", n);
+        return 1;
+    }
+    dsk_plan_stage_times(pm, cl, job, l, stages, f, f + n);
+    printf("plan pipeline: %.6f s; forward, backward of a micro-batch chunk by stage:", pipe_s);
+    for (int s = 0; s < n; s++) printf(" %.9g %.9g", f[s], f[n + s]);
+    printf("\n");
+    free(f);
+    return 0;
+}
+
 /* With --cluster: the step time dsk_plan.h's model predicts for the layout (bench/plan_rank.sh). */
 static int check_time(const dsk_plan_model *pm, const char *cluster, const dsk_plan_layout *l, const dsk_plan_job *job,
                       const dsk_plan_memory *mem, double red, double gat, int all, double send,
@@ -179,8 +196,8 @@ static int check_time(const dsk_plan_model *pm, const char *cluster, const dsk_p
         fprintf(stderr, "dsk_plan: %s\n", dsk_last_error());
         return 1;
     }
-    r.stage_flops = dsk_plan_pace_stage(pm, &cl, job, l, stages);
-    if (dsk_plan_time(pm, &cl, job, red, gat, all, &r) != DSK_OK) {
+    if (dsk_plan_stages(pm, &cl, job, stages, &r) != DSK_OK ||
+        dsk_plan_time(pm, &cl, job, red, gat, all, &r) != DSK_OK) {
         fprintf(stderr, "dsk_plan: %s\n", dsk_last_error());
         return 1;
     }
@@ -188,7 +205,7 @@ static int check_time(const dsk_plan_model *pm, const char *cluster, const dsk_p
            "%.6f), optimizer %.6f, shared cores %.6f, ep hidden %.6f\n",
            r.step_s, r.compute_s, r.bubble_s, r.tp_s, r.ep_s, r.pp_s, r.zero_s, r.zero_exposed_s, r.opt_s, r.cores_s,
            r.ep_hidden_s);
-    return 0;
+    return l->pp > 1 ? print_pipeline(pm, &cl, job, l, stages, r.pipe_s) : 0;
 }
 
 /* Prints the FLOPs per token and the MoE layers of every stage of l (the model's callback, as dsk_plan_run asks),

@@ -194,8 +194,9 @@ paper v3_2048 --cluster examples/clusters/h800_2048.json --init-from-hf tests/pl
 # The best layouts fit; DeepSeek's own (pp16, ep64, ZeRO-1 over dp128, full recomputation) fits in FP8 as DeepSeek
 # trained it, with AdamW's moments in bf16 as DeepSeek kept them or in f32 (the trainer's FLOP-balanced split leaves
 # the last stage one layer beside the head and the MTP module: 49.2 GB of the 76 GB usable, 49.9 with f32 moments;
-# the even split needed 75.5), and is listed with why it lost: 1F1B's bubble at 30 micro-batches (DualPipe is not
-# dsk's). The table names the f32-moments twin, the bf16 one being no faster.
+# the even split needed 75.5), and is listed with why it lost: its expert exchanges, and 1F1B's bubble at 30
+# micro-batches over 16 stages, a third of its step (DualPipe, which hides both, is not dsk's). The table names the
+# f32-moments twin, the bf16 one being no faster.
 if grep -qE '^[1-9][0-9]* of [0-9]* layouts fit' "$work/v3_2048.txt" &&
     grep -qE '^  tp1 pp16 1f1b m30 ep64 dp128 zero1 recompute full moments (bf16|f32) fp8 +[0-9.]+% slower' "$work/v3_2048.txt"; then
     ok "paper: V3 on 2048 x 80 GB: layouts fit; DeepSeek's (pp16 ep64 ZeRO-1 dp128, FP8) fits, listed with why it lost"

@@ -7,8 +7,8 @@
 #      the one-device-per-rank step (compute + bubble + exposed comm + optimizer), shared cores 0.
 #   2. 4 ranks on 2 cores, data parallel (no bubble): work-bound, the step is
 #      4 (compute + every collective's time, hidden under backward or not, + optimizer) / 2.
-#   3. 4 ranks on 3 cores: pp2 1F1B with 8 micro-batches (bubble 1/8 of the compute) is work-bound as well;
-#      with 2 micro-batches (bubble 1/2) the critical path is the longer: the step is the
+#   3. 4 ranks on 3 cores: pp2 1F1B with 8 micro-batches (a bubble of at most 1/8 of the compute) is work-bound as well;
+#      with 2 micro-batches (at most 1/2) the critical path is the longer: the step is the
 #      one-device-per-rank step, shared cores 0.
 #   4. Bad input: "cores_per_node" -1, 2.5 or "two" fails naming the field.
 #   5. The optimizer step's bytes per element it updates: f32 weights 32 (the gradient read twice,
@@ -17,14 +17,17 @@
 #      written) and 26 with bf16 moments; a bf16 model keeps some objects in f32, so their elements and
 #      the bf16 ones are solved from the optimizer state with f32 and with bf16 moments (ZeRO 1-2).
 #      The optimizer's time is those bytes at memory_gbps; without the field it is 0.
-#   6. The bubble in units of the ideal compute: compute x (p - 1) / m (GPipe, 1F1B), x (p - 1) / (v m)
-#      (interleaved), with fewer micro-batches than stages too.
+#   6. The bubble: the schedule's lists timed with each stage's forward and backward (dsk_plan_stage_times: the
+#      stage's compute over its micro-batch chunks, a third of it forward) less the pace stage's busy time, which
+#      those times give; under 1F1B and GPipe between the bounds a pipeline of unequal stages has (the stages
+#      before the pace one's fill and drain, and the formula's (p - 1) / m at the pace stage's times), with
+#      fewer micro-batches than stages too.
 #   7. A pipeline's compute is its busiest stage's: the stages' FLOPs per token (the last adds the LM
 #      head, 6 D V, and the MTP modules) sum to the model's, the busiest sets the compute (pp4's is
 #      4 x busiest / model times dp4's: the same FLOPs over 4 ranks either way), and the trainer's split
 #      (train_par.h's tp_split_layers) is the contiguous one whose busiest stage is lightest: 3 layers
 #      on 2 stages go 2 + 1 (dense and MoE, then MoE and the head), where L / P would give 1 + 2.
-#   8. The stage that keeps a pipeline's pace (dsk_plan_pace_stage) is the one of the most compute and expert
+#   8. The stage that keeps a pipeline's pace (dsk_plan_stages) is the one of the most compute and expert
 #      exchanges: the busiest by FLOPs on a fast link, the one with the MoE layers on a slow one.
 # Runs no training (each case is one dsk_plan call): seconds. The measured ranking is
 # bench/plan_rank.sh (not here: a loaded machine moves the measured order).
@@ -105,8 +108,8 @@ for l in "--zero 0" "--zero 3" "--tp 4" "--ep 2 --zero 1"; do
     # shellcheck disable=SC2086
     expect two 2 "4 ranks on 2 cores, $l: work-bound, 4 (compute + all comm) / 2" $l
 done
-expect three 3 "4 ranks on 3 cores, pp2 1F1B m8: work-bound (bubble 1/8 given away)" --pp 2 --micro-batches 8
-expect three 3 "4 ranks on 3 cores, pp2 1F1B m2: path-bound (bubble 1/2), the one-device-per-rank step" --pp 2 \
+expect three 3 "4 ranks on 3 cores, pp2 1F1B m8: work-bound (a bubble of at most 1/8 given away)" --pp 2 --micro-batches 8
+expect three 3 "4 ranks on 3 cores, pp2 1F1B m2: path-bound (a bubble of at most 1/2), the one-device-per-rank step" --pp 2 \
     --micro-batches 2
 p3=$(parts three --pp 2 --micro-batches 8 | cut -d' ' -f10)
 p2=$(parts three --pp 2 --micro-batches 2 | cut -d' ' -f10)
@@ -116,15 +119,48 @@ else
     bad "both bounds reached" "shared cores at m8 '$p3' (want > 0), at m2 '$p2' (want 0)"
 fi
 
-# 6. the bubble (REFERENCE.md: Megatron's (p - 1) / m is in units of the ideal, bubble-free compute)
+# 6. the bubble: the schedule's lists timed with each stage's own times (dsk_par_schedule_time; tests/test_par.c
+# checks that timing), less the pace stage's busy time
 for l in "2 4 1f1b 1" "4 4 1f1b 1" "4 1 1f1b 1" "4 2 gpipe 1" "2 4 interleaved 2"; do
     read -r pp m sched v <<<"$l"
-    read -r _ comp bub _ <<<"$(parts none --pp "$pp" --micro-batches "$m" --pp-schedule "$sched" --virtual-stages "$v")"
-    want=$("$PY" -c "print(f'{${comp:-0} * ($pp - 1) / ($m * $v):.6f}')")
-    if [ -n "${bub:-}" ] && "$PY" -c "import sys; sys.exit(abs($bub - $want) > 2e-6)"; then
-        ok "bubble: pp$pp m$m $sched v$v: $bub s = compute $comp x ($pp - 1) / ($m x $v)"
+    "$PLAN" --device cpu --cluster "$work/none.json" --check-rank 0 --nproc 4 "${SMALL[@]}" --pp "$pp" \
+        --micro-batches "$m" --pp-schedule "$sched" --virtual-stages "$v" >"$work/pipe.out" 2>&1
+    if why=$("$PY" - "$work/pipe.out" "$pp" "$m" "$sched" "$v" <<'PYX'
+import re, sys
+out, p, m, sched, v = open(sys.argv[1]).read(), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+t = re.search(r"^plan time: step \S+ s: compute (\S+), bubble (\S+), tp \S+, ep (\S+),", out, re.M)
+q = re.search(r"^plan pipeline: (\S+) s; forward, backward of a micro-batch chunk by stage: (.*)$", out, re.M)
+if not t or not q:
+    sys.exit("no plan time or pipeline line: " + out[-300:])
+comp, bub, ep = (float(x) for x in t.groups())
+pipe, x = float(q.group(1)), [float(y) for y in q.group(2).split()]
+f, b = x[0::2], x[1::2]
+rank = [v * m * (f[s] + b[s]) for s in range(p)]  # a rank's chunks alike: its busy time
+pace = max(range(p), key=lambda s: rank[s])
+bad = []
+if len(f) != p * v:
+    bad.append("%d stages' times for %d stages" % (len(f), p * v))
+if abs(rank[pace] - (comp + ep)) > 2e-6:
+    bad.append("the pace stage's busy %.6f != compute + ep %.6f" % (rank[pace], comp + ep))
+if any(abs(f[s] / (f[s] + b[s]) - 1 / 3) > 1e-6 for s in range(p * v)):
+    bad.append("forward shares %s, want 1/3 (no recomputation, no exchanges)" % [f[s] / (f[s] + b[s]) for s in range(p)])
+if abs(bub - (pipe - comp - ep)) > 3e-6:
+    bad.append("bubble %.6f != pipeline %.6f - compute %.6f - ep %.6f" % (bub, pipe, comp, ep))
+# The pace stage's first forward waits for the stages before it to run it, and after its last backward they run
+# that one: pipe >= their forward and backward + the pace stage's busy time. Under 1F1B and GPipe every stage at
+# the pace stage's times gives the formula, and a faster stage makes no wait longer: pipe <= (1 + (p - 1) / m) x
+# the pace stage's busy time.
+lo = sum(f[s] + b[s] for s in range(pace)) + rank[pace] if v == 1 else rank[pace]
+hi = (1 + (p - 1) / m) * rank[pace] if sched != "interleaved" else float("inf")
+if not lo - 2e-6 <= pipe <= hi + 2e-6:
+    bad.append("pipeline %.6f outside [%.6f, %.6f]" % (pipe, lo, hi))
+print("; ".join(bad) if bad else "pipeline %.6f in [%.6f, %.6f], bubble %.6f = it - compute - ep" % (pipe, lo, hi, bub))
+sys.exit(1 if bad else 0)
+PYX
+    ); then
+        ok "bubble: pp$pp m$m $sched v$v: $why"
     else
-        bad "bubble: pp$pp m$m $sched v$v" "bubble '${bub:-}' s, want $want (compute '${comp:-}')"
+        bad "bubble: pp$pp m$m $sched v$v" "$why"
     fi
 done
 
