@@ -1116,16 +1116,17 @@ typedef struct dsk__par_sim {
     unsigned char *act, *grad; /* [S][m]: input activation / output gradient available */
     int *msg;                  /* messages of the current step: (is_grad, micro, from stage) triples, 2 per rank */
     dsk_par_action *out;       /* the requested rank's list */
-    int n_out, rank;           /* rank -1: every rank's, into outs[r] (n_outs[r] each, 3 x 2 m v room) */
+    int n_out, rank;           /* rank -1: every rank's, into outs[r] (n_outs[r] each, room apart) */
     dsk_par_action *outs;
     int *n_outs;
+    size_t room;
     const char *fn;
 } dsk__par_sim;
 
 static dsk_par_action *dsk__par_emit(dsk__par_sim *z, int rank, dsk_par_action_kind kind, int micro, int stage,
                                      int peer) {
     dsk_par_action *a;
-    if (z->rank < 0) a = &z->outs[(size_t)rank * 6 * z->m * z->v + (size_t)z->n_outs[rank]++];
+    if (z->rank < 0) a = &z->outs[(size_t)rank * z->room + (size_t)z->n_outs[rank]++];
     else if (rank != z->rank) return NULL;
     else a = &z->out[z->n_out++];
     a->kind = kind;
@@ -1283,13 +1284,13 @@ DSK_API dsk_status dsk_par_schedule_init_paired(dsk_par_schedule *s, dsk_par_sch
 
 /* ---------------------------------------------------------------- schedules: timed */
 
-/* Every rank's list as the placing run writes it: lists [p][6 m v] (rank r's n[r] actions from r * 6 m v). */
+/* Every rank's list as the placing run writes it: lists [p][room] (rank r's n[r] actions from r * room). */
 static dsk_status dsk__par_all_lists(const char *fn, dsk_par_schedule_kind kind, int p, int m, int v, int paired,
-                                     dsk_par_action *lists, int *n) {
+                                     dsk_par_action *lists, size_t room, int *n) {
     dsk__par_sim z;
     dsk_status st;
     memset(&z, 0, sizeof z);
-    z.rank = -1, z.outs = lists, z.n_outs = n;
+    z.rank = -1, z.outs = lists, z.n_outs = n, z.room = room;
     for (int r = 0; r < p; r++) n[r] = 0;
     st = dsk__par_sim_init(&z, fn, kind, p, m, v, paired);
     if (st == DSK_OK) st = dsk__par_simulate(&z);
@@ -1340,7 +1341,6 @@ DSK_API dsk_status dsk_par_schedule_time(dsk_par_schedule_kind kind, int stages,
         if (!(fwd_s[s] >= 0) || !(bwd_s[s] >= 0) || isinf(fwd_s[s]) || isinf(bwd_s[s]))
             return dsk_set_error(DSK_ERR_ARG, "%s: stage %d of %d: forward %g s, backward %g s: need finite times >= 0",
                                  fn, s, S, fwd_s[s], bwd_s[s]);
-    if (kind == DSK_PAR_INTERLEAVED && chunks == 1) kind = DSK_PAR_1F1B;
     room = (size_t)6 * micro * chunks; /* each computation, at most one send and one receive */
     lists = (dsk_par_action *)DSK_MALLOC((size_t)stages * room * sizeof *lists);
     n = (int *)DSK_MALLOC((size_t)stages * sizeof *n);
@@ -1348,7 +1348,7 @@ DSK_API dsk_status dsk_par_schedule_time(dsk_par_schedule_kind kind, int stages,
     clock = (double *)DSK_MALLOC((size_t)stages * sizeof *clock);
     if (!lists || !n || !pos || !clock)
         st = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for %d stages x %zu actions", fn, stages, room);
-    if (st == DSK_OK) st = dsk__par_all_lists(fn, kind, stages, micro, chunks, paired, lists, n);
+    if (st == DSK_OK) st = dsk__par_all_lists(fn, kind, stages, micro, chunks, paired, lists, room, n);
     for (int r = 0; st == DSK_OK && r < stages; r++) {
         left += n[r];
         pos[r] = 0;

@@ -553,6 +553,13 @@ static double dsk__plan_ep_s(const dsk_plan_model *m, const dsk_plan_cluster *c,
                           4.0 * L);
 }
 
+/* Whether the callback counted the stages' MoE layers (some stage has one). */
+static int dsk__plan_moe_counted(const dsk_plan_flops *stages, int p) {
+    for (int s = 0; s < p; s++)
+        if (stages[s].moe_layers > 0) return 1;
+    return 0;
+}
+
 /* The MoE layers whose exchanges stage s pays: its own, or the stages' mean where none counts them (counted 0). */
 static double dsk__plan_layers_of(const dsk_plan_model *m, const dsk_plan_layout *l, const dsk_plan_flops *stage,
                                   int counted) {
@@ -570,9 +577,8 @@ static double dsk__plan_forward_s(const dsk_plan_cluster *c, const dsk_plan_job 
 DSK_API void dsk_plan_stage_times(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
                                   const dsk_plan_layout *l, const dsk_plan_flops *stages, double *fwd_s,
                                   double *bwd_s) {
-    int p = l->pp, v = l->vstages > 0 ? l->vstages : 1, counted = 0;
+    int p = l->pp, v = l->vstages > 0 ? l->vstages : 1, counted = dsk__plan_moe_counted(stages, p);
     double mv = (double)l->micro * v;
-    for (int s = 0; s < p; s++) counted |= stages[s].moe_layers > 0;
     for (int s = 0; s < p; s++) {
         double ep = dsk__plan_ep_s(m, c, job, l, dsk__plan_layers_of(m, l, &stages[s], counted));
         double busy = dsk__plan_compute_s(c, job, l, &stages[s], l->tp * l->dp) + ep;
@@ -587,7 +593,7 @@ DSK_API void dsk_plan_stage_times(const dsk_plan_model *m, const dsk_plan_cluste
 DSK_API dsk_status dsk_plan_stages(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
                                    const dsk_plan_flops *stages, dsk_plan_result *r) {
     const dsk_plan_layout *l = &r->layout;
-    int p = l->pp, v = l->vstages > 0 ? l->vstages : 1, counted = 0, pace = 0;
+    int p = l->pp, v = l->vstages > 0 ? l->vstages : 1, pace = 0;
     double *fwd, *bwd;
     dsk_status st;
     memset(&r->stage_flops, 0, sizeof r->stage_flops);
@@ -597,12 +603,11 @@ DSK_API dsk_status dsk_plan_stages(const dsk_plan_model *m, const dsk_plan_clust
     if (!fwd) return dsk_set_error(DSK_ERR_OOM, "dsk_plan_stages: %d stages' times", p * v);
     bwd = fwd + p * v;
     dsk_plan_stage_times(m, c, job, l, stages, fwd, bwd);
-    for (int s = 0; s < p; s++) {
-        counted |= stages[s].moe_layers > 0;
+    for (int s = 0; s < p; s++)
         if (fwd[s] + bwd[s] > fwd[pace] + bwd[pace]) pace = s;
-    }
     r->stage_flops = stages[pace];
-    if (!counted && m->moe_layers > 0) r->stage_flops.moe_layers = -1; /* every stage's exchanges the mean's */
+    if (!dsk__plan_moe_counted(stages, p) && m->moe_layers > 0)
+        r->stage_flops.moe_layers = -1; /* every stage's exchanges the mean's */
     /* the sends' time is r->pp_s, apart */
     st = dsk_par_schedule_time(l->schedule, p, l->micro, v, l->paired, fwd, bwd, 0.0, &r->pipe_s);
     DSK_FREE(fwd);
