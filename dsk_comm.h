@@ -295,6 +295,15 @@ DSK_API dsk_status dsk_comm_all_to_all_v_start(dsk_comm *c, dsk_ctx *ctx, const 
 /* Completes the exchange dsk_comm_all_to_all_v_start began: returns when this rank's messages have left and
    its receives are in recv. DSK_ERR_STATE when none is in flight. */
 DSK_API dsk_status dsk_comm_finish(dsk_comm *c, dsk_ctx *ctx);
+/* Moves the exchange dsk_comm_all_to_all_v_start began on, without finishing it, so that one thread can compute
+   on the messages that have landed while the others travel (dsk_moe's chunked dispatch). host: what the
+   transport takes now moves; landed[p] (world_size entries, may be NULL) is 1 once rank p's message is whole in
+   recv (this rank's own at once) and, on an emulated link, would have crossed it (the exchange's start, the
+   latency, then the bytes this rank has received in it at the link's rate), else 0; once 1, it stays 1. wait:
+   returns only once a message has landed since the last call, or every one has (the timeout as for any call).
+   *unsent (may be NULL): the bytes of this rank's messages still to leave. nccl: every message is landed (they
+   are ordered on ctx's stream), *unsent 0. DSK_ERR_STATE when none is in flight. */
+DSK_API dsk_status dsk_comm_progress(dsk_comm *c, dsk_ctx *ctx, int wait, int *landed, size_t *unsent);
 /* Point to point; each send must meet a recv of the same count and dtype on `peer`. */
 DSK_API dsk_status dsk_comm_send(dsk_comm *c, dsk_ctx *ctx, const void *buf, int64_t count, dsk_dtype dt, int peer);
 DSK_API dsk_status dsk_comm_recv(dsk_comm *c, dsk_ctx *ctx, void *buf, int64_t count, dsk_dtype dt, int peer);
@@ -961,6 +970,7 @@ struct dsk__comm_impl {
     double link_bps, link_s; /* opts.link_gbps (bytes/s) and link_latency_us (s); 0: no emulated link */
     uint64_t link_mark;      /* stats.bytes_sent when the last call ended */
     int started, started_n;  /* an exchange begun by dsk_comm_all_to_all_v_start: its ops[0..started_n) */
+    int until_landed;        /* dsk_comm_progress's wait: the io run returns once a receive is whole, unreported */
     double started_t0, started_s; /* when it began, and the seconds its start took */
 #ifdef DSK_CUDA
     ncclComm_t nccl;
@@ -1668,7 +1678,8 @@ typedef struct dsk__comm_io {
     dsk__comm_wire got;      /* received */
     char *buf;
     size_t len, done;   /* done counts header + payload bytes */
-    int told;           /* a finished receive was reported to dsk__comm_impl.arrived */
+    int told;           /* a finished receive was reported to dsk__comm_impl.arrived, or as landed by
+                           dsk_comm_progress */
     int gated;          /* a send that waits for dsk__comm_impl.ready to open it */
 } dsk__comm_io;
 
@@ -2015,6 +2026,13 @@ static void dsk__comm_tell_arrivals(dsk__comm_impl *m, dsk__comm_io *ops, int n)
         }
 }
 
+/* Whether a receive of ops[0..n) is whole and not yet reported (dsk_comm_progress's wait). */
+static int dsk__comm_whole_untold(const dsk__comm_io *ops, int n) {
+    for (int i = 0; i < n; i++)
+        if (!ops[i].is_send && !ops[i].told && dsk__comm_io_finished(&ops[i])) return 1;
+    return 0;
+}
+
 /* Asks m->ready about each gated send of ops[0..n): the number opened, or -1 (*err set) when the caller gave up. */
 static int dsk__comm_open_gates(dsk_comm *c, const char *fn, dsk__comm_io *ops, int n, dsk_status *err) {
     dsk__comm_impl *m = c->impl;
@@ -2062,6 +2080,7 @@ static dsk_status dsk__comm_io_run(dsk_comm *c, const char *fn, dsk__comm_io *op
             shm_wait += !dsk__comm_io_finished(&ops[i]);
         }
         dsk__comm_tell_arrivals(m, ops, n);
+        if (m->until_landed && dsk__comm_whole_untold(ops, n)) return DSK_OK;
         if (!shm_wait && !tcp_wait && !gate_wait) {
             if (idle) dsk__comm_fold_slice(job, m->srcs + c->world_size, 0);
             return DSK_OK;
@@ -2578,6 +2597,49 @@ static dsk_status dsk__comm_host_a2a_start(dsk_comm *c, const char *fn, const ch
     if ((left = dsk__comm_io_push(c, fn, m->ops, m->started_n, &st)) < 0) return dsk__comm_break(c, st);
     if (unsent) *unsent = (size_t)left;
     return DSK_OK;
+}
+
+/* When the begun exchange's whole receives would have crossed an emulated link: its start, the latency and the
+   bytes this rank has received in it at the link's rate (one link takes them one after another); 0 without one. */
+static double dsk__comm_landing_due(const dsk__comm_impl *m) {
+    size_t got = 0;
+    if (m->link_bps <= 0 && m->link_s <= 0) return 0;
+    for (int i = 0; i < m->started_n; i++)
+        if (!m->ops[i].is_send && dsk__comm_io_finished(&m->ops[i])) got += m->ops[i].len;
+    return m->started_t0 + m->link_s + (m->link_bps > 0 ? (double)got / m->link_bps : 0);
+}
+
+/* dsk_comm_progress on the host: moves the begun exchange's ops as far as they go now and reports the receives
+   whole and due as landed (op.told); with `wait`, until one lands that had not, or none is left. */
+static dsk_status dsk__comm_host_progress(dsk_comm *c, const char *fn, int wait, double t0, size_t *unsent) {
+    dsk__comm_impl *m = c->impl;
+    dsk_status st = DSK_OK;
+    for (;;) {
+        int fresh = 0, left = 0, late = 0;
+        int64_t bytes = dsk__comm_io_push(c, fn, m->ops, m->started_n, &st);
+        double due = dsk__comm_landing_due(m), now = dsk__comm_now();
+        if (bytes < 0) return dsk__comm_break(c, st);
+        if (unsent) *unsent = (size_t)bytes;
+        for (int i = 0; i < m->started_n; i++) {
+            dsk__comm_io *op = &m->ops[i];
+            if (op->is_send || op->told) continue;
+            if (!dsk__comm_io_finished(op)) left++;
+            else if (now < due) late = 1;
+            else {
+                op->told = 1;
+                fresh++;
+            }
+        }
+        if (!wait || fresh || !(left + late)) return DSK_OK;
+        if (late) { /* whole, and still on the emulated link */
+            dsk__comm_sleep_s(due - now);
+            continue;
+        }
+        m->until_landed = 1;
+        st = dsk__comm_io_run(c, fn, m->ops, m->started_n, t0, NULL);
+        m->until_landed = 0;
+        if (st != DSK_OK) return st;
+    }
 }
 
 static dsk_status dsk__comm_host_barrier(dsk_comm *c, const char *fn, double t0) {
@@ -3912,6 +3974,26 @@ DSK_API dsk_status dsk_comm_finish(dsk_comm *c, dsk_ctx *ctx) {
     m->seq++;
     c->stats.calls++;
     c->stats.seconds += m->started_s + (dsk__comm_now() - t0);
+    return st;
+}
+
+DSK_API dsk_status dsk_comm_progress(dsk_comm *c, dsk_ctx *ctx, int wait, int *landed, size_t *unsent) {
+    const char *fn = "dsk_comm_progress";
+    dsk__comm_impl *m;
+    double t0 = dsk__comm_now();
+    dsk_status st = DSK_OK;
+    (void)ctx;
+    DSK__TRY(dsk__comm_usable(c, fn));
+    m = c->impl;
+    if (!m->started)
+        return dsk_set_error(DSK_ERR_STATE, "%s: rank %d has no exchange begun by dsk_comm_all_to_all_v_start", fn,
+                             c->rank);
+    if (unsent) *unsent = 0;
+    if (c->backend == DSK_COMM_HOST) st = dsk__comm_host_progress(c, fn, wait, t0, unsent);
+    for (int p = 0; landed && p < c->world_size; p++) landed[p] = c->backend != DSK_COMM_HOST || p == c->rank;
+    for (int i = 0; landed && c->backend == DSK_COMM_HOST && i < m->started_n; i++)
+        if (!m->ops[i].is_send) landed[m->ops[i].peer] = m->ops[i].told;
+    m->started_s += dsk__comm_now() - t0;
     return st;
 }
 

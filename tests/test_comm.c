@@ -656,9 +656,48 @@ static void a2av_begun(dsk_comm *c, const void *in, const int64_t *sc, const int
     DSK_TEST_EXPECT(c->stats.calls == calls + 1, "%s: %lld calls counted", label, (long long)(c->stats.calls - calls));
 }
 
+/* The exchange begun and moved on by dsk_comm_progress, waiting (or polling, `poll`) until every rank's message
+   has landed, each checked against want the moment it is first reported (this rank's own at the first call), none
+   reported and then taken back, every waiting call bringing one at least; then finished. rd: the displacements
+   (also when the call gets NULL ones). */
+static void a2av_progressed(dsk_comm *c, const void *in, const int64_t *sc, const int64_t *sd, char *got,
+                            const int64_t *rc, const int64_t *rd, const int64_t *call_rd, const char *want,
+                            dsk_dtype dt, int poll, const char *label) {
+    int n = c->world_size, me = c->rank, landed[8], seen[8] = {0}, all = 0, calls = 0;
+    size_t esz = dsk_dtype_size(dt), unsent = 0, before = (size_t)-1;
+    double t0 = dsk_test_now();
+    DSK_TEST_OK(dsk_comm_all_to_all_v_start(c, NULL, in, sc, sd, got, rc, call_rd, dt, NULL));
+    while (!all) {
+        int fresh = 0;
+        dsk_status st = dsk_comm_progress(c, NULL, !poll, landed, &unsent);
+        DSK_TEST_OK(st);
+        if (st != DSK_OK) return;
+        DSK_TEST_EXPECT(unsent <= before, "%s: %zu bytes unsent after %zu", label, unsent, before);
+        before = unsent;
+        all = 1;
+        for (int p = 0; p < n; p++) {
+            DSK_TEST_EXPECT(landed[p] || !seen[p], "%s: rank %d landed, then not", label, p);
+            if (landed[p] && !seen[p]) {
+                char what[200];
+                snprintf(what, sizeof what, "%s: rank %d's block when reported", label, p);
+                DSK_TEST_SAME_BYTES(got + rd[p] * (int64_t)esz, want + rd[p] * (int64_t)esz, (size_t)rc[p] * esz, what);
+                seen[p] = 1;
+                fresh++;
+            }
+            all &= seen[p];
+        }
+        DSK_TEST_EXPECT(calls > 0 || landed[me], "%s: this rank's own block not landed at the first call", label);
+        DSK_TEST_EXPECT(poll || fresh > 0, "%s: a waiting call returned with nothing landed", label);
+        DSK_TEST_EXPECT(dsk_test_now() - t0 < 60, "%s: not all landed after 60 s", label);
+        if (dsk_test_now() - t0 >= 60) break;
+        calls++;
+    }
+    DSK_TEST_OK(dsk_comm_finish(c, NULL));
+}
+
 /* all_to_all_v against the blocks computed here, or its _notify form (mode 1), whose callback checks each
    rank's block as it is reported, or its _gated form (mode 2), whose blocks are written as it runs, or begun
-   and finished (mode 3). */
+   and finished (mode 3), or begun and moved on by dsk_comm_progress waiting (4) or polling (5). */
 static void a2av_check(dsk_comm *c, int notify) {
     int n = c->world_size, me = c->rank;
     static const int64_t scales[] = {1, 5, 130, 40000};
@@ -700,7 +739,10 @@ static void a2av_check(dsk_comm *c, int notify) {
                 }
                 snprintf(label, sizeof label, "rank %d: all_to_all_v %s scale %lld%s", me, dsk_dtype_name(dt),
                          (long long)scales[s], packed ? " packed (NULL displacements)" : " with gaps");
-                if (notify == 3) {
+                if (notify >= 4) {
+                    a2av_progressed(c, in[me], sc, packed ? NULL : sd, got, rc, rd, packed ? NULL : rd, want, dt,
+                                    notify == 5, label);
+                } else if (notify == 3) {
                     a2av_begun(c, in[me], sc, packed ? NULL : sd, got, rc, packed ? NULL : rd, dt,
                                (stot - (int64_t)n * gap) * (int64_t)esz, label);
                 } else if (notify == 2) {
@@ -749,6 +791,12 @@ static void rank_all_to_all_v_begun(dsk_comm *c, void *arg) {
     a2av_check(c, 3);
 }
 
+static void rank_all_to_all_v_progress(dsk_comm *c, void *arg) {
+    (void)arg;
+    a2av_check(c, 4);
+    a2av_check(c, 5);
+}
+
 /* Misuse of a begun exchange: a finish with none begun, and any other call (a second start, a barrier) while
    one is in flight, fail with DSK_ERR_STATE naming the call and leave the exchange and the communicator as
    they were: its finish then delivers every rank's message. */
@@ -763,6 +811,9 @@ static void rank_all_to_all_v_begun_misuse(dsk_comm *c, void *arg) {
     }
     DSK_TEST_STATUS(dsk_comm_finish(c, NULL), DSK_ERR_STATE);
     DSK_TEST_ERROR_MENTIONS("dsk_comm_finish: rank");
+    DSK_TEST_ERROR_MENTIONS("has no exchange begun by dsk_comm_all_to_all_v_start");
+    DSK_TEST_STATUS(dsk_comm_progress(c, NULL, 1, NULL, NULL), DSK_ERR_STATE);
+    DSK_TEST_ERROR_MENTIONS("dsk_comm_progress: rank");
     DSK_TEST_ERROR_MENTIONS("has no exchange begun by dsk_comm_all_to_all_v_start");
     DSK_TEST_OK(dsk_comm_all_to_all_v_start(c, NULL, x, cnt, NULL, y, cnt, NULL, DSK_I64, NULL));
     DSK_TEST_STATUS(dsk_comm_all_to_all_v_start(c, NULL, x, cnt, NULL, z, cnt, NULL, DSK_I64, NULL), DSK_ERR_STATE);
@@ -1021,17 +1072,20 @@ static void case_free_port(void) {
 }
 
 /* The emulated link (opts.link_gbps 0.05, link_latency_us 2000): an all-to-all lasts at least the
-   latency plus the bytes this rank sent over 50 MB/s, and delivers the data intact; a split inherits the
+   latency plus the bytes this rank sent over 50 MB/s, and delivers the data intact; a begun one reports the other
+   ranks' blocks landed no sooner than the latency plus the bytes received over 50 MB/s; a split inherits the
    link (its all-reduce lasts the latency at least). Bad values fail init naming the field or variable. */
 enum { LINK_N = 1 << 18 }; /* floats a rank sends in all */
 static void rank_link(dsk_comm *c, void *arg) {
     int n = c->world_size, me = c->rank;
     float *x = (float *)malloc(sizeof(float) * LINK_N), *y = (float *)malloc(sizeof(float) * LINK_N);
+    int64_t cnt[8];
     double t0, dt, want;
     uint64_t b0;
     dsk_comm sub;
     (void)arg;
     for (int i = 0; i < LINK_N; i++) x[i] = (float)(me * LINK_N + i);
+    for (int p = 0; p < n; p++) cnt[p] = LINK_N / n;
     b0 = c->stats.bytes_sent;
     t0 = dsk_test_now();
     DSK_TEST_OK(dsk_comm_all_to_all(c, NULL, x, y, LINK_N / n, DSK_F32));
@@ -1047,6 +1101,21 @@ static void rank_link(dsk_comm *c, void *arg) {
                 DSK_TEST_EXPECT(0, "rank %d: element %d from rank %d is %g", me, i, r, (double)y[r * (LINK_N / n) + i]);
                 bad = 1;
             }
+    /* begun: the others' blocks are reported landed once their bytes would have crossed */
+    t0 = dsk_test_now();
+    DSK_TEST_OK(dsk_comm_all_to_all_v_start(c, NULL, x, cnt, NULL, y, cnt, NULL, DSK_F32, NULL));
+    for (int all = 0, landed[8]; !all;) {
+        if (dsk_comm_progress(c, NULL, 1, landed, NULL) != DSK_OK) {
+            DSK_TEST_EXPECT(0, "rank %d: dsk_comm_progress: %s", me, dsk_last_error());
+            break;
+        }
+        all = 1;
+        for (int p = 0; p < n; p++) all &= landed[p];
+    }
+    dt = dsk_test_now() - t0;
+    want = 2e-3 + (double)(sizeof(float) * LINK_N / n * (n - 1)) / 5e7;
+    DSK_TEST_EXPECT(dt >= want - 1e-4, "rank %d: every block landed after %.4f s, the link %.4f s", me, dt, want);
+    DSK_TEST_OK(dsk_comm_finish(c, NULL));
     DSK_TEST_OK(dsk_comm_split(c, 0, me, &sub));
     t0 = dsk_test_now();
     DSK_TEST_OK(dsk_comm_all_reduce(&sub, NULL, x, y, 16, DSK_F32, DSK_COMM_SUM));
@@ -2656,6 +2725,8 @@ static void run_suite(void) {
                   rank_all_to_all_v_gated_give_up, n, 0);
         coll_case("all_to_all_v_start + finish: = all_to_all_v; finished on a thread where bytes were left unsent",
                   rank_all_to_all_v_begun, n, 0);
+        coll_case("all_to_all_v_start + progress: each block right when reported landed, waiting and polling",
+                  rank_all_to_all_v_progress, n, 0);
         coll_case("all_to_all_v_start: finish with none begun, calls while one is in flight refused (state)",
                   rank_all_to_all_v_begun_misuse, n, 0);
         coll_case("send/recv ring and barrier", rank_send_recv, n, 0);
