@@ -133,8 +133,9 @@
      Overlap (opts.ep_overlap 1; off by default: on the host it pays where the link is slower than the
      compute, bench/RESULTS.md): the exchange's all-to-all-v begun (dsk_comm_all_to_all_v_start: the
      messages the shared-memory rings or the sockets take leave at once) and finished at the wait, or on a
-     second thread when the transport left bytes unsent (the flat exact exchange of activation rows,
-     unchunked; a thread for every exchange cost more over shared memory than it hid); the other host
+     second thread when the transport left bytes unsent (the flat exact exchange of activation rows; chunked,
+     the layer moves it on between its chunks instead; a thread for every exchange cost more over shared
+     memory than it hid); the other host
      exchanges on a second thread (host backend); or a stream of the layer's own that
      waits for an event on the layer's stream and that the layer's stream waits for in turn (CUDA, no
      host wait, so a bounded step stays a CUDA graph: the graph holds the fork and the join), runs each
@@ -142,24 +143,22 @@
      forward's dispatch and the backward's, the router's backward while the expert gradients travel
      back. The same bits as serial (each result's arithmetic is unchanged; only independent steps
      move). Chunked dispatch
-     (opts.ep_chunk: ON where it applies: ep_overlap's thread, the exact flat exchange of activation rows,
-     ACT experts, the default ISA's row kernels; AUTO, the default, only where the node has a core free
-     for each rank's exchange thread, as without one it slowed the step over shared memory; ON pays where the
-     link is slower than the compute: on an emulated 0.1 GB/s link it hid the most of every overlap,
-     bench/RESULTS.md): the rank's own rows need no transport,
-     so the thread exchanges only the other ranks' rows while the routed experts compute the own ones
-     (forward: their MLP; backward: the input gradient of the output gradients' own rows), then each
-     other rank's rows as they land (dsk_comm_all_to_all_v_notify: the thread places a rank's rows when
-     its message is whole and hands the rank over; stats.ep_chunks counts the chunks). The return is
-     chunked with it: as each chunk's results are computed (forward: the experts' outputs, the combine;
-     backward: the input gradients) they leave for their rank while the later chunks compute
-     (dsk_comm_all_to_all_v_gated, on the same thread after the exchange to the experts), and in the
-     backward the weight gradients compute while the last ones travel. Each expert's rows
-     come by source rank, so a chunk is a sub-range of each expert's segment; a row's results have the
-     same bits whatever rows share its GEMM (dsk_matmul's rows contract) and whatever order the chunks
-     run in, and the weight gradients, sums over rows, run once over whole segments after the last
-     chunk: the serial bits. CUDA does not chunk (the exchange stream runs each exchange whole). Not yet:
-     overlap across micro-batches.
+     (opts.ep_chunk: ON where it applies: ep_overlap on the host, the exact flat exchange of activation
+     rows, ACT experts, the default ISA's row kernels; AUTO, the default, where the ep group spans nodes,
+     as over one node's shared memory the exchange is short and the chunks' smaller GEMMs cost more than
+     it hides; ON pays where the link is slower than the compute: on an emulated 0.1 GB/s link it hid the
+     most of every overlap, bench/RESULTS.md): the rank's own rows need no transport, so the exchange
+     begun carries only the other ranks' rows while the routed experts compute the own ones (forward:
+     their MLP; backward: the input gradient of the output gradients' own rows), then each other rank's
+     rows as they land: between chunks the layer moves the exchange on (dsk_comm_progress, which says
+     whose messages are whole) and places the rows of each rank that landed; no thread (stats.ep_chunks
+     counts the chunks). The results go back in one exchange begun after the last chunk (forward: at
+     dsk_moe_return_begin or the end; backward: the weight gradients compute while it travels). Each
+     expert's rows come by source rank, so a chunk is a sub-range of each expert's segment; a row's
+     results have the same bits whatever rows share its GEMM (dsk_matmul's rows contract) and whatever
+     order the chunks run in, and the weight gradients, sums over rows, run once over whole segments
+     after the last chunk: the serial bits. CUDA does not chunk (the exchange stream runs each exchange
+     whole).
      Routes across nodes (opts.ep_route): FLAT sends a row per kept (token, expert) to the expert's rank in
      one all-to-all-v; TWO_HOP sends each token's row once to every node holding one of its kept experts (to
      the rank with this rank's node_rank there, which copies it to its slots on that node: dsk_moe_route,
@@ -311,12 +310,11 @@ typedef enum dsk_moe_ep_route {
 } dsk_moe_ep_route;
 /* Chunked dispatch (see "Overlap" above): whether the routed experts start on the rows that need no transport. */
 typedef enum dsk_moe_ep_chunk {
-    DSK_MOE_CHUNK_AUTO = 0, /* ON where the node has a core free for each rank's exchange thread: its ranks times
-                               (ctx->n_threads + 1) within its online CPUs (a NULL ctx's ops take every core);
-                               without one, chunking slowed the step (bench/RESULTS.md) */
+    DSK_MOE_CHUNK_AUTO = 0, /* ON where the ep group spans nodes; over one node's shared memory the chunks' smaller
+                               GEMMs cost more than the short exchange they hide (bench/RESULTS.md) */
     DSK_MOE_CHUNK_OFF = 1,  /* the experts wait for every row */
-    DSK_MOE_CHUNK_ON = 2    /* where it applies: ep_overlap's thread runs the exchange (host backend), the exact
-                               flat exchange of activation rows, ACT experts */
+    DSK_MOE_CHUNK_ON = 2    /* where it applies: ep_overlap on the host backend, the exact flat exchange of
+                               activation rows, ACT experts */
 } dsk_moe_ep_chunk;
 
 /* The routing configuration: what every MoE step of the math below takes instead of positional
@@ -534,9 +532,8 @@ DSK_API dsk_status dsk_moe_use_slot(dsk_moe *m, int slot);
    other layers run as they like, except that two exchanges must not be in flight on one communicator at once: end
    one layer's before beginning another's on the same expert-parallel group. x, dy and the tensors they alias must
    stay unchanged until the end. An end with a bad y (dx) fails with DSK_ERR_ARG and leaves the begun call pending; a
-   begin or end that fails otherwise leaves none (the exchange joined). dsk_moe_free waits for an exchange in flight
-   (a chunked one's return fails, as no end opens its gates, and with it the group: end the call first to keep the
-   group). */
+   begin or end that fails otherwise leaves none (the exchange joined). dsk_moe_free waits for an exchange in
+   flight. */
 DSK_API dsk_status dsk_moe_forward_begin(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *x);
 DSK_API dsk_status dsk_moe_forward_end(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *y, dsk_moe_stats *stats);
 DSK_API dsk_status dsk_moe_backward_begin(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *dy, float aux_scale);
@@ -548,9 +545,7 @@ DSK_API dsk_status dsk_moe_backward_end(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx
    experts' results back to their tokens' ranks (in flight under ep_overlap, as the dispatch); dsk_moe_wait
    joins the exchange the call has in flight, if it has one, computing nothing, so that another layer's
    exchange may begin on the group. Each is optional, and each does what the steps before it would have done
-   had they not been called (dsk_moe_wait, though, computes only where a chunked exchange (ep_chunk) carries
-   the results back as they are computed: before dsk_moe_experts, it computes them); a step already done
-   does nothing; the end does what is left. The bits are those of the begin and end alone. DSK_ERR_STATE
+   had they not been called (dsk_moe_wait computes nothing); a step already done does nothing; the end does what is left. The bits are those of the begin and end alone. DSK_ERR_STATE
    with no call begun; a step that fails ends the call begun, its exchange joined. */
 DSK_API dsk_status dsk_moe_experts(dsk_moe *m, dsk_ctx *ctx);
 DSK_API dsk_status dsk_moe_return_begin(dsk_moe *m, dsk_ctx *ctx);
@@ -1370,9 +1365,8 @@ struct dsk__moe_state {
     dsk__moe_store buf[DSK__MOE_NBUF - DSK__MOE_NSAVED];
     /* host side */
     int64_t *h_cnt;          /* (3 + 2E) counts on the host (CUDA: copied back when asked for) */
-    int *arrival_order;      /* (P) chunked dispatch: the ranks whose rows landed, in that order */
-    int *gates;              /* (P) chunked return: 1 once a rank's results are in STAGE, -1 if the layer
-                                failed (dsk_comm_all_to_all_v_gated's ready) */
+    int *arrival_order;      /* (P) chunked dispatch: the other ranks whose rows are in place, in that order */
+    int *landed;             /* (P) chunked dispatch: dsk_comm_progress's report */
     int64_t *fwd_loads;      /* (E) the last forward's stats.tokens_per_expert */
     int64_t *col_acc_i;      /* (5 + E) the last collected statistics (CUDA: pinned) */
     double *col_acc_f;       /* (3) */
@@ -1386,7 +1380,6 @@ struct dsk__moe_state {
     int xch_begin;            /* the exchange running now only begins its all-to-all (dsk__moe_begins) */
     size_t xch_unsent;        /* its bytes the transport did not take at the start */
     int64_t fwd_chunks;       /* the last forward's chunks (dsk_moe_stats.ep_chunks) */
-    struct dsk__moe_arrivals *arrivals; /* chunked: the running exchange's hand-over (dsk__moe_async) */
     void *side, *ev_fork, *ev_join;     /* CUDA with ep_overlap: the exchanges' stream, and the events that order
                                            it after the layer's stream and the layer's stream after it */
 };
@@ -1661,7 +1654,7 @@ static void dsk__moe_state_free(dsk_moe *m, dsk_ctx *ctx) {
 #endif
     DSK_FREE(st->h_cnt);
     DSK_FREE(st->arrival_order);
-    DSK_FREE(st->gates);
+    DSK_FREE(st->landed);
     DSK_FREE(st->fwd_loads);
     DSK_FREE(st->col_acc_i);
     DSK_FREE(st->col_acc_f);
@@ -1879,7 +1872,7 @@ static dsk_status dsk__moe_alloc_state(dsk_moe *m, dsk_ctx *ctx) {
     st->n_fwds = 1;
     st->h_cnt = (int64_t *)DSK_MALLOC((size_t)(3 + 2 * E) * sizeof(int64_t));
     st->arrival_order = (int *)DSK_MALLOC((size_t)P * sizeof(int));
-    st->gates = (int *)DSK_MALLOC((size_t)P * sizeof(int));
+    st->landed = (int *)DSK_MALLOC((size_t)P * sizeof(int));
     st->fwd_loads = (int64_t *)DSK_MALLOC((size_t)E * sizeof(int64_t));
 #ifdef DSK_CUDA
     if (m->device.type == DSK_DEV_CUDA) { /* statistics come back into pinned memory after an event */
@@ -1897,7 +1890,7 @@ static dsk_status dsk__moe_alloc_state(dsk_moe *m, dsk_ctx *ctx) {
         st->col_acc_i = (int64_t *)DSK_MALLOC((size_t)(5 + E) * sizeof(int64_t));
         st->col_acc_f = (double *)DSK_MALLOC(3 * sizeof(double));
     }
-    if (!st->h_cnt || !st->arrival_order || !st->gates || !st->fwd_loads || !st->col_acc_i || !st->col_acc_f)
+    if (!st->h_cnt || !st->arrival_order || !st->landed || !st->fwd_loads || !st->col_acc_i || !st->col_acc_f)
         return dsk_set_error(DSK_ERR_OOM, "dsk_moe_init: out of host memory");
     memset(st->col_acc_i, 0, (size_t)(5 + E) * sizeof(int64_t));
     memset(st->col_acc_f, 0, 3 * sizeof(double));
@@ -3856,28 +3849,13 @@ static dsk_status dsk__moe_hop_from_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_
 /* An exchange (DSK__MOE_XCH_*) on a second thread, so that the
    caller computes meanwhile (host backend: the collective takes no ctx and the gathers use none of its
    workspace). Its buffers are sized before it starts; the thread's error message comes back at the join. */
-/* Chunked dispatch's hand-over from ep_overlap's thread to the layer: the thread places each rank's rows
-   (expert-major) as they land (dsk_comm_all_to_all_v_notify) and queues the rank; the layer computes the
-   queued ranks' chunks in turn. */
-typedef struct dsk__moe_arrivals {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    int *order;  /* (P) the other ranks whose rows are in place, in the order they landed */
-    int n, done; /* queued; the exchange returned */
-    dsk_moe *m;
-    char *dst;       /* the experts' rows (expert-major) */
-    const char *src; /* the exchange's receive buffer (rank-major) */
-    size_t row;      /* bytes of a row */
-} dsk__moe_arrivals;
-
 typedef struct dsk__moe_async {
     dsk_moe *m;
     dsk_ctx *ctx;
     const dsk_tensor *rows;
     dsk_tensor *dst;
-    dsk_tensor *back;          /* chunked: the results return here, each rank's once the layer opens its gate */
-    int way, started, chunked; /* way: DSK__MOE_XCH_*; chunked: arr is initialised and in st->arrivals */
-    int deferred;              /* chunked without a thread: the return runs at the wait, once every gate is open */
+    int way, started, chunked; /* way: DSK__MOE_XCH_*; chunked: the other ranks' rows only, placed as they land */
+    int n_placed;              /* chunked: the other ranks whose rows are in place (st->arrival_order) */
     int forked;                /* CUDA: the exchange was issued on st->side, after ev_fork */
     int begun;                 /* host: its all-to-all begun (dsk__moe_begins), finished at the wait or on the
                                   thread when the transport could not take all of it at the start */
@@ -3886,7 +3864,6 @@ typedef struct dsk__moe_async {
     pthread_t thread;
     dsk_status st;
     char err[1024];
-    dsk__moe_arrivals arr;
 } dsk__moe_async;
 
 /* The exchanges: the forward's dispatch (FP8 where opts.ep_dispatch says, its bytes counted), backward's rows
@@ -3914,8 +3891,7 @@ typedef struct dsk__moe_pending {
 
 static dsk_status dsk__moe_join_on_error(dsk__moe_async *a, dsk_status s);
 
-/* Frees the pending record; a begun call's exchange is joined first, a chunked return's shut gates failed
-   (no end will open them). */
+/* Frees the pending record; a begun call's exchange is joined first. */
 static void dsk__moe_pending_free(struct dsk__moe_state *st) {
     if (st->pending != DSK__MOE_PEND_NONE && st->pend && st->pend->xch.m)
         (void)dsk__moe_join_on_error(&st->pend->xch, DSK_ERR_STATE);
@@ -3937,39 +3913,39 @@ static void dsk__moe_pending_set(dsk__moe_pending *p, int kind, int64_t T, int64
 static dsk_status dsk__moe_dispatch(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst);
 static dsk_status dsk__moe_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst);
 static dsk_status dsk__moe_from_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst);
-static dsk_status dsk__moe_return_gated(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dst);
 
 static void *dsk__moe_async_main(void *p) {
     dsk__moe_async *a = (dsk__moe_async *)p;
     a->st = a->way == DSK__MOE_XCH_FROM_EXPERTS ? dsk__moe_from_experts(a->m, a->ctx, a->rows, a->dst)
             : a->way == DSK__MOE_XCH_DISPATCH   ? dsk__moe_dispatch(a->m, a->ctx, a->rows, a->dst)
                                                 : dsk__moe_to_experts(a->m, a->ctx, a->rows, a->dst);
-    if (a->chunked) { /* a rank that never landed ends the layer's wait */
-        pthread_mutex_lock(&a->arr.mu);
-        a->arr.done = 1;
-        pthread_cond_broadcast(&a->arr.cv);
-        pthread_mutex_unlock(&a->arr.mu);
-    }
-    if (a->st == DSK_OK && a->back && !a->deferred) a->st = dsk__moe_return_gated(a->m, a->ctx, a->back);
     if (a->st != DSK_OK) snprintf(a->err, sizeof a->err, "%s", dsk_last_error());
     return NULL;
 }
 
 static dsk_status dsk__moe_stage_to_experts(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dst);
+static void dsk__moe_place_landed(dsk__moe_async *a);
 
-/* Whether an overlapped host exchange runs without a thread: the flat exact exchange of activation rows, not
-   chunked, whose all-to-all-v begins at the start (the messages the transport takes now: shared-memory rings,
-   sockets' buffers) and finishes at the wait, or on the thread when the transport did not take them all. A
-   thread of its own cost the step more over shared memory than the exchange it hid (bench/RESULTS.md). */
+/* Whether an overlapped host exchange runs without a thread: the flat exact exchange of activation rows, whose
+   all-to-all-v begins at the start (the messages the transport takes now: shared-memory rings, sockets' buffers)
+   and finishes at the wait, or on the thread when the transport did not take them all (not chunked: there the
+   layer moves it on between its chunks, dsk_comm_progress). A thread of its own cost the step more over shared
+   memory than the exchange it hid (bench/RESULTS.md). */
 static int dsk__moe_begins(const dsk_moe *m, int way) {
     return m->device.type == DSK_DEV_CPU && m->opts.ep_route != DSK_MOE_ROUTE_TWO_HOP &&
-           m->opts.ep_exchange != DSK_MOE_EP_BOUNDED && !m->st->chunked &&
+           m->opts.ep_exchange != DSK_MOE_EP_BOUNDED &&
            (way != DSK__MOE_XCH_DISPATCH || m->opts.ep_dispatch != DSK_MOE_DISPATCH_FP8);
 }
 
-/* The begun exchange's end: its all-to-all finished, the rows to the experts regrouped. */
+/* The begun exchange's end: its all-to-all finished, the rows to the experts regrouped (chunked: each other
+   rank's placed, those not yet). */
 static dsk_status dsk__moe_exchange_finish(dsk__moe_async *a) {
     DSK__TRY(dsk_comm_finish(a->m->opts.ep, a->ctx));
+    if (a->chunked) {
+        for (int r = 0; r < a->m->ep_size; r++) a->m->st->landed[r] = 1;
+        dsk__moe_place_landed(a);
+        return DSK_OK;
+    }
     return a->way == DSK__MOE_XCH_FROM_EXPERTS ? DSK_OK : dsk__moe_stage_to_experts(a->m, a->ctx, a->dst);
 }
 
@@ -3987,7 +3963,8 @@ static void dsk__moe_exchange_begin(dsk__moe_async *a) {
     dsk__moe_async_main(a);
     st->xch_begin = 0;
     a->begun = a->st == DSK_OK;
-    if (a->begun && st->xch_unsent > 0) a->started = pthread_create(&a->thread, NULL, dsk__moe_finish_main, a) == 0;
+    if (a->begun && st->xch_unsent > 0 && !a->chunked)
+        a->started = pthread_create(&a->thread, NULL, dsk__moe_finish_main, a) == 0;
 }
 
 /* Sizes the buffers an exchange running beside the layer uses (staging; FP8 dispatch's codes and scales, and
@@ -4002,10 +3979,10 @@ static dsk_status dsk__moe_exchange_buffers(dsk_moe *m, dsk_ctx *ctx) {
     return DSK_OK;
 }
 
-/* Starts the exchange: on a thread (host) or the exchanges' stream (CUDA) when the layer overlaps, else here
-   and now. back: where the chunked results return (NULL: the caller returns them itself). */
+/* Starts the exchange: begun (host) or on the exchanges' stream (CUDA) when the layer overlaps, else here and
+   now. */
 static dsk_status dsk__moe_exchange_start(dsk__moe_async *a, dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows,
-                                          dsk_tensor *dst, int way, dsk_tensor *back) {
+                                          dsk_tensor *dst, int way) {
     int thread = m->opts.ep_overlap && m->device.type == DSK_DEV_CPU;
     memset(a, 0, sizeof *a);
     a->m = m;
@@ -4013,23 +3990,11 @@ static dsk_status dsk__moe_exchange_start(dsk__moe_async *a, dsk_moe *m, dsk_ctx
     a->rows = rows;
     a->dst = dst;
     a->way = way;
+    a->chunked = m->st->chunked && way != DSK__MOE_XCH_FROM_EXPERTS;
     if (thread || m->st->side) DSK__TRY(dsk__moe_exchange_buffers(m, ctx));
     if (thread && dsk__moe_begins(m, way)) {
         dsk__moe_exchange_begin(a);
         return DSK_OK;
-    }
-    if (m->st->chunked && way != DSK__MOE_XCH_FROM_EXPERTS) {
-        if (pthread_mutex_init(&a->arr.mu, NULL)) return dsk_set_error(DSK_ERR_OOM, "dsk_moe: pthread_mutex_init");
-        if (pthread_cond_init(&a->arr.cv, NULL)) {
-            pthread_mutex_destroy(&a->arr.mu);
-            return dsk_set_error(DSK_ERR_OOM, "dsk_moe: pthread_cond_init");
-        }
-        a->arr.order = m->st->arrival_order;
-        a->arr.m = m;
-        a->chunked = 1;
-        m->st->arrivals = &a->arr;
-        a->back = back;
-        memset(m->st->gates, 0, (size_t)m->ep_size * sizeof(int));
     }
     if (thread) a->started = pthread_create(&a->thread, NULL, dsk__moe_async_main, a) == 0;
 #ifdef DSK_CUDA
@@ -4047,10 +4012,7 @@ static dsk_status dsk__moe_exchange_start(dsk__moe_async *a, dsk_moe *m, dsk_ctx
         a->forked = 1;
     }
 #endif
-    if (!a->started) {                 /* serial (or no thread to be had), or issued on the side stream */
-        a->deferred = a->back != NULL; /* no thread: the gates open only as the caller computes */
-        dsk__moe_async_main(a);
-    }
+    if (!a->started) dsk__moe_async_main(a); /* serial (or no thread to be had), or issued on the side stream */
     return DSK_OK;
 }
 
@@ -4060,9 +4022,6 @@ static dsk_status dsk__moe_exchange_wait(dsk__moe_async *a) {
     else if (a->begun && (a->st = dsk__moe_exchange_finish(a)) != DSK_OK)
         snprintf(a->err, sizeof a->err, "%s", dsk_last_error());
     a->started = a->begun = 0;
-    if (a->deferred && a->st == DSK_OK && (a->st = dsk__moe_return_gated(a->m, a->ctx, a->back)) != DSK_OK)
-        snprintf(a->err, sizeof a->err, "%s", dsk_last_error());
-    a->deferred = 0;
 #ifdef DSK_CUDA
     if (a->forked) { /* the layer's stream waits for the exchange (the host does not) */
         struct dsk__moe_state *st = a->m->st;
@@ -4076,12 +4035,6 @@ static dsk_status dsk__moe_exchange_wait(dsk__moe_async *a) {
         if (s != DSK_OK && a->st == DSK_OK) return s;
     }
 #endif
-    if (a->chunked) {
-        pthread_cond_destroy(&a->arr.cv);
-        pthread_mutex_destroy(&a->arr.mu);
-        a->m->st->arrivals = NULL;
-        a->chunked = 0;
-    }
     if (a->st != DSK_OK) return dsk_set_error(a->st, "%s", a->err);
     return DSK_OK;
 }
@@ -4091,33 +4044,24 @@ static dsk_status dsk__moe_join_on_error(dsk__moe_async *a, dsk_status s) {
     char msg[1024];
     if (s == DSK_OK || !a) return s;
     snprintf(msg, sizeof msg, "%s", dsk_last_error());
-    for (int r = 0; a->back && r < a->m->ep_size; r++) /* the return's gates that are still shut never open */
-        __atomic_store_n(&a->m->st->gates[r], -1, __ATOMIC_RELEASE);
     (void)dsk__moe_exchange_wait(a);
     return dsk_set_error(s, "%s", msg);
 }
 
 /* ---- chunked dispatch (opts.ep_chunk): the routed experts compute this rank's own rows (they need no
-   transport) while ep_overlap's thread exchanges the other ranks', then each other rank's rows as they land
-   (dsk_comm_all_to_all_v_notify), in that order. In the expert-major layout each expert's rows come by source
+   transport) while the exchange begun carries the other ranks', then each other rank's rows as they land
+   (dsk_comm_progress between chunks), in that order. In the expert-major layout each expert's rows come by source
    rank, so rank r's chunk is r's block of each expert's segment. A row's outputs and input gradients have the
    same bits whatever rows share its GEMM (dsk_matmul's rows contract) and whatever order the chunks run in; the
    weight gradients, sums over rows, run once over the whole segments after the last chunk, as serial. */
 
-/* AUTO's test: a core free for the exchange thread of each of the EP group's ranks on this node, beside their
-   compute threads (other processes on the node are not counted). */
-static int dsk__moe_core_free(const dsk_moe *m, const dsk_ctx *ctx) {
-    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-    int node_ranks = m->opts.ep->node_size > 0 ? m->opts.ep->node_size : m->ep_size;
-    return ctx && ctx->n_threads > 0 && cpus > 0 && (long)node_ranks * (ctx->n_threads + 1) <= cpus;
-}
-
-/* Chunks on this call: ON (or AUTO with a core free), CPU f32 experts, the exact flat exchange of activation rows
-   on ep_overlap's thread, and (backward's SwiGLU gradient, dsk_swiglu_grad_cpu) the default ISA's row kernels. */
+/* Chunks on this call: ON (or AUTO with the ep group across nodes), CPU f32 experts, the exact flat exchange of
+   activation rows begun under ep_overlap, and (backward's SwiGLU gradient, dsk_swiglu_grad_cpu) the default ISA's
+   row kernels. */
 static int dsk__moe_chunking(const dsk_moe *m, const dsk_ctx *ctx) {
     const dsk_moe_opts *o = &m->opts;
     if (m->ep_size <= 1 || !o->ep_overlap || o->ep_chunk == DSK_MOE_CHUNK_OFF) return 0;
-    if (o->ep_chunk == DSK_MOE_CHUNK_AUTO && !dsk__moe_core_free(m, ctx)) return 0;
+    if (o->ep_chunk == DSK_MOE_CHUNK_AUTO && o->ep->n_nodes < 2) return 0;
     return m->device.type == DSK_DEV_CPU && m->st->act == DSK_F32 && o->ep_exchange == DSK_MOE_EP_EXACT &&
            o->ep_route == DSK_MOE_ROUTE_FLAT && o->ep_dispatch == DSK_MOE_DISPATCH_ACT &&
            o->expert_gemm == DSK_MOE_GEMM_ACT && (!ctx || ctx->cpu_isa == dsk_cpu_isa_auto());
@@ -4145,80 +4089,52 @@ static void dsk__moe_place_rank(const dsk_moe *m, char *dst, const char *src, si
     }
 }
 
-/* dsk_comm_all_to_all_v_notify's callback, on ep_overlap's thread: rank r's rows into place, r queued. */
-static void dsk__moe_arrived(void *arg, int r) {
-    dsk__moe_arrivals *v = (dsk__moe_arrivals *)arg;
-    if (r == v->m->ep_rank) return; /* the layer places and computes its own rows */
-    dsk__moe_place_rank(v->m, v->dst, v->src, v->row, r);
-    pthread_mutex_lock(&v->mu);
-    v->order[v->n++] = r;
-    pthread_cond_signal(&v->cv);
-    pthread_mutex_unlock(&v->mu);
-}
-
-/* The exchange's part of a chunked dispatch: the other ranks' rows only, each into its places in dst as it
-   lands (st->arrivals, which dsk__moe_exchange_start set). */
-static dsk_status dsk__moe_others_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
+/* The exchange's part of a chunked dispatch, begun: the other ranks' rows only, into STAGE (rank-major); the layer
+   moves it on and places each rank's rows as they land (dsk__moe_next_arrival). */
+static dsk_status dsk__moe_others_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows) {
     struct dsk__moe_state *st = m->st;
-    dsk__moe_arrivals *v = st->arrivals;
     int P = m->ep_size, me = m->ep_rank;
     int64_t *c = st->f->a2a + 4 * P;
     dsk_tensor stage;
-    if (!v)
-        return dsk_set_error(DSK_ERR_STATE, "dsk_moe: layer \"%s\": a chunked exchange outside its thread's start",
-                             m->opts.name);
+    if (!st->xch_begin)
+        return dsk_set_error(DSK_ERR_STATE, "dsk_moe: layer \"%s\": a chunked exchange not begun", m->opts.name);
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->f->T, st->f->R, &stage));
     memcpy(c, st->f->a2a, (size_t)(4 * P) * sizeof(int64_t));
     c[me] = c[2 * P + me] = 0;
-    v->dst = (char *)dst->data;
-    v->src = (const char *)stage.data;
-    v->row = (size_t)m->opts.d_model * dsk_dtype_size(rows->dtype);
-    return dsk_comm_all_to_all_v_notify(m->opts.ep, ctx, rows->data, c, c + P, stage.data, c + 2 * P, c + 3 * P,
-                                        rows->dtype, dsk__moe_arrived, v);
+    return dsk_comm_all_to_all_v_start(m->opts.ep, ctx, rows->data, c, c + P, stage.data, c + 2 * P, c + 3 * P,
+                                       rows->dtype, &st->xch_unsent);
 }
 
-/* The k-th other rank whose rows are in place (waiting for it), or -1 once all P - 1 came or the exchange ended
-   without it (its error comes at the join). */
-static int dsk__moe_next_arrival(dsk__moe_async *a, int k) {
-    dsk__moe_arrivals *v = &a->arr;
-    int r;
-    if (k >= a->m->ep_size - 1) return -1;
-    pthread_mutex_lock(&v->mu);
-    while (v->n <= k && !v->done) pthread_cond_wait(&v->cv, &v->mu);
-    r = k < v->n ? v->order[k] : -1;
-    pthread_mutex_unlock(&v->mu);
-    return r;
-}
-
-/* The chunked return's regroup, once rank r's chunk is computed: r's rows of the expert-major src (r's block of each
-   local expert's segment) to r's place in the rank-major STAGE (the exchange to the experts' receive displacements;
-   plain copies, dsk__moe_from_experts' gather), then r's gate opens. STAGE's block for r is free: r's rows that
-   landed there were placed before r's chunk ran (this rank's own never land there). */
-static void dsk__moe_release_rank(dsk_moe *m, const dsk_tensor *src, int r) {
+/* Places the rows of each other rank that st->landed reports and a has not placed yet (expert-major, into a->dst
+   from STAGE) and queues the rank in st->arrival_order. */
+static void dsk__moe_place_landed(dsk__moe_async *a) {
+    dsk_moe *m = a->m;
     struct dsk__moe_state *st = m->st;
-    int64_t D = m->opts.d_model, to = st->f->a2a[3 * m->ep_size + r] / D, from, n;
-    size_t row = (size_t)D * dsk_dtype_size(src->dtype);
-    char *stage = (char *)dsk__moe_store_of(st, DSK__MOE_STAGE)->mem.data;
-    for (int e = 0; e < m->n_local; e++, to += n) {
-        dsk__moe_block(m, r, e, &from, &n);
-        if (n) memcpy(stage + (size_t)to * row, (const char *)src->data + (size_t)from * row, (size_t)n * row);
+    const char *stage = (const char *)dsk__moe_store_of(st, DSK__MOE_STAGE)->mem.data;
+    size_t row = (size_t)m->opts.d_model * dsk_dtype_size(a->dst->dtype);
+    for (int r = 0; r < m->ep_size; r++) {
+        int placed = r == m->ep_rank; /* the layer places and computes its own rows */
+        for (int k = 0; k < a->n_placed && !placed; k++) placed = st->arrival_order[k] == r;
+        if (placed || !st->landed[r]) continue;
+        dsk__moe_place_rank(m, (char *)a->dst->data, stage, row, r);
+        st->arrival_order[a->n_placed++] = r;
     }
-    __atomic_store_n(&st->gates[r], 1, __ATOMIC_RELEASE);
 }
 
-/* dsk_comm_all_to_all_v_gated's ready: rank r's gate (st->gates). */
-static int dsk__moe_gate(void *arg, int r) { return __atomic_load_n(&((const int *)arg)[r], __ATOMIC_ACQUIRE); }
-
-/* The chunked return, on ep_overlap's thread after the exchange to the experts: the results (STAGE, rank-major)
-   back to their ranks into dst (kept order), each rank's block leaving once the layer released it. */
-static dsk_status dsk__moe_return_gated(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dst) {
-    struct dsk__moe_state *st = m->st;
-    int P = m->ep_size;
-    dsk_tensor stage;
-    dsk__moe_count_off(m, dsk__moe_flat_off(m, 1, (size_t)m->opts.d_model * dsk_dtype_size(dst->dtype)));
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->f->T, st->f->R, &stage));
-    return dsk_comm_all_to_all_v_gated(m->opts.ep, ctx, stage.data, st->f->a2a + 2 * P, st->f->a2a + 3 * P, dst->data,
-                                       st->f->a2a, st->f->a2a + P, dst->dtype, dsk__moe_gate, st->gates);
+/* The k-th other rank whose rows are in place, moving the begun exchange on (dsk_comm_progress, waiting) until
+   they are; -1 once all P - 1 came, or on the exchange's error (kept for the join). */
+static int dsk__moe_next_arrival(dsk__moe_async *a, int k) {
+    dsk_moe *m = a->m;
+    if (k >= m->ep_size - 1) return -1;
+    while (a->n_placed <= k) {
+        if (!a->begun || a->st != DSK_OK) return -1;
+        if ((a->st = dsk_comm_progress(m->opts.ep, a->ctx, 1, m->st->landed, NULL)) != DSK_OK) {
+            snprintf(a->err, sizeof a->err, "%s", dsk_last_error());
+            return -1;
+        }
+        dsk__moe_place_landed(a);
+    }
+    return m->st->arrival_order[k];
 }
 
 /* Forward of rank r's chunk: (this rank's own: its rows placed from xs, kept order, into xr) the routed experts
@@ -4288,15 +4204,6 @@ static dsk_status dsk__moe_experts_chunk_backward(dsk_moe *m, dsk_ctx *ctx, cons
     return DSK_OK;
 }
 
-/* The experts' weight gradients after the last chunk, over whole segments in the serial order. */
-static dsk_status dsk__moe_chunked_wgrad(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *off, const dsk_tensor *dor,
-                                         const dsk_tensor *xr, const dsk_tensor *a, const dsk_tensor *dh1,
-                                         const dsk_tensor *dh3) {
-    DSK__TRY(dsk_matmul_grouped(ctx, &m->w2->grad, dor, 1, a, 0, off, 1.0f, 1.0f));
-    DSK__TRY(dsk_matmul_grouped(ctx, &m->w1->grad, dh1, 1, xr, 0, off, 1.0f, 1.0f));
-    return dsk_matmul_grouped(ctx, &m->w3->grad, dh3, 1, xr, 0, off, 1.0f, 1.0f);
-}
-
 /* Rows (n_kept of them, kept order) to their experts' ranks, regrouped expert-major into dst (R). */
 /* The flat exchange's all-to-all-v on the layer's communicator: whole, or begun (st->xch_begin). */
 static dsk_status dsk__moe_a2a(dsk_moe *m, dsk_ctx *ctx, const void *send, const int64_t *sc, const int64_t *sd,
@@ -4320,7 +4227,7 @@ static dsk_status dsk__moe_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor
     if (m->opts.ep_route == DSK_MOE_ROUTE_TWO_HOP) return dsk__moe_hop_to_experts(m, ctx, rows, dst, 1);
     dsk__moe_count_off(m, dsk__moe_flat_off(m, 0, (size_t)m->opts.d_model * dsk_dtype_size(rows->dtype)));
     if (m->opts.ep_exchange == DSK_MOE_EP_BOUNDED) return dsk__moe_to_experts_bounded(m, ctx, rows, dst);
-    if (st->chunked) return dsk__moe_others_to_experts(m, ctx, rows, dst);
+    if (st->chunked) return dsk__moe_others_to_experts(m, ctx, rows);
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->f->T, st->f->R, &stage));
     DSK__TRY(dsk__moe_a2a(m, ctx, rows->data, st->f->a2a, st->f->a2a + P, stage.data, st->f->a2a + 2 * P,
                           st->f->a2a + 3 * P, rows->dtype));
@@ -4899,8 +4806,7 @@ static dsk_status dsk__moe_forward_begin_impl(dsk_moe *m, dsk_ctx *ctx, const ds
     p->cntg = cntg, p->loss = lb.loss, p->offsets = offsets;
     if (!ep) return DSK_OK;
     st->chunked = dsk__moe_chunking(m, ctx);
-    DSK__TRY(dsk__moe_exchange_start(&p->xch, m, ctx, two ? &p->xa : &p->xs, &p->xr, DSK__MOE_XCH_DISPATCH,
-                                     st->chunked ? &p->back : NULL));
+    DSK__TRY(dsk__moe_exchange_start(&p->xch, m, ctx, two ? &p->xa : &p->xs, &p->xr, DSK__MOE_XCH_DISPATCH));
     p->flying = 1;
     return DSK_OK;
 }
@@ -4933,12 +4839,10 @@ static dsk_status dsk__moe_forward_experts_impl(dsk_moe *m, dsk_ctx *ctx) {
     }
     st->fwd_chunks = 0;
     if (ep && st->chunked) {
-        for (int k = 0, r = m->ep_rank; r >= 0; r = dsk__moe_next_arrival(xch, k++), st->fwd_chunks++) {
+        for (int k = 0, r = m->ep_rank; r >= 0; r = dsk__moe_next_arrival(&p->xch, k++), st->fwd_chunks++)
             DSK__TRY(dsk__moe_join_on_error(
                 xch, dsk__moe_experts_chunk(m, ctx, w, &p->xs, &p->xr, &p->ob, &h1, &h3, &a, r)));
-            dsk__moe_release_rank(m, &p->ob, r);
-        }
-        return DSK_OK;
+        return dsk__moe_pending_join(p);
     }
     DSK__TRY(dsk__moe_pending_join(p));
     if (fp8) {
@@ -4949,12 +4853,12 @@ static dsk_status dsk__moe_forward_experts_impl(dsk_moe *m, dsk_ctx *ctx) {
 }
 
 /* The experts' outputs on their way back to their tokens' ranks (p->back): in flight under ep_overlap
-   when `overlap`, else here and now. A chunked exchange returns them itself. */
+   when `overlap`, else here and now. */
 static dsk_status dsk__moe_forward_return_impl(dsk_moe *m, dsk_ctx *ctx, int overlap) {
     dsk__moe_pending *p = m->st->pend;
-    if (m->ep_size <= 1 || m->st->chunked) return DSK_OK;
+    if (m->ep_size <= 1) return DSK_OK;
     if (!overlap) return dsk__moe_from_experts(m, ctx, &p->ob, &p->back);
-    DSK__TRY(dsk__moe_exchange_start(&p->xch, m, ctx, &p->ob, &p->back, DSK__MOE_XCH_FROM_EXPERTS, NULL));
+    DSK__TRY(dsk__moe_exchange_start(&p->xch, m, ctx, &p->ob, &p->back, DSK__MOE_XCH_FROM_EXPERTS));
     p->flying = 1;
     return DSK_OK;
 }
@@ -5083,8 +4987,7 @@ static dsk_status dsk__moe_backward_begin_impl(dsk_moe *m, dsk_ctx *ctx, const d
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DXP, T, R, &p->dxp));
     p->dxp = dsk__moe_rows(&p->dxp, n_rows);
     st->chunked = dsk__moe_chunking(m, ctx);
-    DSK__TRY(dsk__moe_exchange_start(&p->xch, m, ctx, two ? &p->dya : &p->dos, &p->dor, DSK__MOE_XCH_TO_EXPERTS,
-                                     st->chunked ? &p->dxp : NULL));
+    DSK__TRY(dsk__moe_exchange_start(&p->xch, m, ctx, two ? &p->dya : &p->dos, &p->dor, DSK__MOE_XCH_TO_EXPERTS));
     p->flying = 1;
     return DSK_OK;
 }
@@ -5092,6 +4995,19 @@ static dsk_status dsk__moe_backward_begin_impl(dsk_moe *m, dsk_ctx *ctx, const d
 /* A backward's experts: the shared experts' backward while the rows travel, the routed experts' (chunked:
    this rank's own rows while the others' travel; their input gradients leave as they are computed, and the
    weight gradients compute while the last travel back) into p->dxr. */
+/* The experts' weight gradients after the last chunk (the begun backward's dh1, dh3 in their buffers), over whole
+   segments in the serial order. */
+static dsk_status dsk__moe_chunked_wgrad(dsk_moe *m, dsk_ctx *ctx) {
+    dsk__moe_pending *p = m->st->pend;
+    dsk__moe_kept k = dsk__moe_kept_views(m, p->n_rows);
+    dsk_tensor dh1, dh3;
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DH1, p->T, p->R, &dh1));
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_DH3, p->T, p->R, &dh3));
+    DSK__TRY(dsk_matmul_grouped(ctx, &m->w2->grad, &p->dor, 1, &k.a, 0, &k.offsets, 1.0f, 1.0f));
+    DSK__TRY(dsk_matmul_grouped(ctx, &m->w1->grad, &dh1, 1, &k.xr, 0, &k.offsets, 1.0f, 1.0f));
+    return dsk_matmul_grouped(ctx, &m->w3->grad, &dh3, 1, &k.xr, 0, &k.offsets, 1.0f, 1.0f);
+}
+
 static dsk_status dsk__moe_backward_experts_impl(dsk_moe *m, dsk_ctx *ctx) {
     struct dsk__moe_state *st = m->st;
     dsk__moe_pending *p = st->pend;
@@ -5107,14 +5023,11 @@ static dsk_status dsk__moe_backward_experts_impl(dsk_moe *m, dsk_ctx *ctx) {
     DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_DH1, T, R, &dh1)));
     DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_DH3, T, R, &dh3)));
     DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_DXR, T, R, &p->dxr)));
-    if (ep && st->chunked) { /* as the forward; the weight gradients compute while the last rows travel back */
-        for (int c = 0, r = m->ep_rank; r >= 0; r = dsk__moe_next_arrival(xch, c++)) {
+    if (ep && st->chunked) { /* as the forward; the weight gradients follow the return's start */
+        for (int c = 0, r = m->ep_rank; r >= 0; r = dsk__moe_next_arrival(&p->xch, c++))
             DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_experts_chunk_backward(m, ctx, w, &p->dos, &p->dor, &k.h1,
                                                                                  &k.h3, &da, &dh1, &dh3, &p->dxr, r)));
-            dsk__moe_release_rank(m, &p->dxr, r);
-        }
-        return dsk__moe_join_on_error(xch,
-                                      dsk__moe_chunked_wgrad(m, ctx, &k.offsets, &p->dor, &k.xr, &k.a, &dh1, &dh3));
+        return dsk__moe_pending_join(p);
     }
     DSK__TRY(dsk__moe_pending_join(p));
     if (!ep) p->dxp = p->dxr;
@@ -5124,13 +5037,13 @@ static dsk_status dsk__moe_backward_experts_impl(dsk_moe *m, dsk_ctx *ctx) {
 }
 
 /* The rows' input gradients on their way back to their tokens' ranks (p->dxp), in flight under
-   ep_overlap (a chunked exchange returns them itself). */
+   ep_overlap; chunked, the experts' weight gradients compute while they travel. */
 static dsk_status dsk__moe_backward_return_impl(dsk_moe *m, dsk_ctx *ctx) {
     dsk__moe_pending *p = m->st->pend;
-    if (m->ep_size <= 1 || m->st->chunked) return DSK_OK;
-    DSK__TRY(dsk__moe_exchange_start(&p->xch, m, ctx, &p->dxr, &p->dxp, DSK__MOE_XCH_FROM_EXPERTS, NULL));
+    if (m->ep_size <= 1) return DSK_OK;
+    DSK__TRY(dsk__moe_exchange_start(&p->xch, m, ctx, &p->dxr, &p->dxp, DSK__MOE_XCH_FROM_EXPERTS));
     p->flying = 1;
-    return DSK_OK;
+    return m->st->chunked ? dsk__moe_join_on_error(&p->xch, dsk__moe_chunked_wgrad(m, ctx)) : DSK_OK;
 }
 
 /* The rest of a backward begun: what dsk_moe_experts and dsk_moe_return_begin did not do, the router's
@@ -5635,11 +5548,10 @@ DSK_API dsk_status dsk_moe_return_begin(dsk_moe *m, dsk_ctx *ctx) {
 
 DSK_API dsk_status dsk_moe_wait(dsk_moe *m, dsk_ctx *ctx) {
     dsk__moe_pending *p;
-    dsk_status s = DSK_OK;
+    dsk_status s;
     DSK__TRY(dsk__moe_need_pending(m, ctx, "dsk_moe_wait"));
     p = m->st->pend;
-    if (p->flying && m->st->chunked) s = dsk__moe_experts_step(m, ctx);
-    if (s == DSK_OK) s = dsk__moe_pending_join(p);
+    s = dsk__moe_pending_join(p);
     return dsk__moe_step_status(m, s);
 }
 

@@ -1822,8 +1822,8 @@ done:
 /* The exchange variants give the serial exact exchange's results bit for bit: the exact one overlapped with
    compute (ep_overlap) and chunked (ep_chunk ON: the experts start on this rank's own rows, then run each other
    rank's as they land, one chunk per rank, which stats.ep_chunks must show) or not, the exact one
-   serial with ep_chunk ON (chunking needs the overlap's thread), the bounded one (DSK_MOE_EP_BOUNDED) serial and
-   overlapped; dropless, under capacity (which must drop slots here) and, across emulated nodes, with node-limited
+   serial with ep_chunk ON (chunking needs the overlap), the bounded one (DSK_MOE_EP_BOUNDED) serial and
+   overlapped, the exact one overlapped with ep_chunk AUTO (chunked where the ranks span emulated nodes only); dropless, under capacity (which must drop slots here) and, across emulated nodes, with node-limited
    routing. Then FP8 dispatch (with experts in the activation dtype and in FP8) overlapped against serial:
    1, or 0 with the differences on stderr. */
 static int ep_bounded_same(dsk_comm *c, dsk_moe_opts o, int rank, const float *x_rows, const float *dy_rows) {
@@ -1832,7 +1832,8 @@ static int ep_bounded_same(dsk_comm *c, dsk_moe_opts o, int rank, const float *x
                                   "exact overlapped unchunked",
                                   "bounded serial",
                                   "bounded overlapped",
-                                  "exact serial with ep_chunk ON"};
+                                  "exact serial with ep_chunk ON",
+                                  "exact overlapped with ep_chunk AUTO"};
     static const char *cfs[] = {"dropless", "capacity", "node-limited"};
     int ok = 1;
     for (int cf = 0; cf < (c->n_nodes > 1 ? 3 : 2); cf++) {
@@ -1850,18 +1851,19 @@ static int ep_bounded_same(dsk_comm *c, dsk_moe_opts o, int rank, const float *x
         b.ep_exchange = DSK_MOE_EP_EXACT;
         b.ep_overlap = 0;
         if (ep_step_record(c, b, x_rows, dy_rows, &a, &na, NULL)) ok = same = 0;
-        for (int v = 1; v < 6; v++) {
+        for (int v = 1; v < 7; v++) {
             float *d = NULL;
             size_t nd = 0;
+            int want = v == 1 || (v == 6 && c->n_nodes > 1) ? c->world_size : 0; /* own rows, one per other rank */
             b.ep_exchange = v == 3 || v == 4 ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
             b.ep_overlap = v != 3 && v != 5;
-            b.ep_chunk = v == 1 || v == 5 ? DSK_MOE_CHUNK_ON : DSK_MOE_CHUNK_OFF;
+            b.ep_chunk = v == 1 || v == 5 ? DSK_MOE_CHUNK_ON : v == 6 ? DSK_MOE_CHUNK_AUTO : DSK_MOE_CHUNK_OFF;
             int64_t chunks = -1;
             int got = ep_step_record(c, b, x_rows, dy_rows, &d, &nd, &chunks) == 0;
             if (!got) ok = same = 0;
-            if (got && chunks != (v == 1 ? c->world_size : 0)) { /* own rows, then one chunk per other rank */
+            if (got && chunks != want) {
                 fprintf(stderr, "rank %d %s: %s ran %lld chunks, not %d\n", rank, cfs[cf], names[v], (long long)chunks,
-                        v == 1 ? c->world_size : 0);
+                        want);
                 ok = same = 0;
             }
             if (got && a && (na != nd || memcmp(a, d, sizeof(float) * na) != 0)) {

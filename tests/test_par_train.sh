@@ -159,7 +159,7 @@ for dt in bf16 fp16; do
     fi
 done
 
-# --ep-overlap: the expert exchanges on a second thread beside what does not wait on them, and with chunked, the
+# --ep-overlap: the expert exchanges travelling beside what does not wait on them, and with chunked, the
 # experts starting on a rank's own rows first (dsk_moe's ep_overlap, ep_chunk): every logged number is the serial
 # run's, bit for bit (dp2 x ep2 in bf16, and tp2 x dp2 x ep2 with its two trainers' MoE calls).
 for spec in "dp2ep2|--nproc 2 --ep 2 --dtype bf16" "tp2ep2|--nproc 4 --tp 2 --ep 2"; do

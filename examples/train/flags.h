@@ -132,8 +132,9 @@
       "exact | bounded: the expert exchanges move the routed rows, or every peer's fixed block of T min(K, E/ep) " \
       "rows (bytes set by the shapes, not the routing; dsk_moe's ep_exchange)") \
     X(BUF, 8, ep_overlap, "--ep-overlap", "off", \
-      "off | on | chunked: CPU ranks run each expert exchange on a second thread while the layer computes what " \
-      "does not wait on it (on: and its own rows' experts where a core is free; chunked: always); the same bits") \
+      "off | on | chunked: each expert exchange travels while the layer computes what does not wait on it " \
+      "(on: and the experts on each rank's rows as they land where the expert group spans nodes; chunked: " \
+      "always); the same bits") \
     X(INT, 0, tp, "--tp", 1, "tensor-parallel ranks (heads, FFN and vocabulary split; sequence parallel norms)") \
     X(INT, 0, pp, "--pp", 1, "pipeline stages (the blocks split into contiguous stages)") \
     X(BUF, 16, pp_schedule, "--pp-schedule", "1f1b", "gpipe | 1f1b | interleaved") \
