@@ -545,8 +545,9 @@ DSK_API dsk_status dsk_moe_backward_end(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dx
    experts' results back to their tokens' ranks (in flight under ep_overlap, as the dispatch); dsk_moe_wait
    joins the exchange the call has in flight, if it has one, computing nothing, so that another layer's
    exchange may begin on the group. Each is optional, and each does what the steps before it would have done
-   had they not been called (dsk_moe_wait computes nothing); a step already done does nothing; the end does what is left. The bits are those of the begin and end alone. DSK_ERR_STATE
-   with no call begun; a step that fails ends the call begun, its exchange joined. */
+   had they not been called; a step already done does nothing; the end does what is left. The bits are those
+   of the begin and end alone. DSK_ERR_STATE with no call begun; a step that fails ends the call begun, its
+   exchange joined. */
 DSK_API dsk_status dsk_moe_experts(dsk_moe *m, dsk_ctx *ctx);
 DSK_API dsk_status dsk_moe_return_begin(dsk_moe *m, dsk_ctx *ctx);
 DSK_API dsk_status dsk_moe_wait(dsk_moe *m, dsk_ctx *ctx);

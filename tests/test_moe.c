@@ -1823,9 +1823,10 @@ done:
    compute (ep_overlap) and chunked (ep_chunk ON: the experts start on this rank's own rows, then run each other
    rank's as they land, one chunk per rank, which stats.ep_chunks must show) or not, the exact one
    serial with ep_chunk ON (chunking needs the overlap), the bounded one (DSK_MOE_EP_BOUNDED) serial and
-   overlapped, the exact one overlapped with ep_chunk AUTO (chunked where the ranks span emulated nodes only); dropless, under capacity (which must drop slots here) and, across emulated nodes, with node-limited
-   routing. Then FP8 dispatch (with experts in the activation dtype and in FP8) overlapped against serial:
-   1, or 0 with the differences on stderr. */
+   overlapped, the exact one overlapped with ep_chunk AUTO (chunked where the ranks span emulated nodes only);
+   dropless, under capacity (which must drop slots here) and, across emulated nodes, with node-limited routing.
+   Then FP8 dispatch (with experts in the activation dtype and in FP8) overlapped against serial: 1, or 0 with the
+   differences on stderr. */
 static int ep_bounded_same(dsk_comm *c, dsk_moe_opts o, int rank, const float *x_rows, const float *dy_rows) {
     static const char *names[] = {"",
                                   "exact overlapped chunked",
