@@ -144,8 +144,8 @@
      back. The same bits as serial (each result's arithmetic is unchanged; only independent steps
      move). Chunked dispatch
      (opts.ep_chunk: ON where it applies: ep_overlap on the host, the exact flat exchange of activation
-     rows, ACT experts, the default ISA's row kernels; AUTO, the default, where the ep group spans nodes,
-     as over one node's shared memory the exchange is short and the chunks' smaller GEMMs cost more than
+     rows, ACT experts, the default ISA's row kernels; AUTO, the default, where the ep group spans nodes
+     (ep_route FLAT there: two hops do not chunk), as over one node's shared memory the exchange is short and the chunks' smaller GEMMs cost more than
      it hides; ON pays where the link is slower than the compute: on an emulated 0.1 GB/s link it hid the
      most of every overlap, bench/RESULTS.md): the rank's own rows need no transport, so the exchange
      begun carries only the other ranks' rows while the routed experts compute the own ones (forward:
@@ -310,8 +310,9 @@ typedef enum dsk_moe_ep_route {
 } dsk_moe_ep_route;
 /* Chunked dispatch (see "Overlap" above): whether the routed experts start on the rows that need no transport. */
 typedef enum dsk_moe_ep_chunk {
-    DSK_MOE_CHUNK_AUTO = 0, /* ON where the ep group spans nodes; over one node's shared memory the chunks' smaller
-                               GEMMs cost more than the short exchange they hide (bench/RESULTS.md) */
+    DSK_MOE_CHUNK_AUTO = 0, /* ON where the ep group spans nodes (with ep_route FLAT: AUTO routes there in two
+                               hops, which do not chunk); over one node's shared memory the chunks' smaller GEMMs
+                               cost more than the short exchange they hide (bench/RESULTS.md) */
     DSK_MOE_CHUNK_OFF = 1,  /* the experts wait for every row */
     DSK_MOE_CHUNK_ON = 2    /* where it applies: ep_overlap on the host backend, the exact flat exchange of
                                activation rows, ACT experts */
@@ -3938,8 +3939,8 @@ static int dsk__moe_begins(const dsk_moe *m, int way) {
            (way != DSK__MOE_XCH_DISPATCH || m->opts.ep_dispatch != DSK_MOE_DISPATCH_FP8);
 }
 
-/* The begun exchange's end: its all-to-all finished, the rows to the experts regrouped (chunked: each other
-   rank's placed, those not yet). */
+/* The begun exchange's end: its all-to-all finished, the rows to the experts regrouped (chunked: the rows of the
+   ranks not placed yet placed). */
 static dsk_status dsk__moe_exchange_finish(dsk__moe_async *a) {
     DSK__TRY(dsk_comm_finish(a->m->opts.ep, a->ctx));
     if (a->chunked) {

@@ -133,8 +133,8 @@
       "rows (bytes set by the shapes, not the routing; dsk_moe's ep_exchange)") \
     X(BUF, 8, ep_overlap, "--ep-overlap", "off", \
       "off | on | chunked: each expert exchange travels while the layer computes what does not wait on it " \
-      "(on: and the experts on each rank's rows as they land where the expert group spans nodes; chunked: " \
-      "always); the same bits") \
+      "(chunked: and the experts start on each rank's rows as they land; on: only where dsk_moe's ep_chunk AUTO " \
+      "does); the same bits") \
     X(INT, 0, tp, "--tp", 1, "tensor-parallel ranks (heads, FFN and vocabulary split; sequence parallel norms)") \
     X(INT, 0, pp, "--pp", 1, "pipeline stages (the blocks split into contiguous stages)") \
     X(BUF, 16, pp_schedule, "--pp-schedule", "1f1b", "gpipe | 1f1b | interleaved") \
