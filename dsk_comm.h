@@ -3955,17 +3955,23 @@ DSK_API dsk_status dsk_comm_all_to_all_v_start(dsk_comm *c, dsk_ctx *ctx, const 
                            recv_displs, dt, NULL, NULL, NULL, 1, unsent);
 }
 
+/* Whether c has an exchange begun by dsk_comm_all_to_all_v_start (dsk_comm_finish, dsk_comm_progress). */
+static dsk_status dsk__comm_begun(const dsk_comm *c, const char *fn) {
+    DSK__TRY(dsk__comm_usable(c, fn));
+    if (!c->impl->started)
+        return dsk_set_error(DSK_ERR_STATE, "%s: rank %d has no exchange begun by dsk_comm_all_to_all_v_start", fn,
+                             c->rank);
+    return DSK_OK;
+}
+
 DSK_API dsk_status dsk_comm_finish(dsk_comm *c, dsk_ctx *ctx) {
     const char *fn = "dsk_comm_finish";
     dsk__comm_impl *m;
     double t0 = dsk__comm_now();
     dsk_status st = DSK_OK;
     (void)ctx;
-    DSK__TRY(dsk__comm_usable(c, fn));
+    DSK__TRY(dsk__comm_begun(c, fn));
     m = c->impl;
-    if (!m->started)
-        return dsk_set_error(DSK_ERR_STATE, "%s: rank %d has no exchange begun by dsk_comm_all_to_all_v_start", fn,
-                             c->rank);
     if (c->backend == DSK_COMM_HOST) {
         st = dsk__comm_io_run(c, fn, m->ops, m->started_n, t0, NULL);
         if (st == DSK_OK) dsk__comm_link_wait(c, m->started_t0);
@@ -3977,23 +3983,23 @@ DSK_API dsk_status dsk_comm_finish(dsk_comm *c, dsk_ctx *ctx) {
     return st;
 }
 
+/* dsk_comm_progress's report: landed[p] for each rank (host: the receives reported landed, this rank's own). */
+static void dsk__comm_landed(const dsk_comm *c, int *landed) {
+    const dsk__comm_impl *m = c->impl;
+    for (int p = 0; p < c->world_size; p++) landed[p] = c->backend != DSK_COMM_HOST || p == c->rank;
+    for (int i = 0; c->backend == DSK_COMM_HOST && i < m->started_n; i++)
+        if (!m->ops[i].is_send) landed[m->ops[i].peer] = m->ops[i].told;
+}
+
 DSK_API dsk_status dsk_comm_progress(dsk_comm *c, dsk_ctx *ctx, int wait, int *landed, size_t *unsent) {
-    const char *fn = "dsk_comm_progress";
-    dsk__comm_impl *m;
     double t0 = dsk__comm_now();
     dsk_status st = DSK_OK;
     (void)ctx;
-    DSK__TRY(dsk__comm_usable(c, fn));
-    m = c->impl;
-    if (!m->started)
-        return dsk_set_error(DSK_ERR_STATE, "%s: rank %d has no exchange begun by dsk_comm_all_to_all_v_start", fn,
-                             c->rank);
     if (unsent) *unsent = 0;
-    if (c->backend == DSK_COMM_HOST) st = dsk__comm_host_progress(c, fn, wait, t0, unsent);
-    for (int p = 0; landed && p < c->world_size; p++) landed[p] = c->backend != DSK_COMM_HOST || p == c->rank;
-    for (int i = 0; landed && c->backend == DSK_COMM_HOST && i < m->started_n; i++)
-        if (!m->ops[i].is_send) landed[m->ops[i].peer] = m->ops[i].told;
-    m->started_s += dsk__comm_now() - t0;
+    DSK__TRY(dsk__comm_begun(c, "dsk_comm_progress"));
+    if (c->backend == DSK_COMM_HOST) st = dsk__comm_host_progress(c, "dsk_comm_progress", wait, t0, unsent);
+    if (landed) dsk__comm_landed(c, landed);
+    c->impl->started_s += dsk__comm_now() - t0;
     return st;
 }
 
