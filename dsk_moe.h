@@ -4821,8 +4821,7 @@ static dsk_status dsk__moe_pending_join(dsk__moe_pending *p) {
 }
 
 /* A forward's experts: the shared experts (while the rows travel), the routed experts (chunked: this rank's
-   own rows while the other ranks' travel, then each other rank's as it lands; each chunk's outputs leave as
-   soon as they are computed, and travel on after this returns) into p->ob. */
+   own rows while the other ranks' travel, then each other rank's as it lands) into p->ob. */
 static dsk_status dsk__moe_forward_experts_impl(dsk_moe *m, dsk_ctx *ctx) {
     struct dsk__moe_state *st = m->st;
     dsk__moe_pending *p = st->pend;
@@ -4994,9 +4993,6 @@ static dsk_status dsk__moe_backward_begin_impl(dsk_moe *m, dsk_ctx *ctx, const d
     return DSK_OK;
 }
 
-/* A backward's experts: the shared experts' backward while the rows travel, the routed experts' (chunked:
-   this rank's own rows while the others' travel; their input gradients leave as they are computed, and the
-   weight gradients compute while the last travel back) into p->dxr. */
 /* The experts' weight gradients after the last chunk (the begun backward's dh1, dh3 in their buffers), over whole
    segments in the serial order. */
 static dsk_status dsk__moe_chunked_wgrad(dsk_moe *m, dsk_ctx *ctx) {
@@ -5010,6 +5006,9 @@ static dsk_status dsk__moe_chunked_wgrad(dsk_moe *m, dsk_ctx *ctx) {
     return dsk_matmul_grouped(ctx, &m->w3->grad, &dh3, 1, &k.xr, 0, &k.offsets, 1.0f, 1.0f);
 }
 
+/* A backward's experts: the shared experts' backward while the rows travel, the routed experts' (chunked:
+   this rank's own rows while the others' travel, then each other rank's as it lands; the weight gradients wait
+   for the return's start, dsk__moe_backward_return_impl) into p->dxr. */
 static dsk_status dsk__moe_backward_experts_impl(dsk_moe *m, dsk_ctx *ctx) {
     struct dsk__moe_state *st = m->st;
     dsk__moe_pending *p = st->pend;
