@@ -145,20 +145,19 @@
      move). Chunked dispatch
      (opts.ep_chunk: ON where it applies: ep_overlap on the host, the exact flat exchange of activation
      rows, ACT experts, the default ISA's row kernels; AUTO, the default, where the ep group spans nodes
-     (ep_route FLAT there: two hops do not chunk), as over one node's shared memory the exchange is short and the chunks' smaller GEMMs cost more than
-     it hides; ON pays where the link is slower than the compute: on an emulated 0.1 GB/s link it hid the
-     most of every overlap, bench/RESULTS.md): the rank's own rows need no transport, so the exchange
-     begun carries only the other ranks' rows while the routed experts compute the own ones (forward:
-     their MLP; backward: the input gradient of the output gradients' own rows), then each other rank's
-     rows as they land: between chunks the layer moves the exchange on (dsk_comm_progress, which says
-     whose messages are whole) and places the rows of each rank that landed; no thread (stats.ep_chunks
-     counts the chunks). The results go back in one exchange begun after the last chunk (forward: at
-     dsk_moe_return_begin or the end; backward: the weight gradients compute while it travels). Each
-     expert's rows come by source rank, so a chunk is a sub-range of each expert's segment; a row's
-     results have the same bits whatever rows share its GEMM (dsk_matmul's rows contract) and whatever
-     order the chunks run in, and the weight gradients, sums over rows, run once over whole segments
-     after the last chunk: the serial bits. CUDA does not chunk (the exchange stream runs each exchange
-     whole).
+     (ep_route FLAT there: two hops do not chunk), as over one node's shared memory the exchange is short
+     and the chunks' smaller GEMMs cost more than it hides; ON pays where the link is slower than the
+     compute: on an emulated 0.1 GB/s link it hid the most of every overlap, bench/RESULTS.md): the rank's
+     own rows need no transport, so the exchange begun carries only the other ranks' rows while the routed
+     experts compute the own ones (forward: their MLP; backward: the input gradient of the output gradients'
+     own rows), then each other rank's rows as they land: between chunks the layer moves the exchange on
+     (dsk_comm_progress, which says whose messages are whole) and places the rows of each rank that landed;
+     no thread (stats.ep_chunks counts the chunks). The results go back in one exchange begun after the last
+     chunk (forward: at dsk_moe_return_begin or the end; backward: the weight gradients compute while it
+     travels). Each expert's rows come by source rank, so a chunk is a sub-range of each expert's segment; a
+     row's results have the same bits whatever rows share its GEMM (dsk_matmul's rows contract) and whatever
+     order the chunks run in, and the weight gradients, sums over rows, run once over whole segments after
+     the last chunk: the serial bits. CUDA does not chunk (the exchange stream runs each exchange whole).
      Routes across nodes (opts.ep_route): FLAT sends a row per kept (token, expert) to the expert's rank in
      one all-to-all-v; TWO_HOP sends each token's row once to every node holding one of its kept experts (to
      the rank with this rank's node_rank there, which copies it to its slots on that node: dsk_moe_route,
