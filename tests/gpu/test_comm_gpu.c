@@ -195,12 +195,19 @@ static void part_collectives(void) {
                 DSK_TEST_EXPECT(g_told[q] == q, "%s: notify's report %d is rank %d", label, q, g_told[q]);
             to_host(got, dout, nb);
             compare(got, want, dt, len * n, 1, label);
-            { /* begun and finished: enqueued at the start, nothing left unsent, one call counted */
+            { /* begun, moved on and finished: enqueued at the start, nothing left unsent, every rank landed (the
+                 stream orders what follows), one call counted */
                 size_t unsent = 1;
                 int64_t calls = NC.stats.calls;
+                int landed[8] = {0};
                 DSK_TEST_EXPECT(cudaMemset(dout, 0, nb) == cudaSuccess, "cudaMemset");
                 DSK_TEST_OK(dsk_comm_all_to_all_v_start(&NC, &G, din, sc, NULL, dout, rc, NULL, dt, &unsent));
                 DSK_TEST_EXPECT(unsent == 0, "%s: nccl start left %zu bytes unsent", label, unsent);
+                unsent = 1;
+                DSK_TEST_OK(dsk_comm_progress(&NC, &G, 1, landed, &unsent));
+                DSK_TEST_EXPECT(unsent == 0, "%s: nccl progress says %zu bytes unsent", label, unsent);
+                for (int q = 0; q < n && q < 8; q++)
+                    DSK_TEST_EXPECT(landed[q] == 1, "%s: nccl progress: rank %d not landed", label, q);
                 DSK_TEST_OK(dsk_comm_finish(&NC, &G));
                 DSK_TEST_EXPECT(NC.stats.calls == calls + 1, "%s: start and finish counted %lld calls", label,
                                 (long long)(NC.stats.calls - calls));
