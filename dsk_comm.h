@@ -156,8 +156,8 @@ typedef struct dsk_comm_opts {
 /* Bytes this rank sent and received (headers included), calls, and seconds spent inside
    collectives. bytes_sent_off_node: the part of bytes_sent that went to ranks on other nodes
    (host backend; dsk_moe.h's routes count their rows on nccl too). send_payload: the bytes of the
-   messages handed to dsk_comm_send that returned DSK_OK (count x dtype size, no headers; both
-   backends): a pipeline's activations and gradients, comparable with a plan's. The same for the
+   messages handed to dsk_comm_send or dsk_comm_send_start that returned DSK_OK (count x dtype size,
+   no headers; both backends): a pipeline's activations and gradients, comparable with a plan's. The same for the
    collectives that returned DSK_OK, each the whole message (as dsk_zero counts its reductions):
    all_reduce_payload count x size, reduce_scatter_payload the input (world x recv_count),
    all_gather_payload the output (world x send_count): a tensor-parallel group's traffic. */
@@ -304,9 +304,35 @@ DSK_API dsk_status dsk_comm_finish(dsk_comm *c, dsk_ctx *ctx);
    *unsent (may be NULL): the bytes of this rank's messages still to leave. nccl: every message is landed (they
    are ordered on ctx's stream), *unsent 0. DSK_ERR_STATE when none is in flight. */
 DSK_API dsk_status dsk_comm_progress(dsk_comm *c, dsk_ctx *ctx, int wait, int *landed, size_t *unsent);
-/* Point to point; each send must meet a recv of the same count and dtype on `peer`. */
+/* Point to point; each send must meet a recv of the same count and dtype on `peer`, the messages between two ranks
+   meeting in the order they were sent. While requests begun by the calls below are pending, these two wait for
+   their own message and move the pending ones meanwhile. */
 DSK_API dsk_status dsk_comm_send(dsk_comm *c, dsk_ctx *ctx, const void *buf, int64_t count, dsk_dtype dt, int peer);
 DSK_API dsk_status dsk_comm_recv(dsk_comm *c, dsk_ctx *ctx, void *buf, int64_t count, dsk_dtype dt, int peer);
+/* Point to point begun now, finished by dsk_comm_wait: *req (may be NULL) is the request's id (ids grow from 0 over
+   the communicator's life). host: the message moves as far as the transport takes it now, then only while this
+   rank is inside a call of c (no thread moves it), so a receive begun ahead of its use costs nothing while its
+   sender is late; a send larger than what the transport buffers (a shared-memory ring of up to 256 KiB, a socket's
+   buffer) reaches its receiver only as this rank calls in. A send's buffer must stay unchanged and a receive's
+   unread until its wait returns. While requests are pending, c takes no other call than these, dsk_comm_send,
+   dsk_comm_recv and dsk_comm_wait (DSK_ERR_STATE): a collective's messages would share their links. nccl: the
+   operation is enqueued on ctx's stream at once, as dsk_comm_send and dsk_comm_recv do (in order on the stream). */
+DSK_API dsk_status dsk_comm_send_start(dsk_comm *c, dsk_ctx *ctx, const void *buf, int64_t count, dsk_dtype dt,
+                                       int peer, int64_t *req);
+DSK_API dsk_status dsk_comm_recv_start(dsk_comm *c, dsk_ctx *ctx, void *buf, int64_t count, dsk_dtype dt, int peer,
+                                       int64_t *req);
+#define DSK_COMM_ALL_REQUESTS (-1)
+/* Returns once request `req` is complete (DSK_COMM_ALL_REQUESTS: every pending one), moving every pending request
+   meanwhile, so that no order of begun sends and receives can deadlock. A request that completed earlier returns at
+   once; an id never issued is DSK_ERR_ARG. An emulated link (opts.link_gbps) ends a request no sooner than its
+   start, the latency and (a send) its bytes at the link's rate. nccl: nothing to wait for on the host. */
+DSK_API dsk_status dsk_comm_wait(dsk_comm *c, dsk_ctx *ctx, int64_t req);
+/* Moves what the pending requests allow now, without waiting, and says where request `req` stands in *state:
+   DSK_COMM_REQ_IDLE (host: nothing of its message has moved: a receive whose sender has not begun it),
+   DSK_COMM_REQ_MOVING (part of it has: its sender, or its receiver, is at it now), DSK_COMM_REQ_DONE (a wait
+   returns at once). nccl: DSK_COMM_REQ_DONE (ordered on the stream). */
+enum { DSK_COMM_REQ_IDLE = 0, DSK_COMM_REQ_MOVING = 1, DSK_COMM_REQ_DONE = 2 };
+DSK_API dsk_status dsk_comm_test(dsk_comm *c, dsk_ctx *ctx, int64_t req, int *state);
 /* Returns when every rank has entered the barrier. nccl: also waits for ctx's stream. */
 DSK_API dsk_status dsk_comm_barrier(dsk_comm *c, dsk_ctx *ctx);
 /* nccl: waits for ctx's stream, polling for NCCL errors, aborting at the timeout. host: no-op. */
@@ -971,6 +997,10 @@ struct dsk__comm_impl {
     uint64_t link_mark;      /* stats.bytes_sent when the last call ended */
     int started, started_n;  /* an exchange begun by dsk_comm_all_to_all_v_start: its ops[0..started_n) */
     int until_landed;        /* dsk_comm_progress's wait: the io run returns once a receive is whole, unreported */
+    int until_op;            /* dsk_comm_wait: the io run returns once ops[until_op] is finished; -1: all */
+    struct dsk__comm_io *p2p; /* pending point to point requests, in start order: ids p2p_base .. p2p_base + p2p_n */
+    int p2p_n, p2p_cap;
+    int64_t p2p_base;             /* the id of p2p[0]; every request before it is complete */
     double started_t0, started_s; /* when it began, and the seconds its start took */
 #ifdef DSK_CUDA
     ncclComm_t nccl;
@@ -1216,14 +1246,27 @@ static dsk_status dsk__comm_usable(const dsk_comm *c, const char *fn) {
     return DSK_OK;
 }
 
-/* Whether it can take a call between the ranks (none while an exchange begun is in flight). */
-static dsk_status dsk__comm_check(const dsk_comm *c, const char *fn) {
+/* Whether it can take a point to point call (none while an exchange begun is in flight). */
+static dsk_status dsk__comm_check_p2p(const dsk_comm *c, const char *fn) {
     DSK__TRY(dsk__comm_usable(c, fn));
     if (c->impl->started)
         return dsk_set_error(DSK_ERR_STATE,
                              "%s: rank %d's exchange begun by dsk_comm_all_to_all_v_start is in flight; "
                              "dsk_comm_finish it first",
                              fn, c->rank);
+    return DSK_OK;
+}
+
+/* Whether it can take a call between the ranks (none while an exchange begun is in flight or point to point
+   requests are pending). */
+static dsk_status dsk__comm_check(const dsk_comm *c, const char *fn) {
+    const dsk__comm_impl *m;
+    DSK__TRY(dsk__comm_check_p2p(c, fn));
+    m = c->impl;
+    if (m->p2p_n)
+        return dsk_set_error(DSK_ERR_STATE,
+                             "%s: rank %d has point to point requests %lld to %lld pending; dsk_comm_wait them first",
+                             fn, c->rank, (long long)m->p2p_base, (long long)(m->p2p_base + m->p2p_n - 1));
     return DSK_OK;
 }
 
@@ -1681,7 +1724,13 @@ typedef struct dsk__comm_io {
     int told;           /* a finished receive was reported to dsk__comm_impl.arrived, or as landed by
                            dsk_comm_progress */
     int gated;          /* a send that waits for dsk__comm_impl.ready to open it */
+    int after;          /* the op of the same array that must finish first (the same peer and direction; point
+                           to point requests), else -1 */
+    double t0;          /* point to point requests: when it began (the emulated link) */
 } dsk__comm_io;
+
+/* Whether ops[i] waits for an earlier message between the same two ranks. */
+static int dsk__comm_io_held(const dsk__comm_io *ops, int i);
 
 static void dsk__comm_wire_describe(const dsk__comm_wire *h, char *buf, size_t n) {
     char extra[64] = "";
@@ -1713,6 +1762,10 @@ static dsk_status dsk__comm_a2av_mismatch(dsk_comm *c, const char *fn, int peer,
 }
 
 static int dsk__comm_io_finished(const dsk__comm_io *op) { return op->done == sizeof(dsk__comm_wire) + op->len; }
+
+static int dsk__comm_io_held(const dsk__comm_io *ops, int i) {
+    return ops[i].after >= 0 && !dsk__comm_io_finished(&ops[ops[i].after]);
+}
 
 /* A received header against the one this rank expects: DSK_OK, or the error naming both calls. */
 static dsk_status dsk__comm_check_header(dsk_comm *c, const char *fn, const dsk__comm_io *op) {
@@ -1953,7 +2006,9 @@ static dsk_status dsk__comm_io_timeout(dsk_comm *c, const char *fn, const dsk__c
     int w = -1;
     char what[160], peer[48];
     for (int i = 0; i < n; i++)
-        if (!dsk__comm_io_finished(&ops[i]) && (w < 0 || (ops[w].is_send && !ops[i].is_send))) w = i;
+        if (!dsk__comm_io_finished(&ops[i]) && !dsk__comm_io_held(ops, i) &&
+            (w < 0 || (ops[w].is_send && !ops[i].is_send)))
+            w = i;
     if (w < 0) w = 0;
     dsk__comm_wire_describe(&ops[w].hdr, what, sizeof what);
     dsk__comm_peer_name(c, ops[w].peer, peer, sizeof peer);
@@ -1980,7 +2035,7 @@ static int dsk__comm_io_wait(dsk_comm *c, const char *fn, dsk__comm_io *ops, int
     int k = 0, shm = 0, r;
     for (int i = 0; i < n; i++) {
         int p = ops[i].peer;
-        if (dsk__comm_io_finished(&ops[i]) || ops[i].gated) continue;
+        if (dsk__comm_io_finished(&ops[i]) || ops[i].gated || dsk__comm_io_held(ops, i)) continue;
         if (dsk__comm_is_shm(m, p)) {
             shm = 1;
             if (ms != 0) __atomic_store_n(&m->links[p].rx->sleeping, 1u, __ATOMIC_RELAXED);
@@ -2066,7 +2121,7 @@ static dsk_status dsk__comm_io_run(dsk_comm *c, const char *fn, dsk__comm_io *op
             moved = 1;
         }
         for (int i = 0; i < n; i++) {
-            if (dsk__comm_io_finished(&ops[i])) continue;
+            if (dsk__comm_io_finished(&ops[i]) || dsk__comm_io_held(ops, i)) continue; /* held: its earlier one waits */
             if (ops[i].gated) {
                 gate_wait++;
                 continue;
@@ -2081,6 +2136,7 @@ static dsk_status dsk__comm_io_run(dsk_comm *c, const char *fn, dsk__comm_io *op
         }
         dsk__comm_tell_arrivals(m, ops, n);
         if (m->until_landed && dsk__comm_whole_untold(ops, n)) return DSK_OK;
+        if (m->until_op >= 0 && dsk__comm_io_finished(&ops[m->until_op])) return DSK_OK;
         if (!shm_wait && !tcp_wait && !gate_wait) {
             if (idle) dsk__comm_fold_slice(job, m->srcs + c->world_size, 0);
             return DSK_OK;
@@ -2145,6 +2201,7 @@ static void dsk__comm_io_post(dsk__comm_io *op, int peer, int is_send, const dsk
     op->done = 0;
     op->told = 0;
     op->gated = 0;
+    op->after = -1;
 }
 
 /* ---------------------------------------------------------------- reductions (fixed rank order) */
@@ -2542,7 +2599,7 @@ static int64_t dsk__comm_io_push(dsk_comm *c, const char *fn, dsk__comm_io *ops,
         int tcp = 0;
         moved = 0;
         for (int i = 0; i < n; i++) {
-            if (dsk__comm_io_finished(&ops[i])) continue;
+            if (dsk__comm_io_finished(&ops[i]) || dsk__comm_io_held(ops, i)) continue;
             if (!dsk__comm_is_shm(m, ops[i].peer)) tcp = 1;
             else if ((r = dsk__comm_shm_step(c, fn, &ops[i], err)) < 0) return -1;
             else moved |= r;
@@ -2691,6 +2748,7 @@ static dsk_status dsk__comm_impl_alloc(dsk_comm *c, const char *fn, const dsk_co
     memset(m, 0, sizeof *m);
     c->impl = m;
     m->store_fd = -1;
+    m->until_op = -1;
     m->timeout_s = o && o->timeout_s > 0 ? o->timeout_s : 300.0;
     m->small_bytes = o ? o->small_bytes : 0; /* 0: the default, chosen once the nodes are known */
     m->piece_bytes = o && o->piece_bytes ? o->piece_bytes : ((size_t)4 << 20);
@@ -2919,7 +2977,11 @@ static void dsk__comm_impl_free(dsk_comm *c) {
     if (m->store_fd >= 0) close(m->store_fd); /* before the server, which waits for its clients to leave */
     dsk__comm_store_server_free(m->server);
     DSK_FREE(m->fds); DSK_FREE(m->p2p_sent); DSK_FREE(m->p2p_recvd); DSK_FREE(m->pfd); DSK_FREE(m->pidx);
-    DSK_FREE(m->ops); DSK_FREE((void *)m->srcs); DSK_FREE(m->off); DSK_FREE(m->scratch);
+    DSK_FREE(m->ops);
+    DSK_FREE((void *)m->srcs);
+    DSK_FREE(m->off);
+    DSK_FREE(m->scratch);
+    DSK_FREE(m->p2p);
     DSK_FREE(m->node_of);
     DSK_FREE(m->world_of);
     DSK_FREE(m->shm_ok);
@@ -3546,9 +3608,8 @@ static dsk_status dsk__comm_done(dsk_comm *c, dsk_status st, double t0) {
     return st;
 }
 
-static dsk_status dsk__comm_coll_check(dsk_comm *c, const char *fn, const void *send, const void *recv, int64_t count,
-                                       dsk_dtype dt) {
-    DSK__TRY(dsk__comm_check(c, fn));
+/* A call's buffers, count and dtype. */
+static dsk_status dsk__comm_buf_check(const char *fn, const void *send, const void *recv, int64_t count, dsk_dtype dt) {
     if (!dsk__comm_dtype_ok(dt))
         return dsk_set_error(DSK_ERR_ARG, "%s: dtype %s is not supported (f32, f16, bf16, f64, i32, i64, u8)", fn,
                              dsk_dtype_name(dt));
@@ -3556,6 +3617,12 @@ static dsk_status dsk__comm_coll_check(dsk_comm *c, const char *fn, const void *
     if (count > 0 && (!send || !recv))
         return dsk_set_error(DSK_ERR_ARG, "%s: NULL buffer for %lld elements", fn, (long long)count);
     return DSK_OK;
+}
+
+static dsk_status dsk__comm_coll_check(dsk_comm *c, const char *fn, const void *send, const void *recv, int64_t count,
+                                       dsk_dtype dt) {
+    DSK__TRY(dsk__comm_check(c, fn));
+    return dsk__comm_buf_check(fn, send, recv, count, dt);
 }
 
 static dsk_status dsk__comm_op_check(const char *fn, dsk_comm_op op) {
@@ -4020,43 +4087,197 @@ DSK_API dsk_status dsk_comm_all_to_all_v_gated(dsk_comm *c, dsk_ctx *ctx, const 
                            recv_displs, dt, NULL, ready, arg, 0, NULL);
 }
 
-static dsk_status dsk__comm_p2p(dsk_comm *c, const char *fn, dsk_ctx *ctx, void *buf, int64_t count, dsk_dtype dt,
-                                int peer, int is_send) {
-    double t0 = dsk__comm_now();
-    dsk_status st;
-    dsk__comm_impl *m;
-    dsk__comm_wire h;
-    DSK__TRY(dsk__comm_coll_check(c, fn, buf, buf, count, dt));
+/* ---------------------------------------------------------------- point to point */
+
+/* A point to point request's arguments and state (begun requests are refused while an exchange is in flight). */
+static dsk_status dsk__comm_p2p_check(dsk_comm *c, const char *fn, const void *buf, int64_t count, dsk_dtype dt,
+                                      int peer) {
+    DSK__TRY(dsk__comm_check_p2p(c, fn));
+    DSK__TRY(dsk__comm_buf_check(fn, buf, buf, count, dt));
     if (peer < 0 || peer >= c->world_size || peer == c->rank)
         return dsk_set_error(DSK_ERR_ARG, "%s: peer %d is not another rank of [0, %d) (this is rank %d)", fn, peer,
                              c->world_size, c->rank);
-    m = c->impl;
+    return DSK_OK;
+}
+
+/* host: appends the request to the pending ones (after the last one to the same peer in the same direction) and
+   moves what the transport takes now. */
+static dsk_status dsk__comm_host_p2p_start(dsk_comm *c, const char *fn, void *buf, int64_t count, dsk_dtype dt,
+                                           int peer, int is_send, double t0) {
+    dsk__comm_impl *m = c->impl;
+    dsk__comm_wire h;
+    dsk__comm_io *op;
+    dsk_status st = DSK_OK;
+    if (m->p2p_n == m->p2p_cap) {
+        int cap = m->p2p_cap ? 2 * m->p2p_cap : 16;
+        dsk__comm_io *grown = (dsk__comm_io *)DSK_MALLOC((size_t)cap * sizeof *grown);
+        if (!grown) return dsk_set_error(DSK_ERR_OOM, "%s: room for %d pending requests", fn, cap);
+        if (m->p2p_n) memcpy(grown, m->p2p, (size_t)m->p2p_n * sizeof *grown);
+        DSK_FREE(m->p2p);
+        m->p2p = grown;
+        m->p2p_cap = cap;
+    }
+    h = dsk__comm_wire_make(m, DSK__COMM_SEND, dt, 0, -1, count);
+    h.seq = is_send ? m->p2p_sent[peer]++ : m->p2p_recvd[peer]++;
+    op = &m->p2p[m->p2p_n];
+    dsk__comm_io_post(op, peer, is_send, &h, buf, (size_t)count * dsk_dtype_size(dt));
+    op->t0 = t0;
+    for (int i = m->p2p_n - 1; i >= 0 && op->after < 0; i--)
+        if (m->p2p[i].peer == peer && m->p2p[i].is_send == is_send) op->after = i;
+    m->p2p_n++;
+    if (dsk__comm_io_push(c, fn, m->p2p, m->p2p_n, &st) < 0) return dsk__comm_break(c, st);
+    return DSK_OK;
+}
+
+/* The emulated link: a request ends no sooner than its start, the latency and (a send) its bytes at the rate
+   (its start without a link). */
+static double dsk__comm_p2p_due(const dsk__comm_impl *m, const dsk__comm_io *op) {
+    return op->t0 + m->link_s + (op->is_send && m->link_bps > 0 ? (double)op->len / m->link_bps : 0);
+}
+
+static void dsk__comm_p2p_link_wait(const dsk_comm *c, const dsk__comm_io *op) {
+    double left = dsk__comm_p2p_due(c->impl, op) - dsk__comm_now();
+    if (left > 0) dsk__comm_sleep_s(left);
+}
+
+/* host: runs the pending requests until request `req` (< 0: every one) is complete; once none is left pending
+   the list empties. */
+static dsk_status dsk__comm_host_p2p_wait(dsk_comm *c, const char *fn, int64_t req, double t0) {
+    dsk__comm_impl *m = c->impl;
+    int k = req < 0 ? -1 : (int)(req - m->p2p_base), all = 1;
+    dsk_status st;
+    m->until_op = k;
+    st = dsk__comm_io_run(c, fn, m->p2p, m->p2p_n, t0, NULL);
+    m->until_op = -1;
+    if (st != DSK_OK) return st;
+    for (int i = 0; i < m->p2p_n; i++)
+        if (k < 0 || i == k) dsk__comm_p2p_link_wait(c, &m->p2p[i]);
+    for (int i = 0; i < m->p2p_n; i++) all &= dsk__comm_io_finished(&m->p2p[i]);
+    if (all) {
+        m->p2p_base += m->p2p_n;
+        m->p2p_n = 0;
+        m->link_mark = c->stats.bytes_sent; /* the next call's emulated link counts its own bytes */
+    }
+    return DSK_OK;
+}
+
+/* Begins a checked request (*req its id); the caller counts it. */
+static dsk_status dsk__comm_p2p_begin(dsk_comm *c, const char *fn, dsk_ctx *ctx, void *buf, int64_t count, dsk_dtype dt,
+                                      int peer, int is_send, double t0, int64_t *req) {
+    dsk_status st = DSK_OK;
+    dsk__comm_impl *m = c->impl;
+    *req = -1;
     (void)ctx;
 #ifdef DSK_CUDA
-    if (DSK__COMM_NCCL(c)) {
+    if (DSK__COMM_NCCL(c)) { /* enqueued in order on the stream: nothing stays pending on the host */
         ncclResult_t r =
             is_send ? ncclSend(buf, (size_t)count, dsk__comm_nccl_dtype(dt), peer, m->nccl, dsk__comm_stream(ctx))
                     : ncclRecv(buf, (size_t)count, dsk__comm_nccl_dtype(dt), peer, m->nccl, dsk__comm_stream(ctx));
         st = dsk__comm_nccl_done(c, fn, r, is_send ? "ncclSend" : "ncclRecv", t0);
-        c->stats.calls++;
-        c->stats.seconds += dsk__comm_now() - t0;
-        return st;
-    }
+        if (st == DSK_OK) *req = m->p2p_base++;
+    } else
 #endif
-    h = dsk__comm_wire_make(m, DSK__COMM_SEND, dt, 0, -1, count);
-    h.seq = is_send ? m->p2p_sent[peer]++ : m->p2p_recvd[peer]++;
-    dsk__comm_io_post(&m->ops[0], peer, is_send, &h, buf, (size_t)count * dsk_dtype_size(dt));
-    st = dsk__comm_io_run(c, fn, m->ops, 1, t0, NULL);
-    if (st == DSK_OK) dsk__comm_link_wait(c, t0);
+    {
+        st = dsk__comm_host_p2p_start(c, fn, buf, count, dt, peer, is_send, t0);
+        if (st == DSK_OK) *req = m->p2p_base + m->p2p_n - 1;
+    }
+    return st;
+}
+
+/* The counters of a point to point call that began at t0 (its payload once it succeeded). */
+static dsk_status dsk__comm_p2p_count(dsk_comm *c, dsk_status st, int is_send, int64_t count, dsk_dtype dt, double t0) {
+    if (st == DSK_OK && is_send) c->stats.send_payload += (uint64_t)count * dsk_dtype_size(dt);
     c->stats.calls++;
     c->stats.seconds += dsk__comm_now() - t0;
     return st;
 }
 
-DSK_API dsk_status dsk_comm_send(dsk_comm *c, dsk_ctx *ctx, const void *buf, int64_t count, dsk_dtype dt, int peer) {
-    dsk_status st = dsk__comm_p2p(c, "dsk_comm_send", ctx, (void *)buf, count, dt, peer, 1);
-    if (st == DSK_OK) c->stats.send_payload += (uint64_t)count * dsk_dtype_size(dt);
+static dsk_status dsk__comm_p2p_start(dsk_comm *c, const char *fn, dsk_ctx *ctx, void *buf, int64_t count, dsk_dtype dt,
+                                      int peer, int is_send, int64_t *req) {
+    double t0 = dsk__comm_now();
+    int64_t id;
+    dsk_status st;
+    if (req) *req = -1;
+    DSK__TRY(dsk__comm_p2p_check(c, fn, buf, count, dt, peer));
+    st = dsk__comm_p2p_begin(c, fn, ctx, buf, count, dt, peer, is_send, t0, &id);
+    if (req) *req = id;
+    return dsk__comm_p2p_count(c, st, is_send, count, dt, t0);
+}
+
+DSK_API dsk_status dsk_comm_send_start(dsk_comm *c, dsk_ctx *ctx, const void *buf, int64_t count, dsk_dtype dt,
+                                       int peer, int64_t *req) {
+    return dsk__comm_p2p_start(c, "dsk_comm_send_start", ctx, (void *)buf, count, dt, peer, 1, req);
+}
+
+DSK_API dsk_status dsk_comm_recv_start(dsk_comm *c, dsk_ctx *ctx, void *buf, int64_t count, dsk_dtype dt, int peer,
+                                       int64_t *req) {
+    return dsk__comm_p2p_start(c, "dsk_comm_recv_start", ctx, buf, count, dt, peer, 0, req);
+}
+
+/* Whether request req (DSK_COMM_ALL_REQUESTS allowed where `all`) was issued on c. */
+static dsk_status dsk__comm_req_check(const dsk_comm *c, const char *fn, int64_t req, int all) {
+    const dsk__comm_impl *m;
+    DSK__TRY(dsk__comm_check_p2p(c, fn));
+    m = c->impl;
+    if (req < (all ? DSK_COMM_ALL_REQUESTS : 0) || req >= m->p2p_base + m->p2p_n)
+        return dsk_set_error(DSK_ERR_ARG, "%s: request %lld was never begun on rank %d (ids 0 to %lld so far)", fn,
+                             (long long)req, c->rank, (long long)(m->p2p_base + m->p2p_n - 1));
+    return DSK_OK;
+}
+
+/* Waits for request req (< 0: all) without counting the call. */
+static dsk_status dsk__comm_wait(dsk_comm *c, const char *fn, int64_t req, double t0) {
+    dsk__comm_impl *m;
+    DSK__TRY(dsk__comm_req_check(c, fn, req, 1));
+    m = c->impl;
+    if (c->backend == DSK_COMM_HOST && m->p2p_n && (req < 0 || req >= m->p2p_base))
+        return dsk__comm_host_p2p_wait(c, fn, req, t0);
+    return DSK_OK;
+}
+
+DSK_API dsk_status dsk_comm_wait(dsk_comm *c, dsk_ctx *ctx, int64_t req) {
+    double t0 = dsk__comm_now();
+    dsk_status st = dsk__comm_wait(c, "dsk_comm_wait", req, t0);
+    (void)ctx;
+    if (c && c->impl) c->stats.seconds += dsk__comm_now() - t0;
     return st;
+}
+
+DSK_API dsk_status dsk_comm_test(dsk_comm *c, dsk_ctx *ctx, int64_t req, int *state) {
+    const char *fn = "dsk_comm_test";
+    double t0 = dsk__comm_now();
+    dsk__comm_impl *m;
+    const dsk__comm_io *op;
+    dsk_status st = DSK_OK;
+    (void)ctx;
+    if (!state) return dsk_set_error(DSK_ERR_ARG, "%s: state is NULL", fn);
+    DSK__TRY(dsk__comm_req_check(c, fn, req, 0));
+    m = c->impl;
+    *state = DSK_COMM_REQ_DONE;
+    if (c->backend != DSK_COMM_HOST || req < m->p2p_base) return DSK_OK;
+    if (dsk__comm_io_push(c, fn, m->p2p, m->p2p_n, &st) < 0) return dsk__comm_break(c, st);
+    op = &m->p2p[req - m->p2p_base];
+    if (!dsk__comm_io_finished(op)) *state = op->done ? DSK_COMM_REQ_MOVING : DSK_COMM_REQ_IDLE;
+    else if (dsk__comm_now() < dsk__comm_p2p_due(m, op))
+        *state = DSK_COMM_REQ_MOVING; /* not yet across the emulated link: a wait would sleep */
+    c->stats.seconds += dsk__comm_now() - t0;
+    return DSK_OK;
+}
+
+/* The blocking calls: begun, then waited for (moving any pending requests meanwhile). */
+static dsk_status dsk__comm_p2p(dsk_comm *c, const char *fn, dsk_ctx *ctx, void *buf, int64_t count, dsk_dtype dt,
+                                int peer, int is_send) {
+    double t0 = dsk__comm_now();
+    int64_t req;
+    dsk_status st;
+    DSK__TRY(dsk__comm_p2p_check(c, fn, buf, count, dt, peer));
+    st = dsk__comm_p2p_begin(c, fn, ctx, buf, count, dt, peer, is_send, t0, &req);
+    if (st == DSK_OK) st = dsk__comm_wait(c, fn, req, t0);
+    return dsk__comm_p2p_count(c, st, is_send, count, dt, t0);
+}
+
+DSK_API dsk_status dsk_comm_send(dsk_comm *c, dsk_ctx *ctx, const void *buf, int64_t count, dsk_dtype dt, int peer) {
+    return dsk__comm_p2p(c, "dsk_comm_send", ctx, (void *)buf, count, dt, peer, 1);
 }
 
 DSK_API dsk_status dsk_comm_recv(dsk_comm *c, dsk_ctx *ctx, void *buf, int64_t count, dsk_dtype dt, int peer) {

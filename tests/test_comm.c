@@ -895,6 +895,123 @@ static void rank_send_recv(dsk_comm *c, void *arg) {
                         (unsigned long long)sent_next, next);
 }
 
+/* Begun point to point: every rank begins its sends to rank + 1 first (an order that would deadlock with blocking
+   sends larger than a ring), then its receives from rank - 1, each pair of messages a small one and one larger
+   than a shared-memory ring, 7 dtypes; waited in the reverse order (the later receive first, then all). Each
+   receive holds its own message (the two from one peer meet in order); a finished id waits at once. */
+static void rank_p2p_begun(dsk_comm *c, void *arg) {
+    int n = c->world_size, me = c->rank, next = (me + 1) % n, prev = (me + n - 1) % n;
+    uint64_t payload0 = c->stats.send_payload;
+    int64_t want_payload = 0;
+    (void)arg;
+    if (n == 1) {
+        float x = 1;
+        DSK_TEST_STATUS(dsk_comm_recv_start(c, NULL, &x, 1, DSK_F32, 0, NULL), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dsk_comm_recv_start: peer 0 is not another rank");
+        return;
+    }
+    for (size_t d = 0; d < sizeof k_dtypes / sizeof *k_dtypes; d++) {
+        dsk_dtype dt = k_dtypes[d];
+        int64_t len[2] = {17 + (int64_t)d, 300007 + (int64_t)d}, sreq[2], rreq[2];
+        void **in[2];
+        char *got[2], label[96];
+        for (int k = 0; k < 2; k++) {
+            in[k] = gen_all(n, dt, len[k], 7100 + 10 * d + (size_t)k);
+            got[k] = (char *)malloc((size_t)len[k] * dsk_dtype_size(dt));
+            dsk_test_poison_bytes(got[k], (size_t)len[k] * dsk_dtype_size(dt));
+        }
+        for (int k = 0; k < 2; k++) DSK_TEST_OK(dsk_comm_send_start(c, NULL, in[k][me], len[k], dt, next, &sreq[k]));
+        for (int k = 0; k < 2; k++) DSK_TEST_OK(dsk_comm_recv_start(c, NULL, got[k], len[k], dt, prev, &rreq[k]));
+        DSK_TEST_EXPECT(sreq[1] == sreq[0] + 1 && rreq[0] == sreq[1] + 1 && rreq[1] == rreq[0] + 1,
+                        "request ids %lld %lld %lld %lld", (long long)sreq[0], (long long)sreq[1], (long long)rreq[0],
+                        (long long)rreq[1]);
+        DSK_TEST_OK(dsk_comm_wait(c, NULL, rreq[1]));
+        snprintf(label, sizeof label, "rank %d: the larger %s from rank %d", me, dsk_dtype_name(dt), prev);
+        DSK_TEST_SAME_BYTES(got[1], in[1][prev], (size_t)len[1] * dsk_dtype_size(dt), label);
+        DSK_TEST_OK(dsk_comm_wait(c, NULL, DSK_COMM_ALL_REQUESTS));
+        DSK_TEST_OK(dsk_comm_wait(c, NULL, sreq[0])); /* finished: at once */
+        snprintf(label, sizeof label, "rank %d: the small %s from rank %d", me, dsk_dtype_name(dt), prev);
+        DSK_TEST_SAME_BYTES(got[0], in[0][prev], (size_t)len[0] * dsk_dtype_size(dt), label);
+        want_payload += (len[0] + len[1]) * (int64_t)dsk_dtype_size(dt);
+        for (int k = 0; k < 2; k++) {
+            free(got[k]);
+            free_all(n, in[k]);
+        }
+    }
+    DSK_TEST_EXPECT(c->stats.send_payload - payload0 == (uint64_t)want_payload, "rank %d: send_payload %llu, want %lld",
+                    me, (unsigned long long)(c->stats.send_payload - payload0), (long long)want_payload);
+    DSK_TEST_OK(dsk_comm_barrier(c, NULL));
+}
+
+/* dsk_comm_test: a receive begun before its sender may send (each rank sends to rank + 1 only once that rank said
+   "go") is idle; polled, it moves on to done, larger than a ring, and holds the message; a waited request is done;
+   bad arguments. */
+static void rank_p2p_test(dsk_comm *c, void *arg) {
+    int n = c->world_size, me = c->rank, next = (me + 1) % n, prev = (me + n - 1) % n, state = -1, polls = 0;
+    int64_t len = 300007, req, req_go, go = 1, got_go = 0;
+    void **in = gen_all(n, DSK_F32, len, 7300);
+    float *got = (float *)malloc((size_t)len * sizeof(float));
+    (void)arg;
+    if (n == 1) {
+        DSK_TEST_STATUS(dsk_comm_test(c, NULL, 0, &state), DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("dsk_comm_test: request 0 was never begun");
+        free(got);
+        free_all(n, in);
+        return;
+    }
+    dsk_test_poison_bytes(got, (size_t)len * sizeof(float));
+    /* the go from rank + 1 first: with 2 ranks it travels before the message on the same link */
+    DSK_TEST_OK(dsk_comm_recv_start(c, NULL, &got_go, 1, DSK_I64, next, &req_go));
+    DSK_TEST_OK(dsk_comm_recv_start(c, NULL, got, len, DSK_F32, prev, &req));
+    DSK_TEST_OK(dsk_comm_test(c, NULL, req, &state));
+    DSK_TEST_EXPECT(state == DSK_COMM_REQ_IDLE, "rank %d: a receive its sender cannot have begun is in state %d", me,
+                    state);
+    DSK_TEST_OK(dsk_comm_send(c, NULL, &go, 1, DSK_I64, prev));
+    DSK_TEST_OK(dsk_comm_wait(c, NULL, req_go));
+    DSK_TEST_OK(dsk_comm_send(c, NULL, in[me], len, DSK_F32, next));
+    while (state != DSK_COMM_REQ_DONE && polls++ < 10000000)
+        if (dsk_comm_test(c, NULL, req, &state) != DSK_OK || state < DSK_COMM_REQ_IDLE || state > DSK_COMM_REQ_DONE) {
+            DSK_TEST_EXPECT(0, "rank %d: dsk_comm_test: state %d, %s", me, state, dsk_last_error());
+            break;
+        }
+    DSK_TEST_EXPECT(state == DSK_COMM_REQ_DONE && got_go == 1, "rank %d: state %d after %d polls, go %lld", me, state,
+                    polls, (long long)got_go);
+    DSK_TEST_SAME_BYTES(got, in[prev], (size_t)len * sizeof(float), "the message polled to the end");
+    DSK_TEST_OK(dsk_comm_test(c, NULL, req_go, &state)); /* waited: done */
+    DSK_TEST_EXPECT(state == DSK_COMM_REQ_DONE, "a waited receive is in state %d", state);
+    DSK_TEST_STATUS(dsk_comm_test(c, NULL, DSK_COMM_ALL_REQUESTS, &state), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_comm_test(c, NULL, req, NULL), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("state is NULL");
+    DSK_TEST_OK(dsk_comm_wait(c, NULL, DSK_COMM_ALL_REQUESTS));
+    DSK_TEST_OK(dsk_comm_barrier(c, NULL));
+    free(got);
+    free_all(n, in);
+}
+
+/* Begun point to point, misuse: a collective or a begun exchange while requests are pending (state, naming them),
+   an id never issued (argument), a blocking send while a receive is pending (it moves it). */
+static void rank_p2p_begun_misuse(dsk_comm *c, void *arg) {
+    int n = c->world_size, me = c->rank, next = (me + 1) % n, prev = (me + n - 1) % n;
+    float x[4] = {1, 2, 3, (float)me}, y[4] = {0}, z[4];
+    int64_t req, cnt[8];
+    (void)arg;
+    if (n == 1) return;
+    for (int p = 0; p < n; p++) cnt[p] = 1;
+    DSK_TEST_OK(dsk_comm_recv_start(c, NULL, y, 4, DSK_F32, prev, &req));
+    DSK_TEST_STATUS(dsk_comm_all_reduce(c, NULL, x, z, 4, DSK_F32, DSK_COMM_SUM), DSK_ERR_STATE);
+    DSK_TEST_ERROR_MENTIONS("dsk_comm_all_reduce: rank");
+    DSK_TEST_ERROR_MENTIONS("pending; dsk_comm_wait them first");
+    DSK_TEST_STATUS(dsk_comm_all_to_all_v_start(c, NULL, x, cnt, NULL, z, cnt, NULL, DSK_F32, NULL), DSK_ERR_STATE);
+    DSK_TEST_STATUS(dsk_comm_wait(c, NULL, req + 1), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("was never begun");
+    DSK_TEST_STATUS(dsk_comm_wait(c, NULL, -2), DSK_ERR_ARG);
+    DSK_TEST_OK(dsk_comm_send(c, NULL, x, 4, DSK_F32, next));
+    DSK_TEST_OK(dsk_comm_wait(c, NULL, req));
+    DSK_TEST_EXPECT(y[0] == 1 && y[3] == (float)prev, "rank %d: received %g ... %g", me, (double)y[0], (double)y[3]);
+    DSK_TEST_OK(dsk_comm_barrier(c, NULL)); /* none pending: collectives again */
+    DSK_TEST_STATUS(dsk_comm_wait(NULL, NULL, 0), DSK_ERR_ARG);
+}
+
 /* Sub-groups: parity groups with reversed keys, a rank outside every group, a nested split. */
 static void rank_split(dsk_comm *c, void *arg) {
     int n = c->world_size, me = c->rank;
@@ -1116,6 +1233,19 @@ static void rank_link(dsk_comm *c, void *arg) {
     want = 2e-3 + (double)(sizeof(float) * LINK_N / n * (n - 1)) / 5e7;
     DSK_TEST_EXPECT(dt >= want - 1e-4, "rank %d: every block landed after %.4f s, the link %.4f s", me, dt, want);
     DSK_TEST_OK(dsk_comm_finish(c, NULL));
+    /* begun point to point: a send ends no sooner than its start, the latency and its bytes at the rate */
+    {
+        int64_t req;
+        int to = (me + 1) % n, from = (me + n - 1) % n;
+        t0 = dsk_test_now();
+        DSK_TEST_OK(dsk_comm_recv_start(c, NULL, y, LINK_N / n, DSK_F32, from, NULL));
+        DSK_TEST_OK(dsk_comm_send_start(c, NULL, x, LINK_N / n, DSK_F32, to, &req));
+        DSK_TEST_OK(dsk_comm_wait(c, NULL, req));
+        dt = dsk_test_now() - t0;
+        want = 2e-3 + (double)(sizeof(float) * (LINK_N / n)) / 5e7;
+        DSK_TEST_EXPECT(dt >= want - 1e-4, "rank %d: a begun send ended after %.4f s, the link %.4f s", me, dt, want);
+        DSK_TEST_OK(dsk_comm_wait(c, NULL, DSK_COMM_ALL_REQUESTS));
+    }
     DSK_TEST_OK(dsk_comm_split(c, 0, me, &sub));
     t0 = dsk_test_now();
     DSK_TEST_OK(dsk_comm_all_reduce(&sub, NULL, x, y, 16, DSK_F32, DSK_COMM_SUM));
@@ -2730,6 +2860,11 @@ static void run_suite(void) {
         coll_case("all_to_all_v_start: finish with none begun, calls while one is in flight refused (state)",
                   rank_all_to_all_v_begun_misuse, n, 0);
         coll_case("send/recv ring and barrier", rank_send_recv, n, 0);
+        coll_case("send_start/recv_start: sends begun first, larger than a ring, 7 dtypes; waited out of order",
+                  rank_p2p_begun, n, 0);
+        coll_case("test: a receive whose sender waits for a go is idle, then polled to done", rank_p2p_test, n, 0);
+        coll_case("send_start/recv_start: collectives refused while pending (state), unknown ids (argument)",
+                  rank_p2p_begun_misuse, n, 0);
         coll_case("tensor forms", rank_tensors, n, 0);
         if (g_mode == MODE_SHM) coll_case("store set/get/add/barrier", rank_store, n, 0);
     }

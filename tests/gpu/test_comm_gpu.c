@@ -214,6 +214,27 @@ static void part_collectives(void) {
                 to_host(got, dout, nb);
                 compare(got, want, dt, len * n, 1, label);
             }
+            if (n > 1) { /* begun point to point: enqueued in order (even ranks send first), waits return at once */
+                int next = (me + 1) % n, prev = (me + n - 1) % n;
+                int64_t req[2];
+                snprintf(label, sizeof label, "rank %d: send_start/recv_start %s count %lld", me, dsk_dtype_name(dt),
+                         (long long)len);
+                if (me % 2 == 0) {
+                    DSK_TEST_OK(dsk_comm_send(&HC, NULL, in, len, dt, next));
+                    DSK_TEST_OK(dsk_comm_recv(&HC, NULL, want, len, dt, prev));
+                    DSK_TEST_OK(dsk_comm_send_start(&NC, &G, din, len, dt, next, &req[0]));
+                    DSK_TEST_OK(dsk_comm_recv_start(&NC, &G, dout, len, dt, prev, &req[1]));
+                } else {
+                    DSK_TEST_OK(dsk_comm_recv(&HC, NULL, want, len, dt, prev));
+                    DSK_TEST_OK(dsk_comm_send(&HC, NULL, in, len, dt, next));
+                    DSK_TEST_OK(dsk_comm_recv_start(&NC, &G, dout, len, dt, prev, &req[1]));
+                    DSK_TEST_OK(dsk_comm_send_start(&NC, &G, din, len, dt, next, &req[0]));
+                }
+                DSK_TEST_OK(dsk_comm_wait(&NC, &G, req[1]));
+                DSK_TEST_OK(dsk_comm_wait(&NC, &G, DSK_COMM_ALL_REQUESTS));
+                to_host(got, dout, bytes);
+                compare(got, want, dt, len, 1, label);
+            }
             DSK_TEST_EXPECT(cudaFree(din) == cudaSuccess && cudaFree(dout) == cudaSuccess, "cudaFree");
             free(in);
             free(want);
